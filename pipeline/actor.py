@@ -1,0 +1,313 @@
+"""One stage replica: the process the supervisor starts as ``python -m pipeline.actor SPEC``.
+
+The replica reads its spec (a JSON file the supervisor wrote: which stage, which replica, its
+options and the addresses of its ports), opens its input inboxes and output channels, joins the
+control bus, and runs the stage's ``setup``/``run``/``close`` on one asyncio loop (uvloop when
+installed). Around the stage it keeps a heartbeat, periodic ``metrics`` events with every
+channel's statistics, and the current policy version from ``version`` announcements.
+
+Exit codes: 0 when ``run`` returned or a shutdown was requested; 1 when the stage raised (the
+traceback is in the replica's log as ``stage_failed``); 2 when the spec itself is unusable.
+This module does not decide about restarts: the supervisor does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pipeline import topics
+from pipeline.config.errors import ConfigError
+from pipeline.config.typed import build
+from pipeline.registry import resolve
+from pipeline.stage import stage_config_class, stage_ports
+from pipeline.structured_log import close_process_logging, configure_process_logging
+from transport import ControlClient, Receiver, Sender
+
+__all__ = ["ActorContext", "build_stage_config", "main"]
+
+
+def build_stage_config(cls: type, options: Mapping[str, Any], stage: str) -> Any:
+    """The stage's typed Config from its (already validated) options; raises ConfigError."""
+    issues: list = []
+    config = build(stage_config_class(cls), dict(options), f"stages.{stage}", {}, issues)
+    if issues:
+        raise ConfigError(issues)
+    return config
+
+
+class ActorContext:
+    """What a stage replica gets from the runtime (the ``StageContext`` protocol)."""
+
+    def __init__(self, spec: Mapping[str, Any], log: Any, control: ControlClient) -> None:
+        self.stage: str = spec["stage"]
+        self.replica: int = spec["replica"]
+        self.replicas: int = spec["replicas"]
+        self.run_dir = Path(spec["run_dir"])
+        self.seed: int = spec["seed"]
+        self.restarts: int = spec["restarts"]
+        self.inputs: dict[str, Receiver] = {}
+        self.outputs: dict[str, Sender] = {}
+        self.log = log
+        self._control = control
+        self._version = 0
+        self._version_changed = asyncio.Condition()
+        self.stop_requested = asyncio.Event()  # set when the run is being shut down
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def set_version(self, version: int) -> None:
+        if version > self._version:
+            self._version = version
+            async with self._version_changed:
+                self._version_changed.notify_all()
+
+    async def wait_for_version(self, at_least: int) -> int:
+        """Wait until the policy version is at least ``at_least``; returns the version."""
+        async with self._version_changed:
+            await self._version_changed.wait_for(lambda: self._version >= at_least)
+        return self._version
+
+    def metrics(self, **values: Any) -> None:
+        self.log.info("metrics", **values)
+
+    async def publish(self, topic: str, payload: Mapping[str, Any]) -> None:
+        await self._control.publish(
+            topic, {"stage": self.stage, "replica": self.replica, **payload}
+        )
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the supervisor to end the whole run (successfully) once this is delivered."""
+        self.log.info("stop_requested", reason=reason)
+        task = asyncio.get_running_loop().create_task(self.publish(topics.STOP, {"reason": reason}))
+        self._pending = task  # keep a reference until it has run
+
+
+def _channel_metrics(ctx: ActorContext) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for kind, ports in (("in", ctx.inputs), ("out", ctx.outputs)):
+        for name, channel in ports.items():
+            for key, value in channel.stats().items():
+                if isinstance(value, Mapping):
+                    # per-peer values are keyed by address; the peer's replica index reads better
+                    for i, (sub, v) in enumerate(value.items()):
+                        values[f"{kind}.{name}.{key}.{i if '://' in sub else sub}"] = v
+                else:
+                    values[f"{kind}.{name}.{key}"] = value
+    return values
+
+
+class _Replica:
+    """Owns the sockets and tasks around one stage instance."""
+
+    def __init__(self, spec: Mapping[str, Any], log: Any) -> None:
+        self.spec = spec
+        self.log = log
+        self.zctx = zmq.asyncio.Context()
+        control = spec["control"]
+        self.control = ControlClient(
+            control["pub"],
+            control["sub"],
+            self.zctx,
+            topics=(topics.VERSION, topics.SHUTDOWN, topics.DONE),
+        )
+        self.ctx = ActorContext(spec, log, self.control)
+        self.shutdown_reason: str | None = None
+        self.run_task: asyncio.Task | None = None
+
+    async def open_ports(self) -> None:
+        spec, ctx = self.spec, self.ctx
+        inputs, outputs = stage_ports(self.stage_cls)
+        identity = f"{ctx.stage}.{ctx.replica}"
+        for name, port in spec["inputs"].items():
+            receiver = Receiver(
+                name,
+                port["address"],
+                inputs[name].schemas,
+                capacity=port["capacity"],
+                expected_producers=port["producers"],
+                ctx=self.zctx,
+                log=self.log,
+                peer_timeout_s=spec["peer_timeout_s"],
+            )
+            await receiver.start()
+            for producer in spec["finished_producers"]:
+                receiver.producer_finished(producer)
+            ctx.inputs[name] = receiver
+        for name, port in spec["outputs"].items():
+            sender = Sender(
+                name,
+                port["peers"],
+                outputs[name].schemas,
+                identity=identity,
+                ctx=self.zctx,
+                log=self.log,
+                heartbeat_s=spec["heartbeat_s"],
+                peer_timeout_s=spec["peer_timeout_s"],
+            )
+            await sender.start()
+            ctx.outputs[name] = sender
+
+    def request_shutdown(self, reason: str) -> None:
+        if self.shutdown_reason is None:
+            self.shutdown_reason = reason
+            self.ctx.stop_requested.set()
+            self.log.info("shutdown_received", reason=reason)
+            if self.run_task is not None:
+                self.run_task.cancel()
+
+    async def heartbeat(self) -> None:
+        payload = {"pid": os.getpid(), "session": self.spec["session"]}
+        while True:
+            await self.ctx.publish(topics.HEARTBEAT, payload)
+            await asyncio.sleep(self.spec["heartbeat_s"])
+
+    async def emit_metrics(self) -> None:
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(self.spec["metrics_every_s"])
+            self.ctx.metrics(
+                uptime_s=round(time.monotonic() - started, 3), **_channel_metrics(self.ctx)
+            )
+
+    async def listen(self) -> None:
+        while True:
+            topic, payload = await self.control.recv()
+            if topic == topics.VERSION and isinstance(payload.get("version"), int):
+                await self.ctx.set_version(payload["version"])
+            elif topic == topics.SHUTDOWN:
+                self.request_shutdown(str(payload.get("reason", "supervisor")))
+            elif topic == topics.DONE and isinstance(payload.get("replicas"), list):
+                for receiver in self.ctx.inputs.values():
+                    for producer in payload["replicas"]:
+                        receiver.producer_finished(producer)
+
+    async def main(self) -> int:
+        spec = self.spec
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)
+        self.stage_cls = resolve("stage", spec["use"])
+        config = build_stage_config(self.stage_cls, spec["options"], spec["stage"])
+        await self.control.start()
+        background = [
+            asyncio.create_task(self.heartbeat(), name="heartbeat"),
+            asyncio.create_task(self.listen(), name="control"),
+        ]
+        stage = None
+        code = 0
+        try:
+            await self.open_ports()
+            background.append(asyncio.create_task(self.emit_metrics(), name="metrics"))
+            stage = self.stage_cls(config, self.ctx)
+            self.run_task = asyncio.create_task(self._setup_and_run(stage), name="stage")
+            if self.shutdown_reason is not None:  # a signal arrived while we were starting
+                self.run_task.cancel()
+            await self.run_task
+            for sender in self.ctx.outputs.values():
+                await sender.aclose(eos=True)
+            self.log.info("replica_finished")
+        except asyncio.CancelledError:
+            if self.shutdown_reason is None:
+                raise
+            self.log.info("replica_stopped", reason=self.shutdown_reason)
+        except Exception:
+            self.log.exception("stage_failed")
+            code = 1
+        finally:
+            if stage is not None:
+                try:
+                    await asyncio.wait_for(stage.close(), timeout=spec["close_timeout_s"])
+                except Exception:
+                    self.log.exception("stage_close_failed")
+                    code = code or 1
+            self.ctx.metrics(final=True, **_channel_metrics(self.ctx))
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self._close_channels()
+        return code
+
+    async def _setup_and_run(self, stage: Any) -> None:
+        await stage.setup()
+        self.log.info(
+            "replica_started", pid=os.getpid(), restarts=self.ctx.restarts, use=self.spec["use"]
+        )
+        await stage.run()
+
+    async def _close_channels(self) -> None:
+        for channel in [*self.ctx.inputs.values(), *self.ctx.outputs.values()]:
+            with contextlib.suppress(Exception):
+                if isinstance(channel, Sender):
+                    await channel.aclose(eos=False)
+                else:
+                    await channel.aclose()
+        await self.control.aclose()
+        self.zctx.destroy(linger=0)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the supervisor dies, so no replica is orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(os.environ.get("INFLIGHT_SUPERVISOR_PID", os.getppid())):
+        os._exit(1)  # the supervisor was already gone before prctl took effect
+
+
+def _run_loop(coro: Any) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pipeline.actor SPEC.json", file=sys.stderr)
+        return 2
+    _die_with_parent()
+    try:
+        spec = json.loads(Path(argv[0]).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"cannot read replica spec {argv[0]}: {exc}", file=sys.stderr)
+        return 2
+    replica = None
+    log = configure_process_logging(
+        Path(spec["log_file"]),
+        stage=spec["stage"],
+        replica=spec["replica"],
+        level=spec["log_level"],
+        version=lambda: replica.ctx.version if replica is not None else 0,
+    )
+    try:
+        replica = _Replica(spec, log)
+        return _run_loop(replica.main())
+    except Exception:
+        log.exception("replica_crashed")
+        return 1
+    finally:
+        close_process_logging()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

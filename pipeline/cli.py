@@ -1,0 +1,121 @@
+"""The ``inflight`` command.
+
+    inflight run CONFIG [KEY=VALUE ...] [--run-dir DIR]   run a pipeline to its end
+    inflight validate CONFIG [KEY=VALUE ...]              check a pipeline file, run nothing
+    inflight logs RUN_DIR [-f] [--stage S] [--level L] [--event E] [--json]
+    inflight stages                                       list registered plugins
+
+Exit codes: 0 success; 1 the run failed; 2 bad usage or an invalid config (every problem is
+printed, never a traceback); 130 interrupted. Dotted plugin paths (``my_module:MyStage``) are
+imported from the current directory as well as from installed packages, as ``python -m`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+from pipeline.config import ConfigError, LoadedPipeline, load_pipeline
+from pipeline.log_view import add_logs_arguments, run_logs
+from pipeline.registry import list_plugins, resolve
+
+__all__ = ["main"]
+
+EXIT_INVALID = 2
+
+
+def _resolve_stage(name: str) -> type:
+    return resolve("stage", name)
+
+
+def _load(args: argparse.Namespace) -> LoadedPipeline | None:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return load_pipeline(args.config, args.overrides, resolve=_resolve_stage)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    loaded = _load(args)
+    if loaded is None:
+        return EXIT_INVALID
+    stages = ", ".join(f"{n}({s.replicas})" for n, s in loaded.config.stages.items())
+    print(f"{args.config}: valid ({len(loaded.config.stages)} stages: {stages})")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pipeline.supervisor import Supervisor, make_run_dir  # the runtime, only when running
+
+    loaded = _load(args)
+    if loaded is None:
+        return EXIT_INVALID
+    try:
+        run_dir = make_run_dir(loaded, args.run_dir)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"run directory: {run_dir}", flush=True)
+    supervisor = Supervisor(loaded, run_dir, console=not args.quiet)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(supervisor.run())
+    return uvloop.run(supervisor.run())
+
+
+def _cmd_stages(args: argparse.Namespace) -> int:
+    plugins = list_plugins()
+    if not plugins:
+        print("no plugins registered")
+        return 0
+    width = max(len(p.name) for p in plugins)
+    kind_width = max(len(p.kind) for p in plugins)
+    for p in plugins:
+        print(f"{p.kind:<{kind_width}}  {p.name:<{width}}  {p.target}  (from {p.distribution})")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inflight", description="Asynchronous RL for language models with in-flight updates."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a pipeline YAML to its end")
+    run.add_argument("config", metavar="CONFIG", help="pipeline YAML file")
+    run.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    run.add_argument("--run-dir", help="run directory (default: run.runs_root/NAME-TIMESTAMP)")
+    run.add_argument("-q", "--quiet", action="store_true", help="no console view of the logs")
+    run.set_defaults(func=_cmd_run)
+
+    validate = sub.add_parser("validate", help="check a pipeline YAML and report every problem")
+    validate.add_argument("config", metavar="CONFIG")
+    validate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    validate.set_defaults(func=_cmd_validate)
+
+    logs = sub.add_parser("logs", help="show, filter and follow a run's logs")
+    add_logs_arguments(logs)
+    logs.set_defaults(func=run_logs)
+
+    stages = sub.add_parser("stages", help="list registered stages, rewards and engines")
+    stages.set_defaults(func=_cmd_stages)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The pipeline YAML's typed sections, with every default in one place.
+
+A pipeline file has three top-level sections::
+
+    run:        # the run as a whole: name, where run directories go, timeouts, logging
+    transport:  # how stages are wired: address scheme, default inbox bound, heartbeats
+    stages:     # one entry per stage: which plugin (`use`), replicas, restart policy, wiring,
+                # and the stage's own options, checked against the plugin's Config dataclass
+
+Field metadata understood by the validator (``pipeline.config.typed``): ``min``/``max`` bounds,
+``doc`` (shown by error messages and ``inflight stages``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "STAGE_KEYS",
+    "PipelineConfig",
+    "RestartPolicy",
+    "RunSection",
+    "StageSection",
+    "TransportSection",
+]
+
+
+def _f(default: Any, doc: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"doc": doc, **meta})
+
+
+@dataclass
+class RunSection:
+    name: str = _f("inflight", "run name; run directories are RUNS_ROOT/NAME-TIMESTAMP")
+    runs_root: str = _f("runs", "where run directories are made when --run-dir is not given")
+    seed: int = _f(0, "base seed; replica r of a stage gets seed + r")
+    log_level: Literal["debug", "info", "warning", "error"] = _f(
+        "info", "lowest level written to the log files"
+    )
+    console_level: Literal["debug", "info", "warning", "error"] = _f(
+        "info", "lowest level shown on the console"
+    )
+    metrics_every_s: float = _f(
+        10.0, "how often each replica logs channel and stage metrics", min=0.1
+    )
+    heartbeat_s: float = _f(1.0, "how often each replica sends a heartbeat", min=0.05)
+    heartbeat_timeout_s: float = _f(
+        60.0, "a replica silent this long is killed and handled as failed", min=0.5
+    )
+    startup_timeout_s: float = _f(
+        120.0, "time a replica may take to send its first heartbeat", min=1.0
+    )
+    shutdown_timeout_s: float = _f(
+        8.0, "on shutdown, time replicas get to exit before they are killed", min=0.1
+    )
+
+
+@dataclass
+class TransportSection:
+    scheme: Literal["ipc", "tcp"] = _f("ipc", "address scheme for stage inboxes")
+    host: str = _f("127.0.0.1", "host for tcp addresses (loopback by default)")
+    inbox: int = _f(64, "default bound of every input port's inbox, in messages", min=1)
+    peer_timeout_s: float = _f(
+        10.0, "a peer silent this long is taken as gone and its credit reclaimed", min=0.1
+    )
+
+
+@dataclass
+class RestartPolicy:
+    policy: Literal["never", "on-failure"] = _f(
+        "on-failure", "what to do when a replica exits non-zero or stops answering"
+    )
+    max_restarts: int = _f(3, "restarts allowed per replica before the run fails", min=0)
+    backoff_s: float = _f(0.5, "first restart delay; doubles each time, capped at 30 s", min=0.0)
+
+
+# Keys of a stage entry that belong to the runtime; every other key is a stage option.
+STAGE_KEYS = ("use", "replicas", "restart", "inbox", "inputs", "env")
+
+
+@dataclass
+class StageSection:
+    use: str = field(
+        metadata={"doc": "registered plugin name, or a dotted path package.module:Class"}
+    )
+    replicas: int = _f(1, "number of replica processes", min=1)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    inbox: int | None = _f(None, "bound of this stage's input inboxes (default transport.inbox)",
+                           min=1)
+    inputs: dict[str, str | list[str]] = field(
+        default_factory=dict,
+        metadata={"doc": "input port -> upstream 'stage.port' (or a list of them)"},
+    )
+    env: dict[str, str] = field(
+        default_factory=dict, metadata={"doc": "extra environment variables for the replicas"}
+    )
+    # The stage's own options, built into the plugin's Config dataclass by the loader.
+    options: Any = None
+
+
+@dataclass
+class PipelineConfig:
+    run: RunSection = field(default_factory=RunSection)
+    transport: TransportSection = field(default_factory=TransportSection)
+    stages: dict[str, StageSection] = field(default_factory=dict)

@@ -1,0 +1,120 @@
+"""The stage protocol: what a stage class provides and what the runtime hands it.
+
+A stage is a class with a typed ``Config`` dataclass, declared input and output ports, and three
+coroutines: ``setup`` (open resources), ``run`` (do the work; returning ends the replica) and
+``close`` (always called, even after a failure or a shutdown request). The runtime builds it as
+``StageClass(config, ctx)`` inside its own actor process; ``ctx`` gives it its ports, its logger
+(with ``stage``, ``replica`` and ``version`` bound), the control bus and the run directory.
+
+Nothing here starts processes or sockets: see ``pipeline.actor`` (one replica) and
+``pipeline.supervisor`` (the whole run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from transport.message import Schema
+
+__all__ = ["NoConfig", "Port", "Stage", "StageContext", "stage_config_class", "stage_ports"]
+
+
+@dataclass(frozen=True)
+class Port:
+    """A named stream of messages into or out of a stage.
+
+    ``schemas`` are the kinds (with versions) that travel on it. An output port may feed exactly
+    one input port; an input port may be fed by several output ports (fan-in). ``optional``
+    input ports may be left unwired; unwired optional output ports drop what is sent and count it.
+    """
+
+    schemas: tuple[Schema, ...]
+    doc: str = ""
+    optional: bool = False
+
+    def __init__(self, *schemas: Schema, doc: str = "", optional: bool = False) -> None:
+        if not schemas:
+            raise ValueError("a Port needs at least one Schema")
+        object.__setattr__(self, "schemas", tuple(schemas))
+        object.__setattr__(self, "doc", doc)
+        object.__setattr__(self, "optional", optional)
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        return {s.kind: s.version for s in self.schemas}
+
+    def schema(self, kind: str) -> Schema | None:
+        for s in self.schemas:
+            if s.kind == kind:
+                return s
+        return None
+
+
+@dataclass
+class NoConfig:
+    """Config of a stage that takes no options."""
+
+
+class StageContext(Protocol):
+    """What the runtime gives a stage replica (see ``pipeline.actor.ActorContext``)."""
+
+    stage: str  # stage name in the pipeline YAML
+    replica: int  # 0-based replica index
+    replicas: int  # number of replicas of this stage
+    seed: int  # run.seed + replica
+    restarts: int  # how many times this replica was restarted before (0 on the first start)
+    run_dir: Path
+    inputs: Mapping[str, Any]  # port name -> transport.channel.Receiver
+    outputs: Mapping[str, Any]  # port name -> transport.channel.Sender
+    log: Any  # structlog logger, stage/replica/version bound
+    stop_requested: asyncio.Event  # set when the run is shutting down (run() is then cancelled)
+
+    @property
+    def version(self) -> int: ...  # latest policy version announced on the control bus
+
+    async def wait_for_version(self, at_least: int) -> int: ...
+
+    def metrics(self, **values: Any) -> None: ...  # emits a `metrics` log event
+
+    async def publish(self, topic: str, payload: Mapping[str, Any]) -> None: ...
+
+    def request_stop(self, reason: str) -> None: ...  # ask the supervisor to end the run
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """A pipeline stage. Build it as ``cls(config, ctx)``; the runtime calls the coroutines."""
+
+    Config: ClassVar[type]
+    inputs: ClassVar[Mapping[str, Port]]
+    outputs: ClassVar[Mapping[str, Port]]
+
+    async def setup(self) -> None: ...
+
+    async def run(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def stage_config_class(cls: type) -> type:
+    """The Config dataclass of a stage class (``NoConfig`` when it declares none)."""
+    config = getattr(cls, "Config", NoConfig)
+    if not dataclasses.is_dataclass(config):
+        raise TypeError(f"{cls.__module__}.{cls.__qualname__}.Config must be a dataclass")
+    return config
+
+
+def stage_ports(cls: type) -> tuple[Mapping[str, Port], Mapping[str, Port]]:
+    """The (inputs, outputs) port maps a stage class declares; a stage may declare neither."""
+    declared = {}
+    for attr in ("inputs", "outputs"):
+        ports = next((c.__dict__[attr] for c in cls.__mro__ if attr in c.__dict__), {})
+        if not isinstance(ports, Mapping) or not all(isinstance(p, Port) for p in ports.values()):
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{attr} must map names to Port")
+        declared[attr] = ports
+    return declared["inputs"], declared["outputs"]

@@ -1,0 +1,450 @@
+"""The supervisor: runs a validated pipeline as one process per stage replica.
+
+``inflight run CONFIG`` lands here after the whole config was validated. The supervisor makes the
+run directory (resolved ``config.yaml``, ``logs/``, ``specs/``), gives every input port of every
+replica an address, starts the control bus broker, then starts each replica as
+``python -m pipeline.actor SPEC`` in its own process group (so Ctrl-C reaches only the
+supervisor, which then shuts the run down in order).
+
+While the run goes on it watches exits and heartbeats: a replica that exits non-zero, dies from a
+signal, or stops sending heartbeats is failed; under ``restart: {policy: on-failure}`` it is
+started again after a capped exponential backoff, up to ``max_restarts`` times; otherwise the run
+fails. The run succeeds when every replica has exited 0, or when a stage asks for the run to end.
+SIGINT/SIGTERM: ``shutdown`` on the control bus plus SIGTERM to every replica's process group,
+then SIGKILL after ``run.shutdown_timeout_s``; a second Ctrl-C kills at once.
+
+The console shows every replica's events as they are written (the same view as ``inflight logs
+-f``). The last event of a run is ``run_finished`` with its status and exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+
+from pipeline import topics
+from pipeline.config import LoadedPipeline, dump_yaml
+from pipeline.config.schema import STAGE_KEYS
+from pipeline.log_view import LogFilter, LogTail, render
+from pipeline.stage import stage_ports
+from pipeline.structured_log import close_process_logging, configure_process_logging
+from transport import ControlBroker
+from transport.address import ipc_address, tcp_address
+
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "Supervisor", "make_run_dir"]
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+_BACKOFF_CAP_S = 30.0
+
+
+def make_run_dir(loaded: LoadedPipeline, run_dir: str | Path | None) -> Path:
+    """Create the run directory (``runs_root/NAME-TIMESTAMP`` unless given) and return it."""
+    if run_dir is None:
+        run = loaded.config.run
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path(run.runs_root) / f"{run.name}-{stamp}"
+        suffix = 1
+        while path.exists():
+            suffix += 1
+            path = Path(run.runs_root) / f"{run.name}-{stamp}-{suffix}"
+    else:
+        path = Path(run_dir)
+        if (path / "config.yaml").exists():
+            raise FileExistsError(
+                f"run directory {path} already holds a run (it has config.yaml); "
+                "give another --run-dir"
+            )
+    (path / "logs").mkdir(parents=True, exist_ok=True)
+    (path / "specs").mkdir(exist_ok=True)
+    return path
+
+
+@dataclass
+class _Replica:
+    stage: str
+    index: int
+    spec_path: Path
+    log_file: Path
+    restart_policy: Any
+    proc: asyncio.subprocess.Process | None = None
+    session: str = ""
+    restarts: int = 0
+    started_at: float = 0.0
+    last_heartbeat: float | None = None
+    done: bool = False  # exited 0
+    watcher: asyncio.Task | None = None
+    failure: str | None = None  # why the supervisor killed it, when it did
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}.{self.index}"
+
+
+@dataclass
+class _Outcome:
+    status: str = "succeeded"
+    exit_code: int = EXIT_OK
+    reason: str = ""
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Supervisor:
+    """Runs one pipeline to its end. ``await Supervisor(...).run()`` returns the exit code."""
+
+    def __init__(self, loaded: LoadedPipeline, run_dir: Path, *, console: bool = True) -> None:
+        self.loaded = loaded
+        self.config = loaded.config
+        self.run_dir = run_dir
+        self.console = console
+        self.replicas: dict[str, _Replica] = {}
+        self.version = 0
+        self._outcome = _Outcome()
+        self._ending = False
+        self._interrupts = 0
+        self._sock_dir: Path | None = None
+
+    # ----------------------------------------------------------------- wiring
+    def _addresses(self) -> tuple[dict[tuple[str, int, str], str], dict[str, str]]:
+        """An address for every (stage, replica, input port), and the control bus pair."""
+        transport = self.config.transport
+        if transport.scheme == "ipc":
+            self._sock_dir = Path(tempfile.mkdtemp(prefix="inflight-"))
+
+            def addr(name: str) -> str:
+                return ipc_address(self._sock_dir, name)
+        else:
+
+            def addr(name: str) -> str:
+                return tcp_address(transport.host)
+
+        inboxes = {}
+        for name, section in self.config.stages.items():
+            for r in range(section.replicas):
+                for port in section.inputs:
+                    inboxes[(name, r, port)] = addr(f"{name}.{r}.{port}")
+        control = {"pub": addr("control.pub"), "sub": addr("control.sub")}
+        return inboxes, control
+
+    def _write_specs(self, inboxes: dict, control: dict[str, str]) -> None:
+        stages = self.config.stages
+        resolved = self.loaded.resolved()["stages"]
+        run, transport = self.config.run, self.config.transport
+        # who feeds each input port, and which input port each output port feeds
+        feeds: dict[tuple[str, str], tuple[str, str]] = {}
+        producers: dict[tuple[str, str], list[str]] = {}
+        for name, section in stages.items():
+            for port, sources in section.inputs.items():
+                for source in [sources] if isinstance(sources, str) else sources:
+                    up_stage, _, up_port = source.partition(".")
+                    feeds[(up_stage, up_port)] = (name, port)
+                    producers.setdefault((name, port), []).extend(
+                        f"{up_stage}.{r}" for r in range(stages[up_stage].replicas)
+                    )
+        for name, section in stages.items():
+            cls = self.loaded.stage_classes[name]
+            options = {k: v for k, v in resolved[name].items() if k not in STAGE_KEYS}
+            for r in range(section.replicas):
+                outputs = {}
+                for port in stage_ports(cls)[1]:
+                    target = feeds.get((name, port))
+                    peers = []
+                    if target is not None:
+                        down, down_port = target
+                        peers = [
+                            inboxes[(down, i, down_port)] for i in range(stages[down].replicas)
+                        ]
+                    outputs[port] = {"peers": peers}
+                spec = {
+                    "run_dir": str(self.run_dir.resolve()),
+                    "stage": name,
+                    "replica": r,
+                    "replicas": section.replicas,
+                    "use": section.use,
+                    "options": options,
+                    "seed": run.seed + r,
+                    "inputs": {
+                        port: {
+                            "address": inboxes[(name, r, port)],
+                            "capacity": section.inbox or transport.inbox,
+                            "producers": producers.get((name, port), []),
+                        }
+                        for port in section.inputs
+                    },
+                    "outputs": outputs,
+                    "control": control,
+                    "log_file": str((self.run_dir / "logs" / f"{name}.{r}.jsonl").resolve()),
+                    "log_level": run.log_level,
+                    "heartbeat_s": run.heartbeat_s,
+                    "metrics_every_s": run.metrics_every_s,
+                    "peer_timeout_s": transport.peer_timeout_s,
+                    "close_timeout_s": run.shutdown_timeout_s,
+                }
+                path = self.run_dir / "specs" / f"{name}.{r}.json"
+                path.write_text(json.dumps(spec, indent=1))
+                self.replicas[f"{name}.{r}"] = _Replica(
+                    name, r, path, Path(spec["log_file"]), section.restart
+                )
+
+    # ------------------------------------------------------------- processes
+    async def _spawn(self, rep: _Replica) -> None:
+        spec = json.loads(rep.spec_path.read_text())
+        rep.session = secrets.token_hex(4)
+        spec["session"] = rep.session
+        spec["restarts"] = rep.restarts
+        spec["finished_producers"] = [r.name for r in self.replicas.values() if r.done]
+        rep.spec_path.write_text(json.dumps(spec, indent=1))
+        env = {
+            **os.environ,
+            **self.config.stages[rep.stage].env,
+            "PYTHONUNBUFFERED": "1",
+            "INFLIGHT_SUPERVISOR_PID": str(os.getpid()),
+        }
+        out = open(self.run_dir / "logs" / f"{rep.name}.out", "ab")  # noqa: ASYNC230 (local file)
+        try:
+            rep.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "pipeline.actor",
+                str(rep.spec_path),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+        finally:
+            out.close()
+        rep.started_at = time.monotonic()
+        rep.last_heartbeat = None
+        rep.failure = None
+        self.log.info(
+            "replica_spawned", replica_name=rep.name, pid=rep.proc.pid, restarts=rep.restarts
+        )
+        rep.watcher = asyncio.create_task(self._watch(rep), name=f"watch-{rep.name}")
+
+    async def _watch(self, rep: _Replica) -> None:
+        assert rep.proc is not None
+        code = await rep.proc.wait()
+        _kill_group(rep.proc.pid, signal.SIGKILL)  # anything the replica left behind
+        if self._ending:
+            self.log.info("replica_exited", replica_name=rep.name, exit_code=code)
+            return
+        if code == 0 and rep.failure is None:
+            rep.done = True
+            self.log.info("replica_done", replica_name=rep.name)
+            if all(r.done for r in self.replicas.values()):
+                self._finish("succeeded", EXIT_OK, "every replica finished")
+            return
+        why = rep.failure or (
+            f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        )
+        self.log.error("replica_failed", replica_name=rep.name, reason=why, output_tail=_tail(rep))
+        policy = rep.restart_policy
+        if policy.policy == "on-failure" and rep.restarts < policy.max_restarts:
+            delay = min(policy.backoff_s * 2**rep.restarts, _BACKOFF_CAP_S)
+            rep.restarts += 1
+            self.log.warning(
+                "replica_restarting",
+                replica_name=rep.name,
+                attempt=rep.restarts,
+                max_restarts=policy.max_restarts,
+                delay_s=delay,
+            )
+            await asyncio.sleep(delay)  # backoff before the restart, not synchronization
+            if not self._ending:
+                await self._spawn(rep)
+            return
+        limit = (
+            "restart policy is 'never'"
+            if policy.policy == "never"
+            else (f"it already restarted {rep.restarts} times (max_restarts)")
+        )
+        self._finish("failed", EXIT_FAILED, f"replica {rep.name} failed ({why}) and {limit}")
+
+    def _on_control(self, topic: str, payload: dict[str, Any]) -> None:
+        if topic == topics.HEARTBEAT:
+            rep = self.replicas.get(f"{payload.get('stage')}.{payload.get('replica')}")
+            if rep is not None and payload.get("session") == rep.session:
+                rep.last_heartbeat = time.monotonic()
+        elif topic == topics.VERSION:
+            version = payload.get("version")
+            if isinstance(version, int) and version > self.version:
+                self.version = version
+        elif topic == topics.STOP:
+            who = f"{payload.get('stage')}.{payload.get('replica')}"
+            self.log.info("stop_requested", by=who, reason=payload.get("reason"))
+            self._finish("succeeded", EXIT_OK, f"{who} asked to stop: {payload.get('reason')}")
+
+    async def _check_heartbeats(self) -> None:
+        run = self.config.run
+        while True:
+            await asyncio.sleep(min(run.heartbeat_s, 0.5))
+            if self.version:  # late joiners (restarted replicas) learn the live version
+                await self.broker.publish(topics.VERSION, {"version": self.version})
+            done = [r.name for r in self.replicas.values() if r.done]
+            if done:
+                await self.broker.publish(topics.DONE, {"replicas": done})
+            now = time.monotonic()
+            for rep in self.replicas.values():
+                if rep.proc is None or rep.proc.returncode is not None or rep.failure:
+                    continue
+                if rep.last_heartbeat is None:
+                    if now - rep.started_at > run.startup_timeout_s:
+                        rep.failure = f"no heartbeat within {run.startup_timeout_s} s of start"
+                elif now - rep.last_heartbeat > run.heartbeat_timeout_s:
+                    rep.failure = f"no heartbeat for {run.heartbeat_timeout_s} s"
+                if rep.failure:
+                    self.log.error(
+                        "replica_unresponsive", replica_name=rep.name, reason=rep.failure
+                    )
+                    _kill_group(rep.proc.pid, signal.SIGKILL)
+
+    # --------------------------------------------------------------- ending
+    def _finish(self, status: str, code: int, reason: str) -> None:
+        if self._outcome.done.is_set():
+            return
+        self._outcome.status, self._outcome.exit_code, self._outcome.reason = status, code, reason
+        self._outcome.done.set()
+
+    def _on_signal(self, signum: int) -> None:
+        self._interrupts += 1
+        name = signal.Signals(signum).name
+        if self._interrupts == 1:
+            self.log.warning("interrupted", signal=name, action="graceful shutdown")
+            self._finish("interrupted", EXIT_INTERRUPTED, f"received {name}")
+        else:
+            self.log.warning("interrupted_again", signal=name, action="killing every replica")
+            for rep in self.replicas.values():
+                if rep.proc is not None and rep.proc.returncode is None:
+                    _kill_group(rep.proc.pid, signal.SIGKILL)
+
+    async def _shutdown(self, reason: str) -> None:
+        self._ending = True
+        live = [r for r in self.replicas.values() if r.proc and r.proc.returncode is None]
+        self.log.info("shutting_down", reason=reason, live_replicas=len(live))
+        await self.broker.publish(topics.SHUTDOWN, {"reason": reason})
+        for rep in live:
+            _kill_group(rep.proc.pid, signal.SIGTERM)
+        deadline = self.config.run.shutdown_timeout_s
+        waits = [asyncio.ensure_future(r.proc.wait()) for r in live]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=deadline)
+            for rep in live:
+                if rep.proc.returncode is None:
+                    self.log.warning("replica_killed", replica_name=rep.name, after_s=deadline)
+                    _kill_group(rep.proc.pid, signal.SIGKILL)
+            if pending:
+                await asyncio.wait(pending)
+        for rep in self.replicas.values():
+            if rep.watcher is not None:
+                rep.watcher.cancel()
+        await asyncio.gather(
+            *(r.watcher for r in self.replicas.values() if r.watcher), return_exceptions=True
+        )
+
+    # ---------------------------------------------------------------- console
+    async def _console(self, stop: asyncio.Event) -> None:
+        tail = LogTail(self.run_dir, filt=LogFilter(level=self.config.run.console_level))
+        color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+        while True:
+            for event in tail.poll():
+                print(render(event, color=color), flush=True)
+            if stop.is_set():
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.2)
+
+    # ------------------------------------------------------------------- run
+    async def run(self) -> int:
+        run_dir = self.run_dir
+        (run_dir / "config.yaml").write_text(dump_yaml(self.loaded.resolved()))
+        self.log = configure_process_logging(
+            run_dir / "logs" / "supervisor.jsonl",
+            stage="supervisor",
+            replica=0,
+            level=self.config.run.log_level,
+            version=lambda: self.version,
+        )
+        console_stop = asyncio.Event()
+        console = asyncio.create_task(self._console(console_stop)) if self.console else None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        zctx = zmq.asyncio.Context()
+        checker = None
+        try:
+            inboxes, control = self._addresses()
+            self._write_specs(inboxes, control)
+            self.broker = ControlBroker(control["pub"], control["sub"], zctx, self._on_control)
+            await self.broker.start()
+            self.log.info(
+                "run_started",
+                run_dir=str(run_dir),
+                config=str(self.loaded.source),
+                stages={n: s.replicas for n, s in self.config.stages.items()},
+                pid=os.getpid(),
+            )
+            for rep in self.replicas.values():
+                await self._spawn(rep)
+            checker = asyncio.create_task(self._check_heartbeats(), name="heartbeats")
+            await self._outcome.done.wait()
+            await self._shutdown(self._outcome.reason)
+        except Exception as exc:
+            self.log.exception("supervisor_failed")
+            self._finish("failed", EXIT_FAILED, f"supervisor error: {exc!r}")
+            await self._shutdown(self._outcome.reason)
+        finally:
+            if checker is not None:
+                checker.cancel()
+                await asyncio.gather(checker, return_exceptions=True)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            outcome = self._outcome
+            self.log.info(
+                "run_finished",
+                status=outcome.status,
+                exit_code=outcome.exit_code,
+                reason=outcome.reason,
+                restarts={r.name: r.restarts for r in self.replicas.values() if r.restarts},
+            )
+            if hasattr(self, "broker"):
+                await self.broker.aclose()
+            zctx.destroy(linger=0)
+            if self._sock_dir is not None:
+                shutil.rmtree(self._sock_dir, ignore_errors=True)
+            close_process_logging()
+            if console is not None:
+                console_stop.set()
+                await console
+        return self._outcome.exit_code
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _tail(rep: _Replica, lines: int = 20) -> str:
+    """Last lines of a replica's raw output: where a hard crash (import error...) shows."""
+    path = rep.log_file.with_suffix(".out")
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,18 @@
+"""Topics of the control bus (PUB/SUB through the supervisor's broker) and their payloads.
+
+- ``heartbeat`` {stage, replica, pid, session}: every ``run.heartbeat_s`` from each replica.
+- ``version`` {version, stage, replica}: a new policy version is live (from the weight publisher);
+  the supervisor re-sends the latest one every heartbeat so late joiners learn it.
+- ``stop`` {stage, replica, reason}: a replica asks the supervisor to end the run successfully.
+- ``shutdown`` {reason}: from the supervisor; every replica stops its stage and exits.
+- ``done`` {replicas: [stage.replica, ...]}: replicas that finished (exit 0, so every output was
+  closed with end-of-stream); re-sent every heartbeat. A consumer restarted after its producer
+  finished never sees that producer's end-of-stream, so it learns it here.
+"""
+
+HEARTBEAT = "heartbeat"
+VERSION = "version"
+STOP = "stop"
+SHUTDOWN = "shutdown"
+
+DONE = "done"

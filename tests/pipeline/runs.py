@@ -1,0 +1,90 @@
+"""Helpers for tests that start ``inflight`` the way a user does: as a command, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def inflight_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+def run_inflight(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``inflight ARGS`` to completion from the repo root; the timeout is a hard limit."""
+    return subprocess.run(
+        inflight_cmd(*args),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def start_inflight(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        inflight_cmd(*args),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def events(run_dir: Path, name: str = "*") -> list[dict]:
+    """Every JSON event of the run's log files matching ``name`` (a glob like ``power.*``)."""
+    found = []
+    for path in sorted((run_dir / "logs").glob(f"{name}.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                found.append(json.loads(line))
+    return found
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def spawned_pids(run_dir: Path) -> list[int]:
+    return [e["pid"] for e in events(run_dir, "supervisor") if e["event"] == "replica_spawned"]
+
+
+def kill_tree(proc: subprocess.Popen, pids: Sequence[int] = ()) -> None:
+    """Clean up after a failed test: the supervisor and any replica it started."""
+    for pid in [proc.pid, *pids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

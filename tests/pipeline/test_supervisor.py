@@ -1,0 +1,222 @@
+"""The supervisor running real multi-process pipelines, started as ``inflight run`` is."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.pipeline.runs import (
+    alive,
+    events,
+    kill_tree,
+    run_inflight,
+    spawned_pids,
+    start_inflight,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = "configs/example.yaml"
+
+
+def _crashy_overrides(how: str, **extra: str) -> list[str]:
+    return [
+        "stages.numbers.count=200",
+        "stages.numbers.dim=8",
+        "stages.power={use: 'tests.stages_for_tests:Crashy', replicas: 1, "
+        f"inputs: {{items: numbers.out}}, how: {how}, crash_at: 20, "
+        "restart: {policy: on-failure, max_restarts: 2, backoff_s: 0.1}}",
+        *[f"{k}={v}" for k, v in extra.items()],
+    ]
+
+
+def _finished(run_dir) -> dict:
+    (last,) = [e for e in events(run_dir, "supervisor") if e["event"] == "run_finished"]
+    return last
+
+
+@pytest.mark.timeout(90)
+def test_example_pipeline_runs_to_completion(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run",
+        EXAMPLE,
+        "stages.numbers.count=300",
+        "stages.numbers.dim=64",
+        "stages.power.delay_s=0.005",
+        "--run-dir",
+        str(run_dir),
+        timeout=80,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["items"] == 300 and summary["duplicates"] == 0
+    assert summary["max_id"] == 299
+    finished = _finished(run_dir)
+    assert finished["status"] == "succeeded" and finished["exit_code"] == 0
+    for name in ("numbers.0", "power.0", "power.1", "summary.0"):
+        names = [e["event"] for e in events(run_dir, name)]
+        assert "replica_started" in names and "replica_finished" in names, name
+        assert all(e["stage"] == name.split(".")[0] for e in events(run_dir, name))
+    # both workers took part: credit flow spreads the items over the two replicas
+    processed = [
+        e["processed"] for e in events(run_dir, "power.*") if e["event"] == "worker_closed"
+    ]
+    assert len(processed) == 2 and sum(processed) == 300 and min(processed) > 0
+    # the resolved config is in the run directory and the console showed the run
+    assert "count: 300" in (run_dir / "config.yaml").read_text()
+    assert "run_finished" in result.stdout and "summary_written" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_replica_killed_with_sigkill_is_restarted_and_run_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_inflight(
+        "run",
+        EXAMPLE,
+        "stages.numbers.count=400",
+        "stages.numbers.dim=8",
+        "stages.power.delay_s=0.01",
+        "transport.inbox=8",
+        "stages.power.restart.backoff_s=0.1",
+        "--run-dir",
+        str(run_dir),
+    )
+    try:
+        started = wait_for(
+            lambda: [e for e in events(run_dir, "power.0") if e["event"] == "replica_started"],
+            timeout=60,
+            what="power.0 to start",
+        )
+        # let it work a little, then kill it the hard way
+        wait_for(lambda: (run_dir / "logs" / "power.0.jsonl").stat().st_size > 0, 10, "logs")
+        time.sleep(0.5)
+        victim = started[0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
+    assert proc.returncode == 0, out
+    sup = events(run_dir, "supervisor")
+    failed = [e for e in sup if e["event"] == "replica_failed"]
+    assert [e["replica_name"] for e in failed] == ["power.0"]
+    assert "SIGKILL" in failed[0]["reason"]
+    assert any(e["event"] == "replica_restarting" and e["attempt"] == 1 for e in sup)
+    restarts = [
+        e["restarts"] for e in events(run_dir, "power.0") if e["event"] == "replica_started"
+    ]
+    assert restarts == [0, 1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # what the killed replica held (its inbox, one item in hand) is lost; everything else arrives
+    assert 400 - (8 + 2) <= summary["items"] <= 400
+    assert _finished(run_dir)["restarts"] == {"power.0": 1}
+
+
+@pytest.mark.timeout(60)
+def test_sigint_shuts_down_within_10s_leaving_no_process(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_inflight(
+        "run",
+        EXAMPLE,
+        "stages.numbers.count=100000000",
+        "stages.power.delay_s=0.005",
+        "--run-dir",
+        str(run_dir),
+    )
+    try:
+        wait_for(
+            lambda: sum(e["event"] == "replica_started" for e in events(run_dir, "*.[0-9]")) == 4,
+            timeout=45,
+            what="all four replicas to start",
+        )
+        pids = spawned_pids(run_dir)
+        assert len(pids) == 4 and all(alive(p) for p in pids)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=15)
+        took = time.monotonic() - t0
+    finally:
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
+    assert took < 10, f"shutdown took {took:.1f} s"
+    assert proc.returncode == 130, out
+    assert not [p for p in pids if alive(p)], "replicas left behind"
+    finished = _finished(run_dir)
+    assert finished["status"] == "interrupted"
+    stopped = [e for e in events(run_dir, "*.[0-9]") if e["event"] == "replica_stopped"]
+    assert len(stopped) == 4  # every replica stopped gracefully, none needed SIGKILL
+
+
+@pytest.mark.timeout(90)
+def test_stage_exception_is_logged_and_replica_restarted(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run", EXAMPLE, *_crashy_overrides("raise"), "--run-dir", str(run_dir), timeout=80
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    failures = [e for e in events(run_dir, "power.0") if e["event"] == "stage_failed"]
+    assert len(failures) == 1 and "crashing on purpose" in failures[0]["exception"]
+    sup = events(run_dir, "supervisor")
+    assert [e["reason"] for e in sup if e["event"] == "replica_failed"] == ["exit code 1"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 200 - 64 <= summary["items"] < 200  # the crashing item and its inbox are lost
+
+
+@pytest.mark.timeout(90)
+def test_restart_policy_never_fails_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run",
+        EXAMPLE,
+        *_crashy_overrides("raise"),
+        "stages.power.restart.policy=never",
+        "--run-dir",
+        str(run_dir),
+        timeout=80,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    finished = _finished(run_dir)
+    assert finished["status"] == "failed"
+    assert "power.0" in finished["reason"] and "never" in finished["reason"]
+    assert not [p for p in spawned_pids(run_dir) if alive(p)]
+
+
+@pytest.mark.timeout(90)
+def test_unresponsive_replica_is_killed_and_restarted(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run",
+        EXAMPLE,
+        *_crashy_overrides("hang", **{"run.heartbeat_timeout_s": "2"}),
+        "--run-dir",
+        str(run_dir),
+        timeout=80,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    sup = events(run_dir, "supervisor")
+    assert any(e["event"] == "replica_unresponsive" and e["replica_name"] == "power.0" for e in sup)
+    assert _finished(run_dir)["restarts"] == {"power.0": 1}
+
+
+@pytest.mark.timeout(90)
+def test_a_stage_can_end_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run",
+        EXAMPLE,
+        "stages.numbers.count=100000000",
+        "stages.numbers.dim=4",
+        "stages.summary.use=tests.stages_for_tests:StopAfter",
+        "stages.summary.items=25",
+        "--run-dir",
+        str(run_dir),
+        timeout=80,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    finished = _finished(run_dir)
+    assert finished["status"] == "succeeded" and "saw 25 items" in finished["reason"]
+    assert any(e["event"] == "stop_after_closed" for e in events(run_dir, "summary.0"))

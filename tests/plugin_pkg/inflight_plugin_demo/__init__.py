@@ -1,0 +1,1 @@
+"""A plugin package for Inflight's tests: one stage, registered by entry point."""

@@ -1,0 +1,73 @@
+"""Stages that misbehave on purpose, for the supervisor tests (used by dotted path)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from pipeline.stage import Port
+from stages.examples import ITEM
+
+
+class Crashy:
+    """Forwards items; on its first start it raises at item ``crash_at`` (or hangs, or dies)."""
+
+    @dataclass
+    class Config:
+        crash_at: int = 10
+        how: str = "raise"  # raise | hang | segv
+
+    inputs = {"items": Port(ITEM)}
+    outputs = {"out": Port(ITEM)}
+
+    def __init__(self, config, ctx):
+        self.config, self.ctx = config, ctx
+
+    async def setup(self):
+        pass
+
+    async def run(self):
+        out = self.ctx.outputs["out"]
+        seen = 0
+        async for msg in self.ctx.inputs["items"]:
+            seen += 1
+            if self.ctx.restarts == 0 and seen == self.config.crash_at:
+                if self.config.how == "raise":
+                    raise RuntimeError("crashing on purpose")
+                if self.config.how == "hang":
+                    time.sleep(3600)  # noqa: ASYNC251 -- blocks the loop on purpose: heartbeats stop
+                os.kill(os.getpid(), signal.SIGSEGV)
+            await out.send("item", msg.data)
+
+    async def close(self):
+        pass
+
+
+class StopAfter:
+    """Sink that asks the supervisor to end the run after ``items`` items."""
+
+    @dataclass
+    class Config:
+        items: int = 20
+
+    inputs = {"items": Port(ITEM)}
+    outputs: dict = {}
+
+    def __init__(self, config, ctx):
+        self.config, self.ctx = config, ctx
+
+    async def setup(self):
+        pass
+
+    async def run(self):
+        seen = 0
+        async for _ in self.ctx.inputs["items"]:
+            seen += 1
+            if seen == self.config.items:
+                self.ctx.request_stop(f"saw {seen} items")
+                await self.ctx.stop_requested.wait()  # the supervisor ends the run
+
+    async def close(self):
+        self.ctx.log.info("stop_after_closed")

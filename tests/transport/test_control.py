@@ -1,0 +1,132 @@
+"""Control bus: a client's message reaches the broker's callback and other clients; malformed
+messages are counted, not fatal."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+
+from tests.transport.conftest import events
+from transport import ChannelClosed, ControlBroker, ControlClient, ipc_address
+
+
+async def until_received(publish, receive, timeout: float = 3.0):
+    """Publish every 20 ms until ``receive()`` returns: PUB/SUB drops messages sent before a
+    subscription has arrived (the slow-joiner), so the first ones may be lost."""
+
+    async def keep_publishing() -> None:
+        while True:
+            await publish()
+            await asyncio.sleep(0.02)
+
+    publisher = asyncio.create_task(keep_publishing())
+    try:
+        return await asyncio.wait_for(receive(), timeout)
+    finally:
+        publisher.cancel()
+        await asyncio.gather(publisher, return_exceptions=True)
+
+
+@pytest.mark.timeout(10)
+async def test_publish_reaches_broker_callback_and_subscribers(ctx, ipc_dir) -> None:
+    pub, sub = ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub")
+    seen: asyncio.Queue = asyncio.Queue()
+    broker = ControlBroker(pub, sub, ctx, on_message=lambda t, p: seen.put_nowait((t, p)))
+    await broker.start()
+    stage = ControlClient(pub, sub, ctx)
+    watcher = ControlClient(pub, sub, ctx, topics=["version"])
+    for c in (stage, watcher):
+        await c.start()
+    try:
+        # To the broker's callback.
+        topic, payload = await until_received(
+            lambda: stage.publish("heartbeat", {"stage": "gen", "replica": 0}), seen.get
+        )
+        assert (topic, payload) == ("heartbeat", {"stage": "gen", "replica": 0})
+        # Through the broker to another client, on the topic it subscribed to.
+        topic, payload = await until_received(
+            lambda: stage.publish("version", {"version": 3}), watcher.recv
+        )
+        assert (topic, payload) == ("version", {"version": 3})
+        # From the broker itself.
+        topic, payload = await until_received(
+            lambda: broker.publish("version", {"version": 4}), watcher.recv
+        )
+        assert payload == {"version": 4}
+        # A topic the watcher did not subscribe to never reaches it.
+        await stage.publish("heartbeat", {"x": 1})
+        await broker.publish("stop", {"reason": "test"})
+        with pytest.raises(asyncio.TimeoutError):
+            while True:
+                topic, _ = await asyncio.wait_for(watcher.recv(), 0.2)
+                assert topic == "version"
+        assert broker.stats()["forwarded"] >= 2
+    finally:
+        for c in (stage, watcher):
+            await c.aclose()
+        await broker.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_malformed_messages_and_callback_errors_are_not_fatal(ctx, ipc_dir, log) -> None:
+    pub, sub = ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub")
+    seen: asyncio.Queue = asyncio.Queue()
+
+    def on_message(topic: str, payload: dict) -> None:
+        if topic == "boom":
+            raise RuntimeError("callback bug")
+        seen.put_nowait((topic, payload))
+
+    broker = ControlBroker(pub, sub, ctx, on_message=on_message, log=log)
+    await broker.start()
+    raw = ctx.socket(zmq.PUB)
+    raw.linger = 0
+    raw.connect(pub)
+    client = ControlClient(pub, sub, ctx)
+    await client.start()
+    try:
+        async def junk_then_good() -> None:
+            await raw.send_multipart([b"t", b"\xc1"])  # payload not msgpack
+            await raw.send_multipart([b"t"])  # no payload
+            await raw.send_multipart([b"\xff", b"\x80"])  # topic not UTF-8
+            await client.publish("boom", {})
+            await client.publish("ok", {"n": 1})
+
+        assert await until_received(junk_then_good, seen.get) == ("ok", {"n": 1})
+        stats = broker.stats()
+        assert stats["malformed"] >= 3 and stats["malformed"] % 3 == 0
+        assert stats["callback_errors"] >= 1
+        assert events(log, "control_message_rejected")
+        assert events(log, "control_callback_failed")[0]["topic"] == "boom"
+    finally:
+        raw.close()
+        await client.aclose()
+        await broker.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_bad_publish_arguments_fail_at_the_call(ctx, ipc_dir) -> None:
+    pub, sub = ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub")
+    client = ControlClient(pub, sub, ctx)
+    await client.start()
+    try:
+        with pytest.raises(ValueError, match="topic"):
+            await client.publish("", {})
+        with pytest.raises(TypeError, match="map"):
+            await client.publish("t", [1, 2])  # type: ignore[arg-type]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_close_while_receiving_raises_channel_closed(ctx, ipc_dir) -> None:
+    client = ControlClient(ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub"), ctx,
+                           topics=["x"])
+    await client.start()
+    receiving = asyncio.create_task(client.recv())
+    await asyncio.sleep(0.02)
+    await client.aclose()
+    with pytest.raises(ChannelClosed):
+        await asyncio.wait_for(receiving, 1)

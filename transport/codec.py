@@ -1,0 +1,305 @@
+"""Message <-> ZeroMQ frames, with arrays and tensors as zero-copy frames.
+
+Frame 0 is a msgpack map ``{"kind": str, "version": int, "data": {...}}``. Every numpy array
+and torch tensor found anywhere in ``data`` (inside lists and maps too) is replaced in that map
+by a msgpack ``ExtType`` reference ``[frame_index, dtype_name, shape]`` (ext code 1 for numpy,
+2 for torch) and its bytes travel as frame ``frame_index``.
+
+Zero-copy, both ways:
+
+- ``encode`` hands out memoryviews over the arrays' own memory. The one copy it makes is for
+  inputs that are not already C-contiguous CPU memory in native byte order (non-contiguous
+  views, CUDA tensors, big-endian arrays): those are copied once into contiguous CPU memory.
+  The caller must not modify an array in place after sending it until it is sent (ZeroMQ reads
+  the memory later, from its I/O thread).
+- ``decode`` builds arrays over the received frame buffers (``np.frombuffer`` /
+  ``torch.frombuffer``); a frame whose address is not aligned to the element size (small frames
+  packed inside ZeroMQ's receive buffer) is copied. Decoded arrays share the frame's memory:
+  treat them as read-only. numpy marks them so when the buffer is immutable; torch cannot, so do
+  not write a decoded tensor in place (``t.add_(1)``); make a copy (``t.clone()``) first.
+
+``decode`` trusts nothing in the header: sizes are checked against the frames actually received
+(never used to allocate), every frame must be referenced exactly once, and with ``schemas`` the
+kind, version and fields are checked too. Every problem is a :class:`DecodeError` with a reason.
+
+torch is optional: it is imported only when a tensor is encoded or a torch frame is decoded.
+This module does no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from transport.errors import DecodeError
+from transport.message import Message, Schema
+
+__all__ = ["decode", "encode"]
+
+# What encode returns: the header as bytes, array payloads as memoryviews over their memory.
+Frame = bytes | memoryview
+
+_EXT_NUMPY = 1
+_EXT_TORCH = 2
+_MAX_NDIM = 32
+
+# dtype name -> item size in bytes. Names are what numpy's ``dtype.name`` and torch's
+# ``str(dtype)`` (without "torch.") give, so both sides agree without importing torch.
+_NUMPY_ITEMSIZE = {
+    name: np.dtype(name).itemsize
+    for name in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+}
+_TORCH_ITEMSIZE = {
+    "bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1,
+    "float16": 2, "float32": 4, "float64": 8, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8, "complex128": 16,
+}
+
+
+def _loaded_torch() -> Any:
+    return sys.modules.get("torch")  # a tensor can only exist if torch is already imported
+
+
+# ---------------------------------------------------------------------------------------------
+# encode
+
+
+def encode(msg: Message) -> list[Frame]:
+    """Frames for ``msg``: the msgpack header, then one frame per array, in reference order.
+
+    Raises TypeError for values that cannot travel (objects, unsupported dtypes, sparse
+    tensors) and names the offending type.
+    """
+    frames: list[Frame] = [b""]
+    torch = _loaded_torch()
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            return _encode_numpy(obj, frames)
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return _encode_torch(obj, frames)
+        if isinstance(obj, np.generic):
+            return obj.item()  # numpy scalars travel as plain msgpack numbers / bools
+        raise TypeError(
+            f"message {msg.kind!r}: cannot encode a {type(obj).__module__}.{type(obj).__name__}; "
+            "use None, bool, int, float, str, bytes, lists, str-keyed maps, numpy arrays or "
+            "torch tensors"
+        )
+
+    header = {"kind": msg.kind, "version": msg.version, "data": msg.data}
+    frames[0] = msgpack.packb(header, default=default, use_bin_type=True)
+    return frames
+
+
+def _ext(code: int, index: int, dtype: str, shape: Sequence[int]) -> msgpack.ExtType:
+    return msgpack.ExtType(code, msgpack.packb([index, dtype, list(shape)]))
+
+
+def _encode_numpy(a: np.ndarray, frames: list[Frame]) -> msgpack.ExtType:
+    name = a.dtype.name
+    if name not in _NUMPY_ITEMSIZE:
+        raise TypeError(f"cannot encode a numpy array of dtype {a.dtype}; "
+                        f"supported: {sorted(_NUMPY_ITEMSIZE)}")
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))  # the one copy: wire order is native
+    elif not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)  # the one copy: frames are contiguous memory
+    shape = a.shape  # before reshaping: 0-d arrays keep shape ()
+    frames.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+    return _ext(_EXT_NUMPY, len(frames) - 1, name, shape)
+
+
+def _encode_torch(t: Any, frames: list[Frame]) -> msgpack.ExtType:
+    torch = _loaded_torch()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _TORCH_ITEMSIZE:
+        raise TypeError(f"cannot encode a torch tensor of dtype {t.dtype}; "
+                        f"supported: {sorted(_TORCH_ITEMSIZE)}")
+    if t.layout != torch.strided:
+        raise TypeError(f"cannot encode a {t.layout} tensor; convert it with .to_dense()")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()  # the one copy: frames are host memory
+    elif not t.is_contiguous():
+        t = t.contiguous()  # the one copy: frames are contiguous memory
+    t = t.resolve_conj().resolve_neg()  # no-ops unless a lazy conj/neg view slipped through
+    shape = tuple(t.shape)
+    if t.numel():
+        # A flat uint8 view of the tensor's own memory works for every dtype, including those
+        # numpy has no type for (bfloat16, float8).
+        frames.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    else:
+        frames.append(b"")
+    return _ext(_EXT_TORCH, len(frames) - 1, name, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+
+
+def decode(frames: Sequence[Any], schemas: Mapping[str, Schema] | None = None) -> Message:
+    """The message carried by ``frames`` (bytes, memoryviews or ``zmq.Frame`` objects).
+
+    With ``schemas`` (kind -> Schema), also checks that the kind is known, the version is the
+    schema's and the data has the schema's fields. Raises DecodeError with a reason tag.
+    """
+    if not frames:
+        raise DecodeError("frame_count", "no frames")
+    buffers = [memoryview(f) for f in frames]
+    used = [False] * len(buffers)
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code not in (_EXT_NUMPY, _EXT_TORCH):
+            raise DecodeError("bad_header", f"unknown ext type code {code}")
+        index, dtype, shape = _parse_ref(payload)
+        if not 1 <= index < len(buffers):
+            raise DecodeError(
+                "frame_count",
+                f"array reference to frame {index}, but frames are 1..{len(buffers) - 1}",
+            )
+        if used[index]:
+            raise DecodeError("frame_count", f"frame {index} is referenced twice")
+        used[index] = True
+        if code == _EXT_NUMPY:
+            return _decode_numpy(buffers[index], dtype, shape)
+        return _decode_torch(buffers[index], dtype, shape)
+
+    try:
+        header = msgpack.unpackb(buffers[0], raw=False, ext_hook=ext_hook)
+    except DecodeError:
+        raise
+    except Exception as e:  # msgpack raises several types (ExtraData, UnpackValueError, ...)
+        raise DecodeError("not_msgpack", f"frame 0: {type(e).__name__}: {e}") from None
+
+    if not isinstance(header, dict):
+        raise DecodeError("bad_header", f"frame 0 is a {type(header).__name__}, not a map")
+    kind = header.get("kind")
+    if not isinstance(kind, str) or not kind:
+        raise DecodeError("missing_kind", f"'kind' is {kind!r}, expected a non-empty string")
+    version = header.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise DecodeError("bad_header", f"kind {kind!r}: 'version' is {version!r}, not an int")
+    data = header.get("data")
+    if not isinstance(data, dict):
+        raise DecodeError(
+            "bad_header", f"kind {kind!r}: 'data' is a {type(data).__name__}, not a map"
+        )
+    unused = [i for i in range(1, len(buffers)) if not used[i]]
+    if unused:
+        raise DecodeError("frame_count", f"kind {kind!r}: frames {unused} are not referenced")
+
+    if schemas is not None:
+        schema = schemas.get(kind)
+        if schema is None:
+            raise DecodeError("unknown_kind", f"kind {kind!r} is not one of {sorted(schemas)}")
+        if version != schema.version:
+            raise DecodeError(
+                "bad_version", f"kind {kind!r}: version {version}, expected {schema.version}"
+            )
+        problems = schema.check(data)
+        if problems:
+            raise DecodeError("invalid_fields", f"kind {kind!r}: " + "; ".join(problems))
+    return Message(kind=kind, data=data, version=version)
+
+
+def _parse_ref(payload: bytes) -> tuple[int, str, tuple[int, ...]]:
+    try:
+        ref = msgpack.unpackb(payload, raw=False)
+    except Exception as e:
+        raise DecodeError("bad_header", f"array reference is not msgpack: {e}") from None
+    if not (isinstance(ref, list) and len(ref) == 3):
+        raise DecodeError("bad_header", f"array reference {ref!r} is not [index, dtype, shape]")
+    index, dtype, shape = ref
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise DecodeError("bad_header", f"array reference index {index!r} is not an int")
+    if not isinstance(dtype, str):
+        raise DecodeError("bad_dtype", f"array dtype {dtype!r} is not a string")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_NDIM
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise DecodeError("bad_header", f"array shape {shape!r} is not a list of <= "
+                                        f"{_MAX_NDIM} non-negative ints")
+    return index, dtype, tuple(shape)
+
+
+def _check_size(buf: memoryview, dtype: str, itemsize: int, shape: tuple[int, ...]) -> None:
+    expected = itemsize * math.prod(shape)  # Python ints: no overflow, nothing allocated
+    if buf.nbytes != expected:
+        raise DecodeError(
+            "frame_size",
+            f"{dtype}{list(shape)} needs {expected} bytes, the frame has {buf.nbytes}",
+        )
+
+
+def _aligned(buf: memoryview, itemsize: int) -> bool:
+    address = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    return address % itemsize == 0
+
+
+def _decode_numpy(buf: memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    itemsize = _NUMPY_ITEMSIZE.get(dtype)
+    if itemsize is None:
+        raise DecodeError(
+            "bad_dtype", f"numpy dtype {dtype!r} is not one of {sorted(_NUMPY_ITEMSIZE)}"
+        )
+    _check_size(buf, dtype, itemsize, shape)
+    try:
+        if buf.nbytes == 0:
+            return np.empty(shape, dtype=dtype)
+        array = np.frombuffer(buf, dtype=dtype)
+        if not _aligned(buf, itemsize):
+            array = array.copy()  # only small frames land unaligned; a copy is cheap there
+        return array.reshape(shape)
+    except ValueError as e:
+        raise DecodeError("bad_header", f"cannot build {dtype}{list(shape)}: {e}") from None
+
+
+def _torch_dtypes(torch: Any) -> dict[str, Any]:
+    return {
+        "bool": torch.bool, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
+        "int64": torch.int64, "uint8": torch.uint8, "float16": torch.float16,
+        "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+        "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+        "complex64": torch.complex64, "complex128": torch.complex128,
+    }
+
+
+def _decode_torch(buf: memoryview, dtype: str, shape: tuple[int, ...]) -> Any:
+    itemsize = _TORCH_ITEMSIZE.get(dtype)
+    if itemsize is None:
+        raise DecodeError(
+            "bad_dtype", f"torch dtype {dtype!r} is not one of {sorted(_TORCH_ITEMSIZE)}"
+        )
+    _check_size(buf, dtype, itemsize, shape)
+    import torch  # lazily: a pipeline without tensors never pays for importing torch
+
+    torch_dtype = _torch_dtypes(torch)[dtype]
+    try:
+        if buf.nbytes == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        if _aligned(buf, itemsize):
+            with warnings.catch_warnings():
+                # Frames are often immutable; the module docstring says decoded tensors are
+                # read-only by contract, so torch's generic warning about it is noise here.
+                warnings.filterwarnings(
+                    "ignore", message="The given buffer is not writable", category=UserWarning
+                )
+                raw = torch.frombuffer(buf, dtype=torch.uint8)
+        else:
+            # only small frames land unaligned; numpy's copy is aligned and cheap there
+            raw = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8).copy())
+        # bytes -> dtype via a uint8 view works for dtypes numpy lacks (bfloat16, float8)
+        return raw.view(torch_dtype).reshape(shape)
+    except (RuntimeError, ValueError) as e:
+        raise DecodeError("bad_header", f"cannot build {dtype}{list(shape)}: {e}") from None

@@ -1,0 +1,284 @@
+"""The control bus: heartbeats, version announcements, stop requests and shutdown.
+
+One :class:`ControlBroker` (in the supervisor) binds an XSUB socket at ``pub_address``, where
+every client's PUB connects, and an XPUB socket at ``sub_address``, where every client's SUB
+connects; it forwards each message to the subscribers and hands it to ``on_message``. Stage
+replicas use a :class:`ControlClient`. A message is two frames: the topic (UTF-8) and a
+msgpack map. Malformed messages are counted and logged, never fatal.
+
+Topics are ZeroMQ prefixes: subscribing to ``"stop"`` also delivers ``"stop_all"``. Pick topics
+that are not prefixes of one another, or filter on the exact topic after ``recv()``.
+
+PUB/SUB drops, by design, and does so silently in two cases that matter here:
+
+- Slow joiner: a subscription takes a moment to travel. Messages published before a client's
+  SUB (or the broker's XSUB) has finished connecting are lost.
+- A subscriber that falls behind by more than the high-water mark loses messages.
+
+So the bus carries state that is safe to repeat: heartbeats are periodic, and the supervisor
+re-sends what matters (the current policy version, a pending shutdown) until it sees the effect.
+Nothing on this bus is acknowledged or ordered across publishers. Data never travels here:
+that is what channels are for.
+
+The broker subscribes to everything and does not forward subscriptions upstream, so every
+publisher sends every message to the broker (control traffic is small); the XPUB side filters
+per subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import structlog
+import zmq
+import zmq.asyncio
+
+from transport.address import check_address
+from transport.errors import ChannelClosed, TransportError
+
+__all__ = ["ControlBroker", "ControlClient", "OnMessage"]
+
+# What the broker calls for each well-formed message: on_message(topic, payload).
+OnMessage = Callable[[str, dict[str, Any]], None]
+
+_HWM = 10_000
+
+
+def _pack(topic: str, payload: Mapping[str, Any]) -> list[bytes]:
+    if not isinstance(topic, str) or not topic:
+        raise ValueError(f"control topic must be a non-empty string, got {topic!r}")
+    if not isinstance(payload, Mapping):
+        raise TypeError(f"control payload must be a map, got {type(payload).__name__}")
+    return [topic.encode(), msgpack.packb(dict(payload), use_bin_type=True)]
+
+
+def _unpack(frames: list[bytes]) -> tuple[str, dict[str, Any]] | str:
+    """(topic, payload), or a description of what is wrong with ``frames``."""
+    if len(frames) != 2:
+        return f"{len(frames)} frames, expected 2 (topic, payload)"
+    try:
+        topic = frames[0].decode()
+    except UnicodeDecodeError:
+        return "topic is not UTF-8"
+    try:
+        payload = msgpack.unpackb(frames[1], raw=False)
+    except Exception as e:  # any msgpack failure means malformed; the caller counts and logs it
+        return f"topic {topic!r}: payload is not msgpack ({type(e).__name__})"
+    if not isinstance(payload, dict):
+        return f"topic {topic!r}: payload is a {type(payload).__name__}, not a map"
+    return topic, payload
+
+
+def _socket(ctx: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, _HWM)
+    sock.setsockopt(zmq.RCVHWM, _HWM)
+    return sock
+
+
+class ControlBroker:
+    """The supervisor's end of the bus: forwards every client's messages to every subscriber.
+
+    ``on_message(topic, payload)`` is called for each well-formed message, after forwarding. It
+    runs on the event loop and must not block. If it raises, the error is logged with its
+    traceback and counted (``stats()["callback_errors"]``) and the bus keeps running: one bad
+    message must not cut every stage off from the supervisor.
+    """
+
+    def __init__(
+        self,
+        pub_address: str,
+        sub_address: str,
+        ctx: zmq.asyncio.Context,
+        on_message: OnMessage | None = None,
+        *,
+        log: Any = None,
+    ) -> None:
+        self.pub_address = check_address(pub_address)
+        self.sub_address = check_address(sub_address)
+        self._ctx = ctx
+        self._on_message = on_message
+        self._log = log if log is not None else structlog.get_logger()
+        self._xsub: zmq.asyncio.Socket | None = None
+        self._xpub: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+        self._counts: Counter[str] = Counter()
+
+    async def start(self) -> None:
+        """Bind both sockets and start forwarding."""
+        if self._xsub is not None or self._closed:
+            raise TransportError("control broker was already started")
+        xsub, xpub = _socket(self._ctx, zmq.XSUB), _socket(self._ctx, zmq.XPUB)
+        try:
+            xsub.bind(self.pub_address)
+            xpub.bind(self.sub_address)
+        except zmq.ZMQError as e:
+            xsub.close()
+            xpub.close()
+            raise TransportError(
+                f"control broker: cannot bind {self.pub_address} / {self.sub_address}: {e}"
+            ) from e
+        # Subscribe to everything: the supervisor hears every message whoever subscribes.
+        await xsub.send(b"\x01")
+        self._xsub, self._xpub = xsub, xpub
+        self._tasks = [
+            asyncio.create_task(self._forward_loop(xsub, xpub), name="control-broker"),
+            asyncio.create_task(self._drain_subscriptions(xpub), name="control-broker-subs"),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
+
+    async def publish(self, topic: str, payload: Mapping[str, Any]) -> None:
+        """Send a message to the subscribers (not to ``on_message``)."""
+        if self._closed:
+            raise ChannelClosed("control broker is closed")
+        if self._xpub is None:
+            raise TransportError("control broker: call start() first")
+        await self._xpub.send_multipart(_pack(topic, payload))
+        self._counts["published"] += 1
+
+    async def aclose(self) -> None:
+        """Stop forwarding and release both sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        try:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            for sock in (self._xsub, self._xpub):
+                if sock is not None:
+                    sock.close(linger=0)
+
+    def stats(self) -> dict[str, int]:
+        """Messages forwarded, published, malformed, and callback errors."""
+        return {k: self._counts[k]
+                for k in ("forwarded", "published", "malformed", "callback_errors")}
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and not self._closed:
+            self._log.error("control_broker_failed", task=task.get_name(),
+                            error=repr(task.exception()))
+
+    async def _forward_loop(self, xsub: zmq.asyncio.Socket, xpub: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await xsub.recv_multipart()
+            parsed = _unpack(frames)
+            if isinstance(parsed, str):
+                self._counts["malformed"] += 1
+                self._log.warning("control_message_rejected", detail=parsed)
+                continue
+            await xpub.send_multipart(frames)
+            self._counts["forwarded"] += 1
+            if self._on_message is not None:
+                try:
+                    self._on_message(*parsed)
+                except Exception:
+                    # Deliberately not fatal (see the class docstring); logged with traceback.
+                    self._counts["callback_errors"] += 1
+                    self._log.exception("control_callback_failed", topic=parsed[0])
+
+    async def _drain_subscriptions(self, xpub: zmq.asyncio.Socket) -> None:
+        # XPUB reports (un)subscriptions as messages; read them so they never pile up. They are
+        # not forwarded: the broker's XSUB already subscribes to everything.
+        while True:
+            await xpub.recv_multipart()
+
+
+class ControlClient:
+    """A stage replica's end of the bus: publish to everyone, receive chosen topics.
+
+    ``topics`` are the prefixes to receive (none by default; add more with ``subscribe``).
+    Read the slow-joiner note in the module docstring: the first messages after ``start()``
+    may be lost in both directions.
+    """
+
+    def __init__(
+        self,
+        pub_address: str,
+        sub_address: str,
+        ctx: zmq.asyncio.Context,
+        topics: Sequence[str] = (),
+        *,
+        log: Any = None,
+    ) -> None:
+        if isinstance(topics, str):
+            raise TypeError("topics must be a sequence of strings, not one string")
+        self.pub_address = check_address(pub_address)
+        self.sub_address = check_address(sub_address)
+        self._ctx = ctx
+        self._topics = list(topics)
+        self._log = log if log is not None else structlog.get_logger()
+        self._pub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._closed = False
+        self._counts: Counter[str] = Counter()
+
+    async def start(self) -> None:
+        """Connect both sockets and subscribe."""
+        if self._pub is not None or self._closed:
+            raise TransportError("control client was already started")
+        self._pub = _socket(self._ctx, zmq.PUB)
+        self._sub = _socket(self._ctx, zmq.SUB)
+        self._pub.connect(self.pub_address)
+        self._sub.connect(self.sub_address)
+        for topic in self._topics:
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+
+    def subscribe(self, topic: str) -> None:
+        """Also receive messages whose topic starts with ``topic``."""
+        self._topics.append(topic)
+        if self._sub is not None:
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+
+    async def publish(self, topic: str, payload: Mapping[str, Any]) -> None:
+        """Publish a message to the broker and, through it, to every subscriber of ``topic``."""
+        if self._closed:
+            raise ChannelClosed("control client is closed")
+        if self._pub is None:
+            raise TransportError("control client: call start() first")
+        await self._pub.send_multipart(_pack(topic, payload))
+        self._counts["published"] += 1
+
+    async def recv(self) -> tuple[str, dict[str, Any]]:
+        """The next well-formed message on a subscribed topic; malformed ones are skipped."""
+        if self._closed:
+            raise ChannelClosed("control client is closed")
+        if self._sub is None:
+            raise TransportError("control client: call start() first")
+        while True:
+            receiving = self._sub.recv_multipart()
+            try:
+                await asyncio.wait({receiving})
+            except asyncio.CancelledError:
+                receiving.cancel()  # our task was cancelled: take no message with us
+                raise
+            if receiving.cancelled():  # the socket was closed under us
+                raise ChannelClosed("control client was closed while receiving")
+            parsed = _unpack(receiving.result())
+            if isinstance(parsed, str):
+                self._counts["malformed"] += 1
+                self._log.warning("control_message_rejected", detail=parsed)
+                continue
+            self._counts["received"] += 1
+            return parsed
+
+    async def aclose(self) -> None:
+        """Release both sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        for sock in (self._pub, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def stats(self) -> dict[str, int]:
+        """Messages published, received and malformed."""
+        return {k: self._counts[k] for k in ("published", "received", "malformed")}

@@ -1,0 +1,102 @@
+"""Messages and their schemas: the unit every channel carries.
+
+A message is a ``kind`` tag, a schema ``version`` and a ``data`` map. ``data`` holds plain
+msgpack values (None, bool, int, float, str, bytes, lists, str-keyed maps) and numpy arrays or
+torch tensors at any depth; the codec moves arrays out of the msgpack header into zero-copy
+frames. A :class:`Schema` names a kind, its current version and the fields a message of that kind
+must carry; ports declare the schemas they send or accept, so a receiver can reject what it does
+not understand without stopping.
+
+This module does no I/O and keeps no registry: schemas live on the ports that use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Message", "Schema"]
+
+
+def _is_array(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return True
+    torch = _torch()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _torch():
+    import sys
+
+    return sys.modules.get("torch")  # never import torch just to type-check a field
+
+
+# Field type names usable in Schema.fields; "array" means a numpy array or torch tensor.
+_FIELD_CHECKS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "bytes": lambda v: isinstance(v, (bytes, bytearray, memoryview)),
+    "list": lambda v: isinstance(v, (list, tuple)),
+    "map": lambda v: isinstance(v, Mapping),
+    "array": _is_array,
+    "any": lambda v: True,
+}
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A message kind, its schema version, and its required fields.
+
+    ``fields`` maps a field name to a type name (``int``, ``float``, ``str``, ``bool``, ``bytes``,
+    ``list``, ``map``, ``array``, ``any``), or to several joined by ``|`` (``"int|None"`` admits a
+    missing value given as None). Extra fields are allowed: versions add fields, they never
+    change the meaning of an existing one.
+    """
+
+    kind: str
+    version: int = 1
+    fields: Mapping[str, str] = field(default_factory=dict)
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        for name, spec in self.fields.items():
+            for part in spec.split("|"):
+                if part != "None" and part not in _FIELD_CHECKS:
+                    raise ValueError(
+                        f"schema {self.kind!r}: field {name!r} has unknown type {part!r}; "
+                        f"use one of {sorted(_FIELD_CHECKS)} or None"
+                    )
+
+    def check(self, data: Mapping[str, Any]) -> list[str]:
+        """Problems with ``data`` as a message of this schema (empty when it conforms)."""
+        problems = []
+        for name, spec in self.fields.items():
+            parts = spec.split("|")
+            if name not in data:
+                if "None" not in parts:
+                    problems.append(f"missing field {name!r} ({spec})")
+                continue
+            value = data[name]
+            if value is None and "None" in parts:
+                continue
+            if not any(part != "None" and _FIELD_CHECKS[part](value) for part in parts):
+                problems.append(f"field {name!r} should be {spec}, got {type(value).__name__}")
+        return problems
+
+
+@dataclass(slots=True)
+class Message:
+    """One message: ``kind`` and schema ``version`` tag the ``data`` map.
+
+    ``sender`` is filled in by the receiving channel (``stage.replica`` of the producer).
+    """
+
+    kind: str
+    data: dict[str, Any]
+    version: int = 1
+    sender: str = ""
