@@ -223,7 +223,7 @@ def main() -> None:
                         help="channel inbox bound for small messages (the default inbox)")
     parser.add_argument("--large-capacity", type=int, default=4,
                         help="channel inbox bound for large messages (bounds memory in flight)")
-    parser.add_argument("--repeat", type=int, default=3,
+    parser.add_argument("--repeat", type=int, default=5,
                         help="runs per measurement, raw and channel alternating; medians reported")
     args = parser.parse_args()
     quiet_logs()

@@ -9,11 +9,15 @@ msgpack map. Malformed messages are counted and logged, never fatal.
 Topics are ZeroMQ prefixes: subscribing to ``"stop"`` also delivers ``"stop_all"``. Pick topics
 that are not prefixes of one another, or filter on the exact topic after ``recv()``.
 
-PUB/SUB drops, by design, and does so silently in two cases that matter here:
+PUB/SUB drops, by design, and does so silently in cases that matter here:
 
-- Slow joiner: a subscription takes a moment to travel. Messages published before a client's
-  SUB (or the broker's XSUB) has finished connecting are lost.
+- Slow joiner: a subscription takes a moment to travel, and messages published before it
+  arrives are lost. Towards the broker this is handled: a client publishes through an XPUB
+  socket, and ``start()`` waits until the broker's subscription has arrived. Towards the
+  clients it is not: a message the broker publishes before a client's SUB has connected and
+  subscribed is lost to that client.
 - A subscriber that falls behind by more than the high-water mark loses messages.
+- A broker that restarts loses what was published while it was down.
 
 So the bus carries state that is safe to repeat: heartbeats are periodic, and the supervisor
 re-sends what matters (the current policy version, a pending shutdown) until it sees the effect.
@@ -221,16 +225,33 @@ class ControlClient:
         self._closed = False
         self._counts: Counter[str] = Counter()
 
-    async def start(self) -> None:
-        """Connect both sockets and subscribe."""
+    async def start(self, ready_timeout_s: float = 5.0) -> None:
+        """Connect both sockets, subscribe, and wait until the broker listens to us.
+
+        Publishing goes through an XPUB socket (a PUB that reports subscriptions), so the client
+        sees the broker's subscribe-to-everything arrive and knows its messages will no longer
+        be dropped: the first heartbeat after ``start()`` reaches the supervisor. If the broker
+        does not answer within ``ready_timeout_s``, a warning is logged and messages published
+        before it connects are lost.
+        """
         if self._pub is not None or self._closed:
             raise TransportError("control client was already started")
-        self._pub = _socket(self._ctx, zmq.PUB)
+        self._pub = _socket(self._ctx, zmq.XPUB)
         self._sub = _socket(self._ctx, zmq.SUB)
         self._pub.connect(self.pub_address)
         self._sub.connect(self.sub_address)
         for topic in self._topics:
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        try:
+            await asyncio.wait_for(self._broker_subscribed(self._pub), ready_timeout_s)
+        except asyncio.TimeoutError:
+            self._log.warning("control_bus_not_ready", address=self.pub_address,
+                              waited_s=ready_timeout_s)
+
+    @staticmethod
+    async def _broker_subscribed(pub: zmq.asyncio.Socket) -> None:
+        while (await pub.recv())[:1] != b"\x01":  # an XPUB receives b"\x01" + prefix
+            pass
 
     def subscribe(self, topic: str) -> None:
         """Also receive messages whose topic starts with ``topic``."""

@@ -110,7 +110,7 @@ async def test_malformed_messages_and_callback_errors_are_not_fatal(ctx, ipc_dir
 async def test_bad_publish_arguments_fail_at_the_call(ctx, ipc_dir) -> None:
     pub, sub = ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub")
     client = ControlClient(pub, sub, ctx)
-    await client.start()
+    await client.start(ready_timeout_s=0.05)  # no broker here
     try:
         with pytest.raises(ValueError, match="topic"):
             await client.publish("", {})
@@ -124,9 +124,39 @@ async def test_bad_publish_arguments_fail_at_the_call(ctx, ipc_dir) -> None:
 async def test_close_while_receiving_raises_channel_closed(ctx, ipc_dir) -> None:
     client = ControlClient(ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub"), ctx,
                            topics=["x"])
-    await client.start()
+    await client.start(ready_timeout_s=0.05)  # no broker here
     receiving = asyncio.create_task(client.recv())
     await asyncio.sleep(0.02)
     await client.aclose()
     with pytest.raises(ChannelClosed):
         await asyncio.wait_for(receiving, 1)
+
+
+@pytest.mark.timeout(10)
+async def test_first_message_after_start_reaches_the_broker(ctx, ipc_dir) -> None:
+    # No retry here: start() waits for the broker's subscription, so nothing is dropped.
+    pub, sub = ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub")
+    seen: asyncio.Queue = asyncio.Queue()
+    broker = ControlBroker(pub, sub, ctx, on_message=lambda t, p: seen.put_nowait((t, p)))
+    await broker.start()
+    clients = [ControlClient(pub, sub, ctx) for _ in range(5)]
+    try:
+        for i, client in enumerate(clients):
+            await client.start()
+            await client.publish("heartbeat", {"i": i})
+        got = [await asyncio.wait_for(seen.get(), 3) for _ in clients]
+        assert sorted(p["i"] for _, p in got) == list(range(5))
+    finally:
+        for client in clients:
+            await client.aclose()
+        await broker.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_start_without_a_broker_is_bounded(ctx, ipc_dir, log) -> None:
+    client = ControlClient(ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub"), ctx,
+                           log=log)
+    await client.start(ready_timeout_s=0.1)
+    assert events(log, "control_bus_not_ready")
+    await client.publish("heartbeat", {})  # dropped, but never blocks
+    await client.aclose()
