@@ -97,11 +97,11 @@ def _receive_raw(address: str, total: int, capacity: int, conn: Any) -> dict:
     return {"elapsed_s": elapsed, "messages": total - warmup, "bytes": nbytes}
 
 
-async def _receive_channel(kind: str, address: str, total: int, capacity: int,
-                           conn: Any) -> dict:
+async def _receive_channel(kind: str, address: str, total: int, capacity: int, conn: Any) -> dict:
     ctx = zmq.asyncio.Context()
-    r = Receiver("bench", address, [SMALL, LARGE], capacity=capacity,
-                 expected_producers=["bench.0"], ctx=ctx)
+    r = Receiver(
+        "bench", address, [SMALL, LARGE], capacity=capacity, expected_producers=["bench.0"], ctx=ctx
+    )
     await r.start()
     conn.send("ready")
     warmup = total - conn.recv()
@@ -117,8 +117,12 @@ async def _receive_channel(kind: str, address: str, total: int, capacity: int,
     stats = r.stats()
     await r.aclose()
     ctx.term()
-    return {"elapsed_s": elapsed, "messages": i - warmup, "bytes": stats["bytes"] - received,
-            "rejected": sum(stats["rejected"].values())}
+    return {
+        "elapsed_s": elapsed,
+        "messages": i - warmup,
+        "bytes": stats["bytes"] - received,
+        "rejected": sum(stats["rejected"].values()),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,12 +223,24 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=64, help="large message size (MiB)")
     parser.add_argument("--count", type=int, default=32, help="large messages per run")
     parser.add_argument("--small-count", type=int, default=20000, help="small messages per run")
-    parser.add_argument("--capacity", type=int, default=64,
-                        help="channel inbox bound for small messages (the default inbox)")
-    parser.add_argument("--large-capacity", type=int, default=4,
-                        help="channel inbox bound for large messages (bounds memory in flight)")
-    parser.add_argument("--repeat", type=int, default=5,
-                        help="runs per measurement, raw and channel alternating; medians reported")
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=64,
+        help="channel inbox bound for small messages (the default inbox)",
+    )
+    parser.add_argument(
+        "--large-capacity",
+        type=int,
+        default=4,
+        help="channel inbox bound for large messages (bounds memory in flight)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="runs per measurement, raw and channel alternating; medians reported",
+    )
     args = parser.parse_args()
     quiet_logs()
 
@@ -245,18 +261,32 @@ def main() -> None:
                 if mode == "channel":
                     waits.append(result["credit_wait_s"])
         raw, channel = statistics.median(rates["raw"]), statistics.median(rates["channel"])
-        out[key] = {"channel": round(channel, digits), "raw": round(raw, digits),
-                    "ratio": round(channel / raw, 3)}
+        out[key] = {
+            "channel": round(channel, digits),
+            "raw": round(raw, digits),
+            "ratio": round(channel / raw, 3),
+        }
         samples[kind] = {mode: [round(r, digits) for r in rs] for mode, rs in rates.items()}
         credit_wait[kind] = round(statistics.median(waits), 3)
-    out.update({
-        "size_mb": args.size_mb, "count": args.count, "small_count": args.small_count,
-        "small_payload_bytes": 100, "capacity": args.capacity,
-        "large_capacity": args.large_capacity, "repeat": args.repeat, "samples": samples,
-        "channel_credit_wait_s": credit_wait, "transport": "ipc", "sockets": "DEALER->ROUTER",
-        "loop": _loop_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
-        "zmq": zmq.zmq_version(),
-    })
+    out.update(
+        {
+            "size_mb": args.size_mb,
+            "count": args.count,
+            "small_count": args.small_count,
+            "small_payload_bytes": 100,
+            "capacity": args.capacity,
+            "large_capacity": args.large_capacity,
+            "repeat": args.repeat,
+            "samples": samples,
+            "channel_credit_wait_s": credit_wait,
+            "transport": "ipc",
+            "sockets": "DEALER->ROUTER",
+            "loop": _loop_name(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "zmq": zmq.zmq_version(),
+        }
+    )
     print(json.dumps(out))
 
 

@@ -69,8 +69,8 @@ class StageContext(Protocol):
     seed: int  # run.seed + replica
     restarts: int  # how many times this replica was restarted before (0 on the first start)
     run_dir: Path
-    inputs: Mapping[str, Any]  # port name -> transport.channel.Receiver
-    outputs: Mapping[str, Any]  # port name -> transport.channel.Sender
+    inputs: Mapping[str, Any]  # port name -> transport.receiver.Receiver
+    outputs: Mapping[str, Any]  # port name -> transport.sender.Sender
     log: Any  # structlog logger, stage/replica/version bound
     stop_requested: asyncio.Event  # set when the run is shutting down (run() is then cancelled)
 

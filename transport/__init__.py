@@ -5,11 +5,12 @@ when a torch frame is decoded, and never to encode (a tensor exists only if torc
 """
 
 from transport.address import check_address, ipc_address, tcp_address
-from transport.channel import Receiver, Sender
 from transport.codec import decode, encode
 from transport.control import ControlBroker, ControlClient
 from transport.errors import ChannelClosed, DecodeError, EndOfStream, TransportError
 from transport.message import Message, Schema
+from transport.receiver import Receiver
+from transport.sender import Sender
 
 __all__ = [
     "ChannelClosed",

@@ -40,9 +40,7 @@ def check_address(addr: str, *, allow_any_host: bool = False) -> str:
     elif scheme == "tcp":
         _check_tcp(addr, rest, allow_any_host)
     else:
-        raise ValueError(
-            f"address {addr!r}: unsupported scheme {scheme!r}; use ipc, inproc or tcp"
-        )
+        raise ValueError(f"address {addr!r}: unsupported scheme {scheme!r}; use ipc, inproc or tcp")
     return addr
 
 

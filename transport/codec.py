@@ -54,14 +54,37 @@ _MAX_NDIM = 32
 _NUMPY_ITEMSIZE = {
     name: np.dtype(name).itemsize
     for name in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "float32", "float64", "complex64", "complex128",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
     )
 }
 _TORCH_ITEMSIZE = {
-    "bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1,
-    "float16": 2, "float32": 4, "float64": 8, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8, "complex128": 16,
+    "bool": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint8": 1,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "complex64": 8,
+    "complex128": 16,
 }
 
 
@@ -107,8 +130,9 @@ def _ext(code: int, index: int, dtype: str, shape: Sequence[int]) -> msgpack.Ext
 def _encode_numpy(a: np.ndarray, frames: list[Frame]) -> msgpack.ExtType:
     name = a.dtype.name
     if name not in _NUMPY_ITEMSIZE:
-        raise TypeError(f"cannot encode a numpy array of dtype {a.dtype}; "
-                        f"supported: {sorted(_NUMPY_ITEMSIZE)}")
+        raise TypeError(
+            f"cannot encode a numpy array of dtype {a.dtype}; supported: {sorted(_NUMPY_ITEMSIZE)}"
+        )
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))  # the one copy: wire order is native
     elif not a.flags.c_contiguous:
@@ -122,8 +146,9 @@ def _encode_torch(t: Any, frames: list[Frame]) -> msgpack.ExtType:
     torch = _loaded_torch()
     name = str(t.dtype).removeprefix("torch.")
     if name not in _TORCH_ITEMSIZE:
-        raise TypeError(f"cannot encode a torch tensor of dtype {t.dtype}; "
-                        f"supported: {sorted(_TORCH_ITEMSIZE)}")
+        raise TypeError(
+            f"cannot encode a torch tensor of dtype {t.dtype}; supported: {sorted(_TORCH_ITEMSIZE)}"
+        )
     if t.layout != torch.strided:
         raise TypeError(f"cannot encode a {t.layout} tensor; convert it with .to_dense()")
     t = t.detach()
@@ -228,8 +253,9 @@ def _parse_ref(payload: bytes) -> tuple[int, str, tuple[int, ...]]:
         or len(shape) > _MAX_NDIM
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
-        raise DecodeError("bad_header", f"array shape {shape!r} is not a list of <= "
-                                        f"{_MAX_NDIM} non-negative ints")
+        raise DecodeError(
+            "bad_header", f"array shape {shape!r} is not a list of <= {_MAX_NDIM} non-negative ints"
+        )
     return index, dtype, tuple(shape)
 
 
@@ -267,11 +293,20 @@ def _decode_numpy(buf: memoryview, dtype: str, shape: tuple[int, ...]) -> np.nda
 
 def _torch_dtypes(torch: Any) -> dict[str, Any]:
     return {
-        "bool": torch.bool, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-        "int64": torch.int64, "uint8": torch.uint8, "float16": torch.float16,
-        "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-        "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-        "complex64": torch.complex64, "complex128": torch.complex128,
+        "bool": torch.bool,
+        "int8": torch.int8,
+        "int16": torch.int16,
+        "int32": torch.int32,
+        "int64": torch.int64,
+        "uint8": torch.uint8,
+        "float16": torch.float16,
+        "float32": torch.float32,
+        "float64": torch.float64,
+        "bfloat16": torch.bfloat16,
+        "float8_e4m3fn": torch.float8_e4m3fn,
+        "float8_e5m2": torch.float8_e5m2,
+        "complex64": torch.complex64,
+        "complex128": torch.complex128,
     }
 
 

@@ -163,13 +163,15 @@ class ControlBroker:
 
     def stats(self) -> dict[str, int]:
         """Messages forwarded, published, malformed, and callback errors."""
-        return {k: self._counts[k]
-                for k in ("forwarded", "published", "malformed", "callback_errors")}
+        return {
+            k: self._counts[k] for k in ("forwarded", "published", "malformed", "callback_errors")
+        }
 
     def _task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and not self._closed:
-            self._log.error("control_broker_failed", task=task.get_name(),
-                            error=repr(task.exception()))
+            self._log.error(
+                "control_broker_failed", task=task.get_name(), error=repr(task.exception())
+            )
 
     async def _forward_loop(self, xsub: zmq.asyncio.Socket, xpub: zmq.asyncio.Socket) -> None:
         while True:
@@ -245,8 +247,9 @@ class ControlClient:
         try:
             await asyncio.wait_for(self._broker_subscribed(self._pub), ready_timeout_s)
         except asyncio.TimeoutError:
-            self._log.warning("control_bus_not_ready", address=self.pub_address,
-                              waited_s=ready_timeout_s)
+            self._log.warning(
+                "control_bus_not_ready", address=self.pub_address, waited_s=ready_timeout_s
+            )
 
     @staticmethod
     async def _broker_subscribed(pub: zmq.asyncio.Socket) -> None:

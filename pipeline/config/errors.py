@@ -43,7 +43,9 @@ class ConfigError(Exception):
     def __str__(self) -> str:
         if len(self.issues) == 1:
             return str(self.issues[0])
-        head = f"{len(self.issues)} problems in {self.source}:" if self.source else (
-            f"{len(self.issues)} problems:"
+        head = (
+            f"{len(self.issues)} problems in {self.source}:"
+            if self.source
+            else (f"{len(self.issues)} problems:")
         )
         return "\n".join([head, *(f"  {issue}" for issue in self.issues)])

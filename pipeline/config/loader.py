@@ -51,8 +51,10 @@ class LoadedPipeline:
         """The whole config as plain data, every default filled in, stage options inline."""
         stages = {}
         for name, section in self.config.stages.items():
-            stages[name] = {**typed.to_plain(section, skip=("options",)),
-                            **typed.to_plain(section.options)}
+            stages[name] = {
+                **typed.to_plain(section, skip=("options",)),
+                **typed.to_plain(section.options),
+            }
         return {
             "run": typed.to_plain(self.config.run),
             "transport": typed.to_plain(self.config.transport),
@@ -76,17 +78,41 @@ def load_pipeline(
     for key in data:
         if key not in SECTIONS:
             hint = typed.did_you_mean(key, SECTIONS) or f"; the sections are {', '.join(SECTIONS)}"
-            issues.append(ConfigIssue(key, f"unknown top-level section {key!r}{hint}",
-                                      locations.at(key)))
+            issues.append(
+                ConfigIssue(key, f"unknown top-level section {key!r}{hint}", locations.at(key))
+            )
     run = _section(RunSection, data, "run", locations, issues)
     transport = _section(TransportSection, data, "transport", locations, issues)
     names, stages, classes, inputs_known = _stages(data, locations, issues, resolve)
     check_wiring(names, stages, classes, inputs_known, locations, issues)
+    if run is not None and transport is not None:
+        issues.extend(_timing_issues(run, transport, locations))
 
     if issues:
         raise ConfigError(_in_order(issues, str(source), overrides), str(source))
     assert run is not None and transport is not None  # else issues were reported
     return LoadedPipeline(PipelineConfig(run, transport, stages), classes, source)
+
+
+def _timing_issues(
+    run: RunSection, transport: TransportSection, locations: Locations
+) -> list[ConfigIssue]:
+    """Timeouts must leave room for several heartbeats, or live peers would be taken as gone."""
+    found = []
+    for path, value in (
+        ("run.heartbeat_timeout_s", run.heartbeat_timeout_s),
+        ("transport.peer_timeout_s", transport.peer_timeout_s),
+    ):
+        if value <= 2 * run.heartbeat_s:
+            found.append(
+                ConfigIssue(
+                    path,
+                    f"must be more than twice run.heartbeat_s ({run.heartbeat_s}), got {value}: "
+                    "raise it or lower run.heartbeat_s",
+                    locations.at(path),
+                )
+            )
+    return found
 
 
 def _section(
@@ -104,17 +130,22 @@ def _stages(
     resolve: Callable[[str], type],
 ) -> tuple[list[str], dict[str, StageSection], dict[str, type], set[str]]:
     """Stage names, each buildable stage's section (options in), class, valid-inputs names."""
+
     def fail(path: str, message: str) -> None:
         issues.append(ConfigIssue(path, message, locations.at(path)))
 
     raw = data["stages"] if "stages" in data else None
     if not isinstance(raw, Mapping) or not raw:
         if raw is None or isinstance(raw, Mapping):
-            fail("stages", "no stages: add at least one under `stages:`, as "
-                           "NAME: {use: PLUGIN, inputs: {PORT: STAGE.PORT}}")
+            fail(
+                "stages",
+                "no stages: add at least one under `stages:`, as "
+                "NAME: {use: PLUGIN, inputs: {PORT: STAGE.PORT}}",
+            )
         else:
-            fail("stages", f"expected a mapping of stage name -> stage entry, "
-                           f"got {typed.show(raw)}")
+            fail(
+                "stages", f"expected a mapping of stage name -> stage entry, got {typed.show(raw)}"
+            )
         return [], {}, {}, set()
 
     sections: dict[str, StageSection] = {}
@@ -123,11 +154,17 @@ def _stages(
     for name, entry in raw.items():
         path = join_path("stages", name)
         if not _STAGE_NAME.fullmatch(name):
-            fail(path, f"stage name {name!r} must match [a-z][a-z0-9_]* (a lowercase letter, "
-                       "then lowercase letters, digits or underscores)")
+            fail(
+                path,
+                f"stage name {name!r} must match [a-z][a-z0-9_]* (a lowercase letter, "
+                "then lowercase letters, digits or underscores)",
+            )
         if not isinstance(entry, Mapping):
-            fail(path, f"expected a stage entry (a mapping with at least `use: PLUGIN`), "
-                       f"got {typed.show(entry)}")
+            fail(
+                path,
+                f"expected a stage entry (a mapping with at least `use: PLUGIN`), "
+                f"got {typed.show(entry)}",
+            )
             continue
         runtime = {key: value for key, value in entry.items() if key in STAGE_KEYS}
         options = {key: value for key, value in entry.items() if key not in STAGE_KEYS}
@@ -136,9 +173,10 @@ def _stages(
         inputs_path = join_path(path, "inputs")
         if section is not None:
             sections[name] = section
-            if not any(i.path == inputs_path or i.path.startswith((inputs_path + ".",
-                                                                    inputs_path + "["))
-                       for i in issues[before:]):
+            if not any(
+                i.path == inputs_path or i.path.startswith((inputs_path + ".", inputs_path + "["))
+                for i in issues[before:]
+            ):
                 inputs_known.add(name)
         cls = _resolve(entry.get("use"), join_path(path, "use"), resolve, fail)
         if cls is None:
@@ -186,15 +224,16 @@ def _build_options(
         return None
     clashes = [f.name for f in dataclasses.fields(config_cls) if f.name in STAGE_KEYS]
     if clashes:
-        fail(use_path, f"{cls.__qualname__}.Config has option(s) {', '.join(clashes)} named like "
-                       f"runtime keys ({', '.join(STAGE_KEYS)}): the plugin must rename them")
+        fail(
+            use_path,
+            f"{cls.__qualname__}.Config has option(s) {', '.join(clashes)} named like "
+            f"runtime keys ({', '.join(STAGE_KEYS)}): the plugin must rename them",
+        )
         return None
     return typed.build(config_cls, options, path, locations, issues, also_known=STAGE_KEYS)
 
 
-def _in_order(
-    issues: list[ConfigIssue], file: str, overrides: Sequence[str]
-) -> list[ConfigIssue]:
+def _in_order(issues: list[ConfigIssue], file: str, overrides: Sequence[str]) -> list[ConfigIssue]:
     """File issues by line, then override issues by override, then the rest."""
     position = {f"override {text!r}": i for i, text in enumerate(overrides)}
 
@@ -202,7 +241,7 @@ def _in_order(
         if issue.where == file:
             return (0, 0, 0)
         if issue.where.startswith(file + ":"):
-            numbers = [int(n) for n in issue.where[len(file) + 1:].split(":") if n.isdigit()]
+            numbers = [int(n) for n in issue.where[len(file) + 1 :].split(":") if n.isdigit()]
             return (0, *numbers, 0) if len(numbers) == 1 else (0, *numbers)
         if issue.where in position:
             return (1, position[issue.where])

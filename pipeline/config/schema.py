@@ -86,8 +86,9 @@ class StageSection:
     )
     replicas: int = _f(1, "number of replica processes", min=1)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
-    inbox: int | None = _f(None, "bound of this stage's input inboxes (default transport.inbox)",
-                           min=1)
+    inbox: int | None = _f(
+        None, "bound of this stage's input inboxes (default transport.inbox)", min=1
+    )
     inputs: dict[str, str | list[str]] = field(
         default_factory=dict,
         metadata={"doc": "input port -> upstream 'stage.port' (or a list of them)"},

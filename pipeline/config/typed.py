@@ -144,8 +144,9 @@ def _build(
     complete = True
     for name, field in fields.items():
         sub = join_path(path, name)
-        required = (field.default is dataclasses.MISSING
-                    and field.default_factory is dataclasses.MISSING)
+        required = (
+            field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        )
         if name not in data:
             if required:
                 doc = field.metadata.get("doc")
@@ -201,8 +202,11 @@ def _convert(tp: Any, value: Any, path: str, ctx: _Ctx) -> Any:
     if origin is Literal:
         if any(value == a and type(value) is type(a) for a in args):
             return value
-        hint = did_you_mean(value, [a for a in args if isinstance(a, str)]) if isinstance(
-            value, str) else ""
+        hint = (
+            did_you_mean(value, [a for a in args if isinstance(a, str)])
+            if isinstance(value, str)
+            else ""
+        )
         return ctx.fail(path, f"expected {describe(tp)}, got {show(value)}{hint}")
     if origin in (Union, types.UnionType):
         return _convert_union(tp, args, value, path, ctx)
@@ -214,8 +218,10 @@ def _convert(tp: Any, value: Any, path: str, ctx: _Ctx) -> Any:
     if origin is tuple:
         if not isinstance(value, list) or len(value) != len(args):
             return ctx.fail(path, f"expected a list of {len(args)} items, got {show(value)}")
-        items = [_convert(t, v, f"{path}[{i}]", ctx)
-                 for i, (t, v) in enumerate(zip(args, value, strict=True))]
+        items = [
+            _convert(t, v, f"{path}[{i}]", ctx)
+            for i, (t, v) in enumerate(zip(args, value, strict=True))
+        ]
         return _BAD if any(v is _BAD for v in items) else tuple(items)
     if origin in (dict, Mapping) or tp is dict:
         return _convert_dict(tp, args, value, path, ctx)
@@ -271,8 +277,11 @@ def _convert_scalar(tp: Any, value: Any, path: str, ctx: _Ctx) -> Any:
     if tp is _NONE:
         return value if value is None else ctx.fail(path, f"expected null, got {got}")
     if tp is bool:
-        return value if isinstance(value, bool) else ctx.fail(
-            path, f"expected a boolean (true or false), got {got}")
+        return (
+            value
+            if isinstance(value, bool)
+            else ctx.fail(path, f"expected a boolean (true or false), got {got}")
+        )
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -285,14 +294,21 @@ def _convert_scalar(tp: Any, value: Any, path: str, ctx: _Ctx) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
-        hint = " (quote the value if you meant text)" if isinstance(
-            value, (int, float, bool)) else ""
+        hint = (
+            " (quote the value if you meant text)" if isinstance(value, (int, float, bool)) else ""
+        )
         return ctx.fail(path, f"expected a string, got {got}{hint}")
     if isinstance(tp, type) and issubclass(tp, PurePath):
-        return tp(value) if isinstance(value, str) else ctx.fail(
-            path, f"expected a path (string), got {got}")
-    return ctx.fail(path, f"the config cannot hold a value of type {tp!r}: use str, int, float, "
-                          "bool, Literal, list, dict, a dataclass or a union of them")
+        return (
+            tp(value)
+            if isinstance(value, str)
+            else ctx.fail(path, f"expected a path (string), got {got}")
+        )
+    return ctx.fail(
+        path,
+        f"the config cannot hold a value of type {tp!r}: use str, int, float, "
+        "bool, Literal, list, dict, a dataclass or a union of them",
+    )
 
 
 def to_plain(value: Any, skip: Collection[str] = ()) -> Any:

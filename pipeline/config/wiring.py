@@ -50,6 +50,7 @@ def check_wiring(
     built and resolved; ``inputs_known`` the stages whose ``inputs`` were valid. Checks that
     need the whole graph (dangling output ports) run only when every stage's wiring is known.
     """
+
     def fail(path: str, message: str) -> None:
         issues.append(ConfigIssue(path, message, locations.at(path)))
 
@@ -70,12 +71,17 @@ def check_wiring(
             port_path = join_path(inputs_path, port)
             if consumer in ins and port not in ins[consumer]:
                 cls_name = classes[consumer].__qualname__
-                fail(port_path, f"stage {consumer!r} ({cls_name}) has no input port {port!r}"
-                                + (did_you_mean(port, ins[consumer])
-                                   or _listing("input ports", ins[consumer])))
+                fail(
+                    port_path,
+                    f"stage {consumer!r} ({cls_name}) has no input port {port!r}"
+                    + (did_you_mean(port, ins[consumer]) or _listing("input ports", ins[consumer])),
+                )
                 sources_ok = False
-            listed = [(sources, port_path)] if isinstance(sources, str) else [
-                (source, f"{port_path}[{i}]") for i, source in enumerate(sources)]
+            listed = (
+                [(sources, port_path)]
+                if isinstance(sources, str)
+                else [(source, f"{port_path}[{i}]") for i, source in enumerate(sources)]
+            )
             for source, path in listed:
                 edge = _edge(source, consumer, port, path, names, classes, outs, fail)
                 if edge is None:
@@ -86,8 +92,9 @@ def check_wiring(
     _check_fan_out(edges, locations, fail)
     for edge in edges:
         if edge.consumer in ins and edge.input in ins[edge.consumer] and edge.producer in outs:
-            _check_kinds(edge, outs[edge.producer][edge.output], ins[edge.consumer][edge.input],
-                         fail)
+            _check_kinds(
+                edge, outs[edge.producer][edge.output], ins[edge.consumer][edge.input], fail
+            )
     for consumer in sections:
         if consumer in ins and consumer in inputs_known:
             _check_inputs_wired(consumer, sections[consumer], ins[consumer], outs, fail)
@@ -96,9 +103,11 @@ def check_wiring(
         for producer in names:
             for port, declared in outs[producer].items():
                 if not declared.optional and (producer, port) not in wired:
-                    fail(join_path("stages", producer),
-                         f"output port {producer}.{port} is not connected: add `inputs: "
-                         f"{{PORT: {producer}.{port}}}` to the stage that should receive it")
+                    fail(
+                        join_path("stages", producer),
+                        f"output port {producer}.{port} is not connected: add `inputs: "
+                        f"{{PORT: {producer}.{port}}}` to the stage that should receive it",
+                    )
 
 
 def _edge(
@@ -113,18 +122,26 @@ def _edge(
 ) -> _Edge | None:
     producer, dot, output = source.partition(".")
     if not dot or not producer or not output or "." in output:
-        fail(path, f"expected 'STAGE.PORT' (an upstream stage and one of its output ports), "
-                   f"got {source!r}")
+        fail(
+            path,
+            f"expected 'STAGE.PORT' (an upstream stage and one of its output ports), "
+            f"got {source!r}",
+        )
         return None
     if producer not in names:
-        fail(path, f"no stage named {producer!r}"
-                   + (did_you_mean(producer, names) or f"; the stages: {', '.join(names)}"))
+        fail(
+            path,
+            f"no stage named {producer!r}"
+            + (did_you_mean(producer, names) or f"; the stages: {', '.join(names)}"),
+        )
         return None
     if producer in outs and output not in outs[producer]:
         cls_name = classes[producer].__qualname__
-        fail(path, f"stage {producer!r} ({cls_name}) has no output port {output!r}"
-                   + (did_you_mean(output, outs[producer])
-                      or _listing("output ports", outs[producer])))
+        fail(
+            path,
+            f"stage {producer!r} ({cls_name}) has no output port {output!r}"
+            + (did_you_mean(output, outs[producer]) or _listing("output ports", outs[producer])),
+        )
         return None
     return _Edge(producer, output, consumer, port, path)
 
@@ -138,13 +155,19 @@ def _check_fan_out(edges: list[_Edge], locations: Locations, fail: _Fail) -> Non
             continue
         taken = first[key]
         if (taken.consumer, taken.input) == (edge.consumer, edge.input):
-            fail(edge.path, f"{edge.producer}.{edge.output} is listed twice for "
-                            f"{edge.consumer}.{edge.input}: remove one")
+            fail(
+                edge.path,
+                f"{edge.producer}.{edge.output} is listed twice for "
+                f"{edge.consumer}.{edge.input}: remove one",
+            )
             continue
-        fail(edge.path, f"output port {edge.producer}.{edge.output} feeds two input ports: "
-                        f"{taken.consumer}.{taken.input} ({locations.at(taken.path)}) and "
-                        f"{edge.consumer}.{edge.input}; an output port may feed only one input "
-                        "port (fan-in is fine: one input port may list several sources)")
+        fail(
+            edge.path,
+            f"output port {edge.producer}.{edge.output} feeds two input ports: "
+            f"{taken.consumer}.{taken.input} ({locations.at(taken.path)}) and "
+            f"{edge.consumer}.{edge.input}; an output port may feed only one input "
+            "port (fan-in is fine: one input port may list several sources)",
+        )
 
 
 def _check_kinds(edge: _Edge, output: Port, target: Port, fail: _Fail) -> None:
@@ -152,15 +175,21 @@ def _check_kinds(edge: _Edge, output: Port, target: Port, fail: _Fail) -> None:
     problems = []
     for schema in output.schemas:
         if schema.kind not in accepted:
-            problems.append(f"kind {schema.kind!r} (version {schema.version}), which it does "
-                            "not accept")
+            problems.append(
+                f"kind {schema.kind!r} (version {schema.version}), which it does not accept"
+            )
         elif accepted[schema.kind] != schema.version:
-            problems.append(f"{schema.kind!r} version {schema.version}, but it accepts version "
-                            f"{accepted[schema.kind]}")
+            problems.append(
+                f"{schema.kind!r} version {schema.version}, but it accepts version "
+                f"{accepted[schema.kind]}"
+            )
     if problems:
         accepts = ", ".join(f"{kind!r} v{version}" for kind, version in accepted.items())
-        fail(edge.path, f"{edge.producer}.{edge.output} sends {'; and '.join(problems)} "
-                        f"({edge.consumer}.{edge.input} accepts {accepts})")
+        fail(
+            edge.path,
+            f"{edge.producer}.{edge.output} sends {'; and '.join(problems)} "
+            f"({edge.consumer}.{edge.input} accepts {accepts})",
+        )
 
 
 def _accepts(target: Port, output: Port) -> bool:
@@ -177,10 +206,15 @@ def _check_inputs_wired(
     for port, spec in declared.items():
         if spec.optional or section.inputs.get(port):
             continue
-        fits = [f"{producer}.{name}" for producer, ports in outs.items()
-                for name, output in ports.items() if producer != consumer
-                and _accepts(spec, output)]
+        fits = [
+            f"{producer}.{name}"
+            for producer, ports in outs.items()
+            for name, output in ports.items()
+            if producer != consumer and _accepts(spec, output)
+        ]
         hint = f" (outputs that fit: {', '.join(fits[:5])})" if fits else ""
-        fail(join_path(join_path("stages", consumer), "inputs"),
-             f"input port {consumer}.{port} is not connected: add `inputs: {{{port}: "
-             f"STAGE.PORT}}` to stage {consumer!r}{hint}")
+        fail(
+            join_path(join_path("stages", consumer), "inputs"),
+            f"input port {consumer}.{port} is not connected: add `inputs: {{{port}: "
+            f"STAGE.PORT}}` to stage {consumer!r}{hint}",
+        )

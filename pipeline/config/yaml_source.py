@@ -99,7 +99,7 @@ def _is_under(key: str, path: str) -> bool:
 
 
 def _show_tag(tag: str) -> str:
-    return "!!" + tag[len(_CORE):] if tag.startswith(_CORE) else tag
+    return "!!" + tag[len(_CORE) :] if tag.startswith(_CORE) else tag
 
 
 class _NodeReader:
@@ -146,8 +146,12 @@ class _NodeReader:
         return items
 
     def _bad_tag(self, node: Node, path: str) -> None:
-        self.issue(path, node, f"unsupported YAML tag {_show_tag(node.tag)!r}: only plain values "
-                               "(strings, numbers, booleans, null, lists, mappings) are allowed")
+        self.issue(
+            path,
+            node,
+            f"unsupported YAML tag {_show_tag(node.tag)!r}: only plain values "
+            "(strings, numbers, booleans, null, lists, mappings) are allowed",
+        )
         return None
 
     def _mapping(self, node: MappingNode, path: str, seen: dict[str, Node]) -> dict[str, Any]:
@@ -166,9 +170,13 @@ class _NodeReader:
             sub = join_path(path, key)
             if key in seen:
                 first = seen[key].start_mark.line + 1
-                self.issue(sub, key_node, f"duplicate key {key!r} (first at line {first}, again at "
-                                          f"line {key_node.start_mark.line + 1}): YAML would keep "
-                                          "only the last one; remove one of them")
+                self.issue(
+                    sub,
+                    key_node,
+                    f"duplicate key {key!r} (first at line {first}, again at "
+                    f"line {key_node.start_mark.line + 1}): YAML would keep "
+                    "only the last one; remove one of them",
+                )
                 continue
             seen[key] = key_node
             self.locations.set(sub, self.where(key_node))
@@ -208,23 +216,33 @@ class _NodeReader:
         if isinstance(value, str):
             return value
         shown = "null" if value is None else f"{value!r} ({type(value).__name__})"
-        self.issue(join_path(path, str(node.value)), node,
-                   f"key {node.value!r} is read by YAML as {shown}, not a string: "
-                   f"quote it ('{node.value}': ...)")
+        self.issue(
+            join_path(path, str(node.value)),
+            node,
+            f"key {node.value!r} is read by YAML as {shown}, not a string: "
+            f"quote it ('{node.value}': ...)",
+        )
         return None
 
 
 _PLAIN_PROBLEMS = (
-    ("mapping values are not allowed", "unexpected ':' here: quote a value that contains ': ', "
-     "or check this line's indentation and that the line above has its ':'"),
-    ("could not find expected ':'", "expected 'key: value' (a ':' is missing after a key, "
-     "or a quote is not closed)"),
+    (
+        "mapping values are not allowed",
+        "unexpected ':' here: quote a value that contains ': ', "
+        "or check this line's indentation and that the line above has its ':'",
+    ),
+    (
+        "could not find expected ':'",
+        "expected 'key: value' (a ':' is missing after a key, or a quote is not closed)",
+    ),
     ("expected <block end>", "this line's indentation does not line up with the lines above"),
     ("found unexpected end of stream", "the file ends inside an unclosed quote"),
     ("expected ',' or ']'", "a '[' list is not closed, or its items lack ', ' between them"),
     ("expected ',' or '}'", "a '{' mapping is not closed, or its items lack ', ' between them"),
-    ("but found another document", "the file holds more than one YAML document ('---'); "
-     "a pipeline file is a single document"),
+    (
+        "but found another document",
+        "the file holds more than one YAML document ('---'); a pipeline file is a single document",
+    ),
     ("found character '\\t'", "a tab character here: YAML needs spaces, not tabs"),
     ("found undefined alias", "an alias '*NAME' refers to an anchor '&NAME' not defined above"),
 )
@@ -259,9 +277,14 @@ def _syntax_issues(text: str, file: str, exc: yaml.YAMLError) -> list[ConfigIssu
         match = _TAB_INDENT.match(line)
         if match and line.strip():
             tab_lines.add(number)
-            issues.append(ConfigIssue("", "a tab character is used for indentation: YAML "
-                                      "indentation must be spaces (replace the tab with spaces)",
-                                      f"{file}:{number}:{match.end()}"))
+            issues.append(
+                ConfigIssue(
+                    "",
+                    "a tab character is used for indentation: YAML "
+                    "indentation must be spaces (replace the tab with spaces)",
+                    f"{file}:{number}:{match.end()}",
+                )
+            )
     if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
         issues.append(ConfigIssue("", f"invalid YAML: {exc}", file))
     elif exc.problem_mark.line + 1 not in tab_lines:
@@ -282,7 +305,8 @@ def _read_text(path: Path, file: str) -> str:
     except FileNotFoundError:
         siblings = (
             [p.name for p in path.parent.iterdir() if p.suffix in (".yaml", ".yml")]
-            if path.parent.is_dir() else []
+            if path.parent.is_dir()
+            else []
         )
         close = difflib.get_close_matches(path.name, siblings, n=1)
         hint = f"; did you mean {str(path.with_name(close[0]))!r}?" if close else ""
@@ -310,13 +334,30 @@ def load_yaml(path: str | Path) -> tuple[dict[str, Any], Locations, list[ConfigI
     except yaml.YAMLError as exc:
         raise ConfigError(_syntax_issues(text, file, exc), file) from None
     if node is None:
-        raise ConfigError([ConfigIssue("", "the file is empty (or holds only comments): expected "
-                                       "the sections run, transport, stages", file)], file)
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "",
+                    "the file is empty (or holds only comments): expected "
+                    "the sections run, transport, stages",
+                    file,
+                )
+            ],
+            file,
+        )
     if not isinstance(node, MappingNode):
         got = "a list" if isinstance(node, SequenceNode) else f"the scalar {node.value!r}"
-        raise ConfigError([ConfigIssue("", "the top level must be a mapping of sections (run, "
-                                       f"transport, stages), got {got}",
-                                       f"{file}:{node.start_mark.line + 1}")], file)
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "",
+                    "the top level must be a mapping of sections (run, "
+                    f"transport, stages), got {got}",
+                    f"{file}:{node.start_mark.line + 1}",
+                )
+            ],
+            file,
+        )
     locations = Locations(file)
     reader = _NodeReader(loader, locations)
     data = reader.read(node, "")
@@ -328,15 +369,23 @@ def _override_value(text: str, value_text: str) -> tuple[Any, list[ConfigIssue]]
     try:
         loader, node = _compose(value_text)
     except yaml.YAMLError as exc:
-        problem = (_yaml_error_message(exc) if isinstance(exc, yaml.MarkedYAMLError)
-                   else f"invalid YAML: {exc}")
+        problem = (
+            _yaml_error_message(exc)
+            if isinstance(exc, yaml.MarkedYAMLError)
+            else f"invalid YAML: {exc}"
+        )
         return None, [ConfigIssue("", f"the value is not valid YAML: {problem}", where)]
     if node is None:
         return None, []
     if isinstance(node, (MappingNode, SequenceNode)) and not node.flow_style:
-        return None, [ConfigIssue("", "the value reads as a block YAML collection: write a "
-                                  "mapping as {k: v} or a list as [a, b], or quote a string",
-                                  where)]
+        return None, [
+            ConfigIssue(
+                "",
+                "the value reads as a block YAML collection: write a "
+                "mapping as {k: v} or a list as [a, b], or quote a string",
+                where,
+            )
+        ]
     reader = _NodeReader(loader, Locations(), where)
     value = reader.read(node, "")
     return value, reader.issues
@@ -367,13 +416,24 @@ def apply_overrides(
         key, sep, value_text = text.partition("=")
         key = key.strip()
         if not sep:
-            issues.append(ConfigIssue("", "an override must look like KEY=VALUE "
-                                      "(e.g. stages.learner.replicas=2)", where))
+            issues.append(
+                ConfigIssue(
+                    "",
+                    "an override must look like KEY=VALUE (e.g. stages.learner.replicas=2)",
+                    where,
+                )
+            )
             continue
         parts = key.split(".")
         if not key or not all(parts):
-            issues.append(ConfigIssue(key, "the key of an override must be a dotted path with no "
-                                      "empty parts (e.g. stages.learner.replicas)", where))
+            issues.append(
+                ConfigIssue(
+                    key,
+                    "the key of an override must be a dotted path with no "
+                    "empty parts (e.g. stages.learner.replicas)",
+                    where,
+                )
+            )
             continue
         value, value_issues = _override_value(text, value_text)
         if value_issues:
@@ -387,9 +447,15 @@ def apply_overrides(
                 locations.drop_under(path)
                 locations.set(path, where)
             elif not isinstance(target[part], dict):
-                issues.append(ConfigIssue(key, f"cannot set a key inside {path!r}: it is "
-                                          f"{_describe(target[part])}, not a mapping "
-                                          f"(set the whole value: {path}=...)", where))
+                issues.append(
+                    ConfigIssue(
+                        key,
+                        f"cannot set a key inside {path!r}: it is "
+                        f"{_describe(target[part])}, not a mapping "
+                        f"(set the whole value: {path}=...)",
+                        where,
+                    )
+                )
                 break
             target = target[part]
         else:
@@ -402,8 +468,14 @@ def apply_overrides(
 def _remove(data: dict[str, Any], locations: Locations, key: str, where: str) -> list[ConfigIssue]:
     parts = key.split(".")
     if not key or not all(parts) or "=" in key:
-        return [ConfigIssue(key, "a removal must look like ~KEY, with a dotted path and no "
-                            "value (e.g. ~stages.learner.lr)", where)]
+        return [
+            ConfigIssue(
+                key,
+                "a removal must look like ~KEY, with a dotted path and no "
+                "value (e.g. ~stages.learner.lr)",
+                where,
+            )
+        ]
     target: Any = data
     for part in parts[:-1]:
         target = target.get(part) if isinstance(target, dict) else None
@@ -426,5 +498,6 @@ def _mark_all(locations: Locations, path: str, value: Any, where: str) -> None:
 
 def dump_yaml(data: Any) -> str:
     """``data`` (plain values) as block-style YAML that ``load_yaml`` reads back unchanged."""
-    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                     allow_unicode=True)
+    return yaml.dump(
+        data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True
+    )

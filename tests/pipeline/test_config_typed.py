@@ -57,16 +57,40 @@ def messages(issues: list[ConfigIssue]) -> list[tuple[str, str]]:
 
 
 def test_valid_data_converts_every_supported_type() -> None:
-    obj, issues = run(Sample, {
-        "count": 3, "rate": 2, "flag": True, "mode": "fast", "limit": 5, "tags": ["a", "b"],
-        "weights": {"x": 1}, "source": ["s1", "s2"], "inner": {"size": 4}, "pair": [1, "b"],
-        "many": [1, 2, 3], "where": "out/dir", "extra": {"any": [1]},
-    })
+    obj, issues = run(
+        Sample,
+        {
+            "count": 3,
+            "rate": 2,
+            "flag": True,
+            "mode": "fast",
+            "limit": 5,
+            "tags": ["a", "b"],
+            "weights": {"x": 1},
+            "source": ["s1", "s2"],
+            "inner": {"size": 4},
+            "pair": [1, "b"],
+            "many": [1, 2, 3],
+            "where": "out/dir",
+            "extra": {"any": [1]},
+        },
+    )
     assert issues == []
-    assert obj == Sample(count=3, rate=2.0, flag=True, mode="fast", limit=5, tags=["a", "b"],
-                         weights={"x": 1.0}, source=["s1", "s2"], inner=Inner(size=4),
-                         pair=(1, "b"), many=(1, 2, 3), where=Path("out/dir"),
-                         extra={"any": [1]})
+    assert obj == Sample(
+        count=3,
+        rate=2.0,
+        flag=True,
+        mode="fast",
+        limit=5,
+        tags=["a", "b"],
+        weights={"x": 1.0},
+        source=["s1", "s2"],
+        inner=Inner(size=4),
+        pair=(1, "b"),
+        many=(1, 2, 3),
+        where=Path("out/dir"),
+        extra={"any": [1]},
+    )
     assert isinstance(obj.rate, float) and isinstance(obj.weights["x"], float)
 
 
@@ -86,16 +110,25 @@ def test_absent_keys_keep_the_dataclass_defaults() -> None:
         ({"rate": "fast"}, "cfg.rate", "expected a number, got 'fast' (str)"),
         ({"rate": False}, "cfg.rate", "expected a number, got false (bool)"),
         ({"flag": "true"}, "cfg.flag", "expected a boolean (true or false), got 'true' (str)"),
-        ({"mode": "fats"}, "cfg.mode",
-         "expected one of 'fast', 'exact', got 'fats' (str); did you mean 'fast'?"),
+        (
+            {"mode": "fats"},
+            "cfg.mode",
+            "expected one of 'fast', 'exact', got 'fats' (str); did you mean 'fast'?",
+        ),
         ({"mode": 1}, "cfg.mode", "expected one of 'fast', 'exact', got 1 (int)"),
         ({"limit": "x"}, "cfg.limit", "expected an integer or null, got 'x' (str)"),
         ({"tags": "a"}, "cfg.tags", "expected a list of strings, got 'a' (str)"),
-        ({"tags": ["a", 2]}, "cfg.tags[1]",
-         "expected a string, got 2 (int) (quote the value if you meant text)"),
+        (
+            {"tags": ["a", 2]},
+            "cfg.tags[1]",
+            "expected a string, got 2 (int) (quote the value if you meant text)",
+        ),
         ({"weights": {"x": "heavy"}}, "cfg.weights.x", "expected a number, got 'heavy' (str)"),
-        ({"weights": [1]}, "cfg.weights",
-         "expected a mapping of string keys to numbers, got a list [1]"),
+        (
+            {"weights": [1]},
+            "cfg.weights",
+            "expected a mapping of string keys to numbers, got a list [1]",
+        ),
         ({"source": 3}, "cfg.source", "expected a string or a list of strings, got 3 (int)"),
         ({"source": ["a", None]}, "cfg.source[1]", "expected a string, got null"),
         ({"inner": {"size": "big"}}, "cfg.inner.size", "expected an integer, got 'big' (str)"),
@@ -105,12 +138,15 @@ def test_absent_keys_keep_the_dataclass_defaults() -> None:
         ({"many": [1, "x"]}, "cfg.many[1]", "expected an integer, got 'x' (str)"),
         ({"where": 3}, "cfg.where", "expected a path (string), got 3 (int)"),
         ({"cuont": 3}, "cfg.cuont", "unknown key 'cuont'; did you mean 'count'?"),
-        ({"derived": 3}, "cfg.derived", "unknown key 'derived'; valid keys: count, rate, flag, "
-         "mode, limit, tags, weights, source, inner, pair, many, where, extra"),
+        (
+            {"derived": 3},
+            "cfg.derived",
+            "unknown key 'derived'; valid keys: count, rate, flag, "
+            "mode, limit, tags, weights, source, inner, pair, many, where, extra",
+        ),
     ],
 )
-def test_each_mistake_names_path_and_what_was_expected(data: dict, path: str,
-                                                       message: str) -> None:
+def test_each_mistake_names_path_and_what_was_expected(data: dict, path: str, message: str) -> None:
     _, issues = run(Sample, data)
     assert messages(issues) == [(path, message)]
 
@@ -121,10 +157,16 @@ def test_issue_reports_where_the_key_was_written() -> None:
 
 
 def test_all_mistakes_are_collected() -> None:
-    obj, issues = run(Sample, {"count": "x", "rate": "y", "mode": "z", "nope": 1,
-                               "inner": {"size": "w"}})
+    obj, issues = run(
+        Sample, {"count": "x", "rate": "y", "mode": "z", "nope": 1, "inner": {"size": "w"}}
+    )
     assert sorted(i.path for i in issues) == [
-        "cfg.count", "cfg.inner.size", "cfg.mode", "cfg.nope", "cfg.rate"]
+        "cfg.count",
+        "cfg.inner.size",
+        "cfg.mode",
+        "cfg.nope",
+        "cfg.rate",
+    ]
     assert obj == Sample()  # built with defaults standing in, so callers can keep checking
 
 
@@ -145,13 +187,15 @@ def test_plain_mapping_or_no_locations_are_accepted() -> None:
 def test_not_a_mapping() -> None:
     obj, issues = run(Inner, ["size"])
     assert obj is None
-    assert messages(issues) == [("cfg", "expected a mapping (Inner: size, name), "
-                                        "got a list ['size']")]
+    assert messages(issues) == [
+        ("cfg", "expected a mapping (Inner: size, name), got a list ['size']")
+    ]
 
 
 def test_skip_and_also_known() -> None:
-    _, issues = run(Inner, {"options": 1, "replica": 2}, skip=("name",),
-                    also_known=("replicas", "use"))
+    _, issues = run(
+        Inner, {"options": 1, "replica": 2}, skip=("name",), also_known=("replicas", "use")
+    )
     assert messages(issues) == [
         ("cfg.options", "unknown key 'options'; valid keys: size, replicas, use"),
         ("cfg.replica", "unknown key 'replica'; did you mean 'replicas'?"),

@@ -23,7 +23,9 @@ def only_issue(exc: pytest.ExceptionInfo[ConfigError]) -> ConfigIssue:
 
 
 def test_locations_map_every_key_path_to_its_line(tmp_path: Path) -> None:
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         run:
           name: demo   # line 2
         stages:
@@ -31,7 +33,8 @@ def test_locations_map_every_key_path_to_its_line(tmp_path: Path) -> None:
             use: power
             inputs:
               numbers: [numbers.out, other.out]
-    """)
+    """,
+    )
     data, loc, issues = load_yaml(path)
     assert issues == []
     assert data["stages"]["square"]["inputs"]["numbers"] == ["numbers.out", "other.out"]
@@ -132,7 +135,9 @@ def test_top_level_list_is_reported(tmp_path: Path) -> None:
 
 
 def test_duplicate_keys_report_both_lines(tmp_path: Path) -> None:
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         stages:
           square:
             use: power
@@ -140,7 +145,8 @@ def test_duplicate_keys_report_both_lines(tmp_path: Path) -> None:
             replicas: 3
           square:
             use: other
-    """)
+    """,
+    )
     _, _, issues = load_yaml(path)
     assert [(i.path, i.where) for i in issues] == [
         ("stages.square.replicas", f"{path}:5"),
@@ -151,12 +157,15 @@ def test_duplicate_keys_report_both_lines(tmp_path: Path) -> None:
 
 
 def test_non_string_keys_are_reported(tmp_path: Path) -> None:
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         stages:
           1: {use: power}
           on: {use: power}
           ok: {use: power}
-    """)
+    """,
+    )
     data, _, issues = load_yaml(path)
     assert list(data["stages"]) == ["ok"]
     assert [(i.path, i.where) for i in issues] == [
@@ -168,11 +177,14 @@ def test_non_string_keys_are_reported(tmp_path: Path) -> None:
 
 
 def test_tags_that_build_objects_are_rejected(tmp_path: Path) -> None:
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         run:
           name: !!python/object/apply:os.system ["echo hi"]
           seed: !!binary aGk=
-    """)
+    """,
+    )
     data, _, issues = load_yaml(path)
     assert data["run"] == {"name": None, "seed": None}
     assert [(i.path, i.where) for i in issues] == [
@@ -183,20 +195,25 @@ def test_tags_that_build_objects_are_rejected(tmp_path: Path) -> None:
 
 
 def test_value_types_follow_yaml_with_two_fixes(tmp_path: Path) -> None:
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         a: 1e-3        # YAML 1.2 float, PyYAML 1.1 would say str
         b: 2024-01-01  # stays a string, no datetime object
         c: 1.5
         d: yes
         e: ~
         f: "12"
-    """)
+    """,
+    )
     data, _, _ = load_yaml(path)
     assert data == {"a": 0.001, "b": "2024-01-01", "c": 1.5, "d": True, "e": None, "f": "12"}
 
 
 def test_merge_keys_merge_and_own_keys_win(tmp_path: Path) -> None:
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         defaults: &d
           replicas: 2
           inbox: 8
@@ -204,7 +221,8 @@ def test_merge_keys_merge_and_own_keys_win(tmp_path: Path) -> None:
           a:
             <<: *d
             inbox: 4
-    """)
+    """,
+    )
     data, loc, issues = load_yaml(path)
     assert issues == []
     assert data["stages"]["a"] == {"replicas": 2, "inbox": 4}
@@ -223,27 +241,34 @@ def test_recursive_alias_is_reported_not_followed(tmp_path: Path) -> None:
 
 
 def loaded(tmp_path: Path) -> tuple[dict, Locations]:
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         run:
           name: demo
         stages:
           square:
             use: power
             replicas: 1
-    """)
+    """,
+    )
     data, loc, _ = load_yaml(path)
     return data, loc
 
 
 def test_overrides_set_convert_and_create(tmp_path: Path) -> None:
     data, loc = loaded(tmp_path)
-    issues = apply_overrides(data, loc, [
-        "stages.square.replicas=2",
-        "run.name=foo",
-        "stages.sum.inputs={values: square.out}",
-        "transport.host = 10.0.0.1",
-        "run.seed=",
-    ])
+    issues = apply_overrides(
+        data,
+        loc,
+        [
+            "stages.square.replicas=2",
+            "run.name=foo",
+            "stages.sum.inputs={values: square.out}",
+            "transport.host = 10.0.0.1",
+            "run.seed=",
+        ],
+    )
     assert issues == []
     assert data["stages"]["square"]["replicas"] == 2
     assert data["run"]["name"] == "foo"
@@ -292,7 +317,10 @@ def test_all_bad_overrides_are_reported(tmp_path: Path) -> None:
     data, loc = loaded(tmp_path)
     issues = apply_overrides(data, loc, ["a", "run.seed=3", "b=[", "run.name.x=1"])
     assert [i.where for i in issues] == [
-        "override 'a'", "override 'b=['", "override 'run.name.x=1'"]
+        "override 'a'",
+        "override 'b=['",
+        "override 'run.name.x=1'",
+    ]
     assert data["run"]["seed"] == 3
 
 
@@ -314,8 +342,17 @@ def test_tilde_removes_a_key(tmp_path: Path) -> None:
 
 
 def test_dump_quotes_strings_that_would_read_back_as_other_types(tmp_path: Path) -> None:
-    data = {"a": "1e-3", "b": "yes", "c": "12", "d": None, "e": 1e-10, "f": [1, "x: y"],
-            "g": {}, "h": "2024-01-01", "i": "ünï"}
+    data = {
+        "a": "1e-3",
+        "b": "yes",
+        "c": "12",
+        "d": None,
+        "e": 1e-10,
+        "f": [1, "x: y"],
+        "g": {},
+        "h": "2024-01-01",
+        "i": "ünï",
+    }
     path = tmp_path / "out.yaml"
     path.write_text(dump_yaml(data))
     assert load_yaml(path)[0] == data

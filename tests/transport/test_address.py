@@ -7,28 +7,37 @@ import pytest
 from transport.address import IPC_PATH_MAX, check_address, ipc_address, tcp_address
 
 
-@pytest.mark.parametrize("addr", [
-    "ipc:///tmp/run/stage.sock", "inproc://bus", "tcp://127.0.0.1:5555", "tcp://[::1]:80",
-    "tcp://gpu-node-3:6000",
-])
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "ipc:///tmp/run/stage.sock",
+        "inproc://bus",
+        "tcp://127.0.0.1:5555",
+        "tcp://[::1]:80",
+        "tcp://gpu-node-3:6000",
+    ],
+)
 def test_accepted(addr: str) -> None:
     assert check_address(addr) == addr
 
 
-@pytest.mark.parametrize(("addr", "problem"), [
-    ("127.0.0.1:5555", "no scheme"),
-    ("udp://127.0.0.1:5555", "unsupported scheme"),
-    ("ipc://", "needs a path"),
-    ("inproc://", "needs a name"),
-    ("tcp://127.0.0.1", "HOST:PORT"),
-    ("tcp://127.0.0.1:0", "port"),
-    ("tcp://127.0.0.1:70000", "port"),
-    ("tcp://127.0.0.1:*", "port"),
-    ("tcp://*:5555", "every interface"),
-    ("tcp://0.0.0.0:5555", "every interface"),
-    ("tcp://::1:5555", "brackets"),
-    ("ipc://" + "x" * (IPC_PATH_MAX + 1), "limit"),
-])
+@pytest.mark.parametrize(
+    ("addr", "problem"),
+    [
+        ("127.0.0.1:5555", "no scheme"),
+        ("udp://127.0.0.1:5555", "unsupported scheme"),
+        ("ipc://", "needs a path"),
+        ("inproc://", "needs a name"),
+        ("tcp://127.0.0.1", "HOST:PORT"),
+        ("tcp://127.0.0.1:0", "port"),
+        ("tcp://127.0.0.1:70000", "port"),
+        ("tcp://127.0.0.1:*", "port"),
+        ("tcp://*:5555", "every interface"),
+        ("tcp://0.0.0.0:5555", "every interface"),
+        ("tcp://::1:5555", "brackets"),
+        ("ipc://" + "x" * (IPC_PATH_MAX + 1), "limit"),
+    ],
+)
 def test_refused(addr: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         check_address(addr)

@@ -34,8 +34,9 @@ def address(scheme: str, ipc_dir: Path, name: str = "in") -> str:
 
 
 def receiver(ctx, addr, *, capacity=4, expected=None, log=None, **kw) -> Receiver:
-    return Receiver("in", addr, [ITEM], capacity=capacity, expected_producers=expected, ctx=ctx,
-                    log=log, **kw)
+    return Receiver(
+        "in", addr, [ITEM], capacity=capacity, expected_producers=expected, ctx=ctx, log=log, **kw
+    )
 
 
 def sender(ctx, peers, identity="p.0", log=None, **kw) -> Sender:
@@ -192,8 +193,9 @@ async def test_end_of_stream_waits_for_every_expected_producer(ctx, ipc_dir) -> 
 
 
 @pytest.mark.timeout(10)
-async def test_bad_messages_are_rejected_counted_and_the_next_one_arrives(ctx, ipc_dir,
-                                                                           log) -> None:
+async def test_bad_messages_are_rejected_counted_and_the_next_one_arrives(
+    ctx, ipc_dir, log
+) -> None:
     capacity = 6  # exactly the messages below that carry credit; small enough to top up by 1
     addr = ipc_address(ipc_dir, "in")
     r = receiver(ctx, addr, capacity=capacity, log=log)

@@ -17,11 +17,18 @@ from transport.errors import DecodeError
 from transport.message import Message, Schema
 
 TORCH_DTYPES = [
-    torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-    torch.float16, torch.float32, torch.float64, torch.bfloat16,
+    torch.bool,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
 ]
-NUMPY_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32",
-                "float64"]
+NUMPY_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"]
 SHAPES = [(), (0,), (3, 0), (5,), (2, 3, 4)]
 
 
@@ -64,7 +71,12 @@ def test_float8_roundtrip(dtype: torch.dtype) -> None:
 
 def test_nested_structures_and_plain_values() -> None:
     data = {
-        "run": "r1", "n": 3, "x": 0.5, "ok": True, "none": None, "raw": b"\x00\x01",
+        "run": "r1",
+        "n": 3,
+        "x": 0.5,
+        "ok": True,
+        "none": None,
+        "raw": b"\x00\x01",
         "np_scalar": np.int64(7),
         "groups": [
             {"ids": torch.tensor([1, 2, 3]), "logp": np.array([-0.5, -1.0], dtype=np.float32)},
@@ -171,8 +183,9 @@ def test_import_transport_does_not_import_torch() -> None:
 # malformed input
 
 
-def ref(index: int, dtype: str = "float32", shape: list[int] | None = None,
-        code: int = 1) -> msgpack.ExtType:
+def ref(
+    index: int, dtype: str = "float32", shape: list[int] | None = None, code: int = 1
+) -> msgpack.ExtType:
     return msgpack.ExtType(code, msgpack.packb([index, dtype, [2] if shape is None else shape]))
 
 
@@ -198,18 +211,22 @@ MALFORMED = {
     "unreferenced_frame": ([header(**GOOD, data={}), EIGHT], "frame_count"),
     "frame_too_small": ([header(**GOOD, data={"a": ref(1, shape=[3])}), EIGHT], "frame_size"),
     "frame_too_big": ([header(**GOOD, data={"a": ref(1, shape=[1])}), EIGHT], "frame_size"),
-    "huge_shape": ([header(**GOOD, data={"a": ref(1, shape=[2**40, 2**40])}), EIGHT],
-                   "frame_size"),
+    "huge_shape": ([header(**GOOD, data={"a": ref(1, shape=[2**40, 2**40])}), EIGHT], "frame_size"),
     "negative_dim": ([header(**GOOD, data={"a": ref(1, shape=[-2])}), EIGHT], "bad_header"),
-    "unknown_dtype": ([header(**GOOD, data={"a": ref(1, dtype="float128")}), EIGHT],
-                      "bad_dtype"),
-    "numpy_bfloat16": ([header(**GOOD, data={"a": ref(1, dtype="bfloat16", shape=[4])}), EIGHT],
-                       "bad_dtype"),
-    "torch_unknown_dtype": ([header(**GOOD, data={"a": ref(1, dtype="str", code=2)}), EIGHT],
-                            "bad_dtype"),
+    "unknown_dtype": ([header(**GOOD, data={"a": ref(1, dtype="float128")}), EIGHT], "bad_dtype"),
+    "numpy_bfloat16": (
+        [header(**GOOD, data={"a": ref(1, dtype="bfloat16", shape=[4])}), EIGHT],
+        "bad_dtype",
+    ),
+    "torch_unknown_dtype": (
+        [header(**GOOD, data={"a": ref(1, dtype="str", code=2)}), EIGHT],
+        "bad_dtype",
+    ),
     "unknown_ext_code": ([header(**GOOD, data={"a": ref(1, code=9)}), EIGHT], "bad_header"),
-    "bad_ref_payload": ([header(**GOOD, data={"a": msgpack.ExtType(1, b"\xc1")}), EIGHT],
-                        "bad_header"),
+    "bad_ref_payload": (
+        [header(**GOOD, data={"a": msgpack.ExtType(1, b"\xc1")}), EIGHT],
+        "bad_header",
+    ),
 }
 
 

@@ -87,6 +87,7 @@ async def test_malformed_messages_and_callback_errors_are_not_fatal(ctx, ipc_dir
     client = ControlClient(pub, sub, ctx)
     await client.start()
     try:
+
         async def junk_then_good() -> None:
             await raw.send_multipart([b"t", b"\xc1"])  # payload not msgpack
             await raw.send_multipart([b"t"])  # no payload
@@ -122,8 +123,9 @@ async def test_bad_publish_arguments_fail_at_the_call(ctx, ipc_dir) -> None:
 
 @pytest.mark.timeout(10)
 async def test_close_while_receiving_raises_channel_closed(ctx, ipc_dir) -> None:
-    client = ControlClient(ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub"), ctx,
-                           topics=["x"])
+    client = ControlClient(
+        ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub"), ctx, topics=["x"]
+    )
     await client.start(ready_timeout_s=0.05)  # no broker here
     receiving = asyncio.create_task(client.recv())
     await asyncio.sleep(0.02)
@@ -154,8 +156,7 @@ async def test_first_message_after_start_reaches_the_broker(ctx, ipc_dir) -> Non
 
 @pytest.mark.timeout(10)
 async def test_start_without_a_broker_is_bounded(ctx, ipc_dir, log) -> None:
-    client = ControlClient(ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub"), ctx,
-                           log=log)
+    client = ControlClient(ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub"), ctx, log=log)
     await client.start(ready_timeout_s=0.1)
     assert events(log, "control_bus_not_ready")
     await client.publish("heartbeat", {})  # dropped, but never blocks

@@ -1,0 +1,490 @@
+"""The consumer side of a channel: a bounded inbox that grants credit.
+
+The protocol and why it is credit-based: ``transport.credit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import Counter, deque
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import structlog
+import zmq
+import zmq.asyncio
+
+from transport.address import check_address
+from transport.codec import decode
+from transport.credit import (
+    CLOSE,
+    CLOSE_LINGER_MS,
+    CREDIT,
+    DATA,
+    DRAIN_BATCH,
+    EOS,
+    HELLO,
+    is_int,
+    log_failed_send,
+    schema_map,
+    unpack_map,
+)
+from transport.errors import ChannelClosed, DecodeError, EndOfStream, TransportError
+from transport.message import Message, Schema
+
+__all__ = ["Receiver"]
+
+# ---------------------------------------------------------------------------------------------
+# consumer side
+
+
+@dataclass(eq=False)
+class _Producer:
+    """The consumer's view of one producer session (one credit stream, ``epoch``)."""
+
+    rid: bytes
+    identity: str
+    session: str
+    epoch: int
+    last_seen: float
+    granted: int = 0  # total granted on this stream
+    received: int = 0  # credited DATA received (or written off) on this stream
+    reply: bool = False  # owes the producer a CREDIT even if the grant is 0
+
+    @property
+    def outstanding(self) -> int:
+        return self.granted - self.received
+
+
+class Receiver:
+    """The consuming end of a channel: a bounded inbox fed by any number of producers.
+
+    ``await recv()`` returns the next message (``msg.sender`` is the producer's identity);
+    ``async for msg in receiver`` stops at end-of-stream. End-of-stream comes when every
+    identity in ``expected_producers`` has sent EOS and the inbox is drained; with
+    ``expected_producers=None`` the stream never ends that way. An identity that sent EOS is
+    finished for good on this receiver.
+
+    ``name`` names the port in logs; ``address`` is bound (``ipc://``, ``tcp://`` on a named
+    interface, ``inproc://``); ``schemas`` are the kinds accepted (anything else is rejected and
+    counted); ``capacity`` bounds the inbox in messages; ``peer_timeout_s`` is how long a
+    silent producer keeps its credit. ``log`` is a structlog-style logger.
+
+    Decoded arrays share the received frames' memory: see ``transport.codec``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        schemas: Sequence[Schema],
+        *,
+        capacity: int,
+        expected_producers: Collection[str] | None,
+        ctx: zmq.asyncio.Context,
+        log: Any = None,
+        peer_timeout_s: float = 10.0,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"receiver {name!r}: capacity must be >= 1, got {capacity}")
+        if peer_timeout_s <= 0:
+            raise ValueError(f"receiver {name!r}: peer_timeout_s must be > 0")
+        self.name = name
+        self.address = check_address(address)
+        self.capacity = capacity
+        self._schemas = schema_map(schemas, f"receiver {name!r}")
+        self._expected = None if expected_producers is None else frozenset(expected_producers)
+        self._ctx = ctx
+        self._log = log if log is not None else structlog.get_logger()
+        self._peer_timeout_s = peer_timeout_s
+        self._session = secrets.token_hex(6)
+
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._inbox: deque[Message] = deque()
+        self._readable = asyncio.Event()
+        self._producers: dict[bytes, _Producer] = {}
+        self._finished: set[str] = set()  # identities that sent EOS
+        self._epoch = 0
+        self._rr = 0
+        self._grant_scheduled = False
+        self._on_sent = log_failed_send(self._log, name)
+
+        self._peak = 0
+        self._received = 0
+        self._bytes = 0
+        self._uncredited = 0
+        self._rejected: Counter[str] = Counter()
+        self._blocked_s = 0.0
+        self._blocked_since: float | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the inbox address and start receiving."""
+        if self._sock is not None or self._closed:
+            raise TransportError(f"receiver {self.name!r} was already started")
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting producer takes over its id
+        hwm = max(1000, 10 * self.capacity)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        try:
+            sock.bind(self.address)
+        except zmq.ZMQError as e:
+            sock.close()
+            raise TransportError(f"receiver {self.name!r}: cannot bind {self.address}: {e}") from e
+        self._sock = sock
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name=f"receiver:{self.name}"),
+            asyncio.create_task(self._reap_loop(), name=f"receiver-reaper:{self.name}"),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
+        self._log.debug(
+            "receiver_started",
+            port=self.name,
+            address=self.address,
+            capacity=self.capacity,
+            session=self._session,
+        )
+
+    async def aclose(self) -> None:
+        """Tell producers we are going and release the socket (always, even if telling fails)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._readable.set()  # wake recv() waiters: they raise ChannelClosed
+        try:
+            for task in self._tasks:
+                task.cancel()
+            # return_exceptions: the tasks' own CancelledError is expected (a loop that failed
+            # already reported through recv()); a cancel of aclose() itself still propagates.
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            self._release()
+        self._log.debug("receiver_closed", port=self.name, **self._counts())
+
+    def _release(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            close = msgpack.packb({"session": self._session})
+            for rid in self._producers:
+                sock.send_multipart([rid, CLOSE, close]).add_done_callback(self._on_sent)
+        except zmq.ZMQError as e:
+            self._log.warning("close_notice_failed", port=self.name, error=repr(e))
+        finally:
+            sock.close(linger=CLOSE_LINGER_MS)  # gives CLOSE frames a moment to leave
+
+    async def __aenter__(self) -> Receiver:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- the application side --------------------------------------------------------------
+
+    async def recv(self) -> Message:
+        """The next message; waits while the inbox is empty.
+
+        Raises EndOfStream at the end, ChannelClosed after ``aclose()``.
+        """
+        while True:
+            if self._closed:
+                raise ChannelClosed(f"receiver {self.name!r} is closed")
+            if self._failure is not None:
+                raise TransportError(f"receiver {self.name!r} failed") from self._failure
+            if self._sock is None:
+                raise TransportError(f"receiver {self.name!r}: call start() first")
+            if self._inbox:
+                msg = self._inbox.popleft()
+                self._schedule_grant()  # a slot is free again
+                return msg
+            if self._ended():
+                raise EndOfStream(f"receiver {self.name!r}: every producer has finished")
+            self._readable.clear()
+            self._blocked_since = time.monotonic()
+            try:
+                await self._readable.wait()
+            finally:
+                self._blocked_s += time.monotonic() - self._blocked_since
+                self._blocked_since = None
+
+    def producer_finished(self, identity: str) -> None:
+        """Count ``identity`` as finished, as if its EOS had arrived.
+
+        For a receiver that restarts after some producers already finished: their EOS went to
+        the previous instance, and whoever knows (the supervisor) tells this one.
+        """
+        self._finished.add(identity)
+        for p in [p for p in self._producers.values() if p.identity == identity]:
+            del self._producers[p.rid]  # its credit returns to the pool
+            if not self._closed and self._sock is not None:
+                self._schedule_grant()
+        if self._ended():
+            self._readable.set()
+
+    def __aiter__(self) -> Receiver:
+        return self
+
+    async def __anext__(self) -> Message:
+        try:
+            return await self.recv()
+        except EndOfStream:
+            raise StopAsyncIteration from None
+
+    def stats(self) -> dict[str, Any]:
+        """Inbox bound and use, traffic, and credit state (for metrics)."""
+        blocked = self._blocked_s
+        if self._blocked_since is not None:
+            blocked += time.monotonic() - self._blocked_since
+        return {
+            "capacity": self.capacity,
+            "depth": len(self._inbox),
+            "peak": self._peak,
+            "credit_outstanding": self._outstanding(),
+            "producers": len(self._producers),
+            "finished": sorted(self._finished),
+            "blocked_s": blocked,
+            **self._counts(),
+        }
+
+    def _counts(self) -> dict[str, Any]:
+        return {
+            "received": self._received,
+            "bytes": self._bytes,
+            "rejected": dict(self._rejected),
+            "uncredited": self._uncredited,
+        }
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _ended(self) -> bool:
+        return self._expected is not None and self._expected <= self._finished
+
+    def _outstanding(self) -> int:
+        return sum(p.outstanding for p in self._producers.values())
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self._closed:
+            return
+        # A loop died of a bug: make recv() raise it instead of waiting forever.
+        self._failure = task.exception() or TransportError("receiver loop ended")
+        self._log.error("receiver_failed", port=self.name, error=repr(self._failure))
+        self._readable.set()
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        sock = self._sock
+        # What is already queued is drained through a plain (non-async) view of the same socket:
+        # that skips pyzmq's per-message future machinery, which dominates the cost of small
+        # messages. Only this task receives, and the awaited recv re-checks the socket's events
+        # before it waits, so no wake-up is lost.
+        queued = zmq.Socket.shadow(sock.underlying)
+        while True:
+            self._handle(await sock.recv_multipart(copy=False))
+            for _ in range(DRAIN_BATCH):
+                try:
+                    frames = queued.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+            else:
+                await asyncio.sleep(0)  # a full batch: let the application run before the next
+
+    async def _reap_loop(self) -> None:
+        # A periodic timer, not synchronization: producers that stopped talking lose their credit.
+        while True:
+            await asyncio.sleep(self._peer_timeout_s / 4)
+            deadline = time.monotonic() - self._peer_timeout_s
+            for p in [p for p in self._producers.values() if p.last_seen < deadline]:
+                del self._producers[p.rid]
+                self._log.warning(
+                    "producer_lost",
+                    port=self.name,
+                    sender=p.identity,
+                    session=p.session,
+                    reclaimed=p.outstanding,
+                )
+                self._schedule_grant()
+
+    def _reject(self, reason: str, detail: str, sender: str) -> None:
+        self._rejected[reason] += 1
+        self._log.warning(
+            "message_rejected", port=self.name, reason=reason, detail=detail, sender=sender
+        )
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        rid = frames[0].bytes
+        producer = self._producers.get(rid)
+        if producer is not None:
+            sender = producer.identity
+        else:  # not (or no longer) admitted: the routing id is IDENTITY/SESSION
+            sender = rid.decode("utf-8", "replace").rpartition("/")[0]
+        if len(frames) < 3 or len(frames[1]) != 1:
+            self._reject("bad_control", f"{len(frames) - 1} frames without a valid tag", sender)
+            return
+        tag = frames[1].bytes
+        header = unpack_map(frames[2].buffer)
+        if header is None:
+            self._reject("bad_control", f"tag {tag!r}: frame 1 is not a msgpack map", sender)
+            return
+        if producer is not None:
+            producer.last_seen = time.monotonic()
+        if tag == DATA:
+            self._on_data(producer, sender, header, frames[3:])
+        elif tag == HELLO:
+            self._on_hello(rid, producer, header, sender)
+        elif tag == EOS:
+            self._on_eos(rid, producer, header, sender)
+        else:
+            self._reject("bad_control", f"unknown tag {tag!r}", sender)
+
+    def _credited(self, producer: _Producer | None, header: Mapping[str, Any]) -> bool:
+        return (
+            producer is not None
+            and header.get("to") == self._session
+            and header.get("epoch") == producer.epoch
+        )
+
+    def _on_data(
+        self,
+        producer: _Producer | None,
+        sender: str,
+        header: Mapping[str, Any],
+        frames: list[zmq.Frame],
+    ) -> None:
+        credited = self._credited(producer, header) and producer.outstanding > 0
+        if credited:
+            producer.received += 1
+        try:
+            msg = decode(frames, self._schemas)
+        except DecodeError as e:
+            self._reject(e.reason, e.detail, sender)
+            self._schedule_grant()  # its slot was never taken: grant it again
+            return
+        if not credited:
+            self._uncredited += 1
+        msg.sender = sender
+        self._inbox.append(msg)
+        self._received += 1
+        self._bytes += sum(f.buffer.nbytes for f in frames)
+        self._peak = max(self._peak, len(self._inbox))
+        self._readable.set()
+        self._schedule_grant()  # this producer may now be out of credit
+
+    def _on_hello(
+        self, rid: bytes, producer: _Producer | None, header: Mapping[str, Any], sender: str
+    ) -> None:
+        identity, session = header.get("identity"), header.get("session")
+        if not isinstance(identity, str) or not isinstance(session, str):
+            self._reject("bad_control", "HELLO without identity/session strings", sender)
+            return
+        if producer is None:
+            if identity in self._finished:
+                return  # it said EOS; a late PING must not re-admit it
+            for old in [p for p in self._producers.values() if p.identity == identity]:
+                del self._producers[old.rid]  # that identity restarted: the old session is gone
+                self._log.info(
+                    "producer_replaced",
+                    port=self.name,
+                    sender=identity,
+                    session=old.session,
+                    reclaimed=old.outstanding,
+                )
+            self._epoch += 1
+            producer = _Producer(rid, identity, session, self._epoch, time.monotonic())
+            self._producers[rid] = producer
+            self._log.debug("producer_joined", port=self.name, sender=identity, session=session)
+        sent = header.get("sent")
+        if self._credited(producer, header) and is_int(sent) and sent > producer.received:
+            # ZeroMQ keeps order on a connection, so DATA sent before this PING has arrived:
+            # what is missing was lost, and its credit must not stay outstanding forever.
+            lost = min(sent, producer.granted) - producer.received
+            self._log.warning("data_lost", port=self.name, sender=identity, count=lost)
+            producer.received += lost
+        producer.reply = True
+        self._schedule_grant()
+
+    def _on_eos(
+        self, rid: bytes, producer: _Producer | None, header: Mapping[str, Any], sender: str
+    ) -> None:
+        identity = header.get("identity")
+        if not isinstance(identity, str):
+            self._reject("bad_control", "EOS without an identity string", sender)
+            return
+        self._producers.pop(rid, None)  # its outstanding credit returns to the pool
+        self._finished.add(identity)
+        self._log.debug("producer_finished", port=self.name, sender=identity)
+        self._send_credit(rid, producer, 0, eos=True)
+        if self._ended():
+            self._readable.set()
+        self._schedule_grant()
+
+    def _schedule_grant(self) -> None:
+        # Coalesce: however many events happen in one loop turn, grant once after them.
+        if not self._grant_scheduled and not self._closed:
+            self._grant_scheduled = True
+            asyncio.get_running_loop().call_soon(self._grant)
+
+    def _grant(self) -> None:
+        self._grant_scheduled = False
+        if self._closed or self._sock is None:
+            return
+        producers = list(self._producers.values())
+        grants: Counter[bytes] = Counter()
+        free = self.capacity - len(self._inbox) - self._outstanding()
+        if free > 0 and producers:
+            # Count expected producers that have not said hello yet too: the first to arrive
+            # must not take the whole inbox (credit is never revoked, only spent or reclaimed).
+            waiting_for = len(self._expected - self._finished) if self._expected else 0
+            share = max(1, self.capacity // max(len(producers), waiting_for))
+            top_up = max(1, share // 4)
+            want = {
+                p.rid: share - p.outstanding
+                for p in producers
+                if p.outstanding < share and (p.outstanding == 0 or share - p.outstanding >= top_up)
+            }
+            order = [p.rid for p in producers if p.rid in want]
+            if order:
+                start = self._rr % len(order)
+                order = order[start:] + order[:start]
+                self._rr += 1
+            # One slot at a time, round-robin: when slots are scarce, everyone gets turns.
+            while free > 0 and any(want[rid] > 0 for rid in order):
+                for rid in order:
+                    if free > 0 and want[rid] > 0:
+                        want[rid] -= 1
+                        grants[rid] += 1
+                        free -= 1
+        for p in producers:
+            if grants[p.rid] or p.reply:
+                p.granted += grants[p.rid]
+                p.reply = False
+                self._send_credit(p.rid, p, grants[p.rid])
+
+    def _send_credit(self, rid: bytes, p: _Producer | None, grant: int, eos: bool = False) -> None:
+        assert self._sock is not None
+        credit = {
+            "session": self._session,
+            "epoch": p.epoch if p else 0,
+            "grant": grant,
+            "granted": p.granted if p else 0,
+            "consumed": p.received if p else 0,
+            "eos": eos,
+        }
+        # ROUTER sends never block (without ROUTER_MANDATORY it drops for unknown peers),
+        # so this future is already done; the callback only surfaces errors.
+        self._sock.send_multipart([rid, CREDIT, msgpack.packb(credit)]).add_done_callback(
+            self._on_sent
+        )

@@ -1,0 +1,401 @@
+"""The producer side of a channel: sends only with credit, to the consumer with the most of it.
+
+The protocol and why it is credit-based: ``transport.credit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import structlog
+import zmq
+import zmq.asyncio
+
+from transport.address import check_address
+from transport.codec import encode
+from transport.credit import (
+    CLOSE,
+    CREDIT,
+    DATA,
+    EOS,
+    HELLO,
+    SENDER_HWM,
+    is_int,
+    schema_map,
+    settled,
+    unpack_map,
+)
+from transport.errors import ChannelClosed, TransportError
+from transport.message import Message, Schema
+
+__all__ = ["Sender"]
+
+# ---------------------------------------------------------------------------------------------
+# producer side
+
+
+@dataclass(eq=False)
+class _Peer:
+    """The producer's view of one consumer replica (one DEALER)."""
+
+    address: str
+    sock: zmq.asyncio.Socket
+    session: str | None = None  # consumer session of the current credit stream
+    epoch: int = 0
+    granted: int = 0
+    sent: int = 0  # DATA sent on the current stream
+    last_heard: float = -1e18
+    eos_acked: bool = False
+    closed: bool = False  # it said CLOSE (going away) and has not granted credit since
+    consumed: int = 0  # DATA the consumer has received on this stream (its last report)
+
+    @property
+    def credit(self) -> int:
+        return self.granted - self.sent if self.session is not None else 0
+
+    def live(self, now: float, timeout: float) -> bool:
+        return self.session is not None and now - self.last_heard <= timeout
+
+
+class Sender:
+    """The producing end of a channel: feeds every replica of one downstream stage.
+
+    ``await send(kind, data)`` waits for credit, then sends to the live consumer with the most
+    credit; it waits as long as it takes (put a timeout around it if the caller needs one).
+    With ``peers=[]`` (an optional output nobody listens to) messages are checked and then
+    dropped and counted.
+
+    ``peers`` are the inbox addresses of the consumer replicas; ``schemas`` the kinds this port
+    may send (each message is checked against its schema before it leaves); ``identity`` is
+    this replica's name (``stage.replica``), which consumers report as ``msg.sender`` and count
+    for end-of-stream. A PING goes to each consumer every ``heartbeat_s``; a consumer that has
+    not answered for ``peer_timeout_s`` gets nothing until it does.
+
+    Zero-copy: arrays are sent from their own memory, after ``send`` returns. Do not modify an
+    array in place after sending it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        peers: Sequence[str],
+        schemas: Sequence[Schema],
+        *,
+        identity: str,
+        ctx: zmq.asyncio.Context,
+        log: Any = None,
+        heartbeat_s: float = 1.0,
+        peer_timeout_s: float = 10.0,
+    ) -> None:
+        if not identity:
+            raise ValueError(f"sender {name!r}: identity must be non-empty")
+        if heartbeat_s <= 0 or peer_timeout_s <= heartbeat_s:
+            raise ValueError(
+                f"sender {name!r}: need 0 < heartbeat_s < peer_timeout_s, "
+                f"got {heartbeat_s} and {peer_timeout_s}"
+            )
+        if len(set(peers)) != len(peers):
+            raise ValueError(f"sender {name!r}: duplicate peer addresses in {list(peers)}")
+        self.name = name
+        self.identity = identity
+        self.peers = [check_address(a) for a in peers]
+        self._schemas = schema_map(schemas, f"sender {name!r}")
+        self._ctx = ctx
+        self._log = log if log is not None else structlog.get_logger()
+        self._heartbeat_s = heartbeat_s
+        self._peer_timeout_s = peer_timeout_s
+        self._session = secrets.token_hex(6)
+        self._routing_id = f"{identity}/{self._session}".encode()
+        if len(self._routing_id) > 255:
+            raise ValueError(f"sender {name!r}: identity {identity!r} is too long")
+
+        self._peers: list[_Peer] = []
+        self._tasks: list[asyncio.Task] = []
+        self._heartbeat: asyncio.Task | None = None
+        self._started = False
+        self._closed = False
+        self._credit_changed = asyncio.Event()
+        self._eos_acked = asyncio.Event()
+        self._rr = 0
+
+        self._sent = 0
+        self._bytes = 0
+        self._dropped = 0
+        self._waiting = 0
+        self._credit_wait_s = 0.0
+        self._blocked_since: float | None = None
+        self._rejected: Counter[str] = Counter()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect to every consumer and start announcing ourselves."""
+        if self._started or self._closed:
+            raise TransportError(f"sender {self.name!r} was already started")
+        self._started = True
+        for address in self.peers:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
+            sock.setsockopt(zmq.SNDHWM, SENDER_HWM)
+            sock.setsockopt(zmq.RCVHWM, SENDER_HWM)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.connect(address)
+            self._peers.append(_Peer(address, sock))
+        for peer in self._peers:
+            self._tasks.append(
+                asyncio.create_task(
+                    self._peer_loop(peer), name=f"sender:{self.name}:{peer.address}"
+                )
+            )
+        if self._peers:
+            self._heartbeat = asyncio.create_task(
+                self._heartbeat_loop(), name=f"sender-heartbeat:{self.name}"
+            )
+            self._tasks.append(self._heartbeat)
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
+        self._log.debug("sender_started", port=self.name, peers=self.peers, session=self._session)
+
+    async def aclose(self, eos: bool = True, timeout_s: float = 2.0) -> None:
+        """Send EOS to every consumer (best effort, waiting at most ``timeout_s`` for their
+        acknowledgements) and release the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        self._credit_changed.set()  # wake send() waiters: they raise ChannelClosed
+        try:
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()  # no PING may follow our EOS
+                await asyncio.gather(self._heartbeat, return_exceptions=True)
+            if eos and self._peers and self._started:
+                await self._send_eos(timeout_s)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            try:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            finally:
+                for peer in self._peers:
+                    peer.sock.close(linger=0)
+        self._log.debug("sender_closed", port=self.name, sent=self._sent, dropped=self._dropped)
+
+    async def __aenter__(self) -> Sender:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _send_eos(self, timeout_s: float) -> None:
+        # A consumer that said CLOSE is shutting down (or restarting): EOS is queued for it, but
+        # not waited for. Any other may just be starting, so it gets up to timeout_s to answer.
+        for peer in self._peers:
+            peer.eos_acked = peer.closed
+            try:
+                await peer.sock.send_multipart([EOS, self._hello_map(peer)], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                self._log.warning("eos_not_sent", port=self.name, peer=peer.address, error=repr(e))
+        if all(p.eos_acked for p in self._peers):
+            return
+        try:
+            await asyncio.wait_for(self._eos_acked.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            missing = [p.address for p in self._peers if not p.eos_acked]
+            self._log.warning(
+                "eos_unacknowledged", port=self.name, peers=missing, timeout_s=timeout_s
+            )
+
+    # -- the application side --------------------------------------------------------------
+
+    async def send(self, kind: str, data: Mapping[str, Any]) -> None:
+        """Send one message; waits while no live consumer has credit for it.
+
+        ValueError if ``kind`` is not one of this port's schemas or ``data`` does not match it
+        (a producer bug fails here, not in the consumer); ChannelClosed after ``aclose()``.
+        """
+        schema = self._schemas.get(kind)
+        if schema is None:
+            raise ValueError(
+                f"sender {self.name!r}: kind {kind!r} is not declared on this port; "
+                f"declared: {sorted(self._schemas)}"
+            )
+        problems = schema.check(data)
+        if problems:
+            raise ValueError(
+                f"sender {self.name!r}: {kind!r} message does not match its "
+                f"schema (version {schema.version}): " + "; ".join(problems)
+            )
+        if self._closed:
+            raise ChannelClosed(f"sender {self.name!r} is closed")
+        if not self._started:
+            raise TransportError(f"sender {self.name!r}: call start() first")
+        if not self._peers:
+            self._dropped += 1
+            if self._dropped % 1000 == 1:
+                self._log.info(
+                    "message_dropped", port=self.name, reason="no_peers", dropped=self._dropped
+                )
+            return
+        frames = encode(Message(kind=kind, data=dict(data), version=schema.version))
+        peer = self._pick()
+        if peer is None:
+            peer = await self._wait_for_credit()
+        header = msgpack.packb({"to": peer.session, "epoch": peer.epoch})
+        peer.sent += 1  # spend the credit before yielding: concurrent senders must not reuse it
+        self._sent += 1
+        self._bytes += sum(len(f) for f in frames)
+        sending = await settled(peer.sock.send_multipart([DATA, header, *frames], copy=False))
+        if sending.cancelled() or (self._closed and sending.exception() is not None):
+            raise ChannelClosed(f"sender {self.name!r} was closed while sending")
+        sending.result()  # raises what the send raised
+
+    async def _wait_for_credit(self) -> _Peer:
+        self._waiting += 1
+        if self._blocked_since is None:
+            self._blocked_since = time.monotonic()
+        try:
+            while True:
+                self._credit_changed.clear()
+                await self._credit_changed.wait()
+                if self._closed:
+                    raise ChannelClosed(f"sender {self.name!r} is closed")
+                peer = self._pick()
+                if peer is not None:
+                    return peer
+        finally:
+            self._waiting -= 1
+            if self._waiting == 0 and self._blocked_since is not None:
+                self._credit_wait_s += time.monotonic() - self._blocked_since
+                self._blocked_since = None
+
+    def _pick(self) -> _Peer | None:
+        now = time.monotonic()
+        ready = [p for p in self._peers if p.credit > 0 and p.live(now, self._peer_timeout_s)]
+        if not ready:
+            return None
+        most = max(p.credit for p in ready)
+        ties = [p for p in ready if p.credit == most]
+        self._rr += 1
+        return ties[self._rr % len(ties)]
+
+    def stats(self) -> dict[str, Any]:
+        """Traffic, credit per consumer, and time spent waiting for credit (for metrics)."""
+        now = time.monotonic()
+        blocked_for = now - self._blocked_since if self._blocked_since is not None else 0.0
+        return {
+            "sent": self._sent,
+            "bytes": self._bytes,
+            "dropped": self._dropped,
+            "credit_wait_s": self._credit_wait_s + blocked_for,
+            "blocked": self._waiting > 0,
+            "blocked_for_s": blocked_for,
+            "credit": {p.address: p.credit for p in self._peers},
+            "peers_live": sum(p.live(now, self._peer_timeout_s) for p in self._peers),
+            "rejected": dict(self._rejected),
+        }
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self._closed:
+            return
+        # A loop died of a bug; say so loudly (send() keeps failing to find credit otherwise).
+        self._log.error(
+            "sender_failed", port=self.name, task=task.get_name(), error=repr(task.exception())
+        )
+
+    def _hello_map(self, peer: _Peer) -> bytes:
+        return msgpack.packb(
+            {
+                "identity": self.identity,
+                "session": self._session,
+                "to": peer.session,
+                "epoch": peer.epoch,
+                "sent": peer.sent,
+            }
+        )
+
+    async def _hello(self, peer: _Peer) -> None:
+        try:
+            # NOBLOCK: while a consumer is down, PINGs queue up to the high-water mark; beyond
+            # that one more PING is useless, and it must never hold up the other peers.
+            await peer.sock.send_multipart([HELLO, self._hello_map(peer)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    async def _heartbeat_loop(self) -> None:
+        # A periodic timer: the first HELLO goes out at once, then one every heartbeat_s.
+        while True:
+            for peer in self._peers:
+                await self._hello(peer)
+            await asyncio.sleep(self._heartbeat_s)
+
+    async def _peer_loop(self, peer: _Peer) -> None:
+        while True:
+            frames = await peer.sock.recv_multipart()
+            await self._handle(peer, frames)
+
+    def _reject(self, peer: _Peer, detail: str) -> None:
+        self._rejected["bad_control"] += 1
+        self._log.warning(
+            "message_rejected",
+            port=self.name,
+            reason="bad_control",
+            detail=detail,
+            sender=peer.address,
+        )
+
+    async def _handle(self, peer: _Peer, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._reject(peer, f"{len(frames)} frames, expected 2")
+            return
+        tag, body = frames
+        header = unpack_map(body)
+        if header is None:
+            self._reject(peer, f"tag {tag!r}: frame 1 is not a msgpack map")
+            return
+        if tag == CREDIT:
+            self._on_credit(peer, header)
+        elif tag == CLOSE:
+            if header.get("session") == peer.session or peer.session is None:
+                self._log.info("consumer_closed", port=self.name, peer=peer.address)
+                peer.session, peer.granted, peer.sent, peer.closed = None, 0, 0, True
+                await self._hello(peer)  # queued until a restarted consumer binds again
+        else:
+            self._reject(peer, f"unknown tag {tag!r}")
+
+    def _on_credit(self, peer: _Peer, header: Mapping[str, Any]) -> None:
+        session, epoch = header.get("session"), header.get("epoch")
+        granted, consumed = header.get("granted"), header.get("consumed")
+        if not (
+            isinstance(session, str) and is_int(epoch) and is_int(granted) and is_int(consumed)
+        ):
+            self._reject(peer, f"CREDIT with bad fields {header!r}")
+            return
+        peer.last_heard = time.monotonic()
+        peer.closed = False
+        if header.get("eos") is True:
+            peer.eos_acked = True
+            if all(p.eos_acked for p in self._peers):
+                self._eos_acked.set()
+            return
+        if (session, epoch) != (peer.session, peer.epoch):
+            if peer.session is not None:
+                self._log.info(
+                    "credit_reset", port=self.name, peer=peer.address, unused=peer.credit
+                )
+            # A new stream (consumer restarted, or it reclaimed our credit): start over.
+            peer.session, peer.epoch, peer.sent, peer.granted = session, epoch, 0, granted
+        else:
+            peer.granted = max(peer.granted, granted)
+        peer.consumed = consumed
+        self._credit_changed.set()  # also when only liveness changed: a waiter may now proceed
