@@ -191,7 +191,7 @@ def test_unresponsive_replica_is_killed_and_restarted(tmp_path):
     result = run_inflight(
         "run",
         EXAMPLE,
-        *_crashy_overrides("hang", **{"run.heartbeat_timeout_s": "2"}),
+        *_crashy_overrides("hang", **{"run.heartbeat_timeout_s": "2", "run.heartbeat_s": "0.5"}),
         "--run-dir",
         str(run_dir),
         timeout=80,
