@@ -6,8 +6,9 @@
     inflight stages                                       list registered plugins
 
 Exit codes: 0 success; 1 the run failed; 2 bad usage or an invalid config (every problem is
-printed, never a traceback); 130 interrupted. Dotted plugin paths (``my_module:MyStage``) are
-imported from the current directory as well as from installed packages, as ``python -m`` would.
+printed, never a traceback); 130 interrupted (143 on SIGTERM). Dotted plugin paths
+(``my_module:MyStage``) are imported from the current directory as well as from installed
+packages, as ``python -m`` would.
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ def _cmd_stages(args: argparse.Namespace) -> int:
     if not plugins:
         print("no plugins registered")
         return 0
-    width = max(len(p.name) for p in plugins)
-    kind_width = max(len(p.kind) for p in plugins)
-    for p in plugins:
-        print(f"{p.kind:<{kind_width}}  {p.name:<{width}}  {p.target}  (from {p.distribution})")
+    rows = [(p.kind, p.name, p.target, f"(from {p.distribution})") for p in plugins]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)), row[3])
     return 0
 
 

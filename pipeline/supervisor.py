@@ -44,9 +44,9 @@ from pipeline.structured_log import close_process_logging, configure_process_log
 from transport import ControlBroker
 from transport.address import ipc_address, tcp_address
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "Supervisor", "make_run_dir"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "Supervisor", "make_run_dir"]
 
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+EXIT_OK, EXIT_FAILED = 0, 1
 _BACKOFF_CAP_S = 30.0
 
 
@@ -324,7 +324,8 @@ class Supervisor:
         name = signal.Signals(signum).name
         if self._interrupts == 1:
             self.log.warning("interrupted", signal=name, action="graceful shutdown")
-            self._finish("interrupted", EXIT_INTERRUPTED, f"received {name}")
+            # 128 + signal number, as shells report it: 130 for SIGINT, 143 for SIGTERM
+            self._finish("interrupted", 128 + signum, f"received {name}")
         else:
             self.log.warning("interrupted_again", signal=name, action="killing every replica")
             for rep in self.replicas.values():
