@@ -63,6 +63,7 @@ class ActorContext:
         self._control = control
         self._version = 0
         self._version_changed = asyncio.Condition()
+        self._stop_publish: asyncio.Task | None = None
         self.stop_requested = asyncio.Event()  # set when the run is being shut down
 
     @property
@@ -92,8 +93,10 @@ class ActorContext:
     def request_stop(self, reason: str) -> None:
         """Ask the supervisor to end the whole run (successfully) once this is delivered."""
         self.log.info("stop_requested", reason=reason)
-        task = asyncio.get_running_loop().create_task(self.publish(topics.STOP, {"reason": reason}))
-        self._pending = task  # keep a reference until it has run
+        # keep a reference so the task is not garbage-collected before it has run
+        self._stop_publish = asyncio.get_running_loop().create_task(
+            self.publish(topics.STOP, {"reason": reason})
+        )
 
 
 def _channel_metrics(ctx: ActorContext) -> dict[str, Any]:
@@ -170,8 +173,10 @@ class _Replica:
                 self.run_task.cancel()
 
     async def heartbeat(self) -> None:
-        payload = {"pid": os.getpid(), "session": self.spec["session"]}
         while True:
+            # `held`: messages waiting in this replica's inboxes, lost with it if it dies now
+            held = sum(r.stats()["depth"] for r in self.ctx.inputs.values())
+            payload = {"pid": os.getpid(), "session": self.spec["session"], "held": held}
             await self.ctx.publish(topics.HEARTBEAT, payload)
             await asyncio.sleep(self.spec["heartbeat_s"])
 

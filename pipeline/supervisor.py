@@ -84,6 +84,7 @@ class _Replica:
     restarts: int = 0
     started_at: float = 0.0
     last_heartbeat: float | None = None
+    held: int = 0  # messages in its inboxes at the last heartbeat
     done: bool = False  # exited 0
     watcher: asyncio.Task | None = None
     failure: str | None = None  # why the supervisor killed it, when it did
@@ -229,6 +230,7 @@ class Supervisor:
             out.close()
         rep.started_at = time.monotonic()
         rep.last_heartbeat = None
+        rep.held = 0
         rep.failure = None
         self.log.info(
             "replica_spawned", replica_name=rep.name, pid=rep.proc.pid, restarts=rep.restarts
@@ -251,7 +253,14 @@ class Supervisor:
         why = rep.failure or (
             f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         )
-        self.log.error("replica_failed", replica_name=rep.name, reason=why, output_tail=_tail(rep))
+        # what it held in its inboxes (as of its last heartbeat) is lost with it
+        self.log.error(
+            "replica_failed",
+            replica_name=rep.name,
+            reason=why,
+            messages_lost_about=rep.held,
+            output_tail=_tail(rep),
+        )
         policy = rep.restart_policy
         if policy.policy == "on-failure" and rep.restarts < policy.max_restarts:
             delay = min(policy.backoff_s * 2**rep.restarts, _BACKOFF_CAP_S)
@@ -279,6 +288,8 @@ class Supervisor:
             rep = self.replicas.get(f"{payload.get('stage')}.{payload.get('replica')}")
             if rep is not None and payload.get("session") == rep.session:
                 rep.last_heartbeat = time.monotonic()
+                held = payload.get("held")
+                rep.held = held if isinstance(held, int) else 0
         elif topic == topics.VERSION:
             version = payload.get("version")
             if isinstance(version, int) and version > self.version:

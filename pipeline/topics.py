@@ -1,6 +1,7 @@
 """Topics of the control bus (PUB/SUB through the supervisor's broker) and their payloads.
 
-- ``heartbeat`` {stage, replica, pid, session}: every ``run.heartbeat_s`` from each replica.
+- ``heartbeat`` {stage, replica, pid, session, held}: every ``run.heartbeat_s`` from each replica
+  (``held``: messages waiting in its inboxes, lost with it if it dies).
 - ``version`` {version, stage, replica}: a new policy version is live (from the weight publisher);
   the supervisor re-sends the latest one every heartbeat so late joiners learn it.
 - ``stop`` {stage, replica, reason}: a replica asks the supervisor to end the run successfully.

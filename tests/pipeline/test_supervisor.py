@@ -106,6 +106,7 @@ def test_replica_killed_with_sigkill_is_restarted_and_run_completes(tmp_path):
     failed = [e for e in sup if e["event"] == "replica_failed"]
     assert [e["replica_name"] for e in failed] == ["power.0"]
     assert "SIGKILL" in failed[0]["reason"]
+    assert 0 <= failed[0]["messages_lost_about"] <= 8  # its inbox, as of its last heartbeat
     assert any(e["event"] == "replica_restarting" and e["attempt"] == 1 for e in sup)
     restarts = [
         e["restarts"] for e in events(run_dir, "power.0") if e["event"] == "replica_started"
