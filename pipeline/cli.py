@@ -4,6 +4,7 @@
     inflight validate CONFIG [KEY=VALUE ...]              check a pipeline file, run nothing
     inflight logs RUN_DIR [-f] [--stage S] [--level L] [--event E] [--json]
     inflight stages                                       list registered plugins
+    inflight engine --model DIR --port N [...]            the built-in engine server
 
 Exit codes: 0 success; 1 the run failed; 2 bad usage or an invalid config (every problem is
 printed, never a traceback); 130 interrupted (143 on SIGTERM). Dotted plugin paths
@@ -71,6 +72,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return uvloop.run(supervisor.run())
 
 
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from stages.engine.server import main as engine_main  # torch + transformers: only here
+
+    return engine_main(args.engine_args)
+
+
 def _cmd_stages(args: argparse.Namespace) -> int:
     plugins = list_plugins()
     if not plugins:
@@ -104,6 +111,14 @@ def _parser() -> argparse.ArgumentParser:
     logs = sub.add_parser("logs", help="show, filter and follow a run's logs")
     add_logs_arguments(logs)
     logs.set_defaults(func=run_logs)
+
+    engine = sub.add_parser(
+        "engine",
+        help="serve a Hugging Face model over the SGLang HTTP API (the built-in engine)",
+        add_help=False,
+    )
+    engine.add_argument("engine_args", nargs=argparse.REMAINDER)
+    engine.set_defaults(func=_cmd_engine)
 
     stages = sub.add_parser("stages", help="list registered stages, rewards and engines")
     stages.set_defaults(func=_cmd_stages)
