@@ -287,6 +287,15 @@ class Sender:
         self._rr += 1
         return ties[self._rr % len(ties)]
 
+    def credit(self) -> int:
+        """Messages that can be sent now without waiting: credit held from live consumers.
+
+        A producer that decides how much work to start (the generator) reads this as the room
+        downstream has for its output.
+        """
+        now = time.monotonic()
+        return sum(max(0, p.credit) for p in self._peers if p.live(now, self._peer_timeout_s))
+
     def stats(self) -> dict[str, Any]:
         """Traffic, credit per consumer, and time spent waiting for credit (for metrics)."""
         now = time.monotonic()

@@ -411,3 +411,21 @@ async def test_producer_finished_counts_like_eos(ctx, ipc_dir) -> None:
     assert [m.sender async for m in r] == ["b.0"]
     assert r.stats()["finished"] == ["a.0", "b.0"]
     await r.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_credit_reports_room_downstream(ctx, ipc_dir) -> None:
+    addr = address("ipc", ipc_dir)
+    r, s = receiver(ctx, addr, capacity=6, expected=["p.0"]), sender(ctx, [addr])
+    await r.start()
+    await s.start()
+    try:
+        await eventually(lambda: s.credit() == 6)
+        for i in range(4):
+            await s.send("item", {"id": i})
+        assert s.credit() == 2  # the consumer has not taken anything out yet
+        await r.recv()
+        await eventually(lambda: s.credit() >= 3)  # a slot freed, credit came back
+    finally:
+        await s.aclose(eos=False)
+        await r.aclose()

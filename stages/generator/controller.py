@@ -1,0 +1,143 @@
+"""How many requests the generator keeps in flight, per engine, and why.
+
+Three things bound it (DESIGN.md, "Generation batch-size control"):
+
+- **Downstream credit** (a gate on the whole generator): a sample may start only while the samples
+  already in flight fit into the credit the scorer has granted plus the free slots of the
+  generator's own small outbox. A slow scorer or learner therefore lowers the requests in flight
+  instead of letting finished rollouts go stale in a queue.
+- **Staleness** (a gate on the whole generator): a sample may start only while the engines'
+  policy version is within ``max_lag`` of the newest published version.
+- **Measured throughput** (a target per engine): hill climbing on tokens/s. While an engine is
+  saturated (its target is what holds starts back), the target goes up by ``step`` every
+  ``interval_s``; if tokens/s did not rise by ``gain`` after a raise, the raise is undone and the
+  target holds for ``hold_intervals`` before probing again. Batch size helps an engine only up to
+  the point its kernels saturate; beyond it, bigger batches only add latency and staleness.
+
+Every change of a target and every gate opening or closing is returned as a :class:`Decision`
+with its reason, for the stage to log. This module does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["ControllerConfig", "Decision", "InFlightController"]
+
+
+@dataclass
+class ControllerConfig:
+    start: int = field(default=8, metadata={"min": 1, "doc": "first per-engine target"})
+    min_in_flight: int = field(default=1, metadata={"min": 1, "doc": "per-engine floor"})
+    max_in_flight: int = field(default=128, metadata={"min": 1, "doc": "per-engine ceiling"})
+    step: int = field(default=4, metadata={"min": 1, "doc": "target change per decision"})
+    interval_s: float = field(default=2.0, metadata={"min": 0.01, "doc": "decision period"})
+    gain: float = field(
+        default=0.05, metadata={"min": 0.0, "doc": "tokens/s rise that justifies a raise"}
+    )
+    hold_intervals: int = field(
+        default=5, metadata={"min": 0, "doc": "intervals to hold after an undone raise"}
+    )
+
+
+@dataclass
+class Decision:
+    scope: str  # an engine URL, or "all" for the gates
+    value: int | bool  # the new target, or whether the gate is open
+    reason: str
+    detail: dict
+
+
+@dataclass
+class _Engine:
+    target: int
+    tokens: int = 0
+    blocked: int = 0  # starts held back by the target during this interval
+    last_tps: float | None = None
+    last_action: str = "start"
+    hold: int = 0
+
+
+class InFlightController:
+    def __init__(self, engines: Sequence[str], config: ControllerConfig) -> None:
+        self.config = config
+        start = min(max(config.start, config.min_in_flight), config.max_in_flight)
+        self.engines = {url: _Engine(target=start) for url in engines}
+        self._interval_start: float | None = None
+        self._gates = {"credit": True, "lag": True}
+
+    # ------------------------------------------------------------ per request
+    def target(self, engine: str) -> int:
+        return self.engines[engine].target
+
+    def record_tokens(self, engine: str, tokens: int) -> None:
+        self.engines[engine].tokens += tokens
+
+    def record_blocked(self, engine: str) -> None:
+        """A start was held back because this engine was at its target."""
+        self.engines[engine].blocked += 1
+
+    # ----------------------------------------------------------------- gates
+    def gates(
+        self, *, in_flight: int, room: int, version: int, newest: int, max_lag: int
+    ) -> tuple[bool, list[Decision]]:
+        """Whether a new sample may start now, and the gate changes to log.
+
+        ``room``: downstream credit plus free outbox slots; ``version``: the engines' policy
+        version; ``newest``: the newest version published.
+        """
+        states = {
+            "credit": (in_flight < room, {"in_flight": in_flight, "room": room}),
+            "lag": (
+                newest - version <= max_lag,
+                {"version": version, "newest": newest, "max_lag": max_lag},
+            ),
+        }
+        changes = []
+        for name, (is_open, detail) in states.items():
+            if is_open != self._gates[name]:
+                self._gates[name] = is_open
+                changes.append(Decision("all", is_open, f"{name}_gate", detail))
+        return all(self._gates.values()), changes
+
+    # ------------------------------------------------------------ throughput
+    def decide(self, now: float) -> list[Decision]:
+        """Every ``interval_s``: adjust each engine's target from its measured tokens/s."""
+        if self._interval_start is None:
+            self._interval_start = now
+            return []
+        elapsed = now - self._interval_start
+        if elapsed < self.config.interval_s:
+            return []
+        self._interval_start = now
+        cfg, decisions = self.config, []
+        for url, e in self.engines.items():
+            tps = e.tokens / elapsed
+            saturated = e.blocked > 0
+            e.tokens = e.blocked = 0
+            detail = {"tokens_per_s": round(tps, 1), "last_tokens_per_s": e.last_tps}
+            old = e.target
+            if (
+                e.last_action == "up"
+                and e.last_tps is not None
+                and tps < e.last_tps * (1 + cfg.gain)
+            ):
+                e.target = max(cfg.min_in_flight, e.target - cfg.step)
+                e.last_action, e.hold = "down", cfg.hold_intervals
+                reason = "throughput_flat"
+            elif e.hold > 0:
+                e.hold -= 1
+                e.last_action = "hold"
+                reason = ""
+            elif saturated and e.target < cfg.max_in_flight:
+                e.target = min(cfg.max_in_flight, e.target + cfg.step)
+                e.last_action = "up"
+                reason = "probe_up"
+            else:
+                e.last_action = "steady"
+                reason = ""
+            e.last_tps = tps
+            if e.target != old:
+                decisions.append(Decision(url, e.target, reason, {**detail, "was": old}))
+        return decisions

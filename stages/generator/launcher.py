@@ -1,0 +1,180 @@
+"""Starts the inference engines a generator uses, watches them, and restarts the ones that die.
+
+Two kinds, one command line shape each:
+
+- ``builtin``: ``python -m pipeline.cli engine --model M --port P --device D`` (this environment).
+- ``sglang``: ``PYTHON -m sglang.launch_server --model-path M --port P --host H`` with ``PYTHON``
+  the interpreter of the environment SGLang is installed in (it pins its own torch, so it usually
+  lives in a separate virtual environment).
+
+Each engine runs in its own process group with its output in ``RUN_DIR/logs/<name>.out``; an
+engine that exits is started again on the same port (the generator re-routes its requests in the
+meantime), up to ``max_restarts`` times. Not here: talking to engines (``client``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+
+from transport.address import tcp_address
+
+__all__ = ["EngineLauncher", "LaunchConfig"]
+
+
+@dataclass
+class LaunchConfig:
+    kind: Literal["builtin", "sglang"] = field(
+        default="builtin", metadata={"doc": "which engine server to start"}
+    )
+    count: int = field(default=1, metadata={"min": 1, "doc": "engines to start"})
+    model: str = field(default="", metadata={"doc": "Hugging Face model directory"})
+    device: str = field(default="cpu", metadata={"doc": "builtin engine: cpu, cuda, cuda:N"})
+    dtype: str = field(default="auto", metadata={"doc": "builtin engine: auto|float32|bfloat16"})
+    python: str = field(
+        default="", metadata={"doc": "interpreter for sglang (its own venv); default: this one"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"doc": "host the engines listen on"})
+    extra_args: list[str] = field(default_factory=list, metadata={"doc": "appended as is"})
+    startup_timeout_s: float = field(default=600.0, metadata={"min": 1.0})
+    max_restarts: int = field(default=3, metadata={"min": 0})
+
+
+@dataclass
+class _Engine:
+    name: str
+    port: int
+    out: Path
+    proc: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+class EngineLauncher:
+    def __init__(self, config: LaunchConfig, *, name: str, log_dir: Path, log: Any) -> None:
+        if not config.model:
+            raise ValueError("launch.model is required to start engines")
+        self.config, self.log = config, log
+        self.engines = []
+        for i in range(config.count):
+            port = int(tcp_address(config.host).rsplit(":", 1)[1])
+            self.engines.append(
+                _Engine(f"{name}.engine{i}", port, log_dir / f"{name}.engine{i}.out")
+            )
+        self._watchers: list[asyncio.Task] = []
+        self._closing = False
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{self.config.host}:{e.port}" for e in self.engines]
+
+    def _command(self, engine: _Engine) -> list[str]:
+        cfg = self.config
+        if cfg.kind == "builtin":
+            cmd = [sys.executable, "-m", "pipeline.cli", "engine", "--model", cfg.model]
+            cmd += ["--host", cfg.host, "--port", str(engine.port), "--device", cfg.device]
+            cmd += ["--dtype", cfg.dtype]
+        else:
+            cmd = [cfg.python or sys.executable, "-m", "sglang.launch_server"]
+            cmd += ["--model-path", cfg.model, "--host", cfg.host, "--port", str(engine.port)]
+        return cmd + list(cfg.extra_args)
+
+    async def _spawn(self, engine: _Engine) -> None:
+        cmd = self._command(engine)
+        out = open(engine.out, "ab")  # noqa: ASYNC230 (a local file, opened once per start)
+        try:
+            engine.proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            out.close()
+        self.log.info(
+            "engine_launched",
+            engine=engine.name,
+            pid=engine.pid,
+            port=engine.port,
+            command=" ".join(cmd),
+        )
+
+    async def start(self) -> list[str]:
+        """Start every engine and wait until each answers /health; returns their URLs."""
+        for engine in self.engines:
+            await self._spawn(engine)
+        await asyncio.gather(*(self._wait_healthy(e) for e in self.engines))
+        self._watchers = [asyncio.create_task(self._watch(e)) for e in self.engines]
+        return self.urls
+
+    async def _wait_healthy(self, engine: _Engine) -> None:
+        url = f"http://{self.config.host}:{engine.port}/health"
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if engine.proc is not None and engine.proc.returncode is not None:
+                    raise RuntimeError(
+                        f"engine {engine.name} exited with code {engine.proc.returncode} while "
+                        f"starting; its output is in {engine.out}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                        if resp.status == 200:
+                            self.log.info("engine_ready", engine=engine.name, port=engine.port)
+                            return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"engine {engine.name} did not answer {url} within "
+                        f"{self.config.startup_timeout_s} s; its output is in {engine.out}"
+                    )
+                await asyncio.sleep(0.25)  # polling a server that is still loading its model
+
+    async def _watch(self, engine: _Engine) -> None:
+        while True:
+            assert engine.proc is not None
+            code = await engine.proc.wait()
+            if self._closing:
+                return
+            self.log.error("engine_exited", engine=engine.name, exit_code=code)
+            if engine.restarts >= self.config.max_restarts:
+                self.log.error("engine_given_up", engine=engine.name, restarts=engine.restarts)
+                return
+            engine.restarts += 1
+            await self._spawn(engine)
+            try:
+                await self._wait_healthy(engine)
+            except (RuntimeError, TimeoutError) as exc:
+                self.log.error("engine_restart_failed", engine=engine.name, error=str(exc))
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        self._closing = True
+        for task in self._watchers:
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        live = [e for e in self.engines if e.proc is not None and e.proc.returncode is None]
+        for e in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(e.proc.pid, signal.SIGTERM)
+        if live:
+            _, pending = await asyncio.wait(
+                [asyncio.ensure_future(e.proc.wait()) for e in live], timeout=timeout_s
+            )
+            for e in live:
+                if e.proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(e.proc.pid, signal.SIGKILL)
+            if pending:
+                await asyncio.wait(pending)
