@@ -1,0 +1,400 @@
+"""The learner side of weight publishing: announce buckets over HTTP, broadcast them as rank 0.
+
+``WeightPublisher`` speaks SGLang's weight-update API to every engine (a real SGLang server or the
+built-in engine). ``connect()`` asks each engine to join the weight group
+(``POST /init_weights_update_group``, engine ``i`` at ``rank_offset = 1 + i``) while this process
+joins as rank 0 in a thread: rank 0 hosts the rendezvous store and waits for everyone, so neither
+side can go first. ``publish()`` then sends the weights bucket by bucket: for each bucket it POSTs
+``/update_weights_from_distributed`` to every engine, broadcasts in a thread, and awaits all the
+answers (an engine answers once it has loaded the bucket). The version is live when the last
+bucket has landed.
+
+Blocking collectives run in daemon threads, so a broadcast stuck on a dead engine can neither
+block the event loop nor keep the process alive at exit; it ends at the group's ``timeout_s``.
+After a failed bucket the group is out of step with the engines and the publisher refuses to
+publish again: ``close()`` and ``connect()`` anew.
+
+It does not gather ZeRO-3 shards itself (pass a callable yielding gathered groups), retry, pause
+engines or flush their caches (``flush_cache`` is always false: in-flight updates keep the cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+import structlog
+import torch
+
+from stages.weights.buckets import (
+    Bucket,
+    StagingBuffer,
+    dtype_name,
+    group_by_size,
+    pack_buckets,
+)
+from stages.weights.group import WeightGroup, init_weight_group
+from stages.weights.receiver import LOAD_FORMATS
+
+__all__ = ["PublishStats", "WeightPublishError", "WeightPublisher", "WeightSource"]
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+# Either the named tensors themselves, or a callable returning groups of them: each group is fully
+# packed and sent before the next is requested, so a ZeRO-3 learner can gather one group at a time.
+WeightSource = NamedTensors | Callable[[], Iterable[NamedTensors]]
+
+T = TypeVar("T")
+
+
+class WeightPublishError(RuntimeError):
+    """An engine refused or failed a weight-group request, or the group itself failed."""
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    version: int
+    buckets: int
+    bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightPublisher:
+    """Rank 0 of the weight group, announcing and broadcasting weights to ``engine_urls``."""
+
+    def __init__(
+        self,
+        engine_urls: Sequence[str],
+        *,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        group_name: str = "inflight_weights",
+        bucket_mb: float = 64,
+        load_format: str | None = "flattened_bucket",
+        log: Any = None,
+        timeout_s: float = 300,
+    ) -> None:
+        if not engine_urls:
+            raise ValueError("WeightPublisher needs at least one engine URL")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"unknown load_format {load_format!r}: expected one of {list(LOAD_FORMATS)}"
+            )
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.engine_urls = [url.rstrip("/") for url in engine_urls]
+        self.backend = backend
+        self.master_address = master_address
+        self.master_port = master_port
+        self.group_name = group_name
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.load_format = load_format
+        # Bounds every wait: group rendezvous, each collective, each HTTP request.
+        self.timeout_s = timeout_s
+        self.log = log if log is not None else structlog.get_logger("weights")
+        self._session: aiohttp.ClientSession | None = None
+        self._group: WeightGroup | None = None
+        self._broken: str | None = None
+        # Two packing buffers of bucket_mb, reused: one on the wire while the next is packed.
+        self._staging = StagingBuffer(slots=2)
+        # A collective abandoned after a failure; the group may only be destroyed once it ends.
+        self._stray: asyncio.Future[Any] | None = None
+
+    @property
+    def world_size(self) -> int:
+        # Tensor parallelism 1 per engine: one rank each after the publisher's rank 0.
+        return 1 + len(self.engine_urls)
+
+    async def connect(self) -> None:
+        """Form the weight group with every engine; raises naming the engine that failed."""
+        if self._group is not None:
+            raise RuntimeError(f"already connected to weight group {self.group_name!r}")
+        port = self.master_port or _free_port(self.master_address)
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self._broken = None
+        started = time.perf_counter()
+        rank0 = _in_daemon_thread(
+            lambda: init_weight_group(
+                backend=self.backend,
+                master_address=self.master_address,
+                master_port=port,
+                rank=0,
+                world_size=self.world_size,
+                group_name=self.group_name,
+                timeout_s=self.timeout_s,
+            ),
+            name="weight-group-rank0",
+        )
+        posts = [
+            self._post(
+                url,
+                "/init_weights_update_group",
+                {
+                    "master_address": self.master_address,
+                    "master_port": port,
+                    "rank_offset": 1 + i,
+                    "world_size": self.world_size,
+                    "group_name": self.group_name,
+                    "backend": self.backend,
+                },
+            )
+            for i, url in enumerate(self.engine_urls)
+        ]
+        try:
+            await self._all_or_first_error(posts, rank0, what="joining the weight group")
+        except BaseException:
+            # Should rank 0's group still form after all, it is of no use: release it then.
+            rank0.add_done_callback(_destroy_group_result)
+            raise
+        self._group = rank0.result()
+        self.log.info(
+            "weight_group_connected",
+            group_name=self.group_name,
+            master_port=port,
+            world_size=self.world_size,
+            engines=len(self.engine_urls),
+            seconds=round(time.perf_counter() - started, 3),
+        )
+
+    async def publish(self, weights: WeightSource, version: int) -> PublishStats:
+        """Send all ``weights`` to every engine as ``version``; returns once all have loaded it."""
+        group = self._usable_group()
+        groups: Iterable[NamedTensors] = weights() if callable(weights) else [weights]
+        started = time.perf_counter()
+        buckets = nbytes = 0
+        if self.load_format == "flattened_bucket":
+            buckets, nbytes = await self._publish_flattened(group, groups, version)
+        else:
+            for named_tensors in groups:
+                for chunk in group_by_size(named_tensors, self.bucket_bytes):
+                    tensors = [t.detach().contiguous() for _, t in chunk]
+                    await self._send(
+                        group,
+                        [name for name, _ in chunk],
+                        [dtype_name(t.dtype) for t in tensors],
+                        [list(t.shape) for t in tensors],
+                        tensors,
+                        version,
+                    )
+                    buckets += 1
+                    nbytes += sum(t.numel() * t.element_size() for t in tensors)
+        stats = PublishStats(
+            version=version, buckets=buckets, bytes=nbytes, seconds=time.perf_counter() - started
+        )
+        self.log.info(
+            "weights_published",
+            version=version,
+            buckets=buckets,
+            bytes=nbytes,
+            seconds=round(stats.seconds, 4),
+            gb_per_s=round(stats.gb_per_s, 3),
+            engines=len(self.engine_urls),
+        )
+        return stats
+
+    async def _publish_flattened(
+        self, group: WeightGroup, groups: Iterable[NamedTensors], version: int
+    ) -> tuple[int, int]:
+        def all_buckets() -> Iterator[Bucket]:
+            for named_tensors in groups:
+                yield from pack_buckets(named_tensors, self.bucket_bytes, staging=self._staging)
+
+        packer = all_buckets()
+        # The source is advanced (and packed) in a worker thread, one bucket ahead of the wire.
+        ahead = _in_daemon_thread(lambda: next(packer, None), name="weight-pack")
+        buckets = nbytes = 0
+        try:
+            while (bucket := await ahead) is not None:
+                ahead = _in_daemon_thread(lambda: next(packer, None), name="weight-pack")
+                await self._send(
+                    group, bucket.names, bucket.dtypes, bucket.shapes, [bucket.flat], version
+                )
+                buckets += 1
+                nbytes += bucket.nbytes
+        except BaseException:
+            # Leave the source at rest before handing the failure on (the packer may be inside
+            # the learner's gather); bounded, and its own error is secondary to this one.
+            await asyncio.wait([ahead], timeout=self.timeout_s)
+            if ahead.done() and not ahead.cancelled():
+                ahead.exception()
+            raise
+        return buckets, nbytes
+
+    async def close(self) -> None:
+        """Leave the weight group and close HTTP; always releases both (idempotent)."""
+        group, self._group = self._group, None
+        session, self._session = self._session, None
+        try:
+            self._staging = StagingBuffer(slots=2)
+            if group is not None:
+                if self._stray is not None and not self._stray.done():
+                    # Destroying a group under a running collective can crash the process.
+                    self._stray.add_done_callback(lambda _: group.destroy())
+                else:
+                    group.destroy()
+        finally:
+            if session is not None:
+                await session.close()
+
+    async def _send(
+        self,
+        group: WeightGroup,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        tensors: list[torch.Tensor],
+        version: int,
+    ) -> None:
+        payload = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": self.group_name,
+            "flush_cache": False,
+            "weight_version": str(version),
+            "load_format": self.load_format,
+        }
+        # The POSTs go out first; each engine then blocks in its side of the broadcast.
+        route = "/update_weights_from_distributed"
+        posts = [self._post(url, route, payload) for url in self.engine_urls]
+
+        def broadcast() -> None:
+            for tensor in tensors:
+                group.broadcast(tensor, src=0)
+
+        bcast = _in_daemon_thread(broadcast, name="weight-broadcast")
+        try:
+            await self._all_or_first_error(
+                posts, bcast, what=f"publishing version {version} ({len(names)} tensors)"
+            )
+        except BaseException as exc:
+            self._broken = f"publishing version {version} failed: {exc!r}"
+            if not bcast.done():
+                self._stray = bcast
+                # Its eventual timeout error has no one left to read it.
+                bcast.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+
+    async def _all_or_first_error(
+        self, posts: list[Any], thread: asyncio.Future[T], *, what: str
+    ) -> None:
+        """Await the engines' answers and rank 0's collective; raise at the first failure."""
+        tasks = [asyncio.ensure_future(p) for p in posts]
+        pending: set[asyncio.Future[Any]] = {*tasks, thread}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending, timeout=self.timeout_s, return_when=asyncio.FIRST_EXCEPTION
+                )
+                if not done:
+                    raise WeightPublishError(
+                        f"{what}: no progress within timeout_s={self.timeout_s}s "
+                        f"({len(pending)} of {len(tasks) + 1} parties still pending)"
+                    )
+                # Engine answers name the culprit; report them before rank 0's own error.
+                for fut in sorted(done, key=lambda f: f is thread):
+                    if fut.exception() is not None:
+                        exc = fut.exception()
+                        if fut is thread:
+                            raise WeightPublishError(f"{what}: rank 0 failed: {exc}") from exc
+                        raise exc
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _post(self, url: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+        assert self._session is not None
+        try:
+            async with self._session.post(url + route, json=payload) as resp:
+                text = await resp.text()
+                status = resp.status
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise WeightPublishError(f"engine {url}: POST {route} failed: {exc!r}") from exc
+        try:
+            body = _json_object(text)
+        except ValueError:
+            body = None
+        if status != 200 or body is None or body.get("success") is not True:
+            message = body.get("message") if body else text[:500]
+            raise WeightPublishError(
+                f"engine {url}: POST {route} answered HTTP {status}, success="
+                f"{body.get('success') if body else None}: {message}"
+            )
+        return body
+
+    def _usable_group(self) -> WeightGroup:
+        if self._group is None:
+            raise RuntimeError("not connected: await WeightPublisher.connect() first")
+        if self._broken is not None:
+            raise WeightPublishError(
+                f"weight group {self.group_name!r} is out of step with the engines "
+                f"({self._broken}); close() and connect() again"
+            )
+        return self._group
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    body = json.loads(text)
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    return body
+
+
+def _free_port(host: str) -> int:
+    # Best effort: another process could take the port before rank 0 binds it.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _in_daemon_thread(fn: Callable[[], T], *, name: str) -> asyncio.Future[T]:
+    """Run blocking ``fn`` in a daemon thread; its outcome lands in the returned future."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+    # CUDA's current device is per thread: NCCL and gathers must run on the caller's device.
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        result, exc = None, None
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            result = fn()
+        except BaseException as e:  # handed to the awaiting coroutine, never dropped
+            exc = e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            # The loop is closed: nobody awaits this any more.
+            if isinstance(result, WeightGroup):
+                result.destroy()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
+def _destroy_group_result(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is None and isinstance(fut.result(), WeightGroup):
+        fut.result().destroy()
