@@ -124,6 +124,7 @@ async def _engine(conn: Any) -> None:
         [
             web.post("/init_weights_update_group", init_group),
             web.post("/update_weights_from_distributed", update),
+            web.post("/update_weight_version", lambda _: answer(True, "version set")),
             web.post("/bench_raw_receive", raw_receive),
         ]
     )

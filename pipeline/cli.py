@@ -72,12 +72,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return uvloop.run(supervisor.run())
 
 
-def _cmd_engine(args: argparse.Namespace) -> int:
-    from stages.engine.server import main as engine_main  # torch + transformers: only here
-
-    return engine_main(args.engine_args)
-
-
 def _cmd_stages(args: argparse.Namespace) -> int:
     plugins = list_plugins()
     if not plugins:
@@ -112,13 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     add_logs_arguments(logs)
     logs.set_defaults(func=run_logs)
 
-    engine = sub.add_parser(
-        "engine",
-        help="serve a Hugging Face model over the SGLang HTTP API (the built-in engine)",
-        add_help=False,
+    # listed for --help; `main` hands its arguments to the engine's own parser
+    sub.add_parser(
+        "engine", help="serve a Hugging Face model over the SGLang HTTP API (built-in engine)"
     )
-    engine.add_argument("engine_args", nargs=argparse.REMAINDER)
-    engine.set_defaults(func=_cmd_engine)
 
     stages = sub.add_parser("stages", help="list registered stages, rewards and engines")
     stages.set_defaults(func=_cmd_stages)
@@ -126,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["engine"]:  # the engine server parses its own options (--model, --port...)
+        from stages.engine.server import main as engine_main  # torch + transformers: only here
+
+        return engine_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return args.func(args)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pipeline.stage import Port
 from stages.examples import ITEM
+from stages.schemas import PROMPT, ROLLOUT
 
 
 class Crashy:
@@ -71,3 +72,78 @@ class StopAfter:
 
     async def close(self):
         self.ctx.log.info("stop_after_closed")
+
+
+class Prompts:
+    """Source of ``count`` prompts of ``length`` random token ids below ``vocab``."""
+
+    @dataclass
+    class Config:
+        count: int = 8
+        length: int = 6
+        vocab: int = 64
+
+    inputs: dict = {}
+    outputs = {"out": Port(PROMPT)}
+
+    def __init__(self, config, ctx):
+        self.config, self.ctx = config, ctx
+
+    async def setup(self):
+        pass
+
+    async def run(self):
+        import random
+
+        rng = random.Random(self.ctx.seed)
+        for i in range(self.config.count):
+            ids = [rng.randrange(1, self.config.vocab) for _ in range(self.config.length)]
+            await self.ctx.outputs["out"].send(
+                "prompt", {"prompt_id": f"p{i}", "input_ids": ids, "meta": {"i": i}}
+            )
+
+    async def close(self):
+        pass
+
+
+class RolloutSink:
+    """Takes rollouts (``delay_s`` each, to play a slow scorer) and writes what it saw."""
+
+    @dataclass
+    class Config:
+        delay_s: float = 0.0
+
+    inputs = {"rollouts": Port(ROLLOUT)}
+    outputs: dict = {}
+
+    def __init__(self, config, ctx):
+        self.config, self.ctx = config, ctx
+        self.seen = []
+
+    async def setup(self):
+        pass
+
+    async def run(self):
+        import asyncio
+        import json
+
+        async for msg in self.ctx.inputs["rollouts"]:
+            d = msg.data
+            self.seen.append(
+                {
+                    "group_id": d["group_id"],
+                    "sample_index": d["sample_index"],
+                    "prompt_ids": d["prompt_ids"].tolist(),
+                    "completion_ids": d["completion_ids"].tolist(),
+                    "logprobs": d["sampler_logprobs"].tolist(),
+                    "versions": d["versions"].tolist(),
+                    "finish_reason": d["finish_reason"],
+                    "meta": d["meta"],
+                }
+            )
+            if self.config.delay_s:
+                await asyncio.sleep(self.config.delay_s)
+        (self.ctx.run_dir / "rollouts.json").write_text(json.dumps(self.seen))
+
+    async def close(self):
+        pass

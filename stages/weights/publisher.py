@@ -189,6 +189,14 @@ class WeightPublisher:
                     )
                     buckets += 1
                     nbytes += sum(t.numel() * t.element_size() for t in tensors)
+        # The version goes live once every bucket has landed: tokens decoded while buckets were
+        # still arriving keep the old version, which only overstates their lag.
+        await asyncio.gather(
+            *(
+                self._post(url, "/update_weight_version", {"new_version": str(version)})
+                for url in self.engine_urls
+            )
+        )
         stats = PublishStats(
             version=version, buckets=buckets, bytes=nbytes, seconds=time.perf_counter() - started
         )
@@ -262,7 +270,7 @@ class WeightPublisher:
             "shapes": shapes,
             "group_name": self.group_name,
             "flush_cache": False,
-            "weight_version": str(version),
+            # no weight_version here: the version goes live with the last bucket (below)
             "load_format": self.load_format,
         }
         # The POSTs go out first; each engine then blocks in its side of the broadcast.

@@ -80,7 +80,10 @@ async def _engine(name: str, conn: Any) -> None:
         if f"{name}.fail_after_receive" in names:
             return _failure(f"{name} could not load the bucket")
         held["weights"].update({n: _digest(t) for n, t in got})
-        held["weight_version"] = body.get("weight_version")
+        return web.json_response({"success": True, "message": "Succeeded."})
+
+    async def set_version(request: web.Request) -> web.Response:
+        held["weight_version"] = (await request.json())["new_version"]
         return web.json_response({"success": True, "message": "Succeeded."})
 
     async def digest(_: web.Request) -> web.Response:
@@ -91,6 +94,7 @@ async def _engine(name: str, conn: Any) -> None:
         [
             web.post("/init_weights_update_group", init_group),
             web.post("/update_weights_from_distributed", update),
+            web.post("/update_weight_version", set_version),
             web.get("/weights_digest", digest),
         ]
     )

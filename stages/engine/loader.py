@@ -1,0 +1,82 @@
+"""Load a Hugging Face causal-LM directory: the model, and its tokenizer when it has one.
+
+``dtype="auto"`` means float32 on CPU (bfloat16 matmuls are slow there) and the checkpoint's
+own dtype elsewhere. A directory without tokenizer files loads without a tokenizer: the engine
+then takes ``input_ids`` only and returns no ``text``. Nothing is downloaded: ``path`` must be
+a local directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+__all__ = ["DTYPES", "LoadedModel", "load_model"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A directory whose tokenizer_config names one of these means "tokenizer.json as it is";
+# AutoTokenizer would instead pick the model type's own class and rebuild it differently.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase | None
+    vocab_size: int
+    context_length: int
+    eos_token_ids: frozenset[int]
+
+
+def load_model(path: Path, *, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+    """Load ``path`` onto ``device``; raises ``FileNotFoundError`` / ``ValueError`` if unusable."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json: not a Hugging Face model directory")
+    if dtype == "auto":
+        torch_dtype: torch.dtype | str = torch.float32 if device == "cpu" else "auto"
+    elif dtype in DTYPES:
+        torch_dtype = DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    model.to(device).eval()
+    tokenizer = _load_tokenizer(path)
+    eos: set[int] = set()
+    for source in (model.generation_config.eos_token_id, model.config.eos_token_id):
+        if isinstance(source, int):
+            eos.add(source)
+        elif isinstance(source, list):
+            eos.update(source)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return LoadedModel(
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        vocab_size=model.get_input_embeddings().num_embeddings,
+        context_length=model.config.max_position_embeddings,
+        eos_token_ids=frozenset(eos),
+    )
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    config_file = path / "tokenizer_config.json"
+    if config_file.is_file() and (path / "tokenizer.json").is_file():
+        named = json.loads(config_file.read_text()).get("tokenizer_class")
+        if named in _GENERIC_TOKENIZERS:
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

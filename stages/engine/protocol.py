@@ -1,0 +1,339 @@
+"""The ``/generate`` wire format: request validation and SGLang-shaped results.
+
+Field names and defaults follow SGLang 0.5.x (``GenerateReqInput`` and ``SamplingParams``):
+``max_new_tokens`` 128, ``temperature`` 1.0 (0 means greedy), ``top_p`` 1.0, ``top_k`` -1 (off),
+``min_p`` 0.0, ``ignore_eos`` false, ``sampling_seed`` none. Every problem raises
+``RequestError`` naming the field, which the server answers with HTTP 400. SGLang parameters
+the built-in engine does not implement (penalties, stop strings, grammars, ``n`` > 1,
+``logit_bias``, streaming, top log-probs) are accepted only at their neutral default and
+rejected otherwise, so a request never silently means something else here.
+
+This module knows nothing of HTTP, torch or the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "GenerateInput",
+    "RequestError",
+    "SamplingParams",
+    "SequenceResult",
+    "parse_generate",
+    "render_result",
+]
+
+
+class RequestError(ValueError):
+    """A malformed request; ``field`` is the JSON path of the offending value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling parameters the built-in engine implements (SGLang names and defaults)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        # SGLang turns temperature 0 (and top_k 1) into argmax.
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One sequence to generate, validated."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+
+
+@dataclass
+class SequenceResult:
+    """What the scheduler hands back for one finished (or aborted) sequence."""
+
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    weight_version: str
+    output_token_weight_versions: list[str]
+    output_token_logprobs: list[float] | None
+    e2e_latency: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# SGLang sampling parameters accepted only at these neutral values.
+_NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "min_new_tokens": (0, None),
+    "n": (1, None),
+    "stop": (None, "", ()),
+    "stop_regex": (None, "", ()),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "logit_bias": (None,),
+    "custom_params": (None,),
+}
+# Accepted and without effect here (they only shape text or streaming).
+_IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens", "no_stop_trim", "stream_interval"})
+
+# Top-level GenerateReqInput fields accepted only at these neutral values.
+_NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
+    "stream": (False, None),
+    "top_logprobs_num": (0, None),
+    "token_ids_logprob": (None,),
+    "logprob_start_len": (-1, 0, None),
+    "image_data": (None,),
+    "audio_data": (None,),
+    "video_data": (None,),
+    "input_embeds": (None,),
+    "lora_path": (None,),
+    "custom_logit_processor": (None,),
+    "return_hidden_states": (False, None),
+    "session_params": (None,),
+}
+_IGNORED_TOP = frozenset({"return_text_in_logprobs", "log_metrics", "modalities"})
+_KNOWN_TOP = frozenset({"text", "input_ids", "sampling_params", "return_logprob", "rid"})
+
+
+def parse_generate(
+    body: Any,
+    *,
+    vocab_size: int,
+    context_length: int,
+    encode: Callable[[str], list[int]] | None,
+) -> tuple[list[GenerateInput], bool]:
+    """Validate a ``/generate`` body; returns the sequences and whether it was a batch."""
+    if not isinstance(body, dict):
+        raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
+    for key, value in body.items():
+        if key in _KNOWN_TOP or key in _IGNORED_TOP:
+            continue
+        if key in _NEUTRAL_TOP:
+            if not _is_neutral(value, _NEUTRAL_TOP[key]):
+                what = "streaming" if key == "stream" else f"{key}={value!r}"
+                raise RequestError(key, f"{what} is not supported by the built-in engine")
+            continue
+        raise RequestError(key, "unknown field of /generate")
+
+    prompts, batch = _prompts(body, vocab_size=vocab_size, encode=encode)
+    n = len(prompts)
+    params = _per_item(body.get("sampling_params"), "sampling_params", n, batch, dict)
+    logprob_flags = _per_item(body.get("return_logprob"), "return_logprob", n, batch, bool)
+    rids = _per_item(body.get("rid"), "rid", n, batch, str)
+
+    inputs: list[GenerateInput] = []
+    seen: set[str] = set()
+    for i, ids in enumerate(prompts):
+        where = f"[{i}]" if batch else ""
+        sp = _sampling_params(params[i], f"sampling_params{where}" if batch else "sampling_params")
+        if len(ids) + sp.max_new_tokens > context_length:
+            raise RequestError(
+                f"input_ids{where}",
+                f"{len(ids)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceed the "
+                f"model's context length {context_length}",
+            )
+        rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
+        if rid in seen:
+            raise RequestError(f"rid{where}", f"duplicate request id {rid!r} in the batch")
+        seen.add(rid)
+        inputs.append(GenerateInput(rid, ids, sp, bool(logprob_flags[i])))
+    return inputs, batch
+
+
+def render_result(
+    result: SequenceResult, *, decode: Callable[[list[int], bool], str] | None,
+    skip_special_tokens: bool, return_logprob: bool,
+) -> dict[str, Any]:
+    """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer)."""
+    meta: dict[str, Any] = {
+        "id": result.rid,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "weight_version": result.weight_version,
+        "weight_versions": _version_spans(result.output_token_weight_versions),
+        "output_token_weight_versions": result.output_token_weight_versions,
+        "e2e_latency": result.e2e_latency,
+    }
+    if return_logprob:
+        logprobs = result.output_token_logprobs or []
+        # SGLang's layout: [logprob, token_id, token_text or None].
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(logprobs, result.output_ids, strict=True)
+        ]
+    meta.update(result.extra)
+    out: dict[str, Any] = {}
+    if decode is not None:
+        out["text"] = decode(result.output_ids, skip_special_tokens)
+    out["output_ids"] = result.output_ids
+    out["meta_info"] = meta
+    return out
+
+
+def _version_spans(versions: Sequence[str]) -> list[dict[str, Any]]:
+    """SGLang's ``meta_info.weight_versions``: ``[{version, start, end}]`` over output tokens."""
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans
+
+
+def _prompts(
+    body: dict[str, Any], *, vocab_size: int, encode: Callable[[str], list[int]] | None
+) -> tuple[list[list[int]], bool]:
+    has_ids = body.get("input_ids") is not None
+    has_text = body.get("text") is not None
+    if has_ids == has_text:
+        raise RequestError("input_ids", "give exactly one of input_ids or text")
+    if has_text:
+        text = body["text"]
+        if encode is None:
+            raise RequestError("text", "this model has no tokenizer: send input_ids")
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if batch and not texts:
+            raise RequestError("text", "empty batch")
+        prompts = []
+        for i, t in enumerate(texts):
+            name = f"text[{i}]" if batch else "text"
+            if not isinstance(t, str):
+                raise RequestError(name, f"expected a string, got {_kind(t)}")
+            ids = encode(t)
+            if not ids:
+                raise RequestError(name, "encodes to no tokens")
+            prompts.append(ids)
+        return prompts, batch
+
+    ids = body["input_ids"]
+    if not isinstance(ids, list):
+        raise RequestError("input_ids", f"expected a list of token ids, got {_kind(ids)}")
+    if not ids:
+        raise RequestError("input_ids", "empty")
+    batch = isinstance(ids[0], list)
+    rows = ids if batch else [ids]
+    prompts = []
+    for i, row in enumerate(rows):
+        name = f"input_ids[{i}]" if batch else "input_ids"
+        if not isinstance(row, list):
+            raise RequestError(name, f"expected a list of token ids, got {_kind(row)}")
+        if not row:
+            raise RequestError(name, "empty")
+        for j, tok in enumerate(row):
+            if not _is_int(tok):
+                raise RequestError(f"{name}[{j}]", f"expected an integer token id, got {tok!r}")
+            if not 0 <= tok < vocab_size:
+                raise RequestError(
+                    f"{name}[{j}]", f"token id {tok} is outside the vocabulary [0, {vocab_size})"
+                )
+        prompts.append(list(row))
+    return prompts, batch
+
+
+def _per_item(value: Any, name: str, n: int, batch: bool, kind: type) -> list[Any]:
+    """A field that is one value for all sequences or (in a batch) a list of one per sequence."""
+    if value is None:
+        return [None] * n
+    if batch and isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(name, f"has {len(value)} entries for a batch of {n}")
+        items = value
+    else:
+        items = [value] * n
+    for i, item in enumerate(items):
+        if item is not None and not isinstance(item, kind):
+            where = f"{name}[{i}]" if items is value else name
+            raise RequestError(where, f"expected {kind.__name__}, got {_kind(item)}")
+    return items
+
+
+def _sampling_params(raw: dict[str, Any] | None, name: str) -> SamplingParams:
+    raw = raw or {}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{name}.{key}"
+        if key in _IGNORED_SAMPLING:
+            continue
+        if key in _NEUTRAL_SAMPLING:
+            if not _is_neutral(value, _NEUTRAL_SAMPLING[key]):
+                raise RequestError(path, "is not supported by the built-in engine")
+            continue
+        if value is None:
+            continue  # SGLang: null means the default
+        if key in ("max_new_tokens", "top_k", "sampling_seed"):
+            if not _is_int(value):
+                raise RequestError(path, f"expected an integer, got {value!r}")
+        elif key in ("temperature", "top_p", "min_p"):
+            if not _is_number(value) or not math.isfinite(value):
+                raise RequestError(path, f"expected a finite number, got {value!r}")
+            value = float(value)
+        elif key in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(value, bool):
+                raise RequestError(path, f"expected true or false, got {value!r}")
+        elif key == "stop_token_ids":
+            if not isinstance(value, list) or not all(_is_int(t) for t in value):
+                raise RequestError(path, "expected a list of integer token ids")
+            value = frozenset(value)
+        else:
+            raise RequestError(path, "unknown sampling parameter")
+        values[key] = value
+    sp = SamplingParams(**values)
+    if sp.max_new_tokens < 0:
+        raise RequestError(f"{name}.max_new_tokens", f"must be >= 0, got {sp.max_new_tokens}")
+    if sp.temperature < 0:
+        raise RequestError(f"{name}.temperature", f"must be >= 0, got {sp.temperature}")
+    if not 0.0 < sp.top_p <= 1.0:
+        raise RequestError(f"{name}.top_p", f"must be in (0, 1], got {sp.top_p}")
+    if not 0.0 <= sp.min_p <= 1.0:
+        raise RequestError(f"{name}.min_p", f"must be in [0, 1], got {sp.min_p}")
+    if sp.top_k != -1 and sp.top_k < 1:
+        raise RequestError(f"{name}.top_k", f"must be -1 (off) or >= 1, got {sp.top_k}")
+    return sp
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    if isinstance(value, list) and not value:
+        return () in neutral or None in neutral
+    return any(value is n or (type(value) is type(n) and value == n) for n in neutral)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )

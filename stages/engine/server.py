@@ -1,0 +1,473 @@
+"""``inflight engine``: serve a Hugging Face causal LM over SGLang's HTTP API subset (aiohttp).
+
+Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu|cuda]
+[--dtype auto|float32|bfloat16|float16] [--max-running 64] [--seed 0] [--weight-version 0]
+[--log-file PATH]``
+
+Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
+``POST /pause_generation``, ``POST /continue_generation``, ``POST /init_weights_update_group``,
+``POST /update_weights_from_distributed``, ``POST /destroy_weights_update_group``,
+``POST /update_weight_version``, ``GET /health``, ``GET /model_info`` (also
+``/get_model_info``), ``GET /get_server_info``, ``GET /get_weight_version``. A malformed
+request gets HTTP 400 with ``{"error": {"message": "<field>: <problem>"}}``; weight routes
+answer ``{"success": false, "message": ...}`` instead, as SGLang does. No streaming, no OpenAI
+routes. The model runs on the scheduler thread; this event loop only parses, waits and
+answers, so requests are accepted while a decode step runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from aiohttp import web
+
+from stages.engine.loader import DTYPES, LoadedModel, load_model
+from stages.engine.protocol import RequestError, parse_generate, render_result
+from stages.engine.scheduler import PAUSE_MODES, Scheduler
+
+__all__ = ["build_app", "main"]
+
+log = structlog.get_logger("stages.engine.server")
+
+_SCHEDULER = web.AppKey("scheduler", Scheduler)
+_LOADED = web.AppKey("loaded", LoadedModel)
+_WEIGHTS = web.AppKey("weights", "WeightRoutes")
+_MAX_BODY = 256 * 1024 * 1024  # token-id batches and weight metadata can be large
+
+
+def build_app(loaded: LoadedModel, scheduler: Scheduler) -> web.Application:
+    """The aiohttp application; the caller starts and stops ``scheduler``."""
+    app = web.Application(client_max_size=_MAX_BODY)
+    app[_LOADED] = loaded
+    app[_SCHEDULER] = scheduler
+    weights = WeightRoutes(scheduler)
+    app[_WEIGHTS] = weights
+    app.router.add_post("/generate", _generate)
+    app.router.add_post("/abort_request", _abort_request)
+    app.router.add_post("/pause_generation", _pause)
+    app.router.add_post("/continue_generation", _continue)
+    app.router.add_post("/update_weight_version", _update_weight_version)
+    app.router.add_post("/init_weights_update_group", weights.init_group)
+    app.router.add_post("/update_weights_from_distributed", weights.update)
+    app.router.add_post("/destroy_weights_update_group", weights.destroy_group)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/model_info", _model_info)
+    app.router.add_get("/get_model_info", _model_info)
+    app.router.add_get("/get_server_info", _server_info)
+    app.router.add_get("/get_weight_version", _weight_version)
+    app.on_cleanup.append(weights.close)
+    return app
+
+
+# ---- generation ------------------------------------------------------------------------------
+
+
+async def _generate(request: web.Request) -> web.Response:
+    loaded, scheduler = request.app[_LOADED], request.app[_SCHEDULER]
+    tokenizer = loaded.tokenizer
+    try:
+        body = await _json_body(request)
+        inputs, batch = parse_generate(
+            body,
+            vocab_size=loaded.vocab_size,
+            context_length=loaded.context_length,
+            encode=tokenizer.encode if tokenizer is not None else None,
+        )
+    except RequestError as exc:
+        return _bad_request(str(exc))
+    futures = [asyncio.wrap_future(scheduler.submit(inp)) for inp in inputs]
+    try:
+        results = await asyncio.gather(*futures)
+    except asyncio.CancelledError:
+        # The client went away: free the batch slots, as SGLang aborts on disconnect.
+        for inp in inputs:
+            scheduler.abort(inp.rid)
+        raise
+    except ValueError as exc:  # a rid already in flight
+        for inp in inputs:
+            scheduler.abort(inp.rid)
+        return _bad_request(str(exc))
+
+    def decode(ids: list[int], skip_special_tokens: bool) -> str:
+        assert tokenizer is not None
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    rendered = [
+        render_result(
+            result,
+            decode=decode if tokenizer is not None else None,
+            skip_special_tokens=inp.params.skip_special_tokens,
+            return_logprob=inp.return_logprob,
+        )
+        for inp, result in zip(inputs, results, strict=True)
+    ]
+    return web.json_response(rendered if batch else rendered[0])
+
+
+async def _abort_request(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request)
+        rid = body.get("rid")
+        abort_all = body.get("abort_all", False)
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError("rid", f"expected a string, got {rid!r}")
+        if not isinstance(abort_all, bool):
+            raise RequestError("abort_all", f"expected true or false, got {abort_all!r}")
+        if rid is None and not abort_all:
+            raise RequestError("rid", "give a request id or abort_all: true")
+    except RequestError as exc:
+        return _bad_request(str(exc))
+    aborted = await asyncio.wrap_future(
+        request.app[_SCHEDULER].abort(rid, abort_all=abort_all)
+    )
+    return web.json_response({"success": True, "num_aborted": aborted})
+
+
+async def _pause(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request, allow_empty=True)
+        mode = body.get("mode", "abort")  # SGLang's default
+        if mode not in PAUSE_MODES:
+            raise RequestError("mode", f"expected one of {list(PAUSE_MODES)}, got {mode!r}")
+    except RequestError as exc:
+        return _bad_request(str(exc))
+    await asyncio.wrap_future(request.app[_SCHEDULER].pause(mode))
+    return web.json_response({"message": "Generation paused successfully.", "status": 200})
+
+
+async def _continue(request: web.Request) -> web.Response:
+    await asyncio.wrap_future(request.app[_SCHEDULER].resume())
+    return web.json_response({"message": "Generation continued successfully.", "status": 200})
+
+
+async def _update_weight_version(request: web.Request) -> web.Response:
+    scheduler = request.app[_SCHEDULER]
+    try:
+        body = await _json_body(request)
+        version = body.get("new_version")
+        if not isinstance(version, (str, int)) or isinstance(version, bool):
+            raise RequestError("new_version", f"expected a string, got {version!r}")
+        abort_all = body.get("abort_all_requests", False)
+        if not isinstance(abort_all, bool):
+            raise RequestError("abort_all_requests", f"expected true or false, got {abort_all!r}")
+    except RequestError as exc:
+        return web.json_response({"success": False, "message": str(exc)}, status=400)
+    if abort_all:
+        await asyncio.wrap_future(scheduler.abort(None, abort_all=True))
+    await asyncio.wrap_future(scheduler.set_weight_version(version))
+    return web.json_response(
+        {"success": True, "message": f"weight version set to {version}",
+         "new_version": str(version)}
+    )
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+
+class WeightRoutes:
+    """The weight-group routes: tensors arrive through ``stages.weights.receiver``.
+
+    Receiving runs in a worker thread so decoding goes on while the bytes arrive; the tensors
+    are then loaded by the scheduler at its next step boundary, and the HTTP answer comes only
+    once they are in the model. Updates are serialized: they must match the publisher's
+    broadcasts one for one.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.receivers: dict[str, Any] = {}
+        self.lock = asyncio.Lock()
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            address = _field(body, "master_address", str)
+            port = _field(body, "master_port", int)
+            rank_offset = _field(body, "rank_offset", int)
+            world_size = _field(body, "world_size", int)
+            group = _field(body, "group_name", str)
+            backend = _field(body, "backend", str)
+            if group in self.receivers:
+                raise RequestError("group_name", f"group {group!r} is already initialized")
+        except RequestError as exc:
+            return _failure(str(exc))
+        from stages.weights.receiver import WeightReceiver  # torch.distributed: only when used
+
+        receiver = WeightReceiver()
+        rank = rank_offset + 0  # this engine is tp_rank 0 of its own (single-rank) model group
+        try:
+            async with self.lock:
+                await asyncio.to_thread(
+                    receiver.init_group, address, port, rank, world_size, group, backend
+                )
+        except Exception as exc:
+            log.exception("weights_group_init_failed", group=group, error=repr(exc))
+            return _failure(f"init_weights_update_group failed: {exc}")
+        self.receivers[group] = receiver
+        log.info("weights_group_ready", group=group, rank=rank, world_size=world_size,
+                 backend=backend, master=f"{address}:{port}")
+        return web.json_response({"success": True, "message": "Succeeded to initialize group."})
+
+    async def update(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            names = _field(body, "names", list)
+            dtypes = _field(body, "dtypes", list)
+            shapes = _field(body, "shapes", list)
+            group = body.get("group_name", "weight_update_group")
+            version = body.get("weight_version")
+            load_format = body.get("load_format")
+            if not all(isinstance(n, str) for n in names):
+                raise RequestError("names", "expected a list of strings")
+            if not all(isinstance(d, str) for d in dtypes):
+                raise RequestError("dtypes", "expected a list of dtype names")
+            if not all(isinstance(s, list) and all(_is_int(x) for x in s) for s in shapes):
+                raise RequestError("shapes", "expected a list of integer lists")
+            if not len(names) == len(dtypes) == len(shapes):
+                raise RequestError("names", "names, dtypes and shapes differ in length")
+            if version is not None and not isinstance(version, (str, int)):
+                raise RequestError("weight_version", f"expected a string, got {version!r}")
+            if load_format is not None and not isinstance(load_format, str):
+                raise RequestError("load_format", f"expected a string, got {load_format!r}")
+            receiver = self.receivers.get(group)
+            if receiver is None:
+                raise RequestError(
+                    "group_name", f"no weight update group {group!r}: call "
+                    "/init_weights_update_group first"
+                )
+        except RequestError as exc:
+            return _failure(str(exc))
+        # flush_cache is accepted and has nothing to flush: there is no prefix cache, and the
+        # running rows keep their KV cache on purpose (in-flight updates).
+        try:
+            async with self.lock:
+                tensors = await asyncio.to_thread(
+                    receiver.receive, names, dtypes, shapes, load_format
+                )
+                await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
+        except Exception as exc:
+            log.exception("weights_update_failed", group=group, error=repr(exc))
+            return _failure(f"update_weights_from_distributed failed: {exc}")
+        return web.json_response(
+            {"success": True, "message": f"Succeeded to update {len(names)} parameter(s)."}
+        )
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request, allow_empty=True)
+            group = body.get("group_name", "weight_update_group")
+            receiver = self.receivers.pop(group, None)
+            if receiver is None:
+                raise RequestError("group_name", f"no weight update group {group!r}")
+        except RequestError as exc:
+            return _failure(str(exc))
+        await asyncio.to_thread(receiver.destroy)
+        return web.json_response({"success": True, "message": "Succeeded to destroy group."})
+
+    async def close(self, _app: web.Application) -> None:
+        for receiver in self.receivers.values():
+            await asyncio.to_thread(receiver.destroy)
+        self.receivers.clear()
+
+
+# ---- info ------------------------------------------------------------------------------------
+
+
+async def _health(request: web.Request) -> web.Response:
+    if request.app[_SCHEDULER].alive:
+        return web.Response(status=200)
+    return web.Response(status=503, text="scheduler is not running")
+
+
+async def _model_info(request: web.Request) -> web.Response:
+    loaded = request.app[_LOADED]
+    return web.json_response(
+        {
+            "model_path": str(loaded.path),
+            "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
+            "is_generation": True,
+            "weight_version": request.app[_SCHEDULER].weight_version,
+            "model_type": loaded.model.config.model_type,
+            "architectures": loaded.model.config.architectures,
+        }
+    )
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    loaded, scheduler = request.app[_LOADED], request.app[_SCHEDULER]
+    return web.json_response(
+        {
+            "model_path": str(loaded.path),
+            "engine": "inflight-builtin",
+            "max_running_requests": scheduler.max_running,
+            "context_length": loaded.context_length,
+            "weight_version": scheduler.weight_version,
+            "decode_steps": scheduler.steps,
+            "tokens_generated": scheduler.tokens_generated,
+            **scheduler.counts(),
+        }
+    )
+
+
+async def _weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[_SCHEDULER].weight_version})
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+async def _json_body(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip() and allow_empty:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError("body", f"not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("body", "expected a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise RequestError(name, f"expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=400)
+
+
+def _failure(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=400)
+
+
+# ---- process ---------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inflight engine", description="Serve a Hugging Face causal LM (SGLang HTTP subset)."
+    )
+    parser.add_argument("--model", required=True, type=Path, help="Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", required=True, type=int, help="0 picks a free port")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--max-running", type=int, default=64, help="rows per decode batch")
+    parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    parser.add_argument(
+        "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
+    )
+    parser.add_argument("--log-file", type=Path, help="JSON-lines log file (default: console)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``inflight engine``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]  # `inflight engine -- --model DIR`: the CLI passes the separator on
+    args = _parser().parse_args(argv)
+    if args.max_running < 1:
+        print("error: --max-running must be >= 1")
+        return 2
+    holder: dict[str, Scheduler] = {}
+    if args.log_file is not None:
+        from pipeline.structured_log import configure_process_logging
+
+        def version() -> int:
+            current = holder["s"].weight_version if "s" in holder else "0"
+            return int(current) if current.isdigit() else 0
+
+        configure_process_logging(
+            args.log_file, stage="engine", replica=0, version=version, console=True
+        )
+    torch.manual_seed(args.seed)
+    try:
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    except (OSError, ValueError) as exc:
+        log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
+        return 2
+    scheduler = Scheduler(
+        loaded.model,
+        max_running=args.max_running,
+        seed=args.seed,
+        weight_version=args.weight_version,
+        eos_token_ids=loaded.eos_token_ids,
+    )
+    holder["s"] = scheduler
+    scheduler.start()
+    try:
+        return _run_loop(_serve(build_app(loaded, scheduler), args, loaded))
+    finally:
+        scheduler.stop()
+
+
+def _run_loop(coro: Awaitable[int]) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    return uvloop.run(coro)  # type: ignore[arg-type]
+
+
+async def _serve(app: web.Application, args: argparse.Namespace, loaded: LoadedModel) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    received: list[str] = []
+
+    def on_signal(name: str) -> Callable[[], None]:
+        def handler() -> None:
+            received.append(name)
+            stop.set()
+
+        return handler
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal(sig.name))
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, args.host, args.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            log.error("engine_bind_failed", host=args.host, port=args.port, error=str(exc))
+            return 1
+        port = runner.addresses[0][1]
+        log.info(
+            "engine_started",
+            host=args.host,
+            port=port,
+            model=str(loaded.path),
+            device=args.device,
+            dtype=str(next(loaded.model.parameters()).dtype),
+            max_running=args.max_running,
+            tokenizer=loaded.tokenizer is not None,
+        )
+        await stop.wait()
+        log.info("engine_stopping", signal=received[0] if received else None)
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

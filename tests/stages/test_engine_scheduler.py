@@ -1,0 +1,133 @@
+"""The scheduler driven step by step in-process: in-flight weight updates and batching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from stages.engine.model_weights import WeightLoadError, load_named_tensors
+from stages.engine.protocol import GenerateInput, SamplingParams
+from stages.engine.scheduler import Scheduler
+from tests.stages.tiny_model import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+
+
+def _load(path: Path) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return make_tiny_model(root / "a", seed=1), make_tiny_model(root / "b", seed=2)
+
+
+@torch.no_grad()
+def _continue_with_stale_cache(
+    old: torch.nn.Module, new: torch.nn.Module, prompt: list[int], before: list[int], total: int
+) -> list[int]:
+    """Greedy tokens after ``before``: the cache of prompt + before[:-1] comes from ``old``."""
+    cache = DynamicCache()
+    context = prompt + before
+    old(torch.tensor([context[:-1]]), past_key_values=cache, use_cache=True)
+    out, last = [], context[-1]
+    for pos in range(len(context) - 1, len(context) - 1 + total - len(before)):
+        logits = new(torch.tensor([[last]]), past_key_values=cache, use_cache=True,
+                     position_ids=torch.tensor([[pos]])).logits
+        last = int(logits[0, -1].argmax())
+        out.append(last)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_weights_applied_mid_generation(models: tuple[Path, Path]) -> None:
+    model_a, model_b = _load(models[0]), _load(models[1])
+    engine_model = _load(models[0])
+    scheduler = Scheduler(engine_model, max_running=4, weight_version="0")
+    prompt = [7, 8, 9, 10]
+    long = scheduler.submit(GenerateInput("long", prompt, GREEDY, True))
+    other = scheduler.submit(GenerateInput("other", [40, 41], GREEDY, True))
+    for _ in range(5):  # prefill gives one token, each step one more: 6 tokens at version 0
+        scheduler.step()
+    applied = scheduler.apply_weights(list(model_b.state_dict().items()), 1)
+    scheduler.run_until_idle()
+    assert applied.result(timeout=0) is None
+
+    result = long.result(timeout=0)
+    assert result.finish_reason == {"type": "length", "length": 30}
+    assert result.output_token_weight_versions == ["0"] * 6 + ["1"] * 24
+    assert result.weight_version == "1"
+    before = result.output_ids[:6]
+    assert before == model_a.generate(torch.tensor([prompt]), max_new_tokens=6,
+                                      do_sample=False)[0, 4:].tolist()
+    # After the switch: the new weights on top of the old weights' KV cache, kept as it was.
+    assert result.output_ids[6:] == _continue_with_stale_cache(model_a, model_b, prompt, before,
+                                                               30)
+    assert other.result(timeout=0).output_token_weight_versions == ["0"] * 6 + ["1"] * 24
+
+    fresh = scheduler.submit(GenerateInput("fresh", prompt, GREEDY, True))
+    scheduler.run_until_idle()
+    expected = model_b.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
+    assert fresh.result(timeout=0).output_ids == expected[0, 4:].tolist()
+    assert fresh.result(timeout=0).output_token_weight_versions == ["1"] * 30
+
+
+@pytest.mark.timeout(60)
+def test_bad_weights_are_rejected_whole(models: tuple[Path, Path]) -> None:
+    model = _load(models[0])
+    scheduler = Scheduler(model, max_running=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = [("model.norm.weight", torch.zeros(32)), ("model.nope.weight", torch.zeros(3)),
+           ("lm_head.weight", torch.zeros(2, 2))]
+    future = scheduler.apply_weights(bad, "9")
+    scheduler.step()
+    with pytest.raises(WeightLoadError, match=r"model\.nope\.weight.*lm_head\.weight"):
+        future.result(timeout=0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert scheduler.weight_version == "0"
+
+
+@pytest.mark.timeout(60)
+def test_tied_embeddings_update_through_either_name(tmp_path: Path) -> None:
+    model = _load(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
+    new = torch.randn_like(model.lm_head.weight)
+    load_named_tensors(model, [("lm_head.weight", new)])
+    assert torch.equal(model.model.embed_tokens.weight, new)
+    load_named_tensors(model, [("model.embed_tokens.weight", new * 2)])
+    assert torch.equal(model.lm_head.weight, new * 2)
+
+
+@pytest.mark.timeout(60)
+def test_retract_then_continue_recomputes_and_matches(models: tuple[Path, Path]) -> None:
+    model = _load(models[0])
+    scheduler = Scheduler(model, max_running=4)
+    futures = [scheduler.submit(GenerateInput(f"r{i}", [3 + i, 9, 27][: i + 1], GREEDY, False))
+               for i in range(3)]
+    for _ in range(4):
+        scheduler.step()
+    scheduler.pause("retract")
+    scheduler.step()
+    assert scheduler.counts() == {"num_running_reqs": 0, "num_waiting_reqs": 3}
+    scheduler.resume()
+    scheduler.run_until_idle()
+    for i, future in enumerate(futures):
+        prompt = [3 + i, 9, 27][: i + 1]
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
+        assert future.result(timeout=0).output_ids == expected[0, len(prompt):].tolist()
+
+
+@pytest.mark.timeout(60)
+def test_max_running_bounds_the_batch(models: tuple[Path, Path]) -> None:
+    scheduler = Scheduler(_load(models[0]), max_running=2)
+    futures = [scheduler.submit(GenerateInput(f"q{i}", [5, 6], GREEDY, False)) for i in range(5)]
+    scheduler.step()
+    assert scheduler.counts() == {"num_running_reqs": 2, "num_waiting_reqs": 3}
+    scheduler.run_until_idle()
+    outputs = {tuple(f.result(timeout=0).output_ids) for f in futures}
+    assert len(outputs) == 1  # same prompt, greedy: same tokens whatever the batch

@@ -1,0 +1,319 @@
+"""The built-in engine as a real server process, spoken to over HTTP as a generator would."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.stages.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Engine:
+    def __init__(self, url: str, model_dir: Path, log_file: Path) -> None:
+        self.url = url
+        self.model_dir = model_dir
+        self.log_file = log_file
+
+    def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
+                timeout: float = 30) -> tuple[int, Any]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                text = resp.read()
+                return resp.status, json.loads(text) if text else None
+        except urllib.error.HTTPError as exc:
+            text = exc.read()
+            return exc.code, json.loads(text) if text else None
+
+    def generate(self, body: dict[str, Any]) -> Any:
+        status, out = self.request("POST", "/generate", body)
+        assert status == 200, out
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    root = tmp_path_factory.mktemp("engine")
+    model_dir = make_tiny_model(root / "model", vocab=128, seed=1)
+    port = _free_port()
+    log_file = root / "engine.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model_dir),
+         "--port", str(port), "--max-running", "8", "--log-file", str(log_file)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    eng = Engine(f"http://127.0.0.1:{port}", model_dir, log_file)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if eng.request("GET", "/health", timeout=2)[0] == 200:
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"engine did not come up; log:\n{_tail(log_file)}")
+        time.sleep(0.2)
+    yield eng
+    proc.terminate()
+    try:
+        assert proc.wait(timeout=15) == 0, _tail(log_file)
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def ref_model(engine: Engine) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare whole sequences (ignore_eos)
+    return model
+
+
+def _tail(path: Path) -> str:
+    return path.read_text()[-3000:] if path.exists() else "(no log)"
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.timeout(60)
+def test_greedy_matches_transformers_generate(engine: Engine, ref_model: torch.nn.Module) -> None:
+    prompt = [5, 17, 33, 8, 90]
+    out = engine.generate({"input_ids": prompt, "rid": "greedy-1", "return_logprob": True,
+                           "sampling_params": {**GREEDY, "max_new_tokens": 24}})
+    assert out["output_ids"] == _hf_greedy(ref_model, prompt, 24)
+    meta = out["meta_info"]
+    assert meta["id"] == "greedy-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 24}
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 24
+    assert meta["weight_version"] == "0"
+    assert meta["output_token_weight_versions"] == ["0"] * 24
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 24}]
+    assert out["text"].split() == [f"w{t}" if t > 2 else "" for t in out["output_ids"]] or out[
+        "text"
+    ]
+
+    # Log-probs: one per token, finite, <= 0, and log_softmax of the model's logits.
+    logprobs = meta["output_token_logprobs"]
+    assert [row[1] for row in logprobs] == out["output_ids"]
+    assert all(row[2] is None for row in logprobs)
+    with torch.no_grad():
+        full = torch.tensor([prompt + out["output_ids"]])
+        logits = ref_model(full).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out["output_ids"])[:, None])
+    got = torch.tensor([row[0] for row in logprobs])
+    assert all(math.isfinite(x) and x <= 0 for x in got.tolist())
+    torch.testing.assert_close(got, expected[:, 0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_staggered_requests_match_each_alone(
+    engine: Engine, ref_model: torch.nn.Module
+) -> None:
+    prompts = [[3 + i, 40 + 2 * i, 7, 100 - i][: 1 + i % 4] + [11] * (i % 3) for i in range(10)]
+    lengths = [8 + 3 * i for i in range(10)]
+
+    def one(i: int) -> list[int]:
+        time.sleep(0.03 * i)  # join while the others are mid-decode
+        out = engine.generate({"input_ids": prompts[i],
+                               "sampling_params": {**GREEDY, "max_new_tokens": lengths[i]}})
+        return out["output_ids"]
+
+    with ThreadPoolExecutor(10) as pool:
+        together = list(pool.map(one, range(10)))
+    for i in range(10):
+        assert together[i] == _hf_greedy(ref_model, prompts[i], lengths[i]), i
+
+
+@pytest.mark.timeout(60)
+def test_batch_input_ids_returns_a_list(engine: Engine, ref_model: torch.nn.Module) -> None:
+    prompts = [[4, 5, 6], [70, 71], [9]]
+    out = engine.generate({"input_ids": prompts, "rid": ["b0", "b1", "b2"],
+                           "sampling_params": {**GREEDY, "max_new_tokens": 6}})
+    assert [o["meta_info"]["id"] for o in out] == ["b0", "b1", "b2"]
+    assert [o["output_ids"] for o in out] == [_hf_greedy(ref_model, p, 6) for p in prompts]
+
+
+@pytest.mark.timeout(60)
+def test_text_input_uses_the_tokenizer(engine: Engine, ref_model: torch.nn.Module) -> None:
+    out = engine.generate({"text": "w10 w20 w30", "sampling_params": {**GREEDY,
+                                                                      "max_new_tokens": 5}})
+    assert out["meta_info"]["prompt_tokens"] == 3
+    assert out["output_ids"] == _hf_greedy(ref_model, [10, 20, 30], 5)
+
+
+@pytest.mark.timeout(60)
+def test_seeded_sampling_is_reproducible_and_logprobs_valid(engine: Engine) -> None:
+    body = {"input_ids": [12, 13, 14], "return_logprob": True,
+            "sampling_params": {"temperature": 0.9, "top_p": 0.9, "top_k": 50,
+                                "max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 7}}
+    first, second = engine.generate(body), engine.generate(body)
+    assert first["output_ids"] == second["output_ids"]
+    lps = [row[0] for row in first["meta_info"]["output_token_logprobs"]]
+    assert len(lps) == 20 and all(math.isfinite(x) and x <= 0 for x in lps)
+    other = engine.generate({**body, "sampling_params": {**body["sampling_params"],
+                                                         "sampling_seed": 8}})
+    assert other["output_ids"] != first["output_ids"]
+
+
+@pytest.mark.timeout(60)
+def test_stop_token_ids_and_length(engine: Engine, ref_model: torch.nn.Module) -> None:
+    prompt = [21, 22, 23]
+    free = _hf_greedy(ref_model, prompt, 16)
+    stop = free[5]
+    first = free.index(stop)
+    out = engine.generate({"input_ids": prompt, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 16, "stop_token_ids": [stop]}})
+    assert out["output_ids"] == free[: first + 1]  # the matched token is part of the output
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    out = engine.generate({"input_ids": prompt, "sampling_params": {**GREEDY,
+                                                                    "max_new_tokens": 3}})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+def _wait_running(engine: Engine, count: int = 1) -> None:
+    deadline = time.monotonic() + 10
+    while engine.request("GET", "/get_server_info")[1]["num_running_reqs"] < count:
+        assert time.monotonic() < deadline, "request never started"
+        time.sleep(0.002)
+
+
+@pytest.mark.timeout(60)
+def test_pause_in_place_then_continue_finishes_whole(
+    engine: Engine, ref_model: torch.nn.Module
+) -> None:
+    prompt, n = [50, 51, 52], 480
+    result: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: result.update(out=engine.generate(
+        {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": n}})))
+    worker.start()
+    _wait_running(engine)
+    assert engine.request("POST", "/pause_generation", {"mode": "in_place"})[0] == 200
+    steps = engine.request("GET", "/get_server_info")[1]["decode_steps"]
+    time.sleep(0.2)
+    info = engine.request("GET", "/get_server_info")[1]
+    assert info["decode_steps"] == steps and info["num_running_reqs"] == 1  # held in place
+    assert worker.is_alive()
+    assert engine.request("POST", "/continue_generation", {})[0] == 200
+    worker.join(30)
+    out = result["out"]
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+    assert out["output_ids"] == _hf_greedy(ref_model, prompt, n)
+
+
+@pytest.mark.timeout(60)
+def test_abort_request_returns_abort(engine: Engine) -> None:
+    result: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: result.update(out=engine.generate(
+        {"input_ids": [60, 61], "rid": "to-abort",
+         "sampling_params": {**GREEDY, "max_new_tokens": 480}})))
+    worker.start()
+    _wait_running(engine)
+    status, body = engine.request("POST", "/abort_request", {"rid": "to-abort"})
+    assert status == 200 and body["num_aborted"] == 1
+    worker.join(30)
+    meta = result["out"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert meta["completion_tokens"] == len(result["out"]["output_ids"]) < 480
+
+
+BAD_REQUESTS = [
+    (b"{not json", "body"),
+    (b"[1, 2]", "body"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [1, "x"]}, "input_ids[1]"),
+    ({"input_ids": [1, 128]}, "input_ids[1]"),
+    ({"input_ids": [1, -1]}, "input_ids[1]"),
+    ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}},
+     "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10_000}}, "input_ids"),
+    ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}},
+     "sampling_params.frequency_penalty"),
+    ({"input_ids": [1], "sampling_params": "fast"}, "sampling_params"),
+    ({"input_ids": [1], "stream": True}, "stream"),
+    ({"input_ids": [1], "whatever": 1}, "whatever"),
+    ({"input_ids": [[1], []]}, "input_ids[1]"),
+    ({"text": 5}, "text"),
+    ({}, "input_ids"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("body", "field"), BAD_REQUESTS)
+def test_bad_requests_get_400_naming_the_field(engine: Engine, body: Any, field: str) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, answer = engine.request("POST", "/generate", raw=raw)
+    assert status == 400, answer
+    assert answer["error"]["message"].startswith(field), answer
+    assert engine.request("GET", "/health")[0] == 200
+
+
+@pytest.mark.timeout(60)
+def test_control_routes_reject_bad_input(engine: Engine) -> None:
+    assert engine.request("POST", "/pause_generation", {"mode": "nap"})[0] == 400
+    assert engine.request("POST", "/abort_request", {"rid": 3})[0] == 400
+    status, body = engine.request("POST", "/update_weights_from_distributed",
+                                  {"names": ["x"], "dtypes": [], "shapes": []})
+    assert status == 400 and body["success"] is False and "names" in body["message"]
+    status, body = engine.request("POST", "/update_weights_from_distributed",
+                                  {"names": [], "dtypes": [], "shapes": [], "group_name": "g"})
+    assert status == 400 and "group" in body["message"]
+    # Still serving.
+    out = engine.generate({"input_ids": [1, 2], "sampling_params": {**GREEDY,
+                                                                    "max_new_tokens": 2}})
+    assert len(out["output_ids"]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_model_info_and_health(engine: Engine) -> None:
+    assert engine.request("GET", "/health")[0] == 200
+    status, info = engine.request("GET", "/model_info")
+    assert status == 200
+    assert info["model_path"] == str(engine.model_dir)
+    assert info["tokenizer_path"] == str(engine.model_dir)
+    assert info["is_generation"] is True
+    assert info["weight_version"] == "0"
+    status, body = engine.request("GET", "/get_server_info")
+    assert status == 200 and body["max_running_requests"] == 8
+    # The port it listens on is logged as a structured event.
+    events = [json.loads(line) for line in engine.log_file.read_text().splitlines()]
+    started = [e for e in events if e["event"] == "engine_started"]
+    assert started and started[0]["port"] == int(engine.url.rsplit(":", 1)[1])

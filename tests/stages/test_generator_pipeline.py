@@ -1,0 +1,96 @@
+"""The generator in a real pipeline: prompts -> generator (+ a launched built-in engine) -> sink."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.pipeline.runs import events, run_inflight
+from tests.stages.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+def _config(tmp_path, model_dir, *, count, delay_s, inbox=8):
+    path = tmp_path / "gen.yaml"
+    path.write_text(
+        f"""
+run: {{name: gen, metrics_every_s: 0.5}}
+transport: {{inbox: {inbox}}}
+stages:
+  prompts: {{use: "tests.stages_for_tests:Prompts", count: {count}, vocab: 60}}
+  generator:
+    use: generator
+    inputs: {{prompts: prompts.out}}
+    launch: {{model: "{model_dir}", count: 1}}
+    group_size: 2
+    outbox: 2
+    sampling: {{temperature: 1.0, max_new_tokens: 12, ignore_eos: true}}
+    controller: {{start: 8, interval_s: 0.5}}
+  sink:
+    use: "tests.stages_for_tests:RolloutSink"
+    inputs: {{rollouts: generator.rollouts}}
+    delay_s: {delay_s}
+"""
+    )
+    return path
+
+
+def _gen_metrics(run_dir):
+    return [
+        e for e in events(run_dir, "generator.0") if e["event"] == "metrics" and "in_flight" in e
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_rollouts_carry_per_token_logprobs_and_versions(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run",
+        str(_config(tmp_path, model_dir, count=6, delay_s=0)),
+        "--run-dir",
+        str(run_dir),
+        timeout=170,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+    rollouts = json.loads((run_dir / "rollouts.json").read_text())
+    assert len(rollouts) == 12
+    groups = {}
+    for r in rollouts:
+        assert len(r["completion_ids"]) == len(r["logprobs"]) == len(r["versions"]) == 12
+        assert all(lp <= 0 for lp in r["logprobs"]) and r["finish_reason"] == "length"
+        assert set(r["versions"]) == {0}
+        groups.setdefault(r["group_id"], set()).add(r["sample_index"])
+    assert len(groups) == 6 and all(v == {0, 1} for v in groups.values())
+    assert sorted(r["meta"]["i"] for r in rollouts) == sorted(list(range(6)) * 2)
+    done = [e for e in events(run_dir, "generator.0") if e["event"] == "generator_done"]
+    assert done and done[0]["emitted"] == 12 and done[0]["dropped"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_slow_downstream_lowers_requests_in_flight(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run",
+        str(_config(tmp_path, model_dir, count=12, delay_s=0.25, inbox=4)),
+        "--run-dir",
+        str(run_dir),
+        timeout=170,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+    gen = events(run_dir, "generator.0")
+    closed = [
+        e
+        for e in gen
+        if e["event"] == "inflight_decision" and e["reason"] == "credit_gate" and not e["value"]
+    ]
+    assert closed, "the credit gate never closed under a slow consumer"
+    # once the sink's inbox is full, only the outbox's free slots are left for new samples
+    in_flight = [m["in_flight"] for m in _gen_metrics(run_dir)]
+    assert in_flight and max(in_flight[len(in_flight) // 2 :]) <= 2

@@ -1,0 +1,169 @@
+"""In-flight weight updates end to end: the publisher drives two real `inflight engine` servers
+exactly as it drives SGLang (HTTP + a gloo weight group, flattened buckets), and one update lands
+while a long request is being generated."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from stages.weights.publisher import WeightPublisher
+from tests.stages.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    old = make_tiny_model(root / "old", vocab=128, seed=1)
+    new = make_tiny_model(root / "new", vocab=128, seed=2)
+    return old, new
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    old, _ = models
+    logs = tmp_path_factory.mktemp("engine-logs")
+    procs, urls = [], []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i in range(2):
+        port = _free_port()
+        log = open(logs / f"engine{i}.out", "wb")  # closed below
+        procs.append(
+            (
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pipeline.cli",
+                        "engine",
+                        "--model",
+                        str(old),
+                        "--port",
+                        str(port),
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+                log,
+            )
+        )
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        asyncio.run(asyncio.wait_for(_wait_healthy(urls), 90))
+        yield urls
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, log in procs:
+            try:
+                proc.wait(timeout=15)
+            finally:
+                proc.kill()
+                log.close()
+
+
+async def _wait_healthy(urls):
+    async with aiohttp.ClientSession() as s:
+        for url in urls:
+            while True:
+                try:
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.2)
+
+
+async def _generate(session, url, prompt, n, rid):
+    body = {
+        "input_ids": prompt,
+        "rid": rid,
+        "return_logprob": True,
+        "sampling_params": {**GREEDY, "max_new_tokens": n},
+    }
+    async with session.post(url + "/generate", json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+def _hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _new_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(name, p.detach()) for name, p in model.state_dict().items()]
+
+
+@pytest.mark.timeout(180)
+def test_update_lands_mid_request_and_engines_then_serve_the_new_policy(engines, models):
+    _, new = models
+    prompt = [5, 17, 33, 8, 90]
+
+    async def scenario():
+        publisher = WeightPublisher(engines, backend="gloo", bucket_mb=0.05)
+        await publisher.connect()
+        async with aiohttp.ClientSession() as session:
+            long = asyncio.create_task(_generate(session, engines[0], prompt, 400, "long-1"))
+            # publish once the long request is decoding (its tokens are coming out)
+            while True:
+                async with session.get(engines[0] + "/get_server_info") as r:
+                    info = await r.json()
+                if info.get("decode_steps", 0) >= 5:
+                    break
+                await asyncio.sleep(0.01)
+            stats = await publisher.publish(_new_weights(new), version=1)
+            long_out = await long
+            after = [
+                await _generate(session, url, prompt, 24, f"after-{i}")
+                for i, url in enumerate(engines)
+            ]
+        await publisher.close()
+        return stats, long_out, after
+
+    stats, long_out, after = asyncio.run(scenario())
+    assert stats.buckets > 1  # several buckets, each applied between two decode steps
+    # the long request finished whole, its tokens old-version first, then new-version
+    meta = long_out["meta_info"]
+    assert len(long_out["output_ids"]) == 400 and meta["finish_reason"]["type"] == "length"
+    versions = [int(v) for v in meta["output_token_weight_versions"]]
+    switch = versions.index(1)
+    assert 0 < switch < 400 and versions == [0] * switch + [1] * (400 - switch)
+    assert int(meta["weight_version"]) == 1
+    # afterwards both engines produce exactly what the new model produces
+    expected = _hf_greedy(new, prompt, 24)
+    for out in after:
+        assert out["output_ids"] == expected
+        assert set(out["meta_info"]["output_token_weight_versions"]) == {"1"}

@@ -1,0 +1,72 @@
+"""A tiny random Qwen2-style causal LM with a word-level tokenizer, saved to a directory.
+
+``make_tiny_model(path)`` writes ``config.json``, the weights and a ``PreTrainedTokenizerFast``
+(words ``w0``..``wN`` split on whitespace, plus ``<pad>``, ``<eos>``, ``<unk>``) so that tests
+can load it with ``AutoModelForCausalLM`` / ``AutoTokenizer`` without any download. The same
+seed gives the same weights. Nothing here is meant to be a good language model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+__all__ = ["EOS_ID", "make_tiny_model"]
+
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+
+
+def make_tiny_model(
+    path: Path,
+    *,
+    vocab: int = 128,
+    seed: int = 0,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    tie_word_embeddings: bool = False,
+    max_positions: int = 512,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Save a random Qwen2 model (and tokenizer) under ``path``; returns ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is near-uniform; wider weights make greedy choices far from ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    if with_tokenizer:
+        _tokenizer(vocab).save_pretrained(path)
+    return path
+
+
+def _tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    words = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<unk>": UNK_ID}
+    words.update({f"w{i}": i for i in range(3, vocab)})
+    core = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
