@@ -1,6 +1,6 @@
 """Decode throughput of the built-in engine against transformers ``generate``, same model.
 
-Run: ``python bench/engine.py [--batch 64 --prompt-len 32 --new-tokens 64 --warmup 1]``
+Run: ``python bench/engine.py [--workload both --batch 64 --new-tokens 64 --requests 256]``
 
 Makes a random Qwen2-style model (~22M parameters: vocab 32000, hidden 384, 6 layers, 6 heads,
 2 KV heads, tied embeddings) in a temporary directory, starts ``inflight engine`` on it as a
@@ -9,8 +9,19 @@ real server process (``--max-running`` = batch), and sends ``--batch`` concurren
 of ``--prompt-len`` tokens). The baseline is one ``model.generate`` call on the same prompts as a
 single batch (``do_sample=False``, no EOS), in this process while the server is idle. Both run on
 CPU in float32 with the same number of torch threads. Tokens/s counts generated tokens over wall
-time, prefill included. Prints exactly one JSON line on stdout. It does not measure latency
-percentiles, sampling, or staggered arrivals (where continuous batching helps most).
+time, prefill included. Prints exactly one JSON line on stdout.
+
+Two workloads (``--workload equal|rl|both``):
+
+- ``equal``: every request wants exactly ``--new-tokens`` tokens, one batch of ``--batch``: the
+  best case for static batching, where both sides run the same forward passes.
+- ``rl``: ``--requests`` requests whose lengths vary as RL completions do (uniform between
+  ``--new-tokens``/8 and ``--new-tokens``), at most ``--batch`` in flight. The engine refills a
+  finished row at once (continuous batching); ``generate`` takes them ``--batch`` at a time and
+  runs each batch until its longest sequence is done, exactly as it does when sequences reach
+  EOS at different steps. Tokens/s counts the tokens the requests asked for, on both sides.
+
+It does not measure latency percentiles or sampling cost.
 """
 
 from __future__ import annotations
@@ -40,9 +51,16 @@ from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
 def _make_model(path: Path) -> int:
     config = Qwen2Config(
-        vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
+        vocab_size=32000,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -70,30 +88,44 @@ def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) 
     raise RuntimeError("engine did not become healthy")
 
 
-async def _engine_run(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+async def _engine_run(url: str, prompts: list[list[int]], lengths: list[int]) -> tuple[float, int]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
 
-        async def one(prompt: list[int]) -> int:
-            async with session.post(url + "/generate",
-                                    json={"input_ids": prompt, "sampling_params": params}) as r:
+        async def one(prompt: list[int], n: int) -> int:
+            params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+            async with session.post(
+                url + "/generate", json={"input_ids": prompt, "sampling_params": params}
+            ) as r:
                 body: dict[str, Any] = await r.json()
                 assert r.status == 200, body
                 return len(body["output_ids"])
 
         start = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in prompts))
+        counts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths, strict=True)))
         return time.perf_counter() - start, sum(counts)
 
 
 @torch.inference_mode()
-def _hf_run(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    ids = torch.tensor(prompts)
+def _hf_run(
+    model: torch.nn.Module, prompts: list[list[int]], lengths: list[int], batch: int
+) -> tuple[float, int]:
+    """Static batches of ``batch``; each runs until its longest request is done."""
     start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    elapsed = time.perf_counter() - start
-    return elapsed, (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    useful = 0
+    for i in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[i : i + batch])
+        want = lengths[i : i + batch]
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max(want),
+            min_new_tokens=max(want),
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert out.shape[1] - ids.shape[1] == max(want)
+        useful += sum(want)
+    return time.perf_counter() - start, useful
 
 
 def main() -> int:
@@ -102,28 +134,55 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--workload", choices=["equal", "rl", "both"], default="both")
+    parser.add_argument("--requests", type=int, default=256, help="rl workload: requests")
+    parser.add_argument("--rl-new-tokens", type=int, default=128, help="rl workload: max length")
     args = parser.parse_args()
+
+    gen = torch.Generator().manual_seed(1)
+    workloads: dict[str, tuple[list[list[int]], list[int]]] = {}
+    if args.workload in ("equal", "both"):
+        prompts = torch.randint(2, 32000, (args.batch, args.prompt_len), generator=gen).tolist()
+        workloads["equal"] = (prompts, [args.new_tokens] * args.batch)
+    if args.workload in ("rl", "both"):
+        prompts = torch.randint(2, 32000, (args.requests, args.prompt_len), generator=gen).tolist()
+        lo = max(1, args.rl_new_tokens // 8)
+        lengths = torch.randint(lo, args.rl_new_tokens + 1, (args.requests,), generator=gen)
+        workloads["rl"] = (prompts, lengths.tolist())
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         n_params = _make_model(model_dir)
-        gen = torch.Generator().manual_seed(1)
-        prompts = torch.randint(2, 32000, (args.batch, args.prompt_len), generator=gen).tolist()
-
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stages.engine.server", "--model", str(model_dir),
-             "--port", str(port), "--max-running", str(args.batch),
-             "--log-file", str(Path(tmp) / "engine.log")],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "stages.engine.server",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(port),
+                "--max-running",
+                str(args.batch),
+                "--log-file",
+                str(Path(tmp) / "engine.log"),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
+        engine: dict[str, tuple[float, int]] = {}
         try:
             _wait_health(url, proc)
             for _ in range(args.warmup):
-                asyncio.run(_engine_run(url, prompts[:8], 4))
-            engine_s, engine_tokens = asyncio.run(_engine_run(url, prompts, args.new_tokens))
+                warm = next(iter(workloads.values()))[0][:8]
+                asyncio.run(_engine_run(url, warm, [4] * len(warm)))
+            for name, (prompts, lengths) in workloads.items():
+                engine[name] = asyncio.run(_engine_run(url, prompts, lengths))
         finally:
             proc.terminate()
             proc.wait(30)
@@ -131,23 +190,31 @@ def main() -> int:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None
         for _ in range(args.warmup):
-            _hf_run(model, prompts[:8], 4)
-        hf_s, hf_tokens = _hf_run(model, prompts, args.new_tokens)
+            warm = next(iter(workloads.values()))[0][:8]
+            _hf_run(model, warm, [4] * len(warm), args.batch)
+        hf = {
+            name: _hf_run(model, prompts, lengths, args.batch)
+            for name, (prompts, lengths) in workloads.items()
+        }
 
-    engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
-    print(json.dumps({
+    result: dict[str, Any] = {
         "bench": "engine_vs_hf_generate",
         "params_m": round(n_params / 1e6, 1),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
         "threads": torch.get_num_threads(),
-        "engine_tokens_per_s": round(engine_tps, 1),
-        "hf_generate_tokens_per_s": round(hf_tps, 1),
-        "speedup": round(engine_tps / hf_tps, 2),
-        "engine_s": round(engine_s, 3),
-        "hf_generate_s": round(hf_s, 3),
-    }))
+    }
+    for name in workloads:
+        (e_s, e_tok), (h_s, h_tok) = engine[name], hf[name]
+        assert e_tok == h_tok, (name, e_tok, h_tok)  # the same useful tokens on both sides
+        result[name] = {
+            "requests": len(workloads[name][1]),
+            "tokens": e_tok,
+            "engine_tokens_per_s": round(e_tok / e_s, 1),
+            "hf_generate_tokens_per_s": round(h_tok / h_s, 1),
+            "speedup": round((e_tok / e_s) / (h_tok / h_s), 2),
+        }
+    print(json.dumps(result))
     return 0
 
 

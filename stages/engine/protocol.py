@@ -166,8 +166,11 @@ def parse_generate(
 
 
 def render_result(
-    result: SequenceResult, *, decode: Callable[[list[int], bool], str] | None,
-    skip_special_tokens: bool, return_logprob: bool,
+    result: SequenceResult,
+    *,
+    decode: Callable[[list[int], bool], str] | None,
+    skip_special_tokens: bool,
+    return_logprob: bool,
 ) -> dict[str, Any]:
     """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer)."""
     meta: dict[str, Any] = {

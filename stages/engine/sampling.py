@@ -64,8 +64,10 @@ def _truncate(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     vocab = probs.shape[-1]
-    if all(k == -1 or k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p) and not any(
-        min_p
+    if (
+        all(k == -1 or k >= vocab for k in top_k)
+        and all(p >= 1.0 for p in top_p)
+        and not any(min_p)
     ):
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)

@@ -73,7 +73,10 @@ class Scheduler:
         seed: int = 0,
         weight_version: str = "0",
         eos_token_ids: Iterable[int] = (),
+        admit_fraction: float = 0.25,
     ) -> None:
+        # share of max_running that must be free before waiting requests join a running batch
+        self.admit_fraction = admit_fraction
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         self.model = model.eval()
@@ -299,6 +302,15 @@ class Scheduler:
 
     def _admit(self) -> None:
         free = self.max_running - len(self._running)
+        # Admit in batches: one prefill of many prompts costs far less than many prefills of
+        # one, and every admission re-pads the running cache. So while rows are decoding, wait
+        # until a share of the slots is free (unless everything waiting fits already).
+        if (
+            self._running
+            and free < self.admit_fraction * self.max_running
+            and len(self._waiting) > free
+        ):
+            return
         group: list[_Seq] = []
         while self._waiting and len(group) < free:
             seq = self._waiting.popleft()

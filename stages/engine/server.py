@@ -126,9 +126,7 @@ async def _abort_request(request: web.Request) -> web.Response:
             raise RequestError("rid", "give a request id or abort_all: true")
     except RequestError as exc:
         return _bad_request(str(exc))
-    aborted = await asyncio.wrap_future(
-        request.app[_SCHEDULER].abort(rid, abort_all=abort_all)
-    )
+    aborted = await asyncio.wrap_future(request.app[_SCHEDULER].abort(rid, abort_all=abort_all))
     return web.json_response({"success": True, "num_aborted": aborted})
 
 
@@ -165,8 +163,11 @@ async def _update_weight_version(request: web.Request) -> web.Response:
         await asyncio.wrap_future(scheduler.abort(None, abort_all=True))
     await asyncio.wrap_future(scheduler.set_weight_version(version))
     return web.json_response(
-        {"success": True, "message": f"weight version set to {version}",
-         "new_version": str(version)}
+        {
+            "success": True,
+            "message": f"weight version set to {version}",
+            "new_version": str(version),
+        }
     )
 
 
@@ -213,8 +214,14 @@ class WeightRoutes:
             log.exception("weights_group_init_failed", group=group, error=repr(exc))
             return _failure(f"init_weights_update_group failed: {exc}")
         self.receivers[group] = receiver
-        log.info("weights_group_ready", group=group, rank=rank, world_size=world_size,
-                 backend=backend, master=f"{address}:{port}")
+        log.info(
+            "weights_group_ready",
+            group=group,
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            master=f"{address}:{port}",
+        )
         return web.json_response({"success": True, "message": "Succeeded to initialize group."})
 
     async def update(self, request: web.Request) -> web.Response:
@@ -241,8 +248,8 @@ class WeightRoutes:
             receiver = self.receivers.get(group)
             if receiver is None:
                 raise RequestError(
-                    "group_name", f"no weight update group {group!r}: call "
-                    "/init_weights_update_group first"
+                    "group_name",
+                    f"no weight update group {group!r}: call /init_weights_update_group first",
                 )
         except RequestError as exc:
             return _failure(str(exc))
@@ -371,6 +378,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     parser.add_argument("--max-running", type=int, default=64, help="rows per decode batch")
+    parser.add_argument(
+        "--admit-fraction",
+        type=float,
+        default=0.25,
+        help="free share of --max-running before waiting requests join a running batch "
+        "(batched prefills; 0 admits at once)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
@@ -411,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         weight_version=args.weight_version,
         eos_token_ids=loaded.eos_token_ids,
+        admit_fraction=args.admit_fraction,
     )
     holder["s"] = scheduler
     scheduler.start()
