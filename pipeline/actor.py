@@ -32,7 +32,11 @@ from pipeline.config.errors import ConfigError
 from pipeline.config.typed import build
 from pipeline.registry import resolve
 from pipeline.stage import stage_config_class, stage_ports
-from pipeline.structured_log import close_process_logging, configure_process_logging
+from pipeline.structured_log import (
+    adopt_library_loggers,
+    close_process_logging,
+    configure_process_logging,
+)
 from transport import ControlClient, Receiver, Sender
 
 __all__ = ["ActorContext", "build_stage_config", "main"]
@@ -248,6 +252,7 @@ class _Replica:
 
     async def _setup_and_run(self, stage: Any) -> None:
         await stage.setup()
+        adopt_library_loggers()  # setup may have imported transformers, which logs on its own
         self.log.info(
             "replica_started", pid=os.getpid(), restarts=self.ctx.restarts, use=self.spec["use"]
         )

@@ -39,7 +39,7 @@ from structlog.typing import FilteringBoundLogger
 
 from pipeline.log_view import LEVELS, render
 
-__all__ = ["close_process_logging", "configure_process_logging"]
+__all__ = ["adopt_library_loggers", "close_process_logging", "configure_process_logging"]
 
 _LEVEL_NO = {name: getattr(logging, name.upper()) for name in LEVELS}
 # Key order of every JSON line: the fixed head first, so the files read well with `less`.
@@ -95,10 +95,23 @@ def configure_process_logging(
     root.addHandler(handler)
     root.setLevel(min_level)
     logging.captureWarnings(True)
+    adopt_library_loggers()
 
     global _active
     _active = _Active(sink, handler, saved_root_level)
     return log
+
+
+def adopt_library_loggers() -> None:
+    """Route libraries that keep their own console handler into this process's log file.
+
+    transformers gives its root logger a stderr handler and turns propagation off the first time
+    it logs; call this again after importing it (the actor does, after a stage's ``setup``).
+    """
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()
 
 
 def close_process_logging() -> None:

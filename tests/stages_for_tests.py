@@ -147,3 +147,81 @@ class RolloutSink:
 
     async def close(self):
         pass
+
+
+class PromptsWithBad(Prompts):
+    """``Prompts``, except that prompt number ``bad_index`` carries token id ``bad_id`` (pick one
+    outside the engine's vocabulary to get a request the engine rejects with HTTP 400)."""
+
+    @dataclass
+    class Config:
+        count: int = 8
+        length: int = 6
+        vocab: int = 64
+        bad_index: int = 1
+        bad_id: int = 100_000
+
+    async def run(self):
+        import random
+
+        rng = random.Random(self.ctx.seed)
+        for i in range(self.config.count):
+            ids = [rng.randrange(1, self.config.vocab) for _ in range(self.config.length)]
+            if i == self.config.bad_index:
+                ids[-1] = self.config.bad_id
+            await self.ctx.outputs["out"].send(
+                "prompt", {"prompt_id": f"p{i}", "input_ids": ids, "meta": {"i": i}}
+            )
+
+
+class EngineRolloutSink(RolloutSink):
+    """``RolloutSink`` that also records which engine served each rollout (``engine``)."""
+
+    async def run(self):
+        import asyncio
+        import json
+
+        async for msg in self.ctx.inputs["rollouts"]:
+            d = msg.data
+            self.seen.append(
+                {
+                    "group_id": d["group_id"],
+                    "sample_index": d["sample_index"],
+                    "completion_ids": d["completion_ids"].tolist(),
+                    "finish_reason": d["finish_reason"],
+                    "engine": d["engine"],
+                    "meta": d["meta"],
+                }
+            )
+            if self.config.delay_s:
+                await asyncio.sleep(self.config.delay_s)
+        (self.ctx.run_dir / "rollouts.json").write_text(json.dumps(self.seen))
+
+
+class GatedPrompts(Prompts):
+    """``Prompts`` that sends the first ``hold_at`` prompts, then waits for the file
+    ``RUN_DIR/<gate>`` to exist before sending the rest (a test opens the gate)."""
+
+    @dataclass
+    class Config:
+        count: int = 8
+        length: int = 6
+        vocab: int = 64
+        hold_at: int = 4
+        gate: str = "go"
+
+    async def run(self):
+        import asyncio
+        import random
+
+        rng = random.Random(self.ctx.seed)
+        gate = self.ctx.run_dir / self.config.gate
+        for i in range(self.config.count):
+            if i == self.config.hold_at:
+                self.ctx.log.info("prompts_held", at=i)
+                while not gate.exists():  # noqa: ASYNC110 -- a file the test creates
+                    await asyncio.sleep(0.05)
+            ids = [rng.randrange(1, self.config.vocab) for _ in range(self.config.length)]
+            await self.ctx.outputs["out"].send(
+                "prompt", {"prompt_id": f"p{i}", "input_ids": ids, "meta": {"i": i}}
+            )

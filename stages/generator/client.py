@@ -85,10 +85,13 @@ class EngineClient:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def _call(self, method: str, path: str, payload: Any = None) -> Any:
+    async def _call(
+        self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None
+    ) -> Any:
+        timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
         try:
             async with self.session.request(
-                method, self.url + path, json=payload, timeout=self.timeout
+                method, self.url + path, json=payload, timeout=timeout
             ) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
@@ -126,9 +129,10 @@ class EngineClient:
             )
         return parse_completion(body, self.url)
 
-    async def healthy(self) -> bool:
+    async def healthy(self, timeout_s: float = 5.0) -> bool:
+        """Whether ``/health`` answers 200 within ``timeout_s`` (not the generation timeout)."""
         try:
-            await self._call("GET", "/health")
+            await self._call("GET", "/health", timeout_s=timeout_s)
         except EngineError:
             return False
         return True

@@ -7,9 +7,11 @@ Two kinds, one command line shape each:
   the interpreter of the environment SGLang is installed in (it pins its own torch, so it usually
   lives in a separate virtual environment).
 
-Each engine runs in its own process group with its output in ``RUN_DIR/logs/<name>.out``; an
-engine that exits is started again on the same port (the generator re-routes its requests in the
-meantime), up to ``max_restarts`` times. Not here: talking to engines (``client``).
+Each engine runs in its own process group with its output in ``RUN_DIR/logs/<name>.out``, and
+(on Linux) is killed by the kernel if the generator process dies without closing it, as the
+supervisor's group kill does not reach it. An engine that exits is started again on the same port
+(the generator re-routes its requests in the meantime), up to ``max_restarts`` times. Not here:
+talking to engines (``client``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,23 @@ import aiohttp
 from transport.address import tcp_address
 
 __all__ = ["EngineLauncher", "LaunchConfig"]
+
+
+def _kill_with_parent(parent: int):
+    """A ``preexec_fn``: SIGKILL the engine when the generator process dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork, only called after
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the generator died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 @dataclass
@@ -56,6 +75,7 @@ class _Engine:
     out: Path
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
+    given_up: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -75,6 +95,11 @@ class EngineLauncher:
             )
         self._watchers: list[asyncio.Task] = []
         self._closing = False
+
+    @property
+    def all_given_up(self) -> bool:
+        """Every engine died more than ``max_restarts`` times (or could not be started again)."""
+        return all(e.given_up for e in self.engines)
 
     @property
     def urls(self) -> list[str]:
@@ -101,6 +126,7 @@ class EngineLauncher:
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_kill_with_parent(os.getpid()),
             )
         finally:
             out.close()
@@ -150,14 +176,23 @@ class EngineLauncher:
                 return
             self.log.error("engine_exited", engine=engine.name, exit_code=code)
             if engine.restarts >= self.config.max_restarts:
+                engine.given_up = True
                 self.log.error("engine_given_up", engine=engine.name, restarts=engine.restarts)
                 return
             engine.restarts += 1
-            await self._spawn(engine)
+            try:
+                await self._spawn(engine)
+            except OSError as exc:  # the command itself cannot start: retrying will not help
+                engine.given_up = True
+                self.log.error("engine_given_up", engine=engine.name, error=str(exc))
+                return
             try:
                 await self._wait_healthy(engine)
             except (RuntimeError, TimeoutError) as exc:
                 self.log.error("engine_restart_failed", engine=engine.name, error=str(exc))
+                # one that hangs while starting is killed, so that the loop starts it again
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(engine.proc.pid, signal.SIGKILL)
 
     async def close(self, timeout_s: float = 10.0) -> None:
         self._closing = True

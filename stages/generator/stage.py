@@ -7,10 +7,15 @@ in flight is the controller's call (``controller.py``): downstream credit and th
 gate new starts, measured throughput sets each engine's target; each decision is logged.
 
 Engines are either attached (``engines: [URL, ...]``) or started by the stage (``launch:``), and
-the same client serves SGLang and the built-in engine. A request whose engine fails (connection
-lost, 5xx, timeout) is retried on another live engine with capped backoff, up to
-``max_retries``; after that, or on a 4xx (a bad request), the sample is dropped, counted and
-logged, and the stage goes on. Not here: weight updates (the publisher talks to the engines).
+the same client serves SGLang and the built-in engine. An engine that fails a request (connection
+lost, 5xx, timeout), or does not answer ``/health`` at start, is taken out of use and probed on
+``/health`` every ``retry_backoff_s * 2**(k-1)`` s (capped; ``k`` counts its failures since it
+last served a request) until it answers again (a launched engine is restarted by the launcher
+meanwhile). The failed request is re-routed at once to another live engine, or waits for one to
+come back, up to ``max_retries`` times; after that, or on a 4xx (a bad request), the sample is
+dropped, counted and logged, and the stage goes on. If every launched engine is given up, the
+stage fails (the supervisor's restart policy takes over). Not here: weight updates (the publisher
+talks to the engines).
 """
 
 from __future__ import annotations
@@ -77,8 +82,13 @@ class GeneratorConfig:
     )
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     request_timeout_s: float = field(default=600.0, metadata={"min": 1.0})
-    max_retries: int = field(default=3, metadata={"min": 0})
-    retry_backoff_s: float = field(default=0.5, metadata={"min": 0.0})
+    max_retries: int = field(
+        default=3, metadata={"min": 0, "doc": "re-routings of a sample after engine failures"}
+    )
+    retry_backoff_s: float = field(
+        default=0.5,
+        metadata={"min": 0.0, "doc": "first /health probe period of a failed engine (doubles)"},
+    )
 
     def __post_init__(self) -> None:
         if bool(self.engines) == (self.launch is not None):
@@ -117,9 +127,41 @@ class Generator:
             for url in urls
         }
         self.in_flight = dict.fromkeys(urls, 0)
-        self.down: dict[str, float] = {}  # engine -> when it may be tried again
+        self.down: dict[str, asyncio.Task] = {}  # engines out of use -> their health probe
+        self.failures = dict.fromkeys(urls, 0)  # failures since the engine last served a request
         self.controller = InFlightController(urls, self.config.controller)
         self.outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self.config.outbox)
+        # an attached engine may be down already: requests go only to those that answer
+        health = await asyncio.gather(*(c.healthy() for c in self.clients.values()))
+        for url, ok in zip(urls, health, strict=True):
+            if not ok:
+                self._mark_down(url, "no answer to /health at start")
+
+    # ---------------------------------------------------------------- engines
+    def _mark_down(self, engine: str, error: str) -> None:
+        """Take ``engine`` out of use until its health probe finds it answering again."""
+        if engine in self.down:
+            return  # already out: requests that were in flight there fail one by one
+        self.failures[engine] += 1
+        period = self.config.retry_backoff_s * 2 ** (self.failures[engine] - 1)
+        period = min(max(period, 0.05), _BACKOFF_CAP_S)
+        self.log.warning(
+            "engine_down",
+            url=engine,
+            failures=self.failures[engine],
+            probe_every_s=period,
+            error=error,
+        )
+        self.down[engine] = asyncio.create_task(self._probe(engine, period))
+
+    async def _probe(self, engine: str, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            if await self.clients[engine].healthy(timeout_s=max(period, 1.0)):
+                break
+        del self.down[engine]
+        self.log.info("engine_up", url=engine)
+        self._changed.set()
 
     # ---------------------------------------------------------------- decisions
     def _log_decisions(self, decisions: list[Decision]) -> None:
@@ -130,10 +172,9 @@ class Generator:
 
     def _pick_engine(self) -> str | None:
         """The live engine with the fewest requests in flight among those below target."""
-        now = time.monotonic()
         open_engines = []
         for url, n in self.in_flight.items():
-            if self.down.get(url, 0) > now:
+            if url in self.down:
                 continue
             if n >= self.controller.target(url):
                 self.controller.record_blocked(url)
@@ -145,6 +186,8 @@ class Generator:
         """Wait until the gates are open and some engine has room; returns that engine."""
         rollouts = self.ctx.outputs["rollouts"]
         while True:
+            if self.launcher is not None and self.launcher.all_given_up:
+                raise RuntimeError("every engine this generator launched died for good")
             room = rollouts.credit() + (self.outbox.maxsize - self.outbox.qsize())
             version = max(self.engine_version, 0)
             may_start, changes = self.controller.gates(
@@ -185,7 +228,7 @@ class Generator:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
-        self.log.info("generator_done", **self.counts)
+        self.log.info("generator_done", in_flight=sum(self.in_flight.values()), **self.counts)
 
     def _start(self, prompt: dict[str, Any], group_id: str, index: int, engine: str) -> None:
         self.in_flight[engine] += 1
@@ -208,6 +251,8 @@ class Generator:
                 break
             except EngineError as exc:
                 self._release(engine)
+                if exc.retryable:
+                    self._mark_down(engine, str(exc))
                 if not exc.retryable or attempt >= self.config.max_retries:
                     self.counts["dropped"] += 1
                     self.log.warning(
@@ -220,20 +265,15 @@ class Generator:
                     return
                 attempt += 1
                 self.counts["retried"] += 1
-                delay = min(self.config.retry_backoff_s * 2 ** (attempt - 1), _BACKOFF_CAP_S)
-                self.down[engine] = time.monotonic() + delay
                 self.log.warning(
-                    "sample_retry",
-                    rid=rid,
-                    engine=engine,
-                    attempt=attempt,
-                    delay_s=delay,
-                    error=str(exc),
+                    "sample_retry", rid=rid, engine=engine, attempt=attempt, error=str(exc)
                 )
-                await asyncio.sleep(delay)  # capped backoff before re-routing
+                # the failed engine is out of use now: this goes to a live one, or waits
+                # for one to come back (the probes' capped backoff)
                 engine = await self._slot()
                 self.in_flight[engine] += 1
         self._release(engine)
+        self.failures[engine] = 0
         self.controller.record_tokens(engine, len(completion.output_ids))
         self.engine_version = max(self.engine_version, completion.weight_version)
         await self.outbox.put(
@@ -297,14 +337,16 @@ class Generator:
             self.ctx.metrics(
                 in_flight=sum(self.in_flight.values()),
                 targets={u: self.controller.target(u) for u in self.in_flight},
+                engines_down=len(self.down),
                 engine_version=self.engine_version,
                 **self.counts,
             )
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        tasks = [*self._tasks, *getattr(self, "down", {}).values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.launcher is not None:
             await self.launcher.close()
         if self.session is not None:

@@ -38,8 +38,12 @@ def _continue_with_stale_cache(
     old(torch.tensor([context[:-1]]), past_key_values=cache, use_cache=True)
     out, last = [], context[-1]
     for pos in range(len(context) - 1, len(context) - 1 + total - len(before)):
-        logits = new(torch.tensor([[last]]), past_key_values=cache, use_cache=True,
-                     position_ids=torch.tensor([[pos]])).logits
+        logits = new(
+            torch.tensor([[last]]),
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=torch.tensor([[pos]]),
+        ).logits
         last = int(logits[0, -1].argmax())
         out.append(last)
     return out
@@ -64,11 +68,14 @@ def test_weights_applied_mid_generation(models: tuple[Path, Path]) -> None:
     assert result.output_token_weight_versions == ["0"] * 6 + ["1"] * 24
     assert result.weight_version == "1"
     before = result.output_ids[:6]
-    assert before == model_a.generate(torch.tensor([prompt]), max_new_tokens=6,
-                                      do_sample=False)[0, 4:].tolist()
+    assert (
+        before
+        == model_a.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[
+            0, 4:
+        ].tolist()
+    )
     # After the switch: the new weights on top of the old weights' KV cache, kept as it was.
-    assert result.output_ids[6:] == _continue_with_stale_cache(model_a, model_b, prompt, before,
-                                                               30)
+    assert result.output_ids[6:] == _continue_with_stale_cache(model_a, model_b, prompt, before, 30)
     assert other.result(timeout=0).output_token_weight_versions == ["0"] * 6 + ["1"] * 24
 
     fresh = scheduler.submit(GenerateInput("fresh", prompt, GREEDY, True))
@@ -83,8 +90,11 @@ def test_bad_weights_are_rejected_whole(models: tuple[Path, Path]) -> None:
     model = _load(models[0])
     scheduler = Scheduler(model, max_running=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    bad = [("model.norm.weight", torch.zeros(32)), ("model.nope.weight", torch.zeros(3)),
-           ("lm_head.weight", torch.zeros(2, 2))]
+    bad = [
+        ("model.norm.weight", torch.zeros(32)),
+        ("model.nope.weight", torch.zeros(3)),
+        ("lm_head.weight", torch.zeros(2, 2)),
+    ]
     future = scheduler.apply_weights(bad, "9")
     scheduler.step()
     with pytest.raises(WeightLoadError, match=r"model\.nope\.weight.*lm_head\.weight"):
@@ -107,8 +117,10 @@ def test_tied_embeddings_update_through_either_name(tmp_path: Path) -> None:
 def test_retract_then_continue_recomputes_and_matches(models: tuple[Path, Path]) -> None:
     model = _load(models[0])
     scheduler = Scheduler(model, max_running=4)
-    futures = [scheduler.submit(GenerateInput(f"r{i}", [3 + i, 9, 27][: i + 1], GREEDY, False))
-               for i in range(3)]
+    futures = [
+        scheduler.submit(GenerateInput(f"r{i}", [3 + i, 9, 27][: i + 1], GREEDY, False))
+        for i in range(3)
+    ]
     for _ in range(4):
         scheduler.step()
     scheduler.pause("retract")
@@ -119,7 +131,7 @@ def test_retract_then_continue_recomputes_and_matches(models: tuple[Path, Path])
     for i, future in enumerate(futures):
         prompt = [3 + i, 9, 27][: i + 1]
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
-        assert future.result(timeout=0).output_ids == expected[0, len(prompt):].tolist()
+        assert future.result(timeout=0).output_ids == expected[0, len(prompt) :].tolist()
 
 
 @pytest.mark.timeout(60)

@@ -32,11 +32,18 @@ class Engine:
         self.model_dir = model_dir
         self.log_file = log_file
 
-    def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
-                timeout: float = 30) -> tuple[int, Any]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        timeout: float = 30,
+    ) -> tuple[int, Any]:
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 text = resp.read()
@@ -65,9 +72,24 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     log_file = root / "engine.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model_dir),
-         "--port", str(port), "--max-running", "8", "--log-file", str(log_file)],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "engine",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--max-running",
+            "8",
+            "--log-file",
+            str(log_file),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     eng = Engine(f"http://127.0.0.1:{port}", model_dir, log_file)
     deadline = time.monotonic() + 60
@@ -102,9 +124,10 @@ def _tail(path: Path) -> str:
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -113,8 +136,14 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.mark.timeout(60)
 def test_greedy_matches_transformers_generate(engine: Engine, ref_model: torch.nn.Module) -> None:
     prompt = [5, 17, 33, 8, 90]
-    out = engine.generate({"input_ids": prompt, "rid": "greedy-1", "return_logprob": True,
-                           "sampling_params": {**GREEDY, "max_new_tokens": 24}})
+    out = engine.generate(
+        {
+            "input_ids": prompt,
+            "rid": "greedy-1",
+            "return_logprob": True,
+            "sampling_params": {**GREEDY, "max_new_tokens": 24},
+        }
+    )
     assert out["output_ids"] == _hf_greedy(ref_model, prompt, 24)
     meta = out["meta_info"]
     assert meta["id"] == "greedy-1"
@@ -123,9 +152,9 @@ def test_greedy_matches_transformers_generate(engine: Engine, ref_model: torch.n
     assert meta["weight_version"] == "0"
     assert meta["output_token_weight_versions"] == ["0"] * 24
     assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 24}]
-    assert out["text"].split() == [f"w{t}" if t > 2 else "" for t in out["output_ids"]] or out[
-        "text"
-    ]
+    assert (
+        out["text"].split() == [f"w{t}" if t > 2 else "" for t in out["output_ids"]] or out["text"]
+    )
 
     # Log-probs: one per token, finite, <= 0, and log_softmax of the model's logits.
     logprobs = meta["output_token_logprobs"]
@@ -149,8 +178,9 @@ def test_concurrent_staggered_requests_match_each_alone(
 
     def one(i: int) -> list[int]:
         time.sleep(0.03 * i)  # join while the others are mid-decode
-        out = engine.generate({"input_ids": prompts[i],
-                               "sampling_params": {**GREEDY, "max_new_tokens": lengths[i]}})
+        out = engine.generate(
+            {"input_ids": prompts[i], "sampling_params": {**GREEDY, "max_new_tokens": lengths[i]}}
+        )
         return out["output_ids"]
 
     with ThreadPoolExecutor(10) as pool:
@@ -162,31 +192,47 @@ def test_concurrent_staggered_requests_match_each_alone(
 @pytest.mark.timeout(60)
 def test_batch_input_ids_returns_a_list(engine: Engine, ref_model: torch.nn.Module) -> None:
     prompts = [[4, 5, 6], [70, 71], [9]]
-    out = engine.generate({"input_ids": prompts, "rid": ["b0", "b1", "b2"],
-                           "sampling_params": {**GREEDY, "max_new_tokens": 6}})
+    out = engine.generate(
+        {
+            "input_ids": prompts,
+            "rid": ["b0", "b1", "b2"],
+            "sampling_params": {**GREEDY, "max_new_tokens": 6},
+        }
+    )
     assert [o["meta_info"]["id"] for o in out] == ["b0", "b1", "b2"]
     assert [o["output_ids"] for o in out] == [_hf_greedy(ref_model, p, 6) for p in prompts]
 
 
 @pytest.mark.timeout(60)
 def test_text_input_uses_the_tokenizer(engine: Engine, ref_model: torch.nn.Module) -> None:
-    out = engine.generate({"text": "w10 w20 w30", "sampling_params": {**GREEDY,
-                                                                      "max_new_tokens": 5}})
+    out = engine.generate(
+        {"text": "w10 w20 w30", "sampling_params": {**GREEDY, "max_new_tokens": 5}}
+    )
     assert out["meta_info"]["prompt_tokens"] == 3
     assert out["output_ids"] == _hf_greedy(ref_model, [10, 20, 30], 5)
 
 
 @pytest.mark.timeout(60)
 def test_seeded_sampling_is_reproducible_and_logprobs_valid(engine: Engine) -> None:
-    body = {"input_ids": [12, 13, 14], "return_logprob": True,
-            "sampling_params": {"temperature": 0.9, "top_p": 0.9, "top_k": 50,
-                                "max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 7}}
+    body = {
+        "input_ids": [12, 13, 14],
+        "return_logprob": True,
+        "sampling_params": {
+            "temperature": 0.9,
+            "top_p": 0.9,
+            "top_k": 50,
+            "max_new_tokens": 20,
+            "ignore_eos": True,
+            "sampling_seed": 7,
+        },
+    }
     first, second = engine.generate(body), engine.generate(body)
     assert first["output_ids"] == second["output_ids"]
     lps = [row[0] for row in first["meta_info"]["output_token_logprobs"]]
     assert len(lps) == 20 and all(math.isfinite(x) and x <= 0 for x in lps)
-    other = engine.generate({**body, "sampling_params": {**body["sampling_params"],
-                                                         "sampling_seed": 8}})
+    other = engine.generate(
+        {**body, "sampling_params": {**body["sampling_params"], "sampling_seed": 8}}
+    )
     assert other["output_ids"] != first["output_ids"]
 
 
@@ -196,12 +242,15 @@ def test_stop_token_ids_and_length(engine: Engine, ref_model: torch.nn.Module) -
     free = _hf_greedy(ref_model, prompt, 16)
     stop = free[5]
     first = free.index(stop)
-    out = engine.generate({"input_ids": prompt, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 16, "stop_token_ids": [stop]}})
+    out = engine.generate(
+        {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 16, "stop_token_ids": [stop]},
+        }
+    )
     assert out["output_ids"] == free[: first + 1]  # the matched token is part of the output
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    out = engine.generate({"input_ids": prompt, "sampling_params": {**GREEDY,
-                                                                    "max_new_tokens": 3}})
+    out = engine.generate({"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 3}})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
 
@@ -218,8 +267,13 @@ def test_pause_in_place_then_continue_finishes_whole(
 ) -> None:
     prompt, n = [50, 51, 52], 480
     result: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: result.update(out=engine.generate(
-        {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": n}})))
+    worker = threading.Thread(
+        target=lambda: result.update(
+            out=engine.generate(
+                {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": n}}
+            )
+        )
+    )
     worker.start()
     _wait_running(engine)
     assert engine.request("POST", "/pause_generation", {"mode": "in_place"})[0] == 200
@@ -238,9 +292,17 @@ def test_pause_in_place_then_continue_finishes_whole(
 @pytest.mark.timeout(60)
 def test_abort_request_returns_abort(engine: Engine) -> None:
     result: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: result.update(out=engine.generate(
-        {"input_ids": [60, 61], "rid": "to-abort",
-         "sampling_params": {**GREEDY, "max_new_tokens": 480}})))
+    worker = threading.Thread(
+        target=lambda: result.update(
+            out=engine.generate(
+                {
+                    "input_ids": [60, 61],
+                    "rid": "to-abort",
+                    "sampling_params": {**GREEDY, "max_new_tokens": 480},
+                }
+            )
+        )
+    )
     worker.start()
     _wait_running(engine)
     status, body = engine.request("POST", "/abort_request", {"rid": "to-abort"})
@@ -261,12 +323,16 @@ BAD_REQUESTS = [
     ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
     ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}},
-     "sampling_params.max_new_tokens"),
+    (
+        {"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}},
+        "sampling_params.max_new_tokens",
+    ),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10_000}}, "input_ids"),
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
-    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}},
-     "sampling_params.frequency_penalty"),
+    (
+        {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}},
+        "sampling_params.frequency_penalty",
+    ),
     ({"input_ids": [1], "sampling_params": "fast"}, "sampling_params"),
     ({"input_ids": [1], "stream": True}, "stream"),
     ({"input_ids": [1], "whatever": 1}, "whatever"),
@@ -290,15 +356,18 @@ def test_bad_requests_get_400_naming_the_field(engine: Engine, body: Any, field:
 def test_control_routes_reject_bad_input(engine: Engine) -> None:
     assert engine.request("POST", "/pause_generation", {"mode": "nap"})[0] == 400
     assert engine.request("POST", "/abort_request", {"rid": 3})[0] == 400
-    status, body = engine.request("POST", "/update_weights_from_distributed",
-                                  {"names": ["x"], "dtypes": [], "shapes": []})
+    status, body = engine.request(
+        "POST", "/update_weights_from_distributed", {"names": ["x"], "dtypes": [], "shapes": []}
+    )
     assert status == 400 and body["success"] is False and "names" in body["message"]
-    status, body = engine.request("POST", "/update_weights_from_distributed",
-                                  {"names": [], "dtypes": [], "shapes": [], "group_name": "g"})
+    status, body = engine.request(
+        "POST",
+        "/update_weights_from_distributed",
+        {"names": [], "dtypes": [], "shapes": [], "group_name": "g"},
+    )
     assert status == 400 and "group" in body["message"]
     # Still serving.
-    out = engine.generate({"input_ids": [1, 2], "sampling_params": {**GREEDY,
-                                                                    "max_new_tokens": 2}})
+    out = engine.generate({"input_ids": [1, 2], "sampling_params": {**GREEDY, "max_new_tokens": 2}})
     assert len(out["output_ids"]) == 2
 
 

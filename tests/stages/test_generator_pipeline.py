@@ -17,7 +17,7 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
-def _config(tmp_path, model_dir, *, count, delay_s, inbox=8):
+def _config(tmp_path, model_dir, *, count, delay_s, inbox=8, new_tokens=12):
     path = tmp_path / "gen.yaml"
     path.write_text(
         f"""
@@ -31,7 +31,7 @@ stages:
     launch: {{model: "{model_dir}", count: 1}}
     group_size: 2
     outbox: 2
-    sampling: {{temperature: 1.0, max_new_tokens: 12, ignore_eos: true}}
+    sampling: {{temperature: 1.0, max_new_tokens: {new_tokens}, ignore_eos: true}}
     controller: {{start: 8, interval_s: 0.5}}
   sink:
     use: "tests.stages_for_tests:RolloutSink"
@@ -57,6 +57,7 @@ def test_rollouts_carry_per_token_logprobs_and_versions(tmp_path, model_dir):
         "--run-dir",
         str(run_dir),
         timeout=170,
+        env={"OMP_NUM_THREADS": "1"},  # engine and stages share 2 cores
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr
     rollouts = json.loads((run_dir / "rollouts.json").read_text())
@@ -78,10 +79,12 @@ def test_slow_downstream_lowers_requests_in_flight(tmp_path, model_dir):
     run_dir = tmp_path / "run"
     result = run_inflight(
         "run",
-        str(_config(tmp_path, model_dir, count=12, delay_s=0.25, inbox=4)),
+        # short samples, a slow sink: the sink, not the engine, is the bottleneck
+        str(_config(tmp_path, model_dir, count=12, delay_s=0.25, inbox=4, new_tokens=3)),
         "--run-dir",
         str(run_dir),
         timeout=170,
+        env={"OMP_NUM_THREADS": "1"},  # engine and stages share 2 cores
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr
     gen = events(run_dir, "generator.0")

@@ -1,0 +1,159 @@
+"""The engine launcher's restart path, with a stand-in engine (a tiny HTTP server, quick to start).
+
+The launcher is told its engine is SGLang whose interpreter is ``fake_engine.py``: the script
+ignores ``-m sglang.launch_server`` and the model, and answers ``GET /health`` on ``--port``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from stages.generator.launcher import EngineLauncher, LaunchConfig
+from tests.pipeline.runs import REPO, alive, wait_for
+
+FAKE_ENGINE = f"""#!{sys.executable}
+import argparse, http.server
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--port", type=int)
+parser.add_argument("--host")
+args, _ = parser.parse_known_args()
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+http.server.HTTPServer((args.host, args.port), Health).serve_forever()
+"""
+
+
+class _Log:
+    def __init__(self):
+        self.events = []
+
+    def _add(self, event, **kw):
+        self.events.append({"event": event, **kw})
+
+    info = warning = error = _add
+
+
+@pytest.fixture
+def fake_engine(tmp_path):
+    path = tmp_path / "fake_engine.py"
+    path.write_text(FAKE_ENGINE)
+    path.chmod(0o755)
+    return path
+
+
+def _config(fake_engine, **more) -> LaunchConfig:
+    return LaunchConfig(
+        kind="sglang", python=str(fake_engine), model="unused", startup_timeout_s=20, **more
+    )
+
+
+def _killpg(pids) -> None:
+    for pid in pids:
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(30)
+async def test_a_dead_engine_is_restarted_on_its_port_until_given_up(tmp_path, fake_engine):
+    log = _Log()
+    launcher = EngineLauncher(
+        _config(fake_engine, max_restarts=1), name="gen.0", log_dir=tmp_path, log=log
+    )
+
+    def seen(event):
+        return [e for e in log.events if e["event"] == event]
+
+    async def until(what, predicate):
+        for _ in range(400):
+            if predicate():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}: {log.events}")
+
+    try:
+        [url] = await launcher.start()
+        first = seen("engine_launched")[0]
+        os.kill(first["pid"], signal.SIGKILL)
+        await until("the restart", lambda: len(seen("engine_ready")) == 2)
+        second = seen("engine_launched")[1]
+        assert second["port"] == first["port"] and second["pid"] != first["pid"]
+        assert seen("engine_exited")[0]["exit_code"] == -signal.SIGKILL
+        assert not launcher.all_given_up
+        # past max_restarts: given up, and the generator can tell
+        os.kill(second["pid"], signal.SIGKILL)
+        await until("giving up", lambda: seen("engine_given_up"))
+        assert launcher.all_given_up and len(seen("engine_launched")) == 2
+        assert url.endswith(f":{first['port']}")
+    finally:
+        await launcher.close()
+        _killpg(e["pid"] for e in seen("engine_launched"))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # stage replicas run on uvloop
+def test_engines_die_with_the_generator_process(tmp_path, fake_engine, loop):
+    """A generator killed outright (SIGKILL, a segfault) must not leave its engines running:
+    they are in their own process group, out of reach of the supervisor's group kill."""
+    pytest.importorskip(loop)
+    script = textwrap.dedent(
+        f"""
+        import asyncio, json, sys, {loop}
+        from pathlib import Path
+        from stages.generator.launcher import EngineLauncher, LaunchConfig
+
+        class Log:
+            def info(self, event, **kw):
+                if event == "engine_launched":
+                    print(json.dumps(kw), flush=True)
+            warning = error = info
+
+        async def main():
+            config = LaunchConfig(kind="sglang", python={str(fake_engine)!r}, model="unused",
+                                  count=2, startup_timeout_s=20)
+            launcher = EngineLauncher(config, name="gen.0", log_dir=Path({str(tmp_path)!r}),
+                                      log=Log())
+            await launcher.start()
+            print("ready", flush=True)
+            await asyncio.sleep(3600)
+
+        {loop}.run(main())
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    pids = []
+    try:
+        for line in proc.stdout:
+            if line.strip() == "ready":
+                break
+            pids.append(json.loads(line)["pid"])
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not any(alive(p) for p in pids), 5, "the engines to die with it")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _killpg(pids)

@@ -1,0 +1,168 @@
+"""The generator's engine client (and the weight publisher) against a real SGLang server.
+
+Skipped unless ``INFLIGHT_SGLANG_URL`` names a running server, started for instance with::
+
+    python -m sglang.launch_server --model-path MODEL_DIR --port 30000 --host 127.0.0.1
+
+Environment:
+
+- ``INFLIGHT_SGLANG_URL`` (required): the server, e.g. ``http://127.0.0.1:30000``.
+- ``INFLIGHT_SGLANG_MODEL`` (optional): a local Hugging Face directory holding the *same* model
+  the server serves (its weights are read with transformers and published to the server). Without
+  it the weight-update test is skipped. The update sends the server's own weights back as a new
+  version, so the server is left serving what it served before.
+- ``INFLIGHT_SGLANG_BACKEND`` (optional): ``nccl`` (default when this process sees a GPU) or
+  ``gloo``; the weight group's backend. With ``nccl`` this process needs a GPU of its own.
+- ``INFLIGHT_SGLANG_MASTER_ADDRESS`` (optional, default ``127.0.0.1``): an address of this
+  machine the server can reach (the weight group's rendezvous is hosted here, as rank 0).
+
+Token ids are small integers (any real vocabulary has them); nothing is decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+
+import aiohttp
+import pytest
+
+from stages.generator.client import EngineClient, EngineError
+
+URL = os.environ.get("INFLIGHT_SGLANG_URL", "")
+MODEL = os.environ.get("INFLIGHT_SGLANG_MODEL", "")
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(
+        not URL, reason="set INFLIGHT_SGLANG_URL to the URL of a running SGLang server"
+    ),
+]
+
+PROMPT = [101, 102, 103, 104, 105, 106, 107, 108]
+LONG = 1024  # new tokens (at most; less for a short context): still running when paused
+
+
+def _rid(what: str) -> str:
+    return f"inflight-test-{what}-{secrets.token_hex(4)}"
+
+
+def _params(max_new_tokens: int, **more) -> dict:
+    return {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **more}
+
+
+@pytest.fixture
+async def client():
+    async with aiohttp.ClientSession() as session:
+        engine = EngineClient(URL, session, timeout_s=300)
+        assert await engine.healthy(), f"{URL}/health does not answer"
+        yield engine
+
+
+async def _long(client: EngineClient) -> int:
+    """LONG, or what fits in the server's context length when it says (SGLang may not)."""
+    with contextlib.suppress(aiohttp.ClientError, ValueError):
+        async with client.session.get(client.url + "/get_server_info") as resp:
+            context = (await resp.json(content_type=None)).get("context_length")
+            if isinstance(context, int) and context > 0:
+                return min(LONG, context - len(PROMPT))
+    return LONG
+
+
+@pytest.mark.timeout(120)
+async def test_generate_returns_tokens_logprobs_and_versions(client):
+    info = await client.model_info()
+    assert info.get("is_generation", True)
+    completion = await client.generate(PROMPT, _params(16, temperature=1.0), rid=_rid("generate"))
+    assert completion.finish_reason == "length"
+    assert len(completion.output_ids) == len(completion.logprobs) == len(completion.versions) == 16
+    assert (completion.logprobs <= 0).all()
+    assert (completion.versions == completion.weight_version).all()
+    # greedy decoding is reproducible
+    a = await client.generate(PROMPT, _params(16), rid=_rid("greedy"))
+    b = await client.generate(PROMPT, _params(16), rid=_rid("greedy"))
+    assert a.output_ids.tolist() == b.output_ids.tolist()
+
+
+@pytest.mark.timeout(180)
+async def test_pause_in_place_holds_requests_and_continue_finishes_them(client):
+    long = await _long(client)
+    task = asyncio.create_task(client.generate(PROMPT, _params(long), rid=_rid("paused")))
+    await asyncio.sleep(0.2)
+    await client.pause("in_place")
+    try:
+        if not task.done():
+            await asyncio.sleep(1.0)
+            assert not task.done(), "a request finished while generation was paused"
+    finally:
+        await client.resume()
+    completion = await asyncio.wait_for(task, 150)
+    # in_place keeps the request (and its KV cache): nothing aborted, nothing lost
+    assert completion.finish_reason == "length" and len(completion.output_ids) == long
+
+
+@pytest.mark.timeout(120)
+async def test_abort_ends_a_running_request(client):
+    rid, long = _rid("aborted"), await _long(client)
+    task = asyncio.create_task(client.generate(PROMPT, _params(long), rid=rid))
+    await asyncio.sleep(0.2)
+    assert not task.done(), "the request finished before it could be aborted"
+    await client.abort(rid)
+    try:
+        completion = await asyncio.wait_for(task, 60)
+    except EngineError as exc:
+        # SGLang versions differ: an aborted request is an error answer in some of them
+        assert exc.status is not None, exc
+    else:
+        assert completion.finish_reason == "abort" and len(completion.output_ids) < long
+    # the server goes on serving
+    after = await client.generate(PROMPT, _params(4), rid=_rid("after-abort"))
+    assert len(after.output_ids) == 4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not MODEL, reason="set INFLIGHT_SGLANG_MODEL to the served model's directory")
+async def test_weight_update_over_the_weight_group(client):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.weights.publisher import WeightPublisher
+
+    backend = os.environ.get("INFLIGHT_SGLANG_BACKEND") or (
+        "nccl" if torch.cuda.is_available() else "gloo"
+    )
+    device = "cuda" if backend == "nccl" else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype="auto")
+    weights = [(name, t.detach().to(device)) for name, t in model.state_dict().items()]
+    del model
+
+    before = await client.generate(PROMPT, _params(16), rid=_rid("before-update"))
+    version = before.weight_version + 1
+    group = f"inflight_test_{secrets.token_hex(4)}"
+    publisher = WeightPublisher(
+        [URL],
+        backend=backend,
+        master_address=os.environ.get("INFLIGHT_SGLANG_MASTER_ADDRESS", "127.0.0.1"),
+        group_name=group,
+        bucket_mb=256,
+        timeout_s=240,
+    )
+    try:
+        await publisher.connect()
+        stats = await publisher.publish(weights, version=version)
+    finally:
+        await publisher.close()
+        # let a later run form a group again (older servers lack the route: no matter)
+        async with aiohttp.ClientSession() as session:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.post(
+                    URL.rstrip("/") + "/destroy_weights_update_group", json={"group_name": group}
+                ):
+                    pass
+    assert stats.version == version and stats.buckets >= 1
+    after = await client.generate(PROMPT, _params(16), rid=_rid("after-update"))
+    assert after.weight_version == version
+    # the same weights came back: the same greedy tokens
+    assert after.output_ids.tolist() == before.output_ids.tolist()
