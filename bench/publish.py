@@ -148,13 +148,18 @@ async def _engine(conn: Any) -> None:
             return answer(False, f"Failed to update parameter online: {exc}")
         return answer(True, "Succeeded to update parameter online.")
 
+    raw_buffers: dict[int, torch.Tensor] = {}
+
     async def raw_receive(request: web.Request) -> web.Response:
         sizes = (await request.json())["sizes"]
 
         def receive_all() -> None:
             assert receiver._group is not None
             for size in sizes:
-                receiver._group.broadcast(torch.empty(size, dtype=torch.uint8), src=0)
+                # reused like the receiver's own buffer, so both sides pay the same allocation
+                if size not in raw_buffers:
+                    raw_buffers[size] = torch.empty(size, dtype=torch.uint8)
+                receiver._group.broadcast(raw_buffers[size], src=0)
 
         await asyncio.to_thread(receive_all)
         return answer(True, "received")
