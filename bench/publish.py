@@ -80,6 +80,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
     sys.path[0] = str(ROOT)
 
+from pipeline.processes import kill_with_parent  # noqa: E402
 from stages.weights.buckets import pack_buckets  # noqa: E402
 from stages.weights.publisher import WeightPublisher  # noqa: E402
 from stages.weights.receiver import WeightReceiver  # noqa: E402
@@ -289,29 +290,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _death_signal() -> Any:
-    """A function for ``preexec_fn``: the engine gets SIGKILL when this process dies, however it
-    dies (Linux ``PR_SET_PDEATHSIG``). Resolved here, so the forked child only makes the call."""
-    prctl = None
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-    return preexec
-
-
 def _start_engines(
     model_dir: Path, logs: Path, args: argparse.Namespace, engines: list[_Engine]
 ) -> None:
     """Start the engines, appending each to ``engines`` at once (the caller stops them)."""
     threads = str(args.engine_threads)
-    die_with_parent = _death_signal()
+    die_with_parent = kill_with_parent()
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),

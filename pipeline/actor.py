@@ -269,19 +269,6 @@ class _Replica:
         self.zctx.destroy(linger=0)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the supervisor dies, so no replica is orphaned."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != int(os.environ.get("INFLIGHT_SUPERVISOR_PID", os.getppid())):
-        os._exit(1)  # the supervisor was already gone before prctl took effect
-
-
 def _run_loop(coro: Any) -> int:
     try:
         import uvloop
@@ -295,7 +282,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m pipeline.actor SPEC.json", file=sys.stderr)
         return 2
-    _die_with_parent()
     try:
         spec = json.loads(Path(argv[0]).read_text())
     except (OSError, ValueError) as exc:

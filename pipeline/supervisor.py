@@ -39,6 +39,7 @@ from pipeline import topics
 from pipeline.config import LoadedPipeline, dump_yaml
 from pipeline.config.schema import STAGE_KEYS
 from pipeline.log_view import LogFilter, LogTail, render
+from pipeline.processes import kill_with_parent
 from pipeline.stage import stage_ports
 from pipeline.structured_log import close_process_logging, configure_process_logging
 from transport import ControlBroker
@@ -211,7 +212,6 @@ class Supervisor:
             **os.environ,
             **self.config.stages[rep.stage].env,
             "PYTHONUNBUFFERED": "1",
-            "INFLIGHT_SUPERVISOR_PID": str(os.getpid()),
         }
         out = open(self.run_dir / "logs" / f"{rep.name}.out", "ab")  # noqa: ASYNC230 (local file)
         try:
@@ -224,6 +224,7 @@ class Supervisor:
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=kill_with_parent(),  # no replica outlives a killed supervisor
                 env=env,
             )
         finally:

@@ -28,26 +28,10 @@ from typing import Any, Literal
 
 import aiohttp
 
+from pipeline.processes import kill_with_parent
 from transport.address import tcp_address
 
 __all__ = ["EngineLauncher", "LaunchConfig"]
-
-
-def _kill_with_parent(parent: int):
-    """A ``preexec_fn``: SIGKILL the engine when the generator process dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork, only called after
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the generator died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 @dataclass
@@ -126,7 +110,7 @@ class EngineLauncher:
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_kill_with_parent(os.getpid()),
+                preexec_fn=kill_with_parent(),
             )
         finally:
             out.close()

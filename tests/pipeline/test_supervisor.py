@@ -222,3 +222,28 @@ def test_a_stage_can_end_the_run(tmp_path):
     finished = _finished(run_dir)
     assert finished["status"] == "succeeded" and "saw 25 items" in finished["reason"]
     assert any(e["event"] == "stop_after_closed" for e in events(run_dir, "summary.0"))
+
+
+@pytest.mark.timeout(60)
+def test_replicas_die_with_a_supervisor_killed_by_sigkill(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_inflight(
+        "run",
+        EXAMPLE,
+        "stages.numbers.count=100000000",
+        "stages.power.delay_s=0.005",
+        "--run-dir",
+        str(run_dir),
+    )
+    try:
+        wait_for(
+            lambda: sum(e["event"] == "replica_started" for e in events(run_dir, "*.[0-9]")) == 4,
+            timeout=45,
+            what="all four replicas to start",
+        )
+        pids = spawned_pids(run_dir)
+        proc.kill()  # SIGKILL: the supervisor gets no chance to clean up
+        proc.wait(timeout=10)
+        wait_for(lambda: not [p for p in pids if alive(p)], 10, "the replicas to die")
+    finally:
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
