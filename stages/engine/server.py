@@ -390,6 +390,12 @@ def _parser() -> argparse.ArgumentParser:
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
     )
     parser.add_argument("--log-file", type=Path, help="JSON-lines log file (default: console)")
+    parser.add_argument(
+        "--log-as",
+        default="engine.0",
+        metavar="STAGE.REPLICA",
+        help="stage and replica named on every log event (how `inflight logs` filters it)",
+    )
     return parser
 
 
@@ -410,8 +416,12 @@ def main(argv: list[str] | None = None) -> int:
             current = holder["s"].weight_version if "s" in holder else "0"
             return int(current) if current.isdigit() else 0
 
+        stage, _, replica = args.log_as.rpartition(".")
+        if not stage or not replica.isdigit():
+            print(f"error: --log-as wants STAGE.REPLICA (like engine.0), got {args.log_as!r}")
+            return 2
         configure_process_logging(
-            args.log_file, stage="engine", replica=0, version=version, console=True
+            args.log_file, stage=stage, replica=int(replica), version=version, console=True
         )
     torch.manual_seed(args.seed)
     try:

@@ -70,7 +70,7 @@ class EngineLauncher:
     def __init__(self, config: LaunchConfig, *, name: str, log_dir: Path, log: Any) -> None:
         if not config.model:
             raise ValueError("launch.model is required to start engines")
-        self.config, self.log = config, log
+        self.config, self.log, self.name = config, log, name
         self.engines = []
         for i in range(config.count):
             port = int(tcp_address(config.host).rsplit(":", 1)[1])
@@ -95,6 +95,10 @@ class EngineLauncher:
             cmd = [sys.executable, "-m", "pipeline.cli", "engine", "--model", cfg.model]
             cmd += ["--host", cfg.host, "--port", str(engine.port), "--device", cfg.device]
             cmd += ["--dtype", cfg.dtype]
+            # its events join the run's logs: `inflight logs RUN_DIR --stage generator-0-engine`
+            log_as = f"{self.name.replace('.', '-')}-engine.{self.engines.index(engine)}"
+            log_file = engine.out.parent / f"{log_as}.jsonl"
+            cmd += ["--log-file", str(log_file), "--log-as", log_as]
         else:
             cmd = [cfg.python or sys.executable, "-m", "sglang.launch_server"]
             cmd += ["--model-path", cfg.model, "--host", cfg.host, "--port", str(engine.port)]
