@@ -10,13 +10,21 @@ that produced each token; one sequence may span several versions with in-flight 
 ``group_id`` ties the ``group_size`` samples of one prompt together; ``sample_index`` is
 0..group_size-1. ``timings`` holds seconds (``queued_s``, ``generate_s``) and ``meta`` is the
 prompt's meta, passed through.
+
+``scored_group`` (scorer -> learner): the ``group_size`` rollouts of one prompt, scored, in one
+message so that a group is never split between learner ranks. ``samples`` is a list of maps, one
+per rollout, in ``sample_index`` order, each with the rollout's per-sample fields
+(``sample_index``, ``completion_ids``, ``sampler_logprobs``, ``versions``, ``finish_reason``,
+``engine``, ``timings``) plus ``reward`` (float) and ``reward_info`` (map: which function, its
+details, ``error`` when it failed or timed out and the reward was set to 0). A group may be
+smaller than ``group_size`` when samples were dropped upstream (counted where they were dropped).
 """
 
 from __future__ import annotations
 
 from transport.message import Schema
 
-__all__ = ["PROMPT", "ROLLOUT"]
+__all__ = ["PROMPT", "ROLLOUT", "SCORED_GROUP"]
 
 PROMPT = Schema(
     "prompt",
@@ -44,4 +52,19 @@ ROLLOUT = Schema(
         "meta": "map|None",
     },
     doc="one sampled completion with per-token sampler log-probs and policy versions",
+)
+
+SCORED_GROUP = Schema(
+    "scored_group",
+    1,
+    {
+        "run_id": "str",
+        "prompt_id": "str",
+        "group_id": "str",
+        "group_size": "int",
+        "prompt_ids": "array",
+        "samples": "list",
+        "meta": "map|None",
+    },
+    doc="the scored rollouts of one prompt (one group), for the learner",
 )
