@@ -60,6 +60,7 @@ class ActorContext:
         self.replicas: int = spec["replicas"]
         self.run_dir = Path(spec["run_dir"])
         self.seed: int = spec["seed"]
+        self.mode: str = spec.get("mode", "async")
         self.restarts: int = spec["restarts"]
         self.inputs: dict[str, Receiver] = {}
         self.outputs: dict[str, Sender] = {}
@@ -69,6 +70,10 @@ class ActorContext:
         self._version_changed = asyncio.Condition()
         self._stop_publish: asyncio.Task | None = None
         self.stop_requested = asyncio.Event()  # set when the run is being shut down
+        self.stages: dict[str, int] = dict(spec.get("stages", {}))  # every stage -> replicas
+        # generator replica ("stage.replica") -> its latest `engines` announcement
+        self.engines: dict[str, dict[str, Any]] = {}
+        self._engines_changed = asyncio.Condition()
 
     @property
     def version(self) -> int:
@@ -86,8 +91,25 @@ class ActorContext:
             await self._version_changed.wait_for(lambda: self._version >= at_least)
         return self._version
 
+    async def set_engines(self, payload: Mapping[str, Any]) -> None:
+        key = f"{payload.get('stage')}.{payload.get('replica')}"
+        if self.engines.get(key) != payload:
+            self.engines[key] = dict(payload)
+            async with self._engines_changed:
+                self._engines_changed.notify_all()
+
+    async def wait_for_engines(self, changed_since: Mapping[str, Any] | None = None) -> dict:
+        """The engines announced so far, once they differ from ``changed_since``."""
+        async with self._engines_changed:
+            await self._engines_changed.wait_for(lambda: self.engines != (changed_since or {}))
+        return dict(self.engines)
+
     def metrics(self, **values: Any) -> None:
         self.log.info("metrics", **values)
+
+    async def summary(self, **values: Any) -> None:
+        """Add ``values`` to the run's ``summary.json`` (the supervisor writes it)."""
+        await self.publish(topics.SUMMARY, {"values": values})
 
     async def publish(self, topic: str, payload: Mapping[str, Any]) -> None:
         await self._control.publish(
@@ -129,7 +151,7 @@ class _Replica:
             control["pub"],
             control["sub"],
             self.zctx,
-            topics=(topics.VERSION, topics.SHUTDOWN, topics.DONE),
+            topics=(topics.VERSION, topics.SHUTDOWN, topics.DONE, topics.ENGINES),
         )
         self.ctx = ActorContext(spec, log, self.control)
         self.shutdown_reason: str | None = None
@@ -197,6 +219,8 @@ class _Replica:
             topic, payload = await self.control.recv()
             if topic == topics.VERSION and isinstance(payload.get("version"), int):
                 await self.ctx.set_version(payload["version"])
+            elif topic == topics.ENGINES and isinstance(payload.get("urls"), list):
+                await self.ctx.set_engines(payload)
             elif topic == topics.SHUTDOWN:
                 self.request_shutdown(str(payload.get("reason", "supervisor")))
             elif topic == topics.DONE and isinstance(payload.get("replicas"), list):

@@ -58,8 +58,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     loaded = _load(args)
     if loaded is None:
         return EXIT_INVALID
+    if args.resume and args.run_dir:
+        print("error: give either --resume RUN_DIR or --run-dir, not both", file=sys.stderr)
+        return EXIT_INVALID
     try:
-        run_dir = make_run_dir(loaded, args.run_dir)
+        run_dir = make_run_dir(loaded, args.resume or args.run_dir, resume=bool(args.resume))
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -94,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", metavar="CONFIG", help="pipeline YAML file")
     run.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     run.add_argument("--run-dir", help="run directory (default: run.runs_root/NAME-TIMESTAMP)")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue an earlier run in its directory, from its newest checkpoint",
+    )
     run.add_argument("-q", "--quiet", action="store_true", help="no console view of the logs")
     run.set_defaults(func=_cmd_run)
 

@@ -67,12 +67,15 @@ class StageContext(Protocol):
     replica: int  # 0-based replica index
     replicas: int  # number of replicas of this stage
     seed: int  # run.seed + replica
+    mode: str  # run.mode: "async" or "sync"
     restarts: int  # how many times this replica was restarted before (0 on the first start)
     run_dir: Path
     inputs: Mapping[str, Any]  # port name -> transport.receiver.Receiver
     outputs: Mapping[str, Any]  # port name -> transport.sender.Sender
     log: Any  # structlog logger, stage/replica/version bound
     stop_requested: asyncio.Event  # set when the run is shutting down (run() is then cancelled)
+    stages: Mapping[str, int]  # every stage of the pipeline -> its number of replicas
+    engines: Mapping[str, Any]  # generator replica -> its `engines` announcement (urls, epoch)
 
     @property
     def version(self) -> int: ...  # latest policy version announced on the control bus
@@ -80,6 +83,10 @@ class StageContext(Protocol):
     async def wait_for_version(self, at_least: int) -> int: ...
 
     def metrics(self, **values: Any) -> None: ...  # emits a `metrics` log event
+
+    async def summary(self, **values: Any) -> None: ...  # adds values to RUN_DIR/summary.json
+
+    async def wait_for_engines(self, changed_since: Mapping[str, Any] | None = None) -> dict: ...
 
     async def publish(self, topic: str, payload: Mapping[str, Any]) -> None: ...
 

@@ -13,8 +13,15 @@ fails. The run succeeds when every replica has exited 0, or when a stage asks fo
 SIGINT/SIGTERM: ``shutdown`` on the control bus plus SIGTERM to every replica's process group,
 then SIGKILL after ``run.shutdown_timeout_s``; a second Ctrl-C kills at once.
 
+A stage whose class sets ``distributed = True`` (the learner) is a gang: its replicas are the
+ranks of one ``torch.distributed`` group, started with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK`` in their environment. When one rank fails, the others cannot go
+on (they would wait in a collective forever), so the supervisor kills every rank and restarts the
+whole gang, with a fresh rendezvous port, under the failed rank's restart policy.
+
 The console shows every replica's events as they are written (the same view as ``inflight logs
--f``). The last event of a run is ``run_finished`` with its status and exit code.
+-f``). The last event of a run is ``run_finished`` with its status and exit code; stages may add
+values to ``RUN_DIR/summary.json`` (``summary`` on the control bus), written when the run ends.
 """
 
 from __future__ import annotations
@@ -51,9 +58,19 @@ EXIT_OK, EXIT_FAILED = 0, 1
 _BACKOFF_CAP_S = 30.0
 
 
-def make_run_dir(loaded: LoadedPipeline, run_dir: str | Path | None) -> Path:
-    """Create the run directory (``runs_root/NAME-TIMESTAMP`` unless given) and return it."""
-    if run_dir is None:
+def make_run_dir(
+    loaded: LoadedPipeline, run_dir: str | Path | None, *, resume: bool = False
+) -> Path:
+    """Create the run directory (``runs_root/NAME-TIMESTAMP`` unless given) and return it.
+
+    ``resume``: ``run_dir`` must hold an earlier run, which goes on there (logs are appended,
+    stages that keep checkpoints continue from them).
+    """
+    if resume:
+        path = Path(run_dir or "")
+        if not (path / "config.yaml").exists():
+            raise FileNotFoundError(f"cannot resume {path}: it holds no run (no config.yaml)")
+    elif run_dir is None:
         run = loaded.config.run
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path(run.runs_root) / f"{run.name}-{stamp}"
@@ -89,6 +106,7 @@ class _Replica:
     done: bool = False  # exited 0
     watcher: asyncio.Task | None = None
     failure: str | None = None  # why the supervisor killed it, when it did
+    gang_exit: bool = False  # killed because another rank of its gang failed
 
     @property
     def name(self) -> str:
@@ -117,6 +135,11 @@ class Supervisor:
         self._ending = False
         self._interrupts = 0
         self._sock_dir: Path | None = None
+        self.engines: dict[str, dict[str, Any]] = {}  # latest `engines` announcement per replica
+        self.summary: dict[str, Any] = {}
+        self._gang_ports: dict[str, int] = {}  # distributed stage -> its rendezvous port
+        self._gang_restarting: set[str] = set()
+        self._started = time.monotonic()
 
     # ----------------------------------------------------------------- wiring
     def _addresses(self) -> tuple[dict[tuple[str, int, str], str], dict[str, str]]:
@@ -174,9 +197,11 @@ class Supervisor:
                     "stage": name,
                     "replica": r,
                     "replicas": section.replicas,
+                    "stages": {n: st.replicas for n, st in stages.items()},
                     "use": section.use,
                     "options": options,
                     "seed": run.seed + r,
+                    "mode": run.mode,
                     "inputs": {
                         port: {
                             "address": inboxes[(name, r, port)],
@@ -212,6 +237,7 @@ class Supervisor:
             **os.environ,
             **self.config.stages[rep.stage].env,
             "PYTHONUNBUFFERED": "1",
+            **self._rank_env(rep),
         }
         out = open(self.run_dir / "logs" / f"{rep.name}.out", "ab")  # noqa: ASYNC230 (local file)
         try:
@@ -238,12 +264,50 @@ class Supervisor:
         )
         rep.watcher = asyncio.create_task(self._watch(rep), name=f"watch-{rep.name}")
 
+    def _is_gang(self, stage: str) -> bool:
+        return bool(getattr(self.loaded.stage_classes[stage], "distributed", False))
+
+    def _rank_env(self, rep: _Replica) -> dict[str, str]:
+        """torch.distributed's environment for a rank of a distributed stage (else nothing)."""
+        if not self._is_gang(rep.stage):
+            return {}
+        if rep.stage not in self._gang_ports:
+            self._gang_ports[rep.stage] = int(tcp_address("127.0.0.1").rsplit(":", 1)[1])
+        world = str(self.config.stages[rep.stage].replicas)
+        return {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self._gang_ports[rep.stage]),
+            "RANK": str(rep.index),
+            "LOCAL_RANK": str(rep.index),
+            "WORLD_SIZE": world,
+            "LOCAL_WORLD_SIZE": world,
+        }
+
+    async def _stop_gang(self, rep: _Replica) -> list[_Replica]:
+        """Kill the other ranks of ``rep``'s gang and wait for them; returns the whole gang."""
+        gang = [r for r in self.replicas.values() if r.stage == rep.stage]
+        others = [r for r in gang if r is not rep and r.proc and r.proc.returncode is None]
+        for other in others:
+            other.gang_exit = True
+            _kill_group(other.proc.pid, signal.SIGKILL)
+        for other in others:
+            await other.proc.wait()
+        if others:
+            self.log.warning(
+                "gang_stopped", stage=rep.stage, failed=rep.name, killed=[r.name for r in others]
+            )
+        return gang
+
     async def _watch(self, rep: _Replica) -> None:
         assert rep.proc is not None
         code = await rep.proc.wait()
         _kill_group(rep.proc.pid, signal.SIGKILL)  # anything the replica left behind
         if self._ending:
             self.log.info("replica_exited", replica_name=rep.name, exit_code=code)
+            return
+        if rep.gang_exit or (code != 0 and rep.stage in self._gang_restarting):
+            rep.gang_exit = False  # its gang is being restarted by the rank that failed first
+            self.log.info("replica_exited_with_gang", replica_name=rep.name, exit_code=code)
             return
         if code == 0 and rep.failure is None:
             rep.done = True
@@ -263,19 +327,31 @@ class Supervisor:
             output_tail=_tail(rep),
         )
         policy = rep.restart_policy
+        gang = [rep]
+        if self._is_gang(rep.stage):
+            self._gang_restarting.add(rep.stage)
+            gang = await self._stop_gang(rep)
         if policy.policy == "on-failure" and rep.restarts < policy.max_restarts:
             delay = min(policy.backoff_s * 2**rep.restarts, _BACKOFF_CAP_S)
-            rep.restarts += 1
+            restarts = rep.restarts + 1
+            for member in gang:
+                member.restarts = restarts
             self.log.warning(
                 "replica_restarting",
                 replica_name=rep.name,
-                attempt=rep.restarts,
+                attempt=restarts,
                 max_restarts=policy.max_restarts,
                 delay_s=delay,
+                gang=[m.name for m in gang] if len(gang) > 1 else None,
             )
             await asyncio.sleep(delay)  # backoff before the restart, not synchronization
+            if len(gang) > 1 or self._is_gang(rep.stage):
+                self._gang_ports.pop(rep.stage, None)  # a fresh rendezvous for the new group
             if not self._ending:
-                await self._spawn(rep)
+                for member in gang:
+                    member.done = False
+                    await self._spawn(member)
+            self._gang_restarting.discard(rep.stage)
             return
         limit = (
             "restart policy is 'never'"
@@ -295,6 +371,11 @@ class Supervisor:
             version = payload.get("version")
             if isinstance(version, int) and version > self.version:
                 self.version = version
+        elif topic == topics.ENGINES:
+            self.engines[f"{payload.get('stage')}.{payload.get('replica')}"] = payload
+        elif topic == topics.SUMMARY and isinstance(payload.get("values"), dict):
+            self.summary.update(payload["values"])
+            self._write_summary()
         elif topic == topics.STOP:
             who = f"{payload.get('stage')}.{payload.get('replica')}"
             self.log.info("stop_requested", by=who, reason=payload.get("reason"))
@@ -309,6 +390,8 @@ class Supervisor:
             done = [r.name for r in self.replicas.values() if r.done]
             if done:
                 await self.broker.publish(topics.DONE, {"replicas": done})
+            for announcement in list(self.engines.values()):
+                await self.broker.publish(topics.ENGINES, announcement)
             now = time.monotonic()
             for rep in self.replicas.values():
                 if rep.proc is None or rep.proc.returncode is not None or rep.failure:
@@ -325,6 +408,12 @@ class Supervisor:
                     _kill_group(rep.proc.pid, signal.SIGKILL)
 
     # --------------------------------------------------------------- ending
+    def _write_summary(self, **final: Any) -> None:
+        values = {**self.summary, "wall_s": round(time.monotonic() - self._started, 3), **final}
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(values, indent=1, default=str))
+        tmp.replace(self.run_dir / "summary.json")
+
     def _finish(self, status: str, code: int, reason: str) -> None:
         if self._outcome.done.is_set():
             return
@@ -398,6 +487,12 @@ class Supervisor:
             loop.add_signal_handler(sig, self._on_signal, sig)
         zctx = zmq.asyncio.Context()
         checker = None
+        self._started = time.monotonic()
+        with contextlib.suppress(OSError, ValueError):  # a resumed run keeps what it had
+            earlier = json.loads((run_dir / "summary.json").read_text())
+            for key in ("status", "exit_code", "wall_s"):
+                earlier.pop(key, None)
+            self.summary.update(earlier)
         try:
             inboxes, control = self._addresses()
             self._write_specs(inboxes, control)
@@ -426,6 +521,8 @@ class Supervisor:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             outcome = self._outcome
+            if self.summary:
+                self._write_summary(status=outcome.status, exit_code=outcome.exit_code)
             self.log.info(
                 "run_finished",
                 status=outcome.status,

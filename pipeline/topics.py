@@ -9,6 +9,11 @@
 - ``done`` {replicas: [stage.replica, ...]}: replicas that finished (exit 0, so every output was
   closed with end-of-stream); re-sent every heartbeat. A consumer restarted after its producer
   finished never sees that producer's end-of-stream, so it learns it here.
+- ``engines`` {stage, replica, urls, epoch}: the inference engines a generator replica uses
+  (``epoch`` grows when one of them was restarted, so its weights must be sent again); the
+  supervisor re-sends the latest of each replica every heartbeat. The weight publisher reads it.
+- ``summary`` {stage, replica, values}: values for ``RUN_DIR/summary.json``; the supervisor merges
+  them (later values win) and writes the file, with the run's status and wall time, at the end.
 """
 
 HEARTBEAT = "heartbeat"
@@ -17,3 +22,5 @@ STOP = "stop"
 SHUTDOWN = "shutdown"
 
 DONE = "done"
+ENGINES = "engines"
+SUMMARY = "summary"

@@ -225,3 +225,163 @@ class GatedPrompts(Prompts):
             await self.ctx.outputs["out"].send(
                 "prompt", {"prompt_id": f"p{i}", "input_ids": ids, "meta": {"i": i}}
             )
+
+
+class PromptSink:
+    """Takes prompts and writes ``RUN_DIR/prompts_seen.json``: one entry per prompt, in arrival
+    order, with the replica that sent it (``sender``)."""
+
+    @dataclass
+    class Config:
+        pass
+
+    inputs = {"prompts": Port(PROMPT)}
+    outputs: dict = {}
+
+    def __init__(self, config, ctx):
+        self.ctx = ctx
+        self.seen = []
+
+    async def setup(self):
+        pass
+
+    async def run(self):
+        import json
+
+        async for msg in self.ctx.inputs["prompts"]:
+            d = msg.data
+            self.seen.append(
+                {
+                    "sender": msg.sender,
+                    "prompt_id": d["prompt_id"],
+                    "input_ids": list(d["input_ids"]),
+                    "meta": d["meta"],
+                }
+            )
+        (self.ctx.run_dir / "prompts_seen.json").write_text(json.dumps(self.seen))
+
+    async def close(self):
+        pass
+
+
+from dataclasses import field  # noqa: E402 -- for the scorer's test stages below
+
+from stages.schemas import SCORED_GROUP  # noqa: E402
+
+
+class RolloutSource:
+    """Emits the rollouts listed in its config, for the scorer tests.
+
+    Each item: ``group``, ``index``, ``completion`` (text over the arithmetic task's characters,
+    encoded one id a character, ``<eos>`` appended), and optionally ``size`` (group_size, 2),
+    ``prompt`` (encoded into prompt_ids), ``meta`` (the prompt's meta) and ``short_versions``
+    (a malformed rollout: ``versions`` one token short). With ``wait_for`` (``STAGE.REPLICA``)
+    it starts once that replica has logged ``replica_started``; after ``hold_after`` items it
+    waits ``hold_s`` seconds (so group timeouts can fire) before sending the rest.
+    """
+
+    @dataclass
+    class Config:
+        rollouts: list[dict] = field(default_factory=list)
+        wait_for: str = ""
+        hold_after: int = -1
+        hold_s: float = 0.0
+
+    inputs: dict = {}
+    outputs = {"out": Port(ROLLOUT)}
+
+    def __init__(self, config, ctx):
+        self.config, self.ctx = config, ctx
+
+    async def setup(self):
+        pass
+
+    async def run(self):
+        import asyncio
+
+        import numpy as np
+
+        from stages.feeder.arithmetic import CHARS, EOS_ID
+
+        def encode(text):
+            return [CHARS.index(c) + 2 for c in text]
+
+        if self.config.wait_for:
+            log = self.ctx.run_dir / "logs" / f"{self.config.wait_for}.jsonl"
+            while not (log.exists() and '"replica_started"' in log.read_text()):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        for i, item in enumerate(self.config.rollouts):
+            if i == self.config.hold_after:
+                await asyncio.sleep(self.config.hold_s)
+            ids = np.asarray([*encode(item["completion"]), EOS_ID], dtype=np.int32)
+            n = len(ids) - 1 if item.get("short_versions") else len(ids)
+            await self.ctx.outputs["out"].send(
+                "rollout",
+                {
+                    "run_id": self.ctx.run_dir.name,
+                    "prompt_id": f"prompt-{item['group']}",
+                    "group_id": item["group"],
+                    "sample_index": item["index"],
+                    "group_size": item.get("size", 2),
+                    "prompt_ids": np.asarray(encode(item.get("prompt", "3+4=")), dtype=np.int32),
+                    "completion_ids": ids,
+                    "sampler_logprobs": np.full(len(ids), -0.5, dtype=np.float32),
+                    "versions": np.zeros(n, dtype=np.int32),
+                    "finish_reason": "stop",
+                    "engine": "fake",
+                    "timings": {"queued_s": 0.0, "generate_s": 0.01},
+                    "meta": item.get("meta"),
+                },
+            )
+
+    async def close(self):
+        pass
+
+
+class GroupSink:
+    """Takes scored groups and writes ``RUN_DIR/groups.json`` (one entry per group)."""
+
+    @dataclass
+    class Config:
+        pass
+
+    inputs = {"groups": Port(SCORED_GROUP)}
+    outputs: dict = {}
+
+    def __init__(self, config, ctx):
+        self.ctx = ctx
+        self.seen = []
+
+    async def setup(self):
+        pass
+
+    async def run(self):
+        import json
+
+        async for msg in self.ctx.inputs["groups"]:
+            d = msg.data
+            samples = [
+                {
+                    "sample_index": s["sample_index"],
+                    "completion_ids": s["completion_ids"].tolist(),
+                    "tokens": len(s["sampler_logprobs"]),
+                    "timings": s["timings"],
+                    "reward": s["reward"],
+                    "reward_info": s["reward_info"],
+                }
+                for s in d["samples"]
+            ]
+            self.seen.append(
+                {
+                    "group_id": d["group_id"],
+                    "prompt_id": d["prompt_id"],
+                    "group_size": d["group_size"],
+                    "prompt_ids": d["prompt_ids"].tolist(),
+                    "meta": d["meta"],
+                    "samples": samples,
+                }
+            )
+        (self.ctx.run_dir / "groups.json").write_text(json.dumps(self.seen))
+
+    async def close(self):
+        pass

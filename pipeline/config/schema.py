@@ -34,6 +34,11 @@ def _f(default: Any, doc: str, **meta: Any) -> Any:
 class RunSection:
     name: str = _f("inflight", "run name; run directories are RUNS_ROOT/NAME-TIMESTAMP")
     runs_root: str = _f("runs", "where run directories are made when --run-dir is not given")
+    mode: Literal["async", "sync"] = _f(
+        "async",
+        "async: generation never waits for training; sync: generate a batch with the current "
+        "weights, score, train, publish, repeat (for A/B comparisons)",
+    )
     seed: int = _f(0, "base seed; replica r of a stage gets seed + r")
     log_level: Literal["debug", "info", "warning", "error"] = _f(
         "info", "lowest level written to the log files"

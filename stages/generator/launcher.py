@@ -86,6 +86,11 @@ class EngineLauncher:
         return all(e.given_up for e in self.engines)
 
     @property
+    def restarts(self) -> int:
+        """Restarts of all engines so far (a restarted engine has lost the published weights)."""
+        return sum(e.restarts for e in self.engines)
+
+    @property
     def urls(self) -> list[str]:
         return [f"http://{self.config.host}:{e.port}" for e in self.engines]
 

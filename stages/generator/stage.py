@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from pipeline import topics
 from pipeline.stage import Port, StageContext
 from stages.generator.client import Completion, EngineClient, EngineError
 from stages.generator.controller import ControllerConfig, Decision, InFlightController
@@ -89,6 +90,14 @@ class GeneratorConfig:
         default=0.5,
         metadata={"min": 0.0, "doc": "first /health probe period of a failed engine (doubles)"},
     )
+    sync_batch: int = field(
+        default=0,
+        metadata={
+            "min": 0,
+            "doc": "run.mode sync: samples per policy version (the learner's batch_size); "
+            "the next batch starts once they are all out and a new version is live",
+        },
+    )
 
     def __post_init__(self) -> None:
         if bool(self.engines) == (self.launch is not None):
@@ -136,6 +145,15 @@ class Generator:
         for url, ok in zip(urls, health, strict=True):
             if not ok:
                 self._mark_down(url, "no answer to /health at start")
+        self._epoch = -1
+        await self._announce_engines()
+
+    async def _announce_engines(self) -> None:
+        """Tell the weight publisher which engines to update (again when one was restarted)."""
+        epoch = self.launcher.restarts if self.launcher is not None else 0
+        if epoch != self._epoch:
+            self._epoch = epoch
+            await self.ctx.publish(topics.ENGINES, {"urls": list(self.clients), "epoch": epoch})
 
     # ---------------------------------------------------------------- engines
     def _mark_down(self, engine: str, error: str) -> None:
@@ -216,7 +234,16 @@ class Generator:
             asyncio.create_task(self._decide(), name="decide"),
         ]
         try:
+            if self.ctx.mode == "sync" and self.config.sync_batch < 1:
+                raise ValueError(
+                    "run.mode is sync: set the generator's sync_batch to the learner's batch_size"
+                )
+            batch_started, batch_version = 0, self.ctx.version
             async for msg in self.ctx.inputs["prompts"]:
+                if self.ctx.mode == "sync" and batch_started >= self.config.sync_batch:
+                    batch_version = await self._next_sync_batch(batch_version)
+                    batch_started = 0
+                batch_started += self.config.group_size
                 group_id = f"{msg.data['prompt_id']}/{secrets.token_hex(3)}"
                 for index in range(self.config.group_size):
                     engine = await self._slot()
@@ -229,6 +256,14 @@ class Generator:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
         self.log.info("generator_done", in_flight=sum(self.in_flight.values()), **self.counts)
+
+    async def _next_sync_batch(self, version: int) -> int:
+        """Sync mode: wait until the last batch is out and trained on (a newer version)."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks))
+        await self.outbox.join()
+        self.log.info("sync_batch_done", version=version)
+        return await self.ctx.wait_for_version(version + 1)
 
     def _start(self, prompt: dict[str, Any], group_id: str, index: int, engine: str) -> None:
         self.in_flight[engine] += 1
@@ -333,6 +368,7 @@ class Generator:
         interval = self.config.controller.interval_s
         while True:
             await asyncio.sleep(interval)
+            await self._announce_engines()
             self._log_decisions(self.controller.decide(time.monotonic()))
             self.ctx.metrics(
                 in_flight=sum(self.in_flight.values()),

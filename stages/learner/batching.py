@@ -1,0 +1,280 @@
+"""Micro-batches, padding, and completion log-probs from a causal LM.
+
+The learner never runs a forward pass over a whole optimizer-step batch ("two batch sizes"):
+``micro_batches`` splits a batch into micro-batches bounded by a sample count and optionally a
+padded-token budget, ``collate`` right-pads one micro-batch, ``completion_logprobs`` runs the
+model on it and picks each completion token's log-prob (and, optionally, the entropy of the
+distribution it was drawn from), and ``no_grad_logprobs`` does the forward-only pass (old or
+reference log-probs, metrics) micro-batch by micro-batch, so its peak memory is set by the
+micro-batch, never by the batch.
+
+Memory: logits are computed only from the first completion position on when the model accepts
+``logits_to_keep`` (transformers' causal LMs do), gathered to the completion tokens, and the
+log-sum-exp is computed once and reused for the entropy; ``log_softmax`` over ``[B, L, V]`` is
+never materialized. The KV cache is turned off.
+
+Not here: the loss (``loss.py``), moving models between devices, sequence packing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Batch",
+    "collate",
+    "completion_logprobs",
+    "micro_batches",
+    "no_grad_logprobs",
+    "pad_right",
+]
+
+
+def micro_batches(
+    lengths: Sequence[int], size: int, max_tokens: int | None = None
+) -> list[list[int]]:
+    """Split sample indices ``0..len(lengths)-1``, in order, into micro-batches.
+
+    Each holds at most ``size`` samples and, when ``max_tokens`` is given, at most
+    ``max_tokens`` padded tokens (``len(mb) * max(lengths in mb)``; pass the full prompt +
+    completion lengths). A sample longer than ``max_tokens`` on its own gets a micro-batch of its
+    own (the budget cannot be met, but the sample is not dropped). Greedy: a micro-batch is
+    closed when the next sample would break a bound. No empty micro-batch is ever returned.
+    """
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 (or None), got {max_tokens}")
+    out: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        grown = max(longest, int(n))
+        too_many = len(current) + 1 > size
+        too_long = max_tokens is not None and (len(current) + 1) * grown > max_tokens
+        if current and (too_many or too_long):
+            out.append(current)
+            current, grown = [], int(n)
+        current.append(i)
+        longest = grown
+    if current:
+        out.append(current)
+    return out
+
+
+@dataclass
+class Batch:
+    """One right-padded micro-batch.
+
+    ``input_ids`` / ``attention_mask`` ``[B, L]``: prompt + completion, then padding.
+    ``completion_ids`` / ``completion_mask`` ``[B, Lc]``: the completion tokens, left-aligned.
+    ``logit_index`` ``[B, Lc]``: for each completion token, the position in ``input_ids`` whose
+    logits predict it (``prompt_len + j - 1``; 0 in padding slots).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    logit_index: torch.Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(
+            **{
+                f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                for f in fields(self)
+            }
+        )
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)
+
+
+def collate(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_id: int
+) -> Batch:
+    """Right-pad ``prompt + completion`` token ids into a ``Batch`` (on CPU).
+
+    Every prompt needs at least one token (the first completion token is predicted from the
+    prompt's last position). Completions may be empty.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if not prompts:
+        raise ValueError("collate needs at least one sample")
+    p_len = [len(p) for p in prompts]
+    c_len = [len(c) for c in completions]
+    if min(p_len) < 1:
+        raise ValueError(f"sample {p_len.index(0)} has an empty prompt; prompts need >= 1 token")
+    rows = len(prompts)
+    width = max(p + c for p, c in zip(p_len, c_len, strict=True))
+    c_width = max(c_len)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    completion_ids = torch.full((rows, c_width), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((rows, c_width), dtype=torch.bool)
+    logit_index = torch.zeros((rows, c_width), dtype=torch.long)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        p, c = p_len[i], c_len[i]
+        input_ids[i, :p] = torch.as_tensor(list(prompt), dtype=torch.long)
+        attention_mask[i, : p + c] = 1
+        if c:
+            ids = torch.as_tensor(list(completion), dtype=torch.long)
+            input_ids[i, p : p + c] = ids
+            completion_ids[i, :c] = ids
+            completion_mask[i, :c] = True
+            logit_index[i, :c] = torch.arange(p - 1, p + c - 1)
+    return Batch(input_ids, attention_mask, completion_ids, completion_mask, logit_index)
+
+
+def pad_right(
+    values: Sequence[torch.Tensor], *, width: int | None = None, fill: float = 0.0
+) -> torch.Tensor:
+    """Stack 1-D tensors (e.g. per-sample sampler log-probs) into ``[B, width]``, right-padded.
+
+    ``width`` defaults to the longest; the result matches ``Batch.completion_mask`` when the
+    values are per completion token and ``width`` is ``Batch.completion_ids.shape[1]``.
+    """
+    if not values:
+        raise ValueError("pad_right needs at least one tensor")
+    width = max(int(v.numel()) for v in values) if width is None else width
+    out = torch.full((len(values), width), fill, dtype=values[0].dtype, device=values[0].device)
+    for i, v in enumerate(values):
+        if v.numel() > width:
+            raise ValueError(f"value {i} has {v.numel()} entries, more than width={width}")
+        out[i, : v.numel()] = v.reshape(-1)
+    return out
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each completion token ``[B, Lc]`` (float32, 0 in padding slots), and entropy.
+
+    Runs ``model(input_ids=..., attention_mask=...)`` (grad follows the caller's grad mode) on
+    the batch's device. Logits are divided by ``temperature``, the sampler's, so the log-probs
+    are those of the distribution the tokens were drawn from (the built-in engine and SGLang
+    report the temperature-scaled log-prob, before top-k/top-p truncation). The entropy
+    ``[B, Lc]`` (or None) is that of the full temperature-scaled distribution at each
+    completion position, in nats; it is detached (a metric, and its graph would hold another
+    ``[B, Lc, V]`` tensor) unless ``entropy_grad`` (for an entropy bonus).
+    """
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature must be > 0, got {temperature}; greedy sampling (temperature 0) "
+            "reports unscaled log-probs: pass 1.0"
+        )
+    mask = batch.completion_mask
+    if mask.shape[1] == 0:
+        empty = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        return empty, (empty.clone() if with_entropy else None)
+    # The earliest position whose logits predict a completion token; logits before it are
+    # never needed.
+    first = int(torch.where(mask, batch.logit_index, batch.input_ids.shape[1]).min())
+    keep = batch.input_ids.shape[1] - first
+    options = _forward_options(model, keep)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **options)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    offset = batch.input_ids.shape[1] - logits.shape[1]  # logits[:, k] is position offset + k
+    index = (batch.logit_index - offset).clamp(min=0)
+    picked = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
+    del logits, out
+    picked = picked.float()
+    if temperature != 1.0:
+        picked = picked / temperature
+    lse = torch.logsumexp(picked, dim=-1)
+    token_logit = picked.gather(-1, batch.completion_ids[:, :, None]).squeeze(-1)
+    zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+    logp = torch.where(mask, token_logit - lse, zero)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            probs = (picked - lse[:, :, None]).exp()
+            entropy = torch.where(mask, lse - (probs * picked).sum(-1), zero)
+    return logp, entropy
+
+
+def no_grad_logprobs(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    micro_batch: int,
+    max_tokens: int | None = None,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    device: torch.device | str | None = None,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Forward-only log-probs (and entropies) of every sample, one micro-batch at a time.
+
+    Returns one 1-D float32 CPU tensor per sample (its completion's length), in input order;
+    with ``with_entropy``, a pair ``(logprobs, entropies)`` of such lists. Runs under
+    ``torch.no_grad()`` in micro-batches of at most ``micro_batch`` samples / ``max_tokens``
+    padded tokens, on ``device`` (default: the model's). The model's train/eval mode is left as
+    it is.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if device is None:
+        device = _model_device(model)
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    logps: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    entropies: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    with torch.no_grad():
+        for mb in micro_batches(lengths, micro_batch, max_tokens):
+            batch = collate(
+                [prompts[i] for i in mb], [completions[i] for i in mb], pad_id=pad_id
+            ).to(device)
+            logp, entropy = completion_logprobs(
+                model, batch, with_entropy=with_entropy, temperature=temperature
+            )
+            logp, n = logp.cpu(), batch.completion_lengths.tolist()
+            entropy = entropy.cpu() if entropy is not None else None
+            for row, i in enumerate(mb):
+                logps[i] = logp[row, : n[row]].clone()
+                if entropy is not None:
+                    entropies[i] = entropy[row, : n[row]].clone()
+            del batch, logp, entropy
+    return (logps, entropies) if with_entropy else logps
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+_OPTION_CACHE: dict[type, frozenset[str]] = {}
+
+
+def _forward_options(model: torch.nn.Module, keep: int) -> dict[str, Any]:
+    """Keyword options that save memory, for the ones the model's ``forward`` accepts."""
+    inner = getattr(model, "module", model)  # DeepSpeed / DDP wrappers pass kwargs through
+    names = _OPTION_CACHE.get(type(inner))
+    if names is None:
+        try:
+            names = frozenset(inspect.signature(inner.forward).parameters)
+        except (TypeError, ValueError):
+            names = frozenset()
+        _OPTION_CACHE[type(inner)] = names
+    options: dict[str, Any] = {}
+    if "use_cache" in names:
+        options["use_cache"] = False
+    if "logits_to_keep" in names:
+        options["logits_to_keep"] = keep
+    elif "num_logits_to_keep" in names:  # transformers < 4.50
+        options["num_logits_to_keep"] = keep
+    return options

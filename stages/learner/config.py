@@ -1,0 +1,147 @@
+"""The learner's configuration: one typed dataclass per concern, defaults in one place.
+
+``LearnerConfig`` is the ``stages.<learner>`` section of a pipeline YAML. Batch semantics
+(DESIGN.md "The three ideas"): ``batch_size`` samples per optimizer step over all ranks,
+``train_micro_batch`` samples per backward pass, ``forward_micro_batch`` samples per no-grad pass
+(reference and old log-probs), optional ``max_tokens_per_micro_batch`` for both: no pass ever
+runs over a whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from stages.feeder.sources import SourceConfig
+from stages.learner.loss import LossConfig
+from stages.scorer.stage import RewardSpec
+
+__all__ = [
+    "AdvantageConfig",
+    "CheckpointConfig",
+    "DeepSpeedSection",
+    "EvalConfig",
+    "LearnerConfig",
+    "OptimConfig",
+    "PublishConfig",
+]
+
+
+def _f(default: Any, doc: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"doc": doc, **meta})
+
+
+@dataclass
+class AdvantageConfig:
+    baseline: Literal["mean", "leave_one_out"] = _f("mean", "group baseline subtracted from r")
+    std_normalize: bool = _f(False, "divide by the group's reward std")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-5, "AdamW learning rate", min=0.0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = _f(0.999, "AdamW beta2", min=0.0, max=1.0)
+    eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
+    warmup_steps: int = _f(0, "linear learning-rate warm-up over this many steps", min=0)
+
+
+@dataclass
+class DeepSpeedSection:
+    zero_stage: int = _f(0, "ZeRO stage 0-3", min=0, max=3)
+    backend: Literal["auto", "gloo", "nccl"] = _f(
+        "auto", "torch.distributed backend (auto: nccl on GPU, gloo on CPU)"
+    )
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "training dtype (bf16 mixed precision)")
+    extra: dict[str, Any] = field(
+        default_factory=dict, metadata={"doc": "merged into the DeepSpeed config as is"}
+    )
+
+
+@dataclass
+class PublishConfig:
+    every: int = _f(1, "publish the weights after every N optimizer steps", min=1)
+    bucket_mb: float = _f(64.0, "size of each flat weight bucket", min=0.01)
+    backend: Literal["auto", "gloo", "nccl"] = _f(
+        "auto", "weight-group backend (auto: nccl when the learner is on a GPU, else gloo)"
+    )
+    snapshot: bool = _f(
+        True,
+        "copy the weights to CPU memory and publish from the copy while training goes on; "
+        "false: training waits for each publish",
+    )
+    generators: list[str] = field(
+        default_factory=list,
+        metadata={"doc": "stages whose engines get the weights (default: all that announce)"},
+    )
+    engines: list[str] = field(
+        default_factory=list,
+        metadata={"doc": "engine URLs to publish to, instead of announced ones"},
+    )
+    timeout_s: float = _f(300.0, "bound on every weight-group operation", min=1.0)
+
+
+@dataclass
+class EvalConfig:
+    source: SourceConfig | None = field(
+        default=None,
+        metadata={"doc": "held-out prompts (the feeder's source options; its eval split is used)"},
+    )
+    rewards: list[RewardSpec] = field(
+        default_factory=list, metadata={"doc": "reward functions scoring eval answers"}
+    )
+    every: int = _f(0, "evaluate after every N steps (0: only at the start and the end)", min=0)
+    max_prompts: int = _f(200, "evaluate on the first N held-out prompts", min=1)
+    max_new_tokens: int = _f(64, "greedy decoding length", min=1)
+    correct_at: float = _f(1.0, "a reward at least this counts as correct (accuracy)")
+    concurrency: int = _f(64, "eval requests in flight", min=1)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(0, "save after every N steps (0: only at the end)", min=0)
+    keep: int = _f(2, "checkpoints kept (older ones are deleted)", min=1)
+    at_end: bool = _f(True, "save after the last step")
+
+
+@dataclass
+class LearnerConfig:
+    model: str = _f("", "Hugging Face model directory to train (the engines serve the same)")
+    steps: int = _f(100, "optimizer steps; the run ends after the last one", min=1)
+    batch_size: int = _f(64, "samples per optimizer step, over all ranks", min=1)
+    train_micro_batch: int = _f(8, "samples per backward pass", min=1)
+    forward_micro_batch: int = _f(16, "samples per no-grad pass", min=1)
+    max_tokens_per_micro_batch: int = _f(0, "padded tokens per micro-batch (0: no limit)", min=0)
+    epochs: int = _f(1, "optimizer steps per batch (>1 reuses it: set loss.ppo_clip)", min=1)
+    max_lag: int = _f(4, "drop samples whose oldest token is more versions old", min=0)
+    temperature: float = _f(
+        1.0, "the sampler's temperature (log-probs are taken under it)", min=1e-6
+    )
+    ref_model: str = _f("", "reference model for loss.kl_coef (default: the initial model)")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: cuda:LOCAL_RANK when available")
+    seed: int = _f(0, "model-independent randomness (dropout)")
+    loss: LossConfig = field(default_factory=LossConfig, metadata={"doc": "policy loss options"})
+    advantage: AdvantageConfig = field(
+        default_factory=AdvantageConfig, metadata={"doc": "group advantage options"}
+    )
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "optimizer"})
+    deepspeed: DeepSpeedSection = field(
+        default_factory=DeepSpeedSection, metadata={"doc": "DeepSpeed engine"}
+    )
+    publish: PublishConfig = field(
+        default_factory=PublishConfig, metadata={"doc": "weight publishing to the engines"}
+    )
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"doc": "held-out evaluation"})
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata={"doc": "checkpoints"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model is required: the Hugging Face model directory to train")
+        if self.epochs > 1 and self.loss.ppo_clip is None:
+            raise ValueError("epochs > 1 reuses each batch: set loss.ppo_clip (e.g. 0.2)")
+        if self.eval.source is not None and not self.eval.rewards:
+            raise ValueError("eval.source is set but eval.rewards is empty")

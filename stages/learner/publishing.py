@@ -1,0 +1,164 @@
+"""The weight publisher as the learner's rank 0 runs it: engines, reconnects, version announces.
+
+The publisher lives with the learner's rank 0 (it needs the gathered weights) but has its own
+config section (``publish:``), its own log events (``stage: publisher``) and metrics. It finds
+the engines from the generators' ``engines`` announcements on the control bus (or uses the URLs
+given in ``publish.engines``), forms the weight group with all of them, and sends each new weight
+set with ``stages.weights.WeightPublisher``. When the last bucket has landed on every engine it
+announces the new version on the control bus (``version``), which is what the generators' lag
+bound reads.
+
+When the engine set changes (a generator restarted an engine, which then serves its initial
+weights again) or a publish fails, the group is closed and formed anew before the next publish,
+which then goes to every engine. A failed publish is logged and counted; training goes on and
+the next publish tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import torch
+
+from pipeline import topics
+from stages.learner.config import PublishConfig
+from stages.weights.publisher import WeightPublisher, WeightPublishError
+
+__all__ = ["Publishing"]
+
+
+class Publishing:
+    def __init__(self, config: PublishConfig, ctx: Any, *, device: torch.device) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.log = ctx.log.bind(stage="publisher")
+        self.backend = config.backend
+        if self.backend == "auto":
+            self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.publisher: WeightPublisher | None = None
+        self._connected_to: dict[str, Any] | None = None
+        self.counts = {"published": 0, "failed": 0, "reconnects": 0}
+        self.seconds = 0.0
+        self.version = 0
+
+    # ---------------------------------------------------------------- engines
+    def _expected(self) -> list[str]:
+        names = self.config.generators
+        return [f"{s}.{r}" for s in names for r in range(self.ctx.stages.get(s, 0))]
+
+    def _announced(self) -> dict[str, Any]:
+        chosen = self._expected()
+        engines = self.ctx.engines
+        if chosen:
+            return {k: engines[k] for k in chosen if k in engines}
+        return dict(engines)
+
+    async def wait_for_engines(self, timeout_s: float) -> list[str]:
+        """Engine URLs to publish to, once every expected generator has announced its own."""
+        if self.config.engines:
+            return list(self.config.engines)
+        deadline = time.monotonic() + timeout_s
+        expected = set(self._expected())
+        while True:
+            seen = self._announced()
+            if seen and (not expected or expected <= set(seen)):
+                return _urls(seen)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"no engines announced within {timeout_s} s (waiting for "
+                    f"{sorted(expected) or 'any generator'}; got {sorted(seen)})"
+                )
+            try:
+                await asyncio.wait_for(self.ctx.wait_for_engines(self.ctx.engines), left)
+            except asyncio.TimeoutError:
+                continue
+
+    async def _ensure_connected(self) -> WeightPublisher:
+        wanted = {"urls": self.config.engines} if self.config.engines else self._announced()
+        if self.publisher is not None and wanted == self._connected_to:
+            return self.publisher
+        if self.publisher is not None:
+            self.counts["reconnects"] += 1
+            self.log.info("weight_group_reconnect", reason="engines changed")
+            await self.publisher.close()
+            self.publisher = None
+        urls = list(self.config.engines) or _urls(wanted)
+        urls = [u for u in urls if await _healthy(u)]
+        if not urls:
+            raise WeightPublishError("no engine answers /health")
+        publisher = WeightPublisher(
+            urls,
+            backend=self.backend,
+            bucket_mb=self.config.bucket_mb,
+            group_name=f"inflight_{int(time.time() * 1000) % 10**9}",
+            log=self.log,
+            timeout_s=self.config.timeout_s,
+        )
+        try:
+            await publisher.connect()
+        except BaseException:
+            await publisher.close()
+            raise
+        self.publisher, self._connected_to = publisher, wanted
+        return publisher
+
+    # ---------------------------------------------------------------- publish
+    async def publish(self, weights: Any, version: int) -> bool:
+        """Send ``weights`` as ``version`` to every engine, then announce it; False on failure."""
+        started = time.perf_counter()
+        try:
+            publisher = await self._ensure_connected()
+            stats = await publisher.publish(weights, version)
+        except (
+            WeightPublishError,
+            OSError,
+            aiohttp.ClientError,
+            TimeoutError,
+            RuntimeError,
+        ) as exc:
+            self.counts["failed"] += 1
+            self.log.error("publish_failed", version=version, error=str(exc))
+            if self.publisher is not None:
+                await self.publisher.close()
+                self.publisher = None
+            return False
+        self.version = version
+        self.counts["published"] += 1
+        self.seconds += time.perf_counter() - started
+        await self.ctx.publish(topics.VERSION, {"version": version})
+        self.ctx.metrics(
+            scope="publisher",
+            version=version,
+            publish_s=round(stats.seconds, 4),
+            gb_per_s=round(stats.gb_per_s, 3),
+            **self.counts,
+        )
+        return True
+
+    async def close(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
+            self.publisher = None
+
+
+def _urls(announced: Mapping[str, Any]) -> list[str]:
+    urls: list[str] = []
+    for key in sorted(announced):
+        for url in announced[key].get("urls", []):
+            if url not in urls:
+                urls.append(url)
+    return urls
+
+
+async def _healthy(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            async with session.get(url.rstrip("/") + "/health") as resp:
+                return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False

@@ -1,0 +1,315 @@
+"""The learner stage: scored groups in, optimizer steps, new weights out to the engines.
+
+Each replica is one rank of a DeepSpeed data-parallel group (the supervisor starts the ranks as a
+gang, see ``pipeline.supervisor``). Every rank takes whole groups from its own inbox until it
+holds its share of ``batch_size`` samples, computes group advantages, drops samples whose oldest
+token is more than ``max_lag`` versions old (counted), and runs one step in a worker thread
+(``trainer.py``) so that its event loop keeps the heartbeat and the inbox going meanwhile.
+
+Rank 0 also runs the weight publisher (``publishing.py``) and the evaluation (``evaluate.py``).
+After every ``publish.every`` steps it takes a CPU snapshot of the weights (a collective gather
+under ZeRO-3) and publishes from it while the next steps train; at most one publish is in flight.
+Held-out greedy accuracy is measured through the engines before the first step, every
+``eval.every`` steps and after the last one. Checkpoints (a Hugging Face folder with DeepSpeed
+state inside) go to ``RUN_DIR/checkpoints/step-N``; a learner that starts in a run directory
+holding one (``inflight run --resume RUN_DIR``, or a restart after a crash) continues from the
+newest. After ``steps`` steps rank 0 writes the run summary and ends the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.stage import Port, StageContext
+from stages.learner.advantages import group_advantages
+from stages.learner.config import LearnerConfig
+from stages.learner.trainer import Trainer, TrainSample
+from stages.schemas import SCORED_GROUP
+
+__all__ = ["Learner"]
+
+_ENGINE_WAIT_S = 600.0
+
+
+class Learner:
+    Config = LearnerConfig
+    inputs = {"groups": Port(SCORED_GROUP, doc="scored groups from the scorer")}
+    outputs: dict[str, Port] = {}
+    distributed = True  # replicas are the ranks of one torch.distributed group
+
+    def __init__(self, config: LearnerConfig, ctx: StageContext) -> None:
+        self.config, self.ctx, self.log = config, ctx, ctx.log
+        self.trainer = Trainer(config, ctx.log)
+        self.publishing: Any = None
+        self.evaluator: Any = None
+        self.step = 0
+        self.version = 0
+        self.counts = {"samples": 0, "groups": 0, "stale": 0, "bad_groups": 0, "skipped_steps": 0}
+        self.totals = {"lag": 0.0, "tis_clip_frac": 0.0, "ess": 0.0, "mismatch_kl": 0.0, "n": 0}
+        self._carry: list[TrainSample] = []
+        self._publish_task: asyncio.Task | None = None
+        self._eval_task: asyncio.Task | None = None
+        self._input_done = False
+        self._urls: list[str] = []
+
+    # ------------------------------------------------------------------ setup
+    async def setup(self) -> None:
+        cfg = self.config
+        if cfg.batch_size % self.ctx.replicas:
+            raise ValueError(
+                f"batch_size {cfg.batch_size} must be a multiple of the learner's replicas "
+                f"({self.ctx.replicas}): each rank takes an equal share"
+            )
+        self.share = cfg.batch_size // self.ctx.replicas
+        self._groups = aiter(self.ctx.inputs["groups"])
+        await asyncio.to_thread(self.trainer.setup)
+        self.rank = self.trainer.rank
+        if self.rank == 0:
+            from stages.learner.publishing import Publishing
+
+            self.publishing = Publishing(cfg.publish, self.ctx, device=self.trainer.device)
+            if cfg.eval.source is not None:
+                await self._setup_eval()
+        resumed = self._latest_checkpoint()
+        if resumed is not None:
+            state = await asyncio.to_thread(self.trainer.load, str(resumed))
+            self.step = int(state.get("step", 0))
+            self.version = int(state.get("version", 0))
+            for key in self.counts:
+                self.counts[key] = int(state.get("counts", {}).get(key, 0))
+            self.totals.update(state.get("totals", {}))
+            self.log.info(
+                "learner_resumed", checkpoint=str(resumed), step=self.step, version=self.version
+            )
+        self.resumed = resumed is not None
+
+    async def _setup_eval(self) -> None:
+        from transformers import AutoTokenizer
+
+        from stages.feeder.sources import load_prompts
+        from stages.learner.evaluate import Evaluator
+
+        source = self.config.eval.source
+        prompts = await asyncio.to_thread(load_prompts, source, "eval", log=self.log)
+        tokenizer = AutoTokenizer.from_pretrained(source.tokenizer or self.config.model)
+        self.evaluator = Evaluator(self.config.eval, prompts.prompts, tokenizer, self.log)
+        await self.evaluator.start()
+
+    # -------------------------------------------------------------------- run
+    async def run(self) -> None:
+        cfg = self.config
+        started = time.monotonic()
+        if self.rank == 0:
+            self._urls = await self.publishing.wait_for_engines(_ENGINE_WAIT_S)
+            self.log.info("engines_found", urls=self._urls)
+            if self.resumed:  # the engines start from the original model: bring them up to date
+                await self._publish(self.version)
+            if self.evaluator is not None and self.step == 0:
+                result = await self.evaluator.evaluate(self._urls, step=0, version=self.version)
+                await self.ctx.summary(eval_before=result["accuracy"])
+        while self.step < cfg.steps:
+            samples = await self._collect()
+            go_on = await asyncio.to_thread(self.trainer.agree, bool(samples))
+            if not go_on:
+                self.log.warning("input_ended", step=self.step, steps=cfg.steps)
+                break
+            policy_version = self.step // cfg.publish.every
+            metrics = await asyncio.to_thread(self.trainer.step, samples, policy_version)
+            self.step += 1
+            self._account(metrics, time.monotonic() - started)
+            last = self.step == cfg.steps
+            if self.step % cfg.publish.every == 0 or last:
+                await self._publish(-(-self.step // cfg.publish.every))  # ceil: the last step too
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not last:
+                await self._checkpoint()
+        await self._finish(started)
+
+    async def _collect(self) -> list[TrainSample]:
+        """This rank's share of the next batch (fewer only when the input has ended)."""
+        samples, self._carry = self._carry, []
+        while len(samples) < self.share and not self._input_done:
+            try:
+                msg = await anext(self._groups)
+            except StopAsyncIteration:
+                self._input_done = True
+                break
+            samples.extend(self._samples_of(msg.data))
+        self._carry = samples[self.share :]
+        return samples[: self.share]
+
+    def _samples_of(self, group: dict[str, Any]) -> list[TrainSample]:
+        try:
+            prompt = np.asarray(group["prompt_ids"], dtype=np.int64)
+            items = group["samples"]
+            rewards = torch.tensor([float(s["reward"]) for s in items], dtype=torch.float32)
+            rows = []
+            for s in items:
+                ids = np.asarray(s["completion_ids"], dtype=np.int64)
+                lp = np.asarray(s["sampler_logprobs"], dtype=np.float32)
+                versions = np.asarray(s["versions"], dtype=np.int64)
+                if not (len(ids) == len(lp) == len(versions)) or len(ids) == 0:
+                    raise ValueError(
+                        "completion_ids, sampler_logprobs and versions differ "
+                        "in length (or are empty)"
+                    )
+                rows.append((ids, lp, versions))
+        except (KeyError, TypeError, ValueError) as exc:
+            self.counts["bad_groups"] += 1
+            self.log.warning("group_dropped", group_id=group.get("group_id"), reason=str(exc))
+            return []
+        self.counts["groups"] += 1
+        cfg = self.config
+        advantages = group_advantages(
+            rewards,
+            torch.zeros(len(items), dtype=torch.long),
+            baseline=cfg.advantage.baseline,
+            std_normalize=cfg.advantage.std_normalize,
+        )
+        current = self.step // cfg.publish.every
+        out = []
+        for (ids, lp, versions), a, r in zip(
+            rows, advantages.tolist(), rewards.tolist(), strict=True
+        ):
+            if current - int(versions.min()) > cfg.max_lag:
+                self.counts["stale"] += 1
+                continue
+            out.append(TrainSample(prompt, ids, lp, versions, a, r))
+        return out
+
+    def _account(self, metrics: dict[str, Any], elapsed: float) -> None:
+        self.counts["samples"] += metrics["samples"]
+        self.counts["skipped_steps"] += metrics["skipped"]
+        t = self.totals
+        t["n"] += 1
+        for key, name in (
+            ("lag", "lag_mean"),
+            ("tis_clip_frac", "tis_clip_frac"),
+            ("ess", "ess"),
+            ("mismatch_kl", "mismatch_kl"),
+        ):
+            value = metrics.get(name)
+            if isinstance(value, (int, float)):
+                t[key] += float(value)
+        if self.rank == 0:
+            self.log.info(
+                "train_step",
+                step=self.step,
+                reward=round(metrics["reward"], 4),
+                solved=round(metrics["solved"], 4),
+                lag=round(metrics["lag_mean"], 3),
+                samples_per_s=round(self.counts["samples"] / max(elapsed, 1e-9), 2),
+                **{
+                    k: (round(v, 5) if isinstance(v, float) else v)
+                    for k, v in metrics.items()
+                    if k not in ("reward", "solved", "lag_mean")
+                },
+                stale=self.counts["stale"],
+            )
+
+    # ---------------------------------------------------------------- publish
+    async def _publish(self, version: int) -> None:
+        if self._publish_task is not None:
+            await self._publish_task  # one publish in flight at a time
+            self._publish_task = None
+        cfg = self.config.publish
+        bucket = int(cfg.bucket_mb * 2**20)
+        if cfg.snapshot or self.config.deepspeed.zero_stage == 3:
+            weights = await asyncio.to_thread(self.trainer.snapshot, bucket)
+            if self.rank == 0:
+                self._publish_task = asyncio.create_task(self._send(weights, version))
+        elif self.rank == 0:
+            await self._send(lambda: self.trainer.named_weights(bucket), version)
+        self.version = version
+
+    async def _send(self, weights: Any, version: int) -> None:
+        ok = await self.publishing.publish(weights, version)
+        if ok and self.evaluator is not None and self.config.eval.every:
+            due = self.step % self.config.eval.every == 0 and self.step < self.config.steps
+            if due and (self._eval_task is None or self._eval_task.done()):
+                self._eval_task = asyncio.create_task(
+                    self.evaluator.evaluate(self._urls, step=self.step, version=version)
+                )
+
+    # ------------------------------------------------------------ checkpoints
+    def _checkpoint_root(self) -> Path:
+        return self.ctx.run_dir / "checkpoints"
+
+    def _latest_checkpoint(self) -> Path | None:
+        root = self._checkpoint_root()
+        done = sorted(p.parent for p in root.glob("step-*/COMPLETE")) if root.exists() else []
+        return done[-1] if done else None
+
+    async def _checkpoint(self) -> None:
+        path = self._checkpoint_root() / f"step-{self.step:06d}"
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "counts": self.counts,
+            "totals": self.totals,
+        }
+        started = time.perf_counter()
+        await asyncio.to_thread(self.trainer.save, str(path), state, self.config.model)
+        if self.rank == 0:
+            (path / "COMPLETE").write_text(json.dumps(state))
+            complete = sorted(p.parent for p in self._checkpoint_root().glob("step-*/COMPLETE"))
+            for old in complete[: -self.config.checkpoint.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+            self.log.info(
+                "checkpoint_saved",
+                path=str(path),
+                step=self.step,
+                seconds=round(time.perf_counter() - started, 3),
+            )
+
+    # ----------------------------------------------------------------- ending
+    async def _finish(self, started: float) -> None:
+        if self._publish_task is not None:
+            await self._publish_task
+        if self.config.checkpoint.at_end and self.step > 0:
+            await self._checkpoint()
+        if self.rank != 0:
+            return
+        if self._eval_task is not None:
+            await self._eval_task
+        summary: dict[str, Any] = {}
+        if self.evaluator is not None:
+            final = await self.evaluator.evaluate(self._urls, step=self.step, version=self.version)
+            summary["eval_after"] = final["accuracy"]
+            summary["evals"] = self.evaluator.history
+        n = max(self.totals["n"], 1)
+        summary.update(
+            steps=self.step,
+            samples=self.counts["samples"],
+            train_s=round(time.monotonic() - started, 3),
+            mean_lag=self.totals["lag"] / n,
+            tis_clip_frac=self.totals["tis_clip_frac"] / n,
+            ess=self.totals["ess"] / n,
+            mismatch_kl=self.totals["mismatch_kl"] / n,
+            stale_dropped=self.counts["stale"],
+            bad_groups=self.counts["bad_groups"],
+            skipped_steps=self.counts["skipped_steps"],
+            version=self.version,
+            publishes=self.publishing.counts,
+        )
+        await self.ctx.summary(**summary)
+        self.log.info("learner_done", **{k: v for k, v in summary.items() if k != "evals"})
+        self.ctx.request_stop(f"trained {self.step} steps")
+
+    async def close(self) -> None:
+        for task in (self._publish_task, self._eval_task):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self.publishing is not None:
+            await self.publishing.close()
+        if self.evaluator is not None:
+            await self.evaluator.close()
+        await asyncio.to_thread(self.trainer.close)

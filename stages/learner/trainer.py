@@ -1,0 +1,439 @@
+"""The learner's DeepSpeed side: the model engine, one optimizer step over a batch, weights out.
+
+``Trainer`` is blocking code meant to run in a worker thread of the learner stage (so the stage's
+event loop keeps its heartbeat and its inbox while a step runs). Every rank calls the same
+methods in the same order: with ZeRO-3 each forward pass gathers parameters collectively, and
+with ZeRO-2 each backward pass reduces gradients collectively, so the ranks first agree on how
+many micro-batches they run and pad with empty ones (a zero loss) where they have fewer.
+
+One step (``Trainer.step``): the no-grad passes first, in ``forward_micro_batch`` chunks
+(reference log-probs when ``loss.kl_coef > 0``, the learner's own log-probs before the step when
+a batch is reused for several epochs); then backward passes in ``train_micro_batch`` chunks, each
+micro-batch's loss divided by the step-wide denominator so that the accumulated gradient is the
+whole batch's; then one ``engine.step()`` (``managed_gradient_accumulation: false``: the step is
+the accumulation boundary). A non-finite loss anywhere skips the step on every rank (counted).
+
+Not here: where samples come from, staleness, publishing, evaluation (``stage.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from stages.learner.batching import collate, completion_logprobs, micro_batches, no_grad_logprobs
+from stages.learner.config import LearnerConfig
+from stages.learner.loss import policy_loss, summarize
+
+__all__ = ["TrainSample", "Trainer"]
+
+
+@dataclass
+class TrainSample:
+    prompt_ids: np.ndarray  # int
+    completion_ids: np.ndarray  # int
+    sampler_logprobs: np.ndarray  # float32, one per completion token
+    versions: np.ndarray  # int32, one per completion token
+    advantage: float
+    reward: float
+
+
+def _device(config: LearnerConfig) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+class Trainer:
+    """A DeepSpeed engine around the policy, driven one optimizer step at a time."""
+
+    def __init__(self, config: LearnerConfig, log: Any) -> None:
+        self.config = config
+        self.log = log
+        self.device = _device(config)
+        self.engine: Any = None
+        self.ref_model: torch.nn.Module | None = None
+        self.pad_id = 0
+        self._snapshot: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        import deepspeed
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = self.config
+        backend = cfg.deepspeed.backend
+        if backend == "auto":
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if "RANK" not in os.environ:  # a single learner started outside the supervisor
+            os.environ.update(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+            )
+        deepspeed.init_distributed(dist_backend=backend)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(cfg.seed + self.rank)
+        dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bfloat16" else torch.float32
+        model_config = AutoConfig.from_pretrained(cfg.model)
+        pad = getattr(model_config, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) else 0
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        model.config.use_cache = False
+        if cfg.loss.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(
+                cfg.ref_model or cfg.model, dtype=dtype
+            ).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
+        optim = cfg.optim
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        warmup = optim.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        ds_config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            # this step is the accumulation boundary, whatever the number of micro-batches
+            "managed_gradient_accumulation": False,
+            # ZeRO computes the global norm only when clipping: "off" is a bound never reached
+            "gradient_clipping": optim.grad_clip or 1e12,
+            "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+            "bf16": {"enabled": dtype == torch.bfloat16},
+            "steps_per_print": 2**31,
+            "wall_clock_breakdown": False,
+        }
+        ds_config.update(cfg.deepspeed.extra)
+        started = time.perf_counter()
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model.to(self.device),
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ds_config,
+        )
+        if cfg.deepspeed.zero_stage == 0 and dtype == torch.float32:
+            self._keep_grad_norm()
+        self.log.info(
+            "deepspeed_ready",
+            rank=self.rank,
+            world=self.world,
+            backend=backend,
+            zero_stage=cfg.deepspeed.zero_stage,
+            device=str(self.device),
+            params=sum(p.numel() for p in model.parameters()),
+            seconds=round(time.perf_counter() - started, 3),
+        )
+
+    def _keep_grad_norm(self) -> None:
+        """Without ZeRO, DeepSpeed clips fp32 gradients but drops the norm: keep it."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        engine = self.engine
+
+        def clip() -> None:
+            norm = clip_grad_norm_(
+                parameters=engine.module.parameters(),
+                max_norm=engine.gradient_clipping(),
+                mpu=engine.mpu,
+            )
+            engine._global_grad_norm = float(norm)
+
+        engine.clip_fp32_gradients = clip
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------ collectives
+    def _all_reduce(self, values: list[float], op: Any = None) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.device.type == "cuda":
+            t = t.to(self.device)
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        return t.cpu().tolist()
+
+    def agree(self, have_data: bool) -> bool:
+        """True when every rank has samples for another step (else all ranks stop)."""
+        return self._all_reduce([float(have_data)], dist.ReduceOp.MIN)[0] > 0
+
+    def _agree_max(self, n: int) -> int:
+        return int(self._all_reduce([float(n)], dist.ReduceOp.MAX)[0])
+
+    # ------------------------------------------------------------------- step
+    def _empty_pass(self, *, grad: bool) -> None:
+        """A forward (and backward) over one pad token with zero loss: keeps ranks in step."""
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        if grad:
+            logits = self.engine(input_ids=ids).logits
+            self.engine.backward(logits.float().sum() * 0.0, scale_wrt_gas=False)
+        else:
+            with torch.no_grad():
+                self.engine(input_ids=ids)
+
+    def _no_grad(self, model: Any, samples: list[TrainSample]) -> list[torch.Tensor]:
+        cfg = self.config
+        prompts = [s.prompt_ids for s in samples]
+        completions = [s.completion_ids for s in samples]
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+        mine = (
+            len(
+                micro_batches(
+                    lengths, cfg.forward_micro_batch, cfg.max_tokens_per_micro_batch or None
+                )
+            )
+            if samples
+            else 0
+        )
+        agreed = self._agree_max(mine) if model is self.engine else mine
+        out = (
+            no_grad_logprobs(
+                model,
+                prompts,
+                completions,
+                pad_id=self.pad_id,
+                micro_batch=cfg.forward_micro_batch,
+                max_tokens=cfg.max_tokens_per_micro_batch or None,
+                temperature=cfg.temperature,
+            )
+            if samples
+            else []
+        )
+        for _ in range(agreed - mine):
+            self._empty_pass(grad=False)
+        return [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in out]
+
+    def step(self, samples: list[TrainSample], policy_version: int) -> dict[str, Any]:
+        """One optimizer step (``epochs`` of them when a batch is reused) over ``samples``.
+
+        ``samples`` are this rank's share. Returns metrics over all ranks.
+        """
+        cfg = self.config
+        started = time.perf_counter()
+        self.engine.train()
+        ref_lp = self._no_grad(self.ref_model, samples) if self.ref_model is not None else None
+        old_lp = None
+        if cfg.epochs > 1:
+            self.engine.eval()
+            old_lp = self._no_grad(self.engine, samples)
+            self.engine.train()
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        mbs = micro_batches(lengths, cfg.train_micro_batch, cfg.max_tokens_per_micro_batch or None)
+        agreed = self._agree_max(len(mbs))
+        n_tokens = sum(len(s.completion_ids) for s in samples)
+        total_seqs, total_tokens = self._all_reduce([len(samples), n_tokens])
+        total = total_seqs if cfg.loss.normalize == "sequence" else total_tokens
+        # DeepSpeed averages gradients over ranks: scale so the result is the global sum / total
+        denominator = max(total, 1.0) / self.world
+        sums: dict[str, float] = {}
+        entropy_sum = 0.0
+        skipped = 0
+        grad_norm = None
+        for _epoch in range(cfg.epochs):
+            bad = 0.0
+            for i in range(agreed):
+                if i >= len(mbs):
+                    self._empty_pass(grad=True)
+                    continue
+                idx = mbs[i]
+                loss, stats, entropy = self._micro_step(samples, idx, denominator, ref_lp, old_lp)
+                if not torch.isfinite(loss):
+                    bad = 1.0
+                    loss = torch.zeros((), device=self.device, requires_grad=True)
+                    self._empty_pass(grad=True)
+                else:
+                    self.engine.backward(loss, scale_wrt_gas=False)
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+                entropy_sum += entropy
+            if self._all_reduce([bad], dist.ReduceOp.MAX)[0] > 0:
+                skipped += 1
+                self._discard_gradients()
+                continue
+            self.engine.step()
+            grad_norm = self.engine.get_global_grad_norm()
+        keys = sorted(sums)
+        reduced = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
+        rewards = [s.reward for s in samples]
+        lags = (
+            np.concatenate([policy_version - s.versions.astype(np.int64) for s in samples])
+            if samples
+            else np.zeros(0)
+        )
+        r_sum, r_correct, lag_sum, lag_n, ent = self._all_reduce(
+            [
+                sum(rewards),
+                float(sum(r > 0 for r in rewards)),
+                float(lags.sum()),
+                float(lags.size),
+                entropy_sum,
+            ]
+        )
+        lag_max = self._all_reduce([float(lags.max()) if lags.size else 0.0], dist.ReduceOp.MAX)[0]
+        tokens = max(reduced.get("tokens", 0.0), 1.0)
+        metrics: dict[str, Any] = {
+            "samples": int(total_seqs),
+            "tokens": int(total_tokens),
+            "reward": r_sum / max(total_seqs, 1),
+            "solved": r_correct / max(total_seqs, 1),
+            "lag_mean": lag_sum / max(lag_n, 1),
+            "lag_max": int(lag_max),
+            "entropy": ent / tokens / max(cfg.epochs, 1),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "skipped": skipped,
+            "step_s": time.perf_counter() - started,
+            **summarize(reduced),
+        }
+        if metrics["grad_norm"] is not None and not math.isfinite(metrics["grad_norm"]):
+            metrics["grad_norm"] = None
+        return metrics
+
+    def _micro_step(
+        self,
+        samples: list[TrainSample],
+        idx: list[int],
+        denominator: float,
+        ref_lp: list[torch.Tensor] | None,
+        old_lp: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+        cfg = self.config
+        part = [samples[i] for i in idx]
+        batch = collate(
+            [s.prompt_ids for s in part], [s.completion_ids for s in part], pad_id=self.pad_id
+        ).to(self.device)
+        logp, entropy = completion_logprobs(
+            self.engine, batch, with_entropy=True, temperature=cfg.temperature
+        )
+        mask = batch.completion_mask
+        width = mask.shape[1]
+        sampler = _padded([torch.from_numpy(np.asarray(s.sampler_logprobs)) for s in part], width)
+        sampler = sampler.to(self.device, logp.dtype)
+        old = logp.detach() if old_lp is None else _padded([old_lp[i] for i in idx], width)
+        ref = None if ref_lp is None else _padded([ref_lp[i] for i in idx], width)
+        advantages = torch.tensor([s.advantage for s in part], device=self.device, dtype=logp.dtype)
+        loss, stats = policy_loss(
+            logp,
+            sampler_logp=sampler,
+            old_logp=old.to(self.device, logp.dtype),
+            advantages=advantages,
+            mask=mask,
+            config=cfg.loss,
+            denominator=denominator,
+            ref_logp=None if ref is None else ref.to(self.device, logp.dtype),
+        )
+        ent = float(torch.where(mask.bool(), entropy, 0.0).sum()) if entropy is not None else 0.0
+        return loss, stats, ent
+
+    def _discard_gradients(self) -> None:
+        """Drop the gradients accumulated for a step that is skipped."""
+        self.engine.zero_grad()
+        optimizer = getattr(self.engine, "optimizer", None)
+        for attr in ("averaged_gradients",):  # ZeRO-1/2 keep reduced gradients here
+            grads = getattr(optimizer, attr, None)
+            if isinstance(grads, dict):
+                grads.clear()
+
+    # ---------------------------------------------------------------- weights
+    def named_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full parameters in groups of about ``bucket_bytes``; collective under ZeRO-3."""
+        import deepspeed
+
+        params = list(self.engine.module.named_parameters())
+        group: list[tuple[str, torch.nn.Parameter]] = []
+        size = 0
+        zero3 = self.config.deepspeed.zero_stage == 3
+        for name, p in params:
+            group.append((name, p))
+            size += (p.ds_numel if zero3 else p.numel()) * p.element_size()
+            if size >= bucket_bytes:
+                yield from self._gathered(group, zero3, deepspeed)
+                group, size = [], 0
+        if group:
+            yield from self._gathered(group, zero3, deepspeed)
+
+    def _gathered(self, group: list, zero3: bool, deepspeed: Any) -> Iterator[list]:
+        if zero3:
+            with deepspeed.zero.GatheredParameters([p for _, p in group]):
+                yield [(n, p.data) for n, p in group]
+        else:
+            yield [(n, p.data) for n, p in group]
+
+    def snapshot(self, bucket_bytes: int) -> dict[str, torch.Tensor] | None:
+        """A CPU copy of every parameter on rank 0 (None elsewhere), reusing its buffers."""
+        for group in self.named_weights(bucket_bytes):
+            if self.rank != 0:
+                continue
+            for name, tensor in group:
+                buf = self._snapshot.get(name)
+                if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                    buf = self._snapshot[name] = torch.empty(
+                        tensor.shape,
+                        dtype=tensor.dtype,
+                        device="cpu",
+                        pin_memory=tensor.is_cuda,
+                    )
+                buf.copy_(tensor, non_blocking=tensor.is_cuda)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self._snapshot if self.rank == 0 else None
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, path: str, state: dict[str, Any], tokenizer_from: str) -> None:
+        """DeepSpeed state (all ranks) and, from rank 0, a Hugging Face model folder."""
+        self.engine.save_checkpoint(
+            os.path.join(path, "deepspeed"), tag="state", client_state=state
+        )
+        if self.config.deepspeed.zero_stage == 3:
+            weights = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            weights = self.engine.module.state_dict() if self.rank == 0 else None
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+
+            module = self.engine.module
+            module.config.use_cache = True
+            module.save_pretrained(path, state_dict=weights, safe_serialization=True)
+            module.config.use_cache = False
+            try:
+                AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+            except (OSError, ValueError):
+                self.log.warning("checkpoint_without_tokenizer", model=tokenizer_from)
+        dist.barrier()
+
+    def load(self, path: str) -> dict[str, Any]:
+        _, state = self.engine.load_checkpoint(os.path.join(path, "deepspeed"), tag="state")
+        return dict(state or {})
+
+
+def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        n = min(len(row), width)
+        out[i, :n] = row[:n].float()
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

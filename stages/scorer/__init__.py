@@ -1,0 +1,1 @@
+"""The reward scorer: rollouts grouped per prompt, scored by reward functions (``stage.py``)."""

@@ -1,0 +1,70 @@
+"""Built-in reward functions, in the form TRL uses: ``f(completions, **kwargs) -> list[float]``.
+
+The scorer calls every function with the completions of one whole group (decoded text) and, as
+keyword lists aligned with them, ``prompts``, ``completion_ids``, ``finish_reason`` and every
+key of the prompt's ``meta`` (``answer`` for the built-in tasks). A function takes the keywords
+it needs and must accept the rest through ``**kwargs``. It may return ``None`` for a completion
+it does not apply to (TRL's convention); that completion then gets nothing from it.
+
+- ``exact_match``: 1.0 when the stripped completion equals the stripped ``answer``.
+- ``math_verify``: 1.0 when Hugging Face's ``math-verify`` finds the completion's last
+  ``\\boxed{...}`` (or, without one, the whole text) mathematically equal to ``answer``.
+
+Registered as entry points of the group ``inflight.rewards``; a pipeline names them
+(``rewards: [{fn: exact_match}]``) or any other function by dotted path. Nothing here decodes
+tokens, combines weights or guards against slow functions: the scorer's runner does that.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["exact_match", "last_boxed", "math_verify"]
+
+
+def exact_match(completions: list[str], answer: list[Any], **kwargs: Any) -> list[float]:
+    """1.0 where the completion (stripped) is exactly the answer (as a string, stripped)."""
+    return [
+        float(a is not None and c.strip() == str(a).strip())
+        for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        depth, i = 0, start + len("\\boxed")
+        for j in range(i, len(text)):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[i + 1 : j]
+        start = text.rfind("\\boxed{", 0, start)  # unbalanced (cut off): try an earlier one
+    return None
+
+
+def math_verify(completions: list[str], answer: list[Any], **kwargs: Any) -> list[float]:
+    """1.0 where ``math-verify`` judges the completion's final answer equal to ``answer``.
+
+    Needs the ``math-verify`` package (``pip install math-verify``). Its parsing timeouts use
+    ``SIGALRM``, so it must run in a process's main thread, as the scorer's workers do.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError as exc:
+        raise ImportError(
+            "the math_verify reward needs the math-verify package: pip install math-verify"
+        ) from exc
+    scores = []
+    for completion, gold in zip(completions, answer, strict=True):
+        if gold is None:
+            scores.append(0.0)
+            continue
+        boxed = last_boxed(completion)
+        predicted = parse(completion if boxed is None else boxed)
+        expected = parse(str(gold))
+        scores.append(float(bool(predicted) and bool(expected) and verify(expected, predicted)))
+    return scores

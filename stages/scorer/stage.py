@@ -1,0 +1,363 @@
+"""The reward scorer stage: rollouts in, one scored group per prompt out.
+
+Rollouts are collected by ``group_id`` until ``group_size`` have arrived; the whole group is then
+decoded (``skip_special_tokens``) and scored in one call per reward function, so a function sees
+every sample of a group together, and sent as one ``scored_group`` (samples in ``sample_index``
+order, each with ``reward`` and ``reward_info``). Up to ``workers`` groups are scored at once;
+while all are busy the stage stops reading, and backpressure reaches the generators.
+
+Reward functions run in worker processes under ``timeout_s`` (``runner.py``): one that raises,
+hangs or returns garbage gives its completions reward 0 with an ``error`` in ``reward_info``,
+and the stage goes on. A group still incomplete ``group_timeout_s`` after its first sample (a
+sample lost upstream), or at the end of input, is sent with what it has if that is at least
+``min_group`` samples, else dropped. Malformed rollouts (per-token arrays of different lengths,
+``sample_index`` outside the group, a duplicate, a ``group_size`` that disagrees with the
+group's, a sample for a group already sent or dropped) are dropped. Every drop is counted and
+logged. Not here: advantages or any normalization across a group (the learner does that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.stage import Port, StageContext
+from stages.schemas import ROLLOUT, SCORED_GROUP
+from stages.scorer.runner import RewardRunner, resolve_reward
+
+__all__ = ["RewardSpec", "Scorer", "ScorerConfig"]
+
+_CLOSED_REMEMBERED = 10_000  # ids of sent or dropped groups kept to recognize late samples
+_SAMPLE_FIELDS = (
+    "sample_index",
+    "completion_ids",
+    "sampler_logprobs",
+    "versions",
+    "finish_reason",
+    "engine",
+    "timings",
+)
+
+
+@dataclass
+class RewardSpec:
+    fn: str = field(
+        metadata={"doc": "reward function: entry point of inflight.rewards or package.module:name"}
+    )
+    weight: float = field(default=1.0, metadata={"doc": "its weight in the summed reward"})
+
+    def __post_init__(self) -> None:
+        resolve_reward(self.fn)  # an unknown name is a config error, found before the run
+
+
+@dataclass
+class ScorerConfig:
+    rewards: list[RewardSpec] = field(
+        metadata={"doc": "reward functions; a sample's reward is their weighted sum"}
+    )
+    tokenizer: str = field(
+        metadata={"doc": "model directory whose tokenizer decodes completions (local files)"}
+    )
+    workers: int = field(
+        default=2, metadata={"min": 1, "doc": "reward worker processes (groups scored at once)"}
+    )
+    timeout_s: float = field(
+        default=10.0, metadata={"min": 0.01, "doc": "limit for one reward function on one group"}
+    )
+    group_timeout_s: float = field(
+        default=120.0, metadata={"min": 0.01, "doc": "an incomplete group is closed after this"}
+    )
+    min_group: int = field(
+        default=2, metadata={"min": 1, "doc": "fewest samples an incomplete group is sent with"}
+    )
+    metrics_every_s: float = field(
+        default=5.0, metadata={"min": 0.01, "doc": "period of metrics (reward over the period)"}
+    )
+
+    def __post_init__(self) -> None:
+        names = [r.fn for r in self.rewards]
+        if not names:
+            raise ValueError("`rewards` needs at least one reward function")
+        if len(set(names)) != len(names):
+            raise ValueError(f"`rewards` lists a function more than once: {names}")
+
+
+@dataclass
+class _Group:
+    head: Mapping[str, Any]  # the first rollout: the group-level fields come from it
+    started: float  # monotonic time its first sample arrived
+    samples: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.head["group_size"]
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer {path!r}: cannot load it from local files ({exc})") from exc
+
+
+class Scorer:
+    Config = ScorerConfig
+    inputs = {"rollouts": Port(ROLLOUT, doc="sampled completions, any order")}
+    outputs = {"groups": Port(SCORED_GROUP, doc="one message per prompt, scored")}
+
+    def __init__(self, config: ScorerConfig, ctx: StageContext) -> None:
+        self.config, self.ctx, self.log = config, ctx, ctx.log
+        self.runner: RewardRunner | None = None
+        self.pending: dict[str, _Group] = {}
+        self.closed: OrderedDict[str, None] = OrderedDict()
+        self.counts = {
+            "rollouts_in": 0,
+            "groups_out": 0,
+            "groups_partial": 0,
+            "groups_dropped": 0,
+            "samples": 0,
+            "dropped": 0,
+        }
+        self.window: list[float] = []  # rewards scored since the last metrics event
+        self._tasks: set[asyncio.Task] = set()
+
+    async def setup(self) -> None:
+        self.runner = RewardRunner(
+            [(r.fn, r.weight) for r in self.config.rewards],
+            workers=self.config.workers,
+            timeout_s=self.config.timeout_s,
+            log=self.log,
+        )
+        # both take seconds (importing transformers, starting workers): overlap them
+        tokenizer, started = await asyncio.gather(
+            asyncio.to_thread(_load_tokenizer, self.config.tokenizer),
+            self.runner.start(),
+            return_exceptions=True,
+        )
+        for outcome in (tokenizer, started):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        self.tokenizer = tokenizer
+        self.slots = asyncio.Semaphore(self.config.workers)
+        self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    # ------------------------------------------------------------------- run
+    async def run(self) -> None:
+        background = [
+            asyncio.create_task(self._expire(), name="expire"),
+            asyncio.create_task(self._report(), name="metrics"),
+        ]
+        for task in background:
+            task.add_done_callback(self._fail_on_error)
+        reader = asyncio.create_task(self._read(), name="read")
+        try:
+            # a task that fails (a scoring task's send, a broken worker pool) fails the stage
+            await asyncio.wait([reader, self.failed], return_when=asyncio.FIRST_COMPLETED)
+            if self.failed.done():
+                self.failed.result()
+            reader.result()
+            while self._tasks:
+                await asyncio.wait([*self._tasks, self.failed], return_when=asyncio.FIRST_COMPLETED)
+                if self.failed.done():
+                    self.failed.result()
+        finally:
+            for task in [reader, *background]:
+                task.cancel()
+            await asyncio.gather(reader, *background, return_exceptions=True)
+        self._metrics()
+        self.log.info("scorer_done", **self._totals())
+
+    async def _read(self) -> None:
+        async for msg in self.ctx.inputs["rollouts"]:
+            self.counts["rollouts_in"] += 1
+            group = self._add(msg.data, msg.sender)
+            if group is not None:
+                await self._launch(group)
+        for group_id in list(self.pending):
+            await self._close_incomplete(group_id, "end_of_input")
+
+    def _add(self, rollout: Mapping[str, Any], sender: str) -> _Group | None:
+        """File ``rollout`` under its group; returns the group when that completes it."""
+        group_id = rollout["group_id"]
+        group = self.pending.get(group_id)
+        problem = self._problem(rollout, group)
+        if problem is not None:
+            self.counts["dropped"] += 1
+            self.log.warning(
+                "rollout_dropped",
+                reason=problem,
+                group_id=group_id,
+                sample_index=rollout["sample_index"],
+                sender=sender,
+            )
+            return None
+        if group is None:
+            group = self.pending[group_id] = _Group(rollout, time.monotonic())
+        group.samples[rollout["sample_index"]] = rollout
+        if len(group.samples) < group.size:
+            return None
+        self._forget(group_id)
+        return group
+
+    def _problem(self, rollout: Mapping[str, Any], group: _Group | None) -> str | None:
+        if rollout["group_id"] in self.closed:
+            return "late: its group was already sent or dropped"
+        size, index = rollout["group_size"], rollout["sample_index"]
+        if size < 1:
+            return f"group_size {size} < 1"
+        if not 0 <= index < size:
+            return f"sample_index {index} is outside 0..{size - 1}"
+        lengths = {k: len(rollout[k]) for k in ("completion_ids", "sampler_logprobs", "versions")}
+        if len(set(lengths.values())) > 1:
+            return f"per-token arrays differ in length: {lengths}"
+        if group is not None and size != group.size:
+            return f"group_size {size} differs from the group's {group.size}"
+        if group is not None and index in group.samples:
+            return f"duplicate sample_index {index}"
+        return None
+
+    def _forget(self, group_id: str) -> None:
+        del self.pending[group_id]
+        self.closed[group_id] = None
+        if len(self.closed) > _CLOSED_REMEMBERED:
+            self.closed.popitem(last=False)
+
+    async def _close_incomplete(self, group_id: str, reason: str) -> None:
+        group = self.pending.get(group_id)
+        if group is None:  # completed or closed while we waited for a scoring slot
+            return
+        self._forget(group_id)
+        have = len(group.samples)
+        if have >= self.config.min_group:
+            self.counts["groups_partial"] += 1
+            self.log.info(
+                "group_incomplete", group_id=group_id, reason=reason, samples=have, of=group.size
+            )
+            await self._launch(group)
+        else:
+            self.counts["groups_dropped"] += 1
+            self.counts["dropped"] += have
+            self.log.warning(
+                "group_dropped",
+                group_id=group_id,
+                reason=reason,
+                samples=have,
+                of=group.size,
+                min_group=self.config.min_group,
+            )
+
+    async def _expire(self) -> None:
+        limit = self.config.group_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for group_id in [g for g, grp in self.pending.items() if now - grp.started >= limit]:
+                await self._close_incomplete(group_id, "timeout")
+
+    # ------------------------------------------------------------------- scoring
+    async def _launch(self, group: _Group) -> None:
+        """Score ``group`` in a task once one of ``workers`` slots is free."""
+        await self.slots.acquire()
+        task = asyncio.create_task(self._score(group))
+        self._tasks.add(task)
+        task.add_done_callback(self._scored)
+
+    def _scored(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self.slots.release()
+        self._fail_on_error(task)
+
+    def _fail_on_error(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not self.failed.done():
+            self.failed.set_exception(task.exception())
+
+    async def _score(self, group: _Group) -> None:
+        assert self.runner is not None
+        started = time.monotonic()
+        samples = [group.samples[i] for i in sorted(group.samples)]
+        kwargs = await asyncio.to_thread(self._reward_kwargs, group.head, samples)
+        scored = await self.runner.score(kwargs, group_id=group.head["group_id"])
+        score_s = round(time.monotonic() - started, 6)
+        out = []
+        for sample, (reward, info) in zip(samples, scored, strict=True):
+            item = {k: sample[k] for k in _SAMPLE_FIELDS}
+            item["timings"] = {**sample["timings"], "score_s": score_s}
+            item["reward"], item["reward_info"] = reward, info
+            out.append(item)
+            self.window.append(reward)
+        head = group.head
+        await self.ctx.outputs["groups"].send(
+            "scored_group",
+            {
+                "run_id": head["run_id"],
+                "prompt_id": head["prompt_id"],
+                "group_id": head["group_id"],
+                "group_size": head["group_size"],
+                "prompt_ids": head["prompt_ids"],
+                "samples": out,
+                "meta": head.get("meta"),
+            },
+        )
+        self.counts["groups_out"] += 1
+        self.counts["samples"] += len(out)
+
+    def _reward_kwargs(
+        self, head: Mapping[str, Any], samples: list[Mapping[str, Any]]
+    ) -> dict[str, list]:
+        """The keyword lists every reward function gets, aligned with the completions."""
+        ids = [[int(t) for t in s["completion_ids"]] for s in samples]
+        meta = head.get("meta") or {}
+        prompt = meta.get("text")
+        if not isinstance(prompt, str):
+            prompt = self.tokenizer.decode([int(t) for t in head["prompt_ids"]])
+        kwargs: dict[str, list] = {
+            "prompts": [prompt] * len(samples),
+            "completions": self.tokenizer.batch_decode(ids, skip_special_tokens=True),
+            "completion_ids": ids,
+            "finish_reason": [s["finish_reason"] for s in samples],
+        }
+        keys = dict.fromkeys(k for s in samples for k in (s.get("meta") or {}))
+        for key in keys:
+            if key not in kwargs:  # the scorer's own names come first
+                kwargs[key] = [(s.get("meta") or {}).get(key) for s in samples]
+        return kwargs
+
+    # ------------------------------------------------------------------- metrics
+    def _totals(self) -> dict[str, Any]:
+        runner = self.runner.stats() if self.runner is not None else {}
+        return {
+            **self.counts,
+            "errors": runner.get("errors", 0),
+            "timeouts": runner.get("timeouts", 0),
+            "worker_restarts": runner.get("restarts", 0),
+            "groups_pending": len(self.pending),
+            "groups_scoring": len(self._tasks),
+        }
+
+    def _metrics(self) -> None:
+        window, self.window = self.window, []
+        self.ctx.metrics(
+            reward_mean=sum(window) / len(window) if window else None,
+            accuracy=sum(r > 0 for r in window) / len(window) if window else None,
+            window_samples=len(window),
+            **self._totals(),
+        )
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.metrics_every_s)
+            self._metrics()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.runner is not None:
+            await self.runner.aclose()

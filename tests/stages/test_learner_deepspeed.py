@@ -1,0 +1,161 @@
+"""The learner's DeepSpeed trainer with real gloo process groups: ranks, ZeRO, micro-batches.
+
+One optimizer step over the same 8 samples must give the same gradient and the same new weights
+whether it runs on one rank in one micro-batch, on two ZeRO-2 ranks in micro-batches of one, or on
+two ZeRO-3 ranks with an uneven split (the ranks then run different numbers of micro-batches and
+pad with empty ones). A step whose loss is not finite is skipped on every rank and leaves no
+gradient behind. Each configuration runs in fresh processes, as the supervisor starts ranks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from tests.stages.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _samples(nan: bool = False) -> list:
+    from stages.learner.trainer import TrainSample
+
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(8):
+        n = 3 + i % 4
+        lp = (-rng.random(n) * 2).astype(np.float32)
+        if nan and i == 5:
+            lp[0] = np.nan
+        out.append(
+            TrainSample(
+                prompt_ids=rng.integers(3, 60, 4 + i % 3),
+                completion_ids=rng.integers(3, 60, n),
+                sampler_logprobs=lp,
+                versions=np.zeros(n, dtype=np.int64),
+                advantage=float(rng.normal()),
+                reward=float(i % 2),
+            )
+        )
+    return out
+
+
+def _rank(rank, world, port, model_dir, zero, micro, split, nan_first, out):
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    import structlog
+
+    from stages.learner.config import DeepSpeedSection, LearnerConfig, OptimConfig
+    from stages.learner.trainer import Trainer
+
+    config = LearnerConfig(
+        model=str(model_dir),
+        batch_size=8,
+        train_micro_batch=micro,
+        forward_micro_batch=2,
+        # a large Adam epsilon makes the first update smooth in the gradient (comparable)
+        optim=OptimConfig(lr=1e-2, eps=1e-3, grad_clip=0.0),
+        deepspeed=DeepSpeedSection(zero_stage=zero),
+    )
+    trainer = Trainer(config, structlog.get_logger())
+    trainer.setup()
+    lo, hi = split[rank], split[rank + 1]
+    results = {}
+    if nan_first:
+        results["nan"] = trainer.step(_samples(nan=True)[lo:hi], policy_version=0)
+        snap = trainer.snapshot(2**20)
+        if rank == 0:
+            results["after_nan"] = {k: v.clone() for k, v in snap.items()}
+    results["clean"] = trainer.step(_samples()[lo:hi], policy_version=0)
+    snap = trainer.snapshot(2**20)
+    if rank == 0:
+        results["weights"] = {k: v.clone() for k, v in snap.items()}
+        torch.save(results, out)
+    trainer.close()
+
+
+def _run(model_dir, tmp_path, *, world, zero, micro, split, nan_first=False) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / f"w{world}-z{zero}-m{micro}-{nan_first}.pt"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_rank,
+            args=(r, world, port, model_dir, zero, micro, split, nan_first, str(out)),
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=200)
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=1, hidden=32, layers=2)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    """One rank, micro-batches of 2; a NaN step (in the third micro-batch) before the clean one."""
+    return _run(
+        model_dir,
+        tmp_path_factory.mktemp("ref"),
+        world=1,
+        zero=0,
+        micro=2,
+        split=[0, 8],
+        nan_first=True,
+    )
+
+
+def _same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=2e-6, msg=name)
+
+
+def test_nan_loss_skips_the_step_and_leaves_no_gradient(model_dir, tmp_path, reference):
+    assert reference["nan"]["skipped"] == 1
+    initial = _run(model_dir, tmp_path, world=1, zero=0, micro=8, split=[0, 8])
+    # the clean step after a skipped one lands exactly where a clean step from scratch does
+    _same_weights(reference["weights"], initial["weights"])
+    assert reference["clean"]["skipped"] == 0
+    changed = sum(
+        not torch.equal(reference["after_nan"][k], reference["weights"][k])
+        for k in reference["weights"]
+    )
+    assert changed > 0
+
+
+def test_zero2_two_ranks_micro_batches_of_one_match_one_rank(model_dir, tmp_path, reference):
+    got = _run(model_dir, tmp_path, world=2, zero=2, micro=1, split=[0, 4, 8])
+    assert got["clean"]["grad_norm"] == pytest.approx(reference["clean"]["grad_norm"], rel=1e-4)
+    assert got["clean"]["samples"] == 8
+    _same_weights(reference["weights"], got["weights"])
+
+
+def test_zero3_uneven_ranks_match_one_rank(model_dir, tmp_path, reference):
+    # rank 0 holds 6 samples (3 micro-batches of 2), rank 1 holds 2 (1 micro-batch + 2 empty)
+    got = _run(model_dir, tmp_path, world=2, zero=3, micro=2, split=[0, 6, 8])
+    assert got["clean"]["grad_norm"] == pytest.approx(reference["clean"]["grad_norm"], rel=1e-4)
+    _same_weights(reference["weights"], got["weights"])

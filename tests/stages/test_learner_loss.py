@@ -1,0 +1,304 @@
+"""The learner's loss and advantages: hand-computed values, masking, gradient accumulation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from stages.learner.advantages import group_advantages
+from stages.learner.batching import collate, completion_logprobs, micro_batches, pad_right
+from stages.learner.loss import LossConfig, loss_denominator, policy_loss, summarize
+
+LOG = math.log
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models on a shared machine: extra intra-op threads only spin against other work.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _loss(logp, *, sampler, old=None, adv, mask=None, config, denominator, ref=None):
+    logp = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else torch.tensor(mask)
+    loss, stats = policy_loss(
+        logp,
+        sampler_logp=torch.tensor(sampler, dtype=torch.float64),
+        old_logp=logp.detach() if old is None else torch.tensor(old, dtype=torch.float64),
+        advantages=torch.tensor(adv, dtype=torch.float64),
+        mask=mask,
+        config=config,
+        denominator=denominator,
+        ref_logp=None if ref is None else torch.tensor(ref, dtype=torch.float64),
+    )
+    loss.backward()
+    return loss.item(), logp.grad, stats
+
+
+# ---- advantages ---------------------------------------------------------------------------
+
+
+def test_mean_baseline_with_uneven_groups_and_sparse_ids():
+    r = torch.tensor([1.0, 0.0, 4.0, 2.0, 5.0, 3.0])
+    g = torch.tensor([7, 7, 3, 3, 3, 42])
+    adv = group_advantages(r, g)
+    # group 7: mean 0.5; group 3: mean 11/3; group 42 alone: mean 3.
+    expected = torch.tensor([0.5, -0.5, 4 - 11 / 3, 2 - 11 / 3, 5 - 11 / 3, 0.0])
+    torch.testing.assert_close(adv, expected)
+
+
+def test_leave_one_out_baseline():
+    r = torch.tensor([1.0, 0.0, 0.0, 2.0, 9.0])
+    g = torch.tensor([0, 0, 0, 1, 2])
+    adv = group_advantages(r, g, baseline="leave_one_out")
+    # 1 - mean(0, 0) = 1; 0 - mean(1, 0) = -0.5; a lone sample has no baseline: 0.
+    torch.testing.assert_close(adv, torch.tensor([1.0, -0.5, -0.5, 0.0, 0.0]))
+
+
+def test_std_normalization_uses_population_std():
+    r = torch.tensor([1.0, 0.0, 0.0, 3.0, 3.0, 5.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 2])
+    adv = group_advantages(r, g, std_normalize=True, eps=0.0 + 1e-12)
+    std0 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 3)  # unbiased=False
+    expected = torch.tensor([(2 / 3) / std0, (-1 / 3) / std0, (-1 / 3) / std0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(adv, expected)
+    loo = group_advantages(r, g, baseline="leave_one_out", std_normalize=True)
+    torch.testing.assert_close(loo[:3], expected[:3] * 1.5, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(loo).all()
+
+
+def test_advantages_reject_bad_input():
+    with pytest.raises(ValueError, match="baseline"):
+        group_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), baseline="median")
+    with pytest.raises(ValueError, match="same length"):
+        group_advantages(torch.zeros(2), torch.zeros(3, dtype=torch.long))
+    assert group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long)).numel() == 0
+
+
+# ---- loss: hand-computed ------------------------------------------------------------------
+
+
+def test_tis_truncates_rho_above_cap_only():
+    # rho = [3, 0.5]: the first is truncated to C = 2, the second kept.
+    logp = [[LOG(0.5), LOG(0.25)]]
+    sampler = [[LOG(0.5) - LOG(3.0), LOG(0.25) - LOG(0.5)]]
+    config = LossConfig(tis_cap=2.0, normalize="token")
+    loss, grad, stats = _loss(logp, sampler=sampler, adv=[1.5], config=config, denominator=2)
+    assert loss == pytest.approx(-(2 * 1.5 * LOG(0.5) + 0.5 * 1.5 * LOG(0.25)) / 2)
+    torch.testing.assert_close(grad, torch.tensor([[-1.5, -0.375]], dtype=torch.float64))
+    assert stats["tis_clipped"].item() == 1 and stats["tokens"].item() == 2
+    metrics = summarize(stats)
+    assert metrics["tis_clip_frac"] == pytest.approx(0.5)
+    assert metrics["ess"] == pytest.approx(3.5**2 / (2 * (9 + 0.25)))
+
+
+def test_sequence_and_token_normalization():
+    # Two sequences, lengths 2 and 1, rho = 1 everywhere: term = -A * logp.
+    logp = [[-1.0, -2.0], [-3.0, 99.0]]
+    mask = [[True, True], [True, False]]
+    kwargs = dict(sampler=logp, adv=[1.0, 2.0], mask=mask)
+    seq, seq_grad, _ = _loss(logp, config=LossConfig(), denominator=4, **kwargs)
+    assert seq == pytest.approx((1.5 + 6.0) / 4)  # per-sequence means (1.5, 6), over 4 seqs
+    expected = torch.tensor([[-0.5, -0.5], [-2.0, 0.0]], dtype=torch.float64) / 4
+    torch.testing.assert_close(seq_grad, expected)
+    tok, tok_grad, _ = _loss(logp, config=LossConfig(normalize="token"), denominator=3, **kwargs)
+    assert tok == pytest.approx((1 + 2 + 6) / 3)
+    expected = torch.tensor([[-1.0, -1.0], [-2.0, 0.0]], dtype=torch.float64) / 3
+    torch.testing.assert_close(tok_grad, expected)
+
+
+def test_mis_drops_tokens_outside_the_band():
+    logp = [[-1.0, -1.0, -1.0]]
+    sampler = [[-1.0 - LOG(0.1), -1.0, -1.0 - LOG(5.0)]]  # rho = 0.1, 1, 5
+    config = LossConfig(mis_low=0.5, mis_high=2.0, tis_cap=10.0)
+    loss, grad, stats = _loss(logp, sampler=sampler, adv=[1.0], config=config, denominator=1)
+    # Only the middle token counts; the sequence is still averaged over its 3 tokens.
+    assert loss == pytest.approx(1.0 / 3)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -1 / 3, 0.0]], dtype=torch.float64))
+    assert stats["mis_dropped"].item() == 2
+    assert summarize(stats)["mis_drop_frac"] == pytest.approx(2 / 3)
+
+
+def test_ppo_clip_with_tis_weight():
+    # old = 0, so r = exp(logp): r = 1.5 and 0.5 in each sequence; A = +1 and -1; rho = 1.
+    eps = 0.2
+    logp = [[LOG(1.5), LOG(0.5)], [LOG(1.5), LOG(0.5)]]
+    zeros = [[0.0, 0.0], [0.0, 0.0]]
+    config = LossConfig(ppo_clip=eps, normalize="token")
+    loss, grad, stats = _loss(
+        logp, sampler=zeros, old=zeros, adv=[1.0, -1.0], config=config, denominator=1
+    )
+    # A > 0: min(1.5, 1.2) = 1.2 (clipped, no grad); min(0.5, 0.8) = 0.5 (grad -r).
+    # A < 0: min(-1.5, -1.2) = -1.5 (grad +r); min(-0.5, -0.8) = -0.8 (clipped, no grad).
+    assert loss == pytest.approx(-(1.2 + 0.5 - 1.5 - 0.8))
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -0.5], [1.5, 0.0]], dtype=torch.float64))
+    assert stats["ppo_clipped"].item() == 2
+    assert summarize(stats)["ppo_clip_frac"] == pytest.approx(0.5)
+    # The TIS weight multiplies the clipped surrogate: rho = 2 (below C = 3) doubles everything.
+    sampler = [[-LOG(2.0)] * 2] * 2
+    weighted = LossConfig(ppo_clip=eps, normalize="token", tis_cap=3.0)
+    loss2, grad2, _ = _loss(
+        logp, sampler=sampler, old=zeros, adv=[1.0, -1.0], config=weighted, denominator=1
+    )
+    assert loss2 == pytest.approx(2 * loss)
+    torch.testing.assert_close(grad2, 2 * grad)
+
+
+def test_first_epoch_ppo_gradient_equals_plain_gradient():
+    logp = [[-0.3, -1.2, -2.0]]
+    sampler = [[-0.1, -1.5, -1.0]]
+    plain = _loss(logp, sampler=sampler, adv=[0.7], config=LossConfig(), denominator=1)
+    ppo = _loss(logp, sampler=sampler, adv=[0.7], config=LossConfig(ppo_clip=0.2), denominator=1)
+    torch.testing.assert_close(plain[1], ppo[1])
+
+
+def test_k3_values_for_reference_and_mismatch():
+    # ref - logp = log 2: k3 = 2 - log 2 - 1, d k3 / d logp = 1 - 2 = -1.
+    logp = [[-1.0]]
+    config = LossConfig(kl_coef=0.5, normalize="token")
+    loss, grad, stats = _loss(
+        logp, sampler=logp, adv=[0.0], config=config, denominator=1, ref=[[-1.0 + LOG(2.0)]]
+    )
+    k3 = 2 - LOG(2.0) - 1
+    assert loss == pytest.approx(0.5 * k3)
+    torch.testing.assert_close(grad, torch.tensor([[-0.5]], dtype=torch.float64))
+    assert stats["kl_ref"].item() == pytest.approx(k3)
+    # Mismatch: d = sampler - old = log 2 -> the same k3; with d = 0 it is 0.
+    _, _, stats = _loss(
+        [[-1.0, -1.0]],
+        sampler=[[-1.0 + LOG(2.0), -1.0]],
+        adv=[0.0],
+        config=LossConfig(),
+        denominator=1,
+    )
+    assert stats["k3_mismatch"].item() == pytest.approx(k3)
+    assert summarize(stats)["mismatch_kl"] == pytest.approx(k3 / 2)
+
+
+def test_loss_config_validation():
+    with pytest.raises(ValueError, match="both mis_low and mis_high"):
+        LossConfig(mis_low=0.5)
+    with pytest.raises(ValueError, match="mis_low must be < mis_high"):
+        LossConfig(mis_low=2.0, mis_high=1.0)
+    with pytest.raises(ValueError, match="tis_cap must be > 0"):
+        LossConfig(tis_cap=0.0)
+    with pytest.raises(ValueError, match="ppo_clip"):
+        LossConfig(ppo_clip=1.5)
+    with pytest.raises(ValueError, match="needs ref_logp"):
+        _loss([[-1.0]], sampler=[[-1.0]], adv=[1.0], config=LossConfig(kl_coef=0.1), denominator=1)
+    assert loss_denominator([3, 0, 5], "sequence") == 3
+    assert loss_denominator(torch.tensor([[1, 1, 0], [1, 0, 0]]), "token") == 3
+    assert loss_denominator([], "token") == 1
+
+
+def test_masked_garbage_changes_nothing():
+    torch.manual_seed(0)
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    config = LossConfig(ppo_clip=0.2, mis_low=0.1, mis_high=10.0, kl_coef=0.1)
+    values = {k: torch.randn(2, 4) - 2 for k in ("logp", "sampler", "old", "ref")}
+    adv = torch.tensor([1.0, -0.5])
+
+    def run(fill: dict[str, float]):
+        t = {k: torch.where(mask, v, fill[k]) for k, v in values.items()}
+        logp = t["logp"].clone().requires_grad_(True)
+        loss, stats = policy_loss(
+            logp,
+            sampler_logp=t["sampler"],
+            old_logp=t["old"],
+            advantages=adv,
+            mask=mask,
+            config=config,
+            denominator=2,
+            ref_logp=t["ref"],
+        )
+        loss.backward()
+        return loss, logp.grad, stats
+
+    clean = run(dict.fromkeys(values, 0.0))
+    dirty = run({"logp": math.nan, "sampler": -math.inf, "old": math.inf, "ref": math.nan})
+    assert torch.isfinite(dirty[0]) and torch.isfinite(dirty[1]).all()
+    torch.testing.assert_close(dirty[0], clean[0], rtol=0, atol=0)
+    torch.testing.assert_close(dirty[1], clean[1], rtol=0, atol=0)
+    for key in clean[2]:
+        torch.testing.assert_close(dirty[2][key], clean[2][key], rtol=0, atol=0)
+
+
+# ---- gradient accumulation over micro-batches ---------------------------------------------
+
+
+def _tiny_model() -> torch.nn.Module:
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("normalize", ["sequence", "token"])
+def test_micro_batch_gradients_equal_full_batch(normalize):
+    model = _tiny_model()
+    g = torch.Generator().manual_seed(1)
+    c_lens = [1, 7, 3, 9, 2]
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (2, 5, 3, 4, 6)]
+    completions = [torch.randint(3, 64, (n,), generator=g).tolist() for n in c_lens]
+    # Per-sample constants, so every micro-batching sees the same numbers.
+    with torch.no_grad():
+        full = collate(prompts, completions, pad_id=0)
+        base, _ = completion_logprobs(model, full)
+    sampler = [base[i, :n] + 0.4 * torch.randn(n, generator=g) for i, n in enumerate(c_lens)]
+    ref = [base[i, :n] + 0.2 * torch.randn(n, generator=g) for i, n in enumerate(c_lens)]
+    advantages = torch.randn(len(c_lens), generator=g)
+    config = LossConfig(normalize=normalize, mis_low=0.2, mis_high=5.0, kl_coef=0.05)
+    denominator = loss_denominator(c_lens, normalize)
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+
+    def accumulate(groups: list[list[int]]) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in groups:
+            batch = collate([prompts[i] for i in mb], [completions[i] for i in mb], pad_id=0)
+            logp, _ = completion_logprobs(model, batch)
+            width = logp.shape[1]
+            loss, _ = policy_loss(
+                logp,
+                sampler_logp=pad_right([sampler[i] for i in mb], width=width),
+                old_logp=logp.detach(),
+                advantages=advantages[mb],
+                mask=batch.completion_mask,
+                config=config,
+                denominator=denominator,
+                ref_logp=pad_right([ref[i] for i in mb], width=width),
+            )
+            loss.backward()
+            total += loss.item()
+        return total, [p.grad.clone() for p in model.parameters()]
+
+    full_loss, full_grads = accumulate([list(range(len(c_lens)))])
+    assert any(g.abs().sum() > 0 for g in full_grads)
+    for groups in (
+        micro_batches(lengths, 1),
+        micro_batches(lengths, 2),
+        micro_batches(lengths, 5, max_tokens=20),  # uneven sizes from the token budget
+    ):
+        loss, grads = accumulate(groups)
+        assert loss == pytest.approx(full_loss, rel=1e-5, abs=1e-6)
+        for a, b in zip(grads, full_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
