@@ -50,7 +50,9 @@ class LogFilter:
     """Which events to show; an empty filter shows everything.
 
     ``stages``: a stage name (``square``, ``supervisor``) or one replica (``square.1``); any
-    entry may match. ``level``: the minimum level. ``events``: fnmatch globs on the event name
+    entry may match. A component that runs inside another stage's process (the weight publisher
+    in the learner's rank 0) marks its events ``component: NAME`` and is matched by that name.
+    ``level``: the minimum level. ``events``: fnmatch globs on the event name
     (``replica_*``); any may match. The three criteria must all hold.
     """
 
@@ -68,7 +70,8 @@ class LogFilter:
         if self.stages:
             stage = event.get("stage")
             who = f"{stage}.{event.get('replica')}"
-            if not any(s == stage or s == who for s in self.stages):
+            component = event.get("component")
+            if not any(s in (stage, who, component) for s in self.stages):
                 return False
         # An event with a missing or unknown level counts as info rather than vanishing.
         if self.level is not None and _rank(event) < _RANK[self.level]:

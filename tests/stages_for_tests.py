@@ -385,3 +385,68 @@ class GroupSink:
 
     async def close(self):
         pass
+
+
+class GangMember:
+    """A ``distributed`` stage: rank 1 fails on its first start, then the gang all-reduces.
+
+    Each start appends ``{rank, world, port, restarts}`` to ``RUN_DIR/gang.jsonl``; on the
+    restart every rank joins a real gloo group from the supervisor's environment and checks an
+    all-reduce, then finishes.
+    """
+
+    Config = None  # replaced below (a dataclass)
+    inputs: dict = {}
+    outputs: dict = {}
+    distributed = True
+
+    def __init__(self, config, ctx):
+        self.ctx = ctx
+
+    async def setup(self):
+        pass
+
+    async def run(self):
+        import asyncio
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        record = {"rank": rank, "world": world, "port": os.environ["MASTER_PORT"]}
+        _append_line(self.ctx.run_dir / "gang.jsonl", {**record, "restarts": self.ctx.restarts})
+        if self.ctx.restarts == 0:
+            if rank == 1:
+                await asyncio.sleep(0.5)
+                raise RuntimeError("rank 1 fails on its first start")
+            await asyncio.sleep(3600)  # rank 0 would wait in a collective: killed with the gang
+        total = await asyncio.to_thread(_gang_all_reduce, rank, world)
+        _append_line(self.ctx.run_dir / "gang.jsonl", {"rank": rank, "sum": total})
+
+    async def close(self):
+        pass
+
+
+def _append_line(path, record: dict) -> None:
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _gang_all_reduce(rank: int, world: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        return float(t.item())
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class _NoOptions:
+    pass
+
+
+GangMember.Config = _NoOptions

@@ -221,11 +221,14 @@ class Generator:
                 if engine is not None:
                     return engine
             self._changed.clear()
-            # credit arrives without an event of ours: look again at least every 50 ms
+            # credit arrives without an event of ours: look again at least every 50 ms.
+            # (asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+            # that races its timeout, and this loop would then outlive a shutdown.)
+            waiter = asyncio.ensure_future(self._changed.wait())
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout=0.05)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait([waiter], timeout=0.05)
+            finally:
+                waiter.cancel()
 
     # ------------------------------------------------------------------- work
     async def run(self) -> None:

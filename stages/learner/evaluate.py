@@ -86,7 +86,7 @@ class Evaluator:
         correct = sum(r >= self.config.correct_at for r in rewards)
         result = {
             "step": step,
-            "version": version,
+            "policy_version": version,
             "accuracy": correct / max(len(self.prompts), 1),
             "reward": sum(rewards) / max(len(rewards), 1),
             "prompts": len(self.prompts),

@@ -1,7 +1,8 @@
 """The weight publisher as the learner's rank 0 runs it: engines, reconnects, version announces.
 
 The publisher lives with the learner's rank 0 (it needs the gathered weights) but has its own
-config section (``publish:``), its own log events (``stage: publisher``) and metrics. It finds
+config section (``publish:``), its own log events (``component: publisher``, so
+``inflight logs RUN_DIR --stage publisher`` shows them) and metrics. It finds
 the engines from the generators' ``engines`` announcements on the control bus (or uses the URLs
 given in ``publish.engines``), forms the weight group with all of them, and sends each new weight
 set with ``stages.weights.WeightPublisher``. When the last bucket has landed on every engine it
@@ -35,7 +36,7 @@ class Publishing:
     def __init__(self, config: PublishConfig, ctx: Any, *, device: torch.device) -> None:
         self.config = config
         self.ctx = ctx
-        self.log = ctx.log.bind(stage="publisher")
+        self.log = ctx.log.bind(component="publisher")
         self.backend = config.backend
         if self.backend == "auto":
             self.backend = "nccl" if device.type == "cuda" else "gloo"
@@ -122,7 +123,7 @@ class Publishing:
             RuntimeError,
         ) as exc:
             self.counts["failed"] += 1
-            self.log.error("publish_failed", version=version, error=str(exc))
+            self.log.error("publish_failed", policy_version=version, error=str(exc))
             if self.publisher is not None:
                 await self.publisher.close()
                 self.publisher = None
@@ -131,9 +132,9 @@ class Publishing:
         self.counts["published"] += 1
         self.seconds += time.perf_counter() - started
         await self.ctx.publish(topics.VERSION, {"version": version})
-        self.ctx.metrics(
-            scope="publisher",
-            version=version,
+        self.log.info(
+            "metrics",
+            policy_version=version,
             publish_s=round(stats.seconds, 4),
             gb_per_s=round(stats.gb_per_s, 3),
             **self.counts,

@@ -87,7 +87,8 @@ class Learner:
                 self.counts[key] = int(state.get("counts", {}).get(key, 0))
             self.totals.update(state.get("totals", {}))
             self.log.info(
-                "learner_resumed", checkpoint=str(resumed), step=self.step, version=self.version
+                "learner_resumed", checkpoint=str(resumed), step=self.step,
+                policy_version=self.version,
             )
         self.resumed = resumed is not None
 
@@ -224,7 +225,8 @@ class Learner:
         if cfg.snapshot or self.config.deepspeed.zero_stage == 3:
             weights = await asyncio.to_thread(self.trainer.snapshot, bucket)
             if self.rank == 0:
-                self._publish_task = asyncio.create_task(self._send(weights, version))
+                named = list(weights.items())
+                self._publish_task = asyncio.create_task(self._send(named, version))
         elif self.rank == 0:
             await self._send(lambda: self.trainer.named_weights(bucket), version)
         self.version = version
@@ -296,7 +298,7 @@ class Learner:
             stale_dropped=self.counts["stale"],
             bad_groups=self.counts["bad_groups"],
             skipped_steps=self.counts["skipped_steps"],
-            version=self.version,
+            policy_version=self.version,
             publishes=self.publishing.counts,
         )
         await self.ctx.summary(**summary)

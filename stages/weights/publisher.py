@@ -202,7 +202,7 @@ class WeightPublisher:
         )
         self.log.info(
             "weights_published",
-            version=version,
+            policy_version=version,
             buckets=buckets,
             bytes=nbytes,
             seconds=round(stats.seconds, 4),

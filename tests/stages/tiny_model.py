@@ -70,3 +70,29 @@ def _tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
     )
+
+
+def make_arith_model(path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2) -> Path:
+    """A random tiny Qwen2 with the arithmetic task's character tokenizer (16 tokens)."""
+    from stages.feeder.arithmetic import EOS_ID as ARITH_EOS
+    from stages.feeder.arithmetic import PAD_ID as ARITH_PAD
+    from stages.feeder.arithmetic import make_tokenizer
+
+    path = Path(path)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        pad_token_id=ARITH_PAD,
+        eos_token_id=ARITH_EOS,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path

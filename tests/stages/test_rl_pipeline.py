@@ -1,0 +1,161 @@
+"""The whole RL loop as a user runs it: feeder -> generator (+ engine) -> scorer -> learner.
+
+A random tiny model on the arithmetic task (it learns nothing in a few steps; these tests check
+the loop, not the learning: ``test_default_config`` does that). Every run is ``inflight run`` in
+a subprocess with real engines, ZeroMQ channels, DeepSpeed on gloo and weight publishing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.pipeline.runs import events, run_inflight
+from tests.stages.tiny_model import make_arith_model
+
+pytestmark = pytest.mark.slow
+
+_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_arith_model(tmp_path_factory.mktemp("model") / "arith", seed=0)
+
+
+def _config(tmp_path, model_dir, *, steps=4, mode="async", learners=1, zero=0, extra=""):
+    path = tmp_path / f"rl-{mode}-{learners}.yaml"
+    path.write_text(
+        f"""
+run: {{name: rl, metrics_every_s: 2, mode: {mode}}}
+transport: {{inbox: 16}}
+stages:
+  feeder:
+    use: feeder
+    source: &source {{kind: arithmetic, tokenizer: "{model_dir}"}}
+    epochs: 0
+  generator:
+    use: generator
+    inputs: {{prompts: feeder.prompts}}
+    launch: {{model: "{model_dir}", count: 1}}
+    group_size: 4
+    sampling: {{temperature: 1.0, max_new_tokens: 5}}
+    max_lag: 2
+    sync_batch: 16
+  scorer:
+    use: scorer
+    inputs: {{rollouts: generator.rollouts}}
+    rewards: [{{fn: exact_match}}]
+    tokenizer: "{model_dir}"
+    workers: 1
+  learner:
+    use: learner
+    replicas: {learners}
+    inbox: 4
+    inputs: {{groups: scorer.groups}}
+    model: "{model_dir}"
+    steps: {steps}
+    batch_size: 16
+    train_micro_batch: 4
+    forward_micro_batch: 8
+    max_lag: 2
+    optim: {{lr: 0.001}}
+    deepspeed: {{zero_stage: {zero}}}
+    checkpoint: {{every: 2, keep: 2}}
+    eval: {{source: *source, rewards: [{{fn: exact_match}}], max_prompts: 20, max_new_tokens: 5}}
+{extra}
+"""
+    )
+    return path
+
+
+def _run(config, run_dir, *more, timeout=170):
+    result = run_inflight(
+        "run", str(config), *more, "--run-dir", str(run_dir), "-q", timeout=timeout, env=_ENV
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.timeout(180)
+def test_async_loop_trains_publishes_evaluates_and_checkpoints(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    summary = _run(_config(tmp_path, model_dir), run_dir)
+    for key in (
+        "eval_before",
+        "eval_after",
+        "steps",
+        "samples",
+        "wall_s",
+        "mean_lag",
+        "tis_clip_frac",
+        "ess",
+    ):
+        assert key in summary, key
+    assert summary["steps"] == 4 and summary["samples"] == 64
+    assert summary["policy_version"] == 4 and summary["publishes"]["published"] == 4
+    assert summary["status"] == "succeeded"
+    # same weights and kernels on CPU: the sampler's log-probs are the learner's
+    assert summary["mismatch_kl"] < 1e-4 and summary["ess"] > 0.99
+    steps = [e for e in events(run_dir, "learner.0") if e["event"] == "train_step"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]
+    assert all(e["lag_max"] <= 2 for e in steps)  # max_lag holds at the learner
+    # the engine received every version while generating
+    applied = {
+        e["weight_version"]
+        for e in events(run_dir, "generator-0-engine.0")
+        if e["event"] == "weight_version_set"
+    }
+    assert {1, 2, 3, 4} <= {int(v) for v in applied}
+    # the final checkpoint is a Hugging Face folder transformers can load
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    last = run_dir / "checkpoints" / "step-000004"
+    assert (last / "COMPLETE").exists() and (last / "model.safetensors").exists()
+    AutoModelForCausalLM.from_pretrained(last)
+    assert AutoTokenizer.from_pretrained(last)("1+2=")["input_ids"]
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["step-000002", "step-000004"]
+
+
+@pytest.mark.timeout(240)
+def test_resume_continues_from_the_last_checkpoint(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    _run(_config(tmp_path, model_dir, steps=2), run_dir)
+    result = run_inflight(
+        "run",
+        str(_config(tmp_path, model_dir, steps=4)),
+        "--resume",
+        str(run_dir),
+        "-q",
+        timeout=170,
+        env=_ENV,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    resumed = [e for e in events(run_dir, "learner.0") if e["event"] == "learner_resumed"]
+    assert resumed and resumed[-1]["step"] == 2 and resumed[-1]["policy_version"] == 2
+    steps = [e["step"] for e in events(run_dir, "learner.0") if e["event"] == "train_step"]
+    assert steps == [1, 2, 3, 4]  # the second run did steps 3 and 4 only
+    assert summary["steps"] == 4 and summary["policy_version"] == 4
+    assert "eval_before" in summary  # kept from the first run
+
+
+@pytest.mark.timeout(200)
+def test_sync_mode_trains_on_fresh_samples_only(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    summary = _run(_config(tmp_path, model_dir, steps=3, mode="sync"), run_dir)
+    assert summary["steps"] == 3
+    assert summary["mean_lag"] == 0 and summary["stale_dropped"] == 0
+    batches = [e for e in events(run_dir, "generator.0") if e["event"] == "sync_batch_done"]
+    assert len(batches) >= 2
+
+
+@pytest.mark.timeout(240)
+def test_two_learner_ranks_zero2(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    summary = _run(_config(tmp_path, model_dir, steps=3, learners=2, zero=2), run_dir)
+    assert summary["steps"] == 3 and summary["samples"] == 48
+    ready = [e for e in events(run_dir, "learner.*") if e["event"] == "deepspeed_ready"]
+    assert sorted(e["rank"] for e in ready) == [0, 1] and all(e["world"] == 2 for e in ready)
