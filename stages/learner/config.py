@@ -65,7 +65,10 @@ class PublishConfig:
     every: int = _f(1, "publish the weights after every N optimizer steps", min=1)
     bucket_mb: float = _f(64.0, "size of each flat weight bucket", min=0.01)
     backend: Literal["auto", "gloo", "nccl"] = _f(
-        "auto", "weight-group backend (auto: nccl when the learner is on a GPU, else gloo)"
+        "auto",
+        "weight-group backend (auto: nccl when the learner is on a GPU, else gloo); set gloo "
+        "when an engine shares the learner's GPU: NCCL cannot join two ranks on one device, "
+        "gloo stages the weights through CPU memory",
     )
     snapshot: bool = _f(
         True,

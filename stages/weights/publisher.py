@@ -177,7 +177,9 @@ class WeightPublisher:
             buckets, nbytes = await self._publish_flattened(group, groups, version)
         else:
             for named_tensors in groups:
-                for chunk in group_by_size(named_tensors, self.bucket_bytes):
+                for chunk in group_by_size(
+                    self._on_wire_device(named_tensors), self.bucket_bytes
+                ):
                     tensors = [t.detach().contiguous() for _, t in chunk]
                     await self._send(
                         group,
@@ -216,7 +218,9 @@ class WeightPublisher:
     ) -> tuple[int, int]:
         def all_buckets() -> Iterator[Bucket]:
             for named_tensors in groups:
-                yield from pack_buckets(named_tensors, self.bucket_bytes, staging=self._staging)
+                yield from pack_buckets(
+                    self._on_wire_device(named_tensors), self.bucket_bytes, staging=self._staging
+                )
 
         packer = all_buckets()
         # The source is advanced (and packed) in a worker thread, one bucket ahead of the wire.
@@ -238,6 +242,13 @@ class WeightPublisher:
                 ahead.exception()
             raise
         return buckets, nbytes
+
+    def _on_wire_device(self, named_tensors: NamedTensors) -> NamedTensors:
+        """gloo sends CPU memory: GPU weights are staged through CPU (one GPU shared by the
+        learner and an engine, where NCCL cannot be used, falls back to gloo this way)."""
+        if self.backend != "gloo":
+            return named_tensors
+        return ((name, t.cpu() if t.is_cuda else t) for name, t in named_tensors)
 
     async def close(self) -> None:
         """Leave the weight group and close HTTP; always releases both (idempotent)."""

@@ -33,6 +33,7 @@ class WeightReceiver:
     def __init__(self, device: str | torch.device = "cpu", *, timeout_s: float = 300) -> None:
         self.device = torch.device(device)
         self.timeout_s = timeout_s
+        self.backend = "gloo"
         self._group: WeightGroup | None = None
         # One reused receive buffer: a fresh one per bucket above glibc's mmap threshold (32 MB)
         # is a new mapping each time, faulted in and zeroed: 4x the receive CPU at 64 MB buckets.
@@ -59,6 +60,7 @@ class WeightReceiver:
             )
         if rank == 0:
             raise ValueError("rank 0 of the weight group is the publisher; engines use rank >= 1")
+        self.backend = backend
         self._group = init_weight_group(
             backend=backend,
             master_address=master_address,
@@ -98,13 +100,16 @@ class WeightReceiver:
                 f"{len(shapes)}"
             )
         torch_dtypes = [dtype_from_name(d) for d in dtypes]
+        # gloo moves CPU memory: a GPU engine in a gloo group (learner and engine sharing one
+        # GPU, where NCCL cannot join both) receives into CPU staging and copies to the device
+        device = torch.device("cpu") if self.backend == "gloo" else self.device
         if load_format == "flattened_bucket":
-            flat = self._staging.take(bucket_nbytes(dtypes, shapes), self.device)
+            flat = self._staging.take(bucket_nbytes(dtypes, shapes), device)
             self._group.broadcast(flat, src=0)
             return unpack_bucket(flat, names, dtypes, shapes)
         out = []
         for name, dtype, shape in zip(names, torch_dtypes, shapes, strict=True):
-            tensor = torch.empty(list(shape), dtype=dtype, device=self.device)
+            tensor = torch.empty(list(shape), dtype=dtype, device=device)
             self._group.broadcast(tensor, src=0)
             out.append((name, tensor))
         return out
