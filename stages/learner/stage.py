@@ -87,7 +87,9 @@ class Learner:
                 self.counts[key] = int(state.get("counts", {}).get(key, 0))
             self.totals.update(state.get("totals", {}))
             self.log.info(
-                "learner_resumed", checkpoint=str(resumed), step=self.step,
+                "learner_resumed",
+                checkpoint=str(resumed),
+                step=self.step,
                 policy_version=self.version,
             )
         self.resumed = resumed is not None
@@ -135,7 +137,7 @@ class Learner:
 
     async def _collect(self) -> list[TrainSample]:
         """This rank's share of the next batch (fewer only when the input has ended)."""
-        samples, self._carry = self._carry, []
+        samples, self._carry = self._fresh(self._carry), []
         while len(samples) < self.share and not self._input_done:
             try:
                 msg = await anext(self._groups)
@@ -145,6 +147,13 @@ class Learner:
             samples.extend(self._samples_of(msg.data))
         self._carry = samples[self.share :]
         return samples[: self.share]
+
+    def _fresh(self, samples: list[TrainSample]) -> list[TrainSample]:
+        """Drop (and count) samples whose oldest token is more than ``max_lag`` versions old."""
+        current = self.step // self.config.publish.every
+        kept = [s for s in samples if current - int(s.versions.min()) <= self.config.max_lag]
+        self.counts["stale"] += len(samples) - len(kept)
+        return kept
 
     def _samples_of(self, group: dict[str, Any]) -> list[TrainSample]:
         try:
@@ -174,16 +183,14 @@ class Learner:
             baseline=cfg.advantage.baseline,
             std_normalize=cfg.advantage.std_normalize,
         )
-        current = self.step // cfg.publish.every
-        out = []
-        for (ids, lp, versions), a, r in zip(
-            rows, advantages.tolist(), rewards.tolist(), strict=True
-        ):
-            if current - int(versions.min()) > cfg.max_lag:
-                self.counts["stale"] += 1
-                continue
-            out.append(TrainSample(prompt, ids, lp, versions, a, r))
-        return out
+        return self._fresh(
+            [
+                TrainSample(prompt, ids, lp, versions, a, r)
+                for (ids, lp, versions), a, r in zip(
+                    rows, advantages.tolist(), rewards.tolist(), strict=True
+                )
+            ]
+        )
 
     def _account(self, metrics: dict[str, Any], elapsed: float) -> None:
         self.counts["samples"] += metrics["samples"]

@@ -1,10 +1,12 @@
 """The reward scorer stage: rollouts in, one scored group per prompt out.
 
 Rollouts are collected by ``group_id`` until ``group_size`` have arrived; the whole group is then
-decoded (``skip_special_tokens``) and scored in one call per reward function, so a function sees
-every sample of a group together, and sent as one ``scored_group`` (samples in ``sample_index``
-order, each with ``reward`` and ``reward_info``). Up to ``workers`` groups are scored at once;
-while all are busy the stage stops reading, and backpressure reaches the generators.
+decoded (``skip_special_tokens``) and scored, and sent as one ``scored_group`` (samples in
+``sample_index`` order, each with ``reward`` and ``reward_info``). Complete groups waiting while
+every worker is busy are scored together in one call (up to ``batch_groups``; a function sees
+each group's samples next to each other, like a TRL batch), so the cost of a call is shared.
+Once a full batch waits and every worker is busy the stage stops reading, and backpressure
+reaches the generators.
 
 Reward functions run in worker processes under ``timeout_s`` (``runner.py``): one that raises,
 hangs or returns garbage gives its completions reward 0 with an ``error`` in ``reward_info``,
@@ -63,7 +65,10 @@ class ScorerConfig:
         metadata={"doc": "model directory whose tokenizer decodes completions (local files)"}
     )
     workers: int = field(
-        default=2, metadata={"min": 1, "doc": "reward worker processes (groups scored at once)"}
+        default=2, metadata={"min": 1, "doc": "reward worker processes (calls run at once)"}
+    )
+    batch_groups: int = field(
+        default=64, metadata={"min": 1, "doc": "most complete groups scored in one call"}
     )
     timeout_s: float = field(
         default=10.0, metadata={"min": 0.01, "doc": "limit for one reward function on one group"}
@@ -126,6 +131,9 @@ class Scorer:
         }
         self.window: list[float] = []  # rewards scored since the last metrics event
         self._tasks: set[asyncio.Task] = set()
+        self.ready: list[_Group] = []  # complete groups waiting for a worker
+        self.busy = 0  # scoring calls in flight
+        self._room = asyncio.Event()
 
     async def setup(self) -> None:
         self.runner = RewardRunner(
@@ -144,7 +152,6 @@ class Scorer:
             if isinstance(outcome, BaseException):
                 raise outcome
         self.tokenizer = tokenizer
-        self.slots = asyncio.Semaphore(self.config.workers)
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
 
     # ------------------------------------------------------------------- run
@@ -262,50 +269,84 @@ class Scorer:
 
     # ------------------------------------------------------------------- scoring
     async def _launch(self, group: _Group) -> None:
-        """Score ``group`` in a task once one of ``workers`` slots is free."""
-        await self.slots.acquire()
-        task = asyncio.create_task(self._score(group))
-        self._tasks.add(task)
-        task.add_done_callback(self._scored)
+        """Queue ``group`` for scoring; waits (stops reading) while a full batch is queued."""
+        self.ready.append(group)
+        self._kick()
+        while len(self.ready) >= self.config.batch_groups and self.busy >= self.config.workers:
+            self._room.clear()
+            await self._room.wait()
+
+    def _kick(self) -> None:
+        """Start scoring calls for the queued groups while workers are free."""
+        while self.ready and self.busy < self.config.workers:
+            batch = self.ready[: self.config.batch_groups]
+            self.ready = self.ready[self.config.batch_groups :]
+            self.busy += 1
+            task = asyncio.create_task(self._score(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._scored)
 
     def _scored(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        self.slots.release()
+        self.busy -= 1
         self._fail_on_error(task)
+        self._kick()
+        self._room.set()
 
     def _fail_on_error(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None and not self.failed.done():
             self.failed.set_exception(task.exception())
 
-    async def _score(self, group: _Group) -> None:
+    async def _score(self, batch: list[_Group]) -> None:
         assert self.runner is not None
         started = time.monotonic()
-        samples = [group.samples[i] for i in sorted(group.samples)]
-        kwargs = await asyncio.to_thread(self._reward_kwargs, group.head, samples)
-        scored = await self.runner.score(kwargs, group_id=group.head["group_id"])
-        score_s = round(time.monotonic() - started, 6)
-        out = []
-        for sample, (reward, info) in zip(samples, scored, strict=True):
-            item = {k: sample[k] for k in _SAMPLE_FIELDS}
-            item["timings"] = {**sample["timings"], "score_s": score_s}
-            item["reward"], item["reward_info"] = reward, info
-            out.append(item)
-            self.window.append(reward)
-        head = group.head
-        await self.ctx.outputs["groups"].send(
-            "scored_group",
-            {
-                "run_id": head["run_id"],
-                "prompt_id": head["prompt_id"],
-                "group_id": head["group_id"],
-                "group_size": head["group_size"],
-                "prompt_ids": head["prompt_ids"],
-                "samples": out,
-                "meta": head.get("meta"),
-            },
+        per_group = [[g.samples[i] for i in sorted(g.samples)] for g in batch]
+        parts = [
+            self._reward_kwargs(g.head, samples)
+            for g, samples in zip(batch, per_group, strict=True)
+        ]
+        keys = dict.fromkeys(k for part in parts for k in part)
+        # a key only some groups have (their meta) is None for the other groups' samples
+        kwargs = {
+            key: [
+                v
+                for part, samples in zip(parts, per_group, strict=True)
+                for v in part.get(key, [None] * len(samples))
+            ]
+            for key in keys
+        }
+        ids = [g.head["group_id"] for g in batch]
+        scored = await self.runner.score(
+            kwargs, group_id=ids[0] if len(ids) == 1 else f"{ids[0]} (+{len(ids) - 1} groups)"
         )
-        self.counts["groups_out"] += 1
-        self.counts["samples"] += len(out)
+        score_s = round(time.monotonic() - started, 6)
+        offset = 0
+        for group, samples in zip(batch, per_group, strict=True):
+            out = []
+            for sample, (reward, info) in zip(
+                samples, scored[offset : offset + len(samples)], strict=True
+            ):
+                item = {k: sample[k] for k in _SAMPLE_FIELDS}
+                item["timings"] = {**sample["timings"], "score_s": score_s}
+                item["reward"], item["reward_info"] = reward, info
+                out.append(item)
+                self.window.append(reward)
+            offset += len(samples)
+            head = group.head
+            await self.ctx.outputs["groups"].send(
+                "scored_group",
+                {
+                    "run_id": head["run_id"],
+                    "prompt_id": head["prompt_id"],
+                    "group_id": head["group_id"],
+                    "group_size": head["group_size"],
+                    "prompt_ids": head["prompt_ids"],
+                    "samples": out,
+                    "meta": head.get("meta"),
+                },
+            )
+            self.counts["groups_out"] += 1
+            self.counts["samples"] += len(out)
 
     def _reward_kwargs(
         self, head: Mapping[str, Any], samples: list[Mapping[str, Any]]
@@ -338,6 +379,7 @@ class Scorer:
             "worker_restarts": runner.get("restarts", 0),
             "groups_pending": len(self.pending),
             "groups_scoring": len(self._tasks),
+            "groups_ready": len(self.ready),
         }
 
     def _metrics(self) -> None:

@@ -212,12 +212,17 @@ _MEMORY_PROBE = textwrap.dedent(
         return prompts, [torch.randint(3, 8192, (c,), generator=g).tolist() for _ in range(n)]
 
     def peak_mib():
+        # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the parent (pytest,
+        # large after many tests), while VmHWM belongs to this process image alone
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     small, big = data(2), data(8)
     no_grad_logprobs(model, *data(2, 4, 4), pad_id=0, micro_batch=2)  # one-time lazy set-up
     base = peak_mib()
-    # ru_maxrss only rises, so each figure is the peak of its run or of an earlier one: the
+    # the high-water mark only rises, so each figure is the peak of its run or an earlier one: the
     # 8-sample run at micro_batch 2 must not raise the peak that 2 samples set.
     out = {}
     for name, prompts_completions, mb in [("one", small, 2), ("four", big, 2), ("whole", big, 8)]:

@@ -80,6 +80,7 @@ stages:
     rewards: {json.dumps(rewards)}
     tokenizer: "{tokenizer_dir}"
     workers: 2
+    batch_groups: 1   # the misbehaving rewards look at their call's first prompt
     timeout_s: 1.0
     group_timeout_s: 1.0
     min_group: 2

@@ -1,0 +1,42 @@
+"""``configs/default.yaml``, shortened, end to end in CI: the shipped model, every stage, eval.
+
+The full run (300 steps, a few minutes) is what the README's first command does and what
+``bench/async_vs_sync.py`` measures; here a few steps check that the shipped config and model
+work together as a user starts them and that the run leaves its summary.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.pipeline.runs import REPO, events, run_inflight
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(240)
+def test_default_config_shortened_runs_to_its_summary(tmp_path):
+    assert (REPO / "configs/models/arith-tiny/model.safetensors").exists()
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run",
+        "configs/default.yaml",
+        "stages.learner.steps=3",
+        "stages.learner.eval.max_prompts=40",
+        "stages.learner.checkpoint.every=0",
+        "--run-dir",
+        str(run_dir),
+        "-q",
+        timeout=230,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["samples"] == 3 * 256
+    # the shipped model starts partly right (warm start), never above 0.6
+    assert 0.2 <= summary["eval_before"] <= 0.6
+    assert summary["status"] == "succeeded"
+    evals = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 3]
+    assert (run_dir / "checkpoints" / "step-000003" / "model.safetensors").exists()
