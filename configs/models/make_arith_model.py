@@ -23,9 +23,13 @@ Why these defaults: held-out accuracy stays near 0 for a few hundred steps and t
 within ~100 steps, so the stop check runs every 5 steps. With the Qwen2 default initialiser
 (std 0.02) the stopped model is fragile: one fresh-Adam step at lr 1e-3 takes it from 0.46 to 0.0
 and policy gradient collapses; std 0.1 gets there 3x sooner and tolerates RL learning rates of
-3e-4 to 7e-4. SFT on fewer than ~4,000 problems (or at lr 3e-4) memorises instead of generalising
+3e-4 to 7e-4. SFT on 2,000 problems (or at lr 3e-4 on 4,000) memorises instead of generalising
 (held-out stays near 0.2 for 5,000 steps). Stopping at 0.52-0.60 on the sample puts the whole
 held-out split at ~0.53: partly right, yet under the 0.6 that the default run must start below.
+From there, plain on-policy group policy gradient (128 prompts x 4 samples a step, temperature 1,
+advantage r - mean, Adam lr 3e-4) first reaches 0.85 on the held-out split after ~300-380 steps
+(~150-190K completions, about a minute on one thread in one process). ``--short-share`` raises
+the share of one-digit answers (7% of the train split, the last ones RL gets right).
 
 The same command gives the same weights: everything is seeded and runs deterministically on
 one CPU thread. The helpers (``encode``, ``greedy_accuracy``, ``sample``...) are importable.
@@ -183,6 +187,21 @@ def sft_loss(model: torch.nn.Module, items: Sequence[Problem]) -> torch.Tensor:
     )
 
 
+def _sft_subset(
+    train: Sequence[Problem], size: int, short_share: float | None, rng: random.Random
+) -> list[Problem]:
+    """``size`` train problems, with ``short_share`` of them having a one-digit answer."""
+    size = min(size, len(train))
+    if short_share is None:
+        return rng.sample(list(train), size)
+    short = [p for p in train if len(p.answer) == 1]
+    long = [p for p in train if len(p.answer) > 1]
+    n_short = min(len(short), round(short_share * size))
+    chosen = rng.sample(short, n_short) + rng.sample(long, size - n_short)
+    rng.shuffle(chosen)
+    return chosen
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "arith-tiny")
@@ -194,6 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=256)
     parser.add_argument("--init-range", type=float, default=0.1, help="std of the initial weights")
     parser.add_argument("--subset", type=int, default=4000, help="train problems used for SFT")
+    parser.add_argument(
+        "--short-share",
+        type=float,
+        default=None,
+        help="share of one-digit answers in the SFT subset (default: as in the train split)",
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--min-acc", type=float, default=0.52, help="stop at this accuracy...")
@@ -212,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     train = list(problems(task, "train"))
     held_out = list(problems(task, "eval"))
     rng = random.Random(args.seed)
-    subset = rng.sample(train, min(args.subset, len(train)))
+    subset = _sft_subset(train, args.subset, args.short_share, rng)
     n_eval = min(args.eval_sample, len(held_out))
     eval_sample = random.Random(args.seed + 1).sample(held_out, n_eval)
 
