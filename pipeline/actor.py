@@ -100,8 +100,10 @@ class ActorContext:
 
     async def wait_for_engines(self, changed_since: Mapping[str, Any] | None = None) -> dict:
         """The engines announced so far, once they differ from ``changed_since``."""
+        # a copy: a caller passing ``ctx.engines`` itself would otherwise compare it with itself
+        since = dict(changed_since or {})
         async with self._engines_changed:
-            await self._engines_changed.wait_for(lambda: self.engines != (changed_since or {}))
+            await self._engines_changed.wait_for(lambda: self.engines != since)
         return dict(self.engines)
 
     def metrics(self, **values: Any) -> None:

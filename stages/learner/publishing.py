@@ -75,7 +75,7 @@ class Publishing:
                     f"{sorted(expected) or 'any generator'}; got {sorted(seen)})"
                 )
             try:
-                await asyncio.wait_for(self.ctx.wait_for_engines(self.ctx.engines), left)
+                await asyncio.wait_for(self.ctx.wait_for_engines(dict(self.ctx.engines)), left)
             except asyncio.TimeoutError:
                 continue
 

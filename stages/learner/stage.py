@@ -57,6 +57,7 @@ class Learner:
         self._carry: list[TrainSample] = []
         self._publish_task: asyncio.Task | None = None
         self._eval_task: asyncio.Task | None = None
+        self._eval_due: tuple[int, int] | None = None  # (step, version) of a pending evaluation
         self._input_done = False
         self._urls: list[str] = []
 
@@ -241,11 +242,18 @@ class Learner:
     async def _send(self, weights: Any, version: int) -> None:
         ok = await self.publishing.publish(weights, version)
         if ok and self.evaluator is not None and self.config.eval.every:
-            due = self.step % self.config.eval.every == 0 and self.step < self.config.steps
-            if due and (self._eval_task is None or self._eval_task.done()):
-                self._eval_task = asyncio.create_task(
-                    self.evaluator.evaluate(self._urls, step=self.step, version=version)
-                )
+            if self.step % self.config.eval.every == 0 and self.step < self.config.steps:
+                self._eval_due = (self.step, version)
+                if self._eval_task is None or self._eval_task.done():
+                    self._eval_task = asyncio.create_task(self._evaluations())
+                else:  # run when the previous one ends (only the newest waits)
+                    self.log.info("eval_deferred", step=self.step, policy_version=version)
+
+    async def _evaluations(self) -> None:
+        """Run due evaluations one after another; training goes on meanwhile."""
+        while self._eval_due is not None:
+            (step, version), self._eval_due = self._eval_due, None
+            await self.evaluator.evaluate(self._urls, step=step, version=version)
 
     # ------------------------------------------------------------ checkpoints
     def _checkpoint_root(self) -> Path:

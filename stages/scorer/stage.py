@@ -401,5 +401,8 @@ class Scorer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        failed = getattr(self, "failed", None)  # made in setup()
+        if failed is not None and failed.done() and not failed.cancelled():
+            failed.exception()  # retrieved: a send cut short by the shutdown is not news
         if self.runner is not None:
             await self.runner.aclose()

@@ -1,0 +1,34 @@
+"""ActorContext: what a replica learns from the control bus (versions, engine announcements)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline.actor import ActorContext
+
+_SPEC = {"stage": "learner", "replica": 0, "replicas": 1, "run_dir": ".", "seed": 0, "restarts": 0}
+
+
+@pytest.mark.timeout(10)
+def test_waiting_on_the_live_engines_dict_wakes_on_a_new_announcement():
+    async def main():
+        ctx = ActorContext(_SPEC, log=None, control=None)
+        # callers pass ctx.engines itself: the wait must compare against a copy of it
+        waiter = asyncio.create_task(ctx.wait_for_engines(ctx.engines))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        announcement = {"stage": "generator", "replica": 0, "urls": ["http://x"], "epoch": 0}
+        await ctx.set_engines(announcement)
+        seen = await asyncio.wait_for(waiter, 2)
+        assert seen == {"generator.0": announcement}
+        # the same announcement again is no change; a new epoch is
+        again = asyncio.create_task(ctx.wait_for_engines(ctx.engines))
+        await ctx.set_engines(dict(announcement))
+        await asyncio.sleep(0.05)
+        assert not again.done()
+        await ctx.set_engines({**announcement, "epoch": 1})
+        assert (await asyncio.wait_for(again, 2))["generator.0"]["epoch"] == 1
+
+    asyncio.run(main())
