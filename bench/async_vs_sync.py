@@ -38,13 +38,24 @@ def _ts(event: dict) -> float:
 
 
 def _run(config: str, run_dir: Path, overrides: list[str], target: float) -> dict:
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", config, *overrides,
-           "--run-dir", str(run_dir), "-q"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                          check=False, env={**os.environ})
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        config,
+        *overrides,
+        "--run-dir",
+        str(run_dir),
+        "-q",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, check=False, env={**os.environ}
+    )
     if proc.returncode:
-        raise SystemExit(f"run failed ({proc.returncode}): {proc.stdout[-2000:]}"
-                         f"{proc.stderr[-2000:]}")
+        raise SystemExit(
+            f"run failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
     start = next(_ts(e) for e in _events(run_dir, "supervisor") if e["event"] == "run_started")
     evals = [e for e in _events(run_dir, "learner.0") if e["event"] == "eval"]
     reached = next((e for e in evals if e["accuracy"] >= target), None)
@@ -78,15 +89,19 @@ def main() -> None:
             for mode in ("async", "sync")
         }
     a, s = runs["async"]["time_to_target_s"], runs["sync"]["time_to_target_s"]
-    print(json.dumps({
-        "bench": "async_vs_sync",
-        "target": args.target,
-        "async_s": a,
-        "sync_s": s,
-        "ratio_sync_over_async": None if not a or not s else round(s / a, 2),
-        "goal": 2.0,
-        **{f"{mode}_{k}": v for mode, r in runs.items() for k, v in r.items()},
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "async_vs_sync",
+                "target": args.target,
+                "async_s": a,
+                "sync_s": s,
+                "ratio_sync_over_async": None if not a or not s else round(s / a, 2),
+                "goal": 2.0,
+                **{f"{mode}_{k}": v for mode, r in runs.items() for k, v in r.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

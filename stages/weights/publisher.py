@@ -177,9 +177,7 @@ class WeightPublisher:
             buckets, nbytes = await self._publish_flattened(group, groups, version)
         else:
             for named_tensors in groups:
-                for chunk in group_by_size(
-                    self._on_wire_device(named_tensors), self.bucket_bytes
-                ):
+                for chunk in group_by_size(self._on_wire_device(named_tensors), self.bucket_bytes):
                     tensors = [t.detach().contiguous() for _, t in chunk]
                     await self._send(
                         group,
