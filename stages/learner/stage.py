@@ -119,19 +119,25 @@ class Learner:
             if self.evaluator is not None and self.step == 0:
                 result = await self.evaluator.evaluate(self._urls, step=0, version=self.version)
                 await self.ctx.summary(eval_before=result["accuracy"])
+        publish_s = 0.0
         while self.step < cfg.steps:
+            waited = time.monotonic()
             samples = await self._collect()
             go_on = await asyncio.to_thread(self.trainer.agree, bool(samples))
             if not go_on:
                 self.log.warning("input_ended", step=self.step, steps=cfg.steps)
                 break
             policy_version = self.step // cfg.publish.every
+            # time this step waited for samples, and for the last publish (hand-off included)
+            timing = {"wait_s": time.monotonic() - waited, "publish_s": publish_s}
             metrics = await asyncio.to_thread(self.trainer.step, samples, policy_version)
             self.step += 1
-            self._account(metrics, time.monotonic() - started)
+            self._account({**metrics, **timing}, time.monotonic() - started)
             last = self.step == cfg.steps
+            publish_s = time.monotonic()
             if self.step % cfg.publish.every == 0 or last:
                 await self._publish(-(-self.step // cfg.publish.every))  # ceil: the last step too
+            publish_s = time.monotonic() - publish_s
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not last:
                 await self._checkpoint()
         await self._finish(started)
