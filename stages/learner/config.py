@@ -46,6 +46,10 @@ class OptimConfig:
     eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
     warmup_steps: int = _f(0, "linear learning-rate warm-up over this many steps", min=0)
+    schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant", "after the warm-up: keep lr, or decay it to lr * min_lr_ratio at the last step"
+    )
+    min_lr_ratio: float = _f(0.0, "the decayed learning rate's share of lr", min=0.0, max=1.0)
 
 
 @dataclass

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -30,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from stages.learner.batching import collate, completion_logprobs, micro_batches, no_grad_logprobs
-from stages.learner.config import LearnerConfig
+from stages.learner.config import LearnerConfig, OptimConfig
 from stages.learner.loss import policy_loss, summarize
 
-__all__ = ["TrainSample", "Trainer"]
+__all__ = ["TrainSample", "Trainer", "lr_factor"]
 
 
 @dataclass
@@ -106,9 +107,9 @@ class Trainer:
             eps=optim.eps,
             weight_decay=optim.weight_decay,
         )
-        warmup = optim.warmup_steps
+        horizon = cfg.steps * cfg.epochs  # optimizer steps in the whole run
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+            optimizer, partial(lr_factor, optim=optim, horizon=horizon)
         )
         ds_config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
@@ -437,3 +438,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def lr_factor(step: int, *, optim: OptimConfig, horizon: int) -> float:
+    """The learning rate's multiplier before optimizer step ``step + 1`` (0-based ``step``)."""
+    warmup = optim.warmup_steps
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if optim.schedule == "constant" or horizon <= warmup + 1:
+        return 1.0
+    done = min(1.0, (step - warmup) / (horizon - warmup - 1))  # 0 after warm-up, 1 at the end
+    shape = 1.0 - done if optim.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape

@@ -302,3 +302,20 @@ def test_micro_batch_gradients_equal_full_batch(normalize):
         assert loss == pytest.approx(full_loss, rel=1e-5, abs=1e-6)
         for a, b in zip(grads, full_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_learning_rate_schedules():
+    from stages.learner.config import OptimConfig
+    from stages.learner.trainer import lr_factor
+
+    def factors(**kw):
+        optim = OptimConfig(lr=1.0, **kw)
+        return [round(lr_factor(s, optim=optim, horizon=6), 4) for s in range(6)]
+
+    assert factors() == [1.0] * 6
+    assert factors(warmup_steps=2) == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # decay from 1 right after the warm-up to min_lr_ratio at the last of the 6 steps
+    assert factors(warmup_steps=2, schedule="linear") == [0.5, 1.0, 1.0, 0.6667, 0.3333, 0.0]
+    assert factors(schedule="linear") == [1.0, 0.8, 0.6, 0.4, 0.2, 0.0]
+    assert factors(schedule="linear", min_lr_ratio=0.5) == [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    assert factors(schedule="cosine") == [1.0, 0.9045, 0.6545, 0.3455, 0.0955, 0.0]
