@@ -6,6 +6,9 @@
     inflight stages                                       list registered plugins
     inflight engine --model DIR --port N [...]            the built-in engine server
 
+``validate`` and ``run`` check the config against this host (``pipeline.placement``): cores and
+GPUs a stage asks for must exist; ``validate`` prints where each replica and engine will run.
+
 Exit codes: 0 success; 1 the run failed; 2 bad usage or an invalid config (every problem is
 printed, never a traceback); 130 interrupted (143 on SIGTERM). Dotted plugin paths
 (``my_module:MyStage``) are imported from the current directory as well as from installed
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 
 from pipeline.config import ConfigError, LoadedPipeline, load_pipeline
 from pipeline.log_view import add_logs_arguments, run_logs
+from pipeline.placement import host_inventory
 from pipeline.registry import list_plugins, resolve
 
 __all__ = ["main"]
@@ -37,7 +41,9 @@ def _load(args: argparse.Namespace) -> LoadedPipeline | None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        return load_pipeline(args.config, args.overrides, resolve=_resolve_stage)
+        return load_pipeline(
+            args.config, args.overrides, resolve=_resolve_stage, inventory=host_inventory()
+        )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
@@ -49,6 +55,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     stages = ", ".join(f"{n}({s.replicas})" for n, s in loaded.config.stages.items())
     print(f"{args.config}: valid ({len(loaded.config.stages)} stages: {stages})")
+    if loaded.placement is not None:
+        print(f"placement on this host: {loaded.placement.inventory.describe()}")
+        for line in loaded.placement.lines():
+            print(f"  {line}")
     return 0
 
 

@@ -19,6 +19,13 @@ ranks of one ``torch.distributed`` group, started with ``MASTER_ADDR``, ``MASTER
 on (they would wait in a collective forever), so the supervisor kills every rank and restarts the
 whole gang, with a fresh rendezvous port, under the failed rank's restart policy.
 
+Placement (``pipeline.placement``): each replica starts pinned to the cores the plan gives it
+(``sched_setaffinity`` in the child before exec), with ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` set
+to its core count unless the stage's ``env`` sets them, and ``CUDA_VISIBLE_DEVICES`` set to its
+GPUs when it has any. Replicas that reserve no cores float on the cores nobody reserved. A
+replica that launches engines gets their placements in ``INFLIGHT_ENGINE_PLACEMENT`` and applies
+them itself. Without any ``resources`` in the config nothing of this happens.
+
 The console shows every replica's events as they are written (the same view as ``inflight logs
 -f``). The last event of a run is ``run_finished`` with its status and exit code; stages may add
 values to ``RUN_DIR/summary.json`` (``summary`` on the control bus), written when the run ends.
@@ -43,10 +50,19 @@ from typing import Any
 import zmq.asyncio
 
 from pipeline import topics
-from pipeline.config import LoadedPipeline, dump_yaml
+from pipeline.config import ConfigError, LoadedPipeline, dump_yaml
 from pipeline.config.schema import STAGE_KEYS
 from pipeline.log_view import LogFilter, LogTail, render
-from pipeline.processes import kill_with_parent
+from pipeline.placement import (
+    ENGINE_PLACEMENT_ENV,
+    Plan,
+    affinity,
+    engine_placement,
+    host_inventory,
+    plan,
+    process_env,
+)
+from pipeline.processes import child_preexec
 from pipeline.stage import stage_ports
 from pipeline.structured_log import close_process_logging, configure_process_logging
 from transport import ControlBroker
@@ -127,6 +143,7 @@ class Supervisor:
     def __init__(self, loaded: LoadedPipeline, run_dir: Path, *, console: bool = True) -> None:
         self.loaded = loaded
         self.config = loaded.config
+        self.placement = loaded.placement or _place_here(loaded)
         self.run_dir = run_dir
         self.console = console
         self.replicas: dict[str, _Replica] = {}
@@ -233,12 +250,19 @@ class Supervisor:
         spec["restarts"] = rep.restarts
         spec["finished_producers"] = [r.name for r in self.replicas.values() if r.done]
         rep.spec_path.write_text(json.dumps(spec, indent=1))
-        env = {
-            **os.environ,
-            **self.config.stages[rep.stage].env,
-            "PYTHONUNBUFFERED": "1",
-            **self._rank_env(rep),
-        }
+        user_env = self.config.stages[rep.stage].env
+        base = {**os.environ, **user_env, "PYTHONUNBUFFERED": "1", **self._rank_env(rep)}
+        placed = self.placement.replica(rep.stage, rep.index)
+        env = dict(base)
+        for var, value in process_env(placed, self.placement, base, user_env).items():
+            if value is None:
+                env.pop(var, None)
+            else:
+                env[var] = value
+        engines = engine_placement(self.placement, rep.stage, rep.index, base, user_env)
+        if engines is not None:
+            env[ENGINE_PLACEMENT_ENV] = engines
+        cores = affinity(placed, self.placement)
         out = open(self.run_dir / "logs" / f"{rep.name}.out", "ab")  # noqa: ASYNC230 (local file)
         try:
             rep.proc = await asyncio.create_subprocess_exec(
@@ -250,7 +274,8 @@ class Supervisor:
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=kill_with_parent(),  # no replica outlives a killed supervisor
+                # no replica outlives a killed supervisor; pinned before it runs anything
+                preexec_fn=child_preexec(cores=cores),
                 env=env,
             )
         finally:
@@ -260,7 +285,12 @@ class Supervisor:
         rep.held = 0
         rep.failure = None
         self.log.info(
-            "replica_spawned", replica_name=rep.name, pid=rep.proc.pid, restarts=rep.restarts
+            "replica_spawned",
+            replica_name=rep.name,
+            pid=rep.proc.pid,
+            restarts=rep.restarts,
+            cores=None if cores is None else list(cores),
+            gpus=list(placed.gpus) or None,
         )
         rep.watcher = asyncio.create_task(self._watch(rep), name=f"watch-{rep.name}")
 
@@ -505,6 +535,12 @@ class Supervisor:
                 stages={n: s.replicas for n, s in self.config.stages.items()},
                 pid=os.getpid(),
             )
+            self.log.info(
+                "placement",
+                host=self.placement.inventory.describe(),
+                plan=self.placement.lines(),
+                pinned=self.placement.pins_cores,
+            )
             for rep in self.replicas.values():
                 await self._spawn(rep)
             checker = asyncio.create_task(self._check_heartbeats(), name="heartbeats")
@@ -540,6 +576,15 @@ class Supervisor:
                 console_stop.set()
                 await console
         return self._outcome.exit_code
+
+
+def _place_here(loaded: LoadedPipeline) -> Plan:
+    """The plan on this host, for a pipeline loaded without an inventory."""
+    placement, issues = plan(loaded.config.stages, host_inventory())
+    if issues:
+        raise ConfigError(issues, str(loaded.source))
+    assert placement is not None
+    return placement
 
 
 def _kill_group(pid: int, sig: int) -> None:

@@ -3,7 +3,9 @@
 ``load_pipeline`` reads the YAML (keeping each key's line), applies command-line overrides,
 builds the typed sections, finds each stage's class through ``resolve`` (the plugin registry's
 lookup), builds each stage's options into the class's ``Config`` and checks the wiring between
-ports. Every problem found on the way is collected; one ConfigError reports them all, in file
+ports. Given a host ``inventory`` it also places every replica and launched engine on it
+(``pipeline.placement``): a ``resources`` request the host cannot meet is a problem like any
+other. Every problem found on the way is collected; one ConfigError reports them all, in file
 order. It starts nothing and imports no plugin itself.
 
 ``LoadedPipeline.resolved()`` is the whole config with every default filled in, as plain data:
@@ -18,7 +20,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import typed
 from pipeline.config.errors import ConfigError, ConfigIssue
@@ -33,6 +35,9 @@ from pipeline.config.wiring import check_wiring
 from pipeline.config.yaml_source import Locations, apply_overrides, join_path, load_yaml
 from pipeline.stage import stage_config_class
 
+if TYPE_CHECKING:
+    from pipeline.placement import Inventory, Plan
+
 __all__ = ["SECTIONS", "LoadedPipeline", "load_pipeline"]
 
 SECTIONS = ("run", "transport", "stages")
@@ -41,11 +46,15 @@ _STAGE_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 @dataclass
 class LoadedPipeline:
-    """A validated pipeline: its config, the class of every stage, and the file it came from."""
+    """A validated pipeline: its config, the class of every stage, and the file it came from.
+
+    ``placement`` is the plan on the inventory it was loaded with (None when loaded without).
+    """
 
     config: PipelineConfig
     stage_classes: dict[str, type]
     source: Path
+    placement: Plan | None = None
 
     def resolved(self) -> dict[str, Any]:
         """The whole config as plain data, every default filled in, stage options inline."""
@@ -63,14 +72,22 @@ class LoadedPipeline:
 
 
 def load_pipeline(
-    path: str | Path, overrides: Sequence[str] = (), *, resolve: Callable[[str], type]
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    resolve: Callable[[str], type],
+    inventory: Inventory | None = None,
 ) -> LoadedPipeline:
     """Load, override and validate the pipeline file at ``path``.
 
     ``overrides`` are ``dotted.key=VALUE`` strings applied on top of the file. ``resolve`` maps a
     stage's ``use`` to its class; whatever it raises is reported as a problem with that stage.
-    Raises ConfigError listing every problem found.
+    ``inventory``: the host to place the stages on (``pipeline.placement.host_inventory()``);
+    without it only the host-independent ``resources`` checks run. Raises ConfigError listing
+    every problem found.
     """
+    from pipeline.placement import plan  # it imports pipeline.config: not at module level
+
     source = Path(path)
     data, locations, issues = load_yaml(source)
     issues.extend(apply_overrides(data, locations, overrides))
@@ -87,11 +104,13 @@ def load_pipeline(
     check_wiring(names, stages, classes, inputs_known, locations, issues)
     if run is not None and transport is not None:
         issues.extend(_timing_issues(run, transport, locations))
+    placement, found = plan(stages, inventory, locations.at)
+    issues.extend(found)
 
     if issues:
         raise ConfigError(_in_order(issues, str(source), overrides), str(source))
     assert run is not None and transport is not None  # else issues were reported
-    return LoadedPipeline(PipelineConfig(run, transport, stages), classes, source)
+    return LoadedPipeline(PipelineConfig(run, transport, stages), classes, source, placement)
 
 
 def _timing_issues(

@@ -19,6 +19,7 @@ from typing import Any, Literal
 __all__ = [
     "STAGE_KEYS",
     "PipelineConfig",
+    "Resources",
     "RestartPolicy",
     "RunSection",
     "StageSection",
@@ -80,8 +81,36 @@ class RestartPolicy:
     backoff_s: float = _f(0.5, "first restart delay; doubles each time, capped at 30 s", min=0.0)
 
 
+@dataclass
+class Resources:
+    """What one replica (or one engine a stage launches) needs from the host.
+
+    A count is filled by the launcher from what nobody else reserved; an explicit list of ids is
+    for the stage (or launch) as a whole and is split evenly, in order, among its replicas (or
+    engines). Asking for nothing (the default) leaves a process where it would be without
+    placement. Placement (``pipeline.placement``) reads these fields by name, so more kinds of
+    resource (memory, custom) are more fields here, not a new shape of plan.
+    """
+
+    cpus: int | list[int] | None = field(
+        default=None,
+        metadata={
+            "doc": "CPU cores per replica: a count, or a list of core ids shared out among the "
+            "replicas; null: float on the cores nobody reserved",
+            "min": 1,
+        },
+    )
+    gpus: int | list[int] = field(
+        default=0,
+        metadata={
+            "doc": "GPUs per replica: a count, or a list of GPU ids shared out among the replicas",
+            "min": 0,
+        },
+    )
+
+
 # Keys of a stage entry that belong to the runtime; every other key is a stage option.
-STAGE_KEYS = ("use", "replicas", "restart", "inbox", "inputs", "env")
+STAGE_KEYS = ("use", "replicas", "restart", "inbox", "inputs", "env", "resources")
 
 
 @dataclass
@@ -100,6 +129,13 @@ class StageSection:
     )
     env: dict[str, str] = field(
         default_factory=dict, metadata={"doc": "extra environment variables for the replicas"}
+    )
+    resources: Resources = field(
+        default_factory=Resources,
+        metadata={
+            "doc": "cores and GPUs each replica gets to itself (`{cpus: 2, gpus: 1}`); none "
+            "asked for: the replica floats on the cores nobody reserved"
+        },
     )
     # The stage's own options, built into the plugin's Config dataclass by the loader.
     options: Any = None

@@ -235,7 +235,7 @@ def _convert_union(tp: Any, args: tuple, value: Any, path: str, ctx: _Ctx) -> An
     for arm in (a for a in args if a is not _NONE):
         scratch = _Ctx(ctx.locations, [])
         converted = _convert(arm, value, path, scratch)
-        if converted is not _BAD:
+        if converted is not _BAD and not scratch.issues:
             return converted
         failures.append((arm, scratch.issues))
     for arm, arm_issues in failures:

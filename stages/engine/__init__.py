@@ -1,10 +1,12 @@
 """The built-in inference engine: a Hugging Face causal LM served over SGLang's HTTP API subset.
 
 ``inflight engine --model DIR --port N`` runs ``stages.engine.server``. The pieces:
-``protocol`` (parse and validate ``/generate`` bodies, render SGLang-shaped results),
-``sampling`` (temperature / top-k / top-p / min-p and the reported log-probs), ``kv_batch``
-(the left-padded batched KV cache that rows join and leave), ``scheduler`` (continuous batching
-and weight updates between two decode steps), ``model_weights`` (load named tensors in place),
-``loader`` (model + tokenizer from a directory). It does not stream, has no prefix cache and no
-tensor parallelism.
+``protocol`` (parse and validate ``/generate`` bodies, batches and ``n`` > 1 groups, render
+SGLang-shaped results), ``sampling`` (temperature / top-k / top-p / min-p, the reported
+log-probs and finish tests, batched over slots), ``kv_batch`` (the preallocated slot KV cache
+that rows join and leave), ``scheduler`` (continuous batching, shared prefills for identical
+prompts, weight updates between two decode steps), ``model_weights`` (load named tensors in
+place), ``loader`` (model + tokenizer from a directory). ``bench/engine_profile.py`` measures a
+decode step against the model's own forward. It does not stream, keeps no prefix cache across
+requests and has no tensor parallelism.
 """

@@ -1,16 +1,31 @@
-"""The KV cache of the running batch: left-padded rows that join and leave between steps.
+"""The running batch's KV cache in preallocated slots, with the tokens each row produced.
 
-Every row's real tokens end at the right edge; shorter rows are padded on the left, and
-``mask`` ([rows, length], 1 = real token) tells attention which columns to ignore. Rows that
-join (a freshly prefilled group) are merged by left-padding whichever side is shorter; rows
-that leave are dropped with ``index_select`` and columns that became padding in every row are
-trimmed, so the cache never grows past the longest live row.
+Layout. Each layer keeps its keys and values in one zero-initialized tensor
+``[slots, kv_heads, columns, head_dim]``; rows live in slots ``0..rows-1``. Every row's cached
+tokens end at the same column: the *pending* column ``end``, where a decode step writes the
+keys and values of the token each row sampled last (rows are left-padded, each from its own
+``row_start``). A decode step therefore writes one column of every layer in place and hands
+attention views ``[:rows, :, start:end+1]`` of the storage: nothing is copied or concatenated.
+The attention mask lives in a preallocated ``[slots, columns]`` tensor (bool, or additive for
+eager attention) set once per row when it joins, so a step passes a view of it too, as a 4D
+mask that transformers uses as it is (no mask construction per step). The sampled token ids and
+their log-probs are written into ``[slots, columns]`` tracks aligned with the same columns:
+the next step's input ids are a view of the token track, and a finished row's output and
+log-probs are one slice of it.
 
-Each layer keeps its keys and values in a buffer with spare room (grown by doubling), and a
-decode step writes its one new column in place instead of concatenating the whole cache as
-``DynamicLayer`` does. The cache object handed to the model is a transformers
-``DynamicCache`` whose layers are these buffers, so any model that takes a ``DynamicCache``
-works. Sliding-window and linear-attention layers are not supported.
+Columns are *logical* (they only grow: ``end`` advances by one per decode step, so it doubles
+as the step clock that per-token weight versions are keyed on); ``base`` maps them onto the
+storage (physical = logical - base). When the storage runs out of room on the right (decode)
+or on the left (a joining prompt longer than the free columns before ``end``), the live window
+is moved (or the storage grown by doubling): amortized, one small copy every many steps.
+
+Rows join after a prefill: the prefill's ``DynamicCache`` (left-padded, width ``W``) is copied
+into columns ``end-W..end-1`` of the new slots; identical prompts are prefilled once and copied
+into every slot that wants them. A row that leaves frees its slot by moving the last live row
+into it (its window only); columns that became padding in every row are dropped by moving
+``start``. The cache object handed to the model is a transformers ``DynamicCache`` whose layers
+are these slots, so any model that takes a ``DynamicCache`` works. Sliding-window and
+linear-attention layers are not supported.
 """
 
 from __future__ import annotations
@@ -18,100 +33,270 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["BatchKV"]
+__all__ = ["MASK_KINDS", "BatchKV"]
+
+# How the attention mask reaches the model: a 4D bool view (sdpa), a 4D additive view (eager),
+# or a 2D view that transformers turns into the mask it needs (any other attention).
+MASK_KINDS = ("bool4d", "additive4d", "2d")
 
 
-class _BufferLayer(DynamicLayer):
-    """One layer's keys/values in a preallocated buffer; ``update`` appends in place."""
+class _SlotLayer(DynamicLayer):
+    """One layer's keys/values in slot storage; ``update`` writes the pending column."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, owner: BatchKV, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
-        self._k = self._v = keys  # replaced by _store
-        self._len = 0
-        self._store(keys, values)
-
-    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        b, h, length, d = keys.shape
-        capacity = max(2 * length, length + 32)
-        self._k = keys.new_empty((b, h, capacity, d))
-        self._v = values.new_empty((b, h, capacity, values.shape[-1]))
-        self._k[:, :, :length] = keys
-        self._v[:, :, :length] = values
-        self._len = length
+        self.owner = owner
+        self.k, self.v = keys, values
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        self._expose()
-
-    def _expose(self) -> None:
-        self.keys = self._k[:, :, : self._len]
-        self.values = self._v[:, :, : self._len]
+        self.keys = self.values = None  # type: ignore[assignment]  # views after each update
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.owner
+        n, p, s = kv.rows, kv.end - kv.base, kv.start - kv.base
         q = key_states.shape[-2]
-        if self._len + q > self._k.shape[-2]:
-            self._store(self.keys, self.values)  # regrow with room to spare
-        self._k[:, :, self._len : self._len + q] = key_states
-        self._v[:, :, self._len : self._len + q] = value_states
-        self._len += q
-        self._expose()
+        self.k[:n, :, p : p + q] = key_states
+        self.v[:n, :, p : p + q] = value_states
+        self.keys = self.k[:n, :, s : p + q]
+        self.values = self.v[:n, :, s : p + q]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self._len
+        return self.owner.end - self.owner.start
+
+    def get_max_length(self) -> int:
+        return -1
 
 
 class BatchKV:
-    """The running rows' KV cache and padding mask (row order = the scheduler's row order)."""
+    """Slot storage for up to ``slots`` rows; the scheduler's row ``i`` lives in slot ``i``."""
 
-    def __init__(self, cache: DynamicCache, mask: torch.Tensor) -> None:
-        # Take the per-layer tensors of a cache filled by a forward pass (e.g. a prefill).
-        self.layers = [_BufferLayer(layer.keys, layer.values) for layer in cache.layers]
-        self.mask = mask
+    def __init__(self, slots: int, mask_kind: str = "bool4d", *, device: torch.device) -> None:
+        if mask_kind not in MASK_KINDS:
+            raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
+        self.slots = slots
+        self.mask_kind = mask_kind
+        self.device = device
+        self.rows = 0
+        self.end = 0  # logical pending column (also the decode-step clock)
+        self.start = 0  # logical first column any live row uses
+        self.base = 0  # physical column = logical column - base
+        self.columns = 0
+        self.margin = 8  # room kept left of `end` for joining prompts (grows with them)
+        self.layers: list[_SlotLayer] = []
+        self._stores: list[torch.Tensor] = []  # [tensors, slots, heads, columns, head_dim]
+        self._shapes: list[tuple[int, int, torch.dtype]] = []  # (heads, head_dim, dtype)
         self.cache = DynamicCache()
-        self.cache.layers = list(self.layers)
         self.cache.layer_class_to_replicate = None
+        self.row_start = torch.zeros(slots, dtype=torch.long, device=device)
+        self.mask = torch.zeros((slots, 0), dtype=torch.bool, device=device)
+        self.tokens = torch.zeros((slots, 0), dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((slots, 0), dtype=torch.float32, device=device)
+        self.relayouts = 0
 
-    @property
-    def rows(self) -> int:
-        return self.mask.shape[0]
+    # ---- a decode step ---------------------------------------------------------------------
 
-    def step_mask(self) -> torch.Tensor:
-        """The attention mask of a decode step: the cache's mask plus one real column."""
-        self.mask = torch.cat([self.mask, self.mask.new_ones((self.rows, 1))], dim=1)
-        return self.mask
+    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [rows, 1], position_ids [rows, 1], attention mask) of the next step."""
+        if self.end - self.base + 1 >= self.columns:
+            self._relayout(left=0)
+        n, p, s = self.rows, self.end - self.base, self.start - self.base
+        ids = self.tokens[:n, p : p + 1]
+        positions = (self.end - self.row_start[:n])[:, None]
+        mask = self.mask[:n, s : p + 1]
+        if self.mask_kind != "2d":
+            mask = mask[:, None, None, :]
+        return ids, positions, mask
 
-    def merge(self, other: BatchKV) -> None:
-        """Append ``other``'s rows after this batch's rows."""
-        length = max(self.mask.shape[1], other.mask.shape[1])
-        for mine, theirs in zip(self.layers, other.layers, strict=True):
-            keys = torch.cat([_left_pad(mine.keys, length), _left_pad(theirs.keys, length)])
-            values = torch.cat([_left_pad(mine.values, length), _left_pad(theirs.values, length)])
-            mine._store(keys, values)
-        self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(other.mask, length)])
+    def push(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Record every row's next token after a decode step; the pending column advances."""
+        p = self.end - self.base + 1
+        self.tokens[: self.rows, p] = tokens
+        self.logprobs[: self.rows, p] = logprobs
+        self.end += 1
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (in that order), trimming columns that are padding everywhere."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        mask = self.mask.index_select(0, idx)
-        real_cols = mask.any(dim=0).nonzero()
-        start = int(real_cols[0]) if real_cols.numel() else mask.shape[1]
-        self.mask = mask[:, start:].contiguous()
-        for layer in self.layers:
-            layer._store(
-                layer.keys.index_select(0, idx)[:, :, start:],
-                layer.values.index_select(0, idx)[:, :, start:],
+    # ---- rows joining ----------------------------------------------------------------------
+
+    def admit(
+        self,
+        prefill: DynamicCache,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        source: torch.Tensor | None,
+    ) -> tuple[int, int]:
+        """Add the rows of a prefill; returns their slots ``(lo, hi)``.
+
+        ``prefill`` and ``ids`` ([U, W]) hold U left-padded prompts; new row ``j`` takes prompt
+        ``source[j]`` (all U in order when ``source`` is None), whose real length is
+        ``lengths[j]``. Their first sampled token goes in with ``set_pending``.
+        """
+        width = ids.shape[1]
+        count = ids.shape[0] if source is None else source.shape[0]
+        lo, hi = self.rows, self.rows + count
+        if hi > self.slots:
+            raise RuntimeError(f"{hi} rows exceed the cache's {self.slots} slots")
+        if not self.layers:
+            self._allocate(prefill, width)
+        self.margin = max(self.margin, width)
+        if self.rows == 0:
+            self.start = self.end  # nothing to keep: start afresh at the left of the storage
+            if self.columns > 4 * _pow2(2 * self.margin + 32):
+                self.columns = 0  # the long rows are gone: give their memory back
+            self._relayout(left=width)
+        elif self.end - self.base < width:
+            self._relayout(left=width)
+        p = self.end - self.base
+        for layer, (keys, values, *_rest) in zip(self.layers, prefill, strict=True):
+            if source is not None:
+                keys, values = keys.index_select(0, source), values.index_select(0, source)
+            layer.k[lo:hi, :, p - width : p] = keys
+            layer.v[lo:hi, :, p - width : p] = values
+        self.tokens[lo:hi, p - width : p] = ids if source is None else ids.index_select(0, source)
+        starts = self.end - lengths.to(self.device)
+        self.row_start[lo:hi] = starts
+        self._set_mask(lo, hi)
+        self.start = min(self.start, int(starts.min())) if lo else int(starts.min())
+        self.rows = hi
+        return lo, hi
+
+    def set_pending(self, lo: int, hi: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """The first sampled token of rows ``lo..hi-1`` (just admitted)."""
+        p = self.end - self.base
+        self.tokens[lo:hi, p] = tokens
+        self.logprobs[lo:hi, p] = logprobs
+
+    # ---- rows leaving ----------------------------------------------------------------------
+
+    def remove(self, dead: list[int]) -> tuple[list[int], list[int]]:
+        """Drop rows ``dead``; returns ``(holes, movers)``: row ``movers[i]`` now lives in slot
+        ``holes[i]`` (the last live rows fill the freed slots below the new row count)."""
+        gone = set(dead)
+        n = self.rows - len(gone)
+        holes = sorted(s for s in gone if s < n)
+        movers = [s for s in range(n, self.rows) if s not in gone]
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            s, p = self.start - self.base, self.end - self.base + 1
+            for store in self._stores:  # every layer's keys and values at once
+                store[:, dst, :, s:p] = store[:, src, :, s:p]
+            for track in (self.tokens, self.logprobs, self.mask):
+                track[dst, s:p] = track[src, s:p]
+            self.row_start[dst] = self.row_start[src]
+        self.rows = n
+        # Columns every remaining row treats as padding are dropped from the window.
+        self.start = int(self.row_start[:n].min()) if n else self.end
+        return holes, movers
+
+    def clear(self) -> None:
+        """Drop every row (the storage stays allocated)."""
+        self.rows = 0
+        self.start = self.end
+
+    def row_track(self, slots: list[int], first: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Tokens and log-probs of ``slots`` from logical column ``first`` to ``end``."""
+        idx = torch.tensor(slots, device=self.device)
+        a, b = first - self.base, self.end - self.base + 1
+        return (
+            self.tokens.index_select(0, idx)[:, a:b].tolist(),
+            self.logprobs.index_select(0, idx)[:, a:b].tolist(),
+        )
+
+    # ---- storage -----------------------------------------------------------------------
+
+    def _allocate(self, prefill: DynamicCache, width: int) -> None:
+        for layer in prefill.layers:
+            if type(layer) is not DynamicLayer:
+                raise ValueError(
+                    f"cache layer {type(layer).__name__} is not supported: the built-in engine "
+                    "serves full-attention models only (no sliding-window or linear layers)"
+                )
+        self.margin = max(self.margin, width)
+        self.columns = _pow2(2 * self.margin + 32)
+        self.base = self.end - self.margin
+        self.start = self.end
+        self._shapes = [
+            (t.shape[1], t.shape[3], t.dtype)
+            for layer in prefill.layers
+            for t in (layer.keys, layer.values)
+        ]
+        self._build_stores(self.columns)
+        self.cache.layers = list(self.layers)
+        self.mask = self._mask_like(self.columns)
+        self.tokens = torch.zeros((self.slots, self.columns), dtype=torch.long, device=self.device)
+        self.logprobs = torch.zeros((self.slots, self.columns), device=self.device)
+
+    def _relayout(self, left: int) -> None:
+        """Move the live window so that ``left`` columns (at least the margin) precede ``end``
+        and there is room on the right; grow the storage (doubling) when it is too small."""
+        span = self.end - self.start  # cached columns of the longest row
+        new_p = max(left, self.margin, span)
+        room = max(32, new_p)
+        columns = max(self.columns, _pow2(new_p + room))
+        new_base = self.end - new_p
+        s_old, s_new = self.start - self.base, self.start - new_base
+        w = span + 1  # the pending column travels too
+        n = self.rows
+        fresh = columns != self.columns
+        windows = [store[:, :n, :, s_old : s_old + w].clone() for store in self._stores]
+        if fresh:
+            self._build_stores(columns)
+        for store, window in zip(self._stores, windows, strict=True):
+            store[:, :n, :, s_new : s_new + w] = window
+        for name in ("tokens", "logprobs"):
+            old = getattr(self, name)
+            window = old[:n, s_old : s_old + w].clone()
+            new = old.new_zeros((self.slots, columns)) if fresh else old
+            new[:n, s_new : s_new + w] = window
+            setattr(self, name, new)
+        self.columns, self.base = columns, new_base
+        if fresh:
+            self.mask = self._mask_like(columns)
+        self._set_mask(0, n)
+        self.relayouts += 1
+
+    def _set_mask(self, lo: int, hi: int) -> None:
+        cols = torch.arange(self.columns, device=self.device) + self.base
+        real = cols[None, :] >= self.row_start[lo:hi, None]
+        if self.mask_kind == "additive4d":
+            self.mask[lo:hi] = torch.where(real, 0.0, torch.finfo(self.mask.dtype).min)
+        else:
+            self.mask[lo:hi] = real
+
+    def _build_stores(self, columns: int) -> None:
+        """Zeroed storage for every layer's keys and values: one tensor per distinct shape and
+        dtype (usually one for the whole model), so moving rows is one copy, not 2 per layer.
+        Zeros, not garbage: a masked column still enters attention as 0 * value."""
+        groups: dict[tuple[int, int, torch.dtype], list[int]] = {}
+        for i, shape in enumerate(self._shapes):
+            groups.setdefault(shape, []).append(i)
+        views: list[torch.Tensor | None] = [None] * len(self._shapes)
+        self._stores = []
+        for (heads, dim, dtype), members in groups.items():
+            store = torch.zeros(
+                (len(members), self.slots, heads, columns, dim), dtype=dtype, device=self.device
             )
+            self._stores.append(store)
+            for j, i in enumerate(members):
+                views[i] = store[j]
+        if not self.layers:
+            self.layers = [
+                _SlotLayer(self, views[2 * i], views[2 * i + 1]) for i in range(len(views) // 2)
+            ]
+        else:
+            for i, layer in enumerate(self.layers):
+                layer.k, layer.v = views[2 * i], views[2 * i + 1]
+
+    def _mask_like(self, columns: int) -> torch.Tensor:
+        if self.mask_kind == "additive4d":
+            dtype = self._stores[0].dtype
+            return torch.full(
+                (self.slots, columns), torch.finfo(dtype).min, dtype=dtype, device=self.device
+            )
+        return torch.zeros((self.slots, columns), dtype=torch.bool, device=self.device)
 
 
-def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
-    """Pad the sequence dimension (-2 for KV [b, h, s, d], -1 for a mask [b, s]) on the left."""
-    dim = -1 if t.dim() == 2 else -2
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    # Zeros, not garbage: a masked column still enters attention as 0 * value.
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -2,39 +2,50 @@
 
 One scheduler thread owns the model and its batched KV cache (``kv_batch.BatchKV``) and loops:
 apply queued control commands (new requests, aborts, pause/continue, weight updates), admit
-waiting requests up to ``max_running`` (prefilled together, left-padded, then merged into the
-running batch), run one decode step over every running row, retire the rows that finished.
-Callers on other threads talk to it only through the thread-safe methods below, which return
-``concurrent.futures.Future`` objects (``asyncio.wrap_future`` turns them into awaitables).
+waiting requests up to ``max_running`` (prefilled together, left-padded, then copied into free
+slots of the running batch), run one decode step over every running row, retire the rows that
+finished. Callers on other threads talk to it only through the thread-safe methods below, which
+return ``concurrent.futures.Future`` objects (``asyncio.wrap_future`` turns them into
+awaitables); ``submit_many`` takes a whole group (a batch or ``n`` samples of a prompt) in one
+command and resolves one future when all of it is done.
+
+The step is built to cost little more than the model's forward: inputs, positions and the mask
+are views of preallocated tensors; sampling, log-probs and finish tests are batched tensor
+operations (``sampling.SlotSampler``); tokens and log-probs stay in per-row tensor tracks until a
+row finishes; Python touches a row only when it joins or leaves. Identical prompts admitted
+together (a group's samples) are prefilled once and their KV copied into every row.
 
 In-flight weight updates: ``apply_weights`` queues named tensors; the scheduler copies them
 into the model at the next step boundary. Running rows keep their KV cache (computed by the
-old weights) and go on; every token records the weight version live when it was sampled.
+old weights) and go on; every token records the weight version live when it was sampled
+(kept as spans over the step clock: a version change is one entry, not one per token).
 
 Pause modes follow SGLang: ``abort`` (the default there) aborts everything in flight,
 ``retract`` drops the running rows' KV cache and puts them back in the queue (recomputed on
 continue), ``in_place`` just stops stepping and keeps the cache. Weight updates and aborts
-still run while paused. Not here: prefix caching, chunked prefill, preemption on memory
-pressure, speculative decoding.
+still run while paused. Not here: a prefix cache across requests, chunked prefill, preemption
+on memory pressure, speculative decoding.
 """
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import structlog
 import torch
+from transformers import DynamicCache
 
 from stages.engine.kv_batch import BatchKV
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.protocol import GenerateInput, SequenceResult
-from stages.engine.sampling import sample_next
+from stages.engine.sampling import SlotSampler
 
 __all__ = ["PAUSE_MODES", "Scheduler"]
 
@@ -43,23 +54,115 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 log = structlog.get_logger("stages.engine.scheduler")
 
 
-@dataclass
+class _Outbox:
+    """Results bound for one asyncio loop, handed over with one wake-up per batch of them.
+
+    ``concurrent.futures`` + ``asyncio.wrap_future`` cost a lock, a chain of callbacks and a
+    ``call_soon_threadsafe`` per future; here a step that finishes several requests wakes the
+    loop once, and the loop resolves their futures in its own thread.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def put(self, future: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
+        with self.lock:
+            self.items.append((future, value, exc))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _flush(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+            self.scheduled = False
+        for future, value, exc in items:
+            if future.done():  # cancelled: the client went away
+                continue
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(value)
+
+
+class _Group:
+    """Requests submitted together; one future resolves with all their results, in order."""
+
+    __slots__ = ("future", "outbox", "remaining", "results", "single")
+
+    def __init__(self, size: int, single: bool, outbox: _Outbox | None = None) -> None:
+        self.outbox = outbox
+        self.future: Any = Future() if outbox is None else outbox.loop.create_future()
+        self.results: list[SequenceResult | None] = [None] * size
+        self.remaining = size
+        self.single = single
+
+    def done(self, index: int, result: SequenceResult) -> None:
+        self.results[index] = result
+        self.remaining -= 1
+        if self.remaining == 0:
+            self._resolve(self.results[0] if self.single else self.results, None)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.remaining > 0:
+            self.remaining = 0
+            self._resolve(None, exc)
+
+    def _resolve(self, value: Any, exc: BaseException | None) -> None:
+        if self.outbox is not None:
+            self.outbox.put(self.future, value, exc)
+            return
+        try:
+            if exc is not None:
+                self.future.set_exception(exc)
+            else:
+                self.future.set_result(value)
+        except InvalidStateError:  # cancelled by the caller meanwhile: nobody waits
+            pass
+
+
 class _Seq:
-    inp: GenerateInput
-    future: Future[SequenceResult]
-    generator: torch.Generator
-    tokens: list[int]  # prompt + output; the KV cache holds all but the last one
-    started: float
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
+    """One sequence: its request, where its result goes, and where it lives in the batch."""
+
+    __slots__ = (
+        "done_ids",
+        "done_logprobs",
+        "done_versions",
+        "first",
+        "generator",
+        "group",
+        "index",
+        "inp",
+        "slot",
+        "started",
+    )
+
+    def __init__(self, inp: GenerateInput, group: _Group, index: int, started: float) -> None:
+        self.inp = inp
+        self.group = group
+        self.index = index  # in the group
+        seed = inp.params.sampling_seed
+        # its own generator when sampling_seed is set
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.started = started
+        # Outputs of earlier stints (before a retraction), already materialized.
+        self.done_ids: list[int] = []
+        self.done_logprobs: list[float] = []
+        self.done_versions: list[str] = []
+        self.slot = -1  # row in the running batch, -1 while waiting
+        self.first = 0  # logical column of this stint's first output token
 
     @property
-    def prompt_len(self) -> int:
-        return len(self.inp.input_ids)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
+    def context(self) -> list[int]:
+        """What a prefill must process: the prompt and every token generated so far."""
+        return self.inp.input_ids + self.done_ids if self.done_ids else self.inp.input_ids
 
 
 class Scheduler:
@@ -80,6 +183,7 @@ class Scheduler:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         self.model = model.eval()
+        _check_full_attention(model)
         self.device = next(model.parameters()).device
         self.max_running = max_running
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -93,10 +197,16 @@ class Scheduler:
         self._threads = torch.get_num_threads()
         # Owned by the scheduler thread (or by the caller of step() when no thread runs).
         self._waiting: collections.deque[_Seq] = collections.deque()
-        self._running: list[_Seq] = []
-        self._kv: BatchKV | None = None
+        self._running: list[_Seq] = []  # index = slot
+        self._kv = BatchKV(max_running, _mask_kind(model), device=self.device)
+        self._sampler = SlotSampler(max_running, self.eos_token_ids, self._rng)
         self._paused = False
-        self._rids: set[str] = set()
+        self._rids: dict[str, _Seq] = {}
+        self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
+        # Weight versions as spans over the step clock (BatchKV.end): version _vvals[i] is live
+        # from clock _vkeys[i] on.
+        self._vkeys: list[int] = [-1]
+        self._vvals: list[str] = [self._version]
         self.steps = 0
         self.tokens_generated = 0
 
@@ -115,24 +225,38 @@ class Scheduler:
 
     def submit(self, inp: GenerateInput) -> Future[SequenceResult]:
         """Queue one sequence; the future resolves when it finishes or is aborted."""
-        future: Future[SequenceResult] = Future()
-        seq = _Seq(
-            inp=inp,
-            future=future,
-            generator=(
-                torch.Generator().manual_seed(inp.params.sampling_seed)
-                if inp.params.sampling_seed is not None
-                else self._rng
-            ),
-            tokens=list(inp.input_ids),
-            started=time.perf_counter(),
-        )
-        self._post(lambda: self._enqueue(seq))
-        return future
+        return self._submit([inp], single=True)
+
+    def submit_many(self, inputs: Sequence[GenerateInput]) -> Future[list[SequenceResult]]:
+        """Queue sequences together (one command); resolves with all results, in order.
+
+        If any request id is already in flight, none is queued (the future fails with
+        ``ValueError``). Each sequence stays abortable by its own ``rid`` (and by its
+        ``group_rid``); an aborted one resolves with finish reason ``abort``.
+        """
+        return self._submit(list(inputs), single=False)
+
+    def submit_async(self, inputs: Sequence[GenerateInput]) -> asyncio.Future[Any]:
+        """``submit_many`` for a caller on an asyncio loop: returns a future of that loop
+        (call it from the loop's thread); results are handed over in batches."""
+        loop = asyncio.get_running_loop()
+        outbox = self._outboxes.get(loop)
+        if outbox is None:
+            outbox = self._outboxes[loop] = _Outbox(loop)
+        return self._submit(list(inputs), single=False, outbox=outbox)
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> Future[int]:
-        """Abort one request by id (or all); resolves to how many were aborted."""
-        return self._call(lambda: self._abort(rid, abort_all, "aborted by /abort_request"))
+        """Abort one request by id (or all); resolves to how many were aborted.
+
+        ``rid`` matches a sequence's own id or its ``group_rid`` (all samples of an ``n`` > 1
+        request).
+        """
+        return self._call(lambda: self._abort({rid} if rid else set(), abort_all, "/abort_request"))
+
+    def abort_many(self, rids: Iterable[str], message: str = "client went away") -> Future[int]:
+        """Abort these request ids (one command)."""
+        wanted = set(rids)
+        return self._call(lambda: self._abort(wanted, False, message))
 
     def pause(self, mode: str = "abort") -> Future[None]:
         """Stop stepping after the current step; resolves once paused."""
@@ -166,6 +290,7 @@ class Scheduler:
 
     # ---- stepping --------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> bool:
         """One iteration: commands, admission, one decode step. True while work remains."""
         self._drain()
@@ -188,20 +313,30 @@ class Scheduler:
         # runs the model ~3x slower on CPU than the thread that loaded it.
         torch.set_num_threads(self._threads)
         log.info("scheduler_started", max_running=self.max_running, device=str(self.device))
-        while not self._stop.is_set():
-            try:
-                busy = self.step()
-            except Exception as exc:
-                # A failing forward pass must not kill the engine: fail what was in flight.
-                log.exception("scheduler_step_failed", error=repr(exc))
-                self._fail_all(exc)
-                continue
-            if not busy:
-                self._wake.wait()
-                self._wake.clear()
-        self._drain()
-        self._abort(None, True, "engine shutting down")
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                try:
+                    busy = self.step()
+                except Exception as exc:
+                    # A failing forward pass must not kill the engine: fail what was in flight.
+                    log.exception("scheduler_step_failed", error=repr(exc))
+                    self._fail_all(exc)
+                    continue
+                if not busy:
+                    self._wake.wait()
+                    self._wake.clear()
+            self._drain()
+            self._abort(set(), True, "engine shutting down")
         log.info("scheduler_stopped", steps=self.steps, tokens=self.tokens_generated)
+
+    def _submit(
+        self, inputs: list[GenerateInput], *, single: bool, outbox: _Outbox | None = None
+    ) -> Any:
+        group = _Group(len(inputs), single, outbox)
+        now = time.perf_counter()
+        seqs = [_Seq(inp, group, i, now) for i, inp in enumerate(inputs)]
+        self._post(lambda: self._enqueue(seqs))
+        return group.future
 
     def _post(self, command: Callable[[], None]) -> None:
         with self._lock:
@@ -230,38 +365,43 @@ class Scheduler:
 
     # ---- commands (scheduler thread) -------------------------------------------------------
 
-    def _enqueue(self, seq: _Seq) -> None:
-        if seq.inp.rid in self._rids:
-            seq.future.set_exception(ValueError(f"rid: request id {seq.inp.rid!r} is in flight"))
+    def _enqueue(self, seqs: list[_Seq]) -> None:
+        busy = [s.inp.rid for s in seqs if s.inp.rid in self._rids]
+        if busy:
+            seqs[0].group.fail(ValueError(f"rid: request id {busy[0]!r} is in flight"))
             return
-        self._rids.add(seq.inp.rid)
-        self._waiting.append(seq)
+        for seq in seqs:
+            self._rids[seq.inp.rid] = seq
+        self._waiting.extend(seqs)
 
-    def _abort(self, rid: str | None, abort_all: bool, message: str) -> int:
+    def _abort(self, rids: set[str], abort_all: bool, message: str) -> int:
         def hit(seq: _Seq) -> bool:
-            return abort_all or seq.inp.rid == rid
+            return abort_all or seq.inp.rid in rids or seq.inp.group_rid in rids
 
-        reason = {"type": "abort", "message": message}
+        reason = {"type": "abort", "message": f"aborted by {message}"}
         waiting = [s for s in self._waiting if hit(s)]
-        self._waiting = collections.deque(s for s in self._waiting if not hit(s))
-        for seq in waiting:
-            self._finish(seq, reason)
-        rows = [i for i, s in enumerate(self._running) if hit(s)]
+        if waiting:
+            self._waiting = collections.deque(s for s in self._waiting if not hit(s))
+            for seq in waiting:
+                self._finish(seq, reason, seq.done_ids, seq.done_logprobs, seq.done_versions)
+        rows = [s.slot for s in self._running if hit(s)]
         if rows:
             self._retire(rows, [reason] * len(rows))
-        if waiting or rows:
-            count = len(waiting) + len(rows)
-            log.info("requests_aborted", rid=rid, abort_all=abort_all, count=count)
-        return len(waiting) + len(rows)
+        count = len(waiting) + len(rows)
+        if count:
+            log.info("requests_aborted", rids=sorted(rids)[:8], abort_all=abort_all, count=count)
+        return count
 
     def _pause(self, mode: str) -> None:
         if mode == "abort":
-            self._abort(None, True, "aborted by /pause_generation")
+            self._abort(set(), True, "/pause_generation")
         elif mode == "retract" and self._running:
             # Back to the head of the queue, in order; the KV cache is recomputed on continue.
+            self._materialize(self._running)
             self._waiting.extendleft(reversed(self._running))
             self._running = []
-            self._kv = None
+            self._kv.clear()
+            self._sampler.clear()
         self._paused = True
         log.info("generation_paused", mode=mode, **self.counts())
 
@@ -275,7 +415,7 @@ class Scheduler:
         start = time.perf_counter()
         count = load_named_tensors(self.model, named_tensors)
         if version is not None:
-            self._version = str(version)
+            self._set_version(str(version), quiet=True)
         log.info(
             "weights_applied",
             version=self._version,
@@ -284,27 +424,36 @@ class Scheduler:
             running=len(self._running),
         )
 
-    def _set_version(self, version: str) -> None:
-        self._version = version
-        log.info("weight_version_set", weight_version=version)
+    def _set_version(self, version: str, *, quiet: bool = False) -> None:
+        if version != self._version:
+            clock = self._kv.end
+            if self._vkeys[-1] == clock:
+                self._vvals[-1] = version
+            else:
+                self._vkeys.append(clock)
+                self._vvals.append(version)
+            self._version = version
+            self._prune_versions()
+        if not quiet:
+            log.info("weight_version_set", weight_version=version)
 
     def _fail_all(self, exc: Exception) -> None:
         seqs = list(self._waiting) + self._running
         self._waiting.clear()
         self._running = []
-        self._kv = None
+        self._kv.clear()
+        self._sampler.clear()
+        self._rids.clear()
         for seq in seqs:
-            self._rids.discard(seq.inp.rid)
-            if not seq.future.done():
-                seq.future.set_exception(exc)
+            seq.group.fail(exc)
 
     # ---- model passes (scheduler thread) ---------------------------------------------------
 
     def _admit(self) -> None:
         free = self.max_running - len(self._running)
         # Admit in batches: one prefill of many prompts costs far less than many prefills of
-        # one, and every admission re-pads the running cache. So while rows are decoding, wait
-        # until a share of the slots is free (unless everything waiting fits already).
+        # one. So while rows are decoding, wait until a share of the slots is free (unless
+        # everything waiting fits already).
         if (
             self._running
             and free < self.admit_fraction * self.max_running
@@ -314,108 +463,202 @@ class Scheduler:
         group: list[_Seq] = []
         while self._waiting and len(group) < free:
             seq = self._waiting.popleft()
-            if seq.inp.params.max_new_tokens == 0:
-                self._finish(seq, {"type": "length", "length": 0})
+            if seq.inp.params.max_new_tokens - len(seq.done_ids) <= 0:
+                reason = {"type": "length", "length": seq.inp.params.max_new_tokens}
+                self._finish(seq, reason, seq.done_ids, seq.done_logprobs, seq.done_versions)
             else:
                 group.append(seq)
         if group:
             self._prefill(group)
 
-    @torch.inference_mode()
     def _prefill(self, group: list[_Seq]) -> None:
-        width = max(len(s.tokens) for s in group)
-        ids = torch.zeros((len(group), width), dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for row, seq in enumerate(group):
-            ids[row, width - len(seq.tokens) :] = torch.tensor(seq.tokens)
-            mask[row, width - len(seq.tokens) :] = 1
+        # Identical contexts (the samples of one prompt) are prefilled once.
+        unique: dict[tuple[int, ...], int] = {}
+        contexts: list[list[int]] = []
+        source: list[int] = []
+        for seq in group:
+            ctx = seq.context
+            key = tuple(ctx)
+            idx = unique.get(key)
+            if idx is None:
+                idx = unique[key] = len(contexts)
+                contexts.append(ctx)
+            source.append(idx)
+        width = max(len(c) for c in contexts)
+        ids = torch.zeros((len(contexts), width), dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for row, ctx in enumerate(contexts):
+            ids[row, width - len(ctx) :] = torch.tensor(ctx)
+            mask[row, width - len(ctx) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
+            past_key_values=DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
         )
-        kv = BatchKV(out.past_key_values, mask)
-        if self._kv is None or not self._running:
-            self._kv = kv
-        else:
-            self._kv.merge(kv)
+        dup = len(contexts) < len(group)
+        src = torch.tensor(source, device=self.device) if dup else None
+        lengths = torch.tensor([len(contexts[i]) for i in source])
+        lo, hi = self._kv.admit(out.past_key_values, ids, lengths, src)
+        end = self._kv.end
+        for offset, seq in enumerate(group):
+            seq.slot = lo + offset
+            seq.first = end
         self._running.extend(group)
-        self._sample_and_retire(out.logits[:, -1, :], first_row=len(self._running) - len(group))
+        self._sampler.add(
+            [s.inp.params for s in group],
+            [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
+            [s.generator for s in group],
+        )
+        logits = out.logits[:, -1, :]
+        if src is not None:
+            logits = logits.index_select(0, src)
+        tokens, logprobs = self._sampler.sample(logits, lo, hi)
+        self._kv.set_pending(lo, hi, tokens, logprobs)
+        self.tokens_generated += hi - lo
+        self._check_finished(tokens, lo, hi, end)
 
-    @torch.inference_mode()
     def _decode(self) -> None:
-        assert self._kv is not None
-        ids = torch.tensor([[s.tokens[-1]] for s in self._running], device=self.device)
-        positions = torch.tensor([[len(s.tokens) - 1] for s in self._running], device=self.device)
-        mask = self._kv.step_mask()
+        kv = self._kv
+        ids, positions, mask = kv.decode_inputs()
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self._kv.cache,
+            past_key_values=kv.cache,
             use_cache=True,
             logits_to_keep=1,
         )
         self.steps += 1
-        self._sample_and_retire(out.logits[:, -1, :], first_row=0)
+        rows = kv.rows
+        tokens, logprobs = self._sampler.sample(out.logits[:, -1, :], 0, rows)
+        kv.push(tokens, logprobs)
+        self.tokens_generated += rows
+        self._check_finished(tokens, 0, rows, kv.end)
 
-    def _sample_and_retire(self, logits: torch.Tensor, *, first_row: int) -> None:
-        """Sample a token for running rows ``first_row..`` and retire those that finished."""
-        seqs = self._running[first_row:]
-        tokens, logprobs = sample_next(
-            logits.float().cpu(), [s.inp.params for s in seqs], [s.generator for s in seqs]
-        )
-        done_rows: list[int] = []
+    def _check_finished(self, tokens: torch.Tensor, lo: int, hi: int, column: int) -> None:
+        done = self._sampler.finished(tokens, lo, hi, column)
+        if not bool(done.any()):
+            return
+        offsets = done.nonzero()[:, 0]
+        rows = (offsets + lo).tolist()
+        at_limit = (self._sampler.limit[lo:hi].index_select(0, offsets) <= column).tolist()
+        matched = tokens.index_select(0, offsets).tolist()
         reasons: list[dict[str, Any]] = []
-        for offset, (seq, tok, lp) in enumerate(zip(seqs, tokens, logprobs, strict=True)):
-            seq.tokens.append(tok)
-            seq.logprobs.append(lp)
-            seq.versions.append(self._version)
-            reason = self._finish_reason(seq, tok)
-            if reason is not None:
-                done_rows.append(first_row + offset)
-                reasons.append(reason)
-        self.tokens_generated += len(seqs)
-        if done_rows:
-            self._retire(done_rows, reasons)
+        for row, limit, tok in zip(rows, at_limit, matched, strict=True):
+            # SGLang's order: the length limit first, then token stops.
+            if limit:
+                length = self._running[row].inp.params.max_new_tokens
+                reasons.append({"type": "length", "length": length})
+            else:
+                reasons.append({"type": "stop", "matched": tok})
+        self._retire(rows, reasons)
 
-    def _finish_reason(self, seq: _Seq, tok: int) -> dict[str, Any] | None:
-        # SGLang's order: the length limit first, then token stops (all off with ignore_eos).
-        params = seq.inp.params
-        if len(seq.tokens) - seq.prompt_len >= params.max_new_tokens:
-            return {"type": "length", "length": params.max_new_tokens}
-        if not params.ignore_eos and (tok in params.stop_token_ids or tok in self.eos_token_ids):
-            return {"type": "stop", "matched": tok}
-        return None
+    # ---- leaving (scheduler thread) --------------------------------------------------------
+
+    def _outputs(self, seqs: Sequence[_Seq]) -> list[tuple[list[int], list[float], list[str]]]:
+        """Each running seq's whole output so far: token ids, log-probs, versions."""
+        first = min(s.first for s in seqs)
+        ids, lps = self._kv.row_track([s.slot for s in seqs], first)
+        last = self._kv.end
+        out = []
+        for seq, row_ids, row_lps in zip(seqs, ids, lps, strict=True):
+            cut = seq.first - first
+            new_ids, new_lps = row_ids[cut:], row_lps[cut:]
+            versions = self._versions(seq.first, last)
+            if seq.done_ids:
+                new_ids = seq.done_ids + new_ids
+                new_lps = seq.done_logprobs + new_lps
+                versions = seq.done_versions + versions
+            out.append((new_ids, new_lps, versions))
+        return out
+
+    def _materialize(self, seqs: Sequence[_Seq]) -> None:
+        """Before a retraction: move each running seq's output into its Python lists."""
+        for seq, (ids, lps, versions) in zip(seqs, self._outputs(seqs), strict=True):
+            seq.done_ids, seq.done_logprobs, seq.done_versions = ids, lps, versions
+            seq.slot = -1
 
     def _retire(self, rows: list[int], reasons: list[dict[str, Any]]) -> None:
-        gone = set(rows)
-        for row, reason in zip(rows, reasons, strict=True):
-            self._finish(self._running[row], reason)
-        keep = [i for i in range(len(self._running)) if i not in gone]
-        self._running = [self._running[i] for i in keep]
-        if not self._running:
-            self._kv = None
-        elif self._kv is not None:
-            self._kv.keep(keep)
+        seqs = [self._running[r] for r in rows]
+        for seq, reason, (ids, lps, versions) in zip(
+            seqs, reasons, self._outputs(seqs), strict=True
+        ):
+            self._finish(seq, reason, ids, lps, versions)
+        holes, movers = self._kv.remove(rows)
+        self._sampler.remove(holes, movers, rows)
+        running = self._running
+        for hole, mover in zip(holes, movers, strict=True):
+            running[hole] = running[mover]
+            running[hole].slot = hole
+        del running[self._kv.rows :]
 
-    def _finish(self, seq: _Seq, reason: dict[str, Any]) -> None:
-        self._rids.discard(seq.inp.rid)
-        if seq.future.done():
-            return
-        seq.future.set_result(
+    def _finish(
+        self,
+        seq: _Seq,
+        reason: dict[str, Any],
+        ids: list[int],
+        logprobs: list[float],
+        versions: list[str],
+    ) -> None:
+        self._rids.pop(seq.inp.rid, None)
+        seq.slot = -1
+        seq.group.done(
+            seq.index,
             SequenceResult(
                 rid=seq.inp.rid,
-                prompt_tokens=seq.prompt_len,
-                output_ids=seq.output_ids,
+                prompt_tokens=len(seq.inp.input_ids),
+                output_ids=ids,
                 finish_reason=reason,
                 weight_version=self._version,
-                output_token_weight_versions=list(seq.versions),
-                output_token_logprobs=list(seq.logprobs),
+                output_token_weight_versions=versions,
+                output_token_logprobs=logprobs,
                 e2e_latency=round(time.perf_counter() - seq.started, 6),
-            )
+            ),
+        )
+
+    def _versions(self, first: int, last: int) -> list[str]:
+        """Per-token versions of output columns ``first..last`` of one stint.
+
+        The token in column ``c`` was sampled by the decode step run at clock ``c - 1`` (the
+        first one, by the prefill at clock ``first``), under the version live at that clock.
+        """
+        keys, vals = self._vkeys, self._vvals
+        i = bisect.bisect_right(keys, first) - 1
+        current, done = vals[i], 0
+        out: list[str] = []
+        for j in range(i + 1, len(keys)):
+            if keys[j] > last - 1:
+                break
+            index = keys[j] + 1 - first  # the first token sampled under vals[j]
+            out += [current] * (index - done)
+            current, done = vals[j], index
+        out += [current] * (last - first + 1 - done)
+        return out
+
+    def _prune_versions(self) -> None:
+        # Spans older than every running row are never looked up again.
+        if len(self._vkeys) < 64:
+            return
+        oldest = min((s.first for s in self._running), default=self._kv.end)
+        keep = max(0, bisect.bisect_right(self._vkeys, oldest) - 1)
+        del self._vkeys[:keep], self._vvals[:keep]
+
+
+def _mask_kind(model: torch.nn.Module) -> str:
+    attn = getattr(model.config, "_attn_implementation", None)
+    return {"sdpa": "bool4d", "eager": "additive4d"}.get(attn or "", "2d")
+
+
+def _check_full_attention(model: torch.nn.Module) -> None:
+    config = model.config.get_text_config(decoder=True)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds - {"full_attention"}:
+        raise ValueError(
+            f"layer types {sorted(kinds - {'full_attention'})} are not supported: the built-in "
+            "engine serves full-attention models only"
         )

@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 import torch
 from aiohttp import web
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.protocol import RequestError, parse_generate, render_result
@@ -41,7 +42,19 @@ log = structlog.get_logger("stages.engine.server")
 _SCHEDULER = web.AppKey("scheduler", Scheduler)
 _LOADED = web.AppKey("loaded", LoadedModel)
 _WEIGHTS = web.AppKey("weights", "WeightRoutes")
+_DECODE = web.AppKey("decode", object)
 _MAX_BODY = 256 * 1024 * 1024  # token-id batches and weight metadata can be large
+
+try:  # orjson parses and writes /generate bodies several times faster; json is the fallback
+    import orjson
+
+    _loads: Callable[[bytes], Any] = orjson.loads
+    _dumps: Callable[[Any], bytes] = orjson.dumps
+except ImportError:  # pragma: no cover - depends on the environment
+    _loads = json.loads
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def build_app(loaded: LoadedModel, scheduler: Scheduler) -> web.Application:
@@ -49,6 +62,7 @@ def build_app(loaded: LoadedModel, scheduler: Scheduler) -> web.Application:
     app = web.Application(client_max_size=_MAX_BODY)
     app[_LOADED] = loaded
     app[_SCHEDULER] = scheduler
+    app[_DECODE] = _decoder(loaded.tokenizer)
     weights = WeightRoutes(scheduler)
     app[_WEIGHTS] = weights
     app.router.add_post("/generate", _generate)
@@ -76,7 +90,7 @@ async def _generate(request: web.Request) -> web.Response:
     tokenizer = loaded.tokenizer
     try:
         body = await _json_body(request)
-        inputs, batch = parse_generate(
+        inputs, listed = parse_generate(
             body,
             vocab_size=loaded.vocab_size,
             context_length=loaded.context_length,
@@ -84,33 +98,45 @@ async def _generate(request: web.Request) -> web.Response:
         )
     except RequestError as exc:
         return _bad_request(str(exc))
-    futures = [asyncio.wrap_future(scheduler.submit(inp)) for inp in inputs]
+    # One command and one future per request, however many samples it holds.
     try:
-        results = await asyncio.gather(*futures)
+        results = await scheduler.submit_async(inputs)
     except asyncio.CancelledError:
         # The client went away: free the batch slots, as SGLang aborts on disconnect.
-        for inp in inputs:
-            scheduler.abort(inp.rid)
+        scheduler.abort_many([inp.rid for inp in inputs])
         raise
-    except ValueError as exc:  # a rid already in flight
-        for inp in inputs:
-            scheduler.abort(inp.rid)
+    except ValueError as exc:  # a rid already in flight: nothing was queued
         return _bad_request(str(exc))
-
-    def decode(ids: list[int], skip_special_tokens: bool) -> str:
-        assert tokenizer is not None
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     rendered = [
         render_result(
             result,
-            decode=decode if tokenizer is not None else None,
+            decode=request.app[_DECODE],
             skip_special_tokens=inp.params.skip_special_tokens,
             return_logprob=inp.return_logprob,
         )
         for inp, result in zip(inputs, results, strict=True)
     ]
-    return web.json_response(rendered if batch else rendered[0])
+    return _json_response(rendered if listed else rendered[0])
+
+
+def _decoder(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
+    """Token ids -> text as ``tokenizer.decode`` gives it, without its per-call overhead.
+
+    A fast tokenizer whose ``_decode`` is transformers' own and that does not clean up spaces
+    decodes exactly as its Rust backend does (2 us instead of 9 us a call here).
+    """
+    if tokenizer is None:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and type(tokenizer)._decode is TokenizersBackend._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        and hasattr(backend, "decode")
+    ):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 async def _abort_request(request: web.Request) -> web.Response:
@@ -337,8 +363,8 @@ async def _json_body(request: web.Request, *, allow_empty: bool = False) -> dict
     if not raw.strip() and allow_empty:
         return {}
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = _loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
         raise RequestError("body", f"not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RequestError("body", "expected a JSON object")
@@ -355,6 +381,10 @@ def _field(body: dict[str, Any], name: str, kind: type) -> Any:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_response(obj: Any) -> web.Response:
+    return web.Response(body=_dumps(obj), content_type="application/json")
 
 
 def _bad_request(message: str) -> web.Response:
@@ -486,6 +516,7 @@ async def _serve(app: web.Application, args: argparse.Namespace, loaded: LoadedM
             dtype=str(next(loaded.model.parameters()).dtype),
             max_running=args.max_running,
             tokenizer=loaded.tokenizer is not None,
+            threads=torch.get_num_threads(),
         )
         await stop.wait()
         log.info("engine_stopping", signal=received[0] if received else None)

@@ -1,4 +1,5 @@
-"""The built-in arithmetic task: ``a+b=`` / ``a-b=`` prompts, answers as digits, a char tokenizer.
+"""The built-in arithmetic tasks: ``a+b=`` / ``a-b=`` prompts with digit answers, and chains of
+additions and subtractions solved step by step (the long-tail task), each with a char tokenizer.
 
 Every problem of the task is enumerable, so the split into train and held-out problems is exact
 and stable: a problem is held out when a hash of its text (and the task's ``split_seed``) falls
@@ -8,11 +9,28 @@ model has never been trained on.
 
 The tokenizer is one token per character of ``0123456789+-*=`` plus ``<pad>`` and ``<eos>``:
 a completion is the answer's digits followed by ``<eos>``.
+
+The chain task (``ChainConfig``, ``chain_problems``, ``make_chain_tokenizer``) asks for the value
+of ``k`` additions and subtractions, ``3+4-5+7=``, and its completion works them out one by one,
+each step restating the running total, the operation and its result, then gives the answer after
+``#``: ``3+4=7;7-5=2;2+7=9;#9`` (``<eos>`` after it). Draws of ``k`` are proportional to
+``k ** -length_skew`` (1 to ``max_steps``), so most completions are short and a few are long:
+the long tail that keeps a synchronous batch waiting for its longest samples. The first operand
+and every running total stay within ``0..max_operand``, the other operands within
+``0..max_term``. The problems are too many to enumerate, so the task is the first ``size``
+distinct problems of a stream seeded by ``seed``, in a seeded order. With the defaults (one-digit
+numbers, 1 to 18 operations, 10,000 problems) completions are 9 to 111 tokens with ``<eos>``:
+median 27, 90th percentile 69, mean 37; a third of the problems have 3 operations or fewer
+(there are only 110 one-step problems). The split into train and held-out problems is the same
+hash of the prompt text as above, so a prompt is always on the same side and the warm start
+(``configs/models/make_longtail_model.py``) never sees a held-out one. Its tokenizer is a
+separate one (``0123456789+-=;#``): the default task's tokenizer and ids are unchanged.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -20,17 +38,23 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 __all__ = [
+    "CHAIN_CHARS",
     "CHARS",
     "EOS_ID",
     "PAD_ID",
     "ArithmeticConfig",
+    "ChainConfig",
+    "ChainProblem",
     "Problem",
+    "chain_problems",
+    "make_chain_tokenizer",
     "make_tokenizer",
     "problems",
 ]
 
 PAD_ID, EOS_ID = 0, 1
 CHARS = "0123456789+-*="
+CHAIN_CHARS = "0123456789+-=;#"
 
 
 @dataclass(frozen=True)
@@ -58,7 +82,7 @@ class ArithmeticConfig:
             raise ValueError(f"ops must be made of '+', '-', '*' (got {self.ops!r})")
 
 
-def _held_out(text: str, config: ArithmeticConfig) -> bool:
+def _held_out(text: str, config: ArithmeticConfig | ChainConfig) -> bool:
     digest = hashlib.blake2b(f"{config.split_seed}:{text}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64 < config.eval_fraction
 
@@ -86,9 +110,112 @@ def problems(config: ArithmeticConfig, split: str) -> Iterator[Problem]:
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
     """The task's character tokenizer (ids: ``<pad>`` 0, ``<eos>`` 1, then ``CHARS``)."""
+    return _char_tokenizer(CHARS)
+
+
+def _char_tokenizer(chars: str) -> PreTrainedTokenizerFast:
     vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID}
-    vocab.update({c: i + 2 for i, c in enumerate(CHARS)})
+    vocab.update({c: i + 2 for i, c in enumerate(chars)})
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+# ------------------------------------------------------------------------ the chain (long-tail)
+@dataclass(frozen=True)
+class ChainProblem:
+    text: str  # the prompt, e.g. "12+34-5="
+    answer: str  # e.g. "41"
+    steps: tuple[str, ...]  # the worked steps, e.g. ("12+34=46", "46-5=41")
+
+    @property
+    def prompt_id(self) -> str:
+        return f"chain:{self.text}"
+
+    @property
+    def solution(self) -> str:
+        """The completion that solves it (without ``<eos>``): ``12+34=46;46-5=41;#41``."""
+        return "".join(f"{step};" for step in self.steps) + f"#{self.answer}"
+
+
+@dataclass
+class ChainConfig:
+    max_steps: int = field(
+        default=18, metadata={"min": 1, "max": 40, "doc": "most operations in one problem"}
+    )
+    length_skew: float = field(
+        default=2.0,
+        metadata={"min": 0.0, "doc": "draws of k operations are proportional to k ** -length_skew"},
+    )
+    max_operand: int = field(
+        default=9,
+        metadata={"min": 1, "doc": "the first operand and every running total are 0..max_operand"},
+    )
+    max_term: int = field(
+        default=9, metadata={"min": 1, "doc": "the operands after the first are 0..max_term"}
+    )
+    size: int = field(
+        default=10_000, metadata={"min": 1, "doc": "distinct problems in the task (both splits)"}
+    )
+    seed: int = field(default=0, metadata={"doc": "which problems the task draws"})
+    eval_fraction: float = field(
+        default=0.1, metadata={"min": 0.0, "max": 0.9, "doc": "share of problems held out"}
+    )
+    split_seed: int = field(default=0, metadata={"doc": "which problems are held out"})
+
+
+def _draw_chain(rng: random.Random, config: ChainConfig, weights: list[float]) -> ChainProblem:
+    steps = rng.choices(range(1, config.max_steps + 1), weights)[0]
+    top = config.max_operand
+    total = rng.randint(0, top)
+    text, worked = str(total), []
+    for _ in range(steps):
+        op = rng.choice("+-")
+        room = top - total if op == "+" else total
+        x = rng.randint(0, min(room, config.max_term))
+        after = total + x if op == "+" else total - x
+        text += f"{op}{x}"
+        worked.append(f"{total}{op}{x}={after}")
+        total = after
+    return ChainProblem(f"{text}=", str(total), tuple(worked))
+
+
+def chain_problems(config: ChainConfig, split: str) -> Iterator[ChainProblem]:
+    """The problems of ``split`` (``"train"`` or ``"eval"``) of the chain task, in a fixed order.
+
+    The task is the first ``size`` distinct prompts drawn from a stream seeded by ``seed`` (a
+    prompt drawn again is skipped), in a seeded random order: the same config gives the same
+    problems in the same order on every machine, and any prefix of a split (the first held-out
+    prompts an evaluation takes) has the length distribution of the whole task. Short chains
+    have few distinct prompts (about 10,000 with one operation), so the longer ``size``, the
+    fewer one-step problems it holds: ``length_skew`` is the skew of the draws, not of the task.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
+    want_eval = split == "eval"
+    rng = random.Random(f"chain:{config.seed}")
+    weights = [k**-config.length_skew for k in range(1, config.max_steps + 1)]
+    drawn: dict[str, ChainProblem] = {}
+    misses = 0
+    while len(drawn) < config.size:
+        problem = _draw_chain(rng, config, weights)
+        if problem.text not in drawn:
+            drawn[problem.text] = problem
+            continue
+        misses += 1
+        if misses > 100 * config.size:  # only a tiny task can run out of distinct prompts
+            raise ValueError(
+                f"chain task: cannot draw {config.size} distinct problems "
+                f"(max_steps={config.max_steps}, max_operand={config.max_operand}); lower `size`"
+            )
+    order = list(drawn.values())
+    rng.shuffle(order)
+    for problem in order:
+        if _held_out(problem.text, config) == want_eval:
+            yield problem
+
+
+def make_chain_tokenizer() -> PreTrainedTokenizerFast:
+    """The chain task's character tokenizer (``<pad>`` 0, ``<eos>`` 1, then ``CHAIN_CHARS``)."""
+    return _char_tokenizer(CHAIN_CHARS)

@@ -2,7 +2,9 @@
 
 ``load_prompts(config, split)`` returns a ``PromptSet``: every usable prompt of ``split`` as the
 data of a ``prompt`` message (``prompt_id``, ``input_ids``, ``meta``), and the count of bad rows
-per reason. Sources are the built-in arithmetic task, a JSON-lines file, a Parquet file, or a
+per reason. Sources are the built-in arithmetic tasks (``arithmetic``: ``a+b=``; ``chain``:
+chains of additions and subtractions worked step by step, the long-tail task), a JSON-lines
+file, a Parquet file, or a
 folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` whose
 ``train`` / ``test`` / ``validation`` subsets serve the two splits). The feeder stage loads the
 ``train`` split; the learner loads ``eval`` for held-out evaluation.
@@ -10,8 +12,8 @@ folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetD
 A prompt is a string, or a list of chat messages (``{role, content}``) that the tokenizer's chat
 template renders (``add_generation_prompt``); ``chat_template: true`` renders string prompts as
 one user message too. Rendered text is tokenized without adding special tokens (the template has
-them), plain text with the tokenizer's own. ``prompt_id`` is ``FILE:ROW`` (the arithmetic task
-has its own ids) and ``meta`` holds ``task`` (the file's stem or folder's name), ``text`` (what
+them), plain text with the tokenizer's own. ``prompt_id`` is ``FILE:ROW`` (the arithmetic tasks
+have their own ids) and ``meta`` holds ``task`` (the file's stem or folder's name), ``text`` (what
 the model sees, after any chat template), ``answer`` (as a string) and the ``meta_fields``.
 
 A bad row (invalid JSON, a missing, empty or non-string prompt, a missing answer when one is
@@ -43,7 +45,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import structlog
 
 from pipeline.config.typed import did_you_mean
-from stages.feeder.arithmetic import ArithmeticConfig, make_tokenizer, problems
+from stages.feeder.arithmetic import (
+    ArithmeticConfig,
+    ChainConfig,
+    chain_problems,
+    make_chain_tokenizer,
+    make_tokenizer,
+    problems,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,7 +71,7 @@ class SourceError(ValueError):
 
 @dataclass
 class SourceConfig:
-    kind: Literal["arithmetic", "jsonl", "parquet", "hf_disk"] = field(
+    kind: Literal["arithmetic", "chain", "jsonl", "parquet", "hf_disk"] = field(
         default="arithmetic", metadata={"doc": "where prompts come from"}
     )
     path: str = field(
@@ -105,13 +114,17 @@ class SourceConfig:
         default_factory=ArithmeticConfig,
         metadata={"doc": "the arithmetic task (kind: arithmetic), with its own eval split"},
     )
+    chain: ChainConfig = field(
+        default_factory=ChainConfig,
+        metadata={"doc": "the long-tail chain task (kind: chain), with its own eval split"},
+    )
 
     def __post_init__(self) -> None:
-        if self.kind == "arithmetic":
+        if self.kind in ("arithmetic", "chain"):
             if self.path or self.eval_path or self.eval_fraction:
                 raise ValueError(
-                    "kind 'arithmetic' reads no files: drop path/eval_path/eval_fraction "
-                    "(its held-out share is arithmetic.eval_fraction)"
+                    f"kind {self.kind!r} reads no files: drop path/eval_path/eval_fraction "
+                    f"(its held-out share is {self.kind}.eval_fraction)"
                 )
         else:
             if not self.path:
@@ -149,7 +162,7 @@ def load_prompts(
     """Every usable prompt of ``split``, in source order; raises ``SourceError``.
 
     ``tokenizer`` is one already loaded (else ``config.tokenizer`` is loaded, or for the
-    arithmetic task its character tokenizer). ``log`` is a structlog logger (default: the
+    arithmetic tasks their character tokenizer). ``log`` is a structlog logger (default: the
     process's).
     """
     if split not in ("train", "eval"):
@@ -157,6 +170,8 @@ def load_prompts(
     started = time.monotonic()
     if config.kind == "arithmetic":
         part = _arithmetic_part(config.arithmetic, split)
+    elif config.kind == "chain":
+        part = _chain_part(config.chain, split)
     else:
         part = _file_part(config, split)  # a missing file fails before the tokenizer loads
     loader = _Loader(config, tokenizer or _load_tokenizer(config), log or structlog.get_logger())
@@ -214,6 +229,15 @@ def _arithmetic_part(config: ArithmeticConfig, split: str) -> _Part:
             )
 
     return _Part("arithmetic", "arithmetic", "arithmetic", records(), id_key="id")
+
+
+def _chain_part(config: ChainConfig, split: str) -> _Part:
+    def records() -> Iterator[_Record]:
+        for i, problem in enumerate(chain_problems(config, split), start=1):
+            data = {"prompt": problem.text, "answer": problem.answer, "id": problem.prompt_id}
+            yield _Record(i, data)
+
+    return _Part("chain", "chain", "chain", records(), id_key="id")
 
 
 def _config_part(
@@ -450,7 +474,7 @@ def _arrow_records(files: list[Path], columns: tuple[str, ...], label: str) -> I
 # ------------------------------------------------------------------------------- checking rows
 def _load_tokenizer(config: SourceConfig) -> PreTrainedTokenizerBase:
     if not config.tokenizer:
-        return make_tokenizer()
+        return make_chain_tokenizer() if config.kind == "chain" else make_tokenizer()
     path = Path(config.tokenizer)
     if not path.is_dir():
         raise SourceError(
@@ -603,7 +627,7 @@ class _Loader:
         if not getattr(self.tokenizer, "chat_template", None):
             raise SourceError(
                 f"{part.label} row {number}: the prompt is a list of chat messages, but the "
-                f"tokenizer {self.config.tokenizer or '(arithmetic)'} has no chat template"
+                f"tokenizer {self.config.tokenizer or f'({self.config.kind})'} has no chat template"
             )
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         try:

@@ -1,27 +1,59 @@
 """An HTTP client for inference engines that speak SGLang's API (SGLang or ``inflight engine``).
 
-One client per engine URL, sharing an aiohttp session. It turns a ``/generate`` response into a
-:class:`Completion` (token ids, sampler log-probs, per-token policy versions, finish reason) and
-sorts failures into retryable ones (connection lost, timeouts, 5xx: the generator re-routes the
-request to another engine) and final ones (4xx: the request itself is bad).
+One client per engine URL, sharing one aiohttp session (``make_session``: keep-alive connections,
+a connection limit above anything the generator keeps in flight). It turns a ``/generate``
+response into a :class:`Completion` (token ids, sampler log-probs, per-token policy versions,
+finish reason) and sorts failures into retryable ones (connection lost, timeouts, 5xx: the
+generator re-routes the request to another engine) and final ones (4xx, or an answer that is not
+what was asked for: the request itself is bad, or the engine does not support it).
 
-Per-token versions: the built-in engine reports ``meta_info.output_token_weight_versions``; an
-engine that reports only ``meta_info.weight_version`` (the version when the request finished) gets
-that version for every token, which overstates freshness only for sequences that spanned an
-update. Not here: launching engines (``launcher``) and choosing one (``stage``).
+Two request forms, both SGLang's own (``GenerateReqInput``): ``generate`` asks for one sample;
+``generate_group`` asks for a prompt's G samples in one request, ``input_ids`` being G copies of
+the prompt and ``rid`` one id per sample (SGLang keeps a list of rids as given, so each sample can
+still be aborted by its own id; ``sampling_params.n`` would make SGLang invent the ids), and the
+answer is a list of G results in request order.
+
+Per-token versions, from the cheapest field an engine reports: ``meta_info.weight_versions``
+(SGLang's spans ``[{version, start, end}]`` over output tokens), else
+``meta_info.output_token_weight_versions`` (one per token), else ``meta_info.weight_version`` (the
+version when the request finished) for every token, which overstates freshness only for
+sequences that spanned an update. JSON goes through orjson when it is installed (about 5x faster
+to parse than the standard library), else the standard library. Not here: launching engines
+(``launcher``) and choosing one (``stage``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import numpy as np
 
-__all__ = ["Completion", "EngineClient", "EngineError"]
+try:  # optional: a faster JSON codec; the standard library is the fallback
+    import orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    orjson = None
+
+__all__ = ["JSON_CODEC", "Completion", "EngineClient", "EngineError", "make_session"]
+
+
+def _std_dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+_dumps: Callable[[Any], bytes] = _std_dumps
+_loads: Callable[[bytes], Any] = json.loads
+_DECODE_ERRORS: tuple[type[Exception], ...] = (ValueError,)
+JSON_CODEC = "json"
+if orjson is not None:
+    _dumps, _loads, _DECODE_ERRORS = orjson.dumps, orjson.loads, (orjson.JSONDecodeError,)
+    JSON_CODEC = "orjson"
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class EngineError(Exception):
@@ -42,6 +74,21 @@ class Completion:
     meta: dict[str, Any]
 
 
+def make_session(max_connections: int) -> aiohttp.ClientSession:
+    """A session whose keep-alive pool never throttles the generator.
+
+    aiohttp's default connector allows 100 connections per session; a generator with more
+    requests in flight would then queue them silently inside aiohttp, behind its own in-flight
+    accounting. ``max_connections`` must be above what the caller keeps in flight.
+    """
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections))
+
+
+def _token_list(ids: Sequence[int] | np.ndarray) -> list[int]:
+    """Token ids as plain ints (a prompt may arrive as a numpy array; JSON needs Python ints)."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+
+
 def _as_version(value: Any) -> int:
     """SGLang carries weight versions as strings; Inflight's are integers."""
     try:
@@ -50,22 +97,44 @@ def _as_version(value: Any) -> int:
         return 0
 
 
+def _token_versions(meta: Mapping[str, Any], n: int) -> np.ndarray:
+    spans = meta.get("weight_versions")
+    if spans:
+        versions = np.empty(n, dtype=np.int32)
+        end = 0
+        for span in spans:
+            start, stop = span["start"], span["end"]
+            if start != end or stop < start:
+                raise ValueError(f"weight_versions spans do not tile the output: {spans!r}")
+            versions[start:stop] = _as_version(span["version"])
+            end = stop
+        if end != n:
+            raise ValueError(f"weight_versions spans cover {end} of {n} output tokens")
+        return versions
+    per_token = meta.get("output_token_weight_versions")
+    if per_token is not None:
+        try:
+            return np.asarray(per_token, dtype=np.int32)  # numbers or numeric strings, in C
+        except ValueError:
+            return np.asarray([_as_version(v) for v in per_token], dtype=np.int32)
+    return np.full(n, _as_version(meta.get("weight_version")), dtype=np.int32)
+
+
 def parse_completion(body: Mapping[str, Any], url: str = "") -> Completion:
     """A ``/generate`` response (one prompt) as a Completion; EngineError if malformed."""
     try:
         output_ids = np.asarray(body["output_ids"], dtype=np.int32)
-        meta = dict(body["meta_info"])
-        pairs = meta.get("output_token_logprobs") or []
-        logprobs = np.asarray([p[0] for p in pairs], dtype=np.float32)
+        if output_ids.ndim != 1:
+            raise ValueError(f"output_ids has shape {output_ids.shape}")
+        meta = body["meta_info"]
+        pairs = meta.get("output_token_logprobs") or ()
+        # [[logprob, token_id, text], ...]: the first column, taken by zip in C
+        logprobs = np.asarray(next(zip(*pairs, strict=True)) if pairs else (), dtype=np.float32)
         reason = meta.get("finish_reason") or {}
         finish = reason.get("type", "unknown") if isinstance(reason, Mapping) else str(reason)
         version = _as_version(meta.get("weight_version"))
-        per_token = meta.get("output_token_weight_versions")
-        if per_token is not None:
-            versions = np.asarray([_as_version(v) for v in per_token], dtype=np.int32)
-        else:
-            versions = np.full(len(output_ids), version, dtype=np.int32)
-    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        versions = _token_versions(meta, len(output_ids))
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError, StopIteration) as exc:
         raise EngineError(url, f"malformed /generate response: {exc!r}", retryable=False) from exc
     if not (len(logprobs) == len(output_ids) == len(versions)):
         raise EngineError(
@@ -89,35 +158,45 @@ class EngineClient:
         self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None
     ) -> Any:
         timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+        data = None if payload is None else _dumps(payload)
         try:
             async with self.session.request(
-                method, self.url + path, json=payload, timeout=timeout
+                method,
+                self.url + path,
+                data=data,
+                headers=_JSON_HEADERS if data is not None else None,
+                timeout=timeout,
             ) as resp:
-                text = await resp.text()
-                if resp.status >= 400:
-                    raise EngineError(
-                        self.url,
-                        f"{method} {path} answered {resp.status}: {text[:500]}",
-                        retryable=resp.status >= 500,
-                        status=resp.status,
-                    )
-                try:
-                    return await resp.json(content_type=None) if text else None
-                except ValueError as exc:
-                    raise EngineError(
-                        self.url, f"{path} returned non-JSON: {text[:200]!r}", retryable=False
-                    ) from exc
+                raw = await resp.read()
+                status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             raise EngineError(self.url, f"{method} {path} failed: {exc!r}", retryable=True) from exc
+        if status >= 400:
+            text = raw[:500].decode(errors="replace")
+            raise EngineError(
+                self.url,
+                f"{method} {path} answered {status}: {text}",
+                retryable=status >= 500,
+                status=status,
+            )
+        if not raw:
+            return None
+        try:
+            return _loads(raw)
+        except _DECODE_ERRORS as exc:
+            raise EngineError(
+                self.url, f"{path} returned non-JSON: {raw[:200]!r}", retryable=False
+            ) from exc
 
     async def generate(
-        self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *, rid: str
+        self, input_ids: Sequence[int] | np.ndarray, sampling_params: Mapping[str, Any], *, rid: str
     ) -> Completion:
+        """One sample of ``input_ids``."""
         body = await self._call(
             "POST",
             "/generate",
             {
-                "input_ids": list(input_ids),
+                "input_ids": _token_list(input_ids),
                 "sampling_params": dict(sampling_params),
                 "return_logprob": True,
                 "rid": rid,
@@ -129,6 +208,57 @@ class EngineClient:
             )
         return parse_completion(body, self.url)
 
+    async def generate_group(
+        self,
+        input_ids: Sequence[int] | np.ndarray,
+        sampling_params: Mapping[str, Any],
+        *,
+        rids: Sequence[str],
+    ) -> list[Completion]:
+        """``len(rids)`` samples of ``input_ids`` in one request, in the order of ``rids``.
+
+        A non-retryable EngineError means the engine refused the request or answered something
+        other than one result per rid: an engine without batch support, or a bad prompt.
+        """
+        ids = _token_list(input_ids)
+        body = await self._call(
+            "POST",
+            "/generate",
+            {
+                "input_ids": [ids] * len(rids),
+                "sampling_params": dict(sampling_params),
+                "return_logprob": True,
+                "rid": list(rids),
+            },
+        )
+        if not isinstance(body, list) or len(body) != len(rids):
+            got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
+            raise EngineError(
+                self.url,
+                f"/generate with {len(rids)} input_ids returned {got} (expected a list of "
+                f"{len(rids)} results)",
+                retryable=False,
+            )
+        completions = []
+        for rid, item in zip(rids, body, strict=True):
+            if not isinstance(item, Mapping):
+                raise EngineError(
+                    self.url,
+                    f"/generate result for {rid} is {type(item).__name__}",
+                    retryable=False,
+                )
+            completion = parse_completion(item, self.url)
+            answered = completion.meta.get("id")
+            if answered is not None and answered != rid:
+                raise EngineError(
+                    self.url,
+                    f"/generate answered request {answered!r} where {rid!r} was expected "
+                    "(results out of request order)",
+                    retryable=False,
+                )
+            completions.append(completion)
+        return completions
+
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         """Whether ``/health`` answers 200 within ``timeout_s`` (not the generation timeout)."""
         try:
@@ -139,6 +269,16 @@ class EngineClient:
 
     async def model_info(self) -> dict[str, Any]:
         return await self._call("GET", "/model_info")
+
+    async def weight_version(self, timeout_s: float = 5.0) -> int:
+        """The policy version the engine generates with (SGLang: ``/get_model_info``)."""
+        info = await self._call("GET", "/get_model_info", timeout_s=timeout_s)
+        try:
+            return _as_version(info["weight_version"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(
+                self.url, f"/get_model_info has no integer weight_version: {exc}", retryable=False
+            ) from exc
 
     async def pause(self, mode: str = "in_place") -> None:
         """Pause generation; in-flight updates must never use ``abort`` (SGLang's default)."""

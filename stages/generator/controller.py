@@ -2,10 +2,10 @@
 
 Three things bound it (DESIGN.md, "Generation batch-size control"):
 
-- **Downstream credit** (a gate on the whole generator): a sample may start only while the samples
-  already in flight fit into the credit the scorer has granted plus the free slots of the
-  generator's own small outbox. A slow scorer or learner therefore lowers the requests in flight
-  instead of letting finished rollouts go stale in a queue.
+- **Downstream credit** (a gate on the whole generator): samples may start only while they and
+  the samples already in flight fit into the credit the scorer has granted plus the free slots of
+  the generator's own small outbox. A slow scorer or learner therefore lowers the samples in
+  flight instead of letting finished rollouts go stale in a queue.
 - **Staleness** (a gate on the whole generator): a sample may start only while the engines'
   policy version is within ``max_lag`` of the newest published version.
 - **Measured throughput** (a target per engine): hill climbing on tokens/s. While an engine is
@@ -13,6 +13,12 @@ Three things bound it (DESIGN.md, "Generation batch-size control"):
   ``interval_s``; if tokens/s did not rise by ``gain`` after a raise, the raise is undone and the
   target holds for ``hold_intervals`` before probing again. Batch size helps an engine only up to
   the point its kernels saturate; beyond it, bigger batches only add latency and staleness.
+
+Everything counts samples, never requests: a group request of G samples starts only when all G
+fit (under the credit and under the engine's target), so neither bound is exceeded. A start that
+cannot fit a bound even with nothing in flight there (a group larger than the target, or than all
+the room downstream) goes ahead alone when nothing is in flight there, rather than never: it
+overshoots that bound by less than one group instead of deadlocking.
 
 Every change of a target and every gate opening or closing is returned as a :class:`Decision`
 with its reason, for the stage to log. This module does no I/O.
@@ -71,6 +77,10 @@ class InFlightController:
     def target(self, engine: str) -> int:
         return self.engines[engine].target
 
+    def fits(self, engine: str, in_flight: int, size: int = 1) -> bool:
+        """Whether ``size`` samples may start on ``engine``, which has ``in_flight`` already."""
+        return in_flight == 0 or in_flight + size <= self.engines[engine].target
+
     def record_tokens(self, engine: str, tokens: int) -> None:
         self.engines[engine].tokens += tokens
 
@@ -80,15 +90,16 @@ class InFlightController:
 
     # ----------------------------------------------------------------- gates
     def gates(
-        self, *, in_flight: int, room: int, version: int, newest: int, max_lag: int
+        self, *, in_flight: int, room: int, version: int, newest: int, max_lag: int, size: int = 1
     ) -> tuple[bool, list[Decision]]:
-        """Whether a new sample may start now, and the gate changes to log.
+        """Whether ``size`` new samples (one request) may start now, and the gate changes to log.
 
         ``room``: downstream credit plus free outbox slots; ``version``: the engines' policy
         version; ``newest``: the newest version published.
         """
+        credit_open = room > 0 and (in_flight == 0 or in_flight + size <= room)
         states = {
-            "credit": (in_flight < room, {"in_flight": in_flight, "room": room}),
+            "credit": (credit_open, {"in_flight": in_flight, "room": room, "size": size}),
             "lag": (
                 newest - version <= max_lag,
                 {"version": version, "newest": newest, "max_lag": max_lag},

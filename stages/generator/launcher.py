@@ -10,8 +10,14 @@ Two kinds, one command line shape each:
 Each engine runs in its own process group with its output in ``RUN_DIR/logs/<name>.out``, and
 (on Linux) is killed by the kernel if the generator process dies without closing it, as the
 supervisor's group kill does not reach it. An engine that exits is started again on the same port
-(the generator re-routes its requests in the meantime), up to ``max_restarts`` times. Not here:
-talking to engines (``client``).
+(the generator re-routes its requests in the meantime), up to ``max_restarts`` times.
+
+Placement: ``launch.resources`` asks for cores/GPUs per engine; the supervisor plans them with
+everything else and hands this replica the result in ``INFLIGHT_ENGINE_PLACEMENT``. Each engine
+(and each restart of it) is started pinned to its cores with its ``OMP_NUM_THREADS``,
+``MKL_NUM_THREADS`` and ``CUDA_VISIBLE_DEVICES``. Without that variable (no ``resources``
+anywhere, or a launcher used outside ``inflight run``) engines inherit this process's placement.
+Not here: talking to engines (``client``), deciding the placement (``pipeline.placement``).
 """
 
 from __future__ import annotations
@@ -22,13 +28,16 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
 
-from pipeline.processes import kill_with_parent
+from pipeline.config.schema import Resources
+from pipeline.placement import ENGINE_PLACEMENT_ENV, ProcessPlacement, read_engine_placement
+from pipeline.processes import child_preexec
 from transport.address import tcp_address
 
 __all__ = ["EngineLauncher", "LaunchConfig"]
@@ -50,6 +59,13 @@ class LaunchConfig:
     extra_args: list[str] = field(default_factory=list, metadata={"doc": "appended as is"})
     startup_timeout_s: float = field(default=600.0, metadata={"min": 1.0})
     max_restarts: int = field(default=3, metadata={"min": 0})
+    resources: Resources = field(
+        default_factory=Resources,
+        metadata={
+            "doc": "cores and GPUs each engine gets to itself (`{cpus: 1, gpus: 1}`); none "
+            "asked for: engines float on the cores nobody reserved"
+        },
+    )
 
 
 @dataclass
@@ -57,6 +73,7 @@ class _Engine:
     name: str
     port: int
     out: Path
+    placement: ProcessPlacement | None = None
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
     given_up: bool = False
@@ -67,15 +84,42 @@ class _Engine:
 
 
 class EngineLauncher:
-    def __init__(self, config: LaunchConfig, *, name: str, log_dir: Path, log: Any) -> None:
+    """Starts ``config.count`` engines for the replica ``name`` (``STAGE.REPLICA``).
+
+    ``environ`` (default: this process's) is where the supervisor's engine placement is read
+    from, and what the engines' environment starts from.
+    """
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        *,
+        name: str,
+        log_dir: Path,
+        log: Any,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         if not config.model:
             raise ValueError("launch.model is required to start engines")
         self.config, self.log, self.name = config, log, name
+        self.environ = dict(os.environ if environ is None else environ)
+        placements = read_engine_placement(self.environ, config.count)
+        if placements is None and (config.resources.cpus is not None or config.resources.gpus):
+            log.warning(
+                "engine_resources_not_applied",
+                reason=f"launch.resources is set but no {ENGINE_PLACEMENT_ENV} was handed to "
+                "this process (not started by `inflight run`?): engines inherit its placement",
+            )
         self.engines = []
         for i in range(config.count):
             port = int(tcp_address(config.host).rsplit(":", 1)[1])
             self.engines.append(
-                _Engine(f"{name}.engine{i}", port, log_dir / f"{name}.engine{i}.out")
+                _Engine(
+                    f"{name}.engine{i}",
+                    port,
+                    log_dir / f"{name}.engine{i}.out",
+                    placements[i] if placements else None,
+                )
             )
         self._watchers: list[asyncio.Task] = []
         self._closing = False
@@ -109,8 +153,19 @@ class EngineLauncher:
             cmd += ["--model-path", cfg.model, "--host", cfg.host, "--port", str(engine.port)]
         return cmd + list(cfg.extra_args)
 
+    def _env(self, engine: _Engine) -> dict[str, str]:
+        env = {k: v for k, v in self.environ.items() if k != ENGINE_PLACEMENT_ENV}
+        for var, value in engine.placement.env.items() if engine.placement else ():
+            if value is None:
+                env.pop(var, None)
+            else:
+                env[var] = value
+        return env
+
     async def _spawn(self, engine: _Engine) -> None:
         cmd = self._command(engine)
+        cores = engine.placement.cores if engine.placement else None
+        env = self._env(engine)
         out = open(engine.out, "ab")  # noqa: ASYNC230 (a local file, opened once per start)
         try:
             engine.proc = await asyncio.create_subprocess_exec(
@@ -119,7 +174,8 @@ class EngineLauncher:
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=kill_with_parent(),
+                preexec_fn=child_preexec(cores=cores),  # dies with us; pinned from the start
+                env=env,
             )
         finally:
             out.close()
@@ -129,6 +185,9 @@ class EngineLauncher:
             pid=engine.pid,
             port=engine.port,
             command=" ".join(cmd),
+            cores=None if cores is None else list(cores),
+            threads=env.get("OMP_NUM_THREADS"),
+            gpus=env.get("CUDA_VISIBLE_DEVICES"),
         )
 
     async def start(self) -> list[str]:

@@ -1,21 +1,37 @@
 """The generator stage: prompts in, one rollout per sampled completion out.
 
-For every prompt it starts ``group_size`` samples, each a ``/generate`` request to the engine with
-the fewest requests in flight among those below their target, and emits each finished sample as
-a ``rollout`` (token ids, sampler log-prob and policy version per token). How many requests are
-in flight is the controller's call (``controller.py``): downstream credit and the staleness bound
-gate new starts, measured throughput sets each engine's target; each decision is logged.
+For every prompt it asks an engine for ``group_size`` (G) samples, and emits each finished sample
+as a ``rollout`` (token ids, sampler log-prob and policy version per token). By default the G
+samples travel as one ``/generate`` request (``group_requests``: G copies of the prompt in
+``input_ids``, one ``rid`` per sample, a form SGLang and the built-in engine both serve) to the
+engine with the fewest samples in flight among those with room for the group; with
+``group_requests: false`` every sample is its own request, each to the least-loaded engine.
+
+How many samples are in flight is the controller's call (``controller.py``): downstream credit and
+the staleness bound gate new starts, measured throughput sets each engine's target; each decision
+is logged. Everything counts samples, not requests: a group request holds G samples of its
+engine's in-flight count and starts only when all G fit under the credit and the engine's target
+(or, when the bound is below G, alone when nothing else is in flight there, so that it can never
+deadlock). In sync mode (``run.mode: sync``) exactly ``sync_batch`` samples start per version.
+
+An engine that refuses a group request (a 4xx, or an answer that is not one result per sample)
+gets the same group again at once as per-sample requests; if one of those succeeds, the engine is
+remembered as unable to serve groups (per engine), the stage warns once
+(``group_requests_unsupported``, with the URL and the engine's error) and counts it
+(``engines_without_group_requests``; ``group_fallbacks`` counts the groups re-sent per sample).
+If the per-sample requests are refused too, the prompt itself was bad: see below.
 
 Engines are either attached (``engines: [URL, ...]``) or started by the stage (``launch:``), and
 the same client serves SGLang and the built-in engine. An engine that fails a request (connection
 lost, 5xx, timeout), or does not answer ``/health`` at start, is taken out of use and probed on
 ``/health`` every ``retry_backoff_s * 2**(k-1)`` s (capped; ``k`` counts its failures since it
 last served a request) until it answers again (a launched engine is restarted by the launcher
-meanwhile). The failed request is re-routed at once to another live engine, or waits for one to
-come back, up to ``max_retries`` times; after that, or on a 4xx (a bad request), the sample is
-dropped, counted and logged, and the stage goes on. If every launched engine is given up, the
-stage fails (the supervisor's restart policy takes over). Not here: weight updates (the publisher
-talks to the engines).
+meanwhile). The failed request (a whole group, or one sample) is re-routed at once to another
+live engine, or waits for one to come back, up to ``max_retries`` times; after that, or on a 4xx
+to a per-sample request (a bad request), its samples are dropped, each counted and logged
+(``sample_dropped``), and the stage goes on. If every launched engine is given up, the stage
+fails (the supervisor's restart policy takes over). Not here: weight updates (the publisher talks
+to the engines), aborting requests.
 """
 
 from __future__ import annotations
@@ -24,14 +40,14 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import numpy as np
 
 from pipeline import topics
 from pipeline.stage import Port, StageContext
-from stages.generator.client import Completion, EngineClient, EngineError
+from stages.generator.client import Completion, EngineClient, EngineError, make_session
 from stages.generator.controller import ControllerConfig, Decision, InFlightController
 from stages.generator.launcher import EngineLauncher, LaunchConfig
 from stages.schemas import PROMPT, ROLLOUT
@@ -39,6 +55,8 @@ from stages.schemas import PROMPT, ROLLOUT
 __all__ = ["Generator", "SamplingConfig"]
 
 _BACKOFF_CAP_S = 10.0
+# connections per engine beyond its most samples in flight (health probes, spare)
+_SPARE_CONNECTIONS = 4
 
 
 @dataclass
@@ -74,6 +92,14 @@ class GeneratorConfig:
         default=None, metadata={"doc": "start engines instead of attaching to URLs"}
     )
     group_size: int = field(default=4, metadata={"min": 1, "doc": "samples per prompt (G)"})
+    group_requests: bool = field(
+        default=True,
+        metadata={
+            "doc": "ask for a prompt's group_size samples in one /generate request (batched "
+            "input_ids, one rid per sample); false: one request per sample. An engine that "
+            "refuses group requests gets per-sample requests (warned once, counted)"
+        },
+    )
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_lag: int = field(
         default=4, metadata={"min": 0, "doc": "start samples only within this many versions"}
@@ -84,7 +110,11 @@ class GeneratorConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     request_timeout_s: float = field(default=600.0, metadata={"min": 1.0})
     max_retries: int = field(
-        default=3, metadata={"min": 0, "doc": "re-routings of a sample after engine failures"}
+        default=3,
+        metadata={
+            "min": 0,
+            "doc": "re-routings of a request (group or sample) after engine failures",
+        },
     )
     retry_backoff_s: float = field(
         default=0.5,
@@ -94,14 +124,28 @@ class GeneratorConfig:
         default=0,
         metadata={
             "min": 0,
-            "doc": "run.mode sync: samples per policy version (the learner's batch_size); "
-            "the next batch starts once they are all out and a new version is live",
+            "doc": "run.mode sync: samples per policy version (the learner's batch_size, a "
+            "multiple of group_size); the next batch starts once they are all out and a new "
+            "version is live",
         },
     )
 
     def __post_init__(self) -> None:
         if bool(self.engines) == (self.launch is not None):
             raise ValueError("give exactly one of `engines` (URLs to attach to) or `launch`")
+        if self.sync_batch % self.group_size:
+            raise ValueError(
+                f"sync_batch ({self.sync_batch}) must be a multiple of group_size "
+                f"({self.group_size}): a sync batch is made of whole groups"
+            )
+
+
+class _Served(NamedTuple):
+    """A sample an engine answered, with when."""
+
+    engine: str
+    completion: Completion
+    done: float  # time.monotonic()
 
 
 class Generator:
@@ -114,14 +158,25 @@ class Generator:
         self.run_id = ctx.run_dir.name
         self.launcher: EngineLauncher | None = None
         self.session: aiohttp.ClientSession | None = None
-        self.in_flight: dict[str, int] = {}
+        self.in_flight: dict[str, int] = {}  # samples, per engine
         self.engine_version = 0
-        self.counts = {"started": 0, "emitted": 0, "dropped": 0, "retried": 0, "tokens": 0}
+        self._versions_asked = 0.0  # monotonic time of the last /get_model_info round
+        self.params = config.sampling.as_params()
+        self.counts = {
+            "started": 0,
+            "emitted": 0,
+            "dropped": 0,
+            "retried": 0,
+            "tokens": 0,
+            "requests": 0,  # /generate requests sent (a group request is one)
+            "group_fallbacks": 0,  # group requests refused, then sent again per sample
+        }
+        # engines found unable to serve group requests -> the error that showed it
+        self.no_groups: dict[str, str] = {}
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
     async def setup(self) -> None:
-        self.session = aiohttp.ClientSession()
         urls = list(self.config.engines)
         if self.config.launch is not None:
             self.launcher = EngineLauncher(
@@ -131,6 +186,10 @@ class Generator:
                 log=self.log,
             )
             urls = await self.launcher.start()
+        # an engine never holds more than max(target, group_size) samples, each at most one
+        # connection: the pool must never be what limits them
+        most = max(self.config.controller.max_in_flight, self.config.group_size)
+        self.session = make_session(len(urls) * (most + _SPARE_CONNECTIONS))
         self.clients = {
             url: EngineClient(url, self.session, timeout_s=self.config.request_timeout_s)
             for url in urls
@@ -181,27 +240,57 @@ class Generator:
         self.log.info("engine_up", url=engine)
         self._changed.set()
 
+    def _groups_unsupported(self, engine: str, error: EngineError) -> None:
+        if engine in self.no_groups:
+            return
+        self.no_groups[engine] = str(error)
+        self.log.warning(
+            "group_requests_unsupported",
+            url=engine,
+            status=error.status,
+            error=str(error),
+            fallback="one request per sample to this engine from now on",
+        )
+
     # ---------------------------------------------------------------- decisions
+    async def _ask_engine_versions(self) -> None:
+        """Learn the engines' policy version by asking them (at most twice a second).
+
+        Completions carry it, but the lag gate closes exactly when none are coming: a learner
+        that published several versions while everything in flight was generated before them
+        would otherwise wait for fresh samples that the gate never lets start.
+        """
+        now = time.monotonic()
+        if now - self._versions_asked < 0.5:
+            return
+        self._versions_asked = now
+        live = [c for url, c in self.clients.items() if url not in self.down]
+        answers = await asyncio.gather(*(c.weight_version() for c in live), return_exceptions=True)
+        known = [v for v in answers if isinstance(v, int)]
+        if known and max(known) > self.engine_version:
+            self.log.info("engine_version_asked", was=self.engine_version, now=max(known))
+            self.engine_version = max(known)
+
     def _log_decisions(self, decisions: list[Decision]) -> None:
         for d in decisions:
             self.log.info(
                 "inflight_decision", scope=d.scope, value=d.value, reason=d.reason, **d.detail
             )
 
-    def _pick_engine(self) -> str | None:
-        """The live engine with the fewest requests in flight among those below target."""
+    def _pick_engine(self, size: int) -> str | None:
+        """The live engine with the fewest samples in flight among those ``size`` more fit."""
         open_engines = []
         for url, n in self.in_flight.items():
             if url in self.down:
                 continue
-            if n >= self.controller.target(url):
+            if not self.controller.fits(url, n, size):
                 self.controller.record_blocked(url)
                 continue
             open_engines.append(url)
         return min(open_engines, key=lambda u: self.in_flight[u]) if open_engines else None
 
-    async def _slot(self) -> str:
-        """Wait until the gates are open and some engine has room; returns that engine."""
+    async def _slot(self, size: int) -> str:
+        """Wait until the gates let ``size`` samples start and an engine has room for them."""
         rollouts = self.ctx.outputs["rollouts"]
         while True:
             if self.launcher is not None and self.launcher.all_given_up:
@@ -214,12 +303,15 @@ class Generator:
                 version=version,
                 newest=max(self.ctx.version, version),
                 max_lag=self.config.max_lag,
+                size=size,
             )
             self._log_decisions(changes)
             if may_start:
-                engine = self._pick_engine()
+                engine = self._pick_engine(size)
                 if engine is not None:
                     return engine
+            elif self.ctx.version - version > self.config.max_lag:
+                await self._ask_engine_versions()
             self._changed.clear()
             # credit arrives without an event of ours: look again at least every 50 ms.
             # (asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation
@@ -236,6 +328,8 @@ class Generator:
             asyncio.create_task(self._emit(), name="emit"),
             asyncio.create_task(self._decide(), name="decide"),
         ]
+        size = self.config.group_size
+        grouped = self.config.group_requests and size > 1
         try:
             if self.ctx.mode == "sync" and self.config.sync_batch < 1:
                 raise ValueError(
@@ -246,11 +340,20 @@ class Generator:
                 if self.ctx.mode == "sync" and batch_started >= self.config.sync_batch:
                     batch_version = await self._next_sync_batch(batch_version)
                     batch_started = 0
-                batch_started += self.config.group_size
-                group_id = f"{msg.data['prompt_id']}/{secrets.token_hex(3)}"
-                for index in range(self.config.group_size):
-                    engine = await self._slot()
-                    self._start(msg.data, group_id, index, engine)
+                batch_started += size
+                prompt = msg.data
+                group_id = f"{prompt['prompt_id']}/{secrets.token_hex(3)}"
+                if grouped:
+                    engine = await self._slot(size)
+                    self._start(
+                        self._group(prompt, group_id, engine, time.monotonic()), engine, size
+                    )
+                    continue
+                for index in range(size):
+                    engine = await self._slot(1)
+                    self._start(
+                        self._sample(prompt, group_id, index, engine, time.monotonic()), engine, 1
+                    )
             if self._tasks:
                 await asyncio.gather(*list(self._tasks))
             await self.outbox.join()
@@ -258,7 +361,12 @@ class Generator:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
-        self.log.info("generator_done", in_flight=sum(self.in_flight.values()), **self.counts)
+        self.log.info(
+            "generator_done",
+            in_flight=sum(self.in_flight.values()),
+            engines_without_group_requests=len(self.no_groups),
+            **self.counts,
+        )
 
     async def _next_sync_batch(self, version: int) -> int:
         """Sync mode: wait until the last batch is out and trained on (a newer version)."""
@@ -268,92 +376,176 @@ class Generator:
         self.log.info("sync_batch_done", version=version)
         return await self.ctx.wait_for_version(version + 1)
 
-    def _start(self, prompt: dict[str, Any], group_id: str, index: int, engine: str) -> None:
-        self.in_flight[engine] += 1
-        self.counts["started"] += 1
-        task = asyncio.create_task(self._sample(prompt, group_id, index, engine, time.monotonic()))
+    def _start(self, work: Any, engine: str, size: int) -> None:
+        """Run ``work`` (a coroutine) holding ``size`` samples of ``engine``'s in-flight count."""
+        self.in_flight[engine] += size
+        self.counts["started"] += size
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _rid(self, group_id: str, index: int) -> str:
+        return f"{self.run_id}/{group_id}/{index}"
+
+    async def _group(
+        self, prompt: dict[str, Any], group_id: str, engine: str, queued: float
+    ) -> None:
+        started = time.monotonic()
+        served = await self._request_group(prompt, group_id, engine)
+        prompt_ids = np.asarray(prompt["input_ids"], dtype=np.int32)
+        for index, got in enumerate(served):
+            if got is not None:
+                await self._put(prompt, prompt_ids, group_id, index, got, queued, started)
 
     async def _sample(
         self, prompt: dict[str, Any], group_id: str, index: int, engine: str, queued: float
     ) -> None:
-        rid = f"{self.run_id}/{group_id}/{index}"
-        attempt = 0
         started = time.monotonic()
+        got = await self._request_one(prompt, self._rid(group_id, index), engine, attempt=0)
+        if got is not None:
+            prompt_ids = np.asarray(prompt["input_ids"], dtype=np.int32)
+            await self._put(prompt, prompt_ids, group_id, index, got, queued, started)
+
+    async def _request_group(
+        self, prompt: dict[str, Any], group_id: str, engine: str
+    ) -> list[_Served | None]:
+        """The group's samples (None for a dropped one); holds ``group_size`` samples of
+        ``engine`` and releases them. A whole-group failure is re-routed whole."""
+        size = self.config.group_size
+        rids = [self._rid(group_id, index) for index in range(size)]
+        attempt = 0
+        while engine not in self.no_groups:
+            self.counts["requests"] += 1
+            try:
+                completions = await self.clients[engine].generate_group(
+                    prompt["input_ids"], self.params, rids=rids
+                )
+            except EngineError as exc:
+                if not exc.retryable:
+                    return await self._fall_back(prompt, rids, engine, exc, attempt)
+                self._release(engine, size)
+                self._mark_down(engine, str(exc))
+                if attempt >= self.config.max_retries:
+                    self._dropped(rids, engine, exc, attempt + 1)
+                    return [None] * size
+                attempt += 1
+                self._retrying(rids, engine, attempt, exc)
+                # the failed engine is out of use now: this goes to a live one, or waits
+                # for one to come back (the probes' capped backoff)
+                engine = await self._slot(size)
+                self.in_flight[engine] += size
+                continue
+            self._release(engine, size)
+            self._served(engine, completions)
+            done = time.monotonic()
+            return [_Served(engine, c, done) for c in completions]
+        # known to take per-sample requests only: the samples share the slots the group holds
+        return list(
+            await asyncio.gather(*(self._request_one(prompt, r, engine, attempt) for r in rids))
+        )
+
+    async def _fall_back(
+        self,
+        prompt: dict[str, Any],
+        rids: list[str],
+        engine: str,
+        error: EngineError,
+        attempt: int,
+    ) -> list[_Served | None]:
+        """A refused group request, sent again at once as per-sample requests to ``engine``.
+
+        If one of them succeeds there, the engine cannot serve groups (remembered, warned once);
+        if they are all refused too, the request itself was bad (each sample dropped, counted).
+        """
+        self.counts["group_fallbacks"] += 1
+        served = await asyncio.gather(
+            *(self._request_one(prompt, r, engine, attempt) for r in rids)
+        )
+        if any(s is not None and s.engine == engine for s in served):
+            self._groups_unsupported(engine, error)
+        return list(served)
+
+    async def _request_one(
+        self, prompt: dict[str, Any], rid: str, engine: str, attempt: int
+    ) -> _Served | None:
+        """One sample (None when dropped); holds one sample of ``engine`` and releases it."""
         while True:
+            self.counts["requests"] += 1
             try:
                 completion = await self.clients[engine].generate(
-                    prompt["input_ids"], self.config.sampling.as_params(), rid=rid
+                    prompt["input_ids"], self.params, rid=rid
                 )
                 break
             except EngineError as exc:
-                self._release(engine)
+                self._release(engine, 1)
                 if exc.retryable:
                     self._mark_down(engine, str(exc))
                 if not exc.retryable or attempt >= self.config.max_retries:
-                    self.counts["dropped"] += 1
-                    self.log.warning(
-                        "sample_dropped",
-                        rid=rid,
-                        engine=engine,
-                        error=str(exc),
-                        attempts=attempt + 1,
-                    )
-                    return
+                    self._dropped([rid], engine, exc, attempt + 1)
+                    return None
                 attempt += 1
-                self.counts["retried"] += 1
-                self.log.warning(
-                    "sample_retry", rid=rid, engine=engine, attempt=attempt, error=str(exc)
-                )
-                # the failed engine is out of use now: this goes to a live one, or waits
-                # for one to come back (the probes' capped backoff)
-                engine = await self._slot()
+                self._retrying([rid], engine, attempt, exc)
+                engine = await self._slot(1)
                 self.in_flight[engine] += 1
-        self._release(engine)
-        self.failures[engine] = 0
-        self.controller.record_tokens(engine, len(completion.output_ids))
-        self.engine_version = max(self.engine_version, completion.weight_version)
-        await self.outbox.put(
-            self._rollout(
-                prompt,
-                group_id,
-                index,
-                engine,
-                completion,
-                queued_s=started - queued,
-                generate_s=time.monotonic() - started,
-            )
-        )
+        self._release(engine, 1)
+        self._served(engine, [completion])
+        return _Served(engine, completion, time.monotonic())
 
-    def _release(self, engine: str) -> None:
-        self.in_flight[engine] -= 1
+    def _served(self, engine: str, completions: list[Completion]) -> None:
+        self.failures[engine] = 0
+        self.controller.record_tokens(engine, sum(len(c.output_ids) for c in completions))
+        for c in completions:
+            self.engine_version = max(self.engine_version, c.weight_version)
+
+    def _retrying(self, rids: list[str], engine: str, attempt: int, error: EngineError) -> None:
+        self.counts["retried"] += len(rids)
+        for rid in rids:
+            self.log.warning(
+                "sample_retry", rid=rid, engine=engine, attempt=attempt, error=str(error)
+            )
+
+    def _dropped(self, rids: list[str], engine: str, error: EngineError, attempts: int) -> None:
+        self.counts["dropped"] += len(rids)
+        for rid in rids:
+            self.log.warning(
+                "sample_dropped", rid=rid, engine=engine, error=str(error), attempts=attempts
+            )
+
+    def _release(self, engine: str, size: int) -> None:
+        self.in_flight[engine] -= size
         self._changed.set()
 
-    def _rollout(
+    async def _put(
         self,
         prompt: dict[str, Any],
+        prompt_ids: np.ndarray,
         group_id: str,
         index: int,
-        engine: str,
-        completion: Completion,
-        **timings: float,
-    ) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "prompt_id": prompt["prompt_id"],
-            "group_id": group_id,
-            "sample_index": index,
-            "group_size": self.config.group_size,
-            "prompt_ids": np.asarray(prompt["input_ids"], dtype=np.int32),
-            "completion_ids": completion.output_ids,
-            "sampler_logprobs": completion.logprobs,
-            "versions": completion.versions,
-            "finish_reason": completion.finish_reason,
-            "engine": engine,
-            "timings": {k: round(v, 6) for k, v in timings.items()},
-            "meta": prompt.get("meta"),
-        }
+        served: _Served,
+        queued: float,
+        started: float,
+    ) -> None:
+        c = served.completion
+        await self.outbox.put(
+            {
+                "run_id": self.run_id,
+                "prompt_id": prompt["prompt_id"],
+                "group_id": group_id,
+                "sample_index": index,
+                "group_size": self.config.group_size,
+                "prompt_ids": prompt_ids,
+                "completion_ids": c.output_ids,
+                "sampler_logprobs": c.logprobs,
+                "versions": c.versions,
+                "finish_reason": c.finish_reason,
+                "engine": served.engine,
+                "timings": {
+                    "queued_s": round(started - queued, 6),
+                    "generate_s": round(served.done - started, 6),
+                },
+                "meta": prompt.get("meta"),
+            }
+        )
 
     async def _emit(self) -> None:
         rollouts = self.ctx.outputs["rollouts"]
@@ -377,6 +569,7 @@ class Generator:
                 in_flight=sum(self.in_flight.values()),
                 targets={u: self.controller.target(u) for u in self.in_flight},
                 engines_down=len(self.down),
+                engines_without_group_requests=len(self.no_groups),
                 engine_version=self.engine_version,
                 **self.counts,
             )

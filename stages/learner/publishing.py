@@ -31,6 +31,9 @@ from stages.weights.publisher import WeightPublisher, WeightPublishError
 
 __all__ = ["Publishing"]
 
+# what a failed publish (or group formation) raises; training goes on and the next one retries
+_PUBLISH_ERRORS = (WeightPublishError, OSError, aiohttp.ClientError, TimeoutError, RuntimeError)
+
 
 class Publishing:
     def __init__(self, config: PublishConfig, ctx: Any, *, device: torch.device) -> None:
@@ -42,9 +45,10 @@ class Publishing:
             self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.publisher: WeightPublisher | None = None
         self._connected_to: dict[str, Any] | None = None
-        self.counts = {"published": 0, "failed": 0, "reconnects": 0}
+        self.counts = {"published": 0, "failed": 0, "reconnects": 0, "group_failed": 0}
         self.seconds = 0.0
         self.version = 0
+        self._connecting = asyncio.Lock()  # one group at a time, however many callers
 
     # ---------------------------------------------------------------- engines
     def _expected(self) -> list[str]:
@@ -79,7 +83,24 @@ class Publishing:
             except asyncio.TimeoutError:
                 continue
 
+    async def connect(self) -> bool:
+        """Form the weight group now (before the first publish needs it); False on failure.
+
+        A failure is logged and counted like a failed publish; the next publish tries again.
+        """
+        try:
+            await self._ensure_connected()
+        except _PUBLISH_ERRORS as exc:
+            self.counts["group_failed"] += 1
+            self.log.warning("weight_group_failed", error=str(exc), retry="at the next publish")
+            return False
+        return True
+
     async def _ensure_connected(self) -> WeightPublisher:
+        async with self._connecting:
+            return await self._connect()
+
+    async def _connect(self) -> WeightPublisher:
         wanted = {"urls": self.config.engines} if self.config.engines else self._announced()
         if self.publisher is not None and wanted == self._connected_to:
             return self.publisher
@@ -115,13 +136,7 @@ class Publishing:
         try:
             publisher = await self._ensure_connected()
             stats = await publisher.publish(weights, version)
-        except (
-            WeightPublishError,
-            OSError,
-            aiohttp.ClientError,
-            TimeoutError,
-            RuntimeError,
-        ) as exc:
+        except _PUBLISH_ERRORS as exc:
             self.counts["failed"] += 1
             self.log.error("publish_failed", policy_version=version, error=str(exc))
             if self.publisher is not None:

@@ -14,6 +14,14 @@ Held-out greedy accuracy is measured through the engines before the first step, 
 state inside) go to ``RUN_DIR/checkpoints/step-N``; a learner that starts in a run directory
 holding one (``inflight run --resume RUN_DIR``, or a restart after a crash) continues from the
 newest. After ``steps`` steps rank 0 writes the run summary and ends the run.
+
+Start-up order (launch to first step is part of every run's wall time): the DeepSpeed engine is
+made in a worker thread, then rank 0 loads the held-out prompts; it starts the evaluation's
+reward workers and waits for the engines in the background, and as soon as they are up forms the
+weight group and runs the first evaluation, all while the first batch is generated and trained
+on. The first publish waits for that
+evaluation, so it measures the initial weights. This module imports torch, transformers and
+DeepSpeed only when a learner is made, not when the supervisor loads it to validate a config.
 """
 
 from __future__ import annotations
@@ -23,16 +31,16 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pipeline.stage import Port, StageContext
-from stages.learner.advantages import group_advantages
 from stages.learner.config import LearnerConfig
-from stages.learner.trainer import Trainer, TrainSample
 from stages.schemas import SCORED_GROUP
+
+if TYPE_CHECKING:
+    from stages.learner.trainer import TrainSample
 
 __all__ = ["Learner"]
 
@@ -46,8 +54,11 @@ class Learner:
     distributed = True  # replicas are the ranks of one torch.distributed group
 
     def __init__(self, config: LearnerConfig, ctx: StageContext) -> None:
+        from stages.learner.trainer import Trainer  # torch: only in the learner's own process
+
         self.config, self.ctx, self.log = config, ctx, ctx.log
         self.trainer = Trainer(config, ctx.log)
+        self.rank = ctx.replica  # the supervisor starts replica i as rank i
         self.publishing: Any = None
         self.evaluator: Any = None
         self.step = 0
@@ -58,6 +69,8 @@ class Learner:
         self._publish_task: asyncio.Task | None = None
         self._eval_task: asyncio.Task | None = None
         self._eval_due: tuple[int, int] | None = None  # (step, version) of a pending evaluation
+        self._engines_task: asyncio.Task | None = None  # rank 0: find the engines
+        self._first_eval: asyncio.Task | None = None  # rank 0: the evaluation before step 1
         self._input_done = False
         self._urls: list[str] = []
 
@@ -71,15 +84,27 @@ class Learner:
             )
         self.share = cfg.batch_size // self.ctx.replicas
         self._groups = aiter(self.ctx.inputs["groups"])
-        await asyncio.to_thread(self.trainer.setup)
-        self.rank = self.trainer.rank
+        resumed = self._latest_checkpoint()
+        evaluate = self.rank == 0 and cfg.eval.source is not None
+        # One worker thread does everything that imports transformers, in turn: its lazy
+        # modules are not safe to import from two threads at once.
+        prompts, tokenizer = await asyncio.to_thread(self._setup_blocking, evaluate)
+        if self.trainer.rank != self.rank:
+            raise RuntimeError(
+                f"learner replica {self.rank} became torch.distributed rank {self.trainer.rank}: "
+                "start the learner's replicas as one gang (RANK = replica)"
+            )
         if self.rank == 0:
             from stages.learner.publishing import Publishing
 
             self.publishing = Publishing(cfg.publish, self.ctx, device=self.trainer.device)
-            if cfg.eval.source is not None:
-                await self._setup_eval()
-        resumed = self._latest_checkpoint()
+            if evaluate:
+                from stages.learner.evaluate import Evaluator
+
+                self.evaluator = Evaluator(cfg.eval, prompts, tokenizer, self.log)
+            self._engines_task = asyncio.create_task(
+                self._engines_up(evaluate=evaluate and resumed is None), name="engines"
+            )
         if resumed is not None:
             state = await asyncio.to_thread(self.trainer.load, str(resumed))
             self.step = int(state.get("step", 0))
@@ -95,30 +120,49 @@ class Learner:
             )
         self.resumed = resumed is not None
 
-    async def _setup_eval(self) -> None:
+    def _setup_blocking(self, evaluate: bool) -> tuple[list[dict[str, Any]], Any]:
+        """The DeepSpeed engine, then (``evaluate``) the held-out prompts and their tokenizer."""
+        self.trainer.setup()
+        if not evaluate:
+            return [], None
         from transformers import AutoTokenizer
 
         from stages.feeder.sources import load_prompts
-        from stages.learner.evaluate import Evaluator
 
         source = self.config.eval.source
-        prompts = await asyncio.to_thread(load_prompts, source, "eval", log=self.log)
-        tokenizer = AutoTokenizer.from_pretrained(source.tokenizer or self.config.model)
-        self.evaluator = Evaluator(self.config.eval, prompts.prompts, tokenizer, self.log)
-        await self.evaluator.start()
+        prompts = load_prompts(source, "eval", log=self.log).prompts
+        return prompts, AutoTokenizer.from_pretrained(source.tokenizer or self.config.model)
+
+    async def _engines_up(self, *, evaluate: bool) -> None:
+        """Rank 0, in the background: start the evaluation's reward workers and wait for the
+        engines; then form the weight group and, on a fresh start, measure the initial weights
+        (both go on while the first batch is generated)."""
+        workers = asyncio.ensure_future(
+            self.evaluator.start() if self.evaluator is not None else asyncio.sleep(0)
+        )
+        try:
+            self._urls = await self.publishing.wait_for_engines(_ENGINE_WAIT_S)
+        except BaseException:
+            workers.cancel()
+            await asyncio.gather(workers, return_exceptions=True)
+            raise
+        self.log.info("engines_found", urls=self._urls)
+        await workers
+        if evaluate:
+            self._first_eval = asyncio.create_task(self._evaluate_initial(), name="first-eval")
+        await self.publishing.connect()
+
+    async def _evaluate_initial(self) -> None:
+        result = await self.evaluator.evaluate(self._urls, step=0, version=0)
+        await self.ctx.summary(eval_before=result["accuracy"])
 
     # -------------------------------------------------------------------- run
     async def run(self) -> None:
         cfg = self.config
         started = time.monotonic()
-        if self.rank == 0:
-            self._urls = await self.publishing.wait_for_engines(_ENGINE_WAIT_S)
-            self.log.info("engines_found", urls=self._urls)
-            if self.resumed:  # the engines start from the original model: bring them up to date
-                await self._publish(self.version)
-            if self.evaluator is not None and self.step == 0:
-                result = await self.evaluator.evaluate(self._urls, step=0, version=self.version)
-                await self.ctx.summary(eval_before=result["accuracy"])
+        if self.rank == 0 and self.resumed:
+            # the engines start from the original model: bring them up to date first
+            await self._publish(self.version)
         publish_s = 0.0
         while self.step < cfg.steps:
             waited = time.monotonic()
@@ -147,13 +191,29 @@ class Learner:
         samples, self._carry = self._fresh(self._carry), []
         while len(samples) < self.share and not self._input_done:
             try:
-                msg = await anext(self._groups)
+                msg = await self._next_group()
             except StopAsyncIteration:
                 self._input_done = True
                 break
             samples.extend(self._samples_of(msg.data))
         self._carry = samples[self.share :]
         return samples[: self.share]
+
+    async def _next_group(self) -> Any:
+        """The next scored group; while rank 0 still looks for the engines, fail if that fails."""
+        engines = self._engines_task
+        if engines is None or engines.done():
+            return await anext(self._groups)
+        receiving = asyncio.ensure_future(anext(self._groups))
+        try:
+            await asyncio.wait({receiving, engines}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            receiving.cancel()
+            raise
+        if not receiving.done() and not engines.cancelled() and engines.exception() is not None:
+            receiving.cancel()
+            engines.result()  # raises: no engines, no samples and no publishing
+        return await receiving
 
     def _fresh(self, samples: list[TrainSample]) -> list[TrainSample]:
         """Drop (and count) samples whose oldest token is more than ``max_lag`` versions old."""
@@ -163,6 +223,11 @@ class Learner:
         return kept
 
     def _samples_of(self, group: dict[str, Any]) -> list[TrainSample]:
+        import torch
+
+        from stages.learner.advantages import group_advantages
+        from stages.learner.trainer import TrainSample
+
         try:
             prompt = np.asarray(group["prompt_ids"], dtype=np.int64)
             items = group["samples"]
@@ -231,6 +296,11 @@ class Learner:
 
     # ---------------------------------------------------------------- publish
     async def _publish(self, version: int) -> None:
+        if self.rank == 0:
+            await self._engines_task  # engines known (and the weight group formed)
+            if self._first_eval is not None:  # it measures the initial weights: let it end
+                await self._first_eval
+                self._first_eval = None
         if self._publish_task is not None:
             await self._publish_task  # one publish in flight at a time
             self._publish_task = None
@@ -300,8 +370,10 @@ class Learner:
             await self._checkpoint()
         if self.rank != 0:
             return
-        if self._eval_task is not None:
-            await self._eval_task
+        await self._engines_task
+        for task in (self._first_eval, self._eval_task):
+            if task is not None:
+                await task
         summary: dict[str, Any] = {}
         if self.evaluator is not None:
             final = await self.evaluator.evaluate(self._urls, step=self.step, version=self.version)
@@ -327,7 +399,7 @@ class Learner:
         self.ctx.request_stop(f"trained {self.step} steps")
 
     async def close(self) -> None:
-        for task in (self._publish_task, self._eval_task):
+        for task in (self._engines_task, self._first_eval, self._publish_task, self._eval_task):
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -13,6 +13,20 @@ micro-batch's loss divided by the step-wide denominator so that the accumulated 
 whole batch's; then one ``engine.step()`` (``managed_gradient_accumulation: false``: the step is
 the accumulation boundary). A non-finite loss anywhere skips the step on every rank (counted).
 
+DeepSpeed's C++ ops: DeepSpeed JIT-compiles an op (``torch.utils.cpp_extension``, tens of seconds)
+the first time something asks for it. Its communication backend asks for the shared-memory
+all-reduce ``deepspeed_shm_comm`` in every process group it makes, although that op serves only
+``inference_all_reduce`` (tensor-parallel inference) and training collectives go through
+``torch.distributed``; ``Trainer.setup`` therefore marks it incompatible before
+``deepspeed.init_distributed`` (``skip_unused_deepspeed_ops``), which also spares the probe of
+every other op (compiler subprocesses). With the learner's own AdamW nothing else is built on
+CPU (ZeRO 0-3; ZeRO-Offload with ``zero_force_ds_cpu_optimizer: false`` in ``deepspeed.extra``
+keeps the torch optimizer); an op a configuration does need (NVMe offload's ``async_io``, GPU
+kernels) is still built, and a ``deepspeed_op_build`` warning names it, says why and where it is
+cached before the compile starts (``announce_deepspeed_op_builds``). Builds land in
+``TORCH_EXTENSIONS_DIR``, by default under ``~/.cache/torch_extensions/``: one per user and
+machine, shared by every virtual environment, so each op compiles once per machine.
+
 Not here: where samples come from, staleness, publishing, evaluation (``stage.py``).
 """
 
@@ -20,13 +34,16 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -34,7 +51,14 @@ from stages.learner.batching import collate, completion_logprobs, micro_batches,
 from stages.learner.config import LearnerConfig, OptimConfig
 from stages.learner.loss import policy_loss, summarize
 
-__all__ = ["TrainSample", "Trainer", "lr_factor"]
+__all__ = [
+    "TrainSample",
+    "Trainer",
+    "announce_deepspeed_op_builds",
+    "extension_dir",
+    "lr_factor",
+    "skip_unused_deepspeed_ops",
+]
 
 
 @dataclass
@@ -85,6 +109,8 @@ class Trainer:
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(_free_port()),
             )
+        skip_unused_deepspeed_ops()
+        announce_deepspeed_op_builds()
         deepspeed.init_distributed(dist_backend=backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.seed + self.rank)
@@ -133,6 +159,11 @@ class Trainer:
         )
         if cfg.deepspeed.zero_stage == 0 and dtype == torch.float32:
             self._keep_grad_norm()
+            if self.world == 1:
+                # averaging gradients over one rank is the identity, but DeepSpeed would still
+                # copy them all into flat buffers and all-reduce those every step (as it does
+                # itself when it has no process group)
+                self.engine.enable_backward_allreduce = False
         self.log.info(
             "deepspeed_ready",
             rank=self.rank,
@@ -140,7 +171,7 @@ class Trainer:
             backend=backend,
             zero_stage=cfg.deepspeed.zero_stage,
             device=str(self.device),
-            params=sum(p.numel() for p in model.parameters()),
+            params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
             seconds=round(time.perf_counter() - started, 3),
         )
 
@@ -166,6 +197,8 @@ class Trainer:
 
     # ------------------------------------------------------------ collectives
     def _all_reduce(self, values: list[float], op: Any = None) -> list[float]:
+        if self.world == 1:  # sum, min and max over one rank: the values themselves
+            return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64)
         if self.device.type == "cuda":
             t = t.to(self.device)
@@ -229,6 +262,9 @@ class Trainer:
         """
         cfg = self.config
         started = time.perf_counter()
+        # Shortest first: micro-batches of similar lengths pad less (the loss is a sum over
+        # samples, so their order does not change the step).
+        samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
         self.engine.train()
         ref_lp = self._no_grad(self.ref_model, samples) if self.ref_model is not None else None
         old_lp = None
@@ -325,7 +361,7 @@ class Trainer:
         )
         mask = batch.completion_mask
         width = mask.shape[1]
-        sampler = _padded([torch.from_numpy(np.asarray(s.sampler_logprobs)) for s in part], width)
+        sampler = _padded([np.asarray(s.sampler_logprobs) for s in part], width)
         sampler = sampler.to(self.device, logp.dtype)
         old = logp.detach() if old_lp is None else _padded([old_lp[i] for i in idx], width)
         ref = None if ref_lp is None else _padded([ref_lp[i] for i in idx], width)
@@ -424,12 +460,121 @@ class Trainer:
         return dict(state or {})
 
 
-def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width, dtype=torch.float32)
+# ---------------------------------------------------------------- DeepSpeed C++ ops
+# Ops DeepSpeed would build although training never calls them, and what they serve.
+_UNUSED_OPS = {"deepspeed_shm_comm": "inference_all_reduce (tensor-parallel inference)"}
+# Why an op gets built, for the warning before its compile.
+_OP_USES = {
+    "cpu_adam": "DeepSpeedCPUAdam, the CPU optimizer of ZeRO-Offload",
+    "cpu_adagrad": "DeepSpeedCPUAdagrad, a CPU optimizer of ZeRO-Offload",
+    "cpu_lion": "DeepSpeedCPULion, a CPU optimizer of ZeRO-Offload",
+    "fused_adam": "FusedAdam, DeepSpeed's Adam (an `optimizer` section in deepspeed.extra)",
+    "async_io": "NVMe offload (offload_optimizer / offload_param with device: nvme)",
+}
+
+
+class _OpCompatibility(dict):
+    """``deepspeed.ops.__compatible_ops__`` that probes an op only when that op is asked about.
+
+    DeepSpeed probes every op on the first look (compiler subprocesses for some); this probes
+    with the same function, one op at a time. Iterating it shows only the ops probed so far.
+    """
+
+    def __missing__(self, name: str) -> bool:
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+        builder = ALL_OPS.get(name)
+        if builder is None:
+            ok = False
+        else:
+            try:
+                from deepspeed.ops.op_builder.builder import probe_is_compatible
+            except ImportError:  # DeepSpeed before the probe had its own function
+                ok = bool(builder.is_compatible(False))
+            else:
+                ok = bool(probe_is_compatible(builder))
+        self[name] = ok
+        return ok
+
+    def get(self, name: str, default: Any = None) -> bool:  # type: ignore[override]
+        return self[name]
+
+
+def skip_unused_deepspeed_ops() -> None:
+    """Mark the ops in ``_UNUSED_OPS`` incompatible so DeepSpeed never builds them.
+
+    Call before ``deepspeed.init_distributed`` (its backend builds ``deepspeed_shm_comm`` when
+    the op is marked compatible, and falls back to ``torch.distributed`` when it is not).
+    """
+    import deepspeed.ops
+
+    table = vars(deepspeed.ops).get("__compatible_ops__")
+    if table is None:  # not probed yet (DeepSpeed probes on first access): probe on demand
+        table = _OpCompatibility()
+        deepspeed.ops.__compatible_ops__ = table
+    for name in _UNUSED_OPS:
+        table[name] = False
+
+
+def announce_deepspeed_op_builds() -> None:
+    """Log a warning before DeepSpeed JIT-compiles any op, and its time after (idempotent)."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    compile_op = OpBuilder.jit_load
+    if getattr(compile_op, "announced", False):
+        return
+
+    def jit_load(builder: Any, verbose: bool = True) -> Any:
+        log = structlog.get_logger()
+        where = extension_dir(builder.name)
+        cached = any(where.glob("*.so"))
+        log.warning(
+            "deepspeed_op_build",
+            op=builder.name,
+            why=_OP_USES.get(builder.name, "DeepSpeed asked for it with this configuration"),
+            cache=str(where),
+            cached=cached,
+            note="loads the cached build" if cached else "compiling: can take a minute, once",
+        )
+        started = time.perf_counter()
+        module = compile_op(builder, verbose)
+        log.warning(
+            "deepspeed_op_built", op=builder.name, seconds=round(time.perf_counter() - started, 1)
+        )
+        return module
+
+    jit_load.announced = True  # type: ignore[attr-defined]
+    OpBuilder.jit_load = jit_load
+
+
+def extension_dir(name: str) -> Path:
+    """Where ``torch.utils.cpp_extension`` builds and caches the extension ``name``.
+
+    ``TORCH_EXTENSIONS_DIR/name`` when set; else under the user's cache directory (one per user
+    and machine, shared by virtual environments), in a folder per Python and accelerator.
+    """
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        return Path(root) / name
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accel = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accel = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accel = "cpu"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{py}_{accel}" / name
+
+
+def _padded(rows: list[np.ndarray] | list[torch.Tensor], width: int) -> torch.Tensor:
+    """Per-token values ``[B, width]`` float32, right-padded with 0 (filled in numpy: fast)."""
+    out = np.zeros((len(rows), width), dtype=np.float32)
     for i, row in enumerate(rows):
         n = min(len(row), width)
-        out[i, :n] = row[:n].float()
-    return out
+        out[i, :n] = row[:n]
+    return torch.from_numpy(out)
 
 
 def _free_port() -> int:

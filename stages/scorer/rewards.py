@@ -9,6 +9,10 @@ it does not apply to (TRL's convention); that completion then gets nothing from 
 - ``exact_match``: 1.0 when the stripped completion equals the stripped ``answer``.
 - ``math_verify``: 1.0 when Hugging Face's ``math-verify`` finds the completion's last
   ``\\boxed{...}`` (or, without one, the whole text) mathematically equal to ``answer``.
+- ``chain_answer``: 1.0 when the final answer written after the worked steps
+  (``12+34=46;46-5=41;#41``: the text after the one ``#``) is exactly ``answer``; 0.0 for a
+  malformed completion (no ``#``, several, no integer after it) and for one cut off by the
+  token limit (``finish_reason`` ``length``, when the caller passes it).
 
 Registered as entry points of the group ``inflight.rewards``; a pipeline names them
 (``rewards: [{fn: exact_match}]``) or any other function by dotted path. Nothing here decodes
@@ -17,9 +21,12 @@ tokens, combines weights or guards against slow functions: the scorer's runner d
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-__all__ = ["exact_match", "last_boxed", "math_verify"]
+__all__ = ["chain_answer", "exact_match", "last_boxed", "math_verify"]
+
+_FINAL = re.compile(r"[^#]*#(-?[0-9]+)")  # worked steps (no '#'), then '#' and the answer
 
 
 def exact_match(completions: list[str], answer: list[Any], **kwargs: Any) -> list[float]:
@@ -28,6 +35,27 @@ def exact_match(completions: list[str], answer: list[Any], **kwargs: Any) -> lis
         float(a is not None and c.strip() == str(a).strip())
         for c, a in zip(completions, answer, strict=True)
     ]
+
+
+def chain_answer(
+    completions: list[str],
+    answer: list[Any],
+    finish_reason: list[str | None] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """1.0 where the answer after the worked steps (``...;#41``) is exactly ``answer``.
+
+    The completion (stripped) must be the worked steps, one ``#`` and an integer, nothing after
+    it; which steps were written is not checked. A completion that stopped at the token limit
+    scores 0 even when its text ends in the right digits (more digits could have followed).
+    """
+    reasons = finish_reason if finish_reason is not None else [None] * len(completions)
+    scores = []
+    for completion, gold, reason in zip(completions, answer, reasons, strict=True):
+        found = _FINAL.fullmatch(completion.strip())
+        ok = found is not None and gold is not None and reason != "length"
+        scores.append(float(ok and found.group(1) == str(gold).strip()))
+    return scores
 
 
 def last_boxed(text: str) -> str | None:

@@ -130,3 +130,49 @@ def test_logs_on_a_missing_run_dir_is_a_clear_error(tmp_path):
     result = run_inflight("logs", str(tmp_path / "nope"), timeout=20)
     assert result.returncode == 2
     assert "nope" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_validate_prints_the_placement(tmp_path):
+    ok = run_inflight(
+        "validate",
+        "configs/example.yaml",
+        "stages.numbers.resources={cpus: [0]}",
+        "stages.summary.resources.cpus=[1]",
+        timeout=50,
+    )
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.splitlines()
+    assert lines[0] == "configs/example.yaml: valid (3 stages: numbers(1), power(2), summary(1))"
+    assert lines[1].startswith("placement on this host: cores [0-1], ")
+    assert lines[2:] == [
+        "  numbers.0 -> cores [0]",
+        "  power.0   -> floating on cores [0-1] (every core is reserved)",
+        "  power.1   -> floating on cores [0-1] (every core is reserved)",
+        "  summary.0 -> cores [1]",
+    ]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_impossible_resources_fail_before_anything_starts(tmp_path, command):
+    run_dir = tmp_path / "run"
+    extra = ["--run-dir", str(run_dir), "--quiet"] if command == "run" else []
+    bad = run_inflight(
+        command,
+        "configs/example.yaml",
+        "stages.power.resources.cpus=2",  # 2 replicas x 2 cores on a 2-core machine
+        "stages.numbers.resources.cpus=[0]",
+        "stages.summary.resources={cpus: [0, 64], gpus: 1}",
+        *extra,
+        timeout=50,
+        env={"CUDA_VISIBLE_DEVICES": ""},  # no GPUs, whatever the machine has
+    )
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    err = bad.stderr
+    assert "Traceback" not in err and "4 problems in configs/example.yaml" in err
+    assert "override 'stages.power.resources.cpus=2': stages.power.resources.cpus: 7 cores " in err
+    assert "power: 2 replicas x 2 = 4" in err
+    assert "core 0 is also requested by numbers" in err and "core 64 does not exist" in err
+    assert "gpus requested, but this host has no GPUs (CUDA_VISIBLE_DEVICES='')" in err
+    assert not run_dir.exists()  # nothing was started, not even the run directory

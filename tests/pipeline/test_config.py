@@ -19,6 +19,7 @@ from pipeline.config import (
     dump_yaml,
     load_pipeline,
 )
+from pipeline.config.schema import Resources
 from pipeline.stage import NoConfig, Port
 from transport.message import Schema
 
@@ -388,7 +389,7 @@ def test_stage_options_are_checked_against_the_config_class(tmp_path: Path) -> N
     assert at(err, "stages.numbers.start").message == "expected an integer, got a list [1]"
     assert at(err, "stages.numbers.nothing_like_it").message == (
         "unknown key 'nothing_like_it'; valid keys: count, start, use, replicas, restart, inbox, "
-        "inputs, env"
+        "inputs, env, resources"
     )
     assert at(err, "stages.solo.model").message == "missing required key 'model'"
     assert line(at(err, "stages.solo.model")) == 8
@@ -570,3 +571,24 @@ def test_timeouts_must_leave_room_for_heartbeats(tmp_path):
         ("run.heartbeat_timeout_s", f"{path}:3"),
         ("transport.peer_timeout_s", f"{path}:5"),
     }
+
+
+def test_resources_are_a_typed_runtime_key_that_round_trips(tmp_path: Path) -> None:
+    overrides = ["stages.square.resources={cpus: 1, gpus: [0, 1]}", "stages.numbers.resources={}"]
+    loaded = load_pipeline(write(tmp_path, GOOD), overrides, resolve=resolve)
+    resources = loaded.config.stages["square"].resources
+    assert (resources.cpus, resources.gpus) == (1, [0, 1])
+    assert loaded.config.stages["summary"].resources == Resources()  # asks for nothing
+    again = write(tmp_path, dump_yaml(loaded.resolved()), "resolved.yaml")
+    assert load_pipeline(again, resolve=resolve).resolved() == loaded.resolved()
+    err = load_error(
+        write(
+            tmp_path,
+            GOOD.replace("count: 5", "count: 5\n        resources: {cpu: 2, gpus: true}"),
+        )
+    )
+    assert at(err, "stages.numbers.resources.cpu").message == (
+        "unknown key 'cpu'; did you mean 'cpus'?"
+    )
+    gpus = at(err, "stages.numbers.resources.gpus")
+    assert "got true (bool)" in gpus.message and line(gpus) == 10

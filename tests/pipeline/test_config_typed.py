@@ -243,3 +243,14 @@ def test_describe() -> None:
     assert describe(dict[str, list[int]]) == "a mapping of string keys to lists"
     assert describe(list[Inner]) == "a list of mappings (Inner)"
     assert describe(Literal["a"] | None) == "one of 'a' or null"
+
+
+@dataclass
+class WithOptionalSection:
+    inner: Inner | None = None
+
+
+def test_mistakes_inside_an_optional_section_are_reported() -> None:
+    # An `X | None` section whose content is wrong must not be built with defaults in silence.
+    _obj, issues = run(WithOptionalSection, {"inner": {"size": "w", "nmae": "y"}})
+    assert sorted(i.path for i in issues) == ["cfg.inner.nmae", "cfg.inner.size"]

@@ -339,6 +339,15 @@ BAD_REQUESTS = [
     ({"input_ids": [[1], []]}, "input_ids[1]"),
     ({"text": 5}, "text"),
     ({}, "input_ids"),
+    # SGLang's rule: every entry of a sampling_params list asks for the same n
+    (
+        {"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {"n": 3}]},
+        "sampling_params[1].n",
+    ),
+    ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"input_ids": [1], "sampling_params": {"n": "2"}}, "sampling_params.n"),
+    ({"input_ids": [1], "sampling_params": {"n": 2}, "rid": ["a", "b"]}, "rid"),
+    ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
 ]
 
 
@@ -386,3 +395,60 @@ def test_model_info_and_health(engine: Engine) -> None:
     events = [json.loads(line) for line in engine.log_file.read_text().splitlines()]
     started = [e for e in events if e["event"] == "engine_started"]
     assert started and started[0]["port"] == int(engine.url.rsplit(":", 1)[1])
+
+
+@pytest.mark.timeout(60)
+def test_n_samples_and_batches_answer_sglang_lists(
+    engine: Engine, ref_model: torch.nn.Module
+) -> None:
+    params = {**GREEDY, "max_new_tokens": 5}
+    # one prompt, n > 1: a list of n, sample ids from the caller's rid
+    out = engine.generate(
+        {
+            "input_ids": [8, 9, 10],
+            "rid": "grp",
+            "return_logprob": True,
+            "sampling_params": {**params, "n": 3},
+        }
+    )
+    expected = _hf_greedy(ref_model, [8, 9, 10], 5)
+    assert [o["meta_info"]["id"] for o in out] == ["grp_0", "grp_1", "grp_2"]
+    assert all(o["output_ids"] == expected for o in out)  # shared prefill, same greedy tokens
+    assert all([t for _, t, _ in o["meta_info"]["output_token_logprobs"]] == expected for o in out)
+    # B prompts x n: prompt-major order [p0 s0, p0 s1, p1 s0, p1 s1]
+    prompts = [[20, 21], [30, 31, 32, 33]]
+    out = engine.generate(
+        {"input_ids": prompts, "rid": ["a", "b"], "sampling_params": {**params, "n": 2}}
+    )
+    assert [o["meta_info"]["id"] for o in out] == ["a_0", "a_1", "b_0", "b_1"]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 2, 4, 4]
+    assert [o["output_ids"] for o in out] == [
+        _hf_greedy(ref_model, p, 5) for p in prompts for _ in "ab"
+    ]
+    # a group as the generator sends it: identical input_ids, one rid each
+    out = engine.generate(
+        {"input_ids": [[40, 41]] * 4, "rid": [f"s{i}" for i in range(4)], "sampling_params": params}
+    )
+    assert [o["meta_info"]["id"] for o in out] == ["s0", "s1", "s2", "s3"]
+    assert all(o["output_ids"] == _hf_greedy(ref_model, [40, 41], 5) for o in out)
+    # a batch with one rid string: SGLang's f"{rid}_{i}"
+    out = engine.generate({"input_ids": [[1, 2], [3]], "rid": "bt", "sampling_params": params})
+    assert [o["meta_info"]["id"] for o in out] == ["bt_0", "bt_1"]
+
+
+@pytest.mark.timeout(60)
+def test_abort_by_the_callers_rid_stops_every_sample(engine: Engine) -> None:
+    result: dict[str, Any] = {}
+    body = {
+        "input_ids": [60, 62],
+        "rid": "many",
+        "sampling_params": {**GREEDY, "max_new_tokens": 480, "n": 2},
+    }
+    worker = threading.Thread(target=lambda: result.update(out=engine.generate(body)))
+    worker.start()
+    _wait_running(engine, 2)
+    status, answer = engine.request("POST", "/abort_request", {"rid": "many"})
+    assert status == 200 and answer["num_aborted"] == 2
+    worker.join(30)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in result["out"]] == ["abort"] * 2
+    assert [o["meta_info"]["id"] for o in result["out"]] == ["many_0", "many_1"]

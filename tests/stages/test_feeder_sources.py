@@ -12,8 +12,17 @@ import pyarrow.parquet as pq
 import pytest
 import structlog.testing
 
-from stages.feeder.arithmetic import ArithmeticConfig, make_tokenizer, problems
+from stages.feeder.arithmetic import (
+    ArithmeticConfig,
+    ChainConfig,
+    chain_problems,
+    make_chain_tokenizer,
+    make_tokenizer,
+    problems,
+)
 from stages.feeder.sources import PromptSet, SourceConfig, SourceError, load_prompts
+
+LONGTAIL_MODEL = Path(__file__).resolve().parents[2] / "configs" / "models" / "longtail-tiny"
 
 # user messages only, then "=" as the generation prompt; a "tool" message makes it raise
 CHAT_TEMPLATE = (
@@ -426,3 +435,35 @@ def test_arithmetic_with_a_tokenizer_from_a_model_folder(tok_dir):
     config = SourceConfig(tokenizer=tok_dir, arithmetic=ArithmeticConfig(max_operand=5))
     ps = load_prompts(config, "train")
     assert all(p["input_ids"] == ids_of(p["meta"]["text"]) for p in ps.prompts)
+
+
+# ------------------------------------------------------------------------- chain (long tail)
+def test_chain_task_is_served_with_a_disjoint_held_out_split(log):
+    chain = ChainConfig(size=1500, eval_fraction=0.2)
+    config = SourceConfig(kind="chain", chain=chain)
+    train, held = load_prompts(config, "train", log=log), load_prompts(config, "eval")
+    assert len(train) + len(held) == 1500
+    assert not set(ids(train)) & set(ids(held))
+    assert 0.15 < len(held) / 1500 < 0.25
+    texts = {p["meta"]["text"] for p in train.prompts}
+    assert not texts & {p["meta"]["text"] for p in held.prompts}
+    first = held.prompts[0]
+    problem = next(iter(chain_problems(chain, "eval")))
+    assert first == {
+        "prompt_id": problem.prompt_id,
+        "input_ids": make_chain_tokenizer()(problem.text)["input_ids"],
+        "meta": {"task": "chain", "text": problem.text, "answer": problem.answer},
+    }
+    assert events(log, "prompts_loaded")[0]["source"] == "chain"
+
+
+def test_chain_with_the_shipped_tokenizer_gives_the_same_ids():
+    config = SourceConfig(kind="chain", tokenizer=str(LONGTAIL_MODEL), chain=ChainConfig(size=200))
+    ps = load_prompts(config, "train")
+    tok = make_chain_tokenizer()
+    assert all(p["input_ids"] == tok(p["meta"]["text"])["input_ids"] for p in ps.prompts)
+
+
+def test_chain_reads_no_files():
+    with pytest.raises(ValueError, match=r"chain\.eval_fraction"):
+        SourceConfig(kind="chain", eval_fraction=0.1)

@@ -1,9 +1,16 @@
-"""Parsing SGLang-style /generate responses into completions, and the errors for bad ones."""
+"""Parsing SGLang-style /generate responses into completions, and the errors for bad ones; group
+requests (body sent, answer checked) against a small in-process HTTP server, with either JSON
+codec."""
 
+import json
+
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
-from stages.generator.client import EngineError, parse_completion
+from stages.generator import client as client_module
+from stages.generator.client import EngineClient, EngineError, make_session, parse_completion
 
 
 def _body(**meta):
@@ -44,3 +51,123 @@ def test_malformed_responses_are_final_errors(body):
     with pytest.raises(EngineError) as err:
         parse_completion(body, "http://e")
     assert not err.value.retryable and "http://e" in str(err.value)
+
+
+def test_version_spans_give_per_token_versions():
+    spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
+    c = parse_completion(_body(weight_versions=spans, output_token_weight_versions=[9, 9, 9]))
+    assert c.versions.tolist() == [3, 4, 4]  # spans first (SGLang's field, and cheaper)
+    assert c.versions.dtype == np.int32
+
+
+def test_numeric_string_versions_per_token():
+    c = parse_completion(_body(output_token_weight_versions=["3", "3", "4"]))
+    assert c.versions.tolist() == [3, 3, 4]
+    c = parse_completion(_body(output_token_weight_versions=["default", "3", "x"]))
+    assert c.versions.tolist() == [0, 3, 0]  # SGLang's unnamed version counts as 0
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        [{"version": "3", "start": 0, "end": 2}],  # covers 2 of 3 tokens
+        [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 2, "end": 3}],  # a gap
+    ],
+)
+def test_spans_that_do_not_tile_the_output_are_final_errors(spans):
+    with pytest.raises(EngineError) as err:
+        parse_completion(_body(weight_versions=spans), "http://e")
+    assert not err.value.retryable and "weight_versions" in str(err.value)
+
+
+def test_empty_completion():
+    body = {"output_ids": [], "meta_info": {"finish_reason": "abort", "weight_version": "2",
+            "weight_versions": [{"version": "2", "start": 0, "end": 0}]}}  # fmt: skip
+    c = parse_completion(body)
+    assert len(c.output_ids) == len(c.logprobs) == len(c.versions) == 0
+    assert c.finish_reason == "abort" and c.weight_version == 2
+
+
+class _Answers:
+    """A one-route HTTP server answering /generate with whatever the test sets."""
+
+    def __init__(self) -> None:
+        self.status, self.body, self.seen = 200, None, []
+
+    async def __aenter__(self) -> EngineClient:
+        app = web.Application()
+
+        async def generate(request: web.Request) -> web.Response:
+            self.seen.append(await request.json())
+            return web.json_response(self.body, status=self.status)
+
+        app.router.add_post("/generate", generate)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.session = make_session(8)
+        return EngineClient(f"http://127.0.0.1:{port}", self.session, timeout_s=10)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.session.close()
+        await self.runner.cleanup()
+
+
+def _result(rid: str) -> dict:
+    return _body(id=rid)
+
+
+@pytest.fixture(params=["default", "stdlib"])
+def codec(request, monkeypatch):
+    """The client's JSON codec: the default (orjson when installed) or the standard library."""
+    if request.param == "stdlib":
+        monkeypatch.setattr(client_module, "_dumps", client_module._std_dumps)
+        monkeypatch.setattr(client_module, "_loads", json.loads)
+        monkeypatch.setattr(client_module, "_DECODE_ERRORS", (ValueError,))
+    return request.param
+
+
+@pytest.mark.timeout(10)
+async def test_group_request_body_and_answer(codec):
+    server = _Answers()
+    async with server as client:
+        server.body = [_result("a"), _result("b")]
+        got = await client.generate_group(
+            np.array([3, 4], dtype=np.int64), {"x": 1}, rids=["a", "b"]
+        )
+        assert [c.output_ids.tolist() for c in got] == [[5, 6, 7], [5, 6, 7]]
+        assert server.seen == [
+            {"input_ids": [[3, 4], [3, 4]], "sampling_params": {"x": 1}, "return_logprob": True,
+             "rid": ["a", "b"]}
+        ]  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("status", "body", "retryable", "words"),
+    [
+        (200, _result("a"), False, "expected a list of 2 results"),  # batch not understood
+        (200, [_result("a")], False, "a list of 1"),
+        (200, [_result("b"), _result("a")], False, "out of request order"),
+        (400, {"error": {"message": "input_ids: bad"}}, False, "400"),
+        (503, {"error": {"message": "busy"}}, True, "503"),
+    ],
+)
+async def test_group_request_failures_are_sorted(codec, status, body, retryable, words):
+    server = _Answers()
+    async with server as client:
+        server.status, server.body = status, body
+        with pytest.raises(EngineError) as err:
+            await client.generate_group([3, 4], {}, rids=["a", "b"])
+        assert err.value.retryable is retryable and words in str(err.value)
+
+
+@pytest.mark.timeout(10)
+async def test_connection_refused_is_retryable():
+    async with aiohttp.ClientSession() as session:
+        client = EngineClient("http://127.0.0.1:9", session, timeout_s=5)
+        with pytest.raises(EngineError) as err:
+            await client.generate([1], {}, rid="r")
+        assert err.value.retryable

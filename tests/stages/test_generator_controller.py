@@ -19,7 +19,7 @@ def test_credit_gate_closes_when_in_flight_fills_the_room_and_reopens():
     ok, changes = ctl.gates(in_flight=4, room=4, version=0, newest=0, max_lag=2)
     assert not ok
     assert [(c.reason, c.value) for c in changes] == [("credit_gate", False)]
-    assert changes[0].detail == {"in_flight": 4, "room": 4}
+    assert changes[0].detail == {"in_flight": 4, "room": 4, "size": 1}
     ok, changes = ctl.gates(in_flight=4, room=4, version=0, newest=0, max_lag=2)
     assert not ok and changes == []  # logged once, when it changes
     ok, changes = ctl.gates(in_flight=2, room=4, version=0, newest=0, max_lag=2)
@@ -61,3 +61,22 @@ def test_target_stays_within_bounds():
     assert ctl.target("e") == 10
     ctl.decide(0.0)
     assert _run_interval(ctl, 1.0, 100) == []  # at the ceiling already
+
+
+def test_a_group_starts_only_when_all_its_samples_fit_the_credit():
+    ctl = InFlightController(["e"], CFG)
+    assert ctl.gates(in_flight=4, room=8, version=0, newest=0, max_lag=2, size=4)[0]
+    ok, changes = ctl.gates(in_flight=5, room=8, version=0, newest=0, max_lag=2, size=4)
+    assert not ok and changes[0].detail == {"in_flight": 5, "room": 8, "size": 4}
+    # room for fewer than a group, nothing in flight: it goes alone rather than never
+    assert ctl.gates(in_flight=0, room=2, version=0, newest=0, max_lag=2, size=4)[0]
+    assert not ctl.gates(in_flight=0, room=0, version=0, newest=0, max_lag=2, size=4)[0]
+
+
+def test_a_group_fits_an_engine_under_its_target_or_alone():
+    ctl = InFlightController(["e"], CFG)  # target 8
+    assert ctl.fits("e", 4, 4) and not ctl.fits("e", 5, 4)
+    assert ctl.fits("e", 7, 1) and not ctl.fits("e", 8, 1)
+    small = InFlightController(["e"], ControllerConfig(start=2))
+    # a group larger than the target: alone on an idle engine, never next to another
+    assert small.fits("e", 0, 4) and not small.fits("e", 1, 4)

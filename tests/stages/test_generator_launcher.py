@@ -1,4 +1,5 @@
-"""The engine launcher's restart path, with a stand-in engine (a tiny HTTP server, quick to start).
+"""The engine launcher's restart path and engine placement, with a stand-in engine (a tiny HTTP
+server, quick to start).
 
 The launcher is told its engine is SGLang whose interpreter is ``fake_engine.py``: the script
 ignores ``-m sglang.launch_server`` and the model, and answers ``GET /health`` on ``--port``.
@@ -14,9 +15,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 
 import pytest
 
+from pipeline.config.schema import Resources, StageSection
+from pipeline.placement import ENGINE_PLACEMENT_ENV, Inventory, engine_placement, plan
 from stages.generator.launcher import EngineLauncher, LaunchConfig
 from tests.pipeline.runs import REPO, alive, wait_for
 
@@ -157,3 +161,81 @@ def test_engines_die_with_the_generator_process(tmp_path, fake_engine, loop):
             proc.kill()
             proc.wait()
         _killpg(pids)
+
+
+@dataclass
+class _Options:
+    launch: LaunchConfig
+
+
+@pytest.mark.timeout(30)
+async def test_each_engine_runs_on_its_cores_with_its_env_and_keeps_them_on_restart(
+    tmp_path, fake_engine
+):
+    """The supervisor's plan reaches the engines through the replica's environment: engine i
+    runs pinned to its core, with OMP/MKL threads and CUDA_VISIBLE_DEVICES of its own."""
+    config = _config(fake_engine, count=2, resources=Resources(cpus=1, gpus=1))
+    stages = {"gen": StageSection(use="generator", options=_Options(config))}
+    placement, issues = plan(stages, Inventory(cores=(0, 1), gpus=(0, 1), gpu_source="fake"))
+    assert not issues
+    handoff = engine_placement(placement, "gen", 0, {}, {})
+    environ = {**os.environ, ENGINE_PLACEMENT_ENV: handoff, "CUDA_VISIBLE_DEVICES": "0,1"}
+    log = _Log()
+    launcher = EngineLauncher(config, name="gen.0", log_dir=tmp_path, log=log, environ=environ)
+
+    def launched():
+        return [e for e in log.events if e["event"] == "engine_launched"]
+
+    def env_of(pid):
+        raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        env = dict(item.decode().partition("=")[::2] for item in raw if item)
+        keys = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", ENGINE_PLACEMENT_ENV)
+        return {k: env.get(k) for k in keys}
+
+    try:
+        await launcher.start()
+        for i, engine in enumerate(launcher.engines):
+            assert os.sched_getaffinity(engine.pid) == {i}
+            assert env_of(engine.pid) == {
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                "CUDA_VISIBLE_DEVICES": str(i),
+                ENGINE_PLACEMENT_ENV: None,  # the handoff is for the launcher only
+            }
+        first = launcher.engines[0].pid
+        os.kill(first, signal.SIGKILL)
+        for _ in range(400):
+            if len(launched()) == 3 and launcher.engines[0].pid != first:
+                break
+            await asyncio.sleep(0.05)
+        restarted = launcher.engines[0].pid
+        assert restarted != first and os.sched_getaffinity(restarted) == {0}
+        assert env_of(restarted)["CUDA_VISIBLE_DEVICES"] == "0"
+        assert launched()[-1]["cores"] == [0] and launched()[-1]["threads"] == "1"
+    finally:
+        await launcher.close()
+        _killpg(e["pid"] for e in launched())
+
+
+@pytest.mark.timeout(30)
+async def test_without_a_handoff_engines_inherit_and_resources_are_flagged(tmp_path, fake_engine):
+    config = _config(fake_engine, resources=Resources(cpus=1))
+    environ = {k: v for k, v in os.environ.items() if k != ENGINE_PLACEMENT_ENV}
+    log = _Log()
+    launcher = EngineLauncher(config, name="gen.0", log_dir=tmp_path, log=log, environ=environ)
+    try:
+        await launcher.start()
+        [engine] = launcher.engines
+        assert os.sched_getaffinity(engine.pid) == os.sched_getaffinity(0)
+        assert log.events[0]["event"] == "engine_resources_not_applied"
+    finally:
+        await launcher.close()
+        _killpg(e.pid for e in launcher.engines if e.pid)
+    with pytest.raises(ValueError, match="places 1 engines, but this replica launches 2"):
+        EngineLauncher(
+            _config(fake_engine, count=2),
+            name="gen.0",
+            log_dir=tmp_path,
+            log=_Log(),
+            environ={ENGINE_PLACEMENT_ENV: json.dumps([{"cores": [0], "env": {}}])},
+        )

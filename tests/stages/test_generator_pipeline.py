@@ -72,6 +72,8 @@ def test_rollouts_carry_per_token_logprobs_and_versions(tmp_path, model_dir):
     assert sorted(r["meta"]["i"] for r in rollouts) == sorted(list(range(6)) * 2)
     done = [e for e in events(run_dir, "generator.0") if e["event"] == "generator_done"]
     assert done and done[0]["emitted"] == 12 and done[0]["dropped"] == 0
+    # one /generate per group (group_requests is on by default), and the engine served them
+    assert done[0]["requests"] == 6 and done[0]["engines_without_group_requests"] == 0
     # the launched engine's own events are part of the run's logs
     engine_events = events(run_dir, "generator-0-engine.0")
     assert any(e["event"] == "engine_started" for e in engine_events)

@@ -86,6 +86,18 @@ async def test_generate_returns_tokens_logprobs_and_versions(client):
     assert a.output_ids.tolist() == b.output_ids.tolist()
 
 
+@pytest.mark.timeout(120)
+async def test_group_request_returns_one_completion_per_rid(client):
+    rids = [_rid(f"group-{i}") for i in range(4)]
+    # batched input_ids with a list of rids: SGLang keeps the rids (the client checks that
+    # each result answers its own rid, in request order)
+    completions = await client.generate_group(PROMPT, _params(16, temperature=1.0), rids=rids)
+    assert [c.meta["id"] for c in completions] == rids
+    for c in completions:
+        assert c.finish_reason == "length" and len(c.output_ids) == len(c.logprobs) == 16
+        assert (c.logprobs <= 0).all() and len(c.versions) == 16
+
+
 @pytest.mark.timeout(180)
 async def test_pause_in_place_holds_requests_and_continue_finishes_them(client):
     long = await _long(client)

@@ -10,7 +10,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from pipeline.registry import PluginError
-from stages.scorer.rewards import exact_match, last_boxed, math_verify
+from stages.scorer.rewards import chain_answer, exact_match, last_boxed, math_verify
 from stages.scorer.runner import RewardRunner
 
 HERE = "tests.stages.test_scorer_rewards"
@@ -73,6 +73,47 @@ def test_math_verify():
     scores = math_verify(completions, answer=["0.5"] * 5, prompts=[""] * 5)
     assert scores == [1.0, 1.0, 0.0, 1.0, 0.0]
     assert math_verify([r"\boxed{19}", "18"], answer=[19, 19]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "reason", "expected"),
+    [
+        ("3+4=7;7-5=2;#2", "2", "stop", 1.0),  # right
+        (" 3+4=7;7-5=2;#2\n", 2, None, 1.0),  # whitespace around it, no finish reason
+        ("#2", "2", "stop", 1.0),  # steps are not checked, only the final answer
+        ("3+4=7;7-5=1;#2", "2", "stop", 1.0),  # a wrong step, a right answer
+        ("3+4=7;7-5=2;#3", "2", "stop", 0.0),  # wrong
+        ("3+4=7;7-5=2;#22", "2", "stop", 0.0),
+        ("3+4=7;7-5=2;#02", "2", "stop", 0.0),  # exactly the answer's digits
+        ("3+4=7;7-5=2;2", "2", "stop", 0.0),  # malformed: no '#'
+        ("3+4=7;#7;7-5=2;#2", "2", "stop", 0.0),  # malformed: two
+        ("3+4=7;7-5=2;#", "2", "stop", 0.0),  # malformed: nothing after it
+        ("3+4=7;7-5=2;#2;", "2", "stop", 0.0),  # malformed: something after the answer
+        ("3+4=7;7-5=2;#two", "2", "stop", 0.0),
+        ("", "2", "stop", 0.0),
+        ("3+4=7;7-5=2;#2", "2", "length", 0.0),  # truncated: cut at the token limit
+        ("3+4=7;7-5", "2", "length", 0.0),  # truncated mid-step
+        ("3+4=7;7-5=2;#2", None, "stop", 0.0),  # no answer to compare with
+    ],
+)
+def test_chain_answer(completion, answer, reason, expected):
+    kwargs = {} if reason is None else {"finish_reason": [reason]}
+    scores = chain_answer([completion], answer=[answer], prompts=["3+4-5="], **kwargs)
+    assert scores == [expected]
+
+
+async def test_chain_answer_runs_in_the_runner_by_dotted_path():
+    fn = "stages.scorer.rewards:chain_answer"
+    async with RewardRunner([(fn, 1.0)], workers=1, timeout_s=5) as runner:
+        scored = await runner.score(
+            _kwargs(
+                ["1+1=2;#2", "1+1=2;#3", "1+1=2;#2"],
+                answer=["2"] * 3,
+                finish_reason=["stop", "stop", "length"],
+                completion_ids=[[1], [1], [1]],
+            )
+        )
+    assert [r for r, _ in scored] == [1.0, 0.0, 0.0]
 
 
 # ------------------------------------------------------------------------------ runner

@@ -1,0 +1,523 @@
+"""Where a decode step of the built-in engine goes: the model's own forward vs everything else.
+
+Run (each prints one JSON line on stdout; wrap in ``cpulock`` on a shared machine):
+
+    python bench/engine_profile.py step [--model arith|bench22m] [--rounds 30]
+    python bench/engine_profile.py http [--group-form batch|n|single] [--seconds 20] [--py-spy]
+
+``step`` drives ``stages.engine.scheduler.Scheduler`` in this process (no HTTP) and compares,
+per decode step at a batch of ``--batch`` rows:
+
+- ``forward_ms``: a plain Hugging Face forward of one new token per row over a ``DynamicCache``
+  of the same context lengths (no padding, nothing else), timed alone with the same threads;
+- ``steady_step_ms``: the engine's whole decode step on a full batch (building inputs, masks,
+  cache bookkeeping, sampling with ``temperature`` 1, log-probs, finish checks, retiring the
+  rows at the end), contexts from the prompt length up to prompt + ``--new-tokens``;
+- ``rl_step_ms``: the RL-like workload of the default config, continuous: groups of 4 identical
+  prompts, ``max_new_tokens`` 5 with EOS on, new groups admitted as rows finish: wall time per
+  decode step with admission (the prefill forward included) and retirement, and the mean batch.
+
+``--model arith`` is ``configs/models/arith-tiny`` (248K parameters, arithmetic prompts of 4-6
+tokens, 1 thread as the default config runs it); ``bench22m`` is ``bench/engine.py``'s random
+22M-parameter model (prompts of 32 tokens, 2 threads). ``--pyinstrument`` prints a profile of
+the steady loop to stderr.
+
+``http`` starts ``inflight engine`` on arith-tiny (``OMP_NUM_THREADS=1``, ``--max-running 64``)
+and keeps ``--in-flight`` samples in flight as the default config does, in requests of one
+group of 4 (``batch``: four identical ``input_ids``; ``n``: ``sampling_params.n`` 4) or one
+request per sample (``single``). It reports the engine process's CPU split between its threads
+(``/proc``: the event-loop thread, which serves HTTP, vs the scheduler thread) and, with
+``--py-spy``, the same split from ``py-spy record --threads`` samples plus the hottest frames of
+the event-loop thread.
+
+It does not measure GPU timings or text (tokenizer) requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
+    sys.path[0] = str(ROOT)
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+
+ARITH = ROOT / "configs" / "models" / "arith-tiny"
+
+
+def _arith_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    from stages.feeder.arithmetic import ArithmeticConfig, make_tokenizer, problems
+
+    tok = make_tokenizer()
+    texts = [p.text for p in problems(ArithmeticConfig(), "train")]
+    rng = random.Random(seed)
+    return [tok.encode(rng.choice(texts)) for _ in range(count)]
+
+
+def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:
+    """(model, threads, prompt maker) for ``arith`` or ``bench22m``."""
+    if name == "arith":
+        path, threads = ARITH, 1
+
+        def prompts(count: int, seed: int) -> list[list[int]]:
+            return _arith_prompts(count, seed)
+    else:
+        from bench.engine import _make_model
+
+        path, threads = tmp / "bench22m", 2
+        _make_model(path)
+
+        def prompts(count: int, seed: int) -> list[list[int]]:
+            gen = torch.Generator().manual_seed(seed)
+            return torch.randint(2, 32000, (count, 32), generator=gen).tolist()
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, threads, prompts
+
+
+def _median_spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
+@torch.inference_mode()
+def _forward_ms(model: torch.nn.Module, batch: int, contexts: list[int], reps: int) -> float:
+    """Median ms of one plain HF decode forward (batch x 1 token) over caches of ``contexts``."""
+    times = []
+    for ctx in contexts:
+        ids = torch.randint(2, model.config.vocab_size, (batch, ctx + 1))
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :ctx], past_key_values=cache, use_cache=True)
+        for _ in range(reps):
+            start = time.perf_counter()
+            model(input_ids=ids[:, ctx:], past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+            cache.crop(-1)
+    return 1000 * statistics.median(times)
+
+
+def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from stages.engine.protocol import GenerateInput, SamplingParams
+    from stages.engine.scheduler import Scheduler
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, threads, make_prompts = _load(args.model, Path(tmp))
+    threads = args.threads or threads
+    torch.set_num_threads(threads)
+    eos = frozenset({model.config.eos_token_id or 1})
+    new_tokens = args.new_tokens or (6 if args.model == "arith" else 32)
+
+    # -- the model alone, and the engine on a full batch of equal lengths, interleaved -------
+    # Each round times the plain forward and then one engine round, so that both see the same
+    # machine (a shared host drifts by tens of percent over minutes).
+    prompts = make_prompts(args.batch, 1)
+    plen = round(statistics.mean(len(p) for p in prompts))
+    contexts = list(range(plen, plen + new_tokens - 1))
+    _forward_ms(model, args.batch, contexts[:1], 3)  # warm up
+    sched = Scheduler(model, max_running=args.batch, eos_token_ids=eos, seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    forward_ms, steady_ms, ratios, round_ms = [], [], [], []
+    profiler = None
+    if args.pyinstrument:
+        from pyinstrument import Profiler
+
+        profiler = Profiler(interval=0.0005)
+    for r in range(args.rounds + 1):
+        forward = _forward_ms(model, args.batch, contexts, args.reps)
+        prompts = make_prompts(args.batch, 100 + r)
+        futures = [
+            sched.submit(GenerateInput(f"s{r}-{i}", p, params, True)) for i, p in enumerate(prompts)
+        ]
+        if profiler is not None and r == 1:
+            profiler.start()
+        start = time.perf_counter()
+        sched.step()  # admission: prefill + first token
+        steps = []
+        while sched.counts()["num_running_reqs"]:
+            t0 = time.perf_counter()
+            sched.step()
+            steps.append(time.perf_counter() - t0)
+        total = time.perf_counter() - start
+        assert all(f.done() for f in futures)
+        if r > 0:  # round 0 warms up
+            step = 1000 * statistics.median(steps)
+            forward_ms.append(forward)
+            steady_ms.append(step)
+            ratios.append(step / forward)
+            round_ms.append(1000 * total / new_tokens)
+    if profiler is not None:
+        profiler.stop()
+        print(profiler.output_text(unicode=False, color=False), file=sys.stderr)
+
+    # -- the engine, RL-like continuous workload -----------------------------------------------
+    rl = _rl_workload(model, make_prompts, args, eos)
+    return {
+        "bench": "engine_step_vs_forward",
+        "model": args.model,
+        "params": sum(p.numel() for p in model.parameters()),
+        "threads": threads,
+        "batch": args.batch,
+        "contexts": [contexts[0], contexts[-1] + 1],
+        "forward_ms": _median_spread(forward_ms),
+        "steady_step_ms": _median_spread(steady_ms),
+        "ratio_step_vs_forward": _median_spread(ratios),
+        "steady_ms_per_step_with_prefill": _median_spread(round_ms),
+        **rl,
+    }
+
+
+def _rl_workload(
+    model: torch.nn.Module, make_prompts: Any, args: argparse.Namespace, eos: frozenset[int]
+) -> dict[str, Any]:
+    from stages.engine.protocol import GenerateInput, SamplingParams
+    from stages.engine.scheduler import Scheduler
+
+    group = 4
+    sched = Scheduler(model, max_running=args.batch, eos_token_ids=eos, seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    pool = make_prompts(512, 7)
+    submitted = 0
+
+    live: list[Any] = []
+
+    def top_up_fast() -> None:
+        nonlocal submitted, live
+        live = [f for f in live if not f.done()]
+        while len(live) < 2 * args.batch:
+            prompt = pool[(submitted // group) % len(pool)]
+            for k in range(group):
+                live.append(sched.submit(GenerateInput(f"rl{submitted}-{k}", prompt, params, True)))
+            submitted += 1
+
+    # Time spent inside the model's forward (decode and prefill), to split the step.
+    inside: dict[str, Any] = {"s": 0.0, "prefills": 0, "decode_rows": 0, "decodes": 0}
+    forward = model.forward
+
+    def timed_forward(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = forward(*a, **kw)
+        inside["s"] += time.perf_counter() - t0
+        rows, width = kw["input_ids"].shape
+        if kw.get("past_key_values") is not None and width == 1 and inside["count"]:
+            inside["decodes"] += 1
+            inside["decode_rows"] += rows
+        elif inside["count"]:
+            inside["prefills"] += 1
+        return out
+
+    model.forward = timed_forward
+    per_round, tokens_per_round, model_share, model_ms = [], [], [], []
+    try:
+        for r in range(args.rl_rounds + 1):
+            top_up_fast()
+            inside.update(s=0.0, count=r > 0)
+            steps0, tokens0 = sched.steps, sched.tokens_generated
+            start = time.perf_counter()
+            for _ in range(args.rl_steps):
+                sched.step()
+                top_up_fast()
+            elapsed = time.perf_counter() - start
+            if r > 0:
+                steps = max(1, sched.steps - steps0)
+                per_round.append(1000 * elapsed / steps)
+                model_ms.append(1000 * inside["s"] / steps)
+                model_share.append(inside["s"] / elapsed)
+                tokens_per_round.append((sched.tokens_generated - tokens0) / elapsed)
+        sched.abort(None, abort_all=True)
+        sched.run_until_idle()
+    finally:
+        del model.forward
+    return {
+        "rl_step_ms": _median_spread(per_round),
+        "rl_model_ms_per_step": _median_spread(model_ms),
+        "rl_model_share": _median_spread(model_share),
+        "rl_mean_decode_batch": round(inside["decode_rows"] / max(1, inside["decodes"]), 1),
+        "rl_prefills_per_step": round(inside["prefills"] / max(1, inside["decodes"]), 2),
+        "rl_tokens_per_s": _median_spread(tokens_per_round),
+    }
+
+
+# ---- http --------------------------------------------------------------------------------------
+
+
+def _thread_cpu(pid: int) -> dict[int, float]:
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def _ctx_switches(pid: int) -> dict[int, int]:
+    """Context switches (voluntary + not) of each thread of ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                text = f.read()
+        except OSError:
+            continue
+        out[int(tid)] = sum(
+            int(line.split()[1]) for line in text.splitlines() if "ctxt_switches" in line
+        )
+    return out
+
+
+def _thread_names(pid: int) -> dict[int, str]:
+    """OS thread id -> Python thread name, from ``py-spy dump``."""
+    text = subprocess.run(
+        ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, check=False
+    ).stdout
+    names = {}
+    for line in text.splitlines():
+        if line.startswith("Thread "):
+            parts = line.split()
+            tid = int(parts[1], 0)
+            name = line.split('"')[1] if '"' in line else "?"
+            names[tid] = name
+    return names
+
+
+def _classify(stack: str) -> str:
+    if "engine/scheduler.py" in stack and ("_loop" in stack or "step" in stack):
+        return "scheduler"
+    if "_run_loop" in stack or "run_forever" in stack or "_serve" in stack or "uvloop" in stack:
+        return "http"
+    if "engine/server.py" in stack or "aiohttp" in stack or "asyncio" in stack:
+        return "http"
+    return "other"
+
+
+async def _drive(url: str, form: str, in_flight: int, seconds: float, group: int) -> dict:
+    import aiohttp
+
+    prompts = _arith_prompts(4096, 3)
+    counter = 0
+    samples = 0
+    errors = 0
+    requests = 0
+    stop_at = time.monotonic() + seconds
+    params = {"temperature": 1.0, "max_new_tokens": 5}
+
+    def body() -> tuple[bytes, int]:
+        nonlocal counter
+        counter += 1
+        prompt = prompts[counter % len(prompts)]
+        if form == "single":
+            b = {"input_ids": prompt, "sampling_params": params, "rid": f"r{counter}"}
+            n = 1
+        elif form == "batch":
+            b = {
+                "input_ids": [prompt] * group,
+                "sampling_params": params,
+                "rid": [f"r{counter}-{k}" for k in range(group)],
+            }
+            n = group
+        else:
+            b = {"input_ids": prompt, "sampling_params": {**params, "n": group}}
+            n = group
+        b["return_logprob"] = True
+        return json.dumps(b).encode(), n
+
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600),
+        headers={"Content-Type": "application/json"},
+        connector=aiohttp.TCPConnector(limit=0),
+    ) as session:
+
+        async def worker() -> None:
+            nonlocal samples, errors, requests
+            while time.monotonic() < stop_at:
+                data, _ = body()
+                async with session.post(url + "/generate", data=data) as r:
+                    raw = await r.read()
+                    if r.status != 200:
+                        errors += 1
+                        continue
+                out = json.loads(raw)
+                requests += 1
+                samples += len(out) if isinstance(out, list) else 1
+
+        per_request = 1 if form == "single" else group
+        await asyncio.gather(*(worker() for _ in range(in_flight // per_request)))
+    return {"samples": samples, "errors": errors, "requests": requests}
+
+
+def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stages.engine.server",
+            "--model",
+            str(ARITH),
+            "--port",
+            str(port),
+            "--max-running",
+            "64",
+            "--log-file",
+            str(tmp / "engine.log"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("engine did not come up") from None
+                time.sleep(0.2)
+        asyncio.run(_drive(url, args.group_form, args.in_flight, 2.0, 4))  # warm up
+        names = _thread_names(proc.pid)
+        spy = None
+        raw = tmp / "spy.txt"
+        if args.py_spy:
+            spy = subprocess.Popen(  # --native cannot sample without pausing the process
+                [
+                    "py-spy", "record", "--pid", str(proc.pid), "-r", "200", "--threads",
+                    "--format", "raw", "-o", str(raw), "-d", str(int(args.seconds)),
+                    *(["--native"] if args.native else ["--nonblocking"]),
+                    *(["--gil"] if args.gil_only else []),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        cpu0, ctx0 = _thread_cpu(proc.pid), _ctx_switches(proc.pid)
+        wall0 = time.perf_counter()
+        driven = asyncio.run(_drive(url, args.group_form, args.in_flight, args.seconds, 4))
+        wall = time.perf_counter() - wall0
+        cpu1, ctx1 = _thread_cpu(proc.pid), _ctx_switches(proc.pid)
+        with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
+            info = json.loads(resp.read())
+        if spy is not None:
+            spy.wait(120)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    by_name: dict[str, float] = collections.Counter()
+    for tid, t in cpu1.items():
+        name = "event_loop" if tid == proc.pid else names.get(tid, "other")
+        by_name[name] += t - cpu0.get(tid, 0.0)
+    total = sum(by_name.values())
+    result: dict[str, Any] = {
+        "bench": "engine_http_share",
+        "group_form": args.group_form,
+        "in_flight_samples": args.in_flight,
+        "seconds": round(wall, 1),
+        "samples_per_s": round(driven["samples"] / wall, 1),
+        "errors": driven["errors"],
+        "decode_steps": info.get("decode_steps"),
+        "engine_cpu_s": round(total, 2),
+        "engine_cpu_util": round(total / wall, 2),
+        "cpu_share_by_thread": {k: round(v / total, 3) for k, v in sorted(by_name.items())},
+        "http_share_proc": round(by_name.get("event_loop", 0.0) / total, 3),
+        "event_loop_cpu_us_per_request": round(
+            1e6 * by_name.get("event_loop", 0.0) / max(1, driven["requests"]), 1
+        ),
+        "event_loop_ctx_switches_per_request": round(
+            (ctx1.get(proc.pid, 0) - ctx0.get(proc.pid, 0)) / max(1, driven["requests"]), 1
+        ),
+    }
+    if spy is not None and raw.exists():
+        result.update(_spy_summary(raw))
+        if args.keep_raw:
+            args.keep_raw.write_bytes(raw.read_bytes())
+    return result
+
+
+def _spy_summary(raw: Path) -> dict[str, Any]:
+    kinds: dict[str, int] = collections.Counter()
+    http_frames: dict[str, int] = collections.Counter()
+    sched_frames: dict[str, int] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        kind = _classify(stack)
+        kinds[kind] += n
+        frames = stack.split(";")
+        leafish = [f for f in frames if "site-packages" not in f and "/lib/python" not in f]
+        key = (leafish[-1] if leafish else frames[-1]).strip()
+        if kind == "http":
+            http_frames[key] += n
+        elif kind == "scheduler":
+            sched_frames[key] += n
+    total = sum(kinds.values()) or 1
+    return {
+        "py_spy_samples": total,
+        "http_share_py_spy": round(kinds["http"] / total, 3),
+        "py_spy_share": {k: round(v / total, 3) for k, v in sorted(kinds.items())},
+        "py_spy_top_http": [[k, v] for k, v in http_frames.most_common(8)],
+        "py_spy_top_scheduler": [[k, v] for k, v in sched_frames.most_common(8)],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    step = sub.add_parser("step", help="decode step vs the model's own forward, in process")
+    step.add_argument("--model", choices=["arith", "bench22m"], default="arith")
+    step.add_argument("--batch", type=int, default=64)
+    step.add_argument("--new-tokens", type=int, default=0, help="0: 6 (arith) or 32 (bench22m)")
+    step.add_argument("--threads", type=int, default=0, help="0: 1 (arith) or 2 (bench22m)")
+    step.add_argument("--rounds", type=int, default=30)
+    step.add_argument("--reps", type=int, default=5, help="forward timings per context a round")
+    step.add_argument("--rl-rounds", type=int, default=5)
+    step.add_argument("--rl-steps", type=int, default=60)
+    step.add_argument("--pyinstrument", action="store_true")
+    http = sub.add_parser("http", help="engine CPU on HTTP vs scheduler, over a real server")
+    http.add_argument("--group-form", choices=["batch", "n", "single"], default="batch")
+    http.add_argument("--in-flight", type=int, default=64)
+    http.add_argument("--seconds", type=float, default=20)
+    http.add_argument("--py-spy", action="store_true")
+    http.add_argument("--native", action="store_true", help="py-spy --native (C frames)")
+    http.add_argument("--gil-only", action="store_true", help="py-spy --gil: GIL holders only")
+    http.add_argument("--keep-raw", type=Path, help="copy py-spy's raw samples here")
+    args = parser.parse_args()
+    result = _step_bench(args) if args.what == "step" else _http_bench(args)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

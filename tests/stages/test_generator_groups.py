@@ -1,0 +1,466 @@
+"""Group requests: the generator stage in this process against a real built-in engine over HTTP.
+
+The stage runs with a stand-in for the runtime's context (prompts from a list, rollouts into a
+list, credit set by the test); the engine is a real ``inflight engine`` process. Between them, a
+small aiohttp reverse proxy records every ``/generate`` body and how many samples are in flight
+at the engine; told to, it refuses batched ``input_ids`` with HTTP 400 (it then stands for an
+engine without batch support) or fails a request with HTTP 503 (an engine failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import pytest
+import structlog.testing
+from aiohttp import web
+
+from stages.generator.controller import ControllerConfig
+from stages.generator.stage import Generator, GeneratorConfig, SamplingConfig
+from tests.pipeline.runs import REPO, inflight_cmd, wait_for
+from tests.stages.tiny_model import make_tiny_model
+from transport.address import tcp_address
+
+pytestmark = pytest.mark.slow
+
+G = 4
+NEW_TOKENS = 6
+
+
+# ------------------------------------------------------------------------------ the engine
+def _free_port() -> int:
+    return int(tcp_address("127.0.0.1").rsplit(":", 1)[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A built-in engine on a tiny random model, for the whole module."""
+    root = tmp_path_factory.mktemp("groups")
+    model = make_tiny_model(root / "tiny", seed=0)
+    port = _free_port()
+    out = root / "engine.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            inflight_cmd("engine", "--model", str(model), "--port", str(port)),
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: proc.poll() is not None or _healthy(url), 60, "the engine to start")
+        assert proc.poll() is None, out.read_text()[-3000:]
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------------------- the proxy
+Verdict = Callable[[dict[str, Any]], "tuple[int, str] | None"]
+
+
+class Proxy:
+    """Forwards everything to ``upstream``; ``verdict(body)`` may answer a /generate instead."""
+
+    def __init__(self, upstream: str, verdict: Verdict | None = None) -> None:
+        self.upstream, self.verdict = upstream, verdict
+        self.forwarded: list[dict[str, Any]] = []  # /generate bodies the engine got
+        self.refused: list[dict[str, Any]] = []
+        self.now = self.peak = 0  # samples in flight at the engine, through this proxy
+        self.peers: set[tuple[str, int]] = set()  # client connections seen
+
+    async def __aenter__(self) -> str:
+        self.session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+        await self.session.close()
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.peers.add(request.transport.get_extra_info("peername"))
+        samples = 0
+        if request.path == "/generate":
+            body = json.loads(raw)
+            answer = self.verdict(body) if self.verdict else None
+            if answer is not None:
+                self.refused.append(body)
+                status, message = answer
+                return web.json_response({"error": {"message": message}}, status=status)
+            self.forwarded.append(body)
+            samples = len(body["input_ids"]) if isinstance(body["input_ids"][0], list) else 1
+        self.now += samples
+        self.peak = max(self.peak, self.now)
+        try:
+            async with self.session.request(
+                request.method,
+                self.upstream + request.path_qs,
+                data=raw or None,
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                return web.Response(
+                    body=await resp.read(), status=resp.status, content_type="application/json"
+                )
+        finally:
+            self.now -= samples
+
+
+def batched(body: dict[str, Any]) -> bool:
+    return isinstance(body["input_ids"][0], list)
+
+
+# ---------------------------------------------------------------------- the stage, in here
+class Rollouts:
+    """The rollouts port: ``credit`` granted downstream, each send taking ``delay_s``."""
+
+    def __init__(self, credit: int, delay_s: float) -> None:
+        self.credit_now, self.delay_s = credit, delay_s
+        self.sent: list[dict[str, Any]] = []
+
+    def credit(self) -> int:
+        return self.credit_now
+
+    async def send(self, kind: str, data: dict[str, Any]) -> None:
+        assert kind == "rollout"
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        self.sent.append(data)
+
+
+class PromptList:
+    def __init__(self, prompts: list[dict[str, Any]]) -> None:
+        self.prompts = prompts
+
+    async def __aiter__(self):
+        for p in self.prompts:
+            yield SimpleNamespace(data=p)
+
+
+def prompts(count: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "prompt_id": f"p{i}",
+            "input_ids": [1 + (7 * i + j) % 60 for j in range(6)],
+            "meta": {"i": i},
+        }
+        for i in range(count)
+    ]
+
+
+async def generate(
+    tmp_path: Path,
+    engines: list[str],
+    count: int,
+    *,
+    target: int = 8,
+    credit: int = 1000,
+    send_delay_s: float = 0.0,
+    mode: str = "async",
+    version: int = 0,
+    **options: Any,
+) -> SimpleNamespace:
+    """Run the generator stage over ``count`` prompts; returns what it did and said."""
+    config = GeneratorConfig(
+        engines=engines,
+        group_size=G,
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS, ignore_eos=True),
+        controller=ControllerConfig(
+            start=target, min_in_flight=target, max_in_flight=target, interval_s=0.1
+        ),
+        retry_backoff_s=0.1,
+        **{"outbox": 8, **options},
+    )
+    log = structlog.testing.CapturingLogger()
+    metrics: list[dict[str, Any]] = []
+
+    async def publish(topic: str, payload: dict[str, Any]) -> None:
+        pass
+
+    batches: list[tuple[int, int]] = []  # (samples started, in flight) when a sync batch ended
+
+    async def wait_for_version(at_least: int) -> int:
+        batches.append((stage.counts["started"], sum(stage.in_flight.values())))
+        return at_least  # the learner trained on the batch at once
+
+    ctx = SimpleNamespace(
+        stage="generator",
+        replica=0,
+        run_dir=tmp_path / "run-groups",
+        mode=mode,
+        version=version,
+        log=log,
+        inputs={"prompts": PromptList(prompts(count))},
+        outputs={"rollouts": Rollouts(credit, send_delay_s)},
+        metrics=lambda **values: metrics.append(values),
+        publish=publish,
+        wait_for_version=wait_for_version,
+    )
+    stage = Generator(config, ctx)
+    peak: dict[str, int] = {}
+    start = stage._start
+
+    def start_and_watch(work: Any, engine: str, size: int) -> None:
+        start(work, engine, size)
+        peak[engine] = max(peak.get(engine, 0), stage.in_flight[engine])
+        peak["all"] = max(peak.get("all", 0), sum(stage.in_flight.values()))
+
+    stage._start = start_and_watch
+    await stage.setup()
+    try:
+        await stage.run()
+    finally:
+        await stage.close()
+    events = [{"event": c.args[0], **c.kwargs} for c in log.calls]
+    (done,) = [e for e in events if e["event"] == "generator_done"]
+    assert done["in_flight"] == 0, done  # every slot taken was given back
+    return SimpleNamespace(
+        rollouts=ctx.outputs["rollouts"].sent,
+        events=events,
+        named=lambda name: [e for e in events if e["event"] == name],
+        done=done,
+        metrics=metrics,
+        peak=peak,
+        batches=batches,
+        run_id=ctx.run_dir.name,
+    )
+
+
+def assert_every_sample_once(out: SimpleNamespace, count: int) -> None:
+    keys = [(r["group_id"], r["sample_index"]) for r in out.rollouts]
+    assert len(keys) == len(set(keys)) == G * count
+    assert sorted(r["meta"]["i"] for r in out.rollouts) == sorted(list(range(count)) * G)
+    assert out.done["emitted"] == out.done["started"] == G * count and out.done["dropped"] == 0
+
+
+# ------------------------------------------------------------------------------- the tests
+@pytest.mark.timeout(60)
+async def test_one_request_per_group_gives_g_rollouts_with_their_own_rids(tmp_path, engine):
+    count = 6
+    proxy = Proxy(engine)
+    async with proxy as url:
+        out = await generate(tmp_path, [url], count)
+    assert_every_sample_once(out, count)
+    # one request per group: G copies of the prompt, one sampling_params, one rid per sample
+    assert len(proxy.forwarded) == count and out.done["requests"] == count
+    by_prompt = {p["prompt_id"]: p for p in prompts(count)}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in out.rollouts:
+        groups.setdefault(r["group_id"], []).append(r)
+    rids_sent = {tuple(b["rid"]) for b in proxy.forwarded}
+    for body in proxy.forwarded:
+        assert body["return_logprob"] is True and isinstance(body["sampling_params"], dict)
+        assert body["sampling_params"]["max_new_tokens"] == NEW_TOKENS
+        assert len(body["input_ids"]) == G and all(
+            row == body["input_ids"][0] for row in body["input_ids"]
+        )
+    for group_id, members in groups.items():
+        assert sorted(r["sample_index"] for r in members) == list(range(G))
+        prompt = by_prompt[members[0]["prompt_id"]]
+        assert group_id.startswith(prompt["prompt_id"] + "/")
+        assert tuple(f"{out.run_id}/{group_id}/{i}" for i in range(G)) in rids_sent
+        for r in members:
+            assert r["prompt_ids"].tolist() == prompt["input_ids"] and r["meta"] == prompt["meta"]
+            assert r["group_size"] == G and r["engine"] == url and r["run_id"] == out.run_id
+            n = len(r["completion_ids"])
+            assert n == NEW_TOKENS == len(r["sampler_logprobs"]) == len(r["versions"])
+            assert r["completion_ids"].dtype.name == "int32"
+            assert r["sampler_logprobs"].dtype.name == "float32"
+            assert (r["sampler_logprobs"] <= 0).all() and r["versions"].tolist() == [0] * n
+            assert r["finish_reason"] == "length"
+            assert set(r["timings"]) == {"queued_s", "generate_s"}
+    # the engine answered each rid with its own sample, in request order
+    assert out.done["tokens"] == G * count * NEW_TOKENS
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("group_requests", [True, False])
+async def test_samples_in_flight_never_exceed_the_target(tmp_path, engine, group_requests):
+    count, target = 12, 6  # not a multiple of G: a second group does not fit
+    proxy = Proxy(engine)
+    async with proxy as url:
+        out = await generate(tmp_path, [url], count, target=target, group_requests=group_requests)
+    assert_every_sample_once(out, count)
+    # filled with as many whole groups (or samples) as fit the target ...
+    assert out.peak[url] == (G if group_requests else target)
+    assert proxy.peak <= target  # ... and never beyond, as the engine saw it
+    # keep-alive: connections are reused, never more than requests at once (+ /health at start)
+    assert len(proxy.peers) <= target + 1
+    assert out.done["requests"] == (count if group_requests else G * count)
+    assert all(batched(b) == group_requests for b in proxy.forwarded)
+
+
+@pytest.mark.timeout(60)
+async def test_a_target_below_the_group_size_runs_one_group_at_a_time(tmp_path, engine):
+    count = 5
+    proxy = Proxy(engine)
+    async with proxy as url:
+        out = await generate(tmp_path, [url], count, target=2)
+    assert_every_sample_once(out, count)  # no deadlock
+    assert out.peak[url] == G and proxy.peak == G
+
+
+@pytest.mark.timeout(60)
+async def test_samples_in_flight_never_exceed_the_downstream_room(tmp_path, engine):
+    # no credit downstream, an outbox of 4 and a slow consumer: the room is the outbox's free
+    # slots, so one group at a time, and only once the previous one has left the outbox
+    count = 4
+    proxy = Proxy(engine)
+    async with proxy as url:
+        out = await generate(tmp_path, [url], count, credit=0, send_delay_s=0.02, outbox=4)
+    assert_every_sample_once(out, count)
+    assert out.peak["all"] <= 4 and proxy.peak <= 4
+    closed = [e for e in out.named("inflight_decision") if e["reason"] == "credit_gate"]
+    assert closed and closed[0]["value"] is False and closed[0]["size"] == G
+
+
+@pytest.mark.timeout(60)
+async def test_engine_without_batch_support_gets_per_sample_requests(tmp_path, engine):
+    count = 10
+
+    def no_batches(body: dict[str, Any]) -> tuple[int, str] | None:
+        if batched(body):
+            return 400, "input_ids: expected a list of token ids (no batches here)"
+        return None
+
+    proxy = Proxy(engine, no_batches)
+    async with proxy as url:
+        out = await generate(tmp_path, [url], count)
+    assert_every_sample_once(out, count)  # nothing lost, nothing twice
+    warned = out.named("group_requests_unsupported")
+    assert len(warned) == 1, warned
+    assert warned[0]["url"] == url and warned[0]["status"] == 400
+    assert "no batches here" in warned[0]["error"]
+    # each refused group was sent again per sample; after the first, no group went there
+    assert out.done["group_fallbacks"] == len(proxy.refused) >= 1
+    assert out.done["engines_without_group_requests"] == 1
+    assert len(proxy.forwarded) == G * count and not any(batched(b) for b in proxy.forwarded)
+    assert out.done["requests"] == len(proxy.refused) + G * count
+    assert not out.named("sample_dropped") and not out.named("sample_retry")
+    # the count is in the periodic metrics too
+    assert any(m.get("engines_without_group_requests") == 1 for m in out.metrics)
+
+
+@pytest.mark.timeout(60)
+async def test_a_bad_prompt_is_dropped_without_blaming_the_engine(tmp_path, engine):
+    count = 3
+
+    def bad_second_prompt(body: dict[str, Any]) -> tuple[int, str] | None:
+        rid = body["rid"][0] if batched(body) else body["rid"]
+        return (400, "input_ids[0][5]: token id out of range") if "/p1/" in rid else None
+
+    proxy = Proxy(engine, bad_second_prompt)
+    async with proxy as url:
+        out = await generate(tmp_path, [url], count)
+    dropped = out.named("sample_dropped")
+    assert len(dropped) == G and all("/p1/" in e["rid"] and e["attempts"] == 1 for e in dropped)
+    assert out.done["dropped"] == G and out.done["emitted"] == G * (count - 1)
+    # the group was refused, and so was every sample of it: the prompt, not the engine
+    assert not out.named("group_requests_unsupported")
+    assert out.done["engines_without_group_requests"] == 0
+    assert sum(batched(b) for b in proxy.forwarded) == count - 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_group_request_is_rerouted_whole(tmp_path, engine):
+    count = 4
+    failed: list[dict[str, Any]] = []
+
+    def fail_first(body: dict[str, Any]) -> tuple[int, str] | None:
+        if not failed:
+            failed.append(body)
+            return 503, "engine overloaded"
+        return None
+
+    flaky, steady = Proxy(engine, fail_first), Proxy(engine)
+    async with flaky as flaky_url, steady as steady_url:
+        out = await generate(tmp_path, [flaky_url, steady_url], count, max_retries=2)
+    assert_every_sample_once(out, count)
+    (body,) = failed
+    assert batched(body)
+    rids = body["rid"]
+    retries = out.named("sample_retry")
+    assert sorted(e["rid"] for e in retries) == sorted(rids)
+    assert {(e["engine"], e["attempt"]) for e in retries} == {(flaky_url, 1)}
+    assert "503" in retries[0]["error"]
+    assert out.done["retried"] == G
+    # the whole group went on as one request to the other engine
+    assert [b["rid"] for b in steady.forwarded if b["rid"] == rids] == [rids]
+    group_id = rids[0].split("/", 1)[1].rsplit("/", 1)[0]
+    assert {r["engine"] for r in out.rollouts if r["group_id"] == group_id} == {steady_url}
+    assert [e["url"] for e in out.named("engine_down")] == [flaky_url]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("group_requests", [True, False])
+async def test_sync_mode_starts_exactly_sync_batch_samples_per_version(
+    tmp_path, engine, group_requests
+):
+    count = 7  # 28 samples: batches of 8, 8, 8, then 4 when the prompts run out
+    async with Proxy(engine) as url:
+        out = await generate(
+            tmp_path, [url], count, mode="sync", sync_batch=8, group_requests=group_requests
+        )
+    assert_every_sample_once(out, count)
+    # each batch was whole, and all out, before the next version was awaited
+    assert out.batches == [(8, 0), (16, 0), (24, 0)]
+
+
+def test_sync_batch_must_be_whole_groups():
+    with pytest.raises(
+        ValueError, match=r"sync_batch \(10\) must be a multiple of group_size \(4\)"
+    ):
+        GeneratorConfig(engines=["http://e"], group_size=4, sync_batch=10)
+
+
+def _set_engine_version(url: str, version: int) -> None:
+    body = json.dumps({"new_version": str(version)}).encode()
+    request = urllib.request.Request(
+        url + "/update_weight_version", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 200
+
+
+@pytest.mark.timeout(60)
+async def test_lag_gate_learns_the_engine_version_when_nothing_is_in_flight(tmp_path, engine):
+    # The learner published versions 1-5 while everything in flight predated them: no
+    # completion will tell the generator the engine moved on, so it must ask.
+    await asyncio.to_thread(_set_engine_version, engine, 5)
+    try:
+        out = await asyncio.wait_for(generate(tmp_path, [engine], 3, version=5, max_lag=1), 30)
+    finally:
+        await asyncio.to_thread(_set_engine_version, engine, 0)
+    assert_every_sample_once(out, 3)
+    assert all(r["versions"].tolist() == [5] * NEW_TOKENS for r in out.rollouts)
+    assert out.named("engine_version_asked")[0]["now"] == 5

@@ -1,0 +1,235 @@
+"""Held-out evaluation through the engines: batched requests, and the fallback for engines
+that refuse them.
+
+The batched evaluation runs against a real built-in engine (as the generator starts it) and
+must give exactly the answers of one request per prompt. An engine that refuses a batched
+``/generate`` (an SGLang-API server without batch support: a stand-in here, the built-in
+engine and SGLang both take batches) gets one prompt per request from then on, said once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from aiohttp import web
+from transformers import AutoTokenizer
+
+from stages.learner import evaluate as evaluate_module
+from stages.learner.config import EvalConfig
+from stages.learner.evaluate import Evaluator
+from stages.scorer.stage import RewardSpec
+from tests.stages.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("eval") / "model", vocab=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine_url(model_dir: Path) -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "engine",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--max-running",
+            "16",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the engine did not come up")
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    finally:
+        proc.kill()
+
+
+def _prompts(n: int, answers: list[str] | None = None) -> list[dict[str, Any]]:
+    return [
+        {
+            "input_ids": [3 + i % 50, 4 + (7 * i) % 50, 5 + (3 * i) % 40],
+            "meta": {"answer": answers[i] if answers else "w9"},
+        }
+        for i in range(n)
+    ]
+
+
+async def _evaluate(evaluator: Evaluator, urls: list[str], step: int = 0) -> dict[str, Any]:
+    await evaluator.start()
+    try:
+        return await evaluator.evaluate(urls, step=step, version=0)
+    finally:
+        await evaluator.close()
+
+
+def _config(**kw: Any) -> EvalConfig:
+    return EvalConfig(
+        rewards=[RewardSpec(fn="exact_match")], max_prompts=40, max_new_tokens=4, **kw
+    )
+
+
+def test_batched_evaluation_gives_the_answers_of_single_requests(
+    model_dir: Path, engine_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    log = structlog.get_logger()
+    # the answers as one request per prompt decodes them: half kept right, half made wrong
+    single = Evaluator(_config(concurrency=8), _prompts(40), tokenizer, log)
+    single.batched = False
+    outputs: list[list[int]] = []
+    real_batch_decode = tokenizer.batch_decode
+
+    def remember(ids: list[list[int]], **kw: Any) -> list[str]:
+        outputs.extend(ids)
+        return real_batch_decode(ids, **kw)
+
+    monkeypatch.setattr(tokenizer, "batch_decode", remember)
+    asyncio.run(_evaluate(single, [engine_url]))
+    monkeypatch.undo()
+    texts = tokenizer.batch_decode(outputs, skip_special_tokens=True)
+    answers = [t if i % 2 == 0 else t + " w1" for i, t in enumerate(texts)]
+
+    calls: list[int] = []
+    real = evaluate_module._generate_batch
+
+    async def counted(client: Any, prompts: Any, *args: Any) -> Any:
+        calls.append(len(prompts))
+        return await real(client, prompts, *args)
+
+    monkeypatch.setattr(evaluate_module, "_generate_batch", counted)
+    batched = Evaluator(_config(concurrency=16), _prompts(40, answers), tokenizer, log)
+    result = asyncio.run(_evaluate(batched, [engine_url]))
+    assert calls == [16, 16, 8]  # concurrency prompts a request, one engine
+    assert result["batched"] is True and result["failed"] == 0
+    assert result["accuracy"] == 0.5
+    assert result["versions"] == [0]
+
+
+async def _refusing_engine(seen: list[str], finish: str = "stop") -> web.AppRunner:
+    """An SGLang-API engine without batch support: 400 for a list of input_ids."""
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        if isinstance(body["input_ids"][0], list):
+            seen.append("batch")
+            return web.json_response({"error": "input_ids: expected a list of ints"}, status=400)
+        seen.append("single")
+        return web.json_response(
+            {
+                "output_ids": [9, 1],
+                "meta_info": {
+                    "output_token_logprobs": [[-0.5, 9, None], [-0.1, 1, None]],
+                    "finish_reason": {"type": finish},
+                    "weight_version": "0",
+                },
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    return runner
+
+
+def test_an_engine_refusing_batches_gets_one_prompt_per_request(model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    seen: list[str] = []
+
+    async def scenario() -> tuple[dict, dict, list[dict]]:
+        runner = await _refusing_engine(seen)
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        evaluator = Evaluator(
+            _config(concurrency=4), _prompts(10), tokenizer, structlog.get_logger()
+        )
+        await evaluator.start()
+        try:
+            with structlog.testing.capture_logs() as logs:
+                first = await evaluator.evaluate([url], step=0, version=0)
+                second = await evaluator.evaluate([url], step=5, version=0)
+        finally:
+            await evaluator.close()
+            await runner.cleanup()
+        return first, second, logs
+
+    first, second, logs = asyncio.run(scenario())
+    assert seen.count("batch") == 1  # refused once; never asked again
+    assert seen.count("single") == 20
+    assert first["accuracy"] == second["accuracy"] == 1.0  # "w9" every time
+    assert first["failed"] == 0 and first["batched"] is False
+    refusals = [e for e in logs if e["event"] == "eval_batches_refused"]
+    assert len(refusals) == 1 and "400" in refusals[0]["error"]
+
+
+def stopped(completions: list[str], finish_reason: list[str], **kw: Any) -> list[float]:
+    """A reward of 1 for a completion that ended on its own (not at the token limit)."""
+    return [float(r == "stop") for r in finish_reason]
+
+
+@pytest.mark.parametrize("finish, accuracy", [("stop", 1.0), ("length", 0.0)])
+def test_reward_functions_get_each_answers_finish_reason(
+    model_dir: Path, finish: str, accuracy: float
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = EvalConfig(
+        rewards=[RewardSpec(fn=f"{__name__}:stopped")], max_prompts=4, max_new_tokens=4
+    )
+
+    async def scenario() -> dict:
+        runner = await _refusing_engine([], finish)
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        evaluator = Evaluator(config, _prompts(4), tokenizer, structlog.get_logger())
+        try:
+            return await _evaluate(evaluator, [f"http://127.0.0.1:{port}"])
+        finally:
+            await runner.cleanup()
+
+    result = asyncio.wait_for(scenario(), 60)
+    assert asyncio.run(result)["accuracy"] == accuracy

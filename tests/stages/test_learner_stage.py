@@ -1,0 +1,217 @@
+"""The learner stage's start-up order, with the DeepSpeed trainer, the weight publisher and the
+evaluator replaced by recorders (their own tests run the real ones; here only the order counts).
+
+The first evaluation must measure the initial weights, so it has to end before the first publish
+changes them; it must not hold up training, so the first optimizer step may run meanwhile. The
+weight group is formed before the first publish needs it. When the engines never show up the
+run fails instead of waiting for samples that cannot come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+
+from stages.feeder.sources import SourceConfig
+from stages.learner import evaluate as evaluate_module
+from stages.learner import publishing as publishing_module
+from stages.learner.config import CheckpointConfig, EvalConfig, LearnerConfig
+from stages.learner.stage import Learner
+from stages.scorer.stage import RewardSpec
+from transport.message import Message
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Inbox:
+    def __init__(self, groups: list[dict[str, Any]], *, then_block: bool = False) -> None:
+        self.groups = list(groups)
+        self.then_block = then_block
+
+    def __aiter__(self) -> _Inbox:
+        return self
+
+    async def __anext__(self) -> Message:
+        if not self.groups:
+            if self.then_block:
+                await asyncio.Event().wait()
+            raise StopAsyncIteration
+        return Message("scored_group", self.groups.pop(0))
+
+
+class _Ctx:
+    def __init__(self, run_dir: Path, inbox: _Inbox) -> None:
+        self.log = structlog.get_logger()
+        self.inputs = {"groups": inbox}
+        self.replicas, self.replica, self.run_dir, self.stages = 1, 0, run_dir, {}
+        self.summaries: dict[str, Any] = {}
+        self.stopped: str | None = None
+
+    async def summary(self, **values: Any) -> None:
+        self.summaries.update(values)
+
+    def request_stop(self, reason: str) -> None:
+        self.stopped = reason
+
+
+def _groups(n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "group_id": f"g{i}",
+            "prompt_ids": [3, 4, 5],
+            "samples": [
+                {
+                    "completion_ids": [6, 7],
+                    "sampler_logprobs": [-0.5, -0.25],
+                    "versions": [0, 0],
+                    "reward": float(j % 2),
+                }
+                for j in range(4)
+            ],
+        }
+        for i in range(n)
+    ]
+
+
+def _learner(
+    tmp_path: Path,
+    inbox: _Inbox,
+    events: list,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    engines: bool = True,
+) -> Learner:
+    def note(*what: Any) -> None:
+        events.append((time.monotonic(), *what))
+
+    class Trainer:
+        rank, device = 0, torch.device("cpu")
+
+        def setup(self) -> None:
+            note("trainer_ready")
+
+        def agree(self, have_data: bool) -> bool:
+            return have_data
+
+        def step(self, samples: list, policy_version: int) -> dict[str, Any]:
+            time.sleep(0.02)
+            note("step", policy_version)
+            return {
+                "samples": len(samples),
+                "skipped": 0,
+                "reward": 0.5,
+                "solved": 0.5,
+                "lag_mean": 0.0,
+            }
+
+        def snapshot(self, bucket_bytes: int) -> dict[str, torch.Tensor]:
+            return {"w": torch.zeros(2)}
+
+        def close(self) -> None:
+            pass
+
+    class Publishing:
+        counts: dict[str, int] = {}
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        async def wait_for_engines(self, timeout_s: float) -> list[str]:
+            await asyncio.sleep(0.05)
+            if not engines:
+                raise TimeoutError(f"no engines announced within {timeout_s} s")
+            return ["http://engine"]
+
+        async def connect(self) -> bool:
+            note("group_formed")
+            return True
+
+        async def publish(self, weights: Any, version: int) -> bool:
+            note("publish", version)
+            return True
+
+        async def close(self) -> None:
+            pass
+
+    class Evaluator:
+        history: list = []
+
+        def __init__(self, *args: Any) -> None:
+            pass
+
+        async def start(self) -> None:
+            pass
+
+        async def evaluate(self, urls: list[str], *, step: int, version: int) -> dict:
+            note("eval_start", step, version)
+            await asyncio.sleep(0.5 if step == 0 else 0.0)  # longer than a step
+            note("eval_end", step, version)
+            return {"accuracy": 0.5}
+
+        async def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(publishing_module, "Publishing", Publishing)
+    monkeypatch.setattr(evaluate_module, "Evaluator", Evaluator)
+    config = LearnerConfig(
+        model="unused",
+        steps=3,
+        batch_size=8,
+        eval=EvalConfig(source=SourceConfig(), rewards=[RewardSpec(fn="exact_match")]),
+        checkpoint=CheckpointConfig(at_end=False),
+    )
+    learner = Learner(config, _Ctx(tmp_path, inbox))
+    learner.trainer = Trainer()
+    learner._setup_blocking = lambda evaluate: (learner.trainer.setup(), ([], None))[1]
+    return learner
+
+
+def test_first_evaluation_ends_before_the_first_publish_but_does_not_hold_up_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list = []
+    learner = _learner(tmp_path, _Inbox(_groups(6)), events, monkeypatch)
+
+    async def go() -> None:
+        await learner.setup()
+        await learner.run()
+        await learner.close()
+
+    asyncio.run(go())
+    order = [e[1:] for e in sorted(events, key=lambda e: e[0])]
+    names = [o[0] for o in order]
+    assert ("eval_start", 0, 0) in order
+    first_eval_end = order.index(("eval_end", 0, 0))
+    assert names.index("step") < first_eval_end  # training went on meanwhile
+    assert names.index("publish") > first_eval_end  # ...but the weights stayed put
+    assert names.index("group_formed") < names.index("publish")
+    assert [o for o in order if o[0] == "publish"] == [
+        ("publish", 1),
+        ("publish", 2),
+        ("publish", 3),
+    ]
+    assert learner.ctx.summaries["eval_before"] == 0.5
+    assert learner.ctx.stopped == "trained 3 steps"
+
+
+def test_no_engines_fails_the_run_instead_of_waiting_for_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inbox = _Inbox([], then_block=True)  # no engines, so no samples ever
+    learner = _learner(tmp_path, inbox, [], monkeypatch, engines=False)
+
+    async def go() -> None:
+        await learner.setup()
+        try:
+            with pytest.raises(TimeoutError, match="no engines"):
+                await asyncio.wait_for(learner.run(), 10)
+        finally:
+            await learner.close()
+
+    asyncio.run(go())
