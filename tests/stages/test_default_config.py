@@ -1,6 +1,6 @@
 """``configs/default.yaml``, shortened, end to end in CI: the shipped model, every stage, eval.
 
-The full run (300 steps, a few minutes) is what the README's first command does and what
+The full run (350 steps, about two minutes) is what the README's first command does and what
 ``bench/async_vs_sync.py`` measures; here a few steps check that the shipped config and model
 work together as a user starts them and that the run leaves its summary.
 """
