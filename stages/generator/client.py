@@ -221,11 +221,24 @@ class EngineClient:
         other than one result per rid: an engine without batch support, or a bad prompt.
         """
         ids = _token_list(input_ids)
+        return await self.generate_batch([ids] * len(rids), sampling_params, rids=rids)
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        sampling_params: Mapping[str, Any],
+        *,
+        rids: Sequence[str],
+    ) -> list[Completion]:
+        """One sample of each prompt in one request (SGLang's batched ``input_ids``), in order.
+
+        Errors as ``generate_group``.
+        """
         body = await self._call(
             "POST",
             "/generate",
             {
-                "input_ids": [ids] * len(rids),
+                "input_ids": [_token_list(ids) for ids in prompts],
                 "sampling_params": dict(sampling_params),
                 "return_logprob": True,
                 "rid": list(rids),

@@ -18,14 +18,13 @@ end).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
-from stages.generator.client import Completion, EngineClient, EngineError, parse_completion
+from stages.generator.client import Completion, EngineClient, EngineError
 from stages.learner.config import EvalConfig
 from stages.scorer.runner import RewardRunner
 
@@ -161,48 +160,4 @@ async def _generate_batch(
     rids: list[str],
 ) -> list[Completion]:
     """One ``/generate`` request for several prompts (SGLang's batched form), in their order."""
-    payload = {
-        "input_ids": [[int(t) for t in ids] for ids in prompts],
-        "sampling_params": params,
-        "return_logprob": True,
-        "rid": rids,
-    }
-    try:
-        async with client.session.post(
-            client.url + "/generate",
-            data=json.dumps(payload),
-            headers={"Content-Type": "application/json"},
-            timeout=client.timeout,
-        ) as resp:
-            status, raw = resp.status, await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
-        raise EngineError(client.url, f"batched /generate failed: {exc!r}", retryable=True) from exc
-    if status >= 400:
-        text = raw[:300].decode(errors="replace")
-        raise EngineError(
-            client.url,
-            f"batched /generate answered {status}: {text}",
-            retryable=status >= 500,
-            status=status,
-        )
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise EngineError(client.url, "batched /generate: not JSON", retryable=False) from exc
-    if not isinstance(body, list) or len(body) != len(rids):
-        raise EngineError(
-            client.url,
-            f"batched /generate of {len(rids)} prompts returned "
-            f"{f'{len(body)} results' if isinstance(body, list) else type(body).__name__}",
-            retryable=False,
-        )
-    out = [parse_completion(item, client.url) for item in body]
-    for rid, completion in zip(rids, out, strict=True):
-        answered = completion.meta.get("id")
-        if answered is not None and answered != rid:
-            raise EngineError(
-                client.url,
-                f"batched /generate answered {answered!r} where {rid!r} was expected",
-                retryable=False,
-            )
-    return out
+    return await client.generate_batch(prompts, params, rids=rids)
