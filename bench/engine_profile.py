@@ -3,6 +3,7 @@
 Run (each prints one JSON line on stdout; wrap in ``cpulock`` on a shared machine):
 
     python bench/engine_profile.py step [--model arith|bench22m] [--rounds 30]
+        [--forward fast|transformers]
     python bench/engine_profile.py http [--group-form batch|n|single] [--seconds 20] [--py-spy]
 
 ``step`` drives ``stages.engine.scheduler.Scheduler`` in this process (no HTTP) and compares,
@@ -10,6 +11,8 @@ per decode step at a batch of ``--batch`` rows:
 
 - ``forward_ms``: a plain Hugging Face forward of one new token per row over a ``DynamicCache``
   of the same context lengths (no padding, nothing else), timed alone with the same threads;
+- ``engine_forward_ms``: the engine's own decode pass (``LlamaForward.decode``, what a step
+  runs instead of ``model(...)`` with ``--forward fast``, the default) on the same batch;
 - ``steady_step_ms``: the engine's whole decode step on a full batch (building inputs, masks,
   cache bookkeeping, sampling with ``temperature`` 1, log-probs, finish checks, retiring the
   rows at the end), contexts from the prompt length up to prompt + ``--new-tokens``;
@@ -113,6 +116,31 @@ def _forward_ms(model: torch.nn.Module, batch: int, contexts: list[int], reps: i
     return 1000 * statistics.median(times)
 
 
+@torch.inference_mode()
+def _engine_forward_ms(model: torch.nn.Module, batch: int, contexts: list[int], reps: int) -> float:
+    """Median ms of the engine's own decode forward (``LlamaForward.decode``, nothing else of a
+    step) over a slot cache of ``batch`` rows at each of ``contexts``."""
+    from stages.engine.kv_batch import BatchKV
+    from stages.engine.llama_forward import LlamaForward
+
+    fast = LlamaForward(model)
+    times = []
+    for ctx in contexts:
+        ids = torch.randint(2, model.config.vocab_size, (batch, ctx))
+        mask = torch.ones_like(ids)
+        positions = torch.arange(ctx).expand(batch, ctx)
+        cache, logits = fast.prefill(ids, mask, positions)
+        kv = BatchKV(batch, "bool4d", device=ids.device)
+        kv.admit(cache, ids, torch.full((batch,), ctx), None)
+        kv.set_pending(0, batch, logits.argmax(-1), torch.zeros(batch))
+        inputs = kv.decode_inputs()
+        for _ in range(reps):
+            start = time.perf_counter()
+            fast.decode(*inputs, kv)  # the same pending column each time: the context stays
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
 def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     from stages.engine.protocol import GenerateInput, SamplingParams
     from stages.engine.scheduler import Scheduler
@@ -131,9 +159,16 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     plen = round(statistics.mean(len(p) for p in prompts))
     contexts = list(range(plen, plen + new_tokens - 1))
     _forward_ms(model, args.batch, contexts[:1], 3)  # warm up
-    sched = Scheduler(model, max_running=args.batch, eos_token_ids=eos, seed=0)
+    sched = Scheduler(
+        model,
+        max_running=args.batch,
+        eos_token_ids=eos,
+        seed=0,
+        fast_forward=args.forward == "fast",
+    )
+    fast = sched.forward_path == "fast"
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
-    forward_ms, steady_ms, ratios, round_ms = [], [], [], []
+    forward_ms, steady_ms, ratios, round_ms, own_ms = [], [], [], [], []
     profiler = None
     if args.pyinstrument:
         from pyinstrument import Profiler
@@ -141,6 +176,7 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
         profiler = Profiler(interval=0.0005)
     for r in range(args.rounds + 1):
         forward = _forward_ms(model, args.batch, contexts, args.reps)
+        own = _engine_forward_ms(model, args.batch, contexts, args.reps) if fast else forward
         prompts = make_prompts(args.batch, 100 + r)
         futures = [
             sched.submit(GenerateInput(f"s{r}-{i}", p, params, True)) for i, p in enumerate(prompts)
@@ -159,6 +195,7 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
         if r > 0:  # round 0 warms up
             step = 1000 * statistics.median(steps)
             forward_ms.append(forward)
+            own_ms.append(own)
             steady_ms.append(step)
             ratios.append(step / forward)
             round_ms.append(1000 * total / new_tokens)
@@ -174,10 +211,15 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
         "params": sum(p.numel() for p in model.parameters()),
         "threads": threads,
         "batch": args.batch,
+        "engine_forward": sched.forward_path,
         "contexts": [contexts[0], contexts[-1] + 1],
         "forward_ms": _median_spread(forward_ms),
+        "engine_forward_ms": _median_spread(own_ms),
         "steady_step_ms": _median_spread(steady_ms),
         "ratio_step_vs_forward": _median_spread(ratios),
+        "ratio_step_vs_engine_forward": _median_spread(
+            [s / o for s, o in zip(steady_ms, own_ms, strict=True)]
+        ),
         "steady_ms_per_step_with_prefill": _median_spread(round_ms),
         **rl,
     }
@@ -190,7 +232,13 @@ def _rl_workload(
     from stages.engine.scheduler import Scheduler
 
     group = 4
-    sched = Scheduler(model, max_running=args.batch, eos_token_ids=eos, seed=0)
+    sched = Scheduler(
+        model,
+        max_running=args.batch,
+        eos_token_ids=eos,
+        seed=0,
+        fast_forward=args.forward == "fast",
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=5)
     pool = make_prompts(512, 7)
     submitted = 0
@@ -206,23 +254,30 @@ def _rl_workload(
                 live.append(sched.submit(GenerateInput(f"rl{submitted}-{k}", prompt, params, True)))
             submitted += 1
 
-    # Time spent inside the model's forward (decode and prefill), to split the step.
+    # Time spent inside the model's passes (decode and prefill), to split the step.
     inside: dict[str, Any] = {"s": 0.0, "prefills": 0, "decode_rows": 0, "decodes": 0}
-    forward = model.forward
 
-    def timed_forward(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        out = forward(*a, **kw)
-        inside["s"] += time.perf_counter() - t0
-        rows, width = kw["input_ids"].shape
-        if kw.get("past_key_values") is not None and width == 1 and inside["count"]:
-            inside["decodes"] += 1
-            inside["decode_rows"] += rows
-        elif inside["count"]:
-            inside["prefills"] += 1
-        return out
+    def timed(pass_: Any, ids_of: Any) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            out = pass_(*a, **kw)
+            inside["s"] += time.perf_counter() - t0
+            rows, width = ids_of(a, kw).shape
+            if width == 1 and inside["count"]:
+                inside["decodes"] += 1
+                inside["decode_rows"] += rows
+            elif inside["count"]:
+                inside["prefills"] += 1
+            return out
 
-    model.forward = timed_forward
+        return run
+
+    fast = sched._fast  # the engine's own passes, when the model takes them
+    if fast is not None:
+        fast.decode = timed(fast.decode, lambda a, kw: a[0])
+        fast.prefill = timed(fast.prefill, lambda a, kw: a[0])
+    else:
+        model.forward = timed(model.forward, lambda a, kw: kw["input_ids"])
     per_round, tokens_per_round, model_share, model_ms = [], [], [], []
     try:
         for r in range(args.rl_rounds + 1):
@@ -243,7 +298,8 @@ def _rl_workload(
         sched.abort(None, abort_all=True)
         sched.run_until_idle()
     finally:
-        del model.forward
+        if fast is None:
+            del model.forward
     return {
         "rl_step_ms": _median_spread(per_round),
         "rl_model_ms_per_step": _median_spread(model_ms),
@@ -505,6 +561,12 @@ def main() -> int:
     step.add_argument("--rl-rounds", type=int, default=5)
     step.add_argument("--rl-steps", type=int, default=60)
     step.add_argument("--pyinstrument", action="store_true")
+    step.add_argument(
+        "--forward",
+        choices=["fast", "transformers"],
+        default="fast",
+        help="the engine's passes: its own (LlamaForward) or model(...)",
+    )
     http = sub.add_parser("http", help="engine CPU on HTTP vs scheduler, over a real server")
     http.add_argument("--group-form", choices=["batch", "n", "single"], default="batch")
     http.add_argument("--in-flight", type=int, default=64)

@@ -112,8 +112,8 @@ class _Sink:
         return 1 << 30
 
     async def send(self, kind: str, data: dict[str, Any]) -> None:
-        self.samples += 1
-        self.tokens += len(data["completion_ids"])
+        self.samples += len(data["samples"])
+        self.tokens += sum(len(x["completion_ids"]) for x in data["samples"])
 
 
 async def _run_stage(

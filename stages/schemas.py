@@ -3,10 +3,18 @@
 ``prompt`` (feeder -> generator): one prompt, already tokenized, with whatever the reward needs
 in ``meta`` (the reference answer, the task name...).
 
-``rollout`` (generator -> scorer): one sampled completion. Per-token arrays travel as zero-copy
-frames: ``completion_ids`` (int32), ``sampler_logprobs`` (float32: the log-prob of each token
-under the distribution the engine sampled it from) and ``versions`` (int32: the policy version
-that produced each token; one sequence may span several versions with in-flight updates).
+``rollout_group`` (generator -> scorer): the samples of one prompt that the generator got, in one
+message (one ZeroMQ message per group, not per sample, is most of what scoring a group costs
+downstream). Group-level fields as in ``rollout`` below; ``samples`` is a list of maps, one per
+sample, each with ``sample_index``, ``completion_ids``, ``sampler_logprobs``, ``versions``,
+``finish_reason``, ``engine`` and ``timings``. It holds fewer than ``group_size`` samples when some
+were dropped by the generator (counted there). ``rollouts_of`` turns it into ``rollout`` maps.
+
+``rollout`` (a producer of your own -> scorer, one sample at a time): one sampled completion.
+Per-token arrays travel as zero-copy frames: ``completion_ids`` (int32), ``sampler_logprobs``
+(float32: the log-prob of each token under the distribution the engine sampled it from) and
+``versions`` (int32: the policy version that produced each token; one sequence may span several
+versions with in-flight updates).
 ``group_id`` ties the ``group_size`` samples of one prompt together; ``sample_index`` is
 0..group_size-1. ``timings`` holds seconds (``queued_s``, ``generate_s``) and ``meta`` is the
 prompt's meta, passed through.
@@ -22,9 +30,23 @@ smaller than ``group_size`` when samples were dropped upstream (counted where th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from transport.message import Schema
 
-__all__ = ["PROMPT", "ROLLOUT", "SCORED_GROUP"]
+# a sample's own fields in ``rollout_group`` and ``scored_group`` (the rest are the group's)
+SAMPLE_FIELDS = (
+    "sample_index",
+    "completion_ids",
+    "sampler_logprobs",
+    "versions",
+    "finish_reason",
+    "engine",
+    "timings",
+)
+
+__all__ = ["PROMPT", "ROLLOUT", "ROLLOUT_GROUP", "SAMPLE_FIELDS", "SCORED_GROUP", "rollouts_of"]
 
 PROMPT = Schema(
     "prompt",
@@ -54,6 +76,21 @@ ROLLOUT = Schema(
     doc="one sampled completion with per-token sampler log-probs and policy versions",
 )
 
+ROLLOUT_GROUP = Schema(
+    "rollout_group",
+    1,
+    {
+        "run_id": "str",
+        "prompt_id": "str",
+        "group_id": "str",
+        "group_size": "int",
+        "prompt_ids": "array",
+        "samples": "list",
+        "meta": "map|None",
+    },
+    doc="the sampled completions of one prompt (one group), unscored",
+)
+
 SCORED_GROUP = Schema(
     "scored_group",
     1,
@@ -68,3 +105,10 @@ SCORED_GROUP = Schema(
     },
     doc="the scored rollouts of one prompt (one group), for the learner",
 )
+
+
+def rollouts_of(group: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The samples of a ``rollout_group`` (or ``scored_group``) as ``rollout`` maps: each
+    sample's own fields next to its group's."""
+    head = {k: v for k, v in group.items() if k != "samples"}
+    return [{**head, **sample} for sample in group["samples"]]

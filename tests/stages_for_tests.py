@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pipeline.stage import Port
 from stages.examples import ITEM
-from stages.schemas import PROMPT, ROLLOUT
+from stages.schemas import PROMPT, ROLLOUT, ROLLOUT_GROUP, SAMPLE_FIELDS, rollouts_of
 
 
 class Crashy:
@@ -113,7 +113,7 @@ class RolloutSink:
     class Config:
         delay_s: float = 0.0
 
-    inputs = {"rollouts": Port(ROLLOUT)}
+    inputs = {"rollouts": Port(ROLLOUT_GROUP, ROLLOUT)}
     outputs: dict = {}
 
     def __init__(self, config, ctx):
@@ -128,19 +128,19 @@ class RolloutSink:
         import json
 
         async for msg in self.ctx.inputs["rollouts"]:
-            d = msg.data
-            self.seen.append(
-                {
-                    "group_id": d["group_id"],
-                    "sample_index": d["sample_index"],
-                    "prompt_ids": d["prompt_ids"].tolist(),
-                    "completion_ids": d["completion_ids"].tolist(),
-                    "logprobs": d["sampler_logprobs"].tolist(),
-                    "versions": d["versions"].tolist(),
-                    "finish_reason": d["finish_reason"],
-                    "meta": d["meta"],
-                }
-            )
+            for d in rollouts_of(msg.data) if msg.kind == "rollout_group" else [msg.data]:
+                self.seen.append(
+                    {
+                        "group_id": d["group_id"],
+                        "sample_index": d["sample_index"],
+                        "prompt_ids": d["prompt_ids"].tolist(),
+                        "completion_ids": d["completion_ids"].tolist(),
+                        "logprobs": d["sampler_logprobs"].tolist(),
+                        "versions": d["versions"].tolist(),
+                        "finish_reason": d["finish_reason"],
+                        "meta": d["meta"],
+                    }
+                )
             if self.config.delay_s:
                 await asyncio.sleep(self.config.delay_s)
         (self.ctx.run_dir / "rollouts.json").write_text(json.dumps(self.seen))
@@ -182,17 +182,17 @@ class EngineRolloutSink(RolloutSink):
         import json
 
         async for msg in self.ctx.inputs["rollouts"]:
-            d = msg.data
-            self.seen.append(
-                {
-                    "group_id": d["group_id"],
-                    "sample_index": d["sample_index"],
-                    "completion_ids": d["completion_ids"].tolist(),
-                    "finish_reason": d["finish_reason"],
-                    "engine": d["engine"],
-                    "meta": d["meta"],
-                }
-            )
+            for d in rollouts_of(msg.data) if msg.kind == "rollout_group" else [msg.data]:
+                self.seen.append(
+                    {
+                        "group_id": d["group_id"],
+                        "sample_index": d["sample_index"],
+                        "completion_ids": d["completion_ids"].tolist(),
+                        "finish_reason": d["finish_reason"],
+                        "engine": d["engine"],
+                        "meta": d["meta"],
+                    }
+                )
             if self.config.delay_s:
                 await asyncio.sleep(self.config.delay_s)
         (self.ctx.run_dir / "rollouts.json").write_text(json.dumps(self.seen))
@@ -275,7 +275,9 @@ class RolloutSource:
     Each item: ``group``, ``index``, ``completion`` (text over the arithmetic task's characters,
     encoded one id a character, ``<eos>`` appended), and optionally ``size`` (group_size, 2),
     ``prompt`` (encoded into prompt_ids), ``meta`` (the prompt's meta) and ``short_versions``
-    (a malformed rollout: ``versions`` one token short). With ``wait_for`` (``STAGE.REPLICA``)
+    (a malformed rollout: ``versions`` one token short). An item with ``samples`` (a list of
+    such items, or anything else to send as a malformed sample) goes as one ``rollout_group``
+    of ``group`` and ``size``. With ``wait_for`` (``STAGE.REPLICA``)
     it starts once that replica has logged ``replica_started``; after ``hold_after`` items it
     waits ``hold_s`` seconds (so group timeouts can fire) before sending the rest.
     """
@@ -288,7 +290,7 @@ class RolloutSource:
         hold_s: float = 0.0
 
     inputs: dict = {}
-    outputs = {"out": Port(ROLLOUT)}
+    outputs = {"out": Port(ROLLOUT, ROLLOUT_GROUP)}
 
     def __init__(self, config, ctx):
         self.config, self.ctx = config, ctx
@@ -306,6 +308,25 @@ class RolloutSource:
         def encode(text):
             return [CHARS.index(c) + 2 for c in text]
 
+        def rollout(item):
+            ids = np.asarray([*encode(item["completion"]), EOS_ID], dtype=np.int32)
+            n = len(ids) - 1 if item.get("short_versions") else len(ids)
+            return {
+                "run_id": self.ctx.run_dir.name,
+                "prompt_id": f"prompt-{item['group']}",
+                "group_id": item["group"],
+                "sample_index": item["index"],
+                "group_size": item.get("size", 2),
+                "prompt_ids": np.asarray(encode(item.get("prompt", "3+4=")), dtype=np.int32),
+                "completion_ids": ids,
+                "sampler_logprobs": np.full(len(ids), -0.5, dtype=np.float32),
+                "versions": np.zeros(n, dtype=np.int32),
+                "finish_reason": "stop",
+                "engine": "fake",
+                "timings": {"queued_s": 0.0, "generate_s": 0.01},
+                "meta": item.get("meta"),
+            }
+
         if self.config.wait_for:
             log = self.ctx.run_dir / "logs" / f"{self.config.wait_for}.jsonl"
             while not (log.exists() and '"replica_started"' in log.read_text()):  # noqa: ASYNC110
@@ -313,26 +334,20 @@ class RolloutSource:
         for i, item in enumerate(self.config.rollouts):
             if i == self.config.hold_after:
                 await asyncio.sleep(self.config.hold_s)
-            ids = np.asarray([*encode(item["completion"]), EOS_ID], dtype=np.int32)
-            n = len(ids) - 1 if item.get("short_versions") else len(ids)
-            await self.ctx.outputs["out"].send(
-                "rollout",
-                {
-                    "run_id": self.ctx.run_dir.name,
-                    "prompt_id": f"prompt-{item['group']}",
-                    "group_id": item["group"],
-                    "sample_index": item["index"],
-                    "group_size": item.get("size", 2),
-                    "prompt_ids": np.asarray(encode(item.get("prompt", "3+4=")), dtype=np.int32),
-                    "completion_ids": ids,
-                    "sampler_logprobs": np.full(len(ids), -0.5, dtype=np.float32),
-                    "versions": np.zeros(n, dtype=np.int32),
-                    "finish_reason": "stop",
-                    "engine": "fake",
-                    "timings": {"queued_s": 0.0, "generate_s": 0.01},
-                    "meta": item.get("meta"),
-                },
-            )
+            out = self.ctx.outputs["out"]
+            if "samples" in item:
+                group = rollout({**item, "index": 0, "completion": ""})
+                group["samples"] = [
+                    {k: v for k, v in rollout(x).items() if k in SAMPLE_FIELDS}
+                    if isinstance(x, dict)
+                    else x
+                    for x in item["samples"]
+                ]
+                for k in SAMPLE_FIELDS:
+                    del group[k]
+                await out.send("rollout_group", group)
+            else:
+                await out.send("rollout", rollout(item))
 
     async def close(self):
         pass

@@ -43,6 +43,7 @@ import torch
 from transformers import DynamicCache
 
 from stages.engine.kv_batch import BatchKV
+from stages.engine.llama_forward import LlamaForward
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.protocol import GenerateInput, SequenceResult
 from stages.engine.sampling import SlotSampler
@@ -177,6 +178,7 @@ class Scheduler:
         weight_version: str = "0",
         eos_token_ids: Iterable[int] = (),
         admit_fraction: float = 0.25,
+        fast_forward: bool = True,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
@@ -199,6 +201,10 @@ class Scheduler:
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []  # index = slot
         self._kv = BatchKV(max_running, _mask_kind(model), device=self.device)
+        # forward passes without transformers' module machinery where the model allows it
+        self._fast, why = LlamaForward.build(model) if fast_forward else (None, "turned off")
+        self.forward_path = "fast" if self._fast is not None else "transformers"
+        self.forward_path_why = why
         self._sampler = SlotSampler(max_running, self.eos_token_ids, self._rng)
         self._paused = False
         self._rids: dict[str, _Seq] = {}
@@ -492,18 +498,22 @@ class Scheduler:
             mask[row, width - len(ctx) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=DynamicCache(),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        if self._fast is not None:
+            cache, logits = self._fast.prefill(ids, mask, positions)
+        else:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=DynamicCache(),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1, :]
         dup = len(contexts) < len(group)
         src = torch.tensor(source, device=self.device) if dup else None
         lengths = torch.tensor([len(contexts[i]) for i in source])
-        lo, hi = self._kv.admit(out.past_key_values, ids, lengths, src)
+        lo, hi = self._kv.admit(cache, ids, lengths, src)
         end = self._kv.end
         for offset, seq in enumerate(group):
             seq.slot = lo + offset
@@ -514,7 +524,6 @@ class Scheduler:
             [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
             [s.generator for s in group],
         )
-        logits = out.logits[:, -1, :]
         if src is not None:
             logits = logits.index_select(0, src)
         tokens, logprobs = self._sampler.sample(logits, lo, hi)
@@ -525,17 +534,21 @@ class Scheduler:
     def _decode(self) -> None:
         kv = self._kv
         ids, positions, mask = kv.decode_inputs()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=kv.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        if self._fast is not None:
+            logits = self._fast.decode(ids, positions, mask, kv)
+        else:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=kv.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1, :]
         self.steps += 1
         rows = kv.rows
-        tokens, logprobs = self._sampler.sample(out.logits[:, -1, :], 0, rows)
+        tokens, logprobs = self._sampler.sample(logits, 0, rows)
         kv.push(tokens, logprobs)
         self.tokens_generated += rows
         self._check_finished(tokens, 0, rows, kv.end)

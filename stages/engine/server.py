@@ -342,6 +342,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "model_path": str(loaded.path),
             "engine": "inflight-builtin",
             "max_running_requests": scheduler.max_running,
+            "forward_path": scheduler.forward_path,
             "context_length": loaded.context_length,
             "weight_version": scheduler.weight_version,
             "decode_steps": scheduler.steps,
@@ -415,6 +416,13 @@ def _parser() -> argparse.ArgumentParser:
         help="free share of --max-running before waiting requests join a running batch "
         "(batched prefills; 0 admits at once)",
     )
+    parser.add_argument(
+        "--forward",
+        default="fast",
+        choices=["fast", "transformers"],
+        help="prefill and decode passes: fast (Llama-family models, straight on the weights) "
+        "or transformers (model(...), any model); fast falls back to transformers by itself",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
@@ -466,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         weight_version=args.weight_version,
         eos_token_ids=loaded.eos_token_ids,
         admit_fraction=args.admit_fraction,
+        fast_forward=args.forward == "fast",
     )
     holder["s"] = scheduler
     scheduler.start()
@@ -515,6 +524,8 @@ async def _serve(app: web.Application, args: argparse.Namespace, loaded: LoadedM
             device=args.device,
             dtype=str(next(loaded.model.parameters()).dtype),
             max_running=args.max_running,
+            forward=app[_SCHEDULER].forward_path,
+            forward_fallback_reason=app[_SCHEDULER].forward_path_why,
             tokenizer=loaded.tokenizer is not None,
             threads=torch.get_num_threads(),
         )

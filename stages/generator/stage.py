@@ -1,7 +1,8 @@
-"""The generator stage: prompts in, one rollout per sampled completion out.
+"""The generator stage: prompts in, one ``rollout_group`` per prompt out.
 
-For every prompt it asks an engine for ``group_size`` (G) samples, and emits each finished sample
-as a ``rollout`` (token ids, sampler log-prob and policy version per token). By default the G
+For every prompt it asks an engine for ``group_size`` (G) samples, and emits them together as one
+``rollout_group`` (per sample: token ids, sampler log-prob and policy version per token), once
+every sample is in or dropped: one message per group, not per sample. By default the G
 samples travel as one ``/generate`` request (``group_requests``: G copies of the prompt in
 ``input_ids``, one ``rid`` per sample, a form SGLang and the built-in engine both serve) to the
 engine with the fewest samples in flight among those with room for the group; with
@@ -9,7 +10,8 @@ engine with the fewest samples in flight among those with room for the group; wi
 
 How many samples are in flight is the controller's call (``controller.py``): downstream credit and
 the staleness bound gate new starts, measured throughput sets each engine's target; each decision
-is logged. Everything counts samples, not requests: a group request holds G samples of its
+is logged. Everything counts samples, not requests or messages (downstream credit is in groups,
+so the room it gives is credit x G): a group request holds G samples of its
 engine's in-flight count and starts only when all G fit under the credit and the engine's target
 (or, when the bound is below G, alone when nothing else is in flight there, so that it can never
 deadlock). In sync mode (``run.mode: sync``) exactly ``sync_batch`` samples start per version.
@@ -50,7 +52,7 @@ from pipeline.stage import Port, StageContext
 from stages.generator.client import Completion, EngineClient, EngineError, make_session
 from stages.generator.controller import ControllerConfig, Decision, InFlightController
 from stages.generator.launcher import EngineLauncher, LaunchConfig
-from stages.schemas import PROMPT, ROLLOUT
+from stages.schemas import PROMPT, ROLLOUT_GROUP
 
 __all__ = ["Generator", "SamplingConfig"]
 
@@ -105,7 +107,7 @@ class GeneratorConfig:
         default=4, metadata={"min": 0, "doc": "start samples only within this many versions"}
     )
     outbox: int = field(
-        default=8, metadata={"min": 1, "doc": "finished rollouts held while waiting for credit"}
+        default=8, metadata={"min": 1, "doc": "finished groups held while waiting for credit"}
     )
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     request_timeout_s: float = field(default=600.0, metadata={"min": 1.0})
@@ -148,10 +150,20 @@ class _Served(NamedTuple):
     done: float  # time.monotonic()
 
 
+class _Collecting:
+    """A group whose samples are requested one by one: what came back so far."""
+
+    __slots__ = ("left", "samples")
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+        self.samples: list[tuple[int, _Served, float, float]] = []
+
+
 class Generator:
     Config = GeneratorConfig
     inputs = {"prompts": Port(PROMPT)}
-    outputs = {"rollouts": Port(ROLLOUT)}
+    outputs = {"rollouts": Port(ROLLOUT_GROUP)}
 
     def __init__(self, config: GeneratorConfig, ctx: StageContext) -> None:
         self.config, self.ctx, self.log = config, ctx, ctx.log
@@ -164,7 +176,8 @@ class Generator:
         self.params = config.sampling.as_params()
         self.counts = {
             "started": 0,
-            "emitted": 0,
+            "emitted": 0,  # samples
+            "groups_emitted": 0,
             "dropped": 0,
             "retried": 0,
             "tokens": 0,
@@ -295,7 +308,8 @@ class Generator:
         while True:
             if self.launcher is not None and self.launcher.all_given_up:
                 raise RuntimeError("every engine this generator launched died for good")
-            room = rollouts.credit() + (self.outbox.maxsize - self.outbox.qsize())
+            groups = rollouts.credit() + (self.outbox.maxsize - self.outbox.qsize())
+            room = groups * self.config.group_size
             version = max(self.engine_version, 0)
             may_start, changes = self.controller.gates(
                 in_flight=sum(self.in_flight.values()),
@@ -349,11 +363,11 @@ class Generator:
                         self._group(prompt, group_id, engine, time.monotonic()), engine, size
                     )
                     continue
+                collecting = _Collecting(size)
                 for index in range(size):
                     engine = await self._slot(1)
-                    self._start(
-                        self._sample(prompt, group_id, index, engine, time.monotonic()), engine, 1
-                    )
+                    work = self._sample(prompt, group_id, index, engine, collecting)
+                    self._start(work, engine, 1)
             if self._tasks:
                 await asyncio.gather(*list(self._tasks))
             await self.outbox.join()
@@ -361,6 +375,7 @@ class Generator:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+        self._metrics()  # the last figures, however short the run
         self.log.info(
             "generator_done",
             in_flight=sum(self.in_flight.values()),
@@ -392,19 +407,24 @@ class Generator:
     ) -> None:
         started = time.monotonic()
         served = await self._request_group(prompt, group_id, engine)
-        prompt_ids = np.asarray(prompt["input_ids"], dtype=np.int32)
-        for index, got in enumerate(served):
-            if got is not None:
-                await self._put(prompt, prompt_ids, group_id, index, got, queued, started)
+        got = [(i, s, queued, started) for i, s in enumerate(served) if s is not None]
+        await self._put(prompt, group_id, got)
 
     async def _sample(
-        self, prompt: dict[str, Any], group_id: str, index: int, engine: str, queued: float
+        self,
+        prompt: dict[str, Any],
+        group_id: str,
+        index: int,
+        engine: str,
+        collecting: _Collecting,
     ) -> None:
-        started = time.monotonic()
+        queued = started = time.monotonic()  # the slot was waited for before this started
         got = await self._request_one(prompt, self._rid(group_id, index), engine, attempt=0)
         if got is not None:
-            prompt_ids = np.asarray(prompt["input_ids"], dtype=np.int32)
-            await self._put(prompt, prompt_ids, group_id, index, got, queued, started)
+            collecting.samples.append((index, got, queued, started))
+        collecting.left -= 1
+        if collecting.left == 0:
+            await self._put(prompt, group_id, sorted(collecting.samples, key=lambda s: s[0]))
 
     async def _request_group(
         self, prompt: dict[str, Any], group_id: str, engine: str
@@ -518,31 +538,35 @@ class Generator:
     async def _put(
         self,
         prompt: dict[str, Any],
-        prompt_ids: np.ndarray,
         group_id: str,
-        index: int,
-        served: _Served,
-        queued: float,
-        started: float,
+        samples: list[tuple[int, _Served, float, float]],
     ) -> None:
-        c = served.completion
+        """Queue the group for sending: ``samples`` are (index, served, queued, started) of the
+        samples that were not dropped, in index order; nothing is sent when all were dropped."""
+        if not samples:
+            return
         await self.outbox.put(
             {
                 "run_id": self.run_id,
                 "prompt_id": prompt["prompt_id"],
                 "group_id": group_id,
-                "sample_index": index,
                 "group_size": self.config.group_size,
-                "prompt_ids": prompt_ids,
-                "completion_ids": c.output_ids,
-                "sampler_logprobs": c.logprobs,
-                "versions": c.versions,
-                "finish_reason": c.finish_reason,
-                "engine": served.engine,
-                "timings": {
-                    "queued_s": round(started - queued, 6),
-                    "generate_s": round(served.done - started, 6),
-                },
+                "prompt_ids": np.asarray(prompt["input_ids"], dtype=np.int32),
+                "samples": [
+                    {
+                        "sample_index": index,
+                        "completion_ids": served.completion.output_ids,
+                        "sampler_logprobs": served.completion.logprobs,
+                        "versions": served.completion.versions,
+                        "finish_reason": served.completion.finish_reason,
+                        "engine": served.engine,
+                        "timings": {
+                            "queued_s": round(started - queued, 6),
+                            "generate_s": round(served.done - started, 6),
+                        },
+                    }
+                    for index, served, queued, started in samples
+                ],
                 "meta": prompt.get("meta"),
             }
         )
@@ -552,9 +576,10 @@ class Generator:
         while True:
             item = await self.outbox.get()
             try:
-                await rollouts.send("rollout", item)
-                self.counts["emitted"] += 1
-                self.counts["tokens"] += len(item["completion_ids"])
+                await rollouts.send(ROLLOUT_GROUP.kind, item)
+                self.counts["groups_emitted"] += 1
+                self.counts["emitted"] += len(item["samples"])
+                self.counts["tokens"] += sum(len(x["completion_ids"]) for x in item["samples"])
             finally:
                 self.outbox.task_done()
                 self._changed.set()
@@ -565,14 +590,17 @@ class Generator:
             await asyncio.sleep(interval)
             await self._announce_engines()
             self._log_decisions(self.controller.decide(time.monotonic()))
-            self.ctx.metrics(
-                in_flight=sum(self.in_flight.values()),
-                targets={u: self.controller.target(u) for u in self.in_flight},
-                engines_down=len(self.down),
-                engines_without_group_requests=len(self.no_groups),
-                engine_version=self.engine_version,
-                **self.counts,
-            )
+            self._metrics()
+
+    def _metrics(self) -> None:
+        self.ctx.metrics(
+            in_flight=sum(self.in_flight.values()),
+            targets={u: self.controller.target(u) for u in self.in_flight},
+            engines_down=len(self.down),
+            engines_without_group_requests=len(self.no_groups),
+            engine_version=self.engine_version,
+            **self.counts,
+        )
 
     async def close(self) -> None:
         tasks = [*self._tasks, *getattr(self, "down", {}).values()]

@@ -1,21 +1,24 @@
 """The reward scorer stage: rollouts in, one scored group per prompt out.
 
-Rollouts are collected by ``group_id`` until ``group_size`` have arrived; the whole group is then
-decoded (``skip_special_tokens``) and scored, and sent as one ``scored_group`` (samples in
-``sample_index`` order, each with ``reward`` and ``reward_info``). Complete groups waiting while
-every worker is busy are scored together in one call (up to ``batch_groups``; a function sees
-each group's samples next to each other, like a TRL batch), so the cost of a call is shared.
-Once a full batch waits and every worker is busy the stage stops reading, and backpressure
-reaches the generators.
+A ``rollout_group`` (what the generator sends) brings a prompt's samples at once; ``rollout``
+messages (one sample each, from a producer of your own) are collected by ``group_id`` until
+``group_size`` have arrived. Either way the whole group is then decoded (``skip_special_tokens``)
+and scored, and sent as one ``scored_group`` (samples in ``sample_index`` order, each with
+``reward`` and ``reward_info``). Complete groups waiting while every worker is busy are scored
+together in one call (up to ``batch_groups``; a function sees each group's samples next to each
+other, like a TRL batch), so the cost of a call is shared. Once a full batch waits and every
+worker is busy the stage stops reading, and backpressure reaches the generators.
 
 Reward functions run in worker processes under ``timeout_s`` (``runner.py``): one that raises,
 hangs or returns garbage gives its completions reward 0 with an ``error`` in ``reward_info``,
 and the stage goes on. A group still incomplete ``group_timeout_s`` after its first sample (a
 sample lost upstream), or at the end of input, is sent with what it has if that is at least
-``min_group`` samples, else dropped. Malformed rollouts (per-token arrays of different lengths,
-``sample_index`` outside the group, a duplicate, a ``group_size`` that disagrees with the
-group's, a sample for a group already sent or dropped) are dropped. Every drop is counted and
-logged. Not here: advantages or any normalization across a group (the learner does that).
+``min_group`` samples, else dropped; so is a ``rollout_group`` that comes with fewer than
+``group_size`` samples (the generator dropped some, and counted them). Malformed rollouts
+(per-token arrays of different lengths, ``sample_index`` outside the group, a duplicate, a
+``group_size`` that disagrees with the group's, a sample for a group already sent or dropped,
+a group's sample that is not a full rollout) are dropped. Every drop is counted and logged.
+Not here: advantages or any normalization across a group (the learner does that).
 """
 
 from __future__ import annotations
@@ -28,21 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.stage import Port, StageContext
-from stages.schemas import ROLLOUT, SCORED_GROUP
+from stages.schemas import ROLLOUT, ROLLOUT_GROUP, SAMPLE_FIELDS, SCORED_GROUP
 from stages.scorer.runner import RewardRunner, resolve_reward
 
 __all__ = ["RewardSpec", "Scorer", "ScorerConfig"]
 
 _CLOSED_REMEMBERED = 10_000  # ids of sent or dropped groups kept to recognize late samples
-_SAMPLE_FIELDS = (
-    "sample_index",
-    "completion_ids",
-    "sampler_logprobs",
-    "versions",
-    "finish_reason",
-    "engine",
-    "timings",
-)
 
 
 @dataclass
@@ -113,7 +107,11 @@ def _load_tokenizer(path: str) -> Any:
 
 class Scorer:
     Config = ScorerConfig
-    inputs = {"rollouts": Port(ROLLOUT, doc="sampled completions, any order")}
+    inputs = {
+        "rollouts": Port(
+            ROLLOUT_GROUP, ROLLOUT, doc="sampled completions: whole groups, or samples in any order"
+        )
+    }
     outputs = {"groups": Port(SCORED_GROUP, doc="one message per prompt, scored")}
 
     def __init__(self, config: ScorerConfig, ctx: StageContext) -> None:
@@ -123,6 +121,7 @@ class Scorer:
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.counts = {
             "rollouts_in": 0,
+            "groups_in": 0,
             "groups_out": 0,
             "groups_partial": 0,
             "groups_dropped": 0,
@@ -182,6 +181,9 @@ class Scorer:
 
     async def _read(self) -> None:
         async for msg in self.ctx.inputs["rollouts"]:
+            if msg.kind == ROLLOUT_GROUP.kind:
+                await self._add_group(msg.data, msg.sender)
+                continue
             self.counts["rollouts_in"] += 1
             group = self._add(msg.data, msg.sender)
             if group is not None:
@@ -211,6 +213,32 @@ class Scorer:
             return None
         self._forget(group_id)
         return group
+
+    async def _add_group(self, data: Mapping[str, Any], sender: str) -> None:
+        """A ``rollout_group``: file its samples, then score it as it is (all it will get)."""
+        self.counts["groups_in"] += 1
+        group_id = data["group_id"]
+        head = {k: v for k, v in data.items() if k != "samples"}
+        for sample in data["samples"]:
+            self.counts["rollouts_in"] += 1
+            # the sample maps are not checked on receipt: check each as a rollout
+            rollout = {**head, **sample} if isinstance(sample, Mapping) else {}
+            shape = ROLLOUT.check(rollout) if rollout else ["a sample is not a map"]
+            if shape:
+                self.counts["dropped"] += 1
+                self.log.warning(
+                    "rollout_dropped",
+                    reason="; ".join(shape),
+                    group_id=group_id,
+                    sample_index=rollout.get("sample_index"),
+                    sender=sender,
+                )
+                continue
+            group = self._add(rollout, sender)
+            if group is not None:
+                await self._launch(group)
+                return
+        await self._close_incomplete(group_id, "samples_dropped_upstream")
 
     def _problem(self, rollout: Mapping[str, Any], group: _Group | None) -> str | None:
         if rollout["group_id"] in self.closed:
@@ -326,7 +354,7 @@ class Scorer:
             for sample, (reward, info) in zip(
                 samples, scored[offset : offset + len(samples)], strict=True
             ):
-                item = {k: sample[k] for k in _SAMPLE_FIELDS}
+                item = {k: sample[k] for k in SAMPLE_FIELDS}
                 item["timings"] = {**sample["timings"], "score_s": score_s}
                 item["reward"], item["reward_info"] = reward, info
                 out.append(item)

@@ -49,24 +49,35 @@ def _greedy(n: int, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, **kw)
 
 
-def _count_forwards(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """Record (rows, width) of every forward the scheduler runs."""
+def _count_passes(scheduler: Scheduler) -> list[tuple[int, int]]:
+    """Record (rows, width) of every forward pass the scheduler runs (either path)."""
     calls: list[tuple[int, int]] = []
-    forward = model.forward
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(tuple(kwargs["input_ids"].shape))
-        return forward(*args, **kwargs)
+    def counted(run: Any, ids_of: Any) -> Any:
+        def pass_(*args: Any, **kwargs: Any) -> Any:
+            calls.append(tuple(ids_of(args, kwargs).shape))
+            return run(*args, **kwargs)
 
-    model.forward = counted
+        return pass_
+
+    fast = scheduler._fast
+    if fast is not None:
+        fast.prefill = counted(fast.prefill, lambda a, kw: a[0])
+        fast.decode = counted(fast.decode, lambda a, kw: a[0])
+    else:
+        scheduler.model.forward = counted(scheduler.model.forward, lambda a, kw: kw["input_ids"])
     return calls
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])  # forward path
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])  # bool vs additive 4D masks
-def test_mixed_batch_matches_each_request_alone(models: tuple[Path, Path], attn: str) -> None:
+def test_mixed_batch_matches_each_request_alone(
+    models: tuple[Path, Path], attn: str, fast: bool
+) -> None:
     model = _load(models[0], attn)
-    scheduler = Scheduler(model, max_running=6, admit_fraction=0.0)
+    scheduler = Scheduler(model, max_running=6, admit_fraction=0.0, fast_forward=fast)
+    assert scheduler.forward_path == ("fast" if fast else "transformers")
     first = {
         "long": ([7, 8, 9, 10, 11], _greedy(70)),  # outlives storage: the window moves
         "short": ([40], _greedy(3)),
@@ -112,10 +123,11 @@ def test_mixed_batch_matches_each_request_alone(models: tuple[Path, Path], attn:
 
 
 @pytest.mark.timeout(60)
-def test_identical_prompts_are_prefilled_once(models: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
+def test_identical_prompts_are_prefilled_once(models: tuple[Path, Path], fast: bool) -> None:
     model = _load(models[0])
-    calls = _count_forwards(model)
-    scheduler = Scheduler(model, max_running=8)
+    scheduler = Scheduler(model, max_running=8, fast_forward=fast)
+    calls = _count_passes(scheduler)
     group = [GenerateInput(f"g{i}", [11, 12, 13], _greedy(6), True) for i in range(4)]
     other = GenerateInput("o", [50, 51], _greedy(6), True)
     future = scheduler.submit_many([*group, other])

@@ -100,7 +100,15 @@ def _done(run_dir) -> dict:
     return done[0]
 
 
-def _write(tmp_path, generator: str, *, prompts: str, sink_delay_s: float = 0.0, inbox: int = 8):
+def _write(
+    tmp_path,
+    generator: str,
+    *,
+    prompts: str,
+    sink_delay_s: float = 0.0,
+    inbox: int = 8,
+    outbox: int = 2,
+):
     path = tmp_path / "gen.yaml"
     path.write_text(
         f"""
@@ -112,7 +120,7 @@ stages:
     use: generator
     inputs: {{prompts: prompts.out}}
     group_size: 2
-    outbox: 2
+    outbox: {outbox}
     retry_backoff_s: 0.2
     controller: {{start: 4, interval_s: 0.2}}
 {generator}
@@ -138,8 +146,10 @@ def test_killed_engine_is_restarted_and_its_requests_rerouted(tmp_path, model_di
             f"hold_at: {hold_at}}}"
         ),
         # a slow sink paces the run, so that requests are in flight on both engines at the kill
-        sink_delay_s=0.1,
-        inbox=4,
+        # (0.2 s per group of 2; at most 2 groups queued at the sink and 1 in the outbox)
+        sink_delay_s=0.2,
+        inbox=2,
+        outbox=1,
     )
     run_dir = tmp_path / "run"
     proc = start_inflight("run", str(config), "--run-dir", str(run_dir), env=ENV)

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from stages.generator.controller import ControllerConfig
 from stages.generator.stage import Generator, GeneratorConfig, SamplingConfig
+from stages.schemas import ROLLOUT_GROUP, rollouts_of
 from tests.pipeline.runs import REPO, inflight_cmd, wait_for
 from tests.stages.tiny_model import make_tiny_model
 from transport.address import tcp_address
@@ -146,16 +147,19 @@ class Rollouts:
 
     def __init__(self, credit: int, delay_s: float) -> None:
         self.credit_now, self.delay_s = credit, delay_s
-        self.sent: list[dict[str, Any]] = []
+        self.groups: list[dict[str, Any]] = []
+        self.sent: list[dict[str, Any]] = []  # the groups' samples, as rollouts
 
     def credit(self) -> int:
         return self.credit_now
 
     async def send(self, kind: str, data: dict[str, Any]) -> None:
-        assert kind == "rollout"
+        assert kind == "rollout_group"
+        assert ROLLOUT_GROUP.check(data) == []
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        self.sent.append(data)
+        self.groups.append(data)
+        self.sent.extend(rollouts_of(data))
 
 
 class PromptList:
@@ -246,6 +250,7 @@ async def generate(
     assert done["in_flight"] == 0, done  # every slot taken was given back
     return SimpleNamespace(
         rollouts=ctx.outputs["rollouts"].sent,
+        groups=ctx.outputs["rollouts"].groups,
         events=events,
         named=lambda name: [e for e in events if e["event"] == name],
         done=done,
@@ -332,14 +337,17 @@ async def test_a_target_below_the_group_size_runs_one_group_at_a_time(tmp_path, 
 
 @pytest.mark.timeout(60)
 async def test_samples_in_flight_never_exceed_the_downstream_room(tmp_path, engine):
-    # no credit downstream, an outbox of 4 and a slow consumer: the room is the outbox's free
-    # slots, so one group at a time, and only once the previous one has left the outbox
+    # no credit downstream, an outbox of 1 group and a slow consumer: the room is the outbox's
+    # free slot (G samples), so one group at a time, and only once the previous one has left
     count = 4
     proxy = Proxy(engine)
     async with proxy as url:
-        out = await generate(tmp_path, [url], count, credit=0, send_delay_s=0.02, outbox=4)
+        out = await generate(tmp_path, [url], count, credit=0, send_delay_s=0.02, outbox=1)
     assert_every_sample_once(out, count)
-    assert out.peak["all"] <= 4 and proxy.peak <= 4
+    assert out.peak["all"] <= G and proxy.peak <= G
+    # one message per group, each with its G samples in index order
+    assert len(out.groups) == count
+    assert all([x["sample_index"] for x in g["samples"]] == list(range(G)) for g in out.groups)
     closed = [e for e in out.named("inflight_decision") if e["reason"] == "credit_gate"]
     assert closed and closed[0]["value"] is False and closed[0]["size"] == G
 

@@ -17,7 +17,7 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
-def _config(tmp_path, model_dir, *, count, delay_s, inbox=8, new_tokens=12):
+def _config(tmp_path, model_dir, *, count, delay_s, inbox=8, new_tokens=12, outbox=2):
     path = tmp_path / "gen.yaml"
     path.write_text(
         f"""
@@ -30,7 +30,7 @@ stages:
     inputs: {{prompts: prompts.out}}
     launch: {{model: "{model_dir}", count: 1}}
     group_size: 2
-    outbox: 2
+    outbox: {outbox}
     sampling: {{temperature: 1.0, max_new_tokens: {new_tokens}, ignore_eos: true}}
     controller: {{start: 8, interval_s: 0.5}}
   sink:
@@ -86,7 +86,7 @@ def test_slow_downstream_lowers_requests_in_flight(tmp_path, model_dir):
     result = run_inflight(
         "run",
         # short samples, a slow sink: the sink, not the engine, is the bottleneck
-        str(_config(tmp_path, model_dir, count=12, delay_s=0.25, inbox=4, new_tokens=3)),
+        str(_config(tmp_path, model_dir, count=12, delay_s=0.25, inbox=4, new_tokens=3, outbox=1)),
         "--run-dir",
         str(run_dir),
         timeout=170,
@@ -100,6 +100,6 @@ def test_slow_downstream_lowers_requests_in_flight(tmp_path, model_dir):
         if e["event"] == "inflight_decision" and e["reason"] == "credit_gate" and not e["value"]
     ]
     assert closed, "the credit gate never closed under a slow consumer"
-    # once the sink's inbox is full, only the outbox's free slots are left for new samples
+    # once the sink's inbox is full, only the outbox's free slot (one group of 2) is left
     in_flight = [m["in_flight"] for m in _gen_metrics(run_dir)]
     assert in_flight and max(in_flight[len(in_flight) // 2 :]) <= 2

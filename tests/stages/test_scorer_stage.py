@@ -59,6 +59,36 @@ AFTER = [
     _item("raise", 1, "7", meta={"fail": "raise"}),
     _item("hang", 0, "7", meta={"fail": "hang"}),
     _item("hang", 1, "7", meta={"fail": "hang"}),
+    # whole groups in one message (what the generator sends)
+    {
+        "group": "g_full",
+        "meta": {"answer": "7"},
+        "size": 2,
+        "samples": [_item("g_full", 0, "7"), _item("g_full", 1, "3")],
+    },
+    # 2 of 3 (one was dropped by the generator): sent as it is, partial
+    {
+        "group": "g_part",
+        "meta": {"answer": "7"},
+        "size": 3,
+        "samples": [_item("g_part", 0, "7", size=3), _item("g_part", 2, "7", size=3)],
+    },
+    {
+        "group": "g_small",
+        "meta": {"answer": "7"},
+        "size": 3,
+        "samples": [_item("g_small", 1, "7", size=3)],
+    },  # dropped
+    # one good sample, two malformed ones: 1 < min_group, the group is dropped
+    {
+        "group": "g_bad",
+        "size": 2,
+        "samples": [
+            _item("g_bad", 0, "7"),
+            _item("g_bad", 1, "7", short_versions=True),
+            "not a sample",
+        ],
+    },
     _item("end_part", 0, "7", size=4),  # 2 of 4 at the end of input: sent
     _item("end_part", 3, "7", size=4),
     _item("end_small", 1, "7", size=4),  # 1 of 4 at the end of input: dropped
@@ -104,7 +134,7 @@ def test_groups_are_scored_and_failures_do_not_stop_the_run(tmp_path, tokenizer_
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr
     groups = {g["group_id"]: g for g in json.loads((run_dir / "groups.json").read_text())}
-    assert set(groups) == {"t_part", "ok", "text", "raise", "hang", "end_part"}
+    assert set(groups) == {"t_part", "ok", "text", "raise", "hang", "end_part", "g_full", "g_part"}
 
     def rewards_of(group_id):
         return [s["reward"] for s in groups[group_id]["samples"]]
@@ -128,28 +158,40 @@ def test_groups_are_scored_and_failures_do_not_stop_the_run(tmp_path, tokenizer_
         assert info[em] == 1.0 and info[f"{HERE}:misbehave"] is None and words in info["error"]
     assert indices("t_part") == [0, 2] and rewards_of("t_part") == [2.0, 0.0]
     assert indices("end_part") == [0, 3] and groups["end_part"]["group_size"] == 4
+    assert indices("g_full") == [0, 1] and rewards_of("g_full") == [2.0, 0.0]
+    assert groups["g_full"]["meta"] == {"answer": "7"}
+    assert groups["g_full"]["samples"][1]["completion_ids"] == [5, 1]  # "3" + <eos>
+    assert indices("g_part") == [0, 2] and groups["g_part"]["group_size"] == 3
 
     log = events(run_dir, "scorer.0")
     (done,) = [e for e in log if e["event"] == "scorer_done"]
-    assert done["groups_out"] == 6 and done["samples"] == 12
-    assert done["groups_partial"] == 2 and done["groups_dropped"] == 2
-    assert done["dropped"] == 5 + 2  # malformed rollouts + samples of dropped groups
+    assert done["groups_out"] == 8 and done["samples"] == 16 and done["groups_in"] == 4
+    assert done["groups_partial"] == 3 and done["groups_dropped"] == 4
+    # malformed rollouts (5, and 2 in g_bad) + samples of dropped groups (2, g_small, g_bad)
+    assert done["dropped"] == 5 + 2 + 2 + 1 + 1
     assert done["errors"] == 1 and done["timeouts"] == 1 and done["worker_restarts"] == 1
     assert done["groups_pending"] == 0
     failed = {e["group_id"]: e for e in log if e["event"] == "reward_failed"}
     assert set(failed) == {"raise", "hang"} and failed["hang"]["fn"] == f"{HERE}:misbehave"
     reasons = [e["reason"] for e in log if e["event"] == "rollout_dropped"]
-    assert len(reasons) == 5
-    for words in ("duplicate", "late", "outside 0..1", "differ in length", "group_size 3"):
+    assert len(reasons) == 7
+    for words in ("duplicate", "late", "outside 0..1", "group_size 3", "not a map"):
         assert sum(words in r for r in reasons) == 1, (words, reasons)
+    assert sum("differ in length" in r for r in reasons) == 2, reasons
     incomplete = {e["group_id"]: e["reason"] for e in log if e["event"] == "group_incomplete"}
-    assert incomplete == {"t_part": "timeout", "end_part": "end_of_input"}
+    upstream = "samples_dropped_upstream"
+    assert incomplete == {"t_part": "timeout", "end_part": "end_of_input", "g_part": upstream}
     dropped = {e["group_id"]: e["reason"] for e in log if e["event"] == "group_dropped"}
-    assert dropped == {"t_small": "timeout", "end_small": "end_of_input"}
+    assert dropped == {
+        "t_small": "timeout",
+        "end_small": "end_of_input",
+        "g_small": upstream,
+        "g_bad": upstream,
+    }
     metrics = [e for e in log if e["event"] == "metrics" and "reward_mean" in e]
     scored = [m for m in metrics if m["window_samples"]]
     assert scored and all(0 <= m["accuracy"] <= 1 for m in scored)
-    assert sum(m["window_samples"] for m in metrics) == 12
+    assert sum(m["window_samples"] for m in metrics) == 16
 
 
 def test_unknown_rewards_are_config_errors_reported_together(tokenizer_dir):

@@ -1,0 +1,238 @@
+"""The engine's forward passes for Llama-family models, without transformers' module machinery.
+
+On a small model most of the time of ``model(...)`` is Python: module calls, mask and cache
+bookkeeping, argument checks, output objects. For models built from the Llama decoder layer
+(RMSNorm, q/k/v/o projections with rotary embeddings and grouped KV heads, a SiLU-gated MLP:
+``llama``, ``qwen2``, ``qwen3``, ``mistral`` without a sliding window), ``LlamaForward`` runs the
+same arithmetic straight on the model's own tensors: each layer's q, k and v projections as one
+matmul, gate and up as one, attention as two batched matmuls. ``decode`` takes one token per row
+over the slot cache (``kv_batch.BatchKV``: keys and values go into its pending column, attention
+reads its views); ``prefill`` takes left-padded prompts and returns a ``DynamicCache`` of their
+keys and values, as ``model(...)`` would, for the slot cache to admit. The norms, the rotary
+embedding and the activation are the model's own modules, so their variants (rope scaling, norm
+details) stay exactly transformers'.
+
+The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
+into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
+updates) land in the fused tensor as they are copied. Any other model goes through
+``model(...)`` (``unsupported`` says why). ``tests/stages/test_engine_llama_forward.py`` holds
+both passes to transformers' own logits and caches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
+
+__all__ = ["LlamaForward"]
+
+_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
+class _Layer:
+    __slots__ = (
+        "act",
+        "attn_norm",
+        "down",
+        "gate_up",
+        "gate_up_bias",
+        "k_norm",
+        "mlp_norm",
+        "o",
+        "q_norm",
+        "qkv",
+        "qkv_bias",
+    )
+
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn_norm = layer.input_layernorm.forward
+        self.mlp_norm = layer.post_attention_layernorm.forward
+        self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
+        self.k_norm = attn.k_norm.forward if hasattr(attn, "k_norm") else None
+        self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.o, self.down = attn.o_proj, mlp.down_proj
+        self.act = mlp.act_fn
+
+
+class LlamaForward:
+    """``decode`` and ``prefill`` of a Llama-family model (check ``unsupported`` first)."""
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        attn = model.model.layers[0].self_attn
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
+        self.embed = model.model.embed_tokens
+        self.rotary = model.model.rotary_emb
+        self.final_norm = model.model.norm.forward
+        self.lm_head = model.lm_head
+        self.layers = [_Layer(layer) for layer in model.model.layers]
+
+    @staticmethod
+    def unsupported(model: Any) -> str | None:
+        """Why ``model`` cannot take this path (None: it can)."""
+        config = model.config
+        kind = getattr(config, "model_type", None)
+        if kind not in _FAMILIES:
+            return f"model_type {kind!r} is not one of {sorted(_FAMILIES)}"
+        if getattr(config, "hidden_act", "silu") != "silu":
+            return f"hidden_act {config.hidden_act!r} (only silu)"
+        if getattr(config, "use_sliding_window", False) or (
+            kind == "mistral" and getattr(config, "sliding_window", None)
+        ):
+            return "sliding-window attention"
+        if getattr(config, "pretraining_tp", 1) != 1:
+            return "pretraining_tp > 1"
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if not layers or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+            return "not the Llama module layout (model.layers, rotary_emb, lm_head)"
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not isinstance(getattr(layers[0].self_attn, name, None), torch.nn.Linear):
+                return f"self_attn.{name} is not a plain Linear"
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if not isinstance(getattr(layers[0].mlp, name, None), torch.nn.Linear):
+                return f"mlp.{name} is not a plain Linear"
+        return None
+
+    @classmethod
+    def build(cls, model: Any) -> tuple[LlamaForward | None, str | None]:
+        """(the fast path, None), or (None, why not) for a model it does not cover."""
+        why = cls.unsupported(model)
+        return (None, why) if why else (cls(model), None)
+
+    # ---- the two passes ---------------------------------------------------------------------
+
+    def decode(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: Any
+    ) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of one decode step: ``ids``/``positions`` ``[rows, 1]`` and
+        ``mask`` as ``BatchKV.decode_inputs`` gives them; ``kv``'s pending column is written."""
+        n = ids.shape[0]
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        h = F.embedding(ids[:, 0], self.embed.weight)
+        cos, sin = self.rotary(h, positions)  # [n, 1, hd]: broadcast over the heads
+        # True (or 0.0) where a row may attend -> True where it may not
+        blocked = (~mask if mask.dtype == torch.bool else mask < 0).view(n, 1, 1, -1)
+        for layer, cache in zip(self.layers, kv.layers, strict=True):
+            q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin)  # [n, heads, hd]
+            keys, values = cache.update(k.unsqueeze(2), v.unsqueeze(2))  # [n, nkv, L, hd]
+            scores = torch.matmul(q.view(n, nkv, nh // nkv, hd), keys.transpose(-1, -2))
+            out = self._attend(scores, blocked, values)  # [n, nkv, group, hd]
+            h = self._rest(layer, h, out.reshape(n, nh * hd))
+        return F.linear(self.final_norm(h), self.lm_head.weight, self.lm_head.bias)
+
+    def prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[DynamicCache, torch.Tensor]:
+        """(keys and values of every layer, last-position logits ``[rows, vocab]``) of
+        left-padded prompts ``ids`` ``[rows, width]`` with ``mask`` 1 on real tokens."""
+        rows, width = ids.shape
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        group = nh // nkv
+        h = F.embedding(ids, self.embed.weight)
+        cos, sin = self.rotary(h, positions)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [rows, width, 1, hd]
+        # causal over real keys; a padding position sees itself (no empty softmax row)
+        causal = torch.ones((width, width), dtype=torch.bool, device=ids.device).tril()
+        eye = torch.eye(width, dtype=torch.bool, device=ids.device)
+        allowed = causal & (mask.bool()[:, None, :] | eye)  # [rows, query, key]
+        blocked = ~allowed[:, None, None]  # [rows, 1, 1, query, key]
+        cache = DynamicCache()
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin)  # [rows, width, heads, hd]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [rows, nkv, width, hd]
+            cache.update(k, v, i)
+            q = q.view(rows, width, nkv, group, hd).permute(0, 2, 3, 1, 4)
+            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))
+            out = self._attend(scores, blocked, v.unsqueeze(2))  # [rows, nkv, group, width, hd]
+            out = out.permute(0, 3, 1, 2, 4).reshape(rows, width, nh * hd)
+            h = self._rest(layer, h, out)
+        last = self.final_norm(h[:, -1])
+        return cache, F.linear(last, self.lm_head.weight, self.lm_head.bias)
+
+    # ---- pieces -----------------------------------------------------------------------------
+
+    def _qkv(
+        self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v of normed ``x`` ``[..., hidden]``, as ``[..., heads, hd]``."""
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        y = F.linear(x, layer.qkv, layer.qkv_bias)
+        lead = y.shape[:-1]
+        q = y[..., : nh * hd].view(*lead, nh, hd)
+        k = y[..., nh * hd : (nh + nkv) * hd].view(*lead, nkv, hd)
+        v = y[..., (nh + nkv) * hd :].view(*lead, nkv, hd)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        half = hd // 2
+        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
+        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+        return q, k, v
+
+    def _attend(
+        self, scores: torch.Tensor, blocked: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        scores = scores.mul_(self.scaling).masked_fill_(blocked, float("-inf"))
+        probs = scores.float().softmax(-1).to(values.dtype)  # (no-op casts in float32)
+        return torch.matmul(probs, values)
+
+    @staticmethod
+    def _rest(layer: _Layer, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The output projection, the residuals and the MLP."""
+        h = h + F.linear(attended, layer.o.weight, layer.o.bias)
+        z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
+        mid = z.shape[-1] // 2
+        gated = layer.act(z[..., :mid]) * z[..., mid:]
+        return h + F.linear(gated, layer.down.weight, layer.down.bias)
+
+
+def _fuse(projections: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``projections`` stacked by output rows; each projection's own
+    parameter becomes a view of it, so a copy into the parameter updates the fused tensor.
+    Fusing again (a second ``LlamaForward`` of the same model) finds the same tensors."""
+    done = getattr(projections[0], "_inflight_fused", None)
+    if done is not None and _views_of(done[0], [p.weight for p in projections]):
+        return done
+    fused = _fuse_new(projections)
+    projections[0]._inflight_fused = fused  # type: ignore[assignment]
+    return fused
+
+
+def _views_of(fused: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    row, size = 0, fused.element_size() * fused.shape[-1]
+    for w in weights:
+        if w.data_ptr() != fused.data_ptr() + row * size:
+            return False
+        row += w.shape[0]
+    return row == fused.shape[0]
+
+
+def _fuse_new(projections: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weights = [p.weight for p in projections]
+    fused = torch.cat([w.detach() for w in weights])
+    row = 0
+    for w in weights:
+        w.data = fused[row : row + w.shape[0]]
+        row += w.shape[0]
+    biases = [p.bias for p in projections]
+    if all(b is None for b in biases):
+        return fused, None
+    filled = [
+        b.detach() if b is not None else w.new_zeros(w.shape[0])
+        for b, w in zip(biases, weights, strict=True)
+    ]
+    bias = torch.cat(filled)
+    row = 0
+    for p, b in zip(projections, filled, strict=True):
+        if p.bias is not None:
+            p.bias.data = bias[row : row + b.shape[0]]
+        row += b.shape[0]
+    return fused, bias

@@ -1,0 +1,170 @@
+"""The engine's own forward passes (``LlamaForward``) against transformers' on each model family
+they cover: prefill of left-padded prompts of different lengths (logits and the cache), and
+decode steps over the slot cache the scheduler uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers.cache_utils import DynamicCache
+
+from stages.engine.kv_batch import BatchKV
+from stages.engine.llama_forward import LlamaForward
+from stages.engine.model_weights import load_named_tensors
+from stages.engine.scheduler import Scheduler
+
+SIZES = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SIZES),
+    "llama-bias-tied": lambda: LlamaConfig(
+        **SIZES, attention_bias=True, mlp_bias=True, tie_word_embeddings=True
+    ),
+    "llama-rope-scaled": lambda: LlamaConfig(
+        **SIZES, rope_scaling={"rope_type": "linear", "factor": 2.0}
+    ),
+    "qwen2": lambda: Qwen2Config(**SIZES),
+    "qwen3": lambda: Qwen3Config(**SIZES, head_dim=16),  # q/k norms, head_dim != hidden/heads
+    "mistral": lambda: MistralConfig(**SIZES, sliding_window=None),
+}
+
+
+def _model(config, attn: str = "sdpa") -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)  # far from ties, and biases that matter
+    return model
+
+
+def _prompts(model, lengths: list[int]) -> tuple[torch.Tensor, ...]:
+    """Left-padded random prompts of ``lengths``: ids, mask, positions (as the scheduler)."""
+    gen = torch.Generator().manual_seed(1)
+    width = max(lengths)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, model.config.vocab_size, (n,), generator=gen)
+        mask[row, width - n :] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _reference_prefill(model, ids, mask, positions) -> tuple[torch.Tensor, DynamicCache]:
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=DynamicCache(),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1], out.past_key_values
+
+
+def _prefilled(model, attn: str, lengths: list[int]) -> tuple[BatchKV, torch.Tensor]:
+    """A slot cache holding left-padded prompts of ``lengths`` (the scheduler's layout)."""
+    ids, mask, positions = _prompts(model, lengths)
+    last, cache = _reference_prefill(model, ids, mask, positions)
+    kv = BatchKV(8, {"sdpa": "bool4d", "eager": "additive4d"}[attn], device=torch.device("cpu"))
+    kv.admit(cache, ids, torch.tensor(lengths), None)
+    first = last.argmax(-1)
+    kv.set_pending(0, len(lengths), first, torch.zeros(len(lengths)))
+    return kv, first
+
+
+def _reference(model, kv: BatchKV) -> torch.Tensor:
+    ids, positions, mask = kv.decode_inputs()
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=kv.cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@torch.inference_mode()
+def test_prefill_and_decode_match_transformers(family: str, attn: str) -> None:
+    model = _model(CONFIGS[family](), attn)
+    fast, why = LlamaForward.build(model)
+    assert fast is not None, why
+    lengths = [3, 9, 5, 1, 7]
+    kv, _ = _prefilled(model, attn, lengths)
+    ids, mask, positions = _prompts(model, lengths)
+    cache, logits = fast.prefill(ids, mask, positions)
+    expected_logits, expected_cache = _reference_prefill(model, ids, mask, positions)
+    torch.testing.assert_close(logits, expected_logits, atol=2e-5, rtol=1e-4)
+    for ours, theirs in zip(cache.layers, expected_cache.layers, strict=True):
+        real = mask.bool()[:, None, :, None]  # padding columns are never attended to
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            torch.testing.assert_close(a * real, b * real, atol=2e-5, rtol=1e-4)
+    for _ in range(6):
+        expected = _reference(model, kv)  # writes the pending column...
+        got = fast.decode(*kv.decode_inputs(), kv)  # ...and this writes it again, the same
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        kv.push(expected.argmax(-1), torch.zeros(kv.rows))
+
+
+@torch.inference_mode()
+def test_weights_loaded_by_name_reach_the_fused_projections() -> None:
+    model = _model(CONFIGS["qwen2"]())
+    fast, _ = LlamaForward.build(model)
+    kv, _ = _prefilled(model, "sdpa", [4, 6])
+    before = fast.decode(*kv.decode_inputs(), kv).clone()
+    torch.manual_seed(5)
+    names = [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.v_proj.bias",
+        "model.layers.1.mlp.up_proj.weight",
+    ]
+    params = model.state_dict()
+    load_named_tensors(model, [(n, torch.randn_like(params[n])) for n in names])
+    expected = _reference(model, kv)
+    got = fast.decode(*kv.decode_inputs(), kv)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(got, before, atol=1e-3)  # the update changed the answer
+
+
+def test_models_it_does_not_cover_say_why() -> None:
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2))
+    assert "model_type 'gpt2'" in LlamaForward.unsupported(gpt2)
+    sliding = Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=16)
+    sliding.layer_types = ["full_attention"] * 2  # (the scheduler checks layer types itself)
+    assert "sliding" in LlamaForward.unsupported(AutoModelForCausalLM.from_config(sliding))
+    gelu = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES, hidden_act="gelu"))
+    assert "hidden_act" in LlamaForward.unsupported(gelu)
+    # the scheduler takes the fast path where it can, and model(...) where it cannot
+    assert Scheduler(_model(CONFIGS["llama"]())).forward_path == "fast"
+    off = Scheduler(_model(CONFIGS["llama"]()), fast_forward=False)
+    assert (off.forward_path, off.forward_path_why) == ("transformers", "turned off")
+    assert Scheduler(gpt2).forward_path == "transformers"
+
+
+@torch.inference_mode()
+def test_a_second_forward_of_the_same_model_shares_the_fused_weights() -> None:
+    model = _model(CONFIGS["llama"]())
+    first, second = LlamaForward(model), LlamaForward(model)
+    assert first.layers[0].qkv is second.layers[0].qkv
+    q = model.model.layers[0].self_attn.q_proj.weight
+    load_named_tensors(model, [("model.layers.0.self_attn.q_proj.weight", torch.ones_like(q))])
+    assert bool((first.layers[0].qkv[: q.shape[0]] == 1).all())
