@@ -6,6 +6,10 @@ control bus, and runs the stage's ``setup``/``run``/``close`` on one asyncio loo
 installed). Around the stage it keeps a heartbeat, periodic ``metrics`` events with every
 channel's statistics, and the current policy version from ``version`` announcements.
 
+When ``run`` returns, the replica waits until downstream has acknowledged everything it sent
+(``Sender.wait_acked``: a consumer that dies meanwhile gets it again), then closes its outputs
+with end-of-stream.
+
 Exit codes: 0 when ``run`` returned or a shutdown was requested; 1 when the stage raised (the
 traceback is in the replica's log as ``stage_failed``); 2 when the spec itself is unusable.
 This module does not decide about restarts: the supervisor does.
@@ -62,11 +66,12 @@ class ActorContext:
         self.seed: int = spec["seed"]
         self.mode: str = spec.get("mode", "async")
         self.restarts: int = spec["restarts"]
+        self.session: str = spec.get("session", "")
         self.inputs: dict[str, Receiver] = {}
         self.outputs: dict[str, Sender] = {}
         self.log = log
         self._control = control
-        self._version = 0
+        self._version: int = spec.get("version", 0)  # the live version when it was started
         self._version_changed = asyncio.Condition()
         self._stop_publish: asyncio.Task | None = None
         self.stop_requested = asyncio.Event()  # set when the run is being shut down
@@ -115,15 +120,18 @@ class ActorContext:
 
     async def publish(self, topic: str, payload: Mapping[str, Any]) -> None:
         await self._control.publish(
-            topic, {"stage": self.stage, "replica": self.replica, **payload}
+            topic,
+            {"stage": self.stage, "replica": self.replica, "session": self.session, **payload},
         )
 
-    def request_stop(self, reason: str) -> None:
-        """Ask the supervisor to end the whole run (successfully) once this is delivered."""
-        self.log.info("stop_requested", reason=reason)
+    def request_stop(self, reason: str, *, failed: bool = False) -> None:
+        """Ask the supervisor to end the whole run once this is delivered: as ``succeeded``
+        (this stage did what the config asked) or, with ``failed``, as ``failed``."""
+        outcome = "failed" if failed else "succeeded"
+        self.log.info("stop_requested", reason=reason, outcome=outcome)
         # keep a reference so the task is not garbage-collected before it has run
         self._stop_publish = asyncio.get_running_loop().create_task(
-            self.publish(topics.STOP, {"reason": reason})
+            self.publish(topics.STOP, {"reason": reason, "outcome": outcome})
         )
 
 
@@ -154,6 +162,8 @@ class _Replica:
             control["sub"],
             self.zctx,
             topics=(topics.VERSION, topics.SHUTDOWN, topics.DONE, topics.ENGINES),
+            log=log.bind(component="control"),
+            key=bytes.fromhex(control["key"]) if control.get("key") else None,
         )
         self.ctx = ActorContext(spec, log, self.control)
         self.shutdown_reason: str | None = None
@@ -202,7 +212,7 @@ class _Replica:
 
     async def heartbeat(self) -> None:
         while True:
-            # `held`: messages waiting in this replica's inboxes, lost with it if it dies now
+            # `held`: messages waiting in this replica's inboxes (sent again if it dies now)
             held = sum(r.stats()["depth"] for r in self.ctx.inputs.values())
             payload = {"pid": os.getpid(), "session": self.spec["session"], "held": held}
             await self.ctx.publish(topics.HEARTBEAT, payload)
@@ -283,6 +293,9 @@ class _Replica:
             "replica_started", pid=os.getpid(), restarts=self.ctx.restarts, use=self.spec["use"]
         )
         await stage.run()
+        # done: but until downstream has processed what we sent, only we can send it again
+        for sender in self.ctx.outputs.values():
+            await sender.wait_acked()
 
     async def _close_channels(self) -> None:
         for channel in [*self.ctx.inputs.values(), *self.ctx.outputs.values()]:

@@ -90,7 +90,8 @@ class StageContext(Protocol):
 
     async def publish(self, topic: str, payload: Mapping[str, Any]) -> None: ...
 
-    def request_stop(self, reason: str) -> None: ...  # ask the supervisor to end the run
+    # ask the supervisor to end the run: succeeded, or with failed=True as failed
+    def request_stop(self, reason: str, *, failed: bool = False) -> None: ...
 
 
 @runtime_checkable

@@ -9,9 +9,18 @@ supervisor, which then shuts the run down in order).
 While the run goes on it watches exits and heartbeats: a replica that exits non-zero, dies from a
 signal, or stops sending heartbeats is failed; under ``restart: {policy: on-failure}`` it is
 started again after a capped exponential backoff, up to ``max_restarts`` times; otherwise the run
-fails. The run succeeds when every replica has exited 0, or when a stage asks for the run to end.
-SIGINT/SIGTERM: ``shutdown`` on the control bus plus SIGTERM to every replica's process group,
-then SIGKILL after ``run.shutdown_timeout_s``; a second Ctrl-C kills at once.
+fails. SIGINT/SIGTERM: ``shutdown`` on the control bus plus SIGTERM to every replica's process
+group, then SIGKILL after ``run.shutdown_timeout_s``; a second Ctrl-C kills at once.
+
+An honest end: a run is ``succeeded`` (exit 0) only when it did what its config asked: every
+replica finished, or a stage that owns the run's goal (the learner, after its steps) asked for
+the end. A user's Ctrl-C or SIGTERM is ``stopped`` (exit 130 or 143); any other end is ``failed``
+(exit 1), a stage's own ``stop`` with ``outcome: failed`` included.
+
+The control bus is signed with a key made for this run (``transport.control``): it is in the
+replicas' spec files, which only the user can read, and nowhere else. A ``stop`` must also come
+from a live replica (its stage, index and current session) with a reason: anything else is
+refused, counted in ``summary.json`` (``control_refused``) and logged.
 
 A stage whose class sets ``distributed = True`` (the learner) is a gang: its replicas are the
 ranks of one ``torch.distributed`` group, started with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
@@ -43,6 +52,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +167,8 @@ class Supervisor:
         self._gang_ports: dict[str, int] = {}  # distributed stage -> its rendezvous port
         self._gang_restarting: set[str] = set()
         self._started = time.monotonic()
+        self._key = secrets.token_bytes(32)  # signs the control bus (see the module docstring)
+        self.refused: Counter[str] = Counter()  # control messages refused, by reason
 
     # ----------------------------------------------------------------- wiring
     def _addresses(self) -> tuple[dict[tuple[str, int, str], str], dict[str, str]]:
@@ -177,7 +189,7 @@ class Supervisor:
             for r in range(section.replicas):
                 for port in section.inputs:
                     inboxes[(name, r, port)] = addr(f"{name}.{r}.{port}")
-        control = {"pub": addr("control.pub"), "sub": addr("control.sub")}
+        control = {"pub": addr("control.pub"), "sub": addr("control.sub"), "key": self._key.hex()}
         return inboxes, control
 
     def _write_specs(self, inboxes: dict, control: dict[str, str]) -> None:
@@ -237,7 +249,7 @@ class Supervisor:
                     "close_timeout_s": run.shutdown_timeout_s,
                 }
                 path = self.run_dir / "specs" / f"{name}.{r}.json"
-                path.write_text(json.dumps(spec, indent=1))
+                _write_private(path, json.dumps(spec, indent=1))
                 self.replicas[f"{name}.{r}"] = _Replica(
                     name, r, path, Path(spec["log_file"]), section.restart
                 )
@@ -249,7 +261,10 @@ class Supervisor:
         spec["session"] = rep.session
         spec["restarts"] = rep.restarts
         spec["finished_producers"] = [r.name for r in self.replicas.values() if r.done]
-        rep.spec_path.write_text(json.dumps(spec, indent=1))
+        # a restarted replica knows the live policy version from its first moment (a generator
+        # that learned it only from the bus would start samples on stale weights meanwhile)
+        spec["version"] = self.version
+        _write_private(rep.spec_path, json.dumps(spec, indent=1))
         user_env = self.config.stages[rep.stage].env
         base = {**os.environ, **user_env, "PYTHONUNBUFFERED": "1", **self._rank_env(rep)}
         placed = self.placement.replica(rep.stage, rep.index)
@@ -348,12 +363,12 @@ class Supervisor:
         why = rep.failure or (
             f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         )
-        # what it held in its inboxes (as of its last heartbeat) is lost with it
+        # what sat in its inboxes (as of its last heartbeat) its producers send again
         self.log.error(
             "replica_failed",
             replica_name=rep.name,
             reason=why,
-            messages_lost_about=rep.held,
+            inbox_to_redeliver_about=rep.held,
             output_tail=_tail(rep),
         )
         policy = rep.restart_policy
@@ -407,9 +422,39 @@ class Supervisor:
             self.summary.update(payload["values"])
             self._write_summary()
         elif topic == topics.STOP:
-            who = f"{payload.get('stage')}.{payload.get('replica')}"
-            self.log.info("stop_requested", by=who, reason=payload.get("reason"))
-            self._finish("succeeded", EXIT_OK, f"{who} asked to stop: {payload.get('reason')}")
+            self._on_stop(payload)
+
+    def _on_stop(self, payload: dict[str, Any]) -> None:
+        """A stage asks to end the run: taken only from a live replica, with a reason."""
+        who = f"{payload.get('stage')}.{payload.get('replica')}"
+        rep = self.replicas.get(who)
+        reason, outcome = payload.get("reason"), payload.get("outcome", "succeeded")
+        problem = None
+        if rep is None:
+            problem = f"no replica {who!r} in this run"
+        elif payload.get("session") != rep.session or rep.proc is None:
+            problem = f"not from the live session of {who}"
+        elif not isinstance(reason, str) or not reason:
+            problem = "no reason (a non-empty string)"
+        elif outcome not in ("succeeded", "failed"):
+            problem = f"outcome {outcome!r} is neither 'succeeded' nor 'failed'"
+        if problem is not None:
+            self._refuse("stop", problem, payload)
+            return
+        self.log.info("stop_requested", by=who, reason=reason, outcome=outcome)
+        code = EXIT_OK if outcome == "succeeded" else EXIT_FAILED
+        self._finish(outcome, code, f"{who} asked to stop: {reason}")
+
+    def _refuse(self, topic: str, problem: str, payload: dict[str, Any]) -> None:
+        """Count a control message that is not acted on; log its 1st, 2nd, 4th ... of a kind."""
+        kind = f"{topic}: {problem}"
+        self.refused[kind] += 1
+        n = self.refused[kind]
+        if n & (n - 1) == 0:
+            shown = {k: payload[k] for k in list(payload)[:8]}  # bounded: it may be anything
+            self.log.warning(
+                "control_refused", topic=topic, problem=problem, count=n, payload=repr(shown)[:300]
+            )
 
     async def _check_heartbeats(self) -> None:
         run = self.config.run
@@ -444,6 +489,16 @@ class Supervisor:
         tmp.write_text(json.dumps(values, indent=1, default=str))
         tmp.replace(self.run_dir / "summary.json")
 
+    def _refused_counts(self) -> dict[str, int]:
+        """Control messages not acted on: unsigned/malformed (the broker's) and by reason."""
+        counts = dict(self.refused)
+        stats = self.broker.stats() if hasattr(self, "broker") else {}
+        if stats.get("refused"):
+            counts["not signed with this run's key"] = stats["refused"]
+        if stats.get("malformed"):
+            counts["malformed"] = stats["malformed"]
+        return counts
+
     def _finish(self, status: str, code: int, reason: str) -> None:
         if self._outcome.done.is_set():
             return
@@ -456,7 +511,7 @@ class Supervisor:
         if self._interrupts == 1:
             self.log.warning("interrupted", signal=name, action="graceful shutdown")
             # 128 + signal number, as shells report it: 130 for SIGINT, 143 for SIGTERM
-            self._finish("interrupted", 128 + signum, f"received {name}")
+            self._finish("stopped", 128 + signum, f"stopped by the user ({name})")
         else:
             self.log.warning("interrupted_again", signal=name, action="killing every replica")
             for rep in self.replicas.values():
@@ -526,7 +581,14 @@ class Supervisor:
         try:
             inboxes, control = self._addresses()
             self._write_specs(inboxes, control)
-            self.broker = ControlBroker(control["pub"], control["sub"], zctx, self._on_control)
+            self.broker = ControlBroker(
+                control["pub"],
+                control["sub"],
+                zctx,
+                self._on_control,
+                log=self.log.bind(component="control"),
+                key=self._key,
+            )
             await self.broker.start()
             self.log.info(
                 "run_started",
@@ -557,8 +619,13 @@ class Supervisor:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             outcome = self._outcome
-            if self.summary:
-                self._write_summary(status=outcome.status, exit_code=outcome.exit_code)
+            refused = self._refused_counts()
+            if self.summary or refused:
+                self._write_summary(
+                    status=outcome.status,
+                    exit_code=outcome.exit_code,
+                    **({"control_refused": refused} if refused else {}),
+                )
             self.log.info(
                 "run_finished",
                 status=outcome.status,
@@ -576,6 +643,14 @@ class Supervisor:
                 console_stop.set()
                 await console
         return self._outcome.exit_code
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by this user only (spec files hold the bus key)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _place_here(loaded: LoadedPipeline) -> Plan:

@@ -1,10 +1,14 @@
 """Topics of the control bus (PUB/SUB through the supervisor's broker) and their payloads.
 
 - ``heartbeat`` {stage, replica, pid, session, held}: every ``run.heartbeat_s`` from each replica
-  (``held``: messages waiting in its inboxes, lost with it if it dies).
+  (``held``: messages waiting in its inboxes; if it dies their producers send them again).
 - ``version`` {version, stage, replica}: a new policy version is live (from the weight publisher);
   the supervisor re-sends the latest one every heartbeat so late joiners learn it.
-- ``stop`` {stage, replica, reason}: a replica asks the supervisor to end the run successfully.
+- ``stop`` {stage, replica, session, reason, outcome}: a replica asks the supervisor to end the
+  run, as ``succeeded`` or ``failed`` (``outcome``); refused unless it comes from a live replica.
+
+Every message carries the sender's ``stage``, ``replica`` and ``session`` and is signed with the
+run's key (see ``transport.control``).
 - ``shutdown`` {reason}: from the supervisor; every replica stops its stage and exits.
 - ``done`` {replicas: [stage.replica, ...]}: replicas that finished (exit 0, so every output was
   closed with end-of-stream); re-sent every heartbeat. A consumer restarted after its producer

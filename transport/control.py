@@ -6,6 +6,14 @@ connects; it forwards each message to the subscribers and hands it to ``on_messa
 replicas use a :class:`ControlClient`. A message is two frames: the topic (UTF-8) and a
 msgpack map. Malformed messages are counted and logged, never fatal.
 
+With a ``key`` (the supervisor makes one per run and hands it to its replicas in their private
+spec files), every message carries a third frame: HMAC-SHA256 of topic and payload under that
+key, cut to 16 bytes. The broker forwards only messages whose tag is right, and clients accept
+only those; anything else (another process that found the socket, a replica of another run) is
+refused and counted (``stats()["refused"]``), never acted on. The key never travels on the bus.
+Rejections are logged at their 1st, 2nd, 4th, 8th ... occurrence per kind, so a flood cannot
+flood the log.
+
 Topics are ZeroMQ prefixes: subscribing to ``"stop"`` also delivers ``"stop_all"``. Pick topics
 that are not prefixes of one another, or filter on the exact topic after ``recv()``.
 
@@ -32,6 +40,8 @@ per subscriber.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -50,20 +60,49 @@ __all__ = ["ControlBroker", "ControlClient", "OnMessage"]
 OnMessage = Callable[[str, dict[str, Any]], None]
 
 _HWM = 10_000
+_TAG_BYTES = 16
 
 
-def _pack(topic: str, payload: Mapping[str, Any]) -> list[bytes]:
+def _tag(key: bytes, topic: bytes, payload: bytes) -> bytes:
+    mac = hmac.new(key, len(topic).to_bytes(4, "big") + topic + payload, hashlib.sha256)
+    return mac.digest()[:_TAG_BYTES]
+
+
+def _pack(topic: str, payload: Mapping[str, Any], key: bytes | None = None) -> list[bytes]:
     if not isinstance(topic, str) or not topic:
         raise ValueError(f"control topic must be a non-empty string, got {topic!r}")
     if not isinstance(payload, Mapping):
         raise TypeError(f"control payload must be a map, got {type(payload).__name__}")
-    return [topic.encode(), msgpack.packb(dict(payload), use_bin_type=True)]
+    frames = [topic.encode(), msgpack.packb(dict(payload), use_bin_type=True)]
+    if key is not None:
+        frames.append(_tag(key, *frames))
+    return frames
 
 
-def _unpack(frames: list[bytes]) -> tuple[str, dict[str, Any]] | str:
-    """(topic, payload), or a description of what is wrong with ``frames``."""
-    if len(frames) != 2:
-        return f"{len(frames)} frames, expected 2 (topic, payload)"
+class _Rejected:
+    """Why a message was not taken: ``kind`` is ``malformed`` or ``refused`` (bad tag)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        self.kind, self.detail = kind, detail
+
+
+def _unpack(
+    frames: list[bytes], key: bytes | None = None
+) -> tuple[str, dict[str, Any]] | _Rejected:
+    """(topic, payload), or what is wrong with ``frames``."""
+    if key is not None:
+        if len(frames) != 3:
+            return _Rejected("refused", f"{len(frames)} frames, expected 3 (topic, payload, tag)")
+        if not hmac.compare_digest(frames[2], _tag(key, frames[0], frames[1])):
+            return _Rejected("refused", "wrong tag (not signed with this run's key)")
+        frames = frames[:2]
+    elif len(frames) != 2:
+        return _Rejected("malformed", f"{len(frames)} frames, expected 2 (topic, payload)")
+    problem = _decode(frames)
+    return _Rejected("malformed", problem) if isinstance(problem, str) else problem
+
+
+def _decode(frames: list[bytes]) -> tuple[str, dict[str, Any]] | str:
     try:
         topic = frames[0].decode()
     except UnicodeDecodeError:
@@ -75,6 +114,14 @@ def _unpack(frames: list[bytes]) -> tuple[str, dict[str, Any]] | str:
     if not isinstance(payload, dict):
         return f"topic {topic!r}: payload is a {type(payload).__name__}, not a map"
     return topic, payload
+
+
+def _note_rejected(counts: Counter[str], log: Any, rejected: _Rejected) -> None:
+    """Count a rejected message; log it at the 1st, 2nd, 4th ... of its kind."""
+    counts[rejected.kind] += 1
+    n = counts[rejected.kind]
+    if n & (n - 1) == 0:
+        log.warning("control_message_rejected", kind=rejected.kind, detail=rejected.detail, count=n)
 
 
 def _socket(ctx: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket:
@@ -102,10 +149,12 @@ class ControlBroker:
         on_message: OnMessage | None = None,
         *,
         log: Any = None,
+        key: bytes | None = None,
     ) -> None:
         self.pub_address = check_address(pub_address)
         self.sub_address = check_address(sub_address)
         self._ctx = ctx
+        self._key = key
         self._on_message = on_message
         self._log = log if log is not None else structlog.get_logger()
         self._xsub: zmq.asyncio.Socket | None = None
@@ -144,7 +193,7 @@ class ControlBroker:
             raise ChannelClosed("control broker is closed")
         if self._xpub is None:
             raise TransportError("control broker: call start() first")
-        await self._xpub.send_multipart(_pack(topic, payload))
+        await self._xpub.send_multipart(_pack(topic, payload, self._key))
         self._counts["published"] += 1
 
     async def aclose(self) -> None:
@@ -162,10 +211,9 @@ class ControlBroker:
                     sock.close(linger=0)
 
     def stats(self) -> dict[str, int]:
-        """Messages forwarded, published, malformed, and callback errors."""
-        return {
-            k: self._counts[k] for k in ("forwarded", "published", "malformed", "callback_errors")
-        }
+        """Messages forwarded, published, malformed, refused (bad tag), and callback errors."""
+        keys = ("forwarded", "published", "malformed", "refused", "callback_errors")
+        return {k: self._counts[k] for k in keys}
 
     def _task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and not self._closed:
@@ -176,10 +224,9 @@ class ControlBroker:
     async def _forward_loop(self, xsub: zmq.asyncio.Socket, xpub: zmq.asyncio.Socket) -> None:
         while True:
             frames = await xsub.recv_multipart()
-            parsed = _unpack(frames)
-            if isinstance(parsed, str):
-                self._counts["malformed"] += 1
-                self._log.warning("control_message_rejected", detail=parsed)
+            parsed = _unpack(frames, self._key)
+            if isinstance(parsed, _Rejected):
+                _note_rejected(self._counts, self._log, parsed)
                 continue
             await xpub.send_multipart(frames)
             self._counts["forwarded"] += 1
@@ -214,12 +261,14 @@ class ControlClient:
         topics: Sequence[str] = (),
         *,
         log: Any = None,
+        key: bytes | None = None,
     ) -> None:
         if isinstance(topics, str):
             raise TypeError("topics must be a sequence of strings, not one string")
         self.pub_address = check_address(pub_address)
         self.sub_address = check_address(sub_address)
         self._ctx = ctx
+        self._key = key
         self._topics = list(topics)
         self._log = log if log is not None else structlog.get_logger()
         self._pub: zmq.asyncio.Socket | None = None
@@ -268,7 +317,7 @@ class ControlClient:
             raise ChannelClosed("control client is closed")
         if self._pub is None:
             raise TransportError("control client: call start() first")
-        await self._pub.send_multipart(_pack(topic, payload))
+        await self._pub.send_multipart(_pack(topic, payload, self._key))
         self._counts["published"] += 1
 
     async def recv(self) -> tuple[str, dict[str, Any]]:
@@ -286,10 +335,9 @@ class ControlClient:
                 raise
             if receiving.cancelled():  # the socket was closed under us
                 raise ChannelClosed("control client was closed while receiving")
-            parsed = _unpack(receiving.result())
-            if isinstance(parsed, str):
-                self._counts["malformed"] += 1
-                self._log.warning("control_message_rejected", detail=parsed)
+            parsed = _unpack(receiving.result(), self._key)
+            if isinstance(parsed, _Rejected):
+                _note_rejected(self._counts, self._log, parsed)
                 continue
             self._counts["received"] += 1
             return parsed
@@ -304,5 +352,5 @@ class ControlClient:
                 sock.close(linger=0)
 
     def stats(self) -> dict[str, int]:
-        """Messages published, received and malformed."""
-        return {k: self._counts[k] for k in ("published", "received", "malformed")}
+        """Messages published, received, malformed and refused (bad tag)."""
+        return {k: self._counts[k] for k in ("published", "received", "malformed", "refused")}

@@ -25,7 +25,21 @@ tag        way       map
                      slots; ``granted`` the total granted in this stream; ``consumed`` DATA
                      received in it; ``eos`` true when acknowledging an EOS.
 ``X``      c -> p    CLOSE ``{session}``: the consumer is going away.
+``A``      c -> p    ACK ``{session, acked: [seq, ...]}``: these DATA were processed.
 =========  ========  ==========================================================================
+
+Delivery (at least once). Every DATA carries ``seq``, numbered per producer session. The
+producer keeps each message until the consumer acknowledges it, and when a consumer comes back
+with a new session (it restarted: whatever it held, in its inbox or being processed, is gone)
+sends the ones it had sent there again, to whichever consumer has credit. A message is
+acknowledged when the application has processed it: by default when ``recv()`` hands it out
+(``ack="on_take"``: what sat in the inbox survives the consumer), or when the application calls
+``Receiver.ack(msg)`` (``ack="manual"``: a stage that holds messages while it works on them,
+acking only once the result has gone on). ACKs are coalesced, one per producer per event-loop
+turn. The consumer drops a DATA whose (producer session, seq) it has already taken (counted,
+and acknowledged again), remembering the last ``dedup_window`` of them. The producer holds at
+most ``max_unacked`` messages and ``max_unacked_bytes``; beyond either it lets go of the oldest,
+counted (``unacked_dropped``) and logged: never held forever, never dropped silently.
 
 A credit stream is one (consumer ``session``, ``epoch``) pair; the consumer opens a new epoch
 each time it (re)admits a producer. The producer's credit on a stream is ``granted - sent``, so
@@ -53,9 +67,10 @@ with the most credit (ties round-robin). A consumer is live while it has answere
 each to acknowledge it, except those that said CLOSE; the acknowledgement also proves every
 DATA before it arrived, so the sockets can then close with linger 0.
 
-Not here: delivery guarantees across crashes (a message in flight to a consumer that dies is
-lost; a consumer that restarts receives what was queued for it), encryption or authentication
-(bind to loopback or ipc), and the wiring of ports to addresses (``pipeline.actor``).
+Not here: delivery across a *producer's* crash (what it held unacknowledged is gone with it;
+its own upstream redelivers the inputs when it acknowledges only after its outputs were, see
+``ack="manual"``), encryption or authentication (bind to loopback or ipc), and the wiring of
+ports to addresses (``pipeline.actor``).
 """
 
 from __future__ import annotations
@@ -68,7 +83,7 @@ import msgpack
 
 from transport.message import Schema
 
-HELLO, DATA, EOS, CREDIT, CLOSE = b"H", b"D", b"E", b"C", b"X"
+HELLO, DATA, EOS, CREDIT, CLOSE, ACK = b"H", b"D", b"E", b"C", b"X", b"A"
 
 # The ROUTER gets this long to flush CLOSE frames when it closes; everything else lingers 0.
 CLOSE_LINGER_MS = 100

@@ -93,10 +93,12 @@ class Schema:
 class Message:
     """One message: ``kind`` and schema ``version`` tag the ``data`` map.
 
-    ``sender`` is filled in by the receiving channel (``stage.replica`` of the producer).
+    ``sender`` is filled in by the receiving channel (``stage.replica`` of the producer);
+    ``ack_id`` too (which delivery to acknowledge: ``Receiver.ack``).
     """
 
     kind: str
     data: dict[str, Any]
     version: int = 1
     sender: str = ""
+    ack_id: tuple[bytes, int] | None = field(default=None, compare=False, repr=False)

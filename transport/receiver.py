@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ import zmq.asyncio
 from transport.address import check_address
 from transport.codec import decode
 from transport.credit import (
+    ACK,
     CLOSE,
     CLOSE_LINGER_MS,
     CREDIT,
@@ -74,6 +75,11 @@ class Receiver:
     counted); ``capacity`` bounds the inbox in messages; ``peer_timeout_s`` is how long a
     silent producer keeps its credit. ``log`` is a structlog-style logger.
 
+    ``ack``: when a message counts as processed, so that its producer lets go of it (see
+    ``transport.credit``, "Delivery"): ``"on_take"`` (default) when ``recv()`` returns it,
+    ``"manual"`` when the application calls ``ack(msg)``. ``dedup_window``: how many delivered
+    (producer session, seq) pairs are remembered to drop duplicates.
+
     Decoded arrays share the received frames' memory: see ``transport.codec``.
     """
 
@@ -88,9 +94,13 @@ class Receiver:
         ctx: zmq.asyncio.Context,
         log: Any = None,
         peer_timeout_s: float = 10.0,
+        ack: str = "on_take",
+        dedup_window: int = 65536,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"receiver {name!r}: capacity must be >= 1, got {capacity}")
+        if ack not in ("on_take", "manual"):
+            raise ValueError(f"receiver {name!r}: ack must be 'on_take' or 'manual', got {ack!r}")
         if peer_timeout_s <= 0:
             raise ValueError(f"receiver {name!r}: peer_timeout_s must be > 0")
         self.name = name
@@ -123,6 +133,15 @@ class Receiver:
         self._rejected: Counter[str] = Counter()
         self._blocked_s = 0.0
         self._blocked_since: float | None = None
+
+        self._manual_ack = ack == "manual"
+        self._dedup_window = dedup_window
+        self._seen: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # delivered DATA
+        self._acks: dict[bytes, list[int]] = {}  # producer rid -> seqs to acknowledge
+        self._ack_scheduled = False
+        self._acked = 0
+        self._duplicates = 0
+        self._taken_unacked = 0  # manual mode: handed out, not yet acknowledged
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -209,6 +228,10 @@ class Receiver:
             if self._inbox:
                 msg = self._inbox.popleft()
                 self._schedule_grant()  # a slot is free again
+                if self._manual_ack:
+                    self._taken_unacked += msg.ack_id is not None
+                else:
+                    self._queue_ack(msg)
                 return msg
             if self._ended():
                 raise EndOfStream(f"receiver {self.name!r}: every producer has finished")
@@ -219,6 +242,41 @@ class Receiver:
             finally:
                 self._blocked_s += time.monotonic() - self._blocked_since
                 self._blocked_since = None
+
+    def ack(self, msg: Message) -> None:
+        """``ack="manual"``: ``msg`` (from ``recv()``) is processed; its producer may forget it.
+
+        Acknowledging twice, or a message without delivery tracking, does nothing.
+        """
+        if not self._manual_ack:
+            raise TransportError(f"receiver {self.name!r} acknowledges on take (ack='on_take')")
+        if msg.ack_id is not None:
+            self._taken_unacked -= 1
+            self._queue_ack(msg)
+
+    def _queue_ack(self, msg: Message) -> None:
+        if msg.ack_id is None:
+            return
+        rid, seq = msg.ack_id
+        msg.ack_id = None  # once
+        self._acks.setdefault(rid, []).append(seq)
+        self._schedule_acks()
+
+    def _schedule_acks(self) -> None:
+        # Coalesce, as grants are: one ACK per producer per event-loop turn.
+        if not self._ack_scheduled and not self._closed:
+            self._ack_scheduled = True
+            asyncio.get_running_loop().call_soon(self._send_acks)
+
+    def _send_acks(self) -> None:
+        self._ack_scheduled = False
+        if self._closed or self._sock is None:
+            return
+        acks, self._acks = self._acks, {}
+        for rid, seqs in acks.items():
+            self._acked += len(seqs)
+            body = msgpack.packb({"session": self._session, "acked": seqs})
+            self._sock.send_multipart([rid, ACK, body]).add_done_callback(self._on_sent)
 
     def producer_finished(self, identity: str) -> None:
         """Count ``identity`` as finished, as if its EOS had arrived.
@@ -265,6 +323,9 @@ class Receiver:
             "bytes": self._bytes,
             "rejected": dict(self._rejected),
             "uncredited": self._uncredited,
+            "acked": self._acked,
+            "duplicates": self._duplicates,
+            "unacked": self._taken_unacked,
         }
 
     # -- internals ---------------------------------------------------------------------------
@@ -342,7 +403,7 @@ class Receiver:
         if producer is not None:
             producer.last_seen = time.monotonic()
         if tag == DATA:
-            self._on_data(producer, sender, header, frames[3:])
+            self._on_data(rid, producer, sender, header, frames[3:])
         elif tag == HELLO:
             self._on_hello(rid, producer, header, sender)
         elif tag == EOS:
@@ -359,6 +420,7 @@ class Receiver:
 
     def _on_data(
         self,
+        rid: bytes,
         producer: _Producer | None,
         sender: str,
         header: Mapping[str, Any],
@@ -367,14 +429,36 @@ class Receiver:
         credited = self._credited(producer, header) and producer.outstanding > 0
         if credited:
             producer.received += 1
+        seq = header.get("seq")
+        ack_id = None
+        if is_int(seq):
+            ack_id = (rid, seq)
+            if ack_id in self._seen:  # sent again, but we took it already: once is enough
+                self._duplicates += 1
+                if self._duplicates & (self._duplicates - 1) == 0:
+                    self._log.info(
+                        "duplicate_dropped", port=self.name, sender=sender, count=self._duplicates
+                    )
+                self._acks.setdefault(rid, []).append(seq)  # our ack may have been lost
+                self._schedule_acks()
+                self._schedule_grant()
+                return
         try:
             msg = decode(frames, self._schemas)
         except DecodeError as e:
             self._reject(e.reason, e.detail, sender)
             self._schedule_grant()  # its slot was never taken: grant it again
+            if ack_id is not None:  # it can never be processed: do not have it sent again
+                self._acks.setdefault(rid, []).append(seq)
+                self._schedule_acks()
             return
         if not credited:
             self._uncredited += 1
+        if ack_id is not None:
+            self._seen[ack_id] = None
+            if len(self._seen) > self._dedup_window:
+                self._seen.popitem(last=False)
+            msg.ack_id = ack_id
         msg.sender = sender
         self._inbox.append(msg)
         self._received += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ import zmq.asyncio
 from transport.address import check_address
 from transport.codec import encode
 from transport.credit import (
+    ACK,
     CLOSE,
     CREDIT,
     DATA,
@@ -55,6 +56,7 @@ class _Peer:
     eos_acked: bool = False
     closed: bool = False  # it said CLOSE (going away) and has not granted credit since
     consumed: int = 0  # DATA the consumer has received on this stream (its last report)
+    last_session: str | None = None  # the consumer session last heard (kept through CLOSE)
 
     @property
     def credit(self) -> int:
@@ -62,6 +64,16 @@ class _Peer:
 
     def live(self, now: float, timeout: float) -> bool:
         return self.session is not None and now - self.last_heard <= timeout
+
+
+@dataclass(eq=False, slots=True)
+class _Held:
+    """A message sent and not yet acknowledged: kept to be sent again if its consumer dies."""
+
+    frames: list[Any]
+    nbytes: int
+    peer: _Peer | None  # where it went last (None: waiting to be sent again)
+    session: str | None  # that consumer's session then
 
 
 class Sender:
@@ -79,7 +91,9 @@ class Sender:
     not answered for ``peer_timeout_s`` gets nothing until it does.
 
     Zero-copy: arrays are sent from their own memory, after ``send`` returns. Do not modify an
-    array in place after sending it.
+    array in place after sending it: it is also what is sent again if its consumer restarts
+    before acknowledging it (``transport.credit``, "Delivery"). ``max_unacked`` and
+    ``max_unacked_bytes`` bound what is kept for that.
     """
 
     def __init__(
@@ -93,6 +107,8 @@ class Sender:
         log: Any = None,
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 10.0,
+        max_unacked: int = 100_000,
+        max_unacked_bytes: int = 2 * 2**30,
     ) -> None:
         if not identity:
             raise ValueError(f"sender {name!r}: identity must be non-empty")
@@ -133,6 +149,17 @@ class Sender:
         self._blocked_since: float | None = None
         self._rejected: Counter[str] = Counter()
 
+        self._max_unacked, self._max_unacked_bytes = max_unacked, max_unacked_bytes
+        self._seq = 0
+        self._unacked: OrderedDict[int, _Held] = OrderedDict()  # oldest first
+        self._unacked_bytes = 0
+        self._resend: deque[int] = deque()  # seqs to send again, in order
+        self._resend_ready = asyncio.Event()
+        self._acks_arrived = asyncio.Event()
+        self._acked = 0
+        self._redelivered = 0
+        self._unacked_dropped = 0
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -161,6 +188,9 @@ class Sender:
                 self._heartbeat_loop(), name=f"sender-heartbeat:{self.name}"
             )
             self._tasks.append(self._heartbeat)
+            self._tasks.append(
+                asyncio.create_task(self._redeliver_loop(), name=f"sender-redeliver:{self.name}")
+            )
         for task in self._tasks:
             task.add_done_callback(self._task_done)
         self._log.debug("sender_started", port=self.name, peers=self.peers, session=self._session)
@@ -186,6 +216,13 @@ class Sender:
             finally:
                 for peer in self._peers:
                     peer.sock.close(linger=0)
+        if self._unacked:
+            self._log.info(
+                "sender_closed_unacked",
+                port=self.name,
+                unacked=len(self._unacked),
+                detail="sent, not acknowledged as processed when this sender closed",
+            )
         self._log.debug("sender_closed", port=self.name, sent=self._sent, dropped=self._dropped)
 
     async def __aenter__(self) -> Sender:
@@ -249,14 +286,116 @@ class Sender:
         peer = self._pick()
         if peer is None:
             peer = await self._wait_for_credit()
-        header = msgpack.packb({"to": peer.session, "epoch": peer.epoch})
-        peer.sent += 1  # spend the credit before yielding: concurrent senders must not reuse it
+        self._seq += 1
+        nbytes = sum(len(f) for f in frames)
+        self._hold(self._seq, _Held(frames, nbytes, peer, peer.session))
         self._sent += 1
-        self._bytes += sum(len(f) for f in frames)
+        self._bytes += nbytes
+        await self._send_data(peer, self._seq, frames)
+
+    async def _send_data(self, peer: _Peer, seq: int, frames: list[Any]) -> None:
+        header = msgpack.packb({"to": peer.session, "epoch": peer.epoch, "seq": seq})
+        peer.sent += 1  # spend the credit before yielding: concurrent senders must not reuse it
         sending = await settled(peer.sock.send_multipart([DATA, header, *frames], copy=False))
         if sending.cancelled() or (self._closed and sending.exception() is not None):
             raise ChannelClosed(f"sender {self.name!r} was closed while sending")
         sending.result()  # raises what the send raised
+
+    def _hold(self, seq: int, held: _Held) -> None:
+        """Keep a sent message until it is acknowledged, within the bounds."""
+        self._unacked[seq] = held
+        self._unacked_bytes += held.nbytes
+        while len(self._unacked) > 1 and (
+            len(self._unacked) > self._max_unacked or self._unacked_bytes > self._max_unacked_bytes
+        ):
+            _, oldest = self._unacked.popitem(last=False)
+            self._unacked_bytes -= oldest.nbytes
+            self._unacked_dropped += 1
+            n = self._unacked_dropped
+            if n & (n - 1) == 0:
+                self._log.warning(
+                    "unacked_dropped",
+                    port=self.name,
+                    count=n,
+                    max_unacked=self._max_unacked,
+                    max_unacked_bytes=self._max_unacked_bytes,
+                    detail="oldest message sent and never acknowledged: no longer kept for "
+                    "redelivery",
+                )
+
+    def _on_ack(self, peer: _Peer, header: Mapping[str, Any]) -> None:
+        acked = header.get("acked")
+        if not isinstance(acked, list):
+            self._reject(peer, f"ACK with bad fields {header!r}")
+            return
+        for seq in acked:
+            held = self._unacked.pop(seq, None) if is_int(seq) else None
+            if held is not None:
+                self._unacked_bytes -= held.nbytes
+                self._acked += 1
+        self._acks_arrived.set()
+
+    async def wait_acked(self, log_every_s: float = 30.0) -> None:
+        """Wait until every message sent has been acknowledged (or let go by the bounds).
+
+        A producer that has finished calls this before it closes: until its consumers have
+        processed everything, it is the one that can send it again if one of them dies.
+        """
+        waited = time.monotonic()
+        while self._unacked:
+            self._acks_arrived.clear()
+            # asyncio.wait, not wait_for: on 3.11 wait_for can swallow a racing cancellation
+            arrived = asyncio.ensure_future(self._acks_arrived.wait())
+            try:
+                done, _ = await asyncio.wait({arrived}, timeout=log_every_s)
+            finally:
+                arrived.cancel()
+            if not done:
+                self._log.info(
+                    "waiting_for_acks",
+                    port=self.name,
+                    unacked=len(self._unacked),
+                    waited_s=round(time.monotonic() - waited, 1),
+                )
+
+    def _redeliver_to_others(self, peer: _Peer, old_session: str) -> None:
+        """``peer`` came back as a new session: what it held unacknowledged is gone with it."""
+        again = [
+            seq
+            for seq, held in self._unacked.items()
+            if held.peer is peer and held.session == old_session
+        ]
+        if not again:
+            return
+        for seq in again:
+            self._unacked[seq].peer = None
+        self._resend.extend(again)
+        self._redelivered += len(again)
+        self._log.warning(
+            "redelivering",
+            port=self.name,
+            peer=peer.address,
+            count=len(again),
+            detail="consumer restarted before acknowledging these; sending them again",
+        )
+        self._resend_ready.set()
+
+    async def _redeliver_loop(self) -> None:
+        while True:
+            await self._resend_ready.wait()
+            while self._resend:
+                held = self._unacked.get(self._resend[0])
+                if held is None or held.peer is not None:  # acked or dropped meanwhile
+                    self._resend.popleft()
+                    continue
+                peer = self._pick() or await self._wait_for_credit()
+                seq = self._resend.popleft()
+                held = self._unacked.get(seq)
+                if held is None:
+                    continue
+                held.peer, held.session = peer, peer.session
+                await self._send_data(peer, seq, held.frames)
+            self._resend_ready.clear()
 
     async def _wait_for_credit(self) -> _Peer:
         self._waiting += 1
@@ -310,6 +449,11 @@ class Sender:
             "credit": {p.address: p.credit for p in self._peers},
             "peers_live": sum(p.live(now, self._peer_timeout_s) for p in self._peers),
             "rejected": dict(self._rejected),
+            "unacked": len(self._unacked),
+            "unacked_bytes": self._unacked_bytes,
+            "acked": self._acked,
+            "redelivered": self._redelivered,
+            "unacked_dropped": self._unacked_dropped,
         }
 
     # -- internals ---------------------------------------------------------------------------
@@ -374,6 +518,8 @@ class Sender:
             return
         if tag == CREDIT:
             self._on_credit(peer, header)
+        elif tag == ACK:
+            self._on_ack(peer, header)
         elif tag == CLOSE:
             if header.get("session") == peer.session or peer.session is None:
                 self._log.info("consumer_closed", port=self.name, peer=peer.address)
@@ -403,7 +549,11 @@ class Sender:
                     "credit_reset", port=self.name, peer=peer.address, unused=peer.credit
                 )
             # A new stream (consumer restarted, or it reclaimed our credit): start over.
+            old = peer.last_session
             peer.session, peer.epoch, peer.sent, peer.granted = session, epoch, 0, granted
+            peer.last_session = session
+            if old is not None and old != session:
+                self._redeliver_to_others(peer, old)
         else:
             peer.granted = max(peer.granted, granted)
         peer.consumed = consumed

@@ -138,6 +138,10 @@ class EngineLauncher:
     def urls(self) -> list[str]:
         return [f"http://{self.config.host}:{e.port}" for e in self.engines]
 
+    def restarts_by_url(self) -> dict[str, int]:
+        """Restarts so far of the engine at each URL."""
+        return {url: e.restarts for url, e in zip(self.urls, self.engines, strict=True)}
+
     def _command(self, engine: _Engine) -> list[str]:
         cfg = self.config
         if cfg.kind == "builtin":

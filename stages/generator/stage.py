@@ -171,7 +171,10 @@ class Generator:
         self.launcher: EngineLauncher | None = None
         self.session: aiohttp.ClientSession | None = None
         self.in_flight: dict[str, int] = {}  # samples, per engine
-        self.engine_version = 0
+        # per engine: the policy version it serves (from completions, or asked); a restarted
+        # engine serves its initial weights again until the publisher has caught it up
+        self.versions: dict[str, int] = {}
+        self._engine_restarts: dict[str, int] = {}
         self._versions_asked = 0.0  # monotonic time of the last /get_model_info round
         self.params = config.sampling.as_params()
         self.counts = {
@@ -208,6 +211,7 @@ class Generator:
             for url in urls
         }
         self.in_flight = dict.fromkeys(urls, 0)
+        self.versions = dict.fromkeys(urls, 0)
         self.down: dict[str, asyncio.Task] = {}  # engines out of use -> their health probe
         self.failures = dict.fromkeys(urls, 0)  # failures since the engine last served a request
         self.controller = InFlightController(urls, self.config.controller)
@@ -223,6 +227,18 @@ class Generator:
     async def _announce_engines(self) -> None:
         """Tell the weight publisher which engines to update (again when one was restarted)."""
         epoch = self.launcher.restarts if self.launcher is not None else 0
+        if epoch != self._epoch and self.launcher is not None:
+            for url, restarts in self.launcher.restarts_by_url().items():
+                if restarts != self._engine_restarts.get(url, 0) and url in self.versions:
+                    self.log.info(
+                        "engine_version_reset",
+                        url=url,
+                        was=self.versions[url],
+                        now=0,
+                        reason="engine restarted: it serves its initial weights",
+                    )
+                    self.versions[url] = 0
+                self._engine_restarts[url] = restarts
         if epoch != self._epoch:
             self._epoch = epoch
             await self.ctx.publish(topics.ENGINES, {"urls": list(self.clients), "epoch": epoch})
@@ -250,7 +266,13 @@ class Generator:
             if await self.clients[engine].healthy(timeout_s=max(period, 1.0)):
                 break
         del self.down[engine]
-        self.log.info("engine_up", url=engine)
+        # it may have been restarted meanwhile (by us or by whoever runs it): ask what it serves
+        try:
+            version: int | None = await self.clients[engine].weight_version()
+        except EngineError:
+            version = None  # it will be asked again while it lags behind
+        self.log.info("engine_up", url=engine, weight_version=version, was=self.versions[engine])
+        self.versions[engine] = version if version is not None else 0
         self._changed.set()
 
     def _groups_unsupported(self, engine: str, error: EngineError) -> None:
@@ -266,23 +288,35 @@ class Generator:
         )
 
     # ---------------------------------------------------------------- decisions
-    async def _ask_engine_versions(self) -> None:
-        """Learn the engines' policy version by asking them (at most twice a second).
+    @property
+    def engine_version(self) -> int:
+        """The newest policy version an engine in use serves."""
+        live = [v for url, v in self.versions.items() if url not in self.down]
+        return max(live, default=0)
 
-        Completions carry it, but the lag gate closes exactly when none are coming: a learner
+    def _lagging(self, engine: str) -> bool:
+        return self.ctx.version - self.versions[engine] > self.config.max_lag
+
+    async def _ask_engine_versions(self) -> None:
+        """Learn the engines' policy versions by asking them (at most twice a second).
+
+        Completions carry them, but the lag gate closes exactly when none are coming: a learner
         that published several versions while everything in flight was generated before them
-        would otherwise wait for fresh samples that the gate never lets start.
+        would otherwise wait for fresh samples that the gate never lets start. The same holds
+        for an engine that was restarted and has just been caught up by the publisher.
         """
         now = time.monotonic()
         if now - self._versions_asked < 0.5:
             return
         self._versions_asked = now
-        live = [c for url, c in self.clients.items() if url not in self.down]
-        answers = await asyncio.gather(*(c.weight_version() for c in live), return_exceptions=True)
-        known = [v for v in answers if isinstance(v, int)]
-        if known and max(known) > self.engine_version:
-            self.log.info("engine_version_asked", was=self.engine_version, now=max(known))
-            self.engine_version = max(known)
+        live = [url for url in self.clients if url not in self.down]
+        answers = await asyncio.gather(
+            *(self.clients[u].weight_version() for u in live), return_exceptions=True
+        )
+        for url, version in zip(live, answers, strict=True):
+            if isinstance(version, int) and version != self.versions[url]:
+                self.log.info("engine_version_asked", url=url, was=self.versions[url], now=version)
+                self.versions[url] = version
 
     def _log_decisions(self, decisions: list[Decision]) -> None:
         for d in decisions:
@@ -295,6 +329,8 @@ class Generator:
         open_engines = []
         for url, n in self.in_flight.items():
             if url in self.down:
+                continue
+            if self._lagging(url):  # restarted, not caught up yet: it would serve stale samples
                 continue
             if not self.controller.fits(url, n, size):
                 self.controller.record_blocked(url)
@@ -324,7 +360,7 @@ class Generator:
                 engine = self._pick_engine(size)
                 if engine is not None:
                     return engine
-            elif self.ctx.version - version > self.config.max_lag:
+            if any(self._lagging(u) for u in self.versions if u not in self.down):
                 await self._ask_engine_versions()
             self._changed.clear()
             # credit arrives without an event of ours: look again at least every 50 ms.
@@ -515,7 +551,7 @@ class Generator:
         self.failures[engine] = 0
         self.controller.record_tokens(engine, sum(len(c.output_ids) for c in completions))
         for c in completions:
-            self.engine_version = max(self.engine_version, c.weight_version)
+            self.versions[engine] = max(self.versions[engine], c.weight_version)
 
     def _retrying(self, rids: list[str], engine: str, attempt: int, error: EngineError) -> None:
         self.counts["retried"] += len(rids)

@@ -12,7 +12,11 @@ bound reads.
 When the engine set changes (a generator restarted an engine, which then serves its initial
 weights again) or a publish fails, the group is closed and formed anew before the next publish,
 which then goes to every engine. A failed publish is logged and counted; training goes on and
-the next publish tries again.
+the next publish tries again. The learner does not wait for its next step to do so: while it
+waits for samples it asks ``behind()`` and, when engines lack the current weights (one was
+restarted, came back, or the last publish failed: retried after 1, 2, 4 ... 30 s), sends them
+again. Otherwise a run whose only engine restarted would wait forever: the engine serves stale
+weights, the generator's lag bound holds its samples back, and no samples means no next step.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = ["Publishing"]
 
 # what a failed publish (or group formation) raises; training goes on and the next one retries
 _PUBLISH_ERRORS = (WeightPublishError, OSError, aiohttp.ClientError, TimeoutError, RuntimeError)
+_RETRY_FIRST_S, _RETRY_CAP_S = 1.0, 30.0  # a failed publish is tried again after 1, 2, 4 ... s
 
 
 class Publishing:
@@ -45,10 +50,20 @@ class Publishing:
             self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.publisher: WeightPublisher | None = None
         self._connected_to: dict[str, Any] | None = None
-        self.counts = {"published": 0, "failed": 0, "reconnects": 0, "group_failed": 0}
+        self.counts = {
+            "published": 0,
+            "failed": 0,
+            "reconnects": 0,
+            "group_failed": 0,
+            "catch_ups": 0,  # current weights sent again between steps (see `behind`)
+        }
         self.seconds = 0.0
         self.version = 0
         self._connecting = asyncio.Lock()  # one group at a time, however many callers
+        self._missing: set[str] = set()  # engines wanted but not answering when the group formed
+        self._failed_at: float | None = None  # the last publish (or group) failed then,
+        self._failed_with: dict[str, Any] = {}  # with these engines announced
+        self._retry_s = _RETRY_FIRST_S
 
     # ---------------------------------------------------------------- engines
     def _expected(self) -> list[str]:
@@ -92,27 +107,63 @@ class Publishing:
             await self._ensure_connected()
         except _PUBLISH_ERRORS as exc:
             self.counts["group_failed"] += 1
+            self._failed()
             self.log.warning("weight_group_failed", error=str(exc), retry="at the next publish")
             return False
         return True
+
+    async def behind(self) -> str | None:
+        """Why the engines should get the current weights again now; None when they have them.
+
+        ``publish_failed``: the last publish or group failed (asked again after a backoff);
+        ``engines_changed``: an engine was restarted or a generator announced other engines;
+        ``engine_back``: an engine that did not answer when the group formed answers now.
+        """
+        wanted = self._wanted()
+        if self._failed_at is not None:
+            if wanted != self._failed_with:  # new engines announced since: no need to wait
+                return "engines_changed"
+            due = time.monotonic() - self._failed_at >= self._retry_s
+            return "publish_failed" if due else None
+        if self.publisher is None:
+            return None  # never connected: the first publish forms the group
+        if wanted != self._connected_to:
+            return "engines_changed"
+        for url in sorted(self._missing):
+            if await _healthy(url):
+                return "engine_back"
+        return None
+
+    def _failed(self) -> None:
+        if self._failed_at is not None:
+            self._retry_s = min(self._retry_s * 2, _RETRY_CAP_S)
+        self._failed_at, self._failed_with = time.monotonic(), self._wanted()
+
+    def _wanted(self) -> dict[str, Any]:
+        return {"urls": self.config.engines} if self.config.engines else self._announced()
 
     async def _ensure_connected(self) -> WeightPublisher:
         async with self._connecting:
             return await self._connect()
 
     async def _connect(self) -> WeightPublisher:
-        wanted = {"urls": self.config.engines} if self.config.engines else self._announced()
-        if self.publisher is not None and wanted == self._connected_to:
+        wanted = self._wanted()
+        if self.publisher is not None and wanted == self._connected_to and not self._missing:
             return self.publisher
         if self.publisher is not None:
             self.counts["reconnects"] += 1
             self.log.info("weight_group_reconnect", reason="engines changed")
             await self.publisher.close()
             self.publisher = None
-        urls = list(self.config.engines) or _urls(wanted)
-        urls = [u for u in urls if await _healthy(u)]
+        everyone = list(self.config.engines) or _urls(wanted)
+        urls = [u for u in everyone if await _healthy(u)]
         if not urls:
             raise WeightPublishError("no engine answers /health")
+        missing = set(everyone) - set(urls)
+        if missing:
+            self.log.warning(
+                "weight_group_partial", missing=sorted(missing), retry="when they answer"
+            )
         publisher = WeightPublisher(
             urls,
             backend=self.backend,
@@ -126,7 +177,7 @@ class Publishing:
         except BaseException:
             await publisher.close()
             raise
-        self.publisher, self._connected_to = publisher, wanted
+        self.publisher, self._connected_to, self._missing = publisher, wanted, missing
         return publisher
 
     # ---------------------------------------------------------------- publish
@@ -138,12 +189,19 @@ class Publishing:
             stats = await publisher.publish(weights, version)
         except _PUBLISH_ERRORS as exc:
             self.counts["failed"] += 1
-            self.log.error("publish_failed", policy_version=version, error=str(exc))
+            self._failed()
+            self.log.error(
+                "publish_failed",
+                policy_version=version,
+                error=str(exc),
+                retry_in_s=self._retry_s,
+            )
             if self.publisher is not None:
                 await self.publisher.close()
                 self.publisher = None
             return False
         self.version = version
+        self._failed_at, self._retry_s = None, _RETRY_FIRST_S
         self.counts["published"] += 1
         self.seconds += time.perf_counter() - started
         await self.ctx.publish(topics.VERSION, {"version": version})

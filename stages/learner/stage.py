@@ -30,6 +30,7 @@ import asyncio
 import json
 import shutil
 import time
+from asyncio import FIRST_COMPLETED
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["Learner"]
 
 _ENGINE_WAIT_S = 600.0
+_CATCH_UP_S = 1.0  # while waiting for samples, rank 0 checks this often that engines are current
 
 
 class Learner:
@@ -160,8 +162,9 @@ class Learner:
     async def run(self) -> None:
         cfg = self.config
         started = time.monotonic()
-        if self.rank == 0 and self.resumed:
-            # the engines start from the original model: bring them up to date first
+        if self.resumed:
+            # the engines start from the original model: bring them up to date first (every
+            # rank: under ZeRO-3 the snapshot is a collective gather)
             await self._publish(self.version)
         publish_s = 0.0
         while self.step < cfg.steps:
@@ -200,20 +203,53 @@ class Learner:
         return samples[: self.share]
 
     async def _next_group(self) -> Any:
-        """The next scored group; while rank 0 still looks for the engines, fail if that fails."""
-        engines = self._engines_task
-        if engines is None or engines.done():
+        """The next scored group. Rank 0 meanwhile fails if looking for the engines fails, and
+        sends the current weights again to engines that lack them (``_catch_up``)."""
+        if self.rank != 0:
             return await anext(self._groups)
         receiving = asyncio.ensure_future(anext(self._groups))
         try:
-            await asyncio.wait({receiving, engines}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
+            while not receiving.done():
+                engines = self._engines_task
+                waits: set[asyncio.Future] = {receiving}
+                if engines is not None and not engines.done():
+                    waits.add(engines)
+                await asyncio.wait(waits, timeout=_CATCH_UP_S, return_when=FIRST_COMPLETED)
+                if receiving.done():
+                    break
+                if engines is None or not engines.done():
+                    continue
+                if not engines.cancelled() and engines.exception() is not None:
+                    engines.result()  # raises: no engines, no samples and no publishing
+                await self._catch_up()
+        except BaseException:
             receiving.cancel()
             raise
-        if not receiving.done() and not engines.cancelled() and engines.exception() is not None:
-            receiving.cancel()
-            engines.result()  # raises: no engines, no samples and no publishing
-        return await receiving
+        return receiving.result()
+
+    async def _catch_up(self) -> None:
+        """Rank 0, between steps: send the current weights to engines that lack them.
+
+        A restarted engine serves its initial weights, and the generator holds samples back from
+        an engine that lags more than ``max_lag``: without this the run would wait forever for
+        samples when that engine is the only one. Between steps the weights do not change.
+        """
+        if self.version == 0 or self.publishing is None:
+            return  # nothing published yet: every engine starts from these weights
+        if self._publish_task is not None and not self._publish_task.done():
+            return  # its outcome decides
+        reason = await self.publishing.behind()
+        if reason is None:
+            return
+        self.publishing.log.info("weights_catch_up", policy_version=self.version, reason=reason)
+        self.publishing.counts["catch_ups"] += 1
+        cfg = self.config
+        if cfg.publish.snapshot or cfg.deepspeed.zero_stage == 3:
+            weights: Any = list(self.trainer.last_snapshot().items())  # what the last publish sent
+        else:
+            bucket = int(cfg.publish.bucket_mb * 2**20)
+            weights = lambda: self.trainer.named_weights(bucket)  # noqa: E731
+        await self.publishing.publish(weights, self.version)
 
     def _fresh(self, samples: list[TrainSample]) -> list[TrainSample]:
         """Drop (and count) samples whose oldest token is more than ``max_lag`` versions old."""

@@ -432,6 +432,10 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return self._snapshot if self.rank == 0 else None
 
+    def last_snapshot(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the weights the last ``snapshot`` copied (its buffers, not a new copy)."""
+        return self._snapshot
+
     # ------------------------------------------------------------ checkpoints
     def save(self, path: str, state: dict[str, Any], tokenizer_from: str) -> None:
         """DeepSpeed state (all ranks) and, from rank 0, a Hugging Face model folder."""

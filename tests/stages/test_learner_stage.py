@@ -56,7 +56,7 @@ class _Ctx:
     async def summary(self, **values: Any) -> None:
         self.summaries.update(values)
 
-    def request_stop(self, reason: str) -> None:
+    def request_stop(self, reason: str, *, failed: bool = False) -> None:
         self.stopped = reason
 
 

@@ -1,5 +1,5 @@
 """Control bus: a client's message reaches the broker's callback and other clients; malformed
-messages are counted, not fatal."""
+messages are counted, not fatal; with a run key, unsigned or wrongly signed ones are refused."""
 
 from __future__ import annotations
 
@@ -161,3 +161,61 @@ async def test_start_without_a_broker_is_bounded(ctx, ipc_dir, log) -> None:
     assert events(log, "control_bus_not_ready")
     await client.publish("heartbeat", {})  # dropped, but never blocks
     await client.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_with_a_key_only_signed_messages_are_taken(ctx, ipc_dir, log) -> None:
+    pub, sub = ipc_address(ipc_dir, "pub"), ipc_address(ipc_dir, "sub")
+    key = b"k" * 32
+    seen: asyncio.Queue = asyncio.Queue()
+    broker = ControlBroker(
+        pub, sub, ctx, on_message=lambda t, p: seen.put_nowait((t, p)), log=log, key=key
+    )
+    await broker.start()
+    member = ControlClient(pub, sub, ctx, topics=["version"], key=key, log=log)
+    stranger = ControlClient(pub, sub, ctx, key=b"x" * 32)  # another run's key
+    unkeyed = ControlClient(pub, sub, ctx)  # knows the addresses, not the key
+    for c in (member, stranger, unkeyed):
+        await c.start(ready_timeout_s=1)
+    raw = ctx.socket(zmq.PUB)
+    raw.linger = 0
+    raw.connect(pub)
+    try:
+
+        async def forged_then_signed() -> None:
+            await stranger.publish("stop", {"reason": "forged"})
+            await unkeyed.publish("stop", {"reason": "no tag"})
+            await raw.send_multipart([b"stop", b"\x80", b"0" * 16])  # a guessed tag
+            await member.publish("heartbeat", {"n": 1})
+
+        assert await until_received(forged_then_signed, seen.get) == ("heartbeat", {"n": 1})
+        assert seen.empty()  # nothing unsigned reached the callback
+        # the raw socket does not wait for the broker (slow joiner): resend until it arrives
+        for _ in range(100):
+            if broker.stats()["refused"] >= 3 * 2:
+                break
+            await forged_then_signed()
+            await asyncio.sleep(0.02)
+        stats = broker.stats()
+        assert stats["refused"] >= 6 and stats["forwarded"] >= 1
+        rejected = events(log, "control_message_rejected")
+        assert {e["kind"] for e in rejected} == {"refused"}
+        # logged at the 1st, 2nd, 4th ... refusal, not at each one
+        assert len(rejected) < stats["refused"] or stats["refused"] <= 4
+        # the broker signs what it sends: the member takes it, a client with another key does not
+        topic, payload = await until_received(
+            lambda: broker.publish("version", {"version": 7}), member.recv
+        )
+        assert (topic, payload) == ("version", {"version": 7})
+        stranger.subscribe("version")
+        await asyncio.sleep(0.1)
+        for _ in range(5):
+            await broker.publish("version", {"version": 8})
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(stranger.recv(), 0.3)
+        assert stranger.stats()["refused"] >= 1
+    finally:
+        raw.close()
+        for c in (member, stranger, unkeyed):
+            await c.aclose()
+        await broker.aclose()

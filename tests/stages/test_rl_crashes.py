@@ -1,0 +1,102 @@
+"""The RL loop survives its parts being killed: ``inflight run`` with everything real.
+
+A SIGKILLed generator replica (the supervisor restarts it, and it launches a fresh engine) or a
+SIGKILLed engine server (the generator's launcher restarts it on the same port) comes back serving
+the model's initial weights. The learner must send it the current ones without waiting for its
+next step: the generator holds samples back from an engine that lags more than ``max_lag``, so
+with one engine no samples would come and no step would ever be taken (the run used to stop
+there, for good).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+
+import pytest
+
+from tests.pipeline.runs import events, spawned_pids, start_inflight, wait_for
+from tests.stages.rl_config import rl_config
+from tests.stages.tiny_model import make_arith_model
+
+pytestmark = pytest.mark.slow
+
+_ENV = {"OMP_NUM_THREADS": "1"}
+STEPS, KILL_AT = 14, 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_arith_model(tmp_path_factory.mktemp("model") / "arith", seed=0)
+
+
+def _steps(run_dir) -> int:
+    steps = [e["step"] for e in events(run_dir, "learner.0") if e["event"] == "train_step"]
+    return max(steps, default=0)
+
+
+def _victim_pid(run_dir, victim: str) -> int:
+    if victim == "generator":
+        spawned = [
+            e
+            for e in events(run_dir, "supervisor")
+            if e["event"] == "replica_spawned" and e["replica_name"] == "generator.0"
+        ]
+        return spawned[-1]["pid"]
+    launched = [e for e in events(run_dir, "generator.0") if e["event"] == "engine_launched"]
+    return launched[-1]["pid"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", ["generator", "engine"])
+def test_run_completes_after_its_generator_or_engine_is_killed(tmp_path, model_dir, victim):
+    config = rl_config(tmp_path, model_dir, steps=STEPS)
+    run_dir = tmp_path / "run"
+    proc = start_inflight("run", str(config), "--run-dir", str(run_dir), "-q", env=_ENV)
+    try:
+        wait_for(lambda: _steps(run_dir) >= KILL_AT, 120, f"{KILL_AT} train steps")
+        assert proc.poll() is None, "the run ended before the kill"
+        killed_at = _steps(run_dir)
+        os.kill(_victim_pid(run_dir, victim), signal.SIGKILL)
+        output, _ = proc.communicate(timeout=200)
+        assert proc.returncode == 0, output[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            for pid in spawned_pids(run_dir):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == STEPS
+    assert killed_at < STEPS  # the kill landed mid-run
+    # the restarted engine was sent the current weights between steps, and then every version
+    publishes = summary["publishes"]
+    assert publishes["catch_ups"] >= 1, publishes
+    learner = events(run_dir, "learner.0")
+    caught_up = [e for e in learner if e["event"] == "weights_catch_up"]
+    assert caught_up and all(e["reason"] for e in caught_up)
+    engine_log = events(run_dir, "generator-0-engine.0")
+    starts = [i for i, e in enumerate(engine_log) if e["event"] == "engine_started"]
+    assert len(starts) == 2, "the engine was started once more"
+    after_restart = [
+        int(e["weight_version"])
+        for e in engine_log[starts[1] :]
+        if e["event"] == "weight_version_set"
+    ]
+    # the first weights the new engine got were the learner's current ones, not the model's
+    assert after_restart and after_restart[0] >= killed_at, after_restart
+    assert after_restart[-1] == STEPS
+    if victim == "generator":
+        restarting = [
+            e for e in events(run_dir, "supervisor") if e["event"] == "replica_restarting"
+        ]
+        assert [e["replica_name"] for e in restarting] == ["generator.0"]
+    else:
+        generator = events(run_dir, "generator.0")
+        assert [e["exit_code"] for e in generator if e["event"] == "engine_exited"] == [-9]
+        reset = [e for e in generator if e["event"] == "engine_version_reset"]
+        assert reset and reset[0]["now"] == 0
