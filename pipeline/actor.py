@@ -6,9 +6,9 @@ control bus, and runs the stage's ``setup``/``run``/``close`` on one asyncio loo
 installed). Around the stage it keeps a heartbeat, periodic ``metrics`` events with every
 channel's statistics, and the current policy version from ``version`` announcements.
 
-When ``run`` returns, the replica waits until downstream has acknowledged everything it sent
-(``Sender.wait_acked``: a consumer that dies meanwhile gets it again), then closes its outputs
-with end-of-stream.
+When ``run`` returns, the replica sends end-of-stream on its outputs and waits until downstream
+has acknowledged everything it sent (``Sender.finish``: a consumer that dies meanwhile gets it
+again), then closes them.
 
 Exit codes: 0 when ``run`` returned or a shutdown was requested; 1 when the stage raised (the
 traceback is in the replica's log as ``stage_failed``); 2 when the spec itself is unusable.
@@ -183,6 +183,7 @@ class _Replica:
                 ctx=self.zctx,
                 log=self.log,
                 peer_timeout_s=spec["peer_timeout_s"],
+                ack=inputs[name].ack,
             )
             await receiver.start()
             for producer in spec["finished_producers"]:
@@ -295,7 +296,7 @@ class _Replica:
         await stage.run()
         # done: but until downstream has processed what we sent, only we can send it again
         for sender in self.ctx.outputs.values():
-            await sender.wait_acked()
+            await sender.finish()
 
     async def _close_channels(self) -> None:
         for channel in [*self.ctx.inputs.values(), *self.ctx.outputs.values()]:

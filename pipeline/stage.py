@@ -31,18 +31,30 @@ class Port:
     ``schemas`` are the kinds (with versions) that travel on it. An output port may feed exactly
     one input port; an input port may be fed by several output ports (fan-in). ``optional``
     input ports may be left unwired; unwired optional output ports drop what is sent and count it.
+
+    ``ack`` (input ports): when a message counts as processed, so that its producer stops
+    keeping it for redelivery (``transport.credit``, "Delivery"). ``"on_take"``: when the stage
+    takes it from the port. ``"manual"``: when the stage calls ``ctx.inputs[port].ack(msg)``,
+    for a stage that holds messages while it works on them (ack once the result has gone on,
+    or once it was dropped and counted): if the replica dies first, the message comes again.
     """
 
     schemas: tuple[Schema, ...]
     doc: str = ""
     optional: bool = False
+    ack: str = "on_take"
 
-    def __init__(self, *schemas: Schema, doc: str = "", optional: bool = False) -> None:
+    def __init__(
+        self, *schemas: Schema, doc: str = "", optional: bool = False, ack: str = "on_take"
+    ) -> None:
         if not schemas:
             raise ValueError("a Port needs at least one Schema")
+        if ack not in ("on_take", "manual"):
+            raise ValueError(f"Port ack must be 'on_take' or 'manual', got {ack!r}")
         object.__setattr__(self, "schemas", tuple(schemas))
         object.__setattr__(self, "doc", doc)
         object.__setattr__(self, "optional", optional)
+        object.__setattr__(self, "ack", ack)
 
     @property
     def kinds(self) -> dict[str, int]:

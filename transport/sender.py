@@ -156,6 +156,7 @@ class Sender:
         self._resend: deque[int] = deque()  # seqs to send again, in order
         self._resend_ready = asyncio.Event()
         self._acks_arrived = asyncio.Event()
+        self._finishing = False  # finish() sent EOS: redeliveries are followed by EOS again
         self._acked = 0
         self._redelivered = 0
         self._unacked_dropped = 0
@@ -237,10 +238,7 @@ class Sender:
         # not waited for. Any other may just be starting, so it gets up to timeout_s to answer.
         for peer in self._peers:
             peer.eos_acked = peer.closed
-            try:
-                await peer.sock.send_multipart([EOS, self._hello_map(peer)], flags=zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                self._log.warning("eos_not_sent", port=self.name, peer=peer.address, error=repr(e))
+            await self._eos_to(peer)
         if all(p.eos_acked for p in self._peers):
             return
         try:
@@ -335,12 +333,27 @@ class Sender:
                 self._acked += 1
         self._acks_arrived.set()
 
-    async def wait_acked(self, log_every_s: float = 30.0) -> None:
-        """Wait until every message sent has been acknowledged (or let go by the bounds).
+    async def finish(self, log_every_s: float = 30.0) -> None:
+        """No more messages: send EOS, then wait until everything sent was acknowledged.
 
-        A producer that has finished calls this before it closes: until its consumers have
-        processed everything, it is the one that can send it again if one of them dies.
+        A producer that has finished calls this before ``aclose()``: until its consumers have
+        processed everything it is the one that can send it again if one of them dies (and a
+        consumer may need the EOS to finish its work: a partial batch, an incomplete group).
+        A consumer that restarts meanwhile gets what it had not acknowledged, then EOS again.
         """
+        self._finishing = True
+        for peer in self._peers:
+            await self._eos_to(peer)
+        await self.wait_acked(log_every_s)
+
+    async def _eos_to(self, peer: _Peer) -> None:
+        try:
+            await peer.sock.send_multipart([EOS, self._hello_map(peer)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._log.warning("eos_not_sent", port=self.name, peer=peer.address, error=repr(e))
+
+    async def wait_acked(self, log_every_s: float = 30.0) -> None:
+        """Wait until every message sent has been acknowledged (or let go by the bounds)."""
         waited = time.monotonic()
         while self._unacked:
             self._acks_arrived.clear()
@@ -383,6 +396,7 @@ class Sender:
     async def _redeliver_loop(self) -> None:
         while True:
             await self._resend_ready.wait()
+            sent_to: set[_Peer] = set()
             while self._resend:
                 held = self._unacked.get(self._resend[0])
                 if held is None or held.peer is not None:  # acked or dropped meanwhile
@@ -395,6 +409,10 @@ class Sender:
                     continue
                 held.peer, held.session = peer, peer.session
                 await self._send_data(peer, seq, held.frames)
+                sent_to.add(peer)
+            if self._finishing:  # they are new to that consumer, and so is our end
+                for peer in sent_to:
+                    await self._eos_to(peer)
             self._resend_ready.clear()
 
     async def _wait_for_credit(self) -> _Peer:

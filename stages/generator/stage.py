@@ -53,6 +53,7 @@ from stages.generator.client import Completion, EngineClient, EngineError, make_
 from stages.generator.controller import ControllerConfig, Decision, InFlightController
 from stages.generator.launcher import EngineLauncher, LaunchConfig
 from stages.schemas import PROMPT, ROLLOUT_GROUP
+from transport.message import Message
 
 __all__ = ["Generator", "SamplingConfig"]
 
@@ -162,7 +163,8 @@ class _Collecting:
 
 class Generator:
     Config = GeneratorConfig
-    inputs = {"prompts": Port(PROMPT)}
+    # a prompt is processed once its group is emitted (or all of it was dropped, counted)
+    inputs = {"prompts": Port(PROMPT, ack="manual")}
     outputs = {"rollouts": Port(ROLLOUT_GROUP)}
 
     def __init__(self, config: GeneratorConfig, ctx: StageContext) -> None:
@@ -215,7 +217,10 @@ class Generator:
         self.down: dict[str, asyncio.Task] = {}  # engines out of use -> their health probe
         self.failures = dict.fromkeys(urls, 0)  # failures since the engine last served a request
         self.controller = InFlightController(urls, self.config.controller)
-        self.outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self.config.outbox)
+        # finished groups and the prompt message each answers (acknowledged once it is sent)
+        self.outbox: asyncio.Queue[tuple[dict[str, Any], Message]] = asyncio.Queue(
+            self.config.outbox
+        )
         # an attached engine may be down already: requests go only to those that answer
         health = await asyncio.gather(*(c.healthy() for c in self.clients.values()))
         for url, ok in zip(urls, health, strict=True):
@@ -395,14 +400,12 @@ class Generator:
                 group_id = f"{prompt['prompt_id']}/{secrets.token_hex(3)}"
                 if grouped:
                     engine = await self._slot(size)
-                    self._start(
-                        self._group(prompt, group_id, engine, time.monotonic()), engine, size
-                    )
+                    self._start(self._group(msg, group_id, engine, time.monotonic()), engine, size)
                     continue
                 collecting = _Collecting(size)
                 for index in range(size):
                     engine = await self._slot(1)
-                    work = self._sample(prompt, group_id, index, engine, collecting)
+                    work = self._sample(msg, group_id, index, engine, collecting)
                     self._start(work, engine, 1)
             if self._tasks:
                 await asyncio.gather(*list(self._tasks))
@@ -438,29 +441,27 @@ class Generator:
     def _rid(self, group_id: str, index: int) -> str:
         return f"{self.run_id}/{group_id}/{index}"
 
-    async def _group(
-        self, prompt: dict[str, Any], group_id: str, engine: str, queued: float
-    ) -> None:
+    async def _group(self, msg: Message, group_id: str, engine: str, queued: float) -> None:
         started = time.monotonic()
-        served = await self._request_group(prompt, group_id, engine)
+        served = await self._request_group(msg.data, group_id, engine)
         got = [(i, s, queued, started) for i, s in enumerate(served) if s is not None]
-        await self._put(prompt, group_id, got)
+        await self._put(msg, group_id, got)
 
     async def _sample(
         self,
-        prompt: dict[str, Any],
+        msg: Message,
         group_id: str,
         index: int,
         engine: str,
         collecting: _Collecting,
     ) -> None:
         queued = started = time.monotonic()  # the slot was waited for before this started
-        got = await self._request_one(prompt, self._rid(group_id, index), engine, attempt=0)
+        got = await self._request_one(msg.data, self._rid(group_id, index), engine, attempt=0)
         if got is not None:
             collecting.samples.append((index, got, queued, started))
         collecting.left -= 1
         if collecting.left == 0:
-            await self._put(prompt, group_id, sorted(collecting.samples, key=lambda s: s[0]))
+            await self._put(msg, group_id, sorted(collecting.samples, key=lambda s: s[0]))
 
     async def _request_group(
         self, prompt: dict[str, Any], group_id: str, engine: str
@@ -573,15 +574,18 @@ class Generator:
 
     async def _put(
         self,
-        prompt: dict[str, Any],
+        msg: Message,
         group_id: str,
         samples: list[tuple[int, _Served, float, float]],
     ) -> None:
         """Queue the group for sending: ``samples`` are (index, served, queued, started) of the
-        samples that were not dropped, in index order; nothing is sent when all were dropped."""
+        samples that were not dropped, in index order; nothing is sent when all were dropped.
+        The prompt's message is acknowledged once its group has gone on (``_emit``)."""
         if not samples:
+            self.ctx.inputs["prompts"].ack(msg)  # all dropped (and counted): processed
             return
-        await self.outbox.put(
+        prompt = msg.data
+        item = (
             {
                 "run_id": self.run_id,
                 "prompt_id": prompt["prompt_id"],
@@ -604,15 +608,18 @@ class Generator:
                     for index, served, queued, started in samples
                 ],
                 "meta": prompt.get("meta"),
-            }
+            },
+            msg,
         )
+        await self.outbox.put(item)
 
     async def _emit(self) -> None:
         rollouts = self.ctx.outputs["rollouts"]
         while True:
-            item = await self.outbox.get()
+            item, msg = await self.outbox.get()
             try:
                 await rollouts.send(ROLLOUT_GROUP.kind, item)
+                self.ctx.inputs["prompts"].ack(msg)
                 self.counts["groups_emitted"] += 1
                 self.counts["emitted"] += len(item["samples"])
                 self.counts["tokens"] += sum(len(x["completion_ids"]) for x in item["samples"])

@@ -51,7 +51,8 @@ _CATCH_UP_S = 1.0  # while waiting for samples, rank 0 checks this often that en
 
 class Learner:
     Config = LearnerConfig
-    inputs = {"groups": Port(SCORED_GROUP, doc="scored groups from the scorer")}
+    # a group is processed once every sample of it is in a finished step (or dropped, counted)
+    inputs = {"groups": Port(SCORED_GROUP, doc="scored groups from the scorer", ack="manual")}
     outputs: dict[str, Port] = {}
     distributed = True  # replicas are the ranks of one torch.distributed group
 
@@ -68,6 +69,10 @@ class Learner:
         self.counts = {"samples": 0, "groups": 0, "stale": 0, "bad_groups": 0, "skipped_steps": 0}
         self.totals = {"lag": 0.0, "tis_clip_frac": 0.0, "ess": 0.0, "mismatch_kl": 0.0, "n": 0}
         self._carry: list[TrainSample] = []
+        # received groups not yet processed: origin -> [message, samples not yet trained/dropped]
+        self._open: dict[int, list[Any]] = {}
+        self._checked_at = 0.0  # rank 0: when it last checked that the engines are current
+        self._origins = 0
         self._publish_task: asyncio.Task | None = None
         self._eval_task: asyncio.Task | None = None
         self._eval_due: tuple[int, int] | None = None  # (step, version) of a pending evaluation
@@ -179,6 +184,8 @@ class Learner:
             timing = {"wait_s": time.monotonic() - waited, "publish_s": publish_s}
             metrics = await asyncio.to_thread(self.trainer.step, samples, policy_version)
             self.step += 1
+            for sample in samples:  # in a finished step: processed
+                self._done_with(sample.origin)
             self._account({**metrics, **timing}, time.monotonic() - started)
             last = self.step == cfg.steps
             publish_s = time.monotonic()
@@ -198,7 +205,7 @@ class Learner:
             except StopAsyncIteration:
                 self._input_done = True
                 break
-            samples.extend(self._samples_of(msg.data))
+            samples.extend(self._samples_of(msg))
         self._carry = samples[self.share :]
         return samples[: self.share]
 
@@ -209,19 +216,28 @@ class Learner:
             return await anext(self._groups)
         receiving = asyncio.ensure_future(anext(self._groups))
         try:
-            while not receiving.done():
+            while True:
                 engines = self._engines_task
-                waits: set[asyncio.Future] = {receiving}
-                if engines is not None and not engines.done():
-                    waits.add(engines)
-                await asyncio.wait(waits, timeout=_CATCH_UP_S, return_when=FIRST_COMPLETED)
+                ready = engines is not None and engines.done()
+                if not receiving.done():
+                    waits: set[asyncio.Future] = {receiving}
+                    if engines is not None and not ready:
+                        waits.add(engines)
+                    due = self._checked_at + _CATCH_UP_S - time.monotonic()
+                    timeout = max(0.0, due) if ready else None
+                    await asyncio.wait(waits, timeout=timeout, return_when=FIRST_COMPLETED)
+                    ready = engines is not None and engines.done()
+                if ready:
+                    assert engines is not None
+                    if not engines.cancelled() and engines.exception() is not None:
+                        engines.result()  # raises: no engines, no samples and no publishing
+                    # also while groups keep coming: they may all be stale, from an engine
+                    # that lost the weights, and would keep coming for ever
+                    if time.monotonic() - self._checked_at >= _CATCH_UP_S:
+                        self._checked_at = time.monotonic()
+                        await self._catch_up()
                 if receiving.done():
                     break
-                if engines is None or not engines.done():
-                    continue
-                if not engines.cancelled() and engines.exception() is not None:
-                    engines.result()  # raises: no engines, no samples and no publishing
-                await self._catch_up()
         except BaseException:
             receiving.cancel()
             raise
@@ -232,7 +248,10 @@ class Learner:
 
         A restarted engine serves its initial weights, and the generator holds samples back from
         an engine that lags more than ``max_lag``: without this the run would wait forever for
-        samples when that engine is the only one. Between steps the weights do not change.
+        samples when that engine is the only one. (Or, when the last publishes failed, the
+        generator may still take that engine as current enough, and every sample it makes is
+        too stale for the learner: dropped, counted, for ever.) Checked at most once a second,
+        while waiting for groups. Between steps the weights do not change.
         """
         if self.version == 0 or self.publishing is None:
             return  # nothing published yet: every engine starts from these weights
@@ -254,16 +273,30 @@ class Learner:
     def _fresh(self, samples: list[TrainSample]) -> list[TrainSample]:
         """Drop (and count) samples whose oldest token is more than ``max_lag`` versions old."""
         current = self.step // self.config.publish.every
-        kept = [s for s in samples if current - int(s.versions.min()) <= self.config.max_lag]
-        self.counts["stale"] += len(samples) - len(kept)
+        kept = []
+        for s in samples:
+            if current - int(s.versions.min()) <= self.config.max_lag:
+                kept.append(s)
+            else:
+                self.counts["stale"] += 1
+                self._done_with(s.origin)  # dropped and counted: processed
         return kept
 
-    def _samples_of(self, group: dict[str, Any]) -> list[TrainSample]:
+    def _done_with(self, origin: int) -> None:
+        """One more sample of group ``origin`` trained or dropped; the last acknowledges it."""
+        entry = self._open[origin]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._open[origin]
+            self.ctx.inputs["groups"].ack(entry[0])
+
+    def _samples_of(self, msg: Any) -> list[TrainSample]:
         import torch
 
         from stages.learner.advantages import group_advantages
         from stages.learner.trainer import TrainSample
 
+        group = msg.data
         try:
             prompt = np.asarray(group["prompt_ids"], dtype=np.int64)
             items = group["samples"]
@@ -282,7 +315,14 @@ class Learner:
         except (KeyError, TypeError, ValueError) as exc:
             self.counts["bad_groups"] += 1
             self.log.warning("group_dropped", group_id=group.get("group_id"), reason=str(exc))
+            self.ctx.inputs["groups"].ack(msg)
             return []
+        if not rows:
+            self.ctx.inputs["groups"].ack(msg)
+            return []
+        self._origins += 1
+        origin = self._origins
+        self._open[origin] = [msg, len(rows)]
         self.counts["groups"] += 1
         cfg = self.config
         advantages = group_advantages(
@@ -293,7 +333,7 @@ class Learner:
         )
         return self._fresh(
             [
-                TrainSample(prompt, ids, lp, versions, a, r)
+                TrainSample(prompt, ids, lp, versions, a, r, origin)
                 for (ids, lp, versions), a, r in zip(
                     rows, advantages.tolist(), rewards.tolist(), strict=True
                 )

@@ -69,6 +69,7 @@ class TrainSample:
     versions: np.ndarray  # int32, one per completion token
     advantage: float
     reward: float
+    origin: int = 0  # which received group it came from (the learner acknowledges groups)
 
 
 def _device(config: LearnerConfig) -> torch.device:

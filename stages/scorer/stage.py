@@ -18,6 +18,8 @@ sample lost upstream), or at the end of input, is sent with what it has if that 
 (per-token arrays of different lengths, ``sample_index`` outside the group, a duplicate, a
 ``group_size`` that disagrees with the group's, a sample for a group already sent or dropped,
 a group's sample that is not a full rollout) are dropped. Every drop is counted and logged.
+A message counts as processed (acknowledged, so the generator stops keeping it) once its group
+was sent on scored or dropped: a scorer killed while scoring gets those groups again.
 Not here: advantages or any normalization across a group (the learner does that).
 """
 
@@ -33,6 +35,7 @@ from typing import Any
 from pipeline.stage import Port, StageContext
 from stages.schemas import ROLLOUT, ROLLOUT_GROUP, SAMPLE_FIELDS, SCORED_GROUP
 from stages.scorer.runner import RewardRunner, resolve_reward
+from transport.message import Message
 
 __all__ = ["RewardSpec", "Scorer", "ScorerConfig"]
 
@@ -108,8 +111,12 @@ def _load_tokenizer(path: str) -> Any:
 class Scorer:
     Config = ScorerConfig
     inputs = {
+        # a message is processed once its group was sent on scored, or dropped (counted)
         "rollouts": Port(
-            ROLLOUT_GROUP, ROLLOUT, doc="sampled completions: whole groups, or samples in any order"
+            ROLLOUT_GROUP,
+            ROLLOUT,
+            doc="sampled completions: whole groups, or samples in any order",
+            ack="manual",
         )
     }
     outputs = {"groups": Port(SCORED_GROUP, doc="one message per prompt, scored")}
@@ -118,6 +125,8 @@ class Scorer:
         self.config, self.ctx, self.log = config, ctx, ctx.log
         self.runner: RewardRunner | None = None
         self.pending: dict[str, _Group] = {}
+        self._sources: dict[str, list[Message]] = {}  # group id -> its messages, not yet acked
+        self._launched: set[str] = set()  # group ids queued for scoring or being scored
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.counts = {
             "rollouts_in": 0,
@@ -181,13 +190,17 @@ class Scorer:
 
     async def _read(self) -> None:
         async for msg in self.ctx.inputs["rollouts"]:
+            group_id = msg.data["group_id"]
+            self._sources.setdefault(group_id, []).append(msg)
             if msg.kind == ROLLOUT_GROUP.kind:
                 await self._add_group(msg.data, msg.sender)
-                continue
-            self.counts["rollouts_in"] += 1
-            group = self._add(msg.data, msg.sender)
-            if group is not None:
-                await self._launch(group)
+            else:
+                self.counts["rollouts_in"] += 1
+                group = self._add(msg.data, msg.sender)
+                if group is not None:
+                    await self._launch(group)
+            if group_id not in self.pending and group_id not in self._launched:
+                self._release(group_id)  # dropped, or late for a group already sent
         for group_id in list(self.pending):
             await self._close_incomplete(group_id, "end_of_input")
 
@@ -257,6 +270,12 @@ class Scorer:
             return f"duplicate sample_index {index}"
         return None
 
+    def _release(self, group_id: str) -> None:
+        """The group was sent on or dropped: acknowledge the messages it came in."""
+        port = self.ctx.inputs["rollouts"]
+        for msg in self._sources.pop(group_id, ()):
+            port.ack(msg)
+
     def _forget(self, group_id: str) -> None:
         del self.pending[group_id]
         self.closed[group_id] = None
@@ -278,6 +297,7 @@ class Scorer:
         else:
             self.counts["groups_dropped"] += 1
             self.counts["dropped"] += have
+            self._release(group_id)
             self.log.warning(
                 "group_dropped",
                 group_id=group_id,
@@ -298,6 +318,7 @@ class Scorer:
     # ------------------------------------------------------------------- scoring
     async def _launch(self, group: _Group) -> None:
         """Queue ``group`` for scoring; waits (stops reading) while a full batch is queued."""
+        self._launched.add(group.head["group_id"])
         self.ready.append(group)
         self._kick()
         while len(self.ready) >= self.config.batch_groups and self.busy >= self.config.workers:
@@ -375,6 +396,8 @@ class Scorer:
             )
             self.counts["groups_out"] += 1
             self.counts["samples"] += len(out)
+            self._launched.discard(head["group_id"])
+            self._release(head["group_id"])
 
     def _reward_kwargs(
         self, head: Mapping[str, Any], samples: list[Mapping[str, Any]]

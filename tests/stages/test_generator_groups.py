@@ -163,12 +163,22 @@ class Rollouts:
 
 
 class PromptList:
-    def __init__(self, prompts: list[dict[str, Any]]) -> None:
-        self.prompts = prompts
+    """The prompts port: hands out the prompts and records which ones were acknowledged."""
+
+    def __init__(self, prompts: list[dict[str, Any]], rollouts: Rollouts) -> None:
+        self.prompts, self.rollouts = prompts, rollouts
+        self.acked: list[str] = []
+        self.acked_before_sent: list[str] = []
 
     async def __aiter__(self):
         for p in self.prompts:
             yield SimpleNamespace(data=p)
+
+    def ack(self, msg: SimpleNamespace) -> None:
+        prompt_id = msg.data["prompt_id"]
+        self.acked.append(prompt_id)
+        if prompt_id not in {g["prompt_id"] for g in self.rollouts.groups}:
+            self.acked_before_sent.append(prompt_id)
 
 
 def prompts(count: int) -> list[dict[str, Any]]:
@@ -217,6 +227,7 @@ async def generate(
         batches.append((stage.counts["started"], sum(stage.in_flight.values())))
         return at_least  # the learner trained on the batch at once
 
+    rollouts = Rollouts(credit, send_delay_s)
     ctx = SimpleNamespace(
         stage="generator",
         replica=0,
@@ -224,8 +235,8 @@ async def generate(
         mode=mode,
         version=version,
         log=log,
-        inputs={"prompts": PromptList(prompts(count))},
-        outputs={"rollouts": Rollouts(credit, send_delay_s)},
+        inputs={"prompts": PromptList(prompts(count), rollouts)},
+        outputs={"rollouts": rollouts},
         metrics=lambda **values: metrics.append(values),
         publish=publish,
         wait_for_version=wait_for_version,
@@ -258,6 +269,8 @@ async def generate(
         peak=peak,
         batches=batches,
         run_id=ctx.run_dir.name,
+        acked=ctx.inputs["prompts"].acked,
+        acked_before_sent=ctx.inputs["prompts"].acked_before_sent,
     )
 
 
@@ -266,6 +279,9 @@ def assert_every_sample_once(out: SimpleNamespace, count: int) -> None:
     assert len(keys) == len(set(keys)) == G * count
     assert sorted(r["meta"]["i"] for r in out.rollouts) == sorted(list(range(count)) * G)
     assert out.done["emitted"] == out.done["started"] == G * count and out.done["dropped"] == 0
+    # each prompt acknowledged once, after its group went on
+    assert sorted(out.acked) == sorted(f"p{i}" for i in range(count))
+    assert out.acked_before_sent == []
 
 
 # ------------------------------------------------------------------------------- the tests
@@ -393,6 +409,8 @@ async def test_a_bad_prompt_is_dropped_without_blaming_the_engine(tmp_path, engi
     dropped = out.named("sample_dropped")
     assert len(dropped) == G and all("/p1/" in e["rid"] and e["attempts"] == 1 for e in dropped)
     assert out.done["dropped"] == G and out.done["emitted"] == G * (count - 1)
+    # dropped (and counted) is processed too: every prompt is acknowledged once
+    assert sorted(out.acked) == ["p0", "p1", "p2"] and out.acked_before_sent == ["p1"]
     # the group was refused, and so was every sample of it: the prompt, not the engine
     assert not out.named("group_requests_unsupported")
     assert out.done["engines_without_group_requests"] == 0

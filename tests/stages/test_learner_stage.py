@@ -33,6 +33,7 @@ class _Inbox:
     def __init__(self, groups: list[dict[str, Any]], *, then_block: bool = False) -> None:
         self.groups = list(groups)
         self.then_block = then_block
+        self.acked: list[str] = []  # group ids, as the learner acknowledged them
 
     def __aiter__(self) -> _Inbox:
         return self
@@ -43,6 +44,9 @@ class _Inbox:
                 await asyncio.Event().wait()
             raise StopAsyncIteration
         return Message("scored_group", self.groups.pop(0))
+
+    def ack(self, msg: Message) -> None:
+        self.acked.append(msg.data["group_id"])
 
 
 class _Ctx:
@@ -136,6 +140,9 @@ def _learner(
             note("publish", version)
             return True
 
+        async def behind(self) -> str | None:
+            return None  # the engines always have the current weights here
+
         async def close(self) -> None:
             pass
 
@@ -176,7 +183,8 @@ def test_first_evaluation_ends_before_the_first_publish_but_does_not_hold_up_tra
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     events: list = []
-    learner = _learner(tmp_path, _Inbox(_groups(6)), events, monkeypatch)
+    inbox = _Inbox(_groups(6))
+    learner = _learner(tmp_path, inbox, events, monkeypatch)
 
     async def go() -> None:
         await learner.setup()
@@ -198,6 +206,8 @@ def test_first_evaluation_ends_before_the_first_publish_but_does_not_hold_up_tra
     ]
     assert learner.ctx.summaries["eval_before"] == 0.5
     assert learner.ctx.stopped == "trained 3 steps"
+    # every group was in a finished step, and acknowledged once, when its step was done
+    assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
 
 
 def test_no_engines_fails_the_run_instead_of_waiting_for_samples(

@@ -1,5 +1,8 @@
 """The RL loop survives its parts being killed: ``inflight run`` with everything real.
 
+A SIGKILLed scorer comes back and gets again what it held unacknowledged (its inbox, the groups
+it was scoring): the generator keeps every group it sent until the scorer has sent it on.
+
 A SIGKILLed generator replica (the supervisor restarts it, and it launches a fresh engine) or a
 SIGKILLed engine server (the generator's launcher restarts it on the same port) comes back serving
 the model's initial weights. The learner must send it the current ones without waiting for its
@@ -38,20 +41,18 @@ def _steps(run_dir) -> int:
 
 
 def _victim_pid(run_dir, victim: str) -> int:
-    if victim == "generator":
+    if victim in ("generator", "scorer"):
         spawned = [
             e
             for e in events(run_dir, "supervisor")
-            if e["event"] == "replica_spawned" and e["replica_name"] == "generator.0"
+            if e["event"] == "replica_spawned" and e["replica_name"] == f"{victim}.0"
         ]
         return spawned[-1]["pid"]
     launched = [e for e in events(run_dir, "generator.0") if e["event"] == "engine_launched"]
     return launched[-1]["pid"]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", ["generator", "engine"])
-def test_run_completes_after_its_generator_or_engine_is_killed(tmp_path, model_dir, victim):
+def _run_and_kill(tmp_path, model_dir, victim: str):
     config = rl_config(tmp_path, model_dir, steps=STEPS)
     run_dir = tmp_path / "run"
     proc = start_inflight("run", str(config), "--run-dir", str(run_dir), "-q", env=_ENV)
@@ -73,6 +74,28 @@ def test_run_completes_after_its_generator_or_engine_is_killed(tmp_path, model_d
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS
     assert killed_at < STEPS  # the kill landed mid-run
+    return run_dir, summary, killed_at
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_scorer_gets_again_what_it_had_not_sent_on(tmp_path, model_dir):
+    run_dir, _, _ = _run_and_kill(tmp_path, model_dir, "scorer")
+    restarting = [e for e in events(run_dir, "supervisor") if e["event"] == "replica_restarting"]
+    assert [e["replica_name"] for e in restarting] == ["scorer.0"]
+    channel = [
+        e
+        for e in events(run_dir, "generator.0")
+        if e["event"] == "metrics" and "out.rollouts.redelivered" in e
+    ]
+    assert channel[-1]["out.rollouts.redelivered"] >= 1, channel[-1]
+    redelivering = [e for e in events(run_dir, "generator.0") if e["event"] == "redelivering"]
+    assert redelivering and redelivering[0]["count"] == channel[-1]["out.rollouts.redelivered"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", ["generator", "engine"])
+def test_run_completes_after_its_generator_or_engine_is_killed(tmp_path, model_dir, victim):
+    run_dir, summary, killed_at = _run_and_kill(tmp_path, model_dir, victim)
     # the restarted engine was sent the current weights between steps, and then every version
     publishes = summary["publishes"]
     assert publishes["catch_ups"] >= 1, publishes

@@ -152,7 +152,7 @@ async def test_a_finished_producer_waits_until_everything_was_processed(ctx, ipc
     await out.start()
     for i in range(4):
         await out.send("item", {"id": i})
-    waiting = asyncio.create_task(out.wait_acked())
+    waiting = asyncio.create_task(out.finish())
     assert await _take(first, 1) == [0]
     await asyncio.sleep(0.1)
     assert not waiting.done()  # three are still unprocessed
