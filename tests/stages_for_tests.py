@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -233,13 +234,14 @@ class PromptSink:
 
     @dataclass
     class Config:
-        pass
+        delay_s: float = 0.0  # per prompt: a slow consumer
 
     inputs = {"prompts": Port(PROMPT)}
     outputs: dict = {}
 
     def __init__(self, config, ctx):
         self.ctx = ctx
+        self.delay_s = config.delay_s
         self.seen = []
 
     async def setup(self):
@@ -249,6 +251,8 @@ class PromptSink:
         import json
 
         async for msg in self.ctx.inputs["prompts"]:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
             d = msg.data
             self.seen.append(
                 {

@@ -9,7 +9,7 @@ import asyncio
 import secrets
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,6 +157,7 @@ class Sender:
         self._resend_ready = asyncio.Event()
         self._acks_arrived = asyncio.Event()
         self._finishing = False  # finish() sent EOS: redeliveries are followed by EOS again
+        self._ack_callbacks: list[Callable[[int], None]] = []
         self._acked = 0
         self._redelivered = 0
         self._unacked_dropped = 0
@@ -251,8 +252,11 @@ class Sender:
 
     # -- the application side --------------------------------------------------------------
 
-    async def send(self, kind: str, data: Mapping[str, Any]) -> None:
+    async def send(self, kind: str, data: Mapping[str, Any]) -> int | None:
         """Send one message; waits while no live consumer has credit for it.
+
+        Returns its sequence number (what ``on_ack`` callbacks get once the consumer has
+        processed it), or None when it was dropped (no consumers).
 
         ValueError if ``kind`` is not one of this port's schemas or ``data`` does not match it
         (a producer bug fails here, not in the consumer); ChannelClosed after ``aclose()``.
@@ -279,7 +283,7 @@ class Sender:
                 self._log.info(
                     "message_dropped", port=self.name, reason="no_peers", dropped=self._dropped
                 )
-            return
+            return None
         frames = encode(Message(kind=kind, data=dict(data), version=schema.version))
         peer = self._pick()
         if peer is None:
@@ -289,7 +293,13 @@ class Sender:
         self._hold(self._seq, _Held(frames, nbytes, peer, peer.session))
         self._sent += 1
         self._bytes += nbytes
-        await self._send_data(peer, self._seq, frames)
+        seq = self._seq
+        await self._send_data(peer, seq, frames)
+        return seq
+
+    def on_ack(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(seq)`` for each message (``send``'s return value) once processed."""
+        self._ack_callbacks.append(callback)
 
     async def _send_data(self, peer: _Peer, seq: int, frames: list[Any]) -> None:
         header = msgpack.packb({"to": peer.session, "epoch": peer.epoch, "seq": seq})
@@ -331,6 +341,8 @@ class Sender:
             if held is not None:
                 self._unacked_bytes -= held.nbytes
                 self._acked += 1
+                for callback in self._ack_callbacks:
+                    callback(seq)
         self._acks_arrived.set()
 
     async def finish(self, log_every_s: float = 30.0) -> None:

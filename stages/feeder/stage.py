@@ -11,17 +11,32 @@ positions ``i % R == r`` (disjoint shards), and with ``shuffle`` it sends its sh
 permutation seeded by ``seed`` and the epoch (not by the run seed), so every replica, rerun and
 restart agrees on it (``feed_order``). ``max_prompts`` is split evenly between replicas.
 
-Not here: resuming where a crashed replica stopped (a restarted feeder starts again at epoch 0;
-what it had sent was already delivered), repeating a prompt within a group (the generator samples
-``group_size`` completions per prompt), and curricula or re-weighting of prompts.
+Position. A replica's prompts form one sequence over all epochs (position ``k`` is epoch
+``k // shard`` at index ``k % shard`` of that epoch's order). The feeder notes which positions the
+generator has acknowledged as processed (a prompt is processed once its group went on) and
+keeps ``RUN_DIR/state/feeder.R.json`` up to date (twice a second, written whole and renamed into
+place): every position below ``next`` is processed, and ``acked_above`` lists those beyond. A
+restarted replica (a crash, or ``inflight run --resume``) continues from there: it feeds again
+only what was not acknowledged, so within an epoch every prompt is fed once. (Prompts already
+in a generator's inbox when the feeder died are among those: the generator processes them and
+acknowledges them to the feeder that is gone, so they may be fed once more.) A state file
+written for other options (seed, shuffle, shard, replicas) is not used: the replica starts
+afresh and says so.
+
+Not here: repeating a prompt within a group (the generator samples ``group_size`` completions
+per prompt), and curricula or re-weighting of prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from pipeline.stage import Port, StageContext
 from stages.feeder.sources import SourceConfig, load_prompts
@@ -73,9 +88,18 @@ class Feeder:
 
     def __init__(self, config: FeederConfig, ctx: StageContext) -> None:
         self.config, self.ctx, self.log = config, ctx, ctx.log
-        self.sent = 0
+        self.sent = 0  # prompts sent by this process
         self.epoch = 0
         self.bad = 0
+        # position bookkeeping (see the module docstring)
+        self.next = 0  # every position below it is processed
+        self.acked_above: set[int] = set()  # processed positions >= next
+        self._position_of: dict[int, int] = {}  # send sequence number -> position
+        self._dirty = False
+        run_dir = getattr(ctx, "run_dir", None)
+        self._state_path = (
+            Path(run_dir) / "state" / f"feeder.{ctx.replica}.json" if run_dir else None
+        )
 
     async def setup(self) -> None:
         # reading and tokenizing a big file takes a while: keep the loop (heartbeats) free
@@ -89,6 +113,10 @@ class Feeder:
             else None
         )
         self.shard_size = len(range(ctx.replica, len(self.prompts), ctx.replicas))
+        self._resume()
+        out = ctx.outputs["prompts"]
+        if hasattr(out, "on_ack"):
+            out.on_ack(self._acked)
         self.log.info(
             "feeder_ready",
             prompts=len(self.prompts),
@@ -104,36 +132,125 @@ class Feeder:
             # more replicas than prompts: nothing is ours (never spin through empty epochs)
             self.log.warning("feeder_empty_shard", prompts=len(self.prompts))
             return
-        out = self.ctx.outputs["prompts"]
-        epochs = self.config.epochs
-        next_metrics = time.monotonic() + self.config.metrics_every_s
-        reason = "epochs"
-        while epochs == 0 or self.epoch < epochs:
-            order = feed_order(
-                len(self.prompts),
-                self.epoch,
-                seed=self.config.seed,
-                shuffle=self.config.shuffle,
-                replica=self.ctx.replica,
-                replicas=self.ctx.replicas,
-            )
-            left = None if self.budget is None else self.budget - self.sent
-            for position in order[:left]:
-                await out.send("prompt", self.prompts[position])
-                self.sent += 1
-                if time.monotonic() >= next_metrics:
-                    self._metrics()
-                    next_metrics = time.monotonic() + self.config.metrics_every_s
-            if left is not None and left < len(order):
-                reason = "max_prompts"
-                break
-            self.log.info("epoch_done", epoch=self.epoch, prompts=len(order), sent=self.sent)
-            self.epoch += 1
+        saver = asyncio.create_task(self._save_often(), name="feeder-state")
+        try:
+            reason = await self._feed()
+        finally:
+            saver.cancel()
+            await asyncio.gather(saver, return_exceptions=True)
+            self._save()
         self._metrics()
         self.log.info("feeder_done", reason=reason, sent=self.sent, epochs_done=self.epoch)
 
+    async def _feed(self) -> str:
+        """Send from position ``next`` on (skipping what was processed); returns why it ended."""
+        out = self.ctx.outputs["prompts"]
+        epochs, shard = self.config.epochs, self.shard_size
+        next_metrics = time.monotonic() + self.config.metrics_every_s
+        position, order, order_epoch = self.next, [], -1
+        start = position
+        while True:
+            self.epoch, index = divmod(position, shard)
+            if index == 0 and position > start and self.epoch != order_epoch:
+                self.log.info("epoch_done", epoch=self.epoch - 1, prompts=shard, sent=self.sent)
+                order_epoch = -1  # logged once, whatever ends the feed here
+            if self.budget is not None and position >= self.budget:
+                return "max_prompts"
+            if epochs and self.epoch >= epochs:
+                return "epochs"
+            if self.epoch != order_epoch:
+                order_epoch = self.epoch
+                order = feed_order(
+                    len(self.prompts),
+                    self.epoch,
+                    seed=self.config.seed,
+                    shuffle=self.config.shuffle,
+                    replica=self.ctx.replica,
+                    replicas=self.ctx.replicas,
+                )
+            if position not in self.acked_above:  # processed before a restart: not again
+                seq = await out.send("prompt", self.prompts[order[index]])
+                if isinstance(seq, int):
+                    self._position_of[seq] = position
+                self.sent += 1
+            position += 1
+            if time.monotonic() >= next_metrics:
+                self._metrics()
+                next_metrics = time.monotonic() + self.config.metrics_every_s
+
+    # ------------------------------------------------------------------ position
+    def _acked(self, seq: int) -> None:
+        position = self._position_of.pop(seq, None)
+        if position is None or position < self.next:
+            return
+        self.acked_above.add(position)
+        while self.next in self.acked_above:
+            self.acked_above.discard(self.next)
+            self.next += 1
+        self._dirty = True
+
+    def _state_key(self) -> dict[str, Any]:
+        return {
+            "seed": self.config.seed,
+            "shuffle": self.config.shuffle,
+            "shard": self.shard_size,
+            "replicas": self.ctx.replicas,
+        }
+
+    def _resume(self) -> None:
+        """Continue from the position a previous process of this replica saved, if any."""
+        if self._state_path is None or not self._state_path.exists():
+            return
+        try:
+            state = json.loads(self._state_path.read_text())
+            key, start = state["for"], int(state["next"])
+            above = {int(k) for k in state["acked_above"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.log.warning("feeder_state_unusable", path=str(self._state_path), error=str(exc))
+            return
+        if key != self._state_key():
+            self.log.warning(
+                "feeder_state_ignored",
+                path=str(self._state_path),
+                reason=f"written for {key}, not {self._state_key()}: starting afresh",
+            )
+            return
+        self.next, self.acked_above = start, {k for k in above if k > start}
+        self.log.info(
+            "feeder_resumed",
+            next=self.next,
+            epoch=self.next // max(self.shard_size, 1),
+            processed_beyond=len(self.acked_above),
+        )
+
+    def _save(self) -> None:
+        if self._state_path is None or not self._dirty:
+            return
+        self._dirty = False
+        state = {
+            "for": self._state_key(),
+            "next": self.next,
+            "acked_above": sorted(self.acked_above),
+        }
+        tmp = self._state_path.with_suffix(".tmp")
+        with contextlib.suppress(FileExistsError):
+            self._state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self._state_path)
+
+    async def _save_often(self) -> None:
+        while True:  # a periodic timer: the position on disk is at most half a second old
+            await asyncio.sleep(0.5)
+            self._save()
+
     def _metrics(self) -> None:
-        self.ctx.metrics(sent=self.sent, epoch=self.epoch, bad=self.bad, prompts=self.shard_size)
+        self.ctx.metrics(
+            sent=self.sent,
+            epoch=self.epoch,
+            bad=self.bad,
+            prompts=self.shard_size,
+            processed_below=self.next,
+        )
 
     async def close(self) -> None:
-        pass
+        self._save()  # acknowledgements that came after run() (while the outputs finished)
