@@ -507,6 +507,12 @@ class Receiver:
         if not isinstance(identity, str):
             self._reject("bad_control", "EOS without an identity string", sender)
             return
+        if header.get("to") != self._session and identity not in self._finished:
+            # Addressed to an earlier instance of this consumer (we restarted), or sent before
+            # the producer heard from us: it may still hold messages for us that it has to send
+            # again. Take it as a hello; the producer answers our credit with them, then EOS.
+            self._on_hello(rid, producer, header, sender)
+            return
         self._producers.pop(rid, None)  # its outstanding credit returns to the pool
         self._finished.add(identity)
         self._log.debug("producer_finished", port=self.name, sender=identity)

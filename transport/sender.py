@@ -209,6 +209,7 @@ class Sender:
                 self._heartbeat.cancel()  # no PING may follow our EOS
                 await asyncio.gather(self._heartbeat, return_exceptions=True)
             if eos and self._peers and self._started:
+                self._finishing = True
                 await self._send_eos(timeout_s)
         finally:
             for task in self._tasks:
@@ -408,7 +409,6 @@ class Sender:
     async def _redeliver_loop(self) -> None:
         while True:
             await self._resend_ready.wait()
-            sent_to: set[_Peer] = set()
             while self._resend:
                 held = self._unacked.get(self._resend[0])
                 if held is None or held.peer is not None:  # acked or dropped meanwhile
@@ -421,10 +421,10 @@ class Sender:
                     continue
                 held.peer, held.session = peer, peer.session
                 await self._send_data(peer, seq, held.frames)
-                sent_to.add(peer)
-            if self._finishing:  # they are new to that consumer, and so is our end
-                for peer in sent_to:
-                    await self._eos_to(peer)
+            if self._finishing:  # our end, to every consumer that has not taken it yet
+                for peer in self._peers:
+                    if not peer.eos_acked and peer.session is not None:
+                        await self._eos_to(peer)
             self._resend_ready.clear()
 
     async def _wait_for_credit(self) -> _Peer:
@@ -448,7 +448,11 @@ class Sender:
 
     def _pick(self) -> _Peer | None:
         now = time.monotonic()
-        ready = [p for p in self._peers if p.credit > 0 and p.live(now, self._peer_timeout_s)]
+        ready = [
+            p
+            for p in self._peers
+            if p.credit > 0 and p.live(now, self._peer_timeout_s) and not p.eos_acked
+        ]  # (a consumer that took our EOS has ended its input: it would not process more)
         if not ready:
             return None
         most = max(p.credit for p in ready)
@@ -583,7 +587,10 @@ class Sender:
             peer.session, peer.epoch, peer.sent, peer.granted = session, epoch, 0, granted
             peer.last_session = session
             if old is not None and old != session:
+                peer.eos_acked = False  # a new instance: it has not had our EOS
                 self._redeliver_to_others(peer, old)
+            if self._finishing:  # it needs our EOS, addressed to it (after any redelivery)
+                self._resend_ready.set()
         else:
             peer.granted = max(peer.granted, granted)
         peer.consumed = consumed

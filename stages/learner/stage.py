@@ -418,6 +418,8 @@ class Learner:
 
     async def _checkpoint(self) -> None:
         path = self._checkpoint_root() / f"step-{self.step:06d}"
+        if self.rank == 0:  # written again (a rerun of this step): not complete until it is
+            (path / "COMPLETE").unlink(missing_ok=True)
         state = {
             "step": self.step,
             "version": self.version,

@@ -1,4 +1,4 @@
-"""The RL loop survives its parts being killed: ``inflight run`` with everything real.
+"""The RL loop survives its parts being killed or stalled: ``inflight run`` with everything real.
 
 A SIGKILLed scorer comes back and gets again what it held unacknowledged (its inbox, the groups
 it was scoring): the generator keeps every group it sent until the scorer has sent it on.
@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -123,3 +124,59 @@ def test_run_completes_after_its_generator_or_engine_is_killed(tmp_path, model_d
         assert [e["exit_code"] for e in generator if e["event"] == "engine_exited"] == [-9]
         reset = [e for e in generator if e["event"] == "engine_version_reset"]
         assert reset and reset[0]["now"] == 0
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_scorer_holds_everyone_flat_and_the_run_goes_on(tmp_path, model_dir):
+    """SIGSTOP the scorer for 12 s mid-run: producers block on credit, nobody's memory grows,
+    and the run completes once it continues."""
+    config = rl_config(tmp_path, model_dir, steps=STEPS)
+    run_dir = tmp_path / "run"
+    proc = start_inflight("run", str(config), "--run-dir", str(run_dir), "-q", env=_ENV)
+    scorer = None
+    try:
+        wait_for(lambda: _steps(run_dir) >= KILL_AT, 120, f"{KILL_AT} train steps")
+        spawned = {
+            e["replica_name"]: e["pid"]
+            for e in events(run_dir, "supervisor")
+            if e["event"] == "replica_spawned"
+        }
+        scorer = spawned.pop("scorer.0")
+        watched = {**spawned, "engine": _victim_pid(run_dir, "engine")}
+        os.kill(scorer, signal.SIGSTOP)
+        stalled_at = _steps(run_dir)
+        time.sleep(3)  # what was in flight settles: queues fill up to their bounds
+        early = {name: _rss_kb(pid) for name, pid in watched.items()}
+        time.sleep(9)
+        late = {name: _rss_kb(pid) for name, pid in watched.items()}
+        assert _steps(run_dir) <= stalled_at + 1  # nothing reached the learner meanwhile
+        os.kill(scorer, signal.SIGCONT)
+        scorer = None
+        output, _ = proc.communicate(timeout=200)
+        assert proc.returncode == 0, output[-4000:]
+    finally:
+        if scorer is not None:
+            os.kill(scorer, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            for pid in spawned_pids(run_dir):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+    for name in early:  # flat: within 5% or 4 MB, whichever is larger
+        assert late[name] - early[name] <= max(0.05 * early[name], 4096), (name, early, late)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == STEPS
+    # the generator waited for credit while the scorer was stopped
+    waits = [
+        e["out.rollouts.credit_wait_s"]
+        for e in events(run_dir, "generator.0")
+        if e["event"] == "metrics" and "out.rollouts.credit_wait_s" in e
+    ]
+    assert waits[-1] >= 5, waits
+    assert not [e for e in events(run_dir, "supervisor") if e["event"] == "replica_failed"]

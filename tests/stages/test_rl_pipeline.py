@@ -78,6 +78,11 @@ def test_async_loop_trains_publishes_evaluates_and_checkpoints(tmp_path, model_d
 def test_resume_continues_from_the_last_checkpoint(tmp_path, model_dir):
     run_dir = tmp_path / "run"
     _run(_config(tmp_path, model_dir, steps=2), run_dir)
+    # a checkpoint whose writing was cut short (no COMPLETE marker) must never be loaded
+    partial = run_dir / "checkpoints" / "step-000003"
+    (partial / "deepspeed").mkdir(parents=True)
+    (partial / "deepspeed" / "latest").write_text("state")
+    (partial / "model.safetensors").write_bytes(b"\0" * 100)
     result = run_inflight(
         "run",
         str(_config(tmp_path, model_dir, steps=4)),

@@ -167,3 +167,33 @@ async def test_a_finished_producer_waits_until_everything_was_processed(ctx, ipc
         waiting.cancel()
         await out.aclose(eos=False)
         await second.aclose()
+
+
+@pytest.mark.timeout(20)
+async def test_an_end_of_stream_meant_for_a_dead_consumer_does_not_end_its_restart(ctx, ipc_dir):
+    """The producer finishes while its consumer is being restarted: the new consumer must get
+    what the old one held, and only then the end of the stream (an EOS addressed to the old
+    instance is taken as a hello, not as the end)."""
+    addr = ipc_address(ipc_dir, "in")
+    first = receiver(ctx, addr, capacity=8, expected=["p.0"])
+    await first.start()
+    # a slow heartbeat: the new consumer hears our EOS before any hello
+    out = sender(ctx, [addr], heartbeat_s=3.0, peer_timeout_s=10.0)
+    await out.start()
+    for i in range(6):
+        await out.send("item", {"id": i})
+    await eventually(lambda: first.stats()["depth"] == 6)
+    await _crash(first)
+    second = receiver(ctx, addr, capacity=8, expected=["p.0"])
+    await second.start()
+    await asyncio.sleep(0.5)  # the producer's socket reconnects
+    finishing = asyncio.create_task(out.finish())
+    try:
+        got = [msg.data["id"] async for msg in second]  # ends only at the real end of stream
+        assert sorted(got) == list(range(6))
+        await asyncio.wait_for(finishing, 5)
+        assert out.stats()["unacked"] == 0 and out.stats()["redelivered"] == 6
+    finally:
+        finishing.cancel()
+        await out.aclose(eos=False)
+        await second.aclose()
