@@ -66,6 +66,7 @@ class Learner:
         self.evaluator: Any = None
         self.step = 0
         self.version = 0
+        self.offset = 0  # policy version = ceil(step / publish.every) + offset (see setup)
         self.counts = {"samples": 0, "groups": 0, "stale": 0, "bad_groups": 0, "skipped_steps": 0}
         self.totals = {"lag": 0.0, "tis_clip_frac": 0.0, "ess": 0.0, "mismatch_kl": 0.0, "n": 0}
         self._carry: list[TrainSample] = []
@@ -116,6 +117,14 @@ class Learner:
             state = await asyncio.to_thread(self.trainer.load, str(resumed))
             self.step = int(state.get("step", 0))
             self.version = int(state.get("version", 0))
+            self.offset = int(state.get("version_offset", 0))
+            live = int(getattr(self.ctx, "version", 0) or 0)
+            if live >= self.version and live > 0:
+                # restarted mid-run: versions up to `live` were published after this checkpoint
+                # and everyone holds them as current. Versions only grow, so these weights go
+                # out as a new one, and later ones count on from there.
+                self.offset += live + 1 - self.version
+                self.version = live + 1
             for key in self.counts:
                 self.counts[key] = int(state.get("counts", {}).get(key, 0))
             self.totals.update(state.get("totals", {}))
@@ -124,6 +133,7 @@ class Learner:
                 checkpoint=str(resumed),
                 step=self.step,
                 policy_version=self.version,
+                version_offset=self.offset,
             )
         self.resumed = resumed is not None
 
@@ -179,7 +189,7 @@ class Learner:
             if not go_on:
                 self.log.warning("input_ended", step=self.step, steps=cfg.steps)
                 break
-            policy_version = self.step // cfg.publish.every
+            policy_version = self.step // cfg.publish.every + self.offset
             # time this step waited for samples, and for the last publish (hand-off included)
             timing = {"wait_s": time.monotonic() - waited, "publish_s": publish_s}
             metrics = await asyncio.to_thread(self.trainer.step, samples, policy_version)
@@ -190,7 +200,8 @@ class Learner:
             last = self.step == cfg.steps
             publish_s = time.monotonic()
             if self.step % cfg.publish.every == 0 or last:
-                await self._publish(-(-self.step // cfg.publish.every))  # ceil: the last step too
+                # ceil: the last step too
+                await self._publish(-(-self.step // cfg.publish.every) + self.offset)
             publish_s = time.monotonic() - publish_s
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not last:
                 await self._checkpoint()
@@ -272,7 +283,7 @@ class Learner:
 
     def _fresh(self, samples: list[TrainSample]) -> list[TrainSample]:
         """Drop (and count) samples whose oldest token is more than ``max_lag`` versions old."""
-        current = self.step // self.config.publish.every
+        current = self.step // self.config.publish.every + self.offset
         kept = []
         for s in samples:
             if current - int(s.versions.min()) <= self.config.max_lag:
@@ -423,6 +434,7 @@ class Learner:
         state = {
             "step": self.step,
             "version": self.version,
+            "version_offset": self.offset,
             "counts": self.counts,
             "totals": self.totals,
         }

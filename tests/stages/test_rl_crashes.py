@@ -42,7 +42,7 @@ def _steps(run_dir) -> int:
 
 
 def _victim_pid(run_dir, victim: str) -> int:
-    if victim in ("generator", "scorer"):
+    if victim in ("generator", "scorer", "learner"):
         spawned = [
             e
             for e in events(run_dir, "supervisor")
@@ -51,6 +51,20 @@ def _victim_pid(run_dir, victim: str) -> int:
         return spawned[-1]["pid"]
     launched = [e for e in events(run_dir, "generator.0") if e["event"] == "engine_launched"]
     return launched[-1]["pid"]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_learner_resumes_from_its_checkpoint_with_newer_versions(tmp_path, model_dir):
+    run_dir, summary, killed_at = _run_and_kill(tmp_path, model_dir, "learner")
+    learner = events(run_dir, "learner.0")
+    (resumed,) = [e for e in learner if e["event"] == "learner_resumed"]
+    assert resumed["step"] <= killed_at and resumed["step"] % 2 == 0  # a checkpoint every 2
+    published = [e["policy_version"] for e in learner if e["event"] == "weights_published"]
+    before = published[: published.index(resumed["policy_version"])]
+    # versions only grow: the resumed weights go out as a version newer than any before
+    assert before and resumed["policy_version"] > max(before)
+    assert published == sorted(published)
+    assert summary["policy_version"] == STEPS + resumed["version_offset"]
 
 
 def _run_and_kill(tmp_path, model_dir, victim: str):
