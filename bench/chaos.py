@@ -117,12 +117,10 @@ def main() -> int:
     if (run_dir / "summary.json").exists():
         summary = json.loads((run_dir / "summary.json").read_text())
     finished = [e for e in _events(run_dir, "supervisor") if e["event"] == "run_finished"]
-    redelivered = 0
-    for name in ("feeder.0", "generator.0", "scorer.0"):
-        finals = [e for e in _events(run_dir, name) if e["event"] == "metrics"]
-        for e in finals:
-            if e.get("final"):
-                redelivered += sum(v for k, v in e.items() if k.endswith(".redelivered"))
+    # every producer that sent messages again to a restarted consumer said how many
+    redelivered = sum(
+        e.get("count", 0) for e in _events(run_dir, "*") if e["event"] == "redelivering"
+    )
     by_victim: dict[str, int] = {}
     for k in kills:
         by_victim[k["victim"]] = by_victim.get(k["victim"], 0) + 1

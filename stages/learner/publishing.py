@@ -139,6 +139,10 @@ class Publishing:
             self._retry_s = min(self._retry_s * 2, _RETRY_CAP_S)
         self._failed_at, self._failed_with = time.monotonic(), self._wanted()
 
+    def urls(self) -> list[str]:
+        """The engines as announced now (or as configured)."""
+        return list(self.config.engines) or _urls(self._announced())
+
     def _wanted(self) -> dict[str, Any]:
         return {"urls": self.config.engines} if self.config.engines else self._announced()
 

@@ -169,6 +169,11 @@ class Learner:
             self._first_eval = asyncio.create_task(self._evaluate_initial(), name="first-eval")
         await self.publishing.connect()
 
+    def _eval_urls(self) -> list[str]:
+        """The engines to evaluate on now: a generator restarted since the start announced
+        new ones (its old engine is gone)."""
+        return self.publishing.urls() or self._urls
+
     async def _evaluate_initial(self) -> None:
         result = await self.evaluator.evaluate(self._urls, step=0, version=0)
         await self.ctx.summary(eval_before=result["accuracy"])
@@ -416,7 +421,7 @@ class Learner:
         """Run due evaluations one after another; training goes on meanwhile."""
         while self._eval_due is not None:
             (step, version), self._eval_due = self._eval_due, None
-            await self.evaluator.evaluate(self._urls, step=step, version=version)
+            await self.evaluator.evaluate(self._eval_urls(), step=step, version=version)
 
     # ------------------------------------------------------------ checkpoints
     def _checkpoint_root(self) -> Path:
@@ -466,7 +471,9 @@ class Learner:
                 await task
         summary: dict[str, Any] = {}
         if self.evaluator is not None:
-            final = await self.evaluator.evaluate(self._urls, step=self.step, version=self.version)
+            final = await self.evaluator.evaluate(
+                self._eval_urls(), step=self.step, version=self.version
+            )
             summary["eval_after"] = final["accuracy"]
             summary["evals"] = self.evaluator.history
         n = max(self.totals["n"], 1)

@@ -143,6 +143,9 @@ def _learner(
         async def behind(self) -> str | None:
             return None  # the engines always have the current weights here
 
+        def urls(self) -> list[str]:
+            return ["http://engine"]
+
         async def close(self) -> None:
             pass
 

@@ -128,6 +128,8 @@ def test_run_completes_after_its_generator_or_engine_is_killed(tmp_path, model_d
     # the first weights the new engine got were the learner's current ones, not the model's
     assert after_restart and after_restart[0] >= killed_at, after_restart
     assert after_restart[-1] == STEPS
+    # the last evaluation went to the engines of the day, not to one that was killed
+    assert summary["evals"][-1]["failed"] == 0, summary["evals"][-1]
     if victim == "generator":
         restarting = [
             e for e in events(run_dir, "supervisor") if e["event"] == "replica_restarting"
