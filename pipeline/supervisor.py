@@ -77,6 +77,7 @@ from pipeline.stage import stage_ports
 from pipeline.structured_log import close_process_logging, configure_process_logging
 from transport import ControlBroker
 from transport.address import ipc_address, tcp_address
+from transport.credit import sparse
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "Supervisor", "make_run_dir"]
 
@@ -450,7 +451,7 @@ class Supervisor:
         kind = f"{topic}: {problem}"
         self.refused[kind] += 1
         n = self.refused[kind]
-        if n & (n - 1) == 0:
+        if sparse(n):
             shown = {k: payload[k] for k in list(payload)[:8]}  # bounded: it may be anything
             self.log.warning(
                 "control_refused", topic=topic, problem=problem, count=n, payload=repr(shown)[:300]

@@ -52,6 +52,7 @@ import zmq
 import zmq.asyncio
 
 from transport.address import check_address
+from transport.credit import sparse
 from transport.errors import ChannelClosed, TransportError
 
 __all__ = ["ControlBroker", "ControlClient", "OnMessage"]
@@ -120,7 +121,7 @@ def _note_rejected(counts: Counter[str], log: Any, rejected: _Rejected) -> None:
     """Count a rejected message; log it at the 1st, 2nd, 4th ... of its kind."""
     counts[rejected.kind] += 1
     n = counts[rejected.kind]
-    if n & (n - 1) == 0:
+    if sparse(n):
         log.warning("control_message_rejected", kind=rejected.kind, detail=rejected.detail, count=n)
 
 

@@ -32,6 +32,7 @@ from transport.credit import (
     is_int,
     log_failed_send,
     schema_map,
+    sparse,
     unpack_map,
 )
 from transport.errors import ChannelClosed, DecodeError, EndOfStream, TransportError
@@ -259,6 +260,9 @@ class Receiver:
             return
         rid, seq = msg.ack_id
         msg.ack_id = None  # once
+        self._ack_seq(rid, seq)
+
+    def _ack_seq(self, rid: bytes, seq: int) -> None:
         self._acks.setdefault(rid, []).append(seq)
         self._schedule_acks()
 
@@ -435,12 +439,11 @@ class Receiver:
             ack_id = (rid, seq)
             if ack_id in self._seen:  # sent again, but we took it already: once is enough
                 self._duplicates += 1
-                if self._duplicates & (self._duplicates - 1) == 0:
+                if sparse(self._duplicates):
                     self._log.info(
                         "duplicate_dropped", port=self.name, sender=sender, count=self._duplicates
                     )
-                self._acks.setdefault(rid, []).append(seq)  # our ack may have been lost
-                self._schedule_acks()
+                self._ack_seq(rid, seq)  # our ack may have been lost
                 self._schedule_grant()
                 return
         try:
@@ -449,8 +452,7 @@ class Receiver:
             self._reject(e.reason, e.detail, sender)
             self._schedule_grant()  # its slot was never taken: grant it again
             if ack_id is not None:  # it can never be processed: do not have it sent again
-                self._acks.setdefault(rid, []).append(seq)
-                self._schedule_acks()
+                self._ack_seq(rid, seq)
             return
         if not credited:
             self._uncredited += 1

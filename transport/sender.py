@@ -31,6 +31,7 @@ from transport.credit import (
     is_int,
     schema_map,
     settled,
+    sparse,
     unpack_map,
 )
 from transport.errors import ChannelClosed, TransportError
@@ -320,12 +321,11 @@ class Sender:
             _, oldest = self._unacked.popitem(last=False)
             self._unacked_bytes -= oldest.nbytes
             self._unacked_dropped += 1
-            n = self._unacked_dropped
-            if n & (n - 1) == 0:
+            if sparse(self._unacked_dropped):
                 self._log.warning(
                     "unacked_dropped",
                     port=self.name,
-                    count=n,
+                    count=self._unacked_dropped,
                     max_unacked=self._max_unacked,
                     max_unacked_bytes=self._max_unacked_bytes,
                     detail="oldest message sent and never acknowledged: no longer kept for "

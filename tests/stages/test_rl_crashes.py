@@ -13,7 +13,6 @@ there, for good).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ import time
 
 import pytest
 
-from tests.pipeline.runs import events, spawned_pids, start_inflight, wait_for
+from tests.pipeline.runs import events, kill_tree, spawned_pids, start_inflight, wait_for
 from tests.stages.rl_config import rl_config
 from tests.stages.tiny_model import make_arith_model
 
@@ -79,12 +78,7 @@ def _run_and_kill(tmp_path, model_dir, victim: str):
         output, _ = proc.communicate(timeout=200)
         assert proc.returncode == 0, output[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            for pid in spawned_pids(run_dir):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS
@@ -178,12 +172,7 @@ def test_a_stalled_scorer_holds_everyone_flat_and_the_run_goes_on(tmp_path, mode
     finally:
         if scorer is not None:
             os.kill(scorer, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            for pid in spawned_pids(run_dir):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
     for name in early:  # flat: within 5% or 4 MB, whichever is larger
         assert late[name] - early[name] <= max(0.05 * early[name], 4096), (name, early, late)
     summary = json.loads((run_dir / "summary.json").read_text())
