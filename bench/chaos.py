@@ -6,11 +6,10 @@ engine server, or a learner rank (the learner restarts as a gang from its last c
 Victims, times and the run's configuration all follow ``--seed``. Every stage may restart often
 enough to outlive the kills. At the end it reads the run's summary and logs and prints one JSON
 line: status, steps done of those asked, wall time, kills per victim, restarts per replica,
-messages sent again to restarted consumers, samples dropped as stale.
+messages sent again to restarted consumers, and the run's ledger (``pipeline.ledger``): prompts
+fed, samples trained and dropped by reason, copies recognized, and ``unaccounted`` (must be 0).
 
     python bench/chaos.py [--kills 10] [--steps 150] [--seed 0] [--victims feeder,generator,...]
-
-Not measured here (yet): a ledger of every sample (``unaccounted``), which needs the ledger.
 """
 
 from __future__ import annotations
@@ -116,6 +115,7 @@ def main() -> int:
     summary = {}
     if (run_dir / "summary.json").exists():
         summary = json.loads((run_dir / "summary.json").read_text())
+    ledger = summary.get("ledger") or {}
     finished = [e for e in _events(run_dir, "supervisor") if e["event"] == "run_finished"]
     # every producer that sent messages again to a restarted consumer said how many
     redelivered = sum(
@@ -138,14 +138,21 @@ def main() -> int:
                 "kills_by_victim": by_victim,
                 "restarts": finished[-1].get("restarts") if finished else None,
                 "redelivered": redelivered,
-                "stale_dropped": summary.get("stale_dropped"),
+                "unaccounted": ledger.get("unaccounted"),
+                "ledger_incomplete": ledger.get("incomplete"),
+                "prompts_fed": ledger.get("prompts_fed"),
+                "prompts_refed": ledger.get("prompts_refed"),
+                "samples": ledger.get("samples"),
+                "copies_dropped": ledger.get("copies_dropped"),
+                "duplicate_fates": ledger.get("duplicate_fates"),
                 "catch_ups": (summary.get("publishes") or {}).get("catch_ups"),
                 "eval_after": summary.get("eval_after"),
                 "run_dir": str(run_dir),
             }
         )
     )
-    return 0 if finished and finished[-1]["status"] == "succeeded" else 1
+    ok = finished and finished[-1]["status"] == "succeeded" and ledger.get("unaccounted") == 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

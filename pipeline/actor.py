@@ -34,6 +34,7 @@ import zmq.asyncio
 from pipeline import topics
 from pipeline.config.errors import ConfigError
 from pipeline.config.typed import build
+from pipeline.ledger import LedgerReporter
 from pipeline.registry import resolve
 from pipeline.stage import stage_config_class, stage_ports
 from pipeline.structured_log import (
@@ -44,6 +45,8 @@ from pipeline.structured_log import (
 from transport import ControlClient, Receiver, Sender
 
 __all__ = ["ActorContext", "build_stage_config", "main"]
+
+_FINAL_LINGER_MS = 2000
 
 
 def build_stage_config(cls: type, options: Mapping[str, Any], stage: str) -> Any:
@@ -79,6 +82,13 @@ class ActorContext:
         # generator replica ("stage.replica") -> its latest `engines` announcement
         self.engines: dict[str, dict[str, Any]] = {}
         self._engines_changed = asyncio.Condition()
+        # where prompts and samples went (pipeline.ledger): published at once, in order
+        self.ledger = LedgerReporter(
+            lambda payload: control.publish_nowait(topics.LEDGER, self._signed(payload))
+        )
+
+    def _signed(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        return {"stage": self.stage, "replica": self.replica, "session": self.session, **payload}
 
     @property
     def version(self) -> int:
@@ -119,10 +129,7 @@ class ActorContext:
         await self.publish(topics.SUMMARY, {"values": values})
 
     async def publish(self, topic: str, payload: Mapping[str, Any]) -> None:
-        await self._control.publish(
-            topic,
-            {"stage": self.stage, "replica": self.replica, "session": self.session, **payload},
-        )
+        await self._control.publish(topic, self._signed(payload))
 
     def request_stop(self, reason: str, *, failed: bool = False) -> None:
         """Ask the supervisor to end the whole run once this is delivered: as ``succeeded``
@@ -133,6 +140,28 @@ class ActorContext:
         self._stop_publish = asyncio.get_running_loop().create_task(
             self.publish(topics.STOP, {"reason": reason, "outcome": outcome})
         )
+
+
+_TRANSPORT_COUNTERS = {  # what the ledger totals from each port's statistics
+    "in": ("duplicates", "uncredited"),
+    "out": ("redelivered", "unacked_dropped", "dropped"),
+}
+
+
+def _ledger_report(ctx: ActorContext, *, final: bool) -> None:
+    """Tell the ledger what this replica holds (at the end) and its transport counters."""
+    counters: dict[str, int] = {}
+    held: list[str] = []
+    for kind, ports in (("in", ctx.inputs), ("out", ctx.outputs)):
+        for channel in ports.values():
+            stats = channel.stats()
+            for key in _TRANSPORT_COUNTERS[kind]:
+                counters[key] = counters.get(key, 0) + int(stats.get(key, 0))
+            rejected = sum(stats.get("rejected", {}).values())
+            counters[f"rejected_{kind}"] = counters.get(f"rejected_{kind}", 0) + rejected
+            if final:
+                held.extend(channel.held_uids())
+    ctx.ledger.report(held, counters, final=final)
 
 
 def _channel_metrics(ctx: ActorContext) -> dict[str, Any]:
@@ -186,6 +215,8 @@ class _Replica:
                 ack=inputs[name].ack,
             )
             await receiver.start()
+            if not getattr(self.stage_cls, "keeps_ledger", False):
+                receiver.on_processed(lambda msg: ctx.ledger.consumed(msg.data.get("uid")))
             for producer in spec["finished_producers"]:
                 receiver.producer_finished(producer)
             ctx.inputs[name] = receiver
@@ -226,6 +257,7 @@ class _Replica:
             self.ctx.metrics(
                 uptime_s=round(time.monotonic() - started, 3), **_channel_metrics(self.ctx)
             )
+            _ledger_report(self.ctx, final=False)
 
     async def listen(self) -> None:
         while True:
@@ -281,6 +313,8 @@ class _Replica:
                     self.log.exception("stage_close_failed")
                     code = code or 1
             self.ctx.metrics(final=True, **_channel_metrics(self.ctx))
+            if code == 0:  # a failed stage's holdings are not known: its producers resend
+                _ledger_report(self.ctx, final=True)
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -305,7 +339,9 @@ class _Replica:
                     await channel.aclose(eos=False)
                 else:
                     await channel.aclose()
-        await self.control.aclose()
+        # the last ledger report must reach the supervisor: linger for it (the context's
+        # termination waits up to that long for messages still queued)
+        await self.control.aclose(linger_ms=_FINAL_LINGER_MS)
         self.zctx.destroy(linger=0)
 
 

@@ -88,6 +88,7 @@ class StageContext(Protocol):
     stop_requested: asyncio.Event  # set when the run is shutting down (run() is then cancelled)
     stages: Mapping[str, int]  # every stage of the pipeline -> its number of replicas
     engines: Mapping[str, Any]  # generator replica -> its `engines` announcement (urls, epoch)
+    ledger: Any  # pipeline.ledger.LedgerReporter: where this stage's samples ended
 
     @property
     def version(self) -> int: ...  # latest policy version announced on the control bus
@@ -108,7 +109,12 @@ class StageContext(Protocol):
 
 @runtime_checkable
 class Stage(Protocol):
-    """A pipeline stage. Build it as ``cls(config, ctx)``; the runtime calls the coroutines."""
+    """A pipeline stage. Build it as ``cls(config, ctx)``; the runtime calls the coroutines.
+
+    A stage that reports to the run's ledger where the samples it takes end (``ctx.ledger``,
+    ``pipeline.ledger``) sets ``keeps_ledger = True``; for any other stage, each message it
+    processes ends its prompt in the ledger (``consumed``).
+    """
 
     Config: ClassVar[type]
     inputs: ClassVar[Mapping[str, Port]]

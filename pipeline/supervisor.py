@@ -35,6 +35,11 @@ GPUs when it has any. Replicas that reserve no cores float on the cores nobody r
 replica that launches engines gets their placements in ``INFLIGHT_ENGINE_PLACEMENT`` and applies
 them itself. Without any ``resources`` in the config nothing of this happens.
 
+The ledger (``pipeline.ledger``): replicas report on the control bus where each prompt and sample
+went; the supervisor logs a ``ledger`` event every ``_LEDGER_EVERY_S`` and, at the end, balances
+it into ``summary.json`` (``ledger``). A ledger that does not balance (``unaccounted`` > 0) is a
+bug somewhere: the run is ``failed`` and the log names the prompts that went missing.
+
 The console shows every replica's events as they are written (the same view as ``inflight logs
 -f``). The last event of a run is ``run_finished`` with its status and exit code; stages may add
 values to ``RUN_DIR/summary.json`` (``summary`` on the control bus), written when the run ends.
@@ -62,6 +67,7 @@ import zmq.asyncio
 from pipeline import topics
 from pipeline.config import ConfigError, LoadedPipeline, dump_yaml
 from pipeline.config.schema import STAGE_KEYS
+from pipeline.ledger import LedgerBook
 from pipeline.log_view import LogFilter, LogTail, render
 from pipeline.placement import (
     ENGINE_PLACEMENT_ENV,
@@ -83,6 +89,8 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "Supervisor", "make_run_dir"]
 
 EXIT_OK, EXIT_FAILED = 0, 1
 _BACKOFF_CAP_S = 30.0
+_LEDGER_EVERY_S = 10.0  # how often the running ledger is logged
+_FINAL_REPORT_WAIT_S = 5.0  # at the end, how long to wait for replicas' final ledger reports
 
 
 def make_run_dir(
@@ -170,6 +178,9 @@ class Supervisor:
         self._started = time.monotonic()
         self._key = secrets.token_bytes(32)  # signs the control bus (see the module docstring)
         self.refused: Counter[str] = Counter()  # control messages refused, by reason
+        self.ledger = LedgerBook()
+        self._ledger_logged = 0.0
+        self._ledger_reported = asyncio.Event()  # a final ledger report arrived
 
     # ----------------------------------------------------------------- wiring
     def _addresses(self) -> tuple[dict[tuple[str, int, str], str], dict[str, str]]:
@@ -424,6 +435,12 @@ class Supervisor:
             self._write_summary()
         elif topic == topics.STOP:
             self._on_stop(payload)
+        elif topic == topics.LEDGER:
+            problem = self.ledger.take(payload)
+            if problem is not None:
+                self._refuse(topic, problem, payload)
+            elif payload.get("final"):
+                self._ledger_reported.set()
 
     def _on_stop(self, payload: dict[str, Any]) -> None:
         """A stage asks to end the run: taken only from a live replica, with a reason."""
@@ -469,6 +486,9 @@ class Supervisor:
             for announcement in list(self.engines.values()):
                 await self.broker.publish(topics.ENGINES, announcement)
             now = time.monotonic()
+            if self.ledger and now - self._ledger_logged >= _LEDGER_EVERY_S:
+                self._ledger_logged = now
+                self.log.info("ledger", **self.ledger.running())
             for rep in self.replicas.values():
                 if rep.proc is None or rep.proc.returncode is not None or rep.failure:
                     continue
@@ -489,6 +509,35 @@ class Supervisor:
         tmp = self.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(values, indent=1, default=str))
         tmp.replace(self.run_dir / "summary.json")
+
+    async def _balance_ledger(self) -> dict[str, Any] | None:
+        """The ledger at the end (None when no stage keeps one). Waits briefly for the final
+        reports of replicas that ended cleanly; fails the run when it does not balance."""
+        if not self.ledger:
+            return None
+        clean = [r for r in self.replicas.values() if r.proc and r.proc.returncode == 0]
+        sessions = [r.session for r in clean]
+        deadline = time.monotonic() + _FINAL_REPORT_WAIT_S
+        while self.ledger.missing_finals(sessions) and time.monotonic() < deadline:
+            self._ledger_reported.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ledger_reported.wait(), deadline - time.monotonic())
+        ledger = self.ledger.balance(sessions)
+        unclean = [r.name for r in self.replicas.values() if r not in clean]
+        missing = [r.name for r in clean if r.session in self.ledger.missing_finals(sessions)]
+        if unclean or missing:
+            # what such a replica held is not known: the balance cannot be vouched for
+            ledger["incomplete"] = {"not_ended_cleanly": unclean, "no_final_report": missing}
+            self.log.warning("ledger_incomplete", **ledger["incomplete"], **_brief(ledger))
+        elif ledger["unaccounted"]:
+            self.log.error("ledger_unbalanced", **ledger.get("unaccounted_detail", {}))
+            self._outcome.status, self._outcome.exit_code = "failed", EXIT_FAILED
+            self._outcome.reason = (
+                f"the ledger does not balance: {ledger['unaccounted']} prompts unaccounted for"
+            )
+        else:
+            self.log.info("ledger_balanced", **_brief(ledger))
+        return ledger
 
     def _refused_counts(self) -> dict[str, int]:
         """Control messages not acted on: unsigned/malformed (the broker's) and by reason."""
@@ -578,6 +627,9 @@ class Supervisor:
             earlier = json.loads((run_dir / "summary.json").read_text())
             for key in ("status", "exit_code", "wall_s"):
                 earlier.pop(key, None)
+            if "ledger" in earlier:  # the ledgers of earlier processes of this run
+                earlier["ledger_earlier"] = [*earlier.get("ledger_earlier", []), earlier["ledger"]]
+                del earlier["ledger"]
             self.summary.update(earlier)
         try:
             inboxes, control = self._addresses()
@@ -619,13 +671,15 @@ class Supervisor:
                 await asyncio.gather(checker, return_exceptions=True)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            ledger = await self._balance_ledger() if hasattr(self, "broker") else None
             outcome = self._outcome
             refused = self._refused_counts()
-            if self.summary or refused:
+            if self.summary or refused or ledger:
                 self._write_summary(
                     status=outcome.status,
                     exit_code=outcome.exit_code,
                     **({"control_refused": refused} if refused else {}),
+                    **({"ledger": ledger} if ledger else {}),
                 )
             self.log.info(
                 "run_finished",
@@ -644,6 +698,12 @@ class Supervisor:
                 console_stop.set()
                 await console
         return self._outcome.exit_code
+
+
+def _brief(ledger: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures of a balanced ledger, for one log line."""
+    keys = ("prompts_fed", "prompts_complete", "copies_dropped", "unaccounted")
+    return {**{k: ledger[k] for k in keys}, **ledger["samples"]}
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -16,6 +16,8 @@ run's key (see ``transport.control``).
 - ``engines`` {stage, replica, urls, epoch}: the inference engines a generator replica uses
   (``epoch`` grows when one of them was restarted, so its weights must be sent again); the
   supervisor re-sends the latest of each replica every heartbeat. The weight publisher reads it.
+- ``ledger`` {stage, replica, session, ...}: where prompts and samples went (``pipeline.ledger``);
+  only the supervisor listens.
 - ``summary`` {stage, replica, values}: values for ``RUN_DIR/summary.json``; the supervisor merges
   them (later values win) and writes the file, with the run's status and wall time, at the end.
 """
@@ -28,3 +30,4 @@ SHUTDOWN = "shutdown"
 DONE = "done"
 ENGINES = "engines"
 SUMMARY = "summary"
+LEDGER = "ledger"

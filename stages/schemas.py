@@ -3,6 +3,11 @@
 ``prompt`` (feeder -> generator): one prompt, already tokenized, with whatever the reward needs
 in ``meta`` (the reference answer, the task name...).
 
+``uid`` (optional in every kind here): which feed of which prompt this is (the feeder's stage,
+replica and position), carried on by every message made of it; the run's ledger follows it
+(``pipeline.ledger``). Producers of your own may leave it out: their messages are then not in the
+ledger.
+
 ``rollout_group`` (generator -> scorer): the samples of one prompt that the generator got, in one
 message (one ZeroMQ message per group, not per sample, is most of what scoring a group costs
 downstream). Group-level fields as in ``rollout`` below; ``samples`` is a list of maps, one per
@@ -51,7 +56,7 @@ __all__ = ["PROMPT", "ROLLOUT", "ROLLOUT_GROUP", "SAMPLE_FIELDS", "SCORED_GROUP"
 PROMPT = Schema(
     "prompt",
     1,
-    {"prompt_id": "str", "input_ids": "list|array", "meta": "map|None"},
+    {"prompt_id": "str", "input_ids": "list|array", "meta": "map|None", "uid": "str|None"},
     doc="one tokenized prompt",
 )
 
@@ -72,6 +77,7 @@ ROLLOUT = Schema(
         "engine": "str",
         "timings": "map",
         "meta": "map|None",
+        "uid": "str|None",
     },
     doc="one sampled completion with per-token sampler log-probs and policy versions",
 )
@@ -87,6 +93,7 @@ ROLLOUT_GROUP = Schema(
         "prompt_ids": "array",
         "samples": "list",
         "meta": "map|None",
+        "uid": "str|None",
     },
     doc="the sampled completions of one prompt (one group), unscored",
 )
@@ -102,6 +109,7 @@ SCORED_GROUP = Schema(
         "prompt_ids": "array",
         "samples": "list",
         "meta": "map|None",
+        "uid": "str|None",
     },
     doc="the scored rollouts of one prompt (one group), for the learner",
 )

@@ -289,6 +289,7 @@ class ControlClient:
         if self._pub is not None or self._closed:
             raise TransportError("control client was already started")
         self._pub = _socket(self._ctx, zmq.XPUB)
+        self._pub_now = zmq.Socket.shadow(self._pub.underlying)  # the same socket, synchronous
         self._sub = _socket(self._ctx, zmq.SUB)
         self._pub.connect(self.pub_address)
         self._sub.connect(self.sub_address)
@@ -321,6 +322,27 @@ class ControlClient:
         await self._pub.send_multipart(_pack(topic, payload, self._key))
         self._counts["published"] += 1
 
+    def publish_nowait(self, topic: str, payload: Mapping[str, Any]) -> bool:
+        """Publish now, from synchronous code: the message is queued before this returns, so
+        it goes out ahead of anything this process sends later on any socket that it must
+        precede (a ledger entry before the acknowledgement it accounts for). False, counted as
+        ``dropped``, when the queue towards the broker is full (or the client is closed)."""
+        if self._closed or self._pub is None:
+            self._counts["dropped"] += 1
+            return False
+        frames = _pack(topic, payload, self._key)
+        try:
+            self._pub_now.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._counts["dropped"] += 1
+            if sparse(self._counts["dropped"]):
+                self._log.warning(
+                    "control_publish_dropped", topic=topic, count=self._counts["dropped"]
+                )
+            return False
+        self._counts["published"] += 1
+        return True
+
     async def recv(self) -> tuple[str, dict[str, Any]]:
         """The next well-formed message on a subscribed topic; malformed ones are skipped."""
         if self._closed:
@@ -343,15 +365,19 @@ class ControlClient:
             self._counts["received"] += 1
             return parsed
 
-    async def aclose(self) -> None:
-        """Release both sockets."""
+    async def aclose(self, linger_ms: int = 0) -> None:
+        """Release both sockets; what was published in the last ``linger_ms`` may still go out
+        while the ZeroMQ context terminates (a replica's last words: its final ledger)."""
         if self._closed:
             return
         self._closed = True
-        for sock in (self._pub, self._sub):
-            if sock is not None:
-                sock.close(linger=0)
+        if self._pub is not None:
+            self._pub.close(linger=linger_ms)
+        if self._sub is not None:
+            self._sub.close(linger=0)
 
     def stats(self) -> dict[str, int]:
-        """Messages published, received, malformed and refused (bad tag)."""
-        return {k: self._counts[k] for k in ("published", "received", "malformed", "refused")}
+        """Messages published, received, malformed, refused (bad tag) and dropped (a full queue
+        under ``publish_nowait``)."""
+        keys = ("published", "received", "malformed", "refused", "dropped")
+        return {k: self._counts[k] for k in keys}

@@ -9,7 +9,7 @@ import asyncio
 import secrets
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +142,9 @@ class Receiver:
         self._ack_scheduled = False
         self._acked = 0
         self._duplicates = 0
-        self._taken_unacked = 0  # manual mode: handed out, not yet acknowledged
+        # manual mode: handed out, not yet acknowledged: ack_id -> the message's uid (or None)
+        self._taken_unacked: dict[tuple[bytes, int], str | None] = {}
+        self._processed_callbacks: list[Callable[[Message], None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -230,7 +232,9 @@ class Receiver:
                 msg = self._inbox.popleft()
                 self._schedule_grant()  # a slot is free again
                 if self._manual_ack:
-                    self._taken_unacked += msg.ack_id is not None
+                    if msg.ack_id is not None:
+                        uid = msg.data.get("uid")
+                        self._taken_unacked[msg.ack_id] = uid if isinstance(uid, str) else None
                 else:
                     self._queue_ack(msg)
                 return msg
@@ -252,12 +256,19 @@ class Receiver:
         if not self._manual_ack:
             raise TransportError(f"receiver {self.name!r} acknowledges on take (ack='on_take')")
         if msg.ack_id is not None:
-            self._taken_unacked -= 1
+            self._taken_unacked.pop(msg.ack_id, None)
             self._queue_ack(msg)
+
+    def on_processed(self, callback: Callable[[Message], None]) -> None:
+        """Call ``callback(msg)`` for each message as it counts as processed, just before its
+        acknowledgement is queued (so what it publishes goes out first)."""
+        self._processed_callbacks.append(callback)
 
     def _queue_ack(self, msg: Message) -> None:
         if msg.ack_id is None:
             return
+        for callback in self._processed_callbacks:
+            callback(msg)
         rid, seq = msg.ack_id
         msg.ack_id = None  # once
         self._ack_seq(rid, seq)
@@ -329,8 +340,15 @@ class Receiver:
             "uncredited": self._uncredited,
             "acked": self._acked,
             "duplicates": self._duplicates,
-            "unacked": self._taken_unacked,
+            "unacked": len(self._taken_unacked),
         }
+
+    def held_uids(self) -> list[str]:
+        """The ``uid`` of each message in the inbox or taken and not yet acknowledged (of
+        those that carry one): what this consumer holds and its producers would send again."""
+        held = [u for u in self._taken_unacked.values() if u is not None]
+        held.extend(u for m in self._inbox if isinstance(u := m.data.get("uid"), str))
+        return held
 
     # -- internals ---------------------------------------------------------------------------
 

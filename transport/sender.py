@@ -75,6 +75,7 @@ class _Held:
     nbytes: int
     peer: _Peer | None  # where it went last (None: waiting to be sent again)
     session: str | None  # that consumer's session then
+    uid: str | None = None  # the message's ``uid`` (what the run's ledger follows), if any
 
 
 class Sender:
@@ -292,7 +293,11 @@ class Sender:
             peer = await self._wait_for_credit()
         self._seq += 1
         nbytes = sum(len(f) for f in frames)
-        self._hold(self._seq, _Held(frames, nbytes, peer, peer.session))
+        uid = data.get("uid")
+        self._hold(
+            self._seq,
+            _Held(frames, nbytes, peer, peer.session, uid if isinstance(uid, str) else None),
+        )
         self._sent += 1
         self._bytes += nbytes
         seq = self._seq
@@ -468,6 +473,10 @@ class Sender:
         """
         now = time.monotonic()
         return sum(max(0, p.credit) for p in self._peers if p.live(now, self._peer_timeout_s))
+
+    def held_uids(self) -> list[str]:
+        """The ``uid`` of each message sent and not yet acknowledged (that carries one)."""
+        return [h.uid for h in self._unacked.values() if h.uid is not None]
 
     def stats(self) -> dict[str, Any]:
         """Traffic, credit per consumer, and time spent waiting for credit (for metrics)."""

@@ -169,9 +169,11 @@ class Feeder:
                     replicas=self.ctx.replicas,
                 )
             if position not in self.acked_above:  # processed before a restart: not again
-                seq = await out.send("prompt", self.prompts[order[index]])
+                uid = f"{self.ctx.stage}.{self.ctx.replica}:{position}"
+                seq = await out.send("prompt", {**self.prompts[order[index]], "uid": uid})
                 if isinstance(seq, int):
                     self._position_of[seq] = position
+                    self.ctx.ledger.fed(uid)  # sent: in the ledger (nothing awaited between)
                 self.sent += 1
             position += 1
             if time.monotonic() >= next_metrics:

@@ -163,6 +163,7 @@ class _Collecting:
 
 class Generator:
     Config = GeneratorConfig
+    keeps_ledger = True  # reports where its samples end (pipeline.ledger)
     # a prompt is processed once its group is emitted (or all of it was dropped, counted)
     inputs = {"prompts": Port(PROMPT, ack="manual")}
     outputs = {"rollouts": Port(ROLLOUT_GROUP)}
@@ -580,11 +581,17 @@ class Generator:
     ) -> None:
         """Queue the group for sending: ``samples`` are (index, served, queued, started) of the
         samples that were not dropped, in index order; nothing is sent when all were dropped.
+        The dropped ones go in the ledger now, before the prompt can be acknowledged.
         The prompt's message is acknowledged once its group has gone on (``_emit``)."""
+        prompt = msg.data
+        size = self.config.group_size
+        kept = {index for index, *_ in samples}
+        self.ctx.ledger.fates(
+            ((prompt.get("uid"), size, i) for i in range(size) if i not in kept), "engine_failure"
+        )
         if not samples:
             self.ctx.inputs["prompts"].ack(msg)  # all dropped (and counted): processed
             return
-        prompt = msg.data
         item = (
             {
                 "run_id": self.run_id,
@@ -608,6 +615,7 @@ class Generator:
                     for index, served, queued, started in samples
                 ],
                 "meta": prompt.get("meta"),
+                "uid": prompt.get("uid"),
             },
             msg,
         )

@@ -31,11 +31,13 @@ import json
 import shutil
 import time
 from asyncio import FIRST_COMPLETED
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.ledger import TRAINED
 from pipeline.stage import Port, StageContext
 from stages.learner.config import LearnerConfig
 from stages.schemas import SCORED_GROUP
@@ -46,11 +48,13 @@ if TYPE_CHECKING:
 __all__ = ["Learner"]
 
 _ENGINE_WAIT_S = 600.0
+_SEEN_UIDS = 200_000  # uids of groups remembered to recognize copies
 _CATCH_UP_S = 1.0  # while waiting for samples, rank 0 checks this often that engines are current
 
 
 class Learner:
     Config = LearnerConfig
+    keeps_ledger = True  # reports where its samples end (pipeline.ledger)
     # a group is processed once every sample of it is in a finished step (or dropped, counted)
     inputs = {"groups": Port(SCORED_GROUP, doc="scored groups from the scorer", ack="manual")}
     outputs: dict[str, Port] = {}
@@ -67,11 +71,20 @@ class Learner:
         self.step = 0
         self.version = 0
         self.offset = 0  # policy version = ceil(step / publish.every) + offset (see setup)
-        self.counts = {"samples": 0, "groups": 0, "stale": 0, "bad_groups": 0, "skipped_steps": 0}
+        self.counts = {
+            "samples": 0,
+            "groups": 0,
+            "stale": 0,
+            "bad_groups": 0,
+            "skipped_steps": 0,
+            "copies": 0,  # groups of a prompt that came before, dropped
+        }
         self.totals = {"lag": 0.0, "tis_clip_frac": 0.0, "ess": 0.0, "mismatch_kl": 0.0, "n": 0}
         self._carry: list[TrainSample] = []
-        # received groups not yet processed: origin -> [message, samples not yet trained/dropped]
+        # received groups not yet processed: origin -> [message, samples not yet trained or
+        # dropped, uid, group_size]
         self._open: dict[int, list[Any]] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()  # uids of groups taken (copies)
         self._checked_at = 0.0  # rank 0: when it last checked that the engines are current
         self._origins = 0
         self._publish_task: asyncio.Task | None = None
@@ -136,6 +149,8 @@ class Learner:
                 version_offset=self.offset,
             )
         self.resumed = resumed is not None
+        if self.rank == 0:  # samples trained after the step we start from are not in the model
+            self.ctx.ledger.rollback(self.step)
 
     def _setup_blocking(self, evaluate: bool) -> tuple[list[dict[str, Any]], Any]:
         """The DeepSpeed engine, then (``evaluate``) the held-out prompts and their tokenizer."""
@@ -199,6 +214,7 @@ class Learner:
             timing = {"wait_s": time.monotonic() - waited, "publish_s": publish_s}
             metrics = await asyncio.to_thread(self.trainer.step, samples, policy_version)
             self.step += 1
+            self._fates(samples, TRAINED, step=self.step)
             for sample in samples:  # in a finished step: processed
                 self._done_with(sample.origin)
             self._account({**metrics, **timing}, time.monotonic() - started)
@@ -295,8 +311,17 @@ class Learner:
                 kept.append(s)
             else:
                 self.counts["stale"] += 1
+                self._fates([s], "stale")
                 self._done_with(s.origin)  # dropped and counted: processed
         return kept
+
+    def _fates(self, samples: list[TrainSample], reason: str, step: int | None = None) -> None:
+        """Tell the ledger where ``samples`` ended (before their groups are acknowledged)."""
+        slots = []
+        for s in samples:
+            _, _, uid, size = self._open[s.origin]
+            slots.append((uid, size, s.index))
+        self.ctx.ledger.fates(slots, reason, step=step)
 
     def _done_with(self, origin: int) -> None:
         """One more sample of group ``origin`` trained or dropped; the last acknowledges it."""
@@ -313,6 +338,16 @@ class Learner:
         from stages.learner.trainer import TrainSample
 
         group = msg.data
+        uid = group.get("uid")
+        if isinstance(uid, str):
+            if uid in self._seen:  # this prompt's group came before (made again after a crash)
+                self.ctx.ledger.copies(uid, len(group.get("samples") or ()))
+                self.counts["copies"] += 1
+                self.ctx.inputs["groups"].ack(msg)
+                return []
+            self._seen[uid] = None
+            if len(self._seen) > _SEEN_UIDS:
+                self._seen.popitem(last=False)
         try:
             prompt = np.asarray(group["prompt_ids"], dtype=np.int64)
             items = group["samples"]
@@ -331,6 +366,7 @@ class Learner:
         except (KeyError, TypeError, ValueError) as exc:
             self.counts["bad_groups"] += 1
             self.log.warning("group_dropped", group_id=group.get("group_id"), reason=str(exc))
+            self.ctx.ledger.fates(_slots_of(group), "bad_group")
             self.ctx.inputs["groups"].ack(msg)
             return []
         if not rows:
@@ -338,7 +374,7 @@ class Learner:
             return []
         self._origins += 1
         origin = self._origins
-        self._open[origin] = [msg, len(rows)]
+        self._open[origin] = [msg, len(rows), uid, group.get("group_size")]
         self.counts["groups"] += 1
         cfg = self.config
         advantages = group_advantages(
@@ -349,9 +385,9 @@ class Learner:
         )
         return self._fresh(
             [
-                TrainSample(prompt, ids, lp, versions, a, r, origin)
-                for (ids, lp, versions), a, r in zip(
-                    rows, advantages.tolist(), rewards.tolist(), strict=True
+                TrainSample(prompt, ids, lp, versions, a, r, origin, int(s.get("sample_index", i)))
+                for i, ((ids, lp, versions), a, r, s) in enumerate(
+                    zip(rows, advantages.tolist(), rewards.tolist(), items, strict=True)
                 )
             ]
         )
@@ -447,6 +483,7 @@ class Learner:
         await asyncio.to_thread(self.trainer.save, str(path), state, self.config.model)
         if self.rank == 0:
             (path / "COMPLETE").write_text(json.dumps(state))
+            self.ctx.ledger.checkpoint(self.step)
             complete = sorted(p.parent for p in self._checkpoint_root().glob("step-*/COMPLETE"))
             for old in complete[: -self.config.checkpoint.keep]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -505,3 +542,12 @@ class Learner:
         if self.evaluator is not None:
             await self.evaluator.close()
         await asyncio.to_thread(self.trainer.close)
+
+
+def _slots_of(group: Any) -> list[tuple[Any, Any, int]]:
+    """The ledger slots of a group's samples, as far as a malformed group names them."""
+    uid, size, items = group.get("uid"), group.get("group_size"), group.get("samples")
+    if not isinstance(size, int) or not isinstance(items, list):
+        return []
+    indexes = [s.get("sample_index") for s in items if isinstance(s, dict)]
+    return [(uid, size, i) for i in indexes if isinstance(i, int) and 0 <= i < size]

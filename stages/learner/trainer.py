@@ -70,6 +70,7 @@ class TrainSample:
     advantage: float
     reward: float
     origin: int = 0  # which received group it came from (the learner acknowledges groups)
+    index: int = 0  # its sample_index in that group
 
 
 def _device(config: LearnerConfig) -> torch.device:

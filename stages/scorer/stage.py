@@ -110,6 +110,7 @@ def _load_tokenizer(path: str) -> Any:
 
 class Scorer:
     Config = ScorerConfig
+    keeps_ledger = True  # reports where its samples end (pipeline.ledger)
     inputs = {
         # a message is processed once its group was sent on scored, or dropped (counted)
         "rollouts": Port(
@@ -210,6 +211,7 @@ class Scorer:
         group = self.pending.get(group_id)
         problem = self._problem(rollout, group)
         if problem is not None:
+            self._ledger_drop(rollout, problem)
             self.counts["dropped"] += 1
             self.log.warning(
                 "rollout_dropped",
@@ -238,6 +240,7 @@ class Scorer:
             rollout = {**head, **sample} if isinstance(sample, Mapping) else {}
             shape = ROLLOUT.check(rollout) if rollout else ["a sample is not a map"]
             if shape:
+                self._ledger_drop(rollout, "malformed")
                 self.counts["dropped"] += 1
                 self.log.warning(
                     "rollout_dropped",
@@ -270,6 +273,18 @@ class Scorer:
             return f"duplicate sample_index {index}"
         return None
 
+    def _ledger_drop(self, rollout: Mapping[str, Any], problem: str) -> None:
+        """A sample dropped: a second copy of one we have is not a fate of its own."""
+        uid, size = rollout.get("uid"), rollout.get("group_size")
+        index = rollout.get("sample_index")
+        if not (isinstance(size, int) and isinstance(index, int) and 0 <= index < size):
+            return  # no slot to name: a sample of no group (its slot shows as unaccounted)
+        if problem.startswith("duplicate"):
+            self.ctx.ledger.copies(uid, 1)
+        else:
+            reason = "late" if problem.startswith("late") else "malformed"
+            self.ctx.ledger.fates([(uid, size, index)], reason)
+
     def _release(self, group_id: str) -> None:
         """The group was sent on or dropped: acknowledge the messages it came in."""
         port = self.ctx.inputs["rollouts"]
@@ -297,6 +312,10 @@ class Scorer:
         else:
             self.counts["groups_dropped"] += 1
             self.counts["dropped"] += have
+            head = group.head
+            self.ctx.ledger.fates(
+                ((head.get("uid"), group.size, i) for i in group.samples), "incomplete_group"
+            )
             self._release(group_id)
             self.log.warning(
                 "group_dropped",
@@ -392,6 +411,7 @@ class Scorer:
                     "prompt_ids": head["prompt_ids"],
                     "samples": out,
                     "meta": head.get("meta"),
+                    "uid": head.get("uid"),
                 },
             )
             self.counts["groups_out"] += 1

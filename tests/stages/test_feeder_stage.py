@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import structlog.testing
 
+from pipeline.ledger import LedgerReporter
 from stages.feeder.arithmetic import make_tokenizer
 from stages.feeder.sources import SourceConfig, SourceError, load_prompts
 from stages.feeder.stage import Feeder, FeederConfig, feed_order
@@ -39,13 +40,15 @@ class FakeOutput:
     def __init__(self) -> None:
         self.sent: list[tuple[str, dict]] = []
 
-    async def send(self, kind: str, payload: dict) -> None:
+    async def send(self, kind: str, payload: dict) -> int:
         self.sent.append((kind, payload))
+        return len(self.sent)  # its seq
 
 
 def fake_ctx(replica: int = 0, replicas: int = 1, run_seed: int = 1234) -> SimpleNamespace:
     log = structlog.testing.CapturingLogger()
     metrics: list[dict] = []
+    reports: list[dict] = []
     return SimpleNamespace(
         stage="feeder",
         replica=replica,
@@ -55,6 +58,8 @@ def fake_ctx(replica: int = 0, replicas: int = 1, run_seed: int = 1234) -> Simpl
         outputs={"prompts": FakeOutput()},
         metrics=lambda **values: metrics.append(values),
         metric_calls=metrics,
+        ledger_reports=reports,
+        ledger=LedgerReporter(reports.append),
     )
 
 

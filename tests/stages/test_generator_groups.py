@@ -24,6 +24,7 @@ import pytest
 import structlog.testing
 from aiohttp import web
 
+from pipeline.ledger import LedgerReporter
 from stages.generator.controller import ControllerConfig
 from stages.generator.stage import Generator, GeneratorConfig, SamplingConfig
 from stages.schemas import ROLLOUT_GROUP, rollouts_of
@@ -187,6 +188,7 @@ def prompts(count: int) -> list[dict[str, Any]]:
             "prompt_id": f"p{i}",
             "input_ids": [1 + (7 * i + j) % 60 for j in range(6)],
             "meta": {"i": i},
+            "uid": f"feeder.0:{i}",
         }
         for i in range(count)
     ]
@@ -217,6 +219,7 @@ async def generate(
     )
     log = structlog.testing.CapturingLogger()
     metrics: list[dict[str, Any]] = []
+    ledger: list[dict[str, Any]] = []
 
     async def publish(topic: str, payload: dict[str, Any]) -> None:
         pass
@@ -238,6 +241,7 @@ async def generate(
         inputs={"prompts": PromptList(prompts(count), rollouts)},
         outputs={"rollouts": rollouts},
         metrics=lambda **values: metrics.append(values),
+        ledger=LedgerReporter(ledger.append),
         publish=publish,
         wait_for_version=wait_for_version,
     )
@@ -266,6 +270,7 @@ async def generate(
         named=lambda name: [e for e in events if e["event"] == name],
         done=done,
         metrics=metrics,
+        ledger=ledger,
         peak=peak,
         batches=batches,
         run_id=ctx.run_dir.name,
@@ -411,6 +416,10 @@ async def test_a_bad_prompt_is_dropped_without_blaming_the_engine(tmp_path, engi
     assert out.done["dropped"] == G and out.done["emitted"] == G * (count - 1)
     # dropped (and counted) is processed too: every prompt is acknowledged once
     assert sorted(out.acked) == ["p0", "p1", "p2"] and out.acked_before_sent == ["p1"]
+    # in the ledger, each of its samples (slots), as dropped for an engine failure
+    slots = [["feeder.0:1", G, i] for i in range(G)]
+    assert out.ledger == [{"fates": slots, "reason": "engine_failure", "step": None}]
+    assert all(g["uid"] == f"feeder.0:{g['prompt_id'][1:]}" for g in out.groups)
     # the group was refused, and so was every sample of it: the prompt, not the engine
     assert not out.named("group_requests_unsupported")
     assert out.done["engines_without_group_requests"] == 0

@@ -40,6 +40,12 @@ def _steps(run_dir) -> int:
     return max(steps, default=0)
 
 
+def _balanced(ledger: dict) -> None:
+    """Every prompt fed was trained, dropped for a reason or still in flight at the end."""
+    assert ledger["unaccounted"] == 0 and "incomplete" not in ledger, ledger
+    assert ledger["prompts_fed"] > 0 and ledger["samples"]["trained"] >= STEPS * 4, ledger
+
+
 def _victim_pid(run_dir, victim: str) -> int:
     if victim in ("generator", "scorer", "learner"):
         spawned = [
@@ -82,6 +88,7 @@ def _run_and_kill(tmp_path, model_dir, victim: str):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS
+    _balanced(summary["ledger"])
     assert killed_at < STEPS  # the kill landed mid-run
     return run_dir, summary, killed_at
 
@@ -177,6 +184,7 @@ def test_a_stalled_scorer_holds_everyone_flat_and_the_run_goes_on(tmp_path, mode
         assert late[name] - early[name] <= max(0.05 * early[name], 4096), (name, early, late)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS
+    _balanced(summary["ledger"])
     # the generator waited for credit while the scorer was stopped
     waits = [
         e["out.rollouts.credit_wait_s"]

@@ -1,0 +1,288 @@
+"""The run's ledger: where every prompt fed, and every sample made of it, ended up.
+
+Identity. The feeder gives each prompt it sends a ``uid`` (its replica and position: the same
+prompt fed again after a restart has the same uid), and every message made of it carries that
+uid on (``rollout_group``, ``scored_group``). A prompt of group size ``n`` is ``n`` sample slots.
+
+Reports. Each stage replica tells the supervisor, on the control bus (topic ``ledger``), the
+moment it decides something, before it acknowledges the message the decision is about (a
+replica killed in between has then said too much, which the book recognizes as a duplicate,
+never too little):
+
+- ``fed``: a prompt was sent (the feeder);
+- ``fates``: slots ended, as ``trained`` (in a finished optimizer step, with the step) or dropped
+  for a named reason (``engine_failure``, ``incomplete_group``, ``malformed``, ``late``,
+  ``stale``, ``bad_group``...);
+- ``consumed``: a stage that keeps no ledger (one of your own: its class does not set
+  ``keeps_ledger``) processed a message of the prompt: the prompt ends there;
+- ``copies``: a second copy of work already done was recognized and dropped (a prompt generated
+  again after its generator was killed); counted, not a slot's fate;
+- ``rollback``: the learner resumed from the checkpoint of step ``k``: samples trained in later
+  steps are no longer in the model (``rolled_back``, unless they come again and train again);
+  ``checkpoint``: steps up to ``k`` are saved, so they can no longer be rolled back;
+- ``final``: the replica is ending; ``held``: the uids of messages still in its inboxes, taken
+  and not yet acknowledged, or sent and not yet acknowledged downstream (in flight), and its
+  transport counters (``redelivered``, ``duplicates``...). Also sent periodically without
+  ``final``, for the counters of replicas that are killed.
+
+The book (:class:`LedgerBook`, in the supervisor) keeps, per uid, which slots have a fate (the
+first one counts; a later one is a duplicate). At the end, every fed prompt is either complete
+(each slot has a fate), or held by a live replica (its slots without a fate are in flight), or
+neither: ``unaccounted``. A message is held by someone until it is acknowledged, and it is
+acknowledged only after its fate was reported, so ``unaccounted`` is 0 in a run without bugs,
+whatever was killed (a stage that drops data without a report is such a bug: the run fails and
+says which prompts).
+
+Counts are per supervisor process (a resumed run keeps the earlier ledgers in
+``summary.json``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+__all__ = ["TRAINED", "LedgerBook", "LedgerReporter"]
+
+TRAINED = "trained"
+ROLLED_BACK = "rolled_back"
+_NONE, _FATED, _ROLLED = 0, 1, 2  # a slot's state in the book
+_EXAMPLES = 10  # uids named when the ledger does not balance
+
+
+class LedgerReporter:
+    """A replica's side: each call publishes one ``ledger`` message at once (synchronously).
+
+    ``publish(payload)`` queues a control-bus message (``ControlClient.publish_nowait`` with the
+    replica's stage, replica and session added). Messages without a uid (from producers that
+    keep no ledger) are not reported.
+    """
+
+    def __init__(self, publish: Callable[[dict[str, Any]], Any]) -> None:
+        self._publish = publish
+
+    def fed(self, uid: str) -> None:
+        self._publish({"fed": [uid]})
+
+    def fates(
+        self,
+        slots: Iterable[tuple[str | None, int, int]],
+        reason: str,
+        *,
+        step: int | None = None,
+    ) -> None:
+        """``slots``: (uid, group_size, sample_index) that ended as ``reason``."""
+        rows = [[u, n, i] for u, n, i in slots if isinstance(u, str)]
+        if rows:
+            self._publish({"fates": rows, "reason": reason, "step": step})
+
+    def consumed(self, uid: str | None) -> None:
+        """A stage that keeps no ledger of its own processed a message of this prompt: the
+        prompt ends there (its open slots count as ``consumed``)."""
+        if isinstance(uid, str):
+            self._publish({"consumed": uid})
+
+    def copies(self, uid: str | None, samples: int) -> None:
+        if isinstance(uid, str) and samples > 0:
+            self._publish({"copies": samples, "uid": uid})
+
+    def rollback(self, step: int) -> None:
+        self._publish({"rollback": step})
+
+    def checkpoint(self, step: int) -> None:
+        self._publish({"checkpoint": step})
+
+    def report(self, held: list[str], counters: Mapping[str, int], *, final: bool) -> None:
+        self._publish({"held": held, "counters": dict(counters), "final": final})
+
+
+class LedgerBook:
+    """The supervisor's side: takes ``ledger`` messages, balances at the end."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, bytearray | None] = {}  # fed uid -> slot states (None: no fate yet)
+        self.buckets: Counter[str] = Counter()  # trained, and dropped reasons, in samples
+        self.by_step: dict[int, list[tuple[str, int]]] = {}  # trained slots of unsaved steps
+        self.refed = 0
+        self.copies = 0  # samples, recognized and dropped as copies
+        self.duplicates = 0  # fates for slots that already had one
+        # uids with fates but not (yet) reported fed: reports of different replicas may come
+        # in any order (the feeder reports after its send), so only at the end is this a bug
+        self.unfed: set[str] = set()
+        self.sessions: dict[str, dict[str, Any]] = {}  # session -> last counters/held/final
+        self.saved_step = -1
+
+    def __bool__(self) -> bool:
+        return bool(self.slots or self.unfed)
+
+    # ------------------------------------------------------------------ taking reports
+    def take(self, payload: Mapping[str, Any]) -> str | None:
+        """Apply one ``ledger`` message; returns a problem (the message is ignored) or None."""
+        try:
+            if "fed" in payload:
+                for uid in payload["fed"]:
+                    self._fed(_uid(uid))
+            elif "fates" in payload:
+                reason, step = payload["reason"], payload.get("step")
+                if not isinstance(reason, str) or not reason:
+                    return "fates without a reason"
+                for uid, size, index in payload["fates"]:
+                    self._fate(_uid(uid), int(size), int(index), reason, step)
+            elif "consumed" in payload:
+                self._consumed(_uid(payload["consumed"]), str(payload.get("stage")))
+            elif "copies" in payload:
+                self.copies += int(payload["copies"])
+            elif "rollback" in payload:
+                self._rollback(int(payload["rollback"]))
+            elif "checkpoint" in payload:
+                self._saved(int(payload["checkpoint"]))
+            elif "held" in payload:
+                session = str(payload.get("session"))
+                held = [_uid(u) for u in payload["held"]]
+                counters = {str(k): int(v) for k, v in dict(payload.get("counters", {})).items()}
+                self.sessions[session] = {
+                    "who": f"{payload.get('stage')}.{payload.get('replica')}",
+                    "held": held,
+                    "counters": counters,
+                    "final": bool(payload.get("final")),
+                }
+            else:
+                return "no known entry"
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"malformed: {exc!r}"[:200]
+        return None
+
+    def _fed(self, uid: str) -> None:
+        if uid in self.unfed:
+            self.unfed.discard(uid)
+        elif uid in self.slots:
+            self.refed += 1
+        else:
+            self.slots[uid] = None
+
+    def _known(self, uid: str) -> None:
+        if uid not in self.slots:
+            self.slots[uid] = None
+            self.unfed.add(uid)
+
+    def _fate(self, uid: str, size: int, index: int, reason: str, step: Any) -> None:
+        self._known(uid)
+        states = self.slots[uid]
+        if states is None:
+            states = self.slots[uid] = bytearray(max(size, 1))
+        if not 0 <= index < len(states):
+            raise ValueError(f"sample_index {index} outside its group of {len(states)}")
+        state = states[index]
+        if state == _FATED:
+            self.duplicates += 1
+            return
+        if state == _ROLLED:  # trained again after a rollback: no longer lost
+            self.buckets[ROLLED_BACK] -= 1
+        states[index] = _FATED
+        self.buckets[reason] += 1
+        if reason == TRAINED and isinstance(step, int) and step > self.saved_step:
+            self.by_step.setdefault(step, []).append((uid, index))
+
+    def _consumed(self, uid: str, stage: str) -> None:
+        self._known(uid)
+        states = self.slots[uid]
+        if states is None:  # no slots known: the prompt is one unit
+            self.slots[uid] = bytearray([_FATED])
+            self.buckets[f"consumed_by_{stage}"] += 1
+            return
+        for i, state in enumerate(states):
+            if state != _FATED:
+                states[i] = _FATED
+                self.buckets[f"consumed_by_{stage}"] += 1
+
+    def _rollback(self, step: int) -> None:
+        for s in [s for s in self.by_step if s > step]:
+            for uid, index in self.by_step.pop(s):
+                states = self.slots[uid]
+                assert states is not None
+                states[index] = _ROLLED
+                self.buckets[TRAINED] -= 1
+                self.buckets[ROLLED_BACK] += 1
+
+    def _saved(self, step: int) -> None:
+        self.saved_step = max(self.saved_step, step)
+        for s in [s for s in self.by_step if s <= step]:
+            del self.by_step[s]
+
+    # ------------------------------------------------------------------ balancing
+    def missing_finals(self, sessions: Iterable[str]) -> list[str]:
+        """Of ``sessions`` (that ended cleanly), those whose final report has not arrived."""
+        return [s for s in sessions if not self.sessions.get(s, {}).get("final")]
+
+    def balance(self, live_sessions: Iterable[str] | None = None) -> dict[str, Any]:
+        """The ledger now. ``live_sessions``: the sessions whose ``held`` counts (those that
+        ended cleanly, at the end; None: every session's latest report, for a running view)."""
+        wanted = None if live_sessions is None else set(live_sessions)
+        held: set[str] = set()
+        counters: Counter[str] = Counter()
+        for session, entry in self.sessions.items():
+            counters.update(entry["counters"])
+            if wanted is None or session in wanted:
+                held.update(entry["held"])
+        in_flight = prompts_in_flight = complete = 0
+        missing: list[tuple[str, int]] = []  # (uid, slots without a fate; -1: every slot)
+        for uid, states in self.slots.items():
+            if uid in self.unfed:
+                continue
+            open_slots = -1 if states is None else states.count(_NONE)
+            if open_slots == 0:
+                complete += 1
+            elif uid in held:
+                if states is None:
+                    prompts_in_flight += 1
+                else:
+                    in_flight += open_slots
+            else:
+                missing.append((uid, open_slots))
+        dropped = {k: v for k, v in sorted(self.buckets.items()) if k != TRAINED and v}
+        ledger: dict[str, Any] = {
+            "prompts_fed": len(self.slots) - len(self.unfed),
+            "prompts_refed": self.refed,
+            "prompts_complete": complete,
+            "prompts_in_flight_at_end": prompts_in_flight,
+            "samples": {
+                TRAINED: self.buckets[TRAINED],
+                "dropped": dropped,
+                "in_flight_at_end": in_flight,
+            },
+            "copies_dropped": self.copies,
+            "duplicate_fates": self.duplicates,
+            "transport": {k: v for k, v in sorted(counters.items()) if v},
+            # prompts: fed, neither complete nor held; or with fates but never fed
+            "unaccounted": len(missing) + len(self.unfed),
+        }
+        if missing or self.unfed:
+            ledger["unaccounted_detail"] = {
+                "prompts_without_every_fate": len(missing),
+                "samples_without_a_fate": sum(n for _, n in missing if n > 0),
+                "prompts_without_any_fate": sum(1 for _, n in missing if n < 0),
+                "prompts_never_fed_with_fates": len(self.unfed),
+                "examples": [u for u, _ in missing[:_EXAMPLES]]
+                + list(self.unfed)[: max(0, _EXAMPLES - len(missing))],
+            }
+        return ledger
+
+    def running(self) -> dict[str, Any]:
+        """A cheap view for the periodic ``ledger`` event."""
+        pending = sum(1 for s in self.slots.values() if s is None or _NONE in s)
+        dropped = sum(v for k, v in self.buckets.items() if k != TRAINED)
+        return {
+            "prompts_fed": len(self.slots) - len(self.unfed),
+            "prompts_open": pending,
+            "trained": self.buckets[TRAINED],
+            "dropped": dropped,
+            "copies_dropped": self.copies,
+            "duplicate_fates": self.duplicates,
+        }
+
+
+def _uid(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"uid should be a str, got {type(value).__name__}")
+    return value

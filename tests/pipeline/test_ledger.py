@@ -1,0 +1,118 @@
+"""The ledger's book: every fed prompt ends complete, held (in flight), or unaccounted."""
+
+from __future__ import annotations
+
+from pipeline.ledger import LedgerBook, LedgerReporter
+
+
+def book_and_reporter() -> tuple[LedgerBook, LedgerReporter]:
+    book = LedgerBook()
+
+    def publish(payload: dict) -> None:
+        assert book.take({"stage": "s", "replica": 0, **payload}) is None
+
+    return book, LedgerReporter(publish)
+
+
+def final(book: LedgerBook, session: str, held: list[str]) -> None:
+    report = {"stage": "s", "replica": 0, "session": session, "final": True}
+    assert book.take({**report, "held": held, "counters": {"redelivered": 2}}) is None
+
+
+def test_a_run_without_losses_balances():
+    book, ledger = book_and_reporter()
+    for i in range(3):
+        ledger.fed(f"f.0:{i}")
+    ledger.fates([("f.0:0", 4, 0), ("f.0:0", 4, 1)], "engine_failure")
+    ledger.fates([("f.0:0", 4, 2), ("f.0:0", 4, 3), ("f.0:1", 4, 0)], "trained", step=1)
+    ledger.fates([("f.0:1", 4, i) for i in (1, 2)], "stale")
+    # at the end f.0:1 (one slot open) and f.0:2 (no fate yet) are held by a live replica
+    final(book, "a", ["f.0:1", "f.0:2"])
+    out = book.balance(["a"])
+    assert out["unaccounted"] == 0 and "unaccounted_detail" not in out
+    assert out["prompts_fed"] == 3 and out["prompts_complete"] == 1
+    assert out["prompts_in_flight_at_end"] == 1
+    assert out["samples"] == {
+        "trained": 3,
+        "dropped": {"engine_failure": 2, "stale": 2},
+        "in_flight_at_end": 1,
+    }
+    assert out["transport"] == {"redelivered": 2}
+
+
+def test_a_prompt_nobody_holds_or_finished_is_unaccounted_and_named():
+    book, ledger = book_and_reporter()
+    ledger.fed("f.0:0")
+    ledger.fed("f.0:1")
+    ledger.fates([("f.0:0", 2, 0)], "trained", step=1)  # slot 1 went missing
+    ledger.fates([("f.0:9", 2, 0)], "trained", step=1)  # never fed
+    final(book, "a", [])
+    out = book.balance(["a"])
+    assert out["unaccounted"] == 3
+    detail = out["unaccounted_detail"]
+    assert detail["samples_without_a_fate"] == 1
+    assert detail["prompts_without_any_fate"] == 1
+    assert detail["prompts_never_fed_with_fates"] == 1
+    assert set(detail["examples"]) == {"f.0:0", "f.0:1", "f.0:9"}
+
+
+def test_only_the_held_of_sessions_that_ended_cleanly_counts():
+    book, ledger = book_and_reporter()
+    ledger.fed("f.0:0")
+    final(book, "killed", ["f.0:0"])
+    assert book.balance(["live"])["unaccounted"] == 1
+    assert book.balance(["killed"])["unaccounted"] == 0
+
+
+def test_a_second_fate_is_a_duplicate_and_copies_are_counted_apart():
+    book, ledger = book_and_reporter()
+    ledger.fed("f.0:0")
+    ledger.fed("f.0:0")  # fed again after a feeder restart
+    ledger.fates([("f.0:0", 1, 0)], "trained", step=1)
+    ledger.fates([("f.0:0", 1, 0)], "trained", step=2)  # a copy trained by another rank
+    ledger.copies("f.0:0", 1)
+    out = book.balance([])
+    assert out["unaccounted"] == 0 and out["samples"]["trained"] == 1
+    assert out["prompts_refed"] == 1 and out["duplicate_fates"] == 1
+    assert out["copies_dropped"] == 1
+
+
+def test_a_learner_rollback_moves_unsaved_steps_out_of_trained_until_trained_again():
+    book, ledger = book_and_reporter()
+    for i in range(4):
+        ledger.fed(f"f.0:{i}")
+    for step in (1, 2, 3, 4):
+        ledger.fates([(f"f.0:{step - 1}", 1, 0)], "trained", step=step)
+        if step == 2:
+            ledger.checkpoint(2)
+    ledger.rollback(2)  # the learner resumed from step 2: steps 3 and 4 are gone
+    out = book.balance([])
+    assert out["samples"]["trained"] == 2
+    assert out["samples"]["dropped"] == {"rolled_back": 2}
+    assert out["unaccounted"] == 0
+    ledger.fates([("f.0:3", 1, 0)], "trained", step=3)  # it came again and trained again
+    out = book.balance([])
+    assert out["samples"]["trained"] == 3 and out["samples"]["dropped"] == {"rolled_back": 1}
+    assert out["duplicate_fates"] == 0
+
+
+def test_malformed_reports_are_refused_with_a_reason():
+    book = LedgerBook()
+    assert book.take({"fed": [3]}) is not None
+    assert book.take({"fates": [["u", 1, 0]], "reason": ""}) is not None
+    assert book.take({"fates": [["u"]], "reason": "x"}) is not None
+    assert book.take({"what": 1}) == "no known entry"
+    book.take({"fed": ["u"]})
+    assert "outside" in book.take({"fates": [["u", 2, 5]], "reason": "trained"})
+
+
+def test_reports_of_different_replicas_may_come_in_any_order():
+    book, ledger = book_and_reporter()
+    ledger.consumed("f.0:0")  # the consumer's report came before the feeder's
+    ledger.fates([("f.0:1", 1, 0)], "trained", step=1)
+    assert book.balance([])["unaccounted"] == 2
+    ledger.fed("f.0:0")
+    ledger.fed("f.0:1")
+    out = book.balance([])
+    assert out["unaccounted"] == 0 and out["prompts_fed"] == 2 and out["prompts_refed"] == 0
+    assert out["samples"]["dropped"] == {"consumed_by_s": 1}
