@@ -148,10 +148,11 @@ _TRANSPORT_COUNTERS = {  # what the ledger totals from each port's statistics
 }
 
 
-def _ledger_report(ctx: ActorContext, *, final: bool) -> None:
-    """Tell the ledger what this replica holds (at the end) and its transport counters."""
+def _ledger_report(ctx: ActorContext, *, final: bool, stage: Any = None) -> None:
+    """Tell the ledger what this replica holds (at the end: in its ports, and what the stage
+    says it holds besides, ``stage.held_uids()``) and its transport counters."""
     counters: dict[str, int] = {}
-    held: list[str] = []
+    held: list[str] = list(stage.held_uids()) if final and hasattr(stage, "held_uids") else []
     for kind, ports in (("in", ctx.inputs), ("out", ctx.outputs)):
         for channel in ports.values():
             stats = channel.stats()
@@ -213,6 +214,7 @@ class _Replica:
                 log=self.log,
                 peer_timeout_s=spec["peer_timeout_s"],
                 ack=inputs[name].ack,
+                max_message_bytes=spec.get("max_message_bytes", 0),
             )
             await receiver.start()
             if not getattr(self.stage_cls, "keeps_ledger", False):
@@ -314,7 +316,7 @@ class _Replica:
                     code = code or 1
             self.ctx.metrics(final=True, **_channel_metrics(self.ctx))
             if code == 0:  # a failed stage's holdings are not known: its producers resend
-                _ledger_report(self.ctx, final=True)
+                _ledger_report(self.ctx, final=True, stage=stage)
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)

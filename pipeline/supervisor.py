@@ -8,7 +8,8 @@ supervisor, which then shuts the run down in order).
 
 While the run goes on it watches exits and heartbeats: a replica that exits non-zero, dies from a
 signal, or stops sending heartbeats is failed; under ``restart: {policy: on-failure}`` it is
-started again after a capped exponential backoff, up to ``max_restarts`` times; otherwise the run
+started again after a capped exponential backoff (doubling with failures in a row; a replica that
+had run a minute starts again from the first delay), up to ``max_restarts`` times; otherwise the run
 fails. SIGINT/SIGTERM: ``shutdown`` on the control bus plus SIGTERM to every replica's process
 group, then SIGKILL after ``run.shutdown_timeout_s``; a second Ctrl-C kills at once.
 
@@ -89,6 +90,7 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "Supervisor", "make_run_dir"]
 
 EXIT_OK, EXIT_FAILED = 0, 1
 _BACKOFF_CAP_S = 30.0
+_STABLE_S = 60.0  # a replica up this long before it fails restarts after the first backoff
 _LEDGER_EVERY_S = 10.0  # how often the running ledger is logged
 _FINAL_REPORT_WAIT_S = 5.0  # at the end, how long to wait for replicas' final ledger reports
 
@@ -142,6 +144,7 @@ class _Replica:
     watcher: asyncio.Task | None = None
     failure: str | None = None  # why the supervisor killed it, when it did
     gang_exit: bool = False  # killed because another rank of its gang failed
+    streak: int = 0  # failures in a row, each within _STABLE_S of its start (sets the backoff)
 
     @property
     def name(self) -> str:
@@ -258,6 +261,7 @@ class Supervisor:
                     "heartbeat_s": run.heartbeat_s,
                     "metrics_every_s": run.metrics_every_s,
                     "peer_timeout_s": transport.peer_timeout_s,
+                    "max_message_bytes": int(transport.max_message_mb * 2**20),
                     "close_timeout_s": run.shutdown_timeout_s,
                 }
                 path = self.run_dir / "specs" / f"{name}.{r}.json"
@@ -389,7 +393,11 @@ class Supervisor:
             self._gang_restarting.add(rep.stage)
             gang = await self._stop_gang(rep)
         if policy.policy == "on-failure" and rep.restarts < policy.max_restarts:
-            delay = min(policy.backoff_s * 2**rep.restarts, _BACKOFF_CAP_S)
+            # the backoff doubles with failures in a row; a replica that ran a while before it
+            # failed starts again from the first delay (a crash an hour ago says little now)
+            rep.streak = 0 if time.monotonic() - rep.started_at > _STABLE_S else rep.streak
+            delay = min(policy.backoff_s * 2**rep.streak, _BACKOFF_CAP_S)
+            rep.streak += 1
             restarts = rep.restarts + 1
             for member in gang:
                 member.restarts = restarts

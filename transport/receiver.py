@@ -79,7 +79,13 @@ class Receiver:
     ``ack``: when a message counts as processed, so that its producer lets go of it (see
     ``transport.credit``, "Delivery"): ``"on_take"`` (default) when ``recv()`` returns it,
     ``"manual"`` when the application calls ``ack(msg)``. ``dedup_window``: how many delivered
-    (producer session, seq) pairs are remembered to drop duplicates.
+    (producer session, seq) pairs are remembered to drop duplicates. ``max_message_bytes``
+    (0: none): a peer that sends a larger frame is disconnected by ZeroMQ before the frame is
+    allocated (its producer reconnects; a real producer never sends one).
+
+    What is rejected (not a message of ours, a kind or schema version this port does not take,
+    a malformed header or frames) is counted by reason in ``stats()["rejected"]`` and logged at
+    its 1st, 2nd, 4th, 8th ... occurrence per reason, so garbage cannot flood the log.
 
     Decoded arrays share the received frames' memory: see ``transport.codec``.
     """
@@ -97,6 +103,7 @@ class Receiver:
         peer_timeout_s: float = 10.0,
         ack: str = "on_take",
         dedup_window: int = 65536,
+        max_message_bytes: int = 0,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"receiver {name!r}: capacity must be >= 1, got {capacity}")
@@ -137,6 +144,7 @@ class Receiver:
 
         self._manual_ack = ack == "manual"
         self._dedup_window = dedup_window
+        self._max_message_bytes = max_message_bytes
         self._seen: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # delivered DATA
         self._acks: dict[bytes, list[int]] = {}  # producer rid -> seqs to acknowledge
         self._ack_scheduled = False
@@ -158,6 +166,8 @@ class Receiver:
         hwm = max(1000, 10 * self.capacity)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
+        if self._max_message_bytes > 0:
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         try:
             sock.bind(self.address)
         except zmq.ZMQError as e:
@@ -403,9 +413,16 @@ class Receiver:
 
     def _reject(self, reason: str, detail: str, sender: str) -> None:
         self._rejected[reason] += 1
-        self._log.warning(
-            "message_rejected", port=self.name, reason=reason, detail=detail, sender=sender
-        )
+        count = self._rejected[reason]
+        if sparse(count):
+            self._log.warning(
+                "message_rejected",
+                port=self.name,
+                reason=reason,
+                detail=detail[:300],
+                sender=sender[:100],
+                count=count,
+            )
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         rid = frames[0].bytes

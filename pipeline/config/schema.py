@@ -70,6 +70,12 @@ class TransportSection:
     peer_timeout_s: float = _f(
         10.0, "a peer silent this long is taken as gone and its credit reclaimed", min=0.1
     )
+    max_message_mb: float = _f(
+        512.0,
+        "largest frame an inbox takes, in MiB: a peer that sends a larger one is disconnected "
+        "before it is allocated (0 = no limit)",
+        min=0.0,
+    )
 
 
 @dataclass
@@ -78,7 +84,9 @@ class RestartPolicy:
         "on-failure", "what to do when a replica exits non-zero or stops answering"
     )
     max_restarts: int = _f(3, "restarts allowed per replica before the run fails", min=0)
-    backoff_s: float = _f(0.5, "first restart delay; doubles each time, capped at 30 s", min=0.0)
+    backoff_s: float = _f(
+        0.5, "first restart delay; doubles with failures in a row, capped at 30 s", min=0.0
+    )
 
 
 @dataclass

@@ -22,6 +22,7 @@ import asyncio
 import json
 import signal
 import sys
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.protocol import RequestError, parse_generate, render_result
 from stages.engine.scheduler import PAUSE_MODES, Scheduler
+from transport.credit import sparse
 
 __all__ = ["build_app", "main"]
 
@@ -43,6 +45,7 @@ _SCHEDULER = web.AppKey("scheduler", Scheduler)
 _LOADED = web.AppKey("loaded", LoadedModel)
 _WEIGHTS = web.AppKey("weights", "WeightRoutes")
 _DECODE = web.AppKey("decode", object)
+_REFUSED = web.AppKey("refused", Counter)
 _MAX_BODY = 256 * 1024 * 1024  # token-id batches and weight metadata can be large
 
 try:  # orjson parses and writes /generate bodies several times faster; json is the fallback
@@ -57,9 +60,13 @@ except ImportError:  # pragma: no cover - depends on the environment
         return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def build_app(loaded: LoadedModel, scheduler: Scheduler) -> web.Application:
-    """The aiohttp application; the caller starts and stops ``scheduler``."""
-    app = web.Application(client_max_size=_MAX_BODY)
+def build_app(
+    loaded: LoadedModel, scheduler: Scheduler, *, max_body: int = _MAX_BODY
+) -> web.Application:
+    """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
+    ``max_body`` bytes is refused (413) without being read whole."""
+    app = web.Application(client_max_size=max_body, middlewares=[_count_refused])
+    app[_REFUSED] = Counter()
     app[_LOADED] = loaded
     app[_SCHEDULER] = scheduler
     app[_DECODE] = _decoder(loaded.tokenizer)
@@ -80,6 +87,31 @@ def build_app(loaded: LoadedModel, scheduler: Scheduler) -> web.Application:
     app.router.add_get("/get_weight_version", _weight_version)
     app.on_cleanup.append(weights.close)
     return app
+
+
+@web.middleware
+async def _count_refused(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Count every refused request (4xx) by route and status, and log the 1st, 2nd, 4th ...
+    of each kind: garbage is answered, counted, and cannot flood the log."""
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:  # 404, 405, 413 (a body over client_max_size) ...
+        if 400 <= exc.status < 500:
+            _refused(request, exc.status, exc.reason)
+        raise
+    if 400 <= response.status < 500:
+        _refused(request, response.status, getattr(response, "text", None) or "")
+    return response
+
+
+def _refused(request: web.Request, status: int, message: str) -> None:
+    route = request.match_info.route.resource
+    path = route.canonical if route is not None else "(no route)"
+    counts = request.app[_REFUSED]
+    key = f"{request.method} {path} {status}"
+    counts[key] += 1
+    if sparse(counts[key]):
+        log.warning("request_refused", request=key, count=counts[key], message=message[:300])
 
 
 # ---- generation ------------------------------------------------------------------------------
@@ -347,6 +379,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "weight_version": scheduler.weight_version,
             "decode_steps": scheduler.steps,
             "tokens_generated": scheduler.tokens_generated,
+            "refused_requests": dict(request.app[_REFUSED]),
             **scheduler.counts(),
         }
     )
@@ -423,6 +456,12 @@ def _parser() -> argparse.ArgumentParser:
         help="prefill and decode passes: fast (Llama-family models, straight on the weights) "
         "or transformers (model(...), any model); fast falls back to transformers by itself",
     )
+    parser.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=_MAX_BODY / 2**20,
+        help="largest request body taken, in MiB (larger ones get 413)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
@@ -479,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     holder["s"] = scheduler
     scheduler.start()
     try:
-        return _run_loop(_serve(build_app(loaded, scheduler), args, loaded))
+        app = build_app(loaded, scheduler, max_body=int(args.max_request_mb * 2**20))
+        return _run_loop(_serve(app, args, loaded))
     finally:
         scheduler.stop()
 

@@ -44,6 +44,8 @@ from stages.schemas import PROMPT
 
 __all__ = ["Feeder", "FeederConfig", "feed_order"]
 
+_RESERVE = 256  # positions claimed in the state file at a time (see ``held_uids``)
+
 
 @dataclass
 class FeederConfig:
@@ -96,6 +98,10 @@ class Feeder:
         self.acked_above: set[int] = set()  # processed positions >= next
         self._position_of: dict[int, int] = {}  # send sequence number -> position
         self._dirty = False
+        self.position = 0  # the next position to send (or skip) in this process
+        # positions below `reserved` may have been fed by an earlier process of this replica
+        # (saved before any is sent, so a crash cannot outrun it)
+        self.reserved = 0
         run_dir = getattr(ctx, "run_dir", None)
         self._state_path = (
             Path(run_dir) / "state" / f"feeder.{ctx.replica}.json" if run_dir else None
@@ -168,8 +174,13 @@ class Feeder:
                     replica=self.ctx.replica,
                     replicas=self.ctx.replicas,
                 )
+            self.position = position
+            if position >= self.reserved:
+                self.reserved = position + _RESERVE
+                self._dirty = True
+                self._save()  # before the send: a later process knows what may be out
             if position not in self.acked_above:  # processed before a restart: not again
-                uid = f"{self.ctx.stage}.{self.ctx.replica}:{position}"
+                uid = self._uid(position)
                 seq = await out.send("prompt", {**self.prompts[order[index]], "uid": uid})
                 if isinstance(seq, int):
                     self._position_of[seq] = position
@@ -191,6 +202,18 @@ class Feeder:
             self.next += 1
         self._dirty = True
 
+    def held_uids(self) -> list[str]:
+        """For the ledger at the end: prompts an earlier process of this replica may have fed
+        that this one has not sent again yet (it would, were the run to go on)."""
+        return [
+            self._uid(p)
+            for p in range(max(self.position, self.next), self.reserved)
+            if p not in self.acked_above
+        ]
+
+    def _uid(self, position: int) -> str:
+        return f"{self.ctx.stage}.{self.ctx.replica}:{position}"
+
     def _state_key(self) -> dict[str, Any]:
         return {
             "seed": self.config.seed,
@@ -207,6 +230,7 @@ class Feeder:
             state = json.loads(self._state_path.read_text())
             key, start = state["for"], int(state["next"])
             above = {int(k) for k in state["acked_above"]}
+            reserved = int(state.get("reserved", start))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self.log.warning("feeder_state_unusable", path=str(self._state_path), error=str(exc))
             return
@@ -218,6 +242,7 @@ class Feeder:
             )
             return
         self.next, self.acked_above = start, {k for k in above if k > start}
+        self.position, self.reserved = start, reserved
         self.log.info(
             "feeder_resumed",
             next=self.next,
@@ -233,6 +258,7 @@ class Feeder:
             "for": self._state_key(),
             "next": self.next,
             "acked_above": sorted(self.acked_above),
+            "reserved": self.reserved,
         }
         tmp = self._state_path.with_suffix(".tmp")
         with contextlib.suppress(FileExistsError):

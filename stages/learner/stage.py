@@ -106,6 +106,7 @@ class Learner:
         self.share = cfg.batch_size // self.ctx.replicas
         self._groups = aiter(self.ctx.inputs["groups"])
         resumed = self._latest_checkpoint()
+        live_run = bool(getattr(self.ctx, "version", 0))  # restarted in a run that published
         evaluate = self.rank == 0 and cfg.eval.source is not None
         # One worker thread does everything that imports transformers, in turn: its lazy
         # modules are not safe to import from two threads at once.
@@ -124,31 +125,35 @@ class Learner:
 
                 self.evaluator = Evaluator(cfg.eval, prompts, tokenizer, self.log)
             self._engines_task = asyncio.create_task(
-                self._engines_up(evaluate=evaluate and resumed is None), name="engines"
+                self._engines_up(evaluate=evaluate and resumed is None and not live_run),
+                name="engines",
             )
         if resumed is not None:
             state = await asyncio.to_thread(self.trainer.load, str(resumed))
             self.step = int(state.get("step", 0))
             self.version = int(state.get("version", 0))
             self.offset = int(state.get("version_offset", 0))
-            live = int(getattr(self.ctx, "version", 0) or 0)
-            if live >= self.version and live > 0:
-                # restarted mid-run: versions up to `live` were published after this checkpoint
-                # and everyone holds them as current. Versions only grow, so these weights go
-                # out as a new one, and later ones count on from there.
-                self.offset += live + 1 - self.version
-                self.version = live + 1
             for key in self.counts:
                 self.counts[key] = int(state.get("counts", {}).get(key, 0))
             self.totals.update(state.get("totals", {}))
+        live = int(getattr(self.ctx, "version", 0) or 0)
+        if live >= self.version and live > 0:
+            # restarted mid-run (from a checkpoint, or from scratch when there is none yet):
+            # versions up to `live` were published after these weights and everyone holds them
+            # as current. Versions only grow, so these weights go out as a new one, and later
+            # ones count on from there.
+            self.offset += live + 1 - self.version
+            self.version = live + 1
+        if resumed is not None or live > 0:
             self.log.info(
                 "learner_resumed",
-                checkpoint=str(resumed),
+                checkpoint=str(resumed) if resumed is not None else None,
                 step=self.step,
                 policy_version=self.version,
                 version_offset=self.offset,
             )
-        self.resumed = resumed is not None
+        # the engines may hold other weights than these: bring them up to date first
+        self.resumed = resumed is not None or live > 0
         if self.rank == 0:  # samples trained after the step we start from are not in the model
             self.ctx.ledger.rollback(self.step)
 

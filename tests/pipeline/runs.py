@@ -88,3 +88,26 @@ def kill_tree(proc: subprocess.Popen, pids: Sequence[int] = ()) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def start_endless_example(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """The example pipeline with (practically) endless input, once all four replicas run."""
+    proc = start_inflight(
+        "run",
+        "configs/example.yaml",
+        "stages.numbers.count=100000000",
+        "stages.power.delay_s=0.005",
+        *overrides,
+        "--run-dir",
+        str(run_dir),
+    )
+    try:
+        wait_for(
+            lambda: sum(e["event"] == "replica_started" for e in events(run_dir, "*.[0-9]")) == 4,
+            timeout=45,
+            what="all four replicas to start",
+        )
+    except BaseException:
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
+        raise
+    return proc

@@ -15,6 +15,7 @@ from tests.pipeline.runs import (
     kill_tree,
     run_inflight,
     spawned_pids,
+    start_endless_example,
     start_inflight,
     wait_for,
 )
@@ -33,28 +34,6 @@ def _crashy_overrides(how: str, **extra: str) -> list[str]:
         "restart: {policy: on-failure, max_restarts: 2, backoff_s: 0.1}}",
         *[f"{k}={v}" for k, v in extra.items()],
     ]
-
-
-def _start_endless(run_dir):
-    """The example pipeline with (practically) endless input, once all four replicas run."""
-    proc = start_inflight(
-        "run",
-        EXAMPLE,
-        "stages.numbers.count=100000000",
-        "stages.power.delay_s=0.005",
-        "--run-dir",
-        str(run_dir),
-    )
-    try:
-        wait_for(
-            lambda: sum(e["event"] == "replica_started" for e in events(run_dir, "*.[0-9]")) == 4,
-            timeout=45,
-            what="all four replicas to start",
-        )
-    except BaseException:
-        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
-        raise
-    return proc
 
 
 def _finished(run_dir) -> dict:
@@ -145,7 +124,7 @@ def test_replica_killed_with_sigkill_is_restarted_and_run_completes(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_shuts_down_within_10s_leaving_no_process(tmp_path, sig):
     run_dir = tmp_path / "run"
-    proc = _start_endless(run_dir)
+    proc = start_endless_example(run_dir)
     try:
         pids = spawned_pids(run_dir)
         assert len(pids) == 4 and all(alive(p) for p in pids)
@@ -238,7 +217,7 @@ def test_a_stage_can_end_the_run(tmp_path):
 @pytest.mark.timeout(60)
 def test_replicas_die_with_a_supervisor_killed_by_sigkill(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start_endless(run_dir)
+    proc = start_endless_example(run_dir)
     try:
         pids = spawned_pids(run_dir)
         proc.kill()  # SIGKILL: the supervisor gets no chance to clean up
@@ -273,7 +252,7 @@ def test_only_a_live_replica_can_end_the_run_and_a_failed_stop_fails_it(tmp_path
     import asyncio
 
     run_dir = tmp_path / "run"
-    proc = _start_endless(run_dir)
+    proc = start_endless_example(run_dir)
     try:
         spec = json.loads((run_dir / "specs" / "numbers.0.json").read_text())
         assert (run_dir / "specs" / "numbers.0.json").stat().st_mode & 0o077 == 0  # private

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -83,6 +84,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
             str(port),
             "--max-running",
             "8",
+            "--max-request-mb",
+            "2",
             "--log-file",
             str(log_file),
         ],
@@ -452,3 +455,67 @@ def test_abort_by_the_callers_rid_stops_every_sample(engine: Engine) -> None:
     worker.join(30)
     assert [o["meta_info"]["finish_reason"]["type"] for o in result["out"]] == ["abort"] * 2
     assert [o["meta_info"]["id"] for o in result["out"]] == ["many_0", "many_1"]
+
+
+POST_ROUTES = [
+    "/generate",
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/update_weight_version",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
+]
+GARBAGE = {
+    "random bytes": bytes(random.Random(7).randrange(256) for _ in range(512)),
+    "truncated JSON": b'{"input_ids": [1, 2',
+    "not an object": b"[1, 2, 3]",
+    "wrong types": json.dumps(
+        {
+            "input_ids": "one two",
+            "rid": 5,
+            "mode": 3,
+            "weight_version": [],
+            "group_name": 7,
+            "names": "x",
+            "master_port": "p",
+        }
+    ).encode(),
+}
+
+
+@pytest.mark.timeout(120)
+def test_garbage_on_every_route_is_refused_counted_and_logged_sparsely(engine: Engine) -> None:
+    before = engine.request("GET", "/get_server_info")[1]["refused_requests"]
+    refused = 0
+    for route in POST_ROUTES:
+        for name, raw in GARBAGE.items():
+            status, answer = engine.request("POST", route, raw=raw)
+            assert 400 <= status < 500, (route, name, status, answer)
+            refused += 1
+    # token ids outside the vocabulary (128), a body over --max-request-mb (2), no such route
+    assert engine.request("POST", "/generate", {"input_ids": [1, 5000]})[0] == 400
+    try:
+        status = engine.request("POST", "/generate", raw=b" " * (3 * 2**20))[0]
+        assert status == 413
+    except (ConnectionError, urllib.error.URLError):
+        pass  # the server may close the connection before the client has sent it all
+    assert engine.request("POST", "/no_such_route", {"a": 1})[0] == 404
+    refused += 3
+    status, info = engine.request("GET", "/get_server_info")
+    counts = info["refused_requests"]
+    assert sum(counts.values()) - sum(before.values()) == refused, counts
+    assert counts["POST /generate 413"] >= 1 and counts["POST /generate 400"] >= 5, counts
+    # every refusal counted; each kind logged at its 1st, 2nd, 4th ... occurrence only
+    logged = [
+        e
+        for e in map(json.loads, engine.log_file.read_text().splitlines())
+        if e["event"] == "request_refused"
+    ]
+    for key, n in counts.items():
+        assert len([e for e in logged if e["request"] == key]) == n.bit_length(), key
+    # still serving
+    assert engine.request("GET", "/health")[0] == 200
+    out = engine.generate({"input_ids": [1, 2], "sampling_params": {**GREEDY, "max_new_tokens": 2}})
+    assert len(out["output_ids"]) == 2
