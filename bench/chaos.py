@@ -66,6 +66,7 @@ def main() -> int:
     parser.add_argument("--victims", default=",".join(VICTIMS))
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--run-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=25)
     args = parser.parse_args()
     victims = [v for v in args.victims.split(",") if v]
     unknown = set(victims) - set(VICTIMS)
@@ -77,7 +78,7 @@ def main() -> int:
     overrides = [
         f"stages.learner.steps={args.steps}",
         "stages.learner.eval.every=0",
-        "stages.learner.checkpoint.every=25",
+        f"stages.learner.checkpoint.every={args.checkpoint_every}",
         "stages.generator.launch.max_restarts=100",
         f"run.seed={args.seed}",
         *[f"stages.{s}.restart={restart}" for s in ("feeder", "generator", "scorer", "learner")],

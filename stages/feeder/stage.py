@@ -13,7 +13,7 @@ restart agrees on it (``feed_order``). ``max_prompts`` is split evenly between r
 
 Position. A replica's prompts form one sequence over all epochs (position ``k`` is epoch
 ``k // shard`` at index ``k % shard`` of that epoch's order). The feeder notes which positions the
-generator has acknowledged as processed (a prompt is processed once its group went on) and
+generator has acknowledged as processed (once its group was processed downstream) and
 keeps ``RUN_DIR/state/feeder.R.json`` up to date (twice a second, written whole and renamed into
 place): every position below ``next`` is processed, and ``acked_above`` lists those beyond. A
 restarted replica (a crash, or ``inflight run --resume``) continues from there: it feeds again

@@ -164,7 +164,8 @@ class _Collecting:
 class Generator:
     Config = GeneratorConfig
     keeps_ledger = True  # reports where its samples end (pipeline.ledger)
-    # a prompt is processed once its group is emitted (or all of it was dropped, counted)
+    # a prompt is processed once the scorer has processed its group (or all of it was dropped,
+    # counted)
     inputs = {"prompts": Port(PROMPT, ack="manual")}
     outputs = {"rollouts": Port(ROLLOUT_GROUP)}
 
@@ -194,8 +195,16 @@ class Generator:
         self.no_groups: dict[str, str] = {}
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        # a prompt stays unacknowledged until the scorer has acknowledged its group: were this
+        # replica and the scorer both to die, the feeder would feed it again
+        self._awaiting_ack: dict[int, Message] = {}  # group's send seq -> its prompt
+        self._chained = False
 
     async def setup(self) -> None:
+        rollouts = self.ctx.outputs["rollouts"]
+        if hasattr(rollouts, "on_ack"):
+            rollouts.on_ack(self._group_acked)
+            self._chained = True
         urls = list(self.config.engines)
         if self.config.launch is not None:
             self.launcher = EngineLauncher(
@@ -582,7 +591,8 @@ class Generator:
         """Queue the group for sending: ``samples`` are (index, served, queued, started) of the
         samples that were not dropped, in index order; nothing is sent when all were dropped.
         The dropped ones go in the ledger now, before the prompt can be acknowledged.
-        The prompt's message is acknowledged once its group has gone on (``_emit``)."""
+        The prompt's message is acknowledged once the scorer has acknowledged its group
+        (``_emit``, ``_group_acked``)."""
         prompt = msg.data
         size = self.config.group_size
         kept = {index for index, *_ in samples}
@@ -626,14 +636,22 @@ class Generator:
         while True:
             item, msg = await self.outbox.get()
             try:
-                await rollouts.send(ROLLOUT_GROUP.kind, item)
-                self.ctx.inputs["prompts"].ack(msg)
+                seq = await rollouts.send(ROLLOUT_GROUP.kind, item)
+                if isinstance(seq, int) and self._chained:
+                    self._awaiting_ack[seq] = msg  # acknowledged once the scorer is done with it
+                else:
+                    self.ctx.inputs["prompts"].ack(msg)
                 self.counts["groups_emitted"] += 1
                 self.counts["emitted"] += len(item["samples"])
                 self.counts["tokens"] += sum(len(x["completion_ids"]) for x in item["samples"])
             finally:
                 self.outbox.task_done()
                 self._changed.set()
+
+    def _group_acked(self, seq: int) -> None:
+        msg = self._awaiting_ack.pop(seq, None)
+        if msg is not None:
+            self.ctx.inputs["prompts"].ack(msg)
 
     async def _decide(self) -> None:
         interval = self.config.controller.interval_s

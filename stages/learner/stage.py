@@ -81,9 +81,10 @@ class Learner:
         }
         self.totals = {"lag": 0.0, "tis_clip_frac": 0.0, "ess": 0.0, "mismatch_kl": 0.0, "n": 0}
         self._carry: list[TrainSample] = []
-        # received groups not yet processed: origin -> [message, samples not yet trained or
-        # dropped, uid, group_size]
+        # received groups not yet processed (see _samples_of)
         self._open: dict[int, list[Any]] = {}
+        # resumed: uid -> sample indexes of a group that are in the checkpoint already
+        self._partial: dict[str, set[int]] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()  # uids of groups taken (copies)
         self._checked_at = 0.0  # rank 0: when it last checked that the engines are current
         self._origins = 0
@@ -136,6 +137,8 @@ class Learner:
             for key in self.counts:
                 self.counts[key] = int(state.get("counts", {}).get(key, 0))
             self.totals.update(state.get("totals", {}))
+            self._partial = {u: set(ix) for u, ix in state.get("partial", {}).items()}
+            self._seen = OrderedDict.fromkeys(state.get("seen", ()))
         live = int(getattr(self.ctx, "version", 0) or 0)
         if live >= self.version and live > 0:
             # restarted mid-run (from a checkpoint, or from scratch when there is none yet):
@@ -221,7 +224,7 @@ class Learner:
             self.step += 1
             self._fates(samples, TRAINED, step=self.step)
             for sample in samples:  # in a finished step: processed
-                self._done_with(sample.origin)
+                self._done_with(sample)
             self._account({**metrics, **timing}, time.monotonic() - started)
             last = self.step == cfg.steps
             publish_s = time.monotonic()
@@ -317,23 +320,24 @@ class Learner:
             else:
                 self.counts["stale"] += 1
                 self._fates([s], "stale")
-                self._done_with(s.origin)  # dropped and counted: processed
+                self._done_with(s)  # dropped and counted: processed
         return kept
 
     def _fates(self, samples: list[TrainSample], reason: str, step: int | None = None) -> None:
         """Tell the ledger where ``samples`` ended (before their groups are acknowledged)."""
         slots = []
         for s in samples:
-            _, _, uid, size = self._open[s.origin]
+            _, _, uid, size, _ = self._open[s.origin]
             slots.append((uid, size, s.index))
         self.ctx.ledger.fates(slots, reason, step=step)
 
-    def _done_with(self, origin: int) -> None:
-        """One more sample of group ``origin`` trained or dropped; the last acknowledges it."""
-        entry = self._open[origin]
+    def _done_with(self, sample: TrainSample) -> None:
+        """One more sample of its group trained or dropped; the last acknowledges the group."""
+        entry = self._open[sample.origin]
         entry[1] -= 1
+        entry[4].add(sample.index)
         if entry[1] == 0:
-            del self._open[origin]
+            del self._open[sample.origin]
             self.ctx.inputs["groups"].ack(entry[0])
 
     def _samples_of(self, msg: Any) -> list[TrainSample]:
@@ -344,7 +348,8 @@ class Learner:
 
         group = msg.data
         uid = group.get("uid")
-        if isinstance(uid, str):
+        done = self._partial.pop(uid, None) if isinstance(uid, str) else None
+        if isinstance(uid, str) and done is None:
             if uid in self._seen:  # this prompt's group came before (made again after a crash)
                 self.ctx.ledger.copies(uid, len(group.get("samples") or ()))
                 self.counts["copies"] += 1
@@ -379,7 +384,6 @@ class Learner:
             return []
         self._origins += 1
         origin = self._origins
-        self._open[origin] = [msg, len(rows), uid, group.get("group_size")]
         self.counts["groups"] += 1
         cfg = self.config
         advantages = group_advantages(
@@ -388,14 +392,20 @@ class Learner:
             baseline=cfg.advantage.baseline,
             std_normalize=cfg.advantage.std_normalize,
         )
-        return self._fresh(
-            [
-                TrainSample(prompt, ids, lp, versions, a, r, origin, int(s.get("sample_index", i)))
-                for i, ((ids, lp, versions), a, r, s) in enumerate(
-                    zip(rows, advantages.tolist(), rewards.tolist(), items, strict=True)
-                )
-            ]
-        )
+        samples = [
+            TrainSample(prompt, ids, lp, versions, a, r, origin, int(s.get("sample_index", i)))
+            for i, ((ids, lp, versions), a, r, s) in enumerate(
+                zip(rows, advantages.tolist(), rewards.tolist(), items, strict=True)
+            )
+        ]
+        if done:  # part of it is in the checkpoint we resumed from: not again
+            samples = [s for s in samples if s.index not in done]
+            if not samples:
+                self.ctx.inputs["groups"].ack(msg)
+                return []
+        # origin -> [message, samples not yet trained or dropped, uid, group_size, those done]
+        self._open[origin] = [msg, len(samples), uid, group.get("group_size"), set(done or ())]
+        return self._fresh(samples)
 
     def _account(self, metrics: dict[str, Any], elapsed: float) -> None:
         self.counts["samples"] += metrics["samples"]
@@ -483,11 +493,15 @@ class Learner:
             "version_offset": self.offset,
             "counts": self.counts,
             "totals": self.totals,
+            # groups part-trained in the steps saved here: on resume only the rest trains
+            "partial": {e[2]: sorted(e[4]) for e in self._open.values() if e[2] and e[4]},
+            "seen": list(self._seen),  # to recognize copies after a resume
         }
         started = time.perf_counter()
         await asyncio.to_thread(self.trainer.save, str(path), state, self.config.model)
         if self.rank == 0:
-            (path / "COMPLETE").write_text(json.dumps(state))
+            brief = {k: v for k, v in state.items() if k not in ("partial", "seen")}
+            (path / "COMPLETE").write_text(json.dumps(brief))
             self.ctx.ledger.checkpoint(self.step)
             complete = sorted(p.parent for p in self._checkpoint_root().glob("step-*/COMPLETE"))
             for old in complete[: -self.config.checkpoint.keep]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 import time
 from collections.abc import Iterator
@@ -264,6 +265,7 @@ class Trainer:
         """
         cfg = self.config
         started = time.perf_counter()
+        lr = float(self.engine.optimizer.param_groups[0]["lr"])  # this step's (the schedule's)
         # Shortest first: micro-batches of similar lengths pad less (the loss is a sum over
         # samples, so their order does not change the step).
         samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
@@ -338,6 +340,7 @@ class Trainer:
             "entropy": ent / tokens / max(cfg.epochs, 1),
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "skipped": skipped,
+            "lr": lr,
             "step_s": time.perf_counter() - started,
             **summarize(reduced),
         }
@@ -441,8 +444,13 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
     def save(self, path: str, state: dict[str, Any], tokenizer_from: str) -> None:
         """DeepSpeed state (all ranks) and, from rank 0, a Hugging Face model folder."""
+        rng = {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
         self.engine.save_checkpoint(
-            os.path.join(path, "deepspeed"), tag="state", client_state=state
+            os.path.join(path, "deepspeed"), tag="state", client_state={**state, "rng": rng}
         )
         if self.config.deepspeed.zero_stage == 3:
             weights = self.engine._zero3_consolidated_16bit_state_dict()
@@ -462,8 +470,16 @@ class Trainer:
         dist.barrier()
 
     def load(self, path: str) -> dict[str, Any]:
+        """Model, optimizer and learning-rate schedule (DeepSpeed's), the random generators as
+        they were (rank 0's, on every rank), and the ``state`` given to ``save``."""
         _, state = self.engine.load_checkpoint(os.path.join(path, "deepspeed"), tag="state")
-        return dict(state or {})
+        state = dict(state or {})
+        rng = state.pop("rng", None)
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+        return state
 
 
 # ---------------------------------------------------------------- DeepSpeed C++ ops

@@ -18,8 +18,9 @@ sample lost upstream), or at the end of input, is sent with what it has if that 
 (per-token arrays of different lengths, ``sample_index`` outside the group, a duplicate, a
 ``group_size`` that disagrees with the group's, a sample for a group already sent or dropped,
 a group's sample that is not a full rollout) are dropped. Every drop is counted and logged.
-A message counts as processed (acknowledged, so the generator stops keeping it) once its group
-was sent on scored or dropped: a scorer killed while scoring gets those groups again.
+A message counts as processed (acknowledged, so the generator stops keeping it) once the learner
+has acknowledged its scored group, or the group was dropped: a scorer killed while scoring gets
+those groups again, and so does one killed after sending them (were the learner to lose them).
 Not here: advantages or any normalization across a group (the learner does that).
 """
 
@@ -112,7 +113,8 @@ class Scorer:
     Config = ScorerConfig
     keeps_ledger = True  # reports where its samples end (pipeline.ledger)
     inputs = {
-        # a message is processed once its group was sent on scored, or dropped (counted)
+        # a message is processed once the learner has processed its scored group, or once the
+        # group was dropped (counted)
         "rollouts": Port(
             ROLLOUT_GROUP,
             ROLLOUT,
@@ -128,6 +130,10 @@ class Scorer:
         self.pending: dict[str, _Group] = {}
         self._sources: dict[str, list[Message]] = {}  # group id -> its messages, not yet acked
         self._launched: set[str] = set()  # group ids queued for scoring or being scored
+        # scored groups sent, not yet acknowledged by the learner: send seq -> group id (their
+        # messages stay unacknowledged upstream until then)
+        self._awaiting_ack: dict[int, str] = {}
+        self._chained = False
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.counts = {
             "rollouts_in": 0,
@@ -145,6 +151,10 @@ class Scorer:
         self._room = asyncio.Event()
 
     async def setup(self) -> None:
+        groups = self.ctx.outputs["groups"]
+        if hasattr(groups, "on_ack"):
+            groups.on_ack(lambda seq: self._release(self._awaiting_ack.pop(seq, "")))
+            self._chained = True
         self.runner = RewardRunner(
             [(r.fn, r.weight) for r in self.config.rewards],
             workers=self.config.workers,
@@ -286,7 +296,7 @@ class Scorer:
             self.ctx.ledger.fates([(uid, size, index)], reason)
 
     def _release(self, group_id: str) -> None:
-        """The group was sent on or dropped: acknowledge the messages it came in."""
+        """The group was processed downstream or dropped: acknowledge the messages it came in."""
         port = self.ctx.inputs["rollouts"]
         for msg in self._sources.pop(group_id, ()):
             port.ack(msg)
@@ -401,7 +411,7 @@ class Scorer:
                 self.window.append(reward)
             offset += len(samples)
             head = group.head
-            await self.ctx.outputs["groups"].send(
+            seq = await self.ctx.outputs["groups"].send(
                 "scored_group",
                 {
                     "run_id": head["run_id"],
@@ -417,7 +427,10 @@ class Scorer:
             self.counts["groups_out"] += 1
             self.counts["samples"] += len(out)
             self._launched.discard(head["group_id"])
-            self._release(head["group_id"])
+            if isinstance(seq, int) and self._chained:
+                self._awaiting_ack[seq] = head["group_id"]  # released once the learner is done
+            else:
+                self._release(head["group_id"])
 
     def _reward_kwargs(
         self, head: Mapping[str, Any], samples: list[Mapping[str, Any]]

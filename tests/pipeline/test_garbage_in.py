@@ -160,8 +160,10 @@ def test_garbage_on_every_socket_is_refused_and_counted_and_nothing_restarts(tmp
         wait_for(counted, 30, "every inbox to count what it rejected")
         received = {r: _last_metrics(run_dir, r)["in.items.received"] for r in ("summary.0",)}
         wait_for(
-            lambda: _last_metrics(run_dir, "summary.0")["in.items.received"]
-            > received["summary.0"] + 10,
+            lambda: (
+                _last_metrics(run_dir, "summary.0")["in.items.received"]
+                > received["summary.0"] + 10
+            ),
             30,
             "the run to go on",
         )

@@ -16,11 +16,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.pipeline.runs import events, kill_tree, spawned_pids, start_inflight, wait_for
+from tests.pipeline.runs import (
+    REPO,
+    events,
+    kill_tree,
+    spawned_pids,
+    start_inflight,
+    wait_for,
+)
 from tests.stages.rl_config import rl_config
 from tests.stages.tiny_model import make_arith_model
 
@@ -193,3 +202,47 @@ def test_a_stalled_scorer_holds_everyone_flat_and_the_run_goes_on(tmp_path, mode
     ]
     assert waits[-1] >= 5, waits
     assert not [e for e in events(run_dir, "supervisor") if e["event"] == "replica_failed"]
+
+
+@pytest.mark.timeout(400)
+def test_chaos_seeded_kills_of_every_kind_the_run_completes_and_the_ledger_balances(
+    tmp_path, model_dir
+):
+    """bench/chaos.py, shortened: seeded SIGKILLs of random victims while the RL loop trains."""
+    config = rl_config(tmp_path, model_dir, steps=30)
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "bench/chaos.py",
+            "--config",
+            str(config),
+            "--steps",
+            "30",
+            "--kills",
+            "6",
+            "--every",
+            "1.5",
+            "3",
+            "--seed",
+            "4",
+            "--checkpoint-every",
+            "4",
+            "--timeout",
+            "300",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=REPO,
+        env={**os.environ, **_ENV},
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, result.stdout[-2000:] + result.stderr[-2000:]
+    out = json.loads(lines[-1])
+    assert out["status"] == "succeeded" and out["steps"] == 30, out
+    assert out["kills"] >= 5 and len(out["kills_by_victim"]) >= 3, out
+    assert out["unaccounted"] == 0 and out["ledger_incomplete"] is None, out
+    assert out["samples"]["trained"] == 30 * 16, out

@@ -119,3 +119,54 @@ def test_two_learner_ranks_zero2(tmp_path, model_dir):
     assert summary["steps"] == 3 and summary["samples"] == 48
     ready = [e for e in events(run_dir, "learner.*") if e["event"] == "deepspeed_ready"]
     assert sorted(e["rank"] for e in ready) == [0, 1] and all(e["world"] == 2 for e in ready)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_supervisor_resumes_to_the_same_end_on_its_schedule(tmp_path, model_dir):
+    import os
+    import signal
+
+    from stages.learner.config import OptimConfig
+    from stages.learner.trainer import lr_factor
+    from tests.pipeline.runs import alive, kill_tree, spawned_pids, start_inflight, wait_for
+
+    steps, schedule = (
+        10,
+        ["stages.learner.optim.warmup_steps=3", "stages.learner.optim.schedule=cosine"],
+    )
+    config = _config(tmp_path, model_dir, steps=steps)
+    run_dir = tmp_path / "run"
+    proc = start_inflight("run", str(config), *schedule, "--run-dir", str(run_dir), "-q", env=_ENV)
+
+    def trained() -> list[dict]:
+        return [e for e in events(run_dir, "learner.0") if e["event"] == "train_step"]
+
+    try:
+        wait_for(lambda: len(trained()) >= 5, 150, "5 train steps")
+        os.kill(proc.pid, signal.SIGKILL)  # the supervisor, as a crash or the OOM killer would
+        proc.wait(timeout=10)
+        # its replicas follow it (they watch their parent)
+        wait_for(lambda: not any(map(alive, spawned_pids(run_dir))), 30, "the replicas to exit")
+    finally:
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
+    killed_at = max(e["step"] for e in trained())
+    assert killed_at < steps
+    result = run_inflight(
+        "run", str(config), *schedule, "--resume", str(run_dir), "-q", timeout=170, env=_ENV
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == steps
+    (resumed,) = [e for e in events(run_dir, "learner.0") if e["event"] == "learner_resumed"]
+    assert resumed["step"] % 2 == 0 and resumed["step"] <= killed_at  # a checkpoint every 2
+    after = [e for e in trained() if e["ts"] > resumed["ts"]]
+    assert [e["step"] for e in after] == list(range(resumed["step"] + 1, steps + 1))
+    # the learning-rate schedule goes on where the checkpoint left it (not from warm-up again)
+    optim = OptimConfig(lr=0.001, warmup_steps=3, schedule="cosine")
+    for e in trained():
+        expected = 0.001 * lr_factor(e["step"] - 1, optim=optim, horizon=steps)
+        assert e["lr"] == pytest.approx(expected, abs=1e-5)  # logged to 5 decimals
+    # the feeder goes on from its saved position; the resumed run's ledger balances
+    fed = [e for e in events(run_dir, "feeder.0") if e["event"] == "feeder_resumed"]
+    assert fed and fed[-1]["next"] > 0
+    assert summary["ledger"]["unaccounted"] == 0 and "incomplete" not in summary["ledger"]
