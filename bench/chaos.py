@@ -67,6 +67,11 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=25)
+    parser.add_argument(
+        "--by-step",
+        action="store_true",
+        help="kill at seeded learner steps (spread over the first 80%%) instead of every few s",
+    )
     args = parser.parse_args()
     victims = [v for v in args.victims.split(",") if v]
     unknown = set(victims) - set(VICTIMS)
@@ -97,11 +102,18 @@ def main() -> int:
             if time.monotonic() - started > args.timeout:
                 break
             time.sleep(0.5)
+        last = max(3, int(0.8 * args.steps))
+        at_steps = sorted(rng.choices(range(2, last), k=args.kills)) if args.by_step else []
         while proc.poll() is None and len(kills) < args.kills:
-            time.sleep(rng.uniform(*args.every))
+            if args.by_step:
+                while proc.poll() is None and _steps(run_dir) < at_steps[len(kills)]:
+                    time.sleep(0.1)
+            else:
+                time.sleep(rng.uniform(*args.every))
             victim = rng.choice(victims)
             pid = _pid(run_dir, victim)
             if pid is None or proc.poll() is not None:
+                time.sleep(0.2)  # restarting: another victim, or this one again, in a moment
                 continue
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -106,7 +106,7 @@ class LedgerBook:
         self.by_step: dict[int, list[tuple[str, int]]] = {}  # trained slots of unsaved steps
         self.refed = 0
         self.copies = 0  # samples, recognized and dropped as copies
-        self.duplicates = 0  # fates for slots that already had one
+        self.duplicates: Counter[str] = Counter()  # fates for slots that had one, by 2nd reason
         # uids with fates but not (yet) reported fed: reports of different replicas may come
         # in any order (the feeder reports after its send), so only at the end is this a bug
         self.unfed: set[str] = set()
@@ -175,7 +175,7 @@ class LedgerBook:
             raise ValueError(f"sample_index {index} outside its group of {len(states)}")
         state = states[index]
         if state == _FATED:
-            self.duplicates += 1
+            self.duplicates[reason] += 1
             return
         if state == _ROLLED:  # trained again after a rollback: no longer lost
             self.buckets[ROLLED_BACK] -= 1
@@ -252,7 +252,7 @@ class LedgerBook:
                 "in_flight_at_end": in_flight,
             },
             "copies_dropped": self.copies,
-            "duplicate_fates": self.duplicates,
+            "duplicate_fates": dict(self.duplicates),
             "transport": {k: v for k, v in sorted(counters.items()) if v},
             # prompts: fed, neither complete nor held; or with fates but never fed
             "unaccounted": len(missing) + len(self.unfed),
@@ -278,7 +278,7 @@ class LedgerBook:
             "trained": self.buckets[TRAINED],
             "dropped": dropped,
             "copies_dropped": self.copies,
-            "duplicate_fates": self.duplicates,
+            "duplicate_fates": sum(self.duplicates.values()),
         }
 
 

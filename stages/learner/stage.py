@@ -494,7 +494,8 @@ class Learner:
             "counts": self.counts,
             "totals": self.totals,
             # groups part-trained in the steps saved here: on resume only the rest trains
-            "partial": {e[2]: sorted(e[4]) for e in self._open.values() if e[2] and e[4]},
+            # (every group open: one with nothing trained yet must not pass for a copy later)
+            "partial": {e[2]: sorted(e[4]) for e in self._open.values() if e[2]},
             "seen": list(self._seen),  # to recognize copies after a resume
         }
         started = time.perf_counter()

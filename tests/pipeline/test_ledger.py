@@ -73,7 +73,7 @@ def test_a_second_fate_is_a_duplicate_and_copies_are_counted_apart():
     ledger.copies("f.0:0", 1)
     out = book.balance([])
     assert out["unaccounted"] == 0 and out["samples"]["trained"] == 1
-    assert out["prompts_refed"] == 1 and out["duplicate_fates"] == 1
+    assert out["prompts_refed"] == 1 and out["duplicate_fates"] == {"trained": 1}
     assert out["copies_dropped"] == 1
 
 
@@ -93,7 +93,7 @@ def test_a_learner_rollback_moves_unsaved_steps_out_of_trained_until_trained_aga
     ledger.fates([("f.0:3", 1, 0)], "trained", step=3)  # it came again and trained again
     out = book.balance([])
     assert out["samples"]["trained"] == 3 and out["samples"]["dropped"] == {"rolled_back": 1}
-    assert out["duplicate_fates"] == 0
+    assert out["duplicate_fates"] == {}
 
 
 def test_malformed_reports_are_refused_with_a_reason():
