@@ -308,6 +308,11 @@ class _Replica:
             self.log.exception("stage_failed")
             code = 1
         finally:
+            # ending anyway: a late SIGTERM (the whole process group gets one at shutdown) must
+            # not turn a clean end into a death by signal
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
             if stage is not None:
                 try:
                     await asyncio.wait_for(stage.close(), timeout=spec["close_timeout_s"])

@@ -15,10 +15,12 @@ never too little):
   ``stale``, ``bad_group``...);
 - ``consumed``: a stage that keeps no ledger (one of your own: its class does not set
   ``keeps_ledger``) processed a message of the prompt: the prompt ends there;
-- ``copies``: a second copy of work already done was recognized and dropped (a prompt generated
-  again after its generator was killed); counted, not a slot's fate;
-- ``rollback``: the learner resumed from the checkpoint of step ``k``: samples trained in later
-  steps are no longer in the model (``rolled_back``, unless they come again and train again);
+- ``copies``: a second copy of work already done was recognized and dropped (a prompt fed or
+  generated again after a crash); counted, and a slot without a fate in this ledger (its original
+  was finished before a resume) ends as ``done_before`` unless the original's fate comes later;
+- ``rollback``: the learner resumed from the checkpoint of step ``k``: what it decided after
+  step ``k`` (trained, or dropped as stale) is undone (``rolled_back``, unless those samples
+  come again and get a fate again);
   ``checkpoint``: steps up to ``k`` are saved, so they can no longer be rolled back;
 - ``final``: the replica is ending; ``held``: the uids of messages still in its inboxes, taken
   and not yet acknowledged, or sent and not yet acknowledged downstream (in flight), and its
@@ -47,7 +49,9 @@ __all__ = ["TRAINED", "LedgerBook", "LedgerReporter"]
 
 TRAINED = "trained"
 ROLLED_BACK = "rolled_back"
-_NONE, _FATED, _ROLLED = 0, 1, 2  # a slot's state in the book
+DONE_BEFORE = "done_before"
+_NONE, _FATED, _ROLLED, _COPIED = 0, 1, 2, 3  # a slot's state in the book
+_PROVISIONAL = {_ROLLED: ROLLED_BACK, _COPIED: DONE_BEFORE}  # states a real fate replaces
 _EXAMPLES = 10  # uids named when the ledger does not balance
 
 
@@ -83,9 +87,12 @@ class LedgerReporter:
         if isinstance(uid, str):
             self._publish({"consumed": uid})
 
-    def copies(self, uid: str | None, samples: int) -> None:
-        if isinstance(uid, str) and samples > 0:
-            self._publish({"copies": samples, "uid": uid})
+    def copies(self, uid: str | None, size: Any, indexes: Iterable[Any]) -> None:
+        """A copy of work done before (the same prompt, fed or made again after a crash) was
+        dropped: its samples ``indexes`` of a group of ``size``."""
+        rows = [i for i in indexes if isinstance(i, int)]
+        if isinstance(uid, str) and isinstance(size, int) and rows:
+            self._publish({"copies": rows, "uid": uid, "size": size})
 
     def rollback(self, step: int) -> None:
         self._publish({"rollback": step})
@@ -103,10 +110,12 @@ class LedgerBook:
     def __init__(self) -> None:
         self.slots: dict[str, bytearray | None] = {}  # fed uid -> slot states (None: no fate yet)
         self.buckets: Counter[str] = Counter()  # trained, and dropped reasons, in samples
-        self.by_step: dict[int, list[tuple[str, int]]] = {}  # trained slots of unsaved steps
+        # the learner's fates in steps not yet saved: step -> (uid, index, reason)
+        self.by_step: dict[int, list[tuple[str, int, str]]] = {}
         self.refed = 0
         self.copies = 0  # samples, recognized and dropped as copies
         self.duplicates: Counter[str] = Counter()  # fates for slots that had one, by 2nd reason
+        self.duplicate_examples: list[str] = []
         # uids with fates but not (yet) reported fed: reports of different replicas may come
         # in any order (the feeder reports after its send), so only at the end is this a bug
         self.unfed: set[str] = set()
@@ -132,7 +141,9 @@ class LedgerBook:
             elif "consumed" in payload:
                 self._consumed(_uid(payload["consumed"]), str(payload.get("stage")))
             elif "copies" in payload:
-                self.copies += int(payload["copies"])
+                uid, size = _uid(payload["uid"]), int(payload["size"])
+                for index in payload["copies"]:
+                    self._copy(uid, size, int(index))
             elif "rollback" in payload:
                 self._rollback(int(payload["rollback"]))
             elif "checkpoint" in payload:
@@ -176,13 +187,28 @@ class LedgerBook:
         state = states[index]
         if state == _FATED:
             self.duplicates[reason] += 1
+            if len(self.duplicate_examples) < _EXAMPLES:
+                self.duplicate_examples.append(f"{uid}#{index} {reason}")
             return
-        if state == _ROLLED:  # trained again after a rollback: no longer lost
-            self.buckets[ROLLED_BACK] -= 1
+        if state in _PROVISIONAL:  # trained again after a rollback, or the original after a copy
+            self.buckets[_PROVISIONAL[state]] -= 1
         states[index] = _FATED
         self.buckets[reason] += 1
-        if reason == TRAINED and isinstance(step, int) and step > self.saved_step:
-            self.by_step.setdefault(step, []).append((uid, index))
+        if isinstance(step, int) and step > self.saved_step:  # the learner's: may roll back
+            self.by_step.setdefault(step, []).append((uid, index, reason))
+
+    def _copy(self, uid: str, size: int, index: int) -> None:
+        """A copy dropped: counted; and a slot with no fate in this ledger (its original was
+        finished by an earlier process of the run, before a resume) ends as ``done_before``
+        unless the original's own fate comes later."""
+        self.copies += 1
+        self._known(uid)
+        states = self.slots[uid]
+        if states is None:
+            states = self.slots[uid] = bytearray(max(size, 1))
+        if 0 <= index < len(states) and states[index] == _NONE:
+            states[index] = _COPIED
+            self.buckets[DONE_BEFORE] += 1
 
     def _consumed(self, uid: str, stage: str) -> None:
         self._known(uid)
@@ -198,11 +224,13 @@ class LedgerBook:
 
     def _rollback(self, step: int) -> None:
         for s in [s for s in self.by_step if s > step]:
-            for uid, index in self.by_step.pop(s):
+            for uid, index, reason in self.by_step.pop(s):
                 states = self.slots[uid]
                 assert states is not None
+                if states[index] != _FATED:
+                    continue
                 states[index] = _ROLLED
-                self.buckets[TRAINED] -= 1
+                self.buckets[reason] -= 1
                 self.buckets[ROLLED_BACK] += 1
 
     def _saved(self, step: int) -> None:
@@ -253,6 +281,7 @@ class LedgerBook:
             },
             "copies_dropped": self.copies,
             "duplicate_fates": dict(self.duplicates),
+            **({"duplicate_examples": self.duplicate_examples} if self.duplicate_examples else {}),
             "transport": {k: v for k, v in sorted(counters.items()) if v},
             # prompts: fed, neither complete nor held; or with fates but never fed
             "unaccounted": len(missing) + len(self.unfed),

@@ -201,6 +201,12 @@ async def _pause(request: web.Request) -> web.Response:
 
 
 async def _continue(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request, allow_empty=True)  # it takes no fields
+        if body:
+            raise RequestError(sorted(body)[0], "unknown field (this route takes none)")
+    except RequestError as exc:
+        return _bad_request(str(exc))
     await asyncio.wrap_future(request.app[_SCHEDULER].resume())
     return web.json_response({"message": "Generation continued successfully.", "status": 200})
 

@@ -319,7 +319,7 @@ class Learner:
                 kept.append(s)
             else:
                 self.counts["stale"] += 1
-                self._fates([s], "stale")
+                self._fates([s], "stale", step=self.step + 1)  # undone if step rolls back
                 self._done_with(s)  # dropped and counted: processed
         return kept
 
@@ -351,7 +351,9 @@ class Learner:
         done = self._partial.pop(uid, None) if isinstance(uid, str) else None
         if isinstance(uid, str) and done is None:
             if uid in self._seen:  # this prompt's group came before (made again after a crash)
-                self.ctx.ledger.copies(uid, len(group.get("samples") or ()))
+                items = group.get("samples") if isinstance(group.get("samples"), list) else []
+                indexes = [s.get("sample_index") for s in items if isinstance(s, dict)]
+                self.ctx.ledger.copies(uid, group.get("group_size"), indexes)
                 self.counts["copies"] += 1
                 self.ctx.inputs["groups"].ack(msg)
                 return []

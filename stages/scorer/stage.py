@@ -290,7 +290,7 @@ class Scorer:
         if not (isinstance(size, int) and isinstance(index, int) and 0 <= index < size):
             return  # no slot to name: a sample of no group (its slot shows as unaccounted)
         if problem.startswith("duplicate"):
-            self.ctx.ledger.copies(uid, 1)
+            self.ctx.ledger.copies(uid, size, [index])
         else:
             reason = "late" if problem.startswith("late") else "malformed"
             self.ctx.ledger.fates([(uid, size, index)], reason)

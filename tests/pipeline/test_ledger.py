@@ -70,7 +70,7 @@ def test_a_second_fate_is_a_duplicate_and_copies_are_counted_apart():
     ledger.fed("f.0:0")  # fed again after a feeder restart
     ledger.fates([("f.0:0", 1, 0)], "trained", step=1)
     ledger.fates([("f.0:0", 1, 0)], "trained", step=2)  # a copy trained by another rank
-    ledger.copies("f.0:0", 1)
+    ledger.copies("f.0:0", 1, [0])
     out = book.balance([])
     assert out["unaccounted"] == 0 and out["samples"]["trained"] == 1
     assert out["prompts_refed"] == 1 and out["duplicate_fates"] == {"trained": 1}
@@ -116,3 +116,17 @@ def test_reports_of_different_replicas_may_come_in_any_order():
     out = book.balance([])
     assert out["unaccounted"] == 0 and out["prompts_fed"] == 2 and out["prompts_refed"] == 0
     assert out["samples"]["dropped"] == {"consumed_by_s": 1}
+
+
+def test_a_copy_of_work_finished_before_a_resume_ends_its_slots_until_the_original_comes():
+    book, ledger = book_and_reporter()
+    ledger.fed("f.0:0")  # fed again after a resume: its original was trained before it
+    ledger.copies("f.0:0", 2, [0, 1])
+    out = book.balance([])
+    assert out["unaccounted"] == 0 and out["samples"]["dropped"] == {"done_before": 2}
+    ledger.fed("f.0:1")
+    ledger.copies("f.0:1", 2, [0, 1])  # the copy came first; the original trains after it
+    ledger.fates([("f.0:1", 2, 0), ("f.0:1", 2, 1)], "trained", step=3)
+    out = book.balance([])
+    assert out["samples"]["trained"] == 2 and out["samples"]["dropped"] == {"done_before": 2}
+    assert out["copies_dropped"] == 4 and out["duplicate_fates"] == {}

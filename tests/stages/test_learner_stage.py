@@ -18,6 +18,7 @@ import pytest
 import structlog
 import torch
 
+from pipeline.ledger import LedgerReporter
 from stages.feeder.sources import SourceConfig
 from stages.learner import evaluate as evaluate_module
 from stages.learner import publishing as publishing_module
@@ -56,6 +57,8 @@ class _Ctx:
         self.replicas, self.replica, self.run_dir, self.stages = 1, 0, run_dir, {}
         self.summaries: dict[str, Any] = {}
         self.stopped: str | None = None
+        self.ledger_reports: list[dict[str, Any]] = []
+        self.ledger = LedgerReporter(self.ledger_reports.append)
 
     async def summary(self, **values: Any) -> None:
         self.summaries.update(values)
