@@ -107,7 +107,7 @@ class Learner:
         self.share = cfg.batch_size // self.ctx.replicas
         self._groups = aiter(self.ctx.inputs["groups"])
         resumed = self._latest_checkpoint()
-        live_run = bool(getattr(self.ctx, "version", 0))  # restarted in a run that published
+        live = int(getattr(self.ctx, "version", 0) or 0)  # > 0: started into a run that published
         evaluate = self.rank == 0 and cfg.eval.source is not None
         # One worker thread does everything that imports transformers, in turn: its lazy
         # modules are not safe to import from two threads at once.
@@ -126,7 +126,7 @@ class Learner:
 
                 self.evaluator = Evaluator(cfg.eval, prompts, tokenizer, self.log)
             self._engines_task = asyncio.create_task(
-                self._engines_up(evaluate=evaluate and resumed is None and not live_run),
+                self._engines_up(evaluate=evaluate and resumed is None and not live),
                 name="engines",
             )
         if resumed is not None:
@@ -139,7 +139,6 @@ class Learner:
             self.totals.update(state.get("totals", {}))
             self._partial = {u: set(ix) for u, ix in state.get("partial", {}).items()}
             self._seen = OrderedDict.fromkeys(state.get("seen", ()))
-        live = int(getattr(self.ctx, "version", 0) or 0)
         if live >= self.version and live > 0:
             # restarted mid-run (from a checkpoint, or from scratch when there is none yet):
             # versions up to `live` were published after these weights and everyone holds them
