@@ -121,6 +121,13 @@ def test_two_learner_ranks_zero2(tmp_path, model_dir):
     assert sorted(e["rank"] for e in ready) == [0, 1] and all(e["world"] == 2 for e in ready)
 
 
+def _feeder_saved_next(run_dir) -> int:
+    try:
+        return int(json.loads((run_dir / "state" / "feeder.0.json").read_text())["next"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_supervisor_resumes_to_the_same_end_on_its_schedule(tmp_path, model_dir):
     import os
@@ -131,7 +138,7 @@ def test_a_killed_supervisor_resumes_to_the_same_end_on_its_schedule(tmp_path, m
     from tests.pipeline.runs import alive, kill_tree, spawned_pids, start_inflight, wait_for
 
     steps, schedule = (
-        10,
+        30,  # steps of this tiny model take tens of milliseconds: room to kill it midway
         ["stages.learner.optim.warmup_steps=3", "stages.learner.optim.schedule=cosine"],
     )
     config = _config(tmp_path, model_dir, steps=steps)
@@ -143,6 +150,9 @@ def test_a_killed_supervisor_resumes_to_the_same_end_on_its_schedule(tmp_path, m
 
     try:
         wait_for(lambda: len(trained()) >= 5, 150, "5 train steps")
+        # and the feeder has saved a position past its first prompts (it saves twice a second;
+        # steps of this tiny model take tens of milliseconds, so 5 steps can beat the first save)
+        wait_for(lambda: _feeder_saved_next(run_dir) > 0, 30, "the feeder to save its position")
         os.kill(proc.pid, signal.SIGKILL)  # the supervisor, as a crash or the OOM killer would
         proc.wait(timeout=10)
         # its replicas follow it (they watch their parent)
