@@ -238,6 +238,13 @@ class LedgerBook:
         for s in [s for s in self.by_step if s <= step]:
             del self.by_step[s]
 
+    def custody_after_exit(self, who: str, held: list[str]) -> str:
+        """What a replica that did not end cleanly still holds, as its own state on disk says
+        (a stage's ``held_after_exit``); returns the session name to balance with."""
+        session = f"after-exit:{who}"
+        self.sessions[session] = {"who": who, "held": held, "counters": {}, "final": True}
+        return session
+
     # ------------------------------------------------------------------ balancing
     def missing_finals(self, sessions: Iterable[str]) -> list[str]:
         """Of ``sessions`` (that ended cleanly), those whose final report has not arrived."""

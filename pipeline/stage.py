@@ -113,7 +113,10 @@ class Stage(Protocol):
 
     A stage that reports to the run's ledger where the samples it takes end (``ctx.ledger``,
     ``pipeline.ledger``) sets ``keeps_ledger = True``; for any other stage, each message it
-    processes ends its prompt in the ledger (``consumed``).
+    processes ends its prompt in the ledger (``consumed``). At the end a replica reports the uids
+    it still holds (its channels', and ``held_uids()`` if the stage defines it); a stage that
+    keeps its custody on disk may define the classmethod ``held_after_exit(run_dir, stage,
+    replica)`` to say what a replica that did not end cleanly held (the feeder does).
     """
 
     Config: ClassVar[type]

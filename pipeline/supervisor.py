@@ -530,12 +530,23 @@ class Supervisor:
             self._ledger_reported.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._ledger_reported.wait(), deadline - time.monotonic())
+        unclean, unknown = [], []  # replicas that did not end cleanly; those holding who knows
+        for rep in self.replicas.values():
+            if rep in clean:
+                continue
+            unclean.append(rep.name)
+            held = self._held_after_exit(rep)
+            if held is None:
+                unknown.append(rep.name)
+            else:
+                sessions.append(self.ledger.custody_after_exit(rep.name, held))
         ledger = self.ledger.balance(sessions)
-        unclean = [r.name for r in self.replicas.values() if r not in clean]
         missing = [r.name for r in clean if r.session in self.ledger.missing_finals(sessions)]
-        if unclean or missing:
+        if unclean:
+            ledger["not_ended_cleanly"] = unclean
+        if ledger["unaccounted"] and (unknown or missing):
             # what such a replica held is not known: the balance cannot be vouched for
-            ledger["incomplete"] = {"not_ended_cleanly": unclean, "no_final_report": missing}
+            ledger["incomplete"] = {"held_unknown": unknown, "no_final_report": missing}
             self.log.warning("ledger_incomplete", **ledger["incomplete"], **_brief(ledger))
         elif ledger["unaccounted"]:
             self.log.error("ledger_unbalanced", **ledger.get("unaccounted_detail", {}))
@@ -546,6 +557,18 @@ class Supervisor:
         else:
             self.log.info("ledger_balanced", **_brief(ledger))
         return ledger
+
+    def _held_after_exit(self, rep: _Replica) -> list[str] | None:
+        """What ``rep``, not ended cleanly, still holds by its stage's own account
+        (``held_after_exit``: the feeder's state file); None when the stage cannot say."""
+        held_after_exit = getattr(self.loaded.stage_classes[rep.stage], "held_after_exit", None)
+        if held_after_exit is None:
+            return None
+        try:
+            return held_after_exit(self.run_dir, rep.stage, rep.index)
+        except Exception as exc:  # a plugin's: its failure leaves the balance unvouched, no more
+            self.log.warning("held_after_exit_failed", replica=rep.name, error=repr(exc)[:300])
+            return None
 
     def _refused_counts(self) -> dict[str, int]:
         """Control messages not acted on: unsigned/malformed (the broker's) and by reason."""

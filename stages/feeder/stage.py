@@ -14,14 +14,15 @@ restart agrees on it (``feed_order``). ``max_prompts`` is split evenly between r
 Position. A replica's prompts form one sequence over all epochs (position ``k`` is epoch
 ``k // shard`` at index ``k % shard`` of that epoch's order). The feeder notes which positions the
 generator has acknowledged as processed (once its group was processed downstream) and
-keeps ``RUN_DIR/state/feeder.R.json`` up to date (twice a second, written whole and renamed into
+keeps ``RUN_DIR/state/STAGE.R.json`` up to date (twice a second, written whole and renamed into
 place): every position below ``next`` is processed, and ``acked_above`` lists those beyond. A
 restarted replica (a crash, or ``inflight run --resume``) continues from there: it feeds again
 only what was not acknowledged, so within an epoch every prompt is fed once. (Prompts already
 in a generator's inbox when the feeder died are among those: the generator processes them and
 acknowledges them to the feeder that is gone, so they may be fed once more.) A state file
 written for other options (seed, shuffle, shard, replicas) is not used: the replica starts
-afresh and says so.
+afresh and says so. The same file tells the ledger what a replica that did not end cleanly still
+held (``held_after_exit``): every position from ``next`` to ``reserved`` not acknowledged.
 
 Not here: repeating a prompt within a group (the generator samples ``group_size`` completions
 per prompt), and curricula or re-weighting of prompts.
@@ -45,6 +46,14 @@ from stages.schemas import PROMPT
 __all__ = ["Feeder", "FeederConfig", "feed_order"]
 
 _RESERVE = 256  # positions claimed in the state file at a time (see ``held_uids``)
+
+
+def _state_file(run_dir: Path, stage: str, replica: int) -> Path:
+    return run_dir / "state" / f"{stage}.{replica}.json"
+
+
+def _uid(stage: str, replica: int, position: int) -> str:
+    return f"{stage}.{replica}:{position}"
 
 
 @dataclass
@@ -103,9 +112,7 @@ class Feeder:
         # (saved before any is sent, so a crash cannot outrun it)
         self.reserved = 0
         run_dir = getattr(ctx, "run_dir", None)
-        self._state_path = (
-            Path(run_dir) / "state" / f"feeder.{ctx.replica}.json" if run_dir else None
-        )
+        self._state_path = _state_file(Path(run_dir), ctx.stage, ctx.replica) if run_dir else None
 
     async def setup(self) -> None:
         # reading and tokenizing a big file takes a while: keep the loop (heartbeats) free
@@ -211,8 +218,22 @@ class Feeder:
             if p not in self.acked_above
         ]
 
+    @classmethod
+    def held_after_exit(cls, run_dir: Path, stage: str, replica: int) -> list[str] | None:
+        """For the ledger, when replica ``replica`` did not end cleanly: the prompts its next
+        process would feed again (its saved state: positions from ``next`` up to ``reserved``
+        not acknowledged; the file is at most half a second old, so this errs on the side of
+        too many). None when there is no usable state file (nothing known)."""
+        try:
+            state = json.loads(_state_file(run_dir, stage, replica).read_text())
+            start, reserved = int(state["next"]), int(state.get("reserved", state["next"]))
+            above = {int(k) for k in state["acked_above"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return [_uid(stage, replica, p) for p in range(start, reserved) if p not in above]
+
     def _uid(self, position: int) -> str:
-        return f"{self.ctx.stage}.{self.ctx.replica}:{position}"
+        return _uid(self.ctx.stage, self.ctx.replica, position)
 
     def _state_key(self) -> dict[str, Any]:
         return {

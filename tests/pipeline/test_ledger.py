@@ -130,3 +130,24 @@ def test_a_copy_of_work_finished_before_a_resume_ends_its_slots_until_the_origin
     out = book.balance([])
     assert out["samples"]["trained"] == 2 and out["samples"]["dropped"] == {"done_before": 2}
     assert out["copies_dropped"] == 4 and out["duplicate_fates"] == {}
+
+
+def test_a_feeder_that_did_not_end_cleanly_holds_what_its_state_file_says(tmp_path):
+    """``Feeder.held_after_exit``: positions next..reserved not acknowledged, as uids."""
+    import json
+
+    from stages.feeder.stage import Feeder
+
+    assert Feeder.held_after_exit(tmp_path, "feed", 1) is None  # no state file: nothing known
+    (tmp_path / "state").mkdir()
+    state = {"for": {}, "next": 3, "acked_above": [5], "reserved": 7}
+    (tmp_path / "state" / "feed.1.json").write_text(json.dumps(state))
+    held = Feeder.held_after_exit(tmp_path, "feed", 1)
+    assert held == ["feed.1:3", "feed.1:4", "feed.1:6"]
+    book, ledger = book_and_reporter()
+    for p in range(7):
+        ledger.fed(f"feed.1:{p}")
+    ledger.fates([(f"feed.1:{p}", 1, 0) for p in (0, 1, 2, 5)], "trained", step=1)
+    assert book.balance([])["unaccounted"] == 3
+    out = book.balance([book.custody_after_exit("feeder.1", held)])
+    assert out["unaccounted"] == 0 and out["prompts_in_flight_at_end"] == 3

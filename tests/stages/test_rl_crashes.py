@@ -246,3 +246,37 @@ def test_chaos_seeded_kills_of_every_kind_the_run_completes_and_the_ledger_balan
     # each sample of the final model's 40 steps trained once (a copy or a part-trained group
     # after a learner restart is not trained again)
     assert out["samples"]["trained"] == 40 * 16 and not out["duplicate_fates"], out
+
+
+@pytest.mark.timeout(300)
+def test_a_feeder_down_at_the_end_is_accounted_for_by_its_state_file(tmp_path, model_dir):
+    """The feeder is SIGKILLed and still waiting out its restart backoff when the learner
+    finishes: it sends no final report, but its state file says what its next process would feed
+    again (every unacknowledged position up to ``reserved``), so the ledger still balances."""
+    steps = 6
+    config = rl_config(tmp_path, model_dir, steps=steps)
+    run_dir = tmp_path / "run"
+    proc = start_inflight(
+        "run", str(config), "stages.feeder.restart.backoff_s=30", "--run-dir", str(run_dir),
+        "-q", env=_ENV,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: _steps(run_dir) >= 2, 120, "2 train steps")
+        (spawned,) = [
+            e
+            for e in events(run_dir, "supervisor")
+            if e["event"] == "replica_spawned" and e["replica_name"] == "feeder.0"
+        ]
+        os.kill(spawned["pid"], signal.SIGKILL)  # what the generator holds finishes the run
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output[-4000:]
+    finally:
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == steps
+    ledger = summary["ledger"]
+    assert ledger["not_ended_cleanly"] == ["feeder.0"], ledger
+    assert ledger["unaccounted"] == 0 and "incomplete" not in ledger, ledger
+    # what the feeder had fed but nobody finished is in flight at the end, not lost
+    state = json.loads((run_dir / "state" / "feeder.0.json").read_text())
+    assert ledger["prompts_fed"] > ledger["prompts_complete"] and state["reserved"] > 0, ledger
