@@ -505,15 +505,24 @@ class Learner:
             brief = {k: v for k, v in state.items() if k not in ("partial", "seen")}
             (path / "COMPLETE").write_text(json.dumps(brief))
             self.ctx.ledger.checkpoint(self.step)
-            complete = sorted(p.parent for p in self._checkpoint_root().glob("step-*/COMPLETE"))
-            for old in complete[: -self.config.checkpoint.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._remove_old_checkpoints(keep=self.config.checkpoint.keep)
             self.log.info(
                 "checkpoint_saved",
                 path=str(path),
                 step=self.step,
                 seconds=round(time.perf_counter() - started, 3),
             )
+
+    def _remove_old_checkpoints(self, *, keep: int) -> None:
+        """Keep the newest ``keep`` complete checkpoints; remove older ones and any older folder
+        left without its marker (a write or a removal cut short by a crash)."""
+        folders = sorted(self._checkpoint_root().glob("step-*"))
+        kept = [f for f in folders if (f / "COMPLETE").exists()][-keep:]
+        for old in folders:
+            if old in kept or old.name >= kept[0].name:
+                continue
+            (old / "COMPLETE").unlink(missing_ok=True)  # first: a removal cut short never loads
+            shutil.rmtree(old, ignore_errors=True)
 
     # ----------------------------------------------------------------- ending
     async def _finish(self, started: float) -> None:

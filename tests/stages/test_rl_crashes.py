@@ -280,3 +280,80 @@ def test_a_feeder_down_at_the_end_is_accounted_for_by_its_state_file(tmp_path, m
     # what the feeder had fed but nobody finished is in flight at the end, not lost
     state = json.loads((run_dir / "state" / "feeder.0.json").read_text())
     assert ledger["prompts_fed"] > ledger["prompts_complete"] and state["reserved"] > 0, ledger
+
+
+@pytest.mark.timeout(300)
+def test_a_learner_killed_while_it_writes_a_checkpoint_never_resumes_from_half_of_one(
+    tmp_path, model_dir
+):
+    """A checkpoint every step; three times the learner is SIGKILLed at a seeded moment while a
+    checkpoint folder has no ``COMPLETE`` marker yet (written, or an old one being removed). A
+    half checkpoint loaded would fail the restarted learner (and, three times over, the run)."""
+    import random
+
+    steps, kills = 16, 3
+    config = rl_config(tmp_path, model_dir, steps=steps)
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    overrides = [
+        "stages.learner.checkpoint.every=1",
+        "stages.learner.restart.max_restarts=5",
+        "stages.learner.restart.backoff_s=0.2",
+    ]
+    proc = start_inflight("run", str(config), *overrides, "--run-dir", str(run_dir), "-q", env=_ENV)
+    rng, complete_at_kill = random.Random(7), []
+
+    def step_of(folder) -> int:
+        return int(folder.name.removeprefix("step-"))
+
+    try:
+        for kill in range(kills):
+            # the learner process of the day is up and has saved a checkpoint of its own
+            def saving(kill=kill) -> bool:
+                spawned = [
+                    e["ts"]
+                    for e in events(run_dir, "supervisor")
+                    if e["event"] == "replica_spawned" and e["replica_name"] == "learner.0"
+                ]
+                return len(spawned) == kill + 1 and any(
+                    e["event"] == "checkpoint_saved" and e["ts"] > spawned[-1]
+                    for e in events(run_dir, "learner.0")
+                )
+
+            wait_for(saving, 120, f"learner process {kill + 1} to save a checkpoint")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # then a checkpoint newer than any complete one
+                folders = list(ckpts.glob("step-*"))
+                done = max((step_of(f) for f in folders if (f / "COMPLETE").exists()), default=0)
+                if any(step_of(f) > done and not (f / "COMPLETE").exists() for f in folders):
+                    break
+                assert proc.poll() is None, "the run ended before every kill landed"
+                time.sleep(0.001)
+            else:
+                raise AssertionError("no checkpoint write seen in 60 s")
+            time.sleep(rng.uniform(0, 0.03))  # somewhere in the write
+            (spawned,) = [
+                e
+                for e in events(run_dir, "supervisor")
+                if e["event"] == "replica_spawned" and e["replica_name"] == "learner.0"
+            ][kill:]
+            os.kill(spawned["pid"], signal.SIGKILL)
+            complete_at_kill.append(
+                max((step_of(p.parent) for p in ckpts.glob("step-*/COMPLETE")), default=0)
+            )
+        output, _ = proc.communicate(timeout=200)
+        assert proc.returncode == 0, output[-4000:]
+    finally:
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == steps
+    _balanced(summary["ledger"])
+    resumed = [e["step"] for e in events(run_dir, "learner.0") if e["event"] == "learner_resumed"]
+    assert len(resumed) == kills, resumed
+    # each restart resumed from the newest checkpoint that was complete when it was killed
+    # (or, when the kill came as the marker was written, the one finished just then)
+    for step, at_kill in zip(resumed, complete_at_kill, strict=True):
+        assert step == at_kill, (resumed, complete_at_kill)
+    # what is left: the newest 2, complete and whole (leftovers of cut writes were removed)
+    left = sorted(ckpts.glob("step-*"))
+    assert [f.name for f in left] == ["step-000015", "step-000016"]
+    assert all((f / "COMPLETE").exists() and (f / "model.safetensors").exists() for f in left)
