@@ -137,8 +137,7 @@ class Learner:
             for key in self.counts:
                 self.counts[key] = int(state.get("counts", {}).get(key, 0))
             self.totals.update(state.get("totals", {}))
-            self._partial = {u: set(ix) for u, ix in state.get("partial", {}).items()}
-            self._seen = OrderedDict.fromkeys(state.get("seen", ()))
+            self._partial, self._seen = _load_groups(resumed, earlier=state)
         if live >= self.version and live > 0:
             # restarted mid-run (from a checkpoint, or from scratch when there is none yet):
             # versions up to `live` were published after these weights and everyone holds them
@@ -494,16 +493,20 @@ class Learner:
             "version_offset": self.offset,
             "counts": self.counts,
             "totals": self.totals,
-            # groups part-trained in the steps saved here: on resume only the rest trains
-            # (every group open: one with nothing trained yet must not pass for a copy later)
+        }
+        # each rank's own groups (DeepSpeed keeps rank 0's client state only): those
+        # part-trained in the steps saved here, so that on resume only the rest trains (every
+        # group open: one with nothing trained yet must not pass for a copy later), and the
+        # uids taken, to recognize copies after a resume
+        groups = {
             "partial": {e[2]: sorted(e[4]) for e in self._open.values() if e[2]},
-            "seen": list(self._seen),  # to recognize copies after a resume
+            "seen": list(self._seen),
         }
         started = time.perf_counter()
+        await asyncio.to_thread(self._save_groups, path, groups)
         await asyncio.to_thread(self.trainer.save, str(path), state, self.config.model)
-        if self.rank == 0:
-            brief = {k: v for k, v in state.items() if k not in ("partial", "seen")}
-            (path / "COMPLETE").write_text(json.dumps(brief))
+        if self.rank == 0:  # every rank has written (trainer.save ends at a barrier)
+            (path / "COMPLETE").write_text(json.dumps(state))
             self.ctx.ledger.checkpoint(self.step)
             self._remove_old_checkpoints(keep=self.config.checkpoint.keep)
             self.log.info(
@@ -512,6 +515,13 @@ class Learner:
                 step=self.step,
                 seconds=round(time.perf_counter() - started, 3),
             )
+
+    def _save_groups(self, path: Path, groups: dict[str, Any]) -> None:
+        folder = path / "groups"
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"rank-{self.rank}.json.tmp"
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(folder / f"rank-{self.rank}.json")
 
     def _remove_old_checkpoints(self, *, keep: int) -> None:
         """Keep the newest ``keep`` complete checkpoints; remove older ones and any older folder
@@ -581,3 +591,23 @@ def _slots_of(group: Any) -> list[tuple[Any, Any, int]]:
         return []
     indexes = [s.get("sample_index") for s in items if isinstance(s, dict)]
     return [(uid, size, i) for i in indexes if isinstance(i, int) and 0 <= i < size]
+
+
+def _load_groups(
+    checkpoint: Path, earlier: dict[str, Any] | None = None
+) -> tuple[dict[str, set[int]], OrderedDict[str, None]]:
+    """Every rank's open groups and taken uids, merged: a group (or a copy of one) may come to
+    any rank after a resume, with as many ranks as before or not. ``earlier``: the client state
+    of a checkpoint written before ranks saved their own (rank 0's groups only)."""
+    partial: dict[str, set[int]] = {}
+    seen: OrderedDict[str, None] = OrderedDict()
+    files = sorted((checkpoint / "groups").glob("rank-*.json"))
+    every = [json.loads(path.read_text()) for path in files] or [earlier or {}]
+    for groups in every:
+        groups = {"partial": {}, "seen": [], **groups}
+        for uid, indexes in groups["partial"].items():
+            partial.setdefault(uid, set()).update(indexes)
+        seen.update(OrderedDict.fromkeys(groups["seen"]))
+    while len(seen) > _SEEN_UIDS:
+        seen.popitem(last=False)
+    return partial, seen

@@ -231,3 +231,26 @@ def test_no_engines_fails_the_run_instead_of_waiting_for_samples(
             await learner.close()
 
     asyncio.run(go())
+
+
+def test_a_resume_merges_every_ranks_groups(tmp_path):
+    """Part-trained groups and taken uids of every rank come back to each rank on resume (a
+    group, or a copy of one, may reach another rank, and the rank count may change)."""
+    import json
+
+    from stages.learner.stage import _load_groups
+
+    (tmp_path / "groups").mkdir()
+    ranks = [
+        {"partial": {"f.0:1": [0, 1]}, "seen": ["f.0:1", "f.0:2"]},
+        {"partial": {"f.0:7": [3]}, "seen": ["f.0:7"]},
+    ]
+    for rank, groups in enumerate(ranks):
+        (tmp_path / "groups" / f"rank-{rank}.json").write_text(json.dumps(groups))
+    partial, seen = _load_groups(tmp_path)
+    assert partial == {"f.0:1": {0, 1}, "f.0:7": {3}}
+    assert list(seen) == ["f.0:1", "f.0:2", "f.0:7"]
+    assert _load_groups(tmp_path / "nothing") == ({}, {})
+    # a checkpoint from before ranks saved their own: rank 0's, from its client state
+    earlier = {"step": 4, "partial": {"f.0:3": [2]}, "seen": ["f.0:3"]}
+    assert _load_groups(tmp_path / "nothing", earlier) == ({"f.0:3": {2}}, {"f.0:3": None})

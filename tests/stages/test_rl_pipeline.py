@@ -119,6 +119,11 @@ def test_two_learner_ranks_zero2(tmp_path, model_dir):
     assert summary["steps"] == 3 and summary["samples"] == 48
     ready = [e for e in events(run_dir, "learner.*") if e["event"] == "deepspeed_ready"]
     assert sorted(e["rank"] for e in ready) == [0, 1] and all(e["world"] == 2 for e in ready)
+    # each rank saved its own groups (taken uids, part-trained groups) with the checkpoint
+    groups = sorted((run_dir / "checkpoints" / "step-000002" / "groups").glob("rank-*.json"))
+    assert [g.name for g in groups] == ["rank-0.json", "rank-1.json"]
+    seen = [set(json.loads(g.read_text())["seen"]) for g in groups]
+    assert seen[0] and seen[1] and not seen[0] & seen[1]  # each rank took groups of its own
 
 
 def _feeder_saved_next(run_dir) -> int:
