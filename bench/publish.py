@@ -320,6 +320,8 @@ def _start_engines(
                     str(args.max_running),
                     "--log-file",
                     str(log_file),
+                    "--log-level",
+                    "debug",  # weights_applied, read below, is a debug event
                 ],
                 cwd=ROOT,
                 env=env,

@@ -70,6 +70,7 @@ class ActorContext:
         self.mode: str = spec.get("mode", "async")
         self.restarts: int = spec["restarts"]
         self.session: str = spec.get("session", "")
+        self.log_level: str = spec.get("log_level", "info")  # what helpers it starts log at
         self.inputs: dict[str, Receiver] = {}
         self.outputs: dict[str, Sender] = {}
         self.log = log

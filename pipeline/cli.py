@@ -1,13 +1,17 @@
 """The ``inflight`` command.
 
-    inflight run CONFIG [KEY=VALUE ...] [--run-dir DIR]   run a pipeline to its end
+    inflight run CONFIG [KEY=VALUE ...] [--run-dir DIR] [--console status|events] [-q]
+                                                          run a pipeline to its end
     inflight validate CONFIG [KEY=VALUE ...]              check a pipeline file, run nothing
-    inflight logs RUN_DIR [-f] [--stage S] [--level L] [--event E] [--json]
+    inflight logs RUN_DIR [-f] [--stage S] [--level L] [--event E] [--json|--csv]
+    inflight plot RUN_DIR [--out FILE.png]                reward, accuracy, lag, samples/s
     inflight stages                                       list registered plugins
-    inflight engine --model DIR --port N [...]            the built-in engine server
+    inflight engine --model DIR|ORG/NAME --port N [...]   the built-in engine server
 
 ``validate`` and ``run`` check the config against this host (``pipeline.placement``): cores and
 GPUs a stage asks for must exist; ``validate`` prints where each replica and engine will run.
+Both take their options and ``KEY=VALUE`` overrides in any order (``KEY+=VALUE`` appends to a
+list, ``a.b.0.c=V`` indexes one: ``pipeline.config.yaml_source.apply_overrides``).
 
 Exit codes: 0 success; 1 the run failed; 2 bad usage or an invalid config (every problem is
 printed, never a traceback); 130 interrupted (143 on SIGTERM). Dotted plugin paths
@@ -77,7 +81,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
     print(f"run directory: {run_dir}", flush=True)
-    supervisor = Supervisor(loaded, run_dir, console=not args.quiet)
+    supervisor = Supervisor(loaded, run_dir, console=None if args.quiet else args.console)
     try:
         import uvloop
     except ImportError:
@@ -102,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="inflight", description="Asynchronous RL for language models with in-flight updates."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(_commands=sub.choices)  # for _parse: each command's own parser
 
     run = sub.add_parser("run", help="run a pipeline YAML to its end")
     run.add_argument("config", metavar="CONFIG", help="pipeline YAML file")
@@ -112,7 +117,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue an earlier run in its directory, from its newest checkpoint",
     )
-    run.add_argument("-q", "--quiet", action="store_true", help="no console view of the logs")
+    run.add_argument(
+        "--console",
+        choices=["status", "events"],
+        default="status",
+        help="status (default): a live status block (on a terminal; else a line every "
+        "run.console_every_s) and the events that matter; events: every event as a line",
+    )
+    run.add_argument(
+        "-q", "--quiet", action="store_true", help="no console view (only the run directory)"
+    )
     run.set_defaults(func=_cmd_run)
 
     validate = sub.add_parser("validate", help="check a pipeline YAML and report every problem")
@@ -124,6 +138,14 @@ def _parser() -> argparse.ArgumentParser:
     add_logs_arguments(logs)
     logs.set_defaults(func=run_logs)
 
+    from pipeline.plot import add_plot_arguments, run_plot  # imports matplotlib only to draw
+
+    plot = sub.add_parser(
+        "plot", help="draw a run's reward, held-out accuracy, lag and samples/s (PNG)"
+    )
+    add_plot_arguments(plot)
+    plot.set_defaults(func=run_plot)
+
     # listed for --help; `main` hands its arguments to the engine's own parser
     sub.add_parser(
         "engine", help="serve a Hugging Face model over the SGLang HTTP API (built-in engine)"
@@ -134,13 +156,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands whose KEY=VALUE overrides and options may come in any order.
+_INTERMIXED = ("run", "validate")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, except that ``run`` and ``validate`` take their options before,
+    between or after the overrides (``inflight run C K=V --run-dir D K2=V2 -q``)."""
+    if argv[:1] and argv[0] in _INTERMIXED:
+        args = parser.get_default("_commands")[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["engine"]:  # the engine server parses its own options (--model, --port...)
         from stages.engine.server import main as engine_main  # torch + transformers: only here
 
         return engine_main(argv[1:])
-    args = _parser().parse_args(argv)
+    args = _parse(_parser(), argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:

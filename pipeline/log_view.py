@@ -7,8 +7,11 @@ stage, level and event name, and ``render`` makes one readable console line of a
 
     05:10:00.123 INFO  square.0 v3 replica_started port=5555
 
-Usage: ``inflight logs RUN_DIR [-f] [--stage S]... [--level L] [--event E]... [--json]``, or
-``python -m pipeline.log_view`` with the same arguments.
+Usage: ``inflight logs RUN_DIR [-f] [--stage S]... [--level L] [--event E]... [--json|--csv]``,
+or ``python -m pipeline.log_view`` with the same arguments. ``--csv`` writes the chosen events'
+fields as one table (``--event train_step --csv > steps.csv``). ``-f`` ends with the run: at
+its ``run_finished``, or once the supervisor that started it is gone (killed without a chance to
+finish: its ``run_started`` names its pid, start time and host).
 
 It only reads: it never writes, rotates or deletes logs, and knows nothing about the processes
 that write them beyond that file layout. Raw stdout/stderr captures (``*.out``) are not read.
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
 import math
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,7 +35,16 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LEVELS", "LogFilter", "LogTail", "add_logs_arguments", "render", "run_logs"]
+__all__ = [
+    "LEVELS",
+    "LogFilter",
+    "LogTail",
+    "add_logs_arguments",
+    "process_identity",
+    "render",
+    "run_logs",
+    "write_csv",
+]
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 _RANK = {name: rank for rank, name in enumerate(LEVELS)}
@@ -124,14 +138,38 @@ class LogTail:
         self._filt = filt if filt is not None else LogFilter()
         self._files: dict[Path, _File] = {}
         self._finished = False
+        self._owner: dict[str, Any] = {}  # who the latest run_started says runs the run
         if not from_start:
             for path in sorted(self._logs.glob("*.jsonl")):
                 self._skip_to_end(self._track(path))
 
     @property
     def finished(self) -> bool:
-        """True once the supervisor's ``run_finished`` was read, whatever the filter."""
+        """True once the supervisor's ``run_finished`` was read, whatever the filter (and no
+        later ``run_started``: a resumed run goes on in the same files)."""
         return self._finished
+
+    def supervisor_gone(self) -> int | None:
+        """The pid of the supervisor that started the run read so far when it is no longer
+        running on this host (killed before it could log ``run_finished``); None while it runs,
+        or when that cannot be told (no ``run_started`` read yet, another host)."""
+        pid, start, host = (self._owner.get(k) for k in ("pid", "pid_start", "host"))
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return None
+        if isinstance(host, str) and host != socket.gethostname():
+            return None
+        now = _start_ticks(pid)
+        if now is None:  # no /proc (not Linux): whether the pid exists is all there is to know
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return pid
+            except OSError:  # it exists, owned by another user
+                pass
+            return None
+        if now == -1 or (isinstance(start, int) and now != start):
+            return pid  # gone, a zombie, or the pid now belongs to another process
+        return None
 
     def poll(self, *, final: bool = False) -> list[dict[str, Any]]:
         """New matching events of all files, in ts order.
@@ -160,8 +198,10 @@ class LogTail:
         f.offset = data.rfind(b"\n") + 1  # a trailing partial line is read once it completes
         f.line_no = data.count(b"\n", 0, f.offset)
         if f.is_supervisor and f.offset:
-            # run_finished is the supervisor's last event: look at the last whole line only.
-            self._parse(f, data[: f.offset - 1].rsplit(b"\n", 1)[-1])
+            # which run is on and whether it finished: its run_started and run_finished lines
+            for raw in data[: f.offset].split(b"\n"):
+                if b'"run_started"' in raw or b'"run_finished"' in raw:
+                    self._parse(f, raw)
 
     def _read(self, f: _File, *, final: bool) -> list[dict[str, Any]]:
         try:
@@ -208,7 +248,41 @@ class LogTail:
             f.last_ts = event["ts"]
         if f.is_supervisor and event.get("event") == "run_finished":
             self._finished = True
+        elif f.is_supervisor and event.get("event") == "run_started":
+            self._finished = False
+            self._owner = {k: event.get(k) for k in ("pid", "pid_start", "host")}
         return event
+
+
+def process_identity() -> dict[str, Any]:
+    """This process as a ``run_started`` names it: ``pid``, ``pid_start`` (its start time in
+    clock ticks after boot, from ``/proc``; None elsewhere) and ``host``, so that a reader can
+    tell it is gone even after its pid was given to another process."""
+    pid = os.getpid()
+    start = _start_ticks(pid)
+    return {
+        "pid": pid,
+        "pid_start": start if start not in (None, -1) else None,
+        "host": socket.gethostname(),
+    }
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` (``/proc/PID/stat`` field 22); -1 when it is gone or a zombie,
+    None when ``/proc`` cannot say (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return -1 if os.path.isdir("/proc/self") else None
+    except (OSError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):  # killed, not yet reaped by its parent
+        return -1
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
 
 
 def _ts_key(event: Mapping[str, Any]) -> str:
@@ -290,7 +364,10 @@ def add_logs_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``inflight logs``; ``run_logs`` takes the parsed result."""
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory")
     parser.add_argument(
-        "-f", "--follow", action="store_true", help="keep printing new events until the run ends"
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing new events until the run ends (exit 1 if its supervisor was killed)",
     )
     parser.add_argument(
         "--stage",
@@ -309,6 +386,12 @@ def add_logs_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the raw JSON events")
     parser.add_argument(
+        "--csv",
+        action="store_true",
+        help="print the events' fields as CSV (header: every field, in order of first "
+        "appearance), e.g. --event train_step --csv > steps.csv",
+    )
+    parser.add_argument(
         "--interval", type=float, default=0.2, metavar="SECONDS", help="poll interval with -f"
     )
 
@@ -324,19 +407,36 @@ def run_logs(args: argparse.Namespace) -> int:
         filt = LogFilter(stages=args.stage, level=args.level, events=args.event)
     except ValueError as exc:
         return _fail(str(exc))
+    as_csv = getattr(args, "csv", False)
+    if as_csv and (args.follow or args.json):
+        return _fail("--csv makes one table of what the logs hold: not with -f or --json")
 
     color = not args.json and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     tail = LogTail(run_dir, filt=filt)
     try:
+        if as_csv:
+            write_csv(tail.poll(final=True), sys.stdout)
+            sys.stdout.flush()
+            return 0
         if not args.follow:
             _show(tail.poll(final=True), as_json=args.json, color=color)
             return 0
         while True:
             _show(tail.poll(), as_json=args.json, color=color)
-            if tail.finished:
-                # run_finished comes after every replica exited; one more read drains the rest.
+            gone = None if tail.finished else tail.supervisor_gone()
+            if tail.finished or gone is not None:
+                # run_finished comes after every replica exited; one more read drains the rest
+                # (and what replicas wrote as they died with a killed supervisor).
                 _show(tail.poll(final=True), as_json=args.json, color=color)
-                return 0
+                if tail.finished:
+                    return 0
+                print(
+                    f"inflight logs: the run's supervisor (pid {gone}) is gone without "
+                    "finishing the run (killed?); no more events will come",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 130
@@ -353,6 +453,26 @@ def _show(events: Iterable[dict[str, Any]], *, as_json: bool, color: bool) -> No
     for event in events:
         out.write((json.dumps(event) if as_json else render(event, color=color)) + "\n")
     out.flush()
+
+
+def write_csv(events: Sequence[Mapping[str, Any]], out: Any) -> None:
+    """``events`` as CSV on ``out``: one column per field, in order of first appearance; a
+    field an event lacks is empty; lists and mappings are JSON; booleans true/false."""
+    fields = list(dict.fromkeys(key for event in events for key in event))
+    writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for event in events:
+        writer.writerow({key: _cell(value) for key, value in event.items()})
+
+
+def _cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, default=str, separators=(",", ":"))
+    return value
 
 
 def _fail(message: str) -> int:

@@ -41,8 +41,18 @@ went; the supervisor logs a ``ledger`` event every ``_LEDGER_EVERY_S`` and, at t
 it into ``summary.json`` (``ledger``). A ledger that does not balance (``unaccounted`` > 0) is a
 bug somewhere: the run is ``failed`` and the log names the prompts that went missing.
 
-The console shows every replica's events as they are written (the same view as ``inflight logs
--f``). The last event of a run is ``run_finished`` with its status and exit code; stages may add
+Trackers (``run.trackers``; ``pipeline.tracking``): one ``TrackerFeed`` task reads the replicas'
+events from the logs as they are written and feeds one TensorBoard directory, W&B run and MLflow
+run for the whole run; at the end it takes the last events before ``summary.json`` is written
+(``trackers`` there when one failed). ``run.plot`` then draws ``RUN_DIR/plot.png``.
+``run_started`` names the supervisor's pid, its start time and host: ``inflight logs -f`` ends
+when that process is gone.
+
+The console (``pipeline.console``) follows every replica's events as they are written: by
+default one live status block (step k/N, ETA, reward, lag, throughput, last evaluation; off a
+terminal a plain line every ``run.console_every_s``) with the events that matter printed above
+it; ``console="events"`` prints every event (the view of ``inflight logs -f``), None nothing.
+The last event of a run is ``run_finished`` with its status and exit code; stages may add
 values to ``RUN_DIR/summary.json`` (``summary`` on the control bus), written when the run ends.
 """
 
@@ -68,8 +78,9 @@ import zmq.asyncio
 from pipeline import topics
 from pipeline.config import ConfigError, LoadedPipeline, dump_yaml
 from pipeline.config.schema import STAGE_KEYS
+from pipeline.console import Console, total_steps
 from pipeline.ledger import LedgerBook
-from pipeline.log_view import LogFilter, LogTail, render
+from pipeline.log_view import LogFilter, LogTail, process_identity, render
 from pipeline.placement import (
     ENGINE_PLACEMENT_ENV,
     Plan,
@@ -82,6 +93,7 @@ from pipeline.placement import (
 from pipeline.processes import child_preexec
 from pipeline.stage import stage_ports
 from pipeline.structured_log import close_process_logging, configure_process_logging
+from pipeline.tracking import TrackerFeed
 from transport import ControlBroker
 from transport.address import ipc_address, tcp_address
 from transport.credit import sparse
@@ -162,12 +174,18 @@ class _Outcome:
 class Supervisor:
     """Runs one pipeline to its end. ``await Supervisor(...).run()`` returns the exit code."""
 
-    def __init__(self, loaded: LoadedPipeline, run_dir: Path, *, console: bool = True) -> None:
+    def __init__(
+        self,
+        loaded: LoadedPipeline,
+        run_dir: Path,
+        *,
+        console: str | None = "status",
+    ) -> None:
         self.loaded = loaded
         self.config = loaded.config
         self.placement = loaded.placement or _place_here(loaded)
         self.run_dir = run_dir
-        self.console = console
+        self.console = console  # "status", "events" (every event a line) or None (silent)
         self.replicas: dict[str, _Replica] = {}
         self.version = 0
         self._outcome = _Outcome()
@@ -623,17 +641,71 @@ class Supervisor:
             *(r.watcher for r in self.replicas.values() if r.watcher), return_exceptions=True
         )
 
+    # --------------------------------------------------------- trackers, plot
+    def _tracker_feed(self) -> TrackerFeed | None:
+        """The task feeding ``run.trackers`` from the logs (``pipeline.tracking``), or None."""
+        run = self.config.run
+        if not run.trackers:
+            return None
+        return TrackerFeed(
+            run.trackers,
+            self.run_dir,
+            params=self.loaded.resolved(),
+            project=run.name,
+            run_name=self.run_dir.resolve().name,
+            log=self.log.bind(component="trackers"),
+            replicas={name: s.replicas for name, s in self.config.stages.items()},
+        )
+
+    async def _write_plot(self) -> Path | None:
+        """``RUN_DIR/plot.png`` when ``run.plot`` asks for it; a run with nothing to draw (or a
+        plot that fails) gets a warning, never a failed run."""
+        if not self.config.run.plot:
+            return None
+        from pipeline.plot import PlotError, write_plot  # matplotlib: only when asked for
+
+        out = self.run_dir / "plot.png"
+        try:
+            await asyncio.to_thread(write_plot, self.run_dir, out)
+        except PlotError as exc:
+            self.log.warning("plot_skipped", reason=str(exc))
+            return None
+        except Exception:
+            self.log.exception("plot_failed")
+            return None
+        self.log.info("plot_written", path=str(out))
+        return out
+
     # ---------------------------------------------------------------- console
     async def _console(self, stop: asyncio.Event) -> None:
-        tail = LogTail(self.run_dir, filt=LogFilter(level=self.config.run.console_level))
+        run, view = self.config.run, None
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
-        while True:
-            for event in tail.poll():
-                print(render(event, color=color), flush=True)
-            if stop.is_set():
-                return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=0.2)
+        if self.console == "events":
+            tail = LogTail(self.run_dir, filt=LogFilter(level=run.console_level))
+        else:  # the status block reads every event; console_level picks the printed ones
+            tail = LogTail(self.run_dir)
+            view = Console(
+                total=total_steps(self.config.stages),
+                every_s=run.console_every_s,
+                level=run.console_level,
+            )
+            view.start()
+        try:
+            while True:
+                for event in tail.poll():
+                    if view is None:
+                        print(render(event, color=color), flush=True)
+                    else:
+                        view.feed(event)
+                if view is not None:
+                    view.tick()
+                if stop.is_set():
+                    return
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=0.2)
+        finally:
+            if view is not None:
+                view.stop()
 
     # ------------------------------------------------------------------- run
     async def run(self) -> int:
@@ -652,7 +724,7 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         zctx = zmq.asyncio.Context()
-        checker = None
+        checker = feed = None
         self._started = time.monotonic()
         with contextlib.suppress(OSError, ValueError):  # a resumed run keeps what it had
             earlier = json.loads((run_dir / "summary.json").read_text())
@@ -679,7 +751,7 @@ class Supervisor:
                 run_dir=str(run_dir),
                 config=str(self.loaded.source),
                 stages={n: s.replicas for n, s in self.config.stages.items()},
-                pid=os.getpid(),
+                **process_identity(),  # `inflight logs -f` knows the run ended if this is gone
             )
             self.log.info(
                 "placement",
@@ -687,8 +759,11 @@ class Supervisor:
                 plan=self.placement.lines(),
                 pinned=self.placement.pins_cores,
             )
+            feed = self._tracker_feed()  # it reads the logs from here on
             for rep in self.replicas.values():
                 await self._spawn(rep)
+            if feed is not None:
+                feed.start()
             checker = asyncio.create_task(self._check_heartbeats(), name="heartbeats")
             await self._outcome.done.wait()
             await self._shutdown(self._outcome.reason)
@@ -704,13 +779,18 @@ class Supervisor:
                 loop.remove_signal_handler(sig)
             ledger = await self._balance_ledger() if hasattr(self, "broker") else None
             outcome = self._outcome
+            # the trackers get the run's last events (the replicas are gone), then the plot
+            trackers = None if feed is None else await feed.aclose(outcome.status)
+            trackers = trackers if feed is not None and feed.failed else None
+            plot = await self._write_plot()
             refused = self._refused_counts()
-            if self.summary or refused or ledger:
+            if self.summary or refused or ledger or trackers:
                 self._write_summary(
                     status=outcome.status,
                     exit_code=outcome.exit_code,
                     **({"control_refused": refused} if refused else {}),
                     **({"ledger": ledger} if ledger else {}),
+                    **({"trackers": trackers} if trackers else {}),
                 )
             self.log.info(
                 "run_finished",
@@ -728,6 +808,8 @@ class Supervisor:
             if console is not None:
                 console_stop.set()
                 await console
+            if plot is not None:
+                print(f"plot: {plot}", flush=True)
         return self._outcome.exit_code
 
 

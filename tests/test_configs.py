@@ -1,5 +1,6 @@
 """Every pipeline file shipped in configs/ validates, exactly as `inflight validate` sees it."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,3 +21,23 @@ def test_shipped_config_validates(path):
     assert loaded.config.stages
     for name, cls in loaded.stage_classes.items():
         assert isinstance(cls, type), name
+
+
+def _model_paths(options, path):
+    """(key path, value) of every non-empty field marked as a model folder or Hub id."""
+    if not dataclasses.is_dataclass(options):
+        return
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if f.metadata.get("path") == "model" and value:
+            yield f"{path}.{f.name}", value
+        yield from _model_paths(value, f"{path}.{f.name}")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_models_are_found_from_any_directory(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the repository root: paths are relative to the file
+    loaded = load_pipeline(path, resolve=lambda name: resolve("stage", name))
+    for name, section in loaded.config.stages.items():
+        for key, value in _model_paths(section.options, f"stages.{name}"):
+            assert (Path(value) / "config.json").is_file(), f"{path.name}: {key}: {value}"

@@ -3,10 +3,13 @@
 ``load_pipeline`` reads the YAML (keeping each key's line), applies command-line overrides,
 builds the typed sections, finds each stage's class through ``resolve`` (the plugin registry's
 lookup), builds each stage's options into the class's ``Config`` and checks the wiring between
-ports. Given a host ``inventory`` it also places every replica and launched engine on it
-(``pipeline.placement``): a ``resources`` request the host cannot meet is a problem like any
-other. Every problem found on the way is collected; one ConfigError reports them all, in file
-order. It starts nothing and imports no plugin itself.
+ports and what stages' options must agree on (``pipeline.config.checks``: batch splits over
+ranks, group sizes, devices). Path-valued fields are resolved as they are built
+(``pipeline.config.paths``): relative to the config file's folder when the file wrote them,
+to the working directory when an override did. Given a host ``inventory`` it also places every
+replica and launched engine on it (``pipeline.placement``): a ``resources`` request the host
+cannot meet is a problem like any other. Every problem found on the way is collected; one
+ConfigError reports them all, in file order. It starts nothing and imports no plugin itself.
 
 ``LoadedPipeline.resolved()`` is the whole config with every default filled in, as plain data:
 ``dump_yaml(loaded.resolved())`` is what a run directory keeps as ``config.yaml``, and loading
@@ -23,7 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import typed
+from pipeline.config.checks import pipeline_issues
 from pipeline.config.errors import ConfigError, ConfigIssue
+from pipeline.config.paths import PathResolver
 from pipeline.config.schema import (
     STAGE_KEYS,
     PipelineConfig,
@@ -34,6 +39,7 @@ from pipeline.config.schema import (
 from pipeline.config.wiring import check_wiring
 from pipeline.config.yaml_source import Locations, apply_overrides, join_path, load_yaml
 from pipeline.stage import stage_config_class
+from pipeline.tracking.backends import config_issues as tracker_issues
 
 if TYPE_CHECKING:
     from pipeline.placement import Inventory, Plan
@@ -91,6 +97,7 @@ def load_pipeline(
     source = Path(path)
     data, locations, issues = load_yaml(source)
     issues.extend(apply_overrides(data, locations, overrides))
+    paths = PathResolver(source, locations)
 
     for key in data:
         if key not in SECTIONS:
@@ -98,12 +105,15 @@ def load_pipeline(
             issues.append(
                 ConfigIssue(key, f"unknown top-level section {key!r}{hint}", locations.at(key))
             )
-    run = _section(RunSection, data, "run", locations, issues)
-    transport = _section(TransportSection, data, "transport", locations, issues)
-    names, stages, classes, inputs_known = _stages(data, locations, issues, resolve)
+    run = _section(RunSection, data, "run", locations, issues, paths)
+    transport = _section(TransportSection, data, "transport", locations, issues, paths)
+    names, stages, classes, inputs_known = _stages(data, locations, issues, resolve, paths)
     check_wiring(names, stages, classes, inputs_known, locations, issues)
     if run is not None and transport is not None:
         issues.extend(_timing_issues(run, transport, locations))
+    if run is not None:
+        issues.extend(pipeline_issues(run, stages, classes, locations, inventory))
+        issues.extend(tracker_issues(run, locations.at))
     placement, found = plan(stages, inventory, locations.at)
     issues.extend(found)
 
@@ -135,11 +145,16 @@ def _timing_issues(
 
 
 def _section(
-    cls: type, data: dict[str, Any], name: str, locations: Locations, issues: list[ConfigIssue]
+    cls: type,
+    data: dict[str, Any],
+    name: str,
+    locations: Locations,
+    issues: list[ConfigIssue],
+    paths: typed.PathHook,
 ) -> Any:
     # An absent section, or one left empty (all its keys commented out), means all defaults.
     raw = data[name] if name in data and data[name] is not None else {}
-    return typed.build(cls, raw, name, locations, issues)
+    return typed.build(cls, raw, name, locations, issues, paths=paths, checks=True)
 
 
 def _stages(
@@ -147,6 +162,7 @@ def _stages(
     locations: Locations,
     issues: list[ConfigIssue],
     resolve: Callable[[str], type],
+    paths: typed.PathHook,
 ) -> tuple[list[str], dict[str, StageSection], dict[str, type], set[str]]:
     """Stage names, each buildable stage's section (options in), class, valid-inputs names."""
 
@@ -188,7 +204,16 @@ def _stages(
         runtime = {key: value for key, value in entry.items() if key in STAGE_KEYS}
         options = {key: value for key, value in entry.items() if key not in STAGE_KEYS}
         before = len(issues)
-        section = typed.build(StageSection, runtime, path, locations, issues, skip=("options",))
+        section = typed.build(
+            StageSection,
+            runtime,
+            path,
+            locations,
+            issues,
+            skip=("options",),
+            paths=paths,
+            checks=True,
+        )
         inputs_path = join_path(path, "inputs")
         if section is not None:
             sections[name] = section
@@ -201,7 +226,7 @@ def _stages(
         if cls is None:
             continue
         classes[name] = cls
-        config = _build_options(cls, options, path, locations, issues, fail)
+        config = _build_options(cls, options, path, locations, issues, fail, paths)
         if section is not None:
             section.options = config
     return list(raw), sections, classes, inputs_known
@@ -234,6 +259,7 @@ def _build_options(
     locations: Locations,
     issues: list[ConfigIssue],
     fail: Callable[[str, str], None],
+    paths: typed.PathHook,
 ) -> Any:
     use_path = join_path(path, "use")
     try:
@@ -249,7 +275,16 @@ def _build_options(
             f"runtime keys ({', '.join(STAGE_KEYS)}): the plugin must rename them",
         )
         return None
-    return typed.build(config_cls, options, path, locations, issues, also_known=STAGE_KEYS)
+    return typed.build(
+        config_cls,
+        options,
+        path,
+        locations,
+        issues,
+        also_known=STAGE_KEYS,
+        paths=paths,
+        checks=True,
+    )
 
 
 def _in_order(issues: list[ConfigIssue], file: str, overrides: Sequence[str]) -> list[ConfigIssue]:

@@ -8,7 +8,10 @@ A pipeline file has three top-level sections::
                 # and the stage's own options, checked against the plugin's Config dataclass
 
 Field metadata understood by the validator (``pipeline.config.typed``): ``min``/``max`` bounds,
-``doc`` (shown by error messages and ``inflight stages``).
+``doc`` (shown by error messages and ``inflight stages``), ``path`` (the value names a file:
+``True``, ``"model"`` for a folder or Hub id, ``"command"``; a relative one is resolved against
+the config file's folder, ``pipeline.config.paths``), ``check`` (a function run on the value at
+validation), ``device`` (a torch device the process must have, ``pipeline.config.checks``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ def _f(default: Any, doc: str, **meta: Any) -> Any:
 @dataclass
 class RunSection:
     name: str = _f("inflight", "run name; run directories are RUNS_ROOT/NAME-TIMESTAMP")
-    runs_root: str = _f("runs", "where run directories are made when --run-dir is not given")
+    runs_root: str = _f(
+        "runs", "where run directories are made when --run-dir is not given", path=True
+    )
     mode: Literal["async", "sync"] = _f(
         "async",
         "async: generation never waits for training; sync: generate a batch with the current "
@@ -46,6 +51,9 @@ class RunSection:
     )
     console_level: Literal["debug", "info", "warning", "error"] = _f(
         "info", "lowest level shown on the console"
+    )
+    console_every_s: float = _f(
+        10.0, "not on a terminal (CI, | tee): seconds between two status lines", min=0.1
     )
     metrics_every_s: float = _f(
         10.0, "how often each replica logs channel and stage metrics", min=0.1
@@ -59,6 +67,20 @@ class RunSection:
     )
     shutdown_timeout_s: float = _f(
         8.0, "on shutdown, time replicas get to exit before they are killed", min=0.1
+    )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(
+        default_factory=list,
+        metadata={
+            "doc": "experiment trackers the supervisor feeds from the run's logs: one "
+            "TensorBoard dir (RUN_DIR/tensorboard), W&B run (offline unless WANDB_MODE says "
+            "otherwise) and MLflow run (RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set) for "
+            "the whole run; each needs its extra: pip install 'inflight-rl[tensorboard]'"
+        },
+    )
+    plot: bool = _f(
+        False,
+        "at the end of the run, draw reward, held-out accuracy, lag and samples/s into "
+        "RUN_DIR/plot.png (needs pip install 'inflight-rl[plot]')",
     )
 
 

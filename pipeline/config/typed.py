@@ -4,8 +4,18 @@
 ``bool``, ``Literal``, ``X | None`` and other unions, ``list[T]``, ``tuple[T, ...]``,
 ``dict[str, T]``, nested dataclasses, ``Path``, ``Any``), checks ``min``/``max`` field metadata,
 and appends one issue per problem instead of stopping: unknown keys (with a did-you-mean), missing
-required keys, wrong types (expected vs got, with the value). Defaults are never filled in here:
-absent keys are left to the dataclass, so each default lives in one place, its field.
+required keys, wrong types (expected vs got, with the value). Defaults are not filled in here
+(but for the path fields below): absent keys are left to the dataclass, so each default lives in
+one place, its field.
+
+Fields whose metadata has ``path`` (``True``, ``"model"``, ``"command"``: how the value names a
+file) are passed, once converted, through the caller's ``paths`` function, which may rewrite them
+(``pipeline.config.paths`` resolves them against the config file's folder) or refuse them by
+raising ValueError. A non-empty string default of such a field goes through it too, marked as
+not written, so the built instance says where the default points. With ``checks=True``, a field's
+``check`` metadata (a function of the value, e.g. "this folder holds a model") then runs on a
+non-empty string value: it returns the value to use or raises ValueError, reported at the key.
+Validation asks for it; rebuilding an already validated config (an actor) does not.
 
 ``to_plain`` goes the other way (instance -> plain data), for writing a resolved config.
 Nothing here knows about pipelines, stages or files.
@@ -15,16 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import PurePath
 from typing import Any, Literal, Union
 
 from pipeline.config.errors import ConfigIssue
 from pipeline.config.yaml_source import Locations, join_path
 
-__all__ = ["build", "describe", "did_you_mean", "show", "to_plain"]
+__all__ = ["PathHook", "build", "describe", "did_you_mean", "show", "to_plain"]
+
+# (key path, value, the field's ``path`` metadata, whether the config wrote it) -> value to use
+PathHook = Callable[[str, str, Any, bool], str]
 
 _BAD = object()  # a value that failed to convert (its issue is already recorded)
 _NONE = type(None)
@@ -87,9 +101,19 @@ def describe(tp: Any, plural: bool = False) -> str:
 
 
 class _Ctx:
-    def __init__(self, locations: Locations, issues: list[ConfigIssue]) -> None:
+    def __init__(
+        self, locations: Locations, issues: list[ConfigIssue], paths: PathHook | None = None
+    ) -> None:
         self.locations = locations
         self.issues = issues
+        self.paths = paths
+        self.checks = False
+
+    def scratch(self) -> _Ctx:
+        """A context whose issues are kept apart (to try a union's arms)."""
+        ctx = _Ctx(self.locations, [], self.paths)
+        ctx.checks = self.checks
+        return ctx
 
     def fail(self, path: str, message: str) -> object:
         self.issues.append(ConfigIssue(path, message, self.locations.at(path)))
@@ -105,11 +129,15 @@ def build(
     *,
     skip: Collection[str] = (),
     also_known: Collection[str] = (),
+    paths: PathHook | None = None,
+    checks: bool = False,
 ) -> Any | None:
     """An instance of dataclass ``cls`` from the mapping ``data`` at key path ``path``.
 
     Every problem is appended to ``issues``. Fields listed in ``skip`` and ``init=False`` fields
     are not read. ``also_known`` are keys handled elsewhere, offered in did-you-mean hints.
+    ``paths`` rewrites the values of fields marked with ``path`` metadata, and ``checks`` runs
+    fields' ``check`` metadata (see the module doc).
     Returns None when the instance cannot be built; a wrong optional value is reported and its
     default used, so callers can keep checking, but must not use the result if issues grew.
     ``locations`` may also be a plain ``{path: where}`` mapping, or None when unknown.
@@ -118,7 +146,9 @@ def build(
         known, locations = locations or {}, Locations()
         for key, where in known.items():
             locations.set(key, where)
-    return _build(cls, data, path, _Ctx(locations, issues), skip, also_known)
+    ctx = _Ctx(locations, issues, paths)
+    ctx.checks = checks
+    return _build(cls, data, path, ctx, skip, also_known)
 
 
 def _build(
@@ -152,10 +182,18 @@ def _build(
                 doc = field.metadata.get("doc")
                 ctx.fail(sub, f"missing required key {name!r}" + (f" ({doc})" if doc else ""))
                 complete = False
+            elif field.metadata.get("path") and ctx.paths and isinstance(field.default, str):
+                value = _resolve_paths(field.default, field.metadata["path"], sub, ctx, False)
+                if value is not _BAD:
+                    kwargs[name] = value
             continue
         value = _convert(hints[name], data[name], sub, ctx)
         if value is not _BAD:
             value = _check_bounds(field, value, sub, ctx)
+        if value is not _BAD and field.metadata.get("path") and ctx.paths is not None:
+            value = _resolve_paths(value, field.metadata["path"], sub, ctx)
+        if value is not _BAD and ctx.checks and callable(field.metadata.get("check")):
+            value = _run_check(field.metadata["check"], value, sub, ctx)
         if value is _BAD:
             complete = complete and not required
         else:
@@ -166,8 +204,19 @@ def _build(
         return cls(**kwargs)
     except Exception as exc:  # the Config's own __post_init__ checks: plugin code
         if len(ctx.issues) == issues_before:  # else a default stand-in may have caused it
-            ctx.fail(path, f"invalid {cls.__name__}: {exc}")
+            ctx.fail(_named_key(str(exc), data, path), f"invalid {cls.__name__}: {exc}")
         return None
+
+
+def _named_key(message: str, data: Mapping[str, Any], path: str) -> str:
+    """The key path of the first key of ``data`` that ``message`` names (so the issue points at
+    its line), else ``path``: a Config's own check usually names what to change first."""
+    found = [
+        (m.start(), key)
+        for key in data
+        if isinstance(key, str) and (m := re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message))
+    ]
+    return join_path(path, min(found)[1]) if found else path
 
 
 def _check_bounds(field: dataclasses.Field, value: Any, path: str, ctx: _Ctx) -> Any:
@@ -181,6 +230,30 @@ def _check_bounds(field: dataclasses.Field, value: Any, path: str, ctx: _Ctx) ->
     if high is not None and value > high:
         return ctx.fail(path, f"must be at most {high}, got {value}{about}")
     return value
+
+
+def _resolve_paths(value: Any, kind: Any, path: str, ctx: _Ctx, written: bool = True) -> Any:
+    """``value`` (a path, or a list of them) through ``ctx.paths``; empty strings stay unset."""
+    assert ctx.paths is not None
+    if isinstance(value, list):
+        items = [_resolve_paths(v, kind, f"{path}[{i}]", ctx) for i, v in enumerate(value)]
+        return _BAD if any(v is _BAD for v in items) else items
+    if not isinstance(value, (str, PurePath)) or not str(value):
+        return value
+    try:
+        resolved = ctx.paths(path, str(value), kind, written)
+    except ValueError as exc:
+        return ctx.fail(path, str(exc))
+    return type(value)(resolved) if isinstance(value, PurePath) else resolved
+
+
+def _run_check(check: Callable[[str], Any], value: Any, path: str, ctx: _Ctx) -> Any:
+    if not isinstance(value, str) or not value:
+        return value
+    try:
+        return check(value)
+    except ValueError as exc:
+        return ctx.fail(path, str(exc))
 
 
 def _shape_matches(tp: Any, value: Any) -> bool:
@@ -233,7 +306,7 @@ def _convert_union(tp: Any, args: tuple, value: Any, path: str, ctx: _Ctx) -> An
         return None
     failures = []
     for arm in (a for a in args if a is not _NONE):
-        scratch = _Ctx(ctx.locations, [])
+        scratch = ctx.scratch()
         converted = _convert(arm, value, path, scratch)
         if converted is not _BAD and not scratch.issues:
             return converted

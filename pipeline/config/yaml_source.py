@@ -3,7 +3,8 @@
 PyYAML's composer gives nodes with marks; this module turns them into plain values (str, int,
 float, bool, None, lists, str-keyed dicts) itself, so nothing can construct Python objects, and
 records where each key sits so later checks can say ``pipeline.yaml:12``. It also applies
-command-line overrides (``stages.learner.replicas=2``) and writes YAML back (``dump_yaml``).
+command-line overrides (``stages.learner.replicas=2``; ``stages.scorer.rewards.0.fn=x`` indexes
+a list, ``stages.scorer.rewards+={fn: x}`` appends to one) and writes YAML back (``dump_yaml``).
 
 Differences from plain ``yaml.safe_load``, each deliberate: duplicate keys are errors (PyYAML
 keeps the last silently); ``1e-3`` is a float as in YAML 1.2 (PyYAML 1.1 reads it as a string);
@@ -89,6 +90,16 @@ class Locations:
         """Forget ``path`` and everything below it (the value there was replaced)."""
         for key in [k for k in self._where if _is_under(k, path)]:
             del self._where[key]
+
+    def renumber_after_removal(self, path: str, index: int) -> None:
+        """Item ``index`` of the list at ``path`` was removed: later items move up by one."""
+        prefix = path + "["
+        moved = {}
+        for key in [k for k in self._where if k.startswith(prefix)]:
+            number, close, rest = key[len(prefix) :].partition("]")
+            if close and number.isdigit() and int(number) > index:
+                moved[f"{prefix}{int(number) - 1}]{rest}"] = self._where.pop(key)
+        self._where.update(moved)
 
     def __contains__(self, path: object) -> bool:
         return path in self._where
@@ -397,15 +408,105 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+_APPEND_SUFFIXES = ("[+]", ".+", "+")  # KEY+=VALUE (also KEY.+= and KEY[+]=): append to a list
+_BRACKET_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _key_parts(key: str) -> list[str] | None:
+    """``a.b[0].c`` or ``a.b.0.c`` as ``["a", "b", "0", "c"]``; None when malformed."""
+    dotted = _BRACKET_INDEX.sub(r".\1", key)
+    parts = dotted.split(".")
+    if not key or not all(parts) or any(c in dotted for c in "[]"):
+        return None
+    return parts
+
+
+def _show_index_range(path: str, items: list[Any]) -> str:
+    if not items:
+        return f"{path} is an empty list"
+    count = f"{len(items)} item" + ("" if len(items) == 1 else "s")
+    return f"{path} has {count} (indexes 0 to {len(items) - 1})"
+
+
+class _Walk:
+    """Follows an override's key parts through mappings and lists, keeping the key path."""
+
+    def __init__(self, key: str, where: str, locations: Locations) -> None:
+        self.key = key
+        self.where = where
+        self.locations = locations
+        self.issue: ConfigIssue | None = None
+
+    def fail(self, message: str) -> None:
+        self.issue = ConfigIssue(self.key, message, self.where)
+
+    def index(self, items: list[Any], part: str, path: str) -> int | None:
+        """The list index ``part`` names in ``items`` (at key path ``path``), or None."""
+        if not part.isdigit():
+            self.fail(
+                f"{path} is a list: index it with a number ({path}.0 is its first item), "
+                f"or append to it with {path}+=VALUE"
+            )
+            return None
+        i = int(part)
+        if i >= len(items):
+            self.fail(
+                f"index {i} is out of range: {_show_index_range(path, items)}; "
+                f"append with {path}+=VALUE"
+            )
+            return None
+        return i
+
+    def descend(self, target: Any, parts: list[str], create: bool) -> tuple[Any, str] | None:
+        """The container that ``parts`` lead to from ``target`` and its key path.
+
+        ``create``: missing (or null) mapping entries on the way become empty mappings.
+        """
+        path = ""
+        for part in parts:
+            if isinstance(target, list):
+                i = self.index(target, part, path)
+                if i is None:
+                    return None
+                path = f"{path}[{i}]"
+                child = target[i]
+            elif isinstance(target, dict):
+                path = join_path(path, part)
+                child = target.get(part)
+                if child is None:
+                    if not create:
+                        self.fail("nothing there: the config has no such key")
+                        return None
+                    child = target[part] = {}
+                    self.locations.drop_under(path)
+                    self.locations.set(path, self.where)
+            else:  # never: a scalar is refused below before the walk steps into it
+                return None
+            if not isinstance(child, (dict, list)):
+                if not create:
+                    self.fail("nothing there: the config has no such key")
+                    return None
+                self.fail(
+                    f"cannot set a key inside {path!r}: it is {_describe(child)}, not a "
+                    f"mapping or a list (set the whole value: {path}=...)"
+                )
+                return None
+            target = child
+        return target, path
+
+
 def apply_overrides(
     data: dict[str, Any], locations: Locations, overrides: Sequence[str]
 ) -> list[ConfigIssue]:
     """Set each ``a.b.c=VALUE`` in ``data`` (VALUE read as YAML) and return the bad ones.
 
-    Intermediate mappings are created as needed. The overridden key paths, and everything under
-    them, then report at ``override 'a.b.c=VALUE'`` instead of a file line. ``~a.b.c`` removes
-    the key (so its default applies, or so a stage switched to another plugin loses an option
-    that plugin lacks); ``a.b.c=null`` sets null.
+    Intermediate mappings are created as needed. A number indexes a list (``a.rewards.0.fn=x``,
+    or ``a.rewards[0].fn=x`` as error messages write key paths); ``a.rewards+=VALUE`` appends
+    VALUE to the list (``a.rewards.+=`` and ``a.rewards[+]=`` are the same; a key the file does
+    not set starts as an empty list). The overridden key paths, and everything under them, then
+    report at ``override 'a.b.c=VALUE'`` instead of a file line. ``~a.b.c`` removes the key (so
+    its default applies, or so a stage switched to another plugin loses an option that plugin
+    lacks), ``~a.rewards.1`` a list item; ``a.b.c=null`` sets null.
     """
     issues = []
     for text in overrides:
@@ -419,18 +520,22 @@ def apply_overrides(
             issues.append(
                 ConfigIssue(
                     "",
-                    "an override must look like KEY=VALUE (e.g. stages.learner.replicas=2)",
+                    "an override must look like KEY=VALUE (e.g. stages.learner.replicas=2), "
+                    "or KEY+=VALUE to append to a list",
                     where,
                 )
             )
             continue
-        parts = key.split(".")
-        if not key or not all(parts):
+        append = next((s for s in _APPEND_SUFFIXES if key.endswith(s)), "")
+        if append:
+            key = key[: -len(append)].rstrip()
+        parts = _key_parts(key)
+        if parts is None:
             issues.append(
                 ConfigIssue(
                     key,
                     "the key of an override must be a dotted path with no "
-                    "empty parts (e.g. stages.learner.replicas)",
+                    "empty parts (e.g. stages.learner.replicas, stages.scorer.rewards.0.fn)",
                     where,
                 )
             )
@@ -439,51 +544,91 @@ def apply_overrides(
         if value_issues:
             issues.extend(ConfigIssue(key, i.message, where) for i in value_issues)
             continue
-        target, path = data, ""
-        for part in parts[:-1]:
-            path = join_path(path, part)
-            if target.get(part) is None:
-                target[part] = {}
-                locations.drop_under(path)
-                locations.set(path, where)
-            elif not isinstance(target[part], dict):
-                issues.append(
-                    ConfigIssue(
-                        key,
-                        f"cannot set a key inside {path!r}: it is "
-                        f"{_describe(target[part])}, not a mapping "
-                        f"(set the whole value: {path}=...)",
-                        where,
-                    )
-                )
-                break
-            target = target[part]
+        walk = _Walk(key, where, locations)
+        if append:
+            _append(data, parts, value, walk)
         else:
-            target[parts[-1]] = value
-            locations.drop_under(key)
-            _mark_all(locations, key, value, where)
+            _set(data, parts, value, walk)
+        if walk.issue is not None:
+            issues.append(walk.issue)
     return issues
 
 
+def _set(data: dict[str, Any], parts: list[str], value: Any, walk: _Walk) -> None:
+    found = walk.descend(data, parts[:-1], create=True)
+    if found is None:
+        return
+    target, path = found
+    last = parts[-1]
+    if isinstance(target, list):
+        i = walk.index(target, last, path)
+        if i is None:
+            return
+        target[i], path = value, f"{path}[{i}]"
+    else:
+        target[last], path = value, join_path(path, last)
+    walk.locations.drop_under(path)
+    _mark_all(walk.locations, path, value, walk.where)
+
+
+def _append(data: dict[str, Any], parts: list[str], value: Any, walk: _Walk) -> None:
+    found = walk.descend(data, parts[:-1], create=True)
+    if found is None:
+        return
+    parent, parent_path = found
+    last = parts[-1]
+    if isinstance(parent, list):
+        i = walk.index(parent, last, parent_path)
+        if i is None:
+            return
+        items, path = parent[i], f"{parent_path}[{i}]"
+    else:
+        path = join_path(parent_path, last)
+        items = parent.get(last)
+        if items is None:  # not in the file: a new list (its default, if any, is replaced)
+            items = parent[last] = []
+            walk.locations.drop_under(path)
+            walk.locations.set(path, walk.where)
+    if not isinstance(items, list):
+        walk.fail(
+            f"cannot append to {path!r}: it is {_describe(items)}, not a list "
+            f"(set the whole value: {path}=...)"
+        )
+        return
+    items.append(value)
+    _mark_all(walk.locations, f"{path}[{len(items) - 1}]", value, walk.where)
+
+
 def _remove(data: dict[str, Any], locations: Locations, key: str, where: str) -> list[ConfigIssue]:
-    parts = key.split(".")
-    if not key or not all(parts) or "=" in key:
+    parts = _key_parts(key)
+    if parts is None or "=" in key:
         return [
             ConfigIssue(
                 key,
                 "a removal must look like ~KEY, with a dotted path and no "
-                "value (e.g. ~stages.learner.lr)",
+                "value (e.g. ~stages.learner.lr, ~stages.scorer.rewards.1)",
                 where,
             )
         ]
-    target: Any = data
-    for part in parts[:-1]:
-        target = target.get(part) if isinstance(target, dict) else None
-    if not isinstance(target, dict) or parts[-1] not in target:
-        return [ConfigIssue(key, "nothing to remove: the config has no such key", where)]
-    del target[parts[-1]]
-    locations.drop_under(key)
-    return []
+    walk = _Walk(key, where, locations)
+    found = walk.descend(data, parts[:-1], create=False)
+    if found is not None:
+        target, path = found
+        last = parts[-1]
+        if isinstance(target, list):
+            i = walk.index(target, last, path)
+            if i is not None:
+                del target[i]
+                locations.drop_under(f"{path}[{i}]")
+                locations.renumber_after_removal(path, i)
+        elif last in target:
+            del target[last]
+            locations.drop_under(join_path(path, last))
+        else:
+            walk.fail("nothing to remove: the config has no such key")
+    elif walk.issue is not None and walk.issue.message.startswith("nothing there"):
+        walk.fail("nothing to remove: the config has no such key")
+    return [] if walk.issue is None else [walk.issue]
 
 
 def _mark_all(locations: Locations, path: str, value: Any, where: str) -> None:

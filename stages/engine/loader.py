@@ -2,8 +2,9 @@
 
 ``dtype="auto"`` means float32 on CPU (bfloat16 matmuls are slow there) and the checkpoint's
 own dtype elsewhere. A directory without tokenizer files loads without a tokenizer: the engine
-then takes ``input_ids`` only and returns no ``text``. Nothing is downloaded: ``path`` must be
-a local directory.
+then takes ``input_ids`` only and returns no ``text``. ``path`` may also be a Hugging Face Hub
+repo id (``org/name[@revision]``): ``stages.hub`` turns it into the cached snapshot folder
+(downloading it first unless ``HF_HUB_OFFLINE`` is set); transformers then reads local files only.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from stages.hub import TOKENIZER_FILES, resolve_model
+
 __all__ = ["DTYPES", "LoadedModel", "load_model"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A directory whose tokenizer_config names one of these means "tokenizer.json as it is";
 # AutoTokenizer would instead pick the model type's own class and rebuild it differently.
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -39,11 +41,10 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
-def load_model(path: Path, *, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
-    """Load ``path`` onto ``device``; raises ``FileNotFoundError`` / ``ValueError`` if unusable."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json: not a Hugging Face model directory")
+def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+    """Load ``path`` (a folder or a Hub repo id) onto ``device``; raises ``ValueError``
+    (``stages.hub.HubError`` when the folder or repo is unusable) or ``OSError``."""
+    path = resolve_model(str(path), what="--model")
     if dtype == "auto":
         torch_dtype: torch.dtype | str = torch.float32 if device == "cpu" else "auto"
     elif dtype in DTYPES:
@@ -72,7 +73,7 @@ def load_model(path: Path, *, device: str = "cpu", dtype: str = "auto") -> Loade
 
 
 def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
     config_file = path / "tokenizer_config.json"
     if config_file.is_file() and (path / "tokenizer.json").is_file():

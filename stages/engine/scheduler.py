@@ -422,7 +422,7 @@ class Scheduler:
         count = load_named_tensors(self.model, named_tensors)
         if version is not None:
             self._set_version(str(version), quiet=True)
-        log.info(
+        log.debug(  # every update: `--log-level debug` (or the run's log_level) to see them
             "weights_applied",
             version=self._version,
             tensors=count,
@@ -441,7 +441,7 @@ class Scheduler:
             self._version = version
             self._prune_versions()
         if not quiet:
-            log.info("weight_version_set", weight_version=version)
+            log.debug("weight_version_set", weight_version=version)
 
     def _fail_all(self, exc: Exception) -> None:
         seqs = list(self._waiting) + self._running

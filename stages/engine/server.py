@@ -438,14 +438,24 @@ def _failure(message: str) -> web.Response:
 # ---- process ---------------------------------------------------------------------------------
 
 
+def _device(value: str) -> str:
+    if value in ("cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: use cpu, cuda or cuda:N (N a GPU index)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inflight engine", description="Serve a Hugging Face causal LM (SGLang HTTP subset)."
     )
-    parser.add_argument("--model", required=True, type=Path, help="Hugging Face model directory")
+    parser.add_argument(
+        "--model", required=True, type=Path, help="model folder or Hub id (org/name[@revision])"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", required=True, type=int, help="0 picks a free port")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--device", default="cpu", type=_device, help="cpu, cuda or cuda:N (the N-th visible GPU)"
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     parser.add_argument("--max-running", type=int, default=64, help="rows per decode batch")
     parser.add_argument(
@@ -473,6 +483,12 @@ def _parser() -> argparse.ArgumentParser:
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
     )
     parser.add_argument("--log-file", type=Path, help="JSON-lines log file (default: console)")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="lowest level written to --log-file (debug: every weight update too)",
+    )
     parser.add_argument(
         "--log-as",
         default="engine.0",
@@ -504,7 +520,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --log-as wants STAGE.REPLICA (like engine.0), got {args.log_as!r}")
             return 2
         configure_process_logging(
-            args.log_file, stage=stage, replica=int(replica), version=version, console=True
+            args.log_file,
+            stage=stage,
+            replica=int(replica),
+            level=args.log_level,
+            version=version,
+            console=True,
         )
     torch.manual_seed(args.seed)
     try:

@@ -4,10 +4,13 @@
 data of a ``prompt`` message (``prompt_id``, ``input_ids``, ``meta``), and the count of bad rows
 per reason. Sources are the built-in arithmetic tasks (``arithmetic``: ``a+b=``; ``chain``:
 chains of additions and subtractions worked step by step, the long-tail task), a JSON-lines
-file, a Parquet file, or a
-folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` whose
-``train`` / ``test`` / ``validation`` subsets serve the two splits). The feeder stage loads the
-``train`` split; the learner loads ``eval`` for held-out evaluation.
+file, a Parquet file, a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a
+``DatasetDict`` whose ``train`` / ``test`` / ``validation`` subsets serve the two splits), or a
+dataset by name (``kind: hf``: ``datasets.load_dataset(dataset, dataset_config)``, its ``split``
+for training and ``eval_split`` or a held-out share of ``split`` for eval; from the Hub or
+``datasets``' cache, which is all it reads when ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` is
+set). The feeder stage loads the ``train`` split; the learner loads ``eval`` for held-out
+evaluation.
 
 A prompt is a string, or a list of chat messages (``{role, content}``) that the tokenizer's chat
 template renders (``add_generation_prompt``); ``chat_template: true`` renders string prompts as
@@ -29,7 +32,8 @@ the JSON of its chat messages) and ``split_seed``: the same prompt is on the sam
 machine, whichever tokenizer is used, and duplicates of a prompt never straddle the split.
 
 Not here: shuffling, epochs and sharding between replicas (the feeder stage does that), and
-downloading anything (paths are local; tokenizers load with ``local_files_only``).
+finding models (``tokenizer`` is a folder or a Hub id that ``stages.hub`` resolves to a folder,
+then loaded with ``local_files_only``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from stages.feeder.arithmetic import (
     make_tokenizer,
     problems,
 )
+from stages.hub import HubError, resolve_model, tokenizer_check
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,12 +76,12 @@ class SourceError(ValueError):
 
 @dataclass
 class SourceConfig:
-    kind: Literal["arithmetic", "chain", "jsonl", "parquet", "hf_disk"] = field(
+    kind: Literal["arithmetic", "chain", "jsonl", "parquet", "hf_disk", "hf"] = field(
         default="arithmetic", metadata={"doc": "where prompts come from"}
     )
     path: str = field(
         default="",
-        metadata={"doc": "file (jsonl, parquet) or save_to_disk folder (hf_disk)"},
+        metadata={"doc": "file (jsonl, parquet) or save_to_disk folder (hf_disk)", "path": True},
     )
     prompt_field: str = field(
         default="prompt",
@@ -93,7 +98,12 @@ class SourceConfig:
     )
     tokenizer: str = field(
         default="",
-        metadata={"doc": "model directory whose tokenizer encodes the prompts (local files)"},
+        metadata={
+            "doc": "model folder or Hub id (org/name[@revision]) whose tokenizer encodes "
+            "the prompts",
+            "path": "model",
+            "check": tokenizer_check,
+        },
     )
     chat_template: bool = field(
         default=False,
@@ -107,9 +117,28 @@ class SourceConfig:
         metadata={"min": 0.0, "max": 0.9, "doc": "share of a file's prompts held out for eval"},
     )
     eval_path: str = field(
-        default="", metadata={"doc": "a separate file or folder (same kind) for the eval split"}
+        default="",
+        metadata={"doc": "a separate file or folder (same kind) for the eval split", "path": True},
     )
     split_seed: int = field(default=0, metadata={"doc": "which prompts eval_fraction holds out"})
+    dataset: str = field(
+        default="",
+        metadata={
+            "doc": "kind hf: a Hub dataset id (org/name[@revision]) or a local folder of data "
+            "files, loaded with datasets.load_dataset",
+            "path": "model",  # a folder or a Hub id
+        },
+    )
+    dataset_config: str = field(
+        default="", metadata={"doc": "kind hf: the dataset's configuration (subset) name"}
+    )
+    split: str = field(
+        default="train",
+        metadata={"doc": "kind hf: the split read for training (datasets syntax: train[:90%])"},
+    )
+    eval_split: str = field(
+        default="", metadata={"doc": "kind hf: the split read for eval (test, validation...)"}
+    )
     arithmetic: ArithmeticConfig = field(
         default_factory=ArithmeticConfig,
         metadata={"doc": "the arithmetic task (kind: arithmetic), with its own eval split"},
@@ -126,9 +155,24 @@ class SourceConfig:
                     f"kind {self.kind!r} reads no files: drop path/eval_path/eval_fraction "
                     f"(its held-out share is {self.kind}.eval_fraction)"
                 )
+        elif self.kind == "hf":
+            if not self.dataset:
+                raise ValueError("kind 'hf' needs `dataset` (a Hub dataset id such as org/name)")
+            if self.path or self.eval_path:
+                raise ValueError(
+                    "kind 'hf' reads `dataset`: drop path/eval_path (the eval split is "
+                    "`eval_split`, or `eval_fraction` of `split`)"
+                )
+            if self.eval_split and self.eval_fraction:
+                raise ValueError("give `eval_split` or `eval_fraction`, not both")
         else:
             if not self.path:
                 raise ValueError(f"kind {self.kind!r} needs `path` (the file or folder to read)")
+        if self.kind != "hf" and (self.dataset or self.dataset_config or self.eval_split):
+            raise ValueError(
+                f"dataset/dataset_config/eval_split are for kind 'hf', not {self.kind!r}"
+            )
+        if self.kind not in ("arithmetic", "chain"):
             if not self.tokenizer:
                 raise ValueError(
                     f"kind {self.kind!r} needs `tokenizer` (the model directory whose "
@@ -271,6 +315,8 @@ def _shown(path: Path) -> str:
 def _file_part(config: SourceConfig, split: str) -> _Part:
     """Which file holds ``split`` and which of its rows belong to it."""
     hashed = config.eval_fraction > 0
+    if config.kind == "hf":
+        return _hub_part(config, split, hashed)
     if split == "train":
         return _open(config, Path(config.path), "train", "train" if hashed else "all")
     if config.eval_path:
@@ -417,13 +463,91 @@ def _hf_part(config: SourceConfig, folder: Path, role: str, keep: _Keep) -> _Par
             ds = datasets.load_from_disk(str(data_dir))
         except (OSError, ValueError) as exc:
             raise SourceError(f"hf_disk source {label}: cannot load it ({exc})") from exc
-        columns = _check_columns(config, tuple(ds.column_names), label)
-        records = _dataset_records(ds.select_columns(list(columns)).with_format(None))
-    else:
-        files, schema_names = _arrow_files(data_dir)
-        columns = _check_columns(config, schema_names, label)
-        records = _arrow_records(files, columns, label)
+        return _dataset_part(config, ds, label, name, folder.name, keep)
+    files, schema_names = _arrow_files(data_dir)
+    columns = _check_columns(config, schema_names, label)
+    records = _arrow_records(files, columns, label)
     return _config_part(config, label, name, folder.name, records, columns, keep)
+
+
+def _dataset_part(
+    config: SourceConfig, ds: Any, label: str, name: str, task: str, keep: _Keep
+) -> _Part:
+    """A loaded ``datasets.Dataset`` read a batch at a time, its columns mapped by the config."""
+    columns = _check_columns(config, tuple(ds.column_names), label)
+    records = _dataset_records(ds.select_columns(list(columns)).with_format(None))
+    return _config_part(config, label, name, task, records, columns, keep)
+
+
+# ------------------------------------------------------------------ datasets by name (kind hf)
+def _hub_part(config: SourceConfig, split: str, hashed: bool) -> _Part:
+    """``split`` of the dataset ``config.dataset`` names: the ``split`` it reads (the held-out
+    share of it, with ``eval_fraction``), or ``eval_split``."""
+    if split == "train":
+        wanted, option, keep = config.split, "split", "train" if hashed else "all"
+    elif config.eval_split:
+        wanted, option, keep = config.eval_split, "eval_split", "all"
+    elif hashed:
+        wanted, option, keep = config.split, "split", "eval"
+    else:
+        raise SourceError(
+            f"hf source {config.dataset}: no eval split: set `eval_split` (the dataset's test or "
+            "validation split) or `eval_fraction` (a share of `split` held out)"
+        )
+    ds, label = _load_dataset(config, wanted, option)
+    folder = Path(config.dataset)
+    # prompt ids: org/name[/config]/split:ROW, or for a local folder its name/split:ROW
+    repo = folder.name if folder.is_dir() else config.dataset.partition("@")[0]
+    name = "/".join(p for p in (repo, config.dataset_config, wanted) if p)
+    return _dataset_part(config, ds, label, name, Path(repo).name, keep)
+
+
+def _load_dataset(config: SourceConfig, split: str, option: str) -> tuple[Any, str]:
+    """``datasets``' ``load_dataset(dataset, dataset_config, split=...)``, in its two steps so
+    that an error names the key at fault: the dataset and configuration, then the split. It
+    reads the cache (``HF_DATASETS_CACHE``, else ``HF_HOME/datasets``) and, unless
+    ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` is set, the Hub."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise SourceError("kind hf needs the `datasets` package: pip install datasets") from exc
+    spec = config.dataset
+    path, revision = spec, None
+    if not Path(spec).is_dir() and "@" in spec:
+        path, _, revision = spec.partition("@")
+    subset = config.dataset_config or None
+    asked = f"hf source {spec!r}" + (f" (dataset_config {subset!r})" if subset else "")
+    label = f"hf source {spec}" + (f" ({subset})" if subset else "") + f" [{split}]"
+    offline = bool(getattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_DATASETS_OFFLINE))
+    try:
+        builder = datasets.load_dataset_builder(path, subset, revision=revision)
+    except ConnectionError as exc:  # offline (or the Hub unreachable) and not in the cache
+        why = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if offline else "the Hub is unreachable"
+        raise SourceError(
+            f"{asked}: not in the datasets cache {datasets.config.HF_DATASETS_CACHE} and {why} "
+            f"({exc}); check `dataset`, or load it once where the Hub is reachable (same HF_HOME)"
+            + (", or unset HF_HUB_OFFLINE/HF_DATASETS_OFFLINE" if offline else "")
+        ) from exc
+    except Exception as exc:  # datasets' own errors: no such dataset, configuration, files...
+        raise SourceError(
+            f"{asked}: cannot load it: {type(exc).__name__}: {exc}; check `dataset`"
+            + (
+                " and `dataset_config`"
+                if subset
+                else " (and set `dataset_config` if it has several)"
+            )
+        ) from exc
+    try:
+        builder.download_and_prepare()
+    except Exception as exc:  # a download or a data file that fails
+        raise SourceError(f"{asked}: cannot prepare it: {type(exc).__name__}: {exc}") from exc
+    try:
+        ds = builder.as_dataset(split=split)
+    except (ValueError, KeyError) as exc:
+        splits = ", ".join(builder.info.splits or ())
+        why = f"its splits: {splits}" if splits else str(exc)
+        raise SourceError(f"{asked}: no split {split!r} (`{option}`); {why}") from exc
+    return ds, label
 
 
 def _dataset_records(ds: Any) -> Iterator[_Record]:
@@ -475,12 +599,10 @@ def _arrow_records(files: list[Path], columns: tuple[str, ...], label: str) -> I
 def _load_tokenizer(config: SourceConfig) -> PreTrainedTokenizerBase:
     if not config.tokenizer:
         return make_chain_tokenizer() if config.kind == "chain" else make_tokenizer()
-    path = Path(config.tokenizer)
-    if not path.is_dir():
-        raise SourceError(
-            f"tokenizer {_shown(path)}: not a folder (give the model directory whose tokenizer "
-            "encodes the prompts)"
-        )
+    try:
+        path = resolve_model(config.tokenizer, what="tokenizer", needs="tokenizer")
+    except HubError as exc:
+        raise SourceError(f"{exc} (the model whose tokenizer encodes the prompts)") from exc
     from transformers import AutoTokenizer  # imports torch: only when a model folder is named
 
     try:

@@ -7,6 +7,10 @@ Two kinds, one command line shape each:
   the interpreter of the environment SGLang is installed in (it pins its own torch, so it usually
   lives in a separate virtual environment).
 
+``M`` is always a local folder: a Hub id in ``launch.model`` is resolved (``stages.hub``: the
+cached snapshot, downloaded first unless ``HF_HUB_OFFLINE`` is set) once, before the first engine
+starts, so every engine and every restart serves the same files.
+
 Each engine runs in its own process group with its output in ``RUN_DIR/logs/<name>.out``, and
 (on Linux) is killed by the kernel if the generator process dies without closing it, as the
 supervisor's group kill does not reach it. An engine that exits is started again on the same port
@@ -38,6 +42,7 @@ import aiohttp
 from pipeline.config.schema import Resources
 from pipeline.placement import ENGINE_PLACEMENT_ENV, ProcessPlacement, read_engine_placement
 from pipeline.processes import child_preexec
+from stages.hub import model_check, resolve_model
 from transport.address import tcp_address
 
 __all__ = ["EngineLauncher", "LaunchConfig"]
@@ -49,11 +54,24 @@ class LaunchConfig:
         default="builtin", metadata={"doc": "which engine server to start"}
     )
     count: int = field(default=1, metadata={"min": 1, "doc": "engines to start"})
-    model: str = field(default="", metadata={"doc": "Hugging Face model directory"})
-    device: str = field(default="cpu", metadata={"doc": "builtin engine: cpu, cuda, cuda:N"})
+    model: str = field(
+        default="",
+        metadata={
+            "doc": "model folder or Hub id (org/name[@revision]) the engines serve",
+            "path": "model",
+            "check": model_check,
+        },
+    )
+    device: str = field(
+        default="cpu", metadata={"doc": "builtin engine: cpu, cuda, cuda:N", "device": True}
+    )
     dtype: str = field(default="auto", metadata={"doc": "builtin engine: auto|float32|bfloat16"})
     python: str = field(
-        default="", metadata={"doc": "interpreter for sglang (its own venv); default: this one"}
+        default="",
+        metadata={
+            "doc": "interpreter for sglang (its own venv); default: this one",
+            "path": "command",
+        },
     )
     host: str = field(default="127.0.0.1", metadata={"doc": "host the engines listen on"})
     extra_args: list[str] = field(default_factory=list, metadata={"doc": "appended as is"})
@@ -98,10 +116,13 @@ class EngineLauncher:
         log_dir: Path,
         log: Any,
         environ: Mapping[str, str] | None = None,
+        log_level: str = "info",
     ) -> None:
         if not config.model:
             raise ValueError("launch.model is required to start engines")
         self.config, self.log, self.name = config, log, name
+        self.log_level = log_level  # the built-in engine's (its per-update events are debug)
+        self.model_dir: Path | None = None  # launch.model as a local folder, once resolved
         self.environ = dict(os.environ if environ is None else environ)
         placements = read_engine_placement(self.environ, config.count)
         if placements is None and (config.resources.cpus is not None or config.resources.gpus):
@@ -145,16 +166,17 @@ class EngineLauncher:
     def _command(self, engine: _Engine) -> list[str]:
         cfg = self.config
         if cfg.kind == "builtin":
-            cmd = [sys.executable, "-m", "pipeline.cli", "engine", "--model", cfg.model]
+            cmd = [sys.executable, "-m", "pipeline.cli", "engine", "--model", self._model()]
             cmd += ["--host", cfg.host, "--port", str(engine.port), "--device", cfg.device]
             cmd += ["--dtype", cfg.dtype]
             # its events join the run's logs: `inflight logs RUN_DIR --stage generator-0-engine`
             log_as = f"{self.name.replace('.', '-')}-engine.{self.engines.index(engine)}"
             log_file = engine.out.parent / f"{log_as}.jsonl"
-            cmd += ["--log-file", str(log_file), "--log-as", log_as]
+            cmd += ["--log-file", str(log_file), "--log-as", log_as, "--log-level", self.log_level]
         else:
             cmd = [cfg.python or sys.executable, "-m", "sglang.launch_server"]
-            cmd += ["--model-path", cfg.model, "--host", cfg.host, "--port", str(engine.port)]
+            cmd += ["--model-path", self._model(), "--host", cfg.host]
+            cmd += ["--port", str(engine.port)]
         return cmd + list(cfg.extra_args)
 
     def _env(self, engine: _Engine) -> dict[str, str]:
@@ -194,8 +216,19 @@ class EngineLauncher:
             gpus=env.get("CUDA_VISIBLE_DEVICES"),
         )
 
+    def _model(self) -> str:
+        return str(self.model_dir if self.model_dir is not None else self.config.model)
+
     async def start(self) -> list[str]:
-        """Start every engine and wait until each answers /health; returns their URLs."""
+        """Find the model's folder (a Hub id: its cached snapshot, downloaded first unless
+        HF_HUB_OFFLINE is set; raises ``stages.hub.HubError``), start every engine on it and
+        wait until each answers /health; returns their URLs."""
+        if self.model_dir is None:  # once: every engine, and every restart, serves this folder
+            self.model_dir = await asyncio.to_thread(
+                resolve_model, self.config.model, what="launch.model"
+            )
+            if str(self.model_dir) != self.config.model:
+                self.log.info("engine_model", model=self.config.model, folder=str(self.model_dir))
         for engine in self.engines:
             await self._spawn(engine)
         await asyncio.gather(*(self._wait_healthy(e) for e in self.engines))

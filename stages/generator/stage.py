@@ -212,6 +212,7 @@ class Generator:
                 name=f"{self.ctx.stage}.{self.ctx.replica}",
                 log_dir=self.ctx.run_dir / "logs",
                 log=self.log,
+                log_level=getattr(self.ctx, "log_level", "info"),
             )
             urls = await self.launcher.start()
         # an engine never holds more than max(target, group_size) samples, each at most one
@@ -335,9 +336,10 @@ class Generator:
 
     def _log_decisions(self, decisions: list[Decision]) -> None:
         for d in decisions:
-            self.log.info(
-                "inflight_decision", scope=d.scope, value=d.value, reason=d.reason, **d.detail
-            )
+            # the credit gate opens and shuts with every batch the scorer takes (thousands a
+            # run): debug; the controller's targets and the lag gate are worth an info line
+            log = self.log.debug if d.reason == "credit_gate" else self.log.info
+            log("inflight_decision", scope=d.scope, value=d.value, reason=d.reason, **d.detail)
 
     def _pick_engine(self, size: int) -> str | None:
         """The live engine with the fewest samples in flight among those ``size`` more fit."""

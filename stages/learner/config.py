@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from stages.feeder.sources import SourceConfig
+from stages.hub import model_check
 from stages.learner.loss import LossConfig
 from stages.scorer.stage import RewardSpec
 
@@ -115,7 +116,12 @@ class CheckpointConfig:
 
 @dataclass
 class LearnerConfig:
-    model: str = _f("", "Hugging Face model directory to train (the engines serve the same)")
+    model: str = _f(
+        "",
+        "model folder or Hub id (org/name[@revision]) to train (the engines serve the same)",
+        path="model",
+        check=model_check,
+    )
     steps: int = _f(100, "optimizer steps; the run ends after the last one", min=1)
     batch_size: int = _f(64, "samples per optimizer step, over all ranks", min=1)
     train_micro_batch: int = _f(8, "samples per backward pass", min=1)
@@ -126,8 +132,15 @@ class LearnerConfig:
     temperature: float = _f(
         1.0, "the sampler's temperature (log-probs are taken under it)", min=1e-6
     )
-    ref_model: str = _f("", "reference model for loss.kl_coef (default: the initial model)")
-    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: cuda:LOCAL_RANK when available")
+    ref_model: str = _f(
+        "",
+        "reference model for loss.kl_coef (default: the initial model)",
+        path="model",
+        check=model_check,
+    )
+    device: Literal["auto", "cpu", "cuda"] = _f(
+        "auto", "auto: cuda:LOCAL_RANK when available", device="auto"
+    )
     seed: int = _f(0, "model-independent randomness (dropout)")
     loss: LossConfig = field(default_factory=LossConfig, metadata={"doc": "policy loss options"})
     advantage: AdvantageConfig = field(

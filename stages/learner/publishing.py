@@ -209,7 +209,7 @@ class Publishing:
         self.counts["published"] += 1
         self.seconds += time.perf_counter() - started
         await self.ctx.publish(topics.VERSION, {"version": version})
-        self.log.info(
+        self.log.debug(  # every publish: the totals are in learner_done and summary.json
             "metrics",
             policy_version=version,
             publish_s=round(stats.seconds, 4),

@@ -166,10 +166,14 @@ class Learner:
         from transformers import AutoTokenizer
 
         from stages.feeder.sources import load_prompts
+        from stages.hub import resolve_model
 
         source = self.config.eval.source
         prompts = load_prompts(source, "eval", log=self.log).prompts
-        return prompts, AutoTokenizer.from_pretrained(source.tokenizer or self.config.model)
+        spec = source.tokenizer or self.config.model
+        what = "eval.source.tokenizer" if source.tokenizer else "model"
+        folder = resolve_model(spec, what=what, needs="tokenizer")  # a folder, or a Hub id's
+        return prompts, AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
     async def _engines_up(self, *, evaluate: bool) -> None:
         """Rank 0, in the background: start the evaluation's reward workers and wait for the

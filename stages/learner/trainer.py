@@ -48,6 +48,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from stages.hub import resolve_model
 from stages.learner.batching import collate, completion_logprobs, micro_batches, no_grad_logprobs
 from stages.learner.config import LearnerConfig, OptimConfig
 from stages.learner.loss import policy_loss, summarize
@@ -118,14 +119,19 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.seed + self.rank)
         dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bfloat16" else torch.float32
-        model_config = AutoConfig.from_pretrained(cfg.model)
+        # a folder, or a Hub id made its cached snapshot folder (downloaded first when online)
+        model_dir = resolve_model(cfg.model, what="model")
+        model_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         pad = getattr(model_config, "pad_token_id", None)
         self.pad_id = pad if isinstance(pad, int) else 0
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, local_files_only=True
+        )
         model.config.use_cache = False
         if cfg.loss.kl_coef > 0:
+            ref_dir = resolve_model(cfg.ref_model, what="ref_model") if cfg.ref_model else model_dir
             self.ref_model = AutoModelForCausalLM.from_pretrained(
-                cfg.ref_model or cfg.model, dtype=dtype
+                ref_dir, dtype=dtype, local_files_only=True
             ).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         optim = cfg.optim
@@ -464,9 +470,11 @@ class Trainer:
             module.save_pretrained(path, state_dict=weights, safe_serialization=True)
             module.config.use_cache = False
             try:
-                AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
-            except (OSError, ValueError):
-                self.log.warning("checkpoint_without_tokenizer", model=tokenizer_from)
+                folder = resolve_model(tokenizer_from, what="tokenizer", needs="tokenizer")
+                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+                tokenizer.save_pretrained(path)
+            except (OSError, ValueError) as exc:  # HubError: a model without a tokenizer
+                self.log.warning("checkpoint_without_tokenizer", model=tokenizer_from, why=str(exc))
         dist.barrier()
 
     def load(self, path: str) -> dict[str, Any]:

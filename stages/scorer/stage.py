@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.stage import Port, StageContext
+from stages.hub import resolve_model, tokenizer_check
 from stages.schemas import ROLLOUT, ROLLOUT_GROUP, SAMPLE_FIELDS, SCORED_GROUP
 from stages.scorer.runner import RewardRunner, resolve_reward
 from transport.message import Message
@@ -60,7 +61,12 @@ class ScorerConfig:
         metadata={"doc": "reward functions; a sample's reward is their weighted sum"}
     )
     tokenizer: str = field(
-        metadata={"doc": "model directory whose tokenizer decodes completions (local files)"}
+        metadata={
+            "doc": "model folder or Hub id (org/name[@revision]) whose tokenizer decodes "
+            "completions",
+            "path": "model",
+            "check": tokenizer_check,
+        }
     )
     workers: int = field(
         default=2, metadata={"min": 1, "doc": "reward worker processes (calls run at once)"}
@@ -100,13 +106,14 @@ class _Group:
         return self.head["group_size"]
 
 
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(spec: str) -> Any:
     from transformers import AutoTokenizer
 
+    path = resolve_model(spec, what="tokenizer", needs="tokenizer")  # a folder or a Hub id
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"tokenizer {path!r}: cannot load it from local files ({exc})") from exc
+        raise ValueError(f"tokenizer {path}: cannot load it ({exc})") from exc
 
 
 class Scorer:
@@ -481,6 +488,10 @@ class Scorer:
             self._metrics()
 
     async def close(self) -> None:
+        # Nothing more starts: a cancelled scoring task's callback would start the next batch,
+        # on workers about to be killed (a false `reward_failed` at every normal end). Queued
+        # groups stay unacknowledged upstream, so they are sent again to a restarted scorer.
+        self.ready.clear()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

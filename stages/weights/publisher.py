@@ -200,7 +200,7 @@ class WeightPublisher:
         stats = PublishStats(
             version=version, buckets=buckets, bytes=nbytes, seconds=time.perf_counter() - started
         )
-        self.log.info(
+        self.log.debug(  # every publish: the learner's train_step has publish_s
             "weights_published",
             policy_version=version,
             buckets=buckets,

@@ -210,14 +210,21 @@ class Checked:
     def __post_init__(self) -> None:
         if self.low > self.high:
             raise ValueError("low must not exceed high")
+        if self.low == self.high == 3:
+            raise ValueError("the pair (3, 3) is reserved")
 
 
 def test_post_init_errors_become_issues_unless_caused_by_a_stand_in_default() -> None:
     obj, issues = run(Checked, {"low": 5, "high": 2})
     assert obj is None
-    assert messages(issues) == [("cfg", "invalid Checked: low must not exceed high")]
+    # at the first written key the message names, so the issue has that key's line
+    assert messages(issues) == [("cfg.low", "invalid Checked: low must not exceed high")]
+    _, issues = run(Checked, {"high": -1})
+    assert messages(issues) == [("cfg.high", "invalid Checked: low must not exceed high")]
     _, issues = run(Checked, {"low": 5, "high": "x"})  # default high=1 stands in: no extra noise
     assert [i.path for i in issues] == ["cfg.high"]
+    _, issues = run(Checked, {"low": 3, "high": 3})  # names no key: the section itself
+    assert messages(issues) == [("cfg", "invalid Checked: the pair (3, 3) is reserved")]
 
 
 @dataclass
@@ -254,3 +261,50 @@ def test_mistakes_inside_an_optional_section_are_reported() -> None:
     # An `X | None` section whose content is wrong must not be built with defaults in silence.
     _obj, issues = run(WithOptionalSection, {"inner": {"size": "w", "nmae": "y"}})
     assert sorted(i.path for i in issues) == ["cfg.inner.nmae", "cfg.inner.size"]
+
+
+# --- path and check hooks ----------------------------------------------------------------------
+
+
+def _pinned(value: str) -> str:
+    if value.startswith("bad"):
+        raise ValueError(f"{value}: no such model")
+    return value + "@pinned"
+
+
+@dataclass
+class Files:
+    root: str = field(default="runs", metadata={"path": True})
+    model: str = field(default="", metadata={"path": "model", "check": _pinned})
+    inputs: list[str] = field(default_factory=list, metadata={"path": True})
+    nested: Files | None = None
+
+
+def test_path_fields_go_through_the_hook_defaults_marked_unwritten() -> None:
+    seen = []
+
+    def hook(key: str, value: str, kind: Any, written: bool) -> str:
+        seen.append((key, value, kind, written))
+        if value == "refuse":
+            raise ValueError("refused here")
+        return f"/base/{value}"
+
+    issues: list[ConfigIssue] = []
+    data = {"model": "m", "inputs": ["a", "b"], "nested": {"root": "r", "model": ""}}
+    got = build(Files, data, "s", {"s.model": "f.yaml:3"}, issues, paths=hook)
+    assert issues == []
+    assert got.root == "/base/runs" and got.model == "/base/m"  # no check without checks=True
+    assert got.inputs == ["/base/a", "/base/b"]
+    assert got.nested.root == "/base/r" and got.nested.model == ""  # empty: unset, untouched
+    assert ("s.root", "runs", True, False) in seen  # the default, not written
+    assert ("s.inputs[1]", "b", True, True) in seen and ("s.model", "m", "model", True) in seen
+    build(Files, {"root": "refuse"}, "s", {"s.root": "f.yaml:4"}, issues, paths=hook)
+    assert issues == [ConfigIssue("s.root", "refused here", "f.yaml:4")]
+
+
+def test_check_metadata_runs_when_asked_and_reports_at_the_key() -> None:
+    issues: list[ConfigIssue] = []
+    got = build(Files, {"model": "m"}, "s", {}, issues, checks=True)
+    assert issues == [] and got.model == "m@pinned"
+    assert build(Files, {"model": "bad"}, "s", {"s.model": "f.yaml:2"}, issues, checks=True)
+    assert issues == [ConfigIssue("s.model", "bad: no such model", "f.yaml:2")]

@@ -114,6 +114,10 @@ HOST = Inventory(cores=(0, 1, 2, 3), gpus=(0, 1), gpu_source="fake")
 def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "pipeline.yaml"
     path.write_text(textwrap.dedent(text).lstrip())
+    model = tmp_path / "m"  # `launch.model: m`, next to the file: a stand-in folder
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
     return path
 
 
@@ -391,6 +395,10 @@ def test_a_run_puts_replicas_and_engines_on_their_cores(tmp_path):
     fake = tmp_path / "fake_engine.py"
     fake.write_text(FAKE_ENGINE)
     fake.chmod(0o755)
+    model = tmp_path / "model"  # a stand-in folder: the fake engine loads nothing
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
     probe = "tests.pipeline.test_placement:Probe"
     config = tmp_path / "placed.yaml"
     config.write_text(
@@ -408,7 +416,7 @@ def test_a_run_puts_replicas_and_engines_on_their_cores(tmp_path):
                 launch:
                   kind: sglang
                   python: {fake}
-                  model: unused
+                  model: {model}
                   startup_timeout_s: 20
                   resources: {{cpus: 1}}
             """

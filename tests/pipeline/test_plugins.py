@@ -70,6 +70,8 @@ def test_plugin_stage_runs_in_a_pipeline_by_name(plugin_site, tmp_path):
         "stages.power.use=demo_negate",
         "~stages.power.exponent",
         "stages.power.scale=2.0",
+        "--console",
+        "events",  # every event on stdout, as `inflight logs` shows them
         "--run-dir",
         str(run_dir),
         env=_env(plugin_site),

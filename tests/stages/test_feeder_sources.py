@@ -206,7 +206,7 @@ def test_no_usable_row_is_a_clear_error(tmp_path, tok_dir):
 def test_tokenizer_and_config_errors(tmp_path, tok_dir):
     path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "1=", "answer": 1}])
     config = SourceConfig(kind="jsonl", path=str(path), tokenizer=str(tmp_path / "no_model"))
-    with pytest.raises(SourceError, match=r"tokenizer .*no_model: not a folder"):
+    with pytest.raises(SourceError, match=r"tokenizer: no folder .*no_model"):
         load_prompts(config, "train")
     with pytest.raises(SourceError, match="no eval split: set `eval_fraction`"):
         load_prompts(SourceConfig(kind="jsonl", path=str(path), tokenizer=tok_dir), "eval")

@@ -61,12 +61,20 @@ def fake_engine(tmp_path):
     path = tmp_path / "fake_engine.py"
     path.write_text(FAKE_ENGINE)
     path.chmod(0o755)
+    model = tmp_path / "model"  # a stand-in folder: the launcher resolves the model first
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
     return path
 
 
 def _config(fake_engine, **more) -> LaunchConfig:
     return LaunchConfig(
-        kind="sglang", python=str(fake_engine), model="unused", startup_timeout_s=20, **more
+        kind="sglang",
+        python=str(fake_engine),
+        model=str(fake_engine.parent / "model"),
+        startup_timeout_s=20,
+        **more,
     )
 
 
@@ -132,7 +140,8 @@ def test_engines_die_with_the_generator_process(tmp_path, fake_engine, loop):
             warning = error = info
 
         async def main():
-            config = LaunchConfig(kind="sglang", python={str(fake_engine)!r}, model="unused",
+            config = LaunchConfig(kind="sglang", python={str(fake_engine)!r},
+                                  model={str(tmp_path / "model")!r},
                                   count=2, startup_timeout_s=20)
             launcher = EngineLauncher(config, name="gen.0", log_dir=Path({str(tmp_path)!r}),
                                       log=Log())

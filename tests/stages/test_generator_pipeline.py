@@ -87,6 +87,7 @@ def test_slow_downstream_lowers_requests_in_flight(tmp_path, model_dir):
         "run",
         # short samples, a slow sink: the sink, not the engine, is the bottleneck
         str(_config(tmp_path, model_dir, count=12, delay_s=0.25, inbox=4, new_tokens=3, outbox=1)),
+        "run.log_level=debug",  # the credit gate's decisions are debug events
         "--run-dir",
         str(run_dir),
         timeout=170,

@@ -84,7 +84,10 @@ def test_a_killed_learner_resumes_from_its_checkpoint_with_newer_versions(tmp_pa
 def _run_and_kill(tmp_path, model_dir, victim: str):
     config = rl_config(tmp_path, model_dir, steps=STEPS)
     run_dir = tmp_path / "run"
-    proc = start_inflight("run", str(config), "--run-dir", str(run_dir), "-q", env=_ENV)
+    # debug: per-update events (weights_published, weight_version_set) are looked at
+    proc = start_inflight(
+        "run", str(config), "run.log_level=debug", "--run-dir", str(run_dir), "-q", env=_ENV
+    )
     try:
         wait_for(lambda: _steps(run_dir) >= KILL_AT, 120, f"{KILL_AT} train steps")
         assert proc.poll() is None, "the run ended before the kill"

@@ -36,7 +36,8 @@ def _run(config, run_dir, *more, timeout=170):
 @pytest.mark.timeout(180)
 def test_async_loop_trains_publishes_evaluates_and_checkpoints(tmp_path, model_dir):
     run_dir = tmp_path / "run"
-    summary = _run(_config(tmp_path, model_dir), run_dir)
+    # debug: the engine's and publisher's per-update events are looked at below
+    summary = _run(_config(tmp_path, model_dir), run_dir, "run.log_level=debug")
     for key in (
         "eval_before",
         "eval_after",
