@@ -144,7 +144,7 @@ def test_a_killed_supervisor_resumes_to_the_same_end_on_its_schedule(tmp_path, m
     from tests.pipeline.runs import alive, kill_tree, spawned_pids, start_inflight, wait_for
 
     steps, schedule = (
-        30,  # steps of this tiny model take tens of milliseconds: room to kill it midway
+        20,  # steps of this tiny model take tens of milliseconds: room to kill it midway
         ["stages.learner.optim.warmup_steps=3", "stages.learner.optim.schedule=cosine"],
     )
     config = _config(tmp_path, model_dir, steps=steps)
