@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.console import StepRate, _timestamp  # noqa: E402
+from pipeline.console import StepRate  # noqa: E402
+from pipeline.log_view import event_wall  # noqa: E402
 
 
 def _events(run_dir: Path, name: str) -> list[dict]:
@@ -39,7 +40,7 @@ def _events(run_dir: Path, name: str) -> list[dict]:
 def eta_errors(run_dir: Path) -> dict:
     """The console's ETA at each step against the real remaining time to the last step."""
     steps = [
-        (e["step"], _timestamp(e["ts"]), e.get("samples"))
+        (e["step"], event_wall(e), e.get("samples"))
         for e in _events(run_dir, "learner.0")
         if e["event"] == "train_step"
     ]

@@ -35,7 +35,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.log_view import LEVELS, render
+from pipeline.log_view import LEVELS, event_wall, render
 
 __all__ = ["Console", "StepRate", "total_steps"]
 
@@ -231,7 +231,7 @@ class Console:
     def feed(self, event: Mapping[str, Any]) -> None:
         """Take one event: update the picture, print it when it is one that matters."""
         name = event.get("event")
-        at = _timestamp(event.get("ts"))
+        at = event_wall(event)
         who = f"{event.get('stage')}.{event.get('replica')}"
         if name == "train_step":
             self._train_step(event, at)
@@ -485,16 +485,6 @@ def _isatty(out: TextIO) -> bool:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _timestamp(ts: Any) -> float | None:
-    """Seconds since the epoch of an event's ISO ``ts`` (``...Z``); None when it has none."""
-    if not isinstance(ts, str):
-        return None
-    try:
-        return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def _event_clock(ts: Any) -> str:

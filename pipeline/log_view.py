@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -282,6 +283,17 @@ def _start_ticks(pid: int) -> int | None:
     try:
         return int(fields[19])
     except (IndexError, ValueError):
+        return None
+
+
+def event_wall(event: Mapping[str, Any]) -> float | None:
+    """The event's ``ts`` (``2026-11-21T05:10:00.123456Z``) as Unix seconds, or None."""
+    ts = event.get("ts")
+    if not isinstance(ts, str):
+        return None
+    try:
+        return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+    except ValueError:
         return None
 
 

@@ -31,8 +31,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
+
+from pipeline.log_view import event_wall
 
 __all__ = ["MetricMapper", "Record", "event_wall"]
 
@@ -62,17 +63,6 @@ class Record:
     step: int
     wall: float
     metrics: dict[str, float]
-
-
-def event_wall(event: Mapping[str, Any]) -> float | None:
-    """The event's ``ts`` (``2026-11-21T05:10:00.123456Z``) as Unix seconds, or None."""
-    ts = event.get("ts")
-    if not isinstance(ts, str):
-        return None
-    try:
-        return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def _numbers(event: Mapping[str, Any], skip: frozenset[str] = frozenset()) -> dict[str, float]:

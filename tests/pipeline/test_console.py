@@ -103,10 +103,10 @@ class _Clock:
 
 def _replay(console: Console, clock: _Clock, evs: list[dict], until: float | None = None) -> None:
     """Feed events as they would arrive: the clock at each event's time, a tick after each."""
-    from pipeline.console import _timestamp
+    from pipeline.log_view import event_wall
 
     for e in evs:
-        at = _timestamp(e["ts"])
+        at = event_wall(e)
         if until is not None and at > until:
             return
         clock.t = max(clock.t, at)
