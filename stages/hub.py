@@ -213,21 +213,8 @@ def _snapshot(
             allow_patterns=patterns,
             endpoint=os.environ.get("HF_ENDPOINT") or None,
         )
-    except hf.RevisionNotFoundError as exc:
-        raise HubError(
-            f"{tried}: the repo has no revision {revision!r}; give a branch, tag or commit "
-            f"that exists (see https://huggingface.co/{repo_id}/tree/main)"
-        ) from exc
-    except hf.GatedRepoError as exc:
-        raise HubError(
-            f"{tried}: a gated repo; accept its terms on https://huggingface.co/{repo_id} "
-            "and log in (`hf auth login`, or set HF_TOKEN)"
-        ) from exc
-    except hf.RepositoryNotFoundError as exc:
-        raise HubError(
-            f"{tried}: no such model repo on the Hub (or it is private: log in with "
-            "`hf auth login` or set HF_TOKEN); check the path or the id"
-        ) from exc
+    except (hf.RevisionNotFoundError, hf.GatedRepoError, hf.RepositoryNotFoundError) as exc:
+        raise _refused(exc, tried, repo_id, revision) from exc
     except hf.LocalEntryNotFoundError as exc:  # not cached, and offline or the Hub unreachable
         offline = _offline()
         if offline:
@@ -275,27 +262,34 @@ def _remote_files(repo_id: str, revision: str | None, what: str) -> tuple[str, l
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
     try:
         info = api.model_info(repo_id, revision=revision)
-    except hf.RevisionNotFoundError as exc:
-        raise HubError(
-            f"{tried}: the repo has no revision {revision!r}; give a branch, tag or commit that "
-            f"exists (see https://huggingface.co/{repo_id}/tree/main)"
-        ) from exc
-    except hf.GatedRepoError as exc:
-        raise HubError(
-            f"{tried}: a gated repo; accept its terms on https://huggingface.co/{repo_id} and log "
-            "in (`hf auth login`, or set HF_TOKEN)"
-        ) from exc
-    except hf.RepositoryNotFoundError as exc:
-        raise HubError(
-            f"{tried}: no such model repo on the Hub (or it is private: log in with "
-            "`hf auth login` or set HF_TOKEN); check the id, or give a local folder"
-        ) from exc
+    except (hf.RevisionNotFoundError, hf.GatedRepoError, hf.RepositoryNotFoundError) as exc:
+        raise _refused(exc, tried, repo_id, revision) from exc
     except Exception as exc:  # the transport's own errors differ between library versions
         raise _Unreachable() from exc
     return str(info.sha), [s.rfilename for s in info.siblings or ()]
 
 
 # --------------------------------------------------------------------------------- helpers
+def _refused(exc: Exception, tried: str, repo_id: str, revision: str | None) -> HubError:
+    """The Hub's answer that a repo or revision is not there (or not for us), said plainly."""
+    from huggingface_hub import errors as hf
+
+    if isinstance(exc, hf.RevisionNotFoundError):
+        return HubError(
+            f"{tried}: the repo has no revision {revision!r}; give a branch, tag or commit that "
+            f"exists (see https://huggingface.co/{repo_id}/tree/main)"
+        )
+    if isinstance(exc, hf.GatedRepoError):  # a RepositoryNotFoundError too: asked before it
+        return HubError(
+            f"{tried}: a gated repo; accept its terms on https://huggingface.co/{repo_id} and log "
+            "in (`hf auth login`, or set HF_TOKEN)"
+        )
+    return HubError(
+        f"{tried}: no such model repo on the Hub (or it is private: log in with "
+        "`hf auth login` or set HF_TOKEN); check the path or the id, or give a local folder"
+    )
+
+
 def _missing(names: Collection[str], needs: Needs) -> str:
     """What of a ``needs`` is not among the file ``names`` ("" when nothing)."""
     top = {n for n in names if "/" not in n}
