@@ -35,6 +35,7 @@ from pipeline import topics
 from pipeline.config.errors import ConfigError
 from pipeline.config.typed import build
 from pipeline.ledger import LedgerReporter
+from pipeline.processes import exit_now
 from pipeline.registry import resolve
 from pipeline.stage import stage_config_class, stage_ports
 from pipeline.structured_log import (
@@ -390,4 +391,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # everything is closed and flushed: no 0.5 s of interpreter teardown

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pipeline.config import ConfigError, LoadedPipeline, load_pipeline
 from pipeline.log_view import add_logs_arguments, run_logs
 from pipeline.placement import host_inventory
+from pipeline.processes import exit_now
 from pipeline.registry import list_plugins, resolve
 
 __all__ = ["main"]
@@ -175,7 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["engine"]:  # the engine server parses its own options (--model, --port...)
         from stages.engine.server import main as engine_main  # torch + transformers: only here
 
-        return engine_main(argv[1:])
+        code = engine_main(argv[1:])
+        if __name__ == "__main__":  # a child of a generator: closed and flushed, end it now
+            exit_now(code)
+        return code
     args = _parse(_parser(), argv)
     try:
         return args.func(args)

@@ -7,6 +7,10 @@ kernel send them SIGKILL when their parent dies. ``child_preexec(cores=...)`` al
 to those CPU cores before it runs anything (``sched_setaffinity``), so that placement holds from
 its first instruction on, threads it starts included. Elsewhere this does nothing.
 Which cores is the placement plan's business (``pipeline.placement``), not this module's.
+
+``exit_now(code)`` ends a child that has closed its sockets and flushed its logs without the
+interpreter's teardown, which takes 0.5 s of CPU once torch and transformers are loaded: paid by
+every replica and engine at every end and restart.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Collection
+from typing import NoReturn
 
-__all__ = ["child_preexec", "kill_with_parent"]
+__all__ = ["child_preexec", "exit_now", "kill_with_parent"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -65,3 +70,18 @@ def child_preexec(
             )
 
     return preexec
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush stdout and stderr and end the process with ``code``, skipping the interpreter's
+    teardown (atexit handlers, module and object finalizers).
+
+    Only for a process that has already released what it holds: sockets closed, log files
+    flushed, children ended. Its own open files are closed by the kernel.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or broken stream has nothing left to write
+    os._exit(code)

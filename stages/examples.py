@@ -1,9 +1,10 @@
 """Three small stages that show the runtime end to end (``configs/example.yaml``).
 
-``numbers`` emits ``count`` items, each a float32 tensor of ``dim`` random values; ``power``
-raises each tensor to ``exponent`` (as many replicas as you like, each may take ``delay_s`` per
+``numbers`` emits ``count`` items, each a float32 array of ``dim`` random values; ``power``
+raises each array to ``exponent`` (as many replicas as you like, each may take ``delay_s`` per
 item to play a slow worker); ``summary`` collects everything, writes ``RUN_DIR/summary.json`` and
-finishes when every upstream replica has finished. Tensors travel as zero-copy frames.
+finishes when every upstream replica has finished. Arrays travel as zero-copy frames (torch
+tensors would too: numpy keeps these stages light to start).
 
 They are also the smallest template for a stage of your own: a ``Config`` dataclass, declared
 ports, and ``setup``/``run``/``close`` coroutines.
@@ -17,12 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 from pipeline.stage import NoConfig, Port, StageContext
 from transport.message import Schema
 
-ITEM = Schema("item", 1, {"id": "int", "values": "array"}, doc="one tensor to work on")
+ITEM = Schema("item", 1, {"id": "int", "values": "array"}, doc="one array to work on")
 
 
 class Numbers:
@@ -40,13 +41,13 @@ class Numbers:
         self.config, self.ctx = config, ctx
 
     async def setup(self) -> None:
-        self.gen = torch.Generator().manual_seed(self.ctx.seed)
+        self.rng = np.random.default_rng(self.ctx.seed)
 
     async def run(self) -> None:
         out = self.ctx.outputs["out"]
         # replicas share the id space: replica r emits r, r + R, r + 2R, ...
         for i in range(self.ctx.replica, self.config.count, self.ctx.replicas):
-            values = torch.rand(self.config.dim, generator=self.gen)
+            values = self.rng.random(self.config.dim, dtype=np.float32)
             await out.send("item", {"id": i, "values": values})
         self.ctx.log.info(
             "source_exhausted",
@@ -80,7 +81,7 @@ class Power:
         async for msg in self.ctx.inputs["items"]:
             if self.config.delay_s:
                 await asyncio.sleep(self.config.delay_s)  # stands in for real work
-            values = msg.data["values"].pow(self.config.exponent)
+            values = np.power(msg.data["values"], np.float32(self.config.exponent))
             await out.send("item", {"id": msg.data["id"], "values": values})
             self.done += 1
 

@@ -33,9 +33,12 @@ import hashlib
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers imports torch: only when a tokenizer is made
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = [
     "CHAIN_CHARS",
@@ -119,6 +122,8 @@ def _char_tokenizer(chars: str) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from stages.feeder.sources import SourceConfig
 from stages.hub import model_check
-from stages.learner.loss import LossConfig
+from stages.learner.loss_config import LossConfig
 from stages.scorer.stage import RewardSpec
 
 __all__ = [
