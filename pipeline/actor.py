@@ -67,6 +67,9 @@ class ActorContext:
         self.replica: int = spec["replica"]
         self.replicas: int = spec["replicas"]
         self.run_dir = Path(spec["run_dir"])
+        # where it and the processes it starts (engines) write logs: RUN_DIR/logs, or a folder
+        # on its node that the Ray launcher forwards to RUN_DIR/logs
+        self.log_dir = Path(spec.get("log_dir") or self.run_dir / "logs")
         self.seed: int = spec["seed"]
         self.mode: str = spec.get("mode", "async")
         self.restarts: int = spec["restarts"]
@@ -175,7 +178,8 @@ def _channel_metrics(ctx: ActorContext) -> dict[str, Any]:
                 if isinstance(value, Mapping):
                     # per-peer values are keyed by address; the peer's replica index reads better
                     for i, (sub, v) in enumerate(value.items()):
-                        values[f"{kind}.{name}.{key}.{i if '://' in sub else sub}"] = v
+                        by_index = sub is None or "://" in str(sub)  # an address: its index
+                        values[f"{kind}.{name}.{key}.{i if by_index else sub}"] = v
                 else:
                     values[f"{kind}.{name}.{key}"] = value
     return values
@@ -193,7 +197,13 @@ class _Replica:
             control["pub"],
             control["sub"],
             self.zctx,
-            topics=(topics.VERSION, topics.SHUTDOWN, topics.DONE, topics.ENGINES),
+            topics=(
+                topics.VERSION,
+                topics.SHUTDOWN,
+                topics.DONE,
+                topics.ENGINES,
+                topics.ADDRESSES,
+            ),
             log=log.bind(component="control"),
             key=bytes.fromhex(control["key"]) if control.get("key") else None,
         )
@@ -246,11 +256,28 @@ class _Replica:
             if self.run_task is not None:
                 self.run_task.cancel()
 
+    def connect_peers(self, inboxes: Mapping[str, Any]) -> None:
+        """Point each output at the inboxes its consumers announced (``topics.ADDRESSES``)."""
+        for name, port in self.spec["outputs"].items():
+            feeds, sender = port.get("feeds"), self.ctx.outputs.get(name)
+            if not feeds or sender is None:
+                continue
+            down, down_port = feeds
+            for i in range(len(sender.peers)):
+                address = inboxes.get(f"{down}.{i}.{down_port}")
+                if isinstance(address, str):
+                    try:
+                        sender.connect_peer(i, address)
+                    except ValueError as exc:
+                        self.log.warning("bad_peer_address", port=name, peer=i, error=str(exc))
+
     async def heartbeat(self) -> None:
         while True:
             # `held`: messages waiting in this replica's inboxes (sent again if it dies now)
             held = sum(r.stats()["depth"] for r in self.ctx.inputs.values())
             payload = {"pid": os.getpid(), "session": self.spec["session"], "held": held}
+            if self.spec.get("announce_inboxes"):  # bound on this node: say where
+                payload["inboxes"] = {n: r.address for n, r in self.ctx.inputs.items()}
             await self.ctx.publish(topics.HEARTBEAT, payload)
             await asyncio.sleep(self.spec["heartbeat_s"])
 
@@ -272,6 +299,8 @@ class _Replica:
                 await self.ctx.set_engines(payload)
             elif topic == topics.SHUTDOWN:
                 self.request_shutdown(str(payload.get("reason", "supervisor")))
+            elif topic == topics.ADDRESSES and isinstance(payload.get("inboxes"), dict):
+                self.connect_peers(payload["inboxes"])
             elif topic == topics.DONE and isinstance(payload.get("replicas"), list):
                 for receiver in self.ctx.inputs.values():
                     for producer in payload["replicas"]:

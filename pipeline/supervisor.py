@@ -79,6 +79,8 @@ from pipeline import topics
 from pipeline.config import ConfigError, LoadedPipeline, dump_yaml
 from pipeline.config.schema import STAGE_KEYS
 from pipeline.console import Console, total_steps
+from pipeline.launchers import Launcher, LaunchError, ReplicaProcess, ReplicaStart, make_launcher
+from pipeline.launchers.ray_host import NODE_IP
 from pipeline.ledger import LedgerBook
 from pipeline.log_view import LogFilter, LogTail, process_identity, render
 from pipeline.placement import (
@@ -90,7 +92,6 @@ from pipeline.placement import (
     plan,
     process_env,
 )
-from pipeline.processes import child_preexec
 from pipeline.stage import stage_ports
 from pipeline.structured_log import close_process_logging, configure_process_logging
 from pipeline.tracking import TrackerFeed
@@ -146,7 +147,8 @@ class _Replica:
     spec_path: Path
     log_file: Path
     restart_policy: Any
-    proc: asyncio.subprocess.Process | None = None
+    spec: dict[str, Any] = field(default_factory=dict)
+    proc: ReplicaProcess | None = None
     session: str = ""
     restarts: int = 0
     started_at: float = 0.0
@@ -202,12 +204,23 @@ class Supervisor:
         self.ledger = LedgerBook()
         self._ledger_logged = 0.0
         self._ledger_reported = asyncio.Event()  # a final ledger report arrived
+        # "stage.replica.port" -> the address its inbox bound (announced on a remote launcher)
+        self.inboxes: dict[str, str] = {}
+        self._inboxes_sent: dict[str, str] = {}
+        self.launcher: Launcher = make_launcher(self.config, None)
 
     # ----------------------------------------------------------------- wiring
     def _addresses(self) -> tuple[dict[tuple[str, int, str], str], dict[str, str]]:
         """An address for every (stage, replica, input port), and the control bus pair."""
         transport = self.config.transport
-        if transport.scheme == "ipc":
+        if self.launcher.remote:  # bound on its node at port 0, announced in heartbeats
+
+            def addr(name: str) -> str:
+                return f"tcp://{NODE_IP}:0"
+
+            host = self.launcher.control_host()
+            control = {"pub": tcp_address(host), "sub": tcp_address(host)}
+        elif transport.scheme == "ipc":
             self._sock_dir = Path(tempfile.mkdtemp(prefix="inflight-"))
 
             def addr(name: str) -> str:
@@ -222,7 +235,9 @@ class Supervisor:
             for r in range(section.replicas):
                 for port in section.inputs:
                     inboxes[(name, r, port)] = addr(f"{name}.{r}.{port}")
-        control = {"pub": addr("control.pub"), "sub": addr("control.sub"), "key": self._key.hex()}
+        if not self.launcher.remote:
+            control = {"pub": addr("control.pub"), "sub": addr("control.sub")}
+        control["key"] = self._key.hex()
         return inboxes, control
 
     def _write_specs(self, inboxes: dict, control: dict[str, str]) -> None:
@@ -247,13 +262,16 @@ class Supervisor:
                 outputs = {}
                 for port in stage_ports(cls)[1]:
                     target = feeds.get((name, port))
-                    peers = []
+                    peers: list[str | None] = []
                     if target is not None:
                         down, down_port = target
                         peers = [
-                            inboxes[(down, i, down_port)] for i in range(stages[down].replicas)
+                            None if self.launcher.remote else inboxes[(down, i, down_port)]
+                            for i in range(stages[down].replicas)
                         ]
                     outputs[port] = {"peers": peers}
+                    if target is not None:  # whose announced inboxes its peers are
+                        outputs[port]["feeds"] = list(target)
                 spec = {
                     "run_dir": str(self.run_dir.resolve()),
                     "stage": name,
@@ -281,16 +299,16 @@ class Supervisor:
                     "peer_timeout_s": transport.peer_timeout_s,
                     "max_message_bytes": int(transport.max_message_mb * 2**20),
                     "close_timeout_s": run.shutdown_timeout_s,
+                    "announce_inboxes": self.launcher.remote,
                 }
                 path = self.run_dir / "specs" / f"{name}.{r}.json"
-                _write_private(path, json.dumps(spec, indent=1))
                 self.replicas[f"{name}.{r}"] = _Replica(
-                    name, r, path, Path(spec["log_file"]), section.restart
+                    name, r, path, Path(spec["log_file"]), section.restart, spec=spec
                 )
 
     # ------------------------------------------------------------- processes
     async def _spawn(self, rep: _Replica) -> None:
-        spec = json.loads(rep.spec_path.read_text())
+        spec = dict(rep.spec)
         rep.session = secrets.token_hex(4)
         spec["session"] = rep.session
         spec["restarts"] = rep.restarts
@@ -298,37 +316,43 @@ class Supervisor:
         # a restarted replica knows the live policy version from its first moment (a generator
         # that learned it only from the bus would start samples on stale weights meanwhile)
         spec["version"] = self.version
-        _write_private(rep.spec_path, json.dumps(spec, indent=1))
-        user_env = self.config.stages[rep.stage].env
-        base = {**os.environ, **user_env, "PYTHONUNBUFFERED": "1", **self._rank_env(rep)}
+        section = self.config.stages[rep.stage]
+        user_env = section.env
+        env = {**user_env, "PYTHONUNBUFFERED": "1", **self._rank_env(rep)}
+        unset: list[str] = []
         placed = self.placement.replica(rep.stage, rep.index)
-        env = dict(base)
-        for var, value in process_env(placed, self.placement, base, user_env).items():
-            if value is None:
-                env.pop(var, None)
-            else:
-                env[var] = value
-        engines = engine_placement(self.placement, rep.stage, rep.index, base, user_env)
-        if engines is not None:
-            env[ENGINE_PLACEMENT_ENV] = engines
-        cores = affinity(placed, self.placement)
-        out = open(self.run_dir / "logs" / f"{rep.name}.out", "ab")  # noqa: ASYNC230 (local file)
-        try:
-            rep.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "pipeline.actor",
-                str(rep.spec_path),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                # no replica outlives a killed supervisor; pinned before it runs anything
-                preexec_fn=child_preexec(cores=cores),
-                env=env,
-            )
-        finally:
-            out.close()
+        cores = gpus = None
+        if not self.launcher.remote:  # the local plan: cores, threads, GPUs on this host
+            base = {**os.environ, **env}
+            for var, value in process_env(placed, self.placement, base, user_env).items():
+                if value is None:
+                    unset.append(var)
+                    env.pop(var, None)
+                else:
+                    env[var] = value
+            engines = engine_placement(self.placement, rep.stage, rep.index, base, user_env)
+            if engines is not None:
+                env[ENGINE_PLACEMENT_ENV] = engines
+            cores = affinity(placed, self.placement)
+            gpus = list(placed.gpus) or None
+        elif isinstance(section.resources.cpus, int):  # Ray: threads as many as its CPUs
+            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                env.setdefault(var, str(section.resources.cpus))
+        start = ReplicaStart(
+            name=rep.name,
+            stage=rep.stage,
+            index=rep.index,
+            spec=spec,
+            spec_path=rep.spec_path,
+            env=env,
+            unset=unset,
+            cores=None if cores is None else list(cores),
+            resources=section.resources,
+            extra=_engine_resources(section),
+            out_path=self.run_dir / "logs" / f"{rep.name}.out",
+            gang=(rep.stage, section.replicas) if self._is_gang(rep.stage) else None,
+        )
+        rep.proc = await self.launcher.spawn(start)
         rep.started_at = time.monotonic()
         rep.last_heartbeat = None
         rep.held = 0
@@ -339,7 +363,8 @@ class Supervisor:
             pid=rep.proc.pid,
             restarts=rep.restarts,
             cores=None if cores is None else list(cores),
-            gpus=list(placed.gpus) or None,
+            gpus=gpus,
+            node=rep.proc.node if self.launcher.remote else None,
         )
         rep.watcher = asyncio.create_task(self._watch(rep), name=f"watch-{rep.name}")
 
@@ -368,7 +393,7 @@ class Supervisor:
         others = [r for r in gang if r is not rep and r.proc and r.proc.returncode is None]
         for other in others:
             other.gang_exit = True
-            _kill_group(other.proc.pid, signal.SIGKILL)
+            other.proc.signal(signal.SIGKILL)
         for other in others:
             await other.proc.wait()
         if others:
@@ -380,7 +405,7 @@ class Supervisor:
     async def _watch(self, rep: _Replica) -> None:
         assert rep.proc is not None
         code = await rep.proc.wait()
-        _kill_group(rep.proc.pid, signal.SIGKILL)  # anything the replica left behind
+        await rep.proc.release()  # anything the replica left behind
         if self._ending:
             self.log.info("replica_exited", replica_name=rep.name, exit_code=code)
             return
@@ -394,9 +419,7 @@ class Supervisor:
             if all(r.done for r in self.replicas.values()):
                 self._finish("succeeded", EXIT_OK, "every replica finished")
             return
-        why = rep.failure or (
-            f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        )
+        why = rep.failure or getattr(rep.proc, "lost", None) or _exit_reason(code)
         # what sat in its inboxes (as of its last heartbeat) its producers send again
         self.log.error(
             "replica_failed",
@@ -431,9 +454,13 @@ class Supervisor:
             if len(gang) > 1 or self._is_gang(rep.stage):
                 self._gang_ports.pop(rep.stage, None)  # a fresh rendezvous for the new group
             if not self._ending:
-                for member in gang:
-                    member.done = False
-                    await self._spawn(member)
+                try:
+                    for member in gang:
+                        member.done = False
+                        await self._spawn(member)
+                except LaunchError as exc:
+                    self.log.error("replica_not_placed", replica_name=rep.name, reason=str(exc))
+                    self._finish("failed", EXIT_FAILED, f"cannot restart {rep.name}: {exc}")
             self._gang_restarting.discard(rep.stage)
             return
         limit = (
@@ -450,6 +477,8 @@ class Supervisor:
                 rep.last_heartbeat = time.monotonic()
                 held = payload.get("held")
                 rep.held = held if isinstance(held, int) else 0
+                if isinstance(payload.get("inboxes"), dict):
+                    self._take_inboxes(rep, payload["inboxes"])
         elif topic == topics.VERSION:
             version = payload.get("version")
             if isinstance(version, int) and version > self.version:
@@ -467,6 +496,22 @@ class Supervisor:
                 self._refuse(topic, problem, payload)
             elif payload.get("final"):
                 self._ledger_reported.set()
+
+    def _take_inboxes(self, rep: _Replica, inboxes: dict[str, Any]) -> None:
+        """A replica's announced inbox addresses; a change is passed on to producers at once."""
+        changed = False
+        for port, address in inboxes.items():
+            key = f"{rep.name}.{port}"
+            if port in rep.spec.get("inputs", {}) and isinstance(address, str):
+                changed |= self.inboxes.get(key) != address
+                self.inboxes[key] = address
+        if changed:
+            self.log.info("inboxes_bound", replica_name=rep.name, inboxes=inboxes)
+            asyncio.get_running_loop().create_task(self._publish_inboxes())
+
+    async def _publish_inboxes(self) -> None:
+        if self.inboxes:
+            await self.broker.publish(topics.ADDRESSES, {"inboxes": dict(self.inboxes)})
 
     def _on_stop(self, payload: dict[str, Any]) -> None:
         """A stage asks to end the run: taken only from a live replica, with a reason."""
@@ -511,6 +556,7 @@ class Supervisor:
                 await self.broker.publish(topics.DONE, {"replicas": done})
             for announcement in list(self.engines.values()):
                 await self.broker.publish(topics.ENGINES, announcement)
+            await self._publish_inboxes()  # late joiners learn where their consumers are
             now = time.monotonic()
             if self.ledger and now - self._ledger_logged >= _LEDGER_EVERY_S:
                 self._ledger_logged = now
@@ -527,7 +573,7 @@ class Supervisor:
                     self.log.error(
                         "replica_unresponsive", replica_name=rep.name, reason=rep.failure
                     )
-                    _kill_group(rep.proc.pid, signal.SIGKILL)
+                    rep.proc.signal(signal.SIGKILL)
 
     # --------------------------------------------------------------- ending
     def _write_summary(self, **final: Any) -> None:
@@ -615,15 +661,16 @@ class Supervisor:
             self.log.warning("interrupted_again", signal=name, action="killing every replica")
             for rep in self.replicas.values():
                 if rep.proc is not None and rep.proc.returncode is None:
-                    _kill_group(rep.proc.pid, signal.SIGKILL)
+                    rep.proc.signal(signal.SIGKILL)
 
     async def _shutdown(self, reason: str) -> None:
         self._ending = True
         live = [r for r in self.replicas.values() if r.proc and r.proc.returncode is None]
         self.log.info("shutting_down", reason=reason, live_replicas=len(live))
-        await self.broker.publish(topics.SHUTDOWN, {"reason": reason})
+        if hasattr(self, "broker"):
+            await self.broker.publish(topics.SHUTDOWN, {"reason": reason})
         for rep in live:
-            _kill_group(rep.proc.pid, signal.SIGTERM)
+            rep.proc.signal(signal.SIGTERM)
         deadline = self.config.run.shutdown_timeout_s
         waits = [asyncio.ensure_future(r.proc.wait()) for r in live]
         if waits:
@@ -631,7 +678,7 @@ class Supervisor:
             for rep in live:
                 if rep.proc.returncode is None:
                     self.log.warning("replica_killed", replica_name=rep.name, after_s=deadline)
-                    _kill_group(rep.proc.pid, signal.SIGKILL)
+                    rep.proc.signal(signal.SIGKILL)
             if pending:
                 await asyncio.wait(pending)
         for rep in self.replicas.values():
@@ -724,7 +771,8 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         zctx = zmq.asyncio.Context()
-        checker = feed = None
+        checker = feed = forwarder = None
+        self.launcher.log = self.log.bind(component="launcher")
         self._started = time.monotonic()
         with contextlib.suppress(OSError, ValueError):  # a resumed run keeps what it had
             earlier = json.loads((run_dir / "summary.json").read_text())
@@ -735,6 +783,10 @@ class Supervisor:
                 del earlier["ledger"]
             self.summary.update(earlier)
         try:
+            await self.launcher.start()
+            forwarder = asyncio.create_task(
+                self.launcher.forward_logs(run_dir / "logs"), name="log-forwarder"
+            )
             inboxes, control = self._addresses()
             self._write_specs(inboxes, control)
             self.broker = ControlBroker(
@@ -767,14 +819,21 @@ class Supervisor:
             checker = asyncio.create_task(self._check_heartbeats(), name="heartbeats")
             await self._outcome.done.wait()
             await self._shutdown(self._outcome.reason)
+        except LaunchError as exc:
+            self.log.error("replica_not_placed", reason=str(exc))
+            self._finish("failed", EXIT_FAILED, str(exc))
+            await self._shutdown(self._outcome.reason)
         except Exception as exc:
             self.log.exception("supervisor_failed")
             self._finish("failed", EXIT_FAILED, f"supervisor error: {exc!r}")
             await self._shutdown(self._outcome.reason)
         finally:
-            if checker is not None:
-                checker.cancel()
-                await asyncio.gather(checker, return_exceptions=True)
+            for task in (checker, forwarder):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.launcher.aclose()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             ledger = await self._balance_ledger() if hasattr(self, "broker") else None
@@ -819,12 +878,25 @@ def _brief(ledger: dict[str, Any]) -> dict[str, Any]:
     return {**{k: ledger[k] for k in keys}, **ledger["samples"]}
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, readable by this user only (spec files hold the bus key)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _engine_resources(section: Any) -> dict[str, float]:
+    """CPUs and GPUs of the engines a replica launches (they run beside it, on its node)."""
+    launch = getattr(section.options, "launch", None)
+    res = getattr(launch, "resources", None)
+    if launch is None or res is None:
+        return {}
+    count = getattr(launch, "count", 1)
+    cpus = res.cpus if isinstance(res.cpus, int) else 0
+    gpus = res.gpus if isinstance(res.gpus, int) else 0
+    return {"cpus": cpus * count, "gpus": gpus * count}
 
 
 def _place_here(loaded: LoadedPipeline) -> Plan:
@@ -834,11 +906,6 @@ def _place_here(loaded: LoadedPipeline) -> Plan:
         raise ConfigError(issues, str(loaded.source))
     assert placement is not None
     return placement
-
-
-def _kill_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
 
 
 def _tail(rep: _Replica, lines: int = 20) -> str:

@@ -18,6 +18,10 @@ run's key (see ``transport.control``).
   supervisor re-sends the latest of each replica every heartbeat. The weight publisher reads it.
 - ``ledger`` {stage, replica, session, ...}: where prompts and samples went (``pipeline.ledger``);
   only the supervisor listens.
+- ``addresses`` {inboxes: {"stage.replica.port": address}}: from the supervisor, where every
+  inbox is bound, when replicas bind on their own node (the Ray launcher: each binds port 0 and
+  names the address in its heartbeats, ``inboxes``); re-sent every heartbeat. Producers connect
+  their peers there, and move when a consumer restarts elsewhere.
 - ``summary`` {stage, replica, values}: values for ``RUN_DIR/summary.json``; the supervisor merges
   them (later values win) and writes the file, with the run's status and wall time, at the end.
 """
@@ -30,4 +34,5 @@ SHUTDOWN = "shutdown"
 DONE = "done"
 ENGINES = "engines"
 SUMMARY = "summary"
+ADDRESSES = "addresses"
 LEDGER = "ledger"

@@ -23,8 +23,12 @@ IPC_PATH_MAX = 107
 _ANY_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
 
 
-def check_address(addr: str, *, allow_any_host: bool = False) -> str:
-    """Return ``addr`` if it is a usable ipc, inproc or tcp endpoint; raise ValueError if not."""
+def check_address(addr: str, *, allow_any_host: bool = False, bind: bool = False) -> str:
+    """Return ``addr`` if it is a usable ipc, inproc or tcp endpoint; raise ValueError if not.
+
+    ``bind``: the address is one to bind, where tcp port 0 means "any free port" (the bound
+    socket then tells which: ``Receiver.address`` after ``start``).
+    """
     if not isinstance(addr, str):
         raise ValueError(f"address {addr!r} is a {type(addr).__name__}, expected a string")
     scheme, sep, rest = addr.partition("://")
@@ -38,7 +42,7 @@ def check_address(addr: str, *, allow_any_host: bool = False) -> str:
         if not rest:
             raise ValueError(f"address {addr!r}: inproc needs a name (inproc://NAME)")
     elif scheme == "tcp":
-        _check_tcp(addr, rest, allow_any_host)
+        _check_tcp(addr, rest, allow_any_host, bind)
     else:
         raise ValueError(f"address {addr!r}: unsupported scheme {scheme!r}; use ipc, inproc or tcp")
     return addr
@@ -57,7 +61,7 @@ def _check_ipc_path(addr: str, path: str) -> None:
         )
 
 
-def _check_tcp(addr: str, rest: str, allow_any_host: bool) -> None:
+def _check_tcp(addr: str, rest: str, allow_any_host: bool, bind: bool = False) -> None:
     host, sep, port_text = rest.rpartition(":")
     if not sep:
         raise ValueError(f"address {addr!r}: tcp needs HOST:PORT (tcp://127.0.0.1:5555)")
@@ -72,6 +76,8 @@ def _check_tcp(addr: str, rest: str, allow_any_host: bool) -> None:
             raise ValueError(f"address {addr!r}: malformed IPv6 host {host!r} (use [::1])")
     elif ":" in host:
         raise ValueError(f"address {addr!r}: put an IPv6 host in brackets (tcp://[::1]:PORT)")
+    if bind and port_text == "0":
+        return  # bind to a free port: no pick-then-bind race
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
         raise ValueError(
             f"address {addr!r}: port {port_text!r} is not a number in 1..65535 "

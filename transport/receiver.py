@@ -72,9 +72,11 @@ class Receiver:
     finished for good on this receiver.
 
     ``name`` names the port in logs; ``address`` is bound (``ipc://``, ``tcp://`` on a named
-    interface, ``inproc://``); ``schemas`` are the kinds accepted (anything else is rejected and
-    counted); ``capacity`` bounds the inbox in messages; ``peer_timeout_s`` is how long a
-    silent producer keeps its credit. ``log`` is a structlog-style logger.
+    interface, ``inproc://``; ``tcp://HOST:0`` binds a free port, and ``address`` is the bound
+    one once started: give that to producers); ``schemas`` are the kinds accepted (anything
+    else is rejected and counted); ``capacity`` bounds the inbox in messages;
+    ``peer_timeout_s`` is how long a silent producer keeps its credit. ``log`` is a
+    structlog-style logger.
 
     ``ack``: when a message counts as processed, so that its producer lets go of it (see
     ``transport.credit``, "Delivery"): ``"on_take"`` (default) when ``recv()`` returns it,
@@ -112,7 +114,7 @@ class Receiver:
         if peer_timeout_s <= 0:
             raise ValueError(f"receiver {name!r}: peer_timeout_s must be > 0")
         self.name = name
-        self.address = check_address(address)
+        self.address = check_address(address, bind=True)
         self.capacity = capacity
         self._schemas = schema_map(schemas, f"receiver {name!r}")
         self._expected = None if expected_producers is None else frozenset(expected_producers)
@@ -173,6 +175,8 @@ class Receiver:
         except zmq.ZMQError as e:
             sock.close()
             raise TransportError(f"receiver {self.name!r}: cannot bind {self.address}: {e}") from e
+        if self.address.startswith("tcp://"):  # port 0 became a real one
+            self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._sock = sock
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name=f"receiver:{self.name}"),

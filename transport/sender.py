@@ -6,6 +6,7 @@ The protocol and why it is credit-based: ``transport.credit``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections import Counter, OrderedDict, deque
@@ -47,7 +48,7 @@ __all__ = ["Sender"]
 class _Peer:
     """The producer's view of one consumer replica (one DEALER)."""
 
-    address: str
+    address: str | None  # None: not known yet (Sender.connect_peer)
     sock: zmq.asyncio.Socket
     session: str | None = None  # consumer session of the current credit stream
     epoch: int = 0
@@ -101,7 +102,7 @@ class Sender:
     def __init__(
         self,
         name: str,
-        peers: Sequence[str],
+        peers: Sequence[str | None],
         schemas: Sequence[Schema],
         *,
         identity: str,
@@ -119,11 +120,13 @@ class Sender:
                 f"sender {name!r}: need 0 < heartbeat_s < peer_timeout_s, "
                 f"got {heartbeat_s} and {peer_timeout_s}"
             )
-        if len(set(peers)) != len(peers):
+        known = [a for a in peers if a is not None]
+        if len(set(known)) != len(known):
             raise ValueError(f"sender {name!r}: duplicate peer addresses in {list(peers)}")
         self.name = name
         self.identity = identity
-        self.peers = [check_address(a) for a in peers]
+        # None: that consumer's address is not known yet (``connect_peer`` gives it later)
+        self.peers: list[str | None] = [None if a is None else check_address(a) for a in peers]
         self._schemas = schema_map(schemas, f"sender {name!r}")
         self._ctx = ctx
         self._log = log if log is not None else structlog.get_logger()
@@ -179,7 +182,8 @@ class Sender:
             sock.setsockopt(zmq.RCVHWM, SENDER_HWM)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            sock.connect(address)
+            if address is not None:
+                sock.connect(address)
             self._peers.append(_Peer(address, sock))
         for peer in self._peers:
             self._tasks.append(
@@ -198,6 +202,30 @@ class Sender:
         for task in self._tasks:
             task.add_done_callback(self._task_done)
         self._log.debug("sender_started", port=self.name, peers=self.peers, session=self._session)
+
+    def connect_peer(self, index: int, address: str) -> bool:
+        """Point peer ``index`` (a consumer replica, in ``peers`` order) at ``address``: the
+        consumer bound it, or moved there after a restart elsewhere. Returns whether it changed.
+
+        What was sent to the consumer's old address and not acknowledged is sent again once
+        the consumer at the new one grants credit (a new session, as after any restart).
+        """
+        if not 0 <= index < len(self.peers):
+            raise ValueError(f"sender {self.name!r}: no peer {index} (it has {len(self.peers)})")
+        address = check_address(address)
+        if self.peers[index] == address:
+            return False
+        self.peers[index] = address
+        if not self._started or self._closed:
+            return True
+        peer = self._peers[index]
+        if peer.address is not None:
+            with contextlib.suppress(zmq.ZMQError):  # never connected: nothing to undo
+                peer.sock.disconnect(peer.address)
+        peer.address = address
+        peer.sock.connect(address)
+        self._log.info("sender_peer_moved", port=self.name, peer=index, address=address)
+        return True
 
     async def aclose(self, eos: bool = True, timeout_s: float = 2.0) -> None:
         """Send EOS to every consumer (best effort, waiting at most ``timeout_s`` for their

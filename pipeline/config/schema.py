@@ -22,6 +22,7 @@ from typing import Any, Literal
 __all__ = [
     "STAGE_KEYS",
     "PipelineConfig",
+    "RaySection",
     "Resources",
     "RestartPolicy",
     "RunSection",
@@ -32,6 +33,22 @@ __all__ = [
 
 def _f(default: Any, doc: str, **meta: Any) -> Any:
     return field(default=default, metadata={"doc": doc, **meta})
+
+
+@dataclass
+class RaySection:
+    address: str = _f(
+        "auto",
+        "the cluster to join: 'auto' (the one `ray start` made on this machine), "
+        "ray://HOST:PORT, or 'local' (start a one-node cluster for this run)",
+    )
+    namespace: str | None = _f(None, "Ray namespace of the run's actors (default: the run's)")
+    placement_timeout_s: float = _f(
+        60.0,
+        "how long to wait for the cluster to place a replica or gang before the run fails "
+        "naming what could not be placed",
+        min=1.0,
+    )
 
 
 @dataclass
@@ -82,6 +99,14 @@ class RunSection:
         "at the end of the run, draw reward, held-out accuracy, lag and samples/s into "
         "RUN_DIR/plot.png (needs pip install 'inflight-rl[plot]')",
     )
+    launcher: Literal["local", "ray"] = _f(
+        "local",
+        "local: every replica a child process on this host; ray: every replica and engine a "
+        "Ray actor placed with its resources on a Ray cluster (pip install 'inflight-rl[ray]')",
+    )
+    ray: RaySection = field(
+        default_factory=lambda: RaySection(), metadata={"doc": "the Ray launcher's settings"}
+    )
 
 
 @dataclass
@@ -97,6 +122,16 @@ class TransportSection:
         "largest frame an inbox takes, in MiB: a peer that sends a larger one is disconnected "
         "before it is allocated (0 = no limit)",
         min=0.0,
+    )
+    curve: bool | None = _f(
+        None,
+        "encrypt and authenticate every ZeroMQ socket with CURVE keys made for the run; "
+        "null: on exactly when sockets bind off loopback (the Ray launcher, a non-loopback host)",
+    )
+    insecure: bool = _f(
+        False,
+        "allow sockets off loopback without CURVE (anyone who reaches the port can send): "
+        "only on a network you trust",
     )
 
 
@@ -135,6 +170,21 @@ class Resources:
         metadata={
             "doc": "GPUs per replica: a count, or a list of GPU ids shared out among the replicas",
             "min": 0,
+        },
+    )
+    memory_gb: float | None = field(
+        default=None,
+        metadata={
+            "doc": "memory per replica in GiB: the Ray launcher reserves it on a node; the local "
+            "launcher checks that the host has it",
+            "min": 0.0,
+        },
+    )
+    custom: dict[str, float] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "custom resources per replica ({node_gpu_a100: 1}): Ray places the replica "
+            "on a node that has them; the local launcher refuses any (one host has none)",
         },
     )
 

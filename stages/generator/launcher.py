@@ -73,7 +73,13 @@ class LaunchConfig:
             "path": "command",
         },
     )
-    host: str = field(default="127.0.0.1", metadata={"doc": "host the engines listen on"})
+    host: str | None = field(
+        default=None,
+        metadata={
+            "doc": "host the engines listen on; null: loopback, or the node's IP when the "
+            "Ray launcher runs the generator (the learner reaches them from another node)"
+        },
+    )
     extra_args: list[str] = field(default_factory=list, metadata={"doc": "appended as is"})
     startup_timeout_s: float = field(default=600.0, metadata={"min": 1.0})
     max_restarts: int = field(default=3, metadata={"min": 0})
@@ -124,6 +130,8 @@ class EngineLauncher:
         self.log_level = log_level  # the built-in engine's (its per-update events are debug)
         self.model_dir: Path | None = None  # launch.model as a local folder, once resolved
         self.environ = dict(os.environ if environ is None else environ)
+        # where engines listen: a node's IP under the Ray launcher (pipeline.launchers.ray_host)
+        self.host = config.host or self.environ.get("INFLIGHT_NODE_IP") or "127.0.0.1"
         placements = read_engine_placement(self.environ, config.count)
         if placements is None and (config.resources.cpus is not None or config.resources.gpus):
             log.warning(
@@ -133,7 +141,7 @@ class EngineLauncher:
             )
         self.engines = []
         for i in range(config.count):
-            port = int(tcp_address(config.host).rsplit(":", 1)[1])
+            port = int(tcp_address(self.host).rsplit(":", 1)[1])
             self.engines.append(
                 _Engine(
                     f"{name}.engine{i}",
@@ -157,7 +165,7 @@ class EngineLauncher:
 
     @property
     def urls(self) -> list[str]:
-        return [f"http://{self.config.host}:{e.port}" for e in self.engines]
+        return [f"http://{self.host}:{e.port}" for e in self.engines]
 
     def restarts_by_url(self) -> dict[str, int]:
         """Restarts so far of the engine at each URL."""
@@ -167,7 +175,7 @@ class EngineLauncher:
         cfg = self.config
         if cfg.kind == "builtin":
             cmd = [sys.executable, "-m", "pipeline.cli", "engine", "--model", self._model()]
-            cmd += ["--host", cfg.host, "--port", str(engine.port), "--device", cfg.device]
+            cmd += ["--host", self.host, "--port", str(engine.port), "--device", cfg.device]
             cmd += ["--dtype", cfg.dtype]
             # its events join the run's logs: `inflight logs RUN_DIR --stage generator-0-engine`
             log_as = f"{self.name.replace('.', '-')}-engine.{self.engines.index(engine)}"
@@ -175,7 +183,7 @@ class EngineLauncher:
             cmd += ["--log-file", str(log_file), "--log-as", log_as, "--log-level", self.log_level]
         else:
             cmd = [cfg.python or sys.executable, "-m", "sglang.launch_server"]
-            cmd += ["--model-path", self._model(), "--host", cfg.host]
+            cmd += ["--model-path", self._model(), "--host", self.host]
             cmd += ["--port", str(engine.port)]
         return cmd + list(cfg.extra_args)
 
@@ -236,7 +244,7 @@ class EngineLauncher:
         return self.urls
 
     async def _wait_healthy(self, engine: _Engine) -> None:
-        url = f"http://{self.config.host}:{engine.port}/health"
+        url = f"http://{self.host}:{engine.port}/health"
         deadline = time.monotonic() + self.config.startup_timeout_s
         async with aiohttp.ClientSession() as session:
             while True:

@@ -210,7 +210,7 @@ class Generator:
             self.launcher = EngineLauncher(
                 self.config.launch,
                 name=f"{self.ctx.stage}.{self.ctx.replica}",
-                log_dir=self.ctx.run_dir / "logs",
+                log_dir=getattr(self.ctx, "log_dir", self.ctx.run_dir / "logs"),
                 log=self.log,
                 log_level=getattr(self.ctx, "log_level", "info"),
             )

@@ -22,6 +22,7 @@ weights, the generator's lag bound holds its samples back, and no samples means 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -171,6 +172,8 @@ class Publishing:
         publisher = WeightPublisher(
             urls,
             backend=self.backend,
+            # engines on other nodes reach rank 0 at its node's IP (the Ray launcher's)
+            master_address=os.environ.get("INFLIGHT_NODE_IP", "127.0.0.1"),
             bucket_mb=self.config.bucket_mb,
             group_name=f"inflight_{int(time.time() * 1000) % 10**9}",
             log=self.log,

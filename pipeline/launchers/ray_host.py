@@ -1,0 +1,132 @@
+"""The Ray actor that hosts one replica on whichever node Ray placed it.
+
+``ReplicaHost`` runs on the node: it writes the replica's spec to a private file there, starts
+``python -m pipeline.actor SPEC`` as its own child (its own process group, killed by the kernel
+if the actor dies: a removed node or ``ray.kill`` leaves no orphan holding a port or GPU), and
+keeps the replica's logs in a folder of its own on that node, from which the driver pulls new
+lines (``read_logs``): no shared filesystem is needed for ``inflight logs`` or the console.
+
+The spec's inbox addresses name the host ``{NODE_IP}``: replaced here by the node's IP (the
+replica binds port 0 there and announces the port it got). The replica's environment also gets
+``INFLIGHT_NODE_IP``, which engines and the weight publisher bind to.
+
+Not here: what to start or when (``pipeline.launchers.ray``, ``pipeline.supervisor``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pipeline.launchers.local import kill_group, write_private
+from pipeline.processes import child_preexec
+
+__all__ = ["NODE_IP", "NODE_IP_ENV", "ReplicaHost"]
+
+NODE_IP = "{NODE_IP}"  # placeholder in spec addresses, replaced on the node
+NODE_IP_ENV = "INFLIGHT_NODE_IP"
+_MAX_CHUNK = 4 * 2**20  # at most this much of one log file per read_logs call
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class ReplicaHost:
+    """One replica's process on a Ray node (used as ``ray.remote(ReplicaHost)``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dir = Path(tempfile.mkdtemp(prefix=f"inflight-{name}-"))
+        (self.dir / "logs").mkdir()
+        self.proc: asyncio.subprocess.Process | None = None
+        self._offsets: dict[str, int] = {}
+
+    def node(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "ip": node_ip(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
+
+    def free_port(self) -> int:
+        """A port free on this node a moment ago (torch.distributed's rendezvous needs a
+        number before rank 0 starts; the replica binds it at once)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((node_ip(), 0))
+            return s.getsockname()[1]
+
+    async def start(
+        self, spec: dict[str, Any], env: dict[str, str], unset: list[str], cwd: str | None
+    ) -> int:
+        ip = node_ip()
+        workdir = cwd if cwd and os.path.isdir(cwd) else None  # noqa: ASYNC240 (one stat)
+        for port in spec["inputs"].values():
+            port["address"] = port["address"].replace(NODE_IP, ip)
+        logs = self.dir / "logs"
+        spec["log_file"] = str(logs / f"{self.name}.jsonl")
+        spec["log_dir"] = str(logs)
+        spec_path = self.dir / "spec.json"
+        write_private(spec_path, json.dumps(spec))
+        environ = {**os.environ, **env, NODE_IP_ENV: ip}
+        for var in unset:
+            environ.pop(var, None)
+        out = open(logs / f"{self.name}.out", "ab")  # noqa: ASYNC230 (a local file)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "pipeline.actor",
+                str(spec_path),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=child_preexec(),  # dies with this actor
+                cwd=workdir,
+                env=environ,
+            )
+        finally:
+            out.close()
+        return self.proc.pid
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        code = await self.proc.wait()
+        kill_group(self.proc.pid, signal.SIGKILL)  # whatever it left behind (engines...)
+        return code
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None:
+            kill_group(self.proc.pid, sig)
+
+    def read_logs(self) -> dict[str, bytes]:
+        """New whole lines of every log file in the replica's folder since the last call."""
+        chunks: dict[str, bytes] = {}
+        for path in sorted((self.dir / "logs").iterdir()):
+            start = self._offsets.get(path.name, 0)
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                f.seek(start)
+                data = f.read(_MAX_CHUNK)
+                end = data.rfind(b"\n") + 1
+                if end:
+                    chunks[path.name] = data[:end]
+                    self._offsets[path.name] = start + end
+        return chunks
+
+    def cleanup(self) -> None:
+        self.signal(signal.SIGKILL)
+        shutil.rmtree(self.dir, ignore_errors=True)
