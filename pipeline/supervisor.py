@@ -360,6 +360,7 @@ class Supervisor:
         self.log.info(
             "replica_spawned",
             replica_name=rep.name,
+            session=rep.session,
             pid=rep.proc.pid,
             restarts=rep.restarts,
             cores=None if cores is None else list(cores),

@@ -198,7 +198,9 @@ class RayLauncher:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=start.index
             )
-        actor = self._host_cls.options(name=None, **options).remote(start.name)
+        # named for Ray's state API and `ray list actors`: replica and session
+        name = f"inflight:{start.name}:{start.spec.get('session', '')}"
+        actor = self._host_cls.options(name=name, **options).remote(start.name)
         try:
             node = await asyncio.wait_for(actor.node.remote(), self.settings.placement_timeout_s)
         except asyncio.TimeoutError:

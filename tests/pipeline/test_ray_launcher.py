@@ -1,0 +1,210 @@
+"""The Ray launcher on a real multi-node Ray cluster simulated on this machine.
+
+One ``ray.cluster_utils.Cluster`` for the module (nodes told apart by custom resources, never by
+IP: they share one); each test runs ``inflight run ... run.launcher=ray`` as a user does and
+checks where Ray placed the replicas from Ray's own state (actor -> node), not from our logs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.pipeline.runs import events, run_inflight, start_inflight, wait_for
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+EXAMPLE = "configs/example.yaml"
+DEFAULT = "configs/default.yaml"
+
+# node kind -> its custom resources; "b" twice: a spare for the node that is removed
+NODES = {
+    "a": {"node_a": 1},
+    "b": {"node_b": 2},
+    "b2": {"node_b": 2},
+    "c": {"node_c": 1, "learner_slot": 1},
+    "d": {"learner_slot": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": NODES["a"], "include_dashboard": False},
+    )
+    nodes = {"a": c.head_node}
+    for kind in ("b", "b2", "c", "d"):
+        nodes[kind] = c.add_node(num_cpus=2, resources=NODES[kind])
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    c.kinds = nodes
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _nodes(run_dir) -> dict[str, list[str]]:
+    """Replica -> the ids of the nodes Ray ran its actors on, oldest first (Ray's state)."""
+    from ray._private.state import actors
+
+    sessions = {e.get("session") for e in events(run_dir, "supervisor")}
+    placed: dict[str, list[tuple[float, str]]] = {}
+    for actor in actors().values():
+        name = actor.get("Name") or ""
+        if actor.get("ActorClassName") != "ReplicaHost" or not name.startswith("inflight:"):
+            continue
+        replica, session = name.split(":")[1:3]
+        if session in sessions:  # not an actor of another test's run
+            node = actor["Address"]["NodeID"]
+            placed.setdefault(replica, []).append((actor.get("StartTime", 0), node))
+    return {r: [node for _, node in sorted(v)] for r, v in placed.items()}
+
+
+def _kinds(node_id: str) -> list[str]:
+    """The custom resources (node kinds) of a live node."""
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+    return sorted(k for k in node["Resources"] if k.startswith(("node_", "learner_slot")))
+
+
+def _placed(run_dir) -> dict[str, list[list[str]]]:
+    """Replica -> the kinds of the nodes its actors ran on, oldest first."""
+    return {r: [_kinds(n) for n in nodes] for r, nodes in _nodes(run_dir).items()}
+
+
+def _ray_args(cluster, run_dir, *extra):
+    return (
+        "run.launcher=ray",
+        f"run.ray.address={cluster.address}",
+        "run.ray.placement_timeout_s=20",
+        "--run-dir",
+        str(run_dir),
+        *extra,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_rl_run_places_every_stage_on_the_node_asked_for_and_learns(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run",
+        DEFAULT,
+        "stages.learner.steps=40",
+        "stages.learner.eval.every=40",
+        "stages.learner.eval.max_prompts=300",
+        "stages.learner.checkpoint.every=0",
+        "stages.generator.resources.custom.node_a=1",
+        "stages.feeder.resources.custom.node_b=1",
+        "stages.scorer.resources.custom.node_b=1",
+        "stages.learner.resources.custom.node_c=1",
+        *_ray_args(cluster, run_dir),
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    placed = _placed(run_dir)
+    assert placed["generator.0"] == [["node_a"]]
+    assert placed["feeder.0"] == [["node_b"]] and placed["scorer.0"] == [["node_b"]]
+    assert placed["learner.0"] == [["learner_slot", "node_c"]]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]
+    assert evals[-1]["accuracy"] > evals[0]["accuracy"] + 0.03, evals
+    assert summary["ledger"]["unaccounted"] == 0
+    # the replicas' logs (engines' included) reached the driver's run directory
+    shown = run_inflight("logs", str(run_dir), timeout=30).stdout
+    for name in ("feeder.0", "generator.0", "scorer.0", "learner.0", "generator-0-engine.0"):
+        assert f" {name} " in shown, name
+
+
+@pytest.mark.timeout(120)
+def test_two_learner_ranks_on_two_nodes_train_with_zero2_and_publish(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inflight(
+        "run",
+        DEFAULT,
+        "stages.learner.replicas=2",
+        "stages.learner.deepspeed.zero_stage=2",
+        "stages.learner.steps=6",
+        "stages.learner.eval.max_prompts=20",
+        "stages.learner.checkpoint.every=0",
+        "stages.learner.resources.custom.learner_slot=1",
+        *_ray_args(cluster, run_dir),
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    placed = _placed(run_dir)
+    # one slot per node: the PACK placement group had to spread the ranks over c and d
+    assert sorted([*placed["learner.0"], *placed["learner.1"]]) == [
+        ["learner_slot"],
+        ["learner_slot", "node_c"],
+    ]
+    steps = [e for e in events(run_dir, "learner.0") if e["event"] == "train_step"]
+    assert len(steps) == 6
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["publishes"]["published"] == 6 and summary["publishes"]["failed"] == 0
+    # and the generator sampled with them: rollouts of versions > 0 reached the learner
+    assert max(e.get("mean_lag", 0) for e in steps) >= 0 and summary["policy_version"] == 6
+
+
+@pytest.mark.timeout(150)
+def test_a_removed_node_takes_its_replicas_and_they_restart_on_another(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_inflight(
+        "run",
+        DEFAULT,
+        "stages.learner.steps=60",
+        "stages.learner.eval.max_prompts=20",
+        "stages.learner.checkpoint.every=0",
+        "stages.feeder.resources.custom.node_b=1",
+        "stages.scorer.resources.custom.node_b=1",
+        "stages.learner.resources.custom.node_c=1",
+        "run.heartbeat_timeout_s=10",
+        "-q",
+        *_ray_args(cluster, run_dir),
+    )
+    try:
+        wait_for(
+            lambda: sum(e["event"] == "train_step" for e in events(run_dir, "learner.0")) >= 5,
+            90,
+            "5 train steps",
+        )
+        (scorer_node,) = _nodes(run_dir)["scorer.0"]
+        assert _kinds(scorer_node) == ["node_b"]
+        victim = next(n for n in cluster.kinds.values() if n.node_id == scorer_node)
+        cluster.remove_node(victim, allow_graceful=False)
+        cluster.kinds = {k: n for k, n in cluster.kinds.items() if n is not victim}
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out[-3000:]
+    failed = [e for e in events(run_dir, "supervisor") if e["event"] == "replica_failed"]
+    assert {e["replica_name"] for e in failed} >= {"scorer.0", "feeder.0"}
+    first, again = _nodes(run_dir)["scorer.0"]
+    assert first == scorer_node and again != scorer_node
+    assert _kinds(again) == ["node_b"]  # again a node with node_b: the spare
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ledger"]["unaccounted"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_no_node_can_hold_fails_the_run_naming_what_is_missing(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = run_inflight(
+        "run",
+        EXAMPLE,
+        "stages.summary.resources.custom.node_z=1",
+        *_ray_args(cluster, run_dir),
+        "run.ray.placement_timeout_s=3",
+        timeout=50,
+    )
+    assert result.returncode == 1
+    assert time.monotonic() - started < 40
+    finished = [e for e in events(run_dir, "supervisor") if e["event"] == "run_finished"][-1]
+    assert "summary.0" in finished["reason"] and "node_z" in finished["reason"]
