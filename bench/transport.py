@@ -1,6 +1,7 @@
 """Channel throughput against raw pyzmq, between two processes over ipc.
 
 Run: ``python bench/transport.py [--size-mb 64 --count 32 --small-count 20000]``
+CURVE's cost: ``python bench/transport.py --curve`` (the channel with and without CURVE, tcp).
 
 Measures (1) small messages (a ~100-byte payload) in messages/s and (2) large messages (one
 ``--size-mb`` bfloat16 torch tensor each) in GB/s, each through a Sender -> Receiver channel
@@ -9,6 +10,9 @@ same socket types (DEALER -> ROUTER) and transport (ipc). The receiver runs in a
 process and times the steady state: from the end of a short warm-up to the last message. The
 raw baseline is bounded the same way as the channel (high-water mark = channel capacity) so
 neither side can queue gigabytes. Prints exactly one JSON line on stdout.
+
+With ``--curve`` the two sides are the channel without and with CURVE (the run's keys, as
+off one host), over tcp on loopback: ``ratio`` is CURVE's throughput over plain.
 
 It measures throughput only: no latency percentiles, no multi-producer fan-in, no GPU copies.
 """
@@ -38,7 +42,8 @@ import zmq.asyncio
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
-from transport import Message, Receiver, Schema, Sender, encode, ipc_address
+from transport import Message, Receiver, Schema, Sender, encode, ipc_address, tcp_address
+from transport.security import CurveKeys
 
 SMALL = Schema("small", 1, {"id": "int", "payload": "bytes"})
 LARGE = Schema("large", 1, {"id": "int", "weights": "array"})
@@ -63,7 +68,9 @@ def _loop_name() -> str:
 # receiver side (child process)
 
 
-def receive(mode: str, kind: str, address: str, total: int, capacity: int, conn: Any) -> None:
+def receive(
+    mode: str, kind: str, address: str, total: int, capacity: int, conn: Any, curve: Any
+) -> None:
     """Child entry point: receive ``total`` messages, report the steady-state timing."""
     quiet_logs()
     if mode == "raw":
@@ -71,7 +78,8 @@ def receive(mode: str, kind: str, address: str, total: int, capacity: int, conn:
         return
     loop = _loop()
     try:
-        conn.send(loop.run_until_complete(_receive_channel(kind, address, total, capacity, conn)))
+        receiving = _receive_channel(kind, address, total, capacity, conn, curve)
+        conn.send(loop.run_until_complete(receiving))
     finally:
         loop.close()
 
@@ -97,10 +105,18 @@ def _receive_raw(address: str, total: int, capacity: int, conn: Any) -> dict:
     return {"elapsed_s": elapsed, "messages": total - warmup, "bytes": nbytes}
 
 
-async def _receive_channel(kind: str, address: str, total: int, capacity: int, conn: Any) -> dict:
+async def _receive_channel(
+    kind: str, address: str, total: int, capacity: int, conn: Any, curve: CurveKeys | None
+) -> dict:
     ctx = zmq.asyncio.Context()
     r = Receiver(
-        "bench", address, [SMALL, LARGE], capacity=capacity, expected_producers=["bench.0"], ctx=ctx
+        "bench",
+        address,
+        [SMALL, LARGE],
+        capacity=capacity,
+        expected_producers=["bench.0"],
+        ctx=ctx,
+        curve=curve,
     )
     await r.start()
     conn.send("ready")
@@ -162,9 +178,11 @@ def wait_result(conn: Any, what: str) -> dict:
     return conn.recv()
 
 
-async def send_channel(address: str, msg: Message, count: int) -> dict:
+async def send_channel(
+    address: str, msg: Message, count: int, curve: CurveKeys | None = None
+) -> dict:
     ctx = zmq.asyncio.Context()
-    s = Sender("bench", [address], [SMALL, LARGE], identity="bench.0", ctx=ctx)
+    s = Sender("bench", [address], [SMALL, LARGE], identity="bench.0", ctx=ctx, curve=curve)
     await s.start()
     for _ in range(count):
         await s.send(msg.kind, msg.data)
@@ -173,13 +191,18 @@ async def send_channel(address: str, msg: Message, count: int) -> dict:
     return s.stats()
 
 
-def run_one(mode: str, kind: str, msg: Message, count: int, capacity: int) -> dict:
+def run_one(
+    mode: str, kind: str, msg: Message, count: int, capacity: int, scheme: str = "ipc"
+) -> dict:
+    """One timed run; ``mode``: raw (pyzmq), channel, or curve (the channel with CURVE)."""
     total = count + WARMUP[kind]
+    curve = CurveKeys.generate() if mode == "curve" else None
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
-        address = ipc_address(tmp, "in")
+        address = ipc_address(tmp, "in") if scheme == "ipc" else tcp_address()
         spawn = mp.get_context("spawn")
         parent, child = spawn.Pipe()
-        proc = spawn.Process(target=receive, args=(mode, kind, address, total, capacity, child))
+        args = (mode, kind, address, total, capacity, child, curve)
+        proc = spawn.Process(target=receive, args=args)
         proc.start()
         try:
             if not parent.poll(60) or parent.recv() != "ready":
@@ -190,7 +213,7 @@ def run_one(mode: str, kind: str, msg: Message, count: int, capacity: int) -> di
             else:
                 loop = _loop()
                 try:
-                    sent = loop.run_until_complete(send_channel(address, msg, total))
+                    sent = loop.run_until_complete(send_channel(address, msg, total, curve))
                 finally:
                     loop.close()
                 result = wait_result(parent, "channel")
@@ -241,10 +264,17 @@ def main() -> None:
         default=5,
         help="runs per measurement, raw and channel alternating; medians reported",
     )
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="CURVE's cost: the channel without and with CURVE, over tcp on loopback",
+    )
     args = parser.parse_args()
     quiet_logs()
+    base, other = ("channel", "curve") if args.curve else ("raw", "channel")
+    scheme = "tcp" if args.curve else "ipc"
 
-    out: dict[str, Any] = {"bench": "transport"}
+    out: dict[str, Any] = {"bench": "transport_curve" if args.curve else "transport"}
     samples: dict[str, dict[str, list[float]]] = {}
     credit_wait: dict[str, float] = {}
     for kind, key, count, capacity, digits in (
@@ -252,19 +282,19 @@ def main() -> None:
         ("large", "large_gb_per_s", args.count, args.large_capacity, 3),
     ):
         msg = message(kind, args.size_mb)
-        rates: dict[str, list[float]] = {"raw": [], "channel": []}
+        rates: dict[str, list[float]] = {base: [], other: []}
         waits = []
         for _ in range(args.repeat):
-            for mode in ("raw", "channel"):
-                result = run_one(mode, kind, msg, count, capacity)
+            for mode in (base, other):
+                result = run_one(mode, kind, msg, count, capacity, scheme)
                 rates[mode].append(rate(kind, result))
-                if mode == "channel":
+                if mode == other:
                     waits.append(result["credit_wait_s"])
-        raw, channel = statistics.median(rates["raw"]), statistics.median(rates["channel"])
+        low, high = statistics.median(rates[base]), statistics.median(rates[other])
         out[key] = {
-            "channel": round(channel, digits),
-            "raw": round(raw, digits),
-            "ratio": round(channel / raw, 3),
+            other: round(high, digits),
+            base: round(low, digits),
+            "ratio": round(high / low, 3),
         }
         samples[kind] = {mode: [round(r, digits) for r in rs] for mode, rs in rates.items()}
         credit_wait[kind] = round(statistics.median(waits), 3)
@@ -279,7 +309,7 @@ def main() -> None:
             "repeat": args.repeat,
             "samples": samples,
             "channel_credit_wait_s": credit_wait,
-            "transport": "ipc",
+            "transport": scheme,
             "sockets": "DEALER->ROUTER",
             "loop": _loop_name(),
             "cpus": os.cpu_count(),

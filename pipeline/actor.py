@@ -44,6 +44,7 @@ from pipeline.structured_log import (
     configure_process_logging,
 )
 from transport import ControlClient, Receiver, Sender
+from transport.security import CurveKeys
 
 __all__ = ["ActorContext", "build_stage_config", "main"]
 
@@ -75,6 +76,7 @@ class ActorContext:
         self.restarts: int = spec["restarts"]
         self.session: str = spec.get("session", "")
         self.log_level: str = spec.get("log_level", "info")  # what helpers it starts log at
+        self._engine_api_key: str | None = spec.get("engine_api_key") or None
         self.inputs: dict[str, Receiver] = {}
         self.outputs: dict[str, Sender] = {}
         self.log = log
@@ -98,6 +100,11 @@ class ActorContext:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def engine_api_key(self) -> str | None:
+        """The run's inference-engine API key (``stages.engine.auth``); None when absent."""
+        return self._engine_api_key
 
     async def set_version(self, version: int) -> None:
         if version > self._version:
@@ -192,6 +199,8 @@ class _Replica:
         self.spec = spec
         self.log = log
         self.zctx = zmq.asyncio.Context()
+        # the run's CURVE keys when its sockets bind off loopback (transport.security)
+        self.curve = CurveKeys.from_spec(spec["curve"], "spec.curve") if spec.get("curve") else None
         control = spec["control"]
         self.control = ControlClient(
             control["pub"],
@@ -206,6 +215,7 @@ class _Replica:
             ),
             log=log.bind(component="control"),
             key=bytes.fromhex(control["key"]) if control.get("key") else None,
+            curve=self.curve,
         )
         self.ctx = ActorContext(spec, log, self.control)
         self.shutdown_reason: str | None = None
@@ -227,6 +237,8 @@ class _Replica:
                 peer_timeout_s=spec["peer_timeout_s"],
                 ack=inputs[name].ack,
                 max_message_bytes=spec.get("max_message_bytes", 0),
+                curve=self.curve,
+                insecure=spec.get("insecure", False),
             )
             await receiver.start()
             if not getattr(self.stage_cls, "keeps_ledger", False):
@@ -244,6 +256,7 @@ class _Replica:
                 log=self.log,
                 heartbeat_s=spec["heartbeat_s"],
                 peer_timeout_s=spec["peer_timeout_s"],
+                curve=self.curve,
             )
             await sender.start()
             ctx.outputs[name] = sender

@@ -93,6 +93,9 @@ class StageContext(Protocol):
     @property
     def version(self) -> int: ...  # latest policy version announced on the control bus
 
+    @property
+    def engine_api_key(self) -> str | None: ...  # the run's engine API key (stages.engine.auth)
+
     async def wait_for_version(self, at_least: int) -> int: ...
 
     def metrics(self, **values: Any) -> None: ...  # emits a `metrics` log event

@@ -19,9 +19,12 @@ the end. A user's Ctrl-C or SIGTERM is ``stopped`` (exit 130 or 143); any other 
 (exit 1), a stage's own ``stop`` with ``outcome: failed`` included.
 
 The control bus is signed with a key made for this run (``transport.control``): it is in the
-replicas' spec files, which only the user can read, and nowhere else. A ``stop`` must also come
-from a live replica (its stage, index and current session) with a reason: anything else is
-refused, counted in ``summary.json`` (``control_refused``) and logged.
+replicas' spec files, which only the user can read, and nowhere else. When anything binds off
+loopback (the Ray launcher, a tcp host that is not loopback; or ``transport.curve: true``), the
+run also makes CURVE keys (``transport.security``) and every channel and the control bus
+encrypt and admit only this run's replicas; they travel the same private way. A ``stop`` must
+also come from a live replica (its stage, index and current session) with a reason: anything
+else is refused, counted in ``summary.json`` (``control_refused``) and logged.
 
 A stage whose class sets ``distributed = True`` (the learner) is a gang: its replicas are the
 ranks of one ``torch.distributed`` group, started with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
@@ -96,8 +99,9 @@ from pipeline.stage import stage_ports
 from pipeline.structured_log import close_process_logging, configure_process_logging
 from pipeline.tracking import TrackerFeed
 from transport import ControlBroker
-from transport.address import ipc_address, tcp_address
+from transport.address import ipc_address, is_loopback, tcp_address
 from transport.credit import sparse
+from transport.security import CurveKeys
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "Supervisor", "make_run_dir"]
 
@@ -200,6 +204,7 @@ class Supervisor:
         self._gang_restarting: set[str] = set()
         self._started = time.monotonic()
         self._key = secrets.token_bytes(32)  # signs the control bus (see the module docstring)
+        self._curve: CurveKeys | None = None  # made in _addresses when sockets need CURVE
         self.refused: Counter[str] = Counter()  # control messages refused, by reason
         self.ledger = LedgerBook()
         self._ledger_logged = 0.0
@@ -238,6 +243,12 @@ class Supervisor:
         if not self.launcher.remote:
             control = {"pub": addr("control.pub"), "sub": addr("control.sub")}
         control["key"] = self._key.hex()
+        curve = transport.curve
+        if curve is None:  # on exactly when something binds off loopback
+            curve = self.launcher.remote or not all(
+                is_loopback(a) for a in (*inboxes.values(), control["pub"], control["sub"])
+            )
+        self._curve = CurveKeys.generate() if curve else None
         return inboxes, control
 
     def _write_specs(self, inboxes: dict, control: dict[str, str]) -> None:
@@ -255,6 +266,9 @@ class Supervisor:
                     producers.setdefault((name, port), []).extend(
                         f"{up_stage}.{r}" for r in range(stages[up_stage].replicas)
                     )
+        # the engines' API key (stages.engine.auth): the user's, for engines they started with
+        # it, else one made for this run; private like the control key
+        engine_key = os.environ.get("INFLIGHT_ENGINE_API_KEY") or secrets.token_urlsafe(32)
         for name, section in stages.items():
             cls = self.loaded.stage_classes[name]
             options = {k: v for k, v in resolved[name].items() if k not in STAGE_KEYS}
@@ -300,7 +314,11 @@ class Supervisor:
                     "max_message_bytes": int(transport.max_message_mb * 2**20),
                     "close_timeout_s": run.shutdown_timeout_s,
                     "announce_inboxes": self.launcher.remote,
+                    "engine_api_key": engine_key,
+                    "insecure": transport.insecure,
                 }
+                if self._curve is not None:
+                    spec["curve"] = self._curve.to_spec()
                 path = self.run_dir / "specs" / f"{name}.{r}.json"
                 self.replicas[f"{name}.{r}"] = _Replica(
                     name, r, path, Path(spec["log_file"]), section.restart, spec=spec
@@ -643,6 +661,8 @@ class Supervisor:
             counts["not signed with this run's key"] = stats["refused"]
         if stats.get("malformed"):
             counts["malformed"] = stats["malformed"]
+        if stats.get("refused_peers"):  # connections, not messages: nothing of theirs got in
+            counts["peers without the run's CURVE keys"] = stats["refused_peers"]
         return counts
 
     def _finish(self, status: str, code: int, reason: str) -> None:
@@ -797,6 +817,8 @@ class Supervisor:
                 self._on_control,
                 log=self.log.bind(component="control"),
                 key=self._key,
+                curve=self._curve,
+                insecure=self.config.transport.insecure,
             )
             await self.broker.start()
             self.log.info(
@@ -804,6 +826,7 @@ class Supervisor:
                 run_dir=str(run_dir),
                 config=str(self.loaded.source),
                 stages={n: s.replicas for n, s in self.config.stages.items()},
+                curve=self._curve is not None,  # channels and bus encrypted, peers authenticated
                 **process_identity(),  # `inflight logs -f` knows the run ended if this is gone
             )
             self.log.info(

@@ -11,11 +11,12 @@ port (which another process could still take before it is used).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from pathlib import Path
 
-__all__ = ["IPC_PATH_MAX", "check_address", "ipc_address", "tcp_address"]
+__all__ = ["IPC_PATH_MAX", "check_address", "ipc_address", "is_loopback", "tcp_address"]
 
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 IPC_PATH_MAX = 107
@@ -107,3 +108,17 @@ def tcp_address(host: str = "127.0.0.1", port: int | None = None) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return check_address(f"tcp://{host}:{port}", allow_any_host=True)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether an endpoint stays on this host: ipc, inproc, or tcp on a loopback address."""
+    scheme, _, rest = address.partition("://")
+    if scheme != "tcp":
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or an interface name: assume it leaves the host
+        return False

@@ -14,6 +14,11 @@ refused and counted (``stats()["refused"]``), never acted on. The key never trav
 Rejections are logged at their 1st, 2nd, 4th, 8th ... occurrence per kind, so a flood cannot
 flood the log.
 
+With ``curve`` (the run's :class:`~transport.security.CurveKeys`; needed when the broker binds
+off loopback, unless ``insecure=True``), both broker sockets serve CURVE and admit only this
+run's clients: a peer without the keys gets no frame in, and is counted
+(``stats()["refused_peers"]``). The tag stays: it also holds on one host, without CURVE.
+
 Topics are ZeroMQ prefixes: subscribing to ``"stop"`` also delivers ``"stop_all"``. Pick topics
 that are not prefixes of one another, or filter on the exact topic after ``recv()``.
 
@@ -54,6 +59,7 @@ import zmq.asyncio
 from transport.address import check_address
 from transport.credit import sparse
 from transport.errors import ChannelClosed, TransportError
+from transport.security import CurveKeys, RefusalWatch, require_curve_off_loopback
 
 __all__ = ["ControlBroker", "ControlClient", "OnMessage"]
 
@@ -151,11 +157,17 @@ class ControlBroker:
         *,
         log: Any = None,
         key: bytes | None = None,
+        curve: CurveKeys | None = None,
+        insecure: bool = False,
     ) -> None:
         self.pub_address = check_address(pub_address)
         self.sub_address = check_address(sub_address)
+        for address in (self.pub_address, self.sub_address):
+            require_curve_off_loopback("control broker", address, curve, insecure)
         self._ctx = ctx
         self._key = key
+        self._curve = curve
+        self._refusals: list[RefusalWatch] = []
         self._on_message = on_message
         self._log = log if log is not None else structlog.get_logger()
         self._xsub: zmq.asyncio.Socket | None = None
@@ -169,6 +181,9 @@ class ControlBroker:
         if self._xsub is not None or self._closed:
             raise TransportError("control broker was already started")
         xsub, xpub = _socket(self._ctx, zmq.XSUB), _socket(self._ctx, zmq.XPUB)
+        if self._curve is not None:
+            self._curve.serve(xsub)
+            self._curve.serve(xpub)
         try:
             xsub.bind(self.pub_address)
             xpub.bind(self.sub_address)
@@ -181,6 +196,13 @@ class ControlBroker:
         # Subscribe to everything: the supervisor hears every message whoever subscribes.
         await xsub.send(b"\x01")
         self._xsub, self._xpub = xsub, xpub
+        if self._curve is not None:
+            self._refusals = [
+                RefusalWatch(xsub, "control broker (publishers)", self._log),
+                RefusalWatch(xpub, "control broker (subscribers)", self._log),
+            ]
+            for watch in self._refusals:
+                watch.start()
         self._tasks = [
             asyncio.create_task(self._forward_loop(xsub, xpub), name="control-broker"),
             asyncio.create_task(self._drain_subscriptions(xpub), name="control-broker-subs"),
@@ -206,15 +228,20 @@ class ControlBroker:
             task.cancel()
         try:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            for watch in self._refusals:
+                await watch.aclose()
         finally:
             for sock in (self._xsub, self._xpub):
                 if sock is not None:
                     sock.close(linger=0)
 
     def stats(self) -> dict[str, int]:
-        """Messages forwarded, published, malformed, refused (bad tag), and callback errors."""
+        """Messages forwarded, published, malformed, refused (bad tag), callback errors, and
+        peers refused in the CURVE handshake."""
         keys = ("forwarded", "published", "malformed", "refused", "callback_errors")
-        return {k: self._counts[k] for k in keys}
+        counts = {k: self._counts[k] for k in keys}
+        counts["refused_peers"] = sum(watch.refused for watch in self._refusals)
+        return counts
 
     def _task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and not self._closed:
@@ -263,6 +290,7 @@ class ControlClient:
         *,
         log: Any = None,
         key: bytes | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         if isinstance(topics, str):
             raise TypeError("topics must be a sequence of strings, not one string")
@@ -270,6 +298,7 @@ class ControlClient:
         self.sub_address = check_address(sub_address)
         self._ctx = ctx
         self._key = key
+        self._curve = curve
         self._topics = list(topics)
         self._log = log if log is not None else structlog.get_logger()
         self._pub: zmq.asyncio.Socket | None = None
@@ -291,6 +320,9 @@ class ControlClient:
         self._pub = _socket(self._ctx, zmq.XPUB)
         self._pub_now = zmq.Socket.shadow(self._pub.underlying)  # the same socket, synchronous
         self._sub = _socket(self._ctx, zmq.SUB)
+        if self._curve is not None:
+            self._curve.connect(self._pub)
+            self._curve.connect(self._sub)
         self._pub.connect(self.pub_address)
         self._sub.connect(self.sub_address)
         for topic in self._topics:

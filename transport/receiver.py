@@ -37,6 +37,7 @@ from transport.credit import (
 )
 from transport.errors import ChannelClosed, DecodeError, EndOfStream, TransportError
 from transport.message import Message, Schema
+from transport.security import CurveKeys, RefusalWatch, require_curve_off_loopback
 
 __all__ = ["Receiver"]
 
@@ -85,6 +86,11 @@ class Receiver:
     (0: none): a peer that sends a larger frame is disconnected by ZeroMQ before the frame is
     allocated (its producer reconnects; a real producer never sends one).
 
+    ``curve``: the run's :class:`~transport.security.CurveKeys`; the inbox then admits only
+    producers holding the run's client key, and counts the peers it refused
+    (``stats()["refused_peers"]``). An address reachable from other hosts needs ``curve`` or
+    ``insecure=True`` (ValueError otherwise).
+
     What is rejected (not a message of ours, a kind or schema version this port does not take,
     a malformed header or frames) is counted by reason in ``stats()["rejected"]`` and logged at
     its 1st, 2nd, 4th, 8th ... occurrence per reason, so garbage cannot flood the log.
@@ -106,6 +112,8 @@ class Receiver:
         ack: str = "on_take",
         dedup_window: int = 65536,
         max_message_bytes: int = 0,
+        curve: CurveKeys | None = None,
+        insecure: bool = False,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"receiver {name!r}: capacity must be >= 1, got {capacity}")
@@ -115,6 +123,9 @@ class Receiver:
             raise ValueError(f"receiver {name!r}: peer_timeout_s must be > 0")
         self.name = name
         self.address = check_address(address, bind=True)
+        require_curve_off_loopback(f"receiver {name!r}", self.address, curve, insecure)
+        self._curve = curve
+        self._refusals: RefusalWatch | None = None
         self.capacity = capacity
         self._schemas = schema_map(schemas, f"receiver {name!r}")
         self._expected = None if expected_producers is None else frozenset(expected_producers)
@@ -170,6 +181,8 @@ class Receiver:
         sock.setsockopt(zmq.RCVHWM, hwm)
         if self._max_message_bytes > 0:
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        if self._curve is not None:
+            self._curve.serve(sock)
         try:
             sock.bind(self.address)
         except zmq.ZMQError as e:
@@ -178,6 +191,9 @@ class Receiver:
         if self.address.startswith("tcp://"):  # port 0 became a real one
             self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._sock = sock
+        if self._curve is not None:
+            self._refusals = RefusalWatch(sock, f"receiver {self.name}", self._log)
+            self._refusals.start()
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name=f"receiver:{self.name}"),
             asyncio.create_task(self._reap_loop(), name=f"receiver-reaper:{self.name}"),
@@ -204,6 +220,8 @@ class Receiver:
             # return_exceptions: the tasks' own CancelledError is expected (a loop that failed
             # already reported through recv()); a cancel of aclose() itself still propagates.
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._refusals is not None:
+                await self._refusals.aclose()
         finally:
             self._release()
         self._log.debug("receiver_closed", port=self.name, **self._counts())
@@ -355,6 +373,7 @@ class Receiver:
             "acked": self._acked,
             "duplicates": self._duplicates,
             "unacked": len(self._taken_unacked),
+            "refused_peers": 0 if self._refusals is None else self._refusals.refused,
         }
 
     def held_uids(self) -> list[str]:

@@ -37,6 +37,7 @@ from transport.credit import (
 )
 from transport.errors import ChannelClosed, TransportError
 from transport.message import Message, Schema
+from transport.security import CurveKeys
 
 __all__ = ["Sender"]
 
@@ -97,6 +98,8 @@ class Sender:
     array in place after sending it: it is also what is sent again if its consumer restarts
     before acknowledging it (``transport.credit``, "Delivery"). ``max_unacked`` and
     ``max_unacked_bytes`` bound what is kept for that.
+
+    ``curve``: the run's :class:`~transport.security.CurveKeys`, for consumers that serve CURVE.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class Sender:
         peer_timeout_s: float = 10.0,
         max_unacked: int = 100_000,
         max_unacked_bytes: int = 2 * 2**30,
+        curve: CurveKeys | None = None,
     ) -> None:
         if not identity:
             raise ValueError(f"sender {name!r}: identity must be non-empty")
@@ -129,6 +133,7 @@ class Sender:
         self.peers: list[str | None] = [None if a is None else check_address(a) for a in peers]
         self._schemas = schema_map(schemas, f"sender {name!r}")
         self._ctx = ctx
+        self._curve = curve
         self._log = log if log is not None else structlog.get_logger()
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
@@ -182,6 +187,8 @@ class Sender:
             sock.setsockopt(zmq.RCVHWM, SENDER_HWM)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            if self._curve is not None:
+                self._curve.connect(sock)
             if address is not None:
                 sock.connect(address)
             self._peers.append(_Peer(address, sock))

@@ -40,6 +40,7 @@ from pipeline.config.wiring import check_wiring
 from pipeline.config.yaml_source import Locations, apply_overrides, join_path, load_yaml
 from pipeline.stage import stage_config_class
 from pipeline.tracking.backends import config_issues as tracker_issues
+from transport.address import is_loopback
 
 if TYPE_CHECKING:
     from pipeline.placement import Inventory, Plan
@@ -111,6 +112,7 @@ def load_pipeline(
     check_wiring(names, stages, classes, inputs_known, locations, issues)
     if run is not None and transport is not None:
         issues.extend(_timing_issues(run, transport, locations))
+        issues.extend(_security_issues(run, transport, locations))
     if run is not None:
         issues.extend(pipeline_issues(run, stages, classes, locations, inventory))
         issues.extend(tracker_issues(run, locations.at))
@@ -142,6 +144,26 @@ def _timing_issues(
                 )
             )
     return found
+
+
+def _security_issues(
+    run: RunSection, transport: TransportSection, locations: Locations
+) -> list[ConfigIssue]:
+    """Sockets reachable from other hosts need CURVE, or an explicit ``transport.insecure``."""
+    if transport.curve is not False or transport.insecure:
+        return []
+    if run.launcher == "ray":
+        why = "run.launcher: ray binds every inbox and the control bus on its node's IP"
+    elif transport.scheme == "tcp" and not is_loopback(f"tcp://{transport.host}:1"):
+        why = f"transport.host {transport.host!r} is reachable from other hosts"
+    else:
+        return []
+    message = (
+        f"{why}, and transport.curve: false leaves them open to anyone who reaches the port: "
+        "remove it (CURVE is on by default there), or set transport.insecure: true on a "
+        "network you trust"
+    )
+    return [ConfigIssue("transport.curve", message, locations.at("transport.curve"))]
 
 
 def _section(

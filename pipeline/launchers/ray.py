@@ -117,7 +117,7 @@ class RayLauncher:
     async def start(self) -> None:
         import ray
 
-        from pipeline.launchers.ray_host import ReplicaHost
+        from pipeline.launchers.ray_host import ReplicaHost, node_ip
 
         kwargs: dict[str, Any] = {"log_to_driver": False, "namespace": self.settings.namespace}
         address = self.settings.address
@@ -131,7 +131,7 @@ class RayLauncher:
                 f"cannot join the Ray cluster at run.ray.address={address!r}: {exc} "
                 "(start one with `ray start --head`, or set run.ray.address: local)"
             ) from exc
-        self.ip = ray.util.get_node_ip_address()
+        self.ip = node_ip()  # the control bus binds here: the interface torch would use, too
         self._host_cls = ray.remote(max_restarts=0, max_task_retries=0)(ReplicaHost)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self.log.info(

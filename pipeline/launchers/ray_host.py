@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import signal
 import socket
+import struct
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +37,43 @@ __all__ = ["NODE_IP", "NODE_IP_ENV", "ReplicaHost"]
 
 NODE_IP = "{NODE_IP}"  # placeholder in spec addresses, replaced on the node
 NODE_IP_ENV = "INFLIGHT_NODE_IP"
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 _MAX_CHUNK = 4 * 2**20  # at most this much of one log file per read_logs call
 
 
-def node_ip() -> str:
+def node_ip(environ: Mapping[str, str] | None = None) -> str:
+    """The IP this node's replicas bind and announce: the interface named by
+    ``GLOO_SOCKET_IFNAME`` (else ``NCCL_SOCKET_IFNAME``) when set, as torch.distributed and
+    NCCL would use it (on multi-NIC hosts and Docker bridges Ray's pick may be another);
+    otherwise the node's IP as Ray knows it."""
+    environ = os.environ if environ is None else environ
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        wanted = environ.get(var, "").split(",")[0].strip()
+        if wanted and not wanted.startswith("^"):  # "^docker": an exclusion, left to Ray
+            ip = interface_ip(wanted.lstrip("="), exact=wanted.startswith("=") or var[0] == "G")
+            if ip is None:
+                raise RuntimeError(f"{var}={environ[var]!r}: no IPv4 interface of that name here")
+            return ip
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def interface_ip(name: str, exact: bool = True) -> str | None:
+    """The IPv4 address of network interface ``name`` (NCCL's rule without ``exact``: the
+    first interface whose name starts with it), or None (Linux)."""
+    names = [n for _, n in socket.if_nameindex()]
+    chosen = [n for n in names if n == name or (not exact and n.startswith(name))]
+    for candidate in chosen:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(
+                    s.fileno(), _SIOCGIFADDR, struct.pack("256s", candidate[:15].encode())
+                )
+            except OSError:  # no IPv4 address on it
+                continue
+        return socket.inet_ntoa(packed[20:24])
+    return None
 
 
 class ReplicaHost:

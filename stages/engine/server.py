@@ -2,7 +2,13 @@
 
 Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu|cuda]
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--seed 0] [--weight-version 0]
-[--log-file PATH]``
+[--log-file PATH] [--api-key KEY] [--insecure]``
+
+With an API key (``INFLIGHT_ENGINE_API_KEY`` in its environment, which is how the generator's
+launcher hands it over; or ``--api-key``, which ``ps`` shows) it answers as SGLang does with
+``--api-key``: ``Authorization: Bearer KEY`` required, else 401 ``{"error": "Unauthorized"}``;
+``/health`` always answers (``stages.engine.auth``). Bound to a host other machines can reach, it
+refuses to start without a key unless ``--insecure`` is given.
 
 Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST /init_weights_update_group``,
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from collections import Counter
@@ -32,6 +39,7 @@ import torch
 from aiohttp import web
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.protocol import RequestError, parse_generate, render_result
 from stages.engine.scheduler import PAUSE_MODES, Scheduler
@@ -46,6 +54,7 @@ _LOADED = web.AppKey("loaded", LoadedModel)
 _WEIGHTS = web.AppKey("weights", "WeightRoutes")
 _DECODE = web.AppKey("decode", object)
 _REFUSED = web.AppKey("refused", Counter)
+_API_KEY = web.AppKey("api_key", str)
 _MAX_BODY = 256 * 1024 * 1024  # token-id batches and weight metadata can be large
 
 try:  # orjson parses and writes /generate bodies several times faster; json is the fallback
@@ -61,12 +70,20 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 def build_app(
-    loaded: LoadedModel, scheduler: Scheduler, *, max_body: int = _MAX_BODY
+    loaded: LoadedModel,
+    scheduler: Scheduler,
+    *,
+    max_body: int = _MAX_BODY,
+    api_key: str | None = None,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
-    ``max_body`` bytes is refused (413) without being read whole."""
-    app = web.Application(client_max_size=max_body, middlewares=[_count_refused])
+    ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
+    without it is refused (401, counted like every refusal)."""
+    middlewares = [_count_refused] + ([_check_key] if api_key else [])
+    app = web.Application(client_max_size=max_body, middlewares=middlewares)
     app[_REFUSED] = Counter()
+    if api_key:
+        app[_API_KEY] = api_key
     app[_LOADED] = loaded
     app[_SCHEDULER] = scheduler
     app[_DECODE] = _decoder(loaded.tokenizer)
@@ -102,6 +119,18 @@ async def _count_refused(request: web.Request, handler: Callable) -> web.StreamR
     if 400 <= response.status < 500:
         _refused(request, response.status, getattr(response, "text", None) or "")
     return response
+
+
+@web.middleware
+async def _check_key(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """SGLang's API-key rule; the path is the matched route's, so that no spelling of a path
+    reaches a route other than the one exempted."""
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else request.path
+    key = request.app[_API_KEY]
+    if not authorized(request.method, path, request.headers.get("Authorization"), key):
+        return web.json_response(UNAUTHORIZED, status=401)
+    return await handler(request)
 
 
 def _refused(request: web.Request, status: int, message: str) -> None:
@@ -451,7 +480,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", required=True, type=Path, help="model folder or Hub id (org/name[@revision])"
     )
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on; off loopback it needs a key"
+    )
+    parser.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' (as SGLang's --api-key; /health is open); "
+        f"prefer {API_KEY_ENV} in the environment: a command line is visible to every user",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen off loopback without an API key (anyone who reaches the port may "
+        "generate and replace the weights)",
+    )
     parser.add_argument("--port", required=True, type=int, help="0 picks a free port")
     parser.add_argument(
         "--device", default="cpu", type=_device, help="cpu, cuda or cuda:N (the N-th visible GPU)"
@@ -507,6 +549,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_running < 1:
         print("error: --max-running must be >= 1")
         return 2
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    refusal = bind_error(args.host, api_key, insecure=args.insecure)
+    if refusal is not None:
+        print(f"error: {refusal}")
+        return 2
     holder: dict[str, Scheduler] = {}
     if args.log_file is not None:
         from pipeline.structured_log import configure_process_logging
@@ -545,7 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     holder["s"] = scheduler
     scheduler.start()
     try:
-        app = build_app(loaded, scheduler, max_body=int(args.max_request_mb * 2**20))
+        app = build_app(
+            loaded, scheduler, max_body=int(args.max_request_mb * 2**20), api_key=api_key
+        )
         return _run_loop(_serve(app, args, loaded))
     finally:
         scheduler.stop()
@@ -595,6 +644,7 @@ async def _serve(app: web.Application, args: argparse.Namespace, loaded: LoadedM
             forward_fallback_reason=app[_SCHEDULER].forward_path_why,
             tokenizer=loaded.tokenizer is not None,
             threads=torch.get_num_threads(),
+            api_key=_API_KEY in app,  # whether one is required, never the key
         )
         await stop.wait()
         log.info("engine_stopping", signal=received[0] if received else None)

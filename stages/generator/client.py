@@ -18,8 +18,13 @@ Per-token versions, from the cheapest field an engine reports: ``meta_info.weigh
 ``meta_info.output_token_weight_versions`` (one per token), else ``meta_info.weight_version`` (the
 version when the request finished) for every token, which overstates freshness only for
 sequences that spanned an update. JSON goes through orjson when it is installed (about 5x faster
-to parse than the standard library), else the standard library. Not here: launching engines
-(``launcher``) and choosing one (``stage``).
+to parse than the standard library), else the standard library.
+
+With an API key every request carries ``Authorization: Bearer KEY`` (SGLang's ``--api-key``);
+an engine that answers 401 or 403 raises :class:`EngineAuthError` (final: another try with the
+same key cannot succeed), and ``check_key`` asks once, at start, so that a wrong key fails the
+stage instead of dropping every sample. Not here: launching engines (``launcher``) and choosing
+one (``stage``).
 """
 
 from __future__ import annotations
@@ -33,12 +38,21 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from stages.engine import auth
+
 try:  # optional: a faster JSON codec; the standard library is the fallback
     import orjson
 except ImportError:  # pragma: no cover - depends on the environment
     orjson = None
 
-__all__ = ["JSON_CODEC", "Completion", "EngineClient", "EngineError", "make_session"]
+__all__ = [
+    "JSON_CODEC",
+    "Completion",
+    "EngineAuthError",
+    "EngineClient",
+    "EngineError",
+    "make_session",
+]
 
 
 def _std_dumps(value: Any) -> bytes:
@@ -62,6 +76,14 @@ class EngineError(Exception):
     def __init__(self, url: str, message: str, *, retryable: bool, status: int | None = None):
         super().__init__(f"{url}: {message}")
         self.url, self.retryable, self.status = url, retryable, status
+
+
+class EngineAuthError(EngineError, auth.EngineAuthError):
+    """The engine refused the API key (401/403); final. Also a ``stages.engine.auth`` one."""
+
+    def __init__(self, url: str, status: int, *, sent: bool, what: str = "") -> None:
+        auth.EngineAuthError.__init__(self, url, status, sent=sent, what=what)
+        self.retryable = False
 
 
 @dataclass
@@ -149,10 +171,20 @@ def parse_completion(body: Mapping[str, Any], url: str = "") -> Completion:
 class EngineClient:
     """Calls one engine. ``timeout_s`` bounds every call; generation calls may take long."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, *, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        session: aiohttp.ClientSession,
+        *,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ):
         self.url = url.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._has_key = bool(api_key)
+        self._headers = auth.auth_headers(api_key) or None
+        self._json_headers = {**_JSON_HEADERS, **auth.auth_headers(api_key)}
 
     async def _call(
         self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None
@@ -164,13 +196,15 @@ class EngineClient:
                 method,
                 self.url + path,
                 data=data,
-                headers=_JSON_HEADERS if data is not None else None,
+                headers=self._json_headers if data is not None else self._headers,
                 timeout=timeout,
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             raise EngineError(self.url, f"{method} {path} failed: {exc!r}", retryable=True) from exc
+        if status in (401, 403):
+            raise EngineAuthError(self.url, status, sent=self._has_key, what=f"{method} {path}")
         if status >= 400:
             text = raw[:500].decode(errors="replace")
             raise EngineError(
@@ -279,6 +313,16 @@ class EngineClient:
         except EngineError:
             return False
         return True
+
+    async def check_key(self, timeout_s: float = 5.0) -> None:
+        """Raise EngineAuthError if the engine refuses this client's key (asked on a route that
+        needs one); any other failure is left to the requests that follow."""
+        try:
+            await self._call("GET", "/get_model_info", timeout_s=timeout_s)
+        except EngineAuthError:
+            raise
+        except EngineError:
+            pass
 
     async def model_info(self) -> dict[str, Any]:
         return await self._call("GET", "/model_info")

@@ -16,6 +16,13 @@ Each engine runs in its own process group with its output in ``RUN_DIR/logs/<nam
 supervisor's group kill does not reach it. An engine that exits is started again on the same port
 (the generator re-routes its requests in the meantime), up to ``max_restarts`` times.
 
+API key (``api_key``: the run's, ``stages.engine.auth``): the built-in engine gets it in its
+environment (``INFLIGHT_ENGINE_API_KEY``); SGLang takes it only as ``--api-key``, so it gets it in
+a YAML file readable by this user only (``--config``, SGLang 0.5.3 or later) to keep it off
+command lines (``ps``) and out of ``engine_launched``. SGLang itself still writes its arguments,
+key included, to its startup log (``RUN_DIR/logs/<name>.out``; upstream issue #37457): the key is
+made per run and dies with its engines. Without a key engines may only listen on loopback.
+
 Placement: ``launch.resources`` asks for cores/GPUs per engine; the supervisor plans them with
 everything else and hands this replica the result in ``INFLIGHT_ENGINE_PLACEMENT``. Each engine
 (and each restart of it) is started pinned to its cores with its ``OMP_NUM_THREADS``,
@@ -28,9 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,8 +50,10 @@ from typing import Any, Literal
 import aiohttp
 
 from pipeline.config.schema import Resources
+from pipeline.launchers.local import write_private
 from pipeline.placement import ENGINE_PLACEMENT_ENV, ProcessPlacement, read_engine_placement
 from pipeline.processes import child_preexec
+from stages.engine.auth import API_KEY_ENV, is_loopback_host
 from stages.hub import model_check, resolve_model
 from transport.address import tcp_address
 
@@ -111,7 +123,8 @@ class EngineLauncher:
     """Starts ``config.count`` engines for the replica ``name`` (``STAGE.REPLICA``).
 
     ``environ`` (default: this process's) is where the supervisor's engine placement is read
-    from, and what the engines' environment starts from.
+    from, and what the engines' environment starts from. ``api_key``: the key every engine
+    requires (see the module docstring); None: none, and then engines must stay on loopback.
     """
 
     def __init__(
@@ -123,15 +136,28 @@ class EngineLauncher:
         log: Any,
         environ: Mapping[str, str] | None = None,
         log_level: str = "info",
+        api_key: str | None = None,
     ) -> None:
         if not config.model:
             raise ValueError("launch.model is required to start engines")
+        self.api_key = api_key or None
+        self._key_dir: Path | None = None  # SGLang's private --config file with the key
         self.config, self.log, self.name = config, log, name
         self.log_level = log_level  # the built-in engine's (its per-update events are debug)
         self.model_dir: Path | None = None  # launch.model as a local folder, once resolved
         self.environ = dict(os.environ if environ is None else environ)
         # where engines listen: a node's IP under the Ray launcher (pipeline.launchers.ray_host)
         self.host = config.host or self.environ.get("INFLIGHT_NODE_IP") or "127.0.0.1"
+        if self.api_key is None and not is_loopback_host(self.host):
+            raise ValueError(
+                f"engines would listen on {self.host} (reachable from other machines) without "
+                f"an API key: set {API_KEY_ENV}, or launch.host: 127.0.0.1"
+            )
+        if self.api_key and config.kind == "sglang" and "--config" in config.extra_args:
+            raise ValueError(
+                "launch.extra_args has --config: the launcher hands SGLang the run's API key in "
+                "a --config file of its own; put those options in extra_args instead"
+            )
         placements = read_engine_placement(self.environ, config.count)
         if placements is None and (config.resources.cpus is not None or config.resources.gpus):
             log.warning(
@@ -185,10 +211,25 @@ class EngineLauncher:
             cmd = [cfg.python or sys.executable, "-m", "sglang.launch_server"]
             cmd += ["--model-path", self._model(), "--host", self.host]
             cmd += ["--port", str(engine.port)]
+            if self.api_key:
+                cmd += ["--config", str(self._sglang_key_file())]
         return cmd + list(cfg.extra_args)
 
+    def _sglang_key_file(self) -> Path:
+        """A YAML file (JSON is YAML) giving SGLang ``api-key``: SGLang reads no variable for
+        it, and a command-line value would show in ``ps`` and in ``engine_launched``."""
+        if self._key_dir is None:
+            self._key_dir = Path(tempfile.mkdtemp(prefix="inflight-engine-key-"))  # mode 0700
+        path = self._key_dir / "sglang.yaml"
+        if not path.exists():
+            write_private(path, json.dumps({"api-key": self.api_key}) + "\n")
+        return path
+
     def _env(self, engine: _Engine) -> dict[str, str]:
-        env = {k: v for k, v in self.environ.items() if k != ENGINE_PLACEMENT_ENV}
+        skip = (ENGINE_PLACEMENT_ENV, API_KEY_ENV)
+        env = {k: v for k, v in self.environ.items() if k not in skip}
+        if self.api_key and self.config.kind == "builtin":
+            env[API_KEY_ENV] = self.api_key
         for var, value in engine.placement.env.items() if engine.placement else ():
             if value is None:
                 env.pop(var, None)
@@ -310,3 +351,6 @@ class EngineLauncher:
                         os.killpg(e.proc.pid, signal.SIGKILL)
             if pending:
                 await asyncio.wait(pending)
+        if self._key_dir is not None:
+            shutil.rmtree(self._key_dir, ignore_errors=True)
+            self._key_dir = None

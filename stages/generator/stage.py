@@ -32,8 +32,9 @@ meanwhile). The failed request (a whole group, or one sample) is re-routed at on
 live engine, or waits for one to come back, up to ``max_retries`` times; after that, or on a 4xx
 to a per-sample request (a bad request), its samples are dropped, each counted and logged
 (``sample_dropped``), and the stage goes on. If every launched engine is given up, the stage
-fails (the supervisor's restart policy takes over). Not here: weight updates (the publisher talks
-to the engines), aborting requests.
+fails (the supervisor's restart policy takes over). Every request carries the run's engine API
+key (``stages.engine.auth``); an engine that refuses it fails the stage at start. Not here: weight
+updates (the publisher talks to the engines), aborting requests.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import numpy as np
 
 from pipeline import topics
 from pipeline.stage import Port, StageContext
+from stages.engine.auth import engine_api_key
 from stages.generator.client import Completion, EngineClient, EngineError, make_session
 from stages.generator.controller import ControllerConfig, Decision, InFlightController
 from stages.generator.launcher import EngineLauncher, LaunchConfig
@@ -206,6 +208,7 @@ class Generator:
             rollouts.on_ack(self._group_acked)
             self._chained = True
         urls = list(self.config.engines)
+        api_key = engine_api_key(self.ctx)  # the run's; every engine, launched or attached
         if self.config.launch is not None:
             self.launcher = EngineLauncher(
                 self.config.launch,
@@ -213,6 +216,7 @@ class Generator:
                 log_dir=getattr(self.ctx, "log_dir", self.ctx.run_dir / "logs"),
                 log=self.log,
                 log_level=getattr(self.ctx, "log_level", "info"),
+                api_key=api_key,
             )
             urls = await self.launcher.start()
         # an engine never holds more than max(target, group_size) samples, each at most one
@@ -220,7 +224,9 @@ class Generator:
         most = max(self.config.controller.max_in_flight, self.config.group_size)
         self.session = make_session(len(urls) * (most + _SPARE_CONNECTIONS))
         self.clients = {
-            url: EngineClient(url, self.session, timeout_s=self.config.request_timeout_s)
+            url: EngineClient(
+                url, self.session, timeout_s=self.config.request_timeout_s, api_key=api_key
+            )
             for url in urls
         }
         self.in_flight = dict.fromkeys(urls, 0)
@@ -237,6 +243,9 @@ class Generator:
         for url, ok in zip(urls, health, strict=True):
             if not ok:
                 self._mark_down(url, "no answer to /health at start")
+        # /health needs no key: a refused key fails here (EngineAuthError), not sample by sample
+        live = [c for url, c in self.clients.items() if url not in self.down]
+        await asyncio.gather(*(c.check_key() for c in live))
         self._epoch = -1
         await self._announce_engines()
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from stages.generator.client import Completion, EngineClient, EngineError
+from stages.generator.client import Completion, EngineAuthError, EngineClient, EngineError
 from stages.learner.config import EvalConfig
 from stages.scorer.runner import RewardRunner
 
@@ -33,9 +33,16 @@ __all__ = ["Evaluator"]
 
 class Evaluator:
     def __init__(
-        self, config: EvalConfig, prompts: list[dict[str, Any]], tokenizer: Any, log: Any
+        self,
+        config: EvalConfig,
+        prompts: list[dict[str, Any]],
+        tokenizer: Any,
+        log: Any,
+        *,
+        api_key: str | None = None,
     ) -> None:
         self.config = config
+        self.api_key = api_key  # the run's engine API key (stages.engine.auth)
         self.prompts = prompts[: config.max_prompts]
         self.tokenizer = tokenizer
         self.log = log
@@ -66,7 +73,9 @@ class Evaluator:
             reasons[i] = done.finish_reason
 
         async with aiohttp.ClientSession() as session:
-            clients = [EngineClient(u, session, timeout_s=600.0) for u in urls]
+            clients = [
+                EngineClient(u, session, timeout_s=600.0, api_key=self.api_key) for u in urls
+            ]
             single = asyncio.Semaphore(self.config.concurrency)
             batches = asyncio.Semaphore(len(clients))
 
@@ -78,6 +87,8 @@ class Evaluator:
                             done = await client.generate(
                                 self.prompts[i]["input_ids"], params, rid=f"eval/{step}/{i}"
                             )
+                        except EngineAuthError:
+                            raise  # every other prompt would be refused the same way
                         except EngineError:
                             continue
                         record(i, done)
@@ -103,6 +114,8 @@ class Evaluator:
                     except EngineError as exc:
                         if exc.retryable:
                             continue
+                        if isinstance(exc, EngineAuthError):
+                            raise
                         self._refused(exc)
                         return False
                     for i, completion in zip(idx, done, strict=True):

@@ -9,6 +9,9 @@ set with ``stages.weights.WeightPublisher``. When the last bucket has landed on 
 announces the new version on the control bus (``version``), which is what the generators' lag
 bound reads.
 
+Every engine request carries the run's API key (``stages.engine.auth``); an engine that refuses
+it fails the learner at once (``EngineAuthError``): retrying with the same key cannot succeed.
+
 When the engine set changes (a generator restarted an engine, which then serves its initial
 weights again) or a publish fails, the group is closed and formed anew before the next publish,
 which then goes to every engine. A failed publish is logged and counted; training goes on and
@@ -31,6 +34,7 @@ import aiohttp
 import torch
 
 from pipeline import topics
+from stages.engine.auth import engine_api_key
 from stages.learner.config import PublishConfig
 from stages.weights.publisher import WeightPublisher, WeightPublishError
 
@@ -178,6 +182,7 @@ class Publishing:
             group_name=f"inflight_{int(time.time() * 1000) % 10**9}",
             log=self.log,
             timeout_s=self.config.timeout_s,
+            api_key=engine_api_key(self.ctx),
         )
         try:
             await publisher.connect()

@@ -39,6 +39,7 @@ import numpy as np
 
 from pipeline.ledger import TRAINED
 from pipeline.stage import Port, StageContext
+from stages.engine.auth import engine_api_key
 from stages.learner.config import LearnerConfig
 from stages.schemas import SCORED_GROUP
 
@@ -124,7 +125,9 @@ class Learner:
             if evaluate:
                 from stages.learner.evaluate import Evaluator
 
-                self.evaluator = Evaluator(cfg.eval, prompts, tokenizer, self.log)
+                self.evaluator = Evaluator(
+                    cfg.eval, prompts, tokenizer, self.log, api_key=engine_api_key(self.ctx)
+                )
             self._engines_task = asyncio.create_task(
                 self._engines_up(evaluate=evaluate and resumed is None and not live),
                 name="engines",

@@ -14,6 +14,10 @@ block the event loop nor keep the process alive at exit; it ends at the group's 
 After a failed bucket the group is out of step with the engines and the publisher refuses to
 publish again: ``close()`` and ``connect()`` anew.
 
+With ``api_key`` every request carries ``Authorization: Bearer KEY``; an engine that refuses it
+(401/403) raises ``stages.engine.auth.EngineAuthError``, which is not a ``WeightPublishError``:
+no later try can succeed, so callers that retry failed publishes must not catch it.
+
 It does not gather ZeRO-3 shards itself (pass a callable yielding gathered groups), retry, pause
 engines or flush their caches (``flush_cache`` is always false: in-flight updates keep the cache).
 """
@@ -33,6 +37,7 @@ import aiohttp
 import structlog
 import torch
 
+from stages.engine.auth import EngineAuthError, auth_headers
 from stages.weights.buckets import (
     Bucket,
     StagingBuffer,
@@ -84,6 +89,7 @@ class WeightPublisher:
         load_format: str | None = "flattened_bucket",
         log: Any = None,
         timeout_s: float = 300,
+        api_key: str | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("WeightPublisher needs at least one engine URL")
@@ -103,6 +109,8 @@ class WeightPublisher:
         # Bounds every wait: group rendezvous, each collective, each HTTP request.
         self.timeout_s = timeout_s
         self.log = log if log is not None else structlog.get_logger("weights")
+        self._has_key = bool(api_key)
+        self._headers = auth_headers(api_key)
         self._session: aiohttp.ClientSession | None = None
         self._group: WeightGroup | None = None
         self._broken: str | None = None
@@ -121,7 +129,9 @@ class WeightPublisher:
         if self._group is not None:
             raise RuntimeError(f"already connected to weight group {self.group_name!r}")
         port = self.master_port or _free_port(self.master_address)
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers
+        )
         self._broken = None
         started = time.perf_counter()
         rank0 = _in_daemon_thread(
@@ -340,6 +350,8 @@ class WeightPublisher:
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise WeightPublishError(f"engine {url}: POST {route} failed: {exc!r}") from exc
+        if status in (401, 403):
+            raise EngineAuthError(url, status, sent=self._has_key, what=f"POST {route}")
         try:
             body = _json_object(text)
         except ValueError:

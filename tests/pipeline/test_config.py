@@ -592,3 +592,21 @@ def test_resources_are_a_typed_runtime_key_that_round_trips(tmp_path: Path) -> N
     )
     gpus = at(err, "stages.numbers.resources.gpus")
     assert "got true (bool)" in gpus.message and line(gpus) == 10
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("run.launcher=ray", "transport.curve=false"),
+        ("transport.scheme=tcp", "transport.host=10.0.0.5", "transport.curve=false"),
+    ],
+)
+def test_sockets_off_loopback_without_curve_need_insecure_said_out_loud(tmp_path, overrides):
+    path = write(tmp_path, GOOD)
+    err = load_error(path, overrides)
+    issue = at(err, "transport.curve")
+    assert "open to anyone who reaches the port" in issue.message
+    assert "transport.insecure: true" in issue.message
+    load_pipeline(path, [*overrides, "transport.insecure=true"], resolve=resolve)
+    load_pipeline(path, [o for o in overrides if "curve" not in o], resolve=resolve)  # auto: on
+    load_pipeline(path, ["transport.curve=false"], resolve=resolve)  # ipc on one host: fine

@@ -7,6 +7,7 @@ and the run goes on. (The engine's HTTP routes: tests/stages/test_engine_server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -196,3 +197,84 @@ def test_garbage_on_every_socket_is_refused_and_counted_and_nothing_restarts(tmp
     # each counted once, as not signed (no tag, or a wrong one) or malformed
     assert refused.get("not signed with this run's key", 0) >= 2 * ROUNDS, refused
     assert sum(refused.values()) == control_sent, refused
+
+
+async def _intrude(inboxes: dict[str, str], control: dict) -> None:
+    """Valid-looking data and stops from sockets without CURVE keys. Their handshake fails, so
+    a DEALER never has a peer to send to (it would block): send without blocking, and give up."""
+    zctx = zmq.asyncio.Context()
+    sockets = []
+    try:
+        for name, address in inboxes.items():
+            raw = zctx.socket(zmq.DEALER)
+            raw.routing_id = f"garbage.0/{name}".encode()
+            raw.connect(address)
+            sockets.append(raw)
+        pub = zctx.socket(zmq.PUB)
+        pub.connect(control["pub"])
+        sub = zctx.socket(zmq.SUB)
+        sub.connect(control["sub"])
+        sockets += [pub, sub]
+        stop = {"stage": "power", "replica": 0, "session": "x", "reason": "intruder"}
+        item = encode(Message("item", {"id": 1, "values": np.zeros(4, np.float32)}))
+        head = msgpack.packb({"to": "nobody", "epoch": 0})
+        for _ in range(10):
+            for raw in sockets[:-2]:
+                with contextlib.suppress(zmq.Again):
+                    raw.send_multipart([b"D", head, *item], flags=zmq.NOBLOCK)
+            pub.send_multipart([b"stop", msgpack.packb(stop)])
+            await asyncio.sleep(0.1)
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        zctx.term()
+
+
+@pytest.mark.timeout(120)
+def test_with_curve_a_peer_without_the_keys_gets_nothing_in_and_is_counted(tmp_path):
+    """The same garbage, and valid-looking stops, from a process that lacks the run's CURVE
+    keys: not one message reaches a stage or the supervisor (nothing is even rejected, it
+    never gets that far), each inbox and the bus count the refused peers, the run goes on."""
+    run_dir = tmp_path / "run"
+    proc = start_endless_example(
+        run_dir, "transport.scheme=tcp", "transport.curve=true", "run.metrics_every_s=0.3"
+    )
+    try:
+        specs = [json.loads(p.read_text()) for p in sorted((run_dir / "specs").glob("*.json"))]
+        assert all(len(s["curve"]["server_secret"]) == 40 for s in specs)
+        inboxes = {
+            f"{s['stage']}.{s['replica']}/{port}": spec["address"]
+            for s in specs
+            for port, spec in s["inputs"].items()
+        }
+        assert all(a.startswith("tcp://127.0.0.1:") for a in inboxes.values())
+        before = _last_metrics(run_dir, "summary.0").get("in.items.received", 0)
+        asyncio.run(_intrude(inboxes, specs[0]["control"]))
+
+        def refused_everywhere() -> bool:
+            ports = [name.split("/") for name in inboxes]
+            metrics = {replica: _last_metrics(run_dir, replica) for replica, _ in ports}
+            return all(metrics[r].get(f"in.{port}.refused_peers", 0) > 0 for r, port in ports)
+
+        wait_for(refused_everywhere, 30, "every inbox to count the refused peer")
+        wait_for(
+            lambda: _last_metrics(run_dir, "summary.0")["in.items.received"] > before + 10,
+            30,
+            "the run to go on",
+        )
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
+    supervisor = events(run_dir, "supervisor")
+    assert not [e for e in supervisor if e["event"] in ("replica_failed", "replica_restarting")]
+    for name in inboxes:
+        replica, port = name.split("/")
+        assert _rejected(_last_metrics(run_dir, replica), port) == 0  # nothing got that far
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "stopped", summary
+    refused = summary["control_refused"]  # peers turned away; no message of theirs counted
+    assert list(refused) == ["peers without the run's CURVE keys"], refused
+    assert refused["peers without the run's CURVE keys"] >= 2, refused

@@ -110,6 +110,8 @@ def test_rl_run_places_every_stage_on_the_node_asked_for_and_learns(cluster, tmp
     assert placed["generator.0"] == [["node_a"]]
     assert placed["feeder.0"] == [["node_b"]] and placed["scorer.0"] == [["node_b"]]
     assert placed["learner.0"] == [["learner_slot", "node_c"]]
+    started = [e for e in events(run_dir, "supervisor") if e["event"] == "run_started"]
+    assert started[0]["curve"] is True  # off loopback: every socket on CURVE, by default
     summary = json.loads((run_dir / "summary.json").read_text())
     evals = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]
     assert evals[-1]["accuracy"] > evals[0]["accuracy"] + 0.03, evals
@@ -208,3 +210,12 @@ def test_a_replica_no_node_can_hold_fails_the_run_naming_what_is_missing(cluster
     assert time.monotonic() - started < 40
     finished = [e for e in events(run_dir, "supervisor") if e["event"] == "run_finished"][-1]
     assert "summary.0" in finished["reason"] and "node_z" in finished["reason"]
+
+
+def test_the_node_ip_honours_the_interface_torch_and_nccl_are_told_to_use() -> None:
+    from pipeline.launchers.ray_host import node_ip
+
+    assert node_ip({"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
+    assert node_ip({"NCCL_SOCKET_IFNAME": "l"}) == "127.0.0.1"  # NCCL's prefix match
+    with pytest.raises(RuntimeError, match="GLOO_SOCKET_IFNAME='nope0': no IPv4 interface"):
+        node_ip({"GLOO_SOCKET_IFNAME": "nope0"})

@@ -155,7 +155,7 @@ def _learner(
     class Evaluator:
         history: list = []
 
-        def __init__(self, *args: Any) -> None:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             pass
 
         async def start(self) -> None:
