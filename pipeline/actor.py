@@ -257,6 +257,7 @@ class _Replica:
                 heartbeat_s=spec["heartbeat_s"],
                 peer_timeout_s=spec["peer_timeout_s"],
                 curve=self.curve,
+                max_message_bytes=spec.get("max_message_bytes", 0),
             )
             await sender.start()
             ctx.outputs[name] = sender

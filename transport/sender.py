@@ -100,6 +100,9 @@ class Sender:
     ``max_unacked_bytes`` bound what is kept for that.
 
     ``curve``: the run's :class:`~transport.security.CurveKeys`, for consumers that serve CURVE.
+    ``max_message_bytes`` (0: none): the consumers' bound on one frame. A message with a larger
+    frame is refused here (ValueError, counted as ``oversized``): sent, the consumer's ZeroMQ
+    would cut the connection, and the message, sent again on reconnect, would be cut again.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class Sender:
         max_unacked: int = 100_000,
         max_unacked_bytes: int = 2 * 2**30,
         curve: CurveKeys | None = None,
+        max_message_bytes: int = 0,
     ) -> None:
         if not identity:
             raise ValueError(f"sender {name!r}: identity must be non-empty")
@@ -134,6 +138,7 @@ class Sender:
         self._schemas = schema_map(schemas, f"sender {name!r}")
         self._ctx = ctx
         self._curve = curve
+        self._max_message_bytes = max_message_bytes
         self._log = log if log is not None else structlog.get_logger()
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
@@ -154,6 +159,7 @@ class Sender:
         self._sent = 0
         self._bytes = 0
         self._dropped = 0
+        self._oversized = 0
         self._waiting = 0
         self._credit_wait_s = 0.0
         self._blocked_since: float | None = None
@@ -323,6 +329,8 @@ class Sender:
                 )
             return None
         frames = encode(Message(kind=kind, data=dict(data), version=schema.version))
+        if self._max_message_bytes > 0:
+            self._check_size(kind, frames)
         peer = self._pick()
         if peer is None:
             peer = await self._wait_for_credit()
@@ -338,6 +346,25 @@ class Sender:
         seq = self._seq
         await self._send_data(peer, seq, frames)
         return seq
+
+    def _check_size(self, kind: str, frames: list[Any]) -> None:
+        largest = max(memoryview(f).nbytes for f in frames)
+        if largest <= self._max_message_bytes:
+            return
+        self._oversized += 1
+        self._log.error(
+            "message_oversized",
+            port=self.name,
+            kind=kind,
+            frame_bytes=largest,
+            limit_bytes=self._max_message_bytes,
+            count=self._oversized,
+        )
+        raise ValueError(
+            f"sender {self.name!r}: a {kind!r} message has a frame of {largest / 2**20:.1f} MiB, "
+            f"over its consumers' limit of {self._max_message_bytes / 2**20:.1f} MiB "
+            "(transport.max_message_mb): raise the limit, or send smaller messages"
+        )
 
     def on_ack(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(seq)`` for each message (``send``'s return value) once processed."""
@@ -521,6 +548,7 @@ class Sender:
             "sent": self._sent,
             "bytes": self._bytes,
             "dropped": self._dropped,
+            "oversized": self._oversized,
             "credit_wait_s": self._credit_wait_s + blocked_for,
             "blocked": self._waiting > 0,
             "blocked_for_s": blocked_for,

@@ -431,3 +431,33 @@ async def test_credit_reports_room_downstream(ctx, ipc_dir) -> None:
     finally:
         await s.aclose(eos=False)
         await r.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_a_message_over_the_consumers_frame_limit_is_refused_at_the_sender(
+    ctx, ipc_dir, log
+) -> None:
+    """Sent, it would be cut off by the consumer's ZeroMQ, sent again on reconnect, and cut off
+    again, for ever: the sender refuses it, counts and logs it, and the channel goes on."""
+    import numpy as np
+
+    blob = Schema("blob", 1, {"id": "int", "values": "array"})
+    addr = ipc_address(ipc_dir, "in")
+    r = Receiver(
+        "in", addr, [blob], capacity=4, expected_producers=None, ctx=ctx, max_message_bytes=4096
+    )
+    s = Sender(
+        "out", [addr], [blob], identity="p.0", ctx=ctx, log=log, max_message_bytes=4096, **FAST
+    )
+    await r.start()
+    await s.start()
+    try:
+        with pytest.raises(ValueError, match=r"frame of 0\.0 MiB, over its consumers' limit"):
+            await s.send("blob", {"id": 1, "values": np.zeros(2048, np.float32)})
+        assert s.stats()["oversized"] == 1 and s.stats()["sent"] == 0
+        assert events(log, "message_oversized")[0]["frame_bytes"] == 8192
+        await s.send("blob", {"id": 2, "values": np.zeros(16, np.float32)})
+        assert (await asyncio.wait_for(r.recv(), 3)).data["id"] == 2
+    finally:
+        await s.aclose()
+        await r.aclose()
