@@ -59,7 +59,8 @@ import zmq.asyncio
 from transport.address import check_address
 from transport.credit import sparse
 from transport.errors import ChannelClosed, TransportError
-from transport.security import CurveKeys, RefusalWatch, require_curve_off_loopback
+from transport.monitor import PeerWatch
+from transport.security import CurveKeys, require_curve_off_loopback
 
 __all__ = ["ControlBroker", "ControlClient", "OnMessage"]
 
@@ -167,7 +168,7 @@ class ControlBroker:
         self._ctx = ctx
         self._key = key
         self._curve = curve
-        self._refusals: list[RefusalWatch] = []
+        self._refusals: list[PeerWatch] = []
         self._on_message = on_message
         self._log = log if log is not None else structlog.get_logger()
         self._xsub: zmq.asyncio.Socket | None = None
@@ -198,8 +199,8 @@ class ControlBroker:
         self._xsub, self._xpub = xsub, xpub
         if self._curve is not None:
             self._refusals = [
-                RefusalWatch(xsub, "control broker (publishers)", self._log),
-                RefusalWatch(xpub, "control broker (subscribers)", self._log),
+                PeerWatch(xsub, "control broker (publishers)", self._log),
+                PeerWatch(xpub, "control broker (subscribers)", self._log),
             ]
             for watch in self._refusals:
                 watch.start()

@@ -37,7 +37,8 @@ from transport.credit import (
 )
 from transport.errors import ChannelClosed, DecodeError, EndOfStream, TransportError
 from transport.message import Message, Schema
-from transport.security import CurveKeys, RefusalWatch, require_curve_off_loopback
+from transport.monitor import PeerWatch
+from transport.security import CurveKeys, require_curve_off_loopback
 
 __all__ = ["Receiver"]
 
@@ -84,7 +85,8 @@ class Receiver:
     ``"manual"`` when the application calls ``ack(msg)``. ``dedup_window``: how many delivered
     (producer session, seq) pairs are remembered to drop duplicates. ``max_message_bytes``
     (0: none): a peer that sends a larger frame is disconnected by ZeroMQ before the frame is
-    allocated (its producer reconnects; a real producer never sends one).
+    allocated, counted in ``stats()["disconnects"]`` (a real producer never sends one:
+    ``Sender`` refuses it).
 
     ``curve``: the run's :class:`~transport.security.CurveKeys`; the inbox then admits only
     producers holding the run's client key, and counts the peers it refused
@@ -125,7 +127,7 @@ class Receiver:
         self.address = check_address(address, bind=True)
         require_curve_off_loopback(f"receiver {name!r}", self.address, curve, insecure)
         self._curve = curve
-        self._refusals: RefusalWatch | None = None
+        self._peers_watch: PeerWatch | None = None
         self.capacity = capacity
         self._schemas = schema_map(schemas, f"receiver {name!r}")
         self._expected = None if expected_producers is None else frozenset(expected_producers)
@@ -191,9 +193,8 @@ class Receiver:
         if self.address.startswith("tcp://"):  # port 0 became a real one
             self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._sock = sock
-        if self._curve is not None:
-            self._refusals = RefusalWatch(sock, f"receiver {self.name}", self._log)
-            self._refusals.start()
+        self._peers_watch = PeerWatch(sock, f"receiver {self.name}", self._log)
+        self._peers_watch.start()
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name=f"receiver:{self.name}"),
             asyncio.create_task(self._reap_loop(), name=f"receiver-reaper:{self.name}"),
@@ -220,8 +221,8 @@ class Receiver:
             # return_exceptions: the tasks' own CancelledError is expected (a loop that failed
             # already reported through recv()); a cancel of aclose() itself still propagates.
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self._refusals is not None:
-                await self._refusals.aclose()
+            if self._peers_watch is not None:
+                await self._peers_watch.aclose()
         finally:
             self._release()
         self._log.debug("receiver_closed", port=self.name, **self._counts())
@@ -373,7 +374,8 @@ class Receiver:
             "acked": self._acked,
             "duplicates": self._duplicates,
             "unacked": len(self._taken_unacked),
-            "refused_peers": 0 if self._refusals is None else self._refusals.refused,
+            "refused_peers": 0 if self._peers_watch is None else self._peers_watch.refused,
+            "disconnects": 0 if self._peers_watch is None else self._peers_watch.disconnects,
         }
 
     def held_uids(self) -> list[str]:

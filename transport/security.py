@@ -14,8 +14,8 @@ key exchange, then every frame encrypted and authenticated):
   keys it was given.
 - A peer that fails the handshake (no CURVE, the wrong server key, a client key not allowed)
   gets nothing in: ZeroMQ drops the connection before a single frame reaches the application.
-  :class:`RefusalWatch` counts these refusals per bound socket from its monitor events
-  (``refused_peers`` in the socket's stats) and logs them at the 1st, 2nd, 4th ... occurrence.
+  :class:`~transport.monitor.PeerWatch` counts these refusals per bound socket from its
+  monitor events (``refused_peers`` in the socket's stats), logged at the 1st, 2nd, 4th ...
 
 ipc and inproc sockets can use CURVE too (``transport.curve: true``), though file permissions
 already keep other users off an ipc socket.
@@ -23,33 +23,21 @@ already keep other users off an ipc socket.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 import zmq
-import zmq.asyncio
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from transport.address import is_loopback
-from transport.credit import sparse
 
-__all__ = ["CurveKeys", "RefusalWatch", "require_curve_off_loopback"]
+__all__ = ["CurveKeys", "require_curve_off_loopback"]
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_DOMAIN = b"inflight"
 _KEY_FIELDS = ("server_public", "server_secret", "client_public", "client_secret")
-# handshake failures: no CURVE, a wrong server key (cannot decrypt), a client key not allowed
-_REFUSALS = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "no CURVE or the wrong server key",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key not allowed",
-}
 
 
 @dataclass(frozen=True)
@@ -170,54 +158,3 @@ class _ZapHandler:
         if ok:
             return [b"1.0", request_id, b"200", b"OK", b"", b""]
         return [b"1.0", request_id, b"400", b"not a client of this run", b"", b""]
-
-
-class RefusalWatch:
-    """Counts the peers a CURVE server socket refused in the handshake, from its monitor.
-
-    ``start()`` after the socket is bound; ``refused`` is the count so far; ``aclose()`` before
-    the socket is closed.
-    """
-
-    def __init__(self, sock: zmq.asyncio.Socket, name: str, log: Any = None) -> None:
-        self.name = name
-        self.refused = 0
-        self._sock = sock
-        self._log = log if log is not None else structlog.get_logger()
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        events = 0
-        for event in _REFUSALS:
-            events |= event
-        self._monitor = self._sock.get_monitor_socket(events)
-        self._task = asyncio.create_task(self._watch(), name=f"refusals:{self.name}")
-
-    async def _watch(self) -> None:
-        assert self._monitor is not None
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            why = _REFUSALS.get(event["event"])
-            if why is None:
-                continue
-            self.refused += 1
-            if sparse(self.refused):
-                self._log.warning(
-                    "peer_refused",
-                    socket=self.name,
-                    reason=why,
-                    endpoint=event["endpoint"].decode(errors="replace"),
-                    count=self.refused,
-                )
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._monitor is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None

@@ -181,8 +181,10 @@ def test_garbage_on_every_socket_is_refused_and_counted_and_nothing_restarts(tmp
         replica, port = name.split("/")
         metrics = _last_metrics(run_dir, replica)
         # exactly what was sent, each counted once; the oversized frame was never read (read,
-        # it would have been rejected too: its header frame is not msgpack)
+        # it would have been rejected too: its header frame is not msgpack); its peer was cut
+        # off, counted with the garbage peer that left (the run's own producers stayed)
         assert _rejected(metrics, port) == n, (name, metrics)
+        assert metrics[f"in.{port}.disconnects"] >= 2, (name, metrics)
         logged = [e for e in events(run_dir, replica) if e["event"] == "message_rejected"]
         by_reason = {
             k.rsplit(".", 1)[1]: v

@@ -461,3 +461,20 @@ async def test_a_message_over_the_consumers_frame_limit_is_refused_at_the_sender
     finally:
         await s.aclose()
         await r.aclose()
+
+
+@pytest.mark.timeout(10)
+async def test_a_frame_over_the_limit_cuts_its_peer_off_and_is_counted(ctx, ipc_dir) -> None:
+    addr = ipc_address(ipc_dir, "in")
+    r = receiver(ctx, addr, max_message_bytes=4096)
+    await r.start()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(addr)
+    try:
+        await raw.send_multipart([b"D", b"\0" * 8192])  # the peer stays; ZeroMQ cuts it off
+        await eventually(lambda: r.stats()["disconnects"] == 1)
+        assert r.stats()["received"] == 0 and r.stats()["rejected"] == {}
+    finally:
+        raw.close()
+        await r.aclose()

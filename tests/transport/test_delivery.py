@@ -17,6 +17,7 @@ async def _crash(r: Receiver) -> None:
     for task in r._tasks:
         task.cancel()
     await asyncio.gather(*r._tasks, return_exceptions=True)
+    await r._peers_watch.aclose()
     r._closed = True
     sock, r._sock = r._sock, None
     sock.close(linger=0)
