@@ -64,7 +64,32 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"placement on this host: {loaded.placement.inventory.describe()}")
         for line in loaded.placement.lines():
             print(f"  {line}")
+    if loaded.config.run.launcher == "ray":
+        return _print_ray_plan(loaded)
     return 0
+
+
+def _print_ray_plan(loaded: LoadedPipeline) -> int:
+    from pipeline import cluster  # joins the cluster only to read its nodes
+
+    asks, problems = cluster.asks(loaded.config)
+    try:
+        nodes, which = cluster.nodes_of(loaded.config.run.ray.address)
+    except cluster.ClusterUnreachable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    if nodes is None:
+        print(f"Ray plan: not checked: {which}")
+    else:
+        lines, unplaceable = cluster.plan(asks, nodes)
+        problems += unplaceable
+        if lines:
+            print(f"Ray plan on {which}:")
+            for line in lines:
+                print(f"  {line}")
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return EXIT_INVALID if problems else 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

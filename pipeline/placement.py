@@ -87,6 +87,7 @@ class Inventory:
     gpus: tuple[int, ...] = ()
     gpu_devices: tuple[str, ...] = ()
     gpu_source: str = "no GPUs given"
+    memory_gb: float | None = None  # physical memory (None: unknown, not checked)
 
     def device(self, gpu: int) -> str:
         if self.gpu_devices:
@@ -105,6 +106,18 @@ def host_inventory(environ: Mapping[str, str] | None = None) -> Inventory:
     numbered 0..n-1 in order), else one per ``nvidia-smi -L`` line, else none.
     """
     environ = os.environ if environ is None else environ
+    inventory = _cores_and_gpus(environ)
+    return dataclasses.replace(inventory, memory_gb=_memory_gb())
+
+
+def _memory_gb() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return None
+
+
+def _cores_and_gpus(environ: Mapping[str, str]) -> Inventory:
     cores = tuple(sorted(os.sched_getaffinity(0)))
     visible = environ.get(_GPU_VAR)
     if visible is not None:
@@ -401,6 +414,7 @@ def plan(
     reqs = requests(stages, issues, locate)
     if inventory is None:
         return None, issues
+    _check_memory_and_custom(reqs, inventory, fail)
     cores = _place(reqs, "cpus", inventory.cores, inventory, fail, locate)
     gpus = _place(reqs, "gpus", inventory.gpus, inventory, fail, locate)
     if issues:
@@ -419,6 +433,36 @@ def plan(
         for req in reqs
     )
     return Plan(inventory, assignments, floating, every), issues
+
+
+def _check_memory_and_custom(
+    reqs: list[Request], inventory: Inventory, fail: Callable[[str, str], None]
+) -> None:
+    """One host has no custom resources, and its processes' ``memory_gb`` must fit in it."""
+    reported: set[str] = set()
+    total = 0.0
+    for req in reqs:
+        res = req.resources
+        if res is None:
+            continue
+        if res.custom and req.path not in reported:
+            reported.add(req.path)
+            names = ", ".join(sorted(res.custom))
+            fail(
+                join_path(req.path, "custom"),
+                f"custom resources ({names}) place replicas on nodes of a Ray cluster; one host "
+                "has none: set run.launcher: ray, or remove them",
+            )
+        total += res.memory_gb or 0.0
+    if inventory.memory_gb is not None and total > inventory.memory_gb:
+        asking = [r for r in reqs if r.resources is not None and r.resources.memory_gb]
+        first = asking[0].path
+        who = ", ".join(f"{r.name} {r.resources.memory_gb:g}" for r in asking)  # type: ignore[union-attr]
+        fail(
+            join_path(first, "memory_gb"),
+            f"{total:g} GiB of memory asked in all ({who}), but this host has "
+            f"{inventory.memory_gb:.1f} GiB: ask for less",
+        )
 
 
 def _place(

@@ -83,6 +83,7 @@ from pipeline.config import ConfigError, LoadedPipeline, dump_yaml
 from pipeline.config.schema import STAGE_KEYS
 from pipeline.console import Console, total_steps
 from pipeline.launchers import Launcher, LaunchError, ReplicaProcess, ReplicaStart, make_launcher
+from pipeline.launchers.base import engine_resources
 from pipeline.launchers.ray_host import NODE_IP
 from pipeline.ledger import LedgerBook
 from pipeline.log_view import LogFilter, LogTail, process_identity, render
@@ -189,7 +190,9 @@ class Supervisor:
     ) -> None:
         self.loaded = loaded
         self.config = loaded.config
-        self.placement = loaded.placement or _place_here(loaded)
+        # the plan on this host (the local launcher); Ray places replicas itself
+        remote = self.config.run.launcher == "ray"
+        self.placement = None if remote else loaded.placement or _place_here(loaded)
         self.run_dir = run_dir
         self.console = console  # "status", "events" (every event a line) or None (silent)
         self.replicas: dict[str, _Replica] = {}
@@ -338,9 +341,9 @@ class Supervisor:
         user_env = section.env
         env = {**user_env, "PYTHONUNBUFFERED": "1", **self._rank_env(rep)}
         unset: list[str] = []
-        placed = self.placement.replica(rep.stage, rep.index)
         cores = gpus = None
-        if not self.launcher.remote:  # the local plan: cores, threads, GPUs on this host
+        if self.placement is not None:  # the local plan: cores, threads, GPUs on this host
+            placed = self.placement.replica(rep.stage, rep.index)
             base = {**os.environ, **env}
             for var, value in process_env(placed, self.placement, base, user_env).items():
                 if value is None:
@@ -366,7 +369,7 @@ class Supervisor:
             unset=unset,
             cores=None if cores is None else list(cores),
             resources=section.resources,
-            extra=_engine_resources(section),
+            extra=engine_resources(section),
             out_path=self.run_dir / "logs" / f"{rep.name}.out",
             gang=(rep.stage, section.replicas) if self._is_gang(rep.stage) else None,
         )
@@ -829,12 +832,13 @@ class Supervisor:
                 curve=self._curve is not None,  # channels and bus encrypted, peers authenticated
                 **process_identity(),  # `inflight logs -f` knows the run ended if this is gone
             )
-            self.log.info(
-                "placement",
-                host=self.placement.inventory.describe(),
-                plan=self.placement.lines(),
-                pinned=self.placement.pins_cores,
-            )
+            if self.placement is not None:
+                self.log.info(
+                    "placement",
+                    host=self.placement.inventory.describe(),
+                    plan=self.placement.lines(),
+                    pinned=self.placement.pins_cores,
+                )
             feed = self._tracker_feed()  # it reads the logs from here on
             for rep in self.replicas.values():
                 await self._spawn(rep)
@@ -909,18 +913,6 @@ def _exit_reason(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-def _engine_resources(section: Any) -> dict[str, float]:
-    """CPUs and GPUs of the engines a replica launches (they run beside it, on its node)."""
-    launch = getattr(section.options, "launch", None)
-    res = getattr(launch, "resources", None)
-    if launch is None or res is None:
-        return {}
-    count = getattr(launch, "count", 1)
-    cpus = res.cpus if isinstance(res.cpus, int) else 0
-    gpus = res.gpus if isinstance(res.gpus, int) else 0
-    return {"cpus": cpus * count, "gpus": gpus * count}
 
 
 def _place_here(loaded: LoadedPipeline) -> Plan:

@@ -422,8 +422,7 @@ class Sender:
         A consumer that restarts meanwhile gets what it had not acknowledged, then EOS again.
         """
         self._finishing = True
-        for peer in self._peers:
-            await self._eos_to(peer)
+        self._resend_ready.set()  # the redelivery task sends EOS, after anything to send again
         await self.wait_acked(log_every_s)
 
     async def _eos_to(self, peer: _Peer) -> None:
@@ -474,8 +473,12 @@ class Sender:
         self._resend_ready.set()
 
     async def _redeliver_loop(self) -> None:
+        # The one place EOS goes out once finishing, and only when nothing waits to be sent
+        # again: a consumer that took EOS ends its input, so an EOS ahead of a redelivered
+        # message (a consumer restarted just as the producer finished) would strand it.
         while True:
             await self._resend_ready.wait()
+            self._resend_ready.clear()  # first: a redelivery queued while we await runs again
             while self._resend:
                 held = self._unacked.get(self._resend[0])
                 if held is None or held.peer is not None:  # acked or dropped meanwhile
@@ -488,11 +491,10 @@ class Sender:
                     continue
                 held.peer, held.session = peer, peer.session
                 await self._send_data(peer, seq, held.frames)
-            if self._finishing:  # our end, to every consumer that has not taken it yet
-                for peer in self._peers:
-                    if not peer.eos_acked and peer.session is not None:
+            if self._finishing and not self._resend:  # our end, to whoever has not taken it
+                for peer in list(self._peers):
+                    if not peer.eos_acked and peer.session is not None and not self._resend:
                         await self._eos_to(peer)
-            self._resend_ready.clear()
 
     async def _wait_for_credit(self) -> _Peer:
         self._waiting += 1

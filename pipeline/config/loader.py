@@ -113,6 +113,8 @@ def load_pipeline(
     if run is not None and transport is not None:
         issues.extend(_timing_issues(run, transport, locations))
         issues.extend(_security_issues(run, transport, locations))
+    if run is not None and run.launcher == "ray":
+        inventory = None  # this host is not where replicas run: Ray places them (cluster.py)
     if run is not None:
         issues.extend(pipeline_issues(run, stages, classes, locations, inventory))
         issues.extend(tracker_issues(run, locations.at))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["LaunchError", "Launcher", "ReplicaProcess", "ReplicaStart"]
+__all__ = ["LaunchError", "Launcher", "ReplicaProcess", "ReplicaStart", "engine_resources"]
 
 
 class LaunchError(RuntimeError):
@@ -67,3 +67,15 @@ class Launcher(Protocol):
         """Copy new log lines of replicas that run elsewhere into ``logs`` (a no-op locally)."""
 
     async def aclose(self) -> None: ...
+
+
+def engine_resources(section: Any) -> dict[str, float]:
+    """CPUs and GPUs of the engines a replica launches (they run beside it, on its node)."""
+    launch = getattr(section.options, "launch", None)
+    res = getattr(launch, "resources", None)
+    if launch is None or res is None:
+        return {}
+    count = getattr(launch, "count", 1)
+    cpus = res.cpus if isinstance(res.cpus, int) else 0
+    gpus = res.gpus if isinstance(res.gpus, int) else 0
+    return {"cpus": cpus * count, "gpus": gpus * count}

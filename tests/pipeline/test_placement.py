@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -286,6 +286,32 @@ def test_gpus_on_a_host_without_gpus(tmp_path):
         )
 
 
+def test_memory_and_custom_resources_on_one_host(tmp_path):
+    small = Inventory(cores=(0, 1, 2, 3), gpu_source="fake", memory_gb=8.0)
+    found = _issues(
+        tmp_path,
+        """
+        stages:
+          source: {use: source, resources: {memory_gb: 6}}
+          sink:
+            use: sink
+            replicas: 2
+            resources: {memory_gb: 2, custom: {learner_node: 1}}
+            inputs: {items: source.out}
+        """,
+        small,
+    )
+    [memory] = found["stages.source.resources.memory_gb"]
+    assert "10 GiB of memory asked in all (source.0 6, sink.0 2, sink.1 2)" in memory.message
+    assert "this host has 8.0 GiB" in memory.message
+    [custom] = found["stages.sink.resources.custom"]
+    assert "custom resources (learner_node)" in custom.message
+    assert "set run.launcher: ray" in custom.message
+    # what fits is accepted; a Ray run checks neither on this host
+    text = "stages:\n  source: {use: source, resources: {memory_gb: 6}}\n"
+    assert _load(tmp_path, text, small).placement is not None
+
+
 def test_host_independent_problems_are_found_without_a_host(tmp_path):
     found = _issues(
         tmp_path,
@@ -326,7 +352,9 @@ def test_host_independent_problems_are_found_without_a_host(tmp_path):
 
 def test_host_inventory_reads_cuda_visible_devices_or_nvidia_smi(tmp_path, monkeypatch):
     cores = tuple(sorted(os.sched_getaffinity(0)))
-    assert host_inventory({"CUDA_VISIBLE_DEVICES": "2,3"}) == Inventory(
+    inventory = host_inventory({"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert inventory.memory_gb is not None and inventory.memory_gb > 0.1
+    assert replace(inventory, memory_gb=None) == Inventory(
         cores, (2, 3), (), "CUDA_VISIBLE_DEVICES='2,3'"
     )
     assert host_inventory({"CUDA_VISIBLE_DEVICES": ""}).gpus == ()

@@ -19,6 +19,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 EXAMPLE = "configs/example.yaml"
 DEFAULT = "configs/default.yaml"
+MULTINODE = "configs/multinode.yaml"
 
 # node kind -> its custom resources; "b" twice: a spare for the node that is removed
 NODES = {
@@ -86,6 +87,37 @@ def _ray_args(cluster, run_dir, *extra):
         str(run_dir),
         *extra,
     )
+
+
+@pytest.mark.timeout(60)
+def test_validate_prints_the_node_each_replica_would_go_to(cluster):
+    """configs/multinode.yaml, its custom resources renamed to this cluster's nodes."""
+    on_this_cluster = (
+        "stages.generator.resources.custom={node_b: 1}",
+        "stages.generator.launch.resources={cpus: 1}",
+        "stages.learner.resources={cpus: 1, custom: {learner_slot: 1}}",
+        f"run.ray.address={cluster.address}",
+    )
+    result = run_inflight("validate", MULTINODE, *on_this_cluster, timeout=50)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Ray plan on the Ray cluster at" in result.stdout
+    where = {
+        line.split()[0]: line.split("(")[0].split()[-1]
+        for line in result.stdout.splitlines()
+        if " -> node " in line
+    }
+    ids = {kind: node.node_id[:8] for kind, node in cluster.kinds.items()}
+    # two CPUs a node: one generator (and its engine) on each node_b node
+    assert {where["generator.0"], where["generator.1"]} == {ids["b"], ids["b2"]}
+    assert {where["learner.0"], where["learner.1"]} == {ids["c"], ids["d"]}
+    too_big = run_inflight(
+        "validate", MULTINODE, *on_this_cluster, "stages.learner.resources.gpus=1", timeout=50
+    )
+    assert too_big.returncode == 2
+    assert (
+        "stages.learner.resources: a replica of learner asks for CPU 1, GPU 1, learner_slot 1, "
+        "but no node has that much (the most one node has: CPU 2, GPU 0, learner_slot 1)"
+    ) in too_big.stderr
 
 
 @pytest.mark.timeout(120)

@@ -198,3 +198,33 @@ async def test_an_end_of_stream_meant_for_a_dead_consumer_does_not_end_its_resta
         finishing.cancel()
         await out.aclose(eos=False)
         await second.aclose()
+
+
+@pytest.mark.timeout(20)
+async def test_a_producer_finishing_mid_redelivery_ends_the_stream_only_after_it(ctx, ipc_dir):
+    """The consumer came back and is being sent again what it held, a few at a time (its
+    credit), when the producer finishes: the end of stream must follow the last of them, not
+    overtake them (it would end the consumer's input with messages still to come)."""
+    addr = ipc_address(ipc_dir, "in")
+    first = receiver(ctx, addr, capacity=8, expected=["p.0"])
+    await first.start()
+    out = sender(ctx, [addr])
+    await out.start()
+    for i in range(6):
+        await out.send("item", {"id": i})
+    await eventually(lambda: first.stats()["depth"] == 6)
+    await _crash(first)
+    second = receiver(ctx, addr, capacity=2, expected=["p.0"])  # takes them two at a time
+    await second.start()
+    await eventually(lambda: second.stats()["depth"] == 2)  # redelivery under way, 4 to go
+    finishing = asyncio.create_task(out.finish())
+    try:
+        await asyncio.sleep(0.2)  # what finish() sends goes out now
+        got = [msg.data["id"] async for msg in second]  # ends only at the real end of stream
+        assert sorted(got) == list(range(6))
+        await asyncio.wait_for(finishing, 5)
+        assert out.stats()["unacked"] == 0 and out.stats()["redelivered"] == 6
+    finally:
+        finishing.cancel()
+        await out.aclose(eos=False)
+        await second.aclose()
