@@ -58,6 +58,7 @@ __all__ = [
     "Trainer",
     "announce_deepspeed_op_builds",
     "extension_dir",
+    "import_deepspeed",
     "lr_factor",
     "skip_unused_deepspeed_ops",
 ]
@@ -96,7 +97,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        import deepspeed
+        deepspeed = import_deepspeed()
         from transformers import AutoConfig, AutoModelForCausalLM
 
         cfg = self.config
@@ -530,12 +531,30 @@ class _OpCompatibility(dict):
         return self[name]
 
 
+def import_deepspeed() -> Any:
+    """``import deepspeed`` without its autotuner's ``import mlflow``: where mlflow is installed
+    (the dev extras, or a user's tracker) that import was 2 of the 4.9 s DeepSpeed took to
+    import, in every learner process at start; the autotuner is never used here."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hidden = "mlflow" not in sys.modules
+    if hidden:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` fails fast
+    try:
+        import deepspeed
+    finally:
+        if hidden and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]  # an import of mlflow later works as usual
+    return deepspeed
+
+
 def skip_unused_deepspeed_ops() -> None:
     """Mark the ops in ``_UNUSED_OPS`` incompatible so DeepSpeed never builds them.
 
     Call before ``deepspeed.init_distributed`` (its backend builds ``deepspeed_shm_comm`` when
     the op is marked compatible, and falls back to ``torch.distributed`` when it is not).
     """
+    import_deepspeed()
     import deepspeed.ops
 
     table = vars(deepspeed.ops).get("__compatible_ops__")

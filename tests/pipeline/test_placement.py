@@ -307,9 +307,13 @@ def test_memory_and_custom_resources_on_one_host(tmp_path):
     [custom] = found["stages.sink.resources.custom"]
     assert "custom resources (learner_node)" in custom.message
     assert "set run.launcher: ray" in custom.message
-    # what fits is accepted; a Ray run checks neither on this host
-    text = "stages:\n  source: {use: source, resources: {memory_gb: 6}}\n"
-    assert _load(tmp_path, text, small).placement is not None
+    # what fits is accepted
+    fits = """
+        stages:
+          source: {use: source, resources: {memory_gb: 6}}
+          sink: {use: sink, resources: {memory_gb: 1}, inputs: {items: source.out}}
+        """
+    assert _load(tmp_path, fits, small).placement is not None
 
 
 def test_host_independent_problems_are_found_without_a_host(tmp_path):
