@@ -9,6 +9,7 @@ most any node offers: a custom resource no node has, more GPUs than the largest 
 cluster too small for all replicas at once. The plan is Ray's view at validation time: Ray's
 scheduler may pick other nodes, but a replica the plan cannot place, Ray cannot place either.
 
+The Ray launcher checks the same plan when it joins, before it starts anything.
 ``nodes_of`` joins the cluster at ``run.ray.address`` to read it: ``local`` plans on this
 machine (the one-node cluster a run would start); ``auto`` with no cluster running is not an
 error (the run checks again when it starts); an explicit ``HOST:PORT`` that does not answer
@@ -25,7 +26,7 @@ from typing import Any
 
 from pipeline.launchers.base import LaunchError, engine_resources
 
-__all__ = ["Ask", "ClusterUnreachable", "Node", "asks", "nodes_of", "plan"]
+__all__ = ["Ask", "ClusterUnreachable", "Node", "alive_nodes", "asks", "nodes_of", "plan", "probe"]
 
 _GIB = 2**30
 _PROBE_S = 5.0
@@ -155,7 +156,7 @@ def _unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def _probe(address: str) -> None:
+def probe(address: str) -> None:
     """Raise ClusterUnreachable unless something listens at ``[ray://]HOST:PORT``."""
     hostport = address.removeprefix("ray://")
     host, sep, port = hostport.rpartition(":")
@@ -171,6 +172,17 @@ def _probe(address: str) -> None:
             f"no Ray cluster answers at run.ray.address={address!r} ({exc}); start its head "
             "with `ray start --head`, or fix the address"
         ) from None
+
+
+def alive_nodes() -> list[Node]:
+    """The alive nodes of the cluster this process has joined (``ray.init``)."""
+    import ray
+
+    return [
+        Node(n["NodeID"], n.get("NodeManagerAddress", "?"), dict(n.get("Resources", {})))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
 
 
 def _local_node() -> Node:
@@ -189,7 +201,7 @@ def nodes_of(address: str) -> tuple[list[Node] | None, str]:
     if address == "local":
         return [_local_node()], "a one-node Ray cluster on this machine (run.ray.address: local)"
     if address != "auto":
-        _probe(address)
+        probe(address)
     import ray
 
     try:
@@ -202,11 +214,7 @@ def nodes_of(address: str) -> tuple[list[Node] | None, str]:
             )
         raise ClusterUnreachable(f"cannot join run.ray.address={address!r}: {exc}") from None
     try:
-        nodes = [
-            Node(n["NodeID"], n.get("NodeManagerAddress", "?"), dict(n.get("Resources", {})))
-            for n in ray.nodes()
-            if n.get("Alive")
-        ]
+        nodes = alive_nodes()
     finally:
         ray.shutdown()
     return nodes, f"the Ray cluster at {address} ({len(nodes)} alive nodes)"

@@ -434,12 +434,14 @@ def run_logs(args: argparse.Namespace) -> int:
             _show(tail.poll(final=True), as_json=args.json, color=color)
             return 0
         while True:
-            _show(tail.poll(), as_json=args.json, color=color)
+            events = tail.poll()
             gone = None if tail.finished else tail.supervisor_gone()
             if tail.finished or gone is not None:
                 # run_finished comes after every replica exited; one more read drains the rest
-                # (and what replicas wrote as they died with a killed supervisor).
-                _show(tail.poll(final=True), as_json=args.json, color=color)
+                # (and what replicas wrote as they died with a killed supervisor), shown in ts
+                # order with this read: a replica's last line read late still precedes the end.
+                events = sorted(events + tail.poll(final=True), key=_ts_key)
+                _show(events, as_json=args.json, color=color)
                 if tail.finished:
                     return 0
                 print(
@@ -449,6 +451,7 @@ def run_logs(args: argparse.Namespace) -> int:
                     flush=True,
                 )
                 return 1
+            _show(events, as_json=args.json, color=color)
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 130

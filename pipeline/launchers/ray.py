@@ -117,15 +117,20 @@ class RayLauncher:
     async def start(self) -> None:
         import ray
 
+        from pipeline import cluster
         from pipeline.launchers.ray_host import ReplicaHost, node_ip
 
         kwargs: dict[str, Any] = {"log_to_driver": False, "namespace": self.settings.namespace}
         address = self.settings.address
         try:
+            if address not in ("auto", "local"):
+                cluster.probe(address)  # a dead address fails in seconds, not Ray's minute
             if address == "local":
                 await asyncio.to_thread(ray.init, include_dashboard=False, **kwargs)
             else:
                 await asyncio.to_thread(ray.init, address=address, **kwargs)
+        except cluster.ClusterUnreachable as exc:
+            raise LaunchError(str(exc)) from None
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise LaunchError(
                 f"cannot join the Ray cluster at run.ray.address={address!r}: {exc} "
@@ -133,7 +138,7 @@ class RayLauncher:
             ) from exc
         self.ip = node_ip()  # the control bus binds here: the interface torch would use, too
         self._host_cls = ray.remote(max_restarts=0, max_task_retries=0)(ReplicaHost)
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        nodes = cluster.alive_nodes()
         self.log.info(
             "ray_joined",
             address=address,
@@ -141,6 +146,12 @@ class RayLauncher:
             nodes=len(nodes),
             resources=ray.cluster_resources(),
         )
+        # what no node can ever hold fails here, before anything starts (never a silent wait)
+        asks, problems = cluster.asks(self.config)
+        plan, unplaceable = cluster.plan(asks, nodes)
+        if problems or unplaceable:
+            raise LaunchError("; ".join(problems + unplaceable))
+        self.log.info("ray_plan", plan=plan)
 
     def control_host(self) -> str:
         return self.ip
@@ -155,7 +166,7 @@ class RayLauncher:
             asked["memory"] = options["memory"]
         asked.update(options.get("resources", {}))
         short = {
-            k: f"asked {v}, free {have.get(k, 0)} of {total.get(k, 0)}"
+            k: f"asked {v:g}, free {have.get(k, 0):g} of {total.get(k, 0):g}"
             for k, v in asked.items()
             if v and have.get(k, 0) < v
         }

@@ -222,7 +222,38 @@ def test_a_replica_no_node_can_hold_fails_the_run_naming_what_is_missing(cluster
     assert result.returncode == 1
     assert time.monotonic() - started < 40
     finished = [e for e in events(run_dir, "supervisor") if e["event"] == "run_finished"][-1]
-    assert "summary.0" in finished["reason"] and "node_z" in finished["reason"]
+    # refused when the launcher joined the cluster, before anything started
+    assert (
+        "stages.summary.resources.custom: summary asks for node_z, which no node"
+        in (finished["reason"])
+    )
+    assert not [e for e in events(run_dir, "supervisor") if e["event"] == "replica_spawned"]
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_whose_node_is_busy_fails_the_run_after_the_placement_timeout(cluster, tmp_path):
+    """The cluster has node_a, but something else holds it: Ray cannot place the replica, and
+    the run fails after run.ray.placement_timeout_s naming it (never a silent wait)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    other = placement_group([{"node_a": 1}])  # another job's hold on node A
+    ray.get(other.ready(), timeout=20)
+    run_dir = tmp_path / "run"
+    try:
+        result = run_inflight(
+            "run",
+            EXAMPLE,
+            "stages.summary.resources.custom.node_a=1",
+            *_ray_args(cluster, run_dir),
+            "run.ray.placement_timeout_s=3",
+            timeout=50,
+        )
+    finally:
+        remove_placement_group(other)
+    assert result.returncode == 1
+    finished = [e for e in events(run_dir, "supervisor") if e["event"] == "run_finished"][-1]
+    assert "Ray could not place summary.0 within 3.0 s" in finished["reason"]
+    assert "node_a: asked 1, free 0 of 1" in finished["reason"]
 
 
 def test_the_node_ip_honours_the_interface_torch_and_nccl_are_told_to_use() -> None:
