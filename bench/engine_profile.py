@@ -1,6 +1,6 @@
 """Where a decode step of the built-in engine goes: the model's own forward vs everything else.
 
-Run (each prints one JSON line on stdout; wrap in ``cpulock`` on a shared machine):
+Run (each prints one JSON line on stdout; on an otherwise idle machine):
 
     python bench/engine_profile.py step [--model arith|bench22m] [--rounds 30]
         [--forward fast|transformers]

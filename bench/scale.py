@@ -8,8 +8,8 @@ The cluster is started once, before the first run, and not counted: users start 
 Per run: samples/s (``samples / train_s`` of ``summary.json``) and start-up, from launching
 ``inflight run`` to the learner's first ``train_step`` event. Prints one JSON line: per arm the
 median and min-max of both, ``samples_ratio`` (ray / local, goal >= 0.9) and
-``startup_extra_s`` (ray - local medians, goal <= 15). Run it alone: ``cpulock python
-bench/scale.py``; about 5 minutes with the defaults.
+``startup_extra_s`` (ray - local medians, goal <= 15). Run it alone on the machine;
+about 5 minutes with the defaults.
 
     python bench/scale.py [--runs 3] [--steps 100]
 """

@@ -4,7 +4,7 @@ MLflow (file store) all on, against none, runs interleaved (off, on, off, on ...
 samples/s is ``samples / train_s`` from each run's ``summary.json``. Prints one JSON line: per
 arm the median and min-max over the runs, every run's figure, and ``ratio`` (median on /
 median off; the goal is >= 0.97). Needs the three trackers installed; run it alone on the
-machine (``cpulock python bench/trackers.py``), it takes about 10 minutes.
+machine; it takes about 10 minutes.
 
     python bench/trackers.py [--runs 3] [--steps 150] [--config configs/default.yaml]
 """
