@@ -137,6 +137,20 @@ def _rejected(metrics: dict, port: str) -> int:
     return sum(v for k, v in metrics.items() if k.startswith(prefix))
 
 
+def _stop(proc, run_dir) -> None:
+    """Ctrl-C the run, as a user would, and leave nothing of it running."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
+
+
+def _nothing_failed_or_restarted(run_dir) -> None:
+    supervisor = events(run_dir, "supervisor")
+    assert not [e for e in supervisor if e["event"] in ("replica_failed", "replica_restarting")]
+
+
 @pytest.mark.timeout(150)
 def test_garbage_on_every_socket_is_refused_and_counted_and_nothing_restarts(tmp_path):
     run_dir = tmp_path / "run"
@@ -169,13 +183,8 @@ def test_garbage_on_every_socket_is_refused_and_counted_and_nothing_restarts(tmp
             "the run to go on",
         )
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=60)
-        finally:
-            kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
-    supervisor = events(run_dir, "supervisor")
-    assert not [e for e in supervisor if e["event"] in ("replica_failed", "replica_restarting")]
+        _stop(proc, run_dir)
+    _nothing_failed_or_restarted(run_dir)
     assert not [e for e in events(run_dir, "*.[0-9]") if e["event"] == "stage_failed"]
     for name, n in expected.items():
         replica, port = name.split("/")
@@ -265,13 +274,8 @@ def test_with_curve_a_peer_without_the_keys_gets_nothing_in_and_is_counted(tmp_p
             "the run to go on",
         )
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=60)
-        finally:
-            kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
-    supervisor = events(run_dir, "supervisor")
-    assert not [e for e in supervisor if e["event"] in ("replica_failed", "replica_restarting")]
+        _stop(proc, run_dir)
+    _nothing_failed_or_restarted(run_dir)
     for name in inboxes:
         replica, port = name.split("/")
         assert _rejected(_last_metrics(run_dir, replica), port) == 0  # nothing got that far

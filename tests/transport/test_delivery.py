@@ -170,25 +170,21 @@ async def test_a_finished_producer_waits_until_everything_was_processed(ctx, ipc
         await second.aclose()
 
 
-@pytest.mark.timeout(20)
-async def test_an_end_of_stream_meant_for_a_dead_consumer_does_not_end_its_restart(ctx, ipc_dir):
-    """The producer finishes while its consumer is being restarted: the new consumer must get
-    what the old one held, and only then the end of the stream (an EOS addressed to the old
-    instance is taken as a hello, not as the end)."""
-    addr = ipc_address(ipc_dir, "in")
+async def _six_held_by_a_crashed_consumer(ctx, addr: str, **options):
+    """A started sender whose consumer (expecting ``p.0``) took ids 0-5 and died unacked."""
     first = receiver(ctx, addr, capacity=8, expected=["p.0"])
     await first.start()
-    # a slow heartbeat: the new consumer hears our EOS before any hello
-    out = sender(ctx, [addr], heartbeat_s=3.0, peer_timeout_s=10.0)
+    out = sender(ctx, [addr], **options)
     await out.start()
     for i in range(6):
         await out.send("item", {"id": i})
     await eventually(lambda: first.stats()["depth"] == 6)
     await _crash(first)
-    second = receiver(ctx, addr, capacity=8, expected=["p.0"])
-    await second.start()
-    await asyncio.sleep(0.5)  # the producer's socket reconnects
-    finishing = asyncio.create_task(out.finish())
+    return out
+
+
+async def _ends_after_all_six(out, second: Receiver, finishing: asyncio.Task) -> None:
+    """``second`` gets all six again before its stream ends; then ``out`` has nothing held."""
     try:
         got = [msg.data["id"] async for msg in second]  # ends only at the real end of stream
         assert sorted(got) == list(range(6))
@@ -198,6 +194,21 @@ async def test_an_end_of_stream_meant_for_a_dead_consumer_does_not_end_its_resta
         finishing.cancel()
         await out.aclose(eos=False)
         await second.aclose()
+
+
+@pytest.mark.timeout(20)
+async def test_an_end_of_stream_meant_for_a_dead_consumer_does_not_end_its_restart(ctx, ipc_dir):
+    """The producer finishes while its consumer is being restarted: the new consumer must get
+    what the old one held, and only then the end of the stream (an EOS addressed to the old
+    instance is taken as a hello, not as the end)."""
+    addr = ipc_address(ipc_dir, "in")
+    # a slow heartbeat: the new consumer hears our EOS before any hello
+    out = await _six_held_by_a_crashed_consumer(ctx, addr, heartbeat_s=3.0, peer_timeout_s=10.0)
+    second = receiver(ctx, addr, capacity=8, expected=["p.0"])
+    await second.start()
+    await asyncio.sleep(0.5)  # the producer's socket reconnects
+    finishing = asyncio.create_task(out.finish())
+    await _ends_after_all_six(out, second, finishing)
 
 
 @pytest.mark.timeout(20)
@@ -206,25 +217,10 @@ async def test_a_producer_finishing_mid_redelivery_ends_the_stream_only_after_it
     credit), when the producer finishes: the end of stream must follow the last of them, not
     overtake them (it would end the consumer's input with messages still to come)."""
     addr = ipc_address(ipc_dir, "in")
-    first = receiver(ctx, addr, capacity=8, expected=["p.0"])
-    await first.start()
-    out = sender(ctx, [addr])
-    await out.start()
-    for i in range(6):
-        await out.send("item", {"id": i})
-    await eventually(lambda: first.stats()["depth"] == 6)
-    await _crash(first)
+    out = await _six_held_by_a_crashed_consumer(ctx, addr)
     second = receiver(ctx, addr, capacity=2, expected=["p.0"])  # takes them two at a time
     await second.start()
     await eventually(lambda: second.stats()["depth"] == 2)  # redelivery under way, 4 to go
     finishing = asyncio.create_task(out.finish())
-    try:
-        await asyncio.sleep(0.2)  # what finish() sends goes out now
-        got = [msg.data["id"] async for msg in second]  # ends only at the real end of stream
-        assert sorted(got) == list(range(6))
-        await asyncio.wait_for(finishing, 5)
-        assert out.stats()["unacked"] == 0 and out.stats()["redelivered"] == 6
-    finally:
-        finishing.cancel()
-        await out.aclose(eos=False)
-        await second.aclose()
+    await asyncio.sleep(0.2)  # what finish() sends goes out now
+    await _ends_after_all_six(out, second, finishing)
