@@ -14,8 +14,9 @@ restart agrees on it (``feed_order``). ``max_prompts`` is split evenly between r
 Position. A replica's prompts form one sequence over all epochs (position ``k`` is epoch
 ``k // shard`` at index ``k % shard`` of that epoch's order). The feeder notes which positions the
 generator has acknowledged as processed (once its group was processed downstream) and
-keeps ``RUN_DIR/state/STAGE.R.json`` up to date (twice a second, written whole and renamed into
-place): every position below ``next`` is processed, and ``acked_above`` lists those beyond. A
+keeps ``RUN_DIR/state/STAGE.R.json`` up to date (written whole and renamed into place at the end
+of every event-loop turn that brought acknowledgements, so a kill loses none that arrived): every
+position below ``next`` is processed, and ``acked_above`` lists those beyond. A
 restarted replica (a crash, or ``inflight run --resume``) continues from there: it feeds again
 only what was not acknowledged, so within an epoch every prompt is fed once. (Prompts already
 in a generator's inbox when the feeder died are among those: the generator processes them and
@@ -107,6 +108,7 @@ class Feeder:
         self.acked_above: set[int] = set()  # processed positions >= next
         self._position_of: dict[int, int] = {}  # send sequence number -> position
         self._dirty = False
+        self._save_pending = False  # a save is scheduled for the end of this loop turn
         self.position = 0  # the next position to send (or skip) in this process
         # positions below `reserved` may have been fed by an earlier process of this replica
         # (saved before any is sent, so a crash cannot outrun it)
@@ -145,12 +147,9 @@ class Feeder:
             # more replicas than prompts: nothing is ours (never spin through empty epochs)
             self.log.warning("feeder_empty_shard", prompts=len(self.prompts))
             return
-        saver = asyncio.create_task(self._save_often(), name="feeder-state")
         try:
             reason = await self._feed()
         finally:
-            saver.cancel()
-            await asyncio.gather(saver, return_exceptions=True)
             self._save()
         self._metrics()
         self.log.info("feeder_done", reason=reason, sent=self.sent, epochs_done=self.epoch)
@@ -208,6 +207,11 @@ class Feeder:
             self.acked_above.discard(self.next)
             self.next += 1
         self._dirty = True
+        if not self._save_pending:
+            # one write for all the acknowledgements this loop turn brings (one credit grant
+            # carries many): what was acknowledged is on disk before anything else runs here
+            self._save_pending = True
+            asyncio.get_running_loop().call_soon(self._save)
 
     def held_uids(self) -> list[str]:
         """For the ledger at the end: prompts an earlier process of this replica may have fed
@@ -222,8 +226,8 @@ class Feeder:
     def held_after_exit(cls, run_dir: Path, stage: str, replica: int) -> list[str] | None:
         """For the ledger, when replica ``replica`` did not end cleanly: the prompts its next
         process would feed again (its saved state: positions from ``next`` up to ``reserved``
-        not acknowledged; the file is at most half a second old, so this errs on the side of
-        too many). None when there is no usable state file (nothing known)."""
+        not acknowledged; acknowledgements of the loop turn the process died in may be missing,
+        so this errs on the side of too many). None when there is no usable state file (nothing known)."""
         try:
             state = json.loads(_state_file(run_dir, stage, replica).read_text())
             start, reserved = int(state["next"]), int(state.get("reserved", state["next"]))
@@ -272,6 +276,7 @@ class Feeder:
         )
 
     def _save(self) -> None:
+        self._save_pending = False
         if self._state_path is None or not self._dirty:
             return
         self._dirty = False
@@ -286,11 +291,6 @@ class Feeder:
             self._state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(state))
         tmp.replace(self._state_path)
-
-    async def _save_often(self) -> None:
-        while True:  # a periodic timer: the position on disk is at most half a second old
-            await asyncio.sleep(0.5)
-            self._save()
 
     def _metrics(self) -> None:
         self.ctx.metrics(

@@ -156,8 +156,8 @@ def test_a_killed_supervisor_resumes_to_the_same_end_on_its_schedule(tmp_path, m
 
     try:
         wait_for(lambda: len(trained()) >= 5, 150, "5 train steps")
-        # and the feeder has saved a position past its first prompts (it saves twice a second;
-        # steps of this tiny model take tens of milliseconds, so 5 steps can beat the first save)
+        # and the feeder has saved a position past its first prompts (acknowledgements chain
+        # back to it from the learner, so 5 fast steps of this tiny model can beat them)
         wait_for(lambda: _feeder_saved_next(run_dir) > 0, 30, "the feeder to save its position")
         os.kill(proc.pid, signal.SIGKILL)  # the supervisor, as a crash or the OOM killer would
         proc.wait(timeout=10)
