@@ -1,10 +1,11 @@
-"""The plugin registry: stages, reward functions and engines found by name.
+"""The plugin registry: stages, reward functions, engines, rollouts, tools and environments by name.
 
 Plugins come from two places, both usable from a pipeline YAML's ``use:`` key:
 
-- Python entry points in the groups ``inflight.stages``, ``inflight.rewards`` and
-  ``inflight.engines``: any installed distribution can add one, so a stage from another package
-  attaches without editing Inflight (``[project.entry-points."inflight.stages"] my_stage =
+- Python entry points in the groups ``inflight.stages``, ``inflight.rewards``,
+  ``inflight.engines``, ``inflight.rollouts``, ``inflight.tools`` and ``inflight.environments``:
+  any installed distribution can add one, so a stage from another package attaches without
+  editing Inflight (``[project.entry-points."inflight.stages"] my_stage =
   "my_pkg.stages:MyStage"`` in its pyproject.toml).
 - A dotted path ``package.module:Name`` (``package.module.Name`` is accepted too), imported as is.
 
@@ -23,7 +24,14 @@ from typing import Any
 
 __all__ = ["GROUPS", "PluginError", "PluginInfo", "list_plugins", "resolve"]
 
-GROUPS = {"stage": "inflight.stages", "reward": "inflight.rewards", "engine": "inflight.engines"}
+GROUPS = {
+    "stage": "inflight.stages",
+    "reward": "inflight.rewards",
+    "engine": "inflight.engines",
+    "rollout": "inflight.rollouts",
+    "tool": "inflight.tools",
+    "environment": "inflight.environments",
+}
 
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
 
@@ -34,7 +42,7 @@ class PluginError(LookupError):
 
 @dataclass(frozen=True)
 class PluginInfo:
-    kind: str  # "stage" | "reward" | "engine"
+    kind: str  # a key of GROUPS: "stage", "reward", "engine", "rollout", "tool", "environment"
     name: str
     target: str  # "package.module:Name"
     distribution: str  # the installed distribution that declares it ("?" when unknown)

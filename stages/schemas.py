@@ -8,6 +8,16 @@ replica and position), carried on by every message made of it; the run's ledger 
 (``pipeline.ledger``). Producers of your own may leave it out: their messages are then not in the
 ledger.
 
+Version 2 of ``rollout``, ``rollout_group`` and ``scored_group`` carries trajectories (issue 13,
+``stages.rollouts``): a sample's ``completion_ids`` are every token after the prompt, some sampled
+by the model and some inserted by a tool or an environment. Per sample, optional:
+``loss_mask`` (uint8, one per completion token: 1 sampled and trained, 0 inserted; absent means
+all sampled), where it is 0 ``sampler_logprobs`` is 0.0 and ``versions`` is -1 (meaningless);
+``prompt_ids`` (int32) when the sample started from a context other than the group's
+``prompt_ids`` (a chat template with tool descriptions); ``rollout`` (map: ``turns``,
+``tool_calls``, ``env_reward``... what the rollout reported). A reader of version 1 refuses
+version 2 (``bad_version``): it would train on inserted tokens.
+
 ``rollout_group`` (generator -> scorer): the samples of one prompt that the generator got, in one
 message (one ZeroMQ message per group, not per sample, is most of what scoring a group costs
 downstream). Group-level fields as in ``rollout`` below; ``samples`` is a list of maps, one per
@@ -40,7 +50,8 @@ from typing import Any
 
 from transport.message import Schema
 
-# a sample's own fields in ``rollout_group`` and ``scored_group`` (the rest are the group's)
+# a sample's own fields in ``rollout_group`` and ``scored_group`` (the rest are the group's);
+# OPTIONAL_SAMPLE_FIELDS may be absent (a single completion has none of them)
 SAMPLE_FIELDS = (
     "sample_index",
     "completion_ids",
@@ -50,8 +61,17 @@ SAMPLE_FIELDS = (
     "engine",
     "timings",
 )
+OPTIONAL_SAMPLE_FIELDS = ("loss_mask", "prompt_ids", "rollout")
 
-__all__ = ["PROMPT", "ROLLOUT", "ROLLOUT_GROUP", "SAMPLE_FIELDS", "SCORED_GROUP", "rollouts_of"]
+__all__ = [
+    "OPTIONAL_SAMPLE_FIELDS",
+    "PROMPT",
+    "ROLLOUT",
+    "ROLLOUT_GROUP",
+    "SAMPLE_FIELDS",
+    "SCORED_GROUP",
+    "rollouts_of",
+]
 
 PROMPT = Schema(
     "prompt",
@@ -62,7 +82,7 @@ PROMPT = Schema(
 
 ROLLOUT = Schema(
     "rollout",
-    1,
+    2,
     {
         "run_id": "str",
         "prompt_id": "str",
@@ -78,13 +98,15 @@ ROLLOUT = Schema(
         "timings": "map",
         "meta": "map|None",
         "uid": "str|None",
+        "loss_mask": "array|None",
     },
-    doc="one sampled completion with per-token sampler log-probs and policy versions",
+    doc="one trajectory (a completion, or turns with inserted tokens) with per-token sampler "
+    "log-probs and policy versions",
 )
 
 ROLLOUT_GROUP = Schema(
     "rollout_group",
-    1,
+    2,
     {
         "run_id": "str",
         "prompt_id": "str",
@@ -100,7 +122,7 @@ ROLLOUT_GROUP = Schema(
 
 SCORED_GROUP = Schema(
     "scored_group",
-    1,
+    2,
     {
         "run_id": "str",
         "prompt_id": "str",

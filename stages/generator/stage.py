@@ -33,8 +33,16 @@ live engine, or waits for one to come back, up to ``max_retries`` times; after t
 to a per-sample request (a bad request), its samples are dropped, each counted and logged
 (``sample_dropped``), and the stage goes on. If every launched engine is given up, the stage
 fails (the supervisor's restart policy takes over). Every request carries the run's engine API
-key (``stages.engine.auth``); an engine that refuses it fails the stage at start. Not here: weight
-updates (the publisher talks to the engines), aborting requests.
+key (``stages.engine.auth``); an engine that refuses it fails the stage at start.
+
+Rollouts (``rollout:``, ``stages.rollouts``): the default, ``single_turn``, is the path above.
+Any other rollout (tool calls, a multi-turn environment, a function of your own) runs one episode
+per sample (``episodes.py``): it holds one in-flight sample of its engine from its first turn to
+its end, its turns stay on that engine (its prefix cache), and the group is emitted once every
+episode has ended or was dropped (``engine_failure``, or ``rollout_error`` when the rollout
+raised: counted, logged). Samples then carry ``loss_mask`` (inserted tokens are not trained) and
+``rollout`` (turns, tool calls, the environment's reward). Not here: weight updates (the
+publisher talks to the engines), aborting requests.
 """
 
 from __future__ import annotations
@@ -53,8 +61,11 @@ from pipeline.stage import Port, StageContext
 from stages.engine.auth import engine_api_key
 from stages.generator.client import Completion, EngineClient, EngineError, make_session
 from stages.generator.controller import ControllerConfig, Decision, InFlightController
+from stages.generator.episodes import EpisodeEngine, check_trajectory, sample_fields
 from stages.generator.launcher import EngineLauncher, LaunchConfig
+from stages.rollouts.api import EngineUnavailable, EnvError, RolloutConfig
 from stages.schemas import PROMPT, ROLLOUT_GROUP
+from stages.workers import PoolBroken
 from transport.message import Message
 
 __all__ = ["Generator", "SamplingConfig"]
@@ -106,6 +117,10 @@ class GeneratorConfig:
         },
     )
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = field(
+        default_factory=RolloutConfig,
+        metadata={"doc": "how a prompt becomes a trajectory (stages.rollouts)"},
+    )
     max_lag: int = field(
         default=4, metadata={"min": 0, "doc": "start samples only within this many versions"}
     )
@@ -154,13 +169,15 @@ class _Served(NamedTuple):
 
 
 class _Collecting:
-    """A group whose samples are requested one by one: what came back so far."""
+    """A group whose samples are requested one by one: what came back so far (each sample as
+    its ``rollout_group`` map), and why the others were dropped."""
 
-    __slots__ = ("left", "samples")
+    __slots__ = ("dropped", "left", "samples")
 
     def __init__(self, size: int) -> None:
         self.left = size
-        self.samples: list[tuple[int, _Served, float, float]] = []
+        self.samples: list[dict[str, Any]] = []
+        self.dropped: dict[int, str] = {}  # sample index -> ledger reason
 
 
 class Generator:
@@ -201,6 +218,9 @@ class Generator:
         # replica and the scorer both to die, the feeder would feed it again
         self._awaiting_ack: dict[int, Message] = {}  # group's send seq -> its prompt
         self._chained = False
+        self.rollouts: Any = None  # stages.rollouts.runtime.RolloutRuntime (not single_turn)
+        self._fatal: BaseException | None = None  # raised by the next _slot (fails the stage)
+        self._episode_errors = 0
 
     async def setup(self) -> None:
         rollouts = self.ctx.outputs["rollouts"]
@@ -248,6 +268,15 @@ class Generator:
         await asyncio.gather(*(c.check_key() for c in live))
         self._epoch = -1
         await self._announce_engines()
+        if not self.config.rollout.single_turn:
+            from stages.rollouts.runtime import RolloutRuntime
+
+            launch = self.config.launch
+            self.rollouts = await RolloutRuntime.start(
+                self.config.rollout,
+                log=self.log,
+                default_tokenizer=launch.model if launch is not None else "",
+            )
 
     async def _announce_engines(self) -> None:
         """Tell the weight publisher which engines to update (again when one was restarted)."""
@@ -370,6 +399,8 @@ class Generator:
         while True:
             if self.launcher is not None and self.launcher.all_given_up:
                 raise RuntimeError("every engine this generator launched died for good")
+            if self._fatal is not None:
+                raise self._fatal
             groups = rollouts.credit() + (self.outbox.maxsize - self.outbox.qsize())
             room = groups * self.config.group_size
             version = max(self.engine_version, 0)
@@ -405,7 +436,7 @@ class Generator:
             asyncio.create_task(self._decide(), name="decide"),
         ]
         size = self.config.group_size
-        grouped = self.config.group_requests and size > 1
+        grouped = self.config.group_requests and size > 1 and self.rollouts is None
         try:
             if self.ctx.mode == "sync" and self.config.sync_batch < 1:
                 raise ValueError(
@@ -426,7 +457,10 @@ class Generator:
                 collecting = _Collecting(size)
                 for index in range(size):
                     engine = await self._slot(1)
-                    work = self._sample(msg, group_id, index, engine, collecting)
+                    if self.rollouts is not None:
+                        work = self._episode(msg, group_id, index, engine, collecting)
+                    else:
+                        work = self._sample(msg, group_id, index, engine, collecting)
                     self._start(work, engine, 1)
             if self._tasks:
                 await asyncio.gather(*list(self._tasks))
@@ -465,7 +499,9 @@ class Generator:
     async def _group(self, msg: Message, group_id: str, engine: str, queued: float) -> None:
         started = time.monotonic()
         served = await self._request_group(msg.data, group_id, engine)
-        got = [(i, s, queued, started) for i, s in enumerate(served) if s is not None]
+        got = [
+            _completion_fields(i, s, queued, started) for i, s in enumerate(served) if s is not None
+        ]
         await self._put(msg, group_id, got)
 
     async def _sample(
@@ -479,10 +515,70 @@ class Generator:
         queued = started = time.monotonic()  # the slot was waited for before this started
         got = await self._request_one(msg.data, self._rid(group_id, index), engine, attempt=0)
         if got is not None:
-            collecting.samples.append((index, got, queued, started))
+            collecting.samples.append(_completion_fields(index, got, queued, started))
+        await self._collected(msg, group_id, collecting)
+
+    async def _episode(
+        self,
+        msg: Message,
+        group_id: str,
+        index: int,
+        engine: str,
+        collecting: _Collecting,
+    ) -> None:
+        """One sample made by the rollout plugin; holds one sample of its engine until it ends."""
+        queued = started = time.monotonic()
+        handle = EpisodeEngine(self, engine, self._rid(group_id, index))
+        rollouts = self.rollouts
+        ctx = rollouts.context(sampling=self.params, sample_index=index, group_id=group_id)
+        try:
+            trajectory = check_trajectory(await rollouts.rollout(msg.data, handle, ctx))
+        except EngineUnavailable as exc:
+            self._dropped([handle.rid], handle.engine, exc, handle.calls)
+            collecting.dropped[index] = "engine_failure"
+        except PoolBroken as exc:  # no episode can be played any more: the stage fails
+            self._fatal = exc
+            collecting.dropped[index] = "env_error"
+        except EnvError as exc:  # before its first turn: nothing to train on
+            self._episode_failed(handle.rid, exc)
+            collecting.dropped[index] = "env_error"
+        except Exception as exc:  # a rollout's bug (or a timeout in it): this sample only
+            self._episode_failed(handle.rid, exc)
+            collecting.dropped[index] = "rollout_error"
+        else:
+            rollouts.counters["episodes"] += 1
+            rollouts.counters["turns"] += trajectory.turns
+            collecting.samples.append(
+                sample_fields(
+                    index,
+                    trajectory,
+                    group_prompt=msg.data["input_ids"],
+                    engine=handle,
+                    queued=queued,
+                    started=started,
+                )
+            )
+        finally:
+            self._release(handle.engine, 1)
+        await self._collected(msg, group_id, collecting)
+
+    async def _collected(self, msg: Message, group_id: str, collecting: _Collecting) -> None:
         collecting.left -= 1
         if collecting.left == 0:
-            await self._put(msg, group_id, sorted(collecting.samples, key=lambda s: s[0]))
+            samples = sorted(collecting.samples, key=lambda s: s["sample_index"])
+            await self._put(msg, group_id, samples, dropped=collecting.dropped)
+
+    def _episode_failed(self, rid: str, exc: BaseException) -> None:
+        self._episode_errors += 1
+        self.counts["dropped"] += 1
+        if self._episode_errors & (self._episode_errors - 1) == 0:  # 1st, 2nd, 4th, 8th...
+            self.log.warning(
+                "rollout_failed",
+                rid=rid,
+                error=f"{type(exc).__name__}: {exc}",
+                failures=self._episode_errors,
+                exc_info=exc,
+            )
 
     async def _request_group(
         self, prompt: dict[str, Any], group_id: str, engine: str
@@ -597,19 +693,27 @@ class Generator:
         self,
         msg: Message,
         group_id: str,
-        samples: list[tuple[int, _Served, float, float]],
+        samples: list[dict[str, Any]],
+        dropped: dict[int, str] | None = None,
     ) -> None:
-        """Queue the group for sending: ``samples`` are (index, served, queued, started) of the
-        samples that were not dropped, in index order; nothing is sent when all were dropped.
-        The dropped ones go in the ledger now, before the prompt can be acknowledged.
-        The prompt's message is acknowledged once the scorer has acknowledged its group
-        (``_emit``, ``_group_acked``)."""
+        """Queue the group for sending: ``samples`` are the sample maps of the samples that were
+        not dropped, in index order; nothing is sent when all were dropped. The dropped ones go
+        in the ledger now (as ``engine_failure`` unless ``dropped`` names another reason),
+        before the prompt can be acknowledged. The prompt's message is acknowledged once the
+        scorer has acknowledged its group (``_emit``, ``_group_acked``)."""
         prompt = msg.data
         size = self.config.group_size
-        kept = {index for index, *_ in samples}
-        self.ctx.ledger.fates(
-            ((prompt.get("uid"), size, i) for i in range(size) if i not in kept), "engine_failure"
-        )
+        kept = {s["sample_index"] for s in samples}
+        reasons = dropped or {}
+        for reason in sorted({reasons.get(i, "engine_failure") for i in range(size)}):
+            self.ctx.ledger.fates(
+                (
+                    (prompt.get("uid"), size, i)
+                    for i in range(size)
+                    if i not in kept and reasons.get(i, "engine_failure") == reason
+                ),
+                reason,
+            )
         if not samples:
             self.ctx.inputs["prompts"].ack(msg)  # all dropped (and counted): processed
             return
@@ -620,21 +724,7 @@ class Generator:
                 "group_id": group_id,
                 "group_size": self.config.group_size,
                 "prompt_ids": np.asarray(prompt["input_ids"], dtype=np.int32),
-                "samples": [
-                    {
-                        "sample_index": index,
-                        "completion_ids": served.completion.output_ids,
-                        "sampler_logprobs": served.completion.logprobs,
-                        "versions": served.completion.versions,
-                        "finish_reason": served.completion.finish_reason,
-                        "engine": served.engine,
-                        "timings": {
-                            "queued_s": round(started - queued, 6),
-                            "generate_s": round(served.done - started, 6),
-                        },
-                    }
-                    for index, served, queued, started in samples
-                ],
+                "samples": samples,
                 "meta": prompt.get("meta"),
                 "uid": prompt.get("uid"),
             },
@@ -673,6 +763,11 @@ class Generator:
             self._metrics()
 
     def _metrics(self) -> None:
+        rollout = (
+            {f"rollout_{k}": v for k, v in self.rollouts.stats().items()}
+            if self.rollouts is not None
+            else {}
+        )
         self.ctx.metrics(
             in_flight=sum(self.in_flight.values()),
             targets={u: self.controller.target(u) for u in self.in_flight},
@@ -680,6 +775,7 @@ class Generator:
             engines_without_group_requests=len(self.no_groups),
             engine_version=self.engine_version,
             **self.counts,
+            **rollout,
         )
 
     async def close(self) -> None:
@@ -687,7 +783,27 @@ class Generator:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.rollouts is not None:
+            await self.rollouts.aclose()
         if self.launcher is not None:
             await self.launcher.close()
         if self.session is not None:
             await self.session.close()
+
+
+def _completion_fields(
+    index: int, served: _Served, queued: float, started: float
+) -> dict[str, Any]:
+    """A single completion as a ``rollout_group`` sample (every token sampled: no mask)."""
+    return {
+        "sample_index": index,
+        "completion_ids": served.completion.output_ids,
+        "sampler_logprobs": served.completion.logprobs,
+        "versions": served.completion.versions,
+        "finish_reason": served.completion.finish_reason,
+        "engine": served.engine,
+        "timings": {
+            "queued_s": round(started - queued, 6),
+            "generate_s": round(served.done - started, 6),
+        },
+    }

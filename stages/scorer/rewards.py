@@ -9,6 +9,8 @@ it does not apply to (TRL's convention); that completion then gets nothing from 
 - ``exact_match``: 1.0 when the stripped completion equals the stripped ``answer``.
 - ``math_verify``: 1.0 when Hugging Face's ``math-verify`` finds the completion's last
   ``\\boxed{...}`` (or, without one, the whole text) mathematically equal to ``answer``.
+- ``env_reward``: the reward a rollout's environment gave (``env_reward``, from trajectories);
+  ``None`` (nothing) for a sample without one.
 - ``chain_answer``: 1.0 when the final answer written after the worked steps
   (``12+34=46;46-5=41;#41``: the text after the one ``#``) is exactly ``answer``; 0.0 for a
   malformed completion (no ``#``, several, no integer after it) and for one cut off by the
@@ -24,7 +26,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["chain_answer", "exact_match", "last_boxed", "math_verify"]
+__all__ = ["chain_answer", "env_reward", "exact_match", "last_boxed", "math_verify"]
 
 _FINAL = re.compile(r"[^#]*#(-?[0-9]+)")  # worked steps (no '#'), then '#' and the answer
 
@@ -35,6 +37,15 @@ def exact_match(completions: list[str], answer: list[Any], **kwargs: Any) -> lis
         float(a is not None and c.strip() == str(a).strip())
         for c, a in zip(completions, answer, strict=True)
     ]
+
+
+def env_reward(
+    completions: list[str], env_reward: list[float | None] | None = None, **kwargs: Any
+) -> list[float | None]:
+    """The environment's reward of each trajectory (None where there is none)."""
+    if env_reward is None:
+        return [None] * len(completions)
+    return [None if r is None else float(r) for r in env_reward]
 
 
 def chain_answer(

@@ -4,10 +4,14 @@ A ``rollout_group`` (what the generator sends) brings a prompt's samples at once
 messages (one sample each, from a producer of your own) are collected by ``group_id`` until
 ``group_size`` have arrived. Either way the whole group is then decoded (``skip_special_tokens``)
 and scored, and sent as one ``scored_group`` (samples in ``sample_index`` order, each with
-``reward`` and ``reward_info``). Complete groups waiting while every worker is busy are scored
-together in one call (up to ``batch_groups``; a function sees each group's samples next to each
-other, like a TRL batch), so the cost of a call is shared. Once a full batch waits and every
-worker is busy the stage stops reading, and backpressure reaches the generators.
+``reward`` and ``reward_info``). A trajectory (a sample with a ``loss_mask``: turns with tokens a
+tool or an environment inserted) is scored on its final answer: ``completions`` is what the
+model sampled after the last inserted token, ``trajectories`` the whole text, ``env_reward`` the
+environment's reward (the ``env_reward`` reward function passes it on) and ``rollout`` what the
+rollout reported (turns, tool calls...). Complete groups waiting while every worker is busy are
+scored together in one call (up to ``batch_groups``; a function sees each group's samples next
+to each other, like a TRL batch), so the cost of a call is shared. Once a full batch waits and
+every worker is busy the stage stops reading, and backpressure reaches the generators.
 
 Reward functions run in worker processes under ``timeout_s`` (``runner.py``): one that raises,
 hangs or returns garbage gives its completions reward 0 with an ``error`` in ``reward_info``,
@@ -35,7 +39,14 @@ from typing import Any
 
 from pipeline.stage import Port, StageContext
 from stages.hub import resolve_model, tokenizer_check
-from stages.schemas import ROLLOUT, ROLLOUT_GROUP, SAMPLE_FIELDS, SCORED_GROUP
+from stages.rollouts.trajectory import final_turn
+from stages.schemas import (
+    OPTIONAL_SAMPLE_FIELDS,
+    ROLLOUT,
+    ROLLOUT_GROUP,
+    SAMPLE_FIELDS,
+    SCORED_GROUP,
+)
 from stages.scorer.runner import RewardRunner, resolve_reward
 from transport.message import Message
 
@@ -281,7 +292,10 @@ class Scorer:
             return f"group_size {size} < 1"
         if not 0 <= index < size:
             return f"sample_index {index} is outside 0..{size - 1}"
-        lengths = {k: len(rollout[k]) for k in ("completion_ids", "sampler_logprobs", "versions")}
+        per_token = ("completion_ids", "sampler_logprobs", "versions")
+        lengths = {k: len(rollout[k]) for k in per_token}
+        if rollout.get("loss_mask") is not None:
+            lengths["loss_mask"] = len(rollout["loss_mask"])
         if len(set(lengths.values())) > 1:
             return f"per-token arrays differ in length: {lengths}"
         if group is not None and size != group.size:
@@ -412,6 +426,7 @@ class Scorer:
                 samples, scored[offset : offset + len(samples)], strict=True
             ):
                 item = {k: sample[k] for k in SAMPLE_FIELDS}
+                item.update((k, sample[k]) for k in OPTIONAL_SAMPLE_FIELDS if k in sample)
                 item["timings"] = {**sample["timings"], "score_s": score_s}
                 item["reward"], item["reward_info"] = reward, info
                 out.append(item)
@@ -448,12 +463,18 @@ class Scorer:
         prompt = meta.get("text")
         if not isinstance(prompt, str):
             prompt = self.tokenizer.decode([int(t) for t in head["prompt_ids"]])
+        finals = [final_turn(i, s.get("loss_mask")) for i, s in zip(ids, samples, strict=True)]
         kwargs: dict[str, list] = {
             "prompts": [prompt] * len(samples),
-            "completions": self.tokenizer.batch_decode(ids, skip_special_tokens=True),
+            "completions": self.tokenizer.batch_decode(finals, skip_special_tokens=True),
             "completion_ids": ids,
             "finish_reason": [s["finish_reason"] for s in samples],
         }
+        if any(s.get("loss_mask") is not None for s in samples):  # trajectories
+            rollout = [dict(s.get("rollout") or {}) for s in samples]
+            kwargs["trajectories"] = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            kwargs["env_reward"] = [r.get("env_reward") for r in rollout]
+            kwargs["rollout"] = rollout
         keys = dict.fromkeys(k for s in samples for k in (s.get("meta") or {}))
         for key in keys:
             if key not in kwargs:  # the scorer's own names come first

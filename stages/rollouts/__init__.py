@@ -1,0 +1,7 @@
+"""Rollouts: how a prompt becomes a trajectory (one completion, tool calls, an environment's turns).
+
+``api.py`` (the plugin interface and its config), ``trajectory.py`` (sampled and inserted tokens),
+``single_turn.py`` (the default), ``tools.py`` / ``tool_format.py`` / ``tool_rollout.py`` (tool
+calls), ``environments.py`` / ``env_rollout.py`` (multi-turn environments), ``examples.py`` (the
+``calc`` tool and the ``guess_number`` game of the example configs).
+"""
