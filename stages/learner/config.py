@@ -126,9 +126,14 @@ class LearnerConfig:
     batch_size: int = _f(64, "samples per optimizer step, over all ranks", min=1)
     train_micro_batch: int = _f(8, "samples per backward pass", min=1)
     forward_micro_batch: int = _f(16, "samples per no-grad pass", min=1)
-    max_tokens_per_micro_batch: int = _f(0, "padded tokens per micro-batch (0: no limit)", min=0)
+    max_tokens_per_micro_batch: int = _f(
+        0,
+        "padded tokens per micro-batch, prompt and every completion token (tool-inserted ones "
+        "too) counted (0: no limit)",
+        min=0,
+    )
     epochs: int = _f(1, "optimizer steps per batch (>1 reuses it: set loss.ppo_clip)", min=1)
-    max_lag: int = _f(4, "drop samples whose oldest token is more versions old", min=0)
+    max_lag: int = _f(4, "drop samples whose oldest sampled token is more versions old", min=0)
     temperature: float = _f(
         1.0, "the sampler's temperature (log-probs are taken under it)", min=1e-6
     )

@@ -18,7 +18,10 @@ The loss is a *sum* over the micro-batch divided by a step-wide ``denominator``
 full-batch loss whatever the micro-batch sizes: gradient accumulation gives the same gradient.
 Statistics come back as detached float64 *sums* (add them over micro-batches and ranks, then
 ``summarize``). Masked positions may hold anything, NaN and inf included: they are replaced
-before any arithmetic, so they reach neither the loss, the gradient nor the statistics.
+before any arithmetic, so they reach neither the loss, the gradient nor the statistics. The mask
+is that of the *trained* tokens: padding is masked, and so are the tokens of a multi-turn
+trajectory that a tool or an environment inserted (their sampler log-prob and version mean
+nothing); "tokens" and "length" below always mean trained tokens.
 
 Not here: advantages (``advantages.py``), forward passes and padding (``batching.py``), the
 optimizer, distributed reduction.
@@ -46,10 +49,12 @@ def loss_denominator(
 ) -> float:
     """What to pass as ``policy_loss(denominator=...)`` for one optimizer step.
 
-    ``lengths``: the completion lengths of *every* sample of the step (all micro-batches; all
-    ranks when the gradient is summed over ranks), or a completion mask ``[B, T]``.
-    ``sequence`` -> the number of samples; ``token`` -> the number of completion tokens. Never
-    below 1, so a step without tokens gives a zero loss rather than NaN.
+    ``lengths``: the trained (sampled) token counts of *every* sample of the step (all
+    micro-batches; all ranks when the gradient is summed over ranks), or a mask of trained
+    tokens ``[B, T]``. ``sequence`` -> the number of samples, those with no trained token
+    included (they add 0 to the loss, like a sample with a zero advantage, and the step's scale
+    stays that of its batch size); ``token`` -> the number of trained tokens. Never below 1, so a
+    step without tokens gives a zero loss rather than NaN.
     """
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.sum(-1) if lengths.dim() == 2 else lengths
@@ -77,9 +82,12 @@ def policy_loss(
     ``logp`` ``[B, T]``: the learner's log-probs of the completion tokens, with grad.
     ``sampler_logp``, ``old_logp`` (and ``ref_logp``) ``[B, T]``: treated as constants; for
     single-epoch training pass ``old_logp=logp.detach()``. ``advantages`` ``[B]``. ``mask``
-    ``[B, T]`` (bool or 0/1): real completion tokens. ``denominator``: see ``loss_denominator``.
+    ``[B, T]`` (bool or 0/1): the trained tokens, i.e. real completion tokens that the model
+    sampled (False for padding and for tool-inserted tokens). ``denominator``: see
+    ``loss_denominator``. With ``normalize: sequence`` each sequence is averaged over its
+    trained tokens; one without any adds exactly 0.
 
-    Stats: ``tokens``, ``sequences``, ``tis_clipped`` (real tokens with rho > C),
+    Stats: ``tokens`` (trained), ``sequences``, ``tis_clipped`` (trained tokens with rho > C),
     ``mis_dropped``, ``k3_mismatch`` (sum of ``exp(d) - d - 1``, ``d = sampler_logp -
     old_logp``), ``w_sum`` and ``w_sq_sum`` (sums of rho and rho^2, for the ESS),
     ``ppo_clipped`` (kept tokens whose clipped branch is the active one; with ``ppo_clip``),
@@ -138,7 +146,7 @@ def policy_loss(
             term = term + config.kl_coef * kl
 
     if config.normalize == "sequence":
-        lengths = mask.sum(-1).clamp(min=1).to(dtype)
+        lengths = mask.sum(-1).clamp(min=1).to(dtype)  # no trained token: 0 / 1, not 0 / 0
         total = (term.sum(-1) / lengths).sum()
     else:
         total = term.sum()

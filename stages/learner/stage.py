@@ -3,8 +3,10 @@
 Each replica is one rank of a DeepSpeed data-parallel group (the supervisor starts the ranks as a
 gang, see ``pipeline.supervisor``). Every rank takes whole groups from its own inbox until it
 holds its share of ``batch_size`` samples, computes group advantages, drops samples whose oldest
-token is more than ``max_lag`` versions old (counted), and runs one step in a worker thread
-(``trainer.py``) so that its event loop keeps the heartbeat and the inbox going meanwhile.
+sampled token is more than ``max_lag`` versions old (counted), and runs one step in a worker
+thread (``trainer.py``) so that its event loop keeps the heartbeat and the inbox going meanwhile.
+A multi-turn sample's ``loss_mask`` (tokens sampled by the model vs inserted by a tool) and its
+own ``prompt_ids`` (overriding the group's) are read when present (``_sample_arrays``).
 
 Rank 0 also runs the weight publisher (``publishing.py``) and the evaluation (``evaluate.py``).
 After every ``publish.every`` steps it takes a CPU snapshot of the weights (a collective gather
@@ -316,11 +318,14 @@ class Learner:
         await self.publishing.publish(weights, self.version)
 
     def _fresh(self, samples: list[TrainSample]) -> list[TrainSample]:
-        """Drop (and count) samples whose oldest token is more than ``max_lag`` versions old."""
+        """Drop (and count) samples whose oldest *sampled* token is more than ``max_lag``
+        versions old. Inserted tokens have no version (-1) and are not looked at; a sample
+        without any sampled token is never stale (it trains nothing)."""
         current = self.step // self.config.publish.every + self.offset
         kept = []
         for s in samples:
-            if current - int(s.versions.min()) <= self.config.max_lag:
+            versions = s.sampled_versions
+            if not versions.size or current - int(versions.min()) <= self.config.max_lag:
                 kept.append(s)
             else:
                 self.counts["stale"] += 1
@@ -369,17 +374,7 @@ class Learner:
             prompt = np.asarray(group["prompt_ids"], dtype=np.int64)
             items = group["samples"]
             rewards = torch.tensor([float(s["reward"]) for s in items], dtype=torch.float32)
-            rows = []
-            for s in items:
-                ids = np.asarray(s["completion_ids"], dtype=np.int64)
-                lp = np.asarray(s["sampler_logprobs"], dtype=np.float32)
-                versions = np.asarray(s["versions"], dtype=np.int64)
-                if not (len(ids) == len(lp) == len(versions)) or len(ids) == 0:
-                    raise ValueError(
-                        "completion_ids, sampler_logprobs and versions differ "
-                        "in length (or are empty)"
-                    )
-                rows.append((ids, lp, versions))
+            rows = [_sample_arrays(s, prompt) for s in items]
         except (KeyError, TypeError, ValueError) as exc:
             self.counts["bad_groups"] += 1
             self.log.warning("group_dropped", group_id=group.get("group_id"), reason=str(exc))
@@ -400,8 +395,18 @@ class Learner:
             std_normalize=cfg.advantage.std_normalize,
         )
         samples = [
-            TrainSample(prompt, ids, lp, versions, a, r, origin, int(s.get("sample_index", i)))
-            for i, ((ids, lp, versions), a, r, s) in enumerate(
+            TrainSample(
+                own_prompt,
+                ids,
+                lp,
+                versions,
+                a,
+                r,
+                origin,
+                int(s.get("sample_index", i)),
+                loss_mask=mask,
+            )
+            for i, ((own_prompt, ids, lp, versions, mask), a, r, s) in enumerate(
                 zip(rows, advantages.tolist(), rewards.tolist(), items, strict=True)
             )
         ]
@@ -589,6 +594,41 @@ class Learner:
         if self.evaluator is not None:
             await self.evaluator.close()
         await asyncio.to_thread(self.trainer.close)
+
+
+def _sample_arrays(
+    sample: dict[str, Any], group_prompt: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """One scored sample's ``(prompt, completion, sampler log-probs, versions, loss mask)``.
+
+    ``prompt_ids`` of the sample (a rollout that rendered its own context) replaces the group's.
+    ``loss_mask`` (1 = sampled by the model, 0 = inserted by a tool or an environment) is
+    optional: absent, None, or all ones means every token was sampled (then None here). Raises
+    ``ValueError`` (or ``KeyError``, ``TypeError``) naming what is malformed.
+    """
+    own = sample.get("prompt_ids")
+    prompt = group_prompt if own is None else np.asarray(own, dtype=np.int64)
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError("prompt_ids is empty (or not a flat list): a sample needs a context")
+    ids = np.asarray(sample["completion_ids"], dtype=np.int64)
+    lp = np.asarray(sample["sampler_logprobs"], dtype=np.float32)
+    versions = np.asarray(sample["versions"], dtype=np.int64)
+    if not (len(ids) == len(lp) == len(versions)) or len(ids) == 0:
+        raise ValueError(
+            "completion_ids, sampler_logprobs and versions differ in length (or are empty)"
+        )
+    raw = sample.get("loss_mask")
+    if raw is None:
+        return prompt, ids, lp, versions, None
+    flags = np.asarray(raw)
+    if flags.shape != ids.shape:
+        raise ValueError(
+            f"loss_mask has {flags.size} entries, completion_ids {len(ids)}: one per token"
+        )
+    if not np.isin(flags, (0, 1)).all():
+        raise ValueError("loss_mask holds values other than 0 (inserted) and 1 (sampled)")
+    mask = flags.astype(bool)
+    return prompt, ids, lp, versions, None if mask.all() else mask
 
 
 def _slots_of(group: Any) -> list[tuple[Any, Any, int]]:

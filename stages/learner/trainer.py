@@ -13,6 +13,12 @@ micro-batch's loss divided by the step-wide denominator so that the accumulated 
 whole batch's; then one ``engine.step()`` (``managed_gradient_accumulation: false``: the step is
 the accumulation boundary). A non-finite loss anywhere skips the step on every rank (counted).
 
+Multi-turn samples (``TrainSample.loss_mask``): forward passes run over the whole sequence, and
+micro-batch sizes and token budgets count it whole (inserted tokens are context); the loss, its
+statistics, the entropy and the lag read only the sampled tokens. ``normalize: token`` divides by
+the step's sampled tokens; ``normalize: sequence`` by its samples, those with no sampled token
+included (they add 0, as a sample with a zero advantage does).
+
 DeepSpeed's C++ ops: DeepSpeed JIT-compiles an op (``torch.utils.cpp_extension``, tens of seconds)
 the first time something asks for it. Its communication backend asks for the shared-memory
 all-reduce ``deepspeed_shm_comm`` in every process group it makes, although that op serves only
@@ -60,20 +66,57 @@ __all__ = [
     "extension_dir",
     "import_deepspeed",
     "lr_factor",
+    "sample_lags",
     "skip_unused_deepspeed_ops",
+    "token_counts",
 ]
 
 
 @dataclass
 class TrainSample:
+    """One sample of a step: its context, its trajectory, and which of its tokens are trained.
+
+    ``loss_mask`` (bool, one per completion token; None = every token) marks the tokens the
+    model sampled: only they are trained, and only their ``sampler_logprobs`` and ``versions``
+    mean anything. The others were inserted by a tool or an environment: context for the
+    forward pass (and counted in micro-batch token budgets), nothing else.
+    """
+
     prompt_ids: np.ndarray  # int
     completion_ids: np.ndarray  # int
     sampler_logprobs: np.ndarray  # float32, one per completion token
-    versions: np.ndarray  # int32, one per completion token
+    versions: np.ndarray  # int, one per completion token (-1 where inserted)
     advantage: float
     reward: float
     origin: int = 0  # which received group it came from (the learner acknowledges groups)
     index: int = 0  # its sample_index in that group
+    loss_mask: np.ndarray | None = None  # bool, one per completion token; None: all sampled
+
+    @property
+    def sampled(self) -> np.ndarray:
+        """Bool mask of the completion tokens the model sampled (the trained ones)."""
+        if self.loss_mask is None:
+            return np.ones(len(self.completion_ids), dtype=bool)
+        return np.asarray(self.loss_mask, dtype=bool)
+
+    @property
+    def sampled_versions(self) -> np.ndarray:
+        """The policy versions of the sampled tokens (inserted tokens have none)."""
+        versions = np.asarray(self.versions)
+        return versions if self.loss_mask is None else versions[self.sampled]
+
+
+def sample_lags(samples: list[TrainSample], policy_version: int) -> np.ndarray:
+    """Lag in versions of every sampled token of ``samples`` (int64; inserted tokens: none)."""
+    if not samples:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([policy_version - s.sampled_versions.astype(np.int64) for s in samples])
+
+
+def token_counts(samples: list[TrainSample]) -> tuple[int, int]:
+    """``(sampled, inserted)`` completion tokens of ``samples``."""
+    sampled = sum(int(s.sampled.sum()) for s in samples)
+    return sampled, sum(len(s.completion_ids) for s in samples) - sampled
 
 
 def _device(config: LearnerConfig) -> torch.device:
@@ -268,7 +311,11 @@ class Trainer:
     def step(self, samples: list[TrainSample], policy_version: int) -> dict[str, Any]:
         """One optimizer step (``epochs`` of them when a batch is reused) over ``samples``.
 
-        ``samples`` are this rank's share. Returns metrics over all ranks.
+        ``samples`` are this rank's share. Returns metrics over all ranks: ``samples``, ``tokens``
+        (the sampled, trained completion tokens: what ``normalize: token`` divides by) and
+        ``inserted_tokens`` (tool/environment tokens: context only); ``lag_mean``/``lag_max``
+        over sampled tokens; the loss statistics (``summarize``) and ``entropy`` per sampled
+        token.
         """
         cfg = self.config
         started = time.perf_counter()
@@ -286,8 +333,12 @@ class Trainer:
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
         mbs = micro_batches(lengths, cfg.train_micro_batch, cfg.max_tokens_per_micro_batch or None)
         agreed = self._agree_max(len(mbs))
-        n_tokens = sum(len(s.completion_ids) for s in samples)
-        total_seqs, total_tokens = self._all_reduce([len(samples), n_tokens])
+        # Sequence normalization counts every sample, those without a sampled token too (they
+        # add 0, like a zero advantage): the step's scale does not depend on what tools wrote.
+        n_tokens, n_inserted = token_counts(samples)
+        total_seqs, total_tokens, total_inserted = self._all_reduce(
+            [len(samples), n_tokens, n_inserted]
+        )
         total = total_seqs if cfg.loss.normalize == "sequence" else total_tokens
         # DeepSpeed averages gradients over ranks: scale so the result is the global sum / total
         denominator = max(total, 1.0) / self.world
@@ -321,11 +372,7 @@ class Trainer:
         keys = sorted(sums)
         reduced = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
         rewards = [s.reward for s in samples]
-        lags = (
-            np.concatenate([policy_version - s.versions.astype(np.int64) for s in samples])
-            if samples
-            else np.zeros(0)
-        )
+        lags = sample_lags(samples, policy_version)
         r_sum, r_correct, lag_sum, lag_n, ent = self._all_reduce(
             [
                 sum(rewards),
@@ -340,6 +387,7 @@ class Trainer:
         metrics: dict[str, Any] = {
             "samples": int(total_seqs),
             "tokens": int(total_tokens),
+            "inserted_tokens": int(total_inserted),
             "reward": r_sum / max(total_seqs, 1),
             "solved": r_correct / max(total_seqs, 1),
             "lag_mean": lag_sum / max(lag_n, 1),
@@ -371,8 +419,11 @@ class Trainer:
         logp, entropy = completion_logprobs(
             self.engine, batch, with_entropy=True, temperature=cfg.temperature
         )
-        mask = batch.completion_mask
-        width = mask.shape[1]
+        width = batch.completion_mask.shape[1]
+        # trained: real completion tokens that the model sampled (not padding, not inserted)
+        mask = batch.completion_mask & _padded_mask([s.sampled for s in part], width).to(
+            self.device
+        )
         sampler = _padded([np.asarray(s.sampler_logprobs) for s in part], width)
         sampler = sampler.to(self.device, logp.dtype)
         old = logp.detach() if old_lp is None else _padded([old_lp[i] for i in idx], width)
@@ -388,7 +439,7 @@ class Trainer:
             denominator=denominator,
             ref_logp=None if ref is None else ref.to(self.device, logp.dtype),
         )
-        ent = float(torch.where(mask.bool(), entropy, 0.0).sum()) if entropy is not None else 0.0
+        ent = float(torch.where(mask, entropy, 0.0).sum()) if entropy is not None else 0.0
         return loss, stats, ent
 
     def _discard_gradients(self) -> None:
@@ -620,6 +671,15 @@ def extension_dir(name: str) -> Path:
 def _padded(rows: list[np.ndarray] | list[torch.Tensor], width: int) -> torch.Tensor:
     """Per-token values ``[B, width]`` float32, right-padded with 0 (filled in numpy: fast)."""
     out = np.zeros((len(rows), width), dtype=np.float32)
+    for i, row in enumerate(rows):
+        n = min(len(row), width)
+        out[i, :n] = row[:n]
+    return torch.from_numpy(out)
+
+
+def _padded_mask(rows: list[np.ndarray], width: int) -> torch.Tensor:
+    """Per-token flags ``[B, width]`` bool, right-padded with False."""
+    out = np.zeros((len(rows), width), dtype=bool)
     for i, row in enumerate(rows):
         n = min(len(row), width)
         out[i, :n] = row[:n]

@@ -17,7 +17,7 @@ import pytest
 
 from stages.rollouts.api import RolloutConfig, RolloutContext, RolloutEngine
 from stages.rollouts.trajectory import Trajectory
-from tests.stages.test_generator_groups import G, NEW_TOKENS, Proxy, engine, generate, prompts
+from tests.stages.test_generator_groups import NEW_TOKENS, G, Proxy, engine, generate, prompts
 
 __all__ = ["engine"]  # the module-scoped engine fixture, shared with the groups tests
 
