@@ -15,6 +15,7 @@ from typing import Any, Literal
 from stages.feeder.sources import SourceConfig
 from stages.hub import model_check
 from stages.learner.loss_config import LossConfig
+from stages.rollouts.api import RolloutConfig
 from stages.scorer.stage import RewardSpec
 
 __all__ = [
@@ -105,6 +106,13 @@ class EvalConfig:
     max_new_tokens: int = _f(64, "greedy decoding length", min=1)
     correct_at: float = _f(1.0, "a reward at least this counts as correct (accuracy)")
     concurrency: int = _f(64, "eval requests in flight", min=1)
+    rollout: RolloutConfig | None = field(
+        default=None,
+        metadata={
+            "doc": "play held-out prompts with this rollout, greedily (the generator's: share "
+            "it with a YAML anchor); default: one greedy completion each"
+        },
+    )
 
 
 @dataclass

@@ -128,7 +128,12 @@ class Learner:
                 from stages.learner.evaluate import Evaluator
 
                 self.evaluator = Evaluator(
-                    cfg.eval, prompts, tokenizer, self.log, api_key=engine_api_key(self.ctx)
+                    cfg.eval,
+                    prompts,
+                    tokenizer,
+                    self.log,
+                    api_key=engine_api_key(self.ctx),
+                    model=cfg.model,
                 )
             self._engines_task = asyncio.create_task(
                 self._engines_up(evaluate=evaluate and resumed is None and not live),

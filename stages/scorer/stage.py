@@ -39,7 +39,6 @@ from typing import Any
 
 from pipeline.stage import Port, StageContext
 from stages.hub import resolve_model, tokenizer_check
-from stages.rollouts.trajectory import final_turn
 from stages.schemas import (
     OPTIONAL_SAMPLE_FIELDS,
     ROLLOUT,
@@ -47,6 +46,7 @@ from stages.schemas import (
     SAMPLE_FIELDS,
     SCORED_GROUP,
 )
+from stages.scorer.arguments import reward_arguments
 from stages.scorer.runner import RewardRunner, resolve_reward
 from transport.message import Message
 
@@ -458,28 +458,10 @@ class Scorer:
         self, head: Mapping[str, Any], samples: list[Mapping[str, Any]]
     ) -> dict[str, list]:
         """The keyword lists every reward function gets, aligned with the completions."""
-        ids = [[int(t) for t in s["completion_ids"]] for s in samples]
-        meta = head.get("meta") or {}
-        prompt = meta.get("text")
+        prompt = (head.get("meta") or {}).get("text")
         if not isinstance(prompt, str):
             prompt = self.tokenizer.decode([int(t) for t in head["prompt_ids"]])
-        finals = [final_turn(i, s.get("loss_mask")) for i, s in zip(ids, samples, strict=True)]
-        kwargs: dict[str, list] = {
-            "prompts": [prompt] * len(samples),
-            "completions": self.tokenizer.batch_decode(finals, skip_special_tokens=True),
-            "completion_ids": ids,
-            "finish_reason": [s["finish_reason"] for s in samples],
-        }
-        if any(s.get("loss_mask") is not None for s in samples):  # trajectories
-            rollout = [dict(s.get("rollout") or {}) for s in samples]
-            kwargs["trajectories"] = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            kwargs["env_reward"] = [r.get("env_reward") for r in rollout]
-            kwargs["rollout"] = rollout
-        keys = dict.fromkeys(k for s in samples for k in (s.get("meta") or {}))
-        for key in keys:
-            if key not in kwargs:  # the scorer's own names come first
-                kwargs[key] = [(s.get("meta") or {}).get(key) for s in samples]
-        return kwargs
+        return reward_arguments(self.tokenizer, [prompt] * len(samples), samples)
 
     # ------------------------------------------------------------------- metrics
     def _totals(self) -> dict[str, Any]:

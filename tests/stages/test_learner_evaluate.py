@@ -233,3 +233,71 @@ def test_reward_functions_get_each_answers_finish_reason(
 
     result = asyncio.wait_for(scenario(), 60)
     assert asyncio.run(result)["accuracy"] == accuracy
+
+
+class Echo:
+    """A test environment: the answer is correct when the model's turn decodes to the
+    prompt's ``meta["answer"]``; two turns at most, ``w7`` between them; reward 1 on a match."""
+
+    def reset(self, prompt: dict[str, Any]) -> str:
+        self.answer, self.turns = prompt["meta"]["answer"], 0
+        return ""
+
+    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        self.turns += 1
+        solved = action.strip() == self.answer
+        return "w7", float(solved), solved or self.turns >= 2, {"solved": solved}
+
+
+def test_held_out_prompts_are_played_as_greedy_episodes_of_the_rollout(
+    model_dir: Path, engine_url: str
+) -> None:
+    """With eval.rollout, each prompt is one greedy episode: the first turn's greedy answer
+    decides it (a repeat of it on the second turn cannot change the verdict), and the result
+    says how many turns were played and how many were solved."""
+    from stages.rollouts.api import RolloutConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    log = structlog.get_logger()
+    n = 12
+    # the prompts' greedy first answers: half of them are made the answer to find
+    answers = _greedy_answers(engine_url, _prompts(n), tokenizer)
+    chosen = [a if i % 2 == 0 else "w63 w62 w61 w60" for i, a in enumerate(answers)]
+    rollout = RolloutConfig(
+        use="environment",
+        environment="tests.stages.test_learner_evaluate:Echo",
+        tokenizer=str(model_dir),
+        max_turns=4,
+    )
+    config = EvalConfig(
+        rewards=[RewardSpec(fn="env_reward")], max_prompts=n, max_new_tokens=4, rollout=rollout
+    )
+    evaluator = Evaluator(config, _prompts(n, chosen), tokenizer, log, model=str(model_dir))
+    result = asyncio.run(_evaluate(evaluator, [engine_url]))
+    assert result["failed"] == 0 and result["prompts"] == n
+    assert result["accuracy"] == pytest.approx(0.5) and result["solved"] == pytest.approx(0.5)
+    # solved ones end after one turn; the others play their second (last) turn
+    assert result["turns_mean"] == pytest.approx(1.5)
+    assert result["finish_reasons"] == {"done": n} and result["tool_use"] == 0.0
+
+
+def _greedy_answers(url: str, prompts: list[dict[str, Any]], tokenizer: Any) -> list[str]:
+    import json
+
+    answers = []
+    for i, p in enumerate(prompts):
+        body = json.dumps(
+            {
+                "input_ids": p["input_ids"],
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
+                "return_logprob": True,
+                "rid": f"probe/{i}",
+            }
+        ).encode()
+        request = urllib.request.Request(
+            url + "/generate", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            ids = json.loads(resp.read())["output_ids"]
+        answers.append(tokenizer.decode(ids, skip_special_tokens=True).strip())
+    return answers
