@@ -227,7 +227,7 @@ class Feeder:
         """For the ledger, when replica ``replica`` did not end cleanly: the prompts its next
         process would feed again (its saved state: positions from ``next`` up to ``reserved``
         not acknowledged; acknowledgements of the loop turn the process died in may be missing,
-        so this errs on the side of too many). None when there is no usable state file (nothing known)."""
+        so this errs on the side of too many). None when there is no usable state file."""
         try:
             state = json.loads(_state_file(run_dir, stage, replica).read_text())
             start, reserved = int(state["next"]), int(state.get("reserved", state["next"]))
