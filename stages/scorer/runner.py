@@ -2,10 +2,10 @@
 
 A reward function is user code: it may be slow, hang, crash the interpreter or use ``SIGALRM``
 (``math-verify`` does), none of which may stop the stage's event loop. ``RewardRunner`` keeps
-its own small pool of worker processes, each connected by a pipe, and sends every call (one
-function, one batch of completions) to an idle worker. The event loop waits on the pipe without
-blocking; a call that has not answered after ``timeout_s`` gets its worker killed and replaced
-(``concurrent.futures.ProcessPoolExecutor`` cannot cancel a running call, hence our own pool).
+a small pool of worker processes (``stages.workers.FunctionPool``, shared with tools) and sends
+every call (one function, one batch of completions) to an idle worker. The event loop waits on
+the pipe without blocking; a call that has not answered after ``timeout_s`` gets its worker
+killed and replaced (``concurrent.futures.ProcessPoolExecutor`` cannot cancel a running call).
 A call that raises, times out, kills its worker, returns the wrong number of values, or values
 that are not finite numbers gives those completions reward 0 with an ``error`` in their info; it
 is counted (``errors``, ``timeouts``), logged as ``reward_failed``, and scoring goes on.
@@ -25,33 +25,20 @@ when that server, and so the stage process, dies. Not here: decoding, grouping (
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import multiprocessing
-import os
 import pickle
-import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
-import structlog
-
-from pipeline.processes import kill_with_parent
-from pipeline.registry import PluginError, resolve
+from stages.workers import FunctionPool, Worker, resolve_function
 
 __all__ = ["RewardRunner", "resolve_reward"]
-
-_INLINE_SEND_BYTES = 64 * 1024  # bigger requests are written from a thread (the pipe may fill)
 
 
 def resolve_reward(name: str) -> Callable[..., Any]:
     """The reward function ``name`` names (entry point or dotted path); PluginError otherwise."""
-    fn = resolve("reward", name)
-    if not callable(fn):
-        raise PluginError(f"reward {name!r} resolved to {fn!r}, which is not callable")
-    return fn
+    return resolve_function("reward", name)
 
 
 # ---------------------------------------------------------------------------------- worker side
@@ -83,43 +70,14 @@ def _checked(values: Any, n: int) -> tuple[list[float | None], dict[int, str]] |
     return out, bad
 
 
-def _worker_main(conn: Connection, names: list[str]) -> None:
-    """A worker process: resolve the functions, then answer ``(name, pickled kwargs)`` calls."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the supervisor to handle
-    die_with_parent = kill_with_parent(os.getppid())
-    if die_with_parent is not None:
-        die_with_parent()
-    try:
-        functions = {name: resolve_reward(name) for name in names}
-    except Exception as exc:  # reported to the parent, which fails its setup with it
-        conn.send(("failed", str(exc)))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            name, payload = conn.recv()
-        except (EOFError, OSError):
-            return  # the runner closed the pipe or died
-        try:
-            kwargs = pickle.loads(payload)
-            checked = _checked(functions[name](**kwargs), len(kwargs["completions"]))
-            reply = ("ok", checked) if isinstance(checked, tuple) else ("error", checked)
-        except Exception as exc:
-            reply = ("error", f"{type(exc).__name__}: {exc}")
-        conn.send(reply)
+def _score_batch(fn: Callable[..., Any], payload: bytes) -> Any:
+    """The pool's adapter (runs in a worker): call ``fn`` on the pickled keyword lists; the
+    checked values, or a string saying why they are unusable."""
+    kwargs = pickle.loads(payload)
+    return _checked(fn(**kwargs), len(kwargs["completions"]))
 
 
 # ---------------------------------------------------------------------------------- parent side
-class _WorkerLost(Exception):
-    pass
-
-
-@dataclass(eq=False)
-class _Worker:
-    proc: Any  # multiprocessing.process.BaseProcess
-    conn: Connection
-
-
 @dataclass
 class _Outcome:
     """What one call of one function gave for a batch."""
@@ -151,21 +109,20 @@ class RewardRunner:
         names = [name for name, _ in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"reward functions are listed more than once: {names}")
-        if workers < 1 or timeout_s <= 0:
-            raise ValueError(f"need workers >= 1 and timeout_s > 0 (got {workers}, {timeout_s})")
-        for name in names:
-            resolve_reward(name)  # fail here, in the stage's setup, not in a worker later
+        self._pool = FunctionPool(
+            "reward",
+            names,
+            workers=workers,
+            timeout_s=timeout_s,
+            adapter=_score_batch,
+            label="reward",
+            start_timeout_s=start_timeout_s,
+            log=log,
+        )
         self.specs = [(name, float(weight)) for name, weight in specs]
         self.workers, self.timeout_s, self.start_timeout_s = workers, timeout_s, start_timeout_s
-        self.log = log if log is not None else structlog.get_logger("scorer")
-        self.counts = {"calls": 0, "errors": 0, "timeouts": 0, "restarts": 0}
-        methods = multiprocessing.get_all_start_methods()
-        self._mp = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-        self._idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
-        self._all: set[_Worker] = set()
-        self._replacing: set[asyncio.Task] = set()
-        self._failure: str | None = None
-        self._closed = False
+        self.log = self._pool.log
+        self._bad_results = 0  # calls that returned unusable values (the pool saw them as ok)
 
     async def __aenter__(self) -> RewardRunner:
         await self.start()
@@ -174,18 +131,25 @@ class RewardRunner:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """``calls``, ``errors`` (raised, died, or unusable values), ``timeouts``, ``restarts``."""
+        pool = self._pool.counts
+        errors = pool["errors"] + pool["lost"] + self._bad_results
+        return {
+            "calls": pool["calls"],
+            "errors": errors,
+            "timeouts": pool["timeouts"],
+            "restarts": pool["restarts"],
+        }
+
+    @property
+    def _all(self) -> set[Worker]:
+        return self._pool.live
+
     async def start(self) -> None:
         """Start the workers; raises PluginError when a worker cannot resolve a function."""
-        started = await asyncio.gather(
-            *(self._start_worker() for _ in range(self.workers)), return_exceptions=True
-        )
-        failed = [r for r in started if isinstance(r, BaseException)]
-        for worker in started:
-            if isinstance(worker, _Worker):
-                self._idle.put_nowait(worker)
-        if failed:
-            await self.aclose()
-            raise failed[0]
+        await self._pool.start()
 
     async def score(self, kwargs: Mapping[str, Any], **context: Any) -> list[tuple[float, dict]]:
         """``(reward, info)`` per completion of ``kwargs["completions"]``.
@@ -220,51 +184,25 @@ class RewardRunner:
         return scored
 
     def stats(self) -> dict[str, int]:
-        return {**self.counts, "workers_idle": self._idle.qsize()}
+        return {**self.counts, "workers_idle": self._pool.idle()}
 
     async def aclose(self) -> None:
         """Kill every worker (a reward function has nothing to save) and wait for them."""
-        self._closed = True
-        for task in self._replacing:
-            task.cancel()
-        await asyncio.gather(*self._replacing, return_exceptions=True)
-        workers, self._all = list(self._all), set()
-        for worker in workers:
-            self._kill(worker)
-        await asyncio.gather(
-            *(asyncio.to_thread(w.proc.join, 5.0) for w in workers), return_exceptions=True
-        )
+        await self._pool.aclose()
 
     # ---------------------------------------------------------------- calls
     async def _call(
         self, name: str, payload: bytes, n: int, context: Mapping[str, Any]
     ) -> _Outcome:
-        worker = await self._idle.get()
-        if worker is None:  # the pool is broken: wake the next waiter too, then fail
-            self._idle.put_nowait(None)
-            raise RuntimeError(f"reward workers cannot be restarted: {self._failure}")
-        self.counts["calls"] += 1
-        try:
-            reply = await self._exchange(worker, (name, payload), self.timeout_s)
-        except asyncio.TimeoutError:
-            self.counts["timeouts"] += 1
-            self._replace(worker, "timeout")
-            return self._failed(name, n, f"timed out after {self.timeout_s} s", context)
-        except _WorkerLost as exc:
-            self.counts["errors"] += 1
-            self._replace(worker, "lost")
-            return self._failed(name, n, str(exc), context)
-        except BaseException:  # cancelled: the worker may be busy with it, so it cannot be reused
-            self._replace(worker, "interrupted")
-            raise
-        self._idle.put_nowait(worker)
-        status, result = reply
-        if status != "ok":
-            self.counts["errors"] += 1
-            return self._failed(name, n, result, context)
-        values, bad = result
+        reply = await self._pool.call(name, payload)
+        if not reply.ok:
+            return self._failed(name, n, reply.error, context)
+        if isinstance(reply.value, str):  # unusable as a whole (wrong length, not a list)
+            self._bad_results += 1
+            return self._failed(name, n, reply.value, context)
+        values, bad = reply.value
         if bad:
-            self.counts["errors"] += 1
+            self._bad_results += 1
             first = next(iter(bad.values()))
             self.log.warning("reward_failed", fn=name, error=first, completions=len(bad), **context)
         return _Outcome(values, bad)
@@ -272,86 +210,3 @@ class RewardRunner:
     def _failed(self, name: str, n: int, error: str, context: Mapping[str, Any]) -> _Outcome:
         self.log.warning("reward_failed", fn=name, error=error, completions=n, **context)
         return _Outcome([None] * n, error=error)
-
-    async def _exchange(self, worker: _Worker, request: Any, timeout: float) -> Any:
-        """Send ``request`` to ``worker`` (if any) and wait up to ``timeout`` s for its reply."""
-        if request is not None:
-            data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-            try:
-                if len(data) > _INLINE_SEND_BYTES:
-                    await asyncio.to_thread(worker.conn.send_bytes, data)
-                else:
-                    worker.conn.send_bytes(data)
-            except OSError as exc:
-                raise _WorkerLost(f"reward worker died ({exc})") from None
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        fd = worker.conn.fileno()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
-        try:
-            await asyncio.wait_for(readable, timeout)
-        finally:
-            loop.remove_reader(fd)
-        try:
-            return worker.conn.recv()  # a reply is small: the rest of it follows at once
-        except (EOFError, OSError):
-            worker.proc.join(1.0)
-            code = worker.proc.exitcode
-            raise _WorkerLost(f"reward worker died (exit code {code})") from None
-
-    # ---------------------------------------------------------------- workers
-    def _spawn(self) -> _Worker:
-        ours, theirs = self._mp.Pipe()
-        names = [name for name, _ in self.specs]
-        proc = self._mp.Process(
-            target=_worker_main, args=(theirs, names), name="reward-worker", daemon=True
-        )
-        proc.start()
-        theirs.close()
-        return _Worker(proc, ours)
-
-    async def _start_worker(self) -> _Worker:
-        worker = await asyncio.to_thread(self._spawn)  # the first start boots the forkserver
-        self._all.add(worker)
-        try:
-            status, detail = await self._exchange(worker, None, self.start_timeout_s)
-        except (asyncio.TimeoutError, _WorkerLost) as exc:
-            self._kill(worker)
-            raise RuntimeError(f"a reward worker did not start: {exc!r}") from None
-        except BaseException:
-            self._kill(worker)
-            raise
-        if status != "ready":
-            self._kill(worker)
-            raise PluginError(f"a reward worker cannot load the reward functions: {detail}")
-        return worker
-
-    def _kill(self, worker: _Worker) -> None:
-        self._all.discard(worker)
-        with contextlib.suppress(Exception):
-            worker.proc.kill()
-        with contextlib.suppress(Exception):
-            worker.conn.close()
-
-    def _replace(self, worker: _Worker, reason: str) -> None:
-        self._kill(worker)
-        if self._closed:
-            return
-        self.counts["restarts"] += 1
-        self.log.info("reward_worker_replaced", pid=worker.proc.pid, reason=reason)
-        task = asyncio.create_task(self._restart(worker))
-        self._replacing.add(task)
-        task.add_done_callback(self._replacing.discard)
-
-    async def _restart(self, old: _Worker) -> None:
-        await asyncio.to_thread(old.proc.join, 5.0)  # reap it
-        try:
-            worker = await self._start_worker()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._failure = str(exc)
-            self.log.error("reward_worker_restart_failed", error=str(exc))
-            self._idle.put_nowait(None)
-            return
-        self._idle.put_nowait(worker)
