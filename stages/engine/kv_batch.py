@@ -21,11 +21,14 @@ is moved (or the storage grown by doubling): amortized, one small copy every man
 
 Rows join after a prefill: the prefill's ``DynamicCache`` (left-padded, width ``W``) is copied
 into columns ``end-W..end-1`` of the new slots; identical prompts are prefilled once and copied
-into every slot that wants them. A row that leaves frees its slot by moving the last live row
-into it (its window only); columns that became padding in every row are dropped by moving
-``start``. The cache object handed to the model is a transformers ``DynamicCache`` whose layers
-are these slots, so any model that takes a ``DynamicCache`` works. Sliding-window and
-linear-attention layers are not supported.
+into every slot that wants them. Prefixes kept across requests (``prefix_cache``) leave a row
+as copies of its columns (``row_kv``) and come back as the past of a prefill (``past``: one
+left-padded cache of several rows' prefixes); such a prefill has padding between a row's prefix
+and its new tokens, which ``admit(columns=...)`` closes as it copies. A row that leaves frees
+its slot by moving the last live row into it (its window only); columns that became padding in
+every row are dropped by moving ``start``. The cache object handed to the model is a
+transformers ``DynamicCache`` whose layers are these slots, so any model that takes a
+``DynamicCache`` works. Sliding-window and linear-attention layers are not supported.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class BatchKV:
         self.layers: list[_SlotLayer] = []
         self._stores: list[torch.Tensor] = []  # [tensors, slots, heads, columns, head_dim]
         self._shapes: list[tuple[int, int, torch.dtype]] = []  # (heads, head_dim, dtype)
+        self._members: list[tuple[int, int]] = []  # tensor i = _stores[s][j]: (s, j)
         self.cache = DynamicCache()
         self.cache.layer_class_to_replicate = None
         self.row_start = torch.zeros(slots, dtype=torch.long, device=device)
@@ -125,12 +129,16 @@ class BatchKV:
         ids: torch.Tensor,
         lengths: torch.Tensor,
         source: torch.Tensor | None,
+        columns: torch.Tensor | None = None,
     ) -> tuple[int, int]:
         """Add the rows of a prefill; returns their slots ``(lo, hi)``.
 
         ``prefill`` and ``ids`` ([U, W]) hold U left-padded prompts; new row ``j`` takes prompt
         ``source[j]`` (all U in order when ``source`` is None), whose real length is
-        ``lengths[j]``. Their first sampled token goes in with ``set_pending``.
+        ``lengths[j]``. Their first sampled token goes in with ``set_pending``. ``columns``
+        ([U, W], optional): column ``c`` of prompt ``u`` is column ``columns[u, c]`` of the
+        prefill's keys and values (a prefill on top of cached prefixes has padding between
+        the prefix and the new tokens of a row; this closes it).
         """
         width = ids.shape[1]
         count = ids.shape[0] if source is None else source.shape[0]
@@ -148,7 +156,12 @@ class BatchKV:
         elif self.end - self.base < width:
             self._relayout(left=width)
         p = self.end - self.base
+        if columns is not None:
+            columns = columns[:, None, :, None]
         for layer, (keys, values, *_rest) in zip(self.layers, prefill, strict=True):
+            if columns is not None:
+                index = columns.expand(-1, keys.shape[1], -1, keys.shape[3])
+                keys, values = keys.gather(2, index), values.gather(2, index)
             if source is not None:
                 keys, values = keys.index_select(0, source), values.index_select(0, source)
             layer.k[lo:hi, :, p - width : p] = keys
@@ -203,6 +216,36 @@ class BatchKV:
             self.tokens.index_select(0, idx)[:, a:b].tolist(),
             self.logprobs.index_select(0, idx)[:, a:b].tolist(),
         )
+
+    # ---- prefixes kept across requests (prefix_cache) -----------------------------------
+
+    def row_kv(self, slot: int, first: int, last: int) -> list[torch.Tensor]:
+        """Keys and values of row ``slot`` over logical columns ``first..last-1``: one view per
+        store (``[tensors, heads, last-first, head_dim]``); copy what you keep."""
+        a, b = first - self.base, last - self.base
+        return [store[:, slot, :, a:b] for store in self._stores]
+
+    def past(self, rows: list[list[list[torch.Tensor]]], width: int) -> DynamicCache:
+        """A left-padded ``DynamicCache`` of ``width`` columns for a prefill on top of cached
+        prefixes: row ``r`` is the concatenation of the pieces ``rows[r]`` (each one tensor per
+        store, as ``row_kv`` gives them), right-aligned; padding is zeros."""
+        count = len(rows)
+        stores = [
+            store.new_zeros((store.shape[0], count, store.shape[2], width, store.shape[4]))
+            for store in self._stores
+        ]
+        for r, pieces in enumerate(rows):
+            column = width - sum(piece[0].shape[-2] for piece in pieces)
+            for piece in pieces:
+                n = piece[0].shape[-2]
+                for store, part in zip(stores, piece, strict=True):
+                    store[:, r, :, column : column + n] = part
+                column += n
+        views = [stores[s][j] for s, j in self._members]
+        cache = DynamicCache()
+        for i in range(len(views) // 2):
+            cache.update(views[2 * i], views[2 * i + 1], i)
+        return cache
 
     # ---- storage -----------------------------------------------------------------------
 
@@ -273,14 +316,16 @@ class BatchKV:
         for i, shape in enumerate(self._shapes):
             groups.setdefault(shape, []).append(i)
         views: list[torch.Tensor | None] = [None] * len(self._shapes)
+        self._members = [(0, 0)] * len(self._shapes)
         self._stores = []
         for (heads, dim, dtype), members in groups.items():
             store = torch.zeros(
                 (len(members), self.slots, heads, columns, dim), dtype=dtype, device=self.device
             )
-            self._stores.append(store)
             for j, i in enumerate(members):
                 views[i] = store[j]
+                self._members[i] = (len(self._stores), j)
+            self._stores.append(store)
         if not self.layers:
             self.layers = [
                 _SlotLayer(self, views[2 * i], views[2 * i + 1]) for i in range(len(views) // 2)

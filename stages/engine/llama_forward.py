@@ -7,8 +7,9 @@ bookkeeping, argument checks, output objects. For models built from the Llama de
 same arithmetic straight on the model's own tensors: each layer's q, k and v projections as one
 matmul, gate and up as one, attention as two batched matmuls. ``decode`` takes one token per row
 over the slot cache (``kv_batch.BatchKV``: keys and values go into its pending column, attention
-reads its views); ``prefill`` takes left-padded prompts and returns a ``DynamicCache`` of their
-keys and values, as ``model(...)`` would, for the slot cache to admit. The norms, the rotary
+reads its views); ``prefill`` takes left-padded prompts, optionally on top of the cached keys
+and values of their prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys
+and values, as ``model(...)`` would, for the slot cache to admit. The norms, the rotary
 embedding and the activation are the model's own modules, so their variants (rope scaling, norm
 details) stay exactly transformers'.
 
@@ -130,25 +131,38 @@ class LlamaForward:
         return F.linear(self.final_norm(h), self.lm_head.weight, self.lm_head.bias)
 
     def prefill(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        past: DynamicCache | None = None,
     ) -> tuple[DynamicCache, torch.Tensor]:
         """(keys and values of every layer, last-position logits ``[rows, vocab]``) of
-        left-padded prompts ``ids`` ``[rows, width]`` with ``mask`` 1 on real tokens."""
+        left-padded prompts ``ids`` ``[rows, width]`` with ``mask`` 1 on real tokens.
+
+        With ``past`` (``P`` columns of keys and values already computed, as ``model(...)``
+        takes ``past_key_values``), ``mask`` covers the past and the new tokens
+        (``[rows, P + width]``) and the returned cache holds both, as transformers returns it.
+        """
         rows, width = ids.shape
+        before = 0 if past is None else past.get_seq_length()
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         group = nh // nkv
         h = F.embedding(ids, self.embed.weight)
         cos, sin = self.rotary(h, positions)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [rows, width, 1, hd]
         # causal over real keys; a padding position sees itself (no empty softmax row)
-        causal = torch.ones((width, width), dtype=torch.bool, device=ids.device).tril()
-        eye = torch.eye(width, dtype=torch.bool, device=ids.device)
-        allowed = causal & (mask.bool()[:, None, :] | eye)  # [rows, query, key]
+        query = torch.arange(width, device=ids.device)[:, None] + before
+        key = torch.arange(before + width, device=ids.device)[None, :]
+        allowed = (key <= query) & (mask.bool()[:, None, :] | (key == query))  # [rows, q, k]
         blocked = ~allowed[:, None, None]  # [rows, 1, 1, query, key]
         cache = DynamicCache()
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin)  # [rows, width, heads, hd]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [rows, nkv, width, hd]
+            if past is not None:
+                k = torch.cat((past.layers[i].keys, k), 2)
+                v = torch.cat((past.layers[i].values, v), 2)
             cache.update(k, v, i)
             q = q.view(rows, width, nkv, group, hd).permute(0, 2, 3, 1, 4)
             scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))

@@ -91,6 +91,8 @@ class SequenceResult:
     weight_version: str
     output_token_weight_versions: list[str]
     output_token_logprobs: list[float] | None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cached_weight_version: str | None = None  # the version that computed that KV
     e2e_latency: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -206,7 +208,9 @@ def render_result(
         "finish_reason": result.finish_reason,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": len(result.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": result.cached_tokens,
+        # not SGLang's: the version whose weights computed the cached prefix (null: none)
+        "cached_weight_version": result.cached_weight_version,
         "weight_version": result.weight_version,
         "weight_versions": _version_spans(result.output_token_weight_versions),
         "output_token_weight_versions": result.output_token_weight_versions,

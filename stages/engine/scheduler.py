@@ -15,16 +15,30 @@ operations (``sampling.SlotSampler``); tokens and log-probs stay in per-row tens
 row finishes; Python touches a row only when it joins or leaves. Identical prompts admitted
 together (a group's samples) are prefilled once and their KV copied into every row.
 
+Prefix reuse (``prefix_cache``, on unless ``prefix_cache_tokens`` is 0): a row that finishes
+(stop, length or abort) leaves its prompt and output (all but the last sampled token, whose KV
+was never computed) with their KV in a bounded radix tree; an admitted context prefills only
+what follows its longest usable cached prefix, and reports it as ``cached_tokens``. The
+admitted contexts of one step are prefilled in as few passes as keep padding under half of
+each pass (sorted by the number of new tokens: a row with a long new part does not pad a batch
+of short turns to its width); a pass on top of cached prefixes takes them as past keys and
+values and its result is closed up into right-aligned rows (``BatchKV.admit(columns=...)``).
+Retracted rows and rows of a failed step are not kept (a retraction means "recompute").
+
 In-flight weight updates: ``apply_weights`` queues named tensors; the scheduler copies them
 into the model at the next step boundary. Running rows keep their KV cache (computed by the
 old weights) and go on; every token records the weight version live when it was sampled
 (kept as spans over the step clock: a version change is one entry, not one per token).
+Cached prefixes follow the same rule (``prefix_cache`` says it in full): KV of older weights is
+reused only by a request that continues a whole sequence served before (the next turn of an
+episode, as if it had kept running), never older than ``prefix_cache_max_age`` versions, and
+the response names the version it came from (``cached_weight_version``).
 
 Pause modes follow SGLang: ``abort`` (the default there) aborts everything in flight,
 ``retract`` drops the running rows' KV cache and puts them back in the queue (recomputed on
 continue), ``in_place`` just stops stepping and keeps the cache. Weight updates and aborts
-still run while paused. Not here: a prefix cache across requests, chunked prefill, preemption
-on memory pressure, speculative decoding.
+still run while paused. Not here: chunked prefill, preemption on memory pressure, speculative
+decoding.
 """
 
 from __future__ import annotations
@@ -45,12 +59,17 @@ from transformers import DynamicCache
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.model_weights import load_named_tensors
+from stages.engine.prefix_cache import Match, PrefixCache, Stamp
 from stages.engine.protocol import GenerateInput, SequenceResult
 from stages.engine.sampling import SlotSampler
 
-__all__ = ["PAUSE_MODES", "Scheduler"]
+__all__ = ["PAUSE_MODES", "PREFIX_CACHE_MAX_AGE", "PREFIX_CACHE_TOKENS", "Scheduler"]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+# Defaults of the prefix cache's bound (tokens held; a token costs 2 x layers x kv_heads x
+# head_dim x dtype bytes) and of the age of reusable KV (weight versions; see prefix_cache).
+PREFIX_CACHE_TOKENS = 32768
+PREFIX_CACHE_MAX_AGE = 2
 
 log = structlog.get_logger("stages.engine.scheduler")
 
@@ -133,6 +152,8 @@ class _Seq:
     """One sequence: its request, where its result goes, and where it lives in the batch."""
 
     __slots__ = (
+        "cached",
+        "cached_version",
         "done_ids",
         "done_logprobs",
         "done_versions",
@@ -141,7 +162,9 @@ class _Seq:
         "group",
         "index",
         "inp",
+        "kv_start",
         "slot",
+        "stamp",
         "started",
     )
 
@@ -159,6 +182,10 @@ class _Seq:
         self.done_versions: list[str] = []
         self.slot = -1  # row in the running batch, -1 while waiting
         self.first = 0  # logical column of this stint's first output token
+        self.kv_start = 0  # logical column of this stint's first context token
+        self.cached = 0  # prompt tokens taken from the prefix cache (last admission)
+        self.cached_version: str | None = None  # the version that computed them
+        self.stamp: Stamp | None = None  # the oldest weights in this row's KV
 
     @property
     def context(self) -> list[int]:
@@ -179,6 +206,8 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         admit_fraction: float = 0.25,
         fast_forward: bool = True,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
+        prefix_cache_max_age: int = PREFIX_CACHE_MAX_AGE,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
@@ -213,8 +242,16 @@ class Scheduler:
         # from clock _vkeys[i] on.
         self._vkeys: list[int] = [-1]
         self._vvals: list[str] = [self._version]
+        # Which weights computed a KV (prefix_cache.Stamp): the number of version changes.
+        self._version_index = 0
+        self._prefix = (
+            PrefixCache(prefix_cache_tokens, prefix_cache_max_age)
+            if prefix_cache_tokens > 0
+            else None
+        )
         self.steps = 0
         self.tokens_generated = 0
+        self.prefill_tokens = 0  # context tokens run through prefill passes (not from cache)
 
     # ---- thread-safe API -------------------------------------------------------------------
 
@@ -228,6 +265,19 @@ class Scheduler:
 
     def counts(self) -> dict[str, int]:
         return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        """The prefix cache's counters (``enabled`` false: there is none) and the prefill
+        tokens computed; ``token_hit_rate``: the share of admitted context tokens that came
+        from the cache."""
+        stats: dict[str, Any] = {"enabled": self._prefix is not None}
+        if self._prefix is not None:
+            stats.update(self._prefix.stats())
+        hit = stats.get("hit_tokens", 0)
+        total = hit + self.prefill_tokens
+        stats["prefill_tokens"] = self.prefill_tokens
+        stats["token_hit_rate"] = round(hit / total, 4) if total else 0.0
+        return stats
 
     def submit(self, inp: GenerateInput) -> Future[SequenceResult]:
         """Queue one sequence; the future resolves when it finishes or is aborted."""
@@ -283,6 +333,11 @@ class Scheduler:
     def set_weight_version(self, version: str | int) -> Future[None]:
         return self._call(lambda: self._set_version(str(version)))
 
+    def flush_prefix_cache(self) -> Future[int]:
+        """Drop every cached prefix (running rows keep their own KV); resolves to the number
+        of tokens dropped."""
+        return self._call(self._flush_prefixes)
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
@@ -333,7 +388,12 @@ class Scheduler:
                     self._wake.clear()
             self._drain()
             self._abort(set(), True, "engine shutting down")
-        log.info("scheduler_stopped", steps=self.steps, tokens=self.tokens_generated)
+        log.info(
+            "scheduler_stopped",
+            steps=self.steps,
+            tokens=self.tokens_generated,
+            prefix_cache=self.prefix_cache_stats(),
+        )
 
     def _submit(
         self, inputs: list[GenerateInput], *, single: bool, outbox: _Outbox | None = None
@@ -440,8 +500,22 @@ class Scheduler:
                 self._vvals.append(version)
             self._version = version
             self._prune_versions()
+            self._version_index += 1
+            if self._prefix is not None:
+                # Cached prefixes too old to be reused by anyone (prefix_cache: the policy).
+                dropped = self._prefix.age_out(self._version_index)
+                if dropped:
+                    log.debug("prefix_cache_aged_out", tokens=dropped, weight_version=version)
         if not quiet:
             log.debug("weight_version_set", weight_version=version)
+
+    def _flush_prefixes(self) -> int:
+        dropped = self._prefix.flush() if self._prefix is not None else 0
+        log.info("prefix_cache_flushed", tokens=dropped)
+        return dropped
+
+    def _stamp(self) -> Stamp:
+        return Stamp(self._version_index, self._version)
 
     def _fail_all(self, exc: Exception) -> None:
         seqs = list(self._waiting) + self._running
@@ -490,34 +564,54 @@ class Scheduler:
                 idx = unique[key] = len(contexts)
                 contexts.append(ctx)
             source.append(idx)
-        width = max(len(c) for c in contexts)
-        ids = torch.zeros((len(contexts), width), dtype=torch.long)
-        mask = torch.zeros((len(contexts), width), dtype=torch.long)
-        for row, ctx in enumerate(contexts):
-            ids[row, width - len(ctx) :] = torch.tensor(ctx)
-            mask[row, width - len(ctx) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
-        if self._fast is not None:
-            cache, logits = self._fast.prefill(ids, mask, positions)
-        else:
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=DynamicCache(),
-                use_cache=True,
-                logits_to_keep=1,
+        matches = [self._lookup(ctx) for ctx in contexts]
+        news = [len(c) - m.length for c, m in zip(contexts, matches, strict=True)]
+        self.prefill_tokens += sum(news)
+        for part in _passes(news):
+            where = {u: i for i, u in enumerate(part)}
+            members = [(s, where[u]) for s, u in zip(group, source, strict=True) if u in where]
+            self._prefill_pass(
+                [s for s, _ in members],
+                [contexts[u] for u in part],
+                [matches[u] for u in part],
+                [i for _, i in members],
             )
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
-        dup = len(contexts) < len(group)
-        src = torch.tensor(source, device=self.device) if dup else None
+
+    def _lookup(self, ctx: list[int]) -> Match:
+        if self._prefix is None:
+            return Match()
+        # The last token is always computed: its logits give the first sampled token.
+        return self._prefix.match(ctx, len(ctx) - 1, self._stamp())
+
+    def _prefill_pass(
+        self, group: list[_Seq], contexts: list[list[int]], matches: list[Match], source: list[int]
+    ) -> None:
+        """One forward pass over ``contexts``, each after its cached prefix ``matches[u]``;
+        ``group[j]`` takes context ``source[j]``."""
+        cached = [m.length for m in matches]
+        ids, mask, positions = _new_tokens(contexts, cached)
+        past, full, columns = None, ids, None
+        if max(cached):  # on top of cached prefixes: they come in as past keys and values
+            past = self._kv.past([m.pieces for m in matches], max(cached))
+            mask, full, columns = _on_prefixes(contexts, cached, mask)
+            columns = columns.to(self.device)
+        ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
+        cache, logits = self._forward_prefill(ids, mask, positions, past)
+        mapped = source != list(range(len(contexts)))  # shared contexts, or another order
+        src = torch.tensor(source, device=self.device) if mapped else None
         lengths = torch.tensor([len(contexts[i]) for i in source])
-        lo, hi = self._kv.admit(cache, ids, lengths, src)
+        lo, hi = self._kv.admit(cache, full, lengths, src, columns)
         end = self._kv.end
-        for offset, seq in enumerate(group):
+        live = self._stamp()
+        for offset, (seq, u) in enumerate(zip(group, source, strict=True)):
             seq.slot = lo + offset
             seq.first = end
+            seq.kv_start = end - len(contexts[u])
+            match = matches[u]
+            seq.cached = min(match.length, len(seq.inp.input_ids))
+            seq.cached_version = match.stamp.version if match.stamp is not None else None
+            # the row's KV is as old as the oldest KV in it: a reused prefix's, or this pass's
+            seq.stamp = match.stamp if match.stamp is not None else live
         self._running.extend(group)
         self._sampler.add(
             [s.inp.params for s in group],
@@ -530,6 +624,26 @@ class Scheduler:
         self._kv.set_pending(lo, hi, tokens, logprobs)
         self.tokens_generated += hi - lo
         self._check_finished(tokens, lo, hi, end)
+
+    def _forward_prefill(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        past: DynamicCache | None,
+    ) -> tuple[DynamicCache, torch.Tensor]:
+        """(keys and values of past + new tokens, last-position logits) of one prefill pass."""
+        if self._fast is not None:
+            return self._fast.prefill(ids, mask, positions, past)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=past if past is not None else DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.past_key_values, out.logits[:, -1, :]
 
     def _decode(self) -> None:
         kv = self._kv
@@ -598,9 +712,10 @@ class Scheduler:
 
     def _retire(self, rows: list[int], reasons: list[dict[str, Any]]) -> None:
         seqs = [self._running[r] for r in rows]
-        for seq, reason, (ids, lps, versions) in zip(
-            seqs, reasons, self._outputs(seqs), strict=True
-        ):
+        outputs = self._outputs(seqs)
+        if self._prefix is not None:
+            self._keep_prefixes(seqs, outputs)
+        for seq, reason, (ids, lps, versions) in zip(seqs, reasons, outputs, strict=True):
             self._finish(seq, reason, ids, lps, versions)
         holes, movers = self._kv.remove(rows)
         self._sampler.remove(holes, movers, rows)
@@ -609,6 +724,21 @@ class Scheduler:
             running[hole] = running[mover]
             running[hole].slot = hole
         del running[self._kv.rows :]
+
+    def _keep_prefixes(
+        self, seqs: Sequence[_Seq], outputs: list[tuple[list[int], list[float], list[str]]]
+    ) -> None:
+        """Leave the KV of finishing rows (still in their slots) to the prefix cache."""
+        assert self._prefix is not None
+        for seq, (ids, _, _) in zip(seqs, outputs, strict=True):
+            # Every token but the last sampled one has its KV in columns kv_start..end-1.
+            tokens = seq.inp.input_ids + ids[:-1]
+            slot, start = seq.slot, seq.kv_start
+
+            def kv_of(a: int, b: int, slot: int = slot, start: int = start) -> list[torch.Tensor]:
+                return self._kv.row_kv(slot, start + a, start + b)
+
+            self._prefix.insert(tokens, kv_of, seq.stamp or self._stamp())
 
     def _finish(
         self,
@@ -630,6 +760,8 @@ class Scheduler:
                 weight_version=self._version,
                 output_token_weight_versions=versions,
                 output_token_logprobs=logprobs,
+                cached_tokens=seq.cached,
+                cached_weight_version=seq.cached_version,
                 e2e_latency=round(time.perf_counter() - seq.started, 6),
             ),
         )
@@ -660,6 +792,73 @@ class Scheduler:
         oldest = min((s.first for s in self._running), default=self._kv.end)
         keep = max(0, bisect.bisect_right(self._vkeys, oldest) - 1)
         del self._vkeys[:keep], self._vvals[:keep]
+
+
+def _passes(news: list[int]) -> list[list[int]]:
+    """Contexts (by index) grouped into prefill passes: sorted by new tokens, a pass is cut
+    where taking the next context would make padding more than half of it. Each pass lists
+    its contexts in their first order."""
+    parts: list[list[int]] = []
+    part: list[int] = []
+    total = 0
+    for i in sorted(range(len(news)), key=news.__getitem__):
+        if part and (len(part) + 1) * news[i] > 2 * (total + news[i]):
+            parts.append(sorted(part))
+            part, total = [], 0
+        part.append(i)
+        total += news[i]
+    parts.append(sorted(part))
+    return parts
+
+
+def _new_tokens(
+    contexts: list[list[int]], cached: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, mask, positions) of what each context has after its cached prefix, left-padded."""
+    news = [len(c) - p for c, p in zip(contexts, cached, strict=True)]
+    width = max(news)
+    ids = torch.zeros((len(contexts), width), dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for row, (ctx, p, n) in enumerate(zip(contexts, cached, news, strict=True)):
+        ids[row, width - n :] = torch.tensor(ctx[p:])
+        mask[row, width - n :] = 1
+    positions = (torch.tensor(cached)[:, None] + mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+def _on_prefixes(
+    contexts: list[list[int]], cached: list[int], mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a pass on top of cached prefixes (``BatchKV.past``: right-aligned, ``max(cached)``
+    columns): the mask over past and new tokens, the whole contexts right-aligned (what the
+    rows hold once admitted), and ``_closing_columns``."""
+    before = max(cached)
+    offsets = torch.tensor(cached)
+    known = torch.arange(before)[None, :] >= (before - offsets)[:, None]
+    width = max(len(c) for c in contexts)
+    full = torch.zeros((len(contexts), width), dtype=torch.long)
+    for row, ctx in enumerate(contexts):
+        full[row, width - len(ctx) :] = torch.tensor(ctx)
+    news = torch.tensor([len(c) for c in contexts]) - offsets
+    columns = _closing_columns(offsets, news, before, mask.shape[1], width)
+    return torch.cat((known.long(), mask), 1), full, columns
+
+
+def _closing_columns(
+    cached: torch.Tensor, new: torch.Tensor, before: int, width: int, total_width: int
+) -> torch.Tensor:
+    """For each row of a pass on top of cached prefixes (past ``[rows, before]``, right-aligned
+    cached prefixes; new tokens ``[rows, width]``, left-padded), the column of past+new that
+    column ``c`` of the right-aligned whole context comes from (padding: some past
+    column, finite and masked)."""
+    total = cached + new
+    index = torch.arange(total_width)[None, :] - (total_width - total)[:, None]  # in the context
+    column = torch.where(
+        index < cached[:, None],
+        before - cached[:, None] + index,  # the cached prefix: right-aligned in the past
+        before + width - total[:, None] + index,  # the new tokens: right-aligned after it
+    )
+    return column.clamp(min=0)
 
 
 def _mask_kind(model: torch.nn.Module) -> str:

@@ -2,7 +2,8 @@
 
 Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu|cuda]
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--seed 0] [--weight-version 0]
-[--log-file PATH] [--api-key KEY] [--insecure]``
+[--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--log-file PATH] [--api-key KEY]
+[--insecure]``
 
 With an API key (``INFLIGHT_ENGINE_API_KEY`` in its environment, which is how the generator's
 launcher hands it over; or ``--api-key``, which ``ps`` shows) it answers as SGLang does with
@@ -13,12 +14,19 @@ refuses to start without a key unless ``--insecure`` is given.
 Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST /init_weights_update_group``,
 ``POST /update_weights_from_distributed``, ``POST /destroy_weights_update_group``,
-``POST /update_weight_version``, ``GET /health``, ``GET /model_info`` (also
-``/get_model_info``), ``GET /get_server_info``, ``GET /get_weight_version``. A malformed
+``POST /update_weight_version``, ``GET|POST /flush_cache``, ``GET /health``, ``GET /model_info``
+(also ``/get_model_info``), ``GET /get_server_info``, ``GET /get_weight_version``. A malformed
 request gets HTTP 400 with ``{"error": {"message": "<field>: <problem>"}}``; weight routes
 answer ``{"success": false, "message": ...}`` instead, as SGLang does. No streaming, no OpenAI
 routes. The model runs on the scheduler thread; this event loop only parses, waits and
 answers, so requests are accepted while a decode step runs.
+
+Prefix cache (``stages.engine.prefix_cache``; ``--prefix-cache-tokens 0`` turns it off): each
+response's ``meta_info.cached_tokens`` counts the prompt tokens served from it (SGLang's field)
+and ``cached_weight_version`` names the version that computed them; ``/get_server_info`` has its
+counters under ``prefix_cache``. ``/flush_cache`` empties it (running requests keep their own
+KV, so unlike SGLang it never refuses), as does ``update_weights_from_distributed`` with
+``flush_cache`` true (SGLang's default; the publisher sends false: in-flight updates keep it).
 """
 
 from __future__ import annotations
@@ -42,7 +50,12 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.protocol import RequestError, parse_generate, render_result
-from stages.engine.scheduler import PAUSE_MODES, Scheduler
+from stages.engine.scheduler import (
+    PAUSE_MODES,
+    PREFIX_CACHE_MAX_AGE,
+    PREFIX_CACHE_TOKENS,
+    Scheduler,
+)
 from transport.credit import sparse
 
 __all__ = ["build_app", "main"]
@@ -94,6 +107,8 @@ def build_app(
     app.router.add_post("/pause_generation", _pause)
     app.router.add_post("/continue_generation", _continue)
     app.router.add_post("/update_weight_version", _update_weight_version)
+    app.router.add_route("GET", "/flush_cache", _flush_cache)
+    app.router.add_post("/flush_cache", _flush_cache)
     app.router.add_post("/init_weights_update_group", weights.init_group)
     app.router.add_post("/update_weights_from_distributed", weights.update)
     app.router.add_post("/destroy_weights_update_group", weights.destroy_group)
@@ -264,6 +279,11 @@ async def _update_weight_version(request: web.Request) -> web.Response:
     )
 
 
+async def _flush_cache(request: web.Request) -> web.Response:
+    dropped = await asyncio.wrap_future(request.app[_SCHEDULER].flush_prefix_cache())
+    return web.Response(text=f"Cache flushed.\n{dropped} cached prefix tokens dropped.\n")
+
+
 # ---- weights ---------------------------------------------------------------------------------
 
 
@@ -326,6 +346,9 @@ class WeightRoutes:
             group = body.get("group_name", "weight_update_group")
             version = body.get("weight_version")
             load_format = body.get("load_format")
+            flush = body.get("flush_cache", True)  # SGLang's default
+            if not isinstance(flush, bool):
+                raise RequestError("flush_cache", f"expected true or false, got {flush!r}")
             if not all(isinstance(n, str) for n in names):
                 raise RequestError("names", "expected a list of strings")
             if not all(isinstance(d, str) for d in dtypes):
@@ -346,14 +369,16 @@ class WeightRoutes:
                 )
         except RequestError as exc:
             return _failure(str(exc))
-        # flush_cache is accepted and has nothing to flush: there is no prefix cache, and the
-        # running rows keep their KV cache on purpose (in-flight updates).
+        # flush_cache empties the prefix cache only: the running rows keep their KV cache on
+        # purpose (in-flight updates).
         try:
             async with self.lock:
                 tensors = await asyncio.to_thread(
                     receiver.receive, names, dtypes, shapes, load_format
                 )
                 await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
+                if flush:
+                    await asyncio.wrap_future(self.scheduler.flush_prefix_cache())
         except Exception as exc:
             log.exception("weights_update_failed", group=group, error=repr(exc))
             return _failure(f"update_weights_from_distributed failed: {exc}")
@@ -415,6 +440,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "decode_steps": scheduler.steps,
             "tokens_generated": scheduler.tokens_generated,
             "refused_requests": dict(request.app[_REFUSED]),
+            "prefix_cache": scheduler.prefix_cache_stats(),
             **scheduler.counts(),
         }
     )
@@ -520,6 +546,21 @@ def _parser() -> argparse.ArgumentParser:
         default=_MAX_BODY / 2**20,
         help="largest request body taken, in MiB (larger ones get 413)",
     )
+    parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=PREFIX_CACHE_TOKENS,
+        help="tokens of finished requests whose KV is kept for reuse by requests that start "
+        "with them (least recently used out first; a token costs 2 x layers x kv_heads x "
+        "head_dim x dtype bytes); 0 turns the prefix cache off",
+    )
+    parser.add_argument(
+        "--prefix-cache-max-age",
+        type=int,
+        default=PREFIX_CACHE_MAX_AGE,
+        help="cached KV more than this many weight versions old is dropped; older KV is reused "
+        "only by a request that continues a whole sequence served before (a next turn)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
@@ -548,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.max_running < 1:
         print("error: --max-running must be >= 1")
+        return 2
+    if args.prefix_cache_tokens < 0 or args.prefix_cache_max_age < 0:
+        print("error: --prefix-cache-tokens and --prefix-cache-max-age must be >= 0")
         return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     refusal = bind_error(args.host, api_key, insecure=args.insecure)
@@ -588,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         eos_token_ids=loaded.eos_token_ids,
         admit_fraction=args.admit_fraction,
         fast_forward=args.forward == "fast",
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        prefix_cache_max_age=args.prefix_cache_max_age,
     )
     holder["s"] = scheduler
     scheduler.start()
@@ -642,6 +688,8 @@ async def _serve(app: web.Application, args: argparse.Namespace, loaded: LoadedM
             max_running=args.max_running,
             forward=app[_SCHEDULER].forward_path,
             forward_fallback_reason=app[_SCHEDULER].forward_path_why,
+            prefix_cache_tokens=args.prefix_cache_tokens,
+            prefix_cache_max_age=args.prefix_cache_max_age,
             tokenizer=loaded.tokenizer is not None,
             threads=torch.get_num_threads(),
             api_key=_API_KEY in app,  # whether one is required, never the key

@@ -1,0 +1,317 @@
+"""Prefix reuse across requests: radix trees over token ids whose nodes hold keys and values.
+
+When a request finishes, the scheduler inserts its sequence (the prompt and every output token
+whose KV was computed: all but the last sampled one) with that KV. A new request's context is
+matched (longest prefix: one walk along its tokens, a dict look-up per node and one list
+comparison per edge, whatever the number of entries), and only the rest of it is prefilled, on
+top of the matched KV. This is what SGLang's radix cache does for a multi-turn episode: turn
+k+1 = turn k's input + output + a few inserted tokens prefills about the inserted tokens only.
+
+Storage. Each node holds the KV of its edge's tokens: one tensor per slot-store group of
+``kv_batch.BatchKV`` (token axis -2), its own copy, never a view of slot storage or of another
+node, so the tokens a node counts are the memory it holds. A prefix shared by several sequences
+(the samples of one prompt, a system prompt) is held once per tree; inserting a sequence that
+leaves an edge midway splits that node (both halves copied, so the old tensor is freed).
+
+Bound. At most ``max_tokens`` tokens are held in all. Eviction is least recently used, leaves
+first: ``_order`` lists every node of every tree oldest first, and a match or an insert
+refreshes the nodes it used deepest first, so a node is always newer than everything below it
+and the oldest node is always a leaf. Eviction pops from the front: O(1) a node.
+
+Weight versions (the policy). KV is labelled as tokens are: with the weight version live when
+it was computed (``Stamp``; a partly loaded weight set counts as the version before it, exactly
+as for the per-token versions). A sequence's KV depends on all of it, so a finished sequence is
+labelled with the *oldest* version in its KV, and each label has its own tree: the same tokens
+computed under different versions never share a node, so a path through a tree is always KV
+that one lineage of requests really had (a stale prefix and a fresh continuation are never
+spliced). Then:
+
+- KV of the live version (its tree) is reused for any prefix of a new request: it is what the
+  request would compute itself.
+- KV of an older version is reused only by a request that *continues* a whole sequence the
+  engine served (its context is that sequence and more: the next turn of an episode), up to the
+  end of that sequence (``terminal`` nodes). This is PipelineRL's rule for a sequence that runs
+  across an update (it keeps its stale KV and goes on): a multi-turn episode is one sequence
+  with pauses. A request that merely shares part of a stale sequence (a new sample of a prompt
+  seen before the update) is prefilled by the live weights, as it would be without a cache. The
+  response names the version the reused KV was computed with, and the continued sequence goes
+  back into the older tree (its KV is that old).
+- Trees more than ``max_age`` versions older than the live one are dropped (``age_out``, at
+  every version change). Reused stale KV is never older than the oldest sampled token of the
+  same episode (turn 1's prompt KV and its first token come from the same version), which the
+  learner bounds with ``max_lag``: ``max_age`` bounds how long stale entries hold memory, and
+  its default follows the default ``max_lag``.
+
+Two sequences of one label that share tokens share their KV (first writer wins), even when an
+update landed at different points of those tokens in each (it takes identical outputs; the
+difference is where a v/v+1 switch sits). Weights loaded with no version change keep the cache
+as they keep the per-token versions (the publisher labels every update; a client that sends
+neither a version nor ``flush_cache: false`` flushes). Not here: pinning (the scheduler copies
+matched KV into its slots at once, on the one thread that owns the trees, so nothing is evicted
+from under a user), merging nodes after eviction, a bound in bytes (``stats()`` reports them).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Match", "PrefixCache", "Stamp"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """The weights some KV was computed with: ``index`` counts version changes (the scheduler
+    advances it), ``version`` is the label."""
+
+    index: int
+    version: str
+
+
+@dataclass(slots=True)
+class Match:
+    """A context's longest usable cached prefix: ``length`` tokens whose KV is ``pieces`` (one
+    list of per-store tensors per node, in order), computed under ``stamp`` (None: no match)."""
+
+    length: int = 0
+    pieces: list[list[torch.Tensor]] = field(default_factory=list)
+    stamp: Stamp | None = None
+
+
+class _Node:
+    __slots__ = ("children", "kv", "parent", "stamp", "terminal", "tokens")
+
+    def __init__(
+        self, tokens: list[int], kv: list[torch.Tensor], stamp: Stamp, parent: _Node | None
+    ) -> None:
+        self.tokens = tokens  # this edge's token ids (a list: compared with list slices)
+        self.kv = kv
+        self.stamp = stamp  # its tree's
+        self.parent = parent  # None: a tree's root
+        self.children: dict[int, _Node] = {}  # keyed by the child's first token
+        self.terminal = False  # a whole served sequence ends with this node
+
+
+class PrefixCache:
+    """The trees, one per version label; every method runs on the scheduler thread
+    (``stats`` may be read from anywhere)."""
+
+    def __init__(self, max_tokens: int, max_age: int) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_age < 0:
+            raise ValueError(f"max_age must be >= 0, got {max_age}")
+        self.max_tokens = max_tokens
+        self.max_age = max_age
+        self._trees: dict[int, _Node] = {}  # stamp index -> root
+        self.live_index = 0  # as of the last age_out
+        self._order: collections.OrderedDict[_Node, None] = collections.OrderedDict()
+        self.tokens = 0
+        self.sequences = 0  # terminal nodes held
+        self.bytes_per_token = 0
+        self.lookups = self.hits = self.hit_tokens = self.stale_hits = 0
+        self.evictions = self.evicted_tokens = 0
+        self.aged_out_tokens = self.flushed_tokens = 0
+
+    # ---- matching ----------------------------------------------------------------------------
+
+    def match(self, tokens: list[int], limit: int, live: Stamp) -> Match:
+        """The longest usable cached prefix of ``tokens``, at most ``limit`` tokens long (see
+        the module docstring for which KV is usable); its nodes become the most recently used."""
+        self.lookups += 1
+        best: list[tuple[_Node, int]] = []
+        length = 0
+        for index, root in self._trees.items():
+            path = _walk(root, tokens, limit)
+            if index != live.index:  # older KV: up to the end of a sequence it continues
+                path = _continued(path, len(tokens))
+            reach = sum(k for _, k in path)
+            if reach > length or (reach == length and index == live.index):
+                best, length = path, reach
+        if not length:
+            return Match()
+        for node, _ in reversed(best):  # deepest first: parents stay newer than children
+            self._order.move_to_end(node)
+        stamp = best[0][0].stamp
+        self.hits += 1
+        self.hit_tokens += length
+        self.stale_hits += stamp.index != live.index
+        pieces = [n.kv if k == len(n.tokens) else [t[..., :k, :] for t in n.kv] for n, k in best]
+        return Match(length, pieces, stamp)
+
+    # ---- inserting ---------------------------------------------------------------------------
+
+    def insert(
+        self,
+        tokens: list[int],
+        kv_of: Callable[[int, int], list[torch.Tensor]],
+        stamp: Stamp,
+    ) -> int:
+        """Hold ``tokens`` (a whole served sequence whose oldest KV is ``stamp``'s) in the tree
+        of ``stamp``; ``kv_of(a, b)`` gives the KV of its tokens ``a..b-1`` (views; copied
+        here). Only the part not held yet is copied; a sequence longer than the bound is held up
+        to the bound (and then is not a whole sequence); one too old to be reused (it ran across
+        more than ``max_age`` versions) is not held. Returns the tokens newly held."""
+        if self.live_index - stamp.index > self.max_age:
+            return 0
+        whole = len(tokens) <= self.max_tokens
+        if not whole:
+            tokens = tokens[: self.max_tokens]
+        root = self._trees.get(stamp.index)
+        if root is None:
+            root = self._trees[stamp.index] = _Node([], [], stamp, None)
+        node, depth, added = root, 0, 0
+        touched: list[_Node] = []
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                kv = [t.clone() for t in kv_of(depth, len(tokens))]
+                child = _Node(tokens[depth:], kv, stamp, node)
+                node.children[tokens[depth]] = child
+                self._order[child] = None
+                added = len(child.tokens)
+                self.tokens += added
+                if not self.bytes_per_token:
+                    self.bytes_per_token = sum(t.nbytes for t in kv) // added
+            else:
+                k = _common(child.tokens, tokens, depth, len(tokens))
+                if k < len(child.tokens):
+                    child = self._split(child, k)
+            touched.append(child)
+            node, depth = child, depth + len(child.tokens)
+        if whole and node is not root and not node.terminal:
+            node.terminal = True
+            self.sequences += 1
+        for n in reversed(touched):
+            self._order.move_to_end(n)
+        self._evict()
+        return added
+
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Cut ``node`` after its first ``k`` tokens; returns the new upper half."""
+        parent = node.parent
+        assert parent is not None
+        kv = [t[..., :k, :].clone() for t in node.kv]
+        upper = _Node(node.tokens[:k], kv, node.stamp, parent)
+        node.tokens = node.tokens[k:]
+        node.kv = [t[..., k:, :].clone() for t in node.kv]
+        node.parent = upper
+        upper.children[node.tokens[0]] = node
+        parent.children[upper.tokens[0]] = upper
+        self._order[upper] = None  # newer than `node`, below it
+        return upper
+
+    # ---- dropping ----------------------------------------------------------------------------
+
+    def _evict(self) -> None:
+        while self.tokens > self.max_tokens:
+            node, _ = self._order.popitem(last=False)  # the oldest: always a leaf
+            self.evictions += 1
+            self.evicted_tokens += len(node.tokens)
+            parent = node.parent
+            self._detach(node)
+            if parent is not None and parent.parent is None and not parent.children:
+                del self._trees[parent.stamp.index]  # an empty tree
+
+    def age_out(self, live_index: int) -> int:
+        """Drop the trees more than ``max_age`` versions older than ``live_index``; returns
+        the tokens dropped."""
+        before = self.tokens
+        self.live_index = live_index
+        for index in [i for i in self._trees if live_index - i > self.max_age]:
+            root = self._trees.pop(index)
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                del self._order[node]
+                self.tokens -= len(node.tokens)
+                self.sequences -= node.terminal
+        dropped = before - self.tokens
+        self.aged_out_tokens += dropped
+        return dropped
+
+    def flush(self) -> int:
+        """Drop everything; returns the tokens dropped."""
+        dropped = self.tokens
+        self._trees.clear()
+        self._order.clear()
+        self.tokens = self.sequences = 0
+        self.flushed_tokens += dropped
+        return dropped
+
+    def _detach(self, node: _Node) -> None:
+        parent = node.parent
+        if parent is not None:
+            del parent.children[node.tokens[0]]
+        self.tokens -= len(node.tokens)
+        self.sequences -= node.terminal
+        node.kv, node.parent = [], None
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "max_tokens": self.max_tokens,
+            "max_age": self.max_age,
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "hit_rate": round(self.hits / self.lookups, 4) if self.lookups else 0.0,
+            "hit_tokens": self.hit_tokens,
+            "stale_hits": self.stale_hits,  # of an older version, by a continuation
+            "evictions": self.evictions,
+            "evicted_tokens": self.evicted_tokens,
+            "aged_out_tokens": self.aged_out_tokens,
+            "flushed_tokens": self.flushed_tokens,
+            "versions": len(self._trees),
+            "nodes": len(self._order),
+            "sequences": self.sequences,
+            "tokens": self.tokens,
+            "bytes": self.tokens * self.bytes_per_token,
+        }
+
+    def nodes(self) -> list[tuple[list[int], list[torch.Tensor], Stamp]]:
+        """(tokens, kv, stamp) of every node, oldest first (for tests and debugging)."""
+        return [(n.tokens, n.kv, n.stamp) for n in self._order]
+
+
+def _walk(root: _Node, tokens: list[int], limit: int) -> list[tuple[_Node, int]]:
+    """The nodes along ``tokens[:limit]`` from ``root``, each with how many of its tokens
+    matched (all but maybe the last's)."""
+    path: list[tuple[_Node, int]] = []
+    node, depth = root, 0
+    while depth < limit:
+        child = node.children.get(tokens[depth])
+        if child is None:
+            break
+        k = _common(child.tokens, tokens, depth, limit)
+        path.append((child, k))
+        if k < len(child.tokens):
+            break
+        node, depth = child, depth + k
+    return path
+
+
+def _continued(path: list[tuple[_Node, int]], total: int) -> list[tuple[_Node, int]]:
+    """``path`` cut after its deepest whole sequence that a context of ``total`` tokens
+    continues (goes on after)."""
+    depth, cut = 0, 0
+    for i, (node, k) in enumerate(path):
+        depth += k
+        if k == len(node.tokens) and node.terminal and depth < total:
+            cut = i + 1
+    return path[:cut]
+
+
+def _common(edge: list[int], tokens: Sequence[int], depth: int, limit: int) -> int:
+    """How many leading tokens of ``edge`` equal ``tokens[depth:limit]``."""
+    n = min(len(edge), limit - depth)
+    if edge[:n] == tokens[depth : depth + n]:  # the usual case: one comparison in C
+        return n
+    for i in range(n):
+        if edge[i] != tokens[depth + i]:
+            return i
+    return n

@@ -1,0 +1,512 @@
+"""Prefix reuse in the built-in engine (``stages.engine.prefix_cache``): the radix tree on its
+own, then the scheduler driven step by step (a next turn prefills only its new tokens and gives
+what a cold engine gives; batched admissions mixing hits and misses; reuse across a weight
+update; eviction and the memory bound; abort, retraction and a failed step), then one real
+server process (``cached_tokens``, ``/get_server_info``, ``/flush_cache``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from stages.engine.prefix_cache import PrefixCache, Stamp
+from stages.engine.protocol import GenerateInput, SamplingParams, SequenceResult
+from stages.engine.scheduler import Scheduler
+from tests.stages.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def _load(path: Path, attn: str = "sdpa") -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn
+    ).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return make_tiny_model(root / "a", seed=1), make_tiny_model(root / "b", seed=2)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+def _run(scheduler: Scheduler, *inputs: tuple[str, list[int], int]) -> list[SequenceResult]:
+    """Submit ``(rid, input_ids, max_new_tokens)`` together (greedy) and run them to the end."""
+    future = scheduler.submit_many(
+        [GenerateInput(r, ids, _greedy(n), True) for r, ids, n in inputs]
+    )
+    scheduler.run_until_idle()
+    return future.result(timeout=0)
+
+
+def _same(hit: SequenceResult, cold: SequenceResult) -> None:
+    assert hit.output_ids == cold.output_ids
+    torch.testing.assert_close(
+        torch.tensor(hit.output_token_logprobs), torch.tensor(cold.output_token_logprobs), **TOL
+    )
+
+
+def _record_prefills(scheduler: Scheduler) -> list[tuple[int, int]]:
+    """(rows, new-token width) of every prefill pass (fast path: decode passes are separate)."""
+    calls: list[tuple[int, int]] = []
+    fast = scheduler._fast
+    assert fast is not None
+    run = fast.prefill
+
+    def prefill(ids: torch.Tensor, *args: Any) -> Any:
+        calls.append(tuple(ids.shape))
+        return run(ids, *args)
+
+    fast.prefill = prefill  # type: ignore[method-assign]
+    return calls
+
+
+# ---- the tree on its own ---------------------------------------------------------------------
+
+
+def _kv_of(values: list[int]) -> Any:
+    """KV stand-in: one tensor [1, 1, L, 2] whose rows are the tokens' own values."""
+
+    def kv_of(a: int, b: int) -> list[torch.Tensor]:
+        t = torch.tensor(values[a:b], dtype=torch.float32)
+        return [torch.stack((t, -t), -1)[None, None]]
+
+    return kv_of
+
+
+def _joined(match: Any) -> list[int]:
+    return [int(x) for piece in match.pieces for x in piece[0][0, 0, :, 0]]
+
+
+@pytest.mark.timeout(10)
+def test_tree_matches_splits_and_evicts_the_least_recently_used_leaf() -> None:
+    live = Stamp(0, "0")
+    cache = PrefixCache(max_tokens=100, max_age=2)
+    a = [1, 2, 3, 4, 5, 6]
+    b = [1, 2, 3, 9, 9]
+    cache.insert(a, _kv_of([10 * t for t in a]), live)
+    cache.insert(b, _kv_of([10 * t for t in b]), live)  # splits a's node after 3 tokens
+    assert cache.stats()["tokens"] == 6 + 2 and cache.stats()["nodes"] == 3
+    assert all(t.untyped_storage().nbytes() == t.nbytes for _, kv, _ in cache.nodes() for t in kv)
+
+    m = cache.match([1, 2, 3, 4, 5, 6, 7], 6, live)  # longest match, through the split
+    assert m.length == 6 and _joined(m) == [10, 20, 30, 40, 50, 60] and m.stamp == live
+    m = cache.match([1, 2, 3, 4, 5, 6], 5, live)  # capped by the limit, mid-edge
+    assert m.length == 5 and _joined(m) == [10, 20, 30, 40, 50]
+    m = cache.match([1, 2, 3, 9, 8], 4, live)
+    assert m.length == 4 and _joined(m) == [10, 20, 30, 90]
+    assert cache.match([7, 1, 2], 2, live).length == 0
+    cache.match([1, 2, 3, 4, 5, 6, 7], 6, live)  # a's path is now newer than b's leaf
+
+    cache.max_tokens = 7
+    assert cache.insert([1, 2, 3, 4], _kv_of([0] * 4), live) == 0  # held already
+    stats = cache.stats()
+    assert stats["tokens"] == 6 and stats["evictions"] == 1 and stats["evicted_tokens"] == 2
+    assert cache.match([1, 2, 3, 9, 9, 9], 5, live).length == 3  # b's leaf went
+    m = cache.match([1, 2, 3, 4, 5, 6, 7], 6, live)
+    assert m.length == 6 and _joined(m) == [10, 20, 30, 40, 50, 60]  # its KV, split twice
+    stats = cache.stats()
+    assert stats["lookups"] == 7 and stats["hits"] == 6
+    assert stats["hit_tokens"] == 6 + 5 + 4 + 6 + 3 + 6
+
+
+@pytest.mark.timeout(10)
+def test_tree_reuses_older_kv_only_for_a_continuation_and_ages_it_out() -> None:
+    old, live = Stamp(0, "0"), Stamp(1, "1")
+    cache = PrefixCache(max_tokens=100, max_age=1)
+    seq = [5, 6, 7, 8]
+    cache.insert(seq, _kv_of(seq), old)
+    assert cache.match([*seq, 1, 2], 5, old).length == 4  # its own version: any prefix
+    assert cache.match([5, 6, 7], 2, old).length == 2
+    m = cache.match([*seq, 1, 2], 5, live)  # older: a continuation of the whole sequence
+    assert m.length == 4 and m.stamp == old
+    assert cache.match([5, 6, 7], 2, live).length == 0  # older, and only part of it
+    assert cache.match(seq, 3, live).length == 0  # the sequence itself continues nothing
+    assert cache.stats()["stale_hits"] == 1
+
+    # the same tokens computed by the live weights: their own tree, preferred
+    cache.insert(seq, _kv_of([-t for t in seq]), live)
+    m = cache.match([*seq, 1], 4, live)
+    assert m.stamp == live and _joined(m) == [-5, -6, -7, -8]
+    assert cache.stats()["versions"] == 2 and cache.stats()["tokens"] == 8
+
+    assert cache.age_out(1) == 0  # one version old: kept
+    assert cache.age_out(2) == 4  # two: its tree goes
+    assert cache.insert([1, 2], _kv_of([1, 2]), old) == 0  # too old to be held at all
+    stats = cache.stats()
+    assert stats["tokens"] == 4 and stats["aged_out_tokens"] == 4 and stats["versions"] == 1
+    assert cache.flush() == 4 and cache.stats()["tokens"] == 0
+
+
+# ---- the scheduler ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_next_turns_prefill_only_new_tokens_and_match_a_cold_engine(
+    models: tuple[Path, Path], attn: str, fast: bool
+) -> None:
+    hot = Scheduler(_load(models[0], attn), max_running=4, fast_forward=fast)
+    cold = Scheduler(
+        _load(models[0], attn), max_running=4, fast_forward=fast, prefix_cache_tokens=0
+    )
+    context = [7, 8, 9, 10, 11, 12]
+    for turn, inserted in enumerate([[], [40, 41, 42], [50, 51, 52, 53, 54, 55, 56]]):
+        context = context + inserted
+        before = hot.prefix_cache_stats()["prefill_tokens"]
+        (hit,) = _run(hot, (f"t{turn}", context, 9))
+        (ref,) = _run(cold, (f"t{turn}", context, 9))
+        _same(hit, ref)
+        computed = hot.prefix_cache_stats()["prefill_tokens"] - before
+        if turn:
+            # all but the last sampled token of the previous turn and what was inserted
+            assert hit.cached_tokens == len(context) - len(inserted) - 1
+            assert computed == len(inserted) + 1
+            assert hit.cached_weight_version == "0"
+        else:
+            assert hit.cached_tokens == 0 and computed == len(context)
+            assert hit.cached_weight_version is None
+        assert ref.cached_tokens == 0
+        context = context + hit.output_ids
+    stats = hot.prefix_cache_stats()
+    assert stats["lookups"] == 3 and stats["hits"] == 2
+    assert stats["tokens"] == len(context) - 1  # one branch, every turn's KV held once
+    assert cold.prefix_cache_stats() == {
+        "enabled": False,
+        "prefill_tokens": stats["prefill_tokens"] + stats["hit_tokens"],
+        "token_hit_rate": 0.0,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_one_admission_mixes_hits_misses_groups_and_lengths(models: tuple[Path, Path]) -> None:
+    model = _load(models[0])
+    hot = Scheduler(model, max_running=16, admit_fraction=0.0)
+    cold = Scheduler(model, max_running=16, prefix_cache_tokens=0)
+    firsts = {"a": [3, 4, 5], "b": [20, 21, 22, 23, 24, 25, 26, 27], "c": [60]}
+    outs = _run(hot, *((r, p, 6) for r, p in firsts.items()))
+    done = dict(zip(firsts, outs, strict=True))
+    nexts = {
+        "a1": firsts["a"] + done["a"].output_ids + [90],  # short prefix, 2 new tokens
+        "b1": firsts["b"] + done["b"].output_ids + [91, 92, 93],  # long prefix
+        "b2": firsts["b"] + done["b"].output_ids[:3],  # a strict prefix of b's sequence
+        "c1": firsts["c"] + done["c"].output_ids + list(range(100, 127)),  # many new tokens
+        "m": [70, 71, 72, 73],  # a miss
+    }
+    group = [("g0", nexts["b1"], 5), ("g1", nexts["b1"], 5)]  # two samples of one context
+    calls = _record_prefills(hot)
+    results = _run(hot, *((r, ids, 5) for r, ids in nexts.items()), *group)
+    refs = _run(cold, *((r, ids, 5) for r, ids in nexts.items()), *group)
+    for hit, ref in zip(results, refs, strict=True):
+        _same(hit, ref)
+    cached = {r.rid: r.cached_tokens for r in results}
+    assert cached == {
+        "a1": len(nexts["a1"]) - 2,
+        "b1": len(nexts["b1"]) - 4,
+        "b2": len(nexts["b2"]) - 1,
+        "c1": len(nexts["c1"]) - 28,
+        "m": 0,
+        "g0": len(nexts["b1"]) - 4,
+        "g1": len(nexts["b1"]) - 4,
+    }
+    # sorted by new tokens and cut where padding would exceed half a pass: the 28 new tokens
+    # of c1 go alone; the group's context is prefilled once
+    assert sorted(calls) == [(1, 28), (4, 4)]
+
+
+@pytest.mark.timeout(60)
+def test_a_request_equal_to_or_inside_a_cached_sequence(models: tuple[Path, Path]) -> None:
+    model = _load(models[0])
+    hot = Scheduler(model, max_running=4)
+    cold = Scheduler(model, max_running=4, prefix_cache_tokens=0)
+    prompt = [30, 31, 32, 33, 34]
+    (first,) = _run(hot, ("p", prompt, 8))
+    held = prompt + first.output_ids[:-1]  # what the cache holds of it
+    for rid, ids in [("equal", held), ("inside", held[:7]), ("prompt", prompt), ("one", [30])]:
+        (hit,) = _run(hot, (rid, ids, 6))
+        (ref,) = _run(cold, (rid, ids, 6))
+        _same(hit, ref)
+        assert hit.cached_tokens == len(ids) - 1  # the last token is computed for its logits
+
+
+@torch.no_grad()
+def _stale_then_new(
+    old: torch.nn.Module, new: torch.nn.Module, prefix: list[int], rest: list[int], n: int
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and log-probs of ``new`` after ``prefix + rest`` where the KV of
+    ``prefix`` was computed by ``old``."""
+    cache = DynamicCache()
+    old(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+    ids, position, out, lps = rest, len(prefix), [], []
+    for _ in range(n):
+        positions = torch.arange(position, position + len(ids))[None]
+        logits = new(
+            torch.tensor([ids]), past_key_values=cache, use_cache=True, position_ids=positions
+        ).logits[0, -1]
+        token = int(logits.argmax())
+        out.append(token)
+        lps.append(torch.log_softmax(logits, -1)[token])
+        position += len(ids)
+        ids = [token]
+    return out, torch.stack(lps)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
+def test_a_next_turn_reuses_its_prefix_across_a_weight_update(
+    models: tuple[Path, Path], fast: bool
+) -> None:
+    model_a, model_b = _load(models[0]), _load(models[1])
+    hot = Scheduler(_load(models[0]), max_running=4, fast_forward=fast, prefix_cache_max_age=1)
+    prompt = [7, 8, 9, 10]
+    (first,) = _run(hot, ("t0", prompt, 6))
+    hot.apply_weights(list(model_b.state_dict().items()), 1)
+    hot.step()
+    turn = prompt + first.output_ids + [44, 45]
+    (second,) = _run(hot, ("t1", turn, 7))
+    # the previous turn's KV (version 0) is kept, as if the episode had kept running
+    assert second.cached_tokens == len(prompt) + 5 and second.cached_weight_version == "0"
+    assert second.output_token_weight_versions == ["1"] * 7
+    expected, lps = _stale_then_new(
+        model_a, model_b, turn[: second.cached_tokens], turn[second.cached_tokens :], 7
+    )
+    assert second.output_ids == expected
+    torch.testing.assert_close(torch.tensor(second.output_token_logprobs), lps, **TOL)
+
+    # a new sample of the same prompt is no continuation: the new weights compute it all
+    (fresh,) = _run(hot, ("new", prompt, 6))
+    assert fresh.cached_tokens == 0
+    assert fresh.output_ids == _stale_then_new(model_b, model_b, prompt[:1], prompt[1:], 6)[0]
+
+    # one version later the version-0 KV is too old (max_age 1): dropped, the turn recomputed
+    hot.set_weight_version("2")
+    hot.step()
+    stats = hot.prefix_cache_stats()
+    assert stats["aged_out_tokens"] == len(turn) + 6  # the episode's turns 1 and 2
+    assert stats["tokens"] == len(prompt) + 5  # the new sample's (version 1) stays
+    context = turn + second.output_ids + [46]
+    (third,) = _run(hot, ("t2", context, 3))
+    assert third.cached_tokens == 0 and third.cached_weight_version is None
+    assert third.output_ids == _stale_then_new(model_b, model_b, context[:1], context[1:], 3)[0]
+
+
+@pytest.mark.timeout(60)
+def test_max_age_zero_drops_cached_prefixes_at_every_version(models: tuple[Path, Path]) -> None:
+    hot = Scheduler(_load(models[0]), max_running=4, prefix_cache_max_age=0)
+    (first,) = _run(hot, ("t0", [3, 4, 5], 4))
+    hot.set_weight_version("1")
+    hot.step()
+    assert hot.prefix_cache_stats()["tokens"] == 0
+    (second,) = _run(hot, ("t1", [3, 4, 5, *first.output_ids, 9], 2))
+    assert second.cached_tokens == 0
+
+
+@pytest.mark.timeout(60)
+def test_eviction_keeps_the_bound_least_recently_used_first(models: tuple[Path, Path]) -> None:
+    model = _load(models[0])
+    hot = Scheduler(model, max_running=4, prefix_cache_tokens=25)
+    cold = Scheduler(model, max_running=4, prefix_cache_tokens=0)
+    prompts = {
+        "a": [3, 4, 5, 6, 7, 8],
+        "b": [13, 14, 15, 16, 17, 18],
+        "c": [23, 24, 25, 26, 27],
+        "d": [33, 34, 35, 36, 37, 38],
+    }
+    held: dict[str, list[int]] = {}
+
+    def turn(rid: str, ids: list[int], n: int) -> SequenceResult:
+        (out,) = _run(hot, (rid, ids, n))
+        assert hot.prefix_cache_stats()["tokens"] <= 25
+        return out
+
+    for rid in "abc":  # 10, 10 and 9 tokens: a goes
+        held[rid] = prompts[rid] + turn(rid, prompts[rid], 5).output_ids
+    assert turn("b-again", held["b"][:8], 2).cached_tokens == 7  # b is used: c is older now
+    held["d"] = prompts["d"] + turn("d", prompts["d"], 5).output_ids  # 10 more: c goes
+    b = turn("b1", held["b"] + [99], 3)
+    assert b.cached_tokens == 10
+    _same(b, _run(cold, ("b1", held["b"] + [99], 3))[0])
+    assert turn("c1", held["c"] + [99], 3).cached_tokens == 0
+    assert turn("a1", held["a"] + [99], 3).cached_tokens == 0
+    stats = hot.prefix_cache_stats()
+    assert stats["evictions"] >= 3
+    nodes = hot._prefix.nodes()  # type: ignore[union-attr]
+    assert sum(len(tokens) for tokens, _, _ in nodes) == stats["tokens"]
+    # what is held is its own memory, never a view keeping a larger tensor alive
+    assert all(t.untyped_storage().nbytes() == t.nbytes for _, kv, _ in nodes for t in kv)
+    assert stats["bytes"] == sum(t.nbytes for _, kv, _ in nodes for t in kv)
+
+    turn("long", list(range(30, 60)), 4)  # longer than the bound: held up to it
+    assert hot.prefix_cache_stats()["tokens"] == 25
+
+
+@pytest.mark.timeout(60)
+def test_aborted_and_retracted_rows_leave_no_corrupt_entry(models: tuple[Path, Path]) -> None:
+    model = _load(models[0])
+    hot = Scheduler(model, max_running=4)
+    cold = Scheduler(model, max_running=4, prefix_cache_tokens=0)
+    prompt = [40, 41, 42, 43]
+    aborted = hot.submit(GenerateInput("x", prompt, _greedy(50), True))
+    others = hot.submit_many([GenerateInput(f"r{i}", [50 + i, 9], _greedy(12), True)
+                              for i in range(2)])  # fmt: skip
+    for _ in range(4):
+        hot.step()
+    hot.abort("x")  # its KV (prompt and 4 of its 5 tokens) is kept
+    hot.pause("retract")  # the r rows go back to the queue: nothing is kept of them
+    hot.step()
+    partial = aborted.result(timeout=0)
+    assert partial.finish_reason["type"] == "abort" and len(partial.output_ids) == 5
+    assert hot.prefix_cache_stats()["tokens"] == len(prompt) + 4  # the aborted row's KV
+    hot.resume()
+    hot.run_until_idle()
+    refs = _run(cold, ("r0", [50, 9], 12), ("r1", [51, 9], 12))
+    for r, ref in zip(others.result(timeout=0), refs, strict=True):
+        _same(r, ref)
+    # the aborted request's continuation (a client retrying) reuses what it had computed
+    again = prompt + partial.output_ids
+    (hit,) = _run(hot, ("x2", again, 8))
+    assert hit.cached_tokens == len(again) - 1
+    _same(hit, _run(cold, ("x2", again, 8))[0])
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_step_leaves_nothing_and_the_thread_logs_the_counters(
+    models: tuple[Path, Path],
+) -> None:
+    hot = Scheduler(_load(models[0]), max_running=4)
+    assert hot._fast is not None
+    decode = hot._fast.decode
+    calls = []
+
+    def failing(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return decode(*args)
+
+    hot._fast.decode = failing  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        hot.start()
+        try:
+            failed = hot.submit(GenerateInput("f", [5, 6, 7], _greedy(10), True))
+            with pytest.raises(RuntimeError, match="device lost"):
+                failed.result(timeout=30)
+            assert hot.prefix_cache_stats()["tokens"] == 0
+            ok = hot.submit(GenerateInput("ok", [5, 6, 7], _greedy(4), True)).result(timeout=30)
+            assert ok.cached_tokens == 0
+        finally:
+            hot.stop()
+    (stopped,) = [e for e in logs if e["event"] == "scheduler_stopped"]
+    assert stopped["prefix_cache"]["tokens"] == 3 + 3
+    assert stopped["prefix_cache"]["lookups"] == 2
+
+
+# ---- a real server ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _call(url: str, method: str = "GET", body: Any = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        text = resp.read().decode()
+    return json.loads(text) if resp.headers.get_content_type() == "application/json" else text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("server")
+    model_dir = make_tiny_model(root / "model", vocab=128, seed=1)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model_dir)]
+    cmd += ["--port", str(port), "--prefix-cache-tokens", "4096", "--prefix-cache-max-age", "1"]
+    cmd += ["--log-file", str(root / "engine.log")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("engine did not come up")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        finally:
+            proc.kill()
+
+
+@pytest.mark.timeout(90)
+def test_server_reports_cached_tokens_counters_and_flushes(server: str) -> None:
+    def generate(ids: list[int], n: int) -> dict[str, Any]:
+        params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": n}
+        body = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+        return _call(server + "/generate", "POST", body)
+
+    prompt = [5, 17, 33, 8, 90, 12]
+    first = generate(prompt, 6)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert first["meta_info"]["cached_weight_version"] is None
+    turn = prompt + first["output_ids"] + [70, 71, 72]
+    second = generate(turn, 6)
+    assert second["meta_info"]["cached_tokens"] == len(prompt) + 5
+    assert second["meta_info"]["cached_weight_version"] == "0"
+    info = _call(server + "/get_server_info")["prefix_cache"]
+    assert info["enabled"] and info["max_tokens"] == 4096 and info["max_age"] == 1
+    assert info["lookups"] == 2 and info["hits"] == 1 and info["hit_rate"] == 0.5
+    assert info["hit_tokens"] == len(prompt) + 5
+    assert info["prefill_tokens"] == len(prompt) + 4
+    assert info["tokens"] == len(turn) + 5 and info["bytes"] > 0
+
+    assert _call(server + "/flush_cache", "POST").startswith("Cache flushed.")
+    assert _call(server + "/get_server_info")["prefix_cache"]["tokens"] == 0
+    assert _call(server + "/flush_cache").startswith("Cache flushed.")  # GET too, as SGLang
+    update = {"names": [], "dtypes": [], "shapes": [], "flush_cache": "yes"}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _call(server + "/update_weights_from_distributed", "POST", update)
+    assert refused.value.code == 400 and b"flush_cache" in refused.value.read()
+    cold = generate(turn, 6)  # the same turn computed whole
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert cold["output_ids"] == second["output_ids"]
+    hot_lps = [lp for lp, _, _ in second["meta_info"]["output_token_logprobs"]]
+    cold_lps = [lp for lp, _, _ in cold["meta_info"]["output_token_logprobs"]]
+    torch.testing.assert_close(torch.tensor(hot_lps), torch.tensor(cold_lps), **TOL)
