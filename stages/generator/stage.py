@@ -220,6 +220,7 @@ class Generator:
         self._chained = False
         self.rollouts: Any = None  # stages.rollouts.runtime.RolloutRuntime (not single_turn)
         self._fatal: BaseException | None = None  # raised by the next _slot (fails the stage)
+        self._closing = False  # close() began: episodes cut short are not failures
         self._episode_errors = 0
 
     async def setup(self) -> None:
@@ -569,6 +570,8 @@ class Generator:
             await self._put(msg, group_id, samples, dropped=collecting.dropped)
 
     def _episode_failed(self, rid: str, exc: BaseException) -> None:
+        if self._closing:
+            return
         self._episode_errors += 1
         self.counts["dropped"] += 1
         if self._episode_errors & (self._episode_errors - 1) == 0:  # 1st, 2nd, 4th, 8th...
@@ -779,6 +782,9 @@ class Generator:
         )
 
     async def close(self) -> None:
+        self._closing = True
+        if self.rollouts is not None:
+            self.rollouts.close_soon()
         tasks = [*self._tasks, *getattr(self, "down", {}).values()]
         for task in tasks:
             task.cancel()

@@ -140,11 +140,20 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
-        resolve_rollout(self.use)  # an unknown name is a config error, found before the run
+        # unknown names are config errors, found before the run (resolving imports the
+        # plugin's module only; a tool's description is made when the tool workers start)
+        resolve_rollout(self.use)
         if self.use == "environment" and not self.environment:
             raise ValueError("rollout 'environment' needs `environment` (the class to play)")
         if self.use == "tools" and not self.tools:
             raise ValueError("rollout 'tools' needs `tools` (at least one tool function)")
+        for name in self.tools:
+            if not callable(resolve("tool", name)):
+                raise PluginError(f"tool {name!r} is not a function")
+        if self.environment:
+            from stages.rollouts.environments import resolve_environment
+
+            resolve_environment(self.environment)
 
     @property
     def single_turn(self) -> bool:

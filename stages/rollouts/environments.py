@@ -152,6 +152,7 @@ class EnvPool:
         self._next = itertools.cycle(range(config.env_workers))
         self._workers = config.env_workers
         self._broken: str | None = None
+        self.closing = False  # set by close(): episodes cut short now are not failures
 
     @classmethod
     async def start(cls, config: RolloutConfig, log: Any) -> EnvPool:
@@ -176,7 +177,13 @@ class EnvPool:
     def stats(self) -> dict[str, int]:
         return {f"env_{k}": v for k, v in self.counts.items()}
 
+    def close_soon(self) -> None:
+        """The caller is about to cancel the episodes: their ends are not failures (nothing is
+        logged, counted or restarted from now on)."""
+        self.closing = True
+
     async def aclose(self) -> None:
+        self.closing = True
         workers = [s.worker for s in self.slots]
         for worker in workers:
             kill(worker)
@@ -185,6 +192,8 @@ class EnvPool:
     # ------------------------------------------------------------------ calls
     async def call(self, slot: _Slot, generation: int, request: tuple[str, int, Any]) -> Any:
         async with slot.lock:
+            if self.closing:
+                raise EnvError("closed", "the environment workers are shutting down")
             if self._broken is not None:
                 raise PoolBroken(f"environment workers cannot be restarted: {self._broken}")
             if slot.generation != generation:
@@ -229,6 +238,8 @@ class EnvPool:
         old = slot.worker
         kill(old)
         slot.generation += 1
+        if self.closing:
+            return
         self.counts["workers_replaced"] += 1
         self.log.info("env_worker_replaced", pid=old.pid, reason=reason)
         await reap([old])
@@ -252,8 +263,8 @@ class EnvEpisode:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.slot.generation != self.generation:
-            return  # its worker is gone, and the instance with it
+        if self.slot.generation != self.generation or self.pool.closing:
+            return  # its worker is gone (or going), and the instance with it
         with contextlib.suppress(EnvError):  # counted and logged by the pool
             await self._call("close", None)
 

@@ -85,6 +85,13 @@ class RolloutRuntime:
                 out.update(part.stats())
         return out
 
+    def close_soon(self) -> None:
+        """The episodes are about to be cancelled (the stage is closing): what that cuts short
+        is not a failure of the tools or environments."""
+        for part in (self.tools, self.env):
+            if part is not None and hasattr(part, "close_soon"):
+                part.close_soon()
+
     async def aclose(self) -> None:
         for part in (self.tools, self.env):
             if part is not None:
