@@ -406,9 +406,16 @@ class Console:
         extra = f", {failed} failed" if isinstance(failed, int) and failed else ""
         step = event.get("step")
         when = "before training" if step == 0 else f"at step {step}"
+        episodes = ""  # evaluations that played episodes (eval.rollout) say how they went
+        if _number(event.get("turns_mean")):
+            episodes = f", {event['turns_mean']:.2f} turns"
+            if _number(event.get("tool_use")) and event["tool_use"]:
+                episodes += f", tool use {event['tool_use']:.2f}"
+            if _number(event.get("solved")):
+                episodes += f", solved {event['solved']:.2f}"
         return (
-            f"eval {when}: held-out accuracy {shown} ({event.get('prompts')} prompts{extra}, "
-            f"{_seconds(event.get('seconds'))})"
+            f"eval {when}: held-out accuracy {shown}{episodes} ({event.get('prompts')} "
+            f"prompts{extra}, {_seconds(event.get('seconds'))})"
         )
 
     def _learner_done_text(self, event: Mapping[str, Any]) -> str:

@@ -335,3 +335,21 @@ def test_a_real_run_off_a_terminal_prints_few_lines_every_eval_and_no_warning(tm
     assert len(lines) <= 12 + 2 + len(status) and len(status) <= 30, lines
     assert "run succeeded (exit 0)" in lines[-1]
     assert "\x1b" not in result.stdout
+
+
+def test_an_evaluation_that_played_episodes_says_how_they_went():
+    clock, out = _Clock(), io.StringIO()
+    console = Console(total=10, out=out, live=False, every_s=1e9, clock=clock)
+    episodes = {"turns_mean": 1.92, "tool_use": 0.92, "solved": None, "failed": 0, "seconds": 1}
+    game = {"turns_mean": 5.5, "tool_use": 0.0, "solved": 0.81, "failed": 0, "seconds": 1}
+    _replay(
+        console,
+        clock,
+        [
+            _event(T0, "eval", step=5, accuracy=0.8, prompts=100, **episodes),
+            _event(T0 + 1, "eval", step=10, accuracy=0.81, prompts=100, **game),
+        ],
+    )
+    tools, guess = out.getvalue().splitlines()
+    assert "held-out accuracy 0.800, 1.92 turns, tool use 0.92 (100 prompts" in tools
+    assert "held-out accuracy 0.810, 5.50 turns, solved 0.81 (100 prompts" in guess
