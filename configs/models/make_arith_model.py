@@ -42,7 +42,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import torch
@@ -76,16 +76,18 @@ def build_model(
     intermediate: int,
     seed: int,
     init_range: float = 0.1,
+    vocab_size: int = len(CHARS) + 2,
+    max_positions: int = 32,
 ) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=len(CHARS) + 2,
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=32,
+        max_position_embeddings=max_positions,
         rope_theta=10000.0,
         tie_word_embeddings=True,
         bos_token_id=None,
@@ -112,8 +114,10 @@ def _decode_same_length(
     temperature: float,
     generator: torch.Generator | None,
     max_new_tokens: int = MAX_NEW_TOKENS,
+    stop_ids: Collection[int] = (EOS_ID,),
 ) -> torch.Tensor:
-    """[rows, max_new_tokens] completions of equal-length ``prompts`` (PAD after ``<eos>``)."""
+    """[rows, max_new_tokens] completions of equal-length ``prompts`` (PAD after a stop id)."""
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long)
     out = model(input_ids=prompts, use_cache=True)
     past, logits = out.past_key_values, out.logits[:, -1].float()
     done = torch.zeros(prompts.shape[0], dtype=torch.bool)
@@ -126,7 +130,7 @@ def _decode_same_length(
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         nxt = torch.where(done, torch.full_like(nxt, PAD_ID), nxt)
         tokens[:, step] = nxt
-        done |= nxt == EOS_ID
+        done |= torch.isin(nxt, stops)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
@@ -141,16 +145,19 @@ def sample(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     max_new_tokens: int = MAX_NEW_TOKENS,
+    stop_ids: Collection[int] = (EOS_ID,),
 ) -> list[list[int]]:
-    """One completion per prompt (token ids up to and including ``<eos>`` when produced)."""
+    """One completion per prompt: token ids up to and including the first of ``stop_ids``
+    (``<eos>``) when one is produced, else ``max_new_tokens`` ids."""
     was_training = model.training
     model.eval()
     result: list[list[int]] = [[] for _ in prompts]
     for _, idx in sorted(_by_length(prompts).items()):
         batch = torch.tensor([prompts[i] for i in idx], dtype=torch.long)
-        tokens = _decode_same_length(model, batch, temperature, generator, max_new_tokens)
+        tokens = _decode_same_length(model, batch, temperature, generator, max_new_tokens, stop_ids)
         for row, i in zip(tokens.tolist(), idx, strict=True):
-            result[i] = row[: row.index(EOS_ID) + 1] if EOS_ID in row else row
+            end = next((k + 1 for k, t in enumerate(row) if t in stop_ids), len(row))
+            result[i] = row[:end]
     model.train(was_training)
     return result
 

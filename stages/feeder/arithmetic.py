@@ -1,5 +1,8 @@
-"""The built-in arithmetic tasks: ``a+b=`` / ``a-b=`` prompts with digit answers, and chains of
-additions and subtractions solved step by step (the long-tail task), each with a char tokenizer.
+"""The built-in arithmetic tasks: ``a+b=`` / ``a-b=`` / ``a*b=`` prompts with digit answers, and
+chains of additions and subtractions solved step by step (the long-tail task), each with a char
+tokenizer. Operands run over ``min_operand..max_operand`` (``0..99`` by default);
+``ArithmeticConfig(ops="*", min_operand=100, max_operand=999)`` is the three-digit multiplication
+that the calculator example's model (``configs/models/make_calc_model.py``) solves with a tool.
 
 Every problem of the task is enumerable, so the split into train and held-out problems is exact
 and stable: a problem is held out when a hash of its text (and the task's ``split_seed``) falls
@@ -73,7 +76,12 @@ class Problem:
 @dataclass
 class ArithmeticConfig:
     ops: str = field(default="+-", metadata={"doc": "operators to use, from '+-*'"})
-    max_operand: int = field(default=99, metadata={"min": 1, "doc": "operands are 0..max_operand"})
+    min_operand: int = field(
+        default=0, metadata={"min": 0, "doc": "operands are min_operand..max_operand"}
+    )
+    max_operand: int = field(
+        default=99, metadata={"min": 1, "doc": "operands are min_operand..max_operand"}
+    )
     eval_fraction: float = field(
         default=0.1, metadata={"min": 0.0, "max": 0.9, "doc": "share of problems held out"}
     )
@@ -83,6 +91,11 @@ class ArithmeticConfig:
         bad = sorted(set(self.ops) - set("+-*"))
         if bad or not self.ops:
             raise ValueError(f"ops must be made of '+', '-', '*' (got {self.ops!r})")
+        if not 0 <= self.min_operand <= self.max_operand:
+            raise ValueError(
+                f"operands are min_operand..max_operand: need 0 <= min_operand <= max_operand "
+                f"(got {self.min_operand}..{self.max_operand})"
+            )
 
 
 def _held_out(text: str, config: ArithmeticConfig | ChainConfig) -> bool:
@@ -98,10 +111,10 @@ def problems(config: ArithmeticConfig, split: str) -> Iterator[Problem]:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
     want_eval = split == "eval"
-    n = config.max_operand
+    operands = range(config.min_operand, config.max_operand + 1)
     for op in config.ops:
-        for a in range(n + 1):
-            for b in range(n + 1):
+        for a in operands:
+            for b in operands:
                 if op == "-" and b > a:
                     continue
                 text = f"{a}{op}{b}="

@@ -4,6 +4,7 @@ chat prompts, the held-out split, bad rows counted and logged, errors that say w
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import structlog.testing
 from stages.feeder.arithmetic import (
     ArithmeticConfig,
     ChainConfig,
+    Problem,
     chain_problems,
     make_chain_tokenizer,
     make_tokenizer,
@@ -429,6 +431,28 @@ def test_arithmetic_splits_are_exact_and_disjoint(log):
         "meta": {"task": "arithmetic", "text": problem.text, "answer": problem.answer},
     }
     assert events(log, "prompts_loaded")[0]["prompts"] == len(train)
+
+
+def test_arithmetic_min_operand_bounds_both_operands():
+    every = [*problems(ArithmeticConfig(ops="*-", max_operand=12, eval_fraction=0.0), "train")]
+    config = ArithmeticConfig(ops="*-", min_operand=7, max_operand=12, eval_fraction=0.0)
+    some = [*problems(config, "train")]
+    # the same problems in the same order as the full range, less those with an operand below 7
+    kept = [p for p in every if min(map(int, re.findall(r"\d+", p.text))) >= 7]
+    assert some == kept and len(some) == 36 + 21  # 6 x 6 products, 6 * 7 / 2 differences
+    assert some[0] == Problem("7*7=", "49") and Problem("12*9=", "108") in some
+    calc = ArithmeticConfig(ops="*", min_operand=100, max_operand=999)  # the calculator task
+    held = [*problems(calc, "eval")]
+    assert 0.09 < len(held) / (900 * 900) < 0.11
+    assert all(int(p.answer) == int(p.text[:3]) * int(p.text[4:7]) for p in held)
+    assert {len(p.text) for p in held} == {8} and held[0].prompt_id == f"arith:{held[0].text}"
+    served = load_prompts(SourceConfig(arithmetic=config), "train")
+    assert [p["meta"]["text"] for p in served.prompts] == [p.text for p in some]
+    assert [*problems(ArithmeticConfig(min_operand=5, max_operand=5, eval_fraction=0.0), "train")]
+    with pytest.raises(ValueError, match=r"min_operand <= max_operand \(got 10\.\.9\)"):
+        ArithmeticConfig(min_operand=10, max_operand=9)
+    with pytest.raises(ValueError, match="0 <= min_operand"):
+        ArithmeticConfig(min_operand=-1)
 
 
 def test_arithmetic_with_a_tokenizer_from_a_model_folder(tok_dir):
