@@ -17,7 +17,9 @@ template renders (``add_generation_prompt``); ``chat_template: true`` renders st
 one user message too. Rendered text is tokenized without adding special tokens (the template has
 them), plain text with the tokenizer's own. ``prompt_id`` is ``FILE:ROW`` (the arithmetic tasks
 have their own ids) and ``meta`` holds ``task`` (the file's stem or folder's name), ``text`` (what
-the model sees, after any chat template), ``answer`` (as a string) and the ``meta_fields``.
+the model sees, after any chat template), ``answer`` (as a string), the ``meta_fields`` and, for a
+prompt that went through a chat template, ``messages`` (the conversation before it: a tool
+rollout renders it again with the tools).
 
 A bad row (invalid JSON, a missing, empty or non-string prompt, a missing answer when one is
 required, too many tokens, a chat template that fails on it...) is skipped, counted and logged
@@ -736,6 +738,10 @@ class _Loader:
         if text is None:
             return
         meta: dict[str, Any] = {"task": part.task, "text": text}
+        if templated:  # the conversation itself, for rollouts that render their own context
+            meta["messages"] = (
+                prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            )
         meta.update({name: _plain(data.get(name)) for name in part.meta_keys})
         if answer is not None:
             meta["answer"] = str(answer)
