@@ -102,7 +102,12 @@ class EvalConfig:
         default_factory=list, metadata={"doc": "reward functions scoring eval answers"}
     )
     every: int = _f(0, "evaluate after every N steps (0: only at the start and the end)", min=0)
-    max_prompts: int = _f(200, "evaluate on the first N held-out prompts", min=1)
+    max_prompts: int = _f(
+        200,
+        "evaluate on N held-out prompts, spread evenly over the eval split (every len/N-th: "
+        "an eval split in a meaningful order, an enumerated task's, is sampled across it)",
+        min=1,
+    )
     max_new_tokens: int = _f(64, "greedy decoding length", min=1)
     correct_at: float = _f(1.0, "a reward at least this counts as correct (accuracy)")
     concurrency: int = _f(64, "eval requests in flight", min=1)

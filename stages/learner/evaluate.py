@@ -1,6 +1,7 @@
 """Held-out evaluation: greedy answers from the engines, scored by the reward functions.
 
-The learner's rank 0 evaluates the policy the engines serve: the held-out prompts are sent with
+The learner's rank 0 evaluates the policy the engines serve: ``max_prompts`` held-out prompts,
+spread evenly over the eval split (``spread``), are sent with
 ``temperature: 0`` to the engines in batched ``/generate`` requests (a list of ``input_ids``, as
 SGLang takes them; round robin, one request per engine in flight, ``concurrency`` prompts in
 flight in all), the answers are decoded and scored by the same reward runner the scorer uses,
@@ -38,7 +39,16 @@ from stages.rollouts.trajectory import Generation, Trajectory
 from stages.scorer.arguments import reward_arguments
 from stages.scorer.runner import RewardRunner
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "spread"]
+
+
+def spread(items: Sequence[Any], n: int) -> list[Any]:
+    """``n`` of ``items`` (all when there are no more), evenly spaced from the first: an eval
+    split in a meaningful order (enumerated problems, sorted by source or difficulty) is
+    sampled across its length, not at its head."""
+    if len(items) <= n:
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
 
 
 class Evaluator:
@@ -55,7 +65,7 @@ class Evaluator:
         self.config = config
         self.model = model  # the rollout's tokenizer when it names none
         self.api_key = api_key  # the run's engine API key (stages.engine.auth)
-        self.prompts = prompts[: config.max_prompts]
+        self.prompts = spread(prompts, config.max_prompts)
         self.tokenizer = tokenizer
         self.log = log
         self.runner = RewardRunner(

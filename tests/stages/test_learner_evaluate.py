@@ -301,3 +301,13 @@ def _greedy_answers(url: str, prompts: list[dict[str, Any]], tokenizer: Any) -> 
             ids = json.loads(resp.read())["output_ids"]
         answers.append(tokenizer.decode(ids, skip_special_tokens=True).strip())
     return answers
+
+
+def test_held_out_prompts_are_spread_over_the_eval_split() -> None:
+    from stages.learner.evaluate import spread
+
+    assert spread(list(range(10)), 20) == list(range(10))
+    assert spread(list(range(10)), 5) == [0, 2, 4, 6, 8]
+    assert spread(list(range(1000)), 3) == [0, 333, 666]
+    picked = spread(list(range(7)), 3)
+    assert len(picked) == len(set(picked)) == 3 and picked[0] == 0
