@@ -24,8 +24,9 @@ call (answered, the episode goes on). Example, with a calculator::
 
 ``chat_template``, for chat models (Hermes / Qwen style). The episode renders its own context:
 ``tokenizer.apply_chat_template(messages, tools=[schemas], add_generation_prompt=True)``, from
-the prompt's ``meta["messages"]`` (or ``meta["prompt"]``) when it holds chat messages (copy the
-column into meta with the source's ``meta_fields``), else ``meta["text"]`` as one user message;
+the prompt's ``meta["messages"]`` (the feeder keeps the conversation there for every prompt it
+rendered with a chat template; or ``meta["prompt"]``) when it holds chat messages, else
+``meta["text"]`` as one user message;
 a text some chat template already rendered is refused (there is nothing to render from). Calls
 are ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the assistant turn
 (several allowed, run at once); the turn ends at the model's end-of-turn token or EOS (both in
