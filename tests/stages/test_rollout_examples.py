@@ -95,3 +95,26 @@ def test_the_scorer_rewards_a_trajectory_by_its_final_answer():
     plain = scorer._reward_kwargs(head, samples[1:])  # single completions: as before
     assert "trajectories" not in plain and plain["completions"] == ["35"]
     assert SimpleNamespace(**plain).prompts == ["12*3="]
+
+
+def test_a_reader_of_version_1_refuses_trajectories_clearly():
+    """Trajectories are version 2 of rollout_group / scored_group: a stage built against
+    version 1 (it would train on inserted tokens) refuses them, saying which versions."""
+    from stages.schemas import ROLLOUT_GROUP
+    from transport.codec import DecodeError, decode, encode
+    from transport.message import Message, Schema
+
+    group = {
+        "run_id": "r", "prompt_id": "p", "group_id": "p/1", "group_size": 1,
+        "prompt_ids": np.arange(3, dtype=np.int32), "meta": None, "uid": None,
+        "samples": [{"sample_index": 0, "completion_ids": np.arange(4, dtype=np.int32),
+                     "loss_mask": np.array([1, 0, 0, 1], dtype=np.uint8)}],
+    }  # fmt: skip
+    frames = encode(Message("rollout_group", group, version=ROLLOUT_GROUP.version))
+    assert ROLLOUT_GROUP.version == 2
+    old = Schema("rollout_group", 1, dict(ROLLOUT_GROUP.fields))
+    with pytest.raises(DecodeError, match="version 2, expected 1") as refused:
+        decode(frames, {"rollout_group": old})
+    assert refused.value.reason == "bad_version"
+    got = decode(frames, {"rollout_group": ROLLOUT_GROUP})
+    assert got.data["samples"][0]["loss_mask"].tolist() == [1, 0, 0, 1]
