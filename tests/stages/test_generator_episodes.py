@@ -162,13 +162,15 @@ def _env_rollout(tmp_path, **env_options: Any) -> RolloutConfig:
     folder = tmp_path / "tokenizer"
     if not folder.exists():
         _tokenizer(128).save_pretrained(folder)
-    options = {k: v for k, v in env_options.items() if k not in ("max_turns", "env_timeout_s")}
+    own = ("max_turns", "env_timeout_s", "max_tokens")
+    options = {k: v for k, v in env_options.items() if k not in own}
     return RolloutConfig(
         use="environment",
         environment="tests.stages.test_generator_episodes:CountDown",
         env_options=options,
         tokenizer=str(folder),
         max_turns=env_options.get("max_turns", 8),
+        max_tokens=env_options.get("max_tokens", 0),
         env_timeout_s=env_options.get("env_timeout_s", 30.0),
     )
 
@@ -200,6 +202,21 @@ async def test_max_turns_ends_an_episode_the_environment_would_go_on_with(tmp_pa
     assert {r["finish_reason"] for r in out.rollouts} == {"max_turns"}
     assert {r["rollout"]["turns"] for r in out.rollouts} == {2}
     assert out.metrics[-1]["rollout_episodes_max_turns"] == G
+
+
+@pytest.mark.timeout(90)
+async def test_an_episode_over_its_token_budget_ends_truncated(tmp_path, engine):
+    n = NEW_TOKENS
+    budget = 2 + n + 2 + 1  # reset's observation, a turn, an observation, one token more
+    rollout = _env_rollout(tmp_path, max_tokens=budget)
+    async with Proxy(engine) as url:
+        out = await generate(tmp_path, [url], 1, rollout=rollout)
+    for r in out.rollouts:
+        # the last turn got the one token left; the observation after it did not fit
+        assert r["loss_mask"].tolist() == [0, 0] + [1] * n + [0, 0] + [1]
+        assert r["finish_reason"] == "max_tokens" and r["rollout"]["truncated"] is True
+        assert r["rollout"]["env_reward"] == 1.0  # both steps were taken
+    assert out.metrics[-1]["rollout_episodes_truncated"] == G
 
 
 @pytest.mark.timeout(90)

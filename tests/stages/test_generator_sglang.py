@@ -98,6 +98,24 @@ async def test_group_request_returns_one_completion_per_rid(client):
         assert (c.logprobs <= 0).all() and len(c.versions) == 16
 
 
+@pytest.mark.timeout(120)
+async def test_a_next_turn_is_served_from_the_radix_cache_and_stops_at_stop_token_ids(client):
+    """A multi-turn episode's second turn (the first turn's context, its output and inserted
+    tokens) finds its prefix in SGLang's radix cache (``meta_info.cached_tokens``, the field the
+    generator's episodes read), and ``stop_token_ids`` ends a turn as tools need."""
+    first = await client.generate(PROMPT * 4, _params(8), rid=_rid("turn-0"))
+    context = PROMPT * 4 + first.output_ids.tolist() + [201, 202, 203]
+    second = await client.generate(context, _params(8), rid=_rid("turn-1"))
+    assert int(second.meta.get("cached_tokens") or 0) >= len(PROMPT * 4)
+    tokens = second.output_ids.tolist()
+    stop = tokens[2]  # greedy: the same tokens come again, up to the first `stop`
+    again = await client.generate(
+        context, _params(8, stop_token_ids=[stop], ignore_eos=False), rid=_rid("turn-1-stop")
+    )
+    assert again.output_ids.tolist() == tokens[: tokens.index(stop) + 1]
+    assert again.finish_reason == "stop"
+
+
 @pytest.mark.timeout(180)
 async def test_pause_in_place_holds_requests_and_continue_finishes_them(client):
     long = await _long(client)
