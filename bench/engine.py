@@ -29,13 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -46,46 +42,9 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 
 import aiohttp  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
-
-def _make_model(path: Path) -> int:
-    config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("engine exited before it was healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("engine did not become healthy")
+from bench._engines import engine_server, make_model  # noqa: E402
 
 
 async def _engine_run(url: str, prompts: list[list[int]], lengths: list[int]) -> tuple[float, int]:
@@ -152,40 +111,15 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        n_params = _make_model(model_dir)
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "stages.engine.server",
-                "--model",
-                str(model_dir),
-                "--port",
-                str(port),
-                "--max-running",
-                str(args.batch),
-                "--log-file",
-                str(Path(tmp) / "engine.log"),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        n_params = make_model(model_dir)
         engine: dict[str, tuple[float, int]] = {}
-        try:
-            _wait_health(url, proc)
+        flags = ["--max-running", str(args.batch), "--log-file", str(Path(tmp) / "engine.log")]
+        with engine_server(model_dir, *flags) as (url, _proc):
             for _ in range(args.warmup):
                 warm = next(iter(workloads.values()))[0][:8]
                 asyncio.run(_engine_run(url, warm, [4] * len(warm)))
             for name, (prompts, lengths) in workloads.items():
                 engine[name] = asyncio.run(_engine_run(url, prompts, lengths))
-        finally:
-            proc.terminate()
-            proc.wait(30)
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None

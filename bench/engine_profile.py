@@ -79,10 +79,10 @@ def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:
         def prompts(count: int, seed: int) -> list[list[int]]:
             return _arith_prompts(count, seed)
     else:
-        from bench.engine import _make_model
+        from bench._engines import make_model
 
         path, threads = tmp / "bench22m", 2
-        _make_model(path)
+        make_model(path)
 
         def prompts(count: int, seed: int) -> list[list[int]]:
             gen = torch.Generator().manual_seed(seed)

@@ -28,13 +28,10 @@ import asyncio
 import json
 import os
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -46,6 +43,8 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from bench._engines import engine_server  # noqa: E402
+from pipeline.ledger import LedgerReporter  # noqa: E402
 from stages.feeder.arithmetic import ArithmeticConfig, problems  # noqa: E402
 from stages.generator import client as client_module  # noqa: E402
 from stages.generator.controller import ControllerConfig  # noqa: E402
@@ -53,26 +52,6 @@ from stages.generator.stage import Generator, GeneratorConfig, SamplingConfig  #
 
 MODEL = ROOT / "configs" / "models" / "arith-tiny"
 MODES = {"group": True, "per_sample": False}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("engine exited before it was healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("engine did not become healthy")
 
 
 def _cpu_s(pid: int) -> float:
@@ -100,6 +79,9 @@ class _Prompts:
     async def __aiter__(self):
         for p in self.prompts:
             yield SimpleNamespace(data=p)
+
+    def ack(self, msg: SimpleNamespace) -> None:
+        """A prompt is processed once its group went on (nothing to keep here)."""
 
 
 class _Sink:
@@ -146,6 +128,7 @@ async def _run_stage(
         inputs={"prompts": _Prompts(prompts)},
         outputs={"rollouts": sink},
         metrics=lambda **values: None,
+        ledger=LedgerReporter(lambda payload: None),  # no run: nothing to account to
         publish=publish,
     )
     stage = Generator(config, ctx)
@@ -229,44 +212,35 @@ def main() -> int:
         for t, row in zip(chosen, ids, strict=True)
     ]
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.engine_threads)}
     results: dict[str, dict[str, list[float]]] = {run: {} for run in runs}
-    with tempfile.TemporaryDirectory() as tmp:
-        log = open(Path(tmp) / "engine.out", "wb")  # closed below
-        command = ["engine", "--model", str(MODEL), "--port", str(port)]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", *command],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            _wait_health(url, proc)
-            for mode, grouped in MODES.items():  # warm-up: connections, first-call costs
-                _run(_run_stage(url, prompts[:32], args, grouped, Path(tmp) / f"warm-{mode}"))
-            for rep in range(args.reps):
-                # rotate the order, so that drift of the machine is shared by every run
-                shift = rep % len(runs)
-                for run in runs[shift:] + runs[:shift]:
-                    mode, _, codec = run.partition("/")
-                    _use_codec(codec or codecs[0])
-                    cpu0, engine0 = _own_cpu_s(), _cpu_s(proc.pid)
-                    wall, samples, _tokens = _run(
-                        _run_stage(url, prompts, args, MODES[mode], Path(tmp) / f"run-{rep}")
-                    )
-                    cpu, engine_cpu = _own_cpu_s() - cpu0, _cpu_s(proc.pid) - engine0
-                    assert samples == len(prompts) * args.group_size, samples
-                    r = results[run]
-                    r.setdefault("samples_per_s", []).append(samples / wall)
-                    r.setdefault("generator_cpu_s_per_1000", []).append(1000 * cpu / samples)
-                    r.setdefault("engine_cpu_s_per_1000", []).append(1000 * engine_cpu / samples)
-        finally:
-            proc.terminate()
-            proc.wait(30)
-            log.close()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        open(Path(tmp) / "engine.out", "wb") as log,
+        engine_server(
+            MODEL,
+            module=("pipeline.cli", "engine"),
+            env={"OMP_NUM_THREADS": str(args.engine_threads)},
+            output=log,
+        ) as (url, proc),
+    ):
+        for mode, grouped in MODES.items():  # warm-up: connections, first-call costs
+            _run(_run_stage(url, prompts[:32], args, grouped, Path(tmp) / f"warm-{mode}"))
+        for rep in range(args.reps):
+            # rotate the order, so that drift of the machine is shared by every run
+            shift = rep % len(runs)
+            for run in runs[shift:] + runs[:shift]:
+                mode, _, codec = run.partition("/")
+                _use_codec(codec or codecs[0])
+                cpu0, engine0 = _own_cpu_s(), _cpu_s(proc.pid)
+                wall, samples, _tokens = _run(
+                    _run_stage(url, prompts, args, MODES[mode], Path(tmp) / f"run-{rep}")
+                )
+                cpu, engine_cpu = _own_cpu_s() - cpu0, _cpu_s(proc.pid) - engine0
+                assert samples == len(prompts) * args.group_size, samples
+                r = results[run]
+                r.setdefault("samples_per_s", []).append(samples / wall)
+                r.setdefault("generator_cpu_s_per_1000", []).append(1000 * cpu / samples)
+                r.setdefault("engine_cpu_s_per_1000", []).append(1000 * engine_cpu / samples)
 
     out: dict[str, Any] = {
         "bench": "generator_group_vs_per_sample",

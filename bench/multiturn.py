@@ -23,11 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,53 +39,15 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 
 import aiohttp  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
+
+from bench._engines import engine_server, make_model  # noqa: E402
 
 VOCAB = 32000
-
-
-def _make_model(path: Path) -> int:
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return json.loads(resp.read())
-
-
-def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("engine exited before it was healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("engine did not become healthy")
 
 
 async def _episode(
@@ -135,26 +94,15 @@ async def _warm(url: str) -> None:
 
 
 def _run_engine(model_dir: Path, tmp: Path, cache_tokens: int | None, args: argparse.Namespace):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "stages.engine.server", "--model", str(model_dir)]
-    cmd += ["--port", str(port), "--max-running", str(args.episodes), "--device", args.device]
-    cmd += ["--log-file", str(tmp / f"engine-{cache_tokens}.log")]
+    flags = ["--max-running", str(args.episodes), "--device", args.device]
+    flags += ["--log-file", str(tmp / f"engine-{cache_tokens}.log")]
     if cache_tokens is not None:
-        cmd += ["--prefix-cache-tokens", str(cache_tokens)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        _wait_health(url, proc)
+        flags += ["--prefix-cache-tokens", str(cache_tokens)]
+    with engine_server(model_dir, *flags) as (url, _proc):
         asyncio.run(_warm(url))
         before = _get(url + "/get_server_info")["prefix_cache"]
         wall, turns = asyncio.run(_episodes(url, args))
         after = _get(url + "/get_server_info")["prefix_cache"]
-    finally:
-        proc.terminate()
-        proc.wait(30)
     return wall, turns, before, after
 
 
@@ -200,7 +148,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model_dir = tmp / "model"
-        n_params = _make_model(model_dir)
+        n_params = make_model(model_dir, vocab=VOCAB, max_positions=4096)
         on = _summary(*_run_engine(model_dir, tmp, None, args))
         off = _summary(*_run_engine(model_dir, tmp, 0, args))
 

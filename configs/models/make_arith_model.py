@@ -32,7 +32,8 @@ advantage r - mean, Adam lr 3e-4) first reaches 0.85 on the held-out split after
 the share of one-digit answers (7% of the train split, the last ones RL gets right).
 
 The same command gives the same weights: everything is seeded and runs deterministically on
-one CPU thread. The helpers (``encode``, ``greedy_accuracy``, ``sample``...) are importable.
+one CPU thread. The helpers (``encode``, ``greedy_accuracy``, ``sft_loss``...) are importable; those
+the tiny-model scripts share (``sample``, ``build_model``...) are in ``tiny_lm.py``.
 """
 
 from __future__ import annotations
@@ -42,16 +43,25 @@ import json
 import random
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from tiny_lm import (
+    add_model_arguments,
+    char_codec,
+    deterministic,
+    model_and_optimizer,
+    model_record,
+    sample,
+    save_model,
+    segments_loss,
+    sft_step,
+)
 
 from stages.feeder.arithmetic import (
     CHARS,
     EOS_ID,
-    PAD_ID,
     ArithmeticConfig,
     Problem,
     make_tokenizer,
@@ -59,107 +69,7 @@ from stages.feeder.arithmetic import (
 )
 
 MAX_NEW_TOKENS = 5
-_IDS = {c: i + 2 for i, c in enumerate(CHARS)}  # the ids make_tokenizer() gives
-
-
-def encode(text: str) -> list[int]:
-    """Token ids of ``text`` (one per character, no special tokens), as ``make_tokenizer``."""
-    return [_IDS[c] for c in text]
-
-
-def build_model(
-    *,
-    hidden: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    intermediate: int,
-    seed: int,
-    init_range: float = 0.1,
-    vocab_size: int = len(CHARS) + 2,
-    max_positions: int = 32,
-) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        use_cache=True,
-        initializer_range=init_range,
-    )
-    return Qwen2ForCausalLM(config).float()
-
-
-def _by_length(prompts: Sequence[list[int]]) -> dict[int, list[int]]:
-    """Indices of ``prompts`` grouped by prompt length (so a batch needs no padding)."""
-    groups: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(len(p), []).append(i)
-    return groups
-
-
-@torch.no_grad()
-def _decode_same_length(
-    model: torch.nn.Module,
-    prompts: torch.Tensor,
-    temperature: float,
-    generator: torch.Generator | None,
-    max_new_tokens: int = MAX_NEW_TOKENS,
-    stop_ids: Collection[int] = (EOS_ID,),
-) -> torch.Tensor:
-    """[rows, max_new_tokens] completions of equal-length ``prompts`` (PAD after a stop id)."""
-    stops = torch.tensor(sorted(stop_ids), dtype=torch.long)
-    out = model(input_ids=prompts, use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1].float()
-    done = torch.zeros(prompts.shape[0], dtype=torch.bool)
-    tokens = torch.full((prompts.shape[0], max_new_tokens), PAD_ID, dtype=torch.long)
-    for step in range(max_new_tokens):
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        nxt = torch.where(done, torch.full_like(nxt, PAD_ID), nxt)
-        tokens[:, step] = nxt
-        done |= torch.isin(nxt, stops)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
-        out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1].float()
-    return tokens
-
-
-def sample(
-    model: torch.nn.Module,
-    prompts: Sequence[list[int]],
-    *,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-    max_new_tokens: int = MAX_NEW_TOKENS,
-    stop_ids: Collection[int] = (EOS_ID,),
-) -> list[list[int]]:
-    """One completion per prompt: token ids up to and including the first of ``stop_ids``
-    (``<eos>``) when one is produced, else ``max_new_tokens`` ids."""
-    was_training = model.training
-    model.eval()
-    result: list[list[int]] = [[] for _ in prompts]
-    for _, idx in sorted(_by_length(prompts).items()):
-        batch = torch.tensor([prompts[i] for i in idx], dtype=torch.long)
-        tokens = _decode_same_length(model, batch, temperature, generator, max_new_tokens, stop_ids)
-        for row, i in zip(tokens.tolist(), idx, strict=True):
-            end = next((k + 1 for k, t in enumerate(row) if t in stop_ids), len(row))
-            result[i] = row[:end]
-    model.train(was_training)
-    return result
+encode, decode = char_codec(CHARS)  # the ids make_tokenizer() gives
 
 
 def is_correct(completion: Sequence[int], answer: str) -> bool:
@@ -167,31 +77,15 @@ def is_correct(completion: Sequence[int], answer: str) -> bool:
 
 
 def greedy_accuracy(model: torch.nn.Module, items: Sequence[Problem]) -> float:
-    completions = sample(model, [encode(p.text) for p in items])
+    completions = sample(model, [encode(p.text) for p in items], max_new_tokens=MAX_NEW_TOKENS)
     solved = sum(is_correct(c, p.answer) for c, p in zip(completions, items, strict=True))
     return solved / max(len(items), 1)
 
 
-def _sft_batch(items: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``prompt+answer+eos`` ids and next-token labels (-100 outside the answer)."""
-    seqs = [(encode(p.text), [*encode(p.answer), EOS_ID]) for p in items]
-    width = max(len(a) + len(b) for a, b in seqs)
-    ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
-    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
-    for row, (prompt, target) in enumerate(seqs):
-        ids[row, : len(prompt) + len(target)] = torch.tensor(prompt + target)
-        # the logit at position t predicts token t+1: answer tokens are predicted from the
-        # last prompt position on
-        labels[row, len(prompt) - 1 : len(prompt) + len(target) - 1] = torch.tensor(target)
-    return ids, labels
-
-
 def sft_loss(model: torch.nn.Module, items: Sequence[Problem]) -> torch.Tensor:
-    ids, labels = _sft_batch(items)
-    logits = model(input_ids=ids).logits
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
-    )
+    """Next-token loss on the answer and ``<eos>`` of right-padded ``prompt+answer+eos`` rows."""
+    rows = [[(encode(p.text), False), ([*encode(p.answer), EOS_ID], True)] for p in items]
+    return segments_loss(model, rows)
 
 
 def _sft_subset(
@@ -211,13 +105,7 @@ def _sft_subset(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "arith-tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=256)
+    add_model_arguments(parser, Path(__file__).parent / "arith-tiny")
     parser.add_argument("--init-range", type=float, default=0.1, help="std of the initial weights")
     parser.add_argument("--subset", type=int, default=4000, help="train problems used for SFT")
     parser.add_argument(
@@ -235,8 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=5000)
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     random.seed(args.seed)
     started = time.perf_counter()
 
@@ -248,17 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_eval = min(args.eval_sample, len(held_out))
     eval_sample = random.Random(args.seed + 1).sample(held_out, n_eval)
 
-    model = build_model(
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        seed=args.seed,
-        init_range=args.init_range,
+    model, optimizer = model_and_optimizer(
+        args, vocab_size=len(CHARS) + 2, max_positions=32, init_range=args.init_range
     )
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     step, accuracy, order = 0, 0.0, []
     history: list[tuple[int, float]] = []
@@ -267,10 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             order = list(range(len(subset)))
             rng.shuffle(order)
         batch, order = [subset[i] for i in order[: args.batch]], order[args.batch :]
-        loss = sft_loss(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        sft_step(optimizer, sft_loss(model, batch))
         step += 1
         if step % args.eval_every:
             continue
@@ -296,26 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.eval()
     full = greedy_accuracy(model, held_out)
     train_sample = greedy_accuracy(model, random.Random(args.seed + 2).sample(train, 1000))
-    model.generation_config = GenerationConfig(
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        max_new_tokens=MAX_NEW_TOKENS,
-        do_sample=False,
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    make_tokenizer().save_pretrained(args.out)
+    save_model(model, make_tokenizer(), args.out, max_new_tokens=MAX_NEW_TOKENS)
     record = {
-        "out": str(args.out),
-        "params": sum(p.numel() for p in model.parameters()),
-        "shape": {
-            "hidden": args.hidden,
-            "layers": args.layers,
-            "heads": args.heads,
-            "kv_heads": args.kv_heads,
-            "intermediate": args.intermediate,
-            "init_range": args.init_range,
-        },
+        **model_record(args, model, init_range=args.init_range),
         "sft_subset": len(subset),
         "steps": step,
         "seconds": round(time.perf_counter() - started, 1),

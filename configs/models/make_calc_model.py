@@ -61,13 +61,13 @@ steps on one thread); at lr 1e-4 with 16 x 4 episodes it is 0.40 after 10 steps,
 0.94 after 30.
 
 The same command gives the same weights: everything is seeded and runs deterministically on
-one CPU thread. The helpers (``encode``, ``run_episodes``, ``episode_stats``...) are importable.
+one CPU thread. The helpers (``encode``, ``run_episodes``, ``episode_stats``...) are importable;
+those the tiny-model scripts share are in ``tiny_lm.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import sys
@@ -77,18 +77,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from make_arith_model import build_model, sample
-from tokenizers import AddedToken
-from transformers import GenerationConfig, PreTrainedTokenizerFast
-
-from stages.feeder.arithmetic import (
-    EOS_ID,
-    PAD_ID,
-    ArithmeticConfig,
-    Problem,
-    _char_tokenizer,  # the arithmetic tokenizers' construction, for the same kind of tokenizer
-    problems,
+from tiny_lm import (
+    add_model_arguments,
+    char_tokenizer,
+    deterministic,
+    log_evaluation,
+    model_and_optimizer,
+    model_record,
+    sample,
+    save_and_report,
+    segments_loss,
+    sft_step,
+    stop_rule_unmet,
 )
+from transformers import PreTrainedTokenizerFast
+
+from stages.feeder.arithmetic import EOS_ID, PAD_ID, ArithmeticConfig, Problem, problems
 
 CALC_CHARS = "0123456789+-*=()acl"
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -108,9 +112,7 @@ _CALL = re.compile(r"<tool_call>calc\((\d+[*+-]\d+)\)</tool_call>")
 def make_calc_tokenizer() -> PreTrainedTokenizerFast:
     """``<pad>`` 0, ``<eos>`` 1, one token per character of ``CALC_CHARS``, then the four tool
     tags as added tokens that are not special: matched whole, kept by ``skip_special_tokens``."""
-    tok = _char_tokenizer(CALC_CHARS)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    return tok
+    return char_tokenizer(CALC_CHARS, added=TOOL_TOKENS)
 
 
 def encode(text: str) -> list[int]:
@@ -151,24 +153,8 @@ def direct_episode(problem: Problem) -> list[tuple[str, bool]]:
 def sft_loss(model: torch.nn.Module, episodes: Sequence[list[tuple[str, bool]]]) -> torch.Tensor:
     """Next-token loss on the sampled segments only (never the prompt or the tool's response),
     over right-padded rows of (text, sampled) segments."""
-    rows = []
-    for segments in episodes:
-        ids, targets = [], []
-        for text, sampled in segments:
-            piece = encode(text)
-            ids += piece
-            targets += piece if sampled else [-100] * len(piece)
-        rows.append((ids, targets[1:]))  # the logit at t predicts token t+1
-    width = max(len(ids) for ids, _ in rows)
-    batch = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for r, (ids, targets) in enumerate(rows):
-        batch[r, : len(ids)] = torch.tensor(ids)
-        labels[r, : len(targets)] = torch.tensor(targets)
-    logits = model(input_ids=batch).logits
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
-    )
+    rows = [[(encode(text), sampled) for text, sampled in segments] for segments in episodes]
+    return segments_loss(model, rows)
 
 
 @dataclass
@@ -267,13 +253,7 @@ def evaluate(model: torch.nn.Module, items: Sequence[Problem], seed: int) -> dic
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "calc-tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=256)
+    add_model_arguments(parser, Path(__file__).parent / "calc-tiny")
     parser.add_argument(
         "--tool-share", type=float, default=0.2, help="demonstrations that call the tool..."
     )
@@ -295,8 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=3000)
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     started = time.perf_counter()
     train = list(problems(TASK, "train"))
     held_out = list(problems(TASK, "eval"))
@@ -304,18 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     picked = random.Random(args.seed + 1).sample(held_out, args.eval_sample + args.report)
     # the stop is chosen on one sample and reported on another
     eval_sample, reported = picked[: args.eval_sample], picked[args.eval_sample :]
-    model = build_model(
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        seed=args.seed,
-        vocab_size=VOCAB_SIZE,
-        max_positions=CONTEXT,
-    )
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    model, optimizer = model_and_optimizer(args, vocab_size=VOCAB_SIZE, max_positions=CONTEXT)
 
     step, history = 0, []
     while step < args.max_steps:
@@ -324,15 +292,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for p in rng.sample(train, args.batch)
         ]
         loss = sft_loss(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        sft_step(optimizer, loss)
         step += 1
         if step % args.eval_every:
             continue
         stats = evaluate(model, eval_sample, args.seed)
-        history.append((step, *(round(stats[k], 3) for k in _SHOWN)))
-        print(f"step {step} loss {loss.item():.3f} {history[-1]}", file=sys.stderr)
+        log_evaluation(history, step, loss, stats, _SHOWN)
         if (
             stats["sampled_tool_accuracy"] >= args.min_tool_acc
             and args.min_acc <= stats["greedy_accuracy"] <= args.max_acc
@@ -340,42 +305,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             break
     else:
-        print(
-            f"no evaluation met the stop rule in {step} steps (last evaluations as (step, "
-            f"{', '.join(_SHOWN)}): {history[-10:]})",
-            file=sys.stderr,
-        )
-        return 1
+        return stop_rule_unmet(step, history, _SHOWN)
 
     train_s = time.perf_counter() - started
     model.eval()
     record = {
-        "out": str(args.out),
-        "params": sum(p.numel() for p in model.parameters()),
-        "shape": {
-            "hidden": args.hidden,
-            "layers": args.layers,
-            "heads": args.heads,
-            "kv_heads": args.kv_heads,
-            "intermediate": args.intermediate,
-            "vocab": VOCAB_SIZE,
-            "context": CONTEXT,
-        },
+        **model_record(args, model, vocab=VOCAB_SIZE, context=CONTEXT),
         "steps": step,
         "train_s": round(train_s, 1),
         "held_out_problems": len(reported),
         **{k: round(v, 4) for k, v in evaluate(model, reported, args.seed + 3).items()},
         "last_evaluations": history[-4:],
     }
-    model.generation_config = GenerationConfig(
-        eos_token_id=EOS_ID, pad_token_id=PAD_ID, max_new_tokens=TURN_TOKENS, do_sample=False
+    return save_and_report(
+        model, make_calc_tokenizer(), record, args.out, started, max_new_tokens=TURN_TOKENS
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    make_calc_tokenizer().save_pretrained(args.out)
-    record["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(record))
-    return 0
 
 
 _SHOWN = ("greedy_accuracy", "sampled_tool_rate", "sampled_tool_accuracy")

@@ -55,13 +55,13 @@ between 0.49 and 0.56 for 150 steps, and at 1e-3 (32 secrets a step) it fell to 
 hovered around 0.5.
 
 The same command gives the same weights: everything is seeded and runs deterministically on
-one CPU thread. The helpers (``encode``, ``play_games``, ``game_stats``...) are importable.
+one CPU thread. The helpers (``encode``, ``play_games``, ``game_stats``...) are importable; those
+the tiny-model scripts share are in ``tiny_lm.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import sys
@@ -71,37 +71,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from make_arith_model import build_model, sample
-from transformers import GenerationConfig, PreTrainedTokenizerFast
-
-from stages.feeder.arithmetic import (
-    EOS_ID,
-    PAD_ID,
-    _char_tokenizer,  # the arithmetic tokenizers' construction, for the same kind of tokenizer
+from tiny_lm import (
+    add_model_arguments,
+    char_codec,
+    char_tokenizer,
+    deterministic,
+    log_evaluation,
+    model_and_optimizer,
+    model_record,
+    sample,
+    save_and_report,
+    segments_loss,
+    sft_step,
+    stop_rule_unmet,
 )
+from transformers import PreTrainedTokenizerFast
+
+from stages.feeder.arithmetic import EOS_ID
 
 GUESS_CHARS = "0123456789HL?"
 VOCAB_SIZE = 2 + len(GUESS_CHARS)  # 15
 LOW, HIGH, MAX_GUESSES = 1, 100, 7
 CONTEXT = 64  # the longest game is 35 tokens
 TURN_TOKENS = 4  # a guess is at most 3 digits and <eos>
-_IDS = {c: i + 2 for i, c in enumerate(GUESS_CHARS)}
-_TEXT = {i: c for c, i in _IDS.items()}
+encode, decode = char_codec(GUESS_CHARS)  # the ids make_guess_tokenizer() gives
 
 
 def make_guess_tokenizer() -> PreTrainedTokenizerFast:
     """``<pad>`` 0, ``<eos>`` 1, then one token per character of ``GUESS_CHARS``."""
-    return _char_tokenizer(GUESS_CHARS)
-
-
-def encode(text: str) -> list[int]:
-    """Token ids of ``text`` (one per character, no special tokens), as the guess tokenizer."""
-    return [_IDS[c] for c in text]
-
-
-def decode(ids: Sequence[int]) -> str:
-    """Text of ``ids`` without ``<pad>`` / ``<eos>`` (as ``skip_special_tokens``)."""
-    return "".join(_TEXT.get(int(i), "") for i in ids)
+    return char_tokenizer(GUESS_CHARS)
 
 
 def reward(guesses: int, success: bool) -> float:
@@ -218,24 +216,11 @@ def teacher_game(
 def sft_loss(model: torch.nn.Module, games: Sequence[list[tuple[str, bool]]]) -> torch.Tensor:
     """Next-token loss on the guesses and their ``<eos>`` (never ``?``, ``H`` or ``L``), over
     right-padded rows of teacher games."""
-    rows = []
-    for segments in games:
-        ids, targets = [], []
-        for text, sampled in segments:
-            piece = encode(text) + ([EOS_ID] if sampled else [])
-            ids += piece
-            targets += piece if sampled else [-100] * len(piece)
-        rows.append((ids, targets[1:]))  # the logit at t predicts token t+1
-    width = max(len(ids) for ids, _ in rows)
-    batch = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for r, (ids, targets) in enumerate(rows):
-        batch[r, : len(ids)] = torch.tensor(ids)
-        labels[r, : len(targets)] = torch.tensor(targets)
-    logits = model(input_ids=batch).logits
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
-    )
+    rows = [
+        [(encode(text) + ([EOS_ID] if sampled else []), sampled) for text, sampled in segments]
+        for segments in games
+    ]
+    return segments_loss(model, rows)
 
 
 def evaluate(model: torch.nn.Module, samples: int, seed: int) -> dict[str, float]:
@@ -258,13 +243,7 @@ def evaluate(model: torch.nn.Module, samples: int, seed: int) -> dict[str, float
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "guess-tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=256)
+    add_model_arguments(parser, Path(__file__).parent / "guess-tiny")
     parser.add_argument("--middle", type=float, default=0.3, help="teacher guesses: the middle")
     parser.add_argument("--anywhere", type=float, default=0.15, help="...random in the interval")
     parser.add_argument("--sloppy", type=float, default=0.0, help="...random in 1..100")
@@ -282,22 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=3000)
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     started = time.perf_counter()
     rng = random.Random(args.seed)
-    model = build_model(
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        seed=args.seed,
-        vocab_size=VOCAB_SIZE,
-        max_positions=CONTEXT,
-    )
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    model, optimizer = model_and_optimizer(args, vocab_size=VOCAB_SIZE, max_positions=CONTEXT)
 
     step, history = 0, []
     while step < args.max_steps:
@@ -313,15 +280,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _ in range(args.batch)
         ]
         loss = sft_loss(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        sft_step(optimizer, loss)
         step += 1
         if step % args.eval_every:
             continue
         stats = evaluate(model, args.samples, args.seed)
-        history.append((step, *(round(stats[k], 3) for k in _SHOWN)))
-        print(f"step {step} loss {loss.item():.3f} {history[-1]}", file=sys.stderr)
+        log_evaluation(history, step, loss, stats, _SHOWN)
         if stats["greedy_success"] > args.max_success:
             print(
                 f"greedy success jumped past the window to {stats['greedy_success']:.2f} at "
@@ -336,27 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             break
     else:
-        print(
-            f"no evaluation met the stop rule in {step} steps (last evaluations as (step, "
-            f"{', '.join(_SHOWN)}): {history[-10:]})",
-            file=sys.stderr,
-        )
-        return 1
+        return stop_rule_unmet(step, history, _SHOWN)
 
     train_s = time.perf_counter() - started
     model.eval()
     record = {
-        "out": str(args.out),
-        "params": sum(p.numel() for p in model.parameters()),
-        "shape": {
-            "hidden": args.hidden,
-            "layers": args.layers,
-            "heads": args.heads,
-            "kv_heads": args.kv_heads,
-            "intermediate": args.intermediate,
-            "vocab": VOCAB_SIZE,
-            "context": CONTEXT,
-        },
+        **model_record(args, model, vocab=VOCAB_SIZE, context=CONTEXT),
         "steps": step,
         "train_s": round(train_s, 1),
         **{k: round(v, 4) for k, v in evaluate(model, args.report_samples, args.seed + 3).items()},
@@ -366,15 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "binary_search": _search(0.5),
         "last_evaluations": history[-4:],
     }
-    model.generation_config = GenerationConfig(
-        eos_token_id=EOS_ID, pad_token_id=PAD_ID, max_new_tokens=TURN_TOKENS, do_sample=False
+    return save_and_report(
+        model, make_guess_tokenizer(), record, args.out, started, max_new_tokens=TURN_TOKENS
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    make_guess_tokenizer().save_pretrained(args.out)
-    record["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(record))
-    return 0
 
 
 _SHOWN = ("greedy_success", "greedy_guesses_all", "sampled_success")

@@ -34,13 +34,13 @@ minutes at lr 3e-4 after 10 warm-up steps; without warm-up the first steps knock
 it drops to 0.27 and stays, and at 1e-3 it collapses (0.18, completions shrink to ~12 tokens).
 
 The same command gives the same weights: everything is seeded and runs deterministically on
-one CPU thread. The helpers (``encode``, ``greedy``, ``accuracy``...) are importable.
+one CPU thread. The helpers (``encode``, ``greedy``, ``accuracy``...) are importable; those the
+tiny-model scripts share are in ``tiny_lm.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -49,12 +49,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from tiny_lm import (
+    add_model_arguments,
+    char_codec,
+    deterministic,
+    model_and_optimizer,
+    model_record,
+    sample,
+    save_and_report,
+    segments_loss,
+    sft_step,
+)
 
 from stages.feeder.arithmetic import (
     CHAIN_CHARS,
     EOS_ID,
-    PAD_ID,
     ChainConfig,
     ChainProblem,
     chain_problems,
@@ -64,44 +73,9 @@ from stages.scorer.rewards import chain_answer
 
 MAX_NEW_TOKENS = 128  # the longest solution (12 steps) is 112 tokens with <eos>
 CONTEXT = 256
-_IDS = {c: i + 2 for i, c in enumerate(CHAIN_CHARS)}  # the ids make_chain_tokenizer() gives
-_CHARS = {i: c for c, i in _IDS.items()}
+encode, decode = char_codec(CHAIN_CHARS)  # the ids make_chain_tokenizer() gives
 
 
-def encode(text: str) -> list[int]:
-    """Token ids of ``text`` (one per character, no special tokens), as the chain tokenizer."""
-    return [_IDS[c] for c in text]
-
-
-def decode(ids: Sequence[int]) -> str:
-    """Text of ``ids`` without ``<pad>`` / ``<eos>`` (as ``skip_special_tokens``)."""
-    return "".join(_CHARS.get(int(i), "") for i in ids)
-
-
-def build_model(
-    *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, seed: int
-) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(CHAIN_CHARS) + 2,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=CONTEXT,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        use_cache=True,
-        initializer_range=0.1,
-    )
-    return Qwen2ForCausalLM(config).float()
-
-
-@torch.no_grad()
 def greedy(
     model: torch.nn.Module,
     prompts: Sequence[str],
@@ -115,37 +89,14 @@ def greedy(
     Prompts of the same length decode together (no padding); a batch stops when every row
     has ended.
     """
-    was_training = model.training
-    model.eval()
-    result: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
-    by_length: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_length.setdefault(len(p), []).append(i)
-    for _, idx in sorted(by_length.items()):
-        ids = torch.tensor([encode(prompts[i]) for i in idx], dtype=torch.long)
-        out = model(input_ids=ids, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]
-        done = torch.zeros(len(idx), dtype=torch.bool)
-        tokens = []
-        for _ in range(max_new_tokens):
-            if temperature == 0:
-                nxt = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            nxt = torch.where(done, torch.full_like(nxt, PAD_ID), nxt)
-            tokens.append(nxt)
-            done |= nxt == EOS_ID
-            if bool(done.all()):
-                break
-            out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1]
-        rows = torch.stack(tokens, 1).tolist()
-        for row, i in zip(rows, idx, strict=True):
-            ended = EOS_ID in row
-            result[i] = (row[: row.index(EOS_ID) + 1] if ended else row, ended)
-    model.train(was_training)
-    return result
+    outs = sample(
+        model,
+        [encode(p) for p in prompts],
+        temperature=temperature,
+        generator=generator,
+        max_new_tokens=max_new_tokens,
+    )
+    return [(ids, EOS_ID in ids) for ids in outs]
 
 
 def accuracy(model: torch.nn.Module, items: Sequence[ChainProblem]) -> float:
@@ -183,17 +134,8 @@ def sample_lengths(
 
 def sft_loss(model: torch.nn.Module, items: Sequence[ChainProblem]) -> torch.Tensor:
     """Next-token loss on the solution and ``<eos>`` of equal-length ``prompt+solution`` rows."""
-    seqs = [(encode(p.text), [*encode(p.solution), EOS_ID]) for p in items]
-    ids = torch.tensor([a + b for a, b in seqs], dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    for row, (prompt, target) in enumerate(seqs):
-        # the logit at position t predicts token t+1: the solution is predicted from the last
-        # prompt position on
-        labels[row, len(prompt) - 1 : len(prompt) + len(target) - 1] = torch.tensor(target)
-    logits = model(input_ids=ids).logits
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
-    )
+    rows = [[(encode(p.text), False), ([*encode(p.solution), EOS_ID], True)] for p in items]
+    return segments_loss(model, rows)
 
 
 def length_batches(
@@ -214,13 +156,7 @@ def length_batches(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "longtail-tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=256)
+    add_model_arguments(parser, Path(__file__).parent / "longtail-tiny")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--min-acc", type=float, default=0.35, help="stop at this accuracy...")
@@ -231,8 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=5000)
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     started = time.perf_counter()
 
     task = ChainConfig()
@@ -244,16 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = held_out[args.report :]
     eval_sample = random.Random(args.seed + 1).sample(pool, min(args.eval_sample, len(pool)))
 
-    model = build_model(
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        seed=args.seed,
+    model, optimizer = model_and_optimizer(
+        args, vocab_size=len(CHAIN_CHARS) + 2, max_positions=CONTEXT
     )
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     step, acc, batches = 0, 0.0, []
     history: list[tuple[int, float, float]] = []
@@ -261,9 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not batches:
             batches = length_batches(train, args.batch, rng)
         loss = sft_loss(model, batches.pop())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        sft_step(optimizer, loss)
         step += 1
         if step % args.eval_every:
             continue
@@ -291,15 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.eval()
     reported = held_out[: args.report]
     record = {
-        "out": str(args.out),
-        "params": sum(p.numel() for p in model.parameters()),
-        "shape": {
-            "hidden": args.hidden,
-            "layers": args.layers,
-            "heads": args.heads,
-            "kv_heads": args.kv_heads,
-            "intermediate": args.intermediate,
-        },
+        **model_record(args, model),
         "steps": step,
         "train_s": round(train_s, 1),
         "eval_sample_accuracy": round(acc, 4),
@@ -312,15 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "task_lengths": _task_lengths(reported),
         "last_evaluations": history[-8:],
     }
-    model.generation_config = GenerationConfig(
-        eos_token_id=EOS_ID, pad_token_id=PAD_ID, max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+    return save_and_report(
+        model, make_chain_tokenizer(), record, args.out, started, max_new_tokens=MAX_NEW_TOKENS
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    make_chain_tokenizer().save_pretrained(args.out)
-    record["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(record))
-    return 0
 
 
 def _task_lengths(items: Sequence[ChainProblem]) -> dict[str, float]:

@@ -32,6 +32,16 @@ def run_inflight(
     )
 
 
+def run_to_summary(config: str, run_dir: Path, *overrides: str, timeout: float) -> dict:
+    """Run ``inflight run CONFIG OVERRIDES --run-dir RUN_DIR -q`` to completion (it must exit 0,
+    else the test fails with its output's tails) and return the run's ``summary.json``."""
+    result = run_inflight(
+        "run", config, *overrides, "--run-dir", str(run_dir), "-q", timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def start_inflight(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         inflight_cmd(*args),

@@ -10,11 +10,9 @@ model from answering in its head to calling the tool (3 full runs: 0.86-0.96 at 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.pipeline.runs import REPO, events, run_inflight
+from tests.pipeline.runs import REPO, events, run_to_summary
 
 pytestmark = pytest.mark.slow
 
@@ -23,19 +21,14 @@ pytestmark = pytest.mark.slow
 def test_the_calculator_example_learns_to_call_its_tool(tmp_path):
     assert (REPO / "configs/models/calc-tiny/model.safetensors").exists()
     run_dir = tmp_path / "run"
-    result = run_inflight(
-        "run",
+    summary = run_to_summary(
         "configs/calculator.yaml",
+        run_dir,
         "stages.learner.steps=30",
         "stages.learner.eval.every=30",
         "stages.learner.eval.max_prompts=60",
-        "--run-dir",
-        str(run_dir),
-        "-q",
         timeout=230,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 30
     assert summary["ledger"]["unaccounted"] == 0
     before, after = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]

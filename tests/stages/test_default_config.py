@@ -7,11 +7,9 @@ work together as a user starts them and that the run leaves its summary.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.pipeline.runs import REPO, events, run_inflight
+from tests.pipeline.runs import REPO, events, run_to_summary
 
 pytestmark = pytest.mark.slow
 
@@ -20,19 +18,14 @@ pytestmark = pytest.mark.slow
 def test_default_config_shortened_runs_to_its_summary(tmp_path):
     assert (REPO / "configs/models/arith-tiny/model.safetensors").exists()
     run_dir = tmp_path / "run"
-    result = run_inflight(
-        "run",
+    summary = run_to_summary(
         "configs/default.yaml",
+        run_dir,
         "stages.learner.steps=3",
         "stages.learner.eval.max_prompts=40",
         "stages.learner.checkpoint.every=0",
-        "--run-dir",
-        str(run_dir),
-        "-q",
         timeout=230,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["samples"] == 3 * 256
     # the shipped model starts partly right (warm start), never above 0.6
     assert 0.2 <= summary["eval_before"] <= 0.6

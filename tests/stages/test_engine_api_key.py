@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -33,17 +31,12 @@ from stages.generator.client import EngineClient, EngineError
 from stages.generator.launcher import EngineLauncher, LaunchConfig
 from stages.weights.publisher import WeightPublisher
 from tests.pipeline.runs import run_inflight
+from tests.stages.engine_setup import builtin_engine, engine_command
 from tests.stages.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "k3y-for-this-test"
 GEN = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(url: str, method: str, body=None, auth: str | None = None) -> tuple[int, object]:
@@ -61,45 +54,22 @@ def _request(url: str, method: str, body=None, auth: str | None = None) -> tuple
         return exc.code, json.loads(text) if text else None
 
 
-def _engine_cmd(model: Path, *more: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model), *more]
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A built-in engine given its key as the launcher does: in its environment."""
     root = tmp_path_factory.mktemp("keyed")
     model = make_tiny_model(root / "model", vocab=64, seed=2)
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", API_KEY_ENV: KEY}
-    out = open(root / "engine.out", "wb")  # closed below
-    proc = subprocess.Popen(
-        _engine_cmd(model, "--port", str(port), "--max-running", "4"),
-        cwd=ROOT,
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    try:
-        while True:
-            try:
-                if _request(url + "/health", "GET")[0] == 200:  # no key: /health is exempt
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"engine did not come up: {(root / 'engine.out').read_text()[-2000:]}")
-            time.sleep(0.2)
+    # the health check sends no key: /health is exempt
+    with builtin_engine(
+        model,
+        "--max-running",
+        "4",
+        env={API_KEY_ENV: KEY},
+        output=root / "engine.out",
+        up_within=30,
+        stop_within=10,
+    ) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        finally:
-            proc.kill()
-            out.close()
 
 
 @pytest.mark.timeout(40)
@@ -159,7 +129,7 @@ async def test_publisher_sends_the_key_and_a_refused_one_is_not_a_publish_error(
 def test_engine_refuses_to_listen_off_loopback_without_a_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     proc = subprocess.run(
-        _engine_cmd(tmp_path / "no-model", "--port", "0", "--host", "0.0.0.0"),
+        engine_command(tmp_path / "no-model", "--port", "0", "--host", "0.0.0.0"),
         cwd=ROOT,
         env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True,

@@ -9,25 +9,16 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
-from tests.stages.tiny_model import EOS_ID, make_tiny_model
-
-
-def _load(path: Path, attn: str = "sdpa") -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn
-    ).eval()
-    model.generation_config.eos_token_id = None
-    return model
+from tests.stages.engine_setup import load_reference, two_tiny_models
+from tests.stages.tiny_model import EOS_ID
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return make_tiny_model(root / "a", seed=1), make_tiny_model(root / "b", seed=2)
+    return two_tiny_models(tmp_path_factory)
 
 
 @torch.no_grad()
@@ -75,7 +66,7 @@ def _count_passes(scheduler: Scheduler) -> list[tuple[int, int]]:
 def test_mixed_batch_matches_each_request_alone(
     models: tuple[Path, Path], attn: str, fast: bool
 ) -> None:
-    model = _load(models[0], attn)
+    model = load_reference(models[0], attn)
     scheduler = Scheduler(model, max_running=6, admit_fraction=0.0, fast_forward=fast)
     assert scheduler.forward_path == ("fast" if fast else "transformers")
     first = {
@@ -125,7 +116,7 @@ def test_mixed_batch_matches_each_request_alone(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
 def test_identical_prompts_are_prefilled_once(models: tuple[Path, Path], fast: bool) -> None:
-    model = _load(models[0])
+    model = load_reference(models[0])
     scheduler = Scheduler(model, max_running=8, fast_forward=fast)
     calls = _count_passes(scheduler)
     group = [GenerateInput(f"g{i}", [11, 12, 13], _greedy(6), True) for i in range(4)]
@@ -146,7 +137,7 @@ def test_identical_prompts_are_prefilled_once(models: tuple[Path, Path], fast: b
 def test_group_samples_differ_and_eos_ends_rows_at_their_own_step(
     models: tuple[Path, Path],
 ) -> None:
-    model = _load(models[0])
+    model = load_reference(models[0])
     scheduler = Scheduler(model, max_running=16, seed=3, eos_token_ids=[EOS_ID])
     sp = SamplingParams(temperature=1.5, max_new_tokens=12)
     future = scheduler.submit_many([GenerateInput(f"s{i}", [20, 21], sp, True) for i in range(12)])
@@ -169,7 +160,7 @@ def test_group_samples_differ_and_eos_ends_rows_at_their_own_step(
 
 @pytest.mark.timeout(60)
 def test_seeded_rows_are_the_same_alone_and_in_a_batch(models: tuple[Path, Path]) -> None:
-    model = _load(models[0])
+    model = load_reference(models[0])
     seeded = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=15, ignore_eos=True,
                             sampling_seed=1234)  # fmt: skip
 
@@ -191,8 +182,8 @@ def test_seeded_rows_are_the_same_alone_and_in_a_batch(models: tuple[Path, Path]
 
 @pytest.mark.timeout(60)
 def test_weight_update_mid_run_records_versions_per_row(models: tuple[Path, Path]) -> None:
-    model_a, model_b = _load(models[0]), _load(models[1])
-    scheduler = Scheduler(_load(models[0]), max_running=4, admit_fraction=0.0)
+    model_a, model_b = load_reference(models[0]), load_reference(models[1])
+    scheduler = Scheduler(load_reference(models[0]), max_running=4, admit_fraction=0.0)
     early = scheduler.submit(GenerateInput("early", [7, 8], _greedy(40), True))
     for _ in range(3):  # prefill + 3 decode steps: 4 tokens at version 0
         scheduler.step()
@@ -216,8 +207,8 @@ def test_weight_update_mid_run_records_versions_per_row(models: tuple[Path, Path
 
 @pytest.mark.timeout(60)
 def test_retract_then_continue_keeps_outputs_and_versions(models: tuple[Path, Path]) -> None:
-    model_a, model_b = _load(models[0]), _load(models[1])
-    scheduler = Scheduler(_load(models[0]), max_running=8)
+    model_a, model_b = load_reference(models[0]), load_reference(models[1])
+    scheduler = Scheduler(load_reference(models[0]), max_running=8)
     group = scheduler.submit_many([GenerateInput(f"g{i}", [3, 4, 5], _greedy(12), True)
                                    for i in range(3)])  # fmt: skip
     solo = scheduler.submit(GenerateInput("solo", [6], _greedy(8), True))
@@ -244,7 +235,7 @@ def test_retract_then_continue_keeps_outputs_and_versions(models: tuple[Path, Pa
 
 @pytest.mark.timeout(60)
 def test_abort_by_group_rid_and_rid_clash(models: tuple[Path, Path]) -> None:
-    scheduler = Scheduler(_load(models[0]), max_running=4)
+    scheduler = Scheduler(load_reference(models[0]), max_running=4)
     group = scheduler.submit_many(
         [GenerateInput(f"q_{i}", [5, 6], _greedy(50), True, group_rid="q") for i in range(3)]
     )

@@ -7,11 +7,6 @@ server process (``cached_tokens``, ``/get_server_info``, ``/flush_cache``)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,29 +16,20 @@ from typing import Any
 import pytest
 import torch
 from structlog.testing import capture_logs
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from stages.engine.prefix_cache import PrefixCache, Stamp
 from stages.engine.protocol import GenerateInput, SamplingParams, SequenceResult
 from stages.engine.scheduler import Scheduler
+from tests.stages.engine_setup import builtin_engine, load_reference, two_tiny_models
 from tests.stages.tiny_model import make_tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL = {"atol": 1e-4, "rtol": 1e-4}
-
-
-def _load(path: Path, attn: str = "sdpa") -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn
-    ).eval()
-    model.generation_config.eos_token_id = None
-    return model
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return make_tiny_model(root / "a", seed=1), make_tiny_model(root / "b", seed=2)
+    return two_tiny_models(tmp_path_factory)
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -167,9 +153,9 @@ def test_tree_reuses_older_kv_only_for_a_continuation_and_ages_it_out() -> None:
 def test_next_turns_prefill_only_new_tokens_and_match_a_cold_engine(
     models: tuple[Path, Path], attn: str, fast: bool
 ) -> None:
-    hot = Scheduler(_load(models[0], attn), max_running=4, fast_forward=fast)
+    hot = Scheduler(load_reference(models[0], attn), max_running=4, fast_forward=fast)
     cold = Scheduler(
-        _load(models[0], attn), max_running=4, fast_forward=fast, prefix_cache_tokens=0
+        load_reference(models[0], attn), max_running=4, fast_forward=fast, prefix_cache_tokens=0
     )
     context = [7, 8, 9, 10, 11, 12]
     for turn, inserted in enumerate([[], [40, 41, 42], [50, 51, 52, 53, 54, 55, 56]]):
@@ -201,7 +187,7 @@ def test_next_turns_prefill_only_new_tokens_and_match_a_cold_engine(
 
 @pytest.mark.timeout(120)
 def test_one_admission_mixes_hits_misses_groups_and_lengths(models: tuple[Path, Path]) -> None:
-    model = _load(models[0])
+    model = load_reference(models[0])
     hot = Scheduler(model, max_running=16, admit_fraction=0.0)
     cold = Scheduler(model, max_running=16, prefix_cache_tokens=0)
     firsts = {"a": [3, 4, 5], "b": [20, 21, 22, 23, 24, 25, 26, 27], "c": [60]}
@@ -237,7 +223,7 @@ def test_one_admission_mixes_hits_misses_groups_and_lengths(models: tuple[Path, 
 
 @pytest.mark.timeout(60)
 def test_a_request_equal_to_or_inside_a_cached_sequence(models: tuple[Path, Path]) -> None:
-    model = _load(models[0])
+    model = load_reference(models[0])
     hot = Scheduler(model, max_running=4)
     cold = Scheduler(model, max_running=4, prefix_cache_tokens=0)
     prompt = [30, 31, 32, 33, 34]
@@ -277,8 +263,10 @@ def _stale_then_new(
 def test_a_next_turn_reuses_its_prefix_across_a_weight_update(
     models: tuple[Path, Path], fast: bool
 ) -> None:
-    model_a, model_b = _load(models[0]), _load(models[1])
-    hot = Scheduler(_load(models[0]), max_running=4, fast_forward=fast, prefix_cache_max_age=1)
+    model_a, model_b = load_reference(models[0]), load_reference(models[1])
+    hot = Scheduler(
+        load_reference(models[0]), max_running=4, fast_forward=fast, prefix_cache_max_age=1
+    )
     prompt = [7, 8, 9, 10]
     (first,) = _run(hot, ("t0", prompt, 6))
     hot.apply_weights(list(model_b.state_dict().items()), 1)
@@ -313,7 +301,7 @@ def test_a_next_turn_reuses_its_prefix_across_a_weight_update(
 
 @pytest.mark.timeout(60)
 def test_max_age_zero_drops_cached_prefixes_at_every_version(models: tuple[Path, Path]) -> None:
-    hot = Scheduler(_load(models[0]), max_running=4, prefix_cache_max_age=0)
+    hot = Scheduler(load_reference(models[0]), max_running=4, prefix_cache_max_age=0)
     (first,) = _run(hot, ("t0", [3, 4, 5], 4))
     hot.set_weight_version("1")
     hot.step()
@@ -324,7 +312,7 @@ def test_max_age_zero_drops_cached_prefixes_at_every_version(models: tuple[Path,
 
 @pytest.mark.timeout(60)
 def test_eviction_keeps_the_bound_least_recently_used_first(models: tuple[Path, Path]) -> None:
-    model = _load(models[0])
+    model = load_reference(models[0])
     hot = Scheduler(model, max_running=4, prefix_cache_tokens=25)
     cold = Scheduler(model, max_running=4, prefix_cache_tokens=0)
     prompts = {
@@ -363,7 +351,7 @@ def test_eviction_keeps_the_bound_least_recently_used_first(models: tuple[Path, 
 
 @pytest.mark.timeout(60)
 def test_aborted_and_retracted_rows_leave_no_corrupt_entry(models: tuple[Path, Path]) -> None:
-    model = _load(models[0])
+    model = load_reference(models[0])
     hot = Scheduler(model, max_running=4)
     cold = Scheduler(model, max_running=4, prefix_cache_tokens=0)
     prompt = [40, 41, 42, 43]
@@ -394,7 +382,7 @@ def test_aborted_and_retracted_rows_leave_no_corrupt_entry(models: tuple[Path, P
 def test_a_failed_step_leaves_nothing_and_the_thread_logs_the_counters(
     models: tuple[Path, Path],
 ) -> None:
-    hot = Scheduler(_load(models[0]), max_running=4)
+    hot = Scheduler(load_reference(models[0]), max_running=4)
     assert hot._fast is not None
     decode = hot._fast.decode
     calls = []
@@ -425,12 +413,6 @@ def test_a_failed_step_leaves_nothing_and_the_thread_logs_the_counters(
 # ---- a real server ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _call(url: str, method: str = "GET", body: Any = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
@@ -445,34 +427,10 @@ def _call(url: str, method: str = "GET", body: Any = None) -> Any:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("server")
     model_dir = make_tiny_model(root / "model", vocab=128, seed=1)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model_dir)]
-    cmd += ["--port", str(port), "--prefix-cache-tokens", "4096", "--prefix-cache-max-age", "1"]
-    cmd += ["--log-file", str(root / "engine.log")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("engine did not come up")
-            time.sleep(0.2)
+    flags = ["--prefix-cache-tokens", "4096", "--prefix-cache-max-age", "1"]
+    flags += ["--log-file", str(root / "engine.log")]
+    with builtin_engine(model_dir, *flags) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        finally:
-            proc.kill()
 
 
 @pytest.mark.timeout(90)

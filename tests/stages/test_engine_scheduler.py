@@ -6,26 +6,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from stages.engine.model_weights import WeightLoadError, load_named_tensors
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
+from tests.stages.engine_setup import load_reference, two_tiny_models
 from tests.stages.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
 
 
-def _load(path: Path) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return make_tiny_model(root / "a", seed=1), make_tiny_model(root / "b", seed=2)
+    return two_tiny_models(tmp_path_factory)
 
 
 @torch.no_grad()
@@ -51,8 +45,8 @@ def _continue_with_stale_cache(
 
 @pytest.mark.timeout(60)
 def test_weights_applied_mid_generation(models: tuple[Path, Path]) -> None:
-    model_a, model_b = _load(models[0]), _load(models[1])
-    engine_model = _load(models[0])
+    model_a, model_b = load_reference(models[0]), load_reference(models[1])
+    engine_model = load_reference(models[0])
     scheduler = Scheduler(engine_model, max_running=4, weight_version="0")
     prompt = [7, 8, 9, 10]
     long = scheduler.submit(GenerateInput("long", prompt, GREEDY, True))
@@ -87,7 +81,7 @@ def test_weights_applied_mid_generation(models: tuple[Path, Path]) -> None:
 
 @pytest.mark.timeout(60)
 def test_bad_weights_are_rejected_whole(models: tuple[Path, Path]) -> None:
-    model = _load(models[0])
+    model = load_reference(models[0])
     scheduler = Scheduler(model, max_running=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     bad = [
@@ -105,7 +99,7 @@ def test_bad_weights_are_rejected_whole(models: tuple[Path, Path]) -> None:
 
 @pytest.mark.timeout(60)
 def test_tied_embeddings_update_through_either_name(tmp_path: Path) -> None:
-    model = _load(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
+    model = load_reference(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
     new = torch.randn_like(model.lm_head.weight)
     load_named_tensors(model, [("lm_head.weight", new)])
     assert torch.equal(model.model.embed_tokens.weight, new)
@@ -115,7 +109,7 @@ def test_tied_embeddings_update_through_either_name(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_retract_then_continue_recomputes_and_matches(models: tuple[Path, Path]) -> None:
-    model = _load(models[0])
+    model = load_reference(models[0])
     scheduler = Scheduler(model, max_running=4)
     futures = [
         scheduler.submit(GenerateInput(f"r{i}", [3 + i, 9, 27][: i + 1], GREEDY, False))
@@ -136,7 +130,7 @@ def test_retract_then_continue_recomputes_and_matches(models: tuple[Path, Path])
 
 @pytest.mark.timeout(60)
 def test_max_running_bounds_the_batch(models: tuple[Path, Path]) -> None:
-    scheduler = Scheduler(_load(models[0]), max_running=2)
+    scheduler = Scheduler(load_reference(models[0]), max_running=2)
     futures = [scheduler.submit(GenerateInput(f"q{i}", [5, 6], GREEDY, False)) for i in range(5)]
     scheduler.step()
     assert scheduler.counts() == {"num_running_reqs": 2, "num_waiting_reqs": 3}

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from stages.learner.batching import (
     collate,
@@ -21,37 +20,19 @@ from stages.learner.batching import (
     no_grad_logprobs,
     pad_right,
 )
+from tests.stages.learner_setup import one_torch_thread, tiny_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    # Tiny models on a shared machine: extra intra-op threads only spin against other work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_torch_thread()
 
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    return model.eval()
+    return tiny_policy()
 
 
 PROMPTS = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]]

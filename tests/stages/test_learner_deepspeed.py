@@ -9,14 +9,11 @@ gradient behind. Each configuration runs in fresh processes, as the supervisor s
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import socket
-
 import numpy as np
 import pytest
 import torch
 
+from tests.stages.learner_setup import join_rank, run_ranks
 from tests.stages.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -46,15 +43,7 @@ def _samples(nan: bool = False) -> list:
 
 
 def _rank(rank, world, port, model_dir, zero, micro, split, nan_first, out):
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+    join_rank(rank, world, port)
     import structlog
 
     from stages.learner.config import DeepSpeedSection, LearnerConfig, OptimConfig
@@ -87,25 +76,8 @@ def _rank(rank, world, port, model_dir, zero, micro, split, nan_first, out):
 
 
 def _run(model_dir, tmp_path, *, world, zero, micro, split, nan_first=False) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / f"w{world}-z{zero}-m{micro}-{nan_first}.pt"
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_rank,
-            args=(r, world, port, model_dir, zero, micro, split, nan_first, str(out)),
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=200)
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_rank, world, model_dir, zero, micro, split, nan_first, str(out))
     return torch.load(out, weights_only=False)
 
 

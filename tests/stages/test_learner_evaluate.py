@@ -10,11 +10,6 @@ engine and SGLang both take batches) gets one prompt per request from then on, s
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,16 +24,10 @@ from stages.learner import evaluate as evaluate_module
 from stages.learner.config import EvalConfig
 from stages.learner.evaluate import Evaluator
 from stages.scorer.stage import RewardSpec
+from tests.stages.engine_setup import builtin_engine, free_port
 from tests.stages.tiny_model import make_tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,44 +37,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine_url(model_dir: Path) -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "engine",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            "--max-running",
-            "16",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("the engine did not come up")
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    finally:
-        proc.kill()
+    with builtin_engine(model_dir, "--max-running", "16") as url:
+        yield url
 
 
 def _prompts(n: int, answers: list[str] | None = None) -> list[dict[str, Any]]:
@@ -182,7 +135,7 @@ def test_an_engine_refusing_batches_gets_one_prompt_per_request(model_dir: Path)
 
     async def scenario() -> tuple[dict, dict, list[dict]]:
         runner = await _refusing_engine(seen)
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         url = f"http://127.0.0.1:{port}"
         evaluator = Evaluator(
@@ -223,7 +176,7 @@ def test_reward_functions_get_each_answers_finish_reason(
 
     async def scenario() -> dict:
         runner = await _refusing_engine([], finish)
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         evaluator = Evaluator(config, _prompts(4), tokenizer, structlog.get_logger())
         try:

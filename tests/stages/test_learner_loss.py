@@ -6,22 +6,18 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from stages.learner.advantages import group_advantages
 from stages.learner.batching import collate, completion_logprobs, micro_batches, pad_right
 from stages.learner.loss import LossConfig, loss_denominator, policy_loss, summarize
+from tests.stages.learner_setup import one_torch_thread, tiny_policy
 
 LOG = math.log
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    # Tiny models on a shared machine: extra intra-op threads only spin against other work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_torch_thread()
 
 
 def _loss(logp, *, sampler, old=None, adv, mask=None, config, denominator, ref=None):
@@ -232,29 +228,10 @@ def test_masked_garbage_changes_nothing():
 # ---- gradient accumulation over micro-batches ---------------------------------------------
 
 
-def _tiny_model() -> torch.nn.Module:
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    return model.eval()
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("normalize", ["sequence", "token"])
 def test_micro_batch_gradients_equal_full_batch(normalize):
-    model = _tiny_model()
+    model = tiny_policy()
     g = torch.Generator().manual_seed(1)
     c_lens = [1, 7, 3, 9, 2]
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (2, 5, 3, 4, 6)]

@@ -12,9 +12,6 @@ two gloo ranks.
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +19,13 @@ import numpy as np
 import pytest
 import structlog
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 from pipeline.ledger import LedgerReporter
 from stages.learner.config import LearnerConfig
 from stages.learner.loss import LossConfig, loss_denominator, policy_loss, summarize
 from stages.learner.trainer import Trainer, TrainSample, sample_lags, token_counts
+from tests.stages.learner_setup import join_rank, one_torch_thread, run_ranks, tiny_policy
 from tests.stages.tiny_model import make_tiny_model
 from transport.message import Message
 
@@ -39,11 +37,7 @@ NAN, INF = math.nan, math.inf
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    # Tiny models on a shared machine: extra intra-op threads only spin against other work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_torch_thread()
 
 
 # ---- the loss over a trained-token mask -----------------------------------------------------
@@ -142,22 +136,7 @@ def test_inserted_columns_change_nothing_at_all(normalize):
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    return model.eval()
+    return tiny_policy()
 
 
 def _trainer(model: torch.nn.Module, **loss: Any) -> Trainer:
@@ -417,15 +396,7 @@ def _ds_samples() -> list[TrainSample]:
 
 
 def _ds_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+    join_rank(rank, world, port)
     from stages.learner.config import DeepSpeedSection, OptimConfig
 
     config = LearnerConfig(
@@ -478,21 +449,8 @@ def _hand_step(model_dir: Path) -> tuple[dict[str, torch.Tensor], float]:
 @pytest.mark.timeout(240)
 def test_deepspeed_step_on_masked_samples_matches_the_sampled_tokens_loss(tmp_path):
     model_dir = make_tiny_model(tmp_path / "tiny", seed=1, hidden=32, layers=2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "result.pt"
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=_ds_rank, args=(r, 2, port, str(model_dir), str(out))) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=200)
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_ds_rank, 2, str(model_dir), str(out))
     got = torch.load(out, weights_only=False)
     metrics = got["metrics"]
 

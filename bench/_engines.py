@@ -1,0 +1,98 @@
+"""What the benches that drive a built-in engine share: a random ~22M-parameter Qwen2-style model
+and the engine started as a real server process on a free loopback port.
+
+Import it as ``bench._engines`` once the repository root is on ``sys.path`` (the benches put it
+there when run as scripts). It does not measure anything itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_model(path: Path, *, vocab: int = 32000, max_positions: int = 2048) -> int:
+    """Save a random Qwen2-style model under ``path`` (hidden 384, 6 layers, 6 heads, 2 KV heads,
+    tied embeddings; seeded); returns its parameter count."""
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    """Return once ``url/health`` answers 200; raise if ``proc`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("engine exited before it was healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError("engine did not become healthy")
+
+
+@contextmanager
+def engine_server(
+    model: Path,
+    *flags: str,
+    module: Sequence[str] = ("stages.engine.server",),
+    env: Mapping[str, str] | None = None,
+    output: IO[bytes] | None = None,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start ``python -m MODULE --model MODEL --port PORT FLAGS`` from the repository root and
+    yield its URL and process once it is healthy; terminate it on the way out.
+
+    ``env`` is added to this process's environment (with the root on ``PYTHONPATH``); the
+    engine's stdout and stderr go to ``output``, else nowhere.
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", *module, "--model", str(model), "--port", str(port), *flags]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.DEVNULL if output is None else output,
+        stderr=subprocess.DEVNULL if output is None else subprocess.STDOUT,
+    )
+    try:
+        wait_health(url, proc)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
