@@ -18,6 +18,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from transport import bulk
 from transport.address import check_address
 from transport.codec import decode
 from transport.credit import (
@@ -64,6 +65,31 @@ class _Producer:
         return self.granted - self.received
 
 
+@dataclass(eq=False, slots=True)
+class _Parked:
+    """A DATA held in its producer's line: it waits for its sealed frames, or behind one that
+    does (a producer's messages are taken in the order it sent them)."""
+
+    rid: bytes
+    sender: str
+    seq: Any
+    ack_id: tuple[bytes, int] | None
+    credited: bool
+    frames: list[Any]
+    since: float
+    descriptor: Mapping[str, Any] | None = None  # set while its sealed frames are awaited
+    failed: tuple[str, str] | None = None  # (reason, detail): to be refused in its turn
+
+
+@dataclass(eq=False, slots=True)
+class _Pieces:
+    """Sealed pieces that came in on the bulk port before their DATA."""
+
+    parts: list[Any]
+    nbytes: int
+    since: float
+
+
 class Receiver:
     """The consuming end of a channel: a bounded inbox fed by any number of producers.
 
@@ -91,7 +117,10 @@ class Receiver:
     ``curve``: the run's :class:`~transport.security.CurveKeys`; the inbox then admits only
     producers holding the run's client key, and counts the peers it refused
     (``stats()["refused_peers"]``). An address reachable from other hosts needs ``curve`` or
-    ``insecure=True`` (ValueError otherwise).
+    ``insecure=True`` (ValueError otherwise). A tcp inbox with CURVE also binds a bulk port
+    (``bulk_port``, on the same host) where producers send frames of 1 MiB or more AES-GCM
+    sealed (``transport.bulk``); a DATA waits up to ``bulk_timeout_s`` for its pieces, and
+    pieces nobody claims are kept that long, within ``bulk_buffer_bytes``.
 
     What is rejected (not a message of ours, a kind or schema version this port does not take,
     a malformed header or frames) is counted by reason in ``stats()["rejected"]`` and logged at
@@ -116,6 +145,8 @@ class Receiver:
         max_message_bytes: int = 0,
         curve: CurveKeys | None = None,
         insecure: bool = False,
+        bulk_timeout_s: float = 30.0,
+        bulk_buffer_bytes: int = 512 * 2**20,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"receiver {name!r}: capacity must be >= 1, got {capacity}")
@@ -169,6 +200,17 @@ class Receiver:
         self._taken_unacked: dict[tuple[bytes, int], str | None] = {}
         self._processed_callbacks: list[Callable[[Message], None]] = []
 
+        self.bulk_port: int | None = None  # the sealed-bulk port (tcp with CURVE only)
+        self._bulk_sock: zmq.asyncio.Socket | None = None
+        self._bulk_timeout_s = bulk_timeout_s
+        self._bulk_buffer_bytes = bulk_buffer_bytes
+        self._parked: dict[bytes, _Parked] = {}  # token -> DATA waiting for its pieces
+        self._lines: dict[bytes, deque[_Parked]] = {}  # producer rid -> its held DATA, in order
+        self._pieces: OrderedDict[bytes, _Pieces] = OrderedDict()  # token -> unclaimed pieces
+        self._pieces_bytes = 0
+        self._bulk_opened = 0
+        self._eos_after_bulk: dict[bytes, tuple[Mapping[str, Any], str]] = {}
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -199,6 +241,11 @@ class Receiver:
             asyncio.create_task(self._recv_loop(), name=f"receiver:{self.name}"),
             asyncio.create_task(self._reap_loop(), name=f"receiver-reaper:{self.name}"),
         ]
+        if self._curve is not None and self.address.startswith("tcp://"):
+            self._bind_bulk()
+            self._tasks.append(
+                asyncio.create_task(self._bulk_loop(), name=f"receiver-bulk:{self.name}")
+            )
         for task in self._tasks:
             task.add_done_callback(self._task_done)
         self._log.debug(
@@ -239,6 +286,9 @@ class Receiver:
             self._log.warning("close_notice_failed", port=self.name, error=repr(e))
         finally:
             sock.close(linger=CLOSE_LINGER_MS)  # gives CLOSE frames a moment to leave
+            if self._bulk_sock is not None:
+                self._bulk_sock.close(linger=0)
+                self._bulk_sock = None
 
     async def __aenter__(self) -> Receiver:
         await self.start()
@@ -375,6 +425,8 @@ class Receiver:
             "duplicates": self._duplicates,
             "unacked": len(self._taken_unacked),
             "refused_peers": 0 if self._peers_watch is None else self._peers_watch.refused,
+            "bulk_opened": self._bulk_opened,
+            "bulk_waiting": len(self._parked),
             "disconnects": 0 if self._peers_watch is None else self._peers_watch.disconnects,
         }
 
@@ -388,7 +440,8 @@ class Receiver:
     # -- internals ---------------------------------------------------------------------------
 
     def _ended(self) -> bool:
-        return self._expected is not None and self._expected <= self._finished
+        # (a DATA waiting for its sealed pieces came before the EOS that follows it)
+        return self._expected is not None and self._expected <= self._finished and not self._lines
 
     def _outstanding(self) -> int:
         return sum(p.outstanding for p in self._producers.values())
@@ -423,7 +476,8 @@ class Receiver:
     async def _reap_loop(self) -> None:
         # A periodic timer, not synchronization: producers that stopped talking lose their credit.
         while True:
-            await asyncio.sleep(self._peer_timeout_s / 4)
+            await asyncio.sleep(min(self._peer_timeout_s, self._bulk_timeout_s) / 4)
+            self._expire_bulk()
             deadline = time.monotonic() - self._peer_timeout_s
             for p in [p for p in self._producers.values() if p.last_seen < deadline]:
                 del self._producers[p.rid]
@@ -506,28 +560,149 @@ class Receiver:
                 self._ack_seq(rid, seq)  # our ack may have been lost
                 self._schedule_grant()
                 return
+        descriptor = header.get("bulk")
+        if descriptor is None and rid not in self._lines:
+            self._deliver(rid, sender, seq, ack_id, credited, frames)
+            return
+        self._remember(ack_id)  # a copy sent again while this one waits is a duplicate
+        held = _Parked(rid, sender, seq, ack_id, credited, frames, time.monotonic())
+        self._lines.setdefault(rid, deque()).append(held)
+        if descriptor is not None:
+            try:
+                token = bulk.descriptor_token(descriptor)
+            except DecodeError as e:
+                held.failed = (e.reason, e.detail)
+            else:
+                held.descriptor = descriptor
+                pieces = self._pieces.pop(token, None)
+                if pieces is None:
+                    self._parked[token] = held  # its pieces are still on their way
+                    return
+                self._pieces_bytes -= pieces.nbytes
+                self._open(held, pieces.parts)
+        self._flush(rid)
+
+    def _refuse(self, reason: str, detail: str, sender: str, rid: bytes, seq: Any) -> None:
+        """A DATA that can never be processed: counted, its slot granted again, acknowledged
+        (so it is not sent again)."""
+        self._reject(reason, detail, sender)
+        self._schedule_grant()
+        if is_int(seq):
+            self._ack_seq(rid, seq)
+
+    def _remember(self, ack_id: tuple[bytes, int] | None) -> None:
+        if ack_id is None or ack_id in self._seen:
+            return
+        self._seen[ack_id] = None
+        if len(self._seen) > self._dedup_window:
+            self._seen.popitem(last=False)
+
+    def _deliver(
+        self,
+        rid: bytes,
+        sender: str,
+        seq: Any,
+        ack_id: tuple[bytes, int] | None,
+        credited: bool,
+        frames: list[Any],
+    ) -> None:
         try:
             msg = decode(frames, self._schemas)
         except DecodeError as e:
-            self._reject(e.reason, e.detail, sender)
-            self._schedule_grant()  # its slot was never taken: grant it again
-            if ack_id is not None:  # it can never be processed: do not have it sent again
-                self._ack_seq(rid, seq)
+            self._refuse(e.reason, e.detail, sender, rid, seq)
             return
         if not credited:
             self._uncredited += 1
-        if ack_id is not None:
-            self._seen[ack_id] = None
-            if len(self._seen) > self._dedup_window:
-                self._seen.popitem(last=False)
-            msg.ack_id = ack_id
+        self._remember(ack_id)
+        msg.ack_id = ack_id
         msg.sender = sender
         self._inbox.append(msg)
         self._received += 1
-        self._bytes += sum(f.buffer.nbytes for f in frames)
+        self._bytes += sum(memoryview(f).nbytes for f in frames)
         self._peak = max(self._peak, len(self._inbox))
         self._readable.set()
         self._schedule_grant()  # this producer may now be out of credit
+
+    # -- sealed bulk frames (transport.bulk) ------------------------------------------------
+
+    def _bind_bulk(self) -> None:
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, max(1000, 10 * self.capacity))
+        sock.setsockopt(zmq.MAXMSGSIZE, bulk.MAX_PIECE_BYTES)  # no piece is larger
+        host = self.address.rpartition(":")[0]
+        try:
+            sock.bind(f"{host}:0")
+        except zmq.ZMQError as e:
+            sock.close()
+            raise TransportError(f"receiver {self.name!r}: cannot bind a bulk port: {e}") from e
+        self._bulk_sock = sock
+        self.bulk_port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(":")[2])
+
+    async def _bulk_loop(self) -> None:
+        assert self._bulk_sock is not None
+        sock = self._bulk_sock
+        while True:
+            parts = await sock.recv_multipart(copy=False)
+            token = parts[0].bytes if len(parts[0]) == bulk.TOKEN_BYTES else None
+            if token is None or len(parts) < 2:
+                self._reject("bulk_forged", "a bulk message without a token and pieces", "?")
+                continue
+            held = self._parked.pop(token, None)
+            if held is not None:
+                self._open(held, parts[1:])
+                self._flush(held.rid)
+                continue
+            nbytes = sum(len(p) for p in parts)
+            old = self._pieces.pop(token, None)  # the same token twice: the later one stands
+            if old is not None:
+                self._pieces_bytes -= old.nbytes
+            self._pieces[token] = _Pieces(parts[1:], nbytes, time.monotonic())
+            self._pieces_bytes += nbytes
+            while self._pieces_bytes > self._bulk_buffer_bytes and len(self._pieces) > 1:
+                _, dropped = self._pieces.popitem(last=False)
+                self._pieces_bytes -= dropped.nbytes
+                self._reject("bulk_unclaimed", "dropped to stay within bulk_buffer_bytes", "?")
+
+    def _open(self, held: _Parked, parts: list[Any]) -> None:
+        assert held.descriptor is not None
+        try:
+            held.frames = bulk.open_sealed(held.descriptor, held.frames, parts)
+        except DecodeError as e:
+            held.failed = (e.reason, e.detail)
+        else:
+            self._bulk_opened += 1
+        held.descriptor = None
+
+    def _flush(self, rid: bytes) -> None:
+        """Take a producer's held DATA in order, up to the first still waiting for pieces."""
+        line = self._lines.get(rid)
+        while line and line[0].descriptor is None:
+            h = line.popleft()
+            if h.failed is not None:
+                self._refuse(*h.failed, h.sender, h.rid, h.seq)
+            else:
+                self._deliver(h.rid, h.sender, h.seq, h.ack_id, h.credited, h.frames)
+        if line:
+            return
+        self._lines.pop(rid, None)
+        if rid in self._eos_after_bulk:  # an EOS held back for this line goes on
+            header, sender = self._eos_after_bulk.pop(rid)
+            self._on_eos(rid, self._producers.get(rid), header, sender)
+        if self._ended():
+            self._readable.set()
+
+    def _expire_bulk(self) -> None:
+        deadline = time.monotonic() - self._bulk_timeout_s
+        for token in [t for t, h in self._parked.items() if h.since < deadline]:
+            held = self._parked.pop(token)
+            detail = f"its sealed frames did not come within {self._bulk_timeout_s} s"
+            held.failed, held.descriptor = ("bulk_missing", detail), None
+            self._flush(held.rid)
+        while self._pieces and next(iter(self._pieces.values())).since < deadline:
+            _, dropped = self._pieces.popitem(last=False)
+            self._pieces_bytes -= dropped.nbytes
+            self._reject("bulk_unclaimed", "sealed pieces no DATA claimed", "?")
 
     def _on_hello(
         self, rid: bytes, producer: _Producer | None, header: Mapping[str, Any], sender: str
@@ -575,6 +750,11 @@ class Receiver:
             # again. Take it as a hello; the producer answers our credit with them, then EOS.
             self._on_hello(rid, producer, header, sender)
             return
+        if rid in self._lines:
+            # Its last DATA still waits for sealed pieces: confirming the end now would let
+            # the producer close (and drop those pieces); confirm once they are in.
+            self._eos_after_bulk[rid] = (header, sender)
+            return
         self._producers.pop(rid, None)  # its outstanding credit returns to the pool
         self._finished.add(identity)
         self._log.debug("producer_finished", port=self.name, sender=identity)
@@ -595,7 +775,8 @@ class Receiver:
             return
         producers = list(self._producers.values())
         grants: Counter[bytes] = Counter()
-        free = self.capacity - len(self._inbox) - self._outstanding()
+        held = sum(len(line) for line in self._lines.values())
+        free = self.capacity - len(self._inbox) - held - self._outstanding()
         if free > 0 and producers:
             # Count expected producers that have not said hello yet too: the first to arrive
             # must not take the whole inbox (credit is never revoked, only spent or reclaimed).
@@ -635,6 +816,8 @@ class Receiver:
             "consumed": p.received if p else 0,
             "eos": eos,
         }
+        if self.bulk_port is not None:
+            credit["bulk_port"] = self.bulk_port
         # ROUTER sends never block (without ROUTER_MANDATORY it drops for unknown peers),
         # so this future is already done; the callback only surfaces errors.
         self._sock.send_multipart([rid, CREDIT, msgpack.packb(credit)]).add_done_callback(
