@@ -19,11 +19,13 @@ tag        way       map
 ``H``      p -> c    HELLO/PING ``{identity, session, to, epoch, sent}``: at start, then every
                      ``heartbeat_s``. ``to``/``epoch`` name the credit stream the producer holds
                      (None before any), ``sent`` how many DATA it sent in it.
-``D``      p -> c    DATA ``{to, epoch}``, then the codec frames of one message.
+``D``      p -> c    DATA ``{to, epoch, seq[, bulk]}``, then the codec frames of one message
+                     (``bulk``: on CURVE, which frames come sealed on the bulk port).
 ``E``      p -> c    EOS ``{identity, session, to, epoch, sent}``: no more messages from it.
 ``C``      c -> p    CREDIT ``{session, epoch, grant, granted, consumed, eos}``: ``grant`` new
                      slots; ``granted`` the total granted in this stream; ``consumed`` DATA
-                     received in it; ``eos`` true when acknowledging an EOS.
+                     received in it; ``eos`` true when acknowledging an EOS; ``bulk_port``
+                     (CURVE over tcp only) where sealed large frames go (``transport.bulk``).
 ``X``      c -> p    CLOSE ``{session}``: the consumer is going away.
 ``A``      c -> p    ACK ``{session, acked: [seq, ...]}``: these DATA were processed.
 =========  ========  ==========================================================================
@@ -65,12 +67,13 @@ with the most credit (ties round-robin). A consumer is live while it has answere
 ``peer_timeout_s`` (it answers every PING, so a live one answers every ``heartbeat_s``).
 ``aclose()`` stops the PINGs, sends EOS to every consumer and waits (at most ``timeout_s``) for
 each to acknowledge it, except those that said CLOSE; the acknowledgement also proves every
-DATA before it arrived, so the sockets can then close with linger 0.
+DATA before it arrived (a consumer confirms an EOS only once the DATA held for sealed frames
+are in), so the sockets can then close with linger 0.
 
 Not here: delivery across a *producer's* crash (what it held unacknowledged is gone with it;
 its own upstream redelivers the inputs when it acknowledges only after its outputs were, see
-``ack="manual"``), encryption or authentication (bind to loopback or ipc), and the wiring of
-ports to addresses (``pipeline.actor``).
+``ack="manual"``), encryption and authentication (``transport.security``, ``transport.bulk``),
+and the wiring of ports to addresses (``pipeline.actor``).
 """
 
 from __future__ import annotations

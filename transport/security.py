@@ -17,6 +17,12 @@ key exchange, then every frame encrypted and authenticated):
   :class:`~transport.monitor.PeerWatch` counts these refusals per bound socket from its
   monitor events (``refused_peers`` in the socket's stats), logged at the 1st, 2nd, 4th ...
 
+Frames of 1 MiB or more on a CURVE tcp channel do not go through CurveZMQ: they go AES-GCM
+sealed, under a fresh key per message that only the CURVE socket carries, on a bulk port beside
+it (``transport.bulk``; CurveZMQ alone runs at a third of plain for 64 MB tensors). That port is
+the one socket off loopback without CURVE of its own: what reaches it without a key from the
+CURVE channel is never opened, and is dropped and counted.
+
 ipc and inproc sockets can use CURVE too (``transport.curve: true``), though file permissions
 already keep other users off an ipc socket.
 """
