@@ -259,9 +259,12 @@ def test_a_feeder_down_at_the_end_is_accounted_for_by_its_state_file(tmp_path, m
     steps = 6
     config = rl_config(tmp_path, model_dir, steps=steps)
     run_dir = tmp_path / "run"
+    # The generator's inbox must carry the run to its end without the feeder: the learner keeps
+    # what the generator's own lag gate lets through (no stale drops eating prompts), and the
+    # feeder's restart waits longer than the rest of the run can take.
     proc = start_inflight(
-        "run", str(config), "stages.feeder.restart.backoff_s=30", "--run-dir", str(run_dir),
-        "-q", env=_ENV,
+        "run", str(config), "stages.feeder.restart.backoff_s=120", "stages.learner.max_lag=8",
+        "--run-dir", str(run_dir), "-q", env=_ENV,
     )  # fmt: skip
     try:
         wait_for(lambda: _steps(run_dir) >= 2, 120, "2 train steps")
