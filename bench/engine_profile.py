@@ -59,6 +59,8 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
+from bench._engines import free_port, wait_health  # noqa: E402
+
 ARITH = ROOT / "configs" / "models" / "arith-tiny"
 
 
@@ -422,12 +424,9 @@ async def _drive(url: str, form: str, in_flight: int, seconds: float, group: int
 
 
 def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
-    import socket
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -451,16 +450,7 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("engine did not come up") from None
-                time.sleep(0.2)
+        wait_health(url, proc)
         asyncio.run(_drive(url, args.group_form, args.in_flight, 2.0, 4))  # warm up
         names = _thread_names(proc.pid)
         spy = None

@@ -709,7 +709,6 @@ class _Loader:
         row checks cannot fail for them), in large batches: the calculator's 800,000 prompts
         load in 8 s instead of 13 (most of what is left is the tokenizer itself)."""
         limit = self.config.max_prompt_tokens
-        batch: list[tuple[str, str, str]] = []
         rows = iter(rows)
         while True:
             batch = list(itertools.islice(rows, _PROBLEM_BATCH))
