@@ -167,7 +167,8 @@ def completion_logprobs(
     temperature: float = 1.0,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each completion token ``[B, Lc]`` (float32, 0 in padding slots), and entropy.
+    """Log-prob of each completion token ``[B, Lc]`` (float32, or float64 for a float64 model; 0
+    in padding slots), and entropy.
 
     Runs ``model(input_ids=..., attention_mask=...)`` (grad follows the caller's grad mode) on
     the batch's device. Logits are divided by ``temperature``, the sampler's, so the log-probs
@@ -184,7 +185,8 @@ def completion_logprobs(
         )
     mask = batch.completion_mask
     if mask.shape[1] == 0:
-        empty = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        dtype = torch.promote_types(_model_dtype(model), torch.float32)
+        empty = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         return empty, (empty.clone() if with_entropy else None)
     # The earliest position whose logits predict a completion token; logits before it are
     # never needed.
@@ -197,7 +199,8 @@ def completion_logprobs(
     index = (batch.logit_index - offset).clamp(min=0)
     picked = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
     del logits, out
-    picked = picked.float()
+    # bf16/fp16 logits are summed in float32; a float64 model keeps float64
+    picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
     if temperature != 1.0:
         picked = picked / temperature
     lse = torch.logsumexp(picked, dim=-1)
@@ -226,11 +229,11 @@ def no_grad_logprobs(
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Forward-only log-probs (and entropies) of every sample, one micro-batch at a time.
 
-    Returns one 1-D float32 CPU tensor per sample (its completion's length), in input order;
-    with ``with_entropy``, a pair ``(logprobs, entropies)`` of such lists. Runs under
-    ``torch.no_grad()`` in micro-batches of at most ``micro_batch`` samples / ``max_tokens``
-    padded tokens, on ``device`` (default: the model's). The model's train/eval mode is left as
-    it is.
+    Returns one 1-D float32 CPU tensor (a float64 model's: float64) per sample (its
+    completion's length), in input order; with ``with_entropy``, a pair ``(logprobs,
+    entropies)`` of such lists. Runs under ``torch.no_grad()`` in micro-batches of at most
+    ``micro_batch`` samples / ``max_tokens`` padded tokens, on ``device`` (default: the
+    model's). The model's train/eval mode is left as it is.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -255,6 +258,11 @@ def no_grad_logprobs(
                     entropies[i] = entropy[row, : n[row]].clone()
             del batch, logp, entropy
     return (logps, entropies) if with_entropy else logps
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    param = next(iter(model.parameters()), None)
+    return torch.float32 if param is None else param.dtype
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

@@ -25,9 +25,10 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def tiny_policy() -> torch.nn.Module:
+def tiny_policy(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A random tiny Qwen2 (vocab 64, hidden 32, 2 layers; seed 0) in eval mode, its matrices
-    drawn wide (std 0.3) so that log-probs are far from uniform."""
+    drawn wide (std 0.3) so that log-probs are far from uniform. Tests of logic (masks,
+    padding, micro-batches) take it in float64: see ``tests/numerics.py``."""
     config = Qwen2Config(
         vocab_size=64,
         hidden_size=32,
@@ -43,7 +44,7 @@ def tiny_policy() -> torch.nn.Module:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.3)
-    return model.eval()
+    return model.to(dtype).eval()  # the same weights whatever the dtype
 
 
 def join_rank(rank: int, world: int, port: int) -> None:

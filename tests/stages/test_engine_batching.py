@@ -12,8 +12,11 @@ import torch
 
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
+from tests.numerics import assert_close, forward_terms
 from tests.stages.engine_setup import load_reference, two_tiny_models
 from tests.stages.tiny_model import EOS_ID
+
+pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +107,10 @@ def test_mixed_batch_matches_each_request_alone(
         else:
             assert result.finish_reason == {"type": "length", "length": sp.max_new_tokens}
         assert result.output_ids == expected, rid
-        torch.testing.assert_close(
-            torch.tensor(result.output_token_logprobs),
+        assert_close(
+            result.output_token_logprobs,
             _hf_logprobs(model, prompt, result.output_ids),
-            atol=1e-4,
-            rtol=1e-4,
+            terms=forward_terms(model.config, len(prompt) + len(result.output_ids)),
         )
         assert result.output_token_weight_versions == ["0"] * len(expected)
 
@@ -153,9 +155,8 @@ def test_group_samples_differ_and_eos_ends_rows_at_their_own_step(
         with torch.no_grad():
             logits = model(torch.tensor([[20, 21, *r.output_ids]])).logits[0, 1:-1] / 1.5
         expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.output_ids)[:, None])
-        torch.testing.assert_close(
-            torch.tensor(r.output_token_logprobs), expected[:, 0], atol=1e-4, rtol=1e-4
-        )
+        terms = forward_terms(model.config, 2 + len(r.output_ids))
+        assert_close(r.output_token_logprobs, expected[:, 0], terms=terms)
 
 
 @pytest.mark.timeout(60)

@@ -20,6 +20,9 @@ from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.scheduler import Scheduler
+from tests.numerics import assert_close, forward_terms
+
+pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 
 SIZES = dict(
     vocab_size=97,
@@ -113,15 +116,16 @@ def test_prefill_and_decode_match_transformers(family: str, attn: str) -> None:
     ids, mask, positions = _prompts(model, lengths)
     cache, logits = fast.prefill(ids, mask, positions)
     expected_logits, expected_cache = _reference_prefill(model, ids, mask, positions)
-    torch.testing.assert_close(logits, expected_logits, atol=2e-5, rtol=1e-4)
+    terms = forward_terms(model.config, max(lengths) + 6)  # numerics.py: the suite's rule
+    assert_close(logits, expected_logits, terms=terms)
     for ours, theirs in zip(cache.layers, expected_cache.layers, strict=True):
         real = mask.bool()[:, None, :, None]  # padding columns are never attended to
         for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
-            torch.testing.assert_close(a * real, b * real, atol=2e-5, rtol=1e-4)
+            assert_close(a * real, b * real, terms=terms)
     for _ in range(6):
         expected = _reference(model, kv)  # writes the pending column...
         got = fast.decode(*kv.decode_inputs(), kv)  # ...and this writes it again, the same
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        assert_close(got, expected, terms=terms)
         kv.push(expected.argmax(-1), torch.zeros(kv.rows))
 
 
@@ -141,7 +145,7 @@ def test_weights_loaded_by_name_reach_the_fused_projections() -> None:
     load_named_tensors(model, [(n, torch.randn_like(params[n])) for n in names])
     expected = _reference(model, kv)
     got = fast.decode(*kv.decode_inputs(), kv)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert_close(got, expected, terms=forward_terms(model.config, 6))
     assert not torch.allclose(got, before, atol=1e-3)  # the update changed the answer
 
 

@@ -21,10 +21,14 @@ from transformers import DynamicCache
 from stages.engine.prefix_cache import PrefixCache, Stamp
 from stages.engine.protocol import GenerateInput, SamplingParams, SequenceResult
 from stages.engine.scheduler import Scheduler
+from tests.numerics import assert_close, forward_terms
 from tests.stages.engine_setup import builtin_engine, load_reference, two_tiny_models
-from tests.stages.tiny_model import make_tiny_model
+from tests.stages.tiny_model import make_tiny_model, tiny_config
 
-TOL = {"atol": 1e-4, "rtol": 1e-4}
+pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
+
+# log-probs of the tiny models over sequences of at most 128 tokens (tests/numerics.py)
+TERMS = forward_terms(tiny_config(), 128)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +51,7 @@ def _run(scheduler: Scheduler, *inputs: tuple[str, list[int], int]) -> list[Sequ
 
 def _same(hit: SequenceResult, cold: SequenceResult) -> None:
     assert hit.output_ids == cold.output_ids
-    torch.testing.assert_close(
-        torch.tensor(hit.output_token_logprobs), torch.tensor(cold.output_token_logprobs), **TOL
-    )
+    assert_close(hit.output_token_logprobs, cold.output_token_logprobs, terms=TERMS)
 
 
 def _record_prefills(scheduler: Scheduler) -> list[tuple[int, int]]:
@@ -280,7 +282,7 @@ def test_a_next_turn_reuses_its_prefix_across_a_weight_update(
         model_a, model_b, turn[: second.cached_tokens], turn[second.cached_tokens :], 7
     )
     assert second.output_ids == expected
-    torch.testing.assert_close(torch.tensor(second.output_token_logprobs), lps, **TOL)
+    assert_close(second.output_token_logprobs, lps, terms=TERMS)
 
     # a new sample of the same prompt is no continuation: the new weights compute it all
     (fresh,) = _run(hot, ("new", prompt, 6))
@@ -467,4 +469,4 @@ def test_server_reports_cached_tokens_counters_and_flushes(server: str) -> None:
     assert cold["output_ids"] == second["output_ids"]
     hot_lps = [lp for lp, _, _ in second["meta_info"]["output_token_logprobs"]]
     cold_lps = [lp for lp, _, _ in cold["meta_info"]["output_token_logprobs"]]
-    torch.testing.assert_close(torch.tensor(hot_lps), torch.tensor(cold_lps), **TOL)
+    assert_close(hot_lps, cold_lps, terms=TERMS)

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from stages.weights.publisher import WeightPublisher
 from tests.stages.tiny_model import make_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.numerics, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -20,7 +21,10 @@ from stages.learner.batching import (
     no_grad_logprobs,
     pad_right,
 )
+from tests.numerics import assert_close, forward_terms
 from tests.stages.learner_setup import one_torch_thread, tiny_policy
+
+pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,19 +109,28 @@ def test_pad_right():
 # ---- log-probs ----------------------------------------------------------------------------
 
 
+def _terms(model) -> int:
+    """The rule's terms (tests/numerics.py) for a log-prob of these samples."""
+    longest = max(len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS, strict=True))
+    return forward_terms(model.config, longest)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_completion_logprobs_match_full_log_softmax(model, temperature):
+def test_completion_logprobs_match_full_log_softmax(model, temperature, dtype):
+    model = copy.deepcopy(model).to(dtype)  # the same weights; float64 keeps float64 log-probs
     batch = collate(PROMPTS, COMPLETIONS, pad_id=0)
     with torch.no_grad():
         logp, entropy = completion_logprobs(
             model, batch, with_entropy=True, temperature=temperature
         )
+        assert logp.dtype == entropy.dtype == dtype
         for i, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS, strict=True)):
             n = len(completion)
             if n:
                 token, ent = _reference(model, prompt, completion, temperature)
-                torch.testing.assert_close(logp[i, :n], token, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(entropy[i, :n], ent, rtol=1e-5, atol=1e-5)
+                assert_close(logp[i, :n], token, terms=_terms(model))
+                assert_close(entropy[i, :n], ent, terms=_terms(model))
             assert (logp[i, n:] == 0).all() and (entropy[i, n:] == 0).all()
     with pytest.raises(ValueError, match="temperature"):
         completion_logprobs(model, batch, temperature=0.0)
@@ -136,7 +149,7 @@ def test_completion_logprobs_without_logits_to_keep(model):
     with torch.no_grad():
         expected, _ = completion_logprobs(model, batch)
         got, entropy = completion_logprobs(Plain(), batch)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert_close(got, expected, terms=_terms(model))
     assert entropy is None
 
 
@@ -162,12 +175,12 @@ def test_no_grad_logprobs_per_sample(model):
         for i, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS, strict=True)):
             if completion:
                 token, ent = _reference(model, prompt, completion)
-                torch.testing.assert_close(logps[i], token, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(entropies[i], ent, rtol=1e-5, atol=1e-5)
+                assert_close(logps[i], token, terms=_terms(model))
+                assert_close(entropies[i], ent, terms=_terms(model))
     plain = no_grad_logprobs(model, PROMPTS, COMPLETIONS, pad_id=0, micro_batch=1)
     assert isinstance(plain, list)
     for a, b in zip(plain, logps, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_close(a, b, terms=_terms(model))
 
 
 # ---- memory -------------------------------------------------------------------------------

@@ -25,11 +25,19 @@ from pipeline.ledger import LedgerReporter
 from stages.learner.config import LearnerConfig
 from stages.learner.loss import LossConfig, loss_denominator, policy_loss, summarize
 from stages.learner.trainer import Trainer, TrainSample, sample_lags, token_counts
+from tests.numerics import (
+    adam_first_step_tolerance,
+    approx,
+    assert_close,
+    backward_terms,
+    forward_terms,
+    tolerance,
+)
 from tests.stages.learner_setup import join_rank, one_torch_thread, run_ranks, tiny_policy
 from tests.stages.tiny_model import make_tiny_model
 from transport.message import Message
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.numerics, pytest.mark.timeout(60)]
 
 LOG = math.log
 NAN, INF = math.nan, math.inf
@@ -136,7 +144,8 @@ def test_inserted_columns_change_nothing_at_all(normalize):
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    return tiny_policy()
+    """In float64: these tests check which tokens train, not float32 rounding (numerics.py)."""
+    return tiny_policy(torch.float64)
 
 
 def _trainer(model: torch.nn.Module, **loss: Any) -> Trainer:
@@ -148,9 +157,10 @@ def _trainer(model: torch.nn.Module, **loss: Any) -> Trainer:
 
 
 def _reference(model, prompt, completion):
-    """Log-probs and entropies of every completion token, from one unpadded full forward."""
+    """Log-probs and entropies of every completion token, from one unpadded full forward, in
+    the model's dtype."""
     ids = torch.tensor([prompt + completion])
-    logits = model(input_ids=ids).logits[0].float()
+    logits = model(input_ids=ids).logits[0]
     logp = torch.log_softmax(logits, -1)[len(prompt) - 1 : len(prompt) + len(completion) - 1]
     token = logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
     return token, -(logp.exp() * logp).sum(-1).detach()
@@ -174,6 +184,16 @@ def _grads(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _terms(model: torch.nn.Module, *samples: TrainSample) -> tuple[int, int]:
+    """The rule's terms for these samples' log-probs and for the model's gradients."""
+    positions = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    return (
+        forward_terms(model.config, positions),
+        backward_terms(model.config, positions, tokens),
+    )
+
+
 def test_a_micro_batch_trains_only_sampled_tokens_with_the_rest_as_context(model):
     prompt = [5, 6, 7]
     completion = [20, 30, 31, 21, 22]  # sampled, a tool's two tokens, sampled, sampled
@@ -195,17 +215,25 @@ def test_a_micro_batch_trains_only_sampled_tokens_with_the_rest_as_context(model
 
     lp, ent = _reference(model, prompt, completion)
     plain_lp, plain_ent = _reference(model, plain_prompt, plain)
-    weights = torch.tensor([2.0, 0.5, 1.2])
+    # the weights from the sampler log-probs as they travel (float32), in float64
     sampled = lp[[0, 3, 4]]
-    hand = (-(weights * 0.7 * sampled).mean() + (1.0 * plain_lp).mean()) / 2
+    sampler_32 = torch.from_numpy(samples[0].sampler_logprobs[[0, 3, 4]]).double()
+    rho = (sampled.detach() - sampler_32).exp()
+    weights = rho.clamp(max=2.0)
+    plain_w = (plain_lp.detach() - torch.from_numpy(samples[1].sampler_logprobs).double()).exp()
+    assert rho.tolist() == pytest.approx([3.0, 0.5, 1.2], rel=1e-6)  # float32's rounding
+    hand = (-(weights * 0.7 * sampled).mean() + (plain_w * 1.0 * plain_lp).mean()) / 2
     expected = _grads(model, hand)
-    assert loss.item() == pytest.approx(hand.item(), rel=1e-5)
+    logp_terms, grad_terms = _terms(model, *samples)
+    assert loss.item() == approx(hand.item(), terms=logp_terms, dtype=torch.float64)
     for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert_close(a, b, terms=grad_terms)
     assert stats["tokens"].item() == 5 and stats["tis_clipped"].item() == 1
-    assert stats["w_sum"].item() == pytest.approx(3.0 + 0.5 + 1.2 + 2.0, rel=1e-5)
+    w_sum = float(rho.sum() + plain_w.sum())  # the statistic sums rho before truncation
+    assert stats["w_sum"].item() == approx(w_sum, terms=logp_terms, dtype=torch.float64)
     # the entropy metric sums over sampled positions only
-    assert entropy == pytest.approx(float(ent[[0, 3, 4]].sum() + plain_ent.sum()), rel=1e-5)
+    ent_sum = float(ent[[0, 3, 4]].sum() + plain_ent.sum())
+    assert entropy == approx(ent_sum, terms=logp_terms, dtype=torch.float64)
 
 
 def test_leading_inserted_tokens_equal_a_longer_prompt(model):
@@ -217,7 +245,7 @@ def test_leading_inserted_tokens_equal_a_longer_prompt(model):
     ref = [lp + 0.2]
     masked = _sample(prompt, tool + answer, [NAN] * 3 + sampler, [-1] * 3 + [0, 0], [0, 0, 0, 1, 1])
     longer = _sample(prompt + tool, answer, sampler, [0, 0])
-    garbage = torch.tensor([NAN, INF, -INF])
+    garbage = torch.tensor([NAN, INF, -INF], dtype=torch.float64)
     trainer = _trainer(model, kl_coef=0.1)
     loss_a, stats_a, ent_a = trainer._micro_step(
         [masked], [0], 1.0, [torch.cat([garbage, ref[0]])], None
@@ -225,13 +253,15 @@ def test_leading_inserted_tokens_equal_a_longer_prompt(model):
     grads_a = _grads(model, loss_a)
     loss_b, stats_b, ent_b = trainer._micro_step([longer], [0], 1.0, ref, None)
     grads_b = _grads(model, loss_b)
+    logp_terms, grad_terms = _terms(model, masked)
     assert math.isfinite(loss_a.item())
-    assert loss_a.item() == pytest.approx(loss_b.item(), rel=1e-6)
+    assert loss_a.item() == approx(loss_b.item(), terms=logp_terms, dtype=torch.float64)
     for a, b in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert ent_a == pytest.approx(ent_b, rel=1e-6)
+        assert_close(a, b, terms=grad_terms)
+    assert ent_a == approx(ent_b, terms=logp_terms, dtype=torch.float64)
     for key in stats_b:
-        assert stats_a[key].item() == pytest.approx(stats_b[key].item(), rel=1e-6), key
+        got, want = stats_a[key].item(), stats_b[key].item()
+        assert got == approx(want, terms=logp_terms, dtype=torch.float64), key
 
 
 def test_a_sample_with_nothing_sampled_adds_zero(model):
@@ -360,7 +390,7 @@ def test_malformed_masks_and_prompts_drop_the_group(tmp_path, item, why, capsys)
 
 # ---- one DeepSpeed step on two gloo ranks -------------------------------------------------
 
-LR, EPS = 1e-2, 1e-3
+LR, EPS = 1e-2, 1.0  # an Adam epsilon above the gradients: a step nearly linear in them
 
 
 def _ds_samples() -> list[TrainSample]:
@@ -419,31 +449,34 @@ def _ds_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None
     trainer.close()
 
 
-def _hand_step(model_dir: Path) -> tuple[dict[str, torch.Tensor], float]:
-    """The new weights after one AdamW step on the sampled tokens' loss, and the grad norm.
+def _hand_step(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """The new weights after one AdamW step on the sampled tokens' loss, the gradients, and the
+    rule's terms for them; computed in float64 from the float32 checkpoint.
 
     The first AdamW step moves each weight by ``lr * g / (|g| + eps)`` (bias corrections cancel).
     """
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     samples = _ds_samples()
     total = sum(int(s.sampled.sum()) for s in samples)
-    loss = torch.zeros((), dtype=torch.float32)
+    loss = torch.zeros((), dtype=torch.float64)
     for s in samples:
         if not s.sampled.any():
             continue
         lp, _ = _reference(model, s.prompt_ids.tolist(), s.completion_ids.tolist())
         lp = lp[torch.from_numpy(s.sampled)]
-        sampler = torch.from_numpy(s.sampler_logprobs[s.sampled])
+        sampler = torch.from_numpy(s.sampler_logprobs[s.sampled]).double()
         w = (lp.detach() - sampler).clamp(-20, 20).exp().clamp(max=2.0)
         loss = loss - (w * s.advantage * lp).sum()
     (loss / total).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
     weights = {
         n: (p - LR * grads[n] / (grads[n].abs() + EPS)).detach()
         for n, p in model.named_parameters()
     }
-    return weights, norm
+    positions = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    # 2 ranks, micro-batches of 2: 2 accumulations and 1 all-reduce
+    return weights, grads, backward_terms(model.config, positions, tokens, micro_batches=3)
 
 
 @pytest.mark.timeout(240)
@@ -464,8 +497,13 @@ def test_deepspeed_step_on_masked_samples_matches_the_sampled_tokens_loss(tmp_pa
     assert metrics["lag_max"] == 2  # inserted tokens' -1 would make it 4
     assert math.isfinite(metrics["entropy"]) and math.isfinite(metrics["ess"])
 
-    weights, norm = _hand_step(model_dir)
-    assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    weights, grads, grad_terms = _hand_step(model_dir)
+    norm = float(torch.sqrt(sum((g**2).sum() for g in grads.values())))
+    params = sum(g.numel() for g in grads.values())
+    # the norm: one more sum, of every parameter's square
+    assert metrics["grad_norm"] == approx(norm, terms=grad_terms + params)
     assert got["weights"].keys() == weights.keys()
     for name, value in weights.items():
-        torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+        g_scale, w_scale = float(grads[name].abs().max()), float(value.abs().max())
+        atol = adam_first_step_tolerance(LR, EPS, tolerance(grad_terms, g_scale), w_scale)
+        assert_close(got["weights"][name], value, atol=atol, msg=name)

@@ -14,7 +14,7 @@ from stages.weights.buckets import (
     unpack_bucket,
 )
 
-pytestmark = pytest.mark.timeout(20)
+pytestmark = [pytest.mark.numerics, pytest.mark.timeout(20)]
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:

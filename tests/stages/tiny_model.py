@@ -14,9 +14,36 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-__all__ = ["EOS_ID", "make_tiny_model"]
+__all__ = ["EOS_ID", "make_tiny_model", "tiny_config"]
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+
+
+def tiny_config(
+    *,
+    vocab: int = 128,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    tie_word_embeddings: bool = False,
+    max_positions: int = 512,
+) -> Qwen2Config:
+    """The configuration ``make_tiny_model`` saves for these sizes."""
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=None,
+    )
 
 
 def make_tiny_model(
@@ -36,18 +63,15 @@ def make_tiny_model(
     """Save a random Qwen2 model (and tokenizer) under ``path``; returns ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
+    config = tiny_config(
+        vocab=vocab,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate,
         tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
-        bos_token_id=None,
+        max_positions=max_positions,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
