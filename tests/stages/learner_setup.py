@@ -60,6 +60,23 @@ def join_rank(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+def _rank_main(target: Callable[..., None], *args: Any) -> None:
+    """A rank's process: ``target(*args)``, then out without the interpreter's teardown, as the
+    supervisor's stage processes leave (``pipeline.processes.exit_now``): gloo's threads may
+    otherwise abort it at exit ("terminate called without an active exception") after its work
+    is done. An exception still fails the rank (exit 1, its traceback on stderr)."""
+    import traceback
+
+    from pipeline.processes import exit_now
+
+    try:
+        target(*args)
+    except BaseException:
+        traceback.print_exc()
+        exit_now(1)
+    exit_now(0)
+
+
 def run_ranks(target: Callable[..., None], world: int, *args: Any) -> None:
     """Run ``target(rank, world, port, *args)`` for every rank in a spawned process (a fresh
     interpreter, as the supervisor starts ranks) and wait; every rank must exit 0."""
@@ -67,7 +84,9 @@ def run_ranks(target: Callable[..., None], world: int, *args: Any) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(target, r, world, port, *args)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
