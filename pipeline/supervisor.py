@@ -664,6 +664,8 @@ class Supervisor:
             counts["not signed with this run's key"] = stats["refused"]
         if stats.get("malformed"):
             counts["malformed"] = stats["malformed"]
+        if stats.get("not_subscription"):  # sent to the bus's subscriber side
+            counts["not a subscription"] = stats["not_subscription"]
         if stats.get("refused_peers"):  # connections, not messages: nothing of theirs got in
             counts["peers without the run's CURVE keys"] = stats["refused_peers"]
         return counts

@@ -88,7 +88,8 @@ def _pack(topic: str, payload: Mapping[str, Any], key: bytes | None = None) -> l
 
 
 class _Rejected:
-    """Why a message was not taken: ``kind`` is ``malformed`` or ``refused`` (bad tag)."""
+    """Why a message was not taken: ``kind`` is ``malformed``, ``refused`` (bad tag) or
+    ``not_subscription`` (sent to the broker's XPUB side, which takes only subscriptions)."""
 
     def __init__(self, kind: str, detail: str) -> None:
         self.kind, self.detail = kind, detail
@@ -237,9 +238,17 @@ class ControlBroker:
                     sock.close(linger=0)
 
     def stats(self) -> dict[str, int]:
-        """Messages forwarded, published, malformed, refused (bad tag), callback errors, and
-        peers refused in the CURVE handshake."""
-        keys = ("forwarded", "published", "malformed", "refused", "callback_errors")
+        """Messages forwarded, published, malformed, refused (bad tag), callback errors, frames
+        at the subscriber side that are not (un)subscriptions, and peers refused in the CURVE
+        handshake."""
+        keys = (
+            "forwarded",
+            "published",
+            "malformed",
+            "refused",
+            "callback_errors",
+            "not_subscription",
+        )
         counts = {k: self._counts[k] for k in keys}
         counts["refused_peers"] = sum(watch.refused for watch in self._refusals)
         return counts
@@ -269,9 +278,14 @@ class ControlBroker:
 
     async def _drain_subscriptions(self, xpub: zmq.asyncio.Socket) -> None:
         # XPUB reports (un)subscriptions as messages; read them so they never pile up. They are
-        # not forwarded: the broker's XSUB already subscribes to everything.
+        # not forwarded: the broker's XSUB already subscribes to everything. Anything else a
+        # peer sends here (XPUB passes it on) is dropped and counted as not a subscription.
         while True:
-            await xpub.recv_multipart()
+            frames = await xpub.recv_multipart()
+            if len(frames) != 1 or frames[0][:1] not in (b"\x00", b"\x01"):
+                first = frames[0][:1] if frames and frames[0] else b""
+                detail = f"{len(frames)} frame(s) at the subscriber side, first byte {first!r}"
+                _note_rejected(self._counts, self._log, _Rejected("not_subscription", detail))
 
 
 class ControlClient:

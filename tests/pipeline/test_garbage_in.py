@@ -109,7 +109,8 @@ async def _control_garbage(zctx: zmq.asyncio.Context, control: dict) -> int:
             ):
                 await pub.send_multipart(frames)
                 sent += 1
-            await sub.send_multipart([b"\x07junk"])  # neither (un)subscribe: ignored
+            await sub.send_multipart([b"\x07junk"])  # neither (un)subscribe: counted
+            sent += 1
     finally:
         pub.close()
         sub.close()
@@ -205,8 +206,9 @@ def test_garbage_on_every_socket_is_refused_and_counted_and_nothing_restarts(tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "stopped", summary  # the unsigned `stop`s did not end it
     refused = summary["control_refused"]
-    # each counted once, as not signed (no tag, or a wrong one) or malformed
+    # each counted once, as not signed (no tag, or a wrong one), malformed or not a subscription
     assert refused.get("not signed with this run's key", 0) >= 2 * ROUNDS, refused
+    assert refused.get("not a subscription") == ROUNDS, refused
     assert sum(refused.values()) == control_sent, refused
 
 

@@ -101,6 +101,26 @@ async def test_malformed_messages_and_callback_errors_are_not_fatal(ctx, ipc_dir
         assert stats["callback_errors"] >= 1
         assert events(log, "control_message_rejected")
         assert events(log, "control_callback_failed")[0]["topic"] == "boom"
+
+        # At the subscriber side only (un)subscriptions count; anything else is dropped and
+        # counted, and subscribing still works.
+        junk = ctx.socket(zmq.XSUB)
+        junk.linger = 0
+        junk.connect(sub)
+        sent = [[b"\x07junk"], [b""], [b"\x01a", b"more"]]
+        for frames in sent:
+            await junk.send_multipart(frames)
+        await junk.send(b"\x01version")  # a real subscription: not counted
+
+        for _ in range(300):  # up to 3 s for the broker to read them
+            if broker.stats()["not_subscription"] >= len(sent):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # and nothing more comes: the subscription is not counted
+        assert broker.stats()["not_subscription"] == len(sent)
+        kinds = {e["kind"] for e in events(log, "control_message_rejected")}
+        assert "not_subscription" in kinds
+        junk.close()
     finally:
         raw.close()
         await client.aclose()
