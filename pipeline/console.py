@@ -424,6 +424,8 @@ class Console:
             parts[0] += f", {event['samples']:,} samples in {_seconds(event.get('train_s'))}"
         if _number(event.get("mean_lag")):
             parts.append(f"mean lag {event['mean_lag']:.2f}")
+        if event.get("no_signal"):
+            parts.append(f"{event['no_signal']:,} without signal (no passes)")
         if event.get("stale_dropped"):
             parts.append(f"{event['stale_dropped']} stale samples dropped")
         first = self.first_evaluation

@@ -10,7 +10,9 @@ replica killed in between has then said too much, which the book recognizes as a
 never too little):
 
 - ``fed``: a prompt was sent (the feeder);
-- ``fates``: slots ended, as ``trained`` (in a finished optimizer step, with the step) or dropped
+- ``fates``: slots ended, as ``trained`` (in a finished optimizer step, with the step),
+  ``no_signal`` (in a finished step, but its advantage was 0: the learner skipped its forward
+  and backward passes, which would have added nothing to the gradient) or dropped
   for a named reason (``engine_failure``, ``incomplete_group``, ``malformed``, ``late``,
   ``stale``, ``bad_group``...);
 - ``consumed``: a stage that keeps no ledger (one of your own: its class does not set
@@ -45,9 +47,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["TRAINED", "LedgerBook", "LedgerReporter"]
+__all__ = ["NO_SIGNAL", "TRAINED", "LedgerBook", "LedgerReporter"]
 
 TRAINED = "trained"
+NO_SIGNAL = "no_signal"  # in a step, advantage 0: no passes (learner.skip_no_signal)
+_IN_STEPS = (TRAINED, NO_SIGNAL)  # fates that are not drops
 ROLLED_BACK = "rolled_back"
 DONE_BEFORE = "done_before"
 _NONE, _FATED, _ROLLED, _COPIED = 0, 1, 2, 3  # a slot's state in the book
@@ -275,7 +279,7 @@ class LedgerBook:
                     in_flight += open_slots
             else:
                 missing.append((uid, open_slots))
-        dropped = {k: v for k, v in sorted(self.buckets.items()) if k != TRAINED and v}
+        dropped = {k: v for k, v in sorted(self.buckets.items()) if k not in _IN_STEPS and v}
         ledger: dict[str, Any] = {
             "prompts_fed": len(self.slots) - len(self.unfed),
             "prompts_refed": self.refed,
@@ -283,6 +287,7 @@ class LedgerBook:
             "prompts_in_flight_at_end": prompts_in_flight,
             "samples": {
                 TRAINED: self.buckets[TRAINED],
+                NO_SIGNAL: self.buckets[NO_SIGNAL],
                 "dropped": dropped,
                 "in_flight_at_end": in_flight,
             },
@@ -307,11 +312,12 @@ class LedgerBook:
     def running(self) -> dict[str, Any]:
         """A cheap view for the periodic ``ledger`` event."""
         pending = sum(1 for s in self.slots.values() if s is None or _NONE in s)
-        dropped = sum(v for k, v in self.buckets.items() if k != TRAINED)
+        dropped = sum(v for k, v in self.buckets.items() if k not in _IN_STEPS)
         return {
             "prompts_fed": len(self.slots) - len(self.unfed),
             "prompts_open": pending,
             "trained": self.buckets[TRAINED],
+            "no_signal": self.buckets[NO_SIGNAL],
             "dropped": dropped,
             "copies_dropped": self.copies,
             "duplicate_fates": sum(self.duplicates.values()),

@@ -33,6 +33,9 @@ def group_advantages(
     ``std_normalize`` divides by ``std(group) + eps`` with the *population* std
     (``unbiased=False``): it is defined for groups of any size (a group of one has std 0, so its
     advantage stays 0), and a group whose rewards are all equal gets 0 rather than 0/0.
+
+    A group whose rewards are all equal gets exactly 0 whatever the rounding of its mean (the
+    learner skips the forward and backward passes of samples whose advantage is 0).
     """
     if baseline not in ("mean", "leave_one_out"):
         raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
@@ -51,6 +54,10 @@ def group_advantages(
     count = zeros.clone().index_add_(0, dense, torch.ones_like(r))
     total = zeros.clone().index_add_(0, dense, r)
     centered = r - (total / count)[dense]
+    # all equal: exactly 0 (n * x / n need not round back to x)
+    low = zeros.clone().scatter_reduce_(0, dense, r, "amin", include_self=False)
+    high = zeros.clone().scatter_reduce_(0, dense, r, "amax", include_self=False)
+    centered = torch.where((low == high)[dense], torch.zeros_like(r), centered)
     if baseline == "mean":
         adv = centered
     else:

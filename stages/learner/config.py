@@ -147,6 +147,12 @@ class LearnerConfig:
     )
     epochs: int = _f(1, "optimizer steps per batch (>1 reuses it: set loss.ppo_clip)", min=1)
     max_lag: int = _f(4, "drop samples whose oldest sampled token is more versions old", min=0)
+    skip_no_signal: bool = _f(
+        True,
+        "samples whose advantage is 0 (a group whose rewards are all equal) skip the forward and "
+        "backward passes: they add nothing to the gradient (unless loss.kl_coef > 0); they still "
+        "count in the step's normalization, and in the ledger as no_signal",
+    )
     temperature: float = _f(
         1.0, "the sampler's temperature (log-probs are taken under it)", min=1e-6
     )

@@ -37,7 +37,7 @@ import torch
 
 from stages.learner.loss_config import LossConfig
 
-__all__ = ["LossConfig", "loss_denominator", "policy_loss", "summarize"]
+__all__ = ["LossConfig", "loss_denominator", "policy_loss", "stat_keys", "summarize"]
 
 # exp() arguments are clamped to this range: ratios beyond e^20 are noise, and float32 stays finite
 # even for their squares (ESS).
@@ -170,6 +170,18 @@ def policy_loss(
         if kl is not None:
             stats["kl_ref"] = kl.detach().to(f64).sum()
     return loss, stats
+
+
+def stat_keys(config: LossConfig, *, with_ref: bool) -> list[str]:
+    """The keys of ``policy_loss``'s stats under ``config`` (``with_ref``: given ``ref_logp``),
+    the same on every rank whatever its samples: what ranks sum together."""
+    keys = ["tokens", "sequences", "tis_clipped", "mis_dropped", "k3_mismatch", "w_sum"]
+    keys.append("w_sq_sum")
+    if config.ppo_clip is not None:
+        keys.append("ppo_clipped")
+    if with_ref:
+        keys.append("kl_ref")
+    return keys
 
 
 def summarize(stats: Mapping[str, torch.Tensor | float]) -> dict[str, float]:

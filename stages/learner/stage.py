@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.ledger import TRAINED
+from pipeline.ledger import NO_SIGNAL, TRAINED
 from pipeline.stage import Port, StageContext
 from stages.engine.auth import engine_api_key
 from stages.learner.config import LearnerConfig
@@ -80,6 +80,7 @@ class Learner:
             "stale": 0,
             "bad_groups": 0,
             "skipped_steps": 0,
+            "no_signal": 0,  # samples in steps without passes (advantage 0)
             "copies": 0,  # groups of a prompt that came before, dropped
         }
         self.totals = {"lag": 0.0, "tis_clip_frac": 0.0, "ess": 0.0, "mismatch_kl": 0.0, "n": 0}
@@ -234,7 +235,9 @@ class Learner:
             timing = {"wait_s": time.monotonic() - waited, "publish_s": publish_s}
             metrics = await asyncio.to_thread(self.trainer.step, samples, policy_version)
             self.step += 1
-            self._fates(samples, TRAINED, step=self.step)
+            no_signal = [s for s in samples if self.trainer.skips(s)]
+            self._fates([s for s in samples if not self.trainer.skips(s)], TRAINED, step=self.step)
+            self._fates(no_signal, NO_SIGNAL, step=self.step)
             for sample in samples:  # in a finished step: processed
                 self._done_with(sample)
             self._account({**metrics, **timing}, time.monotonic() - started)
@@ -427,6 +430,7 @@ class Learner:
     def _account(self, metrics: dict[str, Any], elapsed: float) -> None:
         self.counts["samples"] += metrics["samples"]
         self.counts["skipped_steps"] += metrics["skipped"]
+        self.counts["no_signal"] += metrics["no_signal"]
         t = self.totals
         t["n"] += 1
         for key, name in (
@@ -582,6 +586,7 @@ class Learner:
             stale_dropped=self.counts["stale"],
             bad_groups=self.counts["bad_groups"],
             skipped_steps=self.counts["skipped_steps"],
+            no_signal=self.counts["no_signal"],
             policy_version=self.version,
             publishes=self.publishing.counts,
         )

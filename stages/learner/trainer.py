@@ -57,7 +57,7 @@ import torch.distributed as dist
 from stages.hub import resolve_model
 from stages.learner.batching import collate, completion_logprobs, micro_batches, no_grad_logprobs
 from stages.learner.config import LearnerConfig, OptimConfig
-from stages.learner.loss import policy_loss, summarize
+from stages.learner.loss import policy_loss, stat_keys, summarize
 
 __all__ = [
     "TrainSample",
@@ -308,6 +308,13 @@ class Trainer:
             self._empty_pass(grad=False)
         return [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in out]
 
+    def skips(self, sample: TrainSample) -> bool:
+        """True for a sample the step leaves out of its forward and backward passes: its
+        advantage is 0 (a group whose rewards are all equal) and no other loss term reads it, so
+        it would add exactly nothing to the gradient (``skip_no_signal``)."""
+        cfg = self.config
+        return cfg.skip_no_signal and cfg.loss.kl_coef == 0 and sample.advantage == 0.0
+
     def step(self, samples: list[TrainSample], policy_version: int) -> dict[str, Any]:
         """One optimizer step (``epochs`` of them when a batch is reused) over ``samples``.
 
@@ -315,7 +322,8 @@ class Trainer:
         (the sampled, trained completion tokens: what ``normalize: token`` divides by) and
         ``inserted_tokens`` (tool/environment tokens: context only); ``lag_mean``/``lag_max``
         over sampled tokens; the loss statistics (``summarize``) and ``entropy`` per sampled
-        token.
+        token, over the samples that had passes; ``no_signal``: the samples without passes
+        (``skips``), which still count in ``samples``, ``tokens`` and the normalization.
         """
         cfg = self.config
         started = time.perf_counter()
@@ -323,16 +331,18 @@ class Trainer:
         # Shortest first: micro-batches of similar lengths pad less (the loss is a sum over
         # samples, so their order does not change the step).
         samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+        passes = [s for s in samples if not self.skips(s)]
         self.engine.train()
-        ref_lp = self._no_grad(self.ref_model, samples) if self.ref_model is not None else None
+        ref_lp = self._no_grad(self.ref_model, passes) if self.ref_model is not None else None
         old_lp = None
         if cfg.epochs > 1:
             self.engine.eval()
-            old_lp = self._no_grad(self.engine, samples)
+            old_lp = self._no_grad(self.engine, passes)
             self.engine.train()
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in passes]
         mbs = micro_batches(lengths, cfg.train_micro_batch, cfg.max_tokens_per_micro_batch or None)
-        agreed = self._agree_max(len(mbs))
+        # at least one (empty) pass: the optimizer step then has its (zero) gradients
+        agreed = max(self._agree_max(len(mbs)), 1)
         # Sequence normalization counts every sample, those without a sampled token too (they
         # add 0, like a zero advantage): the step's scale does not depend on what tools wrote.
         n_tokens, n_inserted = token_counts(samples)
@@ -353,7 +363,7 @@ class Trainer:
                     self._empty_pass(grad=True)
                     continue
                 idx = mbs[i]
-                loss, stats, entropy = self._micro_step(samples, idx, denominator, ref_lp, old_lp)
+                loss, stats, entropy = self._micro_step(passes, idx, denominator, ref_lp, old_lp)
                 if not torch.isfinite(loss):
                     bad = 1.0
                     loss = torch.zeros((), device=self.device, requires_grad=True)
@@ -369,17 +379,20 @@ class Trainer:
                 continue
             self.engine.step()
             grad_norm = self.engine.get_global_grad_norm()
-        keys = sorted(sums)
-        reduced = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
+        # the same keys on every rank, one without passes (no samples with signal) included
+        keys = stat_keys(cfg.loss, with_ref=ref_lp is not None)
+        assert set(sums) <= set(keys), sorted(set(sums) - set(keys))
+        reduced = dict(zip(keys, self._all_reduce([sums.get(k, 0.0) for k in keys]), strict=True))
         rewards = [s.reward for s in samples]
         lags = sample_lags(samples, policy_version)
-        r_sum, r_correct, lag_sum, lag_n, ent = self._all_reduce(
+        r_sum, r_correct, lag_sum, lag_n, ent, no_signal = self._all_reduce(
             [
                 sum(rewards),
                 float(sum(r > 0 for r in rewards)),
                 float(lags.sum()),
                 float(lags.size),
                 entropy_sum,
+                float(len(samples) - len(passes)),
             ]
         )
         lag_max = self._all_reduce([float(lags.max()) if lags.size else 0.0], dist.ReduceOp.MAX)[0]
@@ -395,6 +408,7 @@ class Trainer:
             "entropy": ent / tokens / max(cfg.epochs, 1),
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "skipped": skipped,
+            "no_signal": int(no_signal),
             "lr": lr,
             "step_s": time.perf_counter() - started,
             **summarize(reduced),

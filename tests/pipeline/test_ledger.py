@@ -24,7 +24,8 @@ def test_a_run_without_losses_balances():
     for i in range(3):
         ledger.fed(f"f.0:{i}")
     ledger.fates([("f.0:0", 4, 0), ("f.0:0", 4, 1)], "engine_failure")
-    ledger.fates([("f.0:0", 4, 2), ("f.0:0", 4, 3), ("f.0:1", 4, 0)], "trained", step=1)
+    ledger.fates([("f.0:0", 4, 2), ("f.0:1", 4, 0)], "trained", step=1)
+    ledger.fates([("f.0:0", 4, 3)], "no_signal", step=1)  # in the step, without passes
     ledger.fates([("f.0:1", 4, i) for i in (1, 2)], "stale")
     # at the end f.0:1 (one slot open) and f.0:2 (no fate yet) are held by a live replica
     final(book, "a", ["f.0:1", "f.0:2"])
@@ -33,7 +34,8 @@ def test_a_run_without_losses_balances():
     assert out["prompts_fed"] == 3 and out["prompts_complete"] == 1
     assert out["prompts_in_flight_at_end"] == 1
     assert out["samples"] == {
-        "trained": 3,
+        "trained": 2,
+        "no_signal": 1,  # not a drop
         "dropped": {"engine_failure": 2, "stale": 2},
         "in_flight_at_end": 1,
     }

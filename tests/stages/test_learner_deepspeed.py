@@ -165,3 +165,73 @@ def test_zero3_uneven_ranks_match_one_rank(model_dir, tmp_path, reference):
     got = _run(model_dir, tmp_path, world=2, zero=3, micro=2, split=[0, 6, 8])
     _same_grad_norm(model_dir, reference["clean"]["grad_norm"], got["clean"]["grad_norm"])
     _same_weights(model_dir, reference["weights"], got["weights"])
+
+
+# ---- samples without signal: no passes, the same step -------------------------------------
+
+
+def _no_signal_rank(rank, world, port, model_dir, skip, out):
+    """Two ZeRO-2 ranks; rank 1's four samples have advantage 0. Then a step where every
+    sample has advantage 0. Each rank saves the token shapes its model was run on, per step."""
+    join_rank(rank, world, port)
+    import dataclasses
+
+    import structlog
+
+    from stages.learner.config import DeepSpeedSection, LearnerConfig, OptimConfig
+    from stages.learner.trainer import Trainer
+
+    config = LearnerConfig(
+        model=str(model_dir),
+        batch_size=8,
+        train_micro_batch=1,
+        forward_micro_batch=2,
+        skip_no_signal=skip,
+        optim=OptimConfig(lr=LR, eps=EPS, grad_clip=0.0),
+        deepspeed=DeepSpeedSection(zero_stage=2),
+    )
+    trainer = Trainer(config, structlog.get_logger())
+    trainer.setup()
+    shapes: list[tuple[int, ...]] = []
+    trainer.engine.module.register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    samples = [
+        dataclasses.replace(s, advantage=0.0) if i >= 4 else s for i, s in enumerate(_samples())
+    ]
+    results: dict = {"steps": [], "shapes": []}
+    for batch in (samples, [dataclasses.replace(s, advantage=0.0) for s in samples]):
+        shapes.clear()
+        results["steps"].append(trainer.step(batch[rank * 4 : rank * 4 + 4], policy_version=0))
+        results["shapes"].append(list(shapes))
+        if "weights" not in results:
+            snap = trainer.snapshot(2**20)  # collective; rank 0's copy
+            results["weights"] = None if snap is None else {k: v.clone() for k, v in snap.items()}
+    torch.save(results, f"{out}.{rank}")
+    trainer.close()
+
+
+def test_samples_without_signal_have_no_passes_and_change_nothing(model_dir, tmp_path):
+    runs = {}
+    for skip in (True, False):
+        out = str(tmp_path / f"skip-{skip}.pt")
+        run_ranks(_no_signal_rank, 2, model_dir, skip, out)
+        runs[skip] = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    skipped, kept = runs[True], runs[False]
+    # rank 1's samples: only one-token (padding) passes, as many as rank 0's micro-batches
+    assert skipped[1]["shapes"][0] == [(1, 1)] * 4
+    assert all(numel > 1 for s in kept[1]["shapes"][0] for numel in [s[0] * s[1]])
+    assert skipped[0]["steps"][0]["no_signal"] == 4 and kept[0]["steps"][0]["no_signal"] == 0
+    for got in (skipped[0]["steps"][0], kept[0]["steps"][0]):
+        assert got["samples"] == 8 and got["tokens"] == sum(
+            len(s.completion_ids) for s in _samples()
+        )
+    # the same gradient, so the same step (the normalization still counts all 8 samples)
+    _same_grad_norm(
+        model_dir, kept[0]["steps"][0]["grad_norm"], skipped[0]["steps"][0]["grad_norm"]
+    )
+    _same_weights(model_dir, kept[0]["weights"], skipped[0]["weights"])
+    # nothing with signal: one padding pass per rank, a zero gradient
+    assert skipped[0]["steps"][1]["no_signal"] == 8
+    assert [r["shapes"][1] for r in skipped] == [[(1, 1)], [(1, 1)]]
+    assert skipped[0]["steps"][1]["grad_norm"] == 0.0

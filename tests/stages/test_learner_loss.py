@@ -9,7 +9,7 @@ import torch
 
 from stages.learner.advantages import group_advantages
 from stages.learner.batching import collate, completion_logprobs, micro_batches, pad_right
-from stages.learner.loss import LossConfig, loss_denominator, policy_loss, summarize
+from stages.learner.loss import LossConfig, loss_denominator, policy_loss, stat_keys, summarize
 from tests.numerics import approx, assert_close, backward_terms, forward_terms
 from tests.stages.learner_setup import one_torch_thread, tiny_policy
 
@@ -74,6 +74,18 @@ def test_std_normalization_uses_population_std():
     # eps (1e-6 by default) added to the std moves the result by about 1e-6 relative
     torch.testing.assert_close(loo[:3], expected[:3] * 1.5, rtol=1e-5, atol=0)
     assert torch.isfinite(loo).all()
+
+
+def test_a_group_whose_rewards_are_all_equal_gets_exactly_zero():
+    # in float32 0.11 * 3 / 3 is not 0.11: the mean alone would leave about 7e-9
+    r = torch.tensor([0.11, 0.11, 0.11, 1.0, 0.0, 0.3, 0.3])
+    g = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    assert (r[:3] - r[:3].sum() / 3).abs().max() > 0
+    for baseline in ("mean", "leave_one_out"):
+        for std in (False, True):
+            adv = group_advantages(r, g, baseline=baseline, std_normalize=std)
+            assert adv[[0, 1, 2, 5, 6]].tolist() == [0.0] * 5, (baseline, std)
+            assert adv[3] > 0 > adv[4]
 
 
 def test_advantages_reject_bad_input():
@@ -182,6 +194,16 @@ def test_k3_values_for_reference_and_mismatch():
     )
     assert stats["k3_mismatch"].item() == pytest.approx(k3)
     assert summarize(stats)["mismatch_kl"] == pytest.approx(k3 / 2)
+
+
+@pytest.mark.parametrize("ppo_clip", [None, 0.2])
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_stat_keys_are_the_keys_of_the_stats(ppo_clip, with_ref):
+    """What every rank sums, whatever its samples (a rank without passes has no stats)."""
+    config = LossConfig(ppo_clip=ppo_clip, kl_coef=0.1 if with_ref else 0.0)
+    ref = [[-1.0]] if with_ref else None
+    *_, stats = _loss([[-1.0]], sampler=[[-1.0]], adv=[1.0], config=config, denominator=1, ref=ref)
+    assert stat_keys(config, with_ref=with_ref) == list(stats)
 
 
 def test_loss_config_validation():
