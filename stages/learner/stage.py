@@ -83,7 +83,15 @@ class Learner:
             "no_signal": 0,  # samples in steps without passes (advantage 0)
             "copies": 0,  # groups of a prompt that came before, dropped
         }
-        self.totals = {"lag": 0.0, "tis_clip_frac": 0.0, "ess": 0.0, "mismatch_kl": 0.0, "n": 0}
+        # sums over steps; "passes_n": steps that had passes (the loss statistics' steps)
+        self.totals = {
+            "lag": 0.0,
+            "tis_clip_frac": 0.0,
+            "ess": 0.0,
+            "mismatch_kl": 0.0,
+            "n": 0,
+            "passes_n": 0,
+        }
         self._carry: list[TrainSample] = []
         # received groups not yet processed (see _samples_of)
         self._open: dict[int, list[Any]] = {}
@@ -147,7 +155,8 @@ class Learner:
             self.offset = int(state.get("version_offset", 0))
             for key in self.counts:
                 self.counts[key] = int(state.get("counts", {}).get(key, 0))
-            self.totals.update(state.get("totals", {}))
+            totals = state.get("totals", {})
+            self.totals.update({"passes_n": totals.get("n", 0), **totals})  # older: every step
             self._partial, self._seen = _load_groups(resumed, earlier=state)
         if live >= self.version and live > 0:
             # restarted mid-run (from a checkpoint, or from scratch when there is none yet):
@@ -216,6 +225,8 @@ class Learner:
 
     # -------------------------------------------------------------------- run
     async def run(self) -> None:
+        from stages.learner.trainer import without_passes
+
         cfg = self.config
         started = time.monotonic()
         if self.resumed:
@@ -235,8 +246,8 @@ class Learner:
             timing = {"wait_s": time.monotonic() - waited, "publish_s": publish_s}
             metrics = await asyncio.to_thread(self.trainer.step, samples, policy_version)
             self.step += 1
-            no_signal = [s for s in samples if self.trainer.skips(s)]
-            self._fates([s for s in samples if not self.trainer.skips(s)], TRAINED, step=self.step)
+            no_signal = [s for s in samples if without_passes(cfg, s)]
+            self._fates([s for s in samples if not without_passes(cfg, s)], TRAINED, step=self.step)
             self._fates(no_signal, NO_SIGNAL, step=self.step)
             for sample in samples:  # in a finished step: processed
                 self._done_with(sample)
@@ -430,9 +441,10 @@ class Learner:
     def _account(self, metrics: dict[str, Any], elapsed: float) -> None:
         self.counts["samples"] += metrics["samples"]
         self.counts["skipped_steps"] += metrics["skipped"]
-        self.counts["no_signal"] += metrics["no_signal"]
+        self.counts["no_signal"] += metrics.get("no_signal", 0)
         t = self.totals
         t["n"] += 1
+        t["passes_n"] += int("ess" in metrics)  # a step without passes has no loss statistics
         for key, name in (
             ("lag", "lag_mean"),
             ("tis_clip_frac", "tis_clip_frac"),
@@ -575,14 +587,19 @@ class Learner:
             summary["eval_after"] = final["accuracy"]
             summary["evals"] = self.evaluator.history
         n = max(self.totals["n"], 1)
+        passes = self.totals["passes_n"]
+
+        def per_step(key: str) -> float | None:  # over the steps that had passes
+            return self.totals[key] / passes if passes else None
+
         summary.update(
             steps=self.step,
             samples=self.counts["samples"],
             train_s=round(time.monotonic() - started, 3),
             mean_lag=self.totals["lag"] / n,
-            tis_clip_frac=self.totals["tis_clip_frac"] / n,
-            ess=self.totals["ess"] / n,
-            mismatch_kl=self.totals["mismatch_kl"] / n,
+            tis_clip_frac=per_step("tis_clip_frac"),
+            ess=per_step("ess"),
+            mismatch_kl=per_step("mismatch_kl"),
             stale_dropped=self.counts["stale"],
             bad_groups=self.counts["bad_groups"],
             skipped_steps=self.counts["skipped_steps"],

@@ -69,6 +69,7 @@ __all__ = [
     "sample_lags",
     "skip_unused_deepspeed_ops",
     "token_counts",
+    "without_passes",
 ]
 
 
@@ -125,6 +126,13 @@ def _device(config: LearnerConfig) -> torch.device:
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
+
+
+def without_passes(config: LearnerConfig, sample: TrainSample) -> bool:
+    """True for a sample a step leaves out of its forward and backward passes: its advantage is
+    0 (a group whose rewards are all equal) and no other loss term reads it, so it would add
+    exactly nothing to the gradient (``skip_no_signal``). It still counts in the step."""
+    return config.skip_no_signal and config.loss.kl_coef == 0 and sample.advantage == 0.0
 
 class Trainer:
     """A DeepSpeed engine around the policy, driven one optimizer step at a time."""
@@ -308,13 +316,6 @@ class Trainer:
             self._empty_pass(grad=False)
         return [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in out]
 
-    def skips(self, sample: TrainSample) -> bool:
-        """True for a sample the step leaves out of its forward and backward passes: its
-        advantage is 0 (a group whose rewards are all equal) and no other loss term reads it, so
-        it would add exactly nothing to the gradient (``skip_no_signal``)."""
-        cfg = self.config
-        return cfg.skip_no_signal and cfg.loss.kl_coef == 0 and sample.advantage == 0.0
-
     def step(self, samples: list[TrainSample], policy_version: int) -> dict[str, Any]:
         """One optimizer step (``epochs`` of them when a batch is reused) over ``samples``.
 
@@ -323,7 +324,7 @@ class Trainer:
         ``inserted_tokens`` (tool/environment tokens: context only); ``lag_mean``/``lag_max``
         over sampled tokens; the loss statistics (``summarize``) and ``entropy`` per sampled
         token, over the samples that had passes; ``no_signal``: the samples without passes
-        (``skips``), which still count in ``samples``, ``tokens`` and the normalization.
+        (``without_passes``), which still count in ``samples``, ``tokens`` and the normalization.
         """
         cfg = self.config
         started = time.perf_counter()
@@ -331,7 +332,7 @@ class Trainer:
         # Shortest first: micro-batches of similar lengths pad less (the loss is a sum over
         # samples, so their order does not change the step).
         samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-        passes = [s for s in samples if not self.skips(s)]
+        passes = [s for s in samples if not without_passes(cfg, s)]
         self.engine.train()
         ref_lp = self._no_grad(self.ref_model, passes) if self.ref_model is not None else None
         old_lp = None

@@ -39,6 +39,9 @@ stages:
     train_micro_batch: 4
     forward_micro_batch: 8
     max_lag: 2
+    # the random model earns no reward: with the default every sample would skip its passes,
+    # and these tests check the loop's training (test_default_config runs the default)
+    skip_no_signal: false
     optim: {{lr: 0.001}}
     deepspeed: {{zero_stage: {zero}}}
     checkpoint: {{every: 2, keep: 2}}

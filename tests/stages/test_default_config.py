@@ -27,6 +27,10 @@ def test_default_config_shortened_runs_to_its_summary(tmp_path):
         timeout=230,
     )
     assert summary["steps"] == 3 and summary["samples"] == 3 * 256
+    # groups whose rewards were all equal had no passes, and the ledger says so
+    samples = summary["ledger"]["samples"]
+    assert 0 < summary["no_signal"] == samples["no_signal"] < 3 * 256
+    assert samples["trained"] + samples["no_signal"] == 3 * 256
     # the shipped model starts partly right (warm start), never above 0.6
     assert 0.2 <= summary["eval_before"] <= 0.6
     assert summary["status"] == "succeeded"
