@@ -283,8 +283,9 @@ class ControlBroker:
         while True:
             frames = await xpub.recv_multipart()
             if len(frames) != 1 or frames[0][:1] not in (b"\x00", b"\x01"):
-                first = frames[0][:1] if frames and frames[0] else b""
-                detail = f"{len(frames)} frame(s) at the subscriber side, first byte {first!r}"
+                detail = (
+                    f"{len(frames)} frame(s) at the subscriber side, first byte {frames[0][:1]!r}"
+                )
                 _note_rejected(self._counts, self._log, _Rejected("not_subscription", detail))
 
 

@@ -175,8 +175,7 @@ def policy_loss(
 def stat_keys(config: LossConfig, *, with_ref: bool) -> list[str]:
     """The keys of ``policy_loss``'s stats under ``config`` (``with_ref``: given ``ref_logp``),
     the same on every rank whatever its samples: what ranks sum together."""
-    keys = ["tokens", "sequences", "tis_clipped", "mis_dropped", "k3_mismatch", "w_sum"]
-    keys.append("w_sq_sum")
+    keys = ["tokens", "sequences", "tis_clipped", "mis_dropped", "k3_mismatch", "w_sum", "w_sq_sum"]
     if config.ppo_clip is not None:
         keys.append("ppo_clipped")
     if with_ref:

@@ -246,9 +246,11 @@ class Learner:
             timing = {"wait_s": time.monotonic() - waited, "publish_s": publish_s}
             metrics = await asyncio.to_thread(self.trainer.step, samples, policy_version)
             self.step += 1
-            no_signal = [s for s in samples if without_passes(cfg, s)]
-            self._fates([s for s in samples if not without_passes(cfg, s)], TRAINED, step=self.step)
-            self._fates(no_signal, NO_SIGNAL, step=self.step)
+            fates: dict[str, list[TrainSample]] = {TRAINED: [], NO_SIGNAL: []}
+            for s in samples:
+                fates[NO_SIGNAL if without_passes(cfg, s) else TRAINED].append(s)
+            for reason, ended in fates.items():
+                self._fates(ended, reason, step=self.step)
             for sample in samples:  # in a finished step: processed
                 self._done_with(sample)
             self._account({**metrics, **timing}, time.monotonic() - started)

@@ -127,12 +127,12 @@ def _device(config: LearnerConfig) -> torch.device:
     return torch.device("cpu")
 
 
-
 def without_passes(config: LearnerConfig, sample: TrainSample) -> bool:
     """True for a sample a step leaves out of its forward and backward passes: its advantage is
     0 (a group whose rewards are all equal) and no other loss term reads it, so it would add
     exactly nothing to the gradient (``skip_no_signal``). It still counts in the step."""
     return config.skip_no_signal and config.loss.kl_coef == 0 and sample.advantage == 0.0
+
 
 class Trainer:
     """A DeepSpeed engine around the policy, driven one optimizer step at a time."""

@@ -9,6 +9,7 @@ seed gives the same weights. Nothing here is meant to be a good language model.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -47,32 +48,13 @@ def tiny_config(
 
 
 def make_tiny_model(
-    path: Path,
-    *,
-    vocab: int = 128,
-    seed: int = 0,
-    hidden: int = 32,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate: int | None = None,
-    tie_word_embeddings: bool = False,
-    max_positions: int = 512,
-    with_tokenizer: bool = True,
+    path: Path, *, seed: int = 0, with_tokenizer: bool = True, **sizes: Any
 ) -> Path:
-    """Save a random Qwen2 model (and tokenizer) under ``path``; returns ``path``."""
+    """Save a random Qwen2 model of ``tiny_config(**sizes)`` (and a tokenizer of its vocabulary)
+    under ``path``; returns ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(
-        vocab=vocab,
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate=intermediate,
-        tie_word_embeddings=tie_word_embeddings,
-        max_positions=max_positions,
-    )
+    config = tiny_config(**sizes)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is near-uniform; wider weights make greedy choices far from ties.
@@ -82,7 +64,7 @@ def make_tiny_model(
                 p.normal_(0.0, 0.3)
     model.save_pretrained(path)
     if with_tokenizer:
-        _tokenizer(vocab).save_pretrained(path)
+        _tokenizer(config.vocab_size).save_pretrained(path)
     return path
 
 
