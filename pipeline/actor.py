@@ -86,6 +86,8 @@ class ActorContext:
         self._stop_publish: asyncio.Task | None = None
         self.stop_requested = asyncio.Event()  # set when the run is being shut down
         self.stages: dict[str, int] = dict(spec.get("stages", {}))  # every stage -> replicas
+        # the learner's batch, publish.every, max_lag, version and generators (topics.PACE)
+        self.learner_pace: dict[str, int] = {}
         # generator replica ("stage.replica") -> its latest `engines` announcement
         self.engines: dict[str, dict[str, Any]] = {}
         self._engines_changed = asyncio.Condition()
@@ -132,6 +134,13 @@ class ActorContext:
         async with self._engines_changed:
             await self._engines_changed.wait_for(lambda: self.engines != since)
         return dict(self.engines)
+
+    def set_pace(self, payload: Mapping[str, Any]) -> None:
+        """A learner rank's ``pace`` report (one of integers only; anything else is ignored)."""
+        pace = {k: payload.get(k) for k in ("batch", "every", "max_lag", "origins", "version")}
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in pace.values()):
+            if pace["version"] >= self.learner_pace.get("version", -1):
+                self.learner_pace = pace
 
     def metrics(self, **values: Any) -> None:
         self.log.info("metrics", **values)
@@ -212,6 +221,7 @@ class _Replica:
                 topics.DONE,
                 topics.ENGINES,
                 topics.ADDRESSES,
+                topics.PACE,
             ),
             log=log.bind(component="control"),
             key=bytes.fromhex(control["key"]) if control.get("key") else None,
@@ -309,6 +319,8 @@ class _Replica:
             topic, payload = await self.control.recv()
             if topic == topics.VERSION and isinstance(payload.get("version"), int):
                 await self.ctx.set_version(payload["version"])
+            elif topic == topics.PACE:
+                self.ctx.set_pace(payload)
             elif topic == topics.ENGINES and isinstance(payload.get("urls"), list):
                 await self.ctx.set_engines(payload)
             elif topic == topics.SHUTDOWN:

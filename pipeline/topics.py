@@ -22,6 +22,11 @@ run's key (see ``transport.control``).
   inbox is bound, when replicas bind on their own node (the Ray launcher: each binds port 0 and
   names the address in its heartbeats, ``inboxes``); re-sent every heartbeat. Producers connect
   their peers there, and move when a consumer restarts elsewhere.
+- ``pace`` {stage, replica, rank, batch, every, max_lag, version, origins}: from each learner rank
+  after each step: its batch size, ``publish.every``, ``max_lag``, the version its staleness check
+  compares with, and how many generator sessions fed it lately. Generators keep what the learner
+  is not done with within what it trains in ``max_lag`` versions (``No wasted work`` in
+  DESIGN.md; ``stages.generator.controller``).
 - ``summary`` {stage, replica, values}: values for ``RUN_DIR/summary.json``; the supervisor merges
   them (later values win) and writes the file, with the run's status and wall time, at the end.
 """
@@ -36,3 +41,4 @@ ENGINES = "engines"
 SUMMARY = "summary"
 ADDRESSES = "addresses"
 LEDGER = "ledger"
+PACE = "pace"

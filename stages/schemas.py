@@ -116,6 +116,7 @@ ROLLOUT_GROUP = Schema(
         "samples": "list",
         "meta": "map|None",
         "uid": "str|None",
+        "origin": "str|None",  # the generator session that made it ("stage.replica:session")
     },
     doc="the sampled completions of one prompt (one group), unscored",
 )
@@ -132,6 +133,7 @@ SCORED_GROUP = Schema(
         "samples": "list",
         "meta": "map|None",
         "uid": "str|None",
+        "origin": "str|None",  # the generator session that made it ("stage.replica:session")
     },
     doc="the scored rollouts of one prompt (one group), for the learner",
 )

@@ -140,6 +140,7 @@ class RolloutSink:
                         "versions": d["versions"].tolist(),
                         "finish_reason": d["finish_reason"],
                         "meta": d["meta"],
+                        "origin": d.get("origin"),
                     }
                 )
             if self.config.delay_s:

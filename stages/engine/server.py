@@ -49,7 +49,13 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.loader import DTYPES, LoadedModel, load_model
-from stages.engine.protocol import RequestError, parse_generate, render_result
+from stages.engine.protocol import (
+    GenerateInput,
+    RequestError,
+    SequenceResult,
+    parse_generate,
+    render_result,
+)
 from stages.engine.scheduler import (
     PAUSE_MODES,
     PREFIX_CACHE_MAX_AGE,
@@ -58,7 +64,14 @@ from stages.engine.scheduler import (
 )
 from transport.credit import sparse
 
-__all__ = ["build_app", "main"]
+__all__ = [
+    "build_app",
+    "build_scheduler",
+    "generate",
+    "generate_results",
+    "main",
+    "parse_args",
+]
 
 log = structlog.get_logger("stages.engine.server")
 
@@ -162,38 +175,61 @@ def _refused(request: web.Request, status: int, message: str) -> None:
 
 
 async def _generate(request: web.Request) -> web.Response:
-    loaded, scheduler = request.app[_LOADED], request.app[_SCHEDULER]
-    tokenizer = loaded.tokenizer
     try:
         body = await _json_body(request)
-        inputs, listed = parse_generate(
-            body,
-            vocab_size=loaded.vocab_size,
-            context_length=loaded.context_length,
-            encode=tokenizer.encode if tokenizer is not None else None,
+        rendered = await generate(
+            request.app[_LOADED], request.app[_SCHEDULER], request.app[_DECODE], body
         )
     except RequestError as exc:
         return _bad_request(str(exc))
-    # One command and one future per request, however many samples it holds.
-    try:
-        results = await scheduler.submit_async(inputs)
-    except asyncio.CancelledError:
-        # The client went away: free the batch slots, as SGLang aborts on disconnect.
-        scheduler.abort_many([inp.rid for inp in inputs])
-        raise
     except ValueError as exc:  # a rid already in flight: nothing was queued
         return _bad_request(str(exc))
+    return _json_response(rendered)
 
+
+async def generate(
+    loaded: LoadedModel,
+    scheduler: Scheduler,
+    decode: Callable[[list[int], bool], str] | None,
+    body: Any,
+) -> Any:
+    """What ``/generate`` answers to ``body`` (SGLang's layout: one result, or a list of them).
+
+    Raises RequestError for a malformed body and ValueError for a rid already in flight (the
+    route answers 400 for both); cancelled (the client went away), it aborts the requests it
+    queued, as SGLang aborts on disconnect.
+    """
+    inputs, results, listed = await generate_results(loaded, scheduler, body)
     rendered = [
         render_result(
             result,
-            decode=request.app[_DECODE],
+            decode=decode,
             skip_special_tokens=inp.params.skip_special_tokens,
             return_logprob=inp.return_logprob,
         )
         for inp, result in zip(inputs, results, strict=True)
     ]
-    return _json_response(rendered if listed else rendered[0])
+    return rendered if listed else rendered[0]
+
+
+async def generate_results(
+    loaded: LoadedModel, scheduler: Scheduler, body: Any
+) -> tuple[list[GenerateInput], list[SequenceResult], bool]:
+    """``generate`` before rendering: the requests, their results (in request order) and
+    whether the body was a batch. ``stages.engine.in_process`` hands them on as they are."""
+    inputs, listed = parse_generate(
+        body,
+        vocab_size=loaded.vocab_size,
+        context_length=loaded.context_length,
+        encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
+    )
+    # One command and one future per request, however many samples it holds.
+    try:
+        results = await scheduler.submit_async(inputs)
+    except asyncio.CancelledError:
+        scheduler.abort_many([inp.rid for inp in inputs])
+        raise
+    return inputs, results, listed
 
 
 def _decoder(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
@@ -581,18 +617,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The engine's options from its command line (``SystemExit`` with a message if bad)."""
+    args = _parser().parse_args(argv)
+    if args.max_running < 1:
+        _parser().error("--max-running must be >= 1")
+    if args.prefix_cache_tokens < 0 or args.prefix_cache_max_age < 0:
+        _parser().error("--prefix-cache-tokens and --prefix-cache-max-age must be >= 0")
+    return args
+
+
+def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
+    """The scheduler the options ask for, on ``loaded``'s model (not started)."""
+    return Scheduler(
+        loaded.model,
+        max_running=args.max_running,
+        seed=args.seed,
+        weight_version=args.weight_version,
+        eos_token_ids=loaded.eos_token_ids,
+        admit_fraction=args.admit_fraction,
+        fast_forward=args.forward == "fast",
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        prefix_cache_max_age=args.prefix_cache_max_age,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``inflight engine``; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
         argv = argv[1:]  # `inflight engine -- --model DIR`: the CLI passes the separator on
-    args = _parser().parse_args(argv)
-    if args.max_running < 1:
-        print("error: --max-running must be >= 1")
-        return 2
-    if args.prefix_cache_tokens < 0 or args.prefix_cache_max_age < 0:
-        print("error: --prefix-cache-tokens and --prefix-cache-max-age must be >= 0")
-        return 2
+    args = parse_args(argv)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     refusal = bind_error(args.host, api_key, insecure=args.insecure)
     if refusal is not None:
@@ -624,17 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
-    scheduler = Scheduler(
-        loaded.model,
-        max_running=args.max_running,
-        seed=args.seed,
-        weight_version=args.weight_version,
-        eos_token_ids=loaded.eos_token_ids,
-        admit_fraction=args.admit_fraction,
-        fast_forward=args.forward == "fast",
-        prefix_cache_tokens=args.prefix_cache_tokens,
-        prefix_cache_max_age=args.prefix_cache_max_age,
-    )
+    scheduler = build_scheduler(args, loaded)
     holder["s"] = scheduler
     scheduler.start()
     try:

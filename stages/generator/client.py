@@ -51,6 +51,8 @@ __all__ = [
     "EngineAuthError",
     "EngineClient",
     "EngineError",
+    "InProcessClient",
+    "completion_of",
     "make_session",
 ]
 
@@ -109,6 +111,16 @@ def make_session(max_connections: int) -> aiohttp.ClientSession:
 def _token_list(ids: Sequence[int] | np.ndarray) -> list[int]:
     """Token ids as plain ints (a prompt may arrive as a numpy array; JSON needs Python ints)."""
     return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+
+
+def _generate_body(input_ids: Any, sampling_params: Mapping[str, Any], rid: Any) -> dict:
+    """A ``/generate`` body: one prompt and rid, or lists of them; log-probs always asked."""
+    return {
+        "input_ids": input_ids,
+        "sampling_params": dict(sampling_params),
+        "return_logprob": True,
+        "rid": rid,
+    }
 
 
 def _as_version(value: Any) -> int:
@@ -227,14 +239,7 @@ class EngineClient:
     ) -> Completion:
         """One sample of ``input_ids``."""
         body = await self._call(
-            "POST",
-            "/generate",
-            {
-                "input_ids": _token_list(input_ids),
-                "sampling_params": dict(sampling_params),
-                "return_logprob": True,
-                "rid": rid,
-            },
+            "POST", "/generate", _generate_body(_token_list(input_ids), sampling_params, rid)
         )
         if not isinstance(body, Mapping):
             raise EngineError(
@@ -271,12 +276,7 @@ class EngineClient:
         body = await self._call(
             "POST",
             "/generate",
-            {
-                "input_ids": [_token_list(ids) for ids in prompts],
-                "sampling_params": dict(sampling_params),
-                "return_logprob": True,
-                "rid": list(rids),
-            },
+            _generate_body([_token_list(ids) for ids in prompts], sampling_params, list(rids)),
         )
         if not isinstance(body, list) or len(body) != len(rids):
             got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
@@ -346,3 +346,77 @@ class EngineClient:
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_request", {"rid": rid})
+
+
+class InProcessClient(EngineClient):
+    """An EngineClient for a built-in engine in this process (``stages.engine.in_process``):
+    ``/generate`` bodies go to its scheduler directly (checked as the route checks them) and
+    its results become Completions without SGLang's JSON layout in between; every other route,
+    rare and cheap, still goes over HTTP to the same engine."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, engine: Any, **kwargs: Any):
+        super().__init__(url, session, **kwargs)
+        self.engine = engine
+
+    async def _generate(self, body: dict[str, Any]) -> list[Completion]:
+        from stages.engine.protocol import RequestError
+
+        try:
+            results = await asyncio.wait_for(self.engine.results(body), self.timeout.total)
+        except (RequestError, ValueError) as exc:  # what the route answers with 400
+            raise EngineError(self.url, f"/generate: {exc}", retryable=False, status=400) from exc
+        except asyncio.TimeoutError as exc:  # wait_for cancelled it: its rows were aborted
+            raise EngineError(self.url, "/generate timed out", retryable=True) from exc
+        except RuntimeError as exc:  # the scheduler stopped (stopping, or its thread died)
+            raise EngineError(self.url, f"/generate failed: {exc!r}", retryable=True) from exc
+        return [completion_of(result, self.url) for result in results]
+
+    async def generate(
+        self, input_ids: Sequence[int] | np.ndarray, sampling_params: Mapping[str, Any], *, rid: str
+    ) -> Completion:
+        (completion,) = await self._generate(_generate_body(input_ids, sampling_params, rid))
+        return completion
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        sampling_params: Mapping[str, Any],
+        *,
+        rids: Sequence[str],
+    ) -> list[Completion]:
+        body = _generate_body([_token_list(ids) for ids in prompts], sampling_params, list(rids))
+        return await self._generate(body)
+
+
+def completion_of(result: Any, url: str = "") -> Completion:
+    """A scheduler's ``SequenceResult`` as the Completion its ``/generate`` answer would give
+    (``parse_completion``), with the answer's ``meta_info`` fields but the per-token lists."""
+    try:
+        versions = np.asarray(result.output_token_weight_versions, dtype=np.int32)
+    except ValueError:  # not numbers (SGLang-style names): as parse_completion reads them
+        versions = np.asarray([_as_version(v) for v in result.output_token_weight_versions])
+    output_ids = np.asarray(result.output_ids, dtype=np.int32)
+    logprobs = np.asarray(result.output_token_logprobs or (), dtype=np.float32)
+    if not (len(logprobs) == len(output_ids) == len(versions)):
+        raise EngineError(
+            url,
+            f"the engine gave {len(output_ids)} tokens, {len(logprobs)} log-probs and "
+            f"{len(versions)} versions",
+            retryable=False,
+        )
+    reason = result.finish_reason or {}
+    meta = {
+        "id": result.rid,
+        "finish_reason": reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(output_ids),
+        "cached_tokens": result.cached_tokens,
+        "cached_weight_version": result.cached_weight_version,
+        "weight_version": result.weight_version,
+        "e2e_latency": result.e2e_latency,
+        **result.extra,
+    }
+    finish = reason.get("type", "unknown") if isinstance(reason, Mapping) else str(reason)
+    return Completion(
+        output_ids, logprobs, versions, finish, _as_version(result.weight_version), meta
+    )

@@ -1,6 +1,6 @@
 """How many requests the generator keeps in flight, per engine, and why.
 
-Three things bound it (DESIGN.md, "Generation batch-size control"):
+Four things bound it (DESIGN.md, "Generation batch-size control"):
 
 - **Downstream credit** (a gate on the whole generator): samples may start only while they and
   the samples already in flight fit into the credit the scorer has granted plus the free slots of
@@ -8,6 +8,14 @@ Three things bound it (DESIGN.md, "Generation batch-size control"):
   flight instead of letting finished rollouts go stale in a queue.
 - **Staleness** (a gate on the whole generator): a sample may start only while the engines'
   policy version is within ``max_lag`` of the newest published version.
+- **The learner's pace** (a gate on the whole generator): samples the learner is not done with
+  (in flight, queued anywhere downstream, or in the batch it trains: with chained
+  acknowledgements a group is acknowledged back to the generator once the learner is done with
+  it) stay within ``(max_lag - lag + 1) x publish.every x batch_size``, shared among the
+  generators feeding it, where ``lag`` is how far the engines are behind the learner's version.
+  Beyond that a sample started now would be older than ``max_lag`` when the learner takes it, and
+  be dropped as stale, whatever the batch, model size or inbox sizes. The learner reports its
+  batch, version and generators after each step (``pipeline.topics.PACE``).
 - **Measured throughput** (a target per engine): hill climbing on tokens/s. While an engine is
   saturated (its target is what holds starts back), the target goes up by ``step`` every
   ``interval_s``; if tokens/s did not rise by ``gain`` after a raise, the raise is undone and the
@@ -71,7 +79,7 @@ class InFlightController:
         start = min(max(config.start, config.min_in_flight), config.max_in_flight)
         self.engines = {url: _Engine(target=start) for url in engines}
         self._interval_start: float | None = None
-        self._gates = {"credit": True, "lag": True}
+        self._gates = {"credit": True, "lag": True, "queue": True}
 
     # ------------------------------------------------------------ per request
     def target(self, engine: str) -> int:
@@ -90,12 +98,24 @@ class InFlightController:
 
     # ----------------------------------------------------------------- gates
     def gates(
-        self, *, in_flight: int, room: int, version: int, newest: int, max_lag: int, size: int = 1
+        self,
+        *,
+        in_flight: int,
+        room: int,
+        version: int,
+        newest: int,
+        max_lag: int,
+        size: int = 1,
+        ahead: int | None = None,
+        budget: int | None = None,
     ) -> tuple[bool, list[Decision]]:
         """Whether ``size`` new samples (one request) may start now, and the gate changes to log.
 
         ``room``: downstream credit plus free outbox slots; ``version``: the engines' policy
-        version; ``newest``: the newest version published.
+        version; ``newest``: the newest version published. ``ahead``: this generator's samples
+        the learner is not done with (in flight, queued downstream, in its batch); ``budget``:
+        how many of them there may be so that none is too old when the learner takes it
+        (None: not known yet, no such gate).
         """
         credit_open = room > 0 and (in_flight == 0 or in_flight + size <= room)
         states = {
@@ -103,6 +123,10 @@ class InFlightController:
             "lag": (
                 newest - version <= max_lag,
                 {"version": version, "newest": newest, "max_lag": max_lag},
+            ),
+            "queue": (
+                ahead is None or budget is None or ahead <= 0 or ahead + size <= budget,
+                {"ahead": ahead, "budget": budget, "size": size},
             ),
         }
         changes = []

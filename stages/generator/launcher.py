@@ -3,6 +3,9 @@
 Two kinds, one command line shape each:
 
 - ``builtin``: ``python -m pipeline.cli engine --model M --port P --device D`` (this environment).
+  With ``in_process: true`` the same engine runs inside the generator's process instead
+  (``stages.engine.in_process``): its scheduler on a thread, its HTTP API on the generator's
+  event loop for the weight publisher, and the generator's own requests without HTTP.
 - ``sglang``: ``PYTHON -m sglang.launch_server --model-path M --port P --host H`` with ``PYTHON``
   the interpreter of the environment SGLang is installed in (it pins its own torch, so it usually
   lives in a separate virtual environment).
@@ -45,7 +48,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 
@@ -56,6 +59,9 @@ from pipeline.processes import child_preexec
 from stages.engine.auth import API_KEY_ENV, is_loopback_host
 from stages.hub import model_check, resolve_model
 from transport.address import tcp_address
+
+if TYPE_CHECKING:
+    from stages.engine.in_process import InProcessEngine
 
 __all__ = ["EngineLauncher", "LaunchConfig"]
 
@@ -102,6 +108,30 @@ class LaunchConfig:
             "asked for: engines float on the cores nobody reserved"
         },
     )
+    in_process: bool = field(
+        default=False,
+        metadata={
+            "doc": "builtin: run the engine inside the generator's process (its scheduler on a "
+            "thread, its HTTP API still served for the publisher and outside clients) and "
+            "generate without HTTP; one engine, on the generator's cores"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.in_process:
+            return
+        if self.kind != "builtin":
+            raise ValueError("in_process: true runs the built-in engine only (kind: builtin)")
+        if self.count != 1:
+            raise ValueError(
+                f"in_process: true runs one engine inside the generator (count is {self.count}); "
+                "more engines need processes of their own (in_process: false)"
+            )
+        if self.resources.cpus is not None or self.resources.gpus:
+            raise ValueError(
+                "in_process: true runs the engine on the generator's own cores and GPUs: give "
+                "the generator `resources` instead of launch.resources"
+            )
 
 
 @dataclass
@@ -111,6 +141,7 @@ class _Engine:
     out: Path
     placement: ProcessPlacement | None = None
     proc: asyncio.subprocess.Process | None = None
+    local: InProcessEngine | None = None  # launch.in_process: the engine in this process
     restarts: int = 0
     given_up: bool = False
 
@@ -197,12 +228,16 @@ class EngineLauncher:
         """Restarts so far of the engine at each URL."""
         return {url: e.restarts for url, e in zip(self.urls, self.engines, strict=True)}
 
+    def _builtin_argv(self, engine: _Engine) -> list[str]:
+        """``inflight engine``'s options for ``engine`` (its log options apart)."""
+        cfg = self.config
+        argv = ["--model", self._model(), "--host", self.host, "--port", str(engine.port)]
+        return [*argv, "--device", cfg.device, "--dtype", cfg.dtype]
+
     def _command(self, engine: _Engine) -> list[str]:
         cfg = self.config
         if cfg.kind == "builtin":
-            cmd = [sys.executable, "-m", "pipeline.cli", "engine", "--model", self._model()]
-            cmd += ["--host", self.host, "--port", str(engine.port), "--device", cfg.device]
-            cmd += ["--dtype", cfg.dtype]
+            cmd = [sys.executable, "-m", "pipeline.cli", "engine", *self._builtin_argv(engine)]
             # its events join the run's logs: `inflight logs RUN_DIR --stage generator-0-engine`
             log_as = f"{self.name.replace('.', '-')}-engine.{self.engines.index(engine)}"
             log_file = engine.out.parent / f"{log_as}.jsonl"
@@ -278,11 +313,40 @@ class EngineLauncher:
             )
             if str(self.model_dir) != self.config.model:
                 self.log.info("engine_model", model=self.config.model, folder=str(self.model_dir))
+        if self.config.in_process:
+            for engine in self.engines:
+                await self._start_in_process(engine)
+            self._watchers = [asyncio.create_task(self._watch_in_process(e)) for e in self.engines]
+            return self.urls
         for engine in self.engines:
             await self._spawn(engine)
         await asyncio.gather(*(self._wait_healthy(e) for e in self.engines))
         self._watchers = [asyncio.create_task(self._watch(e)) for e in self.engines]
         return self.urls
+
+    def in_process_engines(self) -> dict[str, InProcessEngine]:
+        """URL -> engine, for the engines running inside this process."""
+        return {url: e.local for url, e in zip(self.urls, self.engines, strict=True) if e.local}
+
+    async def _start_in_process(self, engine: _Engine) -> None:
+        from stages.engine.in_process import InProcessEngine  # torch, transformers: when used
+
+        argv = self._builtin_argv(engine) + list(self.config.extra_args)
+        engine.local = InProcessEngine(argv, log=self.log, api_key=self.api_key)
+        self.log.info("engine_launched", engine=engine.name, in_process=True, options=argv)
+        await engine.local.start()
+        engine.port = engine.local.port
+        self.log.info("engine_ready", engine=engine.name, port=engine.port, in_process=True)
+
+    async def _watch_in_process(self, engine: _Engine) -> None:
+        """An engine in this process is not restarted on its own: if its scheduler thread
+        dies, the generator gives it up (and fails; the supervisor restarts both)."""
+        assert engine.local is not None
+        while engine.local.alive:  # noqa: ASYNC110 (a thread that dies tells no event)
+            await asyncio.sleep(1.0)
+        if not self._closing:
+            engine.given_up = True
+            self.log.error("engine_given_up", engine=engine.name, reason="scheduler stopped")
 
     async def _wait_healthy(self, engine: _Engine) -> None:
         url = f"http://{self.host}:{engine.port}/health"
@@ -337,6 +401,9 @@ class EngineLauncher:
         for task in self._watchers:
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
+        for e in self.engines:
+            if e.local is not None:
+                await e.local.close()
         live = [e for e in self.engines if e.proc is not None and e.proc.returncode is None]
         for e in live:
             with contextlib.suppress(ProcessLookupError):

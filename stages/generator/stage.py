@@ -59,7 +59,13 @@ import numpy as np
 from pipeline import topics
 from pipeline.stage import Port, StageContext
 from stages.engine.auth import engine_api_key
-from stages.generator.client import Completion, EngineClient, EngineError, make_session
+from stages.generator.client import (
+    Completion,
+    EngineClient,
+    EngineError,
+    InProcessClient,
+    make_session,
+)
 from stages.generator.controller import ControllerConfig, Decision, InFlightController
 from stages.generator.episodes import EpisodeEngine, check_trajectory, sample_fields
 from stages.generator.launcher import EngineLauncher, LaunchConfig
@@ -216,12 +222,18 @@ class Generator:
         self._tasks: set[asyncio.Task] = set()
         # a prompt stays unacknowledged until the scorer has acknowledged its group: were this
         # replica and the scorer both to die, the feeder would feed it again
-        self._awaiting_ack: dict[int, Message] = {}  # group's send seq -> its prompt
+        # group's send seq -> its prompt and how many samples it carries
+        self._awaiting_ack: dict[int, tuple[Message, int]] = {}
+        # samples started and not yet acknowledged from downstream: in flight, queued, or
+        # waiting to be trained (with chained acknowledgements, the scorer acknowledges a
+        # group once the learner is done with it)
+        self._unacked = 0
         self._chained = False
         self.rollouts: Any = None  # stages.rollouts.runtime.RolloutRuntime (not single_turn)
         self._fatal: BaseException | None = None  # raised by the next _slot (fails the stage)
         self._closing = False  # close() began: episodes cut short are not failures
         self._episode_errors = 0
+        self._origin = f"{ctx.stage}.{ctx.replica}:{getattr(ctx, 'session', '')}"
 
     async def setup(self) -> None:
         rollouts = self.ctx.outputs["rollouts"]
@@ -244,10 +256,12 @@ class Generator:
         # connection: the pool must never be what limits them
         most = max(self.config.controller.max_in_flight, self.config.group_size)
         self.session = make_session(len(urls) * (most + _SPARE_CONNECTIONS))
+        local = self.launcher.in_process_engines() if self.launcher is not None else {}
+        options = {"timeout_s": self.config.request_timeout_s, "api_key": api_key}
         self.clients = {
-            url: EngineClient(
-                url, self.session, timeout_s=self.config.request_timeout_s, api_key=api_key
-            )
+            url: InProcessClient(url, self.session, local[url], **options)
+            if url in local
+            else EngineClient(url, self.session, **options)
             for url in urls
         }
         self.in_flight = dict.fromkeys(urls, 0)
@@ -405,13 +419,17 @@ class Generator:
             groups = rollouts.credit() + (self.outbox.maxsize - self.outbox.qsize())
             room = groups * self.config.group_size
             version = max(self.engine_version, 0)
+            newest = max(self.ctx.version, version)
+            ahead, budget = self._learner_room(version)
             may_start, changes = self.controller.gates(
                 in_flight=sum(self.in_flight.values()),
                 room=room,
                 version=version,
-                newest=max(self.ctx.version, version),
+                newest=newest,
                 max_lag=self.config.max_lag,
                 size=size,
+                ahead=ahead,
+                budget=budget,
             )
             self._log_decisions(changes)
             if may_start:
@@ -429,6 +447,20 @@ class Generator:
                 await asyncio.wait([waiter], timeout=0.05)
             finally:
                 waiter.cancel()
+
+    def _learner_room(self, version: int) -> tuple[int | None, int | None]:
+        """This generator's samples the learner is not done with yet, and how many of them it
+        may hold so that a sample started now, at the engines' ``version``, is still within
+        ``max_lag`` when the learner takes it: the versions left, plus the batch it is
+        training, times ``publish.every`` batches, shared among the generators feeding it
+        (``topics.PACE``; (None, None) before the learner's first report)."""
+        pace = getattr(self.ctx, "learner_pace", None)
+        if not pace or self.ctx.mode != "async":
+            return None, None
+        # the learner's own version runs ahead of the published one while it publishes
+        lag = max(pace["version"], self.ctx.version) - version
+        batches = max(0, pace["max_lag"] - lag + 1) * pace["every"]
+        return self._unacked, batches * pace["batch"] // max(1, pace["origins"])
 
     # ------------------------------------------------------------------- work
     async def run(self) -> None:
@@ -490,6 +522,7 @@ class Generator:
         """Run ``work`` (a coroutine) holding ``size`` samples of ``engine``'s in-flight count."""
         self.in_flight[engine] += size
         self.counts["started"] += size
+        self._unacked += size
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -717,6 +750,7 @@ class Generator:
                 ),
                 reason,
             )
+        self._unacked -= size - len(samples)  # dropped here: counted in the ledger above
         if not samples:
             self.ctx.inputs["prompts"].ack(msg)  # all dropped (and counted): processed
             return
@@ -730,6 +764,8 @@ class Generator:
                 "samples": samples,
                 "meta": prompt.get("meta"),
                 "uid": prompt.get("uid"),
+                # the learner counts the generators that feed it (``topics.PACE``)
+                "origin": self._origin,
             },
             msg,
         )
@@ -742,9 +778,11 @@ class Generator:
             try:
                 seq = await rollouts.send(ROLLOUT_GROUP.kind, item)
                 if isinstance(seq, int) and self._chained:
-                    self._awaiting_ack[seq] = msg  # acknowledged once the scorer is done with it
+                    # acknowledged once the scorer is done with it
+                    self._awaiting_ack[seq] = (msg, len(item["samples"]))
                 else:
                     self.ctx.inputs["prompts"].ack(msg)
+                    self._unacked -= len(item["samples"])
                 self.counts["groups_emitted"] += 1
                 self.counts["emitted"] += len(item["samples"])
                 self.counts["tokens"] += sum(len(x["completion_ids"]) for x in item["samples"])
@@ -753,9 +791,10 @@ class Generator:
                 self._changed.set()
 
     def _group_acked(self, seq: int) -> None:
-        msg = self._awaiting_ack.pop(seq, None)
-        if msg is not None:
-            self.ctx.inputs["prompts"].ack(msg)
+        entry = self._awaiting_ack.pop(seq, None)
+        if entry is not None:
+            self.ctx.inputs["prompts"].ack(entry[0])
+            self._unacked -= entry[1]
 
     async def _decide(self) -> None:
         interval = self.config.controller.interval_s
@@ -777,6 +816,7 @@ class Generator:
             engines_down=len(self.down),
             engines_without_group_requests=len(self.no_groups),
             engine_version=self.engine_version,
+            not_done=self._unacked,  # samples the learner is not done with (the queue gate)
             **self.counts,
             **rollout,
         )

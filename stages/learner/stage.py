@@ -34,11 +34,13 @@ import shutil
 import time
 from asyncio import FIRST_COMPLETED
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline import topics
 from pipeline.ledger import NO_SIGNAL, TRAINED
 from pipeline.stage import Port, StageContext
 from stages.engine.auth import engine_api_key
@@ -52,6 +54,8 @@ __all__ = ["Learner"]
 
 _ENGINE_WAIT_S = 600.0
 _SEEN_UIDS = 200_000  # uids of groups remembered to recognize copies
+_PACE_ORIGINS = 64  # generator sessions remembered (the latest ones)
+_LIVE_STEPS = 8  # a generator whose groups came within this many steps counts as feeding
 _CATCH_UP_S = 1.0  # while waiting for samples, rank 0 checks this often that engines are current
 
 
@@ -98,6 +102,8 @@ class Learner:
         # resumed: uid -> sample indexes of a group that are in the checkpoint already
         self._partial: dict[str, set[int]] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()  # uids of groups taken (copies)
+        # generator session ("origin") -> the step its groups last came in
+        self._origins_seen: OrderedDict[str, int] = OrderedDict()
         self._checked_at = 0.0  # rank 0: when it last checked that the engines are current
         self._origins = 0
         self._publish_task: asyncio.Task | None = None
@@ -234,6 +240,7 @@ class Learner:
             # rank: under ZeRO-3 the snapshot is a collective gather)
             await self._publish(self.version)
         publish_s = 0.0
+        await self._publish_pace()  # generators bound their lead from the first samples on
         while self.step < cfg.steps:
             waited = time.monotonic()
             samples = await self._collect()
@@ -254,6 +261,7 @@ class Learner:
             for sample in samples:  # in a finished step: processed
                 self._done_with(sample)
             self._account({**metrics, **timing}, time.monotonic() - started)
+            await self._publish_pace()
             last = self.step == cfg.steps
             publish_s = time.monotonic()
             if self.step % cfg.publish.every == 0 or last:
@@ -354,6 +362,37 @@ class Learner:
                 self._done_with(s)  # dropped and counted: processed
         return kept
 
+    def _note_origin(self, group: Mapping[str, Any]) -> None:
+        """Remember which generator session (``origin``) fed this step, to count them."""
+        origin = group.get("origin")
+        if not isinstance(origin, str):
+            return  # a producer that does not name itself
+        self._origins_seen[origin] = self.step
+        self._origins_seen.move_to_end(origin)
+        while len(self._origins_seen) > _PACE_ORIGINS:  # generator sessions long gone
+            self._origins_seen.popitem(last=False)
+
+    async def _publish_pace(self) -> None:
+        """After a step: tell the generators the pace they keep ahead of (``topics.PACE``):
+        the batch, ``publish.every``, ``max_lag``, the version the staleness check compares
+        with, and how many generators share the batch."""
+        cfg = self.config
+        if self.ctx.mode != "async" or not hasattr(self.ctx, "publish"):
+            return
+        live = sum(self.step - at <= _LIVE_STEPS for at in self._origins_seen.values())
+        await self.ctx.publish(
+            topics.PACE,
+            {
+                "rank": self.rank,
+                "batch": cfg.batch_size,
+                "every": cfg.publish.every,
+                "max_lag": cfg.max_lag,
+                # what _fresh compares with: ahead of the published version while publishing
+                "version": self.step // cfg.publish.every + self.offset,
+                "origins": max(1, live),
+            },
+        )
+
     def _fates(self, samples: list[TrainSample], reason: str, step: int | None = None) -> None:
         """Tell the ledger where ``samples`` ended (before their groups are acknowledged)."""
         slots = []
@@ -408,6 +447,7 @@ class Learner:
         self._origins += 1
         origin = self._origins
         self.counts["groups"] += 1
+        self._note_origin(group)
         cfg = self.config
         advantages = group_advantages(
             rewards,

@@ -444,6 +444,7 @@ class Scorer:
                     "samples": out,
                     "meta": head.get("meta"),
                     "uid": head.get("uid"),
+                    "origin": head.get("origin"),  # the learner counts its generators
                 },
             )
             self.counts["groups_out"] += 1

@@ -32,3 +32,17 @@ def test_waiting_on_the_live_engines_dict_wakes_on_a_new_announcement():
         assert (await asyncio.wait_for(again, 2))["generator.0"]["epoch"] == 1
 
     asyncio.run(main())
+
+
+def test_the_learners_pace_report_is_kept_when_well_formed_and_not_older():
+    ctx = ActorContext(_SPEC, log=None, control=None)
+    pace = {"batch": 32, "every": 1, "max_lag": 2, "origins": 1, "version": 5}
+    ctx.set_pace({"rank": 0, **pace})
+    assert ctx.learner_pace == pace
+    ctx.set_pace({"rank": 1, **{**pace, "version": 4}})  # a rank one step behind
+    assert ctx.learner_pace["version"] == 5
+    ctx.set_pace({"rank": 0, **{**pace, "version": 6, "origins": 2}})
+    assert ctx.learner_pace["version"] == 6 and ctx.learner_pace["origins"] == 2
+    for bad in ({**pace, "batch": "32", "version": 7}, {**pace, "every": None, "version": 7}):
+        ctx.set_pace(bad)  # garbage changes nothing
+    assert ctx.learner_pace["version"] == 6 and ctx.learner_pace["batch"] == 32

@@ -171,3 +171,40 @@ async def test_connection_refused_is_retryable():
         with pytest.raises(EngineError) as err:
             await client.generate([1], {}, rid="r")
         assert err.value.retryable
+
+
+def test_an_in_process_result_reads_as_its_http_answer_would():
+    """``completion_of`` (the in-process engine's results, no JSON) gives what
+    ``parse_completion`` reads from the rendered ``/generate`` answer of the same result."""
+    from stages.engine.protocol import SequenceResult, render_result
+    from stages.generator.client import completion_of, parse_completion
+
+    result = SequenceResult(
+        rid="run/p1/0",
+        prompt_tokens=5,
+        output_ids=[7, 8, 9],
+        finish_reason={"type": "stop", "matched": 9},
+        weight_version="4",
+        output_token_weight_versions=["3", "3", "4"],  # spanned an update
+        output_token_logprobs=[-0.5, -0.25, -1.0],
+        cached_tokens=2,
+        cached_weight_version="3",
+        e2e_latency=0.01,
+    )
+    direct = completion_of(result)
+    rendered = render_result(result, decode=None, skip_special_tokens=True, return_logprob=True)
+    via_http = parse_completion(rendered)
+    for field in ("output_ids", "logprobs", "versions"):
+        got, want = getattr(direct, field), getattr(via_http, field)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), field
+    assert direct.versions.tolist() == [3, 3, 4]
+    assert (
+        (direct.finish_reason, direct.weight_version)
+        == ("stop", 4)
+        == (
+            via_http.finish_reason,
+            via_http.weight_version,
+        )
+    )
+    for key in ("id", "cached_tokens", "prompt_tokens", "completion_tokens", "finish_reason"):
+        assert direct.meta[key] == via_http.meta[key], key

@@ -80,3 +80,16 @@ def test_a_group_fits_an_engine_under_its_target_or_alone():
     small = InFlightController(["e"], ControllerConfig(start=2))
     # a group larger than the target: alone on an idle engine, never next to another
     assert small.fits("e", 0, 4) and not small.fits("e", 1, 4)
+
+
+def test_queue_gate_holds_what_the_learner_will_not_take_within_max_lag():
+    ctl = InFlightController(["e"], CFG)
+    common = {"in_flight": 4, "room": 100, "version": 0, "newest": 0, "max_lag": 2, "size": 4}
+    assert ctl.gates(**common)[0]  # no report from the learner yet: no such gate
+    assert ctl.gates(**common, ahead=60, budget=64)[0]  # 60 + 4 fit
+    ok, changes = ctl.gates(**common, ahead=61, budget=64)
+    assert not ok and [(c.reason, c.value) for c in changes] == [("queue_gate", False)]
+    assert changes[0].detail == {"ahead": 61, "budget": 64, "size": 4}
+    # nothing of ours ahead of the learner: one group goes, however small the budget
+    ok, changes = ctl.gates(**common, ahead=0, budget=0)
+    assert ok and [(c.reason, c.value) for c in changes] == [("queue_gate", True)]

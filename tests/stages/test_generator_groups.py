@@ -204,9 +204,11 @@ async def generate(
     send_delay_s: float = 0.0,
     mode: str = "async",
     version: int = 0,
+    pace: dict[str, int] | None = None,
     **options: Any,
 ) -> SimpleNamespace:
-    """Run the generator stage over ``count`` prompts; returns what it did and said."""
+    """Run the generator stage over ``count`` prompts; returns what it did and said.
+    ``pace``: the learner's last ``topics.PACE`` report (none by default)."""
     config = GeneratorConfig(
         engines=engines,
         group_size=G,
@@ -253,7 +255,10 @@ async def generate(
         start(work, engine, size)
         peak[engine] = max(peak.get(engine, 0), stage.in_flight[engine])
         peak["all"] = max(peak.get("all", 0), sum(stage.in_flight.values()))
+        peak["not_done"] = max(peak.get("not_done", 0), stage._unacked)
 
+    if pace:
+        ctx.learner_pace = dict(pace)
     stage._start = start_and_watch
     await stage.setup()
     try:
@@ -499,3 +504,30 @@ async def test_lag_gate_learns_the_engine_version_when_nothing_is_in_flight(tmp_
     assert_every_sample_once(out, 3)
     assert all(r["versions"].tolist() == [5] * NEW_TOKENS for r in out.rollouts)
     assert out.named("engine_version_asked")[0]["now"] == 5
+
+
+@pytest.mark.timeout(60)
+async def test_samples_the_learner_is_not_done_with_stay_within_its_pace(tmp_path, engine):
+    """With room everywhere (a big target, all the credit), the samples the learner is not done
+    with (here: in flight and in the outbox; the stand-in port acknowledges on send) stay
+    within (max_lag - lag + 1) x every x batch."""
+    count = 20
+    # learner version 1, engines at 0: (max_lag 2 - lag 1 + 1) x every 1 x batch 8 = 16
+    pace = {"batch": 8, "every": 1, "max_lag": 2, "origins": 1, "version": 1}
+    out = await generate(tmp_path, [engine], count, target=40, send_delay_s=0.01, pace=pace)
+    assert_every_sample_once(out, count)
+    assert out.peak["not_done"] <= 16 and out.peak["all"] <= 16  # the target alone: 40
+    closed = [e for e in out.named("inflight_decision") if e["reason"] == "queue_gate"]
+    assert closed and closed[0]["value"] is False and closed[0]["budget"] == 16
+    assert all(e["ahead"] + e["size"] > 16 for e in closed if e["value"] is False)
+    assert {g["origin"] for g in out.groups} == {"generator.0:"}
+    # two generators share the learner's batch: half each
+    out = await generate(tmp_path, [engine], 6, target=40, pace={**pace, "origins": 2})
+    assert out.peak["not_done"] <= 8
+
+
+@pytest.mark.timeout(60)
+async def test_without_a_pace_report_or_in_sync_mode_no_queue_gate(tmp_path, engine):
+    out = await generate(tmp_path, [engine], 12, target=40)
+    assert out.peak["not_done"] > 16
+    assert not [e for e in out.named("inflight_decision") if e["reason"] == "queue_gate"]

@@ -248,3 +248,17 @@ async def test_without_a_handoff_engines_inherit_and_resources_are_flagged(tmp_p
             log=_Log(),
             environ={ENGINE_PLACEMENT_ENV: json.dumps([{"cores": [0], "env": {}}])},
         )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kind": "sglang"}, "built-in engine only"),
+        ({"count": 2}, "one engine inside the generator"),
+        ({"resources": Resources(cpus=1)}, "give the generator `resources`"),
+    ],
+)
+def test_an_in_process_engine_is_one_builtin_engine_on_the_generators_cores(options, message):
+    with pytest.raises(ValueError, match=message):
+        LaunchConfig(model="m", in_process=True, **options)
+    LaunchConfig(model="m", in_process=False, **options)  # all fine with engine processes

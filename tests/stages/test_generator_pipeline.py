@@ -17,7 +17,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
-def _config(tmp_path, model_dir, *, count, delay_s, inbox=8, new_tokens=12, outbox=2):
+def _config(
+    tmp_path, model_dir, *, count, delay_s, inbox=8, new_tokens=12, outbox=2, in_process=False
+):
     path = tmp_path / "gen.yaml"
     path.write_text(
         f"""
@@ -28,7 +30,7 @@ stages:
   generator:
     use: generator
     inputs: {{prompts: prompts.out}}
-    launch: {{model: "{model_dir}", count: 1}}
+    launch: {{model: "{model_dir}", count: 1, in_process: {str(in_process).lower()}}}
     group_size: 2
     outbox: {outbox}
     sampling: {{temperature: 1.0, max_new_tokens: {new_tokens}, ignore_eos: true}}
@@ -49,11 +51,12 @@ def _gen_metrics(run_dir):
 
 
 @pytest.mark.timeout(180)
-def test_rollouts_carry_per_token_logprobs_and_versions(tmp_path, model_dir):
+@pytest.mark.parametrize("in_process", [False, True], ids=["engine_process", "in_process"])
+def test_rollouts_carry_per_token_logprobs_and_versions(tmp_path, model_dir, in_process):
     run_dir = tmp_path / "run"
     result = run_inflight(
         "run",
-        str(_config(tmp_path, model_dir, count=6, delay_s=0)),
+        str(_config(tmp_path, model_dir, count=6, delay_s=0, in_process=in_process)),
         "--run-dir",
         str(run_dir),
         timeout=170,
@@ -70,10 +73,18 @@ def test_rollouts_carry_per_token_logprobs_and_versions(tmp_path, model_dir):
         groups.setdefault(r["group_id"], set()).add(r["sample_index"])
     assert len(groups) == 6 and all(v == {0, 1} for v in groups.values())
     assert sorted(r["meta"]["i"] for r in rollouts) == sorted(list(range(6)) * 2)
+    # each group names its generator session (the learner counts the generators feeding it)
+    assert len({r["origin"] for r in rollouts}) == 1
+    assert rollouts[0]["origin"].startswith("generator.0:")
     done = [e for e in events(run_dir, "generator.0") if e["event"] == "generator_done"]
     assert done and done[0]["emitted"] == 12 and done[0]["dropped"] == 0
     # one /generate per group (group_requests is on by default), and the engine served them
     assert done[0]["requests"] == 6 and done[0]["engines_without_group_requests"] == 0
+    if in_process:  # no engine process: its events are the generator's, no HTTP /generate
+        started = [e for e in events(run_dir, "generator.0") if e["event"] == "engine_started"]
+        assert started and started[0]["in_process"] is True
+        assert not (run_dir / "logs" / "generator-0-engine.0.jsonl").exists()
+        return
     # the launched engine's own events are part of the run's logs
     engine_events = events(run_dir, "generator-0-engine.0")
     assert any(e["event"] == "engine_started" for e in engine_events)

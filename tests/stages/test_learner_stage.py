@@ -59,6 +59,11 @@ class _Ctx:
         self.stopped: str | None = None
         self.ledger_reports: list[dict[str, Any]] = []
         self.ledger = LedgerReporter(self.ledger_reports.append)
+        self.mode = "async"
+        self.published: list[tuple[str, dict[str, Any]]] = []
+
+    async def publish(self, topic: str, payload: dict[str, Any]) -> None:
+        self.published.append((topic, dict(payload)))
 
     async def summary(self, **values: Any) -> None:
         self.summaries.update(values)
@@ -254,3 +259,31 @@ def test_a_resume_merges_every_ranks_groups(tmp_path):
     # a checkpoint from before ranks saved their own: rank 0's, from its client state
     earlier = {"step": 4, "partial": {"f.0:3": [2]}, "seen": ["f.0:3"]}
     assert _load_groups(tmp_path / "nothing", earlier) == ({"f.0:3": {2}}, {"f.0:3": None})
+
+
+def test_the_learner_reports_its_pace_at_the_start_and_after_each_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generators keep what the learner is not done with within what it trains in ``max_lag``
+    versions: they learn its batch, version and how many of them share it from these."""
+    from pipeline import topics
+
+    groups = _groups(6)
+    for i, group in enumerate(groups):  # two generator sessions feed it
+        group["origin"] = f"generator.{i % 2}:s"
+    inbox = _Inbox(groups)
+    learner = _learner(tmp_path, inbox, [], monkeypatch)  # 8 samples (2 groups) a step, 3 steps
+
+    async def go() -> None:
+        await learner.setup()
+        await learner.run()
+        await learner.close()
+
+    asyncio.run(go())
+    reports = [p for t, p in learner.ctx.published if t == topics.PACE]
+    assert [r["version"] for r in reports] == [0, 1, 2, 3]
+    assert [r["origins"] for r in reports] == [1, 2, 2, 2]  # none seen before the first step
+    cfg = learner.config
+    assert all(
+        (r["batch"], r["every"], r["max_lag"], r["rank"]) == (8, 1, cfg.max_lag, 0) for r in reports
+    )

@@ -1,0 +1,150 @@
+"""CPU seconds by stage per 256 trained samples, over a real ``inflight run``.
+
+Runs ``inflight run CONFIG [KEY=VALUE ...]`` as a user would and samples the CPU time (user +
+system, every thread) of each of its processes twice a second: the supervisor (``inflight run``
+itself), each stage replica (``pipeline.actor``, named by its spec file: ``generator.0``), and each
+built-in engine (``pipeline.cli engine``). A process's last sample is its total (a replica that
+exits between two samples loses at most half a second). Per stage (replicas summed) it reports the
+CPU seconds, the CPU seconds per 256 trained samples, and the share of the learner's; ``light``
+is feeder + generator + scorer + supervisor (the stages that do no model work), the figure issue 24
+asks to bring to at most 0.25 x the learner's. Several ``--runs`` give the median and spread.
+
+    python bench/stage_cpu.py [--config configs/default.yaml] [--runs 3] [KEY=VALUE ...]
+
+Prints one JSON line; the run directories go under ``--out`` (default ``runs/stage_cpu-TIME``) and
+are deleted unless ``--keep``.
+
+Not here: where the time goes inside a process (py-spy it), time to accuracy (async_vs_sync.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+LIGHT = ("feeder", "generator", "scorer", "supervisor")
+
+
+def role(proc: psutil.Process, top: int) -> str | None:
+    """What a process of the run is: a stage name, ``engine`` or ``supervisor``."""
+    if proc.pid == top:
+        return "supervisor"
+    try:
+        cmd = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    if "pipeline.actor" in cmd:
+        return Path(cmd[-1]).stem.split(".")[0]  # specs/STAGE.REPLICA.json
+    if "engine" in cmd and "pipeline.cli" in cmd:
+        return "engine"
+    return None  # a helper of a stage (compile workers...): counted with nothing
+
+
+def samples_trained(run_dir: Path) -> int:
+    """Samples the learner's steps took (trained or skipped without signal), from its log."""
+    total = 0
+    for line in (run_dir / "logs" / "learner.0.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "train_step":
+            total += int(event.get("samples", 0))
+    return total
+
+
+def run_once(config: str, overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", config, *overrides]
+    cmd += ["--run-dir", str(run_dir), "-q"]
+    out = run_dir.with_suffix(".out").open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    top = psutil.Process(proc.pid)
+    totals: dict[int, tuple[str, float]] = {}
+    started = time.monotonic()
+    while proc.poll() is None:
+        if time.monotonic() - started > timeout_s:
+            proc.kill()
+            raise SystemExit(f"{run_dir}: timed out after {timeout_s:.0f} s")
+        try:
+            procs = [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            break
+        for p in procs:
+            name = role(p, top.pid)
+            if name is None:
+                continue
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            totals[p.pid] = (name, t.user + t.system)
+        time.sleep(0.5)
+    out.close()
+    if proc.returncode != 0:
+        raise SystemExit(f"{run_dir}: inflight run exited {proc.returncode}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    by_stage: dict[str, float] = {}
+    for name, cpu in totals.values():
+        by_stage[name] = by_stage.get(name, 0.0) + cpu
+    trained = samples_trained(run_dir)
+    per256 = {k: v * 256 / trained for k, v in by_stage.items()}
+    light = sum(per256.get(k, 0.0) for k in LIGHT)
+    return {
+        "wall_s": summary.get("wall_s"),
+        "samples": trained,
+        "cpu_s": {k: round(v, 1) for k, v in sorted(by_stage.items())},
+        "cpu_s_per_256": {k: round(v, 3) for k, v in sorted(per256.items())},
+        "light_per_256": round(light, 3),
+        "light_over_learner": round(light / per256["learner"], 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    out = args.out or ROOT / "runs" / f"stage_cpu-{datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for i in range(args.runs):
+        run_dir = out / f"run{i}"
+        runs.append(run_once(args.config, args.overrides, run_dir, args.timeout))
+        print(json.dumps(runs[-1]), file=sys.stderr)
+        if not args.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    stages = sorted({k for r in runs for k in r["cpu_s_per_256"]})
+
+    def spread(values: list[float]) -> dict[str, float]:
+        median = round(statistics.median(values), 3)
+        return {"median": median, "min": min(values), "max": max(values)}
+
+    result: dict[str, Any] = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "runs": len(runs),
+        "cpu_s_per_256": {
+            s: spread([r["cpu_s_per_256"].get(s, 0.0) for r in runs]) for s in stages
+        },
+        "light_per_256": spread([r["light_per_256"] for r in runs]),
+        "light_over_learner": spread([r["light_over_learner"] for r in runs]),
+        "wall_s": spread([r["wall_s"] for r in runs]),
+    }
+    (out / "stage_cpu.json").write_text(json.dumps(result) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
