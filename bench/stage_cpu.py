@@ -2,12 +2,15 @@
 
 Runs ``inflight run CONFIG [KEY=VALUE ...]`` as a user would and samples the CPU time (user +
 system, every thread) of each of its processes twice a second: the supervisor (``inflight run``
-itself), each stage replica (``pipeline.actor``, named by its spec file: ``generator.0``), and each
-built-in engine (``pipeline.cli engine``). A process's last sample is its total (a replica that
-exits between two samples loses at most half a second). Per stage (replicas summed) it reports the
-CPU seconds, the CPU seconds per 256 trained samples, and the share of the learner's; ``light``
-is feeder + generator + scorer + supervisor (the stages that do no model work), the figure issue 24
-asks to bring to at most 0.25 x the learner's. Several ``--runs`` give the median and spread.
+itself), each stage replica (``pipeline.actor``, named by its spec file: ``generator.0``) with the
+helper processes it starts (the scorer's reward workers), and each built-in engine (``pipeline.cli
+engine``). With ``launch.in_process`` the engine is part of the generator's process and counts
+there: ``light`` then holds the engine's model work too. A process's last sample is its total (a
+replica that exits between two samples loses at most half a second). Per stage (replicas
+summed) it reports the CPU seconds, the CPU seconds per 256 trained samples, and the share of
+the learner's; ``light`` is feeder + generator + scorer + supervisor (the stages that do no model
+work), the figure issue 24 asks to bring to at most 0.25 x the learner's. Several ``--runs``
+give the median and spread.
 
     python bench/stage_cpu.py [--config configs/default.yaml] [--runs 3] [KEY=VALUE ...]
 
@@ -37,18 +40,26 @@ LIGHT = ("feeder", "generator", "scorer", "supervisor")
 
 
 def role(proc: psutil.Process, top: int) -> str | None:
-    """What a process of the run is: a stage name, ``engine`` or ``supervisor``."""
-    if proc.pid == top:
-        return "supervisor"
-    try:
-        cmd = proc.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    if "pipeline.actor" in cmd:
-        return Path(cmd[-1]).stem.split(".")[0]  # specs/STAGE.REPLICA.json
-    if "engine" in cmd and "pipeline.cli" in cmd:
-        return "engine"
-    return None  # a helper of a stage (compile workers...): counted with nothing
+    """What a process of the run is: a stage name, ``engine`` or ``supervisor``; a helper a
+    stage started (reward workers, compile workers) counts as that stage."""
+    while proc is not None:
+        if proc.pid == top:
+            return "supervisor"
+        try:
+            cmd = proc.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+        if "pipeline.actor" in cmd:
+            return Path(cmd[-1]).stem.split(".")[0]  # specs/STAGE.REPLICA.json
+        if "engine" in cmd and "pipeline.cli" in cmd:
+            return "engine"
+        try:
+            proc = proc.parent()
+        except psutil.NoSuchProcess:
+            return None
+        if proc is not None and proc.pid == top:
+            return None  # a direct child of the supervisor that is no replica
+    return None
 
 
 def samples_trained(run_dir: Path) -> int:

@@ -16,8 +16,9 @@ any ``KEY=VALUE`` overrides, and reads the run's ledger and learner log.
 
     python bench/stale_at_size.py [--steps 4] [--model-dir runs/qwen05-shape] [KEY=VALUE ...]
 
-Prints one JSON line: samples generated (every sample that reached the learner), trained,
-skipped without signal, dropped stale and the stale share of what was generated, the learner's
+Prints one JSON line: samples generated (every sample that reached the learner; and all the
+generator sent, with those still on the way at the end), trained, skipped without signal,
+dropped stale and the stale share of what was generated, the learner's
 median step time and the wall time. The goal (issue 24): stale drops at most 2% of generated.
 
 Not here: accuracy (a random model learns nothing in a few steps), GPU figures.
@@ -116,6 +117,11 @@ def main() -> None:
         event = json.loads(line)
         if event.get("event") == "train_step":
             steps.append(event)
+    emitted = 0
+    for line in (run_dir / "logs" / "generator.0.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if "emitted" in event:  # its metrics, and generator_done when it ran out of prompts
+            emitted = event["emitted"]
     trained, no_signal = samples.get("trained", 0), samples.get("no_signal", 0)
     dropped = samples.get("dropped", {})
     stale = dropped.get("stale", 0)
@@ -127,6 +133,7 @@ def main() -> None:
         "batch_size": 32,
         "overrides": args.more,
         "generated": generated,
+        "emitted_by_generator": emitted,  # with those still on the way when the run ended
         "trained": trained,
         "no_signal": no_signal,
         "stale": stale,
