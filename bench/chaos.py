@@ -47,7 +47,9 @@ def _steps(run_dir: Path) -> int:
 def _pid(run_dir: Path, victim: str) -> int | None:
     if victim == "engine":
         launched = [e for e in _events(run_dir, "generator.0") if e["event"] == "engine_launched"]
-        return launched[-1]["pid"] if launched else None
+        # an engine inside the generator's process (launch.in_process) has no pid of its own:
+        # it dies with the generator, which is a victim of its own
+        return launched[-1].get("pid") if launched else None
     spawned = [
         e
         for e in _events(run_dir, "supervisor")

@@ -136,11 +136,12 @@ class ActorContext:
         return dict(self.engines)
 
     def set_pace(self, payload: Mapping[str, Any]) -> None:
-        """A learner rank's ``pace`` report (one of integers only; anything else is ignored)."""
+        """A learner rank's ``pace`` report (integers, and ``hungry``: whether it waits for
+        samples; a malformed one is ignored)."""
         pace = {k: payload.get(k) for k in ("batch", "every", "max_lag", "origins", "version")}
         if all(isinstance(v, int) and not isinstance(v, bool) for v in pace.values()):
             if pace["version"] >= self.learner_pace.get("version", -1):
-                self.learner_pace = pace
+                self.learner_pace = {**pace, "hungry": payload.get("hungry") is True}
 
     def metrics(self, **values: Any) -> None:
         self.log.info("metrics", **values)

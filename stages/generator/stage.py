@@ -436,7 +436,10 @@ class Generator:
                 engine = self._pick_engine(size)
                 if engine is not None:
                     return engine
-            if any(self._lagging(u) for u in self.versions if u not in self.down):
+            idle = not any(self.in_flight.values())  # no answer will say where engines are
+            if any(self._lagging(u) for u in self.versions if u not in self.down) or (
+                idle and budget is not None
+            ):
                 await self._ask_engine_versions()
             self._changed.clear()
             # credit arrives without an event of ours: look again at least every 50 ms.
@@ -452,14 +455,17 @@ class Generator:
         """This generator's samples the learner is not done with yet, and how many of them it
         may hold so that a sample started now, at the engines' ``version``, is still within
         ``max_lag`` when the learner takes it: the versions left, plus the batch it is
-        training, times ``publish.every`` batches, shared among the generators feeding it
-        (``topics.PACE``; (None, None) before the learner's first report)."""
+        training (and one more while a rank of several waits for samples), times
+        ``publish.every`` batches, shared among the generators feeding it (``topics.PACE``;
+        (None, None) before the learner's first report)."""
         pace = getattr(self.ctx, "learner_pace", None)
         if not pace or self.ctx.mode != "async":
             return None, None
         # the learner's own version runs ahead of the published one while it publishes
         lag = max(pace["version"], self.ctx.version) - version
         batches = max(0, pace["max_lag"] - lag + 1) * pace["every"]
+        # a rank waits for samples while another holds more than its share: one batch more
+        batches += 1 if pace.get("hungry") else 0
         return self._unacked, batches * pace["batch"] // max(1, pace["origins"])
 
     # ------------------------------------------------------------------- work

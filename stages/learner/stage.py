@@ -275,7 +275,13 @@ class Learner:
     async def _collect(self) -> list[TrainSample]:
         """This rank's share of the next batch (fewer only when the input has ended)."""
         samples, self._carry = self._fresh(self._carry), []
+        hungry = False
         while len(samples) < self.share and not self._input_done:
+            if not hungry and self.ctx.replicas > 1 and _inbox_empty(self.ctx.inputs["groups"]):
+                # several ranks: this one may wait for samples while another holds more than its
+                # share; the generators' queue gate then lets one batch more through
+                hungry = True
+                await self._publish_pace(hungry=True)
             try:
                 msg = await self._next_group()
             except StopAsyncIteration:
@@ -372,10 +378,11 @@ class Learner:
         while len(self._origins_seen) > _PACE_ORIGINS:  # generator sessions long gone
             self._origins_seen.popitem(last=False)
 
-    async def _publish_pace(self) -> None:
+    async def _publish_pace(self, *, hungry: bool = False) -> None:
         """After a step: tell the generators the pace they keep ahead of (``topics.PACE``):
         the batch, ``publish.every``, ``max_lag``, the version the staleness check compares
-        with, and how many generators share the batch."""
+        with, how many generators share the batch, and whether it waits for samples now
+        (``hungry``: then the generators let one batch more through)."""
         cfg = self.config
         if self.ctx.mode != "async" or not hasattr(self.ctx, "publish"):
             return
@@ -390,6 +397,7 @@ class Learner:
                 # what _fresh compares with: ahead of the published version while publishing
                 "version": self.step // cfg.publish.every + self.offset,
                 "origins": max(1, live),
+                "hungry": hungry,
             },
         )
 
@@ -663,6 +671,12 @@ class Learner:
         if self.evaluator is not None:
             await self.evaluator.close()
         await asyncio.to_thread(self.trainer.close)
+
+
+def _inbox_empty(inbox: Any) -> bool:
+    """Whether nothing waits in the learner's inbox (a port without statistics: not known)."""
+    stats = getattr(inbox, "stats", None)
+    return stats is not None and stats().get("depth", 1) == 0
 
 
 def _sample_arrays(

@@ -38,7 +38,9 @@ def test_the_learners_pace_report_is_kept_when_well_formed_and_not_older():
     ctx = ActorContext(_SPEC, log=None, control=None)
     pace = {"batch": 32, "every": 1, "max_lag": 2, "origins": 1, "version": 5}
     ctx.set_pace({"rank": 0, **pace})
-    assert ctx.learner_pace == pace
+    assert ctx.learner_pace == {**pace, "hungry": False}
+    ctx.set_pace({"rank": 0, **pace, "hungry": True})  # it waits for samples now
+    assert ctx.learner_pace["hungry"] is True
     ctx.set_pace({"rank": 1, **{**pace, "version": 4}})  # a rank one step behind
     assert ctx.learner_pace["version"] == 5
     ctx.set_pace({"rank": 0, **{**pace, "version": 6, "origins": 2}})

@@ -168,6 +168,7 @@ def test_an_engine_given_its_own_gpus_sees_only_those() -> None:
     issue = only_issue(
         "stages.generator.launch.device=cuda:1",
         "stages.generator.launch.resources={gpus: 1}",
+        "stages.generator.launch.in_process=false",  # an engine process of its own
         inventory=GPUS,
     )
     assert "sees 1 GPU (stages.generator.launch.resources.gpus: 1 per process" in issue.message

@@ -163,6 +163,7 @@ def test_rl_run_on_the_nodes_asked_for_learns_and_survives_losing_a_node(cluster
         "stages.learner.eval.max_prompts=300",
         "stages.learner.checkpoint.every=0",
         "stages.generator.resources.custom.node_a=1",
+        "stages.generator.launch.in_process=false",  # an engine process, its logs forwarded
         "stages.feeder.resources.custom.node_b=1",
         "stages.scorer.resources.custom.node_b=1",
         "stages.learner.resources.custom.node_c=1",

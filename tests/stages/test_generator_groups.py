@@ -527,7 +527,12 @@ async def test_samples_the_learner_is_not_done_with_stay_within_its_pace(tmp_pat
 
 
 @pytest.mark.timeout(60)
-async def test_without_a_pace_report_or_in_sync_mode_no_queue_gate(tmp_path, engine):
+async def test_no_queue_gate_without_a_pace_and_a_batch_more_for_a_hungry_learner(tmp_path, engine):
     out = await generate(tmp_path, [engine], 12, target=40)
     assert out.peak["not_done"] > 16
     assert not [e for e in out.named("inflight_decision") if e["reason"] == "queue_gate"]
+    # a learner rank that waits for samples (several ranks: one may starve while another holds
+    # more than its share) lets one batch more through: (2 - 1 + 1 + 1) x 8
+    pace = {"batch": 8, "every": 1, "max_lag": 2, "origins": 1, "version": 1, "hungry": True}
+    out = await generate(tmp_path, [engine], 12, target=40, send_delay_s=0.01, pace=pace)
+    assert 16 < out.peak["not_done"] <= 24
