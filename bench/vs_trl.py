@@ -17,8 +17,8 @@ What TRL is given, read from the config (so that only the system differs):
   sum over a sample's tokens normalised by a constant (``loss_type="dr_grpo"``: Inflight divides
   by the number of sequences, TRL's by sequences x ``max_new_tokens``; Adam makes the constant
   moot but for gradient clipping);
-- AdamW with the learner's ``lr``, ``weight_decay``, ``eps``, ``grad_clip`` and its cosine
-  schedule down to ``min_lr_ratio``; ``steps`` optimizer steps; float32 on CPU with
+- AdamW with the learner's ``lr``, betas, ``eps``, ``weight_decay``, ``grad_clip``, warm-up and
+  its cosine schedule down to ``min_lr_ratio``; ``steps`` optimizer steps; float32 on CPU with
   ``--trl-threads`` torch threads (2: the whole machine; Inflight's stages share it);
 - the learner's evaluation: the same held-out prompts (``eval.max_prompts`` spread over the eval
   split), greedy, ``eval.max_new_tokens``, every ``--eval-every`` steps and at step 0, counted
@@ -138,7 +138,10 @@ def trl_worker(config: Path, overrides: list[str], seed: int, eval_every: int, o
         scale_rewards="none",
         loss_type="dr_grpo",
         learning_rate=optim.lr,
+        warmup_steps=optim.warmup_steps,
         weight_decay=optim.weight_decay,
+        adam_beta1=optim.beta1,
+        adam_beta2=optim.beta2,
         adam_epsilon=optim.eps,
         max_grad_norm=optim.grad_clip,
         lr_scheduler_type="cosine_with_min_lr" if optim.schedule == "cosine" else "constant",
