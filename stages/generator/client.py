@@ -238,14 +238,9 @@ class EngineClient:
         self, input_ids: Sequence[int] | np.ndarray, sampling_params: Mapping[str, Any], *, rid: str
     ) -> Completion:
         """One sample of ``input_ids``."""
-        body = await self._call(
-            "POST", "/generate", _generate_body(_token_list(input_ids), sampling_params, rid)
-        )
-        if not isinstance(body, Mapping):
-            raise EngineError(
-                self.url, f"/generate returned {type(body).__name__}", retryable=False
-            )
-        return parse_completion(body, self.url)
+        body = _generate_body(_token_list(input_ids), sampling_params, rid)
+        (completion,) = await self._generate(body, [rid], listed=False)
+        return completion
 
     async def generate_group(
         self,
@@ -273,11 +268,21 @@ class EngineClient:
 
         Errors as ``generate_group``.
         """
-        body = await self._call(
-            "POST",
-            "/generate",
-            _generate_body([_token_list(ids) for ids in prompts], sampling_params, list(rids)),
-        )
+        body = _generate_body([_token_list(ids) for ids in prompts], sampling_params, list(rids))
+        return await self._generate(body, rids, listed=True)
+
+    async def _generate(
+        self, request: dict[str, Any], rids: Sequence[str], *, listed: bool
+    ) -> list[Completion]:
+        """POST ``request`` to ``/generate``; its answer (a list when ``listed``) checked and
+        read as one Completion per rid, in order."""
+        body = await self._call("POST", "/generate", request)
+        if not listed:
+            if not isinstance(body, Mapping):
+                raise EngineError(
+                    self.url, f"/generate returned {type(body).__name__}", retryable=False
+                )
+            return [parse_completion(body, self.url)]
         if not isinstance(body, list) or len(body) != len(rids):
             got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
             raise EngineError(
@@ -358,11 +363,13 @@ class InProcessClient(EngineClient):
         super().__init__(url, session, **kwargs)
         self.engine = engine
 
-    async def _generate(self, body: dict[str, Any]) -> list[Completion]:
+    async def _generate(
+        self, request: dict[str, Any], rids: Sequence[str], *, listed: bool
+    ) -> list[Completion]:
         from stages.engine.protocol import RequestError
 
         try:
-            results = await asyncio.wait_for(self.engine.results(body), self.timeout.total)
+            results = await asyncio.wait_for(self.engine.results(request), self.timeout.total)
         except (RequestError, ValueError) as exc:  # what the route answers with 400
             raise EngineError(self.url, f"/generate: {exc}", retryable=False, status=400) from exc
         except asyncio.TimeoutError as exc:  # wait_for cancelled it: its rows were aborted
@@ -370,22 +377,6 @@ class InProcessClient(EngineClient):
         except RuntimeError as exc:  # the scheduler stopped (stopping, or its thread died)
             raise EngineError(self.url, f"/generate failed: {exc!r}", retryable=True) from exc
         return [completion_of(result, self.url) for result in results]
-
-    async def generate(
-        self, input_ids: Sequence[int] | np.ndarray, sampling_params: Mapping[str, Any], *, rid: str
-    ) -> Completion:
-        (completion,) = await self._generate(_generate_body(input_ids, sampling_params, rid))
-        return completion
-
-    async def generate_batch(
-        self,
-        prompts: Sequence[Sequence[int] | np.ndarray],
-        sampling_params: Mapping[str, Any],
-        *,
-        rids: Sequence[str],
-    ) -> list[Completion]:
-        body = _generate_body([_token_list(ids) for ids in prompts], sampling_params, list(rids))
-        return await self._generate(body)
 
 
 def completion_of(result: Any, url: str = "") -> Completion:
