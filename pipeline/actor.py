@@ -383,6 +383,7 @@ class _Replica:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            self.ctx.ledger.flush()  # prompts fed in this last turn of the loop
             await self._close_channels()
         return code
 

@@ -43,6 +43,7 @@ Counts are per supervisor process (a resumed run keeps the earlier ledgers in
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -60,18 +61,42 @@ _EXAMPLES = 10  # uids named when the ledger does not balance
 
 
 class LedgerReporter:
-    """A replica's side: each call publishes one ``ledger`` message at once (synchronously).
+    """A replica's side: each call publishes one ``ledger`` message at once (synchronously),
+    except ``fed``: the prompts a feeder sends in one turn of its event loop go as one message
+    at the end of that turn (before anything that arrives later is handled there, so before
+    their acknowledgements), or before any other report, whichever comes first.
 
     ``publish(payload)`` queues a control-bus message (``ControlClient.publish_nowait`` with the
     replica's stage, replica and session added). Messages without a uid (from producers that
     keep no ledger) are not reported.
     """
 
+    _FED_MAX = 512  # uids in one `fed` message at most
+
     def __init__(self, publish: Callable[[dict[str, Any]], Any]) -> None:
-        self._publish = publish
+        self._raw_publish = publish
+        self._fed: list[str] = []
 
     def fed(self, uid: str) -> None:
-        self._publish({"fed": [uid]})
+        if not self._fed:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no event loop: nothing to wait for
+                self._raw_publish({"fed": [uid]})
+                return
+        self._fed.append(uid)
+        if len(self._fed) >= self._FED_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        """Publish the ``fed`` uids not published yet."""
+        if self._fed:
+            uids, self._fed = self._fed, []
+            self._raw_publish({"fed": uids})
+
+    def _publish(self, payload: dict[str, Any]) -> None:
+        self.flush()  # reports stay in the order they were made
+        self._raw_publish(payload)
 
     def fates(
         self,

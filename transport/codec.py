@@ -5,6 +5,14 @@ and torch tensor found anywhere in ``data`` (inside lists and maps too) is repla
 by a msgpack ``ExtType`` reference ``[frame_index, dtype_name, shape]`` (ext code 1 for numpy,
 2 for torch) and its bytes travel as frame ``frame_index``.
 
+Small numpy arrays (under ``PACK_BELOW`` bytes each) share one frame instead, the last one: the
+*pack*. Their references are ``[dtype_name, shape]`` (ext code 3) and they lie in the pack in
+reference order, each at the next multiple of 8 bytes, with nothing after the last; so the
+layout follows from the header alone, and a pack with a byte too many or too few is refused.
+ZeroMQ copies frames that small anyway (pyzmq's copy threshold is 64 KiB) and every frame costs
+a send and a receive call each way: a rollout group's dozen token arrays travel as two frames
+instead of fourteen, at a quarter of the per-message cost.
+
 Zero-copy, both ways:
 
 - ``encode`` hands out memoryviews over the arrays' own memory. The one copy it makes is for
@@ -47,6 +55,10 @@ Frame = bytes | memoryview
 
 _EXT_NUMPY = 1
 _EXT_TORCH = 2
+_EXT_PACKED = 3  # a numpy array in the pack (the last frame)
+PACK_BELOW = 1 << 16  # numpy arrays smaller than this (bytes) go into the pack
+_PACK_MAX = 1 << 20  # ... while it stays this small; later ones get frames of their own
+_PACK_ALIGN = 8
 _MAX_NDIM = 32
 
 # dtype name -> item size in bytes. Names are what numpy's ``dtype.name`` and torch's
@@ -100,17 +112,19 @@ def _loaded_torch() -> Any:
 
 
 def encode(msg: Message) -> list[Frame]:
-    """Frames for ``msg``: the msgpack header, then one frame per array, in reference order.
+    """Frames for ``msg``: the msgpack header, then one frame per large array, in reference
+    order, then the pack of the small ones (when there are any).
 
     Raises TypeError for values that cannot travel (objects, unsupported dtypes, sparse
     tensors) and names the offending type.
     """
     frames: list[Frame] = [b""]
+    pack = _Pack()
     torch = _loaded_torch()
 
     def default(obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
-            return _encode_numpy(obj, frames)
+            return _encode_numpy(obj, frames, pack)
         if torch is not None and isinstance(obj, torch.Tensor):
             return _encode_torch(obj, frames)
         if isinstance(obj, np.generic):
@@ -123,14 +137,34 @@ def encode(msg: Message) -> list[Frame]:
 
     header = {"kind": msg.kind, "version": msg.version, "data": msg.data}
     frames[0] = msgpack.packb(header, default=default, use_bin_type=True)
+    if pack.parts:
+        frames.append(b"".join(pack.parts))
     return frames
+
+
+class _Pack:
+    """The small arrays of a message being encoded: their bytes, padded to ``_PACK_ALIGN``."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.size = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes < PACK_BELOW and self.size + nbytes <= _PACK_MAX
+
+    def add(self, data: memoryview) -> None:
+        pad = -self.size % _PACK_ALIGN if data.nbytes else 0
+        if pad:
+            self.parts.append(b"\0" * pad)
+        self.parts.append(data)
+        self.size += pad + data.nbytes
 
 
 def _ext(code: int, index: int, dtype: str, shape: Sequence[int]) -> msgpack.ExtType:
     return msgpack.ExtType(code, msgpack.packb([index, dtype, list(shape)]))
 
 
-def _encode_numpy(a: np.ndarray, frames: list[Frame]) -> msgpack.ExtType:
+def _encode_numpy(a: np.ndarray, frames: list[Frame], pack: _Pack) -> msgpack.ExtType:
     name = _NUMPY_NAMES.get(a.dtype) or a.dtype.name
     if name not in _NUMPY_ITEMSIZE:
         raise TypeError(
@@ -141,7 +175,11 @@ def _encode_numpy(a: np.ndarray, frames: list[Frame]) -> msgpack.ExtType:
     elif not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)  # the one copy: frames are contiguous memory
     shape = a.shape  # before reshaping: 0-d arrays keep shape ()
-    frames.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+    data = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+    if pack.fits(data.nbytes):
+        pack.add(data)
+        return msgpack.ExtType(_EXT_PACKED, msgpack.packb([name, list(shape)]))
+    frames.append(data if a.size else b"")
     return _ext(_EXT_NUMPY, len(frames) - 1, name, shape)
 
 
@@ -184,8 +222,11 @@ def decode(frames: Sequence[Any], schemas: Mapping[str, Schema] | None = None) -
         raise DecodeError("frame_count", "no frames")
     buffers = [memoryview(f) for f in frames]
     used = [False] * len(buffers)
+    pack = _Unpack(buffers, used)
 
     def ext_hook(code: int, payload: bytes) -> Any:
+        if code == _EXT_PACKED:
+            return pack.take(*_parse_ref(payload, packed=True))
         if code not in (_EXT_NUMPY, _EXT_TORCH):
             raise DecodeError("bad_header", f"unknown ext type code {code}")
         index, dtype, shape = _parse_ref(payload)
@@ -194,7 +235,7 @@ def decode(frames: Sequence[Any], schemas: Mapping[str, Schema] | None = None) -
                 "frame_count",
                 f"array reference to frame {index}, but frames are 1..{len(buffers) - 1}",
             )
-        if used[index]:
+        if used[index] or pack.index == index:
             raise DecodeError("frame_count", f"frame {index} is referenced twice")
         used[index] = True
         if code == _EXT_NUMPY:
@@ -216,6 +257,7 @@ def decode(frames: Sequence[Any], schemas: Mapping[str, Schema] | None = None) -
     version = header.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise DecodeError("bad_header", f"kind {kind!r}: 'version' is {version!r}, not an int")
+    pack.finish(kind)
     data = header.get("data")
     if not isinstance(data, dict):
         raise DecodeError(
@@ -239,14 +281,67 @@ def decode(frames: Sequence[Any], schemas: Mapping[str, Schema] | None = None) -
     return Message(kind=kind, data=data, version=version)
 
 
-def _parse_ref(payload: bytes) -> tuple[int, str, tuple[int, ...]]:
+class _Unpack:
+    """The pack of a message being decoded (its last frame): hands out its arrays in order,
+    each at the next multiple of ``_PACK_ALIGN``, and checks that they cover it exactly."""
+
+    def __init__(self, buffers: list[memoryview], used: list[bool]) -> None:
+        self.buffers, self.used = buffers, used
+        self.index = 0  # the pack's frame, once an array was taken from it
+        self.data: np.ndarray | None = None
+        self.cursor = 0
+
+    def take(self, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        if self.data is None:
+            self.index = len(self.buffers) - 1
+            if self.index < 1 or self.used[self.index]:
+                raise DecodeError("frame_count", "a packed array, but no frame is the pack")
+            self.used[self.index] = True
+            data = np.frombuffer(self.buffers[self.index], dtype=np.uint8)
+            if data.ctypes.data % _PACK_ALIGN:
+                data = data.copy()  # landed unaligned in ZeroMQ's buffer: one copy for all
+            self.data = data
+        itemsize = _NUMPY_ITEMSIZE.get(dtype)
+        if itemsize is None:
+            raise DecodeError(
+                "bad_dtype", f"numpy dtype {dtype!r} is not one of {sorted(_NUMPY_ITEMSIZE)}"
+            )
+        nbytes = itemsize * math.prod(shape)  # Python ints: no overflow, nothing allocated
+        start = self.cursor + (-self.cursor % _PACK_ALIGN if nbytes else 0)
+        if start + nbytes > self.data.nbytes:
+            raise DecodeError(
+                "frame_size",
+                f"packed {dtype}{list(shape)} needs bytes {start}..{start + nbytes}, "
+                f"the pack has {self.data.nbytes}",
+            )
+        self.cursor = start + nbytes
+        if not nbytes:
+            return np.empty(shape, dtype=dtype)
+        return self.data[start : self.cursor].view(dtype).reshape(shape)
+
+    def finish(self, kind: str) -> None:
+        if self.data is not None and self.cursor != self.data.nbytes:
+            raise DecodeError(
+                "frame_size",
+                f"kind {kind!r}: the packed arrays end at byte {self.cursor}, "
+                f"the pack has {self.data.nbytes}",
+            )
+
+
+def _parse_ref(payload: bytes, *, packed: bool = False) -> Any:
+    """``(index, dtype, shape)`` from an array reference; ``(dtype, shape)`` when ``packed``."""
     try:
         ref = msgpack.unpackb(payload, raw=False)
     except Exception as e:
         raise DecodeError("bad_header", f"array reference is not msgpack: {e}") from None
-    if not (isinstance(ref, list) and len(ref) == 3):
+    if packed:
+        if not (isinstance(ref, list) and len(ref) == 2):
+            raise DecodeError("bad_header", f"packed array reference {ref!r} is not [dtype, shape]")
+        index, (dtype, shape) = 0, ref
+    elif not (isinstance(ref, list) and len(ref) == 3):
         raise DecodeError("bad_header", f"array reference {ref!r} is not [index, dtype, shape]")
-    index, dtype, shape = ref
+    else:
+        index, dtype, shape = ref
     if not isinstance(index, int) or isinstance(index, bool):
         raise DecodeError("bad_header", f"array reference index {index!r} is not an int")
     if not isinstance(dtype, str):
@@ -259,7 +354,7 @@ def _parse_ref(payload: bytes) -> tuple[int, str, tuple[int, ...]]:
         raise DecodeError(
             "bad_header", f"array shape {shape!r} is not a list of <= {_MAX_NDIM} non-negative ints"
         )
-    return index, dtype, tuple(shape)
+    return (dtype, tuple(shape)) if packed else (index, dtype, tuple(shape))
 
 
 def _check_size(buf: memoryview, dtype: str, itemsize: int, shape: tuple[int, ...]) -> None:

@@ -62,29 +62,38 @@ class Schema:
     version: int = 1
     fields: Mapping[str, str] = field(default_factory=dict)
     doc: str = ""
+    # (name, spec, None allowed, checks): every message is checked at least twice
+    _rules: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        rules = []
         for name, spec in self.fields.items():
-            for part in spec.split("|"):
+            parts = spec.split("|")
+            for part in parts:
                 if part != "None" and part not in _FIELD_CHECKS:
                     raise ValueError(
                         f"schema {self.kind!r}: field {name!r} has unknown type {part!r}; "
                         f"use one of {sorted(_FIELD_CHECKS)} or None"
                     )
+            checks = tuple(_FIELD_CHECKS[p] for p in parts if p != "None")
+            rules.append((name, spec, "None" in parts, checks))
+        object.__setattr__(self, "_rules", tuple(rules))
 
     def check(self, data: Mapping[str, Any]) -> list[str]:
         """Problems with ``data`` as a message of this schema (empty when it conforms)."""
         problems = []
-        for name, spec in self.fields.items():
-            parts = spec.split("|")
+        for name, spec, none_ok, checks in self._rules:
             if name not in data:
-                if "None" not in parts:
+                if not none_ok:
                     problems.append(f"missing field {name!r} ({spec})")
                 continue
             value = data[name]
-            if value is None and "None" in parts:
+            if value is None and none_ok:
                 continue
-            if not any(part != "None" and _FIELD_CHECKS[part](value) for part in parts):
+            for ok in checks:
+                if ok(value):
+                    break
+            else:
                 problems.append(f"field {name!r} should be {spec}, got {type(value).__name__}")
         return problems
 

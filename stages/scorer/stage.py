@@ -10,7 +10,8 @@ model sampled after the last inserted token, ``trajectories`` the whole text, ``
 environment's reward (the ``env_reward`` reward function passes it on) and ``rollout`` what the
 rollout reported (turns, tool calls...). Complete groups waiting while every worker is busy are
 scored together in one call (up to ``batch_groups``; a function sees each group's samples next
-to each other, like a TRL batch), so the cost of a call is shared. Once a full batch waits and
+to each other, like a TRL batch), so the cost of a call is shared; so are groups that complete in
+the same turn of the event loop (a burst the generator sent together). Once a full batch waits and
 every worker is busy the stage stops reading, and backpressure reaches the generators.
 
 Reward functions run in worker processes under ``timeout_s`` (``runner.py``): one that raises,
@@ -166,6 +167,7 @@ class Scorer:
         self._tasks: set[asyncio.Task] = set()
         self.ready: list[_Group] = []  # complete groups waiting for a worker
         self.busy = 0  # scoring calls in flight
+        self._kick_pending = False  # a _kick is scheduled for the end of this loop turn
         self._room = asyncio.Event()
 
     async def setup(self) -> None:
@@ -370,13 +372,18 @@ class Scorer:
         """Queue ``group`` for scoring; waits (stops reading) while a full batch is queued."""
         self._launched.add(group.head["group_id"])
         self.ready.append(group)
-        self._kick()
+        if len(self.ready) >= self.config.batch_groups:
+            self._kick()
+        elif not self._kick_pending:  # groups completed in this loop turn: one call for all
+            self._kick_pending = True
+            asyncio.get_running_loop().call_soon(self._kick)
         while len(self.ready) >= self.config.batch_groups and self.busy >= self.config.workers:
             self._room.clear()
             await self._room.wait()
 
     def _kick(self) -> None:
         """Start scoring calls for the queued groups while workers are free."""
+        self._kick_pending = False
         while self.ready and self.busy < self.config.workers:
             batch = self.ready[: self.config.batch_groups]
             self.ready = self.ready[self.config.batch_groups :]

@@ -153,3 +153,33 @@ def test_a_feeder_that_did_not_end_cleanly_holds_what_its_state_file_says(tmp_pa
     assert book.balance([])["unaccounted"] == 3
     out = book.balance([book.custody_after_exit("feeder.1", held)])
     assert out["unaccounted"] == 0 and out["prompts_in_flight_at_end"] == 3
+
+
+def test_prompts_fed_in_one_loop_turn_go_as_one_report_before_any_other():
+    import asyncio
+
+    sent: list[dict] = []
+    ledger = LedgerReporter(sent.append)
+
+    async def feed() -> None:
+        for i in range(3):
+            ledger.fed(f"f.0:{i}")
+        assert sent == []  # not yet: the turn is not over
+        await asyncio.sleep(0)
+        assert sent == [{"fed": ["f.0:0", "f.0:1", "f.0:2"]}]
+        ledger.fed("f.0:3")
+        ledger.fates([("f.0:3", 2, 0)], "trained", step=1)  # a later report: fed goes first
+        assert sent[1:] == [
+            {"fed": ["f.0:3"]},
+            {"fates": [["f.0:3", 2, 0]], "reason": "trained", "step": 1},
+        ]
+        for i in range(LedgerReporter._FED_MAX):  # a long turn: bounded messages
+            ledger.fed(f"g.0:{i}")
+        assert len(sent) == 4 and len(sent[3]["fed"]) == LedgerReporter._FED_MAX
+        ledger.fed("g.0:x")
+        await asyncio.sleep(0)
+        assert sent[4] == {"fed": ["g.0:x"]}
+
+    asyncio.run(asyncio.wait_for(feed(), timeout=10))
+    ledger.fed("h.0:0")  # outside an event loop: at once
+    assert sent[-1] == {"fed": ["h.0:0"]}

@@ -85,7 +85,7 @@ def test_nested_structures_and_plain_values() -> None:
     }
     msg = Message(kind="rollout", data=data, version=4)
     frames = encode(msg)
-    assert len(frames) == 1 + 4  # header + one frame per array
+    assert len(frames) == 1 + 2 + 1  # header, one frame per tensor, the small arrays' pack
     out = decode(frames)
     assert (out.kind, out.version) == ("rollout", 4)
     d = out.data
@@ -169,6 +169,36 @@ def test_numpy_encode_is_zero_copy() -> None:
     assert np.frombuffer(frame, dtype=np.uint8).ctypes.data == a.ctypes.data
 
 
+def test_small_arrays_share_one_frame_the_last() -> None:
+    big = np.arange(1 << 17, dtype=np.float32)  # 512 KiB: a frame of its own, zero-copy
+    samples = [
+        {
+            "ids": np.arange(i + 1, dtype=np.int64),
+            "logp": np.full(i + 1, -0.5, dtype=np.float32),
+            "flag": np.array(i % 2 == 0),
+            "none": np.zeros((0, 3), dtype=np.int16),
+        }
+        for i in range(4)
+    ]
+    frames = encode(Message("group", {"samples": samples, "big": big, "after": np.arange(3)}))
+    assert len(frames) == 3  # header, the big array, then the pack of the 17 small ones
+    assert np.frombuffer(frames[1], dtype=np.uint8).ctypes.data == big.ctypes.data
+    # each small array at the next multiple of 8 bytes, nothing after the last: the last
+    # sample's flag ends at byte 153, and "after" (24 bytes) starts at 160
+    assert len(frames[2]) == 184
+    # a pack received unaligned (inside ZeroMQ's buffer) is copied once, arrays come aligned
+    shifted = memoryview(bytearray(len(frames[2]) + 1))[1:]
+    shifted[:] = frames[2]
+    out = decode([bytes(frames[0]), bytes(frames[1]), shifted]).data
+    for got, sent in zip(out["samples"], samples, strict=True):
+        for key, array in sent.items():
+            assert got[key].dtype == array.dtype and got[key].shape == array.shape
+            assert got[key].flags.aligned
+            np.testing.assert_array_equal(got[key], array)
+    np.testing.assert_array_equal(out["big"], big)
+    np.testing.assert_array_equal(out["after"], np.arange(3))
+
+
 def test_import_transport_does_not_import_torch() -> None:
     code = (
         "import sys, numpy as np, transport\n"
@@ -191,6 +221,10 @@ def ref(
 
 def header(**fields) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
+
+
+def packed(dtype: str = "float32", shape: list[int] | None = None) -> msgpack.ExtType:
+    return msgpack.ExtType(3, msgpack.packb([dtype, [2] if shape is None else shape]))
 
 
 EIGHT = b"\x00" * 8
@@ -226,6 +260,33 @@ MALFORMED = {
     "bad_ref_payload": (
         [header(**GOOD, data={"a": msgpack.ExtType(1, b"\xc1")}), EIGHT],
         "bad_header",
+    ),
+    "packed_without_a_pack": ([header(**GOOD, data={"a": packed()})], "frame_count"),
+    "pack_too_short": ([header(**GOOD, data={"a": packed(shape=[3])}), EIGHT], "frame_size"),
+    "pack_too_long": ([header(**GOOD, data={"a": packed(shape=[1])}), EIGHT], "frame_size"),
+    "pack_padding_missing": (
+        [header(**GOOD, data={"a": packed("int8", [1]), "b": packed("int64", [1])}), b"\0" * 9],
+        "frame_size",
+    ),
+    "pack_also_referenced": (
+        [header(**GOOD, data={"a": ref(1), "b": packed("int8", [0])}), EIGHT],
+        "frame_count",
+    ),
+    "referenced_after_packing": (
+        [header(**GOOD, data={"b": packed("int8", [0]), "a": ref(1)}), EIGHT],
+        "frame_count",
+    ),
+    "packed_ref_with_index": (
+        [header(**GOOD, data={"a": msgpack.ExtType(3, msgpack.packb([1, "int8", [8]]))}), EIGHT],
+        "bad_header",
+    ),
+    "packed_unknown_dtype": (
+        [header(**GOOD, data={"a": packed("float128", [1])}), EIGHT],
+        "bad_dtype",
+    ),
+    "pack_not_last": (
+        [header(**GOOD, data={"a": packed(shape=[2])}), EIGHT, EIGHT],
+        "frame_count",
     ),
 }
 
