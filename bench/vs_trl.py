@@ -34,7 +34,9 @@ Runs alternate (Inflight seed 0, TRL seed 0, Inflight seed 1, ...) so that a dri
 hits both. Per system it reports, for each target, the median and spread over runs of the time
 to the target from training start and from launch (the end of the first ``--window``
 consecutive evaluations whose mean reaches it), the samples per second while training, the
-accuracy at the end and the launch-to-end wall time (the process's, for TRL); and the ratio
+accuracy at the end, the launch-to-end wall time (the process's, for TRL), the CPU seconds of the
+whole run (every process, as the kernel counts a finished process tree: user + system, imports,
+evaluation and start-up included) and those per 256 trained samples; and the ratio
 Inflight / TRL of the median times. It writes ``vs_trl.json`` (the one JSON line it prints),
 ``vs_trl.png`` (held-out accuracy against seconds from training start, every run) and each
 run's output under ``--out``.
@@ -51,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import subprocess
 import sys
 import time
@@ -223,6 +226,17 @@ def trl_worker(config: Path, overrides: list[str], seed: int, eval_every: int, o
 
 
 # ----------------------------------------------------------------------------- the bench
+def _timed(cmd: list[str], log: Path, **kwargs: Any) -> tuple[int, float]:
+    """Run ``cmd`` (output to ``log``); its exit code and the CPU seconds of its process tree
+    (what its processes and every descendant they waited for used)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with log.open("w") as out:
+        done = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, **kwargs)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return done.returncode, round(cpu, 1)
+
+
 def _reached(evals: list[dict[str, Any]], target: float, window: int) -> dict[str, Any] | None:
     for i in range(window - 1, len(evals)):
         if sum(e["accuracy"] for e in evals[i - window + 1 : i + 1]) / window >= target:
@@ -230,7 +244,7 @@ def _reached(evals: list[dict[str, Any]], target: float, window: int) -> dict[st
     return None
 
 
-def _spread(values: list[float | None]) -> dict[str, float | None]:
+def _spread(values: list[float | None], digits: int = 1) -> dict[str, float | None]:
     finite = [v for v in values if v is not None]
     if not values:
         return {"median": None, "min": None, "max": None}
@@ -240,9 +254,9 @@ def _spread(values: list[float | None]) -> dict[str, float | None]:
         a, b = ordered[len(ordered) // 2 - 1], ordered[len(ordered) // 2]
         median = None if a is None or b is None else (a + b) / 2
     return {
-        "median": None if median is None else round(median, 1),
-        "min": round(min(finite), 1) if finite else None,
-        "max": round(max(finite), 1) if len(finite) == len(values) else None,
+        "median": None if median is None else round(median, digits),
+        "min": round(min(finite), digits) if finite else None,
+        "max": round(max(finite), digits) if len(finite) == len(values) else None,
     }
 
 
@@ -252,10 +266,9 @@ def run_inflight(config: str, seed: int, eval_every: int, overrides: list[str], 
     run_dir = out / f"inflight-seed{seed}"
     cmd = [sys.executable, "-m", "pipeline.cli", "run", config, f"run.seed={seed}"]
     cmd += [f"stages.learner.eval.every={eval_every}", *overrides, "--run-dir", str(run_dir), "-q"]
-    with run_dir.with_suffix(".out").open("w") as log:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"inflight run failed ({done.returncode}): {run_dir}")
+    code, cpu_s = _timed(cmd, run_dir.with_suffix(".out"))
+    if code != 0:
+        raise SystemExit(f"inflight run failed ({code}): {run_dir}")
     started = [e for e in _events(run_dir, "supervisor") if e.get("event") == "run_started"]
     learner = _events(run_dir, "learner.0")
     evals = [e for e in learner if e.get("event") == "eval"]
@@ -274,6 +287,7 @@ def run_inflight(config: str, seed: int, eval_every: int, overrides: list[str], 
         ],
         "train_s": round(_ts(steps[-1]) - start, 2),
         "wall_s": summary.get("wall_s"),
+        "cpu_s": cpu_s,
         "samples": sum(e.get("samples", 0) for e in steps),
     }
 
@@ -285,12 +299,12 @@ def run_trl(config: str, seed: int, eval_every: int, overrides: list[str], out: 
     cmd += overrides
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     began = time.monotonic()
-    with (out / f"trl-seed{seed}.out").open("w") as log:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"TRL run failed ({done.returncode}): see {out}/trl-seed{seed}.out")
+    code, cpu_s = _timed(cmd, out / f"trl-seed{seed}.out", env=env)
+    if code != 0:
+        raise SystemExit(f"TRL run failed ({code}): see {out}/trl-seed{seed}.out")
     data = json.loads(result.read_text())
     data["wall_s"] = round(time.monotonic() - began, 2)  # the process, imports included
+    data["cpu_s"] = cpu_s
     return data
 
 
@@ -305,6 +319,8 @@ def summarize(runs: list[dict], targets: list[float], window: int) -> dict[str, 
     out["samples_per_s"] = _spread([r["samples"] / r["train_s"] for r in runs])
     out["end_accuracy"] = [round(r["evals"][-1]["accuracy"], 3) for r in runs]
     out["wall_s"] = _spread([r["wall_s"] for r in runs])
+    out["cpu_s"] = _spread([r["cpu_s"] for r in runs])
+    out["cpu_s_per_256"] = _spread([r["cpu_s"] / r["samples"] * 256 for r in runs], digits=3)
     return out
 
 
