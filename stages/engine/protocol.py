@@ -4,9 +4,19 @@ Field names and defaults follow SGLang 0.5.x (``GenerateReqInput`` and ``Samplin
 ``max_new_tokens`` 128, ``temperature`` 1.0 (0 means greedy), ``top_p`` 1.0, ``top_k`` -1 (off),
 ``min_p`` 0.0, ``ignore_eos`` false, ``sampling_seed`` none, ``n`` 1. Every problem raises
 ``RequestError`` naming the field, which the server answers with HTTP 400. SGLang parameters
-the built-in engine does not implement (penalties, stop strings, grammars, ``logit_bias``,
-streaming, top log-probs) are accepted only at their neutral default and rejected otherwise, so
-a request never silently means something else here.
+the built-in engine does not implement (penalties, grammars, ``logit_bias``, streaming, top
+log-probs) are accepted only at their neutral default and rejected otherwise, so a request never
+silently means something else here.
+
+Stop strings (``stop``: a string or a list of at most 32) as SGLang 0.5 has them
+(``Req._check_str_based_finish``, ``DetokenizerManager.trim_matched_stop``): after every sampled
+token the end of the output is decoded (as many tokens as the longest stop string has
+characters or tokens, plus one) and the first stop string found in it ends the sequence with
+``finish_reason {"type": "stop", "matched": "<the string>"}``; the token that completed it is
+the last of ``output_ids``. The length limit and stop tokens are checked first. In ``text`` the
+matched stop string and what follows it are cut (with ``no_stop_trim``, only what follows it), and
+so is the matched stop token of a ``{"matched": <token id>}`` finish (kept with ``no_stop_trim``).
+They need the model's tokenizer.
 
 Groups, as SGLang expands them: a batch (``input_ids: [[...], ...]`` or ``text: [...]``) of B
 prompts with ``sampling_params.n`` = n asks for B*n samples, answered as one JSON list in
@@ -38,6 +48,7 @@ __all__ = [
     "SequenceResult",
     "parse_generate",
     "render_result",
+    "result_text",
 ]
 
 
@@ -62,6 +73,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings
+    stop_window: int = 0  # output tokens decoded to look for them (see the module docstring)
+    no_stop_trim: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -103,7 +117,6 @@ _NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0, None),
     "repetition_penalty": (1, 1.0, None),
     "min_new_tokens": (0, None),
-    "stop": (None, "", ()),
     "stop_regex": (None, "", ()),
     "json_schema": (None,),
     "regex": (None,),
@@ -113,7 +126,8 @@ _NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
     "custom_params": (None,),
 }
 # Accepted and without effect here (they only shape text or streaming).
-_IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens", "no_stop_trim", "stream_interval"})
+_IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens", "stream_interval"})
+MAX_STOP_COUNT = 32  # SGLang's limit on stop strings
 
 # Top-level GenerateReqInput fields accepted only at these neutral values.
 _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
@@ -177,7 +191,7 @@ def parse_generate(
         where = f"[{i}]" if listed else ""
         sp = parsed.get(id(params[i]))
         if sp is None:
-            sp = _sampling_params(params[i], f"sampling_params{where}")
+            sp = _sampling_params(params[i], f"sampling_params{where}", encode)
             parsed[id(params[i])] = sp
         if len(ids) + sp.max_new_tokens > context_length:
             raise RequestError(
@@ -201,6 +215,7 @@ def render_result(
     decode: Callable[[list[int], bool], str] | None,
     skip_special_tokens: bool,
     return_logprob: bool,
+    no_stop_trim: bool = False,
 ) -> dict[str, Any]:
     """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer)."""
     meta: dict[str, Any] = {
@@ -226,10 +241,30 @@ def render_result(
         meta.update(result.extra)
     out: dict[str, Any] = {}
     if decode is not None:
-        out["text"] = decode(result.output_ids, skip_special_tokens)
+        out["text"] = result_text(result, decode, skip_special_tokens, no_stop_trim)
     out["output_ids"] = result.output_ids
     out["meta_info"] = meta
     return out
+
+
+def result_text(
+    result: SequenceResult,
+    decode: Callable[[list[int], bool], str],
+    skip_special_tokens: bool,
+    no_stop_trim: bool = False,
+) -> str:
+    """The output's text as SGLang's detokenizer gives it: without the matched stop token, and
+    cut before a matched stop string (``no_stop_trim``: both kept, what follows cut)."""
+    matched = result.finish_reason.get("matched") if result.finish_reason else None
+    ids = result.output_ids
+    if isinstance(matched, int) and not isinstance(matched, bool) and ids and not no_stop_trim:
+        ids = ids[:-1]  # the matched stop token is the last one
+    text = decode(ids, skip_special_tokens)
+    if isinstance(matched, str):
+        at = text.find(matched)
+        if at != -1:
+            text = text[: at + len(matched)] if no_stop_trim else text[:at]
+    return text
 
 
 def _version_spans(versions: list[str]) -> list[dict[str, Any]]:
@@ -382,12 +417,17 @@ def _per_item(value: Any, name: str, n: int, batch: bool, kind: type) -> list[An
     return items
 
 
-def _sampling_params(raw: dict[str, Any] | None, name: str) -> SamplingParams:
+def _sampling_params(
+    raw: dict[str, Any] | None, name: str, encode: Callable[[str], list[int]] | None = None
+) -> SamplingParams:
     raw = raw or {}
     values: dict[str, Any] = {}
     for key, value in raw.items():
         path = f"{name}.{key}"
         if key in _IGNORED_SAMPLING or key == "n":  # n: see _parallel_n
+            continue
+        if key == "stop":
+            values.update(_stop_strings(value, path, encode))
             continue
         if key in _NEUTRAL_SAMPLING:
             if not _is_neutral(value, _NEUTRAL_SAMPLING[key]):
@@ -402,7 +442,7 @@ def _sampling_params(raw: dict[str, Any] | None, name: str) -> SamplingParams:
             if not _is_number(value) or not math.isfinite(value):
                 raise RequestError(path, f"expected a finite number, got {value!r}")
             value = float(value)
-        elif key in ("ignore_eos", "skip_special_tokens"):
+        elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(value, bool):
                 raise RequestError(path, f"expected true or false, got {value!r}")
         elif key == "stop_token_ids":
@@ -424,6 +464,28 @@ def _sampling_params(raw: dict[str, Any] | None, name: str) -> SamplingParams:
     if sp.top_k != -1 and sp.top_k < 1:
         raise RequestError(f"{name}.top_k", f"must be -1 (off) or >= 1, got {sp.top_k}")
     return sp
+
+
+def _stop_strings(
+    value: Any, path: str, encode: Callable[[str], list[int]] | None
+) -> dict[str, Any]:
+    """``stop`` and ``stop_window`` from ``sampling_params.stop`` (null or [] means none; a
+    string is a list of one, even "", which SGLang matches at once)."""
+    if value is None:
+        return {}
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError(path, "expected a string or a list of strings")
+    if len(stops) > MAX_STOP_COUNT:
+        raise RequestError(
+            path, f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(stops)}"
+        )
+    if not stops:
+        return {}
+    if encode is None:
+        raise RequestError(path, "stop strings need the model's tokenizer; this model has none")
+    window = max(max(len(encode(s)), len(s)) for s in stops) + 1
+    return {"stop": tuple(stops), "stop_window": window}
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

@@ -166,10 +166,13 @@ class _Seq:
         "slot",
         "stamp",
         "started",
+        "tail",
     )
 
     def __init__(self, inp: GenerateInput, group: _Group, index: int, started: float) -> None:
         self.inp = inp
+        # its last sampled tokens, decoded after each step to look for its stop strings
+        self.tail: list[int] | None = [] if inp.params.stop else None
         self.group = group
         self.index = index  # in the group
         seed = inp.params.sampling_seed
@@ -208,6 +211,7 @@ class Scheduler:
         fast_forward: bool = True,
         prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
         prefix_cache_max_age: int = PREFIX_CACHE_MAX_AGE,
+        decode_tail: Callable[[list[int]], str] | None = None,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
@@ -237,6 +241,9 @@ class Scheduler:
         self._sampler = SlotSampler(max_running, self.eos_token_ids, self._rng)
         self._paused = False
         self._rids: dict[str, _Seq] = {}
+        # token ids -> text, to look for stop strings; the running seqs that have some
+        self._decode_tail = decode_tail
+        self._stop_seqs: set[_Seq] = set()
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         # Weight versions as spans over the step clock (BatchKV.end): version _vvals[i] is live
         # from clock _vkeys[i] on.
@@ -613,6 +620,7 @@ class Scheduler:
             # the row's KV is as old as the oldest KV in it: a reused prefix's, or this pass's
             seq.stamp = match.stamp if match.stamp is not None else live
         self._running.extend(group)
+        self._stop_seqs.update(s for s in group if s.tail is not None)
         self._sampler.add(
             [s.inp.params for s in group],
             [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
@@ -623,7 +631,7 @@ class Scheduler:
         tokens, logprobs = self._sampler.sample(logits, lo, hi)
         self._kv.set_pending(lo, hi, tokens, logprobs)
         self.tokens_generated += hi - lo
-        self._check_finished(tokens, lo, hi, end)
+        self._finish_checks(tokens, lo, hi, end)
 
     def _forward_prefill(
         self,
@@ -665,7 +673,38 @@ class Scheduler:
         tokens, logprobs = self._sampler.sample(logits, 0, rows)
         kv.push(tokens, logprobs)
         self.tokens_generated += rows
-        self._check_finished(tokens, 0, rows, kv.end)
+        self._finish_checks(tokens, 0, rows, kv.end)
+
+    def _finish_checks(self, tokens: torch.Tensor, lo: int, hi: int, column: int) -> None:
+        """Retire rows ``lo..hi`` that the tokens just sampled for them finish: by length or
+        stop token first, then by stop string (SGLang's order)."""
+        watched = None
+        if self._stop_seqs and self._decode_tail is not None:
+            new = tokens.tolist()
+            watched = [(s, new[s.slot - lo]) for s in self._stop_seqs if lo <= s.slot < hi]
+        self._check_finished(tokens, lo, hi, column)
+        if watched:
+            self._check_stop_strings(watched)
+
+    def _check_stop_strings(self, watched: list[tuple[_Seq, int]]) -> None:
+        assert self._decode_tail is not None
+        rows: list[int] = []
+        reasons: list[dict[str, Any]] = []
+        for seq, token in watched:
+            if seq.slot < 0 or seq.tail is None:  # finished by length or a stop token
+                continue
+            params = seq.inp.params
+            seq.tail.append(token)
+            if len(seq.tail) > params.stop_window:
+                del seq.tail[: -params.stop_window]
+            text = self._decode_tail(seq.tail)
+            for stop in params.stop:
+                if stop in text:
+                    rows.append(seq.slot)
+                    reasons.append({"type": "stop", "matched": stop})
+                    break
+        if rows:
+            self._retire(rows, reasons)
 
     def _check_finished(self, tokens: torch.Tensor, lo: int, hi: int, column: int) -> None:
         done = self._sampler.finished(tokens, lo, hi, column)
@@ -749,6 +788,7 @@ class Scheduler:
         versions: list[str],
     ) -> None:
         self._rids.pop(seq.inp.rid, None)
+        self._stop_seqs.discard(seq)
         seq.slot = -1
         seq.group.done(
             seq.index,

@@ -52,6 +52,7 @@ from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.protocol import (
     GenerateInput,
     RequestError,
+    SamplingParams,
     SequenceResult,
     parse_generate,
     render_result,
@@ -82,6 +83,20 @@ _DECODE = web.AppKey("decode", object)
 _REFUSED = web.AppKey("refused", Counter)
 _API_KEY = web.AppKey("api_key", str)
 _MAX_BODY = 256 * 1024 * 1024  # token-id batches and weight metadata can be large
+# how long /health_generate waits for a step: SGLang's variable, and its default
+HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("inflight-rl")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+_VERSION = _package_version()
 
 try:  # orjson parses and writes /generate bodies several times faster; json is the fallback
     import orjson
@@ -126,8 +141,12 @@ def build_app(
     app.router.add_post("/update_weights_from_distributed", weights.update)
     app.router.add_post("/destroy_weights_update_group", weights.destroy_group)
     app.router.add_get("/health", _health)
+    app.router.add_get("/health_generate", _health_generate)
+    app.router.add_get("/ready", _health)
+    # SGLang's current names, and the get_ ones it keeps (deprecated there)
     app.router.add_get("/model_info", _model_info)
     app.router.add_get("/get_model_info", _model_info)
+    app.router.add_get("/server_info", _server_info)
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/get_weight_version", _weight_version)
     app.on_cleanup.append(weights.close)
@@ -206,6 +225,7 @@ async def generate(
             decode=decode,
             skip_special_tokens=inp.params.skip_special_tokens,
             return_logprob=inp.return_logprob,
+            no_stop_trim=inp.params.no_stop_trim,
         )
         for inp, result in zip(inputs, results, strict=True)
     ]
@@ -277,7 +297,7 @@ async def _pause(request: web.Request) -> web.Response:
     except RequestError as exc:
         return _bad_request(str(exc))
     await asyncio.wrap_future(request.app[_SCHEDULER].pause(mode))
-    return web.json_response({"message": "Generation paused successfully.", "status": 200})
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def _continue(request: web.Request) -> web.Response:
@@ -288,7 +308,7 @@ async def _continue(request: web.Request) -> web.Response:
     except RequestError as exc:
         return _bad_request(str(exc))
     await asyncio.wrap_future(request.app[_SCHEDULER].resume())
-    return web.json_response({"message": "Generation continued successfully.", "status": 200})
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def _update_weight_version(request: web.Request) -> web.Response:
@@ -298,7 +318,7 @@ async def _update_weight_version(request: web.Request) -> web.Response:
         version = body.get("new_version")
         if not isinstance(version, (str, int)) or isinstance(version, bool):
             raise RequestError("new_version", f"expected a string, got {version!r}")
-        abort_all = body.get("abort_all_requests", False)
+        abort_all = body.get("abort_all_requests", True)  # SGLang's default: say false
         if not isinstance(abort_all, bool):
             raise RequestError("abort_all_requests", f"expected true or false, got {abort_all!r}")
     except RequestError as exc:
@@ -309,7 +329,7 @@ async def _update_weight_version(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "success": True,
-            "message": f"weight version set to {version}",
+            "message": f"Weight version updated to {version}",
             "new_version": str(version),
         }
     )
@@ -444,19 +464,56 @@ class WeightRoutes:
 
 
 async def _health(request: web.Request) -> web.Response:
+    """``/health`` and ``/ready``: 200 while the scheduler runs (SGLang's ``/health`` runs no
+    generation unless told to by its environment)."""
     if request.app[_SCHEDULER].alive:
         return web.Response(status=200)
     return web.Response(status=503, text="scheduler is not running")
 
 
+async def _health_generate(request: web.Request) -> web.Response:
+    """SGLang's ``/health_generate``: one greedy token of the prompt ``[0]``; 200 once the
+    scheduler has made a step since the call (its own token, or anyone's), else 503 after
+    ``HEALTH_CHECK_TIMEOUT_S`` (paused, or stuck)."""
+    scheduler = request.app[_SCHEDULER]
+    if not scheduler.alive:
+        return web.Response(status=503)
+    steps = scheduler.steps
+    rid = f"HEALTH_CHECK_{os.urandom(8).hex()}"
+    probe = GenerateInput(rid, [0], SamplingParams(max_new_tokens=1, temperature=0.0), False)
+    answer = asyncio.ensure_future(scheduler.submit_async([probe]))
+    deadline = asyncio.get_running_loop().time() + HEALTH_CHECK_TIMEOUT_S
+    try:
+        while not answer.done() and scheduler.steps == steps:
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("health_check_failed", timeout_s=HEALTH_CHECK_TIMEOUT_S)
+                return web.Response(status=503)
+            await asyncio.sleep(0.01)
+        return web.Response(status=200)
+    finally:
+        if not answer.done():
+            scheduler.abort_many([rid])
+            answer.cancel()
+
+
 async def _model_info(request: web.Request) -> web.Response:
+    """SGLang's ``/model_info`` (the fields it has; no parsers, modalities or disaggregation
+    here)."""
     loaded = request.app[_LOADED]
     return web.json_response(
         {
             "model_path": str(loaded.path),
+            "served_model_name": str(loaded.path),
             "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
             "is_generation": True,
+            "preferred_sampling_params": None,
             "weight_version": request.app[_SCHEDULER].weight_version,
+            "load_format": None,
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
             "model_type": loaded.model.config.model_type,
             "architectures": loaded.model.config.architectures,
         }
@@ -464,20 +521,34 @@ async def _model_info(request: web.Request) -> web.Response:
 
 
 async def _server_info(request: web.Request) -> web.Response:
+    """SGLang's ``/server_info``: its settings (``max_running_requests``, ``context_length``),
+    the scheduler's limits (``max_total_num_tokens``, ``max_req_input_len``), live state per
+    data-parallel rank (``internal_states``, one here) and ``version``; then the built-in
+    engine's own counters."""
     loaded, scheduler = request.app[_LOADED], request.app[_SCHEDULER]
+    state = {
+        **scheduler.counts(),
+        "decode_steps": scheduler.steps,
+        "tokens_generated": scheduler.tokens_generated,
+        "prefix_cache": scheduler.prefix_cache_stats(),
+    }
     return web.json_response(
         {
             "model_path": str(loaded.path),
-            "engine": "inflight-builtin",
+            "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
             "max_running_requests": scheduler.max_running,
-            "forward_path": scheduler.forward_path,
             "context_length": loaded.context_length,
+            # every running request may grow to the context length
+            "max_total_num_tokens": scheduler.max_running * loaded.context_length,
+            "max_req_input_len": loaded.context_length - 1,
             "weight_version": scheduler.weight_version,
-            "decode_steps": scheduler.steps,
-            "tokens_generated": scheduler.tokens_generated,
+            "internal_states": [state],
+            "version": f"inflight-rl {_VERSION}",
+            "frontend": "python",
+            "engine": "inflight-builtin",
+            "forward_path": scheduler.forward_path,
             "refused_requests": dict(request.app[_REFUSED]),
-            "prefix_cache": scheduler.prefix_cache_stats(),
-            **scheduler.counts(),
+            **state,
         }
     )
 
@@ -629,6 +700,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
     """The scheduler the options ask for, on ``loaded``'s model (not started)."""
+    decode = _decoder(loaded.tokenizer)
     return Scheduler(
         loaded.model,
         max_running=args.max_running,
@@ -639,6 +711,8 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         fast_forward=args.forward == "fast",
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefix_cache_max_age=args.prefix_cache_max_age,
+        # stop strings are looked for in the text as SGLang decodes it (special tokens kept)
+        decode_tail=None if decode is None else (lambda ids: decode(ids, False)),
     )
 
 

@@ -195,6 +195,7 @@ class EngineClient:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._has_key = bool(api_key)
+        self._info_path = "/model_info"  # or /get_model_info: see model_info()
         self._headers = auth.auth_headers(api_key) or None
         self._json_headers = {**_JSON_HEADERS, **auth.auth_headers(api_key)}
 
@@ -323,23 +324,32 @@ class EngineClient:
         """Raise EngineAuthError if the engine refuses this client's key (asked on a route that
         needs one); any other failure is left to the requests that follow."""
         try:
-            await self._call("GET", "/get_model_info", timeout_s=timeout_s)
+            await self.model_info(timeout_s=timeout_s)
         except EngineAuthError:
             raise
         except EngineError:
             pass
 
-    async def model_info(self) -> dict[str, Any]:
-        return await self._call("GET", "/model_info")
+    async def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """SGLang's ``/model_info`` (``/get_model_info`` on a server that has only that name, as
+        SGLang 0.5.5 has; 0.5.23 has both and logs a deprecation warning at every call of the
+        old one)."""
+        try:
+            return await self._call("GET", self._info_path, timeout_s=timeout_s)
+        except EngineError as exc:
+            if exc.status != 404 or self._info_path == "/get_model_info":
+                raise
+        self._info_path = "/get_model_info"
+        return await self._call("GET", self._info_path, timeout_s=timeout_s)
 
     async def weight_version(self, timeout_s: float = 5.0) -> int:
-        """The policy version the engine generates with (SGLang: ``/get_model_info``)."""
-        info = await self._call("GET", "/get_model_info", timeout_s=timeout_s)
+        """The policy version the engine generates with (SGLang: ``/model_info``)."""
+        info = await self.model_info(timeout_s=timeout_s)
         try:
             return _as_version(info["weight_version"])
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(
-                self.url, f"/get_model_info has no integer weight_version: {exc}", retryable=False
+                self.url, f"{self._info_path} has no integer weight_version: {exc}", retryable=False
             ) from exc
 
     async def pause(self, mode: str = "in_place") -> None:

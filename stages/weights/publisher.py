@@ -203,7 +203,12 @@ class WeightPublisher:
         # still arriving keep the old version, which only overstates their lag.
         await asyncio.gather(
             *(
-                self._post(url, "/update_weight_version", {"new_version": str(version)})
+                self._post(
+                    url,
+                    "/update_weight_version",
+                    # SGLang's default aborts every request: in-flight updates must not
+                    {"new_version": str(version), "abort_all_requests": False},
+                )
                 for url in self.engine_urls
             )
         )

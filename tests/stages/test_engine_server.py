@@ -75,6 +75,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     port = _free_port()
     log_file = root / "engine.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["SGLANG_HEALTH_CHECK_TIMEOUT"] = "2"  # what /health_generate waits for a step
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -256,8 +257,90 @@ def test_stop_token_ids_and_length(engine: Engine, ref_model: torch.nn.Module) -
     )
     assert out["output_ids"] == free[: first + 1]  # the matched token is part of the output
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # its text is not (SGLang's DetokenizerManager.trim_matched_stop), unless no_stop_trim
+    tokenizer = _tokenizer(engine)
+    assert out["text"] == tokenizer.decode(free[:first], skip_special_tokens=True)
+    kept = engine.generate(
+        {
+            "input_ids": prompt,
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": 16,
+                "stop_token_ids": [stop],
+                "no_stop_trim": True,
+            },
+        }
+    )
+    assert kept["text"] == tokenizer.decode(free[: first + 1], skip_special_tokens=True)
     out = engine.generate({"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 3}})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+def _tokenizer(engine: Engine) -> Any:
+    """The tokenizer as the engine loads it (the class its config names, not the model type's
+    own, which AutoTokenizer would pick: stages.engine.loader)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(engine.model_dir)
+
+
+@pytest.mark.timeout(60)
+def test_stop_strings_end_the_output_at_the_token_that_completes_them(
+    engine: Engine, ref_model: torch.nn.Module
+) -> None:
+    # after SGLang's Req._check_str_based_finish and DetokenizerManager.trim_matched_stop
+    tokenizer = _tokenizer(engine)
+    prompt = [30, 31, 32]
+    free = _hf_greedy(ref_model, prompt, 16)
+    words = [tokenizer.decode([t]) for t in free]
+    stop = f"{words[4]} {words[5]}"  # two tokens' text
+    end = next(k for k in range(1, 17) if stop in tokenizer.decode(free[:k]))
+    assert end <= 6
+    full = tokenizer.decode(free[:end], skip_special_tokens=True)
+
+    def ask(**params: Any) -> Any:
+        sampling = {**GREEDY, "max_new_tokens": 16, **params}
+        return engine.generate({"input_ids": prompt, "sampling_params": sampling})
+
+    out = ask(stop=["no such words", stop])
+    assert out["output_ids"] == free[:end]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == full[: full.find(stop)] and stop not in out["text"]
+    kept = ask(stop=stop, no_stop_trim=True)
+    assert kept["output_ids"] == free[:end] and kept["text"].endswith(stop)
+    # the length limit comes first (SGLang's order); a stop string never seen changes nothing
+    assert ask(stop=stop, max_new_tokens=end)["meta_info"]["finish_reason"]["type"] == "length"
+    assert ask(stop="no such words")["output_ids"] == free
+    # every sample of a batch and of n > 1 looks for its own
+    both = engine.generate(
+        {
+            "input_ids": [prompt, [40, 41]],
+            "sampling_params": [{**GREEDY, "max_new_tokens": 16, "stop": stop, "n": 2}] * 2,
+        }
+    )
+    assert [o["output_ids"] for o in both[:2]] == [free[:end]] * 2
+    assert all(len(o["output_ids"]) <= 16 for o in both[2:])
+
+
+def test_stop_string_requests_are_checked_before_anything_runs() -> None:
+    from stages.engine.protocol import RequestError, parse_generate
+
+    def parse(stop: Any, encode: Any = lambda text: text.split()) -> Any:
+        body = {"input_ids": [1, 2], "sampling_params": {"stop": stop}}
+        return parse_generate(body, vocab_size=8, context_length=512, encode=encode)[0][0].params
+
+    assert parse(["a b", "c"]).stop == ("a b", "c") and parse("a b").stop_window == 4
+    assert parse(None).stop == () and parse([]).stop == ()
+    for bad, words in (
+        (5, "a string or a list"),
+        (["a", 3], "a string or a list"),
+        (["x"] * 33, "at most 32 stop strings"),
+    ):
+        with pytest.raises(RequestError, match=words) as info:
+            parse(bad)
+        assert info.value.field == "sampling_params.stop"
+    with pytest.raises(RequestError, match="tokenizer"):
+        parse("a", encode=None)
 
 
 def _wait_running(engine: Engine, count: int = 1) -> None:
@@ -282,13 +365,19 @@ def test_pause_in_place_then_continue_finishes_whole(
     )
     worker.start()
     _wait_running(engine)
-    assert engine.request("POST", "/pause_generation", {"mode": "in_place"})[0] == 200
+    paused = engine.request("POST", "/pause_generation", {"mode": "in_place"})
+    assert paused == (200, {"message": "Generation paused successfully.", "status": "ok"})
     steps = engine.request("GET", "/get_server_info")[1]["decode_steps"]
     time.sleep(0.2)
     info = engine.request("GET", "/get_server_info")[1]
     assert info["decode_steps"] == steps and info["num_running_reqs"] == 1  # held in place
     assert worker.is_alive()
-    assert engine.request("POST", "/continue_generation", {})[0] == 200
+    # no step within SGLANG_HEALTH_CHECK_TIMEOUT (2 s here): unhealthy, as SGLang says
+    assert engine.request("GET", "/health_generate")[0] == 503
+    assert engine.request("GET", "/health")[0] == 200  # the process is up
+    continued = engine.request("POST", "/continue_generation", {})
+    assert continued == (200, {"message": "Generation continued successfully.", "status": "ok"})
+    assert engine.request("GET", "/health_generate")[0] == 200
     worker.join(30)
     out = result["out"]
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
@@ -317,6 +406,29 @@ def test_abort_request_returns_abort(engine: Engine) -> None:
     meta = result["out"]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
     assert meta["completion_tokens"] == len(result["out"]["output_ids"]) < 480
+
+
+@pytest.mark.timeout(60)
+def test_update_weight_version_aborts_everything_unless_told_not_to(engine: Engine) -> None:
+    # SGLang 0.5's UpdateWeightVersionReqInput: abort_all_requests defaults to true
+    for abort_all, version in ((None, "7"), (False, "8")):
+        result: dict[str, Any] = {}
+        body = {"input_ids": [70, 71], "sampling_params": {**GREEDY, "max_new_tokens": 200}}
+        worker = threading.Thread(
+            target=lambda body=body, result=result: result.update(out=engine.generate(body))
+        )
+        worker.start()
+        _wait_running(engine)
+        update = {"new_version": version}
+        if abort_all is not None:
+            update["abort_all_requests"] = abort_all
+        status, answer = engine.request("POST", "/update_weight_version", update)
+        assert status == 200 and answer["success"] is True and answer["new_version"] == version
+        worker.join(30)
+        reason = result["out"]["meta_info"]["finish_reason"]
+        assert reason["type"] == ("abort" if abort_all is None else "length"), reason
+        assert engine.request("GET", "/model_info")[1]["weight_version"] == version
+    engine.request("POST", "/update_weight_version", {"new_version": "0"})
 
 
 BAD_REQUESTS = [
@@ -393,10 +505,18 @@ def test_model_info_and_health(engine: Engine) -> None:
     assert status == 200
     assert info["model_path"] == str(engine.model_dir)
     assert info["tokenizer_path"] == str(engine.model_dir)
-    assert info["is_generation"] is True
+    assert info["is_generation"] is True and info["served_model_name"] == str(engine.model_dir)
     assert info["weight_version"] == "0"
-    status, body = engine.request("GET", "/get_server_info")
+    assert engine.request("GET", "/get_model_info") == (200, info)  # SGLang's older name
+    assert engine.request("GET", "/health_generate")[0] == 200  # one token of [0]
+    assert engine.request("GET", "/ready")[0] == 200
+    status, body = engine.request("GET", "/server_info")
     assert status == 200 and body["max_running_requests"] == 8
+    assert body["version"].startswith("inflight-rl ") and body["context_length"] > 0
+    assert body["max_total_num_tokens"] == 8 * body["context_length"]
+    (state,) = body["internal_states"]
+    assert state["num_running_reqs"] == body["num_running_reqs"] == 0
+    assert engine.request("GET", "/get_server_info")[1]["max_running_requests"] == 8
     # The port it listens on is logged as a structured event.
     events = [json.loads(line) for line in engine.log_file.read_text().splitlines()]
     started = [e for e in events if e["event"] == "engine_started"]

@@ -484,7 +484,7 @@ def test_sync_batch_must_be_whole_groups():
 
 
 def _set_engine_version(url: str, version: int) -> None:
-    body = json.dumps({"new_version": str(version)}).encode()
+    body = json.dumps({"new_version": str(version), "abort_all_requests": False}).encode()
     request = urllib.request.Request(
         url + "/update_weight_version", body, {"Content-Type": "application/json"}
     )

@@ -133,6 +133,44 @@ async def test_pause_in_place_holds_requests_and_continue_finishes_them(client):
     assert completion.finish_reason == "length" and len(completion.output_ids) == long
 
 
+async def _post(client: EngineClient, path: str, body: dict) -> tuple[int, object]:
+    async with client.session.post(client.url + path, json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+@pytest.mark.timeout(120)
+async def test_stop_strings_end_the_text_before_them(client):
+    """``sampling_params.stop``: ``finish_reason {type: stop, matched}``, the text cut before
+    the string (what the built-in engine's tests check against SGLang's source)."""
+    body = {"input_ids": PROMPT, "sampling_params": _params(16)}
+    status, free = await _post(client, "/generate", body)
+    assert status == 200 and isinstance(free.get("text"), str), free
+    text = free["text"]
+    stop = text[len(text) // 2 :][:3]
+    if not stop.strip():
+        pytest.skip(f"the greedy text {text!r} has no usable middle")
+    body["sampling_params"] = _params(16, stop=[stop])
+    status, out = await _post(client, "/generate", body)
+    assert status == 200, out
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"] and text.startswith(out["text"])
+
+
+@pytest.mark.timeout(180)
+async def test_update_weight_version_keeps_requests_only_when_told(client):
+    """``abort_all_requests`` defaults to true: the publisher says false, or every publish
+    would abort the generation in flight."""
+    long = await _long(client)
+    version = str((await client.model_info())["weight_version"])
+    task = asyncio.create_task(client.generate(PROMPT, _params(long), rid=_rid("kept")))
+    await asyncio.sleep(0.2)
+    update = {"new_version": version, "abort_all_requests": False}
+    status, answer = await _post(client, "/update_weight_version", update)
+    assert status == 200 and answer["success"] is True, answer
+    completion = await asyncio.wait_for(task, 150)
+    assert completion.finish_reason == "length" and len(completion.output_ids) == long
+
+
 @pytest.mark.timeout(120)
 async def test_abort_ends_a_running_request(client):
     rid, long = _rid("aborted"), await _long(client)
