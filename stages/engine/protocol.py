@@ -144,8 +144,10 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "return_hidden_states": (False, None),
     "session_params": (None,),
 }
-_IGNORED_TOP = frozenset({"return_text_in_logprobs", "log_metrics", "modalities"})
-_KNOWN_TOP = frozenset({"text", "input_ids", "sampling_params", "return_logprob", "rid"})
+_IGNORED_TOP = frozenset({"log_metrics", "modalities"})
+_KNOWN_TOP = frozenset(
+    {"text", "input_ids", "sampling_params", "return_logprob", "rid", "return_text_in_logprobs"}
+)
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
 MAX_SAMPLES_PER_REQUEST = 65536
 
@@ -169,6 +171,8 @@ def parse_generate(
                 raise RequestError(key, f"{what} is not supported by the built-in engine")
             continue
         raise RequestError(key, "unknown field of /generate")
+    if not isinstance(body.get("return_text_in_logprobs", False), bool):
+        raise RequestError("return_text_in_logprobs", "expected true or false")
 
     prompts, batch = _prompts(body, vocab_size=vocab_size, encode=encode)
     raw_params = body.get("sampling_params")
@@ -216,8 +220,10 @@ def render_result(
     skip_special_tokens: bool,
     return_logprob: bool,
     no_stop_trim: bool = False,
+    token_text: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
-    """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer)."""
+    """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer;
+    ``token_text``: each log-prob entry's third slot, ``return_text_in_logprobs``)."""
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
@@ -235,7 +241,8 @@ def render_result(
         logprobs = result.output_token_logprobs or []
         # SGLang's layout: [logprob, token_id, token_text or None].
         meta["output_token_logprobs"] = [
-            [lp, tok, None] for lp, tok in zip(logprobs, result.output_ids, strict=True)
+            [lp, tok, None if token_text is None else token_text(tok)]
+            for lp, tok in zip(logprobs, result.output_ids, strict=True)
         ]
     if result.extra:
         meta.update(result.extra)

@@ -49,6 +49,7 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.loader import DTYPES, LoadedModel, load_model
+from stages.engine.openai_api import OpenAIRoutes
 from stages.engine.protocol import (
     GenerateInput,
     RequestError,
@@ -130,6 +131,13 @@ def build_app(
     app[_DECODE] = _decoder(loaded.tokenizer)
     weights = WeightRoutes(scheduler)
     app[_WEIGHTS] = weights
+    decode = app[_DECODE]
+    OpenAIRoutes(
+        lambda body: generate(loaded, scheduler, decode, body),
+        decode,
+        served_model_name=str(loaded.path),
+        context_length=loaded.context_length,
+    ).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
@@ -219,6 +227,10 @@ async def generate(
     queued, as SGLang aborts on disconnect.
     """
     inputs, results, listed = await generate_results(loaded, scheduler, body)
+    token_text = None
+    if decode is not None and body.get("return_text_in_logprobs"):
+        # SGLang: each token decoded alone, special tokens kept
+        token_text = lambda token: decode([token], False)  # noqa: E731
     rendered = [
         render_result(
             result,
@@ -226,6 +238,7 @@ async def generate(
             skip_special_tokens=inp.params.skip_special_tokens,
             return_logprob=inp.return_logprob,
             no_stop_trim=inp.params.no_stop_trim,
+            token_text=token_text,
         )
         for inp, result in zip(inputs, results, strict=True)
     ]

@@ -1,0 +1,320 @@
+"""SGLang's OpenAI-compatible routes on the built-in engine: ``/v1/models`` and ``/v1/completions``.
+
+What agent frameworks, evaluation harnesses and the ``openai`` client speak. Field names,
+defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/protocol.py``:
+``CompletionRequest``, ``CompletionResponse``, ``ModelCard``, ``ErrorResponse``;
+``serving_completions.py``; ``utils.py`` ``to_openai_style_logprobs``; ``usage_processor.py``):
+
+- a completion request becomes a native ``/generate`` request (``max_tokens`` -> ``max_new_tokens``
+  (default 16), ``min_tokens`` -> ``min_new_tokens``, ``seed`` -> ``sampling_seed``, the other
+  sampling fields by their own names; ``prompt`` a string, strings, token ids or lists of them),
+  so the native route's checks apply and a value it cannot honour is refused, never ignored;
+- ``logprobs: k`` asks for log-probs with ``k`` alternatives each (``top_logprobs_num``);
+  ``echo`` puts the prompt's text in front of each choice's;
+- the answer: ``{id, object: "text_completion", created, model, choices: [{index, text, logprobs:
+  {text_offset (-1 each, as SGLang), token_logprobs, tokens, top_logprobs}, finish_reason,
+  matched_stop}], usage: {prompt_tokens, total_tokens, completion_tokens, ...}, metadata:
+  {weight_version, weight_versions}}``, choices prompt-major as ``/generate`` orders samples;
+- fields SGLang accepts and does not use (``user``, ``suffix``, ``best_of``, ``stream_options``
+  without ``stream``, and any it does not know) are ignored, as there.
+
+Not yet (issue 25): ``stream: true`` and ``echo`` with ``logprobs`` (SGLang asks for input
+log-probs then) are refused with 400, so is ``logprobs`` above 0 until top log-probs come; the
+chat route. Errors are SGLang's ``{object: "error", message, type, param, code}``.
+
+This module knows nothing of the scheduler: the server hands it ``/generate`` as a coroutine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from stages.engine.protocol import RequestError
+
+__all__ = ["OpenAIRoutes", "completion_request"]
+
+# OpenAI field -> the native sampling parameter it sets (SGLang's _build_sampling_params)
+_SAMPLING = {
+    "temperature": "temperature",
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "stop_regex": "stop_regex",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf": "ebnf",
+    "n": "n",
+    "no_stop_trim": "no_stop_trim",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "logit_bias": "logit_bias",
+    "custom_params": "custom_params",
+    "seed": "sampling_seed",
+}
+_NATIVE_NAMES = {native: name for name, native in _SAMPLING.items()}
+_MAX_TOKENS_DEFAULT = 16  # CompletionRequest.max_tokens
+
+
+class OpenAIError(ValueError):
+    """A request SGLang answers with 400 (``param``: the offending field, when known)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_response(message: str, *, status: int = 400, param: str | None = None) -> web.Response:
+    """SGLang's ``ErrorResponse`` (``OpenAIServingBase.create_error_response``)."""
+    body = {
+        "object": "error",
+        "message": message,
+        "type": "BadRequestError",
+        "param": param,
+        "code": status,
+    }
+    return web.json_response(body, status=status)
+
+
+def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(native /generate body, what the answer needs: model, n, echo, logprobs)`` for a
+    ``/v1/completions`` body; OpenAIError when SGLang would refuse it (or the engine cannot do
+    what it asks)."""
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    if "prompt" not in body:
+        raise OpenAIError("prompt: Field required", "prompt")
+    prompt = body["prompt"]
+    text = _prompt_kind(prompt)
+    if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+        raise OpenAIError("Prompt cannot be empty", "prompt")  # _validate_request
+    model = body.get("model", "default")
+    if not isinstance(model, str):
+        raise OpenAIError("model: Input should be a valid string", "model")
+    for flag in ("stream", "echo", "return_token_ids"):
+        if not isinstance(body.get(flag, False), bool):
+            raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
+    if body.get("stream"):
+        raise OpenAIError("stream: streaming is not supported by the built-in engine yet", "stream")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
+        raise OpenAIError("logprobs: Input should be a non-negative integer", "logprobs")
+    echo = body.get("echo", False)
+    if echo and logprobs:
+        raise OpenAIError(
+            "echo with logprobs needs the prompt's log-probs, which the built-in engine does not "
+            "compute yet",
+            "echo",
+        )
+    sampling: dict[str, Any] = {"max_new_tokens": _MAX_TOKENS_DEFAULT}
+    for name, native in _SAMPLING.items():
+        if body.get(name) is not None:
+            sampling[native] = body[name]
+    native_body: dict[str, Any] = {
+        "text" if text else "input_ids": prompt,
+        "sampling_params": sampling,
+        "return_logprob": logprobs is not None,
+        "top_logprobs_num": logprobs or 0,
+        "return_text_in_logprobs": True,
+    }
+    if body.get("rid") is not None:
+        native_body["rid"] = body["rid"]
+    n = body.get("n", 1)
+    options = {
+        "model": model,
+        "n": n if _is_int(n) and n > 0 else 1,
+        "echo": echo,
+        "logprobs": logprobs,
+        "return_token_ids": body.get("return_token_ids", False),
+        "prompt": prompt,
+    }
+    return native_body, options
+
+
+def completion_response(
+    results: list[Mapping[str, Any]],
+    options: Mapping[str, Any],
+    decode: Callable[[list[int], bool], str],
+) -> dict[str, Any]:
+    """SGLang's ``CompletionResponse`` for the native results of ``completion_request``."""
+    n = options["n"]
+    echoes = _echo_prompts(options["prompt"], decode) if options["echo"] else []
+    choices = []
+    for index, item in enumerate(results):
+        meta = item["meta_info"]
+        text = item.get("text", "")
+        if echoes:
+            text = echoes[index // n] + text
+        logprobs = None
+        if options["logprobs"] is not None:
+            entries = meta.get("output_token_logprobs") or []
+            logprobs = {
+                "text_offset": [-1] * len(entries),  # SGLang: "not supported yet"
+                "token_logprobs": [e[0] for e in entries],
+                "tokens": [e[2] for e in entries],
+                "top_logprobs": [],
+            }
+        reason = meta.get("finish_reason")
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": reason["type"] if reason else None,
+            "matched_stop": reason.get("matched") if reason else None,
+        }
+        if options["return_token_ids"]:
+            choice["token_ids"] = item["output_ids"]
+        choices.append(choice)
+    prompt_tokens = sum(results[i]["meta_info"]["prompt_tokens"] for i in range(0, len(results), n))
+    completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    first = results[0]["meta_info"]
+    metadata = {"weight_version": first["weight_version"]}
+    if "weight_versions" in first:
+        metadata["weight_versions"] = first["weight_versions"]
+    return {
+        "id": first["id"],
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": options["model"],
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": None,
+            "reasoning_tokens": 0,
+            "completion_tokens_details": None,
+        },
+        "metadata": metadata,
+    }
+
+
+class OpenAIRoutes:
+    """The ``/v1`` handlers of one engine. ``generate(body)`` answers a native ``/generate``
+    body (raising RequestError or ValueError as that route does); ``decode`` is the
+    tokenizer's (None: the model has none, and these routes refuse every request)."""
+
+    def __init__(
+        self,
+        generate: Callable[[Any], Awaitable[Any]],
+        decode: Callable[[list[int], bool], str] | None,
+        *,
+        served_model_name: str,
+        context_length: int,
+    ) -> None:
+        self.generate, self.decode = generate, decode
+        self.served_model_name, self.context_length = served_model_name, context_length
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+
+    def _card(self, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglang",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.context_length,
+        }
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card(self.served_model_name)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.served_model_name:
+            error = {
+                "message": f"The model '{name}' does not exist",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+            return web.json_response({"error": error}, status=404)
+        return web.json_response(self._card(name))
+
+    async def completions(self, request: web.Request) -> web.Response:
+        media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+        if media != "application/json":  # SGLang's validate_json_request
+            return error_response(
+                "Unsupported Media Type: Only 'application/json' is allowed", param="content-type"
+            )
+        if self.decode is None:
+            return error_response("this model has no tokenizer: use the native /generate route")
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return error_response(f"the request body is not JSON: {exc}")
+        try:
+            native, options = completion_request(body)
+            rendered = await self.generate(native)
+        except OpenAIError as exc:
+            return error_response(str(exc), param=exc.param)
+        except RequestError as exc:
+            field = _openai_field(exc.field)
+            message = f"{field}{str(exc)[len(exc.field) :]}"
+            return error_response(message, param=field.split("[")[0].split(".")[0])
+        except ValueError as exc:  # a rid already in flight
+            return error_response(str(exc), param="rid")
+        results = rendered if isinstance(rendered, list) else [rendered]
+        return web.json_response(completion_response(results, options, self.decode))
+
+
+def _prompt_kind(prompt: Any) -> bool:
+    """Whether ``prompt`` is text (a string or strings); OpenAIError unless it is one of
+    ``str | list[str] | list[int] | list[list[int]]``."""
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, list):
+        if all(isinstance(p, str) for p in prompt):
+            return True
+        if all(_is_int(p) for p in prompt) or all(
+            isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt
+        ):
+            return False
+    raise OpenAIError(
+        "prompt: Input should be a string, a list of strings, a list of token ids or a list of "
+        "lists of token ids",
+        "prompt",
+    )
+
+
+def _echo_prompts(prompt: Any, decode: Callable[[list[int], bool], str]) -> list[str]:
+    """Each prompt's text, as SGLang's ``_prepare_echo_prompts`` gives it."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(_is_int(t) for t in prompt):
+        return [decode(list(prompt), True)]
+    return [decode(list(p), True) for p in prompt]
+
+
+def _openai_field(native: str) -> str:
+    """The OpenAI name of a native field path (``sampling_params.max_new_tokens`` ->
+    ``max_tokens``, ``input_ids[1]`` -> ``prompt[1]``)."""
+    for prefix in ("sampling_params.", "sampling_params[0]."):
+        if native.startswith(prefix):
+            name = native[len(prefix) :]
+            return _NATIVE_NAMES.get(name, name)
+    for prefix in ("input_ids", "text"):
+        if native.startswith(prefix):
+            return "prompt" + native[len(prefix) :]
+    return "logprobs" if native == "top_logprobs_num" else native
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,127 @@
+"""The built-in engine's OpenAI-compatible routes, through the ``openai`` client as agents and
+harnesses call them, checked against the native ``/generate`` of the same engine and against
+SGLang 0.5's ``serving_completions.py`` / ``protocol.py`` (the shapes each test names)."""
+
+from __future__ import annotations
+
+import math
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.stages.test_engine_server import GREEDY, Engine, _tokenizer, engine  # noqa: F401
+
+PROMPT = [21, 22, 23, 24]
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> openai.OpenAI:  # noqa: F811
+    return openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.timeout(60)
+def test_models_lists_and_retrieves_the_served_model(engine: Engine, client) -> None:  # noqa: F811
+    (card,) = client.models.list().data
+    assert card.id == str(engine.model_dir) and card.object == "model"
+    assert card.owned_by == "sglang" and card.model_extra["max_model_len"] > 0
+    assert client.models.retrieve(card.id).id == card.id
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
+
+
+@pytest.mark.timeout(60)
+def test_greedy_completion_equals_generate_for_the_same_ids(engine: Engine, client) -> None:  # noqa: F811
+    native = engine.generate(
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {**GREEDY, "max_new_tokens": 8},
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+        }
+    )
+    out = client.completions.create(
+        model="default",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    (choice,) = out.choices
+    assert out.object == "text_completion" and out.model == "default"
+    assert choice.text == native["text"] and choice.finish_reason == "length"
+    entries = native["meta_info"]["output_token_logprobs"]
+    tokenizer = _tokenizer(engine)
+    # [logprob, id, text]: the text of each token alone, special tokens kept (SGLang's
+    # detokenize_logprob_tokens)
+    assert [e[2] for e in entries] == [tokenizer.decode([e[1]]) for e in entries]
+    assert choice.logprobs.tokens == [e[2] for e in entries]
+    assert choice.logprobs.text_offset == [-1] * 8 and choice.logprobs.top_logprobs == []
+    for got, want in zip(choice.logprobs.token_logprobs, entries, strict=True):
+        assert math.isclose(got, want[0], abs_tol=1e-5)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (4, 8)
+    assert out.usage.total_tokens == 12
+    assert out.model_extra["metadata"]["weight_version"] == native["meta_info"]["weight_version"]
+    assert out.id and isinstance(out.created, int)
+
+
+@pytest.mark.timeout(60)
+def test_text_prompts_n_echo_and_stop(engine: Engine, client) -> None:  # noqa: F811
+    tokenizer = _tokenizer(engine)
+    texts = [tokenizer.decode(PROMPT), tokenizer.decode([40, 41])]
+    out = client.completions.create(
+        model="default", prompt=texts, max_tokens=5, temperature=0, n=2, echo=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for i, choice in enumerate(out.choices):  # prompt-major, each prompt's text in front
+        assert choice.text.startswith(texts[i // 2]) and choice.logprobs is None
+    assert out.choices[0].text == out.choices[1].text  # greedy: the same twice
+    assert out.usage.prompt_tokens == 4 + 2 and out.usage.completion_tokens == 4 * 5
+    free = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    words = free.text.split()
+    stop = words[2] if len(words) > 3 else None
+    if stop is None or free.text.count(stop) != 1:
+        pytest.skip(f"no word of {free.text!r} stands once")
+    stopped = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]  # fmt: skip
+    assert stopped.finish_reason == "stop" and stopped.model_extra["matched_stop"] == stop
+    assert stopped.text == free.text[: free.text.find(stop)]
+
+
+@pytest.mark.timeout(60)
+def test_what_sglang_refuses_or_the_engine_cannot_do_yet_is_a_400(engine: Engine, client) -> None:  # noqa: F811
+    cases = [
+        ({"prompt": []}, "Prompt cannot be empty"),
+        ({"prompt": [[], []]}, "Prompt cannot be empty"),
+        ({"prompt": PROMPT, "stream": True}, "stream"),
+        ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+        ({"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": PROMPT, "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [1, 999]}, "prompt[1]"),
+    ]
+    for body, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="default", **body)
+        error = info.value.body
+        assert words in error["message"], (body, error)
+        assert error["object"] == "error" and error["code"] == 400
+    # fields SGLang ignores are ignored; the engine serves on
+    ok = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=2, user="me", extra_body={"bogus": 1}
+    )
+    assert ok.usage.completion_tokens <= 2
+    request = urllib.request.Request(
+        engine.url + "/v1/completions", b'{"prompt": [1]}', {"Content-Type": "text/plain"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 400
