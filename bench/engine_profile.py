@@ -27,8 +27,9 @@ the steady loop to stderr.
 
 ``http`` starts ``inflight engine`` on arith-tiny (``OMP_NUM_THREADS=1``, ``--max-running 64``)
 and keeps ``--in-flight`` samples in flight as the default config does, in requests of one
-group of 4 (``batch``: four identical ``input_ids``; ``n``: ``sampling_params.n`` 4) or one
-request per sample (``single``). It reports the engine process's CPU split between its threads
+group of 4 (``batch``: four identical ``input_ids``; ``n``: ``sampling_params.n`` 4;
+``openai``: the same as ``n`` through ``/v1/completions``, ``logprobs: 0``) or one request per
+sample (``single``). It reports the engine process's CPU split between its threads
 (``/proc``: the event-loop thread, which serves HTTP, vs the scheduler thread) and, with
 ``--py-spy``, the same split from ``py-spy record --threads`` samples plus the hottest frames of
 the event-loop thread.
@@ -393,11 +394,17 @@ async def _drive(url: str, form: str, in_flight: int, seconds: float, group: int
                 "rid": [f"r{counter}-{k}" for k in range(group)],
             }
             n = group
+        elif form == "openai":  # the same samples through /v1/completions
+            b = {"model": "default", "prompt": prompt, "n": group, "temperature": 1.0,
+                 "max_tokens": 5, "logprobs": 0}  # fmt: skip
+            return json.dumps(b).encode(), group
         else:
             b = {"input_ids": prompt, "sampling_params": {**params, "n": group}}
             n = group
         b["return_logprob"] = True
         return json.dumps(b).encode(), n
+
+    path = "/v1/completions" if form == "openai" else "/generate"
 
     async with aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=600),
@@ -409,13 +416,15 @@ async def _drive(url: str, form: str, in_flight: int, seconds: float, group: int
             nonlocal samples, errors, requests
             while time.monotonic() < stop_at:
                 data, _ = body()
-                async with session.post(url + "/generate", data=data) as r:
+                async with session.post(url + path, data=data) as r:
                     raw = await r.read()
                     if r.status != 200:
                         errors += 1
                         continue
                 out = json.loads(raw)
                 requests += 1
+                if isinstance(out, dict) and "choices" in out:
+                    out = out["choices"]
                 samples += len(out) if isinstance(out, list) else 1
 
         per_request = 1 if form == "single" else group
@@ -493,6 +502,7 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
         "errors": driven["errors"],
         "decode_steps": info.get("decode_steps"),
         "engine_cpu_s": round(total, 2),
+        "engine_cpu_us_per_sample": round(1e6 * total / max(1, driven["samples"]), 1),
         "engine_cpu_util": round(total / wall, 2),
         "cpu_share_by_thread": {k: round(v / total, 3) for k, v in sorted(by_name.items())},
         "http_share_proc": round(by_name.get("event_loop", 0.0) / total, 3),
@@ -558,7 +568,7 @@ def main() -> int:
         help="the engine's passes: its own (LlamaForward) or model(...)",
     )
     http = sub.add_parser("http", help="engine CPU on HTTP vs scheduler, over a real server")
-    http.add_argument("--group-form", choices=["batch", "n", "single"], default="batch")
+    http.add_argument("--group-form", choices=["batch", "n", "single", "openai"], default="batch")
     http.add_argument("--in-flight", type=int, default=64)
     http.add_argument("--seconds", type=float, default=20)
     http.add_argument("--py-spy", action="store_true")
