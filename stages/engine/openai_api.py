@@ -19,8 +19,8 @@ defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/protocol.py``:
   without ``stream``, and any it does not know) are ignored, as there.
 
 Not yet (issue 25): ``stream: true`` and ``echo`` with ``logprobs`` (SGLang asks for input
-log-probs then) are refused with 400, so is ``logprobs`` above 0 until top log-probs come; the
-chat route. Errors are SGLang's ``{object: "error", message, type, param, code}``.
+log-probs then) are refused with 400; the chat route. Errors are SGLang's ``{object: "error",
+message, type, param, code}``.
 
 This module knows nothing of the scheduler: the server hands it ``/generate`` as a coroutine.
 """
@@ -158,11 +158,12 @@ def completion_response(
         logprobs = None
         if options["logprobs"] is not None:
             entries = meta.get("output_token_logprobs") or []
+            tops = meta.get("output_top_logprobs") or []
             logprobs = {
                 "text_offset": [-1] * len(entries),  # SGLang: "not supported yet"
                 "token_logprobs": [e[0] for e in entries],
                 "tokens": [e[2] for e in entries],
-                "top_logprobs": [],
+                "top_logprobs": [{e[2]: e[0] for e in step} for step in tops],
             }
         reason = meta.get("finish_reason")
         choice: dict[str, Any] = {

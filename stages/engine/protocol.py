@@ -4,9 +4,14 @@ Field names and defaults follow SGLang 0.5.x (``GenerateReqInput`` and ``Samplin
 ``max_new_tokens`` 128, ``temperature`` 1.0 (0 means greedy), ``top_p`` 1.0, ``top_k`` -1 (off),
 ``min_p`` 0.0, ``ignore_eos`` false, ``sampling_seed`` none, ``n`` 1. Every problem raises
 ``RequestError`` naming the field, which the server answers with HTTP 400. SGLang parameters
-the built-in engine does not implement (penalties, grammars, ``logit_bias``, streaming, top
+the built-in engine does not implement (penalties, grammars, ``logit_bias``, streaming, input
 log-probs) are accepted only at their neutral default and rejected otherwise, so a request never
 silently means something else here.
+
+Top log-probs (``top_logprobs_num``: k, with ``return_logprob``): per output token the k most
+likely tokens of the distribution the sampled token's log-prob comes from (``log_softmax(logits /
+temperature)``, or of the logits when greedy), most likely first, as
+``meta_info.output_top_logprobs`` ``[[[logprob, token_id, text or None], ...], ...]``.
 
 Stop strings (``stop``: a string or a list of at most 32) as SGLang 0.5 has them
 (``Req._check_str_based_finish``, ``DetokenizerManager.trim_matched_stop``): after every sampled
@@ -92,6 +97,7 @@ class GenerateInput:
     params: SamplingParams
     return_logprob: bool
     group_rid: str | None = None  # the caller's rid of an n > 1 request (aborts every sample)
+    top_logprobs_num: int = 0  # alternatives reported per output token (with return_logprob)
 
 
 @dataclass(slots=True)
@@ -108,6 +114,8 @@ class SequenceResult:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     cached_weight_version: str | None = None  # the version that computed that KV
     e2e_latency: float = 0.0
+    # per output token, the top_logprobs_num most likely (logprob, token id), most likely first
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,7 +140,6 @@ MAX_STOP_COUNT = 32  # SGLang's limit on stop strings
 # Top-level GenerateReqInput fields accepted only at these neutral values.
 _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "stream": (False, None),
-    "top_logprobs_num": (0, None),
     "token_ids_logprob": (None,),
     "logprob_start_len": (-1, 0, None),
     "image_data": (None,),
@@ -146,7 +153,15 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
 }
 _IGNORED_TOP = frozenset({"log_metrics", "modalities"})
 _KNOWN_TOP = frozenset(
-    {"text", "input_ids", "sampling_params", "return_logprob", "rid", "return_text_in_logprobs"}
+    {
+        "text",
+        "input_ids",
+        "sampling_params",
+        "return_logprob",
+        "rid",
+        "return_text_in_logprobs",
+        "top_logprobs_num",
+    }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
 MAX_SAMPLES_PER_REQUEST = 65536
@@ -186,6 +201,15 @@ def parse_generate(
         )
     params = _per_item(raw_params, "sampling_params", count, listed, dict)
     logprob_flags = _per_item(body.get("return_logprob"), "return_logprob", count, listed, bool)
+    tops = _per_item(body.get("top_logprobs_num"), "top_logprobs_num", count, listed, int)
+    for i, top in enumerate(tops):
+        if top is not None and (isinstance(top, bool) or not 0 <= top <= vocab_size):
+            where = (
+                f"top_logprobs_num[{i}]"
+                if isinstance(body["top_logprobs_num"], list)
+                else ("top_logprobs_num")
+            )
+            raise RequestError(where, f"expected an integer in [0, {vocab_size}], got {top!r}")
     rids = _sample_rids(body.get("rid"), count, n, batch)
 
     inputs: list[GenerateInput] = []
@@ -204,12 +228,13 @@ def parse_generate(
                 f"model's context length {context_length}",
             )
         flag = bool(logprob_flags[i])
+        top = (tops[i] or 0) if flag else 0  # SGLang: top log-probs come with return_logprob
         for j in range(n):
             rid, group_rid = rids(i, j)
             if rid in seen:
                 raise RequestError(f"rid{where}", f"duplicate request id {rid!r} in the batch")
             seen.add(rid)
-            inputs.append(GenerateInput(rid, ids, sp, flag, group_rid))
+            inputs.append(GenerateInput(rid, ids, sp, flag, group_rid, top))
     return inputs, listed
 
 
@@ -244,6 +269,11 @@ def render_result(
             [lp, tok, None if token_text is None else token_text(tok)]
             for lp, tok in zip(logprobs, result.output_ids, strict=True)
         ]
+        if result.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = [
+                [[lp, tok, None if token_text is None else token_text(tok)] for lp, tok in step]
+                for step in result.output_top_logprobs
+            ]
     if result.extra:
         meta.update(result.extra)
     out: dict[str, Any] = {}

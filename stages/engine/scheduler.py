@@ -167,12 +167,15 @@ class _Seq:
         "stamp",
         "started",
         "tail",
+        "top",
     )
 
     def __init__(self, inp: GenerateInput, group: _Group, index: int, started: float) -> None:
         self.inp = inp
         # its last sampled tokens, decoded after each step to look for its stop strings
         self.tail: list[int] | None = [] if inp.params.stop else None
+        # its top log-probs, one list per sampled token, when it asked for them
+        self.top: list[list[tuple[float, int]]] | None = [] if inp.top_logprobs_num else None
         self.group = group
         self.index = index  # in the group
         seed = inp.params.sampling_seed
@@ -244,6 +247,7 @@ class Scheduler:
         # token ids -> text, to look for stop strings; the running seqs that have some
         self._decode_tail = decode_tail
         self._stop_seqs: set[_Seq] = set()
+        self._top_seqs: set[_Seq] = set()  # running seqs that want top log-probs
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         # Weight versions as spans over the step clock (BatchKV.end): version _vvals[i] is live
         # from clock _vkeys[i] on.
@@ -621,6 +625,7 @@ class Scheduler:
             seq.stamp = match.stamp if match.stamp is not None else live
         self._running.extend(group)
         self._stop_seqs.update(s for s in group if s.tail is not None)
+        self._top_seqs.update(s for s in group if s.top is not None)
         self._sampler.add(
             [s.inp.params for s in group],
             [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
@@ -628,6 +633,8 @@ class Scheduler:
         )
         if src is not None:
             logits = logits.index_select(0, src)
+        if self._top_seqs:
+            self._take_top_logprobs(logits, lo, hi)
         tokens, logprobs = self._sampler.sample(logits, lo, hi)
         self._kv.set_pending(lo, hi, tokens, logprobs)
         self.tokens_generated += hi - lo
@@ -670,10 +677,31 @@ class Scheduler:
             logits = out.logits[:, -1, :]
         self.steps += 1
         rows = kv.rows
+        if self._top_seqs:
+            self._take_top_logprobs(logits, 0, rows)
         tokens, logprobs = self._sampler.sample(logits, 0, rows)
         kv.push(tokens, logprobs)
         self.tokens_generated += rows
         self._finish_checks(tokens, 0, rows, kv.end)
+
+    def _take_top_logprobs(self, logits: torch.Tensor, lo: int, hi: int) -> None:
+        """Before sampling (which overwrites ``logits``): each watched row's most likely
+        tokens under the distribution its sampled token's log-prob comes from."""
+        seqs = [s for s in self._top_seqs if lo <= s.slot < hi]
+        if not seqs:
+            return
+        rows = torch.tensor([s.slot - lo for s in seqs], device=logits.device)
+        temperature = torch.tensor(
+            [1.0 if s.inp.params.greedy else s.inp.params.temperature for s in seqs],
+            device=logits.device,
+        )
+        x = logits.index_select(0, rows).float() / temperature[:, None]
+        k = min(max(s.inp.top_logprobs_num for s in seqs), x.shape[1])
+        values, ids = torch.log_softmax(x, dim=-1).topk(k, dim=-1)
+        for seq, vals, toks in zip(seqs, values.tolist(), ids.tolist(), strict=True):
+            n = seq.inp.top_logprobs_num
+            assert seq.top is not None
+            seq.top.append(list(zip(vals[:n], toks[:n], strict=True)))
 
     def _finish_checks(self, tokens: torch.Tensor, lo: int, hi: int, column: int) -> None:
         """Retire rows ``lo..hi`` that the tokens just sampled for them finish: by length or
@@ -789,6 +817,7 @@ class Scheduler:
     ) -> None:
         self._rids.pop(seq.inp.rid, None)
         self._stop_seqs.discard(seq)
+        self._top_seqs.discard(seq)
         seq.slot = -1
         seq.group.done(
             seq.index,
@@ -803,6 +832,8 @@ class Scheduler:
                 cached_tokens=seq.cached,
                 cached_weight_version=seq.cached_version,
                 e2e_latency=round(time.perf_counter() - seq.started, 6),
+                # one list per output token (an abort may come before a sampled token counts)
+                output_top_logprobs=None if seq.top is None else seq.top[: len(ids)],
             ),
         )
 

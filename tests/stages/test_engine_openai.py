@@ -68,6 +68,22 @@ def test_greedy_completion_equals_generate_for_the_same_ids(engine: Engine, clie
 
 
 @pytest.mark.timeout(60)
+def test_logprobs_k_gives_the_k_most_likely_tokens_of_each_step(engine: Engine, client) -> None:  # noqa: F811
+    out = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.top_logprobs) == 6
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        # greedy: the argmax was drawn (its log-prob summed in another order by the sampler)
+        assert len(top) == 3 and math.isclose(max(top.values()), logprob, abs_tol=1e-6)
+        assert math.isclose(top[token], logprob, abs_tol=1e-6)
+
+
+@pytest.mark.timeout(60)
 def test_text_prompts_n_echo_and_stop(engine: Engine, client) -> None:  # noqa: F811
     tokenizer = _tokenizer(engine)
     texts = [tokenizer.decode(PROMPT), tokenizer.decode([40, 41])]
@@ -101,7 +117,7 @@ def test_what_sglang_refuses_or_the_engine_cannot_do_yet_is_a_400(engine: Engine
         ({"prompt": []}, "Prompt cannot be empty"),
         ({"prompt": [[], []]}, "Prompt cannot be empty"),
         ({"prompt": PROMPT, "stream": True}, "stream"),
-        ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+        ({"prompt": PROMPT, "logprobs": -1}, "logprobs"),
         ({"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
         ({"prompt": PROMPT, "frequency_penalty": 0.5}, "frequency_penalty"),

@@ -177,6 +177,51 @@ def test_greedy_matches_transformers_generate(engine: Engine, ref_model: torch.n
 
 
 @pytest.mark.timeout(60)
+def test_top_logprobs_are_the_most_likely_tokens_of_each_step(
+    engine: Engine, ref_model: torch.nn.Module
+) -> None:
+    # SGLang's top_logprobs_num: from the log-probs the sampled token's comes from
+    # (srt/layers/sampler.py: log_softmax(logits / T), greedy log_softmax(logits)), most likely
+    # first; here against transformers' forward
+    prompt, k = [7, 8, 9], 4
+    for params in ({**GREEDY}, {"temperature": 0.7, "ignore_eos": True, "sampling_seed": 3}):
+        out = engine.generate(
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "top_logprobs_num": k,
+                "sampling_params": {**params, "max_new_tokens": 6},
+            }
+        )
+        ids, meta = out["output_ids"], out["meta_info"]
+        tops = meta["output_top_logprobs"]
+        assert len(tops) == 6 and all(len(step) == k for step in tops)
+        with torch.no_grad():
+            logits = ref_model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits / (params.get("temperature") or 1.0), -1)
+        terms = forward_terms(ref_model.config, len(prompt) + 6)
+        for step, row, (lp, tok, _) in zip(
+            tops, expected, meta["output_token_logprobs"], strict=True
+        ):
+            values = [entry[0] for entry in step]
+            assert values == sorted(values, reverse=True)
+            assert_close(values, row.topk(k).values, terms=terms)
+            assert_close([row[e[1]] for e in step], values, terms=terms)  # each id's own
+            if not params.get("temperature"):
+                # greedy: the argmax was drawn (its log-prob summed in another order)
+                assert step[0][1] == tok and math.isclose(step[0][0], lp, abs_tol=1e-6)
+    # without return_logprob there are none (SGLang returns them only with it)
+    plain = engine.generate(
+        {
+            "input_ids": prompt,
+            "top_logprobs_num": k,
+            "sampling_params": {**GREEDY, "max_new_tokens": 2},
+        }
+    )
+    assert "output_top_logprobs" not in plain["meta_info"]
+
+
+@pytest.mark.timeout(60)
 def test_concurrent_staggered_requests_match_each_alone(
     engine: Engine, ref_model: torch.nn.Module
 ) -> None:
@@ -453,6 +498,8 @@ BAD_REQUESTS = [
     ),
     ({"input_ids": [1], "sampling_params": "fast"}, "sampling_params"),
     ({"input_ids": [1], "stream": True}, "stream"),
+    ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 129}, "top_logprobs_num"),
     ({"input_ids": [1], "whatever": 1}, "whatever"),
     ({"input_ids": [[1], []]}, "input_ids[1]"),
     ({"text": 5}, "text"),
