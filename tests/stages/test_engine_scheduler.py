@@ -129,6 +129,40 @@ def test_retract_then_continue_recomputes_and_matches(models: tuple[Path, Path])
 
 
 @pytest.mark.timeout(60)
+def test_stop_strings_and_top_logprobs_survive_a_retraction(models: tuple[Path, Path]) -> None:
+    """What a sequence watches (the tail it decodes for stop strings, its top log-probs) is
+    its own, not its row's: a retraction in the middle changes nothing of the result."""
+    model = load_reference(models[0])
+    prompt = [3, 9, 27]
+    free = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
+    free = free[0, len(prompt) :].tolist()
+    words = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731 (the "tokenizer")
+    stop = words(free[8:10])
+    end = next(k for k in range(1, 31) if stop in words(free[:k]))
+    params = SamplingParams(
+        temperature=0.0, max_new_tokens=30, ignore_eos=True, stop=(stop,), stop_window=12
+    )
+    for retract in (False, True):
+        scheduler = Scheduler(model, max_running=4, decode_tail=words)
+        other = scheduler.submit(GenerateInput("other", [5, 6], GREEDY, False))
+        future = scheduler.submit(GenerateInput("s", prompt, params, True, None, 3))
+        for _ in range(4):
+            scheduler.step()
+        if retract:
+            scheduler.pause("retract")
+            scheduler.step()
+            scheduler.resume()
+        scheduler.run_until_idle()
+        result = future.result(timeout=0)
+        assert result.output_ids == free[:end]
+        assert result.finish_reason == {"type": "stop", "matched": stop}
+        tops = result.output_top_logprobs
+        assert tops is not None and len(tops) == end and all(len(t) == 3 for t in tops)
+        assert [t[0][1] for t in tops] == free[:end]  # greedy: the most likely was drawn
+        assert other.result(timeout=0).output_top_logprobs is None
+
+
+@pytest.mark.timeout(60)
 def test_max_running_bounds_the_batch(models: tuple[Path, Path]) -> None:
     scheduler = Scheduler(load_reference(models[0]), max_running=2)
     futures = [scheduler.submit(GenerateInput(f"q{i}", [5, 6], GREEDY, False)) for i in range(5)]
