@@ -141,7 +141,6 @@ MAX_STOP_COUNT = 32  # SGLang's limit on stop strings
 _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "stream": (False, None),
     "token_ids_logprob": (None,),
-    "logprob_start_len": (-1, 0, None),
     "image_data": (None,),
     "audio_data": (None,),
     "video_data": (None,),
@@ -161,6 +160,7 @@ _KNOWN_TOP = frozenset(
         "rid",
         "return_text_in_logprobs",
         "top_logprobs_num",
+        "logprob_start_len",
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -201,6 +201,15 @@ def parse_generate(
         )
     params = _per_item(raw_params, "sampling_params", count, listed, dict)
     logprob_flags = _per_item(body.get("return_logprob"), "return_logprob", count, listed, bool)
+    starts = _per_item(body.get("logprob_start_len"), "logprob_start_len", count, listed, int)
+    for flag, start in zip(logprob_flags, starts, strict=True):
+        if flag and start not in (None, -1):
+            # SGLang: from that prompt position on, input_token_logprobs (-1: none)
+            raise RequestError(
+                "logprob_start_len",
+                f"{start} asks for the prompt's log-probs, which the built-in engine does not "
+                "compute yet (-1: none)",
+            )
     tops = _per_item(body.get("top_logprobs_num"), "top_logprobs_num", count, listed, int)
     for i, top in enumerate(tops):
         if top is not None and (isinstance(top, bool) or not 0 <= top <= vocab_size):
@@ -264,12 +273,15 @@ def render_result(
     }
     if return_logprob:
         logprobs = result.output_token_logprobs or []
+        meta["input_token_logprobs"] = []  # logprob_start_len -1: none (SGLang's layout)
         # SGLang's layout: [logprob, token_id, token_text or None].
         meta["output_token_logprobs"] = [
             [lp, tok, None if token_text is None else token_text(tok)]
             for lp, tok in zip(logprobs, result.output_ids, strict=True)
         ]
+        meta["output_token_logprobs_length"] = len(logprobs)
         if result.output_top_logprobs is not None:
+            meta["input_top_logprobs"] = []
             meta["output_top_logprobs"] = [
                 [[lp, tok, None if token_text is None else token_text(tok)] for lp, tok in step]
                 for step in result.output_top_logprobs

@@ -166,6 +166,8 @@ def test_greedy_matches_transformers_generate(engine: Engine, ref_model: torch.n
     # Log-probs: one per token, finite, <= 0, and log_softmax of the model's logits.
     logprobs = meta["output_token_logprobs"]
     assert [row[1] for row in logprobs] == out["output_ids"]
+    # logprob_start_len -1 (SGLang's default): no prompt log-probs, the key is there all the same
+    assert meta["input_token_logprobs"] == [] and meta["output_token_logprobs_length"] == 24
     assert all(row[2] is None for row in logprobs)
     with torch.no_grad():
         full = torch.tensor([prompt + out["output_ids"]])
@@ -219,6 +221,15 @@ def test_top_logprobs_are_the_most_likely_tokens_of_each_step(
         }
     )
     assert "output_top_logprobs" not in plain["meta_info"]
+    # and logprob_start_len means nothing without return_logprob (SGLang ignores it then)
+    plain = engine.generate(
+        {
+            "input_ids": prompt,
+            "logprob_start_len": 0,
+            "sampling_params": {**GREEDY, "max_new_tokens": 2},
+        }
+    )
+    assert "input_token_logprobs" not in plain["meta_info"]
 
 
 @pytest.mark.timeout(60)
@@ -498,6 +509,8 @@ BAD_REQUESTS = [
     ),
     ({"input_ids": [1], "sampling_params": "fast"}, "sampling_params"),
     ({"input_ids": [1], "stream": True}, "stream"),
+    ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+    ({"input_ids": [1], "logprob_start_len": "0"}, "logprob_start_len"),
     ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
     ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 129}, "top_logprobs_num"),
     ({"input_ids": [1], "whatever": 1}, "whatever"),
