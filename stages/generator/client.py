@@ -164,20 +164,32 @@ def parse_completion(body: Mapping[str, Any], url: str = "") -> Completion:
         pairs = meta.get("output_token_logprobs") or ()
         # [[logprob, token_id, text], ...]: the first column, taken by zip in C
         logprobs = np.asarray(next(zip(*pairs, strict=True)) if pairs else (), dtype=np.float32)
-        reason = meta.get("finish_reason") or {}
-        finish = reason.get("type", "unknown") if isinstance(reason, Mapping) else str(reason)
+        finish = _finish_type(meta.get("finish_reason") or {})
         version = _as_version(meta.get("weight_version"))
         versions = _token_versions(meta, len(output_ids))
     except (KeyError, TypeError, IndexError, ValueError, AttributeError, StopIteration) as exc:
         raise EngineError(url, f"malformed /generate response: {exc!r}", retryable=False) from exc
+    hint = " (asked with return_logprob=true?)"
+    _check_aligned(url, "/generate returned", output_ids, logprobs, versions, hint)
+    return Completion(output_ids, logprobs, versions, finish, version, meta)
+
+
+def _check_aligned(
+    url: str, who: str, output_ids: Any, logprobs: Any, versions: Any, hint: str = ""
+) -> None:
+    """EngineError unless there is one log-prob and one version per output token."""
     if not (len(logprobs) == len(output_ids) == len(versions)):
         raise EngineError(
             url,
-            f"/generate returned {len(output_ids)} tokens, {len(logprobs)} log-probs and "
-            f"{len(versions)} versions (asked with return_logprob=true?)",
+            f"{who} {len(output_ids)} tokens, {len(logprobs)} log-probs and "
+            f"{len(versions)} versions{hint}",
             retryable=False,
         )
-    return Completion(output_ids, logprobs, versions, finish, version, meta)
+
+
+def _finish_type(reason: Any) -> str:
+    """``finish_reason.type`` ("stop", "length", "abort"), or the reason as text."""
+    return reason.get("type", "unknown") if isinstance(reason, Mapping) else str(reason)
 
 
 class EngineClient:
@@ -398,13 +410,7 @@ def completion_of(result: Any, url: str = "") -> Completion:
         versions = np.asarray([_as_version(v) for v in result.output_token_weight_versions])
     output_ids = np.asarray(result.output_ids, dtype=np.int32)
     logprobs = np.asarray(result.output_token_logprobs or (), dtype=np.float32)
-    if not (len(logprobs) == len(output_ids) == len(versions)):
-        raise EngineError(
-            url,
-            f"the engine gave {len(output_ids)} tokens, {len(logprobs)} log-probs and "
-            f"{len(versions)} versions",
-            retryable=False,
-        )
+    _check_aligned(url, "the engine gave", output_ids, logprobs, versions)
     reason = result.finish_reason or {}
     meta = {
         "id": result.rid,
@@ -417,7 +423,7 @@ def completion_of(result: Any, url: str = "") -> Completion:
         "e2e_latency": result.e2e_latency,
         **result.extra,
     }
-    finish = reason.get("type", "unknown") if isinstance(reason, Mapping) else str(reason)
+    finish = _finish_type(reason)
     return Completion(
         output_ids, logprobs, versions, finish, _as_version(result.weight_version), meta
     )
