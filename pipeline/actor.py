@@ -88,6 +88,8 @@ class ActorContext:
         self.stages: dict[str, int] = dict(spec.get("stages", {}))  # every stage -> replicas
         # the learner's batch, publish.every, max_lag, version and generators (topics.PACE)
         self.learner_pace: dict[str, int] = {}
+        # engine URL -> the newest version announced as loaded there (topics.VERSION `engines`)
+        self.engine_versions: dict[str, int] = {}
         # generator replica ("stage.replica") -> its latest `engines` announcement
         self.engines: dict[str, dict[str, Any]] = {}
         self._engines_changed = asyncio.Condition()
@@ -108,7 +110,11 @@ class ActorContext:
         """The run's inference-engine API key (``stages.engine.auth``); None when absent."""
         return self._engine_api_key
 
-    async def set_version(self, version: int) -> None:
+    async def set_version(self, version: int, engines: Any = ()) -> None:
+        """A version announcement; ``engines``: the URLs that hold ``version`` now."""
+        for url in engines if isinstance(engines, list) else ():
+            if isinstance(url, str) and version > self.engine_versions.get(url, -1):
+                self.engine_versions[url] = version
         if version > self._version:
             self._version = version
             async with self._version_changed:
@@ -319,7 +325,7 @@ class _Replica:
         while True:
             topic, payload = await self.control.recv()
             if topic == topics.VERSION and isinstance(payload.get("version"), int):
-                await self.ctx.set_version(payload["version"])
+                await self.ctx.set_version(payload["version"], payload.get("engines", ()))
             elif topic == topics.PACE:
                 self.ctx.set_pace(payload)
             elif topic == topics.ENGINES and isinstance(payload.get("urls"), list):

@@ -88,6 +88,7 @@ class StageContext(Protocol):
     stop_requested: asyncio.Event  # set when the run is shutting down (run() is then cancelled)
     stages: Mapping[str, int]  # every stage of the pipeline -> its number of replicas
     engines: Mapping[str, Any]  # generator replica -> its `engines` announcement (urls, epoch)
+    engine_versions: Mapping[str, int]  # engine URL -> newest version announced loaded there
     ledger: Any  # pipeline.ledger.LedgerReporter: where this stage's samples ended
 
     @property

@@ -2,8 +2,10 @@
 
 - ``heartbeat`` {stage, replica, pid, session, held}: every ``run.heartbeat_s`` from each replica
   (``held``: messages waiting in its inboxes; if it dies their producers send them again).
-- ``version`` {version, stage, replica}: a new policy version is live (from the weight publisher);
-  the supervisor re-sends the latest one every heartbeat so late joiners learn it.
+- ``version`` {version, engines, stage, replica}: a new policy version is live (from the weight
+  publisher); ``engines``: the URLs that have loaded it (generators learn their engines' versions
+  here without asking them). The supervisor re-sends the latest one every heartbeat so late
+  joiners learn it.
 - ``stop`` {stage, replica, session, reason, outcome}: a replica asks the supervisor to end the
   run, as ``succeeded`` or ``failed`` (``outcome``); refused unless it comes from a live replica.
 

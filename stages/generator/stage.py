@@ -204,6 +204,8 @@ class Generator:
         # engine serves its initial weights again until the publisher has caught it up
         self.versions: dict[str, int] = {}
         self._engine_restarts: dict[str, int] = {}
+        # per engine: announcements (topics.VERSION) up to this version predate its restart
+        self._announced_before_restart: dict[str, int] = {}
         self._versions_asked = 0.0  # monotonic time of the last /get_model_info round
         self.params = config.sampling.as_params()
         self.counts = {
@@ -307,6 +309,7 @@ class Generator:
                         reason="engine restarted: it serves its initial weights",
                     )
                     self.versions[url] = 0
+                    self._announced_before_restart[url] = self._announced(url)
                 self._engine_restarts[url] = restarts
         if epoch != self._epoch:
             self._epoch = epoch
@@ -342,6 +345,7 @@ class Generator:
             version = None  # it will be asked again while it lags behind
         self.log.info("engine_up", url=engine, weight_version=version, was=self.versions[engine])
         self.versions[engine] = version if version is not None else 0
+        self._announced_before_restart[engine] = self._announced(engine)
         self._changed.set()
 
     def _groups_unsupported(self, engine: str, error: EngineError) -> None:
@@ -362,6 +366,29 @@ class Generator:
         """The newest policy version an engine in use serves."""
         live = [v for url, v in self.versions.items() if url not in self.down]
         return max(live, default=0)
+
+    def _announced(self, engine: str) -> int:
+        versions = getattr(self.ctx, "engine_versions", None) or {}
+        return versions.get(engine.rstrip("/"), -1)
+
+    def _take_announced_versions(self) -> None:
+        """Learn from the weight publisher's announcements which version each engine loaded.
+
+        Completions carry the version too, but none arrive while the queue gate holds starts
+        back: without this the gate would go on counting the engines as behind (and hold back
+        more) until it next asks them.
+        """
+        for url, known in self.versions.items():
+            announced = self._announced(url)
+            if announced > known and announced > self._announced_before_restart.get(url, -1):
+                self.versions[url] = announced
+
+    async def _watch_versions(self) -> None:
+        """Look at the gates again as soon as a new version is announced."""
+        version = self.ctx.version
+        while True:
+            version = await self.ctx.wait_for_version(version + 1)
+            self._changed.set()
 
     def _lagging(self, engine: str) -> bool:
         return self.ctx.version - self.versions[engine] > self.config.max_lag
@@ -418,6 +445,7 @@ class Generator:
                 raise self._fatal
             groups = rollouts.credit() + (self.outbox.maxsize - self.outbox.qsize())
             room = groups * self.config.group_size
+            self._take_announced_versions()
             version = max(self.engine_version, 0)
             newest = max(self.ctx.version, version)
             ahead, budget = self._learner_room(version)
@@ -474,6 +502,8 @@ class Generator:
             asyncio.create_task(self._emit(), name="emit"),
             asyncio.create_task(self._decide(), name="decide"),
         ]
+        if self.ctx.mode == "async":
+            workers.append(asyncio.create_task(self._watch_versions(), name="versions"))
         size = self.config.group_size
         grouped = self.config.group_requests and size > 1 and self.rollouts is None
         try:

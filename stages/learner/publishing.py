@@ -216,7 +216,10 @@ class Publishing:
         self._failed_at, self._retry_s = None, _RETRY_FIRST_S
         self.counts["published"] += 1
         self.seconds += time.perf_counter() - started
-        await self.ctx.publish(topics.VERSION, {"version": version})
+        # every engine named has loaded it: publish() returns once they all have
+        await self.ctx.publish(
+            topics.VERSION, {"version": version, "engines": list(publisher.engine_urls)}
+        )
         self.log.debug(  # every publish: the totals are in learner_done and summary.json
             "metrics",
             policy_version=version,

@@ -48,3 +48,16 @@ def test_the_learners_pace_report_is_kept_when_well_formed_and_not_older():
     for bad in ({**pace, "batch": "32", "version": 7}, {**pace, "every": None, "version": 7}):
         ctx.set_pace(bad)  # garbage changes nothing
     assert ctx.learner_pace["version"] == 6 and ctx.learner_pace["batch"] == 32
+
+
+def test_a_version_announcement_records_which_engines_loaded_it():
+    async def main():
+        ctx = ActorContext(_SPEC, log=None, control=None)
+        await ctx.set_version(3, ["http://a", "http://b"])
+        await ctx.set_version(2, ["http://a"])  # an older announcement, late: no step back
+        await ctx.set_version(4, ["http://b", 7, None])  # garbage entries are skipped
+        await ctx.set_version(5, "http://a")  # not a list: only the version counts
+        assert ctx.version == 5
+        assert ctx.engine_versions == {"http://a": 3, "http://b": 4}
+
+    asyncio.run(main())

@@ -205,10 +205,12 @@ async def generate(
     mode: str = "async",
     version: int = 0,
     pace: dict[str, int] | None = None,
+    engine_versions: dict[str, int] | None = None,
     **options: Any,
 ) -> SimpleNamespace:
     """Run the generator stage over ``count`` prompts; returns what it did and said.
-    ``pace``: the learner's last ``topics.PACE`` report (none by default)."""
+    ``pace``: the learner's last ``topics.PACE`` report (none by default); ``engine_versions``:
+    what the weight publisher announced each engine holds (``topics.VERSION``)."""
     config = GeneratorConfig(
         engines=engines,
         group_size=G,
@@ -229,6 +231,8 @@ async def generate(
     batches: list[tuple[int, int]] = []  # (samples started, in flight) when a sync batch ended
 
     async def wait_for_version(at_least: int) -> int:
+        if mode == "async":  # no learner publishes in these runs
+            await asyncio.Event().wait()
         batches.append((stage.counts["started"], sum(stage.in_flight.values())))
         return at_least  # the learner trained on the batch at once
 
@@ -246,6 +250,7 @@ async def generate(
         ledger=LedgerReporter(ledger.append),
         publish=publish,
         wait_for_version=wait_for_version,
+        engine_versions=dict(engine_versions or {}),
     )
     stage = Generator(config, ctx)
     peak: dict[str, int] = {}
@@ -536,3 +541,58 @@ async def test_no_queue_gate_without_a_pace_and_a_batch_more_for_a_hungry_learne
     pace = {"batch": 8, "every": 1, "max_lag": 2, "origins": 1, "version": 1, "hungry": True}
     out = await generate(tmp_path, [engine], 12, target=40, send_delay_s=0.01, pace=pace)
     assert 16 < out.peak["not_done"] <= 24
+
+
+@pytest.mark.timeout(60)
+async def test_the_queue_gate_counts_versions_the_publisher_announced_as_loaded(tmp_path, engine):
+    """The learner is at version 1 and the publisher announced that the engine loaded it: the
+    gate must count the engine as current from the start, (max_lag 2 - lag 0 + 1) x batch 8 =
+    24, not wait for a completion (none comes while the gate holds starts back) or ask."""
+    pace = {"batch": 8, "every": 1, "max_lag": 2, "origins": 1, "version": 1}
+    await asyncio.to_thread(_set_engine_version, engine, 1)
+    try:
+        out = await generate(
+            tmp_path,
+            [engine],
+            12,
+            target=40,
+            send_delay_s=0.01,
+            pace=pace,
+            version=1,
+            engine_versions={engine: 1},
+        )
+    finally:
+        await asyncio.to_thread(_set_engine_version, engine, 0)
+    assert_every_sample_once(out, 12)
+    closed = [e for e in out.named("inflight_decision") if e["reason"] == "queue_gate"]
+    assert closed and closed[0]["value"] is False and closed[0]["budget"] == 24
+    assert 16 < out.peak["not_done"] <= 24
+    assert not out.named("engine_version_asked")
+
+
+def test_announcements_from_before_an_engine_restart_are_not_believed(tmp_path):
+    """A restarted engine serves its initial weights: the announcement of the version it held
+    before (re-read every time the gates are looked at) must not count it as current again;
+    the next announcement (the publisher caught it up) does."""
+    config = GeneratorConfig(engines=["http://a"], group_size=G)
+    ctx = SimpleNamespace(
+        stage="generator",
+        replica=0,
+        run_dir=tmp_path / "run",
+        mode="async",
+        version=7,
+        log=structlog.testing.CapturingLogger(),
+        engine_versions={"http://a": 7},
+    )
+    stage = Generator(config, ctx)
+    stage.versions = {"http://a": 3}
+    stage._take_announced_versions()
+    assert stage.versions == {"http://a": 7}
+    # restarted: the generator resets what it knows (as _announce_engines does)
+    stage.versions["http://a"] = 0
+    stage._announced_before_restart["http://a"] = stage._announced("http://a")
+    stage._take_announced_versions()
+    assert stage.versions == {"http://a": 0}
+    ctx.engine_versions["http://a"] = 8  # caught up by the publisher
+    stage._take_announced_versions()
+    assert stage.versions == {"http://a": 8}
