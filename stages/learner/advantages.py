@@ -6,16 +6,21 @@ returns one advantage per sample, vectorized with ``index_add_`` (no Python loop
 groups). Baselines: the group mean (default), or leave-one-out (the mean of the *other* samples,
 RLOO), optionally divided by the group's reward standard deviation.
 
+``one_group_advantages(rewards)`` is the same for the samples of one prompt, as Python floats:
+the learner takes groups one message at a time, and a dozen tensor operations on 4 rewards cost
+50 us where this costs 2.
+
 Not here: reward shaping, per-token advantages, whitening across the whole batch.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 
-__all__ = ["group_advantages"]
+__all__ = ["group_advantages", "one_group_advantages"]
 
 
 def group_advantages(
@@ -67,4 +72,30 @@ def group_advantages(
         var = zeros.clone().index_add_(0, dense, centered**2)
         std = (var / count).sqrt()
         adv = adv / (std[dense] + eps)
+    return adv
+
+
+def one_group_advantages(
+    rewards: list[float],
+    *,
+    baseline: Literal["mean", "leave_one_out"] = "mean",
+    std_normalize: bool = False,
+    eps: float = 1e-6,
+) -> list[float]:
+    """``group_advantages`` of one group (every sample of one prompt), in float64: within
+    float32 rounding of it, and exactly 0 for a group whose rewards are all equal."""
+    if baseline not in ("mean", "leave_one_out"):
+        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
+    n = len(rewards)
+    if n == 0 or min(rewards) == max(rewards):
+        return [0.0] * n
+    mean = sum(rewards) / n
+    centered = [r - mean for r in rewards]
+    if baseline == "mean":
+        adv = centered
+    else:
+        adv = [c * n / (n - 1) for c in centered] if n > 1 else [0.0] * n
+    if std_normalize:
+        std = math.sqrt(sum(c * c for c in centered) / n)
+        adv = [a / (std + eps) for a in adv]
     return adv

@@ -421,7 +421,7 @@ class Learner:
     def _samples_of(self, msg: Any) -> list[TrainSample]:
         import torch
 
-        from stages.learner.advantages import group_advantages
+        from stages.learner.advantages import one_group_advantages
         from stages.learner.trainer import TrainSample
 
         group = msg.data
@@ -441,7 +441,8 @@ class Learner:
         try:
             prompt = np.asarray(group["prompt_ids"], dtype=np.int64)
             items = group["samples"]
-            rewards = torch.tensor([float(s["reward"]) for s in items], dtype=torch.float32)
+            # float32, as the rewards were scored (and as the sum of a batch is reported)
+            rewards = torch.tensor([float(s["reward"]) for s in items], dtype=torch.float32).tolist()
             rows = [_sample_arrays(s, prompt) for s in items]
         except (KeyError, TypeError, ValueError) as exc:
             self.counts["bad_groups"] += 1
@@ -457,11 +458,8 @@ class Learner:
         self.counts["groups"] += 1
         self._note_origin(group)
         cfg = self.config
-        advantages = group_advantages(
-            rewards,
-            torch.zeros(len(items), dtype=torch.long),
-            baseline=cfg.advantage.baseline,
-            std_normalize=cfg.advantage.std_normalize,
+        advantages = one_group_advantages(
+            rewards, baseline=cfg.advantage.baseline, std_normalize=cfg.advantage.std_normalize
         )
         samples = [
             TrainSample(
@@ -476,7 +474,7 @@ class Learner:
                 loss_mask=mask,
             )
             for i, ((own_prompt, ids, lp, versions, mask), a, r, s) in enumerate(
-                zip(rows, advantages.tolist(), rewards.tolist(), items, strict=True)
+                zip(rows, advantages, rewards, items, strict=True)
             )
         ]
         if done:  # part of it is in the checkpoint we resumed from: not again

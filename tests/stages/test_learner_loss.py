@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stages.learner.advantages import group_advantages
+from stages.learner.advantages import group_advantages, one_group_advantages
 from stages.learner.batching import collate, completion_logprobs, micro_batches, pad_right
 from stages.learner.loss import LossConfig, loss_denominator, policy_loss, stat_keys, summarize
 from tests.numerics import approx, assert_close, backward_terms, forward_terms
@@ -74,6 +74,24 @@ def test_std_normalization_uses_population_std():
     # eps (1e-6 by default) added to the std moves the result by about 1e-6 relative
     torch.testing.assert_close(loo[:3], expected[:3] * 1.5, rtol=1e-5, atol=0)
     assert torch.isfinite(loo).all()
+
+
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+@pytest.mark.parametrize("std_normalize", [False, True])
+def test_one_group_in_python_floats_equals_the_tensor_version(baseline, std_normalize):
+    """What the learner computes per group message, against the batched tensor version."""
+    gen = torch.Generator().manual_seed(0)
+    for size in (1, 2, 4, 7):
+        for _ in range(20):
+            r = torch.randint(0, 3, (size,), generator=gen).to(F64) / 2
+            options = {"baseline": baseline, "std_normalize": std_normalize}
+            want = group_advantages(r, torch.zeros(size, dtype=torch.long), **options)
+            got = one_group_advantages(r.tolist(), **options)
+            torch.testing.assert_close(torch.tensor(got, dtype=F64), want, rtol=1e-9, atol=1e-12)
+    assert one_group_advantages([0.11, 0.11, 0.11]) == [0.0, 0.0, 0.0]
+    assert one_group_advantages([]) == []
+    with pytest.raises(ValueError, match="baseline"):
+        one_group_advantages([1.0], baseline="median")
 
 
 def test_a_group_whose_rewards_are_all_equal_gets_exactly_zero():

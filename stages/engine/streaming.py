@@ -1,0 +1,180 @@
+"""Streaming answers (``stream: true``): the output of each sample as it is sampled.
+
+As SGLang 0.5 streams ``/generate`` (``http_server.serve_generate_request``,
+``TokenizerManager._handle_batch_output`` and ``_wait_one_response`` at the default, without
+``--incremental-streaming-output``): the answer is ``text/event-stream``, one ``data: {json}``
+event per chunk and ``data: [DONE]`` after the last. Every chunk holds a sample's whole output so
+far, laid out as a non-streamed answer: ``text``, ``output_ids`` and ``meta_info`` (``id``,
+``finish_reason`` null until the sample's last chunk, ``completion_tokens`` so far, and with
+``return_logprob`` the log-probs so far). A batch or ``n`` > 1 adds ``index`` to each chunk: the
+sample's place in the non-streamed answer's list. Chunks that pile up while the client reads are
+merged into the newest (SGLang drains its queue the same way); the sample's last chunk is its
+whole answer, exactly what the non-streamed request returns. ``text`` holds back a trailing
+incomplete character (``\\ufffd``) until the token that completes it arrives.
+
+The scheduler hands over each step's tokens of streamed requests in one batch per asyncio loop
+(``Scheduler.submit_async(..., stream=...)``). A client that goes away mid-stream aborts the
+samples still running (their slots are freed at the next step) and is counted by the server.
+This module knows nothing of HTTP routes; ``write_events`` writes any chunk iterator as events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from stages.engine.protocol import SequenceResult, parse_generate, render_result
+
+__all__ = ["stream_generate", "write_events"]
+
+
+@dataclass
+class _Progress:
+    """One sample's output so far (before its final result arrives)."""
+
+    rid: str
+    prompt_tokens: int
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    tops: list[list[tuple[float, int]]] | None = None  # with top_logprobs_num
+    cached: int = 0
+    text: str = ""  # the text sent last (a trailing incomplete character held back)
+
+    def partial(self) -> SequenceResult:
+        return SequenceResult(
+            rid=self.rid,
+            prompt_tokens=self.prompt_tokens,
+            output_ids=self.ids,
+            finish_reason=None,  # type: ignore[arg-type]  # null until the last chunk
+            weight_version=self.versions[-1] if self.versions else "",
+            output_token_weight_versions=self.versions,
+            output_token_logprobs=self.logprobs,
+            cached_tokens=self.cached,
+            output_top_logprobs=self.tops,
+        )
+
+
+async def stream_generate(
+    loaded: Any,
+    scheduler: Any,
+    decode: Callable[[list[int], bool], str] | None,
+    body: dict[str, Any],
+) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed ``/generate`` (``body`` has ``stream: true``).
+
+    Raises RequestError (a malformed body) or ValueError (a rid in flight) before the first
+    chunk; closed early (the client went away), it aborts the samples that are still running.
+    """
+    inputs, listed = parse_generate(
+        body,
+        vocab_size=loaded.vocab_size,
+        context_length=loaded.context_length,
+        encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
+    )
+    queue: asyncio.Queue[list[tuple[int, Any]]] = asyncio.Queue()
+    future = scheduler.submit_async(inputs, stream=queue.put_nowait)
+    # the failure (if any) also comes as an event; the future must not warn that nobody read it
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    progress = [
+        _Progress(inp.rid, len(inp.input_ids), tops=[] if inp.top_logprobs_num else None)
+        for inp in inputs
+    ]
+    finals: dict[int, SequenceResult] = {}
+    token_text = None
+    if decode is not None and body.get("return_text_in_logprobs"):
+        token_text = lambda token: decode([token], False)  # noqa: E731
+    try:
+        while len(finals) < len(inputs):
+            events = await queue.get()
+            while not queue.empty():  # merge what piled up: one chunk per sample
+                events += queue.get_nowait()
+            touched: dict[int, None] = {}
+            for index, payload in events:
+                if isinstance(payload, BaseException):
+                    raise payload
+                if isinstance(payload, SequenceResult):
+                    finals[index] = payload
+                else:
+                    p = progress[index]
+                    token, logprob, version, top, p.cached = payload
+                    p.ids.append(token)
+                    p.logprobs.append(logprob)
+                    p.versions.append(version)
+                    if p.tops is not None and top is not None:
+                        p.tops.append(top)
+                touched[index] = None
+            for index in touched:
+                inp = inputs[index]
+                final = finals.get(index)
+                result = final if final is not None else progress[index].partial()
+                chunk = render_result(
+                    result,
+                    decode=None if final is None else decode,
+                    skip_special_tokens=inp.params.skip_special_tokens,
+                    return_logprob=inp.return_logprob,
+                    no_stop_trim=inp.params.no_stop_trim,
+                    token_text=token_text,
+                )
+                if final is None and decode is not None:
+                    chunk = {"text": _text_so_far(progress[index], decode, inp), **chunk}
+                if listed:
+                    chunk["index"] = index
+                yield chunk
+    finally:
+        running = [inp.rid for i, inp in enumerate(inputs) if i not in finals]
+        if running:
+            scheduler.abort_many(running, "the client went away mid-stream")
+
+
+def _text_so_far(p: _Progress, decode: Callable[[list[int], bool], str], inp: Any) -> str:
+    text = decode(p.ids, inp.params.skip_special_tokens)
+    if not text.endswith("\ufffd"):  # a character still incomplete: keep the last whole text
+        p.text = text
+    return p.text
+
+
+async def write_events(
+    request: web.Request,
+    chunks: AsyncIterator[Any],
+    encode: Callable[[Any], bytes],
+    *,
+    on_disconnect: Callable[[], None],
+) -> web.StreamResponse:
+    """Answer ``request`` with ``chunks`` as server-sent events, then ``data: [DONE]``.
+
+    The first chunk is awaited before anything is sent, so that a request refused by the
+    generator's checks raises here and can still be answered with an error status. A client
+    that goes away ends the stream (``on_disconnect`` is called; closing ``chunks`` aborts
+    what it was generating).
+    """
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await chunks.aclose()
+        raise
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    try:
+        await response.prepare(request)
+        if first is not None:
+            await response.write(b"data: " + encode(first) + b"\n\n")
+            async for chunk in chunks:
+                await response.write(b"data: " + encode(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client went away: nobody to answer
+        on_disconnect()
+    except asyncio.CancelledError:
+        on_disconnect()
+        raise
+    finally:
+        await chunks.aclose()  # aborts what is still running
+    return response
