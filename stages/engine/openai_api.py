@@ -18,24 +18,32 @@ defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/protocol.py``:
 - fields SGLang accepts and does not use (``user``, ``suffix``, ``best_of``, ``stream_options``
   without ``stream``, and any it does not know) are ignored, as there.
 
-Not yet (issue 25): ``stream: true`` and ``echo`` with ``logprobs`` (SGLang asks for input
-log-probs then) are refused with 400; the chat route. Errors are SGLang's ``{object: "error",
-message, type, param, code}``.
+Streamed (``stream: true``): server-sent ``CompletionStreamResponse`` chunks, each with one choice
+and the text added since that choice's last chunk (the prompt's text in front of its first with
+``echo``), the log-probs of the new tokens and, on its last, ``finish_reason`` and
+``matched_stop``; ``usage`` null on each unless ``stream_options.continuous_usage_stats``; with
+``stream_options.include_usage`` a last chunk without choices carrying the whole ``usage``; then
+``data: [DONE]`` (``serving_completions._generate_completion_stream``).
+
+Not yet (issue 25): ``echo`` with ``logprobs`` (SGLang asks for input log-probs then) is refused
+with 400; the chat route. Errors are SGLang's ``{object: "error", message, type, param, code}``.
 
 This module knows nothing of the scheduler: the server hands it ``/generate`` as a coroutine.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
 from stages.engine.protocol import RequestError
+from stages.engine.streaming import write_events
 
-__all__ = ["OpenAIRoutes", "completion_request"]
+__all__ = ["OpenAIRoutes", "completion_request", "completion_response", "completion_stream"]
 
 # OpenAI field -> the native sampling parameter it sets (SGLang's _build_sampling_params)
 _SAMPLING = {
@@ -104,8 +112,12 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     for flag in ("stream", "echo", "return_token_ids"):
         if not isinstance(body.get(flag, False), bool):
             raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
-    if body.get("stream"):
-        raise OpenAIError("stream: streaming is not supported by the built-in engine yet", "stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise OpenAIError("stream_options: Input should be a valid dictionary", "stream_options")
+    for flag in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(stream_options.get(flag, False), bool | None):
+            raise OpenAIError(f"stream_options.{flag}: Input should be a valid boolean", flag)
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
         raise OpenAIError("logprobs: Input should be a non-negative integer", "logprobs")
@@ -129,6 +141,8 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     if body.get("rid") is not None:
         native_body["rid"] = body["rid"]
+    if body.get("stream"):
+        native_body["stream"] = True
     n = body.get("n", 1)
     options = {
         "model": model,
@@ -137,6 +151,10 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "logprobs": logprobs,
         "return_token_ids": body.get("return_token_ids", False),
         "prompt": prompt,
+        "stream": body.get("stream", False),
+        # SGLang: only asked for, with stream (stream_response_default_include_usage: false)
+        "include_usage": bool(stream_options.get("include_usage")),
+        "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
     }
     return native_body, options
 
@@ -157,14 +175,9 @@ def completion_response(
             text = echoes[index // n] + text
         logprobs = None
         if options["logprobs"] is not None:
-            entries = meta.get("output_token_logprobs") or []
-            tops = meta.get("output_top_logprobs") or []
-            logprobs = {
-                "text_offset": [-1] * len(entries),  # SGLang: "not supported yet"
-                "token_logprobs": [e[0] for e in entries],
-                "tokens": [e[2] for e in entries],
-                "top_logprobs": [{e[2]: e[0] for e in step} for step in tops],
-            }
+            logprobs = _openai_logprobs(
+                meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
+            )
         reason = meta.get("finish_reason")
         choice: dict[str, Any] = {
             "index": index,
@@ -188,32 +201,131 @@ def completion_response(
         "created": int(time.time()),
         "model": options["model"],
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens,
-            "prompt_tokens_details": None,
-            "reasoning_tokens": 0,
-            "completion_tokens_details": None,
-        },
+        "usage": _usage(prompt_tokens, completion_tokens),
         "metadata": metadata,
+    }
+
+
+async def completion_stream(
+    chunks: AsyncIterator[Mapping[str, Any]],
+    options: Mapping[str, Any],
+    decode: Callable[[list[int], bool], str],
+) -> AsyncIterator[dict[str, Any]]:
+    """SGLang's ``CompletionStreamResponse`` chunks for the native chunks of a streamed
+    ``completion_request`` (``serving_completions._generate_completion_stream``): per chunk one
+    choice with the text added since that choice's last chunk (the prompt in front of its first
+    with ``echo``), the log-probs of the new tokens, ``finish_reason`` on its last; with
+    ``stream_options.include_usage`` a last chunk with no choices and the whole ``usage``."""
+    created = int(time.time())
+    n = options["n"]
+    echoes = _echo_prompts(options["prompt"], decode) if options["echo"] else []
+    offsets: dict[int, int] = {}
+    logprobs_sent: dict[int, int] = {}
+    ids_sent: dict[int, int] = {}
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens: dict[int, int] = {}
+    last_id = ""
+    async for content in chunks:
+        index = content.get("index", 0)
+        meta = content["meta_info"]
+        last_id = meta["id"]
+        prompt_tokens[index] = meta.get("prompt_tokens", 0)
+        completion_tokens[index] = meta.get("completion_tokens", 0)
+        text = content.get("text", "")
+        if index not in offsets and echoes:  # its first chunk
+            text = echoes[index // n] + text
+        delta = text[offsets.get(index, 0) :]
+        offsets[index] = len(content.get("text", ""))
+        logprobs = None
+        if options["logprobs"] is not None:
+            sent, total = logprobs_sent.get(index, 0), meta["output_token_logprobs_length"]
+            if sent < total:
+                logprobs = _openai_logprobs(
+                    meta["output_token_logprobs"][sent:total],
+                    (meta.get("output_top_logprobs") or [])[sent:total],
+                )
+            logprobs_sent[index] = total
+        reason = meta.get("finish_reason")
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": delta,
+            "logprobs": logprobs,
+            "finish_reason": reason["type"] if reason else None,
+            "matched_stop": reason.get("matched") if reason else None,
+        }
+        if options["return_token_ids"]:
+            sent = ids_sent.get(index, 0)
+            choice["token_ids"] = content["output_ids"][sent:]
+            ids_sent[index] = len(content["output_ids"])
+        chunk = {
+            "id": meta["id"],
+            "object": "text_completion",
+            "created": created,
+            "model": options["model"],
+            "choices": [choice],
+            "usage": None,
+        }
+        if options["continuous_usage_stats"]:
+            chunk["usage"] = _usage(prompt_tokens[index], completion_tokens[index])
+        yield chunk
+    if options["include_usage"]:
+        prompts = sum(t for i, t in prompt_tokens.items() if i % n == 0)
+        yield {
+            "id": last_id,
+            "object": "text_completion",
+            "created": created,
+            "model": options["model"],
+            "choices": [],
+            # exclude_none: the details that are null are left out
+            "usage": {
+                k: v
+                for k, v in _usage(prompts, sum(completion_tokens.values())).items()
+                if v is not None
+            },
+        }
+
+
+def _openai_logprobs(entries: list[list[Any]], tops: list[list[list[Any]]]) -> dict[str, Any]:
+    """SGLang's ``to_openai_style_logprobs`` of ``[logprob, id, text]`` entries."""
+    return {
+        "text_offset": [-1] * len(entries),  # SGLang: "not supported yet"
+        "token_logprobs": [e[0] for e in entries],
+        "tokens": [e[2] for e in entries],
+        "top_logprobs": [{e[2]: e[0] for e in step} for step in tops],
+    }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """SGLang's ``UsageInfo`` (``UsageProcessor.calculate_token_usage``)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
+        "completion_tokens_details": None,
     }
 
 
 class OpenAIRoutes:
     """The ``/v1`` handlers of one engine. ``generate(body)`` answers a native ``/generate``
-    body (raising RequestError or ValueError as that route does); ``decode`` is the
-    tokenizer's (None: the model has none, and these routes refuse every request)."""
+    body (raising RequestError or ValueError as that route does), ``stream(body)`` the chunks
+    of a streamed one (``stages.engine.streaming.stream_generate``); ``decode`` is the
+    tokenizer's (None: the model has none, and these routes refuse every request);
+    ``on_disconnect(request)``: a client went away mid-stream."""
 
     def __init__(
         self,
         generate: Callable[[Any], Awaitable[Any]],
+        stream: Callable[[Any], AsyncIterator[Any]],
         decode: Callable[[list[int], bool], str] | None,
         *,
         served_model_name: str,
         context_length: int,
+        on_disconnect: Callable[[web.Request], None] = lambda request: None,
     ) -> None:
-        self.generate, self.decode = generate, decode
+        self.generate, self.stream, self.decode = generate, stream, decode
+        self.on_disconnect = on_disconnect
         self.served_model_name, self.context_length = served_model_name, context_length
 
     def add_to(self, app: web.Application) -> None:
@@ -247,7 +359,7 @@ class OpenAIRoutes:
             return web.json_response({"error": error}, status=404)
         return web.json_response(self._card(name))
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if media != "application/json":  # SGLang's validate_json_request
             return error_response(
@@ -261,6 +373,11 @@ class OpenAIRoutes:
             return error_response(f"the request body is not JSON: {exc}")
         try:
             native, options = completion_request(body)
+            if options["stream"]:
+                chunks = completion_stream(self.stream(native), options, self.decode)
+                return await write_events(
+                    request, chunks, _json_bytes, on_disconnect=lambda: self.on_disconnect(request)
+                )
             rendered = await self.generate(native)
         except OpenAIError as exc:
             return error_response(str(exc), param=exc.param)
@@ -315,6 +432,10 @@ def _openai_field(native: str) -> str:
         if native.startswith(prefix):
             return "prompt" + native[len(prefix) :]
     return "logprobs" if native == "top_logprobs_num" else native
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def _is_int(value: Any) -> bool:

@@ -4,8 +4,8 @@ Field names and defaults follow SGLang 0.5.x (``GenerateReqInput`` and ``Samplin
 ``max_new_tokens`` 128, ``temperature`` 1.0 (0 means greedy), ``top_p`` 1.0, ``top_k`` -1 (off),
 ``min_p`` 0.0, ``ignore_eos`` false, ``sampling_seed`` none, ``n`` 1. Every problem raises
 ``RequestError`` naming the field, which the server answers with HTTP 400. SGLang parameters
-the built-in engine does not implement (penalties, grammars, ``logit_bias``, streaming, input
-log-probs) are accepted only at their neutral default and rejected otherwise, so a request never
+the built-in engine does not implement (penalties, grammars, ``logit_bias``, input log-probs)
+are accepted only at their neutral default and rejected otherwise, so a request never
 silently means something else here.
 
 Top log-probs (``top_logprobs_num``: k, with ``return_logprob``): per output token the k most
@@ -139,7 +139,6 @@ MAX_STOP_COUNT = 32  # SGLang's limit on stop strings
 
 # Top-level GenerateReqInput fields accepted only at these neutral values.
 _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
-    "stream": (False, None),
     "token_ids_logprob": (None,),
     "image_data": (None,),
     "audio_data": (None,),
@@ -161,6 +160,7 @@ _KNOWN_TOP = frozenset(
         "return_text_in_logprobs",
         "top_logprobs_num",
         "logprob_start_len",
+        "stream",  # answered by stages.engine.streaming
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -182,12 +182,12 @@ def parse_generate(
             continue
         if key in _NEUTRAL_TOP:
             if not _is_neutral(value, _NEUTRAL_TOP[key]):
-                what = "streaming" if key == "stream" else f"{key}={value!r}"
-                raise RequestError(key, f"{what} is not supported by the built-in engine")
+                raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
             continue
         raise RequestError(key, "unknown field of /generate")
-    if not isinstance(body.get("return_text_in_logprobs", False), bool):
-        raise RequestError("return_text_in_logprobs", "expected true or false")
+    for flag in ("return_text_in_logprobs", "stream"):
+        if not isinstance(body.get(flag, False), bool | None):
+            raise RequestError(flag, f"expected true or false, got {body[flag]!r}")
 
     prompts, batch = _prompts(body, vocab_size=vocab_size, encode=encode)
     raw_params = body.get("sampling_params")

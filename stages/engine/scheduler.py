@@ -74,6 +74,9 @@ PREFIX_CACHE_MAX_AGE = 2
 log = structlog.get_logger("stages.engine.scheduler")
 
 
+_CALL = object()  # an _Outbox item that is a call, not a result
+
+
 class _Outbox:
     """Results bound for one asyncio loop, handed over with one wake-up per batch of them.
 
@@ -89,8 +92,15 @@ class _Outbox:
         self.scheduled = False
 
     def put(self, future: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
+        self._add((future, value, exc))
+
+    def call(self, fn: Callable[[Any], None], value: Any) -> None:
+        """Call ``fn(value)`` on the loop, in order with the results put before and after."""
+        self._add((fn, value, _CALL))
+
+    def _add(self, item: tuple[Any, Any, Any]) -> None:
         with self.lock:
-            self.items.append((future, value, exc))
+            self.items.append(item)
             if self.scheduled:
                 return
             self.scheduled = True
@@ -104,6 +114,9 @@ class _Outbox:
             items, self.items = self.items, []
             self.scheduled = False
         for future, value, exc in items:
+            if exc is _CALL:
+                future(value)
+                continue
             if future.done():  # cancelled: the client went away
                 continue
             if exc is not None:
@@ -115,16 +128,28 @@ class _Outbox:
 class _Group:
     """Requests submitted together; one future resolves with all their results, in order."""
 
-    __slots__ = ("future", "outbox", "remaining", "results", "single")
+    __slots__ = ("future", "outbox", "remaining", "results", "single", "stream")
 
-    def __init__(self, size: int, single: bool, outbox: _Outbox | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        single: bool,
+        outbox: _Outbox | None = None,
+        stream: Callable[[list[tuple[int, Any]]], None] | None = None,
+    ) -> None:
         self.outbox = outbox
+        # streamed (with an outbox): called on its loop with [(index, token event or result or
+        # exception), ...] as the samples progress, before the future resolves
+        self.stream = stream if outbox is not None else None
         self.future: Any = Future() if outbox is None else outbox.loop.create_future()
         self.results: list[SequenceResult | None] = [None] * size
         self.remaining = size
         self.single = single
 
     def done(self, index: int, result: SequenceResult) -> None:
+        if self.stream is not None:
+            assert self.outbox is not None
+            self.outbox.call(self.stream, [(index, result)])
         self.results[index] = result
         self.remaining -= 1
         if self.remaining == 0:
@@ -132,6 +157,9 @@ class _Group:
 
     def fail(self, exc: BaseException) -> None:
         if self.remaining > 0:
+            if self.stream is not None:
+                assert self.outbox is not None
+                self.outbox.call(self.stream, [(-1, exc)])
             self.remaining = 0
             self._resolve(None, exc)
 
@@ -248,6 +276,7 @@ class Scheduler:
         self._decode_tail = decode_tail
         self._stop_seqs: set[_Seq] = set()
         self._top_seqs: set[_Seq] = set()  # running seqs that want top log-probs
+        self._stream_seqs: set[_Seq] = set()  # running seqs whose tokens are streamed
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         # Weight versions as spans over the step clock (BatchKV.end): version _vvals[i] is live
         # from clock _vkeys[i] on.
@@ -303,14 +332,24 @@ class Scheduler:
         """
         return self._submit(list(inputs), single=False)
 
-    def submit_async(self, inputs: Sequence[GenerateInput]) -> asyncio.Future[Any]:
+    def submit_async(
+        self,
+        inputs: Sequence[GenerateInput],
+        stream: Callable[[list[tuple[int, Any]]], None] | None = None,
+    ) -> asyncio.Future[Any]:
         """``submit_many`` for a caller on an asyncio loop: returns a future of that loop
-        (call it from the loop's thread); results are handed over in batches."""
+        (call it from the loop's thread); results are handed over in batches.
+
+        ``stream`` (called on the loop, in order): after every step that sampled tokens of
+        these sequences, ``[(index in inputs, (token, logprob, version, top log-probs or
+        None, cached prompt tokens)), ...]``; as each finishes, ``[(index, SequenceResult)]``;
+        if they fail, ``[(-1, exception)]``. The future resolves after the last of them.
+        """
         loop = asyncio.get_running_loop()
         outbox = self._outboxes.get(loop)
         if outbox is None:
             outbox = self._outboxes[loop] = _Outbox(loop)
-        return self._submit(list(inputs), single=False, outbox=outbox)
+        return self._submit(list(inputs), single=False, outbox=outbox, stream=stream)
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> Future[int]:
         """Abort one request by id (or all); resolves to how many were aborted.
@@ -407,9 +446,14 @@ class Scheduler:
         )
 
     def _submit(
-        self, inputs: list[GenerateInput], *, single: bool, outbox: _Outbox | None = None
+        self,
+        inputs: list[GenerateInput],
+        *,
+        single: bool,
+        outbox: _Outbox | None = None,
+        stream: Callable[[list[tuple[int, Any]]], None] | None = None,
     ) -> Any:
-        group = _Group(len(inputs), single, outbox)
+        group = _Group(len(inputs), single, outbox, stream)
         now = time.perf_counter()
         seqs = [_Seq(inp, group, i, now) for i, inp in enumerate(inputs)]
         self._post(lambda: self._enqueue(seqs))
@@ -626,6 +670,7 @@ class Scheduler:
         self._running.extend(group)
         self._stop_seqs.update(s for s in group if s.tail is not None)
         self._top_seqs.update(s for s in group if s.top is not None)
+        self._stream_seqs.update(s for s in group if s.group.stream is not None)
         self._sampler.add(
             [s.inp.params for s in group],
             [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
@@ -638,7 +683,7 @@ class Scheduler:
         tokens, logprobs = self._sampler.sample(logits, lo, hi)
         self._kv.set_pending(lo, hi, tokens, logprobs)
         self.tokens_generated += hi - lo
-        self._finish_checks(tokens, lo, hi, end)
+        self._finish_checks(tokens, logprobs, lo, hi, end)
 
     def _forward_prefill(
         self,
@@ -682,7 +727,7 @@ class Scheduler:
         tokens, logprobs = self._sampler.sample(logits, 0, rows)
         kv.push(tokens, logprobs)
         self.tokens_generated += rows
-        self._finish_checks(tokens, 0, rows, kv.end)
+        self._finish_checks(tokens, logprobs, 0, rows, kv.end)
 
     def _take_top_logprobs(self, logits: torch.Tensor, lo: int, hi: int) -> None:
         """Before sampling (which overwrites ``logits``): each watched row's most likely
@@ -703,9 +748,15 @@ class Scheduler:
             assert seq.top is not None
             seq.top.append(list(zip(vals[:n], toks[:n], strict=True)))
 
-    def _finish_checks(self, tokens: torch.Tensor, lo: int, hi: int, column: int) -> None:
-        """Retire rows ``lo..hi`` that the tokens just sampled for them finish: by length or
-        stop token first, then by stop string (SGLang's order)."""
+    def _finish_checks(
+        self, tokens: torch.Tensor, logprobs: torch.Tensor, lo: int, hi: int, column: int
+    ) -> None:
+        """Stream the tokens just sampled for rows ``lo..hi`` to those who asked, then retire
+        the rows they finish: by length or stop token first, then by stop string (SGLang's
+        order)."""
+        # read before the checks move rows; sent after them, to rows that go on (a finished
+        # row's result carries its last token: one chunk, as SGLang sends it)
+        streamed = self._streamed(tokens, logprobs, lo, hi) if self._stream_seqs else None
         watched = None
         if self._stop_seqs and self._decode_tail is not None:
             new = tokens.tolist()
@@ -713,6 +764,33 @@ class Scheduler:
         self._check_finished(tokens, lo, hi, column)
         if watched:
             self._check_stop_strings(watched)
+        if streamed:
+            self._send_streamed(streamed)
+
+    def _streamed(
+        self, tokens: torch.Tensor, logprobs: torch.Tensor, lo: int, hi: int
+    ) -> list[tuple[_Seq, tuple[Any, ...]]]:
+        """The tokens just sampled for the streamed rows among ``lo..hi``."""
+        seqs = [s for s in self._stream_seqs if lo <= s.slot < hi]
+        if not seqs:
+            return []
+        new, lps, version = tokens.tolist(), logprobs.tolist(), self._version
+        out = []
+        for seq in seqs:
+            k = seq.slot - lo
+            top = seq.top[-1] if seq.top else None
+            out.append((seq, (new[k], lps[k], version, top, seq.cached)))
+        return out
+
+    def _send_streamed(self, streamed: list[tuple[_Seq, tuple[Any, ...]]]) -> None:
+        """One call per request on its loop, for the rows that are still running."""
+        events: dict[_Group, list[tuple[int, Any]]] = {}
+        for seq, event in streamed:
+            if seq.slot >= 0:
+                events.setdefault(seq.group, []).append((seq.index, event))
+        for group, batch in events.items():
+            assert group.outbox is not None and group.stream is not None
+            group.outbox.call(group.stream, batch)
 
     def _check_stop_strings(self, watched: list[tuple[_Seq, int]]) -> None:
         assert self._decode_tail is not None
@@ -818,6 +896,7 @@ class Scheduler:
         self._rids.pop(seq.inp.rid, None)
         self._stop_seqs.discard(seq)
         self._top_seqs.discard(seq)
+        self._stream_seqs.discard(seq)
         seq.slot = -1
         seq.group.done(
             seq.index,

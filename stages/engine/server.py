@@ -15,11 +15,13 @@ Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST /init_weights_update_group``,
 ``POST /update_weights_from_distributed``, ``POST /destroy_weights_update_group``,
 ``POST /update_weight_version``, ``GET|POST /flush_cache``, ``GET /health``, ``GET /model_info``
-(also ``/get_model_info``), ``GET /get_server_info``, ``GET /get_weight_version``. A malformed
-request gets HTTP 400 with ``{"error": {"message": "<field>: <problem>"}}``; weight routes
-answer ``{"success": false, "message": ...}`` instead, as SGLang does. No streaming, no OpenAI
-routes. The model runs on the scheduler thread; this event loop only parses, waits and
-answers, so requests are accepted while a decode step runs.
+(also ``/get_model_info``), ``GET /get_server_info``, ``GET /get_weight_version``; ``stream:
+true`` answers server-sent events (``stages.engine.streaming``); the OpenAI-compatible ``/v1``
+routes are ``stages.engine.openai_api``'s. A malformed request gets HTTP 400 with ``{"error":
+{"message": "<field>: <problem>"}}``; weight routes answer ``{"success": false, "message":
+...}`` instead, as SGLang does. A client that leaves mid-stream is counted as refused with
+status 499 (``refused_requests``). The model runs on the scheduler thread; this event loop only
+parses, waits and answers, so requests are accepted while a decode step runs.
 
 Prefix cache (``stages.engine.prefix_cache``; ``--prefix-cache-tokens 0`` turns it off): each
 response's ``meta_info.cached_tokens`` counts the prompt tokens served from it (SGLang's field)
@@ -64,6 +66,7 @@ from stages.engine.scheduler import (
     PREFIX_CACHE_TOKENS,
     Scheduler,
 )
+from stages.engine.streaming import stream_generate, write_events
 from transport.credit import sparse
 
 __all__ = [
@@ -134,9 +137,11 @@ def build_app(
     decode = app[_DECODE]
     OpenAIRoutes(
         lambda body: generate(loaded, scheduler, decode, body),
+        lambda body: stream_generate(loaded, scheduler, decode, body),
         decode,
         served_model_name=str(loaded.path),
         context_length=loaded.context_length,
+        on_disconnect=lambda request: _refused(request, 499, "the client went away mid-stream"),
     ).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
@@ -201,9 +206,18 @@ def _refused(request: web.Request, status: int, message: str) -> None:
 # ---- generation ------------------------------------------------------------------------------
 
 
-async def _generate(request: web.Request) -> web.Response:
+async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         body = await _json_body(request)
+        if isinstance(body, dict) and body.get("stream") is True:
+            return await write_events(
+                request,
+                stream_generate(
+                    request.app[_LOADED], request.app[_SCHEDULER], request.app[_DECODE], body
+                ),
+                _dumps,
+                on_disconnect=lambda: _refused(request, 499, "the client went away mid-stream"),
+            )
         rendered = await generate(
             request.app[_LOADED], request.app[_SCHEDULER], request.app[_DECODE], body
         )

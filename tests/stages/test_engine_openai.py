@@ -116,7 +116,7 @@ def test_what_sglang_refuses_or_the_engine_cannot_do_yet_is_a_400(engine: Engine
     cases = [
         ({"prompt": []}, "Prompt cannot be empty"),
         ({"prompt": [[], []]}, "Prompt cannot be empty"),
-        ({"prompt": PROMPT, "stream": True}, "stream"),
+        ({"prompt": PROMPT, "stream": "yes"}, "stream"),
         ({"prompt": PROMPT, "logprobs": -1}, "logprobs"),
         ({"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),

@@ -508,7 +508,7 @@ BAD_REQUESTS = [
         "sampling_params.frequency_penalty",
     ),
     ({"input_ids": [1], "sampling_params": "fast"}, "sampling_params"),
-    ({"input_ids": [1], "stream": True}, "stream"),
+    ({"input_ids": [1], "stream": 1}, "stream"),
     ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
     ({"input_ids": [1], "logprob_start_len": "0"}, "logprob_start_len"),
     ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 
@@ -154,6 +155,26 @@ async def test_stop_strings_end_the_text_before_them(client):
     assert status == 200, out
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert stop not in out["text"] and text.startswith(out["text"])
+
+
+@pytest.mark.timeout(120)
+async def test_a_stream_is_cumulative_and_ends_with_the_whole_answer(client):
+    """``stream: true`` (what tests/stages/test_engine_streaming.py checks the built-in engine
+    against): ``data: {json}`` events, each with the whole output so far, ``finish_reason``
+    only on the last, which equals the non-streamed answer; then ``data: [DONE]``."""
+    body = {"input_ids": PROMPT, "sampling_params": _params(8)}
+    status, whole = await _post(client, "/generate", body)
+    assert status == 200, whole
+    async with client.session.post(client.url + "/generate", json={**body, "stream": True}) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        events = [line[len(b"data: ") :].strip() async for line in r.content if line.strip()]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 8
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
 
 
 @pytest.mark.timeout(180)

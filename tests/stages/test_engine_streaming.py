@@ -1,0 +1,215 @@
+"""Streaming (``stream: true``) from the built-in engine as a real server process: the native
+``/generate`` through ``requests`` and ``aiohttp`` (SSE read line by line, as SGLang's own clients
+read it) and ``/v1/completions`` through the ``openai`` client. Layouts follow SGLang 0.5:
+``http_server.serve_generate_request`` (``data: {json}`` events, then ``data: [DONE]``),
+``TokenizerManager._handle_batch_output`` (every chunk cumulative at the default, ``index`` in a
+batch: ``_stream_batch_responses``), ``serving_completions._generate_completion_stream`` (text
+deltas, a usage chunk with ``stream_options.include_usage``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import requests
+
+from tests.stages.test_engine_server import GREEDY, Engine, _tokenizer, engine  # noqa: F401
+
+PROMPT = [21, 22, 23, 24]
+
+
+def _events(engine: Engine, body: dict[str, Any]) -> tuple[requests.Response, list[Any]]:  # noqa: F811
+    """POST ``body`` to /generate and read its server-sent events: each ``data:`` payload
+    (JSON, or the string ``[DONE]``)."""
+    response = requests.post(engine.url + "/generate", json=body, stream=True, timeout=30)
+    events: list[Any] = []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith(b"data: "), line
+        data = line[len(b"data: ") :]
+        events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return response, events
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_grows_token_by_token_and_ends_with_the_whole_answer(engine: Engine) -> None:  # noqa: F811
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {**GREEDY, "max_new_tokens": 12},
+        "return_logprob": True,
+    }
+    whole = engine.generate(body)
+    response, events = _events(engine, {**body, "stream": True})
+    assert response.status_code == 200
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = events[:-1]
+    for before, after in itertools.pairwise(chunks):  # cumulative: each extends the one before
+        n = len(before["output_ids"])
+        assert after["output_ids"][:n] == before["output_ids"] and len(after["output_ids"]) > n
+        assert after["text"].startswith(before["text"])
+    for chunk in chunks[:-1]:
+        meta = chunk["meta_info"]
+        assert meta["finish_reason"] is None and "index" not in chunk
+        assert meta["completion_tokens"] == len(chunk["output_ids"])
+        assert len(meta["output_token_logprobs"]) == len(chunk["output_ids"])
+        assert meta["id"] == chunks[-1]["meta_info"]["id"]
+    last = chunks[-1]
+    assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    for got, want in zip(
+        last["meta_info"]["output_token_logprobs"],
+        whole["meta_info"]["output_token_logprobs"],
+        strict=True,
+    ):
+        assert got[1] == want[1] and math.isclose(got[0], want[0], abs_tol=1e-5)
+    # the chunks before the last carried the same log-probs, token by token
+    first = chunks[0]["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in first] == whole["output_ids"][: len(first)]
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_batch_with_n_tags_chunks_with_their_index(engine: Engine) -> None:  # noqa: F811
+    body = {
+        "input_ids": [PROMPT, [40, 41, 42]],
+        "sampling_params": {**GREEDY, "max_new_tokens": 6, "n": 2},
+    }
+    whole = engine.generate(body)
+    _, events = _events(engine, {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    finals: dict[int, Any] = {}
+    for chunk in events[:-1]:
+        index = chunk["index"]
+        assert index not in finals, "a chunk after the sample's last"
+        if chunk["meta_info"]["finish_reason"] is not None:
+            finals[index] = chunk
+    assert sorted(finals) == [0, 1, 2, 3]
+    for index, chunk in finals.items():
+        assert chunk["output_ids"] == whole[index]["output_ids"]
+        assert chunk["text"] == whole[index]["text"]
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_stop_string_is_trimmed_in_the_last_chunk(engine: Engine) -> None:  # noqa: F811
+    greedy = {**GREEDY, "max_new_tokens": 10}
+    free = engine.generate({"input_ids": PROMPT, "sampling_params": greedy})
+    words = free["text"].split()
+    stop = words[2] if len(words) > 3 else None
+    if stop is None or free["text"].count(stop) != 1:
+        pytest.skip(f"no word of {free['text']!r} stands once")
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {**GREEDY, "max_new_tokens": 10, "stop": stop},
+        "stream": True,
+    }
+    _, events = _events(engine, body)
+    last = events[-2]
+    assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert last["text"] == free["text"][: free["text"].find(stop)]
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_goes_away_mid_stream_frees_its_slot_and_is_counted(engine: Engine) -> None:  # noqa: F811
+    before = engine.request("GET", "/server_info")[1]["refused_requests"]
+
+    async def read_two_chunks_and_leave() -> list[bytes]:
+        body = {
+            "input_ids": PROMPT,
+            "sampling_params": {**GREEDY, "max_new_tokens": 500},
+            "stream": True,
+        }
+        async with aiohttp.ClientSession() as session:
+            async with session.post(engine.url + "/generate", json=body) as response:
+                assert response.status == 200
+                lines = []
+                async for line in response.content:
+                    if line.strip():
+                        lines.append(line)
+                    if len(lines) == 2:
+                        break
+                response.close()  # the connection goes, mid-stream
+                return lines
+
+    lines = asyncio.run(read_two_chunks_and_leave())
+    assert all(line.startswith(b"data: {") for line in lines)
+    deadline = time.monotonic() + 20
+    while True:  # the engine notices at its next write and aborts the sample
+        info = engine.request("GET", "/server_info")[1]
+        running = info["internal_states"][0]["num_running_reqs"]
+        gone = info["refused_requests"].get("POST /generate 499", 0)
+        if running == 0 and gone > before.get("POST /generate 499", 0):
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)
+    # and it serves on
+    assert engine.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+
+
+@pytest.mark.timeout(60)
+def test_streamed_requests_are_checked_before_anything_is_sent(engine: Engine) -> None:  # noqa: F811
+    for body, field in [
+        ({"input_ids": PROMPT, "stream": "yes"}, "stream"),
+        ({"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": -1}},
+         "max_new_tokens"),
+        ({"input_ids": [999], "stream": True}, "input_ids"),
+    ]:  # fmt: skip
+        status, out = engine.request("POST", "/generate", body)
+        assert status == 400 and field in out["error"]["message"], (body, out)
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> openai.OpenAI:  # noqa: F811
+    return openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.timeout(60)
+def test_streamed_completion_deltas_add_up_to_the_whole_completion(engine: Engine, client) -> None:  # noqa: F811
+    options = {"model": "default", "prompt": PROMPT, "max_tokens": 10, "temperature": 0,
+               "logprobs": 2, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(**options)
+    chunks = list(
+        client.completions.create(**options, stream=True, stream_options={"include_usage": True})
+    )
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 10
+    assert usage.usage.prompt_tokens == 4 and usage.usage.total_tokens == 14
+    deltas = chunks[:-1]
+    assert all(c.object == "text_completion" and c.usage is None for c in deltas)
+    assert "".join(c.choices[0].text for c in deltas) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in deltas][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in deltas[:-1])
+    tokens = [t for c in deltas if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == whole.choices[0].logprobs.tokens
+    logprobs = [
+        lp for c in deltas if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs
+    ]
+    for got, want in zip(logprobs, whole.choices[0].logprobs.token_logprobs, strict=True):
+        assert math.isclose(got, want, abs_tol=1e-5)
+    tops = [t for c in deltas if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs]
+    assert len(tops) == 10 and all(len(t) == 2 for t in tops)
+
+
+@pytest.mark.timeout(60)
+def test_streamed_completions_with_n_and_echo(engine: Engine, client) -> None:  # noqa: F811
+    tokenizer = _tokenizer(engine)
+    text = tokenizer.decode(PROMPT)
+    options = {"model": "default", "prompt": text, "max_tokens": 5, "temperature": 0, "n": 2,
+               "echo": True, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(**options)
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(**options, stream=True):
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert texts[0].startswith(text)
