@@ -4,7 +4,8 @@ Run (each prints one JSON line on stdout; on an otherwise idle machine):
 
     python bench/engine_profile.py step [--model arith|bench22m] [--rounds 30]
         [--forward fast|transformers]
-    python bench/engine_profile.py http [--group-form batch|n|single] [--seconds 20] [--py-spy]
+    python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
+        [--seconds 20] [--py-spy]
 
 ``step`` drives ``stages.engine.scheduler.Scheduler`` in this process (no HTTP) and compares,
 per decode step at a batch of ``--batch`` rows:
@@ -29,7 +30,8 @@ the steady loop to stderr.
 and keeps ``--in-flight`` samples in flight as the default config does, in requests of one
 group of 4 (``batch``: four identical ``input_ids``; ``n``: ``sampling_params.n`` 4;
 ``openai``: the same as ``n`` through ``/v1/completions``, ``logprobs: 0``) or one request per
-sample (``single``). It reports the engine process's CPU split between its threads
+sample (``single``); ``--stream`` asks for each as server-sent events (a chunk per token). It
+reports the engine process's CPU split between its threads
 (``/proc``: the event-loop thread, which serves HTTP, vs the scheduler thread) and, with
 ``--py-spy``, the same split from ``py-spy record --threads`` samples plus the hottest frames of
 the event-loop thread.
@@ -369,7 +371,9 @@ def _classify(stack: str) -> str:
     return "other"
 
 
-async def _drive(url: str, form: str, in_flight: int, seconds: float, group: int) -> dict:
+async def _drive(
+    url: str, form: str, in_flight: int, seconds: float, group: int, stream: bool = False
+) -> dict:
     import aiohttp
 
     prompts = _arith_prompts(4096, 3)
@@ -396,12 +400,13 @@ async def _drive(url: str, form: str, in_flight: int, seconds: float, group: int
             n = group
         elif form == "openai":  # the same samples through /v1/completions
             b = {"model": "default", "prompt": prompt, "n": group, "temperature": 1.0,
-                 "max_tokens": 5, "logprobs": 0}  # fmt: skip
+                 "max_tokens": 5, "logprobs": 0, "stream": stream}  # fmt: skip
             return json.dumps(b).encode(), group
         else:
             b = {"input_ids": prompt, "sampling_params": {**params, "n": group}}
             n = group
         b["return_logprob"] = True
+        b["stream"] = stream
         return json.dumps(b).encode(), n
 
     path = "/v1/completions" if form == "openai" else "/generate"
@@ -417,10 +422,16 @@ async def _drive(url: str, form: str, in_flight: int, seconds: float, group: int
             while time.monotonic() < stop_at:
                 data, _ = body()
                 async with session.post(url + path, data=data) as r:
-                    raw = await r.read()
                     if r.status != 200:
                         errors += 1
                         continue
+                    if stream:  # a sample counts at its last chunk
+                        requests += 1
+                        async for line in r.content:
+                            if line.startswith(b"data: {"):
+                                samples += _finished_in(json.loads(line[6:]))
+                        continue
+                    raw = await r.read()
                 out = json.loads(raw)
                 requests += 1
                 if isinstance(out, dict) and "choices" in out:
@@ -430,6 +441,13 @@ async def _drive(url: str, form: str, in_flight: int, seconds: float, group: int
         per_request = 1 if form == "single" else group
         await asyncio.gather(*(worker() for _ in range(in_flight // per_request)))
     return {"samples": samples, "errors": errors, "requests": requests}
+
+
+def _finished_in(chunk: dict[str, Any]) -> int:
+    """1 if a streamed chunk (native or /v1) is a sample's last."""
+    if "choices" in chunk:
+        return sum(c.get("finish_reason") is not None for c in chunk["choices"])
+    return int(chunk["meta_info"]["finish_reason"] is not None)
 
 
 def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -460,7 +478,7 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         wait_health(url, proc)
-        asyncio.run(_drive(url, args.group_form, args.in_flight, 2.0, 4))  # warm up
+        asyncio.run(_drive(url, args.group_form, args.in_flight, 2.0, 4, args.stream))  # warm up
         names = _thread_names(proc.pid)
         spy = None
         raw = tmp / "spy.txt"
@@ -477,7 +495,9 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
             )  # fmt: skip
         cpu0, ctx0 = _thread_cpu(proc.pid), _ctx_switches(proc.pid)
         wall0 = time.perf_counter()
-        driven = asyncio.run(_drive(url, args.group_form, args.in_flight, args.seconds, 4))
+        driven = asyncio.run(
+            _drive(url, args.group_form, args.in_flight, args.seconds, 4, args.stream)
+        )
         wall = time.perf_counter() - wall0
         cpu1, ctx1 = _thread_cpu(proc.pid), _ctx_switches(proc.pid)
         with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
@@ -496,6 +516,7 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "bench": "engine_http_share",
         "group_form": args.group_form,
+        "stream": args.stream,
         "in_flight_samples": args.in_flight,
         "seconds": round(wall, 1),
         "samples_per_s": round(driven["samples"] / wall, 1),
@@ -570,6 +591,7 @@ def main() -> int:
     http = sub.add_parser("http", help="engine CPU on HTTP vs scheduler, over a real server")
     http.add_argument("--group-form", choices=["batch", "n", "single", "openai"], default="batch")
     http.add_argument("--in-flight", type=int, default=64)
+    http.add_argument("--stream", action="store_true", help="stream: true (server-sent events)")
     http.add_argument("--seconds", type=float, default=20)
     http.add_argument("--py-spy", action="store_true")
     http.add_argument("--native", action="store_true", help="py-spy --native (C frames)")

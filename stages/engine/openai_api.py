@@ -207,10 +207,10 @@ def completion_response(
 
 
 async def completion_stream(
-    chunks: AsyncIterator[Mapping[str, Any]],
+    batches: AsyncIterator[list[Mapping[str, Any]]],
     options: Mapping[str, Any],
     decode: Callable[[list[int], bool], str],
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[list[dict[str, Any]]]:
     """SGLang's ``CompletionStreamResponse`` chunks for the native chunks of a streamed
     ``completion_request`` (``serving_completions._generate_completion_stream``): per chunk one
     choice with the text added since that choice's last chunk (the prompt in front of its first
@@ -225,64 +225,66 @@ async def completion_stream(
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     last_id = ""
-    async for content in chunks:
-        index = content.get("index", 0)
-        meta = content["meta_info"]
-        last_id = meta["id"]
-        prompt_tokens[index] = meta.get("prompt_tokens", 0)
-        completion_tokens[index] = meta.get("completion_tokens", 0)
-        text = content.get("text", "")
-        if index not in offsets and echoes:  # its first chunk
-            text = echoes[index // n] + text
-        delta = text[offsets.get(index, 0) :]
-        offsets[index] = len(content.get("text", ""))
-        logprobs = None
-        if options["logprobs"] is not None:
-            sent, total = logprobs_sent.get(index, 0), meta["output_token_logprobs_length"]
-            if sent < total:
-                logprobs = _openai_logprobs(
-                    meta["output_token_logprobs"][sent:total],
-                    (meta.get("output_top_logprobs") or [])[sent:total],
-                )
-            logprobs_sent[index] = total
-        reason = meta.get("finish_reason")
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": delta,
-            "logprobs": logprobs,
-            "finish_reason": reason["type"] if reason else None,
-            "matched_stop": reason.get("matched") if reason else None,
-        }
-        if options["return_token_ids"]:
-            sent = ids_sent.get(index, 0)
-            choice["token_ids"] = content["output_ids"][sent:]
-            ids_sent[index] = len(content["output_ids"])
-        chunk = {
-            "id": meta["id"],
-            "object": "text_completion",
-            "created": created,
-            "model": options["model"],
-            "choices": [choice],
-            "usage": None,
-        }
-        if options["continuous_usage_stats"]:
-            chunk["usage"] = _usage(prompt_tokens[index], completion_tokens[index])
-        yield chunk
+    async for batch in batches:
+        out = []
+        for content in batch:
+            index = content.get("index", 0)
+            meta = content["meta_info"]
+            last_id = meta["id"]
+            prompt_tokens[index] = meta.get("prompt_tokens", 0)
+            completion_tokens[index] = meta.get("completion_tokens", 0)
+            text = content.get("text", "")
+            if index not in offsets and echoes:  # its first chunk
+                text = echoes[index // n] + text
+            delta = text[offsets.get(index, 0) :]
+            offsets[index] = len(content.get("text", ""))
+            logprobs = None
+            if options["logprobs"] is not None:
+                sent, total = logprobs_sent.get(index, 0), meta["output_token_logprobs_length"]
+                if sent < total:
+                    logprobs = _openai_logprobs(
+                        meta["output_token_logprobs"][sent:total],
+                        (meta.get("output_top_logprobs") or [])[sent:total],
+                    )
+                logprobs_sent[index] = total
+            reason = meta.get("finish_reason")
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": delta,
+                "logprobs": logprobs,
+                "finish_reason": reason["type"] if reason else None,
+                "matched_stop": reason.get("matched") if reason else None,
+            }
+            if options["return_token_ids"]:
+                sent = ids_sent.get(index, 0)
+                choice["token_ids"] = content["output_ids"][sent:]
+                ids_sent[index] = len(content["output_ids"])
+            chunk = {
+                "id": meta["id"],
+                "object": "text_completion",
+                "created": created,
+                "model": options["model"],
+                "choices": [choice],
+                "usage": None,
+            }
+            if options["continuous_usage_stats"]:
+                chunk["usage"] = _usage(prompt_tokens[index], completion_tokens[index])
+            out.append(chunk)
+        yield out
     if options["include_usage"]:
         prompts = sum(t for i, t in prompt_tokens.items() if i % n == 0)
-        yield {
-            "id": last_id,
-            "object": "text_completion",
-            "created": created,
-            "model": options["model"],
-            "choices": [],
-            # exclude_none: the details that are null are left out
-            "usage": {
-                k: v
-                for k, v in _usage(prompts, sum(completion_tokens.values())).items()
-                if v is not None
-            },
-        }
+        usage = _usage(prompts, sum(completion_tokens.values()))
+        yield [
+            {
+                "id": last_id,
+                "object": "text_completion",
+                "created": created,
+                "model": options["model"],
+                "choices": [],
+                # exclude_none: the details that are null are left out
+                "usage": {k: v for k, v in usage.items() if v is not None},
+            }
+        ]
 
 
 def _openai_logprobs(entries: list[list[Any]], tops: list[list[list[Any]]]) -> dict[str, Any]:
@@ -434,8 +436,14 @@ def _openai_field(native: str) -> str:
     return "logprobs" if native == "top_logprobs_num" else native
 
 
-def _json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+try:  # as the server writes /generate: orjson when it is there
+    import orjson
+
+    _json_bytes: Callable[[Any], bytes] = orjson.dumps
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def _json_bytes(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def _is_int(value: Any) -> bool:

@@ -77,6 +77,11 @@ log = structlog.get_logger("stages.engine.scheduler")
 _CALL = object()  # an _Outbox item that is a call, not a result
 
 
+def _call_each(pairs: list[tuple[Callable[[Any], None], Any]]) -> None:
+    for fn, value in pairs:
+        fn(value)
+
+
 class _Outbox:
     """Results bound for one asyncio loop, handed over with one wake-up per batch of them.
 
@@ -788,9 +793,12 @@ class Scheduler:
         for seq, event in streamed:
             if seq.slot >= 0:
                 events.setdefault(seq.group, []).append((seq.index, event))
+        calls: dict[_Outbox, list[tuple[Callable[[Any], None], Any]]] = {}
         for group, batch in events.items():
             assert group.outbox is not None and group.stream is not None
-            group.outbox.call(group.stream, batch)
+            calls.setdefault(group.outbox, []).append((group.stream, batch))
+        for outbox, pairs in calls.items():  # one hand-over per loop and step
+            outbox.call(_call_each, pairs)
 
     def _check_stop_strings(self, watched: list[tuple[_Seq, int]]) -> None:
         assert self._decode_tail is not None

@@ -4,9 +4,10 @@ As SGLang 0.5 streams ``/generate`` (``http_server.serve_generate_request``,
 ``TokenizerManager._handle_batch_output`` and ``_wait_one_response`` at the default, without
 ``--incremental-streaming-output``): the answer is ``text/event-stream``, one ``data: {json}``
 event per chunk and ``data: [DONE]`` after the last. Every chunk holds a sample's whole output so
-far, laid out as a non-streamed answer: ``text``, ``output_ids`` and ``meta_info`` (``id``,
-``finish_reason`` null until the sample's last chunk, ``completion_tokens`` so far, and with
-``return_logprob`` the log-probs so far). A batch or ``n`` > 1 adds ``index`` to each chunk: the
+far: ``text``, ``output_ids`` and ``meta_info`` with SGLang's fields (``id``, ``finish_reason``
+null until the sample's last chunk, ``prompt_tokens``, ``completion_tokens`` and
+``cached_tokens`` so far, ``weight_version``, and with ``return_logprob`` the log-probs so far;
+per-token versions only in the last). A batch or ``n`` > 1 adds ``index`` to each chunk: the
 sample's place in the non-streamed answer's list. Chunks that pile up while the client reads are
 merged into the newest (SGLang drains its queue the same way); the sample's last chunk is its
 whole answer, exactly what the non-streamed request returns. ``text`` holds back a trailing
@@ -45,18 +46,30 @@ class _Progress:
     cached: int = 0
     text: str = ""  # the text sent last (a trailing incomplete character held back)
 
-    def partial(self) -> SequenceResult:
-        return SequenceResult(
-            rid=self.rid,
-            prompt_tokens=self.prompt_tokens,
-            output_ids=self.ids,
-            finish_reason=None,  # type: ignore[arg-type]  # null until the last chunk
-            weight_version=self.versions[-1] if self.versions else "",
-            output_token_weight_versions=self.versions,
-            output_token_logprobs=self.logprobs,
-            cached_tokens=self.cached,
-            output_top_logprobs=self.tops,
-        )
+    def chunk(self, return_logprob: bool, token_text: Callable[[int], str] | None) -> dict:
+        """The sample's chunk before its last: SGLang's fields of ``meta_info`` so far."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": None,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.ids),
+            "cached_tokens": self.cached,
+            "weight_version": self.versions[-1],
+        }
+        if return_logprob:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                [lp, tok, None if token_text is None else token_text(tok)]
+                for lp, tok in zip(self.logprobs, self.ids, strict=True)
+            ]
+            meta["output_token_logprobs_length"] = len(self.logprobs)
+            if self.tops is not None:
+                meta["input_top_logprobs"] = []
+                meta["output_top_logprobs"] = [
+                    [[lp, tok, None if token_text is None else token_text(tok)] for lp, tok in step]
+                    for step in self.tops
+                ]
+        return {"output_ids": list(self.ids), "meta_info": meta}
 
 
 async def stream_generate(
@@ -64,8 +77,9 @@ async def stream_generate(
     scheduler: Any,
     decode: Callable[[list[int], bool], str] | None,
     body: dict[str, Any],
-) -> AsyncIterator[dict[str, Any]]:
-    """The chunks of a streamed ``/generate`` (``body`` has ``stream: true``).
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """The chunks of a streamed ``/generate`` (``body`` has ``stream: true``), in batches: the
+    chunks that became ready together (one per sample that moved on).
 
     Raises RequestError (a malformed body) or ValueError (a rid in flight) before the first
     chunk; closed early (the client went away), it aborts the samples that are still running.
@@ -94,6 +108,7 @@ async def stream_generate(
             while not queue.empty():  # merge what piled up: one chunk per sample
                 events += queue.get_nowait()
             touched: dict[int, None] = {}
+            batch: list[dict[str, Any]] = []
             for index, payload in events:
                 if isinstance(payload, BaseException):
                     raise payload
@@ -111,20 +126,23 @@ async def stream_generate(
             for index in touched:
                 inp = inputs[index]
                 final = finals.get(index)
-                result = final if final is not None else progress[index].partial()
-                chunk = render_result(
-                    result,
-                    decode=None if final is None else decode,
-                    skip_special_tokens=inp.params.skip_special_tokens,
-                    return_logprob=inp.return_logprob,
-                    no_stop_trim=inp.params.no_stop_trim,
-                    token_text=token_text,
-                )
-                if final is None and decode is not None:
-                    chunk = {"text": _text_so_far(progress[index], decode, inp), **chunk}
+                if final is not None:  # the whole answer, as the request without stream
+                    chunk = render_result(
+                        final,
+                        decode=decode,
+                        skip_special_tokens=inp.params.skip_special_tokens,
+                        return_logprob=inp.return_logprob,
+                        no_stop_trim=inp.params.no_stop_trim,
+                        token_text=token_text,
+                    )
+                else:
+                    chunk = progress[index].chunk(inp.return_logprob, token_text)
+                    if decode is not None:
+                        chunk = {"text": _text_so_far(progress[index], decode, inp), **chunk}
                 if listed:
                     chunk["index"] = index
-                yield chunk
+                batch.append(chunk)
+            yield batch
     finally:
         running = [inp.rid for i, inp in enumerate(inputs) if i not in finals]
         if running:
@@ -140,14 +158,15 @@ def _text_so_far(p: _Progress, decode: Callable[[list[int], bool], str], inp: An
 
 async def write_events(
     request: web.Request,
-    chunks: AsyncIterator[Any],
+    chunks: AsyncIterator[list[Any]],
     encode: Callable[[Any], bytes],
     *,
     on_disconnect: Callable[[], None],
 ) -> web.StreamResponse:
-    """Answer ``request`` with ``chunks`` as server-sent events, then ``data: [DONE]``.
+    """Answer ``request`` with ``chunks`` (batches of them: one write each) as server-sent
+    events, then ``data: [DONE]``.
 
-    The first chunk is awaited before anything is sent, so that a request refused by the
+    The first batch is awaited before anything is sent, so that a request refused by the
     generator's checks raises here and can still be answered with an error status. A client
     that goes away ends the stream (``on_disconnect`` is called; closing ``chunks`` aborts
     what it was generating).
@@ -165,9 +184,9 @@ async def write_events(
     try:
         await response.prepare(request)
         if first is not None:
-            await response.write(b"data: " + encode(first) + b"\n\n")
-            async for chunk in chunks:
-                await response.write(b"data: " + encode(chunk) + b"\n\n")
+            await response.write(_events(first, encode))
+            async for batch in chunks:
+                await response.write(_events(batch, encode))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:  # the client went away: nobody to answer
@@ -178,3 +197,7 @@ async def write_events(
     finally:
         await chunks.aclose()  # aborts what is still running
     return response
+
+
+def _events(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
+    return b"".join(b"data: " + encode(chunk) + b"\n\n" for chunk in batch)
