@@ -136,9 +136,13 @@ class LlamaForward:
         mask: torch.Tensor,
         positions: torch.Tensor,
         past: DynamicCache | None = None,
-    ) -> tuple[DynamicCache, torch.Tensor]:
+        *,
+        keep_hidden: bool = False,
+    ) -> tuple[DynamicCache, torch.Tensor] | tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """(keys and values of every layer, last-position logits ``[rows, vocab]``) of
-        left-padded prompts ``ids`` ``[rows, width]`` with ``mask`` 1 on real tokens.
+        left-padded prompts ``ids`` ``[rows, width]`` with ``mask`` 1 on real tokens; with
+        ``keep_hidden``, also the final (normed) hidden state of every position ``[rows,
+        width, hidden]`` (prompt log-probs: ``stages.engine.prompt_logprobs``).
 
         With ``past`` (``P`` columns of keys and values already computed, as ``model(...)``
         takes ``past_key_values``), ``mask`` covers the past and the new tokens
@@ -169,8 +173,15 @@ class LlamaForward:
             out = self._attend(scores, blocked, v.unsqueeze(2))  # [rows, nkv, group, width, hd]
             out = out.permute(0, 3, 1, 2, 4).reshape(rows, width, nh * hd)
             h = self._rest(layer, h, out)
+        if keep_hidden:
+            normed = self.final_norm(h)
+            return cache, self.logits(normed[:, -1]), normed
         last = self.final_norm(h[:, -1])
         return cache, F.linear(last, self.lm_head.weight, self.lm_head.bias)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final (normed) hidden states."""
+        return F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
 
     # ---- pieces -----------------------------------------------------------------------------
 

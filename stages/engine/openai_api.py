@@ -25,8 +25,9 @@ and the text added since that choice's last chunk (the prompt's text in front of
 ``stream_options.include_usage`` a last chunk without choices carrying the whole ``usage``; then
 ``data: [DONE]`` (``serving_completions._generate_completion_stream``).
 
-Not yet (issue 25): ``echo`` with ``logprobs`` (SGLang asks for input log-probs then) is refused
-with 400; the chat route. Errors are SGLang's ``{object: "error", message, type, param, code}``.
+``echo`` with ``logprobs`` > 0 asks for the prompt's log-probs too (``logprob_start_len`` 0, as
+SGLang does): its tokens come first in ``logprobs``, the first with a null log-prob. Not yet
+(issue 25): the chat route. Errors are SGLang's ``{object: "error", message, type, param, code}``.
 
 This module knows nothing of the scheduler: the server hands it ``/generate`` as a coroutine.
 """
@@ -122,12 +123,6 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
         raise OpenAIError("logprobs: Input should be a non-negative integer", "logprobs")
     echo = body.get("echo", False)
-    if echo and logprobs:
-        raise OpenAIError(
-            "echo with logprobs needs the prompt's log-probs, which the built-in engine does not "
-            "compute yet",
-            "echo",
-        )
     sampling: dict[str, Any] = {"max_new_tokens": _MAX_TOKENS_DEFAULT}
     for name, native in _SAMPLING.items():
         if body.get(name) is not None:
@@ -143,6 +138,8 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         native_body["rid"] = body["rid"]
     if body.get("stream"):
         native_body["stream"] = True
+    if echo and logprobs:  # SGLang: the prompt's log-probs too, in front of the output's
+        native_body["logprob_start_len"] = 0
     n = body.get("n", 1)
     options = {
         "model": model,
@@ -176,7 +173,9 @@ def completion_response(
         logprobs = None
         if options["logprobs"] is not None:
             logprobs = _openai_logprobs(
-                meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
+                meta.get("output_token_logprobs") or [],
+                meta.get("output_top_logprobs") or [],
+                _echoed_logprobs(meta, options),
             )
         reason = meta.get("finish_reason")
         choice: dict[str, Any] = {
@@ -240,11 +239,13 @@ async def completion_stream(
             offsets[index] = len(content.get("text", ""))
             logprobs = None
             if options["logprobs"] is not None:
+                echoed = _echoed_logprobs(meta, options) if index not in logprobs_sent else None
                 sent, total = logprobs_sent.get(index, 0), meta["output_token_logprobs_length"]
-                if sent < total:
+                if sent < total or echoed is not None:
                     logprobs = _openai_logprobs(
                         meta["output_token_logprobs"][sent:total],
                         (meta.get("output_top_logprobs") or [])[sent:total],
+                        echoed,
                     )
                 logprobs_sent[index] = total
             reason = meta.get("finish_reason")
@@ -287,14 +288,31 @@ async def completion_stream(
         ]
 
 
-def _openai_logprobs(entries: list[list[Any]], tops: list[list[list[Any]]]) -> dict[str, Any]:
-    """SGLang's ``to_openai_style_logprobs`` of ``[logprob, id, text]`` entries."""
+def _openai_logprobs(
+    entries: list[list[Any]],
+    tops: list[list[list[Any]]],
+    echoed: tuple[list[list[Any]], list[Any]] | None = None,
+) -> dict[str, Any]:
+    """SGLang's ``to_openai_style_logprobs`` of ``[logprob, id, text]`` entries; ``echoed``:
+    the prompt's entries and top entries, which go first (``echo`` with ``logprobs``)."""
+    if echoed is not None:
+        entries = echoed[0] + entries
+        tops = echoed[1] + tops
     return {
         "text_offset": [-1] * len(entries),  # SGLang: "not supported yet"
         "token_logprobs": [e[0] for e in entries],
         "tokens": [e[2] for e in entries],
-        "top_logprobs": [{e[2]: e[0] for e in step} for step in tops],
+        "top_logprobs": [None if step is None else {e[2]: e[0] for e in step} for step in tops],
     }
+
+
+def _echoed_logprobs(
+    meta: Mapping[str, Any], options: Mapping[str, Any]
+) -> tuple[list[list[Any]], list[Any]] | None:
+    """The prompt's log-prob entries when ``echo`` and ``logprobs`` (> 0) asked for them."""
+    if not (options["echo"] and options["logprobs"]):
+        return None
+    return meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

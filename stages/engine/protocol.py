@@ -4,9 +4,10 @@ Field names and defaults follow SGLang 0.5.x (``GenerateReqInput`` and ``Samplin
 ``max_new_tokens`` 128, ``temperature`` 1.0 (0 means greedy), ``top_p`` 1.0, ``top_k`` -1 (off),
 ``min_p`` 0.0, ``ignore_eos`` false, ``sampling_seed`` none, ``n`` 1. Every problem raises
 ``RequestError`` naming the field, which the server answers with HTTP 400. SGLang parameters
-the built-in engine does not implement (penalties, grammars, ``logit_bias``, input log-probs)
-are accepted only at their neutral default and rejected otherwise, so a request never
-silently means something else here.
+the built-in engine does not implement (penalties, grammars, ``logit_bias``) are accepted only
+at their neutral default and rejected otherwise, so a request never silently means something
+else here. Input log-probs (``logprob_start_len``, and prefill-only scoring with
+``max_new_tokens: 0``) are ``stages.engine.prompt_logprobs``'s.
 
 Top log-probs (``top_logprobs_num``: k, with ``return_logprob``): per output token the k most
 likely tokens of the distribution the sampled token's log-prob comes from (``log_softmax(logits /
@@ -98,6 +99,7 @@ class GenerateInput:
     return_logprob: bool
     group_rid: str | None = None  # the caller's rid of an n > 1 request (aborts every sample)
     top_logprobs_num: int = 0  # alternatives reported per output token (with return_logprob)
+    logprob_start: int = -1  # input log-probs from this prompt position on (-1: none)
 
 
 @dataclass(slots=True)
@@ -116,6 +118,10 @@ class SequenceResult:
     e2e_latency: float = 0.0
     # per output token, the top_logprobs_num most likely (logprob, token id), most likely first
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # from logprob_start_len on: (log-prob or None for the first, token id) per prompt token,
+    # and the top_logprobs_num most likely at each (None for the first)
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -202,13 +208,20 @@ def parse_generate(
     params = _per_item(raw_params, "sampling_params", count, listed, dict)
     logprob_flags = _per_item(body.get("return_logprob"), "return_logprob", count, listed, bool)
     starts = _per_item(body.get("logprob_start_len"), "logprob_start_len", count, listed, int)
-    for flag, start in zip(logprob_flags, starts, strict=True):
-        if flag and start not in (None, -1):
-            # SGLang: from that prompt position on, input_token_logprobs (-1: none)
+    for i, (ids, start) in enumerate(zip(prompts, starts, strict=True)):
+        if start is not None and (isinstance(start, bool) or start < -1):
+            where = (
+                f"logprob_start_len[{i}]"
+                if isinstance(body["logprob_start_len"], list)
+                else ("logprob_start_len")
+            )
+            raise RequestError(where, f"expected -1 (none) or a prompt position, got {start!r}")
+        if logprob_flags[i] and start is not None and start > len(ids):
+            # SGLang (Scheduler.handle_generate_request) refuses it the same way
             raise RequestError(
                 "logprob_start_len",
-                f"{start} asks for the prompt's log-probs, which the built-in engine does not "
-                "compute yet (-1: none)",
+                f"{start} is higher than the number of input tokens {len(ids)}: use a smaller "
+                "logprob_start_len",
             )
     tops = _per_item(body.get("top_logprobs_num"), "top_logprobs_num", count, listed, int)
     for i, top in enumerate(tops):
@@ -238,12 +251,14 @@ def parse_generate(
             )
         flag = bool(logprob_flags[i])
         top = (tops[i] or 0) if flag else 0  # SGLang: top log-probs come with return_logprob
+        # SGLang: without return_logprob the start is ignored; -1 means output log-probs only
+        start = starts[i] if flag and starts[i] is not None else -1
         for j in range(n):
             rid, group_rid = rids(i, j)
             if rid in seen:
                 raise RequestError(f"rid{where}", f"duplicate request id {rid!r} in the batch")
             seen.add(rid)
-            inputs.append(GenerateInput(rid, ids, sp, flag, group_rid, top))
+            inputs.append(GenerateInput(rid, ids, sp, flag, group_rid, top, start))
     return inputs, listed
 
 
@@ -273,7 +288,10 @@ def render_result(
     }
     if return_logprob:
         logprobs = result.output_token_logprobs or []
-        meta["input_token_logprobs"] = []  # logprob_start_len -1: none (SGLang's layout)
+        meta["input_token_logprobs"] = [
+            [lp, tok, None if token_text is None else token_text(tok)]
+            for lp, tok in result.input_token_logprobs or ()  # logprob_start_len -1: none
+        ]
         # SGLang's layout: [logprob, token_id, token_text or None].
         meta["output_token_logprobs"] = [
             [lp, tok, None if token_text is None else token_text(tok)]
@@ -281,7 +299,10 @@ def render_result(
         ]
         meta["output_token_logprobs_length"] = len(logprobs)
         if result.output_top_logprobs is not None:
-            meta["input_top_logprobs"] = []
+            meta["input_top_logprobs"] = [
+                None if step is None else [[lp, tok, _text(token_text, tok)] for lp, tok in step]
+                for step in result.input_top_logprobs or ()
+            ]
             meta["output_top_logprobs"] = [
                 [[lp, tok, None if token_text is None else token_text(tok)] for lp, tok in step]
                 for step in result.output_top_logprobs
@@ -294,6 +315,10 @@ def render_result(
     out["output_ids"] = result.output_ids
     out["meta_info"] = meta
     return out
+
+
+def _text(token_text: Callable[[int], str] | None, token: int) -> str | None:
+    return None if token_text is None else token_text(token)
 
 
 def result_text(

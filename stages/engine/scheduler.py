@@ -60,6 +60,7 @@ from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
+from stages.engine.prompt_logprobs import prompt_logprobs, scoring_passes
 from stages.engine.protocol import GenerateInput, SequenceResult
 from stages.engine.sampling import SlotSampler
 
@@ -195,6 +196,8 @@ class _Seq:
         "group",
         "index",
         "inp",
+        "input_lps",
+        "input_tops",
         "kv_start",
         "slot",
         "stamp",
@@ -225,6 +228,9 @@ class _Seq:
         self.cached = 0  # prompt tokens taken from the prefix cache (last admission)
         self.cached_version: str | None = None  # the version that computed them
         self.stamp: Stamp | None = None  # the oldest weights in this row's KV
+        # its prompt's log-probs (logprob_start_len), once computed (kept over a retraction)
+        self.input_lps: list[tuple[float | None, int]] | None = None
+        self.input_tops: list[list[tuple[float, int]] | None] | None = None
 
     @property
     def context(self) -> list[int]:
@@ -601,15 +607,57 @@ class Scheduler:
         ):
             return
         group: list[_Seq] = []
+        done: list[_Seq] = []  # nothing (more) to generate: prefill-only scoring, or length
         while self._waiting and len(group) < free:
             seq = self._waiting.popleft()
             if seq.inp.params.max_new_tokens - len(seq.done_ids) <= 0:
-                reason = {"type": "length", "length": seq.inp.params.max_new_tokens}
-                self._finish(seq, reason, seq.done_ids, seq.done_logprobs, seq.done_versions)
+                done.append(seq)
             else:
                 group.append(seq)
+        scoring = [s for s in done + group if s.inp.logprob_start >= 0 and s.input_lps is None]
+        if scoring:
+            self._score_prompts(scoring)
+        for seq in done:
+            reason = {"type": "length", "length": seq.inp.params.max_new_tokens}
+            self._finish(seq, reason, seq.done_ids, seq.done_logprobs, seq.done_versions)
         if group:
             self._prefill(group)
+
+    def _score_prompts(self, seqs: list[_Seq]) -> None:
+        """Prompt log-probs from each seq's ``logprob_start`` on (``prompt_logprobs``): forward
+        passes of their own over whole prompts, identical requests computed once."""
+        unique: dict[tuple[tuple[int, ...], int, int], list[_Seq]] = {}
+        for seq in seqs:
+            key = (tuple(seq.inp.input_ids), seq.inp.logprob_start, seq.inp.top_logprobs_num)
+            unique.setdefault(key, []).append(seq)
+        keys = list(unique)
+        for part in scoring_passes([len(k[0]) for k in keys]):
+            prompts = [list(keys[u][0]) for u in part]
+            ids, mask, positions = (
+                t.to(self.device) for t in _new_tokens(prompts, [0] * len(prompts))
+            )
+            head: Callable[[torch.Tensor], torch.Tensor]
+            if self._fast is not None:
+                _, _, hidden = self._fast.prefill(ids, mask, positions, keep_hidden=True)
+                head = self._fast.logits
+            else:
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    output_hidden_states=True,
+                    logits_to_keep=1,
+                )
+                hidden, head = out.hidden_states[-1], self.model.get_output_embeddings()
+            width = ids.shape[1]
+            for row, u in enumerate(part):
+                tokens, start, top = keys[u]
+                lps, tops = prompt_logprobs(
+                    hidden[row, width - len(tokens) :], list(tokens), start, top, head
+                )
+                pairs = list(zip(lps, tokens[start:], strict=True))
+                for seq in unique[keys[u]]:
+                    seq.input_lps, seq.input_tops = pairs, tops
 
     def _prefill(self, group: list[_Seq]) -> None:
         # Identical contexts (the samples of one prompt) are prefilled once.
@@ -921,6 +969,8 @@ class Scheduler:
                 e2e_latency=round(time.perf_counter() - seq.started, 6),
                 # one list per output token (an abort may come before a sampled token counts)
                 output_top_logprobs=None if seq.top is None else seq.top[: len(ids)],
+                input_token_logprobs=seq.input_lps,
+                input_top_logprobs=seq.input_tops,
             ),
         )
 

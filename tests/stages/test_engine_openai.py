@@ -118,7 +118,6 @@ def test_what_sglang_refuses_or_the_engine_cannot_do_yet_is_a_400(engine: Engine
         ({"prompt": [[], []]}, "Prompt cannot be empty"),
         ({"prompt": PROMPT, "stream": "yes"}, "stream"),
         ({"prompt": PROMPT, "logprobs": -1}, "logprobs"),
-        ({"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
         ({"prompt": PROMPT, "frequency_penalty": 0.5}, "frequency_penalty"),
         ({"prompt": [1, "a"]}, "prompt"),

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from stages.engine.model_weights import WeightLoadError, load_named_tensors
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
+from tests.numerics import assert_close, forward_terms
 from tests.stages.engine_setup import load_reference, two_tiny_models
 from tests.stages.tiny_model import make_tiny_model
 
@@ -171,3 +172,32 @@ def test_max_running_bounds_the_batch(models: tuple[Path, Path]) -> None:
     scheduler.run_until_idle()
     outputs = {tuple(f.result(timeout=0).output_ids) for f in futures}
     assert len(outputs) == 1  # same prompt, greedy: same tokens whatever the batch
+
+
+@pytest.mark.timeout(60)
+def test_prompt_logprobs_agree_on_both_forward_paths(models: tuple[Path, Path]) -> None:
+    """``logprob_start_len`` through the engine's own passes and through ``model(...)`` (the
+    path of models that are not Llama-shaped): the same log-probs, and transformers' own."""
+    model = load_reference(models[0])
+    prompts = [[3, 9, 27, 4, 11], [8, 8, 2]]
+    results = {}
+    for fast in (True, False):
+        scheduler = Scheduler(model, max_running=4, fast_forward=fast)
+        futures = [
+            scheduler.submit(
+                GenerateInput(f"s{i}", p, SamplingParams(max_new_tokens=0), True, None, 2, 1)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        scheduler.run_until_idle()
+        results[fast] = [f.result(timeout=0) for f in futures]
+    with torch.no_grad():
+        for prompt, a, b in zip(prompts, results[True], results[False], strict=True):
+            assert a.output_ids == [] and a.finish_reason == {"type": "length", "length": 0}
+            assert [t for _, t in a.input_token_logprobs] == prompt[1:]
+            assert a.input_token_logprobs[0][0] is None and a.input_top_logprobs[0] is None
+            expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+            want = [expected[p - 1, prompt[p]].item() for p in range(2, len(prompt))]
+            terms = forward_terms(model.config, len(prompt))
+            assert_close([lp for lp, _ in a.input_token_logprobs[1:]], want, terms=terms)
+            assert_close([lp for lp, _ in b.input_token_logprobs[1:]], want, terms=terms)

@@ -1,0 +1,83 @@
+"""Input (prompt) log-probs: ``logprob_start_len`` and prefill-only scoring (``max_new_tokens: 0``).
+
+How RL code gets reference or teacher log-probs of given tokens from an engine: it sends the
+prompt and completion as ``input_ids`` with ``return_logprob``, ``logprob_start_len`` where the
+part it wants begins, and ``max_new_tokens: 0``.
+
+As SGLang 0.5 answers it (``SchedulerLogprobResultProcessor._process_input_token_logprobs``,
+``logprob_processor``: ``log_softmax`` of the raw logits, no temperature): for a prompt of ``L``
+tokens and a start ``s`` (``0 <= s <= L``), ``input_token_logprobs`` has ``L - s`` entries
+``[logprob, token_id, text or None]``, one per prompt token from ``s`` on; entry ``k`` (``k >= 1``)
+is the log-prob of token ``s + k`` under the logits after tokens ``0 .. s + k - 1``, and entry 0's
+log-prob is ``None`` (SGLang drops the last position's, which is the sampled token's, and puts
+``None`` in front, whatever ``s``). ``input_top_logprobs`` (with ``top_logprobs_num``) has one
+entry per token likewise: ``None`` first, then the ``top_logprobs_num`` most likely tokens at
+the position before each token.
+
+The built-in engine computes them in a pass of their own over the whole prompt (no prefix
+cache, no KV kept: SGLang, too, stops its prefix match at ``logprob_start_len``), before a
+request's samples are admitted; a request that also generates is then prefilled as any other.
+Positions are turned into log-probs a chunk at a time, so a long prompt never holds
+``[L, vocab]`` logits at once. This module holds the arithmetic; the scheduler calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["POSITIONS_PER_CHUNK", "TOKENS_PER_PASS", "prompt_logprobs"]
+
+POSITIONS_PER_CHUNK = 256  # positions whose logits exist at once (x vocab floats)
+TOKENS_PER_PASS = 8192  # prompts scored in one forward pass hold at most this many tokens (padded)
+
+
+def prompt_logprobs(
+    hidden: torch.Tensor,
+    ids: list[int],
+    start: int,
+    top: int,
+    head: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[list[float | None], list[list[tuple[float, int]] | None] | None]:
+    """``(logprobs, tops)`` of prompt tokens ``start ..``: ``hidden`` ``[L, H]`` is the final
+    (normed) hidden state at each prompt position, ``head`` maps it to logits. ``tops`` is
+    None unless ``top`` > 0."""
+    length = len(ids)
+    if start >= length:
+        return [], ([] if top else None)
+    logprobs: list[float | None] = [None]
+    tops: list[list[tuple[float, int]] | None] | None = [None] if top else None
+    # position p's logits give the log-prob of token p + 1: positions start .. length - 2
+    targets = torch.tensor(ids[start + 1 :], dtype=torch.long, device=hidden.device)
+    for lo in range(start, length - 1, POSITIONS_PER_CHUNK):
+        hi = min(lo + POSITIONS_PER_CHUNK, length - 1)
+        logits = head(hidden[lo:hi])
+        if logits.dtype in (torch.float16, torch.bfloat16):  # as the sampler: in float32
+            logits = logits.float()
+        lps = torch.log_softmax(logits, dim=-1)
+        chosen = lps.gather(1, targets[lo - start : hi - start, None])[:, 0]
+        logprobs.extend(chosen.tolist())
+        if tops is not None:
+            values, indices = lps.topk(min(top, lps.shape[1]), dim=-1)
+            for vals, toks in zip(values.tolist(), indices.tolist(), strict=True):
+                tops.append(list(zip(vals, toks, strict=True)))
+    return logprobs, tops
+
+
+def scoring_passes(lengths: list[int]) -> list[list[int]]:
+    """Prompts (by index) grouped into scoring passes: sorted by length, each pass at most
+    ``TOKENS_PER_PASS`` padded tokens (a longer prompt alone) and at most half padding."""
+    parts: list[list[int]] = []
+    part: list[int] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        padded = (len(part) + 1) * lengths[i]  # the sorted order makes it the widest
+        if part and (padded > TOKENS_PER_PASS or padded > 2 * (total + lengths[i])):
+            parts.append(sorted(part))
+            part, total = [], 0
+        part.append(i)
+        total += lengths[i]
+    if part:
+        parts.append(sorted(part))
+    return parts
