@@ -66,6 +66,8 @@ class InProcessEngine:
             self.scheduler,
             max_body=int(args.max_request_mb * 2**20),
             api_key=self.api_key,
+            chat_template=args.chat_template,
+            tool_call_parser=args.tool_call_parser,
         )
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()

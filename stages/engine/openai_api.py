@@ -343,15 +343,18 @@ class OpenAIRoutes:
         served_model_name: str,
         context_length: int,
         on_disconnect: Callable[[web.Request], None] = lambda request: None,
+        chat: Any = None,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
         self.on_disconnect = on_disconnect
+        self.chat = chat  # openai_chat.ChatSettings (None: the model has no tokenizer)
         self.served_model_name, self.context_length = served_model_name, context_length
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
 
     def _card(self, name: str) -> dict[str, Any]:
         return {
@@ -380,6 +383,34 @@ class OpenAIRoutes:
         return web.json_response(self._card(name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        decode = self.decode
+        return await self._serve(
+            request,
+            completion_request,
+            lambda results, options: completion_response(results, options, decode),
+            lambda chunks, options: completion_stream(chunks, options, decode),
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        from stages.engine import openai_chat  # it builds on this module
+
+        chat, length = self.chat, self.context_length
+        return await self._serve(
+            request,
+            lambda body: openai_chat.chat_request(body, chat, length),
+            openai_chat.chat_response,
+            openai_chat.chat_stream,
+        )
+
+    async def _serve(
+        self,
+        request: web.Request,
+        build: Callable[[Any], tuple[dict[str, Any], dict[str, Any]]],
+        respond: Callable[[list[Any], dict[str, Any]], dict[str, Any]],
+        stream: Callable[[AsyncIterator[Any], dict[str, Any]], AsyncIterator[list[Any]]],
+    ) -> web.StreamResponse:
+        """One request of a ``/v1`` route: ``build`` the native body from the request's,
+        ``respond`` with the native results, or ``stream`` the native chunks as events."""
         media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if media != "application/json":  # SGLang's validate_json_request
             return error_response(
@@ -392,9 +423,9 @@ class OpenAIRoutes:
         except ValueError as exc:
             return error_response(f"the request body is not JSON: {exc}")
         try:
-            native, options = completion_request(body)
+            native, options = build(body)
             if options["stream"]:
-                chunks = completion_stream(self.stream(native), options, self.decode)
+                chunks = stream(self.stream(native), options)
                 return await write_events(
                     request, chunks, _json_bytes, on_disconnect=lambda: self.on_disconnect(request)
                 )
@@ -408,7 +439,7 @@ class OpenAIRoutes:
         except ValueError as exc:  # a rid already in flight
             return error_response(str(exc), param="rid")
         results = rendered if isinstance(rendered, list) else [rendered]
-        return web.json_response(completion_response(results, options, self.decode))
+        return web.json_response(respond(results, options))
 
 
 def _prompt_kind(prompt: Any) -> bool:

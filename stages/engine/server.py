@@ -52,6 +52,7 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.openai_api import OpenAIRoutes
+from stages.engine.openai_chat import ChatSettings
 from stages.engine.protocol import (
     GenerateInput,
     RequestError,
@@ -67,6 +68,7 @@ from stages.engine.scheduler import (
     Scheduler,
 )
 from stages.engine.streaming import stream_generate, write_events
+from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from transport.credit import sparse
 
 __all__ = [
@@ -120,6 +122,8 @@ def build_app(
     *,
     max_body: int = _MAX_BODY,
     api_key: str | None = None,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
@@ -135,6 +139,12 @@ def build_app(
     weights = WeightRoutes(scheduler)
     app[_WEIGHTS] = weights
     decode = app[_DECODE]
+    chat = ChatSettings.of(
+        loaded.tokenizer,
+        Path(loaded.path),
+        chat_template=chat_template,
+        tool_call_parser=tool_call_parser,
+    )
     OpenAIRoutes(
         lambda body: generate(loaded, scheduler, decode, body),
         lambda body: stream_generate(loaded, scheduler, decode, body),
@@ -142,6 +152,7 @@ def build_app(
         served_model_name=str(loaded.path),
         context_length=loaded.context_length,
         on_disconnect=lambda request: _refused(request, 499, "the client went away mid-stream"),
+        chat=chat,
     ).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
@@ -695,6 +706,17 @@ def _parser() -> argparse.ArgumentParser:
         help="cached KV more than this many weight versions old is dropped; older KV is reused "
         "only by a request that continues a whole sequence served before (a next turn)",
     )
+    parser.add_argument(
+        "--chat-template",
+        help="Jinja chat template (or a file holding one) for /v1/chat/completions, in place of "
+        "the tokenizer's (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=list(TOOL_CALL_PARSERS),
+        help="read tool calls in answers to /v1/chat/completions with tools (SGLang's flag; "
+        "default: the chat template's own format when it has <tool_call>)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
@@ -785,7 +807,12 @@ def main(argv: list[str] | None = None) -> int:
     scheduler.start()
     try:
         app = build_app(
-            loaded, scheduler, max_body=int(args.max_request_mb * 2**20), api_key=api_key
+            loaded,
+            scheduler,
+            max_body=int(args.max_request_mb * 2**20),
+            api_key=api_key,
+            chat_template=args.chat_template,
+            tool_call_parser=args.tool_call_parser,
         )
         return _run_loop(_serve(app, args, loaded))
     finally:

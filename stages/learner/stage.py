@@ -442,7 +442,8 @@ class Learner:
             prompt = np.asarray(group["prompt_ids"], dtype=np.int64)
             items = group["samples"]
             # float32, as the rewards were scored (and as the sum of a batch is reported)
-            rewards = torch.tensor([float(s["reward"]) for s in items], dtype=torch.float32).tolist()
+            scored = [float(s["reward"]) for s in items]
+            rewards = torch.tensor(scored, dtype=torch.float32).tolist()
             rows = [_sample_arrays(s, prompt) for s in items]
         except (KeyError, TypeError, ValueError) as exc:
             self.counts["bad_groups"] += 1

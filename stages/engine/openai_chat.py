@@ -1,0 +1,464 @@
+"""SGLang's ``/v1/chat/completions`` on the built-in engine.
+
+Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/protocol.py``:
+``ChatCompletionRequest``, ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``;
+``serving_chat.py``; ``sse_utils.py``):
+
+- the messages go through the tokenizer's chat template (``apply_chat_template`` with
+  ``add_generation_prompt``, the request's ``tools`` and ``chat_template_kwargs``; the engine's
+  ``--chat-template`` replaces the tokenizer's); text parts of a content list are joined with a
+  space (SGLang's "string" content format), a ``None`` field is left out; an assistant message's
+  tool-call ``arguments`` given as a JSON string are parsed for the template;
+- sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` from the
+  request, else the model's ``generation_config.json``, else 1.0, 1.0, -1, 0.0, 1.0;
+  ``max_completion_tokens`` or ``max_tokens`` (none: what the context leaves); ``stop``,
+  ``stop_token_ids``, ``n``, ``seed``, ``ignore_eos``, ``no_stop_trim``, ``skip_special_tokens``,
+  ``min_tokens`` and the penalties by the native names, so the native checks apply;
+- ``logprobs`` (bool) and ``top_logprobs`` (0-20): ``logprobs.content`` ``[{token, bytes,
+  logprob, top_logprobs: [{token, bytes, logprob}]}]``;
+- ``tools`` with ``tool_choice`` ``auto`` (the default) or ``none``: the answer's text is read
+  for tool calls in the template's format (``stages.engine.tool_calls``): ``message.tool_calls``
+  ``[{id: "call_<24 hex>", index, type: "function", function: {name, arguments}}]``, the text
+  before them as ``content``, and ``finish_reason`` ``tool_calls`` where it was ``stop``;
+- the answer: ``{id, object: "chat.completion", created, model, choices: [{index, message:
+  {role: "assistant", content ("" when empty), reasoning_content: null, tool_calls?},
+  logprobs, finish_reason, matched_stop}], usage, metadata: {weight_version}}``;
+- ``stream``: ``chat.completion.chunk`` events: a choice's first chunk has ``delta {role:
+  "assistant", content: ""}``, then content deltas (with their tokens' log-probs), tool calls
+  as whole ``tool_calls`` deltas, and after a choice's last tokens a chunk with an empty delta,
+  its ``finish_reason`` and ``matched_stop``; ``stream_options.include_usage`` adds a last chunk
+  with ``usage`` and no choices (``delta`` always has ``reasoning_content: null``, as there).
+
+Refused with 400, as SGLang refuses what it cannot honour (the built-in engine has no constrained
+decoding): ``tool_choice`` ``required`` or a named function, ``response_format`` other than
+text. A model whose tokenizer has no chat template (and no ``--chat-template``) gets 400 on this
+route. This module knows nothing of HTTP; ``openai_api.OpenAIRoutes`` serves it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.engine.openai_api import OpenAIError, _usage
+from stages.engine.tool_calls import (
+    PARSERS,
+    StreamingToolCalls,
+    ToolCallParser,
+    parser_for_template,
+)
+
+__all__ = ["ChatSettings", "chat_request", "chat_response", "chat_stream"]
+
+_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+_MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+# OpenAI field -> native sampling parameter (the rest by their own names)
+_NATIVE = {
+    "stop_token_ids": "stop_token_ids",
+    "seed": "sampling_seed",
+    "n": "n",
+    "ignore_eos": "ignore_eos",
+    "no_stop_trim": "no_stop_trim",
+    "skip_special_tokens": "skip_special_tokens",
+    "min_tokens": "min_new_tokens",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "logit_bias": "logit_bias",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "stop_regex": "stop_regex",
+}
+
+
+@dataclass
+class ChatSettings:
+    """What the chat route needs of the served model."""
+
+    tokenizer: Any
+    template: str | None  # --chat-template (None: the tokenizer's own)
+    defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+    tool_parser: str | None = None  # --tool-call-parser, or the template's own format
+
+    @classmethod
+    def of(
+        cls,
+        tokenizer: Any,
+        model_dir: Path,
+        *,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
+    ) -> ChatSettings | None:
+        """From the loaded model (None without a tokenizer). ``chat_template``: a Jinja
+        template, or a file holding one; ``tool_call_parser``: one of ``PARSERS``."""
+        if tokenizer is None:
+            return None
+        if chat_template is not None and Path(chat_template).is_file():
+            chat_template = Path(chat_template).read_text()
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"--tool-call-parser {tool_call_parser!r}: the built-in engine reads "
+                f"{', '.join(PARSERS)} (the Qwen 2.5 / Hermes format)"
+            )
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        defaults: dict[str, Any] = {}
+        config = model_dir / "generation_config.json"
+        if config.is_file():
+            try:
+                raw = json.loads(config.read_text())
+            except ValueError:
+                raw = {}
+            defaults = {k: raw[k] for k in _DEFAULTS if raw.get(k) is not None}
+        return cls(
+            tokenizer,
+            chat_template,
+            defaults,
+            tool_call_parser or parser_for_template(template if isinstance(template, str) else ""),
+        )
+
+    def render(self, messages: list[dict[str, Any]], tools: Any, kwargs: dict) -> list[int]:
+        template = self.template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise OpenAIError(
+                "this model's tokenizer has no chat template: start the engine with "
+                "--chat-template, or use /v1/completions",
+                "messages",
+            )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                chat_template=self.template,
+                add_generation_prompt=kwargs.pop("add_generation_prompt", True),
+                tokenize=True,
+                **kwargs,
+            )
+        except Exception as exc:  # the template's own error (jinja raise_exception, ...)
+            raise OpenAIError(f"the chat template refused the messages: {exc}", "messages") from exc
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+def chat_request(
+    body: Any, settings: ChatSettings, context_length: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(native /generate body, what the answer needs)`` for a ``/v1/chat/completions``
+    body; OpenAIError when SGLang would refuse it (or the engine cannot do what it asks)."""
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("messages: a non-empty list of messages is required", "messages")
+    model = body.get("model", "default")
+    if not isinstance(model, str):
+        raise OpenAIError("model: Input should be a valid string", "model")
+    for flag in ("stream", "logprobs", "continue_final_message"):
+        if not isinstance(body.get(flag, False), bool | None):
+            raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= _MAX_TOP_LOGPROBS):
+        raise OpenAIError(f"top_logprobs: an integer in [0, {_MAX_TOP_LOGPROBS}]", "top_logprobs")
+    if top and not body.get("logprobs"):
+        raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise OpenAIError(
+            "response_format: JSON output needs constrained decoding, which the built-in engine "
+            "does not have",
+            "response_format",
+        )
+    tools = _tools(body.get("tools"))
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", "none", None):
+        raise OpenAIError(
+            "tool_choice: 'required' or a named function needs constrained decoding, which the "
+            "built-in engine does not have ('auto' and 'none' work)",
+            "tool_choice",
+        )
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise OpenAIError("stream_options: Input should be a valid dictionary", "stream_options")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise OpenAIError("chat_template_kwargs: Input should be a valid dictionary")
+    kwargs = dict(kwargs)
+    if body.get("continue_final_message"):
+        kwargs.update(continue_final_message=True, add_generation_prompt=False)
+    template_tools = tools if tools and choice != "none" else None
+    rendered = [_message(m, i) for i, m in enumerate(messages)]
+    prompt = settings.render(rendered, template_tools, kwargs)
+
+    sampling: dict[str, Any] = {}
+    for name, default in _DEFAULTS.items():
+        value = body.get(name)
+        sampling[name] = value if value is not None else settings.defaults.get(name, default)
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    sampling["max_new_tokens"] = limit if limit is not None else context_length - len(prompt)
+    stop = body.get("stop")
+    if stop is not None:
+        sampling["stop"] = stop
+    for name, native in _NATIVE.items():
+        if body.get(name) is not None:
+            sampling[native] = body[name]
+    native_body: dict[str, Any] = {
+        "input_ids": prompt,
+        "sampling_params": sampling,
+        "return_logprob": bool(body.get("logprobs")),
+        "top_logprobs_num": top or 0,
+        "return_text_in_logprobs": True,
+    }
+    if body.get("rid") is not None:
+        native_body["rid"] = body["rid"]
+    if body.get("stream"):
+        native_body["stream"] = True
+    n = body.get("n", 1)
+    options = {
+        "model": model,
+        "n": n if _is_int(n) and n > 0 else 1,
+        "logprobs": bool(body.get("logprobs")),
+        "parse_tools": bool(template_tools) and settings.tool_parser is not None,
+        "tools": tools or [],
+        "stream": bool(body.get("stream")),
+        "include_usage": bool(stream_options.get("include_usage")),
+        "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
+        "prompt_tokens": len(prompt),
+    }
+    return native_body, options
+
+
+def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) -> dict[str, Any]:
+    """SGLang's ``ChatCompletionResponse`` for the native results of ``chat_request``."""
+    n = options["n"]
+    choices = []
+    for index, item in enumerate(results):
+        meta = item["meta_info"]
+        text = item.get("text", "")
+        reason = dict(meta["finish_reason"]) if meta.get("finish_reason") else None
+        message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None}
+        if options["parse_tools"]:
+            parser = ToolCallParser(options["tools"])
+            if parser.has_tool_call(text):
+                content, calls = parser.parse(text)
+                if calls:
+                    message["content"] = content
+                    message["tool_calls"] = [_tool_call(c, i) for i, c in enumerate(calls)]
+                    if reason and reason["type"] == "stop":
+                        reason = {"type": "tool_calls", "matched": None}
+        message["content"] = message["content"] or ""
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": _chat_logprobs(meta) if options["logprobs"] else None,
+                "finish_reason": reason["type"] if reason else None,
+                "matched_stop": reason.get("matched") if reason else None,
+            }
+        )
+    prompt_tokens = sum(results[i]["meta_info"]["prompt_tokens"] for i in range(0, len(results), n))
+    completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    first = results[0]["meta_info"]
+    return {
+        "id": first["id"],
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": options["model"],
+        "choices": choices,
+        "usage": _usage(prompt_tokens, completion_tokens),
+        "metadata": {"weight_version": first["weight_version"]},
+    }
+
+
+async def chat_stream(
+    batches: AsyncIterator[list[Mapping[str, Any]]], options: Mapping[str, Any]
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """SGLang's ``chat.completion.chunk`` events for the native chunks of a streamed
+    ``chat_request`` (``serving_chat._generate_chat_stream``)."""
+    created, model, n = int(time.time()), options["model"], options["n"]
+    offsets: dict[int, int] = {}
+    logprobs_sent: dict[int, int] = {}
+    tools: dict[int, StreamingToolCalls] = {}
+    called: dict[int, int] = {}
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens: dict[int, int] = {}
+    last_id = ""
+
+    def chunk(rid: str, index: int, delta: dict[str, Any], **more: Any) -> dict[str, Any]:
+        out = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": {"reasoning_content": None, **delta},
+                    "logprobs": more.get("logprobs"),
+                    "finish_reason": more.get("finish_reason"),
+                    "matched_stop": more.get("matched_stop"),
+                }
+            ],
+        }
+        if options["continuous_usage_stats"]:
+            out["usage"] = _usage(prompt_tokens[index], completion_tokens[index])
+        return out
+
+    async for batch in batches:
+        out: list[dict[str, Any]] = []
+        for content in batch:
+            index = content.get("index", 0)
+            meta = content["meta_info"]
+            rid = last_id = meta["id"]
+            prompt_tokens[index] = meta.get("prompt_tokens", 0)
+            completion_tokens[index] = meta.get("completion_tokens", 0)
+            if index not in offsets:  # its first chunk: the role
+                out.append(chunk(rid, index, {"role": "assistant", "content": ""}))
+            text = content.get("text", "")
+            delta = text[offsets.get(index, 0) :]
+            offsets[index] = len(text)
+            logprobs = None
+            if options["logprobs"]:
+                sent, total = logprobs_sent.get(index, 0), meta["output_token_logprobs_length"]
+                if sent < total:
+                    logprobs = _chat_logprobs(meta, sent, total)
+                logprobs_sent[index] = total
+            reason = meta.get("finish_reason")
+            calls: list[dict[str, str]] = []
+            if options["parse_tools"]:
+                parser = tools.get(index) or StreamingToolCalls(ToolCallParser(options["tools"]))
+                tools[index] = parser
+                delta, calls = parser.feed(delta)
+                if reason is not None:
+                    delta += parser.flush()
+            if delta or logprobs is not None:
+                out.append(chunk(rid, index, {"content": delta}, logprobs=logprobs))
+            for call in calls:
+                number = called.get(index, 0)
+                called[index] = number + 1
+                out.append(chunk(rid, index, {"tool_calls": [_tool_call(call, number)]}))
+            if reason is not None:
+                kind = reason["type"]
+                if kind == "stop" and called.get(index):
+                    kind, reason = "tool_calls", {"type": "tool_calls", "matched": None}
+                out.append(
+                    chunk(rid, index, {}, finish_reason=kind, matched_stop=reason.get("matched"))
+                )
+        yield out
+    if options["include_usage"]:
+        prompts = sum(t for i, t in prompt_tokens.items() if i % n == 0)
+        usage = _usage(prompts, sum(completion_tokens.values()))
+        yield [
+            {
+                "id": last_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": {k: v for k, v in usage.items() if v is not None},
+            }
+        ]
+
+
+def _tools(raw: Any) -> list[dict[str, Any]]:
+    """The request's ``tools``, checked (a malformed schema is a 400 naming it)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise OpenAIError("tools: Input should be a valid list", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise OpenAIError(f"{where}: expected {{type: function, function: {{...}}}}", "tools")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise OpenAIError(f"{where}.function.name: a non-empty string is required", "tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise OpenAIError(f"{where}.function.parameters: expected a JSON schema", "tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise OpenAIError(f"{where}.function.description: expected a string", "tools")
+        fn = {k: v for k, v in fn.items() if v is not None}
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def _message(raw: Any, i: int) -> dict[str, Any]:
+    """A message as chat templates take it."""
+    where = f"messages[{i}]"
+    if not isinstance(raw, dict) or raw.get("role") not in _ROLES:
+        raise OpenAIError(f"{where}.role: one of {', '.join(_ROLES)} is required", "messages")
+    message = {k: v for k, v in raw.items() if v is not None}
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                raise OpenAIError(
+                    f"{where}.content[{j}]: the built-in engine takes text parts only", "messages"
+                )
+            texts.append(str(part.get("text", "")))
+        message["content"] = " ".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise OpenAIError(f"{where}.content: expected a string or a list of parts", "messages")
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise OpenAIError(f"{where}.tool_calls: expected a list", "messages")
+        message["tool_calls"] = [
+            _call_for_template(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+        ]
+    return message
+
+
+def _call_for_template(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise OpenAIError(f"{where}.function.name: a string is required", "messages")
+    arguments = fn.get("arguments")
+    if isinstance(arguments, str):  # SGLang: parsed for the template
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            raise OpenAIError(f"{where}.function.arguments: not JSON ({exc})", "messages") from exc
+    return {**call, "function": {**fn, "arguments": arguments}}
+
+
+def _tool_call(call: Mapping[str, str], index: int) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "index": index,
+        "type": "function",
+        "function": {"name": call["name"], "arguments": call["arguments"]},
+    }
+
+
+def _chat_logprobs(meta: Mapping[str, Any], lo: int = 0, hi: int | None = None) -> dict[str, Any]:
+    """``ChoiceLogprobs`` of output tokens ``lo..hi`` (``_build_token_logprobs_from_raw``)."""
+    entries = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    hi = len(entries) if hi is None else hi
+    content = []
+    for k in range(lo, hi):
+        logprob, _, text = entries[k]
+        top = tops[k] if k < len(tops) and tops[k] is not None else []
+        content.append(
+            {
+                "token": text or "",
+                "bytes": list((text or "").encode()),
+                "logprob": logprob,
+                "top_logprobs": [
+                    {"token": t or "", "bytes": list((t or "").encode()), "logprob": lp}
+                    for lp, _, t in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,275 @@
+"""``/v1/chat/completions`` on the built-in engine, through the ``openai`` client, checked against
+the native ``/generate`` of the same engine and SGLang 0.5's ``serving_chat.py`` /
+``protocol.py`` / ``sse_utils.py`` (the shapes each test names); tool-call reading against
+``function_call/qwen25_detector.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from stages.engine.openai_api import OpenAIError
+from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
+from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser
+from tests.stages.test_engine_server import ROOT, Engine, _free_port, _tail, _tokenizer
+from tests.stages.tiny_model import make_tiny_model
+
+# Word-level, as the tiny tokenizer is (w<N> words); the comment names the tool-call format, so
+# the engine reads <tool_call> blocks in answers to requests with tools.
+TEMPLATE = (
+    "{# tool calls: <tool_call> {json} </tool_call> #}"
+    "{%- if tools %}w5 {% for t in tools %}w{{ 20 + loop.index }} {% endfor %}w6 {% endif %}"
+    "{%- for m in messages %}"
+    "{% if m.role == 'user' %}w7 {% elif m.role == 'assistant' %}w8 {% else %}w9 {% endif %}"
+    "{{ m.content }} w10 {% endfor %}"
+    "{%- if add_generation_prompt %}w8 {% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "add two numbers",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
+        },
+    }
+]
+HELLO = [{"role": "user", "content": "w11 w12 w13"}]
+
+
+@pytest.fixture(scope="module")
+def chat_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    root = tmp_path_factory.mktemp("chat-engine")
+    model_dir = make_tiny_model(root / "model", vocab=128, seed=2)
+    (root / "template.jinja").write_text(TEMPLATE)
+    port, log_file = _free_port(), root / "engine.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model_dir),
+         "--port", str(port), "--max-running", "8", "--log-file", str(log_file),
+         "--chat-template", str(root / "template.jinja")],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    eng = Engine(f"http://127.0.0.1:{port}", model_dir, log_file)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if eng.request("GET", "/health", timeout=2)[0] == 200:
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"engine did not come up; log:\n{_tail(log_file)}")
+        time.sleep(0.2)
+    yield eng
+    proc.terminate()
+    try:
+        assert proc.wait(timeout=15) == 0, _tail(log_file)
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(chat_engine: Engine) -> openai.OpenAI:
+    return openai.OpenAI(base_url=chat_engine.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _ids(engine: Engine, messages: list[dict], tools: list | None = None) -> list[int]:
+    ids = _tokenizer(engine).apply_chat_template(
+        messages, tools=tools, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.mark.timeout(60)
+def test_greedy_chat_equals_generate_on_the_templated_prompt(chat_engine: Engine, client) -> None:
+    ids = _ids(chat_engine, HELLO)
+    native = chat_engine.generate(
+        {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+         "return_text_in_logprobs": True,
+         "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+    )  # fmt: skip
+    out = client.chat.completions.create(
+        model="anything", messages=HELLO, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert out.object == "chat.completion" and out.model == "anything"
+    (choice,) = out.choices
+    assert choice.message.role == "assistant" and choice.message.content == native["text"]
+    assert choice.message.model_extra["reasoning_content"] is None
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 6)
+    assert out.metadata["weight_version"] == native["meta_info"]["weight_version"]
+    entries = native["meta_info"]["output_token_logprobs"]
+    tops = native["meta_info"]["output_top_logprobs"]
+    for got, entry, top in zip(choice.logprobs.content, entries, tops, strict=True):
+        assert got.token == entry[2] and got.bytes == list(entry[2].encode())
+        assert abs(got.logprob - entry[0]) < 1e-5
+        assert [t.token for t in got.top_logprobs] == [t[2] for t in top]
+
+
+@pytest.mark.timeout(60)
+def test_chat_stream_sends_role_then_deltas_then_the_finish(chat_engine: Engine, client) -> None:
+    options = {"model": "m", "messages": HELLO, "max_tokens": 7, "temperature": 0, "n": 2,
+               "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.chat.completions.create(**options)
+    chunks = list(
+        client.chat.completions.create(
+            **options, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 14
+    texts: dict[int, str] = {}
+    first: dict[int, Any] = {}
+    finish: dict[int, str] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        first.setdefault(choice.index, choice.delta)
+        assert choice.index not in finish, "a chunk after the choice's finish"
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+    assert all(d.role == "assistant" and d.content == "" for d in first.values())
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert finish == {0: "length", 1: "length"}
+
+
+@pytest.mark.timeout(60)
+def test_tools_reach_the_template_and_what_cannot_be_honoured_is_a_400(
+    chat_engine: Engine, client
+) -> None:
+    # the template renders the tools (w5 w21 w6): the prompt is longer by 3 tokens
+    plain = client.chat.completions.create(model="m", messages=HELLO, max_tokens=1)
+    tooled = client.chat.completions.create(model="m", messages=HELLO, max_tokens=1, tools=TOOLS)
+    assert tooled.usage.prompt_tokens == plain.usage.prompt_tokens + 3
+    none = client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=1, tools=TOOLS, tool_choice="none"
+    )
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    cases = [
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+         "tools[0].function.parameters"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ]  # fmt: skip
+    for extra, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="m", messages=HELLO, **extra)
+        assert words in info.value.body["message"], (extra, info.value.body)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="m", messages=[])
+    assert client.chat.completions.create(model="m", messages=HELLO, max_tokens=1).choices
+
+
+@pytest.mark.timeout(60)
+def test_a_model_without_a_chat_template_is_told_so(tmp_path: Path) -> None:
+    model_dir = make_tiny_model(tmp_path / "m", vocab=64)
+    settings = ChatSettings.of(PreTrainedTokenizerFast.from_pretrained(model_dir), model_dir)
+    assert settings is not None and settings.tool_parser is None
+    with pytest.raises(OpenAIError, match="no chat template"):
+        chat_request({"messages": HELLO}, settings, 512)
+
+
+# ---- reading tool calls (no engine) -----------------------------------------------------------
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "é"}}\n</tool_call>'
+
+
+def test_tool_calls_are_read_from_the_text_and_unknown_ones_dropped() -> None:
+    parser = ToolCallParser(TOOLS)
+    content, calls = parser.parse("Let me add.\n" + CALL + "\n" + CALL.replace("add", "sub"))
+    assert content == "Let me add."
+    assert calls == [{"name": "add", "arguments": '{"a": 1, "b": "é"}'}]
+    assert parser.parse("no calls here") == ("no calls here", [])
+    assert parser.parse("<tool_call>\n{not json}\n</tool_call>") == ("", [])
+    assert parser.parse("<tool_call>\n" + '{"name": "add"') == ("", [])  # never closed
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_streamed_tool_calls_come_whole_whatever_the_pieces(step: int) -> None:
+    text = "Sure: " + CALL + "\n" + CALL
+    stream = StreamingToolCalls(ToolCallParser(TOOLS))
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        c, new = stream.feed(text[i : i + step])
+        content += c
+        calls += new
+    content += stream.flush()
+    # whitespace before a call may have gone out before the call began (non-streamed: stripped)
+    assert content.rstrip() == "Sure:" and len(calls) == 2
+    assert calls[0] == {"name": "add", "arguments": '{"a": 1, "b": "é"}'}
+    # text that only looks like the start of a call is passed on at the end
+    stream = StreamingToolCalls(ToolCallParser(TOOLS))
+    assert stream.feed("a <tool_") == ("a ", [])
+    assert stream.flush() == "<tool_"
+
+
+def _native(text: str, reason: dict, index: int | None = None) -> dict[str, Any]:
+    out = {
+        "text": text,
+        "output_ids": [3] * 4,
+        "meta_info": {"id": "r1", "finish_reason": reason, "prompt_tokens": 5,
+                      "completion_tokens": 4, "weight_version": "7"},
+    }  # fmt: skip
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+OPTIONS = {"model": "m", "n": 1, "logprobs": False, "parse_tools": True, "tools": TOOLS,
+           "stream": True, "include_usage": False, "continuous_usage_stats": False}  # fmt: skip
+
+
+def test_an_answer_with_a_tool_call_has_tool_calls_and_finish_reason_tool_calls() -> None:
+    """serving_chat._process_tool_calls: ``stop`` becomes ``tool_calls``, matched None."""
+    out = chat_response([_native("ok " + CALL, {"type": "stop", "matched": 1})], OPTIONS)
+    (choice,) = out["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["matched_stop"] is None
+    message = choice["message"]
+    assert message["content"] == "ok" and message["reasoning_content"] is None
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["index"] == 0 and call["id"].startswith("call_")
+    assert len(call["id"]) == len("call_") + 24 and json.loads(call["function"]["arguments"])
+    assert out["object"] == "chat.completion" and out["metadata"] == {"weight_version": "7"}
+    plain = chat_response([_native("", {"type": "length", "length": 4})], OPTIONS)
+    assert plain["choices"][0]["message"] == {
+        "role": "assistant", "content": "", "reasoning_content": None,
+    }  # fmt: skip
+
+
+def test_a_streamed_tool_call_is_one_tool_calls_delta_then_the_finish() -> None:
+    async def run() -> list[dict]:
+        async def batches():
+            yield [_native("ok <tool", None)]
+            yield [_native("ok " + CALL, {"type": "stop", "matched": 1})]
+
+        return [c async for batch in chat_stream(batches(), OPTIONS) for c in batch]
+
+    chunks = asyncio.run(run())
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"reasoning_content": None, "role": "assistant", "content": ""}
+    assert "".join(d.get("content") or "" for d in deltas).rstrip() == "ok"
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"]["name"] == "add" and calls[0]["index"] == 0
+    last = chunks[-1]["choices"][0]
+    assert last["delta"] == {"reasoning_content": None} and last["finish_reason"] == "tool_calls"
