@@ -177,6 +177,31 @@ async def test_a_stream_is_cumulative_and_ends_with_the_whole_answer(client):
     assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
 
 
+@pytest.mark.timeout(120)
+async def test_chat_completions_streamed_and_whole_agree(client):
+    """``/v1/chat/completions`` (what tests/stages/test_engine_chat.py checks the built-in
+    engine against): the streamed deltas add up to the whole answer; role first, finish last."""
+    body = {"model": "default", "messages": [{"role": "user", "content": "Count to five."}],
+            "max_tokens": 8, "temperature": 0}  # fmt: skip
+    status, whole = await _post(client, "/v1/chat/completions", body)
+    if status == 400 and "template" in json.dumps(whole):
+        pytest.skip(f"the served model has no chat template: {whole}")
+    assert status == 200 and whole["object"] == "chat.completion", whole
+    message = whole["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    assert whole["usage"]["completion_tokens"] <= 8
+    stream = {**body, "stream": True}
+    async with client.session.post(client.url + "/v1/chat/completions", json=stream) as r:
+        assert r.status == 200
+        events = [line[len(b"data: ") :].strip() async for line in r.content if line.strip()]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0].get("role") == "assistant"
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] is not None
+
+
 @pytest.mark.timeout(180)
 async def test_update_weight_version_keeps_requests_only_when_told(client):
     """``abort_all_requests`` defaults to true: the publisher says false, or every publish
