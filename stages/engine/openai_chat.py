@@ -154,7 +154,7 @@ def chat_request(
         raise OpenAIError("the request body must be a JSON object")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise OpenAIError("messages: a non-empty list of messages is required", "messages")
+        raise OpenAIError("Messages cannot be empty.", "messages")  # SGLang's words
     model = body.get("model", "default")
     if not isinstance(model, str):
         raise OpenAIError("model: Input should be a valid string", "model")
@@ -384,6 +384,9 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
             raise OpenAIError(f"{where}.function.description: expected a string", "tools")
         fn = {k: v for k, v in fn.items() if v is not None}
         tools.append({"type": "function", "function": fn})
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise OpenAIError("Tool names must be unique across request and message tools.", "tools")
     return tools
 
 

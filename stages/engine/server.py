@@ -2,8 +2,8 @@
 
 Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu|cuda]
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--seed 0] [--weight-version 0]
-[--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--log-file PATH] [--api-key KEY]
-[--insecure]``
+[--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
+[--tool-call-parser qwen25|hermes] [--log-file PATH] [--api-key KEY] [--insecure]``
 
 With an API key (``INFLIGHT_ENGINE_API_KEY`` in its environment, which is how the generator's
 launcher hands it over; or ``--api-key``, which ``ps`` shows) it answers as SGLang does with

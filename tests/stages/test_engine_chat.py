@@ -169,6 +169,7 @@ def test_tools_reach_the_template_and_what_cannot_be_honoured_is_a_400(
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"max_tokens": "many"}, "max_tokens"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"tools": TOOLS + TOOLS}, "unique"),
     ]  # fmt: skip
     for extra, words in cases:
         with pytest.raises(openai.BadRequestError) as info:
@@ -176,7 +177,7 @@ def test_tools_reach_the_template_and_what_cannot_be_honoured_is_a_400(
         assert words in info.value.body["message"], (extra, info.value.body)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])
-    with pytest.raises(openai.BadRequestError, match="messages"):
+    with pytest.raises(openai.BadRequestError, match="Messages cannot be empty"):
         client.chat.completions.create(model="m", messages=[])
     assert client.chat.completions.create(model="m", messages=HELLO, max_tokens=1).choices
 
