@@ -43,6 +43,10 @@ class _Progress:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
     tops: list[list[tuple[float, int]]] | None = None  # with top_logprobs_num
+    # the log-prob entries so far, built once per token (each chunk shares the lists: a chunk
+    # is encoded before the next token is added)
+    entries: list[list[Any]] = field(default_factory=list)
+    top_entries: list[list[list[Any]]] = field(default_factory=list)
     cached: int = 0
     text: str = ""  # the text sent last (a trailing incomplete character held back)
 
@@ -57,19 +61,19 @@ class _Progress:
             "weight_version": self.versions[-1],
         }
         if return_logprob:
+            text = (lambda tok: None) if token_text is None else token_text
+            done = len(self.entries)
+            new = zip(self.logprobs[done:], self.ids[done:], strict=True)
+            self.entries.extend([lp, tok, text(tok)] for lp, tok in new)
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [
-                [lp, tok, None if token_text is None else token_text(tok)]
-                for lp, tok in zip(self.logprobs, self.ids, strict=True)
-            ]
-            meta["output_token_logprobs_length"] = len(self.logprobs)
+            meta["output_token_logprobs"] = self.entries
+            meta["output_token_logprobs_length"] = len(self.entries)
             if self.tops is not None:
+                for step in self.tops[len(self.top_entries) :]:
+                    self.top_entries.append([[lp, tok, text(tok)] for lp, tok in step])
                 meta["input_top_logprobs"] = []
-                meta["output_top_logprobs"] = [
-                    [[lp, tok, None if token_text is None else token_text(tok)] for lp, tok in step]
-                    for step in self.tops
-                ]
-        return {"output_ids": list(self.ids), "meta_info": meta}
+                meta["output_top_logprobs"] = self.top_entries
+        return {"output_ids": self.ids, "meta_info": meta}
 
 
 async def stream_generate(
