@@ -353,7 +353,8 @@ class Scheduler:
 
         ``stream`` (called on the loop, in order): after every step that sampled tokens of
         these sequences, ``[(index in inputs, (token, logprob, version, top log-probs or
-        None, cached prompt tokens)), ...]``; as each finishes, ``[(index, SequenceResult)]``;
+        None, cached prompt tokens, the prompt's log-probs and top log-probs or None)),
+        ...]``; as each finishes, ``[(index, SequenceResult)]``;
         if they fail, ``[(-1, exception)]``. The future resolves after the last of them.
         """
         loop = asyncio.get_running_loop()
@@ -832,7 +833,8 @@ class Scheduler:
         for seq in seqs:
             k = seq.slot - lo
             top = seq.top[-1] if seq.top else None
-            out.append((seq, (new[k], lps[k], version, top, seq.cached)))
+            event = (new[k], lps[k], version, top, seq.cached, seq.input_lps, seq.input_tops)
+            out.append((seq, event))
         return out
 
     def _send_streamed(self, streamed: list[tuple[_Seq, tuple[Any, ...]]]) -> None:

@@ -48,6 +48,11 @@ class _Progress:
     entries: list[list[Any]] = field(default_factory=list)
     top_entries: list[list[list[Any]]] = field(default_factory=list)
     cached: int = 0
+    # the prompt's log-probs (logprob_start_len), in every chunk as SGLang's cumulative ones
+    input_lps: list[tuple[float | None, int]] | None = None
+    input_tops: list[list[tuple[float, int]] | None] | None = None
+    input_entries: list[list[Any]] | None = None
+    input_top_entries: list[Any] | None = None
     text: str = ""  # the text sent last (a trailing incomplete character held back)
 
     def chunk(self, return_logprob: bool, token_text: Callable[[int], str] | None) -> dict:
@@ -65,13 +70,19 @@ class _Progress:
             done = len(self.entries)
             new = zip(self.logprobs[done:], self.ids[done:], strict=True)
             self.entries.extend([lp, tok, text(tok)] for lp, tok in new)
-            meta["input_token_logprobs"] = []
+            if self.input_entries is None:
+                self.input_entries = [[lp, tok, text(tok)] for lp, tok in self.input_lps or ()]
+                self.input_top_entries = [
+                    None if step is None else [[lp, tok, text(tok)] for lp, tok in step]
+                    for step in self.input_tops or ()
+                ]
+            meta["input_token_logprobs"] = self.input_entries
             meta["output_token_logprobs"] = self.entries
             meta["output_token_logprobs_length"] = len(self.entries)
             if self.tops is not None:
                 for step in self.tops[len(self.top_entries) :]:
                     self.top_entries.append([[lp, tok, text(tok)] for lp, tok in step])
-                meta["input_top_logprobs"] = []
+                meta["input_top_logprobs"] = self.input_top_entries
                 meta["output_top_logprobs"] = self.top_entries
         return {"output_ids": self.ids, "meta_info": meta}
 
@@ -120,7 +131,7 @@ async def stream_generate(
                     finals[index] = payload
                 else:
                     p = progress[index]
-                    token, logprob, version, top, p.cached = payload
+                    token, logprob, version, top, p.cached, p.input_lps, p.input_tops = payload
                     p.ids.append(token)
                     p.logprobs.append(logprob)
                     p.versions.append(version)

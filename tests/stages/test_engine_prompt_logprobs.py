@@ -6,10 +6,12 @@ beyond the prompt is refused; ``logprob_processor``: ``log_softmax`` of the raw 
 
 from __future__ import annotations
 
+import json
 import math
 
 import openai
 import pytest
+import requests
 import torch
 
 from stages.engine.prompt_logprobs import POSITIONS_PER_CHUNK, prompt_logprobs, scoring_passes
@@ -187,3 +189,22 @@ def test_prompt_logprobs_in_chunks_equal_one_pass() -> None:
         for p, top in zip(range(start + 1, length), tops[1:], strict=True):
             assert [t[1] for t in top] == full[p - 1].topk(2).indices.tolist()
     assert scoring_passes([3, 9000, 4, 4]) == [[0, 2, 3], [1]]
+
+
+@pytest.mark.timeout(60)
+def test_streamed_chunks_carry_the_prompts_logprobs_from_the_first(engine: Engine) -> None:  # noqa: F811
+    """SGLang's cumulative chunks hold the input log-probs in every chunk once computed."""
+    body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 2,
+            "top_logprobs_num": 2, "sampling_params": {**GREEDY, "max_new_tokens": 4}}  # fmt: skip
+    response = requests.post(engine.url + "/generate", json={**body, "stream": True}, timeout=30)
+    chunks = [
+        json.loads(line[len(b"data: ") :])
+        for line in response.iter_lines()
+        if line.startswith(b"data: {")
+    ]
+    final = chunks[-1]["meta_info"]
+    assert [e[1] for e in final["input_token_logprobs"]] == PROMPT[2:]
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        assert meta["input_token_logprobs"] == final["input_token_logprobs"]
+        assert meta["input_top_logprobs"] == final["input_top_logprobs"]
