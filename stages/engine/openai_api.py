@@ -188,8 +188,6 @@ def completion_response(
         if options["return_token_ids"]:
             choice["token_ids"] = item["output_ids"]
         choices.append(choice)
-    prompt_tokens = sum(results[i]["meta_info"]["prompt_tokens"] for i in range(0, len(results), n))
-    completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     first = results[0]["meta_info"]
     metadata = {"weight_version": first["weight_version"]}
     if "weight_versions" in first:
@@ -200,7 +198,7 @@ def completion_response(
         "created": int(time.time()),
         "model": options["model"],
         "choices": choices,
-        "usage": _usage(prompt_tokens, completion_tokens),
+        "usage": results_usage(results, n),
         "metadata": metadata,
     }
 
@@ -273,19 +271,12 @@ async def completion_stream(
             out.append(chunk)
         yield out
     if options["include_usage"]:
-        prompts = sum(t for i, t in prompt_tokens.items() if i % n == 0)
-        usage = _usage(prompts, sum(completion_tokens.values()))
         yield [
-            {
-                "id": last_id,
-                "object": "text_completion",
-                "created": created,
-                "model": options["model"],
-                "choices": [],
-                # exclude_none: the details that are null are left out
-                "usage": {k: v for k, v in usage.items() if v is not None},
-            }
-        ]
+            usage_chunk(
+                "text_completion", last_id, created, options["model"],
+                prompt_tokens, completion_tokens, n,
+            )
+        ]  # fmt: skip
 
 
 def _openai_logprobs(
@@ -313,6 +304,37 @@ def _echoed_logprobs(
     if not (options["echo"] and options["logprobs"]):
         return None
     return meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []
+
+
+def results_usage(results: list[Mapping[str, Any]], n: int) -> dict[str, Any]:
+    """``usage`` of whole answers, prompt-major with ``n`` samples a prompt
+    (``UsageProcessor.calculate_response_usage``: each prompt counted once)."""
+    prompts = sum(results[i]["meta_info"]["prompt_tokens"] for i in range(0, len(results), n))
+    return _usage(prompts, sum(r["meta_info"]["completion_tokens"] for r in results))
+
+
+def usage_chunk(
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    prompt_tokens: Mapping[int, int],
+    completion_tokens: Mapping[int, int],
+    n: int,
+) -> dict[str, Any]:
+    """A stream's last chunk with ``stream_options.include_usage``: no choices, the usage of
+    every choice (by index; each prompt counted once: ``calculate_streaming_usage``)."""
+    prompts = sum(t for i, t in prompt_tokens.items() if i % n == 0)
+    usage = _usage(prompts, sum(completion_tokens.values()))
+    return {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [],
+        # exclude_none: the details that are null are left out
+        "usage": {k: v for k, v in usage.items() if v is not None},
+    }
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.engine.openai_api import OpenAIError, _usage
+from stages.engine.openai_api import _SAMPLING, OpenAIError, _usage, results_usage, usage_chunk
 from stages.engine.tool_calls import (
     PARSERS,
     StreamingToolCalls,
@@ -58,22 +58,9 @@ __all__ = ["ChatSettings", "chat_request", "chat_response", "chat_stream"]
 _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 _ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 _MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
-# OpenAI field -> native sampling parameter (the rest by their own names)
-_NATIVE = {
-    "stop_token_ids": "stop_token_ids",
-    "seed": "sampling_seed",
-    "n": "n",
-    "ignore_eos": "ignore_eos",
-    "no_stop_trim": "no_stop_trim",
-    "skip_special_tokens": "skip_special_tokens",
-    "min_tokens": "min_new_tokens",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "logit_bias": "logit_bias",
-    "regex": "regex",
-    "ebnf": "ebnf",
-    "stop_regex": "stop_regex",
-}
+# set above from their own rules, or not fields of a chat request (json_schema comes as
+# response_format; custom_params is not honoured here)
+_NOT_SAMPLING = frozenset({*_DEFAULTS, "max_tokens", "json_schema", "custom_params"})
 
 
 @dataclass
@@ -200,11 +187,8 @@ def chat_request(
         sampling[name] = value if value is not None else settings.defaults.get(name, default)
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     sampling["max_new_tokens"] = limit if limit is not None else context_length - len(prompt)
-    stop = body.get("stop")
-    if stop is not None:
-        sampling["stop"] = stop
-    for name, native in _NATIVE.items():
-        if body.get(name) is not None:
+    for name, native in _SAMPLING.items():  # the rest by /v1/completions' names
+        if name not in _NOT_SAMPLING and body.get(name) is not None:
             sampling[native] = body[name]
     native_body: dict[str, Any] = {
         "input_ids": prompt,
@@ -260,8 +244,6 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
                 "matched_stop": reason.get("matched") if reason else None,
             }
         )
-    prompt_tokens = sum(results[i]["meta_info"]["prompt_tokens"] for i in range(0, len(results), n))
-    completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     first = results[0]["meta_info"]
     return {
         "id": first["id"],
@@ -269,7 +251,7 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
         "created": int(time.time()),
         "model": options["model"],
         "choices": choices,
-        "usage": _usage(prompt_tokens, completion_tokens),
+        "usage": results_usage(results, n),
         "metadata": {"weight_version": first["weight_version"]},
     }
 
@@ -350,18 +332,12 @@ async def chat_stream(
                 )
         yield out
     if options["include_usage"]:
-        prompts = sum(t for i, t in prompt_tokens.items() if i % n == 0)
-        usage = _usage(prompts, sum(completion_tokens.values()))
         yield [
-            {
-                "id": last_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": {k: v for k, v in usage.items() if v is not None},
-            }
-        ]
+            usage_chunk(
+                "chat.completion.chunk", last_id, created, model, prompt_tokens,
+                completion_tokens, n,
+            )
+        ]  # fmt: skip
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:

@@ -54,7 +54,9 @@ __all__ = [
     "SequenceResult",
     "parse_generate",
     "render_result",
+    "render_sample",
     "result_text",
+    "token_texts",
 ]
 
 
@@ -315,6 +317,33 @@ def render_result(
     out["output_ids"] = result.output_ids
     out["meta_info"] = meta
     return out
+
+
+def token_texts(
+    decode: Callable[[list[int], bool], str] | None, body: Any
+) -> Callable[[int], str] | None:
+    """Each log-prob entry's text with ``return_text_in_logprobs`` (SGLang: each token decoded
+    alone, special tokens kept); None otherwise."""
+    if decode is None or not body.get("return_text_in_logprobs"):
+        return None
+    return lambda token: decode([token], False)
+
+
+def render_sample(
+    inp: GenerateInput,
+    result: SequenceResult,
+    decode: Callable[[list[int], bool], str] | None,
+    token_text: Callable[[int], str] | None,
+) -> dict[str, Any]:
+    """``render_result`` of ``result`` with what its request ``inp`` asked for."""
+    return render_result(
+        result,
+        decode=decode,
+        skip_special_tokens=inp.params.skip_special_tokens,
+        return_logprob=inp.return_logprob,
+        no_stop_trim=inp.params.no_stop_trim,
+        token_text=token_text,
+    )
 
 
 def _text(token_text: Callable[[int], str] | None, token: int) -> str | None:

@@ -59,7 +59,8 @@ from stages.engine.protocol import (
     SamplingParams,
     SequenceResult,
     parse_generate,
-    render_result,
+    render_sample,
+    token_texts,
 )
 from stages.engine.scheduler import (
     PAUSE_MODES,
@@ -252,19 +253,9 @@ async def generate(
     queued, as SGLang aborts on disconnect.
     """
     inputs, results, listed = await generate_results(loaded, scheduler, body)
-    token_text = None
-    if decode is not None and body.get("return_text_in_logprobs"):
-        # SGLang: each token decoded alone, special tokens kept
-        token_text = lambda token: decode([token], False)  # noqa: E731
+    token_text = token_texts(decode, body)
     rendered = [
-        render_result(
-            result,
-            decode=decode,
-            skip_special_tokens=inp.params.skip_special_tokens,
-            return_logprob=inp.return_logprob,
-            no_stop_trim=inp.params.no_stop_trim,
-            token_text=token_text,
-        )
+        render_sample(inp, result, decode, token_text)
         for inp, result in zip(inputs, results, strict=True)
     ]
     return rendered if listed else rendered[0]

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from stages.engine.protocol import SequenceResult, parse_generate, render_result
+from stages.engine.protocol import SequenceResult, parse_generate, render_sample, token_texts
 
 __all__ = ["stream_generate", "write_events"]
 
@@ -114,9 +114,7 @@ async def stream_generate(
         for inp in inputs
     ]
     finals: dict[int, SequenceResult] = {}
-    token_text = None
-    if decode is not None and body.get("return_text_in_logprobs"):
-        token_text = lambda token: decode([token], False)  # noqa: E731
+    token_text = token_texts(decode, body)
     try:
         while len(finals) < len(inputs):
             events = await queue.get()
@@ -142,14 +140,7 @@ async def stream_generate(
                 inp = inputs[index]
                 final = finals.get(index)
                 if final is not None:  # the whole answer, as the request without stream
-                    chunk = render_result(
-                        final,
-                        decode=decode,
-                        skip_special_tokens=inp.params.skip_special_tokens,
-                        return_logprob=inp.return_logprob,
-                        no_stop_trim=inp.params.no_stop_trim,
-                        token_text=token_text,
-                    )
+                    chunk = render_sample(inp, final, decode, token_text)
                 else:
                     chunk = progress[index].chunk(inp.return_logprob, token_text)
                     if decode is not None:

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from stages.engine.openai_api import OpenAIError
 from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
 from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser
-from tests.stages.test_engine_server import ROOT, Engine, _free_port, _tail, _tokenizer
+from tests.stages.test_engine_server import Engine, _tokenizer, serving
 from tests.stages.tiny_model import make_tiny_model
 
 # Word-level, as the tiny tokenizer is (w<N> words); the comment names the tool-call format, so
@@ -53,32 +49,10 @@ def chat_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     root = tmp_path_factory.mktemp("chat-engine")
     model_dir = make_tiny_model(root / "model", vocab=128, seed=2)
     (root / "template.jinja").write_text(TEMPLATE)
-    port, log_file = _free_port(), root / "engine.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model_dir),
-         "--port", str(port), "--max-running", "8", "--log-file", str(log_file),
-         "--chat-template", str(root / "template.jinja")],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    eng = Engine(f"http://127.0.0.1:{port}", model_dir, log_file)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if eng.request("GET", "/health", timeout=2)[0] == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"engine did not come up; log:\n{_tail(log_file)}")
-        time.sleep(0.2)
-    yield eng
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=15) == 0, _tail(log_file)
-    finally:
-        proc.kill()
+    with serving(
+        model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja")
+    ) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -68,36 +69,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    root = tmp_path_factory.mktemp("engine")
-    model_dir = make_tiny_model(root / "model", vocab=128, seed=1)
+@contextlib.contextmanager
+def serving(
+    model_dir: Path, log_file: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[Engine]:
+    """``inflight engine`` on ``model_dir`` as a user starts it (``extra``: more flags), until
+    it answers ``/health``; stopped at the end, and it must exit cleanly."""
     port = _free_port()
-    log_file = root / "engine.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env["SGLANG_HEALTH_CHECK_TIMEOUT"] = "2"  # what /health_generate waits for a step
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "engine",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            "--max-running",
-            "8",
-            "--max-request-mb",
-            "2",
-            "--log-file",
-            str(log_file),
-        ],
+        [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model_dir),
+         "--port", str(port), "--max-running", "8", "--log-file", str(log_file), *extra],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
     eng = Engine(f"http://127.0.0.1:{port}", model_dir, log_file)
     deadline = time.monotonic() + 60
     while True:
@@ -116,6 +102,18 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         assert proc.wait(timeout=15) == 0, _tail(log_file)
     finally:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    root = tmp_path_factory.mktemp("engine")
+    model_dir = make_tiny_model(root / "model", vocab=128, seed=1)
+    # SGLANG_HEALTH_CHECK_TIMEOUT: what /health_generate waits for a step
+    with serving(
+        model_dir, root / "engine.log", "--max-request-mb", "2",
+        env={"SGLANG_HEALTH_CHECK_TIMEOUT": "2"},
+    ) as eng:  # fmt: skip
+        yield eng
 
 
 @pytest.fixture(scope="module")
