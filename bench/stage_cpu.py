@@ -4,13 +4,17 @@ Runs ``inflight run CONFIG [KEY=VALUE ...]`` as a user would and samples the CPU
 system, every thread) of each of its processes twice a second: the supervisor (``inflight run``
 itself), each stage replica (``pipeline.actor``, named by its spec file: ``generator.0``) with the
 helper processes it starts (the scorer's reward workers), and each built-in engine (``pipeline.cli
-engine``). With ``launch.in_process`` the engine is part of the generator's process and counts
-there: ``light`` then holds the engine's model work too. A process's last sample is its total (a
-replica that exits between two samples loses at most half a second). Per stage (replicas
+engine``). With ``launch.in_process`` the engine is part of the generator's process: its threads
+(the scheduler, named ``engine`` for the operating system, and ``engine-weights``, which
+receives weight updates) still count as ``engine``, the rest of the process (its event loop,
+ZeroMQ's threads) as ``generator``. A process's last sample is its total (a replica that exits
+between two samples loses at most half a second). Per stage (replicas
 summed) it reports the CPU seconds, the CPU seconds per 256 trained samples, and the share of
 the learner's; ``light`` is feeder + generator + scorer + supervisor (the stages that do no model
-work), the figure issue 24 asks to bring to at most 0.25 x the learner's. Several ``--runs``
-give the median and spread.
+work), the figure issue 24 asks to bring to at most 0.25 x the learner's. ``steady_*`` are the
+same from the learner's first step to the end: what each stage costs per sample once started
+(loading libraries, models and tokenizers left out). Several ``--runs`` give the median and
+spread.
 
     python bench/stage_cpu.py [--config configs/default.yaml] [--runs 3] [KEY=VALUE ...]
 
@@ -62,6 +66,19 @@ def role(proc: psutil.Process, top: int) -> str | None:
     return None
 
 
+def engine_threads_cpu(proc: psutil.Process) -> float:
+    """CPU seconds of the threads of ``proc`` that an in-process engine runs (named engine*)."""
+    total = 0.0
+    for thread in proc.threads():
+        try:
+            comm = Path(f"/proc/{proc.pid}/task/{thread.id}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm.startswith("engine"):
+            total += thread.user_time + thread.system_time
+    return total
+
+
 def samples_trained(run_dir: Path) -> int:
     """Samples the learner's steps took (trained or skipped without signal), from its log."""
     total = 0
@@ -79,6 +96,7 @@ def run_once(config: str, overrides: list[str], run_dir: Path, timeout_s: float)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     top = psutil.Process(proc.pid)
     totals: dict[int, tuple[str, float]] = {}
+    at_first_step: dict[int, tuple[str, float]] | None = None  # totals once training began
     started = time.monotonic()
     while proc.poll() is None:
         if time.monotonic() - started > timeout_s:
@@ -94,20 +112,27 @@ def run_once(config: str, overrides: list[str], run_dir: Path, timeout_s: float)
                 continue
             try:
                 t = p.cpu_times()
+                engine = engine_threads_cpu(p) if name != "engine" else 0.0
             except psutil.NoSuchProcess:
                 continue
-            totals[p.pid] = (name, t.user + t.system)
+            totals[p.pid] = (name, t.user + t.system - engine)
+            if engine:
+                totals[-p.pid] = ("engine", engine)
+        if at_first_step is None and trained_yet(run_dir):
+            at_first_step = dict(totals)
         time.sleep(0.5)
     out.close()
     if proc.returncode != 0:
         raise SystemExit(f"{run_dir}: inflight run exited {proc.returncode}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    by_stage: dict[str, float] = {}
-    for name, cpu in totals.values():
-        by_stage[name] = by_stage.get(name, 0.0) + cpu
     trained = samples_trained(run_dir)
+    by_stage = stage_totals(totals)
     per256 = {k: v * 256 / trained for k, v in by_stage.items()}
     light = sum(per256.get(k, 0.0) for k in LIGHT)
+    # steady state: from the learner's first step to the end (start-up costs left out)
+    before = stage_totals(at_first_step or {})
+    steady = {k: (v - before.get(k, 0.0)) * 256 / (trained - 256) for k, v in by_stage.items()}
+    steady_light = sum(steady.get(k, 0.0) for k in LIGHT)
     return {
         "wall_s": summary.get("wall_s"),
         "samples": trained,
@@ -115,7 +140,24 @@ def run_once(config: str, overrides: list[str], run_dir: Path, timeout_s: float)
         "cpu_s_per_256": {k: round(v, 3) for k, v in sorted(per256.items())},
         "light_per_256": round(light, 3),
         "light_over_learner": round(light / per256["learner"], 3),
+        "steady_per_256": {k: round(v, 3) for k, v in sorted(steady.items())},
+        "steady_light_over_learner": round(steady_light / steady["learner"], 3),
     }
+
+
+def stage_totals(totals: dict[int, tuple[str, float]]) -> dict[str, float]:
+    by_stage: dict[str, float] = {}
+    for name, cpu in totals.values():
+        by_stage[name] = by_stage.get(name, 0.0) + cpu
+    return by_stage
+
+
+def trained_yet(run_dir: Path) -> bool:
+    """Whether the learner has logged its first step."""
+    try:
+        return '"train_step"' in (run_dir / "logs" / "learner.0.jsonl").read_text()
+    except OSError:
+        return False
 
 
 def main() -> None:
@@ -151,6 +193,10 @@ def main() -> None:
         },
         "light_per_256": spread([r["light_per_256"] for r in runs]),
         "light_over_learner": spread([r["light_over_learner"] for r in runs]),
+        "steady_per_256": {
+            s: spread([r["steady_per_256"].get(s, 0.0) for r in runs]) for s in stages
+        },
+        "steady_light_over_learner": spread([r["steady_light_over_learner"] for r in runs]),
         "wall_s": spread([r["wall_s"] for r in runs]),
     }
     (out / "stage_cpu.json").write_text(json.dumps(result) + "\n")

@@ -8,6 +8,10 @@ to those CPU cores before it runs anything (``sched_setaffinity``), so that plac
 its first instruction on, threads it starts included. Elsewhere this does nothing.
 Which cores is the placement plan's business (``pipeline.placement``), not this module's.
 
+``name_thread(name)`` gives the calling thread that name in the operating system too (``top -H``,
+``/proc/PID/task/TID/comm``, py-spy), so that tools can tell, say, an engine's scheduler from
+the event loop of the process it shares (``bench/stage_cpu.py`` splits a process's CPU by it).
+
 ``exit_now(code)`` ends a child that has closed its sockets and flushed its logs without the
 interpreter's teardown, which takes 0.5 s of CPU once torch and transformers are loaded: paid by
 every replica and engine at every end and restart.
@@ -21,9 +25,10 @@ import sys
 from collections.abc import Callable, Collection
 from typing import NoReturn
 
-__all__ = ["child_preexec", "exit_now", "kill_with_parent"]
+__all__ = ["child_preexec", "exit_now", "kill_with_parent", "name_thread"]
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def kill_with_parent(parent: int | None = None) -> Callable[[], None] | None:
@@ -70,6 +75,20 @@ def child_preexec(
             )
 
     return preexec
+
+
+def name_thread(name: str) -> None:
+    """Name the calling thread ``name`` (its first 15 bytes) for the operating system; Linux
+    only, and never fails (a name is for tools to read, nothing depends on it)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def exit_now(code: int) -> NoReturn:

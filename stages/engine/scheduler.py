@@ -56,6 +56,7 @@ import structlog
 import torch
 from transformers import DynamicCache
 
+from pipeline.processes import name_thread
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.model_weights import load_named_tensors
@@ -435,6 +436,7 @@ class Scheduler:
         # The intra-op thread count is per thread under OpenMP: without this, a fresh thread
         # runs the model ~3x slower on CPU than the thread that loaded it.
         torch.set_num_threads(self._threads)
+        name_thread("engine")  # for top -H and bench/stage_cpu.py
         log.info("scheduler_started", max_running=self.max_running, device=str(self.device))
         with torch.inference_mode():
             while not self._stop.is_set():

@@ -41,6 +41,7 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ import torch
 from aiohttp import web
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+from pipeline.processes import name_thread
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.openai_api import OpenAIRoutes
@@ -375,9 +377,10 @@ async def _flush_cache(request: web.Request) -> web.Response:
 class WeightRoutes:
     """The weight-group routes: tensors arrive through ``stages.weights.receiver``.
 
-    Receiving runs in a worker thread so decoding goes on while the bytes arrive; the tensors
-    are then loaded by the scheduler at its next step boundary, and the HTTP answer comes only
-    once they are in the model. Updates are serialized: they must match the publisher's
+    Receiving runs in a worker thread of its own (named ``engine-weights`` for the operating
+    system, as the scheduler's is ``engine``) so decoding goes on while the bytes arrive; the
+    tensors are then loaded by the scheduler at its next step boundary, and the HTTP answer
+    comes only once they are in the model. Updates are serialized: they must match the publisher's
     broadcasts one for one.
     """
 
@@ -385,6 +388,10 @@ class WeightRoutes:
         self.scheduler = scheduler
         self.receivers: dict[str, Any] = {}
         self.lock = asyncio.Lock()
+        self._thread = ThreadPoolExecutor(1, initializer=name_thread, initargs=("engine-weights",))
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def init_group(self, request: web.Request) -> web.Response:
         try:
@@ -405,7 +412,7 @@ class WeightRoutes:
         rank = rank_offset + 0  # this engine is tp_rank 0 of its own (single-rank) model group
         try:
             async with self.lock:
-                await asyncio.to_thread(
+                await self._in_thread(
                     receiver.init_group, address, port, rank, world_size, group, backend
                 )
         except Exception as exc:
@@ -458,7 +465,7 @@ class WeightRoutes:
         # purpose (in-flight updates).
         try:
             async with self.lock:
-                tensors = await asyncio.to_thread(
+                tensors = await self._in_thread(
                     receiver.receive, names, dtypes, shapes, load_format
                 )
                 await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
@@ -480,13 +487,14 @@ class WeightRoutes:
                 raise RequestError("group_name", f"no weight update group {group!r}")
         except RequestError as exc:
             return _failure(str(exc))
-        await asyncio.to_thread(receiver.destroy)
+        await self._in_thread(receiver.destroy)
         return web.json_response({"success": True, "message": "Succeeded to destroy group."})
 
     async def close(self, _app: web.Application) -> None:
         for receiver in self.receivers.values():
-            await asyncio.to_thread(receiver.destroy)
+            await self._in_thread(receiver.destroy)
         self.receivers.clear()
+        self._thread.shutdown(wait=False)
 
 
 # ---- info ------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,21 @@ def test_prompt_logprobs_agree_on_both_forward_paths(models: tuple[Path, Path]) 
             terms = forward_terms(model.config, len(prompt))
             assert_close([lp for lp, _ in a.input_token_logprobs[1:]], want, terms=terms)
             assert_close([lp for lp, _ in b.input_token_logprobs[1:]], want, terms=terms)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names are Linux's")
+def test_the_scheduler_thread_is_named_engine_for_the_operating_system(
+    models: tuple[Path, Path],
+) -> None:
+    """Tools tell an in-process engine's work from its host's by it (bench/stage_cpu.py)."""
+    scheduler = Scheduler(load_reference(models[0]), max_running=2)
+    scheduler.start()
+    try:
+        done = scheduler.submit(GenerateInput("a", [7, 8, 9], GREEDY, True))
+        assert done.result(timeout=30).output_ids
+        assert scheduler._thread is not None
+        comm = Path(f"/proc/self/task/{scheduler._thread.native_id}/comm").read_text()
+        assert comm.strip() == "engine"
+    finally:
+        scheduler.stop()
