@@ -167,7 +167,10 @@ def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
 def final_turn(completion_ids: Sequence[int] | np.ndarray, loss_mask: Any = None) -> list[int]:
     """The tokens the model sampled after the last inserted ones (its final answer): the whole
     completion when nothing was inserted (``loss_mask`` None or all 1)."""
-    ids = [int(t) for t in completion_ids]
+    if isinstance(completion_ids, np.ndarray):
+        ids = completion_ids.tolist()
+    else:
+        ids = [int(t) for t in completion_ids]
     if loss_mask is None:
         return ids
     mask = np.asarray(loss_mask).reshape(-1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from stages.detokenize import batch_decoder, token_lists
 from stages.rollouts.trajectory import final_turn
 
 __all__ = ["reward_arguments"]
@@ -25,17 +26,18 @@ def reward_arguments(
 ) -> dict[str, list]:
     """``samples`` carry ``completion_ids``, ``finish_reason``, ``meta`` and optionally
     ``loss_mask`` and ``rollout``; ``prompts`` is each one's prompt text."""
-    ids = [[int(t) for t in s["completion_ids"]] for s in samples]
+    ids = token_lists([s["completion_ids"] for s in samples])
     finals = [final_turn(i, s.get("loss_mask")) for i, s in zip(ids, samples, strict=True)]
+    decode = batch_decoder(tokenizer)
     kwargs: dict[str, list] = {
         "prompts": list(prompts),
-        "completions": tokenizer.batch_decode(finals, skip_special_tokens=True),
+        "completions": decode(finals, True),
         "completion_ids": ids,
         "finish_reason": [s["finish_reason"] for s in samples],
     }
     if any(s.get("loss_mask") is not None for s in samples):  # trajectories
         rollout = [dict(s.get("rollout") or {}) for s in samples]
-        kwargs["trajectories"] = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        kwargs["trajectories"] = decode(ids, True)
         kwargs["env_reward"] = [r.get("env_reward") for r in rollout]
         kwargs["rollout"] = rollout
     for key in dict.fromkeys(k for s in samples for k in (s.get("meta") or {})):
