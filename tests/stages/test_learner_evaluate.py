@@ -74,13 +74,14 @@ def test_batched_evaluation_gives_the_answers_of_single_requests(
     single = Evaluator(_config(concurrency=8), _prompts(40), tokenizer, log)
     single.batched = False
     outputs: list[list[int]] = []
-    real_batch_decode = tokenizer.batch_decode
+    real_arguments = evaluate_module.reward_arguments
 
-    def remember(ids: list[list[int]], **kw: Any) -> list[str]:
-        outputs.extend(ids)
-        return real_batch_decode(ids, **kw)
+    def remember(tokenizer: Any, prompts: Any, samples: Any) -> dict[str, list]:
+        kwargs = real_arguments(tokenizer, prompts, samples)
+        outputs.extend(kwargs["completion_ids"])
+        return kwargs
 
-    monkeypatch.setattr(tokenizer, "batch_decode", remember)
+    monkeypatch.setattr(evaluate_module, "reward_arguments", remember)
     asyncio.run(_evaluate(single, [engine_url]))
     monkeypatch.undo()
     texts = tokenizer.batch_decode(outputs, skip_special_tokens=True)
