@@ -42,7 +42,7 @@ from typing import Any
 from aiohttp import web
 
 from stages.engine.protocol import RequestError
-from stages.engine.streaming import write_events
+from stages.engine.streaming import Last, write_events
 
 __all__ = ["OpenAIRoutes", "completion_request", "completion_response", "completion_stream"]
 
@@ -269,14 +269,15 @@ async def completion_stream(
             if options["continuous_usage_stats"]:
                 chunk["usage"] = _usage(prompt_tokens[index], completion_tokens[index])
             out.append(chunk)
-        yield out
+        # the end of the stream is the usage chunk when asked for, else this batch
+        yield Last(out) if isinstance(batch, Last) and not options["include_usage"] else out
     if options["include_usage"]:
-        yield [
+        yield Last([
             usage_chunk(
                 "text_completion", last_id, created, options["model"],
                 prompt_tokens, completion_tokens, n,
             )
-        ]  # fmt: skip
+        ])  # fmt: skip
 
 
 def _openai_logprobs(

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.engine.openai_api import _SAMPLING, OpenAIError, _usage, results_usage, usage_chunk
+from stages.engine.streaming import Last
 from stages.engine.tool_calls import (
     PARSERS,
     StreamingToolCalls,
@@ -330,14 +331,15 @@ async def chat_stream(
                 out.append(
                     chunk(rid, index, {}, finish_reason=kind, matched_stop=reason.get("matched"))
                 )
-        yield out
+        # the end of the stream is the usage chunk when asked for, else this batch
+        yield Last(out) if isinstance(batch, Last) and not options["include_usage"] else out
     if options["include_usage"]:
-        yield [
+        yield Last([
             usage_chunk(
                 "chat.completion.chunk", last_id, created, model, prompt_tokens,
                 completion_tokens, n,
             )
-        ]  # fmt: skip
+        ])  # fmt: skip
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:

@@ -23,37 +23,81 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from stages.engine.protocol import SequenceResult, parse_generate, render_sample, token_texts
 
-__all__ = ["stream_generate", "write_events"]
+__all__ = ["Last", "stream_generate", "write_events"]
 
 
-@dataclass
+class Last(list):
+    """A stream's last batch of chunks: ``write_events`` sends it with ``data: [DONE]`` and the
+    end of the response in one write. Iterators that transform batches pass the mark on."""
+
+
+class _Events:
+    """A streamed request's events as the scheduler hands them over (on the loop's thread):
+    lighter than an ``asyncio.Queue`` (no loop lookups, one future per wait)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, Any]] = []
+        self.waiter: asyncio.Future[None] | None = None
+
+    def add(self, events: list[tuple[int, Any]]) -> None:
+        self.items += events
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[tuple[int, Any]]:
+        """Everything that arrived since the last call (waits for something)."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        items, self.items = self.items, []
+        return items
+
+
 class _Progress:
     """One sample's output so far (before its final result arrives)."""
 
-    rid: str
-    prompt_tokens: int
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
-    tops: list[list[tuple[float, int]]] | None = None  # with top_logprobs_num
-    # the log-prob entries so far, built once per token (each chunk shares the lists: a chunk
-    # is encoded before the next token is added)
-    entries: list[list[Any]] = field(default_factory=list)
-    top_entries: list[list[list[Any]]] = field(default_factory=list)
-    cached: int = 0
-    # the prompt's log-probs (logprob_start_len), in every chunk as SGLang's cumulative ones
-    input_lps: list[tuple[float | None, int]] | None = None
-    input_tops: list[list[tuple[float, int]] | None] | None = None
-    input_entries: list[list[Any]] | None = None
-    input_top_entries: list[Any] | None = None
-    text: str = ""  # the text sent last (a trailing incomplete character held back)
+    __slots__ = (
+        "cached",
+        "entries",
+        "ids",
+        "input_entries",
+        "input_lps",
+        "input_top_entries",
+        "input_tops",
+        "logprobs",
+        "prompt_tokens",
+        "rid",
+        "text",
+        "top_entries",
+        "tops",
+        "versions",
+    )
+
+    def __init__(self, rid: str, prompt_tokens: int, tops: list | None = None) -> None:
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[str] = []
+        self.tops: list[list[tuple[float, int]]] | None = tops  # with top_logprobs_num
+        # the log-prob entries so far, built once per token (each chunk shares the lists: a
+        # chunk is encoded before the next token is added)
+        self.entries: list[list[Any]] = []
+        self.top_entries: list[list[list[Any]]] = []
+        self.cached = 0
+        # the prompt's log-probs (logprob_start_len), in every chunk as SGLang's cumulative ones
+        self.input_lps: list[tuple[float | None, int]] | None = None
+        self.input_tops: list[list[tuple[float, int]] | None] | None = None
+        self.input_entries: list[list[Any]] | None = None
+        self.input_top_entries: list[Any] | None = None
+        self.text = ""  # the text sent last (a trailing incomplete character held back)
 
     def chunk(self, return_logprob: bool, token_text: Callable[[int], str] | None) -> dict:
         """The sample's chunk before its last: SGLang's fields of ``meta_info`` so far."""
@@ -105,8 +149,8 @@ async def stream_generate(
         context_length=loaded.context_length,
         encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
     )
-    queue: asyncio.Queue[list[tuple[int, Any]]] = asyncio.Queue()
-    future = scheduler.submit_async(inputs, stream=queue.put_nowait)
+    events_in = _Events()
+    future = scheduler.submit_async(inputs, stream=events_in.add)
     # the failure (if any) also comes as an event; the future must not warn that nobody read it
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
     progress = [
@@ -117,9 +161,7 @@ async def stream_generate(
     token_text = token_texts(decode, body)
     try:
         while len(finals) < len(inputs):
-            events = await queue.get()
-            while not queue.empty():  # merge what piled up: one chunk per sample
-                events += queue.get_nowait()
+            events = await events_in.take()  # all that piled up: one chunk per sample
             touched: dict[int, None] = {}
             batch: list[dict[str, Any]] = []
             for index, payload in events:
@@ -148,7 +190,7 @@ async def stream_generate(
                 if listed:
                     chunk["index"] = index
                 batch.append(chunk)
-            yield batch
+            yield Last(batch) if len(finals) == len(inputs) else batch
     finally:
         running = [inp.rid for i, inp in enumerate(inputs) if i not in finals]
         if running:
@@ -170,7 +212,7 @@ async def write_events(
     on_disconnect: Callable[[], None],
 ) -> web.StreamResponse:
     """Answer ``request`` with ``chunks`` (batches of them: one write each) as server-sent
-    events, then ``data: [DONE]``.
+    events, then ``data: [DONE]`` (with a ``Last`` batch, in the same write).
 
     The first batch is awaited before anything is sent, so that a request refused by the
     generator's checks raises here and can still be answered with an error status. A client
@@ -189,12 +231,18 @@ async def write_events(
     )
     try:
         await response.prepare(request)
-        if first is not None:
-            await response.write(_events(first, encode))
-            async for batch in chunks:
-                await response.write(_events(batch, encode))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        tail = b""
+        batch = first
+        while batch is not None:
+            if isinstance(batch, Last):
+                tail = _events(batch, encode)
+                break
+            data = _events(batch, encode)
+            if data:  # an empty chunk would end a chunked response
+                await response.write(data)
+            batch = await anext(chunks, None)
+        # the last events, the end marker and the end of the response: one write
+        await response.write_eof(tail + b"data: [DONE]\n\n")
     except ConnectionResetError:  # the client went away: nobody to answer
         on_disconnect()
     except asyncio.CancelledError:
