@@ -266,7 +266,6 @@ async def chat_stream(
     offsets: dict[int, int] = {}
     logprobs_sent: dict[int, int] = {}
     tools: dict[int, StreamingToolCalls] = {}
-    called: dict[int, int] = {}
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     last_id = ""
@@ -311,22 +310,20 @@ async def chat_stream(
                     logprobs = _chat_logprobs(meta, sent, total)
                 logprobs_sent[index] = total
             reason = meta.get("finish_reason")
-            calls: list[dict[str, str]] = []
+            pieces: list[dict[str, Any]] = []
             if options["parse_tools"]:
                 parser = tools.get(index) or StreamingToolCalls(ToolCallParser(options["tools"]))
                 tools[index] = parser
-                delta, calls = parser.feed(delta)
+                delta, pieces = parser.feed(delta)
                 if reason is not None:
                     delta += parser.flush()
             if delta or logprobs is not None:
                 out.append(chunk(rid, index, {"content": delta}, logprobs=logprobs))
-            for call in calls:
-                number = called.get(index, 0)
-                called[index] = number + 1
-                out.append(chunk(rid, index, {"tool_calls": [_tool_call(call, number)]}))
+            for piece in pieces:
+                out.append(chunk(rid, index, {"tool_calls": [_tool_call_piece(piece)]}))
             if reason is not None:
                 kind = reason["type"]
-                if kind == "stop" and called.get(index):
+                if kind == "stop" and tools.get(index) is not None and tools[index].calls:
                     kind, reason = "tool_calls", {"type": "tool_calls", "matched": None}
                 out.append(
                     chunk(rid, index, {}, finish_reason=kind, matched_stop=reason.get("matched"))
@@ -415,6 +412,19 @@ def _tool_call(call: Mapping[str, str], index: int) -> dict[str, Any]:
         "index": index,
         "type": "function",
         "function": {"name": call["name"], "arguments": call["arguments"]},
+    }
+
+
+def _tool_call_piece(piece: Mapping[str, Any]) -> dict[str, Any]:
+    """A streamed call's delta (``serving_chat._process_tool_call_stream``): its first names
+    it and has its id; the next ones have null id and name and add to its arguments."""
+    if piece["name"] is not None:
+        return _tool_call({"name": piece["name"], "arguments": piece["arguments"]}, piece["index"])
+    return {
+        "id": None,
+        "index": piece["index"],
+        "type": "function",
+        "function": {"name": None, "arguments": piece["arguments"]},
     }
 
 

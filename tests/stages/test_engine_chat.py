@@ -13,6 +13,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk
 from transformers import PreTrainedTokenizerFast
 
 from stages.engine.openai_api import OpenAIError
@@ -180,19 +181,40 @@ def test_tool_calls_are_read_from_the_text_and_unknown_ones_dropped() -> None:
     assert parser.parse("<tool_call>\n" + '{"name": "add"') == ("", [])  # never closed
 
 
-@pytest.mark.parametrize("step", [1, 3, 7, 1000])
-def test_streamed_tool_calls_come_whole_whatever_the_pieces(step: int) -> None:
-    text = "Sure: " + CALL + "\n" + CALL
+def _calls_of(pieces: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The calls streamed pieces add up to, as a client adds them up."""
+    calls: list[dict[str, str]] = []
+    for piece in pieces:
+        if piece["name"] is not None:
+            assert piece["index"] == len(calls) and piece["arguments"] == ""
+            calls.append({"name": piece["name"], "arguments": ""})
+        else:
+            calls[piece["index"]]["arguments"] += piece["arguments"]
+    return calls
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_streamed_tool_calls_add_up_to_the_whole_ones_whatever_the_pieces(step: int) -> None:
+    """SGLang's base_format_detector.parse_streaming_increment: the name first, then the
+    arguments' JSON in pieces; the pieces add up to the non-streamed call."""
+    nested = (
+        '<tool_call>\n{"name": "add", "arguments": {"a": -12.5, "b": "x\\"y\\u00e9\\n", '
+        '"c": [1, {"d": null}, true], "e": {}}}\n</tool_call>'
+    )
+    text = "Sure: " + CALL + "\n" + nested + "\n" + CALL.replace("add", "nope") + "\n" + CALL
     stream = StreamingToolCalls(ToolCallParser(TOOLS))
-    content, calls = "", []
+    content, pieces = "", []
     for i in range(0, len(text), step):
         c, new = stream.feed(text[i : i + step])
         content += c
-        calls += new
+        pieces += new
     content += stream.flush()
     # whitespace before a call may have gone out before the call began (non-streamed: stripped)
-    assert content.rstrip() == "Sure:" and len(calls) == 2
-    assert calls[0] == {"name": "add", "arguments": '{"a": 1, "b": "é"}'}
+    assert content.rstrip() == "Sure:"
+    assert _calls_of(pieces) == ToolCallParser(TOOLS).parse(text)[1]  # the unknown one dropped
+    assert len(_calls_of(pieces)) == 3
+    if step <= 3:  # generated piece by piece: the arguments went out in several pieces too
+        assert sum(p["name"] is None and p["index"] == 1 for p in pieces) > 3
     # text that only looks like the start of a call is passed on at the end
     stream = StreamingToolCalls(ToolCallParser(TOOLS))
     assert stream.feed("a <tool_") == ("a ", [])
@@ -232,7 +254,7 @@ def test_an_answer_with_a_tool_call_has_tool_calls_and_finish_reason_tool_calls(
     }  # fmt: skip
 
 
-def test_a_streamed_tool_call_is_one_tool_calls_delta_then_the_finish() -> None:
+def test_a_streamed_tool_call_is_named_then_its_arguments_then_the_finish() -> None:
     async def run() -> list[dict]:
         async def batches():
             yield [_native("ok <tool", None)]
@@ -244,7 +266,12 @@ def test_a_streamed_tool_call_is_one_tool_calls_delta_then_the_finish() -> None:
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"reasoning_content": None, "role": "assistant", "content": ""}
     assert "".join(d.get("content") or "" for d in deltas).rstrip() == "ok"
-    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert calls[0]["function"]["name"] == "add" and calls[0]["index"] == 0
+    first, rest = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert first["function"] == {"name": "add", "arguments": ""} and first["index"] == 0
+    assert first["id"].startswith("call_") and first["type"] == "function"
+    assert rest == {"id": None, "index": 0, "type": "function",
+                    "function": {"name": None, "arguments": '{"a": 1, "b": "é"}'}}  # fmt: skip
+    for c in chunks:  # what the openai client reads them as
+        ChatCompletionChunk.model_validate(c)
     last = chunks[-1]["choices"][0]
     assert last["delta"] == {"reasoning_content": None} and last["finish_reason"] == "tool_calls"
