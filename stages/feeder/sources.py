@@ -60,6 +60,9 @@ from stages.feeder.arithmetic import (
     make_tokenizer,
     problems,
 )
+from stages.feeder.reasoning_gym_source import ReasoningGymError
+from stages.feeder.reasoning_gym_source import dataset as reasoning_gym_dataset
+from stages.feeder.reasoning_gym_source import items as reasoning_gym_items
 from stages.hub import HubError, resolve_model, tokenizer_check
 
 if TYPE_CHECKING:
@@ -72,6 +75,7 @@ _PROBLEM_BATCH = 8192  # a built-in task's problems tokenized per call (no rows 
 _WARN_ROWS = 20  # bad rows logged one by one; after that only counted
 _EVAL_SUBSETS = ("test", "validation")  # DatasetDict subsets that serve the eval split
 _Keep = Literal["all", "train", "eval"]
+_Kind = Literal["arithmetic", "chain", "jsonl", "parquet", "hf_disk", "hf", "reasoning_gym"]
 
 
 class SourceError(ValueError):
@@ -80,8 +84,8 @@ class SourceError(ValueError):
 
 @dataclass
 class SourceConfig:
-    kind: Literal["arithmetic", "chain", "jsonl", "parquet", "hf_disk", "hf"] = field(
-        default="arithmetic", metadata={"doc": "where prompts come from"}
+    kind: Literal["arithmetic", "chain", "jsonl", "parquet", "hf_disk", "hf", "reasoning_gym"] = (
+        field(default="arithmetic", metadata={"doc": "where prompts come from"})
     )
     path: str = field(
         default="",
@@ -129,10 +133,19 @@ class SourceConfig:
         default="",
         metadata={
             "doc": "kind hf: a Hub dataset id (org/name[@revision]) or a local folder of data "
-            "files, loaded with datasets.load_dataset",
+            "files, loaded with datasets.load_dataset; kind reasoning_gym: a dataset name",
             "path": "model",  # a folder or a Hub id
         },
     )
+    options: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"doc": "kind reasoning_gym: the dataset's options (its config's fields)"},
+    )
+    size: int = field(
+        default=1000,
+        metadata={"min": 1, "doc": "kind reasoning_gym: items made (both splits together)"},
+    )
+    seed: int = field(default=0, metadata={"doc": "kind reasoning_gym: the dataset's seed"})
     dataset_config: str = field(
         default="", metadata={"doc": "kind hf: the dataset's configuration (subset) name"}
     )
@@ -159,6 +172,18 @@ class SourceConfig:
                     f"kind {self.kind!r} reads no files: drop path/eval_path/eval_fraction "
                     f"(its held-out share is {self.kind}.eval_fraction)"
                 )
+        elif self.kind == "reasoning_gym":
+            if not self.dataset:
+                raise ValueError("kind 'reasoning_gym' needs `dataset` (a dataset name)")
+            if self.path or self.eval_path:
+                raise ValueError(
+                    "kind 'reasoning_gym' makes its items: drop path/eval_path (the eval split "
+                    "is `eval_fraction` of them)"
+                )
+            try:  # an unknown name or option is a config error, found before the run
+                reasoning_gym_dataset(self.dataset, self.options, self.size, self.seed)
+            except ReasoningGymError as exc:
+                raise ValueError(str(exc)) from None
         elif self.kind == "hf":
             if not self.dataset:
                 raise ValueError("kind 'hf' needs `dataset` (a Hub dataset id such as org/name)")
@@ -172,10 +197,12 @@ class SourceConfig:
         else:
             if not self.path:
                 raise ValueError(f"kind {self.kind!r} needs `path` (the file or folder to read)")
-        if self.kind != "hf" and (self.dataset or self.dataset_config or self.eval_split):
-            raise ValueError(
-                f"dataset/dataset_config/eval_split are for kind 'hf', not {self.kind!r}"
-            )
+        if self.kind != "hf" and (self.dataset_config or self.eval_split):
+            raise ValueError(f"dataset_config/eval_split are for kind 'hf', not {self.kind!r}")
+        if self.kind not in ("hf", "reasoning_gym") and self.dataset:
+            raise ValueError(f"dataset is for kinds 'hf' and 'reasoning_gym', not {self.kind!r}")
+        if self.kind != "reasoning_gym" and self.options:
+            raise ValueError(f"options are for kind 'reasoning_gym', not {self.kind!r}")
         if self.kind not in ("arithmetic", "chain"):
             if not self.tokenizer:
                 raise ValueError(
@@ -323,6 +350,8 @@ def _file_part(config: SourceConfig, split: str) -> _Part:
     hashed = config.eval_fraction > 0
     if config.kind == "hf":
         return _hub_part(config, split, hashed)
+    if config.kind == "reasoning_gym":
+        return _reasoning_gym_part(config, split, hashed)
     if split == "train":
         return _open(config, Path(config.path), "train", "train" if hashed else "all")
     if config.eval_path:
@@ -483,6 +512,23 @@ def _dataset_part(
     columns = _check_columns(config, tuple(ds.column_names), label)
     records = _dataset_records(ds.select_columns(list(columns)).with_format(None))
     return _config_part(config, label, name, task, records, columns, keep)
+
+
+# --------------------------------------------------------------- reasoning-gym (reasoning_gym)
+def _reasoning_gym_part(config: SourceConfig, split: str, hashed: bool) -> _Part:
+    if split == "eval" and not hashed:
+        raise SourceError(
+            f"reasoning_gym {config.dataset}: no eval split: set `eval_fraction` (a share of "
+            "the items held out)"
+        )
+    rows = reasoning_gym_items(config.dataset, config.options, config.size, config.seed)
+    records = (_Record(i, row) for i, row in enumerate(rows, start=1))
+    name = config.dataset
+    keep: _Keep = split if hashed else "all"  # type: ignore[assignment]
+    return _Part(
+        f"reasoning_gym {name}", name, name, records, None, keep,
+        meta_keys=("reasoning_gym",), id_key="id",
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------ datasets by name (kind hf)

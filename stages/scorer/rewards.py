@@ -11,6 +11,11 @@ it does not apply to (TRL's convention); that completion then gets nothing from 
   ``\\boxed{...}`` (or, without one, the whole text) mathematically equal to ``answer``.
 - ``env_reward``: the reward a rollout's environment gave (``env_reward``, from trajectories);
   ``None`` (nothing) for a sample without one.
+- ``reasoning_gym``: the score (0 to 1) that a reasoning-gym dataset's own ``score_answer``
+  gives the completion's answer (inside ``<answer>...</answer>`` when it has those tags, as
+  reasoning-gym's prompts ask, else the whole completion, stripped) for the prompt's item,
+  which ``meta.reasoning_gym`` names (``kind: reasoning_gym`` sources put it there); ``None``
+  (nothing) for a prompt of another source.
 - ``chain_answer``: 1.0 when the final answer written after the worked steps
   (``12+34=46;46-5=41;#41``: the text after the one ``#``) is exactly ``answer``; 0.0 for a
   malformed completion (no ``#``, several, no integer after it) and for one cut off by the
@@ -26,7 +31,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["chain_answer", "env_reward", "exact_match", "last_boxed", "math_verify"]
+__all__ = [
+    "chain_answer",
+    "env_reward",
+    "exact_match",
+    "last_boxed",
+    "math_verify",
+    "reasoning_gym",
+]
 
 _FINAL = re.compile(r"[^#]*#(-?[0-9]+)")  # worked steps (no '#'), then '#' and the answer
 
@@ -106,4 +118,28 @@ def math_verify(completions: list[str], answer: list[Any], **kwargs: Any) -> lis
         predicted = parse(completion if boxed is None else boxed)
         expected = parse(str(gold))
         scores.append(float(bool(predicted) and bool(expected) and verify(expected, predicted)))
+    return scores
+
+
+def reasoning_gym(
+    completions: list[str],
+    reasoning_gym: list[dict[str, Any] | None] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """The reasoning-gym dataset's ``score_answer`` of each completion's answer for its item."""
+    if reasoning_gym is None:
+        return [None] * len(completions)
+    from reasoning_gym.utils import extract_answer
+
+    from stages.feeder.reasoning_gym_source import dataset
+
+    scores: list[float | None] = []
+    for completion, spec in zip(completions, reasoning_gym, strict=True):
+        if not isinstance(spec, dict):
+            scores.append(None)
+            continue
+        data = dataset(spec["dataset"], spec.get("options") or {}, spec["size"], spec["seed"])
+        tagged = extract_answer(completion, tag_name="answer")
+        answer = tagged if tagged is not None else completion.strip()
+        scores.append(float(data.score_answer(answer=answer, entry=data[spec["index"]])))
     return scores
