@@ -31,6 +31,7 @@ GROUPS = {
     "rollout": "inflight.rollouts",
     "tool": "inflight.tools",
     "environment": "inflight.environments",
+    "agent": "inflight.agents",
 }
 
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")

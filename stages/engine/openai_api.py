@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -85,14 +86,7 @@ class OpenAIError(ValueError):
 
 def error_response(message: str, *, status: int = 400, param: str | None = None) -> web.Response:
     """SGLang's ``ErrorResponse`` (``OpenAIServingBase.create_error_response``)."""
-    body = {
-        "object": "error",
-        "message": message,
-        "type": "BadRequestError",
-        "param": param,
-        "code": status,
-    }
-    return web.json_response(body, status=status)
+    return web.json_response(_error(message, status=status, param=param), status=status)
 
 
 def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -406,63 +400,104 @@ class OpenAIRoutes:
         return web.json_response(self._card(name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        decode = self.decode
-        return await self._serve(
-            request,
-            completion_request,
-            lambda results, options: completion_response(results, options, decode),
-            lambda chunks, options: completion_stream(chunks, options, decode),
-        )
+        return await self._serve(request, "completions")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        from stages.engine import openai_chat  # it builds on this module
+        return await self._serve(request, "chat")
 
-        chat, length = self.chat, self.context_length
-        return await self._serve(
-            request,
-            lambda body: openai_chat.chat_request(body, chat, length),
-            openai_chat.chat_response,
-            openai_chat.chat_stream,
-        )
+    async def reply(self, route: str, body: Any) -> Reply:
+        """The answer to ``body`` on ``route`` (``completions`` or ``chat``), whatever carries
+        it: HTTP here (``_serve``), or a caller in this process (the agent proxy's client)."""
+        if self.decode is None:
+            return Reply(400, _error("this model has no tokenizer: use the native /generate route"))
+        build, respond, stream = self._handlers(route)
+        try:
+            native, options = build(body)
+            if options["stream"]:
+                return Reply(200, chunks=stream(self.stream(native), options))
+            rendered = await self.generate(native)
+        except OpenAIError as exc:
+            return Reply(400, _error(str(exc), param=exc.param))
+        except RequestError as exc:
+            field = _openai_field(exc.field)
+            message = f"{field}{str(exc)[len(exc.field) :]}"
+            return Reply(400, _error(message, param=field.split("[")[0].split(".")[0]))
+        except ValueError as exc:  # a rid already in flight
+            return Reply(400, _error(str(exc), param="rid"))
+        results = rendered if isinstance(rendered, list) else [rendered]
+        return Reply(200, respond(results, options))
 
-    async def _serve(
-        self,
-        request: web.Request,
-        build: Callable[[Any], tuple[dict[str, Any], dict[str, Any]]],
-        respond: Callable[[list[Any], dict[str, Any]], dict[str, Any]],
-        stream: Callable[[AsyncIterator[Any], dict[str, Any]], AsyncIterator[list[Any]]],
-    ) -> web.StreamResponse:
-        """One request of a ``/v1`` route: ``build`` the native body from the request's,
-        ``respond`` with the native results, or ``stream`` the native chunks as events."""
+    def _handlers(self, route: str) -> tuple[Callable[..., Any], ...]:
+        """``(build, respond, stream)`` of ``route``: the native body of a request's, the
+        answer of native results, the events of native chunks."""
+        if route == "chat":
+            from stages.engine import openai_chat  # it builds on this module
+
+            chat, length = self.chat, self.context_length
+
+            def build(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                return openai_chat.chat_request(raw, chat, length)
+
+            return build, openai_chat.chat_response, openai_chat.chat_stream
+        decode = self.decode
+
+        def respond(results: list[Any], options: dict[str, Any]) -> dict[str, Any]:
+            return completion_response(results, options, decode)
+
+        def stream(chunks: AsyncIterator[Any], options: dict[str, Any]) -> AsyncIterator[Any]:
+            return completion_stream(chunks, options, decode)
+
+        return completion_request, respond, stream
+
+    async def _serve(self, request: web.Request, route: str) -> web.StreamResponse:
+        """One HTTP request of a ``/v1`` route: its ``reply``, as JSON or as events."""
         media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if media != "application/json":  # SGLang's validate_json_request
             return error_response(
                 "Unsupported Media Type: Only 'application/json' is allowed", param="content-type"
             )
-        if self.decode is None:
-            return error_response("this model has no tokenizer: use the native /generate route")
         try:
             body = await request.json()
         except ValueError as exc:
             return error_response(f"the request body is not JSON: {exc}")
+        reply = await self.reply(route, body)
+        if reply.chunks is None:
+            return web.json_response(reply.body, status=reply.status)
         try:
-            native, options = build(body)
-            if options["stream"]:
-                chunks = stream(self.stream(native), options)
-                return await write_events(
-                    request, chunks, _json_bytes, on_disconnect=lambda: self.on_disconnect(request)
-                )
-            rendered = await self.generate(native)
-        except OpenAIError as exc:
+            return await write_events(
+                request,
+                reply.chunks,
+                _json_bytes,
+                on_disconnect=lambda: self.on_disconnect(request),
+            )
+        except OpenAIError as exc:  # raised before the first event: still an error status
             return error_response(str(exc), param=exc.param)
         except RequestError as exc:
             field = _openai_field(exc.field)
             message = f"{field}{str(exc)[len(exc.field) :]}"
             return error_response(message, param=field.split("[")[0].split(".")[0])
-        except ValueError as exc:  # a rid already in flight
+        except ValueError as exc:
             return error_response(str(exc), param="rid")
-        results = rendered if isinstance(rendered, list) else [rendered]
-        return web.json_response(respond(results, options))
+
+
+@dataclass
+class Reply:
+    """A ``/v1`` answer: ``status`` and ``body`` (JSON), or ``chunks`` to send as events."""
+
+    status: int
+    body: Any = None
+    chunks: AsyncIterator[list[Any]] | None = None
+
+
+def _error(message: str, *, status: int = 400, param: str | None = None) -> dict[str, Any]:
+    """SGLang's ``ErrorResponse`` body (``OpenAIServingBase.create_error_response``)."""
+    return {
+        "object": "error",
+        "message": message,
+        "type": "BadRequestError",
+        "param": param,
+        "code": status,
+    }
 
 
 def _prompt_kind(prompt: Any) -> bool:

@@ -78,8 +78,8 @@ class RolloutConfig:
         default="single_turn",
         metadata={
             "doc": "rollout: single_turn (one completion), tools (tool calls), environment "
-            "(a multi-turn environment), an entry point of inflight.rollouts, or "
-            "package.module:function"
+            "(a multi-turn environment), openai_agent (an agent written for the openai "
+            "client), an entry point of inflight.rollouts, or package.module:function"
         },
     )
     tokenizer: str = field(
@@ -138,6 +138,16 @@ class RolloutConfig:
     options: dict[str, Any] = field(
         default_factory=dict, metadata={"doc": "options for a rollout of your own (ctx.options)"}
     )
+    agent: str = field(
+        default="",
+        metadata={
+            "doc": "openai_agent: async def solve(client, task) -> float | None, an entry "
+            "point of inflight.agents or package.module:function"
+        },
+    )
+    agent_timeout_s: float = field(
+        default=300.0, metadata={"min": 0.01, "doc": "openai_agent: limit for one episode"}
+    )
 
     def __post_init__(self) -> None:
         # unknown names are config errors, found before the run (resolving imports the
@@ -145,6 +155,21 @@ class RolloutConfig:
         resolve_rollout(self.use)
         if self.use == "environment" and not self.environment:
             raise ValueError("rollout 'environment' needs `environment` (the class to play)")
+        if self.use == "openai_agent":
+            if not self.agent:
+                raise ValueError("rollout 'openai_agent' needs `agent` (the agent function)")
+            try:
+                import openai  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "rollout 'openai_agent' needs the openai package: pip install openai "
+                    "(or inflight-rl[agents])"
+                ) from None
+            from stages.rollouts.openai_agent import resolve_agent
+
+            resolve_agent(self.agent)
+        elif self.agent:
+            raise ValueError("`agent` is for rollout 'openai_agent'")
         if self.use == "tools" and not self.tools:
             raise ValueError("rollout 'tools' needs `tools` (at least one tool function)")
         for name in self.tools:

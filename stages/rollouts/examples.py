@@ -1,6 +1,7 @@
 """The tool and the environment of the example configs (``configs/calculator.yaml``,
 ``configs/guess.yaml``), registered as ``calc`` (``inflight.tools``) and ``guess_number``
-(``inflight.environments``). They are small on purpose: read them as templates for your own.
+(``inflight.environments``), and the smallest ``openai`` agent, ``one_completion``
+(``inflight.agents``). They are small on purpose: read them as templates for your own.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["GuessNumber", "calc"]
+__all__ = ["GuessNumber", "calc", "one_completion"]
 
 _OPERATORS = {
     ast.Add: operator.add,
@@ -92,3 +93,10 @@ class GuessNumber:
         if self.guesses >= self.max_guesses:
             return "", 0.0, True, {"solved": False, "guesses": self.guesses}
         return ("H" if self.secret > guess else "L"), 0.0, False, {}
+
+
+async def one_completion(client: Any, task: Mapping[str, Any]) -> float | None:
+    """The smallest agent (``rollout: {use: openai_agent, agent: one_completion}``): one
+    ``/v1/completions`` call on the prompt the feeder made; the scorer scores the answer."""
+    await client.completions.create(model="policy", prompt=task["prompt_ids"])
+    return None

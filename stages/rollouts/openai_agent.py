@@ -1,0 +1,152 @@
+"""The ``openai_agent`` rollout: train an agent written for the ``openai`` client, unmodified.
+
+``rollout: {use: openai_agent, agent: my_pkg.agents:solve}``: the agent is
+
+    async def solve(client: openai.AsyncOpenAI, task: dict) -> float | None
+
+``client``'s base URL is the episode's on the process's agent proxy (``agent_proxy``): whatever
+the agent sends to ``/v1/completions`` or ``/v1/chat/completions`` is sampled from the policy by
+the run's engines and recorded as exact tokens. ``task`` is the prompt as the feeder made it:
+every key of its ``meta`` (``answer``...), ``prompt`` (the text the model sees), ``messages``
+(the conversation, when a chat template made the prompt), ``prompt_ids`` and ``prompt_id``.
+The agent's return value is the trajectory's reward (``env_reward`` passes it on); ``None``
+leaves it to the scorer's other reward functions (``exact_match`` on the final answer...).
+
+An agent that raises, runs past ``agent_timeout_s``, returns something that is not a number or
+``None``, or never calls the model loses its sample: the rollout raises ``AgentFailed``, which
+the generator drops and counts (``rollout_error``; the kind in ``rollout_agent_*``) and the run
+goes on. An agent that raises after its episode's budget (``max_turns`` calls, ``max_tokens``
+tokens) was spent keeps what it sampled, with no reward of its own. Agents run in the event
+loop of the process that plays the episode: they must be ``async`` and must not block it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from stages.rollouts.agent_proxy import AgentProxy, Episode, context_length_of
+from stages.rollouts.api import RolloutContext, RolloutEngine
+from stages.rollouts.trajectory import Trajectory
+
+__all__ = ["AgentFailed", "openai_agent", "resolve_agent"]
+
+
+class AgentFailed(Exception):
+    """An agent that lost its sample: ``kind`` is ``raised``, ``timeout``, ``no_calls`` or
+    ``bad_reward``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@functools.lru_cache(maxsize=64)
+def resolve_agent(name: str) -> Any:
+    """The agent function ``name`` names (an entry point of ``inflight.agents`` or a dotted
+    path); PluginError if there is none, ValueError if it is not an ``async def``."""
+    from pipeline.registry import resolve
+
+    agent = resolve("agent", name)
+    if not inspect.iscoroutinefunction(agent):
+        raise ValueError(
+            f"agent {name!r} must be an async function: async def solve(client, task) -> "
+            "float | None"
+        )
+    return agent
+
+
+def task_of(prompt: Mapping[str, Any]) -> dict[str, Any]:
+    """What the agent is given of the feeder's prompt."""
+    meta = dict(prompt.get("meta") or {})
+    task = {**meta, "prompt_ids": [int(t) for t in prompt["input_ids"]]}
+    task["prompt_id"] = prompt.get("prompt_id")
+    task["prompt"] = meta.get("text")
+    if "messages" in meta:
+        task["messages"] = meta["messages"]
+    return task
+
+
+async def openai_agent(
+    prompt: Mapping[str, Any], engine: RolloutEngine, ctx: RolloutContext
+) -> Trajectory:
+    import openai
+
+    config = ctx.config
+    agent = resolve_agent(config.agent)
+    tokenizer = ctx.tokenizer
+    if tokenizer is None:
+        raise RuntimeError("openai_agent needs a tokenizer: set rollout.tokenizer")
+    chat, context_length = _served(tokenizer)
+    episode = Episode(
+        engine,
+        tokenizer,
+        sampling=ctx.sampling,
+        max_calls=config.max_turns,
+        max_tokens=config.max_tokens,
+        context_length=context_length,
+        chat=chat,
+        counters=ctx.counters,
+        name=f"{ctx.group_id}/{ctx.sample_index}",
+    )
+    proxy = await AgentProxy.shared()
+    url = proxy.open(episode)
+    client = openai.AsyncOpenAI(
+        base_url=url,
+        api_key="inflight",
+        max_retries=0,
+        timeout=config.agent_timeout_s,
+        http_client=proxy.http_client(),
+    )
+    try:
+        reward = await asyncio.wait_for(agent(client, task_of(prompt)), config.agent_timeout_s)
+    except TimeoutError:
+        _failed(ctx, "timeout", f"the agent ran past agent_timeout_s ({config.agent_timeout_s} s)")
+    except Exception as exc:
+        if not (episode.budget_spent and episode.trajectory is not None):
+            _failed(ctx, "raised", f"the agent raised {type(exc).__name__}: {exc}", exc)
+        reward = None  # cut short by its budget: what it sampled is trained
+    finally:
+        proxy.close(url)  # the client's connections are the proxy's, kept for other episodes
+    trajectory = episode.trajectory
+    if trajectory is None:
+        _failed(ctx, "no_calls", "the agent never called the model")
+    if reward is not None and (
+        isinstance(reward, bool)
+        or not isinstance(reward, int | float)
+        or not math.isfinite(float(reward))
+    ):
+        _failed(ctx, "bad_reward", f"the agent returned {reward!r}, not a number or None")
+    trajectory.reward = None if reward is None else float(reward)
+    trajectory.finish_reason = episode.finish_reason
+    trajectory.info = {"agent_calls": episode.calls, "agent_calls_unjoined": episode.unjoined}
+    return trajectory
+
+
+def _failed(ctx: RolloutContext, kind: str, message: str, cause: Any = None) -> None:
+    ctx.count(f"agent_{kind}")
+    raise AgentFailed(kind, message) from cause
+
+
+_SERVED: dict[int, tuple[Any, Any, int]] = {}
+
+
+def _served(tokenizer: Any) -> tuple[Any, int]:
+    """The chat settings and context length of the model ``tokenizer`` is of (read once)."""
+    known = _SERVED.get(id(tokenizer))
+    if known is None or known[0] is not tokenizer:
+        from pathlib import Path
+
+        from stages.engine.openai_chat import ChatSettings
+
+        folder = Path(str(getattr(tokenizer, "name_or_path", "") or "."))
+        known = _SERVED[id(tokenizer)] = (
+            tokenizer,
+            ChatSettings.of(tokenizer, folder),
+            context_length_of(tokenizer),
+        )
+    return known[1], known[2]

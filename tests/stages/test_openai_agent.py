@@ -1,0 +1,251 @@
+"""The openai_agent rollout: unmodified openai-client agents, through the real proxy server and
+the real ``openai`` client, against a scripted engine (what the generator's engine handle
+returns is stood in by one that answers scripted texts, so the tokens it sampled are known)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import string
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stages.rollouts.api import RolloutConfig, RolloutContext
+from stages.rollouts.openai_agent import AgentFailed, openai_agent
+from stages.rollouts.trajectory import Generation
+from tests.stages.tool_tokenizers import QWEN_LIKE, char_tokenizer
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "a + b",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                     "b": {"type": "integer"}}},
+}}]  # fmt: skip
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+HERE = "tests.stages.test_openai_agent"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return char_tokenizer(
+        string.printable, special=["<|im_start|>", "<|im_end|>"], template=QWEN_LIKE
+    )
+
+
+class ScriptedEngine:
+    """Answers each call with the next scripted text (and <|im_end|>), at version 3."""
+
+    def __init__(self, tokenizer: Any, texts: list[str]) -> None:
+        self.tokenizer, self.texts = tokenizer, list(texts)
+        self.inputs: list[list[int]] = []
+        self.sampling: list[dict] = []
+        self.outputs: list[np.ndarray] = []
+
+    async def generate(self, input_ids: list[int], **sampling: Any) -> Generation:
+        self.inputs.append(list(input_ids))
+        self.sampling.append(sampling)
+        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ids = [*self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False), end]
+        self.outputs.append(np.array(ids))
+        n = len(ids)
+        return Generation(ids, np.linspace(-0.1, -2, n), [3] * n, "stop", cached_tokens=1)
+
+
+def _episode(tokenizer: Any, agent: str, texts: list[str], prompt: str = "2+3?", **config):
+    engine = ScriptedEngine(tokenizer, texts)
+    ctx = RolloutContext(
+        RolloutConfig(use="openai_agent", agent=f"{HERE}:{agent}", **config),
+        tokenizer=tokenizer,
+        sampling={"temperature": 1.0, "max_new_tokens": 64},
+        group_id="g",
+    )
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    message = {"prompt_id": "p:1", "input_ids": ids, "meta": {"text": prompt, "answer": "5"}}
+    return engine, ctx, openai_agent(message, engine, ctx)
+
+
+def _sampled(trajectory) -> list[int]:
+    return trajectory.completion_ids[trajectory.loss_mask == 1].tolist()
+
+
+# ------------------------------------------------------------------------------ agents
+async def tool_agent(client, task):
+    messages = [{"role": "user", "content": task["prompt"]}]
+    first = await client.chat.completions.create(model="any", messages=messages, tools=TOOLS)
+    message = first.choices[0].message
+    (call,) = message.tool_calls
+    args = json.loads(call.function.arguments)
+    messages.append(message.model_dump(exclude_none=True))
+    messages.append(
+        {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}
+    )
+    second = await client.chat.completions.create(model="any", messages=messages, tools=TOOLS)
+    return float(second.choices[0].message.content.strip() == task["answer"])
+
+
+async def one_call(client, task):
+    out = await client.completions.create(
+        model="whatever", prompt=task["prompt_ids"], max_tokens=50, temperature=0.1
+    )
+    return None if out.choices[0].text.strip() else 0.0
+
+
+async def two_prompts(client, task):
+    await client.completions.create(model="policy", prompt=task["prompt"], max_tokens=8)
+    stream = await client.completions.create(
+        model="policy", prompt="something else", max_tokens=8, stream=True
+    )
+    return float("".join([c.choices[0].text async for c in stream if c.choices]) == "42")
+
+
+async def text_turns(client, task):
+    first = await client.completions.create(model="policy", prompt=task["prompt"], max_tokens=8)
+    again = task["prompt"] + first.choices[0].text + "\nand 1 more?"
+    await client.completions.create(model="policy", prompt=again, max_tokens=8)
+    return 0.5
+
+
+async def own_client(client, task):
+    """An agent that makes its own client from the base URL: served over HTTP."""
+    import openai
+
+    models = await client.models.list()  # through the proxy's server
+    assert [m.id for m in models.data] == ["policy"]
+    async with openai.AsyncOpenAI(base_url=str(client.base_url), api_key="k") as mine:
+        out = await mine.completions.create(model="policy", prompt=task["prompt"], max_tokens=4)
+        streamed = await mine.completions.create(
+            model="policy", prompt=task["prompt"] + out.choices[0].text, stream=True
+        )
+        text = "".join([c.choices[0].text async for c in streamed if c.choices])
+        try:
+            await mine.completions.create(model="policy", prompt=task["prompt"], n=2)
+        except openai.BadRequestError as exc:
+            assert "one completion per call" in str(exc)
+        else:
+            raise AssertionError("n=2 was served")
+    return float(text == "6")
+
+
+async def raises(client, task):
+    await client.completions.create(model="policy", prompt=task["prompt"])
+    raise RuntimeError("the agent's own bug")
+
+
+async def hangs(client, task):
+    await asyncio.sleep(30)
+
+
+async def no_calls(client, task):
+    return 1.0
+
+
+async def bad_reward(client, task):
+    await client.completions.create(model="policy", prompt=task["prompt"])
+    return "great"
+
+
+async def greedy(client, task):
+    for _ in range(5):  # a second call is past the budget: the client raises
+        await client.completions.create(model="policy", prompt=task["prompt"])
+    return 1.0
+
+
+def not_async(client, task):
+    return 1.0
+
+
+# ------------------------------------------------------------------------------ tests
+@pytest.mark.timeout(60)
+async def test_a_tool_agent_trains_exactly_the_tokens_the_engine_sampled(tokenizer) -> None:
+    engine, ctx, episode = _episode(tokenizer, "tool_agent", [CALL, "5"])
+    trajectory = await episode
+    assert trajectory.reward == 1.0 and trajectory.turns == 2
+    # bit for bit: what the learner trains is what the engine sampled, in order
+    assert _sampled(trajectory) == np.concatenate(engine.outputs).tolist()
+    # the second call continued from the model's own tokens (the template renders the answer
+    # without its tool call), then the template's markup and the tool's answer
+    second = engine.inputs[1]
+    first_context = engine.inputs[0] + engine.outputs[0].tolist()
+    assert second[: len(first_context)] == first_context
+    assert tokenizer.decode(second[len(first_context) :]).startswith("\n<|im_start|>user")
+    assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(second)
+    assert trajectory.context == second + engine.outputs[1].tolist()
+    assert ctx.counters["agent_calls_rejoined"] == 1 and not ctx.counters["agent_calls_unjoined"]
+    assert trajectory.info == {"agent_calls": 2, "agent_calls_unjoined": 0}
+
+
+@pytest.mark.timeout(60)
+async def test_a_one_call_agent_samples_with_the_run_sampling_from_the_prompt(tokenizer) -> None:
+    engine, _, episode = _episode(tokenizer, "one_call", ["5"])
+    trajectory = await episode
+    assert trajectory.reward is None  # left to the scorer
+    assert trajectory.prompt_ids.tolist() == tokenizer.encode("2+3?", add_special_tokens=False)
+    assert _sampled(trajectory) == engine.outputs[0].tolist()
+    # the run's temperature (what the learner trains against), max_tokens held to the run's
+    assert engine.sampling[0]["temperature"] == 1.0
+    assert engine.sampling[0]["max_new_tokens"] == 50
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_that_does_not_extend_the_trajectory_is_served_not_trained(tokenizer) -> None:
+    engine, ctx, episode = _episode(tokenizer, "two_prompts", ["5", "42"])
+    trajectory = await episode
+    assert trajectory.reward == 1.0  # the streamed call was served whole
+    assert _sampled(trajectory) == engine.outputs[0].tolist()
+    assert ctx.counters["agent_calls_unjoined"] == 1
+    assert trajectory.info["agent_calls"] == 2
+
+
+@pytest.mark.timeout(60)
+async def test_completions_turns_continue_from_the_model_tokens(tokenizer) -> None:
+    engine, _, episode = _episode(tokenizer, "text_turns", ["5", "6"])
+    trajectory = await episode
+    assert trajectory.reward == 0.5
+    assert _sampled(trajectory) == np.concatenate(engine.outputs).tolist()
+    rest = tokenizer.encode("\nand 1 more?", add_special_tokens=False)
+    assert engine.inputs[1] == engine.inputs[0] + engine.outputs[0].tolist() + rest
+
+
+@pytest.mark.timeout(60)
+async def test_an_agent_with_a_client_of_its_own_is_served_over_http(tokenizer) -> None:
+    engine, ctx, episode = _episode(tokenizer, "own_client", ["5", "6"])
+    trajectory = await episode
+    assert trajectory.reward == 1.0 and trajectory.turns == 2
+    assert _sampled(trajectory) == np.concatenate(engine.outputs).tolist()
+    assert ctx.counters["agent_calls_rejoined"] == 1  # its text turn continued the tokens
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("agent", "kind", "config"),
+    [
+        ("raises", "raised", {}),
+        ("hangs", "timeout", {"agent_timeout_s": 0.3}),
+        ("no_calls", "no_calls", {}),
+        ("bad_reward", "bad_reward", {}),
+    ],
+)
+async def test_a_failing_agent_loses_its_sample_counted(tokenizer, agent, kind, config) -> None:
+    _, ctx, episode = _episode(tokenizer, agent, ["5"] * 3, **config)
+    with pytest.raises(AgentFailed) as failed:
+        await episode
+    assert failed.value.kind == kind and ctx.counters[f"agent_{kind}"] == 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_past_the_budget_ends_the_trajectory_there(tokenizer) -> None:
+    engine, ctx, episode = _episode(tokenizer, "greedy", ["5"] * 5, max_turns=2)
+    trajectory = await episode
+    assert trajectory.finish_reason == "max_turns" and trajectory.reward is None
+    assert len(engine.inputs) == 2 and ctx.counters["agent_max_turns"] == 1
+    assert _sampled(trajectory) == engine.outputs[0].tolist()  # the second did not extend it
+
+
+def test_agent_config_errors() -> None:
+    with pytest.raises(ValueError, match="needs `agent`"):
+        RolloutConfig(use="openai_agent")
+    with pytest.raises(ValueError, match="must be an async function"):
+        RolloutConfig(use="openai_agent", agent=f"{HERE}:not_async")
+    with pytest.raises(ValueError, match="is for rollout 'openai_agent'"):
+        RolloutConfig(agent=f"{HERE}:one_call")
