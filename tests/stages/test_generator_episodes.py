@@ -247,3 +247,47 @@ async def test_an_environment_that_hangs_is_killed_and_its_worker_replaced(tmp_p
     last = out.metrics[-1]
     assert last["rollout_env_workers_replaced"] >= 1
     assert last["rollout_env_errors_timeout"] >= 1
+
+
+async def two_completions(client: Any, task: Mapping[str, Any]) -> float:
+    """An openai agent: a completion, three tokens of its own, another completion."""
+    first = await client.completions.create(
+        model="policy", prompt=task["prompt_ids"], max_tokens=3,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    ids = first.choices[0].model_extra["token_ids"]
+    await client.completions.create(model="policy", prompt=task["prompt_ids"] + ids + INSERTED)
+    return 0.25
+
+
+@pytest.mark.timeout(90)
+async def test_an_openai_agent_trains_the_tokens_the_engine_sampled(tmp_path, engine):
+    from tests.stages.tiny_model import _tokenizer
+
+    folder = tmp_path / "tokenizer"
+    _tokenizer(128).save_pretrained(folder)
+    rollout = RolloutConfig(
+        use="openai_agent",
+        agent="tests.stages.test_generator_episodes:two_completions",
+        tokenizer=str(folder),
+    )
+    count = 2
+    proxy = Proxy(engine)
+    async with proxy as url:
+        out = await generate(tmp_path, [url], count, rollout=rollout)
+    assert len(out.rollouts) == G * count and out.done["dropped"] == 0
+    bodies = {b["rid"]: b for b in proxy.forwarded}
+    by_prompt = {p["prompt_id"]: p for p in prompts(count)}
+    for r in out.rollouts:
+        assert r["loss_mask"].tolist() == [1] * 3 + [0, 0, 0] + [1] * NEW_TOKENS
+        assert r["rollout"]["env_reward"] == 0.25 and r["rollout"]["agent_calls"] == 2
+        rid = f"{out.run_id}/{r['group_id']}/{r['sample_index']}"
+        first, second = bodies[f"{rid}/0"], bodies[f"{rid}/1"]
+        prompt_ids = by_prompt[r["prompt_id"]]["input_ids"]
+        assert first["input_ids"] == prompt_ids
+        # the second call's prompt is the first's, the tokens the engine sampled, the agent's
+        assert second["input_ids"] == prompt_ids + r["completion_ids"][:6].tolist()
+        assert r["completion_ids"][3:6].tolist() == INSERTED
+        assert first["sampling_params"]["max_new_tokens"] == 3  # the agent's, under the run's
+        assert second["sampling_params"]["max_new_tokens"] == NEW_TOKENS
+    assert out.metrics[-1]["rollout_episodes"] == G * count
