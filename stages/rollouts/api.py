@@ -13,7 +13,7 @@ prompt at once and sends them on as one group, exactly as it does single complet
 updates, per-token versions, TIS, staleness, flow control and restarts are the same for both.
 
 Rollouts are found like stages and rewards: by an entry point of the group ``inflight.rollouts``
-(``single_turn``, ``tools``, ``environment`` are built in) or by a dotted path
+(``single_turn``, ``tools``, ``environment``, ``openai_agent`` are built in) or by a dotted path
 ``package.module:function``. Tools (``inflight.tools``) are plain Python functions with type hints
 and a docstring (TRL's convention); environments (``inflight.environments``) are classes with
 ``reset(prompt) -> observation`` and ``step(action) -> (observation, reward, done)`` (async or

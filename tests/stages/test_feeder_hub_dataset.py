@@ -124,5 +124,5 @@ def test_config_errors_before_anything_loads(tok_dir):
         source(tok_dir, eval_split="test", eval_fraction=0.1)
     with pytest.raises(ValueError, match="needs `tokenizer`"):
         SourceConfig(kind="hf", dataset="org/sums")
-    with pytest.raises(ValueError, match="are for kind 'hf', not 'jsonl'"):
+    with pytest.raises(ValueError, match="dataset is for kinds 'hf' and 'reasoning_gym'"):
         SourceConfig(kind="jsonl", path="x.jsonl", tokenizer=tok_dir, dataset="org/sums")
