@@ -4,8 +4,13 @@ An environment plugin is a class (an entry point of ``inflight.environments`` or
 ``package.module:Class``) built with ``rollout.env_options`` as keyword arguments, with
 ``reset(prompt) -> observation`` and ``step(action) -> (observation, reward, done)`` or
 ``(observation, reward, done, info)``; either may be ``async``, and ``close()`` is called when
-the episode ends if the class has one. ``prompt`` is the feeder's prompt map (``meta`` holds what
-the task gave: the answer, the secret...); observations and actions are text.
+the episode ends if the class has one. A ``gymnasium.Env`` whose observations and actions are
+text works as it is: a class of one, or a registered id (``Name-v0``, or
+``package.module:Name-v0`` to import what registers it; ``gymnasium.make(id, **env_options)``);
+its ``reset(seed=..., options={"prompt": prompt})`` is seeded from the prompt's id, so the samples
+of one prompt play the same task, and ``terminated or truncated`` ends the episode. ``prompt``
+is the feeder's prompt map (``meta`` holds what the task gave: the answer, the secret...);
+observations and actions are text.
 
 Environments are user code: they may hang, raise or crash their interpreter. ``EnvPool`` keeps
 ``env_workers`` worker processes (``stages.workers``), each hosting the instances of the
@@ -24,11 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
+import importlib
 import inspect
 import itertools
 import os
+import sys
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -54,15 +63,53 @@ _START_TIMEOUT_S = 120.0
 _BAD_STEP = "BadStep"
 
 
-def resolve_environment(name: str) -> type:
-    """The environment class ``name`` names (entry point or dotted path); PluginError if not."""
-    cls = resolve("environment", name)
+def resolve_environment(name: str) -> Callable[..., Any]:
+    """What makes the environment ``name`` names: its class (entry point or dotted path), or
+    ``gymnasium.make`` of a Gymnasium id (``Name-v0``, ``package.module:Name-v0``, which
+    imports the module that registers it); PluginError if it names nothing of the kind."""
+    try:
+        cls = resolve("environment", name)
+    except PluginError:
+        made = _gymnasium_id(name)
+        if made is None:
+            raise
+        return made
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in _METHODS):
         raise PluginError(
             f"environment {name!r} resolved to {cls!r}: expected a class with reset(prompt) and "
             "step(action)"
         )
     return cls
+
+
+def _gymnasium_id(name: str) -> Callable[..., Any] | None:
+    """``gymnasium.make`` for ``name`` when it is a registered Gymnasium id, else None."""
+    if "-v" not in name:
+        return None
+    try:
+        import gymnasium
+    except ImportError:
+        return None
+    module, _, env_id = name.rpartition(":")
+    try:
+        if module:  # the module that registers it
+            importlib.import_module(module)
+        gymnasium.spec(env_id)  # raises if unknown
+    except Exception as exc:
+        raise PluginError(f"environment {name!r}: not a registered Gymnasium id ({exc})") from exc
+    return functools.partial(gymnasium.make, env_id)
+
+
+def _is_gymnasium(env: Any) -> bool:
+    gymnasium = sys.modules.get("gymnasium")
+    return gymnasium is not None and isinstance(env, gymnasium.Env)
+
+
+def _seed_of(prompt: Mapping[str, Any]) -> int:
+    """A Gymnasium episode's seed: the same for the samples of one prompt (a group plays one
+    task), from its ``prompt_id``."""
+    key = str(prompt.get("prompt_id", "")).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big")
 
 
 _METHODS = ("reset", "step")
@@ -92,9 +139,15 @@ def _env_worker_main(conn: Connection, name: str, options: dict[str, Any]) -> No
         if op == "reset":
             envs.pop(key, None)
             env = envs[key] = cls(**options)
+            if _is_gymnasium(env):  # reset(*, seed, options) -> (observation, info)
+                return _text(env.reset(seed=_seed_of(arg), options={"prompt": arg}), "reset")
             return _text(run(env.reset(arg)), "reset")
         if op == "step":
-            return _step_result(run(envs[key].step(arg)))
+            value = run(envs[key].step(arg))
+            if isinstance(value, tuple) and len(value) == 5:  # Gymnasium's
+                observation, reward, terminated, truncated, info = value
+                value = (observation, reward, bool(terminated) or bool(truncated), info)
+            return _step_result(value)
         env = envs.pop(key, None)  # "close"
         if env is not None and callable(getattr(env, "close", None)):
             run(env.close())

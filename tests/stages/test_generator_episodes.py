@@ -291,3 +291,38 @@ async def test_an_openai_agent_trains_the_tokens_the_engine_sampled(tmp_path, en
         assert first["sampling_params"]["max_new_tokens"] == 3  # the agent's, under the run's
         assert second["sampling_params"]["max_new_tokens"] == NEW_TOKENS
     assert out.metrics[-1]["rollout_episodes"] == G * count
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", ["FindWord", "InflightFindWord-v0"])
+async def test_a_gymnasium_env_on_text_plays_as_an_environment(tmp_path, engine, name):
+    """A gymnasium.Env, by class or by registered id: seeded by the prompt (a group plays one
+    task), five-tuple steps, ``terminated`` ending the episode."""
+    from tests.stages.tiny_model import _tokenizer
+
+    folder = tmp_path / "tokenizer"
+    _tokenizer(128).save_pretrained(folder)
+    rollout = RolloutConfig(
+        use="environment", environment=f"tests.stages.gym_text_envs:{name}", tokenizer=str(folder)
+    )
+    count = 3
+    async with Proxy(engine) as url:
+        out = await generate(tmp_path, [url], count, rollout=rollout)
+    assert len(out.rollouts) == G * count and out.done["dropped"] == 0
+    n = NEW_TOKENS
+    words: dict[str, set[int]] = {}
+    for r in out.rollouts:
+        assert r["loss_mask"].tolist() == [0] + [1] * n + [0, 0] + [1] * n
+        word = r["rollout"]["word"]
+        assert r["completion_ids"][0] == word  # the reset's observation, the seeded word
+        assert r["finish_reason"] == "done" and r["rollout"]["env_steps"] == 2
+        assert r["rollout"]["prompt_id"] == r["prompt_id"]  # reset's options carry the prompt
+        words.setdefault(r["prompt_id"], set()).add(word)
+    assert all(len(w) == 1 for w in words.values())  # one task per prompt
+
+
+def test_an_unknown_gymnasium_id_is_a_config_error():
+    from pipeline.registry import PluginError
+
+    with pytest.raises(PluginError, match="not a registered Gymnasium id"):
+        RolloutConfig(use="environment", environment="tests.stages.gym_text_envs:NoSuch-v0")
