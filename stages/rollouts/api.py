@@ -148,6 +148,14 @@ class RolloutConfig:
     agent_timeout_s: float = field(
         default=300.0, metadata={"min": 0.01, "doc": "openai_agent: limit for one episode"}
     )
+    agent_workers: int = field(
+        default=0,
+        metadata={
+            "min": 0,
+            "doc": "openai_agent: worker processes that run the agents (any agent, blocking "
+            "code included, over HTTP); 0: async agents on the event loop (faster)",
+        },
+    )
 
     def __post_init__(self) -> None:
         # unknown names are config errors, found before the run (resolving imports the
@@ -167,7 +175,7 @@ class RolloutConfig:
                 ) from None
             from stages.rollouts.openai_agent import resolve_agent
 
-            resolve_agent(self.agent)
+            resolve_agent(self.agent, in_loop=self.agent_workers == 0)
         elif self.agent:
             raise ValueError("`agent` is for rollout 'openai_agent'")
         if self.use == "tools" and not self.tools:
@@ -201,6 +209,7 @@ class RolloutContext:
         tokenizer: Any = None,
         tools: Any = None,
         env: Any = None,
+        agents: Any = None,
         sampling: Mapping[str, Any] | None = None,
         counters: Counter[str] | None = None,
         log: Any = None,
@@ -209,6 +218,7 @@ class RolloutContext:
     ) -> None:
         self.config, self.options = config, config.options
         self.tokenizer, self.tools, self.env = tokenizer, tools, env
+        self.agents = agents  # stages.workers.FunctionPool of the agent workers, when any
         self.sampling = dict(sampling or {})
         self.counters = counters if counters is not None else Counter()
         self.log = log

@@ -16,8 +16,12 @@ An agent that raises, runs past ``agent_timeout_s``, returns something that is n
 ``None``, or never calls the model loses its sample: the rollout raises ``AgentFailed``, which
 the generator drops and counts (``rollout_error``; the kind in ``rollout_agent_*``) and the run
 goes on. An agent that raises after its episode's budget (``max_turns`` calls, ``max_tokens``
-tokens) was spent keeps what it sampled, with no reward of its own. Agents run in the event
-loop of the process that plays the episode: they must be ``async`` and must not block it.
+tokens) was spent keeps what it sampled, with no reward of its own. By default agents run in the
+event loop of the process that plays the episode: they must be ``async`` and must not block it
+(their calls are answered in the process). With ``agent_workers: N`` they run in N worker
+processes (``stages.workers``): any agent, a blocking one included (``def solve(client, task)``
+gets an ``openai.OpenAI``), over HTTP to the proxy; one past ``agent_timeout_s`` has its worker
+killed and replaced, and an agent that kills its interpreter loses its sample (``lost``).
 """
 
 from __future__ import annotations
@@ -46,18 +50,55 @@ class AgentFailed(Exception):
 
 
 @functools.lru_cache(maxsize=64)
-def resolve_agent(name: str) -> Any:
+def resolve_agent(name: str, *, in_loop: bool = True) -> Any:
     """The agent function ``name`` names (an entry point of ``inflight.agents`` or a dotted
-    path); PluginError if there is none, ValueError if it is not an ``async def``."""
+    path); PluginError if there is none, ValueError if it cannot run where asked (on the event
+    loop: only an ``async def``)."""
     from pipeline.registry import resolve
 
     agent = resolve("agent", name)
-    if not inspect.iscoroutinefunction(agent):
+    if not callable(agent):
+        raise ValueError(f"agent {name!r} resolved to {agent!r}, which is not callable")
+    if in_loop and not inspect.iscoroutinefunction(agent):
         raise ValueError(
             f"agent {name!r} must be an async function: async def solve(client, task) -> "
-            "float | None"
+            "float | None (or set rollout.agent_workers to run blocking agents in processes)"
         )
     return agent
+
+
+async def agent_pool(config: Any, log: Any) -> Any:
+    """The worker processes of ``rollout.agent_workers`` (started)."""
+    from stages.workers import FunctionPool
+
+    pool = FunctionPool(
+        "agent",
+        [config.agent],
+        workers=config.agent_workers,
+        timeout_s=config.agent_timeout_s,
+        adapter=run_agent,
+        label="agent",
+        log=log,
+    )
+    await pool.start()
+    return pool
+
+
+def run_agent(agent: Any, request: Mapping[str, Any]) -> Any:
+    """In an agent worker: ``agent(client, task)`` with a client of the episode's base URL
+    (``openai.AsyncOpenAI`` for an ``async def``, else ``openai.OpenAI``), over HTTP."""
+    import openai
+
+    url, task = request["base_url"], request["task"]
+    if inspect.iscoroutinefunction(agent):
+
+        async def play() -> Any:
+            async with openai.AsyncOpenAI(base_url=url, api_key="inflight", max_retries=0) as c:
+                return await agent(c, task)
+
+        return asyncio.run(play())
+    with openai.OpenAI(base_url=url, api_key="inflight", max_retries=0) as client:
+        return agent(client, task)
 
 
 def task_of(prompt: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,10 +115,8 @@ def task_of(prompt: Mapping[str, Any]) -> dict[str, Any]:
 async def openai_agent(
     prompt: Mapping[str, Any], engine: RolloutEngine, ctx: RolloutContext
 ) -> Trajectory:
-    import openai
 
     config = ctx.config
-    agent = resolve_agent(config.agent)
     tokenizer = ctx.tokenizer
     if tokenizer is None:
         raise RuntimeError("openai_agent needs a tokenizer: set rollout.tokenizer")
@@ -95,21 +134,11 @@ async def openai_agent(
     )
     proxy = await AgentProxy.shared()
     url = proxy.open(episode)
-    client = openai.AsyncOpenAI(
-        base_url=url,
-        api_key="inflight",
-        max_retries=0,
-        timeout=config.agent_timeout_s,
-        http_client=proxy.http_client(),
-    )
     try:
-        reward = await asyncio.wait_for(agent(client, task_of(prompt)), config.agent_timeout_s)
-    except TimeoutError:
-        _failed(ctx, "timeout", f"the agent ran past agent_timeout_s ({config.agent_timeout_s} s)")
-    except Exception as exc:
-        if not (episode.budget_spent and episode.trajectory is not None):
-            _failed(ctx, "raised", f"the agent raised {type(exc).__name__}: {exc}", exc)
-        reward = None  # cut short by its budget: what it sampled is trained
+        if ctx.agents is not None:
+            reward = await _in_worker(ctx, episode, url, task_of(prompt))
+        else:
+            reward = await _in_loop(ctx, episode, proxy, url, task_of(prompt))
     finally:
         proxy.close(url)  # the client's connections are the proxy's, kept for other episodes
     trajectory = episode.trajectory
@@ -125,6 +154,44 @@ async def openai_agent(
     trajectory.finish_reason = episode.finish_reason
     trajectory.info = {"agent_calls": episode.calls, "agent_calls_unjoined": episode.unjoined}
     return trajectory
+
+
+async def _in_loop(
+    ctx: RolloutContext, episode: Episode, proxy: AgentProxy, url: str, task: dict[str, Any]
+) -> Any:
+    import openai
+
+    config = ctx.config
+    agent = resolve_agent(config.agent)
+    client = openai.AsyncOpenAI(
+        base_url=url,
+        api_key="inflight",
+        max_retries=0,
+        timeout=config.agent_timeout_s,
+        http_client=proxy.http_client(),
+    )
+    try:
+        return await asyncio.wait_for(agent(client, task), config.agent_timeout_s)
+    except TimeoutError:
+        _failed(ctx, "timeout", f"the agent ran past agent_timeout_s ({config.agent_timeout_s} s)")
+    except Exception as exc:
+        if not (episode.budget_spent and episode.trajectory is not None):
+            _failed(ctx, "raised", f"the agent raised {type(exc).__name__}: {exc}", exc)
+        return None  # cut short by its budget: what it sampled is trained
+
+
+async def _in_worker(ctx: RolloutContext, episode: Episode, url: str, task: dict[str, Any]) -> Any:
+    """The agent in a worker process, over HTTP; killed past ``agent_timeout_s``."""
+    reply = await ctx.agents.call(ctx.config.agent, {"base_url": url, "task": task})
+    if reply.ok:
+        return reply.value
+    if reply.status == "timeout":
+        _failed(ctx, "timeout", f"the agent ran past agent_timeout_s ({reply.error})")
+    if reply.status == "lost":
+        _failed(ctx, "lost", f"the agent's worker died: {reply.error}")
+    if not (episode.budget_spent and episode.trajectory is not None):
+        _failed(ctx, "raised", f"the agent raised {reply.error}")
+    return None
 
 
 def _failed(ctx: RolloutContext, kind: str, message: str, cause: Any = None) -> None:

@@ -30,6 +30,7 @@ class RolloutRuntime:
         self.tokenizer: Any = None
         self.tools: Any = None  # stages.rollouts.tools.ToolBox
         self.env: Any = None  # stages.rollouts.environments.EnvPool
+        self.agents: Any = None  # stages.workers.FunctionPool (openai_agent with agent_workers)
         self.counters: Counter[str] = Counter()
 
     @classmethod
@@ -51,6 +52,10 @@ class RolloutRuntime:
                 from stages.rollouts.environments import EnvPool
 
                 runtime.env = await EnvPool.start(config, log)
+            if config.use == "openai_agent" and config.agent_workers:
+                from stages.rollouts.openai_agent import agent_pool
+
+                runtime.agents = await agent_pool(config, log)
         except BaseException:
             await runtime.aclose()
             raise
@@ -69,6 +74,7 @@ class RolloutRuntime:
             tokenizer=self.tokenizer,
             tools=self.tools,
             env=self.env,
+            agents=self.agents,
             sampling=sampling,
             counters=self.counters,
             log=log if log is not None else self.log,
@@ -93,7 +99,7 @@ class RolloutRuntime:
                 part.close_soon()
 
     async def aclose(self) -> None:
-        for part in (self.tools, self.env):
+        for part in (self.tools, self.env, self.agents):
             if part is not None:
                 with contextlib.suppress(Exception):
                     await part.aclose()

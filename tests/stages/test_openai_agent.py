@@ -52,13 +52,16 @@ class ScriptedEngine:
         return Generation(ids, np.linspace(-0.1, -2, n), [3] * n, "stop", cached_tokens=1)
 
 
-def _episode(tokenizer: Any, agent: str, texts: list[str], prompt: str = "2+3?", **config):
+def _episode(
+    tokenizer: Any, agent: str, texts: list[str], prompt: str = "2+3?", agents=None, **config
+):
     engine = ScriptedEngine(tokenizer, texts)
     ctx = RolloutContext(
         RolloutConfig(use="openai_agent", agent=f"{HERE}:{agent}", **config),
         tokenizer=tokenizer,
         sampling={"temperature": 1.0, "max_new_tokens": 64},
         group_id="g",
+        agents=agents,
     )
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     message = {"prompt_id": "p:1", "input_ids": ids, "meta": {"text": prompt, "answer": "5"}}
@@ -155,6 +158,16 @@ def not_async(client, task):
     return 1.0
 
 
+def blocking(client, task):
+    """A blocking agent (the sync client): runs in an agent worker."""
+    import time
+
+    out = client.completions.create(model="policy", prompt=task["prompt"], max_tokens=4)
+    if task["answer"] == "hang":
+        time.sleep(60)
+    return float(out.choices[0].text == task["answer"])
+
+
 # ------------------------------------------------------------------------------ tests
 @pytest.mark.timeout(60)
 async def test_a_tool_agent_trains_exactly_the_tokens_the_engine_sampled(tokenizer) -> None:
@@ -249,3 +262,33 @@ def test_agent_config_errors() -> None:
         RolloutConfig(use="openai_agent", agent=f"{HERE}:not_async")
     with pytest.raises(ValueError, match="is for rollout 'openai_agent'"):
         RolloutConfig(agent=f"{HERE}:one_call")
+
+
+@pytest.mark.timeout(90)
+async def test_agents_in_worker_processes_blocking_ones_included(tokenizer) -> None:
+    from stages.rollouts.openai_agent import agent_pool
+
+    config = RolloutConfig(
+        use="openai_agent", agent=f"{HERE}:blocking", agent_workers=1, agent_timeout_s=5.0
+    )
+    pool = await agent_pool(config, log=None)
+    try:
+        engine, ctx, episode = _episode(
+            tokenizer, "blocking", ["5"], agents=pool, agent_workers=1, agent_timeout_s=5.0
+        )
+        trajectory = await episode
+        assert trajectory.reward == 1.0  # "5" is the answer
+        assert _sampled(trajectory) == engine.outputs[0].tolist()
+        # one that hangs has its worker killed at agent_timeout_s and loses its sample
+        engine = ScriptedEngine(tokenizer, ["5"])
+        ctx = RolloutContext(config, tokenizer=tokenizer, agents=pool,
+                             sampling={"temperature": 1.0})  # fmt: skip
+        ids = tokenizer.encode("2+3?", add_special_tokens=False)
+        hang = {"prompt_id": "p:2", "input_ids": ids, "meta": {"text": "2+3?", "answer": "hang"}}
+        with pytest.raises(AgentFailed) as failed:
+            await openai_agent(hang, engine, ctx)
+        assert failed.value.kind == "timeout" and pool.counts["timeouts"] == 1
+    finally:
+        await pool.aclose()
+    with pytest.raises(ValueError, match="agent_workers"):
+        RolloutConfig(use="openai_agent", agent=f"{HERE}:blocking")  # not async: needs workers
