@@ -89,7 +89,8 @@ class _Last:
     options: dict[str, Any]
     text: str | None  # a completions call's prompt text
     output_ids: list[int]
-    output_text: str
+    output_text: str  # as answered: a matched stop string cut off
+    full_text: str  # every sampled token's text (the stop string kept)
 
 
 class Episode:
@@ -193,7 +194,9 @@ class Episode:
         if context is not None:
             messages, tools, options = made_of or (None, None, {})
             text = body.get("text") if isinstance(body.get("text"), str) else None
-            self._last = _Last(messages, tools, options, text, ids, rendered.get("text", ""))
+            full = self.decode(ids, inp.params.skip_special_tokens) if self.decode else ""
+            answer = rendered.get("text", "")
+            self._last = _Last(messages, tools, options, text, ids, answer, full)
         return rendered
 
     async def stream(self, body: Any) -> AsyncIterator[list[dict[str, Any]]]:
@@ -272,15 +275,19 @@ class Episode:
         return tail + prompt[len(answered) :]
 
     def _after_text(self, text: Any) -> list[int] | None:
-        """A completions call whose prompt text is the last call's, the text it got and
-        more: the tokens of the rest, to follow the model's own tokens."""
+        """A completions call whose prompt text is the last call's, the text it got (or the
+        text it sampled, a stop string included) and more: the tokens of the rest, to follow
+        the model's own tokens."""
         last = self._last
         if last is None or last.text is None or not isinstance(text, str):
             return None
-        before = last.text + last.output_text
-        if not text.startswith(before):
-            return None
-        return list(self.tokenizer.encode(text[len(before) :], add_special_tokens=False))
+        # the answer as sampled (an agent that puts back the stop string it was cut at), or as
+        # answered; either way the model's tokens, stop string included, stay as they are
+        for answer in (last.full_text, last.output_text):
+            before = last.text + answer
+            if text.startswith(before):
+                return list(self.tokenizer.encode(text[len(before) :], add_special_tokens=False))
+        return None
 
     def _spent(self, reason: str) -> None:
         if not self.budget_spent:

@@ -130,6 +130,15 @@ async def own_client(client, task):
     return float(text == "6")
 
 
+async def stop_string(client, task):
+    """Cut at a stop string, it puts the string back before going on (a tool loop in text)."""
+    first = await client.completions.create(model="policy", prompt=task["prompt"], stop=["!"])
+    assert first.choices[0].text == "5" and first.choices[0].finish_reason == "stop"
+    again = task["prompt"] + first.choices[0].text + "! and?"
+    await client.completions.create(model="policy", prompt=again)
+    return 1.0
+
+
 async def raises(client, task):
     await client.completions.create(model="policy", prompt=task["prompt"])
     raise RuntimeError("the agent's own bug")
@@ -218,6 +227,16 @@ async def test_completions_turns_continue_from_the_model_tokens(tokenizer) -> No
     assert _sampled(trajectory) == np.concatenate(engine.outputs).tolist()
     rest = tokenizer.encode("\nand 1 more?", add_special_tokens=False)
     assert engine.inputs[1] == engine.inputs[0] + engine.outputs[0].tolist() + rest
+
+
+@pytest.mark.timeout(60)
+async def test_a_stop_string_put_back_by_the_agent_is_not_inserted_twice(tokenizer) -> None:
+    engine, ctx, episode = _episode(tokenizer, "stop_string", ["5!", "6"])
+    trajectory = await episode
+    rest = tokenizer.encode(" and?", add_special_tokens=False)
+    assert engine.inputs[1] == engine.inputs[0] + engine.outputs[0].tolist() + rest
+    assert _sampled(trajectory) == np.concatenate(engine.outputs).tolist()
+    assert ctx.counters["agent_calls_rejoined"] == 1
 
 
 @pytest.mark.timeout(60)
