@@ -45,7 +45,13 @@ from aiohttp import web
 from stages.engine.protocol import RequestError
 from stages.engine.streaming import Last, write_events
 
-__all__ = ["OpenAIRoutes", "completion_request", "completion_response", "completion_stream"]
+__all__ = [
+    "OpenAIRoutes",
+    "completion_request",
+    "completion_response",
+    "completion_stream",
+    "refusal",
+]
 
 # OpenAI field -> the native sampling parameter it sets (SGLang's _build_sampling_params)
 _SAMPLING = {
@@ -416,14 +422,8 @@ class OpenAIRoutes:
             if options["stream"]:
                 return Reply(200, chunks=stream(self.stream(native), options))
             rendered = await self.generate(native)
-        except OpenAIError as exc:
-            return Reply(400, _error(str(exc), param=exc.param))
-        except RequestError as exc:
-            field = _openai_field(exc.field)
-            message = f"{field}{str(exc)[len(exc.field) :]}"
-            return Reply(400, _error(message, param=field.split("[")[0].split(".")[0]))
-        except ValueError as exc:  # a rid already in flight
-            return Reply(400, _error(str(exc), param="rid"))
+        except ValueError as exc:  # OpenAIError, RequestError, a rid already in flight
+            return Reply(400, refusal(exc))
         results = rendered if isinstance(rendered, list) else [rendered]
         return Reply(200, respond(results, options))
 
@@ -470,14 +470,8 @@ class OpenAIRoutes:
                 _json_bytes,
                 on_disconnect=lambda: self.on_disconnect(request),
             )
-        except OpenAIError as exc:  # raised before the first event: still an error status
-            return error_response(str(exc), param=exc.param)
-        except RequestError as exc:
-            field = _openai_field(exc.field)
-            message = f"{field}{str(exc)[len(exc.field) :]}"
-            return error_response(message, param=field.split("[")[0].split(".")[0])
-        except ValueError as exc:
-            return error_response(str(exc), param="rid")
+        except ValueError as exc:  # raised before the first event: still an error status
+            return web.json_response(refusal(exc), status=400)
 
 
 @dataclass
@@ -487,6 +481,18 @@ class Reply:
     status: int
     body: Any = None
     chunks: AsyncIterator[list[Any]] | None = None
+
+
+def refusal(exc: ValueError) -> dict[str, Any]:
+    """The 400 body for a request refused by the routes' checks: an OpenAIError (its param),
+    a native RequestError (its field under the OpenAI name) or a rid already in flight."""
+    if isinstance(exc, OpenAIError):
+        return _error(str(exc), param=exc.param)
+    if isinstance(exc, RequestError):
+        field = _openai_field(exc.field)
+        message = f"{field}{str(exc)[len(exc.field) :]}"
+        return _error(message, param=field.split("[")[0].split(".")[0])
+    return _error(str(exc), param="rid")
 
 
 def _error(message: str, *, status: int = 400, param: str | None = None) -> dict[str, Any]:

@@ -46,10 +46,9 @@ import httpx  # the openai client's (openai_agent needs openai)
 from aiohttp import web
 
 from stages.detokenize import decoder
-from stages.engine.openai_api import OpenAIError, OpenAIRoutes
+from stages.engine.openai_api import OpenAIError, OpenAIRoutes, refusal
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.protocol import (
-    RequestError,
     SequenceResult,
     parse_generate,
     render_result,
@@ -434,15 +433,16 @@ class _InProcess(httpx.AsyncBaseTransport):
         try:
             body = json.loads(await request.aread())
         except ValueError as exc:
-            return httpx.Response(400, json=_error_body(f"the request body is not JSON: {exc}"))
+            message = f"the request body is not JSON: {exc}"
+            return httpx.Response(400, json=refusal(OpenAIError(message)))
         reply = await episode.routes.reply(route, body)
         if reply.chunks is None:
             return httpx.Response(reply.status, json=reply.body)
         try:  # a request refused before its first event still gets an error status
             first = await anext(reply.chunks)
-        except (OpenAIError, RequestError, ValueError) as exc:
+        except ValueError as exc:  # OpenAIError, RequestError, a rid in flight
             await reply.chunks.aclose()
-            return httpx.Response(400, json=_error_body(str(exc)))
+            return httpx.Response(400, json=refusal(exc))
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
@@ -469,8 +469,3 @@ class _EventStream(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         await self.chunks.aclose()
-
-
-def _error_body(message: str) -> dict[str, Any]:
-    return {"object": "error", "message": message, "type": "BadRequestError", "param": None,
-            "code": 400}  # fmt: skip
