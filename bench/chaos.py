@@ -3,11 +3,14 @@
 Runs ``inflight run CONFIG`` (the default task, shortened) as a user would and, while it trains,
 kills a random victim every few seconds: a feeder, generator or scorer replica, the generator's
 engine server, or a learner rank (the learner restarts as a gang from its last checkpoint).
-Victims, times and the run's configuration all follow ``--seed``. Every stage may restart often
-enough to outlive the kills. At the end it reads the run's summary and logs and prints one JSON
-line: status, steps done of those asked, wall time, kills per victim, restarts per replica,
-messages sent again to restarted consumers, and the run's ledger (``pipeline.ledger``): prompts
-fed, samples trained and dropped by reason, copies recognized, and ``unaccounted`` (must be 0).
+Victims, times and the run's configuration all follow ``--seed``. Where feeder, generator and
+scorer share one process (``run.share_process``, the default), each of them as a victim is that
+process: the three die together, and come back each under its own restart policy. Every stage
+may restart often enough to outlive the kills. At the end it reads the run's summary and logs
+and prints one JSON line: status, steps done of those asked, wall time, kills per victim,
+restarts per replica, messages sent again to restarted consumers, and the run's ledger
+(``pipeline.ledger``): prompts fed, samples trained and dropped by reason, copies recognized,
+and ``unaccounted`` (must be 0).
 
     python bench/chaos.py [--kills 10] [--steps 150] [--seed 0] [--victims feeder,generator,...]
 """

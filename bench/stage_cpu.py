@@ -11,7 +11,9 @@ ZeroMQ's threads) as ``generator``. A process's last sample is its total (a repl
 between two samples loses at most half a second). Per stage (replicas
 summed) it reports the CPU seconds, the CPU seconds per 256 trained samples, and the share of
 the learner's; ``light`` is feeder + generator + scorer + supervisor (the stages that do no model
-work), the figure issue 24 asks to bring to at most 0.25 x the learner's. ``steady_*`` are the
+work), the figure issue 24 asks to bring to at most 0.25 x the learner's. Stages that share one
+process (``run.share_process``, the default: feeder, generator and scorer) count together as
+``shared``, its engine threads still as ``engine``. ``steady_*`` are the
 same from the learner's first step to the end: what each stage costs per sample once started
 (loading libraries, models and tokenizers left out). Several ``--runs`` give the median and
 spread.
@@ -40,7 +42,7 @@ from typing import Any
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-LIGHT = ("feeder", "generator", "scorer", "supervisor")
+LIGHT = ("feeder", "generator", "scorer", "shared", "supervisor")
 
 
 def role(proc: psutil.Process, top: int) -> str | None:
@@ -55,6 +57,8 @@ def role(proc: psutil.Process, top: int) -> str | None:
             return None
         if "pipeline.actor" in cmd:
             return Path(cmd[-1]).stem.split(".")[0]  # specs/STAGE.REPLICA.json
+        if "pipeline.host" in cmd:
+            return "shared"  # the stages that share one process (run.share_process)
         if "engine" in cmd and "pipeline.cli" in cmd:
             return "engine"
         try:

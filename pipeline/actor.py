@@ -209,11 +209,17 @@ def _channel_metrics(ctx: ActorContext) -> dict[str, Any]:
 
 
 class _Replica:
-    """Owns the sockets and tasks around one stage instance."""
+    """Owns the sockets and tasks around one stage instance.
 
-    def __init__(self, spec: Mapping[str, Any], log: Any) -> None:
+    ``hosted``: it shares its process with other replicas (``pipeline.host``), which handles
+    the process's signals and tells it ``request_shutdown`` (SIGTERM) or ``kill`` (SIGKILL).
+    """
+
+    def __init__(self, spec: Mapping[str, Any], log: Any, *, hosted: bool = False) -> None:
         self.spec = spec
         self.log = log
+        self.hosted = hosted
+        self.killed = False
         self.zctx = zmq.asyncio.Context()
         # the run's CURVE keys when its sockets bind off loopback (transport.security)
         self.curve = CurveKeys.from_spec(spec["curve"], "spec.curve") if spec.get("curve") else None
@@ -275,9 +281,18 @@ class _Replica:
                 peer_timeout_s=spec["peer_timeout_s"],
                 curve=self.curve,
                 max_message_bytes=spec.get("max_message_bytes", 0),
+                local=port.get("local", ()),  # its consumers that share this process
             )
             await sender.start()
             ctx.outputs[name] = sender
+
+    def kill(self) -> None:
+        """What SIGKILL is to a replica of its own process, for one that shares it: it ends
+        now, without end-of-stream or a final ledger report (its producers send again what it
+        held), and exits as killed (-9). Its stage's ``close`` still runs, to free what it holds
+        in the process (threads, engines, workers)."""
+        self.killed = True
+        self.request_shutdown("killed")
 
     def request_shutdown(self, reason: str) -> None:
         if self.shutdown_reason is None:
@@ -307,6 +322,8 @@ class _Replica:
             # `held`: messages waiting in this replica's inboxes (sent again if it dies now)
             held = sum(r.stats()["depth"] for r in self.ctx.inputs.values())
             payload = {"pid": os.getpid(), "session": self.spec["session"], "held": held}
+            if self.hosted:
+                payload["hosted"] = True
             if self.spec.get("announce_inboxes"):  # bound on this node: say where
                 payload["inboxes"] = {n: r.address for n, r in self.ctx.inputs.items()}
             await self.ctx.publish(topics.HEARTBEAT, payload)
@@ -342,8 +359,9 @@ class _Replica:
     async def main(self) -> int:
         spec = self.spec
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)
+        if not self.hosted:  # a host process handles its own signals
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)
         self.stage_cls = resolve("stage", spec["use"])
         config = build_stage_config(self.stage_cls, spec["options"], spec["stage"])
         await self.control.start()
@@ -368,13 +386,15 @@ class _Replica:
             if self.shutdown_reason is None:
                 raise
             self.log.info("replica_stopped", reason=self.shutdown_reason)
+            if self.killed:
+                code = -signal.SIGKILL
         except Exception:
             self.log.exception("stage_failed")
             code = 1
         finally:
             # ending anyway: a late SIGTERM (the whole process group gets one at shutdown) must
             # not turn a clean end into a death by signal
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT) if not self.hosted else ():
                 loop.remove_signal_handler(sig)
                 signal.signal(sig, signal.SIG_IGN)
             if stage is not None:

@@ -64,6 +64,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"placement on this host: {loaded.placement.inventory.describe()}")
         for line in loaded.placement.lines():
             print(f"  {line}")
+        from pipeline.launchers.shared import shared_stages
+
+        shared, _ = shared_stages(loaded)
+        if shared:
+            names = ", ".join(n for n in loaded.config.stages if n in shared)
+            print(f"one shared process (run.share_process): {names}")
     if loaded.config.run.launcher == "ray":
         return _print_ray_plan(loaded)
     return 0

@@ -121,6 +121,11 @@ class Stage(Protocol):
     it still holds (its channels', and ``held_uids()`` if the stage defines it); a stage that
     keeps its custody on disk may define the classmethod ``held_after_exit(run_dir, stage,
     replica)`` to say what a replica that did not end cleanly held (the feeder does).
+
+    A stage that never blocks its event loop for long (its heavy work in threads or worker
+    processes) sets ``shares_process = True``: with ``run.share_process: auto`` (the default)
+    the local launcher may then run it with other such stages in one process
+    (``pipeline.host``); a stage without it gets a process of its own.
     """
 
     Config: ClassVar[type]

@@ -39,7 +39,12 @@ from structlog.typing import FilteringBoundLogger
 
 from pipeline.log_view import LEVELS, render
 
-__all__ = ["adopt_library_loggers", "close_process_logging", "configure_process_logging"]
+__all__ = [
+    "ReplicaLog",
+    "adopt_library_loggers",
+    "close_process_logging",
+    "configure_process_logging",
+]
 
 _LEVEL_NO = {name: getattr(logging, name.upper()) for name in LEVELS}
 # Key order of every JSON line: the fixed head first, so the files read well with `less`.
@@ -73,15 +78,7 @@ def configure_process_logging(
     sink_logger = _SinkLogger(sink)
     min_level = file_level if console_no is None else min(file_level, console_no)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,  # exc_info -> "exception" string
-            _identity(stage, replica, version),
-            _timestamp,
-            _to_sink,
-        ],
+        processors=_processors(stage, replica, version),
         wrapper_class=structlog.make_filtering_bound_logger(min_level),
         logger_factory=lambda *_args: sink_logger,
         # Not cached, so loggers created before a reconfiguration (tests) follow the new one.
@@ -100,6 +97,47 @@ def configure_process_logging(
     global _active
     _active = _Active(sink, handler, saved_root_level)
     return log
+
+
+class ReplicaLog:
+    """The log of one stage replica that shares its process with others (``pipeline.host``):
+    its own file, its own ``stage``, ``replica`` and ``version`` on every event, whatever the
+    process's configuration. ``logger`` is what the replica logs through; ``close()`` closes
+    the file (events logged afterwards are dropped)."""
+
+    def __init__(
+        self,
+        log_file: Path,
+        *,
+        stage: str,
+        replica: int,
+        level: str = "info",
+        version: Callable[[], int] = lambda: 0,
+    ) -> None:
+        file_level = _level_no(level, "level")
+        log_file = Path(log_file)
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        self._sink = _Sink(log_file, file_level, None)
+        self.logger: FilteringBoundLogger = structlog.wrap_logger(
+            _SinkLogger(self._sink),
+            processors=_processors(stage, replica, version),
+            wrapper_class=structlog.make_filtering_bound_logger(file_level),
+        )
+
+    def close(self) -> None:
+        self._sink.close()
+
+
+def _processors(stage: str, replica: int, version: Callable[[], int]) -> list[Any]:
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,  # exc_info -> "exception" string
+        _identity(stage, replica, version),
+        _timestamp,
+        _to_sink,
+    ]
 
 
 def adopt_library_loggers() -> None:

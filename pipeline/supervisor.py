@@ -85,6 +85,7 @@ from pipeline.console import Console, total_steps
 from pipeline.launchers import Launcher, LaunchError, ReplicaProcess, ReplicaStart, make_launcher
 from pipeline.launchers.base import engine_resources
 from pipeline.launchers.ray_host import NODE_IP
+from pipeline.launchers.shared import shared_stages
 from pipeline.ledger import LedgerBook
 from pipeline.log_view import LogFilter, LogTail, process_identity, render
 from pipeline.placement import (
@@ -216,6 +217,8 @@ class Supervisor:
         self.inboxes: dict[str, str] = {}
         self._inboxes_sent: dict[str, str] = {}
         self.launcher: Launcher = make_launcher(self.config, None)
+        # stages whose replicas share one process, and the variables that process gets
+        self.shared, self._shared_env = shared_stages(loaded)
 
     # ----------------------------------------------------------------- wiring
     def _addresses(self) -> tuple[dict[tuple[str, int, str], str], dict[str, str]]:
@@ -289,6 +292,8 @@ class Supervisor:
                     outputs[port] = {"peers": peers}
                     if target is not None:  # whose announced inboxes its peers are
                         outputs[port]["feeds"] = list(target)
+                        if name in self.shared and target[0] in self.shared:
+                            outputs[port]["local"] = [True] * len(peers)  # transport.local
                 spec = {
                     "run_dir": str(self.run_dir.resolve()),
                     "stage": name,
@@ -338,7 +343,8 @@ class Supervisor:
         # that learned it only from the bus would start samples on stale weights meanwhile)
         spec["version"] = self.version
         section = self.config.stages[rep.stage]
-        user_env = section.env
+        shared = rep.stage in self.shared
+        user_env = self._shared_env if shared else section.env
         env = {**user_env, "PYTHONUNBUFFERED": "1", **self._rank_env(rep)}
         unset: list[str] = []
         cores = gpus = None
@@ -372,6 +378,7 @@ class Supervisor:
             extra=engine_resources(section),
             out_path=self.run_dir / "logs" / f"{rep.name}.out",
             gang=(rep.stage, section.replicas) if self._is_gang(rep.stage) else None,
+            shared=shared,
         )
         rep.proc = await self.launcher.spawn(start)
         rep.started_at = time.monotonic()
@@ -387,6 +394,7 @@ class Supervisor:
             cores=None if cores is None else list(cores),
             gpus=gpus,
             node=rep.proc.node if self.launcher.remote else None,
+            shared_process=shared or None,
         )
         rep.watcher = asyncio.create_task(self._watch(rep), name=f"watch-{rep.name}")
 
@@ -929,6 +937,8 @@ def _place_here(loaded: LoadedPipeline) -> Plan:
 def _tail(rep: _Replica, lines: int = 20) -> str:
     """Last lines of a replica's raw output: where a hard crash (import error...) shows."""
     path = rep.log_file.with_suffix(".out")
+    if not path.exists():  # it ran in the shared process (pipeline.host)
+        path = rep.log_file.parent / "host.out"
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)

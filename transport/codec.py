@@ -142,6 +142,9 @@ def encode(msg: Message) -> list[Frame]:
     return frames
 
 
+_PADS = [b"\0" * n for n in range(_PACK_ALIGN)]
+
+
 class _Pack:
     """The small arrays of a message being encoded: their bytes, padded to ``_PACK_ALIGN``."""
 
@@ -152,12 +155,26 @@ class _Pack:
     def fits(self, nbytes: int) -> bool:
         return nbytes < PACK_BELOW and self.size + nbytes <= _PACK_MAX
 
-    def add(self, data: memoryview) -> None:
-        pad = -self.size % _PACK_ALIGN if data.nbytes else 0
+    def add(self, data: bytes) -> None:
+        nbytes = len(data)
+        pad = -self.size % _PACK_ALIGN if nbytes else 0
         if pad:
-            self.parts.append(b"\0" * pad)
+            self.parts.append(_PADS[pad])
         self.parts.append(data)
-        self.size += pad + data.nbytes
+        self.size += pad + nbytes
+
+
+_PACKED_REFS: dict[tuple[str, tuple[int, ...]], msgpack.ExtType] = {}
+
+
+def _packed_ref(name: str, shape: tuple[int, ...]) -> msgpack.ExtType:
+    """The reference of a packed array (the same few shapes recur: made once each)."""
+    ref = _PACKED_REFS.get((name, shape))
+    if ref is None:
+        ref = msgpack.ExtType(_EXT_PACKED, msgpack.packb([name, list(shape)]))
+        if len(_PACKED_REFS) < 65536:
+            _PACKED_REFS[(name, shape)] = ref
+    return ref
 
 
 def _ext(code: int, index: int, dtype: str, shape: Sequence[int]) -> msgpack.ExtType:
@@ -175,10 +192,10 @@ def _encode_numpy(a: np.ndarray, frames: list[Frame], pack: _Pack) -> msgpack.Ex
     elif not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)  # the one copy: frames are contiguous memory
     shape = a.shape  # before reshaping: 0-d arrays keep shape ()
+    if pack.fits(a.nbytes):  # small: its bytes are copied into the pack anyway
+        pack.add(a.tobytes())
+        return _packed_ref(name, shape)
     data = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
-    if pack.fits(data.nbytes):
-        pack.add(data)
-        return msgpack.ExtType(_EXT_PACKED, msgpack.packb([name, list(shape)]))
     frames.append(data if a.size else b"")
     return _ext(_EXT_NUMPY, len(frames) - 1, name, shape)
 

@@ -18,7 +18,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from transport import bulk
+from transport import bulk, local
 from transport.address import check_address
 from transport.codec import decode
 from transport.credit import (
@@ -193,6 +193,7 @@ class Receiver:
         self._max_message_bytes = max_message_bytes
         self._seen: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # delivered DATA
         self._acks: dict[bytes, list[int]] = {}  # producer rid -> seqs to acknowledge
+        self._local: dict[bytes, local.LocalDealer] = {}  # producers in this process, by rid
         self._ack_scheduled = False
         self._acked = 0
         self._duplicates = 0
@@ -235,6 +236,7 @@ class Receiver:
         if self.address.startswith("tcp://"):  # port 0 became a real one
             self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._sock = sock
+        local.bind(self.address, self)  # producers of this process reach it without ZeroMQ
         self._peers_watch = PeerWatch(sock, f"receiver {self.name}", self._log)
         self._peers_watch.start()
         self._tasks = [
@@ -278,9 +280,14 @@ class Receiver:
         sock, self._sock = self._sock, None
         if sock is None:
             return
+        local.unbind(self.address, self)
         try:
             close = msgpack.packb({"session": self._session})
             for rid in self._producers:
+                dealer = self._local.get(rid)
+                if dealer is not None:
+                    dealer.push([CLOSE, {"session": self._session}])
+                    continue
                 sock.send_multipart([rid, CLOSE, close]).add_done_callback(self._on_sent)
         except zmq.ZMQError as e:
             self._log.warning("close_notice_failed", port=self.name, error=repr(e))
@@ -373,8 +380,18 @@ class Receiver:
         acks, self._acks = self._acks, {}
         for rid, seqs in acks.items():
             self._acked += len(seqs)
-            body = msgpack.packb({"session": self._session, "acked": seqs})
-            self._sock.send_multipart([rid, ACK, body]).add_done_callback(self._on_sent)
+            self._reply(rid, ACK, {"session": self._session, "acked": seqs})
+
+    def _reply(self, rid: bytes, tag: bytes, body: dict[str, Any]) -> None:
+        """A control message to one producer: in-process, or on the socket."""
+        dealer = self._local.get(rid)
+        if dealer is not None:
+            dealer.push([tag, body])
+            return
+        assert self._sock is not None
+        # ROUTER sends never block (without ROUTER_MANDATORY it drops for unknown peers),
+        # so this future is already done; the callback only surfaces errors.
+        self._sock.send_multipart([rid, tag, msgpack.packb(body)]).add_done_callback(self._on_sent)
 
     def producer_finished(self, identity: str) -> None:
         """Count ``identity`` as finished, as if its EOS had arrived.
@@ -503,6 +520,32 @@ class Receiver:
                 count=count,
             )
 
+    def local_in(self, dealer: local.LocalDealer, frames: list[Any]) -> None:
+        """Frames from a producer of this process (``transport.local``): ``[tag, header,
+        *payload]``, the header a map (or packed), a DATA's payload the Message itself."""
+        if self._closed or self._sock is None:
+            return  # as a ROUTER that is gone: the producer's PINGs find the next one
+        rid = dealer.rid
+        self._local[rid] = dealer  # as a ROUTER learns (and hands over) a routing id
+        producer = self._producers.get(rid)
+        sender = producer.identity if producer is not None else rid.decode().rpartition("/")[0]
+        tag, header = frames[0], frames[1]
+        if not isinstance(header, dict):
+            header = unpack_map(header)
+            if header is None:
+                self._reject("bad_control", f"tag {tag!r}: frame 1 is not a msgpack map", sender)
+                return
+        if producer is not None:
+            producer.last_seen = time.monotonic()
+        if tag == DATA:
+            self._on_data(rid, producer, sender, header, frames[2:])
+        elif tag == HELLO:
+            self._on_hello(rid, producer, header, sender)
+        elif tag == EOS:
+            self._on_eos(rid, producer, header, sender)
+        else:
+            self._reject("bad_control", f"unknown tag {tag!r}", sender)
+
     def _handle(self, frames: list[zmq.Frame]) -> None:
         rid = frames[0].bytes
         producer = self._producers.get(rid)
@@ -607,7 +650,11 @@ class Receiver:
         frames: list[Any],
     ) -> None:
         try:
-            msg = decode(frames, self._schemas)
+            if len(frames) == 1 and isinstance(frames[0], Message):  # in-process
+                msg = self._check_local(frames[0])
+                frames = []
+            else:
+                msg = decode(frames, self._schemas)
         except DecodeError as e:
             self._refuse(e.reason, e.detail, sender, rid, seq)
             return
@@ -622,6 +669,22 @@ class Receiver:
         self._peak = max(self._peak, len(self._inbox))
         self._readable.set()
         self._schedule_grant()  # this producer may now be out of credit
+
+    def _check_local(self, sent: Message) -> Message:
+        """What ``decode`` checks of a message, for one handed over in-process; the
+        consumer's own copy of it (``transport.local.delivered``)."""
+        kind, schema = sent.kind, self._schemas.get(sent.kind)
+        if schema is None:
+            known = sorted(self._schemas)
+            raise DecodeError("unknown_kind", f"kind {kind!r} is not one of {known}")
+        if sent.version != schema.version:
+            raise DecodeError(
+                "bad_version", f"kind {kind!r}: version {sent.version}, expected {schema.version}"
+            )
+        problems = schema.check(sent.data)
+        if problems:
+            raise DecodeError("invalid_fields", f"kind {sent.kind!r}: " + "; ".join(problems))
+        return local.delivered(sent)
 
     # -- sealed bulk frames (transport.bulk) ------------------------------------------------
 
@@ -818,8 +881,4 @@ class Receiver:
         }
         if self.bulk_port is not None:
             credit["bulk_port"] = self.bulk_port
-        # ROUTER sends never block (without ROUTER_MANDATORY it drops for unknown peers),
-        # so this future is already done; the callback only surfaces errors.
-        self._sock.send_multipart([rid, CREDIT, msgpack.packb(credit)]).add_done_callback(
-            self._on_sent
-        )
+        self._reply(rid, CREDIT, credit)

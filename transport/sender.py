@@ -37,6 +37,7 @@ from transport.credit import (
     unpack_map,
 )
 from transport.errors import ChannelClosed, TransportError
+from transport.local import LocalDealer
 from transport.message import Message, Schema
 from transport.security import CurveKeys
 
@@ -51,7 +52,7 @@ class _Peer:
     """The producer's view of one consumer replica (one DEALER)."""
 
     address: str | None  # None: not known yet (Sender.connect_peer)
-    sock: zmq.asyncio.Socket
+    sock: zmq.asyncio.Socket | LocalDealer  # a LocalDealer: the consumer is in this process
     session: str | None = None  # consumer session of the current credit stream
     epoch: int = 0
     granted: int = 0
@@ -76,8 +77,9 @@ class _Peer:
 class _Held:
     """A message sent and not yet acknowledged: kept to be sent again if its consumer dies."""
 
-    frames: list[Any]
-    nbytes: int
+    msg: Message
+    frames: list[Any] | None  # encoded once a consumer in another process needs them
+    nbytes: int  # of the frames (0 while only in-process consumers had it)
     peer: _Peer | None  # where it went last (None: waiting to be sent again)
     session: str | None  # that consumer's session then
     uid: str | None = None  # the message's ``uid`` (what the run's ledger follows), if any
@@ -125,6 +127,7 @@ class Sender:
         max_unacked_bytes: int = 2 * 2**30,
         curve: CurveKeys | None = None,
         max_message_bytes: int = 0,
+        local: Sequence[bool] = (),
     ) -> None:
         if not identity:
             raise ValueError(f"sender {name!r}: identity must be non-empty")
@@ -140,6 +143,13 @@ class Sender:
         self.identity = identity
         # None: that consumer's address is not known yet (``connect_peer`` gives it later)
         self.peers: list[str | None] = [None if a is None else check_address(a) for a in peers]
+        # which consumers are in this process (transport.local): reached without ZeroMQ
+        if len(local) > len(self.peers):
+            raise ValueError(f"sender {name!r}: {len(local)} local flags for {len(peers)} peers")
+        self._local = [bool(x) for x in local] + [False] * (len(self.peers) - len(local))
+        if any(is_local and a is None for is_local, a in zip(self._local, self.peers, strict=True)):
+            raise ValueError(f"sender {name!r}: an in-process peer needs its address")
+        self._remote = not all(self._local) if self.peers else False
         self._schemas = schema_map(schemas, f"sender {name!r}")
         self._ctx = ctx
         self._curve = curve
@@ -192,7 +202,11 @@ class Sender:
         if self._started or self._closed:
             raise TransportError(f"sender {self.name!r} was already started")
         self._started = True
-        for address in self.peers:
+        for address, is_local in zip(self.peers, self._local, strict=True):
+            if is_local:
+                assert address is not None
+                self._peers.append(_Peer(address, LocalDealer(self._routing_id, address)))
+                continue
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
@@ -239,6 +253,8 @@ class Sender:
         if not self._started or self._closed:
             return True
         peer = self._peers[index]
+        if isinstance(peer.sock, LocalDealer):
+            raise ValueError(f"sender {self.name!r}: peer {index} is in this process: it stays")
         if peer.address is not None:
             with contextlib.suppress(zmq.ZMQError):  # never connected: nothing to undo
                 peer.sock.disconnect(peer.address)
@@ -337,24 +353,34 @@ class Sender:
                     "message_dropped", port=self.name, reason="no_peers", dropped=self._dropped
                 )
             return None
-        frames = encode(Message(kind=kind, data=dict(data), version=schema.version))
-        if self._max_message_bytes > 0:
-            self._check_size(kind, frames)
+        msg = Message(kind=kind, data=dict(data), version=schema.version)
+        uid = data.get("uid")
+        held = _Held(msg, None, 0, None, None, uid if isinstance(uid, str) else None)
+        if self._remote:  # encode now: a message that cannot travel fails in its producer
+            self._frames(held)
         peer = self._pick()
         if peer is None:
             peer = await self._wait_for_credit()
         self._seq += 1
-        nbytes = sum(len(f) for f in frames)
-        uid = data.get("uid")
-        self._hold(
-            self._seq,
-            _Held(frames, nbytes, peer, peer.session, uid if isinstance(uid, str) else None),
-        )
+        held.peer, held.session = peer, peer.session
+        self._hold(self._seq, held)
         self._sent += 1
-        self._bytes += nbytes
         seq = self._seq
-        await self._send_data(peer, seq, frames)
+        await self._send_data(peer, seq, held)
         return seq
+
+    def _frames(self, held: _Held) -> list[Any]:
+        """The message's frames, encoded the first time a consumer in another process needs
+        them (raises what ``encode`` raises, or ValueError when a frame is too large)."""
+        if held.frames is None:
+            frames = encode(held.msg)
+            if self._max_message_bytes > 0:
+                self._check_size(held.msg.kind, frames)
+            held.frames = frames
+            held.nbytes = sum(len(f) for f in frames)
+            self._unacked_bytes += held.nbytes if held.peer is not None else 0
+            self._bytes += held.nbytes
+        return held.frames
 
     def _check_size(self, kind: str, frames: list[Any]) -> None:
         largest = max(memoryview(f).nbytes for f in frames)
@@ -379,9 +405,13 @@ class Sender:
         """Call ``callback(seq)`` for each message (``send``'s return value) once processed."""
         self._ack_callbacks.append(callback)
 
-    async def _send_data(self, peer: _Peer, seq: int, frames: list[Any]) -> None:
+    async def _send_data(self, peer: _Peer, seq: int, held: _Held) -> None:
         header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seq": seq}
         peer.sent += 1  # spend the credit before yielding: concurrent senders must not reuse it
+        if isinstance(peer.sock, LocalDealer):  # the message itself, for a consumer here
+            peer.sock.send_multipart([DATA, header, held.msg])
+            return
+        frames = self._frames(held)
         if peer.bulk is not None and bulk.worth_sealing(frames):
             # The pieces go first, so they are usually there when their DATA arrives.
             frames, header["bulk"], parts = bulk.seal(frames)
@@ -508,7 +538,7 @@ class Sender:
                 if held is None:
                     continue
                 held.peer, held.session = peer, peer.session
-                await self._send_data(peer, seq, held.frames)
+                await self._send_data(peer, seq, held)
             if self._finishing and not self._resend:  # our end, to whoever has not taken it
                 for peer in list(self._peers):
                     if not peer.eos_acked and peer.session is not None and not self._resend:
@@ -540,8 +570,8 @@ class Sender:
             for p in self._peers
             if p.credit > 0 and p.live(now, self._peer_timeout_s) and not p.eos_acked
         ]  # (a consumer that took our EOS has ended its input: it would not process more)
-        if not ready:
-            return None
+        if len(ready) < 2:
+            return ready[0] if ready else None
         most = max(p.credit for p in ready)
         ties = [p for p in ready if p.credit == most]
         self._rr += 1
@@ -640,7 +670,7 @@ class Sender:
             self._reject(peer, f"{len(frames)} frames, expected 2")
             return
         tag, body = frames
-        header = unpack_map(body)
+        header = body if isinstance(body, dict) else unpack_map(body)  # a dict: in-process
         if header is None:
             self._reject(peer, f"tag {tag!r}: frame 1 is not a msgpack map")
             return

@@ -99,6 +99,13 @@ class RunSection:
         "at the end of the run, draw reward, held-out accuracy, lag and samples/s into "
         "RUN_DIR/plot.png (needs pip install 'inflight-rl[plot]')",
     )
+    share_process: Literal["auto", "all", "none"] = _f(
+        "auto",
+        "local launcher: stages that reserve no cores or GPUs and are not gangs run as "
+        "coroutines of one process, linked in-process, each with its own restart policy. auto: "
+        "those whose class allows it (shares_process: the feeder, generator and scorer); all: "
+        "every such stage (one that blocks its event loop stalls the others); none: a process each",
+    )
     launcher: Literal["local", "ray"] = _f(
         "local",
         "local: every replica a child process on this host; ray: every replica and engine a "

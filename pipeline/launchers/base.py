@@ -33,6 +33,7 @@ class ReplicaStart:
     extra: dict[str, float] = field(default_factory=dict)  # more cpus/gpus: engines it launches
     out_path: Path | None = None  # its raw stdout/stderr in the run directory
     gang: tuple[str, int] | None = None  # (stage, world size) when a rank of a gang
+    shared: bool = False  # local: runs in the shared process (pipeline.host), not one of its own
 
 
 class ReplicaProcess(Protocol):

@@ -1,8 +1,10 @@
 """The local launcher: every replica a child process of ``inflight run`` on this host.
 
-Each replica runs ``python -m pipeline.actor SPEC`` in its own process group (so a Ctrl-C
-reaches only the supervisor), dies with the supervisor (``PR_SET_PDEATHSIG``), and is pinned to
-the cores the placement plan gives it before it runs anything (``pipeline.processes``).
+A replica the supervisor marks ``shared`` runs in the one shared process instead
+(``pipeline.launchers.shared``, ``run.share_process``). Any other replica runs ``python -m
+pipeline.actor SPEC`` in its own process group (so a Ctrl-C reaches only the supervisor), dies
+with the supervisor (``PR_SET_PDEATHSIG``), and is pinned to the cores the placement plan gives
+it before it runs anything (``pipeline.processes``).
 
 Not here: which cores (``pipeline.placement``), restarts (``pipeline.supervisor``).
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.launchers.base import ReplicaStart
+from pipeline.launchers.shared import HostedReplica, SharedHost
 from pipeline.processes import child_preexec
 
 __all__ = ["LocalLauncher", "LocalProcess", "kill_group", "write_private"]
@@ -65,6 +68,7 @@ class LocalLauncher:
 
     def __init__(self, config: Any, log: Any) -> None:
         self.config, self.log = config, log
+        self._shared: SharedHost | None = None
 
     async def start(self) -> None:
         pass
@@ -72,14 +76,18 @@ class LocalLauncher:
     def control_host(self) -> str:
         return self.config.transport.host
 
-    async def spawn(self, start: ReplicaStart) -> LocalProcess:
+    async def spawn(self, start: ReplicaStart) -> LocalProcess | HostedReplica:
         import json
 
         write_private(start.spec_path, json.dumps(start.spec, indent=1))
+        assert start.out_path is not None
+        if start.shared:
+            if self._shared is None:
+                self._shared = SharedHost(start.out_path.parent)
+            return await self._shared.spawn(start)
         env = {**os.environ, **start.env}
         for var in start.unset:
             env.pop(var, None)
-        assert start.out_path is not None
         out = open(start.out_path, "ab")  # noqa: ASYNC230 (a local file)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -103,4 +111,5 @@ class LocalLauncher:
         pass  # replicas write into the run directory themselves
 
     async def aclose(self) -> None:
-        pass
+        if self._shared is not None:
+            await self._shared.aclose()

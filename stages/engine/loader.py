@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import (
+
+from stages.hf import (
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
-
 from stages.hub import TOKENIZER_FILES, resolve_model
 
 __all__ = ["DTYPES", "LoadedModel", "load_model"]

@@ -54,7 +54,6 @@ from typing import Any
 
 import structlog
 import torch
-from transformers import DynamicCache
 
 from pipeline.processes import name_thread
 from stages.engine.kv_batch import BatchKV
@@ -64,6 +63,7 @@ from stages.engine.prefix_cache import Match, PrefixCache, Stamp
 from stages.engine.prompt_logprobs import prompt_logprobs, scoring_passes
 from stages.engine.protocol import GenerateInput, SequenceResult
 from stages.engine.sampling import SlotSampler
+from stages.hf import DynamicCache
 
 __all__ = ["PAUSE_MODES", "PREFIX_CACHE_MAX_AGE", "PREFIX_CACHE_TOKENS", "Scheduler"]
 

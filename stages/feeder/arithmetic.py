@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 if TYPE_CHECKING:  # transformers imports torch: only when a tokenizer is made
-    from transformers import PreTrainedTokenizerFast
+    from stages.hf import PreTrainedTokenizerFast
 
 __all__ = [
     "CHAIN_CHARS",
@@ -135,7 +135,7 @@ def _char_tokenizer(chars: str) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    from transformers import PreTrainedTokenizerFast
+    from stages.hf import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 

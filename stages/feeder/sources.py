@@ -66,7 +66,7 @@ from stages.feeder.reasoning_gym_source import items as reasoning_gym_items
 from stages.hub import HubError, resolve_model, tokenizer_check
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from stages.hf import PreTrainedTokenizerBase
 
 __all__ = ["PromptSet", "SourceConfig", "SourceError", "load_prompts"]
 
@@ -655,7 +655,7 @@ def _load_tokenizer(config: SourceConfig) -> PreTrainedTokenizerBase:
         path = resolve_model(config.tokenizer, what="tokenizer", needs="tokenizer")
     except HubError as exc:
         raise SourceError(f"{exc} (the model whose tokenizer encodes the prompts)") from exc
-    from transformers import AutoTokenizer  # imports torch: only when a model folder is named
+    from stages.hf import AutoTokenizer  # imports torch: only when a model folder is named
 
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

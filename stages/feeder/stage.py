@@ -95,6 +95,7 @@ def _share(total: int, replica: int, replicas: int) -> int:
 
 class Feeder:
     Config = FeederConfig
+    shares_process = True  # its work is on its event loop or threads: it may share a process
     inputs: dict[str, Port] = {}
     outputs = {"prompts": Port(PROMPT, doc="tokenized prompts, meta carries the answer")}
 

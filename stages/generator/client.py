@@ -375,6 +375,9 @@ class EngineClient:
         await self._call("POST", "/abort_request", {"rid": rid})
 
 
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
+
+
 class InProcessClient(EngineClient):
     """An EngineClient for a built-in engine in this process (``stages.engine.in_process``):
     ``/generate`` bodies go to its scheduler directly (checked as the route checks them) and
@@ -391,10 +394,14 @@ class InProcessClient(EngineClient):
         from stages.engine.protocol import RequestError
 
         try:
-            results = await asyncio.wait_for(self.engine.results(request), self.timeout.total)
+            if _timeout is not None:  # no task of its own per request, as wait_for makes
+                async with _timeout(self.timeout.total):
+                    results = await self.engine.results(request)
+            else:
+                results = await asyncio.wait_for(self.engine.results(request), self.timeout.total)
         except (RequestError, ValueError) as exc:  # what the route answers with 400
             raise EngineError(self.url, f"/generate: {exc}", retryable=False, status=400) from exc
-        except asyncio.TimeoutError as exc:  # wait_for cancelled it: its rows were aborted
+        except asyncio.TimeoutError as exc:  # cancelled on time-out: its rows were aborted
             raise EngineError(self.url, "/generate timed out", retryable=True) from exc
         except RuntimeError as exc:  # the scheduler stopped (stopping, or its thread died)
             raise EngineError(self.url, f"/generate failed: {exc!r}", retryable=True) from exc

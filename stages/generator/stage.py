@@ -188,6 +188,7 @@ class _Collecting:
 
 class Generator:
     Config = GeneratorConfig
+    shares_process = True  # its work is on its event loop or threads: it may share a process
     keeps_ledger = True  # reports where its samples end (pipeline.ledger)
     # a prompt is processed once the scorer has processed its group (or all of it was dropped,
     # counted)

@@ -111,8 +111,7 @@ def _load_tokenizer(name: str) -> Any:
             "tools and environments read and write text: set rollout.tokenizer (the model "
             "folder whose tokenizer the engines use)"
         )
-    from transformers import AutoTokenizer  # imports torch: only for rollouts that need it
-
+    from stages.hf import AutoTokenizer  # imports torch: only for rollouts that need it
     from stages.hub import resolve_model
 
     path = resolve_model(name, what="tokenizer", needs="tokenizer")

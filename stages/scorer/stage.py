@@ -119,7 +119,7 @@ class _Group:
 
 
 def _load_tokenizer(spec: str) -> Any:
-    from transformers import AutoTokenizer
+    from stages.hf import AutoTokenizer
 
     path = resolve_model(spec, what="tokenizer", needs="tokenizer")  # a folder or a Hub id
     try:
@@ -130,6 +130,7 @@ def _load_tokenizer(spec: str) -> Any:
 
 class Scorer:
     Config = ScorerConfig
+    shares_process = True  # its work is on its event loop or threads: it may share a process
     keeps_ledger = True  # reports where its samples end (pipeline.ledger)
     inputs = {
         # a message is processed once the learner has processed its scored group, or once the

@@ -36,6 +36,9 @@ from tests.stages.tiny_model import make_arith_model
 pytestmark = pytest.mark.slow
 
 _ENV = {"OMP_NUM_THREADS": "1"}
+# The tests that kill or stop one stage's process give each stage a process of its own; the
+# chaos test runs as users do, feeder, generator and scorer sharing one (run.share_process).
+_OWN = "run.share_process=none"
 STEPS, KILL_AT = 14, 3
 
 
@@ -87,7 +90,7 @@ def _run_and_kill(tmp_path, model_dir, victim: str):
     run_dir = tmp_path / "run"
     # debug: per-update events (weights_published, weight_version_set) are looked at
     proc = start_inflight(
-        "run", str(config), "run.log_level=debug", "--run-dir", str(run_dir), "-q", env=_ENV
+        "run", str(config), "run.log_level=debug", _OWN, "--run-dir", str(run_dir), "-q", env=_ENV
     )
     try:
         wait_for(lambda: _steps(run_dir) >= KILL_AT, 120, f"{KILL_AT} train steps")
@@ -167,7 +170,7 @@ def test_a_stalled_scorer_holds_everyone_flat_and_the_run_goes_on(tmp_path, mode
     and the run completes once it continues."""
     config = rl_config(tmp_path, model_dir, steps=STEPS)
     run_dir = tmp_path / "run"
-    proc = start_inflight("run", str(config), "--run-dir", str(run_dir), "-q", env=_ENV)
+    proc = start_inflight("run", str(config), _OWN, "--run-dir", str(run_dir), "-q", env=_ENV)
     scorer = None
     try:
         wait_for(lambda: _steps(run_dir) >= KILL_AT, 120, f"{KILL_AT} train steps")
@@ -271,7 +274,7 @@ def test_a_feeder_down_at_the_end_is_accounted_for_by_its_state_file(tmp_path, m
     # feeder's restart waits longer than the rest of the run can take.
     proc = start_inflight(
         "run", str(config), "stages.feeder.restart.backoff_s=120", "stages.learner.max_lag=8",
-        "--run-dir", str(run_dir), "-q", env=_ENV,
+        _OWN, "--run-dir", str(run_dir), "-q", env=_ENV,
     )  # fmt: skip
     try:
         wait_for(lambda: _steps(run_dir) >= 2, 120, "2 train steps")

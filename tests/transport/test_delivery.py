@@ -1,5 +1,8 @@
 """At-least-once delivery over a channel: a producer keeps what it sent until the consumer says
-it was processed, sends it again to a consumer that restarted, and consumers drop duplicates."""
+it was processed, sends it again to a consumer that restarted, and consumers drop duplicates.
+
+Every test runs twice: over ZeroMQ, and over an in-process link (``transport.local``: producer
+and consumer in one process, as stages that share a process talk)."""
 
 from __future__ import annotations
 
@@ -7,9 +10,22 @@ import asyncio
 
 import pytest
 
+from tests.transport import test_channel
 from tests.transport.conftest import events, eventually
 from tests.transport.test_channel import receiver, sender
 from transport import Receiver, ipc_address
+
+
+@pytest.fixture(autouse=True, params=["zmq", "in_process"])
+def wire(request, monkeypatch):
+    """``sender`` of this module makes producers whose consumers are in this process."""
+    if request.param == "in_process":
+
+        def local_sender(ctx, peers, **kw):
+            return test_channel.sender(ctx, peers, local=[True] * len(peers), **kw)
+
+        monkeypatch.setattr(f"{__name__}.sender", local_sender)
+    return request.param
 
 
 async def _crash(r: Receiver) -> None:
@@ -20,7 +36,7 @@ async def _crash(r: Receiver) -> None:
     await r._peers_watch.aclose()
     r._closed = True
     sock, r._sock = r._sock, None
-    sock.close(linger=0)
+    sock.close(linger=0)  # (an in-process producer's frames now go nowhere, as to a dead one)
 
 
 async def _take(r: Receiver, n: int) -> list[int]:
@@ -101,7 +117,7 @@ async def test_a_message_sent_twice_is_taken_once_and_acknowledged_again(ctx, ip
         await out.send("item", {"id": 0})
         ((seq, held),) = out._unacked.items()
         # as after an acknowledgement lost on the way: the same DATA once more
-        await out._send_data(held.peer, seq, held.frames)
+        await out._send_data(held.peer, seq, held)
         await out.send("item", {"id": 1})
         assert await _take(inbox, 2) == [0, 1]
         await eventually(lambda: inbox.stats()["duplicates"] == 1)
