@@ -426,6 +426,8 @@ class Console:
             parts.append(f"mean lag {event['mean_lag']:.2f}")
         if event.get("no_signal"):
             parts.append(f"{event['no_signal']:,} without signal (no passes)")
+        if event.get("set_aside"):
+            parts.append(f"{event['set_aside']:,} set aside without signal (dynamic sampling)")
         if event.get("stale_dropped"):
             parts.append(f"{event['stale_dropped']} stale samples dropped")
         first = self.first_evaluation

@@ -86,6 +86,13 @@ def pipeline_issues(
                 _check_group_size(sampler, sampler_section, name, fail)
         if run.mode == "sync" and feeding:
             _check_sync_batch(name, section, feeding, locations, fail)
+        if run.mode == "sync" and getattr(section.options, "dynamic_sampling", False) is True:
+            fail(
+                join_path(join_path("stages", name), "dynamic_sampling"),
+                "run.mode is sync: each policy version gets one batch of samples, and a step "
+                "that leaves groups out would wait for more that never come; use run.mode: "
+                "async, or dynamic_sampling: false",
+            )
     for name, section in built.items():
         _check_devices(name, section, inventory, fail)
     return found

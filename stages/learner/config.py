@@ -153,6 +153,18 @@ class LearnerConfig:
         "backward passes: they add nothing to the gradient (unless loss.kl_coef > 0); they still "
         "count in the step's normalization, and in the ledger as no_signal",
     )
+    dynamic_sampling: bool = _f(
+        False,
+        "DAPO's dynamic sampling: a group whose rewards are all equal is left out of the step "
+        "(in the ledger as no_signal) and the batch is filled with groups that carry signal "
+        "(run.mode async only)",
+    )
+    max_oversample: float = _f(
+        4.0,
+        "dynamic_sampling: a step that has taken this many times its share of samples trains "
+        "with what comes next, signal or not (a task nothing is learned from yet still trains)",
+        min=1.0,
+    )
     temperature: float = _f(
         1.0, "the sampler's temperature (log-probs are taken under it)", min=1e-6
     )

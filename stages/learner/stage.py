@@ -3,8 +3,10 @@
 Each replica is one rank of a DeepSpeed data-parallel group (the supervisor starts the ranks as a
 gang, see ``pipeline.supervisor``). Every rank takes whole groups from its own inbox until it
 holds its share of ``batch_size`` samples, computes group advantages, drops samples whose oldest
-sampled token is more than ``max_lag`` versions old (counted), and runs one step in a worker
-thread (``trainer.py``) so that its event loop keeps the heartbeat and the inbox going meanwhile.
+sampled token is more than ``max_lag`` versions old (counted), with ``dynamic_sampling`` leaves
+out groups whose rewards are all equal (counted, filling the batch with others), and runs one
+step in a worker thread (``trainer.py``) so that its event loop keeps the heartbeat and the
+inbox going meanwhile.
 A multi-turn sample's ``loss_mask`` (tokens sampled by the model vs inserted by a tool) and its
 own ``prompt_ids`` (overriding the group's) are read when present (``_sample_arrays``).
 
@@ -86,6 +88,7 @@ class Learner:
             "skipped_steps": 0,
             "no_signal": 0,  # samples in steps without passes (advantage 0)
             "copies": 0,  # groups of a prompt that came before, dropped
+            "set_aside": 0,  # samples of groups without signal left out (dynamic_sampling)
         }
         # sums over steps; "passes_n": steps that had passes (the loss statistics' steps)
         self.totals = {
@@ -273,9 +276,12 @@ class Learner:
         await self._finish(started)
 
     async def _collect(self) -> list[TrainSample]:
-        """This rank's share of the next batch (fewer only when the input has ended)."""
+        """This rank's share of the next batch (fewer only when the input has ended). With
+        ``dynamic_sampling``, groups without signal are set aside (``_set_aside``) until the
+        step has taken ``max_oversample`` times its share."""
         samples, self._carry = self._fresh(self._carry), []
         hungry = False
+        taken, limit = len(samples), self.config.max_oversample * self.share
         while len(samples) < self.share and not self._input_done:
             if not hungry and self.ctx.replicas > 1 and _inbox_empty(self.ctx.inputs["groups"]):
                 # several ranks: this one may wait for samples while another holds more than its
@@ -287,9 +293,25 @@ class Learner:
             except StopAsyncIteration:
                 self._input_done = True
                 break
-            samples.extend(self._samples_of(msg))
+            group = self._samples_of(msg)
+            taken += len(group)
+            no_signal = all(s.advantage == 0.0 for s in group)
+            if self.config.dynamic_sampling and group and no_signal and taken <= limit:
+                self._set_aside(group)
+                continue
+            samples.extend(group)
         self._carry = samples[self.share :]
         return samples[: self.share]
+
+    def _set_aside(self, group: list[TrainSample]) -> None:
+        """Dynamic sampling: a group whose rewards are all equal stays out of the step; it is
+        processed (acknowledged), its samples' fate ``no_signal``. Done with at once, it frees
+        the generators' queue gate for the groups that replace it: the pace needs no change
+        (a pace of the batch over the share of groups with signal left 27k samples stale)."""
+        self.counts["set_aside"] += len(group)
+        self._fates(group, NO_SIGNAL)
+        for sample in group:
+            self._done_with(sample)
 
     async def _next_group(self) -> Any:
         """The next scored group. Rank 0 meanwhile fails if looking for the engines fails, and
@@ -653,6 +675,7 @@ class Learner:
             bad_groups=self.counts["bad_groups"],
             skipped_steps=self.counts["skipped_steps"],
             no_signal=self.counts["no_signal"],
+            set_aside=self.counts["set_aside"],
             policy_version=self.version,
             publishes=self.publishing.counts,
         )

@@ -95,6 +95,13 @@ def test_sync_mode_needs_sync_batch() -> None:
     assert "set it to 256" in issue.message
 
 
+def test_dynamic_sampling_needs_async_mode() -> None:
+    issue = only_issue("run.mode=sync", "stages.learner.dynamic_sampling=true")
+    assert issue.path == "stages.learner.dynamic_sampling"
+    assert "run.mode is sync" in issue.message and "run.mode: async" in issue.message
+    assert load("stages.learner.dynamic_sampling=true").config.run.mode == "async"
+
+
 def test_sync_batch_too_small_would_deadlock() -> None:
     issue = only_issue("run.mode=sync", "stages.generator.sync_batch=128")
     assert issue.path == "stages.generator.sync_batch"

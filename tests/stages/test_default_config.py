@@ -37,3 +37,26 @@ def test_default_config_shortened_runs_to_its_summary(tmp_path):
     evals = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]
     assert [e["step"] for e in evals] == [0, 3]
     assert (run_dir / "checkpoints" / "step-000003" / "model.safetensors").exists()
+
+
+@pytest.mark.timeout(240)
+def test_dynamic_sampling_fills_each_step_with_groups_that_carry_signal(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = run_to_summary(
+        "configs/default.yaml",
+        run_dir,
+        "stages.learner.steps=3",
+        "stages.learner.eval.max_prompts=40",
+        "stages.learner.checkpoint.every=0",
+        "stages.learner.dynamic_sampling=true",
+        timeout=230,
+    )
+    assert summary["steps"] == 3 and summary["samples"] == 3 * 256
+    # every sample of every step is in a group whose rewards differ; the others were set aside
+    # (processed: acknowledged, their fate no_signal), and the ledger balances
+    samples = summary["ledger"]["samples"]
+    assert summary["no_signal"] == 0 and samples["trained"] == 3 * 256
+    assert summary["set_aside"] > 0 and samples["no_signal"] == summary["set_aside"]
+    assert summary["ledger"]["unaccounted"] == 0
+    (done,) = [e for e in events(run_dir, "learner.0") if e["event"] == "learner_done"]
+    assert done["set_aside"] == summary["set_aside"]
