@@ -396,8 +396,31 @@ def test_logs_follow_ctrl_c_exits_130_quietly(tmp_path):
         first = proc.stdout.readline()  # following has begun: the run never finishes
         assert "replica_started" in first
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=20)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"no exit 20 s after SIGINT; the process then: {_process_state(proc.pid)}")
     finally:
         proc.kill()
     assert proc.returncode == 130
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
+
+
+def _process_state(pid: int) -> str:
+    """What the kernel says of a process that does not exit (its state, signal masks, where it
+    waits) and, where py-spy is installed, its Python stack."""
+    facts = []
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        facts += [line for line in status if line.startswith(("State", "Sig", "Threads"))]
+        facts.append("wchan: " + Path(f"/proc/{pid}/wchan").read_text())
+    except OSError as exc:
+        facts.append(repr(exc))
+    try:
+        dump = subprocess.run(
+            ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=10
+        )
+        facts.append(dump.stdout[-3000:] + dump.stderr[-500:])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        facts.append(f"py-spy: {exc!r}")
+    return "\n".join(facts)
