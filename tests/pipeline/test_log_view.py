@@ -391,6 +391,9 @@ def test_logs_follow_ctrl_c_exits_130_quietly(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as on a terminal: a shell without job control starts background jobs with
+        # SIGINT ignored, and Python then leaves it ignored (CI started that way hung here)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         first = proc.stdout.readline()  # following has begun: the run never finishes
