@@ -525,46 +525,41 @@ class Receiver:
         *payload]``, the header a map (or packed), a DATA's payload the Message itself."""
         if self._closed or self._sock is None:
             return  # as a ROUTER that is gone: the producer's PINGs find the next one
-        rid = dealer.rid
-        self._local[rid] = dealer  # as a ROUTER learns (and hands over) a routing id
+        self._local[dealer.rid] = dealer  # as a ROUTER learns (and hands over) a routing id
+        header = frames[1]
+        as_map = header if isinstance(header, dict) else None
+        self._dispatch(dealer.rid, frames[0], as_map, header, frames[2:])
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        rid = frames[0].bytes
+        if len(frames) < 3 or len(frames[1]) != 1:
+            sender = self._sender_of(rid)
+            self._reject("bad_control", f"{len(frames) - 1} frames without a valid tag", sender)
+            return
+        self._dispatch(rid, frames[1].bytes, None, frames[2].buffer, frames[3:])
+
+    def _sender_of(self, rid: bytes) -> str:
         producer = self._producers.get(rid)
-        sender = producer.identity if producer is not None else rid.decode().rpartition("/")[0]
-        tag, header = frames[0], frames[1]
-        if not isinstance(header, dict):
-            header = unpack_map(header)
+        if producer is not None:
+            return producer.identity
+        # not (or no longer) admitted: the routing id is IDENTITY/SESSION
+        return rid.decode("utf-8", "replace").rpartition("/")[0]
+
+    def _dispatch(
+        self, rid: bytes, tag: bytes, header: dict | None, packed: Any, payload: list[Any]
+    ) -> None:
+        """One protocol message from producer ``rid``: its header as a map, or ``packed``."""
+        producer = self._producers.get(rid)
+        sender = self._sender_of(rid)
+        if header is None:
+            header = unpack_map(packed)
             if header is None:
                 self._reject("bad_control", f"tag {tag!r}: frame 1 is not a msgpack map", sender)
                 return
         if producer is not None:
             producer.last_seen = time.monotonic()
         if tag == DATA:
-            self._on_data(rid, producer, sender, header, frames[2:])
-        elif tag == HELLO:
-            self._on_hello(rid, producer, header, sender)
-        elif tag == EOS:
-            self._on_eos(rid, producer, header, sender)
-        else:
-            self._reject("bad_control", f"unknown tag {tag!r}", sender)
-
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        rid = frames[0].bytes
-        producer = self._producers.get(rid)
-        if producer is not None:
-            sender = producer.identity
-        else:  # not (or no longer) admitted: the routing id is IDENTITY/SESSION
-            sender = rid.decode("utf-8", "replace").rpartition("/")[0]
-        if len(frames) < 3 or len(frames[1]) != 1:
-            self._reject("bad_control", f"{len(frames) - 1} frames without a valid tag", sender)
-            return
-        tag = frames[1].bytes
-        header = unpack_map(frames[2].buffer)
-        if header is None:
-            self._reject("bad_control", f"tag {tag!r}: frame 1 is not a msgpack map", sender)
-            return
-        if producer is not None:
-            producer.last_seen = time.monotonic()
-        if tag == DATA:
-            self._on_data(rid, producer, sender, header, frames[3:])
+            self._on_data(rid, producer, sender, header, payload)
         elif tag == HELLO:
             self._on_hello(rid, producer, header, sender)
         elif tag == EOS:

@@ -100,6 +100,15 @@ def kill_tree(proc: subprocess.Popen, pids: Sequence[int] = ()) -> None:
             pass
 
 
+def wait_for_four(run_dir: Path) -> None:
+    """Until the example pipeline's four replicas have started."""
+    wait_for(
+        lambda: sum(e["event"] == "replica_started" for e in events(run_dir, "*.[0-9]")) == 4,
+        timeout=45,
+        what="all four replicas to start",
+    )
+
+
 def start_endless_example(run_dir: Path, *overrides: str) -> subprocess.Popen:
     """The example pipeline with (practically) endless input, once all four replicas run."""
     proc = start_inflight(
@@ -112,11 +121,7 @@ def start_endless_example(run_dir: Path, *overrides: str) -> subprocess.Popen:
         str(run_dir),
     )
     try:
-        wait_for(
-            lambda: sum(e["event"] == "replica_started" for e in events(run_dir, "*.[0-9]")) == 4,
-            timeout=45,
-            what="all four replicas to start",
-        )
+        wait_for_four(run_dir)
     except BaseException:
         kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
         raise

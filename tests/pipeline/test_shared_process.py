@@ -19,7 +19,7 @@ from tests.pipeline.runs import (
     spawned_pids,
     start_endless_example,
     start_inflight,
-    wait_for,
+    wait_for_four,
 )
 from tests.pipeline.test_supervisor import EXAMPLE, _crashy_overrides, _finished
 
@@ -72,11 +72,7 @@ def test_a_killed_shared_process_brings_back_every_stage_it_ran(tmp_path):
         str(run_dir),
     )
     try:
-        wait_for(
-            lambda: sum(e["event"] == "replica_started" for e in events(run_dir, "*.[0-9]")) == 4,
-            timeout=45,
-            what="all four replicas to start",
-        )
+        wait_for_four(run_dir)
         time.sleep(0.5)
         (host,) = set(spawned_pids(run_dir))
         os.kill(host, signal.SIGKILL)
