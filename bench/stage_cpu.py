@@ -5,8 +5,9 @@ system, every thread) of each of its processes twice a second: the supervisor (`
 itself), each stage replica (``pipeline.actor``, named by its spec file: ``generator.0``) with the
 helper processes it starts (the scorer's reward workers), and each built-in engine (``pipeline.cli
 engine``). With ``launch.in_process`` the engine is part of the generator's process: its threads
-(the scheduler, named ``engine`` for the operating system, and ``engine-weights``, which
-receives weight updates) still count as ``engine``, the rest of the process (its event loop,
+(the scheduler, named ``engine`` for the operating system, ``engine-weights``, which
+receives weight updates, and ``engine-load``, which imports the engine's code and loads its
+model) still count as ``engine``, once they have ended too, the rest of the process (its event loop,
 ZeroMQ's threads) as ``generator``. A process's last sample is its total (a replica that exits
 between two samples loses at most half a second). Per stage (replicas
 summed) it reports the CPU seconds, the CPU seconds per 256 trained samples, and the share of
@@ -70,17 +71,17 @@ def role(proc: psutil.Process, top: int) -> str | None:
     return None
 
 
-def engine_threads_cpu(proc: psutil.Process) -> float:
-    """CPU seconds of the threads of ``proc`` that an in-process engine runs (named engine*)."""
-    total = 0.0
+def engine_threads_cpu(proc: psutil.Process, seen: dict[int, float]) -> float:
+    """CPU seconds of the threads of ``proc`` that an in-process engine runs (named engine*),
+    those that have ended included (``seen``: thread id -> its last CPU seconds)."""
     for thread in proc.threads():
         try:
             comm = Path(f"/proc/{proc.pid}/task/{thread.id}/comm").read_text().strip()
         except OSError:
             continue
         if comm.startswith("engine"):
-            total += thread.user_time + thread.system_time
-    return total
+            seen[thread.id] = thread.user_time + thread.system_time
+    return sum(seen.values())
 
 
 def samples_trained(run_dir: Path) -> int:
@@ -100,6 +101,7 @@ def run_once(config: str, overrides: list[str], run_dir: Path, timeout_s: float)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     top = psutil.Process(proc.pid)
     totals: dict[int, tuple[str, float]] = {}
+    engine_seen: dict[int, dict[int, float]] = {}  # pid -> engine thread id -> CPU seconds
     at_first_step: dict[int, tuple[str, float]] | None = None  # totals once training began
     started = time.monotonic()
     while proc.poll() is None:
@@ -116,7 +118,8 @@ def run_once(config: str, overrides: list[str], run_dir: Path, timeout_s: float)
                 continue
             try:
                 t = p.cpu_times()
-                engine = engine_threads_cpu(p) if name != "engine" else 0.0
+                seen = engine_seen.setdefault(p.pid, {})
+                engine = engine_threads_cpu(p, seen) if name != "engine" else 0.0
             except psutil.NoSuchProcess:
                 continue
             totals[p.pid] = (name, t.user + t.system - engine)

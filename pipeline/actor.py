@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pipeline import topics
+from pipeline import heap, topics
 from pipeline.config.errors import ConfigError
 from pipeline.config.typed import build
 from pipeline.ledger import LedgerReporter
@@ -416,6 +416,7 @@ class _Replica:
     async def _setup_and_run(self, stage: Any) -> None:
         await stage.setup()
         adopt_library_loggers()  # setup may have imported transformers, which logs on its own
+        heap.settle()  # what setup loaded stays: later collections skip it
         self.log.info(
             "replica_started", pid=os.getpid(), restarts=self.ctx.restarts, use=self.spec["use"]
         )

@@ -6,6 +6,11 @@ does not clean up spaces decodes exactly as its Rust backend does, so ``decoder`
 ``batch_decoder`` call the backend directly then (2 us instead of 9 us a sequence), and
 transformers otherwise. The engine renders every answer's text with ``decoder``; the scorer and
 the evaluation decode completions with ``batch_decoder``.
+
+``batch_decoder`` decodes one sequence after another, not with the backend's ``decode_batch``:
+that spreads a batch over a thread pool whose hand-over costs more CPU than it saves (4
+sequences of 5 tokens: 33 us of CPU against 3 us; 256 of 100 tokens: 3.2 ms against 2.0 ms),
+and the cores it would borrow are the ones the other stages run on.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ def _backend(tokenizer: Any) -> Any | None:
         and type(tokenizer)._decode is TokenizersBackend._decode
         and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
         and hasattr(backend, "decode")
-        and hasattr(backend, "decode_batch")
     ):
         return backend
     return None
@@ -46,7 +50,8 @@ def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]], bool], list[str]
     """``decode(sequences, skip_special_tokens)``: one text per sequence."""
     backend = _backend(tokenizer)
     if backend is not None:
-        return lambda seqs, skip: backend.decode_batch(seqs, skip_special_tokens=skip)
+        decode = backend.decode
+        return lambda seqs, skip: [decode(ids, skip_special_tokens=skip) for ids in seqs]
     return lambda seqs, skip: tokenizer.batch_decode(seqs, skip_special_tokens=skip) if seqs else []
 
 

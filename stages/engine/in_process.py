@@ -21,6 +21,8 @@ Not here: deciding when to run in process (``stages.generator.launcher``), the r
 from __future__ import annotations
 
 import asyncio
+import functools
+from concurrent.futures import Executor
 from typing import Any
 
 import torch
@@ -37,13 +39,22 @@ __all__ = ["InProcessEngine"]
 class InProcessEngine:
     """``inflight engine ARGV`` on this process's event loop (``start`` / ``close``)."""
 
-    def __init__(self, argv: list[str], *, log: Any, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        log: Any,
+        api_key: str | None = None,
+        loader: Executor | None = None,
+    ) -> None:
+        """``loader``: where ``start`` loads the model (default: asyncio's default executor)."""
         try:
             self.args = server.parse_args(argv)
         except SystemExit as exc:  # argparse printed why; say it where it happened
             raise ValueError(f"in-process engine options {argv!r} are not valid") from exc
         self.api_key = api_key or self.args.api_key or None
         self.log = log
+        self._loader = loader
         self.loaded: LoadedModel | None = None
         self.scheduler: Scheduler | None = None
         self._runner: web.AppRunner | None = None
@@ -56,9 +67,8 @@ class InProcessEngine:
     async def start(self) -> None:
         """Load the model (in a worker thread), start the scheduler and serve the routes."""
         args = self.args
-        self.loaded = await asyncio.to_thread(
-            load_model, args.model, device=args.device, dtype=args.dtype
-        )
+        load = functools.partial(load_model, args.model, device=args.device, dtype=args.dtype)
+        self.loaded = await asyncio.get_running_loop().run_in_executor(self._loader, load)
         self.scheduler = server.build_scheduler(args, self.loaded)
         self.scheduler.start()
         app = server.build_app(

@@ -43,7 +43,7 @@ from typing import Any
 from aiohttp import web
 
 from stages.engine.protocol import RequestError
-from stages.engine.streaming import Last, write_events
+from stages.engine.streaming import Last, Progress, write_events
 
 __all__ = [
     "OpenAIRoutes",
@@ -225,28 +225,44 @@ async def completion_stream(
     async for batch in batches:
         out = []
         for content in batch:
-            index = content.get("index", 0)
-            meta = content["meta_info"]
-            last_id = meta["id"]
-            prompt_tokens[index] = meta.get("prompt_tokens", 0)
-            completion_tokens[index] = meta.get("completion_tokens", 0)
-            text = content.get("text", "")
-            if index not in offsets and echoes:  # its first chunk
-                text = echoes[index // n] + text
-            delta = text[offsets.get(index, 0) :]
-            offsets[index] = len(content.get("text", ""))
-            logprobs = None
-            if options["logprobs"] is not None:
-                echoed = _echoed_logprobs(meta, options) if index not in logprobs_sent else None
-                sent, total = logprobs_sent.get(index, 0), meta["output_token_logprobs_length"]
-                if sent < total or echoed is not None:
-                    logprobs = _openai_logprobs(
-                        meta["output_token_logprobs"][sent:total],
-                        (meta.get("output_top_logprobs") or [])[sent:total],
-                        echoed,
-                    )
-                logprobs_sent[index] = total
-            reason = meta.get("finish_reason")
+            if isinstance(content, Progress):  # a sample that moved on (not echoed)
+                index, last_id, reason = content.index, content.rid, None
+                prompt_tokens[index] = content.prompt_tokens
+                completion_tokens[index] = len(content.ids)
+                text = content.text
+                delta = text[offsets.get(index, 0) :]
+                offsets[index] = len(text)
+                logprobs = None
+                if options["logprobs"] is not None:
+                    sent, total = logprobs_sent.get(index, 0), len(content.ids)
+                    if sent < total:
+                        logprobs = _progress_logprobs(content, sent, total)
+                    logprobs_sent[index] = total
+                ids = content.ids
+            else:
+                index = content.get("index", 0)
+                meta = content["meta_info"]
+                last_id = meta["id"]
+                prompt_tokens[index] = meta.get("prompt_tokens", 0)
+                completion_tokens[index] = meta.get("completion_tokens", 0)
+                text = content.get("text", "")
+                if index not in offsets and echoes:  # its first chunk
+                    text = echoes[index // n] + text
+                delta = text[offsets.get(index, 0) :]
+                offsets[index] = len(content.get("text", ""))
+                logprobs = None
+                if options["logprobs"] is not None:
+                    echoed = _echoed_logprobs(meta, options) if index not in logprobs_sent else None
+                    sent, total = logprobs_sent.get(index, 0), meta["output_token_logprobs_length"]
+                    if sent < total or echoed is not None:
+                        logprobs = _openai_logprobs(
+                            meta["output_token_logprobs"][sent:total],
+                            (meta.get("output_top_logprobs") or [])[sent:total],
+                            echoed,
+                        )
+                    logprobs_sent[index] = total
+                reason = meta.get("finish_reason")
+                ids = content["output_ids"]
             choice: dict[str, Any] = {
                 "index": index,
                 "text": delta,
@@ -256,10 +272,10 @@ async def completion_stream(
             }
             if options["return_token_ids"]:
                 sent = ids_sent.get(index, 0)
-                choice["token_ids"] = content["output_ids"][sent:]
-                ids_sent[index] = len(content["output_ids"])
+                choice["token_ids"] = ids[sent:]
+                ids_sent[index] = len(ids)
             chunk = {
-                "id": meta["id"],
+                "id": last_id,
                 "object": "text_completion",
                 "created": created,
                 "model": options["model"],
@@ -278,6 +294,19 @@ async def completion_stream(
                 prompt_tokens, completion_tokens, n,
             )
         ])  # fmt: skip
+
+
+def _progress_logprobs(p: Progress, start: int, end: int) -> dict[str, Any]:
+    """``_openai_logprobs`` of a streamed sample's tokens ``start:end``, read from its
+    progress (what the native chunk's entries would hold, without building them)."""
+    text = p.token_text or (lambda token: None)
+    tops = p.tops[start:end] if p.tops is not None else []
+    return {
+        "text_offset": [-1] * (end - start),
+        "token_logprobs": p.logprobs[start:end],
+        "tokens": [text(token) for token in p.ids[start:end]],
+        "top_logprobs": [{text(tok): lp for lp, tok in step} for step in tops],
+    }
 
 
 def _openai_logprobs(
@@ -367,8 +396,12 @@ class OpenAIRoutes:
         context_length: int,
         on_disconnect: Callable[[web.Request], None] = lambda request: None,
         chat: Any = None,
+        progress_stream: Callable[[Any], AsyncIterator[Any]] | None = None,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
+        # ``stream`` giving each sample's Progress rather than native chunks before its last
+        # (``stream_generate(..., progress=True)``): /v1/completions renders its own from them
+        self.progress_stream = progress_stream
         self.on_disconnect = on_disconnect
         self.chat = chat  # openai_chat.ChatSettings (None: the model has no tokenizer)
         self.served_model_name, self.context_length = served_model_name, context_length
@@ -420,7 +453,10 @@ class OpenAIRoutes:
         try:
             native, options = build(body)
             if options["stream"]:
-                return Reply(200, chunks=stream(self.stream(native), options))
+                source = self.stream
+                if route == "completions" and not options["echo"] and self.progress_stream:
+                    source = self.progress_stream  # an echo's first chunk needs the native one
+                return Reply(200, chunks=stream(source(native), options))
             rendered = await self.generate(native)
         except ValueError as exc:  # OpenAIError, RequestError, a rid already in flight
             return Reply(400, refusal(exc))

@@ -40,6 +40,8 @@ This module knows nothing of HTTP, torch or the scheduler.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import math
 import uuid
@@ -323,10 +325,19 @@ def token_texts(
     decode: Callable[[list[int], bool], str] | None, body: Any
 ) -> Callable[[int], str] | None:
     """Each log-prob entry's text with ``return_text_in_logprobs`` (SGLang: each token decoded
-    alone, special tokens kept); None otherwise."""
+    alone, special tokens kept); None otherwise. A token's text is decoded once per ``decode``
+    (a streamed sample's tokens come up again in its last chunk, and across requests)."""
     if decode is None or not body.get("return_text_in_logprobs"):
         return None
-    return lambda token: decode([token], False)
+    text = getattr(decode, "token_text", None)  # kept on the decode function itself
+    if text is None:
+        text = functools.lru_cache(maxsize=_TOKEN_TEXT_CACHE)(lambda token: decode([token], False))
+        with contextlib.suppress(AttributeError):  # a callable that takes no attribute
+            decode.token_text = text  # type: ignore[attr-defined]
+    return text
+
+
+_TOKEN_TEXT_CACHE = 1 << 17  # tokens whose text is kept: a large vocabulary's
 
 
 def render_sample(

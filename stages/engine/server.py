@@ -156,6 +156,9 @@ def build_app(
         context_length=loaded.context_length,
         on_disconnect=lambda request: _refused(request, 499, "the client went away mid-stream"),
         chat=chat,
+        progress_stream=lambda body: stream_generate(
+            loaded, scheduler, decode, body, progress=True
+        ),
     ).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)

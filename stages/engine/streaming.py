@@ -29,7 +29,7 @@ from aiohttp import web
 
 from stages.engine.protocol import SequenceResult, parse_generate, render_sample, token_texts
 
-__all__ = ["Last", "stream_generate", "write_events"]
+__all__ = ["Last", "Progress", "stream_generate", "write_events"]
 
 
 class Last(list):
@@ -60,13 +60,14 @@ class _Events:
         return items
 
 
-class _Progress:
+class Progress:
     """One sample's output so far (before its final result arrives)."""
 
     __slots__ = (
         "cached",
         "entries",
         "ids",
+        "index",
         "input_entries",
         "input_lps",
         "input_top_entries",
@@ -75,13 +76,24 @@ class _Progress:
         "prompt_tokens",
         "rid",
         "text",
+        "token_text",
         "top_entries",
         "tops",
         "versions",
     )
 
-    def __init__(self, rid: str, prompt_tokens: int, tops: list | None = None) -> None:
+    def __init__(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        tops: list | None = None,
+        *,
+        index: int = 0,
+        token_text: Callable[[int], str] | None = None,
+    ) -> None:
         self.rid = rid
+        self.index = index  # the sample's place in the request's answer
+        self.token_text = token_text  # each token's own text (return_text_in_logprobs)
         self.prompt_tokens = prompt_tokens
         self.ids: list[int] = []
         self.logprobs: list[float] = []
@@ -136,9 +148,16 @@ async def stream_generate(
     scheduler: Any,
     decode: Callable[[list[int], bool], str] | None,
     body: dict[str, Any],
-) -> AsyncIterator[list[dict[str, Any]]]:
+    *,
+    progress: bool = False,
+) -> AsyncIterator[list[Any]]:
     """The chunks of a streamed ``/generate`` (``body`` has ``stream: true``), in batches: the
     chunks that became ready together (one per sample that moved on).
+
+    With ``progress``, a sample's chunks before its last are its ``Progress`` itself (``text``
+    so far, ``ids``, ``logprobs``, ``tops``, ``index``...; valid until the next batch is asked
+    for) rather than the native chunk made of it: for a caller that renders chunks of its own
+    (``/v1/completions``), so that nothing is built twice. Its last chunk is native either way.
 
     Raises RequestError (a malformed body) or ValueError (a rid in flight) before the first
     chunk; closed early (the client went away), it aborts the samples that are still running.
@@ -153,12 +172,18 @@ async def stream_generate(
     future = scheduler.submit_async(inputs, stream=events_in.add)
     # the failure (if any) also comes as an event; the future must not warn that nobody read it
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    progress = [
-        _Progress(inp.rid, len(inp.input_ids), tops=[] if inp.top_logprobs_num else None)
-        for inp in inputs
+    token_text = token_texts(decode, body)
+    moving = [
+        Progress(
+            inp.rid,
+            len(inp.input_ids),
+            tops=[] if inp.top_logprobs_num else None,
+            index=index,
+            token_text=token_text,
+        )
+        for index, inp in enumerate(inputs)
     ]
     finals: dict[int, SequenceResult] = {}
-    token_text = token_texts(decode, body)
     try:
         while len(finals) < len(inputs):
             events = await events_in.take()  # all that piled up: one chunk per sample
@@ -170,7 +195,7 @@ async def stream_generate(
                 if isinstance(payload, SequenceResult):
                     finals[index] = payload
                 else:
-                    p = progress[index]
+                    p = moving[index]
                     token, logprob, version, top, p.cached, p.input_lps, p.input_tops = payload
                     p.ids.append(token)
                     p.logprobs.append(logprob)
@@ -184,9 +209,15 @@ async def stream_generate(
                 if final is not None:  # the whole answer, as the request without stream
                     chunk = render_sample(inp, final, decode, token_text)
                 else:
-                    chunk = progress[index].chunk(inp.return_logprob, token_text)
+                    p = moving[index]
                     if decode is not None:
-                        chunk = {"text": _text_so_far(progress[index], decode, inp), **chunk}
+                        _text_so_far(p, decode, inp)
+                    if progress:
+                        batch.append(p)
+                        continue
+                    chunk = p.chunk(inp.return_logprob, token_text)
+                    if decode is not None:
+                        chunk = {"text": p.text, **chunk}
                 if listed:
                     chunk["index"] = index
                 batch.append(chunk)
@@ -197,7 +228,7 @@ async def stream_generate(
             scheduler.abort_many(running, "the client went away mid-stream")
 
 
-def _text_so_far(p: _Progress, decode: Callable[[list[int], bool], str], inp: Any) -> str:
+def _text_so_far(p: Progress, decode: Callable[[list[int], bool], str], inp: Any) -> str:
     text = decode(p.ids, inp.params.skip_special_tokens)
     if not text.endswith("\ufffd"):  # a character still incomplete: keep the last whole text
         p.text = text

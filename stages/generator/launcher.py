@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -46,6 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -55,7 +57,7 @@ import aiohttp
 from pipeline.config.schema import Resources
 from pipeline.launchers.local import write_private
 from pipeline.placement import ENGINE_PLACEMENT_ENV, ProcessPlacement, read_engine_placement
-from pipeline.processes import child_preexec
+from pipeline.processes import child_preexec, name_thread
 from stages.engine.auth import API_KEY_ENV, is_loopback_host
 from stages.hub import model_check, resolve_model
 from transport.address import tcp_address
@@ -329,12 +331,18 @@ class EngineLauncher:
         return {url: e.local for url, e in zip(self.urls, self.engines, strict=True) if e.local}
 
     async def _start_in_process(self, engine: _Engine) -> None:
-        from stages.engine.in_process import InProcessEngine  # torch, transformers: when used
-
-        argv = self._builtin_argv(engine) + list(self.config.extra_args)
-        engine.local = InProcessEngine(argv, log=self.log, api_key=self.api_key)
-        self.log.info("engine_launched", engine=engine.name, in_process=True, options=argv)
-        await engine.local.start()
+        # torch and transformers' model code, imported when used, on the thread that loads the
+        # model (``engine-load``): start-up work of the engine's, as in a process of its own
+        with ThreadPoolExecutor(1, initializer=name_thread, initargs=("engine-load",)) as pool:
+            module = await asyncio.get_running_loop().run_in_executor(
+                pool, importlib.import_module, "stages.engine.in_process"
+            )
+            argv = self._builtin_argv(engine) + list(self.config.extra_args)
+            engine.local = module.InProcessEngine(
+                argv, log=self.log, api_key=self.api_key, loader=pool
+            )
+            self.log.info("engine_launched", engine=engine.name, in_process=True, options=argv)
+            await engine.local.start()
         engine.port = engine.local.port
         self.log.info("engine_ready", engine=engine.name, port=engine.port, in_process=True)
 

@@ -54,3 +54,23 @@ def test_token_lists_makes_python_ints_of_arrays_and_lists() -> None:
     lists = token_lists([np.array([3, 4], dtype=np.int32), (5, np.int64(6)), []])
     assert lists == [[3, 4], [5, 6], []]
     assert all(type(t) is int for seq in lists for t in seq)
+
+
+def test_token_texts_decodes_each_token_once_per_decoder() -> None:
+    from stages.engine.protocol import token_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(MODELS / "arith-tiny", local_files_only=True)
+    calls: list[list[int]] = []
+    one = decoder(tokenizer)
+
+    def counted(ids: list[int], skip: bool) -> str:
+        calls.append(ids)
+        return one(ids, skip)
+
+    asked = {"return_text_in_logprobs": True}
+    assert token_texts(counted, {}) is None  # not asked for
+    text = token_texts(counted, asked)
+    assert text is token_texts(counted, asked)  # one cache for the decoder's life
+    ids = list(range(len(tokenizer))) * 2
+    assert [text(t) for t in ids] == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert len(calls) == len(tokenizer)  # the second round came from the cache
