@@ -26,7 +26,8 @@ tokens, 1 thread as the default config runs it); ``bench22m`` is ``bench/engine.
 22M-parameter model (prompts of 32 tokens, 2 threads). ``--pyinstrument`` prints a profile of
 the steady loop to stderr.
 
-``http`` starts ``inflight engine`` on arith-tiny (``OMP_NUM_THREADS=1``, ``--max-running 64``)
+``http`` starts ``inflight engine`` on arith-tiny (``--model mid``: its tokenizer on a 6-layer,
+384-wide model; ``OMP_NUM_THREADS=1``, ``--max-running 64``)
 and keeps ``--in-flight`` samples in flight as the default config does, in requests of one
 group of 4 (``batch``: four identical ``input_ids``; ``n``: ``sampling_params.n`` 4;
 ``openai``: the same as ``n`` through ``/v1/completions``, ``logprobs: 0``) or one request per
@@ -372,7 +373,13 @@ def _classify(stack: str) -> str:
 
 
 async def _drive(
-    url: str, form: str, in_flight: int, seconds: float, group: int, stream: bool = False
+    url: str,
+    form: str,
+    in_flight: int,
+    seconds: float,
+    group: int,
+    stream: bool = False,
+    new_tokens: int = 5,
 ) -> dict:
     import aiohttp
 
@@ -382,7 +389,7 @@ async def _drive(
     errors = 0
     requests = 0
     stop_at = time.monotonic() + seconds
-    params = {"temperature": 1.0, "max_new_tokens": 5}
+    params = {"temperature": 1.0, "max_new_tokens": new_tokens}
 
     def body() -> tuple[bytes, int]:
         nonlocal counter
@@ -400,7 +407,7 @@ async def _drive(
             n = group
         elif form == "openai":  # the same samples through /v1/completions
             b = {"model": "default", "prompt": prompt, "n": group, "temperature": 1.0,
-                 "max_tokens": 5, "logprobs": 0, "stream": stream}  # fmt: skip
+                 "max_tokens": new_tokens, "logprobs": 0, "stream": stream}  # fmt: skip
             return json.dumps(b).encode(), group
         else:
             b = {"input_ids": prompt, "sampling_params": {**params, "n": group}}
@@ -443,6 +450,21 @@ async def _drive(
     return {"samples": samples, "errors": errors, "requests": requests}
 
 
+def _mid_model(path: Path) -> Path:
+    """arith-tiny's tokenizer on a model of ``bench/_engines.py``'s shape (hidden 384, 6 layers,
+    about 10M parameters with this vocabulary): a token that costs the model work a stream's
+    bookkeeping can be weighed against."""
+    import shutil
+
+    from bench._engines import make_model
+
+    vocab = json.loads((ARITH / "config.json").read_text())["vocab_size"]
+    make_model(path, vocab=vocab)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ARITH / name, path / name)
+    return path
+
+
 def _finished_in(chunk: dict[str, Any]) -> int:
     """1 if a streamed chunk (native or /v1) is a sample's last."""
     if "choices" in chunk:
@@ -456,6 +478,7 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))
+    model = ARITH if args.model == "arith" else _mid_model(tmp / "mid")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [
@@ -463,7 +486,7 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
             "-m",
             "stages.engine.server",
             "--model",
-            str(ARITH),
+            str(model),
             "--port",
             str(port),
             "--max-running",
@@ -478,7 +501,8 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         wait_health(url, proc)
-        asyncio.run(_drive(url, args.group_form, args.in_flight, 2.0, 4, args.stream))  # warm up
+        drive = (args.group_form, args.in_flight)
+        asyncio.run(_drive(url, *drive, 2.0, 4, args.stream, args.new_tokens))  # warm up
         names = _thread_names(proc.pid)
         spy = None
         raw = tmp / "spy.txt"
@@ -495,9 +519,7 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
             )  # fmt: skip
         cpu0, ctx0 = _thread_cpu(proc.pid), _ctx_switches(proc.pid)
         wall0 = time.perf_counter()
-        driven = asyncio.run(
-            _drive(url, args.group_form, args.in_flight, args.seconds, 4, args.stream)
-        )
+        driven = asyncio.run(_drive(url, *drive, args.seconds, 4, args.stream, args.new_tokens))
         wall = time.perf_counter() - wall0
         cpu1, ctx1 = _thread_cpu(proc.pid), _ctx_switches(proc.pid)
         with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
@@ -515,6 +537,8 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(by_name.values())
     result: dict[str, Any] = {
         "bench": "engine_http_share",
+        "model": args.model,
+        "new_tokens": args.new_tokens,
         "group_form": args.group_form,
         "stream": args.stream,
         "in_flight_samples": args.in_flight,
@@ -592,6 +616,13 @@ def main() -> int:
     http.add_argument("--group-form", choices=["batch", "n", "single", "openai"], default="batch")
     http.add_argument("--in-flight", type=int, default=64)
     http.add_argument("--stream", action="store_true", help="stream: true (server-sent events)")
+    http.add_argument(
+        "--model",
+        choices=["arith", "mid"],
+        default="arith",
+        help="arith-tiny (248K parameters), or its tokenizer on a 6-layer, 384-wide model",
+    )
+    http.add_argument("--new-tokens", type=int, default=5, help="max_new_tokens of a sample")
     http.add_argument("--seconds", type=float, default=20)
     http.add_argument("--py-spy", action="store_true")
     http.add_argument("--native", action="store_true", help="py-spy --native (C frames)")

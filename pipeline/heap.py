@@ -9,7 +9,8 @@ die there. Measured on ``configs/default.yaml`` (issue 24): the shared process s
 its 23.5 s of CPU in 25 full collections of about 240 ms each, holding the GIL (the in-process
 engine's scheduler waited meanwhile), and 1.7 s in 4,700 young ones.
 
-``settle()``, called once a replica has set up, collects once and freezes what is left
+``settle()``, called once a replica has set up (``pipeline.actor``) and once an engine process
+has loaded its model (``stages.engine.server``), collects once and freezes what is left
 (``gc.freeze``: later collections skip it), and makes the youngest generation larger, so that
 fewer objects in flight are promoted at all. Cycles among the frozen objects that become garbage
 later are never freed; a stage's setup leaves none that matter. ``INFLIGHT_GC=default`` keeps

@@ -493,12 +493,14 @@ class OpenAIRoutes:
                 "Unsupported Media Type: Only 'application/json' is allowed", param="content-type"
             )
         try:
-            body = await request.json()
-        except ValueError as exc:
+            body = _json_loads(await request.read())
+        except (UnicodeDecodeError, ValueError) as exc:
             return error_response(f"the request body is not JSON: {exc}")
         reply = await self.reply(route, body)
         if reply.chunks is None:
-            return web.json_response(reply.body, status=reply.status)
+            return web.Response(
+                body=_json_bytes(reply.body), status=reply.status, content_type="application/json"
+            )
         try:
             return await write_events(
                 request,
@@ -585,11 +587,13 @@ def _openai_field(native: str) -> str:
     return "logprobs" if native == "top_logprobs_num" else native
 
 
-try:  # as the server writes /generate: orjson when it is there
+try:  # as the server reads and writes /generate: orjson when it is there
     import orjson
 
+    _json_loads: Callable[[bytes], Any] = orjson.loads
     _json_bytes: Callable[[Any], bytes] = orjson.dumps
 except ImportError:  # pragma: no cover - depends on the environment
+    _json_loads = json.loads
 
     def _json_bytes(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()

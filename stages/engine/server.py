@@ -49,6 +49,7 @@ import structlog
 import torch
 from aiohttp import web
 
+from pipeline import heap
 from pipeline.processes import name_thread
 from stages.detokenize import decoder
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
@@ -797,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
             chat_template=args.chat_template,
             tool_call_parser=args.tool_call_parser,
         )
+        heap.settle()  # torch, transformers and the model stay: later collections skip them
         return _run_loop(_serve(app, args, loaded))
     finally:
         scheduler.stop()
