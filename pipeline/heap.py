@@ -13,8 +13,11 @@ engine's scheduler waited meanwhile), and 1.7 s in 4,700 young ones.
 has loaded its model (``stages.engine.server``), collects once and freezes what is left
 (``gc.freeze``: later collections skip it), and makes the youngest generation larger, so that
 fewer objects in flight are promoted at all. Cycles among the frozen objects that become garbage
-later are never freed; a stage's setup leaves none that matter. ``INFLIGHT_GC=default`` keeps
-Python's settings (to compare).
+later are not freed until the heap is settled again: a process that runs several replicas
+(``pipeline.host``) calls ``resettle()`` when one of them fails while others go on, so that
+what a replica that crashed and restarts held (an in-process engine's model among it) is not
+kept for good.
+``INFLIGHT_GC=default`` keeps Python's settings (to compare).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import gc
 import os
 
-__all__ = ["YOUNG_THRESHOLD", "settle"]
+__all__ = ["YOUNG_THRESHOLD", "resettle", "settle"]
 
 # Container allocations (less deallocations) between young collections; Python's default: 700.
 YOUNG_THRESHOLD = 20_000
@@ -36,3 +39,9 @@ def settle() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
+
+
+def resettle() -> None:
+    """Unfreeze, then ``settle``: what became garbage among the frozen objects is freed."""
+    gc.unfreeze()
+    settle()

@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline import heap
 from pipeline.actor import _Replica, _run_loop
 from pipeline.processes import exit_now
 from pipeline.structured_log import (
@@ -91,6 +92,9 @@ class _Host:
             self.tasks.pop(name, None)
             log.close()
             self.tell({"exited": name, "code": code})
+            if code != 0 and self.replicas:  # it is restarted: what it held, some of it
+                # frozen (pipeline.heap), is garbage once this task is done
+                asyncio.get_running_loop().call_soon(heap.resettle)
 
     def signal(self, name: str, sig: int) -> None:
         replica = self.replicas.get(name)

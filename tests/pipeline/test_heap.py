@@ -52,3 +52,21 @@ def test_inflight_gc_default_keeps_pythons_settings(
     heap.settle()
     assert gc.get_freeze_count() == 0
     assert gc.get_threshold() == before
+
+
+def test_resettle_frees_cycles_that_became_garbage_while_frozen(restored_gc: None) -> None:
+    class Held:  # what a replica holds: cycles (tasks, stages and their back-references)
+        pass
+
+    gc.unfreeze()
+    a, b = Held(), Held()
+    a.other, b.other = b, a
+    heap.settle()  # the replica set up: its objects are frozen
+    del a, b  # it crashed: its objects are garbage, but frozen ones are never collected
+    gc.collect()
+    gc.unfreeze()
+    assert any(isinstance(obj, Held) for obj in gc.get_objects())
+    gc.freeze()
+    heap.resettle()  # what the host does when a replica fails
+    gc.unfreeze()
+    assert not any(isinstance(obj, Held) for obj in gc.get_objects())
