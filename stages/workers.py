@@ -250,6 +250,53 @@ class Reply:
         return self.status == "ok"
 
 
+class InlinePool:
+    """``FunctionPool``'s interface without processes: ``adapter(function, request)`` runs in
+    the caller's thread, on its event loop, one call at a time. No ``timeout_s`` can be
+    enforced (a call that hangs stops the loop) and a crash takes the caller with it: for
+    cheap functions that are trusted, where a process hand-over costs more than the call
+    (the built-in rewards). A function that raises is an ``error`` reply, as in a worker."""
+
+    def __init__(
+        self,
+        kind: str,
+        names: Sequence[str],
+        *,
+        adapter: Callable[[Any, Any], Any] = call_with_kwargs,
+        label: str = "",
+        log: Any = None,
+    ) -> None:
+        if not names:
+            raise ValueError(f"a pool of {kind} functions needs at least one function")
+        self.functions = {name: resolve_function(kind, name) for name in names}
+        self.adapter = adapter
+        self.label = label or kind
+        self.log = log if log is not None else structlog.get_logger(self.label)
+        self.counts = {"calls": 0, "errors": 0, "timeouts": 0, "lost": 0, "restarts": 0}
+        self.live: set[Worker] = set()  # no worker processes
+
+    def idle(self) -> int:
+        return 1
+
+    async def start(self) -> None:
+        pass
+
+    async def call(self, name: str, request: Any, *, timeout_s: float | None = None) -> Reply:
+        """Run ``adapter(name's function, request)`` here and now (``timeout_s`` is ignored)."""
+        self.counts["calls"] += 1
+        try:
+            return Reply("ok", self.adapter(self.functions[name], request))
+        except Exception as exc:
+            self.counts["errors"] += 1
+            return Reply("error", error=f"{type(exc).__name__}: {exc}")
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counts, "workers_idle": 1}
+
+    async def aclose(self) -> None:
+        pass
+
+
 class FunctionPool:
     """``workers`` processes that run named functions of one plugin ``kind``, one call at a time
     each, every call under ``timeout_s``; a worker that times out or dies is replaced.

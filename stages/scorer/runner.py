@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.workers import FunctionPool, Worker, resolve_function
+from stages.workers import FunctionPool, InlinePool, Worker, resolve_function
 
 __all__ = ["RewardRunner", "resolve_reward"]
 
@@ -73,8 +73,15 @@ def _checked(values: Any, n: int) -> tuple[list[float | None], dict[int, str]] |
 def _score_batch(fn: Callable[..., Any], payload: bytes) -> Any:
     """The pool's adapter (runs in a worker): call ``fn`` on the pickled keyword lists; the
     checked values, or a string saying why they are unusable."""
-    kwargs = pickle.loads(payload)
-    return _checked(fn(**kwargs), len(kwargs["completions"]))
+    return _score_kwargs(fn, pickle.loads(payload))
+
+
+def _score_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
+    """``_score_batch`` of keyword lists that are not pickled (``workers: 0``): each function
+    gets lists of its own, as it would from a pickle."""
+    own = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    n = len(own["completions"])  # before the call: a function may change its lists
+    return _checked(fn(**own), n)
 
 
 # ---------------------------------------------------------------------------------- parent side
@@ -88,7 +95,8 @@ class _Outcome:
 
 
 class RewardRunner:
-    """A pool of ``workers`` processes that score batches with weighted reward functions.
+    """A pool of ``workers`` processes that score batches with weighted reward functions
+    (``workers`` 0: they run in this process, on its event loop, with no time limit).
 
     ``specs`` are ``(name, weight)`` pairs; a completion's reward is the weighted sum of the
     functions' values (a ``None`` value adds nothing), or 0 when any function failed for it.
@@ -109,16 +117,21 @@ class RewardRunner:
         names = [name for name, _ in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"reward functions are listed more than once: {names}")
-        self._pool = FunctionPool(
-            "reward",
-            names,
-            workers=workers,
-            timeout_s=timeout_s,
-            adapter=_score_batch,
-            label="reward",
-            start_timeout_s=start_timeout_s,
-            log=log,
-        )
+        self._inline = workers == 0
+        self._pool: FunctionPool | InlinePool
+        if self._inline:  # in this process: no pickling, no hand-over, no time limit
+            self._pool = InlinePool("reward", names, adapter=_score_kwargs, label="reward", log=log)
+        else:
+            self._pool = FunctionPool(
+                "reward",
+                names,
+                workers=workers,
+                timeout_s=timeout_s,
+                adapter=_score_batch,
+                label="reward",
+                start_timeout_s=start_timeout_s,
+                log=log,
+            )
         self.specs = [(name, float(weight)) for name, weight in specs]
         self.workers, self.timeout_s, self.start_timeout_s = workers, timeout_s, start_timeout_s
         self.log = self._pool.log
@@ -160,7 +173,11 @@ class RewardRunner:
         to ``reward_failed`` log events.
         """
         n = len(kwargs["completions"])
-        payload = pickle.dumps(dict(kwargs), protocol=pickle.HIGHEST_PROTOCOL)  # once for all
+        payload: Any = (
+            dict(kwargs)
+            if self._inline
+            else pickle.dumps(dict(kwargs), protocol=pickle.HIGHEST_PROTOCOL)  # once for all
+        )
         outcomes = await asyncio.gather(
             *(self._call(name, payload, n, context) for name, _ in self.specs)
         )

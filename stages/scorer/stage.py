@@ -16,7 +16,9 @@ every worker is busy the stage stops reading, and backpressure reaches the gener
 
 Reward functions run in worker processes under ``timeout_s`` (``runner.py``): one that raises,
 hangs or returns garbage gives its completions reward 0 with an ``error`` in ``reward_info``,
-and the stage goes on. A group still incomplete ``group_timeout_s`` after its first sample (a
+and the stage goes on. With ``workers: 0`` they run in this stage's event loop instead (cheap,
+trusted functions: no hand-over to a process, no time limit; raising or garbage still gives 0).
+A group still incomplete ``group_timeout_s`` after its first sample (a
 sample lost upstream), or at the end of input, is sent with what it has if that is at least
 ``min_group`` samples, else dropped; so is a ``rollout_group`` that comes with fewer than
 ``group_size`` samples (the generator dropped some, and counted them). Malformed rollouts
@@ -81,7 +83,13 @@ class ScorerConfig:
         }
     )
     workers: int = field(
-        default=2, metadata={"min": 1, "doc": "reward worker processes (calls run at once)"}
+        default=2,
+        metadata={
+            "min": 0,
+            "doc": "reward worker processes (calls run at once); 0: the functions run in this "
+            "process's event loop, one call at a time, without timeout_s (cheap functions you "
+            "trust, such as the built-in ones: no hand-over to a process)",
+        },
     )
     batch_groups: int = field(
         default=64, metadata={"min": 1, "doc": "most complete groups scored in one call"}
@@ -147,6 +155,7 @@ class Scorer:
     def __init__(self, config: ScorerConfig, ctx: StageContext) -> None:
         self.config, self.ctx, self.log = config, ctx, ctx.log
         self.runner: RewardRunner | None = None
+        self._calls_at_once = max(1, config.workers)  # workers: 0 scores in the loop, one call
         self.pending: dict[str, _Group] = {}
         self._sources: dict[str, list[Message]] = {}  # group id -> its messages, not yet acked
         self._launched: set[str] = set()  # group ids queued for scoring or being scored
@@ -378,14 +387,14 @@ class Scorer:
         elif not self._kick_pending:  # groups completed in this loop turn: one call for all
             self._kick_pending = True
             asyncio.get_running_loop().call_soon(self._kick)
-        while len(self.ready) >= self.config.batch_groups and self.busy >= self.config.workers:
+        while len(self.ready) >= self.config.batch_groups and self.busy >= self._calls_at_once:
             self._room.clear()
             await self._room.wait()
 
     def _kick(self) -> None:
         """Start scoring calls for the queued groups while workers are free."""
         self._kick_pending = False
-        while self.ready and self.busy < self.config.workers:
+        while self.ready and self.busy < self._calls_at_once:
             batch = self.ready[: self.config.batch_groups]
             self.ready = self.ready[self.config.batch_groups :]
             self.busy += 1

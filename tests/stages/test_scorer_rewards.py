@@ -36,6 +36,12 @@ def hanging(completions, **kwargs):
     time.sleep(3600)
 
 
+def clears(completions, **kwargs):
+    """Empties the lists it was given (a function that mutates its arguments)."""
+    completions.clear()
+    return []
+
+
 def too_short(completions, **kwargs):
     return [1.0] * (len(completions) - 1)
 
@@ -122,9 +128,10 @@ def _kwargs(completions, **extra):
     return {"completions": completions, "prompts": ["p"] * n, **extra}
 
 
-async def test_weights_combine_and_info_names_each_function():
+@pytest.mark.parametrize("workers", [2, 0], ids=["processes", "in_process"])
+async def test_weights_combine_and_info_names_each_function(workers):
     specs = [(EM, 2.0), (f"{HERE}:reward_len", 0.5)]
-    async with RewardRunner(specs, workers=2, timeout_s=5) as runner:
+    async with RewardRunner(specs, workers=workers, timeout_s=5) as runner:
         scored = await runner.score(_kwargs(["19", "18"], answer=["19", "19"]))
         probe = await runner.score(
             _kwargs(["x"], answer=["7"], prompts=["3+4="], completion_ids=[[9]])
@@ -132,17 +139,18 @@ async def test_weights_combine_and_info_names_each_function():
     assert scored[0] == (2.0 + 0.5 * -18, {EM: 1.0, f"{HERE}:reward_len": -18.0})
     assert scored[1] == (0.5 * -18, {EM: 0.0, f"{HERE}:reward_len": -18.0})
     assert probe[0][0] == 0.5 * -19
-    async with RewardRunner([(f"{HERE}:answer_seen", 1.0)], workers=1, timeout_s=5) as runner:
+    async with RewardRunner([(f"{HERE}:answer_seen", 1.0)], workers=workers, timeout_s=5) as runner:
         seen = await runner.score(
             _kwargs(["x"], answer=["7"], prompts=["3+4="], completion_ids=[[9]])
         )
     assert seen == [(1.0, {f"{HERE}:answer_seen": 1.0})]
 
 
-async def test_failures_give_zero_are_counted_and_the_runner_goes_on():
+@pytest.mark.parametrize("workers", [1, 0], ids=["processes", "in_process"])
+async def test_failures_give_zero_are_counted_and_the_runner_goes_on(workers):
     specs = [(EM, 1.0), (f"{HERE}:raising", 1.0)]
     with capture_logs() as logs:
-        async with RewardRunner(specs, workers=1, timeout_s=5) as runner:
+        async with RewardRunner(specs, workers=workers, timeout_s=5) as runner:
             scored = await runner.score(_kwargs(["1", "2"], answer=["1", "1"]), group_id="g7")
             again = await runner.score(_kwargs(["1"], answer=["1"]), group_id="g8")
             stats = runner.stats()
@@ -193,13 +201,14 @@ async def test_hang_does_not_block_other_functions_or_the_event_loop():
     assert scored[0][1][EM] == 1.0 and "timed out" in scored[0][1]["error"]
 
 
-async def test_bad_return_values_are_errors():
+@pytest.mark.parametrize("workers", [1, 0], ids=["processes", "in_process"])
+async def test_bad_return_values_are_errors(workers):
     specs = [(f"{HERE}:too_short", 1.0), (f"{HERE}:odd_values", 1.0)]
-    async with RewardRunner(specs, workers=1, timeout_s=5) as runner:
+    async with RewardRunner(specs, workers=workers, timeout_s=5) as runner:
         short = await runner.score(_kwargs(["a", "b", "c"]))
     assert all(r == 0.0 for r, _ in short)
     assert "returned 2 values for 3 completions" in short[0][1]["error"]
-    async with RewardRunner([specs[1]], workers=1, timeout_s=5) as runner:
+    async with RewardRunner([specs[1]], workers=workers, timeout_s=5) as runner:
         odd = await runner.score(_kwargs(["a", "b", "c", "d"]))
         assert runner.stats()["errors"] == 1
     assert "is nan" in odd[0][1]["error"] and "not a number" in odd[1][1]["error"]
@@ -222,3 +231,15 @@ def test_unknown_or_uncallable_names_fail_at_construction():
         RewardRunner([(f"{HERE}:not_callable", 1.0)])
     with pytest.raises(PluginError, match="has no attribute"):
         RewardRunner([(f"{HERE}:missing", 1.0)])
+
+
+@pytest.mark.parametrize("workers", [1, 0], ids=["processes", "in_process"])
+async def test_functions_get_lists_of_their_own(workers):
+    specs = [(f"{HERE}:clears", 1.0), (EM, 1.0)]
+    async with RewardRunner(specs, workers=workers) as runner:
+        assert bool(runner._all) == (workers > 0)  # workers: 0 starts no process
+        kwargs = _kwargs(["1", "2"], answer=["1", "1"])
+        scored = await runner.score(kwargs)
+    assert kwargs["completions"] == ["1", "2"]  # the caller's lists are left alone
+    assert [info[EM] for _, info in scored] == [1.0, 0.0]  # and so are the next function's
+    assert "returned 0 values for 2 completions" in scored[0][1]["error"]
