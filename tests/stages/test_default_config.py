@@ -14,18 +14,25 @@ from tests.pipeline.runs import REPO, events, run_to_summary
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(240)
-def test_default_config_shortened_runs_to_its_summary(tmp_path):
-    assert (REPO / "configs/models/arith-tiny/model.safetensors").exists()
-    run_dir = tmp_path / "run"
-    summary = run_to_summary(
+def _three_steps(run_dir, *overrides: str) -> dict:
+    """The default config shortened to 3 steps (a smaller eval, no checkpoints), run to its
+    summary."""
+    return run_to_summary(
         "configs/default.yaml",
         run_dir,
         "stages.learner.steps=3",
         "stages.learner.eval.max_prompts=40",
         "stages.learner.checkpoint.every=0",
+        *overrides,
         timeout=230,
     )
+
+
+@pytest.mark.timeout(240)
+def test_default_config_shortened_runs_to_its_summary(tmp_path):
+    assert (REPO / "configs/models/arith-tiny/model.safetensors").exists()
+    run_dir = tmp_path / "run"
+    summary = _three_steps(run_dir)
     assert summary["steps"] == 3 and summary["samples"] == 3 * 256
     # groups whose rewards were all equal had no passes, and the ledger says so
     samples = summary["ledger"]["samples"]
@@ -42,15 +49,7 @@ def test_default_config_shortened_runs_to_its_summary(tmp_path):
 @pytest.mark.timeout(240)
 def test_dynamic_sampling_fills_each_step_with_groups_that_carry_signal(tmp_path):
     run_dir = tmp_path / "run"
-    summary = run_to_summary(
-        "configs/default.yaml",
-        run_dir,
-        "stages.learner.steps=3",
-        "stages.learner.eval.max_prompts=40",
-        "stages.learner.checkpoint.every=0",
-        "stages.learner.dynamic_sampling=true",
-        timeout=230,
-    )
+    summary = _three_steps(run_dir, "stages.learner.dynamic_sampling=true")
     assert summary["steps"] == 3 and summary["samples"] == 3 * 256
     # every sample of every step is in a group whose rewards differ; the others were set aside
     # (processed: acknowledged, their fate no_signal), and the ledger balances
