@@ -91,6 +91,12 @@ def configure_process_logging(
     saved_root_level = root.level
     root.addHandler(handler)
     root.setLevel(min_level)
+    # A line per HTTP request (httpx logs every one at INFO: each call of an openai agent) is
+    # noise in a run's log, and rendering it costs more than the call's routing: debug only.
+    for name in _PER_REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(
+            logging.NOTSET if min_level <= logging.DEBUG else logging.WARNING
+        )
     logging.captureWarnings(True)
     adopt_library_loggers()
 
@@ -138,6 +144,9 @@ def _processors(stage: str, replica: int, version: Callable[[], int]) -> list[An
         _timestamp,
         _to_sink,
     ]
+
+
+_PER_REQUEST_LOGGERS = ("httpx", "httpcore")
 
 
 def adopt_library_loggers() -> None:

@@ -635,6 +635,12 @@ class Generator:
 
     async def _collected(self, msg: Message, group_id: str, collecting: _Collecting) -> None:
         collecting.left -= 1
+        if self._closing:
+            # Closing: nothing more goes out (its prompt is in flight at the end). A sample
+            # can get here after its task was cancelled: Python 3.11's wait_for returns an
+            # agent's result that finished as it was cancelled, and the outbox would then
+            # wait for room forever.
+            return
         if collecting.left == 0:
             samples = sorted(collecting.samples, key=lambda s: s["sample_index"])
             await self._put(msg, group_id, samples, dropped=collecting.dropped)

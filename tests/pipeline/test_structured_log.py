@@ -110,6 +110,18 @@ def test_stdlib_logging_lands_in_the_same_file(tmp_path):
     assert "RuntimeError: loop broke" in events[1]["exception"]
 
 
+def test_a_line_per_http_request_is_left_to_debug_logs(tmp_path):
+    """httpx logs every request at INFO (each call of an openai agent): not in an info log,
+    its warnings are; a debug log keeps them all."""
+    for level, expected in (("info", ["refused"]), ("debug", ["POST /v1", "refused"])):
+        path = tmp_path / f"{level}.jsonl"
+        configure_process_logging(path, stage="generator", replica=0, level=level)
+        logging.getLogger("httpx").info("POST /v1")
+        logging.getLogger("httpx").warning("refused")
+        close_process_logging()
+        assert [e["message"] for e in read_events(path)] == expected
+
+
 def test_level_filtering_and_console_view(tmp_path, capsys):
     path = tmp_path / "scorer.0.jsonl"
     log = configure_process_logging(
