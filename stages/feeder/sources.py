@@ -9,8 +9,9 @@ file, a Parquet file, a folder written by ``datasets``' ``save_to_disk`` (a ``Da
 dataset by name (``kind: hf``: ``datasets.load_dataset(dataset, dataset_config)``, its ``split``
 for training and ``eval_split`` or a held-out share of ``split`` for eval; from the Hub or
 ``datasets``' cache, which is all it reads when ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` is
-set). The feeder stage loads the ``train`` split; the learner loads ``eval`` for held-out
-evaluation.
+set), reasoning-gym's generated items (``kind: reasoning_gym``, ``reasoning_gym_source.py``) or a
+``verifiers`` environment's dataset (``kind: verifiers``, ``verifiers_source.py``). The feeder
+stage loads the ``train`` split; the learner loads ``eval`` for held-out evaluation.
 
 A prompt is a string, or a list of chat messages (``{role, content}``) that the tokenizer's chat
 template renders (``add_generation_prompt``); ``chat_template: true`` renders string prompts as
@@ -31,7 +32,9 @@ tokenized a batch at a time.
 
 The split of a file source into train and eval is a stable hash of the prompt (the raw text, or
 the JSON of its chat messages) and ``split_seed``: the same prompt is on the same side on every
-machine, whichever tokenizer is used, and duplicates of a prompt never straddle the split.
+machine, whichever tokenizer is used, and duplicates of a prompt never straddle the split. A
+verifiers environment's own eval dataset serves as the eval split when ``eval_fraction`` is 0;
+its training dataset's prompts that the eval dataset also has are then left out of training.
 
 Not here: shuffling, epochs and sharding between replicas (the feeder stage does that), and
 finding models (``tokenizer`` is a folder or a Hub id that ``stages.hub`` resolves to a folder,
@@ -63,7 +66,11 @@ from stages.feeder.arithmetic import (
 from stages.feeder.reasoning_gym_source import ReasoningGymError
 from stages.feeder.reasoning_gym_source import dataset as reasoning_gym_dataset
 from stages.feeder.reasoning_gym_source import items as reasoning_gym_items
+from stages.feeder.verifiers_source import check as verifiers_check
+from stages.feeder.verifiers_source import has_eval as verifiers_has_eval
+from stages.feeder.verifiers_source import rows as verifiers_rows
 from stages.hub import HubError, resolve_model, tokenizer_check
+from stages.verifiers_env import VerifiersError
 
 if TYPE_CHECKING:
     from stages.hf import PreTrainedTokenizerBase
@@ -75,7 +82,9 @@ _PROBLEM_BATCH = 8192  # a built-in task's problems tokenized per call (no rows 
 _WARN_ROWS = 20  # bad rows logged one by one; after that only counted
 _EVAL_SUBSETS = ("test", "validation")  # DatasetDict subsets that serve the eval split
 _Keep = Literal["all", "train", "eval"]
-_Kind = Literal["arithmetic", "chain", "jsonl", "parquet", "hf_disk", "hf", "reasoning_gym"]
+_Kind = Literal[
+    "arithmetic", "chain", "jsonl", "parquet", "hf_disk", "hf", "reasoning_gym", "verifiers"
+]
 
 
 class SourceError(ValueError):
@@ -84,9 +93,9 @@ class SourceError(ValueError):
 
 @dataclass
 class SourceConfig:
-    kind: Literal["arithmetic", "chain", "jsonl", "parquet", "hf_disk", "hf", "reasoning_gym"] = (
-        field(default="arithmetic", metadata={"doc": "where prompts come from"})
-    )
+    kind: Literal[
+        "arithmetic", "chain", "jsonl", "parquet", "hf_disk", "hf", "reasoning_gym", "verifiers"
+    ] = field(default="arithmetic", metadata={"doc": "where prompts come from"})
     path: str = field(
         default="",
         metadata={"doc": "file (jsonl, parquet) or save_to_disk folder (hf_disk)", "path": True},
@@ -151,7 +160,10 @@ class SourceConfig:
     )
     split: str = field(
         default="train",
-        metadata={"doc": "kind hf: the split read for training (datasets syntax: train[:90%])"},
+        metadata={
+            "doc": "kind hf: the split read for training (datasets syntax: train[:90%]); kind "
+            "verifiers: the environment's dataset read for training, train or eval"
+        },
     )
     eval_split: str = field(
         default="", metadata={"doc": "kind hf: the split read for eval (test, validation...)"}
@@ -163,6 +175,17 @@ class SourceConfig:
     chain: ChainConfig = field(
         default_factory=ChainConfig,
         metadata={"doc": "the long-tail chain task (kind: chain), with its own eval split"},
+    )
+    env: str = field(
+        default="",
+        metadata={
+            "doc": "kind verifiers: the environment, by name (its module, dashes as "
+            "underscores) or dotted module path"
+        },
+    )
+    env_args: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"doc": "kind verifiers: keyword arguments of its load_environment"},
     )
 
     def __post_init__(self) -> None:
@@ -184,6 +207,23 @@ class SourceConfig:
                 reasoning_gym_dataset(self.dataset, self.options, self.size, self.seed)
             except ReasoningGymError as exc:
                 raise ValueError(str(exc)) from None
+        elif self.kind == "verifiers":
+            if not self.env:
+                raise ValueError("kind 'verifiers' needs `env` (an environment's name or module)")
+            if self.path or self.eval_path:
+                raise ValueError(
+                    "kind 'verifiers' reads the environment's datasets: drop path/eval_path (the "
+                    "eval split is its eval dataset, or `eval_fraction` of `split`)"
+                )
+            if self.split not in ("train", "eval"):
+                raise ValueError(
+                    f"kind 'verifiers': `split` is the environment's dataset to train on, train "
+                    f"or eval, not {self.split!r}"
+                )
+            try:  # an unknown environment, refused arguments, no prompts: before the run
+                verifiers_check(self.env, self.env_args, self.split)  # type: ignore[arg-type]
+            except VerifiersError as exc:
+                raise ValueError(str(exc)) from None
         elif self.kind == "hf":
             if not self.dataset:
                 raise ValueError("kind 'hf' needs `dataset` (a Hub dataset id such as org/name)")
@@ -203,6 +243,8 @@ class SourceConfig:
             raise ValueError(f"dataset is for kinds 'hf' and 'reasoning_gym', not {self.kind!r}")
         if self.kind != "reasoning_gym" and self.options:
             raise ValueError(f"options are for kind 'reasoning_gym', not {self.kind!r}")
+        if self.kind != "verifiers" and (self.env or self.env_args):
+            raise ValueError(f"env/env_args are for kind 'verifiers', not {self.kind!r}")
         if self.kind not in ("arithmetic", "chain"):
             if not self.tokenizer:
                 raise ValueError(
@@ -297,6 +339,8 @@ class _Part:
     # A built-in task's problems as (text, answer, prompt id): valid by construction, so they
     # skip the row checks (``records`` yields the same rows, for the chat-template path).
     problems: Iterable[tuple[str, str, str]] | None = None
+    held: frozenset[str] = frozenset()  # prompts (as split keys) that the eval split holds
+    require_answer: bool | None = None  # None: the config's require_answer
 
 
 def _arithmetic_part(config: ArithmeticConfig, split: str) -> _Part:
@@ -352,6 +396,8 @@ def _file_part(config: SourceConfig, split: str) -> _Part:
         return _hub_part(config, split, hashed)
     if config.kind == "reasoning_gym":
         return _reasoning_gym_part(config, split, hashed)
+    if config.kind == "verifiers":
+        return _verifiers_part(config, split, hashed)
     if split == "train":
         return _open(config, Path(config.path), "train", "train" if hashed else "all")
     if config.eval_path:
@@ -531,6 +577,35 @@ def _reasoning_gym_part(config: SourceConfig, split: str, hashed: bool) -> _Part
     )  # fmt: skip
 
 
+# ------------------------------------------------------------ verifiers environments (verifiers)
+def _verifiers_part(config: SourceConfig, split: str, hashed: bool) -> _Part:
+    """The environment's ``split`` dataset (a hashed share of it, with ``eval_fraction``); else
+    for eval its eval dataset, whose prompts the training split then leaves out."""
+    env, args = config.env, config.env_args
+    trained: Literal["train", "eval"] = config.split  # type: ignore[assignment]
+    own_eval = not hashed and trained == "train" and verifiers_has_eval(env, args)
+    which, keep, held = trained, "all", frozenset()
+    if hashed:
+        keep = split
+    elif split == "eval":
+        if not own_eval:
+            raise SourceError(
+                f"verifiers {env}: no eval split: the environment has no eval dataset "
+                f"{'apart from the one trained on ' if trained == 'eval' else ''}(verifiers would "
+                "serve its training prompts); set `eval_fraction` (a share held out)"
+            )
+        which = "eval"
+    elif own_eval:
+        _, _, eval_rows = verifiers_rows(env, args, "eval")
+        held = frozenset(_split_key(row["prompt"]) for row in eval_rows)
+    label, meta_keys, rows = verifiers_rows(env, args, which)
+    records = (_Record(i, row) for i, row in enumerate(rows, start=1))
+    return _Part(
+        f"verifiers {label}", label, env, records, None, keep,  # type: ignore[arg-type]
+        meta_keys=meta_keys, id_key="id", held=held, require_answer=False,
+    )  # fmt: skip
+
+
 # ------------------------------------------------------------------ datasets by name (kind hf)
 def _hub_part(config: SourceConfig, split: str, hashed: bool) -> _Part:
     """``split`` of the dataset ``config.dataset`` names: the ``split`` it reads (the held-out
@@ -663,6 +738,13 @@ def _load_tokenizer(config: SourceConfig) -> PreTrainedTokenizerBase:
         raise SourceError(f"tokenizer {path}: cannot load it ({exc})") from exc
 
 
+def _split_key(prompt: str | list) -> str:
+    """What the split hashes of a prompt: the text, or the JSON of its chat messages."""
+    if isinstance(prompt, str):
+        return prompt
+    return json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)
+
+
 def _held_out(key: str, seed: int, fraction: float) -> bool:
     digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64 < fraction
@@ -790,20 +872,22 @@ class _Loader:
             if not prompt.strip():
                 self.reject(part, number, "empty_prompt")
                 return
-            key = prompt
-        elif isinstance(prompt, list) and _messages_ok(prompt):
-            key = json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)
-        else:
+        elif not (isinstance(prompt, list) and _messages_ok(prompt)):
             what = "not a list of {role, content} strings" if isinstance(prompt, list) else ""
             self.reject(part, number, "bad_prompt", what or f"a {type(prompt).__name__}")
             return
+        key = _split_key(prompt)
         if part.keep != "all":
             held = _held_out(key, config.split_seed, config.eval_fraction)
             if held != (part.keep == "eval"):
                 self.other_split += 1
                 return
+        if key in part.held:
+            self.other_split += 1
+            return
         answer = data.get(part.answer_key)
-        if answer is None and config.require_answer:
+        required = config.require_answer if part.require_answer is None else part.require_answer
+        if answer is None and required:
             self.reject(part, number, "missing_answer")
             return
         text, templated = self.render(part, number, prompt)

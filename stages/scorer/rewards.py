@@ -16,6 +16,10 @@ it does not apply to (TRL's convention); that completion then gets nothing from 
   reasoning-gym's prompts ask, else the whole completion, stripped) for the prompt's item,
   which ``meta.reasoning_gym`` names (``kind: reasoning_gym`` sources put it there); ``None``
   (nothing) for a prompt of another source.
+- ``verifiers``: the score a ``verifiers`` environment's rubric (its parser, reward functions
+  and weights) gives the completion as a one-turn rollout of the prompt's row, for prompts of a
+  ``kind: verifiers`` source (``meta.verifiers`` names the environment; ``verifiers_reward.py``);
+  ``None`` (nothing) for a prompt of another source.
 - ``chain_answer``: 1.0 when the final answer written after the worked steps
   (``12+34=46;46-5=41;#41``: the text after the one ``#``) is exactly ``answer``; 0.0 for a
   malformed completion (no ``#``, several, no integer after it) and for one cut off by the
@@ -38,6 +42,7 @@ __all__ = [
     "last_boxed",
     "math_verify",
     "reasoning_gym",
+    "verifiers",
 ]
 
 _FINAL = re.compile(r"[^#]*#(-?[0-9]+)")  # worked steps (no '#'), then '#' and the answer
@@ -143,3 +148,10 @@ def reasoning_gym(
         answer = tagged if tagged is not None else completion.strip()
         scores.append(float(data.score_answer(answer=answer, entry=data[spec["index"]])))
     return scores
+
+
+def verifiers(completions: list[str], **kwargs: Any) -> list[float | None]:
+    """The verifiers environment's rubric score of each completion, for its prompt's row."""
+    from stages.scorer.verifiers_reward import score
+
+    return score(completions, kwargs)

@@ -206,11 +206,13 @@ async def generate(
     version: int = 0,
     pace: dict[str, int] | None = None,
     engine_versions: dict[str, int] | None = None,
+    prompt_list: list[dict[str, Any]] | None = None,
     **options: Any,
 ) -> SimpleNamespace:
     """Run the generator stage over ``count`` prompts; returns what it did and said.
     ``pace``: the learner's last ``topics.PACE`` report (none by default); ``engine_versions``:
-    what the weight publisher announced each engine holds (``topics.VERSION``)."""
+    what the weight publisher announced each engine holds (``topics.VERSION``);
+    ``prompt_list``: the prompts (default: ``prompts(count)``)."""
     config = GeneratorConfig(
         engines=engines,
         group_size=G,
@@ -244,7 +246,7 @@ async def generate(
         mode=mode,
         version=version,
         log=log,
-        inputs={"prompts": PromptList(prompts(count), rollouts)},
+        inputs={"prompts": PromptList(prompt_list or prompts(count), rollouts)},
         outputs={"rollouts": rollouts},
         metrics=lambda **values: metrics.append(values),
         ledger=LedgerReporter(ledger.append),
