@@ -1,17 +1,20 @@
 """The tool and the environment of the example configs (``configs/calculator.yaml``,
 ``configs/guess.yaml``), registered as ``calc`` (``inflight.tools``) and ``guess_number``
-(``inflight.environments``), and the smallest ``openai`` agent, ``one_completion``
-(``inflight.agents``). They are small on purpose: read them as templates for your own.
+(``inflight.environments``), and two ``openai`` agents (``inflight.agents``): the smallest,
+``one_completion``, and ``calc_agent``, a function-calling loop as any ``openai`` user writes
+one (``configs/calculator_agent.yaml``). They are small on purpose: read them as templates for
+your own.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["GuessNumber", "calc", "one_completion"]
+__all__ = ["CALC_TOOL", "GuessNumber", "calc", "calc_agent", "one_completion"]
 
 _OPERATORS = {
     ast.Add: operator.add,
@@ -99,4 +102,48 @@ async def one_completion(client: Any, task: Mapping[str, Any]) -> float | None:
     """The smallest agent (``rollout: {use: openai_agent, agent: one_completion}``): one
     ``/v1/completions`` call on the prompt the feeder made; the scorer scores the answer."""
     await client.completions.create(model="policy", prompt=task["prompt_ids"])
+    return None
+
+
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "Evaluate an integer arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {
+                    "type": "string",
+                    "description": 'Integers with + - * // % and parentheses, e.g. "123*456".',
+                }
+            },
+            "required": ["expression"],
+        },
+    },
+}
+
+
+async def calc_agent(client: Any, task: Mapping[str, Any], max_turns: int = 3) -> float | None:
+    """A function-calling agent as written for any OpenAI-compatible server: chat completions
+    with the ``calc`` tool offered; each tool call is run and its answer sent back as a
+    ``tool`` message, until the model answers without a call. The scorer scores that answer
+    (``None``: no reward of the agent's own)."""
+    messages: list[dict[str, Any]] = list(task.get("messages") or [])
+    if not messages:
+        messages = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(max_turns):
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, tools=[CALC_TOOL]
+        )
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            return None
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            try:
+                answer = calc(**json.loads(call.function.arguments))
+            except (ValueError, TypeError, ZeroDivisionError) as exc:
+                answer = f"error: {exc}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
     return None
