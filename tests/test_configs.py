@@ -29,7 +29,9 @@ def _model_paths(options, path):
         return
     for f in dataclasses.fields(options):
         value = getattr(options, f.name)
-        if f.metadata.get("path") == "model" and value:
+        # a source's `dataset` is resolved as models are (a folder or a Hub id) but is a dataset,
+        # or a reasoning-gym dataset's name: no model folder to find
+        if f.metadata.get("path") == "model" and value and f.name != "dataset":
             yield f"{path}.{f.name}", value
         yield from _model_paths(value, f"{path}.{f.name}")
 
