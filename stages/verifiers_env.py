@@ -158,6 +158,12 @@ def _load(env: str, env_args: dict[str, Any]) -> Any:
             "verifiers calls to make an environment)"
         )
     _check_args(env, load, env_args)
+    try:  # environments map their datasets: no progress bar per map on the user's console
+        from datasets.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+    except ImportError:
+        pass
     with _signals_kept():
         try:
             made = vf.load_environment(env, **env_args)
