@@ -39,32 +39,18 @@ teach it to reach for the tool. One JSON line reports the figures on held-out pr
 
 from __future__ import annotations
 
-import argparse
 import random
 import re
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from make_calc_model import TASK, Episode, calc, episode_stats
-from tiny_lm import (
-    add_model_arguments,
-    char_tokenizer,
-    deterministic,
-    log_evaluation,
-    model_and_optimizer,
-    model_record,
-    sample,
-    save_and_report,
-    segments_loss,
-    sft_step,
-    stop_rule_unmet,
-)
+from make_calc_model import Episode, calc, warm_start, warm_start_arguments
+from tiny_lm import char_tokenizer, sample
 from transformers import PreTrainedTokenizerFast
 
-from stages.feeder.arithmetic import EOS_ID, PAD_ID, Problem, problems
+from stages.feeder.arithmetic import EOS_ID, PAD_ID, Problem
 
 CHARS = "0123456789+-*="
 CALL_OPEN = '{"name": "calc", "arguments": {"expression": "'
@@ -80,7 +66,7 @@ ADDED = (
     CALL_CLOSE,
 )
 VOCAB_SIZE = 2 + len(CHARS) + len(ADDED)  # 24
-CONTEXT = 64  # the longest episode is 36 tokens
+# the context is the calculator's (64): the longest episode is 36 tokens
 TURN_TOKENS = 16  # a turn's most new tokens: a call is 12 with its tags and <eos>, an answer 7
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -196,88 +182,17 @@ def run_episodes(
     return eps
 
 
-def evaluate(model: torch.nn.Module, items: Sequence[Problem], seed: int) -> dict[str, float]:
-    """Greedy accuracy and tool use, and the same at temperature 1 (``sampled_*``)."""
-    greedy = episode_stats(run_episodes(model, items), items)
-    gen = torch.Generator().manual_seed(seed)
-    sampled = episode_stats(run_episodes(model, items, temperature=1.0, generator=gen), items)
-    return {
-        "greedy_accuracy": greedy["accuracy"],
-        "greedy_tool_rate": greedy["tool_rate"],
-        "sampled_accuracy": sampled["accuracy"],
-        "sampled_tool_rate": sampled["tool_rate"],
-        "sampled_tool_accuracy": sampled["tool_accuracy"],
-        "sampled_direct_accuracy": sampled["direct_accuracy"],
-        "sampled_no_answer": sampled["no_answer"],
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_arguments(parser, Path(__file__).parent / "calc-chat-tiny")
-    parser.add_argument("--tool-share", type=float, default=0.2)
-    parser.add_argument("--tool-share-9", type=float, default=0.8)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--min-tool-acc", type=float, default=0.95)
-    parser.add_argument("--min-acc", type=float, default=0.05)
-    parser.add_argument("--max-acc", type=float, default=0.2)
-    parser.add_argument("--min-tool-rate", type=float, default=0.2)
-    parser.add_argument("--max-tool-rate", type=float, default=0.4)
-    parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--eval-sample", type=int, default=400)
-    parser.add_argument("--report", type=int, default=2000)
-    parser.add_argument("--max-steps", type=int, default=3000)
-    args = parser.parse_args(argv)
-
-    deterministic()
-    started = time.perf_counter()
-    train = list(problems(TASK, "train"))
-    held_out = list(problems(TASK, "eval"))
-    rng = random.Random(args.seed)
-    picked = random.Random(args.seed + 1).sample(held_out, args.eval_sample + args.report)
-    eval_sample, reported = picked[: args.eval_sample], picked[args.eval_sample :]
-    model, optimizer = model_and_optimizer(args, vocab_size=VOCAB_SIZE, max_positions=CONTEXT)
-
-    step, history = 0, []
-    while step < args.max_steps:
-        batch = [
-            teacher_episode(p, rng, args.tool_share, args.tool_share_9)
-            for p in rng.sample(train, args.batch)
-        ]
-        rows = [[(encode(text), sampled) for text, sampled in segments] for segments in batch]
-        loss = segments_loss(model, rows)
-        sft_step(optimizer, loss)
-        step += 1
-        if step % args.eval_every:
-            continue
-        stats = evaluate(model, eval_sample, args.seed)
-        log_evaluation(history, step, loss, stats, _SHOWN)
-        if (
-            stats["sampled_tool_accuracy"] >= args.min_tool_acc
-            and args.min_acc <= stats["greedy_accuracy"] <= args.max_acc
-            and args.min_tool_rate <= stats["sampled_tool_rate"] <= args.max_tool_rate
-        ):
-            break
-    else:
-        return stop_rule_unmet(step, history, _SHOWN)
-
-    train_s = time.perf_counter() - started
-    model.eval()
-    record = {
-        **model_record(args, model, vocab=VOCAB_SIZE, context=CONTEXT),
-        "steps": step,
-        "train_s": round(train_s, 1),
-        "held_out_problems": len(reported),
-        **{k: round(v, 4) for k, v in evaluate(model, reported, args.seed + 3).items()},
-        "last_evaluations": history[-4:],
-    }
-    return save_and_report(
-        model, make_tokenizer(), record, args.out, started, max_new_tokens=TURN_TOKENS
+    args = warm_start_arguments(Path(__file__).parent / "calc-chat-tiny").parse_args(argv)
+    return warm_start(
+        args,
+        teacher=teacher_episode,
+        encode=encode,
+        play=run_episodes,
+        tokenizer=make_tokenizer(),
+        vocab_size=VOCAB_SIZE,
+        turn_tokens=TURN_TOKENS,
     )
-
-
-_SHOWN = ("greedy_accuracy", "sampled_tool_rate", "sampled_tool_accuracy")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,11 +235,14 @@ def teacher_episode(
     return tool_episode(problem) if rng.random() < p else direct_episode(problem)
 
 
-def evaluate(model: torch.nn.Module, items: Sequence[Problem], seed: int) -> dict[str, float]:
-    """Greedy accuracy and tool use, and the same at temperature 1 (``sampled_*``)."""
-    greedy = episode_stats(run_episodes(model, items), items)
+def evaluate(
+    model: torch.nn.Module, items: Sequence[Problem], seed: int, play: Callable = run_episodes
+) -> dict[str, float]:
+    """Greedy accuracy and tool use, and the same at temperature 1 (``sampled_*``), of the
+    episodes ``play`` plays (``run_episodes``: this model's format)."""
+    greedy = episode_stats(play(model, items), items)
     gen = torch.Generator().manual_seed(seed)
-    sampled = episode_stats(run_episodes(model, items, temperature=1.0, generator=gen), items)
+    sampled = episode_stats(play(model, items, temperature=1.0, generator=gen), items)
     return {
         "greedy_accuracy": greedy["accuracy"],
         "greedy_tool_rate": greedy["tool_rate"],
@@ -252,8 +255,23 @@ def evaluate(model: torch.nn.Module, items: Sequence[Problem], seed: int) -> dic
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = warm_start_arguments(Path(__file__).parent / "calc-tiny").parse_args(argv)
+    return warm_start(
+        args,
+        teacher=teacher_episode,
+        encode=encode,
+        play=run_episodes,
+        tokenizer=make_calc_tokenizer(),
+        vocab_size=VOCAB_SIZE,
+        turn_tokens=TURN_TOKENS,
+    )
+
+
+def warm_start_arguments(out: Path) -> argparse.ArgumentParser:
+    """The command line of this script (and of ``make_calc_chat_model.py``), ``out`` its
+    default ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_arguments(parser, Path(__file__).parent / "calc-tiny")
+    add_model_arguments(parser, out)
     parser.add_argument(
         "--tool-share", type=float, default=0.2, help="demonstrations that call the tool..."
     )
@@ -273,8 +291,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eval-sample", type=int, default=400, help="held-out problems scored")
     parser.add_argument("--report", type=int, default=2000, help="held-out problems reported")
     parser.add_argument("--max-steps", type=int, default=3000)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def warm_start(
+    args: argparse.Namespace,
+    *,
+    teacher: Callable[..., list[tuple[str, bool]]],
+    encode: Callable[[str], list[int]],
+    play: Callable[..., list[Episode]],
+    tokenizer: PreTrainedTokenizerFast,
+    vocab_size: int,
+    turn_tokens: int,
+) -> int:
+    """Train the model on ``teacher``'s demonstrations (``encode``d) until ``play``'s episodes
+    meet the stop rule, then save it with ``tokenizer``; the exit status."""
     deterministic()
     started = time.perf_counter()
     train = list(problems(TASK, "train"))
@@ -283,20 +314,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     picked = random.Random(args.seed + 1).sample(held_out, args.eval_sample + args.report)
     # the stop is chosen on one sample and reported on another
     eval_sample, reported = picked[: args.eval_sample], picked[args.eval_sample :]
-    model, optimizer = model_and_optimizer(args, vocab_size=VOCAB_SIZE, max_positions=CONTEXT)
+    model, optimizer = model_and_optimizer(args, vocab_size=vocab_size, max_positions=CONTEXT)
 
     step, history = 0, []
     while step < args.max_steps:
         batch = [
-            teacher_episode(p, rng, args.tool_share, args.tool_share_9)
+            teacher(p, rng, args.tool_share, args.tool_share_9)
             for p in rng.sample(train, args.batch)
         ]
-        loss = sft_loss(model, batch)
+        rows = [[(encode(text), sampled) for text, sampled in segments] for segments in batch]
+        loss = segments_loss(model, rows)
         sft_step(optimizer, loss)
         step += 1
         if step % args.eval_every:
             continue
-        stats = evaluate(model, eval_sample, args.seed)
+        stats = evaluate(model, eval_sample, args.seed, play)
         log_evaluation(history, step, loss, stats, _SHOWN)
         if (
             stats["sampled_tool_accuracy"] >= args.min_tool_acc
@@ -310,16 +342,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_s = time.perf_counter() - started
     model.eval()
     record = {
-        **model_record(args, model, vocab=VOCAB_SIZE, context=CONTEXT),
+        **model_record(args, model, vocab=vocab_size, context=CONTEXT),
         "steps": step,
         "train_s": round(train_s, 1),
         "held_out_problems": len(reported),
-        **{k: round(v, 4) for k, v in evaluate(model, reported, args.seed + 3).items()},
+        **{k: round(v, 4) for k, v in evaluate(model, reported, args.seed + 3, play).items()},
         "last_evaluations": history[-4:],
     }
-    return save_and_report(
-        model, make_calc_tokenizer(), record, args.out, started, max_new_tokens=TURN_TOKENS
-    )
+    return save_and_report(model, tokenizer, record, args.out, started, max_new_tokens=turn_tokens)
 
 
 _SHOWN = ("greedy_accuracy", "sampled_tool_rate", "sampled_tool_accuracy")

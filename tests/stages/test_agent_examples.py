@@ -19,21 +19,28 @@ from tests.pipeline.runs import REPO, events, run_to_summary
 pytestmark = pytest.mark.slow
 
 
+def shortened(config: str, run_dir, steps: int, timeout: float) -> tuple[dict, dict, dict]:
+    """``config`` run for ``steps`` steps, evaluated on 60 prompts before and after: the run's
+    summary (checked to have succeeded, every sample accounted for) and the two evaluations."""
+    summary = run_to_summary(
+        config,
+        run_dir,
+        f"stages.learner.steps={steps}",
+        f"stages.learner.eval.every={steps}",
+        "stages.learner.eval.max_prompts=60",
+        timeout=timeout,
+    )
+    assert summary["status"] == "succeeded" and summary["steps"] == steps
+    assert summary["ledger"]["unaccounted"] == 0
+    before, after = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]
+    return summary, before, after
+
+
 @pytest.mark.timeout(240)
 def test_the_calculator_example_learns_to_call_its_tool(tmp_path):
     assert (REPO / "configs/models/calc-tiny/model.safetensors").exists()
     run_dir = tmp_path / "run"
-    summary = run_to_summary(
-        "configs/calculator.yaml",
-        run_dir,
-        "stages.learner.steps=30",
-        "stages.learner.eval.every=30",
-        "stages.learner.eval.max_prompts=60",
-        timeout=230,
-    )
-    assert summary["status"] == "succeeded" and summary["steps"] == 30
-    assert summary["ledger"]["unaccounted"] == 0
-    before, after = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]
+    _, before, after = shortened("configs/calculator.yaml", run_dir, 30, timeout=230)
     # the warm start answers in its head (wrong) for most prompts and rarely calls the tool
     assert before["accuracy"] <= 0.3 and before["tool_use"] <= 0.4
     assert after["tool_use"] >= 0.6 and after["accuracy"] >= before["accuracy"] + 0.3
@@ -54,19 +61,9 @@ def test_the_function_calling_agent_example_learns_to_call_its_tool(tmp_path):
     trajectory (the full run: 0.11 -> 1.0 by step 25)."""
     assert (REPO / "configs/models/calc-chat-tiny/model.safetensors").exists()
     run_dir = tmp_path / "run"
-    summary = run_to_summary(
-        "configs/calculator_agent.yaml",
-        run_dir,
-        "stages.learner.steps=30",
-        "stages.learner.eval.every=30",
-        "stages.learner.eval.max_prompts=60",
-        timeout=230,
-    )
-    assert summary["status"] == "succeeded" and summary["steps"] == 30
+    summary, before, after = shortened("configs/calculator_agent.yaml", run_dir, 30, timeout=230)
     ledger = summary["ledger"]
-    assert ledger["unaccounted"] == 0
     assert not ledger.get("not_ended_cleanly")  # episodes in flight at the end are let go
-    before, after = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]
     # the warm start answers in its head (wrong) for most prompts: one call, no tool
     assert before["accuracy"] <= 0.3 and before["turns_mean"] <= 1.4
     assert after["accuracy"] >= before["accuracy"] + 0.3 and after["turns_mean"] >= 1.6
@@ -88,18 +85,8 @@ def test_the_verifiers_tool_env_example_learns_to_call_its_tool(tmp_path):
     run: 0.12 -> 1.0 by step 25)."""
     pytest.importorskip("verifiers")
     run_dir = tmp_path / "run"
-    summary = run_to_summary(
-        "configs/calculator_verifiers.yaml",
-        run_dir,
-        "stages.learner.steps=20",
-        "stages.learner.eval.every=20",
-        "stages.learner.eval.max_prompts=60",
-        timeout=190,
-    )
-    assert summary["status"] == "succeeded" and summary["steps"] == 20
-    ledger = summary["ledger"]
-    assert ledger["unaccounted"] == 0 and not ledger.get("not_ended_cleanly")
-    before, after = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]
+    summary, before, after = shortened("configs/calculator_verifiers.yaml", run_dir, 20, 190)
+    assert not summary["ledger"].get("not_ended_cleanly")
     assert before["accuracy"] <= 0.3 and before["turns_mean"] <= 1.4
     assert after["accuracy"] >= before["accuracy"] + 0.3 and after["turns_mean"] >= 1.6
     steps = [e for e in events(run_dir, "learner.0") if e["event"] == "train_step"]
