@@ -15,6 +15,7 @@ from typing import Any, Literal
 from stages.feeder.sources import SourceConfig
 from stages.hub import model_check
 from stages.learner.loss_config import LossConfig
+from stages.learner.overlong import OverlongConfig
 from stages.rollouts.api import RolloutConfig
 from stages.scorer.stage import RewardSpec
 
@@ -145,7 +146,9 @@ class LearnerConfig:
         "too) counted (0: no limit)",
         min=0,
     )
-    epochs: int = _f(1, "optimizer steps per batch (>1 reuses it: set loss.ppo_clip)", min=1)
+    epochs: int = _f(
+        1, "optimizer steps per batch (>1 reuses it: set loss.objective ppo, gspo or cispo)", min=1
+    )
     max_lag: int = _f(4, "drop samples whose oldest sampled token is more versions old", min=0)
     skip_no_signal: bool = _f(
         True,
@@ -182,6 +185,10 @@ class LearnerConfig:
     advantage: AdvantageConfig = field(
         default_factory=AdvantageConfig, metadata={"doc": "group advantage options"}
     )
+    overlong: OverlongConfig = field(
+        default_factory=OverlongConfig,
+        metadata={"doc": "truncated samples: filtered out, or their reward shaped (DAPO)"},
+    )
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "optimizer"})
     deepspeed: DeepSpeedSection = field(
         default_factory=DeepSpeedSection, metadata={"doc": "DeepSpeed engine"}
@@ -197,7 +204,10 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model is required: the Hugging Face model directory to train")
-        if self.epochs > 1 and self.loss.ppo_clip is None:
-            raise ValueError("epochs > 1 reuses each batch: set loss.ppo_clip (e.g. 0.2)")
+        if self.epochs > 1 and not self.loss.clipped_objective:
+            raise ValueError(
+                "epochs > 1 reuses each batch: set loss.objective to ppo, gspo or cispo (or "
+                "loss.ppo_clip, e.g. 0.2)"
+            )
         if self.eval.source is not None and not self.eval.rewards:
             raise ValueError("eval.source is set but eval.rewards is empty")

@@ -1,17 +1,32 @@
 """The learner's per-token policy-gradient loss with truncated importance sampling (TIS).
 
 Per completion token, with ``rho = exp(old_logp - sampler_logp)`` (detached; ``old_logp`` is the
-learner's log-prob before this optimizer step) and ``w = min(rho, C)``::
+learner's log-prob before this optimizer step) and ``w = min(rho, C)``, by ``objective``::
 
-    term = -w * A * logp                                             (default)
-    term = -w * min(r * A, clip(r, 1 - eps, 1 + eps) * A),  r = exp(logp - old_logp)  (ppo_clip)
-         + kl_coef * (exp(ref - logp) - (ref - logp) - 1)            (kl_coef > 0; k3 estimator)
+    pg     term = -w * A * logp                                                    (default)
+    ppo    term = -w * min(r * A, clip(r, 1 - lo, 1 + hi) * A),  r = exp(logp - old_logp)
+    gspo   the same with r = s_i * exp(logp - sg(logp)),  s_i = exp(mean_t(logp - old_logp))
+    cispo  term = -w * sg(clip(r, 1 - lo, 1 + hi)) * A * logp
+           + kl_coef * (exp(ref - logp) - (ref - logp) - 1)            (kl_coef > 0; k3 estimator)
 
-With PPO-clip the TIS weight corrects for the sampler/learner mismatch (sampler -> old policy)
-and the clipped ratio for the epochs already taken on the batch (old -> current); at ``r = 1``
-(the first epoch) its gradient equals the default term's. MIS drops tokens whose ``rho`` lies
+``lo``/``hi`` are ``clip_low``/``clip_high`` (DAPO's clip-higher: ``hi > lo``). PPO (Schulman et
+al. 2017) clips each token's ratio; GSPO (Zheng et al. 2025) the sequence's, the geometric mean
+of its tokens' ratios over the trained tokens, in its GSPO-token form (the value ``s_i`` at every
+token, the gradient ``s_i`` times the token's); CISPO (MiniMax-M1, 2025) clips the ratio as a
+detached weight on the log-prob, so no token loses its gradient. The TIS weight corrects for the
+sampler/learner mismatch (sampler -> old policy) and the clipped ratio for the epochs already
+taken on the batch (old -> current); at ``r = 1`` (a batch's first epoch) all four give the same
+gradient. With ``ratio_base: sampler`` the ratio is taken to the sampler's log-probs instead
+(``r = exp(logp - sampler_logp)``, PipelineRL's choice, clipping from the first epoch on) and
+``w = 1``: the ratio itself corrects for the mismatch. MIS drops tokens whose ``rho`` lies
 outside ``[mis_low, mis_high]`` from the policy term (they still count in the length a sequence
 is averaged over, and in the KL term).
+
+Normalization (``normalize``): ``sequence`` averages each sequence over its trained tokens, then
+over the step's sequences; ``token`` sums over the step's trained tokens and divides by their
+number (DAPO); ``fixed`` divides each sequence's sum by ``fixed_length`` and averages over the
+step's sequences, and ``none`` the same without the constant (Dr. GRPO, Liu et al. 2025: no
+length bias).
 
 The loss is a *sum* over the micro-batch divided by a step-wide ``denominator``
 (``loss_denominator``), so the losses of the micro-batches of an optimizer step add up to the
@@ -31,7 +46,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal
 
 import torch
 
@@ -44,26 +58,69 @@ __all__ = ["LossConfig", "loss_denominator", "policy_loss", "stat_keys", "summar
 _MAX_LOG_RATIO = 20.0
 
 
-def loss_denominator(
-    lengths: Sequence[int] | torch.Tensor, normalize: Literal["sequence", "token"]
-) -> float:
+def loss_denominator(lengths: Sequence[int] | torch.Tensor, config: LossConfig | str) -> float:
     """What to pass as ``policy_loss(denominator=...)`` for one optimizer step.
 
     ``lengths``: the trained (sampled) token counts of *every* sample of the step (all
     micro-batches; all ranks when the gradient is summed over ranks), or a mask of trained
-    tokens ``[B, T]``. ``sequence`` -> the number of samples, those with no trained token
-    included (they add 0 to the loss, like a sample with a zero advantage, and the step's scale
-    stays that of its batch size); ``token`` -> the number of trained tokens. Never below 1, so a
-    step without tokens gives a zero loss rather than NaN.
+    tokens ``[B, T]``. ``config`` (or its ``normalize``): ``sequence`` and ``none`` -> the
+    number of samples, those with no trained token included (they add 0 to the loss, like a
+    sample with a zero advantage, and the step's scale stays that of its batch size); ``fixed``
+    -> the number of samples times ``fixed_length``; ``token`` -> the number of trained tokens.
+    Never below 1, so a step without tokens gives a zero loss rather than NaN.
     """
+    normalize = config if isinstance(config, str) else config.normalize
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.sum(-1) if lengths.dim() == 2 else lengths
         lengths = [int(n) for n in lengths.reshape(-1).tolist()]
-    if normalize == "sequence":
+    if normalize in ("sequence", "none"):
         return float(max(len(lengths), 1))
+    if normalize == "fixed":
+        if isinstance(config, str):
+            raise ValueError("normalize 'fixed' needs the LossConfig (its fixed_length)")
+        return float(max(len(lengths) * config.fixed_length, 1))
     if normalize == "token":
         return float(max(sum(int(n) for n in lengths), 1))
-    raise ValueError(f"normalize must be 'sequence' or 'token', got {normalize!r}")
+    raise ValueError(f"normalize must be sequence, token, fixed or none, got {normalize!r}")
+
+
+def _policy_term(
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    sampler: torch.Tensor,
+    rho: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    config: LossConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each token's policy term (before masking) under ``config.objective``, and which tokens
+    are clipped (None for ``pg``). See the module's docstring for the formulas."""
+    if config.objective == "pg":
+        return -rho.clamp(max=config.tis_cap) * adv * lp, None
+    if config.ratio_base == "old":
+        base, w = old, rho.clamp(max=config.tis_cap)
+    else:  # the ratio to the sampler corrects for the mismatch itself
+        base, w = sampler, torch.ones_like(rho)
+    low, high = 1 - config.clip_low, 1 + config.clip_high
+    log_ratio = lp - base
+    if config.objective == "gspo":
+        # s_i = exp(mean over the sequence's trained tokens of log_ratio); per token
+        # sg(s_i) * exp(lp - sg(lp)): the value s_i, the gradient s_i * d lp (GSPO-token)
+        lengths = mask.sum(-1, keepdim=True).clamp(min=1)
+        seq = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / lengths
+        s = seq.detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        ratio = s * (lp - lp.detach()).exp()
+    else:
+        ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    if config.objective == "cispo":
+        weight = ratio.detach().clamp(low, high)
+        with torch.no_grad():
+            clipped = (ratio < low) | (ratio > high)
+        return -w * weight * adv * lp, clipped
+    policy = -w * torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+    with torch.no_grad():
+        clipped = ((adv > 0) & (ratio > high)) | ((adv < 0) & (ratio < low))
+    return policy, clipped
 
 
 def policy_loss(
@@ -90,7 +147,8 @@ def policy_loss(
     Stats: ``tokens`` (trained), ``sequences``, ``tis_clipped`` (trained tokens with rho > C),
     ``mis_dropped``, ``k3_mismatch`` (sum of ``exp(d) - d - 1``, ``d = sampler_logp -
     old_logp``), ``w_sum`` and ``w_sq_sum`` (sums of rho and rho^2, for the ESS),
-    ``ppo_clipped`` (kept tokens whose clipped branch is the active one; with ``ppo_clip``),
+    ``clipped`` (kept tokens whose ratio is clipped: the clipped branch active for ppo and gspo,
+    the weight clipped for cispo; with those objectives),
     ``kl_ref`` (sum of the k3 KL to the reference; with ``ref_logp``).
     """
     shape = logp.shape
@@ -121,20 +179,10 @@ def policy_loss(
 
     log_rho = (old - sampler).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     rho = log_rho.exp()
-    w = rho.clamp(max=config.tis_cap)
     keep = mask
     if config.mis_low is not None and config.mis_high is not None:
         keep = mask & (rho >= config.mis_low) & (rho <= config.mis_high)
-
-    if config.ppo_clip is None:
-        policy = -w * adv * lp
-        clipped = None
-    else:
-        eps = config.ppo_clip
-        ratio = (lp - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
-        policy = -w * torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
-        with torch.no_grad():
-            clipped = ((adv > 0) & (ratio > 1 + eps)) | ((adv < 0) & (ratio < 1 - eps))
+    policy, clipped = _policy_term(lp, old, sampler, rho, adv, mask, config)
     term = torch.where(keep, policy, zero)
 
     kl = None
@@ -148,7 +196,7 @@ def policy_loss(
     if config.normalize == "sequence":
         lengths = mask.sum(-1).clamp(min=1).to(dtype)  # no trained token: 0 / 1, not 0 / 0
         total = (term.sum(-1) / lengths).sum()
-    else:
+    else:  # token, fixed, none: a plain sum (loss_denominator holds the rest)
         total = term.sum()
     loss = total / denominator
 
@@ -166,7 +214,7 @@ def policy_loss(
             "w_sq_sum": torch.where(mask, rho64**2, 0.0).sum(),
         }
         if clipped is not None:
-            stats["ppo_clipped"] = (keep & clipped).sum().to(f64)
+            stats["clipped"] = (keep & clipped).sum().to(f64)
         if kl is not None:
             stats["kl_ref"] = kl.detach().to(f64).sum()
     return loss, stats
@@ -176,8 +224,8 @@ def stat_keys(config: LossConfig, *, with_ref: bool) -> list[str]:
     """The keys of ``policy_loss``'s stats under ``config`` (``with_ref``: given ``ref_logp``),
     the same on every rank whatever its samples: what ranks sum together."""
     keys = ["tokens", "sequences", "tis_clipped", "mis_dropped", "k3_mismatch", "w_sum", "w_sq_sum"]
-    if config.ppo_clip is not None:
-        keys.append("ppo_clipped")
+    if config.clipped_objective:
+        keys.append("clipped")
     if with_ref:
         keys.append("kl_ref")
     return keys
@@ -187,7 +235,7 @@ def summarize(stats: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
     """Metrics from summed ``policy_loss`` stats: per-token fractions and means, and the ESS.
 
     ``ess = (sum rho)^2 / (tokens * sum rho^2)`` in ``(0, 1]`` (1 = on-policy). Empty when no
-    token was seen; ``ppo_clip_frac`` and ``kl_ref`` only when their sums are present.
+    token was seen; ``clip_frac`` and ``kl_ref`` only when their sums are present.
     """
     tokens = float(stats["tokens"])
     if tokens <= 0:
@@ -199,8 +247,8 @@ def summarize(stats: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
         "mismatch_kl": float(stats["k3_mismatch"]) / tokens,
         "ess": w_sum**2 / (tokens * w_sq_sum) if w_sq_sum > 0 else math.nan,
     }
-    if "ppo_clipped" in stats:
-        out["ppo_clip_frac"] = float(stats["ppo_clipped"]) / tokens
+    if "clipped" in stats:
+        out["clip_frac"] = float(stats["clipped"]) / tokens
     if "kl_ref" in stats:
         out["kl_ref"] = float(stats["kl_ref"]) / tokens
     return out

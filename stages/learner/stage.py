@@ -89,6 +89,8 @@ class Learner:
             "no_signal": 0,  # samples in steps without passes (advantage 0)
             "copies": 0,  # groups of a prompt that came before, dropped
             "set_aside": 0,  # samples of groups without signal left out (dynamic_sampling)
+            "overlong_filtered": 0,  # truncated samples that trained nothing (overlong.filter)
+            "overlong_shaped": 0,  # samples whose reward the overlong punishment lowered
         }
         # sums over steps; "passes_n": steps that had passes (the loss statistics' steps)
         self.totals = {
@@ -444,6 +446,7 @@ class Learner:
         import torch
 
         from stages.learner.advantages import one_group_advantages
+        from stages.learner.overlong import overlong_penalty
         from stages.learner.trainer import TrainSample
 
         group = msg.data
@@ -481,9 +484,24 @@ class Learner:
         self.counts["groups"] += 1
         self._note_origin(group)
         cfg = self.config
+        shaped = rewards
+        if cfg.overlong.shaping:  # sampled tokens: a trajectory's inserted ones do not count
+            lengths = [len(r[1]) if r[4] is None else int(r[4].sum()) for r in rows]
+            shaped = [
+                r + overlong_penalty(n, cfg.overlong) for r, n in zip(rewards, lengths, strict=True)
+            ]
+            self.counts["overlong_shaped"] += sum(
+                a != b for a, b in zip(rewards, shaped, strict=True)
+            )
         advantages = one_group_advantages(
-            rewards, baseline=cfg.advantage.baseline, std_normalize=cfg.advantage.std_normalize
+            shaped, baseline=cfg.advantage.baseline, std_normalize=cfg.advantage.std_normalize
         )
+        truncated = set()
+        if cfg.overlong.filter:  # after the group's advantages: the others' baseline keeps it
+            for i, item in enumerate(items):
+                if item.get("finish_reason") == "length":
+                    advantages[i] = 0.0
+                    truncated.add(int(item.get("sample_index", i)))
         samples = [
             TrainSample(
                 own_prompt,
@@ -507,7 +525,12 @@ class Learner:
                 return []
         # origin -> [message, samples not yet trained or dropped, uid, group_size, those done]
         self._open[origin] = [msg, len(samples), uid, group.get("group_size"), set(done or ())]
-        return self._fresh(samples)
+        kept = self._fresh(samples)  # a truncated sample may be stale: dropped as such
+        for s in kept:
+            if s.index in truncated:  # trains no token (leaves normalize: token's count)
+                s.loss_mask = np.zeros(len(s.completion_ids), dtype=bool)
+                self.counts["overlong_filtered"] += 1
+        return kept
 
     def _account(self, metrics: dict[str, Any], elapsed: float) -> None:
         self.counts["samples"] += metrics["samples"]
@@ -676,6 +699,8 @@ class Learner:
             skipped_steps=self.counts["skipped_steps"],
             no_signal=self.counts["no_signal"],
             set_aside=self.counts["set_aside"],
+            overlong_filtered=self.counts["overlong_filtered"],
+            overlong_shaped=self.counts["overlong_shaped"],
             policy_version=self.version,
             publishes=self.publishing.counts,
         )

@@ -350,7 +350,9 @@ class Trainer:
         total_seqs, total_tokens, total_inserted = self._all_reduce(
             [len(samples), n_tokens, n_inserted]
         )
-        total = total_seqs if cfg.loss.normalize == "sequence" else total_tokens
+        total = {"token": total_tokens, "fixed": total_seqs * cfg.loss.fixed_length}.get(
+            cfg.loss.normalize, total_seqs
+        )
         # DeepSpeed averages gradients over ranks: scale so the result is the global sum / total
         denominator = max(total, 1.0) / self.world
         sums: dict[str, float] = {}

@@ -171,8 +171,8 @@ def test_ppo_clip_with_tis_weight():
     # A < 0: min(-1.5, -1.2) = -1.5 (grad +r); min(-0.5, -0.8) = -0.8 (clipped, no grad).
     assert loss == pytest.approx(-(1.2 + 0.5 - 1.5 - 0.8))
     torch.testing.assert_close(grad, torch.tensor([[0.0, -0.5], [1.5, 0.0]], dtype=torch.float64))
-    assert stats["ppo_clipped"].item() == 2
-    assert summarize(stats)["ppo_clip_frac"] == pytest.approx(0.5)
+    assert stats["clipped"].item() == 2
+    assert summarize(stats)["clip_frac"] == pytest.approx(0.5)
     # The TIS weight multiplies the clipped surrogate: rho = 2 (below C = 3) doubles everything.
     sampler = [[-LOG(2.0)] * 2] * 2
     weighted = LossConfig(ppo_clip=eps, normalize="token", tis_cap=3.0)
@@ -189,6 +189,122 @@ def test_first_epoch_ppo_gradient_equals_plain_gradient():
     plain = _loss(logp, sampler=sampler, adv=[0.7], config=LossConfig(), denominator=1)
     ppo = _loss(logp, sampler=sampler, adv=[0.7], config=LossConfig(ppo_clip=0.2), denominator=1)
     torch.testing.assert_close(plain[1], ppo[1])
+
+
+def test_dapo_asymmetric_clipping():
+    # old = 0: r = exp(logp). A = +1: 1.25 is inside [0.8, 1.28] (symmetric 0.2 would clip
+    # it), 1.3 is clipped (no grad), 0.75 is below the band but min() keeps it (grad -r).
+    # A = -1: 1.3 keeps its grad (+r), 0.75 is clipped to 0.8 (no grad), 0.85 inside.
+    logp = [[LOG(1.25), LOG(1.3), LOG(0.75)], [LOG(1.3), LOG(0.75), LOG(0.85)]]
+    zeros = [[0.0] * 3] * 2
+    config = LossConfig(objective="ppo", clip_low=0.2, clip_high=0.28, normalize="token")
+    loss, grad, stats = _loss(
+        logp, sampler=zeros, old=zeros, adv=[1.0, -1.0], config=config, denominator=6
+    )
+    assert loss == pytest.approx(-(1.25 + 1.28 + 0.75 - 1.3 - 0.8 - 0.85) / 6, abs=1e-12)
+    expected = torch.tensor([[-1.25, 0.0, -0.75], [1.3, 0.0, 0.85]], dtype=F64) / 6
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-12)
+    assert stats["clipped"].item() == 2
+    symmetric = LossConfig(ppo_clip=0.2, normalize="token")
+    _, sym_grad, sym_stats = _loss(
+        logp, sampler=zeros, old=zeros, adv=[1.0, -1.0], config=symmetric, denominator=6
+    )
+    assert sym_grad[0, 0] == 0.0 and sym_stats["clipped"].item() == 3  # 1.25 > 1.2
+
+
+def test_gspo_clips_the_sequence_ratio():
+    # Token ratios 1.5 and 0.5: s = sqrt(0.75) = 0.866..., inside [0.8, 1.2] though the first
+    # token's own ratio is not. Each token's gradient is -w * s * A / length.
+    s = math.sqrt(0.75)
+    logp = [[LOG(1.5), LOG(0.5)]]
+    zeros = [[0.0, 0.0]]
+    config = LossConfig(objective="gspo", clip_low=0.2, clip_high=0.2)
+    loss, grad, stats = _loss(
+        logp, sampler=zeros, old=zeros, adv=[1.0], config=config, denominator=1
+    )
+    assert loss == pytest.approx(-s, abs=1e-12)
+    torch.testing.assert_close(
+        grad, torch.tensor([[-s / 2, -s / 2]], dtype=F64), rtol=0, atol=1e-12
+    )
+    assert stats["clipped"].item() == 0
+    # the band [0.9, 1.1]: A > 0 keeps s below it (min() takes it); A < 0 takes the clipped
+    # 0.9, whole sequence, no gradient
+    narrow = LossConfig(objective="gspo", clip_low=0.1, clip_high=0.1)
+    loss, grad, stats = _loss(
+        logp, sampler=zeros, old=zeros, adv=[-1.0], config=narrow, denominator=1
+    )
+    assert loss == pytest.approx(0.9, abs=1e-12)
+    assert grad.abs().max() == 0 and stats["clipped"].item() == 2
+    # the TIS weight stays per token: rho = (2, 1), C = 3; a masked token is not in the mean
+    sampler = [[-LOG(2.0), 0.0, 0.0]]
+    loss, grad, _ = _loss(
+        [[LOG(1.5), LOG(0.5), 7.0]],
+        sampler=sampler,
+        old=[[0.0, 0.0, 0.0]],
+        adv=[1.0],
+        mask=[[True, True, False]],
+        config=LossConfig(objective="gspo", clip_low=0.2, clip_high=0.2, tis_cap=3.0),
+        denominator=1,
+    )
+    assert loss == pytest.approx(-(2 * s + s) / 2, abs=1e-12)
+    torch.testing.assert_close(
+        grad, torch.tensor([[-s, -s / 2, 0.0]], dtype=F64), rtol=0, atol=1e-12
+    )
+
+
+def test_cispo_clips_a_detached_weight_and_keeps_every_gradient():
+    # r = 1.5, 0.5, 1.0 against old; clip_low 1 (no lower bound), clip_high 0.28: weights 1.28,
+    # 0.5, 1 multiply -A * logp; the clipped token keeps its gradient (PPO's would be 0).
+    r = [1.5, 0.5, 1.0]
+    logp = [[-0.5, -1.0, -2.0]]
+    old = [[lp - LOG(x) for lp, x in zip(logp[0], r, strict=True)]]
+    config = LossConfig(objective="cispo")
+    assert (config.clip_low, config.clip_high) == (1.0, 0.28)
+    for adv in (1.0, -2.0):
+        loss, grad, stats = _loss(
+            logp, sampler=old, old=old, adv=[adv], config=config, denominator=1
+        )
+        weights = [1.28, 0.5, 1.0]
+        assert loss == pytest.approx(
+            -adv * sum(w * x for w, x in zip(weights, logp[0], strict=True)) / 3, abs=1e-12
+        )
+        expected = torch.tensor([[-adv * w / 3 for w in weights]], dtype=F64)
+        torch.testing.assert_close(grad, expected, rtol=0, atol=1e-12)
+        assert stats["clipped"].item() == 1
+
+
+def test_ratio_to_the_sampler_replaces_the_tis_weight():
+    # logp = log 0.5, sampler = log 0.25, old = logp (first epoch): r = 2 against the sampler.
+    logp, sampler = [[LOG(0.5)]], [[LOG(0.25)]]
+    to_sampler = LossConfig(objective="ppo", clip_low=0.2, clip_high=0.2, ratio_base="sampler")
+    loss, grad, stats = _loss(logp, sampler=sampler, adv=[1.0], config=to_sampler, denominator=1)
+    assert loss == pytest.approx(-1.2) and grad.item() == 0.0 and stats["clipped"].item() == 1
+    # against old: r = 1 and the TIS weight min(rho = 2, C = 2) = 2 gives the gradient -2
+    to_old = LossConfig(objective="ppo", clip_low=0.2, clip_high=0.2)
+    loss, grad, _ = _loss(logp, sampler=sampler, adv=[1.0], config=to_old, denominator=1)
+    assert loss == pytest.approx(-2.0) and grad.item() == pytest.approx(-2.0)
+    # cispo against the sampler: the weight is clip(2, 0, 1.28), the gradient still flows
+    cispo = LossConfig(objective="cispo", ratio_base="sampler")
+    loss, grad, _ = _loss(logp, sampler=sampler, adv=[1.0], config=cispo, denominator=1)
+    assert loss == pytest.approx(-1.28 * LOG(0.5)) and grad.item() == pytest.approx(-1.28)
+
+
+def test_dr_grpo_fixed_and_no_length_normalization():
+    # Two sequences, lengths 2 and 1, rho = 1: term = -A * logp; sums 3 and 6.
+    logp = [[-1.0, -2.0], [-3.0, 99.0]]
+    mask = [[True, True], [True, False]]
+    kwargs = dict(sampler=logp, adv=[1.0, 2.0], mask=mask)
+    fixed = LossConfig(normalize="fixed", fixed_length=4)
+    denominator = loss_denominator([2, 1], fixed)
+    assert denominator == 8
+    loss, grad, _ = _loss(logp, config=fixed, denominator=denominator, **kwargs)
+    assert loss == pytest.approx((3 + 6) / 8)
+    expected = torch.tensor([[-1.0, -1.0], [-2.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(grad, expected / 8)
+    none = LossConfig(normalize="none")
+    loss, grad, _ = _loss(logp, config=none, denominator=loss_denominator([2, 1], none), **kwargs)
+    assert loss == pytest.approx((3 + 6) / 2)
+    torch.testing.assert_close(grad, expected / 2)
 
 
 def test_k3_values_for_reference_and_mismatch():
@@ -214,11 +330,11 @@ def test_k3_values_for_reference_and_mismatch():
     assert summarize(stats)["mismatch_kl"] == pytest.approx(k3 / 2)
 
 
-@pytest.mark.parametrize("ppo_clip", [None, 0.2])
+@pytest.mark.parametrize("objective", ["pg", "ppo", "gspo", "cispo"])
 @pytest.mark.parametrize("with_ref", [False, True])
-def test_stat_keys_are_the_keys_of_the_stats(ppo_clip, with_ref):
+def test_stat_keys_are_the_keys_of_the_stats(objective, with_ref):
     """What every rank sums, whatever its samples (a rank without passes has no stats)."""
-    config = LossConfig(ppo_clip=ppo_clip, kl_coef=0.1 if with_ref else 0.0)
+    config = LossConfig(objective=objective, kl_coef=0.1 if with_ref else 0.0)
     ref = [[-1.0]] if with_ref else None
     *_, stats = _loss([[-1.0]], sampler=[[-1.0]], adv=[1.0], config=config, denominator=1, ref=ref)
     assert stat_keys(config, with_ref=with_ref) == list(stats)
@@ -233,17 +349,45 @@ def test_loss_config_validation():
         LossConfig(tis_cap=0.0)
     with pytest.raises(ValueError, match="ppo_clip"):
         LossConfig(ppo_clip=1.5)
+    assert LossConfig(ppo_clip=0.1).objective == "ppo"
+    assert LossConfig(ppo_clip=0.1, clip_low=0.1).clip_high == 0.1  # a config read back
+    for bad, why in (
+        (dict(ppo_clip=0.1, clip_high=0.3), "disagree"),
+        (dict(objective="gspo", ppo_clip=0.1), "takes clip_low and clip_high"),
+        (dict(clip_high=0.3), "needs objective ppo"),
+        (dict(ratio_base="sampler"), "needs objective ppo"),
+        (dict(objective="ppo", clip_low=1.0), "clip_low must be in"),
+        (dict(objective="cispo", clip_low=1.5), "clip_low must be in"),
+        (dict(objective="ppo", clip_high=float("inf")), "clip_high must be"),
+        (dict(objective="dpo"), "objective must be"),
+        (dict(normalize="fixed"), "fixed_length"),
+        (dict(fixed_length=4), "needs normalize: fixed"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            LossConfig(**bad)
     with pytest.raises(ValueError, match="needs ref_logp"):
         _loss([[-1.0]], sampler=[[-1.0]], adv=[1.0], config=LossConfig(kl_coef=0.1), denominator=1)
     assert loss_denominator([3, 0, 5], "sequence") == 3
+    assert loss_denominator([3, 0, 5], "none") == 3
+    assert loss_denominator([3, 0, 5], LossConfig(normalize="fixed", fixed_length=8)) == 24
+    with pytest.raises(ValueError, match="fixed_length"):
+        loss_denominator([3], "fixed")
     assert loss_denominator(torch.tensor([[1, 1, 0], [1, 0, 0]]), "token") == 3
     assert loss_denominator([], "token") == 1
 
 
-def test_masked_garbage_changes_nothing():
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(ppo_clip=0.2),
+        dict(objective="gspo", ratio_base="sampler"),
+        dict(objective="cispo", normalize="fixed", fixed_length=3),
+    ],
+)
+def test_masked_garbage_changes_nothing(options):
     torch.manual_seed(0)
     mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
-    config = LossConfig(ppo_clip=0.2, mis_low=0.1, mis_high=10.0, kl_coef=0.1)
+    config = LossConfig(mis_low=0.1, mis_high=10.0, kl_coef=0.1, **options)
     values = {k: torch.randn(2, 4) - 2 for k in ("logp", "sampler", "old", "ref")}
     adv = torch.tensor([1.0, -0.5])
 
@@ -276,8 +420,23 @@ def test_masked_garbage_changes_nothing():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("normalize", ["sequence", "token"])
-def test_micro_batch_gradients_equal_full_batch(normalize):
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(normalize="sequence"),
+        dict(normalize="token"),
+        dict(
+            normalize="fixed",
+            fixed_length=6,
+            objective="gspo",
+            ratio_base="sampler",
+            clip_low=0.3,
+            clip_high=0.5,
+        ),
+        dict(normalize="none", objective="cispo", ratio_base="sampler", clip_high=0.1),
+    ],
+)
+def test_micro_batch_gradients_equal_full_batch(options):
     """In float64: the split is under test, not float32 rounding (tests/numerics.py)."""
     model = tiny_policy(F64)
     g = torch.Generator().manual_seed(1)
@@ -292,8 +451,8 @@ def test_micro_batch_gradients_equal_full_batch(normalize):
     sampler = [base[i, :n] + 0.4 * noise[i] for i, n in enumerate(c_lens)]
     ref = [base[i, :n] + 0.2 * noise[len(c_lens) + i] for i, n in enumerate(c_lens)]
     advantages = torch.randn(len(c_lens), generator=g, dtype=F64)
-    config = LossConfig(normalize=normalize, mis_low=0.2, mis_high=5.0, kl_coef=0.05)
-    denominator = loss_denominator(c_lens, normalize)
+    config = LossConfig(mis_low=0.2, mis_high=5.0, kl_coef=0.05, **options)
+    denominator = loss_denominator(c_lens, config)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     longest, tokens = max(lengths), sum(lengths)
     logp_terms = forward_terms(model.config, longest)

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.ledger import LedgerReporter
 from stages.learner.config import LearnerConfig
 from stages.learner.loss import LossConfig, loss_denominator, policy_loss, summarize
+from stages.learner.overlong import OverlongConfig, overlong_penalty
 from stages.learner.trainer import Trainer, TrainSample, sample_lags, token_counts
 from tests.numerics import (
     adam_first_step_tolerance,
@@ -306,10 +307,11 @@ class _Ctx:
         self.ledger = LedgerReporter(self.reports.append)
 
 
-def _learner(tmp_path: Path, *, max_lag: int, step: int):
+def _learner(tmp_path: Path, *, max_lag: int, step: int, **options: Any):
     from stages.learner.stage import Learner
 
-    learner = Learner(LearnerConfig(model="unused", device="cpu", max_lag=max_lag), _Ctx(tmp_path))
+    config = LearnerConfig(model="unused", device="cpu", max_lag=max_lag, **options)
+    learner = Learner(config, _Ctx(tmp_path))
     learner.step = step  # the current policy version (publish.every = 1, no offset)
     return learner
 
@@ -369,6 +371,40 @@ def test_scored_group_loss_mask_and_own_prompt_ids(tmp_path):
     assert b.loss_mask.tolist() == [True, False, True]
     assert c.prompt_ids.tolist() == [11] and c.loss_mask is None
     assert learner.counts["bad_groups"] == 0
+
+
+def test_overlong_filter_keeps_truncated_samples_out_of_training(tmp_path):
+    learner = _learner(tmp_path, max_lag=1, step=2, overlong=OverlongConfig(filter=True))
+    items = [_item([2, 2], reward=r) for r in (1.0, 0.0, 0.0)] + [_item([0, 2], reward=1.0)]
+    for item, reason in zip(items, ("stop", "length", "stop", "length"), strict=True):
+        item["finish_reason"] = reason
+    kept = learner._samples_of(_group(items))
+    # advantages over all four (mean 0.5); the truncated one then trains nothing; the stale
+    # truncated one is dropped as stale, not counted as filtered
+    assert [s.index for s in kept] == [0, 1, 2]
+    assert [s.advantage for s in kept] == [0.5, 0.0, -0.5]
+    assert kept[1].sampled.tolist() == [False, False] and kept[0].loss_mask is None
+    assert learner.counts["overlong_filtered"] == 1 and learner.counts["stale"] == 1
+    assert token_counts(kept) == (4, 2)  # its tokens leave normalize: token's count
+
+
+def test_soft_overlong_punishment_shapes_the_advantages_not_the_reward(tmp_path):
+    # L = 4, B = 2: lengths 2 -> 0, 3 -> -0.5 * penalty, 4 -> -1 * penalty, 5 -> -penalty
+    shaping = OverlongConfig(max_tokens=4, buffer=2, penalty=0.5)
+    assert [overlong_penalty(n, shaping) for n in (2, 3, 4, 5)] == [0.0, -0.25, -0.5, -0.5]
+    learner = _learner(tmp_path, max_lag=4, step=0, overlong=shaping)
+    # the third sample's inserted token does not count: 3 sampled tokens
+    items = [_item([0] * 2, reward=1.0), _item([0] * 5, reward=1.0), _item([0] * 4, [1, 0, 1, 1])]
+    kept = learner._samples_of(_group(items))
+    shaped = [1.0, 0.5, -0.25]
+    mean = sum(shaped) / 3
+    assert [s.advantage for s in kept] == pytest.approx([r - mean for r in shaped], abs=1e-12)
+    assert [s.reward for s in kept] == [1.0, 1.0, 0.0]
+    assert learner.counts["overlong_shaped"] == 2
+    with pytest.raises(ValueError, match="buffer"):
+        OverlongConfig(max_tokens=4, buffer=5)
+    with pytest.raises(ValueError, match=r"needs overlong\.max_tokens"):
+        OverlongConfig(buffer=2)
 
 
 @pytest.mark.parametrize(
