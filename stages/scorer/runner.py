@@ -19,7 +19,10 @@ unknown name fails with a ``PluginError`` before any work arrives.
 
 Workers are started with ``forkserver`` where available (Linux: forking a clean single-threaded
 server, never the stage process with its threads), else ``spawn``; on Linux they get SIGKILL
-when that server, and so the stage process, dies. Not here: decoding, grouping (the stage).
+when that server, and so the stage process, dies. Rewards computed behind HTTP (a reward
+server's ``url``, an engine's ``judge``: ``remote.py``) need no worker: they run on the caller's
+event loop, each under its own ``timeout_s``, and their failures give 0 the same way. Not here:
+decoding, grouping (the stage).
 """
 
 from __future__ import annotations
@@ -29,11 +32,19 @@ import math
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import structlog
+
+from stages.scorer.spec import RewardSpec
 from stages.workers import FunctionPool, InlinePool, Worker, resolve_function
 
-__all__ = ["RewardRunner", "resolve_reward"]
+if TYPE_CHECKING:
+    from stages.scorer.remote import RemoteReward
+
+__all__ = ["Outcome", "RewardRunner", "checked_values", "resolve_reward"]
+
+_POOL_COUNTS = ("calls", "errors", "timeouts", "lost", "restarts")
 
 
 def resolve_reward(name: str) -> Callable[..., Any]:
@@ -42,7 +53,7 @@ def resolve_reward(name: str) -> Callable[..., Any]:
 
 
 # ---------------------------------------------------------------------------------- worker side
-def _checked(values: Any, n: int) -> tuple[list[float | None], dict[int, str]] | str:
+def checked_values(values: Any, n: int) -> tuple[list[float | None], dict[int, str]] | str:
     """A function's return value as ``(values, bad items)``, or why it is unusable as a whole."""
     if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
         return f"returned {type(values).__name__}, expected a list of {n} numbers"
@@ -81,12 +92,12 @@ def _score_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
     gets lists of its own, as it would from a pickle."""
     own = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
     n = len(own["completions"])  # before the call: a function may change its lists
-    return _checked(fn(**own), n)
+    return checked_values(fn(**own), n)
 
 
 # ---------------------------------------------------------------------------------- parent side
 @dataclass
-class _Outcome:
+class Outcome:
     """What one call of one function gave for a batch."""
 
     values: list[float | None]
@@ -96,16 +107,18 @@ class _Outcome:
 
 class RewardRunner:
     """A pool of ``workers`` processes that score batches with weighted reward functions
-    (``workers`` 0: they run in this process, on its event loop, with no time limit).
+    (``workers`` 0: they run in this process, on its event loop, with no time limit), and the
+    rewards computed behind HTTP (``url``, ``judge``: ``remote.py``, on this event loop).
 
-    ``specs`` are ``(name, weight)`` pairs; a completion's reward is the weighted sum of the
-    functions' values (a ``None`` value adds nothing), or 0 when any function failed for it.
+    ``specs`` are ``RewardSpec``s or ``(function name, weight)`` pairs; a completion's reward is
+    the weighted sum of the rewards' values (a ``None`` value adds nothing), or 0 when any of
+    them failed for it. No process starts when no reward is a function.
     Use ``async with RewardRunner(...) as runner`` (or ``start()`` / ``aclose()``).
     """
 
     def __init__(
         self,
-        specs: Sequence[tuple[str, float]],
+        specs: Sequence[RewardSpec | tuple[str, float]],
         workers: int = 2,
         timeout_s: float = 10.0,
         *,
@@ -114,27 +127,39 @@ class RewardRunner:
     ) -> None:
         if not specs:
             raise ValueError("a RewardRunner needs at least one reward function")
-        names = [name for name, _ in specs]
+        rewards = [
+            s if isinstance(s, RewardSpec) else RewardSpec(fn=s[0], weight=s[1]) for s in specs
+        ]
+        names = [r.name for r in rewards]
         if len(set(names)) != len(names):
-            raise ValueError(f"reward functions are listed more than once: {names}")
+            raise ValueError(f"rewards are listed more than once: {names}")
+        functions = list(dict.fromkeys(r.fn for r in rewards if r.fn is not None))
+        self.log = log if log is not None else structlog.get_logger("reward")
         self._inline = workers == 0
-        self._pool: FunctionPool | InlinePool
-        if self._inline:  # in this process: no pickling, no hand-over, no time limit
-            self._pool = InlinePool("reward", names, adapter=_score_kwargs, label="reward", log=log)
-        else:
+        self._pool: FunctionPool | InlinePool | None = None
+        if functions and self._inline:  # in this process: no pickling, no hand-over, no limit
+            self._pool = InlinePool(
+                "reward", functions, adapter=_score_kwargs, label="reward", log=self.log
+            )
+        elif functions:
             self._pool = FunctionPool(
                 "reward",
-                names,
+                functions,
                 workers=workers,
                 timeout_s=timeout_s,
                 adapter=_score_batch,
                 label="reward",
                 start_timeout_s=start_timeout_s,
-                log=log,
+                log=self.log,
             )
-        self.specs = [(name, float(weight)) for name, weight in specs]
+        self._remote: dict[str, RemoteReward] = {}
+        if any(r.fn is None for r in rewards):
+            from stages.scorer.remote import RemoteReward  # aiohttp: not in worker processes
+
+            self._remote = {r.name: RemoteReward(r, self.log) for r in rewards if r.fn is None}
+        self.rewards = rewards
+        self.specs = [(r.name, float(r.weight)) for r in rewards]
         self.workers, self.timeout_s, self.start_timeout_s = workers, timeout_s, start_timeout_s
-        self.log = self._pool.log
         self._bad_results = 0  # calls that returned unusable values (the pool saw them as ok)
 
     async def __aenter__(self) -> RewardRunner:
@@ -146,40 +171,52 @@ class RewardRunner:
 
     @property
     def counts(self) -> dict[str, int]:
-        """``calls``, ``errors`` (raised, died, or unusable values), ``timeouts``, ``restarts``."""
-        pool = self._pool.counts
+        """``calls``, ``errors`` (raised, died, unusable values, failed HTTP calls),
+        ``timeouts``, ``restarts``."""
+        pool = self._pool.counts if self._pool is not None else dict.fromkeys(_POOL_COUNTS, 0)
+        remote = [r.counts for r in self._remote.values()]
         errors = pool["errors"] + pool["lost"] + self._bad_results
         return {
-            "calls": pool["calls"],
-            "errors": errors,
-            "timeouts": pool["timeouts"],
+            "calls": pool["calls"] + sum(r["calls"] for r in remote),
+            "errors": errors + sum(r["errors"] for r in remote),
+            "timeouts": pool["timeouts"] + sum(r["timeouts"] for r in remote),
             "restarts": pool["restarts"],
         }
 
     @property
     def _all(self) -> set[Worker]:
-        return self._pool.live
+        return self._pool.live if self._pool is not None else set()
 
     async def start(self) -> None:
         """Start the workers; raises PluginError when a worker cannot resolve a function."""
-        await self._pool.start()
+        for remote in self._remote.values():
+            await remote.start()
+        if self._pool is not None:
+            await self._pool.start()
 
     async def score(self, kwargs: Mapping[str, Any], **context: Any) -> list[tuple[float, dict]]:
         """``(reward, info)`` per completion of ``kwargs["completions"]``.
 
         ``kwargs`` are the keyword lists every function gets, aligned with ``completions``.
-        ``info`` maps each function's name to its value (None when it gave none) and has
+        ``info`` maps each reward's name to its value (None when it gave none) and has
         ``error`` when one failed for that completion. ``context`` (e.g. ``group_id``) is added
         to ``reward_failed`` log events.
         """
         n = len(kwargs["completions"])
-        payload: Any = (
-            dict(kwargs)
-            if self._inline
-            else pickle.dumps(dict(kwargs), protocol=pickle.HIGHEST_PROTOCOL)  # once for all
-        )
+        payload: Any = None
+        if self._pool is not None:
+            payload = (
+                dict(kwargs)
+                if self._inline
+                else pickle.dumps(dict(kwargs), protocol=pickle.HIGHEST_PROTOCOL)  # once for all
+            )
         outcomes = await asyncio.gather(
-            *(self._call(name, payload, n, context) for name, _ in self.specs)
+            *(
+                self._call(r.fn, r.name, payload, n, context)
+                if r.fn is not None
+                else self._remote[r.name].score(kwargs, n, context)
+                for r in self.rewards
+            )
         )
         scored = []
         for i in range(n):
@@ -201,17 +238,30 @@ class RewardRunner:
         return scored
 
     def stats(self) -> dict[str, int]:
-        return {**self.counts, "workers_idle": self._pool.idle()}
+        """``counts``, ``workers_idle``, and for HTTP rewards ``http_retries`` and
+        ``failed_<kind>`` (samples that failed, by kind)."""
+        stats = {**self.counts, "workers_idle": self._pool.idle() if self._pool else 0}
+        if self._remote:
+            stats["http_retries"] = sum(r.counts["retries"] for r in self._remote.values())
+            for remote in self._remote.values():
+                for kind, samples in remote.failed.items():
+                    stats[f"failed_{kind}"] = stats.get(f"failed_{kind}", 0) + samples
+        return stats
 
     async def aclose(self) -> None:
-        """Kill every worker (a reward function has nothing to save) and wait for them."""
-        await self._pool.aclose()
+        """Kill every worker (a reward function has nothing to save) and wait for them; close
+        the HTTP rewards' connections."""
+        for remote in self._remote.values():
+            await remote.aclose()
+        if self._pool is not None:
+            await self._pool.aclose()
 
     # ---------------------------------------------------------------- calls
     async def _call(
-        self, name: str, payload: bytes, n: int, context: Mapping[str, Any]
-    ) -> _Outcome:
-        reply = await self._pool.call(name, payload)
+        self, fn: str, name: str, payload: Any, n: int, context: Mapping[str, Any]
+    ) -> Outcome:
+        assert self._pool is not None
+        reply = await self._pool.call(fn, payload)
         if not reply.ok:
             return self._failed(name, n, reply.error, context)
         if isinstance(reply.value, str):  # unusable as a whole (wrong length, not a list)
@@ -222,8 +272,8 @@ class RewardRunner:
             self._bad_results += 1
             first = next(iter(bad.values()))
             self.log.warning("reward_failed", fn=name, error=first, completions=len(bad), **context)
-        return _Outcome(values, bad)
+        return Outcome(values, bad)
 
-    def _failed(self, name: str, n: int, error: str, context: Mapping[str, Any]) -> _Outcome:
+    def _failed(self, name: str, n: int, error: str, context: Mapping[str, Any]) -> Outcome:
         self.log.warning("reward_failed", fn=name, error=error, completions=n, **context)
-        return _Outcome([None] * n, error=error)
+        return Outcome([None] * n, error=error)

@@ -18,6 +18,9 @@ Reward functions run in worker processes under ``timeout_s`` (``runner.py``): on
 hangs or returns garbage gives its completions reward 0 with an ``error`` in ``reward_info``,
 and the stage goes on. With ``workers: 0`` they run in this stage's event loop instead (cheap,
 trusted functions: no hand-over to a process, no time limit; raising or garbage still gives 0).
+Rewards behind HTTP (``url``: a reward server; ``judge``: a generative judge on an engine;
+``remote.py``) run on this event loop whatever ``workers`` is, with their own time limits,
+retries and bound on calls in flight; a call that fails gives its samples 0 the same way.
 A group still incomplete ``group_timeout_s`` after its first sample (a
 sample lost upstream), or at the end of input, is sent with what it has if that is at least
 ``min_group`` samples, else dropped; so is a ``rollout_group`` that comes with fewer than
@@ -50,7 +53,8 @@ from stages.schemas import (
     SCORED_GROUP,
 )
 from stages.scorer.arguments import reward_arguments
-from stages.scorer.runner import RewardRunner, resolve_reward
+from stages.scorer.runner import RewardRunner
+from stages.scorer.spec import RewardSpec
 from transport.message import Message
 
 __all__ = ["RewardSpec", "Scorer", "ScorerConfig"]
@@ -59,20 +63,12 @@ _CLOSED_REMEMBERED = 10_000  # ids of sent or dropped groups kept to recognize l
 
 
 @dataclass
-class RewardSpec:
-    fn: str = field(
-        metadata={"doc": "reward function: entry point of inflight.rewards or package.module:name"}
-    )
-    weight: float = field(default=1.0, metadata={"doc": "its weight in the summed reward"})
-
-    def __post_init__(self) -> None:
-        resolve_reward(self.fn)  # an unknown name is a config error, found before the run
-
-
-@dataclass
 class ScorerConfig:
     rewards: list[RewardSpec] = field(
-        metadata={"doc": "reward functions; a sample's reward is their weighted sum"}
+        metadata={
+            "doc": "reward functions (fn), reward servers (url) and judges (judge); a sample's "
+            "reward is their weighted sum"
+        }
     )
     tokenizer: str = field(
         metadata={
@@ -86,16 +82,23 @@ class ScorerConfig:
         default=2,
         metadata={
             "min": 0,
-            "doc": "reward worker processes (calls run at once); 0: the functions run in this "
-            "process's event loop, one call at a time, without timeout_s (cheap functions you "
-            "trust, such as the built-in ones: no hand-over to a process)",
+            "doc": "reward worker processes (scoring calls run at once); 0: the functions run in "
+            "this process's event loop, one call at a time, without timeout_s (cheap functions "
+            "you trust, such as the built-in ones: no hand-over to a process). url and judge "
+            "rewards run on the event loop whatever it is (no process starts for them alone); "
+            "it bounds the scoring calls at once, their own concurrency the HTTP calls",
         },
     )
     batch_groups: int = field(
         default=64, metadata={"min": 1, "doc": "most complete groups scored in one call"}
     )
     timeout_s: float = field(
-        default=10.0, metadata={"min": 0.01, "doc": "limit for one reward function on one group"}
+        default=10.0,
+        metadata={
+            "min": 0.01,
+            "doc": "limit for one reward function on one call (url and judge rewards: their "
+            "own timeout_s per HTTP call)",
+        },
     )
     group_timeout_s: float = field(
         default=120.0, metadata={"min": 0.01, "doc": "an incomplete group is closed after this"}
@@ -108,11 +111,11 @@ class ScorerConfig:
     )
 
     def __post_init__(self) -> None:
-        names = [r.fn for r in self.rewards]
+        names = [r.name for r in self.rewards]
         if not names:
             raise ValueError("`rewards` needs at least one reward function")
         if len(set(names)) != len(names):
-            raise ValueError(f"`rewards` lists a function more than once: {names}")
+            raise ValueError(f"`rewards` lists a reward more than once: {names} (give each a name)")
 
 
 @dataclass
@@ -186,7 +189,7 @@ class Scorer:
             groups.on_ack(lambda seq: self._release(self._awaiting_ack.pop(seq, "")))
             self._chained = True
         self.runner = RewardRunner(
-            [(r.fn, r.weight) for r in self.config.rewards],
+            self.config.rewards,
             workers=self.config.workers,
             timeout_s=self.config.timeout_s,
             log=self.log,
@@ -489,6 +492,8 @@ class Scorer:
             "errors": runner.get("errors", 0),
             "timeouts": runner.get("timeouts", 0),
             "worker_restarts": runner.get("restarts", 0),
+            # url and judge rewards: their retries, and failed samples by kind
+            **{k: v for k, v in runner.items() if k == "http_retries" or k.startswith("failed_")},
             "groups_pending": len(self.pending),
             "groups_scoring": len(self._tasks),
             "groups_ready": len(self.ready),

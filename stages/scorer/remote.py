@@ -1,0 +1,318 @@
+"""Rewards computed behind HTTP: a reward server (``url``) or a generative judge served by an
+engine (``judge``), called from the scorer's event loop (no worker process: the server does the
+work; ``RewardRunner`` gathers them with the functions).
+
+A reward server, protocol ``inflight`` (the default), gets ``POST url`` with a JSON object of
+lists aligned per sample: every keyword list a reward function gets (``prompts``,
+``completions``, ``completion_ids``, ``finish_reason``, the prompt's meta keys such as
+``answer``...), plus the fields of OpenRLHF's remote reward model, ``query`` (prompt text +
+completion text) and ``labels`` (``answer``, ``""`` where there is none), unless meta keys of
+those names come first. It answers ``{"rewards": [...]}`` (OpenRLHF's answer; ``{"scores":
+[...]}`` or a bare list work too), a number or null (nothing, as a function's ``None``) per
+sample. Protocol ``slime`` is slime's ``--rm-url``: one sample a request, ``{"prompt",
+"response", "label"}`` in, a number out.
+
+A judge fills ``template`` with each sample's values, has the engine answer it (``/generate``, a
+batch of prompts a request, or ``/v1/chat/completions``, one a request), searches the answer with
+``parse`` and scores the group's text (through ``map`` when given).
+
+Each reward has one connection pool, at most ``concurrency`` calls in flight (across the
+scorer's concurrent scoring calls), ``timeout_s`` per call, and ``retries`` more tries with
+doubling waits after a connection error, a time-out or HTTP 5xx/429 (a 4xx is final). A call
+that still fails, or whose answer is unusable (not JSON, the wrong shape or length), fails its
+samples; a value that is not a finite number, or a judge's answer the rule cannot read, fails
+its sample. A failed sample gets reward 0 with an ``error`` in its ``reward_info``, as when a
+reward function fails; failures are counted by kind (``failed_<kind>``: samples) and the first
+of each kind is logged (``reward_failed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from stages.scorer.runner import Outcome, checked_values
+from stages.scorer.spec import JudgeSpec, RewardSpec
+
+__all__ = ["RemoteReward"]
+
+_MAX_BACKOFF_S = 30.0
+_SHOWN = 200  # characters of an answer quoted in an error
+
+
+class _Failure(Exception):
+    """A call's samples failed: ``kind`` (``timeout``, ``http_error``...) and why."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # numpy arrays and scalars
+        return value.tolist()
+    raise TypeError(f"a {type(value).__name__} cannot be written as JSON")
+
+
+def _quoted(data: Any) -> str:
+    text = data.decode(errors="replace") if isinstance(data, bytes) else repr(data)
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+
+
+def _values(values: Any, n: int) -> tuple[list[float | None], dict[int, tuple[str, str]]]:
+    """A server's values, checked as a function's are: unusable as a whole raises."""
+    checked = checked_values(values, n)
+    if isinstance(checked, str):
+        raise _Failure("bad_response", checked)
+    out, bad = checked
+    return out, {i: ("bad_value", why) for i, why in bad.items()}
+
+
+# ---------------------------------------------------------------------------------- protocols
+class _Lists:
+    """Protocol ``inflight``: lists of samples in, ``{"rewards": [...]}`` out."""
+
+    path = ""
+
+    def __init__(self, spec: RewardSpec) -> None:
+        self.size = spec.batch_size
+
+    def body(self, part: Mapping[str, list]) -> Any:
+        body = dict(part)
+        texts = part.get("trajectories") or part["completions"]
+        body.setdefault("query", [p + c for p, c in zip(part["prompts"], texts, strict=True)])
+        answers = part.get("answer") or [None] * len(texts)
+        body.setdefault("labels", ["" if a is None else a for a in answers])
+        return body
+
+    def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
+        if isinstance(reply, Mapping):
+            key = next((k for k in ("rewards", "scores") if k in reply), None)
+            if key is None:
+                raise _Failure("bad_response", f"no 'rewards' in the answer (keys: {list(reply)})")
+            reply = reply[key]
+        return _values(reply, n)
+
+
+class _Slime:
+    """Protocol ``slime`` (slime's ``--rm-url``): one sample a request, a number out."""
+
+    path = ""
+    size = 1
+
+    def __init__(self, spec: RewardSpec) -> None:
+        pass
+
+    def body(self, part: Mapping[str, list]) -> Any:
+        answer = (part.get("answer") or [None])[0]
+        return {"prompt": part["prompts"][0], "response": part["completions"][0], "label": answer}
+
+    def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
+        return _values([reply], n)
+
+
+class _Judge:
+    """A generative judge on an engine's ``/generate`` or ``/v1/chat/completions``."""
+
+    def __init__(self, spec: RewardSpec) -> None:
+        assert spec.judge is not None
+        self.judge: JudgeSpec = spec.judge
+        self.rule = re.compile(self.judge.parse)
+        chat = self.judge.route == "chat"
+        self.path = "/v1/chat/completions" if chat else "/generate"
+        self.size = 1 if chat else spec.batch_size
+
+    def body(self, part: Mapping[str, list]) -> Any:
+        prompts = [self._prompt(part, i) for i in range(len(part["completions"]))]
+        judge = self.judge
+        if judge.route == "generate":
+            params = {"max_new_tokens": judge.max_new_tokens, "temperature": judge.temperature}
+            return {"text": prompts, "sampling_params": params}
+        system = [{"role": "system", "content": judge.system}] if judge.system else []
+        return {
+            "model": judge.model,
+            "messages": [*system, {"role": "user", "content": prompts[0]}],
+            "max_tokens": judge.max_new_tokens,
+            "temperature": judge.temperature,
+        }
+
+    def _prompt(self, part: Mapping[str, list], i: int) -> str:
+        row = {key: values[i] for key, values in part.items()}
+        row["prompt"], row["completion"] = part["prompts"][i], part["completions"][i]
+        try:
+            return self.judge.template.format_map(row)
+        except KeyError as exc:
+            known = ", ".join(sorted(row))
+            raise _Failure(
+                "judge_template", f"the template names {exc}, which the samples lack ({known})"
+            ) from None
+        except (IndexError, AttributeError, TypeError, ValueError) as exc:
+            raise _Failure("judge_template", f"{type(exc).__name__}: {exc}") from None
+
+    def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
+        texts = self._texts(reply, n)
+        values: list[float | None] = [None] * n
+        bad: dict[int, tuple[str, str]] = {}
+        for i, text in enumerate(texts):
+            score = self._score(text)
+            if score is None:
+                bad[i] = ("judge_unparsed", f"parse found no score in {_quoted(text)}")
+            else:
+                values[i] = score
+        return values, bad
+
+    def _texts(self, reply: Any, n: int) -> list[str]:
+        try:
+            if self.judge.route == "chat":
+                texts = [reply["choices"][0]["message"]["content"]]
+            else:
+                texts = [item["text"] for item in reply]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise _Failure(
+                "bad_response", f"not the engine's answer ({exc!r}): {_quoted(reply)}"
+            ) from None
+        if len(texts) != n or not all(isinstance(t, str) for t in texts):
+            raise _Failure("bad_response", f"{len(texts)} texts for {n} prompts: {_quoted(reply)}")
+        return texts
+
+    def _score(self, text: str) -> float | None:
+        found = self.rule.search(text)
+        if found is None or found.group(1) is None:
+            return None
+        word = found.group(1).strip()
+        if self.judge.map:
+            return self.judge.map.get(word)
+        try:
+            score = float(word)
+        except ValueError:
+            return None
+        return score if math.isfinite(score) else None
+
+
+# ---------------------------------------------------------------------------------- the reward
+class RemoteReward:
+    """One ``url`` or ``judge`` reward: ``score`` a scoring call's keyword lists.
+
+    ``start()`` makes its connection pool (on the running loop), ``aclose()`` closes it.
+    ``counts``: ``calls`` (HTTP calls made, without retries), ``errors`` and ``timeouts`` (calls
+    that failed for good, or whose answer had bad values), ``retries``; ``failed``: failed
+    samples by kind.
+    """
+
+    def __init__(self, spec: RewardSpec, log: Any) -> None:
+        self.spec, self.name, self.log = spec, spec.name, log
+        protocol = {"inflight": _Lists, "slime": _Slime}[spec.protocol]
+        self.protocol = _Judge(spec) if spec.judge is not None else protocol(spec)
+        base = spec.judge.url.rstrip("/") if spec.judge is not None else spec.url
+        self.url = f"{base}{self.protocol.path}"
+        self.counts = {"calls": 0, "errors": 0, "timeouts": 0, "retries": 0}
+        self.failed: dict[str, int] = {}
+        self._logged: set[str] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._in_flight = asyncio.Semaphore(spec.concurrency)
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.spec.concurrency),
+            headers=self.spec.headers,
+            timeout=aiohttp.ClientTimeout(total=self.spec.timeout_s),
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def score(self, kwargs: Mapping[str, Any], n: int, context: Mapping[str, Any]) -> Outcome:
+        """Each sample's value (None: nothing, or failed) and the failed ones' problems."""
+        size = self.protocol.size or n
+        spans = [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+        parts = await asyncio.gather(*(self._call(kwargs, lo, hi, context) for lo, hi in spans))
+        values: list[float | None] = [None] * n
+        bad: dict[int, str] = {}
+        for (lo, hi), (part_values, part_bad) in zip(spans, parts, strict=True):
+            values[lo:hi] = part_values
+            bad.update((lo + i, f"{kind}: {why}") for i, (kind, why) in part_bad.items())
+        return Outcome(values, bad)
+
+    async def _call(
+        self, kwargs: Mapping[str, Any], lo: int, hi: int, context: Mapping[str, Any]
+    ) -> tuple[list[float | None], dict[int, tuple[str, str]]]:
+        part = {key: values[lo:hi] for key, values in kwargs.items() if isinstance(values, list)}
+        n = hi - lo
+        try:
+            body = self.protocol.body(part)
+            try:
+                data = json.dumps(body, default=_jsonable, allow_nan=False).encode()
+            except (TypeError, ValueError) as exc:
+                raise _Failure(
+                    "bad_request", f"the samples cannot be sent as JSON: {exc}"
+                ) from None
+            values, bad = self.protocol.values(await self._post(data), n)
+        except _Failure as failure:
+            self.counts["timeouts" if failure.kind == "timeout" else "errors"] += 1
+            self._note(failure.kind, failure.message, n, context)
+            return [None] * n, {i: (failure.kind, failure.message) for i in range(n)}
+        if bad:
+            self.counts["errors"] += 1
+            for kind in dict.fromkeys(kind for kind, _ in bad.values()):
+                mine = [why for k, why in bad.values() if k == kind]
+                self._note(kind, mine[0], len(mine), context)
+        return values, bad
+
+    async def _post(self, data: bytes) -> Any:
+        """The JSON answer to ``data``, retrying what may pass; raises ``_Failure``."""
+        assert self._session is not None, "start() first"
+        self.counts["calls"] += 1
+        failure = _Failure("timeout", "never tried")
+        for attempt in range(self.spec.retries + 1):
+            if attempt:
+                self.counts["retries"] += 1
+                await asyncio.sleep(min(self.spec.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S))
+            try:
+                async with (
+                    self._in_flight,
+                    self._session.post(
+                        self.url, data=data, headers={"Content-Type": "application/json"}
+                    ) as response,
+                ):
+                    status, answer = response.status, await response.read()
+            except asyncio.TimeoutError:
+                failure = _Failure("timeout", f"no answer within {self.spec.timeout_s} s")
+                continue
+            except aiohttp.ClientError as exc:
+                failure = _Failure("unreachable", f"{type(exc).__name__}: {exc}")
+                continue
+            if status == 429 or status >= 500:
+                failure = _Failure("http_error", f"HTTP {status}: {_quoted(answer)}")
+                continue
+            if not 200 <= status < 300:
+                raise _Failure("http_error", f"HTTP {status}: {_quoted(answer)}")
+            try:
+                return json.loads(answer)
+            except ValueError:
+                raise _Failure("bad_response", f"not JSON: {_quoted(answer)}") from None
+        if self.spec.retries:
+            failure.message += f" ({self.spec.retries + 1} tries)"
+        raise failure
+
+    def _note(self, kind: str, message: str, samples: int, context: Mapping[str, Any]) -> None:
+        """Count ``samples`` failed of ``kind``; log the first failure of each kind."""
+        self.failed[kind] = self.failed.get(kind, 0) + samples
+        if kind in self._logged:
+            return
+        self._logged.add(kind)
+        self.log.warning(
+            "reward_failed",
+            fn=self.name,
+            kind=kind,
+            error=message,
+            completions=samples,
+            later=f"counted in failed_{kind}, not logged again",
+            **context,
+        )

@@ -1,0 +1,192 @@
+"""One entry of a scorer's ``rewards`` list (and of the learner's ``eval.rewards``): a reward
+function (``fn``), a reward server (``url``) or a generative judge served by an engine
+(``judge``), each with its weight in the summed reward.
+
+Only the config and its checks live here, so that a mistake (an unknown function, a URL that is
+not http(s), a judge's ``parse`` without exactly one group, options that do not apply) is a
+config error at ``inflight validate``, at its key's line. What runs them: ``runner.py``
+(functions, and the calls of the others) and ``remote.py`` (servers and judges).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from stages.workers import resolve_function
+
+__all__ = ["JudgeSpec", "RewardSpec"]
+
+# the options of rewards computed behind HTTP (``url`` and ``judge``)
+_HTTP_OPTIONS = ("timeout_s", "retries", "backoff_s", "concurrency", "batch_size", "headers")
+
+
+def _f(default: Any, doc: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"doc": doc, **meta})
+
+
+def _http_url(url: str, key: str) -> str:
+    """``url`` when it is an http(s) URL with a host; ValueError naming ``key`` otherwise."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a port that is not a number)
+    except ValueError as exc:
+        raise ValueError(f"{key} {url!r} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{key} {url!r} must be an http:// or https:// URL with a host")
+    return url
+
+
+def _template_fields(template: str) -> list[str]:
+    """The names ``template``'s format fields start with; ValueError when it is malformed or
+    has a positional field (``{}``, ``{0}``): every field names a keyword list."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"template is not a valid format string: {exc}") from None
+    names = [re.split(r"[.\[]", name, maxsplit=1)[0] for name in fields]
+    for name in names:
+        if not name.isidentifier():
+            raise ValueError(
+                f"template field {{{name}}} is not a name: fields name the sample's values "
+                "({prompt}, {completion}, {answer}, any meta key); write {{ and }} for braces"
+            )
+    return names
+
+
+@dataclass
+class JudgeSpec:
+    url: str = field(
+        metadata={"doc": "the judge engine's URL (the built-in engine or SGLang): http://HOST:PORT"}
+    )
+    template: str = field(
+        metadata={
+            "doc": "the judge's prompt, a Python format string: {prompt}, {completion} and any "
+            "other keyword a reward function gets, one sample's value each ({answer}...)"
+        }
+    )
+    parse: str = field(
+        metadata={
+            "doc": "regular expression with one group, searched in the judge's answer: the group "
+            "is the score (a number, or a key of map)"
+        }
+    )
+    map: dict[str, float] = field(
+        default_factory=dict,
+        metadata={
+            "doc": 'score of each text the group may be ({"yes": 1, "no": 0}); empty: a number'
+        },
+    )
+    route: Literal["generate", "chat"] = _f(
+        "generate",
+        "generate: /generate with the prompt as it is, up to batch_size prompts a request; "
+        "chat: /v1/chat/completions with the prompt as the user's message (the engine's chat "
+        "template applies), one sample a request",
+    )
+    system: str = _f("", "chat route: a system message before it")
+    model: str = _f("default", "chat route: the request's model")
+    max_new_tokens: int = _f(32, "the judge's answer length", min=1)
+    temperature: float = _f(0.0, "sampling temperature (0: greedy)", min=0.0)
+
+    def __post_init__(self) -> None:
+        _http_url(self.url, "url")
+        _template_fields(self.template)
+        try:
+            groups = re.compile(self.parse).groups
+        except re.error as exc:
+            raise ValueError(f"parse {self.parse!r} is not a regular expression: {exc}") from None
+        if groups != 1:
+            raise ValueError(f"parse {self.parse!r} has {groups} groups: it needs exactly one")
+        if self.system and self.route != "chat":
+            raise ValueError("system applies to route: chat (with generate, put it in template)")
+
+
+@dataclass
+class RewardSpec:
+    fn: str | None = _f(
+        None, "reward function: entry point of inflight.rewards or package.module:name"
+    )
+    url: str | None = _f(None, "reward server: its URL (POST, JSON lists in and out)")
+    judge: JudgeSpec | None = field(
+        default=None, metadata={"doc": "a generative judge served by an engine"}
+    )
+    weight: float = _f(1.0, "its weight in the summed reward")
+    name: str = _f(
+        "",
+        "its name in reward_info, logs and metrics (default: fn, the URL without its scheme, or "
+        "judge:HOST:PORT)",
+    )
+    protocol: Literal["inflight", "slime"] = _f(
+        "inflight",
+        "url: inflight (lists of samples in, {rewards: [...]} out; OpenRLHF's remote reward "
+        "model fields included) or slime (slime's --rm-url: one sample a request)",
+    )
+    timeout_s: float = _f(60.0, "url, judge: limit on one HTTP call", min=0.001)
+    retries: int = _f(
+        3,
+        "url, judge: more tries of a call after a connection error, a time-out, or HTTP 5xx or "
+        "429 (never after another 4xx)",
+        min=0,
+    )
+    backoff_s: float = _f(
+        0.5, "url, judge: wait before the first retry, doubled each time", min=0.0
+    )
+    concurrency: int = _f(8, "url, judge: most calls in flight to the server", min=1)
+    batch_size: int | None = _f(
+        None,
+        "url, judge: most samples in one call (default: all of a scoring call's samples, up to "
+        "the scorer's batch_groups groups)",
+        min=1,
+    )
+    headers: dict[str, str] = field(
+        default_factory=dict,
+        metadata={"doc": "url, judge: HTTP headers sent with every call (Authorization...)"},
+    )
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("fn", "url", "judge") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            has = " and ".join(kinds) if kinds else "none of them"
+            raise ValueError(f"a reward has exactly one of fn, url or judge (this one has {has})")
+        if self.fn is not None:
+            resolve_function("reward", self.fn)  # an unknown name is a config error
+            self._only_http(*_HTTP_OPTIONS, "protocol")
+            self.name = self.name or self.fn
+            return
+        for key, value in self.headers.items():
+            if not key or any(c in f"{key}{value}" for c in "\r\n"):
+                raise ValueError(f"headers: {key!r} is not a header (empty, or a line break)")
+        if self.url is not None:
+            parts = urlsplit(_http_url(self.url, "url"))
+            if self.protocol == "slime" and self.batch_size not in (None, 1):
+                raise ValueError("batch_size: protocol slime sends one sample a request")
+            self.name = self.name or f"{parts.netloc}{parts.path.rstrip('/')}"
+            return
+        assert self.judge is not None
+        self._only_http("protocol")
+        if self.judge.route == "chat" and self.batch_size not in (None, 1):
+            raise ValueError("batch_size: a judge on route chat gets one sample a request")
+        self.name = self.name or f"judge:{urlsplit(self.judge.url).netloc}"
+
+    def _only_http(self, *keys: str) -> None:
+        """A ValueError naming the first of ``keys`` this reward sets that it has no use for."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        for key in keys:
+            known = fields[key]
+            unset = (
+                known.default
+                if known.default_factory is dataclasses.MISSING
+                else known.default_factory()
+            )
+            if getattr(self, key) == unset:
+                continue
+            if key == "protocol":
+                raise ValueError("protocol applies to url rewards only")
+            hint = (
+                " (a function's time limit is the scorer's timeout_s)" if key == "timeout_s" else ""
+            )
+            raise ValueError(f"{key} applies to url and judge rewards only{hint}")
