@@ -119,7 +119,9 @@ class Feeder:
 
     async def setup(self) -> None:
         # reading and tokenizing a big file takes a while: keep the loop (heartbeats) free
-        loaded = await asyncio.to_thread(load_prompts, self.config.source, "train", log=self.log)
+        loaded = await asyncio.to_thread(
+            load_prompts, self.config.source, "train", log=self.log, lazy=True
+        )
         self.prompts = loaded.prompts
         self.bad = sum(loaded.bad.values())
         ctx = self.ctx
@@ -161,7 +163,7 @@ class Feeder:
         epochs, shard = self.config.epochs, self.shard_size
         next_metrics = time.monotonic() + self.config.metrics_every_s
         position, order, order_epoch = self.next, [], -1
-        start = position
+        start, skipped = position, 0
         while True:
             self.epoch, index = divmod(position, shard)
             if index == 0 and position > start and self.epoch != order_epoch:
@@ -186,9 +188,20 @@ class Feeder:
                 self.reserved = position + _RESERVE
                 self._dirty = True
                 self._save()  # before the send: a later process knows what may be out
+            prompt = None
             if position not in self.acked_above:  # processed before a restart: not again
+                prompt = self.prompts[order[index]]  # rendered now when the source is lazy
+                if prompt is None:  # unusable after all: counted (and logged) by the source
+                    self.bad += 1
+                    self._processed(position)
+                    skipped += 1
+                    if skipped >= shard:  # a whole pass without one usable prompt
+                        return "no_usable_prompts"
+                    await asyncio.sleep(0)  # the loop stays free through a run of bad ones
+            if prompt is not None:
+                skipped = 0
                 uid = self._uid(position)
-                seq = await out.send("prompt", {**self.prompts[order[index]], "uid": uid})
+                seq = await out.send("prompt", {**prompt, "uid": uid})
                 if isinstance(seq, int):
                     self._position_of[seq] = position
                     self.ctx.ledger.fed(uid)  # sent: in the ledger (nothing awaited between)
@@ -201,7 +214,12 @@ class Feeder:
     # ------------------------------------------------------------------ position
     def _acked(self, seq: int) -> None:
         position = self._position_of.pop(seq, None)
-        if position is None or position < self.next:
+        if position is not None:
+            self._processed(position)
+
+    def _processed(self, position: int) -> None:
+        """``position`` is done with: acknowledged, or skipped as unusable (never sent)."""
+        if position < self.next:
             return
         self.acked_above.add(position)
         while self.next in self.acked_above:

@@ -22,7 +22,13 @@ from stages.feeder.arithmetic import (
     make_tokenizer,
     problems,
 )
-from stages.feeder.sources import PromptSet, SourceConfig, SourceError, load_prompts
+from stages.feeder.sources import (
+    LazyPrompts,
+    PromptSet,
+    SourceConfig,
+    SourceError,
+    load_prompts,
+)
 
 LONGTAIL_MODEL = Path(__file__).resolve().parents[2] / "configs" / "models" / "longtail-tiny"
 
@@ -383,6 +389,37 @@ def test_chat_message_prompts_use_the_chat_template(tmp_path, chat_tok_dir, tok_
     config = SourceConfig(kind="jsonl", path=str(path), tokenizer=tok_dir)
     with pytest.raises(SourceError, match=r"chat\.jsonl row 1: .* has no chat template"):
         load_prompts(config, "train")
+
+
+def test_a_lazy_builtin_task_renders_each_prompt_when_read_as_the_eager_path_does(
+    chat_tok_dir, log
+):
+    arith = ArithmeticConfig(ops="+-", max_operand=30, eval_fraction=0.2)
+    config = SourceConfig(arithmetic=arith, tokenizer=chat_tok_dir, chat_template=True)
+    eager = load_prompts(config, "train")
+    lazy = load_prompts(config, "train", lazy=True)
+    assert isinstance(lazy.prompts, LazyPrompts) and len(lazy) == len(eager) > 100
+    assert [lazy.prompts[i] for i in range(len(lazy))] == eager.prompts
+    assert eager.prompts[0]["meta"]["messages"][0]["role"] == "user"
+    # a prompt the limit refuses is None when read, counted and logged as the eager path does
+    longest = max(len(p["input_ids"]) for p in eager.prompts)
+    short = SourceConfig(
+        arithmetic=arith, tokenizer=chat_tok_dir, chat_template=True, max_prompt_tokens=longest - 1
+    )
+    lazy = load_prompts(short, "train", lazy=True, log=log)
+    got = [lazy.prompts[i] for i in range(len(lazy))]
+    kept = [p for p in eager.prompts if len(p["input_ids"]) < longest]
+    assert [p for p in got if p is not None] == kept
+    assert (
+        lazy.prompts.bad == {"too_long": len(eager) - len(kept)} == load_prompts(short, "train").bad
+    )
+    assert events(log, "bad_row")[0]["reason"] == "too_long"
+    # nothing usable among the first prompts: a source error at load, as the eager path's
+    useless = SourceConfig(
+        arithmetic=arith, tokenizer=chat_tok_dir, chat_template=True, max_prompt_tokens=1
+    )
+    with pytest.raises(SourceError, match="none of the first 8 prompts is usable"):
+        load_prompts(useless, "train", lazy=True)
 
 
 # --------------------------------------------------------------------------------- eval split

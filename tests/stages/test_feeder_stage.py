@@ -12,7 +12,7 @@ import pytest
 import structlog.testing
 
 from pipeline.ledger import LedgerReporter
-from stages.feeder.arithmetic import make_tokenizer
+from stages.feeder.arithmetic import ArithmeticConfig, make_tokenizer
 from stages.feeder.sources import SourceConfig, SourceError, load_prompts
 from stages.feeder.stage import Feeder, FeederConfig, feed_order
 from tests.pipeline.runs import events, run_inflight
@@ -137,6 +137,35 @@ async def test_an_unusable_source_fails_setup(tmp_path, data):
     missing = SourceConfig(kind="jsonl", path=str(tmp_path / "none.jsonl"), tokenizer=data.tok)
     with pytest.raises(SourceError, match=r"none\.jsonl: not found"):
         await Feeder(FeederConfig(source=missing), fake_ctx()).setup()
+
+
+async def test_a_lazy_source_skips_and_counts_what_turns_out_unusable_when_fed(tmp_path):
+    tok = make_tokenizer()
+    tok.chat_template = "{{ messages[0]['content'] }}{% if add_generation_prompt %}={% endif %}"
+    tok.save_pretrained(tmp_path / "chat")
+    arith = ArithmeticConfig(ops="+", max_operand=12, eval_fraction=0.0)
+    options = dict(arithmetic=arith, tokenizer=str(tmp_path / "chat"), chat_template=True)
+    everything = load_prompts(SourceConfig(**options), "train").prompts
+    limit = max(len(p["input_ids"]) for p in everything) - 1  # the longest ones are refused
+    usable = {p["prompt_id"] for p in everything if len(p["input_ids"]) <= limit}
+    assert 0 < len(usable) < len(everything)
+    config = FeederConfig(source=SourceConfig(**options, max_prompt_tokens=limit), epochs=2)
+    ctx = fake_ctx()
+    stage = Feeder(config, ctx)
+    await stage.setup()
+    assert type(stage.prompts).__name__ == "LazyPrompts"  # nothing rendered up front
+    await stage.run()
+    sent = [payload["prompt_id"] for _, payload in ctx.outputs["prompts"].sent]
+    assert Counter(sent) == dict.fromkeys(usable, 2)
+    assert ctx.metric_calls[-1]["bad"] == 2 * (len(everything) - len(usable))
+    # a skipped prompt is done with (never held for the ledger); the sent ones are not acked
+    assert len(stage.acked_above) == 2 * (len(everything) - len(usable))
+    assert {stage._uid(p) for p in stage.acked_above}.isdisjoint(stage.held_uids())
+    # a whole pass of unusable prompts ends the feed instead of spinning
+    stage = Feeder(config, fake_ctx())
+    await stage.setup()
+    stage.prompts = [None] * len(stage.prompts)
+    assert await stage._feed() == "no_usable_prompts"
 
 
 # ------------------------------------------------------------------------------ real pipeline
