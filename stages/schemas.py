@@ -41,6 +41,11 @@ per rollout, in ``sample_index`` order, each with the rollout's per-sample field
 ``engine``, ``timings``) plus ``reward`` (float) and ``reward_info`` (map: which function, its
 details, ``error`` when it failed or timed out and the reward was set to 0). A group may be
 smaller than ``group_size`` when samples were dropped upstream (counted where they were dropped).
+Optional per sample (on-policy distillation, a scorer with a ``teacher``): ``teacher_logprobs``
+(float32, one per completion token: the teacher model's log-prob of each token given everything
+before it; meaningless where ``loss_mask`` is 0), absent where the teacher failed. Added within
+version 2: a reader that ignores it trains as it did, and a learner that distills counts the
+samples that lack it.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ SAMPLE_FIELDS = (
     "engine",
     "timings",
 )
-OPTIONAL_SAMPLE_FIELDS = ("loss_mask", "prompt_ids", "rollout")
+OPTIONAL_SAMPLE_FIELDS = ("loss_mask", "prompt_ids", "rollout", "teacher_logprobs")
 
 __all__ = [
     "OPTIONAL_SAMPLE_FIELDS",

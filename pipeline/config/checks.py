@@ -16,6 +16,9 @@ their options hold, not by name, so a plugin with the same options is checked th
   samplers upstream of it (times their replicas) must equal ``batch_size * publish.every``
   (fewer: the trainer waits for ever for its batch while the samplers wait for a new version;
   more: samples are trained after the next version is out, which is not sync).
+- A trainer that distills (options with ``distill.coef > 0``) needs a stage upstream of it whose
+  options have a ``teacher`` (the scorer's): without one no sample carries teacher log-probs,
+  and every group would be dropped.
 - A field with ``device`` metadata names a torch device: ``cpu``, ``cuda`` or ``cuda:N``
   (``device: "auto"`` metadata: ``auto`` too, left to the stage), and ``N`` must be below the
   number of GPUs the process will see (its own ``resources.gpus`` share, else its stage's, its
@@ -86,6 +89,9 @@ def pipeline_issues(
                 _check_group_size(sampler, sampler_section, name, fail)
         if run.mode == "sync" and feeding:
             _check_sync_batch(name, section, feeding, locations, fail)
+        producers = {s: built[s] for s in upstream.get(name, ()) if s in built}
+        _check_teacher(name, section, producers, fail)
+        _check_lora_engines(name, section, producers, fail)
         if run.mode == "sync" and getattr(section.options, "dynamic_sampling", False) is True:
             fail(
                 join_path(join_path("stages", name), "dynamic_sampling"),
@@ -131,6 +137,53 @@ def _upstream(stages: Mapping[str, StageSection]) -> dict[str, set[str]]:
                 todo.extend(direct.get(producer, ()))
         closed[start] = seen
     return closed
+
+
+def _check_lora_engines(
+    name: str, section: StageSection, producers: Mapping[str, StageSection], fail: Any
+) -> None:
+    """A LoRA trainer publishes adapters (``MODULE.lora_A.weight``...) that the built-in engine
+    merges, and ``publish.delta`` sends changed values only, which the built-in engine writes;
+    SGLang takes LoRA adapters from a file or its own tensor format, not from the weight group,
+    has no delta updates, and would refuse both."""
+    lora = getattr(section.options, "lora", None)
+    lora_rank = getattr(lora, "rank", 0)
+    delta = getattr(getattr(section.options, "publish", None), "delta", False) is True
+    stage = join_path("stages", name)
+    for producer, producer_section in producers.items():
+        launch = getattr(producer_section.options, "launch", None)
+        if getattr(launch, "kind", None) != "sglang":
+            continue
+        if isinstance(lora_rank, int) and lora_rank > 0:
+            fail(
+                join_path(stage, "lora"),
+                f"lora.rank {lora_rank}: a LoRA learner publishes only its adapters, which the "
+                f"built-in engine merges; {producer}'s engines are SGLang, which takes LoRA "
+                f"adapters another way (not supported yet): use launch.kind: builtin for "
+                f"{producer}, or train every parameter (lora.rank: 0)",
+            )
+        if delta:
+            fail(
+                join_path(join_path(stage, "publish"), "delta"),
+                f"publish.delta: {producer}'s engines are SGLang, which takes whole tensors "
+                f"only; use launch.kind: builtin for {producer}, or publish.delta: false",
+            )
+
+
+def _check_teacher(
+    trainer: str, section: StageSection, upstream: Mapping[str, StageSection], fail: Any
+) -> None:
+    coef = getattr(getattr(section.options, "distill", None), "coef", 0)
+    if not isinstance(coef, (int, float)) or coef <= 0:
+        return
+    if any(getattr(s.options, "teacher", None) is not None for s in upstream.values()):
+        return
+    fail(
+        join_path(join_path("stages", trainer), "distill.coef"),
+        f"distill.coef is {coef} but no stage upstream of {trainer!r} asks a teacher for "
+        "log-probs (set the scorer's teacher: {url: ...} or {launch: {model: ...}}): every "
+        "group would arrive without teacher_logprobs and be dropped",
+    )
 
 
 def _check_group_size(sampler: str, section: StageSection, trainer: str, fail: Any) -> None:

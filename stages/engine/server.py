@@ -438,6 +438,9 @@ class WeightRoutes:
                 raise RequestError("weight_version", f"expected a string, got {version!r}")
             if load_format is not None and not isinstance(load_format, str):
                 raise RequestError("load_format", f"expected a string, got {load_format!r}")
+            base = body.get("base_version")  # Inflight's: a delta update's base (see below)
+            if base is not None and not isinstance(base, (str, int)):
+                raise RequestError("base_version", f"expected a string, got {base!r}")
             receiver = self.receivers.get(group)
             if receiver is None:
                 raise RequestError(
@@ -453,6 +456,14 @@ class WeightRoutes:
                 tensors = await self._in_thread(
                     receiver.receive, names, dtypes, shapes, load_format
                 )
+                # received in any case (the collective stays in step), applied only on top of
+                # the version the delta was computed against; the publisher then sends in full
+                held = self.scheduler.weight_version
+                if base is not None and str(base) != held:
+                    return _failure(
+                        f"update_weights_from_distributed: a delta against version {base}, but "
+                        f"this engine holds version {held}: send the full weights"
+                    )
                 await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
                 if flush:
                     await asyncio.wrap_future(self.scheduler.flush_prefix_cache())

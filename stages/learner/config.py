@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from stages.feeder.sources import SourceConfig
 from stages.hub import model_check
+from stages.learner.distill import DistillConfig
+from stages.learner.lora import LoraSection, config_issue
 from stages.learner.loss_config import LossConfig
 from stages.learner.overlong import OverlongConfig
 from stages.rollouts.api import RolloutConfig
@@ -91,6 +93,19 @@ class PublishConfig:
         metadata={"doc": "engine URLs to publish to, instead of announced ones"},
     )
     timeout_s: float = _f(300.0, "bound on every weight-group operation", min=1.0)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
+        "auto",
+        "the dtype weights travel in (auto: the training dtype); e.g. bfloat16 for engines "
+        "serving bfloat16 while the learner trains in float32",
+    )
+    delta: bool = _f(
+        False,
+        "send only the values that changed (in the published dtype) since the version the "
+        "engines hold; built-in engines only",
+    )
+    full_every: int = _f(
+        10, "delta: a full update every N versions (and after any failure or engine change)", min=1
+    )
 
 
 @dataclass
@@ -185,9 +200,17 @@ class LearnerConfig:
     advantage: AdvantageConfig = field(
         default_factory=AdvantageConfig, metadata={"doc": "group advantage options"}
     )
+    lora: LoraSection = field(
+        default_factory=LoraSection,
+        metadata={"doc": "train LoRA adapters only (peft), and publish only them"},
+    )
     overlong: OverlongConfig = field(
         default_factory=OverlongConfig,
         metadata={"doc": "truncated samples: filtered out, or their reward shaped (DAPO)"},
+    )
+    distill: DistillConfig = field(
+        default_factory=DistillConfig,
+        metadata={"doc": "on-policy distillation: per-token advantages from a teacher's log-probs"},
     )
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "optimizer"})
     deepspeed: DeepSpeedSection = field(
@@ -204,6 +227,14 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model is required: the Hugging Face model directory to train")
+        if self.publish.delta and self.lora.on:
+            raise ValueError(
+                "publish.delta with lora: a LoRA update carries only the adapters already "
+                "(under 1% of the weights); set publish.delta: false"
+            )
+        lora_issue = config_issue(self.model, self.lora)
+        if lora_issue:
+            raise ValueError(lora_issue)
         if self.epochs > 1 and not self.loss.clipped_objective:
             raise ValueError(
                 "epochs > 1 reuses each batch: set loss.objective to ppo, gspo or cispo (or "

@@ -1,7 +1,8 @@
 """The learner's per-token policy-gradient loss with truncated importance sampling (TIS).
 
 Per completion token, with ``rho = exp(old_logp - sampler_logp)`` (detached; ``old_logp`` is the
-learner's log-prob before this optimizer step) and ``w = min(rho, C)``, by ``objective``::
+learner's log-prob before this optimizer step), ``w = min(rho, C)`` and ``A`` the sequence's
+advantage (or the token's own, on-policy distillation: ``distill.py``), by ``objective``::
 
     pg     term = -w * A * logp                                                    (default)
     ppo    term = -w * min(r * A, clip(r, 1 - lo, 1 + hi) * A),  r = exp(logp - old_logp)
@@ -138,7 +139,9 @@ def policy_loss(
 
     ``logp`` ``[B, T]``: the learner's log-probs of the completion tokens, with grad.
     ``sampler_logp``, ``old_logp`` (and ``ref_logp``) ``[B, T]``: treated as constants; for
-    single-epoch training pass ``old_logp=logp.detach()``. ``advantages`` ``[B]``. ``mask``
+    single-epoch training pass ``old_logp=logp.detach()``. ``advantages`` ``[B]`` (one per
+    sequence) or ``[B, T]`` (one per token: on-policy distillation; masked slots may hold
+    anything). ``mask``
     ``[B, T]`` (bool or 0/1): the trained tokens, i.e. real completion tokens that the model
     sampled (False for padding and for tool-inserted tokens). ``denominator``: see
     ``loss_denominator``. With ``normalize: sequence`` each sequence is averaged over its
@@ -162,8 +165,11 @@ def policy_loss(
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logp has {tuple(shape)}")
     if config.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp (the reference log-probs)")
-    if advantages.shape != shape[:1]:
-        raise ValueError(f"advantages must be [{shape[0]}], got {tuple(advantages.shape)}")
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(
+            f"advantages must be [{shape[0]}] or [{shape[0]}, {shape[1]}], got "
+            f"{tuple(advantages.shape)}"
+        )
 
     dtype = torch.promote_types(logp.dtype, torch.float32)
     mask = mask.bool()
@@ -175,7 +181,8 @@ def policy_loss(
     lp = clean(logp)
     old = clean(old_logp.detach())
     sampler = clean(sampler_logp.detach())
-    adv = advantages.detach().to(dtype)[:, None]
+    adv = advantages.detach()
+    adv = adv.to(dtype)[:, None] if adv.dim() == 1 else clean(adv)
 
     log_rho = (old - sampler).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     rho = log_rho.exp()

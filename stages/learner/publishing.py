@@ -36,6 +36,7 @@ import torch
 from pipeline import topics
 from stages.engine.auth import engine_api_key
 from stages.learner.config import PublishConfig
+from stages.weights.delta import DeltaEncoder
 from stages.weights.publisher import WeightPublisher, WeightPublishError
 
 __all__ = ["Publishing"]
@@ -61,6 +62,8 @@ class Publishing:
             "reconnects": 0,
             "group_failed": 0,
             "catch_ups": 0,  # current weights sent again between steps (see `behind`)
+            "full_updates": 0,  # with publish.delta: updates sent whole
+            "delta_updates": 0,  # with publish.delta: updates of the changed values only
         }
         self.seconds = 0.0
         self.version = 0
@@ -69,6 +72,11 @@ class Publishing:
         self._failed_at: float | None = None  # the last publish (or group) failed then,
         self._failed_with: dict[str, Any] = {}  # with these engines announced
         self._retry_s = _RETRY_FIRST_S
+        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        self.dtype = dtype
+        # delta updates: what every engine of the group holds, and when the last full went out
+        self.encoder = DeltaEncoder(dtype) if config.delta else None
+        self._full_at = 0
 
     # ---------------------------------------------------------------- engines
     def _expected(self) -> list[str]:
@@ -159,6 +167,8 @@ class Publishing:
         wanted = self._wanted()
         if self.publisher is not None and wanted == self._connected_to and not self._missing:
             return self.publisher
+        if self.encoder is not None:  # engines that may hold anything: full next
+            self.encoder.reset()
         if self.publisher is not None:
             self.counts["reconnects"] += 1
             self.log.info("weight_group_reconnect", reason="engines changed")
@@ -198,10 +208,13 @@ class Publishing:
         started = time.perf_counter()
         try:
             publisher = await self._ensure_connected()
-            stats = await publisher.publish(weights, version)
+            weights, base = self._encoded(weights, version)
+            stats = await publisher.publish(weights, version, base_version=base)
         except _PUBLISH_ERRORS as exc:
             self.counts["failed"] += 1
             self._failed()
+            if self.encoder is not None:  # engines may hold part of it: full next
+                self.encoder.reset()
             self.log.error(
                 "publish_failed",
                 policy_version=version,
@@ -229,10 +242,42 @@ class Publishing:
         )
         return True
 
+    def _encoded(self, weights: Any, version: int) -> tuple[Any, int | None]:
+        """``weights`` as they travel (cast to ``dtype``; with ``delta``, only what changed
+        since the version the engines hold), and that version (None: a full update)."""
+        encoder = self.encoder
+        if encoder is None:
+            if self.dtype is None:
+                return weights, None
+            return _mapped(weights, lambda group: _cast(group, self.dtype)), None
+        full = (
+            not encoder.ready
+            or version <= self.version  # the same version again: someone lacks it
+            or version - self._full_at >= self.config.full_every
+        )
+        if full:
+            self._full_at = version
+            self.counts["full_updates"] += 1
+        else:
+            self.counts["delta_updates"] += 1
+        encoded = _mapped(weights, lambda group: encoder.encode(group, full=full))
+        return encoded, None if full else self.version
+
     async def close(self) -> None:
         if self.publisher is not None:
             await self.publisher.close()
             self.publisher = None
+
+
+def _mapped(weights: Any, fn: Any) -> Any:
+    """``fn`` over each group of a weight source (named tensors, or a callable of groups)."""
+    if callable(weights):
+        return lambda: (fn(group) for group in weights())
+    return fn(weights)
+
+
+def _cast(named: Any, dtype: torch.dtype) -> Any:
+    return ((name, t.to(dtype) if t.is_floating_point() else t) for name, t in named)
 
 
 def _urls(announced: Mapping[str, Any]) -> list[str]:

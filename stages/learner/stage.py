@@ -8,7 +8,9 @@ out groups whose rewards are all equal (counted, filling the batch with others),
 step in a worker thread (``trainer.py``) so that its event loop keeps the heartbeat and the
 inbox going meanwhile.
 A multi-turn sample's ``loss_mask`` (tokens sampled by the model vs inserted by a tool) and its
-own ``prompt_ids`` (overriding the group's) are read when present (``_sample_arrays``).
+own ``prompt_ids`` (overriding the group's) are read when present (``_sample_arrays``). With
+``distill.coef > 0`` each sample's ``teacher_logprobs`` make per-token advantages
+(``distill.py``); a group with a sample that lacks them is dropped (``no_teacher``).
 
 Rank 0 also runs the weight publisher (``publishing.py``) and the evaluation (``evaluate.py``).
 After every ``publish.every`` steps it takes a CPU snapshot of the weights (a collective gather
@@ -91,6 +93,7 @@ class Learner:
             "set_aside": 0,  # samples of groups without signal left out (dynamic_sampling)
             "overlong_filtered": 0,  # truncated samples that trained nothing (overlong.filter)
             "overlong_shaped": 0,  # samples whose reward the overlong punishment lowered
+            "no_teacher": 0,  # samples of groups dropped without teacher log-probs (distill)
         }
         # sums over steps; "passes_n": steps that had passes (the loss statistics' steps)
         self.totals = {
@@ -102,6 +105,10 @@ class Learner:
             "passes_n": 0,
         }
         self._carry: list[TrainSample] = []
+        # distill: sums of sampler - teacher log-probs over sampled tokens, and their count,
+        # since the last step was logged (teacher_kl: the reverse KL's one-sample estimate)
+        self._teacher_kl = [0.0, 0]
+        self._no_teacher_logged = False  # the first group dropped without them is logged
         # received groups not yet processed (see _samples_of)
         self._open: dict[int, list[Any]] = {}
         # resumed: uid -> sample indexes of a group that are in the checkpoint already
@@ -297,7 +304,7 @@ class Learner:
                 break
             group = self._samples_of(msg)
             taken += len(group)
-            no_signal = all(s.advantage == 0.0 for s in group)
+            no_signal = not any(s.carries_signal for s in group)
             if self.config.dynamic_sampling and group and no_signal and taken <= limit:
                 self._set_aside(group)
                 continue
@@ -446,6 +453,7 @@ class Learner:
         import torch
 
         from stages.learner.advantages import one_group_advantages
+        from stages.learner.distill import token_advantages
         from stages.learner.overlong import overlong_penalty
         from stages.learner.trainer import TrainSample
 
@@ -470,6 +478,12 @@ class Learner:
             scored = [float(s["reward"]) for s in items]
             rewards = torch.tensor(scored, dtype=torch.float32).tolist()
             rows = [_sample_arrays(s, prompt) for s in items]
+            distill = self.config.distill
+            teachers = (
+                [_teacher_logprobs(s, len(row[1])) for s, row in zip(items, rows, strict=True)]
+                if distill.on
+                else [None] * len(rows)
+            )
         except (KeyError, TypeError, ValueError) as exc:
             self.counts["bad_groups"] += 1
             self.log.warning("group_dropped", group_id=group.get("group_id"), reason=str(exc))
@@ -479,6 +493,14 @@ class Learner:
         if not rows:
             self.ctx.inputs["groups"].ack(msg)
             return []
+        if distill.on and any(t is None for t in teachers):
+            self._no_teacher(msg, sum(t is None for t in teachers))
+            return []
+        for (_, _, lp, _, mask), teacher in zip(rows, teachers, strict=True):
+            if teacher is not None:
+                gap = lp - teacher if mask is None else (lp - teacher)[mask]
+                self._teacher_kl[0] += float(gap.sum())
+                self._teacher_kl[1] += gap.size
         self._origins += 1
         origin = self._origins
         self.counts["groups"] += 1
@@ -513,9 +535,12 @@ class Learner:
                 origin,
                 int(s.get("sample_index", i)),
                 loss_mask=mask,
+                token_advantages=None
+                if teacher is None
+                else token_advantages(a, teacher, lp, mask, distill),
             )
-            for i, ((own_prompt, ids, lp, versions, mask), a, r, s) in enumerate(
-                zip(rows, advantages, rewards, items, strict=True)
+            for i, ((own_prompt, ids, lp, versions, mask), a, r, s, teacher) in enumerate(
+                zip(rows, advantages, rewards, items, teachers, strict=True)
             )
         ]
         if done:  # part of it is in the checkpoint we resumed from: not again
@@ -531,6 +556,25 @@ class Learner:
                 s.loss_mask = np.zeros(len(s.completion_ids), dtype=bool)
                 self.counts["overlong_filtered"] += 1
         return kept
+
+    def _no_teacher(self, msg: Any, missing: int) -> None:
+        """Distillation: a group with samples that lack teacher log-probs (the teacher failed
+        for them) is dropped and counted; the first one is logged."""
+        group = msg.data
+        slots = _slots_of(group)
+        if not self._no_teacher_logged:
+            self._no_teacher_logged = True
+            self.log.warning(
+                "group_dropped",
+                group_id=group.get("group_id"),
+                reason=f"distill: {missing} of its {len(group['samples'])} samples have no "
+                "teacher_logprobs (the teacher failed for them: see the scorer's teacher_failed "
+                "events, or no scorer upstream has a teacher)",
+                later="counted in no_teacher, not logged again",
+            )
+        self.counts["no_teacher"] += len(slots) or len(group["samples"])
+        self.ctx.ledger.fates(slots, "no_teacher")
+        self.ctx.inputs["groups"].ack(msg)
 
     def _account(self, metrics: dict[str, Any], elapsed: float) -> None:
         self.counts["samples"] += metrics["samples"]
@@ -562,7 +606,17 @@ class Learner:
                     if k not in ("reward", "solved", "lag_mean")
                 },
                 stale=self.counts["stale"],
+                **(self._distill_metrics() if self.config.distill.on else {}),
             )
+
+    def _distill_metrics(self) -> dict[str, Any]:
+        """``no_teacher`` and ``teacher_kl`` (since the last step: None without tokens)."""
+        total, n = self._teacher_kl
+        self._teacher_kl = [0.0, 0]
+        return {
+            "no_teacher": self.counts["no_teacher"],
+            "teacher_kl": round(total / n, 5) if n else None,
+        }
 
     # ---------------------------------------------------------------- publish
     async def _publish(self, version: int) -> None:
@@ -701,6 +755,7 @@ class Learner:
             set_aside=self.counts["set_aside"],
             overlong_filtered=self.counts["overlong_filtered"],
             overlong_shaped=self.counts["overlong_shaped"],
+            no_teacher=self.counts["no_teacher"],
             policy_version=self.version,
             publishes=self.publishing.counts,
         )
@@ -759,6 +814,23 @@ def _sample_arrays(
         raise ValueError("loss_mask holds values other than 0 (inserted) and 1 (sampled)")
     mask = flags.astype(bool)
     return prompt, ids, lp, versions, None if mask.all() else mask
+
+
+def _teacher_logprobs(sample: dict[str, Any], length: int) -> np.ndarray | None:
+    """A scored sample's ``teacher_logprobs`` (float32, one per completion token), or None when
+    it has none; ``ValueError`` when they are malformed."""
+    raw = sample.get("teacher_logprobs")
+    if raw is None:
+        return None
+    values = np.asarray(raw, dtype=np.float32)
+    if values.shape != (length,):
+        raise ValueError(
+            f"teacher_logprobs has shape {values.shape}, completion_ids {length} tokens: one per "
+            "token"
+        )
+    if not np.isfinite(values).all():
+        raise ValueError("teacher_logprobs holds values that are not finite")
+    return values
 
 
 def _slots_of(group: Any) -> list[tuple[Any, Any, int]]:

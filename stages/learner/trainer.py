@@ -92,6 +92,16 @@ class TrainSample:
     origin: int = 0  # which received group it came from (the learner acknowledges groups)
     index: int = 0  # its sample_index in that group
     loss_mask: np.ndarray | None = None  # bool, one per completion token; None: all sampled
+    # float32, one per completion token: each token's own advantage (distillation); None: all
+    # tokens have ``advantage``
+    token_advantages: np.ndarray | None = None
+
+    @property
+    def carries_signal(self) -> bool:
+        """Whether a trained token of it has a nonzero advantage (else it adds nothing)."""
+        if self.token_advantages is None:
+            return self.advantage != 0.0
+        return bool(np.any(self.token_advantages[self.sampled] != 0.0))
 
     @property
     def sampled(self) -> np.ndarray:
@@ -129,9 +139,10 @@ def _device(config: LearnerConfig) -> torch.device:
 
 def without_passes(config: LearnerConfig, sample: TrainSample) -> bool:
     """True for a sample a step leaves out of its forward and backward passes: its advantage is
-    0 (a group whose rewards are all equal) and no other loss term reads it, so it would add
-    exactly nothing to the gradient (``skip_no_signal``). It still counts in the step."""
-    return config.skip_no_signal and config.loss.kl_coef == 0 and sample.advantage == 0.0
+    0 (a group whose rewards are all equal), on every trained token when it has per-token ones,
+    and no other loss term reads it, so it would add exactly nothing to the gradient
+    (``skip_no_signal``). It still counts in the step."""
+    return config.skip_no_signal and config.loss.kl_coef == 0 and not sample.carries_signal
 
 
 class Trainer:
@@ -180,6 +191,10 @@ class Trainer:
             model_dir, dtype=torch.float32, local_files_only=True
         )
         model.config.use_cache = False
+        if cfg.lora.on:  # only the adapters train (and travel to the engines)
+            from stages.learner.lora import wrap
+
+            model = wrap(model, cfg.lora)
         if cfg.loss.kl_coef > 0:
             ref_dir = resolve_model(cfg.ref_model, what="ref_model") if cfg.ref_model else model_dir
             self.ref_model = AutoModelForCausalLM.from_pretrained(
@@ -188,7 +203,7 @@ class Trainer:
             self.ref_model.eval().requires_grad_(False)
         optim = cfg.optim
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],
             lr=optim.lr,
             betas=(optim.beta1, optim.beta2),
             eps=optim.eps,
@@ -233,6 +248,9 @@ class Trainer:
             zero_stage=cfg.deepspeed.zero_stage,
             device=str(self.device),
             params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+            trained=sum(
+                getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad
+            ),
             seconds=round(time.perf_counter() - started, 3),
         )
 
@@ -445,7 +463,18 @@ class Trainer:
         sampler = sampler.to(self.device, logp.dtype)
         old = logp.detach() if old_lp is None else _padded([old_lp[i] for i in idx], width)
         ref = None if ref_lp is None else _padded([ref_lp[i] for i in idx], width)
-        advantages = torch.tensor([s.advantage for s in part], device=self.device, dtype=logp.dtype)
+        if any(s.token_advantages is not None for s in part):  # per token: [B, T]
+            rows = [
+                s.token_advantages
+                if s.token_advantages is not None
+                else np.full(len(s.completion_ids), s.advantage, dtype=np.float32)
+                for s in part
+            ]
+            advantages = _padded(rows, width).to(self.device, logp.dtype)
+        else:
+            advantages = torch.tensor(
+                [s.advantage for s in part], device=self.device, dtype=logp.dtype
+            )
         loss, stats = policy_loss(
             logp,
             sampler_logp=sampler,
@@ -470,28 +499,43 @@ class Trainer:
 
     # ---------------------------------------------------------------- weights
     def named_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full parameters in groups of about ``bucket_bytes``; collective under ZeRO-3."""
+        """What a weight update carries, in groups of about ``bucket_bytes``; collective under
+        ZeRO-3: every parameter, or with LoRA only the adapters (``lora.adapter_name``; B
+        scaled), each module's A and B in one group."""
         import deepspeed
 
-        params = list(self.engine.module.named_parameters())
-        group: list[tuple[str, torch.nn.Parameter]] = []
+        params = self._published()
+        group: list[tuple[str, torch.nn.Parameter, float]] = []
         size = 0
         zero3 = self.config.deepspeed.zero_stage == 3
-        for name, p in params:
-            group.append((name, p))
+        for i, (name, p, scale) in enumerate(params):
+            group.append((name, p, scale))
             size += (p.ds_numel if zero3 else p.numel()) * p.element_size()
-            if size >= bucket_bytes:
+            pair_open = name.endswith(".lora_A.weight") and i + 1 < len(params)
+            if size >= bucket_bytes and not pair_open:
                 yield from self._gathered(group, zero3, deepspeed)
                 group, size = [], 0
         if group:
             yield from self._gathered(group, zero3, deepspeed)
 
+    def _published(self) -> list[tuple[str, torch.nn.Parameter, float]]:
+        """``(name the engines know, parameter, factor)`` of what an update carries."""
+        module = self.engine.module
+        if not self.config.lora.on:
+            return [(name, p, 1.0) for name, p in module.named_parameters()]
+        from stages.learner.lora import published_adapters
+
+        return published_adapters(module)
+
     def _gathered(self, group: list, zero3: bool, deepspeed: Any) -> Iterator[list]:
+        def tensors() -> list[tuple[str, torch.Tensor]]:
+            return [(n, p.data if s == 1.0 else p.data * s) for n, p, s in group]
+
         if zero3:
-            with deepspeed.zero.GatheredParameters([p for _, p in group]):
-                yield [(n, p.data) for n, p in group]
+            with deepspeed.zero.GatheredParameters([p for _, p, _ in group]):
+                yield tensors()
         else:
-            yield [(n, p.data) for n, p in group]
+            yield tensors()
 
     def snapshot(self, bucket_bytes: int) -> dict[str, torch.Tensor] | None:
         """A CPU copy of every parameter on rank 0 (None elsewhere), reusing its buffers."""
@@ -536,12 +580,23 @@ class Trainer:
 
             module = self.engine.module
             module.config.use_cache = True
+            # with LoRA: the adapter in peft's format (adapter_config.json, adapter_model.*)
             module.save_pretrained(path, state_dict=weights, safe_serialization=True)
+            folders = [path]
+            if self.config.lora.on and self.config.lora.merged_checkpoints:
+                from stages.learner.lora import merged_state_dict
+
+                merged = os.path.join(path, "merged")
+                module.get_base_model().save_pretrained(
+                    merged, state_dict=merged_state_dict(module, weights), safe_serialization=True
+                )
+                folders.append(merged)
             module.config.use_cache = False
             try:
                 folder = resolve_model(tokenizer_from, what="tokenizer", needs="tokenizer")
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-                tokenizer.save_pretrained(path)
+                for where in folders:
+                    tokenizer.save_pretrained(where)
             except (OSError, ValueError) as exc:  # HubError: a model without a tokenizer
                 self.log.warning("checkpoint_without_tokenizer", model=tokenizer_from, why=str(exc))
         dist.barrier()

@@ -24,6 +24,10 @@ samples; a value that is not a finite number, or a judge's answer the rule canno
 its sample. A failed sample gets reward 0 with an ``error`` in its ``reward_info``, as when a
 reward function fails; failures are counted by kind (``failed_<kind>``: samples) and the first
 of each kind is logged (``reward_failed``).
+
+``HttpCaller`` is that machinery without the protocols (the connection pool, the bound, the
+time limit, the retries, the failures by kind): the teacher of on-policy distillation
+(``teacher.py``) calls its engine through one too.
 """
 
 from __future__ import annotations
@@ -40,13 +44,13 @@ import aiohttp
 from stages.scorer.runner import Outcome, checked_values
 from stages.scorer.spec import JudgeSpec, RewardSpec
 
-__all__ = ["RemoteReward"]
+__all__ = ["HttpCaller", "HttpFailure", "RemoteReward", "quoted"]
 
 _MAX_BACKOFF_S = 30.0
 _SHOWN = 200  # characters of an answer quoted in an error
 
 
-class _Failure(Exception):
+class HttpFailure(Exception):
     """A call's samples failed: ``kind`` (``timeout``, ``http_error``...) and why."""
 
     def __init__(self, kind: str, message: str) -> None:
@@ -60,7 +64,8 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"a {type(value).__name__} cannot be written as JSON")
 
 
-def _quoted(data: Any) -> str:
+def quoted(data: Any) -> str:
+    """``data`` (an answer's bytes, or any value) for an error message, cut to a few lines."""
     text = data.decode(errors="replace") if isinstance(data, bytes) else repr(data)
     return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
 
@@ -69,7 +74,7 @@ def _values(values: Any, n: int) -> tuple[list[float | None], dict[int, tuple[st
     """A server's values, checked as a function's are: unusable as a whole raises."""
     checked = checked_values(values, n)
     if isinstance(checked, str):
-        raise _Failure("bad_response", checked)
+        raise HttpFailure("bad_response", checked)
     out, bad = checked
     return out, {i: ("bad_value", why) for i, why in bad.items()}
 
@@ -95,7 +100,9 @@ class _Lists:
         if isinstance(reply, Mapping):
             key = next((k for k in ("rewards", "scores") if k in reply), None)
             if key is None:
-                raise _Failure("bad_response", f"no 'rewards' in the answer (keys: {list(reply)})")
+                raise HttpFailure(
+                    "bad_response", f"no 'rewards' in the answer (keys: {list(reply)})"
+                )
             reply = reply[key]
         return _values(reply, n)
 
@@ -149,11 +156,11 @@ class _Judge:
             return self.judge.template.format_map(row)
         except KeyError as exc:
             known = ", ".join(sorted(row))
-            raise _Failure(
+            raise HttpFailure(
                 "judge_template", f"the template names {exc}, which the samples lack ({known})"
             ) from None
         except (IndexError, AttributeError, TypeError, ValueError) as exc:
-            raise _Failure("judge_template", f"{type(exc).__name__}: {exc}") from None
+            raise HttpFailure("judge_template", f"{type(exc).__name__}: {exc}") from None
 
     def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
         texts = self._texts(reply, n)
@@ -162,7 +169,7 @@ class _Judge:
         for i, text in enumerate(texts):
             score = self._score(text)
             if score is None:
-                bad[i] = ("judge_unparsed", f"parse found no score in {_quoted(text)}")
+                bad[i] = ("judge_unparsed", f"parse found no score in {quoted(text)}")
             else:
                 values[i] = score
         return values, bad
@@ -174,11 +181,13 @@ class _Judge:
             else:
                 texts = [item["text"] for item in reply]
         except (KeyError, IndexError, TypeError) as exc:
-            raise _Failure(
-                "bad_response", f"not the engine's answer ({exc!r}): {_quoted(reply)}"
+            raise HttpFailure(
+                "bad_response", f"not the engine's answer ({exc!r}): {quoted(reply)}"
             ) from None
         if len(texts) != n or not all(isinstance(t, str) for t in texts):
-            raise _Failure("bad_response", f"{len(texts)} texts for {n} prompts: {_quoted(reply)}")
+            raise HttpFailure(
+                "bad_response", f"{len(texts)} texts for {n} prompts: {quoted(reply)}"
+            )
         return texts
 
     def _score(self, text: str) -> float | None:
@@ -195,38 +204,161 @@ class _Judge:
         return score if math.isfinite(score) else None
 
 
-# ---------------------------------------------------------------------------------- the reward
-class RemoteReward:
-    """One ``url`` or ``judge`` reward: ``score`` a scoring call's keyword lists.
+# ---------------------------------------------------------------------------------- the calls
+class HttpCaller:
+    """One server's connection pool: JSON calls with a time limit per call, retries with
+    doubling waits of what may pass, at most ``concurrency`` calls in flight; failed samples
+    counted by kind and the first failure of each kind logged.
 
-    ``start()`` makes its connection pool (on the running loop), ``aclose()`` closes it.
-    ``counts``: ``calls`` (HTTP calls made, without retries), ``errors`` and ``timeouts`` (calls
-    that failed for good, or whose answer had bad values), ``retries``; ``failed``: failed
-    samples by kind.
+    ``options`` has ``timeout_s``, ``retries``, ``backoff_s``, ``concurrency`` and ``headers``
+    (a ``RewardSpec``, a ``TeacherSpec``). A failure is logged as ``event`` with the
+    key-values of ``who`` (which reward, which teacher). ``start()`` makes the pool (on the
+    running loop), ``aclose()`` closes it. ``counts``: ``calls`` (HTTP calls made, without
+    retries), ``errors`` and ``timeouts`` (calls that failed for good, or whose answer had bad
+    values), ``retries``; ``failed``: failed samples by kind.
     """
 
-    def __init__(self, spec: RewardSpec, log: Any) -> None:
-        self.spec, self.name, self.log = spec, spec.name, log
-        protocol = {"inflight": _Lists, "slime": _Slime}[spec.protocol]
-        self.protocol = _Judge(spec) if spec.judge is not None else protocol(spec)
-        base = spec.judge.url.rstrip("/") if spec.judge is not None else spec.url
-        self.url = f"{base}{self.protocol.path}"
+    def __init__(
+        self,
+        options: Any,
+        log: Any,
+        *,
+        event: str,
+        who: Mapping[str, Any],
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.options, self.log, self.event, self.who = options, log, event, dict(who)
+        self.headers = {**(headers or {}), **options.headers}  # the options' own come last
         self.counts = {"calls": 0, "errors": 0, "timeouts": 0, "retries": 0}
         self.failed: dict[str, int] = {}
         self._logged: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
-        self._in_flight = asyncio.Semaphore(spec.concurrency)
+        self._in_flight = asyncio.Semaphore(options.concurrency)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.spec.concurrency),
-            headers=self.spec.headers,
-            timeout=aiohttp.ClientTimeout(total=self.spec.timeout_s),
+            connector=aiohttp.TCPConnector(limit=self.options.concurrency),
+            headers=self.headers,
+            timeout=aiohttp.ClientTimeout(total=self.options.timeout_s),
         )
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+    async def post(self, url: str, body: Any) -> Any:
+        """The JSON answer to ``body`` (sent as JSON), retrying what may pass; raises
+        ``HttpFailure`` (``bad_request`` when ``body`` cannot be written as JSON)."""
+        try:
+            data = json.dumps(body, default=_jsonable, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise HttpFailure("bad_request", f"the samples cannot be sent as JSON: {exc}") from None
+        return await self._post(url, data)
+
+    async def get(self, url: str) -> tuple[int, Any]:
+        """``(status, JSON answer or None)`` of one GET, without retries (set-up probes)."""
+        assert self._session is not None, "start() first"
+        try:
+            async with self._session.get(url) as response:
+                status, answer = response.status, await response.read()
+        except asyncio.TimeoutError:
+            raise HttpFailure("timeout", f"no answer within {self.options.timeout_s} s") from None
+        except aiohttp.ClientError as exc:
+            raise HttpFailure("unreachable", f"{type(exc).__name__}: {exc}") from None
+        try:
+            return status, json.loads(answer)
+        except ValueError:
+            return status, None
+
+    async def _post(self, url: str, data: bytes) -> Any:
+        assert self._session is not None, "start() first"
+        options = self.options
+        self.counts["calls"] += 1
+        failure = HttpFailure("timeout", "never tried")
+        for attempt in range(options.retries + 1):
+            if attempt:
+                self.counts["retries"] += 1
+                await asyncio.sleep(min(options.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S))
+            try:
+                async with (
+                    self._in_flight,
+                    self._session.post(
+                        url, data=data, headers={"Content-Type": "application/json"}
+                    ) as response,
+                ):
+                    status, answer = response.status, await response.read()
+            except asyncio.TimeoutError:
+                failure = HttpFailure("timeout", f"no answer within {options.timeout_s} s")
+                continue
+            except aiohttp.ClientError as exc:
+                failure = HttpFailure("unreachable", f"{type(exc).__name__}: {exc}")
+                continue
+            if status == 429 or status >= 500:
+                failure = HttpFailure("http_error", f"HTTP {status}: {quoted(answer)}")
+                continue
+            if not 200 <= status < 300:
+                raise HttpFailure("http_error", f"HTTP {status}: {quoted(answer)}")
+            try:
+                return json.loads(answer)
+            except ValueError:
+                raise HttpFailure("bad_response", f"not JSON: {quoted(answer)}") from None
+        if options.retries:
+            failure.message += f" ({options.retries + 1} tries)"
+        raise failure
+
+    def failed_call(self, failure: HttpFailure, samples: int, context: Mapping[str, Any]) -> None:
+        """A call failed as a whole: count it and its ``samples``."""
+        self.counts["timeouts" if failure.kind == "timeout" else "errors"] += 1
+        self.note(failure.kind, failure.message, samples, context)
+
+    def bad_values(self, bad: Mapping[int, tuple[str, str]], context: Mapping[str, Any]) -> None:
+        """A call answered, but some samples' values are unusable (sample -> (kind, why))."""
+        if not bad:
+            return
+        self.counts["errors"] += 1
+        for kind in dict.fromkeys(kind for kind, _ in bad.values()):
+            mine = [why for k, why in bad.values() if k == kind]
+            self.note(kind, mine[0], len(mine), context)
+
+    def note(self, kind: str, message: str, samples: int, context: Mapping[str, Any]) -> None:
+        """Count ``samples`` failed of ``kind``; log the first failure of each kind."""
+        self.failed[kind] = self.failed.get(kind, 0) + samples
+        if kind in self._logged:
+            return
+        self._logged.add(kind)
+        self.log.warning(
+            self.event,
+            **self.who,
+            kind=kind,
+            error=message,
+            completions=samples,
+            later=f"counted in failed_{kind}, not logged again",
+            **context,
+        )
+
+
+# ---------------------------------------------------------------------------------- the reward
+class RemoteReward:
+    """One ``url`` or ``judge`` reward: ``score`` a scoring call's keyword lists.
+
+    ``start()`` makes its connection pool (on the running loop), ``aclose()`` closes it;
+    ``counts`` and ``failed`` are its ``HttpCaller``'s.
+    """
+
+    def __init__(self, spec: RewardSpec, log: Any) -> None:
+        self.spec, self.name = spec, spec.name
+        protocol = {"inflight": _Lists, "slime": _Slime}[spec.protocol]
+        self.protocol = _Judge(spec) if spec.judge is not None else protocol(spec)
+        base = spec.judge.url.rstrip("/") if spec.judge is not None else spec.url
+        self.url = f"{base}{self.protocol.path}"
+        self.http = HttpCaller(spec, log, event="reward_failed", who={"fn": self.name})
+        self.counts, self.failed = self.http.counts, self.http.failed
+
+    async def start(self) -> None:
+        await self.http.start()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
 
     async def score(self, kwargs: Mapping[str, Any], n: int, context: Mapping[str, Any]) -> Outcome:
         """Each sample's value (None: nothing, or failed) and the failed ones' problems."""
@@ -247,72 +379,9 @@ class RemoteReward:
         n = hi - lo
         try:
             body = self.protocol.body(part)
-            try:
-                data = json.dumps(body, default=_jsonable, allow_nan=False).encode()
-            except (TypeError, ValueError) as exc:
-                raise _Failure(
-                    "bad_request", f"the samples cannot be sent as JSON: {exc}"
-                ) from None
-            values, bad = self.protocol.values(await self._post(data), n)
-        except _Failure as failure:
-            self.counts["timeouts" if failure.kind == "timeout" else "errors"] += 1
-            self._note(failure.kind, failure.message, n, context)
+            values, bad = self.protocol.values(await self.http.post(self.url, body), n)
+        except HttpFailure as failure:
+            self.http.failed_call(failure, n, context)
             return [None] * n, {i: (failure.kind, failure.message) for i in range(n)}
-        if bad:
-            self.counts["errors"] += 1
-            for kind in dict.fromkeys(kind for kind, _ in bad.values()):
-                mine = [why for k, why in bad.values() if k == kind]
-                self._note(kind, mine[0], len(mine), context)
+        self.http.bad_values(bad, context)
         return values, bad
-
-    async def _post(self, data: bytes) -> Any:
-        """The JSON answer to ``data``, retrying what may pass; raises ``_Failure``."""
-        assert self._session is not None, "start() first"
-        self.counts["calls"] += 1
-        failure = _Failure("timeout", "never tried")
-        for attempt in range(self.spec.retries + 1):
-            if attempt:
-                self.counts["retries"] += 1
-                await asyncio.sleep(min(self.spec.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S))
-            try:
-                async with (
-                    self._in_flight,
-                    self._session.post(
-                        self.url, data=data, headers={"Content-Type": "application/json"}
-                    ) as response,
-                ):
-                    status, answer = response.status, await response.read()
-            except asyncio.TimeoutError:
-                failure = _Failure("timeout", f"no answer within {self.spec.timeout_s} s")
-                continue
-            except aiohttp.ClientError as exc:
-                failure = _Failure("unreachable", f"{type(exc).__name__}: {exc}")
-                continue
-            if status == 429 or status >= 500:
-                failure = _Failure("http_error", f"HTTP {status}: {_quoted(answer)}")
-                continue
-            if not 200 <= status < 300:
-                raise _Failure("http_error", f"HTTP {status}: {_quoted(answer)}")
-            try:
-                return json.loads(answer)
-            except ValueError:
-                raise _Failure("bad_response", f"not JSON: {_quoted(answer)}") from None
-        if self.spec.retries:
-            failure.message += f" ({self.spec.retries + 1} tries)"
-        raise failure
-
-    def _note(self, kind: str, message: str, samples: int, context: Mapping[str, Any]) -> None:
-        """Count ``samples`` failed of ``kind``; log the first failure of each kind."""
-        self.failed[kind] = self.failed.get(kind, 0) + samples
-        if kind in self._logged:
-            return
-        self._logged.add(kind)
-        self.log.warning(
-            "reward_failed",
-            fn=self.name,
-            kind=kind,
-            error=message,
-            completions=samples,
-            later=f"counted in failed_{kind}, not logged again",
-            **context,
-        )

@@ -19,17 +19,51 @@ from urllib.parse import urlsplit
 
 from stages.workers import resolve_function
 
-__all__ = ["JudgeSpec", "RewardSpec"]
+__all__ = ["JudgeSpec", "RewardSpec", "check_headers", "http_option", "http_url"]
 
-# the options of rewards computed behind HTTP (``url`` and ``judge``)
-_HTTP_OPTIONS = ("timeout_s", "retries", "backoff_s", "concurrency", "batch_size", "headers")
+# the options of calls behind HTTP (``url`` and ``judge`` rewards, the distillation teacher):
+# default, what it does, checks
+_HTTP = {
+    "timeout_s": (60.0, "limit on one HTTP call", {"min": 0.001}),
+    "retries": (
+        3,
+        "more tries of a call after a connection error, a time-out, or HTTP 5xx or 429 (never "
+        "after another 4xx)",
+        {"min": 0},
+    ),
+    "backoff_s": (0.5, "wait before the first retry, doubled each time", {"min": 0.0}),
+    "concurrency": (8, "most calls in flight to the server", {"min": 1}),
+    "batch_size": (
+        None,
+        "most samples in one call (default: all of a scoring call's samples, up to the "
+        "scorer's batch_groups groups)",
+        {"min": 1},
+    ),
+    "headers": ({}, "HTTP headers sent with every call (Authorization...)", {}),
+}
+_HTTP_OPTIONS = tuple(_HTTP)
 
 
 def _f(default: Any, doc: str, **meta: Any) -> Any:
     return field(default=default, metadata={"doc": doc, **meta})
 
 
-def _http_url(url: str, key: str) -> str:
+def http_option(name: str, applies: str = "") -> Any:
+    """The dataclass field of the HTTP option ``name``, its doc after ``applies``."""
+    default, doc, meta = _HTTP[name]
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata={"doc": f"{applies}{doc}", **meta})
+    return _f(default, f"{applies}{doc}", **meta)
+
+
+def check_headers(headers: dict[str, str]) -> None:
+    """A ValueError naming the first of ``headers`` that is not a header."""
+    for key, value in headers.items():
+        if not key or any(c in f"{key}{value}" for c in "\r\n"):
+            raise ValueError(f"headers: {key!r} is not a header (empty, or a line break)")
+
+
+def http_url(url: str, key: str) -> str:
     """``url`` when it is an http(s) URL with a host; ValueError naming ``key`` otherwise."""
     try:
         parts = urlsplit(url)
@@ -93,7 +127,7 @@ class JudgeSpec:
     temperature: float = _f(0.0, "sampling temperature (0: greedy)", min=0.0)
 
     def __post_init__(self) -> None:
-        _http_url(self.url, "url")
+        http_url(self.url, "url")
         _template_fields(self.template)
         try:
             groups = re.compile(self.parse).groups
@@ -125,27 +159,12 @@ class RewardSpec:
         "url: inflight (lists of samples in, {rewards: [...]} out; OpenRLHF's remote reward "
         "model fields included) or slime (slime's --rm-url: one sample a request)",
     )
-    timeout_s: float = _f(60.0, "url, judge: limit on one HTTP call", min=0.001)
-    retries: int = _f(
-        3,
-        "url, judge: more tries of a call after a connection error, a time-out, or HTTP 5xx or "
-        "429 (never after another 4xx)",
-        min=0,
-    )
-    backoff_s: float = _f(
-        0.5, "url, judge: wait before the first retry, doubled each time", min=0.0
-    )
-    concurrency: int = _f(8, "url, judge: most calls in flight to the server", min=1)
-    batch_size: int | None = _f(
-        None,
-        "url, judge: most samples in one call (default: all of a scoring call's samples, up to "
-        "the scorer's batch_groups groups)",
-        min=1,
-    )
-    headers: dict[str, str] = field(
-        default_factory=dict,
-        metadata={"doc": "url, judge: HTTP headers sent with every call (Authorization...)"},
-    )
+    timeout_s: float = http_option("timeout_s", "url, judge: ")
+    retries: int = http_option("retries", "url, judge: ")
+    backoff_s: float = http_option("backoff_s", "url, judge: ")
+    concurrency: int = http_option("concurrency", "url, judge: ")
+    batch_size: int | None = http_option("batch_size", "url, judge: ")
+    headers: dict[str, str] = http_option("headers", "url, judge: ")  # noqa: RUF009 (a field)
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("fn", "url", "judge") if getattr(self, k) is not None]
@@ -157,11 +176,9 @@ class RewardSpec:
             self._only_http(*_HTTP_OPTIONS, "protocol")
             self.name = self.name or self.fn
             return
-        for key, value in self.headers.items():
-            if not key or any(c in f"{key}{value}" for c in "\r\n"):
-                raise ValueError(f"headers: {key!r} is not a header (empty, or a line break)")
+        check_headers(self.headers)
         if self.url is not None:
-            parts = urlsplit(_http_url(self.url, "url"))
+            parts = urlsplit(http_url(self.url, "url"))
             if self.protocol == "slime" and self.batch_size not in (None, 1):
                 raise ValueError("batch_size: protocol slime sends one sample a request")
             self.name = self.name or f"{parts.netloc}{parts.path.rstrip('/')}"

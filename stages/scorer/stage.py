@@ -31,6 +31,10 @@ a group's sample that is not a full rollout) are dropped. Every drop is counted 
 A message counts as processed (acknowledged, so the generator stops keeping it) once the learner
 has acknowledged its scored group, or the group was dropped: a scorer killed while scoring gets
 those groups again, and so does one killed after sending them (were the learner to lose them).
+With a ``teacher`` (on-policy distillation, ``teacher.py``) every scored sample also goes to a
+teacher engine, alongside its rewards, for the teacher's log-prob of each completion token: the
+sample then carries ``teacher_logprobs``; where the teacher failed it does not (counted and
+logged there), and the group is sent all the same.
 Not here: advantages or any normalization across a group (the learner does that).
 """
 
@@ -55,6 +59,7 @@ from stages.schemas import (
 from stages.scorer.arguments import reward_arguments
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import RewardSpec
+from stages.scorer.teacher import TeacherSpec
 from transport.message import Message
 
 __all__ = ["RewardSpec", "Scorer", "ScorerConfig"]
@@ -109,6 +114,14 @@ class ScorerConfig:
     metrics_every_s: float = field(
         default=5.0, metadata={"min": 0.01, "doc": "period of metrics (reward over the period)"}
     )
+    teacher: TeacherSpec | None = field(
+        default=None,
+        metadata={
+            "doc": "on-policy distillation: an engine serving the teacher model, which gives each "
+            "scored sample its log-prob of every completion token (teacher_logprobs, for the "
+            "learner's distill); it must share the student's tokenizer"
+        },
+    )
 
     def __post_init__(self) -> None:
         names = [r.name for r in self.rewards]
@@ -127,6 +140,11 @@ class _Group:
     @property
     def size(self) -> int:
         return self.head["group_size"]
+
+
+async def _nothing(samples: list[Any]) -> list[None]:
+    """No teacher: no teacher log-probs for any sample."""
+    return [None] * len(samples)
 
 
 def _load_tokenizer(spec: str) -> Any:
@@ -158,6 +176,7 @@ class Scorer:
     def __init__(self, config: ScorerConfig, ctx: StageContext) -> None:
         self.config, self.ctx, self.log = config, ctx, ctx.log
         self.runner: RewardRunner | None = None
+        self.teacher: Any = None  # a Teacher (teacher.py) when config.teacher is set
         self._calls_at_once = max(1, config.workers)  # workers: 0 scores in the loop, one call
         self.pending: dict[str, _Group] = {}
         self._sources: dict[str, list[Message]] = {}  # group id -> its messages, not yet acked
@@ -204,6 +223,19 @@ class Scorer:
             if isinstance(outcome, BaseException):
                 raise outcome
         self.tokenizer = tokenizer
+        if self.config.teacher is not None:
+            from stages.engine.auth import engine_api_key
+            from stages.scorer.teacher import Teacher
+
+            self.teacher = Teacher(
+                self.config.teacher,
+                self.log,
+                api_key=engine_api_key(self.ctx),
+                name=f"{self.ctx.stage}.{self.ctx.replica}",
+                log_dir=getattr(self.ctx, "log_dir", self.ctx.run_dir / "logs"),
+                log_level=getattr(self.ctx, "log_level", "info"),
+            )
+            await self.teacher.start(tokenizer, _load_tokenizer)
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
 
     # ------------------------------------------------------------------- run
@@ -435,20 +467,26 @@ class Scorer:
             for key in keys
         }
         ids = [g.head["group_id"] for g in batch]
-        scored = await self.runner.score(
-            kwargs, group_id=ids[0] if len(ids) == 1 else f"{ids[0]} (+{len(ids) - 1} groups)"
+        context = {"group_id": ids[0] if len(ids) == 1 else f"{ids[0]} (+{len(ids) - 1} groups)"}
+        flat = [sample for samples in per_group for sample in samples]
+        scored, taught = await asyncio.gather(
+            self.runner.score(kwargs, **context),
+            self.teacher.logprobs(flat, context) if self.teacher is not None else _nothing(flat),
         )
         score_s = round(time.monotonic() - started, 6)
         offset = 0
         for group, samples in zip(batch, per_group, strict=True):
             out = []
-            for sample, (reward, info) in zip(
-                samples, scored[offset : offset + len(samples)], strict=True
+            span = slice(offset, offset + len(samples))
+            for sample, (reward, info), teacher in zip(
+                samples, scored[span], taught[span], strict=True
             ):
                 item = {k: sample[k] for k in SAMPLE_FIELDS}
                 item.update((k, sample[k]) for k in OPTIONAL_SAMPLE_FIELDS if k in sample)
                 item["timings"] = {**sample["timings"], "score_s": score_s}
                 item["reward"], item["reward_info"] = reward, info
+                if teacher is not None:
+                    item["teacher_logprobs"] = teacher
                 out.append(item)
                 self.window.append(reward)
             offset += len(samples)
@@ -494,6 +532,7 @@ class Scorer:
             "worker_restarts": runner.get("restarts", 0),
             # url and judge rewards: their retries, and failed samples by kind
             **{k: v for k, v in runner.items() if k == "http_retries" or k.startswith("failed_")},
+            **(self.teacher.stats() if self.teacher is not None else {}),
             "groups_pending": len(self.pending),
             "groups_scoring": len(self._tasks),
             "groups_ready": len(self.ready),
@@ -527,3 +566,5 @@ class Scorer:
             failed.exception()  # retrieved: a send cut short by the shutdown is not news
         if self.runner is not None:
             await self.runner.aclose()
+        if self.teacher is not None:
+            await self.teacher.aclose()

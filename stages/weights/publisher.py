@@ -118,6 +118,7 @@ class WeightPublisher:
         self._staging = StagingBuffer(slots=2)
         # A collective abandoned after a failure; the group may only be destroyed once it ends.
         self._stray: asyncio.Future[Any] | None = None
+        self._base: int | None = None  # the publish in progress is a delta against this
 
     @property
     def world_size(self) -> int:
@@ -177,9 +178,15 @@ class WeightPublisher:
             seconds=round(time.perf_counter() - started, 3),
         )
 
-    async def publish(self, weights: WeightSource, version: int) -> PublishStats:
-        """Send all ``weights`` to every engine as ``version``; returns once all have loaded it."""
+    async def publish(
+        self, weights: WeightSource, version: int, *, base_version: int | None = None
+    ) -> PublishStats:
+        """Send all ``weights`` to every engine as ``version``; returns once all have loaded it.
+
+        ``base_version``: the weights are a delta (``stages.weights.delta``) against that
+        version, which an engine then refuses unless it holds it (built-in engines only)."""
         group = self._usable_group()
+        self._base = base_version
         groups: Iterable[NamedTensors] = weights() if callable(weights) else [weights]
         started = time.perf_counter()
         buckets = nbytes = 0
@@ -297,6 +304,8 @@ class WeightPublisher:
             # no weight_version here: the version goes live with the last bucket (below)
             "load_format": self.load_format,
         }
+        if self._base is not None:
+            payload["base_version"] = str(self._base)
         # The POSTs go out first; each engine then blocks in its side of the broadcast.
         route = "/update_weights_from_distributed"
         posts = [self._post(url, route, payload) for url in self.engine_urls]

@@ -95,6 +95,18 @@ def test_sync_mode_needs_sync_batch() -> None:
     assert "set it to 256" in issue.message
 
 
+def test_lora_needs_engines_that_merge_adapters_and_targets_the_model_has() -> None:
+    sglang = ("stages.generator.launch.kind=sglang", "stages.generator.launch.in_process=false")
+    issue = only_issue("stages.learner.lora.rank=8", *sglang)
+    assert issue.path == "stages.learner.lora"
+    assert "SGLang" in issue.message and "launch.kind: builtin" in issue.message
+    issue = only_issue("stages.learner.lora.rank=8", "stages.learner.lora.target_modules=[qproj]")
+    assert "'qproj' matches no linear module" in issue.message and "q_proj" in issue.message
+    issue = only_issue("stages.learner.lora.rank=80")
+    assert "lora.rank 80 is larger than" in issue.message and "at most 64" in issue.message
+    assert load("stages.learner.lora.rank=8").config.stages["learner"].options.lora.rank == 8
+
+
 def test_dynamic_sampling_needs_async_mode() -> None:
     issue = only_issue("run.mode=sync", "stages.learner.dynamic_sampling=true")
     assert issue.path == "stages.learner.dynamic_sampling"

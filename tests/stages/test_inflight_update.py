@@ -177,3 +177,62 @@ def test_update_lands_mid_request_and_engines_then_serve_the_new_policy(engines,
     for out in after:
         assert out["output_ids"] == expected
         assert set(out["meta_info"]["output_token_weight_versions"]) == {str(version)}
+
+
+@pytest.mark.timeout(120)
+def test_a_delta_update_gives_what_a_full_one_does_and_only_on_its_base(engines, models):
+    """Full weights as version 10, then only the changed values as 11 (against 10): the engines
+    then compute what the full new weights compute; a delta against a version they do not hold
+    is refused (received, not applied) and leaves them as they were."""
+    from stages.weights.delta import DeltaEncoder
+    from stages.weights.publisher import WeightPublishError
+
+    _, new = models
+    prompt = [5, 17, 33, 8, 90]
+    first = _new_weights(new)
+    g = torch.Generator().manual_seed(0)
+    second = []
+    for name, t in first:  # about 2% of each tensor moves
+        moved = t.clone()
+        where = torch.rand(t.shape, generator=g) < 0.02
+        moved[where] += 0.5
+        second.append((name, moved))
+    reference = AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).eval()
+    reference.load_state_dict({n: t.to(torch.bfloat16).float() for n, t in second})
+    ids = torch.tensor([prompt])
+    expected = reference.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=24,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )[0, len(prompt) :].tolist()
+    assert expected != _hf_greedy(new, prompt, 24)
+
+    async def scenario():
+        encoder = DeltaEncoder(torch.bfloat16)  # float32 engines, sent bfloat16 values
+        publisher = WeightPublisher(engines, backend="gloo", bucket_mb=0.05, group_name="delta")
+        await publisher.connect()
+        full = await publisher.publish(list(encoder.encode(first, full=True)), version=10)
+        delta = await publisher.publish(
+            list(encoder.encode(second, full=False)), version=11, base_version=10
+        )
+        async with aiohttp.ClientSession() as session:
+            after = [
+                await _generate(session, url, prompt, 24, f"d-{i}") for i, url in enumerate(engines)
+            ]
+            with pytest.raises(WeightPublishError, match="holds version 11"):
+                await publisher.publish(
+                    list(encoder.encode(first, full=False)), version=12, base_version=7
+                )
+            await publisher.close()
+            kept = await _generate(session, engines[0], prompt, 24, "d-kept")
+        return full, delta, after, kept
+
+    full, delta, after, kept = asyncio.run(scenario())
+    assert delta.bytes < 0.2 * full.bytes  # positions and values of about 2% of the weights
+    for out in after:
+        assert out["output_ids"] == expected
+        assert out["meta_info"]["weight_version"] == "11"
+    assert kept["output_ids"] == expected and kept["meta_info"]["weight_version"] == "11"

@@ -146,6 +146,47 @@ def test_sequence_and_token_normalization():
     torch.testing.assert_close(tok_grad, expected)
 
 
+def test_per_token_advantages_weigh_each_token_with_masked_garbage():
+    # on-policy distillation: A [B, T], NaN and inf where masked; rho = 1: term = -A_t * logp_t
+    logp = [[-1.0, -2.0, -0.5], [-3.0, 99.0, 99.0]]
+    mask = [[True, True, True], [True, False, False]]
+    adv = [[0.5, -1.0, 2.0], [1.5, math.nan, math.inf]]
+    kwargs = dict(sampler=logp, adv=adv, mask=mask)
+    # terms 0.5, -2, 1 (mean -1/6) and 4.5 (mean 4.5), over 2 sequences
+    seq, seq_grad, stats = _loss(logp, config=LossConfig(), denominator=2, **kwargs)
+    assert seq == pytest.approx((-1 / 6 + 4.5) / 2, rel=1e-12)
+    expected = torch.tensor([[-0.5 / 3, 1 / 3, -2 / 3], [-1.5, 0.0, 0.0]], dtype=F64) / 2
+    torch.testing.assert_close(seq_grad, expected, rtol=0, atol=1e-12)
+    assert stats["tokens"].item() == 4
+    tok, tok_grad, _ = _loss(logp, config=LossConfig(normalize="token"), denominator=4, **kwargs)
+    assert tok == pytest.approx((0.5 - 2 + 1 + 4.5) / 4, rel=1e-12)
+    expected = torch.tensor([[-0.5, 1.0, -2.0], [-1.5, 0.0, 0.0]], dtype=F64) / 4
+    torch.testing.assert_close(tok_grad, expected, rtol=0, atol=1e-12)
+    # an advantage repeated over a sequence's tokens is that sequence's advantage
+    same = _loss(logp, sampler=logp, adv=[[0.7] * 3, [-0.2] * 3], mask=mask,
+                 config=LossConfig(), denominator=2)  # fmt: skip
+    per_seq = _loss(logp, sampler=logp, adv=[0.7, -0.2], mask=mask, config=LossConfig(),
+                    denominator=2)  # fmt: skip
+    assert same[0] == per_seq[0]
+    torch.testing.assert_close(same[1], per_seq[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"advantages must be \[2\] or \[2, 3\]"):
+        _loss(logp, sampler=logp, adv=[[1.0] * 4] * 2, config=LossConfig(), denominator=1)
+
+
+def test_ppo_clips_each_token_by_the_sign_of_its_own_advantage():
+    # old = 0: r = 1.5 at both tokens; A = +1 clips the first (1.2, no gradient), A = -1 keeps
+    # the second's gradient (-r * A = 1.5) and counts no clip
+    logp = [[LOG(1.5), LOG(1.5)]]
+    zeros = [[0.0, 0.0]]
+    config = LossConfig(ppo_clip=0.2, normalize="token")
+    loss, grad, stats = _loss(
+        logp, sampler=zeros, old=zeros, adv=[[1.0, -1.0]], config=config, denominator=1
+    )
+    assert loss == pytest.approx(-1.2 + 1.5, rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 1.5]], dtype=F64), rtol=0, atol=1e-12)
+    assert stats["clipped"].item() == 1
+
+
 def test_mis_drops_tokens_outside_the_band():
     logp = [[-1.0, -1.0, -1.0]]
     sampler = [[-1.0 - LOG(0.1), -1.0, -1.0 - LOG(5.0)]]  # rho = 0.1, 1, 5
