@@ -142,6 +142,8 @@ def _pack(group: Sequence[tuple[str, torch.Tensor]], staging: StagingBuffer | No
         flat = staging.take(total, device)
     offset = 0
     for _, tensor in group:
+        if tensor.numel() == 0:  # no bytes (and any strides: view(uint8) would refuse some)
+            continue
         # reshape(-1) and view(uint8) are views for a contiguous tensor: copy_ is the one copy.
         src = tensor.detach().reshape(-1).view(torch.uint8)
         flat[offset : offset + src.numel()].copy_(src)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -106,6 +107,15 @@ def test_non_contiguous_tensors_pack_by_value() -> None:
     (bucket,) = pack_buckets([("t", t)], bucket_bytes=1024)
     ((_, out),) = unpack_bucket(bucket.flat, bucket.names, bucket.dtypes, bucket.shapes)
     assert torch.equal(out, t) and out.shape == (4, 3)
+
+
+def test_empty_tensors_of_any_strides_pack_as_no_bytes() -> None:
+    empty = torch.from_numpy(np.zeros(4, np.int16)[np.zeros(4, bool)]).view(torch.bfloat16)
+    assert empty.stride() == (0,)  # what numpy's empty selections give
+    named = [("a", torch.ones(2)), ("e", empty), ("b", torch.ones(3, dtype=torch.bfloat16))]
+    (bucket,) = pack_buckets(named, bucket_bytes=1024)
+    out = unpack_bucket(bucket.flat, bucket.names, bucket.dtypes, bucket.shapes)
+    assert [(n, t.shape, t.dtype) for n, t in out] == [(n, t.shape, t.dtype) for n, t in named]
 
 
 def test_group_by_size_is_lazy() -> None:
