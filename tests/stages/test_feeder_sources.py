@@ -400,6 +400,9 @@ def test_a_lazy_builtin_task_renders_each_prompt_when_read_as_the_eager_path_doe
     lazy = load_prompts(config, "train", lazy=True)
     assert isinstance(lazy.prompts, LazyPrompts) and len(lazy) == len(eager) > 100
     assert [lazy.prompts[i] for i in range(len(lazy))] == eager.prompts
+    plain = SourceConfig(arithmetic=arith, tokenizer=chat_tok_dir)  # no template: tokenized only
+    lazy_plain, eager_plain = load_prompts(plain, "train", lazy=True), load_prompts(plain, "train")
+    assert [lazy_plain.prompts[i] for i in range(len(lazy_plain))] == eager_plain.prompts
     assert eager.prompts[0]["meta"]["messages"][0]["role"] == "user"
     # a prompt the limit refuses is None when read, counted and logged as the eager path does
     longest = max(len(p["input_ids"]) for p in eager.prompts)
