@@ -61,7 +61,7 @@ def test_the_function_calling_agent_example_learns_to_call_its_tool(tmp_path):
     trajectory (the full run: 0.11 -> 1.0 by step 25)."""
     assert (REPO / "configs/models/calc-chat-tiny/model.safetensors").exists()
     run_dir = tmp_path / "run"
-    summary, before, after = shortened("configs/calculator_agent.yaml", run_dir, 30, timeout=230)
+    summary, before, after = shortened("configs/calculator_agent.yaml", run_dir, 20, timeout=230)
     ledger = summary["ledger"]
     assert not ledger.get("not_ended_cleanly")  # episodes in flight at the end are let go
     # the warm start answers in its head (wrong) for most prompts: one call, no tool
