@@ -20,14 +20,14 @@ pytestmark = pytest.mark.slow
 
 
 def shortened(config: str, run_dir, steps: int, timeout: float) -> tuple[dict, dict, dict]:
-    """``config`` run for ``steps`` steps, evaluated on 60 prompts before and after: the run's
+    """``config`` run for ``steps`` steps, evaluated on 30 prompts before and after: the run's
     summary (checked to have succeeded, every sample accounted for) and the two evaluations."""
     summary = run_to_summary(
         config,
         run_dir,
         f"stages.learner.steps={steps}",
         f"stages.learner.eval.every={steps}",
-        "stages.learner.eval.max_prompts=60",
+        "stages.learner.eval.max_prompts=30",
         timeout=timeout,
     )
     assert summary["status"] == "succeeded" and summary["steps"] == steps
