@@ -91,7 +91,7 @@ def pipeline_issues(
             _check_sync_batch(name, section, feeding, locations, fail)
         producers = {s: built[s] for s in upstream.get(name, ()) if s in built}
         _check_teacher(name, section, producers, fail)
-        _check_lora_engines(name, section, producers, fail)
+        _check_builtin_engines_only(name, section, producers, fail)
         if run.mode == "sync" and getattr(section.options, "dynamic_sampling", False) is True:
             fail(
                 join_path(join_path("stages", name), "dynamic_sampling"),
@@ -139,7 +139,7 @@ def _upstream(stages: Mapping[str, StageSection]) -> dict[str, set[str]]:
     return closed
 
 
-def _check_lora_engines(
+def _check_builtin_engines_only(
     name: str, section: StageSection, producers: Mapping[str, StageSection], fail: Any
 ) -> None:
     """A LoRA trainer publishes adapters (``MODULE.lora_A.weight``...) that the built-in engine

@@ -35,8 +35,9 @@ class WeightLoadError(ValueError):
     """A tensor that does not fit the model: unknown name, wrong shape or non-float dtype."""
 
 
-class _Adapters:
-    """The merged adapters of one model: each module's base weight and last A and B."""
+class _State:
+    """What loading keeps between calls for one model: each adapted module's base weight and
+    last A and B, and the parts of deltas whose other parts are still to come."""
 
     def __init__(self) -> None:
         self.base: dict[str, torch.Tensor] = {}  # "MODULE.weight" -> W0
@@ -44,11 +45,11 @@ class _Adapters:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # a delta's parts, others to come
 
 
-def _adapters(model: torch.nn.Module) -> _Adapters:
-    found = getattr(model, "_inflight_adapters", None)
+def _state(model: torch.nn.Module) -> _State:
+    found = getattr(model, "_inflight_load_state", None)
     if found is None:
-        found = _Adapters()
-        model._inflight_adapters = found  # type: ignore[assignment]
+        found = _State()
+        model._inflight_load_state = found  # type: ignore[assignment]
     return found
 
 
@@ -67,10 +68,10 @@ def load_named_tensors(
     """Copy each tensor into the model's parameter of that name (merge each adapter into its
     module's weight); returns how many tensors were taken."""
     targets = model.state_dict(keep_vars=True)
-    adapters = _adapters(model)
+    state = _state(model)
     problems = []
     incoming: dict[str, dict[str, torch.Tensor]] = {}
-    deltas, plain = _deltas(named_tensors, targets, adapters, problems)
+    deltas, plain = _deltas(named_tensors, targets, state, problems)
     for name, tensor in plain:
         part = _split(name)
         key = name if part is None else part[0]
@@ -88,7 +89,7 @@ def load_named_tensors(
         else:
             incoming.setdefault(key, {})[part[1]] = tensor
     for key, parts in incoming.items():
-        both = {**adapters.parts.get(key, {}), **parts}
+        both = {**state.parts.get(key, {}), **parts}
         out_f, in_f = targets[key].shape
         a, b = both.get("A"), both.get("B")
         if a is not None and (a.dim() != 2 or a.shape[1] != in_f):
@@ -101,10 +102,10 @@ def load_named_tensors(
         raise WeightLoadError("; ".join(problems))
     for name, tensor in plain:
         if _split(name) is None:
-            base = adapters.base.get(name)
+            base = state.base.get(name)
             (targets[name].data if base is None else base).copy_(tensor)
     for name, (where, val) in deltas.items():
-        base = adapters.base.get(name)
+        base = state.base.get(name)
         flat = (targets[name].data if base is None else base).view(-1)
         val = val.to(flat.device, flat.dtype)
         if where.dtype == torch.bool:  # a bit per value
@@ -112,12 +113,12 @@ def load_named_tensors(
         else:
             flat.index_copy_(0, where.to(flat.device), val)
     written = {n for n, _ in plain} | set(deltas)
-    for key in {k for k in adapters.base if k in written} | set(incoming):
+    for key in {k for k in state.base if k in written} | set(incoming):
         target = targets[key]
-        base = adapters.base.get(key)
+        base = state.base.get(key)
         if base is None:
-            base = adapters.base[key] = target.detach().clone()
-        parts = adapters.parts.setdefault(key, {})
+            base = state.base[key] = target.detach().clone()
+        parts = state.parts.setdefault(key, {})
         for which, tensor in incoming.get(key, {}).items():
             parts[which] = tensor.detach().to(target.device, target.dtype, copy=True)
         if "A" in parts and "B" in parts:  # one pass over the weight, written in place
@@ -130,7 +131,7 @@ def load_named_tensors(
 def _deltas(
     named_tensors: list[tuple[str, torch.Tensor]],
     targets: dict[str, torch.Tensor],
-    state: _Adapters,
+    state: _State,
     problems: list[str],
 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     """The whole deltas of this call (``name -> (where, values)``, decoded against the model's

@@ -52,7 +52,14 @@ import torch
 
 from stages.learner.loss_config import LossConfig
 
-__all__ = ["LossConfig", "loss_denominator", "policy_loss", "stat_keys", "summarize"]
+__all__ = [
+    "LossConfig",
+    "loss_denominator",
+    "policy_loss",
+    "stat_keys",
+    "step_denominator",
+    "summarize",
+]
 
 # exp() arguments are clamped to this range: ratios beyond e^20 are noise, and float32 stays finite
 # even for their squares (ESS).
@@ -70,18 +77,24 @@ def loss_denominator(lengths: Sequence[int] | torch.Tensor, config: LossConfig |
     -> the number of samples times ``fixed_length``; ``token`` -> the number of trained tokens.
     Never below 1, so a step without tokens gives a zero loss rather than NaN.
     """
-    normalize = config if isinstance(config, str) else config.normalize
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.sum(-1) if lengths.dim() == 2 else lengths
         lengths = [int(n) for n in lengths.reshape(-1).tolist()]
+    return step_denominator(len(lengths), sum(int(n) for n in lengths), config)
+
+
+def step_denominator(sequences: float, tokens: float, config: LossConfig | str) -> float:
+    """``loss_denominator`` from a step's counts: its samples and its trained tokens (summed
+    over micro-batches and ranks)."""
+    normalize = config if isinstance(config, str) else config.normalize
     if normalize in ("sequence", "none"):
-        return float(max(len(lengths), 1))
+        return float(max(sequences, 1))
     if normalize == "fixed":
         if isinstance(config, str):
             raise ValueError("normalize 'fixed' needs the LossConfig (its fixed_length)")
-        return float(max(len(lengths) * config.fixed_length, 1))
+        return float(max(sequences * config.fixed_length, 1))
     if normalize == "token":
-        return float(max(sum(int(n) for n in lengths), 1))
+        return float(max(tokens, 1))
     raise ValueError(f"normalize must be sequence, token, fixed or none, got {normalize!r}")
 
 

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from stages.hub import resolve_model
 from stages.learner.batching import collate, completion_logprobs, micro_batches, no_grad_logprobs
 from stages.learner.config import LearnerConfig, OptimConfig
-from stages.learner.loss import policy_loss, stat_keys, summarize
+from stages.learner.loss import policy_loss, stat_keys, step_denominator, summarize
 
 __all__ = [
     "TrainSample",
@@ -368,11 +368,8 @@ class Trainer:
         total_seqs, total_tokens, total_inserted = self._all_reduce(
             [len(samples), n_tokens, n_inserted]
         )
-        total = {"token": total_tokens, "fixed": total_seqs * cfg.loss.fixed_length}.get(
-            cfg.loss.normalize, total_seqs
-        )
         # DeepSpeed averages gradients over ranks: scale so the result is the global sum / total
-        denominator = max(total, 1.0) / self.world
+        denominator = step_denominator(total_seqs, total_tokens, cfg.loss) / self.world
         sums: dict[str, float] = {}
         entropy_sum = 0.0
         skipped = 0
