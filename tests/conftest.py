@@ -1,6 +1,18 @@
 """Test-suite hooks."""
 
 
+def pytest_configure(config):
+    """A worker of the suite's two (pytest-xdist) computes on one thread: two workers' torch
+    thread pools of two threads each on 2 cores spin against each other (a 4 s test took 42 s
+    beside a busy neighbour). Processes the tests start choose their own threads."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_unconfigure(config):
     """Leave at once after the report: some tests leave daemon threads inside gloo collectives
     (the publisher's design: a collective abandoned after a failure ends at its timeout), and

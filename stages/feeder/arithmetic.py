@@ -53,6 +53,7 @@ __all__ = [
     "ChainProblem",
     "Problem",
     "chain_problems",
+    "is_held_out",
     "make_chain_tokenizer",
     "make_tokenizer",
     "problems",
@@ -98,7 +99,8 @@ class ArithmeticConfig:
             )
 
 
-def _held_out(text: str, config: ArithmeticConfig | ChainConfig) -> bool:
+def is_held_out(text: str, config: ArithmeticConfig | ChainConfig) -> bool:
+    """Whether ``text`` is in the held-out split of its task (a hash of it and ``split_seed``)."""
     digest = hashlib.blake2b(f"{config.split_seed}:{text}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64 < config.eval_fraction
 
@@ -118,7 +120,7 @@ def problems(config: ArithmeticConfig, split: str) -> Iterator[Problem]:
                 if op == "-" and b > a:
                     continue
                 text = f"{a}{op}{b}="
-                if _held_out(text, config) != want_eval:
+                if is_held_out(text, config) != want_eval:
                     continue
                 value = a + b if op == "+" else a - b if op == "-" else a * b
                 yield Problem(text, str(value))
@@ -230,7 +232,7 @@ def chain_problems(config: ChainConfig, split: str) -> Iterator[ChainProblem]:
     order = list(drawn.values())
     rng.shuffle(order)
     for problem in order:
-        if _held_out(problem.text, config) == want_eval:
+        if is_held_out(problem.text, config) == want_eval:
             yield problem
 
 

@@ -40,6 +40,7 @@ _ENV = {"OMP_NUM_THREADS": "1"}
 # chaos test runs as users do, feeder, generator and scorer sharing one (run.share_process).
 _OWN = "run.share_process=none"
 STEPS, KILL_AT = 14, 3
+KILLS = {"scorer": 3, "engine": 5, "learner": 8, "generator": 11}  # victim: at step
 
 
 @pytest.fixture(scope="module")
@@ -72,31 +73,22 @@ def _victim_pid(run_dir, victim: str) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_learner_resumes_from_its_checkpoint_with_newer_versions(tmp_path, model_dir):
-    run_dir, summary, killed_at = _run_and_kill(tmp_path, model_dir, "learner")
-    learner = events(run_dir, "learner.0")
-    (resumed,) = [e for e in learner if e["event"] == "learner_resumed"]
-    assert resumed["step"] <= killed_at and resumed["step"] % 2 == 0  # a checkpoint every 2
-    published = [e["policy_version"] for e in learner if e["event"] == "weights_published"]
-    before = published[: published.index(resumed["policy_version"])]
-    # versions only grow: the resumed weights go out as a version newer than any before
-    assert before and resumed["policy_version"] > max(before)
-    assert published == sorted(published)
-    assert summary["policy_version"] == STEPS + resumed["version_offset"]
-
-
-def _run_and_kill(tmp_path, model_dir, victim: str):
+def test_each_stage_killed_in_turn_comes_back_and_the_run_completes(tmp_path, model_dir):
+    """SIGKILLs of the scorer, the engine server, the learner and the generator, one after
+    another in one run (one run, not one each: a run's start is most of its time here)."""
     config = rl_config(tmp_path, model_dir, steps=STEPS)
     run_dir = tmp_path / "run"
     # debug: per-update events (weights_published, weight_version_set) are looked at
     proc = start_inflight(
         "run", str(config), "run.log_level=debug", _OWN, "--run-dir", str(run_dir), "-q", env=_ENV
     )
+    killed_at: dict[str, int] = {}
     try:
-        wait_for(lambda: _steps(run_dir) >= KILL_AT, 120, f"{KILL_AT} train steps")
-        assert proc.poll() is None, "the run ended before the kill"
-        killed_at = _steps(run_dir)
-        os.kill(_victim_pid(run_dir, victim), signal.SIGKILL)
+        for victim, at in KILLS.items():
+            wait_for(lambda at=at: _steps(run_dir) >= at, 120, f"{at} train steps")
+            assert proc.poll() is None, f"the run ended before the {victim} was killed"
+            killed_at[victim] = _steps(run_dir)
+            os.kill(_victim_pid(run_dir, victim), signal.SIGKILL)
         output, _ = proc.communicate(timeout=200)
         assert proc.returncode == 0, output[-4000:]
     finally:
@@ -105,58 +97,51 @@ def _run_and_kill(tmp_path, model_dir, victim: str):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS
     _balanced(summary["ledger"])
-    assert killed_at < STEPS  # the kill landed mid-run
-    return run_dir, summary, killed_at
-
-
-@pytest.mark.timeout(300)
-def test_a_killed_scorer_gets_again_what_it_had_not_sent_on(tmp_path, model_dir):
-    run_dir, _, _ = _run_and_kill(tmp_path, model_dir, "scorer")
+    assert killed_at["generator"] < STEPS  # the last kill landed mid-run
     restarting = [e for e in events(run_dir, "supervisor") if e["event"] == "replica_restarting"]
-    assert [e["replica_name"] for e in restarting] == ["scorer.0"]
-    channel = [
-        e
-        for e in events(run_dir, "generator.0")
-        if e["event"] == "metrics" and "out.rollouts.redelivered" in e
-    ]
-    assert channel[-1]["out.rollouts.redelivered"] >= 1, channel[-1]
-    redelivering = [e for e in events(run_dir, "generator.0") if e["event"] == "redelivering"]
-    assert redelivering and redelivering[0]["count"] == channel[-1]["out.rollouts.redelivered"]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", ["generator", "engine"])
-def test_run_completes_after_its_generator_or_engine_is_killed(tmp_path, model_dir, victim):
-    run_dir, summary, killed_at = _run_and_kill(tmp_path, model_dir, victim)
-    # the restarted engine was sent the current weights between steps, and then every version
-    publishes = summary["publishes"]
-    assert publishes["catch_ups"] >= 1, publishes
+    assert [e["replica_name"] for e in restarting] == ["scorer.0", "learner.0", "generator.0"]
+    # the learner resumed from its checkpoint; the resumed weights went out as a version newer
+    # than any before (versions only grow)
     learner = events(run_dir, "learner.0")
+    (resumed,) = [e for e in learner if e["event"] == "learner_resumed"]
+    assert resumed["step"] <= killed_at["learner"] and resumed["step"] % 2 == 0  # every 2
+    published = [e["policy_version"] for e in learner if e["event"] == "weights_published"]
+    before = published[: published.index(resumed["policy_version"])]
+    assert before and resumed["policy_version"] > max(before)
+    assert published == sorted(published)
+    final = STEPS + resumed["version_offset"]
+    assert summary["policy_version"] == final
+    # the scorer got again what it had not sent on: the generator redelivered it
+    generator = events(run_dir, "generator.0")
+    redelivering = [e for e in generator if e["event"] == "redelivering"]
+    counted = {e["out.rollouts.redelivered"] for e in generator if "out.rollouts.redelivered" in e}
+    assert redelivering and redelivering[0]["count"] >= 1 and redelivering[0]["count"] in counted
+    # each engine started again (by the generator's launcher after the engine's kill, fresh
+    # with the new generator after its kill) was sent the current weights between steps, and
+    # then every version
+    assert summary["publishes"]["catch_ups"] >= 2, summary["publishes"]
     caught_up = [e for e in learner if e["event"] == "weights_catch_up"]
     assert caught_up and all(e["reason"] for e in caught_up)
     engine_log = events(run_dir, "generator-0-engine.0")
     starts = [i for i, e in enumerate(engine_log) if e["event"] == "engine_started"]
-    assert len(starts) == 2, "the engine was started once more"
-    after_restart = [
-        int(e["weight_version"])
-        for e in engine_log[starts[1] :]
-        if e["event"] == "weight_version_set"
-    ]
-    # the first weights the new engine got were the learner's current ones, not the model's
-    assert after_restart and after_restart[0] >= killed_at, after_restart
-    assert after_restart[-1] == STEPS
+    assert len(starts) == 3, "the engine was started twice more"
+    for victim, start, end in (
+        ("engine", starts[1], starts[2]),
+        ("generator", starts[2], len(engine_log)),
+    ):
+        versions = [
+            int(e["weight_version"])
+            for e in engine_log[start:end]
+            if e["event"] == "weight_version_set"
+        ]
+        # the first weights the new engine got were the learner's current ones, not the model's
+        assert versions and versions[0] >= killed_at[victim], (victim, versions)
+    assert versions[-1] == final
+    assert [e["exit_code"] for e in generator if e["event"] == "engine_exited"] == [-9]
+    reset = [e for e in generator if e["event"] == "engine_version_reset"]
+    assert reset and reset[0]["now"] == 0
     # the last evaluation went to the engines of the day, not to one that was killed
     assert summary["evals"][-1]["failed"] == 0, summary["evals"][-1]
-    if victim == "generator":
-        restarting = [
-            e for e in events(run_dir, "supervisor") if e["event"] == "replica_restarting"
-        ]
-        assert [e["replica_name"] for e in restarting] == ["generator.0"]
-    else:
-        generator = events(run_dir, "generator.0")
-        assert [e["exit_code"] for e in generator if e["event"] == "engine_exited"] == [-9]
-        reset = [e for e in generator if e["event"] == "engine_version_reset"]
-        assert reset and reset[0]["now"] == 0
 
 
 def _rss_kb(pid: int) -> int:
