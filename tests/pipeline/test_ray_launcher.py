@@ -120,7 +120,7 @@ def test_validate_prints_the_node_each_replica_would_go_to(cluster):
     ) in too_big.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_two_learner_ranks_on_two_nodes_train_with_zero2_and_publish(cluster, tmp_path):
     run_dir = tmp_path / "run"
     result = run_inflight(
@@ -133,15 +133,17 @@ def test_two_learner_ranks_on_two_nodes_train_with_zero2_and_publish(cluster, tm
         "stages.learner.checkpoint.every=0",
         "stages.learner.resources.custom.learner_slot=1",
         *_ray_args(cluster, run_dir),
-        timeout=110,
+        timeout=220,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     placed = _placed(run_dir)
-    # one slot per node: the PACK placement group had to spread the ranks over c and d
-    assert sorted([*placed["learner.0"], *placed["learner.1"]]) == [
-        ["learner_slot"],
-        ["learner_slot", "node_c"],
-    ]
+    # one slot per node: the PACK placement group had to spread the ranks over c and d, each
+    # time the gang was placed (a gang restarts whole, as when another process took the
+    # rendezvous port between its choice and rank 0's bind: seen with the suite on two workers)
+    attempts = list(zip(placed["learner.0"], placed["learner.1"], strict=True))
+    assert attempts and all(
+        sorted(pair) == [["learner_slot"], ["learner_slot", "node_c"]] for pair in attempts
+    ), attempts
     steps = [e for e in events(run_dir, "learner.0") if e["event"] == "train_step"]
     assert len(steps) == 6
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -150,7 +152,7 @@ def test_two_learner_ranks_on_two_nodes_train_with_zero2_and_publish(cluster, tm
     assert max(e.get("mean_lag", 0) for e in steps) >= 0 and summary["policy_version"] == 6
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_rl_run_on_the_nodes_asked_for_learns_and_survives_losing_a_node(cluster, tmp_path):
     """Every stage on the node asked for (Ray's own state says so); the scorer's node is
     removed mid-run: its replicas restart on the spare and the run learns to its end."""
@@ -185,7 +187,7 @@ def test_rl_run_on_the_nodes_asked_for_learns_and_survives_losing_a_node(cluster
         victim = next(n for n in cluster.kinds.values() if n.node_id == scorer_node)
         cluster.remove_node(victim, allow_graceful=False)
         cluster.kinds = {k: n for k, n in cluster.kinds.items() if n is not victim}
-        proc.wait(timeout=120)
+        proc.wait(timeout=200)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -6,8 +6,9 @@ Every part of an agent run as a user starts it: the shipped warm-started model, 
 rollout (calls parsed, the ``calc`` tool run in a worker, its answer inserted), trajectories with
 their ``loss_mask`` through the scorer (scored on the final answer) to the learner, and the
 evaluation playing held-out prompts greedily with the same rollout. The full run (150 steps,
-about a minute and a half, 0.12 -> 0.995) is in the README; here 30 steps must already move the
-model from answering in its head to calling the tool (3 full runs: 0.86-0.96 at step 25).
+about a minute and a half, 0.12 -> 0.995) is in the README; here 20 steps (16 for verifiers')
+must already move the model from answering in its head to calling the tool (3 full runs:
+0.86-0.96 at step 25).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def shortened(config: str, run_dir, steps: int, timeout: float) -> tuple[dict, d
 def test_the_calculator_example_learns_to_call_its_tool(tmp_path):
     assert (REPO / "configs/models/calc-tiny/model.safetensors").exists()
     run_dir = tmp_path / "run"
-    _, before, after = shortened("configs/calculator.yaml", run_dir, 30, timeout=230)
+    _, before, after = shortened("configs/calculator.yaml", run_dir, 20, timeout=230)
     # the warm start answers in its head (wrong) for most prompts and rarely calls the tool
     assert before["accuracy"] <= 0.3 and before["tool_use"] <= 0.4
     assert after["tool_use"] >= 0.6 and after["accuracy"] >= before["accuracy"] + 0.3
@@ -85,7 +86,7 @@ def test_the_verifiers_tool_env_example_learns_to_call_its_tool(tmp_path):
     run: 0.12 -> 1.0 by step 25)."""
     pytest.importorskip("verifiers")
     run_dir = tmp_path / "run"
-    summary, before, after = shortened("configs/calculator_verifiers.yaml", run_dir, 20, 190)
+    summary, before, after = shortened("configs/calculator_verifiers.yaml", run_dir, 16, 190)
     assert not summary["ledger"].get("not_ended_cleanly")
     assert before["accuracy"] <= 0.3 and before["turns_mean"] <= 1.4
     assert after["accuracy"] >= before["accuracy"] + 0.3 and after["turns_mean"] >= 1.6
