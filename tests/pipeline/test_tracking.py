@@ -8,7 +8,9 @@ tool's own reader. ``test_tracking_run.py`` does it once through a real ``inflig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import importlib
 import json
 import shutil
 import struct
@@ -18,6 +20,19 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.tracking import MetricMapper, TrackerFeed, config_issues, event_wall
+
+# The trackers' libraries are imported at collection, on one thread (test_tracking_run.py
+# imports this module too): imported inside a test, wandb's pydantic models run ast.parse while
+# threads an earlier test of the same worker left may run it too, and CPython 3.11.7's AST
+# constructor then fails ("SystemError: AST constructor recursion depth mismatch"; seen with
+# the suite on two workers).
+for _library in (
+    "tensorboard.backend.event_processing.event_accumulator",
+    "wandb",
+    "mlflow.tracking",
+):
+    with contextlib.suppress(ImportError):
+        importlib.import_module(_library)
 
 T0 = 1_795_000_000.0  # the synthetic run's first second (Unix time)
 
