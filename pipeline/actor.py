@@ -392,11 +392,8 @@ class _Replica:
             self.log.exception("stage_failed")
             code = 1
         finally:
-            # ending anyway: a late SIGTERM (the whole process group gets one at shutdown) must
-            # not turn a clean end into a death by signal
-            for sig in (signal.SIGTERM, signal.SIGINT) if not self.hosted else ():
-                loop.remove_signal_handler(sig)
-                signal.signal(sig, signal.SIG_IGN)
+            if not self.hosted:
+                _ignore_shutdown_signals(loop)
             if stage is not None:
                 try:
                     await asyncio.wait_for(stage.close(), timeout=spec["close_timeout_s"])
@@ -438,12 +435,30 @@ class _Replica:
         self.zctx.destroy(linger=0)
 
 
+def _ignore_shutdown_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Ending anyway: a late SIGTERM (the whole process group gets one at shutdown) must not
+    turn a clean end into a death by signal. The loop's handlers are replaced by ones that do
+    nothing, not removed: removing one puts the default action (death) back in force until
+    the next call ignores the signal, and the supervisor's SIGTERM comes just as a stage that
+    asked to stop gets here. ``_run_loop`` ignores both once the loop has closed."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _ignored, sig)
+
+
+def _ignored(sig: int) -> None:
+    pass
+
+
 def _run_loop(coro: Any) -> int:
     try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(coro)
+        return uvloop.run(coro)
+    finally:  # closing the loop put the default action back (see _ignore_shutdown_signals)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> int:

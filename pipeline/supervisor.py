@@ -101,7 +101,7 @@ from pipeline.stage import stage_ports
 from pipeline.structured_log import close_process_logging, configure_process_logging
 from pipeline.tracking import TrackerFeed
 from transport import ControlBroker
-from transport.address import ipc_address, is_loopback, tcp_address
+from transport.address import ipc_address, is_loopback, rendezvous_port, tcp_address
 from transport.credit import sparse
 from transport.security import CurveKeys
 
@@ -406,7 +406,7 @@ class Supervisor:
         if not self._is_gang(rep.stage):
             return {}
         if rep.stage not in self._gang_ports:
-            self._gang_ports[rep.stage] = int(tcp_address("127.0.0.1").rsplit(":", 1)[1])
+            self._gang_ports[rep.stage] = rendezvous_port("127.0.0.1")
         world = str(self.config.stages[rep.stage].replicas)
         return {
             "MASTER_ADDR": "127.0.0.1",

@@ -6,17 +6,26 @@ Binding to every interface (``*``, ``0.0.0.0``, ``::``) is refused unless asked 
 the channels carry no authentication, so exposing them must be a deliberate choice.
 
 Nothing here opens a ZeroMQ socket; ``tcp_address`` briefly binds a plain socket to find a free
-port (which another process could still take before it is used).
+port (which another process could still take before it is used). ``rendezvous_port`` finds one
+for a port that must be known before its owner starts (torch.distributed's ``MASTER_PORT``).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import random
 import socket
 from pathlib import Path
 
-__all__ = ["IPC_PATH_MAX", "check_address", "ipc_address", "is_loopback", "tcp_address"]
+__all__ = [
+    "IPC_PATH_MAX",
+    "check_address",
+    "ipc_address",
+    "is_loopback",
+    "rendezvous_port",
+    "tcp_address",
+]
 
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 IPC_PATH_MAX = 107
@@ -122,3 +131,39 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name or an interface name: assume it leaves the host
         return False
+
+
+_RENDEZVOUS_LOW = 10_000  # the ports below the kernel's ephemeral range from here are drawn from
+_draw = random.SystemRandom()  # not the seeded global one: runs seeded alike draw alike
+
+
+def rendezvous_port(host: str = "127.0.0.1", *, tries: int = 64) -> int:
+    """A port free on ``host`` a moment ago, for a server that starts seconds later (rank 0
+    of a torch.distributed group binds ``MASTER_PORT``; the number goes to every rank first).
+
+    It is drawn at random below the kernel's ephemeral range, never from it: every socket
+    that binds port 0 or connects out gets an ephemeral port, so one found by binding port 0
+    is soon taken again on a busy host, while these are taken only by another explicit
+    choice of the same number. Falls back to an ephemeral one if none of ``tries`` is free.
+    """
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    high = _ephemeral_low()
+    for _ in range(tries if high > _RENDEZVOUS_LOW else 0):
+        port = _draw.randrange(_RENDEZVOUS_LOW, high)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default

@@ -32,6 +32,7 @@ from typing import Any
 
 from pipeline.launchers.local import kill_group, write_private
 from pipeline.processes import child_preexec
+from transport.address import rendezvous_port
 
 __all__ = ["NODE_IP", "NODE_IP_ENV", "ReplicaHost"]
 
@@ -98,9 +99,7 @@ class ReplicaHost:
     def free_port(self) -> int:
         """A port free on this node a moment ago (torch.distributed's rendezvous needs a
         number before rank 0 starts; the replica binds it at once)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((node_ip(), 0))
-            return s.getsockname()[1]
+        return rendezvous_port(node_ip())
 
     async def start(
         self, spec: dict[str, Any], env: dict[str, str], unset: list[str], cwd: str | None

@@ -58,6 +58,7 @@ from stages.hub import resolve_model
 from stages.learner.batching import collate, completion_logprobs, micro_batches, no_grad_logprobs
 from stages.learner.config import LearnerConfig, OptimConfig
 from stages.learner.loss import policy_loss, stat_keys, step_denominator, summarize
+from transport.address import rendezvous_port
 
 __all__ = [
     "TrainSample",
@@ -174,7 +175,7 @@ class Trainer:
                 LOCAL_RANK="0",
                 WORLD_SIZE="1",
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()),
+                MASTER_PORT=str(rendezvous_port()),
             )
         skip_unused_deepspeed_ops()
         announce_deepspeed_op_builds()
@@ -753,14 +754,6 @@ def _padded_mask(rows: list[np.ndarray], width: int) -> torch.Tensor:
         n = min(len(row), width)
         out[i, :n] = row[:n]
     return torch.from_numpy(out)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lr_factor(step: int, *, optim: OptimConfig, horizon: int) -> float:

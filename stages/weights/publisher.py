@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -47,6 +46,7 @@ from stages.weights.buckets import (
 )
 from stages.weights.group import WeightGroup, init_weight_group
 from stages.weights.receiver import LOAD_FORMATS
+from transport.address import rendezvous_port
 
 __all__ = ["PublishStats", "WeightPublishError", "WeightPublisher", "WeightSource"]
 
@@ -129,7 +129,7 @@ class WeightPublisher:
         """Form the weight group with every engine; raises naming the engine that failed."""
         if self._group is not None:
             raise RuntimeError(f"already connected to weight group {self.group_name!r}")
-        port = self.master_port or _free_port(self.master_address)
+        port = self.master_port or rendezvous_port(self.master_address)
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers
         )
@@ -394,14 +394,6 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ValueError("not a JSON object")
     return body
-
-
-def _free_port(host: str) -> int:
-    # Best effort: another process could take the port before rank 0 binds it.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _in_daemon_thread(fn: Callable[[], T], *, name: str) -> asyncio.Future[T]:

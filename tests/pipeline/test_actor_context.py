@@ -61,3 +61,42 @@ def test_a_version_announcement_records_which_engines_loaded_it():
         assert ctx.engine_versions == {"http://a": 3, "http://b": 4}
 
     asyncio.run(main())
+
+
+_SIGTERM_IN_THE_WINDOW = """
+import asyncio, os, signal
+from pipeline.actor import _ignore_shutdown_signals, _run_loop
+
+def signalled_after(change):
+    def changed(sig, *args):
+        done = change(sig, *args)
+        os.kill(os.getpid(), sig)
+        return done
+    return changed
+
+async def main():
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: None)
+    # the supervisor's SIGTERM lands right after each change the loop makes to its handlers
+    for name in ("add_signal_handler", "remove_signal_handler"):
+        setattr(loop, name, signalled_after(getattr(loop, name)))
+    _ignore_shutdown_signals(loop)
+    os.kill(os.getpid(), signal.SIGTERM)  # later ones too are ignored
+    await asyncio.sleep(0.05)
+    return 0
+
+raise SystemExit(_run_loop(main()))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_while_a_finished_replica_drops_its_handlers_does_not_kill_it():
+    """A stage that asked to stop gets the supervisor's SIGTERM as it ends: between the loop's
+    handler going and SIGTERM being ignored it must not die of the default action (exit -15,
+    and its final ledger report lost)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SIGTERM_IN_THE_WINDOW], timeout=50)
+    assert done.returncode == 0

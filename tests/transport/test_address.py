@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+from unittest import mock
+
 import pytest
 
-from transport.address import IPC_PATH_MAX, check_address, ipc_address, tcp_address
+from transport import address
+from transport.address import (
+    IPC_PATH_MAX,
+    check_address,
+    ipc_address,
+    rendezvous_port,
+    tcp_address,
+)
 
 
 @pytest.mark.parametrize(
@@ -60,3 +71,24 @@ def test_tcp_address_picks_a_port() -> None:
     host, port = addr.removeprefix("tcp://").rsplit(":", 1)
     assert host == "127.0.0.1" and 0 < int(port) < 65536
     assert tcp_address("127.0.0.1", 5000) == "tcp://127.0.0.1:5000"
+
+
+def test_a_rendezvous_port_is_free_and_never_one_the_kernel_hands_out() -> None:
+    """Below the ephemeral range: a busy host's bind-to-0 and outgoing sockets cannot take it
+    between the draw and rank 0's bind; a taken one is not drawn."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {rendezvous_port() for _ in range(20)}
+    assert all(10_000 <= p < low for p in ports) and len(ports) > 10
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    # every port it may draw taken: an ephemeral one, still free
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        with (
+            mock.patch.object(address, "_RENDEZVOUS_LOW", taken),
+            mock.patch.object(address, "_ephemeral_low", lambda: taken + 1),
+        ):
+            port = rendezvous_port()
+    assert port != taken and port >= low
