@@ -7,7 +7,6 @@ Plain functions: a test module's fixtures call them (no conftest, no plugin).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.stages.tiny_model import make_tiny_model
+from transport.address import rendezvous_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,9 +43,7 @@ def two_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rendezvous_port()  # below the ephemeral range: not taken before it is bound
 
 
 def engine_command(model: Path, *more: str) -> list[str]:

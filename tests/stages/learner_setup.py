@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
+
+from transport.address import rendezvous_port
 
 
 def one_torch_thread() -> Iterator[None]:
@@ -80,9 +81,7 @@ def _rank_main(target: Callable[..., None], *args: Any) -> None:
 def run_ranks(target: Callable[..., None], world: int, *args: Any) -> None:
     """Run ``target(rank, world, port, *args)`` for every rank in a spawned process (a fresh
     interpreter, as the supervisor starts ranks) and wait; every rank must exit 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(target=_rank_main, args=(target, r, world, port, *args)) for r in range(world)

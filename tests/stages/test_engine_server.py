@@ -7,7 +7,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.numerics import assert_close, forward_terms
 from tests.stages.tiny_model import make_tiny_model
+from transport.address import rendezvous_port
 
 pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 
@@ -64,9 +64,7 @@ class Engine:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rendezvous_port()  # below the ephemeral range: not taken before it is bound
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from stages.weights.publisher import WeightPublisher
 from tests.stages.tiny_model import make_tiny_model
+from transport.address import rendezvous_port
 
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,9 +25,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rendezvous_port()  # below the ephemeral range: not taken before it is bound
 
 
 @pytest.fixture(scope="module")

@@ -170,9 +170,10 @@ def test_zero3_uneven_ranks_match_one_rank(model_dir, tmp_path, reference):
 # ---- samples without signal: no passes, the same step -------------------------------------
 
 
-def _no_signal_rank(rank, world, port, model_dir, skip, out):
+def _no_signal_rank(rank, world, port, model_dir, out):
     """Two ZeRO-2 ranks; rank 1's four samples have advantage 0. Then a step where every
-    sample has advantage 0. Each rank saves the token shapes its model was run on, per step."""
+    sample has advantage 0. Each rank saves the token shapes its model was run on, per step:
+    with ``skip_no_signal`` and then without, a fresh trainer each in the same group."""
     join_rank(rank, world, port)
     import dataclasses
 
@@ -181,42 +182,46 @@ def _no_signal_rank(rank, world, port, model_dir, skip, out):
     from stages.learner.config import DeepSpeedSection, LearnerConfig, OptimConfig
     from stages.learner.trainer import Trainer
 
-    config = LearnerConfig(
-        model=str(model_dir),
-        batch_size=8,
-        train_micro_batch=1,
-        forward_micro_batch=2,
-        skip_no_signal=skip,
-        optim=OptimConfig(lr=LR, eps=EPS, grad_clip=0.0),
-        deepspeed=DeepSpeedSection(zero_stage=2),
-    )
-    trainer = Trainer(config, structlog.get_logger())
-    trainer.setup()
-    shapes: list[tuple[int, ...]] = []
-    trainer.engine.module.register_forward_pre_hook(
-        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
-    )
-    samples = [
-        dataclasses.replace(s, advantage=0.0) if i >= 4 else s for i, s in enumerate(_samples())
-    ]
-    results: dict = {"steps": [], "shapes": []}
-    for batch in (samples, [dataclasses.replace(s, advantage=0.0) for s in samples]):
-        shapes.clear()
-        results["steps"].append(trainer.step(batch[rank * 4 : rank * 4 + 4], policy_version=0))
-        results["shapes"].append(list(shapes))
-        if "weights" not in results:
-            snap = trainer.snapshot(2**20)  # collective; rank 0's copy
-            results["weights"] = None if snap is None else {k: v.clone() for k, v in snap.items()}
-    torch.save(results, f"{out}.{rank}")
+    shapes: list[tuple[int, ...]] = []  # what each trainer's model was run on, per step
+    for skip in (True, False):
+        config = LearnerConfig(
+            model=str(model_dir),
+            batch_size=8,
+            train_micro_batch=1,
+            forward_micro_batch=2,
+            skip_no_signal=skip,
+            optim=OptimConfig(lr=LR, eps=EPS, grad_clip=0.0),
+            deepspeed=DeepSpeedSection(zero_stage=2),
+        )
+        trainer = Trainer(config, structlog.get_logger())
+        trainer.setup()
+        trainer.engine.module.register_forward_pre_hook(
+            lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        )
+        samples = [
+            dataclasses.replace(s, advantage=0.0) if i >= 4 else s for i, s in enumerate(_samples())
+        ]
+        results: dict = {"steps": [], "shapes": []}
+        for batch in (samples, [dataclasses.replace(s, advantage=0.0) for s in samples]):
+            shapes.clear()
+            results["steps"].append(trainer.step(batch[rank * 4 : rank * 4 + 4], policy_version=0))
+            results["shapes"].append(list(shapes))
+            if "weights" not in results:
+                snap = trainer.snapshot(2**20)  # collective; rank 0's copy
+                results["weights"] = (
+                    None if snap is None else {k: v.clone() for k, v in snap.items()}
+                )
+        torch.save(results, f"{out}-{skip}.{rank}")
     trainer.close()
 
 
 def test_samples_without_signal_have_no_passes_and_change_nothing(model_dir, tmp_path):
-    runs = {}
-    for skip in (True, False):
-        out = str(tmp_path / f"skip-{skip}.pt")
-        run_ranks(_no_signal_rank, 2, model_dir, skip, out)
-        runs[skip] = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    out = str(tmp_path / "skip")
+    run_ranks(_no_signal_rank, 2, model_dir, out)  # both settings in one group: half the start-up
+    runs = {
+        skip: [torch.load(f"{out}-{skip}.{r}", weights_only=False) for r in range(2)]
+        for skip in (True, False)
+    }
     skipped, kept = runs[True], runs[False]
     # rank 1's samples: only one-token (padding) passes, as many as rank 0's micro-batches
     assert skipped[1]["shapes"][0] == [(1, 1)] * 4

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
-import socket
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from stages.weights.buckets import dtype_name, pack_buckets
 from stages.weights.group import init_weight_group
 from stages.weights.receiver import WeightReceiver
+from transport.address import rendezvous_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,9 +44,7 @@ def _receiver_main(port: int, rank: int, jobs: Any, results: Any) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rendezvous_port()  # below the ephemeral range: not taken before it is bound
 
 
 def _weights() -> list[tuple[str, torch.Tensor]]:
