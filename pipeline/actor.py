@@ -90,6 +90,8 @@ class ActorContext:
         self.learner_pace: dict[str, int] = {}
         # engine URL -> the newest version announced as loaded there (topics.VERSION `engines`)
         self.engine_versions: dict[str, int] = {}
+        # version -> the LoRA adapter requests to its engines name (publish.lora_transport files)
+        self.lora_names: dict[int, str] = {}
         # generator replica ("stage.replica") -> its latest `engines` announcement
         self.engines: dict[str, dict[str, Any]] = {}
         self._engines_changed = asyncio.Condition()
@@ -110,8 +112,12 @@ class ActorContext:
         """The run's inference-engine API key (``stages.engine.auth``); None when absent."""
         return self._engine_api_key
 
-    async def set_version(self, version: int, engines: Any = ()) -> None:
-        """A version announcement; ``engines``: the URLs that hold ``version`` now."""
+    async def set_version(self, version: int, engines: Any = (), lora_name: Any = None) -> None:
+        """A version announcement; ``engines``: the URLs that hold ``version`` now;
+        ``lora_name``: the LoRA adapter it is on them (``publish.lora_transport: files``),
+        which requests to engines of this version name."""
+        if isinstance(lora_name, str) and lora_name:
+            self.lora_names[version] = lora_name
         for url in engines if isinstance(engines, list) else ():
             if isinstance(url, str) and version > self.engine_versions.get(url, -1):
                 self.engine_versions[url] = version
@@ -342,7 +348,9 @@ class _Replica:
         while True:
             topic, payload = await self.control.recv()
             if topic == topics.VERSION and isinstance(payload.get("version"), int):
-                await self.ctx.set_version(payload["version"], payload.get("engines", ()))
+                await self.ctx.set_version(
+                    payload["version"], payload.get("engines", ()), payload.get("lora_name")
+                )
             elif topic == topics.PACE:
                 self.ctx.set_pace(payload)
             elif topic == topics.ENGINES and isinstance(payload.get("urls"), list):

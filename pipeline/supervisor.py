@@ -204,6 +204,7 @@ class Supervisor:
         self._sock_dir: Path | None = None
         self.engines: dict[str, dict[str, Any]] = {}  # latest `engines` announcement per replica
         self.summary: dict[str, Any] = {}
+        self._version_lora: str | None = None  # the live version's LoRA adapter, if any
         self._gang_ports: dict[str, int] = {}  # distributed stage -> its rendezvous port
         self._gang_restarting: set[str] = set()
         self._started = time.monotonic()
@@ -513,6 +514,8 @@ class Supervisor:
             version = payload.get("version")
             if isinstance(version, int) and version > self.version:
                 self.version = version
+                lora = payload.get("lora_name")
+                self._version_lora = lora if isinstance(lora, str) else None
         elif topic == topics.ENGINES:
             self.engines[f"{payload.get('stage')}.{payload.get('replica')}"] = payload
         elif topic == topics.SUMMARY and isinstance(payload.get("values"), dict):
@@ -580,7 +583,8 @@ class Supervisor:
         while True:
             await asyncio.sleep(min(run.heartbeat_s, 0.5))
             if self.version:  # late joiners (restarted replicas) learn the live version
-                await self.broker.publish(topics.VERSION, {"version": self.version})
+                lora = {"lora_name": self._version_lora} if self._version_lora else {}
+                await self.broker.publish(topics.VERSION, {"version": self.version, **lora})
             done = [r.name for r in self.replicas.values() if r.done]
             if done:
                 await self.broker.publish(topics.DONE, {"replicas": done})

@@ -142,25 +142,28 @@ def _upstream(stages: Mapping[str, StageSection]) -> dict[str, set[str]]:
 def _check_builtin_engines_only(
     name: str, section: StageSection, producers: Mapping[str, StageSection], fail: Any
 ) -> None:
-    """A LoRA trainer publishes adapters (``MODULE.lora_A.weight``...) that the built-in engine
-    merges, and ``publish.delta`` sends changed values only, which the built-in engine writes;
-    SGLang takes LoRA adapters from a file or its own tensor format, not from the weight group,
-    has no delta updates, and would refuse both."""
+    """A LoRA trainer publishes adapters (``MODULE.lora_A.weight``...) over the weight group,
+    which the built-in engine merges, unless ``publish.lora_transport: files`` (SGLang's way:
+    adapter folders loaded by name); ``publish.delta`` sends changed values only, which the
+    built-in engine writes; SGLang has no delta updates."""
     lora = getattr(section.options, "lora", None)
     lora_rank = getattr(lora, "rank", 0)
-    delta = getattr(getattr(section.options, "publish", None), "delta", False) is True
+    publish = getattr(section.options, "publish", None)
+    delta = getattr(publish, "delta", False) is True
+    files = getattr(publish, "lora_transport", "group") == "files"
     stage = join_path("stages", name)
     for producer, producer_section in producers.items():
         launch = getattr(producer_section.options, "launch", None)
         if getattr(launch, "kind", None) != "sglang":
             continue
-        if isinstance(lora_rank, int) and lora_rank > 0:
+        if isinstance(lora_rank, int) and lora_rank > 0 and not files:
             fail(
-                join_path(stage, "lora"),
-                f"lora.rank {lora_rank}: a LoRA learner publishes only its adapters, which the "
-                f"built-in engine merges; {producer}'s engines are SGLang, which takes LoRA "
-                f"adapters another way (not supported yet): use launch.kind: builtin for "
-                f"{producer}, or train every parameter (lora.rank: 0)",
+                join_path(join_path(stage, "publish"), "lora_transport"),
+                f"lora.rank {lora_rank}: over the weight group a LoRA learner's adapters are "
+                f"merged by the built-in engine; {producer}'s engines are SGLang, which loads "
+                f"adapters by name from files: set publish.lora_transport: files (and start "
+                f"SGLang with --enable-lora --max-lora-rank {lora_rank} --lora-target-modules "
+                f"...), or use launch.kind: builtin for {producer}",
             )
         if delta:
             fail(

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
+from stages.engine.lora_adapters import RowAdapters
+
 __all__ = ["LlamaForward"]
 
 _FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -40,6 +42,7 @@ class _Layer:
         "down",
         "gate_up",
         "gate_up_bias",
+        "index",
         "k_norm",
         "mlp_norm",
         "o",
@@ -48,7 +51,8 @@ class _Layer:
         "qkv_bias",
     )
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, index: int) -> None:
+        self.index = index
         attn, mlp = layer.self_attn, layer.mlp
         self.attn_norm = layer.input_layernorm.forward
         self.mlp_norm = layer.post_attention_layernorm.forward
@@ -74,7 +78,7 @@ class LlamaForward:
         self.rotary = model.model.rotary_emb
         self.final_norm = model.model.norm.forward
         self.lm_head = model.lm_head
-        self.layers = [_Layer(layer) for layer in model.model.layers]
+        self.layers = [_Layer(layer, i) for i, layer in enumerate(model.model.layers)]
 
     @staticmethod
     def unsupported(model: Any) -> str | None:
@@ -112,10 +116,16 @@ class LlamaForward:
     # ---- the two passes ---------------------------------------------------------------------
 
     def decode(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: Any
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        kv: Any,
+        lora: RowAdapters | None = None,
     ) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of one decode step: ``ids``/``positions`` ``[rows, 1]`` and
-        ``mask`` as ``BatchKV.decode_inputs`` gives them; ``kv``'s pending column is written."""
+        ``mask`` as ``BatchKV.decode_inputs`` gives them; ``kv``'s pending column is written.
+        ``lora``: the rows that take LoRA adapters (``lora_adapters``), if any."""
         n = ids.shape[0]
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         h = F.embedding(ids[:, 0], self.embed.weight)
@@ -123,11 +133,11 @@ class LlamaForward:
         # True (or 0.0) where a row may attend -> True where it may not
         blocked = (~mask if mask.dtype == torch.bool else mask < 0).view(n, 1, 1, -1)
         for layer, cache in zip(self.layers, kv.layers, strict=True):
-            q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin)  # [n, heads, hd]
+            q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [n, heads, hd]
             keys, values = cache.update(k.unsqueeze(2), v.unsqueeze(2))  # [n, nkv, L, hd]
             scores = torch.matmul(q.view(n, nkv, nh // nkv, hd), keys.transpose(-1, -2))
             out = self._attend(scores, blocked, values)  # [n, nkv, group, hd]
-            h = self._rest(layer, h, out.reshape(n, nh * hd))
+            h = self._rest(layer, h, out.reshape(n, nh * hd), lora)
         return F.linear(self.final_norm(h), self.lm_head.weight, self.lm_head.bias)
 
     def prefill(
@@ -138,6 +148,7 @@ class LlamaForward:
         past: DynamicCache | None = None,
         *,
         keep_hidden: bool = False,
+        lora: RowAdapters | None = None,
     ) -> tuple[DynamicCache, torch.Tensor] | tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """(keys and values of every layer, last-position logits ``[rows, vocab]``) of
         left-padded prompts ``ids`` ``[rows, width]`` with ``mask`` 1 on real tokens; with
@@ -162,7 +173,7 @@ class LlamaForward:
         blocked = ~allowed[:, None, None]  # [rows, 1, 1, query, key]
         cache = DynamicCache()
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin)  # [rows, width, heads, hd]
+            q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [rows, width, nh, hd]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [rows, nkv, width, hd]
             if past is not None:
                 k = torch.cat((past.layers[i].keys, k), 2)
@@ -172,7 +183,7 @@ class LlamaForward:
             scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))
             out = self._attend(scores, blocked, v.unsqueeze(2))  # [rows, nkv, group, width, hd]
             out = out.permute(0, 3, 1, 2, 4).reshape(rows, width, nh * hd)
-            h = self._rest(layer, h, out)
+            h = self._rest(layer, h, out, lora)
         if keep_hidden:
             normed = self.final_norm(h)
             return cache, self.logits(normed[:, -1]), normed
@@ -186,11 +197,18 @@ class LlamaForward:
     # ---- pieces -----------------------------------------------------------------------------
 
     def _qkv(
-        self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: RowAdapters | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (rotated) and v of normed ``x`` ``[..., hidden]``, as ``[..., heads, hd]``."""
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         y = F.linear(x, layer.qkv, layer.qkv_bias)
+        if lora is not None:
+            lora.add(layer.index, "qkv", x, y)
         lead = y.shape[:-1]
         q = y[..., : nh * hd].view(*lead, nh, hd)
         k = y[..., nh * hd : (nh + nkv) * hd].view(*lead, nkv, hd)
@@ -210,13 +228,28 @@ class LlamaForward:
         return torch.matmul(probs, values)
 
     @staticmethod
-    def _rest(layer: _Layer, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def _rest(
+        layer: _Layer, h: torch.Tensor, attended: torch.Tensor, lora: RowAdapters | None
+    ) -> torch.Tensor:
         """The output projection, the residuals and the MLP."""
-        h = h + F.linear(attended, layer.o.weight, layer.o.bias)
-        z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
+        if lora is None:
+            h = h + F.linear(attended, layer.o.weight, layer.o.bias)
+            z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
+            mid = z.shape[-1] // 2
+            gated = layer.act(z[..., :mid]) * z[..., mid:]
+            return h + F.linear(gated, layer.down.weight, layer.down.bias)
+        i = layer.index
+        o = F.linear(attended, layer.o.weight, layer.o.bias)
+        lora.add(i, "o", attended, o)
+        h = h + o
+        normed = layer.mlp_norm(h)
+        z = F.linear(normed, layer.gate_up, layer.gate_up_bias)
+        lora.add(i, "gate_up", normed, z)
         mid = z.shape[-1] // 2
         gated = layer.act(z[..., :mid]) * z[..., mid:]
-        return h + F.linear(gated, layer.down.weight, layer.down.bias)
+        down = F.linear(gated, layer.down.weight, layer.down.bias)
+        lora.add(i, "down", gated, down)
+        return h + down
 
 
 def _fuse(projections: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -45,7 +45,7 @@ import functools
 import itertools
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,7 @@ class GenerateInput:
     group_rid: str | None = None  # the caller's rid of an n > 1 request (aborts every sample)
     top_logprobs_num: int = 0  # alternatives reported per output token (with return_logprob)
     logprob_start: int = -1  # input log-probs from this prompt position on (-1: none)
+    lora: str | None = None  # the loaded LoRA adapter it takes (``lora_path``), None: the base
 
 
 @dataclass(slots=True)
@@ -154,7 +155,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "audio_data": (None,),
     "video_data": (None,),
     "input_embeds": (None,),
-    "lora_path": (None,),
     "custom_logit_processor": (None,),
     "return_hidden_states": (False, None),
     "session_params": (None,),
@@ -171,6 +171,7 @@ _KNOWN_TOP = frozenset(
         "top_logprobs_num",
         "logprob_start_len",
         "stream",  # answered by stages.engine.streaming
+        "lora_path",  # a loaded adapter's name (stages.engine.lora_adapters)
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -183,8 +184,10 @@ def parse_generate(
     vocab_size: int,
     context_length: int,
     encode: Callable[[str], list[int]] | None,
+    adapters: Collection[str] = (),
 ) -> tuple[list[GenerateInput], bool]:
-    """Validate a ``/generate`` body; returns the sequences and whether it was a batch."""
+    """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
+    ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():
@@ -236,6 +239,15 @@ def parse_generate(
                 else ("top_logprobs_num")
             )
             raise RequestError(where, f"expected an integer in [0, {vocab_size}], got {top!r}")
+    loras = _per_item(body.get("lora_path"), "lora_path", count, listed, str)
+    for i, lora in enumerate(loras):
+        if lora is not None and lora not in adapters:
+            where = f"lora_path[{i}]" if isinstance(body["lora_path"], list) else "lora_path"
+            raise RequestError(
+                where,
+                f"no LoRA adapter {lora!r} is loaded (loaded: {sorted(adapters)}); "
+                "POST /load_lora_adapter first",
+            )
     rids = _sample_rids(body.get("rid"), count, n, batch)
 
     inputs: list[GenerateInput] = []
@@ -262,7 +274,7 @@ def parse_generate(
             if rid in seen:
                 raise RequestError(f"rid{where}", f"duplicate request id {rid!r} in the batch")
             seen.add(rid)
-            inputs.append(GenerateInput(rid, ids, sp, flag, group_rid, top, start))
+            inputs.append(GenerateInput(rid, ids, sp, flag, group_rid, top, start, loras[i]))
     return inputs, listed
 
 

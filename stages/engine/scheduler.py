@@ -58,6 +58,7 @@ import torch
 from pipeline.processes import name_thread
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
+from stages.engine.lora_adapters import Adapter, AdapterError, RowAdapters, load_adapter
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
 from stages.engine.prompt_logprobs import prompt_logprobs, scoring_passes
@@ -187,6 +188,7 @@ class _Seq:
     """One sequence: its request, where its result goes, and where it lives in the batch."""
 
     __slots__ = (
+        "adapter",
         "cached",
         "cached_version",
         "done_ids",
@@ -209,6 +211,7 @@ class _Seq:
 
     def __init__(self, inp: GenerateInput, group: _Group, index: int, started: float) -> None:
         self.inp = inp
+        self.adapter: Adapter | None = None  # its LoRA adapter, set when queued (inp.lora)
         # its last sampled tokens, decoded after each step to look for its stop strings
         self.tail: list[int] | None = [] if inp.params.stop else None
         # its top log-probs, one list per sampled token, when it asked for them
@@ -296,6 +299,10 @@ class Scheduler:
         self._vvals: list[str] = [self._version]
         # Which weights computed a KV (prefix_cache.Stamp): the number of version changes.
         self._version_index = 0
+        # LoRA adapters by name (lora_adapters), and their names for other threads to read
+        self._adapters: dict[str, Adapter] = {}
+        self._adapter_names: frozenset[str] = frozenset()
+        self._lora_seen = False  # an adapter was ever loaded: passes look for adapted rows
         self._prefix = (
             PrefixCache(prefix_cache_tokens, prefix_cache_max_age)
             if prefix_cache_tokens > 0
@@ -395,6 +402,33 @@ class Scheduler:
 
     def set_weight_version(self, version: str | int) -> Future[None]:
         return self._call(lambda: self._set_version(str(version)))
+
+    def adapter_names(self) -> frozenset[str]:
+        """The names of the LoRA adapters loaded (a request's ``lora_path`` names one)."""
+        return self._adapter_names
+
+    def adapters(self) -> list[dict[str, Any]]:
+        """The loaded adapters, as ``/load_lora_adapter`` describes them."""
+        return [a.describe() for a in list(self._adapters.values())]
+
+    def load_adapter(self, name: str, path: str) -> Future[None]:
+        """Read the peft adapter folder ``path`` (in the caller's thread) and make it
+        ``name`` at the next step boundary. Raises ``AdapterError`` for a folder that does not
+        fit the model, or when this model's passes cannot take adapters."""
+        if self._fast is None:
+            raise AdapterError(
+                f"LoRA adapters need the engine's Llama-family forward path; this model takes "
+                f"transformers' ({self.forward_path_why})"
+            )
+        if name in self._adapter_names:
+            raise AdapterError(f"an adapter named {name!r} is already loaded: unload it first")
+        adapter = load_adapter(path, self.model, name)
+        return self._call(lambda: self._add_adapter(adapter))
+
+    def unload_adapter(self, name: str) -> Future[bool]:
+        """Forget adapter ``name`` (rows already running with it finish with it); resolves to
+        whether it was loaded."""
+        return self._call(lambda: self._drop_adapter(name))
 
     def flush_prefix_cache(self) -> Future[int]:
         """Drop every cached prefix (running rows keep their own KV); resolves to the number
@@ -506,8 +540,36 @@ class Scheduler:
             seqs[0].group.fail(ValueError(f"rid: request id {busy[0]!r} is in flight"))
             return
         for seq in seqs:
+            if seq.inp.lora is not None:
+                seq.adapter = self._adapters.get(seq.inp.lora)
+                if seq.adapter is None:
+                    seqs[0].group.fail(
+                        ValueError(f"lora_path: the adapter {seq.inp.lora!r} was unloaded")
+                    )
+                    return
+        for seq in seqs:
             self._rids[seq.inp.rid] = seq
         self._waiting.extend(seqs)
+
+    def _add_adapter(self, adapter: Adapter) -> None:
+        if adapter.name in self._adapters:
+            raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
+        self._adapters[adapter.name] = adapter
+        self._adapter_names = frozenset(self._adapters)
+        self._lora_seen = True
+        log.info("lora_adapter_loaded", **adapter.describe(), modules=adapter.modules)
+
+    def _drop_adapter(self, name: str) -> bool:
+        adapter = self._adapters.pop(name, None)
+        self._adapter_names = frozenset(self._adapters)
+        if adapter is not None:
+            log.info("lora_adapter_unloaded", lora_name=name)
+        return adapter is not None
+
+    def _row_adapters(self, seqs: Sequence[_Seq | None]) -> RowAdapters | None:
+        if not self._lora_seen:
+            return None
+        return RowAdapters.of([s.adapter if s is not None else None for s in seqs], self.device)
 
     def _abort(self, rids: set[str], abort_all: bool, message: str) -> int:
         def hit(seq: _Seq) -> bool:
@@ -629,9 +691,14 @@ class Scheduler:
     def _score_prompts(self, seqs: list[_Seq]) -> None:
         """Prompt log-probs from each seq's ``logprob_start`` on (``prompt_logprobs``): forward
         passes of their own over whole prompts, identical requests computed once."""
-        unique: dict[tuple[tuple[int, ...], int, int], list[_Seq]] = {}
+        unique: dict[tuple[tuple[int, ...], int, int, str | None], list[_Seq]] = {}
         for seq in seqs:
-            key = (tuple(seq.inp.input_ids), seq.inp.logprob_start, seq.inp.top_logprobs_num)
+            key = (
+                tuple(seq.inp.input_ids),
+                seq.inp.logprob_start,
+                seq.inp.top_logprobs_num,
+                seq.inp.lora,
+            )
             unique.setdefault(key, []).append(seq)
         keys = list(unique)
         for part in scoring_passes([len(k[0]) for k in keys]):
@@ -641,7 +708,8 @@ class Scheduler:
             )
             head: Callable[[torch.Tensor], torch.Tensor]
             if self._fast is not None:
-                _, _, hidden = self._fast.prefill(ids, mask, positions, keep_hidden=True)
+                lora = self._row_adapters([unique[keys[u]][0] for u in part])
+                _, _, hidden = self._fast.prefill(ids, mask, positions, keep_hidden=True, lora=lora)
                 head = self._fast.logits
             else:
                 out = self.model(
@@ -654,7 +722,7 @@ class Scheduler:
                 hidden, head = out.hidden_states[-1], self.model.get_output_embeddings()
             width = ids.shape[1]
             for row, u in enumerate(part):
-                tokens, start, top = keys[u]
+                tokens, start, top, _ = keys[u]
                 lps, tops = prompt_logprobs(
                     hidden[row, width - len(tokens) :], list(tokens), start, top, head
                 )
@@ -664,18 +732,24 @@ class Scheduler:
 
     def _prefill(self, group: list[_Seq]) -> None:
         # Identical contexts (the samples of one prompt) are prefilled once.
-        unique: dict[tuple[int, ...], int] = {}
+        unique: dict[tuple[Adapter | None, tuple[int, ...]], int] = {}
         contexts: list[list[int]] = []
+        owners: list[_Seq] = []  # a seq of each context: whose adapter it takes
         source: list[int] = []
         for seq in group:
             ctx = seq.context
-            key = tuple(ctx)
+            key = (seq.adapter, tuple(ctx))
             idx = unique.get(key)
             if idx is None:
                 idx = unique[key] = len(contexts)
                 contexts.append(ctx)
+                owners.append(seq)
             source.append(idx)
-        matches = [self._lookup(ctx) for ctx in contexts]
+        # a prefix cached under the base weights is no prefix of an adapter's row
+        matches = [
+            self._lookup(ctx) if o.adapter is None else Match()
+            for ctx, o in zip(contexts, owners, strict=True)
+        ]
         news = [len(c) - m.length for c, m in zip(contexts, matches, strict=True)]
         self.prefill_tokens += sum(news)
         for part in _passes(news):
@@ -686,6 +760,7 @@ class Scheduler:
                 [contexts[u] for u in part],
                 [matches[u] for u in part],
                 [i for _, i in members],
+                self._row_adapters([owners[u] for u in part]),
             )
 
     def _lookup(self, ctx: list[int]) -> Match:
@@ -695,10 +770,15 @@ class Scheduler:
         return self._prefix.match(ctx, len(ctx) - 1, self._stamp())
 
     def _prefill_pass(
-        self, group: list[_Seq], contexts: list[list[int]], matches: list[Match], source: list[int]
+        self,
+        group: list[_Seq],
+        contexts: list[list[int]],
+        matches: list[Match],
+        source: list[int],
+        lora: RowAdapters | None = None,
     ) -> None:
         """One forward pass over ``contexts``, each after its cached prefix ``matches[u]``;
-        ``group[j]`` takes context ``source[j]``."""
+        ``group[j]`` takes context ``source[j]``; ``lora``: the contexts' adapters."""
         cached = [m.length for m in matches]
         ids, mask, positions = _new_tokens(contexts, cached)
         past, full, columns = None, ids, None
@@ -707,7 +787,7 @@ class Scheduler:
             mask, full, columns = _on_prefixes(contexts, cached, mask)
             columns = columns.to(self.device)
         ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
-        cache, logits = self._forward_prefill(ids, mask, positions, past)
+        cache, logits = self._forward_prefill(ids, mask, positions, past, lora)
         mapped = source != list(range(len(contexts)))  # shared contexts, or another order
         src = torch.tensor(source, device=self.device) if mapped else None
         lengths = torch.tensor([len(contexts[i]) for i in source])
@@ -747,10 +827,11 @@ class Scheduler:
         mask: torch.Tensor,
         positions: torch.Tensor,
         past: DynamicCache | None,
+        lora: RowAdapters | None = None,
     ) -> tuple[DynamicCache, torch.Tensor]:
         """(keys and values of past + new tokens, last-position logits) of one prefill pass."""
         if self._fast is not None:
-            return self._fast.prefill(ids, mask, positions, past)
+            return self._fast.prefill(ids, mask, positions, past, lora=lora)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -765,7 +846,7 @@ class Scheduler:
         kv = self._kv
         ids, positions, mask = kv.decode_inputs()
         if self._fast is not None:
-            logits = self._fast.decode(ids, positions, mask, kv)
+            logits = self._fast.decode(ids, positions, mask, kv, self._row_adapters(self._running))
         else:
             out = self.model(
                 input_ids=ids,
@@ -936,6 +1017,8 @@ class Scheduler:
         """Leave the KV of finishing rows (still in their slots) to the prefix cache."""
         assert self._prefix is not None
         for seq, (ids, _, _) in zip(seqs, outputs, strict=True):
+            if seq.adapter is not None:
+                continue  # an adapter's KV is no prefix of anyone else's
             # Every token but the last sampled one has its KV in columns kv_start..end-1.
             tokens = seq.inp.input_ids + ids[:-1]
             slot, start = seq.slot, seq.kv_start

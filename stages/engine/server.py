@@ -54,6 +54,7 @@ from pipeline.processes import name_thread
 from stages.detokenize import decoder
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.loader import DTYPES, LoadedModel, load_model
+from stages.engine.lora_routes import LoraRoutes
 from stages.engine.openai_api import OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.protocol import (
@@ -180,6 +181,7 @@ def build_app(
     app.router.add_get("/server_info", _server_info)
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/get_weight_version", _weight_version)
+    LoraRoutes(scheduler, _json_body).add_to(app)
     app.on_cleanup.append(weights.close)
     return app
 
@@ -277,6 +279,7 @@ async def generate_results(
         vocab_size=loaded.vocab_size,
         context_length=loaded.context_length,
         encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
+        adapters=scheduler.adapter_names(),
     )
     # One command and one future per request, however many samples it holds.
     try:

@@ -167,6 +167,7 @@ async def stream_generate(
         vocab_size=loaded.vocab_size,
         context_length=loaded.context_length,
         encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
+        adapters=scheduler.adapter_names(),
     )
     events_in = _Events()
     future = scheduler.submit_async(inputs, stream=events_in.add)

@@ -210,6 +210,9 @@ class EngineClient:
         self._info_path = "/model_info"  # or /get_model_info: see model_info()
         self._headers = auth.auth_headers(api_key) or None
         self._json_headers = {**_JSON_HEADERS, **auth.auth_headers(api_key)}
+        # asked at each request: the LoRA adapter to name and the version it is ((None, 0):
+        # the base model), or None when the run's engines take no adapters (see `_adapted`)
+        self.adapter: Callable[[], tuple[str | None, int] | None] | None = None
 
     async def _call(
         self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None
@@ -252,8 +255,9 @@ class EngineClient:
     ) -> Completion:
         """One sample of ``input_ids``."""
         body = _generate_body(_token_list(input_ids), sampling_params, rid)
+        pinned = self._adapted(body)
         (completion,) = await self._generate(body, [rid], listed=False)
-        return completion
+        return _pinned(completion, pinned)
 
     async def generate_group(
         self,
@@ -282,7 +286,20 @@ class EngineClient:
         Errors as ``generate_group``.
         """
         body = _generate_body([_token_list(ids) for ids in prompts], sampling_params, list(rids))
-        return await self._generate(body, rids, listed=True)
+        pinned = self._adapted(body)
+        return [_pinned(c, pinned) for c in await self._generate(body, rids, listed=True)]
+
+    def _adapted(self, body: dict[str, Any]) -> int | None:
+        """Name the adapter of the policy version this engine serves (``publish.lora_transport:
+        files``) in ``body``; returns that version, which every token of the answer is (an
+        adapter is fixed for a request's whole life), or None when requests name none."""
+        found = self.adapter() if self.adapter is not None else None
+        if found is None:
+            return None
+        name, version = found
+        if name is not None:
+            body["lora_path"] = name
+        return version
 
     async def _generate(
         self, request: dict[str, Any], rids: Sequence[str], *, listed: bool
@@ -406,6 +423,14 @@ class InProcessClient(EngineClient):
         except RuntimeError as exc:  # the scheduler stopped (stopping, or its thread died)
             raise EngineError(self.url, f"/generate failed: {exc!r}", retryable=True) from exc
         return [completion_of(result, self.url) for result in results]
+
+
+def _pinned(completion: Completion, version: int | None) -> Completion:
+    """``completion`` with every token of ``version`` (the adapter its request named)."""
+    if version is not None:
+        completion.versions = np.full(len(completion.output_ids), version, dtype=np.int32)
+        completion.weight_version = version
+    return completion
 
 
 def completion_of(result: Any, url: str = "") -> Completion:

@@ -48,6 +48,7 @@ publisher talks to the engines), aborting requests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ from stages.generator.episodes import EpisodeEngine, check_trajectory, sample_fi
 from stages.generator.launcher import EngineLauncher, LaunchConfig
 from stages.rollouts.api import EngineUnavailable, EnvError, RolloutConfig
 from stages.schemas import PROMPT, ROLLOUT_GROUP
+from stages.weights.adapter_files import adapter_for
 from stages.workers import PoolBroken
 from transport.message import Message
 
@@ -267,6 +269,8 @@ class Generator:
             else EngineClient(url, self.session, **options)
             for url in urls
         }
+        for url, client in self.clients.items():  # publish.lora_transport files: lora_path
+            client.adapter = functools.partial(self._adapter_of, url)
         self.in_flight = dict.fromkeys(urls, 0)
         self.versions = dict.fromkeys(urls, 0)
         self.down: dict[str, asyncio.Task] = {}  # engines out of use -> their health probe
@@ -360,6 +364,11 @@ class Generator:
             error=str(error),
             fallback="one request per sample to this engine from now on",
         )
+
+    def _adapter_of(self, engine: str) -> tuple[str | None, int] | None:
+        """The LoRA adapter a request to ``engine`` names: the one of the version it serves."""
+        names = getattr(self.ctx, "lora_names", None) or {}
+        return adapter_for(names, self.versions.get(engine, 0))
 
     # ---------------------------------------------------------------- decisions
     @property

@@ -106,6 +106,19 @@ class PublishConfig:
     full_every: int = _f(
         10, "delta: a full update every N versions (and after any failure or engine change)", min=1
     )
+    lora_transport: Literal["group", "files"] = _f(
+        "group",
+        "with lora: how the adapters reach the engines; group: over the weight group, merged "
+        "into the built-in engine's weights; files: as a peft folder each version, loaded by "
+        "name (POST /load_lora_adapter) and named by every request (lora_path), which is how "
+        "SGLang takes them (start it with --enable-lora --max-lora-rank R --lora-target-modules "
+        "...); the built-in engine speaks both",
+    )
+    adapter_dir: str = _f(
+        "",
+        "files: where the adapters are written (default RUN_DIR/adapters); the engines read "
+        "them there: across machines, a shared file system",
+    )
 
 
 @dataclass
@@ -231,6 +244,11 @@ class LearnerConfig:
             raise ValueError(
                 "publish.delta with lora: a LoRA update carries only the adapters already "
                 "(under 1% of the weights); set publish.delta: false"
+            )
+        if self.publish.lora_transport == "files" and not self.lora.on:
+            raise ValueError(
+                "publish.lora_transport: files sends LoRA adapters; lora.rank is 0 (every "
+                "parameter trains): set lora.rank, or publish.lora_transport: group"
             )
         lora_issue = config_issue(self.model, self.lora)
         if lora_issue:

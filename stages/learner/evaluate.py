@@ -38,6 +38,7 @@ from stages.rollouts.api import EngineUnavailable, EnvError
 from stages.rollouts.trajectory import Generation, Trajectory
 from stages.scorer.arguments import reward_arguments
 from stages.scorer.runner import RewardRunner
+from stages.weights.adapter_files import adapter_name
 
 __all__ = ["Evaluator", "spread"]
 
@@ -74,6 +75,9 @@ class Evaluator:
         self.batch_refusals = 0
         self.rollouts: Any = None  # stages.rollouts.runtime.RolloutRuntime, with eval.rollout
         self._episode_errors = 0
+        # publish.lora_transport files: the prefix of the adapters' names (requests name the
+        # version evaluated's); None: the engines hold the weights themselves
+        self.adapter_prefix: str | None = None
 
     async def start(self) -> None:
         await self.runner.start()
@@ -89,6 +93,16 @@ class Evaluator:
         await self.runner.aclose()
         if self.rollouts is not None:
             await self.rollouts.aclose()
+
+    def _clients(
+        self, urls: list[str], session: aiohttp.ClientSession, version: int
+    ) -> list[EngineClient]:
+        clients = [EngineClient(u, session, timeout_s=600.0, api_key=self.api_key) for u in urls]
+        if self.adapter_prefix is not None:  # the adapter of the version evaluated
+            named = (adapter_name(self.adapter_prefix, version) if version > 0 else None, version)
+            for client in clients:
+                client.adapter = lambda named=named: named
+        return clients
 
     async def evaluate(self, urls: list[str], *, step: int, version: int) -> dict[str, Any]:
         if self.rollouts is not None:
@@ -106,9 +120,7 @@ class Evaluator:
             reasons[i] = done.finish_reason
 
         async with aiohttp.ClientSession() as session:
-            clients = [
-                EngineClient(u, session, timeout_s=600.0, api_key=self.api_key) for u in urls
-            ]
+            clients = self._clients(urls, session, version)
             single = asyncio.Semaphore(self.config.concurrency)
             batches = asyncio.Semaphore(len(clients))
 
@@ -219,9 +231,7 @@ class Evaluator:
         runtime = self.rollouts
         seen_versions: set[int] = set()
         async with aiohttp.ClientSession() as session:
-            clients = [
-                EngineClient(u, session, timeout_s=600.0, api_key=self.api_key) for u in urls
-            ]
+            clients = self._clients(urls, session, version)
             limit = asyncio.Semaphore(self.config.concurrency)
 
             async def play(i: int) -> Trajectory | None:

@@ -28,6 +28,7 @@ import asyncio
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -36,6 +37,7 @@ import torch
 from pipeline import topics
 from stages.engine.auth import engine_api_key
 from stages.learner.config import PublishConfig
+from stages.weights.adapter_files import AdapterFilePublisher
 from stages.weights.delta import DeltaEncoder
 from stages.weights.publisher import WeightPublisher, WeightPublishError
 
@@ -47,14 +49,26 @@ _RETRY_FIRST_S, _RETRY_CAP_S = 1.0, 30.0  # a failed publish is tried again afte
 
 
 class Publishing:
-    def __init__(self, config: PublishConfig, ctx: Any, *, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: PublishConfig,
+        ctx: Any,
+        *,
+        device: torch.device,
+        lora: bool = False,
+        model: str = "",
+    ) -> None:
         self.config = config
+        # LoRA adapters as peft folders loaded by name (stages.weights.adapter_files)
+        self.files = lora and config.lora_transport == "files"
+        self.model = model
+        self._files_state: dict[str, Any] = {}  # adapters loaded and folders written so far
         self.ctx = ctx
         self.log = ctx.log.bind(component="publisher")
         self.backend = config.backend
         if self.backend == "auto":
             self.backend = "nccl" if device.type == "cuda" else "gloo"
-        self.publisher: WeightPublisher | None = None
+        self.publisher: WeightPublisher | AdapterFilePublisher | None = None
         self._connected_to: dict[str, Any] | None = None
         self.counts = {
             "published": 0,
@@ -159,11 +173,11 @@ class Publishing:
     def _wanted(self) -> dict[str, Any]:
         return {"urls": self.config.engines} if self.config.engines else self._announced()
 
-    async def _ensure_connected(self) -> WeightPublisher:
+    async def _ensure_connected(self) -> WeightPublisher | AdapterFilePublisher:
         async with self._connecting:
             return await self._connect()
 
-    async def _connect(self) -> WeightPublisher:
+    async def _connect(self) -> WeightPublisher | AdapterFilePublisher:
         wanted = self._wanted()
         if self.publisher is not None and wanted == self._connected_to and not self._missing:
             return self.publisher
@@ -183,16 +197,20 @@ class Publishing:
             self.log.warning(
                 "weight_group_partial", missing=sorted(missing), retry="when they answer"
             )
-        publisher = WeightPublisher(
-            urls,
-            backend=self.backend,
-            # engines on other nodes reach rank 0 at its node's IP (the Ray launcher's)
-            master_address=os.environ.get("INFLIGHT_NODE_IP", "127.0.0.1"),
-            bucket_mb=self.config.bucket_mb,
-            group_name=f"inflight_{int(time.time() * 1000) % 10**9}",
-            log=self.log,
-            timeout_s=self.config.timeout_s,
-            api_key=engine_api_key(self.ctx),
+        publisher = (
+            self._adapter_files(urls)
+            if self.files
+            else WeightPublisher(
+                urls,
+                backend=self.backend,
+                # engines on other nodes reach rank 0 at its node's IP (the Ray launcher's)
+                master_address=os.environ.get("INFLIGHT_NODE_IP", "127.0.0.1"),
+                bucket_mb=self.config.bucket_mb,
+                group_name=f"inflight_{int(time.time() * 1000) % 10**9}",
+                log=self.log,
+                timeout_s=self.config.timeout_s,
+                api_key=engine_api_key(self.ctx),
+            )
         )
         try:
             await publisher.connect()
@@ -230,8 +248,10 @@ class Publishing:
         self.counts["published"] += 1
         self.seconds += time.perf_counter() - started
         # every engine named has loaded it: publish() returns once they all have
+        announce = getattr(publisher, "announce", {})  # adapter files: the adapter's name
         await self.ctx.publish(
-            topics.VERSION, {"version": version, "engines": list(publisher.engine_urls)}
+            topics.VERSION,
+            {"version": version, "engines": list(publisher.engine_urls), **announce},
         )
         self.log.debug(  # every publish: the totals are in learner_done and summary.json
             "metrics",
@@ -262,6 +282,18 @@ class Publishing:
             self.counts["delta_updates"] += 1
         encoded = _mapped(weights, lambda group: encoder.encode(group, full=full))
         return encoded, None if full else self.version
+
+    def _adapter_files(self, urls: list[str]) -> AdapterFilePublisher:
+        folder = self.config.adapter_dir or str(self.ctx.run_dir / "adapters")
+        return AdapterFilePublisher(
+            urls,
+            Path(folder),
+            base=self.model,
+            timeout_s=self.config.timeout_s,
+            api_key=engine_api_key(self.ctx),
+            log=self.log,
+            state=self._files_state,
+        )
 
     async def close(self) -> None:
         if self.publisher is not None:

@@ -150,7 +150,13 @@ class Learner:
         if self.rank == 0:
             from stages.learner.publishing import Publishing
 
-            self.publishing = Publishing(cfg.publish, self.ctx, device=self.trainer.device)
+            self.publishing = Publishing(
+                cfg.publish,
+                self.ctx,
+                device=self.trainer.device,
+                lora=cfg.lora.on,
+                model=cfg.model,
+            )
             if evaluate:
                 from stages.learner.evaluate import Evaluator
 
@@ -162,6 +168,10 @@ class Learner:
                     api_key=engine_api_key(self.ctx),
                     model=cfg.model,
                 )
+                if self.publishing.files:
+                    from stages.weights.adapter_files import ADAPTER_PREFIX
+
+                    self.evaluator.adapter_prefix = ADAPTER_PREFIX
             self._engines_task = asyncio.create_task(
                 self._engines_up(evaluate=evaluate and resumed is None and not live),
                 name="engines",

@@ -95,11 +95,16 @@ def test_sync_mode_needs_sync_batch() -> None:
     assert "set it to 256" in issue.message
 
 
-def test_lora_needs_engines_that_merge_adapters_and_targets_the_model_has() -> None:
+def test_lora_to_sglang_goes_as_files_and_targets_modules_the_model_has() -> None:
     sglang = ("stages.generator.launch.kind=sglang", "stages.generator.launch.in_process=false")
     issue = only_issue("stages.learner.lora.rank=8", *sglang)
-    assert issue.path == "stages.learner.lora"
-    assert "SGLang" in issue.message and "launch.kind: builtin" in issue.message
+    assert issue.path == "stages.learner.publish.lora_transport"
+    assert "SGLang" in issue.message and "lora_transport: files" in issue.message
+    assert "--max-lora-rank 8" in issue.message
+    files = "stages.learner.publish.lora_transport=files"
+    assert load("stages.learner.lora.rank=8", files, *sglang).config.stages["learner"]
+    issue = only_issue(files)
+    assert issue.path.startswith("stages.learner") and "lora.rank is 0" in issue.message
     issue = only_issue("stages.learner.lora.rank=8", "stages.learner.lora.target_modules=[qproj]")
     assert "'qproj' matches no linear module" in issue.message and "q_proj" in issue.message
     issue = only_issue("stages.learner.lora.rank=80")

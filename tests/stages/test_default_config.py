@@ -59,3 +59,34 @@ def test_dynamic_sampling_fills_each_step_with_groups_that_carry_signal(tmp_path
     assert summary["ledger"]["unaccounted"] == 0
     (done,) = [e for e in events(run_dir, "learner.0") if e["event"] == "learner_done"]
     assert done["set_aside"] == summary["set_aside"]
+
+
+@pytest.mark.timeout(240)
+def test_a_lora_learner_sends_its_adapters_as_files_that_requests_name(tmp_path):
+    """``publish.lora_transport: files`` (how SGLang takes adapters), on the built-in engine,
+    which speaks the same routes: each version's adapter is a peft folder loaded by name, the
+    older ones unloaded and removed, and samples come from the adapter of their version."""
+    run_dir = tmp_path / "run"
+    summary = _three_steps(
+        run_dir,
+        "stages.learner.lora.rank=4",
+        "stages.learner.optim.lr=0.01",
+        "stages.learner.publish.lora_transport=files",
+        "run.mode=sync",  # samples of the learner's own version: no mismatch unless misnamed
+    )
+    assert summary["status"] == "succeeded" and summary["steps"] == 3
+    assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == [
+        "policy-v2",
+        "policy-v3",
+    ]
+    engine = [e for e in events(run_dir, "host") if "lora_name" in e]  # the shared process
+    loaded = [e["lora_name"] for e in engine if e["event"] == "lora_adapter_loaded"]
+    unloaded = [e["lora_name"] for e in engine if e["event"] == "lora_adapter_unloaded"]
+    assert loaded == ["policy-v1", "policy-v2", "policy-v3"] and unloaded == loaded[:2]
+    steps = [e for e in events(run_dir, "learner.0") if e["event"] == "train_step"]
+    # sampled by the adapter the learner trains: no mismatch (38 and 60 at steps 2 and 3
+    # when requests name no adapter: the base model samples)
+    assert [e["lag_max"] for e in steps] == [0, 0, 0]
+    assert all(e["mismatch_kl"] < 1e-3 for e in steps), steps
+    evals = [e for e in events(run_dir, "learner.0") if e["event"] == "eval"]
+    assert [e["versions"] for e in evals] == [[0], [3]]

@@ -1,0 +1,183 @@
+"""LoRA adapters applied per request, unmerged (SGLang's /load_lora_adapter and lora_path):
+each row computes what peft's merged model computes; base rows and rows of other adapters in
+the same batch are untouched; bad folders and names are refused with what and where."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+
+from stages.engine.loader import load_model
+from stages.engine.lora_adapters import AdapterError
+from stages.engine.protocol import GenerateInput, SamplingParams
+from stages.engine.scheduler import Scheduler
+from stages.engine.server import build_app
+from tests.stages.tiny_model import make_tiny_model
+
+PROMPTS = [[5, 9, 14, 3], [7, 7, 20, 31, 40, 2], [11, 12]]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("lora_engine") / "m", seed=3)
+
+
+def _adapter(model_dir, folder, *, seed, targets, rank=4, alpha=8.0, rslora=False):
+    """A peft adapter with random A and B (B is zero at init), saved; returns its merged
+    model, the reference."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora)
+    peft = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    peft.save_pretrained(folder)
+    return peft.merge_and_unload().eval()
+
+
+def _greedy(model, prompts, lora=None):
+    sched = Scheduler(model, max_running=8, prefix_cache_tokens=0)
+    inputs = [
+        GenerateInput(
+            f"r{i}-{lora}",
+            p,
+            SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True),
+            True,
+            lora=lora[i] if isinstance(lora, list) else lora,
+        )
+        for i, p in enumerate(prompts)
+    ]
+    return sched, inputs
+
+
+def _run(sched, inputs):
+    future = sched.submit_many(inputs)
+    sched.run_until_idle()
+    return [(r.output_ids, r.output_token_logprobs) for r in future.result(timeout=5)]
+
+
+def _same(got, want):
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, want, strict=True):
+        assert ids == ref_ids
+        assert torch.allclose(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4)
+
+
+@pytest.mark.timeout(120)
+def test_rows_of_two_adapters_and_the_base_in_one_batch_match_merged_models(model_dir, tmp_path):
+    merged_a = _adapter(model_dir, tmp_path / "a", seed=1, targets="all-linear")
+    merged_b = _adapter(
+        model_dir, tmp_path / "b", seed=2, targets=["q_proj", "v_proj", "down_proj"], rslora=True
+    )
+    base = load_model(str(model_dir), device="cpu").model
+    want_a = _run(*_greedy(merged_a, PROMPTS))
+    want_b = _run(*_greedy(merged_b, PROMPTS))
+    want_base = _run(*_greedy(base, PROMPTS))
+    assert want_a != want_base and want_b != want_base  # the adapters change the greedy text
+
+    sched, _ = _greedy(base, [])
+    assert sched.forward_path == "fast"
+    loads = [sched.load_adapter(n, str(tmp_path / n)) for n in ("a", "b")]
+    sched.run_until_idle()  # no scheduler thread here: this runs its commands
+    assert [f.result(timeout=5) for f in loads] == [None, None]
+    assert sched.adapter_names() == {"a", "b"}
+    # every row on one adapter (the whole-batch path), then all three kinds mixed
+    _, inputs = _greedy(base, PROMPTS, "a")
+    _same(_run(sched, inputs), want_a)
+    mixed = [("a", 0), (None, 1), ("b", 2), ("b", 0), (None, 2), ("a", 1)]
+    _, inputs = _greedy(base, [PROMPTS[i] for _, i in mixed], [name for name, _ in mixed])
+    got = _run(sched, inputs)
+    want = {"a": want_a, "b": want_b, None: want_base}
+    _same(got, [want[name][i] for name, i in mixed])
+    # the base weights were never touched
+    fresh = load_model(str(model_dir), device="cpu").model
+    pairs = zip(base.parameters(), fresh.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
+    unloads = [sched.unload_adapter("a"), sched.unload_adapter("a")]
+    sched.run_until_idle()
+    assert [f.result(timeout=5) for f in unloads] == [True, False]
+    assert sched.adapter_names() == {"b"}
+
+
+def test_folders_that_do_not_fit_are_refused_with_what_and_where(model_dir, tmp_path):
+    base = load_model(str(model_dir), device="cpu").model
+    sched = Scheduler(base, max_running=4)
+    with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
+        sched.load_adapter("x", str(tmp_path))
+    _adapter(model_dir, tmp_path / "ok", seed=1, targets=["q_proj"], rank=2)
+    config = json.loads((tmp_path / "ok" / "adapter_config.json").read_text())
+    (tmp_path / "bad_rank").mkdir()
+    (tmp_path / "bad_rank" / "adapter_config.json").write_text(json.dumps({**config, "r": 3}))
+    (tmp_path / "bad_rank" / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "ok" / "adapter_model.safetensors").read_bytes()
+    )
+    with pytest.raises(AdapterError, match=r"q_proj.lora_A: shape \[2, 32\], want \[3, 32\]"):
+        sched.load_adapter("x", str(tmp_path / "bad_rank"))
+    other = make_tiny_model(tmp_path / "wide", seed=0, hidden=48, with_tokenizer=False)
+    _adapter(other, tmp_path / "wide_adapter", seed=1, targets=["q_proj"], rank=2)
+    with pytest.raises(AdapterError, match="want"):
+        sched.load_adapter("x", str(tmp_path / "wide_adapter"))
+    sched.load_adapter("ok", str(tmp_path / "ok"))
+    sched.run_until_idle()
+    with pytest.raises(AdapterError, match="already loaded"):
+        sched.load_adapter("ok", str(tmp_path / "ok"))
+
+
+@pytest.mark.timeout(60)
+def test_the_routes_answer_as_sglang_and_requests_name_loaded_adapters_only(model_dir, tmp_path):
+    _adapter(model_dir, tmp_path / "a", seed=1, targets="all-linear")
+    loaded = load_model(str(model_dir), device="cpu")
+    sched = Scheduler(loaded.model, max_running=4)
+    sched.start()
+
+    async def main():
+        client = TestClient(TestServer(build_app(loaded, sched)))
+        await client.start_server()
+        try:
+            body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3}}
+            r = await client.post("/generate", json={**body, "lora_path": "a"})
+            assert r.status == 400
+            assert "no LoRA adapter 'a' is loaded" in (await r.json())["error"]["message"]
+            r = await client.post(
+                "/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path / "a")}
+            )
+            assert r.status == 200, await r.text()
+            assert await r.json() == {
+                "success": True,
+                "error_message": None,
+                "loaded_adapters": {"a": str(tmp_path / "a")},
+            }
+            r = await client.post("/load_lora_adapter", json={"lora_name": "b", "lora_path": "/x"})
+            answer = await r.json()
+            assert r.status == 400 and answer["success"] is False
+            assert "no adapter_config.json" in answer["error_message"]
+            assert answer["loaded_adapters"] == {"a": str(tmp_path / "a")}
+            r = await client.post("/generate", json={**body, "lora_path": "a"})
+            assert r.status == 200 and len((await r.json())["output_ids"]) == 3
+            batch = {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 2}}
+            r = await client.post("/generate", json={**batch, "lora_path": ["a", None]})
+            assert r.status == 400 and "lora_path" in (await r.json())["error"]["message"]
+            r = await client.post("/generate", json={**batch, "lora_path": ["a", None, "a"]})
+            assert r.status == 200 and len(await r.json()) == 3
+            r = await client.post("/unload_lora_adapter", json={"lora_name": "a"})
+            assert r.status == 200 and (await r.json())["loaded_adapters"] == {}
+            r = await client.post("/unload_lora_adapter", json={"lora_name": "a"})
+            assert r.status == 400 and "no adapter 'a'" in (await r.json())["error_message"]
+            r = await client.post("/generate", json={**body, "lora_path": "a"})
+            assert r.status == 400
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.stop()
