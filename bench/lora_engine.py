@@ -1,7 +1,8 @@
 """The built-in engine with a LoRA adapter merged into its weights against applied per request.
 
-Run: ``python bench/lora_engine.py [--model configs/models/arith-tiny] [--rank 8] [--rows 64 256]
-[--runs 5]``. Prints one JSON line on stdout.
+Run: ``python bench/lora_engine.py [--model arith|mid|DIR] [--rank 8] [--rows 64 256] [--runs 5]``
+(``mid``: arith-tiny's tokenizer on ``bench/engine_profile.py``'s 10M-parameter model, made in a
+temporary folder). Prints one JSON line on stdout.
 
 One ``Scheduler`` (no server, no HTTP: the model work and the scheduler's bookkeeping only) on
 this process's torch threads generates ``--rows`` greedy samples of ``--new`` tokens from the
@@ -76,7 +77,7 @@ def _cpu_per_1k(model, rows: int, new: int, lora, prompts) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(ROOT / "configs" / "models" / "arith-tiny"))
+    parser.add_argument("--model", default="arith")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--new", type=int, default=16)
@@ -84,6 +85,13 @@ def main() -> None:
     args = parser.parse_args()
     from stages.engine.loader import load_model
 
+    scratch = tempfile.TemporaryDirectory()
+    if args.model == "arith":
+        args.model = str(ROOT / "configs" / "models" / "arith-tiny")
+    elif args.model == "mid":
+        from bench.engine_profile import _mid_model
+
+        args.model = str(_mid_model(Path(scratch.name) / "mid"))
     loaded = load_model(args.model, device="cpu")
     tok = loaded.tokenizer
     prompts = [tok.encode(f"{a}+{b}=") for a in range(3, 9) for b in range(11, 17)]
@@ -113,6 +121,7 @@ def main() -> None:
                 }
                 for k, v in samples.items()
             }
+    scratch.cleanup()
     print(json.dumps(results))
 
 
