@@ -61,9 +61,9 @@ def _record_prefills(scheduler: Scheduler) -> list[tuple[int, int]]:
     assert fast is not None
     run = fast.prefill
 
-    def prefill(ids: torch.Tensor, *args: Any) -> Any:
+    def prefill(ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         calls.append(tuple(ids.shape))
-        return run(ids, *args)
+        return run(ids, *args, **kwargs)
 
     fast.prefill = prefill  # type: ignore[method-assign]
     return calls

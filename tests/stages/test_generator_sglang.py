@@ -280,3 +280,55 @@ async def test_weight_update_over_the_weight_group(client):
     assert after.weight_version == version
     # the same weights came back: the same greedy tokens
     assert after.output_ids.tolist() == before.output_ids.tolist()
+
+
+@pytest.mark.timeout(300)
+async def test_lora_adapters_as_files_load_by_name_and_requests_name_them(client, tmp_path):
+    """``publish.lora_transport: files`` against SGLang: needs INFLIGHT_SGLANG_MODEL (the
+    adapters' shapes come from its config) and a server started with ``--enable-lora
+    --max-lora-rank 8 --lora-target-modules q_proj v_proj``, which reads ``tmp_path`` (the
+    same machine). Versions load by name, the older one is unloaded, and a request naming the
+    adapter samples something other than the base model."""
+    if not MODEL:
+        pytest.skip("set INFLIGHT_SGLANG_MODEL to the served model's folder")
+    import torch
+    from transformers import AutoConfig
+
+    from stages.weights.adapter_files import AdapterFilePublisher
+
+    config = AutoConfig.from_pretrained(MODEL)
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    outs = {"q_proj": config.num_attention_heads * head_dim}
+    outs["v_proj"] = config.num_key_value_heads * head_dim
+    gen = torch.Generator().manual_seed(0)
+
+    def adapters() -> list:
+        named = []
+        for i in range(layers):
+            for proj, out in outs.items():
+                module = f"model.layers.{i}.self_attn.{proj}"
+                a = torch.randn(8, hidden, generator=gen) * 0.05
+                named += [(f"{module}.lora_A.weight", a.to(torch.bfloat16))]
+                b = torch.randn(out, 8, generator=gen) * 0.05
+                named += [(f"{module}.lora_B.weight", b.to(torch.bfloat16))]
+        return named
+
+    publisher = AdapterFilePublisher([URL], tmp_path / "adapters", base=MODEL)
+    await publisher.connect()
+    try:
+        await publisher.publish(adapters(), 1)
+        base = await client.generate(PROMPT, _params(16), rid=_rid("base"))
+        client.adapter = lambda: ("policy-v1", 1)
+        adapted = await client.generate(PROMPT, _params(16), rid=_rid("lora"))
+        assert adapted.output_ids.tolist() != base.output_ids.tolist()
+        assert set(adapted.versions.tolist()) == {1}
+        await publisher.publish(adapters(), 2)
+        client.adapter = lambda: ("policy-v1", 1)  # unloaded since: refused
+        with pytest.raises(EngineError):
+            await client.generate(PROMPT, _params(4), rid=_rid("gone"))
+        client.adapter = lambda: ("policy-v2", 2)
+        assert (await client.generate(PROMPT, _params(4), rid=_rid("v2"))).weight_version == 2
+    finally:
+        client.adapter = None
+        await publisher.close()

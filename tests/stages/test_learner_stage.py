@@ -130,6 +130,7 @@ def _learner(
 
     class Publishing:
         counts: dict[str, int] = {}
+        files = False  # the weight group, not adapter files
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             pass
