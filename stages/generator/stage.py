@@ -72,7 +72,7 @@ from stages.generator.episodes import EpisodeEngine, check_trajectory, sample_fi
 from stages.generator.launcher import EngineLauncher, LaunchConfig
 from stages.rollouts.api import EngineUnavailable, EnvError, RolloutConfig
 from stages.schemas import PROMPT, ROLLOUT_GROUP
-from stages.weights.adapter_files import adapter_for
+from stages.weights.adapter_names import adapter_for
 from stages.workers import PoolBroken
 from transport.message import Message
 

@@ -38,7 +38,7 @@ from stages.rollouts.api import EngineUnavailable, EnvError
 from stages.rollouts.trajectory import Generation, Trajectory
 from stages.scorer.arguments import reward_arguments
 from stages.scorer.runner import RewardRunner
-from stages.weights.adapter_files import adapter_name
+from stages.weights.adapter_names import adapter_name
 
 __all__ = ["Evaluator", "spread"]
 

@@ -169,7 +169,7 @@ class Learner:
                     model=cfg.model,
                 )
                 if self.publishing.files:
-                    from stages.weights.adapter_files import ADAPTER_PREFIX
+                    from stages.weights.adapter_names import ADAPTER_PREFIX
 
                     self.evaluator.adapter_prefix = ADAPTER_PREFIX
             self._engines_task = asyncio.create_task(

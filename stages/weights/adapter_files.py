@@ -34,36 +34,15 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from stages.engine.auth import EngineAuthError, auth_headers
+from stages.weights.adapter_names import ADAPTER_PREFIX, adapter_name
 from stages.weights.publisher import PublishStats, WeightPublishError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ADAPTER_PREFIX", "AdapterFilePublisher", "adapter_for", "adapter_name", "write_adapter"]
+__all__ = ["AdapterFilePublisher", "write_adapter"]
 
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-ADAPTER_PREFIX = "policy"  # version N's adapter is "policy-vN" on every engine
-
-
-def adapter_name(prefix: str, version: int) -> str:
-    """The name version ``version``'s adapter is loaded under on every engine."""
-    return f"{prefix}-v{version}"
-
-
-def adapter_for(names: dict[int, str], version: int) -> tuple[str | None, int] | None:
-    """What a request to an engine serving ``version`` names: ``(adapter, version)``, ``(None,
-    0)`` for the base model, or None when no adapter was ever announced (``names``: version ->
-    name, from the version announcements). A version whose announcement was missed (a
-    generator started since) is named as the announced ones are."""
-    if not names:
-        return None
-    if version <= 0:
-        return None, 0
-    name = names.get(version)
-    if name is None:
-        prefix = names[max(names)].rsplit("-v", 1)[0]
-        name = adapter_name(prefix, version)
-    return name, version
 
 
 def write_adapter(folder: Path, named: Sequence[tuple[str, torch.Tensor]], base: str) -> int:

@@ -16,7 +16,8 @@ from stages.engine.model_weights import load_named_tensors
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
 from stages.engine.server import build_app
-from stages.weights.adapter_files import AdapterFilePublisher, adapter_for
+from stages.weights.adapter_files import AdapterFilePublisher
+from stages.weights.adapter_names import adapter_for
 from stages.weights.publisher import WeightPublishError
 from tests.stages.tiny_model import make_tiny_model
 
