@@ -32,6 +32,10 @@ from pipeline.launchers.base import LaunchError, ReplicaStart
 __all__ = ["RayLauncher", "RayProcess"]
 
 _FORWARD_EVERY_S = 0.3
+# what a replica whose resources are free gets past run.ray.placement_timeout_s: Ray starts a
+# worker process for each actor, seconds on a busy machine, and that is no placement failure
+_START_GRACE_S = 60.0
+_LOOKS_FREE = "resources look free"
 
 
 def actor_options(resources: Any, extra: dict[str, float] | None = None) -> dict[str, Any]:
@@ -170,7 +174,7 @@ class RayLauncher:
             for k, v in asked.items()
             if v and have.get(k, 0) < v
         }
-        return "; ".join(f"{k}: {v}" for k, v in short.items()) or "resources look free"
+        return "; ".join(f"{k}: {v}" for k, v in short.items()) or _LOOKS_FREE
 
     async def _group(self, stage: str, world: int, options: dict[str, Any]) -> Any:
         """The placement group of a gang (made once, PACK, one bundle per rank)."""
@@ -197,6 +201,33 @@ class RayLauncher:
         self._groups[stage] = group
         return group
 
+    async def _placed(self, actor: Any, name: str, options: dict[str, Any]) -> dict:
+        """The node ``actor`` runs on, once Ray has placed it and its worker answers.
+
+        Past ``placement_timeout_s`` the run fails if what the actor asks for is short on the
+        cluster. If it all looks free, Ray is still starting the worker (seconds on a busy
+        machine): that gets ``_START_GRACE_S`` more before the run fails.
+        """
+        limit = self.settings.placement_timeout_s
+        answer = asyncio.wrap_future(actor.node.remote().future())
+        done, _ = await asyncio.wait({answer}, timeout=limit)
+        missing = self._missing(options)
+        if not done and missing == _LOOKS_FREE:
+            self.log.info("ray_worker_slow", replica=name, waited_s=limit)
+            done, _ = await asyncio.wait({answer}, timeout=_START_GRACE_S)
+            missing = self._missing(options)
+        if done:
+            return answer.result()
+        import ray
+
+        answer.cancel()
+        ray.kill(actor)
+        waited = limit + (_START_GRACE_S if missing == _LOOKS_FREE else 0)
+        raise LaunchError(
+            f"Ray could not place {name} within {waited} s "
+            f"(run.ray.placement_timeout_s): it asks {options}; {missing}"
+        )
+
     async def spawn(self, start: ReplicaStart) -> RayProcess:
         options = actor_options(start.resources, start.extra)
         if start.gang is not None:
@@ -212,16 +243,7 @@ class RayLauncher:
         # named for Ray's state API and `ray list actors`: replica and session
         name = f"inflight:{start.name}:{start.spec.get('session', '')}"
         actor = self._host_cls.options(name=name, **options).remote(start.name)
-        try:
-            node = await asyncio.wait_for(actor.node.remote(), self.settings.placement_timeout_s)
-        except asyncio.TimeoutError:
-            import ray
-
-            ray.kill(actor)
-            raise LaunchError(
-                f"Ray could not place {start.name} within {self.settings.placement_timeout_s} s "
-                f"(run.ray.placement_timeout_s): it asks {options}; {self._missing(options)}"
-            ) from None
+        node = await self._placed(actor, start.name, options)
         env = dict(start.env)
         if start.gang is not None:
             if start.index == 0 or start.gang[0] not in self._masters:

@@ -259,6 +259,42 @@ def test_a_replica_whose_node_is_busy_fails_the_run_after_the_placement_timeout(
     assert "node_a: asked 1, free 0 of 1" in finished["reason"]
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_slow_to_start_is_no_placement_failure_but_a_short_resource_is(cluster):
+    """Ray starts a worker process per actor, seconds on a busy machine: an actor whose
+    resources are free gets a grace past run.ray.placement_timeout_s; one asking for what the
+    cluster lacks fails at the timeout, naming it."""
+    import asyncio
+    import types
+
+    from pipeline.launchers import ray as ray_launcher
+
+    @ray.remote(num_cpus=0)
+    class SlowToAnswer:
+        def node(self):
+            time.sleep(2.5)  # the worker's start, drawn out
+            return {"ip": "127.0.0.1"}
+
+    said = []
+    log = types.SimpleNamespace(info=lambda event, **kw: said.append(event))
+    config = types.SimpleNamespace(
+        run=types.SimpleNamespace(ray=types.SimpleNamespace(placement_timeout_s=1.0))
+    )
+    launcher = ray_launcher.RayLauncher(config, log)
+    node = asyncio.run(launcher._placed(SlowToAnswer.remote(), "slow.0", {"num_cpus": 0}))
+    assert node == {"ip": "127.0.0.1"} and said == ["ray_worker_slow"]
+
+    short = {"num_cpus": 0, "resources": {"node_q": 1}}
+    started = time.monotonic()
+    with pytest.raises(ray_launcher.LaunchError) as error:
+        asyncio.run(
+            launcher._placed(SlowToAnswer.options(resources={"node_q": 1}).remote(), "q.0", short)
+        )
+    assert time.monotonic() - started < 10
+    assert "Ray could not place q.0 within 1.0 s" in str(error.value)
+    assert "node_q: asked 1, free 0 of 0" in str(error.value)
+
+
 def test_the_node_ip_honours_the_interface_torch_and_nccl_are_told_to_use() -> None:
     from pipeline.launchers.ray_host import node_ip
 
