@@ -136,6 +136,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     if body.get("rid") is not None:
         native_body["rid"] = body["rid"]
+    adapter_in_model = name_adapter(native_body, model, body.get("lora_path"))
     if body.get("stream"):
         native_body["stream"] = True
     if echo and logprobs:  # SGLang: the prompt's log-probs too, in front of the output's
@@ -147,6 +148,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "echo": echo,
         "logprobs": logprobs,
         "return_token_ids": body.get("return_token_ids", False),
+        "adapter_in_model": adapter_in_model,
         "prompt": prompt,
         "stream": body.get("stream", False),
         # SGLang: only asked for, with stream (stream_response_default_include_usage: false)
@@ -154,6 +156,22 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
     }
     return native_body, options
+
+
+def name_adapter(native_body: dict[str, Any], model: str, lora_path: Any) -> bool:
+    """Put the request's LoRA adapter in ``native_body`` as SGLang chooses it
+    (``OpenAIServingBase._resolve_lora_path``): the name after the first colon of ``model``
+    (``base-model:adapter``, stripped; nothing after the colon: none), else the request's own
+    ``lora_path`` (a name, or one per prompt), else the base model. Returns whether ``model``
+    named it (a refusal then names ``model``)."""
+    _, colon, adapter = model.partition(":")
+    adapter = adapter.strip()
+    if colon and adapter:
+        native_body["lora_path"] = adapter
+        return True
+    if lora_path is not None and lora_path != "":
+        native_body["lora_path"] = lora_path
+    return False
 
 
 def completion_response(
@@ -397,8 +415,10 @@ class OpenAIRoutes:
         on_disconnect: Callable[[web.Request], None] = lambda request: None,
         chat: Any = None,
         progress_stream: Callable[[Any], AsyncIterator[Any]] | None = None,
+        adapters: Callable[[], list[dict[str, Any]]] = list,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
+        self.adapters = adapters  # the loaded LoRA adapters ({lora_name, lora_path, ...})
         # ``stream`` giving each sample's Progress rather than native chunks before its last
         # (``stream_generate(..., progress=True)``): /v1/completions renders its own from them
         self.progress_stream = progress_stream
@@ -424,7 +444,16 @@ class OpenAIRoutes:
         }
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._card(self.served_model_name)]})
+        """The served model, then each loaded LoRA adapter (SGLang's ``available_models``: its
+        name, its folder as ``root``, the model as ``parent``); a request names one as
+        ``model: "MODEL:ADAPTER"`` or with ``lora_path``."""
+        cards = [self._card(self.served_model_name)]
+        for adapter in self.adapters():
+            card = self._card(adapter["lora_name"])
+            card.update(root=adapter["lora_path"], parent=self.served_model_name)
+            card["max_model_len"] = None
+            cards.append(card)
+        return web.json_response({"object": "list", "data": cards})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -450,16 +479,20 @@ class OpenAIRoutes:
         if self.decode is None:
             return Reply(400, _error("this model has no tokenizer: use the native /generate route"))
         build, respond, stream = self._handlers(route)
+        options: dict[str, Any] = {}
         try:
             native, options = build(body)
             if options["stream"]:
                 source = self.stream
                 if route == "completions" and not options["echo"] and self.progress_stream:
                     source = self.progress_stream  # an echo's first chunk needs the native one
-                return Reply(200, chunks=stream(source(native), options))
+                chunks = stream(source(native), options)
+                if options["adapter_in_model"]:
+                    chunks = _adapter_refused_as_model(chunks)
+                return Reply(200, chunks=chunks)
             rendered = await self.generate(native)
         except ValueError as exc:  # OpenAIError, RequestError, a rid already in flight
-            return Reply(400, refusal(exc))
+            return Reply(400, refusal(_as_written(exc, options)))
         results = rendered if isinstance(rendered, list) else [rendered]
         return Reply(200, respond(results, options))
 
@@ -531,6 +564,24 @@ def refusal(exc: ValueError) -> dict[str, Any]:
         message = f"{field}{str(exc)[len(exc.field) :]}"
         return _error(message, param=field.split("[")[0].split(".")[0])
     return _error(str(exc), param="rid")
+
+
+def _as_written(exc: ValueError, options: Mapping[str, Any]) -> ValueError:
+    """``exc``, naming the field the client wrote: an adapter ``model`` named is refused as
+    ``model``, not as the native ``lora_path`` it became."""
+    if isinstance(exc, RequestError) and exc.field == "lora_path":
+        if options.get("adapter_in_model"):
+            return RequestError("model", str(exc)[len(exc.field) + 2 :])
+    return exc
+
+
+async def _adapter_refused_as_model(chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A stream whose adapter ``model`` named: refused (before its first event) as ``model``."""
+    try:
+        async for item in chunks:
+            yield item
+    except RequestError as exc:
+        raise _as_written(exc, {"adapter_in_model": True}) from None
 
 
 def _error(message: str, *, status: int = 400, param: str | None = None) -> dict[str, Any]:

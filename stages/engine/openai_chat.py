@@ -45,7 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.engine.openai_api import _SAMPLING, OpenAIError, _usage, results_usage, usage_chunk
+from stages.engine.openai_api import (
+    _SAMPLING,
+    OpenAIError,
+    _usage,
+    name_adapter,
+    results_usage,
+    usage_chunk,
+)
 from stages.engine.streaming import Last
 from stages.engine.tool_calls import (
     PARSERS,
@@ -200,11 +207,13 @@ def chat_request(
     }
     if body.get("rid") is not None:
         native_body["rid"] = body["rid"]
+    adapter_in_model = name_adapter(native_body, model, body.get("lora_path"))
     if body.get("stream"):
         native_body["stream"] = True
     n = body.get("n", 1)
     options = {
         "model": model,
+        "adapter_in_model": adapter_in_model,
         "n": n if _is_int(n) and n > 0 else 1,
         "logprobs": bool(body.get("logprobs")),
         "parse_tools": bool(template_tools) and settings.tool_parser is not None,

@@ -161,6 +161,7 @@ def build_app(
         progress_stream=lambda body: stream_generate(
             loaded, scheduler, decode, body, progress=True
         ),
+        adapters=scheduler.adapters,
     ).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)

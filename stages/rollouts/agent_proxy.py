@@ -204,6 +204,8 @@ class Episode:
 
     # ------------------------------------------------------------------ helpers
     def _one(self, body: Any) -> list[Any]:
+        if "lora_path" in body:  # the episode samples the policy, whatever model it names
+            body = {k: v for k, v in body.items() if k != "lora_path"}
         inputs, _ = parse_generate(
             body,
             vocab_size=len(self.tokenizer),

@@ -181,3 +181,80 @@ def test_the_routes_answer_as_sglang_and_requests_name_loaded_adapters_only(mode
         asyncio.run(main())
     finally:
         sched.stop()
+
+
+@pytest.mark.timeout(120)
+def test_the_openai_routes_take_the_adapter_from_model_or_lora_path_as_sglang(model_dir, tmp_path):
+    """SGLang's OpenAIServingBase._resolve_lora_path: ``model: "BASE:ADAPTER"`` names the
+    adapter (before ``lora_path``), else the request's ``lora_path``; /v1/models lists the
+    loaded adapters (its available_models). Greedy answers equal /generate's with the adapter."""
+    _adapter(model_dir, tmp_path / "a", seed=1, targets="all-linear")
+    loaded = load_model(str(model_dir), device="cpu")
+    sched = Scheduler(loaded.model, max_running=4)
+    sched.start()
+    template = "{% for m in messages %}w7 {{ m.content }} w10 {% endfor %}w8 "
+
+    async def main():
+        client = TestClient(TestServer(build_app(loaded, sched, chat_template=template)))
+        await client.start_server()
+        try:
+            r = await client.post(
+                "/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path / "a")}
+            )
+            assert r.status == 200, await r.text()
+            cards = (await (await client.get("/v1/models")).json())["data"]
+            assert [c["id"] for c in cards] == [str(model_dir), "a"]
+            assert cards[1]["root"] == str(tmp_path / "a")
+            assert cards[1]["parent"] == str(model_dir) and cards[1]["max_model_len"] is None
+
+            greedy = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+            native = {"input_ids": PROMPTS[0], "sampling_params": greedy}
+            adapted = await (
+                await client.post("/generate", json={**native, "lora_path": "a"})
+            ).json()
+            base = await (await client.post("/generate", json=native)).json()
+            assert adapted["output_ids"] != base["output_ids"]  # the adapter changes the answer
+
+            v1 = {
+                "prompt": PROMPTS[0],
+                "max_tokens": NEW,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            for extra in (
+                {"model": "tiny:a"},
+                {"model": " tiny : a "},  # stripped, as SGLang does
+                {"model": "tiny", "lora_path": "a"},
+                {"model": "tiny:a", "lora_path": "nope"},  # model first
+            ):
+                r = await client.post("/v1/completions", json={**v1, **extra})
+                assert r.status == 200, (extra, await r.text())
+                answer = await r.json()
+                assert answer["choices"][0]["token_ids"] == adapted["output_ids"], extra
+                assert answer["model"] == extra["model"]
+            for extra in ({"model": "tiny"}, {"model": "tiny:"}, {"model": "x", "lora_path": ""}):
+                r = await client.post("/v1/completions", json={**v1, **extra})
+                assert (await r.json())["choices"][0]["token_ids"] == base["output_ids"], extra
+
+            chat = {"messages": [{"role": "user", "content": "w5 w9"}], "max_tokens": 3}
+            r = await client.post("/v1/chat/completions", json={**chat, "model": "tiny:a"})
+            assert r.status == 200, await r.text()
+            for route, body in (("/v1/completions", v1), ("/v1/chat/completions", chat)):
+                for stream in (False, True):
+                    r = await client.post(
+                        route, json={**body, "model": "tiny:zz", "stream": stream}
+                    )
+                    assert r.status == 400, (route, stream)
+                    error = await r.json()
+                    assert error["param"] == "model", (route, stream, error)
+                    assert "model: no LoRA adapter 'zz' is loaded" in error["message"]
+                r = await client.post(route, json={**body, "model": "tiny", "lora_path": "zz"})
+                assert r.status == 400 and (await r.json())["param"] == "lora_path"
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.stop()

@@ -83,13 +83,15 @@ async def tool_agent(client, task):
     messages.append(
         {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}
     )
-    second = await client.chat.completions.create(model="any", messages=messages, tools=TOOLS)
+    second = await client.chat.completions.create(
+        model="any", messages=messages, tools=TOOLS, extra_body={"lora_path": "an-adapter"}
+    )
     return float(second.choices[0].message.content.strip() == task["answer"])
 
 
 async def one_call(client, task):
-    out = await client.completions.create(
-        model="whatever", prompt=task["prompt_ids"], max_tokens=50, temperature=0.1
+    out = await client.completions.create(  # an adapter named: the episode samples the policy
+        model="whatever:an-adapter", prompt=task["prompt_ids"], max_tokens=50, temperature=0.1
     )
     return None if out.choices[0].text.strip() else 0.0
 
