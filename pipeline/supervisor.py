@@ -239,8 +239,8 @@ class Supervisor:
                 return ipc_address(self._sock_dir, name)
         else:
 
-            def addr(name: str) -> str:
-                return tcp_address(transport.host)
+            def addr(name: str) -> str:  # bound by its replica later: not an ephemeral port
+                return tcp_address(transport.host, rendezvous_port(transport.host))
 
         inboxes = {}
         for name, section in self.config.stages.items():

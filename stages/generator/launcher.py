@@ -60,7 +60,7 @@ from pipeline.placement import ENGINE_PLACEMENT_ENV, ProcessPlacement, read_engi
 from pipeline.processes import child_preexec, name_thread
 from stages.engine.auth import API_KEY_ENV, is_loopback_host
 from stages.hub import model_check, resolve_model
-from transport.address import tcp_address
+from transport.address import rendezvous_port
 
 if TYPE_CHECKING:
     from stages.engine.in_process import InProcessEngine
@@ -200,7 +200,9 @@ class EngineLauncher:
             )
         self.engines = []
         for i in range(config.count):
-            port = int(tcp_address(self.host).rsplit(":", 1)[1])
+            # below the ephemeral range: the engine binds it seconds later (and again when it
+            # is restarted), and a port found by binding 0 is soon another socket's
+            port = rendezvous_port(self.host)
             self.engines.append(
                 _Engine(
                     f"{name}.engine{i}",

@@ -28,7 +28,7 @@ from tests.pipeline.runs import (
     wait_for,
 )
 from tests.stages.tiny_model import make_tiny_model
-from transport.address import tcp_address
+from transport.address import rendezvous_port
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory):
 
 
 def _free_port() -> int:
-    return int(tcp_address("127.0.0.1").rsplit(":", 1)[1])
+    return rendezvous_port("127.0.0.1")
 
 
 def _healthy(url: str) -> bool:

@@ -30,7 +30,7 @@ from stages.generator.stage import Generator, GeneratorConfig, SamplingConfig
 from stages.schemas import ROLLOUT_GROUP, rollouts_of
 from tests.pipeline.runs import REPO, inflight_cmd, wait_for
 from tests.stages.tiny_model import make_tiny_model
-from transport.address import tcp_address
+from transport.address import rendezvous_port
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ NEW_TOKENS = 6
 
 # ------------------------------------------------------------------------------ the engine
 def _free_port() -> int:
-    return int(tcp_address("127.0.0.1").rsplit(":", 1)[1])
+    return rendezvous_port("127.0.0.1")
 
 
 def _healthy(url: str) -> bool:
