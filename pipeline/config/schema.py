@@ -46,7 +46,8 @@ class RaySection:
     placement_timeout_s: float = _f(
         60.0,
         "how long to wait for the cluster to place a replica or gang before the run fails "
-        "naming what could not be placed",
+        "naming what could not be placed (a replica whose resources are free by then gets 60 s "
+        "more: Ray is still starting its worker)",
         min=1.0,
     )
 
