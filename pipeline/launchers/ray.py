@@ -210,19 +210,20 @@ class RayLauncher:
         """
         limit = self.settings.placement_timeout_s
         answer = asyncio.wrap_future(actor.node.remote().future())
+        # given up (or the launch cancelled): what it ends with later is nobody's to read
+        answer.add_done_callback(lambda f: f.cancelled() or f.exception())
         done, _ = await asyncio.wait({answer}, timeout=limit)
-        missing = self._missing(options)
+        missing, waited = self._missing(options), limit
         if not done and missing == _LOOKS_FREE:
             self.log.info("ray_worker_slow", replica=name, waited_s=limit)
             done, _ = await asyncio.wait({answer}, timeout=_START_GRACE_S)
-            missing = self._missing(options)
+            missing, waited = self._missing(options), limit + _START_GRACE_S
         if done:
             return answer.result()
         import ray
 
         answer.cancel()
         ray.kill(actor)
-        waited = limit + (_START_GRACE_S if missing == _LOOKS_FREE else 0)
         raise LaunchError(
             f"Ray could not place {name} within {waited} s "
             f"(run.ray.placement_timeout_s): it asks {options}; {missing}"
