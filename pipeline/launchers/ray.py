@@ -58,6 +58,28 @@ def actor_options(resources: Any, extra: dict[str, float] | None = None) -> dict
     return options
 
 
+def _split(asked: dict[str, float]) -> str:
+    """Why ``asked``, free on the cluster as a whole, may still fit no one node ("" if one fits
+    or Ray cannot say): what the node with the most of it has free now."""
+    try:
+        from ray._private.state import available_resources_per_node
+
+        per_node = available_resources_per_node()
+    except Exception:  # a private API: without it, the cluster's totals are all there is
+        return ""
+    if not per_node or any(
+        all(free.get(k, 0) >= v for k, v in asked.items()) for free in per_node.values()
+    ):
+        return ""
+
+    def share(free: dict[str, float]) -> float:  # how much of the ask a node has free now
+        return sum(min(free.get(k, 0) / v, 1.0) for k, v in asked.items())
+
+    best = max(per_node.values(), key=share)
+    have = ", ".join(f"{k} {best.get(k, 0):g}" for k in asked)
+    return f"free on no one node (the node with the most of it has {have} free)"
+
+
 class RayProcess:
     """A replica hosted by a ``ReplicaHost`` actor: waited for, signalled and released."""
 
@@ -169,12 +191,15 @@ class RayLauncher:
         if options.get("memory"):
             asked["memory"] = options["memory"]
         asked.update(options.get("resources", {}))
+        asked = {k: v for k, v in asked.items() if v}
         short = {
             k: f"asked {v:g}, free {have.get(k, 0):g} of {total.get(k, 0):g}"
             for k, v in asked.items()
-            if v and have.get(k, 0) < v
+            if have.get(k, 0) < v
         }
-        return "; ".join(f"{k}: {v}" for k, v in short.items()) or _LOOKS_FREE
+        if short:
+            return "; ".join(f"{k}: {v}" for k, v in short.items())
+        return _split(asked) or _LOOKS_FREE
 
     async def _group(self, stage: str, world: int, options: dict[str, Any]) -> Any:
         """The placement group of a gang (made once, PACK, one bundle per rank)."""

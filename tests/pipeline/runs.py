@@ -63,15 +63,45 @@ def events(run_dir: Path, name: str = "*") -> list[dict]:
     return found
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+def wait_for(
+    predicate: Callable[[], object],
+    timeout: float,
+    what: str,
+    *,
+    proc: subprocess.Popen | None = None,
+    run_dir: Path | None = None,
+) -> object:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``.
+
+    With ``proc``, a run that exits first fails the test at once with its output's tail; with
+    ``run_dir``, the failure says what each replica logged last (where a run got stuck)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(
+                f"the run exited ({proc.returncode}) before {what}: {out[-3000:]}"
+                + (run_state(run_dir) if run_dir else "")
+            )
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(
+        f"timed out after {timeout} s waiting for {what}" + (run_state(run_dir) if run_dir else "")
+    )
+
+
+def run_state(run_dir: Path, last: int = 12) -> str:
+    """The supervisor's last events and each replica's last one: where a stuck run stands."""
+    lines = []
+    for path in sorted((run_dir / "logs").glob("*.jsonl")):
+        found = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        keep = found[-last:] if path.stem == "supervisor" else found[-1:]
+        for e in keep:
+            extra = {k: v for k, v in e.items() if k in ("replica_name", "reason", "error", "code")}
+            lines.append(f"{path.stem} {e.get('ts', '')} {e.get('event')} {extra}"[:400])
+    return "\n  where the run stood:\n  " + "\n  ".join(lines or ["(no logs yet)"])
 
 
 def alive(pid: int) -> bool:

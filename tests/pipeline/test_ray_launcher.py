@@ -50,6 +50,21 @@ def cluster():
         c.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def idle(cluster):
+    """Each test starts on an idle cluster: the last run's actors may take seconds to go on a
+    busy machine, and a run placed meanwhile would find its node's CPUs held."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        free, total = ray.available_resources(), ray.cluster_resources()
+        if all(free.get(k, 0) >= v for k, v in total.items() if k.startswith(_HELD)):
+            return
+        time.sleep(0.2)
+
+
+_HELD = ("CPU", "GPU", "node_", "learner_slot")
+
+
 def _nodes(run_dir) -> dict[str, list[str]]:
     """Replica -> the ids of the nodes Ray ran its actors on, oldest first (Ray's state)."""
     from ray._private.state import actors
@@ -178,6 +193,8 @@ def test_rl_run_on_the_nodes_asked_for_learns_and_survives_losing_a_node(cluster
             lambda: sum(e["event"] == "train_step" for e in events(run_dir, "learner.0")) >= 5,
             150,  # a cluster's start and four processes' imports: ~60 s alone, twice that busy
             "5 train steps",
+            proc=proc,
+            run_dir=run_dir,
         )
         placed = _placed(run_dir)
         assert placed["generator.0"] == [["node_a"]]
@@ -302,3 +319,21 @@ def test_the_node_ip_honours_the_interface_torch_and_nccl_are_told_to_use() -> N
     assert node_ip({"NCCL_SOCKET_IFNAME": "l"}) == "127.0.0.1"  # NCCL's prefix match
     with pytest.raises(RuntimeError, match="GLOO_SOCKET_IFNAME='nope0': no IPv4 interface"):
         node_ip({"GLOO_SOCKET_IFNAME": "nope0"})
+
+
+@pytest.mark.timeout(60)
+def test_what_is_free_on_the_cluster_but_on_no_one_node_is_named(cluster):
+    """Half of node A held: the cluster has 2 CPUs and node_a free, node A alone 1 CPU."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from pipeline.launchers.ray import _split
+
+    other = placement_group([{"CPU": 1, "node_a": 0.5}])
+    ray.get(other.ready(), timeout=20)
+    try:
+        assert _split({"CPU": 1, "node_a": 0.5}) == ""  # fits node A still
+        assert _split({"CPU": 2, "node_a": 0.5}) == (
+            "free on no one node (the node with the most of it has CPU 1, node_a 0.5 free)"
+        )
+    finally:
+        remove_placement_group(other)
