@@ -26,6 +26,12 @@ Zero-copy, both ways:
   treat them as read-only. numpy marks them so when the buffer is immutable; torch cannot, so do
   not write a decoded tensor in place (``t.add_(1)``); make a copy (``t.clone()``) first.
 
+A *batch* carries several messages of one kind in one set of frames (``encode_batch``: the
+header's ``data`` is replaced by ``batch``, a list of data maps; their arrays share the frames and
+the pack): what a producer sends one consumer at once costs one header, one pack and one send
+instead of one each. ``decode_batch`` gives the messages back one by one, each checked against
+its schema on its own (a bad one does not take the others with it).
+
 ``decode`` trusts nothing in the header: sizes are checked against the frames actually received
 (never used to allocate), every frame must be referenced exactly once, and with ``schemas`` the
 kind, version and fields are checked too. Every problem is a :class:`DecodeError` with a reason.
@@ -48,7 +54,7 @@ import numpy as np
 from transport.errors import DecodeError
 from transport.message import Message, Schema
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "decode_batch", "encode", "encode_batch"]
 
 # What encode returns: the header as bytes, array payloads as memoryviews over their memory.
 Frame = bytes | memoryview
@@ -118,6 +124,16 @@ def encode(msg: Message) -> list[Frame]:
     Raises TypeError for values that cannot travel (objects, unsupported dtypes, sparse
     tensors) and names the offending type.
     """
+    return _encode(msg.kind, {"kind": msg.kind, "version": msg.version, "data": msg.data})
+
+
+def encode_batch(kind: str, version: int, batch: Sequence[Mapping[str, Any]]) -> list[Frame]:
+    """Frames for several messages of one ``kind`` (their ``data`` maps, in order): one header,
+    their arrays' frames and one pack. ``decode_batch`` reads it."""
+    return _encode(kind, {"kind": kind, "version": version, "batch": list(batch)})
+
+
+def _encode(kind: str, header: dict[str, Any]) -> list[Frame]:
     frames: list[Frame] = [b""]
     pack = _Pack()
     torch = _loaded_torch()
@@ -130,12 +146,11 @@ def encode(msg: Message) -> list[Frame]:
         if isinstance(obj, np.generic):
             return obj.item()  # numpy scalars travel as plain msgpack numbers / bools
         raise TypeError(
-            f"message {msg.kind!r}: cannot encode a {type(obj).__module__}.{type(obj).__name__}; "
+            f"message {kind!r}: cannot encode a {type(obj).__module__}.{type(obj).__name__}; "
             "use None, bool, int, float, str, bytes, lists, str-keyed maps, numpy arrays or "
             "torch tensors"
         )
 
-    header = {"kind": msg.kind, "version": msg.version, "data": msg.data}
     frames[0] = msgpack.packb(header, default=default, use_bin_type=True)
     if pack.parts:
         frames.append(b"".join(pack.parts))
@@ -235,6 +250,53 @@ def decode(frames: Sequence[Any], schemas: Mapping[str, Schema] | None = None) -
     With ``schemas`` (kind -> Schema), also checks that the kind is known, the version is the
     schema's and the data has the schema's fields. Raises DecodeError with a reason tag.
     """
+    kind, version, header = _decode(frames, schemas, "data")
+    data = header.get("data")
+    if not isinstance(data, dict):
+        raise DecodeError(
+            "bad_header", f"kind {kind!r}: 'data' is a {type(data).__name__}, not a map"
+        )
+    if schemas is not None:
+        _check_fields(schemas[kind], data)
+    return Message(kind=kind, data=data, version=version)
+
+
+def decode_batch(
+    frames: Sequence[Any], schemas: Mapping[str, Schema] | None = None
+) -> list[Message | DecodeError]:
+    """The messages of a batch (``encode_batch``), in order. What is wrong with the frames or
+    the header raises DecodeError (the whole batch is unreadable); a message whose data does not
+    fit its schema is a DecodeError in its place (the others are fine)."""
+    kind, version, header = _decode(frames, schemas, "batch")
+    batch = header.get("batch")
+    if not isinstance(batch, list) or not batch:
+        raise DecodeError("bad_header", f"kind {kind!r}: 'batch' is not a non-empty list")
+    out: list[Message | DecodeError] = []
+    for i, data in enumerate(batch):
+        if not isinstance(data, dict):
+            out.append(DecodeError("bad_header", f"kind {kind!r}: batch item {i} is not a map"))
+            continue
+        try:
+            if schemas is not None:
+                _check_fields(schemas[kind], data)
+        except DecodeError as e:
+            out.append(e)
+            continue
+        out.append(Message(kind=kind, data=data, version=version))
+    return out
+
+
+def _check_fields(schema: Schema, data: Mapping[str, Any]) -> None:
+    problems = schema.check(data)
+    if problems:
+        raise DecodeError("invalid_fields", f"kind {schema.kind!r}: " + "; ".join(problems))
+
+
+def _decode(
+    frames: Sequence[Any], schemas: Mapping[str, Schema] | None, body: str
+) -> tuple[str, int, dict]:
+    """The header of ``frames`` with its arrays in place: kind, version and the map. ``body``
+    ("data" or "batch") is the form expected: the other one is refused."""
     if not frames:
         raise DecodeError("frame_count", "no frames")
     buffers = [memoryview(f) for f in frames]
@@ -274,16 +336,13 @@ def decode(frames: Sequence[Any], schemas: Mapping[str, Schema] | None = None) -
     version = header.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise DecodeError("bad_header", f"kind {kind!r}: 'version' is {version!r}, not an int")
+    other = "batch" if body == "data" else "data"
+    if other in header:
+        raise DecodeError("bad_header", f"kind {kind!r}: a {other!r} where a {body!r} belongs")
     pack.finish(kind)
-    data = header.get("data")
-    if not isinstance(data, dict):
-        raise DecodeError(
-            "bad_header", f"kind {kind!r}: 'data' is a {type(data).__name__}, not a map"
-        )
     unused = [i for i in range(1, len(buffers)) if not used[i]]
     if unused:
         raise DecodeError("frame_count", f"kind {kind!r}: frames {unused} are not referenced")
-
     if schemas is not None:
         schema = schemas.get(kind)
         if schema is None:
@@ -292,10 +351,7 @@ def decode(frames: Sequence[Any], schemas: Mapping[str, Schema] | None = None) -
             raise DecodeError(
                 "bad_version", f"kind {kind!r}: version {version}, expected {schema.version}"
             )
-        problems = schema.check(data)
-        if problems:
-            raise DecodeError("invalid_fields", f"kind {kind!r}: " + "; ".join(problems))
-    return Message(kind=kind, data=data, version=version)
+    return kind, version, header
 
 
 class _Unpack:

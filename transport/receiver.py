@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from transport import bulk, local
 from transport.address import check_address
-from transport.codec import decode
+from transport.codec import decode, decode_batch
 from transport.credit import (
     ACK,
     CLOSE,
@@ -582,10 +582,18 @@ class Receiver:
         header: Mapping[str, Any],
         frames: list[zmq.Frame],
     ) -> None:
-        credited = self._credited(producer, header) and producer.outstanding > 0
-        if credited:
-            producer.received += 1
         seq = header.get("seq")
+        many = header.get("seqs")  # a batch (codec.encode_batch): a seq per message
+        if many is not None and not _batch_seqs(many):
+            self._reject("bad_control", f"DATA with bad seqs {str(many)[:100]}", sender)
+            return
+        count = len(many) if many is not None else 1
+        credited = self._credited(producer, header) and producer.outstanding >= count
+        if credited:
+            producer.received += count
+        if many is not None:
+            self._on_batch(rid, sender, header, many, credited, frames)
+            return
         ack_id = None
         if is_int(seq):
             ack_id = (rid, seq)
@@ -604,6 +612,12 @@ class Receiver:
             return
         self._remember(ack_id)  # a copy sent again while this one waits is a duplicate
         held = _Parked(rid, sender, seq, ack_id, credited, frames, time.monotonic())
+        self._park(held, descriptor)
+
+    def _park(self, held: _Parked, descriptor: Any) -> None:
+        """Into its producer's line: behind one waiting for its sealed frames, or waiting for
+        its own (``descriptor``)."""
+        rid = held.rid
         self._lines.setdefault(rid, deque()).append(held)
         if descriptor is not None:
             try:
@@ -620,13 +634,49 @@ class Receiver:
                 self._open(held, pieces.parts)
         self._flush(rid)
 
+    def _on_batch(
+        self,
+        rid: bytes,
+        sender: str,
+        header: Mapping[str, Any],
+        seqs: list[int],
+        credited: bool,
+        frames: list[Any],
+    ) -> None:
+        """A DATA of several messages: those taken before (sent again) are acknowledged and
+        skipped (None in their place), the rest delivered in order, as single ones are."""
+        fresh: list[int | None] = [None if (rid, s) in self._seen else s for s in seqs]
+        for s in seqs:
+            if (rid, s) in self._seen:
+                self._duplicates += 1
+                if sparse(self._duplicates):
+                    self._log.info(
+                        "duplicate_dropped", port=self.name, sender=sender, count=self._duplicates
+                    )
+                self._ack_seq(rid, s)  # our ack may have been lost
+        if all(s is None for s in fresh):
+            self._schedule_grant()
+            return
+        descriptor = header.get("bulk")
+        if descriptor is None and rid not in self._lines:
+            self._deliver(rid, sender, fresh, None, credited, frames)
+            return
+        for s in fresh:
+            self._remember(None if s is None else (rid, s))
+        held = _Parked(rid, sender, fresh, None, credited, frames, time.monotonic())
+        self._park(held, descriptor)
+
     def _refuse(self, reason: str, detail: str, sender: str, rid: bytes, seq: Any) -> None:
-        """A DATA that can never be processed: counted, its slot granted again, acknowledged
-        (so it is not sent again)."""
-        self._reject(reason, detail, sender)
+        """A DATA that can never be processed: counted (each message of a batch), its slots
+        granted again, acknowledged (so it is not sent again)."""
+        batch = isinstance(seq, list)
+        for one in seq if batch else [seq]:
+            if batch and one is None:
+                continue  # a batch's message taken before
+            self._reject(reason, detail, sender)
+            if is_int(one):
+                self._ack_seq(rid, one)
         self._schedule_grant()
-        if is_int(seq):
-            self._ack_seq(rid, seq)
 
     def _remember(self, ack_id: tuple[bytes, int] | None) -> None:
         if ack_id is None or ack_id in self._seen:
@@ -644,6 +694,9 @@ class Receiver:
         credited: bool,
         frames: list[Any],
     ) -> None:
+        if isinstance(seq, list):
+            self._deliver_batch(rid, sender, seq, credited, frames)
+            return
         try:
             if len(frames) == 1 and isinstance(frames[0], Message):  # in-process
                 msg = self._check_local(frames[0])
@@ -653,6 +706,32 @@ class Receiver:
         except DecodeError as e:
             self._refuse(e.reason, e.detail, sender, rid, seq)
             return
+        self._take_in(msg, ack_id, sender, credited)
+        self._bytes += sum(memoryview(f).nbytes for f in frames)
+
+    def _deliver_batch(
+        self, rid: bytes, sender: str, seqs: list[int | None], credited: bool, frames: list[Any]
+    ) -> None:
+        """A batch's messages into the inbox, one by one (None: a message taken before)."""
+        try:
+            items = decode_batch(frames, self._schemas)
+            if len(items) != len(seqs):
+                raise DecodeError("bad_header", f"{len(items)} messages for {len(seqs)} seqs")
+        except DecodeError as e:
+            self._refuse(e.reason, e.detail, sender, rid, seqs)
+            return
+        for seq, item in zip(seqs, items, strict=True):
+            if seq is None:
+                continue
+            if isinstance(item, DecodeError):
+                self._refuse(item.reason, item.detail, sender, rid, seq)
+            else:
+                self._take_in(item, (rid, seq), sender, credited)
+        self._bytes += sum(memoryview(f).nbytes for f in frames)
+
+    def _take_in(
+        self, msg: Message, ack_id: tuple[bytes, int] | None, sender: str, credited: bool
+    ) -> None:
         if not credited:
             self._uncredited += 1
         self._remember(ack_id)
@@ -660,7 +739,6 @@ class Receiver:
         msg.sender = sender
         self._inbox.append(msg)
         self._received += 1
-        self._bytes += sum(memoryview(f).nbytes for f in frames)
         self._peak = max(self._peak, len(self._inbox))
         self._readable.set()
         self._schedule_grant()  # this producer may now be out of credit
@@ -877,3 +955,13 @@ class Receiver:
         if self.bulk_port is not None:
             credit["bulk_port"] = self.bulk_port
         self._reply(rid, CREDIT, credit)
+
+
+def _batch_seqs(seqs: Any) -> bool:
+    """Whether a batch's ``seqs`` are what a sender makes: distinct ints, at least two."""
+    return (
+        isinstance(seqs, list)
+        and len(seqs) >= 2
+        and all(is_int(s) for s in seqs)
+        and len(set(seqs)) == len(seqs)
+    )

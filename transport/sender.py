@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from transport import bulk
 from transport.address import check_address
-from transport.codec import encode
+from transport.codec import encode, encode_batch
 from transport.credit import (
     ACK,
     CLOSE,
@@ -193,6 +193,7 @@ class Sender:
         self._redelivered = 0
         self._unacked_dropped = 0
         self._sealed = 0
+        self._batches = 0
         self._sealed_bytes = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -330,28 +331,9 @@ class Sender:
         ValueError if ``kind`` is not one of this port's schemas or ``data`` does not match it
         (a producer bug fails here, not in the consumer); ChannelClosed after ``aclose()``.
         """
-        schema = self._schemas.get(kind)
-        if schema is None:
-            raise ValueError(
-                f"sender {self.name!r}: kind {kind!r} is not declared on this port; "
-                f"declared: {sorted(self._schemas)}"
-            )
-        problems = schema.check(data)
-        if problems:
-            raise ValueError(
-                f"sender {self.name!r}: {kind!r} message does not match its "
-                f"schema (version {schema.version}): " + "; ".join(problems)
-            )
-        if self._closed:
-            raise ChannelClosed(f"sender {self.name!r} is closed")
-        if not self._started:
-            raise TransportError(f"sender {self.name!r}: call start() first")
+        schema = self._checked(kind, [data])
         if not self._peers:
-            self._dropped += 1
-            if self._dropped % 1000 == 1:
-                self._log.info(
-                    "message_dropped", port=self.name, reason="no_peers", dropped=self._dropped
-                )
+            self._drop(1)
             return None
         msg = Message(kind=kind, data=dict(data), version=schema.version)
         uid = data.get("uid")
@@ -369,6 +351,92 @@ class Sender:
         await self._send_data(peer, seq, held)
         return seq
 
+    async def send_many(self, kind: str, items: Sequence[Mapping[str, Any]]) -> list[int | None]:
+        """Send several messages of one kind, as ``send`` does each, in order; those that go to
+        the same consumer in another process together travel as one batch (``encode_batch``:
+        one header, one pack, one send; the consumer takes them one by one). Each message keeps
+        its own credit, sequence number, acknowledgement and redelivery. Returns their sequence
+        numbers."""
+        schema = self._checked(kind, items)
+        if not self._peers:
+            self._drop(len(items))
+            return [None] * len(items)
+        seqs: list[int | None] = []
+        left = list(items)
+        while left:
+            peer = self._pick() or await self._wait_for_credit()
+            take, left = left[: max(1, peer.credit)], left[max(1, peer.credit) :]
+            if len(take) == 1 or isinstance(peer.sock, LocalDealer):  # nothing to save here
+                for data in take:
+                    seqs.append(await self.send(kind, data))
+                continue
+            seqs.extend(await self._send_batch(peer, kind, schema.version, take))
+        return seqs
+
+    async def _send_batch(
+        self, peer: _Peer, kind: str, version: int, items: list[Mapping[str, Any]]
+    ) -> list[int]:
+        """``items`` to ``peer`` (which has credit for all) in one DATA; each held on its own,
+        encoded again alone if it has to be sent again."""
+        frames = encode_batch(kind, version, items)
+        if self._max_message_bytes > 0:
+            self._check_size(kind, frames)
+        nbytes = sum(len(f) for f in frames)
+        self._bytes += nbytes
+        share = nbytes // len(items)
+        seqs = []
+        for data in items:
+            uid = data.get("uid")
+            msg = Message(kind=kind, data=dict(data), version=version)
+            held = _Held(
+                msg, None, share, peer, peer.session, uid if isinstance(uid, str) else None
+            )
+            self._seq += 1
+            self._hold(self._seq, held)
+            seqs.append(self._seq)
+        self._sent += len(items)
+        self._batches += 1
+        peer.sent += len(items)  # spent before yielding, as in _send_data
+        header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seqs": seqs}
+        if peer.bulk is not None and bulk.worth_sealing(frames):  # as _send_data does
+            frames, header["bulk"], parts = bulk.seal(frames)
+            self._sealed += 1
+            self._sealed_bytes += sum(len(p) for p in parts)
+            self._sent_or_raise(await settled(peer.bulk.send_multipart(parts, copy=False)))
+        data = [DATA, msgpack.packb(header), *frames]
+        self._sent_or_raise(await settled(peer.sock.send_multipart(data, copy=False)))
+        return seqs
+
+    def _checked(self, kind: str, items: Sequence[Mapping[str, Any]]) -> Schema:
+        """The schema of ``kind``, every item checked against it, the sender ready to send."""
+        schema = self._schemas.get(kind)
+        if schema is None:
+            raise ValueError(
+                f"sender {self.name!r}: kind {kind!r} is not declared on this port; "
+                f"declared: {sorted(self._schemas)}"
+            )
+        for data in items:
+            problems = schema.check(data)
+            if problems:
+                raise ValueError(
+                    f"sender {self.name!r}: {kind!r} message does not match its "
+                    f"schema (version {schema.version}): " + "; ".join(problems)
+                )
+        if self._closed:
+            raise ChannelClosed(f"sender {self.name!r} is closed")
+        if not self._started:
+            raise TransportError(f"sender {self.name!r}: call start() first")
+        return schema
+
+    def _drop(self, count: int) -> None:
+        """Messages with no consumer to go to (an optional output nobody listens to)."""
+        for _ in range(count):
+            self._dropped += 1
+            if self._dropped % 1000 == 1:
+                self._log.info(
+                    "message_dropped", port=self.name, reason="no_peers", dropped=self._dropped
+                )
+
     def _frames(self, held: _Held) -> list[Any]:
         """The message's frames, encoded the first time a consumer in another process needs
         them (raises what ``encode`` raises, or ValueError when a frame is too large)."""
@@ -377,8 +445,9 @@ class Sender:
             if self._max_message_bytes > 0:
                 self._check_size(held.msg.kind, frames)
             held.frames = frames
-            held.nbytes = sum(len(f) for f in frames)
-            self._unacked_bytes += held.nbytes if held.peer is not None else 0
+            before, held.nbytes = held.nbytes, sum(len(f) for f in frames)
+            # held already (sent in-process, or its share of a batch): its bytes as encoded now
+            self._unacked_bytes += held.nbytes - before if held.peer is not None else 0
             self._bytes += held.nbytes
         return held.frames
 
@@ -612,6 +681,7 @@ class Sender:
             "unacked_dropped": self._unacked_dropped,
             "sealed": self._sealed,
             "sealed_bytes": self._sealed_bytes,
+            "batches": self._batches,  # DATA that carried several messages (send_many)
         }
 
     # -- internals ---------------------------------------------------------------------------

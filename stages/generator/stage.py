@@ -229,6 +229,7 @@ class Generator:
         # replica and the scorer both to die, the feeder would feed it again
         # group's send seq -> its prompt and how many samples it carries
         self._awaiting_ack: dict[int, tuple[Message, int]] = {}
+        self._acked_early: set[int] = set()  # acknowledged before send_many returned
         # samples started and not yet acknowledged from downstream: in flight, queued, or
         # waiting to be trained (with chained acknowledgements, the scorer acknowledges a
         # group once the learner is done with it)
@@ -824,29 +825,45 @@ class Generator:
         await self.outbox.put(item)
 
     async def _emit(self) -> None:
+        """Send finished groups to the scorers: what waits in the outbox goes in one
+        ``send_many`` (one batch to a scorer in another process)."""
         rollouts = self.ctx.outputs["rollouts"]
+        many = hasattr(rollouts, "send_many")
         while True:
-            item, msg = await self.outbox.get()
+            waiting = [await self.outbox.get()]
+            # no more than the scorers have credit for: the rest stays counted in the outbox
+            # (the credit gate's room downstream)
+            while many and not self.outbox.empty() and len(waiting) < rollouts.credit():
+                waiting.append(self.outbox.get_nowait())
             try:
-                seq = await rollouts.send(ROLLOUT_GROUP.kind, item)
-                if isinstance(seq, int) and self._chained:
-                    # acknowledged once the scorer is done with it
-                    self._awaiting_ack[seq] = (msg, len(item["samples"]))
+                items = [item for item, _ in waiting]
+                if many:
+                    seqs = await rollouts.send_many(ROLLOUT_GROUP.kind, items)
                 else:
-                    self.ctx.inputs["prompts"].ack(msg)
-                    self._unacked -= len(item["samples"])
-                self.counts["groups_emitted"] += 1
-                self.counts["emitted"] += len(item["samples"])
-                self.counts["tokens"] += sum(len(x["completion_ids"]) for x in item["samples"])
+                    seqs = [await rollouts.send(ROLLOUT_GROUP.kind, items[0])]
+                for (item, msg), seq in zip(waiting, seqs, strict=True):
+                    size = len(item["samples"])
+                    if isinstance(seq, int) and self._chained and seq not in self._acked_early:
+                        self._awaiting_ack[seq] = (msg, size)  # acked once the scorer is done
+                    else:
+                        self._acked_early.discard(seq)
+                        self.ctx.inputs["prompts"].ack(msg)
+                        self._unacked -= size
+                    self.counts["groups_emitted"] += 1
+                    self.counts["emitted"] += size
+                    self.counts["tokens"] += sum(len(x["completion_ids"]) for x in item["samples"])
             finally:
-                self.outbox.task_done()
+                for _ in waiting:
+                    self.outbox.task_done()
                 self._changed.set()
 
     def _group_acked(self, seq: int) -> None:
         entry = self._awaiting_ack.pop(seq, None)
-        if entry is not None:
-            self.ctx.inputs["prompts"].ack(entry[0])
-            self._unacked -= entry[1]
+        if entry is None:  # one of a send_many, acknowledged before it returned
+            self._acked_early.add(seq)
+            return
+        self.ctx.inputs["prompts"].ack(entry[0])
+        self._unacked -= entry[1]
 
     async def _decide(self) -> None:
         interval = self.config.controller.interval_s

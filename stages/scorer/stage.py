@@ -184,6 +184,7 @@ class Scorer:
         # scored groups sent, not yet acknowledged by the learner: send seq -> group id (their
         # messages stay unacknowledged upstream until then)
         self._awaiting_ack: dict[int, str] = {}
+        self._acked_early: set[int] = set()  # acknowledged before send_many returned
         self._chained = False
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.counts = {
@@ -205,7 +206,7 @@ class Scorer:
     async def setup(self) -> None:
         groups = self.ctx.outputs["groups"]
         if hasattr(groups, "on_ack"):
-            groups.on_ack(lambda seq: self._release(self._awaiting_ack.pop(seq, "")))
+            groups.on_ack(self._acked)
             self._chained = True
         self.runner = RewardRunner(
             self.config.rewards,
@@ -475,6 +476,7 @@ class Scorer:
         )
         score_s = round(time.monotonic() - started, 6)
         offset = 0
+        payloads = []
         for group, samples in zip(batch, per_group, strict=True):
             out = []
             span = slice(offset, offset + len(samples))
@@ -491,8 +493,7 @@ class Scorer:
                 self.window.append(reward)
             offset += len(samples)
             head = group.head
-            seq = await self.ctx.outputs["groups"].send(
-                "scored_group",
+            payloads.append(
                 {
                     "run_id": head["run_id"],
                     "prompt_id": head["prompt_id"],
@@ -503,15 +504,31 @@ class Scorer:
                     "meta": head.get("meta"),
                     "uid": head.get("uid"),
                     "origin": head.get("origin"),  # the learner counts its generators
-                },
+                }
             )
+        port = self.ctx.outputs["groups"]
+        if hasattr(port, "send_many"):  # to a learner in another process: one send for all
+            seqs = await port.send_many("scored_group", payloads)
+        else:
+            seqs = [await port.send("scored_group", payload) for payload in payloads]
+        for payload, seq in zip(payloads, seqs, strict=True):
             self.counts["groups_out"] += 1
-            self.counts["samples"] += len(out)
-            self._launched.discard(head["group_id"])
-            if isinstance(seq, int) and self._chained:
-                self._awaiting_ack[seq] = head["group_id"]  # released once the learner is done
+            self.counts["samples"] += len(payload["samples"])
+            self._launched.discard(payload["group_id"])
+            if isinstance(seq, int) and self._chained and seq not in self._acked_early:
+                self._awaiting_ack[seq] = payload["group_id"]  # released once the learner is done
             else:
-                self._release(head["group_id"])
+                self._acked_early.discard(seq)
+                self._release(payload["group_id"])
+
+    def _acked(self, seq: int) -> None:
+        """The learner is done with a scored group: release the messages it came in. (One of a
+        ``send_many`` may be acknowledged while later ones still wait for credit.)"""
+        group_id = self._awaiting_ack.pop(seq, None)
+        if group_id is None:
+            self._acked_early.add(seq)
+        else:
+            self._release(group_id)
 
     def _reward_kwargs(
         self, head: Mapping[str, Any], samples: list[Mapping[str, Any]]

@@ -66,6 +66,28 @@ async def test_large_frames_go_sealed_beside_the_curve_socket_and_arrive_whole(c
 
 
 @pytest.mark.timeout(20)
+async def test_a_batch_with_large_frames_goes_sealed_and_what_follows_waits_its_turn(ctx) -> None:
+    """``send_many`` to a CURVE consumer: a batch whose frames are large goes sealed like a
+    single message; a small batch and a single message sent after it arrive after it."""
+    r = receiver(ctx, tcp_address(), capacity=8, expected=["p.0"], curve=RUN)
+    await r.start()
+    s = sender(ctx, [r.address], curve=RUN)
+    await s.start()
+    await eventually(lambda: s.credit() == 8)
+    large = [_message(0), {"id": 1}, _message(2)]
+    await s.send_many("item", large)
+    await s.send_many("item", [{"id": 3}, {"id": 4}])
+    await s.send("item", {"id": 5})
+    await s.aclose()
+    got = [m.data async for m in r]
+    assert [g["id"] for g in got] == list(range(6))
+    assert _same(got[0], large[0]) and _same(got[2], large[2])
+    assert s.stats()["batches"] == 2 and s.stats()["sealed"] == 1
+    assert r.stats()["bulk_opened"] == 1 and r.stats()["rejected"] == {}
+    await r.aclose()
+
+
+@pytest.mark.timeout(20)
 async def test_without_curve_nothing_is_sealed(ctx, ipc_dir) -> None:
     for addr in (tcp_address(), ipc_address(ipc_dir, "in")):
         r = receiver(ctx, addr, expected=["p.0"])
