@@ -20,7 +20,10 @@ tag        way       map
                      ``heartbeat_s``. ``to``/``epoch`` name the credit stream the producer holds
                      (None before any), ``sent`` how many DATA it sent in it.
 ``D``      p -> c    DATA ``{to, epoch, seq[, bulk]}``, then the codec frames of one message
-                     (``bulk``: on CURVE, which frames come sealed on the bulk port).
+                     (``bulk``: on CURVE, which frames come sealed on the bulk port). A batch
+                     (``Sender.send_many``) has ``seqs: [seq, ...]`` instead of ``seq`` and the
+                     frames of ``codec.encode_batch``: one message per seq, each credited,
+                     acknowledged, deduplicated and refused on its own.
 ``E``      p -> c    EOS ``{identity, session, to, epoch, sent}``: no more messages from it.
 ``C``      c -> p    CREDIT ``{session, epoch, grant, granted, consumed, eos}``: ``grant`` new
                      slots; ``granted`` the total granted in this stream; ``consumed`` DATA
@@ -58,7 +61,10 @@ counts live producers and expected ones not yet heard from (credit is never revo
 first producer to arrive must not take the whole inbox; a producer that hoards its share while
 idle still keeps it until it sends or is reclaimed). Grants are coalesced (one pass per
 event-loop turn, and a producer that still holds credit is topped up only once a quarter of its
-share is missing), but a producer with no credit left gets a slot as soon as one is free.
+share is missing), but a producer with no credit left gets a slot as soon as one is free;
+while the inbox still holds a quarter share of messages, free slots are granted only once a
+quarter share of them is free (a consumer that takes messages one by one would otherwise answer
+each with a CREDIT, and its producer would send one message at a time).
 A producer silent for ``peer_timeout_s`` is dropped and its credit reclaimed. Rejected messages
 (see ``codec.decode``) are counted per reason, logged, and their slot granted again.
 

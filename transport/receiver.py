@@ -919,6 +919,11 @@ class Receiver:
             waiting_for = len(self._expected - self._finished) if self._expected else 0
             share = max(1, self.capacity // max(len(producers), waiting_for))
             top_up = max(1, share // 4)
+            if free < top_up and len(self._inbox) >= top_up:
+                # the inbox still holds work: slots go a quarter share at a time, not one by
+                # one as the stage takes messages (a CREDIT each, and the producer's next batch
+                # one message)
+                free = 0
             want = {
                 p.rid: share - p.outstanding
                 for p in producers

@@ -194,6 +194,7 @@ class Sender:
         self._unacked_dropped = 0
         self._sealed = 0
         self._batches = 0
+        self._replies: Counter[bytes] = Counter()
         self._sealed_bytes = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -681,6 +682,8 @@ class Sender:
             "unacked_dropped": self._unacked_dropped,
             "sealed": self._sealed,
             "sealed_bytes": self._sealed_bytes,
+            "credits_in": self._replies[CREDIT],  # CREDIT and ACK messages from consumers
+            "acks_in": self._replies[ACK],
             "batches": self._batches,  # DATA that carried several messages (send_many)
         }
 
@@ -744,6 +747,7 @@ class Sender:
         if header is None:
             self._reject(peer, f"tag {tag!r}: frame 1 is not a msgpack map")
             return
+        self._replies[tag] += 1
         if tag == CREDIT:
             self._on_credit(peer, header)
         elif tag == ACK:

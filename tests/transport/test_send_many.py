@@ -172,3 +172,37 @@ def test_a_batch_decodes_to_what_each_message_alone_would(wire):
         from transport import decode
 
         decode(frames)
+
+
+@pytest.mark.timeout(15)
+async def test_a_consumer_taking_one_at_a_time_grants_a_quarter_share_at_once(ctx, ipc_dir, wire):
+    """While its inbox holds work, a consumer that frees one slot per turn does not answer each
+    with a CREDIT: its producer gets slots a quarter of its share at a time, and sends them
+    together. Nothing waits for ever: everything arrives, in order."""
+    addr = ipc_address(ipc_dir, "in")
+    r = receiver(ctx, addr, capacity=16)
+    await r.start()
+    out = sender(ctx, [addr])
+    await out.start()
+    try:
+        await eventually(lambda: out.credit() == 16)
+        before = out.stats()["credits_in"]
+
+        async def produce() -> None:
+            for first in range(0, 96, 8):
+                await out.send_many("item", _items(first, 8))
+
+        task = asyncio.ensure_future(produce())
+        got = []
+        for _ in range(96):
+            got.append((await asyncio.wait_for(r.recv(), 3)).data["id"])
+            await asyncio.sleep(0.002)  # a turn of work per message
+        await asyncio.wait_for(task, 3)
+        assert got == list(range(96))
+        credits = out.stats()["credits_in"] - before
+        assert credits <= 96 // 4 + 8, credits  # (pings are answered too)
+        if wire == "zmq":
+            assert out.stats()["batches"] >= 12
+    finally:
+        await out.aclose(eos=False)
+        await r.aclose()
