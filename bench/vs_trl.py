@@ -156,6 +156,9 @@ def trl_worker(config: Path, overrides: list[str], seed: int, eval_every: int, o
         logging_steps=10,
         save_strategy="no",
         report_to="none",
+        # TRL 1.16 turns it on by default: recomputing activations in the backward pass, which
+        # Inflight's learner does not do (and a model this size does not need)
+        gradient_checkpointing=False,
     )
     model = AutoModelForCausalLM.from_pretrained(s["model"], dtype=torch.float32)
     evals: list[dict[str, Any]] = []
