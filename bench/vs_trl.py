@@ -156,8 +156,11 @@ def trl_worker(config: Path, overrides: list[str], seed: int, eval_every: int, o
         logging_steps=10,
         save_strategy="no",
         report_to="none",
-        # TRL 1.16 turns it on by default: recomputing activations in the backward pass, which
-        # Inflight's learner does not do (and a model this size does not need)
+        # TRL 1.16 turns both on by default (GRPOConfig(use_cpu=True).bf16 is True): bf16
+        # autocast, whose matmuls run 7x slower on a CPU without bf16 instructions (py-spy:
+        # bf16_dot_with_fp32_arith), and activations recomputed in the backward pass. Inflight's
+        # learner trains in float32 and recomputes nothing.
+        bf16=False,
         gradient_checkpointing=False,
     )
     model = AutoModelForCausalLM.from_pretrained(s["model"], dtype=torch.float32)
