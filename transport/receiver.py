@@ -598,12 +598,7 @@ class Receiver:
         if is_int(seq):
             ack_id = (rid, seq)
             if ack_id in self._seen:  # sent again, but we took it already: once is enough
-                self._duplicates += 1
-                if sparse(self._duplicates):
-                    self._log.info(
-                        "duplicate_dropped", port=self.name, sender=sender, count=self._duplicates
-                    )
-                self._ack_seq(rid, seq)  # our ack may have been lost
+                self._duplicate(rid, seq, sender)
                 self._schedule_grant()
                 return
         descriptor = header.get("bulk")
@@ -648,12 +643,7 @@ class Receiver:
         fresh: list[int | None] = [None if (rid, s) in self._seen else s for s in seqs]
         for s in seqs:
             if (rid, s) in self._seen:
-                self._duplicates += 1
-                if sparse(self._duplicates):
-                    self._log.info(
-                        "duplicate_dropped", port=self.name, sender=sender, count=self._duplicates
-                    )
-                self._ack_seq(rid, s)  # our ack may have been lost
+                self._duplicate(rid, s, sender)
         if all(s is None for s in fresh):
             self._schedule_grant()
             return
@@ -665,6 +655,16 @@ class Receiver:
             self._remember(None if s is None else (rid, s))
         held = _Parked(rid, sender, fresh, None, credited, frames, time.monotonic())
         self._park(held, descriptor)
+
+    def _duplicate(self, rid: bytes, seq: int, sender: str) -> None:
+        """A DATA taken before, sent again: counted, and acknowledged again (our ack may have
+        been lost)."""
+        self._duplicates += 1
+        if sparse(self._duplicates):
+            self._log.info(
+                "duplicate_dropped", port=self.name, sender=sender, count=self._duplicates
+            )
+        self._ack_seq(rid, seq)
 
     def _refuse(self, reason: str, detail: str, sender: str, rid: bytes, seq: Any) -> None:
         """A DATA that can never be processed: counted (each message of a batch), its slots

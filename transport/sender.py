@@ -399,13 +399,7 @@ class Sender:
         self._batches += 1
         peer.sent += len(items)  # spent before yielding, as in _send_data
         header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seqs": seqs}
-        if peer.bulk is not None and bulk.worth_sealing(frames):  # as _send_data does
-            frames, header["bulk"], parts = bulk.seal(frames)
-            self._sealed += 1
-            self._sealed_bytes += sum(len(p) for p in parts)
-            self._sent_or_raise(await settled(peer.bulk.send_multipart(parts, copy=False)))
-        data = [DATA, msgpack.packb(header), *frames]
-        self._sent_or_raise(await settled(peer.sock.send_multipart(data, copy=False)))
+        await self._send_frames(peer, header, frames)
         return seqs
 
     def _checked(self, kind: str, items: Sequence[Mapping[str, Any]]) -> Schema:
@@ -481,7 +475,11 @@ class Sender:
         if isinstance(peer.sock, LocalDealer):  # the message itself, for a consumer here
             peer.sock.send_multipart([DATA, header, held.msg])
             return
-        frames = self._frames(held)
+        await self._send_frames(peer, header, self._frames(held))
+
+    async def _send_frames(self, peer: _Peer, header: dict[str, Any], frames: list[Any]) -> None:
+        """A DATA (one message or a batch) to a consumer in another process; on CURVE its large
+        frames sealed on the bulk port first."""
         if peer.bulk is not None and bulk.worth_sealing(frames):
             # The pieces go first, so they are usually there when their DATA arrives.
             frames, header["bulk"], parts = bulk.seal(frames)
