@@ -698,8 +698,8 @@ class Receiver:
             self._deliver_batch(rid, sender, seq, credited, frames)
             return
         try:
-            if len(frames) == 1 and isinstance(frames[0], Message):  # in-process
-                msg = self._check_local(frames[0])
+            if frames and isinstance(frames[0], Message):  # in-process: [msg, schema or None]
+                msg = self._check_local(frames[0], frames[1])
                 frames = []
             else:
                 msg = decode(frames, self._schemas)
@@ -714,7 +714,11 @@ class Receiver:
     ) -> None:
         """A batch's messages into the inbox, one by one (None: a message taken before)."""
         try:
-            items = decode_batch(frames, self._schemas)
+            if frames and isinstance(frames[0], list):  # in-process: [messages, schema]
+                items = [self._check_one(msg, frames[1]) for msg in frames[0]]
+                frames = []
+            else:
+                items = decode_batch(frames, self._schemas)
             if len(items) != len(seqs):
                 raise DecodeError("bad_header", f"{len(items)} messages for {len(seqs)} seqs")
         except DecodeError as e:
@@ -743,10 +747,20 @@ class Receiver:
         self._readable.set()
         self._schedule_grant()  # this producer may now be out of credit
 
-    def _check_local(self, sent: Message) -> Message:
+    def _check_one(self, sent: Message, checked: Schema | None) -> Message | DecodeError:
+        try:
+            return self._check_local(sent, checked)
+        except DecodeError as e:
+            return e
+
+    def _check_local(self, sent: Message, checked: Schema | None = None) -> Message:
         """What ``decode`` checks of a message, for one handed over in-process; the
-        consumer's own copy of it (``transport.local.delivered``)."""
+        consumer's own copy of it (``transport.local.delivered``). ``checked``: the schema its
+        producer checked it against as it sent it; if that is this port's, it is not checked
+        again."""
         kind, schema = sent.kind, self._schemas.get(sent.kind)
+        if checked is not None and checked is schema:
+            return local.delivered(sent)
         if schema is None:
             known = sorted(self._schemas)
             raise DecodeError("unknown_kind", f"kind {kind!r} is not one of {known}")

@@ -336,7 +336,11 @@ class Sender:
         if not self._peers:
             self._drop(1)
             return None
-        msg = Message(kind=kind, data=dict(data), version=schema.version)
+        return await self._send_checked(schema, data)
+
+    async def _send_checked(self, schema: Schema, data: Mapping[str, Any]) -> int:
+        """``send`` of a message already checked against ``schema``."""
+        msg = Message(kind=schema.kind, data=dict(data), version=schema.version)
         uid = data.get("uid")
         held = _Held(msg, None, 0, None, None, uid if isinstance(uid, str) else None)
         if self._remote:  # encode now: a message that cannot travel fails in its producer
@@ -349,15 +353,15 @@ class Sender:
         self._hold(self._seq, held)
         self._sent += 1
         seq = self._seq
-        await self._send_data(peer, seq, held)
+        await self._send_data(peer, seq, held, schema)
         return seq
 
     async def send_many(self, kind: str, items: Sequence[Mapping[str, Any]]) -> list[int | None]:
         """Send several messages of one kind, as ``send`` does each, in order; those that go to
         the same consumer in another process together travel as one batch (``encode_batch``:
-        one header, one pack, one send; the consumer takes them one by one). Each message keeps
-        its own credit, sequence number, acknowledgement and redelivery. Returns their sequence
-        numbers."""
+        one header, one pack, one send), and those for a consumer in this process as one
+        hand-over; the consumer takes them one by one. Each message keeps its own credit,
+        sequence number, acknowledgement and redelivery. Returns their sequence numbers."""
         schema = self._checked(kind, items)
         if not self._peers:
             self._drop(len(items))
@@ -367,40 +371,58 @@ class Sender:
         while left:
             peer = self._pick() or await self._wait_for_credit()
             take, left = left[: max(1, peer.credit)], left[max(1, peer.credit) :]
-            if len(take) == 1 or isinstance(peer.sock, LocalDealer):  # nothing to save here
-                for data in take:
-                    seqs.append(await self.send(kind, data))
-                continue
-            seqs.extend(await self._send_batch(peer, kind, schema.version, take))
+            if isinstance(peer.sock, LocalDealer) and len(take) > 1:
+                seqs.extend(self._hand_over(peer, schema, take))
+            elif len(take) == 1:
+                seqs.append(await self._send_checked(schema, take[0]))
+            else:
+                seqs.extend(await self._send_batch(peer, schema, take))
         return seqs
 
     async def _send_batch(
-        self, peer: _Peer, kind: str, version: int, items: list[Mapping[str, Any]]
+        self, peer: _Peer, schema: Schema, items: list[Mapping[str, Any]]
     ) -> list[int]:
         """``items`` to ``peer`` (which has credit for all) in one DATA; each held on its own,
         encoded again alone if it has to be sent again."""
-        frames = encode_batch(kind, version, items)
+        frames = encode_batch(schema.kind, schema.version, items)
         if self._max_message_bytes > 0:
-            self._check_size(kind, frames)
+            self._check_size(schema.kind, frames)
         nbytes = sum(len(f) for f in frames)
         self._bytes += nbytes
-        share = nbytes // len(items)
-        seqs = []
+        seqs, _ = self._hold_batch(peer, schema, items, nbytes // len(items))
+        header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seqs": seqs}
+        await self._send_frames(peer, header, frames)
+        return seqs
+
+    def _hand_over(self, peer: _Peer, schema: Schema, items: list[Mapping[str, Any]]) -> list[int]:
+        """``items`` to a consumer in this process (with credit for all) in one DATA: the
+        messages themselves, and the schema they were checked against (``Receiver`` checks
+        them only if its own is another)."""
+        seqs, msgs = self._hold_batch(peer, schema, items, 0)
+        header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seqs": seqs}
+        peer.sock.send_multipart([DATA, header, msgs, schema])
+        return seqs
+
+    def _hold_batch(
+        self, peer: _Peer, schema: Schema, items: list[Mapping[str, Any]], nbytes: int
+    ) -> tuple[list[int], list[Message]]:
+        """A sequence number for each of ``items``, each held on its own (``nbytes`` each), the
+        credit spent; their seqs and Messages."""
+        seqs, msgs = [], []
         for data in items:
             uid = data.get("uid")
-            msg = Message(kind=kind, data=dict(data), version=version)
+            msg = Message(kind=schema.kind, data=dict(data), version=schema.version)
             held = _Held(
-                msg, None, share, peer, peer.session, uid if isinstance(uid, str) else None
+                msg, None, nbytes, peer, peer.session, uid if isinstance(uid, str) else None
             )
             self._seq += 1
             self._hold(self._seq, held)
             seqs.append(self._seq)
+            msgs.append(msg)
         self._sent += len(items)
         self._batches += 1
         peer.sent += len(items)  # spent before yielding, as in _send_data
-        header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seqs": seqs}
-        await self._send_frames(peer, header, frames)
-        return seqs
+        return seqs, msgs
 
     def _checked(self, kind: str, items: Sequence[Mapping[str, Any]]) -> Schema:
         """The schema of ``kind``, every item checked against it, the sender ready to send."""
@@ -469,11 +491,14 @@ class Sender:
         """Call ``callback(seq)`` for each message (``send``'s return value) once processed."""
         self._ack_callbacks.append(callback)
 
-    async def _send_data(self, peer: _Peer, seq: int, held: _Held) -> None:
+    async def _send_data(
+        self, peer: _Peer, seq: int, held: _Held, schema: Schema | None = None
+    ) -> None:
+        """``schema``: the one ``held`` was checked against just now (None when sent again)."""
         header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seq": seq}
         peer.sent += 1  # spend the credit before yielding: concurrent senders must not reuse it
         if isinstance(peer.sock, LocalDealer):  # the message itself, for a consumer here
-            peer.sock.send_multipart([DATA, header, held.msg])
+            peer.sock.send_multipart([DATA, header, held.msg, schema])
             return
         await self._send_frames(peer, header, self._frames(held))
 
@@ -631,13 +656,16 @@ class Sender:
                 self._credit_wait_s += time.monotonic() - self._blocked_since
                 self._blocked_since = None
 
-    def _pick(self) -> _Peer | None:
+    def _ready(self) -> list[_Peer]:
         now = time.monotonic()
-        ready = [
+        return [
             p
             for p in self._peers
             if p.credit > 0 and p.live(now, self._peer_timeout_s) and not p.eos_acked
         ]  # (a consumer that took our EOS has ended its input: it would not process more)
+
+    def _pick(self) -> _Peer | None:
+        ready = self._ready()
         if len(ready) < 2:
             return ready[0] if ready else None
         most = max(p.credit for p in ready)
@@ -653,6 +681,11 @@ class Sender:
         """
         now = time.monotonic()
         return sum(max(0, p.credit) for p in self._peers if p.live(now, self._peer_timeout_s))
+
+    def room(self) -> int:
+        """How many messages one ``send_many`` sends now without waiting for credit, in one
+        batch: the credit of the consumer with the most."""
+        return max((p.credit for p in self._ready()), default=0)
 
     def held_uids(self) -> list[str]:
         """The ``uid`` of each message sent and not yet acknowledged (that carries one)."""

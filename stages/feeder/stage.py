@@ -108,6 +108,7 @@ class Feeder:
         self.next = 0  # every position below it is processed
         self.acked_above: set[int] = set()  # processed positions >= next
         self._position_of: dict[int, int] = {}  # send sequence number -> position
+        self._acked_early: set[int] = set()  # acknowledged before their send returned
         self._dirty = False
         self._save_pending = False  # a save is scheduled for the end of this loop turn
         self.position = 0  # the next position to send (or skip) in this process
@@ -160,19 +161,26 @@ class Feeder:
     async def _feed(self) -> str:
         """Send from position ``next`` on (skipping what was processed); returns why it ended."""
         out = self.ctx.outputs["prompts"]
-        epochs, shard = self.config.epochs, self.shard_size
+        shard = self.shard_size
         next_metrics = time.monotonic() + self.config.metrics_every_s
         position, order, order_epoch = self.next, [], -1
         start, skipped = position, 0
+        # prompts ready to go together: as many as one consumer has credit for (one batch)
+        batch: list[tuple[int, dict[str, Any]]] = []
+        room = 1
         while True:
+            if batch and (len(batch) >= room or not self._batching(out)):
+                await self._send(out, batch)
+                batch = []
             self.epoch, index = divmod(position, shard)
             if index == 0 and position > start and self.epoch != order_epoch:
                 self.log.info("epoch_done", epoch=self.epoch - 1, prompts=shard, sent=self.sent)
                 order_epoch = -1  # logged once, whatever ends the feed here
-            if self.budget is not None and position >= self.budget:
-                return "max_prompts"
-            if epochs and self.epoch >= epochs:
-                return "epochs"
+            reason = self._end(position)
+            if reason is not None:
+                if batch:
+                    await self._send(out, batch)
+                return reason
             if self.epoch != order_epoch:
                 order_epoch = self.epoch
                 order = feed_order(
@@ -183,7 +191,7 @@ class Feeder:
                     replica=self.ctx.replica,
                     replicas=self.ctx.replicas,
                 )
-            self.position = position
+            self.position = batch[0][0] if batch else position
             if position >= self.reserved:
                 self.reserved = position + _RESERVE
                 self._dirty = True
@@ -196,26 +204,62 @@ class Feeder:
                     self._processed(position)
                     skipped += 1
                     if skipped >= shard:  # a whole pass without one usable prompt
+                        if batch:
+                            await self._send(out, batch)
                         return "no_usable_prompts"
+                    if batch:  # sent before the loop yields to others
+                        await self._send(out, batch)
+                        batch = []
                     await asyncio.sleep(0)  # the loop stays free through a run of bad ones
             if prompt is not None:
                 skipped = 0
-                uid = self._uid(position)
-                seq = await out.send("prompt", {**prompt, "uid": uid})
-                if isinstance(seq, int):
-                    self._position_of[seq] = position
-                    self.ctx.ledger.fed(uid)  # sent: in the ledger (nothing awaited between)
-                self.sent += 1
+                if not batch:
+                    room = max(1, out.room()) if self._batching(out) else 1
+                batch.append((position, {**prompt, "uid": self._uid(position)}))
             position += 1
             if time.monotonic() >= next_metrics:
                 self._metrics()
                 next_metrics = time.monotonic() + self.config.metrics_every_s
+
+    def _end(self, position: int) -> str | None:
+        """Why the feed ends before ``position`` (None: it goes on)."""
+        if self.budget is not None and position >= self.budget:
+            return "max_prompts"
+        if self.config.epochs and position // self.shard_size >= self.config.epochs:
+            return "epochs"
+        return None
+
+    @staticmethod
+    def _batching(out: Any) -> bool:
+        return hasattr(out, "send_many")
+
+    async def _send(self, out: Any, batch: list[tuple[int, dict[str, Any]]]) -> None:
+        """``batch`` ([(position, prompt)], no more than one consumer has credit for) in one
+        ``send_many``; each sent prompt goes in the ledger with nothing awaited between."""
+        self.position = batch[0][0]
+        prompts = [prompt for _, prompt in batch]
+        if len(prompts) > 1:
+            seqs = await out.send_many("prompt", prompts)
+        else:
+            seqs = [await out.send("prompt", prompts[0])]
+        for (position, prompt), seq in zip(batch, seqs, strict=True):
+            if isinstance(seq, int):
+                if seq in self._acked_early:  # acknowledged before send_many returned
+                    self._acked_early.discard(seq)
+                    self._processed(position)
+                else:
+                    self._position_of[seq] = position
+                self.ctx.ledger.fed(prompt["uid"])  # sent: in the ledger
+            self.sent += 1
+        self.position = batch[-1][0] + 1
 
     # ------------------------------------------------------------------ position
     def _acked(self, seq: int) -> None:
         position = self._position_of.pop(seq, None)
         if position is not None:
             self._processed(position)
+        else:
+            self._acked_early.add(seq)
 
     def _processed(self, position: int) -> None:
         """``position`` is done with: acknowledged, or skipped as unusable (never sent)."""
