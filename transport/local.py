@@ -58,17 +58,36 @@ def unbind(address: str, receiver: Any) -> None:
 
 def fresh(value: Any) -> Any:
     """``value`` as a consumer may own it: maps and lists rebuilt, arrays made read-only
-    (anything else is immutable, or a tensor, and passed as it is)."""
+    (anything else is immutable, or a tensor, and passed as it is). Every message handed over
+    in-process goes through here: the common types are told apart by ``type`` first."""
+    kind = type(value)
+    if kind is dict:
+        out = {}
+        for key, item in value.items():
+            of = type(item)
+            if of in _PLAIN:
+                out[key] = item
+            elif of is np.ndarray:
+                out[key] = _read_only(item)
+            else:
+                out[key] = fresh(item)
+        return out
+    if kind is list:
+        return [item if type(item) in _PLAIN else fresh(item) for item in value]
     if isinstance(value, dict):
-        return {k: v if type(v) in _PLAIN else fresh(v) for k, v in value.items()}
+        return {k: fresh(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [v if type(v) in _PLAIN else fresh(v) for v in value]
+        return [fresh(v) for v in value]
     if isinstance(value, np.ndarray):
-        flags = value.flags
-        if flags.writeable:  # the producer may not change it either (transport.codec)
-            flags.writeable = False
-        return value
+        return _read_only(value)
     return value
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    flags = array.flags
+    if flags.writeable:  # the producer may not change it either (transport.codec)
+        flags.writeable = False
+    return array
 
 
 _PLAIN = frozenset({str, int, float, bool, type(None), bytes})  # immutable: no copy to make

@@ -60,10 +60,18 @@ from stages.scorer.arguments import reward_arguments
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import RewardSpec
 from stages.scorer.teacher import TeacherSpec
-from transport.message import Message
+from transport.message import Message, Schema
 
 __all__ = ["RewardSpec", "Scorer", "ScorerConfig"]
 
+# A rollout_group's own fields are checked as its message is; a sample that repeats none of
+# them need only be checked for the rollout fields it brings (the same check, cheaper).
+_HEAD_FIELDS = frozenset(ROLLOUT_GROUP.fields)
+_SAMPLE = Schema(
+    ROLLOUT.kind,
+    ROLLOUT.version,
+    {name: spec for name, spec in ROLLOUT.fields.items() if ROLLOUT_GROUP.fields.get(name) != spec},
+)
 _CLOSED_REMEMBERED = 10_000  # ids of sent or dropped groups kept to recognize late samples
 
 
@@ -312,9 +320,15 @@ class Scorer:
         head = {k: v for k, v in data.items() if k != "samples"}
         for sample in data["samples"]:
             self.counts["rollouts_in"] += 1
-            # the sample maps are not checked on receipt: check each as a rollout
+            # the sample maps are not checked on receipt: check each as a rollout (the group's
+            # own fields were, as its message's: only a sample's own, unless it repeats one)
             rollout = {**head, **sample} if isinstance(sample, Mapping) else {}
-            shape = ROLLOUT.check(rollout) if rollout else ["a sample is not a map"]
+            if not rollout:
+                shape = ["a sample is not a map"]
+            elif _HEAD_FIELDS.isdisjoint(sample):
+                shape = _SAMPLE.check(sample)
+            else:
+                shape = ROLLOUT.check(rollout)
             if shape:
                 self._ledger_drop(rollout, "malformed")
                 self.counts["dropped"] += 1

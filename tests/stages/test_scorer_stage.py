@@ -210,3 +210,36 @@ def test_unknown_rewards_are_config_errors_reported_together(tokenizer_dir):
     assert "stages.scorer.rewards[1]" in text and "no attribute 'nothing_here'" in text
     with pytest.raises(ConfigError, match="at least one reward function"):
         build_stage_config(Scorer, {**options, "rewards": []}, "scorer")
+
+
+def test_a_group_s_sample_is_checked_as_the_rollout_it_makes_with_its_group():
+    """The scorer checks a ``rollout_group``'s sample for its own fields only when it repeats
+    none of the group's (which were checked as the message was): the same verdict as checking
+    the rollout the two make together."""
+    import numpy as np
+
+    from stages.schemas import ROLLOUT, ROLLOUT_GROUP
+    from stages.scorer.stage import _HEAD_FIELDS, _SAMPLE
+
+    head = {"run_id": "r", "prompt_id": "p", "group_id": "g", "group_size": 2, "uid": None,
+            "prompt_ids": np.arange(3), "meta": None, "origin": None}  # fmt: skip
+    assert not ROLLOUT_GROUP.check({**head, "samples": []})
+    good = {"sample_index": 0, "completion_ids": np.arange(2), "sampler_logprobs": np.zeros(2),
+            "versions": np.zeros(2), "finish_reason": "stop", "engine": "e",
+            "timings": {}}  # fmt: skip
+    samples = [
+        good,
+        {**good, "loss_mask": np.ones(2)},
+        {**good, "loss_mask": None},
+        {k: v for k, v in good.items() if k != "completion_ids"},
+        {**good, "finish_reason": 3},
+        {**good, "timings": []},
+        {**good, "loss_mask": [1, 1]},
+    ]
+    verdicts = []
+    for sample in samples:
+        assert _HEAD_FIELDS.isdisjoint(sample)
+        alone, together = _SAMPLE.check(sample), ROLLOUT.check({**head, **sample})
+        assert bool(alone) == bool(together), (sample, alone, together)
+        verdicts.append(not alone)
+    assert verdicts == [True, True, True, False, False, False, False]

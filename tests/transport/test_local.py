@@ -121,3 +121,28 @@ async def test_a_kind_the_consumer_does_not_take_is_refused_and_counted(ctx, ipc
 def test_an_in_process_peer_needs_its_address(ctx):
     with pytest.raises(ValueError, match="in-process peer needs its address"):
         sender(ctx, [None], local=[True])
+
+
+def test_fresh_rebuilds_maps_and_lists_at_any_depth_and_makes_arrays_read_only():
+    from collections import OrderedDict
+
+    from transport.local import fresh
+
+    a, b = np.arange(3), np.zeros(2)
+    inner = OrderedDict(x=[{"y": b}])  # a subclass of dict: rebuilt as a plain map
+    shared = (1, [2])  # tuples are passed as they are
+    value = {"a": a, "s": "t", "n": None, "m": inner, "rows": [[a], {"k": 1}], "t": shared}
+    got = fresh(value)
+    assert (
+        got is not value
+        and sorted(got) == sorted(value)
+        and type(got["m"]) is dict
+        and got["m"] is not inner
+    )
+    assert got["m"]["x"] is not inner["x"] and got["m"]["x"][0] is not inner["x"][0]
+    assert got["rows"] is not value["rows"] and got["rows"][0] is not value["rows"][0]
+    assert got["rows"][1] is not value["rows"][1] and got["rows"][1] == {"k": 1}
+    assert got["a"] is a and got["m"]["x"][0]["y"] is b and got["rows"][0][0] is a
+    assert not a.flags.writeable and not b.flags.writeable
+    assert got["t"] is shared and got["s"] == "t" and got["n"] is None
+    assert fresh([a])[0] is a and fresh(5) == 5
