@@ -319,15 +319,7 @@ class Receiver:
             if self._sock is None:
                 raise TransportError(f"receiver {self.name!r}: call start() first")
             if self._inbox:
-                msg = self._inbox.popleft()
-                self._schedule_grant()  # a slot is free again
-                if self._manual_ack:
-                    if msg.ack_id is not None:
-                        uid = msg.data.get("uid")
-                        self._taken_unacked[msg.ack_id] = uid if isinstance(uid, str) else None
-                else:
-                    self._queue_ack(msg)
-                return msg
+                return self._pop()
             if self._ended():
                 raise EndOfStream(f"receiver {self.name!r}: every producer has finished")
             self._readable.clear()
@@ -337,6 +329,30 @@ class Receiver:
             finally:
                 self._blocked_s += time.monotonic() - self._blocked_since
                 self._blocked_since = None
+
+    def waiting(self) -> int:
+        """How many messages ``take`` would return now, one by one, without waiting."""
+        if self._closed or self._failure is not None or self._sock is None:
+            return 0
+        return len(self._inbox)
+
+    def take(self) -> Message:
+        """The next message, which ``waiting`` said is there: what ``recv`` would return, for
+        a caller that must not yield to the loop (IndexError when there is none)."""
+        if not self.waiting():
+            raise IndexError(f"receiver {self.name!r}: no message waiting")
+        return self._pop()
+
+    def _pop(self) -> Message:
+        msg = self._inbox.popleft()
+        self._schedule_grant()  # a slot is free again
+        if self._manual_ack:
+            if msg.ack_id is not None:
+                uid = msg.data.get("uid")
+                self._taken_unacked[msg.ack_id] = uid if isinstance(uid, str) else None
+        else:
+            self._queue_ack(msg)
+        return msg
 
     def ack(self, msg: Message) -> None:
         """``ack="manual"``: ``msg`` (from ``recv()``) is processed; its producer may forget it.

@@ -7,8 +7,9 @@ caller's event loop at ``host:port``, because the weight publisher and any outsi
 reach it over SGLang's API. What changes is the caller's own ``/generate``: ``results(body)``
 hands the request body to the scheduler directly (``stages.engine.server.generate_results``: the
 same validation as the route) and returns the scheduler's results as they are, with no JSON,
-socket or HTTP parsing, and no rendering of SGLang's response layout, on either side. The
-generator's launcher starts one with ``launch.in_process: true``.
+socket or HTTP parsing, and no rendering of SGLang's response layout, on either side;
+``submit_groups(body, sizes)`` does the same for several groups in one body, with a future per
+group. The generator's launcher starts one with ``launch.in_process: true``.
 
 Trade-offs: the engine shares the caller's process (its interpreter lock, its cores, its fate: a
 crashed generator takes its engine with it, and the supervisor restarts both); the model runs on
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -106,6 +108,27 @@ class InProcessEngine:
             raise RuntimeError("the in-process engine is not started")
         _, results, _ = await server.generate_results(self.loaded, self.scheduler, body)
         return results
+
+    def submit_groups(self, body: Any, sizes: Sequence[int]) -> list[asyncio.Future]:
+        """A ``/generate`` body of ``sum(sizes)`` samples checked as the route checks it (one
+        RequestError / ValueError for the whole body) and handed to the scheduler as groups of
+        ``sizes`` consecutive samples: one future each, resolving with its results in order as
+        soon as its own samples are done."""
+        if self.scheduler is None or self.loaded is None:
+            raise RuntimeError("the in-process engine is not started")
+        inputs, _ = server.parse_body(self.loaded, self.scheduler, body)
+        if len(inputs) != sum(sizes):
+            raise ValueError(f"{len(inputs)} samples for groups of {list(sizes)}")
+        futures, start = [], 0
+        for size in sizes:
+            futures.append(self.scheduler.submit_async(inputs[start : start + size]))
+            start += size
+        return futures
+
+    def abort(self, rids: Iterable[str]) -> None:
+        """Abort these requests (their slots are freed at the next step)."""
+        if self.scheduler is not None:
+            self.scheduler.abort_many(rids)
 
     async def close(self) -> None:
         if self._runner is not None:

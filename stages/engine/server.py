@@ -275,13 +275,7 @@ async def generate_results(
 ) -> tuple[list[GenerateInput], list[SequenceResult], bool]:
     """``generate`` before rendering: the requests, their results (in request order) and
     whether the body was a batch. ``stages.engine.in_process`` hands them on as they are."""
-    inputs, listed = parse_generate(
-        body,
-        vocab_size=loaded.vocab_size,
-        context_length=loaded.context_length,
-        encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
-        adapters=scheduler.adapter_names(),
-    )
+    inputs, listed = parse_body(loaded, scheduler, body)
     # One command and one future per request, however many samples it holds.
     try:
         results = await scheduler.submit_async(inputs)
@@ -289,6 +283,18 @@ async def generate_results(
         scheduler.abort_many([inp.rid for inp in inputs])
         raise
     return inputs, results, listed
+
+
+def parse_body(loaded: LoadedModel, scheduler: Any, body: Any) -> tuple[list[GenerateInput], bool]:
+    """A ``/generate`` body checked as the route checks it (``protocol.parse_generate``
+    with this engine's model and adapters): its sequences and whether it was a batch."""
+    return parse_generate(
+        body,
+        vocab_size=loaded.vocab_size,
+        context_length=loaded.context_length,
+        encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
+        adapters=scheduler.adapter_names(),
+    )
 
 
 async def _abort_request(request: web.Request) -> web.Response:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -417,12 +417,53 @@ class InProcessClient(EngineClient):
             else:
                 results = await asyncio.wait_for(self.engine.results(request), self.timeout.total)
         except (RequestError, ValueError) as exc:  # what the route answers with 400
-            raise EngineError(self.url, f"/generate: {exc}", retryable=False, status=400) from exc
+            raise EngineError(
+                self.url, f"/generate answered 400: {exc}", retryable=False, status=400
+            ) from exc
         except asyncio.TimeoutError as exc:  # cancelled on time-out: its rows were aborted
             raise EngineError(self.url, "/generate timed out", retryable=True) from exc
         except RuntimeError as exc:  # the scheduler stopped (stopping, or its thread died)
             raise EngineError(self.url, f"/generate failed: {exc!r}", retryable=True) from exc
         return [completion_of(result, self.url) for result in results]
+
+    def submit_groups(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        sampling_params: Mapping[str, Any],
+        rids: Sequence[Sequence[str]],
+    ) -> tuple[list[asyncio.Future], int | None]:
+        """Several groups in one request: ``len(rids[i])`` samples of ``prompts[i]``, checked
+        as one ``/generate`` body; one future per group, resolving with the engine's results
+        in the order of its rids (``completions`` reads them) as soon as that group is done.
+        Also returns the adapter version every token is pinned to (``_adapted``).
+
+        EngineError (400) if the engine refuses the body, (retryable) if it has stopped.
+        """
+        from stages.engine.protocol import RequestError
+
+        ids = [_token_list(p) for p in prompts]
+        body = _generate_body(
+            [one for one, group in zip(ids, rids, strict=True) for _ in group],
+            sampling_params,
+            [rid for group in rids for rid in group],
+        )
+        pinned = self._adapted(body)
+        try:
+            futures = self.engine.submit_groups(body, [len(group) for group in rids])
+        except (RequestError, ValueError) as exc:  # what the route answers with 400
+            raise EngineError(
+                self.url, f"/generate answered 400: {exc}", retryable=False, status=400
+            ) from exc
+        except RuntimeError as exc:  # the scheduler stopped (stopping, or its thread died)
+            raise EngineError(self.url, f"/generate failed: {exc!r}", retryable=True) from exc
+        return futures, pinned
+
+    def completions(self, results: Sequence[Any], pinned: int | None) -> list[Completion]:
+        """A group's results (``submit_groups``) as Completions."""
+        return [_pinned(completion_of(result, self.url), pinned) for result in results]
+
+    def abort(self, rids: Iterable[str]) -> None:
+        self.engine.abort(rids)
 
 
 def _pinned(completion: Completion, version: int | None) -> Completion:

@@ -6,7 +6,10 @@ every sample is in or dropped: one message per group, not per sample. By default
 samples travel as one ``/generate`` request (``group_requests``: G copies of the prompt in
 ``input_ids``, one ``rid`` per sample, a form SGLang and the built-in engine both serve) to the
 engine with the fewest samples in flight among those with room for the group; with
-``group_requests: false`` every sample is its own request, each to the least-loaded engine.
+``group_requests: false`` every sample is its own request, each to the least-loaded engine. To
+an engine in the generator's own process (``launch.in_process``), the groups of the prompts
+waiting in the inbox that the gates let start together go in one request (up to 16 groups: one
+check of the body, one timer), each group still emitted as soon as its own samples are done.
 
 How many samples are in flight is the controller's call (``controller.py``): downstream credit and
 the staleness bound gate new starts, measured throughput sets each engine's target; each decision
@@ -79,6 +82,8 @@ from transport.message import Message
 __all__ = ["Generator", "SamplingConfig"]
 
 _BACKOFF_CAP_S = 10.0
+# groups at most in one request to an engine in this process (``Generator._groups``)
+_GROUPS_PER_REQUEST = 16
 # connections per engine beyond its most samples in flight (health probes, spare)
 _SPARE_CONNECTIONS = 4
 
@@ -446,35 +451,37 @@ class Generator:
             open_engines.append(url)
         return min(open_engines, key=lambda u: self.in_flight[u]) if open_engines else None
 
+    def _open(self, size: int) -> tuple[str | None, int | None]:
+        """The engine ``size`` more samples may start on now (None: the gates are shut, or no
+        engine has room), and the learner's budget (``_learner_room``)."""
+        groups = self.ctx.outputs["rollouts"].credit() + (self.outbox.maxsize - self.outbox.qsize())
+        self._take_announced_versions()
+        version = max(self.engine_version, 0)
+        newest = max(self.ctx.version, version)
+        ahead, budget = self._learner_room(version)
+        may_start, changes = self.controller.gates(
+            in_flight=sum(self.in_flight.values()),
+            room=groups * self.config.group_size,
+            version=version,
+            newest=newest,
+            max_lag=self.config.max_lag,
+            size=size,
+            ahead=ahead,
+            budget=budget,
+        )
+        self._log_decisions(changes)
+        return (self._pick_engine(size) if may_start else None), budget
+
     async def _slot(self, size: int) -> str:
         """Wait until the gates let ``size`` samples start and an engine has room for them."""
-        rollouts = self.ctx.outputs["rollouts"]
         while True:
             if self.launcher is not None and self.launcher.all_given_up:
                 raise RuntimeError("every engine this generator launched died for good")
             if self._fatal is not None:
                 raise self._fatal
-            groups = rollouts.credit() + (self.outbox.maxsize - self.outbox.qsize())
-            room = groups * self.config.group_size
-            self._take_announced_versions()
-            version = max(self.engine_version, 0)
-            newest = max(self.ctx.version, version)
-            ahead, budget = self._learner_room(version)
-            may_start, changes = self.controller.gates(
-                in_flight=sum(self.in_flight.values()),
-                room=room,
-                version=version,
-                newest=newest,
-                max_lag=self.config.max_lag,
-                size=size,
-                ahead=ahead,
-                budget=budget,
-            )
-            self._log_decisions(changes)
-            if may_start:
-                engine = self._pick_engine(size)
-                if engine is not None:
-                    return engine
+            engine, budget = self._open(size)
+            if engine is not None:
+                return engine
             idle = not any(self.in_flight.values())  # no answer will say where engines are
             if any(self._lagging(u) for u in self.versions if u not in self.down) or (
                 idle and budget is not None
@@ -532,6 +539,10 @@ class Generator:
                 group_id = f"{prompt['prompt_id']}/{secrets.token_hex(3)}"
                 if grouped:
                     engine = await self._slot(size)
+                    if self._batching(engine):
+                        batch = self._more_groups([(msg, group_id)], engine, size)
+                        self._spawn(self._groups(batch, engine, time.monotonic()))
+                        continue
                     self._start(self._group(msg, group_id, engine, time.monotonic()), engine, size)
                     continue
                 collecting = _Collecting(size)
@@ -567,23 +578,146 @@ class Generator:
 
     def _start(self, work: Any, engine: str, size: int) -> None:
         """Run ``work`` (a coroutine) holding ``size`` samples of ``engine``'s in-flight count."""
+        self._hold(engine, size)
+        self._spawn(work)
+
+    def _hold(self, engine: str, size: int) -> None:
         self.in_flight[engine] += size
         self.counts["started"] += size
         self._unacked += size
+
+    def _spawn(self, work: Any) -> None:
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _batching(self, engine: str) -> bool:
+        """Whether groups for ``engine`` go several to a request: an engine in this process
+        (a request costs its checks and bookkeeping, not a round trip), in async mode (a sync
+        batch counts its prompts one by one)."""
+        return (
+            self.ctx.mode == "async"
+            and engine not in self.no_groups
+            and isinstance(self.clients[engine], InProcessClient)
+        )
+
+    def _more_groups(
+        self, batch: list[tuple[Message, str]], engine: str, size: int
+    ) -> list[tuple[Message, str]]:
+        """``batch`` (its first group's slot just granted) and the prompts waiting in the
+        inbox whose groups the gates let start on ``engine`` now, each held as ``_start``
+        holds one; no more than ``_GROUPS_PER_REQUEST``."""
+        self._hold(engine, size)
+        prompts = self.ctx.inputs["prompts"]
+        waiting = getattr(prompts, "waiting", None)
+        while (
+            waiting is not None
+            and len(batch) < _GROUPS_PER_REQUEST
+            and waiting() > 0
+            and self._open(size)[0] == engine
+        ):
+            msg = prompts.take()
+            batch.append((msg, f"{msg.data['prompt_id']}/{secrets.token_hex(3)}"))
+            self._hold(engine, size)
+        return batch
+
     def _rid(self, group_id: str, index: int) -> str:
         return f"{self.run_id}/{group_id}/{index}"
 
-    async def _group(self, msg: Message, group_id: str, engine: str, queued: float) -> None:
+    async def _group(
+        self, msg: Message, group_id: str, engine: str, queued: float, attempt: int = 0
+    ) -> None:
         started = time.monotonic()
-        served = await self._request_group(msg.data, group_id, engine)
+        served = await self._request_group(msg.data, group_id, engine, attempt)
         got = [
             _completion_fields(i, s, queued, started) for i, s in enumerate(served) if s is not None
         ]
         await self._put(msg, group_id, got)
+
+    async def _groups(self, batch: list[tuple[Message, str]], engine: str, queued: float) -> None:
+        """Several groups in one request to an engine in this process (``_more_groups``); each
+        goes on as soon as its own samples are done. A group the request fails for goes on as
+        ``_group`` would have: refused, it is asked for again on its own (a bad prompt fails
+        the whole request, and then only its own group); the engine stopped or the request
+        timed out, the engine is taken out of use and the group retried elsewhere."""
+        started = time.monotonic()
+        size = self.config.group_size
+        client = self.clients[engine]
+        assert isinstance(client, InProcessClient)
+        rids = [[self._rid(group_id, i) for i in range(size)] for _, group_id in batch]
+        self.counts["requests"] += 1
+        try:
+            futures, pinned = client.submit_groups(
+                [msg.data["input_ids"] for msg, _ in batch], self.params, rids
+            )
+        except EngineError as exc:
+            for msg, group_id in batch:
+                self._spawn(self._group_again(msg, group_id, engine, queued, exc))
+            return
+        which = {future: i for i, future in enumerate(futures)}
+        pending = set(futures)
+        deadline = time.monotonic() + client.timeout.total
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                done, pending = await asyncio.wait(
+                    pending, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    break  # timed out: what is left goes again, below
+                for future in sorted(done, key=which.__getitem__):
+                    msg, group_id = batch[which[future]]
+                    try:
+                        completions = client.completions(future.result(), pinned)
+                    except EngineError as exc:  # an answer that does not add up
+                        self._spawn(self._group_again(msg, group_id, engine, queued, exc))
+                        continue
+                    except (RuntimeError, ValueError) as exc:  # as _generate reads them
+                        error = EngineError(
+                            engine,
+                            f"/generate failed: {exc!r}",
+                            retryable=isinstance(exc, RuntimeError),
+                        )
+                        self._spawn(self._group_again(msg, group_id, engine, queued, error))
+                        continue
+                    self._release(engine, size)
+                    self._served(engine, completions)
+                    done_at = time.monotonic()
+                    got = [
+                        _completion_fields(i, _Served(engine, c, done_at), queued, started)
+                        for i, c in enumerate(completions)
+                    ]
+                    await self._put(msg, group_id, got)
+        finally:
+            if pending:  # timed out, or this task was cancelled: their rows are aborted
+                client.abort([rid for f in pending for rid in rids[which[f]]])
+                for future in pending:
+                    future.cancel()
+        timed_out = EngineError(engine, "/generate timed out", retryable=True)
+        for future in sorted(pending, key=which.__getitem__):
+            msg, group_id = batch[which[future]]
+            self._spawn(self._group_again(msg, group_id, engine, queued, timed_out))
+
+    async def _group_again(
+        self, msg: Message, group_id: str, engine: str, queued: float, error: EngineError
+    ) -> None:
+        """A group of a several-group request that failed with ``error``, as ``_request_group``
+        goes on after its first attempt: refused, it is sent again on its own to the same
+        engine (where it is refused again only if its own prompt is bad); otherwise the engine
+        is taken out of use and the group retried on another (or on it once it is back)."""
+        if error.retryable:
+            size = self.config.group_size
+            rids = [self._rid(group_id, i) for i in range(size)]
+            self._release(engine, size)
+            self._mark_down(engine, str(error))
+            if self.config.max_retries < 1:
+                self._dropped(rids, engine, error, 1)
+                await self._put(msg, group_id, [])
+                return
+            self._retrying(rids, engine, 1, error)
+            engine = await self._slot(size)
+            self.in_flight[engine] += size
+        await self._group(msg, group_id, engine, queued, attempt=1 if error.retryable else 0)
 
     async def _sample(
         self,
@@ -670,13 +804,13 @@ class Generator:
             )
 
     async def _request_group(
-        self, prompt: dict[str, Any], group_id: str, engine: str
+        self, prompt: dict[str, Any], group_id: str, engine: str, attempt: int = 0
     ) -> list[_Served | None]:
         """The group's samples (None for a dropped one); holds ``group_size`` samples of
-        ``engine`` and releases them. A whole-group failure is re-routed whole."""
+        ``engine`` and releases them. A whole-group failure is re-routed whole (``attempt``:
+        the retries it had before)."""
         size = self.config.group_size
         rids = [self._rid(group_id, index) for index in range(size)]
-        attempt = 0
         while engine not in self.no_groups:
             self.counts["requests"] += 1
             try:

@@ -231,11 +231,19 @@ def test_killed_engine_is_restarted_and_its_requests_rerouted(tmp_path, model_di
 
 
 @pytest.mark.timeout(90)
-def test_rejected_request_is_dropped_counted_and_logged(tmp_path, live_engine):
+@pytest.mark.parametrize("engine", ["attached", "in_process"])
+def test_rejected_request_is_dropped_counted_and_logged(tmp_path, live_engine, model_dir, engine):
+    """In process, the groups waiting together go in one request: the bad prompt fails it
+    for all of them, and each is asked for again on its own (the good ones served)."""
     prompts, bad = 6, 2
+    where = (
+        f'engines: ["{live_engine}"]'
+        if engine == "attached"
+        else f'launch: {{model: "{model_dir}", count: 1, in_process: true}}'
+    )
     config = _write(
         tmp_path,
-        f"""    engines: ["{live_engine}"]
+        f"""    {where}
     sampling: {{temperature: 1.0, max_new_tokens: 8, ignore_eos: true}}""",
         prompts=(
             f'{{use: "tests.stages_for_tests:PromptsWithBad", count: {prompts}, vocab: 60, '
@@ -259,6 +267,8 @@ def test_rejected_request_is_dropped_counted_and_logged(tmp_path, live_engine):
     assert not [e for e in gen if e["event"] in ("sample_retry", "engine_down")]
     done = _done(run_dir)
     assert done["dropped"] == 2 and done["emitted"] == 2 * len(good) and done["retried"] == 0
+    if engine == "in_process":  # the batch with the bad prompt, then each of its groups alone
+        assert done["requests"] > prompts
 
 
 @pytest.mark.timeout(90)

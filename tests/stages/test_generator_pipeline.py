@@ -78,8 +78,13 @@ def test_rollouts_carry_per_token_logprobs_and_versions(tmp_path, model_dir, in_
     assert rollouts[0]["origin"].startswith("generator.0:")
     done = [e for e in events(run_dir, "generator.0") if e["event"] == "generator_done"]
     assert done and done[0]["emitted"] == 12 and done[0]["dropped"] == 0
-    # one /generate per group (group_requests is on by default), and the engine served them
-    assert done[0]["requests"] == 6 and done[0]["engines_without_group_requests"] == 0
+    # one /generate per group (group_requests is on by default), and the engine served them;
+    # an engine in the generator's process takes the groups waiting together in one request
+    if in_process:
+        assert 1 <= done[0]["requests"] < 6
+    else:
+        assert done[0]["requests"] == 6
+    assert done[0]["engines_without_group_requests"] == 0
     if in_process:  # no engine process: its events are the generator's, no HTTP /generate
         started = [e for e in events(run_dir, "generator.0") if e["event"] == "engine_started"]
         assert started and started[0]["in_process"] is True
