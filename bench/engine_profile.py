@@ -465,6 +465,13 @@ def _mid_model(path: Path) -> Path:
     return path
 
 
+def _server_info(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
 def _finished_in(chunk: dict[str, Any]) -> int:
     """1 if a streamed chunk (native or /v1) is a sample's last."""
     if "choices" in chunk:
@@ -473,8 +480,6 @@ def _finished_in(chunk: dict[str, Any]) -> int:
 
 
 def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
-    import urllib.request
-
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))
@@ -517,13 +522,13 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
+        before = _server_info(url)
         cpu0, ctx0 = _thread_cpu(proc.pid), _ctx_switches(proc.pid)
         wall0 = time.perf_counter()
         driven = asyncio.run(_drive(url, *drive, args.seconds, 4, args.stream, args.new_tokens))
         wall = time.perf_counter() - wall0
         cpu1, ctx1 = _thread_cpu(proc.pid), _ctx_switches(proc.pid)
-        with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
-            info = json.loads(resp.read())
+        info = _server_info(url)
         if spy is not None:
             spy.wait(120)
     finally:
@@ -535,6 +540,8 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
         name = "event_loop" if tid == proc.pid else names.get(tid, "other")
         by_name[name] += t - cpu0.get(tid, 0.0)
     total = sum(by_name.values())
+    steps = info["decode_steps"] - before["decode_steps"]
+    steps_tokens = info["tokens_generated"] - before["tokens_generated"]
     result: dict[str, Any] = {
         "bench": "engine_http_share",
         "model": args.model,
@@ -549,6 +556,14 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
         "engine_cpu_s": round(total, 2),
         "engine_cpu_us_per_sample": round(1e6 * total / max(1, driven["samples"]), 1),
         "engine_cpu_util": round(total / wall, 2),
+        # how full the scheduler's steps were (tokens sampled per decode step, a sample's first,
+        # sampled at its prefill, included): a client that turns its requests around more
+        # slowly (a stream's reader) leaves fewer rows per step, and every sample then carries
+        # more of each step's fixed cost, though the engine does no more work for it
+        "tokens_per_step": round(steps_tokens / max(1, steps), 1),
+        "scheduler_cpu_us_per_step": round(
+            1e6 * by_name.get("engine-scheduler", 0.0) / max(1, steps), 1
+        ),
         "cpu_share_by_thread": {k: round(v / total, 3) for k, v in sorted(by_name.items())},
         "http_share_proc": round(by_name.get("event_loop", 0.0) / total, 3),
         "event_loop_cpu_us_per_request": round(
