@@ -617,11 +617,28 @@ class Receiver:
                 self._duplicate(rid, seq, sender)
                 self._schedule_grant()
                 return
+        self._deliver_or_park(rid, sender, seq, ack_id, credited, frames, header, [ack_id])
+
+    def _deliver_or_park(
+        self,
+        rid: bytes,
+        sender: str,
+        seq: Any,
+        ack_id: tuple[bytes, int] | None,
+        credited: bool,
+        frames: list[Any],
+        header: Mapping[str, Any],
+        ack_ids: list[tuple[bytes, int] | None],
+    ) -> None:
+        """A DATA (one message or a batch) delivered now, or parked in its producer's line
+        (behind sealed frames, or waiting for its own); ``ack_ids``: what it carries, remembered
+        while it waits (a copy sent again meanwhile is a duplicate)."""
         descriptor = header.get("bulk")
         if descriptor is None and rid not in self._lines:
             self._deliver(rid, sender, seq, ack_id, credited, frames)
             return
-        self._remember(ack_id)  # a copy sent again while this one waits is a duplicate
+        for one in ack_ids:
+            self._remember(one)
         held = _Parked(rid, sender, seq, ack_id, credited, frames, time.monotonic())
         self._park(held, descriptor)
 
@@ -663,14 +680,8 @@ class Receiver:
         if all(s is None for s in fresh):
             self._schedule_grant()
             return
-        descriptor = header.get("bulk")
-        if descriptor is None and rid not in self._lines:
-            self._deliver(rid, sender, fresh, None, credited, frames)
-            return
-        for s in fresh:
-            self._remember(None if s is None else (rid, s))
-        held = _Parked(rid, sender, fresh, None, credited, frames, time.monotonic())
-        self._park(held, descriptor)
+        taken = [None if s is None else (rid, s) for s in fresh]
+        self._deliver_or_park(rid, sender, fresh, None, credited, frames, header, taken)
 
     def _duplicate(self, rid: bytes, seq: int, sender: str) -> None:
         """A DATA taken before, sent again: counted, and acknowledged again (our ack may have

@@ -706,17 +706,12 @@ class Generator:
         engine (where it is refused again only if its own prompt is bad); otherwise the engine
         is taken out of use and the group retried on another (or on it once it is back)."""
         if error.retryable:
-            size = self.config.group_size
-            rids = [self._rid(group_id, i) for i in range(size)]
-            self._release(engine, size)
-            self._mark_down(engine, str(error))
-            if self.config.max_retries < 1:
-                self._dropped(rids, engine, error, 1)
-                await self._put(msg, group_id, [])
+            rids = [self._rid(group_id, i) for i in range(self.config.group_size)]
+            rerouted = await self._reroute(rids, engine, 0, error)
+            if rerouted is None:
+                await self._put(msg, group_id, [])  # dropped: in the ledger as such
                 return
-            self._retrying(rids, engine, 1, error)
-            engine = await self._slot(size)
-            self.in_flight[engine] += size
+            engine = rerouted
         await self._group(msg, group_id, engine, queued, attempt=1 if error.retryable else 0)
 
     async def _sample(
@@ -820,17 +815,10 @@ class Generator:
             except EngineError as exc:
                 if not exc.retryable:
                     return await self._fall_back(prompt, rids, engine, exc, attempt)
-                self._release(engine, size)
-                self._mark_down(engine, str(exc))
-                if attempt >= self.config.max_retries:
-                    self._dropped(rids, engine, exc, attempt + 1)
+                rerouted = await self._reroute(rids, engine, attempt, exc)
+                if rerouted is None:
                     return [None] * size
-                attempt += 1
-                self._retrying(rids, engine, attempt, exc)
-                # the failed engine is out of use now: this goes to a live one, or waits
-                # for one to come back (the probes' capped backoff)
-                engine = await self._slot(size)
-                self.in_flight[engine] += size
+                engine, attempt = rerouted, attempt + 1
                 continue
             self._release(engine, size)
             self._served(engine, completions)
@@ -840,6 +828,24 @@ class Generator:
         return list(
             await asyncio.gather(*(self._request_one(prompt, r, engine, attempt) for r in rids))
         )
+
+    async def _reroute(
+        self, rids: list[str], engine: str, attempt: int, error: EngineError
+    ) -> str | None:
+        """A group request failed at ``engine`` (retryable ``error``) after ``attempt``
+        retries: the engine is taken out of use and the group's samples released there; the
+        engine that holds them now for the next attempt (a live one, or one that came back:
+        the probes' capped backoff), or None once the retries are spent (dropped, counted)."""
+        size = len(rids)
+        self._release(engine, size)
+        self._mark_down(engine, str(error))
+        if attempt >= self.config.max_retries:
+            self._dropped(rids, engine, error, attempt + 1)
+            return None
+        self._retrying(rids, engine, attempt + 1, error)
+        engine = await self._slot(size)
+        self.in_flight[engine] += size
+        return engine
 
     async def _fall_back(
         self,

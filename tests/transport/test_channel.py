@@ -12,7 +12,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from tests.transport.conftest import events, eventually
+from tests.transport.conftest import RAW_HELLO, events, eventually, raw_hello, raw_producer
 from transport import (
     ChannelClosed,
     EndOfStream,
@@ -201,16 +201,9 @@ async def test_bad_messages_are_rejected_counted_and_the_next_one_arrives(
     addr = ipc_address(ipc_dir, "in")
     r = receiver(ctx, addr, capacity=capacity, log=log)
     await r.start()
-    # A hand-made producer, to send what a Sender never would.
-    raw = ctx.socket(zmq.DEALER)
-    raw.linger = 0
-    raw.routing_id = b"raw.0/s1"
-    raw.connect(addr)
+    raw = raw_producer(ctx, addr)
     try:
-        hello = {"identity": "raw.0", "session": "s1", "to": None, "epoch": 0, "sent": 0}
-        await raw.send_multipart([b"H", msgpack.packb(hello)])
-        tag, body = await asyncio.wait_for(raw.recv_multipart(), 3)
-        credit = msgpack.unpackb(body)
+        tag, credit = await raw_hello(raw)
         assert tag == b"C" and credit["grant"] == capacity
         data = msgpack.packb({"to": credit["session"], "epoch": credit["epoch"]})
 
@@ -251,17 +244,12 @@ async def test_ping_writes_off_lost_data(ctx, ipc_dir, log) -> None:
     addr = ipc_address(ipc_dir, "in")
     r = receiver(ctx, addr, capacity=4, log=log)
     await r.start()
-    raw = ctx.socket(zmq.DEALER)
-    raw.linger = 0
-    raw.routing_id = b"raw.0/s1"
-    raw.connect(addr)
+    raw = raw_producer(ctx, addr)
     try:
-        hello = {"identity": "raw.0", "session": "s1", "to": None, "epoch": 0, "sent": 0}
-        await raw.send_multipart([b"H", msgpack.packb(hello)])
-        credit = msgpack.unpackb((await asyncio.wait_for(raw.recv_multipart(), 3))[1])
+        _, credit = await raw_hello(raw)
         assert credit["granted"] == 4
         # Claim 4 DATA were sent that never arrived: their credit must not stay outstanding.
-        ping = {**hello, "to": credit["session"], "epoch": credit["epoch"], "sent": 4}
+        ping = {**RAW_HELLO, "to": credit["session"], "epoch": credit["epoch"], "sent": 4}
         await raw.send_multipart([b"H", msgpack.packb(ping)])
         credit = msgpack.unpackb((await asyncio.wait_for(raw.recv_multipart(), 3))[1])
         assert credit["granted"] == 8 and credit["grant"] == 4

@@ -10,22 +10,11 @@ import asyncio
 
 import pytest
 
-from tests.transport import test_channel
-from tests.transport.conftest import events, eventually
+from tests.transport.conftest import events, eventually, over_both_wires
 from tests.transport.test_channel import receiver, sender
 from transport import Receiver, ipc_address
 
-
-@pytest.fixture(autouse=True, params=["zmq", "in_process"])
-def wire(request, monkeypatch):
-    """``sender`` of this module makes producers whose consumers are in this process."""
-    if request.param == "in_process":
-
-        def local_sender(ctx, peers, **kw):
-            return test_channel.sender(ctx, peers, local=[True] * len(peers), **kw)
-
-        monkeypatch.setattr(f"{__name__}.sender", local_sender)
-    return request.param
+wire = over_both_wires(__name__)
 
 
 async def _crash(r: Receiver) -> None:

@@ -10,25 +10,14 @@ import asyncio
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
-from tests.transport import test_channel
-from tests.transport.conftest import eventually
+from tests.transport.conftest import eventually, over_both_wires, raw_hello, raw_producer
 from tests.transport.test_channel import receiver, sender
 from tests.transport.test_delivery import _crash
 from transport import Message, Receiver, Schema, ipc_address
 from transport.codec import decode_batch, encode, encode_batch
 
-
-@pytest.fixture(autouse=True, params=["zmq", "in_process"])
-def wire(request, monkeypatch):
-    if request.param == "in_process":
-
-        def local_sender(ctx, peers, **kw):
-            return test_channel.sender(ctx, peers, local=[True] * len(peers), **kw)
-
-        monkeypatch.setattr(f"{__name__}.sender", local_sender)
-    return request.param
+wire = over_both_wires(__name__)
 
 
 def _items(first: int, n: int) -> list[dict]:
@@ -126,15 +115,9 @@ async def test_a_bad_message_of_a_batch_is_refused_alone_and_a_copy_is_a_duplica
     addr = ipc_address(ipc_dir, "in")
     r = receiver(ctx, addr, capacity=12)
     await r.start()
-    raw = ctx.socket(zmq.DEALER)
-    raw.linger = 0
-    raw.routing_id = b"raw.0/s1"
-    raw.connect(addr)
+    raw = raw_producer(ctx, addr)
     try:
-        hello = {"identity": "raw.0", "session": "s1", "to": None, "epoch": 0, "sent": 0}
-        await raw.send_multipart([b"H", msgpack.packb(hello)])
-        _, body = await asyncio.wait_for(raw.recv_multipart(), 3)
-        credit = msgpack.unpackb(body)
+        _, credit = await raw_hello(raw)
 
         def header(seqs):
             return msgpack.packb({"to": credit["session"], "epoch": credit["epoch"], "seqs": seqs})
