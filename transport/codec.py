@@ -196,7 +196,15 @@ def _ext(code: int, index: int, dtype: str, shape: Sequence[int]) -> msgpack.Ext
     return msgpack.ExtType(code, msgpack.packb([index, dtype, list(shape)]))
 
 
+# (dtype, shape) of a small array packed before -> its reference and size: the same recur
+_SMALL: dict[tuple[np.dtype, tuple[int, ...]], tuple[msgpack.ExtType, int]] = {}
+
+
 def _encode_numpy(a: np.ndarray, frames: list[Frame], pack: _Pack) -> msgpack.ExtType:
+    small = _SMALL.get((a.dtype, a.shape))
+    if small is not None and a.flags.c_contiguous and pack.size + small[1] <= _PACK_MAX:
+        pack.add(a.tobytes())
+        return small[0]
     name = _NUMPY_NAMES.get(a.dtype) or a.dtype.name
     if name not in _NUMPY_ITEMSIZE:
         raise TypeError(
@@ -209,7 +217,10 @@ def _encode_numpy(a: np.ndarray, frames: list[Frame], pack: _Pack) -> msgpack.Ex
     shape = a.shape  # before reshaping: 0-d arrays keep shape ()
     if pack.fits(a.nbytes):  # small: its bytes are copied into the pack anyway
         pack.add(a.tobytes())
-        return _packed_ref(name, shape)
+        ref = _packed_ref(name, shape)
+        if len(_SMALL) < 65536:  # a native dtype here: as the next such array's is
+            _SMALL[(a.dtype, shape)] = (ref, a.nbytes)
+        return ref
     data = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
     frames.append(data if a.size else b"")
     return _ext(_EXT_NUMPY, len(frames) - 1, name, shape)
@@ -305,7 +316,7 @@ def _decode(
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == _EXT_PACKED:
-            return pack.take(*_parse_ref(payload, packed=True))
+            return pack.take(*_packed_of(payload))
         if code not in (_EXT_NUMPY, _EXT_TORCH):
             raise DecodeError("bad_header", f"unknown ext type code {code}")
         index, dtype, shape = _parse_ref(payload)
@@ -364,8 +375,10 @@ class _Unpack:
         self.data: np.ndarray | None = None
         self.cursor = 0
 
-    def take(self, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        if self.data is None:
+    def take(self, dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> np.ndarray:
+        """The next array of the pack (``_packed_of`` gives its dtype, shape and size)."""
+        data = self.data
+        if data is None:
             self.index = len(self.buffers) - 1
             if self.index < 1 or self.used[self.index]:
                 raise DecodeError("frame_count", "a packed array, but no frame is the pack")
@@ -374,23 +387,19 @@ class _Unpack:
             if data.ctypes.data % _PACK_ALIGN:
                 data = data.copy()  # landed unaligned in ZeroMQ's buffer: one copy for all
             self.data = data
-        itemsize = _NUMPY_ITEMSIZE.get(dtype)
-        if itemsize is None:
-            raise DecodeError(
-                "bad_dtype", f"numpy dtype {dtype!r} is not one of {sorted(_NUMPY_ITEMSIZE)}"
-            )
-        nbytes = itemsize * math.prod(shape)  # Python ints: no overflow, nothing allocated
         start = self.cursor + (-self.cursor % _PACK_ALIGN if nbytes else 0)
-        if start + nbytes > self.data.nbytes:
+        end = start + nbytes
+        if end > data.nbytes:
             raise DecodeError(
                 "frame_size",
-                f"packed {dtype}{list(shape)} needs bytes {start}..{start + nbytes}, "
-                f"the pack has {self.data.nbytes}",
+                f"packed {dtype.name}{list(shape)} needs bytes {start}..{end}, "
+                f"the pack has {data.nbytes}",
             )
-        self.cursor = start + nbytes
+        self.cursor = end
         if not nbytes:
             return np.empty(shape, dtype=dtype)
-        return self.data[start : self.cursor].view(dtype).reshape(shape)
+        array = data[start:end].view(dtype)
+        return array if len(shape) == 1 else array.reshape(shape)
 
     def finish(self, kind: str) -> None:
         if self.data is not None and self.cursor != self.data.nbytes:
@@ -399,6 +408,29 @@ class _Unpack:
                 f"kind {kind!r}: the packed arrays end at byte {self.cursor}, "
                 f"the pack has {self.data.nbytes}",
             )
+
+
+# a packed array's reference (its bytes) -> (dtype, shape, bytes): the same few recur
+_PACKED_OF: dict[bytes, tuple[np.dtype, tuple[int, ...], int]] = {}
+
+
+def _packed_of(payload: bytes) -> tuple[np.dtype, tuple[int, ...], int]:
+    """A packed array's dtype, shape and size in bytes, from its reference (checked once per
+    distinct reference, as ``_packed_ref`` makes each once)."""
+    known = _PACKED_OF.get(payload)
+    if known is not None:
+        return known
+    dtype, shape = _parse_ref(payload, packed=True)
+    itemsize = _NUMPY_ITEMSIZE.get(dtype)
+    if itemsize is None:
+        raise DecodeError(
+            "bad_dtype", f"numpy dtype {dtype!r} is not one of {sorted(_NUMPY_ITEMSIZE)}"
+        )
+    shape = tuple(shape)
+    known = (np.dtype(dtype), shape, itemsize * math.prod(shape))  # Python ints: no overflow
+    if len(_PACKED_OF) < 65536:
+        _PACKED_OF[bytes(payload)] = known
+    return known
 
 
 def _parse_ref(payload: bytes, *, packed: bool = False) -> Any:

@@ -27,6 +27,7 @@ from transport.credit import (
     CLOSE,
     CREDIT,
     DATA,
+    DRAIN_BATCH,
     EOS,
     HELLO,
     SENDER_HWM,
@@ -755,9 +756,23 @@ class Sender:
             await asyncio.sleep(self._heartbeat_s)
 
     async def _peer_loop(self, peer: _Peer) -> None:
+        sock = peer.sock
+        # As the Receiver drains its socket: what is already queued (an ACK and a CREDIT of
+        # the same turn) is read through a plain view of the socket, without pyzmq's future
+        # per message; only this task receives from it.
+        queued = zmq.Socket.shadow(sock.underlying) if isinstance(sock, zmq.Socket) else None
         while True:
-            frames = await peer.sock.recv_multipart()
-            await self._handle(peer, frames)
+            await self._handle(peer, await sock.recv_multipart())
+            if queued is None:
+                continue
+            for _ in range(DRAIN_BATCH):
+                try:
+                    frames = queued.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                await self._handle(peer, frames)
+            else:
+                await asyncio.sleep(0)  # a full batch: let the application run before the next
 
     def _reject(self, peer: _Peer, detail: str) -> None:
         self._rejected["bad_control"] += 1

@@ -932,18 +932,19 @@ class Generator:
         scorer has acknowledged its group (``_emit``, ``_group_acked``)."""
         prompt = msg.data
         size = self.config.group_size
-        kept = {s["sample_index"] for s in samples}
-        reasons = dropped or {}
-        for reason in sorted({reasons.get(i, "engine_failure") for i in range(size)}):
-            self.ctx.ledger.fates(
-                (
-                    (prompt.get("uid"), size, i)
-                    for i in range(size)
-                    if i not in kept and reasons.get(i, "engine_failure") == reason
-                ),
-                reason,
-            )
-        self._unacked -= size - len(samples)  # dropped here: counted in the ledger above
+        if len(samples) < size:  # some were dropped: in the ledger now, each by its reason
+            kept = {s["sample_index"] for s in samples}
+            reasons = dropped or {}
+            for reason in sorted({reasons.get(i, "engine_failure") for i in range(size)}):
+                self.ctx.ledger.fates(
+                    (
+                        (prompt.get("uid"), size, i)
+                        for i in range(size)
+                        if i not in kept and reasons.get(i, "engine_failure") == reason
+                    ),
+                    reason,
+                )
+            self._unacked -= size - len(samples)
         if not samples:
             self.ctx.inputs["prompts"].ack(msg)  # all dropped (and counted): processed
             return

@@ -400,8 +400,8 @@ class Learner:
         current = self.step // self.config.publish.every + self.offset
         kept = []
         for s in samples:
-            versions = s.sampled_versions
-            if not versions.size or current - int(versions.min()) <= self.config.max_lag:
+            oldest = _oldest(s.sampled_versions)
+            if oldest is None or current - oldest <= self.config.max_lag:
                 kept.append(s)
             else:
                 self.counts["stale"] += 1
@@ -460,7 +460,6 @@ class Learner:
             self.ctx.inputs["groups"].ack(entry[0])
 
     def _samples_of(self, msg: Any) -> list[TrainSample]:
-        import torch
 
         from stages.learner.advantages import one_group_advantages
         from stages.learner.distill import token_advantages
@@ -486,7 +485,7 @@ class Learner:
             items = group["samples"]
             # float32, as the rewards were scored (and as the sum of a batch is reported)
             scored = [float(s["reward"]) for s in items]
-            rewards = torch.tensor(scored, dtype=torch.float32).tolist()
+            rewards = np.asarray(scored, dtype=np.float32).tolist()
             rows = [_sample_arrays(s, prompt) for s in items]
             distill = self.config.distill
             teachers = (
@@ -789,6 +788,14 @@ def _inbox_empty(inbox: Any) -> bool:
     """Whether nothing waits in the learner's inbox (a port without statistics: not known)."""
     stats = getattr(inbox, "stats", None)
     return stats is not None and stats().get("depth", 1) == 0
+
+
+def _oldest(versions: np.ndarray) -> int | None:
+    """The smallest of ``versions`` (None if empty); short ones as Python ints, where numpy's
+    reduction costs more than the list."""
+    if versions.size > 64:
+        return int(versions.min())
+    return min(versions.tolist(), default=None)
 
 
 def _sample_arrays(

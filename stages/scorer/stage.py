@@ -467,23 +467,10 @@ class Scorer:
         assert self.runner is not None
         started = time.monotonic()
         per_group = [[g.samples[i] for i in sorted(g.samples)] for g in batch]
-        parts = [
-            self._reward_kwargs(g.head, samples)
-            for g, samples in zip(batch, per_group, strict=True)
-        ]
-        keys = dict.fromkeys(k for part in parts for k in part)
-        # a key only some groups have (their meta) is None for the other groups' samples
-        kwargs = {
-            key: [
-                v
-                for part, samples in zip(parts, per_group, strict=True)
-                for v in part.get(key, [None] * len(samples))
-            ]
-            for key in keys
-        }
+        flat = [sample for samples in per_group for sample in samples]
+        kwargs = self._reward_kwargs([g.head for g in batch], per_group)
         ids = [g.head["group_id"] for g in batch]
         context = {"group_id": ids[0] if len(ids) == 1 else f"{ids[0]} (+{len(ids) - 1} groups)"}
-        flat = [sample for samples in per_group for sample in samples]
         scored, taught = await asyncio.gather(
             self.runner.score(kwargs, **context),
             self.teacher.logprobs(flat, context) if self.teacher is not None else _nothing(flat),
@@ -545,13 +532,25 @@ class Scorer:
             self._release(group_id)
 
     def _reward_kwargs(
-        self, head: Mapping[str, Any], samples: list[Mapping[str, Any]]
+        self, heads: list[Mapping[str, Any]], per_group: list[list[Mapping[str, Any]]]
     ) -> dict[str, list]:
-        """The keyword lists every reward function gets, aligned with the completions."""
+        """The keyword lists every reward function gets, aligned with the samples of every
+        group (``heads``: each group's own fields) in order, in one call: a key only some
+        samples have (their meta) is None for the others'."""
+        prompts = [
+            text
+            for head, samples in zip(heads, per_group, strict=True)
+            for text in [self._prompt_text(head)] * len(samples)
+        ]
+        flat = [sample for samples in per_group for sample in samples]
+        return reward_arguments(self.tokenizer, prompts, flat)
+
+    def _prompt_text(self, head: Mapping[str, Any]) -> str:
+        """The group's prompt as reward functions get it: its text, else its ids decoded."""
         prompt = (head.get("meta") or {}).get("text")
         if not isinstance(prompt, str):
             prompt = self.tokenizer.decode([int(t) for t in head["prompt_ids"]])
-        return reward_arguments(self.tokenizer, [prompt] * len(samples), samples)
+        return prompt
 
     # ------------------------------------------------------------------- metrics
     def _totals(self) -> dict[str, Any]:

@@ -87,12 +87,14 @@ def test_the_scorer_rewards_a_trajectory_by_its_final_answer():
         {"completion_ids": ids("35"), "finish_reason": "stop", "meta": meta},
     ]  # fmt: skip
     head = {"prompt_ids": ids("12*3="), "meta": meta}
-    kwargs = scorer._reward_kwargs(head, samples)
+    kwargs = scorer._reward_kwargs([head], [samples])
     assert kwargs["completions"] == ["36", "35"]  # the final answers
     assert kwargs["trajectories"] == ["12*33636", "35"]
     assert kwargs["env_reward"] == [0.5, None]
     assert kwargs["rollout"][0]["turns"] == 2 and kwargs["answer"] == ["36", "36"]
-    plain = scorer._reward_kwargs(head, samples[1:])  # single completions: as before
+    # a scoring call's groups go in one call: each sample as it would be in one group
+    assert scorer._reward_kwargs([head, head], [samples[:1], samples[1:]]) == kwargs
+    plain = scorer._reward_kwargs([head], [samples[1:]])  # single completions: as before
     assert "trajectories" not in plain and plain["completions"] == ["35"]
     assert SimpleNamespace(**plain).prompts == ["12*3="]
 

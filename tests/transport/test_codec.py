@@ -199,6 +199,27 @@ def test_small_arrays_share_one_frame_the_last() -> None:
     np.testing.assert_array_equal(out["after"], np.arange(3))
 
 
+def test_a_shape_seen_before_is_encoded_right_in_every_layout_and_byte_order() -> None:
+    # small arrays of a (dtype, shape) packed once take a shortcut after: one that is not
+    # native or not contiguous must still go the long way, and a reference decoded once is
+    # read at its own place in each later pack
+    base = np.arange(10, dtype=np.int32)
+    forms = {
+        "native": base[:5].copy(),
+        "big_endian": base[:5].astype(">i4"),
+        "strided": base[::2],
+        "fortran": np.asfortranarray(base[:6].reshape(2, 3)),
+        "c_order": base[:6].reshape(2, 3).copy(),
+    }
+    for _ in range(2):  # the second time, every reference is one seen before
+        out = roundtrip({"a": base[:5].copy(), **forms, "last": base[5:].copy()}).data
+        for key, sent in forms.items():
+            assert out[key].dtype.isnative and out[key].shape == sent.shape, key
+            np.testing.assert_array_equal(out[key], sent, err_msg=key)
+        np.testing.assert_array_equal(out["a"], base[:5])
+        np.testing.assert_array_equal(out["last"], base[5:])
+
+
 def test_import_transport_does_not_import_torch() -> None:
     code = (
         "import sys, numpy as np, transport\n"
