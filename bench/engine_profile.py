@@ -31,7 +31,8 @@ the steady loop to stderr.
 and keeps ``--in-flight`` samples in flight as the default config does, in requests of one
 group of 4 (``batch``: four identical ``input_ids``; ``n``: ``sampling_params.n`` 4;
 ``openai``: the same as ``n`` through ``/v1/completions``, ``logprobs: 0``) or one request per
-sample (``single``); ``--stream`` asks for each as server-sent events (a chunk per token). It
+sample (``single``); ``--stream`` asks for each as server-sent events (a chunk per token, or
+after the first and every ``--stream-interval`` tokens). It
 reports the engine process's CPU split between its threads
 (``/proc``: the event-loop thread, which serves HTTP, vs the scheduler thread) and, with
 ``--py-spy``, the same split from ``py-spy record --threads`` samples plus the hottest frames of
@@ -496,6 +497,8 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
             str(port),
             "--max-running",
             "64",
+            "--stream-interval",
+            str(args.stream_interval),
             "--log-file",
             str(tmp / "engine.log"),
         ],
@@ -548,6 +551,7 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
         "new_tokens": args.new_tokens,
         "group_form": args.group_form,
         "stream": args.stream,
+        "stream_interval": args.stream_interval,
         "in_flight_samples": args.in_flight,
         "seconds": round(wall, 1),
         "samples_per_s": round(driven["samples"] / wall, 1),
@@ -631,6 +635,9 @@ def main() -> int:
     http.add_argument("--group-form", choices=["batch", "n", "single", "openai"], default="batch")
     http.add_argument("--in-flight", type=int, default=64)
     http.add_argument("--stream", action="store_true", help="stream: true (server-sent events)")
+    http.add_argument(
+        "--stream-interval", type=int, default=1, help="the engine's --stream-interval (SGLang's)"
+    )
     http.add_argument(
         "--model",
         choices=["arith", "mid"],

@@ -86,6 +86,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings
     stop_window: int = 0  # output tokens decoded to look for them (see the module docstring)
     no_stop_trim: bool = False
+    # a streamed request's chunk after every this many tokens (SGLang's rule: the first, then
+    # one every ``stream_interval``); None or 0: the server's ``--stream-interval``
+    stream_interval: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -145,7 +148,7 @@ _NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
     "custom_params": (None,),
 }
 # Accepted and without effect here (they only shape text or streaming).
-_IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens", "stream_interval"})
+_IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens"})
 MAX_STOP_COUNT = 32  # SGLang's limit on stop strings
 
 # Top-level GenerateReqInput fields accepted only at these neutral values.
@@ -561,7 +564,7 @@ def _sampling_params(
             continue
         if value is None:
             continue  # SGLang: null means the default
-        if key in ("max_new_tokens", "top_k", "sampling_seed"):
+        if key in ("max_new_tokens", "top_k", "sampling_seed", "stream_interval"):
             if not _is_int(value):
                 raise RequestError(path, f"expected an integer, got {value!r}")
         elif key in ("temperature", "top_p", "min_p"):

@@ -197,6 +197,7 @@ class _Seq:
         "first",
         "generator",
         "group",
+        "held",
         "index",
         "inp",
         "input_lps",
@@ -205,6 +206,7 @@ class _Seq:
         "slot",
         "stamp",
         "started",
+        "streamed",
         "tail",
         "top",
     )
@@ -218,6 +220,10 @@ class _Seq:
         self.top: list[list[tuple[float, int]]] | None = [] if inp.top_logprobs_num else None
         self.group = group
         self.index = index  # in the group
+        # streamed: its tokens sampled so far, and the events of those not sent yet (a chunk
+        # every stream_interval tokens)
+        self.streamed = 0
+        self.held: list[tuple[Any, ...]] = []
         seed = inp.params.sampling_seed
         # its own generator when sampling_seed is set
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
@@ -258,15 +264,21 @@ class Scheduler:
         prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
         prefix_cache_max_age: int = PREFIX_CACHE_MAX_AGE,
         decode_tail: Callable[[list[int]], str] | None = None,
+        stream_interval: int = 1,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.model = model.eval()
         _check_full_attention(model)
         self.device = next(model.parameters()).device
         self.max_running = max_running
+        # a streamed request's tokens go out in a chunk every this many (SGLang's
+        # --stream-interval), unless its sampling_params.stream_interval says otherwise
+        self.stream_interval = stream_interval
         self.eos_token_ids = frozenset(eos_token_ids)
         self._version = str(weight_version)
         self._rng = torch.Generator().manual_seed(seed)
@@ -360,10 +372,12 @@ class Scheduler:
         (call it from the loop's thread); results are handed over in batches.
 
         ``stream`` (called on the loop, in order): after every step that sampled tokens of
-        these sequences, ``[(index in inputs, (token, logprob, version, top log-probs or
+        these sequences whose chunk is due (every token, or every ``stream_interval``: see
+        ``_streamed``), ``[(index in inputs, (token, logprob, version, top log-probs or
         None, cached prompt tokens, the prompt's log-probs and top log-probs or None)),
-        ...]``; as each finishes, ``[(index, SequenceResult)]``;
-        if they fail, ``[(-1, exception)]``. The future resolves after the last of them.
+        ...]``, a sequence's tokens since its last chunk in order; as each finishes,
+        ``[(index, SequenceResult)]``; if they fail, ``[(-1, exception)]``. The future resolves
+        after the last of them.
         """
         loop = asyncio.get_running_loop()
         outbox = self._outboxes.get(loop)
@@ -906,26 +920,37 @@ class Scheduler:
 
     def _streamed(
         self, tokens: torch.Tensor, logprobs: torch.Tensor, lo: int, hi: int
-    ) -> list[tuple[_Seq, tuple[Any, ...]]]:
-        """The tokens just sampled for the streamed rows among ``lo..hi``."""
+    ) -> list[_Seq]:
+        """The streamed rows among ``lo..hi`` whose chunk is due after this step, with the
+        tokens just sampled added to each one's ``held`` events. As SGLang 0.5 decides
+        (``scheduler_output_processor_mixin``, ``stream_output_generation``): with an interval
+        ``k`` > 1, after the first token and every ``k`` after it; with 1, after every token.
+        A row that finishes sends its whole result instead."""
         seqs = [s for s in self._stream_seqs if lo <= s.slot < hi]
         if not seqs:
             return []
         new, lps, version = tokens.tolist(), logprobs.tolist(), self._version
-        out = []
+        due = []
         for seq in seqs:
             k = seq.slot - lo
             top = seq.top[-1] if seq.top else None
-            event = (new[k], lps[k], version, top, seq.cached, seq.input_lps, seq.input_tops)
-            out.append((seq, event))
-        return out
+            seq.held.append(
+                (new[k], lps[k], version, top, seq.cached, seq.input_lps, seq.input_tops)
+            )
+            seq.streamed += 1
+            every = seq.inp.params.stream_interval or self.stream_interval
+            if (seq.streamed % every == 1) if every > 1 else (seq.streamed % every == 0):
+                due.append(seq)
+        return due
 
-    def _send_streamed(self, streamed: list[tuple[_Seq, tuple[Any, ...]]]) -> None:
+    def _send_streamed(self, streamed: list[_Seq]) -> None:
         """One call per request on its loop, for the rows that are still running."""
         events: dict[_Group, list[tuple[int, Any]]] = {}
-        for seq, event in streamed:
+        for seq in streamed:
             if seq.slot >= 0:
-                events.setdefault(seq.group, []).append((seq.index, event))
+                out = events.setdefault(seq.group, [])
+                out.extend((seq.index, event) for event in seq.held)
+                seq.held = []
         calls: dict[_Outbox, list[tuple[Callable[[Any], None], Any]]] = {}
         for group, batch in events.items():
             assert group.outbox is not None and group.stream is not None

@@ -1,7 +1,8 @@
 """``inflight engine``: serve a Hugging Face causal LM over SGLang's HTTP API subset (aiohttp).
 
 Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu|cuda]
-[--dtype auto|float32|bfloat16|float16] [--max-running 64] [--seed 0] [--weight-version 0]
+[--dtype auto|float32|bfloat16|float16] [--max-running 64] [--stream-interval 1] [--seed 0]
+[--weight-version 0]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
 [--tool-call-parser qwen25|hermes] [--log-file PATH] [--api-key KEY] [--insecure]``
 
@@ -649,6 +650,16 @@ def _device(value: str) -> str:
     raise argparse.ArgumentTypeError(f"{value!r}: use cpu, cuda or cuda:N (N a GPU index)")
 
 
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected an integer >= 1")
+    return number
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inflight engine", description="Serve a Hugging Face causal LM (SGLang HTTP subset)."
@@ -682,6 +693,13 @@ def _parser() -> argparse.ArgumentParser:
         default=0.25,
         help="free share of --max-running before waiting requests join a running batch "
         "(batched prefills; 0 admits at once)",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        help="a streamed request gets a chunk after its first token and every this many "
+        "after (SGLang's; a request's sampling_params.stream_interval overrides it)",
     )
     parser.add_argument(
         "--forward",
@@ -762,6 +780,7 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         weight_version=args.weight_version,
         eos_token_ids=loaded.eos_token_ids,
         admit_fraction=args.admit_fraction,
+        stream_interval=args.stream_interval,
         fast_forward=args.forward == "fast",
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefix_cache_max_age=args.prefix_cache_max_age,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from stages.engine.model_weights import WeightLoadError, load_named_tensors
-from stages.engine.protocol import GenerateInput, SamplingParams
+from stages.engine.protocol import GenerateInput, SamplingParams, SequenceResult
 from stages.engine.scheduler import Scheduler
 from tests.numerics import assert_close, forward_terms
 from tests.stages.engine_setup import load_reference, two_tiny_models
@@ -162,6 +164,46 @@ def test_stop_strings_and_top_logprobs_survive_a_retraction(models: tuple[Path, 
         assert tops is not None and len(tops) == end and all(len(t) == 3 for t in tops)
         assert [t[0][1] for t in tops] == free[:end]  # greedy: the most likely was drawn
         assert other.result(timeout=0).output_top_logprobs is None
+
+
+@pytest.mark.timeout(60)
+def test_streamed_tokens_go_out_every_stream_interval(models: tuple[Path, Path]) -> None:
+    """SGLang 0.5's rule (``scheduler_output_processor_mixin``, ``stream_output_generation``):
+    with an interval k > 1 a streamed sequence's tokens go out once it has 1, k + 1, 2k + 1...
+    of them, with 1 after every token; a request's own ``stream_interval`` before the
+    server's; the last token comes with the whole result."""
+    model = load_reference(models[0])
+    base = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    calls: list[list[tuple[int, object]]] = []
+
+    async def run() -> None:
+        scheduler = Scheduler(model, max_running=4, stream_interval=2)
+        inputs = [
+            GenerateInput(f"s{k}", [5, 6], dataclasses.replace(base, stream_interval=k), False)
+            for k in (None, 3, 1)
+        ]
+        future = scheduler.submit_async(inputs, stream=calls.append)
+        scheduler.run_until_idle()
+        await future
+
+    asyncio.run(run())
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    sent: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finals: dict[int, SequenceResult] = {}
+    for batch in calls:
+        for index, event in batch:
+            if isinstance(event, SequenceResult):
+                finals[index] = event
+            else:
+                tokens[index].append(event[0])
+        for index in {i for i, e in batch if not isinstance(e, SequenceResult)}:
+            sent[index].append(len(tokens[index]))
+    assert sent == {0: [1, 3, 5, 7], 1: [1, 4, 7], 2: [1, 2, 3, 4, 5, 6, 7]}
+    for index in range(3):  # every token, the held ones too, in order
+        assert tokens[index] == finals[index].output_ids[:7]
+        assert len(finals[index].output_ids) == 8
+    with pytest.raises(ValueError, match="stream_interval"):
+        Scheduler(model, stream_interval=0)
 
 
 @pytest.mark.timeout(60)

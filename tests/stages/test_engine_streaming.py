@@ -154,9 +154,32 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slot_and_is_counted(engine
 
 
 @pytest.mark.timeout(60)
+def test_a_stream_interval_sends_the_first_token_then_one_chunk_every_k(engine: Engine) -> None:  # noqa: F811
+    # SGLang 0.5, scheduler_output_processor_mixin (stream_output_generation): with a stream
+    # interval k > 1 a streamed request's output goes out when len(output_ids) % k == 1, and
+    # whole once it finishes; sampling_params.stream_interval overrides --stream-interval
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 11}}
+    whole = engine.generate(body)
+    for k in (3, 4):
+        params = {**body["sampling_params"], "stream_interval": k}
+        _, events = _events(engine, {**body, "sampling_params": params, "stream": True})
+        assert events[-1] == "[DONE]"
+        *partial, last = events[:-1]
+        counts = [chunk["meta_info"]["completion_tokens"] for chunk in partial]
+        # chunks that pile up while the client reads merge into the newest: never another count
+        assert counts and all(n % k == 1 for n in counts), (k, counts)
+        assert counts == sorted(set(counts))
+        for chunk in partial:  # every token sampled so far, held ones included
+            assert chunk["output_ids"] == whole["output_ids"][: len(chunk["output_ids"])]
+        assert last["output_ids"] == whole["output_ids"]
+
+
+@pytest.mark.timeout(60)
 def test_streamed_requests_are_checked_before_anything_is_sent(engine: Engine) -> None:  # noqa: F811
     for body, field in [
         ({"input_ids": PROMPT, "stream": "yes"}, "stream"),
+        ({"input_ids": PROMPT, "stream": True, "sampling_params": {"stream_interval": "2"}},
+         "stream_interval"),
         ({"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": -1}},
          "max_new_tokens"),
         ({"input_ids": [999], "stream": True}, "input_ids"),
