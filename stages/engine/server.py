@@ -565,10 +565,10 @@ async def _model_info(request: web.Request) -> web.Response:
 
 
 async def _server_info(request: web.Request) -> web.Response:
-    """SGLang's ``/server_info``: its settings (``max_running_requests``, ``context_length``),
-    the scheduler's limits (``max_total_num_tokens``, ``max_req_input_len``), live state per
-    data-parallel rank (``internal_states``, one here) and ``version``; then the built-in
-    engine's own counters."""
+    """SGLang's ``/server_info``: its settings (``max_running_requests``, ``context_length``,
+    ``stream_interval``), the scheduler's limits (``max_total_num_tokens``,
+    ``max_req_input_len``), live state per data-parallel rank (``internal_states``, one here)
+    and ``version``; then the built-in engine's own counters."""
     loaded, scheduler = request.app[_LOADED], request.app[_SCHEDULER]
     state = {
         **scheduler.counts(),
@@ -585,6 +585,7 @@ async def _server_info(request: web.Request) -> web.Response:
             # every running request may grow to the context length
             "max_total_num_tokens": scheduler.max_running * loaded.context_length,
             "max_req_input_len": loaded.context_length - 1,
+            "stream_interval": scheduler.stream_interval,
             "weight_version": scheduler.weight_version,
             "internal_states": [state],
             "version": f"inflight-rl {_VERSION}",

@@ -568,7 +568,7 @@ def test_model_info_and_health(engine: Engine) -> None:
     assert engine.request("GET", "/health_generate")[0] == 200  # one token of [0]
     assert engine.request("GET", "/ready")[0] == 200
     status, body = engine.request("GET", "/server_info")
-    assert status == 200 and body["max_running_requests"] == 8
+    assert status == 200 and body["max_running_requests"] == 8 and body["stream_interval"] == 1
     assert body["version"].startswith("inflight-rl ") and body["context_length"] > 0
     assert body["max_total_num_tokens"] == 8 * body["context_length"]
     (state,) = body["internal_states"]
