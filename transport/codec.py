@@ -421,13 +421,8 @@ def _packed_of(payload: bytes) -> tuple[np.dtype, tuple[int, ...], int]:
     if known is not None:
         return known
     dtype, shape = _parse_ref(payload, packed=True)
-    itemsize = _NUMPY_ITEMSIZE.get(dtype)
-    if itemsize is None:
-        raise DecodeError(
-            "bad_dtype", f"numpy dtype {dtype!r} is not one of {sorted(_NUMPY_ITEMSIZE)}"
-        )
     shape = tuple(shape)
-    known = (np.dtype(dtype), shape, itemsize * math.prod(shape))  # Python ints: no overflow
+    known = (np.dtype(dtype), shape, _itemsize(dtype) * math.prod(shape))  # Python ints
     if len(_PACKED_OF) < 65536:
         _PACKED_OF[bytes(payload)] = known
     return known
@@ -476,12 +471,18 @@ def _aligned(buf: memoryview, itemsize: int) -> bool:
     return address % itemsize == 0
 
 
-def _decode_numpy(buf: memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+def _itemsize(dtype: str) -> int:
+    """The size of one item of a numpy ``dtype`` the codec carries (DecodeError otherwise)."""
     itemsize = _NUMPY_ITEMSIZE.get(dtype)
     if itemsize is None:
         raise DecodeError(
             "bad_dtype", f"numpy dtype {dtype!r} is not one of {sorted(_NUMPY_ITEMSIZE)}"
         )
+    return itemsize
+
+
+def _decode_numpy(buf: memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    itemsize = _itemsize(dtype)
     _check_size(buf, dtype, itemsize, shape)
     try:
         if buf.nbytes == 0:

@@ -30,8 +30,9 @@ one (``stage``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -405,25 +406,34 @@ class InProcessClient(EngineClient):
         super().__init__(url, session, **kwargs)
         self.engine = engine
 
-    async def _generate(
-        self, request: dict[str, Any], rids: Sequence[str], *, listed: bool
-    ) -> list[Completion]:
+    @contextlib.contextmanager
+    def _as_the_route_answers(self) -> Iterator[None]:
+        """The engine's refusals as EngineErrors, as its ``/generate`` route answers them."""
         from stages.engine.protocol import RequestError
 
         try:
-            if _timeout is not None:  # no task of its own per request, as wait_for makes
-                async with _timeout(self.timeout.total):
-                    results = await self.engine.results(request)
-            else:
-                results = await asyncio.wait_for(self.engine.results(request), self.timeout.total)
+            yield
         except (RequestError, ValueError) as exc:  # what the route answers with 400
             raise EngineError(
                 self.url, f"/generate answered 400: {exc}", retryable=False, status=400
             ) from exc
-        except asyncio.TimeoutError as exc:  # cancelled on time-out: its rows were aborted
-            raise EngineError(self.url, "/generate timed out", retryable=True) from exc
         except RuntimeError as exc:  # the scheduler stopped (stopping, or its thread died)
             raise EngineError(self.url, f"/generate failed: {exc!r}", retryable=True) from exc
+
+    async def _generate(
+        self, request: dict[str, Any], rids: Sequence[str], *, listed: bool
+    ) -> list[Completion]:
+        try:
+            with self._as_the_route_answers():
+                if _timeout is not None:  # no task of its own per request, as wait_for makes
+                    async with _timeout(self.timeout.total):
+                        results = await self.engine.results(request)
+                else:
+                    results = await asyncio.wait_for(
+                        self.engine.results(request), self.timeout.total
+                    )
+        except asyncio.TimeoutError as exc:  # cancelled on time-out: its rows were aborted
+            raise EngineError(self.url, "/generate timed out", retryable=True) from exc
         return [completion_of(result, self.url) for result in results]
 
     def submit_groups(
@@ -439,8 +449,6 @@ class InProcessClient(EngineClient):
 
         EngineError (400) if the engine refuses the body, (retryable) if it has stopped.
         """
-        from stages.engine.protocol import RequestError
-
         ids = [_token_list(p) for p in prompts]
         body = _generate_body(
             [one for one, group in zip(ids, rids, strict=True) for _ in group],
@@ -448,14 +456,8 @@ class InProcessClient(EngineClient):
             [rid for group in rids for rid in group],
         )
         pinned = self._adapted(body)
-        try:
+        with self._as_the_route_answers():
             futures = self.engine.submit_groups(body, [len(group) for group in rids])
-        except (RequestError, ValueError) as exc:  # what the route answers with 400
-            raise EngineError(
-                self.url, f"/generate answered 400: {exc}", retryable=False, status=400
-            ) from exc
-        except RuntimeError as exc:  # the scheduler stopped (stopping, or its thread died)
-            raise EngineError(self.url, f"/generate failed: {exc!r}", retryable=True) from exc
         return futures, pinned
 
     def completions(self, results: Sequence[Any], pinned: int | None) -> list[Completion]:

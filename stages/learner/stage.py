@@ -460,7 +460,6 @@ class Learner:
             self.ctx.inputs["groups"].ack(entry[0])
 
     def _samples_of(self, msg: Any) -> list[TrainSample]:
-
         from stages.learner.advantages import one_group_advantages
         from stages.learner.distill import token_advantages
         from stages.learner.overlong import overlong_penalty
