@@ -4,13 +4,15 @@ evaluator replaced by recorders (their own tests run the real ones; here only th
 The first evaluation must measure the initial weights, so it has to end before the first publish
 changes them; it must not hold up training, so the first optimizer step may run meanwhile. The
 weight group is formed before the first publish needs it. When the engines never show up the
-run fails instead of waiting for samples that cannot come.
+run fails instead of waiting for samples that cannot come; when an engine lacks the current
+weights while the learner waits for samples, it gets them again without a new step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +33,17 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class _Inbox:
-    def __init__(self, groups: list[dict[str, Any]], *, then_block: bool = False) -> None:
+    def __init__(
+        self,
+        groups: list[dict[str, Any]],
+        *,
+        then_block: bool = False,
+        gate: tuple[int, asyncio.Event] | None = None,
+    ) -> None:
         self.groups = list(groups)
         self.then_block = then_block
+        self.gate = gate  # (n, event): after n groups, the rest wait for the event
+        self.given = 0
         self.acked: list[str] = []  # group ids, as the learner acknowledged them
 
     def __aiter__(self) -> _Inbox:
@@ -44,6 +54,9 @@ class _Inbox:
             if self.then_block:
                 await asyncio.Event().wait()
             raise StopAsyncIteration
+        if self.gate is not None and self.given >= self.gate[0]:
+            await self.gate[1].wait()
+        self.given += 1
         return Message("scored_group", self.groups.pop(0))
 
     def ack(self, msg: Message) -> None:
@@ -98,6 +111,7 @@ def _learner(
     monkeypatch: pytest.MonkeyPatch,
     *,
     engines: bool = True,
+    behind: Callable[[], str | None] = lambda: None,
 ) -> Learner:
     def note(*what: Any) -> None:
         events.append((time.monotonic(), *what))
@@ -125,15 +139,18 @@ def _learner(
         def snapshot(self, bucket_bytes: int) -> dict[str, torch.Tensor]:
             return {"w": torch.zeros(2)}
 
+        def last_snapshot(self) -> dict[str, torch.Tensor]:
+            return {"w": torch.zeros(2)}  # what the last publish sent
+
         def close(self) -> None:
             pass
 
     class Publishing:
-        counts: dict[str, int] = {}
         files = False  # the weight group, not adapter files
+        log = structlog.get_logger()
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            pass
+            self.counts = {"catch_ups": 0}
 
         async def wait_for_engines(self, timeout_s: float) -> list[str]:
             await asyncio.sleep(0.05)
@@ -150,7 +167,7 @@ def _learner(
             return True
 
         async def behind(self) -> str | None:
-            return None  # the engines always have the current weights here
+            return behind()  # by default the engines always have the current weights
 
         def urls(self) -> list[str]:
             return ["http://engine"]
@@ -288,3 +305,36 @@ def test_the_learner_reports_its_pace_at_the_start_and_after_each_step(
     assert all(
         (r["batch"], r["every"], r["max_lag"], r["rank"]) == (8, 1, cfg.max_lag, 0) for r in reports
     )
+
+
+def test_a_learner_waiting_for_samples_sends_the_current_weights_to_engines_that_lack_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine restarted after the first publish serves its initial weights, and the generator
+    holds back its samples until it has current ones. The learner, waiting for samples, must
+    send the current weights again (a catch-up, not a new version): here no more samples come
+    until it has, so without the catch-up the run would wait for ever (the test's timeout)."""
+    events: list = []
+    released = asyncio.Event()
+    inbox = _Inbox(_groups(6), gate=(2, released))  # one step's groups, then none until caught up
+
+    def published() -> list[int]:
+        return [e[2] for e in sorted(events, key=lambda e: e[0]) if e[1] == "publish"]
+
+    def behind() -> str | None:
+        if published() == [1, 1]:
+            released.set()  # the restarted engine is current: its samples come
+        return "engines_changed" if published() == [1] else None
+
+    learner = _learner(tmp_path, inbox, events, monkeypatch, behind=behind)
+
+    async def go() -> None:
+        await learner.setup()
+        await learner.run()
+        await learner.close()
+
+    asyncio.run(go())
+    assert published() == [1, 1, 2, 3]  # version 1 again between steps 1 and 2
+    assert learner.publishing.counts["catch_ups"] == 1
+    assert learner.ctx.stopped == "trained 3 steps"
+    assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
