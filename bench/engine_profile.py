@@ -49,6 +49,7 @@ import collections
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -481,9 +482,16 @@ def _finished_in(chunk: dict[str, Any]) -> int:
 
 
 def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))  # the engine's log, py-spy's samples
+    try:
+        return _http_bench_in(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _http_bench_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))
     model = ARITH if args.model == "arith" else _mid_model(tmp / "mid")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
