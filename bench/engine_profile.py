@@ -6,6 +6,8 @@ Run (each prints one JSON line on stdout; on an otherwise idle machine):
         [--forward fast|transformers]
     python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
         [--seconds 20] [--py-spy]
+    python bench/engine_profile.py compare [--forms n,n-stream,openai,openai-stream]
+        [--rounds 8] [--seconds 4] [--stream-interval 1]
 
 ``step`` drives ``stages.engine.scheduler.Scheduler`` in this process (no HTTP) and compares,
 per decode step at a batch of ``--batch`` rows:
@@ -37,6 +39,12 @@ reports the engine process's CPU split between its threads
 (``/proc``: the event-loop thread, which serves HTTP, vs the scheduler thread) and, with
 ``--py-spy``, the same split from ``py-spy record --threads`` samples plus the hottest frames of
 the event-loop thread.
+
+``compare`` starts one such server and takes the request forms of ``--forms`` in turn, in short
+phases (``--seconds``), ``--rounds`` times, the order reversed every other round: the engine's
+CPU per sample of each, and each over the first's of the same round (the median of those paired
+ratios is what to read: this machine's speed drifts by tens of percent within minutes, so runs
+of one form after another cannot be compared to a few percent).
 
 It does not measure GPU timings or text (tokenizer) requests.
 """
@@ -489,7 +497,8 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _http_bench_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def _serve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, str]:
+    """``inflight engine`` on the model asked for, answering /health."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     model = ARITH if args.model == "arith" else _mid_model(tmp / "mid")
@@ -517,6 +526,16 @@ def _http_bench_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     )
     try:
         wait_health(url, proc)
+    except BaseException:
+        proc.terminate()
+        proc.wait(30)
+        raise
+    return proc, url
+
+
+def _http_bench_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    proc, url = _serve(args, tmp)
+    try:
         drive = (args.group_form, args.in_flight)
         asyncio.run(_drive(url, *drive, 2.0, 4, args.stream, args.new_tokens))  # warm up
         names = _thread_names(proc.pid)
@@ -592,6 +611,79 @@ def _http_bench_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return result
 
 
+_FORMS = {  # compare's variants: (group form, stream)
+    "n": ("n", False),
+    "n-stream": ("n", True),
+    "openai": ("openai", False),
+    "openai-stream": ("openai", True),
+    "batch": ("batch", False),
+    "batch-stream": ("batch", True),
+    "single": ("single", False),
+    "single-stream": ("single", True),
+}
+
+
+def _compare(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))
+    try:
+        return _compare_in(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The engine's CPU per sample for each of ``--forms`` on one server, in short phases taken
+    in turn (the order reversed every other round): this machine's speed drifts by tens of
+    percent within minutes, and only variants measured side by side can be compared. Each
+    variant's cost is also given over the first's in the same round, and the median of those
+    paired ratios is the figure to read."""
+    forms = args.forms.split(",")
+    unknown = [f for f in forms if f not in _FORMS]
+    if unknown:
+        raise SystemExit(f"--forms: unknown {unknown}; known: {sorted(_FORMS)}")
+    proc, url = _serve(args, tmp)
+    per: dict[str, list[float]] = {f: [] for f in forms}
+    try:
+        for form in forms:  # each route's first requests (imports, caches) before measuring
+            kind, stream = _FORMS[form]
+            asyncio.run(_drive(url, kind, args.in_flight, 1.5, 4, stream, args.new_tokens))
+        for r in range(args.rounds):
+            for form in forms if r % 2 == 0 else forms[::-1]:
+                kind, stream = _FORMS[form]
+                cpu0 = sum(_thread_cpu(proc.pid).values())
+                driven = asyncio.run(
+                    _drive(url, kind, args.in_flight, args.seconds, 4, stream, args.new_tokens)
+                )
+                cpu = sum(_thread_cpu(proc.pid).values()) - cpu0
+                per[form].append(1e6 * cpu / max(1, driven["samples"]))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    def spread(values: list[float], digits: int) -> dict[str, float]:
+        return {
+            "median": round(statistics.median(values), digits),
+            "min": round(min(values), digits),
+            "max": round(max(values), digits),
+        }
+
+    first = forms[0]
+    return {
+        "bench": "engine_http_compare",
+        "model": args.model,
+        "new_tokens": args.new_tokens,
+        "stream_interval": args.stream_interval,
+        "in_flight_samples": args.in_flight,
+        "rounds": args.rounds,
+        "seconds_per_phase": args.seconds,
+        "engine_cpu_us_per_sample": {f: spread(per[f], 1) for f in forms},
+        f"over_{first}": {
+            f: spread([a / b for a, b in zip(per[f], per[first], strict=True)], 3)
+            for f in forms[1:]
+        },
+    }
+
+
 def _spy_summary(raw: Path) -> dict[str, Any]:
     kinds: dict[str, int] = collections.Counter()
     http_frames: dict[str, int] = collections.Counter()
@@ -658,8 +750,23 @@ def main() -> int:
     http.add_argument("--native", action="store_true", help="py-spy --native (C frames)")
     http.add_argument("--gil-only", action="store_true", help="py-spy --gil: GIL holders only")
     http.add_argument("--keep-raw", type=Path, help="copy py-spy's raw samples here")
+    compare = sub.add_parser(
+        "compare", help="engine CPU per sample of several request forms, side by side"
+    )
+    compare.add_argument(
+        "--forms",
+        default="n,n-stream,openai,openai-stream",
+        help=f"comma-separated, the first the reference; of {', '.join(_FORMS)}",
+    )
+    compare.add_argument("--rounds", type=int, default=8)
+    compare.add_argument("--seconds", type=float, default=4, help="each variant's phase")
+    compare.add_argument("--in-flight", type=int, default=64)
+    compare.add_argument("--stream-interval", type=int, default=1)
+    compare.add_argument("--model", choices=["arith", "mid"], default="arith")
+    compare.add_argument("--new-tokens", type=int, default=5)
     args = parser.parse_args()
-    result = _step_bench(args) if args.what == "step" else _http_bench(args)
+    benches = {"step": _step_bench, "http": _http_bench, "compare": _compare}
+    result = benches[args.what](args)
     print(json.dumps(result))
     return 0
 

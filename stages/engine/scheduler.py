@@ -203,26 +203,29 @@ class _Seq:
         "input_lps",
         "input_tops",
         "kv_start",
+        "sent",
         "slot",
         "stamp",
         "started",
-        "streamed",
         "tail",
+        "tail_text",
         "top",
     )
 
     def __init__(self, inp: GenerateInput, group: _Group, index: int, started: float) -> None:
         self.inp = inp
         self.adapter: Adapter | None = None  # its LoRA adapter, set when queued (inp.lora)
-        # its last sampled tokens, decoded after each step to look for its stop strings
+        # its last sampled tokens, decoded after each step to look for its stop strings, and
+        # their text after the last step
         self.tail: list[int] | None = [] if inp.params.stop else None
+        self.tail_text = ""
         # its top log-probs, one list per sampled token, when it asked for them
         self.top: list[list[tuple[float, int]]] | None = [] if inp.top_logprobs_num else None
         self.group = group
         self.index = index  # in the group
-        # streamed: its tokens sampled so far, and the events of those not sent yet (a chunk
-        # every stream_interval tokens)
-        self.streamed = 0
+        # streamed: how many of its tokens were sent, and the events of those not sent yet
+        # (a chunk every stream_interval tokens, not while its text could end in a stop string)
+        self.sent = 0
         self.held: list[tuple[Any, ...]] = []
         seed = inp.params.sampling_seed
         # its own generator when sampling_seed is set
@@ -918,14 +921,31 @@ class Scheduler:
         if streamed:
             self._send_streamed(streamed)
 
+    @staticmethod
+    def _may_stop(seq: _Seq) -> bool:
+        """SGLang's ``Req.check_match_stop_str_prefix``: a running sequence's chunk waits while
+        the text of its last tokens ends in the start of one of its stop strings (it may be
+        cut there yet)."""
+        text = seq.tail_text
+        if seq.tail is None or not text:
+            return False
+        for stop in seq.inp.params.stop:
+            if stop and (
+                stop in text
+                or any(text.endswith(stop[:i]) for i in range(1, min(len(text), len(stop)) + 1))
+            ):
+                return True
+        return False
+
     def _streamed(
         self, tokens: torch.Tensor, logprobs: torch.Tensor, lo: int, hi: int
     ) -> list[_Seq]:
         """The streamed rows among ``lo..hi`` whose chunk is due after this step, with the
         tokens just sampled added to each one's ``held`` events. As SGLang 0.5 decides
-        (``scheduler_output_processor_mixin``, ``stream_output_generation``): with an interval
-        ``k`` > 1, after the first token and every ``k`` after it; with 1, after every token.
-        A row that finishes sends its whole result instead."""
+        (``OutputStreamer.accept``): with an interval ``k`` of 1 after every token, else after
+        the first and whenever ``k`` or more are unsent. A row that finishes sends its whole
+        result instead; one whose text may be ending in a stop string waits (``_may_stop``,
+        checked once its text is known)."""
         seqs = [s for s in self._stream_seqs if lo <= s.slot < hi]
         if not seqs:
             return []
@@ -937,9 +957,8 @@ class Scheduler:
             seq.held.append(
                 (new[k], lps[k], version, top, seq.cached, seq.input_lps, seq.input_tops)
             )
-            seq.streamed += 1
             every = seq.inp.params.stream_interval or self.stream_interval
-            if (seq.streamed % every == 1) if every > 1 else (seq.streamed % every == 0):
+            if every == 1 or len(seq.held) >= every or seq.sent == 0:
                 due.append(seq)
         return due
 
@@ -947,9 +966,10 @@ class Scheduler:
         """One call per request on its loop, for the rows that are still running."""
         events: dict[_Group, list[tuple[int, Any]]] = {}
         for seq in streamed:
-            if seq.slot >= 0:
+            if seq.slot >= 0 and not self._may_stop(seq):
                 out = events.setdefault(seq.group, [])
                 out.extend((seq.index, event) for event in seq.held)
+                seq.sent += len(seq.held)
                 seq.held = []
         calls: dict[_Outbox, list[tuple[Callable[[Any], None], Any]]] = {}
         for group, batch in events.items():
@@ -969,7 +989,7 @@ class Scheduler:
             seq.tail.append(token)
             if len(seq.tail) > params.stop_window:
                 del seq.tail[: -params.stop_window]
-            text = self._decode_tail(seq.tail)
+            text = seq.tail_text = self._decode_tail(seq.tail)
             for stop in params.stop:
                 if stop in text:
                     rows.append(seq.slot)

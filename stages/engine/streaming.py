@@ -16,7 +16,8 @@ incomplete character (``\\ufffd``) until the token that completes it arrives.
 The scheduler hands over each step's tokens of streamed requests in one batch per asyncio loop
 (``Scheduler.submit_async(..., stream=...)``): a sample's tokens once its chunk is due, after
 every token or, with a stream interval k (``sampling_params.stream_interval``, else the
-server's ``--stream-interval``), after the first and every k after it, as SGLang decides. A
+server's ``--stream-interval``), after the first and whenever k more are unsent, and not while
+the sample's text may be ending in one of its stop strings, as SGLang decides. A
 client that goes away mid-stream aborts the samples still running (their slots are freed at the
 next step) and is counted by the server.
 This module knows nothing of HTTP routes; ``write_events`` writes any chunk iterator as events.

@@ -168,9 +168,9 @@ def test_stop_strings_and_top_logprobs_survive_a_retraction(models: tuple[Path, 
 
 @pytest.mark.timeout(60)
 def test_streamed_tokens_go_out_every_stream_interval(models: tuple[Path, Path]) -> None:
-    """SGLang 0.5's rule (``scheduler_output_processor_mixin``, ``stream_output_generation``):
-    with an interval k > 1 a streamed sequence's tokens go out once it has 1, k + 1, 2k + 1...
-    of them, with 1 after every token; a request's own ``stream_interval`` before the
+    """SGLang 0.5's rule (``OutputStreamer.accept``): with an interval k > 1 a streamed
+    sequence's tokens go out once it has 1, k + 1, 2k + 1... of them (the first, then whenever
+    k are unsent), with 1 after every token; a request's own ``stream_interval`` before the
     server's; the last token comes with the whole result."""
     model = load_reference(models[0])
     base = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -204,6 +204,65 @@ def test_streamed_tokens_go_out_every_stream_interval(models: tuple[Path, Path])
         assert len(finals[index].output_ids) == 8
     with pytest.raises(ValueError, match="stream_interval"):
         Scheduler(model, stream_interval=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_chunk_waits_while_its_text_may_be_ending_in_a_stop_string(
+    models: tuple[Path, Path],
+) -> None:
+    """SGLang 0.5 (``OutputStreamer.accept``, ``Req.check_match_stop_str_prefix``): a chunk
+    that is due is not sent while the text of the sequence's last tokens ends in the start of
+    a stop string; its tokens go out with the next chunk that is sent, none lost. With an
+    interval k, that next chunk comes as soon as k or more are unsent."""
+    model = load_reference(models[0])
+    prompt = [3, 9, 27]
+    free = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    free = free[0, len(prompt) :].tolist()
+    words = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731 (the "tokenizer")
+    stop = words(free[3:5]) + " never"  # the 4th and 5th tokens start it; it never matches
+
+    def starts_stop(k: int) -> bool:  # the text of the first k tokens ends in the start of it
+        text = words(free[:k])
+        return any(text.endswith(stop[:i]) for i in range(1, len(stop) + 1))
+
+    for every in (1, 2):
+        params = SamplingParams(
+            temperature=0.0,
+            max_new_tokens=12,
+            ignore_eos=True,
+            stop=(stop,),
+            stop_window=8,
+            stream_interval=every,
+        )
+        calls: list[list[tuple[int, object]]] = []
+
+        async def run(params: SamplingParams = params, calls: list = calls) -> None:
+            scheduler = Scheduler(model, max_running=4, decode_tail=words)
+            future = scheduler.submit_async(
+                [GenerateInput("s", prompt, params, False)], stream=calls.append
+            )
+            scheduler.run_until_idle()
+            await future
+
+        asyncio.run(run())
+        tokens: list[int] = []
+        sent: list[int] = []  # how many tokens had come with each chunk sent
+        for batch in calls:
+            if any(isinstance(e, SequenceResult) for _, e in batch):
+                (final,) = [e for _, e in batch if isinstance(e, SequenceResult)]
+                continue
+            tokens += [e[0] for _, e in batch]
+            sent.append(len(tokens))
+        assert starts_stop(4) and starts_stop(5)
+        unsent, expected = 0, []
+        for k in range(1, 12):  # the rule, after each token but the last
+            unsent += 1
+            if (every == 1 or unsent >= every or k == unsent) and not starts_stop(k):
+                expected.append(k)
+                unsent = 0
+        assert 4 not in sent and 5 not in sent and 6 in sent, sent
+        assert sent == expected
+        assert tokens == final.output_ids[: sent[-1]] and final.output_ids == free
 
 
 @pytest.mark.timeout(60)
