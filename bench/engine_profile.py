@@ -342,6 +342,14 @@ def _thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def _process_cpu(pid: int) -> tuple[float, float]:
+    """The process's user and system (kernel) CPU seconds so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
 def _ctx_switches(pid: int) -> dict[int, int]:
     """Context switches (voluntary + not) of each thread of ``pid``."""
     out = {}
@@ -643,6 +651,7 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         raise SystemExit(f"--forms: unknown {unknown}; known: {sorted(_FORMS)}")
     proc, url = _serve(args, tmp)
     per: dict[str, list[float]] = {f: [] for f in forms}
+    kernel: dict[str, list[float]] = {f: [] for f in forms}  # its share of the CPU
     try:
         for form in forms:  # each route's first requests (imports, caches) before measuring
             kind, stream = _FORMS[form]
@@ -650,12 +659,14 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for r in range(args.rounds):
             for form in forms if r % 2 == 0 else forms[::-1]:
                 kind, stream = _FORMS[form]
-                cpu0 = sum(_thread_cpu(proc.pid).values())
+                user0, system0 = _process_cpu(proc.pid)
                 driven = asyncio.run(
                     _drive(url, kind, args.in_flight, args.seconds, 4, stream, args.new_tokens)
                 )
-                cpu = sum(_thread_cpu(proc.pid).values()) - cpu0
+                user1, system1 = _process_cpu(proc.pid)
+                cpu = user1 - user0 + system1 - system0
                 per[form].append(1e6 * cpu / max(1, driven["samples"]))
+                kernel[form].append((system1 - system0) / max(cpu, 1e-9))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -677,6 +688,7 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "rounds": args.rounds,
         "seconds_per_phase": args.seconds,
         "engine_cpu_us_per_sample": {f: spread(per[f], 1) for f in forms},
+        "kernel_share": {f: round(statistics.median(kernel[f]), 3) for f in forms},
         f"over_{first}": {
             f: spread([a / b for a, b in zip(per[f], per[first], strict=True)], 3)
             for f in forms[1:]

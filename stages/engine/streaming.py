@@ -262,7 +262,7 @@ async def write_events(
     except BaseException:
         await chunks.aclose()
         raise
-    response = web.StreamResponse(
+    response = _EventStream(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     try:
@@ -287,6 +287,13 @@ async def write_events(
     finally:
         await chunks.aclose()  # aborts what is still running
     return response
+
+
+class _EventStream(web.StreamResponse):
+    """A stream whose headers go out with its first events, in one write (as aiohttp's
+    ``Response`` sends its headers with its body): the first batch is ready when it starts."""
+
+    _send_headers_immediately = False
 
 
 def _events(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
