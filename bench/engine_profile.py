@@ -63,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,11 +109,11 @@ def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:
     return model, threads, prompts
 
 
-def _median_spread(values: list[float]) -> dict[str, float]:
+def _median_spread(values: list[float], digits: int = 3) -> dict[str, float]:
     return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
     }
 
 
@@ -497,12 +498,18 @@ def _finished_in(chunk: dict[str, Any]) -> int:
     return int(chunk["meta_info"]["finish_reason"] is not None)
 
 
-def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))  # the engine's log, py-spy's samples
-    try:
-        return _http_bench_in(args, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _in_scratch(bench: Callable[[argparse.Namespace, Path], dict[str, Any]]) -> Any:
+    """``bench(args, tmp)`` with a temporary folder (the engine's log, py-spy's samples, the mid
+    model), removed when it is done."""
+
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))
+        try:
+            return bench(args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return run
 
 
 def _serve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -631,14 +638,6 @@ _FORMS = {  # compare's variants: (group form, stream)
 }
 
 
-def _compare(args: argparse.Namespace) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="engine-http-"))
-    try:
-        return _compare_in(args, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """The engine's CPU per sample for each of ``--forms`` on one server, in short phases taken
     in turn (the order reversed every other round): this machine's speed drifts by tens of
@@ -671,13 +670,6 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         proc.terminate()
         proc.wait(30)
 
-    def spread(values: list[float], digits: int) -> dict[str, float]:
-        return {
-            "median": round(statistics.median(values), digits),
-            "min": round(min(values), digits),
-            "max": round(max(values), digits),
-        }
-
     first = forms[0]
     return {
         "bench": "engine_http_compare",
@@ -687,10 +679,10 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "in_flight_samples": args.in_flight,
         "rounds": args.rounds,
         "seconds_per_phase": args.seconds,
-        "engine_cpu_us_per_sample": {f: spread(per[f], 1) for f in forms},
+        "engine_cpu_us_per_sample": {f: _median_spread(per[f], 1) for f in forms},
         "kernel_share": {f: round(statistics.median(kernel[f]), 3) for f in forms},
         f"over_{first}": {
-            f: spread([a / b for a, b in zip(per[f], per[first], strict=True)], 3)
+            f: _median_spread([a / b for a, b in zip(per[f], per[first], strict=True)])
             for f in forms[1:]
         },
     }
@@ -777,7 +769,11 @@ def main() -> int:
     compare.add_argument("--model", choices=["arith", "mid"], default="arith")
     compare.add_argument("--new-tokens", type=int, default=5)
     args = parser.parse_args()
-    benches = {"step": _step_bench, "http": _http_bench, "compare": _compare}
+    benches = {
+        "step": _step_bench,
+        "http": _in_scratch(_http_bench_in),
+        "compare": _in_scratch(_compare_in),
+    }
     result = benches[args.what](args)
     print(json.dumps(result))
     return 0

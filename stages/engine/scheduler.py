@@ -926,8 +926,8 @@ class Scheduler:
         """SGLang's ``Req.check_match_stop_str_prefix``: a running sequence's chunk waits while
         the text of its last tokens ends in the start of one of its stop strings (it may be
         cut there yet)."""
-        text = seq.tail_text
-        if seq.tail is None or not text:
+        text = seq.tail_text  # "" without stop strings
+        if not text:
             return False
         for stop in seq.inp.params.stop:
             if stop and (
