@@ -117,6 +117,33 @@ def test_a_streamed_stop_string_is_trimmed_in_the_last_chunk(engine: Engine) -> 
 
 
 @pytest.mark.timeout(60)
+def test_a_streamed_chunk_is_held_while_the_text_may_be_ending_in_a_stop_string(
+    engine: Engine,  # noqa: F811
+) -> None:
+    """SGLang 0.5 (``OutputStreamer.accept`` with ``Req.check_match_stop_str_prefix``): no chunk
+    goes out while the sample's text ends in the start of a stop string. Here the stop string
+    is the text of the 4th to 6th tokens and a character the model never writes: the chunks
+    after 4 and 5 tokens are held, and their tokens come with the next one; nothing is lost."""
+    greedy = {**GREEDY, "max_new_tokens": 10}
+    free = engine.generate({"input_ids": PROMPT, "sampling_params": greedy})
+    decode = _tokenizer(engine).decode
+    texts = [decode(free["output_ids"][:k]) for k in range(11)]
+    if not all(b.startswith(a) for a, b in itertools.pairwise(texts)) or texts[3] == texts[6]:
+        pytest.skip(f"{free['text']!r} does not grow token by token")
+    stop = texts[6][len(texts[3]) :] + "\u2603"
+    starts = [
+        k for k in range(1, 10) if any(texts[k].endswith(stop[:i]) for i in range(1, len(stop) + 1))
+    ]
+    body = {"input_ids": PROMPT, "sampling_params": {**greedy, "stop": stop}, "stream": True}
+    _, events = _events(engine, body)
+    chunks, last = events[:-2], events[-2]
+    sent = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert 4 in starts and 5 in starts and sent, sent
+    assert not set(sent) & set(starts), (sent, starts)  # held while it could be the stop
+    assert last["output_ids"] == free["output_ids"] and last["text"] == free["text"]
+
+
+@pytest.mark.timeout(60)
 def test_a_client_that_goes_away_mid_stream_frees_its_slot_and_is_counted(engine: Engine) -> None:  # noqa: F811
     before = engine.request("GET", "/server_info")[1]["refused_requests"]
 
