@@ -118,23 +118,22 @@ class InFlightController:
         (None: not known yet, no such gate).
         """
         credit_open = room > 0 and (in_flight == 0 or in_flight + size <= room)
+        lag_open = newest - version <= max_lag
+        queue_open = ahead is None or budget is None or ahead <= 0 or ahead + size <= budget
+        gates = self._gates
+        if (credit_open, lag_open, queue_open) == (gates["credit"], gates["lag"], gates["queue"]):
+            return credit_open and lag_open and queue_open, []  # the common case: no change
         states = {
             "credit": (credit_open, {"in_flight": in_flight, "room": room, "size": size}),
-            "lag": (
-                newest - version <= max_lag,
-                {"version": version, "newest": newest, "max_lag": max_lag},
-            ),
-            "queue": (
-                ahead is None or budget is None or ahead <= 0 or ahead + size <= budget,
-                {"ahead": ahead, "budget": budget, "size": size},
-            ),
+            "lag": (lag_open, {"version": version, "newest": newest, "max_lag": max_lag}),
+            "queue": (queue_open, {"ahead": ahead, "budget": budget, "size": size}),
         }
         changes = []
         for name, (is_open, detail) in states.items():
-            if is_open != self._gates[name]:
-                self._gates[name] = is_open
+            if is_open != gates[name]:
+                gates[name] = is_open
                 changes.append(Decision("all", is_open, f"{name}_gate", detail))
-        return all(self._gates.values()), changes
+        return credit_open and lag_open and queue_open, changes
 
     # ------------------------------------------------------------ throughput
     def decide(self, now: float) -> list[Decision]:

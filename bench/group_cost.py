@@ -1,0 +1,353 @@
+"""CPU microseconds per group of 4 samples in each piece of the light stages, outside a run.
+
+``bench/stage_cpu.py`` says what each stage costs per 256 samples in a whole run; this says
+what that cost is made of, piece by piece, each driven alone on this process's CPU clock (the
+run's pieces share one process and one GIL, so a profiler of the run cannot tell them apart
+well: its wall times include GIL waits, and sampling profilers misplace uvloop's own C time):
+
+- ``hop``: a channel's cost per group for rollout-group-shaped messages (4 samples of 5 tokens
+  with their token ids, log-probs and versions), producer and consumer together (send_many,
+  delivery, the consumer's ``ack``, the producer's acknowledgement), in this process
+  (``local``: what stages that share a process use) and over ZeroMQ ipc (``zmq``); each with one
+  message per group and with ``--per-message`` groups in one message (the same groups, fewer
+  sequence numbers, acknowledgements and frames). The difference is what several groups per
+  message could save on that hop.
+- ``scorer``: ``stages.scorer.stage.Scorer``'s own work per group (reading a ``rollout_group``
+  message, checking and filing its samples, the reward call with ``exact_match`` in its event
+  loop on the shipped model's tokenizer, building the ``scored_group``), its output port a
+  stand-in that takes messages without encoding them.
+- ``generator``: ``stages.generator.stage.Generator`` driving its in-process engine on the
+  shipped model (``launch.in_process``, 256 rows, as ``configs/default.yaml``): the CPU of the
+  thread that runs the stage (gates, requests, results, groups), the engine's scheduler thread
+  left out; its output port a stand-in as above.
+
+    python bench/group_cost.py [--rounds 4] [--groups 2048] [--per-message 8]
+        [--parts hop,scorer,generator]
+
+Prints one JSON line: per piece the median microseconds per group over the rounds, with min
+and max. Not here: the supervisor, the feeder, or the learner's side of a hop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
+    sys.path[0] = str(ROOT)  # run as a script: bench/transport.py would shadow the package
+
+import numpy as np  # noqa: E402
+import structlog  # noqa: E402
+import zmq.asyncio  # noqa: E402
+
+from pipeline.ledger import LedgerReporter  # noqa: E402
+from transport import Receiver, Schema, Sender, ipc_address  # noqa: E402
+from transport.message import Message  # noqa: E402
+
+MODEL = ROOT / "configs" / "models" / "arith-tiny"
+GROUP = 4
+
+
+class _Quiet:
+    """A logger that drops everything."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def _group(i: int) -> dict[str, Any]:
+    """A rollout group as the generator sends it (arrays as its engine results give them)."""
+    return {
+        "run_id": "bench",
+        "prompt_id": f"p{i}",
+        "group_id": f"p{i}/0a1b2c",
+        "group_size": GROUP,
+        "prompt_ids": np.arange(1, 7, dtype=np.int32),
+        "samples": [
+            {
+                "sample_index": j,
+                "completion_ids": np.array([5, 6, 7, 8, 2], dtype=np.int32),
+                "sampler_logprobs": np.full(5, -0.5, dtype=np.float32),
+                "versions": np.zeros(5, dtype=np.int32),
+                "finish_reason": "stop",
+                "engine": "http://127.0.0.1:1",
+                "timings": {"queued_s": 0.001, "generate_s": 0.01},
+            }
+            for j in range(GROUP)
+        ],
+        "meta": {"answer": "12", "text": "5+7="},
+        "uid": f"u{i}",
+        "origin": "generator.0:bench",
+    }
+
+
+# ------------------------------------------------------------------------------------ hop
+_ITEM = Schema("item", 1, {"groups": "list"})
+
+
+async def _hop(groups: int, per_message: int, local: bool) -> float:
+    """Process CPU seconds to hand ``groups`` groups over one channel, ``per_message`` a
+    message, in batches of 16 groups (as the generator's ``send_many`` does)."""
+    ctx = zmq.asyncio.Context()
+    address = ipc_address(tempfile.mkdtemp(prefix="group_cost-"), "in")
+    receiver = Receiver(
+        "in", address, [_ITEM], capacity=64, expected_producers=["p.0"], ctx=ctx, ack="manual"
+    )
+    sender = Sender("out", [address], [_ITEM], identity="p.0", ctx=ctx, local=[local])
+    await receiver.start()
+    await sender.start()
+
+    async def consume() -> None:
+        async for msg in receiver:
+            receiver.ack(msg)
+
+    consumer = asyncio.create_task(consume())
+    batches = [
+        [
+            {"groups": [_group(b * 16 + k + j) for j in range(per_message)]}
+            for k in range(0, 16, per_message)
+        ]
+        for b in range(4)
+    ]
+    began = time.process_time()
+    for b in range(groups // 16):
+        await sender.send_many("item", batches[b % 4])
+    await sender.aclose()
+    await asyncio.wait_for(consumer, 120)
+    spent = time.process_time() - began
+    await receiver.aclose()
+    ctx.destroy(0)
+    return spent
+
+
+# --------------------------------------------------------------------------------- scorer
+class _Inbox:
+    """The scorer's input port: ``groups`` rollout-group messages, 16 at a time."""
+
+    def __init__(self, groups: int) -> None:
+        self.messages = []
+        for i in range(groups):
+            msg = Message(kind="rollout_group", data=_group(i), version=2)
+            msg.sender = "generator.0"
+            self.messages.append(msg)
+        self.i = 0
+
+    def __aiter__(self) -> _Inbox:
+        return self
+
+    async def __anext__(self) -> Message:
+        if self.i >= len(self.messages):
+            raise StopAsyncIteration
+        if self.i % 16 == 0:
+            await asyncio.sleep(0)  # a burst ends: the scorer's loop turns
+        self.i += 1
+        return self.messages[self.i - 1]
+
+    def ack(self, msg: Message) -> None:
+        pass
+
+
+class _Port:
+    """An output port with unlimited credit that takes messages without encoding them."""
+
+    def __init__(self) -> None:
+        self.seq = self.samples = 0
+
+    def credit(self) -> int:
+        return 1 << 30
+
+    async def send_many(self, kind: str, items: list[dict[str, Any]]) -> list[int]:
+        seqs = []
+        for item in items:
+            self.seq += 1
+            self.samples += len(item["samples"])
+            seqs.append(self.seq)
+        return seqs
+
+
+async def _scorer(groups: int, tokenizer: Any) -> float:
+    from stages.scorer.runner import RewardRunner
+    from stages.scorer.stage import RewardSpec, Scorer, ScorerConfig
+
+    config = ScorerConfig(
+        rewards=[RewardSpec("stages.scorer.rewards:exact_match")], tokenizer="", workers=0
+    )
+    port = _Port()
+    ctx = SimpleNamespace(
+        log=_Quiet(),
+        inputs={"rollouts": _Inbox(groups)},
+        outputs={"groups": port},
+        ledger=LedgerReporter(lambda payload: None),
+        metrics=lambda **values: None,
+    )
+    scorer = Scorer(config, ctx)
+    scorer.tokenizer = tokenizer
+    scorer.failed = asyncio.get_running_loop().create_future()
+    scorer.runner = RewardRunner(config.rewards, workers=0, log=_Quiet())
+    await scorer.runner.start()
+    began = time.process_time()
+    await scorer._read()
+    while scorer._tasks:
+        await asyncio.gather(*list(scorer._tasks))
+    spent = time.process_time() - began
+    if port.samples != groups * GROUP:
+        raise SystemExit(f"the scorer sent {port.samples} samples of {groups * GROUP}")
+    return spent
+
+
+# ------------------------------------------------------------------------------ generator
+class _Prompts:
+    """The generator's input port, every prompt waiting (as in a run's full inbox)."""
+
+    def __init__(self, prompts: list[dict[str, Any]]) -> None:
+        self.prompts, self.i = prompts, 0
+
+    def __aiter__(self) -> _Prompts:
+        return self
+
+    async def __anext__(self) -> SimpleNamespace:
+        if self.i >= len(self.prompts):
+            raise StopAsyncIteration
+        await asyncio.sleep(0)
+        return self.take()
+
+    def waiting(self) -> int:
+        return len(self.prompts) - self.i
+
+    def take(self) -> SimpleNamespace:
+        self.i += 1
+        return SimpleNamespace(data=self.prompts[self.i - 1], kind="prompt")
+
+    def ack(self, msg: Any) -> None:
+        pass
+
+
+async def _generator(prompts: list[dict[str, Any]]) -> float:
+    from stages.generator.controller import ControllerConfig
+    from stages.generator.launcher import LaunchConfig
+    from stages.generator.stage import Generator, GeneratorConfig, SamplingConfig
+
+    config = GeneratorConfig(
+        launch=LaunchConfig(
+            kind="builtin",
+            model=str(MODEL),
+            in_process=True,
+            extra_args=["--max-running", "256"],
+        ),
+        group_size=GROUP,
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=5),
+        max_lag=4,
+        outbox=16,
+        controller=ControllerConfig(start=256, max_in_flight=256),
+    )
+    scratch = Path(tempfile.mkdtemp(prefix="group_cost-"))
+    port = _Port()
+
+    async def publish(topic: str, payload: dict[str, Any]) -> None:
+        pass
+
+    ctx = SimpleNamespace(
+        stage="generator",
+        replica=0,
+        run_dir=scratch,
+        log_dir=scratch,
+        log_level="warning",
+        mode="async",
+        version=0,
+        log=_Quiet(),
+        inputs={"prompts": _Prompts(prompts)},
+        outputs={"rollouts": port},
+        metrics=lambda **values: None,
+        ledger=LedgerReporter(lambda payload: None),
+        publish=publish,
+    )
+    stage = Generator(config, ctx)
+    await stage.setup()
+    try:
+        began = time.thread_time()  # this thread: the stage, not the engine's scheduler
+        await stage.run()
+        spent = time.thread_time() - began
+    finally:
+        await stage.close()
+    if port.samples != len(prompts) * GROUP:
+        raise SystemExit(f"the generator sent {port.samples} samples of {len(prompts) * GROUP}")
+    return spent
+
+
+def _prompts(tokenizer: Any, groups: int) -> list[dict[str, Any]]:
+    from stages.feeder.arithmetic import ArithmeticConfig, problems
+
+    rows = list(problems(ArithmeticConfig(ops="+-", max_operand=99), "train"))[:groups]
+    return [
+        {
+            "prompt_id": f"p{i}",
+            "input_ids": tokenizer(row.text)["input_ids"],
+            "meta": {"answer": row.answer},
+            "uid": f"u{i}",
+        }
+        for i, row in enumerate(rows)
+    ]
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 1),
+        "min": round(min(values), 1),
+        "max": round(max(values), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=2048, help="groups per round and piece")
+    parser.add_argument("--per-message", type=int, default=8, help="groups a message (hop)")
+    parser.add_argument("--parts", default="hop,scorer,generator")
+    args = parser.parse_args()
+    if args.groups % 16 or 16 % args.per_message:
+        raise SystemExit("--groups must be a multiple of 16, --per-message a divisor of 16")
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    import uvloop
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    parts = args.parts.split(",")
+    pieces: dict[str, Any] = {}
+    if "hop" in parts:
+        for wire in ("local", "zmq"):
+            for per in (1, args.per_message):
+                name = f"hop_{wire}_{per}_per_message"
+                pieces[name] = lambda w=wire, p=per: asyncio.run(_hop(args.groups, p, w == "local"))
+    if "scorer" in parts:
+        pieces["scorer"] = lambda: uvloop.run(_scorer(args.groups, tokenizer))
+    if "generator" in parts:
+        prompts = _prompts(tokenizer, args.groups)
+        pieces["generator"] = lambda: uvloop.run(_generator(prompts))
+    for run in pieces.values():  # warm up: imports, the engine's first load
+        run()
+    per_group: dict[str, list[float]] = {name: [] for name in pieces}
+    for r in range(args.rounds):  # pieces alternated, the order reversed every other round
+        order = list(pieces) if r % 2 == 0 else list(reversed(pieces))
+        for name in order:
+            per_group[name].append(pieces[name]() / args.groups * 1e6)
+    report = {
+        "bench": "group_cost",
+        "rounds": args.rounds,
+        "groups": args.groups,
+        "group_size": GROUP,
+        "us_per_group": {name: _stats(values) for name, values in per_group.items()},
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
