@@ -97,8 +97,13 @@ _ITEM = Schema("item", 1, {"groups": "list"})
 async def _hop(groups: int, per_message: int, local: bool) -> float:
     """Process CPU seconds to hand ``groups`` groups over one channel, ``per_message`` a
     message, in batches of 16 groups (as the generator's ``send_many`` does)."""
+    with tempfile.TemporaryDirectory(prefix="group_cost-") as scratch:
+        return await _hop_in(scratch, groups, per_message, local)
+
+
+async def _hop_in(scratch: str, groups: int, per_message: int, local: bool) -> float:
     ctx = zmq.asyncio.Context()
-    address = ipc_address(tempfile.mkdtemp(prefix="group_cost-"), "in")
+    address = ipc_address(scratch, "in")
     receiver = Receiver(
         "in", address, [_ITEM], capacity=64, expected_producers=["p.0"], ctx=ctx, ack="manual"
     )
@@ -232,6 +237,12 @@ class _Prompts:
 
 
 async def _generator(prompts: list[dict[str, Any]]) -> float:
+    with tempfile.TemporaryDirectory(prefix="group_cost-") as scratch:
+        return await _generator_in(Path(scratch), prompts)
+
+
+async def _generator_in(scratch: Path, prompts: list[dict[str, Any]]) -> float:
+    """The generator's own thread's CPU seconds to turn ``prompts`` into rollout groups."""
     from stages.generator.controller import ControllerConfig
     from stages.generator.launcher import LaunchConfig
     from stages.generator.stage import Generator, GeneratorConfig, SamplingConfig
@@ -249,7 +260,6 @@ async def _generator(prompts: list[dict[str, Any]]) -> float:
         outbox=16,
         controller=ControllerConfig(start=256, max_in_flight=256),
     )
-    scratch = Path(tempfile.mkdtemp(prefix="group_cost-"))
     port = _Port()
 
     async def publish(topic: str, payload: dict[str, Any]) -> None:
