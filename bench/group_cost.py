@@ -1,9 +1,10 @@
-"""CPU microseconds per group of 4 samples in each piece of the light stages, outside a run.
+"""CPU microseconds per group of 4 samples in each piece of the rollout path, outside a run.
 
 ``bench/stage_cpu.py`` says what each stage costs per 256 samples in a whole run; this says
 what that cost is made of, piece by piece, each driven alone on this process's CPU clock (the
 run's pieces share one process and one GIL, so a profiler of the run cannot tell them apart
-well: its wall times include GIL waits, and sampling profilers misplace uvloop's own C time):
+well: cProfile's wall times include GIL waits, and py-spy seems to put uvloop's own C time on
+the last Python frame):
 
 - ``hop``: a channel's cost per group for rollout-group-shaped messages (4 samples of 5 tokens
   with their token ids, log-probs and versions), producer and consumer together (send_many,
@@ -20,12 +21,19 @@ well: its wall times include GIL waits, and sampling profilers misplace uvloop's
   shipped model (``launch.in_process``, 256 rows, as ``configs/default.yaml``): the CPU of the
   thread that runs the stage (gates, requests, results, groups), the engine's scheduler thread
   left out; its output port a stand-in as above.
+- ``feeder``: ``stages.feeder.stage.Feeder`` sending the default task's prompts (each read and
+  tokenized as it goes, its uid in the ledger, its position saved) to a stand-in consumer that
+  acknowledges each on the next turn of the loop; the task's loading left out.
+- ``learner``: what the learner's event loop does with a scored group, training left out: decode
+  it from the frames the scorer sends (schema checked), ``Learner._samples_of`` (advantages,
+  arrays, dedup), then its samples accounted as trained (ledger fates, the acknowledgement).
 
     python bench/group_cost.py [--rounds 4] [--groups 2048] [--per-message 8]
-        [--parts hop,scorer,generator]
+        [--parts hop,feeder,scorer,generator,learner]
 
 Prints one JSON line: per piece the median microseconds per group over the rounds, with min
-and max. Not here: the supervisor, the feeder, or the learner's side of a hop.
+and max, and per wire what several groups a message saved, paired within each round. Not
+here: the supervisor, the engine's own threads, training.
 """
 
 from __future__ import annotations
@@ -179,6 +187,110 @@ class _Port:
         return seqs
 
 
+class _PromptPort:
+    """The feeder's output port: a consumer with 16 slots of credit that acknowledges every
+    prompt on the next turn of the loop (as a generator does once its group went on)."""
+
+    def __init__(self) -> None:
+        self.seq = self.prompts = 0
+        self.callbacks: list[Any] = []
+
+    def room(self) -> int:
+        return 16
+
+    def on_ack(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    async def send(self, kind: str, data: dict[str, Any]) -> int:
+        return (await self.send_many(kind, [data]))[0]
+
+    async def send_many(self, kind: str, items: list[dict[str, Any]]) -> list[int]:
+        seqs = list(range(self.seq + 1, self.seq + 1 + len(items)))
+        self.seq += len(items)
+        self.prompts += len(items)
+        loop = asyncio.get_running_loop()
+        for callback in self.callbacks:
+            for seq in seqs:
+                loop.call_soon(callback, seq)
+        await asyncio.sleep(0)  # the consumer takes them
+        return seqs
+
+
+async def _feeder(groups: int) -> float:
+    """The feeder's CPU seconds to send ``groups`` prompts of the default task (read, tokenized
+    and put in the ledger as they go), its task loaded before."""
+    from stages.feeder.arithmetic import ArithmeticConfig
+    from stages.feeder.sources import SourceConfig
+    from stages.feeder.stage import Feeder, FeederConfig
+
+    source = SourceConfig(
+        kind="arithmetic",
+        tokenizer=str(MODEL),
+        arithmetic=ArithmeticConfig(ops="+-", max_operand=99, eval_fraction=0.1),
+    )
+    port = _PromptPort()
+    with tempfile.TemporaryDirectory(prefix="group_cost-") as scratch:
+        ctx = SimpleNamespace(
+            stage="feeder",
+            replica=0,
+            replicas=1,
+            run_dir=Path(scratch),
+            log=_Quiet(),
+            outputs={"prompts": port},
+            ledger=LedgerReporter(lambda payload: None),
+            metrics=lambda **values: None,
+        )
+        feeder = Feeder(FeederConfig(source=source, epochs=0, max_prompts=groups), ctx)
+        await feeder.setup()
+        began = time.process_time()
+        await feeder.run()
+        spent = time.process_time() - began
+    if port.prompts != groups:
+        raise SystemExit(f"the feeder sent {port.prompts} prompts of {groups}")
+    return spent
+
+
+async def _learner_intake(groups: int) -> float:
+    """The learner's CPU seconds to take ``groups`` scored groups as its event loop does: each
+    decoded from the frames the scorer sends (schema checked), made into its samples
+    (``Learner._samples_of``: advantages, arrays, the staleness and dedup bookkeeping), then
+    accounted as trained (ledger fates, the group acknowledged). No training, no receiver."""
+    from stages.learner.stage import Learner, LearnerConfig
+    from stages.schemas import SCORED_GROUP
+    from transport.codec import decode, encode
+
+    frames = []
+    for i in range(groups):
+        data = _group(i)
+        for sample in data["samples"]:
+            sample["reward"] = float(sample["sample_index"] % 2)
+            sample["reward_info"] = {"exact_match": sample["reward"]}
+            sample["timings"] = {**sample["timings"], "score_s": 0.001}
+        message = Message(kind=SCORED_GROUP.kind, data=data, version=SCORED_GROUP.version)
+        frames.append([bytes(f) for f in encode(message)])
+    acked = []
+    ctx = SimpleNamespace(
+        stage="learner",
+        replica=0,
+        replicas=1,
+        log=_Quiet(),
+        inputs={"groups": SimpleNamespace(ack=acked.append)},
+        ledger=LedgerReporter(lambda payload: None),
+    )
+    learner = Learner(LearnerConfig(model=str(MODEL)), ctx)
+    schemas = {SCORED_GROUP.kind: SCORED_GROUP}
+    began = time.process_time()
+    for group_frames in frames:
+        samples = learner._samples_of(decode(group_frames, schemas))
+        learner._fates(samples, "trained", step=1)
+        for sample in samples:
+            learner._done_with(sample)
+    spent = time.process_time() - began
+    if len(acked) != groups:
+        raise SystemExit(f"the learner acknowledged {len(acked)} groups of {groups}")
+    return spent
+
+
 async def _scorer(groups: int, tokenizer: Any) -> float:
     from stages.scorer.runner import RewardRunner
     from stages.scorer.stage import RewardSpec, Scorer, ScorerConfig
@@ -321,7 +433,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--groups", type=int, default=2048, help="groups per round and piece")
     parser.add_argument("--per-message", type=int, default=8, help="groups a message (hop)")
-    parser.add_argument("--parts", default="hop,scorer,generator")
+    parser.add_argument("--parts", default="hop,feeder,scorer,generator,learner")
     args = parser.parse_args()
     if args.groups % 16 or 16 % args.per_message:
         raise SystemExit("--groups must be a multiple of 16, --per-message a divisor of 16")
@@ -337,8 +449,12 @@ def main() -> None:
             for per in (1, args.per_message):
                 name = f"hop_{wire}_{per}_per_message"
                 pieces[name] = lambda w=wire, p=per: asyncio.run(_hop(args.groups, p, w == "local"))
+    if "feeder" in parts:
+        pieces["feeder"] = lambda: uvloop.run(_feeder(args.groups))
     if "scorer" in parts:
         pieces["scorer"] = lambda: uvloop.run(_scorer(args.groups, tokenizer))
+    if "learner" in parts:
+        pieces["learner_intake"] = lambda: uvloop.run(_learner_intake(args.groups))
     if "generator" in parts:
         prompts = _prompts(tokenizer, args.groups)
         pieces["generator"] = lambda: uvloop.run(_generator(prompts))
@@ -356,6 +472,20 @@ def main() -> None:
         "group_size": GROUP,
         "us_per_group": {name: _stats(values) for name, values in per_group.items()},
     }
+    if "hop" in parts:  # what batching saves, paired within each round (the machine drifts)
+        report["us_saved_per_group"] = {
+            wire: _stats(
+                [
+                    one - many
+                    for one, many in zip(
+                        per_group[f"hop_{wire}_1_per_message"],
+                        per_group[f"hop_{wire}_{args.per_message}_per_message"],
+                        strict=True,
+                    )
+                ]
+            )
+            for wire in ("local", "zmq")
+        }
     print(json.dumps(report))
 
 
