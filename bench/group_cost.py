@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -57,19 +56,13 @@ import numpy as np  # noqa: E402
 import structlog  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
+from bench.generator import _Quiet, _stats  # noqa: E402  (the generator bench's stand-ins)
 from pipeline.ledger import LedgerReporter  # noqa: E402
 from transport import Receiver, Schema, Sender, ipc_address  # noqa: E402
 from transport.message import Message  # noqa: E402
 
 MODEL = ROOT / "configs" / "models" / "arith-tiny"
 GROUP = 4
-
-
-class _Quiet:
-    """A logger that drops everything."""
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
 
 
 def _group(i: int) -> dict[str, Any]:
@@ -420,14 +413,6 @@ def _prompts(tokenizer: Any, groups: int) -> list[dict[str, Any]]:
     ]
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    return {
-        "median": round(statistics.median(values), 1),
-        "min": round(min(values), 1),
-        "max": round(max(values), 1),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -470,7 +455,7 @@ def main() -> None:
         "rounds": args.rounds,
         "groups": args.groups,
         "group_size": GROUP,
-        "us_per_group": {name: _stats(values) for name, values in per_group.items()},
+        "us_per_group": {name: _stats(values, 1) for name, values in per_group.items()},
     }
     if "hop" in parts:  # what batching saves, paired within each round (the machine drifts)
         report["us_saved_per_group"] = {
@@ -482,7 +467,8 @@ def main() -> None:
                         per_group[f"hop_{wire}_{args.per_message}_per_message"],
                         strict=True,
                     )
-                ]
+                ],
+                1,
             )
             for wire in ("local", "zmq")
         }
