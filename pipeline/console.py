@@ -190,6 +190,7 @@ class Console:
         self.running: set[str] = set()  # replicas started and not yet exited
         self.restarts = 0
         self.warnings = 0
+        self.finished = False  # run_finished seen
         self.lines = 0  # permanent lines written
         self._status_at = self.started  # last plain status line (or start)
         self._drawn_at = 0.0
@@ -241,6 +242,8 @@ class Console:
                 self.first_evaluation = event["accuracy"]
         elif name == "run_started":
             self.run_dir = event.get("run_dir")
+        elif name == "run_finished":
+            self.finished = True  # its line is the last one: no status line after it
         elif name in ("replica_started", "engine_started"):
             self.running.add(who)
         elif name in ("replica_stopped", "replica_finished", "engine_stopping"):
@@ -290,7 +293,7 @@ class Console:
             if now - self._drawn_at >= 1.0 / _REDRAW_PER_S:
                 self._drawn_at = now
                 self._live.refresh()
-        elif not self.live and now - self._status_at >= self.every_s:
+        elif not self.live and not self.finished and now - self._status_at >= self.every_s:
             self._status_at = now
             self._write(f"{_wall_clock(now)} {self.status_line(now)}")
 

@@ -235,6 +235,16 @@ def test_off_a_terminal_one_status_line_every_every_s():
     assert "\x1b" not in out.getvalue()  # no control sequences in a log file
 
 
+def test_the_end_line_is_the_last_even_when_a_status_line_falls_due_after_it():
+    clock, out = _Clock(), io.StringIO()
+    console = Console(total=100, out=out, live=False, every_s=10, clock=clock)
+    _replay(console, clock, _run())
+    assert "run succeeded" in out.getvalue().splitlines()[-1]
+    clock.t += 60  # the supervisor's loop ticks once more after the run's last event
+    console.tick()
+    assert "run succeeded" in out.getvalue().splitlines()[-1]
+
+
 def test_on_a_terminal_a_live_block_and_lines_above_it():
     clock, out = _Clock(), io.StringIO()
     console = Console(total=100, out=out, live=True, width=140, clock=clock)
