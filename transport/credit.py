@@ -19,16 +19,19 @@ tag        way       map
 ``H``      p -> c    HELLO/PING ``{identity, session, to, epoch, sent}``: at start, then every
                      ``heartbeat_s``. ``to``/``epoch`` name the credit stream the producer holds
                      (None before any), ``sent`` how many DATA it sent in it.
-``D``      p -> c    DATA ``{to, epoch, seq[, bulk]}``, then the codec frames of one message
-                     (``bulk``: on CURVE, which frames come sealed on the bulk port). A batch
-                     (``Sender.send_many``) has ``seqs: [seq, ...]`` instead of ``seq`` and the
-                     frames of ``codec.encode_batch``: one message per seq, each credited,
-                     acknowledged, deduplicated and refused on its own.
+``D``      p -> c    DATA ``{to, epoch, seq[, w][, bulk]}``, then the codec frames of one
+                     message (``w``: its weight where not 1; ``bulk``: on CURVE, which frames
+                     come sealed on the bulk port). A batch (``Sender.send_many``) has ``seqs:
+                     [seq, ...]`` instead of ``seq`` (and ``ws``, the weights, where one is not
+                     1) and the frames of ``codec.encode_batch``: one message per seq, each
+                     credited, acknowledged, deduplicated and refused on its own.
 ``E``      p -> c    EOS ``{identity, session, to, epoch, sent}``: no more messages from it.
-``C``      c -> p    CREDIT ``{session, epoch, grant, granted, consumed, eos}``: ``grant`` new
-                     slots; ``granted`` the total granted in this stream; ``consumed`` DATA
-                     received in it; ``eos`` true when acknowledging an EOS; ``bulk_port``
-                     (CURVE over tcp only) where sealed large frames go (``transport.bulk``).
+``C``      c -> p    CREDIT ``{session, epoch, grant, granted, consumed, eos, reach}``:
+                     ``grant`` new units; ``granted`` the total granted in this stream;
+                     ``consumed`` the units of DATA received in it; ``eos`` true when
+                     acknowledging an EOS; ``reach`` the credit the producer is sure to hold
+                     in time (see "Weight"); ``bulk_port`` (CURVE over tcp only) where sealed
+                     large frames go (``transport.bulk``).
 ``X``      c -> p    CLOSE ``{session}``: the consumer is going away.
 ``A``      c -> p    ACK ``{session, acked: [seq, ...]}``: these DATA were processed.
 =========  ========  ==========================================================================
@@ -55,7 +58,18 @@ restarted) is still accepted and counted ``uncredited``: data sent in good faith
 dropped. A PING tells the consumer how many DATA were sent on the current stream; ZeroMQ keeps
 order on a connection, so any shortfall was lost and its credit is written off.
 
-Consumer: invariant ``depth + credit outstanding <= capacity`` (uncredited arrivals aside).
+Weight. Credit, capacity and depth count units of weight, not messages. A message weighs what
+its schema says (``Schema.weight``: a message that carries a batch of groups weighs its number
+of groups), 1 by default, so an inbox of 64 holds 64 groups however they are packed; the
+receiver weighs what it takes in from its own schema, whatever the header said. A message goes
+when its producer's credit covers its weight, or, heavier than the consumer will ever grant
+that producer at once, when the producer holds its ``reach`` (its share less the quarter share
+the consumer tops up at a time, plus one): it then overdraws, and the consumer counts the
+overdraft as granted when it arrives. So the inbox exceeds its capacity only by what a message
+weighs beyond a producer's reach, as the generator lets an oversized group start alone.
+
+Consumer: invariant ``depth + credit outstanding <= capacity`` (uncredited arrivals and
+overdrafts aside).
 Free slots go round-robin to producers, each capped at ``max(1, capacity // n)`` where ``n``
 counts live producers and expected ones not yet heard from (credit is never revoked, so the
 first producer to arrive must not take the whole inbox; a producer that hoards its share while

@@ -95,7 +95,7 @@ _PLAIN = frozenset({str, int, float, bool, type(None), bytes})  # immutable: no 
 
 def delivered(msg: Message) -> Message:
     """The consumer's own copy of a message handed over in-process."""
-    return Message(kind=msg.kind, data=fresh(msg.data), version=msg.version)
+    return Message(kind=msg.kind, data=fresh(msg.data), version=msg.version, weight=msg.weight)
 
 
 class LocalDealer:

@@ -12,7 +12,7 @@ This module does no I/O and keeps no registry: schemas live on the ports that us
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,12 +56,18 @@ class Schema:
     ``list``, ``map``, ``array``, ``any``), or to several joined by ``|`` (``"int|None"`` admits a
     missing value given as None). Extra fields are allowed: versions add fields, they never
     change the meaning of an existing one.
+
+    ``weight``: how many units of a receiver's inbox (and of its producers' credit) one message
+    of this kind takes, from its data (``transport.credit``, "Weight"): a message that carries
+    a batch of groups weighs its number of groups, so an inbox bounded at 64 still holds at most
+    64 groups however they are packed. None: every message weighs 1.
     """
 
     kind: str
     version: int = 1
     fields: Mapping[str, str] = field(default_factory=dict)
     doc: str = ""
+    weight: Callable[[Mapping[str, Any]], int] | None = field(default=None, compare=False)
     # (name, spec, None allowed, checks): every message is checked at least twice
     _rules: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -78,6 +84,18 @@ class Schema:
             checks = tuple(_FIELD_CHECKS[p] for p in parts if p != "None")
             rules.append((name, spec, "None" in parts, checks))
         object.__setattr__(self, "_rules", tuple(rules))
+
+    def weigh(self, data: Mapping[str, Any]) -> int:
+        """The weight of a message of this kind carrying ``data`` (ValueError unless an
+        int >= 1); ``data`` has passed ``check``."""
+        if self.weight is None:
+            return 1
+        value = self.weight(data)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f"schema {self.kind!r}: a message weighs {value!r}, expected an int >= 1"
+            )
+        return value
 
     def check(self, data: Mapping[str, Any]) -> list[str]:
         """Problems with ``data`` as a message of this schema (empty when it conforms)."""
@@ -103,11 +121,13 @@ class Message:
     """One message: ``kind`` and schema ``version`` tag the ``data`` map.
 
     ``sender`` is filled in by the receiving channel (``stage.replica`` of the producer);
-    ``ack_id`` too (which delivery to acknowledge: ``Receiver.ack``).
+    ``ack_id`` too (which delivery to acknowledge: ``Receiver.ack``). ``weight``: the units of
+    inbox and credit it takes (its schema's ``weigh``; set by the channel at both ends).
     """
 
     kind: str
     data: dict[str, Any]
     version: int = 1
     sender: str = ""
+    weight: int = field(default=1, compare=False)
     ack_id: tuple[bytes, int] | None = field(default=None, compare=False, repr=False)

@@ -56,13 +56,13 @@ class _Producer:
     session: str
     epoch: int
     last_seen: float
-    granted: int = 0  # total granted on this stream
-    received: int = 0  # credited DATA received (or written off) on this stream
+    granted: int = 0  # total credit units granted on this stream
+    received: int = 0  # credit units of the DATA received (or written off) on this stream
     reply: bool = False  # owes the producer a CREDIT even if the grant is 0
 
     @property
     def outstanding(self) -> int:
-        return self.granted - self.received
+        return self.granted - self.received  # >= 0: an overdraft is granted as it arrives
 
 
 @dataclass(eq=False, slots=True)
@@ -77,6 +77,7 @@ class _Parked:
     credited: bool
     frames: list[Any]
     since: float
+    weight: int  # what it weighs in the inbox once delivered (its header's)
     descriptor: Mapping[str, Any] | None = None  # set while its sealed frames are awaited
     failed: tuple[str, str] | None = None  # (reason, detail): to be refused in its turn
 
@@ -102,7 +103,8 @@ class Receiver:
     ``name`` names the port in logs; ``address`` is bound (``ipc://``, ``tcp://`` on a named
     interface, ``inproc://``; ``tcp://HOST:0`` binds a free port, and ``address`` is the bound
     one once started: give that to producers); ``schemas`` are the kinds accepted (anything
-    else is rejected and counted); ``capacity`` bounds the inbox in messages;
+    else is rejected and counted); ``capacity`` bounds the inbox in units of weight (messages,
+    where each weighs 1: ``Schema.weight``);
     ``peer_timeout_s`` is how long a silent producer keeps its credit. ``log`` is a
     structlog-style logger.
 
@@ -172,6 +174,8 @@ class Receiver:
         self._failure: BaseException | None = None
         self._closed = False
         self._inbox: deque[Message] = deque()
+        self._depth = 0  # the inbox's weight
+        self._reach = 1  # credit each producer is sure to be granted in time (transport.credit)
         self._readable = asyncio.Event()
         self._producers: dict[bytes, _Producer] = {}
         self._finished: set[str] = set()  # identities that sent EOS
@@ -345,6 +349,7 @@ class Receiver:
 
     def _pop(self) -> Message:
         msg = self._inbox.popleft()
+        self._depth -= msg.weight
         self._schedule_grant()  # a slot is free again
         if self._manual_ack:
             if msg.ack_id is not None:
@@ -439,7 +444,8 @@ class Receiver:
             blocked += time.monotonic() - self._blocked_since
         return {
             "capacity": self.capacity,
-            "depth": len(self._inbox),
+            "depth": self._depth,  # in units of weight, as capacity
+            "messages": len(self._inbox),
             "peak": self._peak,
             "credit_outstanding": self._outstanding(),
             "producers": len(self._producers),
@@ -603,12 +609,19 @@ class Receiver:
         if many is not None and not _batch_seqs(many):
             self._reject("bad_control", f"DATA with bad seqs {str(many)[:100]}", sender)
             return
-        count = len(many) if many is not None else 1
-        credited = self._credited(producer, header) and producer.outstanding >= count
+        weights = _weights(header, many)
+        if weights is None:
+            self._reject("bad_control", f"DATA with bad weights {str(header)[:100]}", sender)
+            return
+        count = sum(weights)
+        credited = self._credited(producer, header) and (
+            producer.outstanding >= count or producer.outstanding >= self._reach
+        )  # a message heavier than a producer's reach goes once it holds that much
         if credited:
             producer.received += count
+            producer.granted = max(producer.granted, producer.received)  # the overdraft
         if many is not None:
-            self._on_batch(rid, sender, header, many, credited, frames)
+            self._on_batch(rid, sender, header, many, credited, frames, count)
             return
         ack_id = None
         if is_int(seq):
@@ -617,7 +630,7 @@ class Receiver:
                 self._duplicate(rid, seq, sender)
                 self._schedule_grant()
                 return
-        self._deliver_or_park(rid, sender, seq, ack_id, credited, frames, header, [ack_id])
+        self._deliver_or_park(rid, sender, seq, ack_id, credited, frames, header, [ack_id], count)
 
     def _deliver_or_park(
         self,
@@ -629,6 +642,7 @@ class Receiver:
         frames: list[Any],
         header: Mapping[str, Any],
         ack_ids: list[tuple[bytes, int] | None],
+        weight: int,
     ) -> None:
         """A DATA (one message or a batch) delivered now, or parked in its producer's line
         (behind sealed frames, or waiting for its own); ``ack_ids``: what it carries, remembered
@@ -639,7 +653,7 @@ class Receiver:
             return
         for one in ack_ids:
             self._remember(one)
-        held = _Parked(rid, sender, seq, ack_id, credited, frames, time.monotonic())
+        held = _Parked(rid, sender, seq, ack_id, credited, frames, time.monotonic(), weight)
         self._park(held, descriptor)
 
     def _park(self, held: _Parked, descriptor: Any) -> None:
@@ -670,6 +684,7 @@ class Receiver:
         seqs: list[int],
         credited: bool,
         frames: list[Any],
+        weight: int,
     ) -> None:
         """A DATA of several messages: those taken before (sent again) are acknowledged and
         skipped (None in their place), the rest delivered in order, as single ones are."""
@@ -681,7 +696,7 @@ class Receiver:
             self._schedule_grant()
             return
         taken = [None if s is None else (rid, s) for s in fresh]
-        self._deliver_or_park(rid, sender, fresh, None, credited, frames, header, taken)
+        self._deliver_or_park(rid, sender, fresh, None, credited, frames, header, taken, weight)
 
     def _duplicate(self, rid: bytes, seq: int, sender: str) -> None:
         """A DATA taken before, sent again: counted, and acknowledged again (our ack may have
@@ -730,6 +745,7 @@ class Receiver:
                 frames = []
             else:
                 msg = decode(frames, self._schemas)
+            self._weigh(msg)
         except DecodeError as e:
             self._refuse(e.reason, e.detail, sender, rid, seq)
             return
@@ -754,6 +770,11 @@ class Receiver:
         for seq, item in zip(seqs, items, strict=True):
             if seq is None:
                 continue
+            if not isinstance(item, DecodeError):
+                try:
+                    self._weigh(item)
+                except DecodeError as e:
+                    item = e
             if isinstance(item, DecodeError):
                 self._refuse(item.reason, item.detail, sender, rid, seq)
             else:
@@ -769,10 +790,23 @@ class Receiver:
         msg.ack_id = ack_id
         msg.sender = sender
         self._inbox.append(msg)
+        self._depth += msg.weight
         self._received += 1
-        self._peak = max(self._peak, len(self._inbox))
+        self._peak = max(self._peak, self._depth)
         self._readable.set()
         self._schedule_grant()  # this producer may now be out of credit
+
+    def _weigh(self, msg: Message) -> None:
+        """Set ``msg.weight`` from its schema (what the inbox counts it as, whatever its
+        producer's header said); DecodeError when the schema cannot weigh its data."""
+        schema = self._schemas.get(msg.kind)
+        if schema is None or schema.weight is None:
+            msg.weight = 1
+            return
+        try:
+            msg.weight = schema.weigh(msg.data)
+        except Exception as e:  # a weight function that fails on this data: the message's fault
+            raise DecodeError("invalid_fields", f"kind {msg.kind!r}: cannot weigh it: {e}") from e
 
     def _check_one(self, sent: Message, checked: Schema | None) -> Message | DecodeError:
         try:
@@ -908,9 +942,11 @@ class Receiver:
         if self._credited(producer, header) and is_int(sent) and sent > producer.received:
             # ZeroMQ keeps order on a connection, so DATA sent before this PING has arrived:
             # what is missing was lost, and its credit must not stay outstanding forever.
-            lost = min(sent, producer.granted) - producer.received
+            # (an overdraft may be among what was lost: counted as granted, as on arrival)
+            lost = sent - producer.received
             self._log.warning("data_lost", port=self.name, sender=identity, count=lost)
-            producer.received += lost
+            producer.received = sent
+            producer.granted = max(producer.granted, sent)
         producer.reply = True
         self._schedule_grant()
 
@@ -952,15 +988,17 @@ class Receiver:
             return
         producers = list(self._producers.values())
         grants: Counter[bytes] = Counter()
-        held = sum(len(line) for line in self._lines.values())
-        free = self.capacity - len(self._inbox) - held - self._outstanding()
+        held = sum(h.weight for line in self._lines.values() for h in line)
+        free = self.capacity - self._depth - held - self._outstanding()
+        # Count expected producers that have not said hello yet too: the first to arrive
+        # must not take the whole inbox (credit is never revoked, only spent or reclaimed).
+        waiting_for = len(self._expected - self._finished) if self._expected else 0
+        share = max(1, self.capacity // max(len(producers), waiting_for, 1))
+        top_up = max(1, share // 4)
+        # a producer is topped up once a quarter share is missing: it always gets this much
+        self._reach = share - top_up + 1
         if free > 0 and producers:
-            # Count expected producers that have not said hello yet too: the first to arrive
-            # must not take the whole inbox (credit is never revoked, only spent or reclaimed).
-            waiting_for = len(self._expected - self._finished) if self._expected else 0
-            share = max(1, self.capacity // max(len(producers), waiting_for))
-            top_up = max(1, share // 4)
-            if free < top_up and len(self._inbox) >= top_up:
+            if free < top_up and self._depth >= top_up:
                 # the inbox still holds work: slots go a quarter share at a time, not one by
                 # one as the stage takes messages (a CREDIT each, and the producer's next batch
                 # one message)
@@ -997,6 +1035,7 @@ class Receiver:
             "granted": p.granted if p else 0,
             "consumed": p.received if p else 0,
             "eos": eos,
+            "reach": self._reach,
         }
         if self.bulk_port is not None:
             credit["bulk_port"] = self.bulk_port
@@ -1011,3 +1050,16 @@ def _batch_seqs(seqs: Any) -> bool:
         and all(is_int(s) for s in seqs)
         and len(set(seqs)) == len(seqs)
     )
+
+
+def _weights(header: Mapping[str, Any], seqs: list[int] | None) -> list[int] | None:
+    """A DATA's messages' weights (``w``, or a batch's ``ws``; 1 each where absent), or None
+    when they are not ints >= 1, one per message."""
+    if seqs is None:
+        w = header.get("w", 1)
+        return [w] if is_int(w) and w >= 1 else None
+    ws = header.get("ws")
+    if ws is None:
+        return [1] * len(seqs)
+    ok = isinstance(ws, list) and len(ws) == len(seqs) and all(is_int(w) and w >= 1 for w in ws)
+    return ws if ok else None

@@ -56,8 +56,9 @@ class _Peer:
     sock: zmq.asyncio.Socket | LocalDealer  # a LocalDealer: the consumer is in this process
     session: str | None = None  # consumer session of the current credit stream
     epoch: int = 0
-    granted: int = 0
-    sent: int = 0  # DATA sent on the current stream
+    granted: int = 0  # credit units granted on the current stream
+    sent: int = 0  # credit units spent on the current stream (each DATA its messages' weight)
+    reach: int | None = None  # credit it is sure to grant in time (None: an older receiver)
     last_heard: float = -1e18
     eos_acked: bool = False
     closed: bool = False  # it said CLOSE (going away) and has not granted credit since
@@ -69,6 +70,12 @@ class _Peer:
     @property
     def credit(self) -> int:
         return self.granted - self.sent if self.session is not None else 0
+
+    def covers(self, weight: int) -> bool:
+        """Whether its credit lets a message of ``weight`` go: enough for all of it, or, for one
+        heavier than this consumer will ever grant at once, all that it will."""
+        credit = self.credit
+        return credit >= weight or (self.reach is not None and credit >= max(1, self.reach))
 
     def live(self, now: float, timeout: float) -> bool:
         return self.session is not None and now - self.last_heard <= timeout
@@ -341,14 +348,16 @@ class Sender:
 
     async def _send_checked(self, schema: Schema, data: Mapping[str, Any]) -> int:
         """``send`` of a message already checked against ``schema``."""
-        msg = Message(kind=schema.kind, data=dict(data), version=schema.version)
+        msg = Message(
+            kind=schema.kind, data=dict(data), version=schema.version, weight=schema.weigh(data)
+        )
         uid = data.get("uid")
         held = _Held(msg, None, 0, None, None, uid if isinstance(uid, str) else None)
         if self._remote:  # encode now: a message that cannot travel fails in its producer
             self._frames(held)
-        peer = self._pick()
+        peer = self._pick(msg.weight)
         if peer is None:
-            peer = await self._wait_for_credit()
+            peer = await self._wait_for_credit(msg.weight)
         self._seq += 1
         held.peer, held.session = peer, peer.session
         self._hold(self._seq, held)
@@ -369,9 +378,14 @@ class Sender:
             return [None] * len(items)
         seqs: list[int | None] = []
         left = list(items)
+        weights = [schema.weigh(data) for data in left]
         while left:
-            peer = self._pick() or await self._wait_for_credit()
-            take, left = left[: max(1, peer.credit)], left[max(1, peer.credit) :]
+            peer = self._pick(weights[0]) or await self._wait_for_credit(weights[0])
+            n, spent = 1, weights[0]  # the first goes (covered), then those the rest pays for
+            while n < len(left) and spent + weights[n] <= peer.credit:
+                spent += weights[n]
+                n += 1
+            take, left, weights = left[:n], left[n:], weights[n:]
             if isinstance(peer.sock, LocalDealer) and len(take) > 1:
                 seqs.extend(self._hand_over(peer, schema, take))
             elif len(take) == 1:
@@ -390,9 +404,8 @@ class Sender:
             self._check_size(schema.kind, frames)
         nbytes = sum(len(f) for f in frames)
         self._bytes += nbytes
-        seqs, _ = self._hold_batch(peer, schema, items, nbytes // len(items))
-        header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seqs": seqs}
-        await self._send_frames(peer, header, frames)
+        seqs, msgs = self._hold_batch(peer, schema, items, nbytes // len(items))
+        await self._send_frames(peer, _batch_header(peer, seqs, msgs), frames)
         return seqs
 
     def _hand_over(self, peer: _Peer, schema: Schema, items: list[Mapping[str, Any]]) -> list[int]:
@@ -400,8 +413,7 @@ class Sender:
         messages themselves, and the schema they were checked against (``Receiver`` checks
         them only if its own is another)."""
         seqs, msgs = self._hold_batch(peer, schema, items, 0)
-        header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seqs": seqs}
-        peer.sock.send_multipart([DATA, header, msgs, schema])
+        peer.sock.send_multipart([DATA, _batch_header(peer, seqs, msgs), msgs, schema])
         return seqs
 
     def _hold_batch(
@@ -412,7 +424,9 @@ class Sender:
         seqs, msgs = [], []
         for data in items:
             uid = data.get("uid")
-            msg = Message(kind=schema.kind, data=dict(data), version=schema.version)
+            msg = Message(
+                kind=schema.kind, data=dict(data), version=schema.version, weight=schema.weigh(data)
+            )
             held = _Held(
                 msg, None, nbytes, peer, peer.session, uid if isinstance(uid, str) else None
             )
@@ -422,7 +436,7 @@ class Sender:
             msgs.append(msg)
         self._sent += len(items)
         self._batches += 1
-        peer.sent += len(items)  # spent before yielding, as in _send_data
+        peer.sent += sum(m.weight for m in msgs)  # spent before yielding, as in _send_data
         return seqs, msgs
 
     def _checked(self, kind: str, items: Sequence[Mapping[str, Any]]) -> Schema:
@@ -497,7 +511,10 @@ class Sender:
     ) -> None:
         """``schema``: the one ``held`` was checked against just now (None when sent again)."""
         header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seq": seq}
-        peer.sent += 1  # spend the credit before yielding: concurrent senders must not reuse it
+        if held.msg.weight != 1:
+            header["w"] = held.msg.weight
+        # spend the credit before yielding: concurrent senders must not reuse it
+        peer.sent += held.msg.weight
         if isinstance(peer.sock, LocalDealer):  # the message itself, for a consumer here
             peer.sock.send_multipart([DATA, header, held.msg, schema])
             return
@@ -626,7 +643,8 @@ class Sender:
                 if held is None or held.peer is not None:  # acked or dropped meanwhile
                     self._resend.popleft()
                     continue
-                peer = self._pick() or await self._wait_for_credit()
+                weight = held.msg.weight
+                peer = self._pick(weight) or await self._wait_for_credit(weight)
                 seq = self._resend.popleft()
                 held = self._unacked.get(seq)
                 if held is None:
@@ -638,7 +656,7 @@ class Sender:
                     if not peer.eos_acked and peer.session is not None and not self._resend:
                         await self._eos_to(peer)
 
-    async def _wait_for_credit(self) -> _Peer:
+    async def _wait_for_credit(self, weight: int = 1) -> _Peer:
         self._waiting += 1
         if self._blocked_since is None:
             self._blocked_since = time.monotonic()
@@ -648,7 +666,7 @@ class Sender:
                 await self._credit_changed.wait()
                 if self._closed:
                     raise ChannelClosed(f"sender {self.name!r} is closed")
-                peer = self._pick()
+                peer = self._pick(weight)
                 if peer is not None:
                     return peer
         finally:
@@ -657,16 +675,16 @@ class Sender:
                 self._credit_wait_s += time.monotonic() - self._blocked_since
                 self._blocked_since = None
 
-    def _ready(self) -> list[_Peer]:
+    def _ready(self, weight: int = 1) -> list[_Peer]:
         now = time.monotonic()
         return [
             p
             for p in self._peers
-            if p.credit > 0 and p.live(now, self._peer_timeout_s) and not p.eos_acked
+            if p.covers(weight) and p.live(now, self._peer_timeout_s) and not p.eos_acked
         ]  # (a consumer that took our EOS has ended its input: it would not process more)
 
-    def _pick(self) -> _Peer | None:
-        ready = self._ready()
+    def _pick(self, weight: int = 1) -> _Peer | None:
+        ready = self._ready(weight)
         if len(ready) < 2:
             return ready[0] if ready else None
         most = max(p.credit for p in ready)
@@ -674,8 +692,13 @@ class Sender:
         self._rr += 1
         return ties[self._rr % len(ties)]
 
+    def sends(self, kind: str) -> bool:
+        """Whether this port sends messages of ``kind`` (its consumers accept them)."""
+        return kind in self._schemas
+
     def credit(self) -> int:
-        """Messages that can be sent now without waiting: credit held from live consumers.
+        """Units of weight that can be sent now without waiting (messages, where each weighs
+        1): credit held from live consumers.
 
         A producer that decides how much work to start (the generator) reads this as the room
         downstream has for its output.
@@ -684,8 +707,8 @@ class Sender:
         return sum(max(0, p.credit) for p in self._peers if p.live(now, self._peer_timeout_s))
 
     def room(self) -> int:
-        """How many messages one ``send_many`` sends now without waiting for credit, in one
-        batch: the credit of the consumer with the most."""
+        """How much weight (how many messages of weight 1) one ``send_many`` sends now without
+        waiting for credit, in one batch: the credit of the consumer with the most."""
         return max((p.credit for p in self._ready()), default=0)
 
     def held_uids(self) -> list[str]:
@@ -816,6 +839,8 @@ class Sender:
             return
         peer.last_heard = time.monotonic()
         peer.closed = False
+        reach = header.get("reach")
+        peer.reach = reach if is_int(reach) and reach >= 1 else None
         self._use_bulk_port(peer, header.get("bulk_port"))
         if header.get("eos") is True:
             peer.eos_acked = True
@@ -858,3 +883,11 @@ class Sender:
         sock.connect(address)
         peer.bulk, peer.bulk_address = sock, address
         self._log.debug("bulk_connected", port=self.name, peer=peer.address, bulk=address)
+
+
+def _batch_header(peer: _Peer, seqs: list[int], msgs: list[Message]) -> dict[str, Any]:
+    """A batch DATA's header; ``ws``: its messages' weights, where one is not 1."""
+    header: dict[str, Any] = {"to": peer.session, "epoch": peer.epoch, "seqs": seqs}
+    if any(m.weight != 1 for m in msgs):
+        header["ws"] = [m.weight for m in msgs]
+    return header
