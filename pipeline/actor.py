@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -44,6 +45,7 @@ from pipeline.structured_log import (
     configure_process_logging,
 )
 from transport import ControlClient, Receiver, Sender
+from transport.message import uids_of
 from transport.security import CurveKeys
 
 __all__ = ["ActorContext", "build_stage_config", "main"]
@@ -214,6 +216,12 @@ def _channel_metrics(ctx: ActorContext) -> dict[str, Any]:
     return values
 
 
+def _consumed(ledger: Any, msg: Any) -> None:
+    """A message processed by a stage that keeps no ledger: its prompts end there."""
+    for uid in uids_of(msg.data):
+        ledger.consumed(uid)
+
+
 class _Replica:
     """Owns the sockets and tasks around one stage instance.
 
@@ -271,15 +279,16 @@ class _Replica:
             )
             await receiver.start()
             if not getattr(self.stage_cls, "keeps_ledger", False):
-                receiver.on_processed(lambda msg: ctx.ledger.consumed(msg.data.get("uid")))
+                receiver.on_processed(functools.partial(_consumed, ctx.ledger))
             for producer in spec["finished_producers"]:
                 receiver.producer_finished(producer)
             ctx.inputs[name] = receiver
         for name, port in spec["outputs"].items():
+            kinds = port.get("kinds")  # what its consumer accepts (Port.if_accepted)
             sender = Sender(
                 name,
                 port["peers"],
-                outputs[name].schemas,
+                [s for s in outputs[name].schemas if kinds is None or s.kind in kinds],
                 identity=identity,
                 ctx=self.zctx,
                 log=self.log,
@@ -326,7 +335,7 @@ class _Replica:
     async def heartbeat(self) -> None:
         while True:
             # `held`: messages waiting in this replica's inboxes (sent again if it dies now)
-            held = sum(r.stats()["depth"] for r in self.ctx.inputs.values())
+            held = sum(r.stats()["messages"] for r in self.ctx.inputs.values())
             payload = {"pid": os.getpid(), "session": self.spec["session"], "held": held}
             if self.hosted:
                 payload["hosted"] = True

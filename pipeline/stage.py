@@ -32,6 +32,11 @@ class Port:
     one input port; an input port may be fed by several output ports (fan-in). ``optional``
     input ports may be left unwired; unwired optional output ports drop what is sent and count it.
 
+    ``if_accepted`` (output ports): kinds the port sends only to a consumer whose input port
+    accepts them (a faster form of what it sends anyway); the wiring check does not require
+    them, and the stage asks ``ctx.outputs[port].sends(kind)`` before sending one. They are
+    part of ``schemas``.
+
     ``ack`` (input ports): when a message counts as processed, so that its producer stops
     keeping it for redelivery (``transport.credit``, "Delivery"). ``"on_take"``: when the stage
     takes it from the port. ``"manual"``: when the stage calls ``ctx.inputs[port].ack(msg)``,
@@ -43,15 +48,22 @@ class Port:
     doc: str = ""
     optional: bool = False
     ack: str = "on_take"
+    if_accepted: frozenset[str] = frozenset()
 
     def __init__(
-        self, *schemas: Schema, doc: str = "", optional: bool = False, ack: str = "on_take"
+        self,
+        *schemas: Schema,
+        doc: str = "",
+        optional: bool = False,
+        ack: str = "on_take",
+        if_accepted: tuple[Schema, ...] = (),
     ) -> None:
         if not schemas:
             raise ValueError("a Port needs at least one Schema")
         if ack not in ("on_take", "manual"):
             raise ValueError(f"Port ack must be 'on_take' or 'manual', got {ack!r}")
-        object.__setattr__(self, "schemas", tuple(schemas))
+        object.__setattr__(self, "schemas", tuple(schemas) + tuple(if_accepted))
+        object.__setattr__(self, "if_accepted", frozenset(s.kind for s in if_accepted))
         object.__setattr__(self, "doc", doc)
         object.__setattr__(self, "optional", optional)
         object.__setattr__(self, "ack", ack)
@@ -59,6 +71,16 @@ class Port:
     @property
     def kinds(self) -> dict[str, int]:
         return {s.kind: s.version for s in self.schemas}
+
+    def sent_to(self, target: Port) -> list[str]:
+        """The kinds this output port sends to ``target``'s input: all but the ``if_accepted``
+        ones ``target`` does not accept (at the same version)."""
+        accepted = target.kinds
+        return [
+            s.kind
+            for s in self.schemas
+            if s.kind not in self.if_accepted or accepted.get(s.kind) == s.version
+        ]
 
     def schema(self, kind: str) -> Schema | None:
         for s in self.schemas:

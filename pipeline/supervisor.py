@@ -293,6 +293,9 @@ class Supervisor:
                     outputs[port] = {"peers": peers}
                     if target is not None:  # whose announced inboxes its peers are
                         outputs[port]["feeds"] = list(target)
+                        down_cls = self.loaded.stage_classes[target[0]]
+                        into = stage_ports(down_cls)[0][target[1]]
+                        outputs[port]["kinds"] = stage_ports(cls)[1][port].sent_to(into)
                         if name in self.shared and target[0] in self.shared:
                             outputs[port]["local"] = [True] * len(peers)  # transport.local
                 spec = {

@@ -18,7 +18,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Message", "Schema"]
+__all__ = ["Message", "Schema", "uids_of"]
+
+
+def uids_of(data: Mapping[str, Any]) -> tuple[str, ...]:
+    """The ``uid`` a message carries (what the run's ledger follows): one str, or a list of
+    them for a message that carries several prompts' work (a batch of groups)."""
+    uid = data.get("uid")
+    if isinstance(uid, str):
+        return (uid,)
+    if isinstance(uid, list):
+        return tuple(u for u in uid if isinstance(u, str))
+    return ()
 
 
 def _is_array(value: Any) -> bool:

@@ -37,7 +37,7 @@ from transport.credit import (
     unpack_map,
 )
 from transport.errors import ChannelClosed, DecodeError, EndOfStream, TransportError
-from transport.message import Message, Schema
+from transport.message import Message, Schema, uids_of
 from transport.monitor import PeerWatch
 from transport.security import CurveKeys, require_curve_off_loopback
 
@@ -201,7 +201,7 @@ class Receiver:
         self._ack_scheduled = False
         self._acked = 0
         self._duplicates = 0
-        # manual mode: handed out, not yet acknowledged: ack_id -> the message's uid (or None)
+        # manual mode: handed out, not yet acknowledged: ack_id -> the message's uids
         self._taken_unacked: dict[tuple[bytes, int], str | None] = {}
         self._processed_callbacks: list[Callable[[Message], None]] = []
 
@@ -353,8 +353,7 @@ class Receiver:
         self._schedule_grant()  # a slot is free again
         if self._manual_ack:
             if msg.ack_id is not None:
-                uid = msg.data.get("uid")
-                self._taken_unacked[msg.ack_id] = uid if isinstance(uid, str) else None
+                self._taken_unacked[msg.ack_id] = uids_of(msg.data)
         else:
             self._queue_ack(msg)
         return msg
@@ -472,8 +471,8 @@ class Receiver:
     def held_uids(self) -> list[str]:
         """The ``uid`` of each message in the inbox or taken and not yet acknowledged (of
         those that carry one): what this consumer holds and its producers would send again."""
-        held = [u for u in self._taken_unacked.values() if u is not None]
-        held.extend(u for m in self._inbox if isinstance(u := m.data.get("uid"), str))
+        held = [u for uids in self._taken_unacked.values() for u in uids]
+        held.extend(u for m in self._inbox for u in uids_of(m.data))
         return held
 
     # -- internals ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from transport.credit import (
 )
 from transport.errors import ChannelClosed, TransportError
 from transport.local import LocalDealer
-from transport.message import Message, Schema
+from transport.message import Message, Schema, uids_of
 from transport.security import CurveKeys
 
 __all__ = ["Sender"]
@@ -90,7 +90,7 @@ class _Held:
     nbytes: int  # of the frames (0 while only in-process consumers had it)
     peer: _Peer | None  # where it went last (None: waiting to be sent again)
     session: str | None  # that consumer's session then
-    uid: str | None = None  # the message's ``uid`` (what the run's ledger follows), if any
+    uids: tuple[str, ...] = ()  # what the run's ledger follows (``uids_of``)
 
 
 class Sender:
@@ -351,8 +351,7 @@ class Sender:
         msg = Message(
             kind=schema.kind, data=dict(data), version=schema.version, weight=schema.weigh(data)
         )
-        uid = data.get("uid")
-        held = _Held(msg, None, 0, None, None, uid if isinstance(uid, str) else None)
+        held = _Held(msg, None, 0, None, None, uids_of(data))
         if self._remote:  # encode now: a message that cannot travel fails in its producer
             self._frames(held)
         peer = self._pick(msg.weight)
@@ -423,13 +422,10 @@ class Sender:
         credit spent; their seqs and Messages."""
         seqs, msgs = [], []
         for data in items:
-            uid = data.get("uid")
             msg = Message(
                 kind=schema.kind, data=dict(data), version=schema.version, weight=schema.weigh(data)
             )
-            held = _Held(
-                msg, None, nbytes, peer, peer.session, uid if isinstance(uid, str) else None
-            )
+            held = _Held(msg, None, nbytes, peer, peer.session, uids_of(data))
             self._seq += 1
             self._hold(self._seq, held)
             seqs.append(self._seq)
@@ -713,7 +709,7 @@ class Sender:
 
     def held_uids(self) -> list[str]:
         """The ``uid`` of each message sent and not yet acknowledged (that carries one)."""
-        return [h.uid for h in self._unacked.values() if h.uid is not None]
+        return [u for h in self._unacked.values() for u in h.uids]
 
     def stats(self) -> dict[str, Any]:
         """Traffic, credit per consumer, and time spent waiting for credit (for metrics)."""

@@ -174,6 +174,8 @@ def _check_kinds(edge: _Edge, output: Port, target: Port, fail: _Fail) -> None:
     accepted = target.kinds
     problems = []
     for schema in output.schemas:
+        if schema.kind in output.if_accepted:
+            continue  # sent only where accepted
         if schema.kind not in accepted:
             problems.append(
                 f"kind {schema.kind!r} (version {schema.version}), which it does not accept"
@@ -193,7 +195,11 @@ def _check_kinds(edge: _Edge, output: Port, target: Port, fail: _Fail) -> None:
 
 
 def _accepts(target: Port, output: Port) -> bool:
-    return all(target.kinds.get(s.kind) == s.version for s in output.schemas)
+    return all(
+        target.kinds.get(s.kind) == s.version
+        for s in output.schemas
+        if s.kind not in output.if_accepted
+    )
 
 
 def _check_inputs_wired(
