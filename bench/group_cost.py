@@ -17,10 +17,13 @@ the last Python frame):
   message, checking and filing its samples, the reward call with ``exact_match`` in its event
   loop on the shipped model's tokenizer, building the ``scored_group``), its output port a
   stand-in that takes messages without encoding them.
+- ``scorer_columns``: the same groups as ``rollout_batch`` messages of 16 groups (what the
+  generator sends a scorer that takes them), packed outside the timing.
 - ``generator``: ``stages.generator.stage.Generator`` driving its in-process engine on the
   shipped model (``launch.in_process``, 256 rows, as ``configs/default.yaml``): the CPU of the
   thread that runs the stage (gates, requests, results, groups), the engine's scheduler thread
-  left out; its output port a stand-in as above.
+  left out; its output port a stand-in as above, taking ``rollout_group`` messages
+  (``generator``) or ``rollout_batch`` ones (``generator_columns``: the packing counted).
 - ``feeder``: ``stages.feeder.stage.Feeder`` sending the default task's prompts (each read and
   tokenized as it goes, its uid in the ledger, its position saved) to a stand-in consumer that
   acknowledges each on the next turn of the loop; the task's loading left out.
@@ -137,14 +140,24 @@ async def _hop_in(scratch: str, groups: int, per_message: int, local: bool) -> f
 
 # --------------------------------------------------------------------------------- scorer
 class _Inbox:
-    """The scorer's input port: ``groups`` rollout-group messages, 16 at a time."""
+    """The scorer's input port: ``groups`` rollout-group messages, 16 at a time, or (``columns``)
+    one rollout_batch of 16 groups at a time."""
 
-    def __init__(self, groups: int) -> None:
+    def __init__(self, groups: int, columns: bool = False) -> None:
+        from stages import rollout_batch
+
         self.messages = []
-        for i in range(groups):
-            msg = Message(kind="rollout_group", data=_group(i), version=2)
+        if columns:
+            for i in range(0, groups, 16):
+                heads = [_group(k) for k in range(i, i + 16)]
+                data = rollout_batch.pack(heads, "bench", GROUP, "generator.0:bench")
+                self.messages.append(Message(kind="rollout_batch", data=data, version=1))
+        else:
+            for i in range(groups):
+                self.messages.append(Message(kind="rollout_group", data=_group(i), version=2))
+        for msg in self.messages:
             msg.sender = "generator.0"
-            self.messages.append(msg)
+        self.per_turn = 1 if columns else 16
         self.i = 0
 
     def __aiter__(self) -> _Inbox:
@@ -153,7 +166,7 @@ class _Inbox:
     async def __anext__(self) -> Message:
         if self.i >= len(self.messages):
             raise StopAsyncIteration
-        if self.i % 16 == 0:
+        if self.i % self.per_turn == 0:
             await asyncio.sleep(0)  # a burst ends: the scorer's loop turns
         self.i += 1
         return self.messages[self.i - 1]
@@ -163,13 +176,23 @@ class _Inbox:
 
 
 class _Port:
-    """An output port with unlimited credit that takes messages without encoding them."""
+    """An output port with unlimited credit that takes messages without encoding them (and
+    ``rollout_batch`` ones where ``columns``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, columns: bool = False) -> None:
         self.seq = self.samples = 0
+        self.columns = columns
 
     def credit(self) -> int:
         return 1 << 30
+
+    def sends(self, kind: str) -> bool:
+        return self.columns or kind != "rollout_batch"
+
+    async def send(self, kind: str, data: dict[str, Any]) -> int:
+        self.seq += 1
+        self.samples += len(data["sample_index"])
+        return self.seq
 
     async def send_many(self, kind: str, items: list[dict[str, Any]]) -> list[int]:
         seqs = []
@@ -284,7 +307,7 @@ async def _learner_intake(groups: int) -> float:
     return spent
 
 
-async def _scorer(groups: int, tokenizer: Any) -> float:
+async def _scorer(groups: int, tokenizer: Any, columns: bool = False) -> float:
     from stages.scorer.runner import RewardRunner
     from stages.scorer.stage import RewardSpec, Scorer, ScorerConfig
 
@@ -294,7 +317,7 @@ async def _scorer(groups: int, tokenizer: Any) -> float:
     port = _Port()
     ctx = SimpleNamespace(
         log=_Quiet(),
-        inputs={"rollouts": _Inbox(groups)},
+        inputs={"rollouts": _Inbox(groups, columns)},
         outputs={"groups": port},
         ledger=LedgerReporter(lambda payload: None),
         metrics=lambda **values: None,
@@ -341,12 +364,12 @@ class _Prompts:
         pass
 
 
-async def _generator(prompts: list[dict[str, Any]]) -> float:
+async def _generator(prompts: list[dict[str, Any]], columns: bool = False) -> float:
     with tempfile.TemporaryDirectory(prefix="group_cost-") as scratch:
-        return await _generator_in(Path(scratch), prompts)
+        return await _generator_in(Path(scratch), prompts, columns)
 
 
-async def _generator_in(scratch: Path, prompts: list[dict[str, Any]]) -> float:
+async def _generator_in(scratch: Path, prompts: list[dict[str, Any]], columns: bool) -> float:
     """The generator's own thread's CPU seconds to turn ``prompts`` into rollout groups."""
     from stages.generator.controller import ControllerConfig
     from stages.generator.launcher import LaunchConfig
@@ -365,7 +388,7 @@ async def _generator_in(scratch: Path, prompts: list[dict[str, Any]]) -> float:
         outbox=16,
         controller=ControllerConfig(start=256, max_in_flight=256),
     )
-    port = _Port()
+    port = _Port(columns)
 
     async def publish(topic: str, payload: dict[str, Any]) -> None:
         pass
@@ -438,11 +461,13 @@ def main() -> None:
         pieces["feeder"] = lambda: uvloop.run(_feeder(args.groups))
     if "scorer" in parts:
         pieces["scorer"] = lambda: uvloop.run(_scorer(args.groups, tokenizer))
+        pieces["scorer_columns"] = lambda: uvloop.run(_scorer(args.groups, tokenizer, True))
     if "learner" in parts:
         pieces["learner_intake"] = lambda: uvloop.run(_learner_intake(args.groups))
     if "generator" in parts:
         prompts = _prompts(tokenizer, args.groups)
         pieces["generator"] = lambda: uvloop.run(_generator(prompts))
+        pieces["generator_columns"] = lambda: uvloop.run(_generator(prompts, True))
     for run in pieces.values():  # warm up: imports, the engine's first load
         run()
     per_group: dict[str, list[float]] = {name: [] for name in pieces}

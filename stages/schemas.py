@@ -34,6 +34,19 @@ versions with in-flight updates).
 0..group_size-1. ``timings`` holds seconds (``queued_s``, ``generate_s``) and ``meta`` is the
 prompt's meta, passed through.
 
+``rollout_batch`` (generator -> scorer, where the scorer accepts it): the single-turn groups of
+several prompts in one message, as columns (``stages.rollout_batch`` packs and checks them).
+Per group: ``prompt_id``, ``group_id``, ``uid`` and ``meta`` (lists), the prompts' tokens end to
+end in ``prompt_ids`` (int32) cut at ``prompt_offsets`` (int64, groups + 1). Per sample, a
+group's samples next to each other and the groups in order: ``group`` (int32, its group's
+index), ``sample_index`` (int32), ``finish_reason`` and ``engine`` (lists), ``queued_s`` and
+``generate_s`` (float64), and the completions' tokens end to end in ``completion_ids`` (int32),
+``sampler_logprobs`` (float32) and ``versions`` (int32), cut at ``completion_offsets`` (int64,
+samples + 1). ``group_size``, ``run_id`` and ``origin`` are the batch's. A message weighs its
+number of groups (``transport.credit``, "Weight"): an inbox of 64 still holds 64 groups.
+Trajectories (``loss_mask``, a sample's own ``prompt_ids``, ``rollout``) travel as
+``rollout_group``.
+
 ``scored_group`` (scorer -> learner): the ``group_size`` rollouts of one prompt, scored, in one
 message so that a group is never split between learner ranks. ``samples`` is a list of maps, one
 per rollout, in ``sample_index`` order, each with the rollout's per-sample fields
@@ -72,6 +85,7 @@ __all__ = [
     "OPTIONAL_SAMPLE_FIELDS",
     "PROMPT",
     "ROLLOUT",
+    "ROLLOUT_BATCH",
     "ROLLOUT_GROUP",
     "SAMPLE_FIELDS",
     "SCORED_GROUP",
@@ -124,6 +138,34 @@ ROLLOUT_GROUP = Schema(
         "origin": "str|None",  # the generator session that made it ("stage.replica:session")
     },
     doc="the sampled completions of one prompt (one group), unscored",
+)
+
+ROLLOUT_BATCH = Schema(
+    "rollout_batch",
+    1,
+    {
+        "run_id": "str",
+        "group_size": "int",
+        "origin": "str|None",
+        "prompt_id": "list",
+        "group_id": "list",
+        "uid": "list",
+        "meta": "list",
+        "prompt_ids": "array",
+        "prompt_offsets": "array",
+        "group": "array",
+        "sample_index": "array",
+        "completion_offsets": "array",
+        "completion_ids": "array",
+        "sampler_logprobs": "array",
+        "versions": "array",
+        "finish_reason": "list",
+        "engine": "list",
+        "queued_s": "array",
+        "generate_s": "array",
+    },
+    doc="the sampled completions of several prompts' groups, as columns, unscored",
+    weight=lambda data: len(data["group_id"]),
 )
 
 SCORED_GROUP = Schema(

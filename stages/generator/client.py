@@ -190,7 +190,9 @@ def _check_aligned(
 
 def _finish_type(reason: Any) -> str:
     """``finish_reason.type`` ("stop", "length", "abort"), or the reason as text."""
-    return reason.get("type", "unknown") if isinstance(reason, Mapping) else str(reason)
+    if type(reason) is dict or isinstance(reason, Mapping):  # (a dict: no ABC check)
+        return reason.get("type", "unknown")
+    return str(reason)
 
 
 class EngineClient:

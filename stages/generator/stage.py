@@ -2,7 +2,10 @@
 
 For every prompt it asks an engine for ``group_size`` (G) samples, and emits them together as one
 ``rollout_group`` (per sample: token ids, sampler log-prob and policy version per token), once
-every sample is in or dropped: one message per group, not per sample. By default the G
+every sample is in or dropped: one message per group, not per sample. To a scorer that takes
+``rollout_batch`` (the built-in one), the single-turn groups finished together go as one such
+message instead (their columns: ``stages.rollout_batch``), within the scorer's credit, which
+counts groups. By default the G
 samples travel as one ``/generate`` request (``group_requests``: G copies of the prompt in
 ``input_ids``, one ``rid`` per sample, a form SGLang and the built-in engine both serve) to the
 engine with the fewest samples in flight among those with room for the group; with
@@ -62,6 +65,7 @@ import numpy as np
 
 from pipeline import topics
 from pipeline.stage import Port, StageContext
+from stages import rollout_batch
 from stages.engine.auth import engine_api_key
 from stages.generator.client import (
     Completion,
@@ -74,7 +78,7 @@ from stages.generator.controller import ControllerConfig, Decision, InFlightCont
 from stages.generator.episodes import EpisodeEngine, check_trajectory, sample_fields
 from stages.generator.launcher import EngineLauncher, LaunchConfig
 from stages.rollouts.api import EngineUnavailable, EnvError, RolloutConfig
-from stages.schemas import PROMPT, ROLLOUT_GROUP
+from stages.schemas import PROMPT, ROLLOUT_BATCH, ROLLOUT_GROUP
 from stages.weights.adapter_names import adapter_for
 from stages.workers import PoolBroken
 from transport.message import Message
@@ -200,7 +204,8 @@ class Generator:
     # a prompt is processed once the scorer has processed its group (or all of it was dropped,
     # counted)
     inputs = {"prompts": Port(PROMPT, ack="manual")}
-    outputs = {"rollouts": Port(ROLLOUT_GROUP)}
+    # the groups ready at once go as one rollout_batch to a scorer that takes it
+    outputs = {"rollouts": Port(ROLLOUT_GROUP, if_accepted=(ROLLOUT_BATCH,))}
 
     def __init__(self, config: GeneratorConfig, ctx: StageContext) -> None:
         self.config, self.ctx, self.log = config, ctx, ctx.log
@@ -233,7 +238,8 @@ class Generator:
         # a prompt stays unacknowledged until the scorer has acknowledged its group: were this
         # replica and the scorer both to die, the feeder would feed it again
         # group's send seq -> its prompt and how many samples it carries
-        self._awaiting_ack: dict[int, tuple[Message, int]] = {}
+        # sent, not yet acknowledged by the scorer: seq -> each group's prompt and samples
+        self._awaiting_ack: dict[int, list[tuple[Message, int]]] = {}
         self._acked_early: set[int] = set()  # acknowledged before send_many returned
         # samples started and not yet acknowledged from downstream: in flight, queued, or
         # waiting to be trained (with chained acknowledgements, the scorer acknowledges a
@@ -966,32 +972,44 @@ class Generator:
         await self.outbox.put(item)
 
     async def _emit(self) -> None:
-        """Send finished groups to the scorers: what waits in the outbox goes in one
-        ``send_many`` (one batch to a scorer in another process)."""
+        """Send finished groups to the scorers: what waits in the outbox goes as one
+        ``rollout_batch`` where the scorers take it (single-turn groups), else in one
+        ``send_many`` of ``rollout_group`` messages (one batch to a scorer in another process)."""
         rollouts = self.ctx.outputs["rollouts"]
         many = hasattr(rollouts, "send_many")
+        columns = getattr(rollouts, "sends", None) is not None and rollouts.sends(
+            ROLLOUT_BATCH.kind
+        )
         while True:
             waiting = [await self.outbox.get()]
-            # no more than the scorers have credit for: the rest stays counted in the outbox
-            # (the credit gate's room downstream)
+            # no more than the scorers have credit for (in groups): the rest stays counted in
+            # the outbox (the credit gate's room downstream)
             while many and not self.outbox.empty() and len(waiting) < rollouts.credit():
                 waiting.append(self.outbox.get_nowait())
             try:
                 items = [item for item, _ in waiting]
-                if many:
-                    seqs = await rollouts.send_many(ROLLOUT_GROUP.kind, items)
+                single_turn = self.rollouts is None  # no trajectories: every group fits
+                if columns and (single_turn or all(rollout_batch.fits(i) for i in items)):
+                    batch = rollout_batch.pack(
+                        items, self.run_id, self.config.group_size, self._origin
+                    )
+                    sent = [await rollouts.send(ROLLOUT_BATCH.kind, batch)]
+                    entries = [[(msg, len(item["samples"])) for item, msg in waiting]]
+                elif many:
+                    sent = await rollouts.send_many(ROLLOUT_GROUP.kind, items)
+                    entries = [[(msg, len(item["samples"]))] for item, msg in waiting]
                 else:
-                    seqs = [await rollouts.send(ROLLOUT_GROUP.kind, items[0])]
-                for (item, msg), seq in zip(waiting, seqs, strict=True):
-                    size = len(item["samples"])
+                    sent = [await rollouts.send(ROLLOUT_GROUP.kind, items[0])]
+                    entries = [[(waiting[0][1], len(items[0]["samples"]))]]
+                for seq, entry in zip(sent, entries, strict=True):
                     if isinstance(seq, int) and self._chained and seq not in self._acked_early:
-                        self._awaiting_ack[seq] = (msg, size)  # acked once the scorer is done
+                        self._awaiting_ack[seq] = entry  # acked once the scorer is done
                     else:
                         self._acked_early.discard(seq)
-                        self.ctx.inputs["prompts"].ack(msg)
-                        self._unacked -= size
+                        self._prompts_done(entry)
+                for item in items:
                     self.counts["groups_emitted"] += 1
-                    self.counts["emitted"] += size
+                    self.counts["emitted"] += len(item["samples"])
                     self.counts["tokens"] += sum(len(x["completion_ids"]) for x in item["samples"])
             finally:
                 for _ in waiting:
@@ -1003,8 +1021,14 @@ class Generator:
         if entry is None:  # one of a send_many, acknowledged before it returned
             self._acked_early.add(seq)
             return
-        self.ctx.inputs["prompts"].ack(entry[0])
-        self._unacked -= entry[1]
+        self._prompts_done(entry)
+
+    def _prompts_done(self, entry: list[tuple[Message, int]]) -> None:
+        """The scorer is done with these groups: their prompts are processed."""
+        prompts = self.ctx.inputs["prompts"]
+        for msg, size in entry:
+            prompts.ack(msg)
+            self._unacked -= size
 
     async def _decide(self) -> None:
         interval = self.config.controller.interval_s

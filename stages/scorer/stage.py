@@ -1,6 +1,9 @@
 """The reward scorer stage: rollouts in, one scored group per prompt out.
 
-A ``rollout_group`` (what the generator sends) brings a prompt's samples at once; ``rollout``
+A ``rollout_batch`` (what the generator sends) brings several prompts' groups as columns: each
+is filed as the ``rollout_group`` it stands for (its samples checked as columns, not one by one,
+when the batch is as a generator makes it), and the message is acknowledged with its last
+group. A ``rollout_group`` brings a prompt's samples at once; ``rollout``
 messages (one sample each, from a producer of your own) are collected by ``group_id`` until
 ``group_size`` have arrived. Either way the whole group is then decoded (``skip_special_tokens``)
 and scored, and sent as one ``scored_group`` (samples in ``sample_index`` order, each with
@@ -48,10 +51,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.stage import Port, StageContext
+from stages import rollout_batch
 from stages.hub import resolve_model, tokenizer_check
 from stages.schemas import (
     OPTIONAL_SAMPLE_FIELDS,
     ROLLOUT,
+    ROLLOUT_BATCH,
     ROLLOUT_GROUP,
     SAMPLE_FIELDS,
     SCORED_GROUP,
@@ -175,7 +180,9 @@ class Scorer:
         "rollouts": Port(
             ROLLOUT_GROUP,
             ROLLOUT,
-            doc="sampled completions: whole groups, or samples in any order",
+            ROLLOUT_BATCH,
+            doc="sampled completions: whole groups (one, or several as columns), or samples in "
+            "any order",
             ack="manual",
         )
     }
@@ -188,6 +195,8 @@ class Scorer:
         self._calls_at_once = max(1, config.workers)  # workers: 0 scores in the loop, one call
         self.pending: dict[str, _Group] = {}
         self._sources: dict[str, list[Message]] = {}  # group id -> its messages, not yet acked
+        # a rollout_batch's groups not yet released: id(message) -> [message, groups left]
+        self._batch_left: dict[int, list[Any]] = {}
         self._launched: set[str] = set()  # group ids queued for scoring or being scored
         # scored groups sent, not yet acknowledged by the learner: send seq -> group id (their
         # messages stay unacknowledged upstream until then)
@@ -275,6 +284,9 @@ class Scorer:
 
     async def _read(self) -> None:
         async for msg in self.ctx.inputs["rollouts"]:
+            if msg.kind == ROLLOUT_BATCH.kind:
+                await self._add_batch(msg)
+                continue
             group_id = msg.data["group_id"]
             self._sources.setdefault(group_id, []).append(msg)
             if msg.kind == ROLLOUT_GROUP.kind:
@@ -295,15 +307,7 @@ class Scorer:
         group = self.pending.get(group_id)
         problem = self._problem(rollout, group)
         if problem is not None:
-            self._ledger_drop(rollout, problem)
-            self.counts["dropped"] += 1
-            self.log.warning(
-                "rollout_dropped",
-                reason=problem,
-                group_id=group_id,
-                sample_index=rollout["sample_index"],
-                sender=sender,
-            )
+            self._dropped(rollout, problem, problem, sender)
             return None
         if group is None:
             group = self.pending[group_id] = _Group(rollout, time.monotonic())
@@ -313,38 +317,109 @@ class Scorer:
         self._forget(group_id)
         return group
 
-    async def _add_group(self, data: Mapping[str, Any], sender: str) -> None:
-        """A ``rollout_group``: file its samples, then score it as it is (all it will get)."""
+    async def _add_batch(self, msg: Message) -> None:
+        """A ``rollout_batch``: each of its groups as a ``rollout_group`` of its own; the message
+        is acknowledged once every one of them is released."""
+        batch = msg.data
+        problems = rollout_batch.problems(batch)
+        if problems:  # its columns do not line up: none of its samples can be read
+            size = batch["group_size"]
+            uids = [u for u in batch["uid"] if isinstance(u, str)]
+            self.counts["dropped"] += size * len(batch["group_id"])
+            self.ctx.ledger.fates(
+                ((uid, size, i) for uid in uids for i in range(max(0, size))), "malformed"
+            )
+            self.ctx.inputs["rollouts"].ack(msg)
+            self.log.warning(
+                "rollout_batch_dropped",
+                reason="; ".join(problems),
+                groups=len(batch["group_id"]),
+                sender=msg.sender,
+            )
+            return
+        heads = rollout_batch.groups(batch)
+        self._batch_left[id(msg)] = [msg, len(heads)]
+        ids = batch["group_id"]
+        if not rollout_batch.well_formed(batch) or any(
+            g in self.pending or g in self.closed for g in ids
+        ):  # a sample to drop, or a group already open or closed: one sample at a time
+            for head in heads:
+                group_id = head["group_id"]
+                self._sources.setdefault(group_id, []).append(msg)
+                await self._add_group(head, msg.sender, checked=True)
+                if group_id not in self.pending and group_id not in self._launched:
+                    self._release(group_id)
+            return
+        # what a generator sends: each group complete, or all it will get
+        now = time.monotonic()
+        for head in heads:
+            group_id, samples = head["group_id"], head.pop("samples")
+            self._sources.setdefault(group_id, []).append(msg)
+            self.counts["groups_in"] += 1
+            self.counts["rollouts_in"] += len(samples)
+            meta = head["meta"]
+            for sample in samples:
+                sample["meta"] = meta  # as a rollout carries it (reward_arguments)
+            group = _Group(head, now, {s["sample_index"]: s for s in samples})
+            if len(samples) == group.size:
+                self._remember_closed(group_id)
+                await self._launch(group)
+            else:
+                self.pending[group_id] = group
+                await self._close_incomplete(group_id, "samples_dropped_upstream")
+            if group_id not in self._launched:
+                self._release(group_id)  # dropped, and counted
+
+    async def _add_group(self, data: Mapping[str, Any], sender: str, checked: bool = False) -> None:
+        """A ``rollout_group``: file its samples, then score it as it is (all it will get).
+        ``checked``: its samples are known to be well formed (a ``rollout_batch``'s)."""
         self.counts["groups_in"] += 1
         group_id = data["group_id"]
         head = {k: v for k, v in data.items() if k != "samples"}
+        complete: _Group | None = None
         for sample in data["samples"]:
             self.counts["rollouts_in"] += 1
             # the sample maps are not checked on receipt: check each as a rollout (the group's
             # own fields were, as its message's: only a sample's own, unless it repeats one)
             rollout = {**head, **sample} if isinstance(sample, Mapping) else {}
-            if not rollout:
+            if checked:
+                shape = []
+            elif not rollout:
                 shape = ["a sample is not a map"]
             elif _HEAD_FIELDS.isdisjoint(sample):
                 shape = _SAMPLE.check(sample)
             else:
                 shape = ROLLOUT.check(rollout)
             if shape:
-                self._ledger_drop(rollout, "malformed")
-                self.counts["dropped"] += 1
-                self.log.warning(
-                    "rollout_dropped",
-                    reason="; ".join(shape),
-                    group_id=group_id,
-                    sample_index=rollout.get("sample_index"),
-                    sender=sender,
-                )
+                self._dropped(rollout, "; ".join(shape), "malformed", sender)
                 continue
-            group = self._add(rollout, sender)
-            if group is not None:
-                await self._launch(group)
-                return
-        await self._close_incomplete(group_id, "samples_dropped_upstream")
+            if complete is not None:  # the group is whole: a sample more is a copy of one
+                index = rollout["sample_index"]
+                reason = (
+                    f"duplicate sample_index {index}"
+                    if index in complete.samples
+                    else f"sample_index {index} is outside 0..{complete.size - 1}"
+                )
+                self._dropped(rollout, reason, reason, sender)
+                continue
+            complete = self._add(rollout, sender)
+        if complete is not None:
+            await self._launch(complete)
+        else:
+            await self._close_incomplete(group_id, "samples_dropped_upstream")
+
+    def _dropped(self, rollout: Mapping[str, Any], reason: str, fate: str, sender: str) -> None:
+        """A sample dropped for ``reason``: counted, logged, in the ledger as ``fate``
+        (``_ledger_drop``)."""
+        self._ledger_drop(rollout, fate)
+        self.counts["dropped"] += 1
+        self.log.warning(
+            "rollout_dropped",
+            reason=reason,
+            group_id=rollout.get("group_id"),
+            sample_index=rollout.get("sample_index"),
+            sender=sender,
+        )
 
     def _problem(self, rollout: Mapping[str, Any], group: _Group | None) -> str | None:
         if rollout["group_id"] in self.closed:
@@ -382,10 +457,19 @@ class Scorer:
         """The group was processed downstream or dropped: acknowledge the messages it came in."""
         port = self.ctx.inputs["rollouts"]
         for msg in self._sources.pop(group_id, ()):
+            left = self._batch_left.get(id(msg))
+            if left is not None:  # a rollout_batch: acknowledged with its last group
+                left[1] -= 1
+                if left[1] > 0:
+                    continue
+                del self._batch_left[id(msg)]
             port.ack(msg)
 
     def _forget(self, group_id: str) -> None:
         del self.pending[group_id]
+        self._remember_closed(group_id)
+
+    def _remember_closed(self, group_id: str) -> None:
         self.closed[group_id] = None
         if len(self.closed) > _CLOSED_REMEMBERED:
             self.closed.popitem(last=False)

@@ -1,0 +1,109 @@
+"""``rollout_batch``: single-turn groups packed as columns (``stages.rollout_batch``) read back
+as the groups they were, through the codec; columns that do not line up are named; and a port
+sends it only to a consumer that accepts it (``Port.if_accepted``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.stage import Port
+from stages import rollout_batch
+from stages.schemas import ROLLOUT, ROLLOUT_BATCH, ROLLOUT_GROUP, SCORED_GROUP
+from transport.codec import decode, encode
+from transport.message import Message
+
+
+def _group(name: str, indexes: list[int], size: int = 4, prompt: int = 3) -> dict:
+    return {
+        "run_id": "run",
+        "prompt_id": f"p-{name}",
+        "group_id": f"{name}/1",
+        "group_size": size,
+        "prompt_ids": np.arange(prompt, dtype=np.int32) + 10,
+        "samples": [
+            {
+                "sample_index": i,
+                "completion_ids": np.arange(i + 1, dtype=np.int32),
+                "sampler_logprobs": -np.linspace(0.1, 1.0, i + 1, dtype=np.float32),
+                "versions": np.full(i + 1, 7, dtype=np.int32),
+                "finish_reason": "stop" if i % 2 else "length",
+                "engine": "e0",
+                "timings": {"queued_s": 0.25 * i, "generate_s": 0.5},
+            }
+            for i in indexes
+        ],
+        "meta": {"answer": name},
+        "uid": f"feeder.0:{name}",
+        "origin": "generator.0:s",
+    }
+
+
+def _same(got: dict, sent: dict) -> None:
+    for key in ("run_id", "prompt_id", "group_id", "group_size", "meta", "uid", "origin"):
+        assert got[key] == sent[key], key
+    assert got["prompt_ids"].tolist() == sent["prompt_ids"].tolist()
+    assert len(got["samples"]) == len(sent["samples"])
+    for a, b in zip(got["samples"], sent["samples"], strict=True):
+        assert a.keys() == b.keys()
+        for key in ("sample_index", "finish_reason", "engine", "timings"):
+            assert a[key] == b[key], key
+        for key in ("completion_ids", "sampler_logprobs", "versions"):
+            assert a[key].dtype == b[key].dtype and a[key].tolist() == b[key].tolist(), key
+
+
+def test_groups_packed_as_columns_come_back_as_they_were_through_the_codec():
+    sent = [_group("a", [0, 1, 2, 3]), _group("b", [0, 2], prompt=5), _group("c", [3])]
+    batch = rollout_batch.pack(sent, "run", 4, "generator.0:s")
+    assert not ROLLOUT_BATCH.check(batch) and ROLLOUT_BATCH.weigh(batch) == 3
+    assert batch["completion_offsets"].tolist() == [0, 1, 3, 6, 10, 11, 14, 18]
+    (msg,) = [decode(encode(Message("rollout_batch", batch)), {"rollout_batch": ROLLOUT_BATCH})]
+    assert rollout_batch.problems(msg.data) == []
+    got = rollout_batch.groups(msg.data)
+    for a, b in zip(got, sent, strict=True):
+        _same(a, b)
+        assert not ROLLOUT_GROUP.check(a)
+    assert not got[0]["samples"][0]["completion_ids"].flags.writeable  # views of the frames
+
+
+def test_only_single_turn_groups_fit():
+    assert rollout_batch.fits(_group("a", [0, 1]))
+    for key, value in (("loss_mask", np.ones(1, np.uint8)), ("rollout", {}), ("prompt_ids", [])):
+        group = _group("a", [0, 1])
+        group["samples"][1][key] = value
+        assert not rollout_batch.fits(group), key
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda b: b.update(uid=b["uid"][:1]), "uid has 1 entries for 2 groups"),
+        (lambda b: b.update(prompt_offsets=b["prompt_offsets"][:-1]), "prompt_offsets has 2"),
+        (lambda b: b["completion_offsets"].__setitem__(-1, 99), "completion_offsets must rise"),
+        (lambda b: b.update(versions=b["versions"][1:]), "versions has 5 entries for 6 tokens"),
+        (lambda b: b.update(engine=["e0"]), "engine has 1 entries for 3 samples"),
+        (lambda b: b["group"].__setitem__(0, 1), "group must run from 0 to 1 in order"),
+        (lambda b: b["group"].__setitem__(2, 5), "group must run from 0 to 1 in order"),
+        (lambda b: b.update(finish_reason=["stop", 3, "stop"]), "finish_reason holds an entry"),
+        (lambda b: b.update(meta=[{}, "x"]), "meta holds an entry that is not a map or None"),
+        (lambda b: b.update(sample_index=np.zeros(3)), "sample_index is an array of float64"),
+        (lambda b: b.update(group_size=0), "group_size 0 < 1"),
+    ],
+)
+def test_columns_that_do_not_line_up_are_named(change, named):
+    batch = rollout_batch.pack([_group("a", [0, 1]), _group("b", [2])], "run", 4, None)
+    assert rollout_batch.problems(batch) == []
+    change(batch)
+    found = rollout_batch.problems(batch)
+    assert any(named in p for p in found), found
+
+
+def test_a_port_sends_a_kind_it_offers_only_to_a_consumer_that_accepts_it():
+    out = Port(ROLLOUT_GROUP, if_accepted=(ROLLOUT_BATCH,))
+    assert [s.kind for s in out.schemas] == ["rollout_group", "rollout_batch"]
+    assert out.sent_to(Port(ROLLOUT_GROUP, ROLLOUT, ROLLOUT_BATCH)) == [
+        "rollout_group",
+        "rollout_batch",
+    ]
+    assert out.sent_to(Port(ROLLOUT_GROUP, ROLLOUT)) == ["rollout_group"]
+    assert out.sent_to(Port(SCORED_GROUP)) == ["rollout_group"]  # the wiring check says no

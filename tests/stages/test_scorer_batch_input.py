@@ -1,0 +1,146 @@
+"""The scorer takes ``rollout_batch`` messages (several groups as columns, what the generator
+sends it): each group is scored and sent on as its own ``scored_group``, the message is
+acknowledged only once the learner is done with every one of its groups, and what cannot be
+read is dropped, counted and in the ledger, as for ``rollout_group`` messages."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from pipeline.ledger import LedgerReporter
+from stages import rollout_batch
+from stages.scorer.runner import RewardRunner
+from stages.scorer.stage import RewardSpec, Scorer, ScorerConfig
+from tests.stages.test_rollout_batch import _group
+from tests.stages.test_scorer_shutdown import EM, _Tokenizer
+from transport.message import Message
+
+
+class _Inbox:
+    def __init__(self, messages: list[Message]) -> None:
+        self.messages, self.acked = list(messages), []
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Message:
+        if not self.messages:
+            raise StopAsyncIteration
+        await asyncio.sleep(0)
+        return self.messages.pop(0)
+
+    def ack(self, msg: Message) -> None:
+        self.acked.append(msg)
+
+
+class _Learner:
+    """The scorer's output: records what it sends; the test acknowledges it."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, dict]] = []
+        self.acked = None
+
+    def on_ack(self, callback) -> None:
+        self.acked = callback
+
+    async def send(self, kind: str, data: dict) -> int:
+        self.sent.append((len(self.sent) + 1, data))
+        return len(self.sent)
+
+
+async def _scorer(messages: list[Message]) -> tuple[Scorer, _Inbox, _Learner, list[dict]]:
+    config = ScorerConfig(rewards=[RewardSpec(EM)], tokenizer="unused", workers=0)
+    inbox, learner, ledger = _Inbox(messages), _Learner(), []
+    log = structlog.get_logger("scorer")
+    ctx = SimpleNamespace(
+        log=log,
+        inputs={"rollouts": inbox},
+        outputs={"groups": learner},
+        ledger=LedgerReporter(ledger.append),
+        metrics=lambda **values: None,
+    )
+    scorer = Scorer(config, ctx)
+    learner.on_ack(scorer._acked)
+    scorer._chained = True
+    scorer.tokenizer = _Tokenizer()  # every completion reads "7"
+    scorer.failed = asyncio.get_running_loop().create_future()
+    scorer.runner = RewardRunner(config.rewards, workers=0, log=log)
+    await scorer.runner.start()
+    await scorer._read()
+    await asyncio.sleep(0)  # the scoring call starts at the end of the loop's turn
+    while scorer._tasks:
+        await asyncio.gather(*list(scorer._tasks))
+    return scorer, inbox, learner, ledger
+
+
+def _asked(group: dict, answer: str = "7") -> dict:
+    group["meta"] = {"answer": answer, "text": "a question"}
+    return group
+
+
+def _batch(*groups: dict) -> Message:
+    data = rollout_batch.pack(list(groups), "run", groups[0]["group_size"], "generator.0:s")
+    msg = Message("rollout_batch", data)
+    msg.sender = "generator.0"
+    return msg
+
+
+@pytest.mark.timeout(30)
+async def test_a_batch_s_groups_are_scored_alone_and_it_is_acked_with_the_last():
+    a, b = _asked(_group("a", [0, 1], size=2)), _asked(_group("b", [1, 0], size=2), "8")
+    short = _asked(_group("c", [1], size=2))  # one of 2: below min_group, dropped
+    msg = _batch(a, b, short)
+    scorer, inbox, learner, ledger = await _scorer([msg])
+    assert [d["group_id"] for _, d in learner.sent] == ["a/1", "b/1"]
+    first, second = (d for _, d in learner.sent)
+    assert [s["sample_index"] for s in second["samples"]] == [0, 1]  # sent in index order
+    assert [s["reward"] for s in first["samples"]] == [1.0, 1.0]  # "7" is a's answer
+    assert [s["reward"] for s in second["samples"]] == [0.0, 0.0]
+    assert second["samples"][0]["completion_ids"].tolist() == [0]  # b's sample 0: 1 token
+    assert first["prompt_ids"].tolist() == [10, 11, 12] and first["uid"] == "feeder.0:a"
+    assert scorer.counts["groups_in"] == 3 and scorer.counts["groups_dropped"] == 1
+    assert {"fates": [["feeder.0:c", 2, 1]], "reason": "incomplete_group", "step": None} in ledger
+    assert inbox.acked == []  # the learner is done with neither group yet
+    learner.acked(1)
+    assert inbox.acked == []
+    learner.acked(2)
+    assert inbox.acked == [msg]  # once, with its last group
+
+
+@pytest.mark.timeout(30)
+async def test_a_batch_with_a_sample_twice_is_filed_sample_by_sample():
+    a = _asked(_group("a", [0, 1], size=2))
+    a["samples"].append(dict(a["samples"][0]))  # index 0 again
+    scorer, inbox, learner, ledger = await _scorer([_batch(a)])
+    ((_, sent),) = learner.sent
+    assert [s["sample_index"] for s in sent["samples"]] == [0, 1]
+    assert scorer.counts["dropped"] == 1
+    assert {"copies": [0], "uid": "feeder.0:a", "size": 2} in ledger
+    learner.acked(1)
+    assert len(inbox.acked) == 1
+
+
+@pytest.mark.timeout(30)
+async def test_columns_that_do_not_line_up_drop_the_batch_counted_and_in_the_ledger():
+    msg = _batch(_group("a", [0, 1], size=2), _group("b", [0, 1], size=2))
+    msg.data["completion_offsets"] = np.asarray([0, 1, 3, 4, 99])
+    with capture_logs() as logs:
+        scorer, inbox, learner, ledger = await _scorer([msg])
+    assert learner.sent == [] and inbox.acked == [msg]
+    assert scorer.counts["dropped"] == 4
+    (fates,) = [e for e in ledger if e.get("reason") == "malformed"]
+    assert sorted(map(tuple, fates["fates"])) == [
+        ("feeder.0:a", 2, 0),
+        ("feeder.0:a", 2, 1),
+        ("feeder.0:b", 2, 0),
+        ("feeder.0:b", 2, 1),
+    ]
+    (warning,) = [e for e in logs if e["event"] == "rollout_batch_dropped"]
+    assert "completion_offsets must rise from 0 to 6" in warning["reason"]
+    assert warning["groups"] == 2
