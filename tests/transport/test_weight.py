@@ -1,6 +1,8 @@
-"""Weighted credit (``transport.credit``, "Weight"): a message weighs what its schema says, and
-credit, capacity and depth count weight, so an inbox bounded at N holds N groups however they
-are packed into messages. Each test of a Sender runs over ZeroMQ and over an in-process link."""
+"""Messages that carry several groups. Weighted credit (``transport.credit``, "Weight"): a
+message weighs what its schema says, and credit, capacity and depth count weight, so an inbox
+bounded at N holds N groups however they are packed into messages. Every uid such a message
+carries is held until it is acknowledged (``uids_of``: what the run's ledger follows). Each test
+of a Sender runs over ZeroMQ and over an in-process link."""
 
 from __future__ import annotations
 
@@ -176,4 +178,27 @@ async def test_the_inbox_weighs_what_it_takes_in_and_refuses_bad_weights(ctx, ip
         assert credit["reach"] == 7  # its share of 8 less the quarter it tops up by, plus one
     finally:
         raw.close()
+        await r.aclose()
+
+
+@pytest.mark.timeout(15)
+async def test_every_uid_a_message_carries_is_held_until_it_is_acknowledged(ctx, ipc_dir, wire):
+    addr = ipc_address(ipc_dir, "in")
+    r = receiver(ctx, addr, capacity=8, ack="manual")
+    await r.start()
+    out = sender(ctx, [addr], wire)
+    await out.start()
+    try:
+        await out.send("batch", {**_batch(0, 2), "uid": ["u0", "u1"]})
+        await out.send("batch", {**_batch(1, 1), "uid": "u2"})
+        assert sorted(out.held_uids()) == ["u0", "u1", "u2"]
+        await eventually(lambda: r.stats()["depth"] == 3)
+        assert sorted(r.held_uids()) == ["u0", "u1", "u2"]  # in the inbox
+        first, _ = await _take(r, 2)
+        assert sorted(r.held_uids()) == ["u0", "u1", "u2"]  # taken, not yet acknowledged
+        r.ack(first)
+        await eventually(lambda: out.held_uids() == ["u2"])
+        assert r.held_uids() == ["u2"]
+    finally:
+        await out.aclose(eos=False)
         await r.aclose()
