@@ -337,6 +337,15 @@ class Learner:
         sends the current weights again to engines that lack them (``_catch_up``)."""
         if self.rank != 0:
             return await anext(self._groups)
+        inbox = self.ctx.inputs["groups"]
+        if getattr(inbox, "waiting", None) is not None and inbox.waiting() > 0:
+            # one is there already: no task to wait for it, unless the engines need a look
+            engines = self._engines_task
+            if engines is None or not engines.done():
+                return inbox.take()
+            healthy = not engines.cancelled() and engines.exception() is None
+            if healthy and time.monotonic() - self._checked_at < _CATCH_UP_S:
+                return inbox.take()
         receiving = asyncio.ensure_future(anext(self._groups))
         try:
             while True:

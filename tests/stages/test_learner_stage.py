@@ -59,6 +59,17 @@ class _Inbox:
         self.given += 1
         return Message("scored_group", self.groups.pop(0))
 
+    def waiting(self) -> int:
+        """How many ``take`` returns without waiting (as a Receiver's)."""
+        if self.gate is not None and not self.gate[1].is_set():
+            return max(0, min(len(self.groups), self.gate[0] - self.given))
+        return len(self.groups)
+
+    def take(self) -> Message:
+        assert self.waiting() > 0
+        self.given += 1
+        return Message("scored_group", self.groups.pop(0))
+
     def ack(self, msg: Message) -> None:
         self.acked.append(msg.data["group_id"])
 
@@ -337,4 +348,38 @@ def test_a_learner_waiting_for_samples_sends_the_current_weights_to_engines_that
     assert published() == [1, 1, 2, 3]  # version 1 again between steps 1 and 2
     assert learner.publishing.counts["catch_ups"] == 1
     assert learner.ctx.stopped == "trained 3 steps"
+    assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
+
+
+def test_engines_are_caught_up_even_while_groups_keep_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups already in the inbox are taken without a task each, but not past a due check of
+    the engines: groups that keep coming may all be stale, from an engine that lost the
+    weights. (Every look at the engines is due here; no group ever has to be waited for.)"""
+    import stages.learner.stage as stage_module
+
+    monkeypatch.setattr(stage_module, "_CATCH_UP_S", 0.0)
+    events: list = []
+    inbox = _Inbox(_groups(6))  # all there from the start
+
+    def published() -> list[int]:
+        return [e[2] for e in sorted(events, key=lambda e: e[0]) if e[1] == "publish"]
+
+    learner = _learner(
+        tmp_path,
+        inbox,
+        events,
+        monkeypatch,
+        behind=lambda: "engines_changed" if published() == [1] else None,
+    )
+
+    async def go() -> None:
+        await learner.setup()
+        await learner.run()
+        await learner.close()
+
+    asyncio.run(go())
+    assert published() == [1, 1, 2, 3]  # version 1 again, though groups were waiting
+    assert learner.publishing.counts["catch_ups"] == 1
     assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
