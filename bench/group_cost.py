@@ -15,21 +15,24 @@ the last Python frame):
   message could save on that hop.
 - ``scorer``: ``stages.scorer.stage.Scorer``'s own work per group (reading a ``rollout_group``
   message, checking and filing its samples, the reward call with ``exact_match`` in its event
-  loop on the shipped model's tokenizer, building the ``scored_group``), its output port a
-  stand-in that takes messages without encoding them.
+  loop on the shipped model's tokenizer, building and encoding the ``scored_group`` messages as
+  its Sender to a learner in another process does), its output port a stand-in that encodes
+  what it is given and sends nothing.
 - ``scorer_columns``: the same groups as ``rollout_batch`` messages of 16 groups (what the
-  generator sends a scorer that takes them), packed outside the timing.
+  generator sends a scorer that takes them), packed outside the timing; each scoring call's
+  groups go out as one encoded ``scored_batch``.
 - ``generator``: ``stages.generator.stage.Generator`` driving its in-process engine on the
   shipped model (``launch.in_process``, 256 rows, as ``configs/default.yaml``): the CPU of the
   thread that runs the stage (gates, requests, results, groups), the engine's scheduler thread
-  left out; its output port a stand-in as above, taking ``rollout_group`` messages
-  (``generator``) or ``rollout_batch`` ones (``generator_columns``: the packing counted).
+  left out; its output port a stand-in that takes ``rollout_group`` messages as they are
+  (``generator``), or ``rollout_batch`` ones (``generator_columns``: the packing counted).
 - ``feeder``: ``stages.feeder.stage.Feeder`` sending the default task's prompts (each read and
   tokenized as it goes, its uid in the ledger, its position saved) to a stand-in consumer that
   acknowledges each on the next turn of the loop; the task's loading left out.
 - ``learner``: what the learner's event loop does with a scored group, training left out: decode
   it from the frames the scorer sends (schema checked), ``Learner._samples_of`` (advantages,
-  arrays, dedup), then its samples accounted as trained (ledger fates, the acknowledgement).
+  arrays, dedup), then its samples accounted as trained (ledger fates, the acknowledgement);
+  ``learner_intake_columns``: the same groups as ``scored_batch`` messages of 16 groups.
 
     python bench/group_cost.py [--rounds 4] [--groups 2048] [--per-message 8]
         [--parts hop,feeder,scorer,generator,learner]
@@ -176,25 +179,36 @@ class _Inbox:
 
 
 class _Port:
-    """An output port with unlimited credit that takes messages without encoding them (and
-    ``rollout_batch`` ones where ``columns``)."""
+    """An output port with unlimited credit (``rollout_batch`` and ``scored_batch`` messages
+    only where ``columns``). ``encode``: it encodes what it sends, as a Sender to a consumer in
+    another process does (the scorer's, to the learner); else it takes messages as they are."""
 
-    def __init__(self, columns: bool = False) -> None:
+    def __init__(self, columns: bool = False, encode: bool = False) -> None:
         self.seq = self.samples = 0
-        self.columns = columns
+        self.columns, self.encode = columns, encode
 
     def credit(self) -> int:
         return 1 << 30
 
     def sends(self, kind: str) -> bool:
-        return self.columns or kind != "rollout_batch"
+        return self.columns or kind not in ("rollout_batch", "scored_batch")
 
     async def send(self, kind: str, data: dict[str, Any]) -> int:
+        if self.encode:
+            from transport.codec import encode
+
+            encode(Message(kind=kind, data=data))
         self.seq += 1
-        self.samples += len(data["sample_index"])
+        self.samples += (
+            len(data["sample_index"]) if "sample_index" in data else len(data["samples"])
+        )
         return self.seq
 
     async def send_many(self, kind: str, items: list[dict[str, Any]]) -> list[int]:
+        if self.encode:
+            from transport.codec import encode_batch
+
+            encode_batch(kind, 2, items)
         seqs = []
         for item in items:
             self.seq += 1
@@ -266,24 +280,36 @@ async def _feeder(groups: int) -> float:
     return spent
 
 
-async def _learner_intake(groups: int) -> float:
+async def _learner_intake(groups: int, columns: bool = False) -> float:
     """The learner's CPU seconds to take ``groups`` scored groups as its event loop does: each
     decoded from the frames the scorer sends (schema checked), made into its samples
     (``Learner._samples_of``: advantages, arrays, the staleness and dedup bookkeeping), then
-    accounted as trained (ledger fates, the group acknowledged). No training, no receiver."""
+    accounted as trained (ledger fates, the group acknowledged). No training, no receiver.
+    ``columns``: the groups come as ``scored_batch`` messages of 16."""
+    from stages import rollout_batch
     from stages.learner.stage import Learner, LearnerConfig
-    from stages.schemas import SCORED_GROUP
+    from stages.schemas import SCORED_BATCH, SCORED_GROUP
     from transport.codec import decode, encode
 
-    frames = []
+    scored = []
     for i in range(groups):
         data = _group(i)
         for sample in data["samples"]:
             sample["reward"] = float(sample["sample_index"] % 2)
             sample["reward_info"] = {"exact_match": sample["reward"]}
             sample["timings"] = {**sample["timings"], "score_s": 0.001}
-        message = Message(kind=SCORED_GROUP.kind, data=data, version=SCORED_GROUP.version)
-        frames.append([bytes(f) for f in encode(message)])
+        scored.append(data)
+    if columns:
+        messages = [
+            Message(
+                kind=SCORED_BATCH.kind,
+                data=rollout_batch.pack(scored[i : i + 16], "bench", GROUP, None, scored=True),
+            )
+            for i in range(0, groups, 16)
+        ]
+    else:
+        messages = [Message(kind=SCORED_GROUP.kind, data=d, version=2) for d in scored]
+    frames = [[bytes(f) for f in encode(message)] for message in messages]
     acked = []
     ctx = SimpleNamespace(
         stage="learner",
@@ -294,16 +320,18 @@ async def _learner_intake(groups: int) -> float:
         ledger=LedgerReporter(lambda payload: None),
     )
     learner = Learner(LearnerConfig(model=str(MODEL)), ctx)
-    schemas = {SCORED_GROUP.kind: SCORED_GROUP}
+    schemas = {SCORED_GROUP.kind: SCORED_GROUP, SCORED_BATCH.kind: SCORED_BATCH}
     began = time.process_time()
-    for group_frames in frames:
-        samples = learner._samples_of(decode(group_frames, schemas))
-        learner._fates(samples, "trained", step=1)
-        for sample in samples:
-            learner._done_with(sample)
+    for message_frames in frames:
+        msg = decode(message_frames, schemas)
+        for group in learner._parts_of(msg) if columns else [msg]:
+            samples = learner._samples_of(group)
+            learner._fates(samples, "trained", step=1)
+            for sample in samples:
+                learner._done_with(sample)
     spent = time.process_time() - began
-    if len(acked) != groups:
-        raise SystemExit(f"the learner acknowledged {len(acked)} groups of {groups}")
+    if len(acked) != len(messages):
+        raise SystemExit(f"the learner acknowledged {len(acked)} messages of {len(messages)}")
     return spent
 
 
@@ -314,7 +342,7 @@ async def _scorer(groups: int, tokenizer: Any, columns: bool = False) -> float:
     config = ScorerConfig(
         rewards=[RewardSpec("stages.scorer.rewards:exact_match")], tokenizer="", workers=0
     )
-    port = _Port()
+    port = _Port(columns, encode=True)
     ctx = SimpleNamespace(
         log=_Quiet(),
         inputs={"rollouts": _Inbox(groups, columns)},
@@ -464,6 +492,7 @@ def main() -> None:
         pieces["scorer_columns"] = lambda: uvloop.run(_scorer(args.groups, tokenizer, True))
     if "learner" in parts:
         pieces["learner_intake"] = lambda: uvloop.run(_learner_intake(args.groups))
+        pieces["learner_intake_columns"] = lambda: uvloop.run(_learner_intake(args.groups, True))
     if "generator" in parts:
         prompts = _prompts(tokenizer, args.groups)
         pieces["generator"] = lambda: uvloop.run(_generator(prompts))

@@ -1,7 +1,10 @@
-"""Single-turn groups as columns: the ``rollout_batch`` message (``stages.schemas``).
+"""Single-turn groups as columns: the ``rollout_batch`` and ``scored_batch`` messages
+(``stages.schemas``).
 
 The generator packs the groups it has ready for a scorer into one message (``pack``); the
 scorer checks that its columns line up (``problems``) and reads its groups back (``groups``).
+The scorer packs the scored groups of one scoring call for the learner the same way
+(``pack(..., scored=True)``: their rewards too), and the learner reads them back alike.
 One message of 16 groups costs one hand-over, one encode and one decode instead of 16, and no
 map per sample travels: a sample's tokens, log-probs and versions are slices of three arrays.
 Trajectories (a sample with ``loss_mask``, its own ``prompt_ids`` or ``rollout``) do not fit
@@ -17,23 +20,28 @@ import numpy as np
 
 __all__ = ["fits", "groups", "pack", "problems", "well_formed"]
 
-_TRAJECTORY = ("loss_mask", "prompt_ids", "rollout")  # a sample's fields the columns lack
+# a sample's fields the columns lack
+_TRAJECTORY = ("loss_mask", "prompt_ids", "rollout", "teacher_logprobs")
 
 
 def fits(group: Mapping[str, Any]) -> bool:
-    """Whether a ``rollout_group`` map can travel in a ``rollout_batch``."""
+    """Whether a ``rollout_group`` (or ``scored_group``) map can travel in a batch."""
     return not any(key in sample for sample in group["samples"] for key in _TRAJECTORY)
 
 
 def pack(
-    heads: Sequence[Mapping[str, Any]], run_id: str, group_size: int, origin: str | None
+    heads: Sequence[Mapping[str, Any]],
+    run_id: str,
+    group_size: int,
+    origin: str | None,
+    scored: bool = False,
 ) -> dict[str, Any]:
     """``heads``: ``rollout_group`` maps that ``fit``, of ``run_id`` and ``group_size``; their
-    ``rollout_batch``."""
+    ``rollout_batch`` (``scored``: ``scored_group`` maps, their ``scored_batch``)."""
     prompts = [np.asarray(h["prompt_ids"], dtype=np.int32) for h in heads]
     samples = [s for h in heads for s in h["samples"]]
     lengths = [len(s["completion_ids"]) for s in samples]
-    return {
+    batch = {
         "run_id": run_id,
         "group_size": group_size,
         "origin": origin,
@@ -56,6 +64,11 @@ def pack(
         "queued_s": np.asarray([s["timings"]["queued_s"] for s in samples], dtype=np.float64),
         "generate_s": np.asarray([s["timings"]["generate_s"] for s in samples], dtype=np.float64),
     }
+    if scored:
+        batch["reward"] = np.asarray([s["reward"] for s in samples], dtype=np.float32)
+        batch["reward_info"] = [s["reward_info"] for s in samples]
+        batch["score_s"] = np.asarray([s["timings"]["score_s"] for s in samples], dtype=np.float64)
+    return batch
 
 
 def _joined(arrays: Sequence[Any], dtype: Any) -> np.ndarray:
@@ -78,11 +91,11 @@ def problems(batch: Mapping[str, Any]) -> list[str]:
     for key in ("prompt_id", "uid", "meta"):
         if len(batch[key]) != n:
             out.append(f"{key} has {len(batch[key])} entries for {n} groups")
-    for key, ok, what in _ENTRIES:
+    for key, ok, what in _ENTRIES + (_SCORED_ENTRIES if "reward" in batch else ()):
         if not all(ok(v) for v in batch[key]):
             out.append(f"{key} holds an entry that is not {what}")
     for key, kind in _DTYPES.items():
-        if np.asarray(batch[key]).dtype.kind not in kind:
+        if key in batch and np.asarray(batch[key]).dtype.kind not in kind:
             out.append(
                 f"{key} is an array of {np.asarray(batch[key]).dtype}, not of {_KINDS[kind]}"
             )
@@ -95,7 +108,10 @@ def problems(batch: Mapping[str, Any]) -> list[str]:
     for key in ("sampler_logprobs", "versions"):
         if len(batch[key]) != tokens:
             out.append(f"{key} has {len(batch[key])} entries for {tokens} tokens")
-    for key in ("group", "finish_reason", "engine", "queued_s", "generate_s"):
+    per_sample = ("group", "finish_reason", "engine", "queued_s", "generate_s")
+    if "reward" in batch:  # a scored_batch
+        per_sample += ("reward", "reward_info", "score_s")
+    for key in per_sample:
         if len(batch[key]) != s:
             out.append(f"{key} has {len(batch[key])} entries for {s} samples")
     if not out and s:
@@ -115,6 +131,7 @@ _ENTRIES = (
     ("finish_reason", lambda v: isinstance(v, str), "a str"),
     ("engine", lambda v: isinstance(v, str), "a str"),
 )
+_SCORED_ENTRIES = (("reward_info", lambda v: isinstance(v, Mapping), "a map"),)
 _INT, _FLOAT = "iu", "f"
 _KINDS = {_INT: "integers", _FLOAT: "floats", _INT + _FLOAT: "numbers"}
 _DTYPES = {
@@ -128,6 +145,8 @@ _DTYPES = {
     "versions": _INT,
     "queued_s": _INT + _FLOAT,
     "generate_s": _INT + _FLOAT,
+    "reward": _INT + _FLOAT,
+    "score_s": _INT + _FLOAT,
 }
 
 
@@ -157,8 +176,9 @@ def well_formed(batch: Mapping[str, Any]) -> bool:
 
 
 def groups(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``batch`` (one without ``problems``) as ``rollout_group`` maps, its samples' arrays
-    slices of the batch's (read-only where the batch's are)."""
+    """``batch`` (one without ``problems``) as ``rollout_group`` maps (a ``scored_batch``: as
+    ``scored_group`` maps), its samples' arrays slices of the batch's (read-only where the
+    batch's are)."""
     cuts = np.asarray(batch["completion_offsets"]).tolist()
     spans = np.asarray(batch["prompt_offsets"]).tolist()
     group = np.asarray(batch["group"]).tolist()
@@ -171,6 +191,11 @@ def groups(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         batch["versions"],
     )
     reasons, engines = batch["finish_reason"], batch["engine"]
+    scored = "reward" in batch
+    if scored:
+        rewards = np.asarray(batch["reward"]).tolist()
+        infos = batch["reward_info"]
+        score_s = np.asarray(batch["score_s"]).tolist()
     out = [
         {
             "run_id": batch["run_id"],
@@ -187,15 +212,17 @@ def groups(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
     for k, g in enumerate(group):
         a, b = cuts[k], cuts[k + 1]
-        out[g]["samples"].append(
-            {
-                "sample_index": index[k],
-                "completion_ids": ids[a:b],
-                "sampler_logprobs": logprobs[a:b],
-                "versions": versions[a:b],
-                "finish_reason": reasons[k],
-                "engine": engines[k],
-                "timings": {"queued_s": queued[k], "generate_s": generate[k]},
-            }
-        )
+        sample = {
+            "sample_index": index[k],
+            "completion_ids": ids[a:b],
+            "sampler_logprobs": logprobs[a:b],
+            "versions": versions[a:b],
+            "finish_reason": reasons[k],
+            "engine": engines[k],
+            "timings": {"queued_s": queued[k], "generate_s": generate[k]},
+        }
+        if scored:
+            sample["timings"]["score_s"] = score_s[k]
+            sample["reward"], sample["reward_info"] = rewards[k], infos[k]
+        out[g]["samples"].append(sample)
     return out

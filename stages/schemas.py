@@ -47,6 +47,11 @@ number of groups (``transport.credit``, "Weight"): an inbox of 64 still holds 64
 Trajectories (``loss_mask``, a sample's own ``prompt_ids``, ``rollout``) travel as
 ``rollout_group``.
 
+``scored_batch`` (scorer -> learner, where the learner accepts it): the single-turn groups of one
+scoring call as ``rollout_batch`` columns, plus per sample ``reward`` (float32), ``reward_info``
+(a list of maps) and ``score_s`` (float64, the scoring call's seconds). It weighs its number of
+groups; the learner trains each group as the ``scored_group`` it stands for.
+
 ``scored_group`` (scorer -> learner): the ``group_size`` rollouts of one prompt, scored, in one
 message so that a group is never split between learner ranks. ``samples`` is a list of maps, one
 per rollout, in ``sample_index`` order, each with the rollout's per-sample fields
@@ -88,6 +93,7 @@ __all__ = [
     "ROLLOUT_BATCH",
     "ROLLOUT_GROUP",
     "SAMPLE_FIELDS",
+    "SCORED_BATCH",
     "SCORED_GROUP",
     "rollouts_of",
 ]
@@ -165,6 +171,19 @@ ROLLOUT_BATCH = Schema(
         "generate_s": "array",
     },
     doc="the sampled completions of several prompts' groups, as columns, unscored",
+    weight=lambda data: len(data["group_id"]),
+)
+
+SCORED_BATCH = Schema(
+    "scored_batch",
+    1,
+    {
+        **ROLLOUT_BATCH.fields,
+        "reward": "array",
+        "reward_info": "list",
+        "score_s": "array",
+    },
+    doc="the scored completions of several prompts' groups, as columns, for the learner",
     weight=lambda data: len(data["group_id"]),
 )
 

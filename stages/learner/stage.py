@@ -37,7 +37,7 @@ import json
 import shutil
 import time
 from asyncio import FIRST_COMPLETED
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,9 +47,10 @@ import numpy as np
 from pipeline import topics
 from pipeline.ledger import NO_SIGNAL, TRAINED
 from pipeline.stage import Port, StageContext
+from stages import rollout_batch
 from stages.engine.auth import engine_api_key
 from stages.learner.config import LearnerConfig
-from stages.schemas import SCORED_GROUP
+from stages.schemas import SCORED_BATCH, SCORED_GROUP
 
 if TYPE_CHECKING:
     from stages.learner.trainer import TrainSample
@@ -67,7 +68,14 @@ class Learner:
     Config = LearnerConfig
     keeps_ledger = True  # reports where its samples end (pipeline.ledger)
     # a group is processed once every sample of it is in a finished step (or dropped, counted)
-    inputs = {"groups": Port(SCORED_GROUP, doc="scored groups from the scorer", ack="manual")}
+    inputs = {
+        "groups": Port(
+            SCORED_GROUP,
+            SCORED_BATCH,
+            doc="scored groups from the scorer, one a message or several as columns",
+            ack="manual",
+        )
+    }
     outputs: dict[str, Port] = {}
     distributed = True  # replicas are the ranks of one torch.distributed group
 
@@ -111,6 +119,7 @@ class Learner:
         self._no_teacher_logged = False  # the first group dropped without them is logged
         # received groups not yet processed (see _samples_of)
         self._open: dict[int, list[Any]] = {}
+        self._parts: deque[_Part] = deque()  # the groups of a scored_batch not yet taken
         # resumed: uid -> sample indexes of a group that are in the checkpoint already
         self._partial: dict[str, set[int]] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()  # uids of groups taken (copies)
@@ -302,7 +311,12 @@ class Learner:
         hungry = False
         taken, limit = len(samples), self.config.max_oversample * self.share
         while len(samples) < self.share and not self._input_done:
-            if not hungry and self.ctx.replicas > 1 and _inbox_empty(self.ctx.inputs["groups"]):
+            if (
+                not hungry
+                and self.ctx.replicas > 1
+                and not self._parts
+                and _inbox_empty(self.ctx.inputs["groups"])
+            ):
                 # several ranks: this one may wait for samples while another holds more than its
                 # share; the generators' queue gate then lets one batch more through
                 hungry = True
@@ -333,8 +347,47 @@ class Learner:
             self._done_with(sample)
 
     async def _next_group(self) -> Any:
-        """The next scored group. Rank 0 meanwhile fails if looking for the engines fails, and
-        sends the current weights again to engines that lack them (``_catch_up``)."""
+        """The next scored group: a ``scored_group`` message, or one group of a
+        ``scored_batch`` (a ``_Part``: acknowledged with the batch's last group)."""
+        while not self._parts:
+            msg = await self._next_message()
+            if msg.kind != SCORED_BATCH.kind:
+                return msg
+            self._parts.extend(self._parts_of(msg))
+        return self._parts.popleft()
+
+    def _parts_of(self, msg: Any) -> list[_Part]:
+        """A ``scored_batch``'s groups; none when its columns do not line up (all its samples
+        dropped as ``bad_group``, counted, logged, the message acknowledged)."""
+        batch = msg.data
+        problems = rollout_batch.problems(batch)
+        if problems:
+            size, groups = batch["group_size"], len(batch["group_id"])
+            self.counts["bad_groups"] += groups
+            self.log.warning("scored_batch_dropped", reason="; ".join(problems), groups=groups)
+            uids = [u for u in batch["uid"] if isinstance(u, str)]
+            self.ctx.ledger.fates(
+                [(uid, size, i) for uid in uids for i in range(max(0, size))], "bad_group"
+            )
+            self.ctx.inputs["groups"].ack(msg)
+            return []
+        groups = rollout_batch.groups(batch)
+        entry = [msg, len(groups)]
+        return [_Part(group, entry) for group in groups]
+
+    def _ack(self, msg: Any) -> None:
+        """A group is processed: its message is, or (a batch's) once all its groups are."""
+        if isinstance(msg, _Part):
+            msg.entry[1] -= 1
+            if msg.entry[1] > 0:
+                return
+            msg = msg.entry[0]
+        self.ctx.inputs["groups"].ack(msg)
+
+    async def _next_message(self) -> Any:
+        """The next message from the scorers. Rank 0 meanwhile fails if looking for the engines
+        fails, and sends the current weights again to engines that lack them
+        (``_catch_up``)."""
         if self.rank != 0:
             return await anext(self._groups)
         inbox = self.ctx.inputs["groups"]
@@ -466,7 +519,7 @@ class Learner:
         entry[4].add(sample.index)
         if entry[1] == 0:
             del self._open[sample.origin]
-            self.ctx.inputs["groups"].ack(entry[0])
+            self._ack(entry[0])
 
     def _samples_of(self, msg: Any) -> list[TrainSample]:
         from stages.learner.advantages import one_group_advantages
@@ -483,7 +536,7 @@ class Learner:
                 indexes = [s.get("sample_index") for s in items if isinstance(s, dict)]
                 self.ctx.ledger.copies(uid, group.get("group_size"), indexes)
                 self.counts["copies"] += 1
-                self.ctx.inputs["groups"].ack(msg)
+                self._ack(msg)
                 return []
             self._seen[uid] = None
             if len(self._seen) > _SEEN_UIDS:
@@ -505,10 +558,10 @@ class Learner:
             self.counts["bad_groups"] += 1
             self.log.warning("group_dropped", group_id=group.get("group_id"), reason=str(exc))
             self.ctx.ledger.fates(_slots_of(group), "bad_group")
-            self.ctx.inputs["groups"].ack(msg)
+            self._ack(msg)
             return []
         if not rows:
-            self.ctx.inputs["groups"].ack(msg)
+            self._ack(msg)
             return []
         if distill.on and any(t is None for t in teachers):
             self._no_teacher(msg, sum(t is None for t in teachers))
@@ -563,7 +616,7 @@ class Learner:
         if done:  # part of it is in the checkpoint we resumed from: not again
             samples = [s for s in samples if s.index not in done]
             if not samples:
-                self.ctx.inputs["groups"].ack(msg)
+                self._ack(msg)
                 return []
         # origin -> [message, samples not yet trained or dropped, uid, group_size, those done]
         self._open[origin] = [msg, len(samples), uid, group.get("group_size"), set(done or ())]
@@ -591,7 +644,7 @@ class Learner:
             )
         self.counts["no_teacher"] += len(slots) or len(group["samples"])
         self.ctx.ledger.fates(slots, "no_teacher")
-        self.ctx.inputs["groups"].ack(msg)
+        self._ack(msg)
 
     def _account(self, metrics: dict[str, Any], elapsed: float) -> None:
         self.counts["samples"] += metrics["samples"]
@@ -790,6 +843,17 @@ class Learner:
         if self.evaluator is not None:
             await self.evaluator.close()
         await asyncio.to_thread(self.trainer.close)
+
+
+class _Part:
+    """One group of a ``scored_batch``, taken as the ``scored_group`` it stands for; ``entry``:
+    [the message, its groups not yet processed]."""
+
+    __slots__ = ("data", "entry")
+    kind = SCORED_GROUP.kind
+
+    def __init__(self, data: dict[str, Any], entry: list[Any]) -> None:
+        self.data, self.entry = data, entry
 
 
 def _inbox_empty(inbox: Any) -> bool:

@@ -59,6 +59,7 @@ from stages.schemas import (
     ROLLOUT_BATCH,
     ROLLOUT_GROUP,
     SAMPLE_FIELDS,
+    SCORED_BATCH,
     SCORED_GROUP,
 )
 from stages.scorer.arguments import reward_arguments
@@ -186,7 +187,14 @@ class Scorer:
             ack="manual",
         )
     }
-    outputs = {"groups": Port(SCORED_GROUP, doc="one message per prompt, scored")}
+    outputs = {
+        "groups": Port(
+            SCORED_GROUP,
+            doc="one message per prompt, scored (or a scoring call's groups as one scored_batch, "
+            "where the learner takes it)",
+            if_accepted=(SCORED_BATCH,),
+        )
+    }
 
     def __init__(self, config: ScorerConfig, ctx: StageContext) -> None:
         self.config, self.ctx, self.log = config, ctx, ctx.log
@@ -198,9 +206,9 @@ class Scorer:
         # a rollout_batch's groups not yet released: id(message) -> [message, groups left]
         self._batch_left: dict[int, list[Any]] = {}
         self._launched: set[str] = set()  # group ids queued for scoring or being scored
-        # scored groups sent, not yet acknowledged by the learner: send seq -> group id (their
-        # messages stay unacknowledged upstream until then)
-        self._awaiting_ack: dict[int, str] = {}
+        # scored groups sent, not yet acknowledged by the learner: send seq -> their group ids
+        # (their messages stay unacknowledged upstream until then)
+        self._awaiting_ack: dict[int, list[str]] = {}
         self._acked_early: set[int] = set()  # acknowledged before send_many returned
         self._chained = False
         self.closed: OrderedDict[str, None] = OrderedDict()
@@ -591,29 +599,59 @@ class Scorer:
                     "origin": head.get("origin"),  # the learner counts its generators
                 }
             )
+        sent = await self._send(payloads)
+        for payload in payloads:
+            self.counts["groups_out"] += 1
+            self.counts["samples"] += len(payload["samples"])
+            self._launched.discard(payload["group_id"])
+        for seq, group_ids in sent:
+            if isinstance(seq, int) and self._chained and seq not in self._acked_early:
+                self._awaiting_ack[seq] = group_ids  # released once the learner is done
+            else:
+                self._acked_early.discard(seq)
+                for group_id in group_ids:
+                    self._release(group_id)
+
+    async def _send(self, payloads: list[dict[str, Any]]) -> list[tuple[Any, list[str]]]:
+        """Send a scoring call's groups: as ``scored_batch`` messages where the learner takes
+        them (single-turn groups; one per generator session, cut to what the learner with the
+        most credit has room for), else a ``scored_group`` each (in one ``send_many`` to a
+        learner in another process). Each send's seq and its group ids."""
         port = self.ctx.outputs["groups"]
+        sends = getattr(port, "sends", None)
+        if (
+            sends is not None
+            and sends(SCORED_BATCH.kind)
+            and all(map(rollout_batch.fits, payloads))
+        ):
+            by_source: dict[tuple, list[dict[str, Any]]] = {}
+            for payload in payloads:
+                key = (payload["run_id"], payload["origin"], payload["group_size"])
+                by_source.setdefault(key, []).append(payload)
+            out = []
+            for (run_id, origin, size), heads in by_source.items():
+                while heads:  # no more groups at once than a learner has room for (as send_many)
+                    room = port.room() if hasattr(port, "room") else len(heads)
+                    take, heads = heads[: max(1, room)], heads[max(1, room) :]
+                    batch = rollout_batch.pack(take, run_id, size, origin, scored=True)
+                    seq = await port.send(SCORED_BATCH.kind, batch)
+                    out.append((seq, [h["group_id"] for h in take]))
+            return out
         if hasattr(port, "send_many"):  # to a learner in another process: one send for all
             seqs = await port.send_many("scored_group", payloads)
         else:
             seqs = [await port.send("scored_group", payload) for payload in payloads]
-        for payload, seq in zip(payloads, seqs, strict=True):
-            self.counts["groups_out"] += 1
-            self.counts["samples"] += len(payload["samples"])
-            self._launched.discard(payload["group_id"])
-            if isinstance(seq, int) and self._chained and seq not in self._acked_early:
-                self._awaiting_ack[seq] = payload["group_id"]  # released once the learner is done
-            else:
-                self._acked_early.discard(seq)
-                self._release(payload["group_id"])
+        return [(seq, [p["group_id"]]) for seq, p in zip(seqs, payloads, strict=True)]
 
     def _acked(self, seq: int) -> None:
-        """The learner is done with a scored group: release the messages it came in. (One of a
+        """The learner is done with scored groups: release the messages they came in. (One of a
         ``send_many`` may be acknowledged while later ones still wait for credit.)"""
-        group_id = self._awaiting_ack.pop(seq, None)
-        if group_id is None:
+        group_ids = self._awaiting_ack.pop(seq, None)
+        if group_ids is None:
             self._acked_early.add(seq)
         else:
-            self._release(group_id)
+            for group_id in group_ids:
+                self._release(group_id)
 
     def _reward_kwargs(
         self, heads: list[Mapping[str, Any]], per_group: list[list[Mapping[str, Any]]]

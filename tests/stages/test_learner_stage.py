@@ -57,7 +57,7 @@ class _Inbox:
         if self.gate is not None and self.given >= self.gate[0]:
             await self.gate[1].wait()
         self.given += 1
-        return Message("scored_group", self.groups.pop(0))
+        return _message(self.groups.pop(0))
 
     def waiting(self) -> int:
         """How many ``take`` returns without waiting (as a Receiver's)."""
@@ -68,10 +68,14 @@ class _Inbox:
     def take(self) -> Message:
         assert self.waiting() > 0
         self.given += 1
-        return Message("scored_group", self.groups.pop(0))
+        return _message(self.groups.pop(0))
 
     def ack(self, msg: Message) -> None:
         self.acked.append(msg.data["group_id"])
+
+
+def _message(item: dict[str, Any] | Message) -> Message:
+    return item if isinstance(item, Message) else Message("scored_group", item)
 
 
 class _Ctx:
@@ -383,3 +387,39 @@ def test_engines_are_caught_up_even_while_groups_keep_waiting(
     assert published() == [1, 1, 2, 3]  # version 1 again, though groups were waiting
     assert learner.publishing.counts["catch_ups"] == 1
     assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
+
+
+def test_the_groups_of_a_scored_batch_train_and_it_is_acknowledged_once_with_its_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages import rollout_batch
+    from tests.stages.test_rollout_batch import _group
+
+    def scored(name: str) -> dict[str, Any]:
+        group = _group(name, [0, 1, 2, 3])
+        for j, sample in enumerate(group["samples"]):
+            sample["reward"], sample["reward_info"] = float(j % 2), {"em": float(j % 2)}
+            sample["timings"]["score_s"] = 0.01
+        return group
+
+    batches = [
+        rollout_batch.pack([scored(n) for n in names], "run", 4, "generator.0:s", scored=True)
+        for names in (("a", "b", "c"), ("d", "e", "f"))
+    ]
+    events: list = []
+    inbox = _Inbox([Message("scored_batch", b) for b in batches])
+    learner = _learner(tmp_path, inbox, events, monkeypatch)
+
+    async def go() -> None:
+        await learner.setup()
+        await learner.run()
+        await learner.close()
+
+    asyncio.run(go())
+    assert learner.ctx.stopped == "trained 3 steps"  # 6 groups of 4, 8 samples a step
+    # each batch once, when the step that trained its last group was done
+    assert inbox.acked == [["a/1", "b/1", "c/1"], ["d/1", "e/1", "f/1"]]
+    trained = [r for r in learner.ctx.ledger_reports if r.get("reason") == "trained"]
+    assert sorted((u, i) for r in trained for u, _, i in r["fates"]) == sorted(
+        (f"feeder.0:{n}", i) for n in "abcdef" for i in range(4)
+    )

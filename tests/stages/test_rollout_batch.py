@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.stage import Port
 from stages import rollout_batch
-from stages.schemas import ROLLOUT, ROLLOUT_BATCH, ROLLOUT_GROUP, SCORED_GROUP
+from stages.schemas import ROLLOUT, ROLLOUT_BATCH, ROLLOUT_GROUP, SCORED_BATCH, SCORED_GROUP
 from transport.codec import decode, encode
 from transport.message import Message
 
@@ -107,3 +107,22 @@ def test_a_port_sends_a_kind_it_offers_only_to_a_consumer_that_accepts_it():
     ]
     assert out.sent_to(Port(ROLLOUT_GROUP, ROLLOUT)) == ["rollout_group"]
     assert out.sent_to(Port(SCORED_GROUP)) == ["rollout_group"]  # the wiring check says no
+
+
+def test_scored_groups_packed_as_columns_come_back_with_their_rewards():
+    sent = [_group("a", [0, 1, 2, 3]), _group("b", [1, 3])]
+    for k, sample in enumerate(s for g in sent for s in g["samples"]):
+        sample["reward"], sample["reward_info"] = 0.5 * k, {"fn": 0.5 * k}
+        sample["timings"]["score_s"] = 0.125
+    batch = rollout_batch.pack(sent, "run", 4, "generator.0:s", scored=True)
+    assert not SCORED_BATCH.check(batch) and SCORED_BATCH.weigh(batch) == 2
+    (msg,) = [decode(encode(Message("scored_batch", batch)), {"scored_batch": SCORED_BATCH})]
+    assert rollout_batch.problems(msg.data) == []
+    got = rollout_batch.groups(msg.data)
+    for a, b in zip(got, sent, strict=True):
+        _same(a, b)
+        assert not SCORED_GROUP.check(a)
+        assert [s["reward"] for s in a["samples"]] == [s["reward"] for s in b["samples"]]
+        assert [s["reward_info"] for s in a["samples"]] == [s["reward_info"] for s in b["samples"]]
+    msg.data["reward_info"] = msg.data["reward_info"][:-1]
+    assert rollout_batch.problems(msg.data) == ["reward_info has 5 entries for 6 samples"]

@@ -42,21 +42,33 @@ class _Inbox:
 class _Learner:
     """The scorer's output: records what it sends; the test acknowledges it."""
 
-    def __init__(self) -> None:
+    def __init__(self, columns: bool = False, room: int = 64) -> None:
         self.sent: list[tuple[int, dict]] = []
         self.acked = None
+        self.columns = columns  # takes scored_batch
+        self.kinds: list[str] = []
+        self.space = room  # groups the learner with the most credit has room for
+
+    def room(self) -> int:
+        return self.space
+
+    def sends(self, kind: str) -> bool:
+        return self.columns or kind != "scored_batch"
 
     def on_ack(self, callback) -> None:
         self.acked = callback
 
     async def send(self, kind: str, data: dict) -> int:
+        self.kinds.append(kind)
         self.sent.append((len(self.sent) + 1, data))
         return len(self.sent)
 
 
-async def _scorer(messages: list[Message]) -> tuple[Scorer, _Inbox, _Learner, list[dict]]:
+async def _scorer(
+    messages: list[Message], columns: bool = False, room: int = 64
+) -> tuple[Scorer, _Inbox, _Learner, list[dict]]:
     config = ScorerConfig(rewards=[RewardSpec(EM)], tokenizer="unused", workers=0)
-    inbox, learner, ledger = _Inbox(messages), _Learner(), []
+    inbox, learner, ledger = _Inbox(messages), _Learner(columns, room), []
     log = structlog.get_logger("scorer")
     ctx = SimpleNamespace(
         log=log,
@@ -144,3 +156,31 @@ async def test_columns_that_do_not_line_up_drop_the_batch_counted_and_in_the_led
     (warning,) = [e for e in logs if e["event"] == "rollout_batch_dropped"]
     assert "completion_offsets must rise from 0 to 6" in warning["reason"]
     assert warning["groups"] == 2
+
+
+@pytest.mark.timeout(30)
+async def test_a_scoring_call_goes_to_a_learner_that_takes_columns_as_one_scored_batch():
+    a, b = _asked(_group("a", [0, 1], size=2)), _asked(_group("b", [0, 1], size=2), "8")
+    msg = _batch(a, b)
+    scorer, inbox, learner, _ = await _scorer([msg], columns=True)
+    assert learner.kinds == ["scored_batch"]
+    ((seq, batch),) = learner.sent
+    assert batch["group_id"] == ["a/1", "b/1"] and batch["reward"].tolist() == [1, 1, 0, 0]
+    assert batch["completion_ids"].tolist() == [0, 0, 1, 0, 0, 1]
+    got = rollout_batch.groups(batch)
+    assert [s["reward_info"][EM] for g in got for s in g["samples"]] == [1.0, 1.0, 0.0, 0.0]
+    assert scorer.counts["groups_out"] == 2 and scorer.counts["samples"] == 4
+    learner.acked(seq)
+    assert inbox.acked == [msg]  # both groups released by the one acknowledgement
+
+
+@pytest.mark.timeout(30)
+async def test_a_scored_batch_holds_no_more_groups_than_the_learner_has_room_for():
+    groups = [_asked(_group(name, [0, 1], size=2)) for name in "abc"]
+    msg = _batch(*groups)
+    _, inbox, learner, _ = await _scorer([msg], columns=True, room=2)
+    assert learner.kinds == ["scored_batch", "scored_batch"]
+    assert [b["group_id"] for _, b in learner.sent] == [["a/1", "b/1"], ["c/1"]]
+    learner.acked(2)
+    learner.acked(1)
+    assert inbox.acked == [msg]
