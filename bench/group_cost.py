@@ -190,6 +190,9 @@ class _Port:
     def credit(self) -> int:
         return 1 << 30
 
+    def room(self) -> int:
+        return 1 << 30
+
     def sends(self, kind: str) -> bool:
         return self.columns or kind not in ("rollout_batch", "scored_batch")
 

@@ -983,8 +983,10 @@ class Generator:
         while True:
             waiting = [await self.outbox.get()]
             # no more than the scorers have credit for (in groups): the rest stays counted in
-            # the outbox (the credit gate's room downstream)
-            while many and not self.outbox.empty() and len(waiting) < rollouts.credit():
+            # the outbox (the credit gate's room downstream); a batch goes to one scorer, so
+            # no more than the one with the most has room for
+            room = rollouts.room() if columns else rollouts.credit()
+            while many and not self.outbox.empty() and len(waiting) < room:
                 waiting.append(self.outbox.get_nowait())
             try:
                 items = [item for item, _ in waiting]
