@@ -14,19 +14,105 @@ the columns and travel as ``rollout_group`` (``fits``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
 
-__all__ = ["fits", "groups", "pack", "problems", "well_formed"]
+__all__ = [
+    "Finished",
+    "fits",
+    "groups",
+    "in_order",
+    "pack",
+    "problems",
+    "sample_maps",
+    "spans",
+    "take",
+    "version_array",
+    "well_formed",
+]
 
 # a sample's fields the columns lack
 _TRAJECTORY = ("loss_mask", "prompt_ids", "rollout", "teacher_logprobs")
 
 
+class Finished:
+    """A group's samples as its engine finished them, kept as columns until they are packed:
+    each sample's token ids, log-probs and policy versions (lists, as the engine gives them;
+    versions as integers or their text), its finish reason, and the group's engine and
+    timings. What the generator puts in a ``rollout_group`` map's ``samples`` instead of a map
+    per sample; ``maps`` makes those maps where a consumer needs them."""
+
+    __slots__ = ("engine", "finish_reason", "generate_s", "ids", "logprobs", "queued_s", "versions")
+
+    def __init__(
+        self,
+        ids: list[Sequence[int]],
+        logprobs: list[Sequence[float]],
+        versions: list[Sequence[Any]],
+        finish_reason: list[str],
+        engine: str,
+        queued_s: float,
+        generate_s: float,
+    ) -> None:
+        self.ids, self.logprobs, self.versions = ids, logprobs, versions
+        self.finish_reason, self.engine = finish_reason, engine
+        self.queued_s, self.generate_s = queued_s, generate_s
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.ids))
+
+    def maps(self) -> list[dict[str, Any]]:
+        """Each sample as a ``rollout_group`` sample map (its index its position)."""
+        timings = {"queued_s": self.queued_s, "generate_s": self.generate_s}
+        return [
+            {
+                "sample_index": i,
+                "completion_ids": np.asarray(ids, dtype=np.int32),
+                "sampler_logprobs": np.asarray(lps, dtype=np.float32),
+                "versions": version_array(versions),
+                "finish_reason": reason,
+                "engine": self.engine,
+                "timings": dict(timings),
+            }
+            for i, (ids, lps, versions, reason) in enumerate(
+                zip(self.ids, self.logprobs, self.versions, self.finish_reason, strict=True)
+            )
+        ]
+
+
+def version_array(versions: Sequence[Any]) -> np.ndarray:
+    """Policy versions as int32; SGLang names them as text, and one that is not a number
+    reads as 0 (as the generator's client reads a ``/generate`` answer)."""
+    try:
+        return np.asarray(versions, dtype=np.int32)
+    except (TypeError, ValueError):
+        return np.asarray([_version(v) for v in versions], dtype=np.int32)
+
+
+def _version(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def sample_maps(samples: Any) -> list[Any]:
+    """A group's ``samples``: its maps, made from them where they are ``Finished``."""
+    return samples.maps() if isinstance(samples, Finished) else samples
+
+
 def fits(group: Mapping[str, Any]) -> bool:
     """Whether a ``rollout_group`` (or ``scored_group``) map can travel in a batch."""
-    return not any(key in sample for sample in group["samples"] for key in _TRAJECTORY)
+    samples = group["samples"]
+    if isinstance(samples, Finished):
+        return True
+    return not any(key in sample for sample in samples for key in _TRAJECTORY)
 
 
 def pack(
@@ -37,7 +123,14 @@ def pack(
     scored: bool = False,
 ) -> dict[str, Any]:
     """``heads``: ``rollout_group`` maps that ``fit``, of ``run_id`` and ``group_size``; their
-    ``rollout_batch`` (``scored``: ``scored_group`` maps, their ``scored_batch``)."""
+    ``rollout_batch`` (``scored``: ``scored_group`` maps, their ``scored_batch``). Groups whose
+    ``samples`` are ``Finished`` are read as columns, with no map made per sample."""
+    if not scored and heads and all(isinstance(h["samples"], Finished) for h in heads):
+        return _pack_finished(heads, run_id, group_size, origin)
+    heads = [
+        {**h, "samples": h["samples"].maps()} if isinstance(h["samples"], Finished) else h
+        for h in heads
+    ]
     prompts = [np.asarray(h["prompt_ids"], dtype=np.int32) for h in heads]
     samples = [s for h in heads for s in h["samples"]]
     lengths = [len(s["completion_ids"]) for s in samples]
@@ -71,6 +164,39 @@ def pack(
     return batch
 
 
+def _pack_finished(
+    heads: Sequence[Mapping[str, Any]], run_id: str, group_size: int, origin: str | None
+) -> dict[str, Any]:
+    """``pack`` of groups whose samples are all ``Finished``: each column made at once."""
+    prompts = [np.asarray(h["prompt_ids"], dtype=np.int32) for h in heads]
+    done: list[Finished] = [h["samples"] for h in heads]
+    sizes = [len(d.ids) for d in done]
+    every = chain.from_iterable
+    return {
+        "run_id": run_id,
+        "group_size": group_size,
+        "origin": origin,
+        "prompt_id": [h["prompt_id"] for h in heads],
+        "group_id": [h["group_id"] for h in heads],
+        "uid": [h.get("uid") for h in heads],
+        "meta": [h.get("meta") for h in heads],
+        "prompt_ids": _joined(prompts, np.int32),
+        "prompt_offsets": _offsets([len(p) for p in prompts]),
+        "group": np.repeat(np.arange(len(heads), dtype=np.int32), sizes),
+        "sample_index": np.fromiter(every(map(range, sizes)), np.int32, sum(sizes)),
+        "completion_offsets": _offsets([len(ids) for d in done for ids in d.ids]),
+        "completion_ids": np.array(list(every(every(d.ids for d in done))), dtype=np.int32),
+        "sampler_logprobs": np.array(
+            list(every(every(d.logprobs for d in done))), dtype=np.float32
+        ),
+        "versions": version_array(list(every(every(d.versions for d in done)))),
+        "finish_reason": list(every(d.finish_reason for d in done)),
+        "engine": [d.engine for d, n in zip(done, sizes, strict=True) for _ in range(n)],
+        "queued_s": np.repeat(np.asarray([d.queued_s for d in done], dtype=np.float64), sizes),
+        "generate_s": np.repeat(np.asarray([d.generate_s for d in done], dtype=np.float64), sizes),
+    }
+
+
 def _joined(arrays: Sequence[Any], dtype: Any) -> np.ndarray:
     if not arrays:
         return np.zeros(0, dtype=dtype)
@@ -91,8 +217,11 @@ def problems(batch: Mapping[str, Any]) -> list[str]:
     for key in ("prompt_id", "uid", "meta"):
         if len(batch[key]) != n:
             out.append(f"{key} has {len(batch[key])} entries for {n} groups")
-    for key, ok, what in _ENTRIES + (_SCORED_ENTRIES if "reward" in batch else ()):
-        if not all(ok(v) for v in batch[key]):
+    for key, types, ok, what in _ENTRIES + (_SCORED_ENTRIES if "reward" in batch else ()):
+        values = batch[key]
+        # the types of its entries, in one pass in C; each entry checked only when one is
+        # of another type (a subclass of str, a Mapping that is no dict)
+        if not set(map(type, values)) <= types and not all(ok(v) for v in values):
             out.append(f"{key} holds an entry that is not {what}")
     for key, kind in _DTYPES.items():
         if key in batch and np.asarray(batch[key]).dtype.kind not in kind:
@@ -123,15 +252,16 @@ def problems(batch: Mapping[str, Any]) -> list[str]:
     return out
 
 
+_STR, _MAP = frozenset({str}), frozenset({dict})
 _ENTRIES = (
-    ("prompt_id", lambda v: isinstance(v, str), "a str"),
-    ("group_id", lambda v: isinstance(v, str), "a str"),
-    ("uid", lambda v: v is None or isinstance(v, str), "a str or None"),
-    ("meta", lambda v: v is None or isinstance(v, Mapping), "a map or None"),
-    ("finish_reason", lambda v: isinstance(v, str), "a str"),
-    ("engine", lambda v: isinstance(v, str), "a str"),
+    ("prompt_id", _STR, lambda v: isinstance(v, str), "a str"),
+    ("group_id", _STR, lambda v: isinstance(v, str), "a str"),
+    ("uid", _STR | {type(None)}, lambda v: v is None or isinstance(v, str), "a str or None"),
+    ("meta", _MAP | {type(None)}, lambda v: v is None or isinstance(v, Mapping), "a map or None"),
+    ("finish_reason", _STR, lambda v: isinstance(v, str), "a str"),
+    ("engine", _STR, lambda v: isinstance(v, str), "a str"),
 )
-_SCORED_ENTRIES = (("reward_info", lambda v: isinstance(v, Mapping), "a map"),)
+_SCORED_ENTRIES = (("reward_info", _MAP, lambda v: isinstance(v, Mapping), "a map"),)
 _INT, _FLOAT = "iu", "f"
 _KINDS = {_INT: "integers", _FLOAT: "floats", _INT + _FLOAT: "numbers"}
 _DTYPES = {
@@ -165,14 +295,108 @@ def well_formed(batch: Mapping[str, Any]) -> bool:
     The scorer files such a batch's samples without checking them one by one."""
     if len(set(batch["group_id"])) != len(batch["group_id"]):
         return False
-    index = np.asarray(batch["sample_index"])
-    if not len(index):
-        return True
-    size = batch["group_size"]
-    if index.min() < 0 or index.max() >= size:
+    key = _slot_keys(batch)
+    if key is None:
         return False
-    key = np.asarray(batch["group"], dtype=np.int64) * size + index
+    if not len(key) or bool(np.all(key[1:] > key[:-1])):
+        return True  # in order (what a generator sends): each slot once
     return len(np.unique(key)) == len(key)
+
+
+def in_order(batch: Mapping[str, Any]) -> bool:
+    """Whether ``batch`` is ``well_formed`` with each group's samples in ``sample_index``
+    order: its columns are then those of the groups it stands for, as they are scored and
+    trained, with no sample to reorder or drop."""
+    if len(set(batch["group_id"])) != len(batch["group_id"]):
+        return False
+    key = _slot_keys(batch)
+    return key is not None and (not len(key) or bool(np.all(key[1:] > key[:-1])))
+
+
+def _slot_keys(batch: Mapping[str, Any]) -> np.ndarray | None:
+    """Each sample's slot (group x group_size + index); None if an index is out of range."""
+    index = np.asarray(batch["sample_index"])
+    size = batch["group_size"]
+    if len(index) and (index.min() < 0 or index.max() >= size):
+        return None
+    return np.asarray(batch["group"], dtype=np.int64) * size + index
+
+
+def spans(batch: Mapping[str, Any]) -> list[int]:
+    """Where each group's samples start in ``batch`` (one without ``problems``), and where the
+    last ends: group ``g`` holds samples ``spans[g]:spans[g + 1]``."""
+    n = len(batch["group_id"])
+    return np.searchsorted(np.asarray(batch["group"]), np.arange(n + 1)).tolist()
+
+
+# the columns of a batch's groups, of its samples and of its tokens (a scored batch's too)
+_PER_SAMPLE_ARRAYS = ("sample_index", "queued_s", "generate_s")
+_PER_SAMPLE_LISTS = ("finish_reason", "engine")
+_PER_TOKEN = ("completion_ids", "sampler_logprobs", "versions")
+_SCORED_ARRAYS = ("reward", "score_s")
+
+
+def take(
+    parts: Sequence[tuple[Mapping[str, Any], int, int, int]],
+    run_id: str,
+    group_size: int,
+    origin: str | None,
+) -> dict[str, Any]:
+    """A batch of the groups ``parts`` name, in that order: ``(batch, g, lo, hi)`` is group
+    ``g`` of ``batch`` (one without ``problems``), whose samples are ``lo:hi`` (``spans``).
+    The batches are all ``rollout_batch`` or all ``scored_batch`` columns; every group of one
+    batch, in order, gives that batch's own columns back (no copy)."""
+    first = parts[0][0]
+    scored = "reward" in first
+    if len(parts) == len(first["group_id"]) and all(
+        b is first and g == i for i, (b, g, _, _) in enumerate(parts)
+    ):
+        out = {key: first[key] for key in _KEYS + (_SCORED_KEYS if scored else ())}
+        out.update(run_id=run_id, group_size=group_size, origin=origin)
+        return out
+    out: dict[str, Any] = {"run_id": run_id, "group_size": group_size, "origin": origin}
+    for key in ("prompt_id", "group_id", "uid", "meta"):
+        out[key] = [b[key][g] for b, g, _, _ in parts]
+    prompt_cuts, token_cuts = [], []
+    for b, g, lo, hi in parts:
+        offsets = b["prompt_offsets"]
+        prompt_cuts.append((b, int(offsets[g]), int(offsets[g + 1])))
+        cuts = b["completion_offsets"]
+        token_cuts.append((b, int(cuts[lo]), int(cuts[hi])))
+    out["prompt_ids"] = _cat([b["prompt_ids"][a:z] for b, a, z in prompt_cuts])
+    out["prompt_offsets"] = _offsets([z - a for _, a, z in prompt_cuts])
+    out["group"] = np.repeat(
+        np.arange(len(parts), dtype=np.int32), [hi - lo for *_, lo, hi in parts]
+    )
+    for key in _PER_TOKEN:
+        out[key] = _cat([b[key][a:z] for b, a, z in token_cuts])
+    lengths = [np.diff(np.asarray(b["completion_offsets"][lo : hi + 1])) for b, _, lo, hi in parts]
+    out["completion_offsets"] = _offsets(np.concatenate(lengths) if lengths else [])
+    for key in _PER_SAMPLE_ARRAYS + (_SCORED_ARRAYS if scored else ()):
+        out[key] = _cat([b[key][lo:hi] for b, _, lo, hi in parts])
+    for key in _PER_SAMPLE_LISTS + (("reward_info",) if scored else ()):
+        out[key] = [v for b, _, lo, hi in parts for v in b[key][lo:hi]]
+    return out
+
+
+_KEYS = (
+    "prompt_id",
+    "group_id",
+    "uid",
+    "meta",
+    "prompt_ids",
+    "prompt_offsets",
+    "group",
+    "completion_offsets",
+    *_PER_TOKEN,
+    *_PER_SAMPLE_ARRAYS,
+    *_PER_SAMPLE_LISTS,
+)
+_SCORED_KEYS = (*_SCORED_ARRAYS, "reward_info")
+
+
+def _cat(arrays: list[Any]) -> np.ndarray:
+    return np.concatenate(arrays) if len(arrays) != 1 else np.asarray(arrays[0])
 
 
 def groups(batch: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -40,6 +40,7 @@ import aiohttp
 import numpy as np
 
 from stages.engine import auth
+from stages.rollout_batch import Finished
 
 try:  # optional: a faster JSON codec; the standard library is the fallback
     import orjson
@@ -446,7 +447,7 @@ class InProcessClient(EngineClient):
     ) -> tuple[list[asyncio.Future], int | None]:
         """Several groups in one request: ``len(rids[i])`` samples of ``prompts[i]``, checked
         as one ``/generate`` body; one future per group, resolving with the engine's results
-        in the order of its rids (``completions`` reads them) as soon as that group is done.
+        in the order of its rids (``finished`` reads them) as soon as that group is done.
         Also returns the adapter version every token is pinned to (``_adapted``).
 
         EngineError (400) if the engine refuses the body, (retryable) if it has stopped.
@@ -462,9 +463,30 @@ class InProcessClient(EngineClient):
             futures = self.engine.submit_groups(body, [len(group) for group in rids])
         return futures, pinned
 
-    def completions(self, results: Sequence[Any], pinned: int | None) -> list[Completion]:
-        """A group's results (``submit_groups``) as Completions."""
-        return [_pinned(completion_of(result, self.url), pinned) for result in results]
+    def finished(
+        self, results: Sequence[Any], pinned: int | None, engine: str, timings: tuple[float, float]
+    ) -> tuple[Finished, int]:
+        """A group's results (``submit_groups``) as the ``Finished`` columns its rollout group
+        carries (what ``completions`` gives, without an object or an array per sample; served
+        by ``engine``, ``timings`` its ``queued_s`` and ``generate_s``), and the newest policy
+        version among them. EngineError (not retryable) if a result does not
+        have one log-prob and one version per token."""
+        ids, logprobs, versions, finish = [], [], [], []
+        newest = 0
+        for result in results:
+            out, lps = result.output_ids, result.output_token_logprobs or ()
+            per_token = result.output_token_weight_versions
+            if pinned is not None:  # every token of the adapter its request named
+                per_token = [pinned] * len(out)
+            _check_aligned(self.url, "the engine gave", out, lps, per_token)
+            ids.append(out)
+            logprobs.append(lps)
+            versions.append(per_token)
+            finish.append(_finish_type(result.finish_reason or {}))
+            newest = max(newest, _as_version(result.weight_version))
+        if pinned is not None:
+            newest = pinned
+        return Finished(ids, logprobs, versions, finish, engine, *timings), newest
 
     def abort(self, rids: Iterable[str]) -> None:
         self.engine.abort(rids)

@@ -673,8 +673,9 @@ class Generator:
                     break  # timed out: what is left goes again, below
                 for future in sorted(done, key=which.__getitem__):
                     msg, group_id = batch[which[future]]
+                    timings = (round(started - queued, 6), round(time.monotonic() - started, 6))
                     try:
-                        completions = client.completions(future.result(), pinned)
+                        done, newest = client.finished(future.result(), pinned, engine, timings)
                     except EngineError as exc:  # an answer that does not add up
                         self._spawn(self._group_again(msg, group_id, engine, queued, exc))
                         continue
@@ -687,13 +688,10 @@ class Generator:
                         self._spawn(self._group_again(msg, group_id, engine, queued, error))
                         continue
                     self._release(engine, size)
-                    self._served(engine, completions)
-                    done_at = time.monotonic()
-                    got = [
-                        _completion_fields(i, _Served(engine, c, done_at), queued, started)
-                        for i, c in enumerate(completions)
-                    ]
-                    await self._put(msg, group_id, got)
+                    self.failures[engine] = 0
+                    self.controller.record_tokens(engine, done.tokens)
+                    self.versions[engine] = max(self.versions[engine], newest)
+                    await self._put(msg, group_id, done)
         finally:
             if pending:  # timed out, or this task was cancelled: their rows are aborted
                 client.abort([rid for f in pending for rid in rids[which[f]]])
@@ -928,11 +926,12 @@ class Generator:
         self,
         msg: Message,
         group_id: str,
-        samples: list[dict[str, Any]],
+        samples: list[dict[str, Any]] | rollout_batch.Finished,
         dropped: dict[int, str] | None = None,
     ) -> None:
         """Queue the group for sending: ``samples`` are the sample maps of the samples that were
-        not dropped, in index order; nothing is sent when all were dropped. The dropped ones go
+        not dropped, in index order (or every sample, ``Finished`` as the engine gave them);
+        nothing is sent when all were dropped. The dropped ones go
         in the ledger now (as ``engine_failure`` unless ``dropped`` names another reason),
         before the prompt can be acknowledged. The prompt's message is acknowledged once the
         scorer has acknowledged its group (``_emit``, ``_group_acked``)."""
@@ -990,6 +989,8 @@ class Generator:
                 waiting.append(self.outbox.get_nowait())
             try:
                 items = [item for item, _ in waiting]
+                samples = sum(len(item["samples"]) for item in items)
+                tokens = sum(_tokens(item["samples"]) for item in items)
                 single_turn = self.rollouts is None  # no trajectories: every group fits
                 if columns and (single_turn or all(rollout_batch.fits(i) for i in items)):
                     batch = rollout_batch.pack(
@@ -998,10 +999,11 @@ class Generator:
                     sent = [await rollouts.send(ROLLOUT_BATCH.kind, batch)]
                     entries = [[(msg, len(item["samples"])) for item, msg in waiting]]
                 elif many:
+                    items = [_with_maps(item) for item in items]
                     sent = await rollouts.send_many(ROLLOUT_GROUP.kind, items)
                     entries = [[(msg, len(item["samples"]))] for item, msg in waiting]
                 else:
-                    sent = [await rollouts.send(ROLLOUT_GROUP.kind, items[0])]
+                    sent = [await rollouts.send(ROLLOUT_GROUP.kind, _with_maps(items[0]))]
                     entries = [[(waiting[0][1], len(items[0]["samples"]))]]
                 for seq, entry in zip(sent, entries, strict=True):
                     if isinstance(seq, int) and self._chained and seq not in self._acked_early:
@@ -1009,10 +1011,9 @@ class Generator:
                     else:
                         self._acked_early.discard(seq)
                         self._prompts_done(entry)
-                for item in items:
-                    self.counts["groups_emitted"] += 1
-                    self.counts["emitted"] += len(item["samples"])
-                    self.counts["tokens"] += sum(len(x["completion_ids"]) for x in item["samples"])
+                self.counts["groups_emitted"] += len(items)
+                self.counts["emitted"] += samples
+                self.counts["tokens"] += tokens
             finally:
                 for _ in waiting:
                     self.outbox.task_done()
@@ -1089,3 +1090,16 @@ def _completion_fields(
             "generate_s": round(served.done - started, 6),
         },
     }
+
+
+def _tokens(samples: list[dict[str, Any]] | rollout_batch.Finished) -> int:
+    if isinstance(samples, rollout_batch.Finished):
+        return samples.tokens
+    return sum(len(x["completion_ids"]) for x in samples)
+
+
+def _with_maps(item: dict[str, Any]) -> dict[str, Any]:
+    """A group as a ``rollout_group`` map: its samples as maps (made if ``Finished``)."""
+    if isinstance(item["samples"], rollout_batch.Finished):
+        return {**item, "samples": item["samples"].maps()}
+    return item

@@ -18,7 +18,7 @@ from typing import Any
 from stages.detokenize import batch_decoder, token_lists
 from stages.rollouts.trajectory import final_turn
 
-__all__ = ["reward_arguments"]
+__all__ = ["completion_arguments", "reward_arguments"]
 
 
 def reward_arguments(
@@ -26,21 +26,45 @@ def reward_arguments(
 ) -> dict[str, list]:
     """``samples`` carry ``completion_ids``, ``finish_reason``, ``meta`` and optionally
     ``loss_mask`` and ``rollout``; ``prompts`` is each one's prompt text."""
-    ids = token_lists([s["completion_ids"] for s in samples])
-    finals = [final_turn(i, s.get("loss_mask")) for i, s in zip(ids, samples, strict=True)]
+    masks = [s.get("loss_mask") for s in samples]
+    trajectories = any(m is not None for m in masks)
+    return completion_arguments(
+        tokenizer,
+        prompts,
+        token_lists([s["completion_ids"] for s in samples]),
+        [s["finish_reason"] for s in samples],
+        [s.get("meta") for s in samples],
+        masks=masks if trajectories else None,
+        rollouts=[s.get("rollout") for s in samples] if trajectories else None,
+    )
+
+
+def completion_arguments(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    ids: list[list[int]],
+    finish_reasons: Sequence[str],
+    metas: Sequence[Mapping[str, Any] | None],
+    masks: Sequence[Any] | None = None,
+    rollouts: Sequence[Mapping[str, Any] | None] | None = None,
+) -> dict[str, list]:
+    """The same from columns: each sample's completion token ids (lists of ints), finish
+    reason and its prompt's ``meta``; ``masks`` and ``rollouts`` (each sample's ``loss_mask``
+    and ``rollout``) when some sample is a trajectory, else None."""
     decode = batch_decoder(tokenizer)
+    finals = ids if masks is None else [final_turn(i, m) for i, m in zip(ids, masks, strict=True)]
     kwargs: dict[str, list] = {
         "prompts": list(prompts),
         "completions": decode(finals, True),
         "completion_ids": ids,
-        "finish_reason": [s["finish_reason"] for s in samples],
+        "finish_reason": list(finish_reasons),
     }
-    if any(s.get("loss_mask") is not None for s in samples):  # trajectories
-        rollout = [dict(s.get("rollout") or {}) for s in samples]
+    if masks is not None:  # trajectories
+        rollout = [dict(r or {}) for r in rollouts or [None] * len(ids)]
         kwargs["trajectories"] = decode(ids, True)
         kwargs["env_reward"] = [r.get("env_reward") for r in rollout]
         kwargs["rollout"] = rollout
-    for key in dict.fromkeys(k for s in samples for k in (s.get("meta") or {})):
+    for key in dict.fromkeys(k for m in metas if m for k in m):
         if key not in kwargs:  # the scorer's own names come first
-            kwargs[key] = [(s.get("meta") or {}).get(key) for s in samples]
+            kwargs[key] = [(m or {}).get(key) for m in metas]
     return kwargs

@@ -1,20 +1,22 @@
 """The reward scorer stage: rollouts in, one scored group per prompt out.
 
-A ``rollout_batch`` (what the generator sends) brings several prompts' groups as columns: each
-is filed as the ``rollout_group`` it stands for (its samples checked as columns, not one by one,
-when the batch is as a generator makes it), and the message is acknowledged with its last
-group. A ``rollout_group`` brings a prompt's samples at once; ``rollout``
+A ``rollout_batch`` (what the generator sends) brings several prompts' groups as columns, and the
+message is acknowledged with its last group. When it is as a generator makes it (each group's
+samples once and in index order) its whole groups are scored from the columns: the reward arguments
+are read from them and the scored groups go on as columns too (a ``scored_batch``: the batch's
+columns and their rewards, no map made per sample). Otherwise each group is filed as the
+``rollout_group`` it stands for. A ``rollout_group`` brings a prompt's samples at once; ``rollout``
 messages (one sample each, from a producer of your own) are collected by ``group_id`` until
 ``group_size`` have arrived. Either way the whole group is then decoded (``skip_special_tokens``)
 and scored, and sent as one ``scored_group`` (samples in ``sample_index`` order, each with
 ``reward`` and ``reward_info``). A trajectory (a sample with a ``loss_mask``: turns with tokens a
-tool or an environment inserted) is scored on its final answer: ``completions`` is what the
-model sampled after the last inserted token, ``trajectories`` the whole text, ``env_reward`` the
+tool or an environment inserted) is scored on its final answer: ``completions`` is what the model
+sampled after the last inserted token, ``trajectories`` the whole text, ``env_reward`` the
 environment's reward (the ``env_reward`` reward function passes it on) and ``rollout`` what the
 rollout reported (turns, tool calls...). Complete groups waiting while every worker is busy are
-scored together in one call (up to ``batch_groups``; a function sees each group's samples next
-to each other, like a TRL batch), so the cost of a call is shared; so are groups that complete in
-the same turn of the event loop (a burst the generator sent together). Once a full batch waits and
+scored together in one call (up to ``batch_groups``; a function sees each group's samples next to
+each other, like a TRL batch), so the cost of a call is shared; so are groups that complete in the
+same turn of the event loop (a burst the generator sent together). Once a full batch waits and
 every worker is busy the stage stops reading, and backpressure reaches the generators.
 
 Reward functions run in worker processes under ``timeout_s`` (``runner.py``): one that raises,
@@ -50,6 +52,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pipeline.stage import Port, StageContext
 from stages import rollout_batch
 from stages.hub import resolve_model, tokenizer_check
@@ -62,7 +66,7 @@ from stages.schemas import (
     SCORED_BATCH,
     SCORED_GROUP,
 )
-from stages.scorer.arguments import reward_arguments
+from stages.scorer.arguments import completion_arguments, reward_arguments
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import RewardSpec
 from stages.scorer.teacher import TeacherSpec
@@ -150,10 +154,24 @@ class _Group:
     head: Mapping[str, Any]  # the first rollout: the group-level fields come from it
     started: float  # monotonic time its first sample arrived
     samples: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+    # a whole group of a rollout_batch in order, left as columns: (batch, g, lo, hi), group g
+    # of the batch, its samples lo:hi (``rollout_batch.take``); ``samples`` is then empty
+    cols: tuple[Mapping[str, Any], int, int, int] | None = None
 
     @property
     def size(self) -> int:
         return self.head["group_size"]
+
+    def sample_maps(self) -> list[Mapping[str, Any]]:
+        """Its samples in index order, as rollouts (those of a group left as columns made)."""
+        if self.cols is None:
+            return [self.samples[i] for i in sorted(self.samples)]
+        batch = self.cols[0]
+        one = rollout_batch.take([self.cols], batch["run_id"], self.size, batch["origin"])
+        (group,) = rollout_batch.groups(one)
+        for sample in group["samples"]:
+            sample["meta"] = group["meta"]  # as a rollout carries it (reward_arguments)
+        return group["samples"]
 
 
 async def _nothing(samples: list[Any]) -> list[None]:
@@ -345,9 +363,17 @@ class Scorer:
                 sender=msg.sender,
             )
             return
-        heads = rollout_batch.groups(batch)
-        self._batch_left[id(msg)] = [msg, len(heads)]
         ids = batch["group_id"]
+        if not ids:  # nothing in it to wait for
+            self.ctx.inputs["rollouts"].ack(msg)
+            return
+        self._batch_left[id(msg)] = [msg, len(ids)]
+        if rollout_batch.in_order(batch) and not any(
+            g in self.pending or g in self.closed for g in ids
+        ):  # what a generator sends: each group complete (left as columns), or all it gets
+            await self._add_columns(msg)
+            return
+        heads = rollout_batch.groups(batch)
         if not rollout_batch.well_formed(batch) or any(
             g in self.pending or g in self.closed for g in ids
         ):  # a sample to drop, or a group already open or closed: one sample at a time
@@ -358,25 +384,63 @@ class Scorer:
                 if group_id not in self.pending and group_id not in self._launched:
                     self._release(group_id)
             return
-        # what a generator sends: each group complete, or all it will get
-        now = time.monotonic()
+        now = time.monotonic()  # each group's samples known to be well formed, out of order
         for head in heads:
-            group_id, samples = head["group_id"], head.pop("samples")
+            await self._add_samples(msg, head, head.pop("samples"), now)
+
+    async def _add_columns(self, msg: Message) -> None:
+        """A batch in order: each whole group is scored from the batch's columns; one the
+        generator dropped samples of is filed as a ``rollout_group`` would be."""
+        batch = msg.data
+        size, ids = batch["group_size"], batch["group_id"]
+        cuts = rollout_batch.spans(batch)
+        prompt_cuts = np.asarray(batch["prompt_offsets"]).tolist()
+        now = time.monotonic()
+        partial = None
+        for g, group_id in enumerate(ids):
+            lo, hi = cuts[g], cuts[g + 1]
+            if hi - lo != size:  # samples dropped upstream: the group's maps, as they come
+                if partial is None:
+                    partial = rollout_batch.groups(batch)
+                await self._add_samples(msg, partial[g], partial[g].pop("samples"), now)
+                continue
             self._sources.setdefault(group_id, []).append(msg)
             self.counts["groups_in"] += 1
-            self.counts["rollouts_in"] += len(samples)
-            meta = head["meta"]
-            for sample in samples:
-                sample["meta"] = meta  # as a rollout carries it (reward_arguments)
-            group = _Group(head, now, {s["sample_index"]: s for s in samples})
-            if len(samples) == group.size:
-                self._remember_closed(group_id)
-                await self._launch(group)
-            else:
-                self.pending[group_id] = group
-                await self._close_incomplete(group_id, "samples_dropped_upstream")
-            if group_id not in self._launched:
-                self._release(group_id)  # dropped, and counted
+            self.counts["rollouts_in"] += size
+            head = {
+                "run_id": batch["run_id"],
+                "prompt_id": batch["prompt_id"][g],
+                "group_id": group_id,
+                "group_size": size,
+                "meta": batch["meta"][g],
+                "uid": batch["uid"][g],
+                "origin": batch["origin"],
+                "prompt_ids": batch["prompt_ids"][prompt_cuts[g] : prompt_cuts[g + 1]],
+            }
+            self._remember_closed(group_id)
+            await self._launch(_Group(head, now, cols=(batch, g, lo, hi)))
+
+    async def _add_samples(
+        self, msg: Message, head: Mapping[str, Any], samples: list[Any], now: float
+    ) -> None:
+        """A group of a batch whose samples are known to be well formed: scored whole, or with
+        all it will get (the generator dropped some)."""
+        group_id = head["group_id"]
+        self._sources.setdefault(group_id, []).append(msg)
+        self.counts["groups_in"] += 1
+        self.counts["rollouts_in"] += len(samples)
+        meta = head["meta"]
+        for sample in samples:
+            sample["meta"] = meta  # as a rollout carries it (reward_arguments)
+        group = _Group(head, now, {s["sample_index"]: s for s in samples})
+        if len(samples) == group.size:
+            self._remember_closed(group_id)
+            await self._launch(group)
+        else:
+            self.pending[group_id] = group
+            await self._close_incomplete(group_id, "samples_dropped_upstream")
+        if group_id not in self._launched:
+            self._release(group_id)  # dropped, and counted
 
     async def _add_group(self, data: Mapping[str, Any], sender: str, checked: bool = False) -> None:
         """A ``rollout_group``: file its samples, then score it as it is (all it will get).
@@ -557,8 +621,11 @@ class Scorer:
 
     async def _score(self, batch: list[_Group]) -> None:
         assert self.runner is not None
+        if self.teacher is None and all(g.cols is not None for g in batch):
+            await self._score_columns(batch)
+            return
         started = time.monotonic()
-        per_group = [[g.samples[i] for i in sorted(g.samples)] for g in batch]
+        per_group = [g.sample_maps() for g in batch]
         flat = [sample for samples in per_group for sample in samples]
         kwargs = self._reward_kwargs([g.head for g in batch], per_group)
         ids = [g.head["group_id"] for g in batch]
@@ -604,6 +671,45 @@ class Scorer:
             self.counts["groups_out"] += 1
             self.counts["samples"] += len(payload["samples"])
             self._launched.discard(payload["group_id"])
+        self._sent(sent)
+
+    async def _score_columns(self, groups: list[_Group]) -> None:
+        """``_score`` for groups left as columns (``_Group.cols``): the reward arguments are
+        read from the columns, and the scored groups go on as columns, their rewards added,
+        with no map made per sample."""
+        assert self.runner is not None
+        started = time.monotonic()
+        ids = [g.head["group_id"] for g in groups]
+        context = {"group_id": ids[0] if len(ids) == 1 else f"{ids[0]} (+{len(ids) - 1} groups)"}
+        scored = await self.runner.score(self._column_kwargs(groups), **context)
+        score_s = round(time.monotonic() - started, 6)
+        self.window.extend(reward for reward, _ in scored)
+        # one scored_batch per (run, generator session, group size), as _send makes them
+        by_source: dict[tuple, list[tuple[_Group, list[tuple[float, dict]]]]] = {}
+        row = 0
+        for group in groups:
+            n = group.cols[3] - group.cols[2]  # type: ignore[index]
+            key = (group.head["run_id"], group.head["origin"], group.size)
+            by_source.setdefault(key, []).append((group, scored[row : row + n]))
+            row += n
+        sent = []
+        for (run_id, origin, group_size), members in by_source.items():
+            cols = [g.cols for g, _ in members]
+            batch = rollout_batch.take(cols, run_id, group_size, origin)  # type: ignore[arg-type]
+            results = [result for _, part in members for result in part]
+            batch["reward"] = np.asarray([reward for reward, _ in results], dtype=np.float32)
+            batch["reward_info"] = [info for _, info in results]
+            batch["score_s"] = np.full(len(results), score_s)
+            sent += await self._send_columns(batch)
+        for g in groups:
+            self.counts["groups_out"] += 1
+            self.counts["samples"] += g.size
+            self._launched.discard(g.head["group_id"])
+        self._sent(sent)
+
+    def _sent(self, sent: list[tuple[Any, list[str]]]) -> None:
+        """Scored groups sent (each send's seq and its group ids): released once the learner
+        has acknowledged them."""
         for seq, group_ids in sent:
             if isinstance(seq, int) and self._chained and seq not in self._acked_early:
                 self._awaiting_ack[seq] = group_ids  # released once the learner is done
@@ -642,6 +748,55 @@ class Scorer:
         else:
             seqs = [await port.send("scored_group", payload) for payload in payloads]
         return [(seq, [p["group_id"]]) for seq, p in zip(seqs, payloads, strict=True)]
+
+    async def _send_columns(self, batch: dict[str, Any]) -> list[tuple[Any, list[str]]]:
+        """Send a ``scored_batch`` (one generator session's groups): as it is where the learner
+        takes it, cut to what the learner with the most credit has room for; else as a
+        ``scored_group`` each (``_send``). Each send's seq and its group ids."""
+        port = self.ctx.outputs["groups"]
+        sends = getattr(port, "sends", None)
+        if sends is None or not sends(SCORED_BATCH.kind):
+            return await self._send(rollout_batch.groups(batch))
+        n, start, out = len(batch["group_id"]), 0, []
+        cuts: list[int] = []
+        while start < n:  # no more groups at once than a learner has room for (as send_many)
+            room = port.room() if hasattr(port, "room") else n - start
+            end = min(n, start + max(1, room))
+            part = batch
+            if end - start < n:
+                cuts = cuts or rollout_batch.spans(batch)
+                part = rollout_batch.take(
+                    [(batch, g, cuts[g], cuts[g + 1]) for g in range(start, end)],
+                    batch["run_id"],
+                    batch["group_size"],
+                    batch["origin"],
+                )
+            seq = await port.send(SCORED_BATCH.kind, part)
+            out.append((seq, list(part["group_id"])))
+            start = end
+        return out
+
+    def _column_kwargs(self, groups: list[_Group]) -> dict[str, list]:
+        """``_reward_kwargs`` for groups left as columns, read from their batches' columns."""
+        prompts: list[str] = []
+        ids: list[list[int]] = []
+        finish: list[str] = []
+        metas: list[Any] = []
+        tokens: dict[int, tuple[list[int], list[int]]] = {}  # id(batch) -> its ids, offsets
+        for group in groups:
+            batch, g, lo, hi = group.cols  # type: ignore[misc]
+            read = tokens.get(id(batch))
+            if read is None:
+                read = tokens[id(batch)] = (
+                    np.asarray(batch["completion_ids"]).tolist(),
+                    np.asarray(batch["completion_offsets"]).tolist(),
+                )
+            flat, cuts = read
+            prompts += [self._prompt_text(group.head)] * (hi - lo)
+            ids += [flat[cuts[k] : cuts[k + 1]] for k in range(lo, hi)]
+            finish += batch["finish_reason"][lo:hi]
+            metas += [batch["meta"][g]] * (hi - lo)
+        return completion_arguments(self.tokenizer, prompts, ids, finish, metas)
 
     def _acked(self, seq: int) -> None:
         """The learner is done with scored groups: release the messages they came in. (One of a

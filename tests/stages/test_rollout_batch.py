@@ -4,6 +4,8 @@ sends it only to a consumer that accepts it (``Port.if_accepted``)."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 import pytest
 
@@ -126,3 +128,75 @@ def test_scored_groups_packed_as_columns_come_back_with_their_rewards():
         assert [s["reward_info"] for s in a["samples"]] == [s["reward_info"] for s in b["samples"]]
     msg.data["reward_info"] = msg.data["reward_info"][:-1]
     assert rollout_batch.problems(msg.data) == ["reward_info has 5 entries for 6 samples"]
+
+
+def _scored(groups: list[dict]) -> list[dict]:
+    for k, sample in enumerate(s for g in groups for s in g["samples"]):
+        sample["reward"], sample["reward_info"] = 0.25 * k, {"fn": 0.25 * k}
+        sample["timings"]["score_s"] = 0.5
+    return groups
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_groups_taken_from_several_batches_are_those_groups_packed_anew(scored):
+    first = [_group("a", [0, 1, 2, 3]), _group("b", [0, 2], prompt=5), _group("c", [3])]
+    second = [_group("d", [1, 2]), _group("e", [0, 1, 2, 3], prompt=2)]
+    if scored:
+        _scored(first + second)
+    one = rollout_batch.pack(first, "run", 4, "g:s", scored=scored)
+    two = rollout_batch.pack(second, "run", 4, "g:s", scored=scored)
+    cuts1, cuts2 = rollout_batch.spans(one), rollout_batch.spans(two)
+    assert cuts1 == [0, 4, 6, 7] and cuts2 == [0, 2, 6]
+    picked = [(two, 1), (one, 2), (one, 0), (two, 0)]
+    parts = [(b, g, c[g], c[g + 1]) for b, g in picked for c in [rollout_batch.spans(b)]]
+    got = rollout_batch.take(parts, "run", 4, "g:s")
+    want = rollout_batch.pack(
+        [second[1], first[2], first[0], second[0]], "run", 4, "g:s", scored=scored
+    )
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            assert got[key].dtype == value.dtype and got[key].tolist() == value.tolist(), key
+        else:
+            assert got[key] == value, key
+    assert rollout_batch.problems(got) == []
+    schema = SCORED_BATCH if scored else ROLLOUT_BATCH
+    assert not schema.check(got)
+
+
+def test_every_group_of_a_batch_in_order_is_the_batch_itself():
+    batch = rollout_batch.pack([_group("a", [0, 1]), _group("b", [0, 1, 2])], "run", 4, "g:s")
+    cuts = rollout_batch.spans(batch)
+    got = rollout_batch.take([(batch, g, cuts[g], cuts[g + 1]) for g in (0, 1)], "run", 4, "g:s")
+    assert got["completion_ids"] is batch["completion_ids"] and got["group"] is batch["group"]
+    assert got is not batch  # a new map: what the caller adds to it stays its own
+
+
+def test_a_batch_is_in_order_when_each_group_s_samples_are_in_index_order():
+    def batch_of(*groups: dict) -> dict:
+        return rollout_batch.pack(list(groups), "run", 4, None)
+
+    assert rollout_batch.in_order(batch_of(_group("a", [0, 1, 2, 3]), _group("b", [1, 3])))
+    assert rollout_batch.well_formed(batch_of(_group("a", [0, 1]), _group("b", [3, 1])))
+    assert not rollout_batch.in_order(batch_of(_group("a", [0, 1]), _group("b", [3, 1])))
+    twice = _group("a", [0, 1])
+    twice["samples"].append(dict(twice["samples"][0]))
+    assert not rollout_batch.in_order(batch_of(twice))
+    assert not rollout_batch.well_formed(batch_of(twice))
+    beyond = batch_of(_group("a", [0, 1]))
+    beyond["sample_index"] = np.asarray([0, 4], dtype=np.int32)  # group_size is 4
+    assert not rollout_batch.in_order(beyond) and not rollout_batch.well_formed(beyond)
+    again = batch_of(_group("a", [0]), _group("a", [1]))  # one group id twice
+    assert not rollout_batch.in_order(again) and not rollout_batch.well_formed(again)
+
+
+def test_entries_of_subclasses_pass_and_wrong_types_are_named():
+    class Name(str):
+        pass
+
+    batch = rollout_batch.pack([_group("a", [0, 1])], "run", 4, None)
+    batch["prompt_id"] = [Name("p-a")]
+    batch["meta"] = [MappingProxyType({"answer": "a"})]
+    assert rollout_batch.problems(batch) == []
+    batch["uid"] = [3]
+    assert rollout_batch.problems(batch) == ["uid holds an entry that is not a str or None"]

@@ -1,5 +1,6 @@
 """The scorer takes ``rollout_batch`` messages (several groups as columns, what the generator
-sends it): each group is scored and sent on as its own ``scored_group``, the message is
+sends it): each group is scored and sent on (a batch in order is scored from its columns and
+goes on as columns, a ``scored_batch``, where the learner takes them), the message is
 acknowledged only once the learner is done with every one of its groups, and what cannot be
 read is dropped, counted and in the ledger, as for ``rollout_group`` messages."""
 
@@ -16,7 +17,7 @@ from structlog.testing import capture_logs
 from pipeline.ledger import LedgerReporter
 from stages import rollout_batch
 from stages.scorer.runner import RewardRunner
-from stages.scorer.stage import RewardSpec, Scorer, ScorerConfig
+from stages.scorer.stage import RewardSpec, Scorer, ScorerConfig, _Group
 from tests.stages.test_rollout_batch import _group
 from tests.stages.test_scorer_shutdown import EM, _Tokenizer
 from transport.message import Message
@@ -184,3 +185,103 @@ async def test_a_scored_batch_holds_no_more_groups_than_the_learner_has_room_for
     learner.acked(2)
     learner.acked(1)
     assert inbox.acked == [msg]
+
+
+@pytest.mark.timeout(30)
+async def test_a_batch_in_order_is_scored_from_its_columns_and_a_short_group_from_its_samples(
+    monkeypatch,
+):
+    def no_maps(self):
+        raise AssertionError("a group left as columns was made into sample maps")
+
+    monkeypatch.setattr(_Group, "sample_maps", no_maps)
+    a, b = _asked(_group("a", [0, 1], size=2)), _asked(_group("b", [0, 1], size=2), "8")
+    short = _asked(_group("c", [1], size=2))  # one of 2: below min_group, dropped
+    msg = _batch(a, short, b)
+    assert rollout_batch.in_order(msg.data)
+    scorer, inbox, learner, ledger = await _scorer([msg], columns=True)
+    ((seq, sent),) = learner.sent
+    assert sent["group_id"] == ["a/1", "b/1"] and sent["reward"].tolist() == [1, 1, 0, 0]
+    assert sent["prompt_ids"].tolist() == [10, 11, 12] * 2 and sent["uid"] == [
+        "feeder.0:a",
+        "feeder.0:b",
+    ]
+    assert sent["completion_offsets"].tolist() == [0, 1, 3, 4, 6]
+    assert sent["score_s"].shape == (4,) and sent["origin"] == "generator.0:s"
+    assert rollout_batch.problems(sent) == []
+    assert scorer.counts["groups_in"] == 3 and scorer.counts["groups_dropped"] == 1
+    assert scorer.counts["groups_out"] == 2 and scorer.counts["samples"] == 4
+    assert {"fates": [["feeder.0:c", 2, 1]], "reason": "incomplete_group", "step": None} in ledger
+    assert inbox.acked == []
+    learner.acked(seq)
+    assert inbox.acked == [msg]
+
+
+@pytest.mark.timeout(30)
+async def test_groups_left_as_columns_go_to_a_learner_of_scored_groups_as_maps():
+    a, b = _asked(_group("a", [0, 1, 2], size=3)), _asked(_group("b", [0, 1, 2], size=3), "8")
+    msg = _batch(a, b)
+    _, inbox, learner, _ = await _scorer([msg], columns=False)
+    assert learner.kinds == ["scored_group", "scored_group"]
+    first, second = (d for _, d in learner.sent)
+    assert [s["sample_index"] for s in second["samples"]] == [0, 1, 2]
+    assert [s["reward"] for s in first["samples"]] == [1.0] * 3
+    assert [s["reward"] for s in second["samples"]] == [0.0] * 3
+    assert second["samples"][2]["completion_ids"].tolist() == [0, 1, 2]
+    assert (
+        first["samples"][0]["reward_info"][EM] == 1.0
+        and "score_s" in (first["samples"][0]["timings"])
+    )
+    assert first["prompt_ids"].tolist() == [10, 11, 12] and first["meta"]["answer"] == "7"
+    learner.acked(1)
+    assert inbox.acked == []
+    learner.acked(2)
+    assert inbox.acked == [msg]
+
+
+def _column_group(data: dict, g: int) -> _Group:
+    cuts = rollout_batch.spans(data)
+    head = {
+        "run_id": data["run_id"],
+        "prompt_id": data["prompt_id"][g],
+        "group_id": data["group_id"][g],
+        "group_size": data["group_size"],
+        "meta": data["meta"][g],
+        "uid": data["uid"][g],
+        "origin": data["origin"],
+        "prompt_ids": np.arange(3, dtype=np.int32) + 10,
+    }
+    return _Group(head, 0.0, cols=(data, g, cuts[g], cuts[g + 1]))
+
+
+@pytest.mark.timeout(30)
+async def test_one_scoring_call_sends_a_scored_batch_per_generator_session():
+    one = _batch(_asked(_group("a", [0, 1], size=2)), _asked(_group("b", [0, 1], size=2), "8"))
+    two = _batch(_asked(_group("c", [0, 1], size=2)))
+    two.data["origin"] = "generator.1:s"
+    scorer, _, learner, _ = await _scorer([], columns=True)
+    groups = [_column_group(two.data, 0), _column_group(one.data, 1), _column_group(one.data, 0)]
+    for group in groups:
+        scorer._launched.add(group.head["group_id"])
+    await scorer._score(groups)
+    by_origin = {b["origin"]: b for _, b in learner.sent}
+    assert by_origin["generator.1:s"]["group_id"] == ["c/1"]
+    assert by_origin["generator.0:s"]["group_id"] == ["b/1", "a/1"]  # the call's order
+    assert by_origin["generator.0:s"]["reward"].tolist() == [0, 0, 1, 1]
+    assert by_origin["generator.1:s"]["reward"].tolist() == [1, 1]
+    assert scorer._launched == set() and scorer.counts["groups_out"] == 3
+
+
+@pytest.mark.timeout(30)
+async def test_a_call_that_mixes_columns_and_samples_scores_them_all_as_samples():
+    msg = _batch(_asked(_group("a", [0, 1], size=2)))
+    loose = _asked(_group("b", [1, 0], size=2), "8")
+    scorer, _, learner, _ = await _scorer([], columns=True)
+    head = {k: v for k, v in loose.items() if k != "samples"}
+    for sample in loose["samples"]:
+        sample["meta"] = loose["meta"]
+    mapped = _Group(head, 0.0, {s["sample_index"]: s for s in loose["samples"]})
+    await scorer._score([_column_group(msg.data, 0), mapped])
+    ((_, sent),) = learner.sent
+    assert sent["group_id"] == ["a/1", "b/1"] and sent["reward"].tolist() == [1, 1, 0, 0]
+    assert sent["sample_index"].tolist() == [0, 1, 0, 1]  # each group in index order
