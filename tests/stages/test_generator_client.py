@@ -208,3 +208,56 @@ def test_an_in_process_result_reads_as_its_http_answer_would():
     )
     for key in ("id", "cached_tokens", "prompt_tokens", "completion_tokens", "finish_reason"):
         assert direct.meta[key] == via_http.meta[key], key
+
+
+def _results():
+    from stages.engine.protocol import SequenceResult
+
+    def one(index: int, ids: list[int], versions: list[str], reason: dict) -> SequenceResult:
+        return SequenceResult(
+            rid=f"run/p1/{index}",
+            prompt_tokens=5,
+            output_ids=ids,
+            finish_reason=reason,
+            weight_version=versions[-1] if versions else "0",
+            output_token_weight_versions=versions,
+            output_token_logprobs=[-0.5] * len(ids),
+        )
+
+    return [
+        one(0, [7, 8, 9], ["3", "3", "4"], {"type": "stop", "matched": 9}),
+        one(1, [5], ["4"], {"type": "length", "length": 1}),
+    ]
+
+
+def test_a_group_s_results_kept_as_columns_read_as_their_completions():
+    """``InProcessClient.finished`` (a group's results as the columns its rollout group
+    carries) gives per sample what ``completion_of`` gives, and the newest version."""
+    from stages.generator.client import InProcessClient, completion_of
+    from stages.rollout_batch import Finished
+
+    client = InProcessClient("http://e", session=None, engine=None)
+    results = _results()
+    done, newest = client.finished(results, None, "http://e", (0.25, 0.5))
+    assert isinstance(done, Finished) and len(done) == 2 and done.tokens == 4 and newest == 4
+    for sample, result in zip(done.maps(), results, strict=True):
+        want = completion_of(result)
+        assert sample["completion_ids"].tolist() == want.output_ids.tolist()
+        assert sample["sampler_logprobs"].dtype == want.logprobs.dtype
+        assert sample["versions"].tolist() == want.versions.tolist()
+        assert sample["finish_reason"] == want.finish_reason
+        assert sample["engine"] == "http://e"
+        assert sample["timings"] == {"queued_s": 0.25, "generate_s": 0.5}
+    pinned, newest = client.finished(results, 9, "http://e", (0.0, 0.0))  # a LoRA adapter's
+    assert [s["versions"].tolist() for s in pinned.maps()] == [[9, 9, 9], [9]] and newest == 9
+
+
+def test_a_result_without_a_log_prob_per_token_is_an_engine_error():
+    from stages.generator.client import InProcessClient
+
+    results = _results()
+    results[1].output_token_logprobs = []
+    client = InProcessClient("http://e", session=None, engine=None)
+    with pytest.raises(EngineError, match="1 tokens, 0 log-probs and 1 versions") as err:
+        client.finished(results, None, "http://e", (0.0, 0.0))
+    assert not err.value.retryable

@@ -200,3 +200,46 @@ def test_entries_of_subclasses_pass_and_wrong_types_are_named():
     assert rollout_batch.problems(batch) == []
     batch["uid"] = [3]
     assert rollout_batch.problems(batch) == ["uid holds an entry that is not a str or None"]
+
+
+def _finished(group: dict) -> dict:
+    """``group`` with its samples as the ``Finished`` columns a generator keeps."""
+    samples = group["samples"]
+    assert [s["sample_index"] for s in samples] == list(range(len(samples)))
+    timings = samples[0]["timings"]
+    for s in samples:
+        s["timings"] = dict(timings)  # a group's samples share their timings
+    done = rollout_batch.Finished(
+        [s["completion_ids"].tolist() for s in samples],
+        [s["sampler_logprobs"].tolist() for s in samples],
+        [[str(v) for v in s["versions"].tolist()] for s in samples],  # as SGLang names them
+        [s["finish_reason"] for s in samples],
+        "e0",
+        timings["queued_s"],
+        timings["generate_s"],
+    )
+    return {**group, "samples": done}
+
+
+def test_groups_kept_as_columns_pack_as_their_sample_maps_do():
+    maps = [_group("a", [0, 1, 2, 3]), _group("b", [0, 1], prompt=5), _group("c", [0])]
+    columns = [_finished(g) for g in maps]
+    want = rollout_batch.pack(maps, "run", 4, "g:s")
+    for got in (
+        rollout_batch.pack(columns, "run", 4, "g:s"),  # every group as columns
+        rollout_batch.pack([columns[0], maps[1], columns[2]], "run", 4, "g:s"),  # mixed
+    ):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if isinstance(value, np.ndarray):
+                assert got[key].dtype == value.dtype and got[key].tolist() == value.tolist(), key
+            else:
+                assert got[key] == value, key
+    assert rollout_batch.fits(columns[0]) and len(columns[0]["samples"]) == 4
+    for a, b in zip(columns[1]["samples"].maps(), maps[1]["samples"], strict=True):
+        assert a["versions"].tolist() == b["versions"].tolist() and a["timings"] == b["timings"]
+
+
+def test_versions_that_are_not_numbers_read_as_zero():
+    assert rollout_batch.version_array(["3", "x", 4]).tolist() == [3, 0, 4]
+    assert rollout_batch.version_array([]).dtype == np.int32
