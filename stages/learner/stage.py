@@ -371,9 +371,9 @@ class Learner:
             )
             self.ctx.inputs["groups"].ack(msg)
             return []
-        groups = rollout_batch.groups(batch)
-        entry = [msg, len(groups)]
-        return [_Part(group, entry) for group in groups]
+        columns = _Columns(batch)
+        entry = [msg, len(batch["group_id"])]
+        return [_Part(columns, g, entry) for g in range(len(batch["group_id"]))]
 
     def _ack(self, msg: Any) -> None:
         """A group is processed: its message is, or (a batch's) once all its groups are."""
@@ -527,11 +527,16 @@ class Learner:
         from stages.learner.overlong import overlong_penalty
         from stages.learner.trainer import TrainSample
 
-        group = msg.data
+        distill = self.config.distill
+        # a group of a scored_batch is read from its columns (not for distillation: teacher
+        # log-probs do not travel as columns)
+        read = msg.read() if isinstance(msg, _Part) and not distill.on else None
+        group = msg.head if read is not None else msg.data
         uid = group.get("uid")
         done = self._partial.pop(uid, None) if isinstance(uid, str) else None
         if isinstance(uid, str) and done is None:
             if uid in self._seen:  # this prompt's group came before (made again after a crash)
+                group = msg.data
                 items = group.get("samples") if isinstance(group.get("samples"), list) else []
                 indexes = [s.get("sample_index") for s in items if isinstance(s, dict)]
                 self.ctx.ledger.copies(uid, group.get("group_size"), indexes)
@@ -541,25 +546,30 @@ class Learner:
             self._seen[uid] = None
             if len(self._seen) > _SEEN_UIDS:
                 self._seen.popitem(last=False)
-        try:
-            prompt = np.asarray(group["prompt_ids"], dtype=np.int64)
-            items = group["samples"]
-            # float32, as the rewards were scored (and as the sum of a batch is reported)
-            scored = [float(s["reward"]) for s in items]
-            rewards = np.asarray(scored, dtype=np.float32).tolist()
-            rows = [_sample_arrays(s, prompt) for s in items]
-            distill = self.config.distill
-            teachers = (
-                [_teacher_logprobs(s, len(row[1])) for s, row in zip(items, rows, strict=True)]
-                if distill.on
-                else [None] * len(rows)
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            self.counts["bad_groups"] += 1
-            self.log.warning("group_dropped", group_id=group.get("group_id"), reason=str(exc))
-            self.ctx.ledger.fates(_slots_of(group), "bad_group")
-            self._ack(msg)
-            return []
+        if read is not None:
+            rows, rewards, reasons, indexes = read
+            teachers: list[np.ndarray | None] = [None] * len(rows)
+        else:
+            try:
+                prompt = np.asarray(group["prompt_ids"], dtype=np.int64)
+                items = group["samples"]
+                # float32, as the rewards were scored (and as the sum of a batch is reported)
+                scored = [float(s["reward"]) for s in items]
+                rewards = np.asarray(scored, dtype=np.float32).tolist()
+                rows = [_sample_arrays(s, prompt) for s in items]
+                teachers = (
+                    [_teacher_logprobs(s, len(row[1])) for s, row in zip(items, rows, strict=True)]
+                    if distill.on
+                    else [None] * len(rows)
+                )
+                reasons = [item.get("finish_reason") for item in items]
+                indexes = [int(item.get("sample_index", i)) for i, item in enumerate(items)]
+            except (KeyError, TypeError, ValueError) as exc:
+                self.counts["bad_groups"] += 1
+                self.log.warning("group_dropped", group_id=group.get("group_id"), reason=str(exc))
+                self.ctx.ledger.fates(_slots_of(group), "bad_group")
+                self._ack(msg)
+                return []
         if not rows:
             self._ack(msg)
             return []
@@ -590,10 +600,10 @@ class Learner:
         )
         truncated = set()
         if cfg.overlong.filter:  # after the group's advantages: the others' baseline keeps it
-            for i, item in enumerate(items):
-                if item.get("finish_reason") == "length":
+            for i, reason in enumerate(reasons):
+                if reason == "length":
                     advantages[i] = 0.0
-                    truncated.add(int(item.get("sample_index", i)))
+                    truncated.add(indexes[i])
         samples = [
             TrainSample(
                 own_prompt,
@@ -603,14 +613,14 @@ class Learner:
                 a,
                 r,
                 origin,
-                int(s.get("sample_index", i)),
+                index,
                 loss_mask=mask,
                 token_advantages=None
                 if teacher is None
                 else token_advantages(a, teacher, lp, mask, distill),
             )
-            for i, ((own_prompt, ids, lp, versions, mask), a, r, s, teacher) in enumerate(
-                zip(rows, advantages, rewards, items, teachers, strict=True)
+            for (own_prompt, ids, lp, versions, mask), a, r, index, teacher in zip(
+                rows, advantages, rewards, indexes, teachers, strict=True
             )
         ]
         if done:  # part of it is in the checkpoint we resumed from: not again
@@ -845,15 +855,85 @@ class Learner:
         await asyncio.to_thread(self.trainer.close)
 
 
-class _Part:
-    """One group of a ``scored_batch``, taken as the ``scored_group`` it stands for; ``entry``:
-    [the message, its groups not yet processed]."""
+class _Columns:
+    """A ``scored_batch`` as its groups are read (``_Part.read``): its token columns as the
+    trainer takes them, converted once for every group, and where each group lies."""
 
-    __slots__ = ("data", "entry")
+    __slots__ = ("batch", "cuts", "ids", "logprobs", "prompt_cuts", "prompts", "spans", "versions")
+
+    def __init__(self, batch: dict[str, Any]) -> None:
+        self.batch = batch
+        self.spans = rollout_batch.spans(batch)
+        self.cuts = np.asarray(batch["completion_offsets"]).tolist()
+        self.prompt_cuts = np.asarray(batch["prompt_offsets"]).tolist()
+        self.prompts = np.asarray(batch["prompt_ids"], dtype=np.int64)
+        self.ids = np.asarray(batch["completion_ids"], dtype=np.int64)
+        self.logprobs = np.asarray(batch["sampler_logprobs"], dtype=np.float32)
+        self.versions = np.asarray(batch["versions"], dtype=np.int64)
+
+
+class _Part:
+    """One group of a ``scored_batch``, taken as the ``scored_group`` it stands for (``data``,
+    its map, made only where it is needed); ``entry``: [the message, its groups not yet
+    processed]."""
+
+    __slots__ = ("_data", "columns", "entry", "g")
     kind = SCORED_GROUP.kind
 
-    def __init__(self, data: dict[str, Any], entry: list[Any]) -> None:
-        self.data, self.entry = data, entry
+    def __init__(self, columns: _Columns, g: int, entry: list[Any]) -> None:
+        self.columns, self.g, self.entry = columns, g, entry
+        self._data: dict[str, Any] | None = None
+
+    @property
+    def data(self) -> dict[str, Any]:
+        if self._data is None:
+            batch, g, spans = self.columns.batch, self.g, self.columns.spans
+            one = rollout_batch.take(
+                [(batch, g, spans[g], spans[g + 1])],
+                batch["run_id"],
+                batch["group_size"],
+                batch["origin"],
+            )
+            (self._data,) = rollout_batch.groups(one)
+        return self._data
+
+    @property
+    def head(self) -> dict[str, Any]:
+        """The group's own fields (``data`` without its samples)."""
+        batch, g = self.columns.batch, self.g
+        return {
+            "group_id": batch["group_id"][g],
+            "group_size": batch["group_size"],
+            "uid": batch["uid"][g],
+            "origin": batch["origin"],
+        }
+
+    def read(
+        self,
+    ) -> tuple[list[tuple[Any, ...]], list[float], list[str], list[int]] | None:
+        """Its samples as ``_samples_of`` takes them, from the columns: each sample's
+        ``_sample_arrays``, reward (float32), finish reason and index; None when the group
+        cannot be read so (an empty prompt or completion: its map says what is wrong)."""
+        c, g = self.columns, self.g
+        lo, hi = c.spans[g], c.spans[g + 1]
+        prompt = c.prompts[c.prompt_cuts[g] : c.prompt_cuts[g + 1]]
+        cuts = c.cuts
+        if not len(prompt) or any(cuts[k] == cuts[k + 1] for k in range(lo, hi)):
+            return None
+        rows = [
+            (
+                prompt,
+                c.ids[cuts[k] : cuts[k + 1]],
+                c.logprobs[cuts[k] : cuts[k + 1]],
+                c.versions[cuts[k] : cuts[k + 1]],
+                None,
+            )
+            for k in range(lo, hi)
+        ]
+        batch = c.batch
+        rewards = np.asarray(batch["reward"][lo:hi], dtype=np.float32).tolist()
+        indexes = np.asarray(batch["sample_index"][lo:hi]).tolist()
+        return rows, rewards, batch["finish_reason"][lo:hi], indexes
 
 
 def _inbox_empty(inbox: Any) -> bool:
