@@ -357,25 +357,33 @@ def take(
     out: dict[str, Any] = {"run_id": run_id, "group_size": group_size, "origin": origin}
     for key in ("prompt_id", "group_id", "uid", "meta"):
         out[key] = [b[key][g] for b, g, _, _ in parts]
-    prompt_cuts, token_cuts = [], []
-    for b, g, lo, hi in parts:
-        offsets = b["prompt_offsets"]
-        prompt_cuts.append((b, int(offsets[g]), int(offsets[g + 1])))
-        cuts = b["completion_offsets"]
-        token_cuts.append((b, int(cuts[lo]), int(cuts[hi])))
-    out["prompt_ids"] = _cat([b["prompt_ids"][a:z] for b, a, z in prompt_cuts])
-    out["prompt_offsets"] = _offsets([z - a for _, a, z in prompt_cuts])
     out["group"] = np.repeat(
         np.arange(len(parts), dtype=np.int32), [hi - lo for *_, lo, hi in parts]
     )
+    # runs of consecutive groups of one batch: each column cut once a run, not once a group
+    runs: list[list[Any]] = []  # [batch, first group, last group + 1, lo, hi]
+    for b, g, lo, hi in parts:
+        last = runs[-1] if runs else None
+        if last is not None and last[0] is b and last[2] == g and last[4] == lo:
+            last[2], last[4] = g + 1, hi
+        else:
+            runs.append([b, g, g + 1, lo, hi])
+    prompts, tokens, lengths = [], [], []
+    for b, g0, g1, lo, hi in runs:
+        offsets, cuts = b["prompt_offsets"], b["completion_offsets"]
+        prompts.append(b["prompt_ids"][int(offsets[g0]) : int(offsets[g1])])
+        lengths.append(np.diff(np.asarray(offsets[g0 : g1 + 1])))
+        tokens.append((b, int(cuts[lo]), int(cuts[hi])))
+    out["prompt_ids"] = _cat(prompts)
+    out["prompt_offsets"] = _offsets(np.concatenate(lengths))
     for key in _PER_TOKEN:
-        out[key] = _cat([b[key][a:z] for b, a, z in token_cuts])
-    lengths = [np.diff(np.asarray(b["completion_offsets"][lo : hi + 1])) for b, _, lo, hi in parts]
-    out["completion_offsets"] = _offsets(np.concatenate(lengths) if lengths else [])
+        out[key] = _cat([b[key][a:z] for b, a, z in tokens])
+    sizes = [np.diff(np.asarray(b["completion_offsets"][lo : hi + 1])) for b, _, _, lo, hi in runs]
+    out["completion_offsets"] = _offsets(np.concatenate(sizes))
     for key in _PER_SAMPLE_ARRAYS + (_SCORED_ARRAYS if scored else ()):
-        out[key] = _cat([b[key][lo:hi] for b, _, lo, hi in parts])
+        out[key] = _cat([b[key][lo:hi] for b, _, _, lo, hi in runs])
     for key in _PER_SAMPLE_LISTS + (("reward_info",) if scored else ()):
-        out[key] = [v for b, _, lo, hi in parts for v in b[key][lo:hi]]
+        out[key] = [v for b, _, _, lo, hi in runs for v in b[key][lo:hi]]
     return out
 
 

@@ -616,16 +616,42 @@ class Generator:
         self._hold(engine, size)
         prompts = self.ctx.inputs["prompts"]
         waiting = getattr(prompts, "waiting", None)
-        while (
-            waiting is not None
-            and len(batch) < _GROUPS_PER_REQUEST
-            and waiting() > 0
-            and self._open(size)[0] == engine
+        if waiting is None:
+            return batch
+        if len(self.in_flight) == 1:  # the gates looked at once for all of them
+            for _ in range(min(_GROUPS_PER_REQUEST - len(batch), waiting(), self._more(size))):
+                msg = prompts.take()
+                batch.append((msg, f"{msg.data['prompt_id']}/{secrets.token_hex(3)}"))
+                self._hold(engine, size)
+            return batch
+        while (  # several engines: another may become the one with the fewest in flight
+            len(batch) < _GROUPS_PER_REQUEST and waiting() > 0 and self._open(size)[0] == engine
         ):
             msg = prompts.take()
             batch.append((msg, f"{msg.data['prompt_id']}/{secrets.token_hex(3)}"))
             self._hold(engine, size)
         return batch
+
+    def _more(self, size: int) -> int:
+        """How many more groups of ``size`` the gates let start now on the one engine, where
+        samples are already in flight and not done with (a group was just held): what calling
+        ``_open`` again after each one held would find, without a gate opening or shutting."""
+        (engine,) = self.in_flight
+        self._take_announced_versions()
+        if engine in self.down or self._lagging(engine):
+            return 0
+        version = max(self.engine_version, 0)
+        if max(self.ctx.version, version) - version > self.config.max_lag:
+            return 0  # the lag gate
+        room = self.ctx.outputs["rollouts"].credit() + (self.outbox.maxsize - self.outbox.qsize())
+        more = (room * size - sum(self.in_flight.values())) // size  # the credit gate
+        ahead, budget = self._learner_room(version)
+        if ahead is not None and budget is not None:
+            more = min(more, (budget - ahead) // size)  # the queue gate
+        fits = (self.controller.target(engine) - self.in_flight[engine]) // size
+        if fits < more:
+            self.controller.record_blocked(engine)  # held back by the engine's target
+        return max(0, min(more, fits))
 
     def _rid(self, group_id: str, index: int) -> str:
         return f"{self.run_id}/{group_id}/{index}"

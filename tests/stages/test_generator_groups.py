@@ -598,3 +598,133 @@ def test_announcements_from_before_an_engine_restart_are_not_believed(tmp_path):
     ctx.engine_versions["http://a"] = 8  # caught up by the publisher
     stage._take_announced_versions()
     assert stage.versions == {"http://a": 8}
+
+
+class _Credit:
+    def __init__(self, credit: int) -> None:
+        self.value = credit
+
+    def credit(self) -> int:
+        return self.value
+
+
+class _Waiting:
+    """An inbox of prompts that are all there already (``waiting``/``take``)."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def waiting(self) -> int:
+        return self.left
+
+    def take(self) -> Any:
+        self.left -= 1
+        return SimpleNamespace(data={"prompt_id": f"p{self.left}"})
+
+
+def _gated_stage(tmp_path: Path, state: dict[str, Any]) -> Generator:
+    """A generator whose gates see ``state`` (no engine behind it: only its decisions run)."""
+    url = "http://a"
+    config = GeneratorConfig(
+        engines=[url],
+        group_size=state["size"],
+        max_lag=1,
+        outbox=4,
+        controller=ControllerConfig(start=state["target"], max_in_flight=256),
+    )
+    ctx = SimpleNamespace(
+        stage="generator",
+        replica=0,
+        run_dir=tmp_path / "run",
+        mode="async",
+        version=state["version"],
+        log=structlog.testing.CapturingLogger(),
+        engine_versions={},
+        learner_pace=state["pace"],
+        inputs={"prompts": _Waiting(state["waiting"])},
+        outputs={"rollouts": _Credit(state["credit"])},
+    )
+    stage = Generator(config, ctx)
+    from stages.generator.controller import InFlightController
+
+    stage.controller = InFlightController([url], config.controller)
+    stage.in_flight, stage.versions, stage.down = {url: state["in_flight"]}, {url: 3}, {}
+    stage._unacked = state["unacked"]
+    stage.outbox = asyncio.Queue(config.outbox)
+    for _ in range(state["queued"]):
+        stage.outbox.put_nowait(None)
+    return stage
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_groups_a_request_takes_are_those_the_gates_let_start_one_by_one(tmp_path, seed):
+    """``_more_groups`` looks at the gates once for all the prompts waiting (one engine): it
+    takes as many as calling ``_open`` again after each one held would let start, whichever
+    gate (credit, queue, lag, the engine's target) or the prompts waiting bound them."""
+    import random
+
+    rng = random.Random(seed)
+    size = rng.choice([1, 2, 4])
+    state = {
+        "size": size,
+        "target": rng.choice([size, 16, 40, 256]),
+        "in_flight": rng.choice([0, 4, 12]),
+        "unacked": rng.choice([0, 8, 40]),
+        "credit": rng.choice([0, 2, 6, 64]),
+        "queued": rng.randint(0, 4),
+        "waiting": rng.choice([1, 6, 30]),
+        "version": rng.choice([3, 3, 3, 5]),
+        "pace": rng.choice(
+            [{}]
+            + [
+                {"version": 3, "max_lag": 1, "every": 1, "batch": batch, "origins": 1}
+                for batch in (16, 32, 48)
+            ]
+        ),
+    }
+    batched = _gated_stage(tmp_path, state)
+    got = batched._more_groups([("first", "g")], "http://a", size)
+    one_by_one = _gated_stage(tmp_path, state)  # the gates looked at after each group held
+    one_by_one._hold("http://a", size)
+    prompts, want = one_by_one.ctx.inputs["prompts"], 1
+    while want < 16 and prompts.waiting() > 0 and one_by_one._open(size)[0] == "http://a":
+        prompts.take()
+        one_by_one._hold("http://a", size)
+        want += 1
+    assert len(got) == want, state
+    assert batched.in_flight["http://a"] == one_by_one.in_flight["http://a"]
+    assert batched._unacked == one_by_one._unacked
+
+
+_OPEN = {
+    "size": 4,
+    "target": 256,
+    "in_flight": 0,
+    "unacked": 0,
+    "credit": 64,
+    "queued": 0,
+    "waiting": 30,
+    "version": 3,
+    "pace": {},
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "groups"),
+    [
+        ({}, 16),  # no more than a request takes
+        ({"waiting": 3}, 4),  # the prompts waiting
+        ({"credit": 2}, 6),  # credit 2 + 4 free outbox slots: 6 groups downstream
+        ({"target": 16, "in_flight": 4}, 3),  # the engine's target: 4 + 3 x 4 samples
+        ({"unacked": 8, "pace": {"version": 3, "max_lag": 1, "every": 1, "batch": 16}}, 6),
+        ({"version": 5}, 1),  # the lag gate: nothing more
+    ],
+)
+def test_each_gate_bounds_the_groups_of_one_request(tmp_path, change, groups):
+    """The queue gate: 2 batches of 16 samples, 8 + 4 taken: (32 - 12) / 4 = 5 groups more."""
+    # (the first group's slot was granted before: 1 + what the gates let start)
+    state = {**_OPEN, **change}
+    if state["pace"]:
+        state["pace"] = {"origins": 1, **state["pace"]}
+    stage = _gated_stage(tmp_path, state)
+    assert len(stage._more_groups([("first", "g")], "http://a", state["size"])) == groups

@@ -138,7 +138,14 @@ def _scored(groups: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("scored", [False, True])
-def test_groups_taken_from_several_batches_are_those_groups_packed_anew(scored):
+@pytest.mark.parametrize(
+    "picked",
+    [
+        [("two", 1), ("one", 2), ("one", 0), ("two", 0)],  # no two in a row
+        [("one", 1), ("one", 2), ("two", 0), ("two", 1), ("one", 0)],  # runs of one batch
+    ],
+)
+def test_groups_taken_from_several_batches_are_those_groups_packed_anew(scored, picked):
     first = [_group("a", [0, 1, 2, 3]), _group("b", [0, 2], prompt=5), _group("c", [3])]
     second = [_group("d", [1, 2]), _group("e", [0, 1, 2, 3], prompt=2)]
     if scored:
@@ -147,12 +154,14 @@ def test_groups_taken_from_several_batches_are_those_groups_packed_anew(scored):
     two = rollout_batch.pack(second, "run", 4, "g:s", scored=scored)
     cuts1, cuts2 = rollout_batch.spans(one), rollout_batch.spans(two)
     assert cuts1 == [0, 4, 6, 7] and cuts2 == [0, 2, 6]
-    picked = [(two, 1), (one, 2), (one, 0), (two, 0)]
-    parts = [(b, g, c[g], c[g + 1]) for b, g in picked for c in [rollout_batch.spans(b)]]
+    batches, groups = {"one": one, "two": two}, {"one": first, "two": second}
+    parts = [
+        (batches[b], g, c[g], c[g + 1])
+        for b, g in picked
+        for c in [rollout_batch.spans(batches[b])]
+    ]
     got = rollout_batch.take(parts, "run", 4, "g:s")
-    want = rollout_batch.pack(
-        [second[1], first[2], first[0], second[0]], "run", 4, "g:s", scored=scored
-    )
+    want = rollout_batch.pack([groups[b][g] for b, g in picked], "run", 4, "g:s", scored=scored)
     assert got.keys() == want.keys()
     for key, value in want.items():
         if isinstance(value, np.ndarray):
