@@ -694,13 +694,7 @@ class Scorer:
             row += n
         sent = []
         for (run_id, origin, group_size), members in by_source.items():
-            cols = [g.cols for g, _ in members]
-            batch = rollout_batch.take(cols, run_id, group_size, origin)  # type: ignore[arg-type]
-            results = [result for _, part in members for result in part]
-            batch["reward"] = np.asarray([reward for reward, _ in results], dtype=np.float32)
-            batch["reward_info"] = [info for _, info in results]
-            batch["score_s"] = np.full(len(results), score_s)
-            sent += await self._send_columns(batch)
+            sent += await self._send_columns(members, run_id, group_size, origin, score_s)
         for g in groups:
             self.counts["groups_out"] += 1
             self.counts["samples"] += g.size
@@ -749,31 +743,36 @@ class Scorer:
             seqs = [await port.send("scored_group", payload) for payload in payloads]
         return [(seq, [p["group_id"]]) for seq, p in zip(seqs, payloads, strict=True)]
 
-    async def _send_columns(self, batch: dict[str, Any]) -> list[tuple[Any, list[str]]]:
-        """Send a ``scored_batch`` (one generator session's groups): as it is where the learner
-        takes it, cut to what the learner with the most credit has room for; else as a
-        ``scored_group`` each (``_send``). Each send's seq and its group ids."""
+    async def _send_columns(
+        self,
+        members: list[tuple[_Group, list[tuple[float, dict]]]],
+        run_id: str,
+        group_size: int,
+        origin: str | None,
+        score_s: float,
+    ) -> list[tuple[Any, list[str]]]:
+        """Send one generator session's groups left as columns, with their rewards, as
+        ``scored_batch`` messages where the learner takes them (no more groups in one than the
+        learner with the most credit has room for), else as a ``scored_group`` each
+        (``_send``). Each send's seq and its group ids."""
         port = self.ctx.outputs["groups"]
         sends = getattr(port, "sends", None)
-        if sends is None or not sends(SCORED_BATCH.kind):
-            return await self._send(rollout_batch.groups(batch))
-        n, start, out = len(batch["group_id"]), 0, []
-        cuts: list[int] = []
-        while start < n:  # no more groups at once than a learner has room for (as send_many)
-            room = port.room() if hasattr(port, "room") else n - start
-            end = min(n, start + max(1, room))
-            part = batch
-            if end - start < n:
-                cuts = cuts or rollout_batch.spans(batch)
-                part = rollout_batch.take(
-                    [(batch, g, cuts[g], cuts[g + 1]) for g in range(start, end)],
-                    batch["run_id"],
-                    batch["group_size"],
-                    batch["origin"],
-                )
-            seq = await port.send(SCORED_BATCH.kind, part)
-            out.append((seq, list(part["group_id"])))
-            start = end
+        columns = sends is not None and sends(SCORED_BATCH.kind)
+        out = []
+        while members:  # no more groups at once than a learner has room for (as send_many)
+            room = port.room() if columns and hasattr(port, "room") else len(members)
+            take, members = members[: max(1, room)], members[max(1, room) :]
+            parts = [g.cols for g, _ in take]
+            batch = rollout_batch.take(parts, run_id, group_size, origin)  # type: ignore[arg-type]
+            results = [result for _, part in take for result in part]
+            batch["reward"] = np.asarray([reward for reward, _ in results], dtype=np.float32)
+            batch["reward_info"] = [info for _, info in results]
+            batch["score_s"] = np.full(len(results), score_s)
+            if not columns:
+                out += await self._send(rollout_batch.groups(batch))
+                continue
+            seq = await port.send(SCORED_BATCH.kind, batch)
+            out.append((seq, [g.head["group_id"] for g, _ in take]))
         return out
 
     def _column_kwargs(self, groups: list[_Group]) -> dict[str, list]:
