@@ -57,7 +57,7 @@ import zmq
 import zmq.asyncio
 
 from transport.address import check_address
-from transport.credit import sparse
+from transport.credit import DRAIN_BATCH, sparse
 from transport.errors import ChannelClosed, TransportError
 from transport.monitor import PeerWatch
 from transport.security import CurveKeys, require_curve_off_loopback
@@ -260,21 +260,37 @@ class ControlBroker:
             )
 
     async def _forward_loop(self, xsub: zmq.asyncio.Socket, xpub: zmq.asyncio.Socket) -> None:
+        # What is already queued is read, and everything is sent on, through plain
+        # (non-async) views of the two sockets: no pyzmq future per message. Only this task
+        # receives at the XSUB; an XPUB send never blocks (a slow subscriber loses messages at
+        # its high-water mark, as with an awaited send).
+        queued = zmq.Socket.shadow(xsub.underlying)
+        out = zmq.Socket.shadow(xpub.underlying)
         while True:
-            frames = await xsub.recv_multipart()
-            parsed = _unpack(frames, self._key)
-            if isinstance(parsed, _Rejected):
-                _note_rejected(self._counts, self._log, parsed)
-                continue
-            await xpub.send_multipart(frames)
-            self._counts["forwarded"] += 1
-            if self._on_message is not None:
+            self._forward(await xsub.recv_multipart(), out)
+            for _ in range(DRAIN_BATCH):
                 try:
-                    self._on_message(*parsed)
-                except Exception:
-                    # Deliberately not fatal (see the class docstring); logged with traceback.
-                    self._counts["callback_errors"] += 1
-                    self._log.exception("control_callback_failed", topic=parsed[0])
+                    frames = queued.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._forward(frames, out)
+            else:
+                await asyncio.sleep(0)  # a full batch: let the rest of the loop run
+
+    def _forward(self, frames: list[bytes], out: zmq.Socket) -> None:
+        parsed = _unpack(frames, self._key)
+        if isinstance(parsed, _Rejected):
+            _note_rejected(self._counts, self._log, parsed)
+            return
+        out.send_multipart(frames)
+        self._counts["forwarded"] += 1
+        if self._on_message is not None:
+            try:
+                self._on_message(*parsed)
+            except Exception:
+                # Deliberately not fatal (see the class docstring); logged with traceback.
+                self._counts["callback_errors"] += 1
+                self._log.exception("control_callback_failed", topic=parsed[0])
 
     async def _drain_subscriptions(self, xpub: zmq.asyncio.Socket) -> None:
         # XPUB reports (un)subscriptions as messages; read them so they never pile up. They are
