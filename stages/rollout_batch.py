@@ -26,7 +26,6 @@ __all__ = [
     "in_order",
     "pack",
     "problems",
-    "sample_maps",
     "spans",
     "take",
     "version_array",
@@ -100,11 +99,6 @@ def _version(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         return 0
-
-
-def sample_maps(samples: Any) -> list[Any]:
-    """A group's ``samples``: its maps, made from them where they are ``Finished``."""
-    return samples.maps() if isinstance(samples, Finished) else samples
 
 
 def fits(group: Mapping[str, Any]) -> bool:

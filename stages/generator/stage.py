@@ -701,7 +701,7 @@ class Generator:
                     msg, group_id = batch[which[future]]
                     timings = (round(started - queued, 6), round(time.monotonic() - started, 6))
                     try:
-                        done, newest = client.finished(future.result(), pinned, engine, timings)
+                        got, newest = client.finished(future.result(), pinned, engine, timings)
                     except EngineError as exc:  # an answer that does not add up
                         self._spawn(self._group_again(msg, group_id, engine, queued, exc))
                         continue
@@ -715,9 +715,9 @@ class Generator:
                         continue
                     self._release(engine, size)
                     self.failures[engine] = 0
-                    self.controller.record_tokens(engine, done.tokens)
+                    self.controller.record_tokens(engine, got.tokens)
                     self.versions[engine] = max(self.versions[engine], newest)
-                    await self._put(msg, group_id, done)
+                    await self._put(msg, group_id, got)
         finally:
             if pending:  # timed out, or this task was cancelled: their rows are aborted
                 client.abort([rid for f in pending for rid in rids[which[f]]])
@@ -956,11 +956,11 @@ class Generator:
         dropped: dict[int, str] | None = None,
     ) -> None:
         """Queue the group for sending: ``samples`` are the sample maps of the samples that were
-        not dropped, in index order (or every sample, ``Finished`` as the engine gave them);
-        nothing is sent when all were dropped. The dropped ones go
-        in the ledger now (as ``engine_failure`` unless ``dropped`` names another reason),
-        before the prompt can be acknowledged. The prompt's message is acknowledged once the
-        scorer has acknowledged its group (``_emit``, ``_group_acked``)."""
+        not dropped, in index order (or all of them, ``Finished`` as the engine gave them);
+        nothing is sent when all were dropped. The dropped ones go in the ledger now (as
+        ``engine_failure`` unless ``dropped`` names another reason), before the prompt can be
+        acknowledged. The prompt's message is acknowledged once the scorer has acknowledged its
+        group (``_emit``, ``_group_acked``)."""
         prompt = msg.data
         size = self.config.group_size
         if len(samples) < size:  # some were dropped: in the ledger now, each by its reason

@@ -135,12 +135,18 @@ def test_a_streamed_chunk_is_held_while_the_text_may_be_ending_in_a_stop_string(
         k for k in range(1, 10) if any(texts[k].endswith(stop[:i]) for i in range(1, len(stop) + 1))
     ]
     body = {"input_ids": PROMPT, "sampling_params": {**greedy, "stop": stop}, "stream": True}
-    _, events = _events(engine, body)
-    chunks, last = events[:-2], events[-2]
-    sent = [c["meta_info"]["completion_tokens"] for c in chunks]
-    assert 4 in starts and 5 in starts and sent, sent
-    assert not set(sent) & set(starts), (sent, starts)  # held while it could be the stop
-    assert last["output_ids"] == free["output_ids"] and last["text"] == free["text"]
+    assert 4 in starts and 5 in starts, starts
+    seen = []
+    for _ in range(5):  # chunks a busy client reads late are merged into the newest: try again
+        _, events = _events(engine, body)
+        chunks, last = events[:-2], events[-2]
+        sent = [c["meta_info"]["completion_tokens"] for c in chunks]
+        assert not set(sent) & set(starts), (sent, starts)  # held while it could be the stop
+        assert last["output_ids"] == free["output_ids"] and last["text"] == free["text"]
+        seen += sent
+        if sent:
+            break
+    assert seen, "every chunk came merged into the last in 5 requests: nothing was checked"
 
 
 @pytest.mark.timeout(60)
