@@ -125,19 +125,10 @@ def pack(
         {**h, "samples": h["samples"].maps()} if isinstance(h["samples"], Finished) else h
         for h in heads
     ]
-    prompts = [np.asarray(h["prompt_ids"], dtype=np.int32) for h in heads]
     samples = [s for h in heads for s in h["samples"]]
     lengths = [len(s["completion_ids"]) for s in samples]
     batch = {
-        "run_id": run_id,
-        "group_size": group_size,
-        "origin": origin,
-        "prompt_id": [h["prompt_id"] for h in heads],
-        "group_id": [h["group_id"] for h in heads],
-        "uid": [h.get("uid") for h in heads],
-        "meta": [h.get("meta") for h in heads],
-        "prompt_ids": _joined(prompts, np.int32),
-        "prompt_offsets": _offsets([len(p) for p in prompts]),
+        **_group_columns(heads, run_id, group_size, origin),
         "group": np.repeat(
             np.arange(len(heads), dtype=np.int32), [len(h["samples"]) for h in heads]
         ),
@@ -162,20 +153,11 @@ def _pack_finished(
     heads: Sequence[Mapping[str, Any]], run_id: str, group_size: int, origin: str | None
 ) -> dict[str, Any]:
     """``pack`` of groups whose samples are all ``Finished``: each column made at once."""
-    prompts = [np.asarray(h["prompt_ids"], dtype=np.int32) for h in heads]
     done: list[Finished] = [h["samples"] for h in heads]
     sizes = [len(d.ids) for d in done]
     every = chain.from_iterable
     return {
-        "run_id": run_id,
-        "group_size": group_size,
-        "origin": origin,
-        "prompt_id": [h["prompt_id"] for h in heads],
-        "group_id": [h["group_id"] for h in heads],
-        "uid": [h.get("uid") for h in heads],
-        "meta": [h.get("meta") for h in heads],
-        "prompt_ids": _joined(prompts, np.int32),
-        "prompt_offsets": _offsets([len(p) for p in prompts]),
+        **_group_columns(heads, run_id, group_size, origin),
         "group": np.repeat(np.arange(len(heads), dtype=np.int32), sizes),
         "sample_index": np.fromiter(every(map(range, sizes)), np.int32, sum(sizes)),
         "completion_offsets": _offsets([len(ids) for d in done for ids in d.ids]),
@@ -188,6 +170,24 @@ def _pack_finished(
         "engine": [d.engine for d, n in zip(done, sizes, strict=True) for _ in range(n)],
         "queued_s": np.repeat(np.asarray([d.queued_s for d in done], dtype=np.float64), sizes),
         "generate_s": np.repeat(np.asarray([d.generate_s for d in done], dtype=np.float64), sizes),
+    }
+
+
+def _group_columns(
+    heads: Sequence[Mapping[str, Any]], run_id: str, group_size: int, origin: str | None
+) -> dict[str, Any]:
+    """A batch's own fields and its per-group columns (the prompts end to end)."""
+    prompts = [np.asarray(h["prompt_ids"], dtype=np.int32) for h in heads]
+    return {
+        "run_id": run_id,
+        "group_size": group_size,
+        "origin": origin,
+        "prompt_id": [h["prompt_id"] for h in heads],
+        "group_id": [h["group_id"] for h in heads],
+        "uid": [h.get("uid") for h in heads],
+        "meta": [h.get("meta") for h in heads],
+        "prompt_ids": _joined(prompts, np.int32),
+        "prompt_offsets": _offsets([len(p) for p in prompts]),
     }
 
 

@@ -130,6 +130,15 @@ def test_scored_groups_packed_as_columns_come_back_with_their_rewards():
     assert rollout_batch.problems(msg.data) == ["reward_info has 5 entries for 6 samples"]
 
 
+def _same_columns(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            assert got[key].dtype == value.dtype and got[key].tolist() == value.tolist(), key
+        else:
+            assert got[key] == value, key
+
+
 def _scored(groups: list[dict]) -> list[dict]:
     for k, sample in enumerate(s for g in groups for s in g["samples"]):
         sample["reward"], sample["reward_info"] = 0.25 * k, {"fn": 0.25 * k}
@@ -161,13 +170,9 @@ def test_groups_taken_from_several_batches_are_those_groups_packed_anew(scored, 
         for c in [rollout_batch.spans(batches[b])]
     ]
     got = rollout_batch.take(parts, "run", 4, "g:s")
-    want = rollout_batch.pack([groups[b][g] for b, g in picked], "run", 4, "g:s", scored=scored)
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        if isinstance(value, np.ndarray):
-            assert got[key].dtype == value.dtype and got[key].tolist() == value.tolist(), key
-        else:
-            assert got[key] == value, key
+    _same_columns(
+        got, rollout_batch.pack([groups[b][g] for b, g in picked], "run", 4, "g:s", scored=scored)
+    )
     assert rollout_batch.problems(got) == []
     schema = SCORED_BATCH if scored else ROLLOUT_BATCH
     assert not schema.check(got)
@@ -234,16 +239,8 @@ def test_groups_kept_as_columns_pack_as_their_sample_maps_do():
     maps = [_group("a", [0, 1, 2, 3]), _group("b", [0, 1], prompt=5), _group("c", [0])]
     columns = [_finished(g) for g in maps]
     want = rollout_batch.pack(maps, "run", 4, "g:s")
-    for got in (
-        rollout_batch.pack(columns, "run", 4, "g:s"),  # every group as columns
-        rollout_batch.pack([columns[0], maps[1], columns[2]], "run", 4, "g:s"),  # mixed
-    ):
-        assert got.keys() == want.keys()
-        for key, value in want.items():
-            if isinstance(value, np.ndarray):
-                assert got[key].dtype == value.dtype and got[key].tolist() == value.tolist(), key
-            else:
-                assert got[key] == value, key
+    _same_columns(rollout_batch.pack(columns, "run", 4, "g:s"), want)  # every group as columns
+    _same_columns(rollout_batch.pack([columns[0], maps[1], columns[2]], "run", 4, "g:s"), want)
     assert rollout_batch.fits(columns[0]) and len(columns[0]["samples"]) == 4
     for a, b in zip(columns[1]["samples"].maps(), maps[1]["samples"], strict=True):
         assert a["versions"].tolist() == b["versions"].tolist() and a["timings"] == b["timings"]
