@@ -22,6 +22,7 @@ import numpy as np
 __all__ = [
     "Finished",
     "fits",
+    "group_map",
     "groups",
     "in_order",
     "pack",
@@ -29,6 +30,7 @@ __all__ = [
     "spans",
     "take",
     "version_array",
+    "version_of",
     "well_formed",
 ]
 
@@ -85,20 +87,22 @@ class Finished:
         ]
 
 
-def version_array(versions: Sequence[Any]) -> np.ndarray:
-    """Policy versions as int32; SGLang names them as text, and one that is not a number
-    reads as 0 (as the generator's client reads a ``/generate`` answer)."""
-    try:
-        return np.asarray(versions, dtype=np.int32)
-    except (TypeError, ValueError):
-        return np.asarray([_version(v) for v in versions], dtype=np.int32)
-
-
-def _version(value: Any) -> int:
+def version_of(value: Any) -> int:
+    """A policy version: SGLang carries weight versions as text, Inflight's are integers; one
+    that is not a number reads as 0."""
     try:
         return int(value)
     except (TypeError, ValueError):
         return 0
+
+
+def version_array(versions: Sequence[Any]) -> np.ndarray:
+    """Per-token policy versions (numbers or their text) as int32, each read as
+    ``version_of`` reads it when one is not a number."""
+    try:
+        return np.asarray(versions, dtype=np.int32)  # numbers or numeric text, in C
+    except ValueError:
+        return np.asarray([version_of(v) for v in versions], dtype=np.int32)
 
 
 def fits(group: Mapping[str, Any]) -> bool:
@@ -295,6 +299,13 @@ def well_formed(batch: Mapping[str, Any]) -> bool:
     if not len(key) or bool(np.all(key[1:] > key[:-1])):
         return True  # in order (what a generator sends): each slot once
     return len(np.unique(key)) == len(key)
+
+
+def group_map(batch: Mapping[str, Any], g: int, lo: int, hi: int) -> dict[str, Any]:
+    """Group ``g`` of ``batch`` (its samples ``lo:hi``, ``spans``) as the ``rollout_group`` (a
+    scored batch's: ``scored_group``) map it stands for."""
+    one = take([(batch, g, lo, hi)], batch["run_id"], batch["group_size"], batch["origin"])
+    return groups(one)[0]
 
 
 def in_order(batch: Mapping[str, Any]) -> bool:

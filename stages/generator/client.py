@@ -40,7 +40,7 @@ import aiohttp
 import numpy as np
 
 from stages.engine import auth
-from stages.rollout_batch import Finished
+from stages.rollout_batch import Finished, version_array, version_of
 
 try:  # optional: a faster JSON codec; the standard library is the fallback
     import orjson
@@ -125,14 +125,6 @@ def _generate_body(input_ids: Any, sampling_params: Mapping[str, Any], rid: Any)
     }
 
 
-def _as_version(value: Any) -> int:
-    """SGLang carries weight versions as strings; Inflight's are integers."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
 def _token_versions(meta: Mapping[str, Any], n: int) -> np.ndarray:
     spans = meta.get("weight_versions")
     if spans:
@@ -142,18 +134,15 @@ def _token_versions(meta: Mapping[str, Any], n: int) -> np.ndarray:
             start, stop = span["start"], span["end"]
             if start != end or stop < start:
                 raise ValueError(f"weight_versions spans do not tile the output: {spans!r}")
-            versions[start:stop] = _as_version(span["version"])
+            versions[start:stop] = version_of(span["version"])
             end = stop
         if end != n:
             raise ValueError(f"weight_versions spans cover {end} of {n} output tokens")
         return versions
     per_token = meta.get("output_token_weight_versions")
     if per_token is not None:
-        try:
-            return np.asarray(per_token, dtype=np.int32)  # numbers or numeric strings, in C
-        except ValueError:
-            return np.asarray([_as_version(v) for v in per_token], dtype=np.int32)
-    return np.full(n, _as_version(meta.get("weight_version")), dtype=np.int32)
+        return version_array(per_token)
+    return np.full(n, version_of(meta.get("weight_version")), dtype=np.int32)
 
 
 def parse_completion(body: Mapping[str, Any], url: str = "") -> Completion:
@@ -167,7 +156,7 @@ def parse_completion(body: Mapping[str, Any], url: str = "") -> Completion:
         # [[logprob, token_id, text], ...]: the first column, taken by zip in C
         logprobs = np.asarray(next(zip(*pairs, strict=True)) if pairs else (), dtype=np.float32)
         finish = _finish_type(meta.get("finish_reason") or {})
-        version = _as_version(meta.get("weight_version"))
+        version = version_of(meta.get("weight_version"))
         versions = _token_versions(meta, len(output_ids))
     except (KeyError, TypeError, IndexError, ValueError, AttributeError, StopIteration) as exc:
         raise EngineError(url, f"malformed /generate response: {exc!r}", retryable=False) from exc
@@ -379,7 +368,7 @@ class EngineClient:
         """The policy version the engine generates with (SGLang: ``/model_info``)."""
         info = await self.model_info(timeout_s=timeout_s)
         try:
-            return _as_version(info["weight_version"])
+            return version_of(info["weight_version"])
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(
                 self.url, f"{self._info_path} has no integer weight_version: {exc}", retryable=False
@@ -483,7 +472,7 @@ class InProcessClient(EngineClient):
             logprobs.append(lps)
             versions.append(per_token)
             finish.append(_finish_type(result.finish_reason or {}))
-            newest = max(newest, _as_version(result.weight_version))
+            newest = max(newest, version_of(result.weight_version))
         if pinned is not None:
             newest = pinned
         return Finished(ids, logprobs, versions, finish, engine, *timings), newest
@@ -503,10 +492,7 @@ def _pinned(completion: Completion, version: int | None) -> Completion:
 def completion_of(result: Any, url: str = "") -> Completion:
     """A scheduler's ``SequenceResult`` as the Completion its ``/generate`` answer would give
     (``parse_completion``), with the answer's ``meta_info`` fields but the per-token lists."""
-    try:
-        versions = np.asarray(result.output_token_weight_versions, dtype=np.int32)
-    except ValueError:  # not numbers (SGLang-style names): as parse_completion reads them
-        versions = np.asarray([_as_version(v) for v in result.output_token_weight_versions])
+    versions = version_array(result.output_token_weight_versions)  # as parse_completion reads them
     output_ids = np.asarray(result.output_ids, dtype=np.int32)
     logprobs = np.asarray(result.output_token_logprobs or (), dtype=np.float32)
     _check_aligned(url, "the engine gave", output_ids, logprobs, versions)
@@ -524,5 +510,5 @@ def completion_of(result: Any, url: str = "") -> Completion:
     }
     finish = _finish_type(reason)
     return Completion(
-        output_ids, logprobs, versions, finish, _as_version(result.weight_version), meta
+        output_ids, logprobs, versions, finish, version_of(result.weight_version), meta
     )

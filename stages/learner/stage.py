@@ -887,14 +887,8 @@ class _Part:
     @property
     def data(self) -> dict[str, Any]:
         if self._data is None:
-            batch, g, spans = self.columns.batch, self.g, self.columns.spans
-            one = rollout_batch.take(
-                [(batch, g, spans[g], spans[g + 1])],
-                batch["run_id"],
-                batch["group_size"],
-                batch["origin"],
-            )
-            (self._data,) = rollout_batch.groups(one)
+            spans, g = self.columns.spans, self.g
+            self._data = rollout_batch.group_map(self.columns.batch, g, spans[g], spans[g + 1])
         return self._data
 
     @property

@@ -166,9 +166,7 @@ class _Group:
         """Its samples in index order, as rollouts (those of a group left as columns made)."""
         if self.cols is None:
             return [self.samples[i] for i in sorted(self.samples)]
-        batch = self.cols[0]
-        one = rollout_batch.take([self.cols], batch["run_id"], self.size, batch["origin"])
-        (group,) = rollout_batch.groups(one)
+        group = rollout_batch.group_map(*self.cols)
         for sample in group["samples"]:
             sample["meta"] = group["meta"]  # as a rollout carries it (reward_arguments)
         return group["samples"]
@@ -368,15 +366,14 @@ class Scorer:
             self.ctx.inputs["rollouts"].ack(msg)
             return
         self._batch_left[id(msg)] = [msg, len(ids)]
-        if rollout_batch.in_order(batch) and not any(
-            g in self.pending or g in self.closed for g in ids
-        ):  # what a generator sends: each group complete (left as columns), or all it gets
+        known = any(g in self.pending or g in self.closed for g in ids)
+        if not known and rollout_batch.in_order(batch):
+            # what a generator sends: each group complete (left as columns), or all it gets
             await self._add_columns(msg)
             return
         heads = rollout_batch.groups(batch)
-        if not rollout_batch.well_formed(batch) or any(
-            g in self.pending or g in self.closed for g in ids
-        ):  # a sample to drop, or a group already open or closed: one sample at a time
+        if known or not rollout_batch.well_formed(batch):
+            # a sample to drop, or a group already open or closed: one sample at a time
             for head in heads:
                 group_id = head["group_id"]
                 self._sources.setdefault(group_id, []).append(msg)
