@@ -8,8 +8,9 @@ reach it over SGLang's API. What changes is the caller's own ``/generate``: ``re
 hands the request body to the scheduler directly (``stages.engine.server.generate_results``: the
 same validation as the route) and returns the scheduler's results as they are, with no JSON,
 socket or HTTP parsing, and no rendering of SGLang's response layout, on either side;
-``submit_groups(body, sizes)`` does the same for several groups in one body, with a future per
-group. The generator's launcher starts one with ``launch.in_process: true``.
+``submit_groups(prompts, sampling_params, rids)`` does the same for several groups at once, each
+prompt checked once (``protocol.parse_groups``), with a future per group. The generator's
+launcher starts one with ``launch.in_process: true``.
 
 Trade-offs: the engine shares the caller's process (its interpreter lock, its cores, its fate: a
 crashed generator takes its engine with it, and the supervisor restarts both); the model runs on
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -32,7 +33,12 @@ from aiohttp import web
 
 from stages.engine import server
 from stages.engine.loader import LoadedModel, load_model
-from stages.engine.protocol import SequenceResult
+from stages.engine.protocol import (
+    SamplingParams,
+    SequenceResult,
+    parse_groups,
+    parse_sampling_params,
+)
 from stages.engine.scheduler import Scheduler
 
 __all__ = ["InProcessEngine"]
@@ -61,6 +67,8 @@ class InProcessEngine:
         self.scheduler: Scheduler | None = None
         self._runner: web.AppRunner | None = None
         self.port: int = self.args.port
+        # the sampling parameters submit_groups was last given, and their parsed form
+        self._params: tuple[dict[str, Any], SamplingParams] | None = None
 
     @property
     def alive(self) -> bool:
@@ -109,21 +117,36 @@ class InProcessEngine:
         _, results, _ = await server.generate_results(self.loaded, self.scheduler, body)
         return results
 
-    def submit_groups(self, body: Any, sizes: Sequence[int]) -> list[asyncio.Future]:
-        """A ``/generate`` body of ``sum(sizes)`` samples checked as the route checks it (one
-        RequestError / ValueError for the whole body) and handed to the scheduler as groups of
-        ``sizes`` consecutive samples: one future each, resolving with its results in order as
-        soon as its own samples are done."""
+    def submit_groups(
+        self,
+        prompts: Sequence[list[int]],
+        sampling_params: Mapping[str, Any],
+        rids: Sequence[Sequence[str]],
+        lora: str | None = None,
+    ) -> list[asyncio.Future]:
+        """Groups of samples (``len(rids[i])`` of ``prompts[i]``, with log-probs, the adapter
+        ``lora``) checked as the route checks the ``/generate`` body that lists each prompt
+        once per sample (one RequestError / ValueError for them all: ``parse_groups``) and
+        handed to the scheduler at once: a future per group, resolving with its results in
+        order as soon as its own samples are done. The sampling parameters are parsed once
+        for as long as they stay the same."""
         if self.scheduler is None or self.loaded is None:
             raise RuntimeError("the in-process engine is not started")
-        inputs, _ = server.parse_body(self.loaded, self.scheduler, body)
-        if len(inputs) != sum(sizes):
-            raise ValueError(f"{len(inputs)} samples for groups of {list(sizes)}")
-        futures, start = [], 0
-        for size in sizes:
-            futures.append(self.scheduler.submit_async(inputs[start : start + size]))
-            start += size
-        return futures
+        loaded = self.loaded
+        if self._params is None or self._params[0] != sampling_params:
+            encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
+            parsed = parse_sampling_params(dict(sampling_params), encode)
+            self._params = (dict(sampling_params), parsed)
+        groups = parse_groups(
+            prompts,
+            self._params[1],
+            rids,
+            vocab_size=loaded.vocab_size,
+            context_length=loaded.context_length,
+            lora=lora,
+            adapters=self.scheduler.adapter_names() if lora is not None else (),
+        )
+        return self.scheduler.submit_groups_async(groups)
 
     def abort(self, rids: Iterable[str]) -> None:
         """Abort these requests (their slots are freed at the next step)."""

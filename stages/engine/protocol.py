@@ -45,7 +45,7 @@ import functools
 import itertools
 import math
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,8 @@ __all__ = [
     "SamplingParams",
     "SequenceResult",
     "parse_generate",
+    "parse_groups",
+    "parse_sampling_params",
     "render_result",
     "render_sample",
     "result_text",
@@ -262,12 +264,7 @@ def parse_generate(
         if sp is None:
             sp = _sampling_params(params[i], f"sampling_params{where}", encode)
             parsed[id(params[i])] = sp
-        if len(ids) + sp.max_new_tokens > context_length:
-            raise RequestError(
-                f"input_ids{where}",
-                f"{len(ids)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceed the "
-                f"model's context length {context_length}",
-            )
+        _check_fits(ids, sp, f"input_ids{where}", context_length)
         flag = bool(logprob_flags[i])
         top = (tops[i] or 0) if flag else 0  # SGLang: top log-probs come with return_logprob
         # SGLang: without return_logprob the start is ignored; -1 means output log-probs only
@@ -279,6 +276,83 @@ def parse_generate(
             seen.add(rid)
             inputs.append(GenerateInput(rid, ids, sp, flag, group_rid, top, start, loras[i]))
     return inputs, listed
+
+
+def parse_sampling_params(
+    raw: dict[str, Any] | None, encode: Callable[[str], list[int]] | None = None
+) -> SamplingParams:
+    """``sampling_params`` for ``parse_groups`` (one sample per request id: ``n`` must be 1),
+    checked as ``parse_generate`` checks them."""
+    if raw is not None and not isinstance(raw, dict):
+        raise RequestError("sampling_params", f"expected dict, got {_kind(raw)}")
+    if _parallel_n(raw, True) != 1:
+        raise RequestError("sampling_params.n", "one sample per request id here: leave n at 1")
+    return _sampling_params(raw, "sampling_params", encode)
+
+
+def parse_groups(
+    prompts: Sequence[Any],
+    params: SamplingParams,
+    rids: Sequence[Sequence[str]],
+    *,
+    vocab_size: int,
+    context_length: int,
+    lora: str | None = None,
+    adapters: Collection[str] = (),
+) -> list[list[GenerateInput]]:
+    """Groups of samples of one prompt each (``len(rids[i])`` samples of ``prompts[i]``, with
+    log-probs, one set of ``params`` from ``parse_sampling_params``, the adapter ``lora``): what
+    ``parse_generate`` gives for the body that lists each prompt once per sample with its rid,
+    checked as it checks that body, with the same errors, but each prompt once and without
+    the body. A generator's engine in its own process (``stages.engine.in_process``) takes
+    them this way."""
+    count = sum(len(group) for group in rids)
+    if count == 0:
+        raise RequestError("input_ids", "empty")
+    if count > MAX_SAMPLES_PER_REQUEST:
+        raise RequestError(
+            "sampling_params.n",
+            f"{count} prompts x n=1 is more than {MAX_SAMPLES_PER_REQUEST} samples",
+        )
+    if lora is not None and lora not in adapters:
+        raise RequestError(
+            "lora_path",
+            f"no LoRA adapter {lora!r} is loaded (loaded: {sorted(adapters)}); "
+            "POST /load_lora_adapter first",
+        )
+    out: list[list[GenerateInput]] = []
+    seen: set[str] = set()
+    offset = 0
+    for ids, group in zip(prompts, rids, strict=True):
+        inputs: list[GenerateInput] = []
+        if group:
+            name = f"input_ids[{offset}]"
+            if not isinstance(ids, list):
+                raise RequestError(name, f"expected a list of token ids, got {_kind(ids)}")
+            if not ids:
+                raise RequestError(name, "empty")
+            if not _valid_ids(ids, vocab_size):
+                _explain_ids(ids, name, vocab_size)
+            _check_fits(ids, params, name, context_length)
+        for rid in group:
+            if not isinstance(rid, str):
+                raise RequestError(f"rid[{offset}]", f"expected str, got {_kind(rid)}")
+            if rid in seen:
+                raise RequestError(f"rid[{offset}]", f"duplicate request id {rid!r} in the batch")
+            seen.add(rid)
+            inputs.append(GenerateInput(rid, ids, params, True, None, 0, -1, lora))
+            offset += 1
+        out.append(inputs)
+    return out
+
+
+def _check_fits(ids: list[int], params: SamplingParams, name: str, context_length: int) -> None:
+    if len(ids) + params.max_new_tokens > context_length:
+        raise RequestError(
+            name,
+            f"{len(ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
+            f"model's context length {context_length}",
+        )
 
 
 def render_result(

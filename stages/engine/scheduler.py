@@ -382,11 +382,30 @@ class Scheduler:
         ``[(index, SequenceResult)]``; if they fail, ``[(-1, exception)]``. The future resolves
         after the last of them.
         """
+        return self._submit(list(inputs), single=False, outbox=self._outbox(), stream=stream)
+
+    def submit_groups_async(
+        self, groups: Sequence[Sequence[GenerateInput]]
+    ) -> list[asyncio.Future[Any]]:
+        """``submit_async`` for each of ``groups`` (no ``stream``), handed to the scheduler
+        thread at once: a future each, resolving with that group's results in order."""
+        outbox = self._outbox()
+        now = time.perf_counter()
+        futures, seqs = [], []
+        for inputs in groups:
+            group = _Group(len(inputs), False, outbox)
+            seqs.append([_Seq(inp, group, i, now) for i, inp in enumerate(inputs)])
+            futures.append(group.future)
+        self._post(lambda: [self._enqueue(one) for one in seqs])
+        return futures
+
+    def _outbox(self) -> _Outbox:
+        """Where results for the running loop's callers are handed over (one per loop)."""
         loop = asyncio.get_running_loop()
         outbox = self._outboxes.get(loop)
         if outbox is None:
             outbox = self._outboxes[loop] = _Outbox(loop)
-        return self._submit(list(inputs), single=False, outbox=outbox, stream=stream)
+        return outbox
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> Future[int]:
         """Abort one request by id (or all); resolves to how many were aborted.

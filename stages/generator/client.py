@@ -435,21 +435,22 @@ class InProcessClient(EngineClient):
         rids: Sequence[Sequence[str]],
     ) -> tuple[list[asyncio.Future], int | None]:
         """Several groups in one request: ``len(rids[i])`` samples of ``prompts[i]``, checked
-        as one ``/generate`` body; one future per group, resolving with the engine's results
-        in the order of its rids (``finished`` reads them) as soon as that group is done.
-        Also returns the adapter version every token is pinned to (``_adapted``).
+        as the ``/generate`` body that lists them would be (``InProcessEngine.submit_groups``);
+        one future per group, resolving with the engine's results in the order of its rids
+        (``finished`` reads them) as soon as that group is done. Also returns the adapter
+        version every token is pinned to (``_adapted``).
 
-        EngineError (400) if the engine refuses the body, (retryable) if it has stopped.
+        EngineError (400) if the engine refuses them, (retryable) if it has stopped.
         """
-        ids = [_token_list(p) for p in prompts]
-        body = _generate_body(
-            [one for one, group in zip(ids, rids, strict=True) for _ in group],
-            sampling_params,
-            [rid for group in rids for rid in group],
-        )
-        pinned = self._adapted(body)
+        adapter: dict[str, Any] = {}
+        pinned = self._adapted(adapter)
         with self._as_the_route_answers():
-            futures = self.engine.submit_groups(body, [len(group) for group in rids])
+            futures = self.engine.submit_groups(
+                [_token_list(p) for p in prompts],
+                sampling_params,
+                rids,
+                adapter.get("lora_path"),
+            )
         return futures, pinned
 
     def finished(

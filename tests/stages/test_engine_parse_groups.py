@@ -1,0 +1,119 @@
+"""``protocol.parse_groups``: several groups checked as the ``/generate`` body that lists each
+prompt once per sample would be (what an in-process engine takes from its generator), with the
+same results and the same error for each problem, but each prompt checked once."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from stages.engine.protocol import (
+    RequestError,
+    parse_generate,
+    parse_groups,
+    parse_sampling_params,
+)
+
+VOCAB, CONTEXT = 50, 32
+PARAMS = {"temperature": 0.7, "max_new_tokens": 5, "stop_token_ids": [3]}
+
+
+def _body(prompts: list[Any], rids: list[list[str]], lora: str | None = None) -> dict[str, Any]:
+    body = {
+        "input_ids": [p for p, group in zip(prompts, rids, strict=True) for _ in group],
+        "sampling_params": dict(PARAMS),
+        "return_logprob": True,
+        "rid": [rid for group in rids for rid in group],
+    }
+    if lora is not None:
+        body["lora_path"] = lora
+    return body
+
+
+def _both(
+    prompts: list[Any], rids: list[list[str]], lora: str | None = None, adapters=()
+) -> tuple[Any, Any]:
+    """What each path gives (its inputs, flat) or raises (field and message)."""
+    out = []
+    for path in ("body", "groups"):
+        try:
+            if path == "body":
+                got, _ = parse_generate(
+                    _body(prompts, rids, lora),
+                    vocab_size=VOCAB,
+                    context_length=CONTEXT,
+                    encode=None,
+                    adapters=adapters,
+                )
+            else:
+                groups = parse_groups(
+                    prompts,
+                    parse_sampling_params(dict(PARAMS)),
+                    rids,
+                    vocab_size=VOCAB,
+                    context_length=CONTEXT,
+                    lora=lora,
+                    adapters=adapters,
+                )
+                assert [len(g) for g in groups] == [len(r) for r in rids]
+                got = [inp for group in groups for inp in group]
+            out.append(got)
+        except RequestError as exc:
+            out.append((exc.field, str(exc)))
+    return out[0], out[1]
+
+
+def test_random_groups_give_the_inputs_the_body_gives() -> None:
+    rng = random.Random(0)
+    for trial in range(50):
+        count = rng.randint(1, 6)
+        prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))] for _ in range(count)]
+        rids = [[f"t{trial}/g{i}/{j}" for j in range(rng.randint(0, 4))] for i in range(count)]
+        if not any(rids):
+            rids[0].append(f"t{trial}/only")
+        body, groups = _both(prompts, rids)
+        assert groups == body
+
+
+@pytest.mark.parametrize(
+    ("prompts", "rids", "lora", "field"),
+    [
+        ([[1, 2], [1, VOCAB]], [["a", "b"], ["c", "d"]], None, "input_ids[2][1]"),  # out of range
+        ([[1, 2], [1, -1]], [["a"], ["c"]], None, "input_ids[1][1]"),
+        ([[1, 2], [1, 2.5]], [["a"], ["c"]], None, "input_ids[1][1]"),  # not an integer
+        ([[1], []], [["a"], ["b"]], None, "input_ids[1]"),  # empty
+        ([[1], list(range(1, 30))], [["a"], ["b"]], None, "input_ids[1]"),  # too long
+        ([[1], [2]], [["a", "b"], ["c", "b"]], None, "rid[3]"),  # a repeated request id
+        ([[1], [2]], [["a"], ["b"]], "nope", "lora_path"),  # no such adapter
+        ([[1], [2]], [[], []], None, "input_ids"),  # nothing at all
+    ],
+)
+def test_each_problem_is_refused_with_the_bodys_error(prompts, rids, lora, field) -> None:
+    body, groups = _both(prompts, rids, lora)
+    assert isinstance(body, tuple) and body[0] == field
+    assert groups == body
+
+
+def test_a_group_without_samples_is_not_checked_as_the_body_does_not_list_it() -> None:
+    body, groups = _both([[1, 2], [VOCAB + 3], [4]], [["a"], [], ["c"]])
+    assert not isinstance(body, tuple) and groups == body
+
+
+def test_an_adapter_loaded_is_taken() -> None:
+    body, groups = _both([[1, 2]], [["a", "b"]], "ad", adapters={"ad"})
+    assert not isinstance(body, tuple) and groups == body
+    assert {inp.lora for inp in groups} == {"ad"}
+
+
+def test_sampling_params_are_checked_as_the_route_checks_them() -> None:
+    with pytest.raises(RequestError) as bad:
+        parse_sampling_params({"temperature": "hot"})
+    assert bad.value.field == "sampling_params.temperature"
+    with pytest.raises(RequestError) as several:
+        parse_sampling_params({"n": 2})
+    assert several.value.field == "sampling_params.n"
+    with pytest.raises(RequestError) as kind:
+        parse_sampling_params([{"temperature": 1.0}])  # type: ignore[arg-type]
+    assert kind.value.field == "sampling_params"
