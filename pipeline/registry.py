@@ -16,8 +16,10 @@ plugin is resolved. ``inflight stages`` lists what is registered and where it co
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import re
+import sys
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -50,7 +52,16 @@ class PluginInfo:
 
 
 def _entry_points(kind: str) -> list[EntryPoint]:
-    return sorted(entry_points(group=GROUPS[kind]), key=lambda ep: ep.name)
+    found = _installed(tuple(sys.path)).select(group=GROUPS[kind])
+    return sorted(found, key=lambda ep: ep.name)
+
+
+@functools.lru_cache(maxsize=4)
+def _installed(path: tuple[str, ...]) -> Any:
+    """Every entry point of the distributions on ``path`` (``sys.path``), read once: each
+    reading walks every installed distribution (20 ms here), and validating a pipeline
+    resolves a plugin per stage and reward."""
+    return entry_points()
 
 
 def list_plugins(kind: str | None = None) -> list[PluginInfo]:

@@ -34,13 +34,15 @@ import contextlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import numpy as np
 
 from stages.engine import auth
 from stages.rollout_batch import Finished, version_array, version_of
+
+if TYPE_CHECKING:  # imported where it is used: the supervisor loads this module for its
+    import aiohttp  # config without it (0.25 s of start-up)
 
 try:  # optional: a faster JSON codec; the standard library is the fallback
     import orjson
@@ -107,6 +109,8 @@ def make_session(max_connections: int) -> aiohttp.ClientSession:
     requests in flight would then queue them silently inside aiohttp, behind its own in-flight
     accounting. ``max_connections`` must be above what the caller keeps in flight.
     """
+    import aiohttp
+
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections))
 
 
@@ -196,6 +200,8 @@ class EngineClient:
         timeout_s: float = 600.0,
         api_key: str | None = None,
     ):
+        import aiohttp
+
         self.url = url.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -210,6 +216,8 @@ class EngineClient:
     async def _call(
         self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None
     ) -> Any:
+        import aiohttp
+
         timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
         data = None if payload is None else _dumps(payload)
         try:

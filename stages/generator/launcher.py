@@ -52,8 +52,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import aiohttp
-
 from pipeline.config.schema import Resources
 from pipeline.launchers.local import write_private
 from pipeline.placement import ENGINE_PLACEMENT_ENV, ProcessPlacement, read_engine_placement
@@ -359,6 +357,8 @@ class EngineLauncher:
             self.log.error("engine_given_up", engine=engine.name, reason="scheduler stopped")
 
     async def _wait_healthy(self, engine: _Engine) -> None:
+        import aiohttp  # here: the supervisor loads this module for its config without it
+
         url = f"http://{self.host}:{engine.port}/health"
         deadline = time.monotonic() + self.config.startup_timeout_s
         async with aiohttp.ClientSession() as session:

@@ -1,0 +1,45 @@
+"""What ``inflight run`` does before it starts the stages: it reads the installed entry points
+once, and it checks a pipeline without importing what only running stages need."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from pipeline import registry
+from tests.pipeline.runs import REPO
+
+
+def test_entry_points_are_read_once_per_search_path(monkeypatch) -> None:
+    calls = []
+    read = registry.entry_points
+
+    def counted():
+        calls.append(1)
+        return read()
+
+    monkeypatch.setattr(registry, "entry_points", counted)
+    registry._installed.cache_clear()
+    try:
+        for name in ("feeder", "generator", "scorer", "learner"):
+            assert registry.resolve("stage", name).__name__.lower() == name
+        assert len(calls) == 1
+        monkeypatch.setattr(sys, "path", [*sys.path, str(REPO / "no-such-folder")])
+        registry.resolve("stage", "feeder")  # a folder more: read again (a plugin may be there)
+        assert len(calls) == 2
+    finally:
+        registry._installed.cache_clear()
+
+
+def test_checking_the_default_pipeline_imports_no_http_client_or_torch() -> None:
+    code = (
+        "import sys\n"
+        "from pipeline.cli import main\n"
+        "assert main(['validate', 'configs/default.yaml']) == 0\n"
+        "print(sorted(m for m in ('aiohttp', 'torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
