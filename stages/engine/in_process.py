@@ -134,9 +134,9 @@ class InProcessEngine:
             raise RuntimeError("the in-process engine is not started")
         loaded = self.loaded
         if self._params is None or self._params[0] != sampling_params:
+            raw = dict(sampling_params)  # a copy: a later change to the caller's is seen
             encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
-            parsed = parse_sampling_params(dict(sampling_params), encode)
-            self._params = (dict(sampling_params), parsed)
+            self._params = (raw, parse_sampling_params(raw, encode))
         groups = parse_groups(
             prompts,
             self._params[1],
