@@ -1,11 +1,12 @@
 """Token ids to text exactly as ``tokenizer.decode`` gives it, without its per-call overhead.
 
 transformers' ``decode`` converts its input item by item (``to_py_obj``) and goes through
-several layers per sequence. A fast tokenizer whose ``_decode`` is transformers' own and that
-does not clean up spaces decodes exactly as its Rust backend does, so ``decoder`` and
-``batch_decoder`` call the backend directly then (2 us instead of 9 us a sequence), and
-transformers otherwise. The engine renders every answer's text with ``decoder``; the scorer and
-the evaluation decode completions with ``batch_decoder``.
+several layers per sequence. A ``LightTokenizer`` (``stages.light_tokenizer``), and a fast
+tokenizer whose ``_decode`` is transformers' own and that does not clean up spaces, decode
+exactly as their Rust backend does, so ``decoder`` and ``batch_decoder`` call the backend
+directly then (2 us instead of 9 us a sequence), and transformers otherwise. The engine renders
+every answer's text with ``decoder``; the scorer and the evaluation decode completions with
+``batch_decoder``.
 
 ``batch_decoder`` decodes one sequence after another, not with the backend's ``decode_batch``:
 that spreads a batch over a thread pool whose hand-over costs more CPU than it saves (4
@@ -23,6 +24,10 @@ __all__ = ["batch_decoder", "decoder", "token_lists"]
 
 def _backend(tokenizer: Any) -> Any | None:
     """The Rust tokenizer that decodes exactly as ``tokenizer`` does, if there is one."""
+    from stages.light_tokenizer import LightTokenizer
+
+    if type(tokenizer) is LightTokenizer:  # its decode is the backend's (no clean-up)
+        return tokenizer.backend_tokenizer
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     backend = getattr(tokenizer, "_tokenizer", None)

@@ -9,26 +9,18 @@ repo id (``org/name[@revision]``): ``stages.hub`` turns it into the cached snaps
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from stages.hf import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
+from stages.hf import AutoModelForCausalLM, PreTrainedTokenizerBase
 from stages.hub import TOKENIZER_FILES, resolve_model
+from stages.light_tokenizer import transformers_tokenizer
 
 __all__ = ["DTYPES", "LoadedModel", "load_model"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# A directory whose tokenizer_config names one of these means "tokenizer.json as it is";
-# AutoTokenizer would instead pick the model type's own class and rebuild it differently.
-_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 @dataclass
@@ -75,9 +67,4 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "auto") ->
 def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
-    config_file = path / "tokenizer_config.json"
-    if config_file.is_file() and (path / "tokenizer.json").is_file():
-        named = json.loads(config_file.read_text()).get("tokenizer_class")
-        if named in _GENERIC_TOKENIZERS:
-            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return transformers_tokenizer(path)

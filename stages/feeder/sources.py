@@ -70,6 +70,7 @@ from stages.feeder.verifiers_source import check as verifiers_check
 from stages.feeder.verifiers_source import has_eval as verifiers_has_eval
 from stages.feeder.verifiers_source import rows as verifiers_rows
 from stages.hub import HubError, resolve_model, tokenizer_check
+from stages.light_tokenizer import load_tokenizer
 from stages.verifiers_env import VerifiersError
 
 if TYPE_CHECKING:
@@ -742,10 +743,8 @@ def _load_tokenizer(config: SourceConfig) -> PreTrainedTokenizerBase:
         path = resolve_model(config.tokenizer, what="tokenizer", needs="tokenizer")
     except HubError as exc:
         raise SourceError(f"{exc} (the model whose tokenizer encodes the prompts)") from exc
-    from stages.hf import AutoTokenizer  # imports torch: only when a model folder is named
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:  # transformers (and torch) only for a folder whose tokenizer needs them
+        return load_tokenizer(path)
     except (OSError, ValueError) as exc:
         raise SourceError(f"tokenizer {path}: cannot load it ({exc})") from exc
 

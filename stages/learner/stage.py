@@ -220,17 +220,16 @@ class Learner:
         self.trainer.setup()
         if not evaluate:
             return [], None
-        from transformers import AutoTokenizer
-
         from stages.feeder.sources import load_prompts
         from stages.hub import resolve_model
+        from stages.light_tokenizer import load_tokenizer
 
         source = self.config.eval.source
         prompts = load_prompts(source, "eval", log=self.log).prompts
         spec = source.tokenizer or self.config.model
         what = "eval.source.tokenizer" if source.tokenizer else "model"
         folder = resolve_model(spec, what=what, needs="tokenizer")  # a folder, or a Hub id's
-        return prompts, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return prompts, load_tokenizer(folder)  # as the scorer reads it
 
     async def _engines_up(self, *, evaluate: bool) -> None:
         """Rank 0, in the background: start the evaluation's reward workers and wait for the

@@ -574,7 +574,7 @@ class Trainer:
         else:
             weights = self.engine.module.state_dict() if self.rank == 0 else None
         if self.rank == 0:
-            from transformers import AutoTokenizer
+            from stages.light_tokenizer import transformers_tokenizer
 
             module = self.engine.module
             module.config.use_cache = True
@@ -592,7 +592,7 @@ class Trainer:
             module.config.use_cache = False
             try:
                 folder = resolve_model(tokenizer_from, what="tokenizer", needs="tokenizer")
-                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+                tokenizer = transformers_tokenizer(folder)  # saved as the engine reads it
                 for where in folders:
                     tokenizer.save_pretrained(where)
             except (OSError, ValueError) as exc:  # HubError: a model without a tokenizer

@@ -111,8 +111,8 @@ def _load_tokenizer(name: str) -> Any:
             "tools and environments read and write text: set rollout.tokenizer (the model "
             "folder whose tokenizer the engines use)"
         )
-    from stages.hf import AutoTokenizer  # imports torch: only for rollouts that need it
     from stages.hub import resolve_model
+    from stages.light_tokenizer import load_tokenizer
 
     path = resolve_model(name, what="tokenizer", needs="tokenizer")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return load_tokenizer(path)  # transformers for a chat template, when one is rendered

@@ -57,6 +57,7 @@ import numpy as np
 from pipeline.stage import Port, StageContext
 from stages import rollout_batch
 from stages.hub import resolve_model, tokenizer_check
+from stages.light_tokenizer import load_tokenizer
 from stages.schemas import (
     OPTIONAL_SAMPLE_FIELDS,
     ROLLOUT,
@@ -178,11 +179,9 @@ async def _nothing(samples: list[Any]) -> list[None]:
 
 
 def _load_tokenizer(spec: str) -> Any:
-    from stages.hf import AutoTokenizer
-
     path = resolve_model(spec, what="tokenizer", needs="tokenizer")  # a folder or a Hub id
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:  # transformers (and torch) only for a folder whose tokenizer needs them
+        return load_tokenizer(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"tokenizer {path}: cannot load it ({exc})") from exc
 

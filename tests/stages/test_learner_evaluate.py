@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import structlog
 from aiohttp import web
-from transformers import AutoTokenizer
 
 from stages.learner import evaluate as evaluate_module
 from stages.learner.config import EvalConfig
 from stages.learner.evaluate import Evaluator
+from stages.light_tokenizer import transformers_tokenizer
 from stages.scorer.stage import RewardSpec
 from tests.stages.engine_setup import builtin_engine, free_port
 from tests.stages.tiny_model import make_tiny_model
@@ -68,7 +68,7 @@ def _config(**kw: Any) -> EvalConfig:
 def test_batched_evaluation_gives_the_answers_of_single_requests(
     model_dir: Path, engine_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = transformers_tokenizer(model_dir)  # as the engine reads it
     log = structlog.get_logger()
     # the answers as one request per prompt decodes them: half kept right, half made wrong
     single = Evaluator(_config(concurrency=8), _prompts(40), tokenizer, log)
@@ -131,7 +131,7 @@ async def _refusing_engine(seen: list[str], finish: str = "stop") -> web.AppRunn
 
 
 def test_an_engine_refusing_batches_gets_one_prompt_per_request(model_dir: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = transformers_tokenizer(model_dir)  # as the engine reads it
     seen: list[str] = []
 
     async def scenario() -> tuple[dict, dict, list[dict]]:
@@ -170,7 +170,7 @@ def stopped(completions: list[str], finish_reason: list[str], **kw: Any) -> list
 def test_reward_functions_get_each_answers_finish_reason(
     model_dir: Path, finish: str, accuracy: float
 ) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = transformers_tokenizer(model_dir)  # as the engine reads it
     config = EvalConfig(
         rewards=[RewardSpec(fn=f"{__name__}:stopped")], max_prompts=4, max_new_tokens=4
     )
@@ -211,7 +211,7 @@ def test_held_out_prompts_are_played_as_greedy_episodes_of_the_rollout(
     says how many turns were played and how many were solved."""
     from stages.rollouts.api import RolloutConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = transformers_tokenizer(model_dir)  # as the engine reads it
     log = structlog.get_logger()
     n = 12
     # the prompts' greedy first answers: half of them are made the answer to find
