@@ -489,6 +489,14 @@ class InProcessClient(EngineClient):
     def abort(self, rids: Iterable[str]) -> None:
         self.engine.abort(rids)
 
+    async def weight_version(self, timeout_s: float = 5.0) -> int:
+        """What ``/model_info`` would say, read from the scheduler: the generator asks twice a
+        second while its lag gate is shut, each a request this process would serve itself."""
+        scheduler = self.engine.scheduler
+        if scheduler is None or not self.engine.alive:
+            return await super().weight_version(timeout_s)  # the route says what is wrong
+        return version_of(scheduler.weight_version)
+
 
 def _pinned(completion: Completion, version: int | None) -> Completion:
     """``completion`` with every token of ``version`` (the adapter its request named)."""

@@ -183,3 +183,45 @@ def test_prompts_fed_in_one_loop_turn_go_as_one_report_before_any_other():
     asyncio.run(asyncio.wait_for(feed(), timeout=10))
     ledger.fed("h.0:0")  # outside an event loop: at once
     assert sent[-1] == {"fed": ["h.0:0"]}
+
+
+def test_a_message_of_fates_is_taken_as_its_rows_one_at_a_time():
+    """``take`` applies a message's rows without a call each where it can; the book comes out
+    exactly as one ``_fate`` per row leaves it, whatever the rows (duplicates, unfed uids,
+    rollbacks and copies between them, a bad row part-way)."""
+    import random
+
+    rng = random.Random(7)
+    uids = [f"f.0:{i}" for i in range(30)]
+    fast, slow = LedgerBook(), LedgerBook()
+    for turn in range(400):
+        kind = rng.random()
+        if kind < 0.2:
+            payload = {"fed": rng.sample(uids, 3)}
+        elif kind < 0.25:
+            payload = {"rollback": rng.randrange(0, 12)}
+        elif kind < 0.3:
+            payload = {"checkpoint": rng.randrange(0, 12)}
+        elif kind < 0.35:
+            payload = {"copies": [rng.randrange(4)], "uid": rng.choice(uids), "size": 4}
+        else:
+            rows = [[rng.choice(uids), 4, rng.randrange(4)] for _ in range(rng.randint(1, 9))]
+            if rng.random() < 0.05:  # a bad row part-way: what came before it stays taken
+                rows.insert(rng.randrange(len(rows)), [rng.choice(uids), 4, 9])
+            reason = rng.choice(["trained", "no_signal", "stale"])
+            payload = {"fates": rows, "reason": reason, "step": rng.choice([None, turn // 30])}
+        problem = fast.take(payload)
+        if "fates" in payload:  # the reference: one fate at a time
+            try:
+                for uid, size, index in payload["fates"]:
+                    slow._fate(uid, size, index, payload["reason"], payload["step"])
+                expected = None
+            except ValueError as exc:
+                expected = f"malformed: {exc!r}"[:200]
+            assert problem == expected
+        else:
+            assert slow.take(payload) is None and problem is None
+        assert fast.slots == slow.slots and fast.buckets == slow.buckets
+        assert fast.by_step == slow.by_step and fast.duplicates == slow.duplicates
+        assert fast.unfed == slow.unfed
+    assert sum(fast.buckets.values()) > 100  # it did take fates

@@ -261,3 +261,33 @@ def test_a_result_without_a_log_prob_per_token_is_an_engine_error():
     with pytest.raises(EngineError, match="1 tokens, 0 log-probs and 1 versions") as err:
         client.finished(results, None, "http://e", (0.0, 0.0))
     assert not err.value.retryable
+
+
+async def test_an_in_process_engine_s_version_is_read_as_model_info_gives_it(tmp_path):
+    """``InProcessClient.weight_version`` reads the scheduler instead of asking its own
+    ``/model_info``: the same answer, before and after a version change."""
+    import asyncio
+
+    import structlog
+
+    from stages.engine.in_process import InProcessEngine
+    from stages.generator.client import InProcessClient
+    from tests.stages.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", vocab=32)
+    engine = InProcessEngine(
+        ["--model", str(model), "--host", "127.0.0.1", "--port", "0"], log=structlog.get_logger()
+    )
+    await asyncio.wait_for(engine.start(), 60)
+    session = make_session(4)
+    try:
+        client = InProcessClient(f"http://127.0.0.1:{engine.port}", session, engine)
+        for version in ("0", "7"):
+            if version != "0":
+                await asyncio.wrap_future(engine.scheduler.set_weight_version(version))
+            direct = await client.weight_version()
+            over_http = await EngineClient.weight_version(client)
+            assert direct == over_http == int(version)
+    finally:
+        await session.close()
+        await asyncio.wait_for(engine.close(), 30)
