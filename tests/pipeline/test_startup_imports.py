@@ -43,3 +43,21 @@ def test_checking_the_default_pipeline_imports_no_http_client_or_torch() -> None
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_stage_process_does_not_import_the_pipeline_loader() -> None:
+    """A stage process builds its section from its spec: the loader, its checks and the
+    trackers stay out of it; the names of ``pipeline.config`` still resolve when asked for."""
+    code = (
+        "import sys\n"
+        "import pipeline.host, pipeline.actor\n"
+        "print(sorted(m for m in ('pipeline.config.loader', 'pipeline.tracking') "
+        "if m in sys.modules))\n"
+        "from pipeline.config import STAGE_KEYS, ConfigError, dump_yaml, load_pipeline\n"
+        "print(callable(load_pipeline) and callable(dump_yaml) and 'use' in STAGE_KEYS)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-2:] == ["[]", "True"]
