@@ -107,6 +107,22 @@ def _edit(folder: Path, name: str, change) -> None:
     path.write_text(json.dumps(data))
 
 
+def test_a_folder_with_added_tokens_json_loads_with_transformers(tmp_path: Path) -> None:
+    folder = _bpe_folder(tmp_path / "bpe")
+    (folder / "added_tokens.json").write_text(json.dumps({"<|x|>": 300}))
+    assert light_reason(folder) == "added_tokens.json"
+    assert not isinstance(load_tokenizer(folder), LightTokenizer)
+
+
+def test_padding_saved_in_tokenizer_json_loads_with_transformers(tmp_path: Path) -> None:
+    folder = _bpe_folder(tmp_path / "bpe")
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    raw.enable_padding(pad_id=0, pad_token="<|pad|>", length=8)
+    raw.save(str(folder / "tokenizer.json"))
+    assert light_reason(folder) == "padding or truncation in tokenizer.json"
+    assert not isinstance(load_tokenizer(folder), LightTokenizer)
+
+
 @pytest.mark.parametrize(
     ("what", "file", "change"),
     [
@@ -116,6 +132,14 @@ def _edit(folder: Path, name: str, change) -> None:
             lambda d: d.update(tokenizer_class="Qwen2Tokenizer"),
         ),
         ("add_eos_token", "tokenizer_config.json", lambda d: d.update(add_eos_token=True)),
+        ("add_bos_token", "tokenizer_config.json", lambda d: d.update(add_bos_token=False)),
+        (
+            "added_tokens_decoder[2] differs",
+            "tokenizer_config.json",
+            lambda d: d.update(
+                added_tokens_decoder={"2": {"content": "<|eos|>", "special": True, "lstrip": True}}
+            ),
+        ),
         (
             "split_special_tokens",
             "tokenizer_config.json",
