@@ -201,17 +201,26 @@ class LightTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._tokenizer.get_vocab(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    # With any other argument (a text pair, truncation, clean-up...), transformers answers.
+    def encode(self, text: Any, *args: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+        if args or kwargs or not isinstance(text, str):
+            return self.full.encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        if kwargs:
+            return self.full.decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
         if isinstance(ids, int):
             ids = [ids]
         elif hasattr(ids, "tolist"):
             ids = ids.tolist()
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False) -> list[str]:
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
+        if kwargs:
+            return self.full.batch_decode(
+                sequences, skip_special_tokens=skip_special_tokens, **kwargs
+            )
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str | None] | None:
@@ -231,6 +240,17 @@ class LightTokenizer:
             if self._full is None:
                 self._full = transformers_tokenizer(self._path)
             return self._full
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a reward worker, a deep copy): without the lock and the transformers
+        tokenizer, which the copy loads again when it needs it."""
+        state = dict(self.__dict__)
+        state["_full"], state["_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.full(*args, **kwargs)

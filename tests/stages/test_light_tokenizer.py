@@ -201,6 +201,26 @@ def test_what_it_does_not_answer_goes_to_transformers(tmp_path: Path) -> None:
         messages, tokenize=False, add_generation_prompt=True
     ) == full.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert light(["1+2="])["input_ids"] == full(["1+2="])["input_ids"]
+    # arguments it does not take itself: transformers' answer
+    assert light.encode("1+2=", "3", add_special_tokens=False) == full.encode(
+        "1+2=", "3", add_special_tokens=False
+    )
+    ids = light.encode("1 + 2 =")
+    assert light.decode(ids, clean_up_tokenization_spaces=True) == full.decode(
+        ids, clean_up_tokenization_spaces=True
+    )
+
+
+def test_it_pickles_and_copies_as_it_is() -> None:
+    import copy
+    import pickle
+
+    light = load_tokenizer(MODELS / "arith-tiny")
+    for other in (pickle.loads(pickle.dumps(light)), copy.deepcopy(light)):
+        assert isinstance(other, LightTokenizer) and other._full is None
+        assert other.encode("12+34=") == light.encode("12+34=") == [3, 4, 12, 5, 6, 15]
+        assert other.decode([3, 4, 12]) == "12+" and other.eos_token_id == light.eos_token_id
+        assert other.pad_token == "<pad>" and other("1+2=")["input_ids"] == [3, 12, 4, 15]
 
 
 def test_feeder_and_scorer_load_the_default_tokenizer_without_transformers() -> None:
