@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from stages.light_tokenizer import LightTokenizer, load_tokenizer
 from stages.rollouts.api import Rollout, RolloutConfig, RolloutContext, resolve_rollout
 
 __all__ = ["RolloutRuntime"]
@@ -44,6 +45,10 @@ class RolloutRuntime:
         try:
             if name or config.tools or config.environment:
                 runtime.tokenizer = _load_tokenizer(name)
+                if isinstance(runtime.tokenizer, LightTokenizer) and not config.single_turn:
+                    # chats and tools are rendered by transformers: loaded now, not at the
+                    # first episode (a few seconds the event loop would stand still mid-run)
+                    runtime.tokenizer.full  # noqa: B018
             if config.tools:
                 from stages.rollouts.tools import ToolBox
 
@@ -112,7 +117,6 @@ def _load_tokenizer(name: str) -> Any:
             "folder whose tokenizer the engines use)"
         )
     from stages.hub import resolve_model
-    from stages.light_tokenizer import load_tokenizer
 
     path = resolve_model(name, what="tokenizer", needs="tokenizer")
     return load_tokenizer(path)  # transformers for a chat template, when one is rendered

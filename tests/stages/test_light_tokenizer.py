@@ -244,3 +244,25 @@ def test_feeder_and_scorer_load_the_default_tokenizer_without_transformers() -> 
     lines = out.stdout.strip().splitlines()
     assert lines[-3:-1] == ["True", "['12+']"]
     assert lines[-1] == "[]"
+
+
+async def test_a_multi_turn_rollout_has_its_chat_tokenizer_loaded_at_start() -> None:
+    """Episodes render chats with transformers: it is loaded when the rollouts start, not at
+    the first episode, when it would stop the event loop for seconds mid-run."""
+    import structlog
+
+    from stages.rollouts.api import RolloutConfig
+    from stages.rollouts.runtime import RolloutRuntime
+
+    config = RolloutConfig(
+        use="environment",
+        environment="tests.stages.test_learner_evaluate:Echo",
+        tokenizer=str(MODELS / "calc-chat-tiny"),
+        max_turns=2,
+    )
+    runtime = await RolloutRuntime.start(config, log=structlog.get_logger())
+    try:
+        assert isinstance(runtime.tokenizer, LightTokenizer)
+        assert runtime.tokenizer._full is not None
+    finally:
+        await runtime.aclose()
