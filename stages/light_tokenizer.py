@@ -20,8 +20,7 @@ model work at all (``python -c "from transformers import AutoTokenizer"``: 2.9 s
   it otherwise).
 
 Any other folder loads with ``transformers`` (``transformers_tokenizer``, as the engine loads
-it). A
-``LightTokenizer`` answers ``encode``, ``decode``, ``batch_decode``, ``get_vocab``,
+it). A ``LightTokenizer`` answers ``encode``, ``decode``, ``batch_decode``, ``get_vocab``,
 ``convert_ids_to_tokens``, the special tokens and their ids itself; anything else (a chat
 template, ``__call__``, ``save_pretrained``...) goes to the transformers tokenizer of the same
 folder, loaded the first time it is needed.
@@ -74,25 +73,42 @@ def load_tokenizer(path: str | Path) -> Any:
     """A ``LightTokenizer`` for ``path`` when it gives what transformers would (see above), else
     transformers' tokenizer. Raises ``OSError`` or ``ValueError`` for an unreadable folder."""
     path = Path(path)
-    if light_reason(path) is None:
-        return LightTokenizer(path)
+    reason, config, saved = _examine(path)
+    if reason is None:
+        return LightTokenizer(path, config, saved)
     return transformers_tokenizer(path)
 
 
 def light_reason(path: Path) -> str | None:
     """Why ``path`` needs transformers to load its tokenizer, or None when it does not."""
+    return _examine(Path(path))[0]
+
+
+def _examine(path: Path) -> tuple[str | None, dict[str, Any], str]:
+    """(why transformers is needed or None, the config with its special tokens map, the text of
+    ``tokenizer.json``): the folder is read once, for the check and for the tokenizer."""
     config_file, json_file = path / "tokenizer_config.json", path / "tokenizer.json"
     if not (config_file.is_file() and json_file.is_file()):
-        return "no tokenizer.json with a tokenizer_config.json"
+        return "no tokenizer.json with a tokenizer_config.json", {}, ""
     if (path / "added_tokens.json").is_file():
-        return "added_tokens.json"
+        return "added_tokens.json", {}, ""
+    special_map = path / "special_tokens_map.json"
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
-        saved = json.loads(json_file.read_text(encoding="utf-8"))
+        text = json_file.read_text(encoding="utf-8")
+        saved = json.loads(text)
+        special = (
+            json.loads(special_map.read_text(encoding="utf-8")) if special_map.is_file() else {}
+        )
     except (OSError, ValueError) as exc:
-        return f"unreadable: {exc}"
-    if not isinstance(config, dict) or not isinstance(saved, dict):
-        return "not JSON objects"
+        return f"unreadable: {exc}", {}, ""
+    if not all(isinstance(x, dict) for x in (config, saved, special)):
+        return "not JSON objects", {}, ""
+    config = {**special, **config}
+    return _reason(config, saved), config, text
+
+
+def _reason(config: dict[str, Any], saved: dict[str, Any]) -> str | None:
     if config.get("tokenizer_class") not in GENERIC_CLASSES:
         return f"tokenizer_class {config.get('tokenizer_class')!r}"
     if saved.get("padding") is not None or saved.get("truncation") is not None:
@@ -102,12 +118,6 @@ def light_reason(path: Path) -> str | None:
             return key
     if config.get("clean_up_tokenization_spaces"):
         return "clean_up_tokenization_spaces"
-    special_map = path / "special_tokens_map.json"
-    if special_map.is_file():
-        try:
-            config = {**json.loads(special_map.read_text(encoding="utf-8")), **config}
-        except (OSError, ValueError) as exc:
-            return f"unreadable special_tokens_map.json: {exc}"
     added = {t.get("content"): t for t in saved.get("added_tokens") or [] if isinstance(t, dict)}
     by_id = {t.get("id"): t for t in added.values()}
     for key, token in _named_tokens(config):
@@ -148,16 +158,12 @@ class LightTokenizer:
 
     is_fast = True
 
-    def __init__(self, path: Path) -> None:
-        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-        special_map = path / "special_tokens_map.json"
-        if special_map.is_file():
-            config = {**json.loads(special_map.read_text(encoding="utf-8")), **config}
+    def __init__(self, path: Path, config: dict[str, Any], saved: str) -> None:
+        """``config``: the tokenizer config with its special tokens map; ``saved``: the text of
+        ``tokenizer.json`` (``load_tokenizer`` has read both)."""
         self.name_or_path = str(path)
         self._path = path
-        self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self._tokenizer.no_padding()  # as transformers leaves a backend with none saved
-        self._tokenizer.no_truncation()
+        self._tokenizer = Tokenizer.from_str(saved)
         self._full: Any = None
         self._lock = threading.Lock()
         for key in _SPECIAL_KEYS:

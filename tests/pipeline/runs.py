@@ -14,6 +14,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def python_lines(code: str, timeout: float = 120) -> list[str]:
+    """What ``python -c CODE`` prints in a fresh interpreter at the repo root, line by line
+    (what a process imports, seen from outside); fails the test if it exits non-zero."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()
+
+
 def inflight_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", *args]
 

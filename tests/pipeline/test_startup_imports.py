@@ -3,11 +3,10 @@ once, and it checks a pipeline without importing what only running stages need."
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 from pipeline import registry
-from tests.pipeline.runs import REPO
+from tests.pipeline.runs import REPO, python_lines
 
 
 def test_entry_points_are_read_once_per_search_path(monkeypatch) -> None:
@@ -38,11 +37,7 @@ def test_checking_the_default_pipeline_imports_no_http_client_or_torch() -> None
         "assert main(['validate', 'configs/default.yaml']) == 0\n"
         "print(sorted(m for m in ('aiohttp', 'torch', 'transformers') if m in sys.modules))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert python_lines(code)[-1] == "[]"
 
 
 def test_a_stage_process_does_not_import_the_pipeline_loader() -> None:
@@ -56,8 +51,4 @@ def test_a_stage_process_does_not_import_the_pipeline_loader() -> None:
         "from pipeline.config import STAGE_KEYS, ConfigError, dump_yaml, load_pipeline\n"
         "print(callable(load_pipeline) and callable(dump_yaml) and 'use' in STAGE_KEYS)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-2:] == ["[]", "True"]
+    assert python_lines(code)[-2:] == ["[]", "True"]

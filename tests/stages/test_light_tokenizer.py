@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from stages.light_tokenizer import (
     load_tokenizer,
     transformers_tokenizer,
 )
-from tests.pipeline.runs import REPO
+from tests.pipeline.runs import REPO, python_lines
 
 MODELS = REPO / "configs" / "models"
 SHIPPED = sorted(p.name for p in MODELS.iterdir() if (p / "tokenizer.json").is_file())
@@ -237,11 +235,7 @@ def test_feeder_and_scorer_load_the_default_tokenizer_without_transformers() -> 
         "print(batch_decoder(tok)([[3, 4, 12]], True))\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()
+    lines = python_lines(code)
     assert lines[-3:-1] == ["True", "['12+']"]
     assert lines[-1] == "[]"
 
