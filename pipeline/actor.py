@@ -428,7 +428,12 @@ class _Replica:
         return code
 
     async def _setup_and_run(self, stage: Any) -> None:
-        await stage.setup()
+        heap.hold()  # no full collections while setup loads libraries and models
+        try:
+            await stage.setup()
+        except BaseException:
+            heap.release()
+            raise
         adopt_library_loggers()  # setup may have imported transformers, which logs on its own
         heap.settle()  # what setup loaded stays: later collections skip it
         self.log.info(

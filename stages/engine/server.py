@@ -822,6 +822,7 @@ def main(argv: list[str] | None = None) -> int:
             console=True,
         )
     torch.manual_seed(args.seed)
+    heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     except (OSError, ValueError) as exc:

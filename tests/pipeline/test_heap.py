@@ -16,6 +16,7 @@ def restored_gc() -> Iterator[None]:
     yield
     gc.unfreeze()
     gc.set_threshold(*threshold)
+    heap._holds, heap._oldest = 0, None
 
 
 def test_settle_freezes_what_setup_left_and_spaces_young_collections(restored_gc: None) -> None:
@@ -70,3 +71,52 @@ def test_resettle_frees_cycles_that_became_garbage_while_frozen(restored_gc: Non
     heap.resettle()  # what the host does when a replica fails
     gc.unfreeze()
     assert not any(isinstance(obj, Held) for obj in gc.get_objects())
+
+
+def test_no_full_collections_while_replicas_set_up(restored_gc: None) -> None:
+    full: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    gc.set_threshold(700, 10, 10)  # Python's defaults
+    gc.callbacks.append(count)
+    try:
+        heap.hold()  # two replicas of one process set up (the shared process's)
+        heap.hold()
+        loaded = [[i] for i in range(300_000)]  # a library's worth of containers
+        assert full == []  # with Python's settings: several full collections
+        heap.settle()  # the first is up: the second still holds
+        assert gc.get_threshold()[2] > 10
+        more = [[i] for i in range(100_000)]
+        assert full == []
+        heap.settle()  # all up: full collections come back, young ones spaced out
+        assert gc.get_threshold() == (heap.YOUNG_THRESHOLD, 10, 10)
+        assert gc.get_freeze_count() >= len(loaded) + len(more)
+    finally:
+        gc.callbacks.remove(count)
+
+
+def test_a_failed_setup_releases_its_hold(restored_gc: None) -> None:
+    gc.set_threshold(700, 10, 10)
+    heap.hold()
+    assert gc.get_threshold()[2] > 10
+    heap.release()  # setup raised: nothing frozen, Python's full collections back
+    assert gc.get_threshold()[2] == 10
+
+
+def test_without_hold_the_defaults_are_full_collections_as_python(restored_gc: None) -> None:
+    gc.set_threshold(700, 10, 10)
+    full: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    gc.callbacks.append(count)
+    try:
+        loaded = [[i] for i in range(300_000)]
+    finally:
+        gc.callbacks.remove(count)
+    assert len(loaded) and full  # what the hold saves
