@@ -139,6 +139,13 @@ class EvalConfig:
     )
     max_new_tokens: int = _f(64, "greedy decoding length", min=1)
     correct_at: float = _f(1.0, "a reward at least this counts as correct (accuracy)")
+    workers: int = _f(
+        1,
+        "reward worker processes scoring the answers (bounded by 30 s a call); 0: the functions "
+        "run in the learner's event loop (cheap functions you trust, such as the built-in ones: "
+        "no process to start, which the learner otherwise waits for before its first step)",
+        min=0,
+    )
     concurrency: int = _f(64, "eval requests in flight", min=1)
     rollout: RolloutConfig | None = field(
         default=None,

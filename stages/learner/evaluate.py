@@ -69,7 +69,7 @@ class Evaluator:
         self.prompts = spread(prompts, config.max_prompts)
         self.tokenizer = tokenizer
         self.log = log
-        self.runner = RewardRunner(config.rewards, workers=1, timeout_s=30.0, log=log)
+        self.runner = RewardRunner(config.rewards, workers=config.workers, timeout_s=30.0, log=log)
         self.history: list[dict[str, Any]] = []
         self.batched = True  # False once an engine refused a batched request
         self.batch_refusals = 0

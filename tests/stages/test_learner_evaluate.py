@@ -10,6 +10,7 @@ engine and SGLang both take batches) gets one prompt per request from then on, s
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,6 +102,28 @@ def test_batched_evaluation_gives_the_answers_of_single_requests(
     assert result["batched"] is True and result["failed"] == 0
     assert result["accuracy"] == 0.5
     assert result["versions"] == [0]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_answers_are_scored_in_the_event_loop_or_by_a_worker(
+    model_dir: Path, engine_url: str, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    tokenizer = transformers_tokenizer(model_dir)
+    children: list[int] = []
+    real_arguments = evaluate_module.reward_arguments
+
+    def remember(tokenizer: Any, prompts: Any, samples: Any) -> dict[str, list]:
+        children.append(len(multiprocessing.active_children()))
+        return real_arguments(tokenizer, prompts, samples)
+
+    monkeypatch.setattr(evaluate_module, "reward_arguments", remember)
+    config = _config(concurrency=40, workers=workers)
+    evaluator = Evaluator(config, _prompts(40), tokenizer, structlog.get_logger())
+    result = asyncio.run(_evaluate(evaluator, [engine_url]))
+    assert result["failed"] == 0 and 0.0 <= result["accuracy"] <= 1.0
+    # workers 0 (the default config's): no process started for built-in rewards
+    assert children == [workers]
+    assert multiprocessing.active_children() == []
 
 
 async def _refusing_engine(seen: list[str], finish: str = "stop") -> web.AppRunner:
