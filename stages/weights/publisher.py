@@ -7,7 +7,11 @@ joins as rank 0 in a thread: rank 0 hosts the rendezvous store and waits for eve
 side can go first. ``publish()`` then sends the weights bucket by bucket: for each bucket it POSTs
 ``/update_weights_from_distributed`` to every engine, broadcasts in a thread, and awaits all the
 answers (an engine answers once it has loaded the bucket). The version is live when the last
-bucket has landed.
+bucket has landed: for weights given as a list (their buckets counted before the first is sent),
+the last bucket's request carries it (SGLang's ``weight_version`` field: the engine sets it once
+that bucket is loaded), else a ``POST /update_weight_version`` follows the last bucket, one more
+round trip on the way of every update (the weights arrive through a callable, a ZeRO-3 gather, whose
+buckets are known only as they come).
 
 Blocking collectives run in daemon threads, so a broadcast stuck on a dead engine can neither
 block the event loop nor keep the process alive at exit; it ends at the group's ``timeout_s``.
@@ -188,14 +192,23 @@ class WeightPublisher:
         group = self._usable_group()
         self._base = base_version
         groups: Iterable[NamedTensors] = weights() if callable(weights) else [weights]
+        # The version goes live once every bucket has landed: tokens decoded while buckets were
+        # still arriving keep the old version, which only overstates their lag. Known buckets:
+        # the last one carries it.
+        total = (
+            sum(1 for _ in group_by_size(weights, self.bucket_bytes))
+            if isinstance(weights, Sequence)
+            else None
+        )
         started = time.perf_counter()
         buckets = nbytes = 0
         if self.load_format == "flattened_bucket":
-            buckets, nbytes = await self._publish_flattened(group, groups, version)
+            buckets, nbytes = await self._publish_flattened(group, groups, version, total)
         else:
             for named_tensors in groups:
                 for chunk in group_by_size(self._on_wire_device(named_tensors), self.bucket_bytes):
                     tensors = [t.detach().contiguous() for _, t in chunk]
+                    buckets += 1
                     await self._send(
                         group,
                         [name for name, _ in chunk],
@@ -203,22 +216,21 @@ class WeightPublisher:
                         [list(t.shape) for t in tensors],
                         tensors,
                         version,
+                        live=buckets == total,
                     )
-                    buckets += 1
                     nbytes += sum(t.numel() * t.element_size() for t in tensors)
-        # The version goes live once every bucket has landed: tokens decoded while buckets were
-        # still arriving keep the old version, which only overstates their lag.
-        await asyncio.gather(
-            *(
-                self._post(
-                    url,
-                    "/update_weight_version",
-                    # SGLang's default aborts every request: in-flight updates must not
-                    {"new_version": str(version), "abort_all_requests": False},
+        if not buckets or buckets != total:
+            await asyncio.gather(
+                *(
+                    self._post(
+                        url,
+                        "/update_weight_version",
+                        # SGLang's default aborts every request: in-flight updates must not
+                        {"new_version": str(version), "abort_all_requests": False},
+                    )
+                    for url in self.engine_urls
                 )
-                for url in self.engine_urls
             )
-        )
         stats = PublishStats(
             version=version, buckets=buckets, bytes=nbytes, seconds=time.perf_counter() - started
         )
@@ -234,7 +246,11 @@ class WeightPublisher:
         return stats
 
     async def _publish_flattened(
-        self, group: WeightGroup, groups: Iterable[NamedTensors], version: int
+        self,
+        group: WeightGroup,
+        groups: Iterable[NamedTensors],
+        version: int,
+        total: int | None,
     ) -> tuple[int, int]:
         def all_buckets() -> Iterator[Bucket]:
             for named_tensors in groups:
@@ -249,10 +265,16 @@ class WeightPublisher:
         try:
             while (bucket := await ahead) is not None:
                 ahead = _in_daemon_thread(lambda: next(packer, None), name="weight-pack")
-                await self._send(
-                    group, bucket.names, bucket.dtypes, bucket.shapes, [bucket.flat], version
-                )
                 buckets += 1
+                await self._send(
+                    group,
+                    bucket.names,
+                    bucket.dtypes,
+                    bucket.shapes,
+                    [bucket.flat],
+                    version,
+                    live=buckets == total,
+                )
                 nbytes += bucket.nbytes
         except BaseException:
             # Leave the source at rest before handing the failure on (the packer may be inside
@@ -294,16 +316,20 @@ class WeightPublisher:
         shapes: list[list[int]],
         tensors: list[torch.Tensor],
         version: int,
+        *,
+        live: bool = False,
     ) -> None:
-        payload = {
+        """One bucket to every engine; ``live``: the last, which makes ``version`` current."""
+        payload: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
             "shapes": shapes,
             "group_name": self.group_name,
             "flush_cache": False,
-            # no weight_version here: the version goes live with the last bucket (below)
             "load_format": self.load_format,
         }
+        if live:
+            payload["weight_version"] = str(version)
         if self._base is not None:
             payload["base_version"] = str(self._base)
         # The POSTs go out first; each engine then blocks in its side of the broadcast.

@@ -2,8 +2,10 @@
 
 Each engine is a minimal aiohttp server in its own spawned process wrapping a ``WeightReceiver``,
 answering ``/init_weights_update_group`` and ``/update_weights_from_distributed`` with SGLang's
-request and response shapes (``{success, message}``, HTTP 400 on failure). A test-only
-``GET /weights_digest`` reports what each engine holds, as sha256 of the raw bytes. A tensor
+request and response shapes (``{success, message}``, HTTP 400 on failure), and
+``/update_weight_version``; like SGLang, an update that names a ``weight_version`` makes it
+current once its bucket is loaded. A test-only ``GET /weights_digest`` reports what each engine
+holds, as sha256 of the raw bytes, and the requests it got that set a version. A tensor
 named ``<engine>.refuse`` or ``<engine>.fail_after_receive`` makes that engine fail its request
 before or after taking part in the broadcast.
 """
@@ -43,7 +45,7 @@ def _failure(message: str) -> web.Response:
 
 async def _engine(name: str, conn: Any) -> None:
     receivers: dict[str, WeightReceiver] = {}
-    held: dict[str, Any] = {"weights": {}, "weight_version": None}
+    held: dict[str, Any] = {"weights": {}, "weight_version": None, "version_set_by": []}
 
     async def init_group(request: web.Request) -> web.Response:
         body = await request.json()
@@ -80,10 +82,14 @@ async def _engine(name: str, conn: Any) -> None:
         if f"{name}.fail_after_receive" in names:
             return _failure(f"{name} could not load the bucket")
         held["weights"].update({n: _digest(t) for n, t in got})
+        if body.get("weight_version") is not None:  # SGLang: set after this update
+            held["weight_version"] = str(body["weight_version"])
+            held["version_set_by"].append("update_weights_from_distributed")
         return web.json_response({"success": True, "message": "Succeeded."})
 
     async def set_version(request: web.Request) -> web.Response:
         held["weight_version"] = (await request.json())["new_version"]
+        held["version_set_by"].append("update_weight_version")
         return web.json_response({"success": True, "message": "Succeeded."})
 
     async def digest(_: web.Request) -> web.Response:
@@ -194,6 +200,29 @@ async def test_per_tensor_broadcasts_from_a_bucket_wise_source(engines: list[str
         stats = await pub.publish(zero3_style, version=7)
         assert gathered == [0, 4, 8] and stats.buckets == 3
         await _assert_engines_hold(engines, weights, 7)
+    finally:
+        await pub.close()
+
+
+async def test_a_listed_sources_last_bucket_carries_the_version(engines: list[str]) -> None:
+    """Weights given as a list: their buckets are counted first and the last bucket's request
+    makes the version current (no /update_weight_version round trip); a callable source, whose
+    buckets come as they are gathered, still ends with one."""
+    pub = WeightPublisher(engines, group_name="t_live", bucket_mb=8 / 1024, timeout_s=20)
+    try:
+        await pub.connect()
+        before = [len((await _held(url))["version_set_by"]) for url in engines]
+        weights = _model(seed=5)
+        stats = await pub.publish(weights, version=11)
+        assert stats.buckets >= 3
+        await _assert_engines_hold(engines, weights, 11)
+        for url, n in zip(engines, before, strict=True):
+            assert (await _held(url))["version_set_by"][n:] == ["update_weights_from_distributed"]
+        weights = _model(seed=6)
+        await pub.publish(lambda: [weights], version=12)
+        await _assert_engines_hold(engines, weights, 12)
+        for url, n in zip(engines, before, strict=True):
+            assert (await _held(url))["version_set_by"][n + 1 :] == ["update_weight_version"]
     finally:
         await pub.close()
 
