@@ -274,7 +274,10 @@ class Learner:
         while self.step < cfg.steps:
             waited = time.monotonic()
             samples = await self._collect()
-            go_on = await asyncio.to_thread(self.trainer.agree, bool(samples))
+            # several ranks agree in a collective (a thread); one rank has only its own say
+            go_on = bool(samples)
+            if self.trainer.world > 1:
+                go_on = await asyncio.to_thread(self.trainer.agree, go_on)
             if not go_on:
                 self.log.warning("input_ended", step=self.step, steps=cfg.steps)
                 break

@@ -132,7 +132,7 @@ def _learner(
         events.append((time.monotonic(), *what))
 
     class Trainer:
-        rank, device = 0, torch.device("cpu")
+        rank, world, device = 0, 1, torch.device("cpu")
 
         def setup(self) -> None:
             note("trainer_ready")
