@@ -647,8 +647,8 @@ class Scheduler:
     ) -> None:
         start = time.perf_counter()
         count = load_named_tensors(self.model, named_tensors)
-        if version is not None:
-            self._set_version(str(version), quiet=True)
+        if version is not None:  # the update's weight_version (its last bucket's): live now
+            self._set_version(str(version))
         log.debug(  # every update: `--log-level debug` (or the run's log_level) to see them
             "weights_applied",
             version=self._version,
@@ -657,7 +657,7 @@ class Scheduler:
             running=len(self._running),
         )
 
-    def _set_version(self, version: str, *, quiet: bool = False) -> None:
+    def _set_version(self, version: str) -> None:
         if version != self._version:
             clock = self._kv.end
             if self._vkeys[-1] == clock:
@@ -673,8 +673,7 @@ class Scheduler:
                 dropped = self._prefix.age_out(self._version_index)
                 if dropped:
                     log.debug("prefix_cache_aged_out", tokens=dropped, weight_version=version)
-        if not quiet:
-            log.debug("weight_version_set", weight_version=version)
+        log.debug("weight_version_set", weight_version=version)
 
     def _flush_prefixes(self) -> int:
         dropped = self._prefix.flush() if self._prefix is not None else 0

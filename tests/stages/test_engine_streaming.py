@@ -195,12 +195,18 @@ def test_a_stream_interval_sends_the_first_token_then_one_chunk_every_k(engine: 
     whole = engine.generate(body)
     for k in (3, 4):
         params = {**body["sampling_params"], "stream_interval": k}
-        _, events = _events(engine, {**body, "sampling_params": params, "stream": True})
-        assert events[-1] == "[DONE]"
-        *partial, last = events[:-1]
-        counts = [chunk["meta_info"]["completion_tokens"] for chunk in partial]
-        # chunks that pile up while the client reads merge into the newest: never another count
-        assert counts and all(n % k == 1 for n in counts), (k, counts)
+        for _attempt in range(5):
+            _, events = _events(engine, {**body, "sampling_params": params, "stream": True})
+            assert events[-1] == "[DONE]"
+            *partial, last = events[:-1]
+            counts = [chunk["meta_info"]["completion_tokens"] for chunk in partial]
+            # chunks that pile up while the client reads merge into the newest: never another
+            # count; on a loaded machine all 11 tokens may be done before the first chunk is
+            # written, and then the last chunk is the only one (asked again)
+            assert all(n % k == 1 for n in counts), (k, counts)
+            if counts:
+                break
+        assert counts, k
         assert counts == sorted(set(counts))
         for chunk in partial:  # every token sampled so far, held ones included
             assert chunk["output_ids"] == whole["output_ids"][: len(chunk["output_ids"])]
