@@ -120,6 +120,11 @@ class Learner:
         # received groups not yet processed (see _samples_of)
         self._open: dict[int, list[Any]] = {}
         self._parts: deque[_Part] = deque()  # the groups of a scored_batch not yet taken
+        # groups read while the last step trained (see _train), and their samples' count
+        self._ready: deque[list[TrainSample]] = deque()
+        self._ready_n = 0
+        # set while the training thread runs a backward pass (Trainer.on_backward)
+        self._backward_running: asyncio.Event | None = None
         # resumed: uid -> sample indexes of a group that are in the checkpoint already
         self._partial: dict[str, set[int]] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()  # uids of groups taken (copies)
@@ -155,6 +160,12 @@ class Learner:
             raise RuntimeError(
                 f"learner replica {self.rank} became torch.distributed rank {self.trainer.rank}: "
                 "start the learner's replicas as one gang (RANK = replica)"
+            )
+        if hasattr(self.trainer, "on_backward"):  # the next groups are read meanwhile (_train)
+            loop, running = asyncio.get_running_loop(), asyncio.Event()
+            self._backward_running = running
+            self.trainer.on_backward = lambda on: loop.call_soon_threadsafe(
+                running.set if on else running.clear
             )
         if self.rank == 0:
             from stages.learner.publishing import Publishing
@@ -284,7 +295,7 @@ class Learner:
             policy_version = self.step // cfg.publish.every + self.offset
             # time this step waited for samples, and for the last publish (hand-off included)
             timing = {"wait_s": time.monotonic() - waited, "publish_s": publish_s}
-            metrics = await asyncio.to_thread(self.trainer.step, samples, policy_version)
+            metrics = await self._train(samples, policy_version)
             self.step += 1
             fates: dict[str, list[TrainSample]] = {TRAINED: [], NO_SIGNAL: []}
             for s in samples:
@@ -312,7 +323,22 @@ class Learner:
         samples, self._carry = self._fresh(self._carry), []
         hungry = False
         taken, limit = len(samples), self.config.max_oversample * self.share
-        while len(samples) < self.share and not self._input_done:
+        while len(samples) < self.share:
+            if self._ready:  # read during the last step: stale by now perhaps
+                if self._look_due():  # as _next_message would before taking it
+                    await self._look_at_engines()
+                group = self._ready.popleft()
+                self._ready_n -= len(group)
+                group = self._fresh(group)
+                taken += len(group)
+                no_signal = not any(s.carries_signal for s in group)
+                if self.config.dynamic_sampling and group and no_signal and taken <= limit:
+                    self._set_aside(group)
+                    continue
+                samples.extend(group)
+                continue
+            if self._input_done:
+                break
             if (
                 not hungry
                 and self.ctx.replicas > 1
@@ -337,6 +363,81 @@ class Learner:
             samples.extend(group)
         self._carry = samples[self.share :]
         return samples[: self.share]
+
+    async def _train(self, samples: list[TrainSample], policy_version: int) -> dict[str, Any]:
+        """One step in the training thread. Meanwhile the loop reads the groups that arrive
+        (parses them, computes their advantages): up to a batch of them, which the next step
+        then finds ready instead of reading them after this one, while the model waits. A
+        trainer that says when its backward passes run (``on_backward``) gets them read then
+        only: the rest of a step holds the GIL between small operators, and Python run beside
+        it costs the step about twice its own time. Their freshness is looked at again when
+        they are taken: the version moves with this step."""
+        training = asyncio.ensure_future(
+            asyncio.to_thread(self.trainer.step, samples, policy_version)
+        )
+        inbox = self.ctx.inputs["groups"]
+        if getattr(inbox, "waiting", None) is None:  # a port that cannot say what is there
+            return await training
+        free = self._backward_running
+        pending: Any = None  # received, not read yet
+        receiving: asyncio.Future | None = None
+        opening: asyncio.Future | None = None
+        try:
+            while not training.done():
+                if free is None or free.is_set():
+                    if pending is not None:
+                        self._take_ahead(pending)
+                        pending = None
+                    if not self._read_ahead(inbox):
+                        break  # a batch is read
+                waits: set[asyncio.Future] = {training}
+                if pending is None:
+                    receiving = receiving or asyncio.ensure_future(anext(self._groups))
+                    waits.add(receiving)
+                if free is not None and not free.is_set():
+                    opening = opening or asyncio.ensure_future(free.wait())
+                    waits.add(opening)
+                await asyncio.wait(waits, return_when=FIRST_COMPLETED)
+                if opening is not None and opening.done():
+                    opening = None
+                if receiving is not None and receiving.done():
+                    try:
+                        pending = receiving.result()
+                    except Exception:  # the input ended or failed: the next _collect finds out
+                        break
+                    finally:
+                        receiving = None
+        finally:
+            for waiting in (receiving, opening):
+                if waiting is not None:
+                    waiting.cancel()
+        metrics = await training
+        if pending is not None:
+            self._take_ahead(pending)
+        return metrics
+
+    def _read_ahead(self, inbox: Any) -> bool:
+        """Read what waits (a batch's worth at most); whether there is room for more."""
+        while self._ready_n + len(self._carry) < self.share:
+            if self._parts:
+                self._ready_group(self._parts.popleft())
+            elif inbox.waiting() > 0:
+                self._take_ahead(inbox.take())
+            else:
+                return True
+        return False
+
+    def _take_ahead(self, msg: Any) -> None:
+        if msg.kind != SCORED_BATCH.kind:
+            self._ready_group(msg)
+        else:
+            self._parts.extend(self._parts_of(msg))
+
+    def _ready_group(self, msg: Any) -> None:
+        group = self._samples_of(msg)
+        if group:
+            self._ready.append(group)
+            self._ready_n += len(group)
 
     def _set_aside(self, group: list[TrainSample]) -> None:
         """Dynamic sampling: a group whose rewards are all equal stays out of the step; it is
@@ -395,11 +496,7 @@ class Learner:
         inbox = self.ctx.inputs["groups"]
         if getattr(inbox, "waiting", None) is not None and inbox.waiting() > 0:
             # one is there already: no task to wait for it, unless the engines need a look
-            engines = self._engines_task
-            if engines is None or not engines.done():
-                return inbox.take()
-            healthy = not engines.cancelled() and engines.exception() is None
-            if healthy and time.monotonic() - self._checked_at < _CATCH_UP_S:
+            if not self._look_due():
                 return inbox.take()
         receiving = asyncio.ensure_future(anext(self._groups))
         try:
@@ -415,20 +512,38 @@ class Learner:
                     await asyncio.wait(waits, timeout=timeout, return_when=FIRST_COMPLETED)
                     ready = engines is not None and engines.done()
                 if ready:
-                    assert engines is not None
-                    if not engines.cancelled() and engines.exception() is not None:
-                        engines.result()  # raises: no engines, no samples and no publishing
-                    # also while groups keep coming: they may all be stale, from an engine
-                    # that lost the weights, and would keep coming for ever
-                    if time.monotonic() - self._checked_at >= _CATCH_UP_S:
-                        self._checked_at = time.monotonic()
-                        await self._catch_up()
+                    await self._look_at_engines()
                 if receiving.done():
                     break
         except BaseException:
             receiving.cancel()
             raise
         return receiving.result()
+
+    def _look_due(self) -> bool:
+        """Rank 0: whether the engines need a look now (``_look_at_engines``)."""
+        engines = self._engines_task
+        if self.rank != 0 or engines is None or not engines.done():
+            return False
+        healthy = not engines.cancelled() and engines.exception() is None
+        return not healthy or time.monotonic() - self._checked_at >= _CATCH_UP_S
+
+    async def _look_at_engines(self) -> None:
+        """Rank 0, once looking for the engines has ended: fail if it failed, and catch them
+        up when due (at most every ``_CATCH_UP_S``), also while groups keep coming: they may
+        all be stale, from an engine that lost the weights, and would keep coming for ever."""
+        engines = self._engines_task
+        assert engines is not None and engines.done()
+        if not engines.cancelled() and engines.exception() is not None:
+            engines.result()  # raises: no engines, no samples and no publishing
+        if time.monotonic() - self._checked_at >= _CATCH_UP_S:
+            publishing = self._publish_task
+            if publishing is not None and not publishing.done():
+                # its outcome decides: when groups were read during the last step, a publish
+                # is always in flight here and the look would never be taken
+                await asyncio.wait({publishing})
+            self._checked_at = time.monotonic()
+            await self._catch_up()
 
     async def _catch_up(self) -> None:
         """Rank 0, between steps: send the current weights to engines that lack them.

@@ -43,7 +43,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -157,6 +157,10 @@ class Trainer:
         self.ref_model: torch.nn.Module | None = None
         self.pad_id = 0
         self._snapshot: dict[str, torch.Tensor] = {}
+        # called with True as a backward pass starts and False when it ends: autograd runs it
+        # without the GIL, so other threads' Python then costs this one nothing (the learner
+        # reads the next step's groups meanwhile)
+        self.on_backward: Callable[[bool], None] | None = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -293,6 +297,17 @@ class Trainer:
         return int(self._all_reduce([float(n)], dist.ReduceOp.MAX)[0])
 
     # ------------------------------------------------------------------- step
+    def _backward(self, loss: torch.Tensor) -> None:
+        notify = self.on_backward
+        if notify is None:
+            self.engine.backward(loss, scale_wrt_gas=False)
+            return
+        notify(True)
+        try:
+            self.engine.backward(loss, scale_wrt_gas=False)
+        finally:
+            notify(False)
+
     def _empty_pass(self, *, grad: bool) -> None:
         """A forward (and backward) over one pad token with zero loss: keeps ranks in step."""
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
@@ -388,7 +403,7 @@ class Trainer:
                     loss = torch.zeros((), device=self.device, requires_grad=True)
                     self._empty_pass(grad=True)
                 else:
-                    self.engine.backward(loss, scale_wrt_gas=False)
+                    self._backward(loss)
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
                 entropy_sum += entropy

@@ -423,3 +423,105 @@ def test_the_groups_of_a_scored_batch_train_and_it_is_acknowledged_once_with_its
     assert sorted((u, i) for r in trained for u, _, i in r["fates"]) == sorted(
         (f"feeder.0:{n}", i) for n in "abcdef" for i in range(4)
     )
+
+
+def _reads(learner: Learner, events: list) -> None:
+    """Note each group the learner reads (parses, computes advantages for)."""
+    read = learner._samples_of
+
+    def noted(msg: Any) -> Any:
+        note = msg.data["group_id"] if isinstance(msg, Message) else msg
+        events.append((time.monotonic(), "read", note))
+        return read(msg)
+
+    learner._samples_of = noted
+
+
+def test_the_next_steps_groups_are_read_while_a_step_trains_and_no_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups waiting when a step starts are read in the event loop while the training thread
+    runs it (the next step need not read them while the model waits): a batch's worth (2
+    groups of 4 here), not everything the inbox holds."""
+    events: list = []
+    inbox = _Inbox(_groups(8))
+    learner = _learner(tmp_path, inbox, events, monkeypatch)
+    _reads(learner, events)
+
+    async def go() -> None:
+        await learner.setup()
+        await learner.run()
+        await learner.close()
+
+    asyncio.run(go())
+    order = [e[1:] for e in sorted(events, key=lambda e: e[0])]
+    first_end = order.index(("step", 0))
+    before = [o[1] for o in order[:first_end] if o[0] == "read"]
+    assert before == ["g0", "g1", "g2", "g3"]  # the second step's groups: during the first
+    assert [o[1] for o in order if o[0] == "read"] == [f"g{i}" for i in range(8)]
+    assert learner.ctx.stopped == "trained 3 steps"
+    assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]  # g6, g7: never trained
+
+
+def test_groups_read_during_a_step_are_looked_at_again_for_staleness_when_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``max_lag: 0`` the groups of version 0 read during the first step were fresh then
+    and are stale after it: dropped as stale when the second step takes them, and counted."""
+    events: list = []
+    inbox = _Inbox(_groups(4), then_block=False)
+    learner = _learner(tmp_path, inbox, events, monkeypatch)
+    learner.config.max_lag = 0
+    _reads(learner, events)
+
+    async def go() -> None:
+        await learner.setup()
+        await learner.run()
+        await learner.close()
+
+    asyncio.run(go())
+    order = [e[1:] for e in sorted(events, key=lambda e: e[0])]
+    before = order[: order.index(("step", 0))]
+    assert [o[1] for o in before if o[0] == "read"] == ["g0", "g1", "g2", "g3"]
+    assert learner.counts["stale"] == 8  # both groups' samples
+    assert [o for o in order if o[0] == "step"] == [("step", 0)]  # nothing fresh came after
+    assert sorted(inbox.acked) == [f"g{i}" for i in range(4)]  # the stale ones too: processed
+
+
+def test_a_trainer_that_says_when_it_runs_backward_gets_the_next_groups_read_then_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside the rest of a step, Python in the event loop would take the GIL from the training
+    thread between its small operators; a backward pass runs without it."""
+    events: list = []
+    inbox = _Inbox(_groups(6))
+    learner = _learner(tmp_path, inbox, events, monkeypatch)
+    _reads(learner, events)
+    trainer = learner.trainer
+    trainer.on_backward = None  # the learner sets it up (Trainer's attribute)
+    plain = trainer.step
+
+    def step(samples: list, policy_version: int) -> dict[str, Any]:
+        time.sleep(0.03)  # the forward pass: groups waiting are not read yet
+        events.append((time.monotonic(), "backward", policy_version))
+        trainer.on_backward(True)
+        time.sleep(0.03)
+        trainer.on_backward(False)
+        events.append((time.monotonic(), "backward_end", policy_version))
+        return plain(samples, policy_version)
+
+    trainer.step = step
+
+    async def go() -> None:
+        await learner.setup()
+        await learner.run()
+        await learner.close()
+
+    asyncio.run(go())
+    order = [e[1:] for e in sorted(events, key=lambda e: e[0])]
+    window = order[order.index(("backward", 0)) : order.index(("backward_end", 0))]
+    assert [o[1] for o in window if o[0] == "read"] == ["g2", "g3"]
+    before = order[: order.index(("backward", 0))]
+    assert [o[1] for o in before if o[0] == "read"] == ["g0", "g1"]
+    assert learner.ctx.stopped == "trained 3 steps"
+    assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
