@@ -164,9 +164,14 @@ class Learner:
         if hasattr(self.trainer, "on_backward"):  # the next groups are read meanwhile (_train)
             loop, running = asyncio.get_running_loop(), asyncio.Event()
             self._backward_running = running
-            self.trainer.on_backward = lambda on: loop.call_soon_threadsafe(
-                running.set if on else running.clear
-            )
+
+            def on_backward(on: bool) -> None:  # in the training thread
+                try:
+                    loop.call_soon_threadsafe(running.set if on else running.clear)
+                except RuntimeError:  # the loop closed under a step left behind: no one reads
+                    pass
+
+            self.trainer.on_backward = on_backward
         if self.rank == 0:
             from stages.learner.publishing import Publishing
 
