@@ -335,31 +335,25 @@ class Learner:
                 group = self._ready.popleft()
                 self._ready_n -= len(group)
                 group = self._fresh(group)
-                taken += len(group)
-                no_signal = not any(s.carries_signal for s in group)
-                if self.config.dynamic_sampling and group and no_signal and taken <= limit:
-                    self._set_aside(group)
-                    continue
-                samples.extend(group)
-                continue
-            if self._input_done:
-                break
-            if (
-                not hungry
-                and self.ctx.replicas > 1
-                and not self._parts
-                and _inbox_empty(self.ctx.inputs["groups"])
-            ):
-                # several ranks: this one may wait for samples while another holds more than its
-                # share; the generators' queue gate then lets one batch more through
-                hungry = True
-                await self._publish_pace(hungry=True)
-            try:
-                msg = await self._next_group()
-            except StopAsyncIteration:
-                self._input_done = True
-                break
-            group = self._samples_of(msg)
+            else:
+                if self._input_done:
+                    break
+                if (
+                    not hungry
+                    and self.ctx.replicas > 1
+                    and not self._parts
+                    and _inbox_empty(self.ctx.inputs["groups"])
+                ):
+                    # several ranks: this one may wait for samples while another holds more
+                    # than its share; the generators' queue gate then lets one batch more through
+                    hungry = True
+                    await self._publish_pace(hungry=True)
+                try:
+                    msg = await self._next_group()
+                except StopAsyncIteration:
+                    self._input_done = True
+                    break
+                group = self._samples_of(msg)
             taken += len(group)
             no_signal = not any(s.carries_signal for s in group)
             if self.config.dynamic_sampling and group and no_signal and taken <= limit:

@@ -301,10 +301,7 @@ class Trainer:
 
     # ------------------------------------------------------------------- step
     def _backward(self, loss: torch.Tensor) -> None:
-        notify = self.on_backward
-        if notify is None:
-            self.engine.backward(loss, scale_wrt_gas=False)
-            return
+        notify = self.on_backward or (lambda on: None)
         notify(True)
         try:
             self.engine.backward(loss, scale_wrt_gas=False)

@@ -223,12 +223,8 @@ def _learner(
     return learner
 
 
-def test_first_evaluation_ends_before_the_first_publish_but_does_not_hold_up_training(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    events: list = []
-    inbox = _Inbox(_groups(6))
-    learner = _learner(tmp_path, inbox, events, monkeypatch)
+def _run(learner: Learner) -> None:
+    """Set up, run and close ``learner``, as its replica does."""
 
     async def go() -> None:
         await learner.setup()
@@ -236,6 +232,16 @@ def test_first_evaluation_ends_before_the_first_publish_but_does_not_hold_up_tra
         await learner.close()
 
     asyncio.run(go())
+
+
+def test_first_evaluation_ends_before_the_first_publish_but_does_not_hold_up_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list = []
+    inbox = _Inbox(_groups(6))
+    learner = _learner(tmp_path, inbox, events, monkeypatch)
+
+    _run(learner)
     order = [e[1:] for e in sorted(events, key=lambda e: e[0])]
     names = [o[0] for o in order]
     assert ("eval_start", 0, 0) in order
@@ -307,12 +313,7 @@ def test_the_learner_reports_its_pace_at_the_start_and_after_each_step(
     inbox = _Inbox(groups)
     learner = _learner(tmp_path, inbox, [], monkeypatch)  # 8 samples (2 groups) a step, 3 steps
 
-    async def go() -> None:
-        await learner.setup()
-        await learner.run()
-        await learner.close()
-
-    asyncio.run(go())
+    _run(learner)
     reports = [p for t, p in learner.ctx.published if t == topics.PACE]
     assert [r["version"] for r in reports] == [0, 1, 2, 3]
     assert [r["origins"] for r in reports] == [1, 2, 2, 2]  # none seen before the first step
@@ -343,12 +344,7 @@ def test_a_learner_waiting_for_samples_sends_the_current_weights_to_engines_that
 
     learner = _learner(tmp_path, inbox, events, monkeypatch, behind=behind)
 
-    async def go() -> None:
-        await learner.setup()
-        await learner.run()
-        await learner.close()
-
-    asyncio.run(go())
+    _run(learner)
     assert published() == [1, 1, 2, 3]  # version 1 again between steps 1 and 2
     assert learner.publishing.counts["catch_ups"] == 1
     assert learner.ctx.stopped == "trained 3 steps"
@@ -378,12 +374,7 @@ def test_engines_are_caught_up_even_while_groups_keep_waiting(
         behind=lambda: "engines_changed" if published() == [1] else None,
     )
 
-    async def go() -> None:
-        await learner.setup()
-        await learner.run()
-        await learner.close()
-
-    asyncio.run(go())
+    _run(learner)
     assert published() == [1, 1, 2, 3]  # version 1 again, though groups were waiting
     assert learner.publishing.counts["catch_ups"] == 1
     assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
@@ -410,12 +401,7 @@ def test_the_groups_of_a_scored_batch_train_and_it_is_acknowledged_once_with_its
     inbox = _Inbox([Message("scored_batch", b) for b in batches])
     learner = _learner(tmp_path, inbox, events, monkeypatch)
 
-    async def go() -> None:
-        await learner.setup()
-        await learner.run()
-        await learner.close()
-
-    asyncio.run(go())
+    _run(learner)
     assert learner.ctx.stopped == "trained 3 steps"  # 6 groups of 4, 8 samples a step
     # each batch once, when the step that trained its last group was done
     assert inbox.acked == [["a/1", "b/1", "c/1"], ["d/1", "e/1", "f/1"]]
@@ -448,12 +434,7 @@ def test_the_next_steps_groups_are_read_while_a_step_trains_and_no_more(
     learner = _learner(tmp_path, inbox, events, monkeypatch)
     _reads(learner, events)
 
-    async def go() -> None:
-        await learner.setup()
-        await learner.run()
-        await learner.close()
-
-    asyncio.run(go())
+    _run(learner)
     order = [e[1:] for e in sorted(events, key=lambda e: e[0])]
     first_end = order.index(("step", 0))
     before = [o[1] for o in order[:first_end] if o[0] == "read"]
@@ -474,12 +455,7 @@ def test_groups_read_during_a_step_are_looked_at_again_for_staleness_when_taken(
     learner.config.max_lag = 0
     _reads(learner, events)
 
-    async def go() -> None:
-        await learner.setup()
-        await learner.run()
-        await learner.close()
-
-    asyncio.run(go())
+    _run(learner)
     order = [e[1:] for e in sorted(events, key=lambda e: e[0])]
     before = order[: order.index(("step", 0))]
     assert [o[1] for o in before if o[0] == "read"] == ["g0", "g1", "g2", "g3"]
@@ -512,12 +488,7 @@ def test_a_trainer_that_says_when_it_runs_backward_gets_the_next_groups_read_the
 
     trainer.step = step
 
-    async def go() -> None:
-        await learner.setup()
-        await learner.run()
-        await learner.close()
-
-    asyncio.run(go())
+    _run(learner)
     order = [e[1:] for e in sorted(events, key=lambda e: e[0])]
     window = order[order.index(("backward", 0)) : order.index(("backward_end", 0))]
     assert [o[1] for o in window if o[0] == "read"] == ["g2", "g3"]
