@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.processes import kill_with_parent
+
 ROOT = Path(__file__).resolve().parents[1]
 VICTIMS = ("feeder", "generator", "engine", "scorer", "learner")
 
@@ -99,6 +101,7 @@ def main() -> int:
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=kill_with_parent(),  # this bench killed (a test's timeout): the run too
     )
     started = time.monotonic()
     kills: list[dict] = []
@@ -128,7 +131,11 @@ def main() -> int:
         proc.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a run that does not stop: its stages die with it
+            proc.kill()
+            proc.wait()
     wall = time.monotonic() - started
     summary = {}
     if (run_dir / "summary.json").exists():

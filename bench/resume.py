@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.processes import kill_with_parent
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,6 +57,7 @@ def main() -> int:
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            preexec_fn=kill_with_parent(),
         )
         while proc.poll() is None and _steps(killed) < at:
             time.sleep(0.2)

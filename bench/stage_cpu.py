@@ -42,6 +42,8 @@ from typing import Any
 
 import psutil
 
+from pipeline.processes import kill_with_parent
+
 ROOT = Path(__file__).resolve().parents[1]
 LIGHT = ("feeder", "generator", "scorer", "shared", "supervisor")
 
@@ -98,7 +100,9 @@ def run_once(config: str, overrides: list[str], run_dir: Path, timeout_s: float)
     cmd = [sys.executable, "-m", "pipeline.cli", "run", config, *overrides]
     cmd += ["--run-dir", str(run_dir), "-q"]
     out = run_dir.with_suffix(".out").open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=kill_with_parent()
+    )
     top = psutil.Process(proc.pid)
     totals: dict[int, tuple[str, float]] = {}
     engine_seen: dict[int, dict[int, float]] = {}  # pid -> engine thread id -> CPU seconds

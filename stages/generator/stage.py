@@ -520,7 +520,10 @@ class Generator:
         batches = max(0, pace["max_lag"] - lag + 1) * pace["every"]
         # a rank waits for samples while another holds more than its share: one batch more
         batches += 1 if pace.get("hungry") else 0
-        return self._unacked, batches * pace["batch"] // max(1, pace["origins"])
+        # a share rounded up, to whole groups: the generators' shares together fill the
+        # batches (rounded down, three of them would hold 3 x 4 of a batch of 16, and wait)
+        share = -(-batches * pace["batch"] // max(1, pace["origins"]))
+        return self._unacked, -(-share // self.config.group_size) * self.config.group_size
 
     # ------------------------------------------------------------------- work
     async def run(self) -> None:

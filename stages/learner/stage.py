@@ -59,8 +59,11 @@ __all__ = ["Learner"]
 
 _ENGINE_WAIT_S = 600.0
 _SEEN_UIDS = 200_000  # uids of groups remembered to recognize copies
-_PACE_ORIGINS = 64  # generator sessions remembered (the latest ones)
+_PACE_ORIGINS = 64  # generators remembered (the latest ones)
 _LIVE_STEPS = 8  # a generator whose groups came within this many steps counts as feeding
+# waiting this long for samples with none coming, the learner stops counting the generators
+# that sent nothing meanwhile (gone for good, or held back by a budget that counts them)
+_SILENT_S = 2.0
 _CATCH_UP_S = 1.0  # while waiting for samples, rank 0 checks this often that engines are current
 
 
@@ -128,8 +131,8 @@ class Learner:
         # resumed: uid -> sample indexes of a group that are in the checkpoint already
         self._partial: dict[str, set[int]] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()  # uids of groups taken (copies)
-        # generator session ("origin") -> the step its groups last came in
-        self._origins_seen: OrderedDict[str, int] = OrderedDict()
+        # generator ("stage.replica" of an origin) -> the step and the time its groups last came
+        self._origins_seen: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._checked_at = 0.0  # rank 0: when it last checked that the engines are current
         self._origins = 0
         self._publish_task: asyncio.Task | None = None
@@ -349,7 +352,7 @@ class Learner:
                     hungry = True
                     await self._publish_pace(hungry=True)
                 try:
-                    msg = await self._next_group()
+                    msg = await self._next_group_or_recount(hungry)
                 except StopAsyncIteration:
                     self._input_done = True
                     break
@@ -588,14 +591,49 @@ class Learner:
         return kept
 
     def _note_origin(self, group: Mapping[str, Any]) -> None:
-        """Remember which generator session (``origin``) fed this step, to count them."""
+        """Remember which generator fed this step, to count them. A group's ``origin`` is its
+        generator's session (``stage.replica:session``): a restarted generator's new session
+        takes its predecessor's place, which sends nothing more."""
         origin = group.get("origin")
         if not isinstance(origin, str):
             return  # a producer that does not name itself
-        self._origins_seen[origin] = self.step
-        self._origins_seen.move_to_end(origin)
-        while len(self._origins_seen) > _PACE_ORIGINS:  # generator sessions long gone
+        generator = origin.rpartition(":")[0] or origin
+        self._origins_seen[generator] = (self.step, time.monotonic())
+        self._origins_seen.move_to_end(generator)
+        while len(self._origins_seen) > _PACE_ORIGINS:  # generators long gone
             self._origins_seen.popitem(last=False)
+
+    def _forget_silent(self, since: float) -> bool:
+        """While no samples come: stop counting the generators that sent nothing since
+        ``since`` (whether any were forgotten). One that died for good would otherwise count
+        for ``_LIVE_STEPS`` more steps, which may never come: the live ones' share of the
+        budget can be less than the batch they wait to fill. One that lives and was held back
+        by its share sends again, and counts again, once the larger share lets it."""
+        silent = [g for g, (_, heard) in self._origins_seen.items() if heard < since]
+        for generator in silent:
+            del self._origins_seen[generator]
+        return bool(silent)
+
+    async def _next_group_or_recount(self, hungry: bool) -> Any:
+        """``_next_group``; while none comes for ``_SILENT_S``, the generators that sent
+        nothing meanwhile stop counting in the pace (``_forget_silent``), which then goes out
+        again."""
+        waiting = getattr(self.ctx.inputs["groups"], "waiting", None)
+        if self._parts or (waiting is not None and waiting() > 0):
+            return await self._next_group()  # one is there: no task to wait for it
+        receiving = asyncio.ensure_future(self._next_group())
+        try:
+            while True:
+                since = time.monotonic()
+                await asyncio.wait({receiving}, timeout=_SILENT_S)
+                if receiving.done():
+                    return receiving.result()
+                if self._forget_silent(since):
+                    self.log.info("generators_silent", step=self.step, waited_s=_SILENT_S)
+                    await self._publish_pace(hungry=hungry)
+        except BaseException:
+            receiving.cancel()
+            raise
 
     async def _publish_pace(self, *, hungry: bool = False) -> None:
         """After a step: tell the generators the pace they keep ahead of (``topics.PACE``):
@@ -605,7 +643,7 @@ class Learner:
         cfg = self.config
         if self.ctx.mode != "async" or not hasattr(self.ctx, "publish"):
             return
-        live = sum(self.step - at <= _LIVE_STEPS for at in self._origins_seen.values())
+        live = sum(self.step - at <= _LIVE_STEPS for at, _ in self._origins_seen.values())
         await self.ctx.publish(
             topics.PACE,
             {

@@ -728,3 +728,19 @@ def test_each_gate_bounds_the_groups_of_one_request(tmp_path, change, groups):
         state["pace"] = {"origins": 1, **state["pace"]}
     stage = _gated_stage(tmp_path, state)
     assert len(stage._more_groups([("first", "g")], "http://a", state["size"])) == groups
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("batch", [16, 24, 48])
+def test_the_generators_shares_of_the_budget_fill_the_learners_batch(tmp_path, size, batch):
+    """With one batch to go before the lag gate (the learner a version ahead of the engines),
+    the generators feeding the learner may together hold at least its batch, however many
+    they are: else each holds its share, the learner waits for the rest, and nothing moves."""
+    for origins in range(1, 6):
+        pace = {"version": 4, "max_lag": 1, "every": 1, "batch": batch, "origins": origins}
+        stage = _gated_stage(tmp_path, {**_OPEN, "size": size, "waiting": 1_000, "pace": pace})
+        while stage._open(size)[0] is not None:
+            stage._hold("http://a", size)
+        assert origins * stage._unacked >= batch, (origins, stage._unacked)
+        # and not much more: a share rounded up to whole groups
+        assert stage._unacked < -(-batch // origins) + size, (origins, stage._unacked)

@@ -323,6 +323,58 @@ def test_the_learner_reports_its_pace_at_the_start_and_after_each_step(
     )
 
 
+def test_a_restarted_generator_counts_once_in_the_pace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generator's groups name its session; a restarted one's new session takes the old
+    one's place. Counted as two, the dead session would halve the live one's share for
+    ``_LIVE_STEPS`` steps."""
+    from pipeline import topics
+
+    groups = _groups(6)
+    origins = ["generator.0:a", "generator.1:a"] * 2 + ["generator.0:b"] * 2
+    for group, origin in zip(groups, origins, strict=True):
+        group["origin"] = origin
+    learner = _learner(tmp_path, _Inbox(groups), [], monkeypatch)
+
+    _run(learner)
+    reports = [p for t, p in learner.ctx.published if t == topics.PACE]
+    assert [r["origins"] for r in reports] == [1, 2, 2, 2]
+
+
+def test_generators_silent_while_the_learner_waits_stop_counting_in_the_pace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two generators fed the first step; one then dies for good. The live one's share of the
+    budget (its half) is less than the batch the learner waits to fill, so it sends nothing
+    more until the learner stops counting the silent ones: as a generator held by its budget,
+    the inbox here gives more only once a pace report counts one generator. Without the
+    recount the run waits for ever (the test's timeout)."""
+    from pipeline import topics
+    from stages.learner import stage as stage_module
+
+    monkeypatch.setattr(stage_module, "_SILENT_S", 0.2)
+    released = asyncio.Event()
+    groups = _groups(6)
+    for i, group in enumerate(groups):
+        group["origin"] = f"generator.{i % 2 if i < 2 else 0}:s"
+    learner = _learner(tmp_path, _Inbox(groups, gate=(2, released)), [], monkeypatch)
+    publish = learner.ctx.publish
+
+    async def recorded(topic: str, payload: dict[str, Any]) -> None:
+        await publish(topic, payload)
+        if topic == topics.PACE and learner.step >= 1 and payload["origins"] == 1:
+            released.set()  # the live generator's share is now the whole budget
+
+    learner.ctx.publish = recorded
+    waited = time.monotonic()
+    _run(learner)
+    assert learner.step == 3
+    reports = [p["origins"] for t, p in learner.ctx.published if t == topics.PACE]
+    assert reports[:2] == [1, 2] and 1 in reports[2:]
+    assert time.monotonic() - waited < 10
+
+
 def test_a_learner_waiting_for_samples_sends_the_current_weights_to_engines_that_lack_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
