@@ -170,8 +170,11 @@ def completion_logprobs(
     """Log-prob of each completion token ``[B, Lc]`` (float32, or float64 for a float64 model; 0
     in padding slots), and entropy.
 
-    Runs ``model(input_ids=..., attention_mask=...)`` (grad follows the caller's grad mode) on
-    the batch's device. Logits are divided by ``temperature``, the sampler's, so the log-probs
+    Runs ``model(input_ids=...)`` (grad follows the caller's grad mode) on the batch's device,
+    without the attention mask: the rows are right-padded, so under causal attention no real
+    token sees a padding one, and the positions count from 0 either way. The mask would only
+    cost a [B, 1, L, L] mask to build and SDPA's causal kernel (10-25% of the default task's
+    step, ``python bench/learner.py --sizes default``). Logits are divided by ``temperature``, the sampler's, so the log-probs
     are those of the distribution the tokens were drawn from (the built-in engine and SGLang
     report the temperature-scaled log-prob, before top-k/top-p truncation). The entropy
     ``[B, Lc]`` (or None) is that of the full temperature-scaled distribution at each
@@ -193,7 +196,7 @@ def completion_logprobs(
     first = int(torch.where(mask, batch.logit_index, batch.input_ids.shape[1]).min())
     keep = batch.input_ids.shape[1] - first
     options = _forward_options(model, keep)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **options)
+    out = model(input_ids=batch.input_ids, attention_mask=None, **options)
     logits = out.logits if hasattr(out, "logits") else out[0]
     offset = batch.input_ids.shape[1] - logits.shape[1]  # logits[:, k] is position offset + k
     index = (batch.logit_index - offset).clamp(min=0)
