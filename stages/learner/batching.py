@@ -19,6 +19,7 @@ Not here: the loss (``loss.py``), moving models between devices, sequence packin
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -76,6 +77,11 @@ class Batch:
     ``completion_ids`` / ``completion_mask`` ``[B, Lc]``: the completion tokens, left-aligned.
     ``logit_index`` ``[B, Lc]``: for each completion token, the position in ``input_ids`` whose
     logits predict it (``prompt_len + j - 1``; 0 in padding slots).
+
+    Collated with ``share_prompts`` when some rows have the same prompt (a group's samples):
+    ``prompts`` ``[U, Lp]``, each distinct prompt once, right-padded; ``prompt_lengths``
+    ``[U]``; ``prompt_of`` ``[B]``, the row of ``prompts`` each sample's prompt is. Otherwise
+    None.
     """
 
     input_ids: torch.Tensor
@@ -83,11 +89,16 @@ class Batch:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     logit_index: torch.Tensor
+    prompts: torch.Tensor | None = None
+    prompt_lengths: torch.Tensor | None = None
+    prompt_of: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
             **{
-                f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                f.name: None
+                if (t := getattr(self, f.name)) is None
+                else t.to(device, non_blocking=non_blocking)
                 for f in fields(self)
             }
         )
@@ -98,13 +109,18 @@ class Batch:
 
 
 def collate(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_id: int
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    share_prompts: bool = False,
 ) -> Batch:
     """Right-pad ``prompt + completion`` token ids into a ``Batch`` (on CPU).
 
     Every prompt needs at least one token (the first completion token is predicted from the
     prompt's last position). Completions may be empty. The rows are filled in numpy (a few
     hundred samples per micro-batch: per-row torch indexing would cost more than the masks).
+    ``share_prompts``: also each distinct prompt once (``Batch.prompts``), when rows share one.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -131,13 +147,38 @@ def collate(
     steps = np.arange(c_width)[None, :]
     completion_mask = steps < c_len[:, None]
     logit_index = np.where(completion_mask, p_len[:, None] - 1 + steps, 0)
-    return Batch(
+    batch = Batch(
         torch.from_numpy(input_ids),
         torch.from_numpy(attention_mask),
         torch.from_numpy(completion_ids),
         torch.from_numpy(completion_mask),
         torch.from_numpy(logit_index),
     )
+    if share_prompts:
+        _distinct_prompts(batch, input_ids, p_len, pad_id)
+    return batch
+
+
+def _distinct_prompts(batch: Batch, input_ids: np.ndarray, p_len: np.ndarray, pad_id: int) -> None:
+    """Fill ``batch``'s distinct prompts, when some rows share one."""
+    seen: dict[bytes, int] = {}
+    first: list[int] = []
+    prompt_of = np.empty(len(p_len), dtype=np.int64)
+    for i, n in enumerate(p_len.tolist()):
+        key = input_ids[i, :n].tobytes()
+        at = seen.setdefault(key, len(first))
+        if at == len(first):
+            first.append(i)
+        prompt_of[i] = at
+    if len(first) == len(p_len):
+        return  # no prompt twice: nothing to share
+    lengths = p_len[first]
+    width = int(lengths.max())
+    prompts = input_ids[first, :width].copy()
+    prompts[np.arange(width)[None, :] >= lengths[:, None]] = pad_id
+    batch.prompts = torch.from_numpy(prompts)
+    batch.prompt_lengths = torch.from_numpy(lengths)
+    batch.prompt_of = torch.from_numpy(prompt_of)
 
 
 def pad_right(
@@ -173,13 +214,14 @@ def completion_logprobs(
     Runs ``model(input_ids=...)`` (grad follows the caller's grad mode) on the batch's device,
     without the attention mask: the rows are right-padded, so under causal attention no real
     token sees a padding one, and the positions count from 0 either way. The mask would only
-    cost a [B, 1, L, L] mask to build and SDPA's causal kernel (10-25% of the default task's
-    step, ``python bench/learner.py --sizes default``). Logits are divided by ``temperature``, the sampler's, so the log-probs
-    are those of the distribution the tokens were drawn from (the built-in engine and SGLang
-    report the temperature-scaled log-prob, before top-k/top-p truncation). The entropy
-    ``[B, Lc]`` (or None) is that of the full temperature-scaled distribution at each
-    completion position, in nats; it is detached (a metric, and its graph would hold another
-    ``[B, Lc, V]`` tensor) unless ``entropy_grad`` (for an entropy bonus).
+    cost a [B, 1, L, L] mask to build and SDPA's causal kernel (about 6% of the default task's
+    forward and backward). A batch collated with ``share_prompts`` runs each distinct prompt
+    once (``_shared_prompt_logits``). Logits are divided by ``temperature``,
+    the sampler's, so the log-probs are those of the distribution the tokens were drawn from
+    (the built-in engine and SGLang report the temperature-scaled log-prob, before top-k/top-p
+    truncation). The entropy ``[B, Lc]`` (or None) is that of the full temperature-scaled
+    distribution at each completion position, in nats; it is detached (a metric, and its graph
+    would hold another ``[B, Lc, V]`` tensor) unless ``entropy_grad`` (for an entropy bonus).
     """
     if not temperature > 0:
         raise ValueError(
@@ -191,17 +233,19 @@ def completion_logprobs(
         dtype = torch.promote_types(_model_dtype(model), torch.float32)
         empty = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         return empty, (empty.clone() if with_entropy else None)
-    # The earliest position whose logits predict a completion token; logits before it are
-    # never needed.
-    first = int(torch.where(mask, batch.logit_index, batch.input_ids.shape[1]).min())
-    keep = batch.input_ids.shape[1] - first
-    options = _forward_options(model, keep)
-    out = model(input_ids=batch.input_ids, attention_mask=None, **options)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    offset = batch.input_ids.shape[1] - logits.shape[1]  # logits[:, k] is position offset + k
-    index = (batch.logit_index - offset).clamp(min=0)
-    picked = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
-    del logits, out
+    picked = _shared_prompt_logits(model, batch) if batch.prompts is not None else None
+    if picked is None:
+        # The earliest position whose logits predict a completion token; logits before it
+        # are never needed.
+        first = int(torch.where(mask, batch.logit_index, batch.input_ids.shape[1]).min())
+        keep = batch.input_ids.shape[1] - first
+        options = _forward_options(model, keep)
+        out = model(input_ids=batch.input_ids, attention_mask=None, **options)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        offset = batch.input_ids.shape[1] - logits.shape[1]  # logits[:, k]: position offset + k
+        index = (batch.logit_index - offset).clamp(min=0)
+        picked = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
+        del logits, out
     # bf16/fp16 logits are summed in float32; a float64 model keeps float64
     picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
     if temperature != 1.0:
@@ -229,6 +273,7 @@ def no_grad_logprobs(
     with_entropy: bool = False,
     temperature: float = 1.0,
     device: torch.device | str | None = None,
+    share_prompts: bool = False,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Forward-only log-probs (and entropies) of every sample, one micro-batch at a time.
 
@@ -236,7 +281,7 @@ def no_grad_logprobs(
     completion's length), in input order; with ``with_entropy``, a pair ``(logprobs,
     entropies)`` of such lists. Runs under ``torch.no_grad()`` in micro-batches of at most
     ``micro_batch`` samples / ``max_tokens`` padded tokens, on ``device`` (default: the
-    model's). The model's train/eval mode is left as it is.
+    model's). The model's train/eval mode is left as it is. ``share_prompts``: as ``collate``.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -248,7 +293,10 @@ def no_grad_logprobs(
     with torch.no_grad():
         for mb in micro_batches(lengths, micro_batch, max_tokens):
             batch = collate(
-                [prompts[i] for i in mb], [completions[i] for i in mb], pad_id=pad_id
+                [prompts[i] for i in mb],
+                [completions[i] for i in mb],
+                pad_id=pad_id,
+                share_prompts=share_prompts,
             ).to(device)
             logp, entropy = completion_logprobs(
                 model, batch, with_entropy=with_entropy, temperature=temperature
@@ -261,6 +309,68 @@ def no_grad_logprobs(
                     entropies[i] = entropy[row, : n[row]].clone()
             del batch, logp, entropy
     return (logps, entropies) if with_entropy else logps
+
+
+def _shared_prompt_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor | None:
+    """The logits ``[B, Lc, V]`` that predict each completion token, with each distinct prompt
+    run once: its keys and values, and the logits of its last position, go to every sample
+    that has it (a group's G samples share one prompt), and the completions run on them. The
+    same values as one pass over ``prompt + completion`` (the positions continue from each
+    prompt's length; a shorter prompt's padding is masked), for fewer tokens; gradients flow
+    back into the prompt's pass through the shared keys and values. None (the caller then runs
+    the whole rows) when the model cannot be called so: no cache argument, or a cache that is
+    not plain per-layer keys and values (sliding windows, linear attention)."""
+    names = _forward_names(model)
+    cache_arg = next((n for n in ("cache", "past_key_values") if n in names), None)
+    inner = getattr(model, "module", model)  # DeepSpeed / DDP wrappers pass kwargs through
+    if cache_arg is None or "position_ids" not in names or _SHARING.get(inner) is False:
+        return None
+    prompts, lengths, prompt_of = batch.prompts, batch.prompt_lengths, batch.prompt_of
+    assert prompts is not None and lengths is not None and prompt_of is not None
+    width = prompts.shape[1]
+    keep = width - int(lengths.min()) + 1  # from the shortest prompt's last position on
+    options = {"logits_to_keep": keep} if "logits_to_keep" in names else {}
+    out = model(input_ids=prompts, use_cache=True, **options)
+    cache = getattr(out, cache_arg, None)
+    if cache is None and cache_arg == "cache":
+        cache = getattr(out, "past_key_values", None)
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        _SHARING[inner] = False  # known once per model: the whole rows from now on
+        return None
+    _SHARING[inner] = True
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    last = (lengths - 1 - (width - logits.shape[1])).to(logits.device)
+    head = logits[torch.arange(len(lengths), device=logits.device), last]  # [U, V]
+    del out, logits
+    cache.reorder_cache(prompt_of)  # every sample's own copy: index_select, with gradients
+    rows, c_width = batch.completion_ids.shape
+    steps = torch.arange(c_width, device=prompt_of.device)
+    positions = lengths.index_select(0, prompt_of)[:, None] + steps[None, :]
+    real = torch.arange(width, device=prompt_of.device)[None, :] < positions[:, :1]
+    # the completions see their own prompt's tokens, not the padding after a shorter one's
+    attention = None
+    if not bool(real.all()):
+        attention = torch.cat((real, torch.ones_like(real[:, :1]).expand(rows, c_width)), 1)
+        attention = attention.long()
+    options = {"logits_to_keep": c_width} if "logits_to_keep" in names else {}
+    if "use_cache" in names:
+        options["use_cache"] = False
+    out = model(
+        input_ids=batch.completion_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        **{cache_arg: cache},
+        **options,
+    )
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return torch.cat((head.index_select(0, prompt_of)[:, None], logits[:, : c_width - 1]), 1)
+
+
+# model -> whether its cache can be shared (once known)
+_SHARING: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -278,8 +388,8 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 _OPTION_CACHE: dict[type, frozenset[str]] = {}
 
 
-def _forward_options(model: torch.nn.Module, keep: int) -> dict[str, Any]:
-    """Keyword options that save memory, for the ones the model's ``forward`` accepts."""
+def _forward_names(model: torch.nn.Module) -> frozenset[str]:
+    """The keyword arguments the model's ``forward`` takes."""
     inner = getattr(model, "module", model)  # DeepSpeed / DDP wrappers pass kwargs through
     names = _OPTION_CACHE.get(type(inner))
     if names is None:
@@ -288,6 +398,12 @@ def _forward_options(model: torch.nn.Module, keep: int) -> dict[str, Any]:
         except (TypeError, ValueError):
             names = frozenset()
         _OPTION_CACHE[type(inner)] = names
+    return names
+
+
+def _forward_options(model: torch.nn.Module, keep: int) -> dict[str, Any]:
+    """Keyword options that save memory, for the ones the model's ``forward`` accepts."""
+    names = _forward_names(model)
     options: dict[str, Any] = {}
     if "use_cache" in names:
         options["use_cache"] = False

@@ -181,6 +181,12 @@ class LearnerConfig:
         "too) counted (0: no limit)",
         min=0,
     )
+    share_prompts: bool = _f(
+        True,
+        "a prompt several samples of a micro-batch share (a group's) runs once, its keys and "
+        "values given to each of them (models whose cache is plain keys and values; others run "
+        "every row whole)",
+    )
     epochs: int = _f(
         1, "optimizer steps per batch (>1 reuses it: set loss.objective ppo, gspo or cispo)", min=1
     )

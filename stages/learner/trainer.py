@@ -342,6 +342,7 @@ class Trainer:
                 micro_batch=cfg.forward_micro_batch,
                 max_tokens=cfg.max_tokens_per_micro_batch or None,
                 temperature=cfg.temperature,
+                share_prompts=cfg.share_prompts,
             )
             if samples
             else []
@@ -462,7 +463,10 @@ class Trainer:
         cfg = self.config
         part = [samples[i] for i in idx]
         batch = collate(
-            [s.prompt_ids for s in part], [s.completion_ids for s in part], pad_id=self.pad_id
+            [s.prompt_ids for s in part],
+            [s.completion_ids for s in part],
+            pad_id=self.pad_id,
+            share_prompts=cfg.share_prompts,
         ).to(self.device)
         logp, entropy = completion_logprobs(
             self.engine, batch, with_entropy=True, temperature=cfg.temperature

@@ -250,3 +250,98 @@ def test_no_grad_peak_memory_is_set_by_micro_batch_not_batch():
     assert peaks["one"] > 8, peaks  # the probe measures something: ~2 samples' logits
     assert peaks["four"] <= 1.15 * peaks["one"] + 2, peaks  # 4x the batch, same micro-batch
     assert peaks["whole"] >= 2.5 * peaks["one"], peaks  # one pass over the batch does grow
+
+
+# ---- prompts shared by a group's samples --------------------------------------------------
+
+# groups of samples with one prompt each, prompts of three lengths, an empty completion
+SHARED_PROMPTS = [[5, 6, 7]] * 3 + [[8, 9]] * 2 + [[10, 11, 12, 13]] + [[5, 6, 7]]
+SHARED_COMPLETIONS = [[20, 21], [22], [], [23, 24, 25], [26], [27, 28], [29, 30, 31, 32]]
+
+
+def test_collate_lists_each_distinct_prompt_once():
+    batch = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0, share_prompts=True)
+    assert batch.prompts.tolist() == [[5, 6, 7, 0], [8, 9, 0, 0], [10, 11, 12, 13]]
+    assert batch.prompt_lengths.tolist() == [3, 2, 4]
+    assert batch.prompt_of.tolist() == [0, 0, 0, 1, 1, 2, 0]
+    plain = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0)
+    assert plain.prompts is None and batch.input_ids.equal(plain.input_ids)
+    # nothing to share: no prompts
+    assert collate(PROMPTS, COMPLETIONS, pad_id=0, share_prompts=True).prompts is None
+    assert batch.to("cpu").prompt_of.tolist() == batch.prompt_of.tolist()
+
+
+def _logprobs_and_grads(model, batch, temperature=0.7):
+    model = copy.deepcopy(model)
+    logp, entropy = completion_logprobs(model, batch, with_entropy=True, temperature=temperature)
+    (logp * torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return logp.detach(), entropy, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_shared_prompts_give_the_log_probs_and_gradients_of_whole_rows(model, dtype):
+    """Each distinct prompt run once, its keys and values given to each of its samples: the
+    same log-probs, entropies and weight gradients as running every row whole. (The norms of
+    transformers' Qwen2 compute in float32 whatever the model's dtype: gradients, summed over
+    differently shaped batches, are compared at float32's rule.)"""
+    from stages.learner import batching
+    from tests.numerics import backward_terms
+
+    model = copy.deepcopy(model).to(dtype)
+    whole = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0)
+    shared = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0, share_prompts=True)
+    seen: list = []
+    run = batching._shared_prompt_logits
+    batching._shared_prompt_logits = lambda m, b: seen.append(r := run(m, b)) or r
+    try:
+        expected = _logprobs_and_grads(model, whole)
+        got = _logprobs_and_grads(model, shared)
+    finally:
+        batching._shared_prompt_logits = run
+    assert len(seen) == 1 and seen[0] is not None  # the shared path ran, once
+    longest = max(len(p) + len(c) for p, c in zip(SHARED_PROMPTS, SHARED_COMPLETIONS, strict=True))
+    terms = forward_terms(model.config, longest)
+    assert_close(got[0], expected[0], terms=terms, dtype=torch.float32)
+    assert_close(got[1], expected[1], terms=terms, dtype=torch.float32)
+    tokens = sum(len(p) + len(c) for p, c in zip(SHARED_PROMPTS, SHARED_COMPLETIONS, strict=True))
+    assert got[2].keys() == expected[2].keys()
+    for name, grad in expected[2].items():
+        assert_close(
+            got[2][name],
+            grad,
+            terms=backward_terms(model.config, longest, tokens),
+            dtype=torch.float32,
+            msg=name,
+        )
+
+
+def test_shared_prompts_fall_back_to_whole_rows_where_the_cache_cannot_be_shared(model):
+    """A model without a cache argument, and one whose cache is not plain keys and values (a
+    sliding window): the rows run whole, with the same results."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.learner import batching
+
+    class Plain(torch.nn.Module):  # a causal LM whose forward takes only the two tensors
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, attention_mask):
+            return SimpleNamespace(logits=self.inner(input_ids, attention_mask).logits)
+
+    config = copy.deepcopy(model.config)
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 2, 0
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    sliding = AutoModelForCausalLM.from_config(config).eval()
+    sliding.load_state_dict(model.state_dict())
+    shared = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0, share_prompts=True)
+    whole = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0)
+    with torch.no_grad():
+        for m in (Plain(), sliding):
+            assert batching._shared_prompt_logits(m, shared) is None
+            got, _ = completion_logprobs(m, shared)
+            expected, _ = completion_logprobs(m, whole)
+            assert got.equal(expected)
+    assert batching._SHARING[sliding] is False and batching._SHARING.get(model) is not False

@@ -33,6 +33,9 @@ def _samples(nan: bool = False) -> list:
     from stages.learner.trainer import TrainSample
 
     rng = np.random.default_rng(0)
+    # two samples a prompt, as a group's: micro-batches of 2 run each prompt once (one run's
+    # micro-batches of 1 run every row whole)
+    prompts = [rng.integers(3, 60, 4 + i % 3) for i in range(4)]
     out = []
     for i in range(8):
         n = 3 + i % 4
@@ -41,7 +44,7 @@ def _samples(nan: bool = False) -> list:
             lp[0] = np.nan
         out.append(
             TrainSample(
-                prompt_ids=rng.integers(3, 60, 4 + i % 3),
+                prompt_ids=prompts[i // 2],
                 completion_ids=rng.integers(3, 60, n),
                 sampler_logprobs=lp,
                 versions=np.zeros(n, dtype=np.int64),
