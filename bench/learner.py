@@ -20,7 +20,12 @@ fixed per-step overhead matters most, and a 19M-parameter model of the same shap
 (hidden 512, 6 layers; random weights, batch 64) where the model's own work dominates. Each
 size runs with 1 and 2 torch threads, each configuration in a fresh process.
 
+The learner runs each group's prompt once (``share_prompts``, its default) where the plain loop
+runs every row whole; ``--whole-rows`` has the learner do the same. ``--context N`` puts N
+random tokens before each group's prompt, the prompt lengths real tasks have.
+
     python bench/learner.py [--steps 24] [--warmup 3] [--threads 1,2] [--sizes default,20m]
+        [--context N] [--whole-rows]
 
 Prints one JSON line: per configuration the median, min-max and p10-p90 step time of both, and
 their ratio (medians).
@@ -63,7 +68,7 @@ from stages.learner.trainer import Trainer, TrainSample, lr_factor
 
 config = LearnerConfig(
     model=args["model"], steps=550, batch_size=args["batch"], train_micro_batch=args["micro"],
-    forward_micro_batch=args["micro"],
+    forward_micro_batch=args["micro"], share_prompts=args["share_prompts"],
     optim=OptimConfig(lr=3e-4, grad_clip=1.0, schedule="cosine", min_lr_ratio=0.1),
     loss=LossConfig(tis_cap=2.0), deepspeed=DeepSpeedSection(zero_stage=0),
 )
@@ -89,6 +94,9 @@ def batch_of_samples(n):
     for _ in range(n // 4):
         p = rng.choice(pool)
         prompt = np.asarray(tok(p.text)["input_ids"], dtype=np.int64)
+        if args["context"]:  # a longer prompt, as real tasks have: random tokens before it
+            head = [rng.randrange(3, model.config.vocab_size) for _ in range(args["context"])]
+            prompt = np.concatenate([np.asarray(head, dtype=np.int64), prompt])
         comps = []
         for _ in range(4):
             answer = p.answer if rng.random() < 0.6 else str(rng.randrange(0, 199))
@@ -167,7 +175,7 @@ def _make_20m(path: Path) -> None:
         num_hidden_layers=6,
         num_attention_heads=8,
         num_key_value_heads=8,
-        max_position_embeddings=64,
+        max_position_embeddings=1024,
         pad_token_id=base.get("pad_token_id"),
         eos_token_id=base.get("eos_token_id"),
         tie_word_embeddings=False,
@@ -194,6 +202,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     ap.add_argument("--threads", default="1,2", help="torch thread counts to try")
     ap.add_argument("--sizes", default="default,20m", help=f"from {sorted(SIZES)}")
+    ap.add_argument(
+        "--context", type=int, default=0, help="random tokens before each group's prompt"
+    )
+    ap.add_argument(
+        "--whole-rows",
+        action="store_true",
+        help="the learner runs every row whole (share_prompts off), as the plain loop does",
+    )
     args = ap.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -211,6 +227,8 @@ def main() -> None:
                     "threads": threads,
                     "steps": args.steps,
                     "warmup": args.warmup,
+                    "context": args.context,
+                    "share_prompts": not args.whole_rows,
                 }
                 env = {**os.environ, "INFLIGHT_ROOT": str(ROOT), "OMP_NUM_THREADS": str(threads)}
                 done = subprocess.run(
@@ -232,6 +250,8 @@ def main() -> None:
                         "batch": spec["batch"],
                         "train_micro_batch": spec["micro"],
                         "tokens_per_batch": out["tokens_per_batch"],
+                        "context": args.context,
+                        "share_prompts": not args.whole_rows,
                         "threads": threads,
                         "steps": args.steps,
                         "deepspeed_step": ds,
