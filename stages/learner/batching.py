@@ -385,19 +385,24 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-_OPTION_CACHE: dict[type, frozenset[str]] = {}
+_OPTION_CACHE: dict[tuple[type, type], frozenset[str]] = {}
 
 
 def _forward_names(model: torch.nn.Module) -> frozenset[str]:
     """The keyword arguments the model's ``forward`` takes."""
     inner = getattr(model, "module", model)  # DeepSpeed / DDP wrappers pass kwargs through
-    names = _OPTION_CACHE.get(type(inner))
+    base = getattr(inner, "get_base_model", None)  # peft: what it does not take goes there
+    base = base() if callable(base) else None
+    key = (type(inner), type(base))
+    names = _OPTION_CACHE.get(key)
     if names is None:
         try:
             names = frozenset(inspect.signature(inner.forward).parameters)
         except (TypeError, ValueError):
             names = frozenset()
-        _OPTION_CACHE[type(inner)] = names
+        if "kwargs" in names and base is not None:
+            names |= _forward_names(base)
+        _OPTION_CACHE[key] = names
     return names
 
 

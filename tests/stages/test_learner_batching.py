@@ -316,6 +316,38 @@ def test_shared_prompts_give_the_log_probs_and_gradients_of_whole_rows(model, dt
         )
 
 
+def test_a_lora_model_shares_prompts_too(model):
+    """peft's model takes the cache and positions through to the base model: the shared path
+    runs, and the adapters' gradients equal those of whole rows."""
+    from peft import LoraConfig, get_peft_model
+
+    from stages.learner import batching
+    from tests.numerics import backward_terms
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="none")
+    torch.manual_seed(0)
+    lora = get_peft_model(copy.deepcopy(model), config)
+    with torch.no_grad():  # B starts at 0: give the adapters something to do
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    assert {"cache", "position_ids", "logits_to_keep"} <= batching._forward_names(lora)
+    whole = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0)
+    shared = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0, share_prompts=True)
+    expected = _logprobs_and_grads(lora, whole)
+    got = _logprobs_and_grads(lora, shared)
+    assert batching._shared_prompt_logits(lora, shared) is not None
+    longest = max(len(p) + len(c) for p, c in zip(SHARED_PROMPTS, SHARED_COMPLETIONS, strict=True))
+    tokens = sum(len(p) + len(c) for p, c in zip(SHARED_PROMPTS, SHARED_COMPLETIONS, strict=True))
+    assert_close(got[0], expected[0], terms=forward_terms(model.config, longest))
+    assert expected[2] and got[2].keys() == expected[2].keys()
+    assert all("lora_" in name for name in got[2])
+    for name, grad in expected[2].items():
+        assert_close(
+            got[2][name], grad, terms=backward_terms(model.config, longest, tokens), msg=name
+        )
+
+
 def test_shared_prompts_fall_back_to_whole_rows_where_the_cache_cannot_be_shared(model):
     """A model without a cache argument, and one whose cache is not plain keys and values (a
     sliding window): the rows run whole, with the same results."""
