@@ -329,8 +329,7 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor 
     assert prompts is not None and lengths is not None and prompt_of is not None
     width = prompts.shape[1]
     keep = width - int(lengths.min()) + 1  # from the shortest prompt's last position on
-    options = {"logits_to_keep": keep} if "logits_to_keep" in names else {}
-    out = model(input_ids=prompts, use_cache=True, **options)
+    out = model(input_ids=prompts, **{**_forward_options(model, keep), "use_cache": True})
     cache = getattr(out, cache_arg, None)
     if cache is None and cache_arg == "cache":
         cache = getattr(out, "past_key_values", None)
@@ -355,15 +354,12 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor 
     if not bool(real.all()):
         attention = torch.cat((real, torch.ones_like(real[:, :1]).expand(rows, c_width)), 1)
         attention = attention.long()
-    options = {"logits_to_keep": c_width} if "logits_to_keep" in names else {}
-    if "use_cache" in names:
-        options["use_cache"] = False
     out = model(
         input_ids=batch.completion_ids,
         attention_mask=attention,
         position_ids=positions,
         **{cache_arg: cache},
-        **options,
+        **_forward_options(model, c_width),
     )
     logits = out.logits if hasattr(out, "logits") else out[0]
     return torch.cat((head.index_select(0, prompt_of)[:, None], logits[:, : c_width - 1]), 1)

@@ -136,19 +136,22 @@ def test_completion_logprobs_match_full_log_softmax(model, temperature, dtype):
         completion_logprobs(model, batch, temperature=0.0)
 
 
+class _Plain(torch.nn.Module):
+    """A causal LM whose forward takes only the two tensors (no cache, no ``logits_to_keep``)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask):
+        return SimpleNamespace(logits=self.inner(input_ids, attention_mask).logits)
+
+
 def test_completion_logprobs_without_logits_to_keep(model):
-    class Plain(torch.nn.Module):  # a causal LM whose forward takes only the two tensors
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = model
-
-        def forward(self, input_ids, attention_mask):
-            return SimpleNamespace(logits=self.inner(input_ids, attention_mask).logits)
-
     batch = collate(PROMPTS, COMPLETIONS, pad_id=0)
     with torch.no_grad():
         expected, _ = completion_logprobs(model, batch)
-        got, entropy = completion_logprobs(Plain(), batch)
+        got, entropy = completion_logprobs(_Plain(model), batch)
     assert_close(got, expected, terms=_terms(model))
     assert entropy is None
 
@@ -355,14 +358,6 @@ def test_shared_prompts_fall_back_to_whole_rows_where_the_cache_cannot_be_shared
 
     from stages.learner import batching
 
-    class Plain(torch.nn.Module):  # a causal LM whose forward takes only the two tensors
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = model
-
-        def forward(self, input_ids, attention_mask):
-            return SimpleNamespace(logits=self.inner(input_ids, attention_mask).logits)
-
     config = copy.deepcopy(model.config)
     config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 2, 0
     config.layer_types = ["sliding_attention"] * config.num_hidden_layers
@@ -371,7 +366,7 @@ def test_shared_prompts_fall_back_to_whole_rows_where_the_cache_cannot_be_shared
     shared = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0, share_prompts=True)
     whole = collate(SHARED_PROMPTS, SHARED_COMPLETIONS, pad_id=0)
     with torch.no_grad():
-        for m in (Plain(), sliding):
+        for m in (_Plain(model), sliding):
             assert batching._shared_prompt_logits(m, shared) is None
             got, _ = completion_logprobs(m, shared)
             expected, _ = completion_logprobs(m, whole)
