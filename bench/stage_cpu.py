@@ -5,23 +5,24 @@ system, every thread) of each of its processes twice a second: the supervisor (`
 itself), each stage replica (``pipeline.actor``, named by its spec file: ``generator.0``) with the
 helper processes it starts (the scorer's reward workers), and each built-in engine (``pipeline.cli
 engine``). With ``launch.in_process`` the engine is part of the generator's process: its threads
-(the scheduler, named ``engine`` for the operating system, ``engine-weights``, which
-receives weight updates, and ``engine-load``, which imports the engine's code and loads its
-model) still count as ``engine``, once they have ended too, the rest of the process (its event loop,
-ZeroMQ's threads) as ``generator``. A process's last sample is its total (a replica that exits
-between two samples loses at most half a second). Per stage (replicas
-summed) it reports the CPU seconds, the CPU seconds per 256 trained samples, and the share of
-the learner's; ``light`` is feeder + generator + scorer + supervisor (the stages that do no model
+(the scheduler, named ``engine`` for the operating system, ``engine-weights``, which receives
+weight updates, with the gloo thread of its weight group, and ``engine-load``, which imports the
+engine's code and loads its model) still count as ``engine``, once they have ended too, the rest of
+the process (its event loop, ZeroMQ's threads) as ``generator``. A process's last sample is its
+total (a replica that exits between two samples loses at most half a second). Per stage (replicas
+summed) it reports the CPU seconds, the CPU seconds per 256 trained samples, and the share of the
+learner's; ``light`` is feeder + generator + scorer + supervisor (the stages that do no model
 work), the figure issue 24 asks to bring to at most 0.25 x the learner's. Stages that share one
 process (``run.share_process``, the default: feeder, generator and scorer) count together as
-``shared``, its engine threads still as ``engine``. ``steady_*`` are the
-same from the learner's first step to the end: what each stage costs per sample once started
-(loading libraries, models and tokenizers left out). Several ``--runs`` give the median and
-spread.
+``shared``, its engine threads still as ``engine``. ``steady_*`` are the same from the learner's
+first step to the end: what each stage costs per sample once started (loading libraries, models and
+tokenizers left out). Several ``--runs`` give the median and spread.
 
     python bench/stage_cpu.py [--config configs/default.yaml] [--runs 3] [KEY=VALUE ...]
 
-Prints one JSON line; the run directories go under ``--out`` (default ``runs/stage_cpu-TIME``) and
+Inflight's modules are compiled to bytecode before the runs (``compile_bytecode``): a run
+measures what an installed package costs, not the compiling of its sources. Prints one JSON
+line; the run directories go under ``--out`` (default ``runs/stage_cpu-TIME``) and
 are deleted unless ``--keep``.
 
 Not here: where the time goes inside a process (py-spy it), time to accuracy (async_vs_sync.py).
@@ -30,6 +31,7 @@ Not here: where the time goes inside a process (py-spy it), time to accuracy (as
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import shutil
 import statistics
@@ -74,14 +76,20 @@ def role(proc: psutil.Process, top: int) -> str | None:
 
 
 def engine_threads_cpu(proc: psutil.Process, seen: dict[int, float]) -> float:
-    """CPU seconds of the threads of ``proc`` that an in-process engine runs (named engine*),
-    those that have ended included (``seen``: thread id -> its last CPU seconds)."""
+    """CPU seconds of the threads of ``proc`` that an in-process engine runs (named engine*,
+    and gloo's own threads where there is one: its weight group's, the only torch.distributed
+    group of a process that hosts an engine), those that have ended included (``seen``:
+    thread id -> its last CPU seconds)."""
+    threads = []
     for thread in proc.threads():
         try:
             comm = Path(f"/proc/{proc.pid}/task/{thread.id}/comm").read_text().strip()
         except OSError:
             continue
-        if comm.startswith("engine"):
+        threads.append((comm, thread))
+    hosts_engine = bool(seen) or any(comm.startswith("engine") for comm, _ in threads)
+    for comm, thread in threads:
+        if comm.startswith("engine") or (hosts_engine and comm.startswith("gloo")):
             seen[thread.id] = thread.user_time + thread.system_time
     return sum(seen.values())
 
@@ -171,6 +179,15 @@ def trained_yet(run_dir: Path) -> bool:
         return False
 
 
+def compile_bytecode() -> None:
+    """Inflight's own modules compiled to bytecode first, as an installed wheel has them (and
+    a checkout from its first run on): otherwise every process of every run compiles what it
+    imports anew where bytecode is not written (``PYTHONDONTWRITEBYTECODE``, as in some
+    sandboxes), about 0.5 s of the light stages' start-up, a twentieth of their CPU."""
+    for package in ("pipeline", "stages", "transport"):
+        compileall.compile_dir(ROOT / package, quiet=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
@@ -182,6 +199,7 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or ROOT / "runs" / f"stage_cpu-{datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
+    compile_bytecode()
     runs = []
     for i in range(args.runs):
         run_dir = out / f"run{i}"

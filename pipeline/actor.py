@@ -48,7 +48,7 @@ from transport import ControlClient, Receiver, Sender
 from transport.message import uids_of
 from transport.security import CurveKeys
 
-__all__ = ["ActorContext", "build_stage_config", "main"]
+__all__ = ["ActorContext", "build_stage_config", "control_topics", "main"]
 
 _FINAL_LINGER_MS = 2000
 
@@ -88,7 +88,8 @@ class ActorContext:
         self._stop_publish: asyncio.Task | None = None
         self.stop_requested = asyncio.Event()  # set when the run is being shut down
         self.stages: dict[str, int] = dict(spec.get("stages", {}))  # every stage -> replicas
-        # the learner's batch, publish.every, max_lag, version and generators (topics.PACE)
+        # the learner's batch, publish.every, max_lag, version and generators (topics.PACE;
+        # received by a stage that says it reads it: ``reads_pace``)
         self.learner_pace: dict[str, int] = {}
         # engine URL -> the newest version announced as loaded there (topics.VERSION `engines`)
         self.engine_versions: dict[str, int] = {}
@@ -222,6 +223,14 @@ def _consumed(ledger: Any, msg: Any) -> None:
         ledger.consumed(uid)
 
 
+def control_topics(stage_cls: type | None) -> tuple[str, ...]:
+    """The control-bus topics a replica of ``stage_cls`` receives (``None``: every replica's):
+    the learners' pace reports, one a learner step, only where the stage reads them
+    (``reads_pace``)."""
+    every = (topics.VERSION, topics.SHUTDOWN, topics.DONE, topics.ENGINES, topics.ADDRESSES)
+    return (*every, topics.PACE) if getattr(stage_cls, "reads_pace", False) else every
+
+
 class _Replica:
     """Owns the sockets and tasks around one stage instance.
 
@@ -242,14 +251,7 @@ class _Replica:
             control["pub"],
             control["sub"],
             self.zctx,
-            topics=(
-                topics.VERSION,
-                topics.SHUTDOWN,
-                topics.DONE,
-                topics.ENGINES,
-                topics.ADDRESSES,
-                topics.PACE,
-            ),
+            topics=control_topics(None),  # and what its stage class asks for (``main``)
             log=log.bind(component="control"),
             key=bytes.fromhex(control["key"]) if control.get("key") else None,
             curve=self.curve,
@@ -381,6 +383,8 @@ class _Replica:
                 loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)
         self.stage_cls = resolve("stage", spec["use"])
         config = build_stage_config(self.stage_cls, spec["options"], spec["stage"])
+        for topic in control_topics(self.stage_cls)[len(control_topics(None)) :]:
+            self.control.subscribe(topic)
         await self.control.start()
         background = [
             asyncio.create_task(self.heartbeat(), name="heartbeat"),

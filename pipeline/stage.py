@@ -148,6 +148,10 @@ class Stage(Protocol):
     processes) sets ``shares_process = True``: with ``run.share_process: auto`` (the default)
     the local launcher may then run it with other such stages in one process
     (``pipeline.host``); a stage without it gets a process of its own.
+
+    A stage that reads the learners' pace (``ctx.learner_pace``: their batch, lag and version,
+    as the generator's queue gate does) sets ``reads_pace = True``; the reports, one a learner
+    step, go to those stages only.
     """
 
     Config: ClassVar[type]

@@ -203,6 +203,7 @@ class Generator:
     Config = GeneratorConfig
     shares_process = True  # its work is on its event loop or threads: it may share a process
     keeps_ledger = True  # reports where its samples end (pipeline.ledger)
+    reads_pace = True  # the learners' pace bounds what it starts (the queue gate)
     # a prompt is processed once the scorer has processed its group (or all of it was dropped,
     # counted)
     inputs = {"prompts": Port(PROMPT, ack="manual")}
@@ -693,15 +694,31 @@ class Generator:
             return
         which = {future: i for i, future in enumerate(futures)}
         pending = set(futures)
+        # each future says when it is done (asyncio.wait would hook and unhook every pending
+        # one each time a few of them finish)
+        finished: list[asyncio.Future] = []
+        wake: list[asyncio.Future] = []  # the one this task awaits, while it awaits
+
+        def on_done(future: asyncio.Future) -> None:
+            finished.append(future)
+            if wake and not wake[0].done():
+                wake[0].set_result(None)
+
+        for future in futures:
+            future.add_done_callback(on_done)
         deadline = time.monotonic() + client.timeout.total
         try:
             while pending:
-                left = deadline - time.monotonic()
-                done, pending = await asyncio.wait(
-                    pending, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED
-                )
-                if not done:
-                    break  # timed out: what is left goes again, below
+                if not finished:
+                    wake.append(asyncio.get_running_loop().create_future())
+                    try:
+                        await asyncio.wait(wake, timeout=max(0.0, deadline - time.monotonic()))
+                    finally:
+                        wake.pop().cancel()
+                    if not finished:
+                        break  # timed out: what is left goes again, below
+                done, finished[:] = finished[:], []
+                pending.difference_update(done)
                 for future in sorted(done, key=which.__getitem__):
                     msg, group_id = batch[which[future]]
                     timings = (round(started - queued, 6), round(time.monotonic() - started, 6))

@@ -327,18 +327,24 @@ class Learner:
     async def _collect(self) -> list[TrainSample]:
         """This rank's share of the next batch (fewer only when the input has ended). With
         ``dynamic_sampling``, groups without signal are set aside (``_set_aside``) until the
-        step has taken ``max_oversample`` times its share."""
-        samples, self._carry = self._fresh(self._carry), []
+        step has taken ``max_oversample`` times its share. The samples dropped as stale and set
+        aside that it finds together (among the groups read ahead during the last step, most
+        of them) go to the ledger in one report each, before anything here waits."""
+        stale: list[TrainSample] = []
+        aside: list[TrainSample] = []
+        samples, self._carry = self._fresh(self._carry, stale), []
         hungry = False
         taken, limit = len(samples), self.config.max_oversample * self.share
         while len(samples) < self.share:
             if self._ready:  # read during the last step: stale by now perhaps
                 if self._look_due():  # as _next_message would before taking it
+                    self._drop(stale, aside)
                     await self._look_at_engines()
                 group = self._ready.popleft()
                 self._ready_n -= len(group)
-                group = self._fresh(group)
+                group = self._fresh(group, stale)
             else:
+                self._drop(stale, aside)
                 if self._input_done:
                     break
                 if (
@@ -360,11 +366,20 @@ class Learner:
             taken += len(group)
             no_signal = not any(s.carries_signal for s in group)
             if self.config.dynamic_sampling and group and no_signal and taken <= limit:
-                self._set_aside(group)
+                aside.extend(group)
                 continue
             samples.extend(group)
+        self._drop(stale, aside)
         self._carry = samples[self.share :]
         return samples[: self.share]
+
+    def _drop(self, stale: list[TrainSample], aside: list[TrainSample]) -> None:
+        """Report and let go of the samples ``_collect`` gathered as ``stale`` and set
+        ``aside``, one ledger report each (emptied: gather again)."""
+        self._drop_stale(stale)
+        self._set_aside(aside)
+        stale.clear()
+        aside.clear()
 
     async def _train(self, samples: list[TrainSample], policy_version: int) -> dict[str, Any]:
         """One step in the training thread. Meanwhile the loop reads the groups that arrive
@@ -441,15 +456,17 @@ class Learner:
             self._ready.append(group)
             self._ready_n += len(group)
 
-    def _set_aside(self, group: list[TrainSample]) -> None:
-        """Dynamic sampling: a group whose rewards are all equal stays out of the step; it is
-        processed (acknowledged), its samples' fate ``no_signal``. Done with at once, it frees
-        the generators' queue gate for the groups that replace it: the pace needs no change
-        (a pace of the batch over the share of groups with signal left 27k samples stale)."""
-        self.counts["set_aside"] += len(group)
-        self._fates(group, NO_SIGNAL)
-        for sample in group:
-            self._done_with(sample)
+    def _set_aside(self, samples: list[TrainSample]) -> None:
+        """Dynamic sampling: groups whose rewards are all equal stay out of the step; they are
+        processed (acknowledged), their samples' fate ``no_signal`` (one ledger report for all
+        of ``samples``). Done with at once, they free the generators' queue gate for the groups
+        that replace them: the pace needs no change (a pace of the batch over the share of
+        groups with signal left 27k samples stale)."""
+        if samples:
+            self.counts["set_aside"] += len(samples)
+            self._fates(samples, NO_SIGNAL)
+            for sample in samples:
+                self._done_with(sample)
 
     async def _next_group(self) -> Any:
         """The next scored group: a ``scored_group`` message, or one group of a
@@ -574,21 +591,32 @@ class Learner:
             weights = lambda: self.trainer.named_weights(bucket)  # noqa: E731
         await self.publishing.publish(weights, self.version)
 
-    def _fresh(self, samples: list[TrainSample]) -> list[TrainSample]:
-        """Drop (and count) samples whose oldest *sampled* token is more than ``max_lag``
-        versions old. Inserted tokens have no version (-1) and are not looked at; a sample
+    def _fresh(
+        self, samples: list[TrainSample], stale: list[TrainSample] | None = None
+    ) -> list[TrainSample]:
+        """``samples`` less those whose oldest *sampled* token is more than ``max_lag``
+        versions old: those go to ``stale`` (the caller drops them, ``_drop_stale``), or are
+        dropped now. Inserted tokens have no version (-1) and are not looked at; a sample
         without any sampled token is never stale (it trains nothing)."""
         current = self.step // self.config.publish.every + self.offset
-        kept = []
+        kept, old = [], ([] if stale is None else stale)
         for s in samples:
             oldest = _oldest(s.sampled_versions)
             if oldest is None or current - oldest <= self.config.max_lag:
                 kept.append(s)
             else:
-                self.counts["stale"] += 1
-                self._fates([s], "stale", step=self.step + 1)  # undone if step rolls back
-                self._done_with(s)  # dropped and counted: processed
+                old.append(s)
+        if stale is None:
+            self._drop_stale(old)
         return kept
+
+    def _drop_stale(self, samples: list[TrainSample]) -> None:
+        """Count ``samples`` as stale, in one ledger report, and let them go (processed)."""
+        if samples:
+            self.counts["stale"] += len(samples)
+            self._fates(samples, "stale", step=self.step + 1)  # undone if step rolls back
+            for s in samples:
+                self._done_with(s)
 
     def _note_origin(self, group: Mapping[str, Any]) -> None:
         """Remember which generator fed this step, to count them. A group's ``origin`` is its

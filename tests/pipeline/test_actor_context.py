@@ -100,3 +100,21 @@ def test_a_sigterm_while_a_finished_replica_drops_its_handlers_does_not_kill_it(
 
     done = subprocess.run([sys.executable, "-c", _SIGTERM_IN_THE_WINDOW], timeout=50)
     assert done.returncode == 0
+
+
+def test_only_a_stage_that_reads_the_learners_pace_receives_it():
+    """The learners' pace reports (one a learner step) go to the generators, whose queue gate
+    reads them, not to every replica on the bus; every replica gets versions and the rest."""
+    from pipeline import topics
+    from pipeline.actor import control_topics
+    from stages.feeder.stage import Feeder
+    from stages.generator.stage import Generator
+    from stages.learner.stage import Learner
+    from stages.scorer.stage import Scorer
+
+    assert topics.PACE in control_topics(Generator)
+    for cls in (Feeder, Scorer, Learner, None):
+        subscribed = control_topics(cls)
+        assert {topics.VERSION, topics.SHUTDOWN, topics.ENGINES} <= set(subscribed)
+        # a SUB socket takes prefixes: none of them may let the pace in either
+        assert not any(topics.PACE.startswith(t) for t in subscribed), cls

@@ -100,10 +100,12 @@ class _Ctx:
         self.stopped = reason
 
 
-def _groups(n: int) -> list[dict[str, Any]]:
+def _groups(n: int, *, uids: bool = False) -> list[dict[str, Any]]:
+    """``n`` groups of 4 samples with signal; ``uids``: each its prompt's ledger uid."""
     return [
         {
             "group_id": f"g{i}",
+            **({"uid": f"feeder.0:{i}", "group_size": 4} if uids else {}),
             "prompt_ids": [3, 4, 5],
             "samples": [
                 {
@@ -548,3 +550,52 @@ def test_a_trainer_that_says_when_it_runs_backward_gets_the_next_groups_read_the
     assert [o[1] for o in before if o[0] == "read"] == ["g0", "g1"]
     assert learner.ctx.stopped == "trained 3 steps"
     assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
+
+
+def test_groups_set_aside_together_go_to_the_ledger_in_one_report_before_their_acks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamic sampling: the groups without signal that a step finds among those read ahead
+    are reported together (one ``no_signal`` message, not one a group: the supervisor reads
+    every report), and each before its group is acknowledged (the ledger's order)."""
+    groups = _groups(8, uids=True)
+    for i in (2, 3):  # all rewards equal: no signal
+        for sample in groups[i]["samples"]:
+            sample["reward"] = 1.0
+    events: list = []
+    inbox = _Inbox(groups)
+    learner = _learner(tmp_path, inbox, events, monkeypatch)
+    learner.config.dynamic_sampling = True
+    reports = learner.ctx.ledger_reports
+    acked_after: dict[str, int] = {}  # group id -> reports made when it was acknowledged
+    plain_ack = inbox.ack
+
+    def ack(msg: Message) -> None:
+        acked_after[msg.data["group_id"]] = len(reports)
+        plain_ack(msg)
+
+    inbox.ack = ack
+
+    _run(learner)
+    aside = [r for r in reports if r.get("reason") == "no_signal"]
+    assert len(aside) == 1  # g2 and g3: read during the first step, set aside together
+    assert sorted({u for u, _, _ in aside[0]["fates"]}) == ["feeder.0:2", "feeder.0:3"]
+    assert len(aside[0]["fates"]) == 8
+    assert learner.counts["set_aside"] == 8
+    made = reports.index(aside[0]) + 1
+    assert acked_after["g2"] >= made and acked_after["g3"] >= made
+    assert learner.ctx.stopped == "trained 3 steps"
+
+
+def test_samples_gone_stale_together_go_to_the_ledger_in_one_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stale samples a step finds together are one ``stale`` report, before their acks."""
+    inbox = _Inbox(_groups(4, uids=True), then_block=False)
+    learner = _learner(tmp_path, inbox, [], monkeypatch)
+    learner.config.max_lag = 0
+
+    _run(learner)
+    stale = [r for r in learner.ctx.ledger_reports if r.get("reason") == "stale"]
+    assert len(stale) == 1 and len(stale[0]["fates"]) == 8
+    assert learner.counts["stale"] == 8
