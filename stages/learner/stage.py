@@ -333,7 +333,7 @@ class Learner:
         stale: list[TrainSample] = []
         aside: list[TrainSample] = []
         samples, self._carry = self._fresh(self._carry, stale), []
-        hungry = False
+        hungry = set_aside = False
         taken, limit = len(samples), self.config.max_oversample * self.share
         while len(samples) < self.share:
             if self._ready:  # read during the last step: stale by now perhaps
@@ -349,12 +349,15 @@ class Learner:
                     break
                 if (
                     not hungry
-                    and self.ctx.replicas > 1
+                    and (self.ctx.replicas > 1 or set_aside)
                     and not self._parts
                     and _inbox_empty(self.ctx.inputs["groups"])
                 ):
-                    # several ranks: this one may wait for samples while another holds more
-                    # than its share; the generators' queue gate then lets one batch more through
+                    # the generators' queue gate then lets one batch more through. Several
+                    # ranks: this one may wait for samples while another holds more than its
+                    # share. Groups set aside: done with, but a generator's batch is
+                    # acknowledged only with its last group, and the others may wait here for
+                    # this step: the gate can stay shut on samples this step cannot use
                     hungry = True
                     await self._publish_pace(hungry=True)
                 try:
@@ -367,6 +370,7 @@ class Learner:
             no_signal = not any(s.carries_signal for s in group)
             if self.config.dynamic_sampling and group and no_signal and taken <= limit:
                 aside.extend(group)
+                set_aside = True
                 continue
             samples.extend(group)
         self._drop(stale, aside)

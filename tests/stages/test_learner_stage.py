@@ -65,6 +65,9 @@ class _Inbox:
             return max(0, min(len(self.groups), self.gate[0] - self.given))
         return len(self.groups)
 
+    def stats(self) -> dict[str, int]:
+        return {"depth": self.waiting()}  # as a Receiver's: what waits to be read
+
     def take(self) -> Message:
         assert self.waiting() > 0
         self.given += 1
@@ -599,3 +602,35 @@ def test_samples_gone_stale_together_go_to_the_ledger_in_one_report(
     stale = [r for r in learner.ctx.ledger_reports if r.get("reason") == "stale"]
     assert len(stale) == 1 and len(stale[0]["fates"]) == 8
     assert learner.counts["stale"] == 8
+
+
+def test_a_learner_that_set_groups_aside_and_waits_lets_the_generators_send_one_batch_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamic sampling: groups set aside are done with, but a generator's batch is
+    acknowledged only with its last group, so the queue gate can stay shut on samples the
+    step cannot use (seen in CI: a 3-step run waited for ever after its first step). A learner
+    that set groups aside and finds nothing more to read says it is hungry: as a generator
+    held by its budget, the inbox here gives more only then. Without it the run waits for
+    ever (the test's timeout)."""
+    from pipeline import topics
+
+    released = asyncio.Event()
+    groups = _groups(8, uids=True)
+    for i in (2, 3):  # the second step's first groups carry no signal
+        for sample in groups[i]["samples"]:
+            sample["reward"] = 1.0
+    learner = _learner(tmp_path, _Inbox(groups, gate=(4, released)), [], monkeypatch)
+    learner.config.dynamic_sampling = True
+    publish = learner.ctx.publish
+
+    async def recorded(topic: str, payload: dict[str, Any]) -> None:
+        await publish(topic, payload)
+        if topic == topics.PACE and payload["hungry"]:
+            released.set()  # one batch more through the generators' gate
+
+    learner.ctx.publish = recorded
+    _run(learner)
+    assert learner.step == 3 and learner.counts["set_aside"] == 8
+    hungry = [p for t, p in learner.ctx.published if t == topics.PACE and p["hungry"]]
+    assert [p["version"] for p in hungry] == [1]  # once, in the step that set groups aside
