@@ -649,7 +649,10 @@ class Learner:
     async def _next_group_or_recount(self, hungry: bool) -> Any:
         """``_next_group``; while none comes for ``_SILENT_S``, the generators that sent
         nothing meanwhile stop counting in the pace (``_forget_silent``), which then goes out
-        again."""
+        again, hungry: the generators let one batch more through. A generator's batch is
+        acknowledged only with its last group, so the queue gate can stay shut on groups
+        this rank holds for the step it waits to fill (seen after a scorer restarted, the
+        learner holding one group of each of 16 batches: the gate's whole budget)."""
         waiting = getattr(self.ctx.inputs["groups"], "waiting", None)
         if self._parts or (waiting is not None and waiting() > 0):
             return await self._next_group()  # one is there: no task to wait for it
@@ -660,9 +663,11 @@ class Learner:
                 await asyncio.wait({receiving}, timeout=_SILENT_S)
                 if receiving.done():
                     return receiving.result()
-                if self._forget_silent(since):
-                    self.log.info("generators_silent", step=self.step, waited_s=_SILENT_S)
-                    await self._publish_pace(hungry=hungry)
+                forgot = self._forget_silent(since)
+                self.log.info(
+                    "generators_silent", step=self.step, waited_s=_SILENT_S, forgot=forgot
+                )
+                await self._publish_pace(hungry=True)
         except BaseException:
             receiving.cancel()
             raise

@@ -634,3 +634,31 @@ def test_a_learner_that_set_groups_aside_and_waits_lets_the_generators_send_one_
     assert learner.step == 3 and learner.counts["set_aside"] == 8
     hungry = [p for t, p in learner.ctx.published if t == topics.PACE and p["hungry"]]
     assert [p["version"] for p in hungry] == [1]  # once, in the step that set groups aside
+
+
+def test_a_learner_that_waits_long_for_samples_lets_the_generators_send_one_batch_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generator's batch is acknowledged only with its last group, so the queue gate can
+    stay shut on groups the learner holds for the step it waits to fill (a CI run of the Ray
+    node-loss test waited for ever so after its scorer restarted). When nothing comes for
+    ``_SILENT_S`` the learner reports itself hungry: as a generator held by its budget, the
+    inbox here gives more only then. Without it the run waits for ever (the test's timeout)."""
+    from pipeline import topics
+    from stages.learner import stage as stage_module
+
+    monkeypatch.setattr(stage_module, "_SILENT_S", 0.2)
+    released = asyncio.Event()
+    learner = _learner(tmp_path, _Inbox(_groups(6), gate=(3, released)), [], monkeypatch)
+    publish = learner.ctx.publish
+
+    async def recorded(topic: str, payload: dict[str, Any]) -> None:
+        await publish(topic, payload)
+        if topic == topics.PACE and payload["hungry"]:
+            released.set()
+
+    learner.ctx.publish = recorded
+    _run(learner)
+    assert learner.step == 3
+    hungry = [p for t, p in learner.ctx.published if t == topics.PACE and p["hungry"]]
+    assert [p["version"] for p in hungry] == [1]  # once: in the step that waited
