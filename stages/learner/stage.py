@@ -361,7 +361,7 @@ class Learner:
                     hungry = True
                     await self._publish_pace(hungry=True)
                 try:
-                    msg = await self._next_group_or_recount(hungry)
+                    msg = await self._next_group_or_recount()
                 except StopAsyncIteration:
                     self._input_done = True
                     break
@@ -646,7 +646,7 @@ class Learner:
             del self._origins_seen[generator]
         return bool(silent)
 
-    async def _next_group_or_recount(self, hungry: bool) -> Any:
+    async def _next_group_or_recount(self) -> Any:
         """``_next_group``; while none comes for ``_SILENT_S``, the generators that sent
         nothing meanwhile stop counting in the pace (``_forget_silent``), which then goes out
         again, hungry: the generators let one batch more through. A generator's batch is
