@@ -707,6 +707,17 @@ class Sender:
         waiting for credit, in one batch: the credit of the consumer with the most."""
         return max((p.credit for p in self._ready()), default=0)
 
+    async def wait_for_room(self) -> int:
+        """``room()``, once it is more than 0: a producer that batches what it has waits here
+        rather than sending one message as soon as one unit of credit comes back (a consumer
+        that takes its inbox as fast as it fills grants a quarter of its share at a time, and
+        the rest would then go one unit behind the first). ChannelClosed after ``aclose()``."""
+        room = self.room()
+        if room <= 0:
+            await self._wait_for_credit(1)
+            room = self.room()
+        return room
+
     def held_uids(self) -> list[str]:
         """The ``uid`` of each message sent and not yet acknowledged (that carries one)."""
         return [u for h in self._unacked.values() for u in h.uids]

@@ -470,18 +470,23 @@ class InProcessClient(EngineClient):
         version among them. EngineError (not retryable) if a result does not
         have one log-prob and one version per token."""
         ids, logprobs, versions, finish = [], [], [], []
-        newest = 0
+        newest, read = 0, None  # a group's samples mostly carry one version: read it once
         for result in results:
             out, lps = result.output_ids, result.output_token_logprobs or ()
             per_token = result.output_token_weight_versions
             if pinned is not None:  # every token of the adapter its request named
                 per_token = [pinned] * len(out)
-            _check_aligned(self.url, "the engine gave", out, lps, per_token)
+            if not len(out) == len(lps) == len(per_token):
+                _check_aligned(self.url, "the engine gave", out, lps, per_token)  # raises
             ids.append(out)
             logprobs.append(lps)
             versions.append(per_token)
-            finish.append(_finish_type(result.finish_reason or {}))
-            newest = max(newest, version_of(result.weight_version))
+            reason = result.finish_reason
+            typed = type(reason) is dict  # what the scheduler gives: no call for it
+            finish.append(reason.get("type", "unknown") if typed else _finish_type(reason or {}))
+            if result.weight_version != read:
+                read = result.weight_version
+                newest = max(newest, version_of(read))
         if pinned is not None:
             newest = pinned
         return Finished(ids, logprobs, versions, finish, engine, *timings), newest

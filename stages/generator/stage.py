@@ -1029,13 +1029,16 @@ class Generator:
         )
         while True:
             waiting = [await self.outbox.get()]
-            # no more than the scorers have credit for (in groups): the rest stays counted in
-            # the outbox (the credit gate's room downstream); a batch goes to one scorer, so
-            # no more than the one with the most has room for
-            room = rollouts.room() if columns else rollouts.credit()
-            while many and not self.outbox.empty() and len(waiting) < room:
-                waiting.append(self.outbox.get_nowait())
             try:
+                # no more than the scorers have credit for (in groups): the rest stays counted
+                # in the outbox (the credit gate's room downstream); a batch goes to one
+                # scorer, so no more than the one with the most has room for. With none, wait
+                # for some first: the groups that finish meanwhile go in the same batch.
+                room = rollouts.room() if columns else rollouts.credit()
+                if columns and room <= 0 and hasattr(rollouts, "wait_for_room"):
+                    room = await rollouts.wait_for_room()
+                while many and not self.outbox.empty() and len(waiting) < room:
+                    waiting.append(self.outbox.get_nowait())
                 items = [item for item, _ in waiting]
                 samples = sum(len(item["samples"]) for item in items)
                 tokens = sum(_tokens(item["samples"]) for item in items)

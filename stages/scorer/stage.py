@@ -756,7 +756,11 @@ class Scorer:
         columns = sends is not None and sends(SCORED_BATCH.kind)
         out = []
         while members:  # no more groups at once than a learner has room for (as send_many)
-            room = port.room() if columns and hasattr(port, "room") else len(members)
+            room = len(members)
+            if columns and hasattr(port, "room"):
+                # none: wait for some, then send as much as it allows (not one group now and
+                # the rest behind it)
+                room = await port.wait_for_room() if hasattr(port, "wait_for_room") else port.room()
             take, members = members[: max(1, room)], members[max(1, room) :]
             parts = [g.cols for g, _ in take]
             batch = rollout_batch.take(parts, run_id, group_size, origin)  # type: ignore[arg-type]

@@ -744,3 +744,65 @@ def test_the_generators_shares_of_the_budget_fill_the_learners_batch(tmp_path, s
         assert origins * stage._unacked >= batch, (origins, stage._unacked)
         # and not much more: a share rounded up to whole groups
         assert stage._unacked < -(-batch // origins) + size, (origins, stage._unacked)
+
+
+class _FullScorers:
+    """A rollouts port whose scorers take ``rollout_batch`` and have no room until the test
+    frees some (``wait_for_room``, as ``transport.Sender`` has it)."""
+
+    def __init__(self) -> None:
+        self.space = 0
+        self.asked, self.freed = asyncio.Event(), asyncio.Event()
+        self.batches: list[list[str]] = []
+
+    def sends(self, kind: str) -> bool:
+        return kind == "rollout_batch"
+
+    def room(self) -> int:
+        return self.space
+
+    def credit(self) -> int:
+        return self.space
+
+    async def wait_for_room(self) -> int:
+        self.asked.set()
+        await self.freed.wait()
+        return self.space
+
+    async def send(self, kind: str, data: dict[str, Any]) -> None:
+        assert kind == "rollout_batch"
+        self.batches.append(list(data["group_id"]))
+
+    async def send_many(self, kind: str, items: list[dict[str, Any]]) -> list[None]:
+        raise AssertionError("single-turn groups go as one rollout_batch")
+
+
+@pytest.mark.timeout(30)
+async def test_groups_that_finish_while_the_scorers_have_no_room_go_in_one_batch(tmp_path):
+    """With no room at the scorers, the generator waits for some before it cuts a batch: the
+    groups that finished meanwhile go together, not the first alone and the rest behind it."""
+    from tests.stages.test_rollout_batch import _finished, _group
+
+    stage = _gated_stage(tmp_path, _OPEN)
+    scorers = stage.ctx.outputs["rollouts"] = _FullScorers()
+    acked: list[str] = []
+    stage.ctx.inputs["prompts"] = SimpleNamespace(ack=lambda msg: acked.append(msg.data))
+    emitting = asyncio.ensure_future(stage._emit())
+    try:
+        names = "abc"
+        for name in names:
+            group = _finished(_group(name, [0, 1, 2, 3]))
+            await stage.outbox.put((group, SimpleNamespace(data=name)))
+            await asyncio.wait_for(scorers.asked.wait(), 5)  # the first: it waits for room
+        assert scorers.batches == [] and stage.outbox.qsize() == 2
+        scorers.space = 3
+        scorers.freed.set()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if scorers.batches:
+                break
+        assert scorers.batches == [["a/1", "b/1", "c/1"]]
+        assert acked == list(names)  # not chained: each prompt acknowledged once sent
+    finally:
+        emitting.cancel()
+        await asyncio.gather(emitting, return_exceptions=True)

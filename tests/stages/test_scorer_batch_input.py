@@ -65,11 +65,29 @@ class _Learner:
         return len(self.sent)
 
 
+class _FullLearner(_Learner):
+    """A learner whose inbox is full: no room until the test gives some (``wait_for_room``, as
+    ``transport.Sender`` has it)."""
+
+    def __init__(self) -> None:
+        super().__init__(columns=True, room=0)
+        self.asked, self.freed = asyncio.Event(), asyncio.Event()
+
+    async def wait_for_room(self) -> int:
+        self.asked.set()
+        await self.freed.wait()
+        return self.space
+
+
 async def _scorer(
-    messages: list[Message], columns: bool = False, room: int = 64
+    messages: list[Message],
+    columns: bool = False,
+    room: int = 64,
+    learner: _Learner | None = None,
 ) -> tuple[Scorer, _Inbox, _Learner, list[dict]]:
     config = ScorerConfig(rewards=[RewardSpec(EM)], tokenizer="unused", workers=0)
-    inbox, learner, ledger = _Inbox(messages), _Learner(columns, room), []
+    inbox, ledger = _Inbox(messages), []
+    learner = learner or _Learner(columns, room)
     log = structlog.get_logger("scorer")
     ctx = SimpleNamespace(
         log=log,
@@ -183,6 +201,23 @@ async def test_a_scored_batch_holds_no_more_groups_than_the_learner_has_room_for
     assert learner.kinds == ["scored_batch", "scored_batch"]
     assert [b["group_id"] for _, b in learner.sent] == [["a/1", "b/1"], ["c/1"]]
     learner.acked(2)
+    learner.acked(1)
+    assert inbox.acked == [msg]
+
+
+@pytest.mark.timeout(30)
+async def test_a_scorer_without_room_at_the_learner_waits_and_sends_its_groups_together():
+    """No credit at the learner: the scorer waits for room before it cuts a scored batch, then
+    sends as much as the room allows in one, not one group ahead of the rest."""
+    groups = [_asked(_group(name, [0, 1], size=2)) for name in "abc"]
+    learner, msg = _FullLearner(), _batch(*groups)
+    scoring = asyncio.ensure_future(_scorer([msg], columns=True, learner=learner))
+    await asyncio.wait_for(learner.asked.wait(), 10)  # scored: it waits for room
+    assert learner.sent == []
+    learner.space = 3
+    learner.freed.set()
+    _, inbox, _, _ = await asyncio.wait_for(scoring, 5)
+    assert [b["group_id"] for _, b in learner.sent] == [["a/1", "b/1", "c/1"]]
     learner.acked(1)
     assert inbox.acked == [msg]
 

@@ -14,7 +14,7 @@ import pytest
 from tests.transport.conftest import eventually, over_both_wires, raw_hello, raw_producer
 from tests.transport.test_channel import receiver, sender
 from tests.transport.test_delivery import _crash
-from transport import Message, Receiver, Schema, ipc_address
+from transport import ChannelClosed, Message, Receiver, Schema, ipc_address
 from transport.codec import decode_batch, encode, encode_batch
 
 wire = over_both_wires(__name__)
@@ -216,6 +216,42 @@ async def test_a_consumer_taking_one_at_a_time_grants_a_quarter_share_at_once(ct
         assert credits <= 96 // 4 + 8, credits  # (pings are answered too)
         if wire == "zmq":
             assert out.stats()["batches"] >= 12
+    finally:
+        await out.aclose(eos=False)
+        await r.aclose()
+
+
+@pytest.mark.timeout(15)
+async def test_a_producer_out_of_credit_waits_for_room_then_learns_how_much(ctx, ipc_dir, wire):
+    """``wait_for_room``: at once while a consumer has room; with none, it waits until credit
+    comes back and says how much there is (a producer that batches then sends that much as one
+    batch, not one message ahead of the rest); a close ends the wait."""
+    addr = ipc_address(ipc_dir, "in")
+    r = receiver(ctx, addr, capacity=8)
+    await r.start()
+    out = sender(ctx, [addr])
+    await out.start()
+    try:
+        await eventually(lambda: out.credit() == 8)
+        assert await asyncio.wait_for(out.wait_for_room(), 1) == 8
+        await out.send_many("item", _items(0, 8))
+        assert out.room() == 0
+        waiting = asyncio.ensure_future(out.wait_for_room())
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # the inbox is full
+        assert [d["id"] for d in await _take(r, 8)] == list(range(8))
+        room = await asyncio.wait_for(waiting, 3)
+        assert room >= 2  # a quarter share at least, at once
+        await out.send_many("item", _items(8, room))
+        assert [d["id"] for d in await _take(r, room)] == list(range(8, 8 + room))
+        await eventually(lambda: out.room() >= 6)  # (topped up once a quarter share is out)
+        await out.send_many("item", _items(100, out.room()))
+        assert out.room() == 0
+        closing = asyncio.ensure_future(out.wait_for_room())
+        await asyncio.sleep(0.05)
+        await out.aclose(eos=False)
+        with pytest.raises(ChannelClosed):
+            await asyncio.wait_for(closing, 3)
     finally:
         await out.aclose(eos=False)
         await r.aclose()
