@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,10 @@ class ActorContext:
         # generator replica ("stage.replica") -> its latest `engines` announcement
         self.engines: dict[str, dict[str, Any]] = {}
         self._engines_changed = asyncio.Condition()
+        # learner rank -> the version of its latest pace report heard back (wait_for_pace)
+        self.pace_heard: dict[int, int] = {}
+        self._pace_arrived = asyncio.Event()
+        self._on_control: list[Callable[[], None]] = []  # (on_control)
         # where prompts and samples went (pipeline.ledger): published at once, in order
         self.ledger = LedgerReporter(
             lambda payload: control.publish_nowait(topics.LEDGER, self._signed(payload))
@@ -115,6 +119,16 @@ class ActorContext:
         """The run's inference-engine API key (``stages.engine.auth``); None when absent."""
         return self._engine_api_key
 
+    def on_control(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after each version announcement and learner ``pace`` report
+        taken in (``version``, ``engine_versions`` and ``learner_pace`` may have changed): a
+        stage whose gates read them waits for this rather than polling them."""
+        self._on_control.append(callback)
+
+    def _control_changed(self) -> None:
+        for callback in self._on_control:
+            callback()
+
     async def set_version(self, version: int, engines: Any = (), lora_name: Any = None) -> None:
         """A version announcement; ``engines``: the URLs that hold ``version`` now;
         ``lora_name``: the LoRA adapter it is on them (``publish.lora_transport: files``),
@@ -124,8 +138,11 @@ class ActorContext:
         for url in engines if isinstance(engines, list) else ():
             if isinstance(url, str) and version > self.engine_versions.get(url, -1):
                 self.engine_versions[url] = version
-        if version > self._version:
+        newer = version > self._version
+        if newer:
             self._version = version
+        self._control_changed()
+        if newer:
             async with self._version_changed:
                 self._version_changed.notify_all()
 
@@ -155,8 +172,21 @@ class ActorContext:
         samples; a malformed one is ignored)."""
         pace = {k: payload.get(k) for k in ("batch", "every", "max_lag", "origins", "version")}
         if all(isinstance(v, int) and not isinstance(v, bool) for v in pace.values()):
+            rank = payload.get("rank")
+            if isinstance(rank, int) and pace["version"] > self.pace_heard.get(rank, -1):
+                self.pace_heard[rank] = pace["version"]
+                self._pace_arrived.set()
             if pace["version"] >= self.learner_pace.get("version", -1):
                 self.learner_pace = {**pace, "hungry": payload.get("hungry") is True}
+                self._control_changed()
+
+    async def wait_for_pace(self, rank: int, version: int) -> None:
+        """Until a pace report of learner ``rank`` at ``version`` or later has come back over
+        the control bus (a learner hears its own: the broker has passed it on to the
+        generators by then)."""
+        while self.pace_heard.get(rank, -1) < version:
+            self._pace_arrived.clear()
+            await self._pace_arrived.wait()
 
     def metrics(self, **values: Any) -> None:
         self.log.info("metrics", **values)

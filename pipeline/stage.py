@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -129,6 +129,12 @@ class StageContext(Protocol):
 
     async def publish(self, topic: str, payload: Mapping[str, Any]) -> None: ...
 
+    # call back after each version announcement and learner pace report taken in
+    def on_control(self, callback: Callable[[], None]) -> None: ...
+
+    # until learner rank `rank`'s pace report at `version` (or later) has been taken in
+    async def wait_for_pace(self, rank: int, version: int) -> None: ...
+
     # ask the supervisor to end the run: succeeded, or with failed=True as failed
     def request_stop(self, reason: str, *, failed: bool = False) -> None: ...
 
@@ -150,8 +156,9 @@ class Stage(Protocol):
     (``pipeline.host``); a stage without it gets a process of its own.
 
     A stage that reads the learners' pace (``ctx.learner_pace``: their batch, lag and version,
-    as the generator's queue gate does) sets ``reads_pace = True``; the reports, one a learner
-    step, go to those stages only.
+    as the generator's queue gate does; ``ctx.on_control`` calls back as each is taken in) sets
+    ``reads_pace = True``; the reports, one a learner step, go to those stages only (and to the
+    learner, which hears its own back before it acknowledges a step: ``ctx.wait_for_pace``).
     """
 
     Config: ClassVar[type]

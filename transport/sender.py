@@ -197,6 +197,7 @@ class Sender:
         self._acks_arrived = asyncio.Event()
         self._finishing = False  # finish() sent EOS: redeliveries are followed by EOS again
         self._ack_callbacks: list[Callable[[int], None]] = []
+        self._credit_callbacks: list[Callable[[], None]] = []
         self._acked = 0
         self._redelivered = 0
         self._unacked_dropped = 0
@@ -501,6 +502,12 @@ class Sender:
     def on_ack(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(seq)`` for each message (``send``'s return value) once processed."""
         self._ack_callbacks.append(callback)
+
+    def on_credit(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever a consumer's credit or liveness may have changed (what
+        ``credit()`` and ``room()`` say): a producer that decides how much to start waits for
+        this rather than polling them."""
+        self._credit_callbacks.append(callback)
 
     async def _send_data(
         self, peer: _Peer, seq: int, held: _Held, schema: Schema | None = None
@@ -872,6 +879,8 @@ class Sender:
             peer.granted = max(peer.granted, granted)
         peer.consumed = consumed
         self._credit_changed.set()  # also when only liveness changed: a waiter may now proceed
+        for callback in self._credit_callbacks:
+            callback()
 
     def _use_bulk_port(self, peer: _Peer, port: Any) -> None:
         """Connect to the bulk port a CURVE consumer announced (its host is the inbox's)."""

@@ -88,6 +88,8 @@ if TYPE_CHECKING:  # aiohttp is imported where it is used: `inflight run` valida
 __all__ = ["Generator", "SamplingConfig"]
 
 _BACKOFF_CAP_S = 10.0
+# while the gates are shut, the longest _slot waits before it looks at them again unwoken
+_LOOK_AGAIN_S = 0.25
 # groups at most in one request to an engine in this process (``Generator._groups``)
 _GROUPS_PER_REQUEST = 16
 # connections per engine beyond its most samples in flight (health probes, spare)
@@ -260,6 +262,12 @@ class Generator:
         if hasattr(rollouts, "on_ack"):
             rollouts.on_ack(self._group_acked)
             self._chained = True
+        # what opens the gates wakes _slot: credit downstream, the learners' pace, versions
+        # (results, acknowledgements, the outbox and the controller set _changed themselves)
+        if hasattr(rollouts, "on_credit"):
+            rollouts.on_credit(self._changed.set)
+        if hasattr(self.ctx, "on_control"):
+            self.ctx.on_control(self._changed.set)
         urls = list(self.config.engines)
         api_key = engine_api_key(self.ctx)  # the run's; every engine, launched or attached
         if self.config.launch is not None:
@@ -497,12 +505,17 @@ class Generator:
             ):
                 await self._ask_engine_versions()
             self._changed.clear()
-            # credit arrives without an event of ours: look again at least every 50 ms.
+            # Whatever opens a gate sets _changed: results, acknowledgements, the outbox,
+            # credit downstream, the learners' pace, versions, the controller's decisions. The
+            # timeout is a safety net, not a poll (looking every 50 ms was 45% of this
+            # process's CPU while the gates were shut). The room a learner step's
+            # acknowledgements free is not taken at the version before it: the learner
+            # acknowledges a step once its pace report has come back over the bus.
             # (asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation
             # that races its timeout, and this loop would then outlive a shutdown.)
             waiter = asyncio.ensure_future(self._changed.wait())
             try:
-                await asyncio.wait([waiter], timeout=0.05)
+                await asyncio.wait([waiter], timeout=_LOOK_AGAIN_S)
             finally:
                 waiter.cancel()
 
@@ -998,6 +1011,7 @@ class Generator:
                     reason,
                 )
             self._unacked -= size - len(samples)
+            self._changed.set()
         if not samples:
             self.ctx.inputs["prompts"].ack(msg)  # all dropped (and counted): processed
             return
@@ -1083,6 +1097,7 @@ class Generator:
         for msg, size in entry:
             prompts.ack(msg)
             self._unacked -= size
+        self._changed.set()  # the queue gate has room again
 
     async def _decide(self) -> None:
         interval = self.config.controller.interval_s
@@ -1090,6 +1105,7 @@ class Generator:
             await asyncio.sleep(interval)
             await self._announce_engines()
             self._log_decisions(self.controller.decide(time.monotonic()))
+            self._changed.set()  # the engines' targets may have moved
             self._metrics()
 
     def _metrics(self) -> None:

@@ -51,6 +51,7 @@ from stages import rollout_batch
 from stages.engine.auth import engine_api_key
 from stages.learner.config import LearnerConfig
 from stages.schemas import SCORED_BATCH, SCORED_GROUP
+from transport.credit import sparse
 
 if TYPE_CHECKING:
     from stages.learner.trainer import TrainSample
@@ -64,12 +65,15 @@ _LIVE_STEPS = 8  # a generator whose groups came within this many steps counts a
 # waiting this long for samples with none coming, the learner stops counting the generators
 # that sent nothing meanwhile (gone for good, or held back by a budget that counts them)
 _SILENT_S = 2.0
+# how long a step's acknowledgements wait for its pace report to come back over the bus
+_PACE_ECHO_S = 0.5
 _CATCH_UP_S = 1.0  # while waiting for samples, rank 0 checks this often that engines are current
 
 
 class Learner:
     Config = LearnerConfig
     keeps_ledger = True  # reports where its samples end (pipeline.ledger)
+    reads_pace = True  # hears its own pace report back before it acknowledges a step
     # a group is processed once every sample of it is in a finished step (or dropped, counted)
     inputs = {
         "groups": Port(
@@ -105,6 +109,7 @@ class Learner:
             "overlong_filtered": 0,  # truncated samples that trained nothing (overlong.filter)
             "overlong_shaped": 0,  # samples whose reward the overlong punishment lowered
             "no_teacher": 0,  # samples of groups dropped without teacher log-probs (distill)
+            "pace_unheard": 0,  # steps whose pace report did not come back in _PACE_ECHO_S
         }
         # sums over steps; "passes_n": steps that had passes (the loss statistics' steps)
         self.totals = {
@@ -310,10 +315,14 @@ class Learner:
                 fates[NO_SIGNAL if without_passes(cfg, s) else TRAINED].append(s)
             for reason, ended in fates.items():
                 self._fates(ended, reason, step=self.step)
+            self._account({**metrics, **timing}, time.monotonic() - started)
+            # The new pace goes first and the step's samples are acknowledged once it is heard
+            # back over the control bus: the room their acknowledgements free in a generator's
+            # queue gate must not be taken at the version before this step (it would start
+            # samples that are stale by the time they are trained).
+            await self._pace_heard(await self._publish_pace())
             for sample in samples:  # in a finished step: processed
                 self._done_with(sample)
-            self._account({**metrics, **timing}, time.monotonic() - started)
-            await self._publish_pace()
             last = self.step == cfg.steps
             publish_s = time.monotonic()
             if self.step % cfg.publish.every == 0 or last:
@@ -672,15 +681,17 @@ class Learner:
             receiving.cancel()
             raise
 
-    async def _publish_pace(self, *, hungry: bool = False) -> None:
+    async def _publish_pace(self, *, hungry: bool = False) -> int | None:
         """After a step: tell the generators the pace they keep ahead of (``topics.PACE``):
         the batch, ``publish.every``, ``max_lag``, the version the staleness check compares
         with, how many generators share the batch, and whether it waits for samples now
-        (``hungry``: then the generators let one batch more through)."""
+        (``hungry``: then the generators let one batch more through). Returns that version
+        (None: nothing published)."""
         cfg = self.config
         if self.ctx.mode != "async" or not hasattr(self.ctx, "publish"):
-            return
+            return None
         live = sum(self.step - at <= _LIVE_STEPS for at, _ in self._origins_seen.values())
+        version = self.step // cfg.publish.every + self.offset
         await self.ctx.publish(
             topics.PACE,
             {
@@ -689,11 +700,36 @@ class Learner:
                 "every": cfg.publish.every,
                 "max_lag": cfg.max_lag,
                 # what _fresh compares with: ahead of the published version while publishing
-                "version": self.step // cfg.publish.every + self.offset,
+                "version": version,
                 "origins": max(1, live),
                 "hungry": hungry,
             },
         )
+        return version
+
+    async def _pace_heard(self, version: int | None) -> None:
+        """Wait (at most ``_PACE_ECHO_S``) until this rank's pace report at ``version`` has come
+        back over the control bus: the broker has then passed it on to the generators too. One
+        that does not come back (the bus dropped it) is counted and logged, and the step goes
+        on."""
+        wait = getattr(self.ctx, "wait_for_pace", None)
+        if version is None or wait is None:
+            return
+        # (asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation)
+        heard = asyncio.ensure_future(wait(self.rank, version))
+        try:
+            done, _ = await asyncio.wait({heard}, timeout=_PACE_ECHO_S)
+        finally:
+            heard.cancel()
+        if not done:
+            self.counts["pace_unheard"] += 1
+            if sparse(self.counts["pace_unheard"]):
+                self.log.warning(
+                    "pace_unheard",
+                    version=version,
+                    waited_s=_PACE_ECHO_S,
+                    count=self.counts["pace_unheard"],
+                )
 
     def _fates(self, samples: list[TrainSample], reason: str, step: int | None = None) -> None:
         """Tell the ledger where ``samples`` ended (before their groups are acknowledged)."""

@@ -63,6 +63,44 @@ def test_a_version_announcement_records_which_engines_loaded_it():
     asyncio.run(main())
 
 
+def test_a_stage_hears_of_each_version_announcement_and_pace_report_taken_in():
+    """``on_control``: called after each announcement and each pace report kept (what a
+    generator's gates read), not for a malformed or older report."""
+
+    async def main():
+        ctx = ActorContext(_SPEC, log=None, control=None)
+        heard: list[tuple[int, dict]] = []
+        ctx.on_control(lambda: heard.append((ctx.version, dict(ctx.learner_pace))))
+        await ctx.set_version(3, ["http://a"])
+        pace = {"batch": 32, "every": 1, "max_lag": 1, "origins": 1, "version": 3}
+        ctx.set_pace({"rank": 0, **pace})
+        ctx.set_pace({"rank": 0, **pace, "version": 2})  # older: not kept, nothing to hear
+        ctx.set_pace({"rank": 0, **pace, "batch": None, "version": 4})  # malformed: the same
+        assert heard == [(3, {}), (3, {**pace, "hungry": False})]
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_a_learner_rank_waits_until_its_own_pace_report_comes_back():
+    """``wait_for_pace(rank, version)``: done once that rank's report at that version or later
+    was taken in; another rank's, or an older one, does not end the wait."""
+
+    async def main():
+        ctx = ActorContext(_SPEC, log=None, control=None)
+        pace = {"batch": 32, "every": 1, "max_lag": 1, "origins": 1}
+        waiting = asyncio.ensure_future(ctx.wait_for_pace(0, 5))
+        ctx.set_pace({"rank": 1, **pace, "version": 5})  # another rank's
+        ctx.set_pace({"rank": 0, **pace, "version": 4})  # this rank's, one step before
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        ctx.set_pace({"rank": 0, **pace, "version": 5})
+        await asyncio.wait_for(waiting, 2)
+        await asyncio.wait_for(ctx.wait_for_pace(0, 3), 2)  # heard already: at once
+
+    asyncio.run(main())
+
+
 _SIGTERM_IN_THE_WINDOW = """
 import asyncio, os, signal
 from pipeline.actor import _ignore_shutdown_signals, _run_loop
@@ -104,7 +142,8 @@ def test_a_sigterm_while_a_finished_replica_drops_its_handlers_does_not_kill_it(
 
 def test_only_a_stage_that_reads_the_learners_pace_receives_it():
     """The learners' pace reports (one a learner step) go to the generators, whose queue gate
-    reads them, not to every replica on the bus; every replica gets versions and the rest."""
+    reads them, and to the learners, which hear their own back before they acknowledge a
+    step; not to every replica on the bus. Every replica gets versions and the rest."""
     from pipeline import topics
     from pipeline.actor import control_topics
     from stages.feeder.stage import Feeder
@@ -113,7 +152,8 @@ def test_only_a_stage_that_reads_the_learners_pace_receives_it():
     from stages.scorer.stage import Scorer
 
     assert topics.PACE in control_topics(Generator)
-    for cls in (Feeder, Scorer, Learner, None):
+    assert topics.PACE in control_topics(Learner)
+    for cls in (Feeder, Scorer, None):
         subscribed = control_topics(cls)
         assert {topics.VERSION, topics.SHUTDOWN, topics.ENGINES} <= set(subscribed)
         # a SUB socket takes prefixes: none of them may let the pace in either

@@ -806,3 +806,22 @@ async def test_groups_that_finish_while_the_scorers_have_no_room_go_in_one_batch
     finally:
         emitting.cancel()
         await asyncio.gather(emitting, return_exceptions=True)
+
+
+@pytest.mark.timeout(30)
+async def test_a_shut_queue_gate_opens_as_soon_as_the_learner_is_done_with_samples(
+    tmp_path, monkeypatch
+):
+    """``_slot`` waits for what opens a gate, not for a timer: the acknowledgement that
+    frees the queue gate's room wakes it (the timer is only a safety net)."""
+    import stages.generator.stage as generator_stage
+
+    monkeypatch.setattr(generator_stage, "_LOOK_AGAIN_S", 30.0)
+    pace = {"version": 3, "max_lag": 1, "every": 1, "batch": 16, "origins": 1}
+    stage = _gated_stage(tmp_path, {**_OPEN, "unacked": 32, "in_flight": 4, "pace": pace})
+    stage.ctx.inputs["prompts"] = SimpleNamespace(ack=lambda msg: None)
+    slot = asyncio.ensure_future(stage._slot(4))
+    await asyncio.sleep(0.1)
+    assert not slot.done()  # the queue gate is shut: 2 batches of 16 held
+    stage._prompts_done([(SimpleNamespace(data="p"), 4)])  # a group's prompt is done with
+    assert await asyncio.wait_for(slot, 1) == "http://a"

@@ -662,3 +662,69 @@ def test_a_learner_that_waits_long_for_samples_lets_the_generators_send_one_batc
     assert learner.step == 3
     hungry = [p for t, p in learner.ctx.published if t == topics.PACE and p["hungry"]]
     assert [p["version"] for p in hungry] == [1]  # once: in the step that waited
+
+
+def test_a_step_is_acknowledged_once_its_pace_report_has_come_back_over_the_bus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The room a step's acknowledgements free in a generator's queue gate must not be taken
+    at the version before the step (those samples would be stale when trained): the learner
+    publishes the step's pace, waits until it hears it back over the bus
+    (``ctx.wait_for_pace``: the broker has then passed it on to the generators too), and
+    only then acknowledges the step's groups."""
+    from pipeline import topics
+
+    inbox = _Inbox(_groups(6))
+    learner = _learner(tmp_path, inbox, [], monkeypatch)  # 2 groups a step, 3 steps
+    order: list[tuple[str, Any]] = []
+    publish = learner.ctx.publish
+
+    async def recorded(topic: str, payload: dict[str, Any]) -> None:
+        if topic == topics.PACE:
+            order.append(("pace", payload["version"]))
+        await publish(topic, payload)
+
+    async def wait_for_pace(rank: int, version: int) -> None:
+        await asyncio.sleep(0.05)  # the round trip through the broker
+        order.append(("heard", version))
+
+    plain_ack = inbox.ack
+
+    def ack(msg: Message) -> None:
+        order.append(("ack", msg.data["group_id"]))
+        plain_ack(msg)
+
+    learner.ctx.publish, learner.ctx.wait_for_pace, inbox.ack = recorded, wait_for_pace, ack
+    _run(learner)
+    assert order == [("pace", 0)] + [
+        event
+        for step in (1, 2, 3)
+        for event in (
+            ("pace", step),
+            ("heard", step),
+            ("ack", f"g{2 * step - 2}"),
+            ("ack", f"g{2 * step - 1}"),
+        )
+    ]
+    assert learner.counts["pace_unheard"] == 0
+
+
+def test_a_pace_report_that_does_not_come_back_holds_a_step_up_briefly_and_is_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control bus may drop a message: a step whose pace is not heard back within
+    ``_PACE_ECHO_S`` is acknowledged anyway, counted (``pace_unheard``) and logged."""
+    import stages.learner.stage as learner_stage
+
+    monkeypatch.setattr(learner_stage, "_PACE_ECHO_S", 0.05)
+    inbox = _Inbox(_groups(6))
+    learner = _learner(tmp_path, inbox, [], monkeypatch)
+
+    async def never(rank: int, version: int) -> None:
+        await asyncio.Event().wait()
+
+    learner.ctx.wait_for_pace = never
+    _run(learner)
+    assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
+    assert learner.counts["pace_unheard"] == 3
+    assert learner.ctx.stopped == "trained 3 steps"

@@ -255,3 +255,26 @@ async def test_a_producer_out_of_credit_waits_for_room_then_learns_how_much(ctx,
     finally:
         await out.aclose(eos=False)
         await r.aclose()
+
+
+@pytest.mark.timeout(15)
+async def test_a_producer_hears_when_credit_comes_back(ctx, ipc_dir, wire):
+    """``on_credit``: called as a consumer's credit arrives, so that a producer deciding how
+    much to start (the generator) need not poll ``credit()``."""
+    addr = ipc_address(ipc_dir, "in")
+    r = receiver(ctx, addr, capacity=4)
+    await r.start()
+    out = sender(ctx, [addr])
+    heard: list[int] = []
+    out.on_credit(lambda: heard.append(out.credit()))
+    await out.start()
+    try:
+        await eventually(lambda: 4 in heard)
+        await out.send_many("item", _items(0, 4))
+        assert out.credit() == 0
+        heard.clear()
+        await _take(r, 4)
+        await eventually(lambda: bool(heard) and heard[-1] == 4)
+    finally:
+        await out.aclose(eos=False)
+        await r.aclose()
