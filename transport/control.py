@@ -59,6 +59,7 @@ import zmq.asyncio
 from transport.address import check_address
 from transport.credit import DRAIN_BATCH, sparse
 from transport.errors import ChannelClosed, TransportError
+from transport.evented import EventedSocket, plain_socket
 from transport.monitor import PeerWatch
 from transport.security import CurveKeys, require_curve_off_loopback
 
@@ -133,8 +134,8 @@ def _note_rejected(counts: Counter[str], log: Any, rejected: _Rejected) -> None:
         log.warning("control_message_rejected", kind=rejected.kind, detail=rejected.detail, count=n)
 
 
-def _socket(ctx: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket:
-    sock = ctx.socket(kind)
+def _socket(ctx: zmq.asyncio.Context, kind: int, *, plain: bool = False) -> Any:
+    sock = plain_socket(ctx, kind) if plain else ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, _HWM)
     sock.setsockopt(zmq.RCVHWM, _HWM)
@@ -172,7 +173,7 @@ class ControlBroker:
         self._refusals: list[PeerWatch] = []
         self._on_message = on_message
         self._log = log if log is not None else structlog.get_logger()
-        self._xsub: zmq.asyncio.Socket | None = None
+        self._xsub: EventedSocket | None = None
         self._xpub: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -182,12 +183,13 @@ class ControlBroker:
         """Bind both sockets and start forwarding."""
         if self._xsub is not None or self._closed:
             raise TransportError("control broker was already started")
-        xsub, xpub = _socket(self._ctx, zmq.XSUB), _socket(self._ctx, zmq.XPUB)
+        inbound = _socket(self._ctx, zmq.XSUB, plain=True)
+        xsub, xpub = EventedSocket(inbound, name="control broker"), _socket(self._ctx, zmq.XPUB)
         if self._curve is not None:
-            self._curve.serve(xsub)
+            self._curve.serve(inbound)
             self._curve.serve(xpub)
         try:
-            xsub.bind(self.pub_address)
+            inbound.bind(self.pub_address)
             xpub.bind(self.sub_address)
         except zmq.ZMQError as e:
             xsub.close()
@@ -196,11 +198,11 @@ class ControlBroker:
                 f"control broker: cannot bind {self.pub_address} / {self.sub_address}: {e}"
             ) from e
         # Subscribe to everything: the supervisor hears every message whoever subscribes.
-        await xsub.send(b"\x01")
+        xsub.send_nowait([b"\x01"])
         self._xsub, self._xpub = xsub, xpub
         if self._curve is not None:
             self._refusals = [
-                PeerWatch(xsub, "control broker (publishers)", self._log),
+                PeerWatch(inbound, "control broker (publishers)", self._log),
                 PeerWatch(xpub, "control broker (subscribers)", self._log),
             ]
             for watch in self._refusals:
@@ -259,21 +261,18 @@ class ControlBroker:
                 "control_broker_failed", task=task.get_name(), error=repr(task.exception())
             )
 
-    async def _forward_loop(self, xsub: zmq.asyncio.Socket, xpub: zmq.asyncio.Socket) -> None:
-        # What is already queued is read, and everything is sent on, through plain
-        # (non-async) views of the two sockets: no pyzmq future per message. Only this task
-        # receives at the XSUB; an XPUB send never blocks (a slow subscriber loses messages at
-        # its high-water mark, as with an awaited send).
-        queued = zmq.Socket.shadow(xsub.underlying)
+    async def _forward_loop(self, xsub: EventedSocket, xpub: zmq.asyncio.Socket) -> None:
+        # What is already queued is read at once, and everything is sent on through a plain
+        # (non-async) view of the XPUB: no future per message. Only this task receives at the
+        # XSUB; an XPUB send never blocks (a slow subscriber loses messages at its high-water
+        # mark, as with an awaited send).
         out = zmq.Socket.shadow(xpub.underlying)
         while True:
             self._forward(await xsub.recv_multipart(), out)
             for _ in range(DRAIN_BATCH):
-                try:
-                    frames = queued.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
+                if not xsub.ready_to_read():
                     break
-                self._forward(frames, out)
+                self._forward(xsub.recv_nowait(), out)
             else:
                 await asyncio.sleep(0)  # a full batch: let the rest of the loop run
 
@@ -334,7 +333,7 @@ class ControlClient:
         self._topics = list(topics)
         self._log = log if log is not None else structlog.get_logger()
         self._pub: zmq.asyncio.Socket | None = None
-        self._sub: zmq.asyncio.Socket | None = None
+        self._sub: EventedSocket | None = None
         self._closed = False
         self._counts: Counter[str] = Counter()
 
@@ -351,14 +350,15 @@ class ControlClient:
             raise TransportError("control client was already started")
         self._pub = _socket(self._ctx, zmq.XPUB)
         self._pub_now = zmq.Socket.shadow(self._pub.underlying)  # the same socket, synchronous
-        self._sub = _socket(self._ctx, zmq.SUB)
+        sub = _socket(self._ctx, zmq.SUB, plain=True)
+        self._sub = EventedSocket(sub, name="control client")
         if self._curve is not None:
             self._curve.connect(self._pub)
-            self._curve.connect(self._sub)
+            self._curve.connect(sub)
         self._pub.connect(self.pub_address)
-        self._sub.connect(self.sub_address)
+        sub.connect(self.sub_address)
         for topic in self._topics:
-            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         try:
             await asyncio.wait_for(self._broker_subscribed(self._pub), ready_timeout_s)
         except asyncio.TimeoutError:
@@ -375,7 +375,7 @@ class ControlClient:
         """Also receive messages whose topic starts with ``topic``."""
         self._topics.append(topic)
         if self._sub is not None:
-            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            self._sub.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
 
     async def publish(self, topic: str, payload: Mapping[str, Any]) -> None:
         """Publish a message to the broker and, through it, to every subscriber of ``topic``."""
@@ -414,15 +414,11 @@ class ControlClient:
         if self._sub is None:
             raise TransportError("control client: call start() first")
         while True:
-            receiving = self._sub.recv_multipart()
-            try:
-                await asyncio.wait({receiving})
-            except asyncio.CancelledError:
-                receiving.cancel()  # our task was cancelled: take no message with us
-                raise
-            if receiving.cancelled():  # the socket was closed under us
-                raise ChannelClosed("control client was closed while receiving")
-            parsed = _unpack(receiving.result(), self._key)
+            try:  # a cancelled wait takes no message with it
+                frames = await self._sub.recv_multipart()
+            except ChannelClosed:
+                raise ChannelClosed("control client was closed while receiving") from None
+            parsed = _unpack(frames, self._key)
             if isinstance(parsed, _Rejected):
                 _note_rejected(self._counts, self._log, parsed)
                 continue

@@ -158,11 +158,3 @@ def sparse(count: int) -> bool:
     """Whether the ``count``-th occurrence of something is logged: the 1st, 2nd, 4th, 8th ...
     (a flood of one kind of trouble stays visible without flooding the log)."""
     return count > 0 and count & (count - 1) == 0
-
-
-def log_failed_send(log: Any, port: str) -> Any:
-    def callback(fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            log.warning("control_send_failed", port=port, error=repr(fut.exception()))
-
-    return callback

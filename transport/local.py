@@ -99,9 +99,10 @@ def delivered(msg: Message) -> Message:
 
 
 class LocalDealer:
-    """The producer's end of an in-process link, in place of a ZeroMQ DEALER (the subset of
-    its API ``Sender`` uses). Frames are ``[tag, header, *payload]``; the header is a map (or
-    packed bytes), the payload of a DATA the Message itself."""
+    """The producer's end of an in-process link, in place of a ZeroMQ DEALER (the API of
+    ``transport.evented.EventedSocket`` that ``Sender`` uses). Frames are
+    ``[tag, header, *payload]``; the header is a map (or packed bytes), the payload of a DATA
+    the Message itself."""
 
     def __init__(self, routing_id: bytes, address: str) -> None:
         self.rid = routing_id
@@ -112,15 +113,12 @@ class LocalDealer:
         self.closed = False
         _dealers.setdefault(address, weakref.WeakSet()).add(self)
 
-    def send_multipart(self, frames: list[Any], copy: bool = False, flags: int = 0) -> Any:
-        fut = asyncio.get_running_loop().create_future()
+    def send_nowait(self, frames: list[Any], copy: bool = False) -> None:
         if not self.closed:
             self._pending.append(frames)
             if len(self._pending) > SENDER_HWM:
                 self._pending.popleft()  # as a DEALER at its high-water mark: dropped
             self.flush()
-        fut.set_result(None)
-        return fut
 
     def flush(self) -> None:
         receiver = _bound.get(self.address)
@@ -139,6 +137,12 @@ class LocalDealer:
         while not self._incoming:
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
+        return self._incoming.popleft()
+
+    def ready_to_read(self) -> bool:
+        return bool(self._incoming)
+
+    def recv_nowait(self, copy: bool = True) -> list[Any]:
         return self._incoming.popleft()
 
     def close(self, linger: int = 0) -> None:

@@ -25,6 +25,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from transport.credit import sparse
+from transport.evented import EventedSocket
 
 __all__ = ["PeerWatch"]
 
@@ -42,20 +43,23 @@ class PeerWatch:
     far; ``aclose()`` before the socket is closed.
     """
 
-    def __init__(self, sock: zmq.asyncio.Socket, name: str, log: Any = None) -> None:
+    def __init__(self, sock: zmq.Socket, name: str, log: Any = None) -> None:
         self.name = name
         self.refused = 0
         self.disconnects = 0
         self._sock = sock
         self._log = log if log is not None else structlog.get_logger()
-        self._monitor: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | EventedSocket | None = None
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         events = zmq.EVENT_DISCONNECTED
         for event in _REFUSALS:
             events |= event
-        self._monitor = self._sock.get_monitor_socket(events)
+        monitor = self._sock.get_monitor_socket(events)
+        if not isinstance(monitor, zmq.asyncio.Socket):  # the socket watched is a plain one
+            monitor = EventedSocket(monitor, name=f"monitor of {self.name}")
+        self._monitor = monitor
         self._task = asyncio.create_task(self._watch(), name=f"peers:{self.name}")
 
     async def _watch(self) -> None:

@@ -31,12 +31,12 @@ from transport.credit import (
     EOS,
     HELLO,
     is_int,
-    log_failed_send,
     schema_map,
     sparse,
     unpack_map,
 )
 from transport.errors import ChannelClosed, DecodeError, EndOfStream, TransportError
+from transport.evented import EventedSocket, plain_socket
 from transport.message import Message, Schema, uids_of
 from transport.monitor import PeerWatch
 from transport.security import CurveKeys, require_curve_off_loopback
@@ -169,7 +169,7 @@ class Receiver:
         self._peer_timeout_s = peer_timeout_s
         self._session = secrets.token_hex(6)
 
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: EventedSocket | None = None
         self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
         self._closed = False
@@ -182,7 +182,6 @@ class Receiver:
         self._epoch = 0
         self._rr = 0
         self._grant_scheduled = False
-        self._on_sent = log_failed_send(self._log, name)
 
         self._peak = 0
         self._received = 0
@@ -222,7 +221,7 @@ class Receiver:
         """Bind the inbox address and start receiving."""
         if self._sock is not None or self._closed:
             raise TransportError(f"receiver {self.name!r} was already started")
-        sock = self._ctx.socket(zmq.ROUTER)
+        sock = plain_socket(self._ctx, zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting producer takes over its id
         hwm = max(1000, 10 * self.capacity)
@@ -239,9 +238,9 @@ class Receiver:
             raise TransportError(f"receiver {self.name!r}: cannot bind {self.address}: {e}") from e
         if self.address.startswith("tcp://"):  # port 0 became a real one
             self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._sock = sock
+        self._sock = EventedSocket(sock, name=f"receiver {self.name!r}")
         local.bind(self.address, self)  # producers of this process reach it without ZeroMQ
-        self._peers_watch = PeerWatch(sock, f"receiver {self.name}", self._log)
+        self._peers_watch = PeerWatch(sock, f"receiver {self.name}", self._log)  # the plain one
         self._peers_watch.start()
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name=f"receiver:{self.name}"),
@@ -292,7 +291,7 @@ class Receiver:
                 if dealer is not None:
                     dealer.push([CLOSE, {"session": self._session}])
                     continue
-                sock.send_multipart([rid, CLOSE, close]).add_done_callback(self._on_sent)
+                sock.send_nowait([rid, CLOSE, close])
         except zmq.ZMQError as e:
             self._log.warning("close_notice_failed", port=self.name, error=repr(e))
         finally:
@@ -409,9 +408,11 @@ class Receiver:
             dealer.push([tag, body])
             return
         assert self._sock is not None
-        # ROUTER sends never block (without ROUTER_MANDATORY it drops for unknown peers),
-        # so this future is already done; the callback only surfaces errors.
-        self._sock.send_multipart([rid, tag, msgpack.packb(body)]).add_done_callback(self._on_sent)
+        # ROUTER sends never block (without ROUTER_MANDATORY it drops for unknown peers)
+        try:
+            self._sock.send_nowait([rid, tag, msgpack.packb(body)])
+        except zmq.ZMQError as e:
+            self._log.warning("control_send_failed", port=self.name, error=repr(e))
 
     def producer_finished(self, identity: str) -> None:
         """Count ``identity`` as finished, as if its EOS had arrived.
@@ -495,19 +496,14 @@ class Receiver:
     async def _recv_loop(self) -> None:
         assert self._sock is not None
         sock = self._sock
-        # What is already queued is drained through a plain (non-async) view of the same socket:
-        # that skips pyzmq's per-message future machinery, which dominates the cost of small
-        # messages. Only this task receives, and the awaited recv re-checks the socket's events
-        # before it waits, so no wake-up is lost.
-        queued = zmq.Socket.shadow(sock.underlying)
+        # What is already queued is read at once, with no wait per message; only this task
+        # receives from the socket.
         while True:
             self._handle(await sock.recv_multipart(copy=False))
             for _ in range(DRAIN_BATCH):
-                try:
-                    frames = queued.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                if not sock.ready_to_read():
                     break
-                self._handle(frames)
+                self._handle(sock.recv_nowait(copy=False))
             else:
                 await asyncio.sleep(0)  # a full batch: let the application run before the next
 

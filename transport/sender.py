@@ -38,6 +38,7 @@ from transport.credit import (
     unpack_map,
 )
 from transport.errors import ChannelClosed, TransportError
+from transport.evented import EventedSocket, plain_socket
 from transport.local import LocalDealer
 from transport.message import Message, Schema, uids_of
 from transport.security import CurveKeys
@@ -53,7 +54,7 @@ class _Peer:
     """The producer's view of one consumer replica (one DEALER)."""
 
     address: str | None  # None: not known yet (Sender.connect_peer)
-    sock: zmq.asyncio.Socket | LocalDealer  # a LocalDealer: the consumer is in this process
+    sock: EventedSocket | LocalDealer  # a LocalDealer: the consumer is in this process
     session: str | None = None  # consumer session of the current credit stream
     epoch: int = 0
     granted: int = 0  # credit units granted on the current stream
@@ -218,7 +219,7 @@ class Sender:
                 assert address is not None
                 self._peers.append(_Peer(address, LocalDealer(self._routing_id, address)))
                 continue
-            sock = self._ctx.socket(zmq.DEALER)
+            sock = plain_socket(self._ctx, zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
             sock.setsockopt(zmq.SNDHWM, SENDER_HWM)
@@ -229,7 +230,7 @@ class Sender:
                 self._curve.connect(sock)
             if address is not None:
                 sock.connect(address)
-            self._peers.append(_Peer(address, sock))
+            self._peers.append(_Peer(address, EventedSocket(sock, name=f"sender {self.name!r}")))
         for peer in self._peers:
             self._tasks.append(
                 asyncio.create_task(
@@ -413,7 +414,7 @@ class Sender:
         messages themselves, and the schema they were checked against (``Receiver`` checks
         them only if its own is another)."""
         seqs, msgs = self._hold_batch(peer, schema, items, 0)
-        peer.sock.send_multipart([DATA, _batch_header(peer, seqs, msgs), msgs, schema])
+        peer.sock.send_nowait([DATA, _batch_header(peer, seqs, msgs), msgs, schema])
         return seqs
 
     def _hold_batch(
@@ -519,7 +520,7 @@ class Sender:
         # spend the credit before yielding: concurrent senders must not reuse it
         peer.sent += held.msg.weight
         if isinstance(peer.sock, LocalDealer):  # the message itself, for a consumer here
-            peer.sock.send_multipart([DATA, header, held.msg, schema])
+            peer.sock.send_nowait([DATA, header, held.msg, schema])
             return
         await self._send_frames(peer, header, self._frames(held))
 
@@ -533,7 +534,7 @@ class Sender:
             self._sealed_bytes += sum(len(p) for p in parts)
             self._sent_or_raise(await settled(peer.bulk.send_multipart(parts, copy=False)))
         data = [DATA, msgpack.packb(header), *frames]
-        self._sent_or_raise(await settled(peer.sock.send_multipart(data, copy=False)))
+        await peer.sock.send_multipart(data, copy=False)  # ChannelClosed once closed
 
     def _sent_or_raise(self, sending: asyncio.Future) -> None:
         if sending.cancelled() or (self._closed and sending.exception() is not None):
@@ -589,8 +590,8 @@ class Sender:
 
     async def _eos_to(self, peer: _Peer) -> None:
         try:
-            await peer.sock.send_multipart([EOS, self._hello_map(peer)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
+            peer.sock.send_nowait([EOS, self._hello_map(peer)])
+        except (zmq.ZMQError, ChannelClosed) as e:
             self._log.warning("eos_not_sent", port=self.name, peer=peer.address, error=repr(e))
 
     async def wait_acked(self, log_every_s: float = 30.0) -> None:
@@ -781,8 +782,8 @@ class Sender:
         try:
             # NOBLOCK: while a consumer is down, PINGs queue up to the high-water mark; beyond
             # that one more PING is useless, and it must never hold up the other peers.
-            await peer.sock.send_multipart([HELLO, self._hello_map(peer)], flags=zmq.NOBLOCK)
-        except zmq.Again:
+            peer.sock.send_nowait([HELLO, self._hello_map(peer)])
+        except (zmq.Again, ChannelClosed):
             pass
 
     async def _heartbeat_loop(self) -> None:
@@ -794,20 +795,14 @@ class Sender:
 
     async def _peer_loop(self, peer: _Peer) -> None:
         sock = peer.sock
-        # As the Receiver drains its socket: what is already queued (an ACK and a CREDIT of
-        # the same turn) is read through a plain view of the socket, without pyzmq's future
-        # per message; only this task receives from it.
-        queued = zmq.Socket.shadow(sock.underlying) if isinstance(sock, zmq.Socket) else None
+        # What is already queued (an ACK and a CREDIT of the same turn) is read at once, with
+        # no wait per message; only this task receives from the socket.
         while True:
             await self._handle(peer, await sock.recv_multipart())
-            if queued is None:
-                continue
             for _ in range(DRAIN_BATCH):
-                try:
-                    frames = queued.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
+                if not sock.ready_to_read():
                     break
-                await self._handle(peer, frames)
+                await self._handle(peer, sock.recv_nowait())
             else:
                 await asyncio.sleep(0)  # a full batch: let the application run before the next
 
