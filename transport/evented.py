@@ -32,7 +32,10 @@ from transport.errors import ChannelClosed
 
 __all__ = ["EventedSocket", "plain_socket"]
 
-_EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = zmq.EVENTS, zmq.POLLIN, zmq.POLLOUT, zmq.NOBLOCK
+# plain ints: pyzmq's constants are enums, and an operator on one runs Python code
+_EVENTS, _RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 def plain_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
@@ -106,7 +109,10 @@ class EventedSocket:
     def recv_nowait(self, copy: bool = True) -> list[Any]:
         """The next message; ``zmq.Again`` if there is none (``ready_to_read`` first avoids the
         exception, which costs more than the check)."""
-        frames = self.sock.recv_multipart(_NOBLOCK, copy=copy)
+        sock = self.sock
+        frames = [sock.recv(_NOBLOCK, copy=copy)]
+        while sock.getsockopt(_RCVMORE):  # the rest of a message is there with its first frame
+            frames.append(sock.recv(_NOBLOCK, copy=copy))
         if self._writers:
             self._look_again()
         return frames
@@ -118,17 +124,17 @@ class EventedSocket:
             if self.closed:
                 raise ChannelClosed(f"{self.name} is closed")
             if sock.getsockopt(_EVENTS) & _POLLIN:
-                frames = sock.recv_multipart(_NOBLOCK, copy=copy)
-                if self._writers:
-                    self._look_again()
-                return frames
+                return self.recv_nowait(copy)
             await self._wait(self._readers)
 
     def send_nowait(self, frames: list[Any], copy: bool = True) -> None:
         """Queue ``frames`` now; ``zmq.Again`` at the high-water mark."""
         if self.closed:
             raise ChannelClosed(f"{self.name} is closed")
-        self.sock.send_multipart(frames, _NOBLOCK, copy=copy)
+        send, last = self.sock.send, len(frames) - 1
+        for frame in frames[:last]:  # past the first frame, a message's frames never wait
+            send(frame, _MORE, copy=copy)
+        send(frames[last], _NOBLOCK, copy=copy)
         if self._readers:
             self._look_again()
 
