@@ -5,8 +5,9 @@ system, every thread) of each of its processes twice a second: the supervisor (`
 itself), each stage replica (``pipeline.actor``, named by its spec file: ``generator.0``) with the
 helper processes it starts (the scorer's reward workers), and each built-in engine (``pipeline.cli
 engine``). With ``launch.in_process`` the engine is part of the generator's process: its threads
-(the scheduler, named ``engine`` for the operating system, ``engine-weights``, which receives
-weight updates, with the gloo thread of its weight group, and ``engine-load``, which imports the
+(the scheduler, named ``engine`` for the operating system, ``engine-http``, which serves its
+HTTP routes as the engine's own process would, ``engine-weights``, which receives weight
+updates, with the gloo thread of its weight group, and ``engine-load``, which imports the
 engine's code and loads its model) still count as ``engine``, once they have ended too, the rest of
 the process (its event loop, ZeroMQ's threads) as ``generator``. A process's last sample is its
 total (a replica that exits between two samples loses at most half a second). Per stage (replicas

@@ -2,19 +2,26 @@
 
 ``InProcessEngine`` is ``inflight engine`` run by its caller instead of as a process of its own:
 the same options (its command line, so ``launch.extra_args`` mean the same), the same model
-loading, the same scheduler on a thread of its own, and the same HTTP application served on the
-caller's event loop at ``host:port``, because the weight publisher and any outside client still
-reach it over SGLang's API. What changes is the caller's own ``/generate``: ``results(body)``
-hands the request body to the scheduler directly (``stages.engine.server.generate_results``: the
-same validation as the route) and returns the scheduler's results as they are, with no JSON,
-socket or HTTP parsing, and no rendering of SGLang's response layout, on either side;
-``submit_groups(prompts, sampling_params, rids)`` does the same for several groups at once, each
-prompt checked once (``protocol.parse_groups``), with a future per group. The generator's
-launcher starts one with ``launch.in_process: true``.
+loading, the same scheduler on a thread of its own, and the same HTTP application served at
+``host:port``, because the weight publisher and any outside client still reach it over SGLang's
+API. What changes is the caller's own ``/generate``: ``results(body)`` hands the request body to
+the scheduler directly (``stages.engine.server.generate_results``: the same validation as the
+route) and returns the scheduler's results as they are, with no JSON, socket or HTTP parsing, and
+no rendering of SGLang's response layout, on either side; ``submit_groups(prompts,
+sampling_params, rids)`` does the same for several groups at once, each prompt checked once
+(``protocol.parse_groups``), with a future per group. The generator's launcher starts one with
+``launch.in_process: true``.
+
+The routes are served by an event loop of their own, on a thread named ``engine-http``, as the
+engine's own process would serve them: the caller's loop never stops for them (a held-out
+evaluation's answer of 300 completions to encode, a weight update every step). On the caller's
+loop they took 6% of the generator's main thread in a default run (py-spy ``--gil``).
 
 Trade-offs: the engine shares the caller's process (its interpreter lock, its cores, its fate: a
 crashed generator takes its engine with it, and the supervisor restarts both); the model runs on
-the scheduler thread, so the caller's event loop still answers while a decode step runs.
+the scheduler thread and the routes on theirs, so the caller's event loop still answers while a
+decode step runs. (The scheduler hands results to each loop that asked through that loop's own
+queue: ``Scheduler._outbox``.)
 
 Not here: deciding when to run in process (``stages.generator.launcher``), the routes
 (``stages.engine.server``).
@@ -23,7 +30,9 @@ Not here: deciding when to run in process (``stages.generator.launcher``), the r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -31,6 +40,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from pipeline.processes import name_thread
 from stages.engine import server
 from stages.engine.loader import LoadedModel, load_model
 from stages.engine.protocol import (
@@ -65,7 +75,7 @@ class InProcessEngine:
         self._loader = loader
         self.loaded: LoadedModel | None = None
         self.scheduler: Scheduler | None = None
-        self._runner: web.AppRunner | None = None
+        self._http: _HttpThread | None = None
         self.port: int = self.args.port
         # the sampling parameters submit_groups was last given, and their parsed form
         self._params: tuple[dict[str, Any], SamplingParams] | None = None
@@ -89,11 +99,8 @@ class InProcessEngine:
             chat_template=args.chat_template,
             tool_call_parser=args.tool_call_parser,
         )
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, args.host, args.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        self._http = _HttpThread(app, args.host, args.port)
+        self.port = await asyncio.to_thread(self._http.start)
         self.log.info(
             "engine_started",
             in_process=True,
@@ -154,8 +161,68 @@ class InProcessEngine:
             self.scheduler.abort_many(rids)
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()  # the weight group too (WeightRoutes.close)
-            self._runner = None
+        if self._http is not None:
+            await asyncio.to_thread(self._http.stop)  # the weight group too (WeightRoutes.close)
+            self._http = None
         if self.scheduler is not None:
             await asyncio.to_thread(self.scheduler.stop)
+
+
+class _HttpThread:
+    """``app`` served at ``host:port`` by an event loop on a thread of its own (``engine-http``):
+    ``start()`` returns the port once it listens (or raises what stopped it), ``stop()`` cleans
+    the application up there (its on-cleanup hooks run on that loop) and ends the thread. Both
+    block: call them off the caller's loop."""
+
+    _STOP_S = 30.0  # a weight update in progress is given that long to end
+
+    def __init__(self, app: web.Application, host: str, port: int) -> None:
+        self._app, self._host, self._port = app, host, port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, name="engine-http", daemon=True)
+
+    def start(self) -> int:
+        self._thread.start()
+        return self._ready.result()
+
+    def _run(self) -> None:
+        name_thread("engine-http")
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            try:
+                port = loop.run_until_complete(self._listen())
+            except BaseException as exc:  # the caller's start() raises it
+                self._ready.set_exception(exc)
+                return
+            self._ready.set_result(port)
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _listen(self) -> int:
+        self._runner = web.AppRunner(self._app, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self._host, self._port).start()
+        return self._runner.addresses[0][1]
+
+    def stop(self) -> None:
+        loop = self._loop
+        if loop is None or not self._thread.is_alive():
+            return
+        if self._runner is not None:
+            done = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
+            try:
+                done.result(self._STOP_S)
+            except concurrent.futures.TimeoutError:
+                done.cancel()
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(self._STOP_S)

@@ -4,8 +4,8 @@ Two kinds, one command line shape each:
 
 - ``builtin``: ``python -m pipeline.cli engine --model M --port P --device D`` (this environment).
   With ``in_process: true`` the same engine runs inside the generator's process instead
-  (``stages.engine.in_process``): its scheduler on a thread, its HTTP API on the generator's
-  event loop for the weight publisher, and the generator's own requests without HTTP.
+  (``stages.engine.in_process``): its scheduler on a thread, its HTTP API on another (for the
+  weight publisher and outside clients), and the generator's own requests without HTTP.
 - ``sglang``: ``PYTHON -m sglang.launch_server --model-path M --port P --host H`` with ``PYTHON``
   the interpreter of the environment SGLang is installed in (it pins its own torch, so it usually
   lives in a separate virtual environment).

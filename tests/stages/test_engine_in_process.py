@@ -1,0 +1,77 @@
+"""The built-in engine inside its caller's process (``stages.engine.in_process``): its HTTP
+routes are served by a loop on a thread of their own, so the caller's loop never waits on them
+and they never wait on the caller's loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+import structlog
+
+from stages.engine.in_process import InProcessEngine
+from tests.stages.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def _hold_the_loop(seconds: float) -> None:
+    """What a busy caller does to its own loop: nothing else runs on it meanwhile."""
+    time.sleep(seconds)
+
+
+async def test_the_routes_answer_while_the_callers_loop_is_busy_and_stop_with_the_engine(
+    tmp_path,
+):
+    model = make_tiny_model(tmp_path / "model", vocab=32)
+    engine = InProcessEngine(
+        ["--model", str(model), "--host", "127.0.0.1", "--port", "0"], log=structlog.get_logger()
+    )
+    await asyncio.wait_for(engine.start(), 60)
+    url = f"http://127.0.0.1:{engine.port}"
+    try:
+        assert "engine-http" in {t.name for t in threading.enumerate()}
+        answered: dict[str, float | dict] = {}
+
+        def ask() -> None:
+            started = time.monotonic()
+            answered["body"] = _post(
+                f"{url}/generate",
+                {
+                    "input_ids": [1, 2, 3],
+                    "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+                    "return_logprob": True,
+                },
+            )
+            answered["s"] = time.monotonic() - started
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        _hold_the_loop(3.0)  # the caller's loop is held for longer than the answer takes
+        asker.join(30)
+        assert answered["s"] < 2.0, f"the route waited for the caller's loop: {answered['s']} s"
+        body = answered["body"]
+        assert isinstance(body, dict) and len(body["output_ids"]) == 3
+        assert len(body["meta_info"]["output_token_logprobs"]) == 3
+        # the caller's own requests still go to the scheduler directly, on its loop
+        results = await engine.results(
+            {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        )
+        assert len(results[0].output_ids) == 2
+    finally:
+        await asyncio.wait_for(engine.close(), 60)
+    assert "engine-http" not in {t.name for t in threading.enumerate()}
+    with pytest.raises(OSError):
+        _post(f"{url}/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})
