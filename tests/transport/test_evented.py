@@ -36,67 +36,60 @@ def _arrive() -> None:
     time.sleep(0.1)
 
 
-async def _routed(router: zmq.Socket, dealer: EventedSocket) -> None:
-    """Wait until the router knows the dealer (a first message from it)."""
-    await dealer.send_multipart([b"hi"])
-    deadline = time.monotonic() + 3
-    while not router.poll(0):
-        assert time.monotonic() < deadline, "the router never heard the dealer"
-        await asyncio.sleep(0.01)
-    assert router.recv_multipart() == [b"d", b"hi"]
-
-
-async def test_a_waiting_reader_gets_a_message_whose_signal_a_send_took(ctx, ipc_dir):
+@pytest.fixture
+async def routed(ctx, ipc_dir):
+    """A ROUTER and an ``EventedSocket`` DEALER the router already knows (a first message from
+    it), both closed after the test."""
     router, dealer = _pair(ctx, ipc_dir)
     try:
-        await _routed(router, dealer)
-        reading = asyncio.create_task(dealer.recv_multipart())
-        await asyncio.sleep(0.05)  # waiting on the descriptor
-        router.send_multipart([b"d", b"one"])
-        _arrive()
-        dealer.send_nowait([b"two"])  # processes the socket's commands: the signal is gone
-        assert await asyncio.wait_for(reading, 2) == [b"one"]
+        await dealer.send_multipart([b"hi"])
+        deadline = time.monotonic() + 3
+        while not router.poll(0):
+            assert time.monotonic() < deadline, "the router never heard the dealer"
+            await asyncio.sleep(0.01)
+        assert router.recv_multipart() == [b"d", b"hi"]
+        yield router, dealer
     finally:
         dealer.close()
         router.close(linger=0)
 
 
-async def test_messages_queued_before_a_read_are_returned_without_waiting(ctx, ipc_dir):
-    router, dealer = _pair(ctx, ipc_dir)
-    try:
-        await _routed(router, dealer)
-        for i in range(3):
-            router.send_multipart([b"d", str(i).encode()])
-        _arrive()
-        assert dealer.ready_to_read()
-        got = [await asyncio.wait_for(dealer.recv_multipart(), 2)]
-        while dealer.ready_to_read():
-            got.append(dealer.recv_nowait())
-        assert got == [[b"0"], [b"1"], [b"2"]]
-        with pytest.raises(zmq.Again):
-            dealer.recv_nowait()
-    finally:
-        dealer.close()
-        router.close(linger=0)
+async def test_a_waiting_reader_gets_a_message_whose_signal_a_send_took(routed):
+    router, dealer = routed
+    reading = asyncio.create_task(dealer.recv_multipart())
+    await asyncio.sleep(0.05)  # waiting on the descriptor
+    router.send_multipart([b"d", b"one"])
+    _arrive()
+    dealer.send_nowait([b"two"])  # processes the socket's commands: the signal is gone
+    assert await asyncio.wait_for(reading, 2) == [b"one"]
 
 
-async def test_a_cancelled_read_takes_no_message_and_passes_its_wake_on(ctx, ipc_dir):
-    router, dealer = _pair(ctx, ipc_dir)
-    try:
-        await _routed(router, dealer)
-        first = asyncio.create_task(dealer.recv_multipart())
-        second = asyncio.create_task(dealer.recv_multipart())
-        await asyncio.sleep(0.05)
-        router.send_multipart([b"d", b"only"])
-        _arrive()
-        # what the descriptor's reader does (reading EVENTS takes the signal): the first wakes
-        dealer._wake(dealer.sock.getsockopt(zmq.EVENTS))
-        first.cancel()  # ... and is cancelled before it runs
-        assert await asyncio.wait_for(second, 2) == [b"only"]
-        assert first.cancelled()
-    finally:
-        dealer.close()
-        router.close(linger=0)
+async def test_messages_queued_before_a_read_are_returned_without_waiting(routed):
+    router, dealer = routed
+    for i in range(3):
+        router.send_multipart([b"d", str(i).encode()])
+    _arrive()
+    assert dealer.ready_to_read()
+    got = [await asyncio.wait_for(dealer.recv_multipart(), 2)]
+    while dealer.ready_to_read():
+        got.append(dealer.recv_nowait())
+    assert got == [[b"0"], [b"1"], [b"2"]]
+    with pytest.raises(zmq.Again):
+        dealer.recv_nowait()
+
+
+async def test_a_cancelled_read_takes_no_message_and_passes_its_wake_on(routed):
+    router, dealer = routed
+    first = asyncio.create_task(dealer.recv_multipart())
+    second = asyncio.create_task(dealer.recv_multipart())
+    await asyncio.sleep(0.05)
+    router.send_multipart([b"d", b"only"])
+    _arrive()
+    # what the descriptor's reader does (reading EVENTS takes the signal): the first wakes
+    dealer._wake(dealer.sock.getsockopt(zmq.EVENTS))
+    first.cancel()  # ... and is cancelled before it runs
+    assert await asyncio.wait_for(second, 2) == [b"only"]
+    assert first.cancelled()
 
 
 async def test_a_send_waits_while_nobody_can_take_it_then_goes(ctx, ipc_dir):
