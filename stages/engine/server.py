@@ -54,6 +54,7 @@ from pipeline import heap
 from pipeline.processes import name_thread
 from stages.detokenize import decoder
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
+from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.lora_routes import LoraRoutes
 from stages.engine.openai_api import OpenAIRoutes
@@ -94,6 +95,7 @@ _WEIGHTS = web.AppKey("weights", "WeightRoutes")
 _DECODE = web.AppKey("decode", object)
 _REFUSED = web.AppKey("refused", Counter)
 _API_KEY = web.AppKey("api_key", str)
+_ENGINE_ID = web.AppKey("engine_id", dict)  # the /health header naming this engine, or none
 _MAX_BODY = 256 * 1024 * 1024  # token-id batches and weight metadata can be large
 # how long /health_generate waits for a step: SGLang's variable, and its default
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
@@ -130,10 +132,12 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
+    engine_id: str | None = None,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
-    without it is refused (401, counted like every refusal)."""
+    without it is refused (401, counted like every refusal); with ``engine_id``, ``/health``
+    names it (``stages.engine.identity``)."""
     middlewares = [_count_refused] + ([_check_key] if api_key else [])
     app = web.Application(client_max_size=max_body, middlewares=middlewares)
     app[_REFUSED] = Counter()
@@ -141,6 +145,7 @@ def build_app(
         app[_API_KEY] = api_key
     app[_LOADED] = loaded
     app[_SCHEDULER] = scheduler
+    app[_ENGINE_ID] = {ENGINE_ID_HEADER: engine_id} if engine_id else {}
     app[_DECODE] = decoder(loaded.tokenizer)
     weights = WeightRoutes(scheduler)
     app[_WEIGHTS] = weights
@@ -510,9 +515,10 @@ class WeightRoutes:
 async def _health(request: web.Request) -> web.Response:
     """``/health`` and ``/ready``: 200 while the scheduler runs (SGLang's ``/health`` runs no
     generation unless told to by its environment)."""
+    named = request.app[_ENGINE_ID]
     if request.app[_SCHEDULER].alive:
-        return web.Response(status=200)
-    return web.Response(status=503, text="scheduler is not running")
+        return web.Response(status=200, headers=named)
+    return web.Response(status=503, text="scheduler is not running", headers=named)
 
 
 async def _health_generate(request: web.Request) -> web.Response:
@@ -839,6 +845,7 @@ def main(argv: list[str] | None = None) -> int:
             api_key=api_key,
             chat_template=args.chat_template,
             tool_call_parser=args.tool_call_parser,
+            engine_id=os.environ.get(ENGINE_ID_ENV) or None,
         )
         heap.settle()  # torch, transformers and the model stay: later collections skip them
         return _run_loop(_serve(app, args, loaded))

@@ -17,7 +17,9 @@ starts, so every engine and every restart serves the same files.
 Each engine runs in its own process group with its output in ``RUN_DIR/logs/<name>.out``, and
 (on Linux) is killed by the kernel if the generator process dies without closing it, as the
 supervisor's group kill does not reach it. An engine that exits is started again on the same port
-(the generator re-routes its requests in the meantime), up to ``max_restarts`` times.
+(the generator re-routes its requests in the meantime), up to ``max_restarts`` times. A port
+another process took between the pick and the bind is told apart from the engine's own answer
+(``stages.engine.identity``); at the first start the engine then moves to another port.
 
 API key (``api_key``: the run's, ``stages.engine.auth``): the built-in engine gets it in its
 environment (``INFLIGHT_ENGINE_API_KEY``); SGLang takes it only as ``--api-key``, so it gets it in
@@ -57,6 +59,7 @@ from pipeline.launchers.local import write_private
 from pipeline.placement import ENGINE_PLACEMENT_ENV, ProcessPlacement, read_engine_placement
 from pipeline.processes import child_preexec, name_thread
 from stages.engine.auth import API_KEY_ENV, is_loopback_host
+from stages.engine.identity import ENGINE_ID_ENV, answered_by_another, new_engine_id
 from stages.hub import model_check, resolve_model
 from transport.address import rendezvous_port
 
@@ -134,6 +137,10 @@ class LaunchConfig:
             )
 
 
+class _PortTaken(RuntimeError):
+    """An engine exited while starting, and another engine had been answering on its port."""
+
+
 @dataclass
 class _Engine:
     name: str
@@ -144,6 +151,7 @@ class _Engine:
     local: InProcessEngine | None = None  # launch.in_process: the engine in this process
     restarts: int = 0
     given_up: bool = False
+    engine_id: str = field(default_factory=new_engine_id)  # its /health names it (identity.py)
 
     @property
     def pid(self) -> int | None:
@@ -267,6 +275,7 @@ class EngineLauncher:
         env = {k: v for k, v in self.environ.items() if k not in skip}
         if self.api_key and self.config.kind == "builtin":
             env[API_KEY_ENV] = self.api_key
+        env[ENGINE_ID_ENV] = engine.engine_id  # SGLang ignores it
         for var, value in engine.placement.env.items() if engine.placement else ():
             if value is None:
                 env.pop(var, None)
@@ -320,9 +329,7 @@ class EngineLauncher:
                 await self._start_in_process(engine)
             self._watchers = [asyncio.create_task(self._watch_in_process(e)) for e in self.engines]
             return self.urls
-        for engine in self.engines:
-            await self._spawn(engine)
-        await asyncio.gather(*(self._wait_healthy(e) for e in self.engines))
+        await asyncio.gather(*(self._first_start(e) for e in self.engines))
         self._watchers = [asyncio.create_task(self._watch(e)) for e in self.engines]
         return self.urls
 
@@ -356,21 +363,41 @@ class EngineLauncher:
             engine.given_up = True
             self.log.error("engine_given_up", engine=engine.name, reason="scheduler stopped")
 
+    async def _first_start(self, engine: _Engine, tries: int = 3) -> None:
+        """Start ``engine`` and wait for it; on another port if another engine took its port
+        before it could bind it (a restart keeps the port: the generator's URLs are fixed)."""
+        for attempt in range(tries):
+            await self._spawn(engine)
+            try:
+                return await self._wait_healthy(engine)
+            except _PortTaken:
+                if attempt == tries - 1:
+                    raise
+                engine.port = rendezvous_port(self.host)
+
     async def _wait_healthy(self, engine: _Engine) -> None:
         import aiohttp  # here: the supervisor loads this module for its config without it
 
         url = f"http://{self.host}:{engine.port}/health"
         deadline = time.monotonic() + self.config.startup_timeout_s
+        warned = False
         async with aiohttp.ClientSession() as session:
             while True:
                 if engine.proc is not None and engine.proc.returncode is not None:
-                    raise RuntimeError(
+                    raise (_PortTaken if warned else RuntimeError)(
                         f"engine {engine.name} exited with code {engine.proc.returncode} while "
-                        f"starting; its output is in {engine.out}"
+                        f"starting{' (another engine answers on its port)' if warned else ''}; "
+                        f"its output is in {engine.out}"
                     )
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                     async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                        if resp.status == 200:
+                        if answered_by_another(resp.headers, engine.engine_id):
+                            if not warned:  # ours will meet the taken port and exit
+                                self.log.warning(
+                                    "engine_port_taken", engine=engine.name, port=engine.port
+                                )
+                                warned = True
+                        elif resp.status == 200:
                             self.log.info("engine_ready", engine=engine.name, port=engine.port)
                             return
                 if time.monotonic() > deadline:

@@ -6,10 +6,12 @@ Plain functions: a test module's fixtures call them (no conftest, no plugin).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -19,6 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from stages.engine.identity import ENGINE_ID_ENV, answered_by_another, new_engine_id
 from tests.stages.tiny_model import make_tiny_model
 from transport.address import rendezvous_port
 
@@ -46,9 +49,89 @@ def free_port() -> int:
     return rendezvous_port()  # below the ephemeral range: not taken before it is bound
 
 
-def engine_command(model: Path, *more: str) -> list[str]:
+def engine_command(model: Path | str, *more: str) -> list[str]:
     """``inflight engine --model MODEL MORE`` as this interpreter runs it."""
     return [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model), *more]
+
+
+class EngineProcess:
+    """A built-in engine server process on ``model`` (``flags`` added to its command line; one
+    torch thread and ``env`` added to this process's environment), on a free loopback port.
+
+    Its stdout and stderr go to ``output`` (else nowhere); ``tail`` says where to read what it
+    said when it fails (default: ``output``). Started at once; ``wait_up`` waits for it."""
+
+    def __init__(
+        self,
+        model: Path | str,
+        *flags: str,
+        env: Mapping[str, str] | None = None,
+        output: Path | None = None,
+        tail: Path | None = None,
+    ) -> None:
+        self._argv = engine_command(model, *flags)
+        self._env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+        self._output = output
+        self._tail = tail if tail is not None else output
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.engine_id = new_engine_id()
+        out = open(self._output, "ab") if self._output is not None else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                [*self._argv, "--port", str(self.port)],
+                cwd=ROOT,
+                env={**self._env, ENGINE_ID_ENV: self.engine_id},
+                stdout=out,
+                stderr=subprocess.DEVNULL if self._output is None else subprocess.STDOUT,
+            )
+        finally:
+            if self._output is not None:
+                out.close()
+
+    def tail(self) -> str:
+        path = self._tail
+        return path.read_text()[-3000:] if path is not None and path.exists() else "(no output)"
+
+    def wait_up(self, within: float = 60) -> str:
+        """Its URL once its ``/health`` answers 200; fails the test after ``within`` seconds or
+        when it exits. A port some other engine took before this one bound it (the other's
+        ``/health`` names another id) is left for a new one, up to twice."""
+        deadline = time.monotonic() + within
+        for _ in range(3):
+            taken = False
+            while True:
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                        taken = answered_by_another(resp.headers, self.engine_id)
+                        if resp.status == 200 and not taken:
+                            return self.url
+                except urllib.error.HTTPError as exc:
+                    taken = answered_by_another(exc.headers, self.engine_id)
+                except OSError:
+                    pass
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            if not (taken and self.proc.poll() is not None and time.monotonic() < deadline):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.stop(5)
+                pytest.fail(f"engine did not come up on {self.url}:\n{self.tail()}")
+            self._spawn()
+        pytest.fail(f"no free port for the engine:\n{self.tail()}")
+
+    def stop(self, within: float = 15) -> int:
+        """Terminate it; its exit code (``subprocess.TimeoutExpired`` after ``within``
+        seconds, and then it is killed)."""
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=within)
+        finally:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @contextmanager
@@ -60,39 +143,10 @@ def builtin_engine(
     up_within: float = 60,
     stop_within: float = 15,
 ) -> Iterator[str]:
-    """A built-in engine server on ``model`` (one torch thread, ``env`` added to this process's
-    environment), listening on a free loopback port: yields its URL once ``/health`` answers 200,
-    or fails the test after ``up_within`` seconds (with the tail of ``output``, where its stdout
-    and stderr go; else nowhere). Terminated, then killed, on the way out."""
-    port = free_port()
-    out = open(output, "wb") if output is not None else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        engine_command(model, "--port", str(port), *flags),
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=out,
-        stderr=subprocess.DEVNULL if output is None else subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + up_within
+    """An ``EngineProcess``'s URL once it answers (the test fails after ``up_within`` seconds),
+    terminated, then killed, on the way out."""
+    engine = EngineProcess(model, *flags, env=env, output=output)
     try:
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = "" if output is None else f": {output.read_text()[-2000:]}"
-                pytest.fail(f"engine did not come up{tail}")
-            time.sleep(0.2)
-        yield url
+        yield engine.wait_up(up_within)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=stop_within)
-        finally:
-            proc.kill()
-            if output is not None:
-                out.close()
+        engine.stop(stop_within)

@@ -5,10 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -22,9 +19,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from stages.engine.identity import ENGINE_ID_HEADER
 from tests.numerics import assert_close, forward_terms
+from tests.stages.engine_setup import EngineProcess
 from tests.stages.tiny_model import make_tiny_model
-from transport.address import rendezvous_port
 
 pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 
@@ -32,10 +30,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Engine:
-    def __init__(self, url: str, model_dir: Path, log_file: Path) -> None:
+    def __init__(
+        self, url: str, model_dir: Path, log_file: Path, engine_id: str | None = None
+    ) -> None:
         self.url = url
         self.model_dir = model_dir
         self.log_file = log_file
+        self.engine_id = engine_id  # what its /health names it by (stages.engine.identity)
 
     def request(
         self,
@@ -63,43 +64,16 @@ class Engine:
         return out
 
 
-def _free_port() -> int:
-    return rendezvous_port()  # below the ephemeral range: not taken before it is bound
-
-
 @contextlib.contextmanager
 def serving(
     model_dir: Path, log_file: Path, *extra: str, env: dict[str, str] | None = None
 ) -> Iterator[Engine]:
     """``inflight engine`` on ``model_dir`` as a user starts it (``extra``: more flags), until
     it answers ``/health``; stopped at the end, and it must exit cleanly."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model_dir),
-         "--port", str(port), "--max-running", "8", "--log-file", str(log_file), *extra],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    eng = Engine(f"http://127.0.0.1:{port}", model_dir, log_file)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if eng.request("GET", "/health", timeout=2)[0] == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"engine did not come up; log:\n{_tail(log_file)}")
-        time.sleep(0.2)
-    yield eng
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=15) == 0, _tail(log_file)
-    finally:
-        proc.kill()
+    flags = ("--max-running", "8", "--log-file", str(log_file), *extra)
+    proc = EngineProcess(model_dir, *flags, env=env, tail=log_file)
+    yield Engine(proc.wait_up(60), model_dir, log_file, proc.engine_id)
+    assert proc.stop(15) == 0, _tail(log_file)
 
 
 @pytest.fixture(scope="module")
@@ -558,6 +532,9 @@ def test_control_routes_reject_bad_input(engine: Engine) -> None:
 @pytest.mark.timeout(60)
 def test_model_info_and_health(engine: Engine) -> None:
     assert engine.request("GET", "/health")[0] == 200
+    with urllib.request.urlopen(engine.url + "/health", timeout=10) as resp:
+        # the id its launcher gave it: a launcher tells its engine from another on the port
+        assert resp.headers[ENGINE_ID_HEADER] == engine.engine_id is not None
     status, info = engine.request("GET", "/model_info")
     assert status == 200
     assert info["model_path"] == str(engine.model_dir)

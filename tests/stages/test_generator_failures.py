@@ -12,21 +12,18 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import urllib.request
 
 import pytest
 
 from tests.pipeline.runs import (
-    REPO,
     alive,
     events,
-    inflight_cmd,
     run_inflight,
     spawned_pids,
     start_inflight,
     wait_for,
 )
+from tests.stages.engine_setup import builtin_engine
 from tests.stages.tiny_model import make_tiny_model
 from transport.address import rendezvous_port
 
@@ -46,39 +43,12 @@ def _free_port() -> int:
     return rendezvous_port("127.0.0.1")
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def live_engine(model_dir, tmp_path_factory):
     """A built-in engine started by the test (to attach to), stopped after the module."""
-    port = _free_port()
     out = tmp_path_factory.mktemp("engine") / "engine.out"
-    with open(out, "wb") as f:
-        proc = subprocess.Popen(
-            inflight_cmd("engine", "--model", str(model_dir), "--port", str(port)),
-            cwd=REPO,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **ENV},
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: proc.poll() is not None or _healthy(url), 60, "the engine to start")
-        assert proc.poll() is None, out.read_text()[-3000:]
+    with builtin_engine(model_dir, output=out, stop_within=10) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _events_so_far(run_dir, name="generator.0") -> list[dict]:

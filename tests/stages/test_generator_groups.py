@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -28,9 +26,8 @@ from pipeline.ledger import LedgerReporter
 from stages.generator.controller import ControllerConfig
 from stages.generator.stage import Generator, GeneratorConfig, SamplingConfig
 from stages.schemas import ROLLOUT_GROUP, rollouts_of
-from tests.pipeline.runs import REPO, inflight_cmd, wait_for
+from tests.stages.engine_setup import builtin_engine
 from tests.stages.tiny_model import make_tiny_model
-from transport.address import rendezvous_port
 
 pytestmark = pytest.mark.slow
 
@@ -39,45 +36,13 @@ NEW_TOKENS = 6
 
 
 # ------------------------------------------------------------------------------ the engine
-def _free_port() -> int:
-    return rendezvous_port("127.0.0.1")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """A built-in engine on a tiny random model, for the whole module."""
     root = tmp_path_factory.mktemp("groups")
     model = make_tiny_model(root / "tiny", seed=0)
-    port = _free_port()
-    out = root / "engine.out"
-    with open(out, "wb") as f:
-        proc = subprocess.Popen(
-            inflight_cmd("engine", "--model", str(model), "--port", str(port)),
-            cwd=REPO,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: proc.poll() is not None or _healthy(url), 60, "the engine to start")
-        assert proc.poll() is None, out.read_text()[-3000:]
+    with builtin_engine(model, output=root / "engine.out", stop_within=10) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ------------------------------------------------------------------------------- the proxy

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 import pytest
 
+import stages.generator.launcher as launcher_module
 from pipeline.config.schema import Resources, StageSection
 from pipeline.placement import ENGINE_PLACEMENT_ENV, Inventory, engine_placement, plan
 from stages.generator.launcher import EngineLauncher, LaunchConfig
 from tests.pipeline.runs import REPO, alive, wait_for
 
 FAKE_ENGINE = f"""#!{sys.executable}
-import argparse, http.server
+import argparse, http.server, os
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--port", type=int)
@@ -36,6 +37,8 @@ args, _ = parser.parse_known_args()
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)
+        if "INFLIGHT_ENGINE_ID" in os.environ:  # as the built-in engine names itself
+            self.send_header("X-Inflight-Engine-Id", os.environ["INFLIGHT_ENGINE_ID"])
         self.end_headers()
 
     def log_message(self, *a):
@@ -119,6 +122,61 @@ async def test_a_dead_engine_is_restarted_on_its_port_until_given_up(tmp_path, f
     finally:
         await launcher.close()
         _killpg(e["pid"] for e in seen("engine_launched"))
+
+
+@pytest.fixture
+def foreign_engine(fake_engine):
+    """Someone else's engine (it names another id), listening; yields its port."""
+    proc = subprocess.Popen(
+        [str(fake_engine), "--host", "127.0.0.1", "--port", "0"],
+        env={**os.environ, "INFLIGHT_ENGINE_ID": "someone-else"},
+    )
+    try:
+        yield wait_for(lambda: _listening_port(proc.pid), 10, "the other engine to listen")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(30)
+async def test_an_engine_whose_port_another_engine_took_starts_on_another(
+    tmp_path, fake_engine, foreign_engine, monkeypatch
+):
+    """The port the launcher picked is bound by someone else's engine (which answers /health
+    200) before ours binds it: that answer is not taken for ours, and ours moves."""
+    taken = foreign_engine
+    picks = iter([taken, taken])  # the first pick, and the first move; fresh ones from then on
+    real = launcher_module.rendezvous_port
+    monkeypatch.setattr(
+        launcher_module, "rendezvous_port", lambda host: next(picks, None) or real(host)
+    )
+    log = _Log()
+    launcher = EngineLauncher(_config(fake_engine), name="gen.0", log_dir=tmp_path, log=log)
+    try:
+        [url] = await launcher.start()
+        events = [e["event"] for e in log.events]
+        assert events.count("engine_port_taken") == 2, log.events
+        launched = [e for e in log.events if e["event"] == "engine_launched"]
+        assert [e["port"] for e in launched][:2] == [taken, taken] and len(launched) == 3
+        assert not url.endswith(f":{taken}") and events[-1] == "engine_ready"
+    finally:
+        await launcher.close()
+        _killpg(e["pid"] for e in log.events if e["event"] == "engine_launched")
+
+
+def _listening_port(pid: int) -> int | None:
+    """The TCP port process ``pid`` listens on (from /proc), or None before it listens."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            return int(fields[1].split(":")[1], 16)
+    return None
 
 
 @pytest.mark.timeout(30)

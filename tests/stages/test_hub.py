@@ -13,11 +13,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
-import os
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,9 +22,11 @@ import pytest
 from stages.feeder.arithmetic import make_tokenizer
 from stages.feeder.sources import SourceConfig, SourceError, load_prompts
 from stages.hub import HubError, check_model, check_model_folder, resolve_model
+from tests.stages.engine_setup import EngineProcess
 from tests.stages.hub_cache import offline, save_to_hub_cache
-from tests.stages.test_engine_server import Engine, _free_port, _tail
+from tests.stages.test_engine_server import Engine, _tail
 from tests.stages.tiny_model import make_tiny_model
+from transport.address import rendezvous_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = "a" * 40  # the commit refs/main points at
@@ -195,26 +193,11 @@ def test_the_engine_loader_takes_an_id(hub: Path) -> None:
 
 @pytest.mark.timeout(90)
 def test_inflight_engine_serves_a_model_named_by_id(hub: Path, tmp_path: Path) -> None:
-    port = _free_port()
     log_file = tmp_path / "engine.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pipeline.cli", "engine", "--model", "org/tiny@main"]
-    cmd += ["--port", str(port), "--max-running", "4", "--log-file", str(log_file)]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    engine = Engine(f"http://127.0.0.1:{port}", tmp_path, log_file)
+    flags = ("--max-running", "4", "--log-file", str(log_file))
+    proc = EngineProcess("org/tiny@main", *flags, tail=log_file)
     try:
-        deadline = time.monotonic() + 75
-        while True:
-            try:
-                if engine.request("GET", "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"engine did not come up; log:\n{_tail(log_file)}")
-            time.sleep(0.2)
+        engine = Engine(proc.wait_up(75), tmp_path, log_file)
         status, info = engine.request("GET", "/model_info")
         assert status == 200 and info["model_path"] == str(snapshot(hub, "org/tiny", MAIN))
         out = engine.generate(
@@ -222,11 +205,7 @@ def test_inflight_engine_serves_a_model_named_by_id(hub: Path, tmp_path: Path) -
         )
         assert len(out["output_ids"]) == 3 and isinstance(out["text"], str)
     finally:
-        proc.terminate()
-        try:
-            assert proc.wait(timeout=15) == 0, _tail(log_file)
-        finally:
-            proc.kill()
+        assert proc.stop(15) == 0, _tail(log_file)
 
 
 @pytest.mark.timeout(30)
@@ -358,7 +337,7 @@ def test_online_validation_asks_the_hub_and_downloads_nothing(online: Path) -> N
 def test_an_unreachable_hub_falls_back_to_the_cache(
     online: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_free_port()}")  # nobody listens
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{rendezvous_port()}")  # nobody listens
     save_to_hub_cache(tiny, online, "org/cached", MAIN)
     assert check_model("org/cached") == f"org/cached@{MAIN}"
     assert resolve_model("org/cached", what="m") == snapshot(online, "org/cached", MAIN)

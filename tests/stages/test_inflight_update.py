@@ -5,9 +5,6 @@ while a long request is being generated."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -16,16 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stages.weights.publisher import WeightPublisher
+from tests.stages.engine_setup import EngineProcess
 from tests.stages.tiny_model import make_tiny_model
-from transport.address import rendezvous_port
 
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def _free_port() -> int:
-    return rendezvous_port()  # below the ephemeral range: not taken before it is bound
 
 
 @pytest.fixture(scope="module")
@@ -40,58 +33,12 @@ def models(tmp_path_factory):
 def engines(models, tmp_path_factory):
     old, _ = models
     logs = tmp_path_factory.mktemp("engine-logs")
-    procs, urls = [], []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for i in range(2):
-        port = _free_port()
-        log = open(logs / f"engine{i}.out", "wb")  # closed below
-        procs.append(
-            (
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "pipeline.cli",
-                        "engine",
-                        "--model",
-                        str(old),
-                        "--port",
-                        str(port),
-                    ],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                ),
-                log,
-            )
-        )
-        urls.append(f"http://127.0.0.1:{port}")
+    procs = [EngineProcess(old, output=logs / f"engine{i}.out") for i in range(2)]  # both load
     try:
-        asyncio.run(asyncio.wait_for(_wait_healthy(urls), 90))
-        yield urls
+        yield [proc.wait_up(90) for proc in procs]
     finally:
-        for proc, _ in procs:
-            proc.terminate()
-        for proc, log in procs:
-            try:
-                proc.wait(timeout=15)
-            finally:
-                proc.kill()
-                log.close()
-
-
-async def _wait_healthy(urls):
-    async with aiohttp.ClientSession() as s:
-        for url in urls:
-            while True:
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.2)
+        for proc in procs:
+            proc.stop(15)
 
 
 async def _generate(session, url, prompt, n, rid):
