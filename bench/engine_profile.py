@@ -7,7 +7,7 @@ Run (each prints one JSON line on stdout; on an otherwise idle machine):
     python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
         [--seconds 20] [--py-spy]
     python bench/engine_profile.py compare [--forms n,n-stream,openai,openai-stream]
-        [--rounds 8] [--seconds 4] [--stream-interval 1]
+        [--rounds 8] [--seconds 4] [--stream-interval 1] [--pin]
 
 ``step`` drives ``stages.engine.scheduler.Scheduler`` in this process (no HTTP) and compares,
 per decode step at a batch of ``--batch`` rows:
@@ -44,7 +44,10 @@ the event-loop thread.
 phases (``--seconds``), ``--rounds`` times, the order reversed every other round: the engine's
 CPU per sample of each, and each over the first's of the same round (the median of those paired
 ratios is what to read: this machine's speed drifts by tens of percent within minutes, so runs
-of one form after another cannot be compared to a few percent).
+of one form after another cannot be compared to a few percent). Each form's event-loop thread
+per sample (HTTP and streaming, where the forms differ) and tokens per decode step (how full the
+steps were) come with it, and every phase's figures go to stderr. ``--pin`` puts the engine on
+core 0 and the client on core 1.
 
 It does not measure GPU timings or text (tokenizer) requests.
 """
@@ -518,8 +521,10 @@ def _serve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     model = ARITH if args.model == "arith" else _mid_model(tmp / "mid")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    pinned = getattr(args, "pin", False)
     proc = subprocess.Popen(
         [
+            *(["taskset", "-c", "0"] if pinned else []),
             sys.executable,
             "-m",
             "stages.engine.server",
@@ -649,8 +654,12 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"--forms: unknown {unknown}; known: {sorted(_FORMS)}")
     proc, url = _serve(args, tmp)
+    if args.pin:
+        os.sched_setaffinity(0, {1})
     per: dict[str, list[float]] = {f: [] for f in forms}
     kernel: dict[str, list[float]] = {f: [] for f in forms}  # its share of the CPU
+    loop_cpu: dict[str, list[float]] = {f: [] for f in forms}  # the event-loop thread's
+    rows: dict[str, list[float]] = {f: [] for f in forms}  # tokens sampled per decode step
     try:
         for form in forms:  # each route's first requests (imports, caches) before measuring
             kind, stream = _FORMS[form]
@@ -658,14 +667,26 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for r in range(args.rounds):
             for form in forms if r % 2 == 0 else forms[::-1]:
                 kind, stream = _FORMS[form]
+                info0, threads0 = _server_info(url), _thread_cpu(proc.pid)
                 user0, system0 = _process_cpu(proc.pid)
                 driven = asyncio.run(
                     _drive(url, kind, args.in_flight, args.seconds, 4, stream, args.new_tokens)
                 )
                 user1, system1 = _process_cpu(proc.pid)
+                info1, threads1 = _server_info(url), _thread_cpu(proc.pid)
                 cpu = user1 - user0 + system1 - system0
-                per[form].append(1e6 * cpu / max(1, driven["samples"]))
+                samples = max(1, driven["samples"])
+                per[form].append(1e6 * cpu / samples)
                 kernel[form].append((system1 - system0) / max(cpu, 1e-9))
+                loop = threads1.get(proc.pid, 0.0) - threads0.get(proc.pid, 0.0)
+                loop_cpu[form].append(1e6 * loop / samples)
+                steps = max(1, info1["decode_steps"] - info0["decode_steps"])
+                rows[form].append((info1["tokens_generated"] - info0["tokens_generated"]) / steps)
+                print(  # each phase, for a look at the spread (stdout keeps the one JSON line)
+                    f"round {r} {form}: {per[form][-1]:.1f} us a sample, event loop "
+                    f"{loop_cpu[form][-1]:.1f}, {rows[form][-1]:.1f} tokens a step",
+                    file=sys.stderr,
+                )
     finally:
         proc.terminate()
         proc.wait(30)
@@ -679,8 +700,14 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "in_flight_samples": args.in_flight,
         "rounds": args.rounds,
         "seconds_per_phase": args.seconds,
+        "pinned": args.pin,
         "engine_cpu_us_per_sample": {f: _median_spread(per[f], 1) for f in forms},
         "kernel_share": {f: round(statistics.median(kernel[f]), 3) for f in forms},
+        # the event-loop thread (HTTP, streaming) per sample, and how full the steps were: a
+        # client that turns requests around more slowly leaves fewer rows a step, and each
+        # sample then carries more of a step's fixed cost though the engine does no more for it
+        "event_loop_us_per_sample": {f: _median_spread(loop_cpu[f], 1) for f in forms},
+        "tokens_per_step": {f: _median_spread(rows[f], 1) for f in forms},
         f"over_{first}": {
             f: _median_spread([a / b for a, b in zip(per[f], per[first], strict=True)])
             for f in forms[1:]
@@ -768,6 +795,11 @@ def main() -> int:
     compare.add_argument("--stream-interval", type=int, default=1)
     compare.add_argument("--model", choices=["arith", "mid"], default="arith")
     compare.add_argument("--new-tokens", type=int, default=5)
+    compare.add_argument(
+        "--pin",
+        action="store_true",
+        help="the engine on core 0 and this client on core 1 (else they share both)",
+    )
     args = parser.parse_args()
     benches = {
         "step": _step_bench,
