@@ -240,23 +240,23 @@ async def completion_stream(
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     last_id = ""
+    want_logprobs = options["logprobs"] is not None
     async for batch in batches:
         out = []
         for content in batch:
-            if isinstance(content, Progress):  # a sample that moved on (not echoed)
-                index, last_id, reason = content.index, content.rid, None
+            if type(content) is Progress:  # a sample that moved on (not echoed)
+                index, last_id, ids, text = content.index, content.rid, content.ids, content.text
                 prompt_tokens[index] = content.prompt_tokens
-                completion_tokens[index] = len(content.ids)
-                text = content.text
+                completion_tokens[index] = total = len(ids)
                 delta = text[offsets.get(index, 0) :]
                 offsets[index] = len(text)
                 logprobs = None
-                if options["logprobs"] is not None:
-                    sent, total = logprobs_sent.get(index, 0), len(content.ids)
+                if want_logprobs:
+                    sent = logprobs_sent.get(index, 0)
                     if sent < total:
                         logprobs = _progress_logprobs(content, sent, total)
                     logprobs_sent[index] = total
-                ids = content.ids
+                reason = None
             else:
                 index = content.get("index", 0)
                 meta = content["meta_info"]
@@ -318,6 +318,13 @@ def _progress_logprobs(p: Progress, start: int, end: int) -> dict[str, Any]:
     """``_openai_logprobs`` of a streamed sample's tokens ``start:end``, read from its
     progress (what the native chunk's entries would hold, without building them)."""
     text = p.token_text or (lambda token: None)
+    if end - start == 1 and p.tops is None:  # a token at a time, without top log-probs
+        return {
+            "text_offset": [-1],
+            "token_logprobs": [p.logprobs[start]],
+            "tokens": [text(p.ids[start])],
+            "top_logprobs": [],
+        }
     tops = p.tops[start:end] if p.tops is not None else []
     return {
         "text_offset": [-1] * (end - start),

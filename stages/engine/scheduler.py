@@ -969,14 +969,16 @@ class Scheduler:
             return []
         new, lps, version = tokens.tolist(), logprobs.tolist(), self._version
         due = []
+        default_every = self.stream_interval
         for seq in seqs:
             k = seq.slot - lo
-            top = seq.top[-1] if seq.top else None
-            seq.held.append(
-                (new[k], lps[k], version, top, seq.cached, seq.input_lps, seq.input_tops)
-            )
-            every = seq.inp.params.stream_interval or self.stream_interval
-            if every == 1 or len(seq.held) >= every or seq.sent == 0:
+            held = seq.held
+            held.append(
+                (new[k], lps[k], version, seq.top[-1] if seq.top else None, seq.cached,
+                 seq.input_lps, seq.input_tops)
+            )  # fmt: skip
+            every = seq.inp.params.stream_interval or default_every
+            if every == 1 or len(held) >= every or seq.sent == 0:
                 due.append(seq)
         return due
 
@@ -984,10 +986,16 @@ class Scheduler:
         """One call per request on its loop, for the rows that are still running."""
         events: dict[_Group, list[tuple[int, Any]]] = {}
         for seq in streamed:
-            if seq.slot >= 0 and not self._may_stop(seq):
-                out = events.setdefault(seq.group, [])
-                out.extend((seq.index, event) for event in seq.held)
-                seq.sent += len(seq.held)
+            if seq.slot >= 0 and not (seq.tail_text and self._may_stop(seq)):
+                held = seq.held
+                out = events.get(seq.group)
+                if out is None:
+                    out = events[seq.group] = []
+                if len(held) == 1:  # the usual case: one token a chunk
+                    out.append((seq.index, held[0]))
+                else:
+                    out.extend([(seq.index, event) for event in held])
+                seq.sent += len(held)
                 seq.held = []
         calls: dict[_Outbox, list[tuple[Callable[[Any], None], Any]]] = {}
         for group, batch in events.items():

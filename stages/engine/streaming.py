@@ -83,7 +83,7 @@ class Progress:
         "token_text",
         "top_entries",
         "tops",
-        "versions",
+        "version",
     )
 
     def __init__(
@@ -101,7 +101,7 @@ class Progress:
         self.prompt_tokens = prompt_tokens
         self.ids: list[int] = []
         self.logprobs: list[float] = []
-        self.versions: list[str] = []
+        self.version = ""  # the weight version of its newest token
         self.tops: list[list[tuple[float, int]]] | None = tops  # with top_logprobs_num
         # the log-prob entries so far, built once per token (each chunk shares the lists: a
         # chunk is encoded before the next token is added)
@@ -115,36 +115,56 @@ class Progress:
         self.input_top_entries: list[Any] | None = None
         self.text = ""  # the text sent last (a trailing incomplete character held back)
 
-    def chunk(self, return_logprob: bool, token_text: Callable[[int], str] | None) -> dict:
-        """The sample's chunk before its last: SGLang's fields of ``meta_info`` so far."""
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "finish_reason": None,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": len(self.ids),
-            "cached_tokens": self.cached,
-            "weight_version": self.versions[-1],
-        }
-        if return_logprob:
-            text = (lambda tok: None) if token_text is None else token_text
-            done = len(self.entries)
-            new = zip(self.logprobs[done:], self.ids[done:], strict=True)
-            self.entries.extend([lp, tok, text(tok)] for lp, tok in new)
+    def chunk(
+        self, return_logprob: bool, token_text: Callable[[int], str] | None, text: str | None
+    ) -> dict:
+        """The sample's chunk before its last: ``text`` (when not None) and SGLang's fields
+        of ``meta_info`` so far."""
+        if not return_logprob:
+            meta = {
+                "id": self.rid,
+                "finish_reason": None,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": len(self.ids),
+                "cached_tokens": self.cached,
+                "weight_version": self.version,
+            }
+        else:
+            entries, ids, logprobs = self.entries, self.ids, self.logprobs
+            for i in range(len(entries), len(ids)):  # the tokens added since the last chunk
+                tok = ids[i]
+                entries.append([logprobs[i], tok, None if token_text is None else token_text(tok)])
             if self.input_entries is None:
-                self.input_entries = [[lp, tok, text(tok)] for lp, tok in self.input_lps or ()]
-                self.input_top_entries = [
-                    None if step is None else [[lp, tok, text(tok)] for lp, tok in step]
-                    for step in self.input_tops or ()
-                ]
-            meta["input_token_logprobs"] = self.input_entries
-            meta["output_token_logprobs"] = self.entries
-            meta["output_token_logprobs_length"] = len(self.entries)
+                self._input_entries(token_text)
+            meta = {
+                "id": self.rid,
+                "finish_reason": None,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": len(ids),
+                "cached_tokens": self.cached,
+                "weight_version": self.version,
+                "input_token_logprobs": self.input_entries,
+                "output_token_logprobs": entries,
+                "output_token_logprobs_length": len(entries),
+            }
             if self.tops is not None:
+                text_of = (lambda tok: None) if token_text is None else token_text
                 for step in self.tops[len(self.top_entries) :]:
-                    self.top_entries.append([[lp, tok, text(tok)] for lp, tok in step])
+                    self.top_entries.append([[lp, tok, text_of(tok)] for lp, tok in step])
                 meta["input_top_logprobs"] = self.input_top_entries
                 meta["output_top_logprobs"] = self.top_entries
-        return {"output_ids": self.ids, "meta_info": meta}
+        if text is None:
+            return {"output_ids": self.ids, "meta_info": meta}
+        return {"text": text, "output_ids": self.ids, "meta_info": meta}
+
+    def _input_entries(self, token_text: Callable[[int], str] | None) -> None:
+        """The prompt's log-prob entries (and top entries), built once."""
+        text = (lambda tok: None) if token_text is None else token_text
+        self.input_entries = [[lp, tok, text(tok)] for lp, tok in self.input_lps or ()]
+        self.input_top_entries = [
+            None if step is None else [[lp, tok, text(tok)] for lp, tok in step]
+            for step in self.input_tops or ()
+        ]
 
 
 async def stream_generate(
@@ -189,40 +209,42 @@ async def stream_generate(
         for index, inp in enumerate(inputs)
     ]
     finals: dict[int, SequenceResult] = {}
+    skips = [inp.params.skip_special_tokens for inp in inputs]
     try:
         while len(finals) < len(inputs):
-            events = await events_in.take()  # all that piled up: one chunk per sample
             touched: dict[int, None] = {}
-            batch: list[dict[str, Any]] = []
-            for index, payload in events:
-                if isinstance(payload, BaseException):
-                    raise payload
-                if isinstance(payload, SequenceResult):
-                    finals[index] = payload
-                else:
+            for index, payload in await events_in.take():  # all that piled up
+                if type(payload) is tuple:  # a token: (id, log-prob, version, top, cached...)
                     p = moving[index]
-                    token, logprob, version, top, p.cached, p.input_lps, p.input_tops = payload
+                    token, logprob, p.version, top, p.cached, p.input_lps, p.input_tops = payload
                     p.ids.append(token)
                     p.logprobs.append(logprob)
-                    p.versions.append(version)
-                    if p.tops is not None and top is not None:
+                    if top is not None and p.tops is not None:
                         p.tops.append(top)
+                elif isinstance(payload, SequenceResult):
+                    finals[index] = payload
+                else:
+                    raise payload
                 touched[index] = None
+            batch: list[Any] = []  # one chunk per sample that moved on
             for index in touched:
-                inp = inputs[index]
                 final = finals.get(index)
                 if final is not None:  # the whole answer, as the request without stream
-                    chunk = render_sample(inp, final, decode, token_text)
+                    chunk = render_sample(inputs[index], final, decode, token_text)
                 else:
                     p = moving[index]
                     if decode is not None:
-                        _text_so_far(p, decode, inp)
+                        text = decode(p.ids, skips[index])
+                        if not text.endswith("\ufffd"):  # else a character is still incomplete
+                            p.text = text
                     if progress:
                         batch.append(p)
                         continue
-                    chunk = p.chunk(inp.return_logprob, token_text)
-                    if decode is not None:
-                        chunk = {"text": p.text, **chunk}
+                    chunk = p.chunk(
+                        inputs[index].return_logprob,
+                        token_text,
+                        None if decode is None else p.text,
+                    )
                 if listed:
                     chunk["index"] = index
                 batch.append(chunk)
@@ -231,13 +253,6 @@ async def stream_generate(
         running = [inp.rid for i, inp in enumerate(inputs) if i not in finals]
         if running:
             scheduler.abort_many(running, "the client went away mid-stream")
-
-
-def _text_so_far(p: Progress, decode: Callable[[list[int], bool], str], inp: Any) -> str:
-    text = decode(p.ids, inp.params.skip_special_tokens)
-    if not text.endswith("\ufffd"):  # a character still incomplete: keep the last whole text
-        p.text = text
-    return p.text
 
 
 async def write_events(
@@ -268,15 +283,17 @@ async def write_events(
     try:
         await response.prepare(request)
         tail = b""
-        batch = first
-        while batch is not None:
-            if isinstance(batch, Last):
-                tail = _events(batch, encode)
-                break
-            data = _events(batch, encode)
-            if data:  # an empty chunk would end a chunked response
-                await response.write(data)
-            batch = await anext(chunks, None)
+        if isinstance(first, Last):
+            tail = _events(first, encode)
+        elif first is not None:
+            if first:  # an empty chunk would end a chunked response
+                await response.write(_events(first, encode))
+            async for batch in chunks:
+                if isinstance(batch, Last):
+                    tail = _events(batch, encode)
+                    break
+                if batch:
+                    await response.write(_events(batch, encode))
         # the last events, the end marker and the end of the response: one write
         await response.write_eof(tail + b"data: [DONE]\n\n")
     except ConnectionResetError:  # the client went away: nobody to answer
@@ -297,4 +314,6 @@ class _EventStream(web.StreamResponse):
 
 
 def _events(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
-    return b"".join(b"data: " + encode(chunk) + b"\n\n" for chunk in batch)
+    if not batch:
+        return b""
+    return b"data: " + b"\n\ndata: ".join(map(encode, batch)) + b"\n\n"
