@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import math
+import socket
 import time
 from typing import Any
 
@@ -184,6 +185,70 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slot_and_is_counted(engine
         time.sleep(0.1)
     # and it serves on
     assert engine.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+
+
+def _raw_stream(engine: Engine, body: dict[str, Any], version: str) -> bytes:  # noqa: F811
+    """POST ``body`` to /generate over a plain socket as an HTTP ``version`` client, and read
+    the answer until the server closes or the chunked body ends; the raw bytes."""
+    data = json.dumps(body).encode()
+    host, port = engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(
+            f"POST /generate HTTP/{version}\r\nHost: {host}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+            + data
+        )
+        raw = b""
+        while not raw.endswith(b"\r\n0\r\n\r\n"):
+            piece = conn.recv(65536)
+            if not piece:
+                break
+            raw += piece
+    return raw
+
+
+def _unchunked(body: bytes) -> bytes:
+    """A chunked transfer-encoded body, decoded (every chunk's size checked)."""
+    out = b""
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return out
+        assert body[size : size + 2] == b"\r\n", body[: size + 2]
+        out, body = out + body[:size], body[size + 2 :]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+def test_a_stream_reaches_http_1_0_and_1_1_clients_whole(engine, version) -> None:  # noqa: F811
+    """After the first, a stream's chunks go straight to the connection (framed as chunks of
+    a chunked body) while nothing waits there: an HTTP/1.1 client and an HTTP/1.0 one (no
+    chunked encoding, so aiohttp's writes throughout) get the same events, each whole."""
+    tokens = 24
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {**GREEDY, "max_new_tokens": tokens},
+        "return_logprob": True,
+    }
+    whole = engine.generate(body)
+    raw = _raw_stream(engine, {**body, "stream": True}, version)
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/{version} 200".encode()), head
+    chunked = b"transfer-encoding: chunked" in head.lower()
+    assert chunked == (version == "1.1")
+    events = (_unchunked(payload) if chunked else payload).split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
+    sizes = [len(c["output_ids"]) for c in chunks]  # cumulative (chunks that piled up merge)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == tokens
+    last, alone = chunks[-1]["meta_info"], whole["meta_info"]
+    assert len(sizes) > 4 and len(last["output_token_logprobs"]) == tokens
+    for got, want in zip(
+        last["output_token_logprobs"], alone["output_token_logprobs"], strict=True
+    ):
+        assert got[1] == want[1] and math.isclose(got[0], want[0], abs_tol=1e-4)
 
 
 @pytest.mark.timeout(60)
