@@ -120,33 +120,24 @@ class Progress:
     ) -> dict:
         """The sample's chunk before its last: ``text`` (when not None) and SGLang's fields
         of ``meta_info`` so far."""
-        if not return_logprob:
-            meta = {
-                "id": self.rid,
-                "finish_reason": None,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": len(self.ids),
-                "cached_tokens": self.cached,
-                "weight_version": self.version,
-            }
-        else:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": None,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.ids),
+            "cached_tokens": self.cached,
+            "weight_version": self.version,
+        }
+        if return_logprob:
             entries, ids, logprobs = self.entries, self.ids, self.logprobs
             for i in range(len(entries), len(ids)):  # the tokens added since the last chunk
                 tok = ids[i]
                 entries.append([logprobs[i], tok, None if token_text is None else token_text(tok)])
             if self.input_entries is None:
                 self._input_entries(token_text)
-            meta = {
-                "id": self.rid,
-                "finish_reason": None,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": len(ids),
-                "cached_tokens": self.cached,
-                "weight_version": self.version,
-                "input_token_logprobs": self.input_entries,
-                "output_token_logprobs": entries,
-                "output_token_logprobs_length": len(entries),
-            }
+            meta["input_token_logprobs"] = self.input_entries
+            meta["output_token_logprobs"] = entries
+            meta["output_token_logprobs_length"] = len(entries)
             if self.tops is not None:
                 text_of = (lambda tok: None) if token_text is None else token_text
                 for step in self.tops[len(self.top_entries) :]:

@@ -73,7 +73,7 @@ def serving(
     flags = ("--max-running", "8", "--log-file", str(log_file), *extra)
     proc = EngineProcess(model_dir, *flags, env=env, tail=log_file)
     yield Engine(proc.wait_up(60), model_dir, log_file, proc.engine_id)
-    assert proc.stop(15) == 0, _tail(log_file)
+    assert proc.stop(15) == 0, proc.tail()
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +93,6 @@ def ref_model(engine: Engine) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # compare whole sequences (ignore_eos)
     return model
-
-
-def _tail(path: Path) -> str:
-    return path.read_text()[-3000:] if path.exists() else "(no log)"
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:

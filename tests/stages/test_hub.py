@@ -24,7 +24,7 @@ from stages.feeder.sources import SourceConfig, SourceError, load_prompts
 from stages.hub import HubError, check_model, check_model_folder, resolve_model
 from tests.stages.engine_setup import EngineProcess
 from tests.stages.hub_cache import offline, save_to_hub_cache
-from tests.stages.test_engine_server import Engine, _tail
+from tests.stages.test_engine_server import Engine
 from tests.stages.tiny_model import make_tiny_model
 from transport.address import rendezvous_port
 
@@ -205,7 +205,7 @@ def test_inflight_engine_serves_a_model_named_by_id(hub: Path, tmp_path: Path) -
         )
         assert len(out["output_ids"]) == 3 and isinstance(out["text"], str)
     finally:
-        assert proc.stop(15) == 0, _tail(log_file)
+        assert proc.stop(15) == 0, proc.tail()
 
 
 @pytest.mark.timeout(30)
