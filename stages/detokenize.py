@@ -46,8 +46,8 @@ def decoder(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
     if tokenizer is None:
         return None
     backend = _backend(tokenizer)
-    if backend is not None:
-        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    if backend is not None:  # its decode(ids, skip_special_tokens) itself: no frame in between
+        return backend.decode
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
@@ -56,7 +56,7 @@ def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]], bool], list[str]
     backend = _backend(tokenizer)
     if backend is not None:
         decode = backend.decode
-        return lambda seqs, skip: [decode(ids, skip_special_tokens=skip) for ids in seqs]
+        return lambda seqs, skip: [decode(ids, skip) for ids in seqs]
     return lambda seqs, skip: tokenizer.batch_decode(seqs, skip_special_tokens=skip) if seqs else []
 
 

@@ -40,11 +40,11 @@ This module knows nothing of HTTP, torch or the scheduler.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
 import uuid
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -418,14 +418,18 @@ def token_texts(
     (a streamed sample's tokens come up again in its last chunk, and across requests)."""
     if decode is None or not body.get("return_text_in_logprobs"):
         return None
-    text = getattr(decode, "token_text", None)  # kept on the decode function itself
-    if text is None:
-        text = functools.lru_cache(maxsize=_TOKEN_TEXT_CACHE)(lambda token: decode([token], False))
-        with contextlib.suppress(AttributeError):  # a callable that takes no attribute
-            decode.token_text = text  # type: ignore[attr-defined]
+    text = _TOKEN_TEXTS.get(decode)
+    if text is None:  # the cache holds ``decode`` weakly, as its key does
+        alive = weakref.ref(decode)
+        text = functools.lru_cache(maxsize=_TOKEN_TEXT_CACHE)(
+            lambda token: alive()([token], False)  # type: ignore[misc]
+        )
+        _TOKEN_TEXTS[decode] = text
     return text
 
 
+# each decode function's token texts (a tokenizer's bound ``decode`` takes no attribute)
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, Callable[[int], str]] = weakref.WeakKeyDictionary()
 _TOKEN_TEXT_CACHE = 1 << 17  # tokens whose text is kept: a large vocabulary's
 
 
