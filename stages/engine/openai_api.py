@@ -42,8 +42,9 @@ from typing import Any
 
 from aiohttp import web
 
+from stages.engine.chunk_stream import mapped
 from stages.engine.protocol import RequestError
-from stages.engine.streaming import Last, Progress, write_events
+from stages.engine.streaming import Progress, write_events
 
 __all__ = [
     "OpenAIRoutes",
@@ -221,31 +222,42 @@ def completion_response(
     }
 
 
-async def completion_stream(
-    batches: AsyncIterator[list[Mapping[str, Any]]],
+def completion_stream(
+    batches: AsyncIterator[list[Any]],
     options: Mapping[str, Any],
     decode: Callable[[list[int], bool], str],
 ) -> AsyncIterator[list[dict[str, Any]]]:
-    """SGLang's ``CompletionStreamResponse`` chunks for the native chunks of a streamed
-    ``completion_request`` (``serving_completions._generate_completion_stream``): per chunk one
-    choice with the text added since that choice's last chunk (the prompt in front of its first
-    with ``echo``), the log-probs of the new tokens, ``finish_reason`` on its last; with
-    ``stream_options.include_usage`` a last chunk with no choices and the whole ``usage``."""
-    created = int(time.time())
-    n = options["n"]
-    echoes = _echo_prompts(options["prompt"], decode) if options["echo"] else []
-    offsets: dict[int, int] = {}
-    logprobs_sent: dict[int, int] = {}
-    ids_sent: dict[int, int] = {}
-    prompt_tokens: dict[int, int] = {}
-    completion_tokens: dict[int, int] = {}
-    last_id = ""
-    want_logprobs = options["logprobs"] is not None
-    async for batch in batches:
+    """SGLang's ``CompletionStreamResponse`` chunks for the native chunks (or samples'
+    ``Progress``) of a streamed ``completion_request``: ``CompletionChunks`` of each batch."""
+    return mapped(batches, CompletionChunks(options, decode))
+
+
+class CompletionChunks:
+    """``serving_completions._generate_completion_stream``'s chunks, batch by batch (a
+    ``chunk_stream.Transform``): per chunk one choice with the text added since that choice's
+    last chunk (the prompt in front of its first with ``echo``), the log-probs of the new
+    tokens, ``finish_reason`` on its last; with ``stream_options.include_usage`` a last chunk
+    with no choices and the whole ``usage``."""
+
+    def __init__(self, options: Mapping[str, Any], decode: Callable[[list[int], bool], str]):
+        self.options = options
+        self.created = int(time.time())
+        self.echoes = _echo_prompts(options["prompt"], decode) if options["echo"] else []
+        self.offsets: dict[int, int] = {}
+        self.logprobs_sent: dict[int, int] = {}
+        self.ids_sent: dict[int, int] = {}
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.last_id = ""
+
+    def __call__(self, batch: list[Any]) -> list[dict[str, Any]]:
+        options, offsets, logprobs_sent = self.options, self.offsets, self.logprobs_sent
+        prompt_tokens, completion_tokens = self.prompt_tokens, self.completion_tokens
+        want_logprobs = options["logprobs"] is not None
         out = []
         for content in batch:
             if type(content) is Progress:  # a sample that moved on (not echoed)
-                index, last_id, ids, text = content.index, content.rid, content.ids, content.text
+                index, rid, ids, text = content.index, content.rid, content.ids, content.text
                 prompt_tokens[index] = content.prompt_tokens
                 completion_tokens[index] = total = len(ids)
                 delta = text[offsets.get(index, 0) :]
@@ -256,20 +268,20 @@ async def completion_stream(
                     if sent < total:
                         logprobs = _progress_logprobs(content, sent, total)
                     logprobs_sent[index] = total
-                reason = None
+                reason = content.finish
             else:
                 index = content.get("index", 0)
                 meta = content["meta_info"]
-                last_id = meta["id"]
+                rid = meta["id"]
                 prompt_tokens[index] = meta.get("prompt_tokens", 0)
                 completion_tokens[index] = meta.get("completion_tokens", 0)
                 text = content.get("text", "")
-                if index not in offsets and echoes:  # its first chunk
-                    text = echoes[index // n] + text
+                if index not in offsets and self.echoes:  # its first chunk
+                    text = self.echoes[index // options["n"]] + text
                 delta = text[offsets.get(index, 0) :]
                 offsets[index] = len(content.get("text", ""))
                 logprobs = None
-                if options["logprobs"] is not None:
+                if want_logprobs:
                     echoed = _echoed_logprobs(meta, options) if index not in logprobs_sent else None
                     sent, total = logprobs_sent.get(index, 0), meta["output_token_logprobs_length"]
                     if sent < total or echoed is not None:
@@ -281,6 +293,7 @@ async def completion_stream(
                     logprobs_sent[index] = total
                 reason = meta.get("finish_reason")
                 ids = content["output_ids"]
+            self.last_id = rid
             choice: dict[str, Any] = {
                 "index": index,
                 "text": delta,
@@ -289,13 +302,13 @@ async def completion_stream(
                 "matched_stop": reason.get("matched") if reason else None,
             }
             if options["return_token_ids"]:
-                sent = ids_sent.get(index, 0)
+                sent = self.ids_sent.get(index, 0)
                 choice["token_ids"] = ids[sent:]
-                ids_sent[index] = len(ids)
+                self.ids_sent[index] = len(ids)
             chunk = {
-                "id": last_id,
+                "id": rid,
                 "object": "text_completion",
-                "created": created,
+                "created": self.created,
                 "model": options["model"],
                 "choices": [choice],
                 "usage": None,
@@ -303,28 +316,33 @@ async def completion_stream(
             if options["continuous_usage_stats"]:
                 chunk["usage"] = _usage(prompt_tokens[index], completion_tokens[index])
             out.append(chunk)
-        # the end of the stream is the usage chunk when asked for, else this batch
-        yield Last(out) if isinstance(batch, Last) and not options["include_usage"] else out
-    if options["include_usage"]:
-        yield Last([
+        return out
+
+    def end(self) -> list[dict[str, Any]]:
+        """The usage chunk, when asked for (``stream_options.include_usage``)."""
+        if not self.options["include_usage"]:
+            return []
+        return [
             usage_chunk(
-                "text_completion", last_id, created, options["model"],
-                prompt_tokens, completion_tokens, n,
+                "text_completion", self.last_id, self.created, self.options["model"],
+                self.prompt_tokens, self.completion_tokens, self.options["n"],
             )
-        ])  # fmt: skip
+        ]  # fmt: skip
 
 
 def _progress_logprobs(p: Progress, start: int, end: int) -> dict[str, Any]:
     """``_openai_logprobs`` of a streamed sample's tokens ``start:end``, read from its
     progress (what the native chunk's entries would hold, without building them)."""
-    text = p.token_text or (lambda token: None)
+    text = p.token_text
     if end - start == 1 and p.tops is None:  # a token at a time, without top log-probs
         return {
             "text_offset": [-1],
             "token_logprobs": [p.logprobs[start]],
-            "tokens": [text(p.ids[start])],
+            "tokens": [None if text is None else text(p.ids[start])],
             "top_logprobs": [],
         }
+    if text is None:
+        text = _no_text
     tops = p.tops[start:end] if p.tops is not None else []
     return {
         "text_offset": [-1] * (end - start),
@@ -332,6 +350,10 @@ def _progress_logprobs(p: Progress, start: int, end: int) -> dict[str, Any]:
         "tokens": [text(token) for token in p.ids[start:end]],
         "top_logprobs": [{text(tok): lp for lp, tok in step} for step in tops],
     }
+
+
+def _no_text(token: int) -> None:
+    return None
 
 
 def _openai_logprobs(
@@ -493,10 +515,7 @@ class OpenAIRoutes:
                 source = self.stream
                 if route == "completions" and not options["echo"] and self.progress_stream:
                     source = self.progress_stream  # an echo's first chunk needs the native one
-                chunks = stream(source(native), options)
-                if options["adapter_in_model"]:
-                    chunks = _adapter_refused_as_model(chunks)
-                return Reply(200, chunks=chunks)
+                return Reply(200, chunks=stream(source(native), options))
             rendered = await self.generate(native)
         except ValueError as exc:  # OpenAIError, RequestError, a rid already in flight
             return Reply(400, refusal(_as_written(exc, options)))
@@ -580,15 +599,6 @@ def _as_written(exc: ValueError, options: Mapping[str, Any]) -> ValueError:
         if options.get("adapter_in_model"):
             return RequestError("model", str(exc)[len(exc.field) + 2 :])
     return exc
-
-
-async def _adapter_refused_as_model(chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """A stream whose adapter ``model`` named: refused (before its first event) as ``model``."""
-    try:
-        async for item in chunks:
-            yield item
-    except RequestError as exc:
-        raise _as_written(exc, {"adapter_in_model": True}) from None
 
 
 def _error(message: str, *, status: int = 400, param: str | None = None) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import (
     _SAMPLING,
     OpenAIError,
@@ -53,7 +54,6 @@ from stages.engine.openai_api import (
     results_usage,
     usage_chunk,
 )
-from stages.engine.streaming import Last
 from stages.engine.tool_calls import (
     PARSERS,
     StreamingToolCalls,
@@ -266,25 +266,36 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
     }
 
 
-async def chat_stream(
+def chat_stream(
     batches: AsyncIterator[list[Mapping[str, Any]]], options: Mapping[str, Any]
 ) -> AsyncIterator[list[dict[str, Any]]]:
     """SGLang's ``chat.completion.chunk`` events for the native chunks of a streamed
-    ``chat_request`` (``serving_chat._generate_chat_stream``)."""
-    created, model, n = int(time.time()), options["model"], options["n"]
-    offsets: dict[int, int] = {}
-    logprobs_sent: dict[int, int] = {}
-    tools: dict[int, StreamingToolCalls] = {}
-    prompt_tokens: dict[int, int] = {}
-    completion_tokens: dict[int, int] = {}
-    last_id = ""
+    ``chat_request``: ``ChatChunks`` of each batch."""
+    return mapped(batches, ChatChunks(options))
 
-    def chunk(rid: str, index: int, delta: dict[str, Any], **more: Any) -> dict[str, Any]:
+
+class ChatChunks:
+    """``serving_chat._generate_chat_stream``'s chunks, batch by batch (a
+    ``chunk_stream.Transform``): a sample's role first, then its content deltas (tool calls
+    parsed out of them with ``tools``), its finish; with ``stream_options.include_usage`` a
+    last chunk with the whole ``usage``."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.options = options
+        self.created, self.model = int(time.time()), options["model"]
+        self.offsets: dict[int, int] = {}
+        self.logprobs_sent: dict[int, int] = {}
+        self.tools: dict[int, StreamingToolCalls] = {}
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.last_id = ""
+
+    def _chunk(self, rid: str, index: int, delta: dict[str, Any], **more: Any) -> dict[str, Any]:
         out = {
             "id": rid,
             "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
+            "created": self.created,
+            "model": self.model,
             "choices": [
                 {
                     "index": index,
@@ -295,18 +306,19 @@ async def chat_stream(
                 }
             ],
         }
-        if options["continuous_usage_stats"]:
-            out["usage"] = _usage(prompt_tokens[index], completion_tokens[index])
+        if self.options["continuous_usage_stats"]:
+            out["usage"] = _usage(self.prompt_tokens[index], self.completion_tokens[index])
         return out
 
-    async for batch in batches:
+    def __call__(self, batch: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        options, offsets, tools, chunk = self.options, self.offsets, self.tools, self._chunk
         out: list[dict[str, Any]] = []
         for content in batch:
             index = content.get("index", 0)
             meta = content["meta_info"]
-            rid = last_id = meta["id"]
-            prompt_tokens[index] = meta.get("prompt_tokens", 0)
-            completion_tokens[index] = meta.get("completion_tokens", 0)
+            rid = self.last_id = meta["id"]
+            self.prompt_tokens[index] = meta.get("prompt_tokens", 0)
+            self.completion_tokens[index] = meta.get("completion_tokens", 0)
             if index not in offsets:  # its first chunk: the role
                 out.append(chunk(rid, index, {"role": "assistant", "content": ""}))
             text = content.get("text", "")
@@ -314,10 +326,11 @@ async def chat_stream(
             offsets[index] = len(text)
             logprobs = None
             if options["logprobs"]:
-                sent, total = logprobs_sent.get(index, 0), meta["output_token_logprobs_length"]
+                sent = self.logprobs_sent.get(index, 0)
+                total = meta["output_token_logprobs_length"]
                 if sent < total:
                     logprobs = _chat_logprobs(meta, sent, total)
-                logprobs_sent[index] = total
+                self.logprobs_sent[index] = total
             reason = meta.get("finish_reason")
             pieces: list[dict[str, Any]] = []
             if options["parse_tools"]:
@@ -337,15 +350,18 @@ async def chat_stream(
                 out.append(
                     chunk(rid, index, {}, finish_reason=kind, matched_stop=reason.get("matched"))
                 )
-        # the end of the stream is the usage chunk when asked for, else this batch
-        yield Last(out) if isinstance(batch, Last) and not options["include_usage"] else out
-    if options["include_usage"]:
-        yield Last([
+        return out
+
+    def end(self) -> list[dict[str, Any]]:
+        """The usage chunk, when asked for (``stream_options.include_usage``)."""
+        if not self.options["include_usage"]:
+            return []
+        return [
             usage_chunk(
-                "chat.completion.chunk", last_id, created, model, prompt_tokens,
-                completion_tokens, n,
+                "chat.completion.chunk", self.last_id, self.created, self.model,
+                self.prompt_tokens, self.completion_tokens, self.options["n"],
             )
-        ])  # fmt: skip
+        ]  # fmt: skip
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:

@@ -31,37 +31,16 @@ from typing import Any
 
 from aiohttp import web
 
-from stages.engine.protocol import SequenceResult, parse_generate, render_sample, token_texts
+from stages.engine.chunk_stream import ChunkStream, Last
+from stages.engine.protocol import (
+    SequenceResult,
+    parse_generate,
+    render_sample,
+    result_text,
+    token_texts,
+)
 
-__all__ = ["Last", "Progress", "stream_generate", "write_events"]
-
-
-class Last(list):
-    """A stream's last batch of chunks: ``write_events`` sends it with ``data: [DONE]`` and the
-    end of the response in one write. Iterators that transform batches pass the mark on."""
-
-
-class _Events:
-    """A streamed request's events as the scheduler hands them over (on the loop's thread):
-    lighter than an ``asyncio.Queue`` (no loop lookups, one future per wait)."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[int, Any]] = []
-        self.waiter: asyncio.Future[None] | None = None
-
-    def add(self, events: list[tuple[int, Any]]) -> None:
-        self.items += events
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def take(self) -> list[tuple[int, Any]]:
-        """Everything that arrived since the last call (waits for something)."""
-        while not self.items:
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        items, self.items = self.items, []
-        return items
+__all__ = ["Last", "Progress", "stream_generate", "write_events"]  # Last: chunk_stream's
 
 
 class Progress:
@@ -70,6 +49,7 @@ class Progress:
     __slots__ = (
         "cached",
         "entries",
+        "finish",
         "ids",
         "index",
         "input_entries",
@@ -114,28 +94,51 @@ class Progress:
         self.input_entries: list[list[Any]] | None = None
         self.input_top_entries: list[Any] | None = None
         self.text = ""  # the text sent last (a trailing incomplete character held back)
+        self.finish: dict[str, Any] | None = None  # the finish reason, once it is the last
+
+    def last(self, result: SequenceResult, inp: Any, decode: Callable[..., str] | None) -> Progress:
+        """This sample, finished as ``result`` (of its request ``inp``): its whole output,
+        ``text`` as the answer without streaming has it, and ``finish``."""
+        self.ids, self.version, self.cached = (
+            result.output_ids,
+            result.weight_version,
+            result.cached_tokens,
+        )
+        self.logprobs = result.output_token_logprobs or []
+        if self.tops is not None:
+            self.tops = result.output_top_logprobs or []
+        params = inp.params
+        if decode is not None:
+            self.text = result_text(result, decode, params.skip_special_tokens, params.no_stop_trim)
+        self.finish = result.finish_reason
+        return self
 
     def chunk(
         self, return_logprob: bool, token_text: Callable[[int], str] | None, text: str | None
     ) -> dict:
         """The sample's chunk before its last: ``text`` (when not None) and SGLang's fields
         of ``meta_info`` so far."""
+        ids = self.ids
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": None,
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": len(self.ids),
+            "completion_tokens": len(ids),
             "cached_tokens": self.cached,
             "weight_version": self.version,
         }
         if return_logprob:
-            entries, ids, logprobs = self.entries, self.ids, self.logprobs
-            for i in range(len(entries), len(ids)):  # the tokens added since the last chunk
-                tok = ids[i]
-                entries.append([logprobs[i], tok, None if token_text is None else token_text(tok)])
-            if self.input_entries is None:
-                self._input_entries(token_text)
-            meta["input_token_logprobs"] = self.input_entries
+            entries, logprobs = self.entries, self.logprobs
+            done = len(entries)
+            if token_text is None and done == len(ids) - 1:  # the usual case: one new token
+                entries.append([logprobs[done], ids[done], None])
+            else:
+                for tok, lp in zip(ids[done:], logprobs[done:], strict=True):
+                    entries.append([lp, tok, None if token_text is None else token_text(tok)])
+            inputs = self.input_entries
+            if inputs is None:
+                inputs = self._input_entries(token_text)
+            meta["input_token_logprobs"] = inputs
             meta["output_token_logprobs"] = entries
             meta["output_token_logprobs_length"] = len(entries)
             if self.tops is not None:
@@ -145,37 +148,43 @@ class Progress:
                 meta["input_top_logprobs"] = self.input_top_entries
                 meta["output_top_logprobs"] = self.top_entries
         if text is None:
-            return {"output_ids": self.ids, "meta_info": meta}
-        return {"text": text, "output_ids": self.ids, "meta_info": meta}
+            return {"output_ids": ids, "meta_info": meta}
+        return {"text": text, "output_ids": ids, "meta_info": meta}
 
-    def _input_entries(self, token_text: Callable[[int], str] | None) -> None:
+    def _input_entries(self, token_text: Callable[[int], str] | None) -> list[list[Any]]:
         """The prompt's log-prob entries (and top entries), built once."""
+        if not self.input_lps and not self.input_tops:  # no logprob_start_len: none
+            self.input_entries, self.input_top_entries = [], []
+            return self.input_entries
         text = (lambda tok: None) if token_text is None else token_text
         self.input_entries = [[lp, tok, text(tok)] for lp, tok in self.input_lps or ()]
         self.input_top_entries = [
             None if step is None else [[lp, tok, text(tok)] for lp, tok in step]
             for step in self.input_tops or ()
         ]
+        return self.input_entries
 
 
-async def stream_generate(
+def stream_generate(
     loaded: Any,
     scheduler: Any,
     decode: Callable[[list[int], bool], str] | None,
     body: dict[str, Any],
     *,
     progress: bool = False,
-) -> AsyncIterator[list[Any]]:
+) -> ChunkStream:
     """The chunks of a streamed ``/generate`` (``body`` has ``stream: true``), in batches: the
-    chunks that became ready together (one per sample that moved on).
+    chunks that became ready together (one per sample that moved on). The request is checked
+    and queued at once.
 
-    With ``progress``, a sample's chunks before its last are its ``Progress`` itself (``text``
-    so far, ``ids``, ``logprobs``, ``tops``, ``index``...; valid until the next batch is asked
-    for) rather than the native chunk made of it: for a caller that renders chunks of its own
-    (``/v1/completions``), so that nothing is built twice. Its last chunk is native either way.
+    With ``progress``, a sample's chunks are its ``Progress`` itself (``text`` so far, ``ids``,
+    ``logprobs``, ``tops``, ``index``...; valid until the next batch is built) rather than
+    the native chunk made of it, its last with ``finish`` set (``Progress.last``): for a caller
+    that renders chunks of its own (``/v1/completions``), so that nothing is built twice.
 
-    Raises RequestError (a malformed body) or ValueError (a rid in flight) before the first
-    chunk; closed early (the client went away), it aborts the samples that are still running.
+    Raises RequestError (a malformed body); a rid in flight is a ValueError raised with the
+    first batch. Closed early (the client went away), the stream aborts the samples that are
+    still running.
     """
     inputs, listed = parse_generate(
         body,
@@ -184,10 +193,6 @@ async def stream_generate(
         encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
         adapters=scheduler.adapter_names(),
     )
-    events_in = _Events()
-    future = scheduler.submit_async(inputs, stream=events_in.add)
-    # the failure (if any) also comes as an event; the future must not warn that nobody read it
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
     token_text = token_texts(decode, body)
     moving = [
         Progress(
@@ -201,49 +206,57 @@ async def stream_generate(
     ]
     finals: dict[int, SequenceResult] = {}
     skips = [inp.params.skip_special_tokens for inp in inputs]
-    try:
-        while len(finals) < len(inputs):
-            touched: dict[int, None] = {}
-            for index, payload in await events_in.take():  # all that piled up
-                if type(payload) is tuple:  # a token: (id, log-prob, version, top, cached...)
-                    p = moving[index]
-                    token, logprob, p.version, top, p.cached, p.input_lps, p.input_tops = payload
-                    p.ids.append(token)
-                    p.logprobs.append(logprob)
-                    if top is not None and p.tops is not None:
-                        p.tops.append(top)
-                elif isinstance(payload, SequenceResult):
-                    finals[index] = payload
-                else:
-                    raise payload
-                touched[index] = None
-            batch: list[Any] = []  # one chunk per sample that moved on
-            for index in touched:
-                final = finals.get(index)
-                if final is not None:  # the whole answer, as the request without stream
-                    chunk = render_sample(inputs[index], final, decode, token_text)
-                else:
-                    p = moving[index]
-                    if decode is not None:
-                        text = decode(p.ids, skips[index])
-                        if not text.endswith("\ufffd"):  # else a character is still incomplete
-                            p.text = text
-                    if progress:
-                        batch.append(p)
-                        continue
-                    chunk = p.chunk(
-                        inputs[index].return_logprob,
-                        token_text,
-                        None if decode is None else p.text,
-                    )
-                if listed:
-                    chunk["index"] = index
-                batch.append(chunk)
-            yield Last(batch) if len(finals) == len(inputs) else batch
-    finally:
+
+    def build(events: list[tuple[int, Any]]) -> list[Any]:
+        touched: dict[int, None] = {}
+        for index, payload in events:  # all that piled up
+            if type(payload) is tuple:  # a token: (id, log-prob, version, top, cached...)
+                p = moving[index]
+                token, logprob, p.version, top, p.cached, p.input_lps, p.input_tops = payload
+                p.ids.append(token)
+                p.logprobs.append(logprob)
+                if top is not None and p.tops is not None:
+                    p.tops.append(top)
+            elif isinstance(payload, SequenceResult):
+                finals[index] = payload
+            else:
+                raise payload
+            touched[index] = None
+        batch: list[Any] = []  # one chunk per sample that moved on
+        for index in touched:
+            final = finals.get(index)
+            if final is not None:  # the whole answer, as the request without stream
+                if progress:
+                    batch.append(moving[index].last(final, inputs[index], decode))
+                    continue
+                chunk = render_sample(inputs[index], final, decode, token_text)
+            else:
+                p = moving[index]
+                if decode is not None:
+                    text = decode(p.ids, skips[index])
+                    if not text.endswith("\ufffd"):  # else a character is still incomplete
+                        p.text = text
+                if progress:
+                    batch.append(p)
+                    continue
+                chunk = p.chunk(
+                    inputs[index].return_logprob, token_text, None if decode is None else p.text
+                )
+            if listed:
+                chunk["index"] = index
+            batch.append(chunk)
+        return Last(batch) if len(finals) == len(inputs) else batch
+
+    def abort() -> None:
         running = [inp.rid for i, inp in enumerate(inputs) if i not in finals]
         if running:
             scheduler.abort_many(running, "the client went away mid-stream")
+
+    stream = ChunkStream(build, abort)
+    future = scheduler.submit_async(inputs, stream=stream.add)
+    # the failure (if any) also comes as an event; the future must not warn that nobody read it
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return stream
 
 
 async def write_events(
@@ -257,9 +270,10 @@ async def write_events(
     events, then ``data: [DONE]`` (with a ``Last`` batch, in the same write).
 
     The first batch is awaited before anything is sent, so that a request refused by the
-    generator's checks raises here and can still be answered with an error status. A client
-    that goes away ends the stream (``on_disconnect`` is called; closing ``chunks`` aborts
-    what it was generating).
+    generator's checks raises here and can still be answered with an error status. After it,
+    a ``ChunkStream``'s batches are pushed straight to the connection as the scheduler hands
+    them over, while it takes them (``_pushed``). A client that goes away ends the stream
+    (``on_disconnect`` is called; closing ``chunks`` aborts what it was generating).
     """
     try:
         first = await anext(chunks)
@@ -277,24 +291,9 @@ async def write_events(
         if isinstance(first, Last):
             tail = _events(first, encode)
         elif first is not None:
-            direct = None  # the connection, once chunks may go straight to it
             if first:  # an empty chunk would end a chunked response
                 await response.write(_events(first, encode))  # with the headers
-                direct = _chunked_transport(request, response)
-            async for batch in chunks:
-                if isinstance(batch, Last):
-                    tail = _events(batch, encode)
-                    break
-                if not batch:
-                    continue
-                data = _events(batch, encode)
-                if direct is not None and not (
-                    direct.get_write_buffer_size() or direct.is_closing()
-                ):
-                    direct.write(b"%x\r\n%b\r\n" % (len(data), data))  # one chunk, framed
-                else:  # a client that reads slowly (aiohttp waits for it) or went away (raises)
-                    await response.write(data)
-                    direct = _chunked_transport(request, response)
+            tail = await _write_rest(request, response, chunks, encode)
         # the last events, the end marker and the end of the response: one write
         await response.write_eof(tail + b"data: [DONE]\n\n")
     except ConnectionResetError:  # the client went away: nobody to answer
@@ -305,6 +304,63 @@ async def write_events(
     finally:
         await chunks.aclose()  # aborts what is still running
     return response
+
+
+async def _write_rest(
+    request: web.Request,
+    response: web.StreamResponse,
+    chunks: AsyncIterator[list[Any]],
+    encode: Callable[[Any], bytes],
+) -> bytes:
+    """Write the batches after the first; the events of the last come back, unwritten."""
+    direct = _chunked_transport(request, response)  # None: every write through aiohttp
+    pushable = direct is not None and isinstance(chunks, ChunkStream)
+    while True:
+        if pushable and not _behind(direct):
+            batch = await _pushed(chunks, direct, encode)  # type: ignore[arg-type]
+        else:
+            batch = await anext(chunks, None)
+            if batch is None:
+                return b""
+        if isinstance(batch, Last):
+            return _events(batch, encode)
+        if not batch:
+            continue
+        data = _events(batch, encode)
+        if direct is not None and not _behind(direct):
+            direct.write(b"%x\r\n%b\r\n" % (len(data), data))  # one chunk, framed
+        else:  # a client that reads slowly (aiohttp waits for it) or went away (raises)
+            await response.write(data)
+
+
+def _pushed(chunks: ChunkStream, transport: Any, encode: Callable[[Any], bytes]) -> Any:
+    """Push ``chunks`` straight to ``transport`` while it takes them: a future of the first
+    batch that may not go there (the last one, or any while the client is behind), or of the
+    exception that building one raised."""
+    done = asyncio.get_running_loop().create_future()
+
+    def sink(batch: list[Any]) -> None:
+        if type(batch) is list and not _behind(transport):
+            if batch:
+                data = _events(batch, encode)
+                transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            return
+        chunks.push(None)
+        if not done.done():
+            done.set_result(batch)
+
+    def failed(exc: BaseException) -> None:
+        if not done.done():
+            done.set_exception(exc)
+
+    chunks.push(sink, failed)
+    return done
+
+
+def _behind(transport: Any) -> bool:
+    """Whether the connection has bytes waiting (a client that reads slowly) or is closing (a
+    client that went away): then aiohttp's write, which waits for the client or raises."""
+    return bool(transport.get_write_buffer_size() or transport.is_closing())
 
 
 class _EventStream(web.StreamResponse):

@@ -187,17 +187,30 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slot_and_is_counted(engine
     assert engine.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
 
 
-def _raw_stream(engine: Engine, body: dict[str, Any], version: str) -> bytes:  # noqa: F811
+def _raw_stream(
+    engine: Engine,  # noqa: F811
+    body: dict[str, Any],
+    version: str,
+    *,
+    receive_buffer: int = 0,
+    read_after: float = 0.0,
+) -> bytes:
     """POST ``body`` to /generate over a plain socket as an HTTP ``version`` client, and read
-    the answer until the server closes or the chunked body ends; the raw bytes."""
+    the answer until the server closes or the chunked body ends; the raw bytes. A slow client:
+    a ``receive_buffer`` of that many bytes, and nothing read for ``read_after`` seconds."""
     data = json.dumps(body).encode()
     host, port = engine.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as conn:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as conn:
+        conn.settimeout(30)
+        if receive_buffer:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        conn.connect((host, int(port)))
         conn.sendall(
             f"POST /generate HTTP/{version}\r\nHost: {host}\r\nContent-Type: application/json"
             f"\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
             + data
         )
+        time.sleep(read_after)
         raw = b""
         while not raw.endswith(b"\r\n0\r\n\r\n"):
             piece = conn.recv(65536)
@@ -242,7 +255,7 @@ def test_a_stream_reaches_http_1_0_and_1_1_clients_whole(engine, version) -> Non
     chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
     assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
     sizes = [len(c["output_ids"]) for c in chunks]  # cumulative (chunks that piled up merge)
-    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == tokens
+    assert sizes == sorted(set(sizes)) and sizes[-1] == tokens, sizes
     last, alone = chunks[-1]["meta_info"], whole["meta_info"]
     assert len(sizes) > 4 and len(last["output_token_logprobs"]) == tokens
     for got, want in zip(
@@ -340,3 +353,63 @@ def test_streamed_completions_with_n_and_echo(engine: Engine, client) -> None:  
         texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert texts == {c.index: c.text for c in whole.choices}
     assert texts[0].startswith(text)
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_completion_that_stops_ends_as_the_whole_one(engine: Engine, client) -> None:  # noqa: F811
+    # serving_completions._generate_completion_stream: the last chunk's finish_reason and
+    # matched_stop, token_ids per chunk (return_token_ids) and usage in every chunk
+    # (stream_options.continuous_usage_stats) as the answer without streaming has them
+    options = {"model": "default", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+               "logprobs": 1}  # fmt: skip
+    free = client.completions.create(**options, extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    extra = {"ignore_eos": True, "return_token_ids": True, "stop": [stop]}
+    whole = client.completions.create(**options, extra_body=extra).choices[0]
+    assert whole.finish_reason == "stop" and whole.model_extra["matched_stop"] == stop
+    chunks = list(
+        client.completions.create(
+            **options, extra_body=extra, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )  # fmt: skip
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(d.text for d in deltas) == whole.text
+    assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["stop"]
+    assert deltas[-1].model_extra["matched_stop"] == stop
+    ids = [t for d in deltas for t in d.model_extra["token_ids"]]
+    assert ids == whole.model_extra["token_ids"]
+    assert [t for d in deltas if d.logprobs for t in d.logprobs.tokens] == whole.logprobs.tokens
+    used = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert used == sorted(used) and used[-1] == len(ids)
+
+
+@pytest.mark.timeout(90)
+def test_a_client_that_falls_behind_gets_merged_chunks_then_the_stream_goes_on(
+    engine: Engine,  # noqa: F811
+) -> None:
+    """A client with a small receive window that reads nothing for a while: the chunks back
+    up on the connection, the engine stops writing straight to it, waits for the client and
+    merges what piled up meanwhile into the newest chunk (SGLang's queue drain), then writes
+    straight again. The client still gets every event whole, cumulative, ending in the whole
+    answer."""
+    tokens = 400  # with log-probs, ~2.5 MB of events in all: more than the buffers take
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {**GREEDY, "max_new_tokens": tokens},
+        "return_logprob": True,
+    }
+    whole = engine.generate(body)
+    raw = _raw_stream(engine, {**body, "stream": True}, "1.1", receive_buffer=2048, read_after=2)
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    events = _unchunked(payload).split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    sizes = [len(c["output_ids"]) for c in chunks]
+    assert sizes == sorted(set(sizes)) and sizes[-1] == tokens, sizes
+    assert len(sizes) < tokens, "no chunk was merged: the client never fell behind"
+    assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    # it serves on
+    assert engine.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
