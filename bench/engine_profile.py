@@ -7,7 +7,7 @@ Run (each prints one JSON line on stdout; on an otherwise idle machine):
     python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
         [--seconds 20] [--py-spy]
     python bench/engine_profile.py compare [--forms n,n-stream,openai,openai-stream]
-        [--rounds 8] [--seconds 4] [--stream-interval 1] [--pin]
+        [--rounds 8] [--seconds 4] [--stream-interval 1] [--pin] [--against DIR]
 
 ``step`` drives ``stages.engine.scheduler.Scheduler`` in this process (no HTTP) and compares,
 per decode step at a batch of ``--batch`` rows:
@@ -47,7 +47,9 @@ ratios is what to read: this machine's speed drifts by tens of percent within mi
 of one form after another cannot be compared to a few percent). Each form's event-loop thread
 per sample (HTTP and streaming, where the forms differ) and tokens per decode step (how full the
 steps were) come with it, and every phase's figures go to stderr. ``--pin`` puts the engine on
-core 0 and the client on core 1.
+core 0 and the client on core 1. ``--against DIR`` starts a second server from another checkout
+(``git worktree add DIR COMMIT``) and sends the forms named ``FORM@base`` there, in the same
+rounds: an A/B of two commits under the same drift (only one server is driven at a time).
 
 It does not measure GPU timings or text (tokenizer) requests.
 """
@@ -515,12 +517,13 @@ def _in_scratch(bench: Callable[[argparse.Namespace, Path], dict[str, Any]]) -> 
     return run
 
 
-def _serve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, str]:
-    """``inflight engine`` on the model asked for, answering /health."""
+def _serve(args: argparse.Namespace, tmp: Path, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """``inflight engine`` on the model asked for, answering /health (the code of the checkout
+    at ``root``)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     model = ARITH if args.model == "arith" else _mid_model(tmp / "mid")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     pinned = getattr(args, "pin", False)
     proc = subprocess.Popen(
         [
@@ -537,9 +540,9 @@ def _serve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, str]:
             "--stream-interval",
             str(args.stream_interval),
             "--log-file",
-            str(tmp / "engine.log"),
+            str(tmp / f"engine-{port}.log"),
         ],
-        cwd=ROOT,
+        cwd=root,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -650,10 +653,14 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     variant's cost is also given over the first's in the same round, and the median of those
     paired ratios is the figure to read."""
     forms = args.forms.split(",")
-    unknown = [f for f in forms if f not in _FORMS]
+    unknown = [f for f in forms if f.partition("@")[0] not in _FORMS]
     if unknown:
         raise SystemExit(f"--forms: unknown {unknown}; known: {sorted(_FORMS)}")
-    proc, url = _serve(args, tmp)
+    if any(f.endswith("@base") for f in forms) != bool(args.against):
+        raise SystemExit("--forms: name forms FORM@base with --against, and only then")
+    servers = {"": _serve(args, tmp)}
+    if args.against:
+        servers["base"] = _serve(args, tmp, args.against.resolve())
     if args.pin:
         os.sched_setaffinity(0, {1})
     per: dict[str, list[float]] = {f: [] for f in forms}
@@ -662,11 +669,15 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     rows: dict[str, list[float]] = {f: [] for f in forms}  # tokens sampled per decode step
     try:
         for form in forms:  # each route's first requests (imports, caches) before measuring
-            kind, stream = _FORMS[form]
+            name, _, where = form.partition("@")
+            kind, stream = _FORMS[name]
+            url = servers[where][1]
             asyncio.run(_drive(url, kind, args.in_flight, 1.5, 4, stream, args.new_tokens))
         for r in range(args.rounds):
             for form in forms if r % 2 == 0 else forms[::-1]:
-                kind, stream = _FORMS[form]
+                name, _, where = form.partition("@")
+                kind, stream = _FORMS[name]
+                proc, url = servers[where]
                 info0, threads0 = _server_info(url), _thread_cpu(proc.pid)
                 user0, system0 = _process_cpu(proc.pid)
                 driven = asyncio.run(
@@ -688,8 +699,9 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     file=sys.stderr,
                 )
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
 
     first = forms[0]
     return {
@@ -701,6 +713,7 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "rounds": args.rounds,
         "seconds_per_phase": args.seconds,
         "pinned": args.pin,
+        "against": str(args.against) if args.against else None,
         "engine_cpu_us_per_sample": {f: _median_spread(per[f], 1) for f in forms},
         "kernel_share": {f: round(statistics.median(kernel[f]), 3) for f in forms},
         # the event-loop thread (HTTP, streaming) per sample, and how full the steps were: a
@@ -787,7 +800,14 @@ def main() -> int:
     compare.add_argument(
         "--forms",
         default="n,n-stream,openai,openai-stream",
-        help=f"comma-separated, the first the reference; of {', '.join(_FORMS)}",
+        help=f"comma-separated, the first the reference; of {', '.join(_FORMS)} (FORM@base: "
+        "on the --against server)",
+    )
+    compare.add_argument(
+        "--against",
+        type=Path,
+        help="a checkout of other code (git worktree add DIR COMMIT): a second server runs it, "
+        "and forms named FORM@base are sent there, in the same rounds",
     )
     compare.add_argument("--rounds", type=int, default=8)
     compare.add_argument("--seconds", type=float, default=4, help="each variant's phase")

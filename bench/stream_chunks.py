@@ -11,7 +11,8 @@ requests of ``n`` = 4 on arith-tiny's tokenizer and vocabulary, with log-probs, 
 ``--new-tokens`` steps together, as ``bench/engine_profile.py compare`` drives a real server:
 
 - ``generate``: ``/generate`` not streamed (``stages.engine.server.generate``, then JSON);
-- ``generate-stream``: streamed (``stream_generate``'s chunks, each batch as its events);
+- ``generate-stream``: streamed (``stream_generate``'s chunks, each batch as its events: the
+  first pulled, the rest pushed in the scheduler's hand-overs, as the server writes them);
 - ``completions``: ``/v1/completions`` with ``logprobs: 0``, not streamed;
 - ``completions-stream``: streamed (``completion_stream`` over ``stream_generate``'s progress).
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 import orjson  # noqa: E402
 
 from stages.detokenize import decoder  # noqa: E402
+from stages.engine.chunk_stream import Last  # noqa: E402
 from stages.engine.loader import load_model  # noqa: E402
 from stages.engine.openai_api import (  # noqa: E402
     completion_request,
@@ -74,6 +76,7 @@ class _Scheduler:
         return future
 
     def step(self, last: bool) -> None:
+        handed: list[tuple[Any, list[tuple[int, Any]]]] = []
         for inputs, stream, future, ids in self.live:
             events: list[tuple[int, Any]] = []
             for i, inp in enumerate(inputs):
@@ -89,11 +92,18 @@ class _Scheduler:
                 )  # fmt: skip
                 events.append((i, result))
             if stream is not None:
-                stream(events)
+                handed.append((stream, events))
             if last:
                 future.set_result([result for _, result in events])
+        if handed:  # on the loop after the step, in one call, as the scheduler's outbox does
+            asyncio.get_running_loop().call_soon(_call_each, handed)
         if last:
             self.live = []
+
+
+def _call_each(handed: list[tuple[Any, list[tuple[int, Any]]]]) -> None:
+    for stream, events in handed:
+        stream(events)
 
 
 async def _request(
@@ -121,9 +131,21 @@ async def _request(
         if form == "generate":
             return len(orjson.dumps(await generate(loaded, sched, decode, body)))
         batches = stream_generate(loaded, sched, decode, {**body, "stream": True})
-    size = 0
-    async for batch in batches:
+    # as the server writes them: the first batch pulled, the rest pushed in the hand-overs
+    first = await anext(batches)
+    size = len(_events(first, orjson.dumps))
+    if isinstance(first, Last):
+        return size
+    done = asyncio.get_running_loop().create_future()
+
+    def sink(batch: list[Any]) -> None:
+        nonlocal size
         size += len(_events(batch, orjson.dumps))
+        if isinstance(batch, Last):
+            done.set_result(None)
+
+    batches.push(sink, done.set_exception)
+    await done
     return size
 
 
