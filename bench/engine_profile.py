@@ -46,7 +46,9 @@ CPU per sample of each, and each over the first's of the same round (the median 
 ratios is what to read: this machine's speed drifts by tens of percent within minutes, so runs
 of one form after another cannot be compared to a few percent). Each form's event-loop thread
 per sample (HTTP and streaming, where the forms differ) and tokens per decode step (how full the
-steps were) come with it, and every phase's figures go to stderr. ``--pin`` puts the engine on
+steps were) come with it, and every phase's figures go to stderr. ``loop_extra_over_<first>``:
+each form's event-loop CPU per sample over the first's, as a share of the first's whole CPU per
+sample (paired by round; what the route adds, without the scheduler thread's drift). ``--pin`` puts the engine on
 core 0 and the client on core 1. ``--against DIR`` starts a second server from another checkout
 (``git worktree add DIR COMMIT``) and sends the forms named ``FORM@base`` there, in the same
 rounds: an A/B of two commits under the same drift (only one server is driven at a time).
@@ -723,6 +725,20 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "tokens_per_step": {f: _median_spread(rows[f], 1) for f in forms},
         f"over_{first}": {
             f: _median_spread([a / b for a, b in zip(per[f], per[first], strict=True)])
+            for f in forms[1:]
+        },
+        # the event loop's extra per sample over the first form's, as a share of the first's
+        # whole CPU per sample, paired by round: where the routes differ, without the drift of
+        # the scheduler thread (the same work in every form, ±15% from phase to phase here)
+        f"loop_extra_over_{first}": {
+            f: _median_spread(
+                [
+                    (loop - base_loop) / base
+                    for loop, base_loop, base in zip(
+                        loop_cpu[f], loop_cpu[first], per[first], strict=True
+                    )
+                ]
+            )
             for f in forms[1:]
         },
     }
