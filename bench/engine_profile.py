@@ -48,10 +48,11 @@ of one form after another cannot be compared to a few percent). Each form's even
 per sample (HTTP and streaming, where the forms differ) and tokens per decode step (how full the
 steps were) come with it, and every phase's figures go to stderr. ``loop_extra_over_<first>``:
 each form's event-loop CPU per sample over the first's, as a share of the first's whole CPU per
-sample (paired by round; what the route adds, without the scheduler thread's drift). ``--pin`` puts the engine on
-core 0 and the client on core 1. ``--against DIR`` starts a second server from another checkout
-(``git worktree add DIR COMMIT``) and sends the forms named ``FORM@base`` there, in the same
-rounds: an A/B of two commits under the same drift (only one server is driven at a time).
+sample (paired by round; what the route adds, without the scheduler thread's drift). ``--pin``
+puts the engine on core 0 and the client on core 1. ``--against DIR`` starts a second server from
+another checkout (``git worktree add DIR COMMIT``) and sends the forms named ``FORM@base`` there,
+in the same rounds: an A/B of two commits under the same drift (only one server is driven at a
+time).
 
 It does not measure GPU timings or text (tokenizer) requests.
 """
