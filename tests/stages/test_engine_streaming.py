@@ -48,10 +48,14 @@ def test_a_stream_grows_token_by_token_and_ends_with_the_whole_answer(engine: En
         "return_logprob": True,
     }
     whole = engine.generate(body)
-    response, events = _events(engine, {**body, "stream": True})
-    assert response.status_code == 200
-    assert response.headers["Content-Type"].startswith("text/event-stream")
-    assert events[-1] == "[DONE]" and len(events) >= 3
+    for _ in range(5):  # a loop that falls behind merges what piled up into the newest: again
+        response, events = _events(engine, {**body, "stream": True})
+        assert response.status_code == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        assert events[-1] == "[DONE]"
+        if len(events) >= 3:
+            break
+    assert len(events) >= 3, "every try came merged into one chunk: nothing was streamed"
     chunks = events[:-1]
     for before, after in itertools.pairwise(chunks):  # cumulative: each extends the one before
         n = len(before["output_ids"])
@@ -245,18 +249,22 @@ def test_a_stream_reaches_http_1_0_and_1_1_clients_whole(engine, version) -> Non
         "return_logprob": True,
     }
     whole = engine.generate(body)
-    raw = _raw_stream(engine, {**body, "stream": True}, version)
-    head, _, payload = raw.partition(b"\r\n\r\n")
-    assert head.startswith(f"HTTP/{version} 200".encode()), head
-    chunked = b"transfer-encoding: chunked" in head.lower()
-    assert chunked == (version == "1.1")
-    events = (_unchunked(payload) if chunked else payload).split(b"\n\n")
-    assert events[-2:] == [b"data: [DONE]", b""]
-    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
-    assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
-    sizes = [len(c["output_ids"]) for c in chunks]  # cumulative (chunks that piled up merge)
-    assert sizes == sorted(set(sizes)) and sizes[-1] == tokens, sizes
-    last, alone = chunks[-1]["meta_info"], whole["meta_info"]
+    for _ in range(5):  # a loop that falls behind merges what piled up into the newest: again
+        raw = _raw_stream(engine, {**body, "stream": True}, version)
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        assert head.startswith(f"HTTP/{version} 200".encode()), head
+        chunked = b"transfer-encoding: chunked" in head.lower()
+        assert chunked == (version == "1.1")
+        events = (_unchunked(payload) if chunked else payload).split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""]
+        chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+        last, alone = chunks[-1]["meta_info"], whole["meta_info"]
+        assert chunks[-1]["output_ids"] == whole["output_ids"]
+        assert chunks[-1]["text"] == whole["text"]
+        sizes = [len(c["output_ids"]) for c in chunks]  # cumulative (piled-up chunks merge)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == tokens, sizes
+        if len(sizes) > 4:
+            break
     assert len(sizes) > 4 and len(last["output_token_logprobs"]) == tokens
     for got, want in zip(
         last["output_token_logprobs"], alone["output_token_logprobs"], strict=True
