@@ -232,23 +232,46 @@ def completion_stream(
     return mapped(batches, CompletionChunks(options, decode))
 
 
-class CompletionChunks:
+class StreamLayout:
+    """What an OpenAI stream's chunks keep per choice between batches (text and log-probs sent,
+    tokens counted, the newest id), and its ``end``: the usage chunk of ``OBJECT``."""
+
+    OBJECT = ""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.options = options
+        self.created = int(time.time())
+        self.offsets: dict[int, int] = {}
+        self.logprobs_sent: dict[int, int] = {}
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.last_id = ""
+
+    def end(self) -> list[dict[str, Any]]:
+        """The usage chunk, when asked for (``stream_options.include_usage``)."""
+        if not self.options["include_usage"]:
+            return []
+        return [
+            usage_chunk(
+                self.OBJECT, self.last_id, self.created, self.options["model"],
+                self.prompt_tokens, self.completion_tokens, self.options["n"],
+            )
+        ]  # fmt: skip
+
+
+class CompletionChunks(StreamLayout):
     """``serving_completions._generate_completion_stream``'s chunks, batch by batch (a
     ``chunk_stream.Transform``): per chunk one choice with the text added since that choice's
     last chunk (the prompt in front of its first with ``echo``), the log-probs of the new
     tokens, ``finish_reason`` on its last; with ``stream_options.include_usage`` a last chunk
     with no choices and the whole ``usage``."""
 
+    OBJECT = "text_completion"
+
     def __init__(self, options: Mapping[str, Any], decode: Callable[[list[int], bool], str]):
-        self.options = options
-        self.created = int(time.time())
+        super().__init__(options)
         self.echoes = _echo_prompts(options["prompt"], decode) if options["echo"] else []
-        self.offsets: dict[int, int] = {}
-        self.logprobs_sent: dict[int, int] = {}
         self.ids_sent: dict[int, int] = {}
-        self.prompt_tokens: dict[int, int] = {}
-        self.completion_tokens: dict[int, int] = {}
-        self.last_id = ""
 
     def __call__(self, batch: list[Any]) -> list[dict[str, Any]]:
         options, offsets, logprobs_sent = self.options, self.offsets, self.logprobs_sent
@@ -317,17 +340,6 @@ class CompletionChunks:
                 chunk["usage"] = _usage(prompt_tokens[index], completion_tokens[index])
             out.append(chunk)
         return out
-
-    def end(self) -> list[dict[str, Any]]:
-        """The usage chunk, when asked for (``stream_options.include_usage``)."""
-        if not self.options["include_usage"]:
-            return []
-        return [
-            usage_chunk(
-                "text_completion", self.last_id, self.created, self.options["model"],
-                self.prompt_tokens, self.completion_tokens, self.options["n"],
-            )
-        ]  # fmt: skip
 
 
 def _progress_logprobs(p: Progress, start: int, end: int) -> dict[str, Any]:

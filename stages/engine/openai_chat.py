@@ -49,10 +49,10 @@ from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import (
     _SAMPLING,
     OpenAIError,
+    StreamLayout,
     _usage,
     name_adapter,
     results_usage,
-    usage_chunk,
 )
 from stages.engine.tool_calls import (
     PARSERS,
@@ -274,21 +274,18 @@ def chat_stream(
     return mapped(batches, ChatChunks(options))
 
 
-class ChatChunks:
+class ChatChunks(StreamLayout):
     """``serving_chat._generate_chat_stream``'s chunks, batch by batch (a
     ``chunk_stream.Transform``): a sample's role first, then its content deltas (tool calls
     parsed out of them with ``tools``), its finish; with ``stream_options.include_usage`` a
     last chunk with the whole ``usage``."""
 
+    OBJECT = "chat.completion.chunk"
+
     def __init__(self, options: Mapping[str, Any]) -> None:
-        self.options = options
-        self.created, self.model = int(time.time()), options["model"]
-        self.offsets: dict[int, int] = {}
-        self.logprobs_sent: dict[int, int] = {}
+        super().__init__(options)
+        self.model = options["model"]
         self.tools: dict[int, StreamingToolCalls] = {}
-        self.prompt_tokens: dict[int, int] = {}
-        self.completion_tokens: dict[int, int] = {}
-        self.last_id = ""
 
     def _chunk(self, rid: str, index: int, delta: dict[str, Any], **more: Any) -> dict[str, Any]:
         out = {
@@ -351,17 +348,6 @@ class ChatChunks:
                     chunk(rid, index, {}, finish_reason=kind, matched_stop=reason.get("matched"))
                 )
         return out
-
-    def end(self) -> list[dict[str, Any]]:
-        """The usage chunk, when asked for (``stream_options.include_usage``)."""
-        if not self.options["include_usage"]:
-            return []
-        return [
-            usage_chunk(
-                "chat.completion.chunk", self.last_id, self.created, self.model,
-                self.prompt_tokens, self.completion_tokens, self.options["n"],
-            )
-        ]  # fmt: skip
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
