@@ -64,10 +64,18 @@ def start_inflight(*args: str, env: dict[str, str] | None = None) -> subprocess.
 
 
 def events(run_dir: Path, name: str = "*") -> list[dict]:
-    """Every JSON event of the run's log files matching ``name`` (a glob like ``power.*``)."""
+    """Every JSON event of the run's log files matching ``name`` (a glob like ``power.*``).
+
+    The files may still be written: a last line without its newline is one whose ``write`` this
+    read caught half done, and is left for the next read (as ``LogTail`` does). Any other line that
+    is not JSON fails the test."""
     found = []
     for path in sorted((run_dir / "logs").glob(f"{name}.jsonl")):
-        for line in path.read_text().splitlines():
+        try:
+            text = path.read_text()
+        except FileNotFoundError:  # removed between glob and read
+            continue
+        for line in text[: text.rfind("\n") + 1].splitlines():
             if line.strip():
                 found.append(json.loads(line))
     return found

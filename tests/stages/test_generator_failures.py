@@ -51,17 +51,6 @@ def live_engine(model_dir, tmp_path_factory):
         yield url
 
 
-def _events_so_far(run_dir, name="generator.0") -> list[dict]:
-    """Events of a log file still being written (a last, partial line is skipped)."""
-    path = run_dir / "logs" / f"{name}.jsonl"
-    found = []
-    with contextlib.suppress(FileNotFoundError):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                found.append(json.loads(line))
-    return found
-
-
 def _done(run_dir) -> dict:
     done = [e for e in events(run_dir, "generator.0") if e["event"] == "generator_done"]
     assert len(done) == 1, "the generator did not finish"
@@ -127,7 +116,7 @@ def test_killed_engine_is_restarted_and_its_requests_rerouted(tmp_path, model_di
     try:
 
         def both_launched_and_busy():
-            gen = _events_so_far(run_dir)
+            gen = events(run_dir, "generator.0")
             launched[:] = [e for e in gen if e["event"] == "engine_launched"]
             emitted = [e.get("emitted", 0) for e in gen if e["event"] == "metrics"]
             return len(launched) >= 2 and emitted and emitted[-1] >= 2
@@ -139,7 +128,7 @@ def test_killed_engine_is_restarted_and_its_requests_rerouted(tmp_path, model_di
         os.kill(victim["pid"], signal.SIGKILL)
         # the launcher restarts it and the generator takes it back; then the rest of the prompts
         wait_for(
-            lambda: any(e["event"] == "engine_up" for e in _events_so_far(run_dir)),
+            lambda: any(e["event"] == "engine_up" for e in events(run_dir, "generator.0")),
             60,
             "the generator to take the restarted engine back",
         )
@@ -194,7 +183,7 @@ def test_killed_engine_is_restarted_and_its_requests_rerouted(tmp_path, model_di
             for pid in spawned_pids(run_dir):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        for e in _events_so_far(run_dir):
+        for e in events(run_dir, "generator.0"):
             if e["event"] == "engine_launched" and alive(e["pid"]):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(e["pid"], signal.SIGKILL)
