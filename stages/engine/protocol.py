@@ -49,6 +49,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.engine.incremental_text import IncrementalText, output_text
+
 __all__ = [
     "GenerateInput",
     "RequestError",
@@ -363,9 +365,12 @@ def render_result(
     return_logprob: bool,
     no_stop_trim: bool = False,
     token_text: Callable[[int], str] | None = None,
+    prompt_ids: Sequence[int] = (),
+    state: IncrementalText | None = None,
 ) -> dict[str, Any]:
-    """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer;
-    ``token_text``: each log-prob entry's third slot, ``return_text_in_logprobs``)."""
+    """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer, decoded
+    after ``prompt_ids``' last tokens as SGLang does; ``token_text``: each log-prob entry's
+    third slot, ``return_text_in_logprobs``)."""
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
@@ -404,7 +409,9 @@ def render_result(
         meta.update(result.extra)
     out: dict[str, Any] = {}
     if decode is not None:
-        out["text"] = result_text(result, decode, skip_special_tokens, no_stop_trim)
+        out["text"] = result_text(
+            result, decode, skip_special_tokens, no_stop_trim, prompt_ids, state
+        )
     out["output_ids"] = result.output_ids
     out["meta_info"] = meta
     return out
@@ -438,8 +445,10 @@ def render_sample(
     result: SequenceResult,
     decode: Callable[[list[int], bool], str] | None,
     token_text: Callable[[int], str] | None,
+    state: IncrementalText | None = None,
 ) -> dict[str, Any]:
-    """``render_result`` of ``result`` with what its request ``inp`` asked for."""
+    """``render_result`` of ``result`` with what its request ``inp`` asked for (``state``: a
+    streamed sample's text so far)."""
     return render_result(
         result,
         decode=decode,
@@ -447,6 +456,8 @@ def render_sample(
         return_logprob=inp.return_logprob,
         no_stop_trim=inp.params.no_stop_trim,
         token_text=token_text,
+        prompt_ids=inp.input_ids,
+        state=state,
     )
 
 
@@ -459,14 +470,21 @@ def result_text(
     decode: Callable[[list[int], bool], str],
     skip_special_tokens: bool,
     no_stop_trim: bool = False,
+    prompt_ids: Sequence[int] = (),
+    state: IncrementalText | None = None,
 ) -> str:
-    """The output's text as SGLang's detokenizer gives it: without the matched stop token, and
-    cut before a matched stop string (``no_stop_trim``: both kept, what follows cut)."""
+    """The output's text as SGLang's detokenizer gives it: decoded after the prompt's last
+    tokens (``incremental_text``; ``state``: a streamed sample's own, else one taken through a
+    request not streamed), without the matched stop token, and cut before a matched stop
+    string (``no_stop_trim``: both kept, what follows cut)."""
     matched = result.finish_reason.get("matched") if result.finish_reason else None
     ids = result.output_ids
-    if isinstance(matched, int) and not isinstance(matched, bool) and ids and not no_stop_trim:
-        ids = ids[:-1]  # the matched stop token is the last one
-    text = decode(ids, skip_special_tokens)
+    trim = isinstance(matched, int) and not isinstance(matched, bool) and bool(ids)
+    trim = trim and not no_stop_trim
+    if state is None:
+        text = output_text(prompt_ids, ids, decode, skip_special_tokens, trim)
+    else:
+        text = state.final(ids, trim)
     if isinstance(matched, str):
         at = text.find(matched)
         if at != -1:

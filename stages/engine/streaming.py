@@ -10,8 +10,9 @@ null until the sample's last chunk, ``prompt_tokens``, ``completion_tokens`` and
 per-token versions only in the last). A batch or ``n`` > 1 adds ``index`` to each chunk: the
 sample's place in the non-streamed answer's list. Chunks that pile up while the client reads are
 merged into the newest (SGLang drains its queue the same way); the sample's last chunk is its
-whole answer, exactly what the non-streamed request returns. ``text`` holds back a trailing
-incomplete character (``\\ufffd``) until the token that completes it arrives.
+whole answer. ``text`` is decoded as SGLang's detokenizer decodes it
+(``incremental_text``): after the prompt's last tokens, a few tokens a chunk, and new text that
+cannot settle yet (an incomplete character) shows only its printable part.
 
 The scheduler hands over each step's tokens of streamed requests in one batch per asyncio loop
 (``Scheduler.submit_async(..., stream=...)``): a sample's tokens once its chunk is due, after
@@ -32,6 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from stages.engine.chunk_stream import ChunkStream, Last
+from stages.engine.incremental_text import IncrementalText
 from stages.engine.protocol import (
     SequenceResult,
     parse_generate,
@@ -48,6 +50,7 @@ class Progress:
 
     __slots__ = (
         "cached",
+        "detok",
         "entries",
         "finish",
         "ids",
@@ -74,8 +77,10 @@ class Progress:
         *,
         index: int = 0,
         token_text: Callable[[int], str] | None = None,
+        detok: IncrementalText | None = None,
     ) -> None:
         self.rid = rid
+        self.detok = detok  # its text, decoded as SGLang's detokenizer does (None: no tokenizer)
         self.index = index  # the sample's place in the request's answer
         self.token_text = token_text  # each token's own text (return_text_in_logprobs)
         self.prompt_tokens = prompt_tokens
@@ -93,7 +98,7 @@ class Progress:
         self.input_tops: list[list[tuple[float, int]] | None] | None = None
         self.input_entries: list[list[Any]] | None = None
         self.input_top_entries: list[Any] | None = None
-        self.text = ""  # the text sent last (a trailing incomplete character held back)
+        self.text = ""  # the text so far (SGLang's: what may still change is held back)
         self.finish: dict[str, Any] | None = None  # the finish reason, once it is the last
 
     def last(self, result: SequenceResult, inp: Any, decode: Callable[..., str] | None) -> Progress:
@@ -109,7 +114,9 @@ class Progress:
             self.tops = result.output_top_logprobs or []
         params = inp.params
         if decode is not None:
-            self.text = result_text(result, decode, params.skip_special_tokens, params.no_stop_trim)
+            self.text = result_text(
+                result, decode, params.skip_special_tokens, params.no_stop_trim, state=self.detok
+            )
         self.finish = result.finish_reason
         return self
 
@@ -201,11 +208,13 @@ def stream_generate(
             tops=[] if inp.top_logprobs_num else None,
             index=index,
             token_text=token_text,
+            detok=None
+            if decode is None
+            else IncrementalText(inp.input_ids, decode, inp.params.skip_special_tokens),
         )
         for index, inp in enumerate(inputs)
     ]
     finals: dict[int, SequenceResult] = {}
-    skips = [inp.params.skip_special_tokens for inp in inputs]
 
     def build(events: list[tuple[int, Any]]) -> list[Any]:
         touched: dict[int, None] = {}
@@ -229,13 +238,11 @@ def stream_generate(
                 if progress:
                     batch.append(moving[index].last(final, inputs[index], decode))
                     continue
-                chunk = render_sample(inputs[index], final, decode, token_text)
+                chunk = render_sample(inputs[index], final, decode, token_text, moving[index].detok)
             else:
                 p = moving[index]
-                if decode is not None:
-                    text = decode(p.ids, skips[index])
-                    if not text.endswith("\ufffd"):  # else a character is still incomplete
-                        p.text = text
+                if p.detok is not None:
+                    p.text = p.detok.update(p.ids)
                 if progress:
                     batch.append(p)
                     continue

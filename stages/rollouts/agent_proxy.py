@@ -46,6 +46,7 @@ import httpx  # the openai client's (openai_agent needs openai)
 from aiohttp import web
 
 from stages.detokenize import decoder
+from stages.engine.incremental_text import IncrementalText
 from stages.engine.openai_api import OpenAIError, OpenAIRoutes, refusal
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.protocol import (
@@ -189,11 +190,15 @@ class Episode:
             return_logprob=inp.return_logprob,
             no_stop_trim=inp.params.no_stop_trim,
             token_text=token_texts(self.decode, body),
+            prompt_ids=feed,
         )
         if context is not None:
             messages, tools, options = made_of or (None, None, {})
             text = body.get("text") if isinstance(body.get("text"), str) else None
-            full = self.decode(ids, inp.params.skip_special_tokens) if self.decode else ""
+            full = ""  # decoded after the prompt, as the answer's text is
+            if self.decode is not None:
+                skip = inp.params.skip_special_tokens
+                full = IncrementalText.whole(feed, ids, self.decode, skip).final(ids, False)
             answer = rendered.get("text", "")
             self._last = _Last(messages, tools, options, text, ids, answer, full)
         return rendered

@@ -13,9 +13,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,18 @@ def two_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
     before and after an update."""
     root = tmp_path_factory.mktemp("models")
     return make_tiny_model(root / "a", seed=1), make_tiny_model(root / "b", seed=2)
+
+
+def sglang_text(
+    tokenizer: Any, prompt_ids: Sequence[int], output_ids: Sequence[int], skip: bool = True
+) -> str:
+    """The text SGLang 0.5 gives ``output_ids`` (under 50 tokens, so no commit on the way):
+    decoded after the prompt's last 5 tokens, less those tokens' own text
+    (``DetokenizerManager.handle_batch_token_id_out`` over the window that
+    ``Req.init_incremental_detokenize`` starts, ``INIT_INCREMENTAL_DETOKENIZATION_OFFSET``)."""
+    context = list(prompt_ids[-5:])
+    before = tokenizer.decode(context, skip_special_tokens=skip)
+    return tokenizer.decode(context + list(output_ids), skip_special_tokens=skip)[len(before) :]
 
 
 def free_port() -> int:

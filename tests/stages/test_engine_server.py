@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from stages.engine.identity import ENGINE_ID_HEADER
 from tests.numerics import assert_close, forward_terms
-from tests.stages.engine_setup import EngineProcess
+from tests.stages.engine_setup import EngineProcess, sglang_text
 from tests.stages.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
@@ -281,7 +281,7 @@ def test_stop_token_ids_and_length(engine: Engine, ref_model: torch.nn.Module) -
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     # its text is not (SGLang's DetokenizerManager.trim_matched_stop), unless no_stop_trim
     tokenizer = _tokenizer(engine)
-    assert out["text"] == tokenizer.decode(free[:first], skip_special_tokens=True)
+    assert out["text"] == sglang_text(tokenizer, prompt, free[:first])
     kept = engine.generate(
         {
             "input_ids": prompt,
@@ -293,7 +293,7 @@ def test_stop_token_ids_and_length(engine: Engine, ref_model: torch.nn.Module) -
             },
         }
     )
-    assert kept["text"] == tokenizer.decode(free[: first + 1], skip_special_tokens=True)
+    assert kept["text"] == sglang_text(tokenizer, prompt, free[: first + 1])
     out = engine.generate({"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 3}})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
@@ -318,7 +318,7 @@ def test_stop_strings_end_the_output_at_the_token_that_completes_them(
     stop = f"{words[4]} {words[5]}"  # two tokens' text
     end = next(k for k in range(1, 17) if stop in tokenizer.decode(free[:k]))
     assert end <= 6
-    full = tokenizer.decode(free[:end], skip_special_tokens=True)
+    full = sglang_text(tokenizer, prompt, free[:end])
 
     def ask(**params: Any) -> Any:
         sampling = {**GREEDY, "max_new_tokens": 16, **params}

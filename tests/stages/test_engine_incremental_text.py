@@ -1,0 +1,109 @@
+"""A sample's text decoded as SGLang 0.5's detokenizer decodes it
+(``stages.engine.incremental_text``): ``DetokenizerManager.handle_batch_token_id_out`` over the
+window that
+``Req.init_incremental_detokenize`` starts five prompt tokens back, ``find_printable_text`` for
+new text that cannot settle. Real ``tokenizers`` tokenizers, built here: a SentencePiece-style one
+(``▁`` for a space, dropped at the start of a decode) and a byte-level one (a character split
+over several tokens)."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from stages.engine.incremental_text import IncrementalText, printable
+from tests.stages.engine_setup import sglang_text
+
+
+def _metaspace() -> Tokenizer:
+    words = ["<unk>", "▁Say", "▁Hello", "▁world", "!", "▁it", "▁again"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return tok
+
+
+def _byte_level() -> Tokenizer:
+    """Byte-level BPE without merges: one token per byte, as GPT-2's alphabet spells bytes."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+class _Counted:
+    """A tokenizer's decode that counts the ids it was given."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.ids = tok, 0
+
+    def __call__(self, ids: list[int], skip: bool) -> str:
+        self.ids += len(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_the_first_token_keeps_the_space_the_prompt_gives_it() -> None:
+    tok = _metaspace()
+    prompt, out = [1], [2, 3, 4]  # "Say" and "Hello world!"
+    assert tok.decode(out) == "Hello world!"  # alone, the first ▁ is dropped
+    state = IncrementalText(prompt, _Counted(tok), True)
+    assert [state.update(out[: k + 1]) for k in range(len(out) - 1)] == [" Hello", " Hello world"]
+    assert state.final(out, False) == " Hello world!" == sglang_text(tok, prompt, out)
+    whole = IncrementalText.whole(prompt, out, _Counted(tok), True)
+    assert whole.final(out, False) == " Hello world!"
+    assert whole.final(out, True) == " Hello world"  # without a matched stop token
+
+
+def test_an_incomplete_character_shows_only_its_printable_part_until_it_completes() -> None:
+    tok = _byte_level()
+    prompt, out = tok.encode("Q:").ids, tok.encode(" ab 你好 c").ids
+    assert len(out) == len(" ab 你好 c".encode())  # a token per byte: 你 and 好 are 3 each
+    state = IncrementalText(prompt, tok.decode, True)
+    texts = [state.update(out[: k + 1]) for k in range(len(out))]
+    assert not any("\ufffd" in t for t in texts)
+    assert texts[:6] == [" ", " a", " ab", " ab ", " ab ", " ab "]  # 你's first two bytes held
+    assert texts[6] == " ab 你" and texts[7:9] == [" ab 你"] * 2 and texts[9] == " ab 你好"
+    assert texts[-1] == " ab 你好 c" == state.text  # all committed, in order
+    assert state.final(out, False) == " ab 你好 c" == sglang_text(tok, prompt, out)
+
+
+@pytest.mark.parametrize(
+    ("new", "shown"),
+    [
+        ("", ""),
+        ("abc", ""),  # a word that may go on
+        ("ab cd", "ab "),  # up to its last space
+        ("ab\n", "ab\n"),  # a newline flushes
+        ("ab 你", "ab 你"),  # ending in a CJK character
+        ("ab 你\ufffd", "ab 你"),  # a CJK character then an incomplete one
+        ("ab \ufffd", "ab "),
+    ],
+)
+def test_printable_follows_find_printable_text(new: str, shown: str) -> None:
+    assert printable(new) == shown
+
+
+def test_a_long_stream_decodes_a_few_tokens_a_chunk_not_the_whole_output() -> None:
+    tok = _byte_level()
+    prompt = tok.encode("Write:").ids
+    text = " ".join(f"word{k}" for k in range(80))  # 470 tokens
+    out = tok.encode(text).ids
+    decode = _Counted(tok)
+    state = IncrementalText(prompt, decode, True)
+    for k in range(len(out)):
+        state.update(out[: k + 1])
+    assert state.final(out, False) == text == sglang_text(tok, prompt, out)
+    # two windows of a token or two a chunk (the first with the prompt's 5), where decoding the
+    # output so far each time would be len(out) ** 2 / 2 = 110,000 ids
+    assert decode.ids <= 4 * len(out) + 10, decode.ids
+
+
+def test_a_request_not_streamed_commits_every_50_tokens_as_sglang_forces_a_flush() -> None:
+    tok = _byte_level()
+    prompt, text = tok.encode("Go").ids, "x" * 120
+    out = tok.encode(text).ids
+    decode = _Counted(tok)
+    assert IncrementalText.whole(prompt, out, decode, True).final(out, False) == text
+    # commits after 50 and 100 tokens: windows of 2+50, 50, 50+50, 50, 50+20 (and the context)
+    assert decode.ids == 2 + (2 + 50) + 50 + (50 + 50) + 50 + (50 + 20)
