@@ -75,7 +75,10 @@ class IncrementalText:
         surr = self._surr
         surr_text = self._surr_text
         if surr_text is None:
-            surr_text = self._window_text(surr, self._read)
+            if self._read - surr == 1:  # the usual case, a token at a time: the token's text
+                surr_text = self._surr_text = self._one(ids[surr])
+            else:
+                surr_text = self._window_text(surr, self._read)
         new = self._decode(ids[surr:], self._skip)[len(surr_text) :]
         if new and new[-1] != "\ufffd":
             self.text = text = self.text + new
