@@ -16,7 +16,8 @@ Environment:
 - ``INFLIGHT_SGLANG_MASTER_ADDRESS`` (optional, default ``127.0.0.1``): an address of this
   machine the server can reach (the weight group's rendezvous is hosted here, as rank 0).
 
-Token ids are small integers (any real vocabulary has them); nothing is decoded.
+Token ids are small integers (any real vocabulary has them); only the text test decodes (with
+the tokenizer of ``INFLIGHT_SGLANG_MODEL``).
 """
 
 from __future__ import annotations
@@ -155,6 +156,30 @@ async def test_stop_strings_end_the_text_before_them(client):
     assert status == 200, out
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert stop not in out["text"] and text.startswith(out["text"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not MODEL, reason="set INFLIGHT_SGLANG_MODEL to the served model's directory")
+async def test_text_is_decoded_after_the_prompt_as_the_built_in_engine_decodes_it(client):
+    """SGLang decodes an output after the prompt's last 5 tokens
+    (``Req.init_incremental_detokenize``), streamed or not: the text that
+    ``stages/engine/incremental_text.py`` makes (and ``engine_setup.sglang_text`` computes)."""
+    from transformers import AutoTokenizer
+
+    from stages.detokenize import decoder
+    from stages.engine.incremental_text import output_text
+    from tests.stages.engine_setup import sglang_text
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    body = {"input_ids": PROMPT, "sampling_params": _params(24)}
+    status, whole = await _post(client, "/generate", body)
+    assert status == 200, whole
+    ids = whole["output_ids"]
+    assert whole["text"] == sglang_text(tokenizer, PROMPT, ids)
+    assert whole["text"] == output_text(PROMPT, ids, decoder(tokenizer), True, False)
+    async with client.session.post(client.url + "/generate", json={**body, "stream": True}) as r:
+        events = [line[len(b"data: ") :].strip() async for line in r.content if line.strip()]
+    assert json.loads(events[-2])["text"] == whole["text"]
 
 
 @pytest.mark.timeout(120)
