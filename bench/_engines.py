@@ -21,6 +21,8 @@ from typing import IO
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from stages.engine.identity import ENGINE_ID_ENV, answered_by_another, new_engine_id
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,18 +53,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    """Return once ``url/health`` answers 200; raise if ``proc`` exits first or time runs out."""
+def wait_health(
+    url: str, proc: subprocess.Popen[bytes], timeout: float = 120, engine_id: str | None = None
+) -> None:
+    """Return once ``url/health`` answers 200 (from the engine started with ``engine_id`` in
+    its ``INFLIGHT_ENGINE_ID``, when given: another process's engine that took the port is
+    not taken for it, ``stages/engine/identity.py``); raise if ``proc`` exits first or time
+    runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("engine exited before it was healthy")
+            raise RuntimeError("engine exited before it was healthy (its port may be taken)")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and not (
+                    engine_id and answered_by_another(resp.headers, engine_id)
+                ):
                     return
         except OSError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     raise RuntimeError("engine did not become healthy")
 
 
@@ -83,15 +93,16 @@ def engine_server(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", *module, "--model", str(model), "--port", str(port), *flags]
+    engine_id = new_engine_id()
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {}), ENGINE_ID_ENV: engine_id},
         stdout=subprocess.DEVNULL if output is None else output,
         stderr=subprocess.DEVNULL if output is None else subprocess.STDOUT,
     )
     try:
-        wait_health(url, proc)
+        wait_health(url, proc, engine_id=engine_id)
         yield url, proc
     finally:
         proc.terminate()

@@ -83,6 +83,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 from bench._engines import free_port, wait_health  # noqa: E402
+from stages.engine.identity import ENGINE_ID_ENV, new_engine_id  # noqa: E402
 
 ARITH = ROOT / "configs" / "models" / "arith-tiny"
 
@@ -527,7 +528,8 @@ def _serve(args: argparse.Namespace, tmp: Path, root: Path = ROOT) -> tuple[subp
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     model = ARITH if args.model == "arith" else _mid_model(tmp / "mid")
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    engine_id = new_engine_id()
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", ENGINE_ID_ENV: engine_id}
     pinned = getattr(args, "pin", False)
     proc = subprocess.Popen(
         [
@@ -552,7 +554,7 @@ def _serve(args: argparse.Namespace, tmp: Path, root: Path = ROOT) -> tuple[subp
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_health(url, proc)
+        wait_health(url, proc, engine_id=engine_id)
     except BaseException:
         proc.terminate()
         proc.wait(30)
