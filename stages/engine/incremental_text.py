@@ -68,27 +68,21 @@ class IncrementalText:
 
     def update(self, output_ids: list[int]) -> str:
         """The text of an unfinished sample whose output so far is ``output_ids``."""
-        ids = self._ids
-        fed = len(ids) - self._start
-        if fed < len(output_ids):
-            ids += output_ids[fed:]
-        surr = self._surr
-        surr_text = self._surr_text
-        if surr_text is None:
-            if self._read - surr == 1:  # the usual case, a token at a time: the token's text
-                surr_text = self._surr_text = self._one(ids[surr])
-            else:
-                surr_text = self._window_text(surr, self._read)
-        new = self._decode(ids[surr:], self._skip)[len(surr_text) :]
+        new = self._new(output_ids, False)
         if new and new[-1] != "\ufffd":
             self.text = text = self.text + new
-            self._surr, self._read, self._surr_text = self._read, len(ids), None
+            self._surr, self._read, self._surr_text = self._read, len(self._ids), None
             return text
         return self.text + printable(new)
 
     def final(self, output_ids: list[int], trim_last: bool) -> str:
         """The finished sample's text; ``trim_last``: without its last token (a matched stop
         token). Stop strings are the caller's to cut."""
+        return self.text + self._new(output_ids, trim_last)
+
+    def _new(self, output_ids: list[int], trim_last: bool) -> str:
+        """The new text: the window from ``surr`` (with ``output_ids`` taken in, less its last
+        token with ``trim_last``) less the text of ``surr:read``."""
         ids = self._ids
         fed = len(ids) - self._start
         if fed < len(output_ids):
@@ -96,17 +90,13 @@ class IncrementalText:
         surr = self._surr
         surr_text = self._surr_text
         if surr_text is None:
-            surr_text = self._window_text(surr, self._read)
+            if self._read - surr == 1:  # the usual case, a token at a time: its text alone
+                surr_text = self._one(ids[surr])
+            else:
+                surr_text = self._decode(ids[surr : self._read], self._skip)
+            self._surr_text = surr_text
         window = ids[surr:-1] if trim_last else ids[surr:]
-        return self.text + self._decode(window, self._skip)[len(surr_text) :]
-
-    def _window_text(self, surr: int, read: int) -> str:
-        if read - surr == 1:  # a token at a time: its text alone, decoded once
-            text = self._one(self._ids[surr])
-        else:
-            text = self._decode(self._ids[surr:read], self._skip)
-        self._surr_text = text
-        return text
+        return self._decode(window, self._skip)[len(surr_text) :]
 
 
 def output_text(
