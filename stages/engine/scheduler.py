@@ -80,11 +80,6 @@ log = structlog.get_logger("stages.engine.scheduler")
 _CALL = object()  # an _Outbox item that is a call, not a result
 
 
-def _call_each(pairs: list[tuple[Callable[[Any], None], Any]]) -> None:
-    for fn, value in pairs:
-        fn(value)
-
-
 class _Outbox:
     """Results bound for one asyncio loop, handed over with one wake-up per batch of them.
 
@@ -96,22 +91,43 @@ class _Outbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.items: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        # the events of each call of this pass waiting in ``items``, by the function they go to
+        self.calls: dict[Callable[[list[Any]], None], list[Any]] = {}
         self.lock = threading.Lock()
         self.scheduled = False
 
     def put(self, future: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
-        self._add((future, value, exc))
-
-    def call(self, fn: Callable[[Any], None], value: Any) -> None:
-        """Call ``fn(value)`` on the loop, in order with the results put before and after."""
-        self._add((fn, value, _CALL))
-
-    def _add(self, item: tuple[Any, Any, Any]) -> None:
         with self.lock:
-            self.items.append(item)
+            self.items.append((future, value, exc))
             if self.scheduled:
                 return
             self.scheduled = True
+        self._schedule()
+
+    def call(self, fn: Callable[[list[Any]], None], events: list[Any]) -> None:
+        """Call ``fn(events)`` on the loop, after the results put before. Events for ``fn``
+        after the same model pass (``end_pass``) join its call while it waits, in order: the
+        samples of a streamed request that finish in one step and the tokens of those that go
+        on reach it in one call, and go out in one write (``events``: the caller's list,
+        extended there)."""
+        with self.lock:
+            waiting = self.calls.get(fn)
+            if waiting is not None:
+                waiting += events
+                return
+            self.calls[fn] = events
+            self.items.append((fn, events, _CALL))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self._schedule()
+
+    def end_pass(self) -> None:
+        """A model pass's hand-overs are all made: later calls start calls of their own."""
+        with self.lock:
+            self.calls = {}
+
+    def _schedule(self) -> None:
         try:
             self.loop.call_soon_threadsafe(self._flush)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
@@ -120,6 +136,7 @@ class _Outbox:
     def _flush(self) -> None:
         with self.lock:
             items, self.items = self.items, []
+            self.calls = {}
             self.scheduled = False
         for future, value, exc in items:
             if exc is _CALL:
@@ -938,6 +955,8 @@ class Scheduler:
             self._check_stop_strings(watched)
         if streamed:
             self._send_streamed(streamed)
+        for outbox in list(self._outboxes.values()):  # what comes later: calls of their own
+            outbox.end_pass()
 
     @staticmethod
     def _may_stop(seq: _Seq) -> bool:
@@ -997,12 +1016,9 @@ class Scheduler:
                     out.extend([(seq.index, event) for event in held])
                 seq.sent += len(held)
                 seq.held = []
-        calls: dict[_Outbox, list[tuple[Callable[[Any], None], Any]]] = {}
-        for group, batch in events.items():
+        for group, batch in events.items():  # joining the call of its finished samples, if any
             assert group.outbox is not None and group.stream is not None
-            calls.setdefault(group.outbox, []).append((group.stream, batch))
-        for outbox, pairs in calls.items():  # one hand-over per loop and step
-            outbox.call(_call_each, pairs)
+            group.outbox.call(group.stream, batch)
 
     def _check_stop_strings(self, watched: list[tuple[_Seq, int]]) -> None:
         assert self._decode_tail is not None

@@ -14,13 +14,14 @@ whole answer. ``text`` is decoded as SGLang's detokenizer decodes it
 (``incremental_text``): after the prompt's last tokens, a few tokens a chunk, and new text that
 cannot settle yet (an incomplete character) shows only its printable part.
 
-The scheduler hands over each step's tokens of streamed requests in one batch per asyncio loop
-(``Scheduler.submit_async(..., stream=...)``): a sample's tokens once its chunk is due, after
-every token or, with a stream interval k (``sampling_params.stream_interval``, else the
-server's ``--stream-interval``), after the first and whenever k more are unsent, and not while
-the sample's text may be ending in one of its stop strings, as SGLang decides. A
-client that goes away mid-stream aborts the samples still running (their slots are freed at the
-next step) and is counted by the server.
+The scheduler hands a streamed request one batch of events per model pass
+(``Scheduler.submit_async(..., stream=...)``): the results of its samples that finished in it
+and the tokens of those that go on, written as one piece. A sample's tokens come once its
+chunk is due, after every token or, with a stream interval k
+(``sampling_params.stream_interval``, else the server's ``--stream-interval``), after the
+first and whenever k more are unsent, and not while the sample's text may be ending in one of
+its stop strings, as SGLang decides. A client that goes away mid-stream aborts the samples
+still running (their slots are freed at the next step) and is counted by the server.
 This module knows nothing of HTTP routes; ``write_events`` writes any chunk iterator as events.
 """
 

@@ -207,6 +207,36 @@ def test_streamed_tokens_go_out_every_stream_interval(models: tuple[Path, Path])
 
 
 @pytest.mark.timeout(60)
+def test_a_streamed_request_gets_one_hand_over_per_model_pass(models: tuple[Path, Path]) -> None:
+    """A request's samples that finish together come to its stream in one call (one write of
+    the server's), after the tokens of the passes before, each pass in a call of its own even
+    while the loop has taken none of them yet; a sample that finishes later comes with the
+    tokens of the others in its pass."""
+    model = load_reference(models[0])
+    calls: list[list[tuple[int, object]]] = []
+
+    async def run() -> None:
+        scheduler = Scheduler(model, max_running=8)
+        params = [
+            SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (3, 3, 3, 4)
+        ]
+        inputs = [GenerateInput(f"s{i}", [5, 6], p, False) for i, p in enumerate(params)]
+        future = scheduler.submit_async(inputs, stream=calls.append)
+        scheduler.run_until_idle()  # every call waits for the loop, which runs after
+        await future
+
+    asyncio.run(run())
+    kinds = [
+        sorted((index, isinstance(event, SequenceResult)) for index, event in batch)
+        for batch in calls
+    ]
+    tokens = [(i, False) for i in range(4)]
+    # the prefill's first tokens, the first decode's, then three samples' results with the
+    # fourth's third token, then its result
+    assert kinds == [tokens, tokens, [(0, True), (1, True), (2, True), (3, False)], [(3, True)]]
+
+
+@pytest.mark.timeout(60)
 def test_a_streamed_chunk_waits_while_its_text_may_be_ending_in_a_stop_string(
     models: tuple[Path, Path],
 ) -> None:
