@@ -85,15 +85,18 @@ class IncrementalText:
         token with ``trim_last``) less the text of ``surr:read``."""
         ids = self._ids
         fed = len(ids) - self._start
-        if fed < len(output_ids):
+        if fed == len(output_ids) - 1:  # the usual case: one token more
+            ids.append(output_ids[-1])
+        elif fed < len(output_ids):
             ids += output_ids[fed:]
         surr = self._surr
         surr_text = self._surr_text
         if surr_text is None:
-            if self._read - surr == 1:  # the usual case, a token at a time: its text alone
+            read = self._read
+            if read - surr == 1:  # the usual case, a token at a time: its text alone
                 surr_text = self._one(ids[surr])
             else:
-                surr_text = self._decode(ids[surr : self._read], self._skip)
+                surr_text = self._decode(ids[surr:read], self._skip)
             self._surr_text = surr_text
         window = ids[surr:-1] if trim_last else ids[surr:]
         return self._decode(window, self._skip)[len(surr_text) :]
