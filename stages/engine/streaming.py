@@ -127,16 +127,15 @@ class Progress:
         """The sample's chunk before its last: ``text`` (when not None) and SGLang's fields
         of ``meta_info`` so far."""
         ids = self.ids
-        if not return_logprob:
-            meta: dict[str, Any] = {
-                "id": self.rid,
-                "finish_reason": None,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": len(ids),
-                "cached_tokens": self.cached,
-                "weight_version": self.version,
-            }
-        else:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": None,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(ids),
+            "cached_tokens": self.cached,
+            "weight_version": self.version,
+        }
+        if return_logprob:
             entries, logprobs = self.entries, self.logprobs
             done = len(entries)
             if token_text is None and done == len(ids) - 1:  # the usual case: one new token
@@ -147,17 +146,9 @@ class Progress:
             inputs = self.input_entries
             if inputs is None:
                 inputs = self._input_entries(token_text)
-            meta = {
-                "id": self.rid,
-                "finish_reason": None,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": len(ids),
-                "cached_tokens": self.cached,
-                "weight_version": self.version,
-                "input_token_logprobs": inputs,
-                "output_token_logprobs": entries,
-                "output_token_logprobs_length": len(entries),
-            }
+            meta["input_token_logprobs"] = inputs
+            meta["output_token_logprobs"] = entries
+            meta["output_token_logprobs_length"] = len(entries)
             if self.tops is not None:
                 text_of = (lambda tok: None) if token_text is None else token_text
                 for step in self.tops[len(self.top_entries) :]:
