@@ -4,7 +4,7 @@ Field names and defaults follow SGLang 0.5.x (``GenerateReqInput`` and ``Samplin
 ``max_new_tokens`` 128, ``temperature`` 1.0 (0 means greedy), ``top_p`` 1.0, ``top_k`` -1 (off),
 ``min_p`` 0.0, ``ignore_eos`` false, ``sampling_seed`` none, ``n`` 1. Every problem raises
 ``RequestError`` naming the field, which the server answers with HTTP 400. SGLang parameters
-the built-in engine does not implement (penalties, grammars, ``logit_bias``) are accepted only
+the built-in engine does not implement (grammars, ``stop_regex``) are accepted only
 at their neutral default and rejected otherwise, so a request never silently means something
 else here. Input log-probs (``logprob_start_len``, and prefill-only scoring with
 ``max_new_tokens: 0``) are ``stages.engine.prompt_logprobs``'s.
@@ -93,11 +93,28 @@ class SamplingParams:
     # a streamed request's chunk after every this many tokens (SGLang's rule: the first, then
     # one every ``stream_interval``); None or 0: the server's ``--stream-interval``
     stream_interval: int | None = None
+    # SGLang's penalizers (``srt/sampling/penaltylib``) and logit bias: see ``penalties``
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), each id once
 
     @property
     def greedy(self) -> bool:
         # SGLang turns temperature 0 (and top_k 1) into argmax.
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty, ``min_new_tokens`` or a logit bias changes the logits."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_new_tokens
+            or self.logit_bias
+        )
 
 
 @dataclass(slots=True)
@@ -139,20 +156,21 @@ class SequenceResult:
 
 # SGLang sampling parameters accepted only at these neutral values.
 _NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0, None),
-    "presence_penalty": (0, 0.0, None),
-    "repetition_penalty": (1, 1.0, None),
-    "min_new_tokens": (0, None),
     "stop_regex": (None, "", ()),
     "json_schema": (None,),
     "regex": (None,),
     "ebnf": (None,),
     "structural_tag": (None,),
-    "logit_bias": (None,),
-    "custom_params": (None,),
 }
-# Accepted and without effect here (they only shape text or streaming).
-_IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens"})
+# Accepted and without effect here: they only shape text, or (``custom_params``) feed a custom
+# logit processor, which SGLang ignores them without and this engine refuses.
+_IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens", "custom_params"})
+# SGLang's ranges (``SamplingParams.verify``)
+_PENALTY_RANGES = {
+    "frequency_penalty": (-2.0, 2.0, "[-2, 2]"),
+    "presence_penalty": (-2.0, 2.0, "[-2, 2]"),
+    "repetition_penalty": (0.0, 2.0, "(0, 2] (1.0 = no penalty)"),
+}
 MAX_STOP_COUNT = 32  # SGLang's limit on stop strings
 
 # Top-level GenerateReqInput fields accepted only at these neutral values.
@@ -265,6 +283,7 @@ def parse_generate(
         sp = parsed.get(id(params[i]))
         if sp is None:
             sp = _sampling_params(params[i], f"sampling_params{where}", encode)
+            check_logit_bias(sp, f"sampling_params{where}", vocab_size)
             parsed[id(params[i])] = sp
         _check_fits(ids, sp, f"input_ids{where}", context_length)
         flag = bool(logprob_flags[i])
@@ -322,6 +341,7 @@ def parse_groups(
             f"no LoRA adapter {lora!r} is loaded (loaded: {sorted(adapters)}); "
             "POST /load_lora_adapter first",
         )
+    check_logit_bias(params, "sampling_params", vocab_size)
     out: list[list[GenerateInput]] = []
     seen: set[str] = set()
     offset = 0
@@ -660,13 +680,15 @@ def _sampling_params(
             continue
         if value is None:
             continue  # SGLang: null means the default
-        if key in ("max_new_tokens", "top_k", "sampling_seed", "stream_interval"):
+        if key in ("max_new_tokens", "top_k", "sampling_seed", "stream_interval", "min_new_tokens"):
             if not _is_int(value):
                 raise RequestError(path, f"expected an integer, got {value!r}")
-        elif key in ("temperature", "top_p", "min_p"):
+        elif key in ("temperature", "top_p", "min_p") or key in _PENALTY_RANGES:
             if not _is_number(value) or not math.isfinite(value):
                 raise RequestError(path, f"expected a finite number, got {value!r}")
             value = float(value)
+        elif key == "logit_bias":
+            value = _logit_bias(value, path)
         elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(value, bool):
                 raise RequestError(path, f"expected true or false, got {value!r}")
@@ -688,7 +710,44 @@ def _sampling_params(
         raise RequestError(f"{name}.min_p", f"must be in [0, 1], got {sp.min_p}")
     if sp.top_k != -1 and sp.top_k < 1:
         raise RequestError(f"{name}.top_k", f"must be -1 (off) or >= 1, got {sp.top_k}")
+    for key, (low, high, shown) in _PENALTY_RANGES.items():
+        value = getattr(sp, key)
+        if not (low < value if key == "repetition_penalty" else low <= value) or value > high:
+            raise RequestError(f"{name}.{key}", f"must be in {shown}, got {value}")
+    if not 0 <= sp.min_new_tokens <= sp.max_new_tokens:
+        raise RequestError(
+            f"{name}.min_new_tokens",
+            f"must be in [0, max_new_tokens ({sp.max_new_tokens})], got {sp.min_new_tokens}",
+        )
     return sp
+
+
+def _logit_bias(value: Any, path: str) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (``{"<token id>": bias}``) as (id, bias) pairs, each id once (SGLang
+    keys them by ``int(key)``: "1" and "01" are one token, the later value kept); the ids'
+    range is checked against the vocabulary by ``check_logit_bias``."""
+    if not isinstance(value, dict):
+        raise RequestError(path, f'expected an object {{"<token id>": bias}}, got {_kind(value)}')
+    bias: dict[int, float] = {}
+    for key, amount in value.items():
+        try:
+            token = key if _is_int(key) else int(str(key).strip())
+        except ValueError:
+            raise RequestError(f"{path}.{key}", "keys must be token ids (integers)") from None
+        if not _is_number(amount) or not math.isfinite(amount):
+            raise RequestError(f"{path}.{key}", f"expected a finite number, got {amount!r}")
+        bias[token] = float(amount)
+    return tuple(bias.items())
+
+
+def check_logit_bias(sp: SamplingParams, name: str, vocab_size: int) -> None:
+    """SGLang's check that every ``logit_bias`` key is a token of the vocabulary."""
+    for token, _ in sp.logit_bias:
+        if not 0 <= token < vocab_size:
+            raise RequestError(
+                f"{name}.logit_bias",
+                f"keys must be token ids in [0, {vocab_size - 1}], got {token}",
+            )
 
 
 def _stop_strings(

@@ -14,7 +14,9 @@ the batch: one inverse-CDF draw for all rows that share the engine's generator (
 an ``argmax`` for greedy rows, truncation only while some row asks for it, and one vectorized
 finish test (length limit, EOS, ``stop_token_ids``). A row with ``sampling_seed`` draws its
 uniform number from its own ``torch.Generator``, so the same request gives the same tokens
-whatever else is in the batch. No penalties, logit bias or grammar masks.
+whatever else is in the batch. Penalties and logit bias change the logits first (``penalize``,
+before the top log-probs are read and a token drawn: ``stages.engine.penalties``); no grammar
+masks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from stages.engine.penalties import Penalties
 from stages.engine.protocol import SamplingParams
 
 __all__ = ["SlotSampler"]
@@ -50,6 +53,7 @@ class SlotSampler:
         self._flags: list[tuple[bool, bool, bool]] = [(False, False, False)] * slots
         self.n_greedy = self.n_truncating = self.n_stop_ids = 0
         self.seeded: set[int] = set()
+        self.penalties = Penalties(slots, eos_token_ids)  # false while no row has any
         self.rows = 0
         self._is_eos: torch.Tensor | None = None
         self._work: torch.Tensor | None = None  # [slots, vocab] scratch of every step
@@ -71,8 +75,10 @@ class SlotSampler:
         params: Sequence[SamplingParams],
         limits: Sequence[int],
         generators: Sequence[torch.Generator | None],
+        made: Sequence[Sequence[int]] = (),
     ) -> None:
-        """Rows ``rows..rows+len(params)-1`` join (``limits``: see ``finished``)."""
+        """Rows ``rows..rows+len(params)-1`` join (``limits``: see ``finished``; ``made``:
+        each one's output tokens so far, if any, which its penalties count)."""
         lo, hi = self.rows, self.rows + len(params)
         if hi > self.slots:
             raise RuntimeError(f"{hi} rows exceed the sampler's {self.slots} slots")
@@ -100,6 +106,8 @@ class SlotSampler:
             self.generators[slot] = gen if seeded else None
             if seeded:
                 self.seeded.add(slot)
+            if p.penalized:
+                self.penalties.add(slot, p, made[offset] if made else ())
         self.temperature[lo:hi] = torch.tensor(temps)
         self.greedy[lo:hi] = torch.tensor(greedy)
         self.top_k[lo:hi] = torch.tensor(top_k)
@@ -115,6 +123,8 @@ class SlotSampler:
 
     def remove(self, holes: list[int], movers: list[int], dead: list[int]) -> None:
         """Rows ``dead`` leave; row ``movers[i]`` moves into slot ``holes[i]`` (see BatchKV)."""
+        if self.penalties:
+            self.penalties.remove(holes, movers, dead)
         for slot in dead:
             self._set_flags(slot, (False, False, False))
             self.seeded.discard(slot)
@@ -145,14 +155,27 @@ class SlotSampler:
 
     # ---- one step ------------------------------------------------------------------------
 
+    def penalize(self, logits: torch.Tensor, lo: int, hi: int) -> None:
+        """Apply the penalties and logit bias of rows ``lo..hi-1`` to ``logits`` ([hi-lo,
+        vocab], in place) before anything reads them."""
+        if self.penalties:
+            self.penalties.apply(logits, lo, hi)
+
     def sample(self, logits: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids ([hi-lo], long) and their log-probs (float32) for rows ``lo..hi-1``.
 
-        ``logits`` ([hi-lo, vocab]) is overwritten. Draws use the inverse CDF (one uniform
-        number per row, a cumulative sum and a binary search): per-token random numbers
-        (``multinomial``, exponential races) cost ~20 ns each on CPU, 40 ms a step at 64 rows
-        of a 32K vocabulary. Every pass writes into a buffer kept between steps.
+        ``logits`` ([hi-lo, vocab], after ``penalize``) is overwritten. Draws use the inverse
+        CDF (one uniform number per row, a cumulative sum and a binary search): per-token
+        random numbers (``multinomial``, exponential races) cost ~20 ns each on CPU, 40 ms a
+        step at 64 rows of a 32K vocabulary. Every pass writes into a buffer kept between
+        steps. Penalized rows count the tokens drawn.
         """
+        tokens, logprobs = self._draw(logits, lo, hi)
+        if self.penalties:
+            self.penalties.count(tokens, lo, hi)
+        return tokens, logprobs
+
+    def _draw(self, logits: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = logits if logits.dtype == torch.float32 else logits.float()
         rows, vocab = x.shape
         if self._is_eos is None or self._is_eos.numel() < vocab:

@@ -863,9 +863,11 @@ class Scheduler:
             [s.inp.params for s in group],
             [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
             [s.generator for s in group],
+            [s.done_ids for s in group],
         )
         if src is not None:
             logits = logits.index_select(0, src)
+        self._sampler.penalize(logits, lo, hi)
         if self._top_seqs:
             self._take_top_logprobs(logits, lo, hi)
         tokens, logprobs = self._sampler.sample(logits, lo, hi)
@@ -911,6 +913,7 @@ class Scheduler:
             logits = out.logits[:, -1, :]
         self.steps += 1
         rows = kv.rows
+        self._sampler.penalize(logits, 0, rows)
         if self._top_seqs:
             self._take_top_logprobs(logits, 0, rows)
         tokens, logprobs = self._sampler.sample(logits, 0, rows)

@@ -143,7 +143,8 @@ def test_tools_reach_the_template_and_what_cannot_be_honoured_is_a_400(
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"max_tokens": "many"}, "max_tokens"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
         ({"tools": TOOLS + TOOLS}, "unique"),
     ]  # fmt: skip
     for extra, words in cases:

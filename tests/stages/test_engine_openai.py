@@ -68,6 +68,37 @@ def test_greedy_completion_equals_generate_for_the_same_ids(engine: Engine, clie
 
 
 @pytest.mark.timeout(60)
+def test_penalties_and_logit_bias_act_as_on_generate(engine: Engine, client) -> None:  # noqa: F811
+    # serving_completions passes them on as sampling params (min_tokens as min_new_tokens)
+    greedy = {**GREEDY, "max_new_tokens": 8}
+    plain = engine.generate({"input_ids": PROMPT, "sampling_params": greedy})
+    banned = plain["output_ids"][0]
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.4}
+    native = engine.generate(
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {**GREEDY, "max_new_tokens": 8, "min_new_tokens": 3,
+                                "logit_bias": {str(banned): -100}, **penalties},
+            "return_logprob": True,
+        }
+    )  # fmt: skip
+    out = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+        logit_bias={str(banned): -100}, frequency_penalty=1.5, presence_penalty=0.5,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.4, "min_tokens": 3,
+                    "return_token_ids": True},
+    )  # fmt: skip
+    (choice,) = out.choices
+    assert native["output_ids"][0] != banned and banned not in native["output_ids"]
+    assert native["output_ids"] != plain["output_ids"]
+    assert choice.model_extra["token_ids"] == native["output_ids"]
+    for got, want in zip(
+        choice.logprobs.token_logprobs, native["meta_info"]["output_token_logprobs"], strict=True
+    ):
+        assert math.isclose(got, want[0], abs_tol=1e-5)
+
+
+@pytest.mark.timeout(60)
 def test_logprobs_k_gives_the_k_most_likely_tokens_of_each_step(engine: Engine, client) -> None:  # noqa: F811
     out = client.completions.create(
         model="default", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
@@ -119,7 +150,9 @@ def test_what_sglang_refuses_or_the_engine_cannot_do_yet_is_a_400(engine: Engine
         ({"prompt": PROMPT, "stream": "yes"}, "stream"),
         ({"prompt": PROMPT, "logprobs": -1}, "logprobs"),
         ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
-        ({"prompt": PROMPT, "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"prompt": PROMPT, "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"prompt": PROMPT, "max_tokens": 8, "extra_body": {"min_tokens": 40}}, "min_tokens"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": [1, 999]}, "prompt[1]"),
     ]

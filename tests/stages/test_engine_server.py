@@ -470,7 +470,7 @@ BAD_REQUESTS = [
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10_000}}, "input_ids"),
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
     (
-        {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}},
+        {"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}},
         "sampling_params.frequency_penalty",
     ),
     ({"input_ids": [1], "sampling_params": "fast"}, "sampling_params"),

@@ -159,6 +159,31 @@ async def test_stop_strings_end_the_text_before_them(client):
 
 
 @pytest.mark.timeout(120)
+async def test_penalties_and_logit_bias_change_what_is_sampled(client):
+    """SGLang's penalizers and ``logit_bias`` (what ``test_engine_penalties.py`` checks the
+    built-in engine against): a bias that bans the greedy first token moves it, a large
+    frequency penalty keeps a token from coming back, out-of-range values are a 400."""
+    status, free = await _post(
+        client, "/generate", {"input_ids": PROMPT, "sampling_params": _params(12)}
+    )
+    assert status == 200, free
+    first = free["output_ids"][0]
+    banned = _params(12, logit_bias={str(first): -100.0})
+    status, out = await _post(client, "/generate", {"input_ids": PROMPT, "sampling_params": banned})
+    assert status == 200 and out["output_ids"][0] != first, out
+    spread = _params(12, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=2.0)
+    status, out = await _post(client, "/generate", {"input_ids": PROMPT, "sampling_params": spread})
+    assert status == 200, out
+    assert len(set(out["output_ids"])) > len(set(free["output_ids"])) or len(
+        set(out["output_ids"])
+    ) == len(out["output_ids"]), (free["output_ids"], out["output_ids"])
+    for bad in ({"frequency_penalty": 2.5}, {"repetition_penalty": 0}, {"min_new_tokens": 99}):
+        body = {"input_ids": PROMPT, "sampling_params": _params(8, **bad)}
+        status, out = await _post(client, "/generate", body)
+        assert status == 400, (bad, out)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.skipif(not MODEL, reason="set INFLIGHT_SGLANG_MODEL to the served model's directory")
 async def test_text_is_decoded_after_the_prompt_as_the_built_in_engine_decodes_it(client):
     """SGLang decodes an output after the prompt's last 5 tokens
