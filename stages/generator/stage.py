@@ -103,9 +103,27 @@ class SamplingConfig:
     temperature: float = field(default=1.0, metadata={"min": 0.0})
     top_p: float = field(default=1.0, metadata={"min": 0.0, "max": 1.0})
     top_k: int = -1
+    min_p: float = field(default=0.0, metadata={"min": 0.0, "max": 1.0})
     max_new_tokens: int = field(default=128, metadata={"min": 1})
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # SGLang's penalties (the engine's log-probs are then of the penalized distribution: the
+    # learner's importance ratios correct for it as for any sampler/learner mismatch)
+    repetition_penalty: float = field(
+        default=1.0, metadata={"min": 0.0, "max": 2.0, "doc": "(0, 2]; 1 is none"}
+    )
+    frequency_penalty: float = field(default=0.0, metadata={"min": -2.0, "max": 2.0})
+    presence_penalty: float = field(default=0.0, metadata={"min": -2.0, "max": 2.0})
+    min_new_tokens: int = field(default=0, metadata={"min": 0})
+
+    def __post_init__(self) -> None:  # as the engines check them (SGLang's SamplingParams)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must be at most max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
 
     def as_params(self) -> dict[str, Any]:
         params = {
@@ -117,7 +135,20 @@ class SamplingConfig:
         }
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        # sent only when set: the same requests as before for a config without them
+        for name, neutral in _OPTIONAL_SAMPLING.items():
+            if getattr(self, name) != neutral:
+                params[name] = getattr(self, name)
         return params
+
+
+_OPTIONAL_SAMPLING = {
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "min_new_tokens": 0,
+}
 
 
 @dataclass

@@ -66,6 +66,29 @@ def test_micro_batches_need_not_divide_the_batch() -> None:
     assert "use 4" in issue.message  # nothing lower is a positive multiple
 
 
+# --- sampling -----------------------------------------------------------------------------------
+
+
+def test_sampling_penalties_are_sent_when_set_and_bounded() -> None:
+    loaded = load(
+        "stages.generator.sampling.repetition_penalty=1.1", "stages.generator.sampling.min_p=0.05"
+    )
+    params = loaded.config.stages["generator"].options.sampling.as_params()
+    assert params["repetition_penalty"] == 1.1 and params["min_p"] == 0.05
+    assert "frequency_penalty" not in params  # unset: the requests stay as they were
+    assert (
+        "repetition_penalty" not in load().config.stages["generator"].options.sampling.as_params()
+    )
+    issue = only_issue("stages.generator.sampling.frequency_penalty=3")
+    assert issue.path == "stages.generator.sampling.frequency_penalty"
+    assert "at most 2.0" in issue.message
+    issue = only_issue("stages.generator.sampling.repetition_penalty=0")
+    assert issue.path == "stages.generator.sampling.repetition_penalty"
+    assert "(0, 2]" in issue.message
+    issue = only_issue("stages.generator.sampling.min_new_tokens=6")  # max_new_tokens is 5
+    assert issue.path == "stages.generator.sampling.min_new_tokens"
+
+
 # --- group size ---------------------------------------------------------------------------------
 
 
