@@ -3,7 +3,7 @@
 Run (each prints one JSON line on stdout; on an otherwise idle machine):
 
     python bench/engine_profile.py step [--model arith|bench22m] [--rounds 30]
-        [--forward fast|transformers]
+        [--forward fast|transformers] [--repetition-penalty R] [--frequency-penalty F]
     python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
         [--seconds 20] [--py-spy]
     python bench/engine_profile.py compare [--forms n,n-stream,openai,openai-stream]
@@ -26,7 +26,8 @@ per decode step at a batch of ``--batch`` rows:
 ``--model arith`` is ``configs/models/arith-tiny`` (248K parameters, arithmetic prompts of 4-6
 tokens, 1 thread as the default config runs it); ``bench22m`` is ``bench/engine.py``'s random
 22M-parameter model (prompts of 32 tokens, 2 threads). ``--pyinstrument`` prints a profile of
-the steady loop to stderr.
+the steady loop to stderr. ``--repetition-penalty`` and ``--frequency-penalty`` put SGLang's
+penalties on every row (``stages.engine.penalties``: what they cost a step).
 
 ``http`` starts ``inflight engine`` on arith-tiny (``--model mid``: its tokenizer on a 6-layer,
 384-wide model; ``OMP_NUM_THREADS=1``, ``--max-running 64``)
@@ -167,6 +168,15 @@ def _engine_forward_ms(model: torch.nn.Module, batch: int, contexts: list[int], 
     return 1000 * statistics.median(times)
 
 
+def _penalties(args: argparse.Namespace) -> dict[str, float]:
+    """``--repetition-penalty`` and ``--frequency-penalty`` for every row, when given."""
+    given = {
+        "repetition_penalty": args.repetition_penalty,
+        "frequency_penalty": args.frequency_penalty,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     from stages.engine.protocol import GenerateInput, SamplingParams
     from stages.engine.scheduler import Scheduler
@@ -193,7 +203,9 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
         fast_forward=args.forward == "fast",
     )
     fast = sched.forward_path == "fast"
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, **_penalties(args)
+    )
     forward_ms, steady_ms, ratios, round_ms, own_ms = [], [], [], [], []
     profiler = None
     if args.pyinstrument:
@@ -265,7 +277,7 @@ def _rl_workload(
         seed=0,
         fast_forward=args.forward == "fast",
     )
-    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, **_penalties(args))
     pool = make_prompts(512, 7)
     submitted = 0
 
@@ -789,6 +801,8 @@ def main() -> int:
     step.add_argument("--rl-rounds", type=int, default=5)
     step.add_argument("--rl-steps", type=int, default=60)
     step.add_argument("--pyinstrument", action="store_true")
+    step.add_argument("--repetition-penalty", type=float, help="on every row (SGLang's)")
+    step.add_argument("--frequency-penalty", type=float, help="on every row (SGLang's)")
     step.add_argument(
         "--forward",
         choices=["fast", "transformers"],

@@ -72,19 +72,23 @@ class Penalties:
 
     # ---- rows joining, leaving, moving -----------------------------------------------------
 
-    def add(self, slot: int, params: SamplingParams, made: Sequence[int]) -> None:
-        """A row with penalties or a bias joins ``slot`` (``made``: its output tokens so far)."""
-        row = _Row(params, made, self.eos_token_ids)
-        self.rows[slot] = row
-        self.active.add(slot)
-        self.n_biased += bool(params.logit_bias)
-        self._coef[slot] = torch.tensor(
-            [params.frequency_penalty, params.presence_penalty, params.repetition_penalty]
-        )
-        self._grow(len(made) + 1)
-        self._length[slot] = len(made)
-        if made:
-            self._history[slot, : len(made)] = torch.tensor(list(made))
+    def add(
+        self, slots: list[int], params: list[SamplingParams], made: list[Sequence[int]]
+    ) -> None:
+        """Rows with penalties or a bias join ``slots`` (``made``: each one's output tokens so
+        far)."""
+        for slot, p, done in zip(slots, params, made, strict=True):
+            self.rows[slot] = _Row(p, done, self.eos_token_ids)
+            self.active.add(slot)
+            self.n_biased += bool(p.logit_bias)
+        coef = [(p.frequency_penalty, p.presence_penalty, p.repetition_penalty) for p in params]
+        index = torch.tensor(slots, device=self._coef.device)
+        self._coef[index] = torch.tensor(coef, device=self._coef.device)
+        self._grow(max(len(done) for done in made) + 1)
+        self._length[index] = torch.tensor([len(done) for done in made], device=index.device)
+        for slot, done in zip(slots, made, strict=True):
+            if done:
+                self._history[slot, : len(done)] = torch.tensor(list(done))
 
     def remove(self, holes: list[int], movers: list[int], dead: list[int]) -> None:
         """As ``SlotSampler.remove``: rows ``dead`` leave, ``movers[i]`` moves to ``holes[i]``."""
@@ -94,9 +98,10 @@ class Penalties:
                 self.n_biased -= bool(row.params.logit_bias)
                 self.rows[slot] = None
                 self.active.discard(slot)
+        device = self._coef.device
         if holes:
-            dst = torch.tensor(holes, device=self._coef.device)
-            src = torch.tensor(movers, device=self._coef.device)
+            dst = torch.tensor(holes, device=device)
+            src = torch.tensor(movers, device=device)
             for table in (self._coef, self._history, self._length):
                 table[dst] = table[src]
             for h, m in zip(holes, movers, strict=True):
@@ -105,10 +110,11 @@ class Penalties:
                     self.active.discard(m)
                     self.active.add(h)
         # a row without penalties may join a slot left or moved from: it finds nothing there
-        for slot in [*dead, *movers]:
-            if slot not in self.active:
-                self._coef[slot] = torch.tensor(_NEUTRAL, device=self._coef.device)
-                self._length[slot] = 0
+        cleared = [slot for slot in (*dead, *movers) if slot not in self.active]
+        if cleared:
+            index = torch.tensor(cleared, device=device)
+            self._coef[index] = torch.tensor(_NEUTRAL, device=device)
+            self._length[index] = 0
 
     def _grow(self, length: int) -> None:
         capacity = self._history.shape[1]

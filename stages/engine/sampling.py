@@ -89,7 +89,7 @@ class SlotSampler:
             self._longs = grown
             self._views()
         temps, greedy, top_k, top_p, min_p, stops = [], [], [], [], [], []
-        stop_rows = []
+        stop_rows, penalized = [], []
         for offset, (p, gen) in enumerate(zip(params, generators, strict=True)):
             slot = lo + offset
             is_greedy = p.greedy
@@ -107,7 +107,7 @@ class SlotSampler:
             if seeded:
                 self.seeded.add(slot)
             if p.penalized:
-                self.penalties.add(slot, p, made[offset] if made else ())
+                penalized.append(slot)
         self.temperature[lo:hi] = torch.tensor(temps)
         self.greedy[lo:hi] = torch.tensor(greedy)
         self.top_k[lo:hi] = torch.tensor(top_k)
@@ -120,6 +120,12 @@ class SlotSampler:
             padded = [ids + [-1] * (width - len(ids)) for ids in stop_rows]
             self.stop_ids[lo:hi, :width] = torch.tensor(padded)
         self.rows = hi
+        if penalized:
+            self.penalties.add(
+                penalized,
+                [params[slot - lo] for slot in penalized],
+                [made[slot - lo] if made else () for slot in penalized],
+            )
 
     def remove(self, holes: list[int], movers: list[int], dead: list[int]) -> None:
         """Rows ``dead`` leave; row ``movers[i]`` moves into slot ``holes[i]`` (see BatchKV)."""
