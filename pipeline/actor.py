@@ -100,6 +100,7 @@ class ActorContext:
         self._engines_changed = asyncio.Condition()
         # learner rank -> the version of its latest pace report heard back (wait_for_pace)
         self.pace_heard: dict[int, int] = {}
+        self._pace_sessions: dict[int, str] = {}  # learner rank -> the session that reports it
         self._pace_arrived = asyncio.Event()
         self._on_control: list[Callable[[], None]] = []  # (on_control)
         # where prompts and samples went (pipeline.ledger): published at once, in order
@@ -172,11 +173,21 @@ class ActorContext:
         samples; a malformed one is ignored)."""
         pace = {k: payload.get(k) for k in ("batch", "every", "max_lag", "origins", "version")}
         if all(isinstance(v, int) and not isinstance(v, bool) for v in pace.values()):
-            rank = payload.get("rank")
-            if isinstance(rank, int) and pace["version"] > self.pace_heard.get(rank, -1):
+            rank, session = payload.get("rank"), payload.get("session")
+            # A rank that restarted from its last checkpoint reports an older version than it
+            # reached before: its reports count from there. (Kept back as stale, the pace of
+            # before held the generators' queue gate shut on the batch the restarted learner
+            # waited to fill, and neither moved again.)
+            restarted = False
+            if isinstance(rank, int) and isinstance(session, str):
+                restarted = self._pace_sessions.get(rank, session) != session
+                self._pace_sessions[rank] = session
+            if isinstance(rank, int) and (
+                restarted or pace["version"] > self.pace_heard.get(rank, -1)
+            ):
                 self.pace_heard[rank] = pace["version"]
                 self._pace_arrived.set()
-            if pace["version"] >= self.learner_pace.get("version", -1):
+            if restarted or pace["version"] >= self.learner_pace.get("version", -1):
                 self.learner_pace = {**pace, "hungry": payload.get("hungry") is True}
                 self._control_changed()
 

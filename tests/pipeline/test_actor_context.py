@@ -50,6 +50,22 @@ def test_the_learners_pace_report_is_kept_when_well_formed_and_not_older():
     assert ctx.learner_pace["version"] == 6 and ctx.learner_pace["batch"] == 32
 
 
+def test_a_learner_that_restarted_from_an_older_checkpoint_is_heard_from_there():
+    # trained to version 8, killed, resumed from the checkpoint of version 6: its reports are
+    # older than what was heard, and must count (kept back, the generators' queue gate stayed
+    # shut on the old pace while the learner waited for samples)
+    ctx = ActorContext(_SPEC, log=None, control=None)
+    pace = {"batch": 16, "every": 1, "max_lag": 2, "origins": 1}
+    ctx.set_pace({"rank": 0, "session": "a", **pace, "version": 8})
+    ctx.set_pace({"rank": 0, "session": "a", **pace, "version": 6})  # a late one: kept back
+    assert ctx.learner_pace["version"] == 8
+    ctx.set_pace({"rank": 0, "session": "b", **pace, "version": 6, "hungry": True})
+    assert ctx.learner_pace["version"] == 6 and ctx.learner_pace["hungry"] is True
+    assert ctx.pace_heard[0] == 6
+    ctx.set_pace({"rank": 0, "session": "b", **pace, "version": 7})
+    assert ctx.learner_pace["version"] == 7 and ctx.pace_heard[0] == 7
+
+
 def test_a_version_announcement_records_which_engines_loaded_it():
     async def main():
         ctx = ActorContext(_SPEC, log=None, control=None)
