@@ -16,8 +16,8 @@ are the changed distribution's, as SGLang's are. ``Penalties`` keeps, per slot o
 (``sampling.SlotSampler``'s), the coefficients and each row's output tokens so far (a
 ``[slots, capacity]`` history, grown as rows get longer), and applies a penalty by gathering and
 scattering at those tokens: a step costs in proportion to the rows' output lengths, not to the
-vocabulary (SGLang's dense ``[rows, vocab]`` tables made a 64-row CPU step at a 32K vocabulary
-about ten times dearer). A batch where no running row asks for a penalty or a bias pays one
+vocabulary (SGLang's dense ``[rows, vocab]`` tables would take several passes over every row's
+whole vocabulary each step). A batch where no running row asks for a penalty or a bias pays one
 check a step. A sequence that comes back after a retraction counts the tokens it made before.
 """
 
