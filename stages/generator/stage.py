@@ -57,7 +57,7 @@ import asyncio
 import functools
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -136,19 +136,15 @@ class SamplingConfig:
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
         # sent only when set: the same requests as before for a config without them
-        for name, neutral in _OPTIONAL_SAMPLING.items():
-            if getattr(self, name) != neutral:
-                params[name] = getattr(self, name)
+        for f in fields(self):
+            if f.name in _OPTIONAL_SAMPLING and getattr(self, f.name) != f.default:
+                params[f.name] = getattr(self, f.name)
         return params
 
 
-_OPTIONAL_SAMPLING = {
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "min_new_tokens": 0,
-}
+_OPTIONAL_SAMPLING = frozenset(
+    {"min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_new_tokens"}
+)
 
 
 @dataclass
