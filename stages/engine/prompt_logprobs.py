@@ -12,7 +12,8 @@ is the log-prob of token ``s + k`` under the logits after tokens ``0 .. s + k - 
 log-prob is ``None`` (SGLang drops the last position's, which is the sampled token's, and puts
 ``None`` in front, whatever ``s``). ``input_top_logprobs`` (with ``top_logprobs_num``) has one
 entry per token likewise: ``None`` first, then the ``top_logprobs_num`` most likely tokens at
-the position before each token.
+the position before each token. ``input_token_ids_logprobs`` (with ``token_ids_logprob``) the
+same for the tokens asked for, in the order asked.
 
 The built-in engine computes them in a pass of their own over the whole prompt (no prefix
 cache, no KV kept: SGLang, too, stops its prefix match at ``logprob_start_len``), before a
@@ -23,7 +24,7 @@ Positions are turned into log-probs a chunk at a time, so a long prompt never ho
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,21 +34,30 @@ POSITIONS_PER_CHUNK = 256  # positions whose logits exist at once (x vocab float
 TOKENS_PER_PASS = 8192  # prompts scored in one forward pass hold at most this many tokens (padded)
 
 
+Steps = list[list[tuple[float, int]] | None]  # per position: (logprob, token id) pairs, or None
+
+
 def prompt_logprobs(
     hidden: torch.Tensor,
     ids: list[int],
     start: int,
     top: int,
     head: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[list[float | None], list[list[tuple[float, int]] | None] | None]:
-    """``(logprobs, tops)`` of prompt tokens ``start ..``: ``hidden`` ``[L, H]`` is the final
-    (normed) hidden state at each prompt position, ``head`` maps it to logits. ``tops`` is
-    None unless ``top`` > 0."""
+    wanted: Sequence[int] | None = None,
+) -> tuple[list[float | None], Steps | None, Steps | None]:
+    """``(logprobs, tops, picked)`` of prompt tokens ``start ..``: ``hidden`` ``[L, H]`` is the
+    final (normed) hidden state at each prompt position, ``head`` maps it to logits. ``tops``
+    is None unless ``top`` > 0, ``picked`` (the log-probs of the ``wanted`` tokens) unless
+    ``wanted`` is given."""
     length = len(ids)
     if start >= length:
-        return [], ([] if top else None)
+        return [], ([] if top else None), (None if wanted is None else [])
     logprobs: list[float | None] = [None]
-    tops: list[list[tuple[float, int]] | None] | None = [None] if top else None
+    tops: Steps | None = [None] if top else None
+    picked: Steps | None = None if wanted is None else [None]
+    columns = None
+    if wanted is not None:
+        columns = torch.tensor(wanted, dtype=torch.long, device=hidden.device)
     # position p's logits give the log-prob of token p + 1: positions start .. length - 2
     targets = torch.tensor(ids[start + 1 :], dtype=torch.long, device=hidden.device)
     for lo in range(start, length - 1, POSITIONS_PER_CHUNK):
@@ -62,7 +72,10 @@ def prompt_logprobs(
             values, indices = lps.topk(min(top, lps.shape[1]), dim=-1)
             for vals, toks in zip(values.tolist(), indices.tolist(), strict=True):
                 tops.append(list(zip(vals, toks, strict=True)))
-    return logprobs, tops
+        if picked is not None and columns is not None:
+            for vals in lps.index_select(1, columns).tolist():
+                picked.append(list(zip(vals, wanted, strict=True)))  # type: ignore[arg-type]
+    return logprobs, tops, picked
 
 
 def scoring_passes(lengths: list[int]) -> list[list[int]]:

@@ -4,7 +4,7 @@ Field names and defaults follow SGLang 0.5.x (``GenerateReqInput`` and ``Samplin
 ``max_new_tokens`` 128, ``temperature`` 1.0 (0 means greedy), ``top_p`` 1.0, ``top_k`` -1 (off),
 ``min_p`` 0.0, ``ignore_eos`` false, ``sampling_seed`` none, ``n`` 1. Every problem raises
 ``RequestError`` naming the field, which the server answers with HTTP 400. SGLang parameters
-the built-in engine does not implement (grammars, ``stop_regex``) are accepted only
+the built-in engine does not implement (grammars) are accepted only
 at their neutral default and rejected otherwise, so a request never silently means something
 else here. Input log-probs (``logprob_start_len``, and prefill-only scoring with
 ``max_new_tokens: 0``) are ``stages.engine.prompt_logprobs``'s.
@@ -22,7 +22,8 @@ characters or tokens, plus one) and the first stop string found in it ends the s
 the last of ``output_ids``. The length limit and stop tokens are checked first. In ``text`` the
 matched stop string and what follows it are cut (with ``no_stop_trim``, only what follows it), and
 so is the matched stop token of a ``{"matched": <token id>}`` finish (kept with ``no_stop_trim``).
-They need the model's tokenizer.
+They need the model's tokenizer. So do ``stop_regex`` patterns (``stages.engine.stop_regex``),
+looked for after the stop strings in the same decoded tail.
 
 Groups, as SGLang expands them: a batch (``input_ids: [[...], ...]`` or ``text: [...]``) of B
 prompts with ``sampling_params.n`` = n asks for B*n samples, answered as one JSON list in
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.engine.incremental_text import IncrementalText, output_text
+from stages.engine.stop_regex import parse_stop_regex
 
 __all__ = [
     "GenerateInput",
@@ -62,6 +64,7 @@ __all__ = [
     "render_result",
     "render_sample",
     "result_text",
+    "step_entries",
     "token_texts",
 ]
 
@@ -88,7 +91,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings
-    stop_window: int = 0  # output tokens decoded to look for them (see the module docstring)
+    stop_regex: tuple[str, ...] = ()  # stop patterns (stages.engine.stop_regex)
+    # output tokens decoded to look for either (see the module docstring)
+    stop_window: int = 0
     no_stop_trim: bool = False
     # a streamed request's chunk after every this many tokens (SGLang's rule: the first, then
     # one every ``stream_interval``); None or 0: the server's ``--stream-interval``
@@ -129,6 +134,9 @@ class GenerateInput:
     top_logprobs_num: int = 0  # alternatives reported per output token (with return_logprob)
     logprob_start: int = -1  # input log-probs from this prompt position on (-1: none)
     lora: str | None = None  # the loaded LoRA adapter it takes (``lora_path``), None: the base
+    # tokens whose log-probs are reported at every step (``token_ids_logprob``; with
+    # return_logprob only), in the order asked
+    token_ids_logprob: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -151,12 +159,15 @@ class SequenceResult:
     # and the top_logprobs_num most likely at each (None for the first)
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # with token_ids_logprob: those tokens' (logprob, token id) at each output step, and at
+    # each prompt position from logprob_start_len on (None for the first)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 # SGLang sampling parameters accepted only at these neutral values.
 _NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
-    "stop_regex": (None, "", ()),
     "json_schema": (None,),
     "regex": (None,),
     "ebnf": (None,),
@@ -175,7 +186,6 @@ MAX_STOP_COUNT = 32  # SGLang's limit on stop strings
 
 # Top-level GenerateReqInput fields accepted only at these neutral values.
 _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
-    "token_ids_logprob": (None,),
     "image_data": (None,),
     "audio_data": (None,),
     "video_data": (None,),
@@ -195,6 +205,7 @@ _KNOWN_TOP = frozenset(
         "return_text_in_logprobs",
         "top_logprobs_num",
         "logprob_start_len",
+        "token_ids_logprob",
         "stream",  # answered by stages.engine.streaming
         "lora_path",  # a loaded adapter's name (stages.engine.lora_adapters)
     }
@@ -273,6 +284,7 @@ def parse_generate(
                 f"no LoRA adapter {lora!r} is loaded (loaded: {sorted(adapters)}); "
                 "POST /load_lora_adapter first",
             )
+    wanted = _token_ids_logprob(body.get("token_ids_logprob"), count, listed, n, vocab_size)
     rids = _sample_rids(body.get("rid"), count, n, batch)
 
     inputs: list[GenerateInput] = []
@@ -290,12 +302,15 @@ def parse_generate(
         top = (tops[i] or 0) if flag else 0  # SGLang: top log-probs come with return_logprob
         # SGLang: without return_logprob the start is ignored; -1 means output log-probs only
         start = starts[i] if flag and starts[i] is not None else -1
+        picked = wanted[i] if flag else None  # SGLang reports them with return_logprob only
         for j in range(n):
             rid, group_rid = rids(i, j)
             if rid in seen:
                 raise RequestError(f"rid{where}", f"duplicate request id {rid!r} in the batch")
             seen.add(rid)
-            inputs.append(GenerateInput(rid, ids, sp, flag, group_rid, top, start, loras[i]))
+            inputs.append(
+                GenerateInput(rid, ids, sp, flag, group_rid, top, start, loras[i], picked)
+            )
     return inputs, listed
 
 
@@ -368,6 +383,42 @@ def parse_groups(
     return out
 
 
+def _token_ids_logprob(
+    value: Any, count: int, listed: bool, n: int, vocab_size: int
+) -> list[tuple[int, ...] | None]:
+    """``token_ids_logprob`` for each prompt, as SGLang takes it (``GenerateReqInput``'s
+    normalization, ``TokenizerManager._validate_token_ids_logprob``): null or [] for none; a
+    single request gives a list of token ids; a batch (or ``n`` > 1) a token id, a list for
+    every prompt, or a list of lists, one per prompt (not with ``n`` > 1)."""
+    if not value:
+        return [None] * count
+    name = "token_ids_logprob"
+    if listed and _is_int(value):
+        value = [value]
+    if not isinstance(value, list):
+        raise RequestError(name, "must be a flat list of integers")
+    if listed and isinstance(value[0], list):
+        if n > 1:
+            raise RequestError(name, "cannot be a list of lists with n > 1")
+        if len(value) != count:
+            raise RequestError(name, f"has {len(value)} lists for a batch of {count} prompts")
+        per_prompt = [(f"{name}[{i}]", ids) for i, ids in enumerate(value)]
+    else:
+        per_prompt = [(name, value)] * count
+    out: list[tuple[int, ...] | None] = []
+    for where, ids in per_prompt:
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise RequestError(where, "must be a flat list of integers")
+        for tok in ids:
+            if not 0 <= tok < vocab_size:
+                raise RequestError(
+                    where,
+                    f"contains out-of-vocabulary token id {tok}; valid range is [0, {vocab_size})",
+                )
+        out.append(tuple(ids))
+    return out
+
+
 def _check_fits(ids: list[int], params: SamplingParams, name: str, context_length: int) -> None:
     if len(ids) + params.max_new_tokens > context_length:
         raise RequestError(
@@ -417,14 +468,15 @@ def render_result(
         ]
         meta["output_token_logprobs_length"] = len(logprobs)
         if result.output_top_logprobs is not None:
-            meta["input_top_logprobs"] = [
-                None if step is None else [[lp, tok, _text(token_text, tok)] for lp, tok in step]
-                for step in result.input_top_logprobs or ()
-            ]
-            meta["output_top_logprobs"] = [
-                [[lp, tok, None if token_text is None else token_text(tok)] for lp, tok in step]
-                for step in result.output_top_logprobs
-            ]
+            meta["input_top_logprobs"] = step_entries(result.input_top_logprobs or (), token_text)
+            meta["output_top_logprobs"] = step_entries(result.output_top_logprobs, token_text)
+        if result.output_token_ids_logprobs is not None:
+            meta["input_token_ids_logprobs"] = step_entries(
+                result.input_token_ids_logprobs or (), token_text
+            )
+            meta["output_token_ids_logprobs"] = step_entries(
+                result.output_token_ids_logprobs, token_text
+            )
     if result.extra:
         meta.update(result.extra)
     out: dict[str, Any] = {}
@@ -483,6 +535,17 @@ def render_sample(
 
 def _text(token_text: Callable[[int], str] | None, token: int) -> str | None:
     return None if token_text is None else token_text(token)
+
+
+def step_entries(
+    steps: Sequence[Sequence[tuple[float, int]] | None], token_text: Callable[[int], str] | None
+) -> list[list[list[Any]] | None]:
+    """SGLang's entries of top log-probs or ``token_ids_logprob``: per step a list of
+    ``[logprob, token_id, text or None]`` (a step without any: None)."""
+    return [
+        None if step is None else [[lp, tok, _text(token_text, tok)] for lp, tok in step]
+        for step in steps
+    ]
 
 
 def result_text(
@@ -674,6 +737,9 @@ def _sampling_params(
         if key == "stop":
             values.update(_stop_strings(value, path, encode))
             continue
+        if key == "stop_regex":
+            values.update(_stop_patterns(value, path, encode))
+            continue
         if key in _NEUTRAL_SAMPLING:
             if not _is_neutral(value, _NEUTRAL_SAMPLING[key]):
                 raise RequestError(path, "is not supported by the built-in engine")
@@ -699,6 +765,8 @@ def _sampling_params(
         else:
             raise RequestError(path, "unknown sampling parameter")
         values[key] = value
+    if "stop_regex_window" in values:  # one tail for both (SGLang's Req.tail_str)
+        values["stop_window"] = max(values.pop("stop_regex_window"), values.get("stop_window", 0))
     sp = SamplingParams(**values)
     if sp.max_new_tokens < 0:
         raise RequestError(f"{name}.max_new_tokens", f"must be >= 0, got {sp.max_new_tokens}")
@@ -770,6 +838,22 @@ def _stop_strings(
         raise RequestError(path, "stop strings need the model's tokenizer; this model has none")
     window = max(max(len(encode(s)), len(s)) for s in stops) + 1
     return {"stop": tuple(stops), "stop_window": window}
+
+
+def _stop_patterns(
+    value: Any, path: str, encode: Callable[[str], list[int]] | None
+) -> dict[str, Any]:
+    """``stop_regex`` and the tokens to decode to look for it, from ``sampling_params.stop_regex``
+    (null or [] means none)."""
+    try:
+        patterns, longest = parse_stop_regex(value)
+    except ValueError as exc:
+        raise RequestError(path, str(exc)) from None
+    if not patterns:
+        return {}
+    if encode is None:
+        raise RequestError(path, "stop_regex needs the model's tokenizer; this model has none")
+    return {"stop_regex": patterns, "stop_regex_window": longest + 1}
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

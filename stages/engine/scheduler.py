@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -218,8 +219,10 @@ class _Seq:
         "index",
         "inp",
         "input_lps",
+        "input_picked",
         "input_tops",
         "kv_start",
+        "picked",
         "sent",
         "slot",
         "stamp",
@@ -232,12 +235,16 @@ class _Seq:
     def __init__(self, inp: GenerateInput, group: _Group, index: int, started: float) -> None:
         self.inp = inp
         self.adapter: Adapter | None = None  # its LoRA adapter, set when queued (inp.lora)
-        # its last sampled tokens, decoded after each step to look for its stop strings, and
-        # their text after the last step
-        self.tail: list[int] | None = [] if inp.params.stop else None
+        # its last sampled tokens, decoded after each step to look for its stop strings and
+        # patterns, and their text after the last step
+        watch = inp.params.stop or inp.params.stop_regex
+        self.tail: list[int] | None = [] if watch else None
         self.tail_text = ""
         # its top log-probs, one list per sampled token, when it asked for them
         self.top: list[list[tuple[float, int]]] | None = [] if inp.top_logprobs_num else None
+        # the log-probs of its token_ids_logprob tokens, one list per sampled token
+        wanted = inp.token_ids_logprob
+        self.picked: list[list[tuple[float, int]]] | None = None if wanted is None else []
         self.group = group
         self.index = index  # in the group
         # streamed: how many of its tokens were sent, and the events of those not sent yet
@@ -261,6 +268,7 @@ class _Seq:
         # its prompt's log-probs (logprob_start_len), once computed (kept over a retraction)
         self.input_lps: list[tuple[float | None, int]] | None = None
         self.input_tops: list[list[tuple[float, int]] | None] | None = None
+        self.input_picked: list[list[tuple[float, int]] | None] | None = None
 
     @property
     def context(self) -> list[int]:
@@ -322,7 +330,8 @@ class Scheduler:
         # token ids -> text, to look for stop strings; the running seqs that have some
         self._decode_tail = decode_tail
         self._stop_seqs: set[_Seq] = set()
-        self._top_seqs: set[_Seq] = set()  # running seqs that want top log-probs
+        # running seqs that want top log-probs or those of given tokens (token_ids_logprob)
+        self._top_seqs: set[_Seq] = set()
         self._stream_seqs: set[_Seq] = set()  # running seqs whose tokens are streamed
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         # Weight versions as spans over the step clock (BatchKV.end): version _vvals[i] is live
@@ -394,7 +403,8 @@ class Scheduler:
         ``stream`` (called on the loop, in order): after every step that sampled tokens of
         these sequences whose chunk is due (every token, or every ``stream_interval``: see
         ``_streamed``), ``[(index in inputs, (token, logprob, version, top log-probs or
-        None, cached prompt tokens, the prompt's log-probs and top log-probs or None)),
+        None, cached prompt tokens, the prompt's log-probs and top log-probs or None, the
+        token_ids_logprob log-probs of this step and of the prompt or None)),
         ...]``, a sequence's tokens since its last chunk in order; as each finishes,
         ``[(index, SequenceResult)]``; if they fail, ``[(-1, exception)]``. The future resolves
         after the last of them.
@@ -743,13 +753,16 @@ class Scheduler:
     def _score_prompts(self, seqs: list[_Seq]) -> None:
         """Prompt log-probs from each seq's ``logprob_start`` on (``prompt_logprobs``): forward
         passes of their own over whole prompts, identical requests computed once."""
-        unique: dict[tuple[tuple[int, ...], int, int, str | None], list[_Seq]] = {}
+        unique: dict[
+            tuple[tuple[int, ...], int, int, str | None, tuple[int, ...] | None], list[_Seq]
+        ] = {}
         for seq in seqs:
             key = (
                 tuple(seq.inp.input_ids),
                 seq.inp.logprob_start,
                 seq.inp.top_logprobs_num,
                 seq.inp.lora,
+                seq.inp.token_ids_logprob,
             )
             unique.setdefault(key, []).append(seq)
         keys = list(unique)
@@ -774,13 +787,13 @@ class Scheduler:
                 hidden, head = out.hidden_states[-1], self.model.get_output_embeddings()
             width = ids.shape[1]
             for row, u in enumerate(part):
-                tokens, start, top, _ = keys[u]
-                lps, tops = prompt_logprobs(
-                    hidden[row, width - len(tokens) :], list(tokens), start, top, head
+                tokens, start, top, _, wanted = keys[u]
+                lps, tops, picked = prompt_logprobs(
+                    hidden[row, width - len(tokens) :], list(tokens), start, top, head, wanted
                 )
                 pairs = list(zip(lps, tokens[start:], strict=True))
                 for seq in unique[keys[u]]:
-                    seq.input_lps, seq.input_tops = pairs, tops
+                    seq.input_lps, seq.input_tops, seq.input_picked = pairs, tops, picked
 
     def _prefill(self, group: list[_Seq]) -> None:
         # Identical contexts (the samples of one prompt) are prefilled once.
@@ -857,7 +870,7 @@ class Scheduler:
             seq.stamp = match.stamp if match.stamp is not None else live
         self._running.extend(group)
         self._stop_seqs.update(s for s in group if s.tail is not None)
-        self._top_seqs.update(s for s in group if s.top is not None)
+        self._top_seqs.update(s for s in group if s.top is not None or s.picked is not None)
         self._stream_seqs.update(s for s in group if s.group.stream is not None)
         self._sampler.add(
             [s.inp.params for s in group],
@@ -923,7 +936,8 @@ class Scheduler:
 
     def _take_top_logprobs(self, logits: torch.Tensor, lo: int, hi: int) -> None:
         """Before sampling (which overwrites ``logits``): each watched row's most likely
-        tokens under the distribution its sampled token's log-prob comes from."""
+        tokens, and the tokens it named (``token_ids_logprob``), under the distribution its
+        sampled token's log-prob comes from."""
         seqs = [s for s in self._top_seqs if lo <= s.slot < hi]
         if not seqs:
             return
@@ -933,12 +947,19 @@ class Scheduler:
             device=logits.device,
         )
         x = logits.index_select(0, rows).float() / temperature[:, None]
+        lps = torch.log_softmax(x, dim=-1)
         k = min(max(s.inp.top_logprobs_num for s in seqs), x.shape[1])
-        values, ids = torch.log_softmax(x, dim=-1).topk(k, dim=-1)
-        for seq, vals, toks in zip(seqs, values.tolist(), ids.tolist(), strict=True):
-            n = seq.inp.top_logprobs_num
-            assert seq.top is not None
-            seq.top.append(list(zip(vals[:n], toks[:n], strict=True)))
+        if k:
+            values, ids = lps.topk(k, dim=-1)
+            for seq, vals, toks in zip(seqs, values.tolist(), ids.tolist(), strict=True):
+                n = seq.inp.top_logprobs_num
+                if seq.top is not None:
+                    seq.top.append(list(zip(vals[:n], toks[:n], strict=True)))
+        for i, seq in enumerate(seqs):
+            wanted = seq.inp.token_ids_logprob
+            if seq.picked is not None and wanted is not None:
+                vals = lps[i, list(wanted)].tolist()
+                seq.picked.append(list(zip(vals, wanted, strict=True)))
 
     def _finish_checks(
         self, tokens: torch.Tensor, logprobs: torch.Tensor, lo: int, hi: int, column: int
@@ -997,7 +1018,8 @@ class Scheduler:
             held = seq.held
             held.append(
                 (new[k], lps[k], version, seq.top[-1] if seq.top else None, seq.cached,
-                 seq.input_lps, seq.input_tops)
+                 seq.input_lps, seq.input_tops, seq.picked[-1] if seq.picked else None,
+                 seq.input_picked)
             )  # fmt: skip
             every = seq.inp.params.stream_interval or default_every
             if every == 1 or len(held) >= every or seq.sent == 0:
@@ -1035,11 +1057,12 @@ class Scheduler:
             if len(seq.tail) > params.stop_window:
                 del seq.tail[: -params.stop_window]
             text = seq.tail_text = self._decode_tail(seq.tail)
-            for stop in params.stop:
-                if stop in text:
-                    rows.append(seq.slot)
-                    reasons.append({"type": "stop", "matched": stop})
-                    break
+            matched = next((stop for stop in params.stop if stop in text), None)
+            if matched is None:  # then the patterns (stages.engine.stop_regex)
+                matched = next((p for p in params.stop_regex if re.search(p, text)), None)
+            if matched is not None:
+                rows.append(seq.slot)
+                reasons.append({"type": "stop", "matched": matched})
         if rows:
             self._retire(rows, reasons)
 
@@ -1148,6 +1171,8 @@ class Scheduler:
                 output_top_logprobs=None if seq.top is None else seq.top[: len(ids)],
                 input_token_logprobs=seq.input_lps,
                 input_top_logprobs=seq.input_tops,
+                output_token_ids_logprobs=None if seq.picked is None else seq.picked[: len(ids)],
+                input_token_ids_logprobs=seq.input_picked,
             ),
         )
 

@@ -40,6 +40,7 @@ from stages.engine.protocol import (
     parse_generate,
     render_sample,
     result_text,
+    step_entries,
     token_texts,
 )
 
@@ -58,9 +59,13 @@ class Progress:
         "index",
         "input_entries",
         "input_lps",
+        "input_picked",
+        "input_picked_entries",
         "input_top_entries",
         "input_tops",
         "logprobs",
+        "picked",
+        "picked_entries",
         "prompt_tokens",
         "rid",
         "text",
@@ -76,6 +81,7 @@ class Progress:
         prompt_tokens: int,
         tops: list | None = None,
         *,
+        picked: list | None = None,
         index: int = 0,
         token_text: Callable[[int], str] | None = None,
         detok: IncrementalText | None = None,
@@ -93,6 +99,11 @@ class Progress:
         # chunk is encoded before the next token is added)
         self.entries: list[list[Any]] = []
         self.top_entries: list[list[list[Any]]] = []
+        # with token_ids_logprob: those tokens' log-probs at each step, and their entries
+        self.picked: list[list[tuple[float, int]]] | None = picked
+        self.picked_entries: list[Any] = []
+        self.input_picked: list[list[tuple[float, int]] | None] | None = None
+        self.input_picked_entries: list[Any] | None = None
         self.cached = 0
         # the prompt's log-probs (logprob_start_len), in every chunk as SGLang's cumulative ones
         self.input_lps: list[tuple[float | None, int]] | None = None
@@ -113,6 +124,8 @@ class Progress:
         self.logprobs = result.output_token_logprobs or []
         if self.tops is not None:
             self.tops = result.output_top_logprobs or []
+        if self.picked is not None:
+            self.picked = result.output_token_ids_logprobs or []
         params = inp.params
         if decode is not None:
             self.text = result_text(
@@ -155,6 +168,14 @@ class Progress:
                     self.top_entries.append([[lp, tok, text_of(tok)] for lp, tok in step])
                 meta["input_top_logprobs"] = self.input_top_entries
                 meta["output_top_logprobs"] = self.top_entries
+            if self.picked is not None:
+                if self.input_picked_entries is None:
+                    self.input_picked_entries = step_entries(self.input_picked or (), token_text)
+                self.picked_entries += step_entries(
+                    self.picked[len(self.picked_entries) :], token_text
+                )
+                meta["input_token_ids_logprobs"] = self.input_picked_entries
+                meta["output_token_ids_logprobs"] = self.picked_entries
         if text is None:
             return {"output_ids": ids, "meta_info": meta}
         return {"text": text, "output_ids": ids, "meta_info": meta}
@@ -207,6 +228,7 @@ def stream_generate(
             inp.rid,
             len(inp.input_ids),
             tops=[] if inp.top_logprobs_num else None,
+            picked=None if inp.token_ids_logprob is None else [],
             index=index,
             token_text=token_text,
             detok=None
@@ -222,11 +244,16 @@ def stream_generate(
         for index, payload in events:  # all that piled up
             if type(payload) is tuple:  # a token: (id, log-prob, version, top, cached...)
                 p = moving[index]
-                token, logprob, p.version, top, p.cached, p.input_lps, p.input_tops = payload
+                token, logprob, p.version, top, p.cached, p.input_lps, p.input_tops, picked, _ = (
+                    payload
+                )
                 p.ids.append(token)
                 p.logprobs.append(logprob)
                 if top is not None and p.tops is not None:
                     p.tops.append(top)
+                if picked is not None and p.picked is not None:
+                    p.picked.append(picked)
+                    p.input_picked = payload[8]
             elif isinstance(payload, SequenceResult):
                 finals[index] = payload
             else:

@@ -5,6 +5,7 @@ SGLang 0.5's ``serving_completions.py`` / ``protocol.py`` (the shapes each test 
 from __future__ import annotations
 
 import math
+import re
 import urllib.error
 import urllib.request
 
@@ -140,6 +141,14 @@ def test_text_prompts_n_echo_and_stop(engine: Engine, client) -> None:  # noqa: 
     ).choices[0]  # fmt: skip
     assert stopped.finish_reason == "stop" and stopped.model_extra["matched_stop"] == stop
     assert stopped.text == free.text[: free.text.find(stop)]
+    # stop_regex (SGLang's extension, a native sampling parameter): the pattern is matched_stop
+    pattern = rf"{re.escape(stop)}\s?"
+    by_regex = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "stop_regex": pattern},
+    ).choices[0]  # fmt: skip
+    assert by_regex.finish_reason == "stop" and by_regex.model_extra["matched_stop"] == pattern
+    assert by_regex.text.rstrip().endswith(stop) and free.text.startswith(by_regex.text.rstrip())
 
 
 @pytest.mark.timeout(60)
@@ -153,6 +162,7 @@ def test_what_sglang_refuses_or_the_engine_cannot_do_yet_is_a_400(engine: Engine
         ({"prompt": PROMPT, "frequency_penalty": 2.5}, "frequency_penalty"),
         ({"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias"),
         ({"prompt": PROMPT, "max_tokens": 8, "extra_body": {"min_tokens": 40}}, "min_tokens"),
+        ({"prompt": PROMPT, "extra_body": {"stop_regex": "(a"}}, "stop_regex"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": [1, 999]}, "prompt[1]"),
     ]

@@ -180,14 +180,17 @@ def test_prompt_logprobs_in_chunks_equal_one_pass() -> None:
 
     full = torch.log_softmax(head(hidden), -1)
     for start in (0, 5, length - 1, length):
-        lps, tops = prompt_logprobs(hidden, ids, start, 2, head)
-        assert len(lps) == length - start and len(tops) == length - start
+        lps, tops, picked = prompt_logprobs(hidden, ids, start, 2, head, wanted=(7, 3))
+        assert len(lps) == len(tops) == len(picked) == length - start
         if start < length:
-            assert lps[0] is None and tops[0] is None
+            assert lps[0] is None and tops[0] is None and picked[0] is None
         want = [full[p - 1, ids[p]].item() for p in range(start + 1, length)]
         assert lps[1:] == pytest.approx(want, abs=1e-12)
-        for p, top in zip(range(start + 1, length), tops[1:], strict=True):
+        for p, top, pick in zip(range(start + 1, length), tops[1:], picked[1:], strict=True):
             assert [t[1] for t in top] == full[p - 1].topk(2).indices.tolist()
+            assert [t[1] for t in pick] == [7, 3]
+            assert [t[0] for t in pick] == pytest.approx(full[p - 1, [7, 3]].tolist(), abs=1e-12)
+    assert prompt_logprobs(hidden, ids, 0, 0, head)[2] is None
     assert scoring_passes([3, 9000, 4, 4]) == [[0, 2, 3], [1]]
 
 
@@ -208,3 +211,109 @@ def test_streamed_chunks_carry_the_prompts_logprobs_from_the_first(engine: Engin
         meta = chunk["meta_info"]
         assert meta["input_token_logprobs"] == final["input_token_logprobs"]
         assert meta["input_top_logprobs"] == final["input_top_logprobs"]
+
+
+@pytest.mark.timeout(60)
+def test_token_ids_logprob_gives_those_tokens_logprobs_at_every_step(
+    engine: Engine,  # noqa: F811
+    ref_model: torch.nn.Module,  # noqa: F811
+) -> None:
+    """SGLang's ``token_ids_logprob``: per output token (and per prompt token from
+    ``logprob_start_len``, None first), ``[logprob, token_id, text or None]`` of each token
+    asked for, in the order asked (``TokenizerManager.add_logprob_to_meta_info``), under the
+    distribution the sampled token's log-prob comes from; what a judge reward asks an engine."""
+    wanted, start, new = [40, 3, 77], 5, 4
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "logprob_start_len": start,
+        "token_ids_logprob": wanted,
+        "sampling_params": {**GREEDY, "max_new_tokens": new},
+    }
+    out = engine.generate(body)
+    meta = out["meta_info"]
+    context = PROMPT + out["output_ids"]
+    expected = _reference(ref_model, context)
+    terms = forward_terms(ref_model.config, len(context))
+    outputs, inputs = meta["output_token_ids_logprobs"], meta["input_token_ids_logprobs"]
+    assert len(outputs) == new and len(inputs) == len(PROMPT) - start and inputs[0] is None
+    # an output step's logits follow the context before it, a prompt token's the one before it
+    steps = [*outputs, *inputs[1:]]
+    positions = [*range(len(PROMPT) - 1, len(context) - 1), *range(start, len(PROMPT) - 1)]
+    for step, position in zip(steps, positions, strict=True):
+        assert [e[1] for e in step] == wanted and all(e[2] is None for e in step)
+        assert_close([e[0] for e in step], expected[position, wanted], terms=terms)
+    # the sampled token's own log-prob, when it is asked for, is the one reported for it
+    first = out["output_ids"][0]
+    again = engine.generate({**body, "token_ids_logprob": [first]})["meta_info"]
+    assert math.isclose(
+        again["output_token_ids_logprobs"][0][0][0],
+        again["output_token_logprobs"][0][0],
+        abs_tol=1e-6,
+    )
+    # streamed: each chunk holds them so far, the last all of them
+    response = requests.post(engine.url + "/generate", json={**body, "stream": True}, timeout=30)
+    chunks = [
+        json.loads(line[len(b"data: ") :])
+        for line in response.iter_lines()
+        if line.startswith(b"data: {")
+    ]
+    last = chunks[-1]["meta_info"]
+    assert len(chunks) > 2 and len(last["output_token_ids_logprobs"]) == new
+    for chunk in chunks:
+        got = chunk["meta_info"]
+        done = got["completion_tokens"]
+        assert got["output_token_ids_logprobs"] == last["output_token_ids_logprobs"][:done]
+        assert got["input_token_ids_logprobs"] == last["input_token_ids_logprobs"]
+    # (the prompt's KV now comes from the prefix cache: the same values, summed otherwise)
+    for mine, theirs in (
+        (last["output_token_ids_logprobs"], outputs),
+        (last["input_token_ids_logprobs"][1:], inputs[1:]),
+    ):
+        flat = [e[0] for step in mine for e in step]
+        assert flat == pytest.approx([e[0] for step in theirs for e in step], abs=1e-5)
+    # without return_logprob there are none, as in SGLang; text with return_text_in_logprobs
+    assert (
+        "output_token_ids_logprobs"
+        not in engine.generate({**body, "return_logprob": False})["meta_info"]
+    )
+    texts = engine.generate({**body, "return_text_in_logprobs": True})["meta_info"]
+    tokenizer = _tokenizer(engine)
+    assert [e[2] for e in texts["output_token_ids_logprobs"][0]] == [
+        tokenizer.decode([t]) for t in wanted
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_token_ids_logprob_in_a_batch_and_what_is_refused(engine: Engine) -> None:  # noqa: F811
+    """SGLang's ``GenerateReqInput`` normalization: in a batch one id, one list for every
+    prompt, or a list per prompt (not with n > 1); ids inside the vocabulary."""
+    prompts = [PROMPT, [9, 8, 7]]
+    params = {**GREEDY, "max_new_tokens": 2}
+
+    def ask(value: object, **more: object) -> requests.Response:
+        body = {"input_ids": prompts, "return_logprob": True, "token_ids_logprob": value,
+                "sampling_params": params, **more}  # fmt: skip
+        return requests.post(engine.url + "/generate", json=body, timeout=30)
+
+    per_prompt = ask([[4], [5, 6]]).json()
+    assert [[e[1] for e in o["meta_info"]["output_token_ids_logprobs"][0]] for o in per_prompt] == [
+        [4],
+        [5, 6],
+    ]
+    for value, ids in ((4, [4]), ([5, 6], [5, 6])):
+        for o in ask(value).json():
+            assert [e[1] for e in o["meta_info"]["output_token_ids_logprobs"][1]] == ids
+    for value, more, words in (
+        ([[4], [5]], {"sampling_params": {**params, "n": 2}}, "n > 1"),
+        ([[4]], {}, "1 lists for a batch of 2"),
+        ([4, "x"], {}, "flat list of integers"),
+        ([[4], [10**6]], {}, "out-of-vocabulary"),
+    ):
+        response = ask(value, **more)
+        assert response.status_code == 400, (value, response.text)
+        assert words in response.text and "token_ids_logprob" in response.text
+    single = {"input_ids": PROMPT, "return_logprob": True, "token_ids_logprob": 4}
+    response = requests.post(engine.url + "/generate", json=single, timeout=30)
+    assert response.status_code == 400 and "flat list" in response.text
+    assert engine.generate({"input_ids": PROMPT, "sampling_params": params})["output_ids"]

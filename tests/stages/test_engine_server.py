@@ -344,6 +344,60 @@ def test_stop_strings_end_the_output_at_the_token_that_completes_them(
     assert all(len(o["output_ids"]) <= 16 for o in both[2:])
 
 
+@pytest.mark.timeout(60)
+def test_stop_regex_ends_the_output_where_the_end_of_its_text_matches(
+    engine: Engine, ref_model: torch.nn.Module
+) -> None:
+    # after SGLang's SamplingParams.normalize (the window: get_max_seq_length + 1 tokens),
+    # Req._check_str_based_finish (re.search in the decoded tail, after the stop strings) and
+    # DetokenizerManager.trim_matched_stop (the pattern looked up as plain text)
+    import re
+
+    tokenizer = _tokenizer(engine)
+    prompt = [30, 31, 32]
+    free = _hf_greedy(ref_model, prompt, 16)
+    words = [tokenizer.decode([t]) for t in free]
+
+    def first_match(pattern: str, window: int) -> int:
+        return next(
+            k for k in range(1, 17) if re.search(pattern, tokenizer.decode(free[:k][-window:]))
+        )
+
+    def ask(**params: Any) -> Any:
+        sampling = {**GREEDY, "max_new_tokens": 16, **params}
+        return engine.generate({"input_ids": prompt, "sampling_params": sampling})
+
+    # bounded: two words with a space or not between them, never written as such in the text
+    bounded = rf"{re.escape(words[4])}\s?{re.escape(words[5])}"
+    end = first_match(bounded, len(words[4]) + len(words[5]) + 2)
+    assert end <= 6
+    out = ask(stop_regex=bounded)
+    assert out["output_ids"] == free[:end]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": bounded}
+    # not found as plain text, so nothing is cut: the match stays at the end
+    assert out["text"] == sglang_text(tokenizer, prompt, free[:end])
+    assert re.search(bounded + "$", out["text"])
+    # unbounded (.*): the whole output is searched, so an early word still pairs with a late one
+    spread = rf"{re.escape(words[1])}.*{re.escape(words[6])}"
+    end = first_match(spread, 16)
+    out = ask(stop_regex=["no such words", spread])
+    assert out["output_ids"] == free[:end] and end >= 7
+    assert out["meta_info"]["finish_reason"]["matched"] == spread
+    # a pattern that is its own text is cut from it, as a stop string is (no_stop_trim: kept)
+    plain = words[3].strip()
+    assert re.escape(plain) == plain, plain
+    end = first_match(plain, len(plain) + 1)
+    full = sglang_text(tokenizer, prompt, free[:end])
+    out = ask(stop_regex=plain)
+    assert out["output_ids"] == free[:end] and out["text"] == full[: full.find(plain)]
+    assert ask(stop_regex=plain, no_stop_trim=True)["text"].endswith(plain)
+    # stop strings come first; the length limit before both
+    both = ask(stop=f"{words[1]} {words[2]}", stop_regex=plain)
+    assert both["meta_info"]["finish_reason"]["matched"] == f"{words[1]} {words[2]}"
+    assert ask(stop_regex=plain, max_new_tokens=1)["meta_info"]["finish_reason"]["type"] == "length"
+    assert ask(stop_regex="no such words")["output_ids"] == free
+
+
 def test_stop_string_requests_are_checked_before_anything_runs() -> None:
     from stages.engine.protocol import RequestError, parse_generate
 
@@ -363,6 +417,42 @@ def test_stop_string_requests_are_checked_before_anything_runs() -> None:
         assert info.value.field == "sampling_params.stop"
     with pytest.raises(RequestError, match="tokenizer"):
         parse("a", encode=None)
+
+
+def test_stop_regex_requests_are_checked_before_anything_runs() -> None:
+    # SGLang's SamplingParams.normalize: at most 32 patterns of at most 256 bytes
+    from stages.engine.protocol import RequestError, parse_generate
+    from stages.engine.stop_regex import UNBOUNDED, max_match_length
+
+    def parse(**sampling: Any) -> Any:
+        body = {"input_ids": [1, 2], "sampling_params": sampling}
+        encode = sampling.pop("encode", lambda text: text.split())
+        return parse_generate(body, vocab_size=8, context_length=512, encode=encode)[0][0].params
+
+    assert parse(stop_regex=r"ab{2}|c").stop_regex == (r"ab{2}|c",)
+    assert parse(stop_regex=r"ab{2}|c").stop_window == 4  # 3 characters at most, plus one
+    assert parse(stop_regex=[r"\d+", "x"]).stop_window == UNBOUNDED + 1
+    assert parse(stop_regex="x", stop="a bcdef").stop_window == 8  # one tail for both
+    assert parse(stop_regex=None).stop_regex == () and parse(stop_regex=[]).stop_regex == ()
+    assert [max_match_length(p) for p in ("^(ab){2,3}$", "a(?:bc)?", "[^a]", "x(?=y)")] == [
+        6,
+        3,
+        UNBOUNDED,
+        UNBOUNDED,
+    ]
+    for bad, words in (
+        (5, "a string or a list"),
+        (["a", 3], "a string or a list"),
+        (["x"] * 33, "at most 32 stop_regex patterns"),
+        ("é" * 129, "258 bytes, over the 256-byte limit"),
+        ("(ab", "not a valid regular expression"),
+        (["a", "b)"], "pattern 1 'b\\)' is not a valid"),
+    ):
+        with pytest.raises(RequestError, match=words) as info:
+            parse(stop_regex=bad)
+        assert info.value.field == "sampling_params.stop_regex"
+    with pytest.raises(RequestError, match="tokenizer"):
+        parse(stop_regex="a", encode=None)
 
 
 def _wait_running(engine: Engine, count: int = 1) -> None:
