@@ -19,7 +19,10 @@ Stop strings (``stop``: a string or a list of at most 32) as SGLang 0.5 has them
 token the end of the output is decoded (as many tokens as the longest stop string has
 characters or tokens, plus one) and the first stop string found in it ends the sequence with
 ``finish_reason {"type": "stop", "matched": "<the string>"}``; the token that completed it is
-the last of ``output_ids``. The length limit and stop tokens are checked first. In ``text`` the
+the last of ``output_ids``. A sample whose last token completes a stop string and also is a
+stop token, or the last the length limit allows, finishes by the stop string; one whose last
+token is a stop token and the last the length allows, by the token (SGLang 0.5.23's order,
+``Req.update_finish_state``). In ``text`` the
 matched stop string and what follows it are cut (with ``no_stop_trim``, only what follows it), and
 so is the matched stop token of a ``{"matched": <token id>}`` finish (kept with ``no_stop_trim``).
 They need the model's tokenizer. So do ``stop_regex`` patterns (``stages.engine.stop_regex``),

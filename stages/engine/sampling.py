@@ -220,18 +220,22 @@ class SlotSampler:
         logprobs = (x.gather(1, tokens[:, None]) - top - total.log_())[:, 0]
         return tokens, logprobs
 
-    def finished(self, tokens: torch.Tensor, lo: int, hi: int, column: int) -> torch.Tensor:
-        """Which of rows ``lo..hi-1`` are done now that ``tokens`` sit in logical ``column``.
+    def finished(
+        self, tokens: torch.Tensor, lo: int, hi: int, column: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(done, by_token)``: which of rows ``lo..hi-1`` are done now that ``tokens`` sit in
+        logical ``column``, and which of them by their token.
 
-        A row is done when ``column`` reaches its limit (``max_new_tokens``), or, unless it
-        set ``ignore_eos``, when it drew an EOS token or one of its ``stop_token_ids``.
+        A row is done when, unless it set ``ignore_eos``, it drew an EOS token or one of its
+        ``stop_token_ids`` (``by_token``), or when ``column`` reaches its limit
+        (``max_new_tokens``).
         """
-        done = self.limit[lo:hi] <= column
         assert self._is_eos is not None, "sample() sizes the EOS table"
         stop = self._is_eos[tokens]
         if self.n_stop_ids:
             stop = stop | (self.stop_ids[lo:hi] == tokens[:, None]).any(dim=1)
-        return done | (stop & self.check_stop[lo:hi])
+        by_token = stop & self.check_stop[lo:hi]
+        return (self.limit[lo:hi] <= column) | by_token, by_token
 
     def _eos_table(self, size: int) -> torch.Tensor:
         size = max(size, 1 + max(self.eos_token_ids, default=0))

@@ -965,18 +965,20 @@ class Scheduler:
         self, tokens: torch.Tensor, logprobs: torch.Tensor, lo: int, hi: int, column: int
     ) -> None:
         """Stream the tokens just sampled for rows ``lo..hi`` to those who asked, then retire
-        the rows they finish: by length or stop token first, then by stop string (SGLang's
-        order)."""
+        the rows they finish. A row's reason, in SGLang 0.5's order
+        (``Req.update_finish_state``): a stop string or pattern, else a stop token, else the
+        length limit."""
         # read before the checks move rows; sent after them, to rows that go on (a finished
         # row's result carries its last token: one chunk, as SGLang sends it)
         streamed = self._streamed(tokens, logprobs, lo, hi) if self._stream_seqs else None
-        watched = None
+        finished = self._finished_rows(tokens, lo, hi, column)
         if self._stop_seqs and self._decode_tail is not None:
             new = tokens.tolist()
             watched = [(s, new[s.slot - lo]) for s in self._stop_seqs if lo <= s.slot < hi]
-        self._check_finished(tokens, lo, hi, column)
-        if watched:
-            self._check_stop_strings(watched)
+            if watched:
+                finished.update(self._stop_string_rows(watched))
+        if finished:
+            self._retire(list(finished), list(finished.values()))
         if streamed:
             self._send_streamed(streamed)
         for outbox in list(self._outboxes.values()):  # what comes later: calls of their own
@@ -1045,12 +1047,13 @@ class Scheduler:
             assert group.outbox is not None and group.stream is not None
             group.outbox.call(group.stream, batch)
 
-    def _check_stop_strings(self, watched: list[tuple[_Seq, int]]) -> None:
+    def _stop_string_rows(self, watched: list[tuple[_Seq, int]]) -> dict[int, dict[str, Any]]:
+        """The rows among ``watched`` (each with the token it just drew) whose text now ends
+        in one of their stop strings, else patterns, with their finish reasons."""
         assert self._decode_tail is not None
-        rows: list[int] = []
-        reasons: list[dict[str, Any]] = []
+        found: dict[int, dict[str, Any]] = {}
         for seq, token in watched:
-            if seq.slot < 0 or seq.tail is None:  # finished by length or a stop token
+            if seq.tail is None:
                 continue
             params = seq.inp.params
             seq.tail.append(token)
@@ -1061,28 +1064,29 @@ class Scheduler:
             if matched is None:  # then the patterns (stages.engine.stop_regex)
                 matched = next((p for p in params.stop_regex if re.search(p, text)), None)
             if matched is not None:
-                rows.append(seq.slot)
-                reasons.append({"type": "stop", "matched": matched})
-        if rows:
-            self._retire(rows, reasons)
+                found[seq.slot] = {"type": "stop", "matched": matched}
+        return found
 
-    def _check_finished(self, tokens: torch.Tensor, lo: int, hi: int, column: int) -> None:
-        done = self._sampler.finished(tokens, lo, hi, column)
+    def _finished_rows(
+        self, tokens: torch.Tensor, lo: int, hi: int, column: int
+    ) -> dict[int, dict[str, Any]]:
+        """The rows among ``lo..hi`` that drew a stop token or reached their length limit,
+        with their finish reasons (a stop token first, as SGLang 0.5 orders them)."""
+        done, by_token = self._sampler.finished(tokens, lo, hi, column)
         if not bool(done.any()):
-            return
+            return {}
         offsets = done.nonzero()[:, 0]
         rows = (offsets + lo).tolist()
-        at_limit = (self._sampler.limit[lo:hi].index_select(0, offsets) <= column).tolist()
+        stopped = by_token.index_select(0, offsets).tolist()
         matched = tokens.index_select(0, offsets).tolist()
-        reasons: list[dict[str, Any]] = []
-        for row, limit, tok in zip(rows, at_limit, matched, strict=True):
-            # SGLang's order: the length limit first, then token stops.
-            if limit:
-                length = self._running[row].inp.params.max_new_tokens
-                reasons.append({"type": "length", "length": length})
+        found: dict[int, dict[str, Any]] = {}
+        for row, stop, tok in zip(rows, stopped, matched, strict=True):
+            if stop:
+                found[row] = {"type": "stop", "matched": tok}
             else:
-                reasons.append({"type": "stop", "matched": tok})
-        self._retire(rows, reasons)
+                length = self._running[row].inp.params.max_new_tokens
+                found[row] = {"type": "length", "length": length}
+        return found
 
     # ---- leaving (scheduler thread) --------------------------------------------------------
 

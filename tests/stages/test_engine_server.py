@@ -296,6 +296,12 @@ def test_stop_token_ids_and_length(engine: Engine, ref_model: torch.nn.Module) -
     assert kept["text"] == sglang_text(tokenizer, prompt, free[: first + 1])
     out = engine.generate({"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 3}})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    # a stop token drawn as the last the length allows is the reason (SGLang 0.5.23's
+    # Req.update_finish_state: stop strings, then stop tokens, then the length)
+    params = {"temperature": 0, "max_new_tokens": first + 1, "stop_token_ids": [stop]}
+    out = engine.generate({"input_ids": prompt, "sampling_params": params})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == free[: first + 1]
 
 
 def _tokenizer(engine: Engine) -> Any:
@@ -330,8 +336,11 @@ def test_stop_strings_end_the_output_at_the_token_that_completes_them(
     assert out["text"] == full[: full.find(stop)] and stop not in out["text"]
     kept = ask(stop=stop, no_stop_trim=True)
     assert kept["output_ids"] == free[:end] and kept["text"].endswith(stop)
-    # the length limit comes first (SGLang's order); a stop string never seen changes nothing
-    assert ask(stop=stop, max_new_tokens=end)["meta_info"]["finish_reason"]["type"] == "length"
+    # a stop string completed by the last token the length allows is the reason (SGLang
+    # 0.5.23's order: stop strings, stop tokens, the length); a stop string never seen
+    # changes nothing
+    assert ask(stop=stop, max_new_tokens=end)["meta_info"]["finish_reason"]["matched"] == stop
+    assert ask(stop=stop, max_new_tokens=end - 1)["meta_info"]["finish_reason"]["type"] == "length"
     assert ask(stop="no such words")["output_ids"] == free
     # every sample of a batch and of n > 1 looks for its own
     both = engine.generate(
@@ -391,9 +400,12 @@ def test_stop_regex_ends_the_output_where_the_end_of_its_text_matches(
     out = ask(stop_regex=plain)
     assert out["output_ids"] == free[:end] and out["text"] == full[: full.find(plain)]
     assert ask(stop_regex=plain, no_stop_trim=True)["text"].endswith(plain)
-    # stop strings come first; the length limit before both
+    # stop strings come first, the length limit last
     both = ask(stop=f"{words[1]} {words[2]}", stop_regex=plain)
     assert both["meta_info"]["finish_reason"]["matched"] == f"{words[1]} {words[2]}"
+    assert (
+        ask(stop_regex=plain, max_new_tokens=end)["meta_info"]["finish_reason"]["matched"] == plain
+    )
     assert ask(stop_regex=plain, max_new_tokens=1)["meta_info"]["finish_reason"]["type"] == "length"
     assert ask(stop_regex="no such words")["output_ids"] == free
 
