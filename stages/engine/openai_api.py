@@ -52,6 +52,7 @@ __all__ = [
     "completion_response",
     "completion_stream",
     "refusal",
+    "response_format",
 ]
 
 # OpenAI field -> the native sampling parameter it sets (SGLang's _build_sampling_params)
@@ -96,6 +97,46 @@ def error_response(message: str, *, status: int = 400, param: str | None = None)
     return web.json_response(_error(message, status=status, param=param), status=status)
 
 
+def response_format(fmt: Any) -> dict[str, str]:
+    """The native grammar a ``response_format`` asks for (SGLang's ``to_sampling_params``):
+    ``json_schema`` its ``json_schema.schema`` as JSON text (or a top-level ``schema``, as
+    SGLang's chat takes it), ``json_object`` any JSON object, ``text`` (or none) nothing.
+    ``structural_tag`` is not built in: 400."""
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema", "structural_tag"):
+        raise OpenAIError(
+            "response_format.type: Input should be 'text', 'json_object', 'json_schema' or "
+            "'structural_tag'",
+            "response_format",
+        )
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if kind == "structural_tag":
+        raise OpenAIError(
+            "response_format: structural_tag is not supported by the built-in engine "
+            "(json_schema and json_object are)",
+            "response_format",
+        )
+    if kind == "text":
+        return {}
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else fmt.get("schema")
+    if schema is None:
+        raise OpenAIError(
+            "schema_ is required for json_schema response format request.", "response_format"
+        )
+    if isinstance(schema, str):
+        return {"json_schema": schema}
+    if not isinstance(schema, dict):
+        raise OpenAIError(
+            "response_format.json_schema.schema: Input should be a valid dictionary",
+            "response_format",
+        )
+    return {"json_schema": json.dumps(schema)}
+
+
 def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(native /generate body, what the answer needs: model, n, echo, logprobs)`` for a
     ``/v1/completions`` body; OpenAIError when SGLang would refuse it (or the engine cannot do
@@ -128,6 +169,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     for name, native in _SAMPLING.items():
         if body.get(name) is not None:
             sampling[native] = body[name]
+    sampling.update(response_format(body.get("response_format")))
     native_body: dict[str, Any] = {
         "text" if text else "input_ids": prompt,
         "sampling_params": sampling,

@@ -29,10 +29,14 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   its ``finish_reason`` and ``matched_stop``; ``stream_options.include_usage`` adds a last chunk
   with ``usage`` and no choices (``delta`` always has ``reasoning_content: null``, as there).
 
-Refused with 400, as SGLang refuses what it cannot honour (the built-in engine has no constrained
-decoding): ``tool_choice`` ``required`` or a named function, ``response_format`` other than
-text. A model whose tokenizer has no chat template (and no ``--chat-template``) gets 400 on this
-route. This module knows nothing of HTTP; ``openai_api.OpenAIRoutes`` serves it.
+- ``response_format``: ``json_schema`` (its schema) and ``json_object`` constrain the answer
+  (``stages.engine.grammar``), which is then data, not read for tool calls; ``regex`` and
+  ``ebnf`` as on ``/v1/completions``.
+
+Refused with 400, as SGLang refuses what it cannot honour: ``tool_choice`` ``required`` or a
+named function, ``response_format`` ``structural_tag``. A model whose tokenizer has no chat
+template (and no ``--chat-template``) gets 400 on this route. This module knows nothing of
+HTTP; ``openai_api.OpenAIRoutes`` serves it.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from stages.engine.openai_api import (
     StreamLayout,
     _usage,
     name_adapter,
+    response_format,
     results_usage,
 )
 from stages.engine.tool_calls import (
@@ -161,19 +166,13 @@ def chat_request(
         raise OpenAIError(f"top_logprobs: an integer in [0, {_MAX_TOP_LOGPROBS}]", "top_logprobs")
     if top and not body.get("logprobs"):
         raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise OpenAIError(
-            "response_format: JSON output needs constrained decoding, which the built-in engine "
-            "does not have",
-            "response_format",
-        )
+    grammar = response_format(body.get("response_format"))
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice", "auto")
     if choice not in ("auto", "none", None):
         raise OpenAIError(
-            "tool_choice: 'required' or a named function needs constrained decoding, which the "
-            "built-in engine does not have ('auto' and 'none' work)",
+            "tool_choice: 'required' or a named function is not supported by the built-in "
+            "engine ('auto' and 'none' are; response_format json_schema constrains an answer)",
             "tool_choice",
         )
     stream_options = body.get("stream_options") or {}
@@ -198,6 +197,7 @@ def chat_request(
     for name, native in _SAMPLING.items():  # the rest by /v1/completions' names
         if name not in _NOT_SAMPLING and body.get(name) is not None:
             sampling[native] = body[name]
+    sampling.update(grammar)
     native_body: dict[str, Any] = {
         "input_ids": prompt,
         "sampling_params": sampling,
@@ -216,7 +216,8 @@ def chat_request(
         "adapter_in_model": adapter_in_model,
         "n": n if _is_int(n) and n > 0 else 1,
         "logprobs": bool(body.get("logprobs")),
-        "parse_tools": bool(template_tools) and settings.tool_parser is not None,
+        # a JSON answer is data, not tool calls (SGLang: _response_parser_json_response_format)
+        "parse_tools": bool(template_tools) and settings.tool_parser is not None and not grammar,
         "tools": tools or [],
         "stream": bool(body.get("stream")),
         "include_usage": bool(stream_options.get("include_usage")),

@@ -4,7 +4,7 @@ Field names and defaults follow SGLang 0.5.x (``GenerateReqInput`` and ``Samplin
 ``max_new_tokens`` 128, ``temperature`` 1.0 (0 means greedy), ``top_p`` 1.0, ``top_k`` -1 (off),
 ``min_p`` 0.0, ``ignore_eos`` false, ``sampling_seed`` none, ``n`` 1. Every problem raises
 ``RequestError`` naming the field, which the server answers with HTTP 400. SGLang parameters
-the built-in engine does not implement (grammars) are accepted only
+the built-in engine does not implement (``structural_tag``) are accepted only
 at their neutral default and rejected otherwise, so a request never silently means something
 else here. Input log-probs (``logprob_start_len``, and prefill-only scoring with
 ``max_new_tokens: 0``) are ``stages.engine.prompt_logprobs``'s.
@@ -107,6 +107,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), each id once
+    # (field, text): the json_schema, regex or ebnf the sample must follow (stages.engine.grammar)
+    grammar: tuple[str, str] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -171,10 +173,7 @@ class SequenceResult:
 
 # SGLang sampling parameters accepted only at these neutral values.
 _NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
-    "json_schema": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
-    "structural_tag": (None,),
+    "structural_tag": (None, ""),
 }
 # Accepted and without effect here: they only shape text, or (``custom_params``) feed a custom
 # logit processor, which SGLang ignores them without and this engine refuses.
@@ -186,6 +185,7 @@ _PENALTY_RANGES = {
     "repetition_penalty": (0.0, 2.0, "(0, 2] (1.0 = no penalty)"),
 }
 MAX_STOP_COUNT = 32  # SGLang's limit on stop strings
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # at most one a sample (SGLang's verify)
 
 # Top-level GenerateReqInput fields accepted only at these neutral values.
 _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
@@ -742,6 +742,19 @@ def _sampling_params(
             continue
         if key == "stop_regex":
             values.update(_stop_patterns(value, path, encode))
+            continue
+        if key in GRAMMAR_FIELDS:
+            if value is None or value == "":  # SGLang: `json_schema or None`
+                continue
+            if not isinstance(value, str):
+                raise RequestError(path, f"expected the grammar as a string, got {_kind(value)}")
+            if "grammar" in values:
+                raise RequestError(
+                    path, "Only one of json_schema, regex, ebnf, or structural_tag can be set."
+                )
+            if encode is None:
+                raise RequestError(path, "grammars need the model's tokenizer; this model has none")
+            values["grammar"] = (key, value)
             continue
         if key in _NEUTRAL_SAMPLING:
             if not _is_neutral(value, _NEUTRAL_SAMPLING[key]):

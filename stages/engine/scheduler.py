@@ -57,13 +57,14 @@ import structlog
 import torch
 
 from pipeline.processes import name_thread
+from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.lora_adapters import Adapter, AdapterError, RowAdapters, load_adapter
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
 from stages.engine.prompt_logprobs import prompt_logprobs, scoring_passes
-from stages.engine.protocol import GenerateInput, SequenceResult
+from stages.engine.protocol import GenerateInput, RequestError, SequenceResult
 from stages.engine.sampling import SlotSampler
 from stages.hf import DynamicCache
 
@@ -209,6 +210,7 @@ class _Seq:
         "adapter",
         "cached",
         "cached_version",
+        "constraint",
         "done_ids",
         "done_logprobs",
         "done_versions",
@@ -235,6 +237,7 @@ class _Seq:
     def __init__(self, inp: GenerateInput, group: _Group, index: int, started: float) -> None:
         self.inp = inp
         self.adapter: Adapter | None = None  # its LoRA adapter, set when queued (inp.lora)
+        self.constraint: Constraint | None = None  # its grammar's state, set when submitted
         # its last sampled tokens, decoded after each step to look for its stop strings and
         # patterns, and their text after the last step
         watch = inp.params.stop or inp.params.stop_regex
@@ -293,6 +296,7 @@ class Scheduler:
         prefix_cache_max_age: int = PREFIX_CACHE_MAX_AGE,
         decode_tail: Callable[[list[int]], str] | None = None,
         stream_interval: int = 1,
+        grammars: GrammarSet | None = None,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
@@ -333,6 +337,9 @@ class Scheduler:
         # running seqs that want top log-probs or those of given tokens (token_ids_logprob)
         self._top_seqs: set[_Seq] = set()
         self._stream_seqs: set[_Seq] = set()  # running seqs whose tokens are streamed
+        # json_schema, regex and ebnf (stages.engine.grammar); the seqs that follow one
+        self._grammars = grammars
+        self._constrained: set[_Seq] = set()
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         # Weight versions as spans over the step clock (BatchKV.end): version _vvals[i] is live
         # from clock _vkeys[i] on.
@@ -421,7 +428,9 @@ class Scheduler:
         futures, seqs = [], []
         for inputs in groups:
             group = _Group(len(inputs), False, outbox)
-            seqs.append([_Seq(inp, group, i, now) for i, inp in enumerate(inputs)])
+            seqs.append(
+                self._constrain_seqs([_Seq(inp, group, i, now) for i, inp in enumerate(inputs)])
+            )
             futures.append(group.future)
         self._post(lambda: [self._enqueue(one) for one in seqs])
         return futures
@@ -566,9 +575,27 @@ class Scheduler:
     ) -> Any:
         group = _Group(len(inputs), single, outbox, stream)
         now = time.perf_counter()
-        seqs = [_Seq(inp, group, i, now) for i, inp in enumerate(inputs)]
+        seqs = self._constrain_seqs([_Seq(inp, group, i, now) for i, inp in enumerate(inputs)])
         self._post(lambda: self._enqueue(seqs))
         return group.future
+
+    def _constrain_seqs(self, seqs: list[_Seq]) -> list[_Seq]:
+        """Give each seq with a grammar its constraint (compiled on the caller's thread, kept
+        compiled); RequestError naming the field if one cannot be."""
+        for seq in seqs:
+            grammar = seq.inp.params.grammar
+            if grammar is None:
+                continue
+            field, text = grammar
+            if self._grammars is None:
+                raise RequestError(
+                    f"sampling_params.{field}", "grammars need the model's tokenizer"
+                )
+            try:
+                seq.constraint = self._grammars.start(field, text)
+            except GrammarError as exc:
+                raise RequestError(f"sampling_params.{field}", str(exc)) from None
+        return seqs
 
     def _post(self, command: Callable[[], None]) -> None:
         with self._lock:
@@ -872,6 +899,7 @@ class Scheduler:
         self._stop_seqs.update(s for s in group if s.tail is not None)
         self._top_seqs.update(s for s in group if s.top is not None or s.picked is not None)
         self._stream_seqs.update(s for s in group if s.group.stream is not None)
+        self._constrained.update(s for s in group if s.constraint is not None)
         self._sampler.add(
             [s.inp.params for s in group],
             [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
@@ -880,6 +908,8 @@ class Scheduler:
         )
         if src is not None:
             logits = logits.index_select(0, src)
+        if self._constrained:
+            self._constrain(logits, lo, hi)
         self._sampler.penalize(logits, lo, hi)
         if self._top_seqs:
             self._take_top_logprobs(logits, lo, hi)
@@ -926,6 +956,8 @@ class Scheduler:
             logits = out.logits[:, -1, :]
         self.steps += 1
         rows = kv.rows
+        if self._constrained:
+            self._constrain(logits, 0, rows)
         self._sampler.penalize(logits, 0, rows)
         if self._top_seqs:
             self._take_top_logprobs(logits, 0, rows)
@@ -972,6 +1004,10 @@ class Scheduler:
         # row's result carries its last token: one chunk, as SGLang sends it)
         streamed = self._streamed(tokens, logprobs, lo, hi) if self._stream_seqs else None
         finished = self._finished_rows(tokens, lo, hi, column)
+        if self._constrained:  # a grammar ends a sample after the length (SGLang's order)
+            for row, reason in self._advance_grammars(tokens, lo, hi).items():
+                if reason["type"] == "abort" or row not in finished:
+                    finished[row] = reason
         if self._stop_seqs and self._decode_tail is not None:
             new = tokens.tolist()
             watched = [(s, new[s.slot - lo]) for s in self._stop_seqs if lo <= s.slot < hi]
@@ -1067,6 +1103,46 @@ class Scheduler:
                 found[seq.slot] = {"type": "stop", "matched": matched}
         return found
 
+    def _constrain(self, logits: torch.Tensor, lo: int, hi: int) -> None:
+        """Before sampling rows ``lo..hi``: what each constrained row's grammar does not allow
+        next gets ``-inf`` (stages.engine.grammar). A row whose grammar allows nothing is
+        marked to be aborted once this step's tokens are in."""
+        seqs = [s for s in self._constrained if lo <= s.slot < hi]
+        if not seqs:
+            return
+        assert self._grammars is not None
+        rows = [s.slot - lo for s in seqs]
+        empty = self._grammars.constrain(logits, rows, [s.constraint for s in seqs])  # type: ignore[misc]
+        stuck = [seqs[rows.index(row)] for row in empty]
+        for seq in stuck:
+            seq.constraint.stuck = True  # type: ignore[union-attr]
+
+    def _advance_grammars(
+        self, tokens: torch.Tensor, lo: int, hi: int
+    ) -> dict[int, dict[str, Any]]:
+        """Each constrained row among ``lo..hi`` takes the token it drew; the rows its grammar
+        ends (an EOS token after it is complete, as with ``ignore_eos``) or cannot take it,
+        with their finish reasons."""
+        found: dict[int, dict[str, Any]] = {}
+        new = None
+        for seq in self._constrained:
+            if not lo <= seq.slot < hi:
+                continue
+            constraint = seq.constraint
+            assert constraint is not None
+            if new is None:
+                new = tokens.tolist()
+            token = new[seq.slot - lo]
+            if constraint.stuck:
+                error: str | None = "the grammar allows no token of this model's vocabulary here"
+            else:
+                error = constraint.accept(token)
+            if error is not None:
+                found[seq.slot] = {"type": "abort", "message": f"grammar: {error}"}
+            elif constraint.terminated:
+                found[seq.slot] = {"type": "stop", "matched": token}
+        return found
+
     def _finished_rows(
         self, tokens: torch.Tensor, lo: int, hi: int, column: int
     ) -> dict[int, dict[str, Any]]:
@@ -1157,6 +1233,8 @@ class Scheduler:
         self._stop_seqs.discard(seq)
         self._top_seqs.discard(seq)
         self._stream_seqs.discard(seq)
+        self._constrained.discard(seq)
+        seq.constraint = None
         seq.slot = -1
         seq.group.done(
             seq.index,

@@ -54,6 +54,7 @@ from pipeline import heap
 from pipeline.processes import name_thread
 from stages.detokenize import decoder
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
+from stages.engine.grammar import GrammarSet
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.lora_routes import LoraRoutes
@@ -793,6 +794,9 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         prefix_cache_max_age=args.prefix_cache_max_age,
         # stop strings are looked for in the text as SGLang decodes it (special tokens kept)
         decode_tail=None if decode is None else (lambda ids: decode(ids, False)),
+        grammars=None
+        if loaded.tokenizer is None
+        else GrammarSet(loaded.tokenizer, loaded.vocab_size, sorted(loaded.eos_token_ids)),
     )
 
 

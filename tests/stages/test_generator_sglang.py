@@ -186,6 +186,32 @@ async def test_stop_regex_ends_the_output_and_names_the_pattern(client):
 
 
 @pytest.mark.timeout(120)
+async def test_grammars_constrain_the_output(client):
+    """``sampling_params.regex``, ``json_schema`` and ``ebnf`` (what ``test_engine_grammar.py``
+    checks the built-in engine against): the text follows the grammar and the sample stops
+    once it is complete; a grammar that does not compile is refused."""
+    import re
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+              "maximum": 99}}, "required": ["a"], "additionalProperties": False}  # fmt: skip
+    for grammar, check in (
+        ({"regex": "[0-9]{3}"}, lambda text: re.fullmatch("[0-9]{3}", text)),
+        ({"ebnf": 'root ::= "1" ("2" | "3")'}, lambda text: text in ("12", "13")),
+        ({"json_schema": json.dumps(schema)}, lambda text: 0 <= json.loads(text)["a"] <= 99),
+    ):
+        body = {"input_ids": PROMPT, "sampling_params": _params(64, **grammar)}
+        body["sampling_params"].pop("ignore_eos")
+        status, out = await _post(client, "/generate", body)
+        assert status == 200, out
+        assert check(out["text"]), (grammar, out["text"])
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+    body = {"input_ids": PROMPT, "sampling_params": _params(4, regex="(unclosed")}
+    async with client.session.post(client.url + "/generate", json=body) as resp:
+        assert resp.status == 400, await resp.text()
+    assert await client.healthy()
+
+
+@pytest.mark.timeout(120)
 async def test_penalties_and_logit_bias_change_what_is_sampled(client):
     """SGLang's penalizers and ``logit_bias`` (what ``test_engine_penalties.py`` checks the
     built-in engine against): a bias that bans the greedy first token moves it, a large

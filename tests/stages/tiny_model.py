@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-__all__ = ["EOS_ID", "make_tiny_model", "tiny_config"]
+__all__ = ["BYTE_CHARS", "EOS_ID", "make_byte_model", "make_tiny_model", "tiny_config"]
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 
@@ -101,4 +101,32 @@ def make_arith_model(path: Path, *, seed: int = 0, hidden: int = 32, layers: int
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     make_tokenizer().save_pretrained(path)
+    return path
+
+
+# the characters of make_byte_model's tokenizer (no whitespace: a constrained JSON cannot pad)
+BYTE_CHARS = '{}[]":,.-+0123456789abcdefghijklmnopqrstuvwxyz'
+_BYTE_WORDS = ("true", "false", "null")  # whole tokens as well
+
+
+def make_byte_model(path: Path, *, seed: int = 0, **sizes: Any) -> Path:
+    """A random tiny Qwen2 with a byte-level BPE tokenizer (GPT-2's byte alphabet, as Qwen's
+    and Llama 3's): ``<pad>``, ``<eos>``, each of ``BYTE_CHARS`` and a few words. Its text is
+    its tokens' texts joined, so grammars can constrain it."""
+    path = Path(path)
+    level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID}
+    for ch in BYTE_CHARS:
+        vocab[level.pre_tokenize_str(ch)[0][0]] = len(vocab)
+    merges = []
+    for word in _BYTE_WORDS:
+        for end in range(2, len(word) + 1):
+            merges.append((word[: end - 1], word[end - 1]))
+            vocab.setdefault(word[:end], len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    core.pre_tokenizer = level
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+    make_tiny_model(path, seed=seed, with_tokenizer=False, vocab=len(vocab), **sizes)
+    tokenizer.save_pretrained(path)
     return path

@@ -1,0 +1,216 @@
+"""Constrained decoding: ``sampling_params.json_schema``, ``regex`` and ``ebnf``.
+
+As SGLang 0.5 constrains a sample with its llguidance backend (``--grammar-backend
+llguidance``, ``srt/constrained/llguidance_backend.py``): the request's grammar is compiled
+(a JSON schema with flexible whitespace, SGLang's default; a regular expression; an EBNF or
+Lark grammar), each sample gets its own matcher, and before every sampled token the tokens the
+grammar does not allow next get ``-inf`` logits. The log-probs reported are those of the
+distribution so constrained, as SGLang's. Once the grammar is complete only an EOS token is
+allowed; with ``ignore_eos`` the sample ends there anyway, with ``finish_reason {type: stop,
+matched: <the EOS id>}`` (SGLang's ``is_terminated``). A grammar that fails to compile is a
+400 naming the field (``Failed to compile json grammar: ...``, SGLang's words). Compiled
+grammars are kept (the last 64), so a schema sent again costs a copy.
+
+The tokenizer: llguidance reads byte-level BPE and SentencePiece tokenizers itself. For one it
+does not read (a character or word tokenizer whose decoder just joins tokens, like the shipped
+arithmetic models'), each token's text is taken as its bytes, which is right when the
+tokenizer's text is the concatenation of its tokens' texts; a tokenizer whose text is not (one
+that puts spaces between words) cannot be constrained, and a grammar sent to it is a 400.
+
+A step's masks are computed together (llguidance's executor, in its threads without the GIL),
+then applied to the logits in one tensor operation (``GrammarSet.constrain``).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import structlog
+import torch
+
+__all__ = ["GRAMMAR_FIELDS", "Constraint", "GrammarError", "GrammarSet"]
+
+log = structlog.get_logger("inflight.engine.grammar")
+
+# sampling_params field -> SGLang's grammar key (GrammarManager.process_req_with_grammar)
+GRAMMAR_FIELDS = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf"}
+_CACHED = 64  # compiled grammars kept
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be used: the message says why (the caller names the field)."""
+
+
+class Constraint:
+    """One sample's grammar state: which tokens may come next, and the tokens it took."""
+
+    __slots__ = ("eos", "matcher", "stuck", "terminated")
+
+    def __init__(self, matcher: Any, eos: frozenset[int]) -> None:
+        self.matcher = matcher
+        self.eos = eos
+        self.terminated = False  # complete, and an EOS token taken after it
+        self.stuck = False  # its grammar allowed no token of the vocabulary at the last step
+
+    def accept(self, token: int) -> str | None:
+        """Take the sampled ``token``; an error message if the grammar cannot (then the
+        sample is aborted, as SGLang aborts it)."""
+        if self.terminated:
+            return None
+        matcher = self.matcher
+        if matcher.is_stopped() and token in self.eos:
+            self.terminated = True
+            return None
+        if not matcher.consume_token(token):
+            return matcher.get_error() or f"the grammar does not allow token {token}"
+        return None
+
+
+class GrammarSet:
+    """The grammars of one engine: compiled for its tokenizer (cached), a matcher per sample."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._ll: Any = None  # llguidance's tokenizer, or why there is none
+        self._llexecutor: Any = None  # computes the masks of a step together
+
+    def start(self, field: str, text: str) -> Constraint:
+        """A fresh constraint of the grammar ``text`` given as ``field`` (a key of
+        ``GRAMMAR_FIELDS``); GrammarError if it does not compile."""
+        kind = GRAMMAR_FIELDS[field]
+        key = (kind, text)
+        with self._lock:
+            template = self._compiled.get(key)
+            if template is not None:
+                self._compiled.move_to_end(key)
+        if template is None:
+            template = self._compile(kind, text)
+            with self._lock:
+                self._compiled[key] = template
+                while len(self._compiled) > _CACHED:
+                    self._compiled.popitem(last=False)
+        return Constraint(template.deep_copy(), frozenset(self._ll_tokenizer().eos_tokens))
+
+    def _compile(self, kind: str, text: str) -> Any:
+        import llguidance
+
+        tokenizer = self._ll_tokenizer()
+        try:
+            if kind == "json":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    text, defaults={"whitespace_flexible": True}
+                )
+            else:
+                grammar = llguidance.grammar_from("regex" if kind == "regex" else "ebnf", text)
+        except Exception as exc:  # malformed JSON, unknown format: llguidance's words
+            raise GrammarError(f"Failed to compile {kind} grammar: {exc}") from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"Failed to compile {kind} grammar: {matcher.get_error()}")
+        return matcher
+
+    def _ll_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, built once (about a second for a large
+        vocabulary); a tokenizer it cannot take fails every time with the same error."""
+        with self._lock:
+            if self._ll is None:
+                try:
+                    self._ll = _ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
+                except GrammarError as exc:
+                    self._ll = exc
+            if isinstance(self._ll, GrammarError):
+                raise GrammarError(str(self._ll))
+            return self._ll
+
+    def _executor(self) -> Any:
+        if self._llexecutor is None:
+            import llguidance
+
+            self._llexecutor = llguidance.LLExecutor()
+        return self._llexecutor
+
+    # -- the scheduler's side ------------------------------------------------------------------
+    def constrain(
+        self, logits: torch.Tensor, rows: list[int], constraints: list[Constraint]
+    ) -> list[int]:
+        """Set to ``-inf`` the logits of ``rows`` that each row's constraint does not allow
+        next; returns the rows whose grammar allows no token at all (to be aborted)."""
+        words = (self.vocab_size + 31) // 32
+        bits = torch.empty((len(rows), words), dtype=torch.int32)
+        # every row's mask in one call, computed in llguidance's threads without the GIL
+        self._executor().unsafe_compute_mask_ptr(
+            [(c.matcher, i) for i, c in enumerate(constraints)],
+            bits.data_ptr(),
+            words * 4,
+            len(rows),
+        )
+        allowed = ((bits.unsqueeze(-1) >> self._shifts) & 1).bool().reshape(len(rows), -1)
+        width = logits.shape[1]
+        allowed = allowed[:, :width]
+        if allowed.shape[1] < width:  # logits past the tokenizer's vocabulary: never allowed
+            pad = torch.zeros((len(rows), width - allowed.shape[1]), dtype=torch.bool)
+            allowed = torch.cat([allowed, pad], dim=1)
+        allowed = allowed.to(logits.device)
+        index = torch.tensor(rows, device=logits.device)
+        logits.index_copy_(
+            0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        )
+        empty = (~allowed.any(dim=1)).nonzero()[:, 0].tolist()
+        return [rows[i] for i in empty]
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:
+    """The llguidance tokenizer of ``tokenizer``: its own reading when it has one, else each
+    token's text as its bytes (when the tokenizer's text is the tokens' texts joined)."""
+    import llguidance
+    import llguidance.hf
+
+    eos_token: int | list[int] | None = eos or None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        try:
+            return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token)
+        except (ValueError, TypeError) as exc:
+            log.info("grammar_tokenizer_by_token_texts", reason=str(exc))
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_TokenTexts(tokenizer, vocab_size, eos)), n_vocab=vocab_size
+    )
+
+
+class _TokenTexts:
+    """A tokenizer seen as llguidance's generic one: every token's text as its bytes."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: list[int]) -> None:
+        size = min(vocab_size, len(tokenizer))
+        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        texts = [tokenizer.decode([i], skip_special_tokens=False) for i in range(size)]
+        self._check_joins(tokenizer, texts, special)
+        self.tokens = [t.encode("utf-8") for t in texts] + [b""] * (vocab_size - size)
+        self.special_token_ids = sorted(t for t in special if t < size)
+        self.eos_token_id = eos[0] if eos else getattr(tokenizer, "eos_token_id", None)
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self._tokenizer = tokenizer
+
+    @staticmethod
+    def _check_joins(tokenizer: Any, texts: list[str], special: set[int]) -> None:
+        plain = [i for i in range(len(texts)) if i not in special and texts[i]]
+        pairs = random.Random(0).choices(plain, k=min(64, 4 * len(plain))) if plain else []
+        for a, b in zip(pairs[::2], pairs[1::2], strict=False):
+            if tokenizer.decode([a, b], skip_special_tokens=False) != texts[a] + texts[b]:
+                raise GrammarError(
+                    "this model's tokenizer does not write its text as its tokens' texts "
+                    f"joined (tokens {a} and {b} read {texts[a]!r} and {texts[b]!r} alone, "
+                    f"{tokenizer.decode([a, b], skip_special_tokens=False)!r} together), so "
+                    "grammars cannot constrain it"
+                )
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))

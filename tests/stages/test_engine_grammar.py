@@ -1,0 +1,252 @@
+"""Constrained decoding on the built-in engine (``json_schema``, ``regex``, ``ebnf``), as a real
+server on a tiny model with a byte-level BPE tokenizer, spoken to as SGLang is (``/generate``,
+the ``openai`` client); after SGLang 0.5's llguidance backend
+(``srt/constrained/llguidance_backend.py``) and ``GrammarManager.process_req_with_grammar``."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+import torch
+
+from stages.engine.grammar import GrammarError, GrammarSet
+from tests.stages.test_engine_server import Engine, serving
+from tests.stages.tiny_model import EOS_ID, make_arith_model, make_byte_model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["ab", "cd"]},
+        "xs": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": -9, "maximum": 9},
+            "maxItems": 3,
+        },
+    },
+    "required": ["ok", "n", "tag"],
+    "additionalProperties": False,
+}
+PROMPT = [3, 4, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    root = tmp_path_factory.mktemp("grammar-engine")
+    model_dir = make_byte_model(root / "model", seed=3)
+    (root / "template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}:{% endfor %}"
+        "{% if add_generation_prompt %}={% endif %}"
+    )
+    with serving(
+        model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja")
+    ) as eng:
+        yield eng
+
+
+def _generate(engine: Engine, sampling: dict[str, Any], **more: Any) -> Any:
+    body = {"input_ids": PROMPT, "sampling_params": sampling, **more}
+    response = requests.post(engine.url + "/generate", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _follows_schema(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) - {"xs"} == {"ok", "n", "tag"}
+        and isinstance(value["ok"], bool)
+        and type(value["n"]) is int
+        and 0 <= value["n"] <= 999
+        and value["tag"] in ("ab", "cd")
+        and all(type(x) is int and -9 <= x <= 9 for x in value.get("xs", []))
+        and len(value.get("xs", [])) <= 3
+    )
+
+
+@pytest.mark.timeout(60)
+def test_json_schema_outputs_follow_the_schema_greedy_and_sampled(engine: Engine) -> None:
+    schema = json.dumps(SCHEMA)
+    greedy = _generate(
+        engine, {"json_schema": schema, "temperature": 0, "max_new_tokens": 80}, return_logprob=True
+    )
+    # the schema allows one first token ("{": no whitespace in this vocabulary): log-prob 0,
+    # the distribution reported is the constrained one (SGLang's)
+    assert greedy["meta_info"]["output_token_logprobs"][0][0] == pytest.approx(0.0, abs=1e-6)
+    sampled = _generate(
+        engine, {"json_schema": schema, "temperature": 1.0, "n": 6, "max_new_tokens": 80}
+    )
+    for out in [greedy, *sampled]:
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS_ID}, out
+        assert _follows_schema(json.loads(out["text"])), out["text"]
+    # the same model unconstrained writes no JSON at all
+    free = _generate(engine, {"temperature": 0, "max_new_tokens": 30})
+    with pytest.raises(ValueError):
+        json.loads(free["text"])
+
+
+@pytest.mark.timeout(60)
+def test_regex_and_ebnf_outputs_match_and_a_complete_grammar_ends_the_sample(
+    engine: Engine,
+) -> None:
+    for sampling, check in (
+        ({"regex": r"[a-c]{3}-[0-9]{1,4}"}, lambda t: re.fullmatch(r"[a-c]{3}-[0-9]{1,4}", t)),
+        ({"ebnf": 'root ::= "x" ("ab" | "cd")+ "y"'}, lambda t: re.fullmatch("x(ab|cd)+y", t)),
+    ):
+        for temperature in (0.0, 1.0):
+            params = {**sampling, "temperature": temperature, "max_new_tokens": 40, "n": 3}
+            for out in _generate(engine, params):
+                assert check(out["text"]), (sampling, out["text"])
+                assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    # with ignore_eos the grammar itself ends the sample once complete (SGLang's
+    # is_terminated): the EOS it allowed is the last token, trimmed from the text
+    out = _generate(engine, {"regex": "abc", "ignore_eos": True, "max_new_tokens": 20})
+    assert out["text"] == "abc" and out["output_ids"][-1] == EOS_ID
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS_ID}
+    # streamed: the chunks end in the same answer
+    sampling = {"regex": r"[0-9]{6}", "temperature": 0, "max_new_tokens": 20}
+    body = {"input_ids": PROMPT, "stream": True, "sampling_params": sampling}
+    response = requests.post(engine.url + "/generate", json=body, timeout=30)
+    chunks = [json.loads(x[6:]) for x in response.iter_lines() if x.startswith(b"data: {")]
+    assert len(chunks) > 2 and re.fullmatch("[0-9]{6}", chunks[-1]["text"])
+    assert chunks[-1]["text"] == _generate(engine, body["sampling_params"])["text"]
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_grammar_is_a_400_naming_the_field_and_the_engine_serves_on(engine: Engine) -> None:
+    # GrammarManager: "Failed to compile <json|regex|ebnf> grammar: ..."; SamplingParams.verify
+    cases = [
+        ({"json_schema": "{not json"}, "sampling_params.json_schema", "Failed to compile json"),
+        ({"regex": "(a"}, "sampling_params.regex", "Failed to compile regex"),
+        ({"ebnf": 'root ::= "a" | ('}, "sampling_params.ebnf", "Failed to compile ebnf"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "sampling_params", "Only one of json_schema"),
+        ({"json_schema": {"type": "object"}}, "sampling_params.json_schema", "as a string"),
+        ({"structural_tag": "{}"}, "sampling_params.structural_tag", "not supported"),
+    ]
+    for sampling, field, words in cases:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, **sampling}}
+        response = requests.post(engine.url + "/generate", json=body, timeout=30)
+        assert response.status_code == 400, (sampling, response.text)
+        message = response.json()["error"]["message"]
+        assert message.startswith(field) and words in message, message
+    # an empty grammar is none (SGLang: `json_schema or None`)
+    assert _generate(engine, {"regex": "", "max_new_tokens": 3})["meta_info"]["completion_tokens"]
+    status, info = engine.request("GET", "/server_info")
+    assert status == 200 and info["refused_requests"]["POST /generate 400"] >= len(cases)
+
+
+@pytest.mark.timeout(60)
+def test_response_format_on_the_openai_routes(engine: Engine) -> None:
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "ab"}], max_tokens=80, n=2,
+        response_format=fmt,
+    )  # fmt: skip
+    for choice in chat.choices:
+        assert _follows_schema(json.loads(choice.message.content)), choice.message.content
+        assert choice.finish_reason == "stop"
+    anything = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "ab"}], max_tokens=80, temperature=0,
+        response_format={"type": "json_object"},
+    ).choices[0].message.content  # fmt: skip
+    assert isinstance(json.loads(anything), dict)
+    completion = client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"regex": "[a-f]{5}"}
+    )
+    assert re.fullmatch("[a-f]{5}", completion.choices[0].text)
+    streamed = client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=80, temperature=0, stream=True,
+        extra_body={"response_format": fmt},
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+    assert _follows_schema(json.loads(text)), text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model="m", prompt=PROMPT, max_tokens=4, extra_body={"json_schema": "{oops"}
+        )
+    assert "json_schema" in info.value.body["message"]
+
+
+def test_a_character_tokenizer_is_constrained_by_its_tokens_texts(tmp_path: Path) -> None:
+    """llguidance does not read a ``Fuse`` decoder (the arithmetic models'): each token's text
+    stands for its bytes, and the masks allow exactly the tokens that keep the text in the
+    grammar."""
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = make_arith_model(tmp_path / "arith")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    grammars = GrammarSet(tokenizer, 16, [tokenizer.eos_token_id])
+    constraint = grammars.start("regex", "[0-9]{2}[+*]")
+    logits = torch.zeros(1, 16)
+    texts = [tokenizer.decode([i]) for i in range(16)]
+    for expected in ("0123456789", "0123456789", "+*"):
+        grammars.constrain(logits, [0], [constraint])
+        allowed = {texts[i] for i in range(16) if math.isfinite(float(logits[0, i]))}
+        assert allowed == set(expected), allowed
+        token = next(i for i in range(16) if texts[i] == expected[-1])
+        assert constraint.accept(token) is None
+        logits.zero_()
+    grammars.constrain(logits, [0], [constraint])  # complete: only EOS
+    assert torch.isfinite(logits[0]).nonzero()[:, 0].tolist() == [tokenizer.eos_token_id]
+    assert constraint.accept(3) is not None or constraint.matcher.is_error()
+
+
+def test_a_tokenizer_that_spaces_its_words_cannot_be_constrained(tmp_path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.stages.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "words", vocab=32)
+    grammars = GrammarSet(PreTrainedTokenizerFast.from_pretrained(model_dir), 32, [EOS_ID])
+    for _ in range(2):  # the same answer every time, found once
+        with pytest.raises(GrammarError, match="cannot constrain"):
+            grammars.start("json_schema", "{}")
+
+
+@pytest.mark.timeout(60)
+def test_a_constrained_sample_survives_a_retraction(tmp_path: Path) -> None:
+    """The grammar state is the sample's own, not its row's: a retraction in the middle (its
+    KV dropped, its output recomputed) changes nothing of the result."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from stages.engine.protocol import GenerateInput, SamplingParams
+    from stages.engine.scheduler import Scheduler
+
+    model_dir = make_byte_model(tmp_path / "m", seed=5)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    params = SamplingParams(
+        temperature=0.0, max_new_tokens=40, grammar=("regex", "[a-e]{4}(-[0-9]{2}){3}")
+    )
+    results = []
+    for retract in (False, True):
+        grammars = GrammarSet(tokenizer, vocab, [EOS_ID])
+        scheduler = Scheduler(model, max_running=4, eos_token_ids=[EOS_ID], grammars=grammars)
+        other = scheduler.submit(
+            GenerateInput("other", [5, 6], SamplingParams(temperature=0.0), False)
+        )
+        future = scheduler.submit(GenerateInput("g", PROMPT, params, True))
+        for _ in range(5):
+            scheduler.step()
+        if retract:
+            scheduler.pause("retract")
+            scheduler.step()
+            scheduler.resume()
+        scheduler.run_until_idle()
+        result = future.result(timeout=0)
+        assert re.fullmatch("[a-e]{4}(-[0-9]{2}){3}", tokenizer.decode(result.output_ids[:-1]))
+        assert result.finish_reason == {"type": "stop", "matched": EOS_ID}
+        assert other.result(timeout=0).output_ids  # unconstrained beside it
+        results.append(result.output_ids)
+    assert results[0] == results[1]
