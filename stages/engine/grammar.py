@@ -1,15 +1,18 @@
-"""Constrained decoding: ``sampling_params.json_schema``, ``regex`` and ``ebnf``.
+"""Constrained decoding: ``sampling_params.json_schema``, ``regex``, ``ebnf`` and
+``structural_tag``.
 
 As SGLang 0.5 constrains a sample with its llguidance backend (``--grammar-backend
-llguidance``, ``srt/constrained/llguidance_backend.py``): the request's grammar is compiled
-(a JSON schema with flexible whitespace, SGLang's default; a regular expression; an EBNF or
-Lark grammar), each sample gets its own matcher, and before every sampled token the tokens the
-grammar does not allow next get ``-inf`` logits. The log-probs reported are those of the
-distribution so constrained, as SGLang's. Once the grammar is complete only an EOS token is
-allowed; with ``ignore_eos`` the sample ends there anyway, with ``finish_reason {type: stop,
-matched: <the EOS id>}`` (SGLang's ``is_terminated``). A grammar that fails to compile is a
-400 naming the field (``Failed to compile json grammar: ...``, SGLang's words). Compiled
-grammars are kept (the last 64), so a schema sent again costs a copy.
+llguidance``, ``srt/constrained/llguidance_backend.py``): the request's grammar is compiled (a
+JSON schema with flexible whitespace, SGLang's default; a regular expression; an EBNF or Lark
+grammar; a structural tag in the ``structures``/``triggers`` form, the one that backend takes:
+free text in which each trigger starts a structure that follows its schema), each sample gets
+its own matcher, and before every sampled token the tokens the grammar does not allow next get
+``-inf`` logits. The log-probs reported are those of the distribution so constrained, as
+SGLang's. Once the grammar is complete only an EOS token is allowed; with ``ignore_eos`` the
+sample ends there anyway, with ``finish_reason {type: stop, matched: <the EOS id>}`` (SGLang's
+``is_terminated``). A grammar that fails to compile is a 400 naming the field (``Failed to
+compile json grammar: ...``, SGLang's words). Compiled grammars are kept (the last 64), so a
+schema sent again costs a copy.
 
 The tokenizer: llguidance reads byte-level BPE and SentencePiece tokenizers itself. For one it
 does not read (a character or word tokenizer whose decoder just joins tokens, like the shipped
@@ -36,7 +39,12 @@ __all__ = ["GRAMMAR_FIELDS", "Constraint", "GrammarError", "GrammarSet"]
 log = structlog.get_logger("inflight.engine.grammar")
 
 # sampling_params field -> SGLang's grammar key (GrammarManager.process_req_with_grammar)
-GRAMMAR_FIELDS = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf"}
+GRAMMAR_FIELDS = {
+    "json_schema": "json",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "structural_tag": "structural_tag",
+}
 _CACHED = 64  # compiled grammars kept
 
 
@@ -108,6 +116,8 @@ class GrammarSet:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     text, defaults={"whitespace_flexible": True}
                 )
+            elif kind == "structural_tag":
+                grammar = _structural_tag(text)
             else:
                 grammar = llguidance.grammar_from("regex" if kind == "regex" else "ebnf", text)
         except Exception as exc:  # malformed JSON, unknown format: llguidance's words
@@ -165,6 +175,36 @@ class GrammarSet:
         )
         empty = (~allowed.any(dim=1)).nonzero()[:, 0].tolist()
         return [rows[i] for i in empty]
+
+
+def _structural_tag(text: str) -> str:
+    """The grammar of a structural tag in SGLang's legacy form (``{structures: [{begin,
+    schema, end}], triggers}``; what its llguidance backend takes): free text, in which each
+    trigger starts a structure whose body follows its schema. Each structure's trigger is the
+    first one its ``begin`` starts with."""
+    import json
+
+    import llguidance
+
+    tag = json.loads(text)
+    if not isinstance(tag, dict) or tag.get("structures") is None:
+        raise ValueError(
+            "only the form {structures: [{begin, schema, end}], triggers: [...]} is supported "
+            "(SGLang's llguidance backend takes no other)"
+        )
+    triggers = tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers:
+        raise ValueError("triggers: a non-empty list of strings is required")
+    tags = [
+        llguidance.StructTag(
+            begin=s["begin"],
+            grammar=s.get("schema") or {"type": "object"},
+            end=s["end"],
+            trigger=next((t for t in triggers if s["begin"].startswith(t)), triggers[0]),
+        )
+        for s in tag["structures"]
+    ]
+    return llguidance.StructTag.to_grammar(tags)
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:

@@ -100,8 +100,8 @@ def error_response(message: str, *, status: int = 400, param: str | None = None)
 def response_format(fmt: Any) -> dict[str, str]:
     """The native grammar a ``response_format`` asks for (SGLang's ``to_sampling_params``):
     ``json_schema`` its ``json_schema.schema`` as JSON text (or a top-level ``schema``, as
-    SGLang's chat takes it), ``json_object`` any JSON object, ``text`` (or none) nothing.
-    ``structural_tag`` is not built in: 400."""
+    SGLang's chat takes it), ``json_object`` any JSON object, ``structural_tag`` the format
+    itself as the tag (``stages.engine.grammar``), ``text`` (or none) nothing."""
     if fmt is None:
         return {}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -113,12 +113,8 @@ def response_format(fmt: Any) -> dict[str, str]:
         )
     if kind == "json_object":
         return {"json_schema": '{"type": "object"}'}
-    if kind == "structural_tag":
-        raise OpenAIError(
-            "response_format: structural_tag is not supported by the built-in engine "
-            "(json_schema and json_object are)",
-            "response_format",
-        )
+    if kind == "structural_tag":  # the whole format is the tag (SGLang: model_dump)
+        return {"structural_tag": json.dumps(fmt)}
     if kind == "text":
         return {}
     spec = fmt.get("json_schema")

@@ -30,11 +30,11 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   with ``usage`` and no choices (``delta`` always has ``reasoning_content: null``, as there).
 
 - ``response_format``: ``json_schema`` (its schema) and ``json_object`` constrain the answer
-  (``stages.engine.grammar``), which is then data, not read for tool calls; ``regex`` and
-  ``ebnf`` as on ``/v1/completions``.
+  (``stages.engine.grammar``), which is then data, not read for tool calls; ``structural_tag``
+  constrains what follows its triggers; ``regex`` and ``ebnf`` as on ``/v1/completions``.
 
 Refused with 400, as SGLang refuses what it cannot honour: ``tool_choice`` ``required`` or a
-named function, ``response_format`` ``structural_tag``. A model whose tokenizer has no chat
+named function. A model whose tokenizer has no chat
 template (and no ``--chat-template``) gets 400 on this route. This module knows nothing of
 HTTP; ``openai_api.OpenAIRoutes`` serves it.
 """
@@ -217,7 +217,9 @@ def chat_request(
         "n": n if _is_int(n) and n > 0 else 1,
         "logprobs": bool(body.get("logprobs")),
         # a JSON answer is data, not tool calls (SGLang: _response_parser_json_response_format)
-        "parse_tools": bool(template_tools) and settings.tool_parser is not None and not grammar,
+        "parse_tools": bool(template_tools)
+        and settings.tool_parser is not None
+        and "json_schema" not in grammar,
         "tools": tools or [],
         "stream": bool(body.get("stream")),
         "include_usage": bool(stream_options.get("include_usage")),

@@ -4,10 +4,11 @@ Field names and defaults follow SGLang 0.5.x (``GenerateReqInput`` and ``Samplin
 ``max_new_tokens`` 128, ``temperature`` 1.0 (0 means greedy), ``top_p`` 1.0, ``top_k`` -1 (off),
 ``min_p`` 0.0, ``ignore_eos`` false, ``sampling_seed`` none, ``n`` 1. Every problem raises
 ``RequestError`` naming the field, which the server answers with HTTP 400. SGLang parameters
-the built-in engine does not implement (``structural_tag``) are accepted only
-at their neutral default and rejected otherwise, so a request never silently means something
-else here. Input log-probs (``logprob_start_len``, and prefill-only scoring with
-``max_new_tokens: 0``) are ``stages.engine.prompt_logprobs``'s.
+the built-in engine does not implement are accepted only at their neutral default and rejected
+otherwise, so a request never silently means something else here. Input log-probs
+(``logprob_start_len``, and prefill-only scoring with ``max_new_tokens: 0``) are
+``stages.engine.prompt_logprobs``'s; grammars (``json_schema``, ``regex``, ``ebnf``,
+``structural_tag``) ``stages.engine.grammar``'s.
 
 Top log-probs (``top_logprobs_num``: k, with ``return_logprob``): per output token the k most
 likely tokens of the distribution the sampled token's log-prob comes from (``log_softmax(logits /
@@ -172,9 +173,7 @@ class SequenceResult:
 
 
 # SGLang sampling parameters accepted only at these neutral values.
-_NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
-    "structural_tag": (None, ""),
-}
+_NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {}
 # Accepted and without effect here: they only shape text, or (``custom_params``) feed a custom
 # logit processor, which SGLang ignores them without and this engine refuses.
 _IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens", "custom_params"})
@@ -185,7 +184,8 @@ _PENALTY_RANGES = {
     "repetition_penalty": (0.0, 2.0, "(0, 2] (1.0 = no penalty)"),
 }
 MAX_STOP_COUNT = 32  # SGLang's limit on stop strings
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # at most one a sample (SGLang's verify)
+# at most one a sample (SGLang's SamplingParams.verify)
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 # Top-level GenerateReqInput fields accepted only at these neutral values.
 _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {

@@ -140,7 +140,7 @@ def test_tools_reach_the_template_and_what_cannot_be_honoured_is_a_400(
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
          "tools[0].function.parameters"),
-        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
          "schema_ is required"),
         # a word-level tokenizer writes spaces between tokens: no grammar can constrain it

@@ -130,7 +130,7 @@ def test_a_bad_grammar_is_a_400_naming_the_field_and_the_engine_serves_on(engine
         ({"ebnf": 'root ::= "a" | ('}, "sampling_params.ebnf", "Failed to compile ebnf"),
         ({"regex": "a", "ebnf": 'root ::= "a"'}, "sampling_params", "Only one of json_schema"),
         ({"json_schema": {"type": "object"}}, "sampling_params.json_schema", "as a string"),
-        ({"structural_tag": "{}"}, "sampling_params.structural_tag", "not supported"),
+        ({"structural_tag": "{}"}, "sampling_params.structural_tag", "Failed to compile struc"),
     ]
     for sampling, field, words in cases:
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, **sampling}}
@@ -250,3 +250,36 @@ def test_a_constrained_sample_survives_a_retraction(tmp_path: Path) -> None:
         assert other.result(timeout=0).output_ids  # unconstrained beside it
         results.append(result.output_ids)
     assert results[0] == results[1]
+
+
+def test_a_structural_tag_constrains_what_follows_its_trigger(tmp_path: Path) -> None:
+    """SGLang's legacy structural tag (what its llguidance backend takes): free text, and after
+    a trigger the structure's ``begin``, a body that follows its schema, and its ``end``."""
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = make_byte_model(tmp_path / "m")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    vocab = len(tokenizer)
+    grammars = GrammarSet(tokenizer, vocab, [EOS_ID])
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "[x:", "schema": {"enum": [1, 2]}, "end": "]"}],
+        "triggers": ["["],
+    }
+    constraint = grammars.start("structural_tag", json.dumps(tag))
+    token = {tokenizer.decode([i]): i for i in range(vocab)}
+
+    def allowed() -> set[str]:
+        logits = torch.zeros(1, vocab)
+        grammars.constrain(logits, [0], [constraint])
+        return {tokenizer.decode([i]) for i in torch.isfinite(logits[0]).nonzero()[:, 0].tolist()}
+
+    assert {"a", "7", "{", "["} <= allowed()  # free text
+    for text, after in (("q", None), ("[", {"x"}), ("x", {":"}), (":", {"1", "2"}), ("2", {"]"})):
+        assert constraint.accept(token[text]) is None
+        if after is not None:  # what may follow ``text``
+            assert allowed() == after, text
+    assert constraint.accept(token["]"]) is None
+    assert {"a", "["} <= allowed()  # free text again after the end
+    with pytest.raises(GrammarError, match="structures"):
+        grammars.start("structural_tag", json.dumps({"format": {"type": "const_string"}}))
