@@ -31,6 +31,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -46,6 +47,7 @@ GRAMMAR_FIELDS = {
     "structural_tag": "structural_tag",
 }
 _CACHED = 64  # compiled grammars kept
+_PARALLEL_ROWS = 4  # from this many constrained rows a step, masks are computed in parallel
 
 
 class GrammarError(ValueError):
@@ -86,7 +88,6 @@ class GrammarSet:
         self._eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._shifts = torch.arange(32, dtype=torch.int32)
         self._ll: Any = None  # llguidance's tokenizer, or why there is none
         self._llexecutor: Any = None  # computes the masks of a step together
 
@@ -153,28 +154,33 @@ class GrammarSet:
     ) -> list[int]:
         """Set to ``-inf`` the logits of ``rows`` that each row's constraint does not allow
         next; returns the rows whose grammar allows no token at all (to be aborted)."""
-        words = (self.vocab_size + 31) // 32
-        bits = torch.empty((len(rows), words), dtype=torch.int32)
-        # every row's mask in one call, computed in llguidance's threads without the GIL
-        self._executor().unsafe_compute_mask_ptr(
-            [(c.matcher, i) for i, c in enumerate(constraints)],
-            bits.data_ptr(),
-            words * 4,
-            len(rows),
-        )
-        allowed = ((bits.unsqueeze(-1) >> self._shifts) & 1).bool().reshape(len(rows), -1)
+        count, words = len(rows), (self.vocab_size + 31) // 32
+        bits = np.empty((count, words), dtype="<i4")  # bit k of word w: token 32 * w + k
+        if count >= _PARALLEL_ROWS:  # in llguidance's threads, without the GIL
+            self._executor().unsafe_compute_mask_ptr(
+                [(c.matcher, i) for i, c in enumerate(constraints)],
+                bits.ctypes.data,
+                words * 4,
+                count,
+            )
+        else:  # a thread hand-over costs more than a mask or two
+            for i, constraint in enumerate(constraints):
+                constraint.matcher.unsafe_compute_mask_ptr(bits[i].ctypes.data, words * 4)
         width = logits.shape[1]
-        allowed = allowed[:, :width]
-        if allowed.shape[1] < width:  # logits past the tokenizer's vocabulary: never allowed
-            pad = torch.zeros((len(rows), width - allowed.shape[1]), dtype=torch.bool)
-            allowed = torch.cat([allowed, pad], dim=1)
-        allowed = allowed.to(logits.device)
-        index = torch.tensor(rows, device=logits.device)
-        logits.index_copy_(
-            0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
-        )
-        empty = (~allowed.any(dim=1)).nonzero()[:, 0].tolist()
-        return [rows[i] for i in empty]
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        blocked = torch.from_numpy(allowed[:, :width] == 0)
+        if blocked.shape[1] < width:  # logits past the tokenizer's vocabulary: never allowed
+            more = torch.ones((count, width - blocked.shape[1]), dtype=torch.bool)
+            blocked = torch.cat([blocked, more], dim=1)
+        blocked = blocked.to(logits.device, non_blocking=True)
+        if count <= _PARALLEL_ROWS:
+            for i, row in enumerate(rows):
+                logits[row].masked_fill_(blocked[i], float("-inf"))
+        else:
+            index = torch.tensor(rows, device=logits.device)
+            masked = logits.index_select(0, index).masked_fill_(blocked, float("-inf"))
+            logits.index_copy_(0, index, masked)
+        return [rows[i] for i in np.flatnonzero(~bits.any(axis=1)).tolist()]
 
 
 def _structural_tag(text: str) -> str:
