@@ -283,3 +283,33 @@ def test_a_structural_tag_constrains_what_follows_its_trigger(tmp_path: Path) ->
     assert {"a", "["} <= allowed()  # free text again after the end
     with pytest.raises(GrammarError, match="structures"):
         grammars.start("structural_tag", json.dumps({"format": {"type": "const_string"}}))
+
+
+def test_many_rows_masks_computed_together_equal_each_rows_own(tmp_path: Path) -> None:
+    """From ``_PARALLEL_ROWS`` rows a step the masks come from llguidance's executor; they are
+    the masks each row gets alone."""
+    from transformers import PreTrainedTokenizerFast
+
+    from stages.engine import grammar
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(make_byte_model(tmp_path / "m"))
+    vocab = len(tokenizer)
+    grammars = GrammarSet(tokenizer, vocab, [EOS_ID])
+    rows = grammar._PARALLEL_ROWS + 3
+    kinds = [
+        ("regex", "[a-c]{2}[0-9]+"),
+        ("json_schema", json.dumps(SCHEMA)),
+        ("ebnf", 'root ::= "x" ("ab" | "cd")*'),
+    ]
+    constraints = [grammars.start(*kinds[i % 3]) for i in range(rows)]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        together = torch.randn(rows + 2, vocab, generator=gen)
+        alone = together.clone()
+        grammars.constrain(together, list(range(2, rows + 2)), constraints)
+        for i, constraint in enumerate(constraints):
+            grammars.constrain(alone, [i + 2], [constraint])
+        assert torch.equal(together, alone)
+        assert torch.isfinite(together[:2]).all()  # rows not named are untouched
+        for i, constraint in enumerate(constraints):
+            assert constraint.accept(int(together[i + 2].argmax())) is None
