@@ -71,9 +71,11 @@ def walk(grammars: GrammarSet, rows: int, steps: int, vocab: int) -> tuple[float
     gen = torch.Generator().manual_seed(rows)
     masking = accepting = 0.0
     live = list(range(rows))
+    done = 0  # row-steps taken (a row whose grammar is complete stops)
     for _ in range(steps):
         if not live:
             break
+        done += len(live)
         logits = torch.randn(len(live), vocab, generator=gen)
         start = time.process_time()
         grammars.constrain(logits, list(range(len(live))), [constraints[i] for i in live])
@@ -84,7 +86,6 @@ def walk(grammars: GrammarSet, rows: int, steps: int, vocab: int) -> tuple[float
             assert constraints[i].accept(token) is None
         accepting += time.process_time() - start
         live = [i for i in live if not constraints[i].matcher.is_stopped()]
-    done = rows * steps
     return masking / done, accepting / done
 
 
