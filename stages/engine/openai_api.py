@@ -43,7 +43,7 @@ from typing import Any
 from aiohttp import web
 
 from stages.engine.chunk_stream import mapped
-from stages.engine.protocol import RequestError
+from stages.engine.protocol import GRAMMAR_FIELDS, RequestError
 from stages.engine.streaming import Progress, write_events
 
 __all__ = [
@@ -165,7 +165,8 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     for name, native in _SAMPLING.items():
         if body.get(name) is not None:
             sampling[native] = body[name]
-    sampling.update(response_format(body.get("response_format")))
+    grammar = response_format(body.get("response_format"))
+    sampling.update(grammar)
     native_body: dict[str, Any] = {
         "text" if text else "input_ids": prompt,
         "sampling_params": sampling,
@@ -188,6 +189,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "logprobs": logprobs,
         "return_token_ids": body.get("return_token_ids", False),
         "adapter_in_model": adapter_in_model,
+        "grammar_from": "response_format" if grammar else None,
         "prompt": prompt,
         "stream": body.get("stream", False),
         # SGLang: only asked for, with stream (stream_response_default_include_usage: false)
@@ -644,10 +646,15 @@ def refusal(exc: ValueError) -> dict[str, Any]:
 
 def _as_written(exc: ValueError, options: Mapping[str, Any]) -> ValueError:
     """``exc``, naming the field the client wrote: an adapter ``model`` named is refused as
-    ``model``, not as the native ``lora_path`` it became."""
-    if isinstance(exc, RequestError) and exc.field == "lora_path":
-        if options.get("adapter_in_model"):
-            return RequestError("model", str(exc)[len(exc.field) + 2 :])
+    ``model``, not as the native ``lora_path`` it became; a grammar made of ``response_format``
+    or ``tool_choice`` (``options["grammar_from"]``) as that field."""
+    if not isinstance(exc, RequestError):
+        return exc
+    if exc.field == "lora_path" and options.get("adapter_in_model"):
+        return RequestError("model", str(exc)[len(exc.field) + 2 :])
+    grammar_from = options.get("grammar_from")
+    if grammar_from and exc.field.rsplit(".", 1)[-1] in GRAMMAR_FIELDS:
+        return RequestError(grammar_from, str(exc)[len(exc.field) + 2 :])
     return exc
 
 

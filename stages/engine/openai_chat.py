@@ -20,6 +20,9 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   for tool calls in the template's format (``stages.engine.tool_calls``): ``message.tool_calls``
   ``[{id: "call_<24 hex>", index, type: "function", function: {name, arguments}}]``, the text
   before them as ``content``, and ``finish_reason`` ``tool_calls`` where it was ``stop``;
+  ``tool_choice`` ``required`` or a named function constrains the answer to tool calls in that
+  format (``tool_calls.call_grammar``: one or more, one with ``parallel_tool_calls: false``; a
+  named function's only, and only it in the template), as SGLang constrains them;
 - the answer: ``{id, object: "chat.completion", created, model, choices: [{index, message:
   {role: "assistant", content ("" when empty), reasoning_content: null, tool_calls?},
   logprobs, finish_reason, matched_stop}], usage, metadata: {weight_version}}``;
@@ -33,9 +36,9 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   (``stages.engine.grammar``), which is then data, not read for tool calls; ``structural_tag``
   constrains what follows its triggers; ``regex`` and ``ebnf`` as on ``/v1/completions``.
 
-Refused with 400, as SGLang refuses what it cannot honour: ``tool_choice`` ``required`` or a
-named function. A model whose tokenizer has no chat
-template (and no ``--chat-template``) gets 400 on this route. This module knows nothing of
+Refused with 400, as SGLang refuses them: a forced tool choice with ``response_format``,
+``regex`` or ``ebnf``, or without tools. A model whose tokenizer has no chat template (and no
+``--chat-template``) gets 400 on this route. This module knows nothing of
 HTTP; ``openai_api.OpenAIRoutes`` serves it.
 """
 
@@ -63,6 +66,7 @@ from stages.engine.tool_calls import (
     PARSERS,
     StreamingToolCalls,
     ToolCallParser,
+    call_grammar,
     parser_for_template,
 )
 
@@ -168,13 +172,7 @@ def chat_request(
         raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
     grammar = response_format(body.get("response_format"))
     tools = _tools(body.get("tools"))
-    choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", "none", None):
-        raise OpenAIError(
-            "tool_choice: 'required' or a named function is not supported by the built-in "
-            "engine ('auto' and 'none' are; response_format json_schema constrains an answer)",
-            "tool_choice",
-        )
+    choice, tools, forced = _tool_choice(body, tools, grammar, settings.tool_parser)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise OpenAIError("stream_options: Input should be a valid dictionary", "stream_options")
@@ -198,6 +196,8 @@ def chat_request(
         if name not in _NOT_SAMPLING and body.get(name) is not None:
             sampling[native] = body[name]
     sampling.update(grammar)
+    if forced is not None:  # only tool calls (tool_choice required or named)
+        sampling["ebnf"] = forced
     native_body: dict[str, Any] = {
         "input_ids": prompt,
         "sampling_params": sampling,
@@ -214,6 +214,8 @@ def chat_request(
     options = {
         "model": model,
         "adapter_in_model": adapter_in_model,
+        # the field a grammar was made of, to name in its errors
+        "grammar_from": "tool_choice" if forced else ("response_format" if grammar else None),
         "n": n if _is_int(n) and n > 0 else 1,
         "logprobs": bool(body.get("logprobs")),
         # a JSON answer is data, not tool calls (SGLang: _response_parser_json_response_format)
@@ -351,6 +353,63 @@ class ChatChunks(StreamLayout):
                     chunk(rid, index, {}, finish_reason=kind, matched_stop=reason.get("matched"))
                 )
         return out
+
+
+def _tool_choice(
+    body: dict[str, Any],
+    tools: list[dict[str, Any]],
+    grammar: dict[str, str],
+    parser: str | None,
+) -> tuple[str, list[dict[str, Any]], str | None]:
+    """``(tool_choice as "auto", "none" or "required", the tools the template and the answer
+    may use, the grammar that forces tool calls or None)``, checked as SGLang checks them
+    (``OpenAIServingChat._validate_request``, ``to_sampling_params``). ``required``: one call
+    or more (one with ``parallel_tool_calls: false``) to any tool; a named function: calls to
+    that one only (SGLang's template sees only it too)."""
+    choice = body.get("tool_choice", "auto")
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto", tools, None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise OpenAIError(
+                "tool_choice: 'auto', 'none', 'required' or {type: function, function: {name}}",
+                "tool_choice",
+            )
+        if not tools:
+            raise OpenAIError(
+                "Tools cannot be empty if tool choice is set to a specific tool.", "tool_choice"
+            )
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise OpenAIError(f"Tool '{name}' not found in tools list.", "tool_choice")
+    elif choice != "required":
+        raise OpenAIError(
+            "tool_choice: 'auto', 'none', 'required' or {type: function, function: {name}}",
+            "tool_choice",
+        )
+    elif not tools:
+        raise OpenAIError("Tools cannot be empty if tool choice is set to required.", "tool_choice")
+    if grammar or any(body.get(k) for k in ("regex", "ebnf")):
+        raise OpenAIError(
+            "tool_choice 'required' or a named tool cannot be combined with response_format, "
+            "regex, or ebnf: the tool-call constraint and the output constraint cannot both be "
+            "honored.",
+            "tool_choice",
+        )
+    if parser is None:
+        raise OpenAIError(
+            "tool_choice: forcing a tool call needs the model's tool-call format (a chat "
+            "template that writes <tool_call>, or the engine's --tool-call-parser)",
+            "tool_choice",
+        )
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise OpenAIError(
+            "parallel_tool_calls: Input should be a valid boolean", "parallel_tool_calls"
+        )
+    return "required", tools, call_grammar(tools, parser, parallel=parallel)
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:

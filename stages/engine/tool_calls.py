@@ -25,7 +25,13 @@ from typing import Any
 
 import structlog
 
-__all__ = ["PARSERS", "StreamingToolCalls", "ToolCallParser", "parser_for_template"]
+__all__ = [
+    "PARSERS",
+    "StreamingToolCalls",
+    "ToolCallParser",
+    "call_grammar",
+    "parser_for_template",
+]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -37,6 +43,28 @@ PARSERS = ("qwen25", "qwen", "hermes")
 def parser_for_template(template: str | None) -> str | None:
     """The parser a chat template's own tool-call format needs (None: none known)."""
     return "qwen25" if template and BEGIN in template else None
+
+
+def call_grammar(tools: list[dict[str, Any]], parser: str, *, parallel: bool = True) -> str:
+    """A grammar (Lark, as llguidance takes it) of an answer that is only tool calls, one or
+    more (``parallel``) or exactly one, each to one of ``tools``: what ``tool_choice``
+    ``required`` or a named function constrains the answer to. Each call as SGLang's detector
+    of ``parser`` frames it (``structure_info``: ``<tool_call>\\n{"name":"NAME", "arguments":``
+    ... ``}\\n</tool_call>``, Hermes without the newlines), its arguments following the tool's
+    ``parameters`` when the tool is ``strict``, else any JSON (SGLang's
+    ``get_legacy_structural_tag``)."""
+    newline = "" if parser == "hermes" else "\n"
+    rules = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        begin = f'{BEGIN}{newline}{{"name":{json.dumps(fn["name"])}, "arguments":'
+        end = f"}}{newline}{END}"
+        schema = (fn.get("parameters") or {}) if fn.get("strict") else {}
+        rules.append(f"call_{i}: {json.dumps(begin)} args_{i} {json.dumps(end)}")
+        rules.append(f"args_{i}: %json {json.dumps(schema)}")
+    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
+    start = 'start: call ("\\n"? call)*' if parallel else "start: call"
+    return "\n".join(["%llguidance {}", start, f"call: {calls}", *rules]) + "\n"
 
 
 class ToolCallParser:

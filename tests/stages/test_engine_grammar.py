@@ -313,3 +313,95 @@ def test_many_rows_masks_computed_together_equal_each_rows_own(tmp_path: Path) -
         assert torch.isfinite(together[:2]).all()  # rows not named are untouched
         for i, constraint in enumerate(constraints):
             assert constraint.accept(int(together[i + 2].argmax())) is None
+
+
+def _tool(name: str) -> dict[str, Any]:
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    parameters = {
+        "type": "object",
+        "properties": {"a": digit, "b": digit},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},  # a random model's JSON stays short
+    }
+    return {
+        "type": "function",
+        "function": {"name": name, "strict": True, "parameters": parameters},
+    }
+
+
+TOOLS = [_tool("add"), _tool("mul")]
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """A byte-level model whose vocabulary writes the Qwen 2.5 tool-call format (``<tool_call>``
+    a token, as in Qwen's), with a template that names that format."""
+    from tests.stages.tiny_model import BYTE_CHARS
+
+    root = tmp_path_factory.mktemp("tool-engine")
+    model_dir = make_byte_model(
+        root / "model", seed=4, chars=BYTE_CHARS + " <>_/\n", words=("<tool_call>", "</tool_call>")
+    )
+    (root / "template.jinja").write_text(
+        "{# tool calls: <tool_call> {json} </tool_call> #}"
+        "{% for m in messages %}{{ m.content }}:{% endfor %}"
+        "{% if add_generation_prompt %}={% endif %}"
+    )
+    with serving(
+        model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja")
+    ) as eng:
+        yield eng
+
+
+@pytest.mark.timeout(60)
+def test_tool_choice_required_or_named_answers_with_tool_calls(tool_engine: Engine) -> None:
+    """``tool_choice`` ``required`` or a named function: the answer is tool calls in the
+    template's format and nothing else (SGLang's constraint for the Qwen 2.5 format: each call
+    ``<tool_call>\\n{"name":"NAME", "arguments":`` ... ``}\\n</tool_call>``, a strict tool's
+    arguments following its parameters)."""
+    client = openai.OpenAI(base_url=tool_engine.url + "/v1", api_key="unused", max_retries=0)
+    ask = {"model": "m", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 120}
+    for choice, names in (
+        ("required", {"add", "mul"}),
+        ({"type": "function", "function": {"name": "mul"}}, {"mul"}),
+    ):
+        out = client.chat.completions.create(**ask, tools=TOOLS, tool_choice=choice, n=4)
+        for c in out.choices:
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+            for call in c.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                assert call.function.name in names and set(arguments) == {"a", "b"}
+                assert all(0 <= v <= 9 for v in arguments.values())
+    one = client.chat.completions.create(
+        **ask, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=4
+    )
+    assert all(len(c.message.tool_calls) == 1 for c in one.choices)
+    # streamed: the pieces add up to the calls
+    streamed = client.chat.completions.create(
+        **ask, tools=TOOLS, tool_choice="required", temperature=0, stream=True
+    )
+    pieces: dict[int, dict[str, str]] = {}
+    for chunk in streamed:
+        for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            call = pieces.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    whole = client.chat.completions.create(
+        **ask, tools=TOOLS, tool_choice="required", temperature=0
+    )
+    assert [
+        {"name": c.function.name, "arguments": c.function.arguments}
+        for c in whole.choices[0].message.tool_calls
+    ] == [pieces[i] for i in sorted(pieces)]
+    # what SGLang refuses (OpenAIServingChat._validate_request, to_sampling_params)
+    for more, words in (
+        ({"tool_choice": "required"}, "Tools cannot be empty if tool choice is set to required."),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "div"}}},
+         "Tool 'div' not found in tools list."),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "cannot be combined with response_format"),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**ask, **more)
+        assert words in info.value.body["message"] and info.value.body["param"] == "tool_choice"

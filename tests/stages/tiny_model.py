@@ -109,15 +109,20 @@ BYTE_CHARS = '{}[]":,.-+0123456789abcdefghijklmnopqrstuvwxyz'
 _BYTE_WORDS = ("true", "false", "null")  # whole tokens as well
 
 
-def make_byte_model(path: Path, *, seed: int = 0, **sizes: Any) -> Path:
+def make_byte_model(
+    path: Path, *, seed: int = 0, chars: str = BYTE_CHARS, words: tuple[str, ...] = (), **sizes: Any
+) -> Path:
     """A random tiny Qwen2 with a byte-level BPE tokenizer (GPT-2's byte alphabet, as Qwen's
-    and Llama 3's): ``<pad>``, ``<eos>``, each of ``BYTE_CHARS`` and a few words. Its text is
-    its tokens' texts joined, so grammars can constrain it."""
+    and Llama 3's): ``<pad>``, ``<eos>``, each of ``chars``, a few words and ``words`` (whole
+    tokens, as Qwen's ``<tool_call>``). Its text is its tokens' texts joined, so grammars can
+    constrain it."""
     path = Path(path)
     level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID}
-    for ch in BYTE_CHARS:
+    for ch in chars:
         vocab[level.pre_tokenize_str(ch)[0][0]] = len(vocab)
+    for word in words:
+        vocab.setdefault("".join(level.pre_tokenize_str(word)[0][0]), len(vocab))
     merges = []
     for word in _BYTE_WORDS:
         for end in range(2, len(word) + 1):
