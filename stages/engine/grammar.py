@@ -189,9 +189,11 @@ class GrammarSet:
 
 def _structural_tag(text: str) -> str:
     """The grammar of a structural tag in SGLang's legacy form (``{structures: [{begin,
-    schema, end}], triggers}``; what its llguidance backend takes): free text, in which each
-    trigger starts a structure whose body follows its schema. Each structure's trigger is the
-    first one its ``begin`` starts with."""
+    schema, end}], triggers, at_least_one}``; the form its llguidance backend takes): free
+    text, in which each trigger starts a structure whose body follows its schema (each
+    structure's trigger is the first one its ``begin`` starts with); with ``at_least_one``,
+    as xgrammar has it and SGLang asks for a forced tool call, structures only, one or more
+    (a newline between two allowed), and no free text."""
     import json
 
     import llguidance
@@ -205,14 +207,30 @@ def _structural_tag(text: str) -> str:
     triggers = tag.get("triggers")
     if not isinstance(triggers, list) or not triggers:
         raise ValueError("triggers: a non-empty list of strings is required")
+    structures = tag["structures"]
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structures: a non-empty list is required")
+    for s in structures:
+        if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
+            raise ValueError("each structure needs begin and end strings")
+    schemas = [{} if s.get("schema") is None else s["schema"] for s in structures]
+    if tag.get("at_least_one"):
+        rules = [
+            f"s_{i}: {json.dumps(s['begin'])} body_{i} {json.dumps(s['end'])}\n"
+            f"body_{i}: %json {json.dumps(schema)}"
+            for i, (s, schema) in enumerate(zip(structures, schemas, strict=True))
+        ]
+        choice = " | ".join(f"s_{i}" for i in range(len(structures)))
+        head = f'%llguidance {{}}\nstart: one ("\\n"? one)*\none: {choice}'
+        return "\n".join([head, *rules]) + "\n"
     tags = [
         llguidance.StructTag(
             begin=s["begin"],
-            grammar=s.get("schema") or {"type": "object"},
+            grammar=schema,
             end=s["end"],
             trigger=next((t for t in triggers if s["begin"].startswith(t)), triggers[0]),
         )
-        for s in tag["structures"]
+        for s, schema in zip(structures, schemas, strict=True)
     ]
     return llguidance.StructTag.to_grammar(tags)
 

@@ -21,8 +21,9 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   ``[{id: "call_<24 hex>", index, type: "function", function: {name, arguments}}]``, the text
   before them as ``content``, and ``finish_reason`` ``tool_calls`` where it was ``stop``;
   ``tool_choice`` ``required`` or a named function constrains the answer to tool calls in that
-  format (``tool_calls.call_grammar``: one or more, one with ``parallel_tool_calls: false``; a
-  named function's only, and only it in the template), as SGLang constrains them;
+  format, one or more and nothing else (``tool_calls.call_tag``: the structural tag SGLang
+  sends for the Qwen 2.5 and Hermes formats; ``parallel_tool_calls`` does not constrain it, as
+  there); a named function's calls only, and only it in the template;
 - the answer: ``{id, object: "chat.completion", created, model, choices: [{index, message:
   {role: "assistant", content ("" when empty), reasoning_content: null, tool_calls?},
   logprobs, finish_reason, matched_stop}], usage, metadata: {weight_version}}``;
@@ -66,7 +67,7 @@ from stages.engine.tool_calls import (
     PARSERS,
     StreamingToolCalls,
     ToolCallParser,
-    call_grammar,
+    call_tag,
     parser_for_template,
 )
 
@@ -197,7 +198,7 @@ def chat_request(
             sampling[native] = body[name]
     sampling.update(grammar)
     if forced is not None:  # only tool calls (tool_choice required or named)
-        sampling["ebnf"] = forced
+        sampling["structural_tag"] = forced
     native_body: dict[str, Any] = {
         "input_ids": prompt,
         "sampling_params": sampling,
@@ -362,10 +363,10 @@ def _tool_choice(
     parser: str | None,
 ) -> tuple[str, list[dict[str, Any]], str | None]:
     """``(tool_choice as "auto", "none" or "required", the tools the template and the answer
-    may use, the grammar that forces tool calls or None)``, checked as SGLang checks them
-    (``OpenAIServingChat._validate_request``, ``to_sampling_params``). ``required``: one call
-    or more (one with ``parallel_tool_calls: false``) to any tool; a named function: calls to
-    that one only (SGLang's template sees only it too)."""
+    may use, the structural tag that forces tool calls or None)``, checked as SGLang checks
+    them (``OpenAIServingChat._validate_request``, ``to_sampling_params``). ``required``: one
+    call or more to any tool; a named function: calls to that one only (SGLang's template sees
+    only it too)."""
     choice = body.get("tool_choice", "auto")
     if choice is None or choice in ("auto", "none"):
         return choice or "auto", tools, None
@@ -404,12 +405,11 @@ def _tool_choice(
             "template that writes <tool_call>, or the engine's --tool-call-parser)",
             "tool_choice",
         )
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
+    if not isinstance(body.get("parallel_tool_calls", True), bool | None):
         raise OpenAIError(
             "parallel_tool_calls: Input should be a valid boolean", "parallel_tool_calls"
         )
-    return "required", tools, call_grammar(tools, parser, parallel=parallel)
+    return "required", tools, json.dumps(call_tag(tools, parser))
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ __all__ = [
     "PARSERS",
     "StreamingToolCalls",
     "ToolCallParser",
-    "call_grammar",
+    "call_tag",
     "parser_for_template",
 ]
 
@@ -45,26 +45,31 @@ def parser_for_template(template: str | None) -> str | None:
     return "qwen25" if template and BEGIN in template else None
 
 
-def call_grammar(tools: list[dict[str, Any]], parser: str, *, parallel: bool = True) -> str:
-    """A grammar (Lark, as llguidance takes it) of an answer that is only tool calls, one or
-    more (``parallel``) or exactly one, each to one of ``tools``: what ``tool_choice``
-    ``required`` or a named function constrains the answer to. Each call as SGLang's detector
-    of ``parser`` frames it (``structure_info``: ``<tool_call>\\n{"name":"NAME", "arguments":``
-    ... ``}\\n</tool_call>``, Hermes without the newlines), its arguments following the tool's
-    ``parameters`` when the tool is ``strict``, else any JSON (SGLang's
-    ``get_legacy_structural_tag``)."""
+def call_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
+    """The structural tag that constrains an answer to tool calls to ``tools``, one or more
+    and nothing else, as SGLang builds it for ``tool_choice`` ``required`` or a named function
+    (``FunctionCallParser.get_legacy_structural_tag(at_least_one=True)``): a structure per tool
+    framed as the detector of ``parser`` frames a call (``structure_info``:
+    ``<tool_call>\\n{"name":"NAME", "arguments":`` ... ``}\\n</tool_call>``, Hermes without
+    the newlines), whose body follows the tool's ``parameters`` when it is ``strict``, else is
+    any JSON."""
     newline = "" if parser == "hermes" else "\n"
-    rules = []
-    for i, tool in enumerate(tools):
+    structures = []
+    for tool in tools:
         fn = tool["function"]
-        begin = f'{BEGIN}{newline}{{"name":{json.dumps(fn["name"])}, "arguments":'
-        end = f"}}{newline}{END}"
-        schema = (fn.get("parameters") or {}) if fn.get("strict") else {}
-        rules.append(f"call_{i}: {json.dumps(begin)} args_{i} {json.dumps(end)}")
-        rules.append(f"args_{i}: %json {json.dumps(schema)}")
-    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = 'start: call ("\\n"? call)*' if parallel else "start: call"
-    return "\n".join(["%llguidance {}", start, f"call: {calls}", *rules]) + "\n"
+        structures.append(
+            {
+                "begin": f'{BEGIN}{newline}{{"name":{json.dumps(fn["name"])}, "arguments":',
+                "schema": (fn.get("parameters") or {}) if fn.get("strict") else {},
+                "end": f"}}{newline}{END}",
+            }
+        )
+    return {
+        "type": "structural_tag",
+        "structures": structures,
+        "triggers": [BEGIN],
+        "at_least_one": True,
+    }
 
 
 class ToolCallParser:

@@ -18,7 +18,8 @@ import requests
 import torch
 
 from stages.engine.grammar import GrammarError, GrammarSet
-from tests.stages.test_engine_server import Engine, serving
+from stages.engine.openai_chat import ChatSettings, chat_request
+from tests.stages.test_engine_server import Engine, _tokenizer, serving
 from tests.stages.tiny_model import EOS_ID, make_arith_model, make_byte_model
 
 SCHEMA = {
@@ -343,15 +344,18 @@ def tool_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     model_dir = make_byte_model(
         root / "model", seed=4, chars=BYTE_CHARS + " <>_/\n", words=("<tool_call>", "</tool_call>")
     )
-    (root / "template.jinja").write_text(
-        "{# tool calls: <tool_call> {json} </tool_call> #}"
-        "{% for m in messages %}{{ m.content }}:{% endfor %}"
-        "{% if add_generation_prompt %}={% endif %}"
-    )
+    (root / "template.jinja").write_text(TOOL_TEMPLATE)
     with serving(
         model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja")
     ) as eng:
         yield eng
+
+
+TOOL_TEMPLATE = (
+    "{# tool calls: <tool_call> {json} </tool_call> #}"
+    "{% for m in messages %}{{ m.content }}:{% endfor %}"
+    "{% if add_generation_prompt %}={% endif %}"
+)
 
 
 @pytest.mark.timeout(60)
@@ -373,10 +377,21 @@ def test_tool_choice_required_or_named_answers_with_tool_calls(tool_engine: Engi
                 arguments = json.loads(call.function.arguments)
                 assert call.function.name in names and set(arguments) == {"a", "b"}
                 assert all(0 <= v <= 9 for v in arguments.values())
-    one = client.chat.completions.create(
-        **ask, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=4
-    )
-    assert all(len(c.message.tool_calls) == 1 for c in one.choices)
+    # the structural tag SGLang sends for it (what a SGLang engine behind the agent proxy gets)
+    native = chat_request(
+        {"messages": ask["messages"], "tools": TOOLS, "tool_choice": "required"},
+        ChatSettings.of(
+            _tokenizer(tool_engine), tool_engine.model_dir, chat_template=TOOL_TEMPLATE
+        ),
+        512,
+    )[0]["sampling_params"]
+    tag = json.loads(native["structural_tag"])
+    assert tag["at_least_one"] is True and tag["triggers"] == ["<tool_call>"]
+    assert tag["structures"][0] == {
+        "begin": '<tool_call>\n{"name":"add", "arguments":',
+        "schema": TOOLS[0]["function"]["parameters"],
+        "end": "}\n</tool_call>",
+    }
     # streamed: the pieces add up to the calls
     streamed = client.chat.completions.create(
         **ask, tools=TOOLS, tool_choice="required", temperature=0, stream=True
