@@ -1,13 +1,25 @@
-"""The built-in inference engine: a Hugging Face causal LM served over SGLang's HTTP API subset.
+"""The built-in inference engine: a Hugging Face causal LM served over SGLang's HTTP API.
 
 ``inflight engine --model DIR --port N`` runs ``stages.engine.server``. The pieces:
-``protocol`` (parse and validate ``/generate`` bodies, batches and ``n`` > 1 groups, render
-SGLang-shaped results), ``sampling`` (temperature / top-k / top-p / min-p, the reported
-log-probs and finish tests, batched over slots), ``kv_batch`` (the preallocated slot KV cache
-that rows join and leave), ``prefix_cache`` (finished requests' KV in a bounded radix tree, so a
-next turn prefills only its new tokens), ``scheduler`` (continuous batching, shared prefills for
-identical prompts, weight updates between two decode steps), ``model_weights`` (load named
-tensors in place), ``loader`` (model + tokenizer from a directory). ``bench/engine_profile.py``
-measures a decode step against the model's own forward, ``bench/multiturn.py`` the prefix cache
-on multi-turn episodes. It does not stream and has no tensor parallelism.
+
+- requests: ``protocol`` (parse and validate ``/generate`` bodies, batches and ``n`` > 1
+  groups, render SGLang-shaped results), ``stop_regex``, ``prompt_logprobs`` (input log-probs
+  and prefill-only scoring), ``incremental_text`` (text as SGLang's detokenizer makes it);
+- sampling: ``sampling`` (temperature / top-k / top-p / min-p, the reported log-probs and
+  finish tests, batched over slots), ``penalties`` (SGLang's penalizers and logit bias),
+  ``grammar`` (``json_schema``, ``regex``, ``ebnf``, ``structural_tag`` through llguidance);
+- running: ``scheduler`` (continuous batching, shared prefills for identical prompts, weight
+  updates between two decode steps), ``kv_batch`` (the preallocated slot KV cache that rows
+  join and leave), ``prefix_cache`` (finished requests' KV in a bounded radix tree, so a next
+  turn prefills only its new tokens), ``llama_forward`` (the fast forward pass),
+  ``model_weights`` (load named tensors in place), ``loader`` (model + tokenizer from a
+  directory), ``lora_adapters``;
+- serving: ``server`` (the native routes), ``streaming`` and ``chunk_stream`` (``stream:
+  true``), ``openai_api`` and ``openai_chat`` (``/v1``), ``tool_calls`` (reading and forcing
+  tool calls), ``lora_routes``, ``auth``, ``identity``, ``in_process`` (the engine inside
+  another process).
+
+``bench/engine_profile.py`` measures a decode step against the model's own forward and the
+routes' cost, ``bench/multiturn.py`` the prefix cache on multi-turn episodes,
+``bench/grammar.py`` constrained decoding. No tensor parallelism.
 """
