@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stages.generator.client import EngineError
-from stages.rollouts.api import EngineUnavailable
+from stages.rollouts.api import EngineUnavailable, RequestRefused
 from stages.rollouts.trajectory import Generation, Trajectory
 
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ class EpisodeEngine:
             try:
                 completion = await gen.clients[engine].generate(input_ids, params, rid=rid)
             except EngineError as exc:
+                if exc.status == 400:  # the request, not the engine: no retry helps
+                    raise RequestRefused(str(exc)) from exc
                 if exc.retryable:
                     gen._mark_down(engine, str(exc))
                 if not exc.retryable or attempt >= gen.config.max_retries:

@@ -56,7 +56,7 @@ from stages.engine.protocol import (
     token_texts,
 )
 from stages.engine.streaming import Last
-from stages.rollouts.api import RolloutEngine
+from stages.rollouts.api import RequestRefused, RolloutEngine
 from stages.rollouts.trajectory import Trajectory
 
 __all__ = ["AgentProxy", "Episode"]
@@ -163,7 +163,10 @@ class Episode:
             sampling["max_new_tokens"] = min(sampling.get("max_new_tokens") or left, left)
         self.calls += 1
         feed = context if context is not None else list(inp.input_ids)
-        generation = await self.engine.generate(feed, **sampling)
+        try:
+            generation = await self.engine.generate(feed, **sampling)
+        except RequestRefused as exc:  # the agent's to handle, as a server's 400 would be
+            raise OpenAIError(f"the engine refused this call: {exc}") from exc
         if context is not None:
             trajectory = self.trajectory
             if trajectory is None:

@@ -37,6 +37,7 @@ from stages.rollouts.trajectory import Generation, Trajectory
 __all__ = [
     "EngineUnavailable",
     "EnvError",
+    "RequestRefused",
     "Rollout",
     "RolloutConfig",
     "RolloutContext",
@@ -48,6 +49,13 @@ __all__ = [
 class EngineUnavailable(Exception):
     """No engine could serve a turn (after the generator's retries): the episode is dropped,
     counted as an engine failure, like a single completion that could not be served."""
+
+
+class RequestRefused(EngineUnavailable, ValueError):
+    """An engine refused the turn's request itself (HTTP 400: a grammar it cannot compile,
+    a field it does not take): another engine would too. A rollout that does not catch it
+    loses its episode as ``EngineUnavailable`` does; the agent proxy answers the agent's call
+    with the 400 instead, and the agent goes on."""
 
 
 class RolloutEngine(Protocol):

@@ -293,6 +293,43 @@ async def test_an_openai_agent_trains_the_tokens_the_engine_sampled(tmp_path, en
     assert out.metrics[-1]["rollout_episodes"] == G * count
 
 
+async def json_then_plain(client: Any, task: Mapping[str, Any]) -> float:
+    """An openai agent that asks for JSON, which this engine's word-level tokenizer cannot be
+    constrained to (a 400 from the engine), then asks without."""
+    import openai
+
+    try:
+        await client.completions.create(
+            model="policy", prompt=task["prompt_ids"], max_tokens=3,
+            extra_body={"response_format": {"type": "json_object"}},
+        )  # fmt: skip
+    except openai.BadRequestError as exc:
+        assert "cannot constrain" in exc.body["message"], exc.body
+        await client.completions.create(model="policy", prompt=task["prompt_ids"], max_tokens=3)
+        return 0.5
+    return -1.0
+
+
+@pytest.mark.timeout(90)
+async def test_an_engine_s_400_is_the_agent_s_and_neither_retried_nor_dropped(tmp_path, engine):
+    from tests.stages.tiny_model import _tokenizer
+
+    folder = tmp_path / "tokenizer"
+    _tokenizer(128).save_pretrained(folder)
+    rollout = RolloutConfig(
+        use="openai_agent",
+        agent="tests.stages.test_generator_episodes:json_then_plain",
+        tokenizer=str(folder),
+    )
+    proxy = Proxy(engine)
+    async with proxy as url:
+        out = await generate(tmp_path, [url], 1, rollout=rollout)
+    assert len(out.rollouts) == G and out.done["dropped"] == 0 and out.done["retried"] == 0
+    assert all(r["rollout"]["env_reward"] == 0.5 for r in out.rollouts)
+    refused = [b for b in proxy.forwarded if "json_schema" in b["sampling_params"]]
+    assert len(refused) == G  # each asked once, none sent again
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", ["FindWord", "InflightFindWord-v0"])
 async def test_a_gymnasium_env_on_text_plays_as_an_environment(tmp_path, engine, name):

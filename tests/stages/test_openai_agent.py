@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stages.rollouts.api import RolloutConfig, RolloutContext
+from stages.rollouts.api import RequestRefused, RolloutConfig, RolloutContext
 from stages.rollouts.openai_agent import AgentFailed, openai_agent
 from stages.rollouts.trajectory import Generation
 from tests.stages.tool_tokenizers import QWEN_LIKE, char_tokenizer
@@ -139,6 +139,24 @@ async def stop_string(client, task):
     again = task["prompt"] + first.choices[0].text + "! and?"
     await client.completions.create(model="policy", prompt=again)
     return 1.0
+
+
+async def formatted(client, task):
+    """Asks for JSON; told no by the engine (a 400), asks again without."""
+    import openai
+
+    messages = [{"role": "user", "content": task["prompt"]}]
+    schema = {"type": "object", "properties": {"sum": {"type": "integer"}}}
+    try:
+        await client.chat.completions.create(
+            model="any", messages=messages,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        )  # fmt: skip
+    except openai.BadRequestError as exc:
+        assert "refused" in exc.body["message"], exc.body
+        again = await client.chat.completions.create(model="any", messages=messages)
+        return float(again.choices[0].message.content == task["answer"])
+    return -1.0
 
 
 async def raises(client, task):
@@ -313,3 +331,32 @@ async def test_agents_in_worker_processes_blocking_ones_included(tokenizer) -> N
         await pool.aclose()
     with pytest.raises(ValueError, match="agent_workers"):
         RolloutConfig(use="openai_agent", agent=f"{HERE}:blocking")  # not async: needs workers
+
+
+class RefusingEngine(ScriptedEngine):
+    """Refuses a call with a grammar, as an engine whose tokenizer cannot be constrained."""
+
+    async def generate(self, input_ids: list[int], **sampling: Any) -> Generation:
+        if "json_schema" in sampling:
+            self.sampling.append(sampling)
+            raise RequestRefused("POST /generate answered 400: grammars cannot constrain it")
+        return await super().generate(input_ids, **sampling)
+
+
+@pytest.mark.timeout(60)
+async def test_an_engine_s_400_reaches_the_agent_which_goes_on(tokenizer) -> None:
+    """A call the engine refuses (here a grammar, which the proxy forwards as the engine's
+    ``json_schema``) is the agent's 400, as from a server; the episode goes on."""
+    engine = RefusingEngine(tokenizer, ["5"])
+    ctx = RolloutContext(
+        RolloutConfig(use="openai_agent", agent=f"{HERE}:formatted"),
+        tokenizer=tokenizer,
+        sampling={"temperature": 1.0, "max_new_tokens": 64},
+        group_id="g",
+    )
+    ids = tokenizer.encode("2+3?", add_special_tokens=False)
+    message = {"prompt_id": "p:1", "input_ids": ids, "meta": {"text": "2+3?", "answer": "5"}}
+    trajectory = await openai_agent(message, engine, ctx)
+    assert trajectory.reward == 1.0 and _sampled(trajectory) == engine.outputs[0].tolist()
+    assert '"sum"' in engine.sampling[0]["json_schema"]  # response_format, forwarded
+    assert "json_schema" not in engine.sampling[1]
