@@ -34,7 +34,7 @@ import aiohttp
 
 from stages.generator.client import Completion, EngineAuthError, EngineClient, EngineError
 from stages.learner.config import EvalConfig
-from stages.rollouts.api import EngineUnavailable, EnvError
+from stages.rollouts.api import EngineUnavailable, EnvError, RequestRefused
 from stages.rollouts.trajectory import Generation, Trajectory
 from stages.scorer.arguments import reward_arguments
 from stages.scorer.runner import RewardRunner
@@ -339,6 +339,8 @@ class _EvalEngine:
             except EngineAuthError:
                 raise
             except EngineError as exc:
+                if exc.status == 400:  # the request, not the engine (an agent's call: its 400)
+                    raise RequestRefused(str(exc)) from exc
                 if not exc.retryable:
                     raise EngineUnavailable(str(exc)) from exc
                 error = exc
