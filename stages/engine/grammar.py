@@ -132,6 +132,15 @@ class GrammarSet:
             raise GrammarError(f"Failed to compile {kind} grammar: {matcher.get_error()}")
         return matcher
 
+    def warm(self) -> None:
+        """Build llguidance's view of the tokenizer now (SGLang sets its grammar backend up
+        at start), so that the first request with a grammar does not wait for it; the server
+        calls it on a thread of its own."""
+        try:
+            self._ll_tokenizer()
+        except GrammarError:
+            pass  # said to each request with a grammar
+
     def _ll_tokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built once (about a second for a large
         vocabulary); a tokenizer it cannot take fails every time with the same error."""
@@ -141,6 +150,8 @@ class GrammarSet:
                     self._ll = _ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
                 except GrammarError as exc:
                     self._ll = exc
+                except Exception as exc:  # llguidance's own refusal of the tokenizer
+                    self._ll = GrammarError(f"llguidance cannot read this tokenizer: {exc}")
             if isinstance(self._ll, GrammarError):
                 raise GrammarError(str(self._ll))
             return self._ll

@@ -40,6 +40,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -781,6 +782,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
     """The scheduler the options ask for, on ``loaded``'s model (not started)."""
     decode = decoder(loaded.tokenizer)
+    grammars = None
+    if loaded.tokenizer is not None:
+        grammars = GrammarSet(loaded.tokenizer, loaded.vocab_size, sorted(loaded.eos_token_ids))
+        threading.Thread(target=grammars.warm, name="grammar-warmup", daemon=True).start()
     return Scheduler(
         loaded.model,
         max_running=args.max_running,
@@ -794,9 +799,7 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         prefix_cache_max_age=args.prefix_cache_max_age,
         # stop strings are looked for in the text as SGLang decodes it (special tokens kept)
         decode_tail=None if decode is None else (lambda ids: decode(ids, False)),
-        grammars=None
-        if loaded.tokenizer is None
-        else GrammarSet(loaded.tokenizer, loaded.vocab_size, sorted(loaded.eos_token_ids)),
+        grammars=grammars,
     )
 
 
