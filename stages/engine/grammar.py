@@ -35,17 +35,13 @@ import numpy as np
 import structlog
 import torch
 
-__all__ = ["GRAMMAR_FIELDS", "Constraint", "GrammarError", "GrammarSet"]
+__all__ = ["Constraint", "GrammarError", "GrammarSet"]
 
 log = structlog.get_logger("inflight.engine.grammar")
 
-# sampling_params field -> SGLang's grammar key (GrammarManager.process_req_with_grammar)
-GRAMMAR_FIELDS = {
-    "json_schema": "json",
-    "regex": "regex",
-    "ebnf": "ebnf",
-    "structural_tag": "structural_tag",
-}
+# a sampling_params field (protocol.GRAMMAR_FIELDS) -> SGLang's grammar key where they differ
+# (GrammarManager.process_req_with_grammar)
+_KEYS = {"json_schema": "json"}
 _CACHED = 64  # compiled grammars kept
 # from this many constrained rows a step, masks are computed in llguidance's threads (fewer:
 # one after another, which costs less CPU; bench/grammar.py: 8 rows of a 32K vocabulary
@@ -96,9 +92,9 @@ class GrammarSet:
         self._llexecutor: Any = None  # computes the masks of a step together
 
     def start(self, field: str, text: str) -> Constraint:
-        """A fresh constraint of the grammar ``text`` given as ``field`` (a key of
-        ``GRAMMAR_FIELDS``); GrammarError if it does not compile."""
-        kind = GRAMMAR_FIELDS[field]
+        """A fresh constraint of the grammar ``text`` given as ``field`` (one of
+        ``protocol.GRAMMAR_FIELDS``); GrammarError if it does not compile."""
+        kind = _KEYS.get(field, field)
         key = (kind, text)
         with self._lock:
             template = self._compiled.get(key)
@@ -166,9 +162,10 @@ class GrammarSet:
     # -- the scheduler's side ------------------------------------------------------------------
     def constrain(
         self, logits: torch.Tensor, rows: list[int], constraints: list[Constraint]
-    ) -> list[int]:
+    ) -> None:
         """Set to ``-inf`` the logits of ``rows`` that each row's constraint does not allow
-        next; returns the rows whose grammar allows no token at all (to be aborted)."""
+        next; a constraint whose grammar allows no token at all is marked ``stuck`` (its
+        sample is aborted once the step's tokens are in)."""
         count, words = len(rows), (self.vocab_size + 31) // 32
         bits = np.empty((count, words), dtype="<i4")  # bit k of word w: token 32 * w + k
         if count >= _PARALLEL_ROWS:  # in llguidance's threads, without the GIL
@@ -195,7 +192,8 @@ class GrammarSet:
             index = torch.tensor(rows, device=logits.device)
             masked = logits.index_select(0, index).masked_fill_(blocked, float("-inf"))
             logits.index_copy_(0, index, masked)
-        return [rows[i] for i in np.flatnonzero(~bits.any(axis=1)).tolist()]
+        for i in np.flatnonzero(~bits.any(axis=1)).tolist():
+            constraints[i].stuck = True
 
 
 def _structural_tag(text: str) -> str:

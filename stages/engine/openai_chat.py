@@ -356,6 +356,9 @@ class ChatChunks(StreamLayout):
         return out
 
 
+_CHOICES = "tool_choice: 'auto', 'none', 'required' or {type: function, function: {name}}"
+
+
 def _tool_choice(
     body: dict[str, Any],
     tools: list[dict[str, Any]],
@@ -374,10 +377,7 @@ def _tool_choice(
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise OpenAIError(
-                "tool_choice: 'auto', 'none', 'required' or {type: function, function: {name}}",
-                "tool_choice",
-            )
+            raise OpenAIError(_CHOICES, "tool_choice")
         if not tools:
             raise OpenAIError(
                 "Tools cannot be empty if tool choice is set to a specific tool.", "tool_choice"
@@ -386,10 +386,7 @@ def _tool_choice(
         if not tools:
             raise OpenAIError(f"Tool '{name}' not found in tools list.", "tool_choice")
     elif choice != "required":
-        raise OpenAIError(
-            "tool_choice: 'auto', 'none', 'required' or {type: function, function: {name}}",
-            "tool_choice",
-        )
+        raise OpenAIError(_CHOICES, "tool_choice")
     elif not tools:
         raise OpenAIError("Tools cannot be empty if tool choice is set to required.", "tool_choice")
     if grammar or any(body.get(k) for k in ("regex", "ebnf")):

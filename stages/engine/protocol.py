@@ -108,7 +108,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), each id once
-    # (field, text): the json_schema, regex or ebnf the sample must follow (stages.engine.grammar)
+    # (field, text): the grammar the sample must follow (GRAMMAR_FIELDS; stages.engine.grammar)
     grammar: tuple[str, str] | None = None
 
     @property
@@ -172,8 +172,6 @@ class SequenceResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# SGLang sampling parameters accepted only at these neutral values.
-_NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {}
 # Accepted and without effect here: they only shape text, or (``custom_params``) feed a custom
 # logit processor, which SGLang ignores them without and this engine refuses.
 _IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens", "custom_params"})
@@ -755,10 +753,6 @@ def _sampling_params(
             if encode is None:
                 raise RequestError(path, "grammars need the model's tokenizer; this model has none")
             values["grammar"] = (key, value)
-            continue
-        if key in _NEUTRAL_SAMPLING:
-            if not _is_neutral(value, _NEUTRAL_SAMPLING[key]):
-                raise RequestError(path, "is not supported by the built-in engine")
             continue
         if value is None:
             continue  # SGLang: null means the default

@@ -337,7 +337,8 @@ class Scheduler:
         # running seqs that want top log-probs or those of given tokens (token_ids_logprob)
         self._top_seqs: set[_Seq] = set()
         self._stream_seqs: set[_Seq] = set()  # running seqs whose tokens are streamed
-        # json_schema, regex and ebnf (stages.engine.grammar); the seqs that follow one
+        # json_schema, regex, ebnf, structural_tag (stages.engine.grammar); the seqs that
+        # follow one
         self._grammars = grammars
         self._constrained: set[_Seq] = set()
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
@@ -1111,11 +1112,8 @@ class Scheduler:
         if not seqs:
             return
         assert self._grammars is not None
-        rows = [s.slot - lo for s in seqs]
-        empty = self._grammars.constrain(logits, rows, [s.constraint for s in seqs])  # type: ignore[misc]
-        stuck = [seqs[rows.index(row)] for row in empty]
-        for seq in stuck:
-            seq.constraint.stuck = True  # type: ignore[union-attr]
+        constraints = [s.constraint for s in seqs]
+        self._grammars.constrain(logits, [s.slot - lo for s in seqs], constraints)  # type: ignore[arg-type]
 
     def _advance_grammars(
         self, tokens: torch.Tensor, lo: int, hi: int

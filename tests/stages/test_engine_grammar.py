@@ -20,6 +20,7 @@ import torch
 from stages.engine.grammar import GrammarError, GrammarSet
 from stages.engine.openai_chat import ChatSettings, chat_request
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
+from tests.stages.test_engine_streaming import _events
 from tests.stages.tiny_model import EOS_ID, make_arith_model, make_byte_model
 
 SCHEMA = {
@@ -116,8 +117,7 @@ def test_regex_and_ebnf_outputs_match_and_a_complete_grammar_ends_the_sample(
     # streamed: the chunks end in the same answer
     sampling = {"regex": r"[0-9]{6}", "temperature": 0, "max_new_tokens": 20}
     body = {"input_ids": PROMPT, "stream": True, "sampling_params": sampling}
-    response = requests.post(engine.url + "/generate", json=body, timeout=30)
-    chunks = [json.loads(x[6:]) for x in response.iter_lines() if x.startswith(b"data: {")]
+    chunks = _events(engine, body)[1][:-1]  # without [DONE]
     assert len(chunks) > 2 and re.fullmatch("[0-9]{6}", chunks[-1]["text"])
     assert chunks[-1]["text"] == _generate(engine, body["sampling_params"])["text"]
 

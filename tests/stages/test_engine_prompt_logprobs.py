@@ -23,6 +23,7 @@ from tests.stages.test_engine_server import (  # noqa: F401
     engine,
     ref_model,
 )
+from tests.stages.test_engine_streaming import _events
 
 pytestmark = pytest.mark.numerics
 
@@ -252,12 +253,7 @@ def test_token_ids_logprob_gives_those_tokens_logprobs_at_every_step(
         abs_tol=1e-6,
     )
     # streamed: each chunk holds them so far, the last all of them
-    response = requests.post(engine.url + "/generate", json={**body, "stream": True}, timeout=30)
-    chunks = [
-        json.loads(line[len(b"data: ") :])
-        for line in response.iter_lines()
-        if line.startswith(b"data: {")
-    ]
+    chunks = _events(engine, {**body, "stream": True})[1][:-1]  # without [DONE]
     last = chunks[-1]["meta_info"]
     assert len(chunks) > 2 and len(last["output_token_ids_logprobs"]) == new
     for chunk in chunks:

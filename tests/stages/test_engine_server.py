@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import random
@@ -312,6 +313,12 @@ def _tokenizer(engine: Engine) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(engine.model_dir)
 
 
+def _greedy16(engine: Engine, prompt: list[int], **params: Any) -> Any:
+    """Up to 16 greedy tokens of ``prompt``, with ``params`` as more sampling parameters."""
+    sampling = {**GREEDY, "max_new_tokens": 16, **params}
+    return engine.generate({"input_ids": prompt, "sampling_params": sampling})
+
+
 @pytest.mark.timeout(60)
 def test_stop_strings_end_the_output_at_the_token_that_completes_them(
     engine: Engine, ref_model: torch.nn.Module
@@ -326,9 +333,7 @@ def test_stop_strings_end_the_output_at_the_token_that_completes_them(
     assert end <= 6
     full = sglang_text(tokenizer, prompt, free[:end])
 
-    def ask(**params: Any) -> Any:
-        sampling = {**GREEDY, "max_new_tokens": 16, **params}
-        return engine.generate({"input_ids": prompt, "sampling_params": sampling})
+    ask = functools.partial(_greedy16, engine, prompt)
 
     out = ask(stop=["no such words", stop])
     assert out["output_ids"] == free[:end]
@@ -372,9 +377,7 @@ def test_stop_regex_ends_the_output_where_the_end_of_its_text_matches(
             k for k in range(1, 17) if re.search(pattern, tokenizer.decode(free[:k][-window:]))
         )
 
-    def ask(**params: Any) -> Any:
-        sampling = {**GREEDY, "max_new_tokens": 16, **params}
-        return engine.generate({"input_ids": prompt, "sampling_params": sampling})
+    ask = functools.partial(_greedy16, engine, prompt)
 
     # bounded: two words with a space or not between them, never written as such in the text
     bounded = rf"{re.escape(words[4])}\s?{re.escape(words[5])}"

@@ -260,17 +260,22 @@ async def two_completions(client: Any, task: Mapping[str, Any]) -> float:
     return 0.25
 
 
-@pytest.mark.timeout(90)
-async def test_an_openai_agent_trains_the_tokens_the_engine_sampled(tmp_path, engine):
+def _agent_rollout(tmp_path, agent: str) -> RolloutConfig:
+    """An ``openai_agent`` rollout of ``agent`` (defined here) on the engine's tokenizer."""
     from tests.stages.tiny_model import _tokenizer
 
     folder = tmp_path / "tokenizer"
     _tokenizer(128).save_pretrained(folder)
-    rollout = RolloutConfig(
+    return RolloutConfig(
         use="openai_agent",
-        agent="tests.stages.test_generator_episodes:two_completions",
+        agent=f"tests.stages.test_generator_episodes:{agent}",
         tokenizer=str(folder),
     )
+
+
+@pytest.mark.timeout(90)
+async def test_an_openai_agent_trains_the_tokens_the_engine_sampled(tmp_path, engine):
+    rollout = _agent_rollout(tmp_path, "two_completions")
     count = 2
     proxy = Proxy(engine)
     async with proxy as url:
@@ -312,15 +317,7 @@ async def json_then_plain(client: Any, task: Mapping[str, Any]) -> float:
 
 @pytest.mark.timeout(90)
 async def test_an_engine_s_400_is_the_agent_s_and_neither_retried_nor_dropped(tmp_path, engine):
-    from tests.stages.tiny_model import _tokenizer
-
-    folder = tmp_path / "tokenizer"
-    _tokenizer(128).save_pretrained(folder)
-    rollout = RolloutConfig(
-        use="openai_agent",
-        agent="tests.stages.test_generator_episodes:json_then_plain",
-        tokenizer=str(folder),
-    )
+    rollout = _agent_rollout(tmp_path, "json_then_plain")
     proxy = Proxy(engine)
     async with proxy as url:
         out = await generate(tmp_path, [url], 1, rollout=rollout)
