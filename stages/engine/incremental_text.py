@@ -35,7 +35,8 @@ FORCE_INTERVAL = 50  # DEFAULT_FORCE_STREAM_INTERVAL: a request not streamed, ev
 class IncrementalText:
     """One sample's text, fed its output ids so far (``update``) and at its end (``final``)."""
 
-    __slots__ = ("_decode", "_ids", "_one", "_read", "_skip", "_start", "_surr", "_surr_text")
+    __slots__ = ("_decode", "_ids", "_one", "_pair", "_read", "_skip", "_start", "_surr")
+    __slots__ += ("_surr_text",)
     __slots__ += ("text",)
 
     def __init__(
@@ -43,6 +44,7 @@ class IncrementalText:
     ) -> None:
         self._decode, self._skip = decode, skip
         self._one = _single_tokens(decode, skip)
+        self._pair = _token_pairs(decode, skip)
         context = list(prompt_ids[-CONTEXT_TOKENS:])
         self._ids = context  # the window's ids: the context, then the output
         self._surr = 0
@@ -68,7 +70,13 @@ class IncrementalText:
 
     def update(self, output_ids: list[int]) -> str:
         """The text of an unfinished sample whose output so far is ``output_ids``."""
-        new = self._new(output_ids, False)
+        ids, read = self._ids, self._read
+        if read - self._surr == 1 and read == len(ids) == len(output_ids) + self._start - 1:
+            # the usual case: one token after a committed one (the window is the two of them)
+            new = self._pair(ids[-1], output_ids[-1])
+            ids.append(output_ids[-1])
+        else:
+            new = self._new(output_ids, False)
         if new and new[-1] != "\ufffd":
             self.text = text = self.text + new
             self._surr, self._read, self._surr_text = self._read, len(self._ids), None
@@ -126,6 +134,16 @@ def output_text(
 def _single_tokens(decode: Callable[[list[int], bool], str], skip: bool) -> Callable[[int], str]:
     """Each token's text alone, decoded once (per ``decode`` and ``skip``)."""
     return functools.lru_cache(maxsize=1 << 17)(lambda token: decode([token], skip))
+
+
+@functools.lru_cache(maxsize=64)
+def _token_pairs(decode: Callable[[list[int], bool], str], skip: bool) -> Callable[[int, int], str]:
+    """The text a token adds after another (the window of a stream's usual step: the token
+    last committed and the new one), decoded once per pair (per ``decode`` and ``skip``)."""
+    one = _single_tokens(decode, skip)
+    return functools.lru_cache(maxsize=1 << 16)(
+        lambda first, token: decode([first, token], skip)[len(one(first)) :]
+    )
 
 
 @functools.lru_cache(maxsize=1 << 15)

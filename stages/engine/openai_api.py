@@ -312,6 +312,39 @@ class CompletionChunks(StreamLayout):
         super().__init__(options)
         self.echoes = _echo_prompts(options["prompt"], decode) if options["echo"] else []
         self.ids_sent: dict[int, int] = {}
+        # each choice's chunk before its last, built once and brought up to date (a chunk is
+        # encoded before the next is built); None: chunks with token ids or usage, built anew
+        self.chunks: dict[int, tuple[dict[str, Any], dict[str, Any]]] | None = None
+        if not options["return_token_ids"] and not options["continuous_usage_stats"]:
+            self.chunks = {}
+
+    def _progress_chunk(self, p: Progress, want_logprobs: bool) -> dict[str, Any]:
+        """The chunk of a sample that moved on and goes on (``__call__``'s usual case)."""
+        assert self.chunks is not None
+        index, ids, text = p.index, p.ids, p.text
+        self.prompt_tokens[index] = p.prompt_tokens
+        self.completion_tokens[index] = total = len(ids)
+        offsets = self.offsets
+        start = offsets.get(index, 0)
+        offsets[index] = len(text)
+        logprobs = None
+        if want_logprobs:
+            sent = self.logprobs_sent.get(index, 0)
+            if sent < total:
+                logprobs = _progress_logprobs(p, sent, total)
+            self.logprobs_sent[index] = total
+        self.last_id = p.rid
+        made = self.chunks.get(index)
+        if made is None:
+            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+            choice["matched_stop"] = None
+            chunk = {"id": p.rid, "object": "text_completion", "created": self.created}
+            chunk.update(model=self.options["model"], choices=[choice], usage=None)
+            made = self.chunks[index] = (chunk, choice)
+        chunk, choice = made
+        choice["text"] = text[start:]
+        choice["logprobs"] = logprobs
+        return chunk
 
     def __call__(self, batch: list[Any]) -> list[dict[str, Any]]:
         options, offsets, logprobs_sent = self.options, self.offsets, self.logprobs_sent
@@ -320,6 +353,9 @@ class CompletionChunks(StreamLayout):
         out = []
         for content in batch:
             if type(content) is Progress:  # a sample that moved on (not echoed)
+                if content.finish is None and self.chunks is not None:  # and goes on
+                    out.append(self._progress_chunk(content, want_logprobs))
+                    continue
                 index, rid, ids, text = content.index, content.rid, content.ids, content.text
                 prompt_tokens[index] = content.prompt_tokens
                 completion_tokens[index] = total = len(ids)

@@ -63,10 +63,13 @@ class Progress:
         "input_picked_entries",
         "input_top_entries",
         "input_tops",
+        "listed",
         "logprobs",
+        "out",
         "picked",
         "picked_entries",
         "prompt_tokens",
+        "return_logprob",
         "rid",
         "text",
         "token_text",
@@ -83,10 +86,14 @@ class Progress:
         *,
         picked: list | None = None,
         index: int = 0,
+        listed: bool = False,
+        return_logprob: bool = False,
         token_text: Callable[[int], str] | None = None,
         detok: IncrementalText | None = None,
     ) -> None:
         self.rid = rid
+        self.listed = listed  # its chunks carry ``index`` (a batch or n > 1)
+        self.return_logprob = return_logprob
         self.detok = detok  # its text, decoded as SGLang's detokenizer does (None: no tokenizer)
         self.index = index  # the sample's place in the request's answer
         self.token_text = token_text  # each token's own text (return_text_in_logprobs)
@@ -112,6 +119,7 @@ class Progress:
         self.input_top_entries: list[Any] | None = None
         self.text = ""  # the text so far (SGLang's: what may still change is held back)
         self.finish: dict[str, Any] | None = None  # the finish reason, once it is the last
+        self.out: dict[str, Any] | None = None  # its chunk (``chunk``), once built
 
     def last(self, result: SequenceResult, inp: Any, decode: Callable[..., str] | None) -> Progress:
         """This sample, finished as ``result`` (of its request ``inp``): its whole output,
@@ -134,51 +142,70 @@ class Progress:
         self.finish = result.finish_reason
         return self
 
-    def chunk(
-        self, return_logprob: bool, token_text: Callable[[int], str] | None, text: str | None
-    ) -> dict:
-        """The sample's chunk before its last: ``text`` (when not None) and SGLang's fields
-        of ``meta_info`` so far."""
-        ids = self.ids
+    def chunk(self) -> dict:
+        """The sample's chunk before its last: ``text`` (with a tokenizer) and SGLang's fields
+        of ``meta_info`` so far. It is the same dict each time, brought up to date (as the
+        lists in it are): a chunk is encoded before the sample's next one is built."""
+        out = self.out
+        if out is None:
+            return self._first_chunk()
+        meta = out["meta_info"]
+        if self.detok is not None:
+            out["text"] = self.text
+        meta["completion_tokens"] = len(self.ids)
+        meta["cached_tokens"] = self.cached
+        meta["weight_version"] = self.version
+        if self.return_logprob:
+            self._add_entries()
+            meta["output_token_logprobs_length"] = len(self.entries)
+        return out
+
+    def _first_chunk(self) -> dict:
+        token_text = self.token_text
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": None,
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": len(ids),
+            "completion_tokens": len(self.ids),
             "cached_tokens": self.cached,
             "weight_version": self.version,
         }
-        if return_logprob:
-            entries, logprobs = self.entries, self.logprobs
-            done = len(entries)
-            if token_text is None and done == len(ids) - 1:  # the usual case: one new token
-                entries.append([logprobs[done], ids[done], None])
-            else:
-                for tok, lp in zip(ids[done:], logprobs[done:], strict=True):
-                    entries.append([lp, tok, None if token_text is None else token_text(tok)])
-            inputs = self.input_entries
-            if inputs is None:
-                inputs = self._input_entries(token_text)
-            meta["input_token_logprobs"] = inputs
-            meta["output_token_logprobs"] = entries
-            meta["output_token_logprobs_length"] = len(entries)
+        if self.return_logprob:
+            self._add_entries()
+            meta["input_token_logprobs"] = self._input_entries(token_text)
+            meta["output_token_logprobs"] = self.entries
+            meta["output_token_logprobs_length"] = len(self.entries)
             if self.tops is not None:
-                text_of = (lambda tok: None) if token_text is None else token_text
-                for step in self.tops[len(self.top_entries) :]:
-                    self.top_entries.append([[lp, tok, text_of(tok)] for lp, tok in step])
                 meta["input_top_logprobs"] = self.input_top_entries
                 meta["output_top_logprobs"] = self.top_entries
             if self.picked is not None:
-                if self.input_picked_entries is None:
-                    self.input_picked_entries = step_entries(self.input_picked or (), token_text)
-                self.picked_entries += step_entries(
-                    self.picked[len(self.picked_entries) :], token_text
-                )
+                self.input_picked_entries = step_entries(self.input_picked or (), token_text)
                 meta["input_token_ids_logprobs"] = self.input_picked_entries
                 meta["output_token_ids_logprobs"] = self.picked_entries
-        if text is None:
-            return {"output_ids": ids, "meta_info": meta}
-        return {"text": text, "output_ids": ids, "meta_info": meta}
+        out: dict[str, Any] = {"output_ids": self.ids, "meta_info": meta}
+        if self.detok is not None:
+            out = {"text": self.text, **out}
+        if self.listed:
+            out["index"] = self.index
+        self.out = out
+        return out
+
+    def _add_entries(self) -> None:
+        """The log-prob entries (top ones, those of ``token_ids_logprob``) of the tokens
+        added since the last chunk."""
+        ids, logprobs, entries, token_text = self.ids, self.logprobs, self.entries, self.token_text
+        done = len(entries)
+        if token_text is None and done == len(ids) - 1:  # the usual case: one new token
+            entries.append([logprobs[done], ids[done], None])
+        else:
+            for tok, lp in zip(ids[done:], logprobs[done:], strict=True):
+                entries.append([lp, tok, None if token_text is None else token_text(tok)])
+        if self.tops is not None:
+            text_of = (lambda tok: None) if token_text is None else token_text
+            for step in self.tops[len(self.top_entries) :]:
+                self.top_entries.append([[lp, tok, text_of(tok)] for lp, tok in step])
+        if self.picked is not None:
+            self.picked_entries += step_entries(self.picked[len(self.picked_entries) :], token_text)
 
     def _input_entries(self, token_text: Callable[[int], str] | None) -> list[list[Any]]:
         """The prompt's log-prob entries (and top entries), built once."""
@@ -230,6 +257,8 @@ def stream_generate(
             tops=[] if inp.top_logprobs_num else None,
             picked=None if inp.token_ids_logprob is None else [],
             index=index,
+            listed=listed,
+            return_logprob=inp.return_logprob,
             token_text=token_text,
             detok=None
             if decode is None
@@ -261,22 +290,17 @@ def stream_generate(
             touched[index] = None
         batch: list[Any] = []  # one chunk per sample that moved on
         for index in touched:
-            final = finals.get(index)
-            if final is not None:  # the whole answer, as the request without stream
-                if progress:
-                    batch.append(moving[index].last(final, inputs[index], decode))
-                    continue
-                chunk = render_sample(inputs[index], final, decode, token_text, moving[index].detok)
-            else:
-                p = moving[index]
+            p = moving[index]
+            final = finals.get(index) if finals else None
+            if final is None:  # it goes on
                 if p.detok is not None:
                     p.text = p.detok.update(p.ids)
-                if progress:
-                    batch.append(p)
-                    continue
-                chunk = p.chunk(
-                    inputs[index].return_logprob, token_text, None if decode is None else p.text
-                )
+                batch.append(p if progress else p.chunk())
+                continue
+            if progress:  # the whole answer, as the request without stream
+                batch.append(p.last(final, inputs[index], decode))
+                continue
+            chunk = render_sample(inputs[index], final, decode, token_text, p.detok)
             if listed:
                 chunk["index"] = index
             batch.append(chunk)

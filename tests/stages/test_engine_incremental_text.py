@@ -107,3 +107,44 @@ def test_a_request_not_streamed_commits_every_50_tokens_as_sglang_forces_a_flush
     assert IncrementalText.whole(prompt, out, decode, True).final(out, False) == text
     # commits after 50 and 100 tokens: windows of 2+50, 50, 50+50, 50, 50+20 (and the context)
     assert decode.ids == 2 + (2 + 50) + 50 + (50 + 50) + 50 + (50 + 20)
+
+
+def _sglang_chunks(decode, prompt: list[int], out: list[int]) -> list[str]:  # noqa: ANN001
+    """Each chunk's text as SGLang's detokenizer computes it, from scratch (no caches): the
+    window from ``surr`` decoded less the text of ``surr:read``, committed unless it is empty
+    or ends in an incomplete character, else its printable part shown."""
+    ids, text, shown = list(prompt[-5:]), "", []
+    surr, read = 0, len(ids)
+    for token in out:
+        ids.append(token)
+        new = decode(ids[surr:], True)[len(decode(ids[surr:read], True)) :]
+        if new and new[-1] != "\ufffd":
+            text += new
+            surr, read = read, len(ids)
+            shown.append(text)
+        else:
+            shown.append(text + printable(new))
+    return shown
+
+
+@pytest.mark.parametrize("make", [_byte_level, _metaspace])
+def test_every_chunk_s_text_is_sglang_s_whatever_the_tokens_before_it(make) -> None:  # noqa: ANN001
+    """The usual step (a token after a committed one) reads a cache of token pairs; the text
+    must be what decoding the window gives, for tokens seen before after other tokens too."""
+    import random
+
+    tok = make()
+    decode = lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)  # noqa: E731
+    rng = random.Random(7)
+    if make is _byte_level:
+        pieces = ["a", " b", "你", "é", " 好", "\n", "ü!"]
+        texts = ["".join(rng.choice(pieces) for _ in range(12)) for _ in range(20)]
+        outs = [tok.encode(t).ids for t in texts]
+    else:
+        outs = [[rng.randrange(1, 7) for _ in range(10)] for _ in range(20)]
+    prompt = [1, 2]
+    for out in outs:  # the same pairs come up again across samples: later ones read the cache
+        state = IncrementalText(prompt, decode, True)
+        assert [state.update(out[: k + 1]) for k in range(len(out))] == _sglang_chunks(
+            decode, prompt, out
+        )
