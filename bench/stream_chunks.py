@@ -6,9 +6,10 @@ Run (prints one JSON line):
 
 A stand-in scheduler hands the routes what ``stages.engine.scheduler.Scheduler`` hands them:
 per step, one event per sample to a streamed request (``(index, (token, logprob, version, top,
-cached, input_lps, input_tops))``), and each sample's ``SequenceResult`` at its last token. 16
-requests of ``n`` = 4 on arith-tiny's tokenizer and vocabulary, with log-probs, take
-``--new-tokens`` steps together, as ``bench/engine_profile.py compare`` drives a real server:
+cached, input_lps, input_tops, picked, input_picked))``), and each sample's ``SequenceResult``
+at its last token. 16 requests of ``n`` = 4 on arith-tiny's tokenizer and vocabulary, with
+log-probs, take ``--new-tokens`` steps together, as ``bench/engine_profile.py compare`` drives
+a real server:
 
 - ``generate``: ``/generate`` not streamed (``stages.engine.server.generate``, then JSON);
 - ``generate-stream``: streamed (``stream_generate``'s chunks, each batch as its events: the
@@ -83,7 +84,7 @@ class _Scheduler:
                 token = random.randrange(3, self.vocab)
                 ids[i].append(token)
                 if not last:
-                    events.append((i, (token, -0.5, "0", None, 0, None, None)))
+                    events.append((i, (token, -0.5, "0", None, 0, None, None, None, None)))
                     continue
                 n = len(ids[i])
                 result = SequenceResult(
