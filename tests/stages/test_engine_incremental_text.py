@@ -109,7 +109,7 @@ def test_a_request_not_streamed_commits_every_50_tokens_as_sglang_forces_a_flush
     assert decode.ids == 2 + (2 + 50) + 50 + (50 + 50) + 50 + (50 + 20)
 
 
-def _sglang_chunks(decode, prompt: list[int], out: list[int]) -> list[str]:  # noqa: ANN001
+def _sglang_chunks(decode, prompt: list[int], out: list[int]) -> list[str]:
     """Each chunk's text as SGLang's detokenizer computes it, from scratch (no caches): the
     window from ``surr`` decoded less the text of ``surr:read``, committed unless it is empty
     or ends in an incomplete character, else its printable part shown."""
@@ -128,7 +128,7 @@ def _sglang_chunks(decode, prompt: list[int], out: list[int]) -> list[str]:  # n
 
 
 @pytest.mark.parametrize("make", [_byte_level, _metaspace])
-def test_every_chunk_s_text_is_sglang_s_whatever_the_tokens_before_it(make) -> None:  # noqa: ANN001
+def test_every_chunk_s_text_is_sglang_s_whatever_the_tokens_before_it(make) -> None:
     """The usual step (a token after a committed one) reads a cache of token pairs; the text
     must be what decoding the window gives, for tokens seen before after other tokens too."""
     import random

@@ -1,23 +1,29 @@
-"""The generator's engine client (and the weight publisher) against a real SGLang server.
+"""The generator's engine client (and the weight publisher) against SGLang's API.
 
-Skipped unless ``INFLIGHT_SGLANG_URL`` names a running server, started for instance with::
+Against a real SGLang server when ``INFLIGHT_SGLANG_URL`` names one, started for instance with::
 
     python -m sglang.launch_server --model-path MODEL_DIR --port 30000 --host 127.0.0.1
 
+Without it, against the built-in engine, which speaks the same API, started here the way users
+start it (``inflight engine``) on a tiny byte-level model with a chat template: what these tests
+assume of SGLang is then checked in every run, and a test that only a real server could pass
+is caught here, not on the day someone runs it against one.
+
 Environment:
 
-- ``INFLIGHT_SGLANG_URL`` (required): the server, e.g. ``http://127.0.0.1:30000``.
-- ``INFLIGHT_SGLANG_MODEL`` (optional): a local Hugging Face directory holding the *same* model
-  the server serves (its weights are read with transformers and published to the server). Without
-  it the weight-update test is skipped. The update sends the server's own weights back as a new
-  version, so the server is left serving what it served before.
+- ``INFLIGHT_SGLANG_URL``: the server, e.g. ``http://127.0.0.1:30000``.
+- ``INFLIGHT_SGLANG_MODEL`` (with a URL; optional): a local Hugging Face directory holding the
+  *same* model the server serves (its weights are read with transformers and published to the
+  server). Without it the tests that need the model's files are skipped. The update sends the
+  server's own weights back as a new version, so the server is left serving what it served
+  before.
 - ``INFLIGHT_SGLANG_BACKEND`` (optional): ``nccl`` (default when this process sees a GPU) or
   ``gloo``; the weight group's backend. With ``nccl`` this process needs a GPU of its own.
 - ``INFLIGHT_SGLANG_MASTER_ADDRESS`` (optional, default ``127.0.0.1``): an address of this
   machine the server can reach (the weight group's rendezvous is hosted here, as rank 0).
 
-Token ids are small integers (any real vocabulary has them); only the text test decodes (with
-the tokenizer of ``INFLIGHT_SGLANG_MODEL``).
+Token ids are small integers (any real vocabulary has them; the byte-level model has 109); only
+the text test decodes (with the served model's tokenizer).
 """
 
 from __future__ import annotations
@@ -27,24 +33,34 @@ import contextlib
 import json
 import os
 import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
 
 from stages.generator.client import EngineClient, EngineError
+from tests.stages.engine_setup import builtin_engine
+from tests.stages.tiny_model import make_byte_model
+
+BYTE_PRINTABLE = "".join(chr(c) for c in range(32, 127))  # the byte-level model's characters
 
 URL = os.environ.get("INFLIGHT_SGLANG_URL", "")
 MODEL = os.environ.get("INFLIGHT_SGLANG_MODEL", "")
+# the built-in engine's chat template here (any template: the chat test reads no format)
+TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(
-        not URL, reason="set INFLIGHT_SGLANG_URL to the URL of a running SGLang server"
-    ),
-]
 
 PROMPT = [101, 102, 103, 104, 105, 106, 107, 108]
 LONG = 1024  # new tokens (at most; less for a short context): still running when paused
+
+
+def _need_model(served: Served) -> None:
+    if not served.model:
+        pytest.skip("set INFLIGHT_SGLANG_MODEL to the served model's directory")
 
 
 def _rid(what: str) -> str:
@@ -55,11 +71,32 @@ def _params(max_new_tokens: int, **more) -> dict:
     return {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **more}
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str
+    model: str  # the served model's directory ("": not known here)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The server under test: INFLIGHT_SGLANG_URL's, else a built-in engine started here."""
+    if URL:
+        yield Served(URL, MODEL)
+        return
+    folder = tmp_path_factory.mktemp("sglang_api")
+    words = ("<tool_call>", "</tool_call>")  # 109 tokens: PROMPT's ids are in it
+    model = make_byte_model(folder / "model", chars=BYTE_PRINTABLE, words=words)
+    template = folder / "chat_template.jinja"
+    template.write_text(TEMPLATE)
+    with builtin_engine(model, "--chat-template", str(template)) as url:
+        yield Served(url, str(model))
+
+
 @pytest.fixture
-async def client():
+async def client(served: Served):
     async with aiohttp.ClientSession() as session:
-        engine = EngineClient(URL, session, timeout_s=300)
-        assert await engine.healthy(), f"{URL}/health does not answer"
+        engine = EngineClient(served.url, session, timeout_s=300)
+        assert await engine.healthy(), f"{served.url}/health does not answer"
         yield engine
 
 
@@ -106,7 +143,7 @@ async def test_a_next_turn_is_served_from_the_radix_cache_and_stops_at_stop_toke
     tokens) finds its prefix in SGLang's radix cache (``meta_info.cached_tokens``, the field the
     generator's episodes read), and ``stop_token_ids`` ends a turn as tools need."""
     first = await client.generate(PROMPT * 4, _params(8), rid=_rid("turn-0"))
-    context = PROMPT * 4 + first.output_ids.tolist() + [201, 202, 203]
+    context = PROMPT * 4 + first.output_ids.tolist() + PROMPT[:3]
     second = await client.generate(context, _params(8), rid=_rid("turn-1"))
     assert int(second.meta.get("cached_tokens") or 0) >= len(PROMPT * 4)
     tokens = second.output_ids.tolist()
@@ -237,8 +274,7 @@ async def test_penalties_and_logit_bias_change_what_is_sampled(client):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not MODEL, reason="set INFLIGHT_SGLANG_MODEL to the served model's directory")
-async def test_text_is_decoded_after_the_prompt_as_the_built_in_engine_decodes_it(client):
+async def test_text_is_decoded_after_the_prompt_as_the_built_in_engine_decodes_it(client, served):
     """SGLang decodes an output after the prompt's last 5 tokens
     (``Req.init_incremental_detokenize``), streamed or not: the text that
     ``stages/engine/incremental_text.py`` makes (and ``engine_setup.sglang_text`` computes)."""
@@ -248,7 +284,8 @@ async def test_text_is_decoded_after_the_prompt_as_the_built_in_engine_decodes_i
     from stages.engine.incremental_text import output_text
     from tests.stages.engine_setup import sglang_text
 
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    _need_model(served)
+    tokenizer = AutoTokenizer.from_pretrained(served.model)
     body = {"input_ids": PROMPT, "sampling_params": _params(24)}
     status, whole = await _post(client, "/generate", body)
     assert status == 200, whole
@@ -340,8 +377,8 @@ async def test_abort_ends_a_running_request(client):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not MODEL, reason="set INFLIGHT_SGLANG_MODEL to the served model's directory")
-async def test_weight_update_over_the_weight_group(client):
+async def test_weight_update_over_the_weight_group(client, served):
+    _need_model(served)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -351,7 +388,7 @@ async def test_weight_update_over_the_weight_group(client):
         "nccl" if torch.cuda.is_available() else "gloo"
     )
     device = "cuda" if backend == "nccl" else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype="auto")
+    model = AutoModelForCausalLM.from_pretrained(served.model, dtype="auto")
     weights = [(name, t.detach().to(device)) for name, t in model.state_dict().items()]
     del model
 
@@ -359,7 +396,7 @@ async def test_weight_update_over_the_weight_group(client):
     version = before.weight_version + 1
     group = f"inflight_test_{secrets.token_hex(4)}"
     publisher = WeightPublisher(
-        [URL],
+        [served.url],
         backend=backend,
         master_address=os.environ.get("INFLIGHT_SGLANG_MASTER_ADDRESS", "127.0.0.1"),
         group_name=group,
@@ -375,7 +412,8 @@ async def test_weight_update_over_the_weight_group(client):
         async with aiohttp.ClientSession() as session:
             with contextlib.suppress(aiohttp.ClientError):
                 async with session.post(
-                    URL.rstrip("/") + "/destroy_weights_update_group", json={"group_name": group}
+                    served.url.rstrip("/") + "/destroy_weights_update_group",
+                    json={"group_name": group},
                 ):
                     pass
     assert stats.version == version and stats.buckets >= 1
@@ -386,20 +424,19 @@ async def test_weight_update_over_the_weight_group(client):
 
 
 @pytest.mark.timeout(300)
-async def test_lora_adapters_as_files_load_by_name_and_requests_name_them(client, tmp_path):
+async def test_lora_adapters_as_files_load_by_name_and_requests_name_them(client, served, tmp_path):
     """``publish.lora_transport: files`` against SGLang: needs INFLIGHT_SGLANG_MODEL (the
     adapters' shapes come from its config) and a server started with ``--enable-lora
     --max-lora-rank 8 --lora-target-modules q_proj v_proj``, which reads ``tmp_path`` (the
     same machine). Versions load by name, the older one is unloaded, and a request naming the
     adapter samples something other than the base model."""
-    if not MODEL:
-        pytest.skip("set INFLIGHT_SGLANG_MODEL to the served model's folder")
+    _need_model(served)
     import torch
     from transformers import AutoConfig
 
     from stages.weights.adapter_files import AdapterFilePublisher
 
-    config = AutoConfig.from_pretrained(MODEL)
+    config = AutoConfig.from_pretrained(served.model)
     hidden, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     outs = {"q_proj": config.num_attention_heads * head_dim}
@@ -417,7 +454,7 @@ async def test_lora_adapters_as_files_load_by_name_and_requests_name_them(client
                 named += [(f"{module}.lora_B.weight", b.to(torch.bfloat16))]
         return named
 
-    publisher = AdapterFilePublisher([URL], tmp_path / "adapters", base=MODEL)
+    publisher = AdapterFilePublisher([served.url], tmp_path / "adapters", base=served.model)
     await publisher.connect()
     try:
         await publisher.publish(adapters(), 1)
