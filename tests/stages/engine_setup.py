@@ -58,6 +58,18 @@ def sglang_text(
     return tokenizer.decode(context + list(output_ids), skip_special_tokens=skip)[len(before) :]
 
 
+def run_with_retraction(scheduler: Any, steps: int, retract: bool) -> None:
+    """``steps`` decode steps, then (with ``retract``) a retraction of everything running and
+    the resume that re-admits it, then the scheduler run until idle."""
+    for _ in range(steps):
+        scheduler.step()
+    if retract:
+        scheduler.pause("retract")
+        scheduler.step()
+        scheduler.resume()
+    scheduler.run_until_idle()
+
+
 def free_port() -> int:
     return rendezvous_port()  # below the ephemeral range: not taken before it is bound
 

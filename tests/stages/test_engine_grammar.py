@@ -19,6 +19,7 @@ import torch
 
 from stages.engine.grammar import GrammarError, GrammarSet
 from stages.engine.openai_chat import ChatSettings, chat_request
+from tests.stages.engine_setup import run_with_retraction
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
 from tests.stages.test_engine_streaming import _events
 from tests.stages.tiny_model import EOS_ID, make_arith_model, make_byte_model
@@ -239,13 +240,7 @@ def test_a_constrained_sample_survives_a_retraction(tmp_path: Path) -> None:
             GenerateInput("other", [5, 6], SamplingParams(temperature=0.0), False)
         )
         future = scheduler.submit(GenerateInput("g", PROMPT, params, True))
-        for _ in range(5):
-            scheduler.step()
-        if retract:
-            scheduler.pause("retract")
-            scheduler.step()
-            scheduler.resume()
-        scheduler.run_until_idle()
+        run_with_retraction(scheduler, 5, retract)
         result = future.result(timeout=0)
         assert re.fullmatch("[a-e]{4}(-[0-9]{2}){3}", tokenizer.decode(result.output_ids[:-1]))
         assert result.finish_reason == {"type": "stop", "matched": EOS_ID}

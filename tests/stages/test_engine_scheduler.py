@@ -15,7 +15,7 @@ from stages.engine.model_weights import WeightLoadError, load_named_tensors
 from stages.engine.protocol import GenerateInput, SamplingParams, SequenceResult
 from stages.engine.scheduler import Scheduler
 from tests.numerics import assert_close, forward_terms
-from tests.stages.engine_setup import load_reference, two_tiny_models
+from tests.stages.engine_setup import load_reference, run_with_retraction, two_tiny_models
 from tests.stages.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
@@ -150,13 +150,7 @@ def test_stop_strings_and_top_logprobs_survive_a_retraction(models: tuple[Path, 
         scheduler = Scheduler(model, max_running=4, decode_tail=words)
         other = scheduler.submit(GenerateInput("other", [5, 6], GREEDY, False))
         future = scheduler.submit(GenerateInput("s", prompt, params, True, None, 3))
-        for _ in range(4):
-            scheduler.step()
-        if retract:
-            scheduler.pause("retract")
-            scheduler.step()
-            scheduler.resume()
-        scheduler.run_until_idle()
+        run_with_retraction(scheduler, 4, retract)
         result = future.result(timeout=0)
         assert result.output_ids == free[:end]
         assert result.finish_reason == {"type": "stop", "matched": stop}

@@ -313,6 +313,17 @@ def _tokenizer(engine: Engine) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(engine.model_dir)
 
 
+def _free_words(
+    engine: Engine, ref_model: torch.nn.Module
+) -> tuple[Any, list[int], list[int], list[str]]:
+    """The stop tests' run: the engine's tokenizer, a prompt, its 16 greedy tokens without stops
+    (the reference model's) and each one's text."""
+    tokenizer = _tokenizer(engine)
+    prompt = [30, 31, 32]
+    free = _hf_greedy(ref_model, prompt, 16)
+    return tokenizer, prompt, free, [tokenizer.decode([t]) for t in free]
+
+
 def _greedy16(engine: Engine, prompt: list[int], **params: Any) -> Any:
     """Up to 16 greedy tokens of ``prompt``, with ``params`` as more sampling parameters."""
     sampling = {**GREEDY, "max_new_tokens": 16, **params}
@@ -324,10 +335,7 @@ def test_stop_strings_end_the_output_at_the_token_that_completes_them(
     engine: Engine, ref_model: torch.nn.Module
 ) -> None:
     # after SGLang's Req._check_str_based_finish and DetokenizerManager.trim_matched_stop
-    tokenizer = _tokenizer(engine)
-    prompt = [30, 31, 32]
-    free = _hf_greedy(ref_model, prompt, 16)
-    words = [tokenizer.decode([t]) for t in free]
+    tokenizer, prompt, free, words = _free_words(engine, ref_model)
     stop = f"{words[4]} {words[5]}"  # two tokens' text
     end = next(k for k in range(1, 17) if stop in tokenizer.decode(free[:k]))
     assert end <= 6
@@ -367,10 +375,7 @@ def test_stop_regex_ends_the_output_where_the_end_of_its_text_matches(
     # DetokenizerManager.trim_matched_stop (the pattern looked up as plain text)
     import re
 
-    tokenizer = _tokenizer(engine)
-    prompt = [30, 31, 32]
-    free = _hf_greedy(ref_model, prompt, 16)
-    words = [tokenizer.decode([t]) for t in free]
+    tokenizer, prompt, free, words = _free_words(engine, ref_model)
 
     def first_match(pattern: str, window: int) -> int:
         return next(
