@@ -8,12 +8,20 @@ allowed token from random logits and has each row's grammar take it (``Constrain
 Prints one JSON line: the vocabulary, the schema's compile time (first, and from the cache),
 and per batch size the CPU time of a step per row, split into masks and acceptance.
 
-    python bench/grammar.py [--vocab 32000] [--rows 1,8,32] [--steps 64] [--repeats 5]
+``new_schemas``: ``--new`` schemas never seen (the schema with its property names changed)
+compiled while an asyncio loop keeps a 1 ms timer going, as the engine's loop serves: the
+compile time of each, and the loop's longest stall (how late its timer fired) when the loop
+compiles them itself (``inline``, what the engine's routes did before) and when the grammar
+worker does (``GrammarSet.compile_later``, what they do now: the loop only waits for llguidance
+while it holds the GIL).
+
+    python bench/grammar.py [--vocab 32000] [--rows 1,8,32] [--steps 64] [--repeats 5] [--new 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -89,12 +97,61 @@ def walk(grammars: GrammarSet, rows: int, steps: int, vocab: int) -> tuple[float
     return masking / done, accepting / done
 
 
+def _schema(i: int) -> str:
+    renamed = {f"{key}_{i}": value for key, value in SCHEMA["properties"].items()}
+    required = [f"{key}_{i}" for key in SCHEMA["required"]]
+    return json.dumps({**SCHEMA, "properties": renamed, "required": required})
+
+
+def new_schemas(grammars: GrammarSet, count: int, offset: int, worker: bool) -> dict[str, float]:
+    """Compile ``count`` unseen schemas on the loop (``worker`` False) or on the grammar worker,
+    under a 1 ms timer: the median compile and the timer's longest stall, in ms."""
+
+    async def run() -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        stall = 0.0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal stall
+            while not done.is_set():
+                due = loop.time() + 0.001
+                await asyncio.sleep(0.001)
+                stall = max(stall, loop.time() - due)
+
+        tick = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0.01)
+        times = []
+        for i in range(offset, offset + count):
+            start = time.perf_counter()
+            if worker:
+                ready = loop.create_future()
+                grammars.compile_later(
+                    [("json_schema", _schema(i))],
+                    lambda exc, ready=ready: loop.call_soon_threadsafe(ready.set_result, exc),
+                )
+                assert await ready is None
+            else:
+                grammars.start("json_schema", _schema(i))
+                await asyncio.sleep(0)
+            times.append(time.perf_counter() - start)
+        done.set()
+        await tick
+        return {
+            "compile_ms": round(statistics.median(times) * 1e3, 2),
+            "loop_stall_ms": round(stall * 1e3, 2),
+        }
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new", type=int, default=8, help="unseen schemas compiled")
     args = parser.parse_args()
     tokenizer, eos = train_tokenizer(args.vocab)
     vocab = len(tokenizer)
@@ -105,6 +162,11 @@ def main() -> None:
     start = time.perf_counter()
     grammars.start("json_schema", json.dumps(SCHEMA))
     cached = time.perf_counter() - start
+    fresh = {"inline": [], "worker": []}
+    for r in range(3):  # each way in turn, fresh schemas each time
+        for way in ("inline", "worker"):
+            offset = (2 * r + (way == "worker")) * args.new
+            fresh[way].append(new_schemas(grammars, args.new, offset, way == "worker"))
     per_rows = {}
     for rows in (int(r) for r in args.rows.split(",")):
         runs = [walk(grammars, rows, args.steps, vocab) for _ in range(args.repeats)]
@@ -126,6 +188,16 @@ def main() -> None:
                 "steps": args.steps,
                 "repeats": args.repeats,
                 "per_rows": per_rows,
+                "new_schemas": {
+                    way: {
+                        key: {
+                            "median": statistics.median(r[key] for r in runs),
+                            "min_max": [min(r[key] for r in runs), max(r[key] for r in runs)],
+                        }
+                        for key in ("compile_ms", "loop_stall_ms")
+                    }
+                    for way, runs in fresh.items()
+                },
             }
         )
     )

@@ -12,7 +12,10 @@ SGLang's. Once the grammar is complete only an EOS token is allowed; with ``igno
 sample ends there anyway, with ``finish_reason {type: stop, matched: <the EOS id>}`` (SGLang's
 ``is_terminated``). A grammar that fails to compile is a 400 naming the field (``Failed to
 compile json grammar: ...``, SGLang's words). Compiled grammars are kept (the last 64), so a
-schema sent again costs a copy.
+schema sent again costs a copy. A new one is compiled on a worker thread of the set's
+(``compile_later``; llguidance compiles without holding the GIL) while the request waits, as
+SGLang's scheduler holds a request in its grammar queue until its grammar is ready: the
+engine's event loop does not stop serving for it (1-9 ms a schema here, more for a large one).
 
 The tokenizer: llguidance reads byte-level BPE and SentencePiece tokenizers itself. For one it
 does not read (a character or word tokenizer whose decoder just joins tokens, like the shipped
@@ -29,6 +32,8 @@ from __future__ import annotations
 import random
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -90,23 +95,62 @@ class GrammarSet:
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._ll: Any = None  # llguidance's tokenizer, or why there is none
         self._llexecutor: Any = None  # computes the masks of a step together
+        self._worker: ThreadPoolExecutor | None = None  # compile_later's thread
 
     def start(self, field: str, text: str) -> Constraint:
         """A fresh constraint of the grammar ``text`` given as ``field`` (one of
         ``protocol.GRAMMAR_FIELDS``); GrammarError if it does not compile."""
+        template = self._template(field, text)
+        return Constraint(template.deep_copy(), frozenset(self._ll_tokenizer().eos_tokens))
+
+    def compiled(self, field: str, text: str) -> bool:
+        """Whether the grammar ``text`` given as ``field`` is compiled and kept."""
+        with self._lock:
+            return (_KEYS.get(field, field), text) in self._compiled
+
+    def compile_later(
+        self,
+        grammars: Iterable[tuple[str, str]],
+        done: Callable[[GrammarError | None], None],
+    ) -> None:
+        """Compile ``grammars`` (``(field, text)`` pairs) on this set's worker thread and keep
+        them, then call ``done`` there: with None, or with the first one's GrammarError."""
+        grammars = list(grammars)
+
+        def work() -> None:
+            try:
+                for field, text in grammars:
+                    self._template(field, text)
+            except GrammarError as exc:
+                done(exc)
+                return
+            except Exception as exc:  # not llguidance's refusal: said, never left hanging
+                log.exception("grammar_compile_failed", error=repr(exc))
+                done(GrammarError(f"Failed to compile grammar: {exc!r}"))
+                return
+            done(None)
+
+        with self._lock:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            worker = self._worker
+        worker.submit(work)
+
+    def _template(self, field: str, text: str) -> Any:
+        """The compiled grammar (kept: the last ``_CACHED``), compiled now if it is not."""
         kind = _KEYS.get(field, field)
         key = (kind, text)
         with self._lock:
             template = self._compiled.get(key)
             if template is not None:
                 self._compiled.move_to_end(key)
-        if template is None:
-            template = self._compile(kind, text)
-            with self._lock:
-                self._compiled[key] = template
-                while len(self._compiled) > _CACHED:
-                    self._compiled.popitem(last=False)
-        return Constraint(template.deep_copy(), frozenset(self._ll_tokenizer().eos_tokens))
+                return template
+        template = self._compile(kind, text)
+        with self._lock:
+            self._compiled[key] = template
+            while len(self._compiled) > _CACHED:
+                self._compiled.popitem(last=False)
+        return template
 
     def _compile(self, kind: str, text: str) -> Any:
         import llguidance

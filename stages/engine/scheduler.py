@@ -341,6 +341,10 @@ class Scheduler:
         # follow one
         self._grammars = grammars
         self._constrained: set[_Seq] = set()
+        # groups held while the grammar worker compiles their grammars (under _lock), and
+        # their seqs an abort named meanwhile (scheduler thread), with its message
+        self._compiling: dict[_Group, list[_Seq]] = {}
+        self._cut: dict[_Seq, str] = {}
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         # Weight versions as spans over the step clock (BatchKV.end): version _vvals[i] is live
         # from clock _vkeys[i] on.
@@ -429,11 +433,9 @@ class Scheduler:
         futures, seqs = [], []
         for inputs in groups:
             group = _Group(len(inputs), False, outbox)
-            seqs.append(
-                self._constrain_seqs([_Seq(inp, group, i, now) for i, inp in enumerate(inputs)])
-            )
+            seqs.append([_Seq(inp, group, i, now) for i, inp in enumerate(inputs)])
             futures.append(group.future)
-        self._post(lambda: [self._enqueue(one) for one in seqs])
+        self._queue(seqs, on_loop=True)
         return futures
 
     def _outbox(self) -> _Outbox:
@@ -559,6 +561,10 @@ class Scheduler:
                     self._wake.clear()
             self._drain()
             self._abort(set(), True, "engine shutting down")
+            with self._lock:  # nothing will queue those whose grammar is compiling
+                held, self._compiling = list(self._compiling), {}
+            for group in held:
+                group.fail(RuntimeError("the engine is shutting down"))
         log.info(
             "scheduler_stopped",
             steps=self.steps,
@@ -576,12 +582,78 @@ class Scheduler:
     ) -> Any:
         group = _Group(len(inputs), single, outbox, stream)
         now = time.perf_counter()
-        seqs = self._constrain_seqs([_Seq(inp, group, i, now) for i, inp in enumerate(inputs)])
-        self._post(lambda: self._enqueue(seqs))
+        seqs = [_Seq(inp, group, i, now) for i, inp in enumerate(inputs)]
+        self._queue([seqs], on_loop=outbox is not None)
         return group.future
 
+    def _queue(self, groups: list[list[_Seq]], *, on_loop: bool) -> None:
+        """Queue each group's seqs on the scheduler thread (one command), their grammars'
+        constraints given first. For a caller on an event loop, a group with a grammar not
+        compiled yet is queued once a worker has compiled it (``_compile_later``), so that the
+        loop serves on meanwhile; else the grammar is compiled here (RequestError naming the
+        field if it cannot be)."""
+        now = []
+        for seqs in groups:
+            if on_loop and self._compiling_needed(seqs):
+                self._compile_later(seqs)
+            else:
+                now.append(self._constrain_seqs(seqs))
+        if len(now) == 1:
+            self._post(lambda: self._enqueue(now[0]))
+        elif now:
+            self._post(lambda: [self._enqueue(seqs) for seqs in now])
+
+    def _compiling_needed(self, seqs: list[_Seq]) -> bool:
+        grammars = self._grammars
+        return grammars is not None and any(
+            s.inp.params.grammar is not None and not grammars.compiled(*s.inp.params.grammar)
+            for s in seqs
+        )
+
+    def _compile_later(self, seqs: list[_Seq]) -> None:
+        """Compile the group's grammars on the grammar worker, then queue it (or fail it
+        with the RequestError) on the scheduler thread. Until then an abort that names its
+        seqs marks them (``_abort``): they end as aborted as soon as they are queued."""
+        assert self._grammars is not None
+        group = seqs[0].group
+        with self._lock:
+            self._compiling[group] = seqs
+
+        def compiled(exc: GrammarError | None) -> None:  # on the worker
+            self._post(lambda: self._compiled(seqs, exc))
+
+        grammars = [s.inp.params.grammar for s in seqs if s.inp.params.grammar is not None]
+        self._grammars.compile_later(grammars, compiled)  # type: ignore[arg-type]
+
+    def _compiled(self, seqs: list[_Seq], exc: GrammarError | None) -> None:
+        """(scheduler thread) The grammars of a group held by ``_compile_later`` are ready."""
+        group = seqs[0].group
+        with self._lock:
+            self._compiling.pop(group, None)
+        cut = {s: self._cut.pop(s) for s in seqs if s in self._cut}
+        try:
+            if exc is not None:
+                raise RequestError(f"sampling_params.{self._failed_field(seqs)}", str(exc))
+            self._constrain_seqs(seqs)  # each seq's copy of its grammar, kept compiled
+        except RequestError as error:
+            group.fail(error)
+            return
+        self._enqueue(seqs)
+        if cut and all(self._rids.get(s.inp.rid) is s for s in cut):
+            self._drop(lambda s: s in cut, next(iter(cut.values())))
+
+    def _failed_field(self, seqs: list[_Seq]) -> str:
+        """The grammar field of the first of ``seqs`` whose grammar is not compiled (the one
+        ``compile_later`` stopped at)."""
+        assert self._grammars is not None
+        for seq in seqs:
+            grammar = seq.inp.params.grammar
+            if grammar is not None and not self._grammars.compiled(*grammar):
+                return grammar[0]
+        return "grammar"
+
     def _constrain_seqs(self, seqs: list[_Seq]) -> list[_Seq]:
-        """Give each seq with a grammar its constraint (compiled on the caller's thread, kept
+        """Give each seq with a grammar its constraint (compiled here unless it is kept
         compiled); RequestError naming the field if one cannot be."""
         for seq in seqs:
             grammar = seq.inp.params.grammar
@@ -666,6 +738,17 @@ class Scheduler:
         def hit(seq: _Seq) -> bool:
             return abort_all or seq.inp.rid in rids or seq.inp.group_rid in rids
 
+        with self._lock:  # those whose grammar is compiling: aborted once queued
+            compiling = [s for seqs in self._compiling.values() for s in seqs if hit(s)]
+        for seq in compiling:
+            self._cut[seq] = message
+        count = self._drop(hit, message) + len(compiling)
+        if count:
+            log.info("requests_aborted", rids=sorted(rids)[:8], abort_all=abort_all, count=count)
+        return count
+
+    def _drop(self, hit: Callable[[_Seq], bool], message: str) -> int:
+        """End the queued and running seqs that ``hit`` as aborted by ``message``."""
         reason = {"type": "abort", "message": f"aborted by {message}"}
         waiting = [s for s in self._waiting if hit(s)]
         if waiting:
@@ -675,10 +758,7 @@ class Scheduler:
         rows = [s.slot for s in self._running if hit(s)]
         if rows:
             self._retire(rows, [reason] * len(rows))
-        count = len(waiting) + len(rows)
-        if count:
-            log.info("requests_aborted", rids=sorted(rids)[:8], abort_all=abort_all, count=count)
-        return count
+        return len(waiting) + len(rows)
 
     def _pause(self, mode: str) -> None:
         if mode == "abort":

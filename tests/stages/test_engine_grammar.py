@@ -5,9 +5,12 @@ the ``openai`` client); after SGLang 0.5's llguidance backend
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -247,6 +250,80 @@ def test_a_constrained_sample_survives_a_retraction(tmp_path: Path) -> None:
         assert other.result(timeout=0).output_ids  # unconstrained beside it
         results.append(result.output_ids)
     assert results[0] == results[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_new_grammar_compiles_off_the_event_loop_while_its_request_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's scheduler holds a request in its grammar queue until its grammar is compiled
+    and serves the others meanwhile; here a caller on an event loop (the server's routes, an
+    in-process engine) gets the same: the compile runs on the grammar worker, the loop and the
+    scheduler serve on, and the request is queued once its grammar is ready. An abort while it
+    compiles ends it as aborted without a token; a grammar that does not compile fails its
+    future with the field; a stop fails what is still compiling."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from stages.engine.protocol import GenerateInput, RequestError, SamplingParams
+    from stages.engine.scheduler import Scheduler
+
+    model_dir = make_byte_model(tmp_path / "m", seed=5)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    grammars = GrammarSet(tokenizer, model.config.vocab_size, [EOS_ID])
+    compile_now = grammars._compile
+    compiling = threading.Event()
+
+    def slow_compile(kind: str, text: str) -> Any:  # a large schema: the GIL is free meanwhile
+        compiling.set()
+        time.sleep(0.5)
+        return compile_now(kind, text)
+
+    monkeypatch.setattr(grammars, "_compile", slow_compile)
+    scheduler = Scheduler(model, max_running=4, eos_token_ids=[EOS_ID], grammars=grammars)
+    scheduler.start()
+
+    def constrained(rid: str, pattern: str) -> GenerateInput:
+        params = SamplingParams(temperature=0.0, max_new_tokens=20, grammar=("regex", pattern))
+        return GenerateInput(rid, PROMPT, params, True)
+
+    plain = GenerateInput("plain", [5, 6], SamplingParams(temperature=0.0, max_new_tokens=4), True)
+
+    async def main() -> None:
+        waiting = scheduler.submit_async([constrained("g", "[a-e]{4}-[0-9]{2}")])
+        started = time.perf_counter()
+        (other,) = await scheduler.submit_async([plain])  # served while the grammar compiles
+        assert len(other.output_ids) == 4 and not waiting.done()
+        ticks = 0
+        while not waiting.done():  # the loop turns on meanwhile
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks >= 10 and time.perf_counter() - started >= 0.5
+        (result,) = await waiting
+        assert re.fullmatch("[a-e]{4}-[0-9]{2}", tokenizer.decode(result.output_ids[:-1]))
+        assert grammars.compiled("regex", "[a-e]{4}-[0-9]{2}")
+        again = await scheduler.submit_async([constrained("g2", "[a-e]{4}-[0-9]{2}")])
+        assert again[0].output_ids == result.output_ids  # kept compiled: queued at once
+
+        compiling.clear()
+        cut = scheduler.submit_async([constrained("c", "[0-9]{5}")])
+        await asyncio.to_thread(compiling.wait, 5)
+        assert await asyncio.wrap_future(scheduler.abort_many(["c"])) == 1
+        (aborted,) = await cut
+        assert aborted.finish_reason["type"] == "abort" and aborted.output_ids == []
+
+        bad = scheduler.submit_async([plain, constrained("b", "(a")])
+        with pytest.raises(RequestError, match=r"^sampling_params\.regex: Failed to compile regex"):
+            await bad
+
+        compiling.clear()
+        held = scheduler.submit_async([constrained("s", "[f-z]{3}")])
+        await asyncio.to_thread(compiling.wait, 5)
+        await asyncio.to_thread(scheduler.stop)
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await held
+
+    asyncio.run(main())
 
 
 def test_a_structural_tag_constrains_what_follows_its_trigger(tmp_path: Path) -> None:
