@@ -72,7 +72,8 @@ class IncrementalText:
         """The text of an unfinished sample whose output so far is ``output_ids``."""
         ids, read = self._ids, self._read
         if read - self._surr == 1 and read == len(ids) == len(output_ids) + self._start - 1:
-            # the usual case: one token after a committed one (the window is the two of them)
+            # the usual case: one token after a committed one (the window is the two of them;
+            # ``_one_after_commit``, written out: this runs for every streamed token)
             new = self._pair(ids[-1], output_ids[-1])
             ids.append(output_ids[-1])
         else:
@@ -86,7 +87,15 @@ class IncrementalText:
     def final(self, output_ids: list[int], trim_last: bool) -> str:
         """The finished sample's text; ``trim_last``: without its last token (a matched stop
         token). Stop strings are the caller's to cut."""
+        if self._one_after_commit(output_ids):  # the window: the last committed token and it
+            return self.text if trim_last else self.text + self._pair(self._ids[-1], output_ids[-1])
         return self.text + self._new(output_ids, trim_last)
+
+    def _one_after_commit(self, output_ids: list[int]) -> bool:
+        """Whether ``output_ids`` is one token more than the window has read, right after a
+        commit of one token: the window is then that token and the new one."""
+        read, fed = self._read, len(output_ids) + self._start - 1
+        return read - self._surr == 1 and read == len(self._ids) == fed
 
     def _new(self, output_ids: list[int], trim_last: bool) -> str:
         """The new text: the window from ``surr`` (with ``output_ids`` taken in, less its last

@@ -109,14 +109,22 @@ def test_a_request_not_streamed_commits_every_50_tokens_as_sglang_forces_a_flush
     assert decode.ids == 2 + (2 + 50) + 50 + (50 + 50) + 50 + (50 + 20)
 
 
-def _sglang_chunks(decode, prompt: list[int], out: list[int]) -> list[str]:
+def _sglang_chunks(
+    decode, prompt: list[int], out: list[int], trim_last: bool | None = None
+) -> list[str]:
     """Each chunk's text as SGLang's detokenizer computes it, from scratch (no caches): the
     window from ``surr`` decoded less the text of ``surr:read``, committed unless it is empty
-    or ends in an incomplete character, else its printable part shown."""
+    or ends in an incomplete character, else its printable part shown. With ``trim_last``
+    (True or False) the last is the finished sample's text instead (its last token left out
+    with True, as a matched stop token is)."""
     ids, text, shown = list(prompt[-5:]), "", []
     surr, read = 0, len(ids)
-    for token in out:
+    for k, token in enumerate(out):
         ids.append(token)
+        if trim_last is not None and k == len(out) - 1:
+            window = ids[surr:-1] if trim_last else ids[surr:]
+            shown.append(text + decode(window, True)[len(decode(ids[surr:read], True)) :])
+            break
         new = decode(ids[surr:], True)[len(decode(ids[surr:read], True)) :]
         if new and new[-1] != "\ufffd":
             text += new
@@ -148,3 +156,8 @@ def test_every_chunk_s_text_is_sglang_s_whatever_the_tokens_before_it(make) -> N
         assert [state.update(out[: k + 1]) for k in range(len(out))] == _sglang_chunks(
             decode, prompt, out
         )
+        for trim in (False, True):  # a streamed sample's last chunk: its whole text
+            state = IncrementalText(prompt, decode, True)
+            shown = [state.update(out[: k + 1]) for k in range(len(out) - 1)]
+            shown.append(state.final(out, trim))
+            assert shown == _sglang_chunks(decode, prompt, out, trim)
