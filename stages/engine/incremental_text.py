@@ -116,6 +116,10 @@ class IncrementalText:
                 surr_text = self._decode(ids[surr:read], self._skip)
             self._surr_text = surr_text
         window = ids[surr:-1] if trim_last else ids[surr:]
+        if surr == 0 and len(window) == self._start + 1:
+            # the first token after the prompt's last ones: the same window comes up again
+            # (the samples of an n > 1 request, or of a group, often start alike)
+            return _text_of(self._decode, self._skip, tuple(window))[len(surr_text) :]
         return self._decode(window, self._skip)[len(surr_text) :]
 
 
