@@ -605,10 +605,13 @@ class Scheduler:
 
     def _compiling_needed(self, seqs: list[_Seq]) -> bool:
         grammars = self._grammars
-        return grammars is not None and any(
-            s.inp.params.grammar is not None and not grammars.compiled(*s.inp.params.grammar)
-            for s in seqs
-        )
+        if grammars is None:
+            return False
+        for seq in seqs:  # (every request passes here: a loop, not a generator)
+            grammar = seq.inp.params.grammar
+            if grammar is not None and not grammars.compiled(*grammar):
+                return True
+        return False
 
     def _compile_later(self, seqs: list[_Seq]) -> None:
         """Compile the group's grammars on the grammar worker, then queue it (or fail it

@@ -182,9 +182,11 @@ class Progress:
                 self.input_picked_entries = step_entries(self.input_picked or (), token_text)
                 meta["input_token_ids_logprobs"] = self.input_picked_entries
                 meta["output_token_ids_logprobs"] = self.picked_entries
-        out: dict[str, Any] = {"output_ids": self.ids, "meta_info": meta}
-        if self.detok is not None:
-            out = {"text": self.text, **out}
+        out: dict[str, Any] = (
+            {"output_ids": self.ids, "meta_info": meta}
+            if self.detok is None
+            else {"text": self.text, "output_ids": self.ids, "meta_info": meta}
+        )
         if self.listed:
             out["index"] = self.index
         self.out = out
