@@ -135,8 +135,9 @@ class InProcessEngine:
         ``lora``) checked as the route checks the ``/generate`` body that lists each prompt
         once per sample (one RequestError / ValueError for them all: ``parse_groups``) and
         handed to the scheduler at once: a future per group, resolving with its results in
-        order as soon as its own samples are done. The sampling parameters are parsed once
-        for as long as they stay the same."""
+        order as soon as its own samples are done (or failing with the RequestError of a
+        grammar that does not compile: grammars are compiled off this loop). The sampling
+        parameters are parsed once for as long as they stay the same."""
         if self.scheduler is None or self.loaded is None:
             raise RuntimeError("the in-process engine is not started")
         loaded = self.loaded

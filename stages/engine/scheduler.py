@@ -419,7 +419,9 @@ class Scheduler:
         token_ids_logprob log-probs of this step and of the prompt or None)),
         ...]``, a sequence's tokens since its last chunk in order; as each finishes,
         ``[(index, SequenceResult)]``; if they fail, ``[(-1, exception)]``. The future resolves
-        after the last of them.
+        after the last of them. A grammar not compiled yet is compiled on the grammar worker
+        first (``_queue``): one that does not compile fails the future (RequestError naming
+        the field) rather than raising here.
         """
         return self._submit(list(inputs), single=False, outbox=self._outbox(), stream=stream)
 

@@ -240,7 +240,8 @@ def stream_generate(
     the native chunk made of it, its last with ``finish`` set (``Progress.last``): for a caller
     that renders chunks of its own (``/v1/completions``), so that nothing is built twice.
 
-    Raises RequestError (a malformed body); a rid in flight is a ValueError raised with the
+    Raises RequestError (a malformed body); a rid in flight (ValueError) and a grammar that
+    does not compile (RequestError, once the grammar worker has tried it) are raised with the
     first batch. Closed early (the client went away), the stream aborts the samples that are
     still running.
     """
