@@ -53,7 +53,10 @@ sample (paired by round; what the route adds, without the scheduler thread's dri
 puts the engine on core 0 and the client on core 1. ``--against DIR`` starts a second server from
 another checkout (``git worktree add DIR COMMIT``) and sends the forms named ``FORM@base`` there,
 in the same rounds: an A/B of two commits under the same drift (only one server is driven at a
-time).
+time). At the default 64 samples in flight (``--max-running`` 64) the steps are not full, and
+how full they are depends on how fast this client, on the same cores, turns its requests
+around, which streaming changes (``tokens_per_step`` says); ``--in-flight 128`` keeps every
+step full, so that the forms are compared on the same steps.
 
 It does not measure GPU timings or text (tokenizer) requests.
 """

@@ -143,6 +143,12 @@ def test_a_bad_grammar_is_a_400_naming_the_field_and_the_engine_serves_on(engine
         assert response.status_code == 400, (sampling, response.text)
         message = response.json()["error"]["message"]
         assert message.startswith(field) and words in message, message
+    for sampling, field, words in cases[:3]:  # streamed: refused before the first event
+        body = {"input_ids": PROMPT, "stream": True, "sampling_params": {"n": 2, **sampling}}
+        response = requests.post(engine.url + "/generate", json=body, timeout=30)
+        assert response.status_code == 400, (sampling, response.text)
+        message = response.json()["error"]["message"]
+        assert message.startswith(field) and words in message, message
     # an empty grammar is none (SGLang: `json_schema or None`)
     assert _generate(engine, {"regex": "", "max_new_tokens": 3})["meta_info"]["completion_tokens"]
     status, info = engine.request("GET", "/server_info")
@@ -175,11 +181,13 @@ def test_response_format_on_the_openai_routes(engine: Engine) -> None:
     )  # fmt: skip
     text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
     assert _follows_schema(json.loads(text)), text
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(
-            model="m", prompt=PROMPT, max_tokens=4, extra_body={"json_schema": "{oops"}
-        )
-    assert "json_schema" in info.value.body["message"]
+    for stream in (False, True):  # compiled off the loop: refused with the first batch
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(
+                model="m", prompt=PROMPT, max_tokens=4, stream=stream,
+                extra_body={"json_schema": "{oops"},
+            )  # fmt: skip
+        assert "json_schema" in info.value.body["message"]
 
 
 def test_a_character_tokenizer_is_constrained_by_its_tokens_texts(tmp_path: Path) -> None:
