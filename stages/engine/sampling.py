@@ -57,6 +57,8 @@ class SlotSampler:
         self.rows = 0
         self._is_eos: torch.Tensor | None = None
         self._work: torch.Tensor | None = None  # [slots, vocab] scratch of every step
+        # where the tables are: the logits' device, once a step has run there (``_follow``)
+        self.device = torch.device("cpu")
 
     def _views(self) -> None:
         self.temperature = self._floats[:, 0]  # 1 for greedy rows: their log-probs are unscaled
@@ -84,7 +86,7 @@ class SlotSampler:
             raise RuntimeError(f"{hi} rows exceed the sampler's {self.slots} slots")
         width = max((len(p.stop_token_ids) for p in params), default=0)
         if width > self.stop_ids.shape[1]:
-            grown = torch.full((self.slots, 2 + width), -1, dtype=torch.long)
+            grown = torch.full((self.slots, 2 + width), -1, dtype=torch.long, device=self.device)
             grown[:, : self._longs.shape[1]] = self._longs
             self._longs = grown
             self._views()
@@ -136,8 +138,8 @@ class SlotSampler:
             self.seeded.discard(slot)
             self.generators[slot] = None
         if holes:
-            dst = torch.tensor(holes)
-            src = torch.tensor(movers)
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
             for table in (self._floats, self._longs, self._bools):
                 table[dst] = table[src]
             for h, m in zip(holes, movers, strict=True):
@@ -184,6 +186,8 @@ class SlotSampler:
     def _draw(self, logits: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = logits if logits.dtype == torch.float32 else logits.float()
         rows, vocab = x.shape
+        if x.device != self.device:
+            self._follow(x.device)
         if self._is_eos is None or self._is_eos.numel() < vocab:
             self._is_eos = self._eos_table(vocab)
         if self._work is None or self._work.shape[1] != vocab:
@@ -206,12 +210,13 @@ class SlotSampler:
             cdf = e.cumsum_(dim=-1)
             total = cdf[:, -1:].clone()
         mass = cdf[:, -1:]
-        draw = torch.rand((rows, 1), generator=self.generator, device=x.device) * mass
+        # the uniform numbers come from CPU generators (the same draws on any device)
+        draw = torch.rand((rows, 1), generator=self.generator).to(x.device) * mass
         tokens = torch.searchsorted(cdf, draw, right=True)[:, 0]
         for slot in self.seeded:
             if lo <= slot < hi:
                 r = slot - lo
-                u = torch.rand(1, generator=self.generators[slot], device=x.device) * mass[r]
+                u = torch.rand(1, generator=self.generators[slot]).to(x.device) * mass[r]
                 tokens[r] = torch.searchsorted(cdf[r], u, right=True)[0]
         tokens.clamp_(max=vocab - 1)  # a draw on the very edge of float rounding
         if self.n_greedy:
@@ -242,7 +247,16 @@ class SlotSampler:
         table = torch.zeros(size, dtype=torch.bool)
         if self.eos_token_ids:
             table[torch.tensor(sorted(self.eos_token_ids))] = True
-        return table
+        return table.to(self.device)
+
+    def _follow(self, device: torch.device) -> None:
+        """The tables go where the logits are (the model's device: the first step there)."""
+        self._floats, self._longs, self._bools = (
+            t.to(device) for t in (self._floats, self._longs, self._bools)
+        )
+        self._views()
+        self.device = device
+        self._is_eos = None  # made again there
 
 
 def _truncate(
@@ -254,7 +268,7 @@ def _truncate(
     """
     vocab = probs.shape[-1]
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab)[None, :]
+    ranks = torch.arange(vocab, device=probs.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
     keep = ranks < k
     # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
