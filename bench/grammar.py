@@ -128,7 +128,7 @@ def new_schemas(grammars: GrammarSet, count: int, offset: int, worker: bool) -> 
                 ready = loop.create_future()
                 grammars.compile_later(
                     [("json_schema", _schema(i))],
-                    lambda exc, ready=ready: loop.call_soon_threadsafe(ready.set_result, exc),
+                    lambda failed, ready=ready: loop.call_soon_threadsafe(ready.set_result, failed),
                 )
                 assert await ready is None
             else:

@@ -111,23 +111,24 @@ class GrammarSet:
     def compile_later(
         self,
         grammars: Iterable[tuple[str, str]],
-        done: Callable[[GrammarError | None], None],
+        done: Callable[[tuple[str, GrammarError] | None], None],
     ) -> None:
         """Compile ``grammars`` (``(field, text)`` pairs) on this set's worker thread and keep
-        them, then call ``done`` there: with None, or with the first one's GrammarError."""
+        them, then call ``done`` there: with None, or with the field of the first that does not
+        compile and its GrammarError."""
         grammars = list(grammars)
 
         def work() -> None:
-            try:
-                for field, text in grammars:
+            for field, text in grammars:
+                try:
                     self._template(field, text)
-            except GrammarError as exc:
-                done(exc)
-                return
-            except Exception as exc:  # not llguidance's refusal: said, never left hanging
-                log.exception("grammar_compile_failed", error=repr(exc))
-                done(GrammarError(f"Failed to compile grammar: {exc!r}"))
-                return
+                except GrammarError as exc:
+                    done((field, exc))
+                    return
+                except Exception as exc:  # not llguidance's refusal: said, never left hanging
+                    log.exception("grammar_compile_failed", error=repr(exc))
+                    done((field, GrammarError(f"Failed to compile grammar: {exc!r}")))
+                    return
             done(None)
 
         with self._lock:

@@ -624,21 +624,22 @@ class Scheduler:
         with self._lock:
             self._compiling[group] = seqs
 
-        def compiled(exc: GrammarError | None) -> None:  # on the worker
-            self._post(lambda: self._compiled(seqs, exc))
+        def compiled(failed: tuple[str, GrammarError] | None) -> None:  # on the worker
+            self._post(lambda: self._compiled(seqs, failed))
 
         grammars = [s.inp.params.grammar for s in seqs if s.inp.params.grammar is not None]
         self._grammars.compile_later(grammars, compiled)  # type: ignore[arg-type]
 
-    def _compiled(self, seqs: list[_Seq], exc: GrammarError | None) -> None:
-        """(scheduler thread) The grammars of a group held by ``_compile_later`` are ready."""
+    def _compiled(self, seqs: list[_Seq], failed: tuple[str, GrammarError] | None) -> None:
+        """(scheduler thread) The grammars of a group held by ``_compile_later`` are ready
+        (``failed``: the field of one that did not compile, and why)."""
         group = seqs[0].group
         with self._lock:
             self._compiling.pop(group, None)
         cut = {s: self._cut.pop(s) for s in seqs if s in self._cut}
         try:
-            if exc is not None:
-                raise RequestError(f"sampling_params.{self._failed_field(seqs)}", str(exc))
+            if failed is not None:
+                raise RequestError(f"sampling_params.{failed[0]}", str(failed[1]))
             self._constrain_seqs(seqs)  # each seq's copy of its grammar, kept compiled
         except RequestError as error:
             group.fail(error)
@@ -646,16 +647,6 @@ class Scheduler:
         self._enqueue(seqs)
         if cut and all(self._rids.get(s.inp.rid) is s for s in cut):
             self._drop(lambda s: s in cut, next(iter(cut.values())))
-
-    def _failed_field(self, seqs: list[_Seq]) -> str:
-        """The grammar field of the first of ``seqs`` whose grammar is not compiled (the one
-        ``compile_later`` stopped at)."""
-        assert self._grammars is not None
-        for seq in seqs:
-            grammar = seq.inp.params.grammar
-            if grammar is not None and not self._grammars.compiled(*grammar):
-                return grammar[0]
-        return "grammar"
 
     def _constrain_seqs(self, seqs: list[_Seq]) -> list[_Seq]:
         """Give each seq with a grammar its constraint (compiled here unless it is kept
