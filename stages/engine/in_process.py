@@ -98,6 +98,7 @@ class InProcessEngine:
             api_key=self.api_key,
             chat_template=args.chat_template,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         self._http = _HttpThread(app, args.host, args.port)
         self.port = await asyncio.to_thread(self._http.start)

@@ -285,6 +285,7 @@ class StreamLayout:
         self.logprobs_sent: dict[int, int] = {}
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
+        self.reasoning_tokens: dict[int, int] = {}  # with --reasoning-parser (chat)
         self.last_id = ""
 
     def end(self) -> list[dict[str, Any]]:
@@ -295,6 +296,7 @@ class StreamLayout:
             usage_chunk(
                 self.OBJECT, self.last_id, self.created, self.options["model"],
                 self.prompt_tokens, self.completion_tokens, self.options["n"],
+                self.reasoning_tokens,
             )
         ]  # fmt: skip
 
@@ -471,11 +473,15 @@ def _echoed_logprobs(
     return meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []
 
 
-def results_usage(results: list[Mapping[str, Any]], n: int) -> dict[str, Any]:
+def results_usage(
+    results: list[Mapping[str, Any]], n: int, reasoning_tokens: int = 0
+) -> dict[str, Any]:
     """``usage`` of whole answers, prompt-major with ``n`` samples a prompt
-    (``UsageProcessor.calculate_response_usage``: each prompt counted once)."""
+    (``UsageProcessor.calculate_response_usage``: each prompt counted once); ``reasoning_tokens``:
+    theirs, all together (``--reasoning-parser``)."""
     prompts = sum(results[i]["meta_info"]["prompt_tokens"] for i in range(0, len(results), n))
-    return _usage(prompts, sum(r["meta_info"]["completion_tokens"] for r in results))
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return _usage(prompts, completion, reasoning_tokens)
 
 
 def usage_chunk(
@@ -486,11 +492,13 @@ def usage_chunk(
     prompt_tokens: Mapping[int, int],
     completion_tokens: Mapping[int, int],
     n: int,
+    reasoning_tokens: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
     """A stream's last chunk with ``stream_options.include_usage``: no choices, the usage of
     every choice (by index; each prompt counted once: ``calculate_streaming_usage``)."""
     prompts = sum(t for i, t in prompt_tokens.items() if i % n == 0)
-    usage = _usage(prompts, sum(completion_tokens.values()))
+    reasoning = sum(reasoning_tokens.values()) if reasoning_tokens else 0
+    usage = _usage(prompts, sum(completion_tokens.values()), reasoning)
     return {
         "id": rid,
         "object": kind,
@@ -502,15 +510,18 @@ def usage_chunk(
     }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """SGLang's ``UsageInfo`` (``UsageProcessor.calculate_token_usage``)."""
+def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """SGLang's ``UsageInfo`` (``UsageProcessor.calculate_token_usage``: the reasoning tokens
+    also in ``completion_tokens_details`` when there are some)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": None,
-        "reasoning_tokens": 0,
-        "completion_tokens_details": None,
+        "reasoning_tokens": reasoning_tokens,
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}
+        if reasoning_tokens
+        else None,
     }
 
 

@@ -25,13 +25,20 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   sends for the Qwen 2.5 and Hermes formats; ``parallel_tool_calls`` does not constrain it, as
   there); a named function's calls only, and only it in the template;
 - the answer: ``{id, object: "chat.completion", created, model, choices: [{index, message:
-  {role: "assistant", content ("" when empty), reasoning_content: null, tool_calls?},
+  {role: "assistant", content ("" when empty), reasoning_content, tool_calls?},
   logprobs, finish_reason, matched_stop}], usage, metadata: {weight_version}}``;
 - ``stream``: ``chat.completion.chunk`` events: a choice's first chunk has ``delta {role:
   "assistant", content: ""}``, then content deltas (with their tokens' log-probs), tool calls
   as whole ``tool_calls`` deltas, and after a choice's last tokens a chunk with an empty delta,
   its ``finish_reason`` and ``matched_stop``; ``stream_options.include_usage`` adds a last chunk
-  with ``usage`` and no choices (``delta`` always has ``reasoning_content: null``, as there).
+  with ``usage`` and no choices (``delta`` always has ``reasoning_content``, null when it adds
+  content, as there);
+- with ``--reasoning-parser``, the answer's reasoning (``stages.engine.reasoning``) comes as
+  ``reasoning_content`` (deltas of it when streamed, each step's log-probs with its first
+  chunk), its tool calls read in the text after it; ``separate_reasoning: false`` leaves the
+  text whole; ``usage.reasoning_tokens`` counts a thinking request's reasoning tokens.
+  ``reasoning_effort`` and ``reasoning`` set the template's ``thinking`` / ``enable_thinking``
+  (``reasoning.normalize_effort``) with or without a parser.
 
 - ``response_format``: ``json_schema`` (its schema) and ``json_object`` constrain the answer
   (``stages.engine.grammar``), which is then data, not read for tool calls; ``structural_tag``
@@ -63,6 +70,7 @@ from stages.engine.openai_api import (
     response_format,
     results_usage,
 )
+from stages.engine.reasoning import EffortError, ReasoningSettings, normalize_effort
 from stages.engine.tool_calls import (
     PARSERS,
     StreamingToolCalls,
@@ -89,6 +97,7 @@ class ChatSettings:
     template: str | None  # --chat-template (None: the tokenizer's own)
     defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     tool_parser: str | None = None  # --tool-call-parser, or the template's own format
+    reasoning: ReasoningSettings | None = None  # --reasoning-parser
 
     @classmethod
     def of(
@@ -98,6 +107,7 @@ class ChatSettings:
         *,
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> ChatSettings | None:
         """From the loaded model (None without a tokenizer). ``chat_template``: a Jinja
         template, or a file holding one; ``tool_call_parser``: one of ``PARSERS``."""
@@ -119,11 +129,16 @@ class ChatSettings:
             except ValueError:
                 raw = {}
             defaults = {k: raw[k] for k in _DEFAULTS if raw.get(k) is not None}
+        if not isinstance(template, str):
+            template = None
         return cls(
             tokenizer,
             chat_template,
             defaults,
-            tool_call_parser or parser_for_template(template if isinstance(template, str) else ""),
+            tool_call_parser or parser_for_template(template or ""),
+            None
+            if reasoning_parser is None
+            else ReasoningSettings.of(reasoning_parser, template, tokenizer),
         )
 
     def render(self, messages: list[dict[str, Any]], tools: Any, kwargs: dict) -> list[int]:
@@ -163,7 +178,13 @@ def chat_request(
     model = body.get("model", "default")
     if not isinstance(model, str):
         raise OpenAIError("model: Input should be a valid string", "model")
-    for flag in ("stream", "logprobs", "continue_final_message"):
+    for flag in (
+        "stream",
+        "logprobs",
+        "continue_final_message",
+        "separate_reasoning",
+        "stream_reasoning",
+    ):
         if not isinstance(body.get(flag, False), bool | None):
             raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
     top = body.get("top_logprobs")
@@ -177,10 +198,14 @@ def chat_request(
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise OpenAIError("stream_options: Input should be a valid dictionary", "stream_options")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
+    try:  # reasoning_effort and reasoning: the template's thinking switches
+        effort, request_kwargs = normalize_effort(body)
+    except EffortError as exc:
+        raise OpenAIError(str(exc), exc.field) from None
+    if request_kwargs is not None and not isinstance(request_kwargs, dict):
         raise OpenAIError("chat_template_kwargs: Input should be a valid dictionary")
-    kwargs = dict(kwargs)
+    kwargs = {} if effort is None else {"reasoning_effort": effort}
+    kwargs.update(request_kwargs or {})
     if body.get("continue_final_message"):
         kwargs.update(continue_final_message=True, add_generation_prompt=False)
     template_tools = tools if tools and choice != "none" else None
@@ -228,19 +253,50 @@ def chat_request(
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
         "prompt_tokens": len(prompt),
+        "reasoning": _reasoning(body, settings, request_kwargs, effort),
     }
     return native_body, options
+
+
+def _reasoning(
+    body: dict[str, Any], settings: ChatSettings, kwargs: dict[str, Any] | None, effort: Any
+) -> Any:
+    """The request's ``reasoning.RequestReasoning`` (None: no ``--reasoning-parser``)."""
+    if settings.reasoning is None:
+        return None
+    previous = ""
+    last = body["messages"][-1]
+    if body.get("continue_final_message") and isinstance(last, dict):
+        if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+            previous = last["content"]  # the message continued: its tags count
+    return settings.reasoning.request(
+        kwargs,
+        effort,
+        separate=body.get("separate_reasoning") is not False,
+        stream=body.get("stream_reasoning") is not False,
+        previous=previous,
+    )
 
 
 def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) -> dict[str, Any]:
     """SGLang's ``ChatCompletionResponse`` for the native results of ``chat_request``."""
     n = options["n"]
     choices = []
+    reasoning, reasoning_tokens = options.get("reasoning"), 0
     for index, item in enumerate(results):
         meta = item["meta_info"]
         text = item.get("text", "")
         reason = dict(meta["finish_reason"]) if meta.get("finish_reason") else None
-        message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None}
+        thought = None
+        if reasoning is not None:
+            reasoning_tokens += reasoning.count().update(item["output_ids"])
+            if reasoning.separate:  # the tool calls are read in what follows the reasoning
+                thought, text = reasoning.parser().parse(text)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text,
+            "reasoning_content": thought or None,
+        }
         if options["parse_tools"]:
             parser = ToolCallParser(options["tools"])
             if parser.has_tool_call(text):
@@ -267,7 +323,7 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
         "created": int(time.time()),
         "model": options["model"],
         "choices": choices,
-        "usage": results_usage(results, n),
+        "usage": results_usage(results, n, reasoning_tokens),
         "metadata": {"weight_version": first["weight_version"]},
     }
 
@@ -292,6 +348,9 @@ class ChatChunks(StreamLayout):
         super().__init__(options)
         self.model = options["model"]
         self.tools: dict[int, StreamingToolCalls] = {}
+        self.reasoning = options.get("reasoning")  # reasoning.RequestReasoning or None
+        self.thinking: dict[int, Any] = {}  # each choice's reasoning.ThinkParser
+        self.counts: dict[int, Any] = {}  # each choice's reasoning.ReasoningCount
 
     def _chunk(self, rid: str, index: int, delta: dict[str, Any], **more: Any) -> dict[str, Any]:
         out = {
@@ -310,7 +369,11 @@ class ChatChunks(StreamLayout):
             ],
         }
         if self.options["continuous_usage_stats"]:
-            out["usage"] = _usage(self.prompt_tokens[index], self.completion_tokens[index])
+            out["usage"] = _usage(
+                self.prompt_tokens[index],
+                self.completion_tokens[index],
+                self.reasoning_tokens.get(index, 0),
+            )
         return out
 
     def __call__(self, batch: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -335,6 +398,13 @@ class ChatChunks(StreamLayout):
                     logprobs = _chat_logprobs(meta, sent, total)
                 self.logprobs_sent[index] = total
             reason = meta.get("finish_reason")
+            separate = False  # the reasoning is split out of the content
+            if self.reasoning is not None:
+                thought, delta = self._think(index, content, delta, reason)
+                separate = self.reasoning.separate
+                if thought:  # the step's log-probs go with its first chunk
+                    out.append(chunk(rid, index, {"reasoning_content": thought}, logprobs=logprobs))
+                    logprobs = None
             pieces: list[dict[str, Any]] = []
             if options["parse_tools"]:
                 parser = tools.get(index) or StreamingToolCalls(ToolCallParser(options["tools"]))
@@ -342,10 +412,13 @@ class ChatChunks(StreamLayout):
                 delta, pieces = parser.feed(delta)
                 if reason is not None:
                     delta += parser.flush()
-            if delta or logprobs is not None:
+            if delta or (logprobs is not None and not separate):
                 out.append(chunk(rid, index, {"content": delta}, logprobs=logprobs))
+                logprobs = None
             for piece in pieces:
                 out.append(chunk(rid, index, {"tool_calls": [_tool_call_piece(piece)]}))
+            if logprobs is not None:  # nothing went out this step: the log-probs alone
+                out.append(chunk(rid, index, {}, logprobs=logprobs))
             if reason is not None:
                 kind = reason["type"]
                 if kind == "stop" and tools.get(index) is not None and tools[index].calls:
@@ -354,6 +427,23 @@ class ChatChunks(StreamLayout):
                     chunk(rid, index, {}, finish_reason=kind, matched_stop=reason.get("matched"))
                 )
         return out
+
+    def _think(
+        self, index: int, content: Mapping[str, Any], delta: str, reason: Any
+    ) -> tuple[str, str]:
+        """``(reasoning, content)`` of a choice's new text (``_process_reasoning_stream``),
+        its reasoning tokens counted."""
+        reasoning = self.reasoning
+        count = self.counts.get(index) or self.counts.setdefault(index, reasoning.count())
+        self.reasoning_tokens[index] = count.update(content["output_ids"])
+        if not reasoning.separate:
+            return "", delta
+        parser = self.thinking.get(index) or self.thinking.setdefault(index, reasoning.parser())
+        thought, delta = parser.feed(delta)
+        if reason is not None and reason["type"] != "abort":  # what it held back
+            more, rest = parser.finish()
+            thought, delta = thought + more, delta + rest
+        return thought, delta
 
 
 _CHOICES = "tool_choice: 'auto', 'none', 'required' or {type: function, function: {name}}"

@@ -2,7 +2,7 @@
 
 Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu|cuda]
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--stream-interval 1] [--seed 0]
-[--weight-version 0]
+[--weight-version 0] [--reasoning-parser qwen3|deepseek-r1|...]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
 [--tool-call-parser qwen25|hermes] [--log-file PATH] [--api-key KEY] [--insecure]``
 
@@ -70,6 +70,7 @@ from stages.engine.protocol import (
     render_sample,
     token_texts,
 )
+from stages.engine.reasoning import PARSERS as REASONING_PARSERS
 from stages.engine.scheduler import (
     PAUSE_MODES,
     PREFIX_CACHE_MAX_AGE,
@@ -98,6 +99,7 @@ _DECODE = web.AppKey("decode", object)
 _REFUSED = web.AppKey("refused", Counter)
 _API_KEY = web.AppKey("api_key", str)
 _ENGINE_ID = web.AppKey("engine_id", dict)  # the /health header naming this engine, or none
+_PARSERS = web.AppKey("parsers", dict)  # /model_info's reasoning_parser and tool_call_parser
 _MAX_BODY = 256 * 1024 * 1024  # token-id batches and weight metadata can be large
 # how long /health_generate waits for a step: SGLang's variable, and its default
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
@@ -134,6 +136,7 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     engine_id: str | None = None,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
@@ -157,7 +160,9 @@ def build_app(
         Path(loaded.path),
         chat_template=chat_template,
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
+    app[_PARSERS] = {"reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
     OpenAIRoutes(
         lambda body: generate(loaded, scheduler, decode, body),
         lambda body: stream_generate(loaded, scheduler, decode, body),
@@ -549,8 +554,7 @@ async def _health_generate(request: web.Request) -> web.Response:
 
 
 async def _model_info(request: web.Request) -> web.Response:
-    """SGLang's ``/model_info`` (the fields it has; no parsers, modalities or disaggregation
-    here)."""
+    """SGLang's ``/model_info`` (the fields it has; no modalities or disaggregation here)."""
     loaded = request.app[_LOADED]
     return web.json_response(
         {
@@ -561,8 +565,7 @@ async def _model_info(request: web.Request) -> web.Response:
             "preferred_sampling_params": None,
             "weight_version": request.app[_SCHEDULER].weight_version,
             "load_format": None,
-            "reasoning_parser": None,
-            "tool_call_parser": None,
+            **request.app[_PARSERS],
             "disaggregation_mode": "null",
             "has_image_understanding": False,
             "has_audio_understanding": False,
@@ -749,6 +752,12 @@ def _parser() -> argparse.ArgumentParser:
         help="read tool calls in answers to /v1/chat/completions with tools (SGLang's flag; "
         "default: the chat template's own format when it has <tool_call>)",
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        help="split the reasoning (<think> ... </think>) out of answers to "
+        "/v1/chat/completions as reasoning_content (SGLang's flag)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
@@ -852,6 +861,7 @@ def main(argv: list[str] | None = None) -> int:
             api_key=api_key,
             chat_template=args.chat_template,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
             engine_id=os.environ.get(ENGINE_ID_ENV) or None,
         )
         heap.settle()  # torch, transformers and the model stay: later collections skip them

@@ -1,0 +1,537 @@
+"""Reasoning in generated text: SGLang's ``--reasoning-parser`` for the ``<think>`` family.
+
+What SGLang 0.5 reads (``srt/parser/reasoning_parser.py``, ``BaseReasoningFormatDetector``):
+an answer's reasoning is the text between ``<think>`` (which the model may open itself, or the
+chat template may have opened in the prompt) and ``</think>``; the rest is its content. Two
+layouts of that format, under SGLang's names:
+
+- ``deepseek-r1`` (also ``step3``, ``step3p5``, ``gigachat35``; ``DeepSeekR1Detector``): the
+  answer is reasoning until ``</think>``, whether or not it opened with ``<think>``;
+- ``qwen3`` (also ``qwen3-thinking``, ``dots``, ``minimax``, ``nanbeige``, ``interns1``;
+  ``Qwen3Detector``): reasoning when the request has thinking on (see ``thinking_on``: by
+  default yes, unless ``chat_template_kwargs.enable_thinking`` is false) or the answer opens
+  ``<think>``; a ``<tool_call>`` before ``</think>`` ends the reasoning too (Qwen3.5 opens
+  calls without closing it). ``qwen3-thinking`` and ``minimax`` always reason.
+
+``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
+``finish``), as SGLang's detector does, down to the tails it holds back while they could be
+the start of a tag. ``thinking_on`` is ``serving_chat._get_reasoning_from_request``:
+whether a request reasons, from the chat template's toggle (``template_toggle``:
+``template_detection.detect_reasoning_pattern``'s rules for these templates) and the request;
+``reasoning_tokens`` counts an answer's reasoning tokens as SGLang's scheduler does
+(``Req.update_reasoning_tokens``). ``normalize_effort`` is the chat request's
+``reasoning_effort`` / ``reasoning`` fields as ``ChatCompletionRequest`` reads them.
+
+This module knows nothing of HTTP or the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "PARSERS",
+    "EffortError",
+    "ReasoningCount",
+    "ReasoningSettings",
+    "RequestReasoning",
+    "ThinkFormat",
+    "ThinkParser",
+    "Toggle",
+    "normalize_effort",
+    "reasoning_tokens",
+    "template_toggle",
+    "thinking_on",
+]
+
+
+@dataclass(frozen=True)
+class ThinkFormat:
+    """One reasoning layout: its tags and how a request's reasoning is decided."""
+
+    always: bool  # reasoning until </think> whatever the request (DeepSeek-R1)
+    tool_start: str | None  # a tag that ends the reasoning too
+    default: str  # SGLang's reasoning_default: "always" or "enable_thinking"
+    forced: bool = False  # the parser's name forces reasoning (qwen3-thinking, minimax)
+    start: str = "<think>"
+    end: str = "</think>"
+
+
+_R1 = ThinkFormat(always=True, tool_start=None, default="always")
+_QWEN3 = ThinkFormat(always=False, tool_start="<tool_call>", default="enable_thinking")
+_QWEN3_FORCED = ThinkFormat(
+    always=False, tool_start="<tool_call>", default="enable_thinking", forced=True
+)
+# SGLang's ReasoningParser.DetectorMap, the names whose detector reads this format
+PARSERS: dict[str, ThinkFormat] = {
+    "deepseek-r1": _R1,
+    "step3": _R1,
+    "step3p5": _R1,
+    "gigachat35": _R1,
+    "qwen3": _QWEN3,
+    "dots": _QWEN3,
+    "nanbeige": _QWEN3,
+    "interns1": _QWEN3,
+    "qwen3-thinking": _QWEN3_FORCED,
+    "minimax": _QWEN3_FORCED,
+}
+
+
+class ThinkParser:
+    """One answer's reasoning and content (``BaseReasoningFormatDetector``).
+
+    ``force``: the answer starts in its reasoning (``force_reasoning``); ``stream_reasoning``
+    False holds a streamed reasoning back until it ends; ``previous``: the assistant message
+    a ``continue_final_message`` request continues (its tags count); ``nonempty``
+    (``chat_template_kwargs.force_nonempty_content``): an answer with no content gets its
+    reasoning as content."""
+
+    def __init__(
+        self,
+        fmt: ThinkFormat,
+        *,
+        force: bool,
+        stream_reasoning: bool = True,
+        previous: str = "",
+        nonempty: bool = False,
+    ) -> None:
+        self.fmt = fmt
+        self.in_reasoning = force or fmt.always or fmt.forced
+        self.stream_reasoning = stream_reasoning
+        self.previous = previous
+        self.nonempty = nonempty
+        if fmt.start in previous:
+            self.in_reasoning = True
+        if fmt.end in previous:
+            self.in_reasoning = False
+        self._tags = (
+            (fmt.start, fmt.end, fmt.tool_start) if fmt.tool_start else (fmt.start, fmt.end)
+        )
+        self._buffer = ""  # streamed text held back (the start of a tag, or the reasoning)
+        self._stripped_start = False
+        self._reasoning_sent = ""  # with nonempty: the reasoning streamed so far
+
+    # -- whole answers -------------------------------------------------------------------------
+    def parse(self, text: str) -> tuple[str, str]:
+        """``(reasoning, content)`` of a whole answer (``detect_and_parse``)."""
+        reasoning, content = self._parse(text)
+        if self.nonempty and not content:
+            return content, reasoning
+        return reasoning, content
+
+    def _parse(self, text: str) -> tuple[str, str]:
+        start, end = self.fmt.start, self.fmt.end
+        if not (self.in_reasoning or start in text):
+            return "", text
+        while text.startswith(start):
+            text = text[len(start) :]
+        if end not in text and end not in self.previous:
+            cut = text.find(self.fmt.tool_start) if self.fmt.tool_start else -1
+            if cut != -1:  # a tool call ends it; the call stays in the content
+                return text[:cut], text[cut:]
+            return text, ""  # cut short before its end
+        if end in text:
+            reasoning, content = text.split(end, 1)
+            return reasoning, content
+        return "", text  # the continued message had closed it
+
+    # -- streams -------------------------------------------------------------------------------
+    def feed(self, delta: str) -> tuple[str, str]:
+        """``(reasoning, content)`` of the text added to a stream (``parse_streaming_increment``):
+        what may still be (part of) a tag is held back for the next delta."""
+        reasoning, content = self._feed(delta)
+        if self.nonempty:
+            self._reasoning_sent = self._reasoning_sent + reasoning if self.in_reasoning else ""
+        return reasoning, content
+
+    def _feed(self, delta: str) -> tuple[str, str]:
+        fmt = self.fmt
+        text = self._buffer = self._buffer + delta
+        tags = (
+            (fmt.start, fmt.end) if fmt.tool_start is None else (fmt.start, fmt.end, fmt.tool_start)
+        )
+        if any(tag != text and tag.startswith(text) for tag in tags):
+            return "", ""
+        if not self._stripped_start and fmt.start in text:
+            text = self._buffer = text.replace(fmt.start, "", 1)
+            self._stripped_start = True
+            self.in_reasoning = True
+        if not self.in_reasoning:
+            self._buffer = ""
+            return "", text
+        cut = text.find(fmt.end)
+        if cut != -1:
+            self._buffer = ""
+            self.in_reasoning = False
+            return text[:cut], text[cut + len(fmt.end) :]
+        cut = text.find(fmt.tool_start) if fmt.tool_start else -1
+        if cut != -1:
+            self._buffer = ""
+            self.in_reasoning = False
+            return text[:cut], text[cut:]
+        if not self.stream_reasoning:
+            return "", ""
+        held = [fmt.end] if fmt.tool_start is None else [fmt.end, fmt.tool_start]
+        if not self._stripped_start:
+            held.append(fmt.start)
+        keep = max(_partial_tail(text, tag) for tag in held)
+        self._buffer = text[len(text) - keep :]
+        return text[: len(text) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        """What a stream still holds when its answer ends (``finish``): the reasoning of an
+        answer cut short, or the start of a tag that never came."""
+        left, self._buffer = self._buffer, ""
+        if not self.in_reasoning:
+            return "", left
+        if left.startswith(self.fmt.start):
+            left = left[len(self.fmt.start) :]
+        if self.nonempty:
+            content, self._reasoning_sent = self._reasoning_sent + left, ""
+            return "", content
+        return left, ""
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for i in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-i:]):
+            return i
+    return 0
+
+
+# -- whether a request reasons ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Toggle:
+    """How a chat template turns reasoning on (``ReasoningToggleConfig``)."""
+
+    param: str | None = None  # the chat_template_kwargs key
+    default: bool | None = None  # its value when the request leaves it out
+    special: str | None = None  # "always", "mistral" or "hunyuan_effort"
+
+
+def _default_assigned(template: str, param: str, default: bool) -> bool:
+    """The template gives ``param`` a working default with Jinja's ``default`` filter
+    (``_has_toggle_default_assignment``)."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+
+    try:
+        env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
+        env.add_extension(_generation_tag())
+        tree = env.parse(template)
+    except Exception:  # a template jinja cannot read: no toggle found (SGLang's too)
+        return False
+    for node in tree.find_all(jinja2.nodes.Filter):
+        if node.name not in ("default", "d") or node.dyn_args or node.dyn_kwargs:
+            continue
+        if not isinstance(node.node, jinja2.nodes.Name) or node.node.name != param:
+            continue
+        args = list(node.args)
+        if not args or not isinstance(args[0], jinja2.nodes.Const):
+            continue
+        value = args[0].value
+        if not isinstance(value, bool):
+            continue
+        boolean = args[1] if len(args) > 1 else {k.key: k.value for k in node.kwargs}.get("boolean")
+        if boolean is not None and not isinstance(boolean, jinja2.nodes.Const):
+            continue
+        if boolean is not None and bool(boolean.value) and value:
+            continue  # default(true, true): false is replaced too, not a toggle
+        if value is default:
+            return True
+    return False
+
+
+def _generation_tag() -> type:
+    """Jinja's parser extension for ``{% generation %}`` blocks (Hugging Face templates' own
+    tag), so that templates with it parse."""
+    import jinja2.ext
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    return Generation
+
+
+def _set_default(param: str, value: str) -> str:
+    return (
+        rf"{{%\s*if\s+not\s+{param}\s+is\s+defined\s*%}}.*?"
+        rf"{{%\s*set\s+{param}\s*=\s*(?:{value}|{value.capitalize()})\s*%}}"
+    )
+
+
+def _on_by_default(t: str, param: str) -> bool:
+    return (
+        re.search(_set_default(param, "true"), t, re.DOTALL) is not None
+        or re.search(
+            rf"set\s+{param}\s*=\s*{param}\s+if\s+{param}\s+is\s+defined\s+else\s+(?:true|True)",
+            t,
+        )
+        is not None
+        or re.search(rf"{param}\s+is\s+defined\s+and\s+(?:{param}\s+is\s+false|not\s+{param})", t)
+        is not None
+        or re.search(rf"{param}\s+is\s+not\s+defined\s+or\s+{param}", t) is not None
+        or re.search(rf"namespace\([^)]*{param}\s*=\s*true", t) is not None
+        or _default_assigned(t, param, True)
+    )
+
+
+def _off_by_default(t: str, param: str) -> bool:
+    return re.search(_set_default(param, "false"), t, re.DOTALL) is not None or (
+        _default_assigned(t, param, False)
+    )
+
+
+def template_toggle(template: str | None) -> tuple[bool, Toggle | None]:
+    """``(always reasons, toggle)`` of a chat template, by SGLang's ``REASONING_MODE_RULES`` in
+    their order (``template_detection.detect_reasoning_pattern``); GLM-5.3's rule, which needs
+    the model family, is not among them."""
+    if not template:
+        return False, None
+    toggle = _toggle(template)
+    return (toggle is not None and toggle.special == "always"), toggle
+
+
+def _toggle(t: str) -> Toggle | None:
+    if "<ifm|think>" in t and "<ifm|think_fast>" in t and "reasoning_effort" in t:
+        return Toggle(special="always")  # K2-v3
+    if "<|channel|>" in t:  # gpt-oss
+        return Toggle(special="always")
+    if (
+        re.search(r"<\|im_start\|>assistant\\n<think>\\n", t)
+        and "enable_thinking" not in t
+        and "thinking" not in t
+    ):  # the generation prompt opens the reasoning
+        return Toggle(special="always")
+    if "reasoning_effort" in t and "[THINK]" in t:
+        return Toggle(special="mistral")
+    if "reasoning_effort" in t and "reasoning_mode_token" in t and "no_think" in t:
+        return Toggle(special="hunyuan_effort")
+    if _off_by_default(t, "enable_thinking"):
+        return Toggle("enable_thinking", False)
+    if "low_effort" in t and "truncate_history_thinking" in t:  # Nemotron 3
+        return Toggle("enable_thinking", True)
+    if _on_by_default(t, "enable_thinking"):
+        return Toggle("enable_thinking", True)
+    if _off_by_default(t, "thinking"):
+        return Toggle("thinking", False)
+    if _on_by_default(t, "thinking"):
+        return Toggle("thinking", True)
+    return None
+
+
+def thinking_on(
+    fmt: ThinkFormat, toggle: Toggle | None, kwargs: dict[str, Any] | None, effort: Any
+) -> bool:
+    """Whether a chat request reasons (``serving_chat._get_reasoning_from_request``): from
+    the template's ``toggle`` when it has one, else the parser's default; ``kwargs``: the
+    request's ``chat_template_kwargs``, ``effort`` its ``reasoning_effort``."""
+    if toggle is None:
+        if fmt.default == "always":
+            return True
+        return not kwargs or kwargs.get(fmt.default) is not False
+    if toggle.special == "always":
+        return True
+    if toggle.special == "mistral":
+        return effort is not None and effort != "none"
+    if toggle.param is None or toggle.default is None:
+        return False
+    if toggle.default:
+        return not kwargs or kwargs.get(toggle.param) is not False
+    return kwargs is not None and kwargs.get(toggle.param) is True
+
+
+class ReasoningCount:
+    """An answer's reasoning tokens as it grows, as SGLang's scheduler counts them
+    (``Req.update_reasoning_tokens``): its tokens up to and with the first ``end_ids`` (the
+    tokens of ``</think>``), all of them while it has not ended. No ``end_ids``: none."""
+
+    def __init__(self, end_ids: Sequence[int]) -> None:
+        self.end = list(end_ids)
+        self.count = 0
+        self.ended = not self.end
+
+    def update(self, output_ids: Sequence[int]) -> int:
+        """The count for the answer so far (``output_ids``: all of its tokens)."""
+        if self.ended:
+            return self.count
+        end, n = self.end, len(self.end)
+        at = max(self.count - n + 1, 0)  # an end that starts in what was searched before
+        while True:
+            try:
+                at = output_ids.index(end[0], at)  # type: ignore[attr-defined]
+            except ValueError:
+                self.count = len(output_ids)
+                return self.count
+            if list(output_ids[at : at + n]) == end:
+                self.count, self.ended = at + n, True
+                return self.count
+            at += 1
+
+
+def reasoning_tokens(output_ids: Sequence[int], end_ids: Sequence[int]) -> int:
+    """A whole answer's reasoning tokens (``ReasoningCount``)."""
+    return ReasoningCount(end_ids).update(output_ids)
+
+
+# -- the request's fields ----------------------------------------------------------------------
+
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
+
+
+class EffortError(ValueError):
+    """A ``reasoning_effort`` or ``reasoning`` field SGLang refuses (its message, the field)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def normalize_effort(body: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """``(reasoning_effort, chat_template_kwargs)`` of a chat request as
+    ``ChatCompletionRequest`` normalizes them (``normalize_reasoning_inputs``): ``reasoning``
+    ``{effort, enabled}`` fills ``reasoning_effort``; an effort other than ``none`` (or
+    ``reasoning.enabled``) defaults ``thinking`` and ``enable_thinking`` to true in the
+    template's kwargs, ``none`` to false. EffortError for what SGLang refuses."""
+    effort = body.get("reasoning_effort")
+    kwargs = body.get("chat_template_kwargs")
+    thinking = None
+    raw = body.get("reasoning")
+    if isinstance(raw, dict):
+        value = raw.get("effort")
+        if value is None:
+            value = raw.get("reasoning_effort")
+        if isinstance(value, str) and value in _EFFORTS:
+            effort = value
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            effort = float(value)
+        elif isinstance(value, str):
+            try:
+                effort = float(value)
+            except ValueError:
+                raise EffortError(f"invalid reasoning effort: {value!r}", "reasoning") from None
+        elif value is not None:
+            raise EffortError(f"invalid reasoning effort: {value!r}", "reasoning")
+        enabled = raw.get("enabled") if raw.get("enabled") is not None else raw.get("enable")
+        if isinstance(enabled, str):
+            enabled = enabled.strip().lower() in {"1", "true", "yes", "y", "on"}
+        if enabled:
+            thinking = True
+    effort = _checked_effort(effort)
+    if effort is not None:
+        thinking = effort != "none"
+    if thinking is not None:
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        kwargs.setdefault("thinking", thinking)
+        kwargs.setdefault("enable_thinking", thinking)
+    return effort, kwargs
+
+
+def _checked_effort(effort: Any) -> Any:
+    """``ReasoningEffortType``: one of the tiers, or a number in [0, 0.99] (a string of one
+    too, as pydantic reads it)."""
+    if effort is None or (isinstance(effort, str) and effort in _EFFORTS):
+        return effort
+    if isinstance(effort, bool):
+        raise EffortError("reasoning_effort must not be a boolean", "reasoning_effort")
+    number = effort
+    if isinstance(effort, str):
+        try:
+            number = float(effort)
+        except ValueError:
+            number = None
+    if not isinstance(number, int | float) or not 0.0 <= number <= 0.99:
+        raise EffortError(
+            f"reasoning_effort: one of {', '.join(_EFFORTS)}, or a number in [0.0, 0.99]",
+            "reasoning_effort",
+        )
+    return float(number)
+
+
+# -- a served model's and a request's ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReasoningSettings:
+    """The engine's ``--reasoning-parser`` for its chat template and tokenizer."""
+
+    name: str
+    fmt: ThinkFormat
+    always: bool  # the template always opens the reasoning (TemplateManager.force_reasoning)
+    toggle: Toggle | None
+    end_ids: tuple[int, ...]  # the tokens of the end tag (none: reasoning tokens not counted)
+
+    @classmethod
+    def of(cls, name: str, template: str | None, tokenizer: Any) -> ReasoningSettings:
+        """ValueError for a parser the built-in engine does not read."""
+        fmt = PARSERS.get(name.lower())
+        if fmt is None:
+            raise ValueError(
+                f"--reasoning-parser {name!r}: the built-in engine reads {', '.join(PARSERS)} "
+                "(the <think> ... </think> formats)"
+            )
+        always, toggle = template_toggle(template)
+        end_ids = tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
+        return cls(name.lower(), fmt, always, toggle, end_ids)
+
+    def request(
+        self,
+        kwargs: dict[str, Any] | None,
+        effort: Any,
+        *,
+        separate: bool = True,
+        stream: bool = True,
+        previous: str = "",
+    ) -> RequestReasoning:
+        """What one chat request's answers need: whether it reasons (the template's
+        ``kwargs``, ``reasoning_effort``), and how its parsers start."""
+        thinking = thinking_on(self.fmt, self.toggle, kwargs, effort)
+        return RequestReasoning(
+            self,
+            separate=separate,
+            stream=stream,
+            force=self.always or thinking,
+            counted=thinking,
+            previous=previous,
+            nonempty=(kwargs or {}).get("force_nonempty_content") is True,
+        )
+
+
+@dataclass(frozen=True)
+class RequestReasoning:
+    """One chat request's reasoning: ``separate`` (``separate_reasoning``: split it out of the
+    content), ``stream`` (``stream_reasoning``), ``counted``: its reasoning tokens are counted
+    (SGLang's ``require_reasoning``)."""
+
+    settings: ReasoningSettings
+    separate: bool
+    stream: bool
+    force: bool
+    counted: bool
+    previous: str
+    nonempty: bool
+
+    def parser(self) -> ThinkParser:
+        return ThinkParser(
+            self.settings.fmt,
+            force=self.force,
+            stream_reasoning=self.stream,
+            previous=self.previous,
+            nonempty=self.nonempty,
+        )
+
+    def count(self) -> ReasoningCount:
+        """A counter of one answer's reasoning tokens (none where they are not counted)."""
+        return ReasoningCount(self.settings.end_ids if self.counted else ())

@@ -1,0 +1,343 @@
+"""``--reasoning-parser``: the reasoning of an answer to ``/v1/chat/completions`` split out as
+``reasoning_content``, as SGLang 0.5 does (``srt/parser/reasoning_parser.py``:
+``BaseReasoningFormatDetector``, ``DeepSeekR1Detector``, ``Qwen3Detector``;
+``serving_chat.py``: ``_build_chat_response``, ``_process_reasoning_stream``,
+``_get_reasoning_from_request``; ``parser/template_detection.py``; ``protocol.py``:
+``ChatCompletionRequest.normalize_reasoning_inputs``; ``usage_processor.py``), the parser on its
+own and through a real engine and the ``openai`` client."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+from transformers import AutoTokenizer
+
+from stages.engine.openai_api import OpenAIError
+from stages.engine.openai_chat import ChatSettings, chat_request, chat_response
+from stages.engine.reasoning import (
+    PARSERS,
+    ReasoningCount,
+    ThinkParser,
+    Toggle,
+    normalize_effort,
+    reasoning_tokens,
+    template_toggle,
+    thinking_on,
+)
+from tests.stages.test_engine_server import Engine, serving
+from tests.stages.tiny_model import BYTE_CHARS, make_byte_model
+
+R1, QWEN3 = PARSERS["deepseek-r1"], PARSERS["qwen3"]
+
+
+def _parse(fmt, text: str, **kw) -> tuple[str, str]:
+    return ThinkParser(fmt, **{"force": False, **kw}).parse(text)
+
+
+def _streamed(fmt, parts: list[str], **kw) -> tuple[str, str]:
+    parser = ThinkParser(fmt, **{"force": False, **kw})
+    reasoning = content = ""
+    for part in parts:
+        r, c = parser.feed(part)
+        reasoning, content = reasoning + r, content + c
+    r, c = parser.finish()
+    return reasoning + r, content + c
+
+
+# -- the parser -----------------------------------------------------------------------------------
+
+
+def test_whole_answers_split_as_sglang_detectors_do() -> None:
+    # DeepSeekR1Detector.__init__: force_reasoning=True whatever it is given, so the text before
+    # </think> is reasoning with or without <think> (detect_and_parse: leading start tags cut)
+    assert _parse(R1, "I think</think>42") == ("I think", "42")
+    assert _parse(R1, "<think><think>a</think>b") == ("a", "b")
+    assert _parse(R1, "cut short") == ("cut short", "")  # "Assume reasoning was truncated"
+    # Qwen3Detector: force_reasoning False by default: no tags, no reasoning...
+    assert _parse(QWEN3, "just an answer") == ("", "just an answer")
+    assert _parse(QWEN3, "a</think>b") == ("", "a</think>b")
+    # ... but an answer that opens <think> reasons; forced, the start may be in the prompt
+    assert _parse(QWEN3, "<think>a</think>b") == ("a", "b")
+    assert _parse(QWEN3, "a</think>b", force=True) == ("a", "b")
+    # tool_start_token="<tool_call>": a call before </think> ends the reasoning, kept as content
+    assert _parse(QWEN3, "<think>plan<tool_call>{}") == ("plan", "<tool_call>{}")
+    assert _parse(R1, "plan<tool_call>{}") == ("plan<tool_call>{}", "")  # R1 has none
+    # qwen3-thinking: ReasoningParser forces reasoning for it
+    assert _parse(PARSERS["qwen3-thinking"], "a</think>b") == ("a", "b")
+    # continue_final_message: the continued message's tags count (previous_content)
+    assert _parse(QWEN3, "more</think>b", previous="<think>so far") == ("more", "b")
+    assert _parse(QWEN3, "<think>x", previous="<think>a</think>b") == ("", "x")
+    # force_nonempty_content: an answer with no content gets its reasoning as content
+    assert _parse(R1, "only thoughts", nonempty=True) == ("", "only thoughts")
+
+
+def test_a_stream_holds_back_what_may_be_a_tag_and_adds_up_to_the_whole_answer() -> None:
+    # _parse_streaming_increment_impl: a buffer that is the start of a tag waits; the reasoning
+    # goes out as it comes, less a tail that may be the start of </think>
+    parser = ThinkParser(QWEN3, force=False)
+    assert parser.feed("<thi") == ("", "")
+    assert parser.feed("nk>I am</th") == ("I am", "")
+    assert parser.feed("ink>ok") == ("", "ok")
+    assert parser.feed(" <tool") == ("", " <tool")  # not reasoning any more: content as it is
+    # stream_reasoning False: the reasoning goes out whole, at its end
+    parser = ThinkParser(R1, force=True, stream_reasoning=False)
+    assert parser.feed("a") == ("", "") and parser.feed("b</think>c") == ("ab", "c")
+    # finish(): an answer cut short inside its reasoning flushes what was held back
+    parser = ThinkParser(R1, force=True)
+    assert parser.feed("abc</thi") == ("abc", "")
+    assert parser.finish() == ("</thi", "")
+    # a well-formed answer, [<think>]reasoning</think>content or cut short in its reasoning,
+    # streams to what it splits into whole, however its text is cut into deltas
+    rng = random.Random(7)
+    pieces = ["<", "</", "thin", "k", "a b", "\n", "x", "/"]  # no ">": never a whole tag
+    for _ in range(300):
+        thought, said = ("".join(rng.choice(pieces) for _ in range(4)) for _ in "ts")
+        for text in (f"<think>{thought}</think>{said}", f"{thought}</think>{said}", thought):
+            for fmt in (R1, PARSERS["qwen3-thinking"]):
+                whole = _parse(fmt, text)
+                cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 3)))
+                parts = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+                assert _streamed(fmt, parts) == whole, (text, parts)
+                assert _streamed(fmt, list(text)) == whole, text
+
+
+def test_reasoning_tokens_are_counted_to_the_end_tag_as_sglang_scheduler_does() -> None:
+    # Req.update_reasoning_tokens: tokens up to and with the end sequence; all while it has none
+    assert reasoning_tokens([1, 2, 9, 3], [9]) == 3
+    assert reasoning_tokens([1, 2, 3], [9]) == 3
+    assert reasoning_tokens([1, 8, 8, 9, 3], [8, 9]) == 4
+    assert reasoning_tokens([1, 2], []) == 0  # no end tokens: not counted
+    count = ReasoningCount([8, 9])  # as a stream grows, an end split between steps
+    assert [count.update(ids) for ids in ([1, 8], [1, 8, 9, 2], [1, 8, 9, 2, 8, 9])] == [2, 3, 3]
+
+
+# -- whether a request reasons ---------------------------------------------------------------------
+
+QWEN3_TOGGLE = (
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>"
+    "{%- endif %}"
+)
+
+
+def test_the_template_toggle_is_detected_by_sglang_rules() -> None:
+    # REASONING_MODE_RULES, in order
+    assert template_toggle(QWEN3_TOGGLE) == (False, Toggle("enable_thinking", True))
+    off = "{%- set enable_thinking = enable_thinking | default(false) -%}"
+    assert template_toggle(off) == (False, Toggle("enable_thinking", False))
+    on_by_filter = "{%- set thinking = thinking | d(true) -%}{% generation %}x{% endgeneration %}"
+    assert template_toggle(on_by_filter) == (False, Toggle("thinking", True))
+    assert template_toggle("{% set t = thinking | default(true, true) %}") == (False, None)
+    opens = "{{ '<|im_start|>assistant\\n<think>\\n' }}"  # force_reasoning_pattern
+    assert template_toggle(opens) == (True, Toggle(special="always"))
+    assert template_toggle("{{ messages }}") == (False, None)
+    assert template_toggle(None) == (False, None)
+
+
+def test_whether_a_request_reasons_follows_get_reasoning_from_request() -> None:
+    qwen_toggle = Toggle("enable_thinking", True)
+    assert thinking_on(QWEN3, qwen_toggle, None, None)
+    assert not thinking_on(QWEN3, qwen_toggle, {"enable_thinking": False}, None)
+    assert thinking_on(QWEN3, None, {"other": 1}, None)  # the parser's default: enable_thinking
+    assert thinking_on(R1, None, {"enable_thinking": False}, None)  # "always"
+    off = Toggle("thinking", False)
+    assert not thinking_on(R1, off, None, None) and thinking_on(R1, off, {"thinking": True}, None)
+    mistral = Toggle(special="mistral")
+    assert thinking_on(QWEN3, mistral, None, "low") and not thinking_on(
+        QWEN3, mistral, None, "none"
+    )
+
+
+def test_reasoning_effort_and_reasoning_are_normalized_as_chat_completion_request_does() -> None:
+    assert normalize_effort({}) == (None, None)
+    kw = {"thinking": False, "enable_thinking": False}
+    assert normalize_effort({"reasoning_effort": "none"}) == ("none", kw)
+    given = {"enable_thinking": True}  # the request's own kwargs win (setdefault)
+    assert normalize_effort({"reasoning_effort": "none", "chat_template_kwargs": given}) == (
+        "none",
+        {"enable_thinking": True, "thinking": False},
+    )
+    assert normalize_effort({"reasoning": {"enabled": "yes"}})[1] == {
+        "thinking": True,
+        "enable_thinking": True,
+    }
+    assert normalize_effort({"reasoning": {"effort": "0.5"}})[0] == 0.5
+    assert normalize_effort({"reasoning_effort": 0})[0] == 0.0
+    for bad in (True, 1.5, "lots"):
+        with pytest.raises(ValueError) as err:
+            normalize_effort({"reasoning_effort": bad})
+        assert err.value.field == "reasoning_effort"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="invalid reasoning effort"):
+        normalize_effort({"reasoning": {"effort": "lots"}})
+
+
+# -- the chat route -----------------------------------------------------------------------------
+
+# byte-level, every character in the tiny model's alphabet; Qwen3's toggle
+TEMPLATE = (
+    "{%- for m in messages %}{{ m.content }}.{% endfor %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}-{% endif %}"
+    "{%- if add_generation_prompt %}:{% endif %}"
+)
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level model whose tags are whole tokens, added as Qwen3's are (not special),
+    the only way to write them: the end of the reasoning is one token."""
+    root = tmp_path_factory.mktemp("reasoning-model")
+    words = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+    model = make_byte_model(root / "model", seed=4, chars=BYTE_CHARS + "\n", words=tuple(words))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_tokens(words)  # already in the vocabulary: now read whole in text
+    tokenizer.save_pretrained(model)
+    (root / "template.jinja").write_text(TEMPLATE)
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[Engine]:
+    template = model_dir.parent / "template.jinja"
+    flags = ("--chat-template", str(template), "--reasoning-parser", "qwen3")
+    with serving(model_dir, model_dir.parent / "engine.log", *flags) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> openai.OpenAI:
+    return openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _tokens(engine: Engine, text: str) -> int:
+    return len(AutoTokenizer.from_pretrained(engine.model_dir).encode(text))
+
+
+@pytest.mark.timeout(60)
+def test_the_reasoning_comes_as_reasoning_content_and_is_counted_in_usage(
+    engine: Engine, client
+) -> None:
+    out = client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=30, temperature=0,
+        extra_body={"regex": "<think>ab</think>cd"},
+    )  # fmt: skip
+    message = out.choices[0].message
+    assert message.model_extra["reasoning_content"] == "ab" and message.content == "cd"
+    thought = _tokens(engine, "<think>ab</think>")  # thinking on (the template's default)
+    assert out.usage.model_extra["reasoning_tokens"] == thought
+    assert out.usage.completion_tokens_details.reasoning_tokens == thought
+    # separate_reasoning false: the text whole, the reasoning still counted
+    whole = client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=30, temperature=0,
+        extra_body={"regex": "<think>ab</think>cd", "separate_reasoning": False},
+    )  # fmt: skip
+    assert whole.choices[0].message.content == "<think>ab</think>cd"
+    assert whole.choices[0].message.model_extra["reasoning_content"] is None
+    assert whole.usage.model_extra["reasoning_tokens"] == thought
+
+
+@pytest.mark.timeout(60)
+def test_thinking_off_by_reasoning_effort_none_leaves_an_unopened_answer_as_content(
+    engine: Engine, client
+) -> None:
+    # normalize_reasoning_inputs: "none" sets enable_thinking false; the template sees it (its
+    # prompt has the "-"), Qwen3Detector is not forced, nothing is counted
+    out = client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=30, temperature=0, reasoning_effort="none",
+        extra_body={"regex": "ab</think>cd"},
+    )  # fmt: skip
+    message = out.choices[0].message
+    assert message.content == "ab</think>cd" and message.model_extra["reasoning_content"] is None
+    assert out.usage.model_extra["reasoning_tokens"] == 0
+    assert out.usage.completion_tokens_details is None
+    forced = client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=30, temperature=0,
+        extra_body={"regex": "ab</think>cd"},
+    )  # fmt: skip
+    assert forced.choices[0].message.model_extra["reasoning_content"] == "ab"
+    assert forced.usage.prompt_tokens + 1 == out.usage.prompt_tokens  # the template's "-"
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_answer_sends_reasoning_deltas_then_content_deltas(
+    engine: Engine, client
+) -> None:
+    stream = client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"regex": "<think>abc</think>de", "logprobs": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and deltas[0].content == ""
+    thought = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas[1:])
+    assert (thought, content) == ("abc", "de")
+    # a delta carries reasoning or content, never both; the reasoning ones all come first
+    kinds = []
+    for d in deltas[1:]:
+        thinks, says = bool(d.model_extra.get("reasoning_content")), bool(d.content)
+        assert not (thinks and says)
+        if thinks or says:
+            kinds.append("r" if thinks else "c")
+    assert kinds == sorted(kinds, reverse=True) and "r" in kinds and "c" in kinds
+    # every token's log-prob went out once, with the first chunk of its step
+    entries = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert len(entries) == chunks[-1].usage.completion_tokens
+    assert chunks[-1].usage.model_extra["reasoning_tokens"] == _tokens(engine, "<think>abc</think>")
+
+
+@pytest.mark.timeout(60)
+def test_reasoning_fields_sglang_refuses_are_refused_with_its_status(engine: Engine) -> None:
+    url = engine.url + "/v1/chat/completions"
+    for body, field in (
+        ({"reasoning_effort": True}, "reasoning_effort"),
+        ({"reasoning_effort": 2}, "reasoning_effort"),
+        ({"reasoning": {"effort": "lots"}}, "reasoning"),
+        ({"separate_reasoning": "yes"}, "separate_reasoning"),
+    ):
+        reply = requests.post(url, json={"messages": HELLO, "max_tokens": 2, **body}, timeout=30)
+        assert reply.status_code == 400, (body, reply.text)
+        assert field in reply.text
+    info = requests.get(engine.url + "/model_info", timeout=30).json()
+    assert info["reasoning_parser"] == "qwen3" and info["tool_call_parser"] is None
+
+
+def test_the_reasoning_is_split_before_tool_calls_are_read(model_dir: Path) -> None:
+    """``_build_chat_response``: the reasoning parser first; the tool calls are read in the
+    text after it (a call inside the reasoning is not one)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    settings = ChatSettings.of(
+        tokenizer, model_dir, chat_template=TEMPLATE, tool_call_parser="qwen25",
+        reasoning_parser="deepseek-r1",
+    )  # fmt: skip
+    assert settings is not None
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    body = {"messages": HELLO, "tools": tools, "max_tokens": 20}
+    _, options = chat_request(body, settings, context_length=512)
+    text = 'add?</think>ok<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    ids = tokenizer.encode(text)
+    result = {
+        "text": text, "output_ids": ids,
+        "meta_info": {"id": "r1", "finish_reason": {"type": "stop", "matched": 1},
+                      "prompt_tokens": 3, "completion_tokens": len(ids), "weight_version": "0"},
+    }  # fmt: skip
+    answer = chat_response([result], options)
+    message = answer["choices"][0]["message"]
+    assert message["reasoning_content"] == "add?" and message["content"] == "ok"
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["add"]
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    assert answer["usage"]["reasoning_tokens"] == len(tokenizer.encode("add?</think>"))
+    with pytest.raises(ValueError, match="--reasoning-parser 'kimi'"):
+        ChatSettings.of(tokenizer, model_dir, chat_template=TEMPLATE, reasoning_parser="kimi")
+    with pytest.raises(OpenAIError, match="separate_reasoning"):
+        chat_request({**body, "separate_reasoning": 1}, settings, context_length=512)
