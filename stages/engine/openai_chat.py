@@ -17,13 +17,15 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
 - ``logprobs`` (bool) and ``top_logprobs`` (0-20): ``logprobs.content`` ``[{token, bytes,
   logprob, top_logprobs: [{token, bytes, logprob}]}]``;
 - ``tools`` with ``tool_choice`` ``auto`` (the default) or ``none``: the answer's text is read
-  for tool calls in the template's format (``stages.engine.tool_calls``): ``message.tool_calls``
-  ``[{id: "call_<24 hex>", index, type: "function", function: {name, arguments}}]``, the text
-  before them as ``content``, and ``finish_reason`` ``tool_calls`` where it was ``stop``;
+  for tool calls in the template's format or ``--tool-call-parser``'s
+  (``stages.engine.tool_calls``): ``message.tool_calls`` ``[{id: "call_<24 hex>", index,
+  type: "function", function: {name, arguments}}]``, the text before them as ``content``,
+  and ``finish_reason`` ``tool_calls`` where it was ``stop``;
   ``tool_choice`` ``required`` or a named function constrains the answer to tool calls in that
-  format, one or more and nothing else (``tool_calls.call_tag``: the structural tag SGLang
-  sends for the Qwen 2.5 and Hermes formats; ``parallel_tool_calls`` does not constrain it, as
-  there); a named function's calls only, and only it in the template;
+  format, one or more and nothing else (``tool_calls.forced_calls``: the structural tag SGLang
+  sends for that format, ``parallel_tool_calls`` not constraining it, as there; for
+  ``pythonic``, which has none, SGLang's JSON schema of a ``[{name, parameters}]`` array, then
+  read as such); a named function's calls only, and only it in the template;
 - the answer: ``{id, object: "chat.completion", created, model, choices: [{index, message:
   {role: "assistant", content ("" when empty), reasoning_content, tool_calls?},
   logprobs, finish_reason, matched_stop}], usage, metadata: {weight_version}}``;
@@ -75,7 +77,8 @@ from stages.engine.tool_calls import (
     PARSERS,
     StreamingToolCalls,
     ToolCallParser,
-    call_tag,
+    answer_format,
+    forced_calls,
     parser_for_template,
 )
 
@@ -118,7 +121,7 @@ class ChatSettings:
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(
                 f"--tool-call-parser {tool_call_parser!r}: the built-in engine reads "
-                f"{', '.join(PARSERS)} (the Qwen 2.5 / Hermes format)"
+                f"{', '.join(PARSERS)} (SGLang's names of those formats)"
             )
         template = chat_template or getattr(tokenizer, "chat_template", None)
         defaults: dict[str, Any] = {}
@@ -222,8 +225,10 @@ def chat_request(
         if name not in _NOT_SAMPLING and body.get(name) is not None:
             sampling[native] = body[name]
     sampling.update(grammar)
+    if template_tools:  # the format's markers may be special tokens (SGLang: serving_chat)
+        sampling["skip_special_tokens"] = False
     if forced is not None:  # only tool calls (tool_choice required or named)
-        sampling["structural_tag"] = forced
+        sampling.update(forced)
     native_body: dict[str, Any] = {
         "input_ids": prompt,
         "sampling_params": sampling,
@@ -249,6 +254,7 @@ def chat_request(
         and settings.tool_parser is not None
         and "json_schema" not in grammar,
         "tools": tools or [],
+        "tool_parser": answer_format(settings.tool_parser, forced),  # the format calls are in
         "stream": bool(body.get("stream")),
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
@@ -298,11 +304,12 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
             "reasoning_content": thought or None,
         }
         if options["parse_tools"]:
-            parser = ToolCallParser(options["tools"])
+            parser = ToolCallParser(options["tools"], options.get("tool_parser"))
             if parser.has_tool_call(text):
-                content, calls = parser.parse(text)
+                # the content is the format's text around the calls, also when none parses (an
+                # incomplete call dropped: _process_tool_calls' "no complete call parsed")
+                message["content"], calls = parser.parse(text)
                 if calls:
-                    message["content"] = content
                     message["tool_calls"] = [_tool_call(c, i) for i, c in enumerate(calls)]
                     if reason and reason["type"] == "stop":
                         reason = {"type": "tool_calls", "matched": None}
@@ -407,7 +414,9 @@ class ChatChunks(StreamLayout):
                     logprobs = None
             pieces: list[dict[str, Any]] = []
             if options["parse_tools"]:
-                parser = tools.get(index) or StreamingToolCalls(ToolCallParser(options["tools"]))
+                parser = tools.get(index) or StreamingToolCalls(
+                    ToolCallParser(options["tools"], options.get("tool_parser"))
+                )
                 tools[index] = parser
                 delta, pieces = parser.feed(delta)
                 if reason is not None:
@@ -454,9 +463,9 @@ def _tool_choice(
     tools: list[dict[str, Any]],
     grammar: dict[str, str],
     parser: str | None,
-) -> tuple[str, list[dict[str, Any]], str | None]:
+) -> tuple[str, list[dict[str, Any]], dict[str, str] | None]:
     """``(tool_choice as "auto", "none" or "required", the tools the template and the answer
-    may use, the structural tag that forces tool calls or None)``, checked as SGLang checks
+    may use, the sampling params that force tool calls or None)``, checked as SGLang checks
     them (``OpenAIServingChat._validate_request``, ``to_sampling_params``). ``required``: one
     call or more to any tool; a named function: calls to that one only (SGLang's template sees
     only it too)."""
@@ -496,7 +505,16 @@ def _tool_choice(
         raise OpenAIError(
             "parallel_tool_calls: Input should be a valid boolean", "parallel_tool_calls"
         )
-    return "required", tools, json.dumps(call_tag(tools, parser))
+    try:
+        forced = forced_calls(
+            tools,
+            parser,
+            named=isinstance(choice, dict),
+            parallel=body.get("parallel_tool_calls", True),
+        )
+    except ValueError as exc:  # tools whose $defs disagree
+        raise OpenAIError(str(exc), "tools") from None
+    return "required", tools, forced
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:

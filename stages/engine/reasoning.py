@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stages.engine.partial_json import partial_tail
+
 __all__ = [
     "PARSERS",
     "EffortError",
@@ -177,7 +179,7 @@ class ThinkParser:
         held = [fmt.end] if fmt.tool_start is None else [fmt.end, fmt.tool_start]
         if not self._stripped_start:
             held.append(fmt.start)
-        keep = max(_partial_tail(text, tag) for tag in held)
+        keep = max(partial_tail(text, tag) for tag in held)
         self._buffer = text[len(text) - keep :]
         return text[: len(text) - keep], ""
 
@@ -193,14 +195,6 @@ class ThinkParser:
             content, self._reasoning_sent = self._reasoning_sent + left, ""
             return "", content
         return left, ""
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for i in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-i:]):
-            return i
-    return 0
 
 
 # -- whether a request reasons ---------------------------------------------------------------

@@ -4,7 +4,8 @@ Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--stream-interval 1] [--seed 0]
 [--weight-version 0] [--reasoning-parser qwen3|deepseek-r1|...]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
-[--tool-call-parser qwen25|hermes] [--log-file PATH] [--api-key KEY] [--insecure]``
+[--tool-call-parser qwen25|hermes|llama3|mistral|pythonic] [--log-file PATH] [--api-key KEY]
+[--insecure]``
 
 With an API key (``INFLIGHT_ENGINE_API_KEY`` in its environment, which is how the generator's
 launcher hands it over; or ``--api-key``, which ``ps`` shows) it answers as SGLang does with
@@ -749,8 +750,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tool-call-parser",
         choices=list(TOOL_CALL_PARSERS),
-        help="read tool calls in answers to /v1/chat/completions with tools (SGLang's flag; "
-        "default: the chat template's own format when it has <tool_call>)",
+        help="read tool calls in answers to /v1/chat/completions with tools in this format "
+        "(SGLang's flag and names: qwen25/qwen/hermes <tool_call>, llama3 JSON after "
+        "<|python_tag|>, mistral [TOOL_CALLS], pythonic [f(a=1)]; default: the chat template's "
+        "own format when it has <tool_call>)",
     )
     parser.add_argument(
         "--reasoning-parser",

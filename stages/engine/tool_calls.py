@@ -1,4 +1,7 @@
-"""Tool calls in generated text: the Qwen 2.5 / Hermes format, whole or as it streams.
+"""Tool calls in generated text, whole or as it streams, in the format SGLang's
+``--tool-call-parser`` names: ``qwen25`` (also ``qwen``), ``hermes``, here; ``llama3``,
+``mistral`` (``stages.engine.tool_formats``) and ``pythonic`` (``stages.engine.pythonic_calls``);
+and how a forced ``tool_choice`` constrains an answer to calls in that format (``forced_calls``).
 
 What SGLang's ``Qwen25Detector`` (``--tool-call-parser qwen25``; ``hermes`` is the same format)
 reads: each call is a JSON object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>``
@@ -7,11 +10,18 @@ the first call is the message's content (stripped); a call naming a tool the req
 offer, or whose JSON does not parse, is dropped and logged, as there. Each call becomes
 ``{"name", "arguments"}`` with the arguments as a JSON string (``ensure_ascii=False``).
 
-Streamed (``StreamingToolCalls``): text is passed on as it comes until a ``<tool_call>`` begins
-(a tail that could be the start of one is held back, so only whitespace before a call may
-have gone out before it began); a call goes out as SGLang sends it: its name first, as soon as
-it is whole, then its arguments in pieces as they are generated (the JSON of what parses so
-far), the rest once its ``</tool_call>`` arrives.
+Streamed (``StreamingToolCalls``; this format's): text is passed on as it comes until a
+``<tool_call>`` begins (a tail that could be the start of one is held back, so only whitespace
+before a call may have gone out before it began); a call goes out as SGLang sends it: its name
+first, as soon as it is whole, then its arguments in pieces as they are generated (the JSON of
+what parses so far), the rest once its ``</tool_call>`` arrives.
+
+Forced (``tool_choice`` ``required`` or a named function), as SGLang's
+``FunctionCallParser.get_structure_constraint``: a format with a structure (all but
+``pythonic``) gets the structural tag of its calls (``call_tag``) and its answer is read in that
+format; ``pythonic`` has none, so the answer is constrained by JSON schema to
+``[{"name", "parameters"}, ...]`` (``utils.get_json_schema_constraint``: one item at most with
+``parallel_tool_calls`` false) and read as that array (``answer_format``: ``json_array``).
 
 This module knows nothing of HTTP or the engine.
 """
@@ -20,24 +30,56 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import structlog
+
+from stages.engine.partial_json import CallPieces, closed_prefix, partial_tail
+from stages.engine.pythonic_calls import PythonicCalls
+from stages.engine.tool_formats import JsonArrayCalls, Llama3Calls, MistralCalls
 
 __all__ = [
     "PARSERS",
     "StreamingToolCalls",
     "ToolCallParser",
+    "answer_format",
     "call_tag",
+    "forced_calls",
     "parser_for_template",
 ]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
 BEGIN, END = "<tool_call>", "</tool_call>"
-# SGLang's --tool-call-parser names this format goes by
-PARSERS = ("qwen25", "qwen", "hermes")
+# the formats of other modules, by the name the engine reads them by
+_FORMATS = {
+    "llama3": Llama3Calls,
+    "mistral": MistralCalls,
+    "pythonic": PythonicCalls,
+    "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
+}
+# SGLang's --tool-call-parser names the engine reads
+PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic")
+# each format's call as SGLang's detectors frame it (structure_info): (begin before the name,
+# end, trigger); a format not here has no structural tag
+_FRAMES = {
+    "qwen25": ('<tool_call>\n{"name":', "}\n</tool_call>", BEGIN),
+    "qwen": ('<tool_call>\n{"name":', "}\n</tool_call>", BEGIN),
+    "hermes": ('<tool_call>{"name":', "}</tool_call>", BEGIN),
+    "llama3": ('<|python_tag|>{"name":', "}", "<|python_tag|>"),
+    "mistral": ('[TOOL_CALLS] [{"name":', "}]", "[TOOL_CALLS]"),
+}
+
+
+class CallStream(Protocol):
+    """A sample's text deltas in, content to send now and pieces of tool calls out."""
+
+    calls: int  # calls named so far
+
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]: ...
+
+    def flush(self) -> str: ...
 
 
 def parser_for_template(template: str | None) -> str | None:
@@ -51,38 +93,97 @@ def call_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
     (``FunctionCallParser.get_legacy_structural_tag(at_least_one=True)``): a structure per tool
     framed as the detector of ``parser`` frames a call (``structure_info``:
     ``<tool_call>\\n{"name":"NAME", "arguments":`` ... ``}\\n</tool_call>``, Hermes without
-    the newlines), whose body follows the tool's ``parameters`` when it is ``strict``, else is
-    any JSON."""
-    newline = "" if parser == "hermes" else "\n"
+    the newlines, Llama 3 ``<|python_tag|>{"name":"NAME", "arguments":`` ... ``}``, Mistral
+    ``[TOOL_CALLS] [{"name":"NAME", "arguments":`` ... ``}]``), whose body follows the tool's
+    ``parameters`` when it is ``strict``, else is any JSON."""
+    begin, end, trigger = _FRAMES[parser]
     structures = []
     for tool in tools:
         fn = tool["function"]
         structures.append(
             {
-                "begin": f'{BEGIN}{newline}{{"name":{json.dumps(fn["name"])}, "arguments":',
+                "begin": f'{begin}{json.dumps(fn["name"])}, "arguments":',
                 "schema": (fn.get("parameters") or {}) if fn.get("strict") else {},
-                "end": f"}}{newline}{END}",
+                "end": end,
             }
         )
     return {
         "type": "structural_tag",
         "structures": structures,
-        "triggers": [BEGIN],
+        "triggers": [trigger],
         "at_least_one": True,
     }
 
 
-class ToolCallParser:
-    """Tool calls of one request (``tools``: the request's ``tools``, validated)."""
+def forced_calls(
+    tools: list[dict[str, Any]], parser: str, *, named: bool, parallel: Any
+) -> dict[str, str]:
+    """The ``sampling_params`` that constrain an answer to calls to ``tools`` (``named``: the
+    one tool ``tool_choice`` names; ``parallel``: ``parallel_tool_calls``): the structural tag
+    of ``parser``'s calls, or for a format without one (``pythonic``) SGLang's JSON schema of
+    an array of ``{name, parameters}`` (``get_json_schema_constraint``). ValueError, in
+    SGLang's words, for tools whose ``$defs`` disagree."""
+    if parser in _FRAMES:
+        return {"structural_tag": json.dumps(call_tag(tools, parser))}
+    items = [
+        {
+            "properties": {
+                "name": {"type": "string", "enum": [t["function"]["name"]]},
+                "parameters": t["function"].get("parameters")
+                or {"type": "object", "properties": {}},
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if named else {"type": "object", "anyOf": items},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    if not named:
+        defs: dict[str, Any] = {}
+        for tool in tools:
+            parameters = tool["function"].get("parameters") or {}
+            for name, value in (parameters.get("$defs") or {}).items():
+                if defs.setdefault(name, value) != value:
+                    raise ValueError(
+                        f"Tool definition '{name}' has multiple schemas, which is not supported."
+                    )
+        if defs:
+            schema["$defs"] = defs
+    return {"json_schema": json.dumps(schema)}
 
-    def __init__(self, tools: Iterable[dict[str, Any]]) -> None:
+
+def answer_format(parser: str | None, forced: Mapping[str, str] | None) -> str | None:
+    """The format an answer is read in: ``parser``'s, or where a forced call was constrained
+    by JSON schema, that array (``json_array``)."""
+    return "json_array" if forced and "json_schema" in forced else parser
+
+
+class ToolCallParser:
+    """Tool calls of one request (``tools``: the request's ``tools``, validated) in the format
+    ``parser`` names (one of ``PARSERS``, or ``json_array``; None: Qwen 2.5's)."""
+
+    def __init__(self, tools: Iterable[dict[str, Any]], parser: str | None = None) -> None:
         self.names = {t["function"]["name"] for t in tools}
+        self.format = _FORMATS[parser](self.names) if parser in _FORMATS else None
 
     def has_tool_call(self, text: str) -> bool:
+        if self.format is not None:
+            return self.format.has_tool_call(text)
         return BEGIN in text
+
+    def stream(self) -> CallStream:
+        """A stream of this request's answer."""
+        return self.format.stream() if self.format is not None else _TaggedStream(self)
 
     def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
         """``(content, calls)`` of a whole generated text."""
+        if self.format is not None:
+            return self.format.parse(text)
         at = text.find(BEGIN)
         if at == -1:
             return text, []
@@ -122,9 +223,30 @@ class StreamingToolCalls:
     """Feeds a sample's text deltas; hands back content to send now and pieces of tool calls.
 
     A piece is ``{"index", "name", "arguments"}``: a call's first piece names it (``name``, with
-    ``arguments`` "") as soon as its name is whole; the next ones (``name`` None) add to its
-    arguments, the JSON text ``json.dumps`` gives of them (``ensure_ascii=False``), so the
-    pieces of a call add up to what the non-streamed answer holds. As SGLang's
+    ``arguments`` "", or for ``pythonic`` all of them) as soon as its name is whole; the next
+    ones (``name`` None) add to its arguments, the JSON text ``json.dumps`` gives of them
+    (``ensure_ascii=False``), so the pieces of a call add up to what the non-streamed answer
+    holds (each format's module says where SGLang's stream differs). ``calls``: how many calls
+    were named.
+    """
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self._stream = parser.stream()
+
+    @property
+    def calls(self) -> int:
+        return self._stream.calls
+
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        return self._stream.feed(delta)
+
+    def flush(self) -> str:
+        """At the end: content held back (a call never finished is dropped and logged)."""
+        return self._stream.flush()
+
+
+class _TaggedStream:
+    """The Qwen 2.5 / Hermes stream. As SGLang's
     ``BaseFormatDetector.parse_streaming_increment``: while the arguments are incomplete, what
     goes out is what the JSON of the arguments parsed so far (open strings, objects and lists
     closed) has in common with the last such JSON; the rest goes once ``</tool_call>`` arrives.
@@ -135,11 +257,13 @@ class StreamingToolCalls:
         self.parser = parser
         self.pending = ""  # text not passed on yet (inside a call: the call's text so far)
         self.in_call = False
-        self.calls = 0  # calls begun (named) so far: the next one's index
-        self.named = False  # the current call's name went out
+        self.pieces = CallPieces()
+        self.blocks = 0  # <tool_call> blocks begun: the current one's key
         self.dropped = False  # the current call names no offered tool
-        self.sent = ""  # the current call's arguments sent so far
-        self.last_json: str | None = None  # its arguments' JSON at the last delta
+
+    @property
+    def calls(self) -> int:  # calls begun (named) so far: the next one's index
+        return self.pieces.count
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         self.pending += delta
@@ -148,7 +272,7 @@ class StreamingToolCalls:
             if not self.in_call:
                 at = self.pending.find(BEGIN)
                 if at == -1:
-                    keep = _partial_tail(self.pending, BEGIN)
+                    keep = partial_tail(self.pending, BEGIN)
                     cut = len(self.pending) - keep
                     if not self.calls:  # text after a call is not content (SGLang drops it)
                         content += self.pending[:cut]
@@ -158,8 +282,8 @@ class StreamingToolCalls:
                     content += self.pending[:at].rstrip() if at else ""
                 self.pending = self.pending[at + len(BEGIN) :]
                 self.in_call = True
-                self.named = self.dropped = False
-                self.sent, self.last_json = "", None
+                self.dropped = False
+                self.blocks += 1
             end = self.pending.find(END)
             if end == -1:
                 pieces += self._partial(self.pending)
@@ -173,8 +297,8 @@ class StreamingToolCalls:
         """Pieces of the call being generated (``body``: its text so far)."""
         if self.dropped:
             return []
-        out = []
-        if not self.named:
+        name = ""
+        if not self.pieces.named(self.blocks):
             name = _partial_name(body)
             if name is None:
                 return []
@@ -182,18 +306,7 @@ class StreamingToolCalls:
                 log.warning("tool_call_unknown_function", name=name[:100])
                 self.dropped = True
                 return []
-            out.append({"index": self.calls, "name": name, "arguments": ""})
-            self.named = True
-            self.calls += 1
-        now = _partial_arguments(body)
-        if now is not None:
-            if self.last_json is not None and now != self.last_json:
-                more = _common_prefix(self.last_json, now)[len(self.sent) :]
-                if more:
-                    out.append({"index": self.calls - 1, "name": None, "arguments": more})
-                    self.sent += more
-            self.last_json = now
-        return out
+        return self.pieces.partial(self.blocks, name, _partial_arguments(body))
 
     def _whole(self, body: str) -> list[dict[str, Any]]:
         """The rest of a call whose ``</tool_call>`` arrived (``body``: all its text)."""
@@ -202,18 +315,7 @@ class StreamingToolCalls:
         call = self.parser.call(body)  # logs what it drops
         if call is None:
             return []
-        out = []
-        if not self.named:
-            out.append({"index": self.calls, "name": call["name"], "arguments": ""})
-            self.calls += 1
-        arguments = call["arguments"]
-        if not arguments.startswith(self.sent):  # cannot happen with well-formed pieces
-            log.warning("tool_call_pieces_diverged", sent=self.sent[:200], whole=arguments[:200])
-        elif len(arguments) > len(self.sent):
-            out.append(
-                {"index": self.calls - 1, "name": None, "arguments": arguments[len(self.sent) :]}
-            )
-        return out
+        return self.pieces.whole(self.blocks, call["name"], call["arguments"])
 
     def flush(self) -> str:
         """At the end: text held back that turned out not to start a call (a call never
@@ -248,7 +350,7 @@ def _partial_arguments(body: str) -> str | None:
     match = _ARGUMENTS.search(body, _NAME.match(body).end() if _NAME.match(body) else 0)
     if match is None:
         return None
-    text = _closed_prefix(body[match.end() :])
+    text = closed_prefix(body[match.end() :])
     if text is None:
         return None
     try:
@@ -256,90 +358,3 @@ def _partial_arguments(body: str) -> str | None:
     except json.JSONDecodeError:
         return None
     return json.dumps(value, ensure_ascii=False)
-
-
-def _closed_prefix(raw: str) -> str | None:
-    """The longest prefix of the JSON value that ``raw`` begins with that can be made valid
-    by closing what is open: a value complete so far is kept whole, an unfinished string is
-    cut before an unfinished escape and closed, an unfinished number, literal, key or
-    key without value is left out. None if nothing can be kept yet."""
-    stack: list[str] = []
-    safe: tuple[int, int] | None = None  # (cut, depth): raw[:cut] + closers of that depth
-    expect_key = False
-    i, n = 0, len(raw)
-
-    def closed(cut: int, depth: int, tail: str = "") -> str:
-        return raw[:cut] + tail + "".join("}" if c == "{" else "]" for c in reversed(stack[:depth]))
-
-    while i < n:
-        c = raw[i]
-        if c in " \t\r\n":
-            i += 1
-        elif c == '"':
-            is_key = bool(stack) and stack[-1] == "{" and expect_key
-            j = i + 1
-            while j < n and raw[j] != '"':
-                if raw[j] == "\\":
-                    width = 6 if j + 1 < n and raw[j + 1] == "u" else 2
-                    if j + width > n:
-                        break  # an unfinished escape: the string stops before it
-                    j += width
-                else:
-                    j += 1
-            if j >= n or raw[j] != '"':  # the text ends inside this string
-                if is_key:
-                    break
-                return closed(min(j, n), len(stack), '"')
-            if not stack:
-                return raw[: j + 1]
-            if not is_key:
-                safe = (j + 1, len(stack))
-            i = j + 1
-        elif c in "{[":
-            stack.append(c)
-            expect_key = c == "{"
-            safe = (i + 1, len(stack))
-            i += 1
-        elif c in "}]":
-            if not stack:
-                return None
-            stack.pop()
-            if not stack:
-                return raw[: i + 1]
-            safe = (i + 1, len(stack))
-            expect_key = False
-            i += 1
-        elif c == ",":
-            expect_key = bool(stack) and stack[-1] == "{"
-            i += 1
-        elif c == ":":
-            expect_key = False
-            i += 1
-        else:  # a number or a literal: whole only once something follows it
-            j = i
-            while j < n and raw[j] not in ",}] \t\r\n":
-                j += 1
-            if j == n:
-                break
-            if not stack:
-                return raw[:j]
-            safe = (j, len(stack))
-            i = j
-    return None if safe is None else closed(*safe)
-
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
-
-
-def _partial_tail(text: str, token: str) -> int:
-    """How many characters at the end of ``text`` could begin ``token``."""
-    for n in range(min(len(text), len(token) - 1), 0, -1):
-        if token.startswith(text[-n:]):
-            return n
-    return 0

@@ -259,6 +259,34 @@ def test_an_answer_with_a_tool_call_has_tool_calls_and_finish_reason_tool_calls(
     }  # fmt: skip
 
 
+def test_an_incomplete_call_is_dropped_and_the_text_around_it_is_the_content() -> None:
+    """serving_chat._process_tool_calls: a marker with no complete call ("dropping the
+    incomplete call"): no tool_calls, the detector's normal text as content (Qwen25Detector
+    .detect_and_parse: the text before <tool_call>, stripped), finish_reason as it was."""
+    text = 'I will add. <tool_call>\n{"name": "add", "arguments": {"a"'
+    out = chat_response([_native(text, {"type": "length", "length": 4})], OPTIONS)
+    (choice,) = out["choices"]
+    assert choice["message"] == {
+        "role": "assistant", "content": "I will add.", "reasoning_content": None,
+    }  # fmt: skip
+    assert choice["finish_reason"] == "length"
+
+
+def test_a_request_with_tools_keeps_special_tokens_in_the_text(chat_engine: Engine) -> None:
+    """serving_chat (before applying the template): tools and tool_choice other than none set
+    skip_special_tokens false, so that a format's markers that are special tokens
+    (Llama 3's <|python_tag|>, Mistral's [TOOL_CALLS]) stay in the text to be read."""
+    settings = ChatSettings.of(_tokenizer(chat_engine), chat_engine.model_dir)
+    assert settings is not None
+    settings.template = TEMPLATE
+    body = {"messages": HELLO, "max_tokens": 3}
+    native, _ = chat_request({**body, "tools": TOOLS}, settings, 64)
+    assert native["sampling_params"]["skip_special_tokens"] is False
+    for other in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        native, _ = chat_request({**body, **other}, settings, 64)
+        assert "skip_special_tokens" not in native["sampling_params"]
+
+
 def test_a_streamed_tool_call_is_named_then_its_arguments_then_the_finish() -> None:
     async def run() -> list[dict]:
         async def batches():

@@ -1,0 +1,364 @@
+"""Tool calls in SGLang's ``llama3``, ``mistral`` and ``pythonic`` formats (and the JSON array a
+forced ``pythonic`` call is constrained to), read whole and streamed, against SGLang 0.5.23's
+``function_call/llama32_detector.py``, ``mistral_detector.py``, ``pythonic_detector.py``,
+``json_array_parser.py``, ``function_call_parser.py`` and ``serving_chat.py`` (each test names
+the lines it follows); and through a real engine with ``--tool-call-parser``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import structlog
+
+from stages.engine.openai_chat import ChatSettings, chat_request, chat_response
+from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser
+from tests.stages.test_engine_chat import _calls_of, _native
+from tests.stages.test_engine_grammar import TOOL_TEMPLATE, TOOLS
+from tests.stages.test_engine_server import Engine, _tokenizer, serving
+from tests.stages.tiny_model import BYTE_CHARS, make_byte_model
+
+OFFERED = [{"type": "function", "function": {"name": n}} for n in ("add", "mul")]
+STEPS = [1, 2, 3, 7, 1000]
+
+
+def _stream(parser: str, text: str, step: int) -> tuple[str, list[dict[str, Any]], int]:
+    """(content, pieces, calls named) of ``text`` fed ``step`` characters at a time."""
+    stream = StreamingToolCalls(ToolCallParser(OFFERED, parser))
+    content, pieces = "", []
+    for i in range(0, len(text), step):
+        more, new = stream.feed(text[i : i + step])
+        content += more
+        pieces += new
+    return content + stream.flush(), pieces, stream.calls
+
+
+def _whole(parser: str, text: str) -> tuple[str, list[dict[str, str]]]:
+    return ToolCallParser(OFFERED, parser).parse(text)
+
+
+# ---- llama3 ------------------------------------------------------------------------------------
+
+LLAMA = (
+    'Let me. <|python_tag|>{"name": "add", "arguments": {"a": 1, "b": "x\\"é"}};'
+    '{"name": "mul", "parameters": {"c": [1, {"d": null}], "e": -2.5}} Done.'
+)
+
+
+def test_llama3_reads_json_objects_after_the_python_tag() -> None:
+    """llama32_detector.py detect_and_parse: split at the first <|python_tag|> (the text before
+    it content, as it is), raw_decode each object, skip one separator character, the stripped
+    rest content; parse_base_json: "parameters" or else "arguments"."""
+    parser = ToolCallParser(OFFERED, "llama3")
+    assert parser.has_tool_call(LLAMA) and parser.has_tool_call('{"name": "add"}')
+    assert not parser.has_tool_call(' {"name": "add"}')  # has_tool_call: startswith("{")
+    assert parser.parse(LLAMA) == (
+        "Let me. Done.",
+        [
+            {"name": "add", "arguments": '{"a": 1, "b": "x\\"é"}'},
+            {"name": "mul", "arguments": '{"c": [1, {"d": null}], "e": -2.5}'},
+        ],
+    )
+    # no tag, but the answer begins with an object: all of it is calls
+    assert parser.parse('{"name": "add", "arguments": {}}') == (
+        "",
+        [{"name": "add", "arguments": "{}"}],
+    )
+    # _convert_python_dict_to_json: an object of Python literals
+    assert parser.parse("<|python_tag|>{'name': 'mul', 'arguments': {'a': 'b'}}")[1] == [
+        {"name": "mul", "arguments": '{"a": "b"}'}
+    ]
+
+
+def test_llama3_drops_unknown_tools_and_skips_to_the_next_call(capsys) -> None:
+    """parse_base_json: an unknown function is logged and dropped; detect_and_parse: what does
+    not decode is skipped up to the next '{"name":'; a value that is not an object makes the
+    whole answer unreadable (SGLang's parser raises: the text stays as it is, no calls)."""
+    with structlog.testing.capture_logs() as logs:
+        text = (
+            '<|python_tag|>{"name": "div", "arguments": {}}; oops {"name": "add", "arguments": {}}'
+        )
+        assert _whole("llama3", text) == ("", [{"name": "add", "arguments": "{}"}])
+    assert {"event": "tool_call_unknown_function", "name": "div", "log_level": "warning"} in logs
+    assert _whole("llama3", "<|python_tag|>[1, 2]") == ("<|python_tag|>[1, 2]", [])
+    # an unfinished call is no call: its text is the rest, so content
+    assert _whole("llama3", 'ok<|python_tag|>{"name": "add"') == ('ok{"name": "add"', [])
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_llama3_streams_names_then_argument_pieces(step: int) -> None:
+    """base_format_detector.py parse_streaming_increment: the name once whole (Allow ~STR),
+    then the arguments' JSON in pieces (common prefix of successive parses), the rest when the
+    object is complete; the pieces add up to the whole answer's calls, content likewise."""
+    content, pieces, calls = _stream("llama3", LLAMA, step)
+    whole_content, whole_calls = _whole("llama3", LLAMA)
+    assert _calls_of(pieces) == whole_calls and calls == 2
+    assert content == whole_content
+    if step == 1:
+        assert sum(p["name"] is None and p["index"] == 1 for p in pieces) > 2
+    # an unknown call goes out not at all, not even as content (SGLang's stream would leak it)
+    content, pieces, _ = _stream("llama3", '<|python_tag|>{"name": "div", "arguments": {}}', step)
+    assert (content, pieces) == ("", [])
+    # a tail that could begin the tag waits; at the end it was content
+    content, pieces, _ = _stream("llama3", "a <|python_", step)
+    assert (content, pieces) == ("a <|python_", [])
+
+
+# ---- mistral -----------------------------------------------------------------------------------
+
+MISTRAL = (
+    'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": "[x]"}}, '
+    '{"name": "div", "arguments": {}}, {"name": "mul", "arguments": {"b": [2]}}] Bye.'
+)
+COMPACT = '[TOOL_CALLS]add[ARGS]{"a": 1} [TOOL_CALLS]mul[ARGS]{"b": {"c": "}"}} tail'
+
+
+def test_mistral_reads_the_array_or_compact_calls() -> None:
+    """mistral_detector.py detect_and_parse: the text before [TOOL_CALLS stripped; the first
+    [TOOL_CALLS] [ array (brackets counted outside strings), unknown tools dropped, the text
+    after it joined with a space; or [TOOL_CALLS]name[ARGS]{...} calls, the stripped rest
+    content when a call was read."""
+    assert _whole("mistral", MISTRAL) == (
+        "Sure. Bye.",
+        [
+            {"name": "add", "arguments": '{"a": "[x]"}'},
+            {"name": "mul", "arguments": '{"b": [2]}'},
+        ],
+    )
+    assert _whole("mistral", COMPACT) == (
+        "tail",
+        [
+            {"name": "add", "arguments": '{"a": 1}'},
+            {"name": "mul", "arguments": '{"b": {"c": "}"}}'},
+        ],
+    )
+    # streaming variants without "]" after the markers (_try_parse_compact_args_format)
+    assert _whole("mistral", '[TOOL_CALLSadd[ARGS{"a": 2}')[1] == [
+        {"name": "add", "arguments": '{"a": 2}'}
+    ]
+    # an array that is not JSON: no calls (the warning of detect_and_parse), content around it
+    assert _whole("mistral", "Hi [TOOL_CALLS] [{'name': 'add'}] x") == ("Hi x", [])
+    # an array never closed: no calls, the text before the marker
+    assert _whole("mistral", 'Hi [TOOL_CALLS] [{"name": "add"') == ("Hi", [])
+    assert not ToolCallParser(OFFERED, "mistral").has_tool_call("[TOOL_CALL")
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_mistral_streams_as_the_whole_answer_reads(step: int) -> None:
+    """parse_streaming_increment: array calls as base_format_detector streams them (name, then
+    argument pieces); a compact call once its arguments are whole, as a name and then all its
+    arguments (the two ToolCallItems there); "]" stays in content (SGLang deletes it)."""
+    for text in (MISTRAL, COMPACT, "No calls [1] here. "):
+        content, pieces, _ = _stream("mistral", text, step)
+        whole_content, whole_calls = _whole("mistral", text)
+        assert _calls_of(pieces) == whole_calls
+        assert content == (whole_content if whole_calls else text)
+    _, pieces, _ = _stream("mistral", COMPACT, step)
+    assert [p["arguments"] for p in pieces if p["index"] == 1] == ["", '{"b": {"c": "}"}}']
+
+
+# ---- pythonic ----------------------------------------------------------------------------------
+
+PYTHONIC = 'Calling: [add(a=1, b="x"), sub(c=2), mul(d=[1, {"e": None}], f=True)] now'
+
+
+def test_pythonic_reads_a_list_of_calls_with_ast() -> None:
+    """pythonic_detector.py detect_and_parse: the regex's match parsed with ast, the text
+    around it content; unknown functions and calls with non-literal arguments (a negative
+    number is an operation) dropped one by one; a match that is not a list of calls: none."""
+    with structlog.testing.capture_logs() as logs:
+        assert _whole("pythonic", PYTHONIC) == (
+            "Calling:  now",
+            [
+                {"name": "add", "arguments": '{"a": 1, "b": "x"}'},
+                {"name": "mul", "arguments": '{"d": [1, {"e": null}], "f": true}'},
+            ],
+        )
+        assert _whole("pythonic", "[add(a=-1), mul(b=1e999), mul(c=b'x'), add(d=2)]") == (
+            "",
+            [{"name": "add", "arguments": '{"d": 2}'}],
+        )
+    assert [e["event"] for e in logs].count("tool_call_skipped") == 3
+    parser = ToolCallParser(OFFERED, "pythonic")
+    assert parser.has_tool_call("<|python_start|>[add()]<|python_end|>")
+    assert not parser.has_tool_call("[1, 2]") and not parser.has_tool_call("add(a=1)")
+    assert parser.parse("<|python_start|>[add()]<|python_end|>") == (
+        "",
+        [{"name": "add", "arguments": "{}"}],
+    )
+    # the match reaches the last ")]": two lists are one Python expression, not a list
+    assert parser.parse("[add(a=1)] or [mul(b=2)]") == ("", [])
+    # a dict key that is no literal: the whole list is dropped (SGLang's outer except)
+    assert parser.parse("[add(a={**x}), mul()]") == ("", [])
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_pythonic_streams_each_closed_list_whole(step: int) -> None:
+    """parse_streaming_increment: content up to a "[", held until its brackets close, the
+    bracketed text then read alone; each call one piece with its name and all its arguments
+    (ToolCallItem(name, parameters) there); text that is no call list is content."""
+    content, pieces, calls = _stream("pythonic", PYTHONIC, step)
+    assert content == "Calling:  now" and calls == 2
+    assert [(p["index"], p["name"]) for p in pieces] == [(0, "add"), (1, "mul")]
+    assert [p["arguments"] for p in pieces] == [
+        c["arguments"] for c in _whole("pythonic", PYTHONIC)[1]
+    ]
+    # lists read one by one, numbered on; a "[" never closed is content at the end
+    text = "a [1] [add()] b [mul(x=1)] [open"
+    content, pieces, _ = _stream("pythonic", text, step)
+    assert content == "a [1]  b  [open"
+    assert [(p["index"], p["name"]) for p in pieces] == [(0, "add"), (1, "mul")]
+    content, _, _ = _stream("pythonic", "<|python_start|>[add()]<|python_end|>", step)
+    assert content == ""
+
+
+# ---- a forced call: the JSON array -------------------------------------------------------------
+
+
+def test_forced_calls_take_each_formats_constraint() -> None:
+    """function_call_parser.py get_structure_constraint: a detector with structure_info gets
+    get_legacy_structural_tag(at_least_one=True) (llama32_detector / mistral_detector
+    structure_info); pythonic (supports_structural_tag False) gets utils.get_json_schema_constraint
+    (named: that tool's item; required: anyOf and $defs; maxItems 1 without parallel calls)."""
+    from stages.engine.tool_calls import answer_format, forced_calls
+
+    tools = [t | {"function": t["function"] | {"strict": True}} for t in TOOLS]
+    tag = json.loads(forced_calls(tools, "llama3", named=False, parallel=True)["structural_tag"])
+    assert tag["triggers"] == ["<|python_tag|>"] and tag["at_least_one"] is True
+    assert tag["structures"][1] == {
+        "begin": '<|python_tag|>{"name":"mul", "arguments":',
+        "schema": TOOLS[1]["function"]["parameters"],
+        "end": "}",
+    }
+    tag = json.loads(forced_calls(tools, "mistral", named=True, parallel=True)["structural_tag"])
+    assert tag["triggers"] == ["[TOOL_CALLS]"]
+    assert tag["structures"][0]["begin"] == '[TOOL_CALLS] [{"name":"add", "arguments":'
+    assert tag["structures"][0]["end"] == "}]"
+    forced = forced_calls(TOOLS[1:], "pythonic", named=True, parallel=False)
+    assert json.loads(forced["json_schema"]) == {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "properties": {
+                "name": {"type": "string", "enum": ["mul"]},
+                "parameters": TOOLS[1]["function"]["parameters"],
+            },
+            "required": ["name", "parameters"],
+        },
+        "maxItems": 1,
+    }
+    assert answer_format("pythonic", forced) == "json_array"
+    assert answer_format("llama3", {"structural_tag": "{}"}) == "llama3"
+    schema = json.loads(
+        forced_calls(OFFERED, "pythonic", named=False, parallel=True)["json_schema"]
+    )
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == {
+        "type": "object",
+        "properties": {},
+    }
+    clash = [
+        {"type": "function", "function": {"name": n, "parameters": {"$defs": {"X": {"type": t}}}}}
+        for n, t in (("a", "string"), ("b", "number"))
+    ]
+    with pytest.raises(ValueError, match="Tool definition 'X' has multiple schemas"):
+        forced_calls(clash, "pythonic", named=False, parallel=True)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_forced_pythonic_answer_is_read_as_the_json_array(step: int) -> None:
+    """serving_chat.py _process_tool_calls (is_required, detector not owning the format):
+    orjson.loads of the whole answer, an object taken as a list of one, "parameters" as the
+    arguments, content ""; anything else: no calls, the text as it is. Streamed:
+    _process_tool_call_stream's JsonArrayParser (base_format_detector streaming)."""
+    text = '[\n {"name": "add", "parameters": {"a": 1}},\n {"name": "mul", "parameters": {}}\n]'
+    calls = [{"name": "add", "arguments": '{"a": 1}'}, {"name": "mul", "arguments": "{}"}]
+    assert _whole("json_array", text) == ("", calls)
+    assert _whole("json_array", '{"name": "mul", "parameters": {"b": 2}}')[1] == [
+        {"name": "mul", "arguments": '{"b": 2}'}
+    ]
+    for bad in ('[{"name": "add"', '[{"parameters": {}}]', '"add"', "[NaN]"):
+        assert _whole("json_array", bad) == (bad, [])
+    content, pieces, _ = _stream("json_array", text, step)
+    assert content == "" and _calls_of(pieces) == calls
+
+
+def test_chat_response_reads_each_format_by_the_options_parser() -> None:
+    """chat_response with options["tool_parser"]: finish_reason stop becomes tool_calls
+    (_process_tool_calls), content the detector's normal text."""
+    for parser, text in (("llama3", LLAMA), ("mistral", MISTRAL), ("pythonic", PYTHONIC)):
+        options = {"model": "m", "n": 1, "logprobs": False, "parse_tools": True,
+                   "tools": OFFERED, "tool_parser": parser}  # fmt: skip
+        out = chat_response([_native(text, {"type": "stop", "matched": 1})], options)
+        (choice,) = out["choices"]
+        assert choice["finish_reason"] == "tool_calls", parser
+        message = choice["message"]
+        assert message["content"] == _whole(parser, text)[0]
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["add", "mul"]
+
+
+# ---- through the engine ------------------------------------------------------------------------
+
+CHARS = BYTE_CHARS + " <>_/\n|()=';"
+ASK = {"model": "m", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 400}
+
+
+@pytest.fixture(scope="module", params=["llama3", "pythonic"])
+def format_engine(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Engine]:
+    """A byte-level model (``<|python_tag|>`` a token) served with ``--tool-call-parser``."""
+    root = tmp_path_factory.mktemp(f"tools-{request.param}")
+    model_dir = make_byte_model(root / "model", seed=4, chars=CHARS, words=("<|python_tag|>",))
+    (root / "template.jinja").write_text(TOOL_TEMPLATE)
+    with serving(
+        model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja"),
+        "--tool-call-parser", request.param,
+    ) as eng:  # fmt: skip
+        eng.parser = request.param  # type: ignore[attr-defined]
+        yield eng
+
+
+@pytest.mark.timeout(180)
+def test_a_forced_tool_choice_answers_with_calls_in_the_engines_format(
+    format_engine: Engine,
+) -> None:
+    """tool_choice required or named through the openai client: llama3 constrained by its
+    structural tag (llama32_detector structure_info), pythonic by SGLang's JSON schema
+    (get_json_schema_constraint) and read as that array (_process_tool_calls); the streamed
+    pieces add up to the non-streamed calls. (A named pythonic call is left out: SGLang's
+    schema for it has no "type": "object", so a random model may write any array.)"""
+    parser = format_engine.parser  # type: ignore[attr-defined]
+    client = openai.OpenAI(base_url=format_engine.url + "/v1", api_key="unused", max_retries=0)
+    choices: list[tuple[Any, set[str]]] = [("required", {"add", "mul"})]
+    if parser == "llama3":
+        choices.append(({"type": "function", "function": {"name": "mul"}}, {"mul"}))
+    for (choice, names), seed in itertools.product(choices, (2, 3)):  # seeds whose answer ends
+        out = client.chat.completions.create(**ASK, tools=TOOLS, tool_choice=choice, seed=seed)
+        for c in out.choices:
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+            for call in c.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                assert call.function.name in names and set(arguments) == {"a", "b"}
+    settings = ChatSettings.of(
+        _tokenizer(format_engine), format_engine.model_dir,
+        chat_template=TOOL_TEMPLATE, tool_call_parser=parser,
+    )  # fmt: skip
+    native = chat_request(
+        {"messages": ASK["messages"], "tools": TOOLS, "tool_choice": "required"}, settings, 512
+    )[0]["sampling_params"]
+    assert set(native) & {"structural_tag", "json_schema"} == (
+        {"structural_tag"} if parser == "llama3" else {"json_schema"}
+    )
+    ask = {**ASK, "tools": TOOLS, "tool_choice": "required", "seed": 7}
+    pieces: dict[int, dict[str, str]] = {}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            call = pieces.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
+    assert whole and [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in whole
+    ] == [pieces[i] for i in sorted(pieces)]
