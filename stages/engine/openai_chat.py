@@ -419,8 +419,9 @@ class ChatChunks(StreamLayout):
                 )
                 tools[index] = parser
                 delta, pieces = parser.feed(delta)
-                if reason is not None:
+                if reason is not None:  # what it held back; the rest of a call cut short
                     delta += parser.flush()
+                    pieces += parser.unsent()
             if delta or (logprobs is not None and not separate):
                 out.append(chunk(rid, index, {"content": delta}, logprobs=logprobs))
                 logprobs = None

@@ -173,6 +173,19 @@ class CallPieces:
             self._calls[key][1] = arguments
         return out
 
+    def unsent(self) -> list[dict[str, Any]]:
+        """At the end: the rest of the last call's arguments as last parsed, when it was cut
+        short (SGLang's ``_check_for_unstreamed_tool_args``: the JSON of its partial arguments,
+        open strings, objects and lists closed, less what went out)."""
+        if not self._calls:
+            return []
+        call = max(self._calls.values(), key=lambda c: c[0])
+        index, sent, last = call
+        if last is None or not last.startswith(sent) or len(last) == len(sent):
+            return []
+        call[1] = last
+        return [{"index": index, "name": None, "arguments": last[len(sent) :]}]
+
     def _name(self, key: Any, name: str) -> list[dict[str, Any]]:
         if key in self._calls:
             return []

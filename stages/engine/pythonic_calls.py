@@ -170,3 +170,6 @@ class _PythonicStream:
     def flush(self) -> str:
         rest, self.held = _untokened(self.held), ""
         return rest
+
+    def unsent(self) -> list[dict[str, Any]]:
+        return []  # a call goes out whole, in one piece

@@ -81,6 +81,8 @@ class CallStream(Protocol):
 
     def flush(self) -> str: ...
 
+    def unsent(self) -> list[dict[str, Any]]: ...
+
 
 def parser_for_template(template: str | None) -> str | None:
     """The parser a chat template's own tool-call format needs (None: none known)."""
@@ -244,6 +246,11 @@ class StreamingToolCalls:
         """At the end: content held back (a call never finished is dropped and logged)."""
         return self._stream.flush()
 
+    def unsent(self) -> list[dict[str, Any]]:
+        """At the end, after ``flush``: the piece that closes the arguments of a call cut
+        short, as SGLang sends it (``partial_json.CallPieces.unsent``)."""
+        return self._stream.unsent()
+
 
 class _TaggedStream:
     """The Qwen 2.5 / Hermes stream. As SGLang's
@@ -326,6 +333,9 @@ class _TaggedStream:
             return ""
         rest, self.pending = self.pending, ""
         return rest if not self.calls else ""
+
+    def unsent(self) -> list[dict[str, Any]]:
+        return self.pieces.unsent()
 
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')

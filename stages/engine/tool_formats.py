@@ -36,8 +36,8 @@ gives what the whole answer gives, which is what SGLang streams when the deltas 
 Differences that remain: a Llama answer that begins with ``{`` is read as calls from its start
 even if a ``<|python_tag|>`` comes later (SGLang's stream does so; its whole-answer reading
 would make the text before the tag content); a call already named stays named even if its
-object turns out not to be JSON; a call unfinished at the end is not completed (SGLang's
-``_check_for_unstreamed_tool_args`` sends the rest of its partial arguments' JSON).
+object turns out not to be JSON. A call unfinished at the end gets the rest of its partial
+arguments' JSON (``unsent``), as SGLang's ``_check_for_unstreamed_tool_args`` sends it.
 
 This module knows nothing of HTTP or the engine.
 """
@@ -341,6 +341,9 @@ class _Llama3Stream:
         actions = self.text[self.actions :]
         return actions[self.safe :].strip()
 
+    def unsent(self) -> Pieces:
+        return self.objects.pieces.unsent()
+
 
 # ---- mistral -----------------------------------------------------------------------------------
 
@@ -556,6 +559,9 @@ class _MistralStream:
             return self.after.more(self.text, self.compact, self.before.any)
         return ""
 
+    def unsent(self) -> Pieces:
+        return self.objects.pieces.unsent()
+
 
 # ---- the JSON array of a forced call -----------------------------------------------------------
 
@@ -625,3 +631,6 @@ class _JsonArrayStream:
         if self.objects.open is not None:
             log.warning("tool_call_incomplete", text=self.text[-200:])
         return ""
+
+    def unsent(self) -> Pieces:
+        return self.objects.pieces.unsent()

@@ -287,6 +287,29 @@ def test_a_request_with_tools_keeps_special_tokens_in_the_text(chat_engine: Engi
         assert "skip_special_tokens" not in native["sampling_params"]
 
 
+def test_a_streamed_call_cut_short_gets_the_rest_of_its_arguments_at_the_end() -> None:
+    """serving_chat._check_for_unstreamed_tool_args: when the answer ends inside a call, the
+    rest of its partial arguments' JSON goes out (open strings and objects closed), before the
+    finish; the non-streamed answer drops the incomplete call (_process_tool_calls)."""
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "xy'
+
+    async def run() -> list[dict]:
+        async def batches():
+            yield [_native(cut[:-1], None)]
+            yield [_native(cut, {"type": "length", "length": 9})]
+
+        return [c async for batch in chat_stream(batches(), OPTIONS) for c in batch]
+
+    chunks = asyncio.run(run())
+    calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks[1:-1]]
+    assert calls[0]["function"] == {"name": "add", "arguments": ""}
+    arguments = "".join(c["function"]["arguments"] for c in calls)
+    assert json.loads(arguments) == {"a": 1, "b": "xy"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole = chat_response([_native(cut, {"type": "length", "length": 9})], OPTIONS)
+    assert "tool_calls" not in whole["choices"][0]["message"]
+
+
 def test_a_streamed_tool_call_is_named_then_its_arguments_then_the_finish() -> None:
     async def run() -> list[dict]:
         async def batches():

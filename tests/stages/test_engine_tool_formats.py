@@ -362,3 +362,32 @@ def test_a_forced_tool_choice_answers_with_calls_in_the_engines_format(
     assert whole and [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole
     ] == [pieces[i] for i in sorted(pieces)]
+
+
+@pytest.mark.parametrize(
+    ("parser", "cut", "arguments"),
+    [
+        ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": "x', {"a": "x"}),
+        (
+            "mistral",
+            '[TOOL_CALLS] [{"name": "mul", "arguments": {"b": [true, "q',
+            {"b": [True, "q"]},
+        ),
+        ("pythonic", '[add(a="x', None),
+    ],
+)
+def test_a_call_cut_short_is_closed_by_its_last_piece(parser: str, cut: str, arguments) -> None:
+    """serving_chat._check_for_unstreamed_tool_args: at the end, the rest of the last call's
+    partial arguments (their JSON, what is open closed); pythonic sends a call whole or not at
+    all, so nothing is left."""
+    stream = StreamingToolCalls(ToolCallParser(OFFERED, parser))
+    pieces = []
+    for ch in cut:
+        pieces += stream.feed(ch)[1]
+    stream.flush()
+    pieces += stream.unsent()
+    if arguments is None:
+        assert pieces == []
+        return
+    assert json.loads("".join(p["arguments"] for p in pieces)) == arguments
+    assert stream.unsent() == []  # once
