@@ -96,6 +96,9 @@ class GrammarSet:
         self._ll: Any = None  # llguidance's tokenizer, or why there is none
         self._llexecutor: Any = None  # computes the masks of a step together
         self._worker: ThreadPoolExecutor | None = None  # compile_later's thread
+        # the tokens that end a reasoning (--reasoning-parser's end tag): a sample that
+        # require_reasoning has its grammar from the token after them (none: from the start)
+        self.think_end: tuple[int, ...] = ()
 
     def start(self, field: str, text: str) -> Constraint:
         """A fresh constraint of the grammar ``text`` given as ``field`` (one of

@@ -38,7 +38,8 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
 - with ``--reasoning-parser``, the answer's reasoning (``stages.engine.reasoning``) comes as
   ``reasoning_content`` (deltas of it when streamed, each step's log-probs with its first
   chunk), its tool calls read in the text after it; ``separate_reasoning: false`` leaves the
-  text whole; ``usage.reasoning_tokens`` counts a thinking request's reasoning tokens.
+  text whole; ``usage.reasoning_tokens`` counts a thinking request's reasoning tokens, and
+  its grammar applies once its reasoning ends (``require_reasoning``).
   ``reasoning_effort`` and ``reasoning`` set the template's ``thinking`` / ``enable_thinking``
   (``reasoning.normalize_effort``) with or without a parser.
 
@@ -238,6 +239,9 @@ def chat_request(
     }
     if body.get("rid") is not None:
         native_body["rid"] = body["rid"]
+    reasoning = _reasoning(body, settings, request_kwargs, effort)
+    if reasoning is not None and reasoning.counted:  # a thinking request: any grammar waits
+        native_body["require_reasoning"] = True  # for the end of its reasoning (as SGLang's)
     adapter_in_model = name_adapter(native_body, model, body.get("lora_path"))
     if body.get("stream"):
         native_body["stream"] = True
@@ -259,7 +263,7 @@ def chat_request(
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
         "prompt_tokens": len(prompt),
-        "reasoning": _reasoning(body, settings, request_kwargs, effort),
+        "reasoning": reasoning,
     }
     return native_body, options
 

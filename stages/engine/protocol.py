@@ -143,6 +143,9 @@ class GenerateInput:
     # tokens whose log-probs are reported at every step (``token_ids_logprob``; with
     # return_logprob only), in the order asked
     token_ids_logprob: tuple[int, ...] | None = None
+    # its grammar applies once its reasoning ends (SGLang's require_reasoning; the engine's
+    # --reasoning-parser says how it ends)
+    require_reasoning: bool = False
 
 
 @dataclass(slots=True)
@@ -209,6 +212,7 @@ _KNOWN_TOP = frozenset(
         "token_ids_logprob",
         "stream",  # answered by stages.engine.streaming
         "lora_path",  # a loaded adapter's name (stages.engine.lora_adapters)
+        "require_reasoning",  # the grammar waits for the end of the reasoning
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -235,7 +239,7 @@ def parse_generate(
                 raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
             continue
         raise RequestError(key, "unknown field of /generate")
-    for flag in ("return_text_in_logprobs", "stream"):
+    for flag in ("return_text_in_logprobs", "stream", "require_reasoning"):
         if not isinstance(body.get(flag, False), bool | None):
             raise RequestError(flag, f"expected true or false, got {body[flag]!r}")
 
@@ -309,8 +313,9 @@ def parse_generate(
             if rid in seen:
                 raise RequestError(f"rid{where}", f"duplicate request id {rid!r} in the batch")
             seen.add(rid)
+            think = bool(body.get("require_reasoning"))
             inputs.append(
-                GenerateInput(rid, ids, sp, flag, group_rid, top, start, loras[i], picked)
+                GenerateInput(rid, ids, sp, flag, group_rid, top, start, loras[i], picked, think)
             )
     return inputs, listed
 

@@ -231,6 +231,7 @@ class _Seq:
         "started",
         "tail",
         "tail_text",
+        "thinking",
         "top",
     )
 
@@ -238,6 +239,9 @@ class _Seq:
         self.inp = inp
         self.adapter: Adapter | None = None  # its LoRA adapter, set when queued (inp.lora)
         self.constraint: Constraint | None = None  # its grammar's state, set when submitted
+        # while its grammar waits for the end of its reasoning: how many of the end's tokens
+        # its last tokens match (None: the grammar applies)
+        self.thinking: int | None = None
         # its last sampled tokens, decoded after each step to look for its stop strings and
         # patterns, and their text after the last step
         watch = inp.params.stop or inp.params.stop_regex
@@ -664,6 +668,8 @@ class Scheduler:
                 seq.constraint = self._grammars.start(field, text)
             except GrammarError as exc:
                 raise RequestError(f"sampling_params.{field}", str(exc)) from None
+            if seq.inp.require_reasoning and self._grammars.think_end:
+                seq.thinking = 0  # SGLang's ReasonerGrammarObject: after the reasoning
         return seqs
 
     def _post(self, command: Callable[[], None]) -> None:
@@ -1184,7 +1190,7 @@ class Scheduler:
         """Before sampling rows ``lo..hi``: what each constrained row's grammar does not allow
         next gets ``-inf`` (stages.engine.grammar). A row whose grammar allows nothing is
         marked to be aborted once this step's tokens are in."""
-        seqs = [s for s in self._constrained if lo <= s.slot < hi]
+        seqs = [s for s in self._constrained if lo <= s.slot < hi and s.thinking is None]
         if not seqs:
             return
         assert self._grammars is not None
@@ -1207,6 +1213,12 @@ class Scheduler:
             if new is None:
                 new = tokens.tolist()
             token = new[seq.slot - lo]
+            if seq.thinking is not None:  # reasoning: free until its end's tokens are drawn
+                end = self._grammars.think_end  # type: ignore[union-attr]
+                seq.thinking = _matched(end, seq.thinking, token)
+                if seq.thinking == len(end):
+                    seq.thinking = None
+                continue
             if constraint.stuck:
                 error: str | None = "the grammar allows no token of this model's vocabulary here"
             else:
@@ -1358,6 +1370,21 @@ class Scheduler:
         oldest = min((s.first for s in self._running), default=self._kv.end)
         keep = max(0, bisect.bisect_right(self._vkeys, oldest) - 1)
         del self._vkeys[:keep], self._vvals[:keep]
+
+
+def _matched(end: tuple[int, ...], matched: int, token: int) -> int:
+    """How many of ``end``'s tokens the last tokens match, after ``token`` (``matched``
+    before it): the longest start of ``end`` they finish with (SGLang's
+    ``TokenSequenceMatcher.advance``)."""
+    while True:
+        if token == end[matched]:
+            return matched + 1
+        if matched == 0:
+            return 0
+        # the longest shorter start of end that its first `matched` tokens also end with
+        matched = next(
+            k for k in range(matched - 1, -1, -1) if end[:k] == end[matched - k : matched]
+        )
 
 
 def _passes(news: list[int]) -> list[list[int]]:

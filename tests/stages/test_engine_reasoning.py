@@ -116,6 +116,23 @@ def test_reasoning_tokens_are_counted_to_the_end_tag_as_sglang_scheduler_does() 
     assert [count.update(ids) for ids in ([1, 8], [1, 8, 9, 2], [1, 8, 9, 2, 8, 9])] == [2, 3, 3]
 
 
+def test_a_multi_token_end_is_matched_across_false_starts() -> None:
+    """The scheduler's match of the end of a reasoning (TokenSequenceMatcher.advance): the
+    longest start of the end sequence the last tokens finish with."""
+    from stages.engine.scheduler import _matched
+
+    def run(end: tuple[int, ...], tokens: list[int]) -> list[int]:
+        out, m = [], 0
+        for t in tokens:
+            m = _matched(end, m, t)
+            out.append(m)
+        return out
+
+    assert run((5, 5, 6), [5, 5, 5, 6]) == [1, 2, 2, 3]
+    assert run((1, 2, 1, 3), [1, 2, 1, 2, 1, 3]) == [1, 2, 3, 2, 3, 4]
+    assert run((9,), [1, 9]) == [0, 1]
+
+
 # -- whether a request reasons ---------------------------------------------------------------------
 
 QWEN3_TOGGLE = (
@@ -217,49 +234,63 @@ def _tokens(engine: Engine, text: str) -> int:
     return len(AutoTokenizer.from_pretrained(engine.model_dir).encode(text))
 
 
+def _end_id(engine: Engine) -> int:
+    return AutoTokenizer.from_pretrained(engine.model_dir).convert_tokens_to_ids("</think>")
+
+
+OFF = {"reasoning_effort": "none"}  # the template's enable_thinking false: no reasoning asked
+
+
 @pytest.mark.timeout(60)
-def test_the_reasoning_comes_as_reasoning_content_and_is_counted_in_usage(
-    engine: Engine, client
-) -> None:
-    out = client.chat.completions.create(
-        model="m", messages=HELLO, max_tokens=30, temperature=0,
-        extra_body={"regex": "<think>ab</think>cd"},
-    )  # fmt: skip
+def test_a_thinking_request_gets_its_grammar_after_its_reasoning(engine: Engine, client) -> None:
+    """require_reasoning (serving_chat: a thinking request's; ReasonerGrammarObject): the
+    grammar applies from the token after </think>, so the answer may reason first: with
+    </think> favoured, it ends its reasoning at once, then writes what the regex allows. The
+    reasoning tokens are counted up to and with </think> (Req.update_reasoning_tokens)."""
+    end = _end_id(engine)
+    ask = dict(model="m", messages=HELLO, max_tokens=30, temperature=0, logit_bias={str(end): 100})
+    out = client.chat.completions.create(**ask, extra_body={"regex": "cd"})
     message = out.choices[0].message
-    assert message.model_extra["reasoning_content"] == "ab" and message.content == "cd"
-    thought = _tokens(engine, "<think>ab</think>")  # thinking on (the template's default)
-    assert out.usage.model_extra["reasoning_tokens"] == thought
-    assert out.usage.completion_tokens_details.reasoning_tokens == thought
+    assert message.content == "cd" and message.model_extra["reasoning_content"] is None
+    assert out.usage.model_extra["reasoning_tokens"] == 1
+    assert out.usage.completion_tokens_details.reasoning_tokens == 1
     # separate_reasoning false: the text whole, the reasoning still counted
     whole = client.chat.completions.create(
-        model="m", messages=HELLO, max_tokens=30, temperature=0,
-        extra_body={"regex": "<think>ab</think>cd", "separate_reasoning": False},
-    )  # fmt: skip
-    assert whole.choices[0].message.content == "<think>ab</think>cd"
-    assert whole.choices[0].message.model_extra["reasoning_content"] is None
-    assert whole.usage.model_extra["reasoning_tokens"] == thought
+        **ask, extra_body={"regex": "cd", "separate_reasoning": False}
+    )
+    assert whole.choices[0].message.content == "</think>cd"
+    assert whole.usage.model_extra["reasoning_tokens"] == 1
+    # natively: require_reasoning defers the grammar; without it, the grammar is there at once
+    prompt = {
+        "input_ids": [29, 30, 9, 7],
+        "sampling_params": {
+            "temperature": 0,
+            "max_new_tokens": 10,
+            "regex": "cd",
+            "logit_bias": {str(end): 100},
+        },
+    }
+    deferred = engine.generate({**prompt, "require_reasoning": True})
+    assert deferred["output_ids"][0] == end and deferred["text"].endswith("cd")
+    assert engine.generate(prompt)["text"] == "cd"
 
 
 @pytest.mark.timeout(60)
-def test_thinking_off_by_reasoning_effort_none_leaves_an_unopened_answer_as_content(
-    engine: Engine, client
-) -> None:
-    # normalize_reasoning_inputs: "none" sets enable_thinking false; the template sees it (its
-    # prompt has the "-"), Qwen3Detector is not forced, nothing is counted
-    out = client.chat.completions.create(
-        model="m", messages=HELLO, max_tokens=30, temperature=0, reasoning_effort="none",
-        extra_body={"regex": "ab</think>cd"},
-    )  # fmt: skip
+def test_the_reasoning_comes_as_reasoning_content(engine: Engine, client) -> None:
+    """Not thinking (reasoning_effort none: the template's switch off, nothing counted), the
+    grammar applies at once; Qwen3Detector reads an answer that opens <think> all the same,
+    and leaves one that does not as content."""
+    ask = dict(model="m", messages=HELLO, max_tokens=30, temperature=0, reasoning_effort="none")
+    out = client.chat.completions.create(**ask, extra_body={"regex": "<think>ab</think>cd"})
     message = out.choices[0].message
-    assert message.content == "ab</think>cd" and message.model_extra["reasoning_content"] is None
+    assert message.model_extra["reasoning_content"] == "ab" and message.content == "cd"
     assert out.usage.model_extra["reasoning_tokens"] == 0
     assert out.usage.completion_tokens_details is None
-    forced = client.chat.completions.create(
-        model="m", messages=HELLO, max_tokens=30, temperature=0,
-        extra_body={"regex": "ab</think>cd"},
-    )  # fmt: skip
-    assert forced.choices[0].message.model_extra["reasoning_content"] == "ab"
-    assert forced.usage.prompt_tokens + 1 == out.usage.prompt_tokens  # the template's "-"
+    plain = client.chat.completions.create(**ask, extra_body={"regex": "ab</think>cd"})
+    assert plain.choices[0].message.content == "ab</think>cd"
+    assert plain.choices[0].message.model_extra["reasoning_content"] is None
+    thinking = client.chat.completions.create(model="m", messages=HELLO, max_tokens=1)
+    assert thinking.usage.prompt_tokens + 1 == out.usage.prompt_tokens  # the template's "-"
 
 
 @pytest.mark.timeout(60)
@@ -268,7 +299,7 @@ def test_a_streamed_answer_sends_reasoning_deltas_then_content_deltas(
 ) -> None:
     stream = client.chat.completions.create(
         model="m", messages=HELLO, max_tokens=30, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, reasoning_effort="none",
         extra_body={"regex": "<think>abc</think>de", "logprobs": True},
     )  # fmt: skip
     chunks = list(stream)
@@ -293,7 +324,15 @@ def test_a_streamed_answer_sends_reasoning_deltas_then_content_deltas(
         for e in c.choices[0].logprobs.content
     ]
     assert len(entries) == chunks[-1].usage.completion_tokens
-    assert chunks[-1].usage.model_extra["reasoning_tokens"] == _tokens(engine, "<think>abc</think>")
+    # thinking: the reasoning tokens in the usage chunk
+    end = _end_id(engine)
+    counted = list(client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True}, logit_bias={str(end): 100},
+        extra_body={"regex": "de"},
+    ))  # fmt: skip
+    assert counted[-1].usage.model_extra["reasoning_tokens"] == 1
+    assert "".join(c.choices[0].delta.content or "" for c in counted if c.choices) == "de"
 
 
 @pytest.mark.timeout(60)
@@ -308,6 +347,9 @@ def test_reasoning_fields_sglang_refuses_are_refused_with_its_status(engine: Eng
         reply = requests.post(url, json={"messages": HELLO, "max_tokens": 2, **body}, timeout=30)
         assert reply.status_code == 400, (body, reply.text)
         assert field in reply.text
+    native = {"input_ids": [29, 30], "require_reasoning": "yes"}
+    reply = requests.post(engine.url + "/generate", json=native, timeout=30)
+    assert reply.status_code == 400 and "require_reasoning" in reply.text
     info = requests.get(engine.url + "/model_info", timeout=30).json()
     assert info["reasoning_parser"] == "qwen3" and info["tool_call_parser"] is None
 
