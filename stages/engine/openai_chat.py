@@ -24,8 +24,9 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   ``tool_choice`` ``required`` or a named function constrains the answer to tool calls in that
   format, one or more and nothing else (``tool_calls.forced_calls``: the structural tag SGLang
   sends for that format, ``parallel_tool_calls`` not constraining it, as there; for
-  ``pythonic``, which has none, SGLang's JSON schema of a ``[{name, parameters}]`` array, then
-  read as such); a named function's calls only, and only it in the template;
+  ``pythonic``, which has none, or a model without a tool-call format, SGLang's JSON schema of
+  a ``[{name, parameters}]`` array, then read as such); a named function's calls only, and
+  only it in the template;
 - the answer: ``{id, object: "chat.completion", created, model, choices: [{index, message:
   {role: "assistant", content ("" when empty), reasoning_content, tool_calls?},
   logprobs, finish_reason, matched_stop}], usage, metadata: {weight_version}}``;
@@ -254,8 +255,9 @@ def chat_request(
         "n": n if _is_int(n) and n > 0 else 1,
         "logprobs": bool(body.get("logprobs")),
         # a JSON answer is data, not tool calls (SGLang: _response_parser_json_response_format)
+        # (without a tool-call format, a forced call is SGLang's JSON array, read as such)
         "parse_tools": bool(template_tools)
-        and settings.tool_parser is not None
+        and (settings.tool_parser is not None or forced is not None)
         and "json_schema" not in grammar,
         "tools": tools or [],
         "tool_parser": answer_format(settings.tool_parser, forced),  # the format calls are in
@@ -498,12 +500,6 @@ def _tool_choice(
             "tool_choice 'required' or a named tool cannot be combined with response_format, "
             "regex, or ebnf: the tool-call constraint and the output constraint cannot both be "
             "honored.",
-            "tool_choice",
-        )
-    if parser is None:
-        raise OpenAIError(
-            "tool_choice: forcing a tool call needs the model's tool-call format (a chat "
-            "template that writes <tool_call>, or the engine's --tool-call-parser)",
             "tool_choice",
         )
     if not isinstance(body.get("parallel_tool_calls", True), bool | None):

@@ -118,12 +118,13 @@ def call_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
 
 
 def forced_calls(
-    tools: list[dict[str, Any]], parser: str, *, named: bool, parallel: Any
+    tools: list[dict[str, Any]], parser: str | None, *, named: bool, parallel: Any
 ) -> dict[str, str]:
     """The ``sampling_params`` that constrain an answer to calls to ``tools`` (``named``: the
     one tool ``tool_choice`` names; ``parallel``: ``parallel_tool_calls``): the structural tag
-    of ``parser``'s calls, or for a format without one (``pythonic``) SGLang's JSON schema of
-    an array of ``{name, parameters}`` (``get_json_schema_constraint``). ValueError, in
+    of ``parser``'s calls, or for a format without one (``pythonic``, or no tool-call format
+    at all) SGLang's JSON schema of an array of ``{name, parameters}``
+    (``get_json_schema_constraint``). ValueError, in
     SGLang's words, for tools whose ``$defs`` disagree."""
     if parser in _FRAMES:
         return {"structural_tag": json.dumps(call_tag(tools, parser))}

@@ -8,6 +8,7 @@ own and through a real engine and the ``openai`` client."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -383,3 +384,36 @@ def test_the_reasoning_is_split_before_tool_calls_are_read(model_dir: Path) -> N
         ChatSettings.of(tokenizer, model_dir, chat_template=TEMPLATE, reasoning_parser="kimi")
     with pytest.raises(OpenAIError, match="separate_reasoning"):
         chat_request({**body, "separate_reasoning": 1}, settings, context_length=512)
+
+
+@pytest.mark.timeout(120)
+def test_a_forced_call_without_a_tool_call_format_is_a_json_array_after_the_reasoning(
+    engine: Engine, client
+) -> None:
+    """No --tool-call-parser and a template without a call format: tool_choice required is
+    SGLang's JSON schema of a [{name, parameters}] array (get_json_schema_constraint), read
+    with its JsonArrayParser (not thinking here: a favoured </think> would be favoured inside
+    the JSON's strings too)."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}},
+                    "required": ["a"],
+                },
+            },
+        }
+    ]
+    newline = AutoTokenizer.from_pretrained(engine.model_dir).encode("\n")[0]  # JSON needs none
+    out = client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=200, temperature=0, tools=tools,
+        tool_choice="required", reasoning_effort="none", logit_bias={str(newline): -100},
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add" and isinstance(json.loads(call.function.arguments)["a"], int)
+    assert choice.message.content == "" and choice.message.model_extra["reasoning_content"] is None
