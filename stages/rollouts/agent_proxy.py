@@ -123,7 +123,9 @@ class Episode:
         self.budget_spent = False
         self._last: _Last | None = None
         if chat is not None:
-            chat = _RecordingChat(chat.tokenizer, chat.template, chat.defaults, chat.tool_parser)
+            chat = _RecordingChat(
+                chat.tokenizer, chat.template, chat.defaults, chat.tool_parser, chat.reasoning
+            )
             chat.rendered = {}
         self.chat = chat
         self.routes = OpenAIRoutes(

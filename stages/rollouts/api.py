@@ -164,6 +164,22 @@ class RolloutConfig:
             "code included, over HTTP); 0: async agents on the event loop (faster)",
         },
     )
+    reasoning_parser: str = field(
+        default="",
+        metadata={
+            "doc": "openai_agent: answers to chat calls carry their reasoning as "
+            "reasoning_content, not in content (the engine's --reasoning-parser names: qwen3, "
+            "deepseek-r1, ...); '': the text as it is"
+        },
+    )
+    tool_call_parser: str = field(
+        default="",
+        metadata={
+            "doc": "openai_agent: the format tool calls are read in (the engine's "
+            "--tool-call-parser names: qwen25, hermes, llama3, mistral, pythonic); '': the "
+            "chat template's own"
+        },
+    )
 
     def __post_init__(self) -> None:
         # unknown names are config errors, found before the run (resolving imports the
@@ -184,8 +200,11 @@ class RolloutConfig:
             from stages.rollouts.openai_agent import resolve_agent
 
             resolve_agent(self.agent, in_loop=self.agent_workers == 0)
+            self._check_parsers()
         elif self.agent:
             raise ValueError("`agent` is for rollout 'openai_agent'")
+        elif self.reasoning_parser or self.tool_call_parser:
+            raise ValueError("`reasoning_parser` and `tool_call_parser` are for 'openai_agent'")
         if self.use == "tools" and not self.tools:
             raise ValueError("rollout 'tools' needs `tools` (at least one tool function)")
         for name in self.tools:
@@ -195,6 +214,15 @@ class RolloutConfig:
             from stages.rollouts.environments import resolve_environment
 
             resolve_environment(self.environment)
+
+    def _check_parsers(self) -> None:
+        from stages.engine.reasoning import PARSERS as REASONING
+        from stages.engine.tool_calls import PARSERS as TOOL_CALLS
+
+        for key, names in (("reasoning_parser", REASONING), ("tool_call_parser", TOOL_CALLS)):
+            value = getattr(self, key)
+            if value and value not in names:
+                raise ValueError(f"{key} {value!r}: one of {', '.join(names)}")
 
     @property
     def single_turn(self) -> bool:

@@ -120,7 +120,7 @@ async def openai_agent(
     tokenizer = ctx.tokenizer
     if tokenizer is None:
         raise RuntimeError("openai_agent needs a tokenizer: set rollout.tokenizer")
-    chat, context_length = _served(tokenizer)
+    chat, context_length = _served(tokenizer, config.reasoning_parser, config.tool_call_parser)
     episode = Episode(
         engine,
         tokenizer,
@@ -199,21 +199,30 @@ def _failed(ctx: RolloutContext, kind: str, message: str, cause: Any = None) -> 
     raise AgentFailed(kind, message) from cause
 
 
-_SERVED: dict[int, tuple[Any, Any, int]] = {}
+_SERVED: dict[tuple[int, str, str], tuple[Any, Any, int]] = {}
 
 
-def _served(tokenizer: Any) -> tuple[Any, int]:
-    """The chat settings and context length of the model ``tokenizer`` is of (read once)."""
-    known = _SERVED.get(id(tokenizer))
+def _served(
+    tokenizer: Any, reasoning_parser: str = "", tool_call_parser: str = ""
+) -> tuple[Any, int]:
+    """The chat settings (with the rollout's parsers) and context length of the model
+    ``tokenizer`` is of (read once)."""
+    key = (id(tokenizer), reasoning_parser, tool_call_parser)
+    known = _SERVED.get(key)
     if known is None or known[0] is not tokenizer:
         from pathlib import Path
 
         from stages.engine.openai_chat import ChatSettings
 
         folder = Path(str(getattr(tokenizer, "name_or_path", "") or "."))
-        known = _SERVED[id(tokenizer)] = (
+        known = _SERVED[key] = (
             tokenizer,
-            ChatSettings.of(tokenizer, folder),
+            ChatSettings.of(
+                tokenizer,
+                folder,
+                tool_call_parser=tool_call_parser or None,
+                reasoning_parser=reasoning_parser or None,
+            ),
             context_length_of(tokenizer),
         )
     return known[1], known[2]

@@ -89,6 +89,17 @@ async def tool_agent(client, task):
     return float(second.choices[0].message.content.strip() == task["answer"])
 
 
+async def thinking_agent(client, task):
+    """Reads the answer in ``content`` and the reasoning apart (rollout.reasoning_parser)."""
+    out = await client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": task["prompt"]}]
+    )
+    message = out.choices[0].message
+    assert message.model_extra["reasoning_content"] == "2 and 3 make 5"
+    assert out.usage.model_extra["reasoning_tokens"] > 0
+    return float(message.content.strip() == task["answer"])
+
+
 async def one_call(client, task):
     out = await client.completions.create(  # an adapter named: the episode samples the policy
         model="whatever:an-adapter", prompt=task["prompt_ids"], max_tokens=50, temperature=0.1
@@ -294,6 +305,18 @@ async def test_a_call_past_the_budget_ends_the_trajectory_there(tokenizer) -> No
     assert _sampled(trajectory) == engine.outputs[0].tolist()  # the second did not extend it
 
 
+@pytest.mark.timeout(60)
+async def test_a_reasoning_agent_reads_the_answer_without_the_reasoning(tokenizer) -> None:
+    """rollout.reasoning_parser: the proxy answers as an engine with --reasoning-parser does;
+    what is trained is still every token the engine sampled, the reasoning's included."""
+    engine, _, episode = _episode(
+        tokenizer, "thinking_agent", ["<think>2 and 3 make 5</think>5"], reasoning_parser="qwen3"
+    )
+    trajectory = await episode
+    assert trajectory.reward == 1.0
+    assert _sampled(trajectory) == engine.outputs[0].tolist()
+
+
 def test_agent_config_errors() -> None:
     with pytest.raises(ValueError, match="needs `agent`"):
         RolloutConfig(use="openai_agent")
@@ -301,6 +324,12 @@ def test_agent_config_errors() -> None:
         RolloutConfig(use="openai_agent", agent=f"{HERE}:not_async")
     with pytest.raises(ValueError, match="is for rollout 'openai_agent'"):
         RolloutConfig(agent=f"{HERE}:one_call")
+    with pytest.raises(ValueError, match="reasoning_parser 'kimi': one of deepseek-r1"):
+        RolloutConfig(use="openai_agent", agent=f"{HERE}:one_call", reasoning_parser="kimi")
+    with pytest.raises(ValueError, match="tool_call_parser 'x': one of qwen25"):
+        RolloutConfig(use="openai_agent", agent=f"{HERE}:one_call", tool_call_parser="x")
+    with pytest.raises(ValueError, match="are for 'openai_agent'"):
+        RolloutConfig(reasoning_parser="qwen3")
 
 
 @pytest.mark.timeout(90)
