@@ -68,6 +68,8 @@ class _Scheduler:
     def adapter_names(self) -> tuple[str, ...]:
         return ()
 
+    think_end: tuple[int, ...] = ()  # no --reasoning-parser
+
     def abort_many(self, rids: Any, message: str = "") -> None:
         pass
 

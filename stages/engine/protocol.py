@@ -172,6 +172,8 @@ class SequenceResult:
     # each prompt position from logprob_start_len on (None for the first)
     output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # its tokens up to and with the end of its reasoning (require_reasoning; else 0)
+    reasoning_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -452,6 +454,7 @@ def render_result(
         "id": result.rid,
         "finish_reason": result.finish_reason,
         "prompt_tokens": result.prompt_tokens,
+        "reasoning_tokens": result.reasoning_tokens,
         "completion_tokens": len(result.output_ids),
         "cached_tokens": result.cached_tokens,
         # not SGLang's: the version whose weights computed the cached prefix (null: none)

@@ -65,6 +65,7 @@ from stages.engine.model_weights import load_named_tensors
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
 from stages.engine.prompt_logprobs import prompt_logprobs, scoring_passes
 from stages.engine.protocol import GenerateInput, RequestError, SequenceResult
+from stages.engine.reasoning import reasoning_tokens
 from stages.engine.sampling import SlotSampler
 from stages.hf import DynamicCache
 
@@ -483,6 +484,11 @@ class Scheduler:
 
     def set_weight_version(self, version: str | int) -> Future[None]:
         return self._call(lambda: self._set_version(str(version)))
+
+    @property
+    def think_end(self) -> tuple[int, ...]:
+        """The tokens that end a reasoning (``--reasoning-parser``'s end tag; none without)."""
+        return self._grammars.think_end if self._grammars is not None else ()
 
     def adapter_names(self) -> frozenset[str]:
         """The names of the LoRA adapters loaded (a request's ``lora_path`` names one)."""
@@ -1341,6 +1347,10 @@ class Scheduler:
                 input_top_logprobs=seq.input_tops,
                 output_token_ids_logprobs=None if seq.picked is None else seq.picked[: len(ids)],
                 input_token_ids_logprobs=seq.input_picked,
+                # as SGLang's scheduler counts them (Req.update_reasoning_tokens)
+                reasoning_tokens=reasoning_tokens(ids, self.think_end)
+                if seq.inp.require_reasoning
+                else 0,
             ),
         )
 

@@ -43,6 +43,7 @@ from stages.engine.protocol import (
     step_entries,
     token_texts,
 )
+from stages.engine.reasoning import ReasoningCount
 
 __all__ = ["Last", "Progress", "stream_generate", "write_events"]  # Last: chunk_stream's
 
@@ -69,6 +70,7 @@ class Progress:
         "picked",
         "picked_entries",
         "prompt_tokens",
+        "reasoning",
         "return_logprob",
         "rid",
         "text",
@@ -90,8 +92,10 @@ class Progress:
         return_logprob: bool = False,
         token_text: Callable[[int], str] | None = None,
         detok: IncrementalText | None = None,
+        reasoning: ReasoningCount | None = None,
     ) -> None:
         self.rid = rid
+        self.reasoning = reasoning  # counts its reasoning tokens (require_reasoning)
         self.listed = listed  # its chunks carry ``index`` (a batch or n > 1)
         self.return_logprob = return_logprob
         self.detok = detok  # its text, decoded as SGLang's detokenizer does (None: no tokenizer)
@@ -152,6 +156,8 @@ class Progress:
         meta = out["meta_info"]
         if self.detok is not None:
             out["text"] = self.text
+        if self.reasoning is not None:
+            meta["reasoning_tokens"] = self.reasoning.update(self.ids)
         meta["completion_tokens"] = len(self.ids)
         meta["cached_tokens"] = self.cached
         meta["weight_version"] = self.version
@@ -166,6 +172,7 @@ class Progress:
             "id": self.rid,
             "finish_reason": None,
             "prompt_tokens": self.prompt_tokens,
+            "reasoning_tokens": 0 if self.reasoning is None else self.reasoning.update(self.ids),
             "completion_tokens": len(self.ids),
             "cached_tokens": self.cached,
             "weight_version": self.version,
@@ -253,6 +260,7 @@ def stream_generate(
         adapters=scheduler.adapter_names(),
     )
     token_text = token_texts(decode, body)
+    think_end = scheduler.think_end
     moving = [
         Progress(
             inp.rid,
@@ -266,6 +274,7 @@ def stream_generate(
             detok=None
             if decode is None
             else IncrementalText(inp.input_ids, decode, inp.params.skip_special_tokens),
+            reasoning=ReasoningCount(think_end) if inp.require_reasoning and think_end else None,
         )
         for index, inp in enumerate(inputs)
     ]

@@ -273,7 +273,17 @@ def test_a_thinking_request_gets_its_grammar_after_its_reasoning(engine: Engine,
     }
     deferred = engine.generate({**prompt, "require_reasoning": True})
     assert deferred["output_ids"][0] == end and deferred["text"].endswith("cd")
-    assert engine.generate(prompt)["text"] == "cd"
+    assert deferred["meta_info"]["reasoning_tokens"] == 1  # SGLang 0.5.23's meta_info has it
+    plain = engine.generate(prompt)
+    assert plain["text"] == "cd" and plain["meta_info"]["reasoning_tokens"] == 0
+    # streamed: each chunk's count so far
+    body = {**prompt, "require_reasoning": True, "stream": True}
+    reply = requests.post(engine.url + "/generate", json=body, stream=True, timeout=30)
+    events = [
+        json.loads(line[6:]) for line in reply.iter_lines() if line[6:] not in (b"", b"[DONE]")
+    ]
+    assert {e["meta_info"]["reasoning_tokens"] for e in events} == {1}
+    assert events[-1]["meta_info"]["finish_reason"] is not None
 
 
 @pytest.mark.timeout(60)
