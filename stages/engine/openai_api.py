@@ -285,7 +285,7 @@ class StreamLayout:
         self.logprobs_sent: dict[int, int] = {}
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
-        self.reasoning_tokens: dict[int, int] = {}  # with --reasoning-parser (chat)
+        self.reasoning_tokens: dict[int, int] = {}  # a require_reasoning request's (chat)
         self.last_id = ""
 
     def end(self) -> list[dict[str, Any]]:
@@ -473,15 +473,14 @@ def _echoed_logprobs(
     return meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []
 
 
-def results_usage(
-    results: list[Mapping[str, Any]], n: int, reasoning_tokens: int = 0
-) -> dict[str, Any]:
+def results_usage(results: list[Mapping[str, Any]], n: int) -> dict[str, Any]:
     """``usage`` of whole answers, prompt-major with ``n`` samples a prompt
-    (``UsageProcessor.calculate_response_usage``: each prompt counted once); ``reasoning_tokens``:
-    theirs, all together (``--reasoning-parser``)."""
+    (``UsageProcessor.calculate_response_usage``: each prompt counted once; the reasoning
+    tokens of ``meta_info``, a ``require_reasoning`` request's)."""
     prompts = sum(results[i]["meta_info"]["prompt_tokens"] for i in range(0, len(results), n))
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-    return _usage(prompts, completion, reasoning_tokens)
+    reasoning = sum(r["meta_info"].get("reasoning_tokens", 0) for r in results)
+    return _usage(prompts, completion, reasoning)
 
 
 def usage_chunk(

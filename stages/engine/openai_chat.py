@@ -294,16 +294,14 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
     """SGLang's ``ChatCompletionResponse`` for the native results of ``chat_request``."""
     n = options["n"]
     choices = []
-    reasoning, reasoning_tokens = options.get("reasoning"), 0
+    reasoning = options.get("reasoning")
     for index, item in enumerate(results):
         meta = item["meta_info"]
         text = item.get("text", "")
         reason = dict(meta["finish_reason"]) if meta.get("finish_reason") else None
         thought = None
-        if reasoning is not None:
-            reasoning_tokens += reasoning.count().update(item["output_ids"])
-            if reasoning.separate:  # the tool calls are read in what follows the reasoning
-                thought, text = reasoning.parser().parse(text)
+        if reasoning is not None and reasoning.separate:  # tool calls: read in what follows
+            thought, text = reasoning.parser().parse(text)
         message: dict[str, Any] = {
             "role": "assistant",
             "content": text,
@@ -336,7 +334,7 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
         "created": int(time.time()),
         "model": options["model"],
         "choices": choices,
-        "usage": results_usage(results, n, reasoning_tokens),
+        "usage": results_usage(results, n),
         "metadata": {"weight_version": first["weight_version"]},
     }
 
@@ -363,7 +361,6 @@ class ChatChunks(StreamLayout):
         self.tools: dict[int, StreamingToolCalls] = {}
         self.reasoning = options.get("reasoning")  # reasoning.RequestReasoning or None
         self.thinking: dict[int, Any] = {}  # each choice's reasoning.ThinkParser
-        self.counts: dict[int, Any] = {}  # each choice's reasoning.ReasoningCount
 
     def _chunk(self, rid: str, index: int, delta: dict[str, Any], **more: Any) -> dict[str, Any]:
         out = {
@@ -398,6 +395,7 @@ class ChatChunks(StreamLayout):
             rid = self.last_id = meta["id"]
             self.prompt_tokens[index] = meta.get("prompt_tokens", 0)
             self.completion_tokens[index] = meta.get("completion_tokens", 0)
+            self.reasoning_tokens[index] = meta.get("reasoning_tokens", 0)
             if index not in offsets:  # its first chunk: the role
                 out.append(chunk(rid, index, {"role": "assistant", "content": ""}))
             text = content.get("text", "")
@@ -413,7 +411,7 @@ class ChatChunks(StreamLayout):
             reason = meta.get("finish_reason")
             separate = False  # the reasoning is split out of the content
             if self.reasoning is not None:
-                thought, delta = self._think(index, content, delta, reason)
+                thought, delta = self._think(index, delta, reason)
                 separate = self.reasoning.separate
                 if thought:  # the step's log-probs go with its first chunk
                     out.append(chunk(rid, index, {"reasoning_content": thought}, logprobs=logprobs))
@@ -444,14 +442,9 @@ class ChatChunks(StreamLayout):
                 )
         return out
 
-    def _think(
-        self, index: int, content: Mapping[str, Any], delta: str, reason: Any
-    ) -> tuple[str, str]:
-        """``(reasoning, content)`` of a choice's new text (``_process_reasoning_stream``),
-        its reasoning tokens counted."""
+    def _think(self, index: int, delta: str, reason: Any) -> tuple[str, str]:
+        """``(reasoning, content)`` of a choice's new text (``_process_reasoning_stream``)."""
         reasoning = self.reasoning
-        count = self.counts.get(index) or self.counts.setdefault(index, reasoning.count())
-        self.reasoning_tokens[index] = count.update(content["output_ids"])
         if not reasoning.separate:
             return "", delta
         parser = self.thinking.get(index) or self.thinking.setdefault(index, reasoning.parser())

@@ -506,8 +506,9 @@ class ReasoningSettings:
 @dataclass(frozen=True)
 class RequestReasoning:
     """One chat request's reasoning: ``separate`` (``separate_reasoning``: split it out of the
-    content), ``stream`` (``stream_reasoning``), ``counted``: its reasoning tokens are counted
-    (SGLang's ``require_reasoning``)."""
+    content), ``stream`` (``stream_reasoning``), ``counted``: it reasons (SGLang's
+    ``require_reasoning``: its grammar waits for the end of its reasoning, whose tokens the
+    engine counts in ``meta_info.reasoning_tokens``)."""
 
     settings: ReasoningSettings
     separate: bool
@@ -525,7 +526,3 @@ class RequestReasoning:
             previous=self.previous,
             nonempty=self.nonempty,
         )
-
-    def count(self) -> ReasoningCount:
-        """A counter of one answer's reasoning tokens (none where they are not counted)."""
-        return ReasoningCount(self.settings.end_ids if self.counted else ())

@@ -55,6 +55,7 @@ from stages.engine.protocol import (
     render_result,
     token_texts,
 )
+from stages.engine.reasoning import reasoning_tokens
 from stages.engine.streaming import Last
 from stages.rollouts.api import RequestRefused, RolloutEngine
 from stages.rollouts.trajectory import Trajectory
@@ -187,6 +188,7 @@ class Episode:
             output_token_weight_versions=[str(v) for v in generation.versions.tolist()],
             output_token_logprobs=generation.logprobs.tolist(),
             cached_tokens=generation.cached_tokens,
+            reasoning_tokens=self._reasoning_tokens(inp, ids),
         )
         rendered = render_result(
             result,
@@ -207,6 +209,13 @@ class Episode:
             answer = rendered.get("text", "")
             self._last = _Last(messages, tools, options, text, ids, answer, full)
         return rendered
+
+    def _reasoning_tokens(self, inp: Any, ids: list[int]) -> int:
+        """What an engine with the rollout's ``reasoning_parser`` reports in ``meta_info``."""
+        reasoning = self.chat.reasoning if self.chat is not None else None
+        if reasoning is None or not inp.require_reasoning:
+            return 0
+        return reasoning_tokens(ids, reasoning.end_ids)
 
     async def stream(self, body: Any) -> AsyncIterator[list[dict[str, Any]]]:
         """A streamed call: the whole answer as its one (last) chunk, once sampled."""

@@ -382,7 +382,9 @@ def test_the_reasoning_is_split_before_tool_calls_are_read(model_dir: Path) -> N
     result = {
         "text": text, "output_ids": ids,
         "meta_info": {"id": "r1", "finish_reason": {"type": "stop", "matched": 1},
-                      "prompt_tokens": 3, "completion_tokens": len(ids), "weight_version": "0"},
+                      "prompt_tokens": 3, "completion_tokens": len(ids), "weight_version": "0",
+                      # what the engine's scheduler reports for a thinking request
+                      "reasoning_tokens": reasoning_tokens(ids, settings.reasoning.end_ids)},
     }  # fmt: skip
     answer = chat_response([result], options)
     message = answer["choices"][0]["message"]
