@@ -10,8 +10,9 @@ engine serves), starts two engine processes that answer SGLang's ``/init_weights
 and ``/update_weights_from_distributed`` with a ``WeightReceiver`` (the routes as in
 ``tests/stages/test_weights_publisher.py``), connects one ``WeightPublisher`` and times, per run:
 
-- ``publish``: ``WeightPublisher.publish`` of all weights (pack, announce each bucket over HTTP,
-  broadcast, unpack, every engine answers);
+- ``publish``: ``WeightPublisher.publish`` of all weights (open each engine's update session,
+  pack, announce each bucket over HTTP, broadcast, unpack, every engine answers, close the
+  sessions);
 - ``raw``: the same bucket sizes, packed beforehand, broadcast in the same group after one HTTP
   request that tells the engines to receive that many bytes (``/bench_raw_receive``).
 
@@ -117,7 +118,7 @@ def qwen2_style(dtype: torch.dtype, *, seed: int = 0) -> list[tuple[str, torch.T
 
 
 async def _engine(conn: Any) -> None:
-    """One engine process: SGLang's two weight routes plus the raw-broadcast baseline route."""
+    """One engine process: SGLang's weight routes plus the raw-broadcast baseline route."""
     receiver = WeightReceiver()
 
     def answer(ok: bool, message: str) -> web.Response:
@@ -171,6 +172,11 @@ async def _engine(conn: Any) -> None:
             web.post("/init_weights_update_group", init_group),
             web.post("/update_weights_from_distributed", update),
             web.post("/update_weight_version", lambda _: answer(True, "version set")),
+            # the update session (SGLang 0.5.23), and /server_info naming the built-in engine,
+            # which the publisher does not pause: what it frames each update with there
+            web.post("/begin_weight_update", lambda _: answer(True, "Success")),
+            web.post("/end_weight_update", lambda _: answer(True, "Success")),
+            web.get("/server_info", lambda _: web.json_response({"engine": "inflight-builtin"})),
             web.post("/bench_raw_receive", raw_receive),
         ]
     )

@@ -51,6 +51,7 @@ __all__ = [
     "completion_request",
     "completion_response",
     "completion_stream",
+    "read_json",
     "refusal",
     "response_format",
 ]
@@ -644,15 +645,10 @@ class OpenAIRoutes:
 
     async def _serve(self, request: web.Request, route: str) -> web.StreamResponse:
         """One HTTP request of a ``/v1`` route: its ``reply``, as JSON or as events."""
-        media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
-        if media != "application/json":  # SGLang's validate_json_request
-            return error_response(
-                "Unsupported Media Type: Only 'application/json' is allowed", param="content-type"
-            )
         try:
-            body = _json_loads(await request.read())
-        except (UnicodeDecodeError, ValueError) as exc:
-            return error_response(f"the request body is not JSON: {exc}")
+            body = await read_json(request)
+        except OpenAIError as exc:
+            return web.json_response(refusal(exc), status=400)
         reply = await self.reply(route, body)
         if reply.chunks is None:
             return web.Response(
@@ -667,6 +663,20 @@ class OpenAIRoutes:
             )
         except ValueError as exc:  # raised before the first event: still an error status
             return web.json_response(refusal(exc), status=400)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The JSON body of a request to an OpenAI route; OpenAIError (a 400) when it is not
+    ``application/json`` (SGLang's ``validate_json_request``) or not JSON."""
+    media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise OpenAIError(
+            "Unsupported Media Type: Only 'application/json' is allowed", "content-type"
+        )
+    try:
+        return _json_loads(await request.read())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise OpenAIError(f"the request body is not JSON: {exc}") from None
 
 
 @dataclass

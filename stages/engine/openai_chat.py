@@ -146,7 +146,18 @@ class ChatSettings:
             else ReasoningSettings.of(reasoning_parser, template, tokenizer),
         )
 
-    def render(self, messages: list[dict[str, Any]], tools: Any, kwargs: dict) -> list[int]:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Any,
+        kwargs: dict,
+        *,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The prompt ids of ``messages`` (``kwargs``: the template's, ``add_generation_prompt``
+        true unless they say otherwise). ``add_special_tokens``: the rendered text encoded with
+        the tokenizer's special tokens (a BOS...), as ``/v1/tokenize`` may ask; a chat request's
+        never are, the template writing its own (SGLang, as ``apply_chat_template``)."""
         template = self.template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise OpenAIError(
@@ -160,11 +171,13 @@ class ChatSettings:
                 tools=tools,
                 chat_template=self.template,
                 add_generation_prompt=kwargs.pop("add_generation_prompt", True),
-                tokenize=True,
+                tokenize=not add_special_tokens,
                 **kwargs,
             )
         except Exception as exc:  # the template's own error (jinja raise_exception, ...)
             raise OpenAIError(f"the chat template refused the messages: {exc}", "messages") from exc
+        if add_special_tokens:  # ids is the rendered text
+            return list(self.tokenizer.encode(ids, add_special_tokens=True))
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

@@ -522,6 +522,12 @@ class Scheduler:
         of tokens dropped."""
         return self._call(self._flush_prefixes)
 
+    def parameter_rows(self, name: str, rows: int) -> Future[torch.Tensor | None]:
+        """Parameter ``name``'s first ``rows`` rows (a Python slice: a negative count leaves
+        that many out), copied to the CPU in float32 at a step boundary, so that no weight
+        update is half written in it; None when the model has no parameter of that name."""
+        return self._call(lambda: self._parameter_rows(name, rows))
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
@@ -817,6 +823,13 @@ class Scheduler:
                 if dropped:
                     log.debug("prefix_cache_aged_out", tokens=dropped, weight_version=version)
         log.debug("weight_version_set", weight_version=version)
+
+    def _parameter_rows(self, name: str, rows: int) -> torch.Tensor | None:
+        # remove_duplicate=False: a tied lm_head.weight is found as embed_tokens.weight
+        found = dict(self.model.named_parameters(remove_duplicate=False)).get(name)
+        if found is None or found.dim() == 0:
+            return None
+        return found.detach()[:rows].to("cpu", torch.float32, copy=True)
 
     def _flush_prefixes(self) -> int:
         dropped = self._prefix.flush() if self._prefix is not None else 0

@@ -15,8 +15,10 @@ refuses to start without a key unless ``--insecure`` is given.
 
 Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST /init_weights_update_group``,
-``POST /update_weights_from_distributed``, ``POST /destroy_weights_update_group``,
-``POST /update_weight_version``, ``GET|POST /flush_cache``, ``GET /health``, ``GET /model_info``
+``POST /update_weights_from_distributed`` (inside ``POST /begin_weight_update`` ... ``POST
+/end_weight_update``, as SGLang 0.5.23 wants it), ``POST /destroy_weights_update_group``,
+``POST /update_weights_from_disk``, ``GET|POST /get_weights_by_name``, ``POST
+/update_weight_version``, ``GET|POST /flush_cache``, ``GET /health``, ``GET /model_info``
 (also ``/get_model_info``), ``GET /get_server_info``, ``GET /get_weight_version``; ``stream:
 true`` answers server-sent events (``stages.engine.streaming``); the OpenAI-compatible ``/v1``
 routes are ``stages.engine.openai_api``'s. A malformed request gets HTTP 400 with ``{"error":
@@ -44,7 +46,6 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,6 @@ import torch
 from aiohttp import web
 
 from pipeline import heap
-from pipeline.processes import name_thread
 from stages.detokenize import decoder
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.grammar import GrammarSet
@@ -72,6 +72,12 @@ from stages.engine.protocol import (
     token_texts,
 )
 from stages.engine.reasoning import PARSERS as REASONING_PARSERS
+from stages.engine.request_body import (
+    bad_request,
+    base_request,
+    json_body,
+    json_response,
+)
 from stages.engine.scheduler import (
     PAUSE_MODES,
     PREFIX_CACHE_MAX_AGE,
@@ -79,7 +85,9 @@ from stages.engine.scheduler import (
     Scheduler,
 )
 from stages.engine.streaming import stream_generate, write_events
+from stages.engine.tokenize_routes import TokenizeRoutes
 from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from stages.engine.weight_routes import WeightRoutes
 from transport.credit import sparse
 
 __all__ = [
@@ -117,13 +125,11 @@ def _package_version() -> str:
 
 _VERSION = _package_version()
 
-try:  # orjson parses and writes /generate bodies several times faster; json is the fallback
+try:  # orjson writes /generate answers several times faster; json is the fallback
     import orjson
 
-    _loads: Callable[[bytes], Any] = orjson.loads
     _dumps: Callable[[Any], bytes] = orjson.dumps
 except ImportError:  # pragma: no cover - depends on the environment
-    _loads = json.loads
 
     def _dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
@@ -153,7 +159,7 @@ def build_app(
     app[_SCHEDULER] = scheduler
     app[_ENGINE_ID] = {ENGINE_ID_HEADER: engine_id} if engine_id else {}
     app[_DECODE] = decoder(loaded.tokenizer)
-    weights = WeightRoutes(scheduler)
+    weights = WeightRoutes(scheduler, str(loaded.path))
     app[_WEIGHTS] = weights
     decode = app[_DECODE]
     chat = ChatSettings.of(
@@ -177,6 +183,7 @@ def build_app(
         ),
         adapters=scheduler.adapters,
     ).add_to(app)
+    TokenizeRoutes(loaded, chat).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
@@ -187,6 +194,11 @@ def build_app(
     app.router.add_post("/init_weights_update_group", weights.init_group)
     app.router.add_post("/update_weights_from_distributed", weights.update)
     app.router.add_post("/destroy_weights_update_group", weights.destroy_group)
+    app.router.add_post("/begin_weight_update", weights.begin)
+    app.router.add_post("/end_weight_update", weights.end)
+    app.router.add_post("/update_weights_from_disk", weights.update_from_disk)
+    app.router.add_route("GET", "/get_weights_by_name", weights.weights_by_name)
+    app.router.add_post("/get_weights_by_name", weights.weights_by_name)
     app.router.add_get("/health", _health)
     app.router.add_get("/health_generate", _health_generate)
     app.router.add_get("/ready", _health)
@@ -196,7 +208,7 @@ def build_app(
     app.router.add_get("/server_info", _server_info)
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/get_weight_version", _weight_version)
-    LoraRoutes(scheduler, _json_body).add_to(app)
+    LoraRoutes(scheduler, json_body).add_to(app)
     app.on_cleanup.append(weights.close)
     return app
 
@@ -243,7 +255,7 @@ def _refused(request: web.Request, status: int, message: str) -> None:
 
 async def _generate(request: web.Request) -> web.StreamResponse:
     try:
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, dict) and body.get("stream") is True:
             return await write_events(
                 request,
@@ -257,10 +269,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             request.app[_LOADED], request.app[_SCHEDULER], request.app[_DECODE], body
         )
     except RequestError as exc:
-        return _bad_request(str(exc))
+        return bad_request(str(exc))
     except ValueError as exc:  # a rid already in flight: nothing was queued
-        return _bad_request(str(exc))
-    return _json_response(rendered)
+        return bad_request(str(exc))
+    return json_response(rendered)
 
 
 async def generate(
@@ -313,7 +325,7 @@ def parse_body(loaded: LoadedModel, scheduler: Any, body: Any) -> tuple[list[Gen
 
 async def _abort_request(request: web.Request) -> web.Response:
     try:
-        body = await _json_body(request)
+        body = await json_body(request)
         rid = body.get("rid")
         abort_all = body.get("abort_all", False)
         if rid is not None and not isinstance(rid, str):
@@ -323,30 +335,36 @@ async def _abort_request(request: web.Request) -> web.Response:
         if rid is None and not abort_all:
             raise RequestError("rid", "give a request id or abort_all: true")
     except RequestError as exc:
-        return _bad_request(str(exc))
+        return bad_request(str(exc))
     aborted = await asyncio.wrap_future(request.app[_SCHEDULER].abort(rid, abort_all=abort_all))
     return web.json_response({"success": True, "num_aborted": aborted})
 
 
 async def _pause(request: web.Request) -> web.Response:
     try:
-        body = await _json_body(request, allow_empty=True)
+        body = base_request(await json_body(request, allow_empty=True))
         mode = body.get("mode", "abort")  # SGLang's default
         if mode not in PAUSE_MODES:
             raise RequestError("mode", f"expected one of {list(PAUSE_MODES)}, got {mode!r}")
     except RequestError as exc:
-        return _bad_request(str(exc))
+        return bad_request(str(exc))
     await asyncio.wrap_future(request.app[_SCHEDULER].pause(mode))
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def _continue(request: web.Request) -> web.Response:
+    """SGLang's ``ContinueGenerationReqInput``: ``torch_empty_cache`` (default true: CUDA's
+    cached blocks go back to the driver before decoding resumes; nothing to do on CPU); other
+    fields are ignored, as there."""
     try:
-        body = await _json_body(request, allow_empty=True)  # it takes no fields
-        if body:
-            raise RequestError(sorted(body)[0], "unknown field (this route takes none)")
+        body = base_request(await json_body(request, allow_empty=True))
+        empty_cache = body.get("torch_empty_cache", True)
+        if not isinstance(empty_cache, bool):
+            raise RequestError("torch_empty_cache", f"expected true or false, got {empty_cache!r}")
     except RequestError as exc:
-        return _bad_request(str(exc))
+        return bad_request(str(exc))
+    if empty_cache and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     await asyncio.wrap_future(request.app[_SCHEDULER].resume())
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -354,7 +372,7 @@ async def _continue(request: web.Request) -> web.Response:
 async def _update_weight_version(request: web.Request) -> web.Response:
     scheduler = request.app[_SCHEDULER]
     try:
-        body = await _json_body(request)
+        body = await json_body(request)
         version = body.get("new_version")
         if not isinstance(version, (str, int)) or isinstance(version, bool):
             raise RequestError("new_version", f"expected a string, got {version!r}")
@@ -378,143 +396,6 @@ async def _update_weight_version(request: web.Request) -> web.Response:
 async def _flush_cache(request: web.Request) -> web.Response:
     dropped = await asyncio.wrap_future(request.app[_SCHEDULER].flush_prefix_cache())
     return web.Response(text=f"Cache flushed.\n{dropped} cached prefix tokens dropped.\n")
-
-
-# ---- weights ---------------------------------------------------------------------------------
-
-
-class WeightRoutes:
-    """The weight-group routes: tensors arrive through ``stages.weights.receiver``.
-
-    Receiving runs in a worker thread of its own (named ``engine-weights`` for the operating
-    system, as the scheduler's is ``engine``) so decoding goes on while the bytes arrive; the
-    tensors are then loaded by the scheduler at its next step boundary, and the HTTP answer
-    comes only once they are in the model. Updates are serialized: they must match the publisher's
-    broadcasts one for one.
-    """
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.receivers: dict[str, Any] = {}
-        self.lock = asyncio.Lock()
-        self._thread = ThreadPoolExecutor(1, initializer=name_thread, initargs=("engine-weights",))
-
-    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
-
-    async def init_group(self, request: web.Request) -> web.Response:
-        try:
-            body = await _json_body(request)
-            address = _field(body, "master_address", str)
-            port = _field(body, "master_port", int)
-            rank_offset = _field(body, "rank_offset", int)
-            world_size = _field(body, "world_size", int)
-            group = _field(body, "group_name", str)
-            backend = _field(body, "backend", str)
-            if group in self.receivers:
-                raise RequestError("group_name", f"group {group!r} is already initialized")
-        except RequestError as exc:
-            return _failure(str(exc))
-        from stages.weights.receiver import WeightReceiver  # torch.distributed: only when used
-
-        receiver = WeightReceiver()
-        rank = rank_offset + 0  # this engine is tp_rank 0 of its own (single-rank) model group
-        try:
-            async with self.lock:
-                await self._in_thread(
-                    receiver.init_group, address, port, rank, world_size, group, backend
-                )
-        except Exception as exc:
-            log.exception("weights_group_init_failed", group=group, error=repr(exc))
-            return _failure(f"init_weights_update_group failed: {exc}")
-        self.receivers[group] = receiver
-        log.info(
-            "weights_group_ready",
-            group=group,
-            rank=rank,
-            world_size=world_size,
-            backend=backend,
-            master=f"{address}:{port}",
-        )
-        return web.json_response({"success": True, "message": "Succeeded to initialize group."})
-
-    async def update(self, request: web.Request) -> web.Response:
-        try:
-            body = await _json_body(request)
-            names = _field(body, "names", list)
-            dtypes = _field(body, "dtypes", list)
-            shapes = _field(body, "shapes", list)
-            group = body.get("group_name", "weight_update_group")
-            version = body.get("weight_version")
-            load_format = body.get("load_format")
-            flush = body.get("flush_cache", True)  # SGLang's default
-            if not isinstance(flush, bool):
-                raise RequestError("flush_cache", f"expected true or false, got {flush!r}")
-            if not all(isinstance(n, str) for n in names):
-                raise RequestError("names", "expected a list of strings")
-            if not all(isinstance(d, str) for d in dtypes):
-                raise RequestError("dtypes", "expected a list of dtype names")
-            if not all(isinstance(s, list) and all(_is_int(x) for x in s) for s in shapes):
-                raise RequestError("shapes", "expected a list of integer lists")
-            if not len(names) == len(dtypes) == len(shapes):
-                raise RequestError("names", "names, dtypes and shapes differ in length")
-            if version is not None and not isinstance(version, (str, int)):
-                raise RequestError("weight_version", f"expected a string, got {version!r}")
-            if load_format is not None and not isinstance(load_format, str):
-                raise RequestError("load_format", f"expected a string, got {load_format!r}")
-            base = body.get("base_version")  # Inflight's: a delta update's base (see below)
-            if base is not None and not isinstance(base, (str, int)):
-                raise RequestError("base_version", f"expected a string, got {base!r}")
-            receiver = self.receivers.get(group)
-            if receiver is None:
-                raise RequestError(
-                    "group_name",
-                    f"no weight update group {group!r}: call /init_weights_update_group first",
-                )
-        except RequestError as exc:
-            return _failure(str(exc))
-        # flush_cache empties the prefix cache only: the running rows keep their KV cache on
-        # purpose (in-flight updates).
-        try:
-            async with self.lock:
-                tensors = await self._in_thread(
-                    receiver.receive, names, dtypes, shapes, load_format
-                )
-                # received in any case (the collective stays in step), applied only on top of
-                # the version the delta was computed against; the publisher then sends in full
-                held = self.scheduler.weight_version
-                if base is not None and str(base) != held:
-                    return _failure(
-                        f"update_weights_from_distributed: a delta against version {base}, but "
-                        f"this engine holds version {held}: send the full weights"
-                    )
-                await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
-                if flush:
-                    await asyncio.wrap_future(self.scheduler.flush_prefix_cache())
-        except Exception as exc:
-            log.exception("weights_update_failed", group=group, error=repr(exc))
-            return _failure(f"update_weights_from_distributed failed: {exc}")
-        return web.json_response(
-            {"success": True, "message": f"Succeeded to update {len(names)} parameter(s)."}
-        )
-
-    async def destroy_group(self, request: web.Request) -> web.Response:
-        try:
-            body = await _json_body(request, allow_empty=True)
-            group = body.get("group_name", "weight_update_group")
-            receiver = self.receivers.pop(group, None)
-            if receiver is None:
-                raise RequestError("group_name", f"no weight update group {group!r}")
-        except RequestError as exc:
-            return _failure(str(exc))
-        await self._in_thread(receiver.destroy)
-        return web.json_response({"success": True, "message": "Succeeded to destroy group."})
-
-    async def close(self, _app: web.Application) -> None:
-        for receiver in self.receivers.values():
-            await self._in_thread(receiver.destroy)
-        self.receivers.clear()
-        self._thread.shutdown(wait=False)
 
 
 # ---- info ------------------------------------------------------------------------------------
@@ -559,7 +440,7 @@ async def _model_info(request: web.Request) -> web.Response:
     loaded = request.app[_LOADED]
     return web.json_response(
         {
-            "model_path": str(loaded.path),
+            "model_path": request.app[_WEIGHTS].model_path,
             "served_model_name": str(loaded.path),
             "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
             "is_generation": True,
@@ -612,46 +493,6 @@ async def _server_info(request: web.Request) -> web.Response:
 
 async def _weight_version(request: web.Request) -> web.Response:
     return web.json_response({"weight_version": request.app[_SCHEDULER].weight_version})
-
-
-# ---- helpers ---------------------------------------------------------------------------------
-
-
-async def _json_body(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw.strip() and allow_empty:
-        return {}
-    try:
-        body = _loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RequestError("body", f"not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RequestError("body", "expected a JSON object")
-    return body
-
-
-def _field(body: dict[str, Any], name: str, kind: type) -> Any:
-    value = body.get(name)
-    ok = _is_int(value) if kind is int else isinstance(value, kind)
-    if not ok:
-        raise RequestError(name, f"expected {kind.__name__}, got {value!r}")
-    return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _json_response(obj: Any) -> web.Response:
-    return web.Response(body=_dumps(obj), content_type="application/json")
-
-
-def _bad_request(message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=400)
-
-
-def _failure(message: str) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=400)
 
 
 # ---- process ---------------------------------------------------------------------------------

@@ -22,8 +22,14 @@ With ``api_key`` every request carries ``Authorization: Bearer KEY``; an engine 
 (401/403) raises ``stages.engine.auth.EngineAuthError``, which is not a ``WeightPublishError``:
 no later try can succeed, so callers that retry failed publishes must not catch it.
 
-It does not gather ZeRO-3 shards itself (pass a callable yielding gathered groups), retry, pause
-engines or flush their caches (``flush_cache`` is always false: in-flight updates keep the cache).
+Each update is framed as SGLang 0.5.23 wants it (``stages.weights.update_frame``): inside a
+weight-update session (``/begin_weight_update`` ... ``/end_weight_update``), and on a SGLang engine
+between ``pause_generation`` ``mode: in_place`` and ``continue_generation``, without which SGLang
+waits for every request in flight to end before each update (the built-in engine, which loads
+buckets between decode steps while its requests go on, is not paused; ``pause`` overrides).
+
+It does not gather ZeRO-3 shards itself (pass a callable yielding gathered groups), retry, or
+flush the engines' caches (``flush_cache`` is always false: in-flight updates keep the cache).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from stages.weights.buckets import (
 )
 from stages.weights.group import WeightGroup, init_weight_group
 from stages.weights.receiver import LOAD_FORMATS
+from stages.weights.update_frame import UpdateFrame
 from transport.address import rendezvous_port
 
 __all__ = ["PublishStats", "WeightPublishError", "WeightPublisher", "WeightSource"]
@@ -94,6 +101,7 @@ class WeightPublisher:
         log: Any = None,
         timeout_s: float = 300,
         api_key: str | None = None,
+        pause: bool | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("WeightPublisher needs at least one engine URL")
@@ -123,6 +131,9 @@ class WeightPublisher:
         # A collective abandoned after a failure; the group may only be destroyed once it ends.
         self._stray: asyncio.Future[Any] | None = None
         self._base: int | None = None  # the publish in progress is a delta against this
+        # the calls around each update: SGLang's session, a pause in place (update_frame.py)
+        self._pause = pause
+        self._frame: UpdateFrame | None = None
 
     @property
     def world_size(self) -> int:
@@ -173,12 +184,15 @@ class WeightPublisher:
             rank0.add_done_callback(_destroy_group_result)
             raise
         self._group = rank0.result()
+        self._frame = UpdateFrame(self.engine_urls, self._exchange, pause=self._pause, log=self.log)
+        await self._frame.learn()
         self.log.info(
             "weight_group_connected",
             group_name=self.group_name,
             master_port=port,
             world_size=self.world_size,
             engines=len(self.engine_urls),
+            paused_for_updates=len(self._frame.pausing),
             seconds=round(time.perf_counter() - started, 3),
         )
 
@@ -190,7 +204,34 @@ class WeightPublisher:
         ``base_version``: the weights are a delta (``stages.weights.delta``) against that
         version, which an engine then refuses unless it holds it (built-in engines only)."""
         group = self._usable_group()
+        assert self._frame is not None
         self._base = base_version
+        started = time.perf_counter()
+        try:
+            await self._frame.begin()
+            buckets, nbytes = await self._send_all(group, weights, version)
+        except BaseException:
+            await self._frame.end(failed=True)
+            raise
+        await self._frame.end()
+        stats = PublishStats(
+            version=version, buckets=buckets, bytes=nbytes, seconds=time.perf_counter() - started
+        )
+        self.log.debug(  # every publish: the learner's train_step has publish_s
+            "weights_published",
+            policy_version=version,
+            buckets=buckets,
+            bytes=nbytes,
+            seconds=round(stats.seconds, 4),
+            gb_per_s=round(stats.gb_per_s, 3),
+            engines=len(self.engine_urls),
+        )
+        return stats
+
+    async def _send_all(
+        self, group: WeightGroup, weights: WeightSource, version: int
+    ) -> tuple[int, int]:
+        """Every bucket, then the version where no bucket carried it: (buckets, bytes)."""
         groups: Iterable[NamedTensors] = weights() if callable(weights) else [weights]
         # The version goes live once every bucket has landed: tokens decoded while buckets were
         # still arriving keep the old version, which only overstates their lag. Known buckets:
@@ -200,7 +241,6 @@ class WeightPublisher:
             if isinstance(weights, Sequence)
             else None
         )
-        started = time.perf_counter()
         buckets = nbytes = 0
         if self.load_format == "flattened_bucket":
             buckets, nbytes = await self._publish_flattened(group, groups, version, total)
@@ -231,19 +271,7 @@ class WeightPublisher:
                     for url in self.engine_urls
                 )
             )
-        stats = PublishStats(
-            version=version, buckets=buckets, bytes=nbytes, seconds=time.perf_counter() - started
-        )
-        self.log.debug(  # every publish: the learner's train_step has publish_s
-            "weights_published",
-            policy_version=version,
-            buckets=buckets,
-            bytes=nbytes,
-            seconds=round(stats.seconds, 4),
-            gb_per_s=round(stats.gb_per_s, 3),
-            engines=len(self.engine_urls),
-        )
-        return stats
+        return buckets, nbytes
 
     async def _publish_flattened(
         self,
@@ -295,7 +323,12 @@ class WeightPublisher:
     async def close(self) -> None:
         """Leave the weight group and close HTTP; always releases both (idempotent)."""
         group, self._group = self._group, None
-        session, self._session = self._session, None
+        frame, self._frame = self._frame, None
+        try:
+            if frame is not None and (frame.open or frame.paused) and self._session is not None:
+                await frame.end(failed=True)  # an update cut short: no engine left paused
+        finally:
+            session, self._session = self._session, None
         try:
             self._staging = StagingBuffer(slots=2)
             if group is not None:
@@ -380,22 +413,34 @@ class WeightPublisher:
             for task in tasks:
                 task.cancel()
 
-    async def _post(self, url: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _exchange(
+        self, url: str, method: str, route: str, payload: dict[str, Any] | None
+    ) -> tuple[int, dict[str, Any] | None]:
+        """One HTTP call: (status, the answer as a JSON object, or None)."""
+        status, body, _ = await self._request(url, method, route, payload)
+        return status, body
+
+    async def _request(
+        self, url: str, method: str, route: str, payload: dict[str, Any] | None
+    ) -> tuple[int, dict[str, Any] | None, str]:
         assert self._session is not None
         try:
-            async with self._session.post(url + route, json=payload) as resp:
+            async with self._session.request(method, url + route, json=payload) as resp:
                 text = await resp.text()
                 status = resp.status
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise WeightPublishError(f"engine {url}: POST {route} failed: {exc!r}") from exc
+            raise WeightPublishError(f"engine {url}: {method} {route} failed: {exc!r}") from exc
         if status in (401, 403):
-            raise EngineAuthError(url, status, sent=self._has_key, what=f"POST {route}")
+            raise EngineAuthError(url, status, sent=self._has_key, what=f"{method} {route}")
         try:
-            body = _json_object(text)
+            return status, _json_object(text), text
         except ValueError:
-            body = None
+            return status, None, text
+
+    async def _post(self, url: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+        status, body, text = await self._request(url, "POST", route, payload)
         if status != 200 or body is None or body.get("success") is not True:
             message = body.get("message") if body else text[:500]
             raise WeightPublishError(

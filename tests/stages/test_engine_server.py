@@ -507,7 +507,12 @@ def test_pause_in_place_then_continue_finishes_whole(
     # no step within SGLANG_HEALTH_CHECK_TIMEOUT (2 s here): unhealthy, as SGLang says
     assert engine.request("GET", "/health_generate")[0] == 503
     assert engine.request("GET", "/health")[0] == 200  # the process is up
-    continued = engine.request("POST", "/continue_generation", {})
+    # ContinueGenerationReqInput (io_struct.py): torch_empty_cache; unknown fields ignored
+    # (msgspec_utils: extra_behavior="ignore"), a field of the wrong type refused
+    assert engine.request("POST", "/continue_generation", {"torch_empty_cache": 1})[0] == 400
+    continued = engine.request(
+        "POST", "/continue_generation", {"torch_empty_cache": False, "not_a_field": 1}
+    )
     assert continued == (200, {"message": "Generation continued successfully.", "status": "ok"})
     assert engine.request("GET", "/health_generate")[0] == 200
     worker.join(30)
@@ -624,12 +629,26 @@ def test_control_routes_reject_bad_input(engine: Engine) -> None:
         "POST", "/update_weights_from_distributed", {"names": ["x"], "dtypes": [], "shapes": []}
     )
     assert status == 400 and body["success"] is False and "names" in body["message"]
-    status, body = engine.request(
-        "POST",
-        "/update_weights_from_distributed",
-        {"names": [], "dtypes": [], "shapes": [], "group_name": "g"},
-    )
+    update = {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}
+    # SGLang 0.5.23 (scheduler_components/weight_updater.py): buckets load inside a session only
+    status, body = engine.request("POST", "/update_weights_from_distributed", update)
+    assert status == 400 and body == {
+        "success": False,
+        "message": "update_weights_from_distributed must run between begin_weight_update() and "
+        "end_weight_update()",
+    }
+    assert engine.request("POST", "/begin_weight_update", {"selector": "draft"})[0] == 200
+    status, body = engine.request("POST", "/begin_weight_update", {})
+    assert status == 400 and "already open" in body["message"]
+    status, body = engine.request("POST", "/update_weights_from_distributed", update)
     assert status == 400 and "group" in body["message"]
+    assert engine.request("POST", "/end_weight_update", {}) == (
+        200,
+        {"success": True, "message": "Success"},
+    )
+    status, body = engine.request("POST", "/end_weight_update", {})
+    assert status == 400 and "no weight-update session is open" in body["message"]
+    assert engine.request("POST", "/begin_weight_update", {"selector": "x"})[0] == 400
     # Still serving.
     out = engine.generate({"input_ids": [1, 2], "sampling_params": {**GREEDY, "max_new_tokens": 2}})
     assert len(out["output_ids"]) == 2
@@ -739,6 +758,8 @@ POST_ROUTES = [
     "/init_weights_update_group",
     "/update_weights_from_distributed",
     "/destroy_weights_update_group",
+    "/begin_weight_update",
+    "/end_weight_update",
 ]
 GARBAGE = {
     "random bytes": bytes(random.Random(7).randrange(256) for _ in range(512)),

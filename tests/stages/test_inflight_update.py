@@ -73,7 +73,13 @@ def _new_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 
 
 @pytest.mark.timeout(180)
-def test_update_lands_mid_request_and_engines_then_serve_the_new_policy(engines, models):
+@pytest.mark.parametrize(
+    "pause", [None, True], ids=["built-in-engines-go-on", "paused-in-place-as-sglang-is"]
+)
+def test_update_lands_mid_request_and_engines_then_serve_the_new_policy(engines, models, pause):
+    """Not paused (the publisher finds built-in engines), and paused in place around the update
+    as the publisher frames it for SGLang (``stages.weights.update_frame``): either way the long
+    request goes on across the update, its KV kept, and ends whole."""
     _, new = models
     prompt = [5, 17, 33, 8, 90]
 
@@ -82,12 +88,17 @@ def test_update_lands_mid_request_and_engines_then_serve_the_new_policy(engines,
             return (await r.json()).get("decode_steps", 0)
 
     async def scenario():
-        publisher = WeightPublisher(engines, backend="gloo", bucket_mb=0.05)
+        publisher = WeightPublisher(
+            engines, backend="gloo", bucket_mb=0.05, pause=pause, group_name=f"p{pause}"
+        )
         await publisher.connect()
+        assert publisher._frame is not None and len(publisher._frame.pausing) == (2 if pause else 0)
         async with aiohttp.ClientSession() as session:
             # On a loaded machine the request may end before the update lands: then again,
             # as the next version (the same new weights), at most three times.
-            for version in (1, 2, 3):
+            async with session.get(engines[0] + "/get_weight_version") as r:
+                held = int((await r.json())["weight_version"])  # the other case's, if it ran
+            for version in (held + 1, held + 2, held + 3):
                 before = await steps(session)
                 long = asyncio.create_task(
                     _generate(session, engines[0], prompt, 480, f"long-{version}")

@@ -4,10 +4,14 @@ Each engine is a minimal aiohttp server in its own spawned process wrapping a ``
 answering ``/init_weights_update_group`` and ``/update_weights_from_distributed`` with SGLang's
 request and response shapes (``{success, message}``, HTTP 400 on failure), and
 ``/update_weight_version``; like SGLang, an update that names a ``weight_version`` makes it
-current once its bucket is loaded. A test-only ``GET /weights_digest`` reports what each engine
-holds, as sha256 of the raw bytes, and the requests it got that set a version. A tensor
-named ``<engine>.refuse`` or ``<engine>.fail_after_receive`` makes that engine fail its request
-before or after taking part in the broadcast.
+current once its bucket is loaded. ``e0`` is SGLang 0.5.23: ``/server_info``, and updates only
+inside a session (``/begin_weight_update`` ... ``/end_weight_update``, refused outside one with
+its message); ``e1`` a SGLang from before sessions (no such routes, ``/get_server_info`` only).
+Both take ``/pause_generation`` and ``/continue_generation``. A test-only ``GET
+/weights_digest`` reports what each engine holds, as sha256 of the raw bytes, the requests it got
+that set a version, and the framing calls in order (``calls``). A tensor named
+``<engine>.refuse`` or ``<engine>.fail_after_receive`` makes that engine fail its request before
+or after taking part in the broadcast.
 """
 
 from __future__ import annotations
@@ -46,6 +50,38 @@ def _failure(message: str) -> web.Response:
 async def _engine(name: str, conn: Any) -> None:
     receivers: dict[str, WeightReceiver] = {}
     held: dict[str, Any] = {"weights": {}, "weight_version": None, "version_set_by": []}
+    held["calls"] = []  # pause, begin, update (paused or not), end, continue: in order
+    state = {"paused": False, "session": False}
+    sessions = name == "e0"  # SGLang 0.5.23; e1 is older
+
+    async def pause(request: web.Request) -> web.Response:
+        held["calls"].append("pause:" + (await request.json()).get("mode", "abort"))
+        state["paused"] = True
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(_: web.Request) -> web.Response:
+        held["calls"].append("continue")
+        state["paused"] = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def begin(_: web.Request) -> web.Response:
+        if state["session"]:
+            return _failure(
+                "a weight-update session is already open; call end_weight_update() first"
+            )
+        held["calls"].append("begin")
+        state["session"] = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end(_: web.Request) -> web.Response:
+        if not state["session"]:
+            return _failure("no weight-update session is open; call begin_weight_update() first")
+        held["calls"].append("end")
+        state["session"] = False
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response({"version": "0.5.23" if sessions else "0.4.10"})
 
     async def init_group(request: web.Request) -> web.Response:
         body = await request.json()
@@ -68,6 +104,12 @@ async def _engine(name: str, conn: Any) -> None:
     async def update(request: web.Request) -> web.Response:
         body = await request.json()
         names = body["names"]
+        held["calls"].append("update" if state["paused"] else "update:not paused")
+        if sessions and not state["session"]:
+            return _failure(
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
         if f"{name}.refuse" in names:
             return _failure(f"{name} refuses this update")
         receiver = receivers.get(body.get("group_name", "weight_update_group"))
@@ -102,8 +144,20 @@ async def _engine(name: str, conn: Any) -> None:
             web.post("/update_weights_from_distributed", update),
             web.post("/update_weight_version", set_version),
             web.get("/weights_digest", digest),
+            web.post("/pause_generation", pause),
+            web.post("/continue_generation", resume),
         ]
     )
+    if sessions:
+        app.add_routes(
+            [
+                web.get("/server_info", info),
+                web.post("/begin_weight_update", begin),
+                web.post("/end_weight_update", end),
+            ]
+        )
+    else:
+        app.add_routes([web.get("/get_server_info", info)])
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -180,6 +234,18 @@ async def test_flattened_buckets_reach_both_engines_bit_exact(engines: list[str]
             assert stats.bytes == sum(t.numel() * t.element_size() for _, t in weights)
             assert stats.seconds > 0 and stats.gb_per_s > 0
             await _assert_engines_hold(engines, weights, version)
+        # each update framed as SGLang 0.5.23 wants it: paused in place, inside a session
+        # (the older SGLang has none), then resumed
+        calls = [(await _held(url))["calls"] for url in engines]
+        updates = ["update"] * stats.buckets
+        assert calls[0][-len(updates) - 4 :] == [
+            "pause:in_place",
+            "begin",
+            *updates,
+            "end",
+            "continue",
+        ]
+        assert calls[1][-len(updates) - 2 :] == ["pause:in_place", *updates, "continue"]
     finally:
         await pub.close()
 
@@ -234,6 +300,9 @@ async def test_engine_answering_failure_raises_naming_it(engines: list[str]) -> 
         weights = [*_model(seed=4), ("e1.fail_after_receive", torch.zeros(2))]
         with pytest.raises(WeightPublishError, match=rf"engine {engines[1]}: .*could not load"):
             await pub.publish(weights, version=1)
+        # the failed update still closed its frame: no session left open, no engine paused
+        assert (await _held(engines[0]))["calls"][-2:] == ["end", "continue"]
+        assert (await _held(engines[1]))["calls"][-1] == "continue"
         with pytest.raises(WeightPublishError, match=r"out of step.*close\(\) and connect\(\)"):
             await pub.publish(_model(seed=5), version=2)
     finally:
@@ -265,5 +334,27 @@ async def test_connect_reports_an_unreachable_engine(engines: list[str]) -> None
             await pub.connect()
         with pytest.raises(RuntimeError, match="not connected"):
             await pub.publish(_model(seed=6), version=1)
+    finally:
+        await pub.close()
+
+
+async def test_a_session_left_open_is_closed_and_the_built_in_engine_is_not_paused(
+    engines: list[str],
+) -> None:
+    """A publisher that died mid-update left e0's session open: the next one closes it and
+    opens its own. ``pause=False`` (the built-in engine's case, found from its /server_info)
+    frames the update with the session alone."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(engines[0] + "/begin_weight_update", json={}) as r:
+            assert r.status == 200
+    pub = WeightPublisher(engines, group_name="t_left_open", timeout_s=20, pause=False)
+    try:
+        await pub.connect()
+        marks = [len((await _held(url))["calls"]) for url in engines]
+        await pub.publish(_model(seed=8), version=3)
+        new = [(await _held(url))["calls"][n:] for url, n in zip(engines, marks, strict=True)]
+        assert new[0] == ["end", "begin", "update:not paused", "end"]
+        assert new[1] == ["update:not paused"]
+        await _assert_engines_hold(engines, _model(seed=8), 3)
     finally:
         await pub.close()

@@ -1,0 +1,94 @@
+"""The JSON bodies of the engine's native routes: read, and their fields checked, with the
+field's name in the error (``RequestError``); the weight routes' failure answer.
+
+SGLang reads each body into its request struct (``io_struct``, through
+``msgspec_utils.msgspec_struct_pydantic_core_schema``): a field of the wrong type is refused,
+unknown fields are ignored. ``base_request`` checks the fields every SGLang request has.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from stages.engine.protocol import RequestError
+
+__all__ = [
+    "bad_request",
+    "base_request",
+    "failure",
+    "field",
+    "is_int",
+    "json_body",
+    "json_response",
+    "option",
+]
+
+try:  # orjson parses several times faster; json is the fallback
+    import orjson
+
+    _loads: Callable[[bytes], Any] = orjson.loads
+    _dumps: Callable[[Any], bytes] = orjson.dumps
+except ImportError:  # pragma: no cover - depends on the environment
+    _loads = json.loads
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+async def json_body(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip() and allow_empty:
+        return {}
+    try:
+        body = _loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RequestError("body", f"not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("body", "expected a JSON object")
+    return body
+
+
+def field(body: dict[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    ok = is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise RequestError(name, f"expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def base_request(body: dict[str, Any]) -> dict[str, Any]:
+    """``body``, its fields of every SGLang request (``io_struct.BaseReq``: ``rid``,
+    ``http_worker_ipc``, strings or null) checked; other unknown fields are ignored there."""
+    for name in ("rid", "http_worker_ipc"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise RequestError(name, f"expected a string, got {body[name]!r}")
+    return body
+
+
+def option(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    """``body[name]`` checked as ``field`` checks it; ``default`` when absent (or null, where
+    the default is null)."""
+    if name not in body or (body[name] is None and default is None):
+        return default
+    return field(body, name, kind)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def failure(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=400)
+
+
+def json_response(obj: Any) -> web.Response:
+    return web.Response(body=_dumps(obj), content_type="application/json")
+
+
+def bad_request(message: str) -> web.Response:
+    """A native route's 400: ``{"error": {"message": "<field>: <problem>"}}``."""
+    return web.json_response({"error": {"message": message}}, status=400)

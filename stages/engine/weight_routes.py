@@ -1,0 +1,328 @@
+"""The weight routes of the built-in engine: SGLang's weight-update group
+(``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``), its update session (``/begin_weight_update``,
+``/end_weight_update``), ``/update_weights_from_disk`` and ``/get_weights_by_name``.
+
+Answers are SGLang's: ``{"success", "message"}``, HTTP 400 on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from pipeline.processes import name_thread
+from stages.engine.checkpoint_files import CheckpointError, read_weights, weight_files
+from stages.engine.model_weights import WeightLoadError
+from stages.engine.protocol import RequestError
+from stages.engine.request_body import (
+    bad_request,
+    base_request,
+    failure,
+    field,
+    is_int,
+    json_body,
+    json_response,
+    option,
+)
+from stages.engine.scheduler import Scheduler
+
+__all__ = ["WeightRoutes"]
+
+log = structlog.get_logger("stages.engine.weight_routes")
+
+_SELECTORS = ("target", "draft", "all")  # /begin_weight_update's runners (SGLang's Literal)
+
+# UpdateWeightFromDiskReqInput's fields that have no effect here, with their types and defaults
+_DISK_NO_EFFECT = {
+    "is_async": (bool, False),
+    "torch_empty_cache": (bool, False),
+    "keep_pause": (bool, False),
+    "recapture_cuda_graph": (bool, False),
+    "token_step": (int, 0),
+    "manifest": (dict, None),
+}
+
+
+class WeightRoutes:
+    """The weight routes: tensors arrive through ``stages.weights.receiver``, or are read from
+    a checkpoint folder (``update_from_disk``).
+
+    Receiving runs in a worker thread of its own (named ``engine-weights`` for the operating
+    system, as the scheduler's is ``engine``) so decoding goes on while the bytes arrive; the
+    tensors are then loaded by the scheduler at its next step boundary, and the HTTP answer
+    comes only once they are in the model. Updates are serialized: they must match the publisher's
+    broadcasts one for one.
+    """
+
+    def __init__(self, scheduler: Scheduler, model_path: str) -> None:
+        self.scheduler = scheduler
+        self.model_path = model_path  # /model_info's: the last checkpoint loaded from disk
+        self.receivers: dict[str, Any] = {}
+        self.lock = asyncio.Lock()
+        self.session: str | None = None  # an open update session's selector (begin ... end)
+        self._thread = ThreadPoolExecutor(1, initializer=name_thread, initargs=("engine-weights",))
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await json_body(request)
+            address = field(body, "master_address", str)
+            port = field(body, "master_port", int)
+            rank_offset = field(body, "rank_offset", int)
+            world_size = field(body, "world_size", int)
+            group = field(body, "group_name", str)
+            backend = field(body, "backend", str)
+            if group in self.receivers:
+                raise RequestError("group_name", f"group {group!r} is already initialized")
+        except RequestError as exc:
+            return failure(str(exc))
+        from stages.weights.receiver import WeightReceiver  # torch.distributed: only when used
+
+        receiver = WeightReceiver()
+        rank = rank_offset + 0  # this engine is tp_rank 0 of its own (single-rank) model group
+        try:
+            async with self.lock:
+                await self._in_thread(
+                    receiver.init_group, address, port, rank, world_size, group, backend
+                )
+        except Exception as exc:
+            log.exception("weights_group_init_failed", group=group, error=repr(exc))
+            return failure(f"init_weights_update_group failed: {exc}")
+        self.receivers[group] = receiver
+        log.info(
+            "weights_group_ready",
+            group=group,
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            master=f"{address}:{port}",
+        )
+        return web.json_response({"success": True, "message": "Succeeded to initialize group."})
+
+    async def begin(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's ``/begin_weight_update``: open the session that distributed updates
+        load in (there it restores weights packed for inference; here there is nothing to
+        restore). ``selector``: ``target``, ``draft`` or ``all`` (this engine has no draft)."""
+        try:
+            body = base_request(await json_body(request, allow_empty=True))
+            selector = body.get("selector", "all")
+            if selector not in _SELECTORS:
+                raise RequestError(
+                    "selector", f"expected one of {list(_SELECTORS)}, got {selector!r}"
+                )
+        except RequestError as exc:
+            return failure(str(exc))
+        if self.session is not None:
+            return failure(
+                "a weight-update session is already open; call end_weight_update() first"
+            )
+        self.session = selector
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end(self, request: web.Request) -> web.Response:
+        """``/end_weight_update``: close the session (the buckets are already in the model)."""
+        try:
+            base_request(await json_body(request, allow_empty=True))
+        except RequestError as exc:
+            return failure(str(exc))
+        if self.session is None:
+            return failure("no weight-update session is open; call begin_weight_update() first")
+        async with self.lock:  # after the updates still loading
+            self.session = None
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def update(self, request: web.Request) -> web.Response:
+        try:
+            body = await json_body(request)
+            names = field(body, "names", list)
+            dtypes = field(body, "dtypes", list)
+            shapes = field(body, "shapes", list)
+            group = body.get("group_name", "weight_update_group")
+            version = body.get("weight_version")
+            load_format = body.get("load_format")
+            flush = body.get("flush_cache", True)  # SGLang's default
+            if not isinstance(flush, bool):
+                raise RequestError("flush_cache", f"expected true or false, got {flush!r}")
+            if not all(isinstance(n, str) for n in names):
+                raise RequestError("names", "expected a list of strings")
+            if not all(isinstance(d, str) for d in dtypes):
+                raise RequestError("dtypes", "expected a list of dtype names")
+            if not all(isinstance(s, list) and all(is_int(x) for x in s) for s in shapes):
+                raise RequestError("shapes", "expected a list of integer lists")
+            if not len(names) == len(dtypes) == len(shapes):
+                raise RequestError("names", "names, dtypes and shapes differ in length")
+            if version is not None and not isinstance(version, (str, int)):
+                raise RequestError("weight_version", f"expected a string, got {version!r}")
+            if load_format is not None and not isinstance(load_format, str):
+                raise RequestError("load_format", f"expected a string, got {load_format!r}")
+            base = body.get("base_version")  # Inflight's: a delta update's base (see below)
+            if base is not None and not isinstance(base, (str, int)):
+                raise RequestError("base_version", f"expected a string, got {base!r}")
+            abort_all = body.get("abort_all_requests", False)  # SGLang's default here
+            if not isinstance(abort_all, bool):
+                raise RequestError(
+                    "abort_all_requests", f"expected true or false, got {abort_all!r}"
+                )
+        except RequestError as exc:
+            return failure(str(exc))
+        if self.session is None:  # SGLang 0.5.23 refuses it outside a session, receiving nothing
+            return failure(
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
+        receiver = self.receivers.get(group)
+        if receiver is None:
+            return failure(
+                f"group_name: no weight update group {group!r}: call /init_weights_update_group "
+                "first"
+            )
+        if abort_all:
+            await asyncio.wrap_future(self.scheduler.abort(None, abort_all=True))
+        # flush_cache empties the prefix cache only: the running rows keep their KV cache on
+        # purpose (in-flight updates).
+        try:
+            async with self.lock:
+                tensors = await self._in_thread(
+                    receiver.receive, names, dtypes, shapes, load_format
+                )
+                # received in any case (the collective stays in step), applied only on top of
+                # the version the delta was computed against; the publisher then sends in full
+                held = self.scheduler.weight_version
+                if base is not None and str(base) != held:
+                    return failure(
+                        f"update_weights_from_distributed: a delta against version {base}, but "
+                        f"this engine holds version {held}: send the full weights"
+                    )
+                await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
+                if flush:
+                    await asyncio.wrap_future(self.scheduler.flush_prefix_cache())
+        except Exception as exc:
+            log.exception("weights_update_failed", group=group, error=repr(exc))
+            return failure(f"update_weights_from_distributed failed: {exc}")
+        return web.json_response(
+            {"success": True, "message": f"Succeeded to update {len(names)} parameter(s)."}
+        )
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await json_body(request, allow_empty=True)
+            group = body.get("group_name", "weight_update_group")
+            receiver = self.receivers.pop(group, None)
+            if receiver is None:
+                raise RequestError("group_name", f"no weight update group {group!r}")
+        except RequestError as exc:
+            return failure(str(exc))
+        await self._in_thread(receiver.destroy)
+        return web.json_response({"success": True, "message": "Succeeded to destroy group."})
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        """SGLang's ``/update_weights_from_disk``: the weights of the checkpoint folder (or Hub
+        repo) ``model_path``, read on the weights thread (``checkpoint_files``; ``load_format``
+        null, ``auto``, ``safetensors`` or ``pt``), loaded by the scheduler between two decode
+        steps as ``update_weights_from_distributed`` buckets are, and serialized with them:
+        requests in flight go on with the new weights. SGLang 0.5.23 instead waits, unless
+        generation is paused, for the requests in flight to end (the writer side of its
+        ``model_update_lock``) and holds new ones back meanwhile; paused (``mode: in_place``)
+        it loads at once, which is what this engine does between two steps.
+
+        ``abort_all_requests`` (false) aborts everything first; ``weight_version`` is live once
+        the weights are, and the message says so in SGLang's words; ``flush_cache`` (true) then
+        empties the prefix cache (never refused here; SGLang fails the update when requests
+        still run). ``is_async``, ``torch_empty_cache``, ``keep_pause``,
+        ``recapture_cuda_graph``, ``token_step`` and ``manifest`` are type-checked and have no
+        effect (no CUDA graphs or asynchronous loads here); unknown fields are ignored, as there.
+
+        Answers ``{success, message, num_paused_requests: 0}``, 400 on failure, a malformed
+        body included (naming the field: SGLang's request validation answers 400 too, in its
+        error layout). Every name and shape is checked before anything is written, so a
+        checkpoint that does not fit leaves the model as it was (SGLang writes what fits, then
+        reloads the old checkpoint to roll back). Tensors the model has no parameter of are
+        skipped, as SGLang's model loaders skip them; a checkpoint with none it has is
+        refused. After a success ``/model_info``'s ``model_path`` is ``model_path``; its
+        ``served_model_name``, which SGLang moves too, stays (the ``/v1`` routes answer
+        under it).
+        """
+        try:
+            body = base_request(await json_body(request))
+            path = field(body, "model_path", str)
+            if not path.strip():
+                raise RequestError("model_path", "expected a checkpoint folder or Hub repo id")
+            load_format = option(body, "load_format", str, None)
+            abort_all = option(body, "abort_all_requests", bool, False)
+            version = option(body, "weight_version", str, None)
+            flush = option(body, "flush_cache", bool, True)
+            for name, (kind, default) in _DISK_NO_EFFECT.items():
+                option(body, name, kind, default)
+        except RequestError as exc:
+            return _from_disk(False, str(exc))
+        if abort_all:  # before waiting for other updates, as SGLang aborts before its lock
+            await asyncio.wrap_future(self.scheduler.abort(None, abort_all=True))
+        names = set(self.scheduler.model.state_dict())
+        async with self.lock:
+            try:
+                files = await self._in_thread(weight_files, path, load_format)
+            except CheckpointError as exc:  # SGLang's words for a checkpoint it cannot find
+                return _from_disk(False, f"Failed to get weights iterator: {exc}.")
+            try:
+                tensors, skipped = await self._in_thread(read_weights, files, names)
+                await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
+            except (CheckpointError, WeightLoadError) as exc:
+                return _from_disk(False, f"Failed to update weights: {exc}.")
+            except Exception as exc:
+                log.exception("weights_from_disk_failed", path=path, error=repr(exc))
+                return _from_disk(False, f"Failed to update weights: {exc}.")
+            if flush:
+                await asyncio.wrap_future(self.scheduler.flush_prefix_cache())
+        self.model_path = path
+        log.info(
+            "weights_loaded_from_disk",
+            path=path,
+            files=len(files),
+            tensors=len(tensors),
+            skipped=len(skipped),
+            first_skipped=skipped[:4],
+            weight_version=self.scheduler.weight_version,
+        )
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return _from_disk(True, message)
+
+    async def weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's ``GET|POST /get_weights_by_name``: ``{name, truncate_size: 100}`` answers
+        the parameter's first ``truncate_size`` rows (of a 1-D one, values) in float32 as a
+        JSON list, as its model classes do (``weight.cpu().to(torch.float32).numpy().tolist()
+        [:truncate_size]``); a name the model has no parameter of gets 400 ``{"error":
+        {"message": "Get parameter by name failed"}}``, as there. Names are the checkpoint's
+        (SGLang takes its fused ``qkv_proj`` and ``gate_up_proj`` names too). The scheduler
+        reads it between two steps, so never in the middle of a weight update."""
+        try:
+            body = base_request(await json_body(request))
+            name = field(body, "name", str)
+            rows = option(body, "truncate_size", int, 100)
+        except RequestError as exc:
+            return bad_request(str(exc))
+        found = await asyncio.wrap_future(self.scheduler.parameter_rows(name, rows))
+        if found is None:
+            return bad_request("Get parameter by name failed")
+        return json_response(found.tolist())
+
+    async def close(self, _app: web.Application) -> None:
+        for receiver in self.receivers.values():
+            await self._in_thread(receiver.destroy)
+        self.receivers.clear()
+        self._thread.shutdown(wait=False)
+
+
+def _from_disk(success: bool, message: str) -> web.Response:
+    """``/update_weights_from_disk``'s answer (SGLang's ``UpdateWeightFromDiskReqOutput``)."""
+    body = {"success": success, "message": message, "num_paused_requests": 0}
+    return web.json_response(body, status=200 if success else 400)
