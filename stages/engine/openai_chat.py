@@ -8,7 +8,12 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   ``add_generation_prompt``, the request's ``tools`` and ``chat_template_kwargs``; the engine's
   ``--chat-template`` replaces the tokenizer's); text parts of a content list are joined with a
   space (SGLang's "string" content format), a ``None`` field is left out; an assistant message's
-  tool-call ``arguments`` given as a JSON string are parsed for the template;
+  tool-call ``arguments`` given as a JSON string are parsed for the template; a conversation
+  that ends with an assistant message of text sends it as the user's, or with
+  ``continue_final_message`` leaves it out of the template (which opens the assistant turn) and
+  puts its ids after the rendered ones (``serving_chat._handle_last_assistant_message``);
+  ``add_generation_prompt`` in ``chat_template_kwargs``: a 400, as the template's TypeError
+  there;
 - sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` from the
   request, else the model's ``generation_config.json``, else 1.0, 1.0, -1, 0.0, 1.0;
   ``max_completion_tokens`` or ``max_tokens`` (none: what the context leaves); ``stop``,
@@ -182,12 +187,26 @@ class ChatSettings:
             ids = ids["input_ids"]
         return list(ids)
 
+    def prefix_ids(self, text: str) -> list[int]:
+        """The ids of a continued assistant message's text, to follow its rendered turn
+        (``_append_assistant_prefix_to_prompt_ids``: encoded as a prompt, less a leading BOS)."""
+        ids = list(self.tokenizer.encode(text))
+        if ids and ids[0] == getattr(self.tokenizer, "bos_token_id", None):
+            ids = ids[1:]
+        return ids
+
 
 def chat_request(
-    body: Any, settings: ChatSettings, context_length: int
+    body: Any,
+    settings: ChatSettings,
+    context_length: int,
+    *,
+    add_generation_prompt: bool | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(native /generate body, what the answer needs)`` for a ``/v1/chat/completions``
-    body; OpenAIError when SGLang would refuse it (or the engine cannot do what it asks)."""
+    body; OpenAIError when SGLang would refuse it (or the engine cannot do what it asks).
+    ``add_generation_prompt``: ``/v1/tokenize``'s field (SGLang's
+    ``_format_add_generation_prompt``; a chat request has none)."""
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     messages = body.get("messages")
@@ -224,11 +243,22 @@ def chat_request(
         raise OpenAIError("chat_template_kwargs: Input should be a valid dictionary")
     kwargs = {} if effort is None else {"reasoning_effort": effort}
     kwargs.update(request_kwargs or {})
-    if body.get("continue_final_message"):
-        kwargs.update(continue_final_message=True, add_generation_prompt=False)
+    if "add_generation_prompt" in kwargs:  # SGLang passes it too: the template's TypeError
+        raise OpenAIError(
+            "the chat template refused the messages: apply_chat_template() got multiple "
+            "values for keyword argument 'add_generation_prompt'",
+            "chat_template_kwargs",
+        )
     template_tools = tools if tools and choice != "none" else None
     rendered = [_message(m, i) for i, m in enumerate(messages)]
+    prefix = None
+    continued = bool(body.get("continue_final_message"))
+    if add_generation_prompt is None or continued:
+        rendered, prefix = _last_assistant(rendered, continued)
+    kwargs["add_generation_prompt"] = add_generation_prompt is not False
     prompt = settings.render(rendered, template_tools, kwargs)
+    if prefix:  # the assistant turn opened, its start as the model continues it
+        prompt += settings.prefix_ids(prefix)
 
     sampling: dict[str, Any] = {}
     for name, default in _DEFAULTS.items():
@@ -281,6 +311,22 @@ def chat_request(
         "reasoning": reasoning,
     }
     return native_body, options
+
+
+def _last_assistant(
+    messages: list[dict[str, Any]], continued: bool
+) -> tuple[list[dict[str, Any]], str | None]:
+    """SGLang's ``serving_chat._handle_last_assistant_message``: a conversation that ends with
+    an assistant message of text is either continued (``continue_final_message``: the message
+    left out of the template, which opens a new assistant turn, and its text returned, to
+    follow the rendered ids) or, without it, sent as the user's (the last message is always
+    the user's then)."""
+    last = messages[-1] if messages else None
+    if last is None or last.get("role") != "assistant" or not isinstance(last.get("content"), str):
+        return messages, None
+    if continued:
+        return messages[:-1], last["content"]
+    return [*messages[:-1], {"role": "user", "content": last["content"]}], None
 
 
 def _reasoning(

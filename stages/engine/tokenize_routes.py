@@ -140,15 +140,11 @@ class TokenizeRoutes:
                     "add_generation_prompt: given both as a field and in chat_template_kwargs",
                     "add_generation_prompt",
                 )
-            if kwargs is None or isinstance(kwargs, dict):  # else the chat route refuses it
-                # how the chat route's render takes it (continue_final_message overrides it)
-                chat_body["chat_template_kwargs"] = {
-                    **(kwargs or {}),
-                    "add_generation_prompt": generation,
-                }
             if body.get("add_special_tokens") is True:  # only when the request says so
                 settings = self.chat_with_special_tokens
-        native, _ = chat_request(chat_body, settings, self.context_length)
+        native, _ = chat_request(
+            chat_body, settings, self.context_length, add_generation_prompt=generation
+        )
         return native["input_ids"]
 
     def _max_model_len(self) -> int:

@@ -138,6 +138,12 @@ def test_messages_tokenize_to_the_prompt_of_a_chat_request_with_them(url: str) -
             },
             [7, 11, 12, 13, 10, 8, 40, 41],
         ),
+        # serving_chat._handle_last_assistant_message: a last assistant message is sent as
+        # the user's (w7, not w8) unless it is continued
+        (
+            {"messages": [*HELLO, {"role": "assistant", "content": "w40 w41"}]},
+            [7, 11, 12, 13, 10, 7, 40, 41, 10, 8],
+        ),
         # add_special_tokens does not apply to messages without add_generation_prompt
         ({"messages": HELLO, "add_special_tokens": True}, [7, 11, 12, 13, 10, 8]),
     ]
@@ -182,6 +188,15 @@ def test_add_generation_prompt_renders_the_messages_as_given(url: str) -> None:
     status, answer = _post(url, "/v1/tokenize", {**body, "add_generation_prompt": False})
     assert status == 400 and answer["param"] == "add_generation_prompt"
     assert answer["message"].startswith("continue_final_message needs add_generation_prompt")
+    # with the flag given and nothing continued, a last assistant message stays the assistant's
+    assert _ok(url, "/v1/tokenize", {"messages": opened, "add_generation_prompt": False})[
+        "tokens"
+    ] == [7, 11, 12, 13, 10, 8, 40, 10]
+    # a chat request's chat_template_kwargs cannot carry it: SGLang passes the template its
+    # own (serving_chat._render_and_encode_chat_template), whose TypeError is a 400
+    bad = {"messages": HELLO, "chat_template_kwargs": {"add_generation_prompt": False}}
+    status, answer = _post(url, "/v1/chat/completions", bad)
+    assert status == 400 and "add_generation_prompt" in answer["message"]
 
 
 @pytest.mark.timeout(60)
