@@ -78,8 +78,9 @@ class WeightRoutes:
             port = field(body, "master_port", int)
             rank_offset = field(body, "rank_offset", int)
             world_size = field(body, "world_size", int)
-            group = field(body, "group_name", str)
-            backend = field(body, "backend", str)
+            # InitWeightsUpdateGroupReqInput's defaults
+            group = option(body, "group_name", str, "weight_update_group")
+            backend = option(body, "backend", str, "nccl")
             if group in self.receivers:
                 raise RequestError("group_name", f"group {group!r} is already initialized")
         except RequestError as exc:
@@ -141,11 +142,14 @@ class WeightRoutes:
 
     async def update(self, request: web.Request) -> web.Response:
         try:
-            body = await json_body(request)
+            body = base_request(await json_body(request))
             names = field(body, "names", list)
             dtypes = field(body, "dtypes", list)
             shapes = field(body, "shapes", list)
-            group = body.get("group_name", "weight_update_group")
+            group = option(body, "group_name", str, "weight_update_group")
+            if body.get("selector", "all") not in _SELECTORS:  # one model here: no draft
+                raise RequestError("selector", f"expected one of {list(_SELECTORS)}")
+            option(body, "torch_empty_cache", bool, False)  # CUDA's cache: nothing on CPU
             version = body.get("weight_version")
             load_format = body.get("load_format")
             flush = body.get("flush_cache", True)  # SGLang's default

@@ -812,3 +812,43 @@ def test_garbage_on_every_route_is_refused_counted_and_logged_sparsely(engine: E
     assert engine.request("GET", "/health")[0] == 200
     out = engine.generate({"input_ids": [1, 2], "sampling_params": {**GREEDY, "max_new_tokens": 2}})
     assert len(out["output_ids"]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_weight_group_routes_take_sglangs_defaults(engine: Engine) -> None:
+    """InitWeightsUpdateGroupReqInput and DestroyWeightsUpdateGroupReqInput (io_struct.py):
+    ``group_name`` defaults to ``weight_update_group`` (``backend`` to ``nccl``); the engine
+    joins as rank 1 of a gloo group whose rank 0 is this test, and leaves it by that name."""
+    from stages.weights.group import init_weight_group
+    from transport.address import rendezvous_port
+
+    port = rendezvous_port("127.0.0.1")
+    with ThreadPoolExecutor(1) as pool:
+        rank0 = pool.submit(
+            init_weight_group,
+            backend="gloo",
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=2,
+            group_name="weight_update_group",
+            timeout_s=30,
+        )
+        joined = engine.request(
+            "POST",
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "backend": "gloo",
+            },
+        )
+        group = rank0.result(timeout=30)
+    try:
+        assert joined[0] == 200 and joined[1]["success"] is True, joined
+        left = engine.request("POST", "/destroy_weights_update_group", {})
+        assert left == (200, {"success": True, "message": "Succeeded to destroy group."})
+    finally:
+        group.destroy()
