@@ -19,9 +19,11 @@ Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
 /end_weight_update``, as SGLang 0.5.23 wants it), ``POST /destroy_weights_update_group``,
 ``POST /update_weights_from_disk``, ``GET|POST /get_weights_by_name``, ``POST
 /update_weight_version``, ``GET|POST /flush_cache``, ``GET /health``, ``GET /model_info``
-(also ``/get_model_info``), ``GET /get_server_info``, ``GET /get_weight_version``; ``stream:
+(also ``/get_model_info``), ``GET /get_server_info``, ``GET /get_weight_version``,
+``POST /v1/tokenize`` and ``/v1/detokenize`` (``stages.engine.tokenize_routes``), ``POST
+/parse_function_call`` and ``/separate_reasoning`` (``stages.engine.parse_routes``); ``stream:
 true`` answers server-sent events (``stages.engine.streaming``); the OpenAI-compatible ``/v1``
-routes are ``stages.engine.openai_api``'s. A malformed request gets HTTP 400 with ``{"error":
+routes are ``stages.engine.openai_api``'s; the weight routes ``stages.engine.weight_routes``'. A malformed request gets HTTP 400 with ``{"error":
 {"message": "<field>: <problem>"}}``; weight routes answer ``{"success": false, "message":
 ...}`` instead, as SGLang does. A client that leaves mid-stream is counted as refused with
 status 499 (``refused_requests``). The model runs on the scheduler thread; this event loop only
@@ -62,6 +64,7 @@ from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.lora_routes import LoraRoutes
 from stages.engine.openai_api import OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
+from stages.engine.parse_routes import ParseRoutes
 from stages.engine.protocol import (
     GenerateInput,
     RequestError,
@@ -184,6 +187,7 @@ def build_app(
         adapters=scheduler.adapters,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
+    ParseRoutes().add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
@@ -324,19 +328,22 @@ def parse_body(loaded: LoadedModel, scheduler: Any, body: Any) -> tuple[list[Gen
 
 
 async def _abort_request(request: web.Request) -> web.Response:
+    """SGLang's ``AbortReq``: ``rid`` (none: ``""``, which names no request: nothing is
+    aborted, and the answer is still 200) or ``abort_all``. SGLang answers with an empty
+    body; this one says how many samples it aborted (``num_aborted``)."""
     try:
-        body = await json_body(request)
-        rid = body.get("rid")
+        body = base_request(await json_body(request))
+        rid = body.get("rid") or ""
         abort_all = body.get("abort_all", False)
-        if rid is not None and not isinstance(rid, str):
-            raise RequestError("rid", f"expected a string, got {rid!r}")
         if not isinstance(abort_all, bool):
             raise RequestError("abort_all", f"expected true or false, got {abort_all!r}")
-        if rid is None and not abort_all:
-            raise RequestError("rid", "give a request id or abort_all: true")
     except RequestError as exc:
         return bad_request(str(exc))
-    aborted = await asyncio.wrap_future(request.app[_SCHEDULER].abort(rid, abort_all=abort_all))
+    if not rid and not abort_all:
+        return web.json_response({"success": True, "num_aborted": 0})
+    aborted = await asyncio.wrap_future(
+        request.app[_SCHEDULER].abort(rid or None, abort_all=abort_all)
+    )
     return web.json_response({"success": True, "num_aborted": aborted})
 
 

@@ -625,6 +625,11 @@ def test_bad_requests_get_400_naming_the_field(engine: Engine, body: Any, field:
 def test_control_routes_reject_bad_input(engine: Engine) -> None:
     assert engine.request("POST", "/pause_generation", {"mode": "nap"})[0] == 400
     assert engine.request("POST", "/abort_request", {"rid": 3})[0] == 400
+    # AbortReq (io_struct.py): no rid is rid "", which names nothing; SGLang answers 200
+    assert engine.request("POST", "/abort_request", {}) == (
+        200,
+        {"success": True, "num_aborted": 0},
+    )
     status, body = engine.request(
         "POST", "/update_weights_from_distributed", {"names": ["x"], "dtypes": [], "shapes": []}
     )
