@@ -14,16 +14,18 @@ launcher hands it over; or ``--api-key``, which ``ps`` shows) it answers as SGLa
 refuses to start without a key unless ``--insecure`` is given.
 
 Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
-``POST /pause_generation``, ``POST /continue_generation``, ``POST /init_weights_update_group``,
-``POST /update_weights_from_distributed`` (inside ``POST /begin_weight_update`` ... ``POST
-/end_weight_update``, as SGLang 0.5.23 wants it), ``POST /destroy_weights_update_group``,
-``POST /update_weights_from_disk``, ``GET|POST /get_weights_by_name``, ``POST
-/update_weight_version``, ``GET|POST /flush_cache``, ``GET /health``, ``GET /model_info``
-(also ``/get_model_info``), ``GET /get_server_info``, ``GET /get_weight_version``,
-``POST /v1/tokenize`` and ``/v1/detokenize`` (``stages.engine.tokenize_routes``), ``POST
-/parse_function_call`` and ``/separate_reasoning`` (``stages.engine.parse_routes``); ``stream:
-true`` answers server-sent events (``stages.engine.streaming``); the OpenAI-compatible ``/v1``
-routes are ``stages.engine.openai_api``'s; the weight routes ``stages.engine.weight_routes``'. A malformed request gets HTTP 400 with ``{"error":
+``POST /pause_generation``, ``POST /continue_generation``, ``GET|POST /flush_cache``,
+``GET /health``, ``GET /model_info`` (also ``/get_model_info``), ``GET /get_server_info``,
+``GET /get_weight_version``, ``POST /update_weight_version``; the weight routes
+(``stages.engine.weight_routes``: ``/init_weights_update_group``,
+``/update_weights_from_distributed`` inside
+``/begin_weight_update`` ... ``/end_weight_update`` as SGLang 0.5.23 wants it,
+``/destroy_weights_update_group``, ``/update_weights_from_disk``,
+``/get_weights_by_name``); ``POST /v1/tokenize`` and ``/v1/detokenize``
+(``stages.engine.tokenize_routes``); ``POST /parse_function_call`` and ``/separate_reasoning``
+(``stages.engine.parse_routes``); ``stream: true`` answers server-sent events
+(``stages.engine.streaming``); the OpenAI-compatible ``/v1`` routes are
+``stages.engine.openai_api``'s. A malformed request gets HTTP 400 with ``{"error":
 {"message": "<field>: <problem>"}}``; weight routes answer ``{"success": false, "message":
 ...}`` instead, as SGLang does. A client that leaves mid-stream is counted as refused with
 status 499 (``refused_requests``). The model runs on the scheduler thread; this event loop only

@@ -35,6 +35,7 @@ flush the engines' caches (``flush_cache`` is always false: in-flight updates ke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -134,6 +135,10 @@ class WeightPublisher:
         # the calls around each update: SGLang's session, a pause in place (update_frame.py)
         self._pause = pause
         self._frame: UpdateFrame | None = None
+        # the frame's opening, awaited before the first bucket goes out (packing goes on
+        # meanwhile), and the last update's closing, awaited before the next update opens
+        self._opening: asyncio.Future[None] | None = None
+        self._closing: asyncio.Future[None] | None = None
 
     @property
     def world_size(self) -> int:
@@ -204,16 +209,22 @@ class WeightPublisher:
         ``base_version``: the weights are a delta (``stages.weights.delta``) against that
         version, which an engine then refuses unless it holds it (built-in engines only)."""
         group = self._usable_group()
-        assert self._frame is not None
+        frame = self._frame
+        assert frame is not None
+        await self._closed()
         self._base = base_version
         started = time.perf_counter()
+        self._opening = asyncio.ensure_future(frame.begin())
         try:
-            await self._frame.begin()
             buckets, nbytes = await self._send_all(group, weights, version)
+            await self._opened()
         except BaseException:
-            await self._frame.end(failed=True)
+            with contextlib.suppress(Exception):
+                await self._opened()
+            await frame.end(failed=True)
             raise
-        await self._frame.end()
+        # sessions ended and engines resumed while the caller goes on: the version is live
+        self._closing = asyncio.ensure_future(frame.end())
         stats = PublishStats(
             version=version, buckets=buckets, bytes=nbytes, seconds=time.perf_counter() - started
         )
@@ -227,6 +238,28 @@ class WeightPublisher:
             engines=len(self.engine_urls),
         )
         return stats
+
+    async def _opened(self) -> None:
+        """The frame of the update in progress is open (its error raised here)."""
+        opening, self._opening = self._opening, None
+        if opening is not None:
+            await opening
+
+    async def settled(self) -> None:
+        """Wait until the last update's frame is closed: its sessions ended, the engines it
+        paused resumed (``publish`` returns once the weights are loaded, before that)."""
+        await self._closed()
+
+    async def _closed(self) -> None:
+        """The last update's frame is closed; what went wrong there is logged (the next
+        frame recovers from it: a session left open is closed and opened again)."""
+        closing, self._closing = self._closing, None
+        if closing is None:
+            return
+        try:
+            await closing
+        except Exception as exc:
+            self.log.error("weight_update_frame_not_closed", error=repr(exc))
 
     async def _send_all(
         self, group: WeightGroup, weights: WeightSource, version: int
@@ -260,6 +293,7 @@ class WeightPublisher:
                     )
                     nbytes += sum(t.numel() * t.element_size() for t in tensors)
         if not buckets or buckets != total:
+            await self._opened()
             await asyncio.gather(
                 *(
                     self._post(
@@ -325,6 +359,7 @@ class WeightPublisher:
         group, self._group = self._group, None
         frame, self._frame = self._frame, None
         try:
+            await self._closed()
             if frame is not None and (frame.open or frame.paused) and self._session is not None:
                 await frame.end(failed=True)  # an update cut short: no engine left paused
         finally:
@@ -365,6 +400,7 @@ class WeightPublisher:
             payload["weight_version"] = str(version)
         if self._base is not None:
             payload["base_version"] = str(self._base)
+        await self._opened()
         # The POSTs go out first; each engine then blocks in its side of the broadcast.
         route = "/update_weights_from_distributed"
         posts = [self._post(url, route, payload) for url in self.engine_urls]

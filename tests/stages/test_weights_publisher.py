@@ -236,6 +236,7 @@ async def test_flattened_buckets_reach_both_engines_bit_exact(engines: list[str]
             await _assert_engines_hold(engines, weights, version)
         # each update framed as SGLang 0.5.23 wants it: paused in place, inside a session
         # (the older SGLang has none), then resumed
+        await pub.settled()
         calls = [(await _held(url))["calls"] for url in engines]
         updates = ["update"] * stats.buckets
         assert calls[0][-len(updates) - 4 :] == [
@@ -300,7 +301,8 @@ async def test_engine_answering_failure_raises_naming_it(engines: list[str]) -> 
         weights = [*_model(seed=4), ("e1.fail_after_receive", torch.zeros(2))]
         with pytest.raises(WeightPublishError, match=rf"engine {engines[1]}: .*could not load"):
             await pub.publish(weights, version=1)
-        # the failed update still closed its frame: no session left open, no engine paused
+        # the failed update still closed its frame (before it raised): no session left open,
+        # no engine paused
         assert (await _held(engines[0]))["calls"][-2:] == ["end", "continue"]
         assert (await _held(engines[1]))["calls"][-1] == "continue"
         with pytest.raises(WeightPublishError, match=r"out of step.*close\(\) and connect\(\)"):
@@ -352,6 +354,7 @@ async def test_a_session_left_open_is_closed_and_the_built_in_engine_is_not_paus
         await pub.connect()
         marks = [len((await _held(url))["calls"]) for url in engines]
         await pub.publish(_model(seed=8), version=3)
+        await pub.settled()
         new = [(await _held(url))["calls"][n:] for url, n in zip(engines, marks, strict=True)]
         assert new[0] == ["end", "begin", "update:not paused", "end"]
         assert new[1] == ["update:not paused"]
