@@ -27,6 +27,8 @@ weight-update session (``/begin_weight_update`` ... ``/end_weight_update``), and
 between ``pause_generation`` ``mode: in_place`` and ``continue_generation``, without which SGLang
 waits for every request in flight to end before each update (the built-in engine, which loads
 buckets between decode steps while its requests go on, is not paused; ``pause`` overrides).
+The frame opens while the first bucket is packed, and closes after ``publish`` has returned
+(the weights are loaded by then): the next update, ``settled()`` or ``close()`` waits for it.
 
 It does not gather ZeRO-3 shards itself (pass a callable yielding gathered groups), retry, or
 flush the engines' caches (``flush_cache`` is always false: in-flight updates keep the cache).
