@@ -13,7 +13,7 @@ As SGLang 0.5.23 answers them (``srt/entrypoints/http_server.py``
   JSON text. As ``FunctionCallParser.parse_non_stream``: no tools, the text as it is and no
   calls; else a text without the format's marker is left as it is; calls naming no tool are
   dropped. ``tool_index`` is the named tool's place in ``tools`` (the last with that name), or
-  for ``pythonic`` the call's place among the calls read;
+  for ``pythonic`` the call's place in its list, the calls dropped counted;
 - ``/separate_reasoning``: ``text``, ``reasoning_parser`` (a ``--reasoning-parser`` name, any
   case), ``return_blocks`` (false) -> ``{reasoning_text, text}``, and with ``return_blocks``
   ``reasoning_blocks``, ``text_blocks`` and ``blocks`` (``[{type: "reasoning", text}]`` when
@@ -35,15 +35,11 @@ there and its route lets it out; logged (the 1st, 2nd, 4th ... of each route), a
 counter counts only 4xx.
 
 Checked against SGLang's own ``FunctionCallParser`` and ``ReasoningParser`` on 20,000 random
-texts per route (a local check, not in the suite): every reasoning answer agrees; the tool-call
-answers differ where the engine's readers do. Where SGLang's parser raises on a call that is
-not a JSON object (``llama3``, ``mistral``, ``qwen25``), SGLang answers 500 and this route the
-text as it is, no calls. ``qwen25``/``qwen`` and ``hermes`` are one reader here: ``<tool_call>``
-with or without the newlines Qwen 2.5's detector needs, a list of calls in one tag not read,
-falsy arguments (null, ``[]``) as ``{}``; Hermes' detector reads an unclosed last call and
-gives up the whole text for one call that does not parse, where this drops that call and reads
-the rest. ``pythonic``'s ``tool_index`` counts only the calls read, where SGLang counts the
-dropped ones too.
+texts per route (a local check, not in the suite): every reasoning answer agrees, and every
+tool-call answer but where SGLang's parser raises, on a value that should be a call and is not
+a JSON object, or whose name is a list or an object (``llama3``, ``mistral``,
+``qwen25``/``qwen``; ``parse_base_json``): SGLang answers 500 there, this route the text as it
+is, no calls (what SGLang's chat route answers).
 """
 
 from __future__ import annotations
@@ -167,14 +163,10 @@ def _read_calls(
     reader = ToolCallParser([{"function": {"name": name}} for name in where], parser)
     if not reader.has_tool_call(text):
         return text, []
-    content, calls = reader.parse(text)
+    content, calls = reader.indexed(text, where)
     return content, [
-        {
-            "tool_index": i if parser == "pythonic" else where[call["name"]],
-            "name": call["name"],
-            "parameters": call["arguments"],
-        }
-        for i, call in enumerate(calls)
+        {"tool_index": index, "name": call["name"], "parameters": call["arguments"]}
+        for index, call in calls
     ]
 
 

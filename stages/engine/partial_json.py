@@ -171,6 +171,7 @@ class CallPieces:
         elif len(arguments) > len(sent):
             out.append({"index": index, "name": None, "arguments": arguments[len(sent) :]})
             self._calls[key][1] = arguments
+        self._calls[key][2] = arguments  # the last JSON is the whole: nothing is left unsent
         return out
 
     def unsent(self) -> list[dict[str, Any]]:

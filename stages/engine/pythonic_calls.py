@@ -10,7 +10,9 @@ Whole: the (stripped) text is searched for SGLang's pattern of a bracketed call 
 within it reaches as far as it can); what it matches is parsed with ``ast``, the text around it
 is the content. Calls are dropped, and logged, one by one: a call of anything but a plain name,
 of a tool not offered, or with an argument that is not a literal or has no JSON form (bytes,
-``inf``). If the match is not a list of calls, or does not parse, there are no calls.
+``inf``). If the match is not a list of calls, or does not parse, there are no calls. A call's
+``tool_index`` there is its place in the list, the calls dropped before it counted
+(``listed``); the chat route numbers the calls it answers with in order, as SGLang's does.
 
 Streamed (``stream()``), as SGLang streams it: text goes out as content up to a ``[``, from
 which it waits until its brackets close (strings not minded); the bracketed text is then read
@@ -68,6 +70,12 @@ class PythonicCalls:
         return _CALLS.search(_untokened(text.strip())) is not None
 
     def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
+        content, listed = self.listed(text)
+        return content, [call for _, call in listed]
+
+    def listed(self, text: str) -> tuple[str, list[tuple[int, dict[str, str]]]]:
+        """``(content, [(place, call)])``: each call with its place in the list, the calls
+        dropped counted (``tool_index`` there: ``pythonic_detector.py:86,118``)."""
         text = _untokened(text.strip())
         match = _CALLS.search(text)
         if match is None:
@@ -83,11 +91,11 @@ class PythonicCalls:
                 not isinstance(e, ast.Call) for e in value.elts
             ):
                 return content, []
-            calls = [c for c in map(self._call, value.elts) if c is not None]
+            calls = [(i, self._call(e)) for i, e in enumerate(value.elts)]
         except (SyntaxError, ValueError, RecursionError, _Unreadable) as exc:
             log.warning("tool_call_unparsed", error=str(exc), text=match.group()[:200])
             return content, []
-        return content, calls
+        return content, [(i, call) for i, call in calls if call is not None]
 
     def _call(self, call: ast.Call) -> dict[str, str] | None:
         if not isinstance(call.func, ast.Name):

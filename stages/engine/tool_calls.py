@@ -1,20 +1,14 @@
 """Tool calls in generated text, whole or as it streams, in the format SGLang's
-``--tool-call-parser`` names: ``qwen25`` (also ``qwen``), ``hermes``, here; ``llama3``,
-``mistral`` (``stages.engine.tool_formats``) and ``pythonic`` (``stages.engine.pythonic_calls``);
-and how a forced ``tool_choice`` constrains an answer to calls in that format (``forced_calls``).
+``--tool-call-parser`` names: ``qwen25`` (also ``qwen``), ``hermes``, ``llama3``, ``mistral``
+(``stages.engine.tool_formats``) and ``pythonic`` (``stages.engine.pythonic_calls``); and how a
+forced ``tool_choice`` constrains an answer to calls in that format (``forced_calls``).
 
-What SGLang's ``Qwen25Detector`` (``--tool-call-parser qwen25``; ``hermes`` is the same format)
-reads: each call is a JSON object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>``
-and ``</tool_call>`` (newlines around the JSON), several calls one after another. The text before
-the first call is the message's content (stripped); a call naming a tool the request did not
-offer, or whose JSON does not parse, is dropped and logged, as there. Each call becomes
-``{"name", "arguments"}`` with the arguments as a JSON string (``ensure_ascii=False``).
-
-Streamed (``StreamingToolCalls``; this format's): text is passed on as it comes until a
-``<tool_call>`` begins (a tail that could be the start of one is held back, so only whitespace
-before a call may have gone out before it began); a call goes out as SGLang sends it: its name
-first, as soon as it is whole, then its arguments in pieces as they are generated (the JSON of
-what parses so far), the rest once its ``</tool_call>`` arrives.
+``ToolCallParser`` reads a request's answer in one format (without ``--tool-call-parser``, the
+one its chat template writes: ``parser_for_template``): ``parse`` the whole answer, as the chat
+route's ``_process_tool_calls`` does (its calls numbered in order there), ``indexed`` with each
+call's ``tool_index`` as ``/parse_function_call`` answers it, ``stream`` the answer as it comes
+(``StreamingToolCalls``: content to send now and the pieces of the calls, which add up to what
+the whole answer holds; each format's module says where SGLang's stream differs).
 
 Forced (``tool_choice`` ``required`` or a named function), as SGLang's
 ``FunctionCallParser.get_structure_constraint``: a format with a structure (all but
@@ -29,15 +23,17 @@ This module knows nothing of HTTP or the engine.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-import structlog
-
-from stages.engine.partial_json import CallPieces, closed_prefix, partial_tail
 from stages.engine.pythonic_calls import PythonicCalls
-from stages.engine.tool_formats import JsonArrayCalls, Llama3Calls, MistralCalls
+from stages.engine.tool_formats import (
+    HermesCalls,
+    JsonArrayCalls,
+    Llama3Calls,
+    MistralCalls,
+    Qwen25Calls,
+)
 
 __all__ = [
     "PARSERS",
@@ -49,11 +45,12 @@ __all__ = [
     "parser_for_template",
 ]
 
-log = structlog.get_logger("stages.engine.tool_calls")
-
-BEGIN, END = "<tool_call>", "</tool_call>"
-# the formats of other modules, by the name the engine reads them by
-_FORMATS = {
+BEGIN = "<tool_call>"
+# the formats, by the name the engine reads them by
+_FORMATS: dict[str, Any] = {
+    "qwen25": Qwen25Calls,
+    "qwen": Qwen25Calls,
+    "hermes": HermesCalls,
     "llama3": Llama3Calls,
     "mistral": MistralCalls,
     "pythonic": PythonicCalls,
@@ -85,8 +82,12 @@ class CallStream(Protocol):
 
 
 def parser_for_template(template: str | None) -> str | None:
-    """The parser a chat template's own tool-call format needs (None: none known)."""
-    return "qwen25" if template and BEGIN in template else None
+    """The parser a chat template's own tool-call format needs (None: none known): one that
+    writes ``<tool_call>`` gets Qwen 2.5's, which needs a newline after the tag, or where it
+    writes a call's JSON right after the tag, Hermes', which reads that too."""
+    if not template or BEGIN not in template:
+        return None
+    return "hermes" if BEGIN + "{" in template else "qwen25"
 
 
 def call_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
@@ -172,54 +173,30 @@ class ToolCallParser:
 
     def __init__(self, tools: Iterable[dict[str, Any]], parser: str | None = None) -> None:
         self.names = {t["function"]["name"] for t in tools}
-        self.format = _FORMATS[parser](self.names) if parser in _FORMATS else None
+        self.format = _FORMATS[parser or "qwen25"](self.names)
 
     def has_tool_call(self, text: str) -> bool:
-        if self.format is not None:
-            return self.format.has_tool_call(text)
-        return BEGIN in text
+        return self.format.has_tool_call(text)
 
     def stream(self) -> CallStream:
         """A stream of this request's answer."""
-        return self.format.stream() if self.format is not None else _TaggedStream(self)
+        return self.format.stream()
 
     def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
         """``(content, calls)`` of a whole generated text."""
-        if self.format is not None:
-            return self.format.parse(text)
-        at = text.find(BEGIN)
-        if at == -1:
-            return text, []
-        calls = []
-        rest = text[at:]
-        while True:
-            start = rest.find(BEGIN)
-            if start == -1:
-                break
-            end = rest.find(END, start)
-            if end == -1:
-                log.warning("tool_call_incomplete", text=rest[start : start + 200])
-                break
-            call = self.call(rest[start + len(BEGIN) : end])
-            if call is not None:
-                calls.append(call)
-            rest = rest[end + len(END) :]
-        return text[:at].strip(), calls
+        return self.format.parse(text)
 
-    def call(self, body: str) -> dict[str, str] | None:
-        """One call's ``{name, arguments}`` from the text between the tags; None (logged) if
-        it is not a JSON object naming an offered tool."""
-        try:
-            obj = json.loads(body.strip())
-        except json.JSONDecodeError as exc:
-            log.warning("tool_call_unparsed", error=str(exc), text=body[:200])
-            return None
-        name = obj.get("name") if isinstance(obj, dict) else None
-        if not isinstance(name, str) or name not in self.names:
-            log.warning("tool_call_unknown_function", name=str(name)[:100])
-            return None
-        arguments = obj.get("parameters") or obj.get("arguments") or {}
-        return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+    def indexed(
+        self, text: str, places: Mapping[str, int]
+    ) -> tuple[str, list[tuple[int, dict[str, str]]]]:
+        """``(content, [(tool_index, call)])`` of a whole generated text, as
+        ``FunctionCallParser.parse_non_stream`` numbers its calls: the named tool's place
+        (``places``, by name; ``parse_base_json``), or for ``pythonic`` the call's place in its
+        list, the calls dropped counted (``pythonic_detector.py:118``)."""
+        if isinstance(self.format, PythonicCalls):
+            return self.format.listed(text)
+        content, calls = self.format.parse(text)
+        return content, [(places[call["name"]], call) for call in calls]
 
 
 class StreamingToolCalls:
@@ -244,128 +221,12 @@ class StreamingToolCalls:
         return self._stream.feed(delta)
 
     def flush(self) -> str:
-        """At the end: content held back (a call never finished is dropped and logged)."""
+        """At the end: content held back (a call never finished is dropped and logged, but
+        for Hermes', which is read as it stands, its rest going out with ``unsent``)."""
         return self._stream.flush()
 
     def unsent(self) -> list[dict[str, Any]]:
         """At the end, after ``flush``: the piece that closes the arguments of a call cut
-        short, as SGLang sends it (``partial_json.CallPieces.unsent``)."""
+        short, as SGLang sends it (``partial_json.CallPieces.unsent``), or the rest of a last
+        Hermes call read without its end tag."""
         return self._stream.unsent()
-
-
-class _TaggedStream:
-    """The Qwen 2.5 / Hermes stream. As SGLang's
-    ``BaseFormatDetector.parse_streaming_increment``: while the arguments are incomplete, what
-    goes out is what the JSON of the arguments parsed so far (open strings, objects and lists
-    closed) has in common with the last such JSON; the rest goes once ``</tool_call>`` arrives.
-    A call whose name is not an offered tool is dropped (logged) before anything of it goes out.
-    """
-
-    def __init__(self, parser: ToolCallParser) -> None:
-        self.parser = parser
-        self.pending = ""  # text not passed on yet (inside a call: the call's text so far)
-        self.in_call = False
-        self.pieces = CallPieces()
-        self.blocks = 0  # <tool_call> blocks begun: the current one's key
-        self.dropped = False  # the current call names no offered tool
-
-    @property
-    def calls(self) -> int:  # calls begun (named) so far: the next one's index
-        return self.pieces.count
-
-    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
-        self.pending += delta
-        content, pieces = "", []
-        while True:
-            if not self.in_call:
-                at = self.pending.find(BEGIN)
-                if at == -1:
-                    keep = partial_tail(self.pending, BEGIN)
-                    cut = len(self.pending) - keep
-                    if not self.calls:  # text after a call is not content (SGLang drops it)
-                        content += self.pending[:cut]
-                    self.pending = self.pending[cut:]
-                    break
-                if not self.calls:
-                    content += self.pending[:at].rstrip() if at else ""
-                self.pending = self.pending[at + len(BEGIN) :]
-                self.in_call = True
-                self.dropped = False
-                self.blocks += 1
-            end = self.pending.find(END)
-            if end == -1:
-                pieces += self._partial(self.pending)
-                break
-            pieces += self._whole(self.pending[:end])
-            self.pending = self.pending[end + len(END) :]
-            self.in_call = False
-        return content, pieces
-
-    def _partial(self, body: str) -> list[dict[str, Any]]:
-        """Pieces of the call being generated (``body``: its text so far)."""
-        if self.dropped:
-            return []
-        name = ""
-        if not self.pieces.named(self.blocks):
-            name = _partial_name(body)
-            if name is None:
-                return []
-            if name not in self.parser.names:
-                log.warning("tool_call_unknown_function", name=name[:100])
-                self.dropped = True
-                return []
-        return self.pieces.partial(self.blocks, name, _partial_arguments(body))
-
-    def _whole(self, body: str) -> list[dict[str, Any]]:
-        """The rest of a call whose ``</tool_call>`` arrived (``body``: all its text)."""
-        if self.dropped:
-            return []
-        call = self.parser.call(body)  # logs what it drops
-        if call is None:
-            return []
-        return self.pieces.whole(self.blocks, call["name"], call["arguments"])
-
-    def flush(self) -> str:
-        """At the end: text held back that turned out not to start a call (a call never
-        closed is dropped and logged)."""
-        if self.in_call:
-            log.warning("tool_call_incomplete", text=self.pending[:200])
-            self.pending = ""
-            return ""
-        rest, self.pending = self.pending, ""
-        return rest if not self.calls else ""
-
-    def unsent(self) -> list[dict[str, Any]]:
-        return self.pieces.unsent()
-
-
-_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
-
-
-def _partial_name(body: str) -> str | None:
-    """The call's name once it is whole (the format writes it first)."""
-    match = _NAME.match(body)
-    if match is None:
-        return None
-    try:
-        name = json.loads(f'"{match.group(1)}"')
-    except json.JSONDecodeError:
-        return None
-    return name if isinstance(name, str) else None
-
-
-def _partial_arguments(body: str) -> str | None:
-    """The JSON (``json.dumps``) of the arguments written so far, open strings, objects and
-    lists closed; None before any of them can be parsed."""
-    match = _ARGUMENTS.search(body, _NAME.match(body).end() if _NAME.match(body) else 0)
-    if match is None:
-        return None
-    text = closed_prefix(body[match.end() :])
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return json.dumps(value, ensure_ascii=False)

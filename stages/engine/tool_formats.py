@@ -1,13 +1,25 @@
-"""Tool calls written as JSON objects: SGLang's ``llama3`` and ``mistral`` formats, and the JSON
-array that a forced tool choice gets where the format has no structural tag.
+"""Tool calls written as JSON objects: SGLang's ``qwen25`` (also ``qwen``), ``hermes``,
+``llama3`` and ``mistral`` formats, and the JSON array that a forced tool choice gets where the
+format has no structural tag.
 
-As SGLang 0.5.23 reads them (``function_call/llama32_detector.py``, ``mistral_detector.py``,
-``json_array_parser.py``, ``base_format_detector.py``; ``serving_chat._process_tool_calls``).
-A call is a JSON object; its name must be an offered tool (else it is dropped and logged), its
-arguments are ``parameters`` or else ``arguments`` (``{}`` when neither), as JSON text
-(``ensure_ascii=False``). A decoded value that is not an object makes the whole answer
-unreadable: no calls, the text as it is (SGLang's ``parse_base_json`` raises there).
+As SGLang 0.5.23 reads them (``function_call/qwen25_detector.py``, ``hermes_detector.py``,
+``llama32_detector.py``, ``mistral_detector.py``, ``json_array_parser.py``,
+``base_format_detector.py``; ``serving_chat._process_tool_calls``). A call is a JSON object;
+its name must be an offered tool (else it is dropped and logged), its arguments are
+``parameters`` or else ``arguments`` (``{}`` when neither; a falsy ``parameters`` gives way to
+``arguments``, which are kept as they are, ``null`` and ``[]`` too), as JSON text
+(``ensure_ascii=False``). Where a value that should be a call is not an object, or its name is
+a list or an object, SGLang's ``parse_base_json`` raises (its ``/parse_function_call`` answers
+500; its chat route keeps the text as content, no calls): here the whole answer is unreadable,
+no calls and the text as it is, on both routes.
 
+- ``qwen25``: ``<tool_call>\n`` and ``\n</tool_call>`` around each call (the newlines
+  needed: ``<tool_call>{...}</tool_call>`` is no call, the answer text as it is); the content
+  is the text before the first call (stripped), the rest is dropped. A tag holds a call object
+  or a JSON list of them; one that is not JSON is dropped (logged).
+- ``hermes``: ``<tool_call>`` and ``</tool_call>``, newlines or not, and a last call whose end
+  tag never came is read too; but one tag that is not JSON (an unfinished last call too) makes
+  the whole answer unreadable, as any error does in ``HermesDetector.detect_and_parse``.
 - ``llama3``: calls follow ``<|python_tag|>`` (the text before it is content, as it is), or
   make up an answer that begins with ``{``; one after another, one character (``;``) between
   two, each decoded right where it starts. Where one cannot be, an object of Python literals
@@ -26,18 +38,22 @@ unreadable: no calls, the text as it is (SGLang's ``parse_base_json`` raises the
 Streamed (``stream()``): content goes out as it comes, but for a tail that could begin a
 marker and whitespace that a call would strip; a call's name as soon as it is whole, then its
 arguments in pieces (``partial_json.CallPieces``), the rest once its object is whole (a
-compact Mistral call, or a Llama call of Python literals, goes out whole: name, then
-arguments). Content after the calls goes out where it is known to be content: for Llama, at
-the end (a later call would drop it). Where SGLang's streaming depends on where the deltas
-split (it reads only the buffer it holds, so a ``;`` or ``, `` split from the next call, or a
-name and arguments in one delta, lose a call or its arguments; ``]`` deleted from Mistral
-content; an unknown Mistral call, or the rest of an unknown JSON call, sent as content), this
-gives what the whole answer gives, which is what SGLang streams when the deltas are small.
-Differences that remain: a Llama answer that begins with ``{`` is read as calls from its start
-even if a ``<|python_tag|>`` comes later (SGLang's stream does so; its whole-answer reading
-would make the text before the tag content); a call already named stays named even if its
-object turns out not to be JSON. A call unfinished at the end gets the rest of its partial
-arguments' JSON (``unsent``), as SGLang's ``_check_for_unstreamed_tool_args`` sends it.
+compact Mistral call, a Llama call of Python literals, or a list of calls in one
+``<tool_call>``, goes out whole once it closes: name, then arguments). Content after the calls
+goes out where it is known to be content: for Llama, at the end (a later call would drop it).
+Where SGLang's streaming depends on where the deltas split (it reads only the buffer it holds,
+so a ``;`` or ``, `` split from the next call, or a name and arguments in one delta, lose a call
+or its arguments; ``]`` deleted from Mistral content; an unknown Mistral call, or the rest of an
+unknown JSON call, sent as content; a list in a ``<tool_call>`` never read), this gives what the
+whole answer gives, which is what SGLang streams when the deltas are small. Differences that
+remain: a Llama answer that begins with ``{`` is read as calls from its start even if a
+``<|python_tag|>`` comes later (SGLang's stream does so; its whole-answer reading would make
+the text before the tag content); a call already named stays named even if its object turns
+out not to be JSON; and an answer found unreadable only later (a Hermes tag that is not JSON, a
+call that is not an object) has had the calls before it sent, and the stream goes on with the
+calls after it, where the whole answer has none. A call unfinished at the end gets the rest of
+its partial arguments' JSON (``unsent``), as SGLang's ``_check_for_unstreamed_tool_args`` sends
+it; a Hermes call whose end tag never came, but whose JSON is whole, gets its rest there too.
 
 This module knows nothing of HTTP or the engine.
 """
@@ -46,6 +62,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -54,7 +71,7 @@ import structlog
 
 from stages.engine.partial_json import CallPieces, bracket_end, closed_prefix, partial_tail
 
-__all__ = ["JsonArrayCalls", "Llama3Calls", "MistralCalls"]
+__all__ = ["HermesCalls", "JsonArrayCalls", "Llama3Calls", "MistralCalls", "Qwen25Calls"]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -76,6 +93,8 @@ def _call(obj: Any, names: set[str], arguments: Callable[[dict], Any]) -> dict[s
     if not isinstance(obj, dict):
         raise _Unreadable(f"a call is a JSON object, not {type(obj).__name__}")
     name = obj.get("name")
+    if name and isinstance(name, list | dict):  # parse_base_json: `name in tool_indices` raises
+        raise _Unreadable(f"a call's name is a string, not {type(name).__name__}")
     if not isinstance(name, str) or name not in names:
         log.warning("tool_call_unknown_function", name=str(name)[:100])
         return None
@@ -195,6 +214,154 @@ class _Content:
         """At the end, with no marker: what waited."""
         out, self.sent = text[self.sent :], len(text)
         return out
+
+
+# ---- qwen25 / hermes ----------------------------------------------------------------------------
+
+
+def _calls(value: Any, names: set[str]) -> list[dict[str, str]]:
+    """The calls of a decoded value, a call object or a list of them (``parse_base_json``)."""
+    items = value if isinstance(value, list) else [value]
+    return [c for c in (_call(v, names, _either) for v in items) if c is not None]
+
+
+class Qwen25Calls:
+    """SGLang's ``Qwen25Detector`` (``--tool-call-parser qwen25`` or ``qwen``)."""
+
+    begin, end = "<tool_call>\n", "\n</tool_call>"  # qwen25_detector.py:38-39
+    _blocks = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)  # :61
+    reads_unclosed = False  # a last call without its end tag is a call (Hermes)
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def has_tool_call(self, text: str) -> bool:
+        return self.begin in text
+
+    def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
+        at = text.find(self.begin)
+        if at == -1:
+            return text, []
+        calls = []
+        try:
+            for body in self._bodies(text):
+                calls += self.block(body)
+        except _Unreadable as exc:
+            log.warning("tool_call_unparsed", error=str(exc))
+            return text, []
+        return text[:at].strip(), calls
+
+    def _bodies(self, text: str) -> list[str]:
+        return self._blocks.findall(text)
+
+    def block(self, body: str) -> list[dict[str, str]]:
+        """The calls of one tag's ``body``; none (logged) where it is not JSON."""
+        try:
+            value = json.loads(body.strip())
+        except json.JSONDecodeError as exc:
+            log.warning("tool_call_unparsed", error=str(exc), text=body[:200])
+            return []
+        except (ValueError, RecursionError) as exc:  # SGLang catches JSONDecodeError alone
+            raise _Unreadable(str(exc)) from exc
+        return _calls(value, self.names)
+
+    def stream(self) -> _TaggedStream:
+        return _TaggedStream(self)
+
+
+class HermesCalls(Qwen25Calls):
+    """SGLang's ``HermesDetector`` (``--tool-call-parser hermes``)."""
+
+    begin, end = "<tool_call>", "</tool_call>"  # hermes_detector.py:147-148
+    _blocks = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # :149
+    reads_unclosed = True
+
+    def _bodies(self, text: str) -> list[str]:
+        return [closed or rest for closed, rest in self._blocks.findall(text) if closed or rest]
+
+    def block(self, body: str) -> list[dict[str, str]]:
+        """The calls of one tag's ``body``; a body that is not JSON makes the whole answer
+        unreadable (``detect_and_parse``'s ``except Exception``: the text as it is)."""
+        try:
+            value = json.loads(body.strip())
+        except (ValueError, RecursionError) as exc:
+            raise _Unreadable(str(exc)) from exc
+        return _calls(value, self.names)
+
+
+class _TaggedStream:
+    def __init__(self, reader: Qwen25Calls) -> None:
+        self.reader = reader
+        self.text = ""
+        self.pos = 0  # where the text not passed on (or read) yet begins
+        self.body: int | None = None  # inside a tag: where its body begins
+        self.blocks = 0  # tags begun: the current one's key
+        self.objects = _Objects(reader.names, _either)
+        self.last: Pieces = []  # Hermes: what is left of a call whose tag never closed
+
+    @property
+    def calls(self) -> int:
+        return self.objects.pieces.count
+
+    def feed(self, delta: str) -> tuple[str, Pieces]:
+        self.text += delta
+        text, begin, content, pieces = self.text, self.reader.begin, "", []
+        while True:
+            if self.body is None:
+                at = text.find(begin, self.pos)
+                if at == -1:
+                    cut = len(text) - partial_tail(text[self.pos :], begin)
+                    if not self.blocks:  # the text after a call is not content (SGLang drops it)
+                        content += text[self.pos : cut]
+                    self.pos = cut
+                    break
+                if not self.blocks:
+                    content += text[self.pos : at].rstrip()
+                self.body, self.blocks = at + len(begin), self.blocks + 1
+            end = text.find(self.reader.end, self.body)
+            if end == -1:
+                pieces += self._partial(text[self.body :])
+                break
+            pieces += self._whole(text[self.body : end])
+            self.body, self.pos = None, end + len(self.reader.end)
+        return content, pieces
+
+    def _partial(self, body: str) -> Pieces:
+        """Pieces of the call whose tag is open (``body``: its text so far); a list of calls
+        goes out once its tag closes."""
+        start = _skip_space(body, 0)
+        if start == len(body) or body[start] != "{":
+            return []
+        return self.objects.partial((self.blocks, 0), body[start:])
+
+    def _whole(self, body: str) -> Pieces:
+        """The rest of the calls of the current tag, now closed (``body``: all its text)."""
+        self.objects.open = None
+        try:
+            calls = self.reader.block(body)  # logs what it drops
+        except _Unreadable as exc:
+            log.warning("tool_call_unparsed", error=str(exc), text=body[:200])
+            return []
+        out: Pieces = []
+        for j, call in enumerate(calls):
+            if (self.blocks, j) not in self.objects.dropped:
+                out += self.objects.pieces.whole((self.blocks, j), call["name"], call["arguments"])
+        return out
+
+    def flush(self) -> str:
+        if self.body is None:
+            rest, self.pos = self.text[self.pos :], len(self.text)
+            return "" if self.blocks else rest
+        body, self.body, self.pos = self.text[self.body :], None, len(self.text)
+        if self.reader.reads_unclosed and body:
+            self.last = self._whole(body)
+        else:
+            log.warning("tool_call_incomplete", text=body[:200])
+        return ""
+
+    def unsent(self) -> Pieces:
+        out, self.last = self.last, []
+        return out + self.objects.pieces.unsent()
 
 
 # ---- llama3 ------------------------------------------------------------------------------------
@@ -391,9 +558,7 @@ class MistralCalls:
         except json.JSONDecodeError as exc:
             log.warning("tool_call_unparsed", error=str(exc), text=array[:200])
             value = []
-        items = value if isinstance(value, list) else [value]
-        calls = [c for c in (_call(v, self.names, _either) for v in items) if c is not None]
-        return calls, part[part.find(array) + len(array) :].strip()
+        return _calls(value, self.names), part[part.find(array) + len(array) :].strip()
 
     def _compact(self, part: str) -> tuple[list[dict[str, str]], str]:
         calls, rest = [], part

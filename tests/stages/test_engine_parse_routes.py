@@ -78,6 +78,12 @@ def test_each_tool_call_format_is_read_as_sglang_reads_it(url: str) -> None:
     assert _calls(url, mistral, "mistral") == {"normal_text": "Hi bye", "calls": [weather, add]}
     compact = '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'
     assert _calls(url, compact, "mistral") == {"normal_text": "", "calls": [add]}
+    # qwen25 needs the newlines around a call (qwen25_detector.py:38-39), hermes does not and
+    # reads a last call without its end tag (hermes_detector.py:149)
+    bare = f"Sure <tool_call>{ADD}</tool_call>"
+    assert _calls(url, bare, "qwen25") == {"normal_text": bare, "calls": []}
+    unclosed = f"<tool_call>{WEATHER}</tool_call><tool_call>{ADD}"
+    assert _calls(url, unclosed, "hermes") == {"normal_text": "", "calls": [weather, add]}
     # pythonic: tool_index is the call's place in the list (pythonic_detector.py:118)
     pythonic = "I'll call [add(a=1, b=2), get_weather(city='Zürich')]"
     assert _calls(url, pythonic, "pythonic") == {
@@ -98,6 +104,13 @@ def test_calls_to_functions_not_in_tools_are_dropped(url: str) -> None:
     assert _calls(url, f"[TOOL_CALLS] [{ADD}, {UNKNOWN}]", "mistral")["calls"] == [add]
     pythonic = _calls(url, "[add(a=1, b=2), launch(x=1)]", "pythonic")
     assert pythonic["calls"] == [_call(0, "add", '{"a": 1, "b": 2}')]
+    # ... a pythonic call's tool_index counts the calls dropped before it (pythonic_detector.py:118)
+    pythonic = _calls(url, "[launch(x=1), add(a=1, b=2)]", "pythonic")
+    assert pythonic["calls"] == [_call(1, "add", '{"a": 1, "b": 2}')]
+    # where SGLang's parser raises (a call that is not an object; its route answers 500), the
+    # text as it is, no calls, as SGLang's chat route reads it
+    text = f"<tool_call>\n{ADD}\n</tool_call>\n<tool_call>\n[1]\n</tool_call>"
+    assert _calls(url, text, "qwen25") == {"normal_text": text, "calls": []}
     # the last tool of a name is the one indexed; unnamed tools are skipped
     tools = [{"function": {}}, _tool("add"), _tool("get_weather"), _tool("add")]
     assert _calls(url, f"<tool_call>\n{ADD}\n</tool_call>", "hermes", tools)["calls"] == [

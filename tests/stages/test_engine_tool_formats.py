@@ -1,8 +1,10 @@
-"""Tool calls in SGLang's ``llama3``, ``mistral`` and ``pythonic`` formats (and the JSON array a
-forced ``pythonic`` call is constrained to), read whole and streamed, against SGLang 0.5.23's
-``function_call/llama32_detector.py``, ``mistral_detector.py``, ``pythonic_detector.py``,
-``json_array_parser.py``, ``function_call_parser.py`` and ``serving_chat.py`` (each test names
-the lines it follows); and through a real engine with ``--tool-call-parser``."""
+"""Tool calls in SGLang's ``qwen25``, ``hermes``, ``llama3``, ``mistral`` and ``pythonic`` formats
+(and the JSON array a forced ``pythonic`` call is constrained to), read whole and streamed,
+against SGLang 0.5.23's ``function_call/qwen25_detector.py``, ``hermes_detector.py``,
+``base_format_detector.py``, ``llama32_detector.py``, ``mistral_detector.py``,
+``pythonic_detector.py``, ``json_array_parser.py``, ``function_call_parser.py`` and
+``serving_chat.py`` (each test names the lines it follows); and through a real engine with
+``--tool-call-parser``."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import structlog
 
 from stages.engine.openai_chat import ChatSettings, chat_request, chat_response
-from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser
+from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser, parser_for_template
 from tests.stages.test_engine_chat import _calls_of, _native
 from tests.stages.test_engine_grammar import TOOL_TEMPLATE, TOOLS
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
@@ -39,6 +41,195 @@ def _stream(parser: str, text: str, step: int) -> tuple[str, list[dict[str, Any]
 
 def _whole(parser: str, text: str) -> tuple[str, list[dict[str, str]]]:
     return ToolCallParser(OFFERED, parser).parse(text)
+
+
+def _chat(parser: str, text: str) -> dict[str, Any]:
+    """The non-streamed chat choice of an answer ``text`` read with ``parser``."""
+    options = {"model": "m", "n": 1, "logprobs": False, "parse_tools": True,
+               "tools": OFFERED, "tool_parser": parser}  # fmt: skip
+    (choice,) = chat_response([_native(text, {"type": "stop", "matched": 1})], options)["choices"]
+    return choice
+
+
+def _call(name: str, arguments: str) -> dict[str, str]:
+    return {"name": name, "arguments": arguments}
+
+
+# ---- qwen25 / hermes ---------------------------------------------------------------------------
+
+ADD = '{"name": "add", "arguments": {"a": 1}}'
+MUL = '{"name": "mul", "parameters": {"b": "é"}}'
+
+
+def test_qwen25_reads_only_calls_with_the_newlines_around_them() -> None:
+    """qwen25_detector.py:38-39 (bot_token "<tool_call>\\n", eot_token "\\n</tool_call>"), :45
+    (has_tool_call: the bot_token in the text), :55-62 (the text before it stripped; findall of
+    bot(.*?)eot): without the newlines there is no call, and the answer is the text as it is;
+    "qwen" is the same detector (function_call_parser.py:103-104)."""
+    for parser in ("qwen25", "qwen", None):
+        reader = ToolCallParser(OFFERED, parser)
+        text = f"Sure <tool_call>{ADD}</tool_call>"
+        assert not reader.has_tool_call(text) and reader.parse(text) == (text, [])
+        assert reader.parse(f"Sure\n<tool_call>\n{ADD}\n</tool_call>\n bye") == (
+            "Sure",
+            [_call("add", '{"a": 1}')],
+        )
+        # the begin tag with its newline, but no newline before the end tag: no call
+        assert reader.parse(f"<tool_call>\n{ADD}</tool_call>") == ("", [])
+        # a "<tool_call>" without its newline is text inside the body: that body is not JSON
+        text = f"<tool_call>\n{MUL}<tool_call>{ADD}\n</tool_call>"
+        assert reader.parse(text) == ("", [])
+    assert _chat("qwen25", f"Sure <tool_call>{ADD}</tool_call>")["message"] == {
+        "role": "assistant", "content": f"Sure <tool_call>{ADD}</tool_call>",
+        "reasoning_content": None,
+    }  # fmt: skip
+
+
+def test_hermes_reads_calls_with_or_without_newlines_and_an_unclosed_last_one() -> None:
+    """hermes_detector.py:147-151 (bot "<tool_call>", eot "</tool_call>", the regex
+    <tool_call>(.*?)</tool_call>|<tool_call>(.*): a last call needs no end tag), :161-162 (the
+    text before the first tag stripped), :169-172 (an empty body skipped, each JSON stripped)."""
+    text = f"Sure <tool_call>{ADD}</tool_call>\n<tool_call>\n{MUL}\n</tool_call> bye"
+    calls = [_call("add", '{"a": 1}'), _call("mul", '{"b": "é"}')]
+    assert _whole("hermes", text) == ("Sure", calls)
+    assert _whole("hermes", f"<tool_call>{ADD}</tool_call><tool_call>{MUL}") == ("", calls)
+    assert _whole("hermes", f"<tool_call></tool_call><tool_call>{ADD}</tool_call><tool_call>") == (
+        "",
+        calls[:1],
+    )
+
+
+def test_a_tag_may_hold_a_json_list_of_calls() -> None:
+    """base_format_detector.py:79-80 (parse_base_json: a list is its calls, anything else one
+    call), reached from qwen25_detector.py:66-67 and hermes_detector.py:172-176; the unknown
+    tool in it dropped (:85-88)."""
+    listed = f'[{ADD}, {{"name": "div"}}, {MUL}]'
+    calls = [_call("add", '{"a": 1}'), _call("mul", '{"b": "é"}')]
+    assert _whole("qwen25", f"ok\n<tool_call>\n{listed}\n</tool_call>") == ("ok", calls)
+    assert _whole("hermes", f"ok<tool_call>{listed}</tool_call>") == ("ok", calls)
+    assert _whole("qwen25", "<tool_call>\n[]\n</tool_call>") == ("", [])
+
+
+def test_arguments_are_json_of_parameters_or_else_arguments_kept_as_they_are() -> None:
+    """base_format_detector.py:94-97: json.dumps(act.get("parameters") or act.get("arguments",
+    {}), ensure_ascii=False): null and [] stay, a falsy "parameters" gives way to "arguments",
+    neither is {}."""
+    for parser, (begin, end) in (("qwen25", ("<tool_call>\n", "\n</tool_call>")),
+                                 ("hermes", ("<tool_call>", "</tool_call>"))):  # fmt: skip
+        for call, arguments in (
+            ('{"name": "add", "arguments": null}', "null"),
+            ('{"name": "add", "arguments": []}', "[]"),
+            ('{"name": "add", "arguments": "x"}', '"x"'),
+            ('{"name": "add", "parameters": null, "arguments": {"a": 2}}', '{"a": 2}'),
+            ('{"name": "add", "parameters": {}}', "{}"),
+            ('{"name": "add"}', "{}"),
+        ):
+            assert _whole(parser, begin + call + end)[1] == [_call("add", arguments)], parser
+
+
+def test_a_tag_that_is_not_json_drops_its_call_or_for_hermes_the_whole_answer() -> None:
+    """qwen25_detector.py:65-72: a body that json.loads refuses is logged and skipped;
+    hermes_detector.py:167-180: any error ends the reading, the answer is the text as it is and
+    no calls (an unfinished last call too); the chat route then answers that text
+    (serving_chat.py:3180-3192)."""
+    with structlog.testing.capture_logs() as logs:
+        text = f"Hi\n<tool_call>\n{{not json}}\n</tool_call>\n<tool_call>\n{ADD}\n</tool_call>"
+        assert _whole("qwen25", text) == ("Hi", [_call("add", '{"a": 1}')])
+    assert [e["event"] for e in logs] == ["tool_call_unparsed"]
+    for text in (
+        f"Hi <tool_call>{{not json}}</tool_call><tool_call>{ADD}</tool_call>",
+        f"Hi <tool_call>{ADD}</tool_call><tool_call>{ADD[:-4]}",  # cut short
+        f"Hi <tool_call>{ADD}</tool_call><tool_call>\n",  # a body of whitespace is not empty
+    ):
+        assert _whole("hermes", text) == (text, [])
+        choice = _chat("hermes", text)
+        assert choice["message"]["content"] == text and "tool_calls" not in choice["message"]
+        assert choice["finish_reason"] == "stop"
+
+
+def test_a_call_that_is_not_a_json_object_leaves_the_answer_unread() -> None:
+    """base_format_detector.py:84-85: act.get of a value that is not an object raises
+    AttributeError, `name in tool_indices` of a list or object name TypeError; qwen25, llama3 and
+    mistral let it out (/parse_function_call answers 500, http_server.py:1761), the chat route
+    keeps the text (serving_chat.py:3215-3217). Not copied: here both routes answer the text as
+    it is, no calls. Hermes catches it itself (hermes_detector.py:178-180): the same answer."""
+    cases = [
+        ("qwen25", f"ok\n<tool_call>\n{ADD}\n</tool_call>\n<tool_call>\n[1]\n</tool_call>"),
+        ("qwen25", '<tool_call>\n"add"\n</tool_call>'),
+        ("qwen25", '<tool_call>\n{"name": ["add"]}\n</tool_call>'),
+        ("hermes", f"<tool_call>{ADD}</tool_call><tool_call>[{ADD}, 2]</tool_call>"),
+        ("hermes", '<tool_call>{"name": {"n": "add"}}</tool_call>'),
+        ("llama3", '<|python_tag|>{"name": ["add"]}'),
+        ("mistral", '[TOOL_CALLS] [{"name": {"n": "add"}}]'),
+    ]
+    for parser, text in cases:
+        assert _whole(parser, text) == (text, []), parser
+        assert _chat(parser, text)["message"]["content"] == text
+    # a name that is falsy, or a value that cannot be a tool's name: dropped, as there (:85-88)
+    for name in ("{}", "[]", "3", "null"):
+        assert _whole("qwen25", f'<tool_call>\n{{"name": {name}}}\n</tool_call>') == ("", [])
+
+
+def test_pythonic_tool_index_counts_the_dropped_calls_and_the_chat_index_does_not() -> None:
+    """pythonic_detector.py:86,118: tool_index is the call's place in the list (enumerate over
+    all of them, whatever is dropped: an unknown tool, a call of an attribute, an argument that
+    is no literal); serving_chat.py:3195-3203: the chat route numbers the calls it answers in
+    order (index=index); base_format_detector.py:92: elsewhere the tool's place in tools."""
+    reader = ToolCallParser(OFFERED, "pythonic")
+    text = "[launch(x=1), add(a=1), os.exit(), mul(b=-1), mul(c=2)]"
+    assert reader.indexed(text, {"add": 0, "mul": 1}) == (
+        "",
+        [(1, _call("add", '{"a": 1}')), (4, _call("mul", '{"c": 2}'))],
+    )
+    calls = _chat("pythonic", text)["message"]["tool_calls"]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "add"), (1, "mul")]
+    qwen = f"<tool_call>\n{MUL}\n</tool_call>\n<tool_call>\n{ADD}\n</tool_call>"
+    assert [i for i, _ in ToolCallParser(OFFERED).indexed(qwen, {"add": 5, "mul": 7})[1]] == [7, 5]
+    calls = _chat("qwen25", qwen)["message"]["tool_calls"]
+    assert [c["index"] for c in calls] == [0, 1]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_qwen25_and_hermes_stream_as_the_whole_answer_reads(step: int) -> None:
+    """The pieces of each call (base_format_detector.py parse_streaming_increment: the name,
+    then the arguments' JSON in pieces) add up to the whole answer's calls, for the same rules:
+    the newlines Qwen 2.5 needs, a list of calls in one tag (sent once its tag closes; SGLang's
+    stream reads none), arguments as written; a last Hermes call without its end tag goes out at
+    the end (unsent)."""
+    texts = {
+        "qwen25": [
+            f"Sure\n<tool_call>\n{ADD}\n</tool_call>\n<tool_call>\n[{MUL}, {ADD}]\n</tool_call>",
+            '<tool_call>\n{"name": "mul", "arguments": null}\n</tool_call>',
+            f"Sure <tool_call>{ADD}</tool_call>",
+        ],
+        "hermes": [
+            f"Sure <tool_call>{ADD}</tool_call><tool_call>[{MUL}]</tool_call><tool_call>{ADD}",
+            '<tool_call>\n{"name": "mul", "arguments": []}\n</tool_call>',
+        ],
+    }
+    for parser, cases in texts.items():
+        for text in cases:
+            stream = StreamingToolCalls(ToolCallParser(OFFERED, parser))
+            content, pieces = "", []
+            for i in range(0, len(text), step):
+                more, new = stream.feed(text[i : i + step])
+                content, pieces = content + more, pieces + new
+            content += stream.flush()
+            pieces += stream.unsent()
+            whole_content, whole_calls = _whole(parser, text)
+            assert _calls_of(pieces) == whole_calls and stream.calls == len(whole_calls)
+            assert content.rstrip() == (whole_content if whole_calls else text)
+            assert stream.unsent() == []
+
+
+def test_the_templates_own_format_picks_qwen25_or_hermes() -> None:
+    """Without --tool-call-parser the chat route reads the format the chat template writes: a
+    template that writes the JSON right after <tool_call> gets Hermes' reader (which reads it),
+    one with <tool_call> otherwise Qwen 2.5's; none without it."""
+    assert parser_for_template('{{ "<tool_call>\\n" }}{{ call | tojson }}') == "qwen25"
+    assert parser_for_template("<tool_call> {json} </tool_call>") == "qwen25"
+    assert parser_for_template('<tool_call>{"name": {{ name | tojson }}}</tool_call>') == "hermes"
+    assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
 
 
 # ---- llama3 ------------------------------------------------------------------------------------
@@ -374,6 +565,8 @@ def test_a_forced_tool_choice_answers_with_calls_in_the_engines_format(
             {"b": [True, "q"]},
         ),
         ("pythonic", '[add(a="x', None),
+        ("qwen25", '<tool_call>\n{"name": "add", "arguments": {"a": "x', {"a": "x"}),
+        ("hermes", '<tool_call>{"name": "mul", "parameters": {"b": [1, "q', {"b": [1, "q"]}),
     ],
 )
 def test_a_call_cut_short_is_closed_by_its_last_piece(parser: str, cut: str, arguments) -> None:
