@@ -119,14 +119,20 @@ def _token_list(ids: Sequence[int] | np.ndarray) -> list[int]:
     return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
 
+# GenerateReqInput fields that a rollout's engine call may carry among its sampling
+# parameters (RolloutEngine.generate's keywords): they go at the request's top level
+REQUEST_FIELDS = ("require_reasoning",)
+
+
 def _generate_body(input_ids: Any, sampling_params: Mapping[str, Any], rid: Any) -> dict:
-    """A ``/generate`` body: one prompt and rid, or lists of them; log-probs always asked."""
-    return {
-        "input_ids": input_ids,
-        "sampling_params": dict(sampling_params),
-        "return_logprob": True,
-        "rid": rid,
-    }
+    """A ``/generate`` body: one prompt and rid, or lists of them; log-probs always asked;
+    ``REQUEST_FIELDS`` among ``sampling_params`` lifted to the top level."""
+    sampling = dict(sampling_params)
+    body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True, "rid": rid}
+    for name in REQUEST_FIELDS:
+        if name in sampling:
+            body[name] = sampling.pop(name)
+    return body
 
 
 def _token_versions(meta: Mapping[str, Any], n: int) -> np.ndarray:

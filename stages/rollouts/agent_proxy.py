@@ -148,6 +148,8 @@ class Episode:
             raise OpenAIError(f"this episode's budget of {self.max_calls} calls is spent")
         sampling = dict(body.get("sampling_params") or {})
         sampling.pop("n", None)
+        if inp.require_reasoning:  # a thinking chat call: its grammar waits for the reasoning
+            sampling["require_reasoning"] = True
         for name in _RUN_SAMPLING:
             if name in self.sampling:
                 sampling[name] = self.sampling[name]

@@ -60,7 +60,9 @@ class RequestRefused(EngineUnavailable, ValueError):
 
 class RolloutEngine(Protocol):
     """Samples for a rollout. ``sampling`` overrides the run's sampling parameters for this call
-    (``max_new_tokens``, ``stop_token_ids``, ``temperature``... SGLang's names)."""
+    (``max_new_tokens``, ``stop_token_ids``, ``temperature``... SGLang's names); it may also
+    carry ``require_reasoning`` (SGLang's request field: a grammar among the parameters applies
+    after the answer's reasoning ends), which goes to the request itself."""
 
     async def generate(self, input_ids: Sequence[int], **sampling: Any) -> Generation: ...
 

@@ -145,6 +145,20 @@ async def test_group_request_body_and_answer(codec):
 
 
 @pytest.mark.timeout(10)
+async def test_a_request_field_among_the_sampling_goes_to_the_request(codec):
+    """RolloutEngine.generate's keywords are sampling parameters, and require_reasoning, which
+    is GenerateReqInput's own field: the body carries it at the top level."""
+    server = _Answers()
+    async with server as client:
+        server.body = _result("a")
+        await client.generate([3, 4], {"x": 1, "require_reasoning": True}, rid="a")
+        assert server.seen == [
+            {"input_ids": [3, 4], "sampling_params": {"x": 1}, "return_logprob": True,
+             "rid": "a", "require_reasoning": True}
+        ]  # fmt: skip
+
+
+@pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("status", "body", "retryable", "words"),
     [

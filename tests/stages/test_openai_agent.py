@@ -315,6 +315,9 @@ async def test_a_reasoning_agent_reads_the_answer_without_the_reasoning(tokenize
     trajectory = await episode
     assert trajectory.reward == 1.0
     assert _sampled(trajectory) == engine.outputs[0].tolist()
+    # a thinking call (qwen3, thinking on by default): the engine is told, as the chat route
+    # tells it, so that a grammar of the call waits for the end of the reasoning
+    assert engine.sampling[0]["require_reasoning"] is True
 
 
 def test_agent_config_errors() -> None:
@@ -324,8 +327,8 @@ def test_agent_config_errors() -> None:
         RolloutConfig(use="openai_agent", agent=f"{HERE}:not_async")
     with pytest.raises(ValueError, match="is for rollout 'openai_agent'"):
         RolloutConfig(agent=f"{HERE}:one_call")
-    with pytest.raises(ValueError, match="reasoning_parser 'kimi': one of deepseek-r1"):
-        RolloutConfig(use="openai_agent", agent=f"{HERE}:one_call", reasoning_parser="kimi")
+    with pytest.raises(ValueError, match="reasoning_parser 'gpt-oss': one of deepseek-r1"):
+        RolloutConfig(use="openai_agent", agent=f"{HERE}:one_call", reasoning_parser="gpt-oss")
     with pytest.raises(ValueError, match="tool_call_parser 'x': one of qwen25"):
         RolloutConfig(use="openai_agent", agent=f"{HERE}:one_call", tool_call_parser="x")
     with pytest.raises(ValueError, match="are for 'openai_agent'"):
