@@ -284,6 +284,8 @@ def chat_request(
     if body.get("rid") is not None:
         native_body["rid"] = body["rid"]
     reasoning = _reasoning(body, settings, request_kwargs, effort)
+    if reasoning is not None and reasoning.keep_special:  # Mistral's [THINK] tags are special
+        sampling["skip_special_tokens"] = False  # tokens (serving_chat: SGLang keeps them)
     if reasoning is not None and reasoning.counted:  # a thinking request: any grammar waits
         native_body["require_reasoning"] = True  # for the end of its reasoning (as SGLang's)
     adapter_in_model = name_adapter(native_body, model, body.get("lora_path"))

@@ -18,9 +18,10 @@ As SGLang 0.5.23 answers them (``srt/entrypoints/http_server.py``
   case), ``return_blocks`` (false) -> ``{reasoning_text, text}``, and with ``return_blocks``
   ``reasoning_blocks``, ``text_blocks`` and ``blocks`` (``[{type: "reasoning", text}]`` when
   there is reasoning, then ``{type: "text", text}``). The request is not a chat request, so no
-  thinking switch applies: the parser's own default decides whether a text without ``<think>``
-  is reasoning (``deepseek-r1``, ``qwen3-thinking``, ``minimax``: yes; ``qwen3`` and the rest
-  of its family: no).
+  thinking switch applies: the parser's own default decides whether a text without its start
+  tag is reasoning (the ``deepseek-r1`` family, ``qwen3-thinking``, ``minimax``: yes; the
+  rest: no; ``minimax-append-think`` splits nothing: the text is content, ``<think>`` before
+  it).
 
 Refusals, as SGLang's: a body that is not a JSON object or a field of the wrong type (``tools``
 as ``io_struct.Tool``: ``function`` an object with string-or-null ``name`` and ``description``,

@@ -1,26 +1,42 @@
-"""Reasoning in generated text: SGLang's ``--reasoning-parser`` for the ``<think>`` family.
+"""Reasoning in generated text: SGLang's ``--reasoning-parser`` for the formats its base detector
+reads.
 
 What SGLang 0.5 reads (``srt/parser/reasoning_parser.py``, ``BaseReasoningFormatDetector``):
-an answer's reasoning is the text between ``<think>`` (which the model may open itself, or the
-chat template may have opened in the prompt) and ``</think>``; the rest is its content. Two
-layouts of that format, under SGLang's names:
+an answer's reasoning is the text between a start tag (which the model may open itself, or the
+chat template may have opened in the prompt) and an end tag; the rest is its content. The
+detectors that are that algorithm with their own tags and defaults, under SGLang's names:
 
 - ``deepseek-r1`` (also ``step3``, ``step3p5``, ``gigachat35``; ``DeepSeekR1Detector``): the
   answer is reasoning until ``</think>``, whether or not it opened with ``<think>``;
 - ``qwen3`` (also ``qwen3-thinking``, ``dots``, ``minimax``, ``nanbeige``, ``interns1``;
-  ``Qwen3Detector``): reasoning when the request has thinking on (see ``thinking_on``: by
-  default yes, unless ``chat_template_kwargs.enable_thinking`` is false) or the answer opens
+  ``Qwen3Detector``; ``glm45``, ``nemotron_3``: ``Glm45Detector``, ``Nemotron3Detector``, the
+  same arguments): reasoning when the request has thinking on (see ``thinking_on``: by default
+  yes, unless ``chat_template_kwargs.enable_thinking`` is false) or the answer opens
   ``<think>``; a ``<tool_call>`` before ``</think>`` ends the reasoning too (Qwen3.5 opens
-  calls without closing it). ``qwen3-thinking`` and ``minimax`` always reason.
+  calls without closing it). ``qwen3-thinking`` and ``minimax`` always reason;
+  ``deepseek-v3`` (``thinking``), ``mimo`` and ``poolside_v1`` (``enable_thinking``) reason
+  only when the request sets the switch true;
+- ``kimi`` (``KimiDetector``): ``◁think▷`` ... ``◁/think▷``, reasoning only where the answer
+  opens it (its detector is never forced);
+- ``mistral`` (``MistralDetector``): ``[THINK]`` ... ``[/THINK]``, reasoning when the request
+  has a ``reasoning_effort`` other than ``none``;
+- ``minimax-append-think`` (``MiniMaxAppendThinkDetector``): no split; the answer is content,
+  ``<think>`` put before it.
+
+Not here, for parsing more than tags and defaults: ``gpt-oss``, ``kimi_k2``, ``kimi_k3``,
+``k2_horizon``, ``ling3``, ``granite_thinking_parser``, ``gemma4``, ``minimax-m3``,
+``hunyuan``, ``iquest_q1``, ``cohere_command4``, ``inkling``, ``apertus2509``, ``muse``,
+``beam``, ``response_template``, ``deepseek-v4``/``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
 ``finish``), as SGLang's detector does, down to the tails it holds back while they could be
 the start of a tag. ``thinking_on`` is ``serving_chat._get_reasoning_from_request``:
 whether a request reasons, from the chat template's toggle (``template_toggle``:
-``template_detection.detect_reasoning_pattern``'s rules for these templates) and the request;
-``reasoning_tokens`` counts an answer's reasoning tokens as SGLang's scheduler does
-(``Req.update_reasoning_tokens``). ``normalize_effort`` is the chat request's
-``reasoning_effort`` / ``reasoning`` fields as ``ChatCompletionRequest`` reads them.
+``template_detection.detect_reasoning_pattern``'s rules for these templates), else the
+detector's ``reasoning_default``, and the request; ``reasoning_tokens`` counts an answer's
+reasoning tokens as SGLang's scheduler does (``Req.update_reasoning_tokens``).
+``normalize_effort`` is the chat request's ``reasoning_effort`` / ``reasoning`` fields as
+``ChatCompletionRequest`` reads them.
 
 This module knows nothing of HTTP or the engine.
 """
@@ -29,7 +45,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stages.engine.partial_json import partial_tail
@@ -52,22 +68,27 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ThinkFormat:
-    """One reasoning layout: its tags and how a request's reasoning is decided."""
+    """One reasoning layout, as its detector's constructor sets it up: its tags, what else ends
+    the reasoning, and how a request's reasoning is decided."""
 
-    always: bool  # reasoning until </think> whatever the request (DeepSeek-R1)
-    tool_start: str | None  # a tag that ends the reasoning too
-    default: str  # SGLang's reasoning_default: "always" or "enable_thinking"
-    forced: bool = False  # the parser's name forces reasoning (qwen3-thinking, minimax)
+    tool_start: str | None  # a tag that ends the reasoning too (kept in the content)
+    default: str  # the detector's reasoning_default (see thinking_on)
+    # the detector's own force_reasoning, whatever it is given: True (DeepSeek-R1: reasoning
+    # until its end), False (Kimi); None: the request's
+    force: bool | None = None
+    forced: bool = False  # ReasoningParser forces reasoning for the name (qwen3-thinking)
     start: str = "<think>"
     end: str = "</think>"
+    whole: bool = False  # no split: the answer is content, the start tag before it
+    # its tags are special tokens, kept in the text of a request with a reasoning_effort
+    # (serving_chat._patch_reasoning_skip_special_tokens: mistral)
+    special_tags: bool = False
 
 
-_R1 = ThinkFormat(always=True, tool_start=None, default="always")
-_QWEN3 = ThinkFormat(always=False, tool_start="<tool_call>", default="enable_thinking")
-_QWEN3_FORCED = ThinkFormat(
-    always=False, tool_start="<tool_call>", default="enable_thinking", forced=True
-)
-# SGLang's ReasoningParser.DetectorMap, the names whose detector reads this format
+_R1 = ThinkFormat(tool_start=None, default="always", force=True)
+_QWEN3 = ThinkFormat(tool_start="<tool_call>", default="enable_thinking")
+_QWEN3_FORCED = replace(_QWEN3, forced=True)
+# SGLang's ReasoningParser.DetectorMap, the names whose detector reads one of these formats
 PARSERS: dict[str, ThinkFormat] = {
     "deepseek-r1": _R1,
     "step3": _R1,
@@ -77,19 +98,34 @@ PARSERS: dict[str, ThinkFormat] = {
     "dots": _QWEN3,
     "nanbeige": _QWEN3,
     "interns1": _QWEN3,
+    # Glm45Detector, Nemotron3Detector: Qwen3's arguments less think_excluded_tokens and
+    # thinks_internally, which nothing reads when the prompt is a Jinja template's
+    "glm45": _QWEN3,
+    "nemotron_3": _QWEN3,
     "qwen3-thinking": _QWEN3_FORCED,
     "minimax": _QWEN3_FORCED,
+    "deepseek-v3": replace(_QWEN3, default="explicit_thinking"),  # _DeepSeekV3Detector
+    "mimo": replace(_QWEN3, default="explicit_enable_thinking"),  # _MimoDetector
+    "poolside_v1": replace(_QWEN3, default="explicit_enable_thinking"),  # _PoolsideV1Detector
+    "kimi": ThinkFormat(
+        tool_start=None, default="always", force=False, start="◁think▷", end="◁/think▷"
+    ),
+    "mistral": ThinkFormat(
+        tool_start=None, default="mistral", start="[THINK]", end="[/THINK]", special_tags=True
+    ),
+    "minimax-append-think": ThinkFormat(tool_start=None, default="always", whole=True),
 }
 
 
 class ThinkParser:
-    """One answer's reasoning and content (``BaseReasoningFormatDetector``).
+    """One answer's reasoning and content (``BaseReasoningFormatDetector``;
+    ``MiniMaxAppendThinkDetector`` for a ``whole`` format).
 
-    ``force``: the answer starts in its reasoning (``force_reasoning``); ``stream_reasoning``
-    False holds a streamed reasoning back until it ends; ``previous``: the assistant message
-    a ``continue_final_message`` request continues (its tags count); ``nonempty``
-    (``chat_template_kwargs.force_nonempty_content``): an answer with no content gets its
-    reasoning as content."""
+    ``force``: the answer starts in its reasoning (``force_reasoning``; a format's own
+    ``force`` wins); ``stream_reasoning`` False holds a streamed reasoning back until it ends;
+    ``previous``: the assistant message a ``continue_final_message`` request continues (its
+    tags count); ``nonempty`` (``chat_template_kwargs.force_nonempty_content``): an answer
+    with no content gets its reasoning as content."""
 
     def __init__(
         self,
@@ -101,7 +137,7 @@ class ThinkParser:
         nonempty: bool = False,
     ) -> None:
         self.fmt = fmt
-        self.in_reasoning = force or fmt.always or fmt.forced
+        self.in_reasoning = (force or fmt.forced) if fmt.force is None else fmt.force
         self.stream_reasoning = stream_reasoning
         self.previous = previous
         self.nonempty = nonempty
@@ -109,12 +145,14 @@ class ThinkParser:
             self.in_reasoning = True
         if fmt.end in previous:
             self.in_reasoning = False
+        # what a stream waits on while it is the start of one (its tool start too)
         self._tags = (
             (fmt.start, fmt.end, fmt.tool_start) if fmt.tool_start else (fmt.start, fmt.end)
         )
         self._buffer = ""  # streamed text held back (the start of a tag, or the reasoning)
         self._stripped_start = False
         self._reasoning_sent = ""  # with nonempty: the reasoning streamed so far
+        self._fed = False  # a whole format: its start tag went out
 
     # -- whole answers -------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str, str]:
@@ -126,6 +164,8 @@ class ThinkParser:
 
     def _parse(self, text: str) -> tuple[str, str]:
         start, end = self.fmt.start, self.fmt.end
+        if self.fmt.whole:
+            return "", start + text
         if not (self.in_reasoning or start in text):
             return "", text
         while text.startswith(start):
@@ -151,11 +191,11 @@ class ThinkParser:
 
     def _feed(self, delta: str) -> tuple[str, str]:
         fmt = self.fmt
+        if fmt.whole:  # the start tag before the first delta, and nothing held back
+            first, self._fed = not self._fed, True
+            return "", fmt.start + delta if first else delta
         text = self._buffer = self._buffer + delta
-        tags = (
-            (fmt.start, fmt.end) if fmt.tool_start is None else (fmt.start, fmt.end, fmt.tool_start)
-        )
-        if any(tag != text and tag.startswith(text) for tag in tags):
+        if any(tag != text and tag.startswith(text) for tag in self._tags):
             return "", ""
         if not self._stripped_start and fmt.start in text:
             text = self._buffer = text.replace(fmt.start, "", 1)
@@ -330,12 +370,9 @@ def thinking_on(
     fmt: ThinkFormat, toggle: Toggle | None, kwargs: dict[str, Any] | None, effort: Any
 ) -> bool:
     """Whether a chat request reasons (``serving_chat._get_reasoning_from_request``): from
-    the template's ``toggle`` when it has one, else the parser's default; ``kwargs``: the
-    request's ``chat_template_kwargs``, ``effort`` its ``reasoning_effort``."""
-    if toggle is None:
-        if fmt.default == "always":
-            return True
-        return not kwargs or kwargs.get(fmt.default) is not False
+    the template's ``toggle`` when it has one, else the detector's ``reasoning_default``;
+    ``kwargs``: the request's ``chat_template_kwargs``, ``effort`` its ``reasoning_effort``."""
+    toggle = toggle or _default_toggle(fmt.default)
     if toggle.special == "always":
         return True
     if toggle.special == "mistral":
@@ -345,6 +382,20 @@ def thinking_on(
     if toggle.default:
         return not kwargs or kwargs.get(toggle.param) is not False
     return kwargs is not None and kwargs.get(toggle.param) is True
+
+
+def _default_toggle(mode: str) -> Toggle:
+    """A ``reasoning_default`` as the toggle it stands for: ``always`` and ``mistral`` as the
+    templates' special cases; ``thinking`` / ``enable_thinking`` that switch, on unless the
+    request sets it false; ``explicit_thinking`` / ``explicit_enable_thinking`` it, off unless
+    set true. Another mode (SGLang warns): never."""
+    if mode in ("always", "mistral"):
+        return Toggle(special=mode)
+    if mode in ("thinking", "enable_thinking"):
+        return Toggle(mode, True)
+    if mode in ("explicit_thinking", "explicit_enable_thinking"):
+        return Toggle(mode.removeprefix("explicit_"), False)
+    return Toggle()
 
 
 class ReasoningCount:
@@ -474,7 +525,7 @@ class ReasoningSettings:
         if fmt is None:
             raise ValueError(
                 f"--reasoning-parser {name!r}: the built-in engine reads {', '.join(PARSERS)} "
-                "(the <think> ... </think> formats)"
+                "(the formats SGLang's base reasoning detector reads)"
             )
         always, toggle = template_toggle(template)
         end_ids = tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
@@ -500,6 +551,7 @@ class ReasoningSettings:
             counted=thinking,
             previous=previous,
             nonempty=(kwargs or {}).get("force_nonempty_content") is True,
+            keep_special=self.fmt.special_tags and effort is not None and effort != "none",
         )
 
 
@@ -508,7 +560,9 @@ class RequestReasoning:
     """One chat request's reasoning: ``separate`` (``separate_reasoning``: split it out of the
     content), ``stream`` (``stream_reasoning``), ``counted``: it reasons (SGLang's
     ``require_reasoning``: its grammar waits for the end of its reasoning, whose tokens the
-    engine counts in ``meta_info.reasoning_tokens``)."""
+    engine counts in ``meta_info.reasoning_tokens``); ``keep_special``: its answers are
+    decoded with their special tokens (``skip_special_tokens`` false), its format's tags being
+    some."""
 
     settings: ReasoningSettings
     separate: bool
@@ -517,6 +571,7 @@ class RequestReasoning:
     counted: bool
     previous: str
     nonempty: bool
+    keep_special: bool = False
 
     def parser(self) -> ThinkParser:
         return ThinkParser(

@@ -608,8 +608,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--reasoning-parser",
         choices=list(REASONING_PARSERS),
-        help="split the reasoning (<think> ... </think>) out of answers to "
-        "/v1/chat/completions as reasoning_content (SGLang's flag)",
+        help="split the reasoning (<think> ... </think>, or the parser's own tags) out of "
+        "answers to /v1/chat/completions as reasoning_content (SGLang's flag)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(

@@ -154,6 +154,37 @@ def test_reasoning_is_separated_as_the_parser_reads_it_by_default(url: str) -> N
 
 
 @pytest.mark.timeout(30)
+def test_the_other_base_detector_formats_are_separated_with_their_tags(url: str) -> None:
+    # KimiDetector (never forced) and MistralDetector: their own tags, reasoning only opened
+    assert _separate(url, "◁think▷hmm◁/think▷Yes.", "kimi") == {
+        "reasoning_text": "hmm",
+        "text": "Yes.",
+    }
+    assert _separate(url, "hmm◁/think▷Yes.", "Kimi")["reasoning_text"] == ""
+    assert _separate(url, "[THINK]hmm[/THINK]Yes.", "mistral") == {
+        "reasoning_text": "hmm",
+        "text": "Yes.",
+    }
+    assert _separate(url, "hmm[/THINK]Yes.", "mistral")["reasoning_text"] == ""
+    # Qwen3's split under other names: a <tool_call> ends the reasoning
+    for name in ("glm45", "nemotron_3", "deepseek-v3", "mimo", "poolside_v1"):
+        assert _separate(url, "<think>look<tool_call>x", name) == {
+            "reasoning_text": "look",
+            "text": "<tool_call>x",
+        }
+        assert _separate(url, "hmm</think>Yes.", name)["reasoning_text"] == ""
+    # MiniMaxAppendThinkDetector: no reasoning, <think> put before the text
+    whole = "<think>hmm</think>Yes."
+    assert _separate(url, "hmm</think>Yes.", "minimax-append-think", return_blocks=True) == {
+        "reasoning_text": "",
+        "text": whole,
+        "reasoning_blocks": [],
+        "text_blocks": [whole],
+        "blocks": [{"type": "text", "text": whole}],
+    }
+
+
+@pytest.mark.timeout(30)
 def test_return_blocks_adds_the_blocks(url: str) -> None:
     answer = _separate(url, "<think>a</think>b", "qwen3", return_blocks=True)
     assert list(answer) == ["reasoning_text", "text", "reasoning_blocks", "text_blocks", "blocks"]

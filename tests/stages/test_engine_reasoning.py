@@ -1,6 +1,7 @@
 """``--reasoning-parser``: the reasoning of an answer to ``/v1/chat/completions`` split out as
 ``reasoning_content``, as SGLang 0.5 does (``srt/parser/reasoning_parser.py``:
-``BaseReasoningFormatDetector``, ``DeepSeekR1Detector``, ``Qwen3Detector``;
+``BaseReasoningFormatDetector``, ``DeepSeekR1Detector``, ``Qwen3Detector`` and the other
+detectors that are it with their own tags and defaults;
 ``serving_chat.py``: ``_build_chat_response``, ``_process_reasoning_stream``,
 ``_get_reasoning_from_request``; ``parser/template_detection.py``; ``protocol.py``:
 ``ChatCompletionRequest.normalize_reasoning_inputs``; ``usage_processor.py``), the parser on its
@@ -16,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+from tokenizers.pre_tokenizers import ByteLevel
 from transformers import AutoTokenizer
 
 from stages.engine.openai_api import OpenAIError
@@ -23,6 +25,7 @@ from stages.engine.openai_chat import ChatSettings, chat_request, chat_response
 from stages.engine.reasoning import (
     PARSERS,
     ReasoningCount,
+    ReasoningSettings,
     ThinkParser,
     Toggle,
     normalize_effort,
@@ -30,6 +33,7 @@ from stages.engine.reasoning import (
     template_toggle,
     thinking_on,
 )
+from tests.stages.engine_setup import EngineProcess
 from tests.stages.test_engine_server import Engine, serving
 from tests.stages.tiny_model import BYTE_CHARS, make_byte_model
 
@@ -107,6 +111,36 @@ def test_a_stream_holds_back_what_may_be_a_tag_and_adds_up_to_the_whole_answer()
                 assert _streamed(fmt, list(text)) == whole, text
 
 
+def test_the_other_detectors_split_with_their_own_tags_and_force_rules() -> None:
+    kimi, mistral = PARSERS["kimi"], PARSERS["mistral"]
+    # KimiDetector: ◁think▷ ... ◁/think▷, force_reasoning=False whatever it is given
+    assert _parse(kimi, "◁think▷a◁/think▷b") == ("a", "b")
+    assert _parse(kimi, "a◁/think▷b", force=True) == ("", "a◁/think▷b")
+    assert _parse(kimi, "<think>a</think>b") == ("", "<think>a</think>b")
+    # MistralDetector: [THINK] ... [/THINK], forced as the request decides, no tool start
+    assert _parse(mistral, "[THINK]a[/THINK]b") == ("a", "b")
+    assert _parse(mistral, "a[/THINK]b", force=True) == ("a", "b")
+    assert _parse(mistral, "[THINK]plan<tool_call>x") == ("plan<tool_call>x", "")
+    # Glm45Detector, Nemotron3Detector and Qwen3Detector's subclasses: Qwen3's split
+    for name in ("glm45", "nemotron_3", "deepseek-v3", "mimo", "poolside_v1"):
+        assert _parse(PARSERS[name], "<think>plan<tool_call>{}") == ("plan", "<tool_call>{}")
+        assert _parse(PARSERS[name], "a</think>b") == ("", "a</think>b")
+        assert _parse(PARSERS[name], "a</think>b", force=True) == ("a", "b")
+    # a stream holds back what may be the start of the format's own tags
+    parser = ThinkParser(kimi, force=False)
+    assert parser.feed("◁th") == ("", "") and parser.feed("ink▷ab◁/") == ("ab", "")
+    assert parser.feed("think▷c") == ("", "c")
+    # MiniMaxAppendThinkDetector: no split; <think> before the answer (the first delta's)
+    append = PARSERS["minimax-append-think"]
+    assert _parse(append, "a</think>b", force=True, nonempty=True) == ("", "<think>a</think>b")
+    parser = ThinkParser(append, force=True)
+    assert [parser.feed("a</th"), parser.feed("ink>b"), parser.finish()] == [
+        ("", "<think>a</th"),
+        ("", "ink>b"),
+        ("", ""),
+    ]
+
+
 def test_reasoning_tokens_are_counted_to_the_end_tag_as_sglang_scheduler_does() -> None:
     # Req.update_reasoning_tokens: tokens up to and with the end sequence; all while it has none
     assert reasoning_tokens([1, 2, 9, 3], [9]) == 3
@@ -168,6 +202,37 @@ def test_whether_a_request_reasons_follows_get_reasoning_from_request() -> None:
     assert thinking_on(QWEN3, mistral, None, "low") and not thinking_on(
         QWEN3, mistral, None, "none"
     )
+
+
+def test_without_a_template_toggle_the_parsers_reasoning_default_decides() -> None:
+    # _get_reasoning_from_request with no reasoning_config: the detector's reasoning_default
+    v3, mimo, mistral = PARSERS["deepseek-v3"], PARSERS["mimo"], PARSERS["mistral"]
+    # explicit_thinking / explicit_enable_thinking: off unless the switch is true
+    assert not thinking_on(v3, None, None, None)
+    assert not thinking_on(v3, None, {"thinking": 1}, None)
+    assert thinking_on(v3, None, {"thinking": True}, None)
+    assert not thinking_on(mimo, None, {"thinking": True}, None)
+    assert thinking_on(mimo, None, {"enable_thinking": True}, None)
+    effort, kwargs = normalize_effort({"reasoning_effort": "low"})  # sets both switches
+    assert thinking_on(PARSERS["poolside_v1"], None, kwargs, effort)
+    # mistral: a reasoning_effort other than none, whatever the switches
+    assert not thinking_on(mistral, None, {"enable_thinking": True}, None)
+    assert thinking_on(mistral, None, None, 0.5) and not thinking_on(mistral, None, None, "none")
+    # kimi, minimax-append-think: "always"; nemotron_3, glm45: on unless enable_thinking false
+    assert thinking_on(PARSERS["kimi"], None, {"enable_thinking": False}, None)
+    assert thinking_on(PARSERS["minimax-append-think"], None, {"thinking": False}, "none")
+    assert thinking_on(PARSERS["nemotron_3"], None, {}, None)
+    assert not thinking_on(PARSERS["glm45"], None, {"enable_thinking": False}, None)
+    # the template's toggle, when there is one, wins
+    assert thinking_on(v3, Toggle("enable_thinking", True), None, None)
+    off = {"enable_thinking": False}
+    assert not thinking_on(PARSERS["kimi"], Toggle("enable_thinking", True), off, None)
+    # _patch_reasoning_skip_special_tokens: mistral's answers keep their special tokens (its
+    # tags) when the request has a reasoning_effort other than none
+    settings = ReasoningSettings("mistral", mistral, False, None, ())
+    assert settings.request(None, "high").keep_special
+    assert not settings.request(None, "none").keep_special
+    assert not settings.request({"enable_thinking": True}, None).keep_special
 
 
 def test_reasoning_effort_and_reasoning_are_normalized_as_chat_completion_request_does() -> None:
@@ -392,8 +457,8 @@ def test_the_reasoning_is_split_before_tool_calls_are_read(model_dir: Path) -> N
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["add"]
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
     assert answer["usage"]["reasoning_tokens"] == len(tokenizer.encode("add?</think>"))
-    with pytest.raises(ValueError, match="--reasoning-parser 'kimi'"):
-        ChatSettings.of(tokenizer, model_dir, chat_template=TEMPLATE, reasoning_parser="kimi")
+    with pytest.raises(ValueError, match="--reasoning-parser 'kimi_k2'"):
+        ChatSettings.of(tokenizer, model_dir, chat_template=TEMPLATE, reasoning_parser="kimi_k2")
     with pytest.raises(OpenAIError, match="separate_reasoning"):
         chat_request({**body, "separate_reasoning": 1}, settings, context_length=512)
 
@@ -429,3 +494,104 @@ def test_a_forced_call_without_a_tool_call_format_is_a_json_array_after_the_reas
     (call,) = choice.message.tool_calls
     assert call.function.name == "add" and isinstance(json.loads(call.function.arguments)["a"], int)
     assert choice.message.content == "" and choice.message.model_extra["reasoning_content"] is None
+
+
+# -- the other formats, each through an engine of its own -----------------------------------------
+
+# no thinking switch: the parser's reasoning_default decides
+PLAIN = (
+    "{%- for m in messages %}{{ m.content }}.{% endfor %}"
+    "{%- if add_generation_prompt %}:{% endif %}"
+)
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+# (glm45 and nemotron_3 read as qwen3, poolside_v1 as mimo: the parser checks above cover them;
+# an engine each would add seconds of start-up for nothing new)
+# per parser: its template, and requests (more of the body, the regex its answer follows) with
+# what SGLang answers for that text: (reasoning_content, content, usage.reasoning_tokens). A
+# thinking request (reasoning tokens counted) has its end tag favoured, its grammar after it.
+OTHERS: dict[str, tuple[str, list[tuple[dict, str, tuple]]]] = {
+    "kimi": (TEMPLATE, [
+        (OFF, "◁think▷ab◁/think▷cd", ("ab", "cd", 0)),
+        ({}, "cd", (None, "◁/think▷cd", 1)),  # thinking, yet its detector is never forced
+    ]),
+    "mistral": (PLAIN, [  # thinking: a reasoning_effort other than none
+        ({}, r"\[THINK\]ab\[/THINK\]cd", ("ab", "cd", 0)),
+        ({}, r"ab\[/THINK\]cd", (None, "ab[/THINK]cd", 0)),
+        ({"reasoning_effort": "high"}, "cd", (None, "cd", 1)),
+    ]),
+    "deepseek-v3": (PLAIN, [  # thinking: chat_template_kwargs.thinking true
+        (THINK, "ab</think>cd", (None, "ab</think>cd", 0)),
+        ({"chat_template_kwargs": {"thinking": True}}, "cd", (None, "cd", 1)),
+    ]),
+    "mimo": (PLAIN, [  # thinking: enable_thinking true
+        ({}, "ab</think>cd", (None, "ab</think>cd", 0)),
+        (THINK, "cd", (None, "cd", 1)),
+    ]),
+    "minimax-append-think": (PLAIN, [  # always thinking; the answer whole, <think> before it
+        ({}, "cd", (None, "<think></think>cd", 1)),
+    ]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def other_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
+    """An engine per parser of ``OTHERS``, all started at once, on a byte model with every
+    format's tags as whole tokens (as ``model_dir``'s)."""
+    root = tmp_path_factory.mktemp("reasoning-formats")
+    words = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+    words += ["◁think▷", "◁/think▷", "[THINK]", "[/THINK]"]
+    model = make_byte_model(root / "model", seed=4, chars=BYTE_CHARS + "\n", words=tuple(words))
+    # each tag in the vocabulary under its own text, as a tokenizer keeps its added tokens (a
+    # tag of other than ASCII is not its byte-level spelling)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    level = ByteLevel(add_prefix_space=False, use_regex=False)
+    for word in words:
+        vocab[word] = vocab.pop(level.pre_tokenize_str(word)[0][0])
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_tokens(words)
+    tokenizer.save_pretrained(model)
+    procs: dict[str, tuple[EngineProcess, Path]] = {}
+    try:
+        for name, (template, _) in OTHERS.items():
+            (root / f"{name}.jinja").write_text(template)
+            log = root / f"{name}.log"
+            flags = ("--chat-template", str(root / f"{name}.jinja"), "--reasoning-parser", name)
+            proc = EngineProcess(
+                model, "--max-running", "8", "--log-file", str(log), *flags, tail=log
+            )
+            procs[name] = proc, log
+        yield {
+            name: Engine(proc.wait_up(60), model, log, proc.engine_id)
+            for name, (proc, log) in procs.items()
+        }
+    finally:
+        codes = {name: proc.stop(15) for name, (proc, _) in procs.items()}
+    assert set(codes.values()) == {0}, codes
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_each_other_format_is_split_as_sglang_splits_it(
+    other_engines: dict[str, Engine], name: str
+) -> None:
+    """A chat answer of a known text, whole and streamed, split as SGLang's detector for the
+    parser splits it; whether the request thinks (and so forces the reasoning, defers its
+    grammar and counts its reasoning tokens) as ``_get_reasoning_from_request`` decides."""
+    engine = other_engines[name]
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
+    end = tokenizer.convert_tokens_to_ids(PARSERS[name].end)
+    for more, regex, (thought, said, counted) in OTHERS[name][1]:
+        bias = {"logit_bias": {str(end): 100}} if counted else {}
+        ask = dict(model="m", messages=HELLO, max_tokens=30, temperature=0, **bias)
+        extra = {**more, "regex": regex}
+        out = client.chat.completions.create(**ask, extra_body=extra)
+        message = out.choices[0].message
+        assert (message.model_extra["reasoning_content"], message.content) == (thought, said)
+        assert out.usage.model_extra["reasoning_tokens"] == counted, (more, regex)
+        chunks = list(client.chat.completions.create(**ask, extra_body=extra, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        streamed = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+        assert (streamed, "".join(d.content or "" for d in deltas)) == (thought or "", said)
