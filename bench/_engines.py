@@ -24,6 +24,10 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from stages.engine.identity import ENGINE_ID_ENV, answered_by_another, new_engine_id
 
 ROOT = Path(__file__).resolve().parents[1]
+# DeepSpeed (which transformers loads when it is installed) says on stdout which accelerator it
+# picked unless it is told; a bench prints exactly one JSON line there
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def make_model(path: Path, *, vocab: int = 32000, max_positions: int = 2048) -> int:
