@@ -43,7 +43,8 @@ from typing import Any
 from aiohttp import web
 
 from stages.engine.chunk_stream import mapped
-from stages.engine.protocol import GRAMMAR_FIELDS, RequestError
+from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, is_int
+from stages.engine.request_body import dumps, loads
 from stages.engine.streaming import Progress, write_events
 
 __all__ = [
@@ -159,7 +160,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         if not isinstance(stream_options.get(flag, False), bool | None):
             raise OpenAIError(f"stream_options.{flag}: Input should be a valid boolean", flag)
     logprobs = body.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
+    if logprobs is not None and (not is_int(logprobs) or logprobs < 0):
         raise OpenAIError("logprobs: Input should be a non-negative integer", "logprobs")
     echo = body.get("echo", False)
     sampling: dict[str, Any] = {"max_new_tokens": _MAX_TOKENS_DEFAULT}
@@ -185,7 +186,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     n = body.get("n", 1)
     options = {
         "model": model,
-        "n": n if _is_int(n) and n > 0 else 1,
+        "n": n if is_int(n) and n > 0 else 1,
         "echo": echo,
         "logprobs": logprobs,
         "return_token_ids": body.get("return_token_ids", False),
@@ -652,13 +653,13 @@ class OpenAIRoutes:
         reply = await self.reply(route, body)
         if reply.chunks is None:
             return web.Response(
-                body=_json_bytes(reply.body), status=reply.status, content_type="application/json"
+                body=dumps(reply.body), status=reply.status, content_type="application/json"
             )
         try:
             return await write_events(
                 request,
                 reply.chunks,
-                _json_bytes,
+                dumps,
                 on_disconnect=lambda: self.on_disconnect(request),
             )
         except ValueError as exc:  # raised before the first event: still an error status
@@ -674,7 +675,7 @@ async def read_json(request: web.Request) -> Any:
             "Unsupported Media Type: Only 'application/json' is allowed", "content-type"
         )
     try:
-        return _json_loads(await request.read())
+        return loads(await request.read())
     except (UnicodeDecodeError, ValueError) as exc:
         raise OpenAIError(f"the request body is not JSON: {exc}") from None
 
@@ -733,8 +734,8 @@ def _prompt_kind(prompt: Any) -> bool:
     if isinstance(prompt, list):
         if all(isinstance(p, str) for p in prompt):
             return True
-        if all(_is_int(p) for p in prompt) or all(
-            isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt
+        if all(is_int(p) for p in prompt) or all(
+            isinstance(p, list) and all(is_int(t) for t in p) for p in prompt
         ):
             return False
     raise OpenAIError(
@@ -750,7 +751,7 @@ def _echo_prompts(prompt: Any, decode: Callable[[list[int], bool], str]) -> list
         return [prompt]
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if all(_is_int(t) for t in prompt):
+    if all(is_int(t) for t in prompt):
         return [decode(list(prompt), True)]
     return [decode(list(p), True) for p in prompt]
 
@@ -766,19 +767,3 @@ def _openai_field(native: str) -> str:
         if native.startswith(prefix):
             return "prompt" + native[len(prefix) :]
     return "logprobs" if native == "top_logprobs_num" else native
-
-
-try:  # as the server reads and writes /generate: orjson when it is there
-    import orjson
-
-    _json_loads: Callable[[bytes], Any] = orjson.loads
-    _json_bytes: Callable[[Any], bytes] = orjson.dumps
-except ImportError:  # pragma: no cover - depends on the environment
-    _json_loads = json.loads
-
-    def _json_bytes(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -79,6 +79,7 @@ from stages.engine.openai_api import (
     response_format,
     results_usage,
 )
+from stages.engine.protocol import is_int
 from stages.engine.reasoning import EffortError, ReasoningSettings, normalize_effort
 from stages.engine.tool_calls import (
     PARSERS,
@@ -225,7 +226,7 @@ def chat_request(
         if not isinstance(body.get(flag, False), bool | None):
             raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
     top = body.get("top_logprobs")
-    if top is not None and (not _is_int(top) or not 0 <= top <= _MAX_TOP_LOGPROBS):
+    if top is not None and (not is_int(top) or not 0 <= top <= _MAX_TOP_LOGPROBS):
         raise OpenAIError(f"top_logprobs: an integer in [0, {_MAX_TOP_LOGPROBS}]", "top_logprobs")
     if top and not body.get("logprobs"):
         raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -297,7 +298,7 @@ def chat_request(
         "adapter_in_model": adapter_in_model,
         # the field a grammar was made of, to name in its errors
         "grammar_from": "tool_choice" if forced else ("response_format" if grammar else None),
-        "n": n if _is_int(n) and n > 0 else 1,
+        "n": n if is_int(n) and n > 0 else 1,
         "logprobs": bool(body.get("logprobs")),
         # a JSON answer is data, not tool calls (SGLang: _response_parser_json_response_format)
         # (without a tool-call format, a forced call is SGLang's JSON array, read as such)
@@ -682,7 +683,3 @@ def _chat_logprobs(meta: Mapping[str, Any], lo: int = 0, hi: int | None = None) 
             }
         )
     return {"content": content}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -62,6 +62,7 @@ __all__ = [
     "RequestError",
     "SamplingParams",
     "SequenceResult",
+    "is_int",
     "parse_generate",
     "parse_groups",
     "parse_sampling_params",
@@ -401,7 +402,7 @@ def _token_ids_logprob(
     if not value:
         return [None] * count
     name = "token_ids_logprob"
-    if listed and _is_int(value):
+    if listed and is_int(value):
         value = [value]
     if not isinstance(value, list):
         raise RequestError(name, "must be a flat list of integers")
@@ -415,7 +416,7 @@ def _token_ids_logprob(
         per_prompt = [(name, value)] * count
     out: list[tuple[int, ...] | None] = []
     for where, ids in per_prompt:
-        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        if not isinstance(ids, list) or not all(is_int(t) for t in ids):
             raise RequestError(where, "must be a flat list of integers")
         for tok in ids:
             if not 0 <= tok < vocab_size:
@@ -616,7 +617,7 @@ def _parallel_n(raw: Any, batch: bool) -> int:
         value = entry.get("n") if isinstance(entry, dict) else None
         value = 1 if value is None else value
         name = f"sampling_params[{i}].n" if isinstance(raw, list) else "sampling_params.n"
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise RequestError(name, f"expected an integer >= 1, got {value!r}")
         if n_first is None:
             n_first = value
@@ -709,7 +710,7 @@ def _valid_ids(row: list[Any], vocab_size: int) -> bool:
 
 def _explain_ids(row: list[Any], name: str, vocab_size: int) -> None:
     for j, tok in enumerate(row):
-        if not _is_int(tok):
+        if not is_int(tok):
             raise RequestError(f"{name}[{j}]", f"expected an integer token id, got {tok!r}")
         if not 0 <= tok < vocab_size:
             raise RequestError(
@@ -765,7 +766,7 @@ def _sampling_params(
         if value is None:
             continue  # SGLang: null means the default
         if key in ("max_new_tokens", "top_k", "sampling_seed", "stream_interval", "min_new_tokens"):
-            if not _is_int(value):
+            if not is_int(value):
                 raise RequestError(path, f"expected an integer, got {value!r}")
         elif key in ("temperature", "top_p", "min_p") or key in _PENALTY_RANGES:
             if not _is_number(value) or not math.isfinite(value):
@@ -777,7 +778,7 @@ def _sampling_params(
             if not isinstance(value, bool):
                 raise RequestError(path, f"expected true or false, got {value!r}")
         elif key == "stop_token_ids":
-            if not isinstance(value, list) or not all(_is_int(t) for t in value):
+            if not isinstance(value, list) or not all(is_int(t) for t in value):
                 raise RequestError(path, "expected a list of integer token ids")
             value = frozenset(value)
         else:
@@ -817,7 +818,7 @@ def _logit_bias(value: Any, path: str) -> tuple[tuple[int, float], ...]:
     bias: dict[int, float] = {}
     for key, amount in value.items():
         try:
-            token = key if _is_int(key) else int(str(key).strip())
+            token = key if is_int(key) else int(str(key).strip())
         except ValueError:
             raise RequestError(f"{path}.{key}", "keys must be token ids (integers)") from None
         if not _is_number(amount) or not math.isfinite(amount):
@@ -880,7 +881,7 @@ def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     return any(value is n or (type(value) is type(n) and value == n) for n in neutral)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -14,28 +14,30 @@ from typing import Any
 
 from aiohttp import web
 
-from stages.engine.protocol import RequestError
+from stages.engine.protocol import RequestError, is_int
 
 __all__ = [
     "bad_request",
     "base_request",
+    "dumps",
     "failure",
     "field",
     "is_int",
     "json_body",
     "json_response",
+    "loads",
     "option",
 ]
 
-try:  # orjson parses several times faster; json is the fallback
+try:  # the engine's JSON: orjson parses and writes several times faster; json is the fallback
     import orjson
 
-    _loads: Callable[[bytes], Any] = orjson.loads
-    _dumps: Callable[[Any], bytes] = orjson.dumps
+    loads: Callable[[bytes], Any] = orjson.loads
+    dumps: Callable[[Any], bytes] = orjson.dumps
 except ImportError:  # pragma: no cover - depends on the environment
-    _loads = json.loads
+    loads = json.loads
 
-    def _dumps(obj: Any) -> bytes:
+    def dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
 
 
@@ -44,7 +46,7 @@ async def json_body(request: web.Request, *, allow_empty: bool = False) -> dict[
     if not raw.strip() and allow_empty:
         return {}
     try:
-        body = _loads(raw)
+        body = loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise RequestError("body", f"not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -77,16 +79,12 @@ def option(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     return field(body, name, kind)
 
 
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def failure(message: str) -> web.Response:
     return web.json_response({"success": False, "message": message}, status=400)
 
 
 def json_response(obj: Any) -> web.Response:
-    return web.Response(body=_dumps(obj), content_type="application/json")
+    return web.Response(body=dumps(obj), content_type="application/json")
 
 
 def bad_request(message: str) -> web.Response:

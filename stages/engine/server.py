@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -80,6 +79,7 @@ from stages.engine.reasoning import PARSERS as REASONING_PARSERS
 from stages.engine.request_body import (
     bad_request,
     base_request,
+    dumps,
     json_body,
     json_response,
 )
@@ -129,15 +129,6 @@ def _package_version() -> str:
 
 
 _VERSION = _package_version()
-
-try:  # orjson writes /generate answers several times faster; json is the fallback
-    import orjson
-
-    _dumps: Callable[[Any], bytes] = orjson.dumps
-except ImportError:  # pragma: no cover - depends on the environment
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def build_app(
@@ -268,7 +259,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 stream_generate(
                     request.app[_LOADED], request.app[_SCHEDULER], request.app[_DECODE], body
                 ),
-                _dumps,
+                dumps,
                 on_disconnect=lambda: _refused(request, 499, "the client went away mid-stream"),
             )
         rendered = await generate(

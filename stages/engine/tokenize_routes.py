@@ -40,13 +40,12 @@ from aiohttp import web
 
 from stages.engine.openai_api import (
     OpenAIError,
-    _is_int,
-    _json_bytes,
     error_response,
     read_json,
     refusal,
 )
 from stages.engine.openai_chat import ChatSettings, chat_request
+from stages.engine.request_body import dumps, is_int
 
 if TYPE_CHECKING:
     from stages.engine.loader import LoadedModel
@@ -90,7 +89,7 @@ class TokenizeRoutes:
             )
         try:
             body = await read_json(request)
-            return web.Response(body=_json_bytes(answer(body)), content_type="application/json")
+            return web.Response(body=dumps(answer(body)), content_type="application/json")
         except OpenAIError as exc:
             return web.json_response(refusal(exc), status=400)
 
@@ -149,7 +148,7 @@ class TokenizeRoutes:
 
     def _max_model_len(self) -> int:
         value = getattr(self.tokenizer, "model_max_length", None)
-        if _is_int(value) and _INT64_MIN <= value < _UINT64_END:
+        if is_int(value) and _INT64_MIN <= value < _UINT64_END:
             return value
         return self.context_length
 
@@ -162,11 +161,11 @@ class TokenizeRoutes:
         _check_bool(body, "skip_special_tokens")
         skip = body.get("skip_special_tokens", True)
         tokens, decode = body["tokens"], self.tokenizer.decode
-        if isinstance(tokens, list) and all(_is_int(t) for t in tokens):
+        if isinstance(tokens, list) and all(is_int(t) for t in tokens):
             self._check_ids(tokens, "tokens")
             return {"text": decode(tokens, skip_special_tokens=skip)}
         if isinstance(tokens, list) and all(
-            isinstance(row, list) and all(_is_int(t) for t in row) for row in tokens
+            isinstance(row, list) and all(is_int(t) for t in row) for row in tokens
         ):
             for i, row in enumerate(tokens):
                 self._check_ids(row, f"tokens[{i}]")
