@@ -208,6 +208,24 @@ class BatchKV:
         self.rows = 0
         self.start = self.end
 
+    def release(self) -> int:
+        """Free the storage of every layer's keys and values (no row may be live); the next
+        admission allocates it afresh. Returns the bytes freed."""
+        if self.rows:
+            raise RuntimeError(f"{self.rows} rows are live: their KV cache cannot be released")
+        tracks = (self.mask, self.tokens, self.logprobs)
+        freed = sum(t.numel() * t.element_size() for t in (*self._stores, *tracks))
+        self.start = self.end
+        self.columns = 0
+        self._stores = []
+        for layer in self.layers:  # no view may keep the old storage alive
+            layer.k = layer.v = layer.k.new_empty(0)
+            layer.keys = layer.values = None  # type: ignore[assignment]
+        self.mask = self.mask.new_empty((self.slots, 0))
+        self.tokens = self.tokens.new_empty((self.slots, 0))
+        self.logprobs = self.logprobs.new_empty((self.slots, 0))
+        return freed
+
     def row_track(self, slots: list[int], first: int) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and log-probs of ``slots`` from logical column ``first`` to ``end``."""
         idx = torch.tensor(slots, device=self.device)
@@ -283,16 +301,17 @@ class BatchKV:
         w = span + 1  # the pending column travels too
         n = self.rows
         fresh = columns != self.columns
-        windows = [store[:, :n, :, s_old : s_old + w].clone() for store in self._stores]
+        # (no rows: nothing to keep, and no storage after ``release``)
+        windows = [store[:, :n, :, s_old : s_old + w].clone() for store in self._stores if n]
         if fresh:
             self._build_stores(columns)
-        for store, window in zip(self._stores, windows, strict=True):
+        for store, window in zip(self._stores if n else (), windows, strict=True):
             store[:, :n, :, s_new : s_new + w] = window
         for name in ("tokens", "logprobs"):
             old = getattr(self, name)
-            window = old[:n, s_old : s_old + w].clone()
             new = old.new_zeros((self.slots, columns)) if fresh else old
-            new[:n, s_new : s_new + w] = window
+            if n:
+                new[:n, s_new : s_new + w] = old[:n, s_old : s_old + w].clone()
             setattr(self, name, new)
         self.columns, self.base = columns, new_base
         if fresh:

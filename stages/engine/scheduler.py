@@ -61,6 +61,7 @@ from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.lora_adapters import Adapter, AdapterError, RowAdapters, load_adapter
+from stages.engine.memory_offload import KV_CACHE, WEIGHTS, MemoryState, WeightOffload
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
 from stages.engine.prompt_logprobs import prompt_logprobs, scoring_passes
@@ -113,14 +114,21 @@ class _Outbox:
         samples of a streamed request that finish in one step and the tokens of those that go
         on reach it in one call, and go out in one write (``events``: the caller's list,
         extended there)."""
+        self.call_each(((fn, events),))
+
+    def call_each(self, calls: Iterable[tuple[Callable[[list[Any]], None], list[Any]]]) -> None:
+        """``call(fn, events)`` for each pair, under one hold of the lock (a step's streamed
+        requests: one pair each)."""
         with self.lock:
-            waiting = self.calls.get(fn)
-            if waiting is not None:
-                waiting += events
-                return
-            self.calls[fn] = events
-            self.items.append((fn, events, _CALL))
-            if self.scheduled:
+            waiting_calls, items = self.calls, self.items
+            for fn, events in calls:
+                waiting = waiting_calls.get(fn)
+                if waiting is not None:
+                    waiting += events
+                    continue
+                waiting_calls[fn] = events
+                items.append((fn, events, _CALL))
+            if self.scheduled or not items:
                 return
             self.scheduled = True
         self._schedule()
@@ -328,6 +336,7 @@ class Scheduler:
         # Owned by the scheduler thread (or by the caller of step() when no thread runs).
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []  # index = slot
+        self._admitting: list[_Seq] = []  # taken from _waiting by the admission under way
         self._kv = BatchKV(max_running, _mask_kind(model), device=self.device)
         # forward passes without transformers' module machinery where the model allows it
         self._fast, why = LlamaForward.build(model) if fast_forward else (None, "turned off")
@@ -335,6 +344,9 @@ class Scheduler:
         self.forward_path_why = why
         self._sampler = SlotSampler(max_running, self.eos_token_ids, self._rng)
         self._paused = False
+        # what /release_memory_occupation gave back, and the weights it copied out
+        self._memory = MemoryState()
+        self._offload: WeightOffload | None = None
         self._rids: dict[str, _Seq] = {}
         # token ids -> text, to look for stop strings; the running seqs that have some
         self._decode_tail = decode_tail
@@ -522,6 +534,22 @@ class Scheduler:
         of tokens dropped."""
         return self._call(self._flush_prefixes)
 
+    def release_memory(self, tags: Sequence[str] | None) -> Future[list[str]]:
+        """SGLang's ``release_memory_occupation`` (``stages.engine.memory_offload``): give back
+        the memory of ``tags`` (None or empty: all) at a step boundary, once nothing runs;
+        resolves to the tags newly released (MemoryStateError: not idle)."""
+        return self._call(lambda: self._release_memory(tags))
+
+    def resume_memory(self, tags: Sequence[str] | None) -> Future[list[str]]:
+        """Take back the memory of ``tags`` (None or empty: all, each of which must have been
+        released); generation goes on once neither the weights nor the KV cache is out."""
+        return self._call(lambda: self._resume_memory(tags))
+
+    @property
+    def released_memory(self) -> list[str]:
+        """The tags released and not resumed."""
+        return list(self._memory.released)
+
     def parameter_rows(self, name: str, rows: int) -> Future[torch.Tensor | None]:
         """Parameter ``name``'s first ``rows`` rows (a Python slice: a negative count leaves
         that many out), copied to the CPU in float32 at a step boundary, so that no weight
@@ -545,7 +573,7 @@ class Scheduler:
     def step(self) -> bool:
         """One iteration: commands, admission, one decode step. True while work remains."""
         self._drain()
-        if self._paused:
+        if self._paused or self._memory.holds_generation:
             return False
         self._admit()
         if self._running:
@@ -791,9 +819,32 @@ class Scheduler:
         self._paused = False
         log.info("generation_continued", **self.counts())
 
+    def _release_memory(self, tags: Sequence[str] | None) -> list[str]:
+        idle = not self._running and (self._paused or not self._waiting)
+        new = self._memory.to_release(tags, idle)
+        freed = 0
+        if KV_CACHE in new:
+            self._flush_prefixes()
+            self._sampler.clear()
+            freed += self._kv.release()
+        if WEIGHTS in new:
+            self._offload = WeightOffload(self.model)
+            freed += self._offload.release()
+        log.info("memory_released", tags=new, bytes=freed, released=self._memory.released)
+        return new
+
+    def _resume_memory(self, tags: Sequence[str] | None) -> list[str]:
+        resumed = self._memory.to_resume(tags)
+        if WEIGHTS in resumed and self._offload is not None:
+            self._offload.restore()
+            self._offload = None
+        log.info("memory_resumed", tags=resumed, released=self._memory.released)
+        return resumed
+
     def _load(
         self, named_tensors: list[tuple[str, torch.Tensor]], version: str | int | None
     ) -> None:
+        self._memory.refuse_weights("a weight update")
         start = time.perf_counter()
         count = load_named_tensors(self.model, named_tensors)
         if version is not None:  # the update's weight_version (its last bucket's): live now
@@ -825,6 +876,7 @@ class Scheduler:
         log.debug("weight_version_set", weight_version=version)
 
     def _parameter_rows(self, name: str, rows: int) -> torch.Tensor | None:
+        self._memory.refuse_weights("get_weights_by_name")
         # remove_duplicate=False: a tied lm_head.weight is found as embed_tokens.weight
         found = dict(self.model.named_parameters(remove_duplicate=False)).get(name)
         if found is None or found.dim() == 0:
@@ -840,7 +892,8 @@ class Scheduler:
         return Stamp(self._version_index, self._version)
 
     def _fail_all(self, exc: Exception) -> None:
-        seqs = list(self._waiting) + self._running
+        seqs = list(self._waiting) + self._running + self._admitting
+        self._admitting = []
         self._waiting.clear()
         self._running = []
         self._kv.clear()
@@ -870,6 +923,8 @@ class Scheduler:
                 done.append(seq)
             else:
                 group.append(seq)
+        # out of the queue and not running yet: a pass that raises fails them (_fail_all)
+        self._admitting = done + group
         scoring = [s for s in done + group if s.inp.logprob_start >= 0 and s.input_lps is None]
         if scoring:
             self._score_prompts(scoring)
@@ -878,6 +933,7 @@ class Scheduler:
             self._finish(seq, reason, seq.done_ids, seq.done_logprobs, seq.done_versions)
         if group:
             self._prefill(group)
+        self._admitting = []
 
     def _score_prompts(self, seqs: list[_Seq]) -> None:
         """Prompt log-probs from each seq's ``logprob_start`` on (``prompt_logprobs``): forward
@@ -1181,7 +1237,15 @@ class Scheduler:
                     out.extend([(seq.index, event) for event in held])
                 seq.sent += len(held)
                 seq.held = []
-        for group, batch in events.items():  # joining the call of its finished samples, if any
+        if not events:
+            return
+        # joining the call of each one's finished samples, if any; one outbox per event loop
+        outbox = next(iter(events)).outbox
+        if all(group.outbox is outbox for group in events):
+            assert outbox is not None
+            outbox.call_each([(group.stream, batch) for group, batch in events.items()])
+            return
+        for group, batch in events.items():
             assert group.outbox is not None and group.stream is not None
             group.outbox.call(group.stream, batch)
 

@@ -21,7 +21,9 @@ Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
 ``/update_weights_from_distributed`` inside
 ``/begin_weight_update`` ... ``/end_weight_update`` as SGLang 0.5.23 wants it,
 ``/destroy_weights_update_group``, ``/update_weights_from_disk``,
-``/get_weights_by_name``); ``POST /v1/tokenize`` and ``/v1/detokenize``
+``/get_weights_by_name``); ``GET|POST /release_memory_occupation`` and
+``/resume_memory_occupation`` (``stages.engine.memory_routes``: the weights and KV cache given
+back to a colocated trainer); ``POST /v1/tokenize`` and ``/v1/detokenize``
 (``stages.engine.tokenize_routes``); ``POST /parse_function_call`` and ``/separate_reasoning``
 (``stages.engine.parse_routes``); ``stream: true`` answers server-sent events
 (``stages.engine.streaming``); the OpenAI-compatible ``/v1`` routes are
@@ -63,6 +65,7 @@ from stages.engine.grammar import GrammarSet
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.lora_routes import LoraRoutes
+from stages.engine.memory_routes import MemoryRoutes
 from stages.engine.openai_api import OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.parse_routes import ParseRoutes
@@ -181,6 +184,7 @@ def build_app(
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     ParseRoutes().add_to(app)
+    MemoryRoutes(scheduler).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
@@ -468,6 +472,7 @@ async def _server_info(request: web.Request) -> web.Response:
         "decode_steps": scheduler.steps,
         "tokens_generated": scheduler.tokens_generated,
         "prefix_cache": scheduler.prefix_cache_stats(),
+        "released_memory": scheduler.released_memory,  # /release_memory_occupation's tags
     }
     return web.json_response(
         {

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from pipeline.processes import name_thread
 from stages.engine.checkpoint_files import CheckpointError, read_weights, weight_files
+from stages.engine.memory_offload import MemoryStateError
 from stages.engine.model_weights import WeightLoadError
 from stages.engine.protocol import RequestError
 from stages.engine.request_body import (
@@ -208,6 +209,8 @@ class WeightRoutes:
                 await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
                 if flush:
                     await asyncio.wrap_future(self.scheduler.flush_prefix_cache())
+        except MemoryStateError as exc:  # received, not loaded: the weights are released
+            return failure(f"update_weights_from_distributed failed: {exc}")
         except Exception as exc:
             log.exception("weights_update_failed", group=group, error=repr(exc))
             return failure(f"update_weights_from_distributed failed: {exc}")
@@ -278,7 +281,7 @@ class WeightRoutes:
             try:
                 tensors, skipped = await self._in_thread(read_weights, files, names)
                 await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
-            except (CheckpointError, WeightLoadError) as exc:
+            except (CheckpointError, WeightLoadError, MemoryStateError) as exc:
                 return _from_disk(False, f"Failed to update weights: {exc}.")
             except Exception as exc:
                 log.exception("weights_from_disk_failed", path=path, error=repr(exc))
@@ -314,7 +317,10 @@ class WeightRoutes:
             rows = option(body, "truncate_size", int, 100)
         except RequestError as exc:
             return bad_request(str(exc))
-        found = await asyncio.wrap_future(self.scheduler.parameter_rows(name, rows))
+        try:
+            found = await asyncio.wrap_future(self.scheduler.parameter_rows(name, rows))
+        except MemoryStateError as exc:
+            return bad_request(str(exc))
         if found is None:
             return bad_request("Get parameter by name failed")
         return json_response(found.tolist())

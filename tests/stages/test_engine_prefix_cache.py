@@ -412,6 +412,37 @@ def test_a_failed_step_leaves_nothing_and_the_thread_logs_the_counters(
     assert stopped["prefix_cache"]["lookups"] == 2
 
 
+@pytest.mark.timeout(60)
+def test_a_failed_prefill_fails_the_requests_it_was_admitting(models: tuple[Path, Path]) -> None:
+    """Taken from the queue, not running yet: they fail with the pass, and nothing hangs."""
+    hot = Scheduler(load_reference(models[0]), max_running=4)
+    assert hot._fast is not None
+    prefill = hot._fast.prefill
+    calls = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return prefill(*args, **kwargs)
+
+    hot._fast.prefill = failing  # type: ignore[method-assign]
+    hot.start()
+    try:
+        failed = hot.submit_many(
+            [GenerateInput(f"f{i}", [5, 6, 7 + i], _greedy(4), True) for i in range(2)]
+        )
+        with pytest.raises(RuntimeError, match="device lost"):
+            failed.result(timeout=30)
+        ok = hot.submit(GenerateInput("f0", [5, 6, 7], _greedy(4), True)).result(timeout=30)
+        assert len(ok.output_ids) == 4 and hot.counts() == {
+            "num_running_reqs": 0,
+            "num_waiting_reqs": 0,
+        }
+    finally:
+        hot.stop()
+
+
 # ---- a real server ---------------------------------------------------------------------------
 
 
