@@ -26,8 +26,10 @@ and the text added since that choice's last chunk (the prompt's text in front of
 ``data: [DONE]`` (``serving_completions._generate_completion_stream``).
 
 ``echo`` with ``logprobs`` > 0 asks for the prompt's log-probs too (``logprob_start_len`` 0, as
-SGLang does): its tokens come first in ``logprobs``, the first with a null log-prob. Not yet
-(issue 25): the chat route. Errors are SGLang's ``{object: "error", message, type, param, code}``.
+SGLang does): its tokens come first in ``logprobs``, the first with a null log-prob. The chat
+route is ``openai_chat``'s, the Responses route ``openai_responses``'s (errors in its own
+``{"error": {...}}`` envelope); the others' errors are SGLang's ``{object: "error", message,
+type, param, code}``.
 
 This module knows nothing of the scheduler: the server hands it ``/generate`` as a coroutine.
 """
@@ -55,6 +57,7 @@ __all__ = [
     "read_json",
     "refusal",
     "response_format",
+    "route_refusal",
 ]
 
 # OpenAI field -> the native sampling parameter it sets (SGLang's _build_sampling_params)
@@ -89,9 +92,10 @@ _MAX_TOKENS_DEFAULT = 16  # CompletionRequest.max_tokens
 class OpenAIError(ValueError):
     """A request SGLang answers with 400 (``param``: the offending field, when known)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400) -> None:
         super().__init__(message)
         self.param = param
+        self.status = status  # 404: a model or response the engine does not have
 
 
 def error_response(message: str, *, status: int = 400, param: str | None = None) -> web.Response:
@@ -545,8 +549,10 @@ class OpenAIRoutes:
         chat: Any = None,
         progress_stream: Callable[[Any], AsyncIterator[Any]] | None = None,
         adapters: Callable[[], list[dict[str, Any]]] = list,
+        any_model: bool = False,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
+        self.any_model = any_model  # /v1/responses takes any model name (the agent proxy)
         self.adapters = adapters  # the loaded LoRA adapters ({lora_name, lora_path, ...})
         # ``stream`` giving each sample's Progress rather than native chunks before its last
         # (``stream_generate(..., progress=True)``): /v1/completions renders its own from them
@@ -560,6 +566,9 @@ class OpenAIRoutes:
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
 
     def _card(self, name: str) -> dict[str, Any]:
         return {
@@ -602,6 +611,22 @@ class OpenAIRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "chat")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "responses")
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{id}`` and its ``/cancel``: SGLang's answer without
+        ``--enable-response-store`` (its default), the only one here: the engine stores none."""
+        from stages.engine.openai_responses import STORE_DISABLED
+
+        return web.json_response(_nested(STORE_DISABLED, 400, "response_id"), status=400)
+
+    def _known_model(self, name: str) -> bool:
+        """Whether ``model`` names the served model, a loaded adapter or ``SERVED:ANYTHING``
+        (``OpenAIServingResponses._validate_model``)."""
+        adapters = {a["lora_name"] for a in self.adapters()}
+        return name in adapters or name.split(":", 1)[0] == self.served_model_name
+
     async def reply(self, route: str, body: Any) -> Reply:
         """The answer to ``body`` on ``route`` (``completions`` or ``chat``), whatever carries
         it: HTTP here (``_serve``), or a caller in this process (the agent proxy's client)."""
@@ -618,13 +643,28 @@ class OpenAIRoutes:
                 return Reply(200, chunks=stream(source(native), options))
             rendered = await self.generate(native)
         except ValueError as exc:  # OpenAIError, RequestError, a rid already in flight
-            return Reply(400, refusal(_as_written(exc, options)))
+            status = getattr(exc, "status", 400)
+            return Reply(status, route_refusal(route, _as_written(exc, options)))
         results = rendered if isinstance(rendered, list) else [rendered]
         return Reply(200, respond(results, options))
 
     def _handlers(self, route: str) -> tuple[Callable[..., Any], ...]:
         """``(build, respond, stream)`` of ``route``: the native body of a request's, the
         answer of native results, the events of native chunks."""
+        if route == "responses":
+            from stages.engine import openai_responses  # it builds on the chat route
+
+            chat, length = self.chat, self.context_length
+            known = None if self.any_model else self._known_model
+
+            def build_response(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                return openai_responses.responses_request(raw, chat, length, known)
+
+            return (
+                build_response,
+                openai_responses.responses_response,
+                openai_responses.response_events,
+            )
         if route == "chat":
             from stages.engine import openai_chat  # it builds on this module
 
@@ -655,15 +695,21 @@ class OpenAIRoutes:
             return web.Response(
                 body=dumps(reply.body), status=reply.status, content_type="application/json"
             )
+        framing: dict[str, Any] = {}
+        if route == "responses":  # ``event:`` lines, no [DONE] (SGLang's Responses stream)
+            from stages.engine.openai_responses import sse_named
+
+            framing = {"events": sse_named, "done": b""}
         try:
             return await write_events(
                 request,
                 reply.chunks,
                 dumps,
                 on_disconnect=lambda: self.on_disconnect(request),
+                **framing,
             )
         except ValueError as exc:  # raised before the first event: still an error status
-            return web.json_response(refusal(exc), status=400)
+            return web.json_response(route_refusal(route, exc), status=400)
 
 
 async def read_json(request: web.Request) -> Any:
@@ -713,6 +759,26 @@ def _as_written(exc: ValueError, options: Mapping[str, Any]) -> ValueError:
     if grammar_from and exc.field.rsplit(".", 1)[-1] in GRAMMAR_FIELDS:
         return RequestError(grammar_from, str(exc)[len(exc.field) + 2 :])
     return exc
+
+
+def route_refusal(route: str, exc: ValueError) -> dict[str, Any]:
+    """``refusal(exc)``, in the Responses route's envelope on ``responses``."""
+    refused = refusal(exc)
+    if route != "responses":
+        return refused
+    return _nested(refused["message"], getattr(exc, "status", 400), refused["param"])
+
+
+def _nested(message: str, status: int, param: str | None) -> dict[str, Any]:
+    """The Responses route's error (``serving_responses.create_error_response``)."""
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": status,
+        }
+    }
 
 
 def _error(message: str, *, status: int = 400, param: str | None = None) -> dict[str, Any]:

@@ -336,9 +336,12 @@ async def write_events(
     encode: Callable[[Any], bytes],
     *,
     on_disconnect: Callable[[], None],
+    events: Callable[[list[Any], Callable[[Any], bytes]], bytes] | None = None,
+    done: bytes = b"data: [DONE]\n\n",
 ) -> web.StreamResponse:
     """Answer ``request`` with ``chunks`` (batches of them: one write each) as server-sent
-    events, then ``data: [DONE]`` (with a ``Last`` batch, in the same write).
+    events, then ``done`` (``data: [DONE]``; with a ``Last`` batch, in the same write).
+    ``events(batch, encode)``: a batch's bytes (default: a ``data:`` line per chunk).
 
     The first batch is awaited before anything is sent, so that a request refused by the
     generator's checks raises here and can still be answered with an error status. After it,
@@ -356,17 +359,18 @@ async def write_events(
     response = _EventStream(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
+    framed = _events if events is None else events
     try:
         await response.prepare(request)
         tail = b""
         if isinstance(first, Last):
-            tail = _events(first, encode)
+            tail = framed(first, encode)
         elif first is not None:
             if first:  # an empty chunk would end a chunked response
-                await response.write(_events(first, encode))  # with the headers
-            tail = await _write_rest(request, response, chunks, encode)
+                await response.write(framed(first, encode))  # with the headers
+            tail = await _write_rest(request, response, chunks, encode, framed)
         # the last events, the end marker and the end of the response: one write
-        await response.write_eof(tail + b"data: [DONE]\n\n")
+        await response.write_eof(tail + done)
     except ConnectionResetError:  # the client went away: nobody to answer
         on_disconnect()
     except asyncio.CancelledError:
@@ -382,29 +386,35 @@ async def _write_rest(
     response: web.StreamResponse,
     chunks: AsyncIterator[list[Any]],
     encode: Callable[[Any], bytes],
+    framed: Callable[[list[Any], Callable[[Any], bytes]], bytes],
 ) -> bytes:
     """Write the batches after the first; the events of the last come back, unwritten."""
     direct = _chunked_transport(request, response)  # None: every write through aiohttp
     pushable = direct is not None and isinstance(chunks, ChunkStream)
     while True:
         if pushable and not _behind(direct):
-            batch = await _pushed(chunks, direct, encode)  # type: ignore[arg-type]
+            batch = await _pushed(chunks, direct, encode, framed)  # type: ignore[arg-type]
         else:
             batch = await anext(chunks, None)
             if batch is None:
                 return b""
         if isinstance(batch, Last):
-            return _events(batch, encode)
+            return framed(batch, encode)
         if not batch:
             continue
-        data = _events(batch, encode)
+        data = framed(batch, encode)
         if direct is not None and not _behind(direct):
             direct.write(b"%x\r\n%b\r\n" % (len(data), data))  # one chunk, framed
         else:  # a client that reads slowly (aiohttp waits for it) or went away (raises)
             await response.write(data)
 
 
-def _pushed(chunks: ChunkStream, transport: Any, encode: Callable[[Any], bytes]) -> Any:
+def _pushed(
+    chunks: ChunkStream,
+    transport: Any,
+    encode: Callable[[Any], bytes],
+    framed: Callable[[list[Any], Callable[[Any], bytes]], bytes],
+) -> Any:
     """Push ``chunks`` straight to ``transport`` while it takes them: a future of the first
     batch that may not go there (the last one, or any while the client is behind), or of the
     exception that building one raised."""
@@ -413,7 +423,7 @@ def _pushed(chunks: ChunkStream, transport: Any, encode: Callable[[Any], bytes])
     def sink(batch: list[Any]) -> None:
         if type(batch) is list and not _behind(transport):
             if batch:
-                data = _events(batch, encode)
+                data = framed(batch, encode)
                 transport.write(b"%x\r\n%b\r\n" % (len(data), data))
             return
         chunks.push(None)

@@ -3,10 +3,11 @@ policy, every call recorded as the exact tokens the engine sampled.
 
 One ``AgentProxy`` per process (per event loop) listens on 127.0.0.1 (a free port) and serves
 each running episode under a base URL of its own, ``http://127.0.0.1:PORT/e/EPISODE/v1``:
-``GET /models`` (the policy, named ``policy``), ``POST /completions`` and ``POST
-/chat/completions`` with the built-in engine's own request checks and answer layout
-(``stages.engine.openai_api``, ``openai_chat``: tools, stop strings, log-probs, streaming, usage;
-any model name is accepted). A request's samples come from the episode's ``RolloutEngine`` (the
+``GET /models`` (the policy, named ``policy``), ``POST /completions``, ``POST
+/chat/completions`` and ``POST /responses`` (the OpenAI Agents SDK's default API) with the
+built-in engine's own request checks and answer layout (``stages.engine.openai_api``,
+``openai_chat``, ``openai_responses``: tools, stop strings, log-probs, streaming, usage; any model
+name is accepted). A request's samples come from the episode's ``RolloutEngine`` (the
 generator's engines, in-flight weight updates and all), one completion per call (``n`` > 1 is
 refused: an episode is one trajectory), with the run's sampling (``temperature``, ``top_p``,
 ``top_k``, ``min_p``: what the learner trains against) over the agent's, and ``max_tokens``
@@ -47,8 +48,9 @@ from aiohttp import web
 
 from stages.detokenize import decoder
 from stages.engine.incremental_text import IncrementalText
-from stages.engine.openai_api import OpenAIError, OpenAIRoutes, refusal
+from stages.engine.openai_api import OpenAIError, OpenAIRoutes, refusal, route_refusal
 from stages.engine.openai_chat import ChatSettings
+from stages.engine.openai_responses import sse_named
 from stages.engine.protocol import (
     SequenceResult,
     parse_generate,
@@ -136,6 +138,7 @@ class Episode:
             served_model_name=POLICY,
             context_length=context_length,
             chat=chat,
+            any_model=True,
         )
 
     # ------------------------------------------------------------------ the routes' engine
@@ -379,6 +382,7 @@ class AgentProxy:
         app.router.add_get(base + "/models/{model:.+}", self._route("model"))
         app.router.add_post(base + "/completions", self._route("completions"))
         app.router.add_post(base + "/chat/completions", self._route("chat_completions"))
+        app.router.add_post(base + "/responses", self._route("responses"))
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()
         # every episode in flight may connect at once (a generator keeps hundreds)
@@ -440,7 +444,7 @@ def _not_found() -> dict[str, Any]:
 class _InProcess(httpx.AsyncBaseTransport):
     """An httpx transport that answers the proxy's completion routes in the process."""
 
-    _ROUTES = {"completions": "completions", "chat/completions": "chat"}
+    _ROUTES = {"completions": "completions", "chat/completions": "chat", "responses": "responses"}
 
     def __init__(self, proxy: AgentProxy, fallback: Any) -> None:
         self.proxy, self.fallback = proxy, fallback
@@ -465,11 +469,11 @@ class _InProcess(httpx.AsyncBaseTransport):
             first = await anext(reply.chunks)
         except ValueError as exc:  # OpenAIError, RequestError, a rid in flight
             await reply.chunks.aclose()
-            return httpx.Response(400, json=refusal(exc))
+            return httpx.Response(400, json=route_refusal(route, exc))
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
-            stream=_EventStream(first, reply.chunks),
+            stream=_EventStream(first, reply.chunks, named=route == "responses"),
         )
 
     async def aclose(self) -> None:
@@ -479,16 +483,22 @@ class _InProcess(httpx.AsyncBaseTransport):
 class _EventStream(httpx.AsyncByteStream):
     """Server-sent events of a streamed reply, as an httpx response stream."""
 
-    def __init__(self, first: list[Any], chunks: AsyncIterator[list[Any]]) -> None:
+    def __init__(
+        self, first: list[Any], chunks: AsyncIterator[list[Any]], *, named: bool = False
+    ) -> None:
         self.first, self.chunks = first, chunks
+        self.named = named  # the Responses route's: ``event:`` lines, no [DONE]
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         batch: list[Any] | None = self.first
         while batch is not None:
-            if batch:
+            if batch and self.named:
+                yield sse_named(batch, lambda c: json.dumps(c).encode())
+            elif batch:
                 yield b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in batch)
             batch = await anext(self.chunks, None)
-        yield b"data: [DONE]\n\n"
+        if not self.named:
+            yield b"data: [DONE]\n\n"
 
     async def aclose(self) -> None:
         await self.chunks.aclose()

@@ -89,6 +89,22 @@ async def tool_agent(client, task):
     return float(second.choices[0].message.content.strip() == task["answer"])
 
 
+async def responses_agent(client, task):
+    """The OpenAI Agents SDK's way: ``/responses``, the function calls it answers and their
+    outputs sent back as input items; the second answer streamed."""
+    functions = [{"type": "function", **t["function"]} for t in TOOLS]
+    items: list[dict] = [{"role": "user", "content": task["prompt"]}]
+    first = await client.responses.create(model="any", input=items, tools=functions)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    args = json.loads(call.arguments)
+    items += [o.model_dump(exclude_none=True) for o in first.output]
+    result = str(args["a"] + args["b"])
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": result})
+    second = await client.responses.create(model="any", input=items, tools=functions, stream=True)
+    text = "".join([e.delta async for e in second if e.type == "response.output_text.delta"])
+    return float(text.strip() == task["answer"])
+
+
 async def thinking_agent(client, task):
     """Reads the answer in ``content`` and the reasoning apart (rollout.reasoning_parser)."""
     out = await client.chat.completions.create(
@@ -226,6 +242,22 @@ async def test_a_tool_agent_trains_exactly_the_tokens_the_engine_sampled(tokeniz
     assert trajectory.context == second + engine.outputs[1].tolist()
     assert ctx.counters["agent_calls_rejoined"] == 1 and not ctx.counters["agent_calls_unjoined"]
     assert trajectory.info == {"agent_calls": 2, "agent_calls_unjoined": 0}
+
+
+@pytest.mark.timeout(60)
+async def test_a_responses_api_agent_trains_exactly_the_tokens_the_engine_sampled(
+    tokenizer,
+) -> None:
+    """``/responses`` through the proxy joins the trajectory as the chat route does: its input
+    items are chat messages, its function calls the model's own tokens."""
+    engine, ctx, episode = _episode(tokenizer, "responses_agent", [CALL, "5"])
+    trajectory = await episode
+    assert trajectory.reward == 1.0 and trajectory.turns == 2
+    assert _sampled(trajectory) == np.concatenate(engine.outputs).tolist()
+    first_context = engine.inputs[0] + engine.outputs[0].tolist()
+    assert engine.inputs[1][: len(first_context)] == first_context
+    assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(engine.inputs[1])
+    assert ctx.counters["agent_calls_rejoined"] == 1 and not ctx.counters["agent_calls_unjoined"]
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,674 @@
+"""SGLang's ``/v1/responses`` (OpenAI's Responses API, what the OpenAI Agents SDK speaks by
+default) on the built-in engine, built on its ``/v1/chat/completions`` as SGLang 0.5.23 builds
+it (``srt/entrypoints/openai/serving_responses.py``, non-Harmony models; ``protocol.py``
+``ResponsesRequest``, ``ResponsesResponse``; ``responses_adapters.py``):
+
+- ``input`` (a string: one user message; or a list of items) becomes chat messages:
+  ``instructions`` first as a system message; messages of any role (``developer`` as
+  ``system``, its text after ``Developer instructions:\\n``), their ``input_text`` and
+  ``output_text`` parts as text; a ``function_call`` item as an assistant message with that
+  tool call (``arguments`` kept when they are a JSON object, else ``{}``); a
+  ``function_call_output`` as a ``tool`` message; a ``reasoning`` item as an assistant
+  message's ``reasoning_content`` (none without text); adjacent assistant messages merged when
+  their ``phase`` agrees or the first is reasoning alone (``_merge_consecutive_assistant_
+  messages``); any other item type: 400 ``Unsupported Responses API input item type``;
+- ``tools`` of ``type: function`` (``name``, ``description``, ``parameters``, ``strict``) are
+  the chat tools; other tool types are accepted and not used (``shell``: 400); ``tool_choice``
+  ``auto``, ``none``, ``required`` or ``{type: function, name}``;
+- sampling: ``max_output_tokens`` less 2 (SGLang's headroom), ``temperature`` (else the model's
+  ``generation_config.json``, else 0.7), ``top_p``, ``top_k``, ``min_p``, ``stop``, the
+  penalties; ``text.format`` ``json_schema`` or ``json_object`` constrains the answer;
+  ``reasoning.effort`` switches the template's thinking (``none``: off; any other, ``{}``
+  included: on); ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) adds
+  the log-probs of every generated token to the message's text (not when streamed: 400);
+- the answer: ``{id (request_id, "resp_<hex>"), object: "response", created_at, model,
+  output, status, usage, ...}`` with its items in SGLang's order (a ``reasoning`` item, a
+  ``message`` with one ``output_text`` part, then the ``function_call`` items), ``status``
+  ``incomplete`` (``incomplete_details.reason: max_output_tokens``) for a sample cut at its
+  length, ``failed`` for an aborted one; ``usage`` ``{input_tokens, input_tokens_details:
+  {cached_tokens, cache_write_tokens}, output_tokens, output_tokens_details:
+  {reasoning_tokens}, total_tokens}``; the request's fields echoed as SGLang echoes them;
+- ``stream``: ``event: <type>`` / ``data: {json}`` server-sent events, ``sequence_number``
+  from 0, no ``[DONE]``: ``response.created``, ``response.in_progress``, each item's
+  ``output_item.added``, ``content_part.added``, its deltas (``reasoning_text``,
+  ``output_text``, ``function_call_arguments``), their ``done`` events and
+  ``output_item.done``, then ``response.completed`` (or ``incomplete``, ``failed``) with the
+  whole response. With tools, a message's events are held back until a call follows it (its
+  ``phase`` then ``commentary``) or the answer ends (``final_answer``), as SGLang holds them.
+
+SGLang's response store is off unless it is started with ``--enable-response-store``, and so is
+this engine's (it has none): ``previous_response_id``, ``background``, ``GET
+/v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` are refused with SGLang's words.
+Not here: system messages gathered in front for a template that refuses them later in the
+conversation (SGLang probes the template for that; here the template's error is the 400), and
+encrypted reasoning (``include: ["reasoning.encrypted_content"]`` is accepted, not filled).
+This module knows nothing of HTTP; ``openai_api.OpenAIRoutes`` serves it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from stages.engine.chunk_stream import mapped
+from stages.engine.openai_api import OpenAIError
+from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, chat_response
+
+__all__ = [
+    "STORE_DISABLED",
+    "ResponseEvents",
+    "response_events",
+    "responses_request",
+    "responses_response",
+    "sse_named",
+]
+
+STORE_DISABLED = (
+    "Response store is disabled. Stateful Responses require --enable-response-store on a "
+    "standalone server; response storage is unavailable in PD mode."
+)
+LOGPROBS = "message.output_text.logprobs"
+_ECHO_EFFORTS = ("minimal", "low", "medium", "high")  # ECHOABLE_REASONING_EFFORTS
+_TEMPERATURE = 0.7  # ResponsesRequest._DEFAULT_SAMPLING_PARAMS
+_PASSED = ("top_p", "top_k", "min_p", "stop", "repetition_penalty")
+_PASSED += ("frequency_penalty", "presence_penalty", "chat_template_kwargs")
+
+
+def responses_request(
+    body: Any,
+    settings: ChatSettings,
+    context_length: int,
+    known_model: Callable[[str], bool] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(native /generate body, what the answer needs)`` for a ``/v1/responses`` body, through
+    ``chat_request``; OpenAIError (its ``status`` 404 for an unknown model) when SGLang
+    refuses it. ``known_model(name)``: whether the engine serves ``model`` (None: any)."""
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    if "input" not in body:
+        raise OpenAIError("input: Field required", "input")
+    model = body.get("model")
+    if not isinstance(model, str):  # declared optional, required by its chat request
+        raise OpenAIError("model: Input should be a valid string", "model")
+    for flag in ("stream", "background", "store", "parallel_tool_calls"):
+        if not isinstance(body.get(flag, False), bool | None):
+            raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
+    tools = _tools(body.get("tools"))
+    if any(t.get("type") == "shell" for t in tools):
+        raise OpenAIError("Shell tools are not supported by this model", "tools")
+    if body.get("previous_response_id") is not None:
+        raise OpenAIError(STORE_DISABLED, "previous_response_id")
+    if body.get("background"):
+        raise OpenAIError(STORE_DISABLED, "background")
+    if known_model is not None and not known_model(model):
+        raise OpenAIError(f"The model '{model}' does not exist", "model", status=404)
+    functions = [t for t in tools if t["type"] == "function"]
+    choice = _tool_choice(body.get("tool_choice", "auto"), functions)
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise OpenAIError("include: Input should be a valid list", "include")
+    logprobs = LOGPROBS in include
+    if body.get("stream") and logprobs:
+        raise OpenAIError("logprobs are not supported in streaming mode", "logprobs")
+    chat_body: dict[str, Any] = {
+        "model": model,
+        "messages": _messages(body.get("input"), body.get("instructions")),
+        "rid": body.get("request_id") or f"resp_{uuid.uuid4().hex}",
+        "temperature": body.get("temperature"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+    }
+    if chat_body["temperature"] is None:
+        chat_body["temperature"] = settings.defaults.get("temperature", _TEMPERATURE)
+    for name in _PASSED:
+        if body.get(name) is not None:
+            chat_body[name] = body[name]
+    if functions:
+        chat_body["tools"] = [_chat_tool(t) for t in functions]
+        chat_body["tool_choice"] = choice
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise OpenAIError(
+                "max_output_tokens: Input should be a valid integer", "max_output_tokens"
+            )
+        if limit - 2 < 0:  # SGLang keeps 2 tokens of headroom (to_sampling_params)
+            raise OpenAIError(
+                f"max_new_tokens must be at least 0, got {limit - 2}.", "max_output_tokens"
+            )
+        chat_body["max_tokens"] = limit - 2
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise OpenAIError("reasoning: Input should be a valid dictionary", "reasoning")
+    effort = None
+    if reasoning is not None:
+        effort = reasoning.get("effort", "medium")  # ResponseReasoningParam's default
+        if effort is not None:
+            chat_body["reasoning_effort"] = effort
+    text = body.get("text")
+    fmt = _text_format(text)
+    if fmt is not None:
+        chat_body["response_format"] = fmt
+    if logprobs:
+        chat_body["logprobs"] = True
+        chat_body["top_logprobs"] = body.get("top_logprobs") or 0
+    if body.get("stream"):
+        chat_body["stream"] = True
+        chat_body["stream_options"] = {"include_usage": True}
+    native, options = chat_request(chat_body, settings, context_length)
+    options["response"] = {
+        "id": chat_body["rid"],
+        "model": model,
+        "tools": body.get("tools") or [],
+        "tool_choice": _echo_choice(body.get("tool_choice", "auto")),
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": limit,
+        "reasoning": {"effort": effort if effort in _ECHO_EFFORTS else None, "summary": None},
+        "store": body.get("store", True),
+        "temperature": body.get("temperature"),
+        "text": text,
+        "top_p": body.get("top_p"),
+        "truncation": body.get("truncation", "disabled"),
+        "user": body.get("user"),
+        "metadata": body.get("metadata") or {},
+        "phased": bool(functions) and choice != "none",  # messages wait for a call or the end
+    }
+    return native, options
+
+
+def responses_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) -> dict:
+    """The ``response`` object of a finished request (its one sample, ``results[0]``)."""
+    chat = chat_response(results, options)
+    choice, meta = chat["choices"][0], results[0]["meta_info"]
+    message = choice["message"]
+    output: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        output.append(_reasoning_item(_new_id("rs"), message["reasoning_content"]))
+    calls = message.get("tool_calls") or []
+    if message.get("content"):
+        logprobs = _text_logprobs(choice["logprobs"]) if options["logprobs"] else None
+        phase = "commentary" if calls else "final_answer"
+        output.append(_message_item(_new_id("msg"), message["content"], phase, logprobs))
+    for call in calls:
+        fn = call["function"]
+        output.append(_call_item(_new_id("fc", 8), call["id"], fn["name"], fn["arguments"]))
+    return _response(options, output, meta.get("finish_reason"), _usage_of(meta))
+
+
+def response_events(
+    batches: AsyncIterator[list[Mapping[str, Any]]], options: Mapping[str, Any]
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """The events of a streamed request (``ResponseEvents`` of each native batch)."""
+    return mapped(batches, ResponseEvents(options))
+
+
+class ResponseEvents:
+    """``_responses_stream_generator_non_harmony``'s events, batch by batch (a
+    ``chunk_stream.Transform`` over the native chunks: ``ChatChunks`` reads the reasoning and
+    the tool calls out of them, this lays them out as items)."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.options = options
+        self.chat = ChatChunks({**options, "include_usage": False})
+        self.sequence = 0
+        self.started = False
+        self.items: list[dict[str, Any]] = []  # output items closed, in order
+        self.open: dict[str, Any] | None = None  # the item whose deltas are going out
+        self.calls: dict[int, dict[str, Any]] = {}  # open function calls by their index
+        self.held: list[dict[str, Any]] | None = None  # a message's events, phase to come
+        self.meta: Mapping[str, Any] = {}
+        self.finish: Any = None
+
+    def __call__(self, batch: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if not self.started:
+            self.started = True
+            pending = _response(self.options, [], None, None, status="in_progress")
+            out.append(self._event("response.created", response=pending))
+            out.append(self._event("response.in_progress", response=pending))
+        for native in batch:
+            self.meta = native["meta_info"]
+            self.finish = self.meta.get("finish_reason") or self.finish
+        for chunk in self.chat(batch):
+            for choice in chunk["choices"]:
+                delta = choice["delta"]
+                if delta.get("reasoning_content"):
+                    self._text(out, "reasoning", delta["reasoning_content"])
+                if delta.get("content"):
+                    if self.calls and not delta["content"].strip():
+                        continue  # whitespace between calls
+                    self._text(out, "message", delta["content"])
+                for call in delta.get("tool_calls") or ():
+                    self._call(out, call)
+        return out
+
+    def end(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        self._close(out)
+        self._close_calls(out)
+        self._release(out, "final_answer")
+        response = _response(self.options, self.items, self.finish, _usage_of(self.meta))
+        out.append(self._event(f"response.{response['status']}", response=response))
+        return out
+
+    # -- items ---------------------------------------------------------------------------------
+    def _text(self, out: list[dict[str, Any]], kind: str, text: str) -> None:
+        item = self.open
+        if item is None or item["type"] != kind:
+            self._close(out)
+            if kind == "message":  # text after calls closes them
+                self._close_calls(out)
+            item = self.open = self._open(out, kind)
+        item["_text"] += text
+        where = {"item_id": item["id"], "output_index": item["_index"], "content_index": 0}
+        if kind == "reasoning":
+            self._emit(out, "response.reasoning_text.delta", delta=text, **where)
+        else:
+            self._emit(out, "response.output_text.delta", message=True, delta=text, logprobs=[],
+                       **where)  # fmt: skip
+
+    def _open(self, out: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+        index = len(self.items) + len(self.calls)
+        message = kind == "message"
+        item = {"id": _new_id("msg" if message else "rs"), "_text": "", "_index": index}
+        item["type"] = kind
+        if message:
+            if self.options["response"]["phased"] and self.held is None:
+                self.held = []
+            added = _message_item(item["id"], None, "final_answer", None, status="in_progress")
+            part: dict[str, Any] = {"annotations": [], "text": "", "type": "output_text"}
+            part["logprobs"] = None
+        else:
+            added = _reasoning_item(item["id"], None, status="in_progress")
+            part = {"text": "", "type": "reasoning_text"}
+        self._emit(out, "response.output_item.added", message=message, item=added,
+                   output_index=index)  # fmt: skip
+        self._emit(out, "response.content_part.added", message=message, content_index=0,
+                   item_id=item["id"], output_index=index, part=part)  # fmt: skip
+        return item
+
+    def _close(self, out: list[dict[str, Any]]) -> None:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        text, message = item["_text"], item["type"] == "message"
+        where = {"item_id": item["id"], "output_index": item["_index"], "content_index": 0}
+        if message:
+            done = _message_item(item["id"], text, "final_answer", None)
+            self._emit(out, "response.output_text.done", message=True, logprobs=[], text=text,
+                       **where)  # fmt: skip
+            part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text"}
+            part["logprobs"] = None
+        else:
+            done = _reasoning_item(item["id"], text)
+            self._emit(out, "response.reasoning_text.done", text=text, **where)
+            part = {"text": text, "type": "reasoning_text"}
+        self._emit(out, "response.content_part.done", message=message, part=part, **where)
+        self._emit(out, "response.output_item.done", message=message, item=done,
+                   output_index=item["_index"])  # fmt: skip
+        self.items.append(done)
+
+    def _call(self, out: list[dict[str, Any]], piece: Mapping[str, Any]) -> None:
+        index, fn = piece["index"], piece["function"]
+        call = self.calls.get(index)
+        if call is None:  # a new call: what is open before it closes
+            self._close(out)
+            self._close_calls(out)
+            self._release(out, "commentary")
+            position = len(self.items)
+            call = self.calls[index] = {
+                "id": _new_id("fc", 8),
+                "call_id": piece["id"] or _new_id("call", 24),
+                "name": fn["name"],
+                "arguments": "",
+                "_index": position,
+            }
+            added = _call_item(call["id"], call["call_id"], call["name"], "", "in_progress")
+            self._emit(out, "response.output_item.added", item=added, output_index=position)
+        if fn.get("arguments"):
+            call["arguments"] += fn["arguments"]
+            self._emit(out, "response.function_call_arguments.delta", delta=fn["arguments"],
+                       item_id=call["id"], output_index=call["_index"])  # fmt: skip
+
+    def _close_calls(self, out: list[dict[str, Any]]) -> None:
+        for call in self.calls.values():
+            where = {"item_id": call["id"], "output_index": call["_index"]}
+            self._emit(out, "response.function_call_arguments.done",
+                       arguments=call["arguments"], name=call["name"], **where)  # fmt: skip
+            done = _call_item(call["id"], call["call_id"], call["name"], call["arguments"])
+            self._emit(out, "response.output_item.done", item=done, output_index=call["_index"])
+            self.items.append(done)
+        self.calls = {}
+
+    def _release(self, out: list[dict[str, Any]], phase: str) -> None:
+        """Send a held message's events, its ``phase`` now known."""
+        held, self.held = self.held, None
+        if held is None:
+            return
+        for event in held:
+            item = event.get("item")
+            if item is not None and item.get("type") == "message":
+                item["phase"] = phase  # the done event's item is the one in ``items`` too
+            out.append(event)
+
+    # -- events --------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, **fields, "sequence_number": self.sequence}
+        self.sequence += 1
+        return event
+
+    def _emit(
+        self, out: list[dict[str, Any]], kind: str, *, message: bool = False, **fields: Any
+    ) -> None:
+        """An item's event (its fields sorted, as pydantic orders them); a message's is held
+        while it waits for its phase."""
+        event = self._event(kind, **fields)
+        ordered = {k: event[k] for k in sorted(event)}
+        (self.held if message and self.held is not None else out).append(ordered)
+
+
+def sse_named(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
+    """Events as ``event: <type>`` and ``data: <json>`` lines (SGLang's Responses stream)."""
+    return b"".join(
+        b"event: %s\ndata: %s\n\n" % (e["type"].encode(), encode(e)) for e in batch if e
+    )
+
+
+def _response(
+    options: Mapping[str, Any],
+    output: list[dict[str, Any]],
+    finish: Any,
+    usage: dict[str, Any] | None,
+    *,
+    status: str | None = None,
+) -> dict[str, Any]:
+    echo = options["response"]
+    error = incomplete = None
+    if status is None:
+        kind = finish.get("type") if isinstance(finish, Mapping) else None
+        status = "completed"
+        if kind == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        elif kind in ("abort", "error"):
+            message = finish.get("message") or "Generation aborted"
+            status, error = "failed", {"code": "server_error", "message": message}
+    text = echo["text"]
+    if text is None and output and all(item["type"] == "message" for item in output):
+        text = {"format": {"type": "text"}}
+    return {
+        "id": echo["id"],
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": echo["model"],
+        "output": output,
+        "status": status,
+        "usage": usage,
+        "parallel_tool_calls": echo["parallel_tool_calls"],
+        "tool_choice": echo["tool_choice"],
+        "tools": echo["tools"],
+        "error": error,
+        "incomplete_details": incomplete,
+        "instructions": echo["instructions"],
+        "max_output_tokens": echo["max_output_tokens"],
+        "previous_response_id": None,
+        "reasoning": echo["reasoning"],
+        "store": echo["store"],
+        "temperature": echo["temperature"],
+        "text": text,
+        "top_p": echo["top_p"],
+        "truncation": echo["truncation"],
+        "user": echo["user"],
+        "metadata": echo["metadata"],
+    }
+
+
+def _usage_of(meta: Mapping[str, Any]) -> dict[str, Any]:
+    prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {
+            "cached_tokens": meta.get("cached_tokens", 0),
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": meta.get("reasoning_tokens", 0)},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _reasoning_item(rid: str, text: str | None, status: str = "completed") -> dict[str, Any]:
+    content = [] if text is None else [{"text": text, "type": "reasoning_text"}]
+    return {"id": rid, "summary": [], "type": "reasoning", "content": content,
+            "encrypted_content": None, "status": status}  # fmt: skip
+
+
+def _message_item(
+    rid: str, text: str | None, phase: str, logprobs: Any, status: str = "completed"
+) -> dict[str, Any]:
+    content = (
+        []
+        if text is None
+        else [{"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}]
+    )
+    return {"id": rid, "content": content, "role": "assistant", "status": status,
+            "type": "message", "phase": phase}  # fmt: skip
+
+
+def _call_item(
+    rid: str, call_id: str, name: str, arguments: str, status: str = "completed"
+) -> dict[str, Any]:
+    return {"arguments": arguments, "call_id": call_id, "name": name, "type": "function_call",
+            "id": rid, "status": status}  # fmt: skip
+
+
+def _text_logprobs(chat_logprobs: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The chat answer's ``logprobs.content`` as the Responses API's (``_build_output_text_
+    logprobs``: each token's text, bytes and log-prob, its alternatives by distinct text)."""
+    out = []
+    for entry in (chat_logprobs or {}).get("content") or ():
+        tops: dict[str, dict[str, Any]] = {}
+        for top in entry.get("top_logprobs") or ():
+            tops.setdefault(top["token"], {k: top[k] for k in ("token", "bytes", "logprob")})
+        out.append(
+            {k: entry[k] for k in ("token", "bytes", "logprob")}
+            | {"top_logprobs": list(tops.values())}
+        )
+    return out
+
+
+def _new_id(prefix: str, length: int = 32) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:length]}"
+
+
+# ---- the request ----------------------------------------------------------------------------
+
+
+def _tools(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise OpenAIError("tools: Input should be a valid list", "tools")
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise OpenAIError(f"tools[{i}].type: Field required", "tools")
+        if tool["type"] == "function" and not tool.get("name"):
+            raise OpenAIError("Function tools must include a name.", "tools")
+    return raw
+
+
+def _chat_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    fn = {"name": tool["name"], "description": tool.get("description")}
+    fn["parameters"] = tool.get("parameters")
+    fn["strict"] = bool(tool.get("strict", False))
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(raw: Any, functions: list[dict[str, Any]]) -> Any:
+    """The chat ``tool_choice`` of the request's (``effective_tool_choice``)."""
+    if isinstance(raw, dict):
+        name = raw.get("name") or (raw.get("function") or {}).get("name")
+        if raw.get("type") not in ("function", "custom") or not name:
+            return "auto"  # a built-in tool type cannot be forced
+        if not any(t["name"] == name for t in functions):
+            raise OpenAIError(f"Tool '{name}' is not declared in tools", "tool_choice")
+        return {"type": "function", "function": {"name": name}}
+    if raw == "required" and not functions:
+        raise OpenAIError(
+            'tool_choice="required" requires at least one tool with type="function" or '
+            'type="custom"; other built-in tool types cannot be forced.'
+        )
+    if raw not in ("auto", "required", "none"):
+        raise OpenAIError("tool_choice: 'auto', 'required', 'none' or a named tool", "tool_choice")
+    return raw if functions else "none"
+
+
+def _echo_choice(raw: Any) -> Any:
+    if isinstance(raw, dict):
+        name = raw.get("name") or (raw.get("function") or {}).get("name")
+        if raw.get("type") in ("function", "custom") and name:
+            return {"type": raw["type"], "name": name}
+        return "auto"
+    return raw
+
+
+def _text_format(text: Any) -> dict[str, Any] | None:
+    """``text.format`` as the chat ``response_format`` (``json_schema``, ``json_object``)."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    if fmt["type"] == "json_schema":
+        schema = {"name": fmt.get("name", "response"), "schema": fmt.get("schema")}
+        return {"type": "json_schema", "json_schema": schema}
+    raise OpenAIError("text.format.type: 'text', 'json_schema' or 'json_object'", "text")
+
+
+def _messages(raw: Any, instructions: Any) -> list[dict[str, Any]]:
+    """The chat messages of ``input`` (``_construct_input_messages``)."""
+    if isinstance(raw, str):
+        items: list[Any] = [{"role": "user", "content": raw}]
+    elif isinstance(raw, list):
+        items = raw
+    else:
+        raise OpenAIError("input: Input should be a valid string or list", "input")
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise OpenAIError(f"input[{i}]: Input should be a valid dictionary", "input")
+        message = _message(item)
+        if message is not None:
+            messages.append(message)
+    return _merged(messages)
+
+
+def _message(item: dict[str, Any]) -> dict[str, Any] | None:
+    kind = item.get("type")
+    if kind == "function_call":
+        call = {"name": item.get("name"), "arguments": _arguments(item.get("arguments"))}
+        call_id = item.get("call_id") or item.get("id")
+        return {
+            "role": "assistant",
+            "tool_calls": [{"id": call_id, "type": "function", "function": call}],
+        }
+    if kind == "function_call_output":
+        output = item.get("output")
+        if isinstance(output, list):
+            output = "".join(str(p.get("text", "")) for p in output if isinstance(p, dict))
+        return {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
+    if kind == "reasoning":
+        parts = item.get("summary") or item.get("content") or []
+        texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return {"role": "assistant", "reasoning_content": "\n".join(texts)} if texts else None
+    if kind not in (None, "message"):
+        raise OpenAIError(f"Unsupported Responses API input item type: {kind!r} None", "input")
+    message = {k: v for k, v in item.items() if k not in ("id", "status", "type") and v is not None}
+    content = message.get("content")
+    if isinstance(content, list):
+        message["content"] = [
+            {"type": "text", "text": p.get("text")}
+            if isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+            else p
+            for p in content
+        ]
+    if message.get("role") == "developer":
+        message["role"] = "system"
+        message["content"] = _developer(message.get("content"))
+    return message
+
+
+def _developer(content: Any) -> Any:
+    prefix = "Developer instructions:\n"
+    if isinstance(content, str):
+        return prefix + content
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                content = list(content)
+                content[i] = {**part, "text": prefix + part["text"]}
+                break
+    return content
+
+
+def _arguments(raw: Any) -> str:
+    """A replayed call's arguments as the template takes them: a JSON object's text, else
+    ``{}``."""
+    if isinstance(raw, dict):
+        return json.dumps(raw, separators=(",", ":"))
+    if isinstance(raw, str):
+        try:
+            if isinstance(json.loads(raw), dict):
+                return raw
+        except ValueError:
+            pass
+    return "{}"
+
+
+def _merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Adjacent assistant messages as one, where their ``phase`` agrees or the first is its
+    reasoning alone (``_merge_consecutive_assistant_messages``)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        last = out[-1] if out else None
+        if (
+            last is None
+            or last.get("role") != "assistant"
+            or message.get("role") != "assistant"
+            or not (
+                last.get("phase") == message.get("phase")
+                or set(last) == {"role", "reasoning_content"}
+            )
+        ):
+            out.append(dict(message))
+            continue
+        for key, value in message.items():
+            if key == "role":
+                continue
+            if key not in last:
+                last[key] = value
+            elif key == "content":
+                a, b = last["content"], value
+                if isinstance(a, str) and isinstance(b, str):
+                    last["content"] = f"{a}\n\n{b}"
+                else:
+                    last["content"] = _parts(a) + _parts(b)
+            elif key == "tool_calls":
+                last["tool_calls"] = list(last["tool_calls"]) + list(value)
+            elif key == "reasoning_content":
+                last["reasoning_content"] = f"{last['reasoning_content']}\n{value}"
+            else:
+                last[key] = value
+    return out
+
+
+def _parts(content: Any) -> list[Any]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return list(content or [])
