@@ -550,9 +550,12 @@ class OpenAIRoutes:
         progress_stream: Callable[[Any], AsyncIterator[Any]] | None = None,
         adapters: Callable[[], list[dict[str, Any]]] = list,
         any_model: bool = False,
+        response_store: Any = None,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
         self.any_model = any_model  # /v1/responses takes any model name (the agent proxy)
+        # openai_responses.ResponseStore (--enable-response-store); None: off, SGLang's default
+        self.response_store = response_store
         self.adapters = adapters  # the loaded LoRA adapters ({lora_name, lora_path, ...})
         # ``stream`` giving each sample's Progress rather than native chunks before its last
         # (``stream_generate(..., progress=True)``): /v1/completions renders its own from them
@@ -568,7 +571,7 @@ class OpenAIRoutes:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
-        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)  # ended
 
     def _card(self, name: str) -> dict[str, Any]:
         return {
@@ -615,11 +618,18 @@ class OpenAIRoutes:
         return await self._serve(request, "responses")
 
     async def stored_response(self, request: web.Request) -> web.Response:
-        """``GET /v1/responses/{id}`` and its ``/cancel``: SGLang's answer without
-        ``--enable-response-store`` (its default), the only one here: the engine stores none."""
+        """``GET /v1/responses/{id}`` and its ``/cancel`` (a stored response has ended: it is
+        answered as it is, as SGLang answers a cancel of one); without a store, SGLang's
+        refusal."""
         from stages.engine.openai_responses import STORE_DISABLED
 
-        return web.json_response(_nested(STORE_DISABLED, 400, "response_id"), status=400)
+        if self.response_store is None:
+            return web.json_response(_nested(STORE_DISABLED, 400, "response_id"), status=400)
+        try:
+            found = self.response_store.get(request.match_info["response_id"])
+        except OpenAIError as exc:
+            return web.json_response(route_refusal("responses", exc), status=exc.status)
+        return web.Response(body=dumps(found), content_type="application/json")
 
     def _known_model(self, name: str) -> bool:
         """Whether ``model`` names the served model, a loaded adapter or ``SERVED:ANYTHING``
@@ -656,9 +666,10 @@ class OpenAIRoutes:
 
             chat, length = self.chat, self.context_length
             known = None if self.any_model else self._known_model
+            store = self.response_store
 
             def build_response(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-                return openai_responses.responses_request(raw, chat, length, known)
+                return openai_responses.responses_request(raw, chat, length, known, store)
 
             return (
                 build_response,

@@ -37,8 +37,12 @@ it (``srt/entrypoints/openai/serving_responses.py``, non-Harmony models; ``proto
   ``phase`` then ``commentary``) or the answer ends (``final_answer``), as SGLang holds them.
 
 SGLang's response store is off unless it is started with ``--enable-response-store``, and so is
-this engine's (it has none): ``previous_response_id``, ``background``, ``GET
-/v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` are refused with SGLang's words.
+this engine's (``ResponseStore``): without it ``previous_response_id``, ``background``, ``GET
+/v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` are refused with SGLang's words;
+with it a finished response (``store`` not false) is kept with its input and output items, a
+later request's ``previous_response_id`` puts them before its own input (not its
+``instructions``), and ``GET`` answers it (``cancel`` too: a kept response has ended, so it is
+answered as it is). ``background`` is refused either way (SGLang runs it as a task).
 Not here: system messages gathered in front for a template that refuses them later in the
 conversation (SGLang probes the template for that; here the template's error is the 400), and
 encrypted reasoning (``include: ["reasoning.encrypted_content"]`` is accepted, not filled).
@@ -47,6 +51,7 @@ This module knows nothing of HTTP; ``openai_api.OpenAIRoutes`` serves it.
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 import uuid
@@ -60,6 +65,7 @@ from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, ch
 __all__ = [
     "STORE_DISABLED",
     "ResponseEvents",
+    "ResponseStore",
     "response_events",
     "responses_request",
     "responses_response",
@@ -77,15 +83,57 @@ _PASSED = ("top_p", "top_k", "min_p", "stop", "repetition_penalty")
 _PASSED += ("frequency_penalty", "presence_penalty", "chat_template_kwargs")
 
 
+class ResponseStore:
+    """SGLang's response and message stores (``--enable-response-store``): each finished
+    response by its id, with the input items that led to it and its output items, for a later
+    request's ``previous_response_id`` and ``GET /v1/responses/{id}``. The oldest are
+    forgotten past ``capacity`` (SGLang keeps every one)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self.responses: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self.items: dict[str, list[dict[str, Any]]] = {}
+
+    def get(self, response_id: str) -> dict[str, Any]:
+        """The stored response; OpenAIError in SGLang's words for an id that is not one."""
+        if not response_id.startswith("resp_"):
+            raise OpenAIError(
+                f"Invalid 'response_id': '{response_id}'. Expected an ID that begins with 'resp'.",
+                "response_id",
+            )
+        found = self.responses.get(response_id)
+        if found is None:
+            raise OpenAIError(
+                f"Response with id '{response_id}' not found.", "response_id", status=404
+            )
+        return found
+
+    def history(self, response_id: str) -> list[dict[str, Any]]:
+        """The input and output items of the stored response ``response_id``."""
+        self.get(response_id)
+        return list(self.items[response_id])
+
+    def keep(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        rid = response["id"]
+        self.responses[rid] = response
+        self.responses.move_to_end(rid)
+        self.items[rid] = items + [_without_none(item) for item in response["output"]]
+        while len(self.responses) > self.capacity:
+            old, _ = self.responses.popitem(last=False)
+            self.items.pop(old, None)
+
+
 def responses_request(
     body: Any,
     settings: ChatSettings,
     context_length: int,
     known_model: Callable[[str], bool] | None = None,
+    store: ResponseStore | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(native /generate body, what the answer needs)`` for a ``/v1/responses`` body, through
-    ``chat_request``; OpenAIError (its ``status`` 404 for an unknown model) when SGLang
-    refuses it. ``known_model(name)``: whether the engine serves ``model`` (None: any)."""
+    ``chat_request``; OpenAIError (its ``status`` 404 for an unknown model or response) when
+    SGLang refuses it. ``known_model(name)``: whether the engine serves ``model`` (None: any);
+    ``store``: the response store (None: off, as SGLang's is by default)."""
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     if "input" not in body:
@@ -99,10 +147,17 @@ def responses_request(
     tools = _tools(body.get("tools"))
     if any(t.get("type") == "shell" for t in tools):
         raise OpenAIError("Shell tools are not supported by this model", "tools")
-    if body.get("previous_response_id") is not None:
+    previous = body.get("previous_response_id")
+    if previous is not None and (store is None or not isinstance(previous, str)):
         raise OpenAIError(STORE_DISABLED, "previous_response_id")
     if body.get("background"):
-        raise OpenAIError(STORE_DISABLED, "background")
+        if store is None:
+            raise OpenAIError(STORE_DISABLED, "background")
+        if body.get("store") is False:
+            raise OpenAIError("background=true requires store=true.", "store")
+        raise OpenAIError(
+            "background responses are not served by the built-in engine", "background"
+        )
     if known_model is not None and not known_model(model):
         raise OpenAIError(f"The model '{model}' does not exist", "model", status=404)
     functions = [t for t in tools if t["type"] == "function"]
@@ -113,9 +168,12 @@ def responses_request(
     logprobs = LOGPROBS in include
     if body.get("stream") and logprobs:
         raise OpenAIError("logprobs are not supported in streaming mode", "logprobs")
+    items = (store.history(previous) if store is not None and previous else []) + _items(
+        body.get("input")
+    )
     chat_body: dict[str, Any] = {
         "model": model,
-        "messages": _messages(body.get("input"), body.get("instructions")),
+        "messages": _messages(items, body.get("instructions")),
         "rid": body.get("request_id") or f"resp_{uuid.uuid4().hex}",
         "temperature": body.get("temperature"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
@@ -174,8 +232,11 @@ def responses_request(
         "truncation": body.get("truncation", "disabled"),
         "user": body.get("user"),
         "metadata": body.get("metadata") or {},
+        "previous_response_id": previous,
         "phased": bool(functions) and choice != "none",  # messages wait for a call or the end
     }
+    if store is not None and body.get("store") is not False:  # kept once it is whole
+        options["response"]["keep"] = lambda response: store.keep(response, items)
     return native, options
 
 
@@ -195,7 +256,14 @@ def responses_response(results: list[Mapping[str, Any]], options: Mapping[str, A
     for call in calls:
         fn = call["function"]
         output.append(_call_item(_new_id("fc", 8), call["id"], fn["name"], fn["arguments"]))
-    return _response(options, output, meta.get("finish_reason"), _usage_of(meta))
+    return _kept(options, _response(options, output, meta.get("finish_reason"), _usage_of(meta)))
+
+
+def _kept(options: Mapping[str, Any], response: dict[str, Any]) -> dict[str, Any]:
+    keep = options["response"].get("keep")
+    if keep is not None:
+        keep(response)
+    return response
 
 
 def response_events(
@@ -251,6 +319,7 @@ class ResponseEvents:
         self._close_calls(out)
         self._release(out, "final_answer")
         response = _response(self.options, self.items, self.finish, _usage_of(self.meta))
+        _kept(self.options, response)
         out.append(self._event(f"response.{response['status']}", response=response))
         return out
 
@@ -413,7 +482,7 @@ def _response(
         "incomplete_details": incomplete,
         "instructions": echo["instructions"],
         "max_output_tokens": echo["max_output_tokens"],
-        "previous_response_id": None,
+        "previous_response_id": echo["previous_response_id"],
         "reasoning": echo["reasoning"],
         "store": echo["store"],
         "temperature": echo["temperature"],
@@ -549,14 +618,27 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     raise OpenAIError("text.format.type: 'text', 'json_schema' or 'json_object'", "text")
 
 
+def _items(raw: Any) -> list[Any]:
+    """``input`` as a list of items (a string: one user message)."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if isinstance(raw, list):
+        return list(raw)
+    raise OpenAIError("input: Input should be a valid string or list", "input")
+
+
+def _without_none(value: Any) -> Any:
+    """``value`` with the null fields of its objects left out (pydantic's ``exclude_none``)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
+
+
 def _messages(raw: Any, instructions: Any) -> list[dict[str, Any]]:
     """The chat messages of ``input`` (``_construct_input_messages``)."""
-    if isinstance(raw, str):
-        items: list[Any] = [{"role": "user", "content": raw}]
-    elif isinstance(raw, list):
-        items = raw
-    else:
-        raise OpenAIError("input: Input should be a valid string or list", "input")
+    items = _items(raw)
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})

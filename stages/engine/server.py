@@ -4,8 +4,8 @@ Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--stream-interval 1] [--seed 0]
 [--weight-version 0] [--reasoning-parser qwen3|deepseek-r1|...]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
-[--tool-call-parser qwen25|hermes|llama3|mistral|pythonic] [--log-file PATH] [--api-key KEY]
-[--insecure]``
+[--tool-call-parser qwen25|hermes|llama3|mistral|pythonic] [--enable-response-store]
+[--log-file PATH] [--api-key KEY] [--insecure]``
 
 With an API key (``INFLIGHT_ENGINE_API_KEY`` in its environment, which is how the generator's
 launcher hands it over; or ``--api-key``, which ``ps`` shows) it answers as SGLang does with
@@ -68,6 +68,7 @@ from stages.engine.lora_routes import LoraRoutes
 from stages.engine.memory_routes import MemoryRoutes
 from stages.engine.openai_api import OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
+from stages.engine.openai_responses import ResponseStore
 from stages.engine.parse_routes import ParseRoutes
 from stages.engine.protocol import (
     GenerateInput,
@@ -144,11 +145,13 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     engine_id: str | None = None,
+    response_store: bool = False,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
     without it is refused (401, counted like every refusal); with ``engine_id``, ``/health``
-    names it (``stages.engine.identity``)."""
+    names it (``stages.engine.identity``); ``response_store``: ``/v1/responses`` keeps its
+    answers (SGLang's ``--enable-response-store``)."""
     middlewares = [_count_refused] + ([_check_key] if api_key else [])
     app = web.Application(client_max_size=max_body, middlewares=middlewares)
     app[_REFUSED] = Counter()
@@ -181,6 +184,7 @@ def build_app(
             loaded, scheduler, decode, body, progress=True
         ),
         adapters=scheduler.adapters,
+        response_store=ResponseStore() if response_store else None,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     ParseRoutes().add_to(app)
@@ -607,6 +611,12 @@ def _parser() -> argparse.ArgumentParser:
         help="split the reasoning (<think> ... </think>, or the parser's own tags) out of "
         "answers to /v1/chat/completions as reasoning_content (SGLang's flag)",
     )
+    parser.add_argument(
+        "--enable-response-store",
+        action="store_true",
+        help="/v1/responses keeps its answers for previous_response_id and GET "
+        "/v1/responses/{id} (SGLang's flag; the 4,096 newest are kept)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
@@ -715,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             engine_id=os.environ.get(ENGINE_ID_ENV) or None,
+            response_store=args.enable_response_store,
         )
         heap.settle()  # torch, transformers and the model stay: later collections skip them
         return _run_loop(_serve(app, args, loaded))

@@ -50,7 +50,7 @@ from stages.detokenize import decoder
 from stages.engine.incremental_text import IncrementalText
 from stages.engine.openai_api import OpenAIError, OpenAIRoutes, refusal, route_refusal
 from stages.engine.openai_chat import ChatSettings
-from stages.engine.openai_responses import sse_named
+from stages.engine.openai_responses import ResponseStore, sse_named
 from stages.engine.protocol import (
     SequenceResult,
     parse_generate,
@@ -139,6 +139,7 @@ class Episode:
             context_length=context_length,
             chat=chat,
             any_model=True,
+            response_store=ResponseStore(capacity=64),  # the episode's own, for its agent
         )
 
     # ------------------------------------------------------------------ the routes' engine

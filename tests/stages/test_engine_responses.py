@@ -15,8 +15,8 @@ from typing import Any
 
 import openai
 import pytest
-import requests
 
+from stages.engine.openai_api import OpenAIError, OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.openai_responses import (
     STORE_DISABLED,
@@ -45,7 +45,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     (root / "template.jinja").write_text(TOOL_TEMPLATE)
     with serving(
         model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja"),
-        "--tool-call-parser", "llama3", "--reasoning-parser", "qwen3",
+        "--tool-call-parser", "llama3", "--reasoning-parser", "qwen3", "--enable-response-store",
     ) as eng:  # fmt: skip
         yield eng
 
@@ -211,7 +211,7 @@ def test_output_logprobs_are_the_chat_routes(client, model) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_what_sglang_refuses_is_refused_in_its_words(client, model, engine: Engine) -> None:
+def test_what_sglang_refuses_is_refused_in_its_words(client, model) -> None:
     with pytest.raises(openai.NotFoundError) as found:
         client.responses.create(model="another", input="ab")
     assert found.value.body == {
@@ -219,8 +219,9 @@ def test_what_sglang_refuses_is_refused_in_its_words(client, model, engine: Engi
         "param": "model", "code": 404,
     }  # fmt: skip
     refused = [
-        ({"previous_response_id": "resp_x"}, STORE_DISABLED),
-        ({"background": True}, STORE_DISABLED),
+        ({"previous_response_id": "x"}, "Invalid 'response_id': 'x'. Expected an ID that"),
+        ({"background": True}, "background responses are not served by the built-in engine"),
+        ({"background": True, "store": False}, "background=true requires store=true."),
         ({"max_output_tokens": 1}, "max_new_tokens must be at least 0, got -1."),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "Unsupported Responses API input"),
         ({"stream": True, "include": ["message.output_text.logprobs"]}, "logprobs are not"),
@@ -232,9 +233,59 @@ def test_what_sglang_refuses_is_refused_in_its_words(client, model, engine: Engi
             client.responses.create(**{"model": model, "input": "ab", **more})
         assert bad.value.body["message"].startswith(message), bad.value.body
         assert bad.value.body["type"] == "invalid_request_error"
-    for method, path in (("GET", "/v1/responses/resp_1"), ("POST", "/v1/responses/resp_1/cancel")):
-        answer = requests.request(method, engine.url + path, timeout=10)
-        assert answer.status_code == 400 and answer.json()["error"]["message"] == STORE_DISABLED
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=model, input="ab", previous_response_id="resp_gone")
+    assert missing.value.body["message"] == "Response with id 'resp_gone' not found."
+
+
+@pytest.mark.timeout(60)
+def test_the_store_keeps_responses_for_previous_response_id_and_get(client, model) -> None:
+    """``--enable-response-store``: SGLang's ``response_store`` and ``msg_store``."""
+    ask = {"model": model, "max_output_tokens": 6, "temperature": 0, **PLAIN}
+    first = client.responses.create(input="ab", **ask)
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    assert client.responses.cancel(first.id).status == first.status  # it has ended
+    second = client.responses.create(input="cd", previous_response_id=first.id, **ask)
+    assert second.previous_response_id == first.id
+    chat = client.chat.completions.create(
+        model=model, max_tokens=4, temperature=0, reasoning_effort="none", messages=[
+            {"role": "user", "content": "ab"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "cd"},
+        ],
+    )  # fmt: skip
+    assert second.usage.input_tokens == chat.usage.prompt_tokens  # the chain as one chat
+    assert second.output_text == chat.choices[0].message.content
+    streamed = list(client.responses.create(input="ab", stream=True, **ask))[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    unkept = client.responses.create(input="ab", store=False, **ask)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.retrieve("msg_1")
+    assert bad.value.body["param"] == "response_id"
+
+
+async def test_without_a_store_sglangs_refusals() -> None:
+    """SGLang's default (no ``--enable-response-store``): every stateful request refused."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    settings = ChatSettings(char_tokenizer("ab", template=QWEN_LIKE), None)
+    for more in ({"previous_response_id": "resp_x"}, {"background": True}):
+        with pytest.raises(OpenAIError, match="Response store is disabled") as refused:
+            responses_request({"model": "m", "input": "ab", **more}, settings, 64)
+        assert refused.value.param == next(iter(more))
+    app = web.Application()
+    OpenAIRoutes(None, None, None, served_model_name="m", context_length=64).add_to(app)  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as http:
+        for method, path in (
+            ("GET", "/v1/responses/resp_1"),
+            ("POST", "/v1/responses/resp_1/cancel"),
+        ):
+            answer = await http.request(method, path)
+            body = await answer.json()
+            assert answer.status == 400 and body["error"]["message"] == STORE_DISABLED
 
 
 def test_input_items_become_chat_messages_as_sglang_makes_them() -> None:

@@ -105,6 +105,21 @@ async def responses_agent(client, task):
     return float(text.strip() == task["answer"])
 
 
+async def chained_agent(client, task):
+    """The same turns chained by ``previous_response_id``: the proxy's per-episode store
+    holds the first response's items."""
+    functions = [{"type": "function", **t["function"]} for t in TOOLS]
+    first = await client.responses.create(model="any", input=task["prompt"], tools=functions)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    args = json.loads(call.arguments)
+    answer = {"type": "function_call_output", "call_id": call.call_id,
+              "output": str(args["a"] + args["b"])}  # fmt: skip
+    second = await client.responses.create(
+        model="any", input=[answer], tools=functions, previous_response_id=first.id
+    )
+    return float(second.output_text.strip() == task["answer"])
+
+
 async def thinking_agent(client, task):
     """Reads the answer in ``content`` and the reasoning apart (rollout.reasoning_parser)."""
     out = await client.chat.completions.create(
@@ -245,12 +260,14 @@ async def test_a_tool_agent_trains_exactly_the_tokens_the_engine_sampled(tokeniz
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("agent", ["responses_agent", "chained_agent"])
 async def test_a_responses_api_agent_trains_exactly_the_tokens_the_engine_sampled(
-    tokenizer,
+    tokenizer, agent
 ) -> None:
     """``/responses`` through the proxy joins the trajectory as the chat route does: its input
-    items are chat messages, its function calls the model's own tokens."""
-    engine, ctx, episode = _episode(tokenizer, "responses_agent", [CALL, "5"])
+    items (or those of the response it chains to) are chat messages, its function calls the
+    model's own tokens."""
+    engine, ctx, episode = _episode(tokenizer, agent, [CALL, "5"])
     trajectory = await episode
     assert trajectory.reward == 1.0 and trajectory.turns == 2
     assert _sampled(trajectory) == np.concatenate(engine.outputs).tolist()
