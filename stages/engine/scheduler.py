@@ -114,21 +114,14 @@ class _Outbox:
         samples of a streamed request that finish in one step and the tokens of those that go
         on reach it in one call, and go out in one write (``events``: the caller's list,
         extended there)."""
-        self.call_each(((fn, events),))
-
-    def call_each(self, calls: Iterable[tuple[Callable[[list[Any]], None], list[Any]]]) -> None:
-        """``call(fn, events)`` for each pair, under one hold of the lock (a step's streamed
-        requests: one pair each)."""
         with self.lock:
-            waiting_calls, items = self.calls, self.items
-            for fn, events in calls:
-                waiting = waiting_calls.get(fn)
-                if waiting is not None:
-                    waiting += events
-                    continue
-                waiting_calls[fn] = events
-                items.append((fn, events, _CALL))
-            if self.scheduled or not items:
+            waiting = self.calls.get(fn)
+            if waiting is not None:
+                waiting += events
+                return
+            self.calls[fn] = events
+            self.items.append((fn, events, _CALL))
+            if self.scheduled:
                 return
             self.scheduled = True
         self._schedule()
@@ -1237,15 +1230,7 @@ class Scheduler:
                     out.extend([(seq.index, event) for event in held])
                 seq.sent += len(held)
                 seq.held = []
-        if not events:
-            return
-        # joining the call of each one's finished samples, if any; one outbox per event loop
-        outbox = next(iter(events)).outbox
-        if all(group.outbox is outbox for group in events):
-            assert outbox is not None
-            outbox.call_each([(group.stream, batch) for group, batch in events.items()])
-            return
-        for group, batch in events.items():
+        for group, batch in events.items():  # joining the call of its finished samples, if any
             assert group.outbox is not None and group.stream is not None
             group.outbox.call(group.stream, batch)
 
