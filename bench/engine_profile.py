@@ -6,7 +6,7 @@ Run (each prints one JSON line on stdout; on an otherwise idle machine):
         [--forward fast|transformers] [--repetition-penalty R] [--frequency-penalty F]
     python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
         [--seconds 20] [--py-spy]
-    python bench/engine_profile.py compare [--forms n,n-stream,openai,openai-stream]
+    python bench/engine_profile.py compare [--forms n,n-stream,openai,openai-stream,...]
         [--rounds 8] [--seconds 4] [--stream-interval 1] [--pin] [--against DIR]
 
 ``step`` drives ``stages.engine.scheduler.Scheduler`` in this process (no HTTP) and compares,
@@ -40,6 +40,12 @@ reports the engine process's CPU split between its threads
 (``/proc``: the event-loop thread, which serves HTTP, vs the scheduler thread) and, with
 ``--py-spy``, the same split from ``py-spy record --threads`` samples plus the hottest frames of
 the event-loop thread.
+
+``compare``'s forms are those of ``http`` (``-stream`` streamed), plus ``chat`` (``n`` through
+``/v1/chat/completions``, the prompt's text as the user's message, which the engine's
+pass-through ``--chat-template`` turns back into the same ids) and ``responses`` (one sample a
+request through ``/v1/responses``, as ``single`` is through ``/generate``; output log-probs
+unless streamed, where SGLang refuses them).
 
 ``compare`` starts one such server and takes the request forms of ``--forms`` in turn, in short
 phases (``--seconds``), ``--rounds`` times, the order reversed every other round: the engine's
@@ -427,6 +433,14 @@ async def _drive(
     import aiohttp
 
     prompts = _arith_prompts(4096, 3)
+    texts: list[str] = []
+    served = ""
+    if form in ("chat", "responses"):  # text prompts (the engine's template passes them on)
+        from stages.feeder.arithmetic import make_tokenizer
+
+        tok = make_tokenizer()
+        texts = [tok.decode(p) for p in prompts]
+        served = _served_model(url)  # /v1/responses checks the name
     counter = 0
     samples = 0
     errors = 0
@@ -452,6 +466,19 @@ async def _drive(
             b = {"model": "default", "prompt": prompt, "n": group, "temperature": 1.0,
                  "max_tokens": new_tokens, "logprobs": 0, "stream": stream}  # fmt: skip
             return json.dumps(b).encode(), group
+        elif form == "chat":  # through /v1/chat/completions
+            text = texts[counter % len(texts)]
+            b = {"model": "default", "messages": [{"role": "user", "content": text}], "n": group,
+                 "temperature": 1.0, "max_tokens": new_tokens, "logprobs": True,
+                 "stream": stream}  # fmt: skip
+            return json.dumps(b).encode(), group
+        elif form == "responses":  # one sample a request (the API has no n); log-probs unless
+            text = texts[counter % len(texts)]  # streamed (SGLang refuses them there)
+            b = {"model": served, "input": text, "temperature": 1.0, "stream": stream,
+                 "max_output_tokens": new_tokens + 2}  # fmt: skip
+            if not stream:
+                b["include"] = ["message.output_text.logprobs"]
+            return json.dumps(b).encode(), 1
         else:
             b = {"input_ids": prompt, "sampling_params": {**params, "n": group}}
             n = group
@@ -459,7 +486,8 @@ async def _drive(
         b["stream"] = stream
         return json.dumps(b).encode(), n
 
-    path = "/v1/completions" if form == "openai" else "/generate"
+    path = {"openai": "/v1/completions", "chat": "/v1/chat/completions"}.get(form, "/generate")
+    path = "/v1/responses" if form == "responses" else path
 
     async with aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=600),
@@ -486,7 +514,7 @@ async def _drive(
                     out = out["choices"]
                 samples += len(out) if isinstance(out, list) else 1
 
-        per_request = 1 if form == "single" else group
+        per_request = 1 if form in ("single", "responses") else group
         await asyncio.gather(*(worker() for _ in range(in_flight // per_request)))
     return {"samples": samples, "errors": errors, "requests": requests}
 
@@ -506,6 +534,11 @@ def _mid_model(path: Path) -> Path:
     return path
 
 
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
 def _server_info(url: str) -> dict[str, Any]:
     import urllib.request
 
@@ -520,7 +553,19 @@ def _finished_in(events: bytes) -> int:
     engine: parsing every chunk slowed it enough to turn its requests around later and leave
     the engine's steps less full (fewer tokens per step, so each sample carried more of a
     step's fixed cost), which made streaming look dearer to the engine than it is."""
-    return events.count(b'"finish_reason":{') + events.count(b'"finish_reason":"')
+    ended = events.count(b'"finish_reason":{') + events.count(b'"finish_reason":"')
+    return (
+        ended
+        + events.count(b"event: response.completed")
+        + events.count(b"event: response.incomplete")
+    )
+
+
+def _served_model(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
 
 
 def _in_scratch(bench: Callable[[argparse.Namespace, Path], dict[str, Any]]) -> Any:
@@ -562,6 +607,12 @@ def _serve(args: argparse.Namespace, tmp: Path, root: Path = ROOT) -> tuple[subp
             str(args.stream_interval),
             "--log-file",
             str(tmp / f"engine-{port}.log"),
+            "--chat-template",  # the message's text as the prompt: the same ids as /generate's
+            str(
+                _write(
+                    tmp / "passthrough.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}"
+                )
+            ),
         ],
         cwd=root,
         env=env,
@@ -664,6 +715,10 @@ _FORMS = {  # compare's variants: (group form, stream)
     "batch-stream": ("batch", True),
     "single": ("single", False),
     "single-stream": ("single", True),
+    "chat": ("chat", False),
+    "chat-stream": ("chat", True),
+    "responses": ("responses", False),
+    "responses-stream": ("responses", True),
 }
 
 

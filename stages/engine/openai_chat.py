@@ -172,21 +172,23 @@ class ChatSettings:
                 "messages",
             )
         try:
-            ids = self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
                 chat_template=self.template,
                 add_generation_prompt=kwargs.pop("add_generation_prompt", True),
-                tokenize=not add_special_tokens,
+                tokenize=False,
                 **kwargs,
             )
         except Exception as exc:  # the template's own error (jinja raise_exception, ...)
             raise OpenAIError(f"the chat template refused the messages: {exc}", "messages") from exc
-        if add_special_tokens:  # ids is the rendered text
-            return list(self.tokenizer.encode(ids, add_special_tokens=True))
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if add_special_tokens or backend is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        # what apply_chat_template's own tokenizing does (no special tokens added), straight
+        # through the Rust tokenizer: transformers' call around it cost 17 us of the 42 us a
+        # request took to render (one sample a request on /v1/responses)
+        return backend.encode(text, add_special_tokens=False).ids
 
     def prefix_ids(self, text: str) -> list[int]:
         """The ids of a continued assistant message's text, to follow its rendered turn

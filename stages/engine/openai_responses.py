@@ -53,8 +53,8 @@ from __future__ import annotations
 
 import collections
 import json
+import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -174,7 +174,7 @@ def responses_request(
     chat_body: dict[str, Any] = {
         "model": model,
         "messages": _messages(items, body.get("instructions")),
-        "rid": body.get("request_id") or f"resp_{uuid.uuid4().hex}",
+        "rid": body.get("request_id") or _new_id("resp"),
         "temperature": body.get("temperature"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
     }
@@ -548,8 +548,12 @@ def _text_logprobs(chat_logprobs: Mapping[str, Any] | None) -> list[dict[str, An
     return out
 
 
+_IDS = random.Random()  # ids need to differ, not to be secret: no system call for each
+
+
 def _new_id(prefix: str, length: int = 32) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:length]}"
+    """``prefix_`` and ``length`` hex digits (SGLang: of a ``uuid4``)."""
+    return f"{prefix}_{_IDS.getrandbits(128):032x}"[: len(prefix) + 1 + length]
 
 
 # ---- the request ----------------------------------------------------------------------------
