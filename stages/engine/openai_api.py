@@ -700,7 +700,7 @@ class OpenAIRoutes:
         try:
             body = await read_json(request)
         except OpenAIError as exc:
-            return web.json_response(refusal(exc), status=400)
+            return web.json_response(route_refusal(route, exc), status=400)
         reply = await self.reply(route, body)
         if reply.chunks is None:
             return web.Response(

@@ -144,6 +144,12 @@ def responses_request(
     for flag in ("stream", "background", "store", "parallel_tool_calls"):
         if not isinstance(body.get(flag, False), bool | None):
             raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
+    for name in ("instructions", "request_id", "previous_response_id", "user"):
+        if not isinstance(body.get(name), str | None):
+            raise OpenAIError(f"{name}: Input should be a valid string", name)
+    for name in ("metadata", "text"):
+        if not isinstance(body.get(name), dict | None):
+            raise OpenAIError(f"{name}: Input should be a valid dictionary", name)
     tools = _tools(body.get("tools"))
     if any(t.get("type") == "shell" for t in tools):
         raise OpenAIError("Shell tools are not supported by this model", "tools")
@@ -215,7 +221,10 @@ def responses_request(
     if body.get("stream"):
         chat_body["stream"] = True
         chat_body["stream_options"] = {"include_usage": True}
-    native, options = chat_request(chat_body, settings, context_length)
+    try:
+        native, options = chat_request(chat_body, settings, context_length)
+    except OpenAIError as exc:  # named as the client wrote it
+        raise _as_responses(exc) from None
     options["response"] = {
         "id": chat_body["rid"],
         "model": model,
@@ -605,6 +614,28 @@ def _echo_choice(raw: Any) -> Any:
             return {"type": raw["type"], "name": name}
         return "auto"
     return raw
+
+
+# the chat request's fields that come from the Responses request's, by their names there
+_FIELDS = {
+    "messages": "input",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+    "max_tokens": "max_output_tokens",
+}
+
+
+def _as_responses(exc: OpenAIError) -> OpenAIError:
+    """A refusal of the chat request made of a Responses one, in the Responses request's
+    terms (``messages[2].content``: the third chat message made of ``instructions`` and
+    ``input``)."""
+    message = str(exc)
+    for chat, ours in _FIELDS.items():
+        if message.startswith(chat):
+            message = f"{ours}: {message}" if chat == "messages" else ours + message[len(chat) :]
+            param = ours.split(".")[0]
+            return OpenAIError(message, param, status=exc.status)
+    return exc
 
 
 def _text_format(text: Any) -> dict[str, Any] | None:

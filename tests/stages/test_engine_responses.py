@@ -15,6 +15,7 @@ from typing import Any
 
 import openai
 import pytest
+import requests
 
 from stages.engine.openai_api import OpenAIError, OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
@@ -211,7 +212,7 @@ def test_output_logprobs_are_the_chat_routes(client, model) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_what_sglang_refuses_is_refused_in_its_words(client, model) -> None:
+def test_what_sglang_refuses_is_refused_in_its_words(client, model, engine: Engine) -> None:
     with pytest.raises(openai.NotFoundError) as found:
         client.responses.create(model="another", input="ab")
     assert found.value.body == {
@@ -227,12 +228,20 @@ def test_what_sglang_refuses_is_refused_in_its_words(client, model) -> None:
         ({"stream": True, "include": ["message.output_text.logprobs"]}, "logprobs are not"),
         ({"tools": [{"type": "shell"}]}, "Shell tools are not supported by this model"),
         ({"tool_choice": "required"}, 'tool_choice="required" requires at least one tool'),
+        # the chat request's checks, in the Responses request's terms
+        ({"input": [{"role": "wizard"}]}, "input: messages[0].role: one of system, user"),
+        ({"reasoning": {"effort": "bogus"}}, "reasoning.effort: one of none, minimal"),
+        ({"text": "plain"}, "text: Input should be a valid dictionary"),
     ]
     for more, message in refused:
         with pytest.raises(openai.BadRequestError) as bad:
             client.responses.create(**{"model": model, "input": "ab", **more})
         assert bad.value.body["message"].startswith(message), bad.value.body
         assert bad.value.body["type"] == "invalid_request_error"
+    not_json = requests.post(
+        engine.url + "/v1/responses", data="{", headers={"Content-Type": "application/json"}
+    )
+    assert not_json.status_code == 400 and not_json.json()["error"]["param"] is None
     with pytest.raises(openai.NotFoundError) as missing:
         client.responses.create(model=model, input="ab", previous_response_id="resp_gone")
     assert missing.value.body["message"] == "Response with id 'resp_gone' not found."
