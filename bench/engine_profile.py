@@ -7,7 +7,7 @@ Run (each prints one JSON line on stdout; on an otherwise idle machine):
     python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
         [--seconds 20] [--py-spy]
     python bench/engine_profile.py compare [--forms n,n-stream,openai,openai-stream,...]
-        [--rounds 8] [--seconds 4] [--stream-interval 1] [--pin] [--against DIR]
+        [--rounds 8] [--seconds 4] [--stream-interval 1] [--pin] [--against DIR] [--device cuda]
 
 ``step`` drives ``stages.engine.scheduler.Scheduler`` in this process (no HTTP) and compares,
 per decode step at a batch of ``--batch`` rows:
@@ -605,6 +605,8 @@ def _serve(args: argparse.Namespace, tmp: Path, root: Path = ROOT) -> tuple[subp
             "64",
             "--stream-interval",
             str(args.stream_interval),
+            "--device",
+            getattr(args, "device", "cpu"),
             "--log-file",
             str(tmp / f"engine-{port}.log"),
             "--chat-template",  # the message's text as the prompt: the same ids as /generate's
@@ -907,6 +909,7 @@ def main() -> int:
     compare.add_argument("--stream-interval", type=int, default=1)
     compare.add_argument("--model", choices=["arith", "mid"], default="arith")
     compare.add_argument("--new-tokens", type=int, default=5)
+    compare.add_argument("--device", default="cpu", help="the engine's --device (cuda: a GPU)")
     compare.add_argument(
         "--pin",
         action="store_true",
