@@ -648,8 +648,9 @@ class OpenAIRoutes:
             native, options = build(body)
             if options["stream"]:
                 source = self.stream
-                if route == "completions" and not options["echo"] and self.progress_stream:
-                    source = self.progress_stream  # an echo's first chunk needs the native one
+                progress = route == "chat" or (route == "completions" and not options["echo"])
+                if progress and self.progress_stream:  # an echo's first chunk needs the native
+                    source = self.progress_stream
                 return Reply(200, chunks=stream(source(native), options))
             rendered = await self.generate(native)
         except ValueError as exc:  # OpenAIError, RequestError, a rid already in flight

@@ -81,6 +81,7 @@ from stages.engine.openai_api import (
 )
 from stages.engine.protocol import is_int
 from stages.engine.reasoning import EffortError, ReasoningSettings, normalize_effort
+from stages.engine.streaming import Progress
 from stages.engine.tool_calls import (
     PARSERS,
     StreamingToolCalls,
@@ -454,25 +455,39 @@ class ChatChunks(StreamLayout):
         options, offsets, tools, chunk = self.options, self.offsets, self.tools, self._chunk
         out: list[dict[str, Any]] = []
         for content in batch:
-            index = content.get("index", 0)
-            meta = content["meta_info"]
-            rid = self.last_id = meta["id"]
-            self.prompt_tokens[index] = meta.get("prompt_tokens", 0)
-            self.completion_tokens[index] = meta.get("completion_tokens", 0)
-            self.reasoning_tokens[index] = meta.get("reasoning_tokens", 0)
+            if type(content) is Progress:  # a sample's progress (the engine's own stream)
+                index, rid, text = content.index, content.rid, content.text
+                self.prompt_tokens[index] = content.prompt_tokens
+                self.completion_tokens[index] = total = len(content.ids)
+                counter = content.reasoning
+                self.reasoning_tokens[index] = 0 if counter is None else counter.update(content.ids)
+                reason = content.finish
+                meta: Any = content
+            else:  # a native chunk
+                index = content.get("index", 0)
+                meta = content["meta_info"]
+                rid = meta["id"]
+                self.prompt_tokens[index] = meta.get("prompt_tokens", 0)
+                self.completion_tokens[index] = meta.get("completion_tokens", 0)
+                self.reasoning_tokens[index] = meta.get("reasoning_tokens", 0)
+                text = content.get("text", "")
+                reason = meta.get("finish_reason")
+                total = meta.get("output_token_logprobs_length", 0)
+            self.last_id = rid
             if index not in offsets:  # its first chunk: the role
                 out.append(chunk(rid, index, {"role": "assistant", "content": ""}))
-            text = content.get("text", "")
             delta = text[offsets.get(index, 0) :]
             offsets[index] = len(text)
             logprobs = None
             if options["logprobs"]:
                 sent = self.logprobs_sent.get(index, 0)
-                total = meta["output_token_logprobs_length"]
                 if sent < total:
-                    logprobs = _chat_logprobs(meta, sent, total)
+                    logprobs = (
+                        _progress_logprobs(meta, sent, total)
+                        if meta is content
+                        else _chat_logprobs(meta, sent, total)
+                    )
                 self.logprobs_sent[index] = total
-            reason = meta.get("finish_reason")
             separate = False  # the reasoning is split out of the content
             if self.reasoning is not None:
                 thought, delta = self._think(index, delta, reason)
@@ -662,6 +677,34 @@ def _tool_call_piece(piece: Mapping[str, Any]) -> dict[str, Any]:
         "type": "function",
         "function": {"name": None, "arguments": piece["arguments"]},
     }
+
+
+def _progress_logprobs(p: Progress, lo: int, hi: int) -> dict[str, Any]:
+    """``_chat_logprobs`` of a streamed sample's tokens ``lo..hi``, read from its progress
+    (what its native chunk's entries would hold, without building them)."""
+    text = p.token_text or _no_text
+    tops = p.tops or []
+    content = []
+    for k in range(lo, hi):
+        token = text(p.ids[k]) or ""
+        top = tops[k] if k < len(tops) and tops[k] is not None else []
+        content.append(
+            {
+                "token": token,
+                "bytes": list(token.encode()),
+                "logprob": p.logprobs[k],
+                "top_logprobs": [_top_entry(text(t) or "", lp) for lp, t in top],
+            }
+        )
+    return {"content": content}
+
+
+def _top_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "bytes": list(token.encode()), "logprob": logprob}
+
+
+def _no_text(token: int) -> None:
+    return None
 
 
 def _chat_logprobs(meta: Mapping[str, Any], lo: int = 0, hi: int | None = None) -> dict[str, Any]:

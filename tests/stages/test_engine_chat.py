@@ -98,6 +98,7 @@ def test_greedy_chat_equals_generate_on_the_templated_prompt(chat_engine: Engine
 @pytest.mark.timeout(60)
 def test_chat_stream_sends_role_then_deltas_then_the_finish(chat_engine: Engine, client) -> None:
     options = {"model": "m", "messages": HELLO, "max_tokens": 7, "temperature": 0, "n": 2,
+               "logprobs": True, "top_logprobs": 2,
                "extra_body": {"ignore_eos": True}}  # fmt: skip
     whole = client.chat.completions.create(**options)
     chunks = list(
@@ -111,16 +112,26 @@ def test_chat_stream_sends_role_then_deltas_then_the_finish(chat_engine: Engine,
     texts: dict[int, str] = {}
     first: dict[int, Any] = {}
     finish: dict[int, str] = {}
+    entries: dict[int, list[Any]] = {0: [], 1: []}
     for c in chunks[:-1]:
         (choice,) = c.choices
         first.setdefault(choice.index, choice.delta)
         assert choice.index not in finish, "a chunk after the choice's finish"
         texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        entries[choice.index] += choice.logprobs.content if choice.logprobs else []
         if choice.finish_reason:
             finish[choice.index] = choice.finish_reason
     assert all(d.role == "assistant" and d.content == "" for d in first.values())
     assert texts == {c.index: c.message.content for c in whole.choices}
     assert finish == {0: "length", 1: "length"}
+    for c in whole.choices:  # each token's log-prob entry once, as in the whole answer
+        streamed, expected = entries[c.index], c.logprobs.content
+        assert [e.token for e in streamed] == [e.token for e in expected] and len(expected) == 7
+        pairs = zip(streamed, expected, strict=True)
+        assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in pairs)
+        assert [[t.token for t in e.top_logprobs] for e in streamed] == [
+            [t.token for t in e.top_logprobs] for e in expected
+        ]
 
 
 @pytest.mark.timeout(60)
