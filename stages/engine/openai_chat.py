@@ -74,6 +74,7 @@ from stages.engine.openai_api import (
     _SAMPLING,
     OpenAIError,
     StreamLayout,
+    _no_text,
     _usage,
     name_adapter,
     response_format,
@@ -686,25 +687,11 @@ def _progress_logprobs(p: Progress, lo: int, hi: int) -> dict[str, Any]:
     tops = p.tops or []
     content = []
     for k in range(lo, hi):
-        token = text(p.ids[k]) or ""
         top = tops[k] if k < len(tops) and tops[k] is not None else []
-        content.append(
-            {
-                "token": token,
-                "bytes": list(token.encode()),
-                "logprob": p.logprobs[k],
-                "top_logprobs": [_top_entry(text(t) or "", lp) for lp, t in top],
-            }
-        )
+        entry = _token_entry(text(p.ids[k]), p.logprobs[k])
+        entry["top_logprobs"] = [_token_entry(text(t), lp) for lp, t in top]
+        content.append(entry)
     return {"content": content}
-
-
-def _top_entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "bytes": list(token.encode()), "logprob": logprob}
-
-
-def _no_text(token: int) -> None:
-    return None
 
 
 def _chat_logprobs(meta: Mapping[str, Any], lo: int = 0, hi: int | None = None) -> dict[str, Any]:
@@ -716,15 +703,13 @@ def _chat_logprobs(meta: Mapping[str, Any], lo: int = 0, hi: int | None = None) 
     for k in range(lo, hi):
         logprob, _, text = entries[k]
         top = tops[k] if k < len(tops) and tops[k] is not None else []
-        content.append(
-            {
-                "token": text or "",
-                "bytes": list((text or "").encode()),
-                "logprob": logprob,
-                "top_logprobs": [
-                    {"token": t or "", "bytes": list((t or "").encode()), "logprob": lp}
-                    for lp, _, t in top
-                ],
-            }
-        )
+        entry = _token_entry(text, logprob)
+        entry["top_logprobs"] = [_token_entry(t, lp) for lp, _, t in top]
+        content.append(entry)
     return {"content": content}
+
+
+def _token_entry(token: str | None, logprob: float) -> dict[str, Any]:
+    """A token's ``{token, bytes, logprob}`` (no text: ``""``)."""
+    token = token or ""
+    return {"token": token, "bytes": list(token.encode()), "logprob": logprob}

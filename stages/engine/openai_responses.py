@@ -154,7 +154,7 @@ def responses_request(
     if any(t.get("type") == "shell" for t in tools):
         raise OpenAIError("Shell tools are not supported by this model", "tools")
     previous = body.get("previous_response_id")
-    if previous is not None and (store is None or not isinstance(previous, str)):
+    if previous is not None and store is None:  # (a string: checked above)
         raise OpenAIError(STORE_DISABLED, "previous_response_id")
     if body.get("background"):
         if store is None:
@@ -588,12 +588,23 @@ def _chat_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
+def _forced_name(raw: dict[str, Any]) -> str | None:
+    """The function a ``tool_choice`` object forces (its ``name`` or ``function.name``, for
+    ``type`` ``function`` or ``custom``), else None: ``effective_tool_choice`` makes that
+    ``auto`` (a built-in tool type cannot be forced)."""
+    fn = raw.get("function")
+    name = raw.get("name") or (fn.get("name") if isinstance(fn, dict) else None)
+    if raw.get("type") in ("function", "custom") and isinstance(name, str) and name:
+        return name
+    return None
+
+
 def _tool_choice(raw: Any, functions: list[dict[str, Any]]) -> Any:
     """The chat ``tool_choice`` of the request's (``effective_tool_choice``)."""
     if isinstance(raw, dict):
-        name = raw.get("name") or (raw.get("function") or {}).get("name")
-        if raw.get("type") not in ("function", "custom") or not name:
-            return "auto"  # a built-in tool type cannot be forced
+        name = _forced_name(raw)
+        if name is None:
+            return "auto"
         if not any(t["name"] == name for t in functions):
             raise OpenAIError(f"Tool '{name}' is not declared in tools", "tool_choice")
         return {"type": "function", "function": {"name": name}}
@@ -609,10 +620,8 @@ def _tool_choice(raw: Any, functions: list[dict[str, Any]]) -> Any:
 
 def _echo_choice(raw: Any) -> Any:
     if isinstance(raw, dict):
-        name = raw.get("name") or (raw.get("function") or {}).get("name")
-        if raw.get("type") in ("function", "custom") and name:
-            return {"type": raw["type"], "name": name}
-        return "auto"
+        name = _forced_name(raw)
+        return "auto" if name is None else {"type": raw["type"], "name": name}
     return raw
 
 
