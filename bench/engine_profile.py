@@ -870,7 +870,11 @@ def main() -> int:
         help="the engine's passes: its own (LlamaForward) or model(...)",
     )
     http = sub.add_parser("http", help="engine CPU on HTTP vs scheduler, over a real server")
-    http.add_argument("--group-form", choices=["batch", "n", "single", "openai"], default="batch")
+    http.add_argument(
+        "--group-form",
+        choices=["batch", "n", "single", "openai", "chat", "responses"],
+        default="batch",
+    )
     http.add_argument("--in-flight", type=int, default=64)
     http.add_argument("--stream", action="store_true", help="stream: true (server-sent events)")
     http.add_argument(

@@ -558,7 +558,8 @@ class OpenAIRoutes:
         self.response_store = response_store
         self.adapters = adapters  # the loaded LoRA adapters ({lora_name, lora_path, ...})
         # ``stream`` giving each sample's Progress rather than native chunks before its last
-        # (``stream_generate(..., progress=True)``): /v1/completions renders its own from them
+        # (``stream_generate(..., progress=True)``): every /v1 stream renders its own from them
+        # (an echoed completion aside)
         self.progress_stream = progress_stream
         self.on_disconnect = on_disconnect
         self.chat = chat  # openai_chat.ChatSettings (None: the model has no tokenizer)
@@ -648,7 +649,7 @@ class OpenAIRoutes:
             native, options = build(body)
             if options["stream"]:
                 source = self.stream
-                progress = route == "chat" or (route == "completions" and not options["echo"])
+                progress = route != "completions" or not options["echo"]
                 if progress and self.progress_stream:  # an echo's first chunk needs the native
                     source = self.progress_stream
                 return Reply(200, chunks=stream(source(native), options))

@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import (
     _SAMPLING,
@@ -111,6 +112,10 @@ class ChatSettings:
     defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     tool_parser: str | None = None  # --tool-call-parser, or the template's own format
     reasoning: ReasoningSettings | None = None  # --reasoning-parser
+    renderer: TemplateRenderer = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.renderer = TemplateRenderer(self.tokenizer)
 
     @classmethod
     def of(
@@ -174,13 +179,9 @@ class ChatSettings:
                 "messages",
             )
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                chat_template=self.template,
-                add_generation_prompt=kwargs.pop("add_generation_prompt", True),
-                tokenize=False,
-                **kwargs,
+            add_generation_prompt = kwargs.pop("add_generation_prompt", True)
+            text = self.renderer.render(
+                messages, tools, self.template, add_generation_prompt, kwargs
             )
         except Exception as exc:  # the template's own error (jinja raise_exception, ...)
             raise OpenAIError(f"the chat template refused the messages: {exc}", "messages") from exc

@@ -61,6 +61,7 @@ from typing import Any
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import OpenAIError
 from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, chat_response
+from stages.engine.streaming import Progress
 
 __all__ = [
     "STORE_DISABLED",
@@ -284,8 +285,10 @@ def response_events(
 
 class ResponseEvents:
     """``_responses_stream_generator_non_harmony``'s events, batch by batch (a
-    ``chunk_stream.Transform`` over the native chunks: ``ChatChunks`` reads the reasoning and
-    the tool calls out of them, this lays them out as items)."""
+    ``chunk_stream.Transform`` over the request's one sample: its ``Progress`` or its native
+    chunks; ``ChatChunks`` reads the reasoning and the tool calls out of them, this lays them
+    out as items). Each event's fields come in the order SGLang's pydantic models write them
+    (sorted by name, ``response.*`` events aside)."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.options = options
@@ -296,19 +299,23 @@ class ResponseEvents:
         self.open: dict[str, Any] | None = None  # the item whose deltas are going out
         self.calls: dict[int, dict[str, Any]] = {}  # open function calls by their index
         self.held: list[dict[str, Any]] | None = None  # a message's events, phase to come
-        self.meta: Mapping[str, Any] = {}
+        self.cached = 0
         self.finish: Any = None
 
-    def __call__(self, batch: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    def __call__(self, batch: list[Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if not self.started:
             self.started = True
             pending = _response(self.options, [], None, None, status="in_progress")
-            out.append(self._event("response.created", response=pending))
-            out.append(self._event("response.in_progress", response=pending))
-        for native in batch:
-            self.meta = native["meta_info"]
-            self.finish = self.meta.get("finish_reason") or self.finish
+            out.append(self._event("response.created", pending))
+            out.append(self._event("response.in_progress", pending))
+        for sample in batch:
+            if type(sample) is Progress:
+                self.cached, finish = sample.cached, sample.finish
+            else:
+                meta = sample["meta_info"]
+                self.cached, finish = meta.get("cached_tokens", 0), meta.get("finish_reason")
+            self.finish = finish or self.finish
         for chunk in self.chat(batch):
             for choice in chunk["choices"]:
                 delta = choice["delta"]
@@ -327,9 +334,16 @@ class ResponseEvents:
         self._close(out)
         self._close_calls(out)
         self._release(out, "final_answer")
-        response = _response(self.options, self.items, self.finish, _usage_of(self.meta))
+        chat = self.chat
+        usage = _usage(
+            chat.prompt_tokens.get(0, 0),
+            chat.completion_tokens.get(0, 0),
+            self.cached,
+            chat.reasoning_tokens.get(0, 0),
+        )
+        response = _response(self.options, self.items, self.finish, usage)
         _kept(self.options, response)
-        out.append(self._event(f"response.{response['status']}", response=response))
+        out.append(self._event(f"response.{response['status']}", response))
         return out
 
     # -- items ---------------------------------------------------------------------------------
@@ -341,12 +355,14 @@ class ResponseEvents:
                 self._close_calls(out)
             item = self.open = self._open(out, kind)
         item["_text"] += text
-        where = {"item_id": item["id"], "output_index": item["_index"], "content_index": 0}
         if kind == "reasoning":
-            self._emit(out, "response.reasoning_text.delta", delta=text, **where)
-        else:
-            self._emit(out, "response.output_text.delta", message=True, delta=text, logprobs=[],
-                       **where)  # fmt: skip
+            out.append({"content_index": 0, "delta": text, "item_id": item["id"],
+                        "output_index": item["_index"], "sequence_number": self._number(),
+                        "type": "response.reasoning_text.delta"})  # fmt: skip
+            return
+        self._put(out, {"content_index": 0, "delta": text, "item_id": item["id"], "logprobs": [],
+                        "output_index": item["_index"], "sequence_number": self._number(),
+                        "type": "response.output_text.delta"}, message=True)  # fmt: skip
 
     def _open(self, out: list[dict[str, Any]], kind: str) -> dict[str, Any]:
         index = len(self.items) + len(self.calls)
@@ -357,36 +373,47 @@ class ResponseEvents:
             if self.options["response"]["phased"] and self.held is None:
                 self.held = []
             added = _message_item(item["id"], None, "final_answer", None, status="in_progress")
-            part: dict[str, Any] = {"annotations": [], "text": "", "type": "output_text"}
-            part["logprobs"] = None
+            part: dict[str, Any] = {"annotations": [], "text": "", "type": "output_text",
+                                    "logprobs": None}  # ResponseOutputText's order  # fmt: skip
         else:
             added = _reasoning_item(item["id"], None, status="in_progress")
             part = {"text": "", "type": "reasoning_text"}
-        self._emit(out, "response.output_item.added", message=message, item=added,
-                   output_index=index)  # fmt: skip
-        self._emit(out, "response.content_part.added", message=message, content_index=0,
-                   item_id=item["id"], output_index=index, part=part)  # fmt: skip
+        self._put(out, {"item": added, "output_index": index, "sequence_number": self._number(),
+                        "type": "response.output_item.added"}, message)  # fmt: skip
+        self._put(out, {"content_index": 0, "item_id": item["id"], "output_index": index,
+                        "part": part, "sequence_number": self._number(),
+                        "type": "response.content_part.added"}, message)  # fmt: skip
         return item
 
     def _close(self, out: list[dict[str, Any]]) -> None:
         item, self.open = self.open, None
         if item is None:
             return
-        text, message = item["_text"], item["type"] == "message"
-        where = {"item_id": item["id"], "output_index": item["_index"], "content_index": 0}
+        rid, text, index, message = (
+            item["id"],
+            item["_text"],
+            item["_index"],
+            item["type"] == "message",
+        )
         if message:
-            done = _message_item(item["id"], text, "final_answer", None)
-            self._emit(out, "response.output_text.done", message=True, logprobs=[], text=text,
-                       **where)  # fmt: skip
-            part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text"}
-            part["logprobs"] = None
+            done = _message_item(rid, text, "final_answer", None)
+            self._put(out, {"content_index": 0, "item_id": rid, "logprobs": [],
+                            "output_index": index, "sequence_number": self._number(),
+                            "text": text, "type": "response.output_text.done"},
+                      message)  # fmt: skip
+            part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text",
+                                    "logprobs": None}  # fmt: skip
         else:
-            done = _reasoning_item(item["id"], text)
-            self._emit(out, "response.reasoning_text.done", text=text, **where)
+            done = _reasoning_item(rid, text)
+            out.append({"content_index": 0, "item_id": rid, "output_index": index,
+                        "sequence_number": self._number(), "text": text,
+                        "type": "response.reasoning_text.done"})  # fmt: skip
             part = {"text": text, "type": "reasoning_text"}
-        self._emit(out, "response.content_part.done", message=message, part=part, **where)
-        self._emit(out, "response.output_item.done", message=message, item=done,
-                   output_index=item["_index"])  # fmt: skip
+        self._put(out, {"content_index": 0, "item_id": rid, "output_index": index, "part": part,
+                        "sequence_number": self._number(), "type": "response.content_part.done"},
+                  message)  # fmt: skip
+        self._put(out, {"item": done, "output_index": index, "sequence_number": self._number(),
+                        "type": "response.output_item.done"}, message)  # fmt: skip
         self.items.append(done)
 
     def _call(self, out: list[dict[str, Any]], piece: Mapping[str, Any]) -> None:
@@ -405,19 +432,24 @@ class ResponseEvents:
                 "_index": position,
             }
             added = _call_item(call["id"], call["call_id"], call["name"], "", "in_progress")
-            self._emit(out, "response.output_item.added", item=added, output_index=position)
+            out.append({"item": added, "output_index": position,
+                        "sequence_number": self._number(),
+                        "type": "response.output_item.added"})  # fmt: skip
         if fn.get("arguments"):
             call["arguments"] += fn["arguments"]
-            self._emit(out, "response.function_call_arguments.delta", delta=fn["arguments"],
-                       item_id=call["id"], output_index=call["_index"])  # fmt: skip
+            out.append({"delta": fn["arguments"], "item_id": call["id"],
+                        "output_index": call["_index"], "sequence_number": self._number(),
+                        "type": "response.function_call_arguments.delta"})  # fmt: skip
 
     def _close_calls(self, out: list[dict[str, Any]]) -> None:
         for call in self.calls.values():
-            where = {"item_id": call["id"], "output_index": call["_index"]}
-            self._emit(out, "response.function_call_arguments.done",
-                       arguments=call["arguments"], name=call["name"], **where)  # fmt: skip
-            done = _call_item(call["id"], call["call_id"], call["name"], call["arguments"])
-            self._emit(out, "response.output_item.done", item=done, output_index=call["_index"])
+            rid, index = call["id"], call["_index"]
+            out.append({"arguments": call["arguments"], "item_id": rid, "name": call["name"],
+                        "output_index": index, "sequence_number": self._number(),
+                        "type": "response.function_call_arguments.done"})  # fmt: skip
+            done = _call_item(rid, call["call_id"], call["name"], call["arguments"])
+            out.append({"item": done, "output_index": index, "sequence_number": self._number(),
+                        "type": "response.output_item.done"})  # fmt: skip
             self.items.append(done)
         self.calls = {}
 
@@ -433,19 +465,18 @@ class ResponseEvents:
             out.append(event)
 
     # -- events --------------------------------------------------------------------------------
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, **fields, "sequence_number": self.sequence}
-        self.sequence += 1
-        return event
+    def _number(self) -> int:
+        """The next event's ``sequence_number``."""
+        number = self.sequence
+        self.sequence = number + 1
+        return number
 
-    def _emit(
-        self, out: list[dict[str, Any]], kind: str, *, message: bool = False, **fields: Any
-    ) -> None:
-        """An item's event (its fields sorted, as pydantic orders them); a message's is held
-        while it waits for its phase."""
-        event = self._event(kind, **fields)
-        ordered = {k: event[k] for k in sorted(event)}
-        (self.held if message and self.held is not None else out).append(ordered)
+    def _event(self, kind: str, response: dict[str, Any]) -> dict[str, Any]:
+        return {"type": kind, "response": response, "sequence_number": self._number()}
+
+    def _put(self, out: list[dict[str, Any]], event: dict[str, Any], message: bool) -> None:
+        """A message's event is held while the message waits for its phase."""
+        (self.held if message and self.held is not None else out).append(event)
 
 
 def sse_named(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
@@ -504,15 +535,20 @@ def _response(
 
 
 def _usage_of(meta: Mapping[str, Any]) -> dict[str, Any]:
-    prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
+    return _usage(
+        meta.get("prompt_tokens", 0),
+        meta.get("completion_tokens", 0),
+        meta.get("cached_tokens", 0),
+        meta.get("reasoning_tokens", 0),
+    )
+
+
+def _usage(prompt: int, completion: int, cached: int, reasoning: int) -> dict[str, Any]:
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {
-            "cached_tokens": meta.get("cached_tokens", 0),
-            "cache_write_tokens": 0,
-        },
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": meta.get("reasoning_tokens", 0)},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + completion,
     }
 

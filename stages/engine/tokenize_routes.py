@@ -202,7 +202,8 @@ class _WithSpecialTokens(ChatSettings):
 
 
 def _with_special_tokens(chat: ChatSettings) -> _WithSpecialTokens:
-    return _WithSpecialTokens(**{f.name: getattr(chat, f.name) for f in dataclasses.fields(chat)})
+    fields = dataclasses.fields(chat)
+    return _WithSpecialTokens(**{f.name: getattr(chat, f.name) for f in fields if f.init})
 
 
 def _check_common(body: Any) -> None:

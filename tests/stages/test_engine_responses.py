@@ -9,6 +9,7 @@ answer is all reasoning)."""
 from __future__ import annotations
 
 import json
+import re
 import string
 from collections.abc import Iterator
 from typing import Any
@@ -368,3 +369,65 @@ def test_with_tools_a_message_waits_for_its_phase() -> None:
     numbers = [e["sequence_number"] for e in first + second + last]
     assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
     assert final["response"]["usage"]["input_tokens_details"]["cached_tokens"] == 1
+
+
+def test_events_are_laid_out_as_sglangs_and_progress_gives_the_same() -> None:
+    """Each event's fields in the order SGLang's pydantic events dump them (sorted by name;
+    ``response.*``: type, response, sequence_number; an ``output_text`` part as
+    ``ResponseOutputText`` orders it), every event one of the ``openai`` client's stream
+    events; and the engine's own stream (each sample's ``Progress``) gives the same events as
+    its native chunks."""
+    from openai.types.responses import ResponseOutputText, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from stages.engine.streaming import Progress
+
+    tokenizer = char_tokenizer(string.printable, special=TAGS, template=QWEN_LIKE)
+    settings = ChatSettings(tokenizer, None, {}, "qwen25", None)
+    body = {"model": "m", "input": "ab", "tools": FUNCTIONS, "stream": True, **PLAIN}
+    _, options = responses_request(body, settings, 4096)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    steps = ["Let me ", "Let me add.\n", "Let me add.\n" + call[:30], "Let me add.\n" + call]
+    stop = {"type": "stop", "matched": None}
+
+    def native(step: int) -> dict[str, Any]:
+        meta = {"id": "r", "finish_reason": stop if step == len(steps) - 1 else None,
+                "prompt_tokens": 3, "cached_tokens": 1, "completion_tokens": step + 1}  # fmt: skip
+        return {"text": steps[step], "output_ids": list(range(step + 1)), "meta_info": meta}
+
+    def progress(step: int) -> Progress:
+        p = Progress("r", 3)
+        p.ids, p.text, p.cached = list(range(step + 1)), steps[step], 1
+        p.finish = stop if step == len(steps) - 1 else None
+        return p
+
+    def run(sample: Any) -> list[dict[str, Any]]:
+        events = ResponseEvents(options)
+        out = [e for step in range(len(steps)) for e in events([sample(step)])]
+        return out + events.end()
+
+    by_native, by_progress = run(native), run(progress)
+    adapter = TypeAdapter(ResponseStreamEvent)
+    text_part = list(ResponseOutputText.model_fields)
+    for event in by_native:
+        adapter.validate_python(event)
+        keys = list(event)
+        if event["type"].startswith("response.") and "response" in event:
+            assert keys == ["type", "response", "sequence_number"]
+        else:
+            assert keys == sorted(keys), event["type"]
+        part = event.get("part")
+        if part is not None and part["type"] == "output_text":
+            assert list(part) == text_part
+    assert [e["sequence_number"] for e in by_native] == list(range(len(by_native)))
+
+    def same(events: list[dict[str, Any]]) -> str:  # ids and times are drawn afresh
+        text = json.dumps(events)
+        for key in ("id", "item_id", "call_id", "created_at"):
+            text = re.sub(rf'"{key}": ("[^"]*"|\d+)', f'"{key}": 0', text)
+        return text
+
+    assert same(by_progress) == same(by_native)
+    usage = by_progress[-1]["response"]["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (3, len(steps))
+    assert usage["input_tokens_details"]["cached_tokens"] == 1
