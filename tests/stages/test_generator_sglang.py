@@ -342,6 +342,123 @@ async def test_chat_completions_streamed_and_whole_agree(client):
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] is not None
 
 
+def _tolerance() -> float:
+    """How close two passes' log-probs of the same tokens are: the built-in engine's on CPU
+    in float32 agree to rounding; a real server's prefill and decode kernels (bf16 on a GPU)
+    differ by more."""
+    return 0.1 if URL else 1e-3
+
+
+@pytest.mark.timeout(120)
+async def test_prompt_scoring_gives_the_log_probs_generation_sampled(client):
+    """``return_logprob`` with ``top_logprobs_num`` and ``return_text_in_logprobs``: an entry
+    ``[logprob, token_id, text]`` per output token, its ``k`` top ones in descending order;
+    then prefill-only scoring (``max_new_tokens: 0``) of the prompt and that output from
+    ``logprob_start_len`` (``_process_input_token_logprobs``: ``None`` first) gives the same
+    log-probs for the output's tokens: how RL code gets reference log-probs."""
+    k = 2
+    body = {"input_ids": PROMPT, "sampling_params": _params(6), "return_logprob": True,
+            "top_logprobs_num": k, "return_text_in_logprobs": True}  # fmt: skip
+    status, out = await _post(client, "/generate", body)
+    assert status == 200, out
+    meta, ids = out["meta_info"], out["output_ids"]
+    entries, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert [e[1] for e in entries] == ids and all(isinstance(e[2], str) for e in entries)
+    assert len(tops) == len(ids)
+    for entry, top in zip(entries, tops, strict=True):
+        assert len(top) == k and [t[0] for t in top] == sorted((t[0] for t in top), reverse=True)
+        assert top[0][1] == entry[1]  # greedy: the token sampled is the likeliest
+    start = len(PROMPT) - 1  # the prompt's last token first (None), then the output's
+    score = {"input_ids": PROMPT + ids, "sampling_params": {"max_new_tokens": 0},
+             "return_logprob": True, "logprob_start_len": start}  # fmt: skip
+    status, scored = await _post(client, "/generate", score)
+    assert status == 200, scored
+    assert scored["output_ids"] == [] and scored["meta_info"]["output_token_logprobs"] == []
+    inputs = scored["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in inputs] == (PROMPT + ids)[start:] and inputs[0][0] is None
+    for scored_entry, sampled in zip(inputs[1:], entries, strict=True):
+        assert abs(scored_entry[0] - sampled[0]) <= _tolerance(), (inputs, entries)
+
+
+@pytest.mark.timeout(120)
+async def test_v1_completions_greedy_equals_generate(client):
+    """``/v1/completions`` on token ids (what ``test_engine_openai.py`` checks the built-in
+    engine against): greedy, the same tokens' text and log-probs as ``/generate``'s."""
+    status, native = await _post(
+        client, "/generate",
+        {"input_ids": PROMPT, "sampling_params": _params(8), "return_logprob": True},
+    )  # fmt: skip
+    assert status == 200, native
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "logprobs": 0, "ignore_eos": True}  # fmt: skip
+    status, out = await _post(client, "/v1/completions", body)
+    assert status == 200 and out["object"] == "text_completion", out
+    choice = out["choices"][0]
+    assert choice["text"] == native["text"] and choice["finish_reason"] == "length"
+    usage = out["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 8)
+    wanted = [e[0] for e in native["meta_info"]["output_token_logprobs"]]
+    got = choice["logprobs"]["token_logprobs"]
+    assert len(got) == 8 and all(
+        abs(a - b) <= _tolerance() for a, b in zip(got, wanted, strict=True)
+    )
+
+
+@pytest.mark.timeout(60)
+async def test_info_routes_answer_under_their_current_names(client):
+    """``/server_info`` (with ``version``, ``max_total_num_tokens``), ``/model_info``,
+    ``/health_generate`` and ``/v1/models``: what launchers and routers poll."""
+    for path in ("/server_info", "/model_info", "/health_generate", "/v1/models"):
+        async with client.session.get(client.url + path) as resp:
+            assert resp.status == 200, (path, await resp.text())
+            if path == "/server_info":
+                info = await resp.json(content_type=None)
+                assert isinstance(info["version"], str) and info["max_total_num_tokens"] > 0
+            elif path == "/model_info":
+                info = await resp.json(content_type=None)
+                assert info["is_generation"] is True and "model_path" in info
+            elif path == "/v1/models":
+                models = await resp.json(content_type=None)
+                assert models["object"] == "list" and models["data"][0]["object"] == "model"
+
+
+@pytest.mark.timeout(120)
+async def test_responses_streamed_and_whole_agree(client):
+    """``/v1/responses`` (what ``test_engine_responses.py`` checks the built-in engine
+    against): a ``message`` item with one ``output_text`` part; streamed, ``event:`` /
+    ``data:`` pairs numbered from 0, from ``response.created`` to the whole response, whose
+    text the deltas add up to."""
+    async with client.session.get(client.url + "/v1/models") as resp:
+        model = (await resp.json(content_type=None))["data"][0]["id"]
+    body = {"model": model, "input": "Count to five.", "max_output_tokens": 10,
+            "temperature": 0}  # fmt: skip
+    status, whole = await _post(client, "/v1/responses", body)
+    if status == 400 and "template" in json.dumps(whole):
+        pytest.skip(f"the served model has no chat template: {whole}")
+    assert status == 200 and whole["object"] == "response", whole
+    assert whole["status"] in ("completed", "incomplete") and whole["id"].startswith("resp_")
+    messages = [item for item in whole["output"] if item["type"] == "message"]
+    text = "".join(part["text"] for m in messages for part in m["content"])
+    assert whole["usage"]["output_tokens"] <= 8  # max_output_tokens less SGLang's 2
+    async with client.session.post(
+        client.url + "/v1/responses", json={**body, "stream": True}
+    ) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        lines = [line.decode().strip() async for line in r.content if line.strip()]
+    kinds = [line[len("event: ") :] for line in lines[0::2]]
+    events = [json.loads(line[len("data: ") :]) for line in lines[1::2]]
+    assert [e["type"] for e in events] == kinds
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == f"response.{whole['status']}"
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == text
+    final = events[-1]["response"]["output"]
+    assert [p["text"] for m in final if m["type"] == "message" for p in m["content"]] == [
+        p["text"] for m in messages for p in m["content"]
+    ]
+
+
 @pytest.mark.timeout(180)
 async def test_update_weight_version_keeps_requests_only_when_told(client):
     """``abort_all_requests`` defaults to true: the publisher says false, or every publish
