@@ -429,7 +429,16 @@ class ChatChunks(StreamLayout):
         self.reasoning = options.get("reasoning")  # reasoning.RequestReasoning or None
         self.thinking: dict[int, Any] = {}  # each choice's reasoning.ThinkParser
 
-    def _chunk(self, rid: str, index: int, delta: dict[str, Any], **more: Any) -> dict[str, Any]:
+    def _chunk(
+        self,
+        rid: str,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: Any = None,
+        finish_reason: str | None = None,
+        matched_stop: Any = None,
+    ) -> dict[str, Any]:
+        """A chunk of one choice (``delta``: its fields after ``reasoning_content``)."""
         out = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -439,9 +448,9 @@ class ChatChunks(StreamLayout):
                 {
                     "index": index,
                     "delta": {"reasoning_content": None, **delta},
-                    "logprobs": more.get("logprobs"),
-                    "finish_reason": more.get("finish_reason"),
-                    "matched_stop": more.get("matched_stop"),
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                    "matched_stop": matched_stop,
                 }
             ],
         }
