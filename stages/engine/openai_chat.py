@@ -6,7 +6,8 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
 
 - the messages go through the tokenizer's chat template (``apply_chat_template`` with
   ``add_generation_prompt``, the request's ``tools`` and ``chat_template_kwargs``; the engine's
-  ``--chat-template`` replaces the tokenizer's); text parts of a content list are joined with a
+  ``--chat-template`` replaces the tokenizer's; the same text, rendered without its per-call
+  copying: ``chat_template.TemplateRenderer``); text parts of a content list are joined with a
   space (SGLang's "string" content format), a ``None`` field is left out; an assistant message's
   tool-call ``arguments`` given as a JSON string are parsed for the template; a conversation
   that ends with an assistant message of text sends it as the user's, or with
