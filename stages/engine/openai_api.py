@@ -572,7 +572,7 @@ class OpenAIRoutes:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
-        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)  # ended
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
 
     def _card(self, name: str) -> dict[str, Any]:
         return {
@@ -619,15 +619,24 @@ class OpenAIRoutes:
         return await self._serve(request, "responses")
 
     async def stored_response(self, request: web.Request) -> web.Response:
-        """``GET /v1/responses/{id}`` and its ``/cancel`` (a stored response has ended: it is
-        answered as it is, as SGLang answers a cancel of one); without a store, SGLang's
-        refusal."""
+        """``GET /v1/responses/{id}``: a stored response (a background one as it stands);
+        without a store, SGLang's refusal."""
+        return await self._stored(request, cancel=False)
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """``POST /v1/responses/{id}/cancel``: a background response still running is
+        cancelled; one that has ended is answered as it is, as SGLang answers it."""
+        return await self._stored(request, cancel=True)
+
+    async def _stored(self, request: web.Request, *, cancel: bool) -> web.Response:
         from stages.engine.openai_responses import STORE_DISABLED
 
-        if self.response_store is None:
+        store = self.response_store
+        if store is None:
             return web.json_response(_nested(STORE_DISABLED, 400, "response_id"), status=400)
+        response_id = request.match_info["response_id"]
         try:
-            found = self.response_store.get(request.match_info["response_id"])
+            found = await store.cancel(response_id) if cancel else store.get(response_id)
         except OpenAIError as exc:
             return web.json_response(route_refusal("responses", exc), status=exc.status)
         return web.Response(body=dumps(found), content_type="application/json")
@@ -647,6 +656,11 @@ class OpenAIRoutes:
         options: dict[str, Any] = {}
         try:
             native, options = build(body)
+            if options.get("background"):  # /v1/responses: answered at once, run in a task
+                from stages.engine.openai_responses import run_in_background
+
+                queued = run_in_background(native, options, self.generate, self.response_store)
+                return Reply(200, queued)
             if options["stream"]:
                 source = self.stream
                 progress = route != "completions" or not options["echo"]

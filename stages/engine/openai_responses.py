@@ -41,8 +41,11 @@ this engine's (``ResponseStore``): without it ``previous_response_id``, ``backgr
 /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` are refused with SGLang's words;
 with it a finished response (``store`` not false) is kept with its input and output items, a
 later request's ``previous_response_id`` puts them before its own input (not its
-``instructions``), and ``GET`` answers it (``cancel`` too: a kept response has ended, so it is
-answered as it is). ``background`` is refused either way (SGLang runs it as a task).
+``instructions``), and ``GET`` answers it. ``background`` (with ``store``; not streamed) is
+answered at once with the response ``queued`` and run in a task (``run_in_background``):
+``GET`` then shows it ``in_progress``, then whole (or ``failed``); ``cancel`` marks one still
+running ``cancelled`` and aborts it, and answers one that has ended as it is. Streamed, a
+background request streams on its connection, as SGLang's does.
 Not here: system messages gathered in front for a template that refuses them later in the
 conversation (SGLang probes the template for that; here the template's error is the 400), and
 encrypted reasoning (``include: ["reasoning.encrypted_content"]`` is accepted, not filled).
@@ -51,11 +54,12 @@ This module knows nothing of HTTP; ``openai_api.OpenAIRoutes`` serves it.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from stages.engine.chunk_stream import mapped
@@ -94,6 +98,7 @@ class ResponseStore:
         self.capacity = capacity
         self.responses: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self.items: dict[str, list[dict[str, Any]]] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}  # background requests still running
 
     def get(self, response_id: str) -> dict[str, Any]:
         """The stored response; OpenAIError in SGLang's words for an id that is not one."""
@@ -113,6 +118,20 @@ class ResponseStore:
         """The input and output items of the stored response ``response_id``."""
         self.get(response_id)
         return list(self.items[response_id])
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """``POST /v1/responses/{id}/cancel`` (``cancel_responses``): a background response
+        still queued or running is marked ``cancelled`` and its request aborted (its task
+        cancelled, which aborts what it queued); one that has ended is answered as it is."""
+        response = self.get(response_id)
+        if response["status"] not in ("queued", "in_progress"):
+            return response
+        response["status"] = "cancelled"
+        task = self.tasks.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+        return response
 
     def keep(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         rid = response["id"]
@@ -162,9 +181,6 @@ def responses_request(
             raise OpenAIError(STORE_DISABLED, "background")
         if body.get("store") is False:
             raise OpenAIError("background=true requires store=true.", "store")
-        raise OpenAIError(
-            "background responses are not served by the built-in engine", "background"
-        )
     if known_model is not None and not known_model(model):
         raise OpenAIError(f"The model '{model}' does not exist", "model", status=404)
     functions = [t for t in tools if t["type"] == "function"]
@@ -247,7 +263,40 @@ def responses_request(
     }
     if store is not None and body.get("store") is not False:  # kept once it is whole
         options["response"]["keep"] = lambda response: store.keep(response, items)
+    # streamed, a background request streams on its connection (SGLang: not detached)
+    options["background"] = bool(body.get("background")) and not body.get("stream")
     return native, options
+
+
+def run_in_background(
+    native: dict[str, Any],
+    options: dict[str, Any],
+    generate: Callable[[dict[str, Any]], Awaitable[Any]],
+    store: ResponseStore,
+) -> dict[str, Any]:
+    """SGLang's background mode (``serving_responses``: ``background`` without ``stream``):
+    the response kept at once as ``queued`` and answered; the request runs in a task, which
+    marks it ``in_progress``, then keeps the whole response as it ends, or marks it
+    ``failed``. ``GET /v1/responses/{id}`` follows it; ``ResponseStore.cancel`` ends it."""
+    queued = _response(options, [], None, None, status="queued")
+    _kept(options, queued)  # its input is kept too: previous_response_id may name it
+
+    async def run() -> None:
+        queued["status"] = "in_progress"
+        try:
+            rendered = await generate(native)
+            responses_response(rendered if isinstance(rendered, list) else [rendered], options)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a request the engine failed: as SGLang, the status says so
+            if queued["status"] not in ("completed", "cancelled"):
+                queued["status"] = "failed"
+                queued["error"] = {"code": "server_error", "message": str(exc)}
+
+    rid = queued["id"]
+    task = store.tasks[rid] = asyncio.get_running_loop().create_task(run(), name=f"create_{rid}")
+    task.add_done_callback(lambda _: store.tasks.pop(rid, None))
+    return queued
 
 
 def responses_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) -> dict:

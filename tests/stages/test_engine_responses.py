@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import string
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -222,7 +223,6 @@ def test_what_sglang_refuses_is_refused_in_its_words(client, model, engine: Engi
     }  # fmt: skip
     refused = [
         ({"previous_response_id": "x"}, "Invalid 'response_id': 'x'. Expected an ID that"),
-        ({"background": True}, "background responses are not served by the built-in engine"),
         ({"background": True, "store": False}, "background=true requires store=true."),
         ({"max_output_tokens": 1}, "max_new_tokens must be at least 0, got -1."),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "Unsupported Responses API input"),
@@ -274,6 +274,40 @@ def test_the_store_keeps_responses_for_previous_response_id_and_get(client, mode
     with pytest.raises(openai.BadRequestError) as bad:
         client.responses.retrieve("msg_1")
     assert bad.value.body["param"] == "response_id"
+
+
+@pytest.mark.timeout(60)
+def test_a_background_response_runs_in_a_task_and_a_cancel_ends_it(client, model, engine) -> None:
+    """``background`` without ``stream`` (``serving_responses``: ``_run_background_request``):
+    answered at once ``queued``, then ``GET`` follows it to the whole response, the same as
+    the request's without it; a cancel while it waits (the engine paused) marks it
+    ``cancelled`` and aborts it (still cancelled after the engine goes on), a second cancel
+    answers it as it is; ``stream`` with ``background`` streams on its connection."""
+    ask = {"model": model, "temperature": 0, "max_output_tokens": 6, "input": "ab", **PLAIN}
+    whole = client.responses.create(**ask)
+    queued = client.responses.create(background=True, **ask)
+    assert queued.status == "queued" and queued.output == [] and queued.usage is None
+    got = client.responses.retrieve(queued.id)
+    deadline = time.monotonic() + 30
+    while got.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        got = client.responses.retrieve(queued.id)
+    assert got.status == whole.status and got.output_text == whole.output_text
+    assert got.usage.output_tokens == whole.usage.output_tokens
+    made = engine.request("GET", "/server_info")[1]["tokens_generated"]
+    assert engine.request("POST", "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        waiting = client.responses.create(background=True, **ask)
+        assert client.responses.retrieve(waiting.id).status == "in_progress"
+        assert client.responses.cancel(waiting.id).status == "cancelled"
+    finally:
+        assert engine.request("POST", "/continue_generation", {})[0] == 200
+    time.sleep(0.5)  # had it not been aborted, it would end now
+    assert client.responses.retrieve(waiting.id).status == "cancelled"
+    assert engine.request("GET", "/server_info")[1]["tokens_generated"] == made  # aborted
+    assert client.responses.cancel(waiting.id).status == "cancelled"  # as it is
+    streamed = list(client.responses.create(background=True, stream=True, **ask))
+    assert streamed[-1].response.output_text == whole.output_text
 
 
 async def test_without_a_store_sglangs_refusals() -> None:
