@@ -28,8 +28,9 @@ and the text added since that choice's last chunk (the prompt's text in front of
 ``echo`` with ``logprobs`` > 0 asks for the prompt's log-probs too (``logprob_start_len`` 0, as
 SGLang does): its tokens come first in ``logprobs``, the first with a null log-prob. The chat
 route is ``openai_chat``'s, the Responses route ``openai_responses``'s (errors in its own
-``{"error": {...}}`` envelope); the others' errors are SGLang's ``{object: "error", message,
-type, param, code}``.
+``{"error": {...}}`` envelope), Anthropic's ``/v1/messages`` ``anthropic_messages``'s (errors in
+Anthropic's ``{"type": "error", "error": {...}}``); the others' errors are SGLang's ``{object:
+"error", message, type, param, code}``.
 
 This module knows nothing of the scheduler: the server hands it ``/generate`` as a coroutine.
 """
@@ -571,6 +572,8 @@ class OpenAIRoutes:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
 
@@ -617,6 +620,21 @@ class OpenAIRoutes:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "responses")
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "messages")
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """``/v1/messages/count_tokens``: the tokens of the prompt a request would render."""
+        from stages.engine.anthropic_messages import count_tokens
+
+        try:
+            if self.decode is None:
+                raise OpenAIError("this model has no tokenizer: use the native /generate route")
+            counted = count_tokens(await read_json(request), self.chat, self.context_length)
+        except OpenAIError as exc:
+            return web.json_response(route_refusal("messages", exc), status=exc.status)
+        return web.json_response(counted)
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """``GET /v1/responses/{id}``: a stored response (a background one as it stands);
@@ -692,6 +710,19 @@ class OpenAIRoutes:
                 openai_responses.responses_response,
                 openai_responses.response_events,
             )
+        if route == "messages":
+            from stages.engine import anthropic_messages  # it builds on the chat route
+
+            chat, length = self.chat, self.context_length
+
+            def build_message(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                return anthropic_messages.messages_request(raw, chat, length)
+
+            return (
+                build_message,
+                anthropic_messages.messages_response,
+                anthropic_messages.message_events,
+            )
         if route == "chat":
             from stages.engine import openai_chat  # it builds on this module
 
@@ -723,7 +754,7 @@ class OpenAIRoutes:
                 body=dumps(reply.body), status=reply.status, content_type="application/json"
             )
         framing: dict[str, Any] = {}
-        if route == "responses":  # ``event:`` lines, no [DONE] (SGLang's Responses stream)
+        if route in ("responses", "messages"):  # ``event:`` lines, no [DONE] (SGLang's)
             from stages.engine.openai_responses import sse_named
 
             framing = {"events": sse_named, "done": b""}
@@ -789,8 +820,16 @@ def _as_written(exc: ValueError, options: Mapping[str, Any]) -> ValueError:
 
 
 def route_refusal(route: str, exc: ValueError) -> dict[str, Any]:
-    """``refusal(exc)``, in the Responses route's envelope on ``responses``."""
+    """``refusal(exc)``, in the Responses route's envelope on ``responses``, Anthropic's on
+    ``messages``."""
     refused = refusal(exc)
+    if route == "messages":
+        from stages.engine.anthropic_messages import error_body
+
+        message = refused["message"]
+        if refused["param"] == "content-type":  # SGLang's digest of its validation error
+            message = f"header.content-type: {message}"
+        return error_body(message, getattr(exc, "status", 400))
     if route != "responses":
         return refused
     return _nested(refused["message"], getattr(exc, "status", 400), refused["param"])

@@ -368,6 +368,8 @@ async def write_events(
         elif first is not None:
             if first:  # an empty chunk would end a chunked response
                 await response.write(framed(first, encode))  # with the headers
+            else:  # nothing to send yet (an Anthropic stream waits for content): the headers
+                _send_headers(response)  # go now, before anything is pushed past aiohttp
             tail = await _write_rest(request, response, chunks, encode, framed)
         # the last events, the end marker and the end of the response: one write
         await response.write_eof(tail + done)
@@ -462,7 +464,16 @@ def _chunked_transport(request: web.Request, response: web.StreamResponse) -> An
     transport = request.transport
     if getattr(writer, "chunked", False) is not True or response.compression:
         return None
+    if getattr(writer, "_headers_buf", None):  # the headers not out yet: aiohttp sends them
+        return None
     return transport
+
+
+def _send_headers(response: web.StreamResponse) -> None:
+    """Send a prepared stream's headers now (aiohttp's ``StreamWriter.send_headers``)."""
+    send = getattr(getattr(response, "_payload_writer", None), "send_headers", None)
+    if send is not None:
+        send()
 
 
 def _events(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
