@@ -4,14 +4,16 @@ policy, every call recorded as the exact tokens the engine sampled.
 One ``AgentProxy`` per process (per event loop) listens on 127.0.0.1 (a free port) and serves
 each running episode under a base URL of its own, ``http://127.0.0.1:PORT/e/EPISODE/v1``:
 ``GET /models`` (the policy, named ``policy``), ``POST /completions``, ``POST
-/chat/completions`` and ``POST /responses`` (the OpenAI Agents SDK's default API) with the
-built-in engine's own request checks and answer layout (``stages.engine.openai_api``,
-``openai_chat``, ``openai_responses``: tools, stop strings, log-probs, streaming, usage; any model
-name is accepted). A request's samples come from the episode's ``RolloutEngine`` (the
-generator's engines, in-flight weight updates and all), one completion per call (``n`` > 1 is
-refused: an episode is one trajectory), with the run's sampling (``temperature``, ``top_p``,
-``top_k``, ``min_p``: what the learner trains against) over the agent's, and ``max_tokens``
-held to the run's ``max_new_tokens`` and to what is left of the episode's token budget.
+/chat/completions``, ``POST /responses`` (the OpenAI Agents SDK's default API) and ``POST
+/messages`` (Anthropic's, for an ``anthropic`` client whose base URL is the episode's less
+``/v1``) with the built-in engine's own request checks and answer layout
+(``stages.engine.openai_api``, ``openai_chat``, ``openai_responses``, ``anthropic_messages``:
+tools, stop strings, log-probs, streaming, usage; any model name is accepted). A request's
+samples come from the episode's ``RolloutEngine`` (the generator's engines, in-flight weight
+updates and all), one completion per call (``n`` > 1 is refused: an episode is one trajectory),
+with the run's sampling (``temperature``, ``top_p``, ``top_k``, ``min_p``: what the learner
+trains against) over the agent's, and ``max_tokens`` held to the run's ``max_new_tokens`` and
+to what is left of the episode's token budget.
 
 Calls join the episode's ``Trajectory``. The first call's prompt tokens start it; a call whose
 prompt tokens begin with everything the trajectory holds (its prompt, what was sampled and what
@@ -384,6 +386,9 @@ class AgentProxy:
         app.router.add_post(base + "/completions", self._route("completions"))
         app.router.add_post(base + "/chat/completions", self._route("chat_completions"))
         app.router.add_post(base + "/responses", self._route("responses"))
+        # Anthropic's Messages API: an ``anthropic`` client's base URL is the episode's less /v1
+        app.router.add_post(base + "/messages", self._route("messages"))
+        app.router.add_post(base + "/messages/count_tokens", self._route("count_tokens"))
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()
         # every episode in flight may connect at once (a generator keeps hundreds)
@@ -446,6 +451,7 @@ class _InProcess(httpx.AsyncBaseTransport):
     """An httpx transport that answers the proxy's completion routes in the process."""
 
     _ROUTES = {"completions": "completions", "chat/completions": "chat", "responses": "responses"}
+    _ROUTES["messages"] = "messages"
 
     def __init__(self, proxy: AgentProxy, fallback: Any) -> None:
         self.proxy, self.fallback = proxy, fallback
@@ -474,7 +480,7 @@ class _InProcess(httpx.AsyncBaseTransport):
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
-            stream=_EventStream(first, reply.chunks, named=route == "responses"),
+            stream=_EventStream(first, reply.chunks, named=route in ("responses", "messages")),
         )
 
     async def aclose(self) -> None:
@@ -488,7 +494,7 @@ class _EventStream(httpx.AsyncByteStream):
         self, first: list[Any], chunks: AsyncIterator[list[Any]], *, named: bool = False
     ) -> None:
         self.first, self.chunks = first, chunks
-        self.named = named  # the Responses route's: ``event:`` lines, no [DONE]
+        self.named = named  # the Responses and Messages routes': ``event:`` lines, no [DONE]
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         batch: list[Any] | None = self.first

@@ -120,6 +120,33 @@ async def chained_agent(client, task):
     return float(second.output_text.strip() == task["answer"])
 
 
+async def anthropic_agent(client, task):
+    """An agent written for the ``anthropic`` client: its base URL the episode's less ``/v1``;
+    the tool's result sent back as a ``tool_result`` block, the second answer streamed."""
+    import anthropic
+
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    claude = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+             for t in TOOLS]  # fmt: skip
+    messages: list[dict] = [{"role": "user", "content": task["prompt"]}]
+    first = await claude.messages.create(model="any", max_tokens=64, messages=messages, tools=tools)
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                       for b in first.content]})  # fmt: skip
+    result = str(use.input["a"] + use.input["b"])
+    messages.append(
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": result}]}
+    )  # fmt: skip
+    second = await claude.messages.create(
+        model="any", max_tokens=64, messages=messages, tools=tools, stream=True
+    )
+    deltas = [e.delta async for e in second if e.type == "content_block_delta"]
+    await claude.close()
+    return float("".join(d.text for d in deltas).strip() == task["answer"])
+
+
 async def thinking_agent(client, task):
     """Reads the answer in ``content`` and the reasoning apart (rollout.reasoning_parser)."""
     out = await client.chat.completions.create(
@@ -260,7 +287,7 @@ async def test_a_tool_agent_trains_exactly_the_tokens_the_engine_sampled(tokeniz
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("agent", ["responses_agent", "chained_agent"])
+@pytest.mark.parametrize("agent", ["responses_agent", "chained_agent", "anthropic_agent"])
 async def test_a_responses_api_agent_trains_exactly_the_tokens_the_engine_sampled(
     tokenizer, agent
 ) -> None:
