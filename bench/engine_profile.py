@@ -45,7 +45,8 @@ the event-loop thread.
 ``/v1/chat/completions``, the prompt's text as the user's message, which the engine's
 pass-through ``--chat-template`` turns back into the same ids) and ``responses`` (one sample a
 request through ``/v1/responses``, as ``single`` is through ``/generate``; output log-probs
-unless streamed, where SGLang refuses them).
+unless streamed, where SGLang refuses them) and ``messages`` (the same through Anthropic's
+``/v1/messages``, which has no log-probs).
 
 ``compare`` starts one such server and takes the request forms of ``--forms`` in turn, in short
 phases (``--seconds``), ``--rounds`` times, the order reversed every other round: the engine's
@@ -435,7 +436,7 @@ async def _drive(
     prompts = _arith_prompts(4096, 3)
     texts: list[str] = []
     served = ""
-    if form in ("chat", "responses"):  # text prompts (the engine's template passes them on)
+    if form in ("chat", "responses", "messages"):  # text prompts (the template passes them on)
         from stages.feeder.arithmetic import make_tokenizer
 
         tok = make_tokenizer()
@@ -472,6 +473,11 @@ async def _drive(
                  "temperature": 1.0, "max_tokens": new_tokens, "logprobs": True,
                  "stream": stream}  # fmt: skip
             return json.dumps(b).encode(), group
+        elif form == "messages":  # Anthropic's: one sample a request, no log-probs in the API
+            text = texts[counter % len(texts)]
+            b = {"model": served, "max_tokens": new_tokens, "temperature": 1.0, "stream": stream,
+                 "messages": [{"role": "user", "content": text}]}  # fmt: skip
+            return json.dumps(b).encode(), 1
         elif form == "responses":  # one sample a request (the API has no n); log-probs unless
             text = texts[counter % len(texts)]  # streamed (SGLang refuses them there)
             b = {"model": served, "input": text, "temperature": 1.0, "stream": stream,
@@ -487,7 +493,7 @@ async def _drive(
         return json.dumps(b).encode(), n
 
     path = {"openai": "/v1/completions", "chat": "/v1/chat/completions"}.get(form, "/generate")
-    path = "/v1/responses" if form == "responses" else path
+    path = {"responses": "/v1/responses", "messages": "/v1/messages"}.get(form, path)
 
     async with aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=600),
@@ -514,7 +520,7 @@ async def _drive(
                     out = out["choices"]
                 samples += len(out) if isinstance(out, list) else 1
 
-        per_request = 1 if form in ("single", "responses") else group
+        per_request = 1 if form in ("single", "responses", "messages") else group
         await asyncio.gather(*(worker() for _ in range(in_flight // per_request)))
     return {"samples": samples, "errors": errors, "requests": requests}
 
@@ -558,6 +564,7 @@ def _finished_in(events: bytes) -> int:
         ended
         + events.count(b"event: response.completed")
         + events.count(b"event: response.incomplete")
+        + events.count(b"event: message_stop")
     )
 
 
@@ -721,6 +728,8 @@ _FORMS = {  # compare's variants: (group form, stream)
     "chat-stream": ("chat", True),
     "responses": ("responses", False),
     "responses-stream": ("responses", True),
+    "messages": ("messages", False),
+    "messages-stream": ("messages", True),
 }
 
 
@@ -872,7 +881,7 @@ def main() -> int:
     http = sub.add_parser("http", help="engine CPU on HTTP vs scheduler, over a real server")
     http.add_argument(
         "--group-form",
-        choices=["batch", "n", "single", "openai", "chat", "responses"],
+        choices=["batch", "n", "single", "openai", "chat", "responses", "messages"],
         default="batch",
     )
     http.add_argument("--in-flight", type=int, default=64)
