@@ -459,6 +459,44 @@ async def test_responses_streamed_and_whole_agree(client):
     ]
 
 
+@pytest.mark.timeout(120)
+async def test_anthropic_messages_streamed_and_whole_agree(client):
+    """``/v1/messages`` (what ``test_engine_messages.py`` checks the built-in engine
+    against): a ``message`` with a text block, ``stop_reason`` ``max_tokens`` at the limit;
+    streamed, ``event:`` / ``data:`` pairs from ``message_start`` to ``message_stop`` whose
+    text deltas add up to the whole text; ``count_tokens`` the prompt's tokens."""
+    async with client.session.get(client.url + "/v1/models") as resp:
+        model = (await resp.json(content_type=None))["data"][0]["id"]
+    body = {"model": model, "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count to five."}]}  # fmt: skip
+    status, whole = await _post(client, "/v1/messages", body)
+    if status == 400 and "template" in json.dumps(whole):
+        pytest.skip(f"the served model has no chat template: {whole}")
+    assert status == 200 and whole["type"] == "message" and whole["role"] == "assistant", whole
+    assert whole["id"].startswith("msg_") and whole["usage"]["output_tokens"] <= 6
+    text = "".join(b["text"] for b in whole["content"] if b["type"] == "text")
+    if whole["usage"]["output_tokens"] == 6:
+        assert whole["stop_reason"] == "max_tokens"
+    async with client.session.post(client.url + "/v1/messages", json={**body, "stream": True}) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        lines = [line.decode().strip() async for line in r.content if line.strip()]
+    kinds = [line[len("event: ") :] for line in lines[0::2]]
+    events = [json.loads(line[len("data: ") :]) for line in lines[1::2]]
+    assert [e["type"] for e in events] == kinds
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert "".join(d.get("text", "") for d in deltas) == text
+    assert events[-2]["delta"]["stop_reason"] == whole["stop_reason"]
+    counted = {"model": model, "messages": body["messages"]}
+    status, tokens = await _post(client, "/v1/messages/count_tokens", counted)
+    usage = whole["usage"]  # (with --enable-cache-report, SGLang's input_tokens less the cached)
+    prompt = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+    assert status == 200 and tokens["input_tokens"] == prompt, tokens
+    status, refused = await _post(client, "/v1/messages", {**body, "max_tokens": 0})
+    assert status == 400 and refused["type"] == "error", refused
+    assert refused["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.timeout(180)
 async def test_update_weight_version_keeps_requests_only_when_told(client):
     """``abort_all_requests`` defaults to true: the publisher says false, or every publish
