@@ -38,12 +38,11 @@ This module knows nothing of HTTP; ``openai_api.OpenAIRoutes`` serves it.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from stages.engine.chunk_stream import mapped
-from stages.engine.openai_api import OpenAIError
+from stages.engine.openai_api import OpenAIError, new_id
 from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, chat_response
 
 __all__ = [
@@ -67,8 +66,8 @@ ERROR_TYPES = {  # serving.ERROR_TYPE_MAP
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _BLOCKS = {"text", "image", "tool_use", "tool_result", "tool_reference", "search_result"}
 _BLOCKS |= {"thinking", "redacted_thinking"}
+_REQUIRED = {"text": ("text",), "tool_use": ("id", "name"), "thinking": ("thinking",)}  # str fields
 _SERVER_TOOLS = ("web_search_", "computer_", "bash_", "text_editor_")
-_IDS = random.Random()
 
 
 def error_body(message: str, status: int = 400) -> dict[str, Any]:
@@ -100,10 +99,7 @@ def messages_request(
     _thinking(body.get("thinking"), settings, chat_body)
     _output_config(body.get("output_config"), chat_body)
     _tools(body, chat_body)
-    try:
-        native, options = chat_request(chat_body, settings, context_length)
-    except OpenAIError as exc:
-        raise OpenAIError(str(exc)) from None
+    native, options = chat_request(chat_body, settings, context_length)
     options["message"] = {"model": body["model"]}
     return native, options
 
@@ -132,7 +128,7 @@ def messages_response(results: list[Mapping[str, Any]], options: Mapping[str, An
         )
     usage = chat["usage"]
     return {
-        "id": _new_id(),
+        "id": new_id("msg"),
         "type": "message",
         "role": "assistant",
         "content": content or [{"type": "text", "text": ""}],
@@ -160,7 +156,7 @@ class MessageEvents:
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.options = options
         self.chat = ChatChunks({**options, "include_usage": False})
-        self.id = _new_id()
+        self.id = new_id("msg")
         self.started = False
         self.index = 0  # the open (or next) block's index
         self.open: str | None = None  # the open block's type
@@ -187,7 +183,7 @@ class MessageEvents:
                 fn = call["function"]
                 if fn.get("name"):
                     self._close(out)
-                    block = {"type": "tool_use", "id": call.get("id") or f"toolu_{_hex()}",
+                    block = {"type": "tool_use", "id": call.get("id") or new_id("toolu"),
                              "name": fn["name"], "input": {}}  # fmt: skip
                     self._block(out, "tool_use", block)
                 if fn.get("arguments") and self.open == "tool_use":
@@ -304,8 +300,7 @@ def _check_content(content: Any, where: str) -> None:
                 f"expected tags: {', '.join(repr(b) for b in sorted(_BLOCKS))}",
                 where,
             )
-        required = {"text": ("text",), "tool_use": ("id", "name"), "thinking": ("thinking",)}
-        for field in required.get(kind, ()):
+        for field in _REQUIRED.get(kind, ()):
             if not isinstance(block.get(field), str):
                 raise OpenAIError(f"{where}.{j}.{kind}.{field}: Field required", where)
         if kind == "tool_use" and not isinstance(block.get("input", {}), dict):
@@ -373,7 +368,7 @@ def _blocks(role: str, content: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "tool_use":
             arguments = json.dumps(block.get("input") or {})
             calls.append({
-                "id": block["id"] or f"call_{_hex()}",
+                "id": block["id"] or new_id("call"),
                 "type": "function",
                 "function": {"name": block["name"], "arguments": arguments},
             })  # fmt: skip
@@ -568,11 +563,3 @@ def _input(fn: Mapping[str, Any]) -> dict[str, Any]:
     except (TypeError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _hex() -> str:
-    return f"{_IDS.getrandbits(128):032x}"
-
-
-def _new_id() -> str:
-    return f"msg_{_hex()}"

@@ -38,6 +38,7 @@ This module knows nothing of the scheduler: the server hands it ``/generate`` as
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -88,6 +89,14 @@ _SAMPLING = {
 }
 _NATIVE_NAMES = {native: name for name, native in _SAMPLING.items()}
 _MAX_TOKENS_DEFAULT = 16  # CompletionRequest.max_tokens
+
+
+_IDS = random.Random()  # ids need to differ, not to be secret: no system call for each
+
+
+def new_id(prefix: str, length: int = 32) -> str:
+    """``prefix_`` and ``length`` hex digits (SGLang: of a ``uuid4``)."""
+    return f"{prefix}_{_IDS.getrandbits(128):032x}"[: len(prefix) + 1 + length]
 
 
 class OpenAIError(ValueError):

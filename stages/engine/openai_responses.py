@@ -57,13 +57,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import OpenAIError
+from stages.engine.openai_api import new_id as _new_id
 from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, chat_response
 from stages.engine.streaming import Progress
 
@@ -640,14 +640,6 @@ def _text_logprobs(chat_logprobs: Mapping[str, Any] | None) -> list[dict[str, An
             | {"top_logprobs": list(tops.values())}
         )
     return out
-
-
-_IDS = random.Random()  # ids need to differ, not to be secret: no system call for each
-
-
-def _new_id(prefix: str, length: int = 32) -> str:
-    """``prefix_`` and ``length`` hex digits (SGLang: of a ``uuid4``)."""
-    return f"{prefix}_{_IDS.getrandbits(128):032x}"[: len(prefix) + 1 + length]
 
 
 # ---- the request ----------------------------------------------------------------------------
