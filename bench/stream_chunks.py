@@ -15,7 +15,10 @@ a real server:
 - ``generate-stream``: streamed (``stream_generate``'s chunks, each batch as its events: the
   first pulled, the rest pushed in the scheduler's hand-overs, as the server writes them);
 - ``completions``: ``/v1/completions`` with ``logprobs: 0``, not streamed;
-- ``completions-stream``: streamed (``completion_stream`` over ``stream_generate``'s progress).
+- ``completions-stream``: streamed (``completion_stream`` over ``stream_generate``'s progress);
+- ``chat``: ``/v1/chat/completions`` with ``logprobs: true`` (the prompt's text as its one
+  message, through a pass-through chat template: the same ids), not streamed;
+- ``chat-stream``: streamed (``chat_stream`` over ``stream_generate``'s progress).
 
 Reported: the CPU per request of each, the minimum and the median of ``--repeats`` runs of
 ``--rounds`` rounds (the stand-in's own steps not counted), and each streamed form's extra over
@@ -41,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import orjson  # noqa: E402
 
+from pipeline import heap  # noqa: E402
 from stages.detokenize import decoder  # noqa: E402
 from stages.engine.chunk_stream import Last  # noqa: E402
 from stages.engine.loader import load_model  # noqa: E402
@@ -49,11 +53,25 @@ from stages.engine.openai_api import (  # noqa: E402
     completion_response,
     completion_stream,
 )
+from stages.engine.openai_chat import (  # noqa: E402
+    ChatSettings,
+    chat_request,
+    chat_response,
+    chat_stream,
+)
 from stages.engine.protocol import SequenceResult  # noqa: E402
 from stages.engine.server import generate  # noqa: E402
 from stages.engine.streaming import _events, stream_generate  # noqa: E402
 
-FORMS = ("generate", "generate-stream", "completions", "completions-stream")
+FORMS = (
+    "generate",
+    "generate-stream",
+    "completions",
+    "completions-stream",
+    "chat",
+    "chat-stream",
+)
+PASS_THROUGH = "{% for m in messages %}{{ m.content }}{% endfor %}"  # the message's text
 GROUP = 4
 REQUESTS = 16
 
@@ -110,10 +128,24 @@ def _call_each(handed: list[tuple[Any, list[tuple[int, Any]]]]) -> None:
 
 
 async def _request(
-    form: str, loaded: Any, sched: _Scheduler, decode: Any, prompt: list[int], new: int
+    form: str, loaded: Any, sched: _Scheduler, decode: Any, prompt: list[int], new: int, text: str
 ) -> int:
-    """One request of ``form``; the bytes its answer would be (every event's, when streamed)."""
-    if form.startswith("completions"):
+    """One request of ``form`` (``text``: the prompt's, for the chat route); the bytes its answer
+    would be (every event's, when streamed)."""
+    if form.startswith("chat"):
+        body = {
+            "model": "default", "messages": [{"role": "user", "content": text}],
+            "n": GROUP, "temperature": 1.0, "max_tokens": new, "logprobs": True,
+            "stream": form.endswith("stream"),
+        }  # fmt: skip
+        native, options = chat_request(body, _chat_settings(loaded), loaded.context_length)
+        if not options["stream"]:
+            results = await generate(loaded, sched, decode, native)
+            return len(orjson.dumps(chat_response(results, options)))
+        batches = chat_stream(
+            stream_generate(loaded, sched, decode, native, progress=True), options
+        )
+    elif form.startswith("completions"):
         body = {
             "model": "default", "prompt": prompt, "n": GROUP, "temperature": 1.0,
             "max_tokens": new, "logprobs": 0, "stream": form.endswith("stream"),
@@ -152,16 +184,30 @@ async def _request(
     return size
 
 
+_CHAT: dict[int, ChatSettings] = {}
+
+
+def _chat_settings(loaded: Any) -> ChatSettings:
+    """The chat route's settings for ``loaded`` (made once), with the pass-through template."""
+    key = id(loaded)
+    if key not in _CHAT:
+        settings = ChatSettings.of(loaded.tokenizer, Path(loaded.path), chat_template=PASS_THROUGH)
+        assert settings is not None  # arith-tiny has a tokenizer
+        _CHAT[key] = settings
+    return _CHAT[key]
+
+
 async def _run(form: str, loaded: Any, decode: Any, rounds: int, new: int) -> float:
     """CPU microseconds per request of ``form`` over ``rounds`` rounds."""
     sched = _Scheduler(loaded.vocab_size)
     prompts = [[random.randrange(3, loaded.vocab_size) for _ in range(5)] for _ in range(64)]
+    texts = [decode(prompt, True) for prompt in prompts]
     spent_stepping = 0.0
     start = time.process_time()
     for r in range(rounds):
         tasks = [
-            asyncio.ensure_future(_request(form, loaded, sched, decode, prompts[(r + k) % 64], new))
-            for k in range(REQUESTS)
+            asyncio.ensure_future(_request(form, loaded, sched, decode, prompts[p], new, texts[p]))
+            for p in ((r + k) % 64 for k in range(REQUESTS))
         ]
         await asyncio.sleep(0)  # each request submits
         for step in range(new):
@@ -180,8 +226,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--new-tokens", type=int, default=5)
     args = parser.parse_args()
+    heap.hold()  # the engine's garbage collector, as it runs (``stages.engine.server``)
     loaded = load_model(ROOT / "configs" / "models" / "arith-tiny")
     decode = decoder(loaded.tokenizer)
+    heap.settle()
     runs: dict[str, list[float]] = {form: [] for form in FORMS}
     for _ in range(args.repeats):  # the forms in turn, so that drift touches them alike
         for form in FORMS:
@@ -203,6 +251,7 @@ def main() -> int:
                 "stream_extra_us_per_request": {
                     "generate": round(best["generate-stream"] - best["generate"], 1),
                     "completions": round(best["completions-stream"] - best["completions"], 1),
+                    "chat": round(best["chat-stream"] - best["chat"], 1),
                 },
             }
         )
