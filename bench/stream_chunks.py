@@ -62,6 +62,7 @@ from stages.engine.openai_chat import (  # noqa: E402
 from stages.engine.protocol import SequenceResult  # noqa: E402
 from stages.engine.server import generate  # noqa: E402
 from stages.engine.streaming import _events, stream_generate  # noqa: E402
+from stages.engine.token_bytes import TokenBytes, token_bytes  # noqa: E402
 
 FORMS = (
     "generate",
@@ -153,9 +154,12 @@ async def _request(
         native, options = completion_request(body)
         if not options["stream"]:
             results = await generate(loaded, sched, decode, native)
-            return len(orjson.dumps(completion_response(results, options, decode)))
+            return len(orjson.dumps(completion_response(results, options, decode, _tokens(loaded))))
         batches = completion_stream(
-            stream_generate(loaded, sched, decode, native, progress=True), options, decode
+            stream_generate(loaded, sched, decode, native, progress=True),
+            options,
+            decode,
+            _tokens(loaded),
         )
     else:
         body = {
@@ -185,6 +189,11 @@ async def _request(
 
 
 _CHAT: dict[int, ChatSettings] = {}
+
+
+def _tokens(loaded: Any) -> TokenBytes:
+    """The tokenizer's ``TokenBytes`` (the completions route's log-prob texts)."""
+    return token_bytes(loaded.tokenizer)
 
 
 def _chat_settings(loaded: Any) -> ChatSettings:

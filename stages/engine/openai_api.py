@@ -50,6 +50,7 @@ from stages.engine.chunk_stream import mapped
 from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, is_int
 from stages.engine.request_body import dumps, loads
 from stages.engine.streaming import Progress, write_events
+from stages.engine.token_bytes import TokenBytes
 
 __all__ = [
     "OpenAIRoutes",
@@ -235,8 +236,10 @@ def completion_response(
     results: list[Mapping[str, Any]],
     options: Mapping[str, Any],
     decode: Callable[[list[int], bool], str],
+    tokens: TokenBytes,
 ) -> dict[str, Any]:
-    """SGLang's ``CompletionResponse`` for the native results of ``completion_request``."""
+    """SGLang's ``CompletionResponse`` for the native results of ``completion_request``
+    (``tokens``: the tokenizer's, for the log-probs' texts)."""
     n = options["n"]
     echoes = _echo_prompts(options["prompt"], decode) if options["echo"] else []
     choices = []
@@ -250,6 +253,7 @@ def completion_response(
             logprobs = _openai_logprobs(
                 meta.get("output_token_logprobs") or [],
                 meta.get("output_top_logprobs") or [],
+                tokens,
                 _echoed_logprobs(meta, options),
             )
         reason = meta.get("finish_reason")
@@ -282,10 +286,11 @@ def completion_stream(
     batches: AsyncIterator[list[Any]],
     options: Mapping[str, Any],
     decode: Callable[[list[int], bool], str],
+    tokens: TokenBytes,
 ) -> AsyncIterator[list[dict[str, Any]]]:
     """SGLang's ``CompletionStreamResponse`` chunks for the native chunks (or samples'
     ``Progress``) of a streamed ``completion_request``: ``CompletionChunks`` of each batch."""
-    return mapped(batches, CompletionChunks(options, decode))
+    return mapped(batches, CompletionChunks(options, decode, tokens))
 
 
 class StreamLayout:
@@ -326,8 +331,14 @@ class CompletionChunks(StreamLayout):
 
     OBJECT = "text_completion"
 
-    def __init__(self, options: Mapping[str, Any], decode: Callable[[list[int], bool], str]):
+    def __init__(
+        self,
+        options: Mapping[str, Any],
+        decode: Callable[[list[int], bool], str],
+        tokens: TokenBytes,
+    ) -> None:
         super().__init__(options)
+        self.tokens = tokens  # the tokenizer's: a part of a character's text (latin-1)
         self.echoes = _echo_prompts(options["prompt"], decode) if options["echo"] else []
         self.ids_sent: dict[int, int] = {}
         # each choice's chunk before its last, built once and brought up to date (a chunk is
@@ -349,7 +360,7 @@ class CompletionChunks(StreamLayout):
         if want_logprobs:
             sent = self.logprobs_sent.get(index, 0)
             if sent < total:
-                logprobs = _progress_logprobs(p, sent, total)
+                logprobs = _progress_logprobs(p, sent, total, self.tokens)
             self.logprobs_sent[index] = total
         self.last_id = p.rid
         made = self.chunks.get(index)
@@ -383,7 +394,7 @@ class CompletionChunks(StreamLayout):
                 if want_logprobs:
                     sent = logprobs_sent.get(index, 0)
                     if sent < total:
-                        logprobs = _progress_logprobs(content, sent, total)
+                        logprobs = _progress_logprobs(content, sent, total, self.tokens)
                     logprobs_sent[index] = total
                 reason = content.finish
             else:
@@ -405,6 +416,7 @@ class CompletionChunks(StreamLayout):
                         logprobs = _openai_logprobs(
                             meta["output_token_logprobs"][sent:total],
                             (meta.get("output_top_logprobs") or [])[sent:total],
+                            self.tokens,
                             echoed,
                         )
                     logprobs_sent[index] = total
@@ -436,25 +448,30 @@ class CompletionChunks(StreamLayout):
         return out
 
 
-def _progress_logprobs(p: Progress, start: int, end: int) -> dict[str, Any]:
+def _progress_logprobs(p: Progress, start: int, end: int, tokens: TokenBytes) -> dict[str, Any]:
     """``_openai_logprobs`` of a streamed sample's tokens ``start:end``, read from its
     progress (what the native chunk's entries would hold, without building them)."""
     text = p.token_text
     if end - start == 1 and p.tops is None:  # a token at a time, without top log-probs
+        token = p.ids[start]
+        shown = None if text is None else text(token)
+        if shown is not None and (not shown or "\ufffd" in shown):  # maybe part of a character
+            shown = tokens.text_of(token, shown)
         return {
             "text_offset": [-1],
             "token_logprobs": [p.logprobs[start]],
-            "tokens": [None if text is None else text(p.ids[start])],
+            "tokens": [shown],
             "top_logprobs": [],
         }
     if text is None:
         text = _no_text
+    lossless = tokens.text_of
     tops = p.tops[start:end] if p.tops is not None else []
     return {
         "text_offset": [-1] * (end - start),
         "token_logprobs": p.logprobs[start:end],
-        "tokens": [text(token) for token in p.ids[start:end]],
-        "top_logprobs": [{text(tok): lp for lp, tok in step} for step in tops],
+        "tokens": [lossless(token, text(token)) for token in p.ids[start:end]],
+        "top_logprobs": [{lossless(tok, text(tok)): lp for lp, tok in step} for step in tops],
     }
 
 
@@ -465,18 +482,26 @@ def _no_text(token: int) -> None:
 def _openai_logprobs(
     entries: list[list[Any]],
     tops: list[list[list[Any]]],
+    tokens: TokenBytes,
     echoed: tuple[list[list[Any]], list[Any]] | None = None,
 ) -> dict[str, Any]:
-    """SGLang's ``to_openai_style_logprobs`` of ``[logprob, id, text]`` entries; ``echoed``:
-    the prompt's entries and top entries, which go first (``echo`` with ``logprobs``)."""
+    """SGLang's ``to_openai_style_logprobs`` of ``[logprob, id, text]`` entries, each text
+    lossless (``TokenBytes.text_of``: a part of a character as latin-1); ``echoed``: the
+    prompt's entries and top entries, which go first (``echo`` with ``logprobs``)."""
     if echoed is not None:
         entries = echoed[0] + entries
         tops = echoed[1] + tops
+    lossless = tokens.text_of
     return {
         "text_offset": [-1] * len(entries),  # SGLang: "not supported yet"
         "token_logprobs": [e[0] for e in entries],
-        "tokens": [e[2] for e in entries],
-        "top_logprobs": [None if step is None else {e[2]: e[0] for e in step} for step in tops],
+        # a text that may be part of a character (U+FFFD) is looked at; the rest as it is
+        "tokens": [
+            e[2] if e[2] and "\ufffd" not in e[2] else lossless(e[1], e[2]) for e in entries
+        ],
+        "top_logprobs": [
+            None if step is None else {lossless(e[1], e[2]): e[0] for e in step} for step in tops
+        ],
     }
 
 
@@ -742,12 +767,13 @@ class OpenAIRoutes:
 
             return build, openai_chat.chat_response, openai_chat.chat_stream
         decode = self.decode
+        tokens = self.chat.token_bytes if self.chat is not None else TokenBytes(None)
 
         def respond(results: list[Any], options: dict[str, Any]) -> dict[str, Any]:
-            return completion_response(results, options, decode)
+            return completion_response(results, options, decode, tokens)
 
         def stream(chunks: AsyncIterator[Any], options: dict[str, Any]) -> AsyncIterator[Any]:
-            return completion_stream(chunks, options, decode)
+            return completion_stream(chunks, options, decode, tokens)
 
         return completion_request, respond, stream
 

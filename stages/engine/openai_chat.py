@@ -21,7 +21,9 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   ``stop_token_ids``, ``n``, ``seed``, ``ignore_eos``, ``no_stop_trim``, ``skip_special_tokens``,
   ``min_tokens`` and the penalties by the native names, so the native checks apply;
 - ``logprobs`` (bool) and ``top_logprobs`` (0-20): ``logprobs.content`` ``[{token, bytes,
-  logprob, top_logprobs: [{token, bytes, logprob}]}]``;
+  logprob, top_logprobs: [{token, bytes, logprob}]}]``, ``bytes`` a byte-level tokenizer's own
+  (``stages.engine.token_bytes``: a token that is part of a character has its byte, not its
+  display text's U+FFFD);
 - ``tools`` with ``tool_choice`` ``auto`` (the default) or ``none``: the answer's text is read
   for tool calls in the template's format or ``--tool-call-parser``'s
   (``stages.engine.tool_calls``): ``message.tool_calls`` ``[{id: "call_<24 hex>", index,
@@ -85,6 +87,7 @@ from stages.engine.openai_api import (
 from stages.engine.protocol import is_int
 from stages.engine.reasoning import EffortError, ReasoningSettings, normalize_effort
 from stages.engine.streaming import Progress
+from stages.engine.token_bytes import TokenBytes, token_bytes
 from stages.engine.tool_calls import (
     PARSERS,
     StreamingToolCalls,
@@ -114,9 +117,11 @@ class ChatSettings:
     tool_parser: str | None = None  # --tool-call-parser, or the template's own format
     reasoning: ReasoningSettings | None = None  # --reasoning-parser
     renderer: TemplateRenderer = field(init=False, repr=False)
+    token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 
     def __post_init__(self) -> None:
         self.renderer = TemplateRenderer(self.tokenizer)
+        self.token_bytes = token_bytes(self.tokenizer)
 
     @classmethod
     def of(
@@ -318,6 +323,7 @@ def chat_request(
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
         "prompt_tokens": len(prompt),
         "reasoning": reasoning,
+        "token_bytes": settings.token_bytes,
     }
     return native_body, options
 
@@ -390,7 +396,9 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
             {
                 "index": index,
                 "message": message,
-                "logprobs": _chat_logprobs(meta) if options["logprobs"] else None,
+                "logprobs": _chat_logprobs(meta, options["token_bytes"])
+                if options["logprobs"]
+                else None,
                 "finish_reason": reason["type"] if reason else None,
                 "matched_stop": reason.get("matched") if reason else None,
             }
@@ -495,9 +503,9 @@ class ChatChunks(StreamLayout):
                 sent = self.logprobs_sent.get(index, 0)
                 if sent < total:
                     logprobs = (
-                        _progress_logprobs(meta, sent, total)
+                        _progress_logprobs(meta, options["token_bytes"], sent, total)
                         if meta is content
-                        else _chat_logprobs(meta, sent, total)
+                        else _chat_logprobs(meta, options["token_bytes"], sent, total)
                     )
                 self.logprobs_sent[index] = total
             separate = False  # the reasoning is split out of the content
@@ -691,7 +699,7 @@ def _tool_call_piece(piece: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _progress_logprobs(p: Progress, lo: int, hi: int) -> dict[str, Any]:
+def _progress_logprobs(p: Progress, tokens: TokenBytes, lo: int, hi: int) -> dict[str, Any]:
     """``_chat_logprobs`` of a streamed sample's tokens ``lo..hi``, read from its progress
     (what its native chunk's entries would hold, without building them)."""
     text = p.token_text or _no_text
@@ -699,28 +707,33 @@ def _progress_logprobs(p: Progress, lo: int, hi: int) -> dict[str, Any]:
     content = []
     for k in range(lo, hi):
         top = tops[k] if k < len(tops) and tops[k] is not None else []
-        entry = _token_entry(text(p.ids[k]), p.logprobs[k])
-        entry["top_logprobs"] = [_token_entry(text(t), lp) for lp, t in top]
+        token = p.ids[k]
+        entry = _token_entry(token, text(token), p.logprobs[k], tokens)
+        entry["top_logprobs"] = [_token_entry(t, text(t), lp, tokens) for lp, t in top]
         content.append(entry)
     return {"content": content}
 
 
-def _chat_logprobs(meta: Mapping[str, Any], lo: int = 0, hi: int | None = None) -> dict[str, Any]:
+def _chat_logprobs(
+    meta: Mapping[str, Any], tokens: TokenBytes, lo: int = 0, hi: int | None = None
+) -> dict[str, Any]:
     """``ChoiceLogprobs`` of output tokens ``lo..hi`` (``_build_token_logprobs_from_raw``)."""
     entries = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
     hi = len(entries) if hi is None else hi
     content = []
     for k in range(lo, hi):
-        logprob, _, text = entries[k]
+        logprob, token, text = entries[k]
         top = tops[k] if k < len(tops) and tops[k] is not None else []
-        entry = _token_entry(text, logprob)
-        entry["top_logprobs"] = [_token_entry(t, lp) for lp, _, t in top]
+        entry = _token_entry(token, text, logprob, tokens)
+        entry["top_logprobs"] = [_token_entry(t, s, lp, tokens) for lp, t, s in top]
         content.append(entry)
     return {"content": content}
 
 
-def _token_entry(token: str | None, logprob: float) -> dict[str, Any]:
-    """A token's ``{token, bytes, logprob}`` (no text: ``""``)."""
-    token = token or ""
-    return {"token": token, "bytes": list(token.encode()), "logprob": logprob}
+def _token_entry(
+    token: int, text: str | None, logprob: float, tokens: TokenBytes
+) -> dict[str, Any]:
+    """A token's ``{token, bytes, logprob}``: its text (none: ``""``), and its own bytes
+    where the tokenizer spells them (``token_bytes``), else its text's."""
+    return {"token": text or "", "bytes": tokens.bytes_of(token, text), "logprob": logprob}

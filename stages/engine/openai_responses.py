@@ -629,15 +629,24 @@ def _call_item(
 
 def _text_logprobs(chat_logprobs: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """The chat answer's ``logprobs.content`` as the Responses API's (``_build_output_text_
-    logprobs``: each token's text, bytes and log-prob, its alternatives by distinct text)."""
+    logprobs``: each token's text, its text's bytes (SGLang reads this route's log-probs
+    without the tokenizer: a part of a character is U+FFFD's bytes here) and log-prob, its
+    alternatives by distinct text, a text that comes twice with the later one's log-prob)."""
     out = []
     for entry in (chat_logprobs or {}).get("content") or ():
-        tops: dict[str, dict[str, Any]] = {}
+        tops: dict[str, float] = {}
         for top in entry.get("top_logprobs") or ():
-            tops.setdefault(top["token"], {k: top[k] for k in ("token", "bytes", "logprob")})
+            tops[top["token"]] = top["logprob"]
         out.append(
-            {k: entry[k] for k in ("token", "bytes", "logprob")}
-            | {"top_logprobs": list(tops.values())}
+            {
+                "token": entry["token"],
+                "bytes": list(entry["token"].encode()),
+                "logprob": entry["logprob"],
+                "top_logprobs": [
+                    {"token": text, "bytes": list(text.encode()), "logprob": logprob}
+                    for text, logprob in tops.items()
+                ],
+            }
         )
     return out
 
