@@ -198,6 +198,8 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         native_body["stream"] = True
     if echo and logprobs:  # SGLang: the prompt's log-probs too, in front of the output's
         native_body["logprob_start_len"] = 0
+    if body.get("return_token_ids"):  # each choice's prompt ids too (SGLang 0.5.23)
+        native_body["return_prompt_token_ids"] = True
     n = body.get("n", 1)
     options = {
         "model": model,
@@ -266,6 +268,8 @@ def completion_response(
         }
         if options["return_token_ids"]:
             choice["token_ids"] = item["output_ids"]
+            if item.get("prompt_token_ids") is not None:
+                choice["prompt_token_ids"] = item["prompt_token_ids"]
         choices.append(choice)
     first = results[0]["meta_info"]
     metadata = {"weight_version": first["weight_version"]}
@@ -397,6 +401,7 @@ class CompletionChunks(StreamLayout):
                         logprobs = _progress_logprobs(content, sent, total, self.tokens)
                     logprobs_sent[index] = total
                 reason = content.finish
+                prompt_ids = content.prompt_ids
             else:
                 index = content.get("index", 0)
                 meta = content["meta_info"]
@@ -422,6 +427,7 @@ class CompletionChunks(StreamLayout):
                     logprobs_sent[index] = total
                 reason = meta.get("finish_reason")
                 ids = content["output_ids"]
+                prompt_ids = content.get("prompt_token_ids")
             self.last_id = rid
             choice: dict[str, Any] = {
                 "index": index,
@@ -431,9 +437,11 @@ class CompletionChunks(StreamLayout):
                 "matched_stop": reason.get("matched") if reason else None,
             }
             if options["return_token_ids"]:
-                sent = self.ids_sent.get(index, 0)
-                choice["token_ids"] = ids[sent:]
+                first = index not in self.ids_sent
+                choice["token_ids"] = ids[self.ids_sent.get(index, 0) :]
                 self.ids_sent[index] = len(ids)
+                if first and prompt_ids is not None:  # the prompt's ids with the first chunk
+                    choice["prompt_token_ids"] = prompt_ids
             chunk = {
                 "id": rid,
                 "object": "text_completion",

@@ -38,6 +38,11 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
 - the answer: ``{id, object: "chat.completion", created, model, choices: [{index, message:
   {role: "assistant", content ("" when empty), reasoning_content, tool_calls?},
   logprobs, finish_reason, matched_stop}], usage, metadata: {weight_version}}``;
+- token in, token out (SGLang 0.5.23, for RL code that trains on the ids it sampled):
+  ``input_ids`` is the prompt as ids (the template skipped; ``messages`` still required);
+  ``return_prompt_token_ids`` adds each choice's ``prompt_token_ids``, ``return_token_ids``
+  those and its ``response_token_ids``, ``return_meta_info`` its native ``meta_info``; not
+  with ``stream`` (a 400 with SGLang's words);
 - ``stream``: ``chat.completion.chunk`` events: a choice's first chunk has ``delta {role:
   "assistant", content: ""}``, then content deltas (with their tokens' log-probs), tool calls
   as whole ``tool_calls`` deltas, and after a choice's last tokens a chunk with an empty delta,
@@ -233,9 +238,17 @@ def chat_request(
         "continue_final_message",
         "separate_reasoning",
         "stream_reasoning",
+        *_NOT_STREAMED,
     ):
         if not isinstance(body.get(flag, False), bool | None):
             raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
+    if body.get("stream"):  # SGLang's refusals (serving_chat._convert_to_internal_request)
+        for flag, refusal in _NOT_STREAMED.items():
+            if body.get(flag):
+                raise OpenAIError(refusal)
+    given = body.get("input_ids")  # the prompt's ids: no template
+    if given is not None and not (isinstance(given, list) and all(is_int(t) for t in given)):
+        raise OpenAIError("input_ids: Input should be a valid list of integers", "input_ids")
     top = body.get("top_logprobs")
     if top is not None and (not is_int(top) or not 0 <= top <= _MAX_TOP_LOGPROBS):
         raise OpenAIError(f"top_logprobs: an integer in [0, {_MAX_TOP_LOGPROBS}]", "top_logprobs")
@@ -268,9 +281,12 @@ def chat_request(
     if add_generation_prompt is None or continued:
         rendered, prefix = _last_assistant(rendered, continued)
     kwargs["add_generation_prompt"] = add_generation_prompt is not False
-    prompt = settings.render(rendered, template_tools, kwargs)
-    if prefix:  # the assistant turn opened, its start as the model continues it
-        prompt += settings.prefix_ids(prefix)
+    if given is not None:  # SGLang: the ids as they are, the template skipped
+        prompt = list(given)
+    else:
+        prompt = settings.render(rendered, template_tools, kwargs)
+        if prefix:  # the assistant turn opened, its start as the model continues it
+            prompt += settings.prefix_ids(prefix)
 
     sampling: dict[str, Any] = {}
     for name, default in _DEFAULTS.items():
@@ -295,6 +311,8 @@ def chat_request(
     }
     if body.get("rid") is not None:
         native_body["rid"] = body["rid"]
+    if body.get("return_prompt_token_ids") or body.get("return_token_ids"):
+        native_body["return_prompt_token_ids"] = True
     reasoning = _reasoning(body, settings, request_kwargs, effort)
     if reasoning is not None and reasoning.keep_special:  # Mistral's [THINK] tags are special
         sampling["skip_special_tokens"] = False  # tokens (serving_chat: SGLang keeps them)
@@ -324,6 +342,12 @@ def chat_request(
         "prompt_tokens": len(prompt),
         "reasoning": reasoning,
         "token_bytes": settings.token_bytes,
+        # each choice's prompt ids, its answer's ids, its native meta_info (SGLang 0.5.23)
+        "return_prompt_token_ids": bool(
+            body.get("return_prompt_token_ids") or body.get("return_token_ids")
+        ),
+        "return_token_ids": bool(body.get("return_token_ids")),
+        "return_meta_info": bool(body.get("return_meta_info")),
     }
     return native_body, options
 
@@ -392,17 +416,22 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
                     if reason and reason["type"] == "stop":
                         reason = {"type": "tool_calls", "matched": None}
         message["content"] = message["content"] or ""
-        choices.append(
-            {
-                "index": index,
-                "message": message,
-                "logprobs": _chat_logprobs(meta, options["token_bytes"])
-                if options["logprobs"]
-                else None,
-                "finish_reason": reason["type"] if reason else None,
-                "matched_stop": reason.get("matched") if reason else None,
-            }
-        )
+        choice = {
+            "index": index,
+            "message": message,
+            "logprobs": _chat_logprobs(meta, options["token_bytes"])
+            if options["logprobs"]
+            else None,
+            "finish_reason": reason["type"] if reason else None,
+            "matched_stop": reason.get("matched") if reason else None,
+        }
+        if options.get("return_prompt_token_ids") and item.get("prompt_token_ids") is not None:
+            choice["prompt_token_ids"] = item["prompt_token_ids"]
+        if options.get("return_token_ids"):
+            choice["response_token_ids"] = item["output_ids"]
+        if options.get("return_meta_info"):
+            choice["meta_info"] = meta
+        choices.append(choice)
     first = results[0]["meta_info"]
     return {
         "id": first["id"],
@@ -555,6 +584,15 @@ class ChatChunks(StreamLayout):
 
 
 _CHOICES = "tool_choice: 'auto', 'none', 'required' or {type: function, function: {name}}"
+# what a streamed request cannot ask for, with SGLang 0.5.23's refusal of each
+_NOT_STREAMED = {
+    "return_prompt_token_ids": "return_prompt_token_ids is not supported with streaming. "
+    "Please set stream=false when using return_prompt_token_ids=true.",
+    "return_token_ids": "return_token_ids is not supported with streaming on "
+    "/v1/chat/completions. Please set stream=false when using return_token_ids=true.",
+    "return_meta_info": "return_meta_info is not supported with streaming. "
+    "Please set stream=false when using return_meta_info=true.",
+}
 
 
 def _tool_choice(

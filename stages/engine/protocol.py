@@ -147,6 +147,9 @@ class GenerateInput:
     # its grammar applies once its reasoning ends (SGLang's require_reasoning; the engine's
     # --reasoning-parser says how it ends)
     require_reasoning: bool = False
+    # its answer (and each streamed chunk) carries ``prompt_token_ids``, the ids it was given
+    # or its text's (SGLang's return_prompt_token_ids)
+    return_prompt_token_ids: bool = False
 
 
 @dataclass(slots=True)
@@ -216,6 +219,7 @@ _KNOWN_TOP = frozenset(
         "stream",  # answered by stages.engine.streaming
         "lora_path",  # a loaded adapter's name (stages.engine.lora_adapters)
         "require_reasoning",  # the grammar waits for the end of the reasoning
+        "return_prompt_token_ids",  # each answer's prompt ids (its text's, tokenized)
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -242,7 +246,12 @@ def parse_generate(
                 raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
             continue
         raise RequestError(key, "unknown field of /generate")
-    for flag in ("return_text_in_logprobs", "stream", "require_reasoning"):
+    for flag in (
+        "return_text_in_logprobs",
+        "stream",
+        "require_reasoning",
+        "return_prompt_token_ids",
+    ):
         if not isinstance(body.get(flag, False), bool | None):
             raise RequestError(flag, f"expected true or false, got {body[flag]!r}")
 
@@ -317,8 +326,11 @@ def parse_generate(
                 raise RequestError(f"rid{where}", f"duplicate request id {rid!r} in the batch")
             seen.add(rid)
             think = bool(body.get("require_reasoning"))
+            back = bool(body.get("return_prompt_token_ids"))
             inputs.append(
-                GenerateInput(rid, ids, sp, flag, group_rid, top, start, loras[i], picked, think)
+                GenerateInput(
+                    rid, ids, sp, flag, group_rid, top, start, loras[i], picked, think, back
+                )
             )
     return inputs, listed
 
@@ -530,8 +542,9 @@ def render_sample(
     state: IncrementalText | None = None,
 ) -> dict[str, Any]:
     """``render_result`` of ``result`` with what its request ``inp`` asked for (``state``: a
-    streamed sample's text so far)."""
-    return render_result(
+    streamed sample's text so far), and its ``prompt_token_ids`` after ``meta_info`` when
+    asked (as SGLang's ``TokenizerManager`` adds them)."""
+    out = render_result(
         result,
         decode=decode,
         skip_special_tokens=inp.params.skip_special_tokens,
@@ -541,6 +554,9 @@ def render_sample(
         prompt_ids=inp.input_ids,
         state=state,
     )
+    if inp.return_prompt_token_ids:
+        out["prompt_token_ids"] = list(inp.input_ids)
+    return out
 
 
 def _text(token_text: Callable[[int], str] | None, token: int) -> str | None:

@@ -69,6 +69,7 @@ class Progress:
         "out",
         "picked",
         "picked_entries",
+        "prompt_ids",
         "prompt_tokens",
         "reasoning",
         "return_logprob",
@@ -93,8 +94,10 @@ class Progress:
         token_text: Callable[[int], str] | None = None,
         detok: IncrementalText | None = None,
         reasoning: ReasoningCount | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> None:
         self.rid = rid
+        self.prompt_ids = prompt_ids  # in every chunk (return_prompt_token_ids), else None
         self.reasoning = reasoning  # counts its reasoning tokens (require_reasoning)
         self.listed = listed  # its chunks carry ``index`` (a batch or n > 1)
         self.return_logprob = return_logprob
@@ -194,6 +197,8 @@ class Progress:
             if self.detok is None
             else {"text": self.text, "output_ids": self.ids, "meta_info": meta}
         )
+        if self.prompt_ids is not None:  # after meta_info, as SGLang adds them
+            out["prompt_token_ids"] = self.prompt_ids
         if self.listed:
             out["index"] = self.index
         self.out = out
@@ -275,6 +280,7 @@ def stream_generate(
             if decode is None
             else IncrementalText(inp.input_ids, decode, inp.params.skip_special_tokens),
             reasoning=ReasoningCount(think_end) if inp.require_reasoning and think_end else None,
+            prompt_ids=list(inp.input_ids) if inp.return_prompt_token_ids else None,
         )
         for index, inp in enumerate(inputs)
     ]

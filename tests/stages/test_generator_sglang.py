@@ -404,6 +404,35 @@ async def test_v1_completions_greedy_equals_generate(client):
     )
 
 
+@pytest.mark.timeout(120)
+async def test_token_ids_come_back_from_generate_completions_and_chat(client):
+    """Token in, token out (SGLang 0.5.23): ``/generate``'s ``return_prompt_token_ids``,
+    ``/v1/completions``' ``return_token_ids`` and the chat route's ``input_ids``,
+    ``return_token_ids`` and ``return_meta_info``, greedy, the same ids each way."""
+    status, native = await _post(
+        client, "/generate",
+        {"input_ids": PROMPT, "sampling_params": _params(6), "return_prompt_token_ids": True},
+    )  # fmt: skip
+    assert status == 200 and native["prompt_token_ids"] == PROMPT, native
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    status, out = await _post(client, "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["token_ids"] == native["output_ids"] and choice["prompt_token_ids"] == PROMPT
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}],
+            "input_ids": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "return_meta_info": True}  # fmt: skip
+    status, out = await _post(client, "/v1/chat/completions", chat)
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["prompt_token_ids"] == PROMPT
+    assert choice["response_token_ids"] == native["output_ids"]
+    assert choice["meta_info"]["completion_tokens"] == 6
+    status, refused = await _post(client, "/v1/chat/completions", {**chat, "stream": True})
+    assert status == 400 and "not supported with streaming" in refused["message"], refused
+
+
 @pytest.mark.timeout(60)
 async def test_info_routes_answer_under_their_current_names(client):
     """``/server_info`` (with ``version``, ``max_total_num_tokens``), ``/model_info``,

@@ -1,0 +1,124 @@
+"""Token in, token out, as SGLang 0.5.23 serves it: ``/generate``'s
+``return_prompt_token_ids`` (``io_struct.GenerateReqInput``; ``TokenizerManager`` adds
+``prompt_token_ids`` after ``meta_info`` of each answer and streamed chunk), ``/v1/completions``'
+``return_token_ids`` (``serving_completions.py``: ``token_ids`` and ``prompt_token_ids``, the
+latter with a choice's first chunk when streamed), and ``/v1/chat/completions``' ``input_ids``,
+``return_prompt_token_ids``, ``return_token_ids`` and ``return_meta_info`` (``serving_chat.py``:
+``prompt_token_ids``, ``response_token_ids``, ``meta_info`` of each choice; refused with
+``stream``). The engine of ``test_engine_chat.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from tests.stages.test_engine_chat import HELLO, _ids, chat_engine, client  # noqa: F401
+from tests.stages.test_engine_server import Engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+
+
+def _post(engine: Engine, path: str, body: dict) -> requests.Response:
+    return requests.post(engine.url + path, json=body, timeout=30)
+
+
+def _events(answer: requests.Response) -> list[dict]:
+    lines = answer.text.split("\n\n")
+    return [json.loads(e[len("data: ") :]) for e in lines if e.startswith("data: {")]
+
+
+@pytest.mark.timeout(60)
+def test_generate_gives_each_answer_its_prompt_ids_after_meta_info(chat_engine: Engine) -> None:  # noqa: F811
+    tok_ids = _post(chat_engine, "/v1/tokenize", {"prompt": ["w11 w12", "w13"]}).json()["tokens"]
+    body = {"text": ["w11 w12", "w13"], "sampling_params": GREEDY, "return_prompt_token_ids": True}
+    answer = _post(chat_engine, "/generate", body)
+    assert answer.status_code == 200, answer.text
+    first, second = answer.json()
+    assert list(first) == ["text", "output_ids", "meta_info", "prompt_token_ids"]
+    assert [first["prompt_token_ids"], second["prompt_token_ids"]] == tok_ids
+    plain = _post(chat_engine, "/generate", {**body, "return_prompt_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain[0]
+    assert [p["output_ids"] for p in plain] == [first["output_ids"], second["output_ids"]]
+    # streamed: every chunk carries them, before the sample's index (SGLang's order)
+    chunks = _events(_post(chat_engine, "/generate", {**body, "stream": True}))
+    assert len(chunks) > 2
+    for chunk in chunks:
+        assert list(chunk)[-2:] == ["prompt_token_ids", "index"]
+        assert chunk["prompt_token_ids"] == tok_ids[chunk["index"]]
+    bad = _post(chat_engine, "/generate", {**body, "return_prompt_token_ids": "yes"})
+    assert bad.status_code == 400 and "return_prompt_token_ids" in bad.text
+
+
+@pytest.mark.timeout(60)
+def test_completions_return_token_ids_gives_the_prompt_ids_too(chat_engine: Engine) -> None:  # noqa: F811
+    prompt = [11, 12, 13]
+    body = {"model": "m", "prompt": prompt, "max_tokens": 5, "temperature": 0, "n": 2,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    answer = _post(chat_engine, "/v1/completions", body).json()
+    native = chat_engine.generate({"input_ids": prompt, "sampling_params": GREEDY})
+    for choice in answer["choices"]:
+        assert list(choice)[-2:] == ["token_ids", "prompt_token_ids"]
+        assert choice["token_ids"] == native["output_ids"]
+        assert choice["prompt_token_ids"] == prompt
+    chunks = _events(_post(chat_engine, "/v1/completions", {**body, "stream": True}))
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["prompt_token_ids"] == prompt  # with its first chunk only
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == native["output_ids"]
+
+
+@pytest.mark.timeout(60)
+def test_chat_returns_the_prompt_and_answer_ids_and_meta_info(chat_engine: Engine) -> None:  # noqa: F811
+    ids = _ids(chat_engine, HELLO)
+    native = chat_engine.generate({"input_ids": ids, "sampling_params": GREEDY})
+    body = {"model": "m", "messages": HELLO, "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    plain = _post(chat_engine, "/v1/chat/completions", body).json()["choices"][0]
+    assert {"prompt_token_ids", "response_token_ids", "meta_info"}.isdisjoint(plain)
+    both = _post(chat_engine, "/v1/chat/completions", {**body, "return_token_ids": True}).json()
+    (choice,) = both["choices"]
+    assert list(choice)[-2:] == ["prompt_token_ids", "response_token_ids"]
+    assert (
+        choice["prompt_token_ids"] == ids and choice["response_token_ids"] == native["output_ids"]
+    )
+    only = _post(chat_engine, "/v1/chat/completions", {**body, "return_prompt_token_ids": True})
+    (choice,) = only.json()["choices"]
+    assert choice["prompt_token_ids"] == ids and "response_token_ids" not in choice
+    meta = _post(chat_engine, "/v1/chat/completions", {**body, "return_meta_info": True}).json()
+    info = meta["choices"][0]["meta_info"]
+    assert info["id"] == meta["id"] and info["completion_tokens"] == 5
+    assert info["prompt_tokens"] == len(ids) and info["finish_reason"]["type"] == "length"
+    # none of them with stream: SGLang's 400 and words
+    for flag in ("return_prompt_token_ids", "return_token_ids", "return_meta_info"):
+        refused = _post(chat_engine, "/v1/chat/completions", {**body, flag: True, "stream": True})
+        assert refused.status_code == 400
+        assert refused.json()["message"].startswith(f"{flag} is not supported with streaming")
+        wrong = _post(chat_engine, "/v1/chat/completions", {**body, flag: "yes"})
+        assert wrong.status_code == 400 and wrong.json()["param"] == flag
+
+
+@pytest.mark.timeout(60)
+def test_chat_input_ids_are_the_prompt_as_given(chat_engine: Engine) -> None:  # noqa: F811
+    ids = _ids(chat_engine, HELLO)
+    body = {"model": "m", "messages": HELLO, "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    templated = _post(chat_engine, "/v1/chat/completions", body).json()
+    other = [{"role": "user", "content": "w90"}]  # the messages no longer make the prompt
+    given = _post(
+        chat_engine, "/v1/chat/completions", {**body, "messages": other, "input_ids": ids}
+    ).json()
+    assert given["choices"][0]["prompt_token_ids"] == ids
+    assert given["choices"][0]["message"] == templated["choices"][0]["message"]
+    assert given["usage"]["prompt_tokens"] == len(ids)
+    raw = [11, 12]  # no template around them at all
+    bare = _post(chat_engine, "/v1/chat/completions", {**body, "input_ids": raw}).json()
+    native = chat_engine.generate({"input_ids": raw, "sampling_params": GREEDY})
+    assert bare["choices"][0]["response_token_ids"] == native["output_ids"]
+    for wrong in ("w11", [1.5], [True, 2]):
+        refused = _post(chat_engine, "/v1/chat/completions", {**body, "input_ids": wrong})
+        assert refused.status_code == 400 and refused.json()["param"] == "input_ids"
+    empty = _post(chat_engine, "/v1/chat/completions", {**body, "messages": [], "input_ids": ids})
+    assert empty.status_code == 400  # SGLang: messages still required
