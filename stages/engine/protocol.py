@@ -203,8 +203,65 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "custom_logit_processor": (None,),
     "return_hidden_states": (False, None),
     "session_params": (None,),
+    # SGLang 0.5.23's GenerateReqInput, at the values that change nothing: other values ask for
+    # what this engine does not have (multimodal inputs, MoE experts, data-parallel ranks,
+    # prefill/decode disaggregation, sessions, cache namespaces, a thinking budget, raw and
+    # masked log-probs)
+    "session_id": (None,),
+    "mm_hashes": (None,),
+    "mm_content_hashes": (None,),
+    "use_audio_in_video": (False,),
+    "video_config": (None,),
+    "images_config": (None,),
+    "mm_processor_kwargs": (None,),
+    "max_dynamic_patch": (None,),
+    "min_dynamic_patch": (None,),
+    "image_max_dynamic_patch": (None,),
+    "video_max_dynamic_patch": (None,),
+    "watermark": (None,),
+    "return_sampling_mask": (None, False),
+    "sampling_logprobs_mode": (None,),
+    "return_flat_raw_top_logprobs": (False,),
+    "return_flat_raw_output_top_logprobs": (False,),
+    "return_flat_raw_top_logprobs_b64": (False,),
+    "return_routed_experts": (False,),
+    "routed_experts_start_len": (0,),
+    "return_indexer_topk": (False,),
+    "lora_id": (None,),
+    "positional_embed_overrides": (None,),
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
+    "bootstrap_pair_key": (None,),
+    "decode_tp_size": (None,),
+    "routed_dp_rank": (None, 0),  # one data-parallel rank: 0
+    "data_parallel_rank": (None, 0),
+    "disagg_prefill_dp_rank": (None, 0),
+    "background": (False,),
+    "max_thinking_tokens": (None,),
+    "extra_key": (None,),
+    "cache_salt": (None,),
+    "kv_hints": (None,),
+    "return_bytes": (False,),
+    "multi_item_delimiter_indices": (None,),
+    "token_indices_to_pool": (None,),
 }
-_IGNORED_TOP = frozenset({"log_metrics", "modalities"})
+# taken and left, as SGLang leaves them by default: logging and metrics labels, a router's
+# keys, an entropy SGLang 0.5.23 computes nothing for, ``priority`` without
+# --enable-priority-scheduling (checked as SGLang checks it)
+_IGNORED_TOP = frozenset(
+    {
+        "log_metrics",
+        "modalities",
+        "no_logs",
+        "custom_labels",
+        "routing_key",
+        "conversation_id",
+        "external_trace_header",
+        "return_entropy",
+        "priority",
+    }
+)
 _KNOWN_TOP = frozenset(
     {
         "text",
@@ -246,6 +303,13 @@ def parse_generate(
                 raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
             continue
         raise RequestError(key, "unknown field of /generate")
+    priority = body.get("priority")
+    if priority is not None and not (is_int(priority) and -(1 << 63) <= priority < (1 << 63)):
+        raise RequestError(  # SGLang's words (TokenizerManager._set_default_priority)
+            "priority",
+            "priority must be a signed 64-bit integer between -9223372036854775808 and "
+            "9223372036854775807",
+        )
     for flag in (
         "return_text_in_logprobs",
         "stream",

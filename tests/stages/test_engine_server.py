@@ -608,6 +608,14 @@ BAD_REQUESTS = [
     ({"input_ids": [1], "sampling_params": {"n": "2"}}, "sampling_params.n"),
     ({"input_ids": [1], "sampling_params": {"n": 2}, "rid": ["a", "b"]}, "rid"),
     ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
+    # SGLang 0.5.23's fields beyond their neutral values: what the engine does not have
+    ({"input_ids": [1], "data_parallel_rank": 1}, "data_parallel_rank"),
+    ({"input_ids": [1], "extra_key": "tenant-a"}, "extra_key"),
+    ({"input_ids": [1], "max_thinking_tokens": 64}, "max_thinking_tokens"),
+    ({"input_ids": [1], "return_routed_experts": True}, "return_routed_experts"),
+    # priority: a signed 64-bit integer (TokenizerManager._set_default_priority)
+    ({"input_ids": [1], "priority": 1 << 63}, "priority"),
+    ({"input_ids": [1], "priority": "high"}, "priority"),
 ]
 
 
@@ -619,6 +627,24 @@ def test_bad_requests_get_400_naming_the_field(engine: Engine, body: Any, field:
     assert status == 400, answer
     assert answer["error"]["message"].startswith(field), answer
     assert engine.request("GET", "/health")[0] == 200
+
+
+@pytest.mark.timeout(60)
+def test_sglangs_other_fields_at_their_defaults_change_nothing(engine: Engine) -> None:
+    """What a client written for SGLang 0.5.23 may send along (``io_struct.GenerateReqInput``):
+    defaults, logging and routing keys, ``priority`` (left, as SGLang leaves it without
+    --enable-priority-scheduling), ``return_entropy`` (SGLang 0.5.23 returns nothing for it)."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    plain = engine.generate(body)
+    along = {
+        "data_parallel_rank": 0, "extra_key": None, "cache_salt": None, "session_id": None,
+        "return_routed_experts": False, "sampling_logprobs_mode": None, "background": False,
+        "no_logs": True, "custom_labels": {"team": "rl"}, "routing_key": "k1",
+        "conversation_id": "c1", "priority": -3, "return_entropy": True, "log_metrics": False,
+    }  # fmt: skip
+    got = engine.generate({**body, **along})
+    assert got["output_ids"] == plain["output_ids"] and got["text"] == plain["text"]
+    assert set(got) == set(plain) and set(got["meta_info"]) == set(plain["meta_info"])
 
 
 @pytest.mark.timeout(60)
