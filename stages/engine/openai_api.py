@@ -483,6 +483,13 @@ def _progress_logprobs(p: Progress, start: int, end: int, tokens: TokenBytes) ->
     }
 
 
+# a chat request's headers that ask for the sglext ids as its fields do (serving_chat)
+_SGLEXT_HEADERS = (
+    ("x-sglext-return-input-ids", "return_input_ids_in_sglext"),
+    ("x-sglext-return-output-ids", "return_output_ids_in_sglext"),
+)
+
+
 def _no_text(token: int) -> None:
     return None
 
@@ -791,6 +798,10 @@ class OpenAIRoutes:
             body = await read_json(request)
         except OpenAIError as exc:
             return web.json_response(route_refusal(route, exc), status=400)
+        if route == "chat" and isinstance(body, dict):  # SGLang 0.5.23's sglext headers
+            for header, flag in _SGLEXT_HEADERS:
+                if request.headers.get(header) == "1" and not body.get(flag):
+                    body[flag] = True
         reply = await self.reply(route, body)
         if reply.chunks is None:
             return web.Response(

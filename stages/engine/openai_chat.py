@@ -42,7 +42,10 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   ``input_ids`` is the prompt as ids (the template skipped; ``messages`` still required);
   ``return_prompt_token_ids`` adds each choice's ``prompt_token_ids``, ``return_token_ids``
   those and its ``response_token_ids``, ``return_meta_info`` its native ``meta_info``; not
-  with ``stream`` (a 400 with SGLang's words);
+  with ``stream`` (a 400 with SGLang's words); ``return_input_ids_in_sglext`` and
+  ``return_output_ids_in_sglext`` (or their ``x-sglext-return-*-ids: 1`` headers) the
+  response's ``sglext {input_ids, output_ids}``, streamed too: a chunk of its own (no choices)
+  after the choices' last;
 - ``stream``: ``chat.completion.chunk`` events: a choice's first chunk has ``delta {role:
   "assistant", content: ""}``, then content deltas (with their tokens' log-probs), tool calls
   as whole ``tool_calls`` deltas, and after a choice's last tokens a chunk with an empty delta,
@@ -239,6 +242,7 @@ def chat_request(
         "separate_reasoning",
         "stream_reasoning",
         *_NOT_STREAMED,
+        *_SGLEXT,
     ):
         if not isinstance(body.get(flag, False), bool | None):
             raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
@@ -311,7 +315,11 @@ def chat_request(
     }
     if body.get("rid") is not None:
         native_body["rid"] = body["rid"]
-    if body.get("return_prompt_token_ids") or body.get("return_token_ids"):
+    if (
+        body.get("return_prompt_token_ids")
+        or body.get("return_token_ids")
+        or body.get("return_input_ids_in_sglext")
+    ):
         native_body["return_prompt_token_ids"] = True
     reasoning = _reasoning(body, settings, request_kwargs, effort)
     if reasoning is not None and reasoning.keep_special:  # Mistral's [THINK] tags are special
@@ -348,6 +356,9 @@ def chat_request(
         ),
         "return_token_ids": bool(body.get("return_token_ids")),
         "return_meta_info": bool(body.get("return_meta_info")),
+        # the response's sglext: the prompt's ids, each choice's ids
+        "sglext_input_ids": bool(body.get("return_input_ids_in_sglext")),
+        "sglext_output_ids": bool(body.get("return_output_ids_in_sglext")),
     }
     return native_body, options
 
@@ -433,7 +444,7 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
             choice["meta_info"] = meta
         choices.append(choice)
     first = results[0]["meta_info"]
-    return {
+    answer = {
         "id": first["id"],
         "object": "chat.completion",
         "created": int(time.time()),
@@ -442,6 +453,23 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
         "usage": results_usage(results, n),
         "metadata": {"weight_version": first["weight_version"]},
     }
+    sglext = _sglext(
+        results[0].get("prompt_token_ids") if options.get("sglext_input_ids") else None,
+        [r["output_ids"] for r in results] if options.get("sglext_output_ids") else None,
+    )
+    if sglext:
+        answer["sglext"] = sglext
+    return answer
+
+
+def _sglext(input_ids: list[int] | None, output_ids: list[list[int]] | None) -> dict[str, Any]:
+    """SGLang's ``SglExt`` with the ids (its fields that are null left out)."""
+    out: dict[str, Any] = {}
+    if input_ids is not None:
+        out["input_ids"] = list(input_ids)
+    if output_ids is not None:
+        out["output_ids"] = [list(ids) for ids in output_ids]
+    return out
 
 
 def chat_stream(
@@ -466,6 +494,10 @@ class ChatChunks(StreamLayout):
         self.tools: dict[int, StreamingToolCalls] = {}
         self.reasoning = options.get("reasoning")  # reasoning.RequestReasoning or None
         self.thinking: dict[int, Any] = {}  # each choice's reasoning.ThinkParser
+        # with the sglext ids asked for: the prompt's ids, and each choice's ids so far
+        self.input_ids: list[int] | None = None
+        self.output_ids: dict[int, list[int]] = {}
+        self.ids_wanted = bool(options.get("sglext_input_ids") or options.get("sglext_output_ids"))
 
     def _chunk(
         self,
@@ -522,6 +554,8 @@ class ChatChunks(StreamLayout):
                 text = content.get("text", "")
                 reason = meta.get("finish_reason")
                 total = meta.get("output_token_logprobs_length", 0)
+            if self.ids_wanted:
+                self._keep_ids(content, index)
             self.last_id = rid
             if index not in offsets:  # its first chunk: the role
                 out.append(chunk(rid, index, {"role": "assistant", "content": ""}))
@@ -570,6 +604,35 @@ class ChatChunks(StreamLayout):
                 )
         return out
 
+    def _keep_ids(self, content: Any, index: int) -> None:
+        """The prompt's ids (once: every choice has the same prompt) and the choice's ids so
+        far, for the sglext chunk at the end."""
+        progress = type(content) is Progress
+        if self.input_ids is None:
+            prompt = content.prompt_ids if progress else content.get("prompt_token_ids")
+            if prompt is not None:
+                self.input_ids = list(prompt)
+        self.output_ids[index] = content.ids if progress else content["output_ids"]
+
+    def end(self) -> list[dict[str, Any]]:
+        """After the choices' last chunks: the ``sglext`` chunk when its ids were asked for
+        (no choices, ``usage`` null: ``ChatCompletionStreamResponse``), then the usage chunk
+        (``stream_options.include_usage``)."""
+        out = []
+        options = self.options
+        sglext = _sglext(
+            self.input_ids if options.get("sglext_input_ids") else None,
+            [self.output_ids.get(i, []) for i in range(options["n"])]
+            if options.get("sglext_output_ids") and self.output_ids
+            else None,
+        )
+        if sglext:
+            out.append(
+                {"id": self.last_id, "object": self.OBJECT, "created": self.created,
+                 "model": self.model, "choices": [], "usage": None, "sglext": sglext}
+            )  # fmt: skip
+        return out + super().end()
+
     def _think(self, index: int, delta: str, reason: Any) -> tuple[str, str]:
         """``(reasoning, content)`` of a choice's new text (``_process_reasoning_stream``)."""
         reasoning = self.reasoning
@@ -593,6 +656,8 @@ _NOT_STREAMED = {
     "return_meta_info": "return_meta_info is not supported with streaming. "
     "Please set stream=false when using return_meta_info=true.",
 }
+# the response-level ``sglext`` ids (SGLang 0.5.23's SglExt), streamed or not
+_SGLEXT = ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
 
 
 def _tool_choice(

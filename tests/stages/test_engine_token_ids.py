@@ -122,3 +122,42 @@ def test_chat_input_ids_are_the_prompt_as_given(chat_engine: Engine) -> None:  #
         assert refused.status_code == 400 and refused.json()["param"] == "input_ids"
     empty = _post(chat_engine, "/v1/chat/completions", {**body, "messages": [], "input_ids": ids})
     assert empty.status_code == 400  # SGLang: messages still required
+
+
+@pytest.mark.timeout(60)
+def test_chat_sglext_gives_the_prompt_and_each_choice_s_ids_streamed_or_not(
+    chat_engine: Engine,  # noqa: F811
+) -> None:
+    """``return_input_ids_in_sglext`` / ``return_output_ids_in_sglext`` (or SGLang's
+    ``x-sglext-return-*-ids: 1`` headers): the response's ``sglext`` ``{input_ids,
+    output_ids}``; streamed, a chunk of its own after the choices' last (no choices, ``usage``
+    null), before the usage chunk."""
+    ids = _ids(chat_engine, HELLO)
+    body = {"model": "m", "messages": HELLO, "max_tokens": 4, "temperature": 0, "n": 2,
+            "ignore_eos": True, "return_input_ids_in_sglext": True,
+            "return_output_ids_in_sglext": True}  # fmt: skip
+    native = chat_engine.generate(
+        {"input_ids": ids, "sampling_params": {**GREEDY, "max_new_tokens": 4}}
+    )
+    whole = _post(chat_engine, "/v1/chat/completions", body).json()
+    assert list(whole)[-1] == "sglext"
+    assert whole["sglext"] == {"input_ids": ids, "output_ids": [native["output_ids"]] * 2}
+    asked = {"return_input_ids_in_sglext": False, "return_output_ids_in_sglext": False}
+    plain = _post(chat_engine, "/v1/chat/completions", {**body, **asked}).json()
+    assert "sglext" not in plain
+    headers = {"x-sglext-return-output-ids": "1"}
+    by_header = requests.post(
+        chat_engine.url + "/v1/chat/completions", json={**body, **asked}, headers=headers,
+        timeout=30,
+    ).json()  # fmt: skip
+    assert by_header["sglext"] == {"output_ids": [native["output_ids"]] * 2}
+    streamed = _events(
+        _post(chat_engine, "/v1/chat/completions",
+              {**body, "stream": True, "stream_options": {"include_usage": True}})
+    )  # fmt: skip
+    *_, ext, usage = streamed
+    assert ext["choices"] == [] and ext["usage"] is None and ext["id"] == streamed[-3]["id"]
+    assert ext["sglext"] == whole["sglext"]
+    assert usage["usage"]["completion_tokens"] == 8 and "sglext" not in usage
+    wrong = _post(chat_engine, "/v1/chat/completions", {**body, "return_input_ids_in_sglext": 1})
+    assert wrong.status_code == 400 and wrong.json()["param"] == "return_input_ids_in_sglext"
