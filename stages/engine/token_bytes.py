@@ -34,6 +34,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 _BYTE_DECODER = _byte_decoder()
+_UNSEEN: Any = object()  # a token whose bytes were not looked up yet
 
 
 class TokenBytes:
@@ -76,7 +77,9 @@ class TokenBytes:
     def bytes_of(self, token: int | None, text: str | None) -> list[int]:
         """A chat log-prob entry's ``bytes``: the token's own, else its text's UTF-8
         (``_build_token_logprobs_from_raw``)."""
-        raw = None if token is None else self.raw(token)
+        raw = self._raw.get(token, _UNSEEN)  # type: ignore[arg-type]  # (None: not a token)
+        if raw is _UNSEEN:
+            raw = None if token is None else self.raw(token)
         if raw is None:
             return list((text or "").encode())
         return list(raw)
