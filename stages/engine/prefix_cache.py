@@ -42,6 +42,11 @@ spliced). Then:
   learner bounds with ``max_lag``: ``max_age`` bounds how long stale entries hold memory, and
   its default follows the default ``max_lag``.
 
+Namespaces. A request may name one (SGLang's ``extra_key`` and ``cache_salt``, its
+``RadixKey``): each (version, namespace) has its own tree, and a request matches only the
+trees of its own namespace (the default one: none named), so tenants that salt their requests
+never reuse, or time, each other's prefixes.
+
 Two sequences of one label that share tokens share their KV (first writer wins), even when an
 update landed at different points of those tokens in each (it takes identical outputs; the
 difference is where a v/v+1 switch sits). Weights loaded with no version change keep the cache
@@ -56,6 +61,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -82,14 +88,20 @@ class Match:
 
 
 class _Node:
-    __slots__ = ("children", "kv", "parent", "stamp", "terminal", "tokens")
+    __slots__ = ("children", "kv", "namespace", "parent", "stamp", "terminal", "tokens")
 
     def __init__(
-        self, tokens: list[int], kv: list[torch.Tensor], stamp: Stamp, parent: _Node | None
+        self,
+        tokens: list[int],
+        kv: list[torch.Tensor],
+        stamp: Stamp,
+        parent: _Node | None,
+        namespace: Any = None,
     ) -> None:
         self.tokens = tokens  # this edge's token ids (a list: compared with list slices)
         self.kv = kv
         self.stamp = stamp  # its tree's
+        self.namespace = namespace  # its tree's (a root's is read)
         self.parent = parent  # None: a tree's root
         self.children: dict[int, _Node] = {}  # keyed by the child's first token
         self.terminal = False  # a whole served sequence ends with this node
@@ -106,7 +118,9 @@ class PrefixCache:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.max_tokens = max_tokens
         self.max_age = max_age
-        self._trees: dict[int, _Node] = {}  # stamp index -> root
+        # (stamp index, namespace) -> root: the requests of one namespace (SGLang's extra_key
+        # and cache_salt; None: the default one) share prefixes with each other only
+        self._trees: dict[tuple[int, Any], _Node] = {}
         self.live_index = 0  # as of the last age_out
         self._order: collections.OrderedDict[_Node, None] = collections.OrderedDict()
         self.tokens = 0
@@ -118,13 +132,16 @@ class PrefixCache:
 
     # ---- matching ----------------------------------------------------------------------------
 
-    def match(self, tokens: list[int], limit: int, live: Stamp) -> Match:
-        """The longest usable cached prefix of ``tokens``, at most ``limit`` tokens long (see
-        the module docstring for which KV is usable); its nodes become the most recently used."""
+    def match(self, tokens: list[int], limit: int, live: Stamp, namespace: Any = None) -> Match:
+        """The longest usable cached prefix of ``tokens`` in ``namespace``, at most ``limit``
+        tokens long (see the module docstring for which KV is usable); its nodes become the most
+        recently used."""
         self.lookups += 1
         best: list[tuple[_Node, int]] = []
         length = 0
-        for index, root in self._trees.items():
+        for (index, space), root in self._trees.items():
+            if space != namespace:
+                continue
             path = _walk(root, tokens, limit)
             if index != live.index:  # older KV: up to the end of a sequence it continues
                 path = _continued(path, len(tokens))
@@ -149,20 +166,23 @@ class PrefixCache:
         tokens: list[int],
         kv_of: Callable[[int, int], list[torch.Tensor]],
         stamp: Stamp,
+        namespace: Any = None,
     ) -> int:
         """Hold ``tokens`` (a whole served sequence whose oldest KV is ``stamp``'s) in the tree
         of ``stamp``; ``kv_of(a, b)`` gives the KV of its tokens ``a..b-1`` (views; copied
         here). Only the part not held yet is copied; a sequence longer than the bound is held up
         to the bound (and then is not a whole sequence); one too old to be reused (it ran across
-        more than ``max_age`` versions) is not held. Returns the tokens newly held."""
+        more than ``max_age`` versions) is not held. ``namespace``: the tree's, with the
+        stamp's (only requests of the same namespace match it). Returns the tokens newly
+        held."""
         if self.live_index - stamp.index > self.max_age:
             return 0
         whole = len(tokens) <= self.max_tokens
         if not whole:
             tokens = tokens[: self.max_tokens]
-        root = self._trees.get(stamp.index)
+        root = self._trees.get((stamp.index, namespace))
         if root is None:
-            root = self._trees[stamp.index] = _Node([], [], stamp, None)
+            root = self._trees[(stamp.index, namespace)] = _Node([], [], stamp, None, namespace)
         node, depth, added = root, 0, 0
         touched: list[_Node] = []
         while depth < len(tokens):
@@ -214,15 +234,15 @@ class PrefixCache:
             parent = node.parent
             self._detach(node)
             if parent is not None and parent.parent is None and not parent.children:
-                del self._trees[parent.stamp.index]  # an empty tree
+                del self._trees[(parent.stamp.index, parent.namespace)]  # an empty tree
 
     def age_out(self, live_index: int) -> int:
         """Drop the trees more than ``max_age`` versions older than ``live_index``; returns
         the tokens dropped."""
         before = self.tokens
         self.live_index = live_index
-        for index in [i for i in self._trees if live_index - i > self.max_age]:
-            root = self._trees.pop(index)
+        for key in [k for k in self._trees if live_index - k[0] > self.max_age]:
+            root = self._trees.pop(key)
             stack = list(root.children.values())
             while stack:
                 node = stack.pop()
@@ -266,7 +286,7 @@ class PrefixCache:
             "evicted_tokens": self.evicted_tokens,
             "aged_out_tokens": self.aged_out_tokens,
             "flushed_tokens": self.flushed_tokens,
-            "versions": len(self._trees),
+            "versions": len({index for index, _ in self._trees}),
             "nodes": len(self._order),
             "sequences": self.sequences,
             "tokens": self.tokens,

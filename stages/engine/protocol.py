@@ -150,6 +150,9 @@ class GenerateInput:
     # its answer (and each streamed chunk) carries ``prompt_token_ids``, the ids it was given
     # or its text's (SGLang's return_prompt_token_ids)
     return_prompt_token_ids: bool = False
+    # the prefix-cache namespace it shares prefixes in: (extra_key, cache_salt), None the
+    # default one (SGLang's RadixKey)
+    cache_namespace: tuple[str | None, str | None] | None = None
 
 
 @dataclass(slots=True)
@@ -239,8 +242,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "disagg_prefill_dp_rank": (None, 0),
     "background": (False,),
     "max_thinking_tokens": (None,),
-    "extra_key": (None,),
-    "cache_salt": (None,),
     "kv_hints": (None,),
     "return_bytes": (False,),
     "multi_item_delimiter_indices": (None,),
@@ -277,6 +278,8 @@ _KNOWN_TOP = frozenset(
         "lora_path",  # a loaded adapter's name (stages.engine.lora_adapters)
         "require_reasoning",  # the grammar waits for the end of the reasoning
         "return_prompt_token_ids",  # each answer's prompt ids (its text's, tokenized)
+        "extra_key",  # with cache_salt: the prefix-cache namespace (SGLang's RadixKey)
+        "cache_salt",
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -366,6 +369,8 @@ def parse_generate(
                 "POST /load_lora_adapter first",
             )
     wanted = _token_ids_logprob(body.get("token_ids_logprob"), count, listed, n, vocab_size)
+    keys = _per_item(body.get("extra_key"), "extra_key", count, listed, str)
+    salts = _per_item(body.get("cache_salt"), "cache_salt", count, listed, str)
     rids = _sample_rids(body.get("rid"), count, n, batch)
 
     inputs: list[GenerateInput] = []
@@ -391,9 +396,22 @@ def parse_generate(
             seen.add(rid)
             think = bool(body.get("require_reasoning"))
             back = bool(body.get("return_prompt_token_ids"))
+            space = (keys[i] or None, salts[i] or None)  # "": none, as SGLang's cache_salt
+            namespace = None if space == (None, None) else space
             inputs.append(
                 GenerateInput(
-                    rid, ids, sp, flag, group_rid, top, start, loras[i], picked, think, back
+                    rid,
+                    ids,
+                    sp,
+                    flag,
+                    group_rid,
+                    top,
+                    start,
+                    loras[i],
+                    picked,
+                    think,
+                    return_prompt_token_ids=back,
+                    cache_namespace=namespace,
                 )
             )
     return inputs, listed

@@ -975,13 +975,13 @@ class Scheduler:
 
     def _prefill(self, group: list[_Seq]) -> None:
         # Identical contexts (the samples of one prompt) are prefilled once.
-        unique: dict[tuple[Adapter | None, tuple[int, ...]], int] = {}
+        unique: dict[tuple[Adapter | None, Any, tuple[int, ...]], int] = {}
         contexts: list[list[int]] = []
         owners: list[_Seq] = []  # a seq of each context: whose adapter it takes
         source: list[int] = []
         for seq in group:
             ctx = seq.context
-            key = (seq.adapter, tuple(ctx))
+            key = (seq.adapter, seq.inp.cache_namespace, tuple(ctx))  # a namespace shares none
             idx = unique.get(key)
             if idx is None:
                 idx = unique[key] = len(contexts)
@@ -990,7 +990,7 @@ class Scheduler:
             source.append(idx)
         # a prefix cached under the base weights is no prefix of an adapter's row
         matches = [
-            self._lookup(ctx) if o.adapter is None else Match()
+            self._lookup(ctx, o.inp.cache_namespace) if o.adapter is None else Match()
             for ctx, o in zip(contexts, owners, strict=True)
         ]
         news = [len(c) - m.length for c, m in zip(contexts, matches, strict=True)]
@@ -1006,11 +1006,11 @@ class Scheduler:
                 self._row_adapters([owners[u] for u in part]),
             )
 
-    def _lookup(self, ctx: list[int]) -> Match:
+    def _lookup(self, ctx: list[int], namespace: Any) -> Match:
         if self._prefix is None:
             return Match()
         # The last token is always computed: its logits give the first sampled token.
-        return self._prefix.match(ctx, len(ctx) - 1, self._stamp())
+        return self._prefix.match(ctx, len(ctx) - 1, self._stamp(), namespace)
 
     def _prefill_pass(
         self,
@@ -1373,7 +1373,7 @@ class Scheduler:
             def kv_of(a: int, b: int, slot: int = slot, start: int = start) -> list[torch.Tensor]:
                 return self._kv.row_kv(slot, start + a, start + b)
 
-            self._prefix.insert(tokens, kv_of, seq.stamp or self._stamp())
+            self._prefix.insert(tokens, kv_of, seq.stamp or self._stamp(), seq.inp.cache_namespace)
 
     def _finish(
         self,

@@ -119,6 +119,31 @@ def test_tree_matches_splits_and_evicts_the_least_recently_used_leaf() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_namespace_shares_prefixes_with_itself_only() -> None:
+    """SGLang's RadixKey: requests of one (extra_key, cache_salt) match each other's prefixes,
+    never another namespace's or the default one's; trees go as the default's do."""
+    live = Stamp(0, "0")
+    cache = PrefixCache(max_tokens=100, max_age=0)
+    seq = [1, 2, 3, 4, 5]
+    tenant = ("a", None)
+    ctx = [*seq, 6]
+    cache.insert(seq, _kv_of([10 * t for t in seq]), live, tenant)
+    assert cache.match(ctx, 5, live).length == 0  # not the default namespace's
+    assert cache.match(ctx, 5, live, ("b", None)).length == 0
+    assert cache.match(ctx, 5, live, ("a", "salt")).length == 0
+    m = cache.match(ctx, 5, live, tenant)
+    assert m.length == 5 and _joined(m) == [10, 20, 30, 40, 50]
+    cache.insert(seq, _kv_of([7] * 5), live)  # the default's own copy, its own KV
+    assert _joined(cache.match(ctx, 5, live)) == [7] * 5
+    assert cache.stats()["tokens"] == 10 and cache.stats()["versions"] == 1
+    cache.max_tokens = 10  # evicting the oldest leaf empties the tenant's tree
+    cache.insert([9], _kv_of([9]), live)
+    assert cache.match(ctx, 5, live, tenant).length == 0
+    assert cache.match(ctx, 5, live).length == 5  # the default's is newer: it stays
+    assert cache.age_out(1) == 6 and cache.stats()["tokens"] == 0  # version 0 goes whole
+
+
+@pytest.mark.timeout(10)
 def test_tree_reuses_older_kv_only_for_a_continuation_and_ages_it_out() -> None:
     old, live = Stamp(0, "0"), Stamp(1, "1")
     cache = PrefixCache(max_tokens=100, max_age=1)
@@ -501,3 +526,30 @@ def test_server_reports_cached_tokens_counters_and_flushes(server: str) -> None:
     hot_lps = [lp for lp, _, _ in second["meta_info"]["output_token_logprobs"]]
     cold_lps = [lp for lp, _, _ in cold["meta_info"]["output_token_logprobs"]]
     assert_close(hot_lps, cold_lps, terms=TERMS)
+
+
+@pytest.mark.timeout(90)
+def test_extra_key_and_cache_salt_keep_prefixes_apart(server: str) -> None:
+    """The same next turn sent under another ``extra_key`` or ``cache_salt`` reuses nothing;
+    under its own, what it left."""
+    prompt = [9, 19, 29, 39, 49, 59]
+
+    def generate(ids: list[int], **space: str) -> dict[str, Any]:
+        params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 4}
+        return _call(server + "/generate", "POST", {"input_ids": ids, "sampling_params": params,
+                                                     **space})  # fmt: skip
+
+    first = generate(prompt, extra_key="tenant-a")
+    turn = prompt + first["output_ids"] + [70, 71]
+    assert generate(turn)["meta_info"]["cached_tokens"] == 0  # the default namespace
+    assert generate(turn, extra_key="tenant-b")["meta_info"]["cached_tokens"] == 0
+    salted = generate(turn, extra_key="tenant-a", cache_salt="s")
+    assert salted["meta_info"]["cached_tokens"] == 0
+    own = generate(turn, extra_key="tenant-a")
+    assert own["meta_info"]["cached_tokens"] == len(prompt) + 3
+    assert own["output_ids"] == salted["output_ids"]  # the same answer, computed whole there
+    batch = _call(server + "/generate", "POST", {
+        "input_ids": [turn, turn], "extra_key": ["tenant-a", "tenant-c"],
+        "sampling_params": {"temperature": 0, "ignore_eos": True, "max_new_tokens": 2},
+    })  # fmt: skip
+    assert [b["meta_info"]["cached_tokens"] > 0 for b in batch] == [True, False]

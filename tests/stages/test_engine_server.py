@@ -610,7 +610,8 @@ BAD_REQUESTS = [
     ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
     # SGLang 0.5.23's fields beyond their neutral values: what the engine does not have
     ({"input_ids": [1], "data_parallel_rank": 1}, "data_parallel_rank"),
-    ({"input_ids": [1], "extra_key": "tenant-a"}, "extra_key"),
+    ({"input_ids": [1], "extra_key": 5}, "extra_key"),
+    ({"input_ids": [[1], [2]], "cache_salt": ["a"]}, "cache_salt"),
     ({"input_ids": [1], "max_thinking_tokens": 64}, "max_thinking_tokens"),
     ({"input_ids": [1], "return_routed_experts": True}, "return_routed_experts"),
     # priority: a signed 64-bit integer (TokenizerManager._set_default_priority)
@@ -637,7 +638,7 @@ def test_sglangs_other_fields_at_their_defaults_change_nothing(engine: Engine) -
     body = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
     plain = engine.generate(body)
     along = {
-        "data_parallel_rank": 0, "extra_key": None, "cache_salt": None, "session_id": None,
+        "data_parallel_rank": 0, "session_id": None, "extra_key": None,
         "return_routed_experts": False, "sampling_logprobs_mode": None, "background": False,
         "no_logs": True, "custom_labels": {"team": "rl"}, "routing_key": "k1",
         "conversation_id": "c1", "priority": -3, "return_entropy": True, "log_metrics": False,
