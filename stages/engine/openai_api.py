@@ -191,8 +191,9 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "top_logprobs_num": logprobs or 0,
         "return_text_in_logprobs": True,
     }
-    if body.get("rid") is not None:
-        native_body["rid"] = body["rid"]
+    for name in PASSED_ON:  # checked by the native route, as SGLang passes them on
+        if body.get(name) is not None:
+            native_body[name] = body[name]
     adapter_in_model = name_adapter(native_body, model, body.get("lora_path"))
     if body.get("stream"):
         native_body["stream"] = True
@@ -483,6 +484,9 @@ def _progress_logprobs(p: Progress, start: int, end: int, tokens: TokenBytes) ->
     }
 
 
+# a /v1 request's fields that go on to /generate as they are (its rid, its prefix-cache
+# namespace, its priority)
+PASSED_ON = ("rid", "extra_key", "cache_salt", "priority")
 # a chat request's headers that ask for the sglext ids as its fields do (serving_chat)
 _SGLEXT_HEADERS = (
     ("x-sglext-return-input-ids", "return_input_ids_in_sglext"),

@@ -84,6 +84,7 @@ from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import (
     _SAMPLING,
+    PASSED_ON,
     OpenAIError,
     StreamLayout,
     _no_text,
@@ -313,8 +314,9 @@ def chat_request(
         "top_logprobs_num": top or 0,
         "return_text_in_logprobs": True,
     }
-    if body.get("rid") is not None:
-        native_body["rid"] = body["rid"]
+    for name in PASSED_ON:  # checked by the native route, as SGLang passes them on
+        if body.get(name) is not None:
+            native_body[name] = body[name]
     if (
         body.get("return_prompt_token_ids")
         or body.get("return_token_ids")

@@ -161,3 +161,26 @@ def test_chat_sglext_gives_the_prompt_and_each_choice_s_ids_streamed_or_not(
     assert usage["usage"]["completion_tokens"] == 8 and "sglext" not in usage
     wrong = _post(chat_engine, "/v1/chat/completions", {**body, "return_input_ids_in_sglext": 1})
     assert wrong.status_code == 400 and wrong.json()["param"] == "return_input_ids_in_sglext"
+
+
+@pytest.mark.timeout(60)
+def test_v1_routes_pass_the_cache_namespace_and_priority_on(chat_engine: Engine) -> None:  # noqa: F811
+    """``extra_key``, ``cache_salt`` and ``priority`` go on to ``/generate`` as SGLang passes
+    them: a chat turn repeated under its own namespace reuses its prefix, under another not."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "w40 w41 w42 w43"}],
+            "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "return_meta_info": True}  # fmt: skip
+
+    def cached(**more: object) -> int:
+        answer = _post(chat_engine, "/v1/chat/completions", {**body, **more})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["meta_info"]["cached_tokens"]
+
+    cached(extra_key="t1")
+    assert cached(extra_key="t2") == 0 and cached(extra_key="t1", cache_salt="s") == 0
+    assert cached(extra_key="t1") > 0 and cached(extra_key="t1", priority=5) > 0
+    completion = {"model": "m", "prompt": [60, 61, 62, 63], "max_tokens": 2, "temperature": 0}
+    for more in ({"priority": 1 << 63}, {"extra_key": 7}):
+        for path, asked in (("/v1/chat/completions", body), ("/v1/completions", completion)):
+            refused = _post(chat_engine, path, {**asked, **more})
+            assert refused.status_code == 400 and next(iter(more)) in refused.text
