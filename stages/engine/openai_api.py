@@ -494,6 +494,16 @@ _SGLEXT_HEADERS = (
 )
 
 
+def _ids_framed(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
+    """A chat stream's events with SGLang's ``x-sglext-ids-framed: 1``: the chunk of the sglext
+    ids as ``event: sglext_ids`` (a hop on the way picks the ids out without parsing JSON),
+    the rest as ``data:`` lines."""
+    return b"".join(
+        (b"event: sglext_ids\ndata: " if "sglext" in chunk else b"data: ") + encode(chunk) + b"\n\n"
+        for chunk in batch
+    )
+
+
 def _no_text(token: int) -> None:
     return None
 
@@ -816,6 +826,8 @@ class OpenAIRoutes:
             from stages.engine.openai_responses import sse_named
 
             framing = {"events": sse_named, "done": b""}
+        elif route == "chat" and request.headers.get("x-sglext-ids-framed") == "1":
+            framing = {"events": _ids_framed}  # the sglext ids as a named event
         try:
             return await write_events(
                 request,

@@ -45,7 +45,7 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   with ``stream`` (a 400 with SGLang's words); ``return_input_ids_in_sglext`` and
   ``return_output_ids_in_sglext`` (or their ``x-sglext-return-*-ids: 1`` headers) the
   response's ``sglext {input_ids, output_ids}``, streamed too: a chunk of its own (no choices)
-  after the choices' last;
+  after the choices' last (``event: sglext_ids`` with the header ``x-sglext-ids-framed: 1``);
 - ``stream``: ``chat.completion.chunk`` events: a choice's first chunk has ``delta {role:
   "assistant", content: ""}``, then content deltas (with their tokens' log-probs), tool calls
   as whole ``tool_calls`` deltas, and after a choice's last tokens a chunk with an empty delta,

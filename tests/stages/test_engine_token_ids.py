@@ -161,6 +161,17 @@ def test_chat_sglext_gives_the_prompt_and_each_choice_s_ids_streamed_or_not(
     assert usage["usage"]["completion_tokens"] == 8 and "sglext" not in usage
     wrong = _post(chat_engine, "/v1/chat/completions", {**body, "return_input_ids_in_sglext": 1})
     assert wrong.status_code == 400 and wrong.json()["param"] == "return_input_ids_in_sglext"
+    # x-sglext-ids-framed: 1: the ids as a named event, the rest as before
+    framed = requests.post(
+        chat_engine.url + "/v1/chat/completions", json={**body, "stream": True},
+        headers={"x-sglext-ids-framed": "1"}, timeout=30,
+    ).text.split("\n\n")  # fmt: skip
+    named = [e for e in framed if e.startswith("event: ")]
+    assert len(named) == 1 and named[0].startswith("event: sglext_ids\ndata: {")
+    assert json.loads(named[0].split("data: ", 1)[1])["sglext"] == whole["sglext"]
+    plain_events = [e for e in framed if e.startswith("data: {")]
+    assert all("sglext" not in json.loads(e[len("data: ") :]) for e in plain_events)
+    assert framed[-2] == "data: [DONE]"
 
 
 @pytest.mark.timeout(60)
