@@ -207,6 +207,8 @@ class Episode:
             token_text=token_texts(self.decode, body),
             prompt_ids=feed,
         )
+        if inp.return_prompt_token_ids:  # what the engine was given: the trajectory's context
+            rendered["prompt_token_ids"] = list(feed)
         if context is not None:
             messages, tools, options = made_of or (None, None, {})
             text = body.get("text") if isinstance(body.get("text"), str) else None

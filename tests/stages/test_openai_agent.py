@@ -304,6 +304,29 @@ async def test_a_responses_api_agent_trains_exactly_the_tokens_the_engine_sample
     assert ctx.counters["agent_calls_rejoined"] == 1 and not ctx.counters["agent_calls_unjoined"]
 
 
+ANSWERS: list[Any] = []  # what token_ids_agent's calls answered
+
+
+async def token_ids_agent(client, task):
+    """Asks for the token ids (SGLang 0.5.23's return_token_ids and sglext), as RL code
+    written against SGLang does."""
+    messages = [{"role": "user", "content": task["prompt"]}]
+    ids = {"return_token_ids": True, "return_output_ids_in_sglext": True}
+    answer = await client.chat.completions.create(model="any", messages=messages, extra_body=ids)
+    ANSWERS.append(answer)
+    return 1.0
+
+
+@pytest.mark.timeout(60)
+async def test_an_agent_asking_for_token_ids_gets_what_the_engine_was_given(tokenizer) -> None:
+    engine, _, episode = _episode(tokenizer, "token_ids_agent", ["5"])
+    await episode
+    extra = ANSWERS[-1].choices[0].model_extra
+    assert extra["prompt_token_ids"] == engine.inputs[0]
+    assert extra["response_token_ids"] == engine.outputs[0].tolist()
+    assert ANSWERS[-1].model_extra["sglext"] == {"output_ids": [engine.outputs[0].tolist()]}
+
+
 @pytest.mark.timeout(60)
 async def test_a_one_call_agent_samples_with_the_run_sampling_from_the_prompt(tokenizer) -> None:
     engine, _, episode = _episode(tokenizer, "one_call", ["5"])
