@@ -463,13 +463,10 @@ def _progress_logprobs(p: Progress, start: int, end: int, tokens: TokenBytes) ->
     text = p.token_text
     if end - start == 1 and p.tops is None:  # a token at a time, without top log-probs
         token = p.ids[start]
-        shown = None if text is None else text(token)
-        if shown is not None and (not shown or "\ufffd" in shown):  # maybe part of a character
-            shown = tokens.text_of(token, shown)
         return {
             "text_offset": [-1],
             "token_logprobs": [p.logprobs[start]],
-            "tokens": [shown],
+            "tokens": [None if text is None else tokens.text_of(token, text(token))],
             "top_logprobs": [],
         }
     if text is None:
@@ -524,10 +521,7 @@ def _openai_logprobs(
     return {
         "text_offset": [-1] * len(entries),  # SGLang: "not supported yet"
         "token_logprobs": [e[0] for e in entries],
-        # a text that may be part of a character (U+FFFD) is looked at; the rest as it is
-        "tokens": [
-            e[2] if e[2] and "\ufffd" not in e[2] else lossless(e[1], e[2]) for e in entries
-        ],
+        "tokens": [lossless(e[1], e[2]) for e in entries],
         "top_logprobs": [
             None if step is None else {lossless(e[1], e[2]): e[0] for e in step} for step in tops
         ],

@@ -208,8 +208,7 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "session_params": (None,),
     # SGLang 0.5.23's GenerateReqInput, at the values that change nothing: other values ask for
     # what this engine does not have (multimodal inputs, MoE experts, data-parallel ranks,
-    # prefill/decode disaggregation, sessions, cache namespaces, a thinking budget, raw and
-    # masked log-probs)
+    # prefill/decode disaggregation, sessions, a thinking budget, raw and masked log-probs)
     "session_id": (None,),
     "mm_hashes": (None,),
     "mm_content_hashes": (None,),
