@@ -51,16 +51,19 @@ class _RewardServer:
                 try:
                     status, out, delay = server.answer(body, seq)
                     time.sleep(delay)
-                    data = out if isinstance(out, bytes) else json.dumps(out).encode()
+                finally:
+                    # done before the answer goes out: once the client has it, it may send the
+                    # next call before this thread runs again
+                    with server._lock:
+                        server.in_flight -= 1
+                data = out if isinstance(out, bytes) else json.dumps(out).encode()
+                try:
                     self.send_response(status)
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
                 except OSError:
                     pass  # the client gave up (timed out)
-                finally:
-                    with server._lock:
-                        server.in_flight -= 1
 
             def log_message(self, *args: Any) -> None:
                 pass
