@@ -20,8 +20,9 @@ Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
 (``stages.engine.weight_routes``: ``/init_weights_update_group``,
 ``/update_weights_from_distributed`` inside
 ``/begin_weight_update`` ... ``/end_weight_update`` as SGLang 0.5.23 wants it,
-``/destroy_weights_update_group``, ``/update_weights_from_disk``,
-``/get_weights_by_name``); ``GET|POST /release_memory_occupation`` and
+``/destroy_weights_update_group``, ``/update_weights_from_tensor`` in such a session too,
+``/update_weights_from_disk``, ``/get_weights_by_name``); ``GET|POST
+/release_memory_occupation`` and
 ``/resume_memory_occupation`` (``stages.engine.memory_routes``: the weights and KV cache given
 back to a colocated trainer); ``POST /v1/tokenize`` and ``/v1/detokenize``
 (``stages.engine.tokenize_routes``); ``POST /parse_function_call`` and ``/separate_reasoning``
@@ -202,6 +203,7 @@ def build_app(
     app.router.add_post("/begin_weight_update", weights.begin)
     app.router.add_post("/end_weight_update", weights.end)
     app.router.add_post("/update_weights_from_disk", weights.update_from_disk)
+    app.router.add_post("/update_weights_from_tensor", weights.update_from_tensor)
     app.router.add_route("GET", "/get_weights_by_name", weights.weights_by_name)
     app.router.add_post("/get_weights_by_name", weights.weights_by_name)
     app.router.add_get("/health", _health)

@@ -1,7 +1,8 @@
 """The weight routes of the built-in engine: SGLang's weight-update group
 (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``), its update session (``/begin_weight_update``,
-``/end_weight_update``), ``/update_weights_from_disk`` and ``/get_weights_by_name``.
+``/end_weight_update``), ``/update_weights_from_tensor`` (``stages.engine.tensor_payloads``),
+``/update_weights_from_disk`` and ``/get_weights_by_name``.
 
 Answers are SGLang's: ``{"success", "message"}``, HTTP 400 on failure.
 """
@@ -32,6 +33,7 @@ from stages.engine.request_body import (
     option,
 )
 from stages.engine.scheduler import Scheduler
+from stages.engine.tensor_payloads import LOAD_FORMATS, PayloadError, named_tensors, payload_bytes
 
 __all__ = ["WeightRoutes"]
 
@@ -217,6 +219,65 @@ class WeightRoutes:
         return web.json_response(
             {"success": True, "message": f"Succeeded to update {len(names)} parameter(s)."}
         )
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's ``/update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``):
+        tensors the caller holds in memory this process can map (CUDA IPC on a GPU, shared
+        memory on CPU), one base64 payload per tensor-parallel rank in
+        ``serialized_named_tensors`` (this engine reads the first), laid out as ``load_format``
+        says (null, ``direct`` or ``flattened_bucket``: ``tensor_payloads``). Inside a
+        ``/begin_weight_update`` session only, as there. The tensors are copied into the model
+        at the scheduler's next step boundary, serialized with the other updates, before the
+        answer: the caller may free them once it has it. ``abort_all_requests`` (false) aborts
+        everything first; ``flush_cache`` (true) then empties the prefix cache;
+        ``weight_version`` is live with the weights, and the message says so in SGLang's words.
+        ``selector`` and ``torch_empty_cache`` are checked and change nothing (no draft model, no
+        CUDA cache to empty here). Answers ``{success, message}``, 400 on failure, a payload
+        that cannot be read included (what and where)."""
+        try:
+            body = base_request(await json_body(request))
+            payloads = field(body, "serialized_named_tensors", list)
+            if not payloads:
+                raise RequestError("serialized_named_tensors", "expected a payload per rank")
+            load_format = option(body, "load_format", str, None)
+            flush = option(body, "flush_cache", bool, True)
+            abort_all = option(body, "abort_all_requests", bool, False)
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, (str, int)):
+                raise RequestError("weight_version", f"expected a string, got {version!r}")
+            if body.get("selector", "all") not in _SELECTORS:
+                raise RequestError("selector", f"expected one of {list(_SELECTORS)}")
+            option(body, "torch_empty_cache", bool, False)
+            data = payload_bytes(payloads[0], "serialized_named_tensors[0]")
+        except (RequestError, PayloadError) as exc:
+            return failure(str(exc))
+        if load_format not in LOAD_FORMATS:  # SGLang's custom loaders are code it imports
+            return failure(f"Unknown load_format={load_format}")
+        if self.session is None:  # SGLang 0.5.23 refuses it outside a session, loading nothing
+            return failure(
+                "update_weights_from_tensor must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
+        if abort_all:
+            await asyncio.wrap_future(self.scheduler.abort(None, abort_all=True))
+        async with self.lock:
+            try:
+                tensors = await self._in_thread(named_tensors, data, load_format)
+                await asyncio.wrap_future(self.scheduler.apply_weights(tensors, version))
+                del tensors  # the sender's memory: no reference kept past the answer
+            except PayloadError as exc:
+                return failure(str(exc))
+            except (WeightLoadError, MemoryStateError) as exc:
+                return failure(f"update_weights_from_tensor failed: {exc}")
+            except Exception as exc:
+                log.exception("weights_from_tensor_failed", error=repr(exc))
+                return failure(f"update_weights_from_tensor failed: {exc}")
+            if flush:
+                await asyncio.wrap_future(self.scheduler.flush_prefix_cache())
+        message = "Success"
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message})
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         try:

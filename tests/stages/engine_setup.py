@@ -39,6 +39,16 @@ def load_reference(path: Path, attn: str = "sdpa") -> torch.nn.Module:
     return model
 
 
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy ``n`` tokens after ``prompt`` (a reference the engine must match)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def two_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two tiny models of the same shape with different weights (seeds 1 and 2): the weights
     before and after an update."""

@@ -13,7 +13,7 @@ import torch
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
 from tests.numerics import assert_close, forward_terms
-from tests.stages.engine_setup import load_reference, two_tiny_models
+from tests.stages.engine_setup import hf_greedy, load_reference, two_tiny_models
 from tests.stages.tiny_model import EOS_ID
 
 pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
@@ -22,15 +22,6 @@ pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return two_tiny_models(tmp_path_factory)
-
-
-@torch.no_grad()
-def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 @torch.no_grad()
@@ -83,7 +74,7 @@ def test_mixed_batch_matches_each_request_alone(
     for _ in range(5):
         scheduler.step()
     # Join mid-run: one longer prompt than anything running, and a stop token.
-    free = _hf_greedy(model, [90, 91, 92, 93, 94, 95, 96], 20)
+    free = hf_greedy(model, [90, 91, 92, 93, 94, 95, 96], 20)
     stop = free[4]
     later = {
         # stop_token_ids apply only without ignore_eos
@@ -100,7 +91,7 @@ def test_mixed_batch_matches_each_request_alone(
 
     for rid, (prompt, sp) in {**first, **later}.items():
         result = futures[rid].result(timeout=0)
-        expected = _hf_greedy(model, prompt, sp.max_new_tokens)
+        expected = hf_greedy(model, prompt, sp.max_new_tokens)
         if rid == "wide":
             expected = expected[: expected.index(stop) + 1]
             assert result.finish_reason == {"type": "stop", "matched": stop}
@@ -128,9 +119,9 @@ def test_identical_prompts_are_prefilled_once(models: tuple[Path, Path], fast: b
     results = future.result(timeout=0)
     assert calls[0] == (2, 3)  # one prefill of the two distinct prompts
     assert [r.rid for r in results] == ["g0", "g1", "g2", "g3", "o"]
-    expected = _hf_greedy(model, [11, 12, 13], 6)
+    expected = hf_greedy(model, [11, 12, 13], 6)
     assert all(r.output_ids == expected for r in results[:4])
-    assert results[4].output_ids == _hf_greedy(model, [50, 51], 6)
+    assert results[4].output_ids == hf_greedy(model, [50, 51], 6)
     lps = [r.output_token_logprobs for r in results[:4]]
     assert all(lp == lps[0] for lp in lps)
 
@@ -202,8 +193,8 @@ def test_weight_update_mid_run_records_versions_per_row(models: tuple[Path, Path
     assert la.output_token_weight_versions == ["8"] * 5
     assert e.weight_version == "8"
     # the first 5 tokens came from model a; afterwards model b continued on a's KV cache
-    assert e.output_ids[:5] == _hf_greedy(model_a, [7, 8], 5)
-    assert la.output_ids == _hf_greedy(model_b, [13], 5)
+    assert e.output_ids[:5] == hf_greedy(model_a, [7, 8], 5)
+    assert la.output_ids == hf_greedy(model_b, [13], 5)
 
 
 @pytest.mark.timeout(60)
@@ -222,15 +213,15 @@ def test_retract_then_continue_keeps_outputs_and_versions(models: tuple[Path, Pa
     scheduler.resume()
     scheduler.run_until_idle()
 
-    before = _hf_greedy(model_a, [3, 4, 5], 5)
+    before = hf_greedy(model_a, [3, 4, 5], 5)
     for r in group.result(timeout=0):
         assert r.output_ids[:5] == before
         # recomputed on continue: model b over prompt + the 5 tokens kept
-        assert r.output_ids[5:] == _hf_greedy(model_b, [3, 4, 5, *before], 7)
+        assert r.output_ids[5:] == hf_greedy(model_b, [3, 4, 5, *before], 7)
         assert r.output_token_weight_versions == ["0"] * 5 + ["1"] * 7
         assert len(r.output_token_logprobs) == 12
     s = solo.result(timeout=0)
-    assert s.output_ids[:5] == _hf_greedy(model_a, [6], 5)
+    assert s.output_ids[:5] == hf_greedy(model_a, [6], 5)
     assert s.output_token_weight_versions == ["0"] * 5 + ["1"] * 3
 
 

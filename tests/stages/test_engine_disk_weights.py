@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stages.engine.checkpoint_files import CheckpointError, read_weights, weight_files
-from tests.stages.engine_setup import builtin_engine, load_reference
+from tests.stages.engine_setup import builtin_engine, hf_greedy, load_reference
 from tests.stages.tiny_model import make_tiny_model
 
 PROMPT = [5, 17, 33, 8, 90]
@@ -52,7 +52,7 @@ class Models:
         self.empty.mkdir()
         (self.empty / "notes.txt").write_text("no weights here")
         self.greedy = {
-            name: _hf_greedy(load_reference(path), PROMPT, 12)
+            name: hf_greedy(load_reference(path), PROMPT, 12)
             for name, path in (("a", self.a), ("b", self.b), ("c", made))
         }
         assert len({tuple(g) for g in self.greedy.values()}) == 3  # the seeds differ
@@ -74,14 +74,6 @@ def _shard(tensors: dict[str, torch.Tensor], folder: Path, *, index: bool = True
         weight_map = {n: file for file, part in shards.items() for n in part}
         (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return folder
-
-
-def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")

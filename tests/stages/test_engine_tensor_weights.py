@@ -1,0 +1,246 @@
+"""``/update_weights_from_tensor`` on the built-in engine as a real server, as SGLang 0.5.23
+answers it (``http_server.py``, ``tokenizer_control_mixin.update_weights_from_tensor``,
+``scheduler_components/weight_updater.py``, ``model_runner_components/weight_updater.py``,
+``utils/common.py``'s ``MultiprocessingSerializer`` and ``SafeUnpickler``,
+``weight_sync/tensor_bucket.py``).
+
+This test process is the sender, as a trainer would be: its tensors go in shared memory (torch's
+``file_system`` strategy) and only their handles travel, in the three layouts RL frameworks
+send: a list of pairs, verl's ``LocalSerializedTensor`` per tensor, and slime's flattened
+bucket. SGLang's classes are pickled under SGLang's own module names, from stand-ins
+registered here (SGLang is not installed).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from tests.stages.engine_setup import builtin_engine, hf_greedy, load_reference, two_tiny_models
+
+PROMPT = [5, 17, 33, 8, 90]
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 12}
+RUNNER = "sglang.srt.model_executor.model_runner_components.weight_updater"
+BUCKET = "sglang.srt.weight_sync.tensor_bucket"
+
+
+@dataclass
+class LocalSerializedTensor:  # SGLang's, as verl builds it
+    values: list[bytes]
+
+
+@dataclass
+class FlattenedTensorMetadata:  # SGLang's, as slime builds it
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+@pytest.fixture
+def sglang_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's payload classes importable under its module names, in this process only."""
+    for module, cls in ((RUNNER, LocalSerializedTensor), (BUCKET, FlattenedTensorMetadata)):
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            if name not in sys.modules:
+                monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        monkeypatch.setattr(cls, "__module__", module)
+        monkeypatch.setattr(sys.modules[module], cls.__name__, cls, raising=False)
+
+
+@pytest.fixture
+def shared_files() -> Iterator[None]:
+    """Tensors shared by file name (what a CPU sender outside the engine's tree must use)."""
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+def raw(obj: Any) -> bytes:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj)``."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return buf.getvalue()
+
+
+def serialize(obj: Any) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: for JSON."""
+    return base64.b64encode(raw(obj)).decode()
+
+
+def flattened(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """SGLang's ``FlattenedTensorBucket`` of ``named``, as slime sends it."""
+    pieces, metadata, at = [], [], 0
+    for name, tensor in named:
+        raw = tensor.flatten().view(torch.uint8)
+        metadata.append(
+            FlattenedTensorMetadata(
+                name, tensor.shape, tensor.dtype, at, at + raw.numel(), raw.numel()
+            )
+        )
+        pieces.append(raw)
+        at += raw.numel()
+    return {"flattened_tensor": torch.cat(pieces), "metadata": metadata}
+
+
+class Models:
+    def __init__(self, paths: tuple[Path, Path]) -> None:
+        self.a, self.b = paths
+        named = dict(zip("ab", paths, strict=True))
+        self.tensors = {k: load_file(path / "model.safetensors") for k, path in named.items()}
+        self.greedy = {k: hf_greedy(load_reference(path), PROMPT, 12) for k, path in named.items()}
+        assert self.greedy["a"] != self.greedy["b"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    return Models(two_tiny_models(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def url(models: Models) -> Iterator[str]:
+    with builtin_engine(models.a, "--max-running", "4") as found:
+        yield found
+
+
+def _post(url: str, route: str, **body: Any) -> tuple[int, dict[str, Any]]:
+    resp = requests.post(url + route, json=body, timeout=30)
+    return resp.status_code, resp.json()
+
+
+def _update(url: str, payload: str, *, session: bool = True, **body: Any) -> tuple[int, dict]:
+    """One update inside its own session (``begin_weight_update`` ... ``end``), as SGLang wants."""
+    if session:
+        assert _post(url, "/begin_weight_update")[0] == 200
+    try:
+        return _post(url, "/update_weights_from_tensor", serialized_named_tensors=[payload], **body)
+    finally:
+        if session:
+            assert _post(url, "/end_weight_update")[0] == 200
+
+
+def _greedy(url: str) -> dict[str, Any]:
+    status, out = _post(url, "/generate", input_ids=PROMPT, sampling_params=GREEDY)
+    assert status == 200, out
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_shared_tensors_in_each_layout_become_the_models_weights(
+    url: str, models: Models, sglang_classes: None, shared_files: None
+) -> None:
+    assert _greedy(url)["output_ids"] == models.greedy["a"]
+    b = list(models.tensors["b"].items())
+    # a list of (name, tensor) pairs (load_format null), with a weight version
+    status, answer = _update(url, serialize(b), weight_version="b1")
+    assert (status, answer) == (
+        200, {"success": True, "message": "Success Weight version updated to b1."}
+    )  # fmt: skip
+    out = _greedy(url)
+    assert out["output_ids"] == models.greedy["b"] and out["meta_info"]["weight_version"] == "b1"
+    # verl's: a LocalSerializedTensor per tensor, a payload per rank (this engine reads the
+    # first: the second is garbage it must not touch); load_format direct
+    a = [(n, LocalSerializedTensor([raw(t), b"x"])) for n, t in models.tensors["a"].items()]
+    status, answer = _update(url, serialize(a), load_format="direct")
+    assert (status, answer["message"]) == (200, "Success")
+    out = _greedy(url)
+    assert out["output_ids"] == models.greedy["a"] and out["meta_info"]["weight_version"] == "b1"
+    # slime's: one flattened bucket of every tensor (float32 here)
+    status, answer = _update(url, serialize(flattened(b)), load_format="flattened_bucket")
+    assert status == 200, answer
+    assert _greedy(url)["output_ids"] == models.greedy["b"]
+    # the prefix cache was flushed (flush_cache's default): the same prompt is computed afresh
+    assert _greedy(url)["meta_info"]["cached_tokens"] > 0
+    a_bucket = serialize(flattened(list(models.tensors["a"].items())))
+    assert _update(url, a_bucket, load_format="flattened_bucket")[0] == 200
+    out = _greedy(url)
+    assert out["meta_info"]["cached_tokens"] == 0 and out["output_ids"] == models.greedy["a"]
+
+
+@pytest.mark.timeout(90)
+def test_payloads_that_cannot_be_loaded_are_refused_and_the_model_stays(
+    url: str, models: Models, sglang_classes: None, shared_files: None
+) -> None:
+    assert _update(url, serialize(list(models.tensors["a"].items())))[0] == 200
+    b = list(models.tensors["b"].items())
+    # outside a session: refused as SGLang 0.5.23 refuses it, nothing loaded
+    status, answer = _update(url, serialize(b), session=False)
+    assert (status, answer) == (
+        400,
+        {
+            "success": False,
+            "message": "update_weights_from_tensor must run between begin_weight_update() "
+            "and end_weight_update()",
+        },
+    )
+    bad = {
+        "load_format": (
+            {"load_format": "my.module:loader"},
+            "Unknown load_format=my.module:loader",
+        ),
+        "base64": ({"payload": "not base64!"}, "serialized_named_tensors[0]: not base64"),
+        # a global outside the allowlist is never looked up (os.system would run here)
+        "global": (
+            {"payload": base64.b64encode(b"cos\nsystem\n(S'true'\ntR.").decode()},
+            "serialized_named_tensors[0]: a payload may not name os.system",
+        ),
+        "shape": (
+            {"payload": serialize([(b[0][0], torch.zeros(3, 3))])},
+            f"{b[0][0]}: shape [3, 3] does not match",
+        ),
+        "name": ({"payload": serialize([("lm_head.nope", torch.zeros(2))])}, "lm_head.nope"),
+        "layout": ({"payload": serialize({"x": 1})}, "expected a list of (name, tensor)"),
+        "bucket": (
+            {
+                "payload": serialize(
+                    {
+                        "flattened_tensor": torch.zeros(8, dtype=torch.uint8),
+                        "metadata": [
+                            FlattenedTensorMetadata("x", torch.Size([4]), torch.float32, 0, 12, 12)
+                        ],
+                    }
+                ),
+                "load_format": "flattened_bucket",
+            },
+            "bytes 0..12 do not hold a [4] torch.float32 tensor",
+        ),
+        "type": ({"flush_cache": "yes"}, "flush_cache"),
+    }
+    for case, (body, words) in bad.items():
+        body = dict(body)
+        payload = body.pop("payload", serialize(b))
+        status, answer = _update(url, payload, **body)
+        assert status == 400 and answer["success"] is False, case
+        assert words in answer["message"], (case, answer)
+    assert _greedy(url)["output_ids"] == models.greedy["a"]  # nothing of B got in
+
+
+@pytest.mark.timeout(90)
+def test_a_tensor_shared_by_file_descriptor_says_how_to_share_it(url: str, models: Models) -> None:
+    """torch's default CPU sharing passes a file descriptor that only the sender's own
+    ``multiprocessing`` tree may fetch: the answer says what to set instead."""
+    assert mp.get_sharing_strategy() == "file_descriptor"  # torch's default on Linux
+    status, answer = _update(url, serialize(list(models.tensors["b"].items())[:1]))
+    assert status == 400, answer
+    assert "set_sharing_strategy('file_system')" in answer["message"]
+    assert _greedy(url)["output_ids"] == models.greedy["a"]  # the last test left A
