@@ -29,7 +29,8 @@ and the text added since that choice's last chunk (the prompt's text in front of
 SGLang does): its tokens come first in ``logprobs``, the first with a null log-prob. The chat
 route is ``openai_chat``'s, the Responses route ``openai_responses``'s (errors in its own
 ``{"error": {...}}`` envelope), Anthropic's ``/v1/messages`` ``anthropic_messages``'s (errors in
-Anthropic's ``{"type": "error", "error": {...}}``); the others' errors are SGLang's ``{object:
+Anthropic's ``{"type": "error", "error": {...}}``), ``/v1/score`` ``openai_score``'s; the others'
+errors are SGLang's ``{object:
 "error", message, type, param, code}``.
 
 This module knows nothing of the scheduler: the server hands it ``/generate`` as a coroutine.
@@ -631,6 +632,7 @@ class OpenAIRoutes:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        app.router.add_post("/v1/score", self.score)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
 
@@ -680,6 +682,9 @@ class OpenAIRoutes:
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "messages")
+
+    async def score(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "score")
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """``/v1/messages/count_tokens``: the tokens of the prompt a request would render."""
@@ -736,6 +741,8 @@ class OpenAIRoutes:
 
                 queued = run_in_background(native, options, self.generate, self.response_store)
                 return Reply(200, queued)
+            if native is None:  # nothing to run (a /v1/score of no items)
+                return Reply(200, respond([], options))
             if options["stream"]:
                 source = self.stream
                 progress = route != "completions" or not options["echo"]
@@ -767,6 +774,15 @@ class OpenAIRoutes:
                 openai_responses.responses_response,
                 openai_responses.response_events,
             )
+        if route == "score":
+            from stages.engine import openai_score  # it builds on this module
+
+            vocab = self.chat.tokenizer.vocab_size if self.chat is not None else 0  # SGLang's
+
+            def build_score(raw: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+                return openai_score.score_request(raw, vocab)
+
+            return build_score, openai_score.score_response, None
         if route == "messages":
             from stages.engine import anthropic_messages  # it builds on the chat route
 

@@ -18,7 +18,13 @@ same for the tokens asked for, in the order asked.
 The built-in engine computes them in a pass of their own over the whole prompt (no prefix
 cache, no KV kept: SGLang, too, stops its prefix match at ``logprob_start_len``), before a
 request's samples are admitted; a request that also generates is then prefilled as any other.
-Positions are turned into log-probs a chunk at a time, so a long prompt never holds
+A prefill-only request (``max_new_tokens: 0``) that asks for ``top_logprobs_num`` or
+``token_ids_logprob`` also gets the distribution after its last prompt token, as SGLang 0.5.23
+computes it without sampling (``ModelRunner.compute_logprobs_only``): one entry of
+``output_top_logprobs`` and of ``output_token_ids_logprobs``, with no output token (how
+SGLang's ``/v1/score`` reads a label's probability, and how an LLM judge asks for the
+log-probs of ``Yes`` and ``No`` without generating). Positions are turned into log-probs a
+chunk at a time, so a long prompt never holds
 ``[L, vocab]`` logits at once. This module holds the arithmetic; the scheduler calls it.
 """
 
@@ -28,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["POSITIONS_PER_CHUNK", "TOKENS_PER_PASS", "prompt_logprobs"]
+__all__ = ["POSITIONS_PER_CHUNK", "TOKENS_PER_PASS", "next_token_logprobs", "prompt_logprobs"]
 
 POSITIONS_PER_CHUNK = 256  # positions whose logits exist at once (x vocab floats)
 TOKENS_PER_PASS = 8192  # prompts scored in one forward pass hold at most this many tokens (padded)
@@ -94,3 +100,27 @@ def scoring_passes(lengths: list[int]) -> list[list[int]]:
     if part:
         parts.append(sorted(part))
     return parts
+
+
+def next_token_logprobs(
+    last: torch.Tensor,
+    top: int,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    wanted: Sequence[int] | None = None,
+) -> tuple[list[tuple[float, int]] | None, list[tuple[float, int]] | None]:
+    """``(top, picked)`` of the distribution after the prompt: ``last`` ``[H]`` is the final
+    hidden state at its last position. ``top`` (its ``top`` most likely tokens) is None unless
+    ``top`` > 0, ``picked`` (the ``wanted`` tokens', in that order) unless ``wanted`` is given."""
+    logits = head(last[None])
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    lps = torch.log_softmax(logits, dim=-1)[0]
+    tops = None
+    if top:
+        values, indices = lps.topk(min(top, lps.shape[0]))
+        tops = list(zip(values.tolist(), indices.tolist(), strict=True))
+    picked = None
+    if wanted is not None:
+        columns = torch.tensor(list(wanted), dtype=torch.long, device=lps.device)
+        picked = list(zip(lps.index_select(0, columns).tolist(), wanted, strict=True))
+    return tops, picked

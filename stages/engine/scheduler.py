@@ -64,7 +64,7 @@ from stages.engine.lora_adapters import Adapter, AdapterError, RowAdapters, load
 from stages.engine.memory_offload import KV_CACHE, WEIGHTS, MemoryState, WeightOffload
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
-from stages.engine.prompt_logprobs import prompt_logprobs, scoring_passes
+from stages.engine.prompt_logprobs import next_token_logprobs, prompt_logprobs, scoring_passes
 from stages.engine.protocol import GenerateInput, RequestError, SequenceResult
 from stages.engine.reasoning import reasoning_tokens
 from stages.engine.sampling import SlotSampler
@@ -82,6 +82,18 @@ log = structlog.get_logger("stages.engine.scheduler")
 
 
 _CALL = object()  # an _Outbox item that is a call, not a result
+
+
+def _next_wanted(seq: Any) -> bool:
+    """A prefill-only request (``max_new_tokens: 0``) that asks for the log-probs of the
+    token after its prompt: its top ones or those of ``token_ids_logprob`` (SGLang 0.5.23's
+    ``compute_logprobs_only``)."""
+    inp = seq.inp
+    return (
+        inp.params.max_new_tokens == 0
+        and inp.return_logprob
+        and (inp.top_logprobs_num > 0 or inp.token_ids_logprob is not None)
+    )
 
 
 class _Outbox:
@@ -918,7 +930,11 @@ class Scheduler:
                 group.append(seq)
         # out of the queue and not running yet: a pass that raises fails them (_fail_all)
         self._admitting = done + group
-        scoring = [s for s in done + group if s.inp.logprob_start >= 0 and s.input_lps is None]
+        scoring = [
+            s
+            for s in done + group
+            if s.input_lps is None and (s.inp.logprob_start >= 0 or _next_wanted(s))
+        ]
         if scoring:
             self._score_prompts(scoring)
         for seq in done:
@@ -932,7 +948,7 @@ class Scheduler:
         """Prompt log-probs from each seq's ``logprob_start`` on (``prompt_logprobs``): forward
         passes of their own over whole prompts, identical requests computed once."""
         unique: dict[
-            tuple[tuple[int, ...], int, int, str | None, tuple[int, ...] | None], list[_Seq]
+            tuple[tuple[int, ...], int, int, str | None, tuple[int, ...] | None, bool], list[_Seq]
         ] = {}
         for seq in seqs:
             key = (
@@ -941,6 +957,7 @@ class Scheduler:
                 seq.inp.top_logprobs_num,
                 seq.inp.lora,
                 seq.inp.token_ids_logprob,
+                _next_wanted(seq),
             )
             unique.setdefault(key, []).append(seq)
         keys = list(unique)
@@ -965,13 +982,21 @@ class Scheduler:
                 hidden, head = out.hidden_states[-1], self.model.get_output_embeddings()
             width = ids.shape[1]
             for row, u in enumerate(part):
-                tokens, start, top, _, wanted = keys[u]
-                lps, tops, picked = prompt_logprobs(
-                    hidden[row, width - len(tokens) :], list(tokens), start, top, head, wanted
-                )
-                pairs = list(zip(lps, tokens[start:], strict=True))
-                for seq in unique[keys[u]]:
-                    seq.input_lps, seq.input_tops, seq.input_picked = pairs, tops, picked
+                tokens, start, top, _, wanted, after = keys[u]
+                if start >= 0:
+                    lps, tops, picked = prompt_logprobs(
+                        hidden[row, width - len(tokens) :], list(tokens), start, top, head, wanted
+                    )
+                    pairs = list(zip(lps, tokens[start:], strict=True))
+                    for seq in unique[keys[u]]:
+                        seq.input_lps, seq.input_tops, seq.input_picked = pairs, tops, picked
+                if after:  # prefill-only: the distribution after the prompt, no token drawn
+                    next_top, next_picked = next_token_logprobs(hidden[row, -1], top, head, wanted)
+                    for seq in unique[keys[u]]:
+                        if seq.top is not None and next_top is not None:
+                            seq.top.append(next_top)
+                        if seq.picked is not None and next_picked is not None:
+                            seq.picked.append(next_picked)
 
     def _prefill(self, group: list[_Seq]) -> None:
         # Identical contexts (the samples of one prompt) are prefilled once.
@@ -1383,6 +1408,9 @@ class Scheduler:
         logprobs: list[float],
         versions: list[str],
     ) -> None:
+        # one list per output token (an abort may come before a sampled token counts); a
+        # prefill-only request's one: the distribution after its prompt (_score_prompts)
+        kept = len(ids) or (1 if _next_wanted(seq) else 0)
         self._rids.pop(seq.inp.rid, None)
         self._stop_seqs.discard(seq)
         self._top_seqs.discard(seq)
@@ -1403,11 +1431,10 @@ class Scheduler:
                 cached_tokens=seq.cached,
                 cached_weight_version=seq.cached_version,
                 e2e_latency=round(time.perf_counter() - seq.started, 6),
-                # one list per output token (an abort may come before a sampled token counts)
-                output_top_logprobs=None if seq.top is None else seq.top[: len(ids)],
+                output_top_logprobs=None if seq.top is None else seq.top[:kept],
                 input_token_logprobs=seq.input_lps,
                 input_top_logprobs=seq.input_tops,
-                output_token_ids_logprobs=None if seq.picked is None else seq.picked[: len(ids)],
+                output_token_ids_logprobs=None if seq.picked is None else seq.picked[:kept],
                 input_token_ids_logprobs=seq.input_picked,
                 # as SGLang's scheduler counts them (Req.update_reasoning_tokens)
                 reasoning_tokens=reasoning_tokens(ids, self.think_end)

@@ -61,6 +61,44 @@ def test_prefill_only_scoring_gives_each_prompt_tokens_logprob(
 
 
 @pytest.mark.timeout(60)
+def test_prefill_only_gives_the_distribution_after_the_prompt_without_a_token(
+    engine: Engine,  # noqa: F811
+    ref_model: torch.nn.Module,  # noqa: F811
+) -> None:
+    """SGLang 0.5.23 (``tp_worker``: a prefill-only batch samples nothing;
+    ``ModelRunner.compute_logprobs_only``; ``logprob_result_processor.add_logprob_return_values``):
+    with ``top_logprobs_num`` or ``token_ids_logprob``, ``max_new_tokens: 0`` gives one entry
+    of ``output_top_logprobs`` and ``output_token_ids_logprobs``, the distribution after the
+    last prompt token, and no output token or ``output_token_logprobs``: how ``/v1/score``
+    and LLM judges read a label's probability."""
+    wanted = [3, 41, 90]
+    expected = _reference(ref_model, PROMPT)[-1]
+    terms = forward_terms(ref_model.config, len(PROMPT))
+    for start in (-1, 4):  # alone, and with the prompt's own log-probs
+        body = {"input_ids": [PROMPT, PROMPT], "return_logprob": True, "top_logprobs_num": 3,
+                "token_ids_logprob": wanted, "logprob_start_len": start,
+                "sampling_params": {"max_new_tokens": 0}}  # fmt: skip
+        for out in engine.generate(body):  # a batch: the same prompt scored once, for both
+            meta = out["meta_info"]
+            assert out["output_ids"] == [] and meta["output_token_logprobs"] == []
+            ((picked,),) = [meta["output_token_ids_logprobs"]]
+            assert [e[1] for e in picked] == wanted
+            assert_close([e[0] for e in picked], expected[wanted].tolist(), terms=terms)
+            ((top,),) = [meta["output_top_logprobs"]]
+            assert [e[1] for e in top] == expected.topk(3).indices.tolist()
+            assert len(meta["input_token_logprobs"]) == (0 if start < 0 else len(PROMPT) - start)
+    # what a generated first token's entry holds: the same distribution
+    drawn = engine.generate(
+        {**body, "input_ids": PROMPT, "sampling_params": GREEDY | {"max_new_tokens": 1}}
+    )
+    assert drawn["meta_info"]["output_token_ids_logprobs"] == meta["output_token_ids_logprobs"]
+    # without return_logprob, or asking for neither, nothing is computed after the prompt
+    plain = engine.generate({"input_ids": PROMPT, "return_logprob": True,
+                             "sampling_params": {"max_new_tokens": 0}})["meta_info"]  # fmt: skip
+    assert "output_token_ids_logprobs" not in plain and "output_top_logprobs" not in plain
+
+
+@pytest.mark.timeout(60)
 def test_a_start_inside_the_prompt_with_generation_and_top_logprobs(
     engine: Engine,  # noqa: F811
     ref_model: torch.nn.Module,  # noqa: F811
