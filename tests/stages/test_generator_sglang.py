@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import secrets
 from collections.abc import Iterator
@@ -378,6 +379,77 @@ async def test_prompt_scoring_gives_the_log_probs_generation_sampled(client):
     assert [e[1] for e in inputs] == (PROMPT + ids)[start:] and inputs[0][0] is None
     for scored_entry, sampled in zip(inputs[1:], entries, strict=True):
         assert abs(scored_entry[0] - sampled[0]) <= _tolerance(), (inputs, entries)
+
+
+@pytest.mark.timeout(120)
+async def test_prefill_only_and_v1_score_read_the_distribution_after_the_prompt(client):
+    """SGLang 0.5.23: a prefill-only request (``max_new_tokens: 0``) with ``token_ids_logprob``
+    and ``top_logprobs_num`` gets one entry of each, the distribution a first token would be
+    drawn from (``compute_logprobs_only``), and ``/v1/score`` reads its labels' probabilities
+    from the same prefill (``exp`` of the log-probs, or a softmax over the labels)."""
+    labels = [PROMPT[0], PROMPT[3], 107]
+    asks = {"return_logprob": True, "token_ids_logprob": labels, "top_logprobs_num": 2}
+    status, drawn = await _post(
+        client, "/generate", {"input_ids": PROMPT, "sampling_params": _params(1), **asks}
+    )
+    assert status == 200, drawn
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}, **asks}
+    status, scored = await _post(client, "/generate", body)
+    assert status == 200, scored
+    meta = scored["meta_info"]
+    assert scored["output_ids"] == [] and meta["output_token_logprobs"] == []
+    ((picked,),) = [meta["output_token_ids_logprobs"]]
+    ((first,),) = [drawn["meta_info"]["output_token_ids_logprobs"][:1]]
+    assert [e[1] for e in picked] == labels
+    for got, want in zip(picked, first, strict=True):
+        assert abs(got[0] - want[0]) <= _tolerance(), (picked, first)
+    ((top,),) = [meta["output_top_logprobs"]]
+    assert top[0][1] == drawn["output_ids"][0]  # greedy drew the likeliest
+    request = {"query": PROMPT[:4], "items": [PROMPT[4:], PROMPT[5:]], "label_token_ids": labels}
+    status, out = await _post(client, "/v1/score", request)
+    assert status == 200 and out["object"] == "scoring", out
+    assert len(out["scores"]) == 2 and all(len(row) == 3 for row in out["scores"])
+    for score, (lp, _, _) in zip(out["scores"][0], picked, strict=True):
+        assert abs(math.log(score) - lp) <= _tolerance()
+    status, soft = await _post(client, "/v1/score", {**request, "apply_softmax": True})
+    assert status == 200 and all(abs(sum(row) - 1) < 1e-6 for row in soft["scores"]), soft
+    status, bad = await _post(client, "/v1/score", {**request, "temperature": 0.5})
+    assert status == 400 and "apply_softmax" in bad["message"], bad
+
+
+@pytest.mark.timeout(300)
+async def test_weights_from_tensor_in_shared_memory_come_back_as_they_were(client, served):
+    """``/update_weights_from_tensor`` inside a weight-update session (SGLang 0.5.23): this
+    process holds the served model's own weights in shared memory (torch's ``file_system``
+    strategy: a server on this machine maps them) and sends their handles, as verl's and
+    slime's colocated trainers do; the same greedy tokens after, under the new version."""
+    _need_model(served)
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from tests.stages.test_engine_tensor_weights import serialize
+
+    model = AutoModelForCausalLM.from_pretrained(served.model, dtype="auto")
+    before = await client.generate(PROMPT, _params(16), rid=_rid("before-tensor"))
+    version = str(before.weight_version + 1)
+    strategy = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        payload = serialize([(n, t.detach()) for n, t in model.state_dict().items()])
+    finally:
+        mp.set_sharing_strategy(strategy)
+    status, opened = await _post(client, "/begin_weight_update", {})
+    assert status == 200, opened
+    try:
+        body = {"serialized_named_tensors": [payload], "weight_version": version}
+        status, answer = await _post(client, "/update_weights_from_tensor", body)
+    finally:
+        assert (await _post(client, "/end_weight_update", {}))[0] == 200
+    assert status == 200 and answer["success"] is True, answer
+    del model, payload
+    after = await client.generate(PROMPT, _params(16), rid=_rid("after-tensor"))
+    assert str(after.weight_version) == version
+    assert after.output_ids.tolist() == before.output_ids.tolist()
 
 
 @pytest.mark.timeout(120)
