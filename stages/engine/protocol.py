@@ -832,6 +832,19 @@ def _per_item(value: Any, name: str, n: int, batch: bool, kind: type) -> list[An
     return items
 
 
+def _beam_width(value: Any, path: str) -> None:
+    """``beam_width``: null or 1 (plain sampling) taken; less, SGLang's refusal; more, a beam
+    search this engine does not run."""
+    if value is None:
+        return
+    if not is_int(value):
+        raise RequestError(path, f"expected int, got {_kind(value)}")
+    if value < 1:
+        raise RequestError(path, f"beam_width must be at least 1, got {value}.")
+    if value > 1:
+        raise RequestError(path, "beam search (beam_width > 1) is not supported by this engine")
+
+
 def _sampling_params(
     raw: dict[str, Any] | None, name: str, encode: Callable[[str], list[int]] | None = None
 ) -> SamplingParams:
@@ -840,6 +853,9 @@ def _sampling_params(
     for key, value in raw.items():
         path = f"{name}.{key}"
         if key in _IGNORED_SAMPLING or key == "n":  # n: see _parallel_n
+            continue
+        if key == "beam_width":  # SGLang 0.5.23's beam search: null and 1 are sampling
+            _beam_width(value, path)
             continue
         if key == "stop":
             values.update(_stop_strings(value, path, encode))

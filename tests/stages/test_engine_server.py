@@ -614,6 +614,9 @@ BAD_REQUESTS = [
     ({"input_ids": [[1], [2]], "cache_salt": ["a"]}, "cache_salt"),
     ({"input_ids": [1], "max_thinking_tokens": 64}, "max_thinking_tokens"),
     ({"input_ids": [1], "return_routed_experts": True}, "return_routed_experts"),
+    # SGLang 0.5.23's beam search (sampling_params.beam_width > 1); below 1 its own refusal
+    ({"input_ids": [1], "sampling_params": {"beam_width": 2}}, "sampling_params.beam_width"),
+    ({"input_ids": [1], "sampling_params": {"beam_width": 0}}, "sampling_params.beam_width"),
     # priority: a signed 64-bit integer (TokenizerManager._set_default_priority)
     ({"input_ids": [1], "priority": 1 << 63}, "priority"),
     ({"input_ids": [1], "priority": "high"}, "priority"),
@@ -643,7 +646,8 @@ def test_sglangs_other_fields_at_their_defaults_change_nothing(engine: Engine) -
         "no_logs": True, "custom_labels": {"team": "rl"}, "routing_key": "k1",
         "conversation_id": "c1", "priority": -3, "return_entropy": True, "log_metrics": False,
     }  # fmt: skip
-    got = engine.generate({**body, **along})
+    sampling = {**body["sampling_params"], "beam_width": 1, "spaces_between_special_tokens": False}
+    got = engine.generate({**body, **along, "sampling_params": sampling})
     assert got["output_ids"] == plain["output_ids"] and got["text"] == plain["text"]
     assert set(got) == set(plain) and set(got["meta_info"]) == set(plain["meta_info"])
 
