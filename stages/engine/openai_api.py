@@ -283,7 +283,7 @@ def completion_response(
         "created": int(time.time()),
         "model": options["model"],
         "choices": choices,
-        "usage": results_usage(results, n),
+        "usage": results_usage(results, n, options.get("cache_report", False)),
         "metadata": metadata,
     }
 
@@ -313,6 +313,7 @@ class StreamLayout:
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
         self.reasoning_tokens: dict[int, int] = {}  # a require_reasoning request's (chat)
+        self.cached_tokens: dict[int, int] = {}  # the prompt's, from the prefix cache
         self.last_id = ""
 
     def end(self) -> list[dict[str, Any]]:
@@ -324,6 +325,7 @@ class StreamLayout:
                 self.OBJECT, self.last_id, self.created, self.options["model"],
                 self.prompt_tokens, self.completion_tokens, self.options["n"],
                 self.reasoning_tokens,
+                self.cached_tokens if self.options.get("cache_report") else None,
             )
         ]  # fmt: skip
 
@@ -358,6 +360,7 @@ class CompletionChunks(StreamLayout):
         assert self.chunks is not None
         index, ids, text = p.index, p.ids, p.text
         self.prompt_tokens[index] = p.prompt_tokens
+        self.cached_tokens[index] = p.cached
         self.completion_tokens[index] = total = len(ids)
         offsets = self.offsets
         start = offsets.get(index, 0)
@@ -393,6 +396,7 @@ class CompletionChunks(StreamLayout):
                     continue
                 index, rid, ids, text = content.index, content.rid, content.ids, content.text
                 prompt_tokens[index] = content.prompt_tokens
+                self.cached_tokens[index] = content.cached
                 completion_tokens[index] = total = len(ids)
                 delta = text[offsets.get(index, 0) :]
                 offsets[index] = len(text)
@@ -409,6 +413,7 @@ class CompletionChunks(StreamLayout):
                 meta = content["meta_info"]
                 rid = meta["id"]
                 prompt_tokens[index] = meta.get("prompt_tokens", 0)
+                self.cached_tokens[index] = meta.get("cached_tokens", 0)
                 completion_tokens[index] = meta.get("completion_tokens", 0)
                 text = content.get("text", "")
                 if index not in offsets and self.echoes:  # its first chunk
@@ -548,14 +553,25 @@ def _echoed_logprobs(
     return meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []
 
 
-def results_usage(results: list[Mapping[str, Any]], n: int) -> dict[str, Any]:
+def _details(cached_tokens: int) -> dict[str, Any]:
+    """SGLang's ``PromptTokensDetails`` of a text prompt."""
+    return {"cached_tokens": cached_tokens, "image_tokens": None, "audio_tokens": None,
+            "video_tokens": None}  # fmt: skip
+
+
+def results_usage(
+    results: list[Mapping[str, Any]], n: int, cache_report: bool = False
+) -> dict[str, Any]:
     """``usage`` of whole answers, prompt-major with ``n`` samples a prompt
-    (``UsageProcessor.calculate_response_usage``: each prompt counted once; the reasoning
-    tokens of ``meta_info``, a ``require_reasoning`` request's)."""
-    prompts = sum(results[i]["meta_info"]["prompt_tokens"] for i in range(0, len(results), n))
+    (``UsageProcessor.calculate_response_usage``: each prompt counted once, its cached tokens
+    too with ``cache_report``; the reasoning tokens of ``meta_info``, a ``require_reasoning``
+    request's)."""
+    firsts = range(0, len(results), n)
+    prompts = sum(results[i]["meta_info"]["prompt_tokens"] for i in firsts)
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
     reasoning = sum(r["meta_info"].get("reasoning_tokens", 0) for r in results)
-    return _usage(prompts, completion, reasoning)
+    cached = sum(results[i]["meta_info"]["cached_tokens"] for i in firsts) if cache_report else None
+    return _usage(prompts, completion, reasoning, cached)
 
 
 def usage_chunk(
@@ -567,12 +583,20 @@ def usage_chunk(
     completion_tokens: Mapping[int, int],
     n: int,
     reasoning_tokens: Mapping[int, int] | None = None,
+    cached_tokens: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
     """A stream's last chunk with ``stream_options.include_usage``: no choices, the usage of
-    every choice (by index; each prompt counted once: ``calculate_streaming_usage``)."""
+    every choice (by index; each prompt counted once, its cached tokens too when given:
+    ``calculate_streaming_usage``)."""
     prompts = sum(t for i, t in prompt_tokens.items() if i % n == 0)
     reasoning = sum(reasoning_tokens.values()) if reasoning_tokens else 0
-    usage = _usage(prompts, sum(completion_tokens.values()), reasoning)
+    cached = None
+    if cached_tokens is not None:
+        cached = sum(t for i, t in cached_tokens.items() if i % n == 0)
+    usage = _usage(prompts, sum(completion_tokens.values()), reasoning, cached)
+    if usage["prompt_tokens_details"] is not None:
+        details = usage["prompt_tokens_details"]
+        usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
     return {
         "id": rid,
         "object": kind,
@@ -584,14 +608,20 @@ def usage_chunk(
     }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+def _usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    reasoning_tokens: int = 0,
+    cached_tokens: int | None = None,
+) -> dict[str, Any]:
     """SGLang's ``UsageInfo`` (``UsageProcessor.calculate_token_usage``: the reasoning tokens
-    also in ``completion_tokens_details`` when there are some)."""
+    also in ``completion_tokens_details`` when there are some; ``cached_tokens``, with
+    ``--enable-cache-report``, in ``prompt_tokens_details``)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None if cached_tokens is None else _details(cached_tokens),
         "reasoning_tokens": reasoning_tokens,
         "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}
         if reasoning_tokens
@@ -620,11 +650,13 @@ class OpenAIRoutes:
         adapters: Callable[[], list[dict[str, Any]]] = list,
         any_model: bool = False,
         response_store: Any = None,
+        cache_report: bool = False,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
         self.any_model = any_model  # /v1/responses takes any model name (the agent proxy)
         # openai_responses.ResponseStore (--enable-response-store); None: off, SGLang's default
         self.response_store = response_store
+        self.cache_report = cache_report  # --enable-cache-report: usage's cached tokens
         self.adapters = adapters  # the loaded LoRA adapters ({lora_name, lora_path, ...})
         # ``stream`` giving each sample's Progress rather than native chunks before its last
         # (``stream_generate(..., progress=True)``): every /v1 stream renders its own from them
@@ -746,6 +778,8 @@ class OpenAIRoutes:
         options: dict[str, Any] = {}
         try:
             native, options = build(body)
+            if route in ("completions", "chat"):
+                options["cache_report"] = self.cache_report
             if options.get("background"):  # /v1/responses: answered at once, run in a task
                 from stages.engine.openai_responses import run_in_background
 

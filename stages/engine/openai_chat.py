@@ -452,7 +452,7 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
         "created": int(time.time()),
         "model": options["model"],
         "choices": choices,
-        "usage": results_usage(results, n),
+        "usage": results_usage(results, n, options.get("cache_report", False)),
         "metadata": {"weight_version": first["weight_version"]},
     }
     sglext = _sglext(
@@ -541,6 +541,7 @@ class ChatChunks(StreamLayout):
             if type(content) is Progress:  # a sample's progress (the engine's own stream)
                 index, rid, text = content.index, content.rid, content.text
                 self.prompt_tokens[index] = content.prompt_tokens
+                self.cached_tokens[index] = content.cached
                 self.completion_tokens[index] = total = len(content.ids)
                 counter = content.reasoning
                 self.reasoning_tokens[index] = 0 if counter is None else counter.update(content.ids)
@@ -551,6 +552,7 @@ class ChatChunks(StreamLayout):
                 meta = content["meta_info"]
                 rid = meta["id"]
                 self.prompt_tokens[index] = meta.get("prompt_tokens", 0)
+                self.cached_tokens[index] = meta.get("cached_tokens", 0)
                 self.completion_tokens[index] = meta.get("completion_tokens", 0)
                 self.reasoning_tokens[index] = meta.get("reasoning_tokens", 0)
                 text = content.get("text", "")

@@ -5,7 +5,7 @@ Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu
 [--weight-version 0] [--reasoning-parser qwen3|deepseek-r1|...]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
 [--tool-call-parser qwen25|hermes|llama3|mistral|pythonic] [--enable-response-store]
-[--log-file PATH] [--api-key KEY] [--insecure]``
+[--enable-cache-report] [--log-file PATH] [--api-key KEY] [--insecure]``
 
 With an API key (``INFLIGHT_ENGINE_API_KEY`` in its environment, which is how the generator's
 launcher hands it over; or ``--api-key``, which ``ps`` shows) it answers as SGLang does with
@@ -147,12 +147,15 @@ def build_app(
     reasoning_parser: str | None = None,
     engine_id: str | None = None,
     response_store: bool = False,
+    cache_report: bool = False,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
     without it is refused (401, counted like every refusal); with ``engine_id``, ``/health``
     names it (``stages.engine.identity``); ``response_store``: ``/v1/responses`` keeps its
-    answers (SGLang's ``--enable-response-store``)."""
+    answers (SGLang's ``--enable-response-store``); ``cache_report``: the ``/v1`` routes'
+    ``usage`` has ``prompt_tokens_details.cached_tokens`` (SGLang's ``--enable-cache-report``).
+    """
     middlewares = [_count_refused] + ([_check_key] if api_key else [])
     app = web.Application(client_max_size=max_body, middlewares=middlewares)
     app[_REFUSED] = Counter()
@@ -186,6 +189,7 @@ def build_app(
         ),
         adapters=scheduler.adapters,
         response_store=ResponseStore() if response_store else None,
+        cache_report=cache_report,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     ParseRoutes().add_to(app)
@@ -619,6 +623,12 @@ def _parser() -> argparse.ArgumentParser:
         help="/v1/responses keeps its answers for previous_response_id and GET "
         "/v1/responses/{id} (SGLang's flag; the 4,096 newest are kept)",
     )
+    parser.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="the /v1 completions and chat answers' usage has prompt_tokens_details."
+        "cached_tokens, the prompt tokens the prefix cache served (SGLang's flag)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
@@ -728,6 +738,7 @@ def main(argv: list[str] | None = None) -> int:
             reasoning_parser=args.reasoning_parser,
             engine_id=os.environ.get(ENGINE_ID_ENV) or None,
             response_store=args.enable_response_store,
+            cache_report=args.enable_cache_report,
         )
         heap.settle()  # torch, transformers and the model stay: later collections skip them
         return _run_loop(_serve(app, args, loaded))
