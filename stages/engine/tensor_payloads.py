@@ -180,7 +180,11 @@ def _tensor(value: Any, where: str) -> torch.Tensor:
     if isinstance(value, LocalSerializedTensor):  # a payload per rank: this engine's is the first
         if not isinstance(value.values, list) or not value.values:
             raise PayloadError(f"{where}: a LocalSerializedTensor without values")
-        value = _load(bytes(value.values[0]), where)
+        first = value.values[0]  # bytes, or base64 text (MultiprocessingSerializer reads both)
+        if not isinstance(first, str | bytes | bytearray):
+            raise PayloadError(f"{where}: a LocalSerializedTensor value of {type(first).__name__}")
+        data = payload_bytes(first, where) if isinstance(first, str) else bytes(first)
+        value = _load(data, where)
     if not isinstance(value, torch.Tensor):
         raise PayloadError(f"{where}: expected a tensor, got {type(value).__name__}")
     return value
