@@ -68,6 +68,7 @@ from stages.engine.prompt_logprobs import next_token_logprobs, prompt_logprobs, 
 from stages.engine.protocol import GenerateInput, RequestError, SequenceResult
 from stages.engine.reasoning import reasoning_tokens
 from stages.engine.sampling import SlotSampler
+from stages.engine.step_profiler import ProfileRequest, StepProfiler
 from stages.hf import DynamicCache
 
 __all__ = ["PAUSE_MODES", "PREFIX_CACHE_MAX_AGE", "PREFIX_CACHE_TOKENS", "Scheduler"]
@@ -384,6 +385,7 @@ class Scheduler:
             else None
         )
         self.steps = 0
+        self._profiler = StepProfiler(self.device)  # /start_profile's (step_profiler)
         self.tokens_generated = 0
         self.prefill_tokens = 0  # context tokens run through prefill passes (not from cache)
 
@@ -493,6 +495,15 @@ class Scheduler:
         """Continue after a pause; resolves once the scheduler steps again."""
         return self._call(self._resume)
 
+    def start_profile(self, request: ProfileRequest) -> Future[None]:
+        """Start a torch profile of the steps (``step_profiler``) between two of them;
+        resolves once started (or armed for its ``start_step``), or with ProfileError."""
+        return self._call(lambda: self._profiler.start(request, self.steps))
+
+    def stop_profile(self) -> Future[str]:
+        """End the profile and write its trace; resolves with the trace's path."""
+        return self._call(self._profiler.stop)
+
     def apply_weights(
         self, named_tensors: list[tuple[str, torch.Tensor]], version: str | int | None
     ) -> Future[None]:
@@ -583,6 +594,8 @@ class Scheduler:
         self._admit()
         if self._running:
             self._decode()
+            if self._profiler.armed:
+                self._profiler.tick(self.steps)
         return bool(self._running) or bool(self._waiting)
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:

@@ -26,7 +26,8 @@ Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
 ``/resume_memory_occupation`` (``stages.engine.memory_routes``: the weights and KV cache given
 back to a colocated trainer); ``POST /v1/tokenize`` and ``/v1/detokenize``
 (``stages.engine.tokenize_routes``); ``POST /parse_function_call`` and ``/separate_reasoning``
-(``stages.engine.parse_routes``); ``stream: true`` answers server-sent events
+(``stages.engine.parse_routes``); ``GET|POST /start_profile`` and ``/stop_profile``
+(``stages.engine.profile_routes``); ``stream: true`` answers server-sent events
 (``stages.engine.streaming``); the OpenAI-compatible ``/v1`` routes are
 ``stages.engine.openai_api``'s. A malformed request gets HTTP 400 with ``{"error":
 {"message": "<field>: <problem>"}}``; weight routes answer ``{"success": false, "message":
@@ -71,6 +72,7 @@ from stages.engine.openai_api import OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.openai_responses import ResponseStore
 from stages.engine.parse_routes import ParseRoutes
+from stages.engine.profile_routes import ProfileRoutes
 from stages.engine.protocol import (
     GenerateInput,
     RequestError,
@@ -194,6 +196,7 @@ def build_app(
     TokenizeRoutes(loaded, chat).add_to(app)
     ParseRoutes().add_to(app)
     MemoryRoutes(scheduler).add_to(app)
+    ProfileRoutes(scheduler).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
