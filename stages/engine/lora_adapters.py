@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,18 +73,40 @@ def load_adapter(path: str | Path, model: torch.nn.Module, name: str) -> Adapter
     ``AdapterError`` saying what does not fit."""
     folder = Path(path)
     config = _read_config(folder)
+    return build_adapter(
+        config, lambda: _read_tensors(folder), model, name, str(path),
+        config_at=str(folder / "adapter_config.json"), at=str(folder),
+    )  # fmt: skip
+
+
+def build_adapter(
+    config: dict[str, Any],
+    tensors: Callable[[], dict[str, torch.Tensor]],
+    model: torch.nn.Module,
+    name: str,
+    path: str,
+    *,
+    config_at: str,
+    at: str,
+) -> Adapter:
+    """The adapter of a ``peft`` ``config`` (``adapter_config.json``'s) and its weights
+    (``tensors``, read once the config is checked) for ``model``; ``path`` is what
+    ``loaded_adapters`` shows; ``config_at`` and ``at`` say where a problem is."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{config_at}: peft_type {config.get('peft_type')!r}, not LORA")
     rank = config.get("r")
     alpha = config.get("lora_alpha", rank)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise AdapterError(f"{folder / 'adapter_config.json'}: r={rank!r} is not a rank >= 1")
+        raise AdapterError(f"{config_at}: r={rank!r} is not a rank >= 1")
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise AdapterError(f"{folder / 'adapter_config.json'}: lora_alpha={alpha!r}")
+        raise AdapterError(f"{config_at}: lora_alpha={alpha!r}")
     if config.get("use_dora"):
-        raise AdapterError(f"{folder}: DoRA adapters are not supported (use_dora: true)")
+        raise AdapterError(f"{at}: DoRA adapters are not supported (use_dora: true)")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise AdapterError(f"{folder}: per-module ranks (rank_pattern, alpha_pattern)")
+        raise AdapterError(f"{at}: per-module ranks (rank_pattern, alpha_pattern)")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = _read_tensors(folder)
+    folder = at  # where the weights are, in what follows
+    tensors = tensors()
     layers = model.model.layers
     pieces: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -110,11 +133,11 @@ def load_adapter(path: str | Path, model: torch.nn.Module, name: str) -> Adapter
             built[index][slot] = _fuse(
                 folder, index, part, projs, modules, found, rank, scale, weight
             )
-    return Adapter(name, str(path), rank, built, modules=len(pieces))
+    return Adapter(name, path, rank, built, modules=len(pieces))
 
 
 def _fuse(
-    folder: Path,
+    folder: str,
     index: int,
     part: str,
     projs: tuple[str, ...],

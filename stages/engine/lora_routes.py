@@ -1,6 +1,12 @@
 """SGLang's LoRA routes on the built-in engine: ``POST /load_lora_adapter`` (``lora_name``,
 ``lora_path``: a ``peft`` adapter folder on the engine's machine; ``pinned`` accepted) and
-``POST /unload_lora_adapter`` (``lora_name``). Both answer as SGLang does: ``success``,
+``POST /unload_lora_adapter`` (``lora_name``), and ``POST /load_lora_adapter_from_tensors``
+(SGLang 0.5.23's, for a trainer that holds the adapter in memory: ``lora_name``,
+``config_dict``, the ``peft`` config, and ``serialized_named_tensors``, a payload per
+tensor-parallel rank of its state dict, or with ``load_format: flattened_bucket`` a bucket of
+it, read as ``/update_weights_from_tensor``'s are (``tensor_payloads``); ``expected_checksums``,
+name -> sha256 of a tensor's bytes, checked first, as SGLang's ``tp_worker`` checks them;
+``loaded_adapters`` shows it at ``__tensor__``). All answer as SGLang does: ``success``,
 ``error_message`` and ``loaded_adapters`` (name -> path), status 400 on failure. A request then
 names an adapter with ``lora_path`` (``/generate``); rows already running with an unloaded
 adapter finish with it.
@@ -12,12 +18,15 @@ Not here: reading and applying adapters (``lora_adapters``), which rows take whi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from stages.engine.lora_adapters import AdapterError
 from stages.engine.protocol import RequestError
+from stages.engine.tensor_payloads import PayloadError, payload_bytes, tensor_dict
 
 __all__ = ["LoraRoutes"]
 
@@ -30,6 +39,7 @@ class LoraRoutes:
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/load_lora_adapter", self.load)
         app.router.add_post("/unload_lora_adapter", self.unload)
+        app.router.add_post("/load_lora_adapter_from_tensors", self.load_from_tensors)
 
     async def load(self, request: web.Request) -> web.Response:
         try:
@@ -43,6 +53,42 @@ class LoraRoutes:
             future = await asyncio.to_thread(self.scheduler.load_adapter, name, path)
             await asyncio.wrap_future(future)
         except (RequestError, AdapterError) as exc:
+            return self._answer(False, str(exc))
+        return self._answer(True, None)
+
+    async def load_from_tensors(self, request: web.Request) -> web.Response:
+        try:
+            body = await self.read_body(request)
+            name = _name(body, "lora_name")
+            config = body.get("config_dict")
+            if not isinstance(config, dict):
+                raise RequestError("config_dict", f"expected the peft config, got {config!r}")
+            payloads = body.get("serialized_named_tensors")
+            if not isinstance(payloads, list) or not payloads:
+                raise RequestError("serialized_named_tensors", "expected a payload per rank")
+            load_format = body.get("load_format")
+            if load_format not in (None, "direct", "flattened_bucket"):
+                raise RequestError("load_format", f"Unknown load_format={load_format}")
+            if not isinstance(body.get("pinned", False), bool):
+                raise RequestError("pinned", f"expected true or false, got {body['pinned']!r}")
+            if body.get("added_tokens_config"):
+                raise RequestError("added_tokens_config", "added tokens are not supported here")
+            expected = body.get("expected_checksums")
+            if expected is not None and not (
+                isinstance(expected, dict) and all(isinstance(v, str) for v in expected.values())
+            ):
+                raise RequestError("expected_checksums", "expected name -> sha256 hex digest")
+            data = payload_bytes(payloads[0], "serialized_named_tensors[0]")
+
+            def read() -> dict[str, Any]:
+                tensors = tensor_dict(data, load_format)
+                if expected is not None:
+                    _check_sums(tensors, expected)
+                return tensors
+
+            future = await asyncio.to_thread(self.scheduler.load_adapter_from, name, config, read)
+            await asyncio.wrap_future(future)
+        except (RequestError, AdapterError, PayloadError) as exc:
             return self._answer(False, str(exc))
         return self._answer(True, None)
 
@@ -76,3 +122,25 @@ def _known(body: dict[str, Any], fields: set[str]) -> None:
     for key in body:
         if key not in fields:
             raise RequestError(key, f"unknown field (expected {sorted(fields)})")
+
+
+def _check_sums(tensors: dict[str, Any], expected: dict[str, str]) -> None:
+    """SGLang 0.5.23's ``[LORA-CHECK]`` (``tp_worker.load_lora_adapter_from_tensors``): each
+    tensor's sha256 over its bytes against ``expected``, none missing and none extra."""
+    mismatch, missing = [], []
+    for name, want in expected.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            missing.append(name)
+            continue
+        raw = tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+        if hashlib.sha256(raw).hexdigest() != want:
+            mismatch.append(name)
+    extra = [n for n in tensors if n not in expected]
+    if mismatch or missing or extra:
+        raise RequestError(
+            "expected_checksums",
+            f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected: "
+            f"{len(mismatch)} value-diff {mismatch[:5]}, {len(missing)} missing {missing[:5]}, "
+            f"{len(extra)} extra {extra[:5]}",
+        )

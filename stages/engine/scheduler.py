@@ -60,7 +60,13 @@ from pipeline.processes import name_thread
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
-from stages.engine.lora_adapters import Adapter, AdapterError, RowAdapters, load_adapter
+from stages.engine.lora_adapters import (
+    Adapter,
+    AdapterError,
+    RowAdapters,
+    build_adapter,
+    load_adapter,
+)
 from stages.engine.memory_offload import KV_CACHE, WEIGHTS, MemoryState, WeightOffload
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
@@ -530,6 +536,23 @@ class Scheduler:
         """Read the peft adapter folder ``path`` (in the caller's thread) and make it
         ``name`` at the next step boundary. Raises ``AdapterError`` for a folder that does not
         fit the model, or when this model's passes cannot take adapters."""
+        self._check_adapter(name)
+        adapter = load_adapter(path, self.model, name)
+        return self._call(lambda: self._add_adapter(adapter))
+
+    def load_adapter_from(
+        self, name: str, config: dict[str, Any], tensors: Callable[[], dict[str, torch.Tensor]]
+    ) -> Future[None]:
+        """``load_adapter`` of a ``peft`` config and its weights (``tensors``, read in the
+        caller's thread: SGLang's ``/load_lora_adapter_from_tensors``)."""
+        self._check_adapter(name)
+        adapter = build_adapter(
+            config, tensors, self.model, name, "__tensor__",
+            config_at="config_dict", at="serialized_named_tensors",
+        )  # fmt: skip
+        return self._call(lambda: self._add_adapter(adapter))
+
+    def _check_adapter(self, name: str) -> None:
         if self._fast is None:
             raise AdapterError(
                 f"LoRA adapters need the engine's Llama-family forward path; this model takes "
@@ -537,8 +560,6 @@ class Scheduler:
             )
         if name in self._adapter_names:
             raise AdapterError(f"an adapter named {name!r} is already loaded: unload it first")
-        adapter = load_adapter(path, self.model, name)
-        return self._call(lambda: self._add_adapter(adapter))
 
     def unload_adapter(self, name: str) -> Future[bool]:
         """Forget adapter ``name`` (rows already running with it finish with it); resolves to

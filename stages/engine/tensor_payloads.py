@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.multiprocessing.reductions as reductions
 
-__all__ = ["PayloadError", "named_tensors", "payload_bytes"]
+__all__ = ["PayloadError", "named_tensors", "payload_bytes", "tensor_dict"]
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 
@@ -205,6 +205,18 @@ def named_tensors(data: bytes, load_format: str | None) -> list[tuple[str, torch
             raise PayloadError(f"{where}[{i}]: expected a (name, tensor) pair")
         out.append((pair[0], _tensor(pair[1], f"{where}[{i}] ({pair[0]})")))
     return out
+
+
+def tensor_dict(data: bytes, load_format: str | None) -> dict[str, torch.Tensor]:
+    """One rank's payload of ``/load_lora_adapter_from_tensors`` (``tp_worker``): the
+    adapter's state dict by name, or a flattened bucket of it."""
+    where = "serialized_named_tensors[0]"
+    obj = _load(data, where)
+    if load_format == "flattened_bucket":
+        return dict(_unflatten(obj, where))
+    if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+        raise PayloadError(f"{where}: expected a dict of name -> tensor, got {type(obj).__name__}")
+    return {name: _tensor(value, f"{where}[{name!r}]") for name, value in obj.items()}
 
 
 def _unflatten(obj: Any, where: str) -> list[tuple[str, torch.Tensor]]:

@@ -14,7 +14,9 @@ registered here (SGLang is not installed).
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
+import json
 import sys
 import types
 from collections.abc import Iterator
@@ -83,8 +85,13 @@ def raw(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+_SENT: list[Any] = []  # what was sent stays alive here, as a trainer keeps it until answered
+
+
 def serialize(obj: Any) -> str:
-    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: for JSON."""
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: for JSON. Only
+    handles travel: ``obj`` is kept, so that its shared memory outlives the request."""
+    _SENT.append(obj)
     return base64.b64encode(raw(obj)).decode()
 
 
@@ -244,3 +251,57 @@ def test_a_tensor_shared_by_file_descriptor_says_how_to_share_it(url: str, model
     assert status == 400, answer
     assert "set_sharing_strategy('file_system')" in answer["message"]
     assert _greedy(url)["output_ids"] == models.greedy["a"]  # the last test left A
+
+
+@pytest.mark.timeout(120)
+def test_a_lora_adapter_sent_as_tensors_computes_what_its_folder_does(
+    url: str, models: Models, shared_files: None, sglang_classes: None, tmp_path: Path
+) -> None:
+    """SGLang 0.5.23's ``/load_lora_adapter_from_tensors`` (``tp_worker``): the adapter's
+    ``peft`` config and its state dict (or a flattened bucket of it) from this process's
+    memory; requests naming it get what the same adapter loaded from its folder gives;
+    ``expected_checksums`` (sha256 of each tensor's bytes) checked first."""
+    from tests.stages.test_engine_lora import _adapter
+
+    folder = tmp_path / "adapter"
+    _adapter(models.a, folder, seed=4, targets="all-linear")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    state = load_file(folder / "adapter_model.safetensors")
+    assert _post(url, "/load_lora_adapter", lora_name="disk", lora_path=str(folder))[0] == 200
+    body = {
+        "lora_name": "mem",
+        "config_dict": config,
+        "serialized_named_tensors": [serialize(state)],
+    }
+    status, answer = _post(url, "/load_lora_adapter_from_tensors", **body)
+    assert status == 200, answer
+    assert answer == {"success": True, "error_message": None,
+                      "loaded_adapters": {"disk": str(folder), "mem": "__tensor__"}}  # fmt: skip
+    sums = {
+        n: hashlib.sha256(t.contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in state.items()
+    }
+    bucket = {**body, "lora_name": "bucket", "load_format": "flattened_bucket",
+              "serialized_named_tensors": [serialize(flattened(list(state.items())))],
+              "expected_checksums": sums}  # fmt: skip
+    assert _post(url, "/load_lora_adapter_from_tensors", **bucket)[0] == 200
+    try:
+        outs = {}
+        for name in ("disk", "mem", "bucket", None):
+            status, out = _post(url, "/generate", input_ids=PROMPT, sampling_params=GREEDY,
+                                lora_path=name)  # fmt: skip
+            assert status == 200, out
+            outs[name] = out["output_ids"]
+        assert outs["mem"] == outs["bucket"] == outs["disk"] != outs[None]
+        wrong = {**bucket, "lora_name": "wrong",
+                 "expected_checksums": {**sums, next(iter(sums)): "0" * 64}}  # fmt: skip
+        status, answer = _post(url, "/load_lora_adapter_from_tensors", **wrong)
+        assert (
+            status == 400 and "[LORA-CHECK] rank0 adapter sync MISMATCH" in answer["error_message"]
+        )
+        status, answer = _post(url, "/load_lora_adapter_from_tensors", **{**body, "config_dict": 3})
+        assert status == 400 and "config_dict" in answer["error_message"]
+        assert set(answer["loaded_adapters"]) == {"disk", "mem", "bucket"}
+    finally:
+        for name in ("disk", "mem", "bucket"):
+            _post(url, "/unload_lora_adapter", lora_name=name)

@@ -29,6 +29,7 @@ the text test decodes (with the served model's tokenizer).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import math
@@ -427,7 +428,7 @@ async def test_weights_from_tensor_in_shared_memory_come_back_as_they_were(clien
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    from tests.stages.test_engine_tensor_weights import serialize
+    from tests.stages.test_engine_tensor_weights import raw
 
     model = AutoModelForCausalLM.from_pretrained(served.model, dtype="auto")
     before = await client.generate(PROMPT, _params(16), rid=_rid("before-tensor"))
@@ -435,7 +436,8 @@ async def test_weights_from_tensor_in_shared_memory_come_back_as_they_were(clien
     strategy = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")
     try:
-        payload = serialize([(n, t.detach()) for n, t in model.state_dict().items()])
+        named = [(n, t.detach()) for n, t in model.state_dict().items()]  # kept until answered
+        payload = base64.b64encode(raw(named)).decode()
     finally:
         mp.set_sharing_strategy(strategy)
     status, opened = await _post(client, "/begin_weight_update", {})
@@ -446,7 +448,7 @@ async def test_weights_from_tensor_in_shared_memory_come_back_as_they_were(clien
     finally:
         assert (await _post(client, "/end_weight_update", {}))[0] == 200
     assert status == 200 and answer["success"] is True, answer
-    del model, payload
+    del model, named, payload
     after = await client.generate(PROMPT, _params(16), rid=_rid("after-tensor"))
     assert str(after.weight_version) == version
     assert after.output_ids.tolist() == before.output_ids.tolist()
