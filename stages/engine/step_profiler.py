@@ -11,8 +11,10 @@ both; ``GPU`` only where the engine runs on CUDA), ``MEM`` (CUDA's allocator his
 ``OUTPUT_DIR/[PREFIX-]PROFILE_ID-TP-0.trace.json.gz`` (``output_dir`` else
 ``SGLANG_TORCH_PROFILER_DIR`` else ``/tmp``; ``profile_id`` else the start's Unix time), a
 Chrome trace (``chrome://tracing``, Perfetto). A second start while one runs, or a stop with
-none: ``ProfileError`` with SGLang's words. Steps here are the scheduler's decode steps (a
-prefill pass runs inside the step that admits it).
+none running: ``ProfileError`` with SGLang's words (a profile still waiting for its
+``start_step`` is not running: a start replaces it, a stop is refused and leaves it armed).
+Steps here are the scheduler's decode steps (a prefill pass runs inside the step that admits
+it).
 
 The profiler starts, stops and writes on the scheduler thread (``Scheduler.start_profile``),
 between two steps, so that it sees the model's passes.
@@ -74,7 +76,7 @@ class StepProfiler:
     def start(self, request: ProfileRequest, steps: int) -> None:
         """Arm ``request`` (``steps``: the decode steps run so far); it starts now unless it
         waits for ``start_step``."""
-        if self.request is not None:
+        if self._begun:  # one waiting for its start_step is replaced, as SGLang's is
             raise ProfileError("Profiling is already in progress. Call /stop_profile first.")
         cuda = self.device.type == "cuda"
         for name in request.activities:
@@ -103,7 +105,7 @@ class StepProfiler:
     def stop(self) -> str:
         """End the profile and write its trace; the trace's path (none written: "")."""
         request = self.request
-        if request is None:
+        if request is None or not self._begun:  # one waiting for its step stays armed
             raise ProfileError("Profiling is not in progress. Call /start_profile first.")
         self.request, self._begun = None, False
         request.output_dir.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,8 @@ def test_a_profile_runs_until_stop_profile_and_may_wait_for_its_step(
     assert _post(url, "/start_profile", later).status_code == 200
     assert _post(url, "/generate", {**GENERATE, "sampling_params": {"max_new_tokens": 2}})
     assert not (tmp_path / "later-TP-0.trace.json.gz").exists()  # its step not reached yet
+    early = _post(url, "/stop_profile")  # not running yet, as SGLang sees it: refused, armed
+    assert early.status_code == 400 and "not in progress" in early.text
     assert _post(url, "/generate", GENERATE).status_code == 200
     assert (tmp_path / "later-TP-0.trace.json.gz").exists()
 
