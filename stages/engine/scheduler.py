@@ -392,6 +392,7 @@ class Scheduler:
         )
         self.steps = 0
         self._profiler = StepProfiler(self.device)  # /start_profile's (step_profiler)
+        self._forward_sleep: float | None = None  # /slow_down's seconds before each step
         self.tokens_generated = 0
         self.prefill_tokens = 0  # context tokens run through prefill passes (not from cache)
 
@@ -500,6 +501,15 @@ class Scheduler:
     def resume(self) -> Future[None]:
         """Continue after a pause; resolves once the scheduler steps again."""
         return self._call(self._resume)
+
+    def slow_down(self, seconds: float | None) -> Future[None]:
+        """Sleep ``seconds`` before each step that has work (None: no more); SGLang's
+        ``/slow_down``."""
+
+        def set_sleep() -> None:
+            self._forward_sleep = seconds
+
+        return self._call(set_sleep)
 
     def start_profile(self, request: ProfileRequest) -> Future[None]:
         """Start a torch profile of the steps (``step_profiler``) between two of them;
@@ -612,6 +622,8 @@ class Scheduler:
         self._drain()
         if self._paused or self._memory.holds_generation:
             return False
+        if self._forward_sleep is not None and (self._running or self._waiting):
+            time.sleep(self._forward_sleep)  # /slow_down (SGLang's, for tests)
         self._admit()
         if self._running:
             self._decode()

@@ -27,7 +27,8 @@ Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
 back to a colocated trainer); ``POST /v1/tokenize`` and ``/v1/detokenize``
 (``stages.engine.tokenize_routes``); ``POST /parse_function_call`` and ``/separate_reasoning``
 (``stages.engine.parse_routes``); ``GET|POST /start_profile`` and ``/stop_profile``
-(``stages.engine.profile_routes``); ``stream: true`` answers server-sent events
+(``stages.engine.profile_routes``); ``GET|POST /freeze_gc`` and ``/slow_down``
+(``stages.engine.maintenance_routes``); ``stream: true`` answers server-sent events
 (``stages.engine.streaming``); the OpenAI-compatible ``/v1`` routes are
 ``stages.engine.openai_api``'s. A malformed request gets HTTP 400 with ``{"error":
 {"message": "<field>: <problem>"}}``; weight routes answer ``{"success": false, "message":
@@ -67,6 +68,7 @@ from stages.engine.grammar import GrammarSet
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.lora_routes import LoraRoutes
+from stages.engine.maintenance_routes import MaintenanceRoutes
 from stages.engine.memory_routes import MemoryRoutes
 from stages.engine.openai_api import OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
@@ -197,6 +199,7 @@ def build_app(
     ParseRoutes().add_to(app)
     MemoryRoutes(scheduler).add_to(app)
     ProfileRoutes(scheduler).add_to(app)
+    MaintenanceRoutes(scheduler).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)

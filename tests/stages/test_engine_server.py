@@ -888,3 +888,22 @@ def test_weight_group_routes_take_sglangs_defaults(engine: Engine) -> None:
         assert left == (200, {"success": True, "message": "Succeeded to destroy group."})
     finally:
         group.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_freeze_gc_and_slow_down_answer_as_sglang(engine: Engine) -> None:
+    """SGLang 0.5.23's maintenance routes (``http_server.py``): ``/freeze_gc`` answers its
+    text; ``/slow_down`` (``Scheduler.slow_down``) sleeps before each step until null ends it,
+    answering ``null``; its one field is required."""
+    request = urllib.request.Request(engine.url + "/freeze_gc", method="POST")
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert (resp.status, resp.read()) == (200, b"Garbage collection frozen.\n")
+    body = {"input_ids": [5, 6, 7], "sampling_params": {**GREEDY, "max_new_tokens": 6}}
+    assert engine.request("POST", "/slow_down", {"forward_sleep_time": 0.05}) == (200, None)
+    slowed = engine.generate(body)["meta_info"]["e2e_latency"]
+    assert slowed >= 0.25  # 6 steps (the prefill's among them), 0.05 s before each
+    assert engine.request("POST", "/slow_down", {"forward_sleep_time": None}) == (200, None)
+    assert engine.generate(body)["meta_info"]["e2e_latency"] < slowed
+    for bad in ({}, {"forward_sleep_time": "x"}, {"forward_sleep_time": True}):
+        status, answer = engine.request("POST", "/slow_down", bad)
+        assert status == 400 and answer["error"]["message"].startswith("forward_sleep_time")
