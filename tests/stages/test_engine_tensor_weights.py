@@ -18,6 +18,8 @@ import hashlib
 import io
 import json
 import sys
+import threading
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -305,3 +307,32 @@ def test_a_lora_adapter_sent_as_tensors_computes_what_its_folder_does(
     finally:
         for name in ("disk", "mem", "bucket"):
             _post(url, "/unload_lora_adapter", lora_name=name)
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_update_lands_between_two_steps_of_running_requests(
+    url: str, models: Models, shared_files: None
+) -> None:
+    """In flight, as the distributed route's buckets: a request decoding while the update
+    arrives goes on, its tokens after it under the new version (``/slow_down`` keeps it
+    running long enough)."""
+    assert _update(url, serialize(list(models.tensors["a"].items())), weight_version="a1")[0] == 200
+    assert _post(url, "/slow_down", forward_sleep_time=0.01)[0] == 200
+    result: dict[str, Any] = {}
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 150}}
+    worker = threading.Thread(target=lambda: result.update(_post(url, "/generate", **body)[1]))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while requests.get(url + "/server_info", timeout=10).json()["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.005)
+        b = serialize(list(models.tensors["b"].items()))
+        assert _update(url, b, weight_version="b2", flush_cache=False)[0] == 200
+    finally:
+        worker.join(60)
+        _post(url, "/slow_down", forward_sleep_time=None)
+    versions = result["meta_info"]["output_token_weight_versions"]
+    assert len(versions) == 150 and versions[0] == "a1" and versions[-1] == "b2"
+    assert versions == sorted(versions)  # one switch, never back
+    assert _update(url, serialize(list(models.tensors["a"].items())))[0] == 200
