@@ -26,7 +26,7 @@ from aiohttp import web
 
 from stages.engine.lora_adapters import AdapterError
 from stages.engine.protocol import RequestError
-from stages.engine.tensor_payloads import PayloadError, payload_bytes, tensor_dict
+from stages.engine.tensor_payloads import LOAD_FORMATS, PayloadError, payload_bytes, tensor_dict
 
 __all__ = ["LoraRoutes"]
 
@@ -67,7 +67,7 @@ class LoraRoutes:
             if not isinstance(payloads, list) or not payloads:
                 raise RequestError("serialized_named_tensors", "expected a payload per rank")
             load_format = body.get("load_format")
-            if load_format not in (None, "direct", "flattened_bucket"):
+            if load_format not in LOAD_FORMATS:
                 raise RequestError("load_format", f"Unknown load_format={load_format}")
             if not isinstance(body.get("pinned", False), bool):
                 raise RequestError("pinned", f"expected true or false, got {body['pinned']!r}")
