@@ -12,7 +12,9 @@ from __future__ import annotations
 import transformers
 
 AutoConfig = transformers.AutoConfig
+AutoModel = transformers.AutoModel
 AutoModelForCausalLM = transformers.AutoModelForCausalLM
+AutoModelForSequenceClassification = transformers.AutoModelForSequenceClassification
 AutoTokenizer = transformers.AutoTokenizer
 DynamicCache = transformers.DynamicCache
 PreTrainedTokenizerBase = transformers.PreTrainedTokenizerBase
@@ -20,7 +22,9 @@ PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
 
 __all__ = [
     "AutoConfig",
+    "AutoModel",
     "AutoModelForCausalLM",
+    "AutoModelForSequenceClassification",
     "AutoTokenizer",
     "DynamicCache",
     "PreTrainedTokenizerBase",

@@ -18,7 +18,7 @@ from stages.hf import AutoModelForCausalLM, PreTrainedTokenizerBase
 from stages.hub import TOKENIZER_FILES, resolve_model
 from stages.light_tokenizer import transformers_tokenizer
 
-__all__ = ["DTYPES", "LoadedModel", "load_model"]
+__all__ = ["DTYPES", "LoadedModel", "eos_ids", "load_model", "load_tokenizer", "torch_dtype"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,34 +37,46 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "auto") ->
     """Load ``path`` (a folder or a Hub repo id) onto ``device``; raises ``ValueError``
     (``stages.hub.HubError`` when the folder or repo is unusable) or ``OSError``."""
     path = resolve_model(str(path), what="--model")
-    if dtype == "auto":
-        torch_dtype: torch.dtype | str = torch.float32 if device == "cpu" else "auto"
-    elif dtype in DTYPES:
-        torch_dtype = DTYPES[dtype]
-    else:
-        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype(device, dtype), local_files_only=True
+    )
     model.to(device).eval()
-    tokenizer = _load_tokenizer(path)
-    eos: set[int] = set()
-    for source in (model.generation_config.eos_token_id, model.config.eos_token_id):
-        if isinstance(source, int):
-            eos.add(source)
-        elif isinstance(source, list):
-            eos.update(source)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
+    tokenizer = load_tokenizer(path)
     return LoadedModel(
         path=path,
         model=model,
         tokenizer=tokenizer,
         vocab_size=model.get_input_embeddings().num_embeddings,
         context_length=model.config.max_position_embeddings,
-        eos_token_ids=frozenset(eos),
+        eos_token_ids=eos_ids(model, tokenizer),
     )
 
 
-def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+def torch_dtype(device: str, dtype: str) -> torch.dtype | str:
+    """What ``from_pretrained`` gets for ``--dtype``: ``auto`` is float32 on CPU."""
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else "auto"
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """The end-of-sequence ids of the model's configs and its tokenizer."""
+    eos: set[int] = set()
+    generation = getattr(model, "generation_config", None)
+    for source in (getattr(generation, "eos_token_id", None), model.config.eos_token_id):
+        if isinstance(source, int):
+            eos.add(source)
+        elif isinstance(source, list):
+            eos.update(source)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The folder's tokenizer; None when it has no tokenizer files."""
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
     return transformers_tokenizer(path)

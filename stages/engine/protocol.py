@@ -66,6 +66,7 @@ __all__ = [
     "parse_generate",
     "parse_groups",
     "parse_sampling_params",
+    "read_prompts",
     "render_result",
     "render_sample",
     "result_text",
@@ -321,7 +322,7 @@ def parse_generate(
         if not isinstance(body.get(flag, False), bool | None):
             raise RequestError(flag, f"expected true or false, got {body[flag]!r}")
 
-    prompts, batch = _prompts(body, vocab_size=vocab_size, encode=encode)
+    prompts, batch = read_prompts(body, vocab_size=vocab_size, encode=encode)
     raw_params = body.get("sampling_params")
     n = _parallel_n(raw_params, batch)
     listed = batch or n > 1  # SGLang: a single prompt with n > 1 becomes a batch of one
@@ -751,9 +752,11 @@ def _sample_rids(
     raise RequestError("rid", f"expected str, got {_kind(value)}")
 
 
-def _prompts(
+def read_prompts(
     body: dict[str, Any], *, vocab_size: int, encode: Callable[[str], list[int]] | None
 ) -> tuple[list[list[int]], bool]:
+    """The prompts of a body's ``text`` or ``input_ids`` (exactly one), one or a batch, as
+    token ids checked against the vocabulary; and whether it was a batch."""
     has_ids = body.get("input_ids") is not None
     has_text = body.get("text") is not None
     if has_ids == has_text:

@@ -64,6 +64,7 @@ from aiohttp import web
 from pipeline import heap
 from stages.detokenize import decoder
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
+from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.grammar import GrammarSet
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.loader import DTYPES, LoadedModel, load_model
@@ -74,6 +75,7 @@ from stages.engine.openai_api import OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.openai_responses import ResponseStore
 from stages.engine.parse_routes import ParseRoutes
+from stages.engine.pooling import model_kind
 from stages.engine.profile_routes import ProfileRoutes
 from stages.engine.protocol import (
     GenerateInput,
@@ -105,12 +107,19 @@ from stages.engine.weight_routes import WeightRoutes
 from transport.credit import sparse
 
 __all__ = [
+    "ENGINE_VERSION",
+    "base_app",
     "build_app",
     "build_scheduler",
+    "engine_id_header",
     "generate",
     "generate_results",
     "main",
+    "model_info",
     "parse_args",
+    "refused_counts",
+    "run_loop",
+    "serve",
 ]
 
 log = structlog.get_logger("stages.engine.server")
@@ -137,7 +146,7 @@ def _package_version() -> str:
         return "unknown"
 
 
-_VERSION = _package_version()
+ENGINE_VERSION = _package_version()
 
 
 def build_app(
@@ -160,14 +169,9 @@ def build_app(
     answers (SGLang's ``--enable-response-store``); ``cache_report``: the ``/v1`` routes'
     ``usage`` has ``prompt_tokens_details.cached_tokens`` (SGLang's ``--enable-cache-report``).
     """
-    middlewares = [_count_refused] + ([_check_key] if api_key else [])
-    app = web.Application(client_max_size=max_body, middlewares=middlewares)
-    app[_REFUSED] = Counter()
-    if api_key:
-        app[_API_KEY] = api_key
+    app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     app[_LOADED] = loaded
     app[_SCHEDULER] = scheduler
-    app[_ENGINE_ID] = {ENGINE_ID_HEADER: engine_id} if engine_id else {}
     app[_DECODE] = decoder(loaded.tokenizer)
     weights = WeightRoutes(scheduler, str(loaded.path))
     app[_WEIGHTS] = weights
@@ -196,6 +200,7 @@ def build_app(
         cache_report=cache_report,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
+    EncodeRoutes(None, str(loaded.path)).add_to(app)  # SGLang's refusal: not an embedding model
     ParseRoutes().add_to(app)
     MemoryRoutes(scheduler).add_to(app)
     ProfileRoutes(scheduler).add_to(app)
@@ -459,22 +464,40 @@ async def _model_info(request: web.Request) -> web.Response:
     """SGLang's ``/model_info`` (the fields it has; no modalities or disaggregation here)."""
     loaded = request.app[_LOADED]
     return web.json_response(
-        {
-            "model_path": request.app[_WEIGHTS].model_path,
-            "served_model_name": str(loaded.path),
-            "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": request.app[_SCHEDULER].weight_version,
-            "load_format": None,
-            **request.app[_PARSERS],
-            "disaggregation_mode": "null",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": loaded.model.config.model_type,
-            "architectures": loaded.model.config.architectures,
-        }
+        model_info(
+            loaded,
+            model_path=request.app[_WEIGHTS].model_path,
+            is_generation=True,
+            weight_version=request.app[_SCHEDULER].weight_version,
+            parsers=request.app[_PARSERS],
+        )
     )
+
+
+def model_info(
+    loaded: LoadedModel,
+    *,
+    model_path: str,
+    is_generation: bool,
+    weight_version: str,
+    parsers: dict[str, str | None],
+) -> dict[str, Any]:
+    """SGLang's ``/model_info`` answer (the fields it has; no modalities or disaggregation)."""
+    return {
+        "model_path": model_path,
+        "served_model_name": str(loaded.path),
+        "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
+        "is_generation": is_generation,
+        "preferred_sampling_params": None,
+        "weight_version": weight_version,
+        "load_format": None,
+        **parsers,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": loaded.model.config.model_type,
+        "architectures": loaded.model.config.architectures,
+    }
 
 
 async def _server_info(request: web.Request) -> web.Response:
@@ -502,7 +525,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "stream_interval": scheduler.stream_interval,
             "weight_version": scheduler.weight_version,
             "internal_states": [state],
-            "version": f"inflight-rl {_VERSION}",
+            "version": f"inflight-rl {ENGINE_VERSION}",
             "frontend": "python",
             "engine": "inflight-builtin",
             "forward_path": scheduler.forward_path,
@@ -635,6 +658,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the /v1 completions and chat answers' usage has prompt_tokens_details."
         "cached_tokens, the prompt tokens the prefix cache served (SGLang's flag)",
     )
+    parser.add_argument(
+        "--is-embedding",
+        action="store_true",
+        help="serve the model as an embedding model (/encode, /v1/embeddings), as SGLang's "
+        "flag; a *ForSequenceClassification model (a reward model) is served so without it",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
@@ -653,6 +682,30 @@ def _parser() -> argparse.ArgumentParser:
         help="stage and replica named on every log event (how `inflight logs` filters it)",
     )
     return parser
+
+
+def base_app(
+    *, max_body: int = _MAX_BODY, api_key: str | None = None, engine_id: str | None = None
+) -> web.Application:
+    """An application with the engine's middlewares (every refusal counted; the API key
+    checked when there is one) and no routes yet."""
+    middlewares = [_count_refused] + ([_check_key] if api_key else [])
+    app = web.Application(client_max_size=max_body, middlewares=middlewares)
+    app[_REFUSED] = Counter()
+    if api_key:
+        app[_API_KEY] = api_key
+    app[_ENGINE_ID] = {ENGINE_ID_HEADER: engine_id} if engine_id else {}
+    return app
+
+
+def refused_counts(app: web.Application) -> dict[str, int]:
+    """The refusals counted so far, by ``METHOD route status``."""
+    return dict(app[_REFUSED])
+
+
+def engine_id_header(app: web.Application) -> dict[str, str]:
+    """The header ``/health`` names this engine with (none when it has no id)."""
+    return app[_ENGINE_ID]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -724,6 +777,15 @@ def main(argv: list[str] | None = None) -> int:
             console=True,
         )
     torch.manual_seed(args.seed)
+    try:
+        kind = model_kind(args.model, args.is_embedding)
+    except (OSError, ValueError) as exc:
+        log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
+        return 2
+    if kind is not None:  # a reward or embedding model: /encode, /classify, /v1/embeddings
+        from stages.engine.pooling_server import serve_pooling
+
+        return serve_pooling(args, kind, api_key)
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -747,12 +809,20 @@ def main(argv: list[str] | None = None) -> int:
             cache_report=args.enable_cache_report,
         )
         heap.settle()  # torch, transformers and the model stay: later collections skip them
-        return _run_loop(_serve(app, args, loaded))
+        started = {
+            "forward": scheduler.forward_path,
+            "forward_fallback_reason": scheduler.forward_path_why,
+            "max_running": args.max_running,
+            "prefix_cache_tokens": args.prefix_cache_tokens,
+            "prefix_cache_max_age": args.prefix_cache_max_age,
+        }
+        return run_loop(serve(app, args, loaded, started))
     finally:
         scheduler.stop()
 
 
-def _run_loop(coro: Awaitable[int]) -> int:
+def run_loop(coro: Awaitable[int]) -> int:
+    """Run the server's coroutine to its end (on uvloop when installed)."""
     try:
         import uvloop
     except ImportError:
@@ -760,7 +830,11 @@ def _run_loop(coro: Awaitable[int]) -> int:
     return uvloop.run(coro)  # type: ignore[arg-type]
 
 
-async def _serve(app: web.Application, args: argparse.Namespace, loaded: LoadedModel) -> int:
+async def serve(
+    app: web.Application, args: argparse.Namespace, loaded: LoadedModel, started: dict[str, Any]
+) -> int:
+    """Serve ``app`` until SIGTERM or SIGINT; ``started``: what ``engine_started`` logs beside
+    the address, the model and the device."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     received: list[str] = []
@@ -791,11 +865,7 @@ async def _serve(app: web.Application, args: argparse.Namespace, loaded: LoadedM
             model=str(loaded.path),
             device=args.device,
             dtype=str(next(loaded.model.parameters()).dtype),
-            max_running=args.max_running,
-            forward=app[_SCHEDULER].forward_path,
-            forward_fallback_reason=app[_SCHEDULER].forward_path_why,
-            prefix_cache_tokens=args.prefix_cache_tokens,
-            prefix_cache_max_age=args.prefix_cache_max_age,
+            **started,
             tokenizer=loaded.tokenizer is not None,
             threads=torch.get_num_threads(),
             api_key=_API_KEY in app,  # whether one is required, never the key

@@ -1,6 +1,7 @@
-"""Rewards computed behind HTTP: a reward server (``url``) or a generative judge served by an
-engine (``judge``), called from the scorer's event loop (no worker process: the server does the
-work; ``RewardRunner`` gathers them with the functions).
+"""Rewards computed behind HTTP: a reward server (``url``), a reward model served by an engine
+(``reward_model``: its ``/classify``) or a generative judge served by an engine (``judge``),
+called from the scorer's event loop (no worker process: the server does the work;
+``RewardRunner`` gathers them with the functions).
 
 A reward server, protocol ``inflight`` (the default), gets ``POST url`` with a JSON object of
 lists aligned per sample: every keyword list a reward function gets (``prompts``,
@@ -15,6 +16,11 @@ sample. Protocol ``slime`` is slime's ``--rm-url``: one sample a request, ``{"pr
 A judge fills ``template`` with each sample's values, has the engine answer it (``/generate``, a
 batch of prompts a request, or ``/v1/chat/completions``, one a request), searches the answer with
 ``parse`` and scores the group's text (through ``map`` when given).
+
+A reward model's samples go to the engine's ``/classify`` as ids of each conversation (prompt
+messages, then the completion as the assistant's turn) rendered by the model's own chat
+template at ``/v1/tokenize`` (``input: chat``), or as ``template`` filled (``input: text``);
+the reward is the ``label``-th output of each answer's ``embedding``.
 
 Each reward has one connection pool, at most ``concurrency`` calls in flight (across the
 scorer's concurrent scoring calls), ``timeout_s`` per call, and ``retries`` more tries with
@@ -42,7 +48,7 @@ from typing import Any
 import aiohttp
 
 from stages.scorer.runner import Outcome, checked_values
-from stages.scorer.spec import JudgeSpec, RewardSpec
+from stages.scorer.spec import JudgeSpec, RewardModelSpec, RewardSpec
 
 __all__ = ["HttpCaller", "HttpFailure", "RemoteReward", "quoted"]
 
@@ -80,7 +86,25 @@ def _values(values: Any, n: int) -> tuple[list[float | None], dict[int, tuple[st
 
 
 # ---------------------------------------------------------------------------------- protocols
-class _Lists:
+class _Protocol:
+    """How a reward's samples become calls: ``path`` on its URL, at most ``size`` samples a
+    call (None: all), ``request`` the body of a part (awaiting set-up calls through ``http``
+    where it needs them), ``values`` the samples' values in the answer."""
+
+    path = ""
+    size: int | None = None
+
+    def body(self, part: Mapping[str, list]) -> Any:
+        raise NotImplementedError
+
+    async def request(self, part: Mapping[str, list], http: HttpCaller, base: str) -> Any:
+        return self.body(part)
+
+    def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
+        raise NotImplementedError
+
+
+class _Lists(_Protocol):
     """Protocol ``inflight``: lists of samples in, ``{"rewards": [...]}`` out."""
 
     path = ""
@@ -107,7 +131,7 @@ class _Lists:
         return _values(reply, n)
 
 
-class _Slime:
+class _Slime(_Protocol):
     """Protocol ``slime`` (slime's ``--rm-url``): one sample a request, a number out."""
 
     path = ""
@@ -124,7 +148,7 @@ class _Slime:
         return _values([reply], n)
 
 
-class _Judge:
+class _Judge(_Protocol):
     """A generative judge on an engine's ``/generate`` or ``/v1/chat/completions``."""
 
     def __init__(self, spec: RewardSpec) -> None:
@@ -136,7 +160,8 @@ class _Judge:
         self.size = 1 if chat else spec.batch_size
 
     def body(self, part: Mapping[str, list]) -> Any:
-        prompts = [self._prompt(part, i) for i in range(len(part["completions"]))]
+        n = len(part["completions"])
+        prompts = [_filled(self.judge.template, part, i, "judge_template") for i in range(n)]
         judge = self.judge
         if judge.route == "generate":
             params = {"max_new_tokens": judge.max_new_tokens, "temperature": judge.temperature}
@@ -148,19 +173,6 @@ class _Judge:
             "max_tokens": judge.max_new_tokens,
             "temperature": judge.temperature,
         }
-
-    def _prompt(self, part: Mapping[str, list], i: int) -> str:
-        row = {key: values[i] for key, values in part.items()}
-        row["prompt"], row["completion"] = part["prompts"][i], part["completions"][i]
-        try:
-            return self.judge.template.format_map(row)
-        except KeyError as exc:
-            known = ", ".join(sorted(row))
-            raise HttpFailure(
-                "judge_template", f"the template names {exc}, which the samples lack ({known})"
-            ) from None
-        except (IndexError, AttributeError, TypeError, ValueError) as exc:
-            raise HttpFailure("judge_template", f"{type(exc).__name__}: {exc}") from None
 
     def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
         texts = self._texts(reply, n)
@@ -202,6 +214,69 @@ class _Judge:
         except ValueError:
             return None
         return score if math.isfinite(score) else None
+
+
+class _RewardModel(_Protocol):
+    """A reward model on an engine's ``/classify`` (SGLang's reward-model route): input
+    ``chat`` renders each sample's conversation with the model's own template
+    (``/v1/tokenize``, one call a sample) and sends the ids; ``text`` sends ``template``
+    filled. The reward is the ``label``-th output of each answer's ``embedding``."""
+
+    path = "/classify"
+
+    def __init__(self, spec: RewardSpec) -> None:
+        assert spec.reward_model is not None
+        self.model: RewardModelSpec = spec.reward_model
+        self.size = spec.batch_size
+
+    async def request(self, part: Mapping[str, list], http: HttpCaller, base: str) -> Any:
+        n = len(part["completions"])
+        if self.model.input == "text":
+            return {
+                "text": [_filled(self.model.template, part, i, "rm_template") for i in range(n)]
+            }
+        calls = [http.post(f"{base}/v1/tokenize", self._tokenize(part, i)) for i in range(n)]
+        answers = await asyncio.gather(*calls)
+        ids = []
+        for answer in answers:
+            tokens = answer.get("tokens") if isinstance(answer, Mapping) else None
+            if not isinstance(tokens, list) or not tokens:
+                raise HttpFailure("bad_response", f"/v1/tokenize answered {quoted(answer)}")
+            ids.append(tokens)
+        return {"input_ids": ids}
+
+    def _tokenize(self, part: Mapping[str, list], i: int) -> dict[str, Any]:
+        messages = (part.get("messages") or [None] * (i + 1))[i]
+        if not isinstance(messages, list):  # a prompt without its conversation: the user's
+            messages = [{"role": "user", "content": part["prompts"][i]}]
+        turn = {"role": "assistant", "content": part["completions"][i]}
+        return {"messages": [*messages, turn], "add_generation_prompt": False}
+
+    def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
+        label = self.model.label
+        try:
+            values = [item["embedding"][label] for item in reply]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise HttpFailure(
+                "bad_response", f"no output {label} in the answer ({exc!r}): {quoted(reply)}"
+            ) from None
+        return _values(values, n)
+
+
+def _filled(template: str, part: Mapping[str, list], i: int, kind: str) -> str:
+    """``template`` filled with sample ``i``'s values (``{prompt}``, ``{completion}``...);
+    HttpFailure of ``kind`` when it cannot be."""
+    row = {key: values[i] for key, values in part.items()}
+    row["prompt"], row["completion"] = part["prompts"][i], part["completions"][i]
+    try:
+        return template.format_map(row)
+    except KeyError as exc:
+        known = ", ".join(sorted(row))
+        raise HttpFailure(
+            kind, f"the template names {exc}, which the samples lack ({known})"
+        ) from None
+    except (IndexError, AttributeError, TypeError, ValueError) as exc:
+        raise HttpFailure(kind, f"{type(exc).__name__}: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------- the calls
@@ -347,10 +422,15 @@ class RemoteReward:
 
     def __init__(self, spec: RewardSpec, log: Any) -> None:
         self.spec, self.name = spec, spec.name
-        protocol = {"inflight": _Lists, "slime": _Slime}[spec.protocol]
-        self.protocol = _Judge(spec) if spec.judge is not None else protocol(spec)
-        base = spec.judge.url.rstrip("/") if spec.judge is not None else spec.url
-        self.url = f"{base}{self.protocol.path}"
+        self.protocol: _Protocol
+        if spec.judge is not None:
+            self.protocol, base = _Judge(spec), spec.judge.url.rstrip("/")
+        elif spec.reward_model is not None:
+            self.protocol, base = _RewardModel(spec), spec.reward_model.url.rstrip("/")
+        else:
+            self.protocol = {"inflight": _Lists, "slime": _Slime}[spec.protocol](spec)
+            base = str(spec.url)
+        self.base, self.url = base, f"{base}{self.protocol.path}"
         self.http = HttpCaller(spec, log, event="reward_failed", who={"fn": self.name})
         self.counts, self.failed = self.http.counts, self.http.failed
 
@@ -378,7 +458,7 @@ class RemoteReward:
         part = {key: values[lo:hi] for key, values in kwargs.items() if isinstance(values, list)}
         n = hi - lo
         try:
-            body = self.protocol.body(part)
+            body = await self.protocol.request(part, self.http, self.base)
             values, bad = self.protocol.values(await self.http.post(self.url, body), n)
         except HttpFailure as failure:
             self.http.failed_call(failure, n, context)

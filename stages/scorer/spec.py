@@ -19,7 +19,14 @@ from urllib.parse import urlsplit
 
 from stages.workers import resolve_function
 
-__all__ = ["JudgeSpec", "RewardSpec", "check_headers", "http_option", "http_url"]
+__all__ = [
+    "JudgeSpec",
+    "RewardModelSpec",
+    "RewardSpec",
+    "check_headers",
+    "http_option",
+    "http_url",
+]
 
 # the options of calls behind HTTP (``url`` and ``judge`` rewards, the distillation teacher):
 # default, what it does, checks
@@ -140,6 +147,34 @@ class JudgeSpec:
 
 
 @dataclass
+class RewardModelSpec:
+    url: str = field(
+        metadata={
+            "doc": "the engine serving the reward model (inflight engine or SGLang on a "
+            "*ForSequenceClassification checkpoint): http://HOST:PORT"
+        }
+    )
+    input: Literal["chat", "text"] = _f(
+        "chat",
+        "chat: the sample's conversation (meta messages, else its prompt as the user's message) "
+        "and the completion as the assistant's turn, rendered by the reward model's own chat "
+        "template (the engine's /v1/tokenize); text: template filled, as it is",
+    )
+    template: str = _f(
+        "{prompt}{completion}",
+        "input text: a Python format string over the sample's values ({prompt}, "
+        "{completion}, {answer}, any meta key)",
+    )
+    label: int = _f(0, "which of the model's outputs is the reward (one-label models: 0)", min=0)
+
+    def __post_init__(self) -> None:
+        http_url(self.url, "url")
+        _template_fields(self.template)
+        if self.input == "chat" and self.template != "{prompt}{completion}":
+            raise ValueError("template applies to input: text (chat renders the conversation)")
+
+
+@dataclass
 class RewardSpec:
     fn: str | None = _f(
         None, "reward function: entry point of inflight.rewards or package.module:name"
@@ -148,29 +183,35 @@ class RewardSpec:
     judge: JudgeSpec | None = field(
         default=None, metadata={"doc": "a generative judge served by an engine"}
     )
+    reward_model: RewardModelSpec | None = field(
+        default=None,
+        metadata={"doc": "a reward model (sequence classifier) served by an engine's /classify"},
+    )
     weight: float = _f(1.0, "its weight in the summed reward")
     name: str = _f(
         "",
-        "its name in reward_info, logs and metrics (default: fn, the URL without its scheme, or "
-        "judge:HOST:PORT)",
+        "its name in reward_info, logs and metrics (default: fn, the URL without its scheme, "
+        "judge:HOST:PORT or rm:HOST:PORT)",
     )
     protocol: Literal["inflight", "slime"] = _f(
         "inflight",
         "url: inflight (lists of samples in, {rewards: [...]} out; OpenRLHF's remote reward "
         "model fields included) or slime (slime's --rm-url: one sample a request)",
     )
-    timeout_s: float = http_option("timeout_s", "url, judge: ")
-    retries: int = http_option("retries", "url, judge: ")
-    backoff_s: float = http_option("backoff_s", "url, judge: ")
-    concurrency: int = http_option("concurrency", "url, judge: ")
-    batch_size: int | None = http_option("batch_size", "url, judge: ")
-    headers: dict[str, str] = http_option("headers", "url, judge: ")  # noqa: RUF009 (a field)
+    timeout_s: float = http_option("timeout_s", "url, judge, reward_model: ")
+    retries: int = http_option("retries", "url, judge, reward_model: ")
+    backoff_s: float = http_option("backoff_s", "url, judge, reward_model: ")
+    concurrency: int = http_option("concurrency", "url, judge, reward_model: ")
+    batch_size: int | None = http_option("batch_size", "url, judge, reward_model: ")
+    headers: dict[str, str] = http_option("headers", "url, judge, reward_model: ")  # noqa: RUF009 (a field)
 
     def __post_init__(self) -> None:
-        kinds = [k for k in ("fn", "url", "judge") if getattr(self, k) is not None]
+        kinds = [k for k in ("fn", "url", "judge", "reward_model") if getattr(self, k) is not None]
         if len(kinds) != 1:
             has = " and ".join(kinds) if kinds else "none of them"
-            raise ValueError(f"a reward has exactly one of fn, url or judge (this one has {has})")
+            raise ValueError(
+                f"a reward has exactly one of fn, url, judge or reward_model (this one has {has})"
+            )
         if self.fn is not None:
             resolve_function("reward", self.fn)  # an unknown name is a config error
             self._only_http(*_HTTP_OPTIONS, "protocol")
@@ -182,6 +223,10 @@ class RewardSpec:
             if self.protocol == "slime" and self.batch_size not in (None, 1):
                 raise ValueError("batch_size: protocol slime sends one sample a request")
             self.name = self.name or f"{parts.netloc}{parts.path.rstrip('/')}"
+            return
+        if self.reward_model is not None:
+            self._only_http("protocol")
+            self.name = self.name or f"rm:{urlsplit(self.reward_model.url).netloc}"
             return
         assert self.judge is not None
         self._only_http("protocol")
@@ -206,4 +251,4 @@ class RewardSpec:
             hint = (
                 " (a function's time limit is the scorer's timeout_s)" if key == "timeout_s" else ""
             )
-            raise ValueError(f"{key} applies to url and judge rewards only{hint}")
+            raise ValueError(f"{key} applies to url, judge and reward_model rewards only{hint}")

@@ -23,9 +23,10 @@ Reward functions run in worker processes under ``timeout_s`` (``runner.py``): on
 hangs or returns garbage gives its completions reward 0 with an ``error`` in ``reward_info``,
 and the stage goes on. With ``workers: 0`` they run in this stage's event loop instead (cheap,
 trusted functions: no hand-over to a process, no time limit; raising or garbage still gives 0).
-Rewards behind HTTP (``url``: a reward server; ``judge``: a generative judge on an engine;
-``remote.py``) run on this event loop whatever ``workers`` is, with their own time limits,
-retries and bound on calls in flight; a call that fails gives its samples 0 the same way.
+Rewards behind HTTP (``url``: a reward server; ``reward_model``: a reward model on an engine's
+``/classify``; ``judge``: a generative judge on an engine; ``remote.py``) run on this event
+loop whatever ``workers`` is, with their own time limits, retries and bound on calls in flight;
+a call that fails gives its samples 0 the same way.
 A group still incomplete ``group_timeout_s`` after its first sample (a
 sample lost upstream), or at the end of input, is sent with what it has if that is at least
 ``min_group`` samples, else dropped; so is a ``rollout_group`` that comes with fewer than
@@ -90,8 +91,8 @@ _CLOSED_REMEMBERED = 10_000  # ids of sent or dropped groups kept to recognize l
 class ScorerConfig:
     rewards: list[RewardSpec] = field(
         metadata={
-            "doc": "reward functions (fn), reward servers (url) and judges (judge); a sample's "
-            "reward is their weighted sum"
+            "doc": "reward functions (fn), reward servers (url), reward models (reward_model) "
+            "and judges (judge); a sample's reward is their weighted sum"
         }
     )
     tokenizer: str = field(

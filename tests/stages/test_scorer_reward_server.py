@@ -286,10 +286,10 @@ def test_bad_entries_are_config_errors_at_their_lines(tmp_path, tokenizer_dir):
     found = {issue.path: (issue.where, issue.message) for issue in caught.value.issues}
     at = "stages.scorer.rewards"
     expected = {
-        f"{at}[0].fn": (6, "exactly one of fn, url or judge (this one has fn and url)"),
+        f"{at}[0].fn": (6, "or reward_model (this one has fn and url)"),
         f"{at}[1].url": (7, "must be an http:// or https:// URL"),
         f"{at}[2].timeout_s": (8, "must be at least 0.001, got -1"),
-        f"{at}[3].retries": (9, "retries applies to url and judge rewards only"),
+        f"{at}[3].retries": (9, "retries applies to url, judge and reward_model rewards only"),
         f"{at}[4].batch_size": (10, "protocol slime sends one sample a request"),
         f"{at}[5].judge.parse": (11, "has 0 groups: it needs exactly one"),
         f"{at}[6].judge.template": (12, "template field {0} is not a name"),

@@ -13,9 +13,21 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
-__all__ = ["BYTE_CHARS", "EOS_ID", "make_byte_model", "make_tiny_model", "tiny_config"]
+__all__ = [
+    "BYTE_CHARS",
+    "EOS_ID",
+    "make_byte_model",
+    "make_tiny_classifier",
+    "make_tiny_model",
+    "tiny_config",
+]
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 
@@ -52,19 +64,46 @@ def make_tiny_model(
 ) -> Path:
     """Save a random Qwen2 model of ``tiny_config(**sizes)`` (and a tokenizer of its vocabulary)
     under ``path``; returns ``path``."""
+    config = tiny_config(**sizes)
+    path = _save_random(AutoModelForCausalLM, config, path, seed)
+    if with_tokenizer:
+        _tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+def make_tiny_classifier(
+    path: Path, *, seed: int = 0, labels: tuple[str, ...] = ("reward",), **sizes: Any
+) -> Path:
+    """Save a random ``Qwen2ForSequenceClassification`` (a reward model with one label, or a
+    classifier of ``labels``) of ``tiny_config(**sizes)`` and its tokenizer, whose chat template
+    writes each message as ``ROLE: CONTENT`` words; returns ``path``."""
+    config = tiny_config(**sizes)
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    config.num_labels = len(labels)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {name: i for i, name in enumerate(labels)}
+    path = _save_random(AutoModelForSequenceClassification, config, path, seed)
+    tokenizer = _tokenizer(config.vocab_size)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} <eos> {% endfor %}"
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _save_random(auto: Any, config: Qwen2Config, path: Path, seed: int) -> Path:
+    """A model of ``config`` (``auto``: its transformers auto class) with seeded random weights,
+    saved under ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(**sizes)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto.from_config(config, dtype=torch.float32)
     # Random init is near-uniform; wider weights make greedy choices far from ties.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.3)
     model.save_pretrained(path)
-    if with_tokenizer:
-        _tokenizer(config.vocab_size).save_pretrained(path)
     return path
 
 

@@ -1,0 +1,372 @@
+"""SGLang's routes of pooling models on the built-in engine: ``POST|PUT /encode`` and
+``/classify`` (native), ``POST /v1/embeddings`` and ``/v1/classify`` (OpenAI-style); the model
+runs on ``stages.engine.pooling.Pooler``'s thread.
+
+Field names, defaults and answers follow SGLang 0.5.23 (``srt/managers/io_struct.py``
+``EmbeddingReqInput``; ``tokenizer_manager.py`` ``_handle_batch_output``;
+``srt/entrypoints/openai/serving_embedding.py``, ``serving_classify.py``, ``protocol.py``):
+
+- ``/encode`` and ``/classify`` (the same request; a reward model's scores come from
+  ``/classify``): ``text`` or ``input_ids``, one or a batch; ``rid`` (a string, expanded to
+  ``RID_i`` in a batch, or a list); ``dimensions`` (a Matryoshka model's output length);
+  ``return_pooled_hidden_states`` (the hidden state the head read, as ``pooled_hidden_state``);
+  ``sampling_params`` is taken and unused, as SGLang's "dummy" one. The answer: ``{embedding,
+  meta_info}`` (a list of them for a batch), ``meta_info`` with ``id``, ``finish_reason``
+  (``{type: length, length: 0}``), ``prompt_tokens``, ``weight_version``, ``num_retractions``
+  and ``e2e_latency``. A reward model's ``embedding`` is its head's outputs (one per label: the
+  reward is ``embedding[0]``);
+- ``/v1/embeddings``: ``input`` a string, strings, token ids or lists of ids;
+  ``encoding_format`` ``float`` or ``base64`` (little-endian float32, what the ``openai``
+  client asks for by default); ``dimensions``; the answer ``{data: [{embedding, index, object:
+  "embedding"}], model, object: "list", usage}``;
+- ``/v1/classify``: ``input`` a string, strings or token ids; each answer's ``label`` (the
+  config's ``id2label`` at the largest output), ``probs`` (softmax of the outputs) and
+  ``num_classes``.
+
+Refused with 400, SGLang's words where it has them: ``text`` and ``input_ids`` both or neither,
+a prompt as long as the context, an empty or blank ``input``, ``dimensions`` on a model that is
+not a Matryoshka model, duplicate ``rid``s; and what this engine does not run (images, audio,
+video, embedding overrides, LoRA, cross-encoder scoring: a 400 naming the field). On a generating
+model all four answer SGLang's "does not appear to be an embedding model" 400, and the pooling
+server answers ``/generate`` and the ``/v1`` generation routes with a 400 that says so.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from stages.engine.openai_api import (
+    OpenAIError,
+    error_response,
+    read_json,
+    refusal,
+    results_usage,
+)
+from stages.engine.pooling import Pooler
+from stages.engine.protocol import RequestError, is_int, read_prompts
+from stages.engine.request_body import bad_request, dumps, json_body
+
+__all__ = ["NOT_EMBEDDING", "EncodeRoutes"]
+
+# SGLang's answer to an embedding request on a generating model (TokenizerManager)
+NOT_EMBEDDING = (
+    "This model does not appear to be an embedding model by default. Please add "
+    "`--is-embedding` when launching the server or try another model."
+)
+# EmbeddingReqInput's fields this engine takes only at their defaults
+_NEUTRAL = {
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "input_embeds": None,
+    "embed_override_token_id": None,
+    "embed_overrides": None,
+    "positional_embed_overrides": None,
+    "modalities": None,
+    "is_cross_encoder_request": False,
+    "lora_path": None,
+    "lora_id": None,
+    "background": False,
+    "return_prompt_token_ids": False,
+    "multi_item_delimiter_indices": None,
+    "token_indices_to_pool": None,
+    "decision_layout": None,
+}
+_TAKEN = {
+    "text",
+    "input_ids",
+    "rid",
+    "sampling_params",
+    "dimensions",
+    "return_pooled_hidden_states",
+    "log_metrics",
+    "priority",
+    "routing_key",
+    "http_worker_ipc",
+    "external_trace_header",
+    "received_time",
+}
+_EMBEDDINGS_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "rid", "priority"}
+_EMBEDDINGS_NEUTRAL = {"lora_path": None, "embed_override_token_id": None, "embed_overrides": None}
+_CLASSIFY_FIELDS = {"input", "model", "user", "rid", "priority"}
+_FINISHED = {"type": "length", "length": 0}  # FINISH_LENGTH(0): max_new_tokens is 0
+
+
+class EncodeRoutes:
+    """The pooling routes of one engine: ``pooler`` runs the model (None: a generating
+    model, and every request gets SGLang's refusal); ``served_model_name`` is ``model`` in the
+    ``/v1`` answers."""
+
+    def __init__(self, pooler: Pooler | None, served_model_name: str) -> None:
+        self.pooler = pooler
+        self.served_model_name = served_model_name
+        if pooler is not None:
+            loaded = pooler.model.loaded
+            self.vocab_size, self.context_length = loaded.vocab_size, loaded.context_length
+            tokenizer = loaded.tokenizer
+            self.encode_text = tokenizer.encode if tokenizer is not None else None
+
+    def add_to(self, app: web.Application) -> None:
+        for path in ("/encode", "/classify"):
+            app.router.add_post(path, self.native)
+            app.router.add_put(path, self.native)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/classify", self.classify)
+
+    # ---- native ------------------------------------------------------------------------------
+
+    async def native(self, request: web.Request) -> web.Response:
+        if self.pooler is None:
+            return bad_request(NOT_EMBEDDING)
+        started = time.perf_counter()
+        try:
+            body = await json_body(request)
+            rows, batch, rids, dims, hidden = self._native_request(body)
+            values, states = await self.pooler.encode(rows, dims, hidden=hidden)
+        except (RequestError, ValueError) as exc:
+            return bad_request(str(exc))
+        latency = time.perf_counter() - started
+        answers = []
+        for i, row in enumerate(rows):
+            meta = {
+                "id": rids[i],
+                "finish_reason": _FINISHED,
+                "prompt_tokens": len(row),
+                "weight_version": self.pooler.weight_version,
+                "num_retractions": 0,
+                "e2e_latency": latency,
+            }
+            answer: dict[str, Any] = {"embedding": values[i], "meta_info": meta}
+            if states is not None:
+                answer["pooled_hidden_state"] = states[i]
+            answers.append(answer)
+        return web.Response(
+            body=dumps(answers if batch else answers[0]), content_type="application/json"
+        )
+
+    def _native_request(
+        self, body: dict[str, Any]
+    ) -> tuple[list[list[int]], bool, list[str], list[int | None], bool]:
+        for key, value in body.items():
+            if key in _NEUTRAL:
+                if value != _NEUTRAL[key]:
+                    raise RequestError(
+                        key, f"{key}={value!r} is not supported by the built-in engine"
+                    )
+            elif key not in _TAKEN:
+                raise RequestError(key, "unknown field of /encode")
+        if not isinstance(body.get("return_pooled_hidden_states", False), bool):
+            raise RequestError("return_pooled_hidden_states", "expected true or false")
+        params = body.get("sampling_params")
+        if params is not None and not isinstance(params, dict | list):
+            raise RequestError("sampling_params", f"expected an object or a list, got {params!r}")
+        rows, batch = read_prompts(body, vocab_size=self.vocab_size, encode=self.encode_text)
+        self._check_lengths(rows)
+        rids = _rids(body.get("rid"), len(rows), batch)
+        dims = self._dimensions(body.get("dimensions"))
+        return rows, batch, rids, [dims] * len(rows), bool(body.get("return_pooled_hidden_states"))
+
+    def _check_lengths(self, rows: list[list[int]]) -> None:
+        for row in rows:
+            if len(row) >= self.context_length:
+                raise ValueError(
+                    f"The input ({len(row)} tokens) is longer than the model's context length "
+                    f"({self.context_length} tokens)."
+                )
+
+    def _dimensions(self, value: Any) -> int | None:
+        """``dimensions`` checked as SGLang's ``_validate_for_matryoshka_dim``."""
+        if value is None:
+            return None
+        if not is_int(value):
+            raise RequestError("dimensions", f"expected an integer, got {value!r}")
+        model = self.pooler.model
+        if model.kind != "embed" or model.matryoshka == frozenset():
+            raise ValueError(
+                f"Model '{model.loaded.path}' does not support matryoshka representation, "
+                "changing output dimensions will lead to poor results."
+            )
+        if value < 1:
+            raise ValueError("Requested dimensions must be greater than 0")
+        if model.matryoshka and value not in model.matryoshka:
+            raise ValueError(
+                f"Model '{model.loaded.path}' only supports {sorted(model.matryoshka)} "
+                "matryoshka dimensions, using other output dimensions will lead to poor results."
+            )
+        if value > model.hidden_size:
+            raise ValueError(
+                f"Provided dimensions are greater than max embedding dimension: {model.hidden_size}"
+            )
+        return value
+
+    # ---- /v1 ---------------------------------------------------------------------------------
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        return await self._openai(request, self._embeddings)
+
+    async def classify(self, request: web.Request) -> web.Response:
+        return await self._openai(request, self._classify)
+
+    async def _openai(
+        self, request: web.Request, answer: Callable[[Any], Awaitable[dict[str, Any]]]
+    ) -> web.Response:
+        if self.pooler is None:
+            return error_response(NOT_EMBEDDING)
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise OpenAIError("the request body must be a JSON object")
+            return web.Response(body=dumps(await answer(body)), content_type="application/json")
+        except (OpenAIError, RequestError) as exc:
+            return web.json_response(refusal(exc), status=400)
+        except ValueError as exc:  # SGLang's ValueError: create_error_response(str(e))
+            return error_response(str(exc))
+
+    async def _embeddings(self, body: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(body, _EMBEDDINGS_FIELDS, _EMBEDDINGS_NEUTRAL, "/v1/embeddings")
+        encoding = body.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise OpenAIError(
+                f"encoding_format must be either 'float' or 'base64', got {encoding!r}",
+                "encoding_format",
+            )
+        rows, results = await self._run_input(body, lists=True)
+        data = [
+            {"embedding": _encoded(values, encoding), "index": i, "object": "embedding"}
+            for i, values in enumerate(results)
+        ]
+        return {
+            "data": data,
+            "model": self.served_model_name,
+            "object": "list",
+            "usage": results_usage(_metas(rows), 1),
+        }
+
+    async def _classify(self, body: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(body, _CLASSIFY_FIELDS, {}, "/v1/classify")
+        model = self.pooler.model
+        if model.kind != "classify":
+            raise OpenAIError(
+                "this model is an embedding model: /v1/classify needs a classification model "
+                "(*ForSequenceClassification)"
+            )
+        rows, results = await self._run_input(body, lists=False)
+        data = []
+        for i, values in enumerate(results):
+            top = max(values)
+            exps = [math.exp(v - top) for v in values]
+            total = sum(exps)
+            best = values.index(top)
+            data.append(
+                {
+                    "index": i,
+                    "label": model.labels.get(best, "Default"),
+                    "probs": [e / total for e in exps],
+                    "num_classes": len(values),
+                }
+            )
+        return {
+            "id": f"classify-{os.urandom(16).hex()}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.served_model_name,
+            "data": data,
+            "usage": results_usage(_metas(rows), 1),
+        }
+
+    async def _run_input(
+        self, body: dict[str, Any], *, lists: bool
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """The ``input`` of a ``/v1`` body checked as SGLang's ``_validate_request`` checks it
+        (``lists``: lists of ids allowed too), run; its rows and their results."""
+        if not isinstance(body.get("model", "default"), str):
+            raise OpenAIError("model: Input should be a valid string", "model")
+        native = {"rid": body.get("rid")}
+        native.update(_input_prompt(body.get("input"), lists))
+        rows, batch = read_prompts(native, vocab_size=self.vocab_size, encode=self.encode_text)
+        self._check_lengths(rows)
+        _rids(native["rid"], len(rows), batch)
+        dims = self._dimensions(body.get("dimensions"))
+        values, _ = await self.pooler.encode(rows, [dims] * len(rows))
+        return rows, values
+
+
+def _input_prompt(prompt: Any, lists: bool) -> dict[str, Any]:
+    """The native prompt field of an ``input``: ``text`` for strings, ``input_ids`` for ids."""
+    if not prompt:
+        raise OpenAIError("Input cannot be empty", "input")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise OpenAIError("Input cannot be empty or whitespace only", "input")
+        return {"text": prompt}
+    if not isinstance(prompt, list):
+        raise OpenAIError("input: Input should be a valid string or list", "input")
+    first = prompt[0]
+    if isinstance(first, str):
+        for i, item in enumerate(prompt):
+            if not isinstance(item, str):
+                raise OpenAIError("All items in input list must be strings", "input")
+            if not item.strip():
+                raise OpenAIError(f"Input at index {i} cannot be empty or whitespace only", "input")
+        return {"text": prompt}
+    if is_int(first):
+        for i, item in enumerate(prompt):
+            if not is_int(item):
+                raise OpenAIError("All items in input list must be integers", "input")
+            if item < 0:
+                raise OpenAIError(f"Token ID at index {i} must be non-negative", "input")
+        return {"input_ids": prompt}
+    if lists and isinstance(first, list):
+        return {"input_ids": prompt}
+    raise OpenAIError(
+        "input: Input should be a string, a list of strings or a list of token ids"
+        + (", or a list of lists of token ids" if lists else ""),
+        "input",
+    )
+
+
+def _check_fields(
+    body: dict[str, Any], known: set[str], neutral: dict[str, Any], route: str
+) -> None:
+    for key, value in body.items():
+        if key in neutral:
+            if value != neutral[key]:
+                raise OpenAIError(f"{key} is not supported by the built-in engine", key)
+        elif key not in known:
+            raise OpenAIError(f"{key}: unknown field of {route}", key)
+
+
+def _rids(rid: Any, count: int, batch: bool) -> list[str]:
+    """Each prompt's request id (SGLang's normalization: a batch's string rid is a prefix)."""
+    if rid is None:
+        return [os.urandom(16).hex() for _ in range(count)]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(count)] if batch else [rid]
+    if not batch or not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+        raise RequestError(
+            "rid", f"expected a string or (in a batch) a list of strings, got {rid!r}"
+        )
+    if len(rid) != count:
+        raise RequestError("rid", f"has {len(rid)} entries for a batch of {count}")
+    if len(set(rid)) != len(rid):
+        duplicates = sorted({r for r in rid if rid.count(r) > 1})
+        raise ValueError(f"Duplicate request IDs detected within the request: {duplicates}")
+    return list(rid)
+
+
+def _metas(rows: list[list[int]]) -> list[dict[str, Any]]:
+    return [{"meta_info": {"prompt_tokens": len(r), "completion_tokens": 0}} for r in rows]
+
+
+def _encoded(values: list[float], encoding: str) -> list[float] | str:
+    if encoding == "float":
+        return values
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")

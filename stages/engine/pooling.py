@@ -1,0 +1,317 @@
+"""Pooling models on the built-in engine: reward (classification) and embedding models, as
+SGLang serves them with ``--is-embedding`` (``/encode``, ``/classify``, ``/v1/embeddings``:
+``stages.engine.encode_routes``).
+
+What a checkpoint is follows SGLang 0.5.23 (``srt/configs/model_config.py``,
+``is_generation_model``; ``srt/models/llama_reward.py``, ``llama.py``):
+
+- ``classify``: an architecture ``*ForSequenceClassification`` (a reward model such as
+  Skywork-Reward, or any classifier on a decoder): the backbone's hidden state at each prompt's
+  last token through the model's ``score`` head, the head's outputs (one per label) as the
+  "embedding", not normalized (``Pooler(LAST, normalize=False)`` then ``self.score``);
+- ``embed``: a base model (``*Model``, ``MistralModel``...), or a causal LM served with
+  ``--is-embedding``: the last token's hidden state after the final norm, L2-normalized
+  (``Pooler(LAST, normalize=True)``), cut to ``dimensions`` first for a Matryoshka model.
+
+``Pooler`` runs them on a thread of its own, as the scheduler thread runs a generating model:
+requests queue, and each pass takes every waiting prompt (sorted by length, cut into batches
+of at most ``max_rows`` rows and ``max_batch_tokens`` padded tokens), right-padded with an
+attention mask, so a prompt's result does not depend on what it was batched with (causal
+attention never looks right). The event loop only parses, waits and answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from stages import hf
+from stages.engine.loader import LoadedModel, eos_ids, load_tokenizer, torch_dtype
+from stages.hub import resolve_model
+
+__all__ = [
+    "POOLING_KINDS",
+    "Pooler",
+    "PoolingModel",
+    "load_pooling_model",
+    "model_kind",
+    "pooling_kind",
+]
+
+log = structlog.get_logger("stages.engine.pooling")
+
+POOLING_KINDS = ("classify", "embed")
+Kind = Literal["classify", "embed"]
+
+# SGLang's embedding architectures that transformers loads as plain base models
+_BASE_MODELS = {"LlamaEmbeddingModel", "MistralModel", "Qwen3Model"}
+
+
+def pooling_kind(config: Any, is_embedding: bool) -> Kind | None:
+    """What ``config`` (a transformers config) serves: ``classify``, ``embed`` or None (a
+    generating model), as SGLang's ``is_generation_model`` decides with ``--is-embedding``."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return "classify"
+    if any(a.endswith("ForRewardModel") for a in architectures):
+        raise ValueError(
+            f"architecture {architectures[0]} is a remote-code reward model, which the built-in "
+            "engine does not run: use a *ForSequenceClassification checkpoint of it"
+        )
+    if is_embedding or any(a in _BASE_MODELS for a in architectures):
+        return "embed"
+    return None
+
+
+def model_kind(path: str | Path, is_embedding: bool) -> Kind | None:
+    """``pooling_kind`` of the model at ``path`` (a folder or a Hub id), from its config."""
+    folder = resolve_model(str(path), what="--model")
+    return pooling_kind(hf.AutoConfig.from_pretrained(folder, local_files_only=True), is_embedding)
+
+
+@dataclass
+class PoolingModel:
+    """A loaded pooling model: ``loaded`` (path, tokenizer, vocabulary, context; ``model`` the
+    whole transformers model), ``kind``, the ``backbone`` that gives hidden states and the
+    ``head`` after it (None for ``embed``); ``labels``: the head's label names by index;
+    ``matryoshka``: the ``dimensions`` a request may ask for (None: any up to ``hidden_size``;
+    empty: none, the model is not a Matryoshka model)."""
+
+    loaded: LoadedModel
+    kind: Kind
+    backbone: torch.nn.Module
+    head: torch.nn.Module | None
+    labels: dict[int, str]
+    hidden_size: int
+    matryoshka: frozenset[int] | None
+
+    @property
+    def width(self) -> int:
+        """The length of a result: the head's labels, or the hidden size."""
+        return len(self.labels) if self.head is not None else self.hidden_size
+
+    @torch.inference_mode()
+    def pool(
+        self, rows: Sequence[Sequence[int]], dimensions: Sequence[int | None] | None = None
+    ) -> tuple[list[list[float]], torch.Tensor]:
+        """One batched pass over ``rows`` (token ids): each row's result (the head's outputs, or
+        its normalized hidden state cut to its ``dimensions``) and the pooled hidden states
+        before the head, float32 on the CPU."""
+        device = next(self.backbone.parameters()).device
+        lengths = torch.tensor([len(r) for r in rows])
+        ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        out = self.backbone(input_ids=ids.to(device), attention_mask=mask.to(device))
+        last = out.last_hidden_state[torch.arange(len(rows)), (lengths - 1).to(device)]
+        if self.head is not None:
+            return self.head(last).float().cpu().tolist(), last.float().cpu()
+        hidden = last.float().cpu()
+        values = []
+        for i, dims in enumerate(dimensions or [None] * len(rows)):
+            values.append(F.normalize(hidden[i, :dims], p=2, dim=-1).tolist())
+        return values, hidden
+
+
+def load_pooling_model(
+    path: str | Path, kind: Kind, *, device: str = "cpu", dtype: str = "auto"
+) -> PoolingModel:
+    """Load ``path`` as a ``kind`` model onto ``device``; ValueError or OSError when it cannot
+    be (a ``classify`` architecture without a ``score`` head among them)."""
+    path = resolve_model(str(path), what="--model")
+    dtypes = {"dtype": torch_dtype(device, dtype), "local_files_only": True}
+    if kind == "classify":
+        try:
+            model = hf.AutoModelForSequenceClassification.from_pretrained(path, **dtypes)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{path} does not load as a classification model: {exc}") from None
+        head = getattr(model, "score", None)
+        if not isinstance(head, torch.nn.Module):
+            raise ValueError(
+                f"{type(model).__name__} has no `score` head: the built-in engine serves "
+                "decoder classifiers (Llama, Qwen, Mistral, Gemma... *ForSequenceClassification)"
+            )
+        backbone = model.base_model
+    else:
+        model = hf.AutoModel.from_pretrained(path, **dtypes)
+        head, backbone = None, model
+    model.to(device).eval()
+    config = model.config
+    num_labels = int(getattr(config, "num_labels", 0) or 0)
+    labels = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
+    labels = labels or {i: f"LABEL_{i}" for i in range(num_labels)}
+    dims = getattr(config, "matryoshka_dimensions", None)
+    matryoshka = (
+        frozenset(int(d) for d in dims)
+        if dims
+        else (None if getattr(config, "is_matryoshka", False) else frozenset())
+    )
+    embeddings = backbone.get_input_embeddings()
+    loaded = LoadedModel(
+        path=path,
+        model=model,
+        tokenizer=load_tokenizer(path),
+        vocab_size=embeddings.num_embeddings,
+        context_length=config.max_position_embeddings,
+        eos_token_ids=eos_ids(model, None),
+    )
+    return PoolingModel(
+        loaded=loaded,
+        kind=kind,
+        backbone=backbone,
+        head=head,
+        labels=labels,
+        hidden_size=config.hidden_size,
+        matryoshka=matryoshka,
+    )
+
+
+@dataclass
+class _Job:
+    rows: list[list[int]]
+    dimensions: list[int | None]
+    hidden: bool  # the pooled hidden states wanted too
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class Pooler:
+    """The thread that runs ``model`` on queued prompts. ``encode`` from the event loop;
+    ``start``/``stop`` around serving. Counters: ``requests``, ``sequences``, ``tokens``,
+    ``passes`` (batched forwards) and ``failed`` (requests whose pass raised)."""
+
+    def __init__(
+        self, model: PoolingModel, *, max_rows: int = 64, max_batch_tokens: int = 16384
+    ) -> None:
+        self.model = model
+        self.max_rows, self.max_batch_tokens = max_rows, max_batch_tokens
+        self.weight_version = "default"
+        self.requests = self.sequences = self.tokens = self.passes = self.failed = 0
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pooler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=30)
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "requests": self.requests,
+            "sequences": self.sequences,
+            "prompt_tokens": self.tokens,
+            "passes": self.passes,
+            "failed_requests": self.failed,
+        }
+
+    async def encode(
+        self,
+        rows: list[list[int]],
+        dimensions: list[int | None] | None = None,
+        *,
+        hidden: bool = False,
+    ) -> tuple[list[list[float]], list[list[float]] | None]:
+        """Each row's result (and, with ``hidden``, its pooled hidden state before the head)
+        once the thread has run it; raises what the forward raised."""
+        if not self.alive:
+            raise RuntimeError("the pooling thread is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        dims = list(dimensions) if dimensions is not None else [None] * len(rows)
+        self._jobs.put(_Job(rows, dims, hidden, loop, future))
+        return await future
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            jobs = [job]
+            while len(jobs) < self.max_rows:  # every job already waiting joins this pass
+                try:
+                    more = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._jobs.put(None)  # stop after this pass
+                    break
+                jobs.append(more)
+            self._serve(jobs)
+
+    def _serve(self, jobs: list[_Job]) -> None:
+        flat = [(j, i) for j, job in enumerate(jobs) for i in range(len(job.rows))]
+        flat.sort(key=lambda ji: len(jobs[ji[0]].rows[ji[1]]))
+        values: dict[tuple[int, int], list[float]] = {}
+        hidden: dict[tuple[int, int], list[float]] = {}
+        failed: dict[int, Exception] = {}
+        for batch in self._batches(flat, jobs):
+            rows = [jobs[j].rows[i] for j, i in batch]
+            dims = [jobs[j].dimensions[i] for j, i in batch]
+            try:
+                results, states = self.model.pool(rows, dims)
+            except Exception as exc:  # a failed pass fails its requests, never the thread
+                log.exception("pooling_pass_failed", rows=len(rows))
+                failed.update({j: exc for j, _ in batch})
+                continue
+            self.passes += 1
+            for k, (j, i) in enumerate(batch):
+                values[j, i] = results[k]
+                if jobs[j].hidden:
+                    hidden[j, i] = states[k].tolist()
+        for j, job in enumerate(jobs):
+            self.requests += 1
+            if j in failed:
+                self.failed += 1
+                job.loop.call_soon_threadsafe(_settle, job.future, None, failed[j])
+                continue
+            self.sequences += len(job.rows)
+            self.tokens += sum(len(r) for r in job.rows)
+            keys = [(j, i) for i in range(len(job.rows))]
+            answer = (
+                [values[k] for k in keys],
+                [hidden[k] for k in keys] if job.hidden else None,
+            )
+            job.loop.call_soon_threadsafe(_settle, job.future, answer, None)
+
+    def _batches(
+        self, flat: list[tuple[int, int]], jobs: list[_Job]
+    ) -> list[list[tuple[int, int]]]:
+        """``flat`` (sorted by length) cut into passes of at most ``max_rows`` rows and
+        ``max_batch_tokens`` padded tokens (a longer prompt alone in its pass)."""
+        batches: list[list[tuple[int, int]]] = [[]]
+        for j, i in flat:
+            width = len(jobs[j].rows[i])  # the longest so far: the list is sorted
+            current = batches[-1]
+            fits = (len(current) + 1) * width <= self.max_batch_tokens
+            if current and (len(current) >= self.max_rows or not fits):
+                batches.append([])
+            batches[-1].append((j, i))
+        return [b for b in batches if b]
+
+
+def _settle(future: asyncio.Future, answer: Any, error: Exception | None) -> None:
+    if future.done():  # the client went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(answer)

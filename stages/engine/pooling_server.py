@@ -1,0 +1,203 @@
+"""``inflight engine`` on a pooling model: a reward model (``*ForSequenceClassification``) or an
+embedding model (``--is-embedding``), served as SGLang serves one.
+
+Routes: ``stages.engine.encode_routes``' (``/encode``, ``/classify``, ``/v1/embeddings``,
+``/v1/classify``); ``/v1/tokenize`` and ``/v1/detokenize`` (a client renders a conversation
+with the model's own chat template there, ``add_generation_prompt: false``, and sends the ids to
+``/classify``); ``/health``, ``/ready``, ``/health_generate`` (one pass over the prompt
+``[0]``, as SGLang's sends an embedding request to a pooling model); ``/model_info`` with
+``is_generation: false``; ``/server_info``; ``/v1/models``. ``/generate`` and the ``/v1``
+generation routes answer 400: this model does not generate. The same options as a generating
+engine apply where they mean something (``--device``, ``--dtype``, ``--max-running``: rows a
+pass, ``--chat-template``, ``--api-key``, ``--log-file``...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Any
+
+import structlog
+import torch
+from aiohttp import web
+
+from pipeline import heap
+from stages.engine.encode_routes import EncodeRoutes
+from stages.engine.identity import ENGINE_ID_ENV
+from stages.engine.openai_api import OpenAIRoutes, error_response
+from stages.engine.openai_chat import ChatSettings
+from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
+from stages.engine.request_body import bad_request
+from stages.engine.server import (
+    ENGINE_VERSION,
+    HEALTH_CHECK_TIMEOUT_S,
+    base_app,
+    engine_id_header,
+    model_info,
+    refused_counts,
+    run_loop,
+    serve,
+)
+from stages.engine.tokenize_routes import TokenizeRoutes
+
+__all__ = ["build_pooling_app", "serve_pooling"]
+
+log = structlog.get_logger("stages.engine.pooling_server")
+
+_POOLER = web.AppKey("pooler", Pooler)
+_GENERATION_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/score",
+)
+
+
+def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> int:
+    """Load ``args.model`` as a ``kind`` model and serve it until a signal; the exit code."""
+    heap.hold()  # no full collections while transformers and the model load (settled below)
+    try:
+        model = load_pooling_model(args.model, kind, device=args.device, dtype=args.dtype)
+    except (OSError, ValueError) as exc:
+        log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
+        return 2
+    pooler = Pooler(model, max_rows=args.max_running)
+    pooler.weight_version = args.weight_version
+    pooler.start()
+    try:
+        app = build_pooling_app(
+            pooler,
+            max_body=int(args.max_request_mb * 2**20),
+            api_key=api_key,
+            chat_template=args.chat_template,
+            engine_id=os.environ.get(ENGINE_ID_ENV) or None,
+        )
+        heap.settle()
+        started = {"kind": kind, "outputs": model.width, "max_running": args.max_running}
+        return run_loop(serve(app, args, model.loaded, started))
+    finally:
+        pooler.stop()
+
+
+def build_pooling_app(
+    pooler: Pooler,
+    *,
+    max_body: int = 256 * 2**20,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    engine_id: str | None = None,
+) -> web.Application:
+    """The application of a pooling engine; the caller starts and stops ``pooler``."""
+    app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
+    app[_POOLER] = pooler
+    loaded = pooler.model.loaded
+    name = str(loaded.path)
+    EncodeRoutes(pooler, name).add_to(app)
+    chat = ChatSettings.of(loaded.tokenizer, loaded.path, chat_template=chat_template)
+    TokenizeRoutes(loaded, chat).add_to(app)
+    cards = OpenAIRoutes(
+        _no_generation, _no_generation, None, served_model_name=name,
+        context_length=loaded.context_length,
+    )  # fmt: skip
+    app.router.add_get("/v1/models", cards.models)
+    app.router.add_get("/v1/models/{model:.+}", cards.model)
+    app.router.add_post("/generate", _refuse_generate)
+    for path in _GENERATION_ROUTES:
+        app.router.add_post(path, _refuse_v1)
+    for path in ("/health", "/ready"):
+        app.router.add_get(path, _health)
+    app.router.add_get("/health_generate", _health_generate)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, _model_info)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, _server_info)
+    app.router.add_get("/get_weight_version", _weight_version)
+    return app
+
+
+def _no_generation(body: Any) -> Any:
+    raise AssertionError("a pooling engine registers no generation route")
+
+
+def _what(pooler: Pooler) -> str:
+    if pooler.model.kind == "classify":
+        return "a classification (reward) model: /classify and /encode answer its scores"
+    return "an embedding model: /encode and /v1/embeddings answer its embeddings"
+
+
+async def _refuse_generate(request: web.Request) -> web.Response:
+    return bad_request(f"this engine serves {_what(request.app[_POOLER])}; it does not generate")
+
+
+async def _refuse_v1(request: web.Request) -> web.Response:
+    return error_response(
+        f"this engine serves {_what(request.app[_POOLER])}; {request.path} needs a generating model"
+    )
+
+
+async def _health(request: web.Request) -> web.Response:
+    named = engine_id_header(request.app)
+    if request.app[_POOLER].alive:
+        return web.Response(status=200, headers=named)
+    return web.Response(status=503, text="the pooling thread is not running", headers=named)
+
+
+async def _health_generate(request: web.Request) -> web.Response:
+    """One pass over the prompt ``[0]``: 200 when it answers within
+    ``HEALTH_CHECK_TIMEOUT_S``, else 503."""
+    pooler = request.app[_POOLER]
+    if not pooler.alive:
+        return web.Response(status=503)
+    try:
+        await asyncio.wait_for(pooler.encode([[0]]), HEALTH_CHECK_TIMEOUT_S)
+    except Exception as exc:  # a pass that fails or hangs is what this route reports
+        log.warning("health_check_failed", error=str(exc) or type(exc).__name__)
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+async def _model_info(request: web.Request) -> web.Response:
+    model: PoolingModel = request.app[_POOLER].model
+    loaded = model.loaded
+    return web.json_response(
+        model_info(
+            loaded,
+            model_path=str(loaded.path),
+            is_generation=False,
+            weight_version=request.app[_POOLER].weight_version,
+            parsers={"reasoning_parser": None, "tool_call_parser": None},
+        )
+    )
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    pooler: Pooler = request.app[_POOLER]
+    loaded = pooler.model.loaded
+    state = pooler.counts()
+    return web.json_response(
+        {
+            "model_path": str(loaded.path),
+            "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
+            "is_embedding": True,
+            "max_running_requests": pooler.max_rows,
+            "context_length": loaded.context_length,
+            "max_total_num_tokens": pooler.max_batch_tokens,
+            "max_req_input_len": loaded.context_length - 1,
+            "weight_version": pooler.weight_version,
+            "internal_states": [state],
+            "version": f"inflight-rl {ENGINE_VERSION}",
+            "engine": "inflight-builtin",
+            "pooling": pooler.model.kind,
+            "device": str(next(loaded.model.parameters()).device),
+            "threads": torch.get_num_threads(),
+            "refused_requests": refused_counts(request.app),
+            **state,
+        }
+    )
+
+
+async def _weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[_POOLER].weight_version})

@@ -1,0 +1,241 @@
+"""Pooling models on the built-in engine as real servers, as SGLang 0.5.23 serves them: a reward
+model (``Qwen2ForSequenceClassification``: ``/classify``, ``/encode``, ``/v1/classify``) and a
+causal LM with ``--is-embedding`` (``/v1/embeddings`` through the ``openai`` client), against
+transformers' own forward of each prompt alone (``srt/models/llama_reward.py``: the last
+token's hidden state through ``score``; ``llama.py``: ``Pooler(LAST, normalize=True)``;
+``tokenizer_manager.py`` ``_handle_batch_output``; ``serving_embedding.py``,
+``serving_classify.py``)."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import math
+import struct
+from collections.abc import Iterator
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from stages.engine.encode_routes import NOT_EMBEDDING
+from stages.engine.pooling import pooling_kind
+from tests.numerics import assert_close, forward_terms
+from tests.stages.test_engine_server import Engine, _tokenizer, serving
+from tests.stages.tiny_model import make_tiny_classifier, make_tiny_model
+
+PROMPTS = ["w5 w6 w7 w8", "w9", "w10 w11 w12 w13 w14 w15 w16", "w17 w18"]
+
+
+@pytest.fixture(scope="module")
+def reward(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    root = tmp_path_factory.mktemp("reward")
+    model = make_tiny_classifier(root / "model", seed=3)
+    with serving(model, root / "engine.log") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    root = tmp_path_factory.mktemp("classifier")
+    model = make_tiny_classifier(root / "model", seed=4, labels=("neg", "neu", "pos"))
+    with serving(model, root / "engine.log") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    root = tmp_path_factory.mktemp("embedder")
+    model = make_tiny_model(root / "model", seed=5)
+    with serving(model, root / "engine.log", "--is-embedding") as engine:
+        yield engine
+
+
+def _scores(engine: Engine, prompt: list[int]) -> list[float]:
+    """transformers' outputs of the classification model for ``prompt`` alone."""
+    model = AutoModelForSequenceClassification.from_pretrained(engine.model_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].tolist()
+
+
+def _ids(engine: Engine, text: str) -> list[int]:
+    return _tokenizer(engine).encode(text)
+
+
+def _terms(engine: Engine, prompt: list[int]) -> int:
+    model = AutoModelForSequenceClassification.from_pretrained(engine.model_dir)
+    return forward_terms(model.config, len(prompt))
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(90)
+def test_classify_gives_the_reward_models_score_of_each_prompt(reward: Engine) -> None:
+    status, out = reward.request("POST", "/classify", {"text": PROMPTS, "rid": "batch"})
+    assert status == 200, out
+    assert [a["meta_info"]["id"] for a in out] == [f"batch_{i}" for i in range(len(PROMPTS))]
+    for answer, text in zip(out, PROMPTS, strict=True):
+        ids = _ids(reward, text)
+        assert list(answer) == ["embedding", "meta_info"]
+        meta = answer["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 0}
+        assert meta["prompt_tokens"] == len(ids) and meta["num_retractions"] == 0
+        assert meta["weight_version"] == "0" and meta["e2e_latency"] > 0
+        assert len(answer["embedding"]) == 1  # one label: the reward
+        assert_close(answer["embedding"], _scores(reward, ids), terms=_terms(reward, ids))
+    # /encode is the same request; input_ids alone, with the hidden state the head read
+    ids = _ids(reward, PROMPTS[2])
+    status, one = reward.request(
+        "POST", "/encode", {"input_ids": ids, "rid": "solo", "return_pooled_hidden_states": True}
+    )
+    assert status == 200, one
+    assert one["meta_info"]["id"] == "solo"
+    assert_close(one["embedding"], out[2]["embedding"], terms=_terms(reward, ids))
+    model = AutoModelForSequenceClassification.from_pretrained(reward.model_dir).eval()
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+    assert_close(one["pooled_hidden_state"], hidden.tolist(), terms=_terms(reward, ids))
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(90)
+def test_concurrent_requests_share_passes_and_each_gets_its_own_score(reward: Engine) -> None:
+    before = reward.request("GET", "/server_info")[1]["internal_states"][0]
+    bodies = [{"input_ids": _ids(reward, PROMPTS[i % 4]) + [3] * (i % 5)} for i in range(24)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: reward.request("POST", "/classify", b), bodies))
+    for body, (status, out) in zip(bodies, answers, strict=True):
+        assert status == 200, out
+        ids = body["input_ids"]
+        assert_close(out["embedding"], _scores(reward, ids), terms=_terms(reward, ids))
+    after = reward.request("GET", "/server_info")[1]["internal_states"][0]
+    assert after["requests"] - before["requests"] == 24
+    assert after["passes"] - before["passes"] < 24  # requests that waited together ran together
+
+
+@pytest.mark.timeout(60)
+def test_v1_classify_answers_labels_and_softmax_probabilities(classifier: Engine) -> None:
+    ids = _ids(classifier, PROMPTS[0])
+    status, out = classifier.request("POST", "/v1/classify", {"input": [PROMPTS[0], "w3"]})
+    assert status == 200, out
+    assert list(out) == ["id", "object", "created", "model", "data", "usage"]
+    assert out["id"].startswith("classify-") and out["object"] == "list"
+    first = out["data"][0]
+    logits = torch.tensor(_scores(classifier, ids))
+    assert first["index"] == 0 and first["num_classes"] == 3
+    assert first["label"] == ("neg", "neu", "pos")[int(logits.argmax())]
+    assert first["probs"] == pytest.approx(torch.softmax(logits, 0).tolist(), abs=1e-5)
+    assert out["usage"]["prompt_tokens"] == len(ids) + 1 == out["usage"]["total_tokens"]
+    assert out["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(90)
+def test_v1_embeddings_through_the_openai_client_are_the_normalized_last_hidden_state(
+    embedder: Engine,
+) -> None:
+    client = openai.OpenAI(base_url=embedder.url + "/v1", api_key="unused", max_retries=0)
+    texts = PROMPTS[:3]
+    got = client.embeddings.create(model="m", input=texts)  # base64, the client's default
+    floats = client.embeddings.create(model="m", input=texts, encoding_format="float")
+    model = AutoModelForCausalLM.from_pretrained(embedder.model_dir).eval()
+    tokens = 0
+    for i, text in enumerate(texts):
+        ids = _ids(embedder, text)
+        tokens += len(ids)
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+            last = out.hidden_states[-1][0, -1]  # after the final norm: the head's input
+            assert_close(model.lm_head(last), out.logits[0, -1], terms=model.config.hidden_size)
+        want = torch.nn.functional.normalize(last, dim=-1).tolist()
+        terms = forward_terms(model.config, len(ids))
+        assert got.data[i].index == i and got.data[i].object == "embedding"
+        assert_close(got.data[i].embedding, want, terms=terms)
+        assert_close(floats.data[i].embedding, want, terms=terms)
+    assert got.usage.prompt_tokens == got.usage.total_tokens == tokens
+    # base64 is little-endian float32, as SGLang packs it
+    status, raw = embedder.request(
+        "POST", "/v1/embeddings", {"input": [[5, 6, 7]], "encoding_format": "base64"}
+    )
+    assert status == 200, raw
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    values = struct.unpack(f"<{len(packed) // 4}f", packed)
+    assert math.isclose(math.fsum(v * v for v in values), 1.0, rel_tol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedder: Engine) -> None:
+    refused = [
+        (reward, "/classify", {"text": "w5", "input_ids": [5]}, "exactly one of input_ids"),
+        (reward, "/classify", {"input_ids": [5, 999]}, "outside the vocabulary"),
+        (reward, "/classify", {"input_ids": [5] * 512}, "longer than the model's context"),
+        (reward, "/encode", {"input_ids": [5], "image_data": "x.png"}, "image_data"),
+        (reward, "/encode", {"input_ids": [5], "typo": 1}, "unknown field"),
+        (reward, "/encode", {"input_ids": [[5], [6]], "rid": ["a", "a"]}, "Duplicate request"),
+        (reward, "/encode", {"input_ids": [5], "dimensions": 8}, "matryoshka"),
+        (embedder, "/v1/embeddings", {"input": ""}, "Input cannot be empty"),
+        (embedder, "/v1/embeddings", {"input": ["w5", "  "]}, "index 1 cannot be empty"),
+        (embedder, "/v1/embeddings", {"input": [5, -1]}, "must be non-negative"),
+        (embedder, "/v1/embeddings", {"input": "w5", "encoding_format": "hex"}, "'float' or"),
+        (embedder, "/v1/classify", {"input": "w5"}, "needs a classification model"),
+        (reward, "/generate", {"text": "w5"}, "does not generate"),
+        (reward, "/v1/chat/completions", {"messages": []}, "needs a generating model"),
+    ]
+    for engine, path, body, words in refused:
+        status, out = engine.request("POST", path, body)
+        assert status == 400, (path, body, out)
+        message = out["message"] if "message" in out else out["error"]["message"]
+        assert words in message, (path, body, message)
+    for engine in (reward, embedder):
+        status, info = engine.request("GET", "/server_info")
+        assert status == 200 and sum(info["refused_requests"].values()) >= 5
+        assert engine.request("GET", "/health_generate")[0] == 200  # still serving
+
+
+@pytest.mark.timeout(60)
+def test_info_routes_and_chat_template_tokenizing_for_a_reward_model(reward: Engine) -> None:
+    status, info = reward.request("GET", "/model_info")
+    assert status == 200 and info["is_generation"] is False
+    assert info["architectures"] == ["Qwen2ForSequenceClassification"]
+    status, models = reward.request("GET", "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == str(reward.model_dir)
+    # a conversation rendered with the reward model's own template, then scored
+    messages = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]
+    status, tokens = reward.request(
+        "POST", "/v1/tokenize", {"messages": messages, "add_generation_prompt": False}
+    )
+    assert status == 200, tokens
+    tokenizer = _tokenizer(reward)
+    want = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=False, return_dict=False
+    )
+    assert tokens["tokens"] == list(want)
+    status, out = reward.request("POST", "/classify", {"input_ids": tokens["tokens"]})
+    assert status == 200 and len(out["embedding"]) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_generating_engine_refuses_pooling_routes_as_sglang_does(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    root = tmp_path_factory.mktemp("generating")
+    with serving(make_tiny_model(root / "model", seed=6), root / "engine.log") as engine:
+        for path, body in (("/encode", {"text": "w5"}), ("/classify", {"input_ids": [5]})):
+            status, out = engine.request("POST", path, body)
+            assert (status, out) == (400, {"error": {"message": NOT_EMBEDDING}})
+        status, out = engine.request("POST", "/v1/embeddings", {"input": "w5"})
+        assert status == 400 and out["message"] == NOT_EMBEDDING and out["object"] == "error"
+
+
+def test_what_a_checkpoint_serves_follows_sglangs_architecture_list() -> None:
+    class Config:
+        def __init__(self, *architectures: str) -> None:
+            self.architectures = list(architectures)
+
+    assert pooling_kind(Config("LlamaForSequenceClassification"), False) == "classify"
+    assert pooling_kind(Config("Qwen2ForSequenceClassification"), True) == "classify"
+    assert pooling_kind(Config("MistralModel"), False) == "embed"
+    assert pooling_kind(Config("Qwen2ForCausalLM"), True) == "embed"
+    assert pooling_kind(Config("Qwen2ForCausalLM"), False) is None
+    with pytest.raises(ValueError, match="remote-code reward model"):
+        pooling_kind(Config("Qwen2ForRewardModel"), False)

@@ -1,0 +1,127 @@
+"""A reward model (``rewards: [{reward_model: ...}]``) served by the built-in engine, started as
+a user starts it (``inflight engine --model RM``, a ``*ForSequenceClassification``): each
+sample's conversation is rendered by the reward model's own chat template (``/v1/tokenize``)
+and scored by ``/classify``; the reward is the head's output, compared with transformers' own
+forward of the same ids."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+from stages.scorer.runner import RewardRunner
+from stages.scorer.spec import RewardModelSpec, RewardSpec
+from tests.numerics import assert_close, forward_terms
+from tests.stages.engine_setup import builtin_engine
+from tests.stages.tiny_model import make_tiny_classifier
+
+COMPLETIONS = ["w11 w12", "w13", "w14 w15 w16", "w17"]
+PROMPTS = ["w6 w7", "w6 w7", "w8", "w8"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_classifier(tmp_path_factory.mktemp("rm") / "model", seed=7)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Iterator[str]:
+    with builtin_engine(model_dir) as url:
+        yield url
+
+
+def _reference(model_dir, texts_or_ids: list) -> list[float]:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    values = []
+    for item in texts_or_ids:
+        ids = tokenizer.encode(item) if isinstance(item, str) else item
+        with torch.no_grad():
+            values.append(model(torch.tensor([ids])).logits[0, 0].item())
+    return values
+
+
+def _kwargs() -> dict[str, list]:
+    # the first two come with their conversation (a chat-templated prompt's meta messages)
+    messages = [
+        [{"role": "system", "content": "w3"}, {"role": "user", "content": p}] for p in PROMPTS
+    ]
+    return {
+        "prompts": PROMPTS,
+        "completions": COMPLETIONS,
+        "messages": [messages[0], messages[1], None, None],
+        "answer": ["w20"] * 4,
+    }
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(90)
+async def test_a_reward_model_scores_each_conversation_with_its_own_template(engine, model_dir):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    kwargs = _kwargs()
+    conversations = []
+    for i, completion in enumerate(COMPLETIONS):
+        before = kwargs["messages"][i] or [{"role": "user", "content": PROMPTS[i]}]
+        turn = {"role": "assistant", "content": completion}
+        conversations.append(
+            tokenizer.apply_chat_template(
+                [*before, turn], tokenize=True, add_generation_prompt=False, return_dict=False
+            )
+        )
+    chat = _reference(model_dir, conversations)
+    texts = [f"w4 {p} w5 {c}" for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    plain = _reference(model_dir, texts)
+    specs = [
+        RewardSpec(reward_model=RewardModelSpec(url=engine), name="chat"),
+        RewardSpec(
+            reward_model=RewardModelSpec(
+                url=engine, input="text", template="w4 {prompt} w5 {completion}"
+            ),
+            name="text",
+            weight=0.5,
+            batch_size=3,
+        ),
+    ]
+    async with RewardRunner(specs) as runner:
+        scored = await runner.score(kwargs)
+        stats = runner.stats()
+    config = AutoModelForSequenceClassification.from_pretrained(model_dir).config
+    for i, (reward, info) in enumerate(scored):
+        terms = forward_terms(config, len(conversations[i]) + 8)
+        assert_close([info["chat"], info["text"]], [chat[i], plain[i]], terms=terms)
+        assert reward == pytest.approx(info["chat"] + 0.5 * info["text"], abs=1e-6)
+    # chat: a /v1/tokenize call a sample, then one /classify; text: 4 samples in calls of 3
+    assert stats["calls"] == 4 + 1 + 2 and stats["errors"] == 0
+
+
+@pytest.mark.timeout(90)
+async def test_a_missing_output_or_template_key_fails_its_samples_with_a_counted_kind(engine):
+    specs = [
+        RewardSpec(reward_model=RewardModelSpec(url=engine, label=3), name="label", backoff_s=0),
+        RewardSpec(
+            reward_model=RewardModelSpec(url=engine, input="text", template="{nope}"),
+            name="template",
+        ),
+    ]
+    async with RewardRunner(specs) as runner:
+        scored = await runner.score(_kwargs())
+        stats = runner.stats()
+    for reward, info in scored:
+        assert reward == 0.0
+        assert "label: bad_response: no output 3" in info["error"]
+        assert "template: rm_template: the template names 'nope'" in info["error"]
+    assert stats["failed_bad_response"] == 4 and stats["failed_rm_template"] == 4
+
+
+def test_bad_reward_model_entries_are_config_errors() -> None:
+    with pytest.raises(ValueError, match="template applies to input: text"):
+        RewardModelSpec(url="http://127.0.0.1:1", template="{completion}")
+    with pytest.raises(ValueError, match="must be an http"):
+        RewardModelSpec(url="ftp://x")
+    with pytest.raises(ValueError, match="protocol applies to url rewards only"):
+        RewardSpec(reward_model=RewardModelSpec(url="http://127.0.0.1:1"), protocol="slime")
+    spec = RewardSpec(reward_model=RewardModelSpec(url="http://127.0.0.1:9/"))
+    assert spec.name == "rm:127.0.0.1:9"
