@@ -7,8 +7,8 @@ Field names, defaults and answers follow SGLang 0.5.23 (``srt/managers/io_struct
 ``srt/entrypoints/openai/serving_embedding.py``, ``serving_classify.py``, ``protocol.py``):
 
 - ``/encode`` and ``/classify`` (the same request; a reward model's scores come from
-  ``/classify``): ``text`` or ``input_ids``, one or a batch; ``rid`` (a string, expanded to
-  ``RID_i`` in a batch, or a list); ``dimensions`` (a Matryoshka model's output length);
+  ``/classify``): ``text`` or ``input_ids``, one or a batch; ``rid`` (a string, or a list for a
+  batch); ``dimensions`` (a Matryoshka model's output length);
   ``return_pooled_hidden_states`` (the hidden state the head read, as ``pooled_hidden_state``);
   ``sampling_params`` is taken and unused, as SGLang's "dummy" one. The answer: ``{embedding,
   meta_info}`` (a list of them for a batch), ``meta_info`` with ``id``, ``finish_reason``
@@ -345,12 +345,15 @@ def _check_fields(
 
 
 def _rids(rid: Any, count: int, batch: bool) -> list[str]:
-    """Each prompt's request id (SGLang's normalization: a batch's string rid is a prefix)."""
+    """Each prompt's request id (``EmbeddingReqInput.normalize_batch_and_arguments``: a batch
+    takes a list, without duplicates)."""
     if rid is None:
         return [os.urandom(16).hex() for _ in range(count)]
-    if isinstance(rid, str):
-        return [f"{rid}_{i}" for i in range(count)] if batch else [rid]
-    if not batch or not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+    if isinstance(rid, str) and not batch:
+        return [rid]
+    if batch and not isinstance(rid, list):  # EmbeddingReqInput's assert, as a 400
+        raise ValueError("The rid should be a list.")
+    if not batch or not all(isinstance(r, str) for r in rid):
         raise RequestError(
             "rid", f"expected a string or (in a batch) a list of strings, got {rid!r}"
         )
