@@ -50,7 +50,7 @@ from stages.engine.openai_api import (
     refusal,
     results_usage,
 )
-from stages.engine.pooling import Pooler
+from stages.engine.pooling import Pooler, PoolingFailed
 from stages.engine.protocol import RequestError, is_int, read_prompts
 from stages.engine.request_body import bad_request, dumps, json_body
 
@@ -133,6 +133,8 @@ class EncodeRoutes:
             values, states = await self.pooler.encode(rows, dims, hidden=hidden)
         except (RequestError, ValueError) as exc:
             return bad_request(str(exc))
+        except PoolingFailed as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=500)
         latency = time.perf_counter() - started
         answers = []
         for i, row in enumerate(rows):
@@ -229,6 +231,8 @@ class EncodeRoutes:
             return web.json_response(refusal(exc), status=400)
         except ValueError as exc:  # SGLang's ValueError: create_error_response(str(e))
             return error_response(str(exc))
+        except PoolingFailed as exc:
+            return error_response(str(exc), status=500)
 
     async def _embeddings(self, body: dict[str, Any]) -> dict[str, Any]:
         _check_fields(body, _EMBEDDINGS_FIELDS, _EMBEDDINGS_NEUTRAL, "/v1/embeddings")

@@ -41,6 +41,7 @@ from stages.hub import resolve_model
 __all__ = [
     "POOLING_KINDS",
     "Pooler",
+    "PoolingFailed",
     "PoolingModel",
     "load_pooling_model",
     "model_kind",
@@ -177,6 +178,10 @@ def load_pooling_model(
     )
 
 
+class PoolingFailed(RuntimeError):
+    """The model's pass over a request's prompts raised (a server error, not a bad request)."""
+
+
 @dataclass
 class _Job:
     rows: list[list[int]]
@@ -231,9 +236,10 @@ class Pooler:
         hidden: bool = False,
     ) -> tuple[list[list[float]], list[list[float]] | None]:
         """Each row's result (and, with ``hidden``, its pooled hidden state before the head)
-        once the thread has run it; raises what the forward raised."""
+        once the thread has run it; ``PoolingFailed`` when the pass raised or the thread is
+        not running."""
         if not self.alive:
-            raise RuntimeError("the pooling thread is not running")
+            raise PoolingFailed("the pooling thread is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         dims = list(dimensions) if dimensions is not None else [None] * len(rows)
@@ -270,7 +276,8 @@ class Pooler:
                 results, states = self.model.pool(rows, dims)
             except Exception as exc:  # a failed pass fails its requests, never the thread
                 log.exception("pooling_pass_failed", rows=len(rows))
-                failed.update({j: exc for j, _ in batch})
+                error = PoolingFailed(f"the model's pass failed: {type(exc).__name__}: {exc}")
+                failed.update({j: error for j, _ in batch})
                 continue
             self.passes += 1
             for k, (j, i) in enumerate(batch):

@@ -38,7 +38,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from stages.engine.encode_routes import NOT_EMBEDDING
-from stages.engine.pooling import pooling_kind
+from stages.engine.pooling import Pooler, PoolingFailed, load_pooling_model, pooling_kind
 from tests.numerics import assert_close, forward_terms
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
 from tests.stages.tiny_model import make_tiny_classifier, make_tiny_model
@@ -314,3 +314,22 @@ def test_what_a_checkpoint_serves_follows_sglangs_architecture_list() -> None:
     assert pooling_kind(Config("Qwen2ForCausalLM"), False) is None
     with pytest.raises(ValueError, match="remote-code reward model"):
         pooling_kind(Config("Qwen2ForRewardModel"), False)
+
+
+@pytest.mark.timeout(60)
+async def test_a_pass_that_raises_fails_its_requests_and_the_thread_serves_on(tmp_path) -> None:
+    model = load_pooling_model(make_tiny_classifier(tmp_path / "rm", seed=8), "classify")
+    pooler = Pooler(model)
+    pooler.start()
+    try:
+        (good,), _ = await pooler.encode([[5, 6, 7]])
+        with pytest.raises(PoolingFailed, match="IndexError"):  # past the embedding table
+            await pooler.encode([[5, model.loaded.vocab_size + 3]])
+        (again,), _ = await pooler.encode([[5, 6, 7]])
+        assert again == good and pooler.alive
+        assert pooler.counts()["failed_requests"] == 1
+    finally:
+        pooler.stop()
+    assert not pooler.alive
+    with pytest.raises(PoolingFailed, match="not running"):
+        await pooler.encode([[5]])
