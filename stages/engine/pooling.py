@@ -115,7 +115,8 @@ class PoolingModel:
             ids[i, : len(row)] = torch.tensor(row)
             mask[i, : len(row)] = 1
         out = self.backbone(input_ids=ids.to(device), attention_mask=mask.to(device))
-        last = out.last_hidden_state[torch.arange(len(rows)), (lengths - 1).to(device)]
+        at = torch.arange(len(rows), device=device), (lengths - 1).to(device)
+        last = out.last_hidden_state[at]
         if self.head is not None:
             return self.head(last).float().cpu().tolist(), last.float().cpu()
         hidden = last.float().cpu()

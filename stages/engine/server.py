@@ -5,7 +5,11 @@ Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu
 [--weight-version 0] [--reasoning-parser qwen3|deepseek-r1|...]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
 [--tool-call-parser qwen25|hermes|llama3|mistral|pythonic] [--enable-response-store]
-[--enable-cache-report] [--log-file PATH] [--api-key KEY] [--insecure]``
+[--enable-cache-report] [--is-embedding] [--log-file PATH] [--api-key KEY] [--insecure]``
+
+A reward model (a ``*ForSequenceClassification`` checkpoint), or any model with
+``--is-embedding``, is served as SGLang serves a pooling model instead: ``/encode``,
+``/classify``, ``/v1/embeddings`` (``stages.engine.pooling_server``).
 
 With an API key (``INFLIGHT_ENGINE_API_KEY`` in its environment, which is how the generator's
 launcher hands it over; or ``--api-key``, which ``ps`` shows) it answers as SGLang does with

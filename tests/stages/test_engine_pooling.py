@@ -333,3 +333,23 @@ async def test_a_pass_that_raises_fails_its_requests_and_the_thread_serves_on(tm
     assert not pooler.alive
     with pytest.raises(PoolingFailed, match="not running"):
         await pooler.encode([[5]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(120)
+async def test_a_pooling_model_on_cuda_scores_as_on_cpu(tmp_path) -> None:
+    folder = make_tiny_classifier(tmp_path / "rm", seed=9)
+    rows = [[5, 6, 7, 8], [9], [10, 11, 12]]
+    results = {}
+    for device in ("cpu", "cuda"):
+        pooler = Pooler(load_pooling_model(folder, "classify", device=device))
+        pooler.start()
+        try:
+            results[device] = await pooler.encode(rows, hidden=True)
+        finally:
+            pooler.stop()
+    config = AutoConfig.from_pretrained(folder)
+    for i, row in enumerate(rows):
+        terms = forward_terms(config, len(row))
+        for part in (0, 1):  # the scores, the hidden states the head read
+            assert_close(results["cuda"][part][i], results["cpu"][part][i], terms=terms)
