@@ -145,6 +145,9 @@ def load_pooling_model(
                 "decoder classifiers (Llama, Qwen, Mistral, Gemma... *ForSequenceClassification)"
             )
         backbone = model.base_model
+    elif _causal(path):  # loaded whole, as SGLang loads it: its head is there, and unused
+        model = hf.AutoModelForCausalLM.from_pretrained(path, **dtypes)
+        head, backbone = None, model.base_model
     else:
         model = hf.AutoModel.from_pretrained(path, **dtypes)
         head, backbone = None, model
@@ -181,6 +184,12 @@ def load_pooling_model(
 
 class PoolingFailed(RuntimeError):
     """The model's pass over a request's prompts raised (a server error, not a bad request)."""
+
+
+def _causal(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` is a causal LM (its head's weights in the files)."""
+    config = hf.AutoConfig.from_pretrained(path, local_files_only=True)
+    return any(a.endswith("ForCausalLM") for a in getattr(config, "architectures", None) or [])
 
 
 @dataclass
