@@ -57,11 +57,12 @@ _SHOWN = 200  # characters of an answer quoted in an error
 
 
 class HttpFailure(Exception):
-    """A call's samples failed: ``kind`` (``timeout``, ``http_error``...) and why."""
+    """A call's samples failed: ``kind`` (``timeout``, ``http_error``...) and why; ``refused``:
+    the server answered 4xx (the request itself was refused)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, *, refused: bool = False) -> None:
         super().__init__(message)
-        self.kind, self.message = kind, message
+        self.kind, self.message, self.refused = kind, message, refused
 
 
 def _jsonable(value: Any) -> Any:
@@ -93,6 +94,7 @@ class _Protocol:
 
     path = ""
     size: int | None = None
+    split_refused = False  # a refused call's samples are tried one a call
 
     def body(self, part: Mapping[str, list]) -> Any:
         raise NotImplementedError
@@ -223,6 +225,7 @@ class _RewardModel(_Protocol):
     filled. The reward is the ``label``-th output of each answer's ``embedding``."""
 
     path = "/classify"
+    split_refused = True  # the engine refuses a whole batch for one prompt past its context
 
     def __init__(self, spec: RewardSpec) -> None:
         assert spec.reward_model is not None
@@ -304,7 +307,7 @@ class HttpCaller:
     ) -> None:
         self.options, self.log, self.event, self.who = options, log, event, dict(who)
         self.headers = {**(headers or {}), **options.headers}  # the options' own come last
-        self.counts = {"calls": 0, "errors": 0, "timeouts": 0, "retries": 0}
+        self.counts = {"calls": 0, "errors": 0, "timeouts": 0, "retries": 0, "split": 0}
         self.failed: dict[str, int] = {}
         self._logged: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -372,7 +375,7 @@ class HttpCaller:
                 failure = HttpFailure("http_error", f"HTTP {status}: {quoted(answer)}")
                 continue
             if not 200 <= status < 300:
-                raise HttpFailure("http_error", f"HTTP {status}: {quoted(answer)}")
+                raise HttpFailure("http_error", f"HTTP {status}: {quoted(answer)}", refused=True)
             try:
                 return json.loads(answer)
             except ValueError:
@@ -431,6 +434,7 @@ class RemoteReward:
             self.protocol = {"inflight": _Lists, "slime": _Slime}[spec.protocol](spec)
             base = str(spec.url)
         self.base, self.url = base, f"{base}{self.protocol.path}"
+        self.log = log
         self.http = HttpCaller(spec, log, event="reward_failed", who={"fn": self.name})
         self.counts, self.failed = self.http.counts, self.http.failed
 
@@ -461,7 +465,36 @@ class RemoteReward:
             body = await self.protocol.request(part, self.http, self.base)
             values, bad = self.protocol.values(await self.http.post(self.url, body), n)
         except HttpFailure as failure:
+            if failure.refused and n > 1 and self.protocol.split_refused:
+                return await self._one_by_one(kwargs, lo, hi, context, failure)
             self.http.failed_call(failure, n, context)
             return [None] * n, {i: (failure.kind, failure.message) for i in range(n)}
         self.http.bad_values(bad, context)
+        return values, bad
+
+    async def _one_by_one(
+        self,
+        kwargs: Mapping[str, Any],
+        lo: int,
+        hi: int,
+        context: Mapping[str, Any],
+        refusal: HttpFailure,
+    ) -> tuple[list[float | None], dict[int, tuple[str, str]]]:
+        """Samples ``lo:hi`` a call each, after their call was refused: one sample the server
+        refuses (a conversation past the model's context) fails alone. Counted as ``split``;
+        the first one logged."""
+        self.http.counts["split"] += 1
+        if self.http.counts["split"] == 1:
+            self.log.warning(
+                "reward_call_split",
+                fn=self.name,
+                samples=hi - lo,
+                error=refusal.message,
+                later="counted in http_split_calls, not logged again",
+                **context,
+            )
+        calls = [self._call(kwargs, i, i + 1, context) for i in range(lo, hi)]
+        parts = await asyncio.gather(*calls)
+        values = [part_values[0] for part_values, _ in parts]
+        bad = {i: part_bad[0] for i, (_, part_bad) in enumerate(parts) if part_bad}
         return values, bad

@@ -238,11 +238,13 @@ class RewardRunner:
         return scored
 
     def stats(self) -> dict[str, int]:
-        """``counts``, ``workers_idle``, and for HTTP rewards ``http_retries`` and
-        ``failed_<kind>`` (samples that failed, by kind)."""
+        """``counts``, ``workers_idle``, and for HTTP rewards ``http_retries``,
+        ``http_split_calls`` (refused calls tried again a sample a call) and ``failed_<kind>``
+        (samples that failed, by kind)."""
         stats = {**self.counts, "workers_idle": self._pool.idle() if self._pool else 0}
         if self._remote:
             stats["http_retries"] = sum(r.counts["retries"] for r in self._remote.values())
+            stats["http_split_calls"] = sum(r.counts["split"] for r in self._remote.values())
             for remote in self._remote.values():
                 for kind, samples in remote.failed.items():
                     stats[f"failed_{kind}"] = stats.get(f"failed_{kind}", 0) + samples

@@ -837,8 +837,12 @@ class Scorer:
             "errors": runner.get("errors", 0),
             "timeouts": runner.get("timeouts", 0),
             "worker_restarts": runner.get("restarts", 0),
-            # url and judge rewards: their retries, and failed samples by kind
-            **{k: v for k, v in runner.items() if k == "http_retries" or k.startswith("failed_")},
+            # HTTP rewards: their retries, split calls, and failed samples by kind
+            **{
+                k: v
+                for k, v in runner.items()
+                if k in ("http_retries", "http_split_calls") or k.startswith("failed_")
+            },
             **(self.teacher.stats() if self.teacher is not None else {}),
             "groups_pending": len(self.pending),
             "groups_scoring": len(self._tasks),

@@ -125,3 +125,19 @@ def test_bad_reward_model_entries_are_config_errors() -> None:
         RewardSpec(reward_model=RewardModelSpec(url="http://127.0.0.1:1"), protocol="slime")
     spec = RewardSpec(reward_model=RewardModelSpec(url="http://127.0.0.1:9/"))
     assert spec.name == "rm:127.0.0.1:9"
+
+
+@pytest.mark.timeout(90)
+async def test_a_sample_past_the_models_context_fails_alone(engine, model_dir) -> None:
+    kwargs = _kwargs()
+    kwargs["completions"] = list(COMPLETIONS)
+    kwargs["completions"][1] = " ".join(["w30"] * 600)  # the tiny model's context is 512
+    specs = [RewardSpec(reward_model=RewardModelSpec(url=engine), name="rm", backoff_s=0)]
+    async with RewardRunner(specs) as runner:
+        scored = await runner.score(kwargs)
+        alone = await runner.score({k: v[:1] for k, v in kwargs.items()})
+        stats = runner.stats()
+    assert scored[1][0] == 0.0 and "longer than the model's context length" in scored[1][1]["error"]
+    assert all("error" not in info for i, (_, info) in enumerate(scored) if i != 1)
+    assert scored[0][1]["rm"] == alone[0][1]["rm"]  # scored on its own call, the same reward
+    assert stats["http_split_calls"] == 1 and stats["failed_http_error"] == 1
