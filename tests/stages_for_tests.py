@@ -470,3 +470,26 @@ class _NoOptions:
 
 
 GangMember.Config = _NoOptions
+
+
+def scorer_pipeline(rollouts: list[dict], rewards: list[str], tokenizer_dir: object) -> str:
+    """The YAML of a run in which ``RolloutSource`` sends ``rollouts`` to a scorer with
+    ``rewards`` (each a YAML flow mapping) and the scored groups go to ``GroupSink``."""
+    import json
+
+    source = {"use": "tests.stages_for_tests:RolloutSource", "rollouts": rollouts}
+    listed = "".join(f"\n      - {reward}" for reward in rewards)
+    return f"""
+run: {{name: rm}}
+stages:
+  source: {json.dumps(source)}
+  scorer:
+    use: scorer
+    inputs: {{rollouts: source.out}}
+    rewards:{listed}
+    tokenizer: "{tokenizer_dir}"
+    workers: 1
+  sink:
+    use: "tests.stages_for_tests:GroupSink"
+    inputs: {{groups: scorer.groups}}
+"""

@@ -6,7 +6,10 @@ forward of the same ids."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -42,6 +45,14 @@ def _reference(model_dir, texts_or_ids: list) -> list[float]:
         with torch.no_grad():
             values.append(model(torch.tensor([ids])).logits[0, 0].item())
     return values
+
+
+def _post(url: str, body: dict) -> Any:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
 
 
 def _kwargs() -> dict[str, list]:
@@ -141,3 +152,38 @@ async def test_a_sample_past_the_models_context_fails_alone(engine, model_dir) -
     assert all("error" not in info for i, (_, info) in enumerate(scored) if i != 1)
     assert scored[0][1]["rm"] == alone[0][1]["rm"]  # scored on its own call, the same reward
     assert stats["http_split_calls"] == 1 and stats["failed_http_error"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_the_scorer_stage_scores_with_a_reward_model(tmp_path, engine) -> None:
+    from stages.feeder.arithmetic import make_tokenizer
+    from tests.pipeline.runs import events, run_inflight
+    from tests.stages_for_tests import scorer_pipeline
+
+    tokenizer_dir = tmp_path / "arith"
+    make_tokenizer().save_pretrained(tokenizer_dir)
+    rollouts = [
+        {"group": g, "index": i, "completion": c, "prompt": prompt, "meta": {"answer": "7"}}
+        for g, prompt, completions in (("a", "3+4=", "78"), ("b", "2+5=", "77"))
+        for i, c in enumerate(completions)
+    ]
+    path = tmp_path / "scorer.yaml"
+    rewards = ["{fn: exact_match}", f'{{reward_model: {{url: "{engine}"}}, name: rm, weight: 0.5}}']
+    path.write_text(scorer_pipeline(rollouts, rewards, tokenizer_dir))
+    run_dir = tmp_path / "run"
+    result = run_inflight("run", str(path), "--run-dir", str(run_dir), timeout=80)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+    groups = {g["group_id"]: g for g in json.loads((run_dir / "groups.json").read_text())}
+    for item in rollouts:
+        sample = groups[item["group"]]["samples"][item["index"]]
+        turns = [{"role": "user", "content": item["prompt"]},
+                 {"role": "assistant", "content": item["completion"]}]  # fmt: skip
+        ids = _post(f"{engine}/v1/tokenize", {"messages": turns, "add_generation_prompt": False})
+        (want,) = _post(f"{engine}/classify", {"input_ids": [ids["tokens"]]})[0]["embedding"][:1]
+        info = sample["reward_info"]
+        assert info["rm"] == pytest.approx(want, abs=1e-6), (item, info)
+        exact = float(item["completion"] == "7")
+        assert sample["reward"] == pytest.approx(exact + 0.5 * want, abs=1e-6)
+    (done,) = [e for e in events(run_dir, "scorer.0") if e["event"] == "scorer_done"]
+    assert done["samples"] == 4 and done["errors"] == 0 and done["http_split_calls"] == 0

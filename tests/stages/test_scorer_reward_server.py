@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import RewardSpec
 from tests.pipeline.runs import events, run_inflight
+from tests.stages_for_tests import scorer_pipeline
 
 EM = "stages.scorer.rewards:exact_match"
 
@@ -316,25 +317,9 @@ def test_the_scorer_stage_scores_with_a_reward_server(tmp_path, tokenizer_dir):
         for i, c in enumerate(completions)
     ]
     with reward_server(by_group) as server:
-        source = {"use": "tests.stages_for_tests:RolloutSource", "rollouts": rollouts}
         path = tmp_path / "scorer.yaml"
-        path.write_text(
-            f"""
-run: {{name: rm}}
-stages:
-  source: {json.dumps(source)}
-  scorer:
-    use: scorer
-    inputs: {{rollouts: source.out}}
-    rewards:
-      - {{url: "{server.url}", name: rm, retries: 1, backoff_s: 0.0, batch_size: 2}}
-    tokenizer: "{tokenizer_dir}"
-    workers: 1
-  sink:
-    use: "tests.stages_for_tests:GroupSink"
-    inputs: {{groups: scorer.groups}}
-"""
-        )
+        reward = f'{{url: "{server.url}", name: rm, retries: 1, backoff_s: 0.0, batch_size: 2}}'
+        path.write_text(scorer_pipeline(rollouts, [reward], tokenizer_dir))
         run_dir = tmp_path / "run"
         result = run_inflight("run", str(path), "--run-dir", str(run_dir), timeout=50)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr
