@@ -22,9 +22,9 @@ to parse than the standard library), else the standard library.
 
 With an API key every request carries ``Authorization: Bearer KEY`` (SGLang's ``--api-key``);
 an engine that answers 401 or 403 raises :class:`EngineAuthError` (final: another try with the
-same key cannot succeed), and ``check_key`` asks once, at start, so that a wrong key fails the
-stage instead of dropping every sample. Not here: launching engines (``launcher``) and choosing
-one (``stage``).
+same key cannot succeed), and ``check_key`` asks once, at start, so that a wrong key (or an
+engine serving a reward or embedding model) fails the stage instead of dropping every sample.
+Not here: launching engines (``launcher``) and choosing one (``stage``).
 """
 
 from __future__ import annotations
@@ -358,13 +358,23 @@ class EngineClient:
 
     async def check_key(self, timeout_s: float = 5.0) -> None:
         """Raise EngineAuthError if the engine refuses this client's key (asked on a route that
-        needs one); any other failure is left to the requests that follow."""
+        needs one), and a final EngineError if it serves a model that does not generate (a
+        reward or embedding model: ``/model_info``'s ``is_generation`` false); any other
+        failure is left to the requests that follow."""
         try:
-            await self.model_info(timeout_s=timeout_s)
+            info = await self.model_info(timeout_s=timeout_s)
         except EngineAuthError:
             raise
         except EngineError:
-            pass
+            return
+        if isinstance(info, dict) and info.get("is_generation") is False:
+            raise EngineError(
+                self.url,
+                f"{self._info_path} says is_generation: false: it serves a reward or embedding "
+                "model (SGLang's --is-embedding), which does not generate; the generator needs "
+                "an engine serving the policy",
+                retryable=False,
+            )
 
     async def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
         """SGLang's ``/model_info`` (``/get_model_info`` on a server that has only that name, as

@@ -335,7 +335,8 @@ class Generator:
         for url, ok in zip(urls, health, strict=True):
             if not ok:
                 self._mark_down(url, "no answer to /health at start")
-        # /health needs no key: a refused key fails here (EngineAuthError), not sample by sample
+        # /health needs no key: a refused key fails here (EngineAuthError), not sample by sample;
+        # so does an engine that serves a reward or embedding model
         live = [c for url, c in self.clients.items() if url not in self.down]
         await asyncio.gather(*(c.check_key() for c in live))
         self._epoch = -1

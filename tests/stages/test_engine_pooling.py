@@ -353,3 +353,18 @@ async def test_a_pooling_model_on_cuda_scores_as_on_cpu(tmp_path) -> None:
         terms = forward_terms(config, len(row))
         for part in (0, 1):  # the scores, the hidden states the head read
             assert_close(results["cuda"][part][i], results["cpu"][part][i], terms=terms)
+
+
+@pytest.mark.timeout(60)
+async def test_the_generators_client_refuses_an_engine_that_serves_a_reward_model(
+    reward: Engine,
+) -> None:
+    import aiohttp
+
+    from stages.generator.client import EngineClient, EngineError
+
+    async with aiohttp.ClientSession() as session:
+        client = EngineClient(reward.url, session, timeout_s=10)
+        with pytest.raises(EngineError, match="is_generation: false") as err:
+            await client.check_key()
+    assert not err.value.retryable
