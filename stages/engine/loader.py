@@ -36,7 +36,16 @@ class LoadedModel:
 def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
     """Load ``path`` (a folder or a Hub repo id) onto ``device``; raises ``ValueError``
     (``stages.hub.HubError`` when the folder or repo is unusable) or ``OSError``."""
+    from stages.engine.pooling import model_kind  # pooling imports this module
+
     path = resolve_model(str(path), what="--model")
+    kind = model_kind(path, is_embedding=False)
+    if kind is not None:  # AutoModelForCausalLM would put a random head on it
+        raise ValueError(
+            f"{path} is a {'reward (classification)' if kind == 'classify' else 'embedding'} "
+            "model, which does not generate: `inflight engine --model` serves it on its own "
+            "(/classify, /encode), not as a generating engine"
+        )
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype(device, dtype), local_files_only=True
     )

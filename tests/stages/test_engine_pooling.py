@@ -368,3 +368,11 @@ async def test_the_generators_client_refuses_an_engine_that_serves_a_reward_mode
         with pytest.raises(EngineError, match="is_generation: false") as err:
             await client.check_key()
     assert not err.value.retryable
+
+
+def test_a_reward_model_is_not_loaded_as_a_generating_model(tmp_path) -> None:
+    from stages.engine.loader import load_model
+
+    folder = make_tiny_classifier(tmp_path / "rm", seed=10)
+    with pytest.raises(ValueError, match="reward \\(classification\\) model, which does not gen"):
+        load_model(folder)  # what the in-process engine and the generating server load with
