@@ -107,7 +107,7 @@ def build_pooling_app(
     app.router.add_post("/generate", _refuse_generate)
     for path in _GENERATION_ROUTES:
         app.router.add_post(path, _refuse_v1)
-    for path in ("/health", "/ready"):
+    for path in ("/health", "/ready", "/ping"):
         app.router.add_get(path, _health)
     app.router.add_get("/health_generate", _health_generate)
     for path in ("/model_info", "/get_model_info"):

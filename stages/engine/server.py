@@ -228,6 +228,7 @@ def build_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/health_generate", _health_generate)
     app.router.add_get("/ready", _health)
+    app.router.add_get("/ping", _health)  # SageMaker's: 200 while paused too, as SGLang's
     # SGLang's current names, and the get_ ones it keeps (deprecated there)
     app.router.add_get("/model_info", _model_info)
     app.router.add_get("/get_model_info", _model_info)

@@ -49,6 +49,19 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+@torch.no_grad()
+def classifier_reference(model_dir: Path, prompt: list[int]) -> tuple[list[float], float]:
+    """transformers' outputs of the classification model at ``model_dir`` for ``prompt`` alone,
+    and the scale of their rounding: the largest sum of ``|weight * hidden|`` the head adds up
+    (a dot product's rounding grows with its terms, not with its result, which may cancel)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    hidden = model.base_model(torch.tensor([prompt])).last_hidden_state[0, -1]
+    scale = float((model.score.weight.abs() @ hidden.abs()).max())
+    return model.score(hidden).tolist(), scale
+
+
 def two_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two tiny models of the same shape with different weights (seeds 1 and 2): the weights
     before and after an update."""

@@ -40,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from stages.engine.encode_routes import NOT_EMBEDDING
 from stages.engine.pooling import Pooler, PoolingFailed, load_pooling_model, pooling_kind
 from tests.numerics import assert_close, forward_terms
+from tests.stages.engine_setup import classifier_reference
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
 from tests.stages.tiny_model import make_tiny_classifier, make_tiny_model
 
@@ -101,11 +102,10 @@ def embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield engine
 
 
-def _scores(engine: Engine, prompt: list[int]) -> list[float]:
-    """transformers' outputs of the classification model for ``prompt`` alone."""
-    model = AutoModelForSequenceClassification.from_pretrained(engine.model_dir).eval()
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].tolist()
+def _scores(engine: Engine, prompt: list[int]) -> tuple[list[float], float]:
+    """transformers' outputs of the classification model for ``prompt`` alone, and their
+    rounding's scale (``classifier_reference``)."""
+    return classifier_reference(engine.model_dir, prompt)
 
 
 def _ids(engine: Engine, text: str) -> list[int]:
@@ -116,9 +116,14 @@ def _terms(engine: Engine, prompt: list[int]) -> int:
     return forward_terms(AutoConfig.from_pretrained(engine.model_dir), len(prompt))
 
 
-def _agree(engine: Engine, got: list[float], want: list[float], prompt: list[int]) -> None:
-    """``got`` equals ``want`` within the float rule of a forward over ``prompt``."""
-    assert_close(got, want, terms=_terms(engine, prompt), dtype=_dtype(engine))
+def _agree(
+    engine: Engine, got: list[float], prompt: list[int], want: list[float] | None = None
+) -> None:
+    """``got`` equals transformers' outputs for ``prompt`` (or ``want``, another answer of the
+    same) within the float rule of a forward over it, at the scale of the head's terms."""
+    reference, scale = _scores(engine, prompt)
+    expected = reference if want is None else want
+    assert_close(got, expected, terms=_terms(engine, prompt), scale=scale, dtype=_dtype(engine))
 
 
 @pytest.mark.numerics
@@ -136,13 +141,13 @@ def test_classify_gives_the_reward_models_score_of_each_prompt(reward: Engine) -
         assert meta["prompt_tokens"] == len(ids) and meta["num_retractions"] == 0
         assert isinstance(meta["weight_version"], str) and meta["e2e_latency"] > 0
         assert len(answer["embedding"]) == 1  # one label: the reward
-        _agree(reward, answer["embedding"], _scores(reward, ids), ids)
+        _agree(reward, answer["embedding"], ids)
     # /encode is the same request; input_ids alone
     ids = _ids(reward, PROMPTS[2])
     status, one = reward.request("POST", "/encode", {"input_ids": ids, "rid": "solo"})
     assert status == 200, one
     assert one["meta_info"]["id"] == "solo"
-    _agree(reward, one["embedding"], out[2]["embedding"], ids)
+    _agree(reward, one["embedding"], ids, out[2]["embedding"])
     if _real(reward):
         return  # SGLang 0.5.23 keeps a tensor there, for its Python API's scoring
     # with the hidden state the head read
@@ -166,7 +171,7 @@ def test_concurrent_requests_share_passes_and_each_gets_its_own_score(reward: En
     for body, (status, out) in zip(bodies, answers, strict=True):
         assert status == 200, out
         ids = body["input_ids"]
-        _agree(reward, out["embedding"], _scores(reward, ids), ids)
+        _agree(reward, out["embedding"], ids)
     if _real(reward):
         return  # the counters below are the built-in engine's
     after = reward.request("GET", "/server_info")[1]["internal_states"][0]
@@ -182,12 +187,12 @@ def test_v1_classify_answers_labels_and_softmax_probabilities(classifier: Engine
     assert list(out) == ["id", "object", "created", "model", "data", "usage"]
     assert out["id"].startswith("classify-") and out["object"] == "list"
     first = out["data"][0]
-    logits = torch.tensor(_scores(classifier, ids))
+    logits = torch.tensor(_scores(classifier, ids)[0])
     config = AutoConfig.from_pretrained(classifier.model_dir)
     assert first["index"] == 0 and first["num_classes"] == config.num_labels
     assert first["label"] == config.id2label[int(logits.argmax())]
     probs = torch.softmax(logits, 0).tolist()
-    _agree(classifier, first["probs"], probs, ids)
+    _agree(classifier, first["probs"], ids, probs)  # at most the logits' error
     assert out["usage"]["prompt_tokens"] == len(ids) + 1 == out["usage"]["total_tokens"]
     assert out["usage"]["completion_tokens"] == 0
 
@@ -265,6 +270,7 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
 def test_info_routes_and_chat_template_tokenizing_for_a_reward_model(reward: Engine) -> None:
     status, info = reward.request("GET", "/model_info")
     assert status == 200 and info["is_generation"] is False
+    assert reward.request("GET", "/ping")[0] == 200
     config = AutoConfig.from_pretrained(reward.model_dir)
     assert info["architectures"] == config.architectures
     status, models = reward.request("GET", "/v1/models")
@@ -351,8 +357,10 @@ async def test_a_pooling_model_on_cuda_scores_as_on_cpu(tmp_path) -> None:
     config = AutoConfig.from_pretrained(folder)
     for i, row in enumerate(rows):
         terms = forward_terms(config, len(row))
-        for part in (0, 1):  # the scores, the hidden states the head read
-            assert_close(results["cuda"][part][i], results["cpu"][part][i], terms=terms)
+        scale = classifier_reference(folder, row)[1]  # the scores: the head's terms' scale
+        assert_close(results["cuda"][0][i], results["cpu"][0][i], terms=terms, scale=scale)
+        # the hidden states the head read
+        assert_close(results["cuda"][1][i], results["cpu"][1][i], terms=terms)
 
 
 @pytest.mark.timeout(60)

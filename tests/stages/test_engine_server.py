@@ -507,6 +507,7 @@ def test_pause_in_place_then_continue_finishes_whole(
     # no step within SGLANG_HEALTH_CHECK_TIMEOUT (2 s here): unhealthy, as SGLang says
     assert engine.request("GET", "/health_generate")[0] == 503
     assert engine.request("GET", "/health")[0] == 200  # the process is up
+    assert engine.request("GET", "/ping")[0] == 200  # SGLang's /ping: paused is healthy
     # ContinueGenerationReqInput (io_struct.py): torch_empty_cache; unknown fields ignored
     # (msgspec_utils: extra_behavior="ignore"), a field of the wrong type refused
     assert engine.request("POST", "/continue_generation", {"torch_empty_cache": 1})[0] == 400

@@ -12,13 +12,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import RewardModelSpec, RewardSpec
 from tests.numerics import assert_close, forward_terms
-from tests.stages.engine_setup import builtin_engine
+from tests.stages.engine_setup import builtin_engine, classifier_reference
 from tests.stages.tiny_model import make_tiny_classifier
 
 COMPLETIONS = ["w11 w12", "w13", "w14 w15 w16", "w17"]
@@ -36,15 +35,15 @@ def engine(model_dir) -> Iterator[str]:
         yield url
 
 
-def _reference(model_dir, texts_or_ids: list) -> list[float]:
+def _reference(model_dir, texts_or_ids: list) -> list[tuple[float, float, int]]:
+    """transformers' reward of each text or ids alone, its rounding's scale and its length."""
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
-    values = []
+    out = []
     for item in texts_or_ids:
         ids = tokenizer.encode(item) if isinstance(item, str) else item
-        with torch.no_grad():
-            values.append(model(torch.tensor([ids])).logits[0, 0].item())
-    return values
+        values, scale = classifier_reference(model_dir, ids)
+        out.append((values[0], scale, len(ids)))
+    return out
 
 
 def _post(url: str, body: dict) -> Any:
@@ -101,8 +100,8 @@ async def test_a_reward_model_scores_each_conversation_with_its_own_template(eng
         stats = runner.stats()
     config = AutoModelForSequenceClassification.from_pretrained(model_dir).config
     for i, (reward, info) in enumerate(scored):
-        terms = forward_terms(config, len(conversations[i]) + 8)
-        assert_close([info["chat"], info["text"]], [chat[i], plain[i]], terms=terms)
+        for name, (want, scale, length) in (("chat", chat[i]), ("text", plain[i])):
+            assert_close(info[name], want, terms=forward_terms(config, length), scale=scale)
         assert reward == pytest.approx(info["chat"] + 0.5 * info["text"], abs=1e-6)
     # chat: a /v1/tokenize call a sample, then one /classify; text: 4 samples in calls of 3
     assert stats["calls"] == 4 + 1 + 2 and stats["errors"] == 0
