@@ -137,6 +137,7 @@ def test_bad_reward_model_entries_are_config_errors() -> None:
     assert spec.name == "rm:127.0.0.1:9"
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(90)
 async def test_a_sample_past_the_models_context_fails_alone(engine, model_dir) -> None:
     kwargs = _kwargs()
@@ -149,13 +150,22 @@ async def test_a_sample_past_the_models_context_fails_alone(engine, model_dir) -
         stats = runner.stats()
     assert scored[1][0] == 0.0 and "longer than the model's context length" in scored[1][1]["error"]
     assert all("error" not in info for i, (_, info) in enumerate(scored) if i != 1)
-    assert scored[0][1]["rm"] == alone[0][1]["rm"]  # scored on its own call, the same reward
+    # the others' calls run concurrently (the engine may batch them): the same reward within
+    # the float rule
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    turns = [*kwargs["messages"][0], {"role": "assistant", "content": COMPLETIONS[0]}]
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=False, return_dict=False)
+    config = AutoModelForSequenceClassification.from_pretrained(model_dir).config
+    scale = classifier_reference(model_dir, ids)[1]
+    terms = forward_terms(config, len(ids))
+    assert_close(scored[0][1]["rm"], alone[0][1]["rm"], terms=terms, scale=scale)
     assert stats["http_split_calls"] == 1 and stats["failed_http_error"] == 1
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.timeout(90)
-def test_the_scorer_stage_scores_with_a_reward_model(tmp_path, engine) -> None:
+def test_the_scorer_stage_scores_with_a_reward_model(tmp_path, engine, model_dir) -> None:
     from stages.feeder.arithmetic import make_tokenizer
     from tests.pipeline.runs import events, run_inflight
     from tests.stages_for_tests import scorer_pipeline
@@ -174,6 +184,7 @@ def test_the_scorer_stage_scores_with_a_reward_model(tmp_path, engine) -> None:
     result = run_inflight("run", str(path), "--run-dir", str(run_dir), timeout=80)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr
     groups = {g["group_id"]: g for g in json.loads((run_dir / "groups.json").read_text())}
+    config = AutoModelForSequenceClassification.from_pretrained(model_dir).config
     for item in rollouts:
         sample = groups[item["group"]]["samples"][item["index"]]
         turns = [{"role": "user", "content": item["prompt"]},
@@ -181,8 +192,10 @@ def test_the_scorer_stage_scores_with_a_reward_model(tmp_path, engine) -> None:
         ids = _post(f"{engine}/v1/tokenize", {"messages": turns, "add_generation_prompt": False})
         (want,) = _post(f"{engine}/classify", {"input_ids": [ids["tokens"]]})[0]["embedding"][:1]
         info = sample["reward_info"]
-        assert info["rm"] == pytest.approx(want, abs=1e-6), (item, info)
+        scale = classifier_reference(model_dir, ids["tokens"])[1]
+        terms = forward_terms(config, len(ids["tokens"]))
+        assert_close(info["rm"], want, terms=terms, scale=scale)  # batched there, alone here
         exact = float(item["completion"] == "7")
-        assert sample["reward"] == pytest.approx(exact + 0.5 * want, abs=1e-6)
+        assert sample["reward"] == pytest.approx(exact + 0.5 * info["rm"], abs=1e-6)
     (done,) = [e for e in events(run_dir, "scorer.0") if e["event"] == "scorer_done"]
     assert done["samples"] == 4 and done["errors"] == 0 and done["http_split_calls"] == 0
