@@ -129,7 +129,7 @@ class EncodeRoutes:
         started = time.perf_counter()
         try:
             body = await json_body(request)
-            rows, batch, rids, dims, hidden = self._native_request(body)
+            rows, batch, rids, dims, hidden = self._native_request(body, request.path)
             values, states = await self.pooler.encode(rows, dims, hidden=hidden)
         except (RequestError, ValueError) as exc:
             return bad_request(str(exc))
@@ -155,7 +155,7 @@ class EncodeRoutes:
         )
 
     def _native_request(
-        self, body: dict[str, Any]
+        self, body: dict[str, Any], route: str
     ) -> tuple[list[list[int]], bool, list[str], list[int | None], bool]:
         for key, value in body.items():
             if key in _NEUTRAL:
@@ -164,7 +164,7 @@ class EncodeRoutes:
                         key, f"{key}={value!r} is not supported by the built-in engine"
                     )
             elif key not in _TAKEN:
-                raise RequestError(key, "unknown field of /encode")
+                raise RequestError(key, f"unknown field of {route}")
         if not isinstance(body.get("return_pooled_hidden_states", False), bool):
             raise RequestError("return_pooled_hidden_states", "expected true or false")
         params = body.get("sampling_params")
