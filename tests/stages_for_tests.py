@@ -493,3 +493,25 @@ stages:
     use: "tests.stages_for_tests:GroupSink"
     inputs: {{groups: scorer.groups}}
 """
+
+
+def run_scorer(
+    tmp_path: object,
+    rollouts: list[dict],
+    rewards: list[str],
+    tokenizer_dir: object,
+    timeout: float,
+) -> tuple[object, dict[str, dict]]:
+    """``inflight run`` of ``scorer_pipeline(rollouts, rewards, tokenizer_dir)`` under
+    ``tmp_path``, which must succeed: its run folder and the scored groups by id."""
+    import json
+    from pathlib import Path
+
+    from tests.pipeline.runs import run_inflight
+
+    path, run_dir = Path(tmp_path) / "scorer.yaml", Path(tmp_path) / "run"
+    path.write_text(scorer_pipeline(rollouts, rewards, tokenizer_dir))
+    result = run_inflight("run", str(path), "--run-dir", str(run_dir), timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+    groups = json.loads((run_dir / "groups.json").read_text())
+    return run_dir, {g["group_id"]: g for g in groups}

@@ -155,6 +155,14 @@ class EvalConfig:
         },
     )
 
+    def __post_init__(self) -> None:
+        for reward in self.rewards:
+            if reward.reward_model is not None and reward.reward_model.launch is not None:
+                raise ValueError(
+                    f"rewards: {reward.name}'s reward_model.launch starts an engine with the "
+                    "scorer only; eval rewards take the url of one already running"
+                )
+
 
 @dataclass
 class CheckpointConfig:

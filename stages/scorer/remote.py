@@ -39,16 +39,20 @@ time limit, the retries, the failures by kind): the teacher of on-policy distill
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from stages.scorer.runner import Outcome, checked_values
+from stages.scorer.runner import EngineSite, Outcome, checked_values
 from stages.scorer.spec import JudgeSpec, RewardModelSpec, RewardSpec
+
+if TYPE_CHECKING:
+    from stages.generator.launcher import LaunchConfig
 
 __all__ = ["HttpCaller", "HttpFailure", "RemoteReward", "quoted"]
 
@@ -282,6 +286,32 @@ def _filled(template: str, part: Mapping[str, list], i: int, kind: str) -> str:
         raise HttpFailure(kind, f"{type(exc).__name__}: {exc}") from None
 
 
+def _launcher(
+    launch: LaunchConfig, name: str, log: Any, site: EngineSite | None
+) -> tuple[Any, dict[str, str]]:
+    """The launcher of a reward model's own engine (SGLang told ``--is-embedding``; the
+    built-in engine sees a reward model by itself) and the headers its calls carry."""
+    from stages.engine.auth import auth_headers
+    from stages.generator.launcher import EngineLauncher
+
+    if site is None:
+        raise ValueError(
+            f"reward {name}: reward_model.launch starts an engine with the scorer only (the "
+            "learner's eval.rewards take a url)"
+        )
+    if launch.kind == "sglang" and "--is-embedding" not in launch.extra_args:
+        launch = dataclasses.replace(launch, extra_args=[*launch.extra_args, "--is-embedding"])
+    launcher = EngineLauncher(
+        launch,
+        name=f"{site.name}.{name.replace(':', '-').replace('/', '-')}",
+        log_dir=site.log_dir,
+        log=log,
+        log_level=site.log_level,
+        api_key=site.api_key,
+    )
+    return launcher, auth_headers(site.api_key)
+
+
 # ---------------------------------------------------------------------------------- the calls
 class HttpCaller:
     """One server's connection pool: JSON calls with a time limit per call, retries with
@@ -417,32 +447,46 @@ class HttpCaller:
 
 # ---------------------------------------------------------------------------------- the reward
 class RemoteReward:
-    """One ``url`` or ``judge`` reward: ``score`` a scoring call's keyword lists.
+    """One ``url``, ``reward_model`` or ``judge`` reward: ``score`` a scoring call's keyword
+    lists.
 
-    ``start()`` makes its connection pool (on the running loop), ``aclose()`` closes it;
-    ``counts`` and ``failed`` are its ``HttpCaller``'s.
+    ``start()`` starts its engine (``reward_model.launch``, with ``site``) and makes its
+    connection pool (on the running loop), ``aclose()`` closes both; ``counts`` and ``failed``
+    are its ``HttpCaller``'s.
     """
 
-    def __init__(self, spec: RewardSpec, log: Any) -> None:
+    def __init__(self, spec: RewardSpec, log: Any, site: EngineSite | None = None) -> None:
         self.spec, self.name = spec, spec.name
         self.protocol: _Protocol
+        self.launcher: Any = None  # stages.generator.launcher.EngineLauncher
+        headers: dict[str, str] = {}
         if spec.judge is not None:
             self.protocol, base = _Judge(spec), spec.judge.url.rstrip("/")
         elif spec.reward_model is not None:
-            self.protocol, base = _RewardModel(spec), spec.reward_model.url.rstrip("/")
+            self.protocol, base = _RewardModel(spec), (spec.reward_model.url or "").rstrip("/")
+            if spec.reward_model.launch is not None:
+                self.launcher, headers = _launcher(spec.reward_model.launch, spec.name, log, site)
         else:
             self.protocol = {"inflight": _Lists, "slime": _Slime}[spec.protocol](spec)
             base = str(spec.url)
         self.base, self.url = base, f"{base}{self.protocol.path}"
         self.log = log
-        self.http = HttpCaller(spec, log, event="reward_failed", who={"fn": self.name})
+        self.http = HttpCaller(
+            spec, log, event="reward_failed", who={"fn": self.name}, headers=headers
+        )
         self.counts, self.failed = self.http.counts, self.http.failed
 
     async def start(self) -> None:
+        if self.launcher is not None:
+            self.base = (await self.launcher.start())[0].rstrip("/")
+            self.url = f"{self.base}{self.protocol.path}"
+            self.log.info("reward_engine_ready", fn=self.name, url=self.base)
         await self.http.start()
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        if self.launcher is not None:
+            await self.launcher.close()
 
     async def score(self, kwargs: Mapping[str, Any], n: int, context: Mapping[str, Any]) -> Outcome:
         """Each sample's value (None: nothing, or failed) and the failed ones' problems."""

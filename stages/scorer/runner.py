@@ -32,6 +32,7 @@ import math
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -42,7 +43,7 @@ from stages.workers import FunctionPool, InlinePool, Worker, resolve_function
 if TYPE_CHECKING:
     from stages.scorer.remote import RemoteReward
 
-__all__ = ["Outcome", "RewardRunner", "checked_values", "resolve_reward"]
+__all__ = ["EngineSite", "Outcome", "RewardRunner", "checked_values", "resolve_reward"]
 
 _POOL_COUNTS = ("calls", "errors", "timeouts", "lost", "restarts")
 
@@ -105,10 +106,24 @@ class Outcome:
     error: str | None = None  # the whole call failed
 
 
+@dataclass(frozen=True)
+class EngineSite:
+    """What a reward needs to start an engine of its own (``reward_model.launch``): the
+    launching stage's ``name`` (``STAGE.REPLICA``), where engines log, the run's engine API key
+    and log level."""
+
+    name: str
+    log_dir: Path
+    api_key: str | None = None
+    log_level: str = "info"
+
+
 class RewardRunner:
     """A pool of ``workers`` processes that score batches with weighted reward functions
     (``workers`` 0: they run in this process, on its event loop, with no time limit), and the
-    rewards computed behind HTTP (``url``, ``judge``: ``remote.py``, on this event loop).
+    rewards computed behind HTTP (``url``, ``reward_model``, ``judge``: ``remote.py``, on this
+    event loop). ``site`` (an ``EngineSite``): where a reward model's own engine
+    (``reward_model.launch``) is started from; without one such a reward is refused.
 
     ``specs`` are ``RewardSpec``s or ``(function name, weight)`` pairs; a completion's reward is
     the weighted sum of the rewards' values (a ``None`` value adds nothing), or 0 when any of
@@ -124,6 +139,7 @@ class RewardRunner:
         *,
         start_timeout_s: float = 120.0,
         log: Any = None,
+        site: EngineSite | None = None,
     ) -> None:
         if not specs:
             raise ValueError("a RewardRunner needs at least one reward function")
@@ -156,7 +172,9 @@ class RewardRunner:
         if any(r.fn is None for r in rewards):
             from stages.scorer.remote import RemoteReward  # aiohttp: not in worker processes
 
-            self._remote = {r.name: RemoteReward(r, self.log) for r in rewards if r.fn is None}
+            self._remote = {
+                r.name: RemoteReward(r, self.log, site) for r in rewards if r.fn is None
+            }
         self.rewards = rewards
         self.specs = [(r.name, float(r.weight)) for r in rewards]
         self.workers, self.timeout_s, self.start_timeout_s = workers, timeout_s, start_timeout_s

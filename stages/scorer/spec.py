@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from stages.generator.launcher import LaunchConfig
 from stages.workers import resolve_function
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "RewardModelSpec",
     "RewardSpec",
     "check_headers",
+    "check_one_engine",
     "http_option",
     "http_url",
 ]
@@ -80,6 +82,23 @@ def http_url(url: str, key: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{key} {url!r} must be an http:// or https:// URL with a host")
     return url
+
+
+def check_one_engine(launch: LaunchConfig, whose: str) -> None:
+    """A ValueError unless ``launch`` (a ``LaunchConfig``) starts one engine of a model in a
+    process of its own, outside the placement's plan: what a scorer starts for itself."""
+    if not launch.model:
+        raise ValueError(f"launch.model is required: {whose} model folder or Hub id")
+    if launch.count != 1 or launch.in_process:
+        raise ValueError(
+            "launch: the scorer starts one engine in a process of its own (count 1, in_process "
+            "false); for more, start them yourself behind one url"
+        )
+    if launch.resources.cpus is not None or launch.resources.gpus:
+        raise ValueError(
+            "launch.resources: the placement plans the generators' engines only, not the "
+            "scorer's; give its device in launch.device and start it where it has room"
+        )
 
 
 def _template_fields(template: str) -> list[str]:
@@ -148,11 +167,18 @@ class JudgeSpec:
 
 @dataclass
 class RewardModelSpec:
-    url: str = field(
+    url: str | None = _f(
+        None,
+        "the engine serving the reward model (inflight engine or SGLang with --is-embedding, "
+        "on a *ForSequenceClassification checkpoint): http://HOST:PORT",
+    )
+    launch: LaunchConfig | None = field(
+        default=None,
         metadata={
-            "doc": "the engine serving the reward model (inflight engine or SGLang on a "
-            "*ForSequenceClassification checkpoint): http://HOST:PORT"
-        }
+            "doc": "start the reward model's engine with the scorer instead: the generator's "
+            "launch options (kind builtin|sglang, model, device, dtype, python, extra_args...), "
+            "one engine in a process of its own (SGLang gets --is-embedding)"
+        },
     )
     input: Literal["chat", "text"] = _f(
         "chat",
@@ -168,7 +194,15 @@ class RewardModelSpec:
     label: int = _f(0, "which of the model's outputs is the reward (one-label models: 0)", min=0)
 
     def __post_init__(self) -> None:
-        http_url(self.url, "url")
+        if (self.url is None) == (self.launch is None):
+            raise ValueError(
+                "a reward model has exactly one of url (an engine you started) or launch (the "
+                "scorer starts one)"
+            )
+        if self.url is not None:
+            http_url(self.url, "url")
+        else:
+            check_one_engine(self.launch, "the reward model's")
         _template_fields(self.template)
         if self.input == "chat" and self.template != "{prompt}{completion}":
             raise ValueError("template applies to input: text (chat renders the conversation)")
@@ -226,7 +260,9 @@ class RewardSpec:
             return
         if self.reward_model is not None:
             self._only_http("protocol")
-            self.name = self.name or f"rm:{urlsplit(self.reward_model.url).netloc}"
+            model = self.reward_model
+            where = urlsplit(model.url).netloc if model.url else model.launch.model.rstrip("/")
+            self.name = self.name or f"rm:{where}"
             return
         assert self.judge is not None
         self._only_http("protocol")

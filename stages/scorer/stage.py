@@ -69,7 +69,7 @@ from stages.schemas import (
     SCORED_GROUP,
 )
 from stages.scorer.arguments import completion_arguments, reward_arguments
-from stages.scorer.runner import RewardRunner
+from stages.scorer.runner import EngineSite, RewardRunner
 from stages.scorer.spec import RewardSpec
 from stages.scorer.teacher import TeacherSpec
 from transport.message import Message, Schema
@@ -254,6 +254,7 @@ class Scorer:
             workers=self.config.workers,
             timeout_s=self.config.timeout_s,
             log=self.log,
+            site=self._engine_site(),
         )
         # both take seconds (importing transformers, starting workers): overlap them
         tokenizer, started = await asyncio.gather(
@@ -266,19 +267,31 @@ class Scorer:
                 raise outcome
         self.tokenizer = tokenizer
         if self.config.teacher is not None:
-            from stages.engine.auth import engine_api_key
             from stages.scorer.teacher import Teacher
 
+            site = self._engine_site()
             self.teacher = Teacher(
                 self.config.teacher,
                 self.log,
-                api_key=engine_api_key(self.ctx),
-                name=f"{self.ctx.stage}.{self.ctx.replica}",
-                log_dir=getattr(self.ctx, "log_dir", self.ctx.run_dir / "logs"),
-                log_level=getattr(self.ctx, "log_level", "info"),
+                api_key=site.api_key,
+                name=site.name,
+                log_dir=site.log_dir,
+                log_level=site.log_level,
             )
             await self.teacher.start(tokenizer, _load_tokenizer)
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def _engine_site(self) -> EngineSite:
+        """Where the engines this stage starts (a teacher's, a reward model's) log, and the
+        run's engine key they take."""
+        from stages.engine.auth import engine_api_key
+
+        return EngineSite(
+            name=f"{self.ctx.stage}.{self.ctx.replica}",
+            log_dir=getattr(self.ctx, "log_dir", self.ctx.run_dir / "logs"),
+            api_key=engine_api_key(self.ctx),
+            log_level=getattr(self.ctx, "log_level", "info"),
+        )
 
     # ------------------------------------------------------------------- run
     async def run(self) -> None:

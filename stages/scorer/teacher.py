@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from stages.generator.launcher import EngineLauncher, LaunchConfig
-from stages.scorer.spec import check_headers, http_option, http_url
+from stages.scorer.spec import check_headers, check_one_engine, http_option, http_url
 
 __all__ = ["Teacher", "TeacherSpec"]
 
@@ -98,20 +98,8 @@ class TeacherSpec:
         if self.url is not None:
             http_url(self.url, "url")
             return
-        launch = self.launch
-        assert launch is not None
-        if not launch.model:
-            raise ValueError("launch.model is required: the teacher's model folder or Hub id")
-        if launch.count != 1 or launch.in_process:
-            raise ValueError(
-                "launch: the scorer starts one teacher engine in a process of its own (count "
-                "1, in_process false); for more, start them yourself behind one url"
-            )
-        if launch.resources.cpus is not None or launch.resources.gpus:
-            raise ValueError(
-                "launch.resources: the placement plans the generators' engines only, not the "
-                "teacher's; give its device in launch.device and start it where it has room"
-            )
+        assert self.launch is not None
+        check_one_engine(self.launch, "the teacher's")
 
 
 class _Bad(Exception):

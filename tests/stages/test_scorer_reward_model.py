@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
+from stages.generator.launcher import LaunchConfig
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import RewardModelSpec, RewardSpec
 from tests.numerics import assert_close, forward_terms
@@ -135,6 +136,14 @@ def test_bad_reward_model_entries_are_config_errors() -> None:
         RewardSpec(reward_model=RewardModelSpec(url="http://127.0.0.1:1"), protocol="slime")
     spec = RewardSpec(reward_model=RewardModelSpec(url="http://127.0.0.1:9/"))
     assert spec.name == "rm:127.0.0.1:9"
+    with pytest.raises(ValueError, match=r"exactly one of url .* or launch"):
+        RewardModelSpec(url="http://127.0.0.1:1", launch=LaunchConfig(model="rm"))
+    with pytest.raises(ValueError, match="count 1, in_process false"):
+        RewardModelSpec(launch=LaunchConfig(model="rm", count=2))
+    launched = RewardSpec(reward_model=RewardModelSpec(launch=LaunchConfig(model="models/rm/")))
+    assert launched.name == "rm:models/rm"
+    with pytest.raises(ValueError, match=r"eval\.rewards take a url"):  # no site: not the scorer
+        RewardRunner([launched])
 
 
 @pytest.mark.numerics
@@ -167,8 +176,8 @@ async def test_a_sample_past_the_models_context_fails_alone(engine, model_dir) -
 @pytest.mark.timeout(90)
 def test_the_scorer_stage_scores_with_a_reward_model(tmp_path, engine, model_dir) -> None:
     from stages.feeder.arithmetic import make_tokenizer
-    from tests.pipeline.runs import events, run_inflight
-    from tests.stages_for_tests import scorer_pipeline
+    from tests.pipeline.runs import events
+    from tests.stages_for_tests import run_scorer
 
     tokenizer_dir = tmp_path / "arith"
     make_tokenizer().save_pretrained(tokenizer_dir)
@@ -177,13 +186,8 @@ def test_the_scorer_stage_scores_with_a_reward_model(tmp_path, engine, model_dir
         for g, prompt, completions in (("a", "3+4=", "78"), ("b", "2+5=", "77"))
         for i, c in enumerate(completions)
     ]
-    path = tmp_path / "scorer.yaml"
     rewards = ["{fn: exact_match}", f'{{reward_model: {{url: "{engine}"}}, name: rm, weight: 0.5}}']
-    path.write_text(scorer_pipeline(rollouts, rewards, tokenizer_dir))
-    run_dir = tmp_path / "run"
-    result = run_inflight("run", str(path), "--run-dir", str(run_dir), timeout=80)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
-    groups = {g["group_id"]: g for g in json.loads((run_dir / "groups.json").read_text())}
+    run_dir, groups = run_scorer(tmp_path, rollouts, rewards, tokenizer_dir, timeout=80)
     config = AutoModelForSequenceClassification.from_pretrained(model_dir).config
     for item in rollouts:
         sample = groups[item["group"]]["samples"][item["index"]]
@@ -199,3 +203,33 @@ def test_the_scorer_stage_scores_with_a_reward_model(tmp_path, engine, model_dir
         assert sample["reward"] == pytest.approx(exact + 0.5 * info["rm"], abs=1e-6)
     (done,) = [e for e in events(run_dir, "scorer.0") if e["event"] == "scorer_done"]
     assert done["samples"] == 4 and done["errors"] == 0 and done["http_split_calls"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+@pytest.mark.timeout(120)
+def test_the_scorer_starts_its_reward_models_engine_with_launch(tmp_path, model_dir) -> None:
+    from stages.feeder.arithmetic import make_tokenizer
+    from tests.pipeline.runs import events
+    from tests.stages_for_tests import run_scorer
+
+    tokenizer_dir = tmp_path / "arith"
+    make_tokenizer().save_pretrained(tokenizer_dir)
+    rollouts = [
+        {"group": "a", "index": i, "completion": c, "prompt": "3+4=", "meta": {"answer": "7"}}
+        for i, c in enumerate("78")
+    ]
+    reward = f'{{reward_model: {{launch: {{model: "{model_dir}"}}}}, name: rm}}'
+    run_dir, groups = run_scorer(tmp_path, rollouts, [reward], tokenizer_dir, timeout=110)
+    group = groups["a"]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    config = AutoModelForSequenceClassification.from_pretrained(model_dir).config
+    for item, sample in zip(rollouts, group["samples"], strict=True):
+        turns = [{"role": "user", "content": item["prompt"]},
+                 {"role": "assistant", "content": item["completion"]}]  # fmt: skip
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=False, return_dict=False)
+        (want,), scale = classifier_reference(model_dir, ids)
+        terms = forward_terms(config, len(ids))
+        assert_close(sample["reward_info"]["rm"], want, terms=terms, scale=scale)
+    (ready,) = [e for e in events(run_dir, "scorer.0") if e["event"] == "reward_engine_ready"]
+    assert ready["fn"] == "rm" and ready["url"].startswith("http://127.0.0.1:")

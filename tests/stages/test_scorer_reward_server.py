@@ -19,8 +19,8 @@ from structlog.testing import capture_logs
 
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import RewardSpec
-from tests.pipeline.runs import events, run_inflight
-from tests.stages_for_tests import scorer_pipeline
+from tests.pipeline.runs import events
+from tests.stages_for_tests import run_scorer
 
 EM = "stages.scorer.rewards:exact_match"
 
@@ -317,13 +317,8 @@ def test_the_scorer_stage_scores_with_a_reward_server(tmp_path, tokenizer_dir):
         for i, c in enumerate(completions)
     ]
     with reward_server(by_group) as server:
-        path = tmp_path / "scorer.yaml"
         reward = f'{{url: "{server.url}", name: rm, retries: 1, backoff_s: 0.0, batch_size: 2}}'
-        path.write_text(scorer_pipeline(rollouts, [reward], tokenizer_dir))
-        run_dir = tmp_path / "run"
-        result = run_inflight("run", str(path), "--run-dir", str(run_dir), timeout=50)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
-    groups = {g["group_id"]: g for g in json.loads((run_dir / "groups.json").read_text())}
+        run_dir, groups = run_scorer(tmp_path, rollouts, [reward], tokenizer_dir, timeout=50)
     assert [s["reward"] for s in groups["ok"]["samples"]] == [1.0, 0.0]
     assert [s["reward"] for s in groups["ok2"]["samples"]] == [0.0, 1.0]
     broken = groups["broken"]["samples"]
