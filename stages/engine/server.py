@@ -565,7 +565,9 @@ def _positive_int(value: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="inflight engine", description="Serve a Hugging Face causal LM (SGLang HTTP subset)."
+        prog="inflight engine",
+        description="Serve a Hugging Face causal LM, or a reward or embedding model, over "
+        "SGLang's HTTP API.",
     )
     parser.add_argument(
         "--model", required=True, type=Path, help="model folder or Hub id (org/name[@revision])"
