@@ -43,6 +43,7 @@ import dataclasses
 import json
 import math
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -91,7 +92,7 @@ def _values(values: Any, n: int) -> tuple[list[float | None], dict[int, tuple[st
 
 
 # ---------------------------------------------------------------------------------- protocols
-class _Protocol:
+class _Protocol(ABC):
     """How a reward's samples become calls: ``path`` on its URL, at most ``size`` samples a
     call (None: all), ``request`` the body of a part (awaiting set-up calls through ``http``
     where it needs them), ``values`` the samples' values in the answer."""
@@ -100,17 +101,24 @@ class _Protocol:
     size: int | None = None
     split_refused = False  # a refused call's samples are tried one a call
 
-    def body(self, part: Mapping[str, list]) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    async def request(self, part: Mapping[str, list], http: HttpCaller, base: str) -> Any: ...
+
+    @abstractmethod
+    def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]: ...
+
+
+class _OneCall(_Protocol):
+    """A protocol whose part is one call with nothing before it: ``body`` makes it."""
+
+    @abstractmethod
+    def body(self, part: Mapping[str, list]) -> Any: ...
 
     async def request(self, part: Mapping[str, list], http: HttpCaller, base: str) -> Any:
         return self.body(part)
 
-    def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
-        raise NotImplementedError
 
-
-class _Lists(_Protocol):
+class _Lists(_OneCall):
     """Protocol ``inflight``: lists of samples in, ``{"rewards": [...]}`` out."""
 
     path = ""
@@ -137,7 +145,7 @@ class _Lists(_Protocol):
         return _values(reply, n)
 
 
-class _Slime(_Protocol):
+class _Slime(_OneCall):
     """Protocol ``slime`` (slime's ``--rm-url``): one sample a request, a number out."""
 
     path = ""
@@ -154,7 +162,7 @@ class _Slime(_Protocol):
         return _values([reply], n)
 
 
-class _Judge(_Protocol):
+class _Judge(_OneCall):
     """A generative judge on an engine's ``/generate`` or ``/v1/chat/completions``."""
 
     def __init__(self, spec: RewardSpec) -> None:

@@ -7,6 +7,7 @@ Plain functions: a test module's fixtures call them (no conftest, no plugin).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +48,15 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
     )
     return out[0, len(prompt) :].tolist()
+
+
+def post_json(url: str, body: dict) -> Any:
+    """The JSON answer of ``POST url`` with ``body`` (an HTTP error raises)."""
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
 
 
 @torch.no_grad()

@@ -5,9 +5,7 @@ per prompt) is read by the rule, and an answer the rule cannot read is a counted
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +14,7 @@ from structlog.testing import capture_logs
 
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import JudgeSpec, RewardSpec
-from tests.stages.engine_setup import builtin_engine
+from tests.stages.engine_setup import builtin_engine, post_json
 from tests.stages.tiny_model import make_tiny_model
 
 # word-level, as the tiny tokenizer is: a user turn is w7 ... w10, the answer follows w8
@@ -37,14 +35,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     (root / "chat.jinja").write_text(CHAT_TEMPLATE)
     with builtin_engine(model, "--chat-template", str(root / "chat.jinja")) as url:
         yield url
-
-
-def _post(url: str, body: dict) -> Any:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
 
 
 def _kwargs() -> dict[str, list]:
@@ -72,11 +62,11 @@ async def test_a_judge_scores_what_its_rule_reads_in_the_engines_answers(engine)
     prompts = [
         TEMPLATE.format(completion=c, answer=a) for c, a in zip(COMPLETIONS, ANSWERS, strict=True)
     ]
-    generated = [_post(f"{engine}/generate", {"text": p, "sampling_params": params})["text"]
+    generated = [post_json(f"{engine}/generate", {"text": p, "sampling_params": params})["text"]
                  for p in prompts]  # fmt: skip
     chat_body = {"model": "default", "max_tokens": NEW_TOKENS, "temperature": 0.0}
     chatted = [
-        _post(
+        post_json(
             f"{engine}/v1/chat/completions",
             {**chat_body, "messages": [{"role": "user", "content": c}]},
         )["choices"][0]["message"]["content"]

@@ -6,10 +6,7 @@ forward of the same ids."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
@@ -18,7 +15,7 @@ from stages.generator.launcher import LaunchConfig
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import RewardModelSpec, RewardSpec
 from tests.numerics import assert_close, forward_terms
-from tests.stages.engine_setup import builtin_engine, classifier_reference
+from tests.stages.engine_setup import builtin_engine, classifier_reference, post_json
 from tests.stages.tiny_model import make_tiny_classifier
 
 COMPLETIONS = ["w11 w12", "w13", "w14 w15 w16", "w17"]
@@ -45,14 +42,6 @@ def _reference(model_dir, texts_or_ids: list) -> list[tuple[float, float, int]]:
         values, scale = classifier_reference(model_dir, ids)
         out.append((values[0], scale, len(ids)))
     return out
-
-
-def _post(url: str, body: dict) -> Any:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
 
 
 def _kwargs() -> dict[str, list]:
@@ -193,8 +182,10 @@ def test_the_scorer_stage_scores_with_a_reward_model(tmp_path, engine, model_dir
         sample = groups[item["group"]]["samples"][item["index"]]
         turns = [{"role": "user", "content": item["prompt"]},
                  {"role": "assistant", "content": item["completion"]}]  # fmt: skip
-        ids = _post(f"{engine}/v1/tokenize", {"messages": turns, "add_generation_prompt": False})
-        (want,) = _post(f"{engine}/classify", {"input_ids": [ids["tokens"]]})[0]["embedding"][:1]
+        body = {"messages": turns, "add_generation_prompt": False}
+        ids = post_json(f"{engine}/v1/tokenize", body)
+        (answer,) = post_json(f"{engine}/classify", {"input_ids": [ids["tokens"]]})
+        (want,) = answer["embedding"][:1]
         info = sample["reward_info"]
         scale = classifier_reference(model_dir, ids["tokens"])[1]
         terms = forward_terms(config, len(ids["tokens"]))
