@@ -293,11 +293,10 @@ class EncodeRoutes:
         (``lists``: lists of ids allowed too), run; its rows and their results."""
         if not isinstance(body.get("model", "default"), str):
             raise OpenAIError("model: Input should be a valid string", "model")
-        native = {"rid": body.get("rid")}
-        native.update(_input_prompt(body.get("input"), lists))
-        rows, batch = read_prompts(native, vocab_size=self.vocab_size, encode=self.encode_text)
+        prompt = _input_prompt(body.get("input"), lists)
+        rows, batch = read_prompts(prompt, vocab_size=self.vocab_size, encode=self.encode_text)
         self._check_lengths(rows)
-        _rids(native["rid"], len(rows), batch)
+        _rids(body.get("rid"), len(rows), batch)  # checked as the native routes check it
         dims = self._dimensions(body.get("dimensions"))
         values, _ = await self.pooler.encode(rows, [dims] * len(rows))
         return rows, values
