@@ -54,7 +54,15 @@ from aiohttp import web
 from stages.engine.protocol import RequestError
 from stages.engine.reasoning import PARSERS as REASONING_PARSERS
 from stages.engine.reasoning import ThinkFormat, ThinkParser
-from stages.engine.request_body import base_request, field, json_body, json_response, option
+from stages.engine.request_body import (
+    base_request,
+    field,
+    invalid,
+    json_body,
+    json_response,
+    lax_bool,
+    option,
+)
 from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from stages.engine.tool_calls import ToolCallParser
 from transport.credit import sparse
@@ -89,8 +97,6 @@ _FUNCTION_FIELDS = (
     ("description", str, "a valid string"),
     ("parameters", dict, "an object"),
 )
-# pydantic's strings for a bool (any case)
-_TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
 
 
 class ParseRoutes:
@@ -110,7 +116,7 @@ class ParseRoutes:
             names = _tool_names(body.get("tools", []))
             parser = option(body, "tool_call_parser", str, None)
         except RequestError as exc:
-            return _invalid(str(exc))
+            return invalid(str(exc))
         if parser not in TOOL_CALL_PARSERS:
             known = parser in SGLANG_TOOL_CALL_PARSERS
             return self._unread(request, parser, known, "tool calls", TOOL_CALL_PARSERS)
@@ -122,9 +128,9 @@ class ParseRoutes:
             body = base_request(await json_body(request))
             text = field(body, "text", str)
             name = field(body, "reasoning_parser", str)
-            blocks = _lax_bool(body, "return_blocks")
+            blocks = lax_bool(body, "return_blocks")
         except RequestError as exc:
-            return _invalid(str(exc))
+            return invalid(str(exc))
         fmt = REASONING_PARSERS.get(name.lower())
         if fmt is None:
             known = name.lower() in SGLANG_REASONING_PARSERS
@@ -205,23 +211,6 @@ def _tool_names(tools: Any) -> list[str | None]:
                 raise RequestError(f"{where}.function.{key}", f"Input should be {should}")
         names.append(fn.get("name"))
     return names
-
-
-def _lax_bool(body: dict[str, Any], name: str) -> bool:
-    """``body[name]`` (false when absent) as pydantic reads a bool from JSON."""
-    value = body.get(name, False)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int | float) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-        return value.lower() in _TRUE
-    raise RequestError(name, f"Input should be a valid boolean, got {value!r}")
-
-
-def _invalid(message: str) -> web.Response:
-    """SGLang's answer to a body that fails its request struct (``RequestValidationError``)."""
-    return _error(message, "Bad Request")
 
 
 def _error(message: str, kind: str) -> web.Response:

@@ -25,10 +25,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import structlog
 import torch
@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger("stages.engine.pooling")
+
+T = TypeVar("T")
 
 POOLING_KINDS = ("classify", "embed")
 Kind = Literal["classify", "embed"]
@@ -201,6 +203,20 @@ class _Job:
     future: asyncio.Future
 
 
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def run(self) -> None:
+        try:
+            result, error = self.fn(), None
+        except Exception as exc:
+            result, error = None, exc
+        self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+
+
 class Pooler:
     """The thread that runs ``model`` on queued prompts. ``encode`` from the event loop;
     ``start``/``stop`` around serving. Counters: ``requests``, ``sequences``, ``tokens``,
@@ -213,7 +229,7 @@ class Pooler:
         self.max_rows, self.max_batch_tokens = max_rows, max_batch_tokens
         self.weight_version = "default"
         self.requests = self.sequences = self.tokens = self.passes = self.failed = 0
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | _Call | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     @property
@@ -256,12 +272,25 @@ class Pooler:
         self._jobs.put(_Job(rows, dims, hidden, loop, future))
         return await future
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the thread, between two passes (what reads or writes the weights):
+        its result, or what it raised."""
+        if not self.alive:
+            raise PoolingFailed("the pooling thread is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._jobs.put(_Call(fn, loop, future))
+        return await future
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            jobs = [job]
+            if isinstance(job, _Call):
+                job.run()
+                continue
+            jobs, after = [job], None
             while len(jobs) < self.max_rows:  # every job already waiting joins this pass
                 try:
                     more = self._jobs.get_nowait()
@@ -270,8 +299,13 @@ class Pooler:
                 if more is None:
                     self._jobs.put(None)  # stop after this pass
                     break
+                if isinstance(more, _Call):  # after the pass of the jobs before it
+                    after = more
+                    break
                 jobs.append(more)
             self._serve(jobs)
+            if after is not None:
+                after.run()
 
     def _serve(self, jobs: list[_Job]) -> None:
         flat = [(j, i) for j, job in enumerate(jobs) for i in range(len(job.rows))]

@@ -6,10 +6,11 @@ Routes: ``stages.engine.encode_routes``' (``/encode``, ``/classify``, ``/v1/embe
 with the model's own chat template there, ``add_generation_prompt: false``, and sends the ids to
 ``/classify``); ``/health``, ``/ready``, ``/health_generate`` (one pass over the prompt
 ``[0]``, as SGLang's sends an embedding request to a pooling model); ``/model_info`` with
-``is_generation: false``; ``/server_info``; ``/v1/models``. ``/generate`` and the ``/v1``
-generation routes answer 400: this model does not generate. The same options as a generating
-engine apply where they mean something (``--device``, ``--dtype``, ``--max-running``: rows a
-pass, ``--chat-template``, ``--api-key``, ``--log-file``...).
+``is_generation: false``; ``/server_info``; ``/v1/models``; ``/weights_checker``
+(``stages.engine.weight_checker``: digests, a snapshot to compare with). ``/generate`` and the
+``/v1`` generation routes answer 400: this model does not generate. The same options as a
+generating engine apply where they mean something (``--device``, ``--dtype``,
+``--max-running``: rows a pass, ``--chat-template``, ``--api-key``, ``--log-file``...).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from stages.engine.server import (
     serve,
 )
 from stages.engine.tokenize_routes import TokenizeRoutes
+from stages.engine.weight_checker import WeightChecker
+from stages.engine.weight_routes import check_weights
 
 __all__ = ["build_pooling_app", "serve_pooling"]
 
@@ -115,6 +118,14 @@ def build_pooling_app(
     for path in ("/server_info", "/get_server_info"):
         app.router.add_get(path, _server_info)
     app.router.add_get("/get_weight_version", _weight_version)
+    checker = WeightChecker()
+
+    async def weights_checker(request: web.Request) -> web.Response:
+        return await check_weights(request, checker, lambda fn: pooler.call(lambda: fn(model)))
+
+    model = pooler.model.loaded.model
+    app.router.add_route("GET", "/weights_checker", weights_checker)
+    app.router.add_post("/weights_checker", weights_checker)
     return app
 
 

@@ -22,9 +22,11 @@ __all__ = [
     "dumps",
     "failure",
     "field",
+    "invalid",
     "is_int",
     "json_body",
     "json_response",
+    "lax_bool",
     "loads",
     "option",
 ]
@@ -52,6 +54,10 @@ async def json_body(request: web.Request, *, allow_empty: bool = False) -> dict[
     if not isinstance(body, dict):
         raise RequestError("body", "expected a JSON object")
     return body
+
+
+# pydantic's strings for a bool (any case)
+_TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
 
 
 def field(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -90,3 +96,25 @@ def json_response(obj: Any) -> web.Response:
 def bad_request(message: str) -> web.Response:
     """A native route's 400: ``{"error": {"message": "<field>: <problem>"}}``."""
     return web.json_response({"error": {"message": message}}, status=400)
+
+
+def lax_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """``body[name]`` (``default`` when absent) as pydantic reads a bool from JSON: also
+    ``1``/``0`` and strings such as ``"yes"`` or ``"off"``."""
+    value = body.get(name, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise RequestError(name, f"Input should be a valid boolean, got {value!r}")
+
+
+def invalid(message: str) -> web.Response:
+    """SGLang's answer to a body that fails its request struct (its ``RequestValidationError``
+    handler): 400 ``{object: "error", message, type: "Bad Request", param: null, code: 400}``."""
+    return web.json_response(
+        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+        status=400,
+    )

@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, InvalidStateError
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -84,6 +84,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 # head_dim x dtype bytes) and of the age of reusable KV (weight versions; see prefix_cache).
 PREFIX_CACHE_TOKENS = 32768
 PREFIX_CACHE_MAX_AGE = 2
+
+T = TypeVar("T")
 
 log = structlog.get_logger("stages.engine.scheduler")
 
@@ -601,7 +603,18 @@ class Scheduler:
         """Parameter ``name``'s first ``rows`` rows (a Python slice: a negative count leaves
         that many out), copied to the CPU in float32 at a step boundary, so that no weight
         update is half written in it; None when the model has no parameter of that name."""
-        return self._call(lambda: self._parameter_rows(name, rows))
+        return self.with_weights("get_weights_by_name", lambda m: _parameter_rows(m, name, rows))
+
+    def with_weights(self, what: str, fn: Callable[[torch.nn.Module], T]) -> Future[T]:
+        """``fn(model)`` at a step boundary, so that no weight update is half done when it reads
+        or writes the weights; refused (MemoryStateError naming ``what``) while they are
+        released."""
+
+        def run() -> T:
+            self._memory.refuse_weights(what)
+            return fn(self.model)
+
+        return self._call(run)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
@@ -925,14 +938,6 @@ class Scheduler:
                 if dropped:
                     log.debug("prefix_cache_aged_out", tokens=dropped, weight_version=version)
         log.debug("weight_version_set", weight_version=version)
-
-    def _parameter_rows(self, name: str, rows: int) -> torch.Tensor | None:
-        self._memory.refuse_weights("get_weights_by_name")
-        # remove_duplicate=False: a tied lm_head.weight is found as embed_tokens.weight
-        found = dict(self.model.named_parameters(remove_duplicate=False)).get(name)
-        if found is None or found.dim() == 0:
-            return None
-        return found.detach()[:rows].to("cpu", torch.float32, copy=True)
 
     def _flush_prefixes(self) -> int:
         dropped = self._prefix.flush() if self._prefix is not None else 0
@@ -1612,3 +1617,11 @@ def _check_full_attention(model: torch.nn.Module) -> None:
             f"layer types {sorted(kinds - {'full_attention'})} are not supported: the built-in "
             "engine serves full-attention models only"
         )
+
+
+def _parameter_rows(model: torch.nn.Module, name: str, rows: int) -> torch.Tensor | None:
+    # remove_duplicate=False: a tied lm_head.weight is found as embed_tokens.weight
+    found = dict(model.named_parameters(remove_duplicate=False)).get(name)
+    if found is None or found.dim() == 0:
+        return None
+    return found.detach()[:rows].to("cpu", torch.float32, copy=True)

@@ -2,7 +2,8 @@
 (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``), its update session (``/begin_weight_update``,
 ``/end_weight_update``), ``/update_weights_from_tensor`` (``stages.engine.tensor_payloads``),
-``/update_weights_from_disk`` and ``/get_weights_by_name``.
+``/update_weights_from_disk``, ``/get_weights_by_name`` and ``/weights_checker``
+(``stages.engine.weight_checker``).
 
 Answers are SGLang's: ``{"success", "message"}``, HTTP 400 on failure.
 """
@@ -10,7 +11,7 @@ Answers are SGLang's: ``{"success", "message"}``, HTTP 400 on failure.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,19 +28,22 @@ from stages.engine.request_body import (
     base_request,
     failure,
     field,
+    invalid,
     is_int,
     json_body,
     json_response,
+    lax_bool,
     option,
 )
 from stages.engine.scheduler import Scheduler
 from stages.engine.tensor_payloads import LOAD_FORMATS, PayloadError, named_tensors, payload_bytes
+from stages.engine.weight_checker import SELECTORS, WeightChecker, WeightCheckError
 
-__all__ = ["WeightRoutes"]
+__all__ = ["WeightRoutes", "check_weights"]
 
 log = structlog.get_logger("stages.engine.weight_routes")
 
-_SELECTORS = ("target", "draft", "all")  # /begin_weight_update's runners (SGLang's Literal)
+_SELECTORS = SELECTORS  # /begin_weight_update's runners (SGLang's Literal)
 
 # UpdateWeightFromDiskReqInput's fields that have no effect here, with their types and defaults
 _DISK_NO_EFFECT = {
@@ -69,6 +73,7 @@ class WeightRoutes:
         self.receivers: dict[str, Any] = {}
         self.lock = asyncio.Lock()
         self.session: str | None = None  # an open update session's selector (begin ... end)
+        self.checker = WeightChecker()  # /weights_checker: used on the scheduler thread
         self._thread = ThreadPoolExecutor(1, initializer=name_thread, initargs=("engine-weights",))
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -386,6 +391,17 @@ class WeightRoutes:
             return bad_request("Get parameter by name failed")
         return json_response(found.tolist())
 
+    async def check(self, request: web.Request) -> web.Response:
+        """``/weights_checker`` (``check_weights``) on the scheduler's model, between two steps
+        and after the weight updates already asked for."""
+
+        async def run(fn: Callable[[Any], Any]) -> Any:
+            async with self.lock:
+                future = self.scheduler.with_weights("weights_checker", fn)
+                return await asyncio.wrap_future(future)
+
+        return await check_weights(request, self.checker, run)
+
     async def close(self, _app: web.Application) -> None:
         for receiver in self.receivers.values():
             await self._in_thread(receiver.destroy)
@@ -397,3 +413,45 @@ def _from_disk(success: bool, message: str) -> web.Response:
     """``/update_weights_from_disk``'s answer (SGLang's ``UpdateWeightFromDiskReqOutput``)."""
     body = {"success": success, "message": message, "num_paused_requests": 0}
     return web.json_response(body, status=200 if success else 400)
+
+
+async def check_weights(
+    request: web.Request,
+    checker: WeightChecker,
+    run: Callable[[Callable[[Any], Any]], Awaitable[Any]],
+) -> web.Response:
+    """SGLang 0.5.23's ``GET|POST /weights_checker`` (``CheckWeightsReqInput``): ``action``
+    (``checksum``, the default; ``snapshot``, ``reset_tensors``, ``compare``),
+    ``skip_tensor_list`` (substrings of the names to leave out), ``allow_quant_error`` (read; no
+    weight is quantized here) and ``selector`` (``target``, ``draft``, ``all``), done by
+    ``checker`` on the model ``run(fn)`` hands to ``fn`` where nothing else touches it.
+
+    Answers ``{success, message}`` (``"Success."``), with ``checksum`` also ``ranks`` (one
+    rank: each tensor's digest, ``per_gpu_checksum``, ``parallelism_info``) and
+    ``per_engine_checksum``; a failed action is 400 ``{success: false, message}`` (a compare
+    that finds differences lists them), a body that is not a ``CheckWeightsReqInput`` a 400 in
+    SGLang's validation layout. The body may be empty (GET)."""
+    try:
+        body = base_request(await json_body(request, allow_empty=True))
+        action = option(body, "action", str, "checksum")
+        lax_bool(body, "allow_quant_error")
+        skip = body.get("skip_tensor_list")
+        if skip is not None and not (
+            isinstance(skip, list) and all(isinstance(s, str) for s in skip)
+        ):
+            raise RequestError("skip_tensor_list", "Input should be a list of strings")
+        selector = body.get("selector", "all")
+        if selector not in SELECTORS:
+            raise RequestError("selector", "Input should be 'target', 'draft' or 'all'")
+    except RequestError as exc:
+        return invalid(str(exc))
+    try:
+        answer = await run(
+            lambda model: checker.handle(model, action, skip=skip or (), selector=selector)
+        )
+    except (WeightCheckError, MemoryStateError) as exc:
+        return failure(str(exc))
+    except Exception as exc:  # SGLang answers what the action raised, 400
+        log.exception("weights_checker_failed", action=action, error=repr(exc))
+        return failure(str(exc))
+    return json_response({"success": True, "message": "Success.", **(answer or {})})

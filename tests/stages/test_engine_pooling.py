@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import math
 import os
 import struct
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import requests
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -384,3 +386,51 @@ def test_a_reward_model_is_not_loaded_as_a_generating_model(tmp_path) -> None:
     folder = make_tiny_classifier(tmp_path / "rm", seed=10)
     with pytest.raises(ValueError, match="reward \\(classification\\) model, which does not gen"):
         load_model(folder)  # what the in-process engine and the generating server load with
+
+
+@pytest.mark.timeout(60)
+def test_weights_checker_of_a_reward_model_answers_the_trainers_digests(reward: Engine) -> None:
+    """``/weights_checker`` on a pooling server, as on a generating one: each tensor's digest
+    (those ``weight_checker.checksums`` computes of the checkpoint), and a snapshot that a
+    compare finds unchanged while requests are served."""
+    from stages.engine.weight_checker import checksums
+
+    post = functools.partial(requests.post, reward.url + "/weights_checker", timeout=60)
+    answer = post(json={}).json()
+    assert answer["success"] is True
+    if not _real(reward):  # SGLang's own names differ where it fuses projections
+        model = AutoModelForSequenceClassification.from_pretrained(reward.model_dir)
+        assert answer["ranks"][0]["checksums"] == checksums(model)
+    assert post(json={"action": "snapshot"}).json() == {"success": True, "message": "Success."}
+    ids = _ids(reward, PROMPTS[0])
+    assert requests.post(reward.url + "/classify", json={"input_ids": ids}, timeout=60).ok
+    assert post(json={"action": "compare"}).json() == {"success": True, "message": "Success."}
+    assert post(json={"action": "wipe"}).status_code == 400
+
+
+@pytest.mark.timeout(60)
+async def test_the_pooling_thread_runs_the_checker_between_passes(tmp_path) -> None:
+    """Reset between passes, a reward model scores otherwise and a compare names its
+    tensors; its weights copied back from the snapshot, it scores as before."""
+    from stages.engine.weight_checker import WeightChecker, WeightCheckError
+
+    model = load_pooling_model(make_tiny_classifier(tmp_path / "rm", seed=8), "classify")
+    pooler, checker, net = Pooler(model), WeightChecker(), model.loaded.model
+    kept = {name: t.detach().clone() for name, t in net.state_dict().items()}
+    pooler.start()
+    try:
+        (good,), _ = await pooler.encode([[5, 6, 7]])
+        await pooler.call(lambda: checker.handle(net, "snapshot"))
+        await pooler.call(lambda: checker.handle(net, "reset_tensors"))
+        (garbled,), _ = await pooler.encode([[5, 6, 7]])
+        assert garbled != good
+        with pytest.raises(WeightCheckError, match=r"name=score\.weight "):
+            await pooler.call(lambda: checker.handle(net, "compare"))
+        await pooler.call(lambda: net.load_state_dict(kept))
+        await pooler.call(lambda: checker.handle(net, "compare"))
+        (again,), _ = await pooler.encode([[5, 6, 7]])
+        assert again == good
+    finally:
+        pooler.stop()
+    with pytest.raises(PoolingFailed, match="not running"):
+        await pooler.call(lambda: None)

@@ -655,9 +655,9 @@ async def test_abort_ends_a_running_request(client):
     assert len(after.output_ids) == 4
 
 
-@pytest.mark.timeout(300)
-async def test_weight_update_over_the_weight_group(client, served):
-    _need_model(served)
+async def _publish_own_weights(served: Served, version: int):
+    """The served model's own weights (read from INFLIGHT_SGLANG_MODEL) published to the server
+    over a weight group, as ``version``: the publisher's stats."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -670,9 +670,6 @@ async def test_weight_update_over_the_weight_group(client, served):
     model = AutoModelForCausalLM.from_pretrained(served.model, dtype="auto")
     weights = [(name, t.detach().to(device)) for name, t in model.state_dict().items()]
     del model
-
-    before = await client.generate(PROMPT, _params(16), rid=_rid("before-update"))
-    version = before.weight_version + 1
     group = f"inflight_test_{secrets.token_hex(4)}"
     publisher = WeightPublisher(
         [served.url],
@@ -684,7 +681,7 @@ async def test_weight_update_over_the_weight_group(client, served):
     )
     try:
         await publisher.connect()
-        stats = await publisher.publish(weights, version=version)
+        return await publisher.publish(weights, version=version)
     finally:
         await publisher.close()
         # let a later run form a group again (older servers lack the route: no matter)
@@ -695,11 +692,66 @@ async def test_weight_update_over_the_weight_group(client, served):
                     json={"group_name": group},
                 ):
                     pass
+
+
+@pytest.mark.timeout(300)
+async def test_weight_update_over_the_weight_group(client, served):
+    _need_model(served)
+    before = await client.generate(PROMPT, _params(16), rid=_rid("before-update"))
+    version = before.weight_version + 1
+    stats = await _publish_own_weights(served, version)
     assert stats.version == version and stats.buckets >= 1
     after = await client.generate(PROMPT, _params(16), rid=_rid("after-update"))
     assert after.weight_version == version
     # the same weights came back: the same greedy tokens
     assert after.output_ids.tolist() == before.output_ids.tolist()
+
+
+async def _check_weights(client: EngineClient, body: dict | None) -> tuple[int, dict]:
+    async with client.session.post(client.url + "/weights_checker", json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+@pytest.mark.timeout(120)
+async def test_weights_checker_answers_digests_in_sglangs_layout(client):
+    """``/weights_checker``'s ``checksum`` (``http_server.check_weights``): a digest of 16 hex
+    digits per tensor, each rank's ``per_gpu_checksum`` over them, ``per_engine_checksum`` over
+    the ranks'; an action it does not know is a 400 in the same layout."""
+    import hashlib
+
+    from stages.engine.weight_checker import overall_checksum
+
+    status, answer = await _check_weights(client, None)
+    assert status == 200 and answer["success"] is True and answer["message"] == "Success."
+    engine = hashlib.sha256()
+    for rank in answer["ranks"]:
+        digests = rank["checksums"]
+        assert digests and all(len(d) == 16 and int(d, 16) >= 0 for d in digests.values())
+        assert rank["per_gpu_checksum"] == overall_checksum(digests)
+        assert rank["parallelism_info"][0]["role"] == "target"
+        engine.update(rank["per_gpu_checksum"].encode())
+    assert answer["per_engine_checksum"] == engine.hexdigest()
+    status, answer = await _check_weights(client, {"action": "wipe"})
+    assert (status, answer) == (400, {"success": False, "message": "Unsupported action='wipe'"})
+
+
+@pytest.mark.timeout(300)
+async def test_weights_checker_proves_the_publisher_brings_every_weight_back(client, served):
+    """slime's check of an update path: snapshot, every weight overwritten with random values,
+    the model's own weights published over the weight group, compare: bitwise equal, or the
+    compare names each tensor the publisher missed or wrote wrong."""
+    _need_model(served)
+    assert await _check_weights(client, {"action": "snapshot"}) == (
+        200, {"success": True, "message": "Success."},
+    )  # fmt: skip
+    assert (await _check_weights(client, {"action": "reset_tensors"}))[0] == 200
+    status, answer = await _check_weights(client, {"action": "compare"})
+    assert status == 400 and answer["message"].startswith("check tensor equality failed")
+    version = (await client.generate(PROMPT, _params(1), rid=_rid("v"))).weight_version + 1
+    await _publish_own_weights(served, version)
+    assert await _check_weights(client, {"action": "compare"}) == (
+        200, {"success": True, "message": "Success."},
+    )  # fmt: skip
 
 
 @pytest.mark.timeout(300)

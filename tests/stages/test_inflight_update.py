@@ -192,3 +192,44 @@ def test_a_delta_update_gives_what_a_full_one_does_and_only_on_its_base(engines,
         assert out["output_ids"] == expected
         assert out["meta_info"]["weight_version"] == "11"
     assert kept["output_ids"] == expected and kept["meta_info"]["weight_version"] == "11"
+
+
+@pytest.mark.timeout(120)
+def test_the_publisher_brings_every_weight_back_bit_for_bit(engines, models):
+    """slime's check of an update path, through ``/weights_checker``: the engines' weights are
+    snapshot, overwritten with random values, then published again by the publisher as training
+    publishes them; every tensor must then be bitwise what the snapshot held, and each engine's
+    digests those the trainer computes of what it sent."""
+    from stages.engine.weight_checker import checksums
+
+    _, new = models
+    weights = _new_weights(new)
+
+    async def check(session, url, body):
+        async with session.post(url + "/weights_checker", json=body) as r:
+            return r.status, await r.json()
+
+    async def scenario():
+        publisher = WeightPublisher(engines, backend="gloo", bucket_mb=0.05, group_name="check")
+        await publisher.connect()
+        await publisher.publish(weights, version=20)
+        async with aiohttp.ClientSession() as session:
+            for url in engines:
+                assert await check(session, url, {"action": "snapshot"}) == (
+                    200, {"success": True, "message": "Success."},
+                )  # fmt: skip
+                assert (await check(session, url, {"action": "reset_tensors"}))[0] == 200
+            garbled = [await check(session, url, {"action": "compare"}) for url in engines]
+            await publisher.publish(weights, version=21)
+            compared = [await check(session, url, {"action": "compare"}) for url in engines]
+            digests = [await check(session, url, {}) for url in engines]
+        await publisher.close()
+        return garbled, compared, digests
+
+    garbled, compared, digests = asyncio.run(scenario())
+    for status, answer in garbled:
+        assert status == 400 and answer["message"].startswith("check tensor equality failed")
+    assert compared == [(200, {"success": True, "message": "Success."})] * 2
+    trainer = checksums(dict(weights))
+    for status, answer in digests:
+        assert status == 200 and answer["ranks"][0]["checksums"] == trainer
