@@ -497,9 +497,12 @@ PASSED_ON = (
     "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "session_id",
     "session_params", "custom_logit_processor", "watermark", "images_config",
     "mm_processor_kwargs", "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video",
-    "video_config", "data_parallel_rank", "return_sampling_mask", "sampling_logprobs_mode",
+    "video_config", "data_parallel_rank",
     "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
 )  # fmt: skip
+# a chat request's too (its ``meta_info`` carries them, with return_meta_info): each token's
+# sampling support; SGLang's completion requests have no such field and ignore it
+CHAT_PASSED_ON = (*PASSED_ON, "return_sampling_mask", "sampling_logprobs_mode")
 # a chat request's headers that ask for the sglext ids as its fields do (serving_chat)
 _SGLEXT_HEADERS = (
     ("x-sglext-return-input-ids", "return_input_ids_in_sglext"),

@@ -84,7 +84,7 @@ from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import (
     _SAMPLING,
-    PASSED_ON,
+    CHAT_PASSED_ON,
     OpenAIError,
     StreamLayout,
     _no_text,
@@ -247,6 +247,8 @@ def chat_request(
     ):
         if not isinstance(body.get(flag, False), bool | None):
             raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
+    if body.get("return_sampling_mask") and not body.get("return_meta_info"):
+        raise OpenAIError("return_sampling_mask requires return_meta_info=true.")  # SGLang's
     if body.get("stream"):  # SGLang's refusals (serving_chat._convert_to_internal_request)
         for flag, refusal in _NOT_STREAMED.items():
             if body.get(flag):
@@ -314,7 +316,7 @@ def chat_request(
         "top_logprobs_num": top or 0,
         "return_text_in_logprobs": True,
     }
-    for name in PASSED_ON:  # checked by the native route, as SGLang passes them on
+    for name in CHAT_PASSED_ON:  # checked by the native route, as SGLang passes them on
         if body.get(name) is not None:
             native_body[name] = body[name]
     if (

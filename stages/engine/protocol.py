@@ -58,6 +58,7 @@ from stages.engine.incremental_text import IncrementalText, output_text
 from stages.engine.stop_regex import parse_stop_regex
 
 __all__ = [
+    "SAMPLING_MASK_MAX_TOKENS",
     "GenerateInput",
     "RequestError",
     "SamplingParams",
@@ -154,6 +155,9 @@ class GenerateInput:
     # the prefix-cache namespace it shares prefixes in: (extra_key, cache_salt), None the
     # default one (SGLang's RadixKey)
     cache_namespace: tuple[str | None, str | None] | None = None
+    # each output token's sampling support and behaviour log-prob (return_sampling_mask):
+    # "selected" (the sampled token's) or "support" (every supported token's); None: not asked
+    sampling_mask: str | None = None
 
 
 @dataclass(slots=True)
@@ -222,8 +226,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "image_max_dynamic_patch": (None,),
     "video_max_dynamic_patch": (None,),
     "watermark": (None,),
-    "return_sampling_mask": (None, False),
-    "sampling_logprobs_mode": (None,),
     "return_flat_raw_top_logprobs": (False,),
     "return_flat_raw_output_top_logprobs": (False,),
     "return_flat_raw_top_logprobs_b64": (False,),
@@ -280,10 +282,15 @@ _KNOWN_TOP = frozenset(
         "return_prompt_token_ids",  # each answer's prompt ids (its text's, tokenized)
         "extra_key",  # with cache_salt: the prefix-cache namespace (SGLang's RadixKey)
         "cache_salt",
+        "return_sampling_mask",  # each token's sampling support and behaviour log-prob
+        "sampling_logprobs_mode",
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
 MAX_SAMPLES_PER_REQUEST = 65536
+# SGLang's --sampling-mask-max-tokens default: the most tokens a returned sampling support holds
+SAMPLING_MASK_MAX_TOKENS = 4096
+_TOP_K_ALL = 1 << 30  # SGLang's top_k for "the whole vocabulary" (-1), as its messages say it
 
 
 def parse_generate(
@@ -293,9 +300,11 @@ def parse_generate(
     context_length: int,
     encode: Callable[[str], list[int]] | None,
     adapters: Collection[str] = (),
+    mask_cap: int = SAMPLING_MASK_MAX_TOKENS,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
-    ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name."""
+    ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
+    ``mask_cap``: the engine's ``--sampling-mask-max-tokens``."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():
@@ -372,6 +381,7 @@ def parse_generate(
     keys = _per_item(body.get("extra_key"), "extra_key", count, listed, str)
     salts = _per_item(body.get("cache_salt"), "cache_salt", count, listed, str)
     rids = _sample_rids(body.get("rid"), count, n, batch)
+    masks = _sampling_masks(body, count, listed)
 
     inputs: list[GenerateInput] = []
     parsed: dict[int, SamplingParams] = {}  # one parse per distinct params object
@@ -384,6 +394,8 @@ def parse_generate(
             check_logit_bias(sp, f"sampling_params{where}", vocab_size)
             parsed[id(params[i])] = sp
         _check_fits(ids, sp, f"input_ids{where}", context_length)
+        if masks[i] is not None:
+            _check_mask_top_k(sp, f"return_sampling_mask{where}", mask_cap)
         flag = bool(logprob_flags[i])
         top = (tops[i] or 0) if flag else 0  # SGLang: top log-probs come with return_logprob
         # SGLang: without return_logprob the start is ignored; -1 means output log-probs only
@@ -412,9 +424,42 @@ def parse_generate(
                     think,
                     return_prompt_token_ids=back,
                     cache_namespace=namespace,
+                    sampling_mask=masks[i],
                 )
             )
     return inputs, listed
+
+
+def _sampling_masks(body: dict[str, Any], count: int, listed: bool) -> list[str | None]:
+    """Each prompt's ``return_sampling_mask`` as the mode its log-probs are in (``selected``,
+    the default, or ``sampling_logprobs_mode``'s ``support``), None where not asked; a mode
+    without the mask is refused in SGLang's words (``TokenizerManager._validate_one_request``)."""
+    name = "sampling_logprobs_mode"
+    flags = _per_item(body.get("return_sampling_mask"), "return_sampling_mask", count, listed, bool)
+    modes = _per_item(body.get(name), name, count, listed, str)
+    out: list[str | None] = []
+    for i, (flag, mode) in enumerate(zip(flags, modes, strict=True)):
+        where = f"{name}[{i}]" if isinstance(body.get(name), list) else name
+        if mode is not None and mode not in ("selected", "support"):
+            raise RequestError(where, f"Input should be 'selected' or 'support', got {mode!r}")
+        if mode is not None and not flag:
+            raise RequestError(
+                where, "sampling_logprobs_mode can only be set when return_sampling_mask=true."
+            )
+        out.append((mode or "selected") if flag else None)
+    return out
+
+
+def _check_mask_top_k(params: SamplingParams, where: str, cap: int) -> None:
+    """SGLang's scheduler refuses a sampling mask whose support may be unbounded: greedy, or
+    a finite top_k up to ``--sampling-mask-max-tokens`` (``Scheduler.handle_generate_request``)."""
+    top_k = 1 if params.greedy else (_TOP_K_ALL if params.top_k == -1 else params.top_k)
+    if top_k != 1 and not 1 < top_k <= cap:
+        raise RequestError(
+            where,
+            "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
+            f"{cap}; got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens.",
+        )
 
 
 def parse_sampling_params(

@@ -17,6 +17,14 @@ uniform number from its own ``torch.Generator``, so the same request gives the s
 whatever else is in the batch. Penalties and logit bias change the logits first (``penalize``,
 before the top log-probs are read and a token drawn: ``stages.engine.penalties``); no grammar
 masks.
+
+Rows that ask for their sampling support (SGLang 0.5.23's ``return_sampling_mask``: greedy, or
+a finite ``top_k``) leave it in ``captured`` after each draw: the tokens the truncated
+distribution could have drawn (its positive weights after top-k, top-p and min-p), most likely
+first, their log-probs under that distribution renormalized, and the drawn token's (the
+behaviour policy's log-prob, which the returned ``log_softmax`` is not once a row truncates).
+A greedy row's support is its token, at log-prob 0. As SGLang's ``Sampler._build_sampling_
+mask_output`` reports it, from this sampler's own truncation.
 """
 
 from __future__ import annotations
@@ -28,7 +36,12 @@ import torch
 from stages.engine.penalties import Penalties
 from stages.engine.protocol import SamplingParams
 
-__all__ = ["SlotSampler"]
+__all__ = ["SlotSampler", "Support"]
+
+# a row's sampling support after a draw: (token ids most likely first, their log-probs under the
+# truncated distribution renormalized, the drawn token's log-prob there; None: the drawn token
+# is not in it, which the draw rules out)
+Support = tuple[list[int], list[float], float | None]
 
 
 class SlotSampler:
@@ -53,6 +66,8 @@ class SlotSampler:
         self._flags: list[tuple[bool, bool, bool]] = [(False, False, False)] * slots
         self.n_greedy = self.n_truncating = self.n_stop_ids = 0
         self.seeded: set[int] = set()
+        self.capture: set[int] = set()  # slots that report their sampling support
+        self.captured: dict[int, Support] = {}  # the last draw's, by slot
         self.penalties = Penalties(slots, eos_token_ids)  # false while no row has any
         self.rows = 0
         self._is_eos: torch.Tensor | None = None
@@ -78,9 +93,11 @@ class SlotSampler:
         limits: Sequence[int],
         generators: Sequence[torch.Generator | None],
         made: Sequence[Sequence[int]] = (),
+        capture: Sequence[bool] = (),
     ) -> None:
         """Rows ``rows..rows+len(params)-1`` join (``limits``: see ``finished``; ``made``:
-        each one's output tokens so far, if any, which its penalties count)."""
+        each one's output tokens so far, if any, which its penalties count; ``capture``:
+        whether each reports its sampling support, ``captured``)."""
         lo, hi = self.rows, self.rows + len(params)
         if hi > self.slots:
             raise RuntimeError(f"{hi} rows exceed the sampler's {self.slots} slots")
@@ -108,6 +125,8 @@ class SlotSampler:
             self.generators[slot] = gen if seeded else None
             if seeded:
                 self.seeded.add(slot)
+            if capture and capture[offset]:
+                self.capture.add(slot)
             if p.penalized:
                 penalized.append(slot)
         self.temperature[lo:hi] = torch.tensor(temps)
@@ -136,6 +155,7 @@ class SlotSampler:
         for slot in dead:
             self._set_flags(slot, (False, False, False))
             self.seeded.discard(slot)
+            self.capture.discard(slot)
             self.generators[slot] = None
         if holes:
             dst = torch.tensor(holes, device=self.device)
@@ -145,9 +165,10 @@ class SlotSampler:
             for h, m in zip(holes, movers, strict=True):
                 self._flags[h], self._flags[m] = self._flags[m], (False, False, False)
                 self.generators[h], self.generators[m] = self.generators[m], None
-                if m in self.seeded:
-                    self.seeded.discard(m)
-                    self.seeded.add(h)
+                for slots in (self.seeded, self.capture):
+                    if m in slots:
+                        slots.discard(m)
+                        slots.add(h)
         self.rows -= len(dead)
 
     def clear(self) -> None:
@@ -193,37 +214,92 @@ class SlotSampler:
         if self._work is None or self._work.shape[1] != vocab:
             self._work = torch.empty((self.slots, vocab), dtype=torch.float32, device=x.device)
         e = self._work[:rows]
+        self.captured = {}
+        watched = sorted(slot for slot in self.capture if lo <= slot < hi) if self.capture else []
         if self.n_greedy == self.rows:  # every live row is greedy
             top, tokens = x.max(dim=-1, keepdim=True)
             torch.sub(x, top, out=e)
+            if watched:
+                self._capture(watched, tokens[:, 0], lo, None)
             # log_softmax at the argmax: (x - max) - log(sum(exp(x - max))), the first term 0
             return tokens[:, 0], -e.exp_().sum(dim=-1).log_()
         x.div_(self.temperature[lo:hi, None])
         top = x.amax(dim=-1, keepdim=True)
         torch.sub(x, top, out=e)
         e.exp_()
+        support = None
         if self.n_truncating:
             total = e.sum(dim=-1, keepdim=True)
             kept = _truncate(e / total, self.top_k[lo:hi], self.top_p[lo:hi], self.min_p[lo:hi])
+            if watched:  # read before the cumulative sum overwrites them
+                support = self._support(kept, watched, lo)
             cdf = kept.cumsum_(dim=-1)
         else:
             cdf = e.cumsum_(dim=-1)
             total = cdf[:, -1:].clone()
         mass = cdf[:, -1:]
+        # u in [0, mass): the first column whose cumulative weight passes u has a weight of its
+        # own, so a token outside the truncated support is never drawn (u == mass, which float
+        # rounding of rand * mass allows, would find none)
+        below = torch.nextafter(mass, torch.zeros_like(mass))
         # the uniform numbers come from CPU generators (the same draws on any device)
         draw = torch.rand((rows, 1), generator=self.generator).to(x.device) * mass
-        tokens = torch.searchsorted(cdf, draw, right=True)[:, 0]
+        tokens = torch.searchsorted(cdf, torch.minimum(draw, below), right=True)[:, 0]
         for slot in self.seeded:
             if lo <= slot < hi:
                 r = slot - lo
                 u = torch.rand(1, generator=self.generators[slot]).to(x.device) * mass[r]
-                tokens[r] = torch.searchsorted(cdf[r], u, right=True)[0]
-        tokens.clamp_(max=vocab - 1)  # a draw on the very edge of float rounding
+                tokens[r] = torch.searchsorted(cdf[r], torch.minimum(u, below[r]), right=True)[0]
+        tokens.clamp_(max=vocab - 1)
         if self.n_greedy:
             tokens = torch.where(self.greedy[lo:hi], x.argmax(dim=-1), tokens)
+        if watched:
+            self._capture(watched, tokens, lo, support)
         # log_softmax(x / T) at the drawn token: (x - max) - log(sum(exp(x - max)))
         logprobs = (x.gather(1, tokens[:, None]) - top - total.log_())[:, 0]
         return tokens, logprobs
+
+    def _support(
+        self, kept: torch.Tensor, watched: list[int], lo: int
+    ) -> dict[int, tuple[list[int], list[float]]]:
+        """The watched sampled rows' supports in ``kept`` (their truncated weights): token ids
+        by weight, most first, and their log-probs renormalized over the support."""
+        sampled = [slot for slot in watched if not self._flags[slot][0]]
+        if not sampled:
+            return {}
+        index = torch.tensor([slot - lo for slot in sampled], device=kept.device)
+        weights = kept.index_select(0, index)
+        k = min(int(self.top_k.index_select(0, index + lo).max()), weights.shape[1])
+        if k <= 0:  # a finite top_k is asked of them (protocol): the whole row otherwise
+            k = weights.shape[1]
+        values, ids = weights.topk(k, dim=-1)
+        lengths = (values > 0).sum(dim=-1).tolist()
+        logprobs = (values / weights.sum(dim=-1, keepdim=True)).log_()
+        return {
+            slot: (row_ids[:n], row_lps[:n])
+            for slot, n, row_ids, row_lps in zip(
+                sampled, lengths, ids.tolist(), logprobs.tolist(), strict=True
+            )
+        }
+
+    def _capture(
+        self,
+        watched: list[int],
+        tokens: torch.Tensor,
+        lo: int,
+        support: dict[int, tuple[list[int], list[float]]] | None,
+    ) -> None:
+        """``captured`` for the watched rows, once their tokens are drawn."""
+        index = torch.tensor([s - lo for s in watched], device=tokens.device)
+        for slot, token in zip(watched, tokens.index_select(0, index).tolist(), strict=True):
+            if self._flags[slot][0]:  # greedy: the argmax alone, certain
+                self.captured[slot] = ([token], [0.0], 0.0)
+                continue
+            if support is None or slot not in support:  # a finite top_k truncates (protocol)
+                raise RuntimeError(f"row {slot} asked for its sampling support without top_k")
+            ids, lps = support[slot]
+            at = ids.index(token) if token in ids else -1
+            self.captured[slot] = (ids, lps, lps[at] if at >= 0 else None)
 
     def finished(
         self, tokens: torch.Tensor, lo: int, hi: int, column: int

@@ -71,9 +71,14 @@ from stages.engine.memory_offload import KV_CACHE, WEIGHTS, MemoryState, WeightO
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
 from stages.engine.prompt_logprobs import next_token_logprobs, prompt_logprobs, scoring_passes
-from stages.engine.protocol import GenerateInput, RequestError, SequenceResult
+from stages.engine.protocol import (
+    SAMPLING_MASK_MAX_TOKENS,
+    GenerateInput,
+    RequestError,
+    SequenceResult,
+)
 from stages.engine.reasoning import reasoning_tokens
-from stages.engine.sampling import SlotSampler
+from stages.engine.sampling import SlotSampler, Support
 from stages.engine.step_profiler import ProfileRequest, StepProfiler
 from stages.hf import DynamicCache
 
@@ -86,6 +91,14 @@ PREFIX_CACHE_TOKENS = 32768
 PREFIX_CACHE_MAX_AGE = 2
 
 T = TypeVar("T")
+
+# SGLang's abort of a sample whose drawn token is outside its captured support
+_OUTSIDE_SUPPORT = {
+    "type": "abort",
+    "message": "The sampling backend selected a token outside its captured sampling support.",
+    "status_code": 500,
+    "err_type": "InternalServerError",
+}
 
 log = structlog.get_logger("stages.engine.scheduler")
 
@@ -247,6 +260,7 @@ class _Seq:
         "input_picked",
         "input_tops",
         "kv_start",
+        "masks",
         "picked",
         "sent",
         "slot",
@@ -275,6 +289,8 @@ class _Seq:
         # the log-probs of its token_ids_logprob tokens, one list per sampled token
         wanted = inp.token_ids_logprob
         self.picked: list[list[tuple[float, int]]] | None = None if wanted is None else []
+        # its sampling support after each sampled token (return_sampling_mask: SlotSampler's)
+        self.masks: list[Support] | None = [] if inp.sampling_mask is not None else None
         self.group = group
         self.index = index  # in the group
         # streamed: how many of its tokens were sent, and the events of those not sent yet
@@ -324,6 +340,7 @@ class Scheduler:
         decode_tail: Callable[[list[int]], str] | None = None,
         stream_interval: int = 1,
         grammars: GrammarSet | None = None,
+        sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
@@ -338,6 +355,9 @@ class Scheduler:
         # a streamed request's tokens go out in a chunk every this many (SGLang's
         # --stream-interval), unless its sampling_params.stream_interval says otherwise
         self.stream_interval = stream_interval
+        # the largest sampling support a request's return_sampling_mask may ask for (SGLang's
+        # --sampling-mask-max-tokens: its top_k must be 1 or at most this)
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self._version = str(weight_version)
         self._rng = torch.Generator().manual_seed(seed)
@@ -367,6 +387,7 @@ class Scheduler:
         self._stop_seqs: set[_Seq] = set()
         # running seqs that want top log-probs or those of given tokens (token_ids_logprob)
         self._top_seqs: set[_Seq] = set()
+        self._mask_seqs: set[_Seq] = set()  # running seqs that want their sampling support
         self._stream_seqs: set[_Seq] = set()  # running seqs whose tokens are streamed
         # json_schema, regex, ebnf, structural_tag (stages.engine.grammar); the seqs that
         # follow one
@@ -1125,6 +1146,7 @@ class Scheduler:
         self._running.extend(group)
         self._stop_seqs.update(s for s in group if s.tail is not None)
         self._top_seqs.update(s for s in group if s.top is not None or s.picked is not None)
+        self._mask_seqs.update(s for s in group if s.masks is not None)
         self._stream_seqs.update(s for s in group if s.group.stream is not None)
         self._constrained.update(s for s in group if s.constraint is not None)
         self._sampler.add(
@@ -1132,6 +1154,7 @@ class Scheduler:
             [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
             [s.generator for s in group],
             [s.done_ids for s in group],
+            [s.masks is not None for s in group],
         )
         if src is not None:
             logits = logits.index_select(0, src)
@@ -1143,7 +1166,8 @@ class Scheduler:
         tokens, logprobs = self._sampler.sample(logits, lo, hi)
         self._kv.set_pending(lo, hi, tokens, logprobs)
         self.tokens_generated += hi - lo
-        self._finish_checks(tokens, logprobs, lo, hi, end)
+        aborted = self._take_masks(lo, hi) if self._mask_seqs else None
+        self._finish_checks(tokens, logprobs, lo, hi, end, aborted)
 
     def _forward_prefill(
         self,
@@ -1191,7 +1215,23 @@ class Scheduler:
         tokens, logprobs = self._sampler.sample(logits, 0, rows)
         kv.push(tokens, logprobs)
         self.tokens_generated += rows
-        self._finish_checks(tokens, logprobs, 0, rows, kv.end)
+        aborted = self._take_masks(0, rows) if self._mask_seqs else None
+        self._finish_checks(tokens, logprobs, 0, rows, kv.end, aborted)
+
+    def _take_masks(self, lo: int, hi: int) -> dict[int, dict[str, Any]] | None:
+        """Each watched row's sampling support from the draw just made, kept with its seq;
+        the rows whose drawn token is outside it (which the sampler's draw rules out) are
+        aborted as SGLang aborts them."""
+        captured = self._sampler.captured
+        aborted = None
+        for seq in self._mask_seqs:
+            if lo <= seq.slot < hi and seq.masks is not None:
+                support = captured[seq.slot]
+                seq.masks.append(support)
+                if support[2] is None:
+                    aborted = aborted or {}
+                    aborted[seq.slot] = dict(_OUTSIDE_SUPPORT)
+        return aborted
 
     def _take_top_logprobs(self, logits: torch.Tensor, lo: int, hi: int) -> None:
         """Before sampling (which overwrites ``logits``): each watched row's most likely
@@ -1221,12 +1261,18 @@ class Scheduler:
                 seq.picked.append(list(zip(vals, wanted, strict=True)))
 
     def _finish_checks(
-        self, tokens: torch.Tensor, logprobs: torch.Tensor, lo: int, hi: int, column: int
+        self,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        lo: int,
+        hi: int,
+        column: int,
+        aborted: dict[int, dict[str, Any]] | None = None,
     ) -> None:
         """Stream the tokens just sampled for rows ``lo..hi`` to those who asked, then retire
         the rows they finish. A row's reason, in SGLang 0.5's order
         (``Req.update_finish_state``): a stop string or pattern, else a stop token, else the
-        length limit."""
+        length limit; ``aborted`` (rows and reasons) before any."""
         # read before the checks move rows; sent after them, to rows that go on (a finished
         # row's result carries its last token: one chunk, as SGLang sends it)
         streamed = self._streamed(tokens, logprobs, lo, hi) if self._stream_seqs else None
@@ -1240,6 +1286,8 @@ class Scheduler:
             watched = [(s, new[s.slot - lo]) for s in self._stop_seqs if lo <= s.slot < hi]
             if watched:
                 finished.update(self._stop_string_rows(watched))
+        if aborted:
+            finished.update(aborted)
         if finished:
             self._retire(list(finished), list(finished.values()))
         if streamed:
@@ -1284,7 +1332,7 @@ class Scheduler:
             held.append(
                 (new[k], lps[k], version, seq.top[-1] if seq.top else None, seq.cached,
                  seq.input_lps, seq.input_tops, seq.picked[-1] if seq.picked else None,
-                 seq.input_picked)
+                 seq.input_picked, seq.masks[-1] if seq.masks else None)
             )  # fmt: skip
             every = seq.inp.params.stream_interval or default_every
             if every == 1 or len(held) >= every or seq.sent == 0:
@@ -1465,6 +1513,7 @@ class Scheduler:
         self._rids.pop(seq.inp.rid, None)
         self._stop_seqs.discard(seq)
         self._top_seqs.discard(seq)
+        self._mask_seqs.discard(seq)
         self._stream_seqs.discard(seq)
         self._constrained.discard(seq)
         seq.constraint = None
@@ -1491,6 +1540,7 @@ class Scheduler:
                 reasoning_tokens=reasoning_tokens(ids, self.think_end)
                 if seq.inp.require_reasoning
                 else 0,
+                extra={} if seq.masks is None else mask_fields(seq.masks[:kept], seq.inp),
             ),
         )
 
@@ -1625,3 +1675,16 @@ def _parameter_rows(model: torch.nn.Module, name: str, rows: int) -> torch.Tenso
     if found is None or found.dim() == 0:
         return None
     return found.detach()[:rows].to("cpu", torch.float32, copy=True)
+
+
+def mask_fields(masks: Sequence[Support], inp: GenerateInput) -> dict[str, Any]:
+    """SGLang's ``meta_info`` fields of a sample's sampling supports (``return_sampling_mask``):
+    ``output_token_sampling_mask`` (each token's support), ``output_token_sampling_logprobs``
+    (the drawn token's log-prob, or with ``sampling_logprobs_mode: support`` the support's)
+    and ``output_token_sampling_mask_length``."""
+    support = inp.sampling_mask == "support"
+    return {
+        "output_token_sampling_mask": [ids for ids, _, _ in masks],
+        "output_token_sampling_logprobs": [lps if support else sel for _, lps, sel in masks],
+        "output_token_sampling_mask_length": len(masks),
+    }

@@ -83,6 +83,7 @@ from stages.engine.parse_routes import ParseRoutes
 from stages.engine.pooling import model_kind
 from stages.engine.profile_routes import ProfileRoutes
 from stages.engine.protocol import (
+    SAMPLING_MASK_MAX_TOKENS,
     GenerateInput,
     RequestError,
     SamplingParams,
@@ -350,6 +351,7 @@ def parse_body(loaded: LoadedModel, scheduler: Any, body: Any) -> tuple[list[Gen
         context_length=loaded.context_length,
         encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
         adapters=scheduler.adapter_names(),
+        mask_cap=scheduler.sampling_mask_max_tokens,
     )
 
 
@@ -531,6 +533,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "max_total_num_tokens": scheduler.max_running * loaded.context_length,
             "max_req_input_len": loaded.context_length - 1,
             "stream_interval": scheduler.stream_interval,
+            "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
             "weight_version": scheduler.weight_version,
             "internal_states": [state],
             "version": f"inflight-rl {ENGINE_VERSION}",
@@ -608,6 +611,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="a streamed request gets a chunk after its first token and every this many "
         "after (SGLang's; a request's sampling_params.stream_interval overrides it)",
+    )
+    parser.add_argument(
+        "--sampling-mask-max-tokens",
+        type=_positive_int,
+        default=SAMPLING_MASK_MAX_TOKENS,
+        help="the largest sampling support a request's return_sampling_mask returns: its "
+        "top_k must be 1 (greedy) or at most this (SGLang's)",
     )
     parser.add_argument(
         "--forward",
@@ -746,6 +756,7 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         eos_token_ids=loaded.eos_token_ids,
         admit_fraction=args.admit_fraction,
         stream_interval=args.stream_interval,
+        sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         fast_forward=args.forward == "fast",
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefix_cache_max_age=args.prefix_cache_max_age,

@@ -66,6 +66,9 @@ class Progress:
         "input_tops",
         "listed",
         "logprobs",
+        "mask_ids",
+        "mask_mode",
+        "mask_values",
         "out",
         "picked",
         "picked_entries",
@@ -95,6 +98,7 @@ class Progress:
         detok: IncrementalText | None = None,
         reasoning: ReasoningCount | None = None,
         prompt_ids: list[int] | None = None,
+        mask_mode: str | None = None,
     ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids  # in every chunk (return_prompt_token_ids), else None
@@ -127,6 +131,11 @@ class Progress:
         self.text = ""  # the text so far (SGLang's: what may still change is held back)
         self.finish: dict[str, Any] | None = None  # the finish reason, once it is the last
         self.out: dict[str, Any] | None = None  # its chunk (``chunk``), once built
+        # return_sampling_mask: each token's support and its log-prob(s), "selected" or
+        # "support" (sampling_logprobs_mode); None: not asked
+        self.mask_mode = mask_mode
+        self.mask_ids: list[list[int]] = []
+        self.mask_values: list[Any] = []
 
     def last(self, result: SequenceResult, inp: Any, decode: Callable[..., str] | None) -> Progress:
         """This sample, finished as ``result`` (of its request ``inp``): its whole output,
@@ -167,6 +176,8 @@ class Progress:
         if self.return_logprob:
             self._add_entries()
             meta["output_token_logprobs_length"] = len(self.entries)
+        if self.mask_mode is not None:
+            meta["output_token_sampling_mask_length"] = len(self.mask_ids)
         return out
 
     def _first_chunk(self) -> dict:
@@ -192,6 +203,10 @@ class Progress:
                 self.input_picked_entries = step_entries(self.input_picked or (), token_text)
                 meta["input_token_ids_logprobs"] = self.input_picked_entries
                 meta["output_token_ids_logprobs"] = self.picked_entries
+        if self.mask_mode is not None:  # SGLang's sampling supports so far (the lists grow)
+            meta["output_token_sampling_mask"] = self.mask_ids
+            meta["output_token_sampling_logprobs"] = self.mask_values
+            meta["output_token_sampling_mask_length"] = len(self.mask_ids)
         out: dict[str, Any] = (
             {"output_ids": self.ids, "meta_info": meta}
             if self.detok is None
@@ -263,6 +278,7 @@ def stream_generate(
         context_length=loaded.context_length,
         encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
         adapters=scheduler.adapter_names(),
+        mask_cap=scheduler.sampling_mask_max_tokens,
     )
     token_text = token_texts(decode, body)
     think_end = scheduler.think_end
@@ -281,6 +297,7 @@ def stream_generate(
             else IncrementalText(inp.input_ids, decode, inp.params.skip_special_tokens),
             reasoning=ReasoningCount(think_end) if inp.require_reasoning and think_end else None,
             prompt_ids=list(inp.input_ids) if inp.return_prompt_token_ids else None,
+            mask_mode=inp.sampling_mask,
         )
         for index, inp in enumerate(inputs)
     ]
@@ -291,8 +308,8 @@ def stream_generate(
         for index, payload in events:  # all that piled up
             if type(payload) is tuple:  # a token: (id, log-prob, version, top, cached...)
                 p = moving[index]
-                token, logprob, p.version, top, p.cached, p.input_lps, p.input_tops, picked, _ = (
-                    payload
+                token, logprob, p.version, top, p.cached, p.input_lps, p.input_tops, picked = (
+                    payload[:8]
                 )
                 p.ids.append(token)
                 p.logprobs.append(logprob)
@@ -301,6 +318,10 @@ def stream_generate(
                 if picked is not None and p.picked is not None:
                     p.picked.append(picked)
                     p.input_picked = payload[8]
+                if p.mask_mode is not None and payload[9] is not None:
+                    ids, lps, selected = payload[9]
+                    p.mask_ids.append(ids)
+                    p.mask_values.append(lps if p.mask_mode == "support" else selected)
             elif isinstance(payload, SequenceResult):
                 finals[index] = payload
             else:

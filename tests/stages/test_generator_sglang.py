@@ -707,6 +707,35 @@ async def test_weight_update_over_the_weight_group(client, served):
     assert after.output_ids.tolist() == before.output_ids.tolist()
 
 
+@pytest.mark.timeout(120)
+async def test_each_token_comes_with_its_sampling_support(client):
+    """``return_sampling_mask`` (SGLang 0.5.23): per output token the tokens top-k left the
+    draw (at most top_k, the drawn one among them) and the drawn token's log-prob under the
+    truncated distribution; with ``sampling_logprobs_mode: support`` each one's, summing to 1."""
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": _params(8, temperature=1.0, top_k=5, sampling_seed=11),
+        "return_sampling_mask": True,
+    }
+    answers = []
+    for mode in (None, "support"):
+        sent = body if mode is None else {**body, "sampling_logprobs_mode": mode}
+        async with client.session.post(client.url + "/generate", json=sent) as resp:
+            assert resp.status == 200, await resp.text()
+            answers.append(await resp.json())
+    selected, support = answers
+    ids, meta = selected["output_ids"], selected["meta_info"]
+    masks = meta["output_token_sampling_mask"]
+    assert meta["output_token_sampling_mask_length"] == len(masks) == len(ids) == 8
+    for token, mask, lp in zip(ids, masks, meta["output_token_sampling_logprobs"], strict=True):
+        assert 1 <= len(mask) <= 5 and token in mask and lp <= 0
+    if support["output_ids"] == ids:  # the same seed: the same tokens, where seeds hold
+        values = support["meta_info"]["output_token_sampling_logprobs"]
+        for mask, row in zip(masks, values, strict=True):
+            assert len(row) == len(mask)
+            assert math.fsum(math.exp(v) for v in row) == pytest.approx(1.0, abs=1e-3)
+
+
 async def _check_weights(client: EngineClient, body: dict | None) -> tuple[int, dict]:
     async with client.session.post(client.url + "/weights_checker", json=body) as resp:
         return resp.status, await resp.json(content_type=None)
