@@ -510,6 +510,11 @@ _SGLEXT_HEADERS = (
 )
 
 
+def _json_lines(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
+    """A batch of Ollama's stream: one JSON object a line."""
+    return b"".join(encode(item) + b"\n" for item in batch)
+
+
 def _ids_framed(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
     """A chat stream's events with SGLang's ``x-sglext-ids-framed: 1``: the chunk of the sglext
     ids as ``event: sglext_ids`` (a hop on the way picks the ids out without parsing JSON),
@@ -680,6 +685,11 @@ class OpenAIRoutes:
         app.router.add_post("/v1/score", self.score)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
+        app.router.add_post("/invocations", self.chat_completions)  # SageMaker's, as SGLang's
+        app.router.add_post("/api/chat", self.ollama_chat)  # Ollama's (stages.engine.ollama_api)
+        app.router.add_post("/api/generate", self.ollama_generate)
+        app.router.add_get("/api/tags", self.ollama_tags)
+        app.router.add_post("/api/show", self.ollama_show)
 
     def _card(self, name: str) -> dict[str, Any]:
         return {
@@ -730,6 +740,26 @@ class OpenAIRoutes:
 
     async def score(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "score")
+
+    async def ollama_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "ollama_chat")
+
+    async def ollama_generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "ollama_generate")
+
+    async def ollama_tags(self, request: web.Request) -> web.Response:
+        from stages.engine import ollama_api
+
+        return web.json_response(ollama_api.tags(self.served_model_name))
+
+    async def ollama_show(self, request: web.Request) -> web.Response:
+        from stages.engine import ollama_api
+
+        try:
+            body = await read_json(request)
+            return web.json_response(ollama_api.show(body, self.context_length))
+        except OpenAIError as exc:
+            return web.json_response(route_refusal("ollama_show", exc), status=400)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """``/v1/messages/count_tokens``: the tokens of the prompt a request would render."""
@@ -843,6 +873,8 @@ class OpenAIRoutes:
                 anthropic_messages.messages_response,
                 anthropic_messages.message_events,
             )
+        if route.startswith("ollama_"):
+            return self._ollama_handlers(route)
         if route == "chat":
             from stages.engine import openai_chat  # it builds on this module
 
@@ -862,6 +894,32 @@ class OpenAIRoutes:
             return completion_stream(chunks, options, decode, tokens)
 
         return completion_request, respond, stream
+
+    def _ollama_handlers(self, route: str) -> tuple[Callable[..., Any], ...]:
+        """``_handlers`` of Ollama's ``/api/chat`` and ``/api/generate``."""
+        from stages.engine import ollama_api  # it builds on the chat and completion routes
+
+        chat, length, served = self.chat, self.context_length, self.served_model_name
+        if route == "ollama_chat":
+
+            def build_chat(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                return ollama_api.ollama_chat_request(raw, chat, length, served)
+
+            return build_chat, ollama_api.ollama_chat_response, ollama_api.chat_events
+        decode = self.decode
+        tokens = chat.token_bytes if chat is not None else TokenBytes(None)
+
+        def build(raw: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+            return ollama_api.ollama_generate_request(raw, chat, length, served)
+
+        def respond(results: list[Any], options: dict[str, Any]) -> dict[str, Any]:
+            return ollama_api.ollama_generate_response(results, options, decode, tokens)
+
+        def stream(chunks: AsyncIterator[Any], options: dict[str, Any]) -> AsyncIterator[Any]:
+            completions = CompletionChunks(options, decode, tokens)
+            return ollama_api.generate_events(chunks, options, completions)
+
+        return build, respond, stream
 
     async def _serve(self, request: web.Request, route: str) -> web.StreamResponse:
         """One HTTP request of a ``/v1`` route: its ``reply``, as JSON or as events."""
@@ -883,6 +941,8 @@ class OpenAIRoutes:
             from stages.engine.openai_responses import sse_named
 
             framing = {"events": sse_named, "done": b""}
+        elif route.startswith("ollama_"):  # newline-delimited JSON, Ollama's
+            framing = {"events": _json_lines, "done": b"", "content_type": "application/x-ndjson"}
         elif route == "chat" and request.headers.get("x-sglext-ids-framed") == "1":
             framing = {"events": _ids_framed}  # the sglext ids as a named event
         try:
@@ -948,8 +1008,10 @@ def _as_written(exc: ValueError, options: Mapping[str, Any]) -> ValueError:
 
 def route_refusal(route: str, exc: ValueError) -> dict[str, Any]:
     """``refusal(exc)``, in the Responses route's envelope on ``responses``, Anthropic's on
-    ``messages``."""
+    ``messages``, Ollama's on its routes."""
     refused = refusal(exc)
+    if route.startswith("ollama_"):
+        return {"error": refused["message"]}
     if route == "messages":
         from stages.engine.anthropic_messages import error_body
 

@@ -56,6 +56,9 @@ _GENERATION_ROUTES = (
     "/v1/responses",
     "/v1/messages",
     "/v1/score",
+    "/invocations",
+    "/api/chat",
+    "/api/generate",
 )
 
 

@@ -17,29 +17,27 @@ launcher hands it over; or ``--api-key``, which ``ps`` shows) it answers as SGLa
 ``/health`` always answers (``stages.engine.auth``). Bound to a host other machines can reach, it
 refuses to start without a key unless ``--insecure`` is given.
 
-Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``,
-``POST /pause_generation``, ``POST /continue_generation``, ``GET|POST /flush_cache``,
-``GET /health``, ``GET /model_info`` (also ``/get_model_info``), ``GET /get_server_info``,
-``GET /get_weight_version``, ``POST /update_weight_version``; the weight routes
+Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``, ``POST
+/pause_generation``, ``POST /continue_generation``, ``GET|POST /flush_cache``, ``GET /health``,
+``GET /model_info`` (also ``/get_model_info``), ``GET /get_server_info``, ``GET
+/get_weight_version``, ``POST /update_weight_version``; the weight routes
 (``stages.engine.weight_routes``: ``/init_weights_update_group``,
-``/update_weights_from_distributed`` inside
-``/begin_weight_update`` ... ``/end_weight_update`` as SGLang 0.5.23 wants it,
-``/destroy_weights_update_group``, ``/update_weights_from_tensor`` in such a session too,
-``/update_weights_from_disk``, ``/get_weights_by_name``, ``GET|POST /weights_checker``);
-``GET|POST
-/release_memory_occupation`` and
-``/resume_memory_occupation`` (``stages.engine.memory_routes``: the weights and KV cache given
-back to a colocated trainer); ``POST /v1/tokenize`` and ``/v1/detokenize``
-(``stages.engine.tokenize_routes``); ``POST /parse_function_call`` and ``/separate_reasoning``
-(``stages.engine.parse_routes``); ``GET|POST /start_profile`` and ``/stop_profile``
-(``stages.engine.profile_routes``); ``GET|POST /freeze_gc`` and ``/slow_down``
-(``stages.engine.maintenance_routes``); ``stream: true`` answers server-sent events
-(``stages.engine.streaming``); the OpenAI-compatible ``/v1`` routes are
-``stages.engine.openai_api``'s. A malformed request gets HTTP 400 with ``{"error":
-{"message": "<field>: <problem>"}}``; weight routes answer ``{"success": false, "message":
-...}`` instead, as SGLang does. A client that leaves mid-stream is counted as refused with
-status 499 (``refused_requests``). The model runs on the scheduler thread; this event loop only
-parses, waits and answers, so requests are accepted while a decode step runs.
+``/update_weights_from_distributed`` inside ``/begin_weight_update`` ... ``/end_weight_update`` as
+SGLang 0.5.23 wants it, ``/destroy_weights_update_group``, ``/update_weights_from_tensor`` in such
+a session too, ``/update_weights_from_disk``, ``/get_weights_by_name``, ``GET|POST
+/weights_checker``); ``GET|POST /release_memory_occupation`` and ``/resume_memory_occupation``
+(``stages.engine.memory_routes``: the weights and KV cache given back to a colocated trainer);
+``POST /v1/tokenize`` and ``/v1/detokenize`` (``stages.engine.tokenize_routes``); ``POST
+/parse_function_call`` and ``/separate_reasoning`` (``stages.engine.parse_routes``); ``GET|POST
+/start_profile`` and ``/stop_profile`` (``stages.engine.profile_routes``); ``GET|POST /freeze_gc``
+and ``/slow_down`` (``stages.engine.maintenance_routes``); ``stream: true`` answers server-sent
+events (``stages.engine.streaming``); the OpenAI-compatible ``/v1`` routes (and SageMaker's
+``/invocations``) are ``stages.engine.openai_api``'s, Ollama's ``/api/*`` routes
+``stages.engine.ollama_api``'s; ``GET /`` says "SGLang is running", as SGLang's. A malformed
+request gets HTTP 400 with ``{"error": {"message": "<field>: <problem>"}}``; weight routes answer
+``{"success": false, "message": ...}`` instead, as SGLang does. A client that leaves mid-stream is
+counted as refused with status 499 (``refused_requests``). The model runs on the scheduler thread;
+this event loop only parses, waits and answers, so requests are accepted while a decode step runs.
 
 Prefix cache (``stages.engine.prefix_cache``; ``--prefix-cache-tokens 0`` turns it off): each
 response's ``meta_info.cached_tokens`` counts the prompt tokens served from it (SGLang's field)
@@ -708,14 +706,20 @@ def base_app(
     *, max_body: int = _MAX_BODY, api_key: str | None = None, engine_id: str | None = None
 ) -> web.Application:
     """An application with the engine's middlewares (every refusal counted; the API key
-    checked when there is one) and no routes yet."""
+    checked when there is one) and one route: ``GET|HEAD /``, SGLang's "SGLang is running"
+    (the Ollama client and load balancers knock there)."""
     middlewares = [_count_refused] + ([_check_key] if api_key else [])
     app = web.Application(client_max_size=max_body, middlewares=middlewares)
     app[_REFUSED] = Counter()
     if api_key:
         app[_API_KEY] = api_key
     app[_ENGINE_ID] = {ENGINE_ID_HEADER: engine_id} if engine_id else {}
+    app.router.add_get("/", _root)
     return app
+
+
+async def _root(request: web.Request) -> web.Response:
+    return web.json_response("SGLang is running")
 
 
 def refused_counts(app: web.Application) -> dict[str, int]:

@@ -365,6 +365,7 @@ async def write_events(
     on_disconnect: Callable[[], None],
     events: Callable[[list[Any], Callable[[Any], bytes]], bytes] | None = None,
     done: bytes = b"data: [DONE]\n\n",
+    content_type: str = "text/event-stream",
 ) -> web.StreamResponse:
     """Answer ``request`` with ``chunks`` (batches of them: one write each) as server-sent
     events, then ``done`` (``data: [DONE]``; with a ``Last`` batch, in the same write).
@@ -383,9 +384,7 @@ async def write_events(
     except BaseException:
         await chunks.aclose()
         raise
-    response = _EventStream(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
+    response = _EventStream(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
     framed = _events if events is None else events
     try:
         await response.prepare(request)

@@ -255,6 +255,7 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
         (embedder, "/v1/classify", {"input": "w5"}, "needs a classification model"),
         (reward, "/generate", {"text": "w5"}, "does not generate"),
         (reward, "/v1/chat/completions", {"messages": []}, "needs a generating model"),
+        (reward, "/api/chat", {"model": "m", "messages": []}, "needs a generating model"),
     ]
     for engine, path, body, words in sglang + ([] if _real(reward) else ours):
         status, out = engine.request("POST", path, body)
