@@ -736,6 +736,32 @@ async def test_each_token_comes_with_its_sampling_support(client):
             assert math.fsum(math.exp(v) for v in row) == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.timeout(120)
+async def test_ollamas_routes_answer_in_ollamas_shape(client):
+    """``/api/chat``, ``/api/generate`` (not streamed and streamed) and ``/api/tags``: what
+    SGLang's Ollama routes and the built-in engine's agree on."""
+    options = {"num_predict": 4, "temperature": 0}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "options": options}
+    generate = {"model": "m", "prompt": "hi", "options": options}
+    for route, body, field in (
+        ("/api/chat", chat, "message"),
+        ("/api/generate", generate, "response"),
+    ):
+        async with client.session.post(client.url + route, json={**body, "stream": False}) as resp:
+            assert resp.status == 200, await resp.text()
+            whole = await resp.json(content_type=None)
+        assert whole["done"] is True and whole["eval_count"] <= 4
+        text = whole[field]["content"] if field == "message" else whole[field]
+        async with client.session.post(client.url + route, json=body) as resp:  # streamed
+            lines = [json.loads(line) for line in (await resp.read()).splitlines() if line]
+        assert lines[-1]["done"] is True and all(not line["done"] for line in lines[:-1])
+        parts = [line[field]["content"] if field == "message" else line[field] for line in lines]
+        assert text.startswith("".join(parts[:-1]))  # SGLang leaves out its last chunk's text
+    async with client.session.get(client.url + "/api/tags") as resp:
+        (listed,) = (await resp.json(content_type=None))["models"]
+    assert listed["size"] == 0 and listed["details"]["format"] == "sglang"
+
+
 async def _check_weights(client: EngineClient, body: dict | None) -> tuple[int, dict]:
     async with client.session.post(client.url + "/weights_checker", json=body) as resp:
         return resp.status, await resp.json(content_type=None)
