@@ -9,8 +9,10 @@
   ``done_reason`` and the counts; not streamed, one ``{model, created_at, message, done,
   done_reason, total_duration, prompt_eval_count, eval_count}``.
 - ``/api/generate``: ``prompt`` (after ``system`` and a blank line), the text as it is (no
-  template: SGLang's, whatever ``raw`` says); an empty prompt answers at once, done (the
-  Ollama CLI's warm-up call); answers ``response`` in place of ``message``.
+  template: SGLang's, whatever ``raw`` says; ``suffix``, ``template`` and ``context`` are
+  left, as there); an empty prompt answers at once, done (the Ollama CLI's warm-up call);
+  answers ``response`` in place of ``message``. ``keep_alive`` means nothing here (the model
+  stays loaded).
 - ``options``: ``temperature``, ``top_p``, ``top_k``, ``num_predict`` (``max_new_tokens``:
   2048 when absent, SGLang's default for this API), ``stop``, ``presence_penalty``,
   ``frequency_penalty``, ``seed``; the model's own settings (``num_ctx``, ``num_gpu``...) and
