@@ -10,15 +10,17 @@
   done_reason, total_duration, prompt_eval_count, eval_count}``.
 - ``/api/generate``: ``prompt`` (after ``system`` and a blank line), the text as it is (no
   template: SGLang's, whatever ``raw`` says; ``suffix``, ``template`` and ``context`` are
-  left, as there); an empty prompt answers at once, done (the Ollama CLI's warm-up call);
-  answers ``response`` in place of ``message``. ``keep_alive`` means nothing here (the model
-  stays loaded).
+  left, as there); an empty prompt answers at once, done, in one JSON object even when
+  streamed (the Ollama CLI's warm-up call); answers ``response`` in place of ``message``.
+  ``keep_alive`` means nothing here (the model stays loaded). A prompt that leaves no room in
+  the context for an answer is refused.
 - ``options``: ``temperature``, ``top_p``, ``top_k``, ``num_predict`` (``max_new_tokens``:
   2048 when absent, SGLang's default for this API), ``stop``, ``presence_penalty``,
   ``frequency_penalty``, ``seed``; the model's own settings (``num_ctx``, ``num_gpu``...) and
   Ollama's other samplers are not SGLang's and are left, as there. ``model`` names nothing:
   the served model answers, under its own name (SGLang's ``served_model_name``).
-- ``/api/tags`` lists the served model, ``/api/show`` describes it, in SGLang's words.
+- ``/api/tags`` lists the served model, ``/api/show`` describes it, in SGLang's words (a
+  pooling engine serves these two as well).
 
 Where SGLang's version loses something, this one does what the Ollama API means, and says so:
 the text of a stream's last chunk is sent (SGLang drops it), ``done_reason`` is ``length`` at
@@ -172,14 +174,24 @@ class _Lines(ABC):
 
 
 class ChatLines(_Lines):
-    """``_stream_chat_response``'s lines: a line per delta of content, thinking or tool
-    calls."""
+    """``_stream_chat_response``'s lines: a line per delta of content or thinking; tool calls,
+    which the chat stream sends in pieces (a call's name, then parts of its arguments), go
+    whole in one line when the choice finishes, as Ollama sends them."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options, ChatChunks(options))
+        self.calls: dict[int, dict[str, Any]] = {}  # by the call's index: name, arguments
 
     def _line(self, choice: Mapping[str, Any]) -> dict[str, Any] | None:
-        delta = choice["delta"]
+        delta = dict(choice["delta"])
+        for piece in delta.pop("tool_calls", None) or ():
+            fn = piece["function"]
+            call = self.calls.setdefault(piece["index"], {"name": None, "arguments": ""})
+            call["name"] = fn.get("name") or call["name"]
+            call["arguments"] += fn.get("arguments") or ""
+        if choice["finish_reason"] is not None and self.calls:
+            delta["tool_calls"] = [{"function": self.calls[i]} for i in sorted(self.calls)]
+            self.calls = {}
         message = _answer_message({"content": delta.get("content") or "", **delta})
         if len(message) == 3 and not message["content"] and not choice.get("logprobs"):
             return None  # the role's chunk, a finish: nothing to say yet
@@ -256,6 +268,20 @@ def _arguments(fn: Mapping[str, Any]) -> Any:
         return {"_unparsed": fn.get("arguments")}
 
 
+def _completion_logprobs(logprobs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The completion route's ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``
+    as ``{token: logprob}``) as Ollama's list."""
+    tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
+    return [
+        {
+            "token": token,
+            "logprob": lp,
+            "top_logprobs": [{"token": t, "logprob": v} for t, v in (top or {}).items()],
+        }
+        for token, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], tops, strict=True)
+    ]
+
+
 def _logprobs(entries: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The chat route's ``logprobs.content`` as Ollama's: ``token``, ``logprob``,
     ``top_logprobs``."""
@@ -317,6 +343,8 @@ def ollama_generate_response(
     out["response"] = choice["text"]
     out.update(_done(options, choice["finish_reason"], completion["usage"]))
     out["context"] = None
+    if choice.get("logprobs"):
+        out["logprobs"] = _completion_logprobs(choice["logprobs"])
     return out
 
 
@@ -332,7 +360,12 @@ class GenerateLines(_Lines):
     """``_stream_generate_response``'s lines: a line per text delta."""
 
     def _line(self, choice: Mapping[str, Any]) -> dict[str, Any] | None:
-        return {"response": choice["text"]} if choice["text"] else None
+        if not choice["text"] and not choice.get("logprobs"):
+            return None
+        line: dict[str, Any] = {"response": choice["text"]}
+        if choice.get("logprobs"):
+            line["logprobs"] = _completion_logprobs(choice["logprobs"])
+        return line
 
     def _last(self) -> dict[str, Any]:
         return {"response": ""}
@@ -450,9 +483,11 @@ def _limit(native: dict[str, Any], body: dict[str, Any], left: int | None = None
     sampling = native["sampling_params"]
     if left is None:  # the chat route set what the context leaves
         left = sampling["max_new_tokens"]
+    if left <= 0:  # nothing to generate (a max_new_tokens of 0 would score the prompt only)
+        raise OpenAIError("the prompt leaves no room in the model's context for an answer")
     want = body.get("num_predict")
     want = MAX_NEW_TOKENS if want is None else (left if want < 0 else want)
-    sampling["max_new_tokens"] = max(0, min(want, left))
+    sampling["max_new_tokens"] = min(want, left)
 
 
 def _counts(layout: Any) -> dict[str, Any]:

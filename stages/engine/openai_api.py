@@ -806,7 +806,8 @@ class OpenAIRoutes:
         """The answer to ``body`` on ``route`` (``completions`` or ``chat``), whatever carries
         it: HTTP here (``_serve``), or a caller in this process (the agent proxy's client)."""
         if self.decode is None:
-            return Reply(400, _error("this model has no tokenizer: use the native /generate route"))
+            refused = OpenAIError("this model has no tokenizer: use the native /generate route")
+            return Reply(400, route_refusal(route, refused))
         build, respond, stream = self._handlers(route)
         options: dict[str, Any] = {}
         try:

@@ -110,6 +110,8 @@ def build_pooling_app(
     )  # fmt: skip
     app.router.add_get("/v1/models", cards.models)
     app.router.add_get("/v1/models/{model:.+}", cards.model)
+    app.router.add_get("/api/tags", cards.ollama_tags)  # Ollama's model list, as SGLang's
+    app.router.add_post("/api/show", cards.ollama_show)
     app.router.add_post("/generate", _refuse_generate)
     for path in _GENERATION_ROUTES:
         app.router.add_post(path, _refuse_v1)

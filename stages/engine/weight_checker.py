@@ -7,7 +7,8 @@ random values), publish the trainer's weights the way training does, then ``comp
 tensor must be bitwise what the snapshot held, so a tensor the update path misses, or writes
 wrong, shows. ``checksum`` gives a digest per tensor and one for the whole model, to compare
 engines with each other or with the trainer's own weights (``checksums`` of a model or state
-dict here computes the same).
+dict here computes the same, for tensors of the same dtype on the same kind of device: a
+digest is of the bytes on a CPU and of the 32-bit words on a GPU, as SGLang's).
 
 As SGLang 0.5.23 does it (``srt/utils/weight_checker.py``, ``weight_checker_comparator.py``,
 ``scheduler_components/weight_updater.check_weights``):
@@ -166,7 +167,7 @@ class WeightChecker:
             )
         errors, infos = [], []
         for name, tensor in current.items():
-            if name.endswith(".cos_sin_cache"):
+            if ".cos_sin_cache" in name:  # computed from the config (SGLang skips it so)
                 continue
             expect = self._snapshot[name]
             if expect.shape != tensor.shape:
@@ -217,7 +218,8 @@ def _differences(expect: torch.Tensor, actual: torch.Tensor) -> tuple[bool, floa
     tolerance 0, so every element that differs exceeds it)."""
     wide = torch.float64 if actual.dtype == torch.float64 else torch.float32
     flat_e, flat_a = expect.reshape(-1), actual.detach().reshape(-1)
-    equal, max_err, total, exceed = True, 0.0, 0.0, 0
+    equal, total, exceed = True, 0.0, 0
+    max_err = torch.zeros((), dtype=wide)  # torch.maximum: a NaN difference shows as NaN
     for start in range(0, flat_a.numel(), _CHUNK):
         a = flat_a[start : start + _CHUNK].to(wide)
         e = flat_e[start : start + _CHUNK].to(a.device, wide)
@@ -225,10 +227,10 @@ def _differences(expect: torch.Tensor, actual: torch.Tensor) -> tuple[bool, floa
         if bool((diff == 0).all()):
             continue
         equal = False
-        max_err = max(max_err, float(diff.max()))
+        max_err = torch.maximum(max_err, diff.max().cpu())
         total += float(diff.sum())
         exceed += int((~(diff <= 0)).sum())  # NaN counts
-    return equal, max_err, total / max(flat_a.numel(), 1), exceed
+    return equal, float(max_err), total / max(flat_a.numel(), 1), exceed
 
 
 def _fill_random(tensor: torch.Tensor) -> None:
@@ -262,7 +264,7 @@ _SEED = 0x243F6A88
 _FMIX = (0x85EBCA6B, 0xC2B2AE35)
 _POS = (0x27D4EB2D, 0x165667B1)
 _TILE = 8192  # words a tile
-_TILES_A_CHUNK = 512  # tiles mixed at a time (memory: a few int64 copies of 4M words)
+_TILES_A_CHUNK = 512  # tiles mixed at a time: a few int64 copies of 4M words (32 MB each)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -283,12 +285,16 @@ def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as 32-bit words (int64 values), the last zero-padded."""
+    """The tensor's bytes as 32-bit words (int32, read as unsigned by the caller), the last
+    zero-padded; a view of the tensor where its bytes allow, else a copy."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     pad = -data.numel() % 4
     if pad:
         data = torch.cat((data, data.new_zeros(pad)))
-    return data.view(torch.int32).to(torch.int64) & _M32
+    try:
+        return data.view(torch.int32)
+    except RuntimeError:  # a view that does not start on a 4-byte boundary
+        return data.clone().view(torch.int32)
 
 
 def _tile_hash(tensor: torch.Tensor) -> int:
@@ -303,7 +309,7 @@ def _tile_hash(tensor: torch.Tensor) -> int:
     sum1 = sum2 = 0
     step = _TILE * _TILES_A_CHUNK
     for start in range(0, n, step):
-        v = words[start : start + step]
+        v = words[start : start + step].to(torch.int64) & _M32  # unsigned, one chunk at a time
         i = torch.arange(start, start + v.numel(), device=v.device, dtype=torch.int64) & _M32
         p1 = ((_mul32(i, _POS[0]) + seed1) & _M32) ^ _rotl32(i, 15)
         p2 = ((_mul32(i, _POS[1]) + seed2) & _M32) ^ _rotl32(i, 13)

@@ -12,7 +12,7 @@ import ollama
 import pytest
 import requests
 
-from stages.engine.ollama_api import _answer_message
+from stages.engine.ollama_api import ChatLines, _answer_message
 from tests.stages.test_engine_grammar import TOOLS
 from tests.stages.test_engine_responses import client, engine, model  # noqa: F401
 
@@ -122,6 +122,19 @@ def test_options_seed_format_and_logprobs_are_honoured(llama, client, model) -> 
     assert [e.token for e in scored.logprobs] == [e.token for e in expected]
     assert [e.logprob for e in scored.logprobs] == pytest.approx([e.logprob for e in expected])
     assert all(len(e.top_logprobs) == 2 for e in scored.logprobs)
+    # and /api/generate's, the completion route's
+    generated = llama.generate(
+        model="any", prompt="ab", options={"num_predict": 3, "temperature": 0}, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    completion = (
+        client.completions.create(model=model, prompt="ab", max_tokens=3, temperature=0, logprobs=2)
+        .choices[0]
+        .logprobs
+    )
+    assert [e.token for e in generated.logprobs] == completion.tokens
+    assert [e.logprob for e in generated.logprobs] == pytest.approx(completion.token_logprobs)
+    assert all(len(e.top_logprobs) == 2 for e in generated.logprobs)
 
 
 @pytest.mark.timeout(60)
@@ -162,6 +175,24 @@ def test_tool_history_renders_as_the_chat_routes_and_calls_come_back_as_objects(
         "role": "assistant", "content": "", "images": None, "thinking": "hm",
         "tool_calls": [{"function": {"name": name, "arguments": {"city": "y"}}}],
     }  # fmt: skip
+    # streamed, the chat route sends a call in pieces (its name, then parts of its arguments):
+    # Ollama's line holds each call whole, once the choice finishes
+    lines = ChatLines({"ollama": {"model": model, "started": 0}, "model": model, "n": 1,
+                       "include_usage": False, "continuous_usage_stats": False})  # fmt: skip
+    lines.inner = lambda chunks: chunks  # the chat route's chunks, as they come
+    pieces = [
+        {"index": 0, "function": {"name": name, "arguments": ""}},
+        {"index": 0, "function": {"name": None, "arguments": '{"city": "Pa'}},
+        {"index": 0, "function": {"name": None, "arguments": 'ris"}'}},
+        {"index": 1, "function": {"name": "other", "arguments": "{}"}},
+    ]
+    chunks = [{"choices": [{"delta": {"tool_calls": [p]}, "finish_reason": None}]} for p in pieces]
+    chunks.append({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    (line,) = lines(chunks)
+    assert line["done"] is False and line["message"]["tool_calls"] == [
+        {"function": {"name": name, "arguments": {"city": "Paris"}}},
+        {"function": {"name": "other", "arguments": {}}},
+    ]
 
 
 def test_tags_show_root_and_invocations(llama, engine, model) -> None:  # noqa: F811
@@ -192,10 +223,15 @@ def test_bad_requests_get_ollamas_error_and_are_counted(llama, engine) -> None: 
         ("/api/generate", {"model": "m", "prompt": 5}, "prompt"),
         ("/api/generate", {"prompt": "x"}, "model: Field required"),
         ("/api/show", {}, "model: Field required"),
+        (
+            "/api/chat",
+            {"model": "m", "messages": [{"role": "user", "content": "a " * 9000}]},
+            "leaves no room",
+        ),
     ):
         answer = requests.post(engine.url + path, json=body, timeout=30)
         assert answer.status_code == 400, (path, body)
         assert words in answer.json()["error"], answer.text
-    assert _refused(engine) - before == 8
+    assert _refused(engine) - before == 9
     assert llama.chat(model="any", messages=[{"role": "user", "content": "ab"}], think=False,
                       options={"num_predict": 2}).done  # fmt: skip

@@ -278,6 +278,8 @@ def test_info_routes_and_chat_template_tokenizing_for_a_reward_model(reward: Eng
     assert info["architectures"] == config.architectures
     status, models = reward.request("GET", "/v1/models")
     assert status == 200 and models["data"][0]["object"] == "model"
+    status, tags = reward.request("GET", "/api/tags")  # Ollama's list, served for any model
+    assert status == 200 and tags["models"][0]["details"]["format"] == "sglang"
     # a conversation rendered with the reward model's own template, then scored
     messages = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]
     status, tokens = reward.request(

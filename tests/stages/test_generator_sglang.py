@@ -729,11 +729,11 @@ async def test_each_token_comes_with_its_sampling_support(client):
     assert meta["output_token_sampling_mask_length"] == len(masks) == len(ids) == 8
     for token, mask, lp in zip(ids, masks, meta["output_token_sampling_logprobs"], strict=True):
         assert 1 <= len(mask) <= 5 and token in mask and lp <= 0
-    if support["output_ids"] == ids:  # the same seed: the same tokens, where seeds hold
-        values = support["meta_info"]["output_token_sampling_logprobs"]
-        for mask, row in zip(masks, values, strict=True):
-            assert len(row) == len(mask)
-            assert math.fsum(math.exp(v) for v in row) == pytest.approx(1.0, abs=1e-3)
+    assert support["output_ids"] == ids  # the same sampling_seed: the same tokens
+    values = support["meta_info"]["output_token_sampling_logprobs"]
+    for mask, row in zip(masks, values, strict=True):
+        assert len(row) == len(mask)
+        assert math.fsum(math.exp(v) for v in row) == pytest.approx(1.0, abs=1e-3)
 
 
 @pytest.mark.timeout(120)
