@@ -61,6 +61,30 @@ def test_chat_is_the_chat_routes_answer_in_ollamas_shape(llama, client, model) -
 
 
 @pytest.mark.timeout(60)
+def test_think_is_the_templates_switch_and_its_reasoning_comes_as_thinking(
+    llama,
+    client,  # noqa: F811
+    model,  # noqa: F811
+) -> None:
+    ask = {"model": "any", "messages": [{"role": "user", "content": "ab"}]}
+    options = {"num_predict": 24, "temperature": 0}
+    thought = llama.chat(**ask, think=True, options=options)
+    chat = client.chat.completions.create(
+        model=model, messages=ask["messages"], max_tokens=24, temperature=0,
+        extra_body={"reasoning_effort": "medium"},
+    ).choices[0].message  # fmt: skip
+    assert thought.message.thinking and thought.message.thinking == chat.reasoning_content
+    assert thought.message.content == chat.content
+    plain = llama.chat(**ask, think=False, options=options)
+    assert plain.message.thinking is None
+    streamed = list(llama.chat(**ask, think=True, options=options, stream=True))
+    assert "".join(line.message.thinking or "" for line in streamed) == (
+        thought.message.thinking or ""
+    )
+    assert "".join(line.message.content for line in streamed) == thought.message.content
+
+
+@pytest.mark.timeout(60)
 def test_generate_is_the_completion_of_the_prompt_as_written(llama, client, model) -> None:  # noqa: F811
     options = {"num_predict": 6, "temperature": 0}
     got = llama.generate(model="any", prompt="ab", system="cd", options=options)
