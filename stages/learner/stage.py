@@ -941,20 +941,23 @@ class Learner:
             weights = await asyncio.to_thread(self.trainer.snapshot, bucket)
             if self.rank == 0:
                 named = list(weights.items())
-                self._publish_task = asyncio.create_task(self._send(named, version))
+                self._publish_task = asyncio.create_task(self._send(named, version, self.step))
         elif self.rank == 0:
-            await self._send(lambda: self.trainer.named_weights(bucket), version)
+            await self._send(lambda: self.trainer.named_weights(bucket), version, self.step)
         self.version = version
 
-    async def _send(self, weights: Any, version: int) -> None:
+    async def _send(self, weights: Any, version: int, step: int) -> None:
+        """Publish the weights of ``step`` as ``version``, then start its evaluation when one
+        is due. ``step`` is the one the weights were taken at: a snapshot's publish runs on
+        while the next steps train, and must not read ``self.step`` when it ends."""
         ok = await self.publishing.publish(weights, version)
         if ok and self.evaluator is not None and self.config.eval.every:
-            if self.step % self.config.eval.every == 0 and self.step < self.config.steps:
-                self._eval_due = (self.step, version)
+            if step % self.config.eval.every == 0 and step < self.config.steps:
+                self._eval_due = (step, version)
                 if self._eval_task is None or self._eval_task.done():
                     self._eval_task = asyncio.create_task(self._evaluations())
                 else:  # run when the previous one ends (only the newest waits)
-                    self.log.info("eval_deferred", step=self.step, policy_version=version)
+                    self.log.info("eval_deferred", step=step, policy_version=version)
 
     async def _evaluations(self) -> None:
         """Run due evaluations one after another; training goes on meanwhile."""

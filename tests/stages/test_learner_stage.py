@@ -265,6 +265,30 @@ def test_first_evaluation_ends_before_the_first_publish_but_does_not_hold_up_tra
     assert sorted(inbox.acked) == [f"g{i}" for i in range(6)]
 
 
+def test_an_evaluation_is_due_at_the_step_its_weights_were_taken_however_long_they_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot's publish runs on while the next steps train: the evaluation it makes due is
+    the one of the step it was taken at (every 2 steps: after steps 2 and 4, the last one's
+    at the end), even when the step counter has moved on by the time the engines have it."""
+    events: list = []
+    inbox = _Inbox(_groups(10))
+    learner = _learner(tmp_path, inbox, events, monkeypatch)
+    learner.config.steps = 5
+    learner.config.eval.every = 2
+    fake = publishing_module.Publishing
+    sent = fake.publish
+
+    async def slow(self: Any, weights: Any, version: int) -> bool:
+        await asyncio.sleep(0.15)  # longer than a step: the next one trains meanwhile
+        return await sent(self, weights, version)
+
+    monkeypatch.setattr(fake, "publish", slow)
+    _run(learner)
+    order = [e[1:] for e in sorted(events, key=lambda e: e[0])]
+    assert [o[1] for o in order if o[0] == "eval_start"] == [0, 2, 4, 5]
+
+
 def test_no_engines_fails_the_run_instead_of_waiting_for_samples(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
