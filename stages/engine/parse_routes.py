@@ -143,13 +143,13 @@ class ParseRoutes:
         """The answer for a parser this engine does not read: SGLang's 400 for a model-specific
         one, a 400 saying so for another format SGLang reads, else SGLang's 500."""
         if name in _ADAPTER_PARSERS:
-            return _error(
+            return invalid(
                 f"{name!r} output is parsed with its model's tokenizer; this server does not "
                 "serve that model",
                 "400",
             )
         if known:
-            return _error(
+            return invalid(
                 f"the built-in engine does not read {what} in the {name!r} format: it reads "
                 f"{', '.join(served)}",
                 "400",
@@ -211,11 +211,3 @@ def _tool_names(tools: Any) -> list[str | None]:
                 raise RequestError(f"{where}.function.{key}", f"Input should be {should}")
         names.append(fn.get("name"))
     return names
-
-
-def _error(message: str, kind: str) -> web.Response:
-    """SGLang's ``ErrorResponse`` with status 400 (``kind``: its ``type``)."""
-    return web.json_response(
-        {"object": "error", "message": message, "type": kind, "param": None, "code": 400},
-        status=400,
-    )

@@ -111,10 +111,11 @@ def lax_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
     raise RequestError(name, f"Input should be a valid boolean, got {value!r}")
 
 
-def invalid(message: str) -> web.Response:
-    """SGLang's answer to a body that fails its request struct (its ``RequestValidationError``
-    handler): 400 ``{object: "error", message, type: "Bad Request", param: null, code: 400}``."""
+def invalid(message: str, kind: str = "Bad Request") -> web.Response:
+    """SGLang's ``ErrorResponse`` with status 400: by default its answer to a body that fails
+    its request struct (its ``RequestValidationError`` handler), ``{object: "error", message,
+    type: "Bad Request", param: null, code: 400}``; ``kind``: another ``type``."""
     return web.json_response(
-        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+        {"object": "error", "message": message, "type": kind, "param": None, "code": 400},
         status=400,
     )

@@ -43,7 +43,6 @@ __all__ = ["WeightRoutes", "check_weights"]
 
 log = structlog.get_logger("stages.engine.weight_routes")
 
-_SELECTORS = SELECTORS  # /begin_weight_update's runners (SGLang's Literal)
 
 # UpdateWeightFromDiskReqInput's fields that have no effect here, with their types and defaults
 _DISK_NO_EFFECT = {
@@ -123,9 +122,9 @@ class WeightRoutes:
         try:
             body = base_request(await json_body(request, allow_empty=True))
             selector = body.get("selector", "all")
-            if selector not in _SELECTORS:
+            if selector not in SELECTORS:
                 raise RequestError(
-                    "selector", f"expected one of {list(_SELECTORS)}, got {selector!r}"
+                    "selector", f"expected one of {list(SELECTORS)}, got {selector!r}"
                 )
         except RequestError as exc:
             return failure(str(exc))
@@ -155,8 +154,8 @@ class WeightRoutes:
             dtypes = field(body, "dtypes", list)
             shapes = field(body, "shapes", list)
             group = option(body, "group_name", str, "weight_update_group")
-            if body.get("selector", "all") not in _SELECTORS:  # one model here: no draft
-                raise RequestError("selector", f"expected one of {list(_SELECTORS)}")
+            if body.get("selector", "all") not in SELECTORS:  # one model here: no draft
+                raise RequestError("selector", f"expected one of {list(SELECTORS)}")
             option(body, "torch_empty_cache", bool, False)  # CUDA's cache: nothing on CPU
             version = body.get("weight_version")
             load_format = body.get("load_format")
@@ -250,8 +249,8 @@ class WeightRoutes:
             version = body.get("weight_version")
             if version is not None and not isinstance(version, (str, int)):
                 raise RequestError("weight_version", f"expected a string, got {version!r}")
-            if body.get("selector", "all") not in _SELECTORS:
-                raise RequestError("selector", f"expected one of {list(_SELECTORS)}")
+            if body.get("selector", "all") not in SELECTORS:
+                raise RequestError("selector", f"expected one of {list(SELECTORS)}")
             option(body, "torch_empty_cache", bool, False)
             data = payload_bytes(payloads[0], "serialized_named_tensors[0]")
         except (RequestError, PayloadError) as exc:
