@@ -208,13 +208,17 @@ class BatchKV:
         self.rows = 0
         self.start = self.end
 
+    def nbytes(self) -> int:
+        """The bytes the storage takes: every layer's keys and values, and the row tracks."""
+        tracks = (self.mask, self.tokens, self.logprobs)
+        return sum(t.numel() * t.element_size() for t in (*self._stores, *tracks))
+
     def release(self) -> int:
         """Free the storage of every layer's keys and values (no row may be live); the next
         admission allocates it afresh. Returns the bytes freed."""
         if self.rows:
             raise RuntimeError(f"{self.rows} rows are live: their KV cache cannot be released")
-        tracks = (self.mask, self.tokens, self.logprobs)
-        freed = sum(t.numel() * t.element_size() for t in (*self._stores, *tracks))
+        freed = self.nbytes()
         self.start = self.end
         self.columns = 0
         self._stores = []

@@ -60,6 +60,7 @@ from pipeline.processes import name_thread
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
+from stages.engine.load_meter import LoadMeter
 from stages.engine.lora_adapters import (
     Adapter,
     AdapterError,
@@ -418,6 +419,7 @@ class Scheduler:
         self._forward_sleep: float | None = None  # /slow_down's seconds before each step
         self.tokens_generated = 0
         self.prefill_tokens = 0  # context tokens run through prefill passes (not from cache)
+        self.load = LoadMeter()  # /v1/loads' counters (load_meter)
 
     # ---- thread-safe API -------------------------------------------------------------------
 
@@ -431,6 +433,29 @@ class Scheduler:
 
     def counts(self) -> dict[str, int]:
         return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+
+    def occupancy(self) -> dict[str, int]:
+        """What the scheduler holds now, read from any thread without waiting for a step
+        (each figure is as of one step; together they may straddle two): requests running
+        and waiting, the tokens the running ones hold in the KV cache and those the waiting
+        ones bring, requests waiting for their grammar, held by an in-place pause, or
+        retracted by a pause and waiting to resume, LoRA adapters loaded and used by running
+        rows, and the bytes the batch's KV storage takes."""
+        running, waiting, end = list(self._running), list(self._waiting), self._kv.end
+        with self._lock:
+            grammar = sum(len(seqs) for seqs in self._compiling.values())
+        return {
+            "running": len(running),
+            "waiting": len(waiting),
+            "used_tokens": sum(end - s.kv_start for s in running),
+            "waiting_tokens": sum(len(s.inp.input_ids) + len(s.done_ids) for s in waiting),
+            "grammar": grammar,
+            "paused": len(running) if self._paused else 0,
+            "retracted": sum(1 for s in waiting if s.done_ids),
+            "adapters": len(self._adapter_names),
+            "adapters_in_use": len({s.adapter for s in running if s.adapter is not None}),
+            "kv_bytes": self._kv.nbytes(),
+        }
 
     def prefix_cache_stats(self) -> dict[str, Any]:
         """The prefix cache's counters (``enabled`` false: there is none) and the prefill
@@ -660,7 +685,10 @@ class Scheduler:
             time.sleep(self._forward_sleep)  # /slow_down (SGLang's, for tests)
         self._admit()
         if self._running:
+            rows, began = self._kv.rows, time.perf_counter()
             self._decode()
+            now = time.perf_counter()
+            self.load.decoded(rows, now - began, rows, now)
             if self._profiler.armed:
                 self._profiler.tick(self.steps)
         return bool(self._running) or bool(self._waiting)
@@ -688,6 +716,7 @@ class Scheduler:
                     self._fail_all(exc)
                     continue
                 if not busy:
+                    self.load.idle(time.perf_counter())
                     self._wake.wait()
                     self._wake.clear()
             self._drain()
@@ -1092,6 +1121,7 @@ class Scheduler:
         ]
         news = [len(c) - m.length for c, m in zip(contexts, matches, strict=True)]
         self.prefill_tokens += sum(news)
+        began = time.perf_counter()
         for part in _passes(news):
             where = {u: i for i, u in enumerate(part)}
             members = [(s, where[u]) for s, u in zip(group, source, strict=True) if u in where]
@@ -1102,6 +1132,8 @@ class Scheduler:
                 [i for _, i in members],
                 self._row_adapters([owners[u] for u in part]),
             )
+        hit = sum(m.length for m in matches)
+        self.load.prefilled(time.perf_counter() - began, sum(news), hit)
 
     def _lookup(self, ctx: list[int], namespace: Any) -> Match:
         if self._prefix is None:

@@ -30,7 +30,8 @@ a session too, ``/update_weights_from_disk``, ``/get_weights_by_name``, ``GET|PO
 ``POST /v1/tokenize`` and ``/v1/detokenize`` (``stages.engine.tokenize_routes``); ``POST
 /parse_function_call`` and ``/separate_reasoning`` (``stages.engine.parse_routes``); ``GET|POST
 /start_profile`` and ``/stop_profile`` (``stages.engine.profile_routes``); ``GET|POST /freeze_gc``
-and ``/slow_down`` (``stages.engine.maintenance_routes``); ``stream: true`` answers server-sent
+and ``/slow_down`` (``stages.engine.maintenance_routes``); ``GET /v1/loads``
+(``stages.engine.load_routes``: the load a router balances on); ``stream: true`` answers server-sent
 events (``stages.engine.streaming``); the OpenAI-compatible ``/v1`` routes (and SageMaker's
 ``/invocations``) are ``stages.engine.openai_api``'s, Ollama's ``/api/*`` routes
 ``stages.engine.ollama_api``'s; ``GET /`` says "SGLang is running", as SGLang's. A malformed
@@ -70,6 +71,7 @@ from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.grammar import GrammarSet
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
+from stages.engine.load_routes import LoadRoutes
 from stages.engine.loader import DTYPES, LoadedModel, load_model
 from stages.engine.lora_routes import LoraRoutes
 from stages.engine.maintenance_routes import MaintenanceRoutes
@@ -209,6 +211,9 @@ def build_app(
     MemoryRoutes(scheduler).add_to(app)
     ProfileRoutes(scheduler).add_to(app)
     MaintenanceRoutes(scheduler).add_to(app)
+    LoadRoutes(scheduler, loaded.model, _max_total_tokens(scheduler, loaded), _version()).add_to(
+        app
+    )
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
@@ -527,14 +532,13 @@ async def _server_info(request: web.Request) -> web.Response:
             "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
             "max_running_requests": scheduler.max_running,
             "context_length": loaded.context_length,
-            # every running request may grow to the context length
-            "max_total_num_tokens": scheduler.max_running * loaded.context_length,
+            "max_total_num_tokens": _max_total_tokens(scheduler, loaded),
             "max_req_input_len": loaded.context_length - 1,
             "stream_interval": scheduler.stream_interval,
             "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
             "weight_version": scheduler.weight_version,
             "internal_states": [state],
-            "version": f"inflight-rl {ENGINE_VERSION}",
+            "version": _version(),
             "frontend": "python",
             "engine": "inflight-builtin",
             "forward_path": scheduler.forward_path,
@@ -542,6 +546,16 @@ async def _server_info(request: web.Request) -> web.Response:
             **state,
         }
     )
+
+
+def _max_total_tokens(scheduler: Scheduler, loaded: LoadedModel) -> int:
+    """SGLang's ``max_total_num_tokens``: every running request may grow to the context
+    length."""
+    return scheduler.max_running * loaded.context_length
+
+
+def _version() -> str:
+    return f"inflight-rl {ENGINE_VERSION}"
 
 
 async def _weight_version(request: web.Request) -> web.Response:

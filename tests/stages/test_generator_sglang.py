@@ -762,6 +762,37 @@ async def test_ollamas_routes_answer_in_ollamas_shape(client):
     assert listed["size"] == 0 and listed["details"]["format"] == "sglang"
 
 
+@pytest.mark.timeout(60)
+async def test_loads_answer_the_core_keys_and_sections_in_sglangs_layout(client):
+    """``/v1/loads`` (``v1_loads.get_loads``): one load per data-parallel rank, the core keys
+    of ``LoadSnapshot`` in its order (alone with ``include=core``, as slime asks), an
+    idle server's requests none; ``format=prometheus`` a gauge per number."""
+    from tests.stages.test_engine_loads import CORE
+
+    async with client.session.get(client.url + "/v1/loads") as resp:
+        assert resp.status == 200
+        answer = await resp.json(content_type=None)
+    assert list(answer) == ["timestamp", "version", "accelerator", "num_accelerators", "loads"]
+    for load in answer["loads"]:
+        assert list(load)[: len(CORE)] == CORE
+        assert set(load) - set(CORE) <= {
+            "memory",
+            "speculative",
+            "lora",
+            "disaggregation",
+            "queues",
+        }
+        assert "queues" in load and "disaggregation" in load
+    async with client.session.get(client.url + "/v1/loads?include=core&dp_rank=0") as resp:
+        (load,) = (await resp.json(content_type=None))["loads"]
+    assert list(load) == CORE and load["dp_rank"] == 0
+    assert load["num_running_reqs"] + load["num_waiting_reqs"] == 0
+    async with client.session.get(client.url + "/v1/loads?format=prometheus") as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = await resp.text()
+    assert '# TYPE sglang_num_running_reqs gauge\nsglang_num_running_reqs{dp_rank="0"} 0\n' in text
+
+
 async def _check_weights(client: EngineClient, body: dict | None) -> tuple[int, dict]:
     async with client.session.post(client.url + "/weights_checker", json=body) as resp:
         return resp.status, await resp.json(content_type=None)
