@@ -489,8 +489,8 @@ def _progress_logprobs(p: Progress, start: int, end: int, tokens: TokenBytes) ->
 
 # a /v1 request's fields that go on to /generate as they are: its rid, its prefix-cache
 # namespace, its priority, and SGLang 0.5.23's fields for what this engine has not (hidden
-# states, MoE experts, sessions, custom logit processors, multimodal settings, raw and masked
-# log-probs), which /generate takes at their neutral values only and refuses otherwise, naming
+# states, MoE experts, sessions, custom logit processors, multimodal settings), which
+# /generate takes at their neutral values only and refuses otherwise, naming
 # the field, where SGLang would honour them (or refuse them without its server flag)
 PASSED_ON = (
     "rid", "extra_key", "cache_salt", "priority",
@@ -498,7 +498,6 @@ PASSED_ON = (
     "session_params", "custom_logit_processor", "watermark", "images_config",
     "mm_processor_kwargs", "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video",
     "video_config", "data_parallel_rank",
-    "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
 )  # fmt: skip
 # a chat request's too (its ``meta_info`` carries them, with return_meta_info): each token's
 # sampling support; SGLang's completion requests have no such field and ignore it

@@ -244,11 +244,15 @@ def chat_request(
         "stream_reasoning",
         *_NOT_STREAMED,
         *_SGLEXT,
+        *_FLAT,
     ):
         if not isinstance(body.get(flag, False), bool | None):
             raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
     if body.get("return_sampling_mask") and not body.get("return_meta_info"):
         raise OpenAIError("return_sampling_mask requires return_meta_info=true.")  # SGLang's
+    flat = bool(body.get("return_flat_raw_output_top_logprobs"))
+    if flat and not body.get("return_meta_info"):
+        raise OpenAIError("return_flat_raw_output_top_logprobs requires return_meta_info=true.")
     if body.get("stream"):  # SGLang's refusals (serving_chat._convert_to_internal_request)
         for flag, refusal in _NOT_STREAMED.items():
             if body.get(flag):
@@ -319,6 +323,9 @@ def chat_request(
     for name in CHAT_PASSED_ON:  # checked by the native route, as SGLang passes them on
         if body.get(name) is not None:
             native_body[name] = body[name]
+    if flat:  # the output's top log-probs as flat arrays in meta_info, base64 by default
+        native_body["return_flat_raw_output_top_logprobs"] = True
+        native_body["return_flat_raw_top_logprobs_b64"] = body.get(_FLAT[1]) is not False
     if (
         body.get("return_prompt_token_ids")
         or body.get("return_token_ids")
@@ -662,6 +669,9 @@ _NOT_STREAMED = {
     "return_meta_info": "return_meta_info is not supported with streaming. "
     "Please set stream=false when using return_meta_info=true.",
 }
+# the output's top log-probs as flat arrays in each choice's meta_info (its logprobs' top
+# lists then empty), in base64 unless told not to (SGLang's chat default, unlike /generate's)
+_FLAT = ("return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64")
 # the response-level ``sglext`` ids (SGLang 0.5.23's SglExt), streamed or not
 _SGLEXT = ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
 

@@ -54,7 +54,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.engine.flat_logprobs import FlatTops, flat_fields, flat_request
 from stages.engine.incremental_text import IncrementalText, output_text
+from stages.engine.request_error import RequestError
 from stages.engine.stop_regex import parse_stop_regex
 
 __all__ = [
@@ -74,14 +76,6 @@ __all__ = [
     "step_entries",
     "token_texts",
 ]
-
-
-class RequestError(ValueError):
-    """A malformed request; ``field`` is the JSON path of the offending value."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -158,6 +152,8 @@ class GenerateInput:
     # each output token's sampling support and behaviour log-prob (return_sampling_mask):
     # "selected" (the sampled token's) or "support" (every supported token's); None: not asked
     sampling_mask: str | None = None
+    # which sides of its top log-probs are answered as flat arrays (flat_logprobs); None: none
+    flat_tops: FlatTops | None = None
 
 
 @dataclass(slots=True)
@@ -226,9 +222,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "image_max_dynamic_patch": (None,),
     "video_max_dynamic_patch": (None,),
     "watermark": (None,),
-    "return_flat_raw_top_logprobs": (False,),
-    "return_flat_raw_output_top_logprobs": (False,),
-    "return_flat_raw_top_logprobs_b64": (False,),
     "return_routed_experts": (False,),
     "routed_experts_start_len": (0,),
     "return_indexer_topk": (False,),
@@ -284,6 +277,10 @@ _KNOWN_TOP = frozenset(
         "cache_salt",
         "return_sampling_mask",  # each token's sampling support and behaviour log-prob
         "sampling_logprobs_mode",
+        # top log-probs as flat arrays (stages.engine.flat_logprobs)
+        "return_flat_raw_top_logprobs",
+        "return_flat_raw_output_top_logprobs",
+        "return_flat_raw_top_logprobs_b64",
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -382,6 +379,7 @@ def parse_generate(
     salts = _per_item(body.get("cache_salt"), "cache_salt", count, listed, str)
     rids = _sample_rids(body.get("rid"), count, n, batch)
     masks = _sampling_masks(body, count, listed)
+    flat = flat_request(body)
 
     inputs: list[GenerateInput] = []
     parsed: dict[int, SamplingParams] = {}  # one parse per distinct params object
@@ -425,6 +423,7 @@ def parse_generate(
                     return_prompt_token_ids=back,
                     cache_namespace=namespace,
                     sampling_mask=masks[i],
+                    flat_tops=flat if top else None,  # only top log-probs come flat
                 )
             )
     return inputs, listed
@@ -586,10 +585,13 @@ def render_result(
     token_text: Callable[[int], str] | None = None,
     prompt_ids: Sequence[int] = (),
     state: IncrementalText | None = None,
+    flat: FlatTops | None = None,
+    top_k: int = 0,
 ) -> dict[str, Any]:
     """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer, decoded
     after ``prompt_ids``' last tokens as SGLang does; ``token_text``: each log-prob entry's
-    third slot, ``return_text_in_logprobs``)."""
+    third slot, ``return_text_in_logprobs``; ``flat``: the sides of its ``top_k`` top
+    log-probs laid out as flat arrays, ``flat_logprobs``)."""
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
@@ -617,8 +619,7 @@ def render_result(
         ]
         meta["output_token_logprobs_length"] = len(logprobs)
         if result.output_top_logprobs is not None:
-            meta["input_top_logprobs"] = step_entries(result.input_top_logprobs or (), token_text)
-            meta["output_top_logprobs"] = step_entries(result.output_top_logprobs, token_text)
+            _top_entries(meta, result, token_text, flat, top_k)
         if result.output_token_ids_logprobs is not None:
             meta["input_token_ids_logprobs"] = step_entries(
                 result.input_token_ids_logprobs or (), token_text
@@ -636,6 +637,28 @@ def render_result(
     out["output_ids"] = result.output_ids
     out["meta_info"] = meta
     return out
+
+
+def _top_entries(
+    meta: dict[str, Any],
+    result: SequenceResult,
+    token_text: Callable[[int], str] | None,
+    flat: FlatTops | None,
+    top_k: int,
+) -> None:
+    """``meta``'s top log-probs, the input's then the output's: each side nested, or as
+    ``flat`` asks (nested where its rows cannot be laid out flat)."""
+    for side, steps in (
+        ("input", result.input_top_logprobs or []),
+        ("output", result.output_top_logprobs or []),
+    ):
+        fields = None
+        if flat is not None and (flat.input if side == "input" else flat.output):
+            fields = flat_fields(side, steps, top_k, flat.b64, result.rid)
+        if fields is None:
+            meta[f"{side}_top_logprobs"] = step_entries(steps, token_text)
+        else:
+            meta.update(fields)
 
 
 def token_texts(
@@ -680,6 +703,8 @@ def render_sample(
         token_text=token_text,
         prompt_ids=inp.input_ids,
         state=state,
+        flat=inp.flat_tops,
+        top_k=inp.top_logprobs_num,
     )
     if inp.return_prompt_token_ids:
         out["prompt_token_ids"] = list(inp.input_ids)

@@ -34,6 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from stages.engine.chunk_stream import ChunkStream, Last
+from stages.engine.flat_logprobs import flat_fields
 from stages.engine.incremental_text import IncrementalText
 from stages.engine.protocol import (
     SequenceResult,
@@ -56,6 +57,7 @@ class Progress:
         "detok",
         "entries",
         "finish",
+        "flat_input",
         "ids",
         "index",
         "input_entries",
@@ -99,8 +101,11 @@ class Progress:
         reasoning: ReasoningCount | None = None,
         prompt_ids: list[int] | None = None,
         mask_mode: str | None = None,
+        flat_input: tuple[int, bool] | None = None,
     ) -> None:
         self.rid = rid
+        # the prompt's top log-probs as flat arrays (return_flat_raw_top_logprobs): (k, b64)
+        self.flat_input = flat_input
         self.prompt_ids = prompt_ids  # in every chunk (return_prompt_token_ids), else None
         self.reasoning = reasoning  # counts its reasoning tokens (require_reasoning)
         self.listed = listed  # its chunks carry ``index`` (a batch or n > 1)
@@ -197,7 +202,16 @@ class Progress:
             meta["output_token_logprobs"] = self.entries
             meta["output_token_logprobs_length"] = len(self.entries)
             if self.tops is not None:
-                meta["input_top_logprobs"] = self.input_top_entries
+                flat = self.flat_input
+                fields = (
+                    None
+                    if flat is None
+                    else flat_fields("input", self.input_tops or [], flat[0], flat[1], self.rid)
+                )
+                if fields is None:
+                    meta["input_top_logprobs"] = self.input_top_entries
+                else:  # in every chunk, as SGLang's (built once: the prompt's do not change)
+                    meta.update(fields)
                 meta["output_top_logprobs"] = self.top_entries
             if self.picked is not None:
                 self.input_picked_entries = step_entries(self.input_picked or (), token_text)
@@ -298,6 +312,9 @@ def stream_generate(
             reasoning=ReasoningCount(think_end) if inp.require_reasoning and think_end else None,
             prompt_ids=list(inp.input_ids) if inp.return_prompt_token_ids else None,
             mask_mode=inp.sampling_mask,
+            flat_input=(inp.top_logprobs_num, inp.flat_tops.b64)
+            if inp.flat_tops is not None and inp.flat_tops.input
+            else None,
         )
         for index, inp in enumerate(inputs)
     ]

@@ -793,6 +793,44 @@ async def test_loads_answer_the_core_keys_and_sections_in_sglangs_layout(client)
     assert '# TYPE sglang_num_running_reqs gauge\nsglang_num_running_reqs{dp_rank="0"} 0\n' in text
 
 
+@pytest.mark.timeout(60)
+async def test_flat_top_logprobs_hold_the_nested_ones_numbers(client):
+    """``return_flat_raw_top_logprobs`` and ``_output_``, in base64
+    (``tokenizer_manager._build_flat_top_logprobs_fields``): float32 and int32 arrays of
+    ``[rows, k]`` after a null prefix, the numbers of the nested answer."""
+    import base64
+
+    import numpy as np
+
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+        "sampling_params": _params(4),
+    }
+    async with client.session.post(client.url + "/generate", json=body) as resp:
+        nested = (await resp.json())["meta_info"]
+    flags = {
+        "return_flat_raw_top_logprobs": True,
+        "return_flat_raw_output_top_logprobs": True,
+        "return_flat_raw_top_logprobs_b64": True,
+    }
+    async with client.session.post(client.url + "/generate", json={**body, **flags}) as resp:
+        assert resp.status == 200, await resp.text()
+        flat = (await resp.json())["meta_info"]
+    for side in ("input", "output"):
+        steps = nested[f"{side}_top_logprobs"]
+        null = flat[f"{side}_top_logprobs_null_prefix"]
+        assert all(not step for step in steps[:null]) and all(steps[null:])
+        assert flat[f"{side}_top_logprobs_shape"] == [len(steps) - null, 2]
+        values = np.frombuffer(base64.b64decode(flat[f"{side}_top_logprobs_val_flat_b64"]), "<f4")
+        ids = np.frombuffer(base64.b64decode(flat[f"{side}_top_logprobs_idx_flat_b64"]), "<i4")
+        assert ids.tolist() == [e[1] for step in steps[null:] for e in step]
+        assert np.allclose(values, [e[0] for step in steps[null:] for e in step], atol=1e-3)
+        assert f"{side}_top_logprobs" not in flat
+
+
 async def _check_weights(client: EngineClient, body: dict | None) -> tuple[int, dict]:
     async with client.session.post(client.url + "/weights_checker", json=body) as resp:
         return resp.status, await resp.json(content_type=None)
