@@ -1,4 +1,5 @@
-"""SGLang's ``GET /v1/loads`` on the built-in engine, as SGLang 0.5.23 answers it
+"""SGLang's ``GET /v1/loads`` on the built-in engine, as SGLang 0.5.23 answers it, and with
+``--enable-metrics`` its ``GET /metrics`` (``engine_metrics``)
 (``entrypoints/v1_loads.py``, ``managers/load_snapshot.py``,
 ``scheduler_components/load_inquirer.py``): the load of each data-parallel rank (one here),
 for a router's balancing and for RL drivers that wait for an engine to drain (slime's
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from stages.engine.engine_metrics import PROMETHEUS_TEXT, EngineMetrics
 from stages.engine.request_body import invalid
 from stages.engine.scheduler import Scheduler
 
@@ -60,14 +62,21 @@ _SECTIONS = (
     ("queues", "queues", "queues"),
 )
 _GB = 1024**3
-PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class LoadRoutes:
+    """``/v1/loads``, and with ``metrics`` (``--enable-metrics``) ``/metrics``."""
+
     def __init__(
-        self, scheduler: Scheduler, model: torch.nn.Module, capacity: int, version: str
+        self,
+        scheduler: Scheduler,
+        model: torch.nn.Module,
+        capacity: int,
+        version: str,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.metrics = metrics
         self.capacity = capacity  # max_total_num_tokens
         self.version = version
         self.weight_gb = round(
@@ -78,6 +87,15 @@ class LoadRoutes:
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/loads", self.loads)
+        if self.metrics is not None:  # SGLang serves it with --enable-metrics only
+            app.router.add_get("/metrics", self.prometheus)
+            app.router.add_get("/metrics/", self.prometheus)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        """Every metric in Prometheus' text format (``engine_metrics``)."""
+        assert self.metrics is not None
+        body = self.metrics.render(self.load(None))
+        return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
 
     async def loads(self, request: web.Request) -> web.Response:
         query = request.query
@@ -92,7 +110,7 @@ class LoadRoutes:
                 return invalid(f"dp_rank: expected an integer, got {rank!r}")
         loads = [self.load(include)] if rank is None or rank_number == 0 else []
         if query.get("format") == "prometheus":
-            return web.Response(body=_prometheus(loads), headers={"Content-Type": PROMETHEUS})
+            return web.Response(body=_prometheus(loads), headers={"Content-Type": PROMETHEUS_TEXT})
         return web.json_response(
             {
                 "timestamp": datetime.now(UTC).isoformat(),

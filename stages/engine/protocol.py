@@ -182,6 +182,7 @@ class SequenceResult:
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     # its tokens up to and with the end of its reasoning (require_reasoning; else 0)
     reasoning_tokens: int = 0
+    retractions: int = 0  # how many times a pause retracted it (SGLang's num_retractions)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -602,6 +603,7 @@ def render_result(
         # not SGLang's: the version whose weights computed the cached prefix (null: none)
         "cached_weight_version": result.cached_weight_version,
         "weight_version": result.weight_version,
+        "num_retractions": result.retractions,
         "weight_versions": _version_spans(result.output_token_weight_versions),
         "output_token_weight_versions": result.output_token_weight_versions,
         "e2e_latency": result.e2e_latency,

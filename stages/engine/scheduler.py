@@ -57,6 +57,7 @@ import structlog
 import torch
 
 from pipeline.processes import name_thread
+from stages.engine.engine_metrics import EngineMetrics
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
@@ -245,6 +246,7 @@ class _Seq:
 
     __slots__ = (
         "adapter",
+        "admitted",
         "cached",
         "cached_version",
         "constraint",
@@ -252,6 +254,7 @@ class _Seq:
         "done_logprobs",
         "done_versions",
         "first",
+        "first_token",
         "generator",
         "group",
         "held",
@@ -263,6 +266,7 @@ class _Seq:
         "kv_start",
         "masks",
         "picked",
+        "retractions",
         "sent",
         "slot",
         "stamp",
@@ -302,6 +306,10 @@ class _Seq:
         # its own generator when sampling_seed is set
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
         self.started = started
+        # when its first prefill began and ended (perf_counter; 0: not yet), and how many times
+        # a pause retracted it (SGLang's num_retractions)
+        self.admitted = self.first_token = 0.0
+        self.retractions = 0
         # Outputs of earlier stints (before a retraction), already materialized.
         self.done_ids: list[int] = []
         self.done_logprobs: list[float] = []
@@ -420,6 +428,9 @@ class Scheduler:
         self.tokens_generated = 0
         self.prefill_tokens = 0  # context tokens run through prefill passes (not from cache)
         self.load = LoadMeter()  # /v1/loads' counters (load_meter)
+        # --enable-metrics: each finished request recorded there (engine_metrics), set by the
+        # server before it starts
+        self.metrics: EngineMetrics | None = None
 
     # ---- thread-safe API -------------------------------------------------------------------
 
@@ -495,12 +506,13 @@ class Scheduler:
         these sequences whose chunk is due (every token, or every ``stream_interval``: see
         ``_streamed``), ``[(index in inputs, (token, logprob, version, top log-probs or
         None, cached prompt tokens, the prompt's log-probs and top log-probs or None, the
-        token_ids_logprob log-probs of this step and of the prompt or None)),
-        ...]``, a sequence's tokens since its last chunk in order; as each finishes,
-        ``[(index, SequenceResult)]``; if they fail, ``[(-1, exception)]``. The future resolves
-        after the last of them. A grammar not compiled yet is compiled on the grammar worker
-        first (``_queue``): one that does not compile fails the future (RequestError naming
-        the field) rather than raising here.
+        token_ids_logprob log-probs of this step and of the prompt or None, its sampling
+        support or None, how many times a pause retracted it)), ...]``, a sequence's tokens
+        since its last chunk in order; as each finishes, ``[(index, SequenceResult)]``; if
+        they fail, ``[(-1, exception)]``. The future resolves after the last of them. A
+        grammar not compiled yet is compiled on the grammar worker first (``_queue``): one
+        that does not compile fails the future (RequestError naming the field) rather than
+        raising here.
         """
         return self._submit(list(inputs), single=False, outbox=self._outbox(), stream=stream)
 
@@ -922,6 +934,8 @@ class Scheduler:
         elif mode == "retract" and self._running:
             # Back to the head of the queue, in order; the KV cache is recomputed on continue.
             self._materialize(self._running)
+            for seq in self._running:
+                seq.retractions += 1
             self._waiting.extendleft(reversed(self._running))
             self._running = []
             self._kv.clear()
@@ -1036,6 +1050,10 @@ class Scheduler:
             for s in done + group
             if s.input_lps is None and (s.inp.logprob_start >= 0 or _next_wanted(s))
         ]
+        now = time.perf_counter()
+        for seq in self._admitting:
+            if not seq.admitted:
+                seq.admitted = now
         if scoring:
             self._score_prompts(scoring)
         for seq in done:
@@ -1198,6 +1216,10 @@ class Scheduler:
         tokens, logprobs = self._sampler.sample(logits, lo, hi)
         self._kv.set_pending(lo, hi, tokens, logprobs)
         self.tokens_generated += hi - lo
+        now = time.perf_counter()
+        for seq in group:  # its first token (once: a retracted seq's comes back prefilled)
+            if not seq.first_token:
+                seq.first_token = now
         aborted = self._take_masks(lo, hi) if self._mask_seqs else None
         self._finish_checks(tokens, logprobs, lo, hi, end, aborted)
 
@@ -1364,7 +1386,7 @@ class Scheduler:
             held.append(
                 (new[k], lps[k], version, seq.top[-1] if seq.top else None, seq.cached,
                  seq.input_lps, seq.input_tops, seq.picked[-1] if seq.picked else None,
-                 seq.input_picked, seq.masks[-1] if seq.masks else None)
+                 seq.input_picked, seq.masks[-1] if seq.masks else None, seq.retractions)
             )  # fmt: skip
             every = seq.inp.params.stream_interval or default_every
             if every == 1 or len(held) >= every or seq.sent == 0:
@@ -1548,8 +1570,26 @@ class Scheduler:
         self._mask_seqs.discard(seq)
         self._stream_seqs.discard(seq)
         self._constrained.discard(seq)
+        had_grammar = seq.constraint is not None
         seq.constraint = None
         seq.slot = -1
+        extra = {} if seq.masks is None else mask_fields(seq.masks[:kept], seq.inp)
+        now = time.perf_counter()
+        if self.metrics is not None:  # --enable-metrics: recorded, and its time stats
+            extra.update(
+                self.metrics.finished(
+                    prompt_tokens=len(seq.inp.input_ids),
+                    completion_tokens=len(ids),
+                    cached_tokens=seq.cached,
+                    created=seq.started,
+                    admitted=seq.admitted,
+                    first_token=seq.first_token,
+                    now=now,
+                    streamed=seq.group.stream is not None,
+                    grammar=had_grammar,
+                    finish=reason["type"],
+                )
+            )
         seq.group.done(
             seq.index,
             SequenceResult(
@@ -1562,7 +1602,7 @@ class Scheduler:
                 output_token_logprobs=logprobs,
                 cached_tokens=seq.cached,
                 cached_weight_version=seq.cached_version,
-                e2e_latency=round(time.perf_counter() - seq.started, 6),
+                e2e_latency=round(now - seq.started, 6),
                 output_top_logprobs=None if seq.top is None else seq.top[:kept],
                 input_token_logprobs=seq.input_lps,
                 input_top_logprobs=seq.input_tops,
@@ -1572,7 +1612,8 @@ class Scheduler:
                 reasoning_tokens=reasoning_tokens(ids, self.think_end)
                 if seq.inp.require_reasoning
                 else 0,
-                extra={} if seq.masks is None else mask_fields(seq.masks[:kept], seq.inp),
+                retractions=seq.retractions,
+                extra=extra,
             ),
         )
 

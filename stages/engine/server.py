@@ -69,6 +69,7 @@ from pipeline import heap
 from stages.detokenize import decoder
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.encode_routes import EncodeRoutes
+from stages.engine.engine_metrics import EngineMetrics
 from stages.engine.grammar import GrammarSet
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.load_routes import LoadRoutes
@@ -167,13 +168,16 @@ def build_app(
     engine_id: str | None = None,
     response_store: bool = False,
     cache_report: bool = False,
+    enable_metrics: bool = False,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
     without it is refused (401, counted like every refusal); with ``engine_id``, ``/health``
     names it (``stages.engine.identity``); ``response_store``: ``/v1/responses`` keeps its
     answers (SGLang's ``--enable-response-store``); ``cache_report``: the ``/v1`` routes'
-    ``usage`` has ``prompt_tokens_details.cached_tokens`` (SGLang's ``--enable-cache-report``).
+    ``usage`` has ``prompt_tokens_details.cached_tokens`` (SGLang's ``--enable-cache-report``);
+    ``enable_metrics``: ``GET /metrics`` and each answer's time stats (SGLang's
+    ``--enable-metrics``, ``stages.engine.engine_metrics``).
     """
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     app[_LOADED] = loaded
@@ -211,9 +215,10 @@ def build_app(
     MemoryRoutes(scheduler).add_to(app)
     ProfileRoutes(scheduler).add_to(app)
     MaintenanceRoutes(scheduler).add_to(app)
-    LoadRoutes(scheduler, loaded.model, _max_total_tokens(scheduler, loaded), _version()).add_to(
-        app
-    )
+    if enable_metrics:  # each finished request recorded, with its time stats in its meta_info
+        scheduler.metrics = EngineMetrics(str(loaded.path), loaded.context_length)
+    capacity = _max_total_tokens(scheduler, loaded)
+    LoadRoutes(scheduler, loaded.model, capacity, _version(), scheduler.metrics).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
@@ -535,6 +540,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "max_total_num_tokens": _max_total_tokens(scheduler, loaded),
             "max_req_input_len": loaded.context_length - 1,
             "stream_interval": scheduler.stream_interval,
+            "enable_metrics": scheduler.metrics is not None,
             "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
             "weight_version": scheduler.weight_version,
             "internal_states": [state],
@@ -683,6 +689,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="/v1/responses keeps its answers for previous_response_id and GET "
         "/v1/responses/{id} (SGLang's flag; the 4,096 newest are kept)",
+    )
+    parser.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        help="serve GET /metrics (Prometheus' text format, SGLang's metric names) and give each "
+        "answer's meta_info its time stats: queue_time, first_token_latency, "
+        "decode_throughput... (SGLang's flag)",
     )
     parser.add_argument(
         "--enable-cache-report",
@@ -846,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_id=os.environ.get(ENGINE_ID_ENV) or None,
             response_store=args.enable_response_store,
             cache_report=args.enable_cache_report,
+            enable_metrics=args.enable_metrics,
         )
         heap.settle()  # torch, transformers and the model stay: later collections skip them
         started = {

@@ -77,6 +77,7 @@ class Progress:
         "prompt_ids",
         "prompt_tokens",
         "reasoning",
+        "retractions",
         "return_logprob",
         "rid",
         "text",
@@ -117,6 +118,7 @@ class Progress:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.version = ""  # the weight version of its newest token
+        self.retractions = 0  # how many times a pause retracted it so far
         self.tops: list[list[tuple[float, int]]] | None = tops  # with top_logprobs_num
         # the log-prob entries so far, built once per token (each chunk shares the lists: a
         # chunk is encoded before the next token is added)
@@ -178,6 +180,7 @@ class Progress:
         meta["completion_tokens"] = len(self.ids)
         meta["cached_tokens"] = self.cached
         meta["weight_version"] = self.version
+        meta["num_retractions"] = self.retractions
         if self.return_logprob:
             self._add_entries()
             meta["output_token_logprobs_length"] = len(self.entries)
@@ -195,6 +198,7 @@ class Progress:
             "completion_tokens": len(self.ids),
             "cached_tokens": self.cached,
             "weight_version": self.version,
+            "num_retractions": self.retractions,
         }
         if self.return_logprob:
             self._add_entries()
@@ -335,6 +339,7 @@ def stream_generate(
                 if picked is not None and p.picked is not None:
                     p.picked.append(picked)
                     p.input_picked = payload[8]
+                p.retractions = payload[10]
                 if p.mask_mode is not None and payload[9] is not None:
                     ids, lps, selected = payload[9]
                     p.mask_ids.append(ids)

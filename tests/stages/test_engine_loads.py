@@ -167,6 +167,9 @@ def test_an_idle_engine_answers_sglangs_fields_in_sglangs_order(url: str, model:
     assert load["disaggregation"]["mode"] == "null"
     assert list(load["queues"]) == ["waiting", "grammar", "paused", "retracted", "prealloc_ready"]
     assert _num_requests(body) == 0 and load["num_used_tokens"] == 0
+    # SGLang serves /metrics with --enable-metrics only
+    assert requests.get(url + "/metrics", timeout=10).status_code == 404
+    assert requests.get(url + "/server_info", timeout=10).json()["enable_metrics"] is False
 
 
 def test_include_picks_sections_and_core_is_always_there(url: str) -> None:
@@ -249,11 +252,12 @@ def test_the_counters_follow_prefills_and_decode_steps(url: str) -> None:
     before = _load(url, include="core")
     out: dict[str, Any] = {}
     _generate(url, "count-1", DECODE_LOG_INTERVAL + 10, out)
-    after = _load(url, include="core")
-    # 1 token comes from the prefill, the rest from decode steps of one row
+    # 1 token comes from the prefill, the rest from decode steps of one row; the last step is
+    # recorded once it returns, which may be just after its answer went out
     steps = DECODE_LOG_INTERVAL + 9
-    moments = after["decode_moments"]
     old = before["decode_moments"] or [0.0] * 6
+    after = _wait(url, lambda x: x["decode_moments"][0] - old[0] >= steps)
+    moments = after["decode_moments"]
     assert moments[0] - old[0] == steps  # steps
     assert moments[1] - old[1] == steps  # rows, one a step
     assert moments[3] - old[3] == steps  # rows squared
@@ -273,7 +277,7 @@ def test_a_pause_shows_in_the_queues_and_stops_the_throughput(url: str) -> None:
     """``in_place`` holds the running requests (``queues.paused``), ``retract`` sends them
     back to wait (``queues.retracted``); generation paused, ``gen_throughput`` is 0, as
     SGLang zeroes it on pause."""
-    with _in_flight(url, 2, slow=0.02):
+    with _in_flight(url, 2, slow=0.02) as out:
         _wait(url, lambda x: x["num_running_reqs"] == 2 and x["gen_throughput"] > 0, 60)
         resp = requests.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30)
         assert resp.status_code == 200
@@ -289,6 +293,8 @@ def test_a_pause_shows_in_the_queues_and_stops_the_throughput(url: str) -> None:
         # the waiting requests bring their prompts and what they generated
         assert load["num_total_tokens"] > 2 * len(PROMPT)
         requests.post(url + "/continue_generation", json={}, timeout=30)
+    # each answer counts the retraction (SGLang's meta_info.num_retractions)
+    assert [a["meta_info"]["num_retractions"] for a in out.values()] == [1, 1]
     _wait(url, lambda x: _num_requests(x) == 0)
 
 

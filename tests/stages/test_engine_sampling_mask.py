@@ -205,7 +205,9 @@ def test_a_stream_carries_the_supports_so_far_and_ends_with_the_whole_answer(url
         for line in resp.iter_lines()
         if line.startswith(b"data: ") and line != b"data: [DONE]"
     ]
-    assert len(chunks) == 12
+    # a chunk per token, but those that pile up while the client reads are merged
+    lengths = [len(chunk["output_ids"]) for chunk in chunks]
+    assert len(chunks) >= 2 and lengths == sorted(set(lengths)) and lengths[-1] == 12
     for chunk in chunks:
         meta = chunk["meta_info"]
         n = len(chunk["output_ids"])

@@ -1,0 +1,236 @@
+"""``--enable-metrics`` on the built-in engine as a real server, as SGLang 0.5.23 serves it
+(``observability/metrics_collector.py``: ``SchedulerMetricsCollector`` and
+``TokenizerMetricsCollector``, ``TokenizerManager.collect_metrics``;
+``observability/req_time_stats.py``: the time stats of ``meta_info``): ``GET /metrics`` read
+with Prometheus' own parser, and what each answer's ``meta_info`` says of its timing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from stages.engine.engine_metrics import E2E_BUCKETS, ITL_BUCKETS, EngineMetrics
+from tests.stages.engine_setup import builtin_engine
+from tests.stages.tiny_model import make_byte_model
+
+PROMPT = [5, 17, 33, 8, 50, 41, 7]
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+TIME_STATS = (
+    "forward_entry_time",
+    "prefill_finished_time",
+    "queue_time",
+    "request_received_ts",
+    "first_token_latency",
+    "api_server_dispatch_finish_ts",
+    "request_finished_ts",
+    "decode_throughput",
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # a byte-level tokenizer, so that a grammar can constrain it
+    return make_byte_model(tmp_path_factory.mktemp("models") / "m", seed=5)
+
+
+@pytest.fixture(scope="module")
+def url(model: Path) -> Iterator[str]:
+    with builtin_engine(model, "--enable-metrics", "--max-running", "4") as engine:
+        yield engine
+
+
+def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of ``/metrics``, by name and labels, as Prometheus parses them."""
+    resp = requests.get(url + "/metrics", timeout=30)
+    assert resp.status_code == 200
+    assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    out = {}
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _value(samples: dict, name: str, **labels: str) -> float:
+    """A sample's value by its name and the labels besides model_name and engine_type."""
+    for (found, pairs), value in samples.items():
+        given = {k: v for k, v in pairs if k not in ("model_name", "engine_type")}
+        if found == name and given == labels:
+            return value
+    return 0.0
+
+
+def _generate(url: str, **body: Any) -> Any:
+    resp = requests.post(url + "/generate", json={"input_ids": PROMPT, **body}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_each_answer_says_when_it_was_queued_prefilled_and_finished(url: str) -> None:
+    """``meta_info`` gets the scheduler's time stats (``forward_entry_time``,
+    ``prefill_finished_time``, ``queue_time``) and the API server's (``request_received_ts``,
+    ``first_token_latency``, ``request_finished_ts``, ``decode_throughput``): what slime reads
+    into its ``perf/request/queue_time`` and ``perf/decode/throughput``."""
+    before = time.time()
+    meta = _generate(url, sampling_params=GREEDY)["meta_info"]
+    after = time.time()
+    assert all(key in meta for key in TIME_STATS), meta
+    received, entered = meta["request_received_ts"], meta["forward_entry_time"]
+    prefilled, finished = meta["prefill_finished_time"], meta["request_finished_ts"]
+    assert before <= received <= entered <= prefilled <= finished <= after
+    assert meta["queue_time"] == pytest.approx(entered - received, abs=1e-3)
+    assert meta["first_token_latency"] == pytest.approx(prefilled - received, abs=1e-3)
+    assert meta["e2e_latency"] == pytest.approx(finished - received, abs=1e-3)
+    decode = finished - prefilled
+    assert meta["decode_throughput"] == pytest.approx(
+        (GREEDY["max_new_tokens"] - 1) / decode, rel=1e-2
+    )
+    # one token: no decode time, no throughput (get_time_per_output_token: None)
+    one = _generate(url, sampling_params={**GREEDY, "max_new_tokens": 1})["meta_info"]
+    assert "decode_throughput" not in one and "first_token_latency" in one
+
+
+def test_finished_requests_are_counted_by_whether_they_streamed(url: str) -> None:
+    """``observe_one_finished_request``: tokens, requests and the latency histograms, each
+    sample of ``n`` a request; the streamed ones under ``is_streaming="true"``."""
+    before = _samples(url)
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "n": 3}}
+    assert requests.post(url + "/generate", json=body, timeout=60).status_code == 200
+    streamed = requests.post(
+        url + "/generate", json={**body, "stream": True, "sampling_params": GREEDY}, timeout=60
+    )
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    after = _samples(url)
+
+    def grew(name: str, **labels: str) -> float:
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    new = GREEDY["max_new_tokens"]
+    assert grew("sglang:num_requests_total", is_streaming="false") == 3
+    assert grew("sglang:num_requests_total", is_streaming="true") == 1
+    assert grew("sglang:prompt_tokens_total", is_streaming="false") == 3 * len(PROMPT)
+    assert grew("sglang:generation_tokens_total", is_streaming="false") == 3 * new
+    assert grew("sglang:generation_tokens_total", is_streaming="true") == new
+    for streaming, count in (("false", 3), ("true", 1)):
+        for name in (
+            "sglang:e2e_request_latency_seconds_count",
+            "sglang:time_to_first_token_seconds_count",
+            "sglang:request_time_per_output_token_seconds_count",
+        ):
+            assert grew(name, is_streaming=streaming) == count, name
+        infinite = grew(
+            "sglang:e2e_request_latency_seconds_bucket", is_streaming=streaming, le="+Inf"
+        )
+        assert infinite == count
+    # the inter-token latency: one observation per token after the first
+    assert grew("sglang:inter_token_latency_seconds_count") == 4 * (new - 1)
+    assert grew("sglang:generation_tokens_histogram_count") == 4
+    # the prompt came again: the prefix cache supplied all but its last token
+    assert grew("sglang:cached_tokens_total", cache_source="device") >= len(PROMPT) - 1
+
+
+def test_the_gauges_read_the_scheduler_with_sglangs_labels(url: str) -> None:
+    """``SchedulerMetricsCollector``'s gauges carry ``tp_rank``, ``pp_rank`` and
+    ``moe_ep_rank``; running requests show while they run."""
+    slow = requests.post(url + "/slow_down", json={"forward_sleep_time": 0.05}, timeout=30)
+    assert slow.status_code == 200
+    done: dict[str, Any] = {}
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 200}}
+    thread = threading.Thread(
+        target=lambda: done.update(r=requests.post(url + "/generate", json=body, timeout=60))
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        ranks = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
+        while _value(_samples(url), "sglang:num_running_reqs", **ranks) != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        samples = _samples(url)
+        assert _value(samples, "sglang:num_used_tokens", **ranks) >= len(PROMPT)
+        info = requests.get(url + "/server_info", timeout=10).json()
+        assert info["enable_metrics"] is True
+        total = _value(samples, "sglang:max_total_num_tokens", **ranks)
+        assert total == info["max_total_num_tokens"]
+        assert _value(samples, "sglang:context_len", **ranks) == info["context_length"]
+        labels = next(dict(k) for (n, k) in samples if n == "sglang:num_running_reqs")
+        assert labels["engine_type"] == "unified" and labels["model_name"] == info["model_path"]
+    finally:
+        requests.post(url + "/abort_request", json={"abort_all": True}, timeout=30)
+        requests.post(url + "/slow_down", json={"forward_sleep_time": None}, timeout=30)
+        thread.join(60)
+    assert done["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert _value(_samples(url), "sglang:num_aborted_requests_total") >= 1
+    deadline = time.monotonic() + 30
+    while _value(_samples(url), "sglang:num_running_reqs", **ranks) != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_grammar_request_is_a_structured_output_request(url: str) -> None:
+    before = _value(_samples(url), "sglang:num_so_requests_total")
+    _generate(url, sampling_params={**GREEDY, "regex": "[a-z]+"})
+    assert _value(_samples(url), "sglang:num_so_requests_total") == before + 1
+
+
+# ---- the collector ----------------------------------------------------------------------------
+
+
+def test_the_histograms_are_cumulative_and_the_text_parses() -> None:
+    metrics = EngineMetrics('m"odel\\x', 64)
+    for latency in (0.05, 0.3, 0.3, 5000.0):
+        metrics.finished(
+            prompt_tokens=10,
+            completion_tokens=5,
+            cached_tokens=0,
+            created=100.0,
+            admitted=100.01,
+            first_token=100.02,
+            now=100.0 + latency,
+            streamed=False,
+            grammar=False,
+            finish="length",
+        )
+    load = {
+        "num_running_reqs": 1, "num_waiting_reqs": 2, "num_used_tokens": 30, "token_usage": 0.1,
+        "gen_throughput": 12.5, "cache_hit_rate": 0.0, "utilization": 0.0,
+        "max_total_num_tokens": 256,
+        "queues": {"grammar": 0, "paused": 0, "retracted": 0},
+        "memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0},
+    }  # fmt: skip
+    text = metrics.render(load).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    e2e = families["sglang:e2e_request_latency_seconds"]
+    assert e2e.type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in e2e.samples if s.name.endswith("_bucket")}
+    assert list(buckets) == [*(str(float(b)) for b in E2E_BUCKETS), "+Inf"]
+    assert buckets["0.1"] == 1 and buckets["0.4"] == 3 and buckets["2400.0"] == 3
+    assert buckets["+Inf"] == 4
+    (labels,) = {tuple(s.labels.items())[:2] for s in e2e.samples}
+    assert labels == (("model_name", 'm"odel\\x'), ("engine_type", "unified"))  # escaped
+    itl = families["sglang:inter_token_latency_seconds"]
+    count = next(s.value for s in itl.samples if s.name.endswith("_count"))
+    assert count == 4 * 4  # each request's 4 tokens after its first
+    assert len([s for s in itl.samples if s.name.endswith("_bucket")]) == len(ITL_BUCKETS) + 1
+    assert families["sglang:gen_throughput"].samples[0].value == 12.5
+    assert families["sglang:prompt_tokens"].type == "counter"
+    assert "sglang:lora_pool_slots_used" not in families
+
+
+def test_an_answer_without_metrics_has_no_time_stats_and_its_retractions() -> None:
+    """``num_retractions`` is in every answer's ``meta_info`` (SGLang's, metrics or not); the
+    time stats only with ``--enable-metrics`` (the scheduler adds them: without it, none)."""
+    from stages.engine.protocol import SequenceResult, render_result
+
+    result = SequenceResult("r", 3, [1, 2], {"type": "length", "length": 2}, "0", ["0", "0"], None)
+    meta = render_result(result, decode=None, skip_special_tokens=True, return_logprob=False)
+    assert meta["meta_info"]["num_retractions"] == 0
+    assert not set(TIME_STATS) & set(meta["meta_info"])
