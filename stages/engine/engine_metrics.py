@@ -4,31 +4,39 @@ Prometheus' text format, and each finished request's time stats in its ``meta_in
 
 The time stats (what slime reads into its ``perf/request/queue_time``, ``perf/decode/throughput``
 and ``perf/request/e2e_latency``): ``forward_entry_time`` and ``prefill_finished_time`` (when
-its first prefill began and ended) and ``queue_time`` (the seconds it waited before it), then
-``request_received_ts``, ``first_token_latency``, ``api_server_dispatch_finish_ts``,
-``request_finished_ts`` and, past one token, ``decode_throughput`` (tokens a second after the
-first). Timestamps are Unix seconds.
+its first prefill began and ended) and ``queue_time`` (the seconds it waited for a prefill, a
+retracted request's waits added up), then ``request_received_ts``, ``first_token_latency``,
+``api_server_dispatch_finish_ts``, ``request_finished_ts`` and, past one token,
+``decode_throughput`` (tokens a second after the first). Timestamps are Unix seconds. They come
+with a request's answer, and with a stream's last chunk: SGLang also puts the first three in
+each of a stream's chunks.
 
 The metrics keep SGLang's names, labels (``model_name`` and ``engine_type``; the scheduler's
 gauges also ``tp_rank``, ``pp_rank`` and ``moe_ep_rank``, all 0) and default buckets:
 
 - per finished request (a sample: each of a batch's and of ``n``'s), by ``is_streaming``:
   ``sglang:prompt_tokens_total``, ``generation_tokens_total``, ``num_requests_total``,
-  ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``,
+  ``time_to_first_token_seconds`` (not for one aborted before its answer began: a stream's
+  first chunk, or a whole answer), ``e2e_request_latency_seconds``,
   ``request_time_per_output_token_seconds`` (finished by ``stop`` or ``length`` only); and
   ``cached_tokens_total`` (``cache_source="device"``: the prefix cache), ``num_so_requests_total``
-  (with a grammar), ``num_aborted_requests_total`` (finished by an abort),
-  ``inter_token_latency_seconds`` (its decode time over its tokens after the first, observed at
-  its end: SGLang observes a stream's at each chunk, with the same sum), and the token-count
-  histograms ``prompt_tokens_histogram``, ``uncached_prompt_tokens_histogram``,
+  (with a grammar), ``queue_time_seconds`` (its wait for its first prefill; with the
+  scheduler's labels), ``inter_token_latency_seconds`` (its decode time spread over its
+  tokens after the first, observed at its end: SGLang observes it at each output it hands
+  over, a stream's chunks or every 50 tokens otherwise, so its buckets are finer there) and the
+  token-count histograms ``prompt_tokens_histogram``, ``uncached_prompt_tokens_histogram``,
   ``generation_tokens_histogram``;
+- ``num_aborted_requests_total``: the requests that ended aborted (SGLang's counts the aborts
+  it sends: one a ``/abort_request``, ``abort_all`` too, or a client gone);
 - the scheduler's state at the scrape, as ``/v1/loads`` reads it (``load_routes``):
   ``num_running_reqs``, ``num_queue_reqs``, ``num_grammar_queue_reqs``, ``num_paused_reqs``,
   ``num_retracted_reqs``, ``num_used_tokens``, ``token_usage``, ``gen_throughput``,
   ``cache_hit_rate``, ``utilization``, ``max_total_num_tokens``, ``context_len``,
   ``weight_memory_usage_gb``, ``kv_cache_memory_usage_gb``, ``graph_memory_usage_gb``,
   ``is_cuda_graph`` (0) and, once a LoRA adapter is loaded, ``lora_pool_slots_used``,
-  ``_slots_total`` and ``_utilization``.
+  ``_slots_total`` and ``_utilization``. ``num_paused_reqs`` and ``num_retracted_reqs`` are
+  the requests a pause holds now, in place or retracted (SGLang's first is never set, and its
+  second counts the requests its memory pressure retracted in its last log interval).
 
 The scheduler thread records each finished request (``EngineMetrics.finished``: plain numbers,
 no lock: the scrape reads each as of one request or the next); the event loop renders them.
@@ -56,6 +64,12 @@ TOKEN_BUCKETS = (
     100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000,
     12500, 15000, 17500, 20000, 22500, 25000, 27500, 30000, 35000, 40000, 60000, 80000,
     100000, 200000, 300000, 400000, 600000, 800000, 1000000, 1100000,
+)  # fmt: skip
+
+QUEUE_BUCKETS = (
+    0.000, 0.001, 0.005, 0.010, 0.050, 0.100, 0.200, 0.500, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40,
+    50, 60, 70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600,
+    1800, 2000, 2500, 3000,
 )  # fmt: skip
 
 _STREAMED = ("false", "true")  # the is_streaming label's values, by bool
@@ -86,7 +100,11 @@ _HISTOGRAMS = (
      "Histogram of prefill token length excluding cache hits.", TOKEN_BUCKETS, False),
     ("sglang:generation_tokens_histogram", "Histogram of generation token length.",
      TOKEN_BUCKETS, False),
+    ("sglang:queue_time_seconds", "Histogram of queueing time in seconds.", QUEUE_BUCKETS,
+     False),
 )  # fmt: skip
+# the histograms with the scheduler's labels (tp_rank, pp_rank, moe_ep_rank)
+_RANKED = frozenset({"sglang:queue_time_seconds"})
 # the scheduler's gauges: name, help, and where the load has it (``load_routes``'s load;
 # empty: always 0)
 _GAUGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -154,6 +172,7 @@ class EngineMetrics:
         cached_tokens: int,
         created: float,
         admitted: float,
+        queue_time: float,
         first_token: float,
         now: float,
         streamed: bool,
@@ -162,7 +181,8 @@ class EngineMetrics:
     ) -> dict[str, Any]:
         """Record one finished request (``perf_counter`` times: ``created`` when it came,
         ``admitted`` when its first prefill began, ``first_token`` when it ended, 0 for
-        never); returns the time stats for its ``meta_info``."""
+        never; ``queue_time``: the seconds it waited for prefills); returns the time stats for
+        its ``meta_info``."""
         stream = _STREAMED[streamed]
         self._add("sglang:prompt_tokens", stream, prompt_tokens)
         self._add("sglang:generation_tokens", stream, completion_tokens)
@@ -183,9 +203,11 @@ class EngineMetrics:
             stats["forward_entry_time"] = admitted + offset
         if first_token > 0:
             stats["prefill_finished_time"] = first_token + offset
-        stats["queue_time"] = max(admitted - created, 0.0) if admitted > 0 else 0.0
+        stats["queue_time"] = queue_time
+        if admitted > 0:
+            self._observe("sglang:queue_time_seconds", "", max(admitted - created, 0.0))
         stats["request_received_ts"] = created + offset
-        if first_token > created and finish != "abort":
+        if first_token > created and (streamed or finish != "abort"):
             self._observe("sglang:time_to_first_token_seconds", stream, first_token - created)
         if first_token > created:
             stats["first_token_latency"] = first_token - created
@@ -243,6 +265,8 @@ class EngineMetrics:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} histogram"]
             for label, histogram in list(self._histograms[name].items()):
                 named = {**self.labels, "is_streaming": label} if streamed else dict(self.labels)
+                if name in _RANKED:
+                    named.update(tp_rank=0, pp_rank=0, moe_ep_rank=0)
                 cumulative = 0
                 counts = list(histogram.counts)
                 for bound, count in zip((*histogram.bounds, float("inf")), counts, strict=True):

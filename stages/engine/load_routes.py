@@ -30,7 +30,9 @@ counters are ``load_meter``'s):
 - ``lora``: adapters used by running rows, adapters loaded (the engine has no fixed slots).
 - ``queues``: ``waiting``, ``grammar`` (waiting for their grammar to compile), ``paused``
   (running requests held by an in-place ``/pause_generation``), ``retracted`` (sent back by a
-  retracting pause, waiting to resume), ``prealloc_ready`` 0.
+  retracting pause, waiting to resume), ``prealloc_ready`` 0. SGLang's ``paused`` is never set
+  (0), and its ``retracted`` counts what its memory pressure retracted in its last log
+  interval: this engine's pauses are what holds or retracts requests, so it says those.
 
 A section named in ``include`` that SGLang does not know is refused with 400 and the valid
 ones (SGLang means to answer so, but its check runs outside the handler that turns it into
@@ -144,7 +146,7 @@ class LoadRoutes:
             "max_total_num_tokens": self.capacity,
             "max_running_requests": scheduler.max_running,
             "token_usage": round(used / self.capacity, 4) if self.capacity else 0.0,
-            "gen_throughput": round(meter.gen_throughput(now, held["paused"] > 0), 2),
+            "gen_throughput": round(meter.gen_throughput(now), 2),
             "cache_hit_rate": round(meter.cache_hit_rate, 4),
             "utilization": 0.0,
             "total_prefill_uncached_tokens": meter.prefill_uncached_tokens,

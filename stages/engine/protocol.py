@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Collection, Sequence
@@ -210,7 +211,7 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "session_params": (None,),
     # SGLang 0.5.23's GenerateReqInput, at the values that change nothing: other values ask for
     # what this engine does not have (multimodal inputs, MoE experts, data-parallel ranks,
-    # prefill/decode disaggregation, sessions, a thinking budget, raw and masked log-probs)
+    # prefill/decode disaggregation, sessions, a thinking budget)
     "session_id": (None,),
     "mm_hashes": (None,),
     "mm_content_hashes": (None,),
@@ -588,11 +589,14 @@ def render_result(
     state: IncrementalText | None = None,
     flat: FlatTops | None = None,
     top_k: int = 0,
+    sent: bool = True,
 ) -> dict[str, Any]:
     """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer, decoded
     after ``prompt_ids``' last tokens as SGLang does; ``token_text``: each log-prob entry's
     third slot, ``return_text_in_logprobs``; ``flat``: the sides of its ``top_k`` top
-    log-probs laid out as flat arrays, ``flat_logprobs``)."""
+    log-probs laid out as flat arrays, ``flat_logprobs``). ``sent``: ``meta_info`` ends with
+    ``response_sent_to_client_ts``, the Unix time it is sent at, as SGLang 0.5.23 stamps an
+    answer (a stream's first chunk only: a later last chunk passes False)."""
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
@@ -631,6 +635,8 @@ def render_result(
             )
     if result.extra:
         meta.update(result.extra)
+    if sent:
+        meta["response_sent_to_client_ts"] = time.time()
     out: dict[str, Any] = {}
     if decode is not None:
         out["text"] = result_text(
@@ -692,10 +698,12 @@ def render_sample(
     decode: Callable[[list[int], bool], str] | None,
     token_text: Callable[[int], str] | None,
     state: IncrementalText | None = None,
+    sent: bool = True,
 ) -> dict[str, Any]:
     """``render_result`` of ``result`` with what its request ``inp`` asked for (``state``: a
-    streamed sample's text so far), and its ``prompt_token_ids`` after ``meta_info`` when
-    asked (as SGLang's ``TokenizerManager`` adds them)."""
+    streamed sample's text so far; ``sent``: not after an earlier chunk), and its
+    ``prompt_token_ids`` after ``meta_info`` when asked (as SGLang's ``TokenizerManager`` adds
+    them)."""
     out = render_result(
         result,
         decode=decode,
@@ -707,6 +715,7 @@ def render_sample(
         state=state,
         flat=inp.flat_tops,
         top_k=inp.top_logprobs_num,
+        sent=sent,
     )
     if inp.return_prompt_token_ids:
         out["prompt_token_ids"] = list(inp.input_ids)

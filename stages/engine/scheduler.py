@@ -266,6 +266,8 @@ class _Seq:
         "kv_start",
         "masks",
         "picked",
+        "queue_time",
+        "queued",
         "retractions",
         "sent",
         "slot",
@@ -306,9 +308,11 @@ class _Seq:
         # its own generator when sampling_seed is set
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
         self.started = started
-        # when its first prefill began and ended (perf_counter; 0: not yet), and how many times
-        # a pause retracted it (SGLang's num_retractions)
+        # when its first prefill began and ended (perf_counter; 0: not yet), when it last began
+        # to wait and how long it waited in all, and how many times a pause retracted it
+        # (SGLang's num_retractions)
         self.admitted = self.first_token = 0.0
+        self.queued, self.queue_time = started, 0.0
         self.retractions = 0
         # Outputs of earlier stints (before a retraction), already materialized.
         self.done_ids: list[int] = []
@@ -458,7 +462,8 @@ class Scheduler:
         return {
             "running": len(running),
             "waiting": len(waiting),
-            "used_tokens": sum(end - s.kv_start for s in running),
+            # (a row re-admitted between the reads could count below 0 alone)
+            "used_tokens": max(sum(end - s.kv_start for s in running), 0),
             "waiting_tokens": sum(len(s.inp.input_ids) + len(s.done_ids) for s in waiting),
             "grammar": grammar,
             "paused": len(running) if self._paused else 0,
@@ -934,13 +939,16 @@ class Scheduler:
         elif mode == "retract" and self._running:
             # Back to the head of the queue, in order; the KV cache is recomputed on continue.
             self._materialize(self._running)
+            now = time.perf_counter()
             for seq in self._running:
                 seq.retractions += 1
+                seq.queued = now  # its wait starts again
             self._waiting.extendleft(reversed(self._running))
             self._running = []
             self._kv.clear()
             self._sampler.clear()
         self._paused = True
+        self.load.paused(time.perf_counter())
         log.info("generation_paused", mode=mode, **self.counts())
 
     def _resume(self) -> None:
@@ -1052,6 +1060,7 @@ class Scheduler:
         ]
         now = time.perf_counter()
         for seq in self._admitting:
+            seq.queue_time += now - seq.queued  # every wait, after a retraction too
             if not seq.admitted:
                 seq.admitted = now
         if scoring:
@@ -1583,6 +1592,7 @@ class Scheduler:
                     cached_tokens=seq.cached,
                     created=seq.started,
                     admitted=seq.admitted,
+                    queue_time=seq.queue_time,
                     first_token=seq.first_token,
                     now=now,
                     streamed=seq.group.stream is not None,

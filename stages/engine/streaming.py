@@ -28,6 +28,7 @@ This module knows nothing of HTTP routes; ``write_events`` writes any chunk iter
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -173,6 +174,7 @@ class Progress:
         if out is None:
             return self._first_chunk()
         meta = out["meta_info"]
+        meta.pop("response_sent_to_client_ts", None)  # the first chunk's only
         if self.detok is not None:
             out["text"] = self.text
         if self.reasoning is not None:
@@ -225,6 +227,7 @@ class Progress:
             meta["output_token_sampling_mask"] = self.mask_ids
             meta["output_token_sampling_logprobs"] = self.mask_values
             meta["output_token_sampling_mask_length"] = len(self.mask_ids)
+        meta["response_sent_to_client_ts"] = time.time()  # SGLang's, in the first chunk only
         out: dict[str, Any] = (
             {"output_ids": self.ids, "meta_info": meta}
             if self.detok is None
@@ -361,7 +364,10 @@ def stream_generate(
             if progress:  # the whole answer, as the request without stream
                 batch.append(p.last(final, inputs[index], decode))
                 continue
-            chunk = render_sample(inputs[index], final, decode, token_text, p.detok)
+            # SGLang stamps the time a stream's first chunk is sent at, and no other
+            chunk = render_sample(
+                inputs[index], final, decode, token_text, p.detok, sent=p.out is None
+            )
             if listed:
                 chunk["index"] = index
             batch.append(chunk)

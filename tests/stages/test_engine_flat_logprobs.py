@@ -182,13 +182,19 @@ def test_a_stream_carries_the_prompts_in_every_chunk(url: str) -> None:
         "return_flat_raw_top_logprobs": True,
         "return_flat_raw_top_logprobs_b64": True,
     }
-    resp = requests.post(url + "/generate", json=body, timeout=60, stream=True)
-    assert resp.status_code == 200, resp.text
-    chunks = [
-        json.loads(line[6:])
-        for line in resp.iter_lines(decode_unicode=True)
-        if line.startswith("data: {")
-    ]
+    # each step slowed, so that the chunks do not pile up into one on a loaded machine
+    slow = requests.post(url + "/slow_down", json={"forward_sleep_time": 0.02}, timeout=30)
+    assert slow.status_code == 200
+    try:
+        resp = requests.post(url + "/generate", json=body, timeout=60, stream=True)
+        assert resp.status_code == 200, resp.text
+        chunks = [
+            json.loads(line[6:])
+            for line in resp.iter_lines(decode_unicode=True)
+            if line.startswith("data: {")
+        ]
+    finally:
+        requests.post(url + "/slow_down", json={"forward_sleep_time": None}, timeout=30)
     assert len(chunks) >= 2
     first = _flat_rows(chunks[0]["meta_info"], "input")
     assert first[0] == 1 and len(first[1]) == len(PROMPT) - 1

@@ -167,9 +167,16 @@ def test_an_idle_engine_answers_sglangs_fields_in_sglangs_order(url: str, model:
     assert load["disaggregation"]["mode"] == "null"
     assert list(load["queues"]) == ["waiting", "grammar", "paused", "retracted", "prealloc_ready"]
     assert _num_requests(body) == 0 and load["num_used_tokens"] == 0
-    # SGLang serves /metrics with --enable-metrics only
+    # SGLang serves /metrics with --enable-metrics only, and adds time stats with it only
     assert requests.get(url + "/metrics", timeout=10).status_code == 404
     assert requests.get(url + "/server_info", timeout=10).json()["enable_metrics"] is False
+    out: dict[str, Any] = {}
+    before = time.time()
+    _generate(url, "idle-1", 3, out)
+    meta = out["idle-1"]["meta_info"]
+    assert meta["num_retractions"] == 0
+    assert before <= meta["response_sent_to_client_ts"] <= time.time()  # in every answer
+    assert not {"queue_time", "forward_entry_time", "decode_throughput"} & set(meta)
 
 
 def test_include_picks_sections_and_core_is_always_there(url: str) -> None:
@@ -275,8 +282,8 @@ def test_the_counters_follow_prefills_and_decode_steps(url: str) -> None:
 
 def test_a_pause_shows_in_the_queues_and_stops_the_throughput(url: str) -> None:
     """``in_place`` holds the running requests (``queues.paused``), ``retract`` sends them
-    back to wait (``queues.retracted``); generation paused, ``gen_throughput`` is 0, as
-    SGLang zeroes it on pause."""
+    back to wait (``queues.retracted``); a pause of either mode zeroes ``gen_throughput``
+    until an interval closes after it, as SGLang's ``pause_generation`` does."""
     with _in_flight(url, 2, slow=0.02) as out:
         _wait(url, lambda x: x["num_running_reqs"] == 2 and x["gen_throughput"] > 0, 60)
         resp = requests.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30)
@@ -284,11 +291,13 @@ def test_a_pause_shows_in_the_queues_and_stops_the_throughput(url: str) -> None:
         load = _load(url)
         assert load["queues"]["paused"] == 2 and load["gen_throughput"] == 0
         requests.post(url + "/continue_generation", json={}, timeout=30)
+        _wait(url, lambda x: x["gen_throughput"] > 0, 60)
         resp = requests.post(url + "/pause_generation", json={"mode": "retract"}, timeout=30)
         assert resp.status_code == 200
         load = _load(url)
         assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 2
         assert load["queues"]["retracted"] == 2 and load["queues"]["paused"] == 0
+        assert load["gen_throughput"] == 0
         assert load["num_used_tokens"] == 0
         # the waiting requests bring their prompts and what they generated
         assert load["num_total_tokens"] > 2 * len(PROMPT)
@@ -298,6 +307,23 @@ def test_a_pause_shows_in_the_queues_and_stops_the_throughput(url: str) -> None:
     _wait(url, lambda x: _num_requests(x) == 0)
 
 
+def test_the_memory_section_rounds_as_sglang(tmp_path: Path) -> None:
+    """``weight_gb`` is the parameters' bytes in GiB to 3 places (``MemoryMetrics``): a
+    quarter of a GiB of float32 parameters is 0.25."""
+    import types
+
+    import torch
+
+    from stages.engine.load_routes import LoadRoutes
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.empty(1 << 26), requires_grad=False)  # 256 MiB
+    model.b = torch.nn.Parameter(torch.empty(1 << 18), requires_grad=False)  # 1 MiB
+    scheduler = types.SimpleNamespace(device=torch.device("cpu"))
+    routes = LoadRoutes(scheduler, model, 1024, "v")  # type: ignore[arg-type]
+    assert routes.weight_gb == round(257 / 1024, 3) == 0.251
+
+
 # ---- the meter ------------------------------------------------------------------------------
 
 
@@ -305,16 +331,22 @@ def test_the_throughput_is_the_last_intervals_and_goes_stale() -> None:
     meter = LoadMeter()
     start = 1000.0
     meter.idle(start)
-    assert meter.gen_throughput(start, paused=False) == 0  # no interval closed yet
+    assert meter.gen_throughput(start) == 0  # no interval closed yet
     assert meter.moments() is None
     for i in range(DECODE_LOG_INTERVAL):  # 4 rows a step, a step every 10 ms
         meter.decoded(4, 0.008, 4, start + 0.01 * (i + 1))
     end = start + 0.01 * DECODE_LOG_INTERVAL
-    assert meter.gen_throughput(end, paused=False) == pytest.approx(400.0)
-    assert meter.gen_throughput(end, paused=True) == 0
-    assert meter.gen_throughput(end + STALE_SECONDS + 1, paused=False) == 0
+    assert meter.gen_throughput(end) == pytest.approx(400.0)
+    assert meter.gen_throughput(end + STALE_SECONDS + 1) == 0
     moments = meter.moments()
     assert moments == [DECODE_LOG_INTERVAL, 160, 320_000, 640, 1_280_000, 160]
+    meter.paused(end)  # zero until the next interval closes
+    assert meter.gen_throughput(end) == 0
+    for i in range(DECODE_LOG_INTERVAL - 1):
+        meter.decoded(2, 0.008, 2, end + 0.01 * (i + 1))
+    assert meter.gen_throughput(end + 1) == 0
+    meter.decoded(2, 0.008, 2, end + 0.01 * DECODE_LOG_INTERVAL)
+    assert meter.gen_throughput(end + 1) == pytest.approx(200.0)
     meter.prefilled(0.25, uncached=30, hit=10)
     assert (meter.prefill_busy_us, meter.prefill_uncached_tokens) == (250_000, 30)
     assert meter.cache_hit_rate == 0.25

@@ -7,6 +7,7 @@ with Prometheus' own parser, and what each answer's ``meta_info`` says of its ti
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -137,42 +138,55 @@ def test_finished_requests_are_counted_by_whether_they_streamed(url: str) -> Non
     assert grew("sglang:cached_tokens_total", cache_source="device") >= len(PROMPT) - 1
 
 
-def test_the_gauges_read_the_scheduler_with_sglangs_labels(url: str) -> None:
-    """``SchedulerMetricsCollector``'s gauges carry ``tp_rank``, ``pp_rank`` and
-    ``moe_ep_rank``; running requests show while they run."""
-    slow = requests.post(url + "/slow_down", json={"forward_sleep_time": 0.05}, timeout=30)
-    assert slow.status_code == 200
+RANKS = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}  # the scheduler's labels
+
+
+def _until(check: Any, within: float = 30) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _one_running(url: str, new: int, slow: float = 0.02) -> Iterator[dict[str, Any]]:
+    """One request of ``new`` tokens running, each step slowed by ``slow`` seconds, from when
+    the block starts (it runs by then) until it ends (generation continued, the slowing ended,
+    its answer in: the dict's ``r``)."""
+    resp = requests.post(url + "/slow_down", json={"forward_sleep_time": slow}, timeout=30)
+    assert resp.status_code == 200
     done: dict[str, Any] = {}
-    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 200}}
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": new}}
     thread = threading.Thread(
         target=lambda: done.update(r=requests.post(url + "/generate", json=body, timeout=60))
     )
     thread.start()
     try:
-        deadline = time.monotonic() + 30
-        ranks = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
-        while _value(_samples(url), "sglang:num_running_reqs", **ranks) != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        samples = _samples(url)
-        assert _value(samples, "sglang:num_used_tokens", **ranks) >= len(PROMPT)
-        info = requests.get(url + "/server_info", timeout=10).json()
-        assert info["enable_metrics"] is True
-        total = _value(samples, "sglang:max_total_num_tokens", **ranks)
-        assert total == info["max_total_num_tokens"]
-        assert _value(samples, "sglang:context_len", **ranks) == info["context_length"]
-        labels = next(dict(k) for (n, k) in samples if n == "sglang:num_running_reqs")
-        assert labels["engine_type"] == "unified" and labels["model_name"] == info["model_path"]
+        _until(lambda: _value(_samples(url), "sglang:num_running_reqs", **RANKS) == 1)
+        yield done
     finally:
-        requests.post(url + "/abort_request", json={"abort_all": True}, timeout=30)
+        requests.post(url + "/continue_generation", json={}, timeout=30)
         requests.post(url + "/slow_down", json={"forward_sleep_time": None}, timeout=30)
         thread.join(60)
+
+
+def test_the_gauges_read_the_scheduler_with_sglangs_labels(url: str) -> None:
+    """``SchedulerMetricsCollector``'s gauges carry ``tp_rank``, ``pp_rank`` and
+    ``moe_ep_rank``; running requests show while they run."""
+    with _one_running(url, 200, slow=0.05) as done:  # 10 s: aborted long before
+        samples = _samples(url)
+        assert _value(samples, "sglang:num_used_tokens", **RANKS) >= len(PROMPT)
+        info = requests.get(url + "/server_info", timeout=10).json()
+        assert info["enable_metrics"] is True
+        total = _value(samples, "sglang:max_total_num_tokens", **RANKS)
+        assert total == info["max_total_num_tokens"]
+        assert _value(samples, "sglang:context_len", **RANKS) == info["context_length"]
+        labels = next(dict(k) for (n, k) in samples if n == "sglang:num_running_reqs")
+        assert labels["engine_type"] == "unified" and labels["model_name"] == info["model_path"]
+        requests.post(url + "/abort_request", json={"abort_all": True}, timeout=30)
     assert done["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert _value(_samples(url), "sglang:num_aborted_requests_total") >= 1
-    deadline = time.monotonic() + 30
-    while _value(_samples(url), "sglang:num_running_reqs", **ranks) != 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _until(lambda: _value(_samples(url), "sglang:num_running_reqs", **RANKS) == 0)
 
 
 def test_a_grammar_request_is_a_structured_output_request(url: str) -> None:
@@ -193,6 +207,7 @@ def test_the_histograms_are_cumulative_and_the_text_parses() -> None:
             cached_tokens=0,
             created=100.0,
             admitted=100.01,
+            queue_time=0.01,
             first_token=100.02,
             now=100.0 + latency,
             streamed=False,
@@ -223,14 +238,20 @@ def test_the_histograms_are_cumulative_and_the_text_parses() -> None:
     assert families["sglang:gen_throughput"].samples[0].value == 12.5
     assert families["sglang:prompt_tokens"].type == "counter"
     assert "sglang:lora_pool_slots_used" not in families
+    queue = families["sglang:queue_time_seconds"]  # with the scheduler's labels
+    (counted,) = [s for s in queue.samples if s.name.endswith("_count")]
+    assert counted.value == 4 and counted.labels["tp_rank"] == "0"
 
 
-def test_an_answer_without_metrics_has_no_time_stats_and_its_retractions() -> None:
-    """``num_retractions`` is in every answer's ``meta_info`` (SGLang's, metrics or not); the
-    time stats only with ``--enable-metrics`` (the scheduler adds them: without it, none)."""
-    from stages.engine.protocol import SequenceResult, render_result
-
-    result = SequenceResult("r", 3, [1, 2], {"type": "length", "length": 2}, "0", ["0", "0"], None)
-    meta = render_result(result, decode=None, skip_special_tokens=True, return_logprob=False)
-    assert meta["meta_info"]["num_retractions"] == 0
-    assert not set(TIME_STATS) & set(meta["meta_info"])
+def test_a_retracted_requests_waits_add_up(url: str) -> None:
+    """``queue_time`` adds each wait for a prefill, the one after a retraction too
+    (``ReqTimeStats.set_forward_entry_time``): what a weight sync's retracting pause costs."""
+    with _one_running(url, 60) as done:
+        paused = requests.post(url + "/pause_generation", json={"mode": "retract"}, timeout=30)
+        assert paused.status_code == 200
+        time.sleep(0.5)
+    meta = done["r"].json()["meta_info"]
+    assert meta["num_retractions"] == 1 and meta["completion_tokens"] == 60
+    assert meta["queue_time"] >= 0.5
+    # the first wait alone is what came before the first prefill
+    assert meta["forward_entry_time"] - meta["request_received_ts"] < meta["queue_time"] - 0.4

@@ -68,6 +68,14 @@ def test_a_stream_grows_token_by_token_and_ends_with_the_whole_answer(engine: En
         assert meta["completion_tokens"] == len(chunk["output_ids"])
         assert len(meta["output_token_logprobs"]) == len(chunk["output_ids"])
         assert meta["id"] == chunks[-1]["meta_info"]["id"]
+        assert meta["num_retractions"] == 0
+    # SGLang stamps the time its first chunk is sent at (TokenizerManager._wait_one_response)
+    assert abs(chunks[0]["meta_info"]["response_sent_to_client_ts"] - time.time()) < 60
+    assert not [c for c in chunks[1:] if "response_sent_to_client_ts" in c["meta_info"]]
+    _, (only, done) = _events(
+        engine, {**body, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 1}}
+    )
+    assert done == "[DONE]" and "response_sent_to_client_ts" in only["meta_info"]
     last = chunks[-1]
     assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
