@@ -43,16 +43,16 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from aiohttp import web
 
 from stages.engine.engine_metrics import PROMETHEUS_TEXT, EngineMetrics
+from stages.engine.load_meter import LoadMeter
 from stages.engine.request_body import invalid
-from stages.engine.scheduler import Scheduler
 
-__all__ = ["SECTIONS", "LoadRoutes"]
+__all__ = ["SECTIONS", "LoadRoutes", "LoadSource"]
 
 SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 # a section's key in a load, the name ``include`` gives it, its prefix in Prometheus
@@ -66,12 +66,23 @@ _SECTIONS = (
 _GB = 1024**3
 
 
+class LoadSource(Protocol):
+    """What runs the model: the generating engine's ``Scheduler``, or a pooling engine's
+    ``Pooler`` (``stages.engine.pooling``)."""
+
+    load: LoadMeter
+    max_running: int
+    device: torch.device
+
+    def occupancy(self) -> dict[str, int]: ...
+
+
 class LoadRoutes:
     """``/v1/loads``, and with ``metrics`` (``--enable-metrics``) ``/metrics``."""
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: LoadSource,
         model: torch.nn.Module,
         capacity: int,
         version: str,

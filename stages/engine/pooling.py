@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import hf
+from stages.engine.load_meter import LoadMeter
 from stages.engine.loader import LoadedModel, eos_ids, load_tokenizer, torch_dtype
 from stages.hub import resolve_model
 
@@ -229,6 +231,12 @@ class Pooler:
         self.max_rows, self.max_batch_tokens = max_rows, max_batch_tokens
         self.weight_version = "default"
         self.requests = self.sequences = self.tokens = self.passes = self.failed = 0
+        self.load = LoadMeter()  # /v1/loads' counters: each pass a prefill
+        # rows and their tokens queued (the loop's counts) and taken into passes (the
+        # thread's): what waits is the difference; those of the pass under way
+        self._queued = [0, 0]
+        self._taken = [0, 0]
+        self._running = (0, 0)
         self._jobs: queue.SimpleQueue[_Job | _Call | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -269,8 +277,35 @@ class Pooler:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         dims = list(dimensions) if dimensions is not None else [None] * len(rows)
+        self._queued = [self._queued[0] + len(rows), self._queued[1] + sum(map(len, rows))]
         self._jobs.put(_Job(rows, dims, hidden, loop, future))
         return await future
+
+    @property
+    def max_running(self) -> int:
+        return self.max_rows
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.loaded.model.parameters()).device
+
+    def occupancy(self) -> dict[str, int]:
+        """What the pooling thread holds now, as ``Scheduler.occupancy`` says it (for
+        ``/v1/loads``): the rows of the pass under way and their tokens, and those queued."""
+        queued, taken = self._queued, self._taken
+        running, tokens = self._running
+        return {
+            "running": running,
+            "waiting": max(queued[0] - taken[0], 0),
+            "used_tokens": tokens,
+            "waiting_tokens": max(queued[1] - taken[1], 0),
+            "grammar": 0,
+            "paused": 0,
+            "retracted": 0,
+            "adapters": 0,
+            "adapters_in_use": 0,
+            "kv_bytes": 0,
+        }
 
     async def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the thread, between two passes (what reads or writes the weights):
@@ -308,6 +343,17 @@ class Pooler:
                 after.run()
 
     def _serve(self, jobs: list[_Job]) -> None:
+        rows, tokens = sum(len(j.rows) for j in jobs), sum(len(r) for j in jobs for r in j.rows)
+        self._taken = [self._taken[0] + rows, self._taken[1] + tokens]
+        self._running = (rows, tokens)
+        began = time.perf_counter()
+        try:
+            self._pass(jobs)
+        finally:
+            self._running = (0, 0)
+            self.load.prefilled(time.perf_counter() - began, tokens, 0)
+
+    def _pass(self, jobs: list[_Job]) -> None:
         flat = [(j, i) for j, job in enumerate(jobs) for i in range(len(job.rows))]
         flat.sort(key=lambda ji: len(jobs[ji[0]].rows[ji[1]]))
         values: dict[tuple[int, int], list[float]] = {}

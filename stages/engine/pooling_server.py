@@ -7,9 +7,10 @@ with the model's own chat template there, ``add_generation_prompt: false``, and 
 ``/classify``); ``/health``, ``/ready``, ``/health_generate`` (one pass over the prompt
 ``[0]``, as SGLang's sends an embedding request to a pooling model); ``/model_info`` with
 ``is_generation: false``; ``/server_info``; ``/v1/models``; ``/weights_checker``
-(``stages.engine.weight_checker``: digests, a snapshot to compare with). ``/generate`` and the
-``/v1`` generation routes answer 400: this model does not generate. The same options as a
-generating engine apply where they mean something (``--device``, ``--dtype``,
+(``stages.engine.weight_checker``: digests, a snapshot to compare with); ``/v1/loads``
+(``stages.engine.load_routes``: each pass a prefill, its rows running, the rest waiting).
+``/generate`` and the ``/v1`` generation routes answer 400: this model does not generate. The
+same options as a generating engine apply where they mean something (``--device``, ``--dtype``,
 ``--max-running``: rows a pass, ``--chat-template``, ``--api-key``, ``--log-file``...).
 """
 
@@ -27,6 +28,7 @@ from aiohttp import web
 from pipeline import heap
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.identity import ENGINE_ID_ENV
+from stages.engine.load_routes import LoadRoutes
 from stages.engine.openai_api import OpenAIRoutes, error_response
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
@@ -64,6 +66,14 @@ _GENERATION_ROUTES = (
 
 def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> int:
     """Load ``args.model`` as a ``kind`` model and serve it until a signal; the exit code."""
+    if args.enable_metrics:
+        log.error(
+            "engine_option_unsupported",
+            option="--enable-metrics",
+            message="--enable-metrics records generation (tokens, latencies, time stats): a "
+            f"{kind} model generates nothing; /v1/loads gives its load",
+        )
+        return 2
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
         model = load_pooling_model(args.model, kind, device=args.device, dtype=args.dtype)
@@ -129,6 +139,7 @@ def build_pooling_app(
         return await check_weights(request, checker, lambda fn: pooler.call(lambda: fn(model)))
 
     model = pooler.model.loaded.model
+    LoadRoutes(pooler, model, pooler.max_batch_tokens, f"inflight-rl {ENGINE_VERSION}").add_to(app)
     app.router.add_route("GET", "/weights_checker", weights_checker)
     app.router.add_post("/weights_checker", weights_checker)
     return app

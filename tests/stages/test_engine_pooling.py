@@ -23,6 +23,7 @@ built-in engine refuses (unknown fields, ids outside the vocabulary...) run on i
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import concurrent.futures
 import contextlib
@@ -437,3 +438,88 @@ async def test_the_pooling_thread_runs_the_checker_between_passes(tmp_path) -> N
         pooler.stop()
     with pytest.raises(PoolingFailed, match="not running"):
         await pooler.call(lambda: None)
+
+
+@pytest.mark.timeout(60)
+def test_loads_count_a_reward_models_passes_as_prefills(reward: Engine) -> None:
+    """``/v1/loads`` of a pooling engine (SGLang serves it from the same ``http_server``): its
+    layout, no request left when idle, no generation, and each pass a prefill of the prompts'
+    tokens."""
+    from tests.stages.test_engine_loads import CORE
+
+    def load() -> dict:
+        status, body = reward.request("GET", "/v1/loads?include=core")
+        assert status == 200
+        (found,) = body["loads"]
+        assert list(found) == CORE
+        return found
+
+    before = load()
+    prompt = [5, 6, 7, 8, 9]
+    status, _ = reward.request("POST", "/classify", {"input_ids": [prompt, prompt[:3]]})
+    assert status == 200
+    after = load()
+    assert after["num_running_reqs"] + after["num_waiting_reqs"] == 0
+    assert after["decode_moments"] is None and after["gen_throughput"] == 0
+    if not _real(reward):  # the built-in engine's own counts
+        grew = after["total_prefill_uncached_tokens"] - before["total_prefill_uncached_tokens"]
+        assert grew == len(prompt) + 3
+        assert after["total_prefill_busy_us"] > before["total_prefill_busy_us"]
+        assert after["max_running_requests"] == 8
+
+
+@pytest.mark.timeout(60)
+async def test_a_pass_under_way_runs_its_rows_and_the_rest_wait(tmp_path) -> None:
+    """``Pooler.occupancy``: the rows of the pass under way and their tokens, and those
+    queued behind it."""
+    import threading
+
+    model = load_pooling_model(make_tiny_classifier(tmp_path / "rm", seed=8), "classify")
+    entered, release = threading.Event(), threading.Event()
+    pool = model.pool
+
+    def held(rows, dims):  # the pass waits until the test has looked
+        entered.set()
+        assert release.wait(30)
+        return pool(rows, dims)
+
+    model.pool = held  # type: ignore[method-assign]
+    pooler = Pooler(model)
+    pooler.start()
+    try:
+        first = asyncio.ensure_future(pooler.encode([[5, 6, 7], [8, 9]]))
+        assert await asyncio.to_thread(entered.wait, 30)
+        second = asyncio.ensure_future(pooler.encode([[5, 6, 7, 8]]))
+        await asyncio.sleep(0.05)
+        held_now = pooler.occupancy()
+        assert (held_now["running"], held_now["used_tokens"]) == (2, 5)
+        assert (held_now["waiting"], held_now["waiting_tokens"]) == (1, 4)
+        release.set()
+        await asyncio.gather(first, second)
+        idle = pooler.occupancy()
+        assert (idle["running"], idle["waiting"], idle["used_tokens"]) == (0, 0, 0)
+        assert pooler.load.prefill_uncached_tokens == 9
+    finally:
+        release.set()
+        pooler.stop()
+
+
+@pytest.mark.timeout(60)
+def test_metrics_are_refused_on_a_pooling_model(tmp_path) -> None:
+    """``--enable-metrics`` records generation: a pooling engine refuses it at start, saying
+    why, rather than serving without it."""
+    import subprocess
+
+    from tests.stages.engine_setup import engine_command
+
+    folder = make_tiny_classifier(tmp_path / "rm", seed=9)
+    done = subprocess.run(
+        [*engine_command(folder, "--enable-metrics"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 2
+    assert "--enable-metrics" in done.stdout + done.stderr
+    assert "generates nothing" in done.stdout + done.stderr
