@@ -348,12 +348,21 @@ class Pooler:
         self._running = (rows, tokens)
         began = time.perf_counter()
         try:
-            self._pass(jobs)
-        finally:
+            values, hidden, failed = self._pass(jobs)
+        finally:  # over before any answer goes out: a client answered sees it idle
             self._running = (0, 0)
             self.load.prefilled(time.perf_counter() - began, tokens, 0)
+        self._answer(jobs, values, hidden, failed)
 
-    def _pass(self, jobs: list[_Job]) -> None:
+    def _pass(
+        self, jobs: list[_Job]
+    ) -> tuple[
+        dict[tuple[int, int], list[float]],
+        dict[tuple[int, int], list[float]],
+        dict[int, Exception],
+    ]:
+        """Each row's result (and pooled hidden state where asked) by (job, row), and the
+        jobs whose pass failed."""
         flat = [(j, i) for j, job in enumerate(jobs) for i in range(len(job.rows))]
         flat.sort(key=lambda ji: len(jobs[ji[0]].rows[ji[1]]))
         values: dict[tuple[int, int], list[float]] = {}
@@ -374,6 +383,15 @@ class Pooler:
                 values[j, i] = results[k]
                 if jobs[j].hidden:
                     hidden[j, i] = states[k].tolist()
+        return values, hidden, failed
+
+    def _answer(
+        self,
+        jobs: list[_Job],
+        values: dict[tuple[int, int], list[float]],
+        hidden: dict[tuple[int, int], list[float]],
+        failed: dict[int, Exception],
+    ) -> None:
         for j, job in enumerate(jobs):
             self.requests += 1
             if j in failed:

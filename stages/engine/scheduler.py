@@ -456,7 +456,9 @@ class Scheduler:
         ones bring, requests waiting for their grammar, held by an in-place pause, or
         retracted by a pause and waiting to resume, LoRA adapters loaded and used by running
         rows, and the bytes the batch's KV storage takes."""
-        running, waiting, end = list(self._running), list(self._waiting), self._kv.end
+        # (a seq whose answer went out has slot -1 before its row is taken out)
+        running = [s for s in list(self._running) if s.slot >= 0]
+        waiting, end = list(self._waiting), self._kv.end
         with self._lock:
             grammar = sum(len(seqs) for seqs in self._compiling.values())
         return {
