@@ -1,9 +1,10 @@
-"""SGLang's ``GET /v1/loads`` on the built-in engine, as SGLang 0.5.23 answers it, and with
-``--enable-metrics`` its ``GET /metrics`` (``engine_metrics``)
+"""SGLang's ``GET /v1/loads`` on the built-in engine, as SGLang 0.5.23 answers it
 (``entrypoints/v1_loads.py``, ``managers/load_snapshot.py``,
-``scheduler_components/load_inquirer.py``): the load of each data-parallel rank (one here),
-for a router's balancing and for RL drivers that wait for an engine to drain (slime's
-``abort_servers_until_idle`` polls ``/v1/loads?include=core`` after ``/abort_request``).
+``scheduler_components/load_inquirer.py``), and with ``--enable-metrics`` its ``GET /metrics``
+(``engine_metrics``). The load of each data-parallel rank (one here), for a router's balancing
+and for RL drivers that wait for an engine to drain (slime's ``abort_servers_until_idle``
+polls ``/v1/loads?include=core`` after ``/abort_request``). A pooling engine (a reward or
+embedding model) answers it too, from its ``Pooler``: each pass a prefill.
 
 Query: ``include`` (comma-separated sections: ``core``, ``memory``, ``spec``, ``lora``,
 ``disagg``, ``queues``, ``all``; default all), ``dp_rank`` (another rank's: an empty list),
