@@ -34,8 +34,8 @@ from stages.engine.openai_chat import ChatSettings
 from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
 from stages.engine.request_body import bad_request
 from stages.engine.server import (
-    ENGINE_VERSION,
     HEALTH_CHECK_TIMEOUT_S,
+    SERVED_VERSION,
     base_app,
     engine_id_header,
     model_info,
@@ -139,7 +139,7 @@ def build_pooling_app(
         return await check_weights(request, checker, lambda fn: pooler.call(lambda: fn(model)))
 
     model = pooler.model.loaded.model
-    LoadRoutes(pooler, model, pooler.max_batch_tokens, f"inflight-rl {ENGINE_VERSION}").add_to(app)
+    LoadRoutes(pooler, model, pooler.max_batch_tokens, SERVED_VERSION).add_to(app)
     app.router.add_route("GET", "/weights_checker", weights_checker)
     app.router.add_post("/weights_checker", weights_checker)
     return app
@@ -215,7 +215,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "max_req_input_len": loaded.context_length - 1,
             "weight_version": pooler.weight_version,
             "internal_states": [state],
-            "version": f"inflight-rl {ENGINE_VERSION}",
+            "version": SERVED_VERSION,
             "engine": "inflight-builtin",
             "pooling": pooler.model.kind,
             "device": str(next(loaded.model.parameters()).device),

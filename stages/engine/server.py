@@ -115,6 +115,7 @@ from transport.credit import sparse
 
 __all__ = [
     "ENGINE_VERSION",
+    "SERVED_VERSION",
     "base_app",
     "build_app",
     "build_scheduler",
@@ -154,6 +155,7 @@ def _package_version() -> str:
 
 
 ENGINE_VERSION = _package_version()
+SERVED_VERSION = f"inflight-rl {ENGINE_VERSION}"  # what /server_info and /v1/loads name
 
 
 def build_app(
@@ -218,7 +220,7 @@ def build_app(
     if enable_metrics:  # each finished request recorded, with its time stats in its meta_info
         scheduler.metrics = EngineMetrics(str(loaded.path), loaded.context_length)
     capacity = _max_total_tokens(scheduler, loaded)
-    LoadRoutes(scheduler, loaded.model, capacity, _version(), scheduler.metrics).add_to(app)
+    LoadRoutes(scheduler, loaded.model, capacity, SERVED_VERSION, scheduler.metrics).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
@@ -544,7 +546,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
             "weight_version": scheduler.weight_version,
             "internal_states": [state],
-            "version": _version(),
+            "version": SERVED_VERSION,
             "frontend": "python",
             "engine": "inflight-builtin",
             "forward_path": scheduler.forward_path,
@@ -558,10 +560,6 @@ def _max_total_tokens(scheduler: Scheduler, loaded: LoadedModel) -> int:
     """SGLang's ``max_total_num_tokens``: every running request may grow to the context
     length."""
     return scheduler.max_running * loaded.context_length
-
-
-def _version() -> str:
-    return f"inflight-rl {ENGINE_VERSION}"
 
 
 async def _weight_version(request: web.Request) -> web.Response:

@@ -103,6 +103,15 @@ def run_with_retraction(scheduler: Any, steps: int, retract: bool) -> None:
     scheduler.run_until_idle()
 
 
+def pass_through_template(folder: Path) -> Path:
+    """A chat template that renders the messages' contents alone, each followed by a space,
+    written to ``folder``: for a test that sends chat requests to a tiny model and reads no
+    format; returns its path (the engine's ``--chat-template``)."""
+    template = folder / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
+    return template
+
+
 def free_port() -> int:
     return rendezvous_port()  # below the ephemeral range: not taken before it is bound
 

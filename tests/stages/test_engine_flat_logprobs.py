@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from stages.engine.flat_logprobs import flat_fields
-from tests.stages.engine_setup import builtin_engine
+from tests.stages.engine_setup import builtin_engine, pass_through_template
 from tests.stages.tiny_model import make_tiny_model
 
 PROMPT = [5, 17, 33, 8, 90, 41]
@@ -40,8 +40,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(model: Path) -> Iterator[str]:
-    template = model.parent / "chat_template.jinja"  # any template: the chat test reads none
-    template.write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
+    template = pass_through_template(model.parent)  # the chat test reads no format
     with builtin_engine(model, "--chat-template", str(template)) as engine:
         yield engine
 

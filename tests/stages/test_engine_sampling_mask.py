@@ -26,7 +26,7 @@ import torch
 
 from stages.engine.protocol import SamplingParams
 from stages.engine.sampling import SlotSampler
-from tests.stages.engine_setup import builtin_engine, load_reference
+from tests.stages.engine_setup import builtin_engine, load_reference, pass_through_template
 from tests.stages.tiny_model import make_tiny_model
 
 PROMPT = [5, 17, 33, 8, 90]
@@ -116,8 +116,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(model: Path) -> Iterator[str]:
-    template = model.parent / "chat_template.jinja"  # any template: the chat test reads none
-    template.write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
+    template = pass_through_template(model.parent)  # the chat test reads no format
     flags = ("--sampling-mask-max-tokens", "64", "--chat-template", str(template))
     with builtin_engine(model, *flags) as engine:
         yield engine
