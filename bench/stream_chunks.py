@@ -4,12 +4,12 @@ Run (prints one JSON line):
 
     python bench/stream_chunks.py [--repeats 15] [--rounds 150] [--new-tokens 5]
 
-A stand-in scheduler hands the routes what ``stages.engine.scheduler.Scheduler`` hands them:
-per step, one event per sample to a streamed request (``(index, (token, logprob, version, top,
-cached, input_lps, input_tops, picked, input_picked))``), and each sample's ``SequenceResult``
-at its last token. 16 requests of ``n`` = 4 on arith-tiny's tokenizer and vocabulary, with
-log-probs, take ``--new-tokens`` steps together, as ``bench/engine_profile.py compare`` drives
-a real server:
+A stand-in scheduler hands the routes what ``stages.engine.scheduler.Scheduler`` hands them: per
+step, one event per sample to a streamed request (``(index, (token, logprob, version, top,
+cached, input_lps, input_tops, picked, input_picked, mask, retractions, time_stats))``), and
+each sample's ``SequenceResult`` at its last token. 16 requests of ``n`` = 4 on arith-tiny's
+tokenizer and vocabulary, with log-probs, take ``--new-tokens`` steps together, as
+``bench/engine_profile.py compare`` drives a real server:
 
 - ``generate``: ``/generate`` not streamed (``stages.engine.server.generate``, then JSON);
 - ``generate-stream``: streamed (``stream_generate``'s chunks, each batch as its events: the
@@ -59,7 +59,7 @@ from stages.engine.openai_chat import (  # noqa: E402
     chat_response,
     chat_stream,
 )
-from stages.engine.protocol import SequenceResult  # noqa: E402
+from stages.engine.protocol import SAMPLING_MASK_MAX_TOKENS, SequenceResult  # noqa: E402
 from stages.engine.server import generate  # noqa: E402
 from stages.engine.streaming import _events, stream_generate  # noqa: E402
 from stages.engine.token_bytes import TokenBytes, token_bytes  # noqa: E402
@@ -88,6 +88,7 @@ class _Scheduler:
         return ()
 
     think_end: tuple[int, ...] = ()  # no --reasoning-parser
+    sampling_mask_max_tokens = SAMPLING_MASK_MAX_TOKENS
 
     def abort_many(self, rids: Any, message: str = "") -> None:
         pass
@@ -105,7 +106,8 @@ class _Scheduler:
                 token = random.randrange(3, self.vocab)
                 ids[i].append(token)
                 if not last:
-                    events.append((i, (token, -0.5, "0", None, 0, None, None, None, None)))
+                    event = (token, -0.5, "0", None, 0, None, None, None, None, None, 0, None)
+                    events.append((i, event))
                     continue
                 n = len(ids[i])
                 result = SequenceResult(

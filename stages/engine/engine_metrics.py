@@ -8,8 +8,8 @@ its first prefill began and ended) and ``queue_time`` (the seconds it waited for
 retracted request's waits added up), then ``request_received_ts``, ``first_token_latency``,
 ``api_server_dispatch_finish_ts``, ``request_finished_ts`` and, past one token,
 ``decode_throughput`` (tokens a second after the first). Timestamps are Unix seconds. They come
-with a request's answer, and with a stream's last chunk: SGLang also puts the first three in
-each of a stream's chunks.
+with a request's answer and a stream's last chunk; the first three (``scheduler_stats``) also
+come with each of a stream's chunks before it, as SGLang's.
 
 The metrics keep SGLang's names, labels (``model_name`` and ``engine_type``; the scheduler's
 gauges also ``tp_rank``, ``pp_rank`` and ``moe_ep_rank``, all 0) and default buckets:
@@ -49,7 +49,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["PROMETHEUS_TEXT", "EngineMetrics"]
+__all__ = ["PROMETHEUS_TEXT", "EngineMetrics", "scheduler_stats"]
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -150,6 +150,22 @@ class _Histogram:
         self.sum += value * times if total is None else total
 
 
+def scheduler_stats(
+    admitted: float, first_token: float, queue_time: float, offset: float
+) -> dict[str, Any]:
+    """The scheduler's time stats of a request (``SchedulerReqTimeStats
+    .convert_to_output_meta_info``), in every answer and in each of a stream's chunks:
+    ``forward_entry_time`` and ``prefill_finished_time`` once they happened (``perf_counter``
+    times, ``offset`` to Unix time), ``queue_time`` always."""
+    stats: dict[str, Any] = {}
+    if admitted > 0:
+        stats["forward_entry_time"] = admitted + offset
+    if first_token > 0:
+        stats["prefill_finished_time"] = first_token + offset
+    stats["queue_time"] = queue_time
+    return stats
+
+
 class EngineMetrics:
     """The finished requests' metrics, and the time stats each one's ``meta_info`` gets."""
 
@@ -198,12 +214,7 @@ class EngineMetrics:
         self._observe("sglang:uncached_prompt_tokens_histogram", "", prompt_tokens - cached_tokens)
         self._observe("sglang:generation_tokens_histogram", "", completion_tokens)
         offset = time.time() - now  # perf_counter to Unix time
-        stats: dict[str, Any] = {}
-        if admitted > 0:
-            stats["forward_entry_time"] = admitted + offset
-        if first_token > 0:
-            stats["prefill_finished_time"] = first_token + offset
-        stats["queue_time"] = queue_time
+        stats = scheduler_stats(admitted, first_token, queue_time, offset)
         if admitted > 0:
             self._observe("sglang:queue_time_seconds", "", max(admitted - created, 0.0))
         stats["request_received_ts"] = created + offset

@@ -57,7 +57,7 @@ import structlog
 import torch
 
 from pipeline.processes import name_thread
-from stages.engine.engine_metrics import EngineMetrics
+from stages.engine.engine_metrics import EngineMetrics, scheduler_stats
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
@@ -514,7 +514,8 @@ class Scheduler:
         ``_streamed``), ``[(index in inputs, (token, logprob, version, top log-probs or
         None, cached prompt tokens, the prompt's log-probs and top log-probs or None, the
         token_ids_logprob log-probs of this step and of the prompt or None, its sampling
-        support or None, how many times a pause retracted it)), ...]``, a sequence's tokens
+        support or None, how many times a pause retracted it, its time stats with
+        --enable-metrics or None)), ...]``, a sequence's tokens
         since its last chunk in order; as each finishes, ``[(index, SequenceResult)]``; if
         they fail, ``[(-1, exception)]``. The future resolves after the last of them. A
         grammar not compiled yet is compiled on the grammar worker first (``_queue``): one
@@ -1391,13 +1392,16 @@ class Scheduler:
         new, lps, version = tokens.tolist(), logprobs.tolist(), self._version
         due = []
         default_every = self.stream_interval
+        offset = None if self.metrics is None else time.time() - time.perf_counter()
         for seq in seqs:
             k = seq.slot - lo
             held = seq.held
             held.append(
                 (new[k], lps[k], version, seq.top[-1] if seq.top else None, seq.cached,
                  seq.input_lps, seq.input_tops, seq.picked[-1] if seq.picked else None,
-                 seq.input_picked, seq.masks[-1] if seq.masks else None, seq.retractions)
+                 seq.input_picked, seq.masks[-1] if seq.masks else None, seq.retractions,
+                 None if offset is None
+                 else scheduler_stats(seq.admitted, seq.first_token, seq.queue_time, offset))
             )  # fmt: skip
             every = seq.inp.params.stream_interval or default_every
             if every == 1 or len(held) >= every or seq.sent == 0:

@@ -3,16 +3,17 @@
 As SGLang 0.5 streams ``/generate`` (``http_server.serve_generate_request``,
 ``TokenizerManager._handle_batch_output`` and ``_wait_one_response`` at the default, without
 ``--incremental-streaming-output``): the answer is ``text/event-stream``, one ``data: {json}``
-event per chunk and ``data: [DONE]`` after the last. Every chunk holds a sample's whole output so
-far: ``text``, ``output_ids`` and ``meta_info`` with SGLang's fields (``id``, ``finish_reason``
-null until the sample's last chunk, ``prompt_tokens``, ``completion_tokens`` and
-``cached_tokens`` so far, ``weight_version``, and with ``return_logprob`` the log-probs so far;
-per-token versions only in the last). A batch or ``n`` > 1 adds ``index`` to each chunk: the
-sample's place in the non-streamed answer's list. Chunks that pile up while the client reads are
-merged into the newest (SGLang drains its queue the same way); the sample's last chunk is its
-whole answer. ``text`` is decoded as SGLang's detokenizer decodes it
-(``incremental_text``): after the prompt's last tokens, a few tokens a chunk, and new text that
-cannot settle yet (an incomplete character) shows only its printable part.
+event per chunk and ``data: [DONE]`` after the last. Every chunk holds a sample's whole output
+so far: ``text``, ``output_ids`` and ``meta_info`` with SGLang's fields (``id``,
+``finish_reason`` null until the sample's last chunk, ``prompt_tokens``, ``completion_tokens``
+and ``cached_tokens`` so far, ``weight_version``, with ``--enable-metrics`` the scheduler's time
+stats, and with ``return_logprob`` the log-probs so far; per-token versions only in the last). A
+batch or ``n`` > 1 adds ``index`` to each chunk: the sample's place in the non-streamed answer's
+list. Chunks that pile up while the client reads are merged into the newest (SGLang drains its
+queue the same way); the sample's last chunk is its whole answer. ``text`` is decoded as
+SGLang's detokenizer decodes it (``incremental_text``): after the prompt's last tokens, a few
+tokens a chunk, and new text that cannot settle yet (an incomplete character) shows only its
+printable part.
 
 The scheduler hands a streamed request one batch of events per model pass
 (``Scheduler.submit_async(..., stream=...)``): the results of its samples that finished in it
@@ -82,6 +83,7 @@ class Progress:
         "return_logprob",
         "rid",
         "text",
+        "time_stats",
         "token_text",
         "top_entries",
         "tops",
@@ -120,6 +122,7 @@ class Progress:
         self.logprobs: list[float] = []
         self.version = ""  # the weight version of its newest token
         self.retractions = 0  # how many times a pause retracted it so far
+        self.time_stats: dict[str, Any] | None = None  # the scheduler's (--enable-metrics)
         self.tops: list[list[tuple[float, int]]] | None = tops  # with top_logprobs_num
         # the log-prob entries so far, built once per token (each chunk shares the lists: a
         # chunk is encoded before the next token is added)
@@ -183,6 +186,8 @@ class Progress:
         meta["cached_tokens"] = self.cached
         meta["weight_version"] = self.version
         meta["num_retractions"] = self.retractions
+        if self.time_stats is not None:
+            meta.update(self.time_stats)
         if self.return_logprob:
             self._add_entries()
             meta["output_token_logprobs_length"] = len(self.entries)
@@ -202,6 +207,8 @@ class Progress:
             "weight_version": self.version,
             "num_retractions": self.retractions,
         }
+        if self.time_stats is not None:  # the scheduler's, as SGLang's follow num_retractions
+            meta.update(self.time_stats)
         if self.return_logprob:
             self._add_entries()
             meta["input_token_logprobs"] = self._input_entries(token_text)
@@ -342,7 +349,7 @@ def stream_generate(
                 if picked is not None and p.picked is not None:
                     p.picked.append(picked)
                     p.input_picked = payload[8]
-                p.retractions = payload[10]
+                p.retractions, p.time_stats = payload[10], payload[11]
                 if p.mask_mode is not None and payload[9] is not None:
                     ids, lps, selected = payload[9]
                     p.mask_ids.append(ids)

@@ -8,6 +8,7 @@ with Prometheus' own parser, and what each answer's ``meta_info`` says of its ti
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -97,6 +98,45 @@ def test_each_answer_says_when_it_was_queued_prefilled_and_finished(url: str) ->
     # one token: no decode time, no throughput (get_time_per_output_token: None)
     one = _generate(url, sampling_params={**GREEDY, "max_new_tokens": 1})["meta_info"]
     assert "decode_throughput" not in one and "first_token_latency" in one
+
+
+def test_each_streamed_chunk_says_when_its_sample_was_queued_and_prefilled(url: str) -> None:
+    """SGLang puts the scheduler's time stats (``forward_entry_time``, ``prefill_finished_time``,
+    ``queue_time``) in every chunk, after ``num_retractions`` (``_handle_batch_output``), and
+    the API server's too in the last: what slime's streaming rollout keeps of a cut stream."""
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {**GREEDY, "n": 2},
+        "return_logprob": True,
+        "stream": True,
+    }
+    chunks = []
+    slowed = requests.post(url + "/slow_down", json={"forward_sleep_time": 0.03}, timeout=30)
+    assert slowed.status_code == 200  # a chunk a step: none merged while the client reads
+    try:
+        with requests.post(url + "/generate", json=body, stream=True, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line and line != b"data: [DONE]":
+                    chunks.append(json.loads(line.removeprefix(b"data: ")))
+    finally:
+        requests.post(url + "/slow_down", json={"forward_sleep_time": None}, timeout=30)
+    scheduler = TIME_STATS[:3]
+    for index in (0, 1):
+        mine = [c for c in chunks if c["index"] == index]
+        *going, last = mine
+        assert going, "the sample came in one chunk"
+        for chunk in going:
+            meta = chunk["meta_info"]
+            keys = list(meta)
+            at = keys.index("num_retractions")
+            assert tuple(keys[at + 1 : at + 4]) == scheduler, keys
+            assert not set(TIME_STATS[3:]) & set(meta)  # the API server's: the last only
+            assert meta["forward_entry_time"] <= meta["prefill_finished_time"]
+        assert all(key in last["meta_info"] for key in TIME_STATS)
+        for key in scheduler:  # the same times throughout (no retraction)
+            for chunk in going:
+                assert chunk["meta_info"][key] == pytest.approx(last["meta_info"][key], abs=1e-3)
 
 
 def test_finished_requests_are_counted_by_whether_they_streamed(url: str) -> None:

@@ -69,6 +69,7 @@ def test_a_stream_grows_token_by_token_and_ends_with_the_whole_answer(engine: En
         assert len(meta["output_token_logprobs"]) == len(chunk["output_ids"])
         assert meta["id"] == chunks[-1]["meta_info"]["id"]
         assert meta["num_retractions"] == 0
+        assert "queue_time" not in meta  # the time stats need --enable-metrics
     # SGLang stamps the time its first chunk is sent at (TokenizerManager._wait_one_response)
     assert abs(chunks[0]["meta_info"]["response_sent_to_client_ts"] - time.time()) < 60
     assert not [c for c in chunks[1:] if "response_sent_to_client_ts" in c["meta_info"]]
