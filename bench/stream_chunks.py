@@ -6,8 +6,8 @@ Run (prints one JSON line):
 
 A stand-in scheduler hands the routes what ``stages.engine.scheduler.Scheduler`` hands them: per
 step, one event per sample to a streamed request (``(index, (token, logprob, version, top,
-cached, input_lps, input_tops, picked, input_picked, mask, retractions, time_stats))``), and
-each sample's ``SequenceResult`` at its last token. 16 requests of ``n`` = 4 on arith-tiny's
+cached, input_lps, input_tops, picked, input_picked, mask, retractions, time_stats, hidden))``),
+and each sample's ``SequenceResult`` at its last token. 16 requests of ``n`` = 4 on arith-tiny's
 tokenizer and vocabulary, with log-probs, take ``--new-tokens`` steps together, as
 ``bench/engine_profile.py compare`` drives a real server:
 
@@ -89,6 +89,7 @@ class _Scheduler:
 
     think_end: tuple[int, ...] = ()  # no --reasoning-parser
     sampling_mask_max_tokens = SAMPLING_MASK_MAX_TOKENS
+    hidden_states_mode = None  # no --return-hidden-states-mode
 
     def abort_many(self, rids: Any, message: str = "") -> None:
         pass
@@ -107,6 +108,7 @@ class _Scheduler:
                 ids[i].append(token)
                 if not last:
                     event = (token, -0.5, "0", None, 0, None, None, None, None, None, 0, None)
+                    event += (None,)  # no hidden states
                     events.append((i, event))
                     continue
                 n = len(ids[i])

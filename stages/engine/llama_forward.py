@@ -122,10 +122,13 @@ class LlamaForward:
         mask: torch.Tensor,
         kv: Any,
         lora: RowAdapters | None = None,
-    ) -> torch.Tensor:
+        *,
+        keep_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[rows, vocab]`` of one decode step: ``ids``/``positions`` ``[rows, 1]`` and
         ``mask`` as ``BatchKV.decode_inputs`` gives them; ``kv``'s pending column is written.
-        ``lora``: the rows that take LoRA adapters (``lora_adapters``), if any."""
+        ``lora``: the rows that take LoRA adapters (``lora_adapters``), if any. With
+        ``keep_hidden``, ``(logits, the final (normed) hidden states [rows, hidden])``."""
         n = ids.shape[0]
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         h = F.embedding(ids[:, 0], self.embed.weight)
@@ -138,7 +141,9 @@ class LlamaForward:
             scores = torch.matmul(q.view(n, nkv, nh // nkv, hd), keys.transpose(-1, -2))
             out = self._attend(scores, blocked, values)  # [n, nkv, group, hd]
             h = self._rest(layer, h, out.reshape(n, nh * hd), lora)
-        return F.linear(self.final_norm(h), self.lm_head.weight, self.lm_head.bias)
+        normed = self.final_norm(h)
+        logits = F.linear(normed, self.lm_head.weight, self.lm_head.bias)
+        return (logits, normed) if keep_hidden else logits
 
     def prefill(
         self,

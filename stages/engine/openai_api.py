@@ -216,8 +216,20 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         # SGLang: only asked for, with stream (stream_response_default_include_usage: false)
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
+        "hidden_states": body.get("return_hidden_states") or False,  # checked by /generate
     }
     return native_body, options
+
+
+def choice_hidden_states(hidden: Any, mode: Any) -> Any:
+    """A choice's ``hidden_states`` of its native ones (SGLang 0.5.23's
+    ``process_hidden_states_for_response``): the newest (``return_hidden_states: true``: the
+    last of them, [] with only the prompt's), or "last"'s as it is; None: none or not asked."""
+    if not mode or hidden is None:
+        return None
+    if mode == "last":
+        return hidden
+    return hidden[-1] if len(hidden) > 1 else []
 
 
 def name_adapter(native_body: dict[str, Any], model: str, lora_path: Any) -> bool:
@@ -268,6 +280,9 @@ def completion_response(
             "finish_reason": reason["type"] if reason else None,
             "matched_stop": reason.get("matched") if reason else None,
         }
+        hidden = choice_hidden_states(meta.get("hidden_states"), options.get("hidden_states"))
+        if hidden is not None:
+            choice["hidden_states"] = hidden
         if options["return_token_ids"]:
             choice["token_ids"] = item["output_ids"]
             if item.get("prompt_token_ids") is not None:
@@ -315,8 +330,31 @@ class StreamLayout:
         self.reasoning_tokens: dict[int, int] = {}  # a require_reasoning request's (chat)
         self.cached_tokens: dict[int, int] = {}  # the prompt's, from the prefix cache
         self.last_id = ""
+        # with return_hidden_states: each choice's native hidden states, from its newest chunk
+        self.hidden: dict[int, Any] | None = {} if options.get("hidden_states") else None
 
     def end(self) -> list[dict[str, Any]]:
+        """A chunk of each choice's hidden states when asked for, then the usage chunk when
+        asked for (``stream_options.include_usage``)."""
+        return self.hidden_chunks() + self.usage_chunks()
+
+    def hidden_chunks(self) -> list[dict[str, Any]]:
+        """After the choices' last chunks, one of each choice's hidden states (SGLang's
+        streams: ``choice_hidden_states`` of its newest, none where it has none)."""
+        if not self.hidden:
+            return []
+        mode = self.options["hidden_states"]
+        return [
+            self.hidden_chunk(index, choice_hidden_states(hidden, mode))
+            for index, hidden in self.hidden.items()
+            if hidden
+        ]
+
+    def hidden_chunk(self, index: int, hidden: Any) -> dict[str, Any]:
+        """The chunk that carries a choice's hidden states (the layout's own)."""
+        raise NotImplementedError
+
+    def usage_chunks(self) -> list[dict[str, Any]]:
         """The usage chunk, when asked for (``stream_options.include_usage``)."""
         if not self.options["include_usage"]:
             return []
@@ -382,7 +420,15 @@ class CompletionChunks(StreamLayout):
         chunk, choice = made
         choice["text"] = text[start:]
         choice["logprobs"] = logprobs
+        if self.hidden is not None:
+            self.hidden[index] = p.hidden_states()
         return chunk
+
+    def hidden_chunk(self, index: int, hidden: Any) -> dict[str, Any]:
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+        choice.update(matched_stop=None, hidden_states=hidden)
+        return {"id": self.last_id, "object": self.OBJECT, "created": self.created,
+                "model": self.options["model"], "choices": [choice], "usage": None}  # fmt: skip
 
     def __call__(self, batch: list[Any]) -> list[dict[str, Any]]:
         options, offsets, logprobs_sent = self.options, self.offsets, self.logprobs_sent
@@ -408,6 +454,7 @@ class CompletionChunks(StreamLayout):
                     logprobs_sent[index] = total
                 reason = content.finish
                 prompt_ids = content.prompt_ids
+                hidden = content.hidden_states()
             else:
                 index = content.get("index", 0)
                 meta = content["meta_info"]
@@ -435,6 +482,9 @@ class CompletionChunks(StreamLayout):
                 reason = meta.get("finish_reason")
                 ids = content["output_ids"]
                 prompt_ids = content.get("prompt_token_ids")
+                hidden = meta.get("hidden_states")
+            if self.hidden is not None:
+                self.hidden[index] = hidden
             self.last_id = rid
             choice: dict[str, Any] = {
                 "index": index,
@@ -488,10 +538,11 @@ def _progress_logprobs(p: Progress, start: int, end: int, tokens: TokenBytes) ->
 
 
 # a /v1 request's fields that go on to /generate as they are: its rid, its prefix-cache
-# namespace, its priority, and SGLang 0.5.23's fields for what this engine has not (hidden
-# states, MoE experts, sessions, custom logit processors, multimodal settings), which
-# /generate takes at their neutral values only and refuses otherwise, naming
-# the field, where SGLang would honour them (or refuse them without its server flag)
+# namespace, its priority, its hidden states (with the server's flag: each choice's newest),
+# and SGLang 0.5.23's fields for what this engine has not (MoE experts, sessions, custom
+# logit processors, multimodal settings), which /generate takes at their neutral values only
+# and refuses otherwise, naming the field, where SGLang would honour them (or refuse them
+# without its server flag)
 PASSED_ON = (
     "rid", "extra_key", "cache_salt", "priority",
     "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "session_id",

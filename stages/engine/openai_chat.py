@@ -89,6 +89,7 @@ from stages.engine.openai_api import (
     StreamLayout,
     _no_text,
     _usage,
+    choice_hidden_states,
     name_adapter,
     response_format,
     results_usage,
@@ -370,6 +371,7 @@ def chat_request(
         # the response's sglext: the prompt's ids, each choice's ids
         "sglext_input_ids": bool(body.get("return_input_ids_in_sglext")),
         "sglext_output_ids": bool(body.get("return_output_ids_in_sglext")),
+        "hidden_states": body.get("return_hidden_states") or False,  # checked by /generate
     }
     return native_body, options
 
@@ -447,6 +449,9 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
             "finish_reason": reason["type"] if reason else None,
             "matched_stop": reason.get("matched") if reason else None,
         }
+        hidden = choice_hidden_states(meta.get("hidden_states"), options.get("hidden_states"))
+        if hidden is not None:
+            choice["hidden_states"] = hidden
         if options.get("return_prompt_token_ids") and item.get("prompt_token_ids") is not None:
             choice["prompt_token_ids"] = item["prompt_token_ids"]
         if options.get("return_token_ids"):
@@ -556,6 +561,8 @@ class ChatChunks(StreamLayout):
                 self.reasoning_tokens[index] = 0 if counter is None else counter.update(content.ids)
                 reason = content.finish
                 meta: Any = content
+                if self.hidden is not None:
+                    self.hidden[index] = content.hidden_states()
             else:  # a native chunk
                 index = content.get("index", 0)
                 meta = content["meta_info"]
@@ -567,6 +574,8 @@ class ChatChunks(StreamLayout):
                 text = content.get("text", "")
                 reason = meta.get("finish_reason")
                 total = meta.get("output_token_logprobs_length", 0)
+                if self.hidden is not None:
+                    self.hidden[index] = meta.get("hidden_states")
             if self.ids_wanted:
                 self._keep_ids(content, index)
             self.last_id = rid
@@ -628,10 +637,11 @@ class ChatChunks(StreamLayout):
         self.output_ids[index] = content.ids if progress else content["output_ids"]
 
     def end(self) -> list[dict[str, Any]]:
-        """After the choices' last chunks: the ``sglext`` chunk when its ids were asked for
-        (no choices, ``usage`` null: ``ChatCompletionStreamResponse``), then the usage chunk
+        """After the choices' last chunks: a chunk of each choice's hidden states when asked
+        for, the ``sglext`` chunk when its ids were asked for (no choices, ``usage`` null:
+        ``ChatCompletionStreamResponse``), then the usage chunk
         (``stream_options.include_usage``)."""
-        out = []
+        out = self.hidden_chunks()
         options = self.options
         sglext = _sglext(
             self.input_ids if options.get("sglext_input_ids") else None,
@@ -644,7 +654,24 @@ class ChatChunks(StreamLayout):
                 {"id": self.last_id, "object": self.OBJECT, "created": self.created,
                  "model": self.model, "choices": [], "usage": None, "sglext": sglext}
             )  # fmt: skip
-        return out + super().end()
+        return out + self.usage_chunks()
+
+    def hidden_chunk(self, index: int, hidden: Any) -> dict[str, Any]:
+        return {
+            "id": self.last_id,
+            "object": self.OBJECT,
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": {"reasoning_content": None, "hidden_states": hidden},
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "matched_stop": None,
+                }
+            ],
+        }
 
     def _think(self, index: int, delta: str, reason: Any) -> tuple[str, str]:
         """``(reasoning, content)`` of a choice's new text (``_process_reasoning_stream``)."""

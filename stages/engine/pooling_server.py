@@ -74,6 +74,14 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             f"{kind} model generates nothing; /v1/loads gives its load",
         )
         return 2
+    if args.return_hidden_states_mode or args.enable_return_hidden_states:
+        log.error(
+            "engine_option_unsupported",
+            option="--return-hidden-states-mode",
+            message="hidden states come with generated tokens: a "
+            f"{kind} model generates nothing; /v1/embeddings gives its pooled states",
+        )
+        return 2
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
         model = load_pooling_model(args.model, kind, device=args.device, dtype=args.dtype)

@@ -155,6 +155,9 @@ class GenerateInput:
     sampling_mask: str | None = None
     # which sides of its top log-probs are answered as flat arrays (flat_logprobs); None: none
     flat_tops: FlatTops | None = None
+    # its final (normed) hidden states (return_hidden_states): "full" (true: every position
+    # each prefill computes, then one a decode step) or "last" (the newest only); None: none
+    hidden_states: str | None = None
 
 
 @dataclass(slots=True)
@@ -207,7 +210,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "video_data": (None,),
     "input_embeds": (None,),
     "custom_logit_processor": (None,),
-    "return_hidden_states": (False, None),
     "session_params": (None,),
     # SGLang 0.5.23's GenerateReqInput, at the values that change nothing: other values ask for
     # what this engine does not have (multimodal inputs, MoE experts, data-parallel ranks,
@@ -283,6 +285,7 @@ _KNOWN_TOP = frozenset(
         "return_flat_raw_top_logprobs",
         "return_flat_raw_output_top_logprobs",
         "return_flat_raw_top_logprobs_b64",
+        "return_hidden_states",  # the final hidden states (with the server's flag)
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -300,10 +303,12 @@ def parse_generate(
     encode: Callable[[str], list[int]] | None,
     adapters: Collection[str] = (),
     mask_cap: int = SAMPLING_MASK_MAX_TOKENS,
+    hidden_cap: str | None = None,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
-    ``mask_cap``: the engine's ``--sampling-mask-max-tokens``."""
+    ``mask_cap``: the engine's ``--sampling-mask-max-tokens``; ``hidden_cap``: the most its
+    ``--return-hidden-states-mode`` returns (``last`` or ``full``; None: no hidden states)."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():
@@ -381,6 +386,7 @@ def parse_generate(
     salts = _per_item(body.get("cache_salt"), "cache_salt", count, listed, str)
     rids = _sample_rids(body.get("rid"), count, n, batch)
     masks = _sampling_masks(body, count, listed)
+    hidden = _hidden_modes(body.get("return_hidden_states"), count, listed, hidden_cap)
     flat = flat_request(body)
 
     inputs: list[GenerateInput] = []
@@ -426,6 +432,7 @@ def parse_generate(
                     cache_namespace=namespace,
                     sampling_mask=masks[i],
                     flat_tops=flat if top else None,  # only top log-probs come flat
+                    hidden_states=hidden[i],
                 )
             )
     return inputs, listed
@@ -449,6 +456,53 @@ def _sampling_masks(body: dict[str, Any], count: int, listed: bool) -> list[str 
             )
         out.append((mode or "selected") if flag else None)
     return out
+
+
+_HIDDEN_MODES = {None: 0, "last": 1, "full": 2}  # CaptureHiddenMode's order
+
+
+def _hidden_modes(value: Any, count: int, listed: bool, cap: str | None) -> list[str | None]:
+    """Each prompt's ``return_hidden_states`` (true, false or ``"last"``; a batch may give one
+    per prompt) as ``"full"``, ``"last"`` or None, refused in SGLang's words when not one of
+    those (``get_return_hidden_states_mode``) or beyond what the server returns (``cap``:
+    ``TokenizerManager._validate_one_request``)."""
+    name = "return_hidden_states"
+    if listed and isinstance(value, list):
+        if len(value) != count:
+            raise RequestError(
+                name, "The length of return_hidden_states should be equal to the batch size."
+            )
+        items = value
+    else:
+        items = [value] * count
+    modes: list[str | None] = []
+    for item in items:
+        if item is True:
+            modes.append("full")
+        elif item == "last":
+            modes.append("last")
+        elif item is False or item is None:
+            modes.append(None)
+        else:
+            raise RequestError(
+                name, "return_hidden_states must be a boolean or the string literal 'last'."
+            )
+    wanted = max(_HIDDEN_MODES[m] for m in modes) if modes else 0
+    if wanted > _HIDDEN_MODES[cap]:
+        if cap is not None:
+            raise RequestError(
+                name,
+                f"The requested return_hidden_states mode exceeds the server maximum `{cap}`. "
+                "Please launch with `--return-hidden-states-mode full` to allow "
+                "return_hidden_states=True.",
+            )
+        raise RequestError(
+            name,
+            "The server is not configured to return hidden states. Please set "
+            "`--return-hidden-states-mode last`, `--return-hidden-states-mode full`, or the "
+            "legacy `--enable-return-hidden-states` flag.",
+        )
+    return modes
 
 
 def _check_mask_top_k(params: SamplingParams, where: str, cap: int) -> None:

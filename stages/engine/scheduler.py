@@ -120,6 +120,26 @@ def _next_wanted(seq: Any) -> bool:
     )
 
 
+def _hidden_news(seq: _Seq) -> list[Any]:
+    """A streamed seq's hidden states since its last event ("last": the newest alone)."""
+    hidden = seq.hidden or []
+    if seq.inp.hidden_states == "last":
+        return hidden[-1:]
+    news = hidden[seq.hidden_sent :]
+    seq.hidden_sent = len(hidden)
+    return news
+
+
+def _hidden_answer(seq: _Seq) -> Any:
+    """What a finished seq's ``meta_info.hidden_states`` holds: every block and vector
+    ("full"), the newest vector ("last"), None when not asked (or "last" with none yet)."""
+    if seq.hidden is None:
+        return None
+    if seq.inp.hidden_states == "last":
+        return seq.hidden[-1] if seq.hidden else None
+    return list(seq.hidden)
+
+
 class _Outbox:
     """Results bound for one asyncio loop, handed over with one wake-up per batch of them.
 
@@ -258,6 +278,8 @@ class _Seq:
         "generator",
         "group",
         "held",
+        "hidden",
+        "hidden_sent",
         "index",
         "inp",
         "input_lps",
@@ -298,6 +320,11 @@ class _Seq:
         self.picked: list[list[tuple[float, int]]] | None = None if wanted is None else []
         # its sampling support after each sampled token (return_sampling_mask: SlotSampler's)
         self.masks: list[Support] | None = [] if inp.sampling_mask is not None else None
+        # its final hidden states (return_hidden_states): each prefill's block (every position
+        # it computed, or "last": its last) and one a decode step ("last": the newest only),
+        # and how many of them a stream has sent
+        self.hidden: list[Any] | None = [] if inp.hidden_states else None
+        self.hidden_sent = 0
         self.group = group
         self.index = index  # in the group
         # streamed: how many of its tokens were sent, and the events of those not sent yet
@@ -354,6 +381,7 @@ class Scheduler:
         stream_interval: int = 1,
         grammars: GrammarSet | None = None,
         sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS,
+        hidden_states_mode: str | None = None,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
@@ -371,6 +399,11 @@ class Scheduler:
         # the largest sampling support a request's return_sampling_mask may ask for (SGLang's
         # --sampling-mask-max-tokens: its top_k must be 1 or at most this)
         self.sampling_mask_max_tokens = sampling_mask_max_tokens
+        # the most return_hidden_states may ask for (SGLang's --return-hidden-states-mode:
+        # "last", "full"; None: no hidden states)
+        if hidden_states_mode not in (None, "last", "full"):
+            raise ValueError(f"hidden_states_mode: 'last', 'full' or None: {hidden_states_mode!r}")
+        self.hidden_states_mode = hidden_states_mode
         self.eos_token_ids = frozenset(eos_token_ids)
         self._version = str(weight_version)
         self._rng = torch.Generator().manual_seed(seed)
@@ -401,6 +434,7 @@ class Scheduler:
         # running seqs that want top log-probs or those of given tokens (token_ids_logprob)
         self._top_seqs: set[_Seq] = set()
         self._mask_seqs: set[_Seq] = set()  # running seqs that want their sampling support
+        self._hidden_seqs: set[_Seq] = set()  # running seqs that want their hidden states
         self._stream_seqs: set[_Seq] = set()  # running seqs whose tokens are streamed
         # json_schema, regex, ebnf, structural_tag (stages.engine.grammar); the seqs that
         # follow one
@@ -515,7 +549,8 @@ class Scheduler:
         None, cached prompt tokens, the prompt's log-probs and top log-probs or None, the
         token_ids_logprob log-probs of this step and of the prompt or None, its sampling
         support or None, how many times a pause retracted it, its time stats with
-        --enable-metrics or None)), ...]``, a sequence's tokens
+        --enable-metrics or None, its hidden states added since its last event or None)),
+        ...]``, a sequence's tokens
         since its last chunk in order; as each finishes, ``[(index, SequenceResult)]``; if
         they fail, ``[(-1, exception)]``. The future resolves after the last of them. A
         grammar not compiled yet is compiled on the grammar worker first (``_queue``): one
@@ -1189,7 +1224,11 @@ class Scheduler:
             mask, full, columns = _on_prefixes(contexts, cached, mask)
             columns = columns.to(self.device)
         ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
-        cache, logits = self._forward_prefill(ids, mask, positions, past, lora)
+        keep = any(seq.hidden is not None for seq in group)
+        cache, logits, hidden = self._forward_prefill(ids, mask, positions, past, lora, keep)
+        if hidden is not None:
+            new = [len(c) - n for c, n in zip(contexts, cached, strict=True)]
+            self._keep_prefill_hidden(group, source, new, hidden)
         mapped = source != list(range(len(contexts)))  # shared contexts, or another order
         src = torch.tensor(source, device=self.device) if mapped else None
         lengths = torch.tensor([len(contexts[i]) for i in source])
@@ -1209,6 +1248,7 @@ class Scheduler:
         self._stop_seqs.update(s for s in group if s.tail is not None)
         self._top_seqs.update(s for s in group if s.top is not None or s.picked is not None)
         self._mask_seqs.update(s for s in group if s.masks is not None)
+        self._hidden_seqs.update(s for s in group if s.hidden is not None)
         self._stream_seqs.update(s for s in group if s.group.stream is not None)
         self._constrained.update(s for s in group if s.constraint is not None)
         self._sampler.add(
@@ -1242,10 +1282,15 @@ class Scheduler:
         positions: torch.Tensor,
         past: DynamicCache | None,
         lora: RowAdapters | None = None,
-    ) -> tuple[DynamicCache, torch.Tensor]:
-        """(keys and values of past + new tokens, last-position logits) of one prefill pass."""
+        keep_hidden: bool = False,
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor | None]:
+        """(keys and values of past + new tokens, last-position logits, with ``keep_hidden``
+        the final hidden state of every new position ``[rows, width, hidden]``, else None)
+        of one prefill pass."""
         if self._fast is not None:
-            return self._fast.prefill(ids, mask, positions, past, lora=lora)
+            if keep_hidden:
+                return self._fast.prefill(ids, mask, positions, past, keep_hidden=True, lora=lora)
+            return (*self._fast.prefill(ids, mask, positions, past, lora=lora), None)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -1253,14 +1298,40 @@ class Scheduler:
             past_key_values=past if past is not None else DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
+            output_hidden_states=keep_hidden,
         )
-        return out.past_key_values, out.logits[:, -1, :]
+        hidden = out.hidden_states[-1] if keep_hidden else None
+        return out.past_key_values, out.logits[:, -1, :], hidden
+
+    def _keep_prefill_hidden(
+        self, group: list[_Seq], source: list[int], new: list[int], hidden: torch.Tensor
+    ) -> None:
+        """Each of ``group`` that asked, its block of a prefill pass's final hidden states:
+        those of the ``new[u]`` positions its context ``source[j]`` computed (the last ones
+        of a left-padded row), or of the last ("last"), as SGLang's scheduler appends them
+        (``_append_prefill_hidden_states``). A context's are read once for its samples."""
+        blocks: dict[tuple[int, str], list[Any]] = {}
+        for seq, u in zip(group, source, strict=True):
+            mode = seq.inp.hidden_states
+            if seq.hidden is None or mode is None:
+                continue
+            block = blocks.get((u, mode))
+            if block is None:
+                row = hidden[u, hidden.shape[1] - new[u] :] if mode == "full" else hidden[u, -1]
+                block = blocks[(u, mode)] = row.float().tolist()
+            seq.hidden.append(block)
 
     def _decode(self) -> None:
         kv = self._kv
         ids, positions, mask = kv.decode_inputs()
+        keep = bool(self._hidden_seqs)
+        hidden = None
         if self._fast is not None:
-            logits = self._fast.decode(ids, positions, mask, kv, self._row_adapters(self._running))
+            lora = self._row_adapters(self._running)
+            if keep:
+                logits, hidden = self._fast.decode(ids, positions, mask, kv, lora, keep_hidden=True)
+            else:
+                logits = self._fast.decode(ids, positions, mask, kv, lora)
         else:
             out = self.model(
                 input_ids=ids,
@@ -1269,8 +1340,13 @@ class Scheduler:
                 past_key_values=kv.cache,
                 use_cache=True,
                 logits_to_keep=1,
+                output_hidden_states=keep,
             )
             logits = out.logits[:, -1, :]
+            if keep:
+                hidden = out.hidden_states[-1][:, -1]
+        if hidden is not None:
+            self._keep_decode_hidden(hidden)
         self.steps += 1
         rows = kv.rows
         if self._constrained:
@@ -1283,6 +1359,22 @@ class Scheduler:
         self.tokens_generated += rows
         aborted = self._take_masks(0, rows) if self._mask_seqs else None
         self._finish_checks(tokens, logprobs, 0, rows, kv.end, aborted)
+
+    def _keep_decode_hidden(self, hidden: torch.Tensor) -> None:
+        """The final hidden state each watching row's decode step just computed (``[rows,
+        hidden]``): added to its list, or in place of it ("last": SGLang's
+        ``_append_decode_hidden_states``)."""
+        seqs = [s for s in self._hidden_seqs if s.slot >= 0 and s.hidden is not None]
+        if not seqs:
+            return
+        index = torch.tensor([s.slot for s in seqs], device=hidden.device)
+        rows = hidden.index_select(0, index).float().tolist()
+        for seq, row in zip(seqs, rows, strict=True):
+            assert seq.hidden is not None
+            if seq.inp.hidden_states == "last":
+                seq.hidden[:] = [row]
+            else:
+                seq.hidden.append(row)
 
     def _take_masks(self, lo: int, hi: int) -> dict[int, dict[str, Any]] | None:
         """Each watched row's sampling support from the draw just made, kept with its seq;
@@ -1401,7 +1493,8 @@ class Scheduler:
                  seq.input_lps, seq.input_tops, seq.picked[-1] if seq.picked else None,
                  seq.input_picked, seq.masks[-1] if seq.masks else None, seq.retractions,
                  None if offset is None
-                 else scheduler_stats(seq.admitted, seq.first_token, seq.queue_time, offset))
+                 else scheduler_stats(seq.admitted, seq.first_token, seq.queue_time, offset),
+                 None if seq.hidden is None else _hidden_news(seq))
             )  # fmt: skip
             every = seq.inp.params.stream_interval or default_every
             if every == 1 or len(held) >= every or seq.sent == 0:
@@ -1583,12 +1676,16 @@ class Scheduler:
         self._stop_seqs.discard(seq)
         self._top_seqs.discard(seq)
         self._mask_seqs.discard(seq)
+        self._hidden_seqs.discard(seq)
         self._stream_seqs.discard(seq)
         self._constrained.discard(seq)
         had_grammar = seq.constraint is not None
         seq.constraint = None
         seq.slot = -1
         extra = {} if seq.masks is None else mask_fields(seq.masks[:kept], seq.inp)
+        hidden = _hidden_answer(seq)
+        if hidden is not None:
+            extra["hidden_states"] = hidden
         now = time.perf_counter()
         if self.metrics is not None:  # --enable-metrics: recorded, and its time stats
             extra.update(

@@ -362,6 +362,7 @@ def parse_body(loaded: LoadedModel, scheduler: Any, body: Any) -> tuple[list[Gen
         encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
         adapters=scheduler.adapter_names(),
         mask_cap=scheduler.sampling_mask_max_tokens,
+        hidden_cap=scheduler.hidden_states_mode,
     )
 
 
@@ -544,6 +545,8 @@ async def _server_info(request: web.Request) -> web.Response:
             "stream_interval": scheduler.stream_interval,
             "enable_metrics": scheduler.metrics is not None,
             "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
+            "enable_return_hidden_states": scheduler.hidden_states_mode == "full",
+            "return_hidden_states_mode": scheduler.hidden_states_mode,
             "weight_version": scheduler.weight_version,
             "internal_states": [state],
             "version": SERVED_VERSION,
@@ -634,6 +637,17 @@ def _parser() -> argparse.ArgumentParser:
         default=SAMPLING_MASK_MAX_TOKENS,
         help="the largest sampling support a request's return_sampling_mask returns: its "
         "top_k must be 1 (greedy) or at most this (SGLang's)",
+    )
+    parser.add_argument(
+        "--return-hidden-states-mode",
+        choices=["last", "full"],
+        help="the most a request's return_hidden_states may ask for (SGLang's): last, the "
+        "newest final hidden state; full, also every one (none: no hidden states)",
+    )
+    parser.add_argument(
+        "--enable-return-hidden-states",
+        action="store_true",
+        help="the same as --return-hidden-states-mode full (SGLang's older flag)",
     )
     parser.add_argument(
         "--forward",
@@ -786,6 +800,9 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         admit_fraction=args.admit_fraction,
         stream_interval=args.stream_interval,
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+        hidden_states_mode="full"
+        if args.enable_return_hidden_states
+        else args.return_hidden_states_mode,
         fast_forward=args.forward == "fast",
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefix_cache_max_age=args.prefix_cache_max_age,

@@ -60,6 +60,8 @@ class Progress:
         "entries",
         "finish",
         "flat_input",
+        "hidden",
+        "hidden_mode",
         "ids",
         "index",
         "input_entries",
@@ -106,8 +108,12 @@ class Progress:
         prompt_ids: list[int] | None = None,
         mask_mode: str | None = None,
         flat_input: tuple[int, bool] | None = None,
+        hidden_mode: str | None = None,
     ) -> None:
         self.rid = rid
+        # its final hidden states so far (return_hidden_states "full", or "last": the newest)
+        self.hidden_mode = hidden_mode
+        self.hidden: list[Any] | None = [] if hidden_mode else None
         # the prompt's top log-probs as flat arrays (return_flat_raw_top_logprobs): (k, b64)
         self.flat_input = flat_input
         self.prompt_ids = prompt_ids  # in every chunk (return_prompt_token_ids), else None
@@ -166,8 +172,22 @@ class Progress:
             self.text = result_text(
                 result, decode, params.skip_special_tokens, params.no_stop_trim, state=self.detok
             )
+        if self.hidden is not None:  # the last step's too, which came with the result
+            found = result.extra.get("hidden_states")
+            if self.hidden_mode == "last":
+                self.hidden = [] if found is None else [found]
+            else:
+                self.hidden = list(found or [])
         self.finish = result.finish_reason
         return self
+
+    def hidden_states(self) -> Any:
+        """``meta_info.hidden_states`` so far: all of them, or "last" the newest (None: none,
+        or not asked for)."""
+        hidden = self.hidden
+        if hidden is None or self.hidden_mode != "last":
+            return hidden
+        return hidden[-1] if hidden else None
 
     def chunk(self) -> dict:
         """The sample's chunk before its last: ``text`` (with a tokenizer) and SGLang's fields
@@ -193,6 +213,10 @@ class Progress:
             meta["output_token_logprobs_length"] = len(self.entries)
         if self.mask_mode is not None:
             meta["output_token_sampling_mask_length"] = len(self.mask_ids)
+        if self.hidden is not None:
+            hidden = self.hidden_states()
+            if hidden is not None:  # "last" before any: left out, as SGLang leaves it
+                meta["hidden_states"] = hidden
         return out
 
     def _first_chunk(self) -> dict:
@@ -234,6 +258,9 @@ class Progress:
             meta["output_token_sampling_mask"] = self.mask_ids
             meta["output_token_sampling_logprobs"] = self.mask_values
             meta["output_token_sampling_mask_length"] = len(self.mask_ids)
+        hidden = self.hidden_states()
+        if hidden is not None:  # after the log-probs, as SGLang's
+            meta["hidden_states"] = hidden
         meta["response_sent_to_client_ts"] = time.time()  # SGLang's, in the first chunk only
         out: dict[str, Any] = (
             {"output_ids": self.ids, "meta_info": meta}
@@ -307,6 +334,7 @@ def stream_generate(
         encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
         adapters=scheduler.adapter_names(),
         mask_cap=scheduler.sampling_mask_max_tokens,
+        hidden_cap=scheduler.hidden_states_mode,
     )
     token_text = token_texts(decode, body)
     think_end = scheduler.think_end
@@ -329,6 +357,7 @@ def stream_generate(
             flat_input=(inp.top_logprobs_num, inp.flat_tops.b64)
             if inp.flat_tops is not None and inp.flat_tops.input
             else None,
+            hidden_mode=inp.hidden_states,
         )
         for index, inp in enumerate(inputs)
     ]
@@ -350,6 +379,11 @@ def stream_generate(
                     p.picked.append(picked)
                     p.input_picked = payload[8]
                 p.retractions, p.time_stats = payload[10], payload[11]
+                if payload[12] and p.hidden is not None:
+                    if p.hidden_mode == "last":
+                        p.hidden[:] = payload[12]
+                    else:
+                        p.hidden += payload[12]
                 if p.mask_mode is not None and payload[9] is not None:
                     ids, lps, selected = payload[9]
                     p.mask_ids.append(ids)

@@ -504,22 +504,30 @@ async def test_a_pass_under_way_runs_its_rows_and_the_rest_wait(tmp_path) -> Non
         pooler.stop()
 
 
-@pytest.mark.timeout(60)
-def test_metrics_are_refused_on_a_pooling_model(tmp_path) -> None:
-    """``--enable-metrics`` records generation: a pooling engine refuses it at start, saying
-    why, rather than serving without it."""
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--enable-metrics"], "--enable-metrics"),
+        (["--return-hidden-states-mode", "last"], "--return-hidden-states-mode"),
+    ],
+    ids=["metrics", "hidden-states"],
+)
+def test_generation_options_are_refused_on_a_pooling_model(tmp_path, flags, named) -> None:
+    """``--enable-metrics`` records generation and hidden states come with generated tokens:
+    a pooling engine refuses them at start, saying why, rather than serving without them."""
     import subprocess
 
     from tests.stages.engine_setup import engine_command
 
     folder = make_tiny_classifier(tmp_path / "rm", seed=9)
     done = subprocess.run(
-        [*engine_command(folder, "--enable-metrics"), "--port", "0"],
+        [*engine_command(folder, *flags), "--port", "0"],
         capture_output=True,
         text=True,
         timeout=50,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 2
-    assert "--enable-metrics" in done.stdout + done.stderr
+    assert named in done.stdout + done.stderr
     assert "generates nothing" in done.stdout + done.stderr

@@ -1,0 +1,227 @@
+"""``return_hidden_states`` on the built-in engine, as SGLang 0.5.23 returns them: the final
+(normed) hidden states, the LM head's input, held to transformers' own ``hidden_states[-1]``.
+
+SGLang's source: ``managers/schedule_batch.py`` (``get_return_hidden_states_mode``: true is
+``full``, ``"last"`` the newest only), ``scheduler_components/batch_result_processor.py``
+(``_append_prefill_hidden_states``: a prefill's block, every position it computed;
+``_append_decode_hidden_states``: one a decode step, or in place of the last),
+``output_streamer.py`` (a stream's chunks carry them so far), ``tokenizer_manager.py``
+(``_validate_one_request``: refused beyond ``--return-hidden-states-mode``; ``meta_info``) and
+``entrypoints/openai/utils.py`` (``process_hidden_states_for_response``: a choice's newest).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+import torch
+
+from stages.engine.protocol import GenerateInput, RequestError, SamplingParams, parse_generate
+from stages.engine.scheduler import Scheduler
+from tests.stages.engine_setup import builtin_engine, load_reference, pass_through_template
+from tests.stages.tiny_model import make_tiny_model
+
+PROMPT = [5, 17, 33, 8, 50, 41, 7]
+NEW = 6
+GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "m", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> torch.nn.Module:
+    return load_reference(model)
+
+
+@pytest.fixture(scope="module")
+def url(model: Path) -> Iterator[str]:
+    template = pass_through_template(model.parent)
+    with builtin_engine(
+        model, "--return-hidden-states-mode", "full", "--chat-template", str(template)
+    ) as engine:
+        yield engine
+
+
+@torch.no_grad()
+def _final_hidden(reference: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' final hidden state of every position of ``ids`` ``[len, hidden]``."""
+    return reference(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+
+
+def _check_full(hidden: list[Any], reference: torch.nn.Module, output: list[int]) -> None:
+    """SGLang's ``full`` layout: the prefill's block (every prompt position), then one vector
+    a decode step (the state each later token was drawn from), all as transformers has them."""
+    want = _final_hidden(reference, PROMPT + output[:-1])
+    block, steps = hidden[0], hidden[1:]
+    assert len(block) == len(PROMPT) and len(steps) == len(output) - 1
+    assert torch.allclose(torch.tensor(block), want[: len(PROMPT)], atol=TOL)
+    assert torch.allclose(torch.tensor(steps), want[len(PROMPT) :], atol=TOL)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-forward", "transformers-forward"])
+def test_both_forward_paths_return_transformers_hidden_states(
+    model: Path, reference: torch.nn.Module, fast: bool
+) -> None:
+    """Both of the scheduler's passes, its own and ``model(...)``, in both modes; the samples
+    of one prompt (prefilled once) each get the prompt's block."""
+    scheduler = Scheduler(
+        load_reference(model), max_running=4, hidden_states_mode="full", fast_forward=fast
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
+    full = [scheduler.submit(GenerateInput(f"f{k}", PROMPT, params, False, hidden_states="full"))
+            for k in range(2)]  # fmt: skip
+    last = scheduler.submit(GenerateInput("l", PROMPT, params, False, hidden_states="last"))
+    plain = scheduler.submit(GenerateInput("p", PROMPT, params, False))
+    scheduler.run_until_idle()
+    for future in full:
+        result = future.result(timeout=0)
+        _check_full(result.extra["hidden_states"], reference, result.output_ids)
+    result = last.result(timeout=0)
+    want = _final_hidden(reference, PROMPT + result.output_ids[:-1])[-1]
+    assert torch.allclose(torch.tensor(result.extra["hidden_states"]), want, atol=TOL)
+    assert "hidden_states" not in plain.result(timeout=0).extra
+
+
+@pytest.mark.timeout(60)
+def test_generate_answers_them_in_meta_info(url: str, reference: torch.nn.Module) -> None:
+    requests.post(url + "/flush_cache", timeout=30)  # the whole prompt computed: its block
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY, "return_hidden_states": True}
+    out = requests.post(url + "/generate", json=body, timeout=60).json()
+    _check_full(out["meta_info"]["hidden_states"], reference, out["output_ids"])
+    # "last": the state the last token was drawn from, a vector
+    out = requests.post(
+        url + "/generate", json={**body, "return_hidden_states": "last"}, timeout=60
+    ).json()
+    want = _final_hidden(reference, PROMPT + out["output_ids"][:-1])[-1]
+    assert torch.allclose(torch.tensor(out["meta_info"]["hidden_states"]), want, atol=TOL)
+    # a cached prompt is not computed again: its block holds what this prefill computed
+    again = requests.post(url + "/generate", json=body, timeout=60).json()["meta_info"]
+    assert again["cached_tokens"] > 0
+    assert len(again["hidden_states"][0]) == len(PROMPT) - again["cached_tokens"]
+    # a batch says it per prompt; false, or absent, returns none
+    batch = {"input_ids": [PROMPT, PROMPT[:4]], "sampling_params": GREEDY}
+    outs = requests.post(
+        url + "/generate", json={**batch, "return_hidden_states": [False, "last"]}, timeout=60
+    ).json()
+    assert "hidden_states" not in outs[0]["meta_info"]
+    assert len(outs[1]["meta_info"]["hidden_states"]) == reference.config.hidden_size
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_carries_them_so_far_in_every_chunk(url: str, reference: torch.nn.Module) -> None:
+    requests.post(url + "/flush_cache", timeout=30)
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY, "return_hidden_states": True}
+    chunks = []
+    slowed = requests.post(url + "/slow_down", json={"forward_sleep_time": 0.03}, timeout=30)
+    assert slowed.status_code == 200  # a chunk a step
+    try:
+        with requests.post(url + "/generate", json={**body, "stream": True}, stream=True) as r:
+            for line in r.iter_lines():
+                if line and line != b"data: [DONE]":
+                    chunks.append(json.loads(line.removeprefix(b"data: ")))
+    finally:
+        requests.post(url + "/slow_down", json={"forward_sleep_time": None}, timeout=30)
+    assert len(chunks) > 2
+    for chunk in chunks:  # the block, then a vector a token after the first
+        hidden = chunk["meta_info"]["hidden_states"]
+        assert len(hidden) == len(chunk["output_ids"])
+        assert len(hidden[0]) == len(PROMPT)
+    _check_full(chunks[-1]["meta_info"]["hidden_states"], reference, chunks[-1]["output_ids"])
+
+
+@pytest.mark.timeout(60)
+def test_the_openai_routes_give_each_choice_its_newest(
+    url: str, reference: torch.nn.Module
+) -> None:
+    """``process_hidden_states_for_response``: a choice's ``hidden_states`` is its newest
+    vector; streamed, a chunk of its own after the choices' last, before the usage."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    extra = {"return_hidden_states": True}
+    done = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=NEW, temperature=0, extra_body=extra
+    )
+    choice = done.choices[0].model_dump()
+    ids = requests.post(
+        url + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}, timeout=60
+    ).json()["output_ids"]
+    want = _final_hidden(reference, PROMPT + ids[:-1])[-1]
+    assert torch.allclose(torch.tensor(choice["hidden_states"]), want, atol=TOL)
+    chat = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=NEW,
+        temperature=0,
+        extra_body={"return_hidden_states": "last"},
+    )
+    assert len(chat.choices[0].model_dump()["hidden_states"]) == reference.config.hidden_size
+    for route, body in (
+        ("completions", {"prompt": PROMPT}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hello there"}]}),
+    ):
+        asked = {"model": "default", "max_tokens": NEW, "temperature": 0, "n": 2, "stream": True}
+        asked.update(return_hidden_states=True, stream_options={"include_usage": True})
+        stream = requests.post(f"{url}/v1/{route}", json={**body, **asked}, timeout=60)
+        events = [
+            json.loads(line.removeprefix(b"data: "))
+            for line in stream.iter_lines()
+            if line and line != b"data: [DONE]"
+        ]
+        *rest, usage = events
+        assert usage["usage"] is not None and not usage["choices"]
+        tail = rest[-2:]  # one a choice, after every content and finish chunk
+        assert sorted(e["choices"][0]["index"] for e in tail) == [0, 1]
+        for event in tail:
+            choice = event["choices"][0]
+            carried = choice["delta"] if route.startswith("chat") else choice
+            assert len(carried["hidden_states"]) == reference.config.hidden_size
+            assert choice["finish_reason"] is None
+        assert not any("hidden_states" in json.dumps(e) for e in rest[:-2])
+        if route == "completions":  # greedy: both choices end in the same state
+            want_last = torch.tensor(tail[0]["choices"][0]["hidden_states"])
+            assert torch.allclose(want_last, want, atol=TOL)
+
+
+@pytest.mark.timeout(60)
+def test_what_the_server_does_not_return_is_refused_in_sglangs_words(model: Path) -> None:
+    with builtin_engine(model, "--return-hidden-states-mode", "last") as url:
+        info = requests.get(url + "/server_info", timeout=30).json()
+        assert info["return_hidden_states_mode"] == "last"
+        assert info["enable_return_hidden_states"] is False
+        body = {"input_ids": PROMPT, "sampling_params": GREEDY}
+        ok = requests.post(url + "/generate", json={**body, "return_hidden_states": "last"})
+        assert ok.status_code == 200 and "hidden_states" in ok.json()["meta_info"]
+        refused = requests.post(url + "/generate", json={**body, "return_hidden_states": True})
+        assert refused.status_code == 400
+        assert "exceeds the server maximum `last`" in refused.text
+        # the engine serves on
+        assert requests.post(url + "/generate", json=body, timeout=60).status_code == 200
+
+
+def test_a_request_without_the_servers_flag_or_with_another_value_is_refused() -> None:
+    def parse(value: Any, cap: str | None) -> list[str | None]:
+        body = {"input_ids": [PROMPT, PROMPT], "return_hidden_states": value}
+        inputs, _ = parse_generate(
+            body, vocab_size=64, context_length=512, encode=None, hidden_cap=cap
+        )
+        return [inp.hidden_states for inp in inputs]
+
+    assert parse(True, "full") == ["full", "full"]
+    assert parse([False, "last"], "last") == [None, "last"]
+    assert parse(False, None) == [None, None]
+    with pytest.raises(RequestError, match="not configured to return hidden states"):
+        parse("last", None)
+    with pytest.raises(RequestError, match="a boolean or the string literal 'last'"):
+        parse("full", "full")
+    with pytest.raises(RequestError, match="equal to the batch size"):
+        parse([True], "full")
