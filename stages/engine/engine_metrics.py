@@ -172,6 +172,9 @@ class EngineMetrics:
     def __init__(self, model_name: str, context_length: int) -> None:
         self.labels = {"model_name": model_name, "engine_type": "unified"}
         self.context_length = context_length
+        # perf_counter to Unix time, once (SGLang's convert_time_to_realtime): a time stat is
+        # the same in every chunk and answer that carries it
+        self.offset = time.time() - time.perf_counter()
         # by name, then by label value ("" for none): counts, or histograms
         self._counts: dict[str, dict[str, float]] = {name: {} for name, _, _ in _COUNTERS}
         self._histograms: dict[str, dict[str, _Histogram]] = {
@@ -213,7 +216,7 @@ class EngineMetrics:
         self._observe("sglang:prompt_tokens_histogram", "", prompt_tokens)
         self._observe("sglang:uncached_prompt_tokens_histogram", "", prompt_tokens - cached_tokens)
         self._observe("sglang:generation_tokens_histogram", "", completion_tokens)
-        offset = time.time() - now  # perf_counter to Unix time
+        offset = self.offset
         stats = scheduler_stats(admitted, first_token, queue_time, offset)
         if admitted > 0:
             self._observe("sglang:queue_time_seconds", "", max(admitted - created, 0.0))

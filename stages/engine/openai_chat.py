@@ -657,21 +657,13 @@ class ChatChunks(StreamLayout):
         return out + self.usage_chunks()
 
     def hidden_chunk(self, index: int, hidden: Any) -> dict[str, Any]:
-        return {
-            "id": self.last_id,
-            "object": self.OBJECT,
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": index,
-                    "delta": {"reasoning_content": None, "hidden_states": hidden},
-                    "logprobs": None,
-                    "finish_reason": None,
-                    "matched_stop": None,
-                }
-            ],
-        }
+        # SGLang's pydantic ChatCompletionStreamResponse, not its content chunks' struct: the
+        # delta's null fields and the null usage written out
+        delta = {"role": None, "content": None, "reasoning_content": None, "hidden_states": hidden}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice["matched_stop"] = None
+        return {"id": self.last_id, "object": self.OBJECT, "created": self.created,
+                "model": self.model, "choices": [choice], "usage": None}  # fmt: skip
 
     def _think(self, index: int, delta: str, reason: Any) -> tuple[str, str]:
         """``(reasoning, content)`` of a choice's new text (``_process_reasoning_stream``)."""

@@ -158,6 +158,9 @@ class GenerateInput:
     # its final (normed) hidden states (return_hidden_states): "full" (true: every position
     # each prefill computes, then one a decode step) or "last" (the newest only); None: none
     hidden_states: str | None = None
+    # one of n > 1 samples of its prompt (SGLang prefills such a prompt in a warm-up request
+    # first, so that each sample's own prefill computes its last position only)
+    parallel: bool = False
 
 
 @dataclass(slots=True)
@@ -433,6 +436,7 @@ def parse_generate(
                     sampling_mask=masks[i],
                     flat_tops=flat if top else None,  # only top log-probs come flat
                     hidden_states=hidden[i],
+                    parallel=n > 1,
                 )
             )
     return inputs, listed

@@ -1065,7 +1065,11 @@ class Scheduler:
         self._kv.clear()
         self._sampler.clear()
         self._rids.clear()
+        for rows in (self._stop_seqs, self._top_seqs, self._mask_seqs, self._hidden_seqs,
+                     self._stream_seqs, self._constrained):  # fmt: skip
+            rows.clear()
         for seq in seqs:
+            seq.slot = -1
             seq.group.fail(exc)
 
     # ---- model passes (scheduler thread) ---------------------------------------------------
@@ -1096,6 +1100,8 @@ class Scheduler:
             for s in done + group
             if s.input_lps is None and (s.inp.logprob_start >= 0 or _next_wanted(s))
         ]
+        # a prefill-only request's hidden states: its prompt's, from a pass of its own
+        scoring += [s for s in done if s.hidden == [] and s not in scoring]
         now = time.perf_counter()
         for seq in self._admitting:
             seq.queue_time += now - seq.queued  # every wait, after a retraction too
@@ -1111,8 +1117,9 @@ class Scheduler:
         self._admitting = []
 
     def _score_prompts(self, seqs: list[_Seq]) -> None:
-        """Prompt log-probs from each seq's ``logprob_start`` on (``prompt_logprobs``): forward
-        passes of their own over whole prompts, identical requests computed once."""
+        """Prompt log-probs from each seq's ``logprob_start`` on (``prompt_logprobs``), and a
+        prefill-only seq's hidden states: forward passes of their own over whole prompts,
+        identical requests computed once."""
         unique: dict[
             tuple[tuple[int, ...], int, int, str | None, tuple[int, ...] | None, bool], list[_Seq]
         ] = {}
@@ -1149,6 +1156,12 @@ class Scheduler:
             width = ids.shape[1]
             for row, u in enumerate(part):
                 tokens, start, top, _, wanted, after = keys[u]
+                for seq in unique[keys[u]]:  # prefill-only: the prompt's hidden states
+                    if seq.hidden == [] and seq.inp.params.max_new_tokens <= len(seq.done_ids):
+                        mode = seq.inp.hidden_states
+                        block = hidden[row, width - len(tokens) :] if mode == "full" else None
+                        kept = hidden[row, -1] if block is None else block
+                        seq.hidden.append(kept.float().tolist())
                 if start >= 0:
                     lps, tops, picked = prompt_logprobs(
                         hidden[row, width - len(tokens) :], list(tokens), start, top, head, wanted
@@ -1309,15 +1322,22 @@ class Scheduler:
         """Each of ``group`` that asked, its block of a prefill pass's final hidden states:
         those of the ``new[u]`` positions its context ``source[j]`` computed (the last ones
         of a left-padded row), or of the last ("last"), as SGLang's scheduler appends them
-        (``_append_prefill_hidden_states``). A context's are read once for its samples."""
+        (``_append_prefill_hidden_states``). A sample of ``n`` > 1 gets its last position's
+        alone at its first prefill: SGLang caches such a prompt in a warm-up request, and
+        each sample computes only that. A context's are read once for its samples."""
         blocks: dict[tuple[int, str], list[Any]] = {}
         for seq, u in zip(group, source, strict=True):
             mode = seq.inp.hidden_states
             if seq.hidden is None or mode is None:
                 continue
+            if mode == "full" and seq.inp.parallel and not seq.hidden:
+                mode = "tail"
             block = blocks.get((u, mode))
             if block is None:
-                row = hidden[u, hidden.shape[1] - new[u] :] if mode == "full" else hidden[u, -1]
+                if mode == "full":
+                    row = hidden[u, hidden.shape[1] - new[u] :]
+                else:  # "last" (a vector) or "tail" (a block of one)
+                    row = hidden[u, -1] if mode == "last" else hidden[u, -1:]
                 block = blocks[(u, mode)] = row.float().tolist()
             seq.hidden.append(block)
 
@@ -1364,12 +1384,12 @@ class Scheduler:
         """The final hidden state each watching row's decode step just computed (``[rows,
         hidden]``): added to its list, or in place of it ("last": SGLang's
         ``_append_decode_hidden_states``)."""
-        seqs = [s for s in self._hidden_seqs if s.slot >= 0 and s.hidden is not None]
+        rows = hidden.shape[0]
+        seqs = [s for s in self._hidden_seqs if 0 <= s.slot < rows and s.hidden is not None]
         if not seqs:
             return
         index = torch.tensor([s.slot for s in seqs], device=hidden.device)
-        rows = hidden.index_select(0, index).float().tolist()
-        for seq, row in zip(seqs, rows, strict=True):
+        for seq, row in zip(seqs, hidden.index_select(0, index).float().tolist(), strict=True):
             assert seq.hidden is not None
             if seq.inp.hidden_states == "last":
                 seq.hidden[:] = [row]
@@ -1484,7 +1504,7 @@ class Scheduler:
         new, lps, version = tokens.tolist(), logprobs.tolist(), self._version
         due = []
         default_every = self.stream_interval
-        offset = None if self.metrics is None else time.time() - time.perf_counter()
+        offset = None if self.metrics is None else self.metrics.offset
         for seq in seqs:
             k = seq.slot - lo
             held = seq.held

@@ -545,7 +545,8 @@ async def _server_info(request: web.Request) -> web.Response:
             "stream_interval": scheduler.stream_interval,
             "enable_metrics": scheduler.metrics is not None,
             "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
-            "enable_return_hidden_states": scheduler.hidden_states_mode == "full",
+            # as SGLang resolves them (serving_hook.handle_return_hidden_states_mode)
+            "enable_return_hidden_states": scheduler.hidden_states_mode is not None,
             "return_hidden_states_mode": scheduler.hidden_states_mode,
             "weight_version": scheduler.weight_version,
             "internal_states": [state],
@@ -647,7 +648,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-return-hidden-states",
         action="store_true",
-        help="the same as --return-hidden-states-mode full (SGLang's older flag)",
+        help="--return-hidden-states-mode full, unless that names another (SGLang's older flag)",
     )
     parser.add_argument(
         "--forward",
@@ -800,9 +801,9 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         admit_fraction=args.admit_fraction,
         stream_interval=args.stream_interval,
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-        hidden_states_mode="full"
-        if args.enable_return_hidden_states
-        else args.return_hidden_states_mode,
+        # a mode named wins over the older flag, as SGLang's
+        hidden_states_mode=args.return_hidden_states_mode
+        or ("full" if args.enable_return_hidden_states else None),
         fast_forward=args.forward == "fast",
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefix_cache_max_age=args.prefix_cache_max_age,

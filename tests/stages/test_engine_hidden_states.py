@@ -73,24 +73,33 @@ def _check_full(hidden: list[Any], reference: torch.nn.Module, output: list[int]
 def test_both_forward_paths_return_transformers_hidden_states(
     model: Path, reference: torch.nn.Module, fast: bool
 ) -> None:
-    """Both of the scheduler's passes, its own and ``model(...)``, in both modes; the samples
-    of one prompt (prefilled once) each get the prompt's block."""
+    """Both of the scheduler's passes, its own and ``model(...)``, in both modes, on rows of
+    different prompts and lengths: the short ones finish first, and the rows left move to
+    other slots, each still getting its own states."""
     scheduler = Scheduler(
-        load_reference(model), max_running=4, hidden_states_mode="full", fast_forward=fast
+        load_reference(model), max_running=8, hidden_states_mode="full", fast_forward=fast
     )
-    params = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
-    full = [scheduler.submit(GenerateInput(f"f{k}", PROMPT, params, False, hidden_states="full"))
-            for k in range(2)]  # fmt: skip
-    last = scheduler.submit(GenerateInput("l", PROMPT, params, False, hidden_states="last"))
-    plain = scheduler.submit(GenerateInput("p", PROMPT, params, False))
+    prompts = [PROMPT, [9, 3, 60], [22, 23, 24, 25, 26], [40, 2]]
+    lengths = [NEW, 2, 9, 4]
+    futures = []
+    for k, (prompt, new) in enumerate(zip(prompts, lengths, strict=True)):
+        params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+        for mode in ("full", "last", None):
+            inp = GenerateInput(f"r{k}{mode}", prompt, params, False, hidden_states=mode)
+            futures.append((prompt, mode, scheduler.submit(inp)))
     scheduler.run_until_idle()
-    for future in full:
+    for prompt, mode, future in futures:
         result = future.result(timeout=0)
-        _check_full(result.extra["hidden_states"], reference, result.output_ids)
-    result = last.result(timeout=0)
-    want = _final_hidden(reference, PROMPT + result.output_ids[:-1])[-1]
-    assert torch.allclose(torch.tensor(result.extra["hidden_states"]), want, atol=TOL)
-    assert "hidden_states" not in plain.result(timeout=0).extra
+        want = _final_hidden(reference, prompt + result.output_ids[:-1])
+        if mode is None:
+            assert "hidden_states" not in result.extra
+        elif mode == "last":  # the state the last token was drawn from
+            assert torch.allclose(torch.tensor(result.extra["hidden_states"]), want[-1], atol=TOL)
+        else:  # the prompt's block, then a vector a decode step
+            block, *steps = result.extra["hidden_states"]
+            assert len(block) == len(prompt) and len(steps) == len(result.output_ids) - 1
+            assert torch.allclose(torch.tensor(block), want[: len(prompt)], atol=TOL)
+            assert torch.allclose(torch.tensor(steps), want[len(prompt) :], atol=TOL)
 
 
 @pytest.mark.timeout(60)
@@ -115,7 +124,30 @@ def test_generate_answers_them_in_meta_info(url: str, reference: torch.nn.Module
         url + "/generate", json={**batch, "return_hidden_states": [False, "last"]}, timeout=60
     ).json()
     assert "hidden_states" not in outs[0]["meta_info"]
-    assert len(outs[1]["meta_info"]["hidden_states"]) == reference.config.hidden_size
+    want = _final_hidden(reference, PROMPT[:4] + outs[1]["output_ids"][:-1])[-1]
+    assert torch.allclose(torch.tensor(outs[1]["meta_info"]["hidden_states"]), want, atol=TOL)
+    # n > 1: SGLang prefills the prompt in a warm-up request, so each sample's own prefill
+    # computes its last position alone (TokenizerManager, parallel sampling)
+    requests.post(url + "/flush_cache", timeout=30)
+    samples = requests.post(
+        url + "/generate",
+        json={**body, "sampling_params": {**GREEDY, "n": 2}},
+        timeout=60,
+    ).json()
+    prompt_states = _final_hidden(reference, PROMPT)
+    for sample in samples:
+        block = sample["meta_info"]["hidden_states"][0]
+        assert len(block) == 1
+        assert torch.allclose(torch.tensor(block[0]), prompt_states[-1], atol=TOL)
+    # prefill-only (max_new_tokens 0): the prompt's states, no token drawn
+    scored = requests.post(
+        url + "/generate",
+        json={**body, "sampling_params": {**GREEDY, "max_new_tokens": 0}},
+        timeout=60,
+    ).json()
+    assert scored["output_ids"] == []
+    (block,) = scored["meta_info"]["hidden_states"]
+    assert torch.allclose(torch.tensor(block), prompt_states, atol=TOL)
 
 
 @pytest.mark.timeout(60)
@@ -165,6 +197,10 @@ def test_the_openai_routes_give_each_choice_its_newest(
         extra_body={"return_hidden_states": "last"},
     )
     assert len(chat.choices[0].model_dump()["hidden_states"]) == reference.config.hidden_size
+    one = client.completions.create(  # one token: only the prompt's block, so [] (SGLang's)
+        model="default", prompt=PROMPT, max_tokens=1, temperature=0, extra_body=extra
+    )
+    assert one.choices[0].model_dump()["hidden_states"] == []
     for route, body in (
         ("completions", {"prompt": PROMPT}),
         ("chat/completions", {"messages": [{"role": "user", "content": "hello there"}]}),
@@ -181,11 +217,16 @@ def test_the_openai_routes_give_each_choice_its_newest(
         assert usage["usage"] is not None and not usage["choices"]
         tail = rest[-2:]  # one a choice, after every content and finish chunk
         assert sorted(e["choices"][0]["index"] for e in tail) == [0, 1]
-        for event in tail:
+        for event in tail:  # as SGLang's pydantic stream responses write them
             choice = event["choices"][0]
-            carried = choice["delta"] if route.startswith("chat") else choice
+            assert event["usage"] is None and choice["finish_reason"] is None
+            if route.startswith("chat"):
+                carried = choice["delta"]
+                assert carried["role"] is None and carried["content"] is None
+            else:
+                carried = choice
+                assert choice["text"] == "" and choice["logprobs"] is None
             assert len(carried["hidden_states"]) == reference.config.hidden_size
-            assert choice["finish_reason"] is None
         assert not any("hidden_states" in json.dumps(e) for e in rest[:-2])
         if route == "completions":  # greedy: both choices end in the same state
             want_last = torch.tensor(tail[0]["choices"][0]["hidden_states"])
@@ -194,10 +235,12 @@ def test_the_openai_routes_give_each_choice_its_newest(
 
 @pytest.mark.timeout(60)
 def test_what_the_server_does_not_return_is_refused_in_sglangs_words(model: Path) -> None:
-    with builtin_engine(model, "--return-hidden-states-mode", "last") as url:
+    # a mode named wins over the older flag (its full), as SGLang's
+    flags = ("--return-hidden-states-mode", "last", "--enable-return-hidden-states")
+    with builtin_engine(model, *flags) as url:
         info = requests.get(url + "/server_info", timeout=30).json()
         assert info["return_hidden_states_mode"] == "last"
-        assert info["enable_return_hidden_states"] is False
+        assert info["enable_return_hidden_states"] is True  # as SGLang resolves them
         body = {"input_ids": PROMPT, "sampling_params": GREEDY}
         ok = requests.post(url + "/generate", json={**body, "return_hidden_states": "last"})
         assert ok.status_code == 200 and "hidden_states" in ok.json()["meta_info"]
