@@ -2,7 +2,8 @@
 
 Against a real SGLang server when ``INFLIGHT_SGLANG_URL`` names one, started for instance with::
 
-    python -m sglang.launch_server --model-path MODEL_DIR --port 30000 --host 127.0.0.1
+    python -m sglang.launch_server --model-path MODEL_DIR --port 30000 --host 127.0.0.1 \
+        --return-hidden-states-mode full
 
 Without it, against the built-in engine, which speaks the same API, started here the way users
 start it (``inflight engine``) on a tiny byte-level model with a chat template: what these tests
@@ -90,7 +91,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     model = make_byte_model(folder / "model", chars=BYTE_PRINTABLE, words=words)
     template = folder / "chat_template.jinja"
     template.write_text(TEMPLATE)
-    with builtin_engine(model, "--chat-template", str(template)) as url:
+    more = ("--return-hidden-states-mode", "full")  # as a real server must be started
+    with builtin_engine(model, "--chat-template", str(template), *more) as url:
         yield Served(url, str(model))
 
 
@@ -795,6 +797,41 @@ async def test_loads_answer_the_core_keys_and_sections_in_sglangs_layout(client)
         assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = await resp.text()
     assert '# TYPE sglang_num_running_reqs gauge\nsglang_num_running_reqs{dp_rank="0"} 0\n' in text
+
+
+@pytest.mark.timeout(60)
+async def test_hidden_states_come_in_sglangs_layout(client):
+    """``return_hidden_states`` (``_append_prefill_hidden_states``,
+    ``_append_decode_hidden_states``): true, the prefill's block of every position it computed
+    and a vector a decode step; ``"last"``, one vector; a sample of ``n`` > 1, the block of its
+    last position only (the warm-up request cached its prompt); each ``/v1`` choice its newest
+    (``process_hidden_states_for_response``)."""
+    async with client.session.get(client.url + "/server_info") as resp:
+        if (await resp.json(content_type=None)).get("return_hidden_states_mode") != "full":
+            pytest.skip("start the server with --return-hidden-states-mode full")
+    await client.session.post(client.url + "/flush_cache")
+    body = {"input_ids": PROMPT, "sampling_params": _params(4), "return_hidden_states": True}
+    async with client.session.post(client.url + "/generate", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        out = await resp.json()
+    block, *steps = out["meta_info"]["hidden_states"]
+    width = len(block[0])
+    assert len(block) == len(PROMPT) and len(steps) == len(out["output_ids"]) - 1 == 3
+    assert all(len(row) == width for row in [*block, *steps])
+    async with client.session.post(
+        client.url + "/generate", json={**body, "return_hidden_states": "last"}
+    ) as resp:
+        last = (await resp.json())["meta_info"]["hidden_states"]
+    assert len(last) == width and all(isinstance(x, float) for x in last)
+    parallel = {**body, "sampling_params": _params(2, n=2)}
+    async with client.session.post(client.url + "/generate", json=parallel) as resp:
+        for sample in await resp.json():
+            assert len(sample["meta_info"]["hidden_states"][0]) == 1
+    completion = {"model": "default", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    completion["return_hidden_states"] = True
+    async with client.session.post(client.url + "/v1/completions", json=completion) as resp:
+        (choice,) = (await resp.json())["choices"]
+    assert len(choice["hidden_states"]) == width
 
 
 @pytest.mark.timeout(60)
