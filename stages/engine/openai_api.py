@@ -216,9 +216,22 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         # SGLang: only asked for, with stream (stream_response_default_include_usage: false)
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
-        "hidden_states": body.get("return_hidden_states") or False,  # checked by /generate
+        "hidden_states": hidden_mode(body),
     }
     return native_body, options
+
+
+def hidden_mode(body: Mapping[str, Any]) -> Any:
+    """A ``/v1`` request's ``return_hidden_states``: false, true or ``"last"`` (SGLang's
+    ``Union[bool, Literal["last"]]``; a list, as ``/generate`` takes per prompt, is refused);
+    whether the server returns them, ``/generate`` checks."""
+    mode = body.get("return_hidden_states")
+    if mode is not None and not isinstance(mode, bool) and mode != "last":
+        raise OpenAIError(
+            "return_hidden_states: Input should be a valid boolean or 'last'",
+            "return_hidden_states",
+        )
+    return mode or False
 
 
 def choice_hidden_states(hidden: Any, mode: Any) -> Any:

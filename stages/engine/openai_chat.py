@@ -90,6 +90,7 @@ from stages.engine.openai_api import (
     _no_text,
     _usage,
     choice_hidden_states,
+    hidden_mode,
     name_adapter,
     response_format,
     results_usage,
@@ -371,7 +372,7 @@ def chat_request(
         # the response's sglext: the prompt's ids, each choice's ids
         "sglext_input_ids": bool(body.get("return_input_ids_in_sglext")),
         "sglext_output_ids": bool(body.get("return_output_ids_in_sglext")),
-        "hidden_states": body.get("return_hidden_states") or False,  # checked by /generate
+        "hidden_states": hidden_mode(body),
     }
     return native_body, options
 

@@ -66,6 +66,8 @@ __all__ = [
     "RequestError",
     "SamplingParams",
     "SequenceResult",
+    "add_hidden",
+    "hidden_answer",
     "is_int",
     "parse_generate",
     "parse_groups",
@@ -463,6 +465,24 @@ def _sampling_masks(body: dict[str, Any], count: int, listed: bool) -> list[str 
 
 
 _HIDDEN_MODES = {None: 0, "last": 1, "full": 2}  # CaptureHiddenMode's order
+
+
+def add_hidden(hidden: list[Any], new: list[Any], mode: str | None) -> None:
+    """A sample's hidden states with ``new`` ones added: "last" keeps the newest alone
+    (SGLang's ``_append_decode_hidden_states``), "full" all of them."""
+    if mode == "last":
+        if new:
+            hidden[:] = new[-1:]
+    else:
+        hidden += new
+
+
+def hidden_answer(hidden: list[Any] | None, mode: str | None) -> Any:
+    """``meta_info.hidden_states`` of a sample's hidden states: all of them ("full"), the
+    newest ("last"; None before any, which SGLang leaves out), None when not asked."""
+    if hidden is None or mode != "last":
+        return hidden
+    return hidden[-1] if hidden else None
 
 
 def _hidden_modes(value: Any, count: int, listed: bool, cap: str | None) -> list[str | None]:

@@ -78,6 +78,8 @@ from stages.engine.protocol import (
     GenerateInput,
     RequestError,
     SequenceResult,
+    add_hidden,
+    hidden_answer,
 )
 from stages.engine.reasoning import reasoning_tokens
 from stages.engine.sampling import SlotSampler, Support
@@ -130,14 +132,13 @@ def _hidden_news(seq: _Seq) -> list[Any]:
     return news
 
 
-def _hidden_answer(seq: _Seq) -> Any:
-    """What a finished seq's ``meta_info.hidden_states`` holds: every block and vector
-    ("full"), the newest vector ("last"), None when not asked (or "last" with none yet)."""
-    if seq.hidden is None:
-        return None
-    if seq.inp.hidden_states == "last":
-        return seq.hidden[-1] if seq.hidden else None
-    return list(seq.hidden)
+def _hidden_block(states: torch.Tensor, new: int, mode: str) -> list[Any]:
+    """A prefill's hidden states for a sample (``states``: its row, left-padded, of which the
+    last ``new`` positions were computed): all of those ("full"), the last ("last": a vector)
+    or a block of the last alone ("tail")."""
+    if mode == "full":
+        return states[states.shape[0] - new :].float().tolist()
+    return (states[-1] if mode == "last" else states[-1:]).float().tolist()
 
 
 class _Outbox:
@@ -985,6 +986,7 @@ class Scheduler:
             self._running = []
             self._kv.clear()
             self._sampler.clear()
+            self._clear_rows()  # a re-admitted seq joins them again
         self._paused = True
         self.load.paused(time.perf_counter())
         log.info("generation_paused", mode=mode, **self.counts())
@@ -1065,12 +1067,16 @@ class Scheduler:
         self._kv.clear()
         self._sampler.clear()
         self._rids.clear()
-        for rows in (self._stop_seqs, self._top_seqs, self._mask_seqs, self._hidden_seqs,
-                     self._stream_seqs, self._constrained):  # fmt: skip
-            rows.clear()
+        self._clear_rows()
         for seq in seqs:
             seq.slot = -1
             seq.group.fail(exc)
+
+    def _clear_rows(self) -> None:
+        """No row runs any more: the sets of the rows that watch something are empty."""
+        for rows in (self._stop_seqs, self._top_seqs, self._mask_seqs, self._hidden_seqs,
+                     self._stream_seqs, self._constrained):  # fmt: skip
+            rows.clear()
 
     # ---- model passes (scheduler thread) ---------------------------------------------------
 
@@ -1157,11 +1163,10 @@ class Scheduler:
             for row, u in enumerate(part):
                 tokens, start, top, _, wanted, after = keys[u]
                 for seq in unique[keys[u]]:  # prefill-only: the prompt's hidden states
-                    if seq.hidden == [] and seq.inp.params.max_new_tokens <= len(seq.done_ids):
-                        mode = seq.inp.hidden_states
-                        block = hidden[row, width - len(tokens) :] if mode == "full" else None
-                        kept = hidden[row, -1] if block is None else block
-                        seq.hidden.append(kept.float().tolist())
+                    mode = seq.inp.hidden_states
+                    done = seq.inp.params.max_new_tokens <= len(seq.done_ids)
+                    if seq.hidden == [] and mode is not None and done:
+                        seq.hidden.append(_hidden_block(hidden[row], len(tokens), mode))
                 if start >= 0:
                     lps, tops, picked = prompt_logprobs(
                         hidden[row, width - len(tokens) :], list(tokens), start, top, head, wanted
@@ -1326,19 +1331,16 @@ class Scheduler:
         alone at its first prefill: SGLang caches such a prompt in a warm-up request, and
         each sample computes only that. A context's are read once for its samples."""
         blocks: dict[tuple[int, str], list[Any]] = {}
+        warmed = self._prefix is not None  # SGLang's warm-up caches a prompt only with a cache
         for seq, u in zip(group, source, strict=True):
             mode = seq.inp.hidden_states
             if seq.hidden is None or mode is None:
                 continue
-            if mode == "full" and seq.inp.parallel and not seq.hidden:
+            if mode == "full" and seq.inp.parallel and warmed and not seq.hidden:
                 mode = "tail"
             block = blocks.get((u, mode))
             if block is None:
-                if mode == "full":
-                    row = hidden[u, hidden.shape[1] - new[u] :]
-                else:  # "last" (a vector) or "tail" (a block of one)
-                    row = hidden[u, -1] if mode == "last" else hidden[u, -1:]
-                block = blocks[(u, mode)] = row.float().tolist()
+                block = blocks[(u, mode)] = _hidden_block(hidden[u], new[u], mode)
             seq.hidden.append(block)
 
     def _decode(self) -> None:
@@ -1391,10 +1393,7 @@ class Scheduler:
         index = torch.tensor([s.slot for s in seqs], device=hidden.device)
         for seq, row in zip(seqs, hidden.index_select(0, index).float().tolist(), strict=True):
             assert seq.hidden is not None
-            if seq.inp.hidden_states == "last":
-                seq.hidden[:] = [row]
-            else:
-                seq.hidden.append(row)
+            add_hidden(seq.hidden, [row], seq.inp.hidden_states)
 
     def _take_masks(self, lo: int, hi: int) -> dict[int, dict[str, Any]] | None:
         """Each watched row's sampling support from the draw just made, kept with its seq;
@@ -1703,9 +1702,9 @@ class Scheduler:
         seq.constraint = None
         seq.slot = -1
         extra = {} if seq.masks is None else mask_fields(seq.masks[:kept], seq.inp)
-        hidden = _hidden_answer(seq)
-        if hidden is not None:
-            extra["hidden_states"] = hidden
+        hidden = hidden_answer(seq.hidden, seq.inp.hidden_states)
+        if hidden is not None:  # a copy: the seq's list is not handed over
+            extra["hidden_states"] = list(hidden)
         now = time.perf_counter()
         if self.metrics is not None:  # --enable-metrics: recorded, and its time stats
             extra.update(

@@ -7,7 +7,8 @@ event per chunk and ``data: [DONE]`` after the last. Every chunk holds a sample'
 so far: ``text``, ``output_ids`` and ``meta_info`` with SGLang's fields (``id``,
 ``finish_reason`` null until the sample's last chunk, ``prompt_tokens``, ``completion_tokens``
 and ``cached_tokens`` so far, ``weight_version``, with ``--enable-metrics`` the scheduler's time
-stats, and with ``return_logprob`` the log-probs so far; per-token versions only in the last). A
+stats, with ``return_logprob`` the log-probs so far, with ``return_hidden_states`` the hidden
+states so far; per-token versions only in the last). A
 batch or ``n`` > 1 adds ``index`` to each chunk: the sample's place in the non-streamed answer's
 list. Chunks that pile up while the client reads are merged into the newest (SGLang drains its
 queue the same way); the sample's last chunk is its whole answer. ``text`` is decoded as
@@ -40,6 +41,8 @@ from stages.engine.flat_logprobs import flat_fields
 from stages.engine.incremental_text import IncrementalText
 from stages.engine.protocol import (
     SequenceResult,
+    add_hidden,
+    hidden_answer,
     parse_generate,
     render_sample,
     result_text,
@@ -174,7 +177,7 @@ class Progress:
             )
         if self.hidden is not None:  # the last step's too, which came with the result
             found = result.extra.get("hidden_states")
-            if self.hidden_mode == "last":
+            if self.hidden_mode == "last":  # the answer's is the newest vector itself
                 self.hidden = [] if found is None else [found]
             else:
                 self.hidden = list(found or [])
@@ -182,12 +185,8 @@ class Progress:
         return self
 
     def hidden_states(self) -> Any:
-        """``meta_info.hidden_states`` so far: all of them, or "last" the newest (None: none,
-        or not asked for)."""
-        hidden = self.hidden
-        if hidden is None or self.hidden_mode != "last":
-            return hidden
-        return hidden[-1] if hidden else None
+        """``meta_info.hidden_states`` so far (``protocol.hidden_answer``)."""
+        return hidden_answer(self.hidden, self.hidden_mode)
 
     def chunk(self) -> dict:
         """The sample's chunk before its last: ``text`` (with a tokenizer) and SGLang's fields
@@ -380,10 +379,7 @@ def stream_generate(
                     p.input_picked = payload[8]
                 p.retractions, p.time_stats = payload[10], payload[11]
                 if payload[12] and p.hidden is not None:
-                    if p.hidden_mode == "last":
-                        p.hidden[:] = payload[12]
-                    else:
-                        p.hidden += payload[12]
+                    add_hidden(p.hidden, payload[12], p.hidden_mode)
                 if p.mask_mode is not None and payload[9] is not None:
                     ids, lps, selected = payload[9]
                     p.mask_ids.append(ids)

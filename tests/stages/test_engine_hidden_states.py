@@ -24,7 +24,12 @@ import torch
 
 from stages.engine.protocol import GenerateInput, RequestError, SamplingParams, parse_generate
 from stages.engine.scheduler import Scheduler
-from tests.stages.engine_setup import builtin_engine, load_reference, pass_through_template
+from tests.stages.engine_setup import (
+    builtin_engine,
+    load_reference,
+    pass_through_template,
+    run_with_retraction,
+)
 from tests.stages.tiny_model import make_tiny_model
 
 PROMPT = [5, 17, 33, 8, 50, 41, 7]
@@ -46,8 +51,9 @@ def reference(model: Path) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def url(model: Path) -> Iterator[str]:
     template = pass_through_template(model.parent)
+    # SGLang's older flag alone: full (the named mode is tested with it below)
     with builtin_engine(
-        model, "--return-hidden-states-mode", "full", "--chat-template", str(template)
+        model, "--enable-return-hidden-states", "--chat-template", str(template)
     ) as engine:
         yield engine
 
@@ -100,6 +106,58 @@ def test_both_forward_paths_return_transformers_hidden_states(
             assert len(block) == len(prompt) and len(steps) == len(result.output_ids) - 1
             assert torch.allclose(torch.tensor(block), want[: len(prompt)], atol=TOL)
             assert torch.allclose(torch.tensor(steps), want[len(prompt) :], atol=TOL)
+
+
+@pytest.mark.timeout(60)
+def test_a_retracted_sample_gets_a_block_for_its_second_prefill(
+    model: Path, reference: torch.nn.Module
+) -> None:
+    """SGLang keeps a retracted request's hidden states and appends its re-prefill's block
+    (``reset_for_retract`` leaves them): every vector is still the state at its position."""
+    scheduler = Scheduler(load_reference(model), max_running=4, hidden_states_mode="full")
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    future = scheduler.submit(GenerateInput("r", PROMPT, params, False, hidden_states="full"))
+    run_with_retraction(scheduler, 3, True)
+    result = future.result(timeout=0)
+    assert result.retractions == 1
+    want = _final_hidden(reference, PROMPT + result.output_ids[:-1])
+    items = result.extra["hidden_states"]
+    assert sum(isinstance(item[0], list) for item in items) == 2  # the prompt's, the re-prefill's
+    position = 0  # the next position whose state comes
+    for item in items:
+        rows = item if isinstance(item[0], list) else [item]
+        if rows is item and position:  # the re-prefill's block: the last positions it computed,
+            position += 1 - len(rows)  # up to the one of the last token sampled before
+        assert torch.allclose(torch.tensor(rows), want[position : position + len(rows)], atol=TOL)
+        position += len(rows)
+    assert position == len(want)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cached", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_samples_of_one_prompt_get_what_sglangs_parallel_sampling_gives(
+    model: Path, reference: torch.nn.Module, cached: bool
+) -> None:
+    """With a prefix cache, SGLang's warm-up request caches the prompt of ``n`` > 1 samples
+    and each computes its last position alone; without one (``--disable-radix-cache``),
+    each computes the whole prompt."""
+    scheduler = Scheduler(
+        load_reference(model),
+        max_running=4,
+        hidden_states_mode="full",
+        prefix_cache_tokens=32768 if cached else 0,
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    futures = [
+        scheduler.submit(GenerateInput(f"s{k}", PROMPT, params, False, hidden_states="full",
+                                       parallel=True))
+        for k in range(2)
+    ]  # fmt: skip
+    scheduler.run_until_idle()
+    want = _final_hidden(reference, PROMPT)
+    for future in futures:
+        block = torch.tensor(future.result(timeout=0).extra["hidden_states"][0])
+        assert torch.allclose(block, want[-1:] if cached else want, atol=TOL)
 
 
 @pytest.mark.timeout(60)
@@ -170,6 +228,26 @@ def test_a_stream_carries_them_so_far_in_every_chunk(url: str, reference: torch.
         assert len(hidden) == len(chunk["output_ids"])
         assert len(hidden[0]) == len(PROMPT)
     _check_full(chunks[-1]["meta_info"]["hidden_states"], reference, chunks[-1]["output_ids"])
+    # "last": each chunk the state its newest token was drawn from
+    states = _final_hidden(reference, PROMPT + chunks[-1]["output_ids"][:-1])
+    lasts = []
+    slowed = requests.post(url + "/slow_down", json={"forward_sleep_time": 0.03}, timeout=30)
+    try:
+        with requests.post(
+            url + "/generate",
+            json={**body, "stream": True, "return_hidden_states": "last"},
+            stream=True,
+        ) as r:
+            for line in r.iter_lines():
+                if line and line != b"data: [DONE]":
+                    lasts.append(json.loads(line.removeprefix(b"data: ")))
+    finally:
+        requests.post(url + "/slow_down", json={"forward_sleep_time": None}, timeout=30)
+    assert slowed.status_code == 200 and len(lasts) > 2
+    for chunk in lasts:
+        at = len(PROMPT) + len(chunk["output_ids"]) - 2
+        got = torch.tensor(chunk["meta_info"]["hidden_states"])
+        assert torch.allclose(got, states[at], atol=TOL)
 
 
 @pytest.mark.timeout(60)
@@ -197,6 +275,10 @@ def test_the_openai_routes_give_each_choice_its_newest(
         extra_body={"return_hidden_states": "last"},
     )
     assert len(chat.choices[0].model_dump()["hidden_states"]) == reference.config.hidden_size
+    with pytest.raises(openai.BadRequestError, match="valid boolean or 'last'"):
+        client.completions.create(  # a list, as /generate takes per prompt: SGLang's 400
+            model="default", prompt=PROMPT, max_tokens=2, extra_body={"return_hidden_states": [1]}
+        )
     one = client.completions.create(  # one token: only the prompt's block, so [] (SGLang's)
         model="default", prompt=PROMPT, max_tokens=1, temperature=0, extra_body=extra
     )

@@ -825,8 +825,11 @@ async def test_hidden_states_come_in_sglangs_layout(client):
     assert len(last) == width and all(isinstance(x, float) for x in last)
     parallel = {**body, "sampling_params": _params(2, n=2)}
     async with client.session.post(client.url + "/generate", json=parallel) as resp:
-        for sample in await resp.json():
-            assert len(sample["meta_info"]["hidden_states"][0]) == 1
+        assert resp.status == 200, await resp.text()
+        samples = await resp.json()
+    assert len(samples) == 2
+    for sample in samples:
+        assert len(sample["meta_info"]["hidden_states"][0]) == 1
     completion = {"model": "default", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
     completion["return_hidden_states"] = True
     async with client.session.post(client.url + "/v1/completions", json=completion) as resp:
