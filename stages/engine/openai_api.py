@@ -329,7 +329,8 @@ def completion_stream(
 
 class StreamLayout:
     """What an OpenAI stream's chunks keep per choice between batches (text and log-probs sent,
-    tokens counted, the newest id), and its ``end``: the usage chunk of ``OBJECT``."""
+    tokens counted, the newest id, the hidden states), and the chunks its ``end`` is made of:
+    each choice's hidden states (in the layout's own chunk) and the usage chunk of ``OBJECT``."""
 
     OBJECT = ""
 
@@ -346,26 +347,18 @@ class StreamLayout:
         # with return_hidden_states: each choice's native hidden states, from its newest chunk
         self.hidden: dict[int, Any] | None = {} if options.get("hidden_states") else None
 
-    def end(self) -> list[dict[str, Any]]:
-        """A chunk of each choice's hidden states when asked for, then the usage chunk when
-        asked for (``stream_options.include_usage``)."""
-        return self.hidden_chunks() + self.usage_chunks()
-
-    def hidden_chunks(self) -> list[dict[str, Any]]:
-        """After the choices' last chunks, one of each choice's hidden states (SGLang's
-        streams: ``choice_hidden_states`` of its newest, none where it has none)."""
+    def hidden_chunks(self, chunk: Callable[[int, Any], dict[str, Any]]) -> list[dict[str, Any]]:
+        """After the choices' last chunks, one of each choice's hidden states when asked for
+        (SGLang's streams: ``choice_hidden_states`` of its newest, none where it has none),
+        each made by ``chunk(index, hidden_states)``."""
         if not self.hidden:
             return []
         mode = self.options["hidden_states"]
         return [
-            self.hidden_chunk(index, choice_hidden_states(hidden, mode))
+            chunk(index, choice_hidden_states(hidden, mode))
             for index, hidden in self.hidden.items()
             if hidden
         ]
-
-    def hidden_chunk(self, index: int, hidden: Any) -> dict[str, Any]:
-        """The chunk that carries a choice's hidden states (the layout's own)."""
-        raise NotImplementedError
 
     def usage_chunks(self) -> list[dict[str, Any]]:
         """The usage chunk, when asked for (``stream_options.include_usage``)."""
@@ -437,7 +430,13 @@ class CompletionChunks(StreamLayout):
             self.hidden[index] = p.hidden_states()
         return chunk
 
+    def end(self) -> list[dict[str, Any]]:
+        """After the choices' last chunks: a chunk of each one's hidden states when asked for,
+        then the usage chunk when asked for (``stream_options.include_usage``)."""
+        return self.hidden_chunks(self.hidden_chunk) + self.usage_chunks()
+
     def hidden_chunk(self, index: int, hidden: Any) -> dict[str, Any]:
+        """A ``text_completion`` chunk of a choice's hidden states alone."""
         choice = {"index": index, "text": "", "logprobs": None, "finish_reason": None}
         choice.update(matched_stop=None, hidden_states=hidden)
         return {"id": self.last_id, "object": self.OBJECT, "created": self.created,

@@ -642,7 +642,7 @@ class ChatChunks(StreamLayout):
         for, the ``sglext`` chunk when its ids were asked for (no choices, ``usage`` null:
         ``ChatCompletionStreamResponse``), then the usage chunk
         (``stream_options.include_usage``)."""
-        out = self.hidden_chunks()
+        out = self.hidden_chunks(self.hidden_chunk)
         options = self.options
         sglext = _sglext(
             self.input_ids if options.get("sglext_input_ids") else None,
@@ -658,6 +658,7 @@ class ChatChunks(StreamLayout):
         return out + self.usage_chunks()
 
     def hidden_chunk(self, index: int, hidden: Any) -> dict[str, Any]:
+        """A ``chat.completion.chunk`` of a choice's hidden states alone."""
         # SGLang's pydantic ChatCompletionStreamResponse, not its content chunks' struct: the
         # delta's null fields and the null usage written out
         delta = {"role": None, "content": None, "reasoning_content": None, "hidden_states": hidden}

@@ -551,12 +551,11 @@ class Scheduler:
         token_ids_logprob log-probs of this step and of the prompt or None, its sampling
         support or None, how many times a pause retracted it, its time stats with
         --enable-metrics or None, its hidden states added since its last event or None)),
-        ...]``, a sequence's tokens
-        since its last chunk in order; as each finishes, ``[(index, SequenceResult)]``; if
-        they fail, ``[(-1, exception)]``. The future resolves after the last of them. A
-        grammar not compiled yet is compiled on the grammar worker first (``_queue``): one
-        that does not compile fails the future (RequestError naming the field) rather than
-        raising here.
+        ...]``, a sequence's tokens since its last chunk in order; as each finishes,
+        ``[(index, SequenceResult)]``; if they fail, ``[(-1, exception)]``. The future
+        resolves after the last of them. A grammar not compiled yet is compiled on the grammar
+        worker first (``_queue``): one that does not compile fails the future (RequestError
+        naming the field) rather than raising here.
         """
         return self._submit(list(inputs), single=False, outbox=self._outbox(), stream=stream)
 
@@ -1072,10 +1071,14 @@ class Scheduler:
             seq.slot = -1
             seq.group.fail(exc)
 
+    def _watching(self) -> tuple[set[_Seq], ...]:
+        """The sets of the running seqs that watch something (joined at their prefill)."""
+        return (self._stop_seqs, self._top_seqs, self._mask_seqs, self._hidden_seqs,
+                self._stream_seqs, self._constrained)  # fmt: skip
+
     def _clear_rows(self) -> None:
         """No row runs any more: the sets of the rows that watch something are empty."""
-        for rows in (self._stop_seqs, self._top_seqs, self._mask_seqs, self._hidden_seqs,
-                     self._stream_seqs, self._constrained):  # fmt: skip
+        for rows in self._watching():
             rows.clear()
 
     # ---- model passes (scheduler thread) ---------------------------------------------------
@@ -1692,12 +1695,8 @@ class Scheduler:
         # prefill-only request's one: the distribution after its prompt (_score_prompts)
         kept = len(ids) or (1 if _next_wanted(seq) else 0)
         self._rids.pop(seq.inp.rid, None)
-        self._stop_seqs.discard(seq)
-        self._top_seqs.discard(seq)
-        self._mask_seqs.discard(seq)
-        self._hidden_seqs.discard(seq)
-        self._stream_seqs.discard(seq)
-        self._constrained.discard(seq)
+        for rows in self._watching():
+            rows.discard(seq)
         had_grammar = seq.constraint is not None
         seq.constraint = None
         seq.slot = -1
