@@ -33,6 +33,8 @@ transformers ``DynamicCache`` whose layers are these slots, so any model that ta
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -247,14 +249,30 @@ class BatchKV:
         a, b = first - self.base, last - self.base
         return [store[:, slot, :, a:b] for store in self._stores]
 
+    def pass_kv(self, cache: DynamicCache, row: int, first: int, last: int) -> list[torch.Tensor]:
+        """Keys and values of row ``row`` of a forward pass's own ``cache`` (not the slots')
+        over its columns ``first..last-1``, laid out as ``row_kv`` gives a slot's: one tensor
+        per store (copies). What a prompt scored outside the slots leaves to the prefix cache,
+        before any row was admitted too."""
+        tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        if not self._members:
+            self._shapes = [(t.shape[1], t.shape[3], t.dtype) for t in tensors]
+            self._members = [member for member, _ in self._grouped()]
+        count = 1 + max((s for s, _ in self._members), default=-1)
+        parts: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        for (s, _), t in zip(self._members, tensors, strict=True):
+            parts[s].append(t[row, :, first:last])
+        return [torch.stack(part) for part in parts]
+
     def past(self, rows: list[list[list[torch.Tensor]]], width: int) -> DynamicCache:
         """A left-padded ``DynamicCache`` of ``width`` columns for a prefill on top of cached
         prefixes: row ``r`` is the concatenation of the pieces ``rows[r]`` (each one tensor per
         store, as ``row_kv`` gives them), right-aligned; padding is zeros."""
         count = len(rows)
+        first = next(pieces[0] for pieces in rows if pieces)  # a piece: [tensors, heads, n, dim]
         stores = [
-            store.new_zeros((store.shape[0], count, store.shape[2], width, store.shape[4]))
-            for store in self._stores
+            part.new_zeros((part.shape[0], count, part.shape[1], width, part.shape[3]))
+            for part in first
         ]
         for r, pieces in enumerate(rows):
             column = width - sum(piece[0].shape[-2] for piece in pieces)
@@ -335,20 +353,15 @@ class BatchKV:
         """Zeroed storage for every layer's keys and values: one tensor per distinct shape and
         dtype (usually one for the whole model), so moving rows is one copy, not 2 per layer.
         Zeros, not garbage: a masked column still enters attention as 0 * value."""
-        groups: dict[tuple[int, int, torch.dtype], list[int]] = {}
-        for i, shape in enumerate(self._shapes):
-            groups.setdefault(shape, []).append(i)
-        views: list[torch.Tensor | None] = [None] * len(self._shapes)
-        self._members = [(0, 0)] * len(self._shapes)
+        grouped = self._grouped()
+        self._members = [member for member, _ in grouped]
         self._stores = []
-        for (heads, dim, dtype), members in groups.items():
+        for heads, dim, dtype, size in dict.fromkeys(shape for _, shape in grouped):
             store = torch.zeros(
-                (len(members), self.slots, heads, columns, dim), dtype=dtype, device=self.device
+                (size, self.slots, heads, columns, dim), dtype=dtype, device=self.device
             )
-            for j, i in enumerate(members):
-                views[i] = store[j]
-                self._members[i] = (len(self._stores), j)
             self._stores.append(store)
+        views = [self._stores[s][j] for s, j in self._members]
         if not self.layers:
             self.layers = [
                 _SlotLayer(self, views[2 * i], views[2 * i + 1]) for i in range(len(views) // 2)
@@ -356,6 +369,19 @@ class BatchKV:
         else:
             for i, layer in enumerate(self.layers):
                 layer.k, layer.v = views[2 * i], views[2 * i + 1]
+
+    def _grouped(self) -> list[tuple[tuple[int, int], tuple[int, int, torch.dtype, int]]]:
+        """For each tensor of ``_shapes`` (a layer's keys, then its values), its place
+        ``(store, index)`` and its store's ``(heads, head_dim, dtype, tensors)``: one store
+        per distinct shape and dtype, in the order they first appear."""
+        groups: dict[tuple[int, int, torch.dtype], list[int]] = {}
+        for i, shape in enumerate(self._shapes):
+            groups.setdefault(shape, []).append(i)
+        out: list[Any] = [None] * len(self._shapes)
+        for s, (shape, members) in enumerate(groups.items()):
+            for j, i in enumerate(members):
+                out[i] = ((s, j), (*shape, len(members)))
+        return out
 
     def _mask_like(self, columns: int) -> torch.Tensor:
         if self.mask_kind == "additive4d":

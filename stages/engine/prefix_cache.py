@@ -6,6 +6,8 @@ matched (longest prefix: one walk along its tokens, a dict look-up per node and 
 comparison per edge, whatever the number of entries), and only the rest of it is prefilled, on
 top of the matched KV. This is what SGLang's radix cache does for a multi-turn episode: turn
 k+1 = turn k's input + output + a few inserted tokens prefills about the inserted tokens only.
+A prompt scored for its log-probs is inserted too, as a prefix only (``served`` false), and
+takes live KV only (``live_only``): a teacher's group computes its prompt once.
 
 Storage. Each node holds the KV of its edge's tokens: one tensor per slot-store group of
 ``kv_batch.BatchKV`` (token axis -2), its own copy, never a view of slot storage or of another
@@ -132,15 +134,25 @@ class PrefixCache:
 
     # ---- matching ----------------------------------------------------------------------------
 
-    def match(self, tokens: list[int], limit: int, live: Stamp, namespace: Any = None) -> Match:
+    def match(
+        self,
+        tokens: list[int],
+        limit: int,
+        live: Stamp,
+        namespace: Any = None,
+        *,
+        live_only: bool = False,
+        record: bool = True,
+    ) -> Match:
         """The longest usable cached prefix of ``tokens`` in ``namespace``, at most ``limit``
-        tokens long (see the module docstring for which KV is usable); its nodes become the most
-        recently used."""
-        self.lookups += 1
+        tokens long (see the module docstring for which KV is usable; ``live_only``: the live
+        version's alone, as prompt scoring takes it); its nodes become the most recently
+        used. ``record`` false: a look only (no counter, no node refreshed)."""
+        self.lookups += record
         best: list[tuple[_Node, int]] = []
         length = 0
         for (index, space), root in self._trees.items():
-            if space != namespace:
+            if space != namespace or (live_only and index != live.index):
                 continue
             path = _walk(root, tokens, limit)
             if index != live.index:  # older KV: up to the end of a sequence it continues
@@ -150,6 +162,8 @@ class PrefixCache:
                 best, length = path, reach
         if not length:
             return Match()
+        if not record:
+            return Match(length, [], best[0][0].stamp)
         for node, _ in reversed(best):  # deepest first: parents stay newer than children
             self._order.move_to_end(node)
         stamp = best[0][0].stamp
@@ -167,14 +181,17 @@ class PrefixCache:
         kv_of: Callable[[int, int], list[torch.Tensor]],
         stamp: Stamp,
         namespace: Any = None,
+        *,
+        served: bool = True,
     ) -> int:
         """Hold ``tokens`` (a whole served sequence whose oldest KV is ``stamp``'s) in the tree
         of ``stamp``; ``kv_of(a, b)`` gives the KV of its tokens ``a..b-1`` (views; copied
         here). Only the part not held yet is copied; a sequence longer than the bound is held up
         to the bound (and then is not a whole sequence); one too old to be reused (it ran across
         more than ``max_age`` versions) is not held. ``namespace``: the tree's, with the
-        stamp's (only requests of the same namespace match it). Returns the tokens newly
-        held."""
+        stamp's (only requests of the same namespace match it). ``served`` false: a scored
+        prompt, held as a prefix only (no episode continues it, so its KV is never reused
+        once stale). Returns the tokens newly held."""
         if self.live_index - stamp.index > self.max_age:
             return 0
         whole = len(tokens) <= self.max_tokens
@@ -202,7 +219,7 @@ class PrefixCache:
                     child = self._split(child, k)
             touched.append(child)
             node, depth = child, depth + len(child.tokens)
-        if whole and node is not root and not node.terminal:
+        if served and whole and node is not root and not node.terminal:
             node.terminal = True
             self.sequences += 1
         for n in reversed(touched):

@@ -15,9 +15,13 @@ entry per token likewise: ``None`` first, then the ``top_logprobs_num`` most lik
 the position before each token. ``input_token_ids_logprobs`` (with ``token_ids_logprob``) the
 same for the tokens asked for, in the order asked.
 
-The built-in engine computes them in a pass of their own over the whole prompt (no prefix
-cache, no KV kept: SGLang, too, stops its prefix match at ``logprob_start_len``), before a
-request's samples are admitted; a request that also generates is then prefilled as any other.
+The built-in engine computes them in a pass of their own, before a request's samples are
+admitted, on top of the prompt's longest prefix in the prefix cache up to ``logprob_start_len``
+(as SGLang stops its prefix match there: the positions whose log-probs are asked for are
+computed), the live weights' KV only; the prompt's KV then goes into the cache, so a request
+that also generates is prefilled on top of it, and the samples of one prompt scored together
+(a teacher's or a reference's batch: prompt and completion, the start at the completion)
+compute the prompt once.
 A prefill-only request (``max_new_tokens: 0``) that asks for ``top_logprobs_num`` or
 ``token_ids_logprob`` also gets the distribution after its last prompt token, as SGLang 0.5.23
 computes it without sampling (``ModelRunner.compute_logprobs_only``): one entry of
@@ -50,11 +54,15 @@ def prompt_logprobs(
     top: int,
     head: Callable[[torch.Tensor], torch.Tensor],
     wanted: Sequence[int] | None = None,
+    offset: int = 0,
 ) -> tuple[list[float | None], Steps | None, Steps | None]:
-    """``(logprobs, tops, picked)`` of prompt tokens ``start ..``: ``hidden`` ``[L, H]`` is the
-    final (normed) hidden state at each prompt position, ``head`` maps it to logits. ``tops``
-    is None unless ``top`` > 0, ``picked`` (the log-probs of the ``wanted`` tokens) unless
-    ``wanted`` is given."""
+    """``(logprobs, tops, picked)`` of prompt tokens ``start ..``: ``hidden`` ``[L - offset,
+    H]`` is the final (normed) hidden state at each prompt position from ``offset`` (``<=
+    start``: the positions before it came from the prefix cache) on, ``head`` maps it to
+    logits. ``tops`` is None unless ``top`` > 0, ``picked`` (the log-probs of the ``wanted``
+    tokens) unless ``wanted`` is given."""
+    if not 0 <= offset <= max(start, 0):
+        raise ValueError(f"offset {offset} is beyond the start {start}")
     length = len(ids)
     if start >= length:
         return [], ([] if top else None), (None if wanted is None else [])
@@ -68,7 +76,7 @@ def prompt_logprobs(
     targets = torch.tensor(ids[start + 1 :], dtype=torch.long, device=hidden.device)
     for lo in range(start, length - 1, POSITIONS_PER_CHUNK):
         hi = min(lo + POSITIONS_PER_CHUNK, length - 1)
-        logits = head(hidden[lo:hi])
+        logits = head(hidden[lo - offset : hi - offset])
         if logits.dtype in (torch.float16, torch.bfloat16):  # as the sampler: in float32
             logits = logits.float()
         lps = torch.log_softmax(logits, dim=-1)

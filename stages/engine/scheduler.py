@@ -24,6 +24,10 @@ each pass (sorted by the number of new tokens: a row with a long new part does n
 of short turns to its width); a pass on top of cached prefixes takes them as past keys and
 values and its result is closed up into right-aligned rows (``BatchKV.admit(columns=...)``).
 Retracted rows and rows of a failed step are not kept (a retraction means "recompute").
+A prompt scored for its log-probs (``logprob_start_len``, prefill-only scoring) takes its
+prefix up to its start from the live weights' KV alone and leaves its own KV as a prefix (not
+a served sequence); prompts of one admission that share one are scored in two waves, one
+first (``_score_prompts``).
 
 In-flight weight updates: ``apply_weights`` queues named tensors; the scheduler copies them
 into the model at the next step boundary. Running rows keep their KV cache (computed by the
@@ -108,6 +112,23 @@ log = structlog.get_logger("stages.engine.scheduler")
 
 
 _CALL = object()  # an _Outbox item that is a call, not a result
+
+
+# A scored prompt is the same request whatever seqs ask for it: (ids, logprob_start,
+# top_logprobs_num, adapter, token_ids_logprob, the distribution after it, cache namespace).
+_ScoreKey = tuple[tuple[int, ...], int, int, "str | None", "tuple[int, ...] | None", bool, Any]
+# SGLang's IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD and _DEPRIORITIZE_THRESHOLD (32 both,
+# ``schedule_policy.py``): a prompt with at most this many tokens cached that shares this
+# many with one admitted before it waits for that one's KV
+IN_BATCH_PREFIX = 32
+
+
+def _reuse_limit(tokens: Sequence[int], start: int) -> int:
+    """How much of a scored prompt the prefix cache may give (SGLang's
+    ``Req._compute_max_prefix_len``): all but the last token, and nothing from its log-probs'
+    start on."""
+    limit = len(tokens) - 1
+    return max(0, limit if start < 0 else min(limit, start))
 
 
 def _next_wanted(seq: Any) -> bool:
@@ -418,6 +439,8 @@ class Scheduler:
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []  # index = slot
         self._admitting: list[_Seq] = []  # taken from _waiting by the admission under way
+        # of the admission under way, each scored seq's (cached tokens, their version)
+        self._scored: dict[_Seq, tuple[int, str | None]] = {}
         self._kv = BatchKV(max_running, _mask_kind(model), device=self.device)
         # forward passes without transformers' module machinery where the model allows it
         self._fast, why = LlamaForward.build(model) if fast_forward else (None, "turned off")
@@ -1061,6 +1084,7 @@ class Scheduler:
     def _fail_all(self, exc: Exception) -> None:
         seqs = list(self._waiting) + self._running + self._admitting
         self._admitting = []
+        self._scored.clear()
         self._waiting.clear()
         self._running = []
         self._kv.clear()
@@ -1124,14 +1148,16 @@ class Scheduler:
         if group:
             self._prefill(group)
         self._admitting = []
+        self._scored.clear()
 
     def _score_prompts(self, seqs: list[_Seq]) -> None:
         """Prompt log-probs from each seq's ``logprob_start`` on (``prompt_logprobs``), and a
-        prefill-only seq's hidden states: forward passes of their own over whole prompts,
-        identical requests computed once."""
-        unique: dict[
-            tuple[tuple[int, ...], int, int, str | None, tuple[int, ...] | None, bool], list[_Seq]
-        ] = {}
+        prefill-only seq's hidden states: forward passes of their own, identical requests
+        computed once, each on top of its prompt's longest prefix in the prefix cache up to
+        that start (SGLang's ``Req._compute_max_prefix_len``), whose KV then goes into the
+        cache. Prompts that share a prefix the cache lacks are scored in two waves, one of
+        them first and the rest on top of what it left (SGLang's in-batch prefix caching)."""
+        unique: dict[_ScoreKey, list[_Seq]] = {}
         for seq in seqs:
             key = (
                 tuple(seq.inp.input_ids),
@@ -1140,50 +1166,128 @@ class Scheduler:
                 seq.inp.lora,
                 seq.inp.token_ids_logprob,
                 _next_wanted(seq),
+                seq.inp.cache_namespace,
             )
             unique.setdefault(key, []).append(seq)
-        keys = list(unique)
-        for part in scoring_passes([len(k[0]) for k in keys]):
-            prompts = [list(keys[u][0]) for u in part]
-            ids, mask, positions = (
-                t.to(self.device) for t in _new_tokens(prompts, [0] * len(prompts))
+        first: list[tuple[_ScoreKey, Match | None]] = []
+        later: list[_ScoreKey] = []
+        openings: set[tuple[Any, tuple[int, ...]]] = set()  # those of the first wave's prompts
+        for key in unique:
+            seq = unique[key][0]
+            shares = _reuse_limit(key[0], key[1]) >= IN_BATCH_PREFIX
+            opening = (key[6], key[0][:IN_BATCH_PREFIX])
+            if shares and opening in openings:  # after the first prompt it shares them with
+                look = self._score_lookup(key, seq, record=False)
+                if look is not None and look.length <= IN_BATCH_PREFIX:
+                    later.append(key)
+                    continue
+            match = self._score_lookup(key, seq)
+            if shares and match is not None and match.length <= IN_BATCH_PREFIX:
+                openings.add(opening)
+            first.append((key, match))
+        self._score_wave(first, unique)
+        if later:
+            self._score_wave([(k, self._score_lookup(k, unique[k][0])) for k in later], unique)
+
+    def _score_lookup(self, key: _ScoreKey, seq: _Seq, record: bool = True) -> Match | None:
+        """What a scored prompt takes from the prefix cache: its longest prefix of the live
+        weights' KV up to its start; None where it neither takes nor leaves any (no cache, or
+        an adapter's row). ``record`` false: a look only (``PrefixCache.match``)."""
+        if self._prefix is None or seq.adapter is not None:
+            return None
+        limit = _reuse_limit(key[0], key[1])
+        if limit <= 0:
+            return Match()
+        stamp = self._stamp()
+        return self._prefix.match(list(key[0]), limit, stamp, key[6], live_only=True, record=record)
+
+    def _score_wave(
+        self, wave: list[tuple[_ScoreKey, Match | None]], unique: dict[_ScoreKey, list[_Seq]]
+    ) -> None:
+        """Scoring passes over ``wave``'s prompts, each after what it matched."""
+        live = self._stamp()
+        lengths = [len(k[0]) - (m.length if m is not None else 0) for k, m in wave]
+        self.prefill_tokens += sum(lengths)
+        for part in scoring_passes(lengths):
+            keys = [wave[u][0] for u in part]
+            kept = [wave[u][1] for u in part]
+            matches = [m if m is not None else Match() for m in kept]
+            prompts = [list(k[0]) for k in keys]
+            cached = [m.length for m in matches]
+            ids, mask, positions = _new_tokens(prompts, cached)
+            past = None
+            if max(cached):  # on top of cached prefixes, as a generating prefill
+                past = self._kv.past([m.pieces for m in matches], max(cached))
+                mask = _on_prefixes(prompts, cached, mask)[0]
+            ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
+            lora = self._row_adapters([unique[k][0] for k in keys])
+            kv, _, hidden = self._forward_prefill(ids, mask, positions, past, lora, True)
+            assert hidden is not None
+            head: Callable[[torch.Tensor], torch.Tensor] = (
+                self._fast.logits if self._fast is not None else self.model.get_output_embeddings()
             )
-            head: Callable[[torch.Tensor], torch.Tensor]
-            if self._fast is not None:
-                lora = self._row_adapters([unique[keys[u]][0] for u in part])
-                _, _, hidden = self._fast.prefill(ids, mask, positions, keep_hidden=True, lora=lora)
-                head = self._fast.logits
-            else:
-                out = self.model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    output_hidden_states=True,
-                    logits_to_keep=1,
-                )
-                hidden, head = out.hidden_states[-1], self.model.get_output_embeddings()
             width = ids.shape[1]
-            for row, u in enumerate(part):
-                tokens, start, top, _, wanted, after = keys[u]
-                for seq in unique[keys[u]]:  # prefill-only: the prompt's hidden states
+            for row, (key, match) in enumerate(zip(keys, matches, strict=True)):
+                tokens, start, top, _, wanted, after, namespace = key
+                new = len(tokens) - match.length
+                version = match.stamp.version if match.stamp is not None else None
+                for seq in unique[key]:
+                    # its cached_tokens, also once it is prefilled to generate (on top of this)
+                    seq.cached, seq.cached_version = match.length, version
+                    self._scored[seq] = (match.length, version)
                     mode = seq.inp.hidden_states
                     done = seq.inp.params.max_new_tokens <= len(seq.done_ids)
-                    if seq.hidden == [] and mode is not None and done:
-                        seq.hidden.append(_hidden_block(hidden[row], len(tokens), mode))
+                    if seq.hidden == [] and mode is not None and done:  # its uncached rest's
+                        seq.hidden.append(_hidden_block(hidden[row], new, mode))
                 if start >= 0:
                     lps, tops, picked = prompt_logprobs(
-                        hidden[row, width - len(tokens) :], list(tokens), start, top, head, wanted
-                    )
+                        hidden[row, width - new :], list(tokens), start, top, head, wanted,
+                        offset=match.length,
+                    )  # fmt: skip
                     pairs = list(zip(lps, tokens[start:], strict=True))
-                    for seq in unique[keys[u]]:
+                    for seq in unique[key]:
                         seq.input_lps, seq.input_tops, seq.input_picked = pairs, tops, picked
                 if after:  # prefill-only: the distribution after the prompt, no token drawn
                     next_top, next_picked = next_token_logprobs(hidden[row, -1], top, head, wanted)
-                    for seq in unique[keys[u]]:
+                    for seq in unique[key]:
                         if seq.top is not None and next_top is not None:
                             seq.top.append(next_top)
                         if seq.picked is not None and next_picked is not None:
                             seq.picked.append(next_picked)
+                if kept[row] is not None:
+                    self._keep_scored(kv, row, list(tokens), match.length, width, namespace, live)
+            del kv, hidden, past
+
+    def _keep_scored(
+        self,
+        kv: DynamicCache,
+        row: int,
+        tokens: list[int],
+        cached: int,
+        width: int,
+        namespace: Any,
+        live: Stamp,
+    ) -> None:
+        """A scored prompt's KV (row ``row`` of a scoring pass: its cached prefix right-aligned
+        in the past's columns, its ``width``-wide new tokens after them) to the prefix cache,
+        as a prefix only (``served`` false): a later request that shares it, or generates
+        after it, computes only the rest."""
+        assert self._prefix is not None
+        before = kv.get_seq_length() - width
+        new_at = before + width - (len(tokens) - cached)  # the first new token's column
+
+        def kv_of(a: int, b: int) -> list[torch.Tensor]:
+            spans = []
+            if a < cached:  # (in the tree already, unless evicted meanwhile)
+                spans.append((before - cached + a, before - cached + min(b, cached)))
+            if b > cached:
+                spans.append((new_at + max(a, cached) - cached, new_at + b - cached))
+            pieces = [self._kv.pass_kv(kv, row, lo, hi) for lo, hi in spans]
+            if len(pieces) == 1:
+                return pieces[0]
+            return [torch.cat(parts, -2) for parts in zip(*pieces, strict=True)]
+
+        self._prefix.insert(tokens, kv_of, live, namespace, served=False)
 
     def _prefill(self, group: list[_Seq]) -> None:
         # Identical contexts (the samples of one prompt) are prefilled once.
@@ -1263,6 +1367,8 @@ class Scheduler:
             match = matches[u]
             seq.cached = min(match.length, len(seq.inp.input_ids))
             seq.cached_version = match.stamp.version if match.stamp is not None else None
+            if seq in self._scored:  # its prompt scored first: what that pass took
+                seq.cached, seq.cached_version = self._scored[seq]
             # the row's KV is as old as the oldest KV in it: a reused prefix's, or this pass's
             seq.stamp = match.stamp if match.stamp is not None else live
         self._running.extend(group)

@@ -197,15 +197,19 @@ def test_generate_answers_them_in_meta_info(url: str, reference: torch.nn.Module
         block = sample["meta_info"]["hidden_states"][0]
         assert len(block) == 1
         assert torch.allclose(torch.tensor(block[0]), prompt_states[-1], atol=TOL)
-    # prefill-only (max_new_tokens 0): the prompt's states, no token drawn
-    scored = requests.post(
-        url + "/generate",
-        json={**body, "sampling_params": {**GREEDY, "max_new_tokens": 0}},
-        timeout=60,
-    ).json()
+    # prefill-only (max_new_tokens 0): the states of the prompt's uncached rest, no token
+    # drawn (SGLang's radix cache serves a prefill-only request as any other: all but the
+    # last token of the prompt the samples above left, Req._compute_max_prefix_len)
+    prefill_only = {**body, "sampling_params": {**GREEDY, "max_new_tokens": 0}}
+    scored = requests.post(url + "/generate", json=prefill_only, timeout=60).json()
     assert scored["output_ids"] == []
+    assert scored["meta_info"]["cached_tokens"] == len(PROMPT) - 1
     (block,) = scored["meta_info"]["hidden_states"]
-    assert torch.allclose(torch.tensor(block), prompt_states, atol=TOL)
+    assert torch.allclose(torch.tensor(block), prompt_states[-1:], atol=TOL)
+    requests.post(url + "/flush_cache", timeout=30)  # nothing cached: the whole prompt's
+    scored = requests.post(url + "/generate", json=prefill_only, timeout=60).json()["meta_info"]
+    assert scored["cached_tokens"] == 0
+    assert torch.allclose(torch.tensor(scored["hidden_states"][0]), prompt_states, atol=TOL)
 
 
 @pytest.mark.timeout(60)

@@ -171,6 +171,26 @@ def test_tree_reuses_older_kv_only_for_a_continuation_and_ages_it_out() -> None:
     assert cache.flush() == 4 and cache.stats()["tokens"] == 0
 
 
+@pytest.mark.timeout(10)
+def test_a_scored_prompt_is_held_as_a_prefix_and_scoring_takes_live_kv_only() -> None:
+    """What prompt scoring asks of the tree: ``live_only`` matches skip older versions' KV
+    (a prompt's log-probs are the live weights' own), and a scored prompt (``served``
+    false) is no whole sequence, so no later version reuses it as an episode's past."""
+    old, live = Stamp(0, "0"), Stamp(1, "1")
+    cache = PrefixCache(max_tokens=100, max_age=1)
+    served, scored = [5, 6, 7, 8], [1, 2, 3]
+    cache.insert(served, _kv_of(served), old)
+    cache.insert(scored, _kv_of(scored), old, served=False)
+    assert cache.stats()["sequences"] == 1  # the served one alone is a whole sequence
+    assert cache.match([*served, 9], 5, live).length == 4  # an episode continuing it
+    assert cache.match([*served, 9], 5, live, live_only=True).length == 0
+    assert cache.match([*scored, 9], 4, live).length == 0  # nothing continues a scored prompt
+    assert cache.match([*scored, 9], 4, old, live_only=True).length == 3  # its own version's
+    cache.insert(scored, _kv_of([-t for t in scored]), live, served=False)
+    m = cache.match([*scored, 4], 3, live, live_only=True)
+    assert m.stamp == live and _joined(m) == [-1, -2, -3]
+
+
 # ---- the scheduler ---------------------------------------------------------------------------
 
 
@@ -210,6 +230,61 @@ def test_next_turns_prefill_only_new_tokens_and_match_a_cold_engine(
         "prefill_tokens": stats["prefill_tokens"] + stats["hit_tokens"],
         "token_hit_rate": 0.0,
     }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_scoring_on_cached_prefixes_equals_scoring_whole_prompts(
+    models: tuple[Path, Path], attn: str, fast: bool
+) -> None:
+    """Prompt log-probs computed on top of the prefix cache equal a cold engine's: a teacher's
+    batch (one prompt, several completions, the start at the prompt's end) whose first row
+    leaves the prompt to the rest, the same batch again, and a prompt that continues a
+    generated sequence."""
+    hot = Scheduler(load_reference(models[0], attn), max_running=8, fast_forward=fast)
+    cold = Scheduler(
+        load_reference(models[0], attn), max_running=8, fast_forward=fast, prefix_cache_tokens=0
+    )
+
+    def score(rows: list[list[int]], start: int) -> list[tuple[SequenceResult, SequenceResult]]:
+        pairs = []
+        for scheduler in (hot, cold):
+            future = scheduler.submit_many(
+                [
+                    GenerateInput(f"s{i}", ids, _greedy(0), True, logprob_start=start)
+                    for i, ids in enumerate(rows)
+                ]
+            )
+            scheduler.run_until_idle()
+            pairs.append(future.result(timeout=0))
+        for hit, ref in zip(*pairs, strict=True):
+            assert hit.input_token_logprobs is not None and ref.input_token_logprobs is not None
+            assert [t for _, t in hit.input_token_logprobs] == [
+                t for _, t in ref.input_token_logprobs
+            ]
+            assert hit.input_token_logprobs[0][0] is None and ref.cached_tokens == 0
+            got = [lp for lp, _ in hit.input_token_logprobs[1:]]
+            assert_close(got, [lp for lp, _ in ref.input_token_logprobs[1:]], terms=TERMS)
+        return list(zip(*pairs, strict=True))
+
+    prompt = [(5 * i + 2) % 90 + 3 for i in range(36)]
+    rows = [prompt + t for t in ([40, 41, 42, 43], [50, 51], [60, 61, 62, 63, 64, 65], [70])]
+    start = len(prompt) - 1
+    assert [h.cached_tokens for h, _ in score(rows, start)] == [0, start, start, start]
+    assert [h.cached_tokens for h, _ in score(rows, start)] == [start] * 4
+    (gen,) = _run(hot, ("g", prompt[:20], 4))  # leaves its sequence: all but its last token
+    _run(cold, ("g", prompt[:20], 4))
+    held = prompt[:20] + gen.output_ids[:-1]
+    ((hit, _),) = score([[*held, 80, 81]], len(held) + 1)
+    assert hit.cached_tokens == len(held)
+    stats = hot.prefix_cache_stats()
+    # a lookup per prompt scored (the looks that held three back are not counted) and the
+    # generation's (19 tokens of the first prompt); every context token computed or reused
+    assert (stats["lookups"], stats["hits"]) == (10, 9)
+    assert stats["hit_tokens"] == 7 * start + 19 + len(held)
+    cold_stats = cold.prefix_cache_stats()
+    assert cold_stats["prefill_tokens"] == stats["prefill_tokens"] + stats["hit_tokens"]
 
 
 @pytest.mark.timeout(120)

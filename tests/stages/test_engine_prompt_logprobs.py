@@ -87,11 +87,14 @@ def test_prefill_only_gives_the_distribution_after_the_prompt_without_a_token(
             ((top,),) = [meta["output_top_logprobs"]]
             assert [e[1] for e in top] == expected.topk(3).indices.tolist()
             assert len(meta["input_token_logprobs"]) == (0 if start < 0 else len(PROMPT) - start)
-    # what a generated first token's entry holds: the same distribution
+    # what a generated first token's entry holds: the same distribution (its prefill on top
+    # of the prompt's KV the scoring left in the prefix cache: equal within rounding)
     drawn = engine.generate(
         {**body, "input_ids": PROMPT, "sampling_params": GREEDY | {"max_new_tokens": 1}}
     )
-    assert drawn["meta_info"]["output_token_ids_logprobs"] == meta["output_token_ids_logprobs"]
+    ((got,),) = [drawn["meta_info"]["output_token_ids_logprobs"]]
+    assert [e[1] for e in got] == wanted
+    assert_close([e[0] for e in got], [e[0] for e in picked], terms=terms)
     # without return_logprob, or asking for neither, nothing is computed after the prompt
     plain = engine.generate({"input_ids": PROMPT, "return_logprob": True,
                              "sampling_params": {"max_new_tokens": 0}})["meta_info"]  # fmt: skip
@@ -179,6 +182,47 @@ def test_scoring_is_the_same_in_a_batch_and_after_the_prompt_was_cached(
         {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": len(PROMPT) + 1},
     )  # fmt: skip
     assert status == 400 and "logprob_start_len" in error["error"]["message"]
+
+
+@pytest.mark.timeout(60)
+def test_samples_of_one_prompt_scored_together_compute_the_prompt_once(
+    engine: Engine,  # noqa: F811
+    ref_model: torch.nn.Module,  # noqa: F811
+) -> None:
+    """A teacher's or a reference's batch (``stages/scorer/teacher.py``): prompt + completion
+    each, the log-probs from the completion on. As SGLang serves it, the prompt's KV is
+    reused up to the start (``Req._compute_max_prefix_len``), and of the prompts that share
+    32 tokens or more with none cached, one goes first and the rest after it
+    (``schedule_policy.py``'s in-batch prefix caching): ``cached_tokens`` says so."""
+    assert requests.post(engine.url + "/flush_cache", timeout=30).status_code == 200
+    prompt = [(7 * i + 3) % 120 + 3 for i in range(40)]
+    completions = [[11, 12, 13, 14, 15, 16], [20, 21, 22], [30, 31, 32, 33, 34], [40, 41]]
+    body = {
+        "input_ids": [prompt + c for c in completions],
+        "return_logprob": True,
+        "logprob_start_len": [len(prompt) - 1] * len(completions),
+        "sampling_params": {"max_new_tokens": 0},
+    }
+    first = engine.generate(body)
+    assert [o["meta_info"]["cached_tokens"] for o in first] == [0] + [len(prompt) - 1] * 3
+    again = engine.generate(body)
+    assert [o["meta_info"]["cached_tokens"] for o in again] == [len(prompt) - 1] * 4
+    for c, a, b in zip(completions, first, again, strict=True):
+        ids = prompt + c
+        expected = _reference(ref_model, ids)
+        want = [expected[p - 1, ids[p]].item() for p in range(len(prompt), len(ids))]
+        for out in (a, b):
+            entries = out["meta_info"]["input_token_logprobs"]
+            assert [e[1] for e in entries] == ids[len(prompt) - 1 :] and entries[0][0] is None
+            assert_close(
+                [e[0] for e in entries[1:]], want, terms=forward_terms(ref_model.config, 46)
+            )
+    # a request that scores its prompt and generates: cached_tokens is what the scoring took
+    # (up to the start), though its prefill then reuses the whole prompt the scoring left
+    fresh = {"input_ids": prompt[::-1], "return_logprob": True, "logprob_start_len": 4,
+             "sampling_params": {**GREEDY, "max_new_tokens": 2}}  # fmt: skip
+    assert engine.generate(fresh)["meta_info"]["cached_tokens"] == 0
+    assert engine.generate(fresh)["meta_info"]["cached_tokens"] == 4
 
 
 @pytest.mark.timeout(60)
