@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -51,6 +52,21 @@ def make_model(path: Path, *, vocab: int = 32000, max_positions: int = 2048) -> 
     return sum(p.numel() for p in model.parameters())
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of a bench's paired rounds, as its JSON line reports them."""
+    return {
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,9 +103,11 @@ def engine_server(
     module: Sequence[str] = ("stages.engine.server",),
     env: Mapping[str, str] | None = None,
     output: IO[bytes] | None = None,
+    root: Path = ROOT,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Start ``python -m MODULE --model MODEL --port PORT FLAGS`` from the repository root and
-    yield its URL and process once it is healthy; terminate it on the way out.
+    """Start ``python -m MODULE --model MODEL --port PORT FLAGS`` from the repository root (or
+    ``root``: another checkout's, to compare its code) and yield its URL and process once it
+    is healthy; terminate it on the way out.
 
     ``env`` is added to this process's environment (with the root on ``PYTHONPATH``); the
     engine's stdout and stderr go to ``output``, else nowhere.
@@ -100,8 +118,8 @@ def engine_server(
     engine_id = new_engine_id()
     proc = subprocess.Popen(
         cmd,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {}), ENGINE_ID_ENV: engine_id},
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), **(env or {}), ENGINE_ID_ENV: engine_id},
         stdout=subprocess.DEVNULL if output is None else output,
         stderr=subprocess.DEVNULL if output is None else subprocess.STDOUT,
     )

@@ -10,8 +10,9 @@ completion as ``input_ids``, ``logprob_start_len`` at the prompt's last token an
 as started by default (the prefix cache on: a group's prompt is computed once, the other rows
 on top of its KV, as SGLang's radix cache and in-batch prefix caching serve them) and one with
 ``--prefix-cache-tokens 0`` (every row computes its whole sequence, as the engine scored
-before). Each round sends ``--batches`` groups of fresh random prompts to each server in turn
-(the order reversed every other round) and times them one after the other. Reported: the
+before). Each round starts each server in turn (the order reversed every other round), sends
+it one group unmeasured, then the round's ``--batches`` groups of fresh random prompts, timed
+one after the other, and stops it. Reported: the
 median (min-max) wall seconds per group of each, their ratio per round, the engine's CPU
 seconds per group (its process's user + system time), the tokens its prompts reused
 (``cached_tokens``), and the largest difference between the two servers' log-probs.
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -41,11 +41,6 @@ def _post(url: str, body: dict[str, Any]) -> Any:
     )
     with urllib.request.urlopen(request, timeout=600) as resp:
         return json.loads(resp.read())
-
-
-def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks of 10 ms
 
 
 def _group(rng: random.Random, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -71,56 +66,47 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from bench._engines import engine_server, make_model
+    from bench._engines import engine_server, make_model, process_cpu_s, spread
 
     vocab = 32000
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         make_model(model, vocab=vocab)
-        flags = ("--max-running", str(args.group))
-        with (
-            engine_server(model, *flags) as (cached_url, cached_proc),
-            engine_server(model, *flags, "--prefix-cache-tokens", "0") as (whole_url, whole_proc),
-        ):
-            servers = {"cached": (cached_url, cached_proc), "whole": (whole_url, whole_proc)}
-            for url, _ in servers.values():  # first requests (imports, allocations) unmeasured
-                _post(url, _group(rng, args, vocab))
-            wall: dict[str, list[float]] = {name: [] for name in servers}
-            cpu: dict[str, list[float]] = {name: [] for name in servers}
-            reused: dict[str, int] = dict.fromkeys(servers, 0)
-            largest = 0.0
-            for r in range(args.rounds):
-                bodies = [_group(rng, args, vocab) for _ in range(args.batches)]
-                answers: dict[str, list[Any]] = {}
-                for name in list(servers) if r % 2 == 0 else list(servers)[::-1]:
-                    url, proc = servers[name]
-                    cpu0, start = _cpu(proc.pid), time.perf_counter()
+        settings = {
+            "cached": ("--max-running", str(args.group)),
+            "whole": ("--max-running", str(args.group), "--prefix-cache-tokens", "0"),
+        }
+        wall: dict[str, list[float]] = {name: [] for name in settings}
+        cpu: dict[str, list[float]] = {name: [] for name in settings}
+        reused: dict[str, int] = dict.fromkeys(settings, 0)
+        largest = 0.0
+        for r in range(args.rounds):
+            bodies = [_group(rng, args, vocab) for _ in range(args.batches)]
+            answers: dict[str, list[Any]] = {}
+            for name in list(settings) if r % 2 == 0 else list(settings)[::-1]:
+                # one server alive at a time (bench/shared_prefix.py says why)
+                with engine_server(model, *settings[name]) as (url, proc):
+                    _post(url, _group(rng, args, vocab))  # its first request, unmeasured
+                    cpu0, start = process_cpu_s(proc.pid), time.perf_counter()
                     answers[name] = [_post(url, body) for body in bodies]
                     wall[name].append((time.perf_counter() - start) / args.batches)
-                    cpu[name].append((_cpu(proc.pid) - cpu0) / args.batches)
-                    outs = [out for batch in answers[name] for out in batch]
-                    reused[name] += sum(out["meta_info"]["cached_tokens"] for out in outs)
-                for a, b in zip(answers["cached"], answers["whole"], strict=True):
-                    for x, y in zip(a, b, strict=True):
-                        pairs = zip(
-                            x["meta_info"]["input_token_logprobs"][1:],
-                            y["meta_info"]["input_token_logprobs"][1:],
-                            strict=True,
-                        )
-                        largest = max([largest, *(abs(p[0] - q[0]) for p, q in pairs)])
-                print(
-                    f"round {r}: cached {wall['cached'][-1]:.3f} s a group, "
-                    f"whole {wall['whole'][-1]:.3f}",
-                    file=sys.stderr,
-                )
-
-    def spread(values: list[float]) -> dict[str, float]:
-        return {
-            "median": round(statistics.median(values), 4),
-            "min": round(min(values), 4),
-            "max": round(max(values), 4),
-        }
+                    cpu[name].append((process_cpu_s(proc.pid) - cpu0) / args.batches)
+                outs = [out for batch in answers[name] for out in batch]
+                reused[name] += sum(out["meta_info"]["cached_tokens"] for out in outs)
+            for a, b in zip(answers["cached"], answers["whole"], strict=True):
+                for x, y in zip(a, b, strict=True):
+                    pairs = zip(
+                        x["meta_info"]["input_token_logprobs"][1:],
+                        y["meta_info"]["input_token_logprobs"][1:],
+                        strict=True,
+                    )
+                    largest = max([largest, *(abs(p[0] - q[0]) for p, q in pairs)])
+            print(
+                f"round {r}: cached {wall['cached'][-1]:.3f} s a group, "
+                f"whole {wall['whole'][-1]:.3f}",
+                file=sys.stderr,
+            )
 
     ratios = [w / c for w, c in zip(wall["whole"], wall["cached"], strict=True)]
     print(

@@ -1,7 +1,9 @@
 """Prefix reuse across requests: radix trees over token ids whose nodes hold keys and values.
 
 When a request finishes, the scheduler inserts its sequence (the prompt and every output token
-whose KV was computed: all but the last sampled one) with that KV. A new request's context is
+whose KV was computed: all but the last sampled one) with that KV; a long prompt goes in at its
+prefill already, as a prefix only (``served`` false), as SGLang's ``cache_unfinished_req`` puts
+it there. A new request's context is
 matched (longest prefix: one walk along its tokens, a dict look-up per node and one list
 comparison per edge, whatever the number of entries), and only the rest of it is prefilled, on
 top of the matched KV. This is what SGLang's radix cache does for a multi-turn episode: turn

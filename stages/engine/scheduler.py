@@ -23,7 +23,11 @@ admitted contexts of one step are prefilled in as few passes as keep padding und
 each pass (sorted by the number of new tokens: a row with a long new part does not pad a batch
 of short turns to its width); a pass on top of cached prefixes takes them as past keys and
 values and its result is closed up into right-aligned rows (``BatchKV.admit(columns=...)``).
-Retracted rows and rows of a failed step are not kept (a retraction means "recompute").
+Retracted rows and rows of a failed step are not kept (a retraction means "recompute"). A
+context longer than ``IN_BATCH_PREFIX`` tokens is held from its prefill on (SGLang's
+``cache_unfinished_req``), and contexts admitted together that share their first
+``IN_BATCH_PREFIX`` tokens, with no more of them cached, are prefilled in two waves: one first,
+the rest on top of its KV (SGLang's in-batch prefix caching).
 A prompt scored for its log-probs (``logprob_start_len``, prefill-only scoring) takes its
 prefix up to its start from the live weights' KV alone and leaves its own KV as a prefix (not
 a served sequence); prompts of one admission that share one are scored in two waves, one
@@ -1304,32 +1308,58 @@ class Scheduler:
                 contexts.append(ctx)
                 owners.append(seq)
             source.append(idx)
-        # a prefix cached under the base weights is no prefix of an adapter's row
-        matches = [
-            self._lookup(ctx, o.inp.cache_namespace) if o.adapter is None else Match()
-            for ctx, o in zip(contexts, owners, strict=True)
-        ]
-        news = [len(c) - m.length for c, m in zip(contexts, matches, strict=True)]
-        self.prefill_tokens += sum(news)
+        # Contexts that share their opening with an earlier one and find little of it cached
+        # wait for that one's KV: a second wave of passes in this admission (SGLang's in-batch
+        # prefix caching, which holds them to its next batch)
+        first: list[tuple[int, Match]] = []
+        later: list[int] = []
+        openings: set[tuple[Any, tuple[int, ...]]] = set()
+        for u, (ctx, owner) in enumerate(zip(contexts, owners, strict=True)):
+            if owner.adapter is not None:  # a base prefix is no prefix of an adapter's row
+                first.append((u, Match()))
+                continue
+            space = owner.inp.cache_namespace
+            shares = self._prefix is not None and len(ctx) > IN_BATCH_PREFIX
+            opening = (space, tuple(ctx[:IN_BATCH_PREFIX]))
+            if shares and opening in openings:
+                if self._lookup(ctx, space, record=False).length <= IN_BATCH_PREFIX:
+                    later.append(u)
+                    continue
+            match = self._lookup(ctx, space)
+            if shares and match.length <= IN_BATCH_PREFIX:
+                openings.add(opening)
+            first.append((u, match))
         began = time.perf_counter()
-        for part in _passes(news):
-            where = {u: i for i, u in enumerate(part)}
-            members = [(s, where[u]) for s, u in zip(group, source, strict=True) if u in where]
-            self._prefill_pass(
-                [s for s, _ in members],
-                [contexts[u] for u in part],
-                [matches[u] for u in part],
-                [i for _, i in members],
-                self._row_adapters([owners[u] for u in part]),
-            )
-        hit = sum(m.length for m in matches)
-        self.load.prefilled(time.perf_counter() - began, sum(news), hit)
+        computed = hit = 0
 
-    def _lookup(self, ctx: list[int], namespace: Any) -> Match:
+        def run(wave: list[tuple[int, Match]]) -> None:
+            nonlocal computed, hit
+            news = [len(contexts[u]) - m.length for u, m in wave]
+            computed += sum(news)
+            hit += sum(m.length for _, m in wave)
+            for part in _passes(news):
+                units = [wave[k][0] for k in part]
+                where = {u: i for i, u in enumerate(units)}
+                members = [(s, where[u]) for s, u in zip(group, source, strict=True) if u in where]
+                self._prefill_pass(
+                    [s for s, _ in members],
+                    [contexts[u] for u in units],
+                    [wave[k][1] for k in part],
+                    [i for _, i in members],
+                    self._row_adapters([owners[u] for u in units]),
+                )
+
+        run(first)
+        if later:  # on top of what the first wave left in the cache
+            run([(u, self._lookup(contexts[u], owners[u].inp.cache_namespace)) for u in later])
+        self.prefill_tokens += computed
+        self.load.prefilled(time.perf_counter() - began, computed, hit)
+
+    def _lookup(self, ctx: list[int], namespace: Any, record: bool = True) -> Match:
         if self._prefix is None:
             return Match()
         # The last token is always computed: its logits give the first sampled token.
-        return self._prefix.match(ctx, len(ctx) - 1, self._stamp(), namespace)
+        return self._prefix.match(ctx, len(ctx) - 1, self._stamp(), namespace, record=record)
 
     def _prefill_pass(
         self,
@@ -1371,6 +1401,8 @@ class Scheduler:
                 seq.cached, seq.cached_version = self._scored[seq]
             # the row's KV is as old as the oldest KV in it: a reused prefix's, or this pass's
             seq.stamp = match.stamp if match.stamp is not None else live
+        if self._prefix is not None:
+            self._keep_contexts(group, source, contexts)
         self._running.extend(group)
         self._stop_seqs.update(s for s in group if s.tail is not None)
         self._top_seqs.update(s for s in group if s.top is not None or s.picked is not None)
@@ -1401,6 +1433,31 @@ class Scheduler:
                 seq.first_token = now
         aborted = self._take_masks(lo, hi) if self._mask_seqs else None
         self._finish_checks(tokens, logprobs, lo, hi, end, aborted)
+
+    def _keep_contexts(
+        self, group: list[_Seq], source: list[int], contexts: list[list[int]]
+    ) -> None:
+        """Each context a prefill pass just admitted (from the first row that took it), held in
+        the prefix cache as a prefix, as SGLang's ``cache_unfinished_req`` holds a prefilled
+        request's: a request that shares it and comes before this one finishes (a prompt of
+        the same system prompt or few-shot examples, a group's samples sent apart, the first
+        requests after a weight update) computes only the rest. Its row inserts its whole
+        sequence when it finishes (``_keep_prefixes``). Adapter rows hold none, nor do
+        contexts of ``IN_BATCH_PREFIX`` tokens or fewer: reusing one saves less than holding
+        it costs (``bench/engine_profile.py compare --against``: 2-3% more CPU a sample on
+        arith-tiny's short prompts when they were held too); they are held when they finish."""
+        assert self._prefix is not None
+        held: set[int] = set()
+        for seq, u in zip(group, source, strict=True):
+            if u in held or seq.adapter is not None or len(contexts[u]) <= IN_BATCH_PREFIX:
+                continue
+            held.add(u)
+
+            def kv_of(a: int, b: int, slot: int = seq.slot, at: int = seq.kv_start) -> list[Any]:
+                return self._kv.row_kv(slot, at + a, at + b)
+
+            stamp = seq.stamp or self._stamp()
+            self._prefix.insert(contexts[u], kv_of, stamp, seq.inp.cache_namespace, served=False)
 
     def _forward_prefill(
         self,

@@ -288,6 +288,42 @@ def test_scoring_on_cached_prefixes_equals_scoring_whole_prompts(
 
 
 @pytest.mark.timeout(120)
+def test_prompts_that_share_an_opening_compute_it_once_and_a_running_prompt_is_shared(
+    models: tuple[Path, Path],
+) -> None:
+    """SGLang's in-batch prefix caching (``schedule_policy.py``: a prompt with at most 32
+    tokens cached that shares 32 or more with one admitted before it waits for that one's KV)
+    and its ``cache_unfinished_req`` (a prefilled prompt is in the tree before it finishes)."""
+    model = load_reference(models[0])
+    hot = Scheduler(model, max_running=8)
+    cold = Scheduler(model, max_running=8, prefix_cache_tokens=0)
+    system = [(3 * i + 5) % 90 + 3 for i in range(40)]  # a system prompt all of them share
+    asks = {"a": [100, 101], "b": [102, 103, 104], "c": [105], "short": [106]}
+    inputs = [(r, system + q, 5) for r, q in asks.items() if r != "short"]
+    inputs.append(("short", system[:20] + asks["short"], 5))  # shares too little: not held
+    calls = _record_prefills(hot)
+    results = _run(hot, *inputs)
+    for hit, ref in zip(results, _run(cold, *inputs), strict=True):
+        _same(hit, ref)
+    # the first of them with the short one, then the rest on top of the first one's KV
+    assert {r.rid: r.cached_tokens for r in results} == {
+        "a": 0, "b": len(system), "c": len(system), "short": 0,
+    }  # fmt: skip
+    assert calls == [(2, 42), (2, 3)]  # each wave one pass (padding under half of it)
+    # a prompt already running: the next request of it (a group's sample sent apart) reuses
+    # it, once it is longer than 32 tokens (shorter ones are held when they finish)
+    prompt = [(7 * i + 1) % 90 + 3 for i in range(40)]
+    first = hot.submit(GenerateInput("r1", prompt, _greedy(30), True))
+    hot.step()
+    second = hot.submit(GenerateInput("r2", prompt, _greedy(3), True))
+    hot.step()
+    assert not first.done()  # still running when the second was prefilled
+    hot.run_until_idle()
+    assert not first.result(timeout=0).cached_tokens  # nothing of it was held before it
+    assert second.result(timeout=0).cached_tokens == len(prompt) - 1
+
+
+@pytest.mark.timeout(120)
 def test_one_admission_mixes_hits_misses_groups_and_lengths(models: tuple[Path, Path]) -> None:
     model = load_reference(models[0])
     hot = Scheduler(model, max_running=16, admit_fraction=0.0)

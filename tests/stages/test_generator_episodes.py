@@ -146,7 +146,8 @@ class CountDown:
 
     def step(self, action: str) -> tuple[str, float, bool]:
         self.n += 1
-        assert action.startswith("w")  # the model's turn, decoded
+        # the model's turn, decoded (a special token it may sample decodes to nothing)
+        assert isinstance(action, str) and all(w.startswith("w") for w in action.split())
         if self.n == self.raise_at:
             raise ValueError("the environment's own bug")
         if self.n == self.hang_at:

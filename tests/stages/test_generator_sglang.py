@@ -70,6 +70,13 @@ def _rid(what: str) -> str:
     return f"inflight-test-{what}-{secrets.token_hex(4)}"
 
 
+async def _slow_down(client: EngineClient, seconds: float | None) -> None:
+    """SGLang's ``/slow_down``: each forward pass sleeps ``seconds`` more (None: none)."""
+    body = {"forward_sleep_time": seconds}
+    async with client.session.post(client.url + "/slow_down", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+
+
 def _params(max_new_tokens: int, **more) -> dict:
     return {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **more}
 
@@ -641,17 +648,23 @@ async def test_memory_released_between_rollouts_comes_back_as_it_was(client):
 @pytest.mark.timeout(120)
 async def test_abort_ends_a_running_request(client):
     rid, long = _rid("aborted"), await _long(client)
-    task = asyncio.create_task(client.generate(PROMPT, _params(long), rid=rid))
-    await asyncio.sleep(0.2)
-    assert not task.done(), "the request finished before it could be aborted"
-    await client.abort(rid)
+    # a step of at least 10 ms (SGLang's /slow_down): a small model on a fast machine would
+    # otherwise finish its tokens within the wait below
+    await _slow_down(client, 0.01)
     try:
-        completion = await asyncio.wait_for(task, 60)
-    except EngineError as exc:
-        # SGLang versions differ: an aborted request is an error answer in some of them
-        assert exc.status is not None, exc
-    else:
-        assert completion.finish_reason == "abort" and len(completion.output_ids) < long
+        task = asyncio.create_task(client.generate(PROMPT, _params(long), rid=rid))
+        await asyncio.sleep(0.2)
+        assert not task.done(), "the request finished before it could be aborted"
+        await client.abort(rid)
+        try:
+            completion = await asyncio.wait_for(task, 60)
+        except EngineError as exc:
+            # SGLang versions differ: an aborted request is an error answer in some of them
+            assert exc.status is not None, exc
+        else:
+            assert completion.finish_reason == "abort" and len(completion.output_ids) < long
+    finally:
+        await _slow_down(client, None)
     # the server goes on serving
     after = await client.generate(PROMPT, _params(4), rid=_rid("after-abort"))
     assert len(after.output_ids) == 4
