@@ -3,13 +3,12 @@
 When a request finishes, the scheduler inserts its sequence (the prompt and every output token
 whose KV was computed: all but the last sampled one) with that KV; a long prompt goes in at its
 prefill already, as a prefix only (``served`` false), as SGLang's ``cache_unfinished_req`` puts
-it there. A new request's context is
-matched (longest prefix: one walk along its tokens, a dict look-up per node and one list
-comparison per edge, whatever the number of entries), and only the rest of it is prefilled, on
-top of the matched KV. This is what SGLang's radix cache does for a multi-turn episode: turn
-k+1 = turn k's input + output + a few inserted tokens prefills about the inserted tokens only.
-A prompt scored for its log-probs is inserted too, as a prefix only (``served`` false), and
-takes live KV only (``live_only``): a teacher's group computes its prompt once.
+it there. A new request's context is matched (longest prefix: one walk along its tokens, a dict
+look-up per node and one list comparison per edge, whatever the number of entries), and only
+the rest of it is prefilled, on top of the matched KV. This is what SGLang's radix cache does
+for a multi-turn episode: turn k+1 = turn k's input + output + a few inserted tokens prefills
+about the inserted tokens only. A prompt scored for its log-probs is inserted too, as a prefix
+only, and takes live KV only (``live_only``): a teacher's group computes its prompt once.
 
 Storage. Each node holds the KV of its edge's tokens: one tensor per slot-store group of
 ``kv_batch.BatchKV`` (token axis -2), its own copy, never a view of slot storage or of another
@@ -191,9 +190,10 @@ class PrefixCache:
         here). Only the part not held yet is copied; a sequence longer than the bound is held up
         to the bound (and then is not a whole sequence); one too old to be reused (it ran across
         more than ``max_age`` versions) is not held. ``namespace``: the tree's, with the
-        stamp's (only requests of the same namespace match it). ``served`` false: a scored
-        prompt, held as a prefix only (no episode continues it, so its KV is never reused
-        once stale). Returns the tokens newly held."""
+        stamp's (only requests of the same namespace match it). ``served`` false: a prompt
+        being scored or generated from, held as a prefix only, not a whole sequence (no
+        episode continues it, so its KV is never reused once stale). Returns the tokens newly
+        held."""
         if self.live_index - stamp.index > self.max_age:
             return 0
         whole = len(tokens) <= self.max_tokens
