@@ -100,8 +100,8 @@ def main() -> int:
         for r in range(args.rounds):
             bodies = [_bodies(rng, args, vocab) for _ in range(args.per_round)]
             for name in list(roots) if r % 2 == 0 else list(roots)[::-1]:
-                # one server alive at a time: with two, the one measured ran slower by turns
-                # (up to a third) than alone, though the other was idle
+                # one server alive at a time: one series with two alive had one of them a
+                # third slower than alone, though the other was idle (not seen again later)
                 with engine_server(model, *flags, root=roots[name]) as (url, proc):
                     asyncio.run(_round(url, _bodies(rng, args, vocab)))  # its first, unmeasured
                     before = _info(url)["prefix_cache"]["prefill_tokens"]
