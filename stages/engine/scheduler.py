@@ -135,6 +135,35 @@ def _reuse_limit(tokens: Sequence[int], start: int) -> int:
     return max(0, limit if start < 0 else min(limit, start))
 
 
+def _in_batch_waves(
+    items: list[T],
+    opening: Callable[[T], Any],
+    lookup: Callable[[T, bool], Match | None],
+) -> tuple[list[tuple[T, Any]], list[T]]:
+    """SGLang's in-batch prefix caching (``schedule_policy._compute_prefix_matches``) over one
+    admission's prompts: ``(first, later)``, the first wave with each one's match, and the
+    prompts that wait for it. A prompt waits when its ``opening`` (its first
+    ``IN_BATCH_PREFIX`` tokens and namespace; None: too short to share) is an earlier
+    first-wave prompt's and no more than ``IN_BATCH_PREFIX`` of it is cached (``lookup(item,
+    record)``; None: it takes nothing from the cache). Waiting prompts are looked up again
+    after the first wave left its KV."""
+    first: list[tuple[T, Any]] = []
+    later: list[T] = []
+    openings: set[Any] = set()
+    for item in items:
+        key = opening(item)
+        if key is not None and key in openings:
+            look = lookup(item, False)
+            if look is not None and look.length <= IN_BATCH_PREFIX:
+                later.append(item)
+                continue
+        match = lookup(item, True)
+        if key is not None and match is not None and match.length <= IN_BATCH_PREFIX:
+            openings.add(key)
+        first.append((item, match))
+    return first, later
+
+
 def _next_wanted(seq: Any) -> bool:
     """A prefill-only request (``max_new_tokens: 0``) that asks for the log-probs of the
     token after its prompt: its top ones or those of ``token_ids_logprob`` (SGLang 0.5.23's
@@ -1173,22 +1202,15 @@ class Scheduler:
                 seq.inp.cache_namespace,
             )
             unique.setdefault(key, []).append(seq)
-        first: list[tuple[_ScoreKey, Match | None]] = []
-        later: list[_ScoreKey] = []
-        openings: set[tuple[Any, tuple[int, ...]]] = set()  # those of the first wave's prompts
-        for key in unique:
-            seq = unique[key][0]
-            shares = _reuse_limit(key[0], key[1]) >= IN_BATCH_PREFIX
-            opening = (key[6], key[0][:IN_BATCH_PREFIX])
-            if shares and opening in openings:  # after the first prompt it shares them with
-                look = self._score_lookup(key, seq, record=False)
-                if look is not None and look.length <= IN_BATCH_PREFIX:
-                    later.append(key)
-                    continue
-            match = self._score_lookup(key, seq)
-            if shares and match is not None and match.length <= IN_BATCH_PREFIX:
-                openings.add(opening)
-            first.append((key, match))
+        first, later = _in_batch_waves(
+            list(unique),
+            lambda k: (
+                (k[6], k[0][:IN_BATCH_PREFIX])
+                if _reuse_limit(k[0], k[1]) >= IN_BATCH_PREFIX
+                else None
+            ),
+            lambda k, record: self._score_lookup(k, unique[k][0], record),
+        )
         self._score_wave(first, unique)
         if later:
             self._score_wave([(k, self._score_lookup(k, unique[k][0])) for k in later], unique)
@@ -1309,26 +1331,20 @@ class Scheduler:
                 owners.append(seq)
             source.append(idx)
         # Contexts that share their opening with an earlier one and find little of it cached
-        # wait for that one's KV: a second wave of passes in this admission (SGLang's in-batch
-        # prefix caching, which holds them to its next batch)
-        first: list[tuple[int, Match]] = []
-        later: list[int] = []
-        openings: set[tuple[Any, tuple[int, ...]]] = set()
-        for u, (ctx, owner) in enumerate(zip(contexts, owners, strict=True)):
-            if owner.adapter is not None:  # a base prefix is no prefix of an adapter's row
-                first.append((u, Match()))
-                continue
-            space = owner.inp.cache_namespace
-            shares = self._prefix is not None and len(ctx) > IN_BATCH_PREFIX
-            opening = (space, tuple(ctx[:IN_BATCH_PREFIX]))
-            if shares and opening in openings:
-                if self._lookup(ctx, space, record=False).length <= IN_BATCH_PREFIX:
-                    later.append(u)
-                    continue
-            match = self._lookup(ctx, space)
-            if shares and match.length <= IN_BATCH_PREFIX:
-                openings.add(opening)
-            first.append((u, match))
+        # wait for that one's KV: a second wave of passes in this admission
+
+        def opening(u: int) -> tuple[Any, tuple[int, ...]] | None:
+            ctx, owner = contexts[u], owners[u]
+            if self._prefix is None or owner.adapter is not None or len(ctx) <= IN_BATCH_PREFIX:
+                return None
+            return owner.inp.cache_namespace, tuple(ctx[:IN_BATCH_PREFIX])
+
+        def lookup(u: int, record: bool) -> Match:
+            if owners[u].adapter is not None:  # a base prefix is no prefix of an adapter's row
+                return Match()
+            return self._lookup(contexts[u], owners[u].inp.cache_namespace, record)
+
+        first, later = _in_batch_waves(list(range(len(contexts))), opening, lookup)
         began = time.perf_counter()
         computed = hit = 0
 
