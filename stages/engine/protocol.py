@@ -163,6 +163,9 @@ class GenerateInput:
     # one of n > 1 samples of its prompt (SGLang prefills such a prompt in a warm-up request
     # first, so that each sample's own prefill computes its last position only)
     parallel: bool = False
+    # the most tokens it may think before its reasoning's end is forced (max_thinking_tokens,
+    # with --enable-strict-thinking; None: the server's budget)
+    max_thinking_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -245,7 +248,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "data_parallel_rank": (None, 0),
     "disagg_prefill_dp_rank": (None, 0),
     "background": (False,),
-    "max_thinking_tokens": (None,),
     "kv_hints": (None,),
     "return_bytes": (False,),
     "multi_item_delimiter_indices": (None,),
@@ -291,6 +293,7 @@ _KNOWN_TOP = frozenset(
         "return_flat_raw_output_top_logprobs",
         "return_flat_raw_top_logprobs_b64",
         "return_hidden_states",  # the final hidden states (with the server's flag)
+        "max_thinking_tokens",  # a thinking budget (--enable-strict-thinking)
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -309,11 +312,13 @@ def parse_generate(
     adapters: Collection[str] = (),
     mask_cap: int = SAMPLING_MASK_MAX_TOKENS,
     hidden_cap: str | None = None,
+    strict_thinking: bool = False,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
     ``mask_cap``: the engine's ``--sampling-mask-max-tokens``; ``hidden_cap``: the most its
-    ``--return-hidden-states-mode`` returns (``last`` or ``full``; None: no hidden states)."""
+    ``--return-hidden-states-mode`` returns (``last`` or ``full``; None: no hidden states);
+    ``strict_thinking``: whether it runs with ``--enable-strict-thinking``."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():
@@ -331,6 +336,7 @@ def parse_generate(
             "priority must be a signed 64-bit integer between -9223372036854775808 and "
             "9223372036854775807",
         )
+    budget = _thinking_budget(body.get("max_thinking_tokens"), strict_thinking)
     for flag in (
         "return_text_in_logprobs",
         "stream",
@@ -439,9 +445,26 @@ def parse_generate(
                     flat_tops=flat if top else None,  # only top log-probs come flat
                     hidden_states=hidden[i],
                     parallel=n > 1,
+                    max_thinking_tokens=budget,
                 )
             )
     return inputs, listed
+
+
+def _thinking_budget(value: Any, strict: bool) -> int | None:
+    """``max_thinking_tokens``: an integer, one for every prompt of the request (SGLang's
+    ``GenerateReqInput`` gives each item the same), and only with ``--enable-strict-thinking``
+    (refused in SGLang's words without it, ``TokenizerManager.generate_request``)."""
+    if value is None:
+        return None
+    if not strict:
+        raise RequestError(
+            "max_thinking_tokens",
+            "max_thinking_tokens requires the server to be launched with --enable-strict-thinking",
+        )
+    if not is_int(value):
+        raise RequestError("max_thinking_tokens", f"expected an integer, got {value!r}")
+    return value
 
 
 def _sampling_masks(body: dict[str, Any], count: int, listed: bool) -> list[str | None]:

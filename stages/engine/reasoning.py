@@ -83,10 +83,17 @@ class ThinkFormat:
     # its tags are special tokens, kept in the text of a request with a reasoning_effort
     # (serving_chat._patch_reasoning_skip_special_tokens: mistral)
     special_tags: bool = False
+    # tags its detector's think_excluded_tokens name: never drawn while a sample thinks under
+    # --enable-strict-thinking (stages.engine.strict_thinking)
+    excluded: tuple[str, ...] = ()
 
 
 _R1 = ThinkFormat(tool_start=None, default="always", force=True)
-_QWEN3 = ThinkFormat(tool_start="<tool_call>", default="enable_thinking")
+_QWEN3 = ThinkFormat(
+    tool_start="<tool_call>",
+    default="enable_thinking",
+    excluded=("<tool_call>", "</tool_call>", "<|im_end|>", "<|endoftext|>"),
+)
 _QWEN3_FORCED = replace(_QWEN3, forced=True)
 # SGLang's ReasoningParser.DetectorMap, the names whose detector reads one of these formats
 PARSERS: dict[str, ThinkFormat] = {
@@ -98,10 +105,13 @@ PARSERS: dict[str, ThinkFormat] = {
     "dots": _QWEN3,
     "nanbeige": _QWEN3,
     "interns1": _QWEN3,
-    # Glm45Detector, Nemotron3Detector: Qwen3's arguments less think_excluded_tokens and
+    # Glm45Detector, Nemotron3Detector: Qwen3's arguments but for their excluded tags and
     # thinks_internally, which nothing reads when the prompt is a Jinja template's
-    "glm45": _QWEN3,
-    "nemotron_3": _QWEN3,
+    "glm45": replace(
+        _QWEN3,
+        excluded=("<tool_call>", "</tool_call>", "<eop>", "<|user|>", "<|endoftext|>"),
+    ),
+    "nemotron_3": replace(_QWEN3, excluded=()),
     "qwen3-thinking": _QWEN3_FORCED,
     "minimax": _QWEN3_FORCED,
     "deepseek-v3": replace(_QWEN3, default="explicit_thinking"),  # _DeepSeekV3Detector

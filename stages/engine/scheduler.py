@@ -92,6 +92,7 @@ from stages.engine.protocol import (
 from stages.engine.reasoning import reasoning_tokens
 from stages.engine.sampling import SlotSampler, Support
 from stages.engine.step_profiler import ProfileRequest, StepProfiler
+from stages.engine.strict_thinking import StrictThinking
 from stages.hf import DynamicCache
 
 __all__ = ["PAUSE_MODES", "PREFIX_CACHE_MAX_AGE", "PREFIX_CACHE_TOKENS", "Scheduler"]
@@ -322,6 +323,7 @@ class _Seq:
     __slots__ = (
         "adapter",
         "admitted",
+        "budget",
         "cached",
         "cached_version",
         "constraint",
@@ -353,6 +355,7 @@ class _Seq:
         "tail",
         "tail_text",
         "thinking",
+        "thought",
         "top",
     )
 
@@ -360,9 +363,13 @@ class _Seq:
         self.inp = inp
         self.adapter: Adapter | None = None  # its LoRA adapter, set when queued (inp.lora)
         self.constraint: Constraint | None = None  # its grammar's state, set when submitted
-        # while its grammar waits for the end of its reasoning: how many of the end's tokens
-        # its last tokens match (None: the grammar applies)
+        # while its grammar waits for the end of its reasoning, or strict thinking filters
+        # it: how many of the end's tokens its last tokens match (None: not thinking)
         self.thinking: int | None = None
+        # under strict thinking: its budget (-1: none; None: not filtered), and how many
+        # tokens it has thought
+        self.budget: int | None = None
+        self.thought = 0
         # its last sampled tokens, decoded after each step to look for its stop strings and
         # patterns, and their text after the last step
         watch = inp.params.stop or inp.params.stop_regex
@@ -437,6 +444,7 @@ class Scheduler:
         grammars: GrammarSet | None = None,
         sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS,
         hidden_states_mode: str | None = None,
+        strict_thinking: StrictThinking | None = None,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
@@ -497,6 +505,9 @@ class Scheduler:
         # follow one
         self._grammars = grammars
         self._constrained: set[_Seq] = set()
+        # --enable-strict-thinking (stages.engine.strict_thinking): a thinking seq's excluded
+        # tags and budget; its seqs are among _constrained while they think
+        self.strict_thinking = strict_thinking
         # groups held while the grammar worker compiles their grammars (under _lock), and
         # their seqs an abort named meanwhile (scheduler thread), with its message
         self._compiling: dict[_Group, list[_Seq]] = {}
@@ -691,6 +702,9 @@ class Scheduler:
     @property
     def think_end(self) -> tuple[int, ...]:
         """The tokens that end a reasoning (``--reasoning-parser``'s end tag; none without)."""
+        strict = self.strict_thinking
+        if strict is not None and strict.end:
+            return strict.end
         return self._grammars.think_end if self._grammars is not None else ()
 
     def adapter_names(self) -> frozenset[str]:
@@ -920,7 +934,11 @@ class Scheduler:
     def _constrain_seqs(self, seqs: list[_Seq]) -> list[_Seq]:
         """Give each seq with a grammar its constraint (compiled here unless it is kept
         compiled); RequestError naming the field if one cannot be."""
+        strict = self.strict_thinking
         for seq in seqs:
+            if strict is not None and strict.end and seq.inp.require_reasoning:
+                seq.thinking = 0
+                seq.budget = strict.limit(seq.inp.max_thinking_tokens)
             grammar = seq.inp.params.grammar
             if grammar is None:
                 continue
@@ -1425,7 +1443,9 @@ class Scheduler:
         self._mask_seqs.update(s for s in group if s.masks is not None)
         self._hidden_seqs.update(s for s in group if s.hidden is not None)
         self._stream_seqs.update(s for s in group if s.group.stream is not None)
-        self._constrained.update(s for s in group if s.constraint is not None)
+        self._constrained.update(
+            s for s in group if s.constraint is not None or s.thinking is not None
+        )
         self._sampler.add(
             [s.inp.params for s in group],
             [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
@@ -1743,14 +1763,28 @@ class Scheduler:
 
     def _constrain(self, logits: torch.Tensor, lo: int, hi: int) -> None:
         """Before sampling rows ``lo..hi``: what each constrained row's grammar does not allow
-        next gets ``-inf`` (stages.engine.grammar). A row whose grammar allows nothing is
-        marked to be aborted once this step's tokens are in."""
-        seqs = [s for s in self._constrained if lo <= s.slot < hi and s.thinking is None]
-        if not seqs:
-            return
-        assert self._grammars is not None
-        constraints = [s.constraint for s in seqs]
-        self._grammars.constrain(logits, [s.slot - lo for s in seqs], constraints)  # type: ignore[arg-type]
+        next gets ``-inf`` (stages.engine.grammar), and so do a thinking row's excluded tags,
+        or all but its end tag's next token once it has thought its budget, under strict
+        thinking. A row whose grammar allows nothing is marked to be aborted once this step's
+        tokens are in."""
+        seqs, constraints, free, forced, ends = [], [], [], [], []
+        for seq in self._constrained:
+            if not lo <= seq.slot < hi:
+                continue
+            if seq.thinking is None:
+                seqs.append(seq.slot - lo)
+                constraints.append(seq.constraint)
+            elif seq.budget is not None:
+                if seq.budget < 0 or seq.thought < seq.budget:
+                    free.append(seq.slot - lo)
+                else:
+                    forced.append(seq.slot - lo)
+                    ends.append(self.think_end[seq.thinking])
+        if free or forced:
+            self.strict_thinking.mask(logits, free, forced, ends)  # type: ignore[union-attr]
+        if seqs:
+            assert self._grammars is not None
+            self._grammars.constrain(logits, seqs, constraints)  # type: ignore[arg-type]
 
     def _advance_grammars(
         self, tokens: torch.Tensor, lo: int, hi: int
@@ -1760,20 +1794,24 @@ class Scheduler:
         with their finish reasons."""
         found: dict[int, dict[str, Any]] = {}
         new = None
+        thought: list[_Seq] = []  # seqs that end their thinking and follow no grammar
         for seq in self._constrained:
             if not lo <= seq.slot < hi:
                 continue
-            constraint = seq.constraint
-            assert constraint is not None
             if new is None:
                 new = tokens.tolist()
             token = new[seq.slot - lo]
+            constraint = seq.constraint
             if seq.thinking is not None:  # reasoning: free until its end's tokens are drawn
-                end = self._grammars.think_end  # type: ignore[union-attr]
+                end = self.think_end
+                seq.thought += 1
                 seq.thinking = _matched(end, seq.thinking, token)
                 if seq.thinking == len(end):
                     seq.thinking = None
+                    if constraint is None:
+                        thought.append(seq)
                 continue
+            assert constraint is not None
             if constraint.stuck:
                 error: str | None = "the grammar allows no token of this model's vocabulary here"
             else:
@@ -1782,6 +1820,7 @@ class Scheduler:
                 found[seq.slot] = {"type": "abort", "message": f"grammar: {error}"}
             elif constraint.terminated:
                 found[seq.slot] = {"type": "stop", "matched": token}
+        self._constrained.difference_update(thought)
         return found
 
     def _finished_rows(

@@ -89,7 +89,6 @@ from stages.engine.protocol import (
     RequestError,
     SamplingParams,
     SequenceResult,
-    parse_generate,
     render_sample,
     token_texts,
 )
@@ -107,7 +106,8 @@ from stages.engine.scheduler import (
     PREFIX_CACHE_TOKENS,
     Scheduler,
 )
-from stages.engine.streaming import stream_generate, write_events
+from stages.engine.streaming import parse_body, stream_generate, write_events
+from stages.engine.strict_thinking import StrictThinking
 from stages.engine.tokenize_routes import TokenizeRoutes
 from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from stages.engine.weight_routes import WeightRoutes
@@ -352,20 +352,6 @@ async def generate_results(
     return inputs, results, listed
 
 
-def parse_body(loaded: LoadedModel, scheduler: Any, body: Any) -> tuple[list[GenerateInput], bool]:
-    """A ``/generate`` body checked as the route checks it (``protocol.parse_generate``
-    with this engine's model and adapters): its sequences and whether it was a batch."""
-    return parse_generate(
-        body,
-        vocab_size=loaded.vocab_size,
-        context_length=loaded.context_length,
-        encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
-        adapters=scheduler.adapter_names(),
-        mask_cap=scheduler.sampling_mask_max_tokens,
-        hidden_cap=scheduler.hidden_states_mode,
-    )
-
-
 async def _abort_request(request: web.Request) -> web.Response:
     """SGLang's ``AbortReq``: ``rid`` (none: ``""``, which names no request: nothing is
     aborted, and the answer is still 200) or ``abort_all``. SGLang answers with an empty
@@ -545,6 +531,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "stream_interval": scheduler.stream_interval,
             "enable_metrics": scheduler.metrics is not None,
             "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
+            "enable_strict_thinking": scheduler.strict_thinking is not None,
             # as SGLang resolves them (serving_hook.handle_return_hidden_states_mode)
             "enable_return_hidden_states": scheduler.hidden_states_mode is not None,
             "return_hidden_states_mode": scheduler.hidden_states_mode,
@@ -698,6 +685,14 @@ def _parser() -> argparse.ArgumentParser:
         "answers to /v1/chat/completions as reasoning_content (SGLang's flag)",
     )
     parser.add_argument(
+        "--enable-strict-thinking",
+        action="store_true",
+        help="while a request thinks (require_reasoning; a thinking chat request), its "
+        "reasoning parser's excluded tags (Qwen3's <tool_call>, <|im_end|>...) cannot be drawn, "
+        "and once it has thought max_thinking_tokens (else SGLANG_MAX_THINK_TOKENS) its "
+        "reasoning's end is forced (SGLang's flag; needs --reasoning-parser)",
+    )
+    parser.add_argument(
         "--enable-response-store",
         action="store_true",
         help="/v1/responses keeps its answers for previous_response_id and GET "
@@ -786,6 +781,7 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
     """The scheduler the options ask for, on ``loaded``'s model (not started)."""
     decode = decoder(loaded.tokenizer)
     grammars = None
+    strict = _strict_thinking(args, loaded)
     if loaded.tokenizer is not None:
         grammars = GrammarSet(loaded.tokenizer, loaded.vocab_size, sorted(loaded.eos_token_ids))
         if args.reasoning_parser:  # require_reasoning: the grammar after the reasoning's end
@@ -810,7 +806,24 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         # stop strings are looked for in the text as SGLang decodes it (special tokens kept)
         decode_tail=None if decode is None else (lambda ids: decode(ids, False)),
         grammars=grammars,
+        strict_thinking=strict,
     )
+
+
+def _strict_thinking(args: argparse.Namespace, loaded: LoadedModel) -> StrictThinking | None:
+    """``--enable-strict-thinking``'s filter (None without the flag). Without a reasoning
+    parser it filters nothing, as SGLang's (its grammar backend is not wrapped then), which
+    the log says; ValueError where the parser's tags cannot be encoded."""
+    if not args.enable_strict_thinking:
+        return None
+    if not args.reasoning_parser or loaded.tokenizer is None:
+        log.warning(
+            "strict_thinking_inactive",
+            why="--enable-strict-thinking filters the reasoning that --reasoning-parser "
+            "delimits (and needs the model's tokenizer): nothing is filtered",
+        )
+        return StrictThinking(end=(), excluded=())
+    return StrictThinking.of(args.reasoning_parser, loaded.tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

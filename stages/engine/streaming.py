@@ -40,6 +40,7 @@ from stages.engine.chunk_stream import ChunkStream, Last
 from stages.engine.flat_logprobs import flat_fields
 from stages.engine.incremental_text import IncrementalText
 from stages.engine.protocol import (
+    GenerateInput,
     SequenceResult,
     add_hidden,
     hidden_answer,
@@ -51,7 +52,13 @@ from stages.engine.protocol import (
 )
 from stages.engine.reasoning import ReasoningCount
 
-__all__ = ["Last", "Progress", "stream_generate", "write_events"]  # Last: chunk_stream's
+__all__ = [
+    "Last",
+    "Progress",
+    "parse_body",
+    "stream_generate",
+    "write_events",
+]  # Last: chunk_stream's
 
 
 class Progress:
@@ -304,6 +311,22 @@ class Progress:
         return self.input_entries
 
 
+def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInput], bool]:
+    """A ``/generate`` body checked as the route checks it (``protocol.parse_generate``
+    with this engine's model, adapters and settings): its sequences and whether it was a
+    batch."""
+    return parse_generate(
+        body,
+        vocab_size=loaded.vocab_size,
+        context_length=loaded.context_length,
+        encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
+        adapters=scheduler.adapter_names(),
+        mask_cap=scheduler.sampling_mask_max_tokens,
+        hidden_cap=scheduler.hidden_states_mode,
+        strict_thinking=scheduler.strict_thinking is not None,
+    )
+
+
 def stream_generate(
     loaded: Any,
     scheduler: Any,
@@ -326,15 +349,7 @@ def stream_generate(
     first batch. Closed early (the client went away), the stream aborts the samples that are
     still running.
     """
-    inputs, listed = parse_generate(
-        body,
-        vocab_size=loaded.vocab_size,
-        context_length=loaded.context_length,
-        encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
-        adapters=scheduler.adapter_names(),
-        mask_cap=scheduler.sampling_mask_max_tokens,
-        hidden_cap=scheduler.hidden_states_mode,
-    )
+    inputs, listed = parse_body(loaded, scheduler, body)
     token_text = token_texts(decode, body)
     think_end = scheduler.think_end
     moving = [

@@ -115,6 +115,15 @@ class SamplingConfig:
     frequency_penalty: float = field(default=0.0, metadata={"min": -2.0, "max": 2.0})
     presence_penalty: float = field(default=0.0, metadata={"min": -2.0, "max": 2.0})
     min_new_tokens: int = field(default=0, metadata={"min": 0})
+    max_thinking_tokens: int | None = field(
+        default=None,
+        metadata={
+            "doc": "thinking budget of a reasoning model's samples (SGLang's request field): "
+            "once a sample has thought this many tokens its reasoning's end is forced; the "
+            "requests then say require_reasoning, and the engines need --reasoning-parser and "
+            "--enable-strict-thinking (launch.extra_args)"
+        },
+    )
 
     def __post_init__(self) -> None:  # as the engines check them (SGLang's SamplingParams)
         if self.repetition_penalty <= 0:
@@ -139,6 +148,9 @@ class SamplingConfig:
         for f in fields(self):
             if f.name in _OPTIONAL_SAMPLING and getattr(self, f.name) != f.default:
                 params[f.name] = getattr(self, f.name)
+        if self.max_thinking_tokens is not None:  # request fields (the client lifts them)
+            params["require_reasoning"] = True
+            params["max_thinking_tokens"] = self.max_thinking_tokens
         return params
 
 

@@ -156,6 +156,8 @@ class Episode:
         sampling.pop("n", None)
         if inp.require_reasoning:  # a thinking chat call: its grammar waits for the reasoning
             sampling["require_reasoning"] = True
+            if "max_thinking_tokens" in self.sampling:  # and the run's thinking budget holds
+                sampling["max_thinking_tokens"] = self.sampling["max_thinking_tokens"]
         for name in _RUN_SAMPLING:
             if name in self.sampling:
                 sampling[name] = self.sampling[name]

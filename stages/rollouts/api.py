@@ -62,7 +62,8 @@ class RolloutEngine(Protocol):
     """Samples for a rollout. ``sampling`` overrides the run's sampling parameters for this call
     (``max_new_tokens``, ``stop_token_ids``, ``temperature``... SGLang's names); it may also
     carry ``require_reasoning`` (SGLang's request field: a grammar among the parameters applies
-    after the answer's reasoning ends), which goes to the request itself."""
+    after the answer's reasoning ends) and ``max_thinking_tokens`` (a thinking budget), which go
+    to the request itself."""
 
     async def generate(self, input_ids: Sequence[int], **sampling: Any) -> Generation: ...
 

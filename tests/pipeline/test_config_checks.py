@@ -89,6 +89,17 @@ def test_sampling_penalties_are_sent_when_set_and_bounded() -> None:
     assert issue.path == "stages.generator.sampling.min_new_tokens"
 
 
+def test_a_thinking_budget_makes_thinking_requests() -> None:
+    # SGLang's max_thinking_tokens and require_reasoning, request fields the client lifts
+    loaded = load("stages.generator.sampling.max_thinking_tokens=64")
+    params = loaded.config.stages["generator"].options.sampling.as_params()
+    assert params["max_thinking_tokens"] == 64 and params["require_reasoning"] is True
+    plain = load().config.stages["generator"].options.sampling.as_params()
+    assert "max_thinking_tokens" not in plain and "require_reasoning" not in plain
+    issue = only_issue("stages.generator.sampling.max_thinking_tokens=lots")
+    assert issue.path == "stages.generator.sampling.max_thinking_tokens"
+
+
 # --- group size ---------------------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ from stages.engine.reasoning import (
 )
 from tests.stages.engine_setup import EngineProcess
 from tests.stages.test_engine_server import Engine, serving
-from tests.stages.tiny_model import BYTE_CHARS, make_byte_model
+from tests.stages.tiny_model import BYTE_CHARS, make_byte_model, make_tagged_byte_model
 
 R1, QWEN3 = PARSERS["deepseek-r1"], PARSERS["qwen3"]
 
@@ -274,11 +274,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A byte-level model whose tags are whole tokens, added as Qwen3's are (not special),
     the only way to write them: the end of the reasoning is one token."""
     root = tmp_path_factory.mktemp("reasoning-model")
-    words = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
-    model = make_byte_model(root / "model", seed=4, chars=BYTE_CHARS + "\n", words=tuple(words))
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.add_tokens(words)  # already in the vocabulary: now read whole in text
-    tokenizer.save_pretrained(model)
+    tags = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+    model = make_tagged_byte_model(root / "model", tags)
     (root / "template.jinja").write_text(TEMPLATE)
     return model
 

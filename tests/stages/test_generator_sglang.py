@@ -534,6 +534,18 @@ async def test_info_routes_answer_under_their_current_names(client):
                 assert models["object"] == "list" and models["data"][0]["object"] == "model"
 
 
+@pytest.mark.timeout(60)
+async def test_a_thinking_budget_needs_strict_thinking(client):
+    """``max_thinking_tokens`` on a server started without ``--enable-strict-thinking`` (as
+    above): SGLang 0.5.23's 400 (``TokenizerManager.generate_request``), its words."""
+    body = {"input_ids": [5, 6], "max_thinking_tokens": 8, "sampling_params": _params(2)}
+    async with client.session.post(client.url + "/generate", json=body) as resp:
+        assert resp.status == 400
+        text = await resp.text()
+    assert "max_thinking_tokens requires the server to be launched with" in text
+    assert "--enable-strict-thinking" in text
+
+
 @pytest.mark.timeout(120)
 async def test_responses_streamed_and_whole_agree(client):
     """``/v1/responses`` (what ``test_engine_responses.py`` checks the built-in engine

@@ -53,13 +53,19 @@ class ScriptedEngine:
 
 
 def _episode(
-    tokenizer: Any, agent: str, texts: list[str], prompt: str = "2+3?", agents=None, **config
+    tokenizer: Any,
+    agent: str,
+    texts: list[str],
+    prompt: str = "2+3?",
+    agents=None,
+    sampling: dict | None = None,
+    **config,
 ):
     engine = ScriptedEngine(tokenizer, texts)
     ctx = RolloutContext(
         RolloutConfig(use="openai_agent", agent=f"{HERE}:{agent}", **config),
         tokenizer=tokenizer,
-        sampling={"temperature": 1.0, "max_new_tokens": 64},
+        sampling={"temperature": 1.0, "max_new_tokens": 64, **(sampling or {})},
         group_id="g",
         agents=agents,
     )
@@ -417,6 +423,25 @@ async def test_a_reasoning_agent_reads_the_answer_without_the_reasoning(tokenize
     # a thinking call (qwen3, thinking on by default): the engine is told, as the chat route
     # tells it, so that a grammar of the call waits for the end of the reasoning
     assert engine.sampling[0]["require_reasoning"] is True
+    assert "max_thinking_tokens" not in engine.sampling[0]
+
+
+@pytest.mark.timeout(60)
+async def test_a_thinking_call_takes_the_runs_thinking_budget(tokenizer) -> None:
+    """sampling.max_thinking_tokens: a thinking call carries the run's budget to the engine;
+    a call that does not think (no reasoning parser) carries neither."""
+    budget = {"max_thinking_tokens": 16, "require_reasoning": True}  # as_params' pair
+    engine, _, episode = _episode(
+        tokenizer, "thinking_agent", ["<think>2 and 3 make 5</think>5"],
+        reasoning_parser="qwen3", sampling=budget,
+    )  # fmt: skip
+    await episode
+    assert engine.sampling[0]["require_reasoning"] is True
+    assert engine.sampling[0]["max_thinking_tokens"] == 16
+    engine, _, episode = _episode(tokenizer, "one_call", ["5"], sampling=budget)
+    await episode
+    assert "max_thinking_tokens" not in engine.sampling[0]
+    assert "require_reasoning" not in engine.sampling[0]
 
 
 def test_agent_config_errors() -> None:

@@ -174,3 +174,16 @@ def make_byte_model(
     make_tiny_model(path, seed=seed, with_tokenizer=False, vocab=len(vocab), **sizes)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_tagged_byte_model(path: Path, tags: tuple[str, ...], *, seed: int = 4) -> Path:
+    """A byte-level model (``make_byte_model``, newlines too) whose ``tags`` are whole tokens,
+    added as Qwen3's ``<think>`` and ``<tool_call>`` are (not special): the only way to write
+    them, so that text holds each whole."""
+    from transformers import AutoTokenizer
+
+    model = make_byte_model(path, seed=seed, chars=BYTE_CHARS + "\n", words=tags)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_tokens(list(tags))  # already in the vocabulary: now read whole in text
+    tokenizer.save_pretrained(model)
+    return model
