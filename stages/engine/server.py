@@ -823,7 +823,7 @@ def _strict_thinking(args: argparse.Namespace, loaded: LoadedModel) -> StrictThi
             "delimits (and needs the model's tokenizer): nothing is filtered",
         )
         return StrictThinking(end=(), excluded=())
-    return StrictThinking.of(args.reasoning_parser, loaded.tokenizer)
+    return StrictThinking.of(args.reasoning_parser, loaded.tokenizer, vocab_size=loaded.vocab_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -873,7 +873,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
-    scheduler = build_scheduler(args, loaded)
+    try:
+        scheduler = build_scheduler(args, loaded)
+    except ValueError as exc:  # settings the model cannot take (a reasoning tag it lacks...)
+        log.error("engine_settings_refused", model=str(args.model), error=str(exc))
+        return 2
     holder["s"] = scheduler
     scheduler.start()
     try:

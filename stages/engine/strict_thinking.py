@@ -52,14 +52,25 @@ class StrictThinking:
 
     @classmethod
     def of(
-        cls, parser: str, tokenizer: Any, environ: Mapping[str, str] = os.environ
+        cls,
+        parser: str,
+        tokenizer: Any,
+        environ: Mapping[str, str] = os.environ,
+        vocab_size: int | None = None,
     ) -> StrictThinking:
-        """For ``--reasoning-parser parser`` on ``tokenizer``; ValueError (SGLang's words)
-        for a tag the tokenizer encodes to nothing or a budget that is not an integer."""
+        """For ``--reasoning-parser parser`` on ``tokenizer`` (a model of ``vocab_size``
+        logits: an excluded id beyond them cannot be drawn anyway); ValueError (SGLang's words)
+        for a tag the tokenizer encodes to nothing, an end tag the model cannot draw or a budget
+        that is not an integer."""
         fmt = PARSERS[parser.lower()]
         end = tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
         if not end:
             raise ValueError(f"think_end_token '{fmt.end}' could not be encoded by the tokenizer.")
+        if vocab_size is not None and max(end) >= vocab_size:
+            raise ValueError(
+                f"think_end_token '{fmt.end}' is token ids {list(end)}, beyond the model's "
+                f"{vocab_size} logits"
+            )
         excluded: list[int] = []
         for tag in fmt.excluded:
             ids = tokenizer.encode(tag, add_special_tokens=False)
@@ -69,7 +80,7 @@ class StrictThinking:
                     "excluded tokens must be encodable for strict reasoning mode to function "
                     "correctly."
                 )
-            excluded += ids
+            excluded += [i for i in ids if vocab_size is None or i < vocab_size]
         raw = environ.get(BUDGET_ENV, "").strip()
         try:
             budget = int(raw) if raw else -1

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,6 +91,11 @@ def test_the_parsers_tags_and_the_servers_budget(model_dir: Path, ids: dict[str,
     # GLM-4.5's own tags: a tag the tokenizer encodes to nothing is refused at start
     with pytest.raises(ValueError, match="think_excluded_token '<eop>'"):
         StrictThinking.of("glm45", _Nothing(tokenizer, "<eop>"), {})
+    # ids beyond the model's logits: an excluded one is left out, an end tag refused
+    small = StrictThinking.of("qwen3", tokenizer, {}, vocab_size=ids["<|im_end|>"])
+    assert small.excluded == (ids["<tool_call>"], ids["</tool_call>"])
+    with pytest.raises(ValueError, match="beyond the model's"):
+        StrictThinking.of("qwen3", tokenizer, {}, vocab_size=ids["</think>"])
     with pytest.raises(ValueError, match=BUDGET_ENV):
         StrictThinking.of("qwen3", tokenizer, {BUDGET_ENV: "lots"})
 
@@ -161,6 +168,25 @@ def test_a_thinking_sample_keeps_its_count_over_a_retraction(
         assert end not in other.result(timeout=0).output_ids
         results.append(out)
     assert results[0] == results[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_server_budget_that_is_not_an_integer_stops_the_engine_saying_so(
+    model_dir: Path,
+) -> None:
+    from tests.stages.engine_setup import engine_command
+
+    flags = ("--reasoning-parser", "qwen3", "--enable-strict-thinking", "--port", "0")
+    done = subprocess.run(
+        engine_command(model_dir, *flags),
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "OMP_NUM_THREADS": "1", BUDGET_ENV: "lots"},
+    )
+    assert done.returncode == 2
+    assert f"{BUDGET_ENV}='lots': expected an integer" in done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
 
 
 # -- through the engine -------------------------------------------------------------------------
