@@ -4,6 +4,7 @@ Run (each prints one JSON line on stdout; on an otherwise idle machine):
 
     python bench/engine_profile.py step [--model arith|bench22m] [--rounds 30]
         [--forward fast|transformers] [--repetition-penalty R] [--frequency-penalty F]
+        [--strict-thinking BUDGET]
     python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
         [--seconds 20] [--py-spy]
     python bench/engine_profile.py compare [--forms n,n-stream,openai,openai-stream,...]
@@ -28,6 +29,10 @@ tokens, 1 thread as the default config runs it); ``bench22m`` is ``bench/engine.
 22M-parameter model (prompts of 32 tokens, 2 threads). ``--pyinstrument`` prints a profile of
 the steady loop to stderr. ``--repetition-penalty`` and ``--frequency-penalty`` put SGLang's
 penalties on every row (``stages.engine.penalties``: what they cost a step).
+``--strict-thinking BUDGET`` has every row think under ``--enable-strict-thinking`` (four
+excluded tags, an end tag no row draws by chance) with that ``max_thinking_tokens`` (-1: none,
+so every step filters the excluded tags of every row; a budget: the end forced when it is
+spent): what the filter costs a step.
 
 ``http`` starts ``inflight engine`` on arith-tiny (``--model mid``: its tokenizer on a 6-layer,
 384-wide model; ``OMP_NUM_THREADS=1``, ``--max-running 64``)
@@ -187,6 +192,17 @@ def _penalties(args: argparse.Namespace) -> dict[str, float]:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def _thinking(args: argparse.Namespace, vocab: int) -> tuple[Any, dict[str, Any]]:
+    """``--strict-thinking``: the scheduler's filter and each input's fields (none: no
+    thinking)."""
+    if args.strict_thinking is None:
+        return None, {}
+    from stages.engine.strict_thinking import StrictThinking
+
+    strict = StrictThinking(end=(vocab - 1,), excluded=(vocab - 2, vocab - 3, vocab - 4, 2))
+    return strict, {"require_reasoning": True, "max_thinking_tokens": args.strict_thinking}
+
+
 def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     from stages.engine.protocol import GenerateInput, SamplingParams
     from stages.engine.scheduler import Scheduler
@@ -205,12 +221,14 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     plen = round(statistics.mean(len(p) for p in prompts))
     contexts = list(range(plen, plen + new_tokens - 1))
     _forward_ms(model, args.batch, contexts[:1], 3)  # warm up
+    strict, thinking = _thinking(args, model.config.vocab_size)
     sched = Scheduler(
         model,
         max_running=args.batch,
         eos_token_ids=eos,
         seed=0,
         fast_forward=args.forward == "fast",
+        strict_thinking=strict,
     )
     fast = sched.forward_path == "fast"
     params = SamplingParams(
@@ -227,7 +245,8 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
         own = _engine_forward_ms(model, args.batch, contexts, args.reps) if fast else forward
         prompts = make_prompts(args.batch, 100 + r)
         futures = [
-            sched.submit(GenerateInput(f"s{r}-{i}", p, params, True)) for i, p in enumerate(prompts)
+            sched.submit(GenerateInput(f"s{r}-{i}", p, params, True, **thinking))
+            for i, p in enumerate(prompts)
         ]
         if profiler is not None and r == 1:
             profiler.start()
@@ -256,6 +275,7 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "engine_step_vs_forward",
         "model": args.model,
+        "strict_thinking": args.strict_thinking,
         "params": sum(p.numel() for p in model.parameters()),
         "threads": threads,
         "batch": args.batch,
@@ -280,12 +300,14 @@ def _rl_workload(
     from stages.engine.scheduler import Scheduler
 
     group = 4
+    strict, thinking = _thinking(args, model.config.vocab_size)
     sched = Scheduler(
         model,
         max_running=args.batch,
         eos_token_ids=eos,
         seed=0,
         fast_forward=args.forward == "fast",
+        strict_thinking=strict,
     )
     params = SamplingParams(temperature=1.0, max_new_tokens=5, **_penalties(args))
     pool = make_prompts(512, 7)
@@ -299,7 +321,8 @@ def _rl_workload(
         while len(live) < 2 * args.batch:
             prompt = pool[(submitted // group) % len(pool)]
             for k in range(group):
-                live.append(sched.submit(GenerateInput(f"rl{submitted}-{k}", prompt, params, True)))
+                inp = GenerateInput(f"rl{submitted}-{k}", prompt, params, True, **thinking)
+                live.append(sched.submit(inp))
             submitted += 1
 
     # Time spent inside the model's passes (decode and prefill), to split the step.
@@ -872,6 +895,12 @@ def main() -> int:
     step.add_argument("--pyinstrument", action="store_true")
     step.add_argument("--repetition-penalty", type=float, help="on every row (SGLang's)")
     step.add_argument("--frequency-penalty", type=float, help="on every row (SGLang's)")
+    step.add_argument(
+        "--strict-thinking",
+        type=int,
+        metavar="BUDGET",
+        help="every row thinks under --enable-strict-thinking with this budget (-1: none)",
+    )
     step.add_argument(
         "--forward",
         choices=["fast", "transformers"],
