@@ -41,9 +41,13 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import structlog
+
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import OpenAIError, new_id
 from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, chat_response
+
+log = structlog.get_logger("inflight.engine.messages")
 
 __all__ = [
     "MessageEvents",
@@ -439,6 +443,14 @@ def _thinking(raw: Any, settings: ChatSettings, chat_body: dict[str, Any]) -> No
             f"thinking: Value error, thinking.budget_tokens is not allowed when thinking.type "
             f"is '{kind}'",
             "thinking",
+        )
+    if budget is not None:  # SGLang 0.5.23 takes it and says so, enforcing nothing
+        log.warning(
+            "thinking_budget_not_enforced",
+            budget_tokens=budget,
+            why="Anthropic's thinking.budget_tokens is accepted as SGLang accepts it; no chat "
+            "route enforces a budget (a /generate request's max_thinking_tokens does, with "
+            "--enable-strict-thinking)",
         )
     enabled = kind != "disabled"
     reasoning = settings.reasoning

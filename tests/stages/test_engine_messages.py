@@ -85,7 +85,7 @@ def test_a_greedy_message_is_the_chat_answer_in_anthropic_shape(
 
 
 @pytest.mark.timeout(60)
-def test_a_stream_adds_up_to_the_whole_message(claude, model) -> None:  # noqa: F811
+def test_a_stream_adds_up_to_the_whole_message(claude, model, engine) -> None:  # noqa: F811
     """``_generate_stream``: ``message_start``, a text block (start, deltas, stop, index 0),
     ``message_delta`` with the stop reason and output tokens, ``message_stop``; thinking
     comes as a ``thinking`` block of its own."""
@@ -111,6 +111,8 @@ def test_a_stream_adds_up_to_the_whole_message(claude, model) -> None:  # noqa: 
     deltas = [e.delta for e in streamed if e.type == "content_block_delta"]
     assert {d.type for d in deltas} == {"thinking_delta"}
     assert "".join(d.thinking for d in deltas) == thought.content[0].thinking
+    # the budget is taken, not enforced, and the log says so (SGLang's warning)
+    assert "thinking_budget_not_enforced" in engine.log_file.read_text()
 
 
 @pytest.mark.timeout(120)
