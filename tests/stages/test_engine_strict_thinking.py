@@ -189,6 +189,42 @@ def test_a_server_budget_that_is_not_an_integer_stops_the_engine_saying_so(
     assert "Traceback" not in done.stdout + done.stderr
 
 
+@pytest.mark.timeout(60)
+def test_an_end_tag_of_two_tokens_is_forced_from_where_the_sample_is_in_it(
+    model_dir: Path,
+) -> None:
+    """A multi-token end tag (SGLang's TokenSequenceMatcher): at the budget the next of its
+    tokens is forced, from the start or from where the last tokens already are in it, and a
+    broken partial match counts as thinking."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.engine.protocol import GenerateInput, SamplingParams
+    from stages.engine.scheduler import Scheduler
+
+    a, b = 20, 21  # the end tag [a, b]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    scheduler = Scheduler(
+        model, max_running=4, strict_thinking=StrictThinking(end=(a, b), excluded=())
+    )
+
+    def sample(bias: dict[int, float], budget: int) -> list[int]:
+        params = SamplingParams(
+            temperature=0.0, max_new_tokens=10, ignore_eos=True, logit_bias=tuple(bias.items())
+        )
+        inp = GenerateInput(f"t{budget}{bias}", [29, 30, 9], params, False, require_reasoning=True)
+        inp.max_thinking_tokens = budget
+        future = scheduler.submit(inp)
+        scheduler.run_until_idle()
+        return future.result(timeout=0).output_ids
+
+    # neither drawn freely: both forced, one after the other, at the budget
+    out = sample({a: -100.0, b: -100.0}, 3)
+    assert out[3:5] == [a, b] and a not in out[:3] and out[5:].count(b) == 0, out
+    # a favoured, b not: every token so far is a (the start of the tag), then b is forced
+    out = sample({a: 100.0, b: -100.0}, 4)
+    assert out[:4] == [a] * 4 and out[4] == b and b not in out[5:], out
+
+
 # -- through the engine -------------------------------------------------------------------------
 
 
