@@ -90,6 +90,7 @@ class _Scheduler:
     think_end: tuple[int, ...] = ()  # no --reasoning-parser
     sampling_mask_max_tokens = SAMPLING_MASK_MAX_TOKENS
     hidden_states_mode = None  # no --return-hidden-states-mode
+    strict_thinking = None  # no --enable-strict-thinking
 
     def abort_many(self, rids: Any, message: str = "") -> None:
         pass
