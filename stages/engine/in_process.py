@@ -99,6 +99,7 @@ class InProcessEngine:
             chat_template=args.chat_template,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            served_model_name=args.served_model_name,
         )
         self._http = _HttpThread(app, args.host, args.port)
         self.port = await asyncio.to_thread(self._http.start)

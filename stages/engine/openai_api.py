@@ -48,7 +48,7 @@ from typing import Any
 from aiohttp import web
 
 from stages.engine.chunk_stream import mapped
-from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, is_int
+from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, cached_tokens_details, is_int
 from stages.engine.request_body import dumps, loads
 from stages.engine.streaming import Progress, write_events
 from stages.engine.token_bytes import TokenBytes
@@ -166,7 +166,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     model = body.get("model", "default")
     if not isinstance(model, str):
         raise OpenAIError("model: Input should be a valid string", "model")
-    for flag in ("stream", "echo", "return_token_ids"):
+    for flag in ("stream", "echo", "return_token_ids", *SGLEXT_FLAGS):
         if not isinstance(body.get(flag, False), bool):
             raise OpenAIError(f"{flag}: Input should be a valid boolean", flag)
     stream_options = body.get("stream_options") or {}
@@ -217,6 +217,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
         "hidden_states": hidden_mode(body),
+        "return_cached_tokens_details": bool(body.get("return_cached_tokens_details")),
     }
     return native_body, options
 
@@ -305,7 +306,7 @@ def completion_response(
     metadata = {"weight_version": first["weight_version"]}
     if "weight_versions" in first:
         metadata["weight_versions"] = first["weight_versions"]
-    return {
+    answer = {
         "id": first["id"],
         "object": "text_completion",
         "created": int(time.time()),
@@ -314,6 +315,23 @@ def completion_response(
         "usage": results_usage(results, n, options.get("cache_report", False)),
         "metadata": metadata,
     }
+    sglext = response_sglext(first, options)
+    if sglext:
+        answer["sglext"] = sglext
+    return answer
+
+
+def response_sglext(first: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """A whole answer's ``sglext`` fields other than the ids: ``cached_tokens_details`` of its
+    first sample (``process_cached_tokens_details_from_ret``), when asked for and some of the
+    prompt was cached. ``return_spec_tokens_details`` finds nothing: no speculative decoding
+    here (SGLang's answer without it)."""
+    out: dict[str, Any] = {}
+    if options.get("return_cached_tokens_details"):
+        details = first.get("cached_tokens_details")
+        if details is not None:
+            out["cached_tokens_details"] = details
+    return out
 
 
 def completion_stream(
@@ -333,6 +351,7 @@ class StreamLayout:
     each choice's hidden states (in the layout's own chunk) and the usage chunk of ``OBJECT``."""
 
     OBJECT = ""
+    USAGE_EXCLUDE_NONE = False
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.options = options
@@ -370,8 +389,18 @@ class StreamLayout:
                 self.prompt_tokens, self.completion_tokens, self.options["n"],
                 self.reasoning_tokens,
                 self.cached_tokens if self.options.get("cache_report") else None,
+                exclude_none=self.USAGE_EXCLUDE_NONE,
             )
         ]  # fmt: skip
+
+    def cached_details(self) -> dict[str, int] | None:
+        """``sglext.cached_tokens_details`` when the request asked for it
+        (``return_cached_tokens_details``): the first choice's, in the order they came, that
+        has cached tokens (SGLang 0.5.23's streams take it so)."""
+        if not self.options.get("return_cached_tokens_details"):
+            return None
+        cached = next((t for t in self.cached_tokens.values() if t > 0), 0)
+        return cached_tokens_details(cached)
 
 
 class CompletionChunks(StreamLayout):
@@ -382,6 +411,7 @@ class CompletionChunks(StreamLayout):
     with no choices and the whole ``usage``."""
 
     OBJECT = "text_completion"
+    USAGE_EXCLUDE_NONE = True  # serving_completions: ``model_dump_json(exclude_none=True)``
 
     def __init__(
         self,
@@ -432,8 +462,17 @@ class CompletionChunks(StreamLayout):
 
     def end(self) -> list[dict[str, Any]]:
         """After the choices' last chunks: a chunk of each one's hidden states when asked for,
-        then the usage chunk when asked for (``stream_options.include_usage``)."""
-        return self.hidden_chunks(self.hidden_chunk) + self.usage_chunks()
+        the ``sglext`` chunk when it has something (``return_cached_tokens_details``), then the
+        usage chunk when asked for (``stream_options.include_usage``)."""
+        out = self.hidden_chunks(self.hidden_chunk)
+        details = self.cached_details()
+        if details is not None:
+            out.append(
+                {"id": self.last_id, "object": self.OBJECT, "created": self.created,
+                 "model": self.options["model"], "choices": [], "usage": None,
+                 "sglext": {"cached_tokens_details": details}}
+            )  # fmt: skip
+        return out + self.usage_chunks()
 
     def hidden_chunk(self, index: int, hidden: Any) -> dict[str, Any]:
         """A ``text_completion`` chunk of a choice's hidden states alone."""
@@ -565,6 +604,9 @@ PASSED_ON = (
 # a chat request's too (its ``meta_info`` carries them, with return_meta_info): each token's
 # sampling support; SGLang's completion requests have no such field and ignore it
 CHAT_PASSED_ON = (*PASSED_ON, "return_sampling_mask", "sampling_logprobs_mode")
+# SGLang 0.5.23's requests for more ``sglext`` (booleans, on /v1/completions and the chat route):
+# the prompt's cached tokens by cache tier; speculative decoding's figures (none here)
+SGLEXT_FLAGS = ("return_cached_tokens_details", "return_spec_tokens_details")
 # a chat request's headers that ask for the sglext ids as its fields do (serving_chat)
 _SGLEXT_HEADERS = (
     ("x-sglext-return-input-ids", "return_input_ids_in_sglext"),
@@ -578,13 +620,25 @@ def _json_lines(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
 
 
 def _ids_framed(batch: list[Any], encode: Callable[[Any], bytes]) -> bytes:
-    """A chat stream's events with SGLang's ``x-sglext-ids-framed: 1``: the chunk of the sglext
-    ids as ``event: sglext_ids`` (a hop on the way picks the ids out without parsing JSON),
-    the rest as ``data:`` lines."""
-    return b"".join(
-        (b"event: sglext_ids\ndata: " if "sglext" in chunk else b"data: ") + encode(chunk) + b"\n\n"
-        for chunk in batch
-    )
+    """A chat stream's events with SGLang's ``x-sglext-ids-framed: 1``: the sglext ids in a
+    chunk of their own as ``event: sglext_ids`` (a hop on the way picks the ids out without
+    parsing JSON), after a ``data:`` chunk of the other sglext fields if there are some; the
+    rest as ``data:`` lines."""
+    out = []
+    for chunk in batch:
+        sglext = chunk.get("sglext")
+        ids = {k: v for k, v in (sglext or {}).items() if k in _SGLEXT_IDS}
+        if not ids:
+            out.append(b"data: " + encode(chunk) + b"\n\n")
+            continue
+        if len(ids) < len(sglext):
+            rest = {k: v for k, v in sglext.items() if k not in _SGLEXT_IDS}
+            out.append(b"data: " + encode({**chunk, "sglext": rest}) + b"\n\n")
+        out.append(b"event: sglext_ids\ndata: " + encode({**chunk, "sglext": ids}) + b"\n\n")
+    return b"".join(out)
+
+
+_SGLEXT_IDS = ("input_ids", "output_ids")  # SglExt.split_ids
 
 
 def _no_text(token: int) -> None:
@@ -624,9 +678,9 @@ def _echoed_logprobs(
 
 
 def _details(cached_tokens: int) -> dict[str, Any]:
-    """SGLang's ``PromptTokensDetails`` of a text prompt."""
-    return {"cached_tokens": cached_tokens, "image_tokens": None, "audio_tokens": None,
-            "video_tokens": None}  # fmt: skip
+    """SGLang 0.5.23's ``PromptTokensDetails`` of a text prompt (its serializer leaves the
+    multimodal counts out when they are null)."""
+    return {"cached_tokens": cached_tokens}
 
 
 def results_usage(
@@ -654,27 +708,28 @@ def usage_chunk(
     n: int,
     reasoning_tokens: Mapping[int, int] | None = None,
     cached_tokens: Mapping[int, int] | None = None,
+    *,
+    exclude_none: bool = False,
 ) -> dict[str, Any]:
     """A stream's last chunk with ``stream_options.include_usage``: no choices, the usage of
     every choice (by index; each prompt counted once, its cached tokens too when given:
-    ``calculate_streaming_usage``)."""
+    ``calculate_streaming_usage``). ``exclude_none``: its null fields left out (SGLang 0.5.23
+    dumps a completion stream's usage chunk so, a chat stream's with them)."""
     prompts = sum(t for i, t in prompt_tokens.items() if i % n == 0)
     reasoning = sum(reasoning_tokens.values()) if reasoning_tokens else 0
     cached = None
     if cached_tokens is not None:
         cached = sum(t for i, t in cached_tokens.items() if i % n == 0)
     usage = _usage(prompts, sum(completion_tokens.values()), reasoning, cached)
-    if usage["prompt_tokens_details"] is not None:
-        details = usage["prompt_tokens_details"]
-        usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
+    if exclude_none:
+        usage = {k: v for k, v in usage.items() if v is not None}
     return {
         "id": rid,
         "object": kind,
         "created": created,
         "model": model,
         "choices": [],
-        # exclude_none: the details that are null are left out
-        "usage": {k: v for k, v in usage.items() if v is not None},
+        "usage": usage,
     }
 
 

@@ -85,6 +85,7 @@ from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import (
     _SAMPLING,
     CHAT_PASSED_ON,
+    SGLEXT_FLAGS,
     OpenAIError,
     StreamLayout,
     _no_text,
@@ -93,6 +94,7 @@ from stages.engine.openai_api import (
     hidden_mode,
     name_adapter,
     response_format,
+    response_sglext,
     results_usage,
 )
 from stages.engine.protocol import is_int
@@ -246,6 +248,7 @@ def chat_request(
         "stream_reasoning",
         *_NOT_STREAMED,
         *_SGLEXT,
+        *SGLEXT_FLAGS,
         *_FLAT,
     ):
         if not isinstance(body.get(flag, False), bool | None):
@@ -372,7 +375,11 @@ def chat_request(
         # the response's sglext: the prompt's ids, each choice's ids
         "sglext_input_ids": bool(body.get("return_input_ids_in_sglext")),
         "sglext_output_ids": bool(body.get("return_output_ids_in_sglext")),
+        "return_cached_tokens_details": bool(body.get("return_cached_tokens_details")),
         "hidden_states": hidden_mode(body),
+        # the server reads reasoning or tool calls (SGLang: a step's log-probs that went with
+        # no chunk then go alone)
+        "server_parsers": settings.reasoning is not None or settings.tool_parser is not None,
     }
     return native_body, options
 
@@ -471,6 +478,7 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
         "metadata": {"weight_version": first["weight_version"]},
     }
     sglext = _sglext(
+        response_sglext(first, options),
         results[0].get("prompt_token_ids") if options.get("sglext_input_ids") else None,
         [r["output_ids"] for r in results] if options.get("sglext_output_ids") else None,
     )
@@ -479,9 +487,11 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
     return answer
 
 
-def _sglext(input_ids: list[int] | None, output_ids: list[list[int]] | None) -> dict[str, Any]:
-    """SGLang's ``SglExt`` with the ids (its fields that are null left out)."""
-    out: dict[str, Any] = {}
+def _sglext(
+    out: dict[str, Any], input_ids: list[int] | None, output_ids: list[list[int]] | None
+) -> dict[str, Any]:
+    """SGLang's ``SglExt``: ``out`` (its fields before the ids) with the ids (its fields that
+    are null left out)."""
     if input_ids is not None:
         out["input_ids"] = list(input_ids)
     if output_ids is not None:
@@ -493,20 +503,29 @@ def chat_stream(
     batches: AsyncIterator[list[Mapping[str, Any]]], options: Mapping[str, Any]
 ) -> AsyncIterator[list[dict[str, Any]]]:
     """SGLang's ``chat.completion.chunk`` events for the native chunks of a streamed
-    ``chat_request``: ``ChatChunks`` of each batch."""
-    return mapped(batches, ChatChunks(options))
+    ``chat_request``: ``ChatChunks`` of each batch, the choices' finish chunks last."""
+    return mapped(batches, ChatChunks(options, finish_last=True))
 
 
 class ChatChunks(StreamLayout):
     """``serving_chat._generate_chat_stream``'s chunks, batch by batch (a
     ``chunk_stream.Transform``): a sample's role first, then its content deltas (tool calls
     parsed out of them with ``tools``), its finish; with ``stream_options.include_usage`` a
-    last chunk with the whole ``usage``."""
+    last chunk with the whole ``usage``.
+
+    ``finish_last``: the choices' finish chunks wait for the end of the stream and come first
+    among its last chunks, in the order the choices finished, as SGLang 0.5.23's route sends
+    them (after its generation loop); else each follows its choice's last content (for a
+    layout built on these chunks, which reads the finish there). With
+    ``continuous_usage_stats`` every chunk but the role's and the finish's has the choice's
+    ``usage`` (its ``prompt_tokens_details`` with ``--enable-cache-report``)."""
 
     OBJECT = "chat.completion.chunk"
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
+    def __init__(self, options: Mapping[str, Any], *, finish_last: bool = False) -> None:
         super().__init__(options)
+        self.finish_last = finish_last
+        self.finished: list[dict[str, Any]] = []  # finish chunks held for the end
         self.model = options["model"]
         self.tools: dict[int, StreamingToolCalls] = {}
         self.reasoning = options.get("reasoning")  # reasoning.RequestReasoning or None
@@ -524,8 +543,10 @@ class ChatChunks(StreamLayout):
         logprobs: Any = None,
         finish_reason: str | None = None,
         matched_stop: Any = None,
+        usage: bool = True,
     ) -> dict[str, Any]:
-        """A chunk of one choice (``delta``: its fields after ``reasoning_content``)."""
+        """A chunk of one choice (``delta``: its fields after ``reasoning_content``;
+        ``usage``: with the choice's usage, when ``continuous_usage_stats`` asks)."""
         out = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -541,12 +562,8 @@ class ChatChunks(StreamLayout):
                 }
             ],
         }
-        if self.options["continuous_usage_stats"]:
-            out["usage"] = _usage(
-                self.prompt_tokens[index],
-                self.completion_tokens[index],
-                self.reasoning_tokens.get(index, 0),
-            )
+        if usage and self.options["continuous_usage_stats"]:
+            out["usage"] = self._usage(index)
         return out
 
     def __call__(self, batch: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -581,7 +598,7 @@ class ChatChunks(StreamLayout):
                 self._keep_ids(content, index)
             self.last_id = rid
             if index not in offsets:  # its first chunk: the role
-                out.append(chunk(rid, index, {"role": "assistant", "content": ""}))
+                out.append(chunk(rid, index, {"role": "assistant", "content": ""}, usage=False))
             delta = text[offsets.get(index, 0) :]
             offsets[index] = len(text)
             logprobs = None
@@ -594,38 +611,66 @@ class ChatChunks(StreamLayout):
                         else _chat_logprobs(meta, options["token_bytes"], sent, total)
                     )
                 self.logprobs_sent[index] = total
-            separate = False  # the reasoning is split out of the content
-            if self.reasoning is not None:
+            if self.reasoning is not None:  # the reasoning split out of the content
                 thought, delta = self._think(index, delta, reason)
-                separate = self.reasoning.separate
                 if thought:  # the step's log-probs go with its first chunk
                     out.append(chunk(rid, index, {"reasoning_content": thought}, logprobs=logprobs))
                     logprobs = None
-            pieces: list[dict[str, Any]] = []
-            if options["parse_tools"]:
+            if options["parse_tools"]:  # _process_tool_call_stream's chunks (pydantic's)
                 parser = tools.get(index) or StreamingToolCalls(
                     ToolCallParser(options["tools"], options.get("tool_parser"))
                 )
                 tools[index] = parser
                 delta, pieces = parser.feed(delta)
                 if reason is not None:  # what it held back; the rest of a call cut short
-                    delta += parser.flush()
+                    if reason["type"] != "abort":
+                        delta += parser.flush()
                     pieces += parser.unsent()
-            if delta or (logprobs is not None and not separate):
+                if delta:
+                    out.append(self._model_chunk(rid, index, {"content": delta}))
+                for piece in pieces:
+                    call = {"tool_calls": [_tool_call_piece(piece)]}
+                    out.append(self._model_chunk(rid, index, call))
+            elif delta or (logprobs is not None and not options.get("server_parsers")):
+                # (SGLang drops the log-probs of a step whose text is held back when the
+                # server has no parsers: here they go out with empty content)
                 out.append(chunk(rid, index, {"content": delta}, logprobs=logprobs))
                 logprobs = None
-            for piece in pieces:
-                out.append(chunk(rid, index, {"tool_calls": [_tool_call_piece(piece)]}))
-            if logprobs is not None:  # nothing went out this step: the log-probs alone
+            if logprobs is not None:  # the step's log-probs that went with no chunk: alone
                 out.append(chunk(rid, index, {}, logprobs=logprobs))
             if reason is not None:
                 kind = reason["type"]
                 if kind == "stop" and tools.get(index) is not None and tools[index].calls:
                     kind, reason = "tool_calls", {"type": "tool_calls", "matched": None}
-                out.append(
-                    chunk(rid, index, {}, finish_reason=kind, matched_stop=reason.get("matched"))
-                )
+                finish = chunk(
+                    rid, index, {}, finish_reason=kind, matched_stop=reason.get("matched"),
+                    usage=False,
+                )  # fmt: skip
+                (self.finished if self.finish_last else out).append(finish)
         return out
+
+    def _model_chunk(self, rid: str, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        """A chunk of one choice as SGLang's pydantic ``ChatCompletionStreamResponse`` writes
+        it (its tool-call stream's: the delta's null fields and a null ``usage`` written out,
+        no log-probs)."""
+        choice = {"index": index, "delta": {"role": None, "content": None,
+                  "reasoning_content": None, **delta}, "logprobs": None,
+                  "finish_reason": None, "matched_stop": None}  # fmt: skip
+        usage = None
+        if self.options["continuous_usage_stats"]:
+            usage = self._usage(index)
+        return {"id": rid, "object": self.OBJECT, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage}  # fmt: skip
+
+    def _usage(self, index: int) -> dict[str, Any]:
+        """A choice's usage so far (``continuous_usage_stats``), its cached tokens with the
+        cache report (``_continuous_usage_cached_details``)."""
+        return _usage(
+            self.prompt_tokens[index],
+            self.completion_tokens[index],
+            self.reasoning_tokens.get(index, 0),
+            self.cached_tokens[index] if self.options.get("cache_report") else None,
+        )
 
     def _keep_ids(self, content: Any, index: int) -> None:
         """The prompt's ids (once: every choice has the same prompt) and the choice's ids so
@@ -638,13 +683,17 @@ class ChatChunks(StreamLayout):
         self.output_ids[index] = content.ids if progress else content["output_ids"]
 
     def end(self) -> list[dict[str, Any]]:
-        """After the choices' last chunks: a chunk of each choice's hidden states when asked
-        for, the ``sglext`` chunk when its ids were asked for (no choices, ``usage`` null:
+        """After the choices' last chunks: their finish chunks (``finish_last``), a chunk of
+        each choice's hidden states when asked for, the ``sglext`` chunk when it has something
+        (the cached tokens' details, the ids; no choices, ``usage`` null:
         ``ChatCompletionStreamResponse``), then the usage chunk
         (``stream_options.include_usage``)."""
-        out = self.hidden_chunks(self.hidden_chunk)
+        out = self.finished + self.hidden_chunks(self.hidden_chunk)
+        self.finished = []
         options = self.options
+        details = self.cached_details()
         sglext = _sglext(
+            {} if details is None else {"cached_tokens_details": details},
             self.input_ids if options.get("sglext_input_ids") else None,
             [self.output_ids.get(i, []) for i in range(options["n"])]
             if options.get("sglext_output_ids") and self.output_ids

@@ -35,6 +35,7 @@ from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
 from stages.engine.request_body import bad_request
 from stages.engine.server import (
     HEALTH_CHECK_TIMEOUT_S,
+    SERVED_NAME,
     SERVED_VERSION,
     base_app,
     engine_id_header,
@@ -98,6 +99,7 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             api_key=api_key,
             chat_template=args.chat_template,
             engine_id=os.environ.get(ENGINE_ID_ENV) or None,
+            served_model_name=args.served_model_name,
         )
         heap.settle()
         started = {"kind": kind, "outputs": model.width, "max_running": args.max_running}
@@ -113,12 +115,15 @@ def build_pooling_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     engine_id: str | None = None,
+    served_model_name: str | None = None,
 ) -> web.Application:
-    """The application of a pooling engine; the caller starts and stops ``pooler``."""
+    """The application of a pooling engine; the caller starts and stops ``pooler``
+    (``served_model_name``: the model's name on the OpenAI routes; None: its path)."""
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     app[_POOLER] = pooler
     loaded = pooler.model.loaded
-    name = str(loaded.path)
+    name = served_model_name or str(loaded.path)
+    app[SERVED_NAME] = name
     EncodeRoutes(pooler, name).add_to(app)
     chat = ChatSettings.of(loaded.tokenizer, loaded.path, chat_template=chat_template)
     TokenizeRoutes(loaded, chat).add_to(app)
@@ -201,6 +206,7 @@ async def _model_info(request: web.Request) -> web.Response:
         model_info(
             loaded,
             model_path=str(loaded.path),
+            served_model_name=request.app[SERVED_NAME],
             is_generation=False,
             weight_version=request.app[_POOLER].weight_version,
             parsers={"reasoning_parser": None, "tool_call_parser": None},
@@ -216,6 +222,7 @@ async def _server_info(request: web.Request) -> web.Response:
         {
             "model_path": str(loaded.path),
             "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
+            "served_model_name": request.app[SERVED_NAME],
             "is_embedding": True,
             "max_running_requests": pooler.max_rows,
             "context_length": loaded.context_length,

@@ -67,6 +67,7 @@ __all__ = [
     "SamplingParams",
     "SequenceResult",
     "add_hidden",
+    "cached_tokens_details",
     "hidden_answer",
     "is_int",
     "parse_generate",
@@ -705,6 +706,7 @@ def render_result(
         "reasoning_tokens": result.reasoning_tokens,
         "completion_tokens": len(result.output_ids),
         "cached_tokens": result.cached_tokens,
+        "cached_tokens_details": cached_tokens_details(result.cached_tokens),
         # not SGLang's: the version whose weights computed the cached prefix (null: none)
         "cached_weight_version": result.cached_weight_version,
         "weight_version": result.weight_version,
@@ -863,6 +865,13 @@ def result_text(
         if at != -1:
             text = text[: at + len(matched)] if no_stop_trim else text[:at]
     return text
+
+
+def cached_tokens_details(cached_tokens: int) -> dict[str, int] | None:
+    """``meta_info.cached_tokens_details`` (SGLang 0.5.23's ``get_cached_tokens_details``
+    without a host cache or storage tier: every cached token came from the device's cache;
+    none cached: null)."""
+    return {"device": cached_tokens, "host": 0} if cached_tokens > 0 else None
 
 
 def _version_spans(versions: list[str]) -> list[dict[str, Any]]:

@@ -139,6 +139,7 @@ _DECODE = web.AppKey("decode", object)
 _REFUSED = web.AppKey("refused", Counter)
 _API_KEY = web.AppKey("api_key", str)
 _ENGINE_ID = web.AppKey("engine_id", dict)  # the /health header naming this engine, or none
+SERVED_NAME = web.AppKey("served_model_name", str)  # the model's name on the OpenAI routes
 _PARSERS = web.AppKey("parsers", dict)  # /model_info's reasoning_parser and tool_call_parser
 _MAX_BODY = 256 * 1024 * 1024  # token-id batches and weight metadata can be large
 # how long /health_generate waits for a step: SGLang's variable, and its default
@@ -171,6 +172,7 @@ def build_app(
     response_store: bool = False,
     cache_report: bool = False,
     enable_metrics: bool = False,
+    served_model_name: str | None = None,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
@@ -179,9 +181,12 @@ def build_app(
     answers (SGLang's ``--enable-response-store``); ``cache_report``: the ``/v1`` routes'
     ``usage`` has ``prompt_tokens_details.cached_tokens`` (SGLang's ``--enable-cache-report``);
     ``enable_metrics``: ``GET /metrics`` and each answer's time stats (SGLang's
-    ``--enable-metrics``, ``stages.engine.engine_metrics``).
+    ``--enable-metrics``, ``stages.engine.engine_metrics``); ``served_model_name``: the
+    model's name on the OpenAI routes (SGLang's ``--served-model-name``; None: its path).
     """
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
+    name = served_model_name or str(loaded.path)
+    app[SERVED_NAME] = name
     app[_LOADED] = loaded
     app[_SCHEDULER] = scheduler
     app[_DECODE] = decoder(loaded.tokenizer)
@@ -200,7 +205,7 @@ def build_app(
         lambda body: generate(loaded, scheduler, decode, body),
         lambda body: stream_generate(loaded, scheduler, decode, body),
         decode,
-        served_model_name=str(loaded.path),
+        served_model_name=name,
         context_length=loaded.context_length,
         on_disconnect=lambda request: _refused(request, 499, "the client went away mid-stream"),
         chat=chat,
@@ -212,13 +217,13 @@ def build_app(
         cache_report=cache_report,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
-    EncodeRoutes(None, str(loaded.path)).add_to(app)  # SGLang's refusal: not an embedding model
+    EncodeRoutes(None, name).add_to(app)  # SGLang's refusal: not an embedding model
     ParseRoutes().add_to(app)
     MemoryRoutes(scheduler).add_to(app)
     ProfileRoutes(scheduler).add_to(app)
     MaintenanceRoutes(scheduler).add_to(app)
     if enable_metrics:  # each finished request recorded, with its time stats in its meta_info
-        scheduler.metrics = EngineMetrics(str(loaded.path), loaded.context_length)
+        scheduler.metrics = EngineMetrics(name, loaded.context_length)
     capacity = _max_total_tokens(scheduler, loaded)
     LoadRoutes(scheduler, loaded.model, capacity, SERVED_VERSION, scheduler.metrics).add_to(app)
     app.router.add_post("/generate", _generate)
@@ -474,6 +479,7 @@ async def _model_info(request: web.Request) -> web.Response:
         model_info(
             loaded,
             model_path=request.app[_WEIGHTS].model_path,
+            served_model_name=request.app[SERVED_NAME],
             is_generation=True,
             weight_version=request.app[_SCHEDULER].weight_version,
             parsers=request.app[_PARSERS],
@@ -485,6 +491,7 @@ def model_info(
     loaded: LoadedModel,
     *,
     model_path: str,
+    served_model_name: str,
     is_generation: bool,
     weight_version: str,
     parsers: dict[str, str | None],
@@ -492,7 +499,7 @@ def model_info(
     """SGLang's ``/model_info`` answer (the fields it has; no modalities or disaggregation)."""
     return {
         "model_path": model_path,
-        "served_model_name": str(loaded.path),
+        "served_model_name": served_model_name,
         "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
         "is_generation": is_generation,
         "preferred_sampling_params": None,
@@ -524,6 +531,7 @@ async def _server_info(request: web.Request) -> web.Response:
         {
             "model_path": str(loaded.path),
             "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
+            "served_model_name": request.app[SERVED_NAME],
             "max_running_requests": scheduler.max_running,
             "context_length": loaded.context_length,
             "max_total_num_tokens": _max_total_tokens(scheduler, loaded),
@@ -666,6 +674,12 @@ def _parser() -> argparse.ArgumentParser:
         "only by a request that continues a whole sequence served before (a next turn)",
     )
     parser.add_argument(
+        "--served-model-name",
+        help="the model's name on the OpenAI routes: what /v1/models lists, what "
+        "/v1/responses and BASE:ADAPTER take, served_model_name in /model_info (SGLang's "
+        "flag; default: --model's path)",
+    )
+    parser.add_argument(
         "--chat-template",
         help="Jinja chat template (or a file holding one) for /v1/chat/completions, in place of "
         "the tokenizer's (SGLang's flag)",
@@ -774,6 +788,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         _parser().error("--max-running must be >= 1")
     if args.prefix_cache_tokens < 0 or args.prefix_cache_max_age < 0:
         _parser().error("--prefix-cache-tokens and --prefix-cache-max-age must be >= 0")
+    if args.served_model_name is not None and ":" in args.served_model_name:
+        _parser().error(  # SGLang's words (server_args validation)
+            "served_model_name cannot contain a colon (':') character. The colon is reserved "
+            "for the 'model:adapter' syntax used in LoRA adapter specification. Invalid value: "
+            f"'{args.served_model_name}'"
+        )
     return args
 
 
@@ -893,6 +913,7 @@ def main(argv: list[str] | None = None) -> int:
             response_store=args.enable_response_store,
             cache_report=args.enable_cache_report,
             enable_metrics=args.enable_metrics,
+            served_model_name=args.served_model_name,
         )
         heap.settle()  # torch, transformers and the model stay: later collections skip them
         started = {

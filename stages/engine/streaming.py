@@ -6,9 +6,9 @@ As SGLang 0.5 streams ``/generate`` (``http_server.serve_generate_request``,
 event per chunk and ``data: [DONE]`` after the last. Every chunk holds a sample's whole output
 so far: ``text``, ``output_ids`` and ``meta_info`` with SGLang's fields (``id``,
 ``finish_reason`` null until the sample's last chunk, ``prompt_tokens``, ``completion_tokens``
-and ``cached_tokens`` so far, ``weight_version``, with ``--enable-metrics`` the scheduler's time
-stats, with ``return_logprob`` the log-probs so far, with ``return_hidden_states`` the hidden
-states so far; per-token versions only in the last). A
+and ``cached_tokens`` (and ``cached_tokens_details``) so far, ``weight_version``, with
+``--enable-metrics`` the scheduler's time stats, with ``return_logprob`` the log-probs so far,
+with ``return_hidden_states`` the hidden states so far; per-token versions only in the last). A
 batch or ``n`` > 1 adds ``index`` to each chunk: the sample's place in the non-streamed answer's
 list. Chunks that pile up while the client reads are merged into the newest (SGLang drains its
 queue the same way); the sample's last chunk is its whole answer. ``text`` is decoded as
@@ -43,6 +43,7 @@ from stages.engine.protocol import (
     GenerateInput,
     SequenceResult,
     add_hidden,
+    cached_tokens_details,
     hidden_answer,
     parse_generate,
     render_sample,
@@ -210,6 +211,7 @@ class Progress:
             meta["reasoning_tokens"] = self.reasoning.update(self.ids)
         meta["completion_tokens"] = len(self.ids)
         meta["cached_tokens"] = self.cached
+        meta["cached_tokens_details"] = cached_tokens_details(self.cached)
         meta["weight_version"] = self.version
         meta["num_retractions"] = self.retractions
         if self.time_stats is not None:
@@ -234,6 +236,7 @@ class Progress:
             "reasoning_tokens": 0 if self.reasoning is None else self.reasoning.update(self.ids),
             "completion_tokens": len(self.ids),
             "cached_tokens": self.cached,
+            "cached_tokens_details": cached_tokens_details(self.cached),
             "weight_version": self.version,
             "num_retractions": self.retractions,
         }

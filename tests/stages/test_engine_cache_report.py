@@ -1,12 +1,17 @@
 """``--enable-cache-report`` on the built-in engine as a real server: the ``/v1`` answers'
 ``usage.prompt_tokens_details.cached_tokens``, as SGLang 0.5.23 reports them
 (``usage_processor.calculate_response_usage`` and ``calculate_streaming_usage``: each prompt's
-cached tokens once, whatever ``n``; ``PromptTokensDetails``; a stream's usage chunk without its
-null fields), through the ``openai`` client."""
+cached tokens once, whatever ``n``; ``PromptTokensDetails``; a completion stream's usage chunk
+without its null fields, a chat stream's with them), through the ``openai`` client; and the
+cached tokens' details every engine gives: ``meta_info.cached_tokens_details``
+(``OutputStreamer.get_cached_tokens_details``) and the ``/v1`` routes' ``sglext`` with
+``return_cached_tokens_details`` (``serving_completions``/``serving_chat``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -45,10 +50,8 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(url: str) -> No
     assert again.usage.prompt_tokens_details.cached_tokens == cached  # once for n = 2
     body = {"model": "m", "prompt": TEXT, "max_tokens": 2}
     raw = requests.post(url + "/v1/completions", json=body, timeout=30).json()
-    assert raw["usage"]["prompt_tokens_details"] == {
-        "cached_tokens": cached, "image_tokens": None, "audio_tokens": None,
-        "video_tokens": None,
-    }  # fmt: skip
+    # PromptTokensDetails' serializer leaves the null multimodal counts out
+    assert raw["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
     stream = client.completions.create(
         model="m", prompt=TEXT, max_tokens=2, stream=True, stream_options={"include_usage": True}
     )
@@ -64,3 +67,127 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(url: str) -> No
         stream_options={"include_usage": True},
     )  # fmt: skip
     assert list(streamed)[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def _events(answer: requests.Response) -> list[dict[str, Any]]:
+    """A stream's ``data:`` chunks, each with its ``event:`` name (``__event``) if it has one."""
+    out = []
+    for event in answer.text.split("\n\n"):
+        name = None
+        if event.startswith("event: "):
+            head, event = event.split("\n", 1)
+            name = head[len("event: ") :]
+        if event.startswith("data: {"):
+            out.append({**json.loads(event[len("data: ") :]), "__event": name})
+    return out
+
+
+def _post(url: str, path: str, body: dict, **headers: str) -> requests.Response:
+    answer = requests.post(url + path, json=body, headers=headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
+@pytest.mark.timeout(60)
+def test_generate_gives_the_cached_tokens_details_in_every_answer_and_chunk(url: str) -> None:
+    """``meta_info.cached_tokens_details`` (SGLang 0.5.23: ``{device, host}`` when some of the
+    prompt was cached, every token from the device's cache here; null when none), after
+    ``cached_tokens``, in answers and in each streamed chunk, whatever the cache report."""
+    text = "a prompt of its own for the details, long enough to leave a cached prefix"
+    body = {"text": text, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    cold = _post(url, "/generate", body).json()["meta_info"]
+    assert cold["cached_tokens"] == 0 and cold["cached_tokens_details"] is None
+    keys = list(cold)
+    assert keys.index("cached_tokens_details") == keys.index("cached_tokens") + 1
+    warm = _post(url, "/generate", body).json()["meta_info"]
+    assert warm["cached_tokens"] > 0
+    assert warm["cached_tokens_details"] == {"device": warm["cached_tokens"], "host": 0}
+    chunks = _events(_post(url, "/generate", {**body, "stream": True}))
+    assert chunks and all(
+        c["meta_info"]["cached_tokens_details"] == {"device": warm["cached_tokens"], "host": 0}
+        for c in chunks
+    )
+
+
+@pytest.mark.timeout(60)
+def test_the_v1_routes_give_the_cached_tokens_details_in_sglext_when_asked(url: str) -> None:
+    """``return_cached_tokens_details``: the answer's ``sglext.cached_tokens_details`` (its first
+    choice's) when some of the prompt was cached, nothing otherwise; streamed, a chunk of its
+    own after the choices' last, before the usage chunk (the chat route's with the ids it was
+    asked for, split from them with ``x-sglext-ids-framed: 1``)."""
+    text = "yet another prompt, cached for the sglext of the v1 routes"
+    native = {"text": text, "sampling_params": {"max_new_tokens": 1}}
+    completion = {"model": "m", "prompt": text, "max_tokens": 2, "n": 2,
+                  "return_cached_tokens_details": True}  # fmt: skip
+    cold = _post(url, "/v1/completions", completion).json()
+    assert "sglext" not in cold  # nothing was cached: no details
+    cached = _post(url, "/generate", native).json()["meta_info"]["cached_tokens"]
+    details = {"device": cached, "host": 0}
+    warm = _post(url, "/v1/completions", completion).json()
+    assert list(warm)[-1] == "sglext" and warm["sglext"] == {"cached_tokens_details": details}
+    unasked = {**completion, "return_cached_tokens_details": False}
+    assert "sglext" not in _post(url, "/v1/completions", unasked).json()
+    streamed = _events(
+        _post(url, "/v1/completions",
+              {**completion, "stream": True, "stream_options": {"include_usage": True}})
+    )  # fmt: skip
+    *_, ext, usage = streamed
+    assert ext["choices"] == [] and ext["usage"] is None and ext["object"] == "text_completion"
+    assert ext["sglext"] == {"cached_tokens_details": details} and "sglext" not in usage
+    # the chat route: with the prompt's ids, in SglExt's order; framed, in two events
+    template_ids = requests.post(
+        url + "/v1/tokenize", json={"model": "m", "messages": [{"role": "user", "content": text}]},
+        timeout=30,
+    ).json()["tokens"]  # fmt: skip
+    chat = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2,
+            "return_cached_tokens_details": True, "return_input_ids_in_sglext": True}  # fmt: skip
+    _post(url, "/v1/chat/completions", chat)  # its prompt cached
+    whole = _post(url, "/v1/chat/completions", chat).json()
+    assert list(whole["sglext"]) == ["cached_tokens_details", "input_ids"]
+    assert whole["sglext"]["input_ids"] == template_ids
+    chat_cached = whole["sglext"]["cached_tokens_details"]["device"]
+    assert whole["sglext"]["cached_tokens_details"] == {"device": chat_cached, "host": 0}
+    assert chat_cached == whole["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    plain = _events(_post(url, "/v1/chat/completions", {**chat, "stream": True}))
+    assert plain[-1]["sglext"] == whole["sglext"] and plain[-1]["__event"] is None
+    framed = _events(
+        _post(url, "/v1/chat/completions", {**chat, "stream": True}, **{"x-sglext-ids-framed": "1"})
+    )
+    *_, rest, ids = framed
+    assert rest["sglext"] == {"cached_tokens_details": whole["sglext"]["cached_tokens_details"]}
+    assert rest["__event"] is None and rest["choices"] == []
+    assert ids["sglext"] == {"input_ids": template_ids} and ids["__event"] == "sglext_ids"
+    wrong = requests.post(
+        url + "/v1/completions", json={**completion, "return_cached_tokens_details": "yes"},
+        timeout=30,
+    )  # fmt: skip
+    assert wrong.status_code == 400 and wrong.json()["param"] == "return_cached_tokens_details"
+
+
+@pytest.mark.timeout(60)
+def test_chat_streams_count_cached_tokens_in_each_usage(url: str) -> None:
+    """``stream_options.continuous_usage_stats`` with the cache report: each chat chunk's
+    ``usage`` has the choice's ``prompt_tokens_details`` (``_continuous_usage_cached_details``);
+    the role's and the finish's chunks have none (``build_sse_content`` without usage); the
+    last usage chunk keeps its null fields (``model_dump_json``), a completion stream's does
+    not (``exclude_none=True``)."""
+    messages = [{"role": "user", "content": TEXT}]
+    body = {"model": "m", "messages": messages, "max_tokens": 3, "ignore_eos": True,
+            "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    _post(url, "/v1/chat/completions", body)  # its prompt cached
+    chunks = _events(_post(url, "/v1/chat/completions", body))
+    *choices, last = chunks
+    role, *deltas, finish = choices
+    assert role["choices"][0]["delta"]["role"] == "assistant" and "usage" not in role
+    assert finish["choices"][0]["finish_reason"] == "length" and "usage" not in finish
+    counts = [d["usage"]["completion_tokens"] for d in deltas]  # a token a delta, or more
+    assert counts == sorted(set(counts)) and counts[-1] == 3  # (part of a character waits)
+    cached = {d["usage"]["prompt_tokens_details"]["cached_tokens"] for d in deltas}
+    assert len(cached) == 1 and cached.pop() > 0
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert last["usage"]["completion_tokens_details"] is None  # written out
+    completion = {"model": "m", "prompt": TEXT, "max_tokens": 2, "stream": True,
+                  "stream_options": {"include_usage": True}}  # fmt: skip
+    usage = _events(_post(url, "/v1/completions", completion))[-1]["usage"]
+    assert "completion_tokens_details" not in usage

@@ -13,6 +13,7 @@ from typing import Any
 
 import openai
 import pytest
+import requests
 from openai.types.chat import ChatCompletionChunk
 from transformers import PreTrainedTokenizerFast
 
@@ -132,6 +133,60 @@ def test_chat_stream_sends_role_then_deltas_then_the_finish(chat_engine: Engine,
         assert [[t.token for t in e.top_logprobs] for e in streamed] == [
             [t.token for t in e.top_logprobs] for e in expected
         ]
+
+
+@pytest.mark.timeout(60)
+def test_chat_stream_sends_the_finishes_after_all_content(chat_engine: Engine) -> None:
+    """serving_chat._generate_chat_stream (SGLang 0.5.23): the choices' finish chunks go out
+    after the generation loop, before the usage chunk; with
+    ``continuous_usage_stats`` every chunk but the role's and the finish's (``build_sse_content``
+    without usage) has the choice's usage, ``prompt_tokens_details`` null without the cache
+    report, and the last usage chunk keeps its null fields (``model_dump_json``)."""
+    body = {"model": "m", "messages": HELLO, "n": 3, "max_tokens": 6, "stream": True,
+            "stop_token_ids": [20, 21, 22, 23, 24, 25], "temperature": 1.0, "seed": 5,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    answer = requests.post(chat_engine.url + "/v1/chat/completions", json=body, timeout=30)
+    events = answer.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], events[-3:]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
+    *choices, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens_details"] is None
+    finishes = [c for c in choices if c["choices"][0]["finish_reason"] is not None]
+    assert len(finishes) == 3 and choices[-3:] == finishes  # nothing after the first finish
+    assert sorted(c["choices"][0]["index"] for c in finishes) == [0, 1, 2]
+    roles = [c for c in choices if c["choices"][0]["delta"].get("role") == "assistant"]
+    assert len(roles) == 3 and all("usage" not in c for c in roles + finishes)
+    deltas = [c for c in choices if c not in roles and c not in finishes]
+    assert deltas and all(c["usage"]["prompt_tokens_details"] is None for c in deltas)
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_read_for_tool_calls_sends_its_log_probs_apart(chat_engine: Engine) -> None:
+    """serving_chat._process_tool_call_stream (SGLang 0.5.23): with tools, the text read out of
+    the calls goes in pydantic's chunks (the delta's nulls and a null ``usage`` written out, no
+    log-probs), and each step's log-probs follow alone (``build_sse_content``, the delta
+    ``{reasoning_content: null}``); every token's entry once, as the whole answer's."""
+    body = {"model": "m", "messages": HELLO, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "tools": TOOLS, "logprobs": True}  # fmt: skip
+    whole = requests.post(chat_engine.url + "/v1/chat/completions", json=body, timeout=30)
+    expected = [e["token"] for e in whole.json()["choices"][0]["logprobs"]["content"]]
+    answer = requests.post(
+        chat_engine.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30
+    )
+    chunks = [json.loads(e[len("data: ") :]) for e in answer.text.split("\n\n")[:-2]]
+    role, *steps, finish = chunks
+    texts = [c for c in steps if c["choices"][0]["delta"].get("content")]
+    assert texts and all(
+        c["choices"][0]["delta"] == {"role": None, "content": c["choices"][0]["delta"]["content"],
+                                     "reasoning_content": None}
+        and c["choices"][0]["logprobs"] is None and c["usage"] is None
+        for c in texts
+    )  # fmt: skip
+    alone = [c for c in steps if c["choices"][0]["logprobs"] is not None]
+    assert all(c["choices"][0]["delta"] == {"reasoning_content": None} for c in alone)
+    assert all("usage" not in c for c in [*alone, role, finish])
+    streamed = [e["token"] for c in alone for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == expected and len(expected) == 6
 
 
 @pytest.mark.timeout(60)

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
+import requests
 
+from tests.stages.engine_setup import ROOT, builtin_engine, engine_command
 from tests.stages.test_engine_server import GREEDY, Engine, _tokenizer, engine  # noqa: F401
+from tests.stages.tiny_model import make_byte_model
 
 PROMPT = [21, 22, 23, 24]
 
@@ -30,6 +35,39 @@ def test_models_lists_and_retrieves_the_served_model(engine: Engine, client) -> 
     assert client.models.retrieve(card.id).id == card.id
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("no-such-model")
+
+
+@pytest.mark.timeout(90)
+def test_served_model_name_is_the_models_name_on_the_v1_routes(tmp_path: Path) -> None:
+    """SGLang's ``--served-model-name``: what ``/v1/models`` lists and retrieves, what
+    ``/v1/responses`` accepts (another name: 404), ``served_model_name`` in ``/model_info`` and
+    ``/server_info`` (``model_path`` stays the folder's); a name with a colon is refused at the
+    start in SGLang's words (the colon separates ``BASE:ADAPTER``)."""
+    model = make_byte_model(tmp_path / "model")
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    flags = ("--served-model-name", "policy-7b", "--chat-template", str(template))
+    with builtin_engine(model, *flags) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        (card,) = client.models.list().data
+        assert card.id == "policy-7b" and card.root == "policy-7b"
+        assert client.models.retrieve("policy-7b").id == "policy-7b"
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.models.retrieve(str(model))
+        info = requests.get(url + "/model_info", timeout=30).json()
+        assert info["served_model_name"] == "policy-7b" and info["model_path"] == str(model)
+        server = requests.get(url + "/server_info", timeout=30).json()
+        assert server["served_model_name"] == "policy-7b"
+        got = client.responses.create(model="policy-7b", input="ab", max_output_tokens=4)
+        assert got.model == "policy-7b" and got.status in ("completed", "incomplete")
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.responses.create(model=str(model), input="ab", max_output_tokens=4)
+    refused = subprocess.run(
+        engine_command(model, "--port", "0", "--served-model-name", "base:adapter"),
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "served_model_name cannot contain a colon (':') character" in refused.stderr
 
 
 @pytest.mark.timeout(60)

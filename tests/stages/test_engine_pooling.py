@@ -94,6 +94,9 @@ def classifier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield engine
 
 
+EMBEDDER_NAME = "embedder-v1"  # the built-in embedder's --served-model-name
+
+
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     root = tmp_path_factory.mktemp("embedder")
@@ -101,7 +104,8 @@ def embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield _outside(EMBEDDING_URL, "INFLIGHT_SGLANG_EMBEDDING_MODEL", root / "none.log")
         return
     model = make_tiny_model(root / "model", seed=5)
-    with serving(model, root / "engine.log", "--is-embedding") as engine:
+    flags = ("--is-embedding", "--served-model-name", EMBEDDER_NAME)
+    with serving(model, root / "engine.log", *flags) as engine:
         yield engine
 
 
@@ -224,6 +228,13 @@ def test_v1_embeddings_through_the_openai_client_are_the_normalized_last_hidden_
         assert_close(got.data[i].embedding, want, terms=terms, dtype=_dtype(embedder))
         assert_close(floats.data[i].embedding, want, terms=terms, dtype=_dtype(embedder))
     assert got.usage.prompt_tokens == got.usage.total_tokens == tokens
+    if not _real(embedder):  # --served-model-name: the answers' model, /model_info's name
+        assert got.model == EMBEDDER_NAME
+        info = embedder.request("GET", "/model_info")[1]
+        assert info["served_model_name"] == EMBEDDER_NAME
+        assert info["model_path"] == str(embedder.model_dir)
+        models = embedder.request("GET", "/v1/models")[1]
+        assert [card["id"] for card in models["data"]] == [EMBEDDER_NAME]
     # base64 is little-endian float32, as SGLang packs it
     status, raw = embedder.request(
         "POST", "/v1/embeddings", {"input": [[5, 6, 7]], "encoding_format": "base64"}

@@ -1,0 +1,155 @@
+"""The ``/v1`` answers and stream chunks of the built-in engine, held to SGLang's own response
+models: each answer is read by the class SGLang 0.5.23 builds it with and written back as SGLang
+writes it, and must come out the same, key for key and in order (fields, nesting, nulls
+written out or left out).
+
+- ``protocol.CompletionResponse``, ``ChatCompletionResponse``, ``ModelList``: ``model_dump``;
+- a completion stream's chunks, ``CompletionStreamResponse`` (its usage chunk with
+  ``exclude_none``, as ``serving_completions`` dumps it);
+- a chat stream's role, content and finish chunks, ``sse_utils.StreamChunk`` (msgspec, nulls of
+  the delta left out); its tool-call, hidden-state, sglext and usage chunks, and with tools its
+  content too, ``ChatCompletionStreamResponse``.
+
+SGLang is not installed here (its wheels pin a CUDA torch), so this module is skipped unless its
+``protocol`` module imports: in SGLang's own environment with Inflight installed, or from its
+wheel's source (``pip download sglang==0.5.23 --no-deps``, unzip, then ``pip install --target
+DEPS msgspec pybase64`` and what else its import asks for; ``PYTHONPATH=SRC:DEPS pytest
+tests/stages/test_engine_sglang_shapes.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+
+protocol = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
+sse_utils = pytest.importorskip("sglang.srt.entrypoints.openai.sse_utils")
+msgspec = pytest.importorskip("msgspec")
+
+from stages.engine.openai_chat import chat_stream  # noqa: E402
+from tests.stages.engine_setup import builtin_engine  # noqa: E402
+from tests.stages.test_engine_chat import CALL, OPTIONS, _native  # noqa: E402
+from tests.stages.tiny_model import make_byte_model  # noqa: E402
+
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
+TEXT = "the same long prompt, again and again, so that its prefix is cached"
+MESSAGES = [{"role": "user", "content": TEXT}]
+_ENCODER = msgspec.json.Encoder() if msgspec else None
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = tmp_path_factory.mktemp("sglang_shapes")
+    model = make_byte_model(folder / "model")
+    template = folder / "chat_template.jinja"
+    template.write_text(TEMPLATE)
+    with builtin_engine(
+        model, "--enable-cache-report", "--enable-return-hidden-states",
+        "--chat-template", str(template),
+    ) as found:  # fmt: skip
+        yield found
+
+
+def _as_sglang_writes(model: Any, answer: dict[str, Any], **dump: Any) -> dict[str, Any]:
+    """``answer`` read by SGLang's class ``model`` and written back as SGLang writes it."""
+    if model is sse_utils.StreamChunk:
+        decoded = msgspec.json.decode(json.dumps(answer), type=model)
+        return json.loads(_ENCODER.encode(decoded))
+    return model.model_validate(answer).model_dump(mode="json", **dump)
+
+
+def _differences(model: Any, answers: list[dict[str, Any]], **dump: Any) -> list[str]:
+    out = []
+    for answer in answers:
+        again = _as_sglang_writes(model, answer, **dump)
+        if json.dumps(again) != json.dumps(answer):  # order too
+            out.append(f"{model.__name__}:\n  ours   {answer}\n  SGLang {again}")
+    return out
+
+
+def _chunks(url: str, path: str, body: dict, **headers: str) -> list[dict[str, Any]]:
+    answer = requests.post(url + path, json=body, headers=headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+    events = [e.split("data: ", 1)[1] for e in answer.text.split("\n\n") if "data: {" in e]
+    return [json.loads(e) for e in events]
+
+
+def _chat_model(chunk: dict[str, Any]) -> Any:
+    """The class SGLang builds a chat stream's chunk with (``serving_chat``)."""
+    if not chunk["choices"]:  # the sglext and usage chunks
+        return protocol.ChatCompletionStreamResponse
+    delta = chunk["choices"][0]["delta"]
+    if "tool_calls" in delta or "hidden_states" in delta:
+        return protocol.ChatCompletionStreamResponse
+    return sse_utils.StreamChunk  # build_sse_content's
+
+
+@pytest.mark.timeout(120)
+def test_completions_are_written_as_sglang_writes_them(url: str) -> None:
+    diffs: list[str] = []
+    for body in (
+        {"prompt": TEXT, "max_tokens": 3},
+        {"prompt": TEXT, "max_tokens": 3, "logprobs": 2, "echo": True},
+        {"prompt": [TEXT, "x"], "max_tokens": 2, "n": 2, "return_cached_tokens_details": True},
+        {"prompt": TEXT, "max_tokens": 2, "return_token_ids": True, "stop": ["a", "e"]},
+        {"prompt": TEXT, "max_tokens": 2, "return_hidden_states": True},
+    ):
+        body = {"model": "m", **body}
+        whole = requests.post(url + "/v1/completions", json=body, timeout=30).json()
+        diffs += _differences(protocol.CompletionResponse, [whole])
+        streamed = _chunks(url, "/v1/completions", {**body, "stream": True,
+                           "stream_options": {"include_usage": True}})  # fmt: skip
+        *chunks, usage = streamed
+        diffs += _differences(protocol.CompletionStreamResponse, chunks)
+        diffs += _differences(protocol.CompletionStreamResponse, [usage], exclude_none=True)
+    models = requests.get(url + "/v1/models", timeout=30).json()
+    diffs += _differences(protocol.ModelList, [models])
+    assert not diffs, "\n".join(diffs)
+
+
+@pytest.mark.timeout(120)
+def test_chat_answers_and_chunks_are_written_as_sglang_writes_them(url: str) -> None:
+    diffs: list[str] = []
+    for body in (
+        {"max_tokens": 3},
+        {"max_tokens": 3, "logprobs": True, "top_logprobs": 2},
+        {"max_tokens": 4, "n": 3, "temperature": 1.0},
+        {"max_tokens": 3, "return_input_ids_in_sglext": True,
+         "return_cached_tokens_details": True},
+        {"max_tokens": 2, "n": 2, "return_hidden_states": True},
+    ):  # fmt: skip
+        body = {"model": "m", "messages": MESSAGES, **body}
+        whole = requests.post(url + "/v1/chat/completions", json=body, timeout=30).json()
+        diffs += _differences(protocol.ChatCompletionResponse, [whole])
+        for stream_options in (
+            {"include_usage": True},
+            {"include_usage": True, "continuous_usage_stats": True},
+        ):
+            streamed = {**body, "stream": True, "stream_options": stream_options}
+            chunks = _chunks(url, "/v1/chat/completions", streamed)
+            for chunk in chunks:
+                diffs += _differences(_chat_model(chunk), [chunk])
+    assert not diffs, "\n".join(diffs)
+
+
+def test_streamed_tool_calls_are_written_as_sglang_writes_them() -> None:
+    async def run() -> list[dict]:
+        async def batches():
+            yield [_native("ok <tool", None)]
+            yield [_native("ok " + CALL, {"type": "stop", "matched": 1})]
+
+        return [c async for batch in chat_stream(batches(), OPTIONS) for c in batch]
+
+    role, *parsed, finish = asyncio.run(run())
+    assert any("tool_calls" in c["choices"][0]["delta"] for c in parsed)
+    assert any(c["choices"][0]["delta"].get("content") for c in parsed)
+    # the role and the finish by build_sse_content; the content and the calls read out of it
+    # by _process_tool_call_stream, with pydantic's model
+    diffs = _differences(sse_utils.StreamChunk, [role, finish])
+    diffs += _differences(protocol.ChatCompletionStreamResponse, parsed)
+    assert not diffs, "\n".join(diffs)
