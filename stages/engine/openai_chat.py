@@ -20,10 +20,10 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   ``max_completion_tokens`` or ``max_tokens`` (none: what the context leaves); ``stop``,
   ``stop_token_ids``, ``n``, ``seed``, ``ignore_eos``, ``no_stop_trim``, ``skip_special_tokens``,
   ``min_tokens`` and the penalties by the native names, so the native checks apply;
-- ``logprobs`` (bool) and ``top_logprobs`` (0-20): ``logprobs.content`` ``[{token, bytes,
-  logprob, top_logprobs: [{token, bytes, logprob}]}]``, ``bytes`` a byte-level tokenizer's own
-  (``stages.engine.token_bytes``: a token that is part of a character has its byte, not its
-  display text's U+FFFD);
+- ``logprobs`` (bool) and ``top_logprobs`` (any number, as SGLang's; without ``logprobs``
+  nothing): ``logprobs.content`` ``[{token, bytes, logprob, top_logprobs: [{token, bytes,
+  logprob}]}]``, ``bytes`` a byte-level tokenizer's own (``stages.engine.token_bytes``: a token
+  that is part of a character has its byte, not its display text's U+FFFD);
 - ``tools`` with ``tool_choice`` ``auto`` (the default) or ``none``: the answer's text is read
   for tool calls in the template's format or ``--tool-call-parser``'s
   (``stages.engine.tool_calls``): ``message.tool_calls`` ``[{id: "call_<24 hex>", index,
@@ -114,7 +114,6 @@ __all__ = ["ChatSettings", "chat_request", "chat_response", "chat_stream"]
 
 _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 _ROLES = ("system", "user", "assistant", "tool", "developer", "function")
-_MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 # set above from their own rules, or not fields of a chat request (json_schema comes as
 # response_format; custom_params is not honoured here)
 _NOT_SAMPLING = frozenset({*_DEFAULTS, "max_tokens", "json_schema", "custom_params"})
@@ -266,10 +265,8 @@ def chat_request(
     if given is not None and not (isinstance(given, list) and all(is_int(t) for t in given)):
         raise OpenAIError("input_ids: Input should be a valid list of integers", "input_ids")
     top = body.get("top_logprobs")
-    if top is not None and (not is_int(top) or not 0 <= top <= _MAX_TOP_LOGPROBS):
-        raise OpenAIError(f"top_logprobs: an integer in [0, {_MAX_TOP_LOGPROBS}]", "top_logprobs")
-    if top and not body.get("logprobs"):
-        raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
+    if top is not None and not is_int(top):
+        raise OpenAIError("top_logprobs: Input should be a valid integer", "top_logprobs")
     grammar = response_format(body.get("response_format"))
     tools = _tools(body.get("tools"))
     choice, tools, forced = _tool_choice(body, tools, grammar, settings.tool_parser)
@@ -322,7 +319,9 @@ def chat_request(
         "input_ids": prompt,
         "sampling_params": sampling,
         "return_logprob": bool(body.get("logprobs")),
-        "top_logprobs_num": top or 0,
+        # SGLang 0.5.23 takes any number (none below 1; OpenAI's bound of 20 is not there),
+        # and without logprobs: true, none at all
+        "top_logprobs_num": max(top or 0, 0) if body.get("logprobs") else 0,
         "return_text_in_logprobs": True,
     }
     for name in CHAT_PASSED_ON:  # checked by the native route, as SGLang passes them on

@@ -59,6 +59,7 @@ from stages.engine.flat_logprobs import FlatTops, flat_fields, flat_request
 from stages.engine.incremental_text import IncrementalText, output_text
 from stages.engine.request_error import RequestError
 from stages.engine.stop_regex import parse_stop_regex
+from stages.engine.watermark_request import check_watermark
 
 __all__ = [
     "SAMPLING_MASK_MAX_TOKENS",
@@ -226,15 +227,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "session_id": (None,),
     "mm_hashes": (None,),
     "mm_content_hashes": (None,),
-    "use_audio_in_video": (False,),
-    "video_config": (None,),
-    "images_config": (None,),
-    "mm_processor_kwargs": (None,),
-    "max_dynamic_patch": (None,),
-    "min_dynamic_patch": (None,),
-    "image_max_dynamic_patch": (None,),
-    "video_max_dynamic_patch": (None,),
-    "watermark": (None,),
     "return_routed_experts": (False,),
     "routed_experts_start_len": (0,),
     "return_indexer_topk": (False,),
@@ -256,9 +248,18 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
 }
 # taken and left, as SGLang leaves them by default: logging and metrics labels, a router's
 # keys, an entropy SGLang 0.5.23 computes nothing for, ``priority`` without
-# --enable-priority-scheduling (checked as SGLang checks it)
+# --enable-priority-scheduling (checked as SGLang checks it); and the multimodal processor's
+# settings, which SGLang reads only for images, video or audio (refused above: text only here)
 _IGNORED_TOP = frozenset(
     {
+        "use_audio_in_video",
+        "video_config",
+        "images_config",
+        "mm_processor_kwargs",
+        "max_dynamic_patch",
+        "min_dynamic_patch",
+        "image_max_dynamic_patch",
+        "video_max_dynamic_patch",
         "log_metrics",
         "modalities",
         "no_logs",
@@ -282,6 +283,7 @@ _KNOWN_TOP = frozenset(
         "logprob_start_len",
         "token_ids_logprob",
         "stream",  # answered by stages.engine.streaming
+        "watermark",  # SGLang's, at values that do not watermark (watermark_request)
         "lora_path",  # a loaded adapter's name (stages.engine.lora_adapters)
         "require_reasoning",  # the grammar waits for the end of the reasoning
         "return_prompt_token_ids",  # each answer's prompt ids (its text's, tokenized)
@@ -358,6 +360,7 @@ def parse_generate(
             f"{count} prompts x n={n} is more than {MAX_SAMPLES_PER_REQUEST} samples",
         )
     params = _per_item(raw_params, "sampling_params", count, listed, dict)
+    _check_watermarks(body.get("watermark"), params, count)
     logprob_flags = _per_item(body.get("return_logprob"), "return_logprob", count, listed, bool)
     starts = _per_item(body.get("logprob_start_len"), "logprob_start_len", count, listed, int)
     for i, (ids, start) in enumerate(zip(prompts, starts, strict=True)):
@@ -450,6 +453,28 @@ def parse_generate(
                 )
             )
     return inputs, listed
+
+
+def _check_watermarks(top: Any, params: list[dict[str, Any] | None], count: int) -> None:
+    """SGLang 0.5.23's ``watermark`` (``watermark_request``): one at the top (or one per prompt
+    of a batch: ``GenerateReqInput._normalize_watermark``) or in the sampling parameters, not
+    both (``TokenizerManager._tokenize_one_request``)."""
+    if isinstance(top, list) and len(top) != count:
+        raise RequestError(
+            "watermark", "The length of watermark should be equal to the batch size."
+        )
+    tops = top if isinstance(top, list) else [top] * count
+    for own, raw in zip(tops, params, strict=True):
+        inner = (raw or {}).get("watermark")
+        if own is not None and inner is not None:
+            raise RequestError(
+                "watermark",
+                "watermark must be provided either at the request top level or inside "
+                "sampling_params, not both",
+            )
+        why = check_watermark(own)
+        if why is not None:
+            raise RequestError("watermark", why)
 
 
 def _thinking_budget(value: Any, strict: bool) -> int | None:
@@ -1050,6 +1075,11 @@ def _sampling_params(
             continue
         if key == "beam_width":  # SGLang 0.5.23's beam search: null and 1 are sampling
             _beam_width(value, path)
+            continue
+        if key == "watermark":  # none, or turned off: this engine does not watermark
+            why = check_watermark(value)
+            if why is not None:
+                raise RequestError(path, why)
             continue
         if key == "stop":
             values.update(_stop_strings(value, path, encode))

@@ -94,6 +94,15 @@ def test_greedy_chat_equals_generate_on_the_templated_prompt(chat_engine: Engine
         assert got.token == entry[2] and got.bytes == list(entry[2].encode())
         assert abs(got.logprob - entry[0]) < 1e-5
         assert [t.token for t in got.top_logprobs] == [t[2] for t in top]
+    # SGLang 0.5.23 bounds top_logprobs by nothing but the vocabulary (not OpenAI's 20), and
+    # without logprobs: true it answers none
+    many = client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=2, logprobs=True, top_logprobs=25
+    )
+    assert all(len(e.top_logprobs) == 25 for e in many.choices[0].logprobs.content)
+    unasked = client.chat.completions.create(model="m", messages=HELLO, max_tokens=2,
+                                             top_logprobs=3)  # fmt: skip
+    assert unasked.choices[0].logprobs is None
 
 
 @pytest.mark.timeout(60)
@@ -211,7 +220,7 @@ def test_tools_reach_the_template_and_what_cannot_be_honoured_is_a_400(
          "schema_ is required"),
         # a word-level tokenizer writes spaces between tokens: no grammar can constrain it
         ({"response_format": {"type": "json_object"}}, "cannot constrain"),
-        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": "3"}, "top_logprobs"),
         ({"max_tokens": "many"}, "max_tokens"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),

@@ -618,6 +618,11 @@ BAD_REQUESTS = [
     # SGLang 0.5.23's beam search (sampling_params.beam_width > 1); below 1 its own refusal
     ({"input_ids": [1], "sampling_params": {"beam_width": 2}}, "sampling_params.beam_width"),
     ({"input_ids": [1], "sampling_params": {"beam_width": 0}}, "sampling_params.beam_width"),
+    # SGLang 0.5.23's watermark: this engine, as SGLang without --enable-watermark, serves
+    # none or one turned off (test_a_watermark_is_served_off_and_refused_on says the words)
+    ({"input_ids": [1], "watermark": {"enabled": True}}, "watermark"),
+    ({"input_ids": [[1], [2]], "watermark": [None]}, "watermark"),
+    ({"input_ids": [1], "sampling_params": {"watermark": {"key": "ab"}}}, "sampling_params"),
     # priority: a signed 64-bit integer (TokenizerManager._set_default_priority)
     ({"input_ids": [1], "priority": 1 << 63}, "priority"),
     ({"input_ids": [1], "priority": "high"}, "priority"),
@@ -646,11 +651,57 @@ def test_sglangs_other_fields_at_their_defaults_change_nothing(engine: Engine) -
         "return_routed_experts": False, "sampling_logprobs_mode": None, "background": False,
         "no_logs": True, "custom_labels": {"team": "rl"}, "routing_key": "k1",
         "conversation_id": "c1", "priority": -3, "return_entropy": True, "log_metrics": False,
+        # the multimodal processor's settings: SGLang reads them for images, video, audio only
+        "max_dynamic_patch": 6, "min_dynamic_patch": 1, "image_max_dynamic_patch": 4,
+        "video_max_dynamic_patch": 2, "images_config": {"image_mode": "base"},
+        "video_config": {"fps": 2}, "mm_processor_kwargs": {"do_resize": False},
+        "use_audio_in_video": True, "watermark": {"enabled": False, "context_window": 2},
     }  # fmt: skip
     sampling = {**body["sampling_params"], "beam_width": 1, "spaces_between_special_tokens": False}
     got = engine.generate({**body, **along, "sampling_params": sampling})
     assert got["output_ids"] == plain["output_ids"] and got["text"] == plain["text"]
     assert set(got) == set(plain) and set(got["meta_info"]) == set(plain["meta_info"])
+
+
+@pytest.mark.timeout(60)
+def test_a_watermark_is_served_off_and_refused_on(engine: Engine) -> None:
+    """SGLang 0.5.23's per-request ``watermark`` (``watermarking/core.py``) on a server that
+    does not watermark (SGLang without ``--enable-watermark``): none, or one turned off, is
+    served; the rest is refused in its words, at the top (one per prompt of a batch) or in
+    ``sampling_params``, not both."""
+    ids = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    plain = engine.generate(ids)
+    off = engine.generate({**ids, "watermark": {"enabled": False}})
+    assert off["output_ids"] == plain["output_ids"]
+    batch = {"input_ids": [[5, 6], [7]], "watermark": [{"enabled": False}, None]}
+    assert len(engine.generate(batch)) == 2
+    inner = {**ids["sampling_params"], "watermark": {"enabled": False}}
+    assert engine.generate({**ids, "sampling_params": inner})["output_ids"] == plain["output_ids"]
+    refusals = [
+        ({"watermark": {"enabled": True}},
+         "request watermarking requires the server to enable --enable-watermark"),
+        ({"watermark": {"key": "0xBEEF"}},
+         "request watermarking requires the server to enable --enable-watermark"),
+        ({"watermark": {}}, "request watermark must set enabled or key"),
+        ({"watermark": "on"}, "watermark must be an object"),
+        ({"watermark": {"enabled": False, "key": "ab"}},
+         "request watermark key cannot be combined with enabled=false"),
+        ({"watermark": {"enabled": False, "salt": 1}}, "watermark contains unknown fields"),
+        ({"watermark": {"enabled": 1}}, "watermark enabled must be a boolean"),
+        ({"watermark": {"key": "xyz"}}, "watermark key must contain only hex digits"),
+        ({"watermark": {"key": "0x"}}, "watermark key must contain 1 to 16 hex digits"),
+        ({"watermark": {"enabled": False, "context_window": 0}},
+         "watermark context_window must be a positive integer"),
+        ({"watermark": {"enabled": False, "context_window": 5}},
+         "request watermark context_window cannot exceed the server's watermark context_window"),
+        ({"watermark": {"enabled": False}, "sampling_params": inner},
+         "watermark must be provided either at the request top level or inside "
+         "sampling_params, not both"),
+    ]  # fmt: skip
+    for extra, words in refusals:
+        status, answer = engine.request("POST", "/generate", {**ids, **extra})
+        assert status == 400 and answer["error"]["message"].endswith(words), (extra, answer)
+    assert engine.request("GET", "/health")[0] == 200
 
 
 @pytest.mark.timeout(60)
