@@ -333,16 +333,18 @@ def ollama_generate_request(
 def ollama_generate_response(
     results: list[Mapping[str, Any]], options: Mapping[str, Any], decode: Any, tokens: Any
 ) -> dict[str, Any]:
-    """The non-streamed answer (SGLang's ``OllamaGenerateResponse``)."""
+    """The non-streamed answer (SGLang's ``OllamaGenerateResponse``, its fields in its order:
+    ``context`` before the counts; an empty prompt's with every count null, as there)."""
     out = _head(options)
     if not results:  # an empty prompt
-        out.update(response="", done=True, done_reason="stop")
+        out.update(response="", done=True, done_reason="stop", context=None)
+        out.update(dict.fromkeys(_COUNTS))
         return out
     completion = completion_response(results, options, decode, tokens)
     choice = completion["choices"][0]
     out["response"] = choice["text"]
-    out.update(_done(options, choice["finish_reason"], completion["usage"]))
-    out["context"] = None
+    done = _done(options, choice["finish_reason"], completion["usage"])
+    out.update(done=done.pop("done"), done_reason=done.pop("done_reason"), context=None, **done)
     if choice.get("logprobs"):
         out["logprobs"] = _completion_logprobs(choice["logprobs"])
     return out
@@ -500,6 +502,10 @@ def _counts(layout: Any) -> dict[str, Any]:
 
 def _head(options: Mapping[str, Any]) -> dict[str, Any]:
     return {"model": options["ollama"]["model"], "created_at": _now()}
+
+
+_COUNTS = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
+           "eval_count", "eval_duration")  # fmt: skip
 
 
 def _done(options: Mapping[str, Any], finish: str | None, usage: Mapping[str, Any]) -> dict:

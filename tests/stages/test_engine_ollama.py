@@ -85,7 +85,12 @@ def test_think_is_the_templates_switch_and_its_reasoning_comes_as_thinking(
 
 
 @pytest.mark.timeout(60)
-def test_generate_is_the_completion_of_the_prompt_as_written(llama, client, model) -> None:  # noqa: F811
+def test_generate_is_the_completion_of_the_prompt_as_written(
+    llama,
+    client,  # noqa: F811
+    model,  # noqa: F811
+    engine,  # noqa: F811
+) -> None:
     options = {"num_predict": 6, "temperature": 0}
     got = llama.generate(model="any", prompt="ab", system="cd", options=options)
     completion = client.completions.create(
@@ -101,6 +106,14 @@ def test_generate_is_the_completion_of_the_prompt_as_written(llama, client, mode
     # the Ollama CLI's first call: an empty prompt, answered at once
     empty = llama.generate(model="any", prompt="")
     assert empty.done and empty.response == "" and empty.eval_count is None
+    # SGLang's OllamaGenerateResponse as written: its fields in its order, nulls too
+    fields = ["model", "created_at", "response", "done", "done_reason", "context",
+              "total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
+              "eval_count", "eval_duration"]  # fmt: skip
+    for prompt in ("ab", ""):
+        body = {"model": "any", "prompt": prompt, "stream": False, "options": options}
+        raw = requests.post(engine.url + "/api/generate", json=body, timeout=30).json()
+        assert list(raw) == fields and raw["context"] is None, raw
     # a num_predict past the context: what the context leaves (SGLang's scheduler cuts it)
     long = llama.generate(
         model="any", prompt="ab", options={"num_predict": 10**6, "temperature": 0}

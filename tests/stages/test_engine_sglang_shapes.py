@@ -8,7 +8,10 @@ written out or left out).
   ``exclude_none``, as ``serving_completions`` dumps it);
 - a chat stream's role, content and finish chunks, ``sse_utils.StreamChunk`` (msgspec, nulls of
   the delta left out); its tool-call, hidden-state, sglext and usage chunks, and with tools its
-  content too, ``ChatCompletionStreamResponse``.
+  content too, ``ChatCompletionStreamResponse``;
+- Anthropic's ``/v1/messages``, whole and as events, with ``exclude_none`` (``anthropic/
+  serving.py``); Ollama's ``/api/chat`` and ``/api/generate`` not streamed, and ``/api/tags``
+  (its streams' last line has the counts the Ollama API gives, which SGLang's leaves out).
 
 SGLang is not installed here (its wheels pin a CUDA torch), so this module is skipped unless its
 ``protocol`` module imports: in SGLang's own environment with Inflight installed, or from its
@@ -29,6 +32,8 @@ import requests
 
 protocol = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
 sse_utils = pytest.importorskip("sglang.srt.entrypoints.openai.sse_utils")
+anthropic = pytest.importorskip("sglang.srt.entrypoints.anthropic.protocol")
+ollama = pytest.importorskip("sglang.srt.entrypoints.ollama.protocol")
 msgspec = pytest.importorskip("msgspec")
 
 from stages.engine.openai_chat import chat_stream  # noqa: E402
@@ -152,4 +157,38 @@ def test_streamed_tool_calls_are_written_as_sglang_writes_them() -> None:
     # by _process_tool_call_stream, with pydantic's model
     diffs = _differences(sse_utils.StreamChunk, [role, finish])
     diffs += _differences(protocol.ChatCompletionStreamResponse, parsed)
+    assert not diffs, "\n".join(diffs)
+
+
+@pytest.mark.timeout(120)
+def test_messages_and_ollama_answers_are_written_as_sglang_writes_them(url: str) -> None:
+    model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "max_tokens": 4, "messages": MESSAGES}
+    whole = requests.post(url + "/v1/messages", json=body, timeout=30).json()
+    diffs = _differences(anthropic.AnthropicMessagesResponse, [whole], exclude_none=True)
+    events = {
+        "message_start": anthropic.MessageStartEvent,
+        "message_delta": anthropic.MessageDeltaEvent,
+        "message_stop": anthropic.MessageStopEvent,
+        "content_block_start": anthropic.ContentBlockStartEvent,
+        "content_block_delta": anthropic.ContentBlockDeltaEvent,
+        "content_block_stop": anthropic.ContentBlockStopEvent,
+    }
+    streamed = _chunks(url, "/v1/messages", {**body, "stream": True})
+    assert [e["type"] for e in streamed][-1] == "message_stop"
+    for event in streamed:
+        diffs += _differences(events[event["type"]], [event], exclude_none=True)
+    counted = {"model": model, "messages": MESSAGES}
+    count = requests.post(url + "/v1/messages/count_tokens", json=counted, timeout=30).json()
+    diffs += _differences(anthropic.AnthropicCountTokensResponse, [count])
+    options = {"num_predict": 3}
+    chat = {"model": model, "messages": MESSAGES, "stream": False, "options": options}
+    answer = requests.post(url + "/api/chat", json=chat, timeout=30).json()
+    diffs += _differences(ollama.OllamaChatResponse, [answer])
+    for prompt in (TEXT, ""):
+        generate = {"model": model, "prompt": prompt, "stream": False, "options": options}
+        answer = requests.post(url + "/api/generate", json=generate, timeout=30).json()
+        diffs += _differences(ollama.OllamaGenerateResponse, [answer])
+    tags = requests.get(url + "/api/tags", timeout=30).json()
+    diffs += _differences(ollama.OllamaTagsResponse, [tags])
     assert not diffs, "\n".join(diffs)
