@@ -724,22 +724,19 @@ def render_result(
     log-probs laid out as flat arrays, ``flat_logprobs``). ``sent``: ``meta_info`` ends with
     ``response_sent_to_client_ts``, the Unix time it is sent at, as SGLang 0.5.23 stamps an
     answer (a stream's first chunk only: a later last chunk passes False)."""
+    # SGLang's order (TokenizerManager._handle_batch_output): who and why, the scheduler's
+    # time stats, the log-probs, the sampling masks, the counts, the versions, the hidden
+    # states, the latency
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
         "prompt_tokens": result.prompt_tokens,
-        "reasoning_tokens": result.reasoning_tokens,
-        "completion_tokens": len(result.output_ids),
-        "cached_tokens": result.cached_tokens,
-        "cached_tokens_details": cached_tokens_details(result.cached_tokens),
-        # not SGLang's: the version whose weights computed the cached prefix (null: none)
-        "cached_weight_version": result.cached_weight_version,
         "weight_version": result.weight_version,
         "num_retractions": result.retractions,
-        "weight_versions": _version_spans(result.output_token_weight_versions),
-        "output_token_weight_versions": result.output_token_weight_versions,
-        "e2e_latency": result.e2e_latency,
     }
+    extra = result.extra
+    if extra:  # --enable-metrics' time stats
+        meta.update((k, v) for k, v in extra.items() if k not in _AFTER_LOGPROBS)
     if return_logprob:
         logprobs = result.output_token_logprobs or []
         meta["input_token_logprobs"] = [
@@ -761,8 +758,19 @@ def render_result(
             meta["output_token_ids_logprobs"] = step_entries(
                 result.output_token_ids_logprobs, token_text
             )
-    if result.extra:
-        meta.update(result.extra)
+    if extra:  # the sampling masks
+        meta.update((k, v) for k, v in extra.items() if k in _MASK_FIELDS)
+    meta["reasoning_tokens"] = result.reasoning_tokens
+    meta["completion_tokens"] = len(result.output_ids)
+    meta["cached_tokens"] = result.cached_tokens
+    meta["weight_versions"] = _version_spans(result.output_token_weight_versions)
+    meta["output_token_weight_versions"] = result.output_token_weight_versions  # Inflight's
+    meta["cached_tokens_details"] = cached_tokens_details(result.cached_tokens)
+    # Inflight's: the version whose weights computed the cached prefix (null: none)
+    meta["cached_weight_version"] = result.cached_weight_version
+    if extra and "hidden_states" in extra:
+        meta["hidden_states"] = extra["hidden_states"]
+    meta["e2e_latency"] = result.e2e_latency
     if sent:
         meta["response_sent_to_client_ts"] = time.time()
     out: dict[str, Any] = {}
@@ -773,6 +781,15 @@ def render_result(
     out["output_ids"] = result.output_ids
     out["meta_info"] = meta
     return out
+
+
+# what a finished sample's ``extra`` holds besides its time stats, in SGLang's place for them
+_MASK_FIELDS = (
+    "output_token_sampling_mask",
+    "output_token_sampling_logprobs",
+    "output_token_sampling_mask_length",
+)
+_AFTER_LOGPROBS = frozenset({*_MASK_FIELDS, "hidden_states"})
 
 
 def _top_entries(

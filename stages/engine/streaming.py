@@ -233,10 +233,6 @@ class Progress:
             "id": self.rid,
             "finish_reason": None,
             "prompt_tokens": self.prompt_tokens,
-            "reasoning_tokens": 0 if self.reasoning is None else self.reasoning.update(self.ids),
-            "completion_tokens": len(self.ids),
-            "cached_tokens": self.cached,
-            "cached_tokens_details": cached_tokens_details(self.cached),
             "weight_version": self.version,
             "num_retractions": self.retractions,
         }
@@ -267,8 +263,14 @@ class Progress:
             meta["output_token_sampling_mask"] = self.mask_ids
             meta["output_token_sampling_logprobs"] = self.mask_values
             meta["output_token_sampling_mask_length"] = len(self.mask_ids)
+        # the counts after them, as SGLang's meta_info has them (_handle_batch_output)
+        reasoning = 0 if self.reasoning is None else self.reasoning.update(self.ids)
+        meta["reasoning_tokens"] = reasoning
+        meta["completion_tokens"] = len(self.ids)
+        meta["cached_tokens"] = self.cached
+        meta["cached_tokens_details"] = cached_tokens_details(self.cached)
         hidden = self.hidden_states()
-        if hidden is not None:  # after the log-probs, as SGLang's
+        if hidden is not None:  # after the log-probs and the counts, as SGLang's
             meta["hidden_states"] = hidden
         meta["response_sent_to_client_ts"] = time.time()  # SGLang's, in the first chunk only
         out: dict[str, Any] = (

@@ -97,12 +97,31 @@ def test_generate_gives_the_cached_tokens_details_in_every_answer_and_chunk(url:
     body = {"text": text, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
     cold = _post(url, "/generate", body).json()["meta_info"]
     assert cold["cached_tokens"] == 0 and cold["cached_tokens_details"] is None
-    keys = list(cold)
-    assert keys.index("cached_tokens_details") == keys.index("cached_tokens") + 1
+    # in SGLang's order (TokenizerManager._handle_batch_output), Inflight's per-token versions
+    # and cached prefix's version after SGLang's versions and cache details
+    assert list(cold) == [
+        "id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+        "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
+        "output_token_weight_versions", "cached_tokens_details", "cached_weight_version",
+        "e2e_latency", "response_sent_to_client_ts",
+    ]  # fmt: skip
+    scored = _post(url, "/generate", {**body, "return_logprob": True, "top_logprobs_num": 2})
+    keys = list(scored.json()["meta_info"])
+    assert keys[5:10] == [
+        "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length",
+        "input_top_logprobs", "output_top_logprobs",
+    ] and keys[10] == "reasoning_tokens"  # fmt: skip
     warm = _post(url, "/generate", body).json()["meta_info"]
     assert warm["cached_tokens"] > 0
     assert warm["cached_tokens_details"] == {"device": warm["cached_tokens"], "host": 0}
     chunks = _events(_post(url, "/generate", {**body, "stream": True}))
+    # a chunk before the last (one a slow reader got merged into the last has the last's)
+    first = chunks[0]["meta_info"]
+    assert first["finish_reason"] is not None or list(first) == [
+        "id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+        "reasoning_tokens", "completion_tokens", "cached_tokens", "cached_tokens_details",
+        "response_sent_to_client_ts",
+    ]  # fmt: skip
     assert chunks and all(
         c["meta_info"]["cached_tokens_details"] == {"device": warm["cached_tokens"], "host": 0}
         for c in chunks
