@@ -458,7 +458,10 @@ def parse_generate(
 def _check_watermarks(top: Any, params: list[dict[str, Any] | None], count: int) -> None:
     """SGLang 0.5.23's ``watermark`` (``watermark_request``): one at the top (or one per prompt
     of a batch: ``GenerateReqInput._normalize_watermark``) or in the sampling parameters, not
-    both (``TokenizerManager._tokenize_one_request``)."""
+    both (``TokenizerManager._tokenize_one_request``); those are checked with the sampling
+    parameters, so without one at the top there is nothing to check here."""
+    if top is None:
+        return
     if isinstance(top, list) and len(top) != count:
         raise RequestError(
             "watermark", "The length of watermark should be equal to the batch size."
@@ -765,7 +768,8 @@ def render_result(
     meta["cached_tokens"] = result.cached_tokens
     meta["weight_versions"] = _version_spans(result.output_token_weight_versions)
     meta["output_token_weight_versions"] = result.output_token_weight_versions  # Inflight's
-    meta["cached_tokens_details"] = cached_tokens_details(result.cached_tokens)
+    cached = result.cached_tokens
+    meta["cached_tokens_details"] = {"device": cached, "host": 0} if cached > 0 else None
     # Inflight's: the version whose weights computed the cached prefix (null: none)
     meta["cached_weight_version"] = result.cached_weight_version
     if extra and "hidden_states" in extra:

@@ -210,8 +210,9 @@ class Progress:
         if self.reasoning is not None:
             meta["reasoning_tokens"] = self.reasoning.update(self.ids)
         meta["completion_tokens"] = len(self.ids)
-        meta["cached_tokens"] = self.cached
-        meta["cached_tokens_details"] = cached_tokens_details(self.cached)
+        if meta["cached_tokens"] != self.cached:  # (set by the prefill: rarely changes)
+            meta["cached_tokens"] = self.cached
+            meta["cached_tokens_details"] = cached_tokens_details(self.cached)
         meta["weight_version"] = self.version
         meta["num_retractions"] = self.retractions
         if self.time_stats is not None:
