@@ -36,7 +36,7 @@ anthropic = pytest.importorskip("sglang.srt.entrypoints.anthropic.protocol")
 ollama = pytest.importorskip("sglang.srt.entrypoints.ollama.protocol")
 msgspec = pytest.importorskip("msgspec")
 
-from stages.engine.openai_chat import chat_stream  # noqa: E402
+from stages.engine.openai_chat import chat_response, chat_stream  # noqa: E402
 from tests.stages.engine_setup import builtin_engine  # noqa: E402
 from tests.stages.test_engine_chat import CALL, OPTIONS, _native  # noqa: E402
 from tests.stages.tiny_model import make_byte_model  # noqa: E402
@@ -142,7 +142,7 @@ def test_chat_answers_and_chunks_are_written_as_sglang_writes_them(url: str) -> 
     assert not diffs, "\n".join(diffs)
 
 
-def test_streamed_tool_calls_are_written_as_sglang_writes_them() -> None:
+def test_tool_calls_are_written_as_sglang_writes_them() -> None:
     async def run() -> list[dict]:
         async def batches():
             yield [_native("ok <tool", None)]
@@ -157,6 +157,9 @@ def test_streamed_tool_calls_are_written_as_sglang_writes_them() -> None:
     # by _process_tool_call_stream, with pydantic's model
     diffs = _differences(sse_utils.StreamChunk, [role, finish])
     diffs += _differences(protocol.ChatCompletionStreamResponse, parsed)
+    whole = chat_response([_native("ok " + CALL, {"type": "stop", "matched": 1})], OPTIONS)
+    assert whole["choices"][0]["message"]["tool_calls"]
+    diffs += _differences(protocol.ChatCompletionResponse, [whole])
     assert not diffs, "\n".join(diffs)
 
 
