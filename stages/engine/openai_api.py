@@ -800,6 +800,8 @@ class OpenAIRoutes:
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_post("/v1/score", self.score)
+        app.router.add_post("/v1/rerank", self.rerank)
+        app.router.add_put("/v1/rerank", self.rerank)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
         app.router.add_post("/invocations", self.chat_completions)  # SageMaker's, as SGLang's
@@ -857,6 +859,9 @@ class OpenAIRoutes:
 
     async def score(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "score")
+
+    async def rerank(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "rerank")
 
     async def ollama_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "ollama_chat")
@@ -978,6 +983,18 @@ class OpenAIRoutes:
                 return openai_score.score_request(raw, vocab)
 
             return build_score, openai_score.score_response, None
+        if route == "rerank":
+            from stages.engine import openai_rerank  # it builds on this module
+
+            settings = self.chat
+
+            def build_rerank(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                if settings is None:  # no tokenizer: no template either
+                    raise OpenAIError(openai_rerank.NOT_A_RERANKER)
+                template = settings.template or getattr(settings.tokenizer, "chat_template", None)
+                return openai_rerank.rerank_request(raw, template, settings.tokenizer)
+
+            return build_rerank, openai_rerank.rerank_response, None
         if route == "messages":
             from stages.engine import anthropic_messages  # it builds on the chat route
 

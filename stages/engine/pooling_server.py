@@ -31,6 +31,7 @@ from stages.engine.identity import ENGINE_ID_ENV
 from stages.engine.load_routes import LoadRoutes
 from stages.engine.openai_api import OpenAIRoutes, error_response
 from stages.engine.openai_chat import ChatSettings
+from stages.engine.openai_rerank import is_reranker_template
 from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
 from stages.engine.request_body import bad_request
 from stages.engine.server import (
@@ -138,6 +139,8 @@ def build_pooling_app(
     app.router.add_post("/generate", _refuse_generate)
     for path in _GENERATION_ROUTES:
         app.router.add_post(path, _refuse_v1)
+    app.router.add_post("/v1/rerank", _refuse_rerank)
+    app.router.add_put("/v1/rerank", _refuse_rerank)
     for path in ("/health", "/ready", "/ping"):
         app.router.add_get(path, _health)
     app.router.add_get("/health_generate", _health_generate)
@@ -175,6 +178,23 @@ async def _refuse_generate(request: web.Request) -> web.Response:
 async def _refuse_v1(request: web.Request) -> web.Response:
     return error_response(
         f"this engine serves {_what(request.app[_POOLER])}; {request.path} needs a generating model"
+    )
+
+
+async def _refuse_rerank(request: web.Request) -> web.Response:
+    """``/v1/rerank`` on a pooling model: SGLang 0.5.23's refusal when its template is a
+    decoder reranker's (scored by a generating engine: ``openai_rerank``); a cross-encoder's
+    query-document pairs this engine does not score."""
+    tokenizer = request.app[_POOLER].model.loaded.tokenizer
+    if is_reranker_template(getattr(tokenizer, "chat_template", None)):
+        return error_response(
+            "Detected Qwen3 reranker chat template, but the server is not in generation mode. "
+            "Please relaunch without --is-embedding for Qwen3-Reranker models."
+        )
+    return error_response(
+        "cross-encoder reranking (query-document pairs) is not supported by the built-in "
+        "engine: serve a decoder reranker (its chat template asks for yes or no) without "
+        "--is-embedding"
     )
 
 

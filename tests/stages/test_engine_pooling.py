@@ -305,6 +305,9 @@ def test_info_routes_and_chat_template_tokenizing_for_a_reward_model(reward: Eng
     assert tokens["tokens"] == list(want)
     status, out = reward.request("POST", "/classify", {"input_ids": tokens["tokens"]})
     assert status == 200 and len(out["embedding"]) == 1
+    if not _real(reward):  # a cross-encoder's pairs: not scored here (a decoder reranker is)
+        status, out = reward.request("POST", "/v1/rerank", {"query": "q", "documents": ["a"]})
+        assert status == 400 and "cross-encoder" in out["message"]
 
 
 @pytest.mark.timeout(60)

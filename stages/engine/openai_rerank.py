@@ -1,0 +1,176 @@
+"""SGLang's ``/v1/rerank`` with a decoder-only reranker (Qwen3-Reranker's way): how relevant
+each document is to the query, from one prefill each, no token generated.
+
+As SGLang 0.5.23 serves it (``serving_rerank.py``, its ``text_decoder`` path): when the
+engine's chat template is a reranker's (it says the answer can only be "yes" or "no"), each
+document makes a prompt, the template rendered with ``messages`` ``[query, document]`` as two
+user turns (and ``instruct`` when given) in a plain sandboxed Jinja environment (not a chat
+request's: no special tokens among its variables); the prompts are scored as ``/v1/score``
+scores them (``max_new_tokens: 0``, the log-probs of the tokens ``yes`` and ``no`` after the
+prompt), and a document's score is ``p(yes) / (p(yes) + p(no))``. The answer is a list of
+``{score, document, index, meta_info: null}`` (``document`` unless ``return_documents`` is
+false), the most
+relevant first (ties in the documents' order), the first ``top_n`` when given.
+
+Otherwise SGLang reranks with a cross-encoder, which a generating model is not: its 400 says
+so, as the pooling routes do. Content parts (images or video: SGLang's Qwen3-VL reranker) are
+refused, this engine serving text models only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+
+from stages.engine.openai_api import OpenAIError
+from stages.engine.protocol import is_int
+
+__all__ = ["is_reranker_template", "rerank_request", "rerank_response", "yes_no_ids"]
+
+# SGLang's refusal of an EmbeddingReqInput on a generating model (the cross-encoder path)
+NOT_A_RERANKER = (
+    "This model does not appear to be an embedding model by default. Please add "
+    "`--is-embedding` when launching the server or try another model."
+)
+_FALLBACK_IDS = (9693, 2152)  # SGLang's, Qwen3's yes and no
+log = structlog.get_logger("stages.engine.openai_rerank")
+
+
+def is_reranker_template(template: str | None) -> bool:
+    """Whether ``template`` is a decoder reranker's (``_is_qwen3_reranker_template``)."""
+    if not template:
+        return False
+    t = template.lower()
+    return ('answer can only be "yes" or "no"' in t) or (
+        "answer can only be" in t and '"yes"' in t and '"no"' in t
+    )
+
+
+def yes_no_ids(tokenizer: Any) -> tuple[int, int]:
+    """The ids of ``yes`` and ``no`` (``_get_yes_no_token_ids``: each word's one token, else
+    the vocabulary's entries, else Qwen3's ids)."""
+    try:
+        yes = tokenizer.encode("yes", add_special_tokens=False)
+        no = tokenizer.encode("no", add_special_tokens=False)
+        if len(yes) == 1 and len(no) == 1:
+            return yes[0], no[0]
+        yes_id = tokenizer.convert_tokens_to_ids("yes")
+        no_id = tokenizer.convert_tokens_to_ids("no")
+        if yes_id is not None and no_id is not None:
+            return yes_id, no_id
+    except Exception as exc:  # SGLang falls back on any failure, as here
+        log.warning("rerank_yes_no_ids_failed", error=str(exc))
+    log.warning("rerank_yes_no_ids_fallback", ids=list(_FALLBACK_IDS))
+    return _FALLBACK_IDS
+
+
+def rerank_request(
+    body: Any, template: str | None, tokenizer: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(native /generate body, options)`` of a ``/v1/rerank`` body; OpenAIError with
+    SGLang's words for what it refuses."""
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    query, documents = body.get("query"), body.get("documents")
+    for name, value in (("query", query), ("documents", documents)):
+        if value is None:
+            raise OpenAIError(f"{name}: Field required", name)
+    if not isinstance(query, str | list):
+        raise OpenAIError("query: Input should be a valid string or list of content parts")
+    if not isinstance(documents, list):
+        raise OpenAIError("documents: Input should be a valid list", "documents")
+    instruct, top_n = body.get("instruct"), body.get("top_n")
+    if not isinstance(instruct, str | None):
+        raise OpenAIError("instruct: Input should be a valid string", "instruct")
+    if top_n is not None and not is_int(top_n):
+        raise OpenAIError("top_n: Input should be a valid integer", "top_n")
+    if top_n is not None and top_n < 1:
+        raise OpenAIError("Value error, parameter top_n should be larger than 0.", "top_n")
+    shown = body.get("return_documents", True)
+    if not isinstance(shown, bool):
+        raise OpenAIError("return_documents: Input should be a valid boolean", "return_documents")
+    _check_content(query, documents)
+    if not is_reranker_template(template):
+        raise OpenAIError(NOT_A_RERANKER)
+    if any(isinstance(part, list) for part in (query, *documents)):
+        raise OpenAIError("content parts (images, video): the built-in engine takes text only")
+    prompts = [_render(template, query, doc, instruct) for doc in documents]
+    yes, no = yes_no_ids(tokenizer)
+    native = {
+        "text": prompts,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "token_ids_logprob": [[yes, no]] * len(prompts),
+        "logprob_start_len": -1,
+    }
+    options = {"stream": False, "documents": documents, "top_n": top_n, "shown": shown}
+    return native, {**options, "labels": (yes, no)}
+
+
+def _check_content(query: Any, documents: list[Any]) -> None:
+    """``OpenAIServingRerank._validate_request``'s checks, in its words."""
+    if not query:
+        raise OpenAIError("Query cannot be empty", "query")
+    if isinstance(query, str) and not query.strip():
+        raise OpenAIError("Query cannot be empty or whitespace only", "query")
+    if not documents:
+        raise OpenAIError("Documents cannot be empty", "documents")
+    for doc in documents:
+        if not doc:
+            raise OpenAIError("Each document must be a non-empty string", "documents")
+        if isinstance(doc, str) and not doc.strip():
+            raise OpenAIError("Each document cannot be empty or whitespace only", "documents")
+        if not isinstance(doc, str | list):
+            raise OpenAIError("documents: each should be a string or a list of content parts")
+
+
+def _render(template: str | None, query: str, document: str, instruct: str | None) -> str:
+    """``_render_jinja_chat_template``: the two texts as user turns (``instruct`` only when
+    given: templates default it when undefined)."""
+    kwargs: dict[str, Any] = {
+        "messages": [{"role": "user", "content": query}, {"role": "user", "content": document}]
+    }
+    if instruct:
+        kwargs["instruct"] = instruct
+    try:
+        return _compiled(template or "").render(**kwargs)
+    except Exception as exc:  # the template's own error, SGLang's 400 with its message
+        raise OpenAIError(str(exc)) from exc
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(template: str) -> Any:
+    """The template in a sandboxed Jinja environment as SGLang's ``_get_jinja_env`` makes it."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        loader=jinja2.BaseLoader(), autoescape=False, undefined=jinja2.Undefined
+    )
+    return env.from_string(template)
+
+
+def rerank_response(
+    results: list[Mapping[str, Any]], options: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """SGLang's list of ``RerankResponse`` (``_build_rerank_response``), the best first."""
+    yes, no = options["labels"]
+    answers = []
+    for index, result in enumerate(results):
+        (step,) = result["meta_info"]["output_token_ids_logprobs"]
+        found = {token: logprob for logprob, token, _ in step}
+        p_yes, p_no = math.exp(found.get(yes, -math.inf)), math.exp(found.get(no, -math.inf))
+        total = p_yes + p_no
+        answer: dict[str, Any] = {"score": p_yes / total if total > 0 else 0.0}
+        if options["shown"]:
+            answer["document"] = options["documents"][index]
+        answer["index"] = index
+        answer["meta_info"] = None  # RerankResponse's, written out (a cross-encoder's only)
+        answers.append(answer)
+    answers.sort(key=lambda a: a["score"], reverse=True)  # stable: ties keep their order
+    top_n = options["top_n"]
+    return answers if top_n is None else answers[:top_n]
