@@ -3,6 +3,11 @@ the built-in engine: the client SGLang ships for its native API (``lang/backend/
 runtime_endpoint.py``) generates, selects among choices by prompt log-probs, constrains with a
 regex and a type, streams, forks and batches on it as on a SGLang server.
 
+(``select``'s other ``choices_method``s, ``greedy_token_selection`` and
+``unconditional_likelihood_normalized``, fail against a SGLang 0.5.23 server itself: the first
+input log-prob at a ``logprob_start_len`` is null there, and ``-1`` returns none; the engine
+answers both as that server does, so they fail here alike.)
+
 Skipped unless SGLang's ``sglang.lang`` imports (SGLang's own environment with Inflight
 installed, or its wheel's source: ``test_engine_sglang_shapes.py``'s docstring says how).
 """
