@@ -120,7 +120,7 @@ class ParseRoutes:
         if parser not in TOOL_CALL_PARSERS:
             known = parser in SGLANG_TOOL_CALL_PARSERS
             return self._unread(request, parser, known, "tool calls", TOOL_CALL_PARSERS)
-        content, calls = _read_calls(text, names, parser)
+        content, calls = _read_calls(text, names, parser, body.get("tools", []))
         return json_response({"normal_text": content, "calls": calls})
 
     async def separate_reasoning(self, request: web.Request) -> web.Response:
@@ -161,13 +161,17 @@ class ParseRoutes:
 
 
 def _read_calls(
-    text: str, names: list[str | None], parser: str
+    text: str, names: list[str | None], parser: str, tools: list[dict[str, Any]]
 ) -> tuple[str, list[dict[str, Any]]]:
-    """``(normal_text, calls)`` as ``FunctionCallParser.parse_non_stream`` gives them."""
+    """``(normal_text, calls)`` as ``FunctionCallParser.parse_non_stream`` gives them
+    (``tools``: the checked tools, whose parameters type ``qwen3_coder``'s values)."""
     if not names:
         return text, []
     where = {name: i for i, name in enumerate(names) if name}  # the last of a name wins
-    reader = ToolCallParser([{"function": {"name": name}} for name in where], parser)
+    specs = [{"function": {"name": name}} for name in where]
+    if parser == "qwen3_coder":
+        specs = [t for t in tools if t["function"].get("name")]
+    reader = ToolCallParser(specs, parser)
     if not reader.has_tool_call(text):
         return text, []
     content, calls = reader.indexed(text, where)

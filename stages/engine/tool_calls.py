@@ -1,7 +1,12 @@
 """Tool calls in generated text, whole or as it streams, in the format SGLang's
 ``--tool-call-parser`` names: ``qwen25`` (also ``qwen``), ``hermes``, ``llama3``, ``mistral``
-(``stages.engine.tool_formats``) and ``pythonic`` (``stages.engine.pythonic_calls``); and how a
+(``stages.engine.tool_formats``), ``pythonic`` (``stages.engine.pythonic_calls``) and
+``qwen3_coder``; and how a
 forced ``tool_choice`` constrains an answer to calls in that format (``forced_calls``).
+
+``qwen3_coder`` (``stages.engine.qwen3_coder_calls``) is read with the request's tools, whose
+parameters type its values; a forced ``tool_choice`` constrains it as ``pythonic`` (SGLang's
+xgrammar has a structural tag of its own for it, which llguidance has not).
 
 ``ToolCallParser`` reads a request's answer in one format (without ``--tool-call-parser``, the
 one its chat template writes: ``parser_for_template``): ``parse`` the whole answer, as the chat
@@ -27,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from stages.engine.pythonic_calls import PythonicCalls
+from stages.engine.qwen3_coder_calls import Qwen3CoderCalls
 from stages.engine.tool_formats import (
     HermesCalls,
     JsonArrayCalls,
@@ -57,7 +63,9 @@ _FORMATS: dict[str, Any] = {
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
 }
 # SGLang's --tool-call-parser names the engine reads
-PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic")
+PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder")
+# the formats whose reader needs the tools' parameters (their values are typed by them)
+_TYPED = {"qwen3_coder": Qwen3CoderCalls}
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name,
 # end, trigger); a format not here has no structural tag
 _FRAMES = {
@@ -83,10 +91,13 @@ class CallStream(Protocol):
 
 def parser_for_template(template: str | None) -> str | None:
     """The parser a chat template's own tool-call format needs (None: none known): one that
-    writes ``<tool_call>`` gets Qwen 2.5's, which needs a newline after the tag, or where it
-    writes a call's JSON right after the tag, Hermes', which reads that too."""
+    writes ``<function=`` in its calls gets Qwen3-Coder's; one that writes ``<tool_call>``
+    gets Qwen 2.5's, which needs a newline after the tag, or where it writes a call's JSON
+    right after the tag, Hermes', which reads that too."""
     if not template or BEGIN not in template:
         return None
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
     return "hermes" if BEGIN + "{" in template else "qwen25"
 
 
@@ -172,8 +183,10 @@ class ToolCallParser:
     ``parser`` names (one of ``PARSERS``, or ``json_array``; None: Qwen 2.5's)."""
 
     def __init__(self, tools: Iterable[dict[str, Any]], parser: str | None = None) -> None:
+        tools = list(tools)
         self.names = {t["function"]["name"] for t in tools}
-        self.format = _FORMATS[parser or "qwen25"](self.names)
+        typed = _TYPED.get(parser or "")
+        self.format = typed(tools) if typed else _FORMATS[parser or "qwen25"](self.names)
 
     def has_tool_call(self, text: str) -> bool:
         return self.format.has_tool_call(text)
@@ -192,8 +205,9 @@ class ToolCallParser:
         """``(content, [(tool_index, call)])`` of a whole generated text, as
         ``FunctionCallParser.parse_non_stream`` numbers its calls: the named tool's place
         (``places``, by name; ``parse_base_json``), or for ``pythonic`` the call's place in its
-        list, the calls dropped counted (``pythonic_detector.py:118``)."""
-        if isinstance(self.format, PythonicCalls):
+        list, the calls dropped counted (``pythonic_detector.py:118``); for ``qwen3_coder`` the
+        call's place among the calls (``qwen3_coder_detector.py``)."""
+        if isinstance(self.format, PythonicCalls | Qwen3CoderCalls):
             return self.format.listed(text)
         content, calls = self.format.parse(text)
         return content, [(places[call["name"]], call) for call in calls]

@@ -93,6 +93,27 @@ def test_each_tool_call_format_is_read_as_sglang_reads_it(url: str) -> None:
             _call(1, "get_weather", weather["parameters"]),
         ],
     }
+    # qwen3_coder: the values typed by the tool's schema, tool_index the call's place
+    # (qwen3_coder_detector.detect_and_parse), a tool not offered kept
+    typed = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "number"}},
+                },
+            },
+        }
+    ]
+    coder = ("Sum:\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+             "<parameter=b>\n2.5\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+             "<function=launch>\n</function>\n</tool_call>")  # fmt: skip
+    assert _calls(url, coder, "qwen3_coder", typed) == {
+        "normal_text": "Sum:\n",
+        "calls": [_call(0, "add", '{"a": 1, "b": 2.5}'), _call(1, "launch", "{}")],
+    }
 
 
 @pytest.mark.timeout(30)

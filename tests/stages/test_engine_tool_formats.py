@@ -1,13 +1,15 @@
-"""Tool calls in SGLang's ``qwen25``, ``hermes``, ``llama3``, ``mistral`` and ``pythonic`` formats
-(and the JSON array a forced ``pythonic`` call is constrained to), read whole and streamed,
-against SGLang 0.5.23's ``function_call/qwen25_detector.py``, ``hermes_detector.py``,
-``base_format_detector.py``, ``llama32_detector.py``, ``mistral_detector.py``,
-``pythonic_detector.py``, ``json_array_parser.py``, ``function_call_parser.py`` and
+"""Tool calls in SGLang's ``qwen25``, ``hermes``, ``llama3``, ``mistral``, ``pythonic`` and
+``qwen3_coder`` formats (and the JSON array a forced ``pythonic`` call is constrained to), read
+whole and streamed, against SGLang 0.5.23's ``function_call/qwen25_detector.py``,
+``hermes_detector.py``, ``base_format_detector.py``, ``llama32_detector.py``,
+``mistral_detector.py``, ``pythonic_detector.py``, ``qwen3_coder_detector.py``,
+``json_array_parser.py``, ``function_call_parser.py`` and
 ``serving_chat.py`` (each test names the lines it follows); and through a real engine with
 ``--tool-call-parser``."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import Iterator
@@ -17,7 +19,7 @@ import openai
 import pytest
 import structlog
 
-from stages.engine.openai_chat import ChatSettings, chat_request, chat_response
+from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
 from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser, parser_for_template
 from tests.stages.test_engine_chat import _calls_of, _native
 from tests.stages.test_engine_grammar import TOOL_TEMPLATE, TOOLS
@@ -405,6 +407,118 @@ def test_pythonic_streams_each_closed_list_whole(step: int) -> None:
     assert [(p["index"], p["name"]) for p in pieces] == [(0, "add"), (1, "mul")]
     content, _, _ = _stream("pythonic", "<|python_start|>[add()]<|python_end|>", step)
     assert content == ""
+
+
+# ---- qwen3_coder -------------------------------------------------------------------------------
+
+TYPED = [
+    {"type": "function", "function": {"name": "edit", "parameters": {"type": "object",
+     "properties": {"path": {"type": "string"}, "line": {"type": "integer"},
+                    "scale": {"type": "number"}, "dry": {"type": "boolean"},
+                    "lines": {"type": "array"}, "opts": {"type": "object"},
+                    "note": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}}},
+    {"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}},
+]  # fmt: skip
+CODER = (
+    "I will edit it.\n<tool_call>\n<function=edit>\n<parameter=path>\nsrc/a.py\n</parameter>\n"
+    "<parameter=line>\n12\n</parameter>\n<parameter=scale>\n3\n</parameter>\n"
+    "<parameter=dry>\nTrue\n</parameter>\n<parameter=lines>\n[1, 2]\n</parameter>\n"
+    "<parameter=opts>\n{'k': 'v'}\n</parameter>\n<parameter=note>\nnull\n</parameter>\n"
+    "<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+    "<function=ghost>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_qwen3_coder_reads_xml_calls_with_values_typed_by_the_schema() -> None:
+    """qwen3_coder_detector.detect_and_parse and _convert_param_value: each <function=NAME>
+    with its <parameter=KEY> values, one newline trimmed off each end, converted by the
+    parameter's JSON-schema type (an integer, a number without "." whole as an integer, a
+    boolean, an array as JSON, an object as a Python literal when not JSON, null), an
+    undeclared parameter as text; calls to tools not offered kept; the content is the text
+    before the first <tool_call>, as it is."""
+    reader = ToolCallParser(TYPED, "qwen3_coder")
+    content, calls = reader.parse(CODER)
+    assert content == "I will edit it.\n"
+    assert [c["name"] for c in calls] == ["edit", "ghost"]
+    assert json.loads(calls[0]["arguments"]) == {
+        "path": "src/a.py", "line": 12, "scale": 3, "dry": True, "lines": [1, 2],
+        "opts": {"k": "v"}, "note": None, "extra": "7",
+    }  # fmt: skip
+    assert calls[1]["arguments"] == '{"x": "1"}'
+    # an unclosed parameter ends at the next tag or the end; an unclosed block of <function=
+    content, calls = reader.parse("<tool_call><function=run><parameter=a>x<parameter=b>\ny\n")
+    assert content == "" and json.loads(calls[0]["arguments"]) == {"a": "x", "b": "y"}
+    # no <tool_call>: no calls, the text as it is
+    assert reader.parse("<function=run></function>") == ("<function=run></function>", [])
+    _, indexed = reader.indexed(CODER, {})  # /parse_function_call: the call's place
+    assert [i for i, _ in indexed] == [0, 1]
+    assert parser_for_template("<tool_call>\n<function={{ name }}>\n<parameter=") == "qwen3_coder"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_qwen3_coder_streams_a_parameter_at_a_time(step: int) -> None:
+    """parse_streaming_increment: the call named once <function=NAME> is whole, then "{", each
+    parameter's "KEY": VALUE once it has ended (", " between), "}" at </function>; the pieces
+    add up to the whole answer's arguments; text outside the blocks is content."""
+    stream = StreamingToolCalls(ToolCallParser(TYPED, "qwen3_coder"))
+    content, pieces = "", []
+    for i in range(0, len(CODER), step):
+        more, new = stream.feed(CODER[i : i + step])
+        content, pieces = content + more, pieces + new
+    content += stream.flush()
+    # the newline between the two blocks is outside both: content, as SGLang streams it
+    assert content == "I will edit it.\n\n" and stream.unsent() == []
+    named = [(p["index"], p["name"]) for p in pieces if p["name"]]
+    assert named == [(0, "edit"), (1, "ghost")]
+    whole = ToolCallParser(TYPED, "qwen3_coder").parse(CODER)[1]
+    for index, call in enumerate(whole):
+        added = "".join(p["arguments"] for p in pieces if p["index"] == index)
+        assert json.loads(added) == json.loads(call["arguments"])
+    assert pieces[1]["arguments"] == "{" and pieces[2]["arguments"] == '"path": "src/a.py"'
+    # a "<" that begins no tag is content; one that may is held, and dropped at the end
+    content, _, _ = _stream("qwen3_coder", "a < b <x <tool", step)
+    assert content == "a < b <x "
+
+
+def test_chat_response_reads_qwen3_coder_calls() -> None:
+    """The chat route's whole answer: content before the calls, each call with its JSON
+    arguments, finish_reason tool_calls."""
+    options = {"model": "m", "n": 1, "logprobs": False, "parse_tools": True,
+               "tools": TYPED, "tool_parser": "qwen3_coder"}  # fmt: skip
+    out = chat_response([_native(CODER, {"type": "stop", "matched": 1})], options)
+    (choice,) = out["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "I will edit it.\n"
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["edit", "ghost"]
+    assert json.loads(calls[0]["function"]["arguments"])["line"] == 12
+
+
+def test_a_chat_stream_sends_qwen3_coder_calls_as_tool_call_deltas() -> None:
+    """The chat route's stream (serving_chat._process_tool_call_stream): the named delta with
+    its id, then the argument deltas, which add up to the whole answer's; finish tool_calls."""
+    options = {"model": "m", "n": 1, "logprobs": False, "parse_tools": True, "tools": TYPED,
+               "tool_parser": "qwen3_coder", "stream": True, "include_usage": False,
+               "continuous_usage_stats": False}  # fmt: skip
+    half = len(CODER) // 2
+
+    async def run() -> list[dict]:
+        async def batches():
+            yield [_native(CODER[:half], None)]
+            yield [_native(CODER, {"type": "stop", "matched": 1})]
+
+        return [c async for batch in chat_stream(batches(), options) for c in batch]
+
+    chunks = asyncio.run(run())
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    first = [c for c in calls if c["id"]]
+    assert [c["function"]["name"] for c in first] == ["edit", "ghost"]
+    added = "".join(c["function"]["arguments"] for c in calls if c["index"] == 0)
+    assert json.loads(added) == json.loads(
+        ToolCallParser(TYPED, "qwen3_coder").parse(CODER)[1][0]["arguments"]
+    )
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 # ---- a forced call: the JSON array -------------------------------------------------------------
