@@ -168,10 +168,7 @@ def _read_calls(
     if not names:
         return text, []
     where = {name: i for i, name in enumerate(names) if name}  # the last of a name wins
-    specs = [{"function": {"name": name}} for name in where]
-    if parser == "qwen3_coder":
-        specs = [t for t in tools if t["function"].get("name")]
-    reader = ToolCallParser(specs, parser)
+    reader = ToolCallParser([t for t in tools if t["function"].get("name")], parser)
     if not reader.has_tool_call(text):
         return text, []
     content, calls = reader.indexed(text, where)

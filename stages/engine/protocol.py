@@ -768,8 +768,7 @@ def render_result(
     meta["cached_tokens"] = result.cached_tokens
     meta["weight_versions"] = _version_spans(result.output_token_weight_versions)
     meta["output_token_weight_versions"] = result.output_token_weight_versions  # Inflight's
-    cached = result.cached_tokens
-    meta["cached_tokens_details"] = {"device": cached, "host": 0} if cached > 0 else None
+    meta["cached_tokens_details"] = cached_tokens_details(result.cached_tokens)
     # Inflight's: the version whose weights computed the cached prefix (null: none)
     meta["cached_weight_version"] = result.cached_weight_version
     if extra and "hidden_states" in extra:

@@ -38,11 +38,10 @@ msgspec = pytest.importorskip("msgspec")
 
 from stages.engine.openai_chat import chat_response, chat_stream  # noqa: E402
 from tests.stages.engine_setup import builtin_engine  # noqa: E402
+from tests.stages.test_engine_cache_report import TEMPLATE, TEXT  # noqa: E402
 from tests.stages.test_engine_chat import CALL, OPTIONS, _native  # noqa: E402
 from tests.stages.tiny_model import make_byte_model  # noqa: E402
 
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
-TEXT = "the same long prompt, again and again, so that its prefix is cached"
 MESSAGES = [{"role": "user", "content": TEXT}]
 _ENCODER = msgspec.json.Encoder() if msgspec else None
 
