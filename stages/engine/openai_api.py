@@ -50,11 +50,13 @@ from aiohttp import web
 from stages.engine.chunk_stream import mapped
 from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, cached_tokens_details, is_int
 from stages.engine.request_body import dumps, loads
+from stages.engine.request_fields import checked_chat, checked_completion
 from stages.engine.streaming import Progress, write_events
 from stages.engine.token_bytes import TokenBytes
 
 __all__ = [
     "OpenAIRoutes",
+    "checked_body",
     "completion_request",
     "completion_response",
     "completion_stream",
@@ -102,12 +104,26 @@ def new_id(prefix: str, length: int = 32) -> str:
 
 
 class OpenAIError(ValueError):
-    """A request SGLang answers with 400 (``param``: the offending field, when known)."""
+    """A request SGLang answers with 400 (``param``: the offending field, when known);
+    ``kind``: the answer's ``type``, ``BAD_REQUEST`` for one its request model or FastAPI
+    refuses before the route runs."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        status: int = 400,
+        kind: str = "BadRequestError",
+    ) -> None:
         super().__init__(message)
         self.param = param
         self.status = status  # 404: a model or response the engine does not have
+        self.kind = kind
+
+
+# the ``type`` of SGLang's answer to its ``RequestValidationError`` (http_server.py)
+BAD_REQUEST = "Bad Request"
 
 
 def error_response(message: str, *, status: int = 400, param: str | None = None) -> web.Response:
@@ -183,7 +199,8 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     for name, native in _SAMPLING.items():
         if body.get(name) is not None:
             sampling[native] = body[name]
-    grammar = response_format(body.get("response_format"))
+    # SGLang's completions read a format only when there is one (``if request.response_format``)
+    grammar = response_format(body.get("response_format") or None)
     sampling.update(grammar)
     native_body: dict[str, Any] = {
         "text" if text else "input_ids": prompt,
@@ -1016,7 +1033,7 @@ class OpenAIRoutes:
             chat, length = self.chat, self.context_length
 
             def build(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-                return openai_chat.chat_request(raw, chat, length)
+                return openai_chat.chat_request(checked_body(checked_chat, raw), chat, length)
 
             return build, openai_chat.chat_response, openai_chat.chat_stream
         decode = self.decode
@@ -1028,7 +1045,10 @@ class OpenAIRoutes:
         def stream(chunks: AsyncIterator[Any], options: dict[str, Any]) -> AsyncIterator[Any]:
             return completion_stream(chunks, options, decode, tokens)
 
-        return completion_request, respond, stream
+        def build_completion(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+            return completion_request(checked_body(checked_completion, raw))
+
+        return build_completion, respond, stream
 
     def _ollama_handlers(self, route: str) -> tuple[Callable[..., Any], ...]:
         """``_handlers`` of Ollama's ``/api/chat`` and ``/api/generate``."""
@@ -1097,13 +1117,23 @@ async def read_json(request: web.Request) -> Any:
     ``application/json`` (SGLang's ``validate_json_request``) or not JSON."""
     media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
     if media != "application/json":
-        raise OpenAIError(
-            "Unsupported Media Type: Only 'application/json' is allowed", "content-type"
+        raise OpenAIError(  # as SGLang words its validation error: the field, then the msg
+            "header.content-type: Unsupported Media Type: Only 'application/json' is allowed",
+            kind=BAD_REQUEST,
         )
     try:
         return loads(await request.read())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise OpenAIError(f"the request body is not JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # FastAPI's json_invalid
+        raise OpenAIError(f"the request body is not JSON: {exc}", kind=BAD_REQUEST) from None
+
+
+def checked_body(check: Callable[[Any], dict[str, Any]], body: Any) -> dict[str, Any]:
+    """``body`` as ``check`` (``stages.engine.request_fields``) converts its fields; an
+    OpenAIError in the shape of SGLang's validation error when it refuses one."""
+    try:
+        return check(body)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), kind=BAD_REQUEST) from None
 
 
 @dataclass
@@ -1119,7 +1149,7 @@ def refusal(exc: ValueError) -> dict[str, Any]:
     """The 400 body for a request refused by the routes' checks: an OpenAIError (its param),
     a native RequestError (its field under the OpenAI name) or a rid already in flight."""
     if isinstance(exc, OpenAIError):
-        return _error(str(exc), param=exc.param)
+        return _error(str(exc), param=exc.param, kind=exc.kind)
     if isinstance(exc, RequestError):
         field = _openai_field(exc.field)
         message = f"{field}{str(exc)[len(exc.field) :]}"
@@ -1150,10 +1180,7 @@ def route_refusal(route: str, exc: ValueError) -> dict[str, Any]:
     if route == "messages":
         from stages.engine.anthropic_messages import error_body
 
-        message = refused["message"]
-        if refused["param"] == "content-type":  # SGLang's digest of its validation error
-            message = f"header.content-type: {message}"
-        return error_body(message, getattr(exc, "status", 400))
+        return error_body(refused["message"], getattr(exc, "status", 400))
     if route != "responses":
         return refused
     return _nested(refused["message"], getattr(exc, "status", 400), refused["param"])
@@ -1171,12 +1198,14 @@ def _nested(message: str, status: int, param: str | None) -> dict[str, Any]:
     }
 
 
-def _error(message: str, *, status: int = 400, param: str | None = None) -> dict[str, Any]:
+def _error(
+    message: str, *, status: int = 400, param: str | None = None, kind: str = "BadRequestError"
+) -> dict[str, Any]:
     """SGLang's ``ErrorResponse`` body (``OpenAIServingBase.create_error_response``)."""
     return {
         "object": "error",
         "message": message,
-        "type": "BadRequestError",
+        "type": kind,
         "param": param,
         "code": status,
     }

@@ -40,12 +40,14 @@ from aiohttp import web
 
 from stages.engine.openai_api import (
     OpenAIError,
+    checked_body,
     error_response,
     read_json,
     refusal,
 )
 from stages.engine.openai_chat import ChatSettings, chat_request
 from stages.engine.request_body import dumps, is_int
+from stages.engine.request_fields import checked_chat, checked_detokenize, checked_tokenize
 
 if TYPE_CHECKING:
     from stages.engine.loader import LoadedModel
@@ -95,19 +97,9 @@ class TokenizeRoutes:
 
     def tokenized(self, body: Any) -> dict[str, Any]:
         """SGLang's ``TokenizeResponse`` of a ``/v1/tokenize`` body; OpenAIError when refused."""
-        _check_common(body)
-        for flag in ("add_special_tokens", "continue_final_message"):
-            _check_bool(body, flag)
-        if body.get("add_generation_prompt") is not None:
-            _check_bool(body, "add_generation_prompt")
+        body = checked_body(checked_tokenize, body)
         prompt, messages = body.get("prompt"), body.get("messages")
-        listed = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)
-        if prompt is not None and not (isinstance(prompt, str) or listed):
-            raise OpenAIError(
-                "prompt: Input should be a valid string or a list of strings", "prompt"
-            )
-        if (prompt is None) == (messages is None):
-            raise OpenAIError("Exactly one of 'prompt' or 'messages' must be provided.")
+        listed = isinstance(prompt, list)
         limit = self._max_model_len()
         if messages is not None:
             ids = self._chat_ids(body)
@@ -124,6 +116,10 @@ class TokenizeRoutes:
         (``OpenAIServingTokenize._tokenize_chat_request``)."""
         skipped = ("prompt", "add_special_tokens", "add_generation_prompt")
         chat_body = {k: v for k, v in body.items() if k not in skipped}
+        try:  # SGLang: to_chat_completion_request validates them as a chat request
+            chat_body = checked_chat(chat_body)
+        except ValueError as exc:  # its ValidationError, answered as the route's ValueErrors
+            raise OpenAIError(str(exc)) from None
         settings = self.chat
         generation = body.get("add_generation_prompt")
         if generation is not None:  # the messages as given, the template told this flag
@@ -155,24 +151,15 @@ class TokenizeRoutes:
     def detokenized(self, body: Any) -> dict[str, Any]:
         """SGLang's ``DetokenizeResponse`` of a ``/v1/detokenize`` body; OpenAIError when
         refused."""
-        _check_common(body)
-        if "tokens" not in body:
-            raise OpenAIError("tokens: Field required", "tokens")
-        _check_bool(body, "skip_special_tokens")
+        body = checked_body(checked_detokenize, body)
         skip = body.get("skip_special_tokens", True)
         tokens, decode = body["tokens"], self.tokenizer.decode
-        if isinstance(tokens, list) and all(is_int(t) for t in tokens):
+        if all(is_int(t) for t in tokens):  # [] too: SGLang's first member takes it
             self._check_ids(tokens, "tokens")
             return {"text": decode(tokens, skip_special_tokens=skip)}
-        if isinstance(tokens, list) and all(
-            isinstance(row, list) and all(is_int(t) for t in row) for row in tokens
-        ):
-            for i, row in enumerate(tokens):
-                self._check_ids(row, f"tokens[{i}]")
-            return {"text": [decode(row, skip_special_tokens=skip) for row in tokens]}
-        raise OpenAIError(
-            "tokens: Input should be a list of token ids or a list of lists of token ids", "tokens"
-        )
+        for i, row in enumerate(tokens):
+            self._check_ids(row, f"tokens[{i}]")
+        return {"text": [decode(row, skip_special_tokens=skip) for row in tokens]}
 
     def _check_ids(self, ids: list[int], where: str) -> None:
         if not ids or (0 <= min(ids) and max(ids) < self.vocab_size):
@@ -204,15 +191,3 @@ class _WithSpecialTokens(ChatSettings):
 def _with_special_tokens(chat: ChatSettings) -> _WithSpecialTokens:
     fields = dataclasses.fields(chat)
     return _WithSpecialTokens(**{f.name: getattr(chat, f.name) for f in fields if f.init})
-
-
-def _check_common(body: Any) -> None:
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    if not isinstance(body.get("model", "default"), str):
-        raise OpenAIError("model: Input should be a valid string", "model")
-
-
-def _check_bool(body: dict[str, Any], name: str) -> None:
-    if not isinstance(body.get(name, False), bool):
-        raise OpenAIError(f"{name}: Input should be a valid boolean", name)

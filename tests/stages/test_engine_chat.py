@@ -220,7 +220,7 @@ def test_tools_reach_the_template_and_what_cannot_be_honoured_is_a_400(
          "schema_ is required"),
         # a word-level tokenizer writes spaces between tokens: no grammar can constrain it
         ({"response_format": {"type": "json_object"}}, "cannot constrain"),
-        ({"top_logprobs": "3"}, "top_logprobs"),
+        ({"top_logprobs": "three"}, "top_logprobs"),
         ({"max_tokens": "many"}, "max_tokens"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),

@@ -194,7 +194,7 @@ def test_what_sglang_refuses_or_the_engine_cannot_do_yet_is_a_400(engine: Engine
     cases = [
         ({"prompt": []}, "Prompt cannot be empty"),
         ({"prompt": [[], []]}, "Prompt cannot be empty"),
-        ({"prompt": PROMPT, "stream": "yes"}, "stream"),
+        ({"prompt": PROMPT, "stream": "maybe"}, "stream"),
         ({"prompt": PROMPT, "logprobs": -1}, "logprobs"),
         ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
         ({"prompt": PROMPT, "frequency_penalty": 2.5}, "frequency_penalty"),

@@ -228,10 +228,13 @@ def test_samples_of_one_prompt_scored_together_compute_the_prompt_once(
 @pytest.mark.timeout(60)
 def test_echo_with_logprobs_on_v1_completions_scores_the_prompt(engine: Engine) -> None:  # noqa: F811
     """SGLang's /v1/completions with echo and logprobs asks for input log-probs from 0: the
-    prompt's tokens come first in ``logprobs``, the first with a null log-prob."""
+    prompt's tokens come first in ``logprobs``, the first with a null log-prob, then the
+    answer's (``max_tokens: 0`` is refused there: ``validate_max_tokens_positive``)."""
     client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be positive"):
+        client.completions.create(model="default", prompt=PROMPT, max_tokens=0, echo=True)
     out = client.completions.create(
-        model="default", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0
+        model="default", prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, temperature=0
     )
     logprobs = out.choices[0].logprobs
     native = engine.generate(
@@ -243,10 +246,11 @@ def test_echo_with_logprobs_on_v1_completions_scores_the_prompt(engine: Engine) 
         }
     )["meta_info"]["input_token_logprobs"]
     assert logprobs.token_logprobs[0] is None
-    assert len(logprobs.token_logprobs) == len(PROMPT)
-    for got, want in zip(logprobs.token_logprobs[1:], native[1:], strict=True):
+    assert len(logprobs.token_logprobs) == len(PROMPT) + 1
+    for got, want in zip(logprobs.token_logprobs[1:-1], native[1:], strict=True):
         assert math.isclose(got, want[0], abs_tol=1e-6)
     assert logprobs.top_logprobs[0] is None and all(len(t) == 1 for t in logprobs.top_logprobs[1:])
+    assert logprobs.token_logprobs[-1] <= 0
 
 
 def test_prompt_logprobs_in_chunks_equal_one_pass() -> None:

@@ -220,38 +220,51 @@ def test_bad_requests_get_sglangs_error_and_are_counted_and_the_engine_serves_on
     url: str,
 ) -> None:
     before = _refused(url)
+    # (body, what the message names, param): param "Bad Request" where SGLang's request model
+    # refuses the body (its RequestValidationError handler: type "Bad Request", param null)
     tokenize_cases = [
-        ({}, None),  # neither prompt nor messages (TokenizeRequest.validate_tokenize_input)
-        ({"prompt": "w10", "messages": HELLO}, None),  # both
-        ({"prompt": 5}, "prompt"),
-        ({"prompt": ["w10", 3]}, "prompt"),
-        ({"prompt": "w10", "add_special_tokens": "yes"}, "add_special_tokens"),
-        ({"prompt": "w10", "model": 3}, "model"),
-        ({"messages": []}, "messages"),  # the chat route's "Messages cannot be empty."
-        ({"messages": HELLO, "tool_choice": "required"}, "tool_choice"),  # ... and its checks
-        ({"messages": HELLO, "add_generation_prompt": 1}, "add_generation_prompt"),
-        ([1, 2], None),
+        ({}, "Exactly one of", None),  # TokenizeRequest.validate_tokenize_input
+        ({"prompt": "w10", "messages": HELLO}, "Exactly one of", None),  # both
+        ({"prompt": 5}, "prompt.list[str]: Input should be a valid list", None),
+        ({"prompt": ["w10", 3]}, "prompt.list[str].1: Input should be a valid string", None),
+        ({"prompt": "w10", "add_special_tokens": "maybe"}, "add_special_tokens: ", None),
+        ({"prompt": "w10", "model": 3}, "model: Input should be a valid string", None),
+        ({"prompt": "w10", "tools": ["f"]}, "tools.0: Input should be a valid dict", None),
+        ({"prompt": "w10", "reasoning_effort": "hard"}, "reasoning_effort.literal", None),
+        ({"messages": []}, "Messages cannot be empty", "messages"),  # the chat route's checks
+        ({"messages": HELLO, "tool_choice": "required"}, "Tools cannot be empty", "tool_choice"),
+        ({"messages": HELLO, "add_generation_prompt": "maybe"}, "add_generation_prompt", None),
+        ({"messages": HELLO, "n": None}, "n: Input should be a valid integer", "chat"),
+        ([1, 2], "Input should be a valid dictionary", None),
     ]
     detokenize_cases = [
-        ({}, "tokens"),
-        ({"tokens": [1, "w2"]}, "tokens"),
-        ({"tokens": [1, [2]]}, "tokens"),
-        ({"tokens": [True]}, "tokens"),
-        ({"tokens": [128]}, "tokens"),  # outside the vocabulary
-        ({"tokens": [[4], [-1]]}, "tokens"),
-        ({"tokens": [4], "skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({}, "tokens: Field required", None),
+        ({"tokens": [1, "w2"]}, "tokens.list[int].1: Input should be a valid integer", None),
+        ({"tokens": [1, [2]]}, "tokens.list[list[int]].0: Input should be a valid list", None),
+        ({"tokens": [128]}, "token id 128 is outside the vocabulary", "tokens"),
+        ({"tokens": [[4], [-1]]}, "token id -1 is outside", "tokens"),
+        ({"tokens": [4], "skip_special_tokens": "no way"}, "skip_special_tokens", None),
     ]
     for path, cases in (("/v1/tokenize", tokenize_cases), ("/v1/detokenize", detokenize_cases)):
-        for body, param in cases:
+        for body, words, param in cases:
             status, answer = _post(url, path, body)
             assert status == 400 and set(answer) == ERROR_KEYS, (body, answer)
-            assert answer["object"] == "error" and answer["type"] == "BadRequestError"
-            assert answer["code"] == 400 and answer["param"] == param, (body, answer)
+            assert words in answer["message"] and answer["code"] == 400, (body, answer)
+            # a chat request's own fields: SGLang's to_chat_completion_request, a ValueError
+            kind = "BadRequestError" if param else "Bad Request"
+            assert answer["object"] == "error" and answer["type"] == kind, (body, answer)
+            assert answer["param"] == (None if param == "chat" else param), (body, answer)
+    # pydantic's lax mode, as SGLang's models read: "no" and 0 are false, "0" too; ids as numbers
+    lax = {"prompt": "w10", "add_special_tokens": "no", "continue_final_message": 0}
+    assert _ok(url, "/v1/tokenize", lax)["tokens"] == [10]
+    lax = {"tokens": [True, 10.0], "skip_special_tokens": "0"}  # true is 1: EOS
+    assert _ok(url, "/v1/detokenize", lax) == {"text": "<eos> w10"}
     status, answer = _post(url, "/v1/detokenize", {"tokens": [[4], [-1]]})
     assert answer["message"] == "tokens[1][0]: token id -1 is outside the vocabulary [0, 128)"
     # validate_json_request: JSON only
     plain = requests.post(url + "/tokenize", data="w10", timeout=10)
-    assert plain.status_code == 400 and plain.json()["param"] == "content-type"
+    assert plain.status_code == 400 and plain.json()["type"] == "Bad Request"
+    assert plain.json()["message"].startswith("header.content-type: Unsupported Media Type")
     after = _refused(url)
     for key, more in (
         ("POST /v1/tokenize 400", len(tokenize_cases)),

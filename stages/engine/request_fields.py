@@ -1,0 +1,282 @@
+"""The type of each field of a ``/v1/completions`` and ``/v1/chat/completions`` body, checked
+as SGLang 0.5.23 checks it before anything else runs: its pydantic request models
+(``srt/entrypoints/openai/protocol.py``: ``PDRoutingFields``, ``CompletionRequest``,
+``ChatCompletionRequest``, ``StreamOptions``), field for field in their order.
+
+pydantic's lax mode is part of the contract: SGLang takes ``"n": "2"``, ``"stream": 1`` or
+``"temperature": "0.5"`` and runs with the converted values, so ``checked`` writes those back
+into the body; it refuses ``"n": null``, ``"user": 1`` or ``"stream_options": false`` with a
+400 in the shape of its ``RequestValidationError`` handler (``type: "Bad Request"``,
+``param: null``). Fields whose check is a route's own (messages, tools, tool_choice,
+response_format, reasoning_effort: their contents, with SGLang's messages) are only typed
+loosely here; ranges and meanings stay with the routes."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, TypeAdapter, ValidationError
+from typing_extensions import Required, TypedDict
+
+__all__ = [
+    "checked_chat",
+    "checked_completion",
+    "checked_detokenize",
+    "checked_tokenize",
+    "validation_message",
+]
+
+OneOrMany = list[str] | str | None  # rid, extra_key, cache_salt, stop, stop_regex
+
+
+class StreamOptions(TypedDict, total=False):
+    include_usage: bool | None
+    continuous_usage_stats: bool | None
+
+
+Effort = (
+    Literal["none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"]
+    | Annotated[float, Field(ge=0.0, le=0.99, allow_inf_nan=False)]
+    | None
+)
+
+
+class _Function(TypedDict, total=False):  # extra keys kept: the routes read the tool as sent
+    __pydantic_config__ = {"extra": "allow"}
+    description: str | None
+    name: Required[str]
+    parameters: Any
+    strict: bool | None
+    defer_loading: bool | None
+    key_order: list[str]
+
+
+class Tool(TypedDict, total=False):
+    __pydantic_config__ = {"extra": "allow"}
+    type: str
+    function: Required[_Function]
+    defer_loading: bool | None
+
+
+class _ChoiceName(TypedDict, total=False):
+    __pydantic_config__ = {"extra": "allow"}
+    name: str | None
+
+
+class ToolChoice(TypedDict, total=False):
+    __pydantic_config__ = {"extra": "allow"}
+    function: Required[_ChoiceName]
+    type: Literal["function"]
+
+
+class _Routing(TypedDict, total=False):  # PDRoutingFields: what a router may add
+    bootstrap_host: list[str] | str | None
+    bootstrap_port: list[int | None] | int | None
+    bootstrap_room: list[int] | int | None
+    routed_dp_rank: int | None
+    disagg_prefill_dp_rank: int | None
+
+
+def _positive(value: int) -> int:
+    """CompletionRequest's ``validate_max_tokens_positive``."""
+    if value <= 0:
+        raise ValueError("max_tokens must be positive")
+    return value
+
+
+class CompletionFields(_Routing, total=False):
+    model: str
+    prompt: Required[list[int] | list[list[int]] | str | list[str]]
+    best_of: int | None
+    echo: bool
+    frequency_penalty: float
+    logit_bias: dict[str, float] | None
+    logprobs: int | None
+    max_tokens: Annotated[int, AfterValidator(_positive)]
+    n: int
+    presence_penalty: float
+    seed: int | None
+    stop: OneOrMany
+    stream: bool
+    stream_options: StreamOptions | None
+    suffix: str | None
+    temperature: float
+    top_p: float
+    user: str | None
+    return_hidden_states: bool | Literal["last"]
+    return_routed_experts: bool
+    routed_experts_start_len: int
+    return_cached_tokens_details: bool
+    return_spec_tokens_details: bool
+    return_token_ids: bool
+    top_k: int
+    min_p: float
+    min_tokens: int
+    json_schema: str | None
+    regex: str | None
+    ebnf: str | None
+    repetition_penalty: float
+    stop_token_ids: list[int] | None
+    stop_regex: OneOrMany
+    no_stop_trim: bool
+    ignore_eos: bool
+    skip_special_tokens: bool
+    lora_path: list[str | None] | str | None
+    session_id: str | None
+    session_params: dict[Any, Any] | None
+    response_format: Any  # its own check: openai_api.response_format
+    custom_params: dict[Any, Any] | None
+    custom_logit_processor: str | None
+    watermark: dict[str, Any] | None
+    images_config: dict[Any, Any] | None
+    mm_processor_kwargs: dict[Any, Any] | None
+    data_parallel_rank: int | None
+    rid: OneOrMany
+    extra_key: OneOrMany
+    cache_salt: OneOrMany
+    priority: int | None
+    custom_labels: dict[str, str] | None
+
+
+class ChatFields(_Routing, total=False):
+    messages: Required[list[Any]]  # each its own check: openai_chat._message
+    model: str
+    frequency_penalty: float
+    logit_bias: dict[str, float] | None
+    logprobs: bool
+    top_logprobs: int | None
+    max_tokens: int | None
+    max_completion_tokens: int | None
+    n: int
+    presence_penalty: float
+    response_format: Any  # its own check: openai_api.response_format
+    seed: int | None
+    stop: OneOrMany
+    stream: bool
+    stream_options: StreamOptions | None
+    temperature: float | None
+    top_p: float | None
+    user: str | None
+    tools: list[Any] | None  # each its own check: openai_chat._tools
+    tool_choice: Any  # its own check: openai_chat._tool_choice
+    parallel_tool_calls: bool
+    return_hidden_states: bool | Literal["last"]
+    return_routed_experts: bool
+    routed_experts_start_len: int
+    return_cached_tokens_details: bool
+    return_spec_tokens_details: bool
+    return_prompt_token_ids: bool
+    return_token_ids: bool
+    return_meta_info: bool
+    return_input_ids_in_sglext: bool
+    return_output_ids_in_sglext: bool
+    return_sampling_mask: bool
+    sampling_logprobs_mode: Literal["selected", "support"] | None
+    return_flat_raw_output_top_logprobs: bool
+    return_flat_raw_top_logprobs_b64: bool
+    reasoning_effort: Any  # its own check, with ``reasoning``: reasoning.normalize_effort
+    thinking: Any
+    task: Literal["action", "query", "authority", "domain", "title", "read_url"] | None
+    top_k: int | None
+    min_p: float | None
+    min_tokens: int
+    regex: str | None
+    ebnf: str | None
+    repetition_penalty: float | None
+    stop_token_ids: list[int] | None
+    stop_regex: OneOrMany
+    no_stop_trim: bool
+    ignore_eos: bool
+    continue_final_message: bool
+    skip_special_tokens: bool
+    lora_path: list[str | None] | str | None
+    session_id: str | None
+    session_params: dict[Any, Any] | None
+    separate_reasoning: bool
+    stream_reasoning: bool
+    chat_template_kwargs: dict[Any, Any] | None
+    max_dynamic_patch: int | None
+    min_dynamic_patch: int | None
+    use_audio_in_video: bool
+    images_config: dict[Any, Any] | None
+    video_config: dict[Any, Any] | None
+    mm_processor_kwargs: dict[Any, Any] | None
+    custom_logit_processor: list[str | None] | str | None
+    custom_params: dict[Any, Any] | None
+    watermark: dict[str, Any] | None
+    input_ids: list[int] | None
+    rid: OneOrMany
+    extra_key: OneOrMany
+    cache_salt: OneOrMany
+    priority: int | None
+    data_parallel_rank: int | None
+
+
+class TokenizeFields(TypedDict, total=False):  # TokenizeRequest (other keys: the chat's)
+    model: str
+    prompt: list[str] | str | None
+    messages: list[Any] | None
+    tools: list[Tool] | None
+    tool_choice: ToolChoice | Literal["auto", "required", "none"] | None
+    reasoning_effort: Effort  # false is 0.0 here (the chat request's own check refuses it)
+    continue_final_message: bool
+    chat_template_kwargs: dict[Any, Any] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool | None
+
+
+class DetokenizeFields(TypedDict, total=False):
+    model: str
+    tokens: Required[list[int] | list[list[int]]]
+    skip_special_tokens: bool
+
+
+_COMPLETION = TypeAdapter(CompletionFields)
+_CHAT = TypeAdapter(ChatFields)
+_TOKENIZE = TypeAdapter(TokenizeFields)
+_DETOKENIZE = TypeAdapter(DetokenizeFields)
+
+
+def checked_completion(body: Any) -> dict[str, Any]:
+    """``body`` with its fields as SGLang's ``CompletionRequest`` reads them; ValueError
+    (``validation_message``'s) when it refuses them."""
+    return _checked(_COMPLETION, body)
+
+
+def checked_chat(body: Any) -> dict[str, Any]:
+    """``body`` with its fields as SGLang's ``ChatCompletionRequest`` reads them."""
+    return _checked(_CHAT, body)
+
+
+def checked_tokenize(body: Any) -> dict[str, Any]:
+    """``body`` with its fields as SGLang's ``TokenizeRequest`` reads them (a chat request's
+    other fields are the chat route's to check)."""
+    body = _checked(_TOKENIZE, body)
+    if (body.get("prompt") is None) == (body.get("messages") is None):
+        raise ValueError("Value error, Exactly one of 'prompt' or 'messages' must be provided.")
+    return body
+
+
+def checked_detokenize(body: Any) -> dict[str, Any]:
+    """``body`` with its fields as SGLang's ``DetokenizeRequest`` reads them."""
+    return _checked(_DETOKENIZE, body)
+
+
+def _checked(adapter: TypeAdapter[Any], body: Any) -> dict[str, Any]:
+    try:
+        fields = adapter.validate_python(body)
+    except ValidationError as exc:
+        raise ValueError(validation_message(exc)) from None
+    body.update(fields)  # the converted values: "2" is 2 from here on, as in SGLang
+    return body
+
+
+def validation_message(exc: ValidationError) -> str:
+    """pydantic's errors as SGLang digests them (``_anthropic_validation_message``): one
+    ``field: message`` each (``stop.list[str]``: one member of a union the value fits none
+    of; the message alone for the whole body), joined by ``; ``."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"])
+        parts.append(f"{where}: {error['msg']}" if where else error["msg"])
+    return "; ".join(parts)
