@@ -50,7 +50,13 @@ from aiohttp import web
 from stages.engine.chunk_stream import mapped
 from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, cached_tokens_details, is_int
 from stages.engine.request_body import dumps, loads
-from stages.engine.request_fields import checked_chat, checked_completion
+from stages.engine.request_fields import (
+    checked_chat,
+    checked_completion,
+    checked_rerank,
+    checked_responses,
+    checked_score,
+)
 from stages.engine.streaming import Progress, write_events
 from stages.engine.token_bytes import TokenBytes
 
@@ -984,7 +990,8 @@ class OpenAIRoutes:
             store = self.response_store
 
             def build_response(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-                return openai_responses.responses_request(raw, chat, length, known, store)
+                body = checked_body(checked_responses, raw)
+                return openai_responses.responses_request(body, chat, length, known, store)
 
             return (
                 build_response,
@@ -997,7 +1004,7 @@ class OpenAIRoutes:
             vocab = self.chat.tokenizer.vocab_size if self.chat is not None else 0  # SGLang's
 
             def build_score(raw: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-                return openai_score.score_request(raw, vocab)
+                return openai_score.score_request(checked_body(checked_score, raw), vocab)
 
             return build_score, openai_score.score_response, None
         if route == "rerank":
@@ -1006,6 +1013,7 @@ class OpenAIRoutes:
             settings = self.chat
 
             def build_rerank(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                raw = checked_body(checked_rerank, raw)
                 if settings is None:  # no tokenizer: no template either
                     raise OpenAIError(openai_rerank.NOT_A_RERANKER)
                 template = settings.template or getattr(settings.tokenizer, "chat_template", None)
@@ -1183,15 +1191,19 @@ def route_refusal(route: str, exc: ValueError) -> dict[str, Any]:
         return error_body(refused["message"], getattr(exc, "status", 400))
     if route != "responses":
         return refused
-    return _nested(refused["message"], getattr(exc, "status", 400), refused["param"])
+    kind = refused["type"] if refused["type"] == BAD_REQUEST else "invalid_request_error"
+    return _nested(refused["message"], getattr(exc, "status", 400), refused["param"], kind)
 
 
-def _nested(message: str, status: int, param: str | None) -> dict[str, Any]:
-    """The Responses route's error (``serving_responses.create_error_response``)."""
+def _nested(
+    message: str, status: int, param: str | None, kind: str = "invalid_request_error"
+) -> dict[str, Any]:
+    """The Responses route's error (``serving_responses.create_error_response``; ``kind``
+    ``BAD_REQUEST``: its validation handler's, for ``/v1/responses``)."""
     return {
         "error": {
             "message": message,
-            "type": "invalid_request_error",
+            "type": kind,
             "param": param,
             "code": status,
         }

@@ -27,7 +27,6 @@ from typing import Any
 import structlog
 
 from stages.engine.openai_api import OpenAIError
-from stages.engine.protocol import is_int
 
 __all__ = ["is_reranker_template", "rerank_request", "rerank_response", "yes_no_ids"]
 
@@ -72,27 +71,11 @@ def rerank_request(
     body: Any, template: str | None, tokenizer: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(native /generate body, options)`` of a ``/v1/rerank`` body; OpenAIError with
-    SGLang's words for what it refuses."""
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    query, documents = body.get("query"), body.get("documents")
-    for name, value in (("query", query), ("documents", documents)):
-        if value is None:
-            raise OpenAIError(f"{name}: Field required", name)
-    if not isinstance(query, str | list):
-        raise OpenAIError("query: Input should be a valid string or list of content parts")
-    if not isinstance(documents, list):
-        raise OpenAIError("documents: Input should be a valid list", "documents")
+    SGLang's words for what it refuses. Its fields' types are ``request_fields.checked_rerank``'
+    (the route checks them first)."""
+    query, documents = body["query"], body["documents"]
     instruct, top_n = body.get("instruct"), body.get("top_n")
-    if not isinstance(instruct, str | None):
-        raise OpenAIError("instruct: Input should be a valid string", "instruct")
-    if top_n is not None and not is_int(top_n):
-        raise OpenAIError("top_n: Input should be a valid integer", "top_n")
-    if top_n is not None and top_n < 1:
-        raise OpenAIError("Value error, parameter top_n should be larger than 0.", "top_n")
     shown = body.get("return_documents", True)
-    if not isinstance(shown, bool):
-        raise OpenAIError("return_documents: Input should be a valid boolean", "return_documents")
     _check_content(query, documents)
     if not is_reranker_template(template):
         raise OpenAIError(NOT_A_RERANKER)

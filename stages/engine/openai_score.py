@@ -40,20 +40,15 @@ _NOT_HERE = {  # SGLang's fields this engine has no counterpart of: refused when
 
 def score_request(body: Any, vocab_size: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """``(native /generate body or None when there is nothing to score, options)`` of a
-    ``/v1/score`` body; OpenAIError with SGLang's words for what it refuses."""
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
+    ``/v1/score`` body; OpenAIError with SGLang's words for what it refuses. Its fields' types
+    are ``request_fields.checked_score``' (the route checks them first)."""
     model = body.get("model", "default")
-    if not isinstance(model, str):
-        raise OpenAIError("model: Input should be a valid string", "model")
     for name, what in _NOT_HERE.items():
         if body.get(name) is not None:
             raise OpenAIError(f"{name}: {what} are not supported by the built-in engine", name)
     flags = {}
     for name in ("apply_softmax", "item_first", "return_token_logprobs"):
         flags[name] = body.get(name, False)
-        if not isinstance(flags[name], bool):
-            raise OpenAIError(f"{name}: Input should be a valid boolean", name)
     if body.get("return_pooled_hidden_states"):
         raise OpenAIError(
             "return_pooled_hidden_states is not supported for CausalLM models. It requires a "
@@ -61,10 +56,6 @@ def score_request(body: Any, vocab_size: int) -> tuple[dict[str, Any] | None, di
             "return_pooled_hidden_states",
         )
     temperature = body.get("temperature", 1.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise OpenAIError("temperature: Input should be a valid number", "temperature")
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise OpenAIError("temperature must be finite and greater than zero", "temperature")
     if temperature != 1.0 and not flags["apply_softmax"]:
         raise OpenAIError("temperature requires apply_softmax=True", "temperature")
     labels = body.get("label_token_ids")

@@ -22,6 +22,9 @@ __all__ = [
     "checked_chat",
     "checked_completion",
     "checked_detokenize",
+    "checked_rerank",
+    "checked_responses",
+    "checked_score",
     "checked_tokenize",
     "validation_message",
 ]
@@ -231,10 +234,99 @@ class DetokenizeFields(TypedDict, total=False):
     skip_special_tokens: bool
 
 
+class ReasoningParam(TypedDict, total=False):  # ResponseReasoningParam
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"] | None
+    summary: Literal["auto", "concise", "detailed"] | None
+
+
+class ResponsesFields(_Routing, total=False):  # ResponsesRequest
+    background: bool | None
+    include: (
+        list[
+            Literal[
+                "code_interpreter_call.outputs",
+                "computer_call_output.output.image_url",
+                "file_search_call.results",
+                "message.input_image.image_url",
+                "message.output_text.logprobs",
+                "reasoning.encrypted_content",
+            ]
+        ]
+        | None
+    )
+    input: Required[str | list[Any]]  # each item its own check: openai_responses._items
+    instructions: str | None
+    max_output_tokens: int | None
+    max_tool_calls: int | None
+    metadata: dict[str, Any] | None
+    model: str | None
+    parallel_tool_calls: bool | None
+    previous_response_id: str | None
+    reasoning: ReasoningParam | None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"]
+    store: bool | None
+    stream: bool | None
+    temperature: float | None
+    text: dict[str, Any] | None  # openai's ResponseTextConfig: openai_responses._text_format
+    tool_choice: Literal["auto", "required", "none"] | dict[str, Any]
+    tools: list[Any]  # each its own check: openai_responses._tools
+    top_logprobs: int | None
+    top_p: float | None
+    truncation: Literal["auto", "disabled"] | None
+    user: str | None
+    chat_template_kwargs: dict[str, Any] | None
+    request_id: str
+    session_id: str | None
+    priority: int
+    extra_key: str | None
+    cache_salt: str | None
+    data_parallel_rank: int | None
+    frequency_penalty: float
+    presence_penalty: float
+    stop: str | list[str] | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+
+
+class ScoreFields(TypedDict, total=False):  # ScoringRequest
+    query: str | list[int] | None
+    items: str | list[str] | list[list[int]] | None
+    embed_override_token_id: int | None
+    query_embed_overrides: list[list[float]] | None
+    item_embed_overrides: list[list[list[float]] | None] | None
+    label_token_ids: list[int] | list[list[int]] | None
+    apply_softmax: bool
+    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    return_token_logprobs: bool
+    item_first: bool
+    return_pooled_hidden_states: bool
+    score_extraction_token: str | None
+    model: str
+
+
+def _top_n(value: int | None) -> int | None:
+    """V1RerankReqInput's ``validate_top_n`` (its words, which pydantic prefixes again)."""
+    if value is not None and value < 1:
+        raise ValueError("Value error, parameter top_n should be larger than 0.")
+    return value
+
+
+class RerankFields(TypedDict, total=False):  # V1RerankReqInput
+    query: Required[str | list[Any]]  # content parts: openai_rerank._check_content
+    documents: Required[list[str | list[Any]]]
+    instruct: str | None
+    top_n: Annotated[int | None, AfterValidator(_top_n)]
+    return_documents: bool
+
+
 _COMPLETION = TypeAdapter(CompletionFields)
 _CHAT = TypeAdapter(ChatFields)
 _TOKENIZE = TypeAdapter(TokenizeFields)
 _DETOKENIZE = TypeAdapter(DetokenizeFields)
+_RESPONSES = TypeAdapter(ResponsesFields)
+_SCORE = TypeAdapter(ScoreFields)
+_RERANK = TypeAdapter(RerankFields)
 
 
 def checked_completion(body: Any) -> dict[str, Any]:
@@ -260,6 +352,36 @@ def checked_tokenize(body: Any) -> dict[str, Any]:
 def checked_detokenize(body: Any) -> dict[str, Any]:
     """``body`` with its fields as SGLang's ``DetokenizeRequest`` reads them."""
     return _checked(_DETOKENIZE, body)
+
+
+def checked_score(body: Any) -> dict[str, Any]:
+    """``body`` with its fields as SGLang's ``ScoringRequest`` reads them."""
+    return _checked(_SCORE, body)
+
+
+def checked_rerank(body: Any) -> dict[str, Any]:
+    """``body`` with its fields as SGLang's ``V1RerankReqInput`` reads them."""
+    return _checked(_RERANK, body)
+
+
+def checked_responses(body: Any) -> dict[str, Any]:
+    """``body`` with its fields as SGLang's ``ResponsesRequest`` reads them, after its
+    ``normalize_reasoning_to_thinking``: ``reasoning.effort: "none"`` turns the template's
+    thinking off unless ``chat_template_kwargs`` says otherwise (one that is not a dictionary
+    then counts as none)."""
+    if isinstance(body, dict):
+        reasoning = body.get("reasoning")
+        if isinstance(reasoning, dict):
+            effort = reasoning.get("effort") or reasoning.get("reasoning_effort")
+            if effort == "none":
+                given = body.get("chat_template_kwargs")
+                given = given if isinstance(given, dict) else {}
+                body["chat_template_kwargs"] = {
+                    "thinking": False,
+                    "enable_thinking": False,
+                    **given,
+                }
+    return _checked(_RESPONSES, body)
 
 
 def _checked(adapter: TypeAdapter[Any], body: Any) -> dict[str, Any]:

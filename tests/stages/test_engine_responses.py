@@ -231,14 +231,28 @@ def test_what_sglang_refuses_is_refused_in_its_words(client, model, engine: Engi
         ({"tool_choice": "required"}, 'tool_choice="required" requires at least one tool'),
         # the chat request's checks, in the Responses request's terms
         ({"input": [{"role": "wizard"}]}, "input: messages[0].role: one of system, user"),
-        ({"reasoning": {"effort": "bogus"}}, "reasoning.effort: one of none, minimal"),
-        ({"text": "plain"}, "text: Input should be a valid dictionary"),
     ]
-    for more, message in refused:
-        with pytest.raises(openai.BadRequestError) as bad:
-            client.responses.create(**{"model": model, "input": "ab", **more})
-        assert bad.value.body["message"].startswith(message), bad.value.body
-        assert bad.value.body["type"] == "invalid_request_error"
+    # what ResponsesRequest's own types refuse: its validation handler's type and null param
+    invalid = [
+        ({"reasoning": {"effort": "bogus"}}, "reasoning.effort: Input should be 'none', "),
+        ({"text": "plain"}, "text: Input should be a valid dictionary"),
+        ({"store": "maybe"}, "store: Input should be a valid boolean"),
+        ({"max_output_tokens": 2.5}, "max_output_tokens: Input should be a valid integer"),
+        ({"service_tier": "fast"}, "service_tier: Input should be 'auto', "),
+        ({"include": ["everything"]}, "include.0: Input should be "),
+        ({"extra_body": {"priority": None}}, "priority: Input should be a valid integer"),
+    ]
+    for kind, cases in (("invalid_request_error", refused), ("Bad Request", invalid)):
+        for more, message in cases:
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.responses.create(**{"model": model, "input": "ab", **more})
+            assert bad.value.body["message"].startswith(message), bad.value.body
+            assert bad.value.body["type"] == kind, bad.value.body
+            assert kind != "Bad Request" or bad.value.body["param"] is None
+    lax = client.responses.create(  # pydantic's lax conversions, as SGLang's model reads
+        model=model, input="ab", max_output_tokens="4", temperature="0", store="no"
+    )
+    assert lax.max_output_tokens == 4 and lax.temperature == 0.0 and lax.store is False
     not_json = requests.post(
         engine.url + "/v1/responses", data="{", headers={"Content-Type": "application/json"}
     )

@@ -109,12 +109,15 @@ def test_what_sglang_refuses_and_what_this_engine_cannot_do(engine: Engine) -> N
         "vocabulary": ({"label_token_ids": [128]}, "Token ID 128 is out of vocabulary"),
         "per item": ({"label_token_ids": [[3], [4]]}, "one list per item"),
         "temperature": ({"temperature": 0.5}, "temperature requires apply_softmax=True"),
-        "zero": ({"temperature": 0, "apply_softmax": True}, "finite and greater than zero"),
+        "zero": (
+            {"temperature": 0, "apply_softmax": True},
+            "temperature: Input should be greater than 0",
+        ),
         "mixed": ({"items": [[1, 2]]}, "Invalid combination of query/items types"),
         "pooled": ({"return_pooled_hidden_states": True}, "not supported for CausalLM"),
         "overrides": ({"embed_override_token_id": 7}, "embed_override_token_id"),
         "setwise": ({"score_extraction_token": "x"}, "score_extraction_token"),
-        "flag": ({"apply_softmax": "yes"}, "apply_softmax"),
+        "flag": ({"apply_softmax": "maybe"}, "apply_softmax: Input should be a valid boolean"),
     }
     for case, (change, words) in refused.items():
         status, out = _score(engine, **{**base, **change})

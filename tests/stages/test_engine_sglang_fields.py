@@ -1,7 +1,9 @@
-"""The request fields of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/tokenize`` and
-``/v1/detokenize`` (``stages.engine.request_fields``) against SGLang 0.5.23's own pydantic
-models: the same fields in the same order, and for every field and a spread of JSON values,
-the same answer: refused by both, or taken by both with the same converted value.
+"""The request fields of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/tokenize``,
+``/v1/detokenize``, ``/v1/responses``, ``/v1/score`` and ``/v1/rerank``
+(``stages.engine.request_fields``) against SGLang
+0.5.23's own pydantic models: the same fields in the same order, and for every field and a
+spread of JSON values, the same answer: refused by both, or taken by both with the same
+converted value.
 
 Skipped unless SGLang's protocol module imports (``test_engine_sglang_shapes.py``'s docstring
 says how).
@@ -28,6 +30,9 @@ VALUES = [
     [[]], [1.0], [True], [None, "x"], {"a": None}, {"a": [1]}, {"include_usage": "yes", "b": 1},
     {"function": {"name": None}, "type": "function"}, {"function": {"name": "f"}, "type": "x"},
     [{"type": 1, "function": {"name": "f"}}], [{"function": {"name": "f", "strict": "no"}}],
+    "flex", "disabled", ["message.output_text.logprobs"], ["bogus"], {"effort": "none"},
+    {"effort": "low", "summary": "auto", "x": 1}, {"effort": 1}, {"summary": "long"},
+    [[1.0, 2]], [[[1.0]], None], [[["x"]]], ["a", ["b"]], [["a"]], ["a", [{"type": "text"}]],
 ]  # fmt: skip
 # a field checked by the route itself (its SGLang message): typed loosely here
 ROUTES_OWN = {
@@ -36,18 +41,27 @@ ROUTES_OWN = {
     "CompletionRequest": {"response_format"},
     "TokenizeRequest": {"messages"},
     "DetokenizeRequest": set(),
+    "ResponsesRequest": {"input", "tools", "text"},
+    "ScoringRequest": set(),
+    "V1RerankReqInput": {"query", "documents"},
 }  # fmt: skip
 CASES = [
     (protocol.CompletionRequest, request_fields.checked_completion, {"prompt": "hi"}),
     (protocol.ChatCompletionRequest, request_fields.checked_chat, {"messages": []}),
     (protocol.TokenizeRequest, request_fields.checked_tokenize, {"prompt": "hi"}),
     (protocol.DetokenizeRequest, request_fields.checked_detokenize, {"tokens": [1]}),
+    (protocol.ResponsesRequest, request_fields.checked_responses, {"input": "hi"}),
+    (protocol.ScoringRequest, request_fields.checked_score, {}),
+    (protocol.V1RerankReqInput, request_fields.checked_rerank, {"query": "q", "documents": []}),
 ]
 ADAPTERS = {
     "CompletionRequest": request_fields.CompletionFields,
     "ChatCompletionRequest": request_fields.ChatFields,
     "TokenizeRequest": request_fields.TokenizeFields,
     "DetokenizeRequest": request_fields.DetokenizeFields,
+    "ResponsesRequest": request_fields.ResponsesFields,
+    "ScoringRequest": request_fields.ScoreFields,
+    "V1RerankReqInput": request_fields.RerankFields,
 }
 
 
