@@ -44,8 +44,9 @@ from typing import Any
 import structlog
 
 from stages.engine.chunk_stream import mapped
-from stages.engine.openai_api import OpenAIError, new_id
+from stages.engine.openai_api import BAD_REQUEST, OpenAIError, new_id
 from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, chat_response
+from stages.engine.request_fields import checked_count_tokens, checked_messages
 
 log = structlog.get_logger("inflight.engine.messages")
 
@@ -86,9 +87,11 @@ def messages_request(
     """``(native /generate body, what the answer needs)`` of a ``/v1/messages`` body, through
     ``chat_request``; OpenAIError (a 400) where SGLang refuses it. ``counting``: a
     ``count_tokens`` body (no ``max_tokens``)."""
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    _check(body, counting)
+    try:  # the types, as its pydantic model reads them
+        body = (checked_count_tokens if counting else checked_messages)(body)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), kind=BAD_REQUEST) from None
+    _check(body)
     chat_body: dict[str, Any] = {
         "model": body["model"],
         "messages": _messages(body),
@@ -240,21 +243,10 @@ class MessageEvents:
 # ---- the request ----------------------------------------------------------------------------
 
 
-def _check(body: dict[str, Any], counting: bool) -> None:
-    """What ``AnthropicMessagesRequest``'s validation refuses, as SGLang's digest of it."""
-    model = body.get("model")
-    if model is None:
-        raise OpenAIError("model: Field required", "model")
-    if not isinstance(model, str):
-        raise OpenAIError("model: Input should be a valid string", "model")
-    if not model and not counting:
-        raise OpenAIError("model: Value error, Model is required", "model")
-    messages = body.get("messages")
-    if messages is None:
-        raise OpenAIError("messages: Field required", "messages")
-    if not isinstance(messages, list):
-        raise OpenAIError("messages: Input should be a valid list", "messages")
-    for i, message in enumerate(messages):
+def _check(body: dict[str, Any]) -> None:
+    """What ``AnthropicMessagesRequest``'s validation refuses in the messages and ``system``
+    (``request_fields`` checks the other fields' types first), as SGLang's digest of it."""
+    for i, message in enumerate(body["messages"]):
         if not isinstance(message, dict):
             raise OpenAIError(f"messages.{i}: Input should be a valid dictionary", "messages")
         if message.get("role") not in ("user", "assistant", "system"):
@@ -262,33 +254,9 @@ def _check(body: dict[str, Any], counting: bool) -> None:
                 f"messages.{i}.role: Input should be 'user', 'assistant' or 'system'", "messages"
             )
         _check_content(message.get("content"), f"messages.{i}.content")
-    if not counting:
-        limit = body.get("max_tokens")
-        if limit is None:
-            raise OpenAIError("max_tokens: Field required", "max_tokens")
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            raise OpenAIError("max_tokens: Input should be a valid integer", "max_tokens")
-        if limit <= 0:
-            raise OpenAIError("max_tokens: Value error, max_tokens must be positive", "max_tokens")
-    stops = body.get("stop_sequences")
-    if stops is not None and (
-        not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)
-    ):
-        raise OpenAIError(
-            "stop_sequences: Input should be a valid list of strings", "stop_sequences"
-        )
-    if not isinstance(body.get("stream", False), bool | None):
-        raise OpenAIError("stream: Input should be a valid boolean", "stream")
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         _check_content(system, "system")
-    for name in ("temperature", "top_p"):
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise OpenAIError(f"{name}: Input should be a valid number", name)
-    top_k = body.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise OpenAIError("top_k: Input should be a valid integer", "top_k")
 
 
 def _check_content(content: Any, where: str) -> None:

@@ -45,6 +45,7 @@ from aiohttp import web
 
 from stages.engine.openai_api import (
     OpenAIError,
+    checked_body,
     error_response,
     read_json,
     refusal,
@@ -53,6 +54,7 @@ from stages.engine.openai_api import (
 from stages.engine.pooling import Pooler, PoolingFailed
 from stages.engine.protocol import RequestError, is_int, read_prompts
 from stages.engine.request_body import bad_request, dumps, json_body
+from stages.engine.request_fields import checked_classify, checked_embedding
 
 __all__ = ["NOT_EMBEDDING", "EncodeRoutes"]
 
@@ -94,9 +96,7 @@ _TAKEN = {
     "external_trace_header",
     "received_time",
 }
-_EMBEDDINGS_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "rid", "priority"}
 _EMBEDDINGS_NEUTRAL = {"lora_path": None, "embed_override_token_id": None, "embed_overrides": None}
-_CLASSIFY_FIELDS = {"input", "model", "user", "rid", "priority"}
 _FINISHED = {"type": "length", "length": 0}  # FINISH_LENGTH(0): max_new_tokens is 0
 
 
@@ -212,20 +212,23 @@ class EncodeRoutes:
     # ---- /v1 ---------------------------------------------------------------------------------
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        return await self._openai(request, self._embeddings)
+        return await self._openai(request, checked_embedding, self._embeddings)
 
     async def classify(self, request: web.Request) -> web.Response:
-        return await self._openai(request, self._classify)
+        return await self._openai(request, checked_classify, self._classify)
 
     async def _openai(
-        self, request: web.Request, answer: Callable[[Any], Awaitable[dict[str, Any]]]
+        self,
+        request: web.Request,
+        check: Callable[[Any], dict[str, Any]],
+        answer: Callable[[Any], Awaitable[dict[str, Any]]],
     ) -> web.Response:
+        """A ``/v1`` pooling request: its fields typed as SGLang's model types them
+        (``check``, ``stages.engine.request_fields``; other keys ignored, as there), answered."""
         if self.pooler is None:
             return error_response(NOT_EMBEDDING)
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict):
-                raise OpenAIError("the request body must be a JSON object")
+            body = checked_body(check, await read_json(request))
             return web.Response(body=dumps(await answer(body)), content_type="application/json")
         except (OpenAIError, RequestError) as exc:
             return web.json_response(refusal(exc), status=400)
@@ -235,7 +238,7 @@ class EncodeRoutes:
             return error_response(str(exc), status=500)
 
     async def _embeddings(self, body: dict[str, Any]) -> dict[str, Any]:
-        _check_fields(body, _EMBEDDINGS_FIELDS, _EMBEDDINGS_NEUTRAL, "/v1/embeddings")
+        _check_neutral(body, _EMBEDDINGS_NEUTRAL)
         encoding = body.get("encoding_format", "float")
         if encoding not in ("float", "base64"):
             raise OpenAIError(
@@ -255,7 +258,6 @@ class EncodeRoutes:
         }
 
     async def _classify(self, body: dict[str, Any]) -> dict[str, Any]:
-        _check_fields(body, _CLASSIFY_FIELDS, {}, "/v1/classify")
         model = self.pooler.model
         if model.kind != "classify":
             raise OpenAIError(
@@ -291,8 +293,6 @@ class EncodeRoutes:
     ) -> tuple[list[list[int]], list[list[float]]]:
         """The ``input`` of a ``/v1`` body checked as SGLang's ``_validate_request`` checks it
         (``lists``: lists of ids allowed too), run; its rows and their results."""
-        if not isinstance(body.get("model", "default"), str):
-            raise OpenAIError("model: Input should be a valid string", "model")
         prompt = _input_prompt(body.get("input"), lists)
         rows, batch = read_prompts(prompt, vocab_size=self.vocab_size, encode=self.encode_text)
         self._check_lengths(rows)
@@ -336,15 +336,12 @@ def _input_prompt(prompt: Any, lists: bool) -> dict[str, Any]:
     )
 
 
-def _check_fields(
-    body: dict[str, Any], known: set[str], neutral: dict[str, Any], route: str
-) -> None:
-    for key, value in body.items():
-        if key in neutral:
-            if value != neutral[key]:
-                raise OpenAIError(f"{key} is not supported by the built-in engine", key)
-        elif key not in known:
-            raise OpenAIError(f"{key}: unknown field of {route}", key)
+def _check_neutral(body: dict[str, Any], neutral: dict[str, Any]) -> None:
+    """A 400 naming a field SGLang honours and this engine cannot, unless at its neutral
+    value."""
+    for key, value in neutral.items():
+        if body.get(key, value) != value:
+            raise OpenAIError(f"{key} is not supported by the built-in engine", key)
 
 
 def _rids(rid: Any, count: int, batch: bool) -> list[str]:

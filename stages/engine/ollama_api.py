@@ -45,8 +45,18 @@ from datetime import datetime, timezone
 from typing import Any
 
 from stages.engine.chunk_stream import mapped
-from stages.engine.openai_api import OpenAIError, completion_request, completion_response
+from stages.engine.openai_api import (
+    BAD_REQUEST,
+    OpenAIError,
+    completion_request,
+    completion_response,
+)
 from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, chat_response
+from stages.engine.request_fields import (
+    checked_ollama_chat,
+    checked_ollama_generate,
+    checked_ollama_show,
+)
 
 __all__ = [
     "chat_events",
@@ -94,10 +104,8 @@ def ollama_chat_request(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(native /generate body, what the answer needs)`` of an ``/api/chat`` body, through
     ``chat_request``; OpenAIError (a 400) where it is refused."""
-    _check(body, ("model", "messages"))
+    body = _typed(checked_ollama_chat, body)
     messages = body["messages"]
-    if not isinstance(messages, list):
-        raise OpenAIError("messages: Input should be a valid list", "messages")
     chat_body: dict[str, Any] = {
         "model": body["model"],
         "messages": [_message(m, i) for i, m in enumerate(messages)],
@@ -206,20 +214,15 @@ class ChatLines(_Lines):
 
 def _message(raw: Any, index: int) -> dict[str, Any]:
     """An Ollama message as the chat route's: ``role`` and ``content`` (text); an assistant's
-    ``tool_calls`` with their arguments as JSON; a tool's answer with its ``tool_name``."""
+    ``tool_calls`` with their arguments as JSON; a tool's answer with its ``tool_name``
+    (``role`` and ``content`` typed by ``request_fields.OllamaMessage``)."""
     where = f"messages.{index}"
-    if not isinstance(raw, dict):
-        raise OpenAIError(f"{where}: Input should be a valid dictionary", "messages")
-    if not isinstance(raw.get("role"), str):
-        raise OpenAIError(f"{where}.role: Field required", "messages")
-    content = raw.get("content")
-    if content is not None and not isinstance(content, str):
-        raise OpenAIError(f"{where}.content: Input should be a valid string", "messages")
+    content = raw.get("content", "")  # left out by the ollama client when empty
     if raw.get("images"):
         raise OpenAIError(
             f"{where}.images: this model reads text only; images are not supported", "messages"
         )
-    message: dict[str, Any] = {"role": raw["role"], "content": content or ""}
+    message: dict[str, Any] = {"role": raw["role"], "content": content}
     calls = raw.get("tool_calls")
     if calls:
         if not isinstance(calls, list):
@@ -302,13 +305,9 @@ def ollama_generate_request(
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """``(native /generate body or None for an empty prompt, what the answer needs)`` of an
     ``/api/generate`` body, through ``completion_request``."""
-    _check(body, ("model", "prompt"))
+    body = _typed(checked_ollama_generate, body)
     prompt = body["prompt"]
-    if not isinstance(prompt, str):
-        raise OpenAIError("prompt: Input should be a valid string", "prompt")
     system = body.get("system")
-    if system is not None and not isinstance(system, str):
-        raise OpenAIError("system: Input should be a valid string", "system")
     if body.get("images"):
         raise OpenAIError("images: this model reads text only; images are not supported")
     if system:
@@ -388,8 +387,7 @@ def tags(served: str) -> dict[str, Any]:
 
 def show(body: Any, context_length: int) -> dict[str, Any]:
     """SGLang's ``get_show`` of the model ``body`` names (any name: this engine serves one)."""
-    _check(body, ("model",))
-    model = body["model"]
+    model = _typed(checked_ollama_show, body)["model"]
     family = model.split("/")[-1]
     for suffix in ("-Instruct", "-Chat", "-Base"):
         if family.endswith(suffix):
@@ -418,29 +416,23 @@ def show(body: Any, context_length: int) -> dict[str, Any]:
 # ---- shared -----------------------------------------------------------------------------------
 
 
-def _check(body: Any, required: tuple[str, ...]) -> None:
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    for name in required:
-        if name not in body:
-            raise OpenAIError(f"{name}: Field required", name)
-    if not isinstance(body.get("model"), str) and "model" in required:
-        raise OpenAIError("model: Input should be a valid string", "model")
+def _typed(check: Any, body: Any) -> dict[str, Any]:
+    """``body``'s fields typed as SGLang's request model types them
+    (``stages.engine.request_fields``); what it refuses, in its validation error's shape
+    (SGLang's ``ErrorResponse``, not Ollama's ``{error}``: FastAPI answers it)."""
+    try:
+        return check(body)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), kind=BAD_REQUEST) from None
 
 
 def _stream(body: dict[str, Any]) -> bool:
-    stream = body.get("stream", True)  # Ollama streams unless told not to
-    if not isinstance(stream, bool):
-        raise OpenAIError("stream: Input should be a valid boolean", "stream")
-    return stream
+    return body.get("stream", True)  # Ollama streams unless told not to
 
 
 def _sampling(raw: Any, out: dict[str, Any]) -> None:
     """``options`` as the OpenAI route's fields (``num_predict`` kept for ``_limit``)."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise OpenAIError("options: Input should be a valid dictionary", "options")
+    raw = raw or {}
     for name, field in _OPTIONS.items():
         if raw.get(name) is not None:
             out[field] = raw[name]
@@ -453,17 +445,15 @@ def _sampling(raw: Any, out: dict[str, Any]) -> None:
 
 def _format(raw: Any, out: dict[str, Any]) -> None:
     """``format``: ``json`` (any JSON object) or a JSON schema, as ``response_format``."""
-    if raw in (None, ""):
+    if raw is None:
         return
     if raw == "json":
         out["response_format"] = {"type": "json_object"}
-    elif isinstance(raw, dict):
+    else:  # a JSON schema (request_fields: "json", a dictionary or null)
         out["response_format"] = {
             "type": "json_schema",
             "json_schema": {"name": "format", "schema": raw},
         }
-    else:
-        raise OpenAIError("format: Input should be 'json' or a JSON schema", "format")
 
 
 def _think(raw: Any, chat_body: dict[str, Any]) -> None:
@@ -473,10 +463,8 @@ def _think(raw: Any, chat_body: dict[str, Any]) -> None:
         return
     if raw is True or raw is False:
         chat_body["reasoning_effort"] = "medium" if raw else "none"
-    elif raw in ("low", "medium", "high"):
+    else:  # low, medium or high (request_fields.OllamaChatFields)
         chat_body["reasoning_effort"] = raw
-    else:
-        raise OpenAIError("think: Input should be a boolean or 'low', 'medium', 'high'", "think")
 
 
 def _limit(native: dict[str, Any], body: dict[str, Any], left: int | None = None) -> None:

@@ -1183,12 +1183,15 @@ def route_refusal(route: str, exc: ValueError) -> dict[str, Any]:
     """``refusal(exc)``, in the Responses route's envelope on ``responses``, Anthropic's on
     ``messages``, Ollama's on its routes."""
     refused = refusal(exc)
-    if route.startswith("ollama_"):
-        return {"error": refused["message"]}
+    if route.startswith("ollama_"):  # a body its model refuses: FastAPI's answer, SGLang's shape
+        return refused if refused["type"] == BAD_REQUEST else {"error": refused["message"]}
     if route == "messages":
         from stages.engine.anthropic_messages import error_body
 
-        return error_body(refused["message"], getattr(exc, "status", 400))
+        message = refused["message"]
+        if refused["type"] == BAD_REQUEST and len(message) > 500:  # SGLang's digest, cut
+            message = message[:500] + "…"
+        return error_body(message, getattr(exc, "status", 400))
     if route != "responses":
         return refused
     kind = refused["type"] if refused["type"] == BAD_REQUEST else "invalid_request_error"

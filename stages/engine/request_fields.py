@@ -20,8 +20,15 @@ from typing_extensions import Required, TypedDict
 
 __all__ = [
     "checked_chat",
+    "checked_classify",
     "checked_completion",
+    "checked_count_tokens",
     "checked_detokenize",
+    "checked_embedding",
+    "checked_messages",
+    "checked_ollama_chat",
+    "checked_ollama_generate",
+    "checked_ollama_show",
     "checked_rerank",
     "checked_responses",
     "checked_score",
@@ -320,48 +327,142 @@ class RerankFields(TypedDict, total=False):  # V1RerankReqInput
     return_documents: bool
 
 
-_COMPLETION = TypeAdapter(CompletionFields)
-_CHAT = TypeAdapter(ChatFields)
-_TOKENIZE = TypeAdapter(TokenizeFields)
-_DETOKENIZE = TypeAdapter(DetokenizeFields)
-_RESPONSES = TypeAdapter(ResponsesFields)
-_SCORE = TypeAdapter(ScoreFields)
-_RERANK = TypeAdapter(RerankFields)
+class EmbeddingFields(TypedDict, total=False):  # EmbeddingRequest
+    input: Required[str | list[Any]]  # its own check: encode_routes._input_prompt
+    model: str
+    encoding_format: str
+    dimensions: int | None
+    user: str | None
+    rid: OneOrMany
+    priority: int | None
+    lora_path: list[str | None] | str | None
+    embed_override_token_id: int | None
+    embed_overrides: list[list[list[float]] | None] | None
 
 
-def checked_completion(body: Any) -> dict[str, Any]:
-    """``body`` with its fields as SGLang's ``CompletionRequest`` reads them; ValueError
-    (``validation_message``'s) when it refuses them."""
-    return _checked(_COMPLETION, body)
+class ClassifyFields(TypedDict, total=False):  # ClassifyRequest
+    model: str
+    input: Required[str | list[str] | list[int]]
+    user: str | None
+    rid: OneOrMany
+    priority: int | None
 
 
-def checked_chat(body: Any) -> dict[str, Any]:
-    """``body`` with its fields as SGLang's ``ChatCompletionRequest`` reads them."""
-    return _checked(_CHAT, body)
+def _model_named(value: str) -> str:
+    """AnthropicMessagesRequest's ``_validate_model``."""
+    if not value:
+        raise ValueError("Model is required")
+    return value
+
+
+class CountTokensFields(TypedDict, total=False):  # AnthropicCountTokensRequest
+    model: Required[str]
+    messages: Required[list[Any]]  # each its own check: anthropic_messages._check
+    system: Any  # str or blocks: anthropic_messages._check_content
+    thinking: Any  # its own check: anthropic_messages._thinking
+    tool_choice: Any  # its own check: anthropic_messages._tools
+    tools: Any
+    output_config: Any  # its own check: anthropic_messages._output_config
+    betas: list[str] | None
+
+
+class MessagesFields(_Routing, total=False):  # AnthropicMessagesRequest
+    model: Required[Annotated[str, AfterValidator(_model_named)]]
+    messages: Required[list[Any]]
+    max_tokens: Required[Annotated[int, AfterValidator(_positive)]]
+    metadata: dict[str, Any] | None
+    stop_sequences: list[str] | None
+    stream: bool | None
+    system: Any
+    temperature: float | None
+    thinking: Any
+    tool_choice: Any
+    tools: Any
+    top_k: int | None
+    top_p: float | None
+    output_config: Any
+    betas: list[str] | None
+
+
+class OllamaMessage(TypedDict, total=False):  # extra keys kept: tool_calls, tool_name
+    __pydantic_config__ = {"extra": "allow"}
+    role: Required[str]
+    # required by SGLang 0.5.23's OllamaMessage, which then refuses every tool-call history
+    # the ollama Python client sends (it leaves out an empty content): missing is empty here
+    content: str
+    images: list[str] | None
+
+
+class OllamaChatFields(TypedDict, total=False):  # ollama/protocol.py OllamaChatRequest
+    model: Required[str]
+    messages: Required[list[OllamaMessage]]
+    stream: bool
+    format: Literal["json"] | dict[str, Any] | None
+    options: dict[str, Any] | None
+    keep_alive: float | str | None
+    think: bool | Literal["low", "medium", "high"] | None
+
+
+class OllamaGenerateFields(TypedDict, total=False):  # OllamaGenerateRequest
+    model: Required[str]
+    prompt: Required[str]
+    suffix: str | None
+    system: str | None
+    template: str | None
+    context: list[int] | None
+    stream: bool
+    raw: bool
+    format: Literal["json"] | dict[str, Any] | None
+    options: dict[str, Any] | None
+    keep_alive: float | str | None
+    images: list[str] | None
+    think: bool | None
+
+
+class OllamaShowFields(TypedDict, total=False):  # OllamaShowRequest
+    model: Required[str]
+
+
+class Checker:
+    """A body's fields as one SGLang request model reads them (``fields``: its TypedDict
+    here): ``checker(body)`` is ``body`` with the converted values written back (other keys
+    as they are); ValueError with ``validation_message``'s words when it refuses them."""
+
+    def __init__(self, fields: type) -> None:
+        self.adapter: TypeAdapter[Any] = TypeAdapter(fields)
+
+    def __call__(self, body: Any) -> dict[str, Any]:
+        try:
+            typed = self.adapter.validate_python(body)
+        except ValidationError as exc:
+            raise ValueError(validation_message(exc)) from None
+        body.update(typed)  # the converted values: "2" is 2 from here on, as in SGLang
+        return body
+
+
+checked_completion = Checker(CompletionFields)
+checked_chat = Checker(ChatFields)
+checked_detokenize = Checker(DetokenizeFields)
+checked_score = Checker(ScoreFields)
+checked_rerank = Checker(RerankFields)
+checked_embedding = Checker(EmbeddingFields)
+checked_classify = Checker(ClassifyFields)
+checked_messages = Checker(MessagesFields)
+checked_count_tokens = Checker(CountTokensFields)
+checked_ollama_chat = Checker(OllamaChatFields)
+checked_ollama_generate = Checker(OllamaGenerateFields)
+checked_ollama_show = Checker(OllamaShowFields)
+_tokenize = Checker(TokenizeFields)
+_responses = Checker(ResponsesFields)
 
 
 def checked_tokenize(body: Any) -> dict[str, Any]:
     """``body`` with its fields as SGLang's ``TokenizeRequest`` reads them (a chat request's
     other fields are the chat route's to check)."""
-    body = _checked(_TOKENIZE, body)
+    body = _tokenize(body)
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise ValueError("Value error, Exactly one of 'prompt' or 'messages' must be provided.")
     return body
-
-
-def checked_detokenize(body: Any) -> dict[str, Any]:
-    """``body`` with its fields as SGLang's ``DetokenizeRequest`` reads them."""
-    return _checked(_DETOKENIZE, body)
-
-
-def checked_score(body: Any) -> dict[str, Any]:
-    """``body`` with its fields as SGLang's ``ScoringRequest`` reads them."""
-    return _checked(_SCORE, body)
-
-
-def checked_rerank(body: Any) -> dict[str, Any]:
-    """``body`` with its fields as SGLang's ``V1RerankReqInput`` reads them."""
-    return _checked(_RERANK, body)
 
 
 def checked_responses(body: Any) -> dict[str, Any]:
@@ -381,16 +482,7 @@ def checked_responses(body: Any) -> dict[str, Any]:
                     "enable_thinking": False,
                     **given,
                 }
-    return _checked(_RESPONSES, body)
-
-
-def _checked(adapter: TypeAdapter[Any], body: Any) -> dict[str, Any]:
-    try:
-        fields = adapter.validate_python(body)
-    except ValidationError as exc:
-        raise ValueError(validation_message(exc)) from None
-    body.update(fields)  # the converted values: "2" is 2 from here on, as in SGLang
-    return body
+    return _responses(body)
 
 
 def validation_message(exc: ValidationError) -> str:

@@ -210,6 +210,12 @@ def test_what_sglang_refuses_is_refused_in_its_words(engine, claude, model) -> N
         ({"tool_choice": {"type": "any"}}, "tool_choice='any' requires at least one custom tool"),
         ({"messages": [{"role": "user", "content": [{"type": "document"}]}]},
          "messages.0.content.0: Input tag 'document' found using 'type'"),
+        # its scalar fields' types, as pydantic reads them (request_fields.MessagesFields)
+        ({"stream": "maybe"}, "stream: Input should be a valid boolean"),
+        ({"top_k": 2.5}, "top_k: Input should be a valid integer, got a number"),
+        ({"stop_sequences": "END"}, "stop_sequences: Input should be a valid list"),
+        ({"model": ""}, "model: Value error, Model is required"),
+        ({"stop_sequences": ["END", 1]}, "stop_sequences.1: Input should be a valid str"),
     ]  # fmt: skip
     for more, words in cases:
         body = {k: v for k, v in {**hello, **more}.items() if v is not None}
@@ -222,6 +228,12 @@ def test_what_sglang_refuses_is_refused_in_its_words(engine, claude, model) -> N
     assert answer.status_code == 400 and answer.json()["error"]["message"] == (
         "header.content-type: Unsupported Media Type: Only 'application/json' is allowed"
     )
+    status, answer = _raw(engine, "/v1/messages", {**hello, "stop_sequences": [1] * 30})
+    assert status == 400 and len(answer["error"]["message"]) == 501  # SGLang's digest: cut
+    assert answer["error"]["message"].endswith("…")
+    lax = {**hello, "max_tokens": "2", "temperature": "0", "stream": "false"}
+    status, answer = _raw(engine, "/v1/messages", lax)  # pydantic's conversions, as SGLang's
+    assert status == 200 and answer["usage"]["output_tokens"] <= 2, answer
     with pytest.raises(anthropic.BadRequestError):  # the client reads the envelope
         claude.messages.create(**{**hello, "max_tokens": 0})
     # server tools are accepted and not used; unknown keys ignored

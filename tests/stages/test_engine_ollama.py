@@ -252,23 +252,34 @@ def test_bad_requests_get_ollamas_error_and_are_counted(llama, engine) -> None: 
     with pytest.raises(ollama.ResponseError) as caught:
         llama.chat(model="any", messages=[{"role": "user", "content": "ab", "images": ["aGk="]}])
     assert caught.value.status_code == 400 and "images" in caught.value.error
+    # what SGLang's request models refuse: FastAPI's answer, SGLang's ErrorResponse shape
     for path, body, words in (
         ("/api/chat", {"model": "m"}, "messages: Field required"),
-        ("/api/chat", {"model": "m", "messages": [{"content": "x"}]}, "messages.0.role"),
-        ("/api/chat", {"model": "m", "messages": [], "options": []}, "options"),
-        ("/api/chat", {"model": "m", "messages": [], "think": "very"}, "think"),
-        ("/api/generate", {"model": "m", "prompt": 5}, "prompt"),
-        ("/api/generate", {"prompt": "x"}, "model: Field required"),
-        ("/api/show", {}, "model: Field required"),
+        ("/api/chat", {"model": "m", "messages": [{"content": "x"}]}, "messages.0.role: Field"),
         (
             "/api/chat",
-            {"model": "m", "messages": [{"role": "user", "content": "a " * 9000}]},
-            "leaves no room",
+            {"model": "m", "messages": [{"role": "user", "content": 1}]},
+            "messages.0.content: Input should be a valid string",
         ),
+        ("/api/chat", {"model": "m", "messages": [], "options": []}, "options: Input should"),
+        ("/api/chat", {"model": "m", "messages": [], "think": "very"}, "think.literal"),
+        ("/api/chat", {"model": "m", "messages": [], "stream": None}, "stream: Input should"),
+        ("/api/generate", {"model": "m", "prompt": 5}, "prompt: Input should be a valid str"),
+        ("/api/generate", {"prompt": "x"}, "model: Field required"),
+        ("/api/show", {}, "model: Field required"),
     ):
         answer = requests.post(engine.url + path, json=body, timeout=30)
         assert answer.status_code == 400, (path, body)
-        assert words in answer.json()["error"], answer.text
-    assert _refused(engine) - before == 9
+        assert words in answer.json()["message"], answer.text
+        assert answer.json()["type"] == "Bad Request" and answer.json()["param"] is None
+    # the route's own refusals: Ollama's {error}
+    too_long = {"model": "m", "messages": [{"role": "user", "content": "a " * 9000}]}
+    answer = requests.post(engine.url + "/api/chat", json=too_long, timeout=30)
+    assert answer.status_code == 400 and "leaves no room" in answer.json()["error"]
+    assert _refused(engine) - before == 11
+    lax = {"model": "m", "messages": [{"role": "user", "content": "ab"}], "stream": "false",
+           "think": 0, "options": {"num_predict": 1}}  # fmt: skip
+    answer = requests.post(engine.url + "/api/chat", json=lax, timeout=30)
+    assert answer.status_code == 200 and answer.json()["done"] is True  # one answer, no stream
     assert llama.chat(model="any", messages=[{"role": "user", "content": "ab"}], think=False,
                       options={"num_predict": 2}).done  # fmt: skip

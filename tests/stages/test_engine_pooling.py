@@ -258,6 +258,11 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
         (embedder, "/v1/embeddings", {"input": ["w5", "  "]}, "index 1 cannot be empty"),
         (embedder, "/v1/embeddings", {"input": [5, -1]}, "must be non-negative"),
         (embedder, "/v1/embeddings", {"input": "w5", "encoding_format": "hex"}, "'float' or"),
+        # EmbeddingRequest's and ClassifyRequest's own types (pydantic's words in SGLang's 400)
+        (embedder, "/v1/embeddings", {"input": "w5", "dimensions": "x"}, "valid integer"),
+        (embedder, "/v1/embeddings", {"input": "w5", "user": 1}, "valid string"),
+        (reward, "/v1/classify", {"input": [[5]]}, "valid string"),
+        (reward, "/v1/classify", {"input": "w5", "priority": "high"}, "valid integer"),
     ]
     ours = [  # what SGLang takes, ignores or fails on otherwise, refused here
         (reward, "/classify", {"text": "w5", "input_ids": [5]}, "exactly one of input_ids"),
@@ -274,6 +279,11 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
         assert status == 400, (path, body, out)
         message = out["message"] if "message" in out else out["error"]["message"]
         assert words in message, (path, body, message)
+    # other keys ignored, as SGLang's models ignore them; what pydantic converts, converted
+    status, out = embedder.request(
+        "POST", "/v1/embeddings", {"input": "w5", "bogus": 1, "rid": "r1", "priority": "2"}
+    )
+    assert status == 200 and len(out["data"]) == 1, out
     for engine in (reward, embedder):
         assert engine.request("GET", "/health_generate")[0] == 200  # still serving
         if not _real(engine):

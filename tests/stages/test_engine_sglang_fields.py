@@ -1,6 +1,7 @@
 """The request fields of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/tokenize``,
-``/v1/detokenize``, ``/v1/responses``, ``/v1/score`` and ``/v1/rerank``
-(``stages.engine.request_fields``) against SGLang
+``/v1/detokenize``, ``/v1/responses``, ``/v1/score``, ``/v1/rerank``, ``/v1/embeddings``,
+``/v1/classify``, ``/v1/messages`` (and ``count_tokens``) and Ollama's ``/api/chat``,
+``/api/generate`` and ``/api/show`` (``stages.engine.request_fields``) against SGLang
 0.5.23's own pydantic models: the same fields in the same order, and for every field and a
 spread of JSON values, the same answer: refused by both, or taken by both with the same
 converted value.
@@ -17,6 +18,8 @@ from typing import Any
 import pytest
 
 protocol: Any = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
+anthropic: Any = pytest.importorskip("sglang.srt.entrypoints.anthropic.protocol")
+ollama: Any = pytest.importorskip("sglang.srt.entrypoints.ollama.protocol")
 
 from stages.engine import request_fields  # noqa: E402
 
@@ -33,6 +36,8 @@ VALUES = [
     "flex", "disabled", ["message.output_text.logprobs"], ["bogus"], {"effort": "none"},
     {"effort": "low", "summary": "auto", "x": 1}, {"effort": 1}, {"summary": "long"},
     [[1.0, 2]], [[[1.0]], None], [[["x"]]], ["a", ["b"]], [["a"]], ["a", [{"type": "text"}]],
+    "json", "5m", 300, "low", "", [{"role": "user", "content": "x"}], [{"role": "user"}],
+    [{"role": 1, "content": "x"}], [{"role": "user", "content": "x", "images": "a"}],
 ]  # fmt: skip
 # a field checked by the route itself (its SGLang message): typed loosely here
 ROUTES_OWN = {
@@ -44,6 +49,15 @@ ROUTES_OWN = {
     "ResponsesRequest": {"input", "tools", "text"},
     "ScoringRequest": set(),
     "V1RerankReqInput": {"query", "documents"},
+    "EmbeddingRequest": {"input"},
+    "ClassifyRequest": set(),
+    "AnthropicMessagesRequest": {"messages", "system", "thinking", "tool_choice", "tools",
+                                 "output_config"},
+    "AnthropicCountTokensRequest": {"messages", "system", "thinking", "tool_choice", "tools",
+                                    "output_config"},
+    "OllamaChatRequest": {"messages"},  # typed, with content optional (request_fields says why)
+    "OllamaGenerateRequest": set(),
+    "OllamaShowRequest": set(),
 }  # fmt: skip
 CASES = [
     (protocol.CompletionRequest, request_fields.checked_completion, {"prompt": "hi"}),
@@ -53,6 +67,25 @@ CASES = [
     (protocol.ResponsesRequest, request_fields.checked_responses, {"input": "hi"}),
     (protocol.ScoringRequest, request_fields.checked_score, {}),
     (protocol.V1RerankReqInput, request_fields.checked_rerank, {"query": "q", "documents": []}),
+    (protocol.EmbeddingRequest, request_fields.checked_embedding, {"input": "hi"}),
+    (protocol.ClassifyRequest, request_fields.checked_classify, {"input": "hi"}),
+    (
+        anthropic.AnthropicMessagesRequest,
+        request_fields.checked_messages,
+        {"model": "m", "messages": [], "max_tokens": 4},
+    ),
+    (
+        anthropic.AnthropicCountTokensRequest,
+        request_fields.checked_count_tokens,
+        {"model": "m", "messages": []},
+    ),
+    (ollama.OllamaChatRequest, request_fields.checked_ollama_chat, {"model": "m", "messages": []}),
+    (
+        ollama.OllamaGenerateRequest,
+        request_fields.checked_ollama_generate,
+        {"model": "m", "prompt": "hi"},
+    ),
+    (ollama.OllamaShowRequest, request_fields.checked_ollama_show, {"model": "m"}),
 ]
 ADAPTERS = {
     "CompletionRequest": request_fields.CompletionFields,
@@ -62,6 +95,13 @@ ADAPTERS = {
     "ResponsesRequest": request_fields.ResponsesFields,
     "ScoringRequest": request_fields.ScoreFields,
     "V1RerankReqInput": request_fields.RerankFields,
+    "EmbeddingRequest": request_fields.EmbeddingFields,
+    "ClassifyRequest": request_fields.ClassifyFields,
+    "AnthropicMessagesRequest": request_fields.MessagesFields,
+    "AnthropicCountTokensRequest": request_fields.CountTokensFields,
+    "OllamaChatRequest": request_fields.OllamaChatFields,
+    "OllamaGenerateRequest": request_fields.OllamaGenerateFields,
+    "OllamaShowRequest": request_fields.OllamaShowFields,
 }
 
 
@@ -118,3 +158,18 @@ def test_every_field_is_refused_or_converted_as_sglang_does(
             elif took and field in ours and not _same(getattr(theirs, field), ours[field]):
                 differences.append((field, value, getattr(theirs, field), ours[field]))
     assert not differences, differences
+
+
+def test_ollama_messages_are_sglangs_but_a_missing_content_is_empty() -> None:
+    base = {"model": "m"}
+    for value in VALUES:
+        body = {**base, "messages": value}
+        (took, _), (ours_took, _) = (
+            _sglang(ollama.OllamaChatRequest, body),
+            _ours(request_fields.checked_ollama_chat, body),
+        )
+        lacking = isinstance(value, list) and any(
+            isinstance(m, dict) and "content" not in m for m in value
+        )
+        assert took == ours_took or (lacking and ours_took), value
+    assert not _sglang(ollama.OllamaChatRequest, {**base, "messages": [{"role": "user"}]})[0]
