@@ -67,6 +67,7 @@ from aiohttp import web
 
 from pipeline import heap
 from stages.detokenize import decoder
+from stages.engine import generate_contract
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.engine_metrics import EngineMetrics
@@ -302,6 +303,9 @@ def _refused(request: web.Request, status: int, message: str) -> None:
 async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         body = await json_body(request)
+        refused = generate_contract.refusal(body)  # SGLang's checks before its route
+        if refused is not None:
+            return refused
         if isinstance(body, dict) and body.get("stream") is True:
             return await write_events(
                 request,

@@ -160,18 +160,29 @@ def test_samples_of_one_prompt_get_what_sglangs_parallel_sampling_gives(
         assert torch.allclose(block, want[-1:] if cached else want, atol=TOL)
 
 
+# SGLang 0.5.23's JSON contract gate on "last" (api_types.decode_BoolOrList)
+GATE_LAST = 'invalid type: string "last", expected a value or an array of values for BoolOrList'
+
+
 @pytest.mark.timeout(60)
 def test_generate_answers_them_in_meta_info(url: str, reference: torch.nn.Module) -> None:
     requests.post(url + "/flush_cache", timeout=30)  # the whole prompt computed: its block
     body = {"input_ids": PROMPT, "sampling_params": GREEDY, "return_hidden_states": True}
     out = requests.post(url + "/generate", json=body, timeout=60).json()
     _check_full(out["meta_info"]["hidden_states"], reference, out["output_ids"])
-    # "last": the state the last token was drawn from, a vector
-    out = requests.post(
-        url + "/generate", json={**body, "return_hidden_states": "last"}, timeout=60
-    ).json()
-    want = _final_hidden(reference, PROMPT + out["output_ids"][:-1])[-1]
-    assert torch.allclose(torch.tensor(out["meta_info"]["hidden_states"]), want, atol=TOL)
+    # "last" (the state the last token was drawn from, a vector): GenerateReqInput takes it,
+    # SGLang 0.5.23's JSON contract gate (a BoolOrList) refuses it on /generate; the /v1
+    # routes ask for it past the gate
+    last = {**body, "return_hidden_states": "last"}
+    refused = requests.post(url + "/generate", json=last, timeout=60)
+    assert refused.status_code == 400 and refused.json() == {"error": GATE_LAST}
+    completion = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                  "return_hidden_states": "last", "return_token_ids": True}  # fmt: skip
+    (choice,) = requests.post(url + "/v1/completions", json=completion, timeout=60).json()[
+        "choices"
+    ]
+    want = _final_hidden(reference, PROMPT + choice["token_ids"][:-1])[-1]
+    assert torch.allclose(torch.tensor(choice["hidden_states"]), want, atol=TOL)
     # a cached prompt is not computed again: its block holds what this prefill computed
     again = requests.post(url + "/generate", json=body, timeout=60).json()["meta_info"]
     assert again["cached_tokens"] > 0
@@ -179,11 +190,12 @@ def test_generate_answers_them_in_meta_info(url: str, reference: torch.nn.Module
     # a batch says it per prompt; false, or absent, returns none
     batch = {"input_ids": [PROMPT, PROMPT[:4]], "sampling_params": GREEDY}
     outs = requests.post(
-        url + "/generate", json={**batch, "return_hidden_states": [False, "last"]}, timeout=60
+        url + "/generate", json={**batch, "return_hidden_states": [False, True]}, timeout=60
     ).json()
     assert "hidden_states" not in outs[0]["meta_info"]
+    steps = outs[1]["meta_info"]["hidden_states"][1:]  # after the prompt's block
     want = _final_hidden(reference, PROMPT[:4] + outs[1]["output_ids"][:-1])[-1]
-    assert torch.allclose(torch.tensor(outs[1]["meta_info"]["hidden_states"]), want, atol=TOL)
+    assert torch.allclose(torch.tensor(steps[-1]), want, atol=TOL)
     # n > 1: SGLang prefills the prompt in a warm-up request, so each sample's own prefill
     # computes its last position alone (TokenizerManager, parallel sampling)
     requests.post(url + "/flush_cache", timeout=30)
@@ -232,26 +244,10 @@ def test_a_stream_carries_them_so_far_in_every_chunk(url: str, reference: torch.
         assert len(hidden) == len(chunk["output_ids"])
         assert len(hidden[0]) == len(PROMPT)
     _check_full(chunks[-1]["meta_info"]["hidden_states"], reference, chunks[-1]["output_ids"])
-    # "last": each chunk the state its newest token was drawn from
-    states = _final_hidden(reference, PROMPT + chunks[-1]["output_ids"][:-1])
-    lasts = []
-    slowed = requests.post(url + "/slow_down", json={"forward_sleep_time": 0.03}, timeout=30)
-    try:
-        with requests.post(
-            url + "/generate",
-            json={**body, "stream": True, "return_hidden_states": "last"},
-            stream=True,
-        ) as r:
-            for line in r.iter_lines():
-                if line and line != b"data: [DONE]":
-                    lasts.append(json.loads(line.removeprefix(b"data: ")))
-    finally:
-        requests.post(url + "/slow_down", json={"forward_sleep_time": None}, timeout=30)
-    assert slowed.status_code == 200 and len(lasts) > 2
-    for chunk in lasts:
-        at = len(PROMPT) + len(chunk["output_ids"]) - 2
-        got = torch.tensor(chunk["meta_info"]["hidden_states"])
-        assert torch.allclose(got, states[at], atol=TOL)
+    # "last": refused before anything is sent, as SGLang 0.5.23's contract gate refuses it
+    last = {**body, "stream": True, "return_hidden_states": "last"}
+    refused = requests.post(url + "/generate", json=last, timeout=60)
+    assert refused.status_code == 400 and refused.json() == {"error": GATE_LAST}
 
 
 @pytest.mark.timeout(60)
@@ -328,8 +324,10 @@ def test_what_the_server_does_not_return_is_refused_in_sglangs_words(model: Path
         assert info["return_hidden_states_mode"] == "last"
         assert info["enable_return_hidden_states"] is True  # as SGLang resolves them
         body = {"input_ids": PROMPT, "sampling_params": GREEDY}
-        ok = requests.post(url + "/generate", json={**body, "return_hidden_states": "last"})
-        assert ok.status_code == 200 and "hidden_states" in ok.json()["meta_info"]
+        # "last" reaches it through the /v1 routes only (/generate's contract gate refuses it)
+        completion = {"prompt": PROMPT, "max_tokens": 2, "return_hidden_states": "last"}
+        ok = requests.post(url + "/v1/completions", json=completion, timeout=60)
+        assert ok.status_code == 200 and "hidden_states" in ok.json()["choices"][0]
         refused = requests.post(url + "/generate", json={**body, "return_hidden_states": True})
         assert refused.status_code == 400
         assert "exceeds the server maximum `last`" in refused.text

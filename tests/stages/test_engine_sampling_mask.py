@@ -234,12 +234,19 @@ def test_what_sglang_refuses_is_refused_in_its_words(url: str) -> None:
             {"return_sampling_mask": True, "sampling_logprobs_mode": "all"},
             "Input should be 'selected' or 'support'",
         ),
-        ({"return_sampling_mask": "yes"}, "return_sampling_mask: expected bool"),
+        # the JSON contract: BoolOrList ("yes" gets past GenerateReqInput's lax bool)
+        (
+            {"return_sampling_mask": "yes"},
+            'invalid type: string "yes", expected a value or an array of values for BoolOrList',
+        ),
     ]
     for body, words in cases:
         resp = _generate(url, **body)
         assert resp.status_code == 400, body
-        assert words in resp.json()["error"]["message"], resp.text
+        answer = resp.json()  # the route's {error: {message}}, the contract's {error: text}
+        error = answer.get("error")
+        text = answer.get("message") or (error if isinstance(error, str) else error["message"])
+        assert words in text, resp.text
     ok = _generate(url, return_sampling_mask=True, sampling_params={"top_k": 64})
     assert ok.status_code == 200  # at the limit
 

@@ -569,36 +569,38 @@ def test_update_weight_version_aborts_everything_unless_told_not_to(engine: Engi
     engine.request("POST", "/update_weight_version", {"new_version": "0"})
 
 
+# the JSON contract gate's refusals: 400 {"error": "<serde's words>"} (generate_contract)
+CONTRACT = "contract"
 BAD_REQUESTS = [
     (b"{not json", "body"),
     (b"[1, 2]", "body"),
     ({"input_ids": []}, "input_ids"),
-    ({"input_ids": [1, "x"]}, "input_ids[1]"),
+    (
+        {"input_ids": [1, "x"]},
+        "input_ids: Value error, contains non-int64 element",
+    ),  # GenerateReqInput
     ({"input_ids": [1, 128]}, "input_ids[1]"),
     ({"input_ids": [1, -1]}, "input_ids[1]"),
     ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
     ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
-    (
-        {"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}},
-        "sampling_params.max_new_tokens",
-    ),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}}, CONTRACT),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10_000}}, "input_ids"),
-    ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+    ({"input_ids": [1], "sampling_params": {"bogus": 1}}, CONTRACT),
     (
         {"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}},
         "sampling_params.frequency_penalty",
     ),
-    ({"input_ids": [1], "sampling_params": "fast"}, "sampling_params"),
-    ({"input_ids": [1], "stream": 1}, "stream"),
+    ({"input_ids": [1], "sampling_params": "fast"}, "sampling_params.list[dict[str,any]]: "),
+    ({"input_ids": [1], "stream": 1}, CONTRACT),
     ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
     ({"input_ids": [1], "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
-    ({"input_ids": [1], "logprob_start_len": "0"}, "logprob_start_len"),
+    ({"input_ids": [1], "logprob_start_len": "0"}, CONTRACT),
     ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
     ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 129}, "top_logprobs_num"),
     ({"input_ids": [1], "whatever": 1}, "whatever"),
     ({"input_ids": [[1], []]}, "input_ids[1]"),
-    ({"text": 5}, "text"),
+    ({"text": 5}, "text.list[str]: Input should be a valid list"),
     ({}, "input_ids"),
     # SGLang's rule: every entry of a sampling_params list asks for the same n
     (
@@ -606,12 +608,12 @@ BAD_REQUESTS = [
         "sampling_params[1].n",
     ),
     ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n"),
-    ({"input_ids": [1], "sampling_params": {"n": "2"}}, "sampling_params.n"),
+    ({"input_ids": [1], "sampling_params": {"n": "2"}}, CONTRACT),
     ({"input_ids": [1], "sampling_params": {"n": 2}, "rid": ["a", "b"]}, "rid"),
     ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
     # SGLang 0.5.23's fields beyond their neutral values: what the engine does not have
     ({"input_ids": [1], "data_parallel_rank": 1}, "data_parallel_rank"),
-    ({"input_ids": [1], "extra_key": 5}, "extra_key"),
+    ({"input_ids": [1], "extra_key": 5}, "extra_key.list[str]: Input should be a valid list"),
     ({"input_ids": [[1], [2]], "cache_salt": ["a"]}, "cache_salt"),
     ({"input_ids": [1], "max_thinking_tokens": 64}, "max_thinking_tokens"),
     ({"input_ids": [1], "return_routed_experts": True}, "return_routed_experts"),
@@ -625,17 +627,28 @@ BAD_REQUESTS = [
     ({"input_ids": [1], "sampling_params": {"watermark": {"key": "ab"}}}, "sampling_params"),
     # priority: a signed 64-bit integer (TokenizerManager._set_default_priority)
     ({"input_ids": [1], "priority": 1 << 63}, "priority"),
-    ({"input_ids": [1], "priority": "high"}, "priority"),
+    ({"input_ids": [1], "priority": "high"}, "priority: Input should be a valid integer"),
 ]
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("body", "field"), BAD_REQUESTS)
 def test_bad_requests_get_400_naming_the_field(engine: Engine, body: Any, field: str) -> None:
+    """In SGLang 0.5.23's three shapes: GenerateReqInput's types (its validation handler's
+    ErrorResponse, ``type: "Bad Request"``), the JSON contract (``{error: text}``, its words
+    checked in test_the_contract_gate_answers_in_sglangs_words), the route's own checks
+    (``{error: {message}}``, the field first)."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     status, answer = engine.request("POST", "/generate", raw=raw)
     assert status == 400, answer
-    assert answer["error"]["message"].startswith(field), answer
+    if field == CONTRACT:
+        assert isinstance(answer["error"], str), answer
+        assert answer["error"].startswith(("invalid type", "unknown field")), answer
+    elif ":" in field:
+        assert answer["type"] == "Bad Request" and answer["param"] is None, answer
+        assert answer["message"].startswith(field), answer
+    else:
+        assert answer["error"]["message"].startswith(field), answer
     assert engine.request("GET", "/health")[0] == 200
 
 
