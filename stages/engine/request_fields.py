@@ -1,15 +1,19 @@
-"""The type of each field of a ``/v1/completions`` and ``/v1/chat/completions`` body, checked
-as SGLang 0.5.23 checks it before anything else runs: its pydantic request models
-(``srt/entrypoints/openai/protocol.py``: ``PDRoutingFields``, ``CompletionRequest``,
-``ChatCompletionRequest``, ``StreamOptions``), field for field in their order.
+"""The type of each field of a request body, checked as SGLang 0.5.23 checks it before its
+route runs: its pydantic request models, field for field in their order, one TypedDict each
+(``srt/entrypoints/openai/protocol.py``: ``CompletionRequest``, ``ChatCompletionRequest``,
+``TokenizeRequest``, ``DetokenizeRequest``, ``ResponsesRequest``, ``ScoringRequest``,
+``V1RerankReqInput``, ``EmbeddingRequest``, ``ClassifyRequest``; ``anthropic/protocol.py``;
+``ollama/protocol.py``), with their validators.
 
 pydantic's lax mode is part of the contract: SGLang takes ``"n": "2"``, ``"stream": 1`` or
-``"temperature": "0.5"`` and runs with the converted values, so ``checked`` writes those back
-into the body; it refuses ``"n": null``, ``"user": 1`` or ``"stream_options": false`` with a
-400 in the shape of its ``RequestValidationError`` handler (``type: "Bad Request"``,
-``param: null``). Fields whose check is a route's own (messages, tools, tool_choice,
-response_format, reasoning_effort: their contents, with SGLang's messages) are only typed
-loosely here; ranges and meanings stay with the routes."""
+``"temperature": "0.5"`` and runs with the converted values, so a ``Checker`` writes those back
+into the body; it refuses ``"n": null``, ``"user": 1`` or ``"stream_options": false``, which
+the routes answer in the shape of SGLang's ``RequestValidationError`` handler
+(``type: "Bad Request"``, ``param: null``). Other keys are left as they are, as SGLang's
+models ignore them. Fields whose check is a route's own (messages, tools, tool_choice,
+response_format, reasoning_effort, input items: their contents, in SGLang's words) are typed
+loosely here; ranges and meanings stay with the routes. ``/generate``'s dataclass and JSON
+contract: ``stages.engine.generate_contract``."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from pydantic import AfterValidator, Field, TypeAdapter, ValidationError
 from typing_extensions import Required, TypedDict
 
 __all__ = [
+    "Checker",
     "checked_chat",
     "checked_classify",
     "checked_completion",
