@@ -23,10 +23,10 @@ from aiohttp import web
 from pydantic import PlainValidator
 from typing_extensions import TypedDict
 
-from stages.engine.request_body import invalid
+from stages.engine.request_body import invalid, loads
 from stages.engine.request_fields import Checker
 
-__all__ = ["contract_error", "refusal"]
+__all__ = ["contract_error", "read", "refusal"]
 
 
 def _int64_rows(value: Any) -> Any:
@@ -151,11 +151,26 @@ class GenerateFields(TypedDict, total=False):  # GenerateReqInput, as pydantic r
 checked_generate = Checker(GenerateFields)
 
 
+def read(raw: bytes) -> tuple[Any, web.Response | None]:
+    """``(body, None)`` of a ``/generate`` request's bytes, or ``(None, SGLang's 400)``:
+    FastAPI's when they are no JSON (``json_invalid``, at the character it stopped at) or none
+    at all, then ``refusal``'s."""
+    if not raw:
+        return None, invalid("body: Field required")
+    try:
+        body = loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        return None, invalid(f"body.{getattr(exc, 'pos', 0)}: JSON decode error")
+    return body, refusal(body)
+
+
 def refusal(body: Any) -> web.Response | None:
     """SGLang's 400 for ``body`` when one of its two checks refuses it (its answer's shape
     says which), else None, with ``body``'s fields converted as the first one reads them."""
+    if not isinstance(body, dict):  # pydantic's words for a dataclass
+        return invalid("Input should be a dictionary or an instance of GenerateReqInput")
     try:
-        typed = checked_generate(dict(body) if isinstance(body, dict) else body)
+        typed = checked_generate(dict(body))
     except ValueError as exc:
         return invalid(str(exc))
     broken = contract_error(body)

@@ -302,9 +302,8 @@ def _refused(request: web.Request, status: int, message: str) -> None:
 
 async def _generate(request: web.Request) -> web.StreamResponse:
     try:
-        body = await json_body(request)
-        refused = generate_contract.refusal(body)  # SGLang's checks before its route
-        if refused is not None:
+        body, refused = generate_contract.read(await request.read())
+        if refused is not None:  # SGLang's checks before its route
             return refused
         if isinstance(body, dict) and body.get("stream") is True:
             return await write_events(

@@ -91,3 +91,22 @@ def test_generate_req_inputs_types_come_first_and_convert_as_pydantic_does() -> 
         with pytest.raises(ValueError) as info:
             checked_generate(bad)
         assert str(info.value).startswith(words), str(info.value)
+
+
+def test_bytes_that_are_no_object_are_refused_as_fastapi_refuses_them() -> None:
+    import json
+
+    from stages.engine.generate_contract import read
+
+    for raw, words in (
+        (b"", "body: Field required"),
+        (b'{"text": ', "body.9: JSON decode error"),
+        (b'"hi"', "Input should be a dictionary or an instance of GenerateReqInput"),
+    ):
+        body, refused = read(raw)
+        assert body is None or not isinstance(body, dict)
+        assert refused is not None and refused.status == 400
+        answer = json.loads(refused.body)
+        assert answer == {"object": "error", "message": words, "type": "Bad Request",
+                          "param": None, "code": 400}  # fmt: skip
+    assert read(b'{"text": "hi"}') == ({"text": "hi"}, None)
