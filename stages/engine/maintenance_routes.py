@@ -20,8 +20,9 @@ import math
 from aiohttp import web
 
 from pipeline import heap
+from stages.engine.control_fields import SLOW_DOWN, typed_body
 from stages.engine.protocol import RequestError
-from stages.engine.request_body import bad_request, json_body
+from stages.engine.request_body import bad_request
 from stages.engine.scheduler import Scheduler
 
 __all__ = ["MaintenanceRoutes"]
@@ -41,8 +42,10 @@ class MaintenanceRoutes:
         return web.Response(text="Garbage collection frozen.\n")
 
     async def slow_down(self, request: web.Request) -> web.Response:
+        body = await typed_body(request, SLOW_DOWN)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await json_body(request)
             if "forward_sleep_time" not in body:
                 raise RequestError("forward_sleep_time", "required (seconds, or null)")
             value = body["forward_sleep_time"]

@@ -67,7 +67,7 @@ from aiohttp import web
 
 from pipeline import heap
 from stages.detokenize import decoder
-from stages.engine import generate_contract
+from stages.engine import control_fields, generate_contract
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.engine_metrics import EngineMetrics
@@ -364,8 +364,11 @@ async def _abort_request(request: web.Request) -> web.Response:
     """SGLang's ``AbortReq``: ``rid`` (none: ``""``, which names no request: nothing is
     aborted, and the answer is still 200) or ``abort_all``. SGLang answers with an empty
     body; this one says how many samples it aborted (``num_aborted``)."""
+    typed = await control_fields.typed_body(request, control_fields.ABORT)
+    if isinstance(typed, web.Response):
+        return typed
     try:
-        body = base_request(await json_body(request))
+        body = base_request(typed)
         rid = body.get("rid") or ""
         abort_all = body.get("abort_all", False)
         if not isinstance(abort_all, bool):
@@ -381,8 +384,11 @@ async def _abort_request(request: web.Request) -> web.Response:
 
 
 async def _pause(request: web.Request) -> web.Response:
+    typed = await control_fields.typed_body(request, control_fields.PAUSE, allow_empty=True)
+    if isinstance(typed, web.Response):
+        return typed
     try:
-        body = base_request(await json_body(request, allow_empty=True))
+        body = base_request(typed)
         mode = body.get("mode", "abort")  # SGLang's default
         if mode not in PAUSE_MODES:
             raise RequestError("mode", f"expected one of {list(PAUSE_MODES)}, got {mode!r}")
@@ -396,8 +402,11 @@ async def _continue(request: web.Request) -> web.Response:
     """SGLang's ``ContinueGenerationReqInput``: ``torch_empty_cache`` (default true: CUDA's
     cached blocks go back to the driver before decoding resumes; nothing to do on CPU); other
     fields are ignored, as there."""
+    typed = await control_fields.typed_body(request, control_fields.CONTINUE, allow_empty=True)
+    if isinstance(typed, web.Response):
+        return typed
     try:
-        body = base_request(await json_body(request, allow_empty=True))
+        body = base_request(typed)
         empty_cache = body.get("torch_empty_cache", True)
         if not isinstance(empty_cache, bool):
             raise RequestError("torch_empty_cache", f"expected true or false, got {empty_cache!r}")
@@ -411,8 +420,10 @@ async def _continue(request: web.Request) -> web.Response:
 
 async def _update_weight_version(request: web.Request) -> web.Response:
     scheduler = request.app[_SCHEDULER]
+    body = await control_fields.typed_body(request, control_fields.UPDATE_VERSION)
+    if isinstance(body, web.Response):
+        return body
     try:
-        body = await json_body(request)
         version = body.get("new_version")
         if not isinstance(version, (str, int)) or isinstance(version, bool):
             raise RequestError("new_version", f"expected a string, got {version!r}")

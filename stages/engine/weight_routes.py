@@ -20,6 +20,7 @@ from aiohttp import web
 
 from pipeline.processes import name_thread
 from stages.engine.checkpoint_files import CheckpointError, read_weights, weight_files
+from stages.engine.control_fields import DESTROY_GROUP, INIT_GROUP, UPDATE_DISTRIBUTED, typed_body
 from stages.engine.memory_offload import MemoryStateError
 from stages.engine.model_weights import WeightLoadError
 from stages.engine.protocol import RequestError
@@ -79,8 +80,10 @@ class WeightRoutes:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def init_group(self, request: web.Request) -> web.Response:
+        body = await typed_body(request, INIT_GROUP)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await json_body(request)
             address = field(body, "master_address", str)
             port = field(body, "master_port", int)
             rank_offset = field(body, "rank_offset", int)
@@ -148,8 +151,11 @@ class WeightRoutes:
         return web.json_response({"success": True, "message": "Success"})
 
     async def update(self, request: web.Request) -> web.Response:
+        typed = await typed_body(request, UPDATE_DISTRIBUTED)
+        if isinstance(typed, web.Response):
+            return typed
         try:
-            body = base_request(await json_body(request))
+            body = base_request(typed)
             names = field(body, "names", list)
             dtypes = field(body, "dtypes", list)
             shapes = field(body, "shapes", list)
@@ -284,8 +290,10 @@ class WeightRoutes:
         return web.json_response({"success": True, "message": message})
 
     async def destroy_group(self, request: web.Request) -> web.Response:
+        body = await typed_body(request, DESTROY_GROUP, allow_empty=True)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await json_body(request, allow_empty=True)
             group = body.get("group_name", "weight_update_group")
             receiver = self.receivers.pop(group, None)
             if receiver is None:

@@ -509,8 +509,11 @@ def test_pause_in_place_then_continue_finishes_whole(
     assert engine.request("GET", "/health")[0] == 200  # the process is up
     assert engine.request("GET", "/ping")[0] == 200  # SGLang's /ping: paused is healthy
     # ContinueGenerationReqInput (io_struct.py): torch_empty_cache; unknown fields ignored
-    # (msgspec_utils: extra_behavior="ignore"), a field of the wrong type refused
-    assert engine.request("POST", "/continue_generation", {"torch_empty_cache": 1})[0] == 400
+    # (msgspec_utils: extra_behavior="ignore"), a field of the wrong type refused in SGLang's
+    # validation shape (1 or "yes" would be true: pydantic's lax bool)
+    status, answer = engine.request("POST", "/continue_generation", {"torch_empty_cache": "x"})
+    assert status == 400 and answer["type"] == "Bad Request", answer
+    assert answer["message"].startswith("torch_empty_cache: Input should be a valid boolean")
     continued = engine.request(
         "POST", "/continue_generation", {"torch_empty_cache": False, "not_a_field": 1}
     )
@@ -969,6 +972,11 @@ def test_freeze_gc_and_slow_down_answer_as_sglang(engine: Engine) -> None:
     assert slowed >= 0.25  # 6 steps (the prefill's among them), 0.05 s before each
     assert engine.request("POST", "/slow_down", {"forward_sleep_time": None}) == (200, None)
     assert engine.generate(body)["meta_info"]["e2e_latency"] < slowed
-    for bad in ({}, {"forward_sleep_time": "x"}, {"forward_sleep_time": True}):
+    # SlowDownReqInput: its one field required, a number or null (pydantic's lax float:
+    # "0.01" is 0.01), else its validation shape
+    for bad, words in (({}, "Field required"), ({"forward_sleep_time": "x"}, "Input should")):
         status, answer = engine.request("POST", "/slow_down", bad)
-        assert status == 400 and answer["error"]["message"].startswith("forward_sleep_time")
+        assert status == 400 and answer["type"] == "Bad Request", answer
+        assert answer["message"].startswith("forward_sleep_time: " + words), answer
+    assert engine.request("POST", "/slow_down", {"forward_sleep_time": "0.01"}) == (200, None)
+    assert engine.request("POST", "/slow_down", {"forward_sleep_time": None}) == (200, None)

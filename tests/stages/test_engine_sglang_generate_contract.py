@@ -126,3 +126,68 @@ def test_the_field_types_are_generate_req_inputs() -> None:
             if took != ours:
                 differences.append((name, value, took))
     assert not differences, differences
+
+
+CONTROL = {  # SGLang's request struct -> this engine's fields (stages.engine.control_fields)
+    "PauseGenerationReqInput": "PauseFields",
+    "ContinueGenerationReqInput": "ContinueFields",
+    "AbortReq": "AbortFields",
+    "UpdateWeightVersionReqInput": "UpdateVersionFields",
+    "SlowDownReqInput": "SlowDownFields",
+    "InitWeightsUpdateGroupReqInput": "InitGroupFields",
+    "UpdateWeightsFromDistributedReqInput": "UpdateDistributedFields",
+    "DestroyWeightsUpdateGroupReqInput": "DestroyGroupFields",
+}
+
+
+def _struct_fields(tree: ast.Module, name: str, names: dict[str, Any]) -> dict[str, Any]:
+    """A msgspec struct's fields as ``msgspec_struct_pydantic_core_schema`` hands them to
+    pydantic: ``BaseReq``'s first, then its own; ``(annotation, required)`` each."""
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    fields = _struct_fields(tree, "BaseReq", names) if name != "BaseReq" else {}
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            code = compile(ast.Expression(node.annotation), "io_struct", "eval")
+            fields[node.target.id] = (eval(code, names), node.value is None)
+    return fields
+
+
+def test_the_control_routes_fields_are_sglangs_structs() -> None:
+    from pydantic import TypeAdapter
+    from typing_extensions import NotRequired, Required, TypedDict
+
+    from stages.engine import control_fields
+
+    spec = importlib.util.find_spec("sglang")
+    source = Path(spec.origin).parent / "srt" / "managers" / "io_struct.py"
+    tree = ast.parse(source.read_text())
+    names = {
+        **{n: getattr(typing, n) for n in ("Any", "Dict", "List", "Literal", "Optional", "Union")},
+        "FinishReasonDict": dict[str, str | int | list[int] | None], "WeightVersionSpans": Any,
+    }  # fmt: skip
+    values = [*SCALARS, [], ["x"], [1], [[1]], [[1, "x"]], {}, {"a": 1}, "abort", "in_place",
+              "draft", 0.5, "0.5"]  # fmt: skip
+    for theirs_name, ours_name in CONTROL.items():
+        fields = _struct_fields(tree, theirs_name, names)
+        theirs = TypedDict(  # type: ignore[misc]
+            theirs_name,
+            {n: (Required[t] if req else NotRequired[t]) for n, (t, req) in fields.items()},
+        )
+        ours = getattr(control_fields, ours_name)
+        assert list(ours.__annotations__) == list(fields), theirs_name
+        adapter, check = TypeAdapter(theirs), control_fields.Checker(ours)
+        required = {n: "x" if t is str else 1 for n, (t, req) in fields.items() if req}
+        for name in fields:
+            for value in values:
+                body = {**required, name: value}
+                try:
+                    took = adapter.validate_python(body)
+                except ValueError:
+                    took = None
+                try:
+                    mine = check(dict(body))
+                except ValueError:
+                    mine = None
+                assert (took is None) == (mine is None), (theirs_name, name, value)
+                if took is not None:
+                    assert repr(took[name]) == repr(mine[name]), (theirs_name, name, value)
