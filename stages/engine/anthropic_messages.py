@@ -44,7 +44,7 @@ from typing import Any
 import structlog
 
 from stages.engine.chunk_stream import mapped
-from stages.engine.openai_api import BAD_REQUEST, OpenAIError, new_id
+from stages.engine.openai_api import OpenAIError, checked_body, new_id
 from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, chat_response
 from stages.engine.request_fields import checked_count_tokens, checked_messages
 
@@ -87,10 +87,7 @@ def messages_request(
     """``(native /generate body, what the answer needs)`` of a ``/v1/messages`` body, through
     ``chat_request``; OpenAIError (a 400) where SGLang refuses it. ``counting``: a
     ``count_tokens`` body (no ``max_tokens``)."""
-    try:  # the types, as its pydantic model reads them
-        body = (checked_count_tokens if counting else checked_messages)(body)
-    except ValueError as exc:
-        raise OpenAIError(str(exc), kind=BAD_REQUEST) from None
+    body = checked_body(checked_count_tokens if counting else checked_messages, body)
     _check(body)
     chat_body: dict[str, Any] = {
         "model": body["model"],

@@ -46,8 +46,8 @@ from typing import Any
 
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import (
-    BAD_REQUEST,
     OpenAIError,
+    checked_body,
     completion_request,
     completion_response,
 )
@@ -104,7 +104,7 @@ def ollama_chat_request(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(native /generate body, what the answer needs)`` of an ``/api/chat`` body, through
     ``chat_request``; OpenAIError (a 400) where it is refused."""
-    body = _typed(checked_ollama_chat, body)
+    body = checked_body(checked_ollama_chat, body)  # refused: SGLang's shape, not {error}
     messages = body["messages"]
     chat_body: dict[str, Any] = {
         "model": body["model"],
@@ -305,7 +305,7 @@ def ollama_generate_request(
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """``(native /generate body or None for an empty prompt, what the answer needs)`` of an
     ``/api/generate`` body, through ``completion_request``."""
-    body = _typed(checked_ollama_generate, body)
+    body = checked_body(checked_ollama_generate, body)
     prompt = body["prompt"]
     system = body.get("system")
     if body.get("images"):
@@ -387,7 +387,7 @@ def tags(served: str) -> dict[str, Any]:
 
 def show(body: Any, context_length: int) -> dict[str, Any]:
     """SGLang's ``get_show`` of the model ``body`` names (any name: this engine serves one)."""
-    model = _typed(checked_ollama_show, body)["model"]
+    model = checked_body(checked_ollama_show, body)["model"]
     family = model.split("/")[-1]
     for suffix in ("-Instruct", "-Chat", "-Base"):
         if family.endswith(suffix):
@@ -414,16 +414,6 @@ def show(body: Any, context_length: int) -> dict[str, Any]:
 
 
 # ---- shared -----------------------------------------------------------------------------------
-
-
-def _typed(check: Any, body: Any) -> dict[str, Any]:
-    """``body``'s fields typed as SGLang's request model types them
-    (``stages.engine.request_fields``); what it refuses, in its validation error's shape
-    (SGLang's ``ErrorResponse``, not Ollama's ``{error}``: FastAPI answers it)."""
-    try:
-        return check(body)
-    except ValueError as exc:
-        raise OpenAIError(str(exc), kind=BAD_REQUEST) from None
 
 
 def _stream(body: dict[str, Any]) -> bool:

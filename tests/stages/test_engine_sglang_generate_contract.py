@@ -72,30 +72,39 @@ def test_the_contract_gate_answers_as_sglangs_word_for_word() -> None:
     assert refused > 5000 and 20000 - refused > 500  # both answers well represented
 
 
-def _sglang_generate_fields() -> dict[str, Any]:
-    """``GenerateReqInput``'s fields and annotations, read from SGLang's source and evaluated
-    with the names it uses (its media and KV-hint classes as plain dictionaries)."""
+TYPING = {n: getattr(typing, n) for n in ("Any", "Dict", "List", "Literal", "Optional", "Union")}
+
+
+def _io_struct_fields(name: str, names: dict[str, Any]) -> dict[str, tuple[Any, bool]]:
+    """A class of SGLang's ``managers/io_struct.py`` (read from its source: the module itself
+    needs SGLang's whole environment): each field's annotation, evaluated with ``names``, and
+    whether it is required (no default)."""
     spec = importlib.util.find_spec("sglang")
     source = Path(spec.origin).parent / "srt" / "managers" / "io_struct.py"
     tree = ast.parse(source.read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GenerateReqInput")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    fields = {}
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            code = compile(ast.Expression(node.annotation), "io_struct", "eval")
+            fields[node.target.id] = (eval(code, names), node.value is None)
+    return fields
+
+
+def _sglang_generate_fields() -> dict[str, Any]:
+    """``GenerateReqInput``'s fields and annotations, evaluated with the names it uses (its
+    media and KV-hint classes as plain dictionaries)."""
     from pydantic import PlainValidator
     from sglang.srt.utils.field_validators import validate_optional_list_i64_1d_2d
 
     names = {
-        **{n: getattr(typing, n) for n in ("Any", "Dict", "List", "Literal", "Optional", "Union")},
-        "Annotated": typing.Annotated, "PlainValidator": PlainValidator,
+        **TYPING, "Annotated": typing.Annotated, "PlainValidator": PlainValidator,
         "validate_optional_list_i64_1d_2d": validate_optional_list_i64_1d_2d,
         "MultimodalDataInputFormat": Any, "KvHintsEnvelope": dict, "Modality": str,
         "SamplingLogprobsMode": typing.Literal["selected", "support"],
         "ReturnHiddenStatesMode": bool | typing.Literal["last"],
     }  # fmt: skip
-    fields = {}
-    for node in cls.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            code = compile(ast.Expression(node.annotation), "io_struct", "eval")
-            fields[node.target.id] = eval(code, names)
-    return fields
+    return {n: t for n, (t, _) in _io_struct_fields("GenerateReqInput", names).items()}
 
 
 def test_the_field_types_are_generate_req_inputs() -> None:
@@ -140,16 +149,10 @@ CONTROL = {  # SGLang's request struct -> this engine's fields (stages.engine.co
 }
 
 
-def _struct_fields(tree: ast.Module, name: str, names: dict[str, Any]) -> dict[str, Any]:
+def _struct_fields(name: str, names: dict[str, Any]) -> dict[str, Any]:
     """A msgspec struct's fields as ``msgspec_struct_pydantic_core_schema`` hands them to
     pydantic: ``BaseReq``'s first, then its own; ``(annotation, required)`` each."""
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-    fields = _struct_fields(tree, "BaseReq", names) if name != "BaseReq" else {}
-    for node in cls.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            code = compile(ast.Expression(node.annotation), "io_struct", "eval")
-            fields[node.target.id] = (eval(code, names), node.value is None)
-    return fields
+    return {**_io_struct_fields("BaseReq", names), **_io_struct_fields(name, names)}
 
 
 def test_the_control_routes_fields_are_sglangs_structs() -> None:
@@ -158,17 +161,14 @@ def test_the_control_routes_fields_are_sglangs_structs() -> None:
 
     from stages.engine import control_fields
 
-    spec = importlib.util.find_spec("sglang")
-    source = Path(spec.origin).parent / "srt" / "managers" / "io_struct.py"
-    tree = ast.parse(source.read_text())
     names = {
-        **{n: getattr(typing, n) for n in ("Any", "Dict", "List", "Literal", "Optional", "Union")},
+        **TYPING,
         "FinishReasonDict": dict[str, str | int | list[int] | None], "WeightVersionSpans": Any,
     }  # fmt: skip
     values = [*SCALARS, [], ["x"], [1], [[1]], [[1, "x"]], {}, {"a": 1}, "abort", "in_place",
               "draft", 0.5, "0.5"]  # fmt: skip
     for theirs_name, ours_name in CONTROL.items():
-        fields = _struct_fields(tree, theirs_name, names)
+        fields = _struct_fields(theirs_name, names)
         theirs = TypedDict(  # type: ignore[misc]
             theirs_name,
             {n: (Required[t] if req else NotRequired[t]) for n, (t, req) in fields.items()},
