@@ -1,35 +1,76 @@
-"""The control and weight-update routes' bodies typed as SGLang 0.5.23 types them before the
-route runs: FastAPI reads each into its request struct (``managers/io_struct.py``, msgspec
-Structs that ``msgspec_struct_pydantic_core_schema`` hands to pydantic as typed dicts: lax
-conversions, other keys ignored). What it cannot read is a 400 in SGLang's validation shape
-(``type: "Bad Request"``); what it can is converted (``"abort_all": "yes"`` is true) and left
-to the route's own checks. The routes: ``/pause_generation``, ``/continue_generation``,
-``/abort_request``, ``/update_weight_version``, ``/slow_down``, ``/init_weights_update_group``,
-``/update_weights_from_distributed``, ``/destroy_weights_update_group``. (An empty body, which
-FastAPI would refuse, stays taken where the routes took it: pause, continue, destroy.)"""
+"""The native routes' bodies typed as SGLang 0.5.23 types them before the route runs: FastAPI
+reads each into its request struct (``managers/io_struct.py``, msgspec Structs that
+``msgspec_struct_pydantic_core_schema`` hands to pydantic as typed dicts: lax conversions,
+other keys ignored). What it cannot read is a 400 in SGLang's validation shape (``type: "Bad
+Request"``); what it can is converted (``"abort_all": "yes"`` is true) and left to the route's
+own checks. A body that is no JSON, or none where the struct is not optional, is refused as
+FastAPI refuses it there (``request_body.read_json``).
+
+The routes: ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
+``/update_weight_version``, ``/slow_down``, the weight-update group's three, the update
+session's two, ``/update_weights_from_tensor``, ``/update_weights_from_disk``,
+``/get_weights_by_name``, ``/weights_checker`` and ``/start_profile`` (optional bodies), memory
+release and resume, the three LoRA routes, ``/parse_function_call`` and
+``/separate_reasoning``. ``serialized_named_tensors`` is read as its ``Base64Bytes`` marker
+reads it: each string decoded (``Expected base64-encoded bytes`` when it is none), the route
+handed the bytes."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import base64
+import binascii
+import enum
+from typing import Annotated, Any, Literal
 
 from aiohttp import web
+from pydantic import BeforeValidator
 from typing_extensions import Required, TypedDict
 
-from stages.engine.protocol import RequestError
-from stages.engine.request_body import bad_request, invalid, json_body
+from stages.engine.request_body import invalid, read_json
 from stages.engine.request_fields import Checker
 
 __all__ = [
     "ABORT",
+    "BEGIN_UPDATE",
+    "CHECK_WEIGHTS",
     "CONTINUE",
     "DESTROY_GROUP",
+    "END_UPDATE",
     "INIT_GROUP",
+    "LOAD_LORA",
+    "LOAD_LORA_TENSORS",
+    "MEMORY",
+    "PARSE_FUNCTION_CALL",
     "PAUSE",
+    "PROFILE",
+    "SEPARATE_REASONING",
     "SLOW_DOWN",
+    "UNLOAD_LORA",
+    "UPDATE_DISK",
     "UPDATE_DISTRIBUTED",
+    "UPDATE_TENSOR",
     "UPDATE_VERSION",
+    "WEIGHTS_BY_NAME",
     "typed_body",
 ]
+
+Selector = Literal["target", "draft", "all"]
+
+
+def _base64(value: Any) -> Any:
+    """SGLang's ``Base64Bytes`` marker: strings (in lists, at any depth) decoded, the rest left
+    to ``list[bytes]``."""
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error as exc:
+            raise ValueError("Expected base64-encoded bytes") from exc
+    if isinstance(value, list):
+        return [_base64(item) for item in value]
+    return value
+
+
+Base64Payloads = Annotated[list[bytes], BeforeValidator(_base64)]
 
 
 class _Base(TypedDict, total=False):  # BaseReq
@@ -87,6 +128,121 @@ class DestroyGroupFields(_Base, total=False):  # DestroyWeightsUpdateGroupReqInp
     group_name: str
 
 
+class BeginUpdateFields(_Base, total=False):  # BeginWeightUpdateReqInput
+    selector: Selector
+
+
+class EndUpdateFields(_Base, total=False):  # EndWeightUpdateReqInput
+    pass
+
+
+class UpdateTensorFields(_Base, total=False):  # UpdateWeightsFromTensorReqInput
+    serialized_named_tensors: Required[Base64Payloads]
+    load_format: str | None
+    flush_cache: bool
+    abort_all_requests: bool
+    weight_version: str | None
+    selector: Selector
+    torch_empty_cache: bool
+
+
+class UpdateDiskFields(_Base, total=False):  # UpdateWeightFromDiskReqInput
+    model_path: Required[str]
+    load_format: str | None
+    abort_all_requests: bool
+    weight_version: str | None
+    is_async: bool
+    torch_empty_cache: bool
+    keep_pause: bool
+    recapture_cuda_graph: bool
+    token_step: int
+    flush_cache: bool
+    manifest: dict[str, Any] | None
+
+
+class WeightsByNameFields(_Base, total=False):  # GetWeightsByNameReqInput
+    name: Required[str]
+    truncate_size: int
+
+
+class MemoryFields(_Base, total=False):  # Release- and ResumeMemoryOccupationReqInput
+    tags: list[str] | None
+
+
+class CheckWeightsFields(_Base, total=False):  # CheckWeightsReqInput
+    action: str
+    allow_quant_error: bool
+    skip_tensor_list: list[str] | None
+    selector: Selector
+
+
+class LoadLoraFields(_Base, total=False):  # LoadLoRAAdapterReqInput
+    lora_name: Required[str]
+    lora_path: Required[str]
+    pinned: bool
+    lora_id: str | None
+
+
+class UnloadLoraFields(_Base, total=False):  # UnloadLoRAAdapterReqInput
+    lora_name: Required[str]
+    lora_id: str | None
+
+
+class LoadLoraTensorsFields(_Base, total=False):  # LoadLoRAAdapterFromTensorsReqInput
+    lora_name: Required[str]
+    config_dict: Required[dict[str, Any]]
+    serialized_named_tensors: Required[Base64Payloads]
+    pinned: bool
+    added_tokens_config: dict[str, int] | None
+    lora_id: str | None
+    load_format: str | None
+    expected_checksums: dict[str, str] | None
+
+
+class ProfileReqType(enum.Enum):  # its name, as its values print
+    START_PROFILE = 1
+    STOP_PROFILE = 2
+
+
+class ProfileFields(_Base, total=False):  # ProfileReq
+    req_type: ProfileReqType
+    output_dir: str | None
+    start_step: int | None
+    num_steps: int | None
+    activities: list[str] | None
+    profile_by_stage: bool
+    with_stack: bool | None
+    record_shapes: bool | None
+    profile_id: str | None
+    merge_profiles: bool
+    profile_prefix: str | None
+    profile_stages: list[str] | None
+    detailed_annotations: bool
+
+
+class FunctionFields(TypedDict, total=False):  # io_struct.Function
+    description: str | None
+    name: str | None
+    parameters: dict[str, Any] | None
+
+
+class ToolFields(TypedDict, total=False):  # io_struct.Tool
+    function: Required[FunctionFields]
+    type: str
+
+
+class ParseFunctionCallFields(_Base, total=False):  # ParseFunctionCallReq
+    text: Required[str]
+    tools: list[ToolFields]
+    tool_call_parser: str | None
+
+
+class SeparateReasoningFields(_Base, total=False):  # SeparateReasoningReqInput
+    text: Required[str]
+    reasoning_parser: Required[str]
+    return_blocks: bool
+
+
 PAUSE = Checker(PauseFields)
 CONTINUE = Checker(ContinueFields)
 ABORT = Checker(AbortFields)
@@ -95,17 +251,34 @@ SLOW_DOWN = Checker(SlowDownFields)
 INIT_GROUP = Checker(InitGroupFields)
 UPDATE_DISTRIBUTED = Checker(UpdateDistributedFields)
 DESTROY_GROUP = Checker(DestroyGroupFields)
+BEGIN_UPDATE = Checker(BeginUpdateFields)
+END_UPDATE = Checker(EndUpdateFields)
+UPDATE_TENSOR = Checker(UpdateTensorFields)
+UPDATE_DISK = Checker(UpdateDiskFields)
+WEIGHTS_BY_NAME = Checker(WeightsByNameFields)
+MEMORY = Checker(MemoryFields)
+CHECK_WEIGHTS = Checker(CheckWeightsFields)
+LOAD_LORA = Checker(LoadLoraFields)
+UNLOAD_LORA = Checker(UnloadLoraFields)
+LOAD_LORA_TENSORS = Checker(LoadLoraTensorsFields)
+PROFILE = Checker(ProfileFields)
+PARSE_FUNCTION_CALL = Checker(ParseFunctionCallFields)
+SEPARATE_REASONING = Checker(SeparateReasoningFields)
 
 
 async def typed_body(
-    request: web.Request, check: Checker, *, allow_empty: bool = False
+    request: web.Request, check: Checker, *, optional: bool = False
 ) -> dict[str, Any] | web.Response:
-    """``request``'s JSON body with its fields as ``check``'s struct reads them, or the 400
-    that answers it (the route's own for a body that is no JSON object)."""
-    try:
-        body = await json_body(request, allow_empty=allow_empty)
-    except RequestError as exc:
-        return bad_request(str(exc))
+    """``request``'s JSON body with its fields as ``check``'s struct reads them, or SGLang's
+    400 for it. ``optional``: the route's struct parameter defaults to none there (an empty
+    body is the struct's defaults); else an empty body is FastAPI's ``body: Field
+    required``."""
+    raw = await request.read()
+    if optional and not raw:
+        return {}
+    body, refused = read_json(raw)
+    if refused is not None:
+        return refused
     try:
         return check(body)
     except ValueError as exc:

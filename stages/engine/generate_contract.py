@@ -23,7 +23,7 @@ from aiohttp import web
 from pydantic import PlainValidator
 from typing_extensions import TypedDict
 
-from stages.engine.request_body import invalid, loads
+from stages.engine.request_body import invalid, read_json
 from stages.engine.request_fields import Checker
 
 __all__ = ["contract_error", "read", "refusal"]
@@ -153,14 +153,10 @@ checked_generate = Checker(GenerateFields)
 
 def read(raw: bytes) -> tuple[Any, web.Response | None]:
     """``(body, None)`` of a ``/generate`` request's bytes, or ``(None, SGLang's 400)``:
-    FastAPI's when they are no JSON (``json_invalid``, at the character it stopped at) or none
-    at all, then ``refusal``'s."""
-    if not raw:
-        return None, invalid("body: Field required")
-    try:
-        body = loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        return None, invalid(f"body.{getattr(exc, 'pos', 0)}: JSON decode error")
+    FastAPI's when they are no JSON or none at all (``read_json``), then ``refusal``'s."""
+    body, refused = read_json(raw)
+    if refused is not None:
+        return None, refused
     return body, refusal(body)
 
 

@@ -7,7 +7,8 @@ tensor-parallel rank of its state dict, or with ``load_format: flattened_bucket`
 it, read as ``/update_weights_from_tensor``'s are (``tensor_payloads``); ``expected_checksums``,
 name -> sha256 of a tensor's bytes, checked first, as SGLang's ``tp_worker`` checks them;
 ``loaded_adapters`` shows it at ``__tensor__``). All answer as SGLang does: ``success``,
-``error_message`` and ``loaded_adapters`` (name -> path), status 400 on failure. A request then
+``error_message`` and ``loaded_adapters`` (name -> path), status 400 on failure; a body its
+struct cannot read is SGLang's validation answer (``control_fields``). A request then
 names an adapter with ``lora_path`` (``/generate``); rows already running with an unloaded
 adapter finish with it.
 
@@ -24,17 +25,17 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from stages.engine.control_fields import LOAD_LORA, LOAD_LORA_TENSORS, UNLOAD_LORA, typed_body
 from stages.engine.lora_adapters import AdapterError
 from stages.engine.protocol import RequestError
-from stages.engine.tensor_payloads import LOAD_FORMATS, PayloadError, payload_bytes, tensor_dict
+from stages.engine.tensor_payloads import LOAD_FORMATS, PayloadError, tensor_dict
 
 __all__ = ["LoraRoutes"]
 
 
 class LoraRoutes:
-    def __init__(self, scheduler: Any, read_body: Any) -> None:
+    def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self.read_body = read_body  # the server's JSON body reader (RequestError when bad)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/load_lora_adapter", self.load)
@@ -42,13 +43,12 @@ class LoraRoutes:
         app.router.add_post("/load_lora_adapter_from_tensors", self.load_from_tensors)
 
     async def load(self, request: web.Request) -> web.Response:
+        body = await typed_body(request, LOAD_LORA)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await self.read_body(request)
             name = _name(body, "lora_name")
             path = _name(body, "lora_path")
-            if not isinstance(body.get("pinned", False), bool):
-                raise RequestError("pinned", f"expected true or false, got {body['pinned']!r}")
-            _known(body, {"lora_name", "lora_path", "pinned", "lora_id"})
             # reading the folder takes the caller's thread: not the event loop's
             future = await asyncio.to_thread(self.scheduler.load_adapter, name, path)
             await asyncio.wrap_future(future)
@@ -57,28 +57,22 @@ class LoraRoutes:
         return self._answer(True, None)
 
     async def load_from_tensors(self, request: web.Request) -> web.Response:
+        body = await typed_body(request, LOAD_LORA_TENSORS)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await self.read_body(request)
             name = _name(body, "lora_name")
-            config = body.get("config_dict")
-            if not isinstance(config, dict):
-                raise RequestError("config_dict", f"expected the peft config, got {config!r}")
-            payloads = body.get("serialized_named_tensors")
-            if not isinstance(payloads, list) or not payloads:
+            config = body["config_dict"]
+            payloads = body["serialized_named_tensors"]  # bytes: the struct decodes the base64
+            if not payloads:
                 raise RequestError("serialized_named_tensors", "expected a payload per rank")
             load_format = body.get("load_format")
             if load_format not in LOAD_FORMATS:
                 raise RequestError("load_format", f"Unknown load_format={load_format}")
-            if not isinstance(body.get("pinned", False), bool):
-                raise RequestError("pinned", f"expected true or false, got {body['pinned']!r}")
             if body.get("added_tokens_config"):
                 raise RequestError("added_tokens_config", "added tokens are not supported here")
             expected = body.get("expected_checksums")
-            if expected is not None and not (
-                isinstance(expected, dict) and all(isinstance(v, str) for v in expected.values())
-            ):
-                raise RequestError("expected_checksums", "expected name -> sha256 hex digest")
-            data = payload_bytes(payloads[0], "serialized_named_tensors[0]")
+            data = payloads[0]
 
             def read() -> dict[str, Any]:
                 tensors = tensor_dict(data, load_format)
@@ -93,10 +87,11 @@ class LoraRoutes:
         return self._answer(True, None)
 
     async def unload(self, request: web.Request) -> web.Response:
+        body = await typed_body(request, UNLOAD_LORA)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await self.read_body(request)
             name = _name(body, "lora_name")
-            _known(body, {"lora_name", "lora_id"})
             if not await asyncio.wrap_future(self.scheduler.unload_adapter(name)):
                 raise RequestError("lora_name", f"no adapter {name!r} is loaded")
         except RequestError as exc:
@@ -112,16 +107,10 @@ class LoraRoutes:
 
 
 def _name(body: dict[str, Any], key: str) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or not value:
-        raise RequestError(key, f"expected a non-empty string, got {value!r}")
+    value = body[key]  # a string: the struct says so
+    if not value:
+        raise RequestError(key, "expected a non-empty string")
     return value
-
-
-def _known(body: dict[str, Any], fields: set[str]) -> None:
-    for key in body:
-        if key not in fields:
-            raise RequestError(key, f"unknown field (expected {sorted(fields)})")
 
 
 def _check_sums(tensors: dict[str, Any], expected: dict[str, str]) -> None:

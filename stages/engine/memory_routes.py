@@ -12,9 +12,9 @@ from typing import Any
 
 from aiohttp import web
 
+from stages.engine.control_fields import MEMORY, typed_body
 from stages.engine.memory_offload import MemoryStateError
-from stages.engine.protocol import RequestError
-from stages.engine.request_body import bad_request, base_request, json_body, json_response
+from stages.engine.request_body import bad_request, json_response
 
 __all__ = ["MemoryRoutes"]
 
@@ -37,18 +37,11 @@ class MemoryRoutes:
         return await self._change(request, self.scheduler.resume_memory)
 
     async def _change(self, request: web.Request, change: Any) -> web.Response:
+        body = await typed_body(request, MEMORY)
+        if isinstance(body, web.Response):
+            return body
         try:
-            tags = _tags(base_request(await json_body(request, allow_empty=True)))
-            await asyncio.wrap_future(change(tags))
-        except (RequestError, MemoryStateError) as exc:
+            await asyncio.wrap_future(change(body.get("tags")))
+        except MemoryStateError as exc:
             return bad_request(str(exc))
         return json_response(None)
-
-
-def _tags(body: dict[str, Any]) -> list[str] | None:
-    tags = body.get("tags")
-    if tags is None:
-        return None
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise RequestError("tags", f"expected a list of strings or null, got {tags!r}")
-    return tags

@@ -51,18 +51,10 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from stages.engine.protocol import RequestError
+from stages.engine.control_fields import PARSE_FUNCTION_CALL, SEPARATE_REASONING, typed_body
 from stages.engine.reasoning import PARSERS as REASONING_PARSERS
 from stages.engine.reasoning import ThinkFormat, ThinkParser
-from stages.engine.request_body import (
-    base_request,
-    field,
-    invalid,
-    json_body,
-    json_response,
-    lax_bool,
-    option,
-)
+from stages.engine.request_body import invalid, json_response
 from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from stages.engine.tool_calls import ToolCallParser
 from transport.credit import sparse
@@ -91,14 +83,9 @@ SGLANG_REASONING_PARSERS = (
 # names whose output SGLang parses with its model's own chat-encoding adapter, on either route
 # (chat_encoding_adapters.ADAPTER_OUTPUT_PARSERS): never served here
 _ADAPTER_PARSERS = ("deepseek-v4", "deepseekv4", "deepseek-v41", "deepseekv41")
+
+
 # io_struct.Function's fields, each optional, as pydantic names what they should be
-_FUNCTION_FIELDS = (
-    ("name", str, "a valid string"),
-    ("description", str, "a valid string"),
-    ("parameters", dict, "an object"),
-)
-
-
 class ParseRoutes:
     """``/parse_function_call`` and ``/separate_reasoning``; they need nothing of the model."""
 
@@ -110,13 +97,11 @@ class ParseRoutes:
         app.router.add_post("/separate_reasoning", self.separate_reasoning)
 
     async def parse_function_call(self, request: web.Request) -> web.Response:
-        try:
-            body = base_request(await json_body(request))
-            text = field(body, "text", str)
-            names = _tool_names(body.get("tools", []))
-            parser = option(body, "tool_call_parser", str, None)
-        except RequestError as exc:
-            return invalid(str(exc))
+        body = await typed_body(request, PARSE_FUNCTION_CALL)
+        if isinstance(body, web.Response):
+            return body
+        text, parser = body["text"], body.get("tool_call_parser")
+        names = [tool["function"].get("name") for tool in body.get("tools", [])]
         if parser not in TOOL_CALL_PARSERS:
             known = parser in SGLANG_TOOL_CALL_PARSERS
             return self._unread(request, parser, known, "tool calls", TOOL_CALL_PARSERS)
@@ -124,13 +109,11 @@ class ParseRoutes:
         return json_response({"normal_text": content, "calls": calls})
 
     async def separate_reasoning(self, request: web.Request) -> web.Response:
-        try:
-            body = base_request(await json_body(request))
-            text = field(body, "text", str)
-            name = field(body, "reasoning_parser", str)
-            blocks = lax_bool(body, "return_blocks")
-        except RequestError as exc:
-            return invalid(str(exc))
+        body = await typed_body(request, SEPARATE_REASONING)
+        if isinstance(body, web.Response):
+            return body
+        text, name = body["text"], body["reasoning_parser"]
+        blocks = body.get("return_blocks", False)
         fmt = REASONING_PARSERS.get(name.lower())
         if fmt is None:
             known = name.lower() in SGLANG_REASONING_PARSERS
@@ -190,25 +173,3 @@ def _separated(text: str, fmt: ThinkFormat, blocks: bool) -> dict[str, Any]:
         answer["text_blocks"] = [content]
         answer["blocks"] = parts
     return answer
-
-
-def _tool_names(tools: Any) -> list[str | None]:
-    """The function names of ``tools`` checked as ``io_struct.Tool`` (None where unnamed)."""
-    if not isinstance(tools, list):
-        raise RequestError("tools", f"Input should be a valid array, got {tools!r}")
-    names = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise RequestError(where, f"Input should be an object, got {tool!r}")
-        if not isinstance(tool.get("type", "function"), str):
-            raise RequestError(f"{where}.type", "Input should be a valid string")
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            problem = "Field required" if fn is None else "Input should be an object"
-            raise RequestError(f"{where}.function", problem)
-        for key, kind, should in _FUNCTION_FIELDS:
-            if fn.get(key) is not None and not isinstance(fn[key], kind):
-                raise RequestError(f"{where}.function.{key}", f"Input should be {should}")
-        names.append(fn.get("name"))
-    return names

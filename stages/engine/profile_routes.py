@@ -16,8 +16,9 @@ import asyncio
 
 from aiohttp import web
 
+from stages.engine.control_fields import PROFILE, typed_body
 from stages.engine.protocol import RequestError
-from stages.engine.request_body import bad_request, json_body
+from stages.engine.request_body import bad_request
 from stages.engine.scheduler import Scheduler
 from stages.engine.step_profiler import ProfileError, profile_request
 
@@ -34,8 +35,10 @@ class ProfileRoutes:
             app.router.add_route(method, "/stop_profile", self.stop)
 
     async def start(self, request: web.Request) -> web.Response:
+        body = await typed_body(request, PROFILE, optional=True)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await json_body(request, allow_empty=True)
             wanted = profile_request(body)
             await asyncio.wrap_future(self.scheduler.start_profile(wanted))
         except (RequestError, ProfileError) as exc:

@@ -29,6 +29,7 @@ __all__ = [
     "lax_bool",
     "loads",
     "option",
+    "read_json",
 ]
 
 try:  # the engine's JSON: orjson parses and writes several times faster; json is the fallback
@@ -54,6 +55,18 @@ async def json_body(request: web.Request, *, allow_empty: bool = False) -> dict[
     if not isinstance(body, dict):
         raise RequestError("body", "expected a JSON object")
     return body
+
+
+def read_json(raw: bytes) -> tuple[Any, web.Response | None]:
+    """``(body, None)`` of a request's bytes as FastAPI reads a JSON body parameter, or
+    ``(None, SGLang's 400 for them)``: none at all (``body: Field required``), or no JSON
+    (``json_invalid``, at the character it stopped at)."""
+    if not raw:
+        return None, invalid("body: Field required")
+    try:
+        return loads(raw), None
+    except (UnicodeDecodeError, ValueError) as exc:
+        return None, invalid(f"body.{getattr(exc, 'pos', 0)}: JSON decode error")
 
 
 # pydantic's strings for a bool (any case)

@@ -96,13 +96,10 @@ from stages.engine.protocol import (
 from stages.engine.reasoning import PARSERS as REASONING_PARSERS
 from stages.engine.request_body import (
     bad_request,
-    base_request,
     dumps,
-    json_body,
     json_response,
 )
 from stages.engine.scheduler import (
-    PAUSE_MODES,
     PREFIX_CACHE_MAX_AGE,
     PREFIX_CACHE_TOKENS,
     Scheduler,
@@ -255,7 +252,7 @@ def build_app(
     app.router.add_get("/server_info", _server_info)
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/get_weight_version", _weight_version)
-    LoraRoutes(scheduler, json_body).add_to(app)
+    LoraRoutes(scheduler).add_to(app)
     app.on_cleanup.append(weights.close)
     return app
 
@@ -364,17 +361,11 @@ async def _abort_request(request: web.Request) -> web.Response:
     """SGLang's ``AbortReq``: ``rid`` (none: ``""``, which names no request: nothing is
     aborted, and the answer is still 200) or ``abort_all``. SGLang answers with an empty
     body; this one says how many samples it aborted (``num_aborted``)."""
-    typed = await control_fields.typed_body(request, control_fields.ABORT)
-    if isinstance(typed, web.Response):
-        return typed
-    try:
-        body = base_request(typed)
-        rid = body.get("rid") or ""
-        abort_all = body.get("abort_all", False)
-        if not isinstance(abort_all, bool):
-            raise RequestError("abort_all", f"expected true or false, got {abort_all!r}")
-    except RequestError as exc:
-        return bad_request(str(exc))
+    body = await control_fields.typed_body(request, control_fields.ABORT)
+    if isinstance(body, web.Response):
+        return body
+    rid = body.get("rid") or ""
+    abort_all = body.get("abort_all", False)
     if not rid and not abort_all:
         return web.json_response({"success": True, "num_aborted": 0})
     aborted = await asyncio.wrap_future(
@@ -384,16 +375,10 @@ async def _abort_request(request: web.Request) -> web.Response:
 
 
 async def _pause(request: web.Request) -> web.Response:
-    typed = await control_fields.typed_body(request, control_fields.PAUSE, allow_empty=True)
-    if isinstance(typed, web.Response):
-        return typed
-    try:
-        body = base_request(typed)
-        mode = body.get("mode", "abort")  # SGLang's default
-        if mode not in PAUSE_MODES:
-            raise RequestError("mode", f"expected one of {list(PAUSE_MODES)}, got {mode!r}")
-    except RequestError as exc:
-        return bad_request(str(exc))
+    body = await control_fields.typed_body(request, control_fields.PAUSE)
+    if isinstance(body, web.Response):
+        return body
+    mode = body.get("mode", "abort")  # SGLang's default
     await asyncio.wrap_future(request.app[_SCHEDULER].pause(mode))
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -402,16 +387,10 @@ async def _continue(request: web.Request) -> web.Response:
     """SGLang's ``ContinueGenerationReqInput``: ``torch_empty_cache`` (default true: CUDA's
     cached blocks go back to the driver before decoding resumes; nothing to do on CPU); other
     fields are ignored, as there."""
-    typed = await control_fields.typed_body(request, control_fields.CONTINUE, allow_empty=True)
-    if isinstance(typed, web.Response):
-        return typed
-    try:
-        body = base_request(typed)
-        empty_cache = body.get("torch_empty_cache", True)
-        if not isinstance(empty_cache, bool):
-            raise RequestError("torch_empty_cache", f"expected true or false, got {empty_cache!r}")
-    except RequestError as exc:
-        return bad_request(str(exc))
+    body = await control_fields.typed_body(request, control_fields.CONTINUE)
+    if isinstance(body, web.Response):
+        return body
+    empty_cache = body.get("torch_empty_cache", True)
     if empty_cache and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     await asyncio.wrap_future(request.app[_SCHEDULER].resume())
@@ -423,15 +402,8 @@ async def _update_weight_version(request: web.Request) -> web.Response:
     body = await control_fields.typed_body(request, control_fields.UPDATE_VERSION)
     if isinstance(body, web.Response):
         return body
-    try:
-        version = body.get("new_version")
-        if not isinstance(version, (str, int)) or isinstance(version, bool):
-            raise RequestError("new_version", f"expected a string, got {version!r}")
-        abort_all = body.get("abort_all_requests", True)  # SGLang's default: say false
-        if not isinstance(abort_all, bool):
-            raise RequestError("abort_all_requests", f"expected true or false, got {abort_all!r}")
-    except RequestError as exc:
-        return web.json_response({"success": False, "message": str(exc)}, status=400)
+    version = body["new_version"]
+    abort_all = body.get("abort_all_requests", True)  # SGLang's default: say false
     if abort_all:
         await asyncio.wrap_future(scheduler.abort(None, abort_all=True))
     await asyncio.wrap_future(scheduler.set_weight_version(version))

@@ -20,40 +20,32 @@ from aiohttp import web
 
 from pipeline.processes import name_thread
 from stages.engine.checkpoint_files import CheckpointError, read_weights, weight_files
-from stages.engine.control_fields import DESTROY_GROUP, INIT_GROUP, UPDATE_DISTRIBUTED, typed_body
+from stages.engine.control_fields import (
+    BEGIN_UPDATE,
+    CHECK_WEIGHTS,
+    DESTROY_GROUP,
+    END_UPDATE,
+    INIT_GROUP,
+    UPDATE_DISK,
+    UPDATE_DISTRIBUTED,
+    UPDATE_TENSOR,
+    WEIGHTS_BY_NAME,
+    typed_body,
+)
 from stages.engine.memory_offload import MemoryStateError
 from stages.engine.model_weights import WeightLoadError
-from stages.engine.protocol import RequestError
 from stages.engine.request_body import (
     bad_request,
-    base_request,
     failure,
-    field,
-    invalid,
-    is_int,
-    json_body,
     json_response,
-    lax_bool,
-    option,
 )
 from stages.engine.scheduler import Scheduler
-from stages.engine.tensor_payloads import LOAD_FORMATS, PayloadError, named_tensors, payload_bytes
-from stages.engine.weight_checker import SELECTORS, WeightChecker, WeightCheckError
+from stages.engine.tensor_payloads import LOAD_FORMATS, PayloadError, named_tensors
+from stages.engine.weight_checker import WeightChecker, WeightCheckError
 
 __all__ = ["WeightRoutes", "check_weights"]
 
 log = structlog.get_logger("stages.engine.weight_routes")
-
-
-# UpdateWeightFromDiskReqInput's fields that have no effect here, with their types and defaults
-_DISK_NO_EFFECT = {
-    "is_async": (bool, False),
-    "torch_empty_cache": (bool, False),
-    "keep_pause": (bool, False),
-    "recapture_cuda_graph": (bool, False),
-    "token_step": (int, 0),
-    "manifest": (dict, None),
-}
 
 
 class WeightRoutes:
@@ -83,18 +75,13 @@ class WeightRoutes:
         body = await typed_body(request, INIT_GROUP)
         if isinstance(body, web.Response):
             return body
-        try:
-            address = field(body, "master_address", str)
-            port = field(body, "master_port", int)
-            rank_offset = field(body, "rank_offset", int)
-            world_size = field(body, "world_size", int)
-            # InitWeightsUpdateGroupReqInput's defaults
-            group = option(body, "group_name", str, "weight_update_group")
-            backend = option(body, "backend", str, "nccl")
-            if group in self.receivers:
-                raise RequestError("group_name", f"group {group!r} is already initialized")
-        except RequestError as exc:
-            return failure(str(exc))
+        address, port = body["master_address"], body["master_port"]
+        rank_offset, world_size = body["rank_offset"], body["world_size"]
+        # InitWeightsUpdateGroupReqInput's defaults
+        group = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        if group in self.receivers:
+            return failure(f"group_name: group {group!r} is already initialized")
         from stages.weights.receiver import WeightReceiver  # torch.distributed: only when used
 
         receiver = WeightReceiver()
@@ -122,15 +109,10 @@ class WeightRoutes:
         """SGLang 0.5.23's ``/begin_weight_update``: open the session that distributed updates
         load in (there it restores weights packed for inference; here there is nothing to
         restore). ``selector``: ``target``, ``draft`` or ``all`` (this engine has no draft)."""
-        try:
-            body = base_request(await json_body(request, allow_empty=True))
-            selector = body.get("selector", "all")
-            if selector not in SELECTORS:
-                raise RequestError(
-                    "selector", f"expected one of {list(SELECTORS)}, got {selector!r}"
-                )
-        except RequestError as exc:
-            return failure(str(exc))
+        body = await typed_body(request, BEGIN_UPDATE)
+        if isinstance(body, web.Response):
+            return body
+        selector = body.get("selector", "all")
         if self.session is not None:
             return failure(
                 "a weight-update session is already open; call end_weight_update() first"
@@ -140,10 +122,9 @@ class WeightRoutes:
 
     async def end(self, request: web.Request) -> web.Response:
         """``/end_weight_update``: close the session (the buckets are already in the model)."""
-        try:
-            base_request(await json_body(request, allow_empty=True))
-        except RequestError as exc:
-            return failure(str(exc))
+        body = await typed_body(request, END_UPDATE)
+        if isinstance(body, web.Response):
+            return body
         if self.session is None:
             return failure("no weight-update session is open; call begin_weight_update() first")
         async with self.lock:  # after the updates still loading
@@ -151,45 +132,21 @@ class WeightRoutes:
         return web.json_response({"success": True, "message": "Success"})
 
     async def update(self, request: web.Request) -> web.Response:
-        typed = await typed_body(request, UPDATE_DISTRIBUTED)
-        if isinstance(typed, web.Response):
-            return typed
-        try:
-            body = base_request(typed)
-            names = field(body, "names", list)
-            dtypes = field(body, "dtypes", list)
-            shapes = field(body, "shapes", list)
-            group = option(body, "group_name", str, "weight_update_group")
-            if body.get("selector", "all") not in SELECTORS:  # one model here: no draft
-                raise RequestError("selector", f"expected one of {list(SELECTORS)}")
-            option(body, "torch_empty_cache", bool, False)  # CUDA's cache: nothing on CPU
-            version = body.get("weight_version")
-            load_format = body.get("load_format")
-            flush = body.get("flush_cache", True)  # SGLang's default
-            if not isinstance(flush, bool):
-                raise RequestError("flush_cache", f"expected true or false, got {flush!r}")
-            if not all(isinstance(n, str) for n in names):
-                raise RequestError("names", "expected a list of strings")
-            if not all(isinstance(d, str) for d in dtypes):
-                raise RequestError("dtypes", "expected a list of dtype names")
-            if not all(isinstance(s, list) and all(is_int(x) for x in s) for s in shapes):
-                raise RequestError("shapes", "expected a list of integer lists")
-            if not len(names) == len(dtypes) == len(shapes):
-                raise RequestError("names", "names, dtypes and shapes differ in length")
-            if version is not None and not isinstance(version, (str, int)):
-                raise RequestError("weight_version", f"expected a string, got {version!r}")
-            if load_format is not None and not isinstance(load_format, str):
-                raise RequestError("load_format", f"expected a string, got {load_format!r}")
-            base = body.get("base_version")  # Inflight's: a delta update's base (see below)
-            if base is not None and not isinstance(base, (str, int)):
-                raise RequestError("base_version", f"expected a string, got {base!r}")
-            abort_all = body.get("abort_all_requests", False)  # SGLang's default here
-            if not isinstance(abort_all, bool):
-                raise RequestError(
-                    "abort_all_requests", f"expected true or false, got {abort_all!r}"
-                )
-        except RequestError as exc:
-            return failure(str(exc))
+        body = await typed_body(request, UPDATE_DISTRIBUTED)
+        if isinstance(body, web.Response):
+            return body
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        group = body.get("group_name", "weight_update_group")
+        version = body.get("weight_version")
+        load_format = body.get("load_format")
+        flush = body.get("flush_cache", True)  # SGLang's defaults
+        abort_all = body.get("abort_all_requests", False)
+        # selector and torch_empty_cache: one model here, no draft; no CUDA cache on CPU
+        if not len(names) == len(dtypes) == len(shapes):
+            return failure("names: names, dtypes and shapes differ in length")
+        base = body.get("base_version")  # Inflight's: a delta update's base (see below)
+        if base is not None and not isinstance(base, (str, int)):
+            return failure(f"base_version: expected a string, got {base!r}")
         if self.session is None:  # SGLang 0.5.23 refuses it outside a session, receiving nothing
             return failure(
                 "update_weights_from_distributed must run between begin_weight_update() and "
@@ -244,23 +201,17 @@ class WeightRoutes:
         ``selector`` and ``torch_empty_cache`` are checked and change nothing (no draft model, no
         CUDA cache to empty here). Answers ``{success, message}``, 400 on failure, a payload
         that cannot be read included (what and where)."""
-        try:
-            body = base_request(await json_body(request))
-            payloads = field(body, "serialized_named_tensors", list)
-            if not payloads:
-                raise RequestError("serialized_named_tensors", "expected a payload per rank")
-            load_format = option(body, "load_format", str, None)
-            flush = option(body, "flush_cache", bool, True)
-            abort_all = option(body, "abort_all_requests", bool, False)
-            version = body.get("weight_version")
-            if version is not None and not isinstance(version, (str, int)):
-                raise RequestError("weight_version", f"expected a string, got {version!r}")
-            if body.get("selector", "all") not in SELECTORS:
-                raise RequestError("selector", f"expected one of {list(SELECTORS)}")
-            option(body, "torch_empty_cache", bool, False)
-            data = payload_bytes(payloads[0], "serialized_named_tensors[0]")
-        except (RequestError, PayloadError) as exc:
-            return failure(str(exc))
+        body = await typed_body(request, UPDATE_TENSOR)
+        if isinstance(body, web.Response):
+            return body
+        payloads = body["serialized_named_tensors"]  # bytes: the struct decodes the base64
+        if not payloads:
+            return failure("serialized_named_tensors: expected a payload per rank")
+        data = payloads[0]
+        load_format = body.get("load_format")
+        flush = body.get("flush_cache", True)
+        abort_all = body.get("abort_all_requests", False)
+        version = body.get("weight_version")
         if load_format not in LOAD_FORMATS:  # SGLang's custom loaders are code it imports
             return failure(f"Unknown load_format={load_format}")
         if self.session is None:  # SGLang 0.5.23 refuses it outside a session, loading nothing
@@ -290,16 +241,13 @@ class WeightRoutes:
         return web.json_response({"success": True, "message": message})
 
     async def destroy_group(self, request: web.Request) -> web.Response:
-        body = await typed_body(request, DESTROY_GROUP, allow_empty=True)
+        body = await typed_body(request, DESTROY_GROUP)
         if isinstance(body, web.Response):
             return body
-        try:
-            group = body.get("group_name", "weight_update_group")
-            receiver = self.receivers.pop(group, None)
-            if receiver is None:
-                raise RequestError("group_name", f"no weight update group {group!r}")
-        except RequestError as exc:
-            return failure(str(exc))
+        group = body.get("group_name", "weight_update_group")
+        receiver = self.receivers.pop(group, None)
+        if receiver is None:
+            return failure(f"group_name: no weight update group {group!r}")
         await self._in_thread(receiver.destroy)
         return web.json_response({"success": True, "message": "Succeeded to destroy group."})
 
@@ -320,29 +268,25 @@ class WeightRoutes:
         ``recapture_cuda_graph``, ``token_step`` and ``manifest`` are type-checked and have no
         effect (no CUDA graphs or asynchronous loads here); unknown fields are ignored, as there.
 
-        Answers ``{success, message, num_paused_requests: 0}``, 400 on failure, a malformed
-        body included (naming the field: SGLang's request validation answers 400 too, in its
-        error layout). Every name and shape is checked before anything is written, so a
-        checkpoint that does not fit leaves the model as it was (SGLang writes what fits, then
-        reloads the old checkpoint to roll back). Tensors the model has no parameter of are
-        skipped, as SGLang's model loaders skip them; a checkpoint with none it has is
-        refused. After a success ``/model_info``'s ``model_path`` is ``model_path``; its
-        ``served_model_name``, which SGLang moves too, stays (the ``/v1`` routes answer
-        under it).
+        Answers ``{success, message, num_paused_requests: 0}``, 400 on failure (a body its
+        struct cannot read: SGLang's validation answer, ``control_fields``). Every name and
+        shape is checked before anything is written, so a checkpoint that does not fit leaves
+        the model as it was (SGLang writes what fits, then reloads the old checkpoint to roll
+        back). Tensors the model has no parameter of are skipped, as SGLang's model loaders
+        skip them; a checkpoint with none it has is refused. After a success ``/model_info``'s
+        ``model_path`` is ``model_path``; its ``served_model_name``, which SGLang moves too,
+        stays (the ``/v1`` routes answer under it).
         """
-        try:
-            body = base_request(await json_body(request))
-            path = field(body, "model_path", str)
-            if not path.strip():
-                raise RequestError("model_path", "expected a checkpoint folder or Hub repo id")
-            load_format = option(body, "load_format", str, None)
-            abort_all = option(body, "abort_all_requests", bool, False)
-            version = option(body, "weight_version", str, None)
-            flush = option(body, "flush_cache", bool, True)
-            for name, (kind, default) in _DISK_NO_EFFECT.items():
-                option(body, name, kind, default)
-        except RequestError as exc:
-            return _from_disk(False, str(exc))
+        body = await typed_body(request, UPDATE_DISK)
+        if isinstance(body, web.Response):
+            return body
+        path = body["model_path"]
+        if not path.strip():
+            return _from_disk(False, "model_path: expected a checkpoint folder or Hub repo id")
+        load_format = body.get("load_format")
+        abort_all = body.get("abort_all_requests", False)
+        version = body.get("weight_version")
+        flush = body.get("flush_cache", True)
         if abort_all:  # before waiting for other updates, as SGLang aborts before its lock
             await asyncio.wrap_future(self.scheduler.abort(None, abort_all=True))
         names = set(self.scheduler.model.state_dict())
@@ -384,12 +328,10 @@ class WeightRoutes:
         {"message": "Get parameter by name failed"}}``, as there. Names are the checkpoint's
         (SGLang takes its fused ``qkv_proj`` and ``gate_up_proj`` names too). The scheduler
         reads it between two steps, so never in the middle of a weight update."""
-        try:
-            body = base_request(await json_body(request))
-            name = field(body, "name", str)
-            rows = option(body, "truncate_size", int, 100)
-        except RequestError as exc:
-            return bad_request(str(exc))
+        body = await typed_body(request, WEIGHTS_BY_NAME)
+        if isinstance(body, web.Response):
+            return body
+        name, rows = body["name"], body.get("truncate_size", 100)
         try:
             found = await asyncio.wrap_future(self.scheduler.parameter_rows(name, rows))
         except MemoryStateError as exc:
@@ -438,20 +380,12 @@ async def check_weights(
     ``per_engine_checksum``; a failed action is 400 ``{success: false, message}`` (a compare
     that finds differences lists them), a body that is not a ``CheckWeightsReqInput`` a 400 in
     SGLang's validation layout. The body may be empty (GET)."""
-    try:
-        body = base_request(await json_body(request, allow_empty=True))
-        action = option(body, "action", str, "checksum")
-        lax_bool(body, "allow_quant_error")
-        skip = body.get("skip_tensor_list")
-        if skip is not None and not (
-            isinstance(skip, list) and all(isinstance(s, str) for s in skip)
-        ):
-            raise RequestError("skip_tensor_list", "Input should be a list of strings")
-        selector = body.get("selector", "all")
-        if selector not in SELECTORS:
-            raise RequestError("selector", "Input should be 'target', 'draft' or 'all'")
-    except RequestError as exc:
-        return invalid(str(exc))
+    body = await typed_body(request, CHECK_WEIGHTS, optional=True)
+    if isinstance(body, web.Response):
+        return body
+    action = body.get("action", "checksum")
+    skip = body.get("skip_tensor_list")
+    selector = body.get("selector", "all")
     try:
         answer = await run(
             lambda model: checker.handle(model, action, skip=skip or (), selector=selector)

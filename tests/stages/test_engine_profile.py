@@ -91,9 +91,10 @@ def test_what_cannot_be_profiled_here_is_refused_naming_the_field(url: str) -> N
         ({"activities": ["RPD"]}, "activities"),
         ({"activities": ["MEM"]}, "needs the engine on a CUDA device"),
         ({"num_steps": 0}, "num_steps"),
-        ({"num_steps": "3"}, "num_steps"),
+        ({"num_steps": "three"}, "num_steps: Input should be a valid integer"),  # ProfileReq's
         ({"profile_by_stage": True}, "profile_by_stage"),
-        ({"with_stack": "yes"}, "with_stack"),
+        ({"with_stack": "perhaps"}, "with_stack: Input should be a valid boolean"),
+        ({"req_type": 3}, "req_type: Input should be 1 or 2"),
     ]
     for body, words in cases:
         answer = _post(url, "/start_profile", body)

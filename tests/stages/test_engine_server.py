@@ -759,6 +759,56 @@ def test_control_routes_reject_bad_input(engine: Engine) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_native_bodies_are_read_as_sglangs_request_structs(engine: Engine) -> None:
+    """``control_fields``: each native route's body read as FastAPI reads SGLang 0.5.23's
+    ``io_struct`` struct for it, before the route runs: lax values converted and used, other
+    types and missing fields a 400 in its validation answer, unknown keys ignored, an empty
+    body refused unless the struct parameter is optional there."""
+
+    def refused(path: str, body: Any, words: str, raw: bytes | None = None) -> None:
+        status, answer = engine.request("POST", path, body, raw=raw)
+        assert status == 400 and answer["type"] == "Bad Request", (path, answer)
+        assert answer["message"] == words, (path, answer)
+
+    refused("/pause_generation", None, "body: Field required")  # PauseGenerationReqInput
+    refused("/continue_generation", None, "body: Field required", raw=b"")
+    refused("/pause_generation", None, "body.1: JSON decode error", raw=b"{x")
+    refused("/pause_generation", None, "Input should be a valid dictionary", raw=b"[]")
+    refused("/begin_weight_update", {"selector": "x"}, "selector: Input should be 'target', "
+            "'draft' or 'all'")  # fmt: skip
+    refused("/load_lora_adapter", {"lora_name": "a"}, "lora_path: Field required")
+    refused(
+        "/parse_function_call",
+        {"text": "x", "tools": [{"function": {"name": 1}}]},
+        "tools.0.function.name: Input should be a valid string",
+    )  # io_struct.Tool
+    refused("/update_weights_from_tensor", {"serialized_named_tensors": ["!"]},
+            "serialized_named_tensors: Value error, Expected base64-encoded bytes")  # fmt: skip
+    refused("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 1.5},
+            "truncate_size: Input should be a valid integer, got a number with a fractional "
+            "part")  # fmt: skip
+    # converted as pydantic converts them, and used
+    status, rows = engine.request(
+        "POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": "2"}
+    )
+    assert status == 200 and len(rows) == 2
+    status, answer = engine.request(
+        "POST",
+        "/separate_reasoning",
+        {"text": "a</think>b", "reasoning_parser": "deepseek-r1", "return_blocks": "yes"},
+    )
+    assert status == 200 and answer["text_blocks"] == ["b"], answer
+    # optional structs take no body (/weights_checker: CheckWeightsReqInput or None)
+    status, answer = engine.request("POST", "/weights_checker", raw=b"")
+    assert status == 200 and answer["success"] is True
+    # unknown keys ignored, as the structs ignore them: the route's own answer comes
+    status, answer = engine.request("POST", "/unload_lora_adapter", {"lora_name": "a", "x": 1})
+    assert status == 400 and "no adapter 'a' is loaded" in answer["error_message"]
+    out = engine.generate({"input_ids": [1, 2], "sampling_params": {**GREEDY, "max_new_tokens": 2}})
+    assert len(out["output_ids"]) == 2
+
+
+@pytest.mark.timeout(60)
 def test_model_info_and_health(engine: Engine) -> None:
     assert engine.request("GET", "/health")[0] == 200
     with urllib.request.urlopen(engine.url + "/health", timeout=10) as resp:
