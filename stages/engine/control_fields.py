@@ -10,8 +10,9 @@ The routes: ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
 ``/update_weight_version``, ``/slow_down``, the weight-update group's three, the update
 session's two, ``/update_weights_from_tensor``, ``/update_weights_from_disk``,
 ``/get_weights_by_name``, ``/weights_checker`` and ``/start_profile`` (optional bodies), memory
-release and resume, the three LoRA routes, ``/parse_function_call`` and
-``/separate_reasoning``. ``serialized_named_tensors`` is read as its ``Base64Bytes`` marker
+release and resume, the three LoRA routes, ``/parse_function_call``,
+``/separate_reasoning``, and ``/encode`` and ``/classify`` (``EmbeddingReqInput``, a dataclass
+as ``/generate``'s is). ``serialized_named_tensors`` is read as its ``Base64Bytes`` marker
 reads it: each string decoded (``Expected base64-encoded bytes`` when it is none), the route
 handed the bytes."""
 
@@ -35,6 +36,7 @@ __all__ = [
     "CHECK_WEIGHTS",
     "CONTINUE",
     "DESTROY_GROUP",
+    "ENCODE",
     "END_UPDATE",
     "INIT_GROUP",
     "LOAD_LORA",
@@ -243,6 +245,41 @@ class SeparateReasoningFields(_Base, total=False):  # SeparateReasoningReqInput
     return_blocks: bool
 
 
+Ids = list[list[int]] | list[int] | None
+MaybeStrings = list[str | None] | str | None
+
+
+class EncodeFields(TypedDict, total=False):  # EmbeddingReqInput, as pydantic reads it
+    rid: list[str] | str | None
+    text: list[list[str]] | list[str] | str | None
+    input_ids: Ids
+    input_embeds: list[list[list[float]]] | list[list[float]] | None
+    image_data: Any  # images, video, audio: what this engine refuses anyway
+    video_data: Any
+    audio_data: Any
+    embed_override_token_id: int | None
+    embed_overrides: Any
+    sampling_params: list[dict[str, Any]] | dict[str, Any] | None
+    log_metrics: bool
+    modalities: list[str] | None
+    is_cross_encoder_request: bool
+    lora_path: MaybeStrings
+    lora_id: MaybeStrings
+    positional_embed_overrides: Any
+    routing_key: str | None
+    http_worker_ipc: str | None
+    background: bool
+    priority: int | None
+    dimensions: int | None
+    return_pooled_hidden_states: bool
+    return_prompt_token_ids: bool
+    external_trace_header: dict[str, Any] | None
+    received_time: float | None
+    multi_item_delimiter_indices: Ids
+    token_indices_to_pool: Ids
+    decision_layout: Ids
+
+
 PAUSE = Checker(PauseFields)
 CONTINUE = Checker(ContinueFields)
 ABORT = Checker(AbortFields)
@@ -264,21 +301,25 @@ LOAD_LORA_TENSORS = Checker(LoadLoraTensorsFields)
 PROFILE = Checker(ProfileFields)
 PARSE_FUNCTION_CALL = Checker(ParseFunctionCallFields)
 SEPARATE_REASONING = Checker(SeparateReasoningFields)
+ENCODE = Checker(EncodeFields)
 
 
 async def typed_body(
-    request: web.Request, check: Checker, *, optional: bool = False
+    request: web.Request, check: Checker, *, optional: bool = False, dataclass: str = ""
 ) -> dict[str, Any] | web.Response:
     """``request``'s JSON body with its fields as ``check``'s struct reads them, or SGLang's
     400 for it. ``optional``: the route's struct parameter defaults to none there (an empty
     body is the struct's defaults); else an empty body is FastAPI's ``body: Field
-    required``."""
+    required``. ``dataclass``: the struct is this pydantic dataclass, whose words a body that
+    is no object gets."""
     raw = await request.read()
     if optional and not raw:
         return {}
     body, refused = read_json(raw)
     if refused is not None:
         return refused
+    if dataclass and not isinstance(body, dict):
+        return invalid(f"Input should be a dictionary or an instance of {dataclass}")
     try:
         return check(body)
     except ValueError as exc:

@@ -43,6 +43,7 @@ from typing import Any
 
 from aiohttp import web
 
+from stages.engine.control_fields import ENCODE, typed_body
 from stages.engine.openai_api import (
     OpenAIError,
     checked_body,
@@ -53,7 +54,7 @@ from stages.engine.openai_api import (
 )
 from stages.engine.pooling import Pooler, PoolingFailed
 from stages.engine.protocol import RequestError, is_int, read_prompts
-from stages.engine.request_body import bad_request, dumps, json_body
+from stages.engine.request_body import bad_request, dumps
 from stages.engine.request_fields import checked_classify, checked_embedding
 
 __all__ = ["NOT_EMBEDDING", "EncodeRoutes"]
@@ -124,11 +125,13 @@ class EncodeRoutes:
     # ---- native ------------------------------------------------------------------------------
 
     async def native(self, request: web.Request) -> web.Response:
+        body = await typed_body(request, ENCODE, dataclass="EmbeddingReqInput")
+        if isinstance(body, web.Response):
+            return body
         if self.pooler is None:
             return bad_request(NOT_EMBEDDING)
         started = time.perf_counter()
         try:
-            body = await json_body(request)
             rows, batch, rids, dims, hidden = self._native_request(body, request.path)
             values, states = await self.pooler.encode(rows, dims, hidden=hidden)
         except (RequestError, ValueError) as exc:
@@ -165,11 +168,6 @@ class EncodeRoutes:
                     )
             elif key not in _TAKEN:
                 raise RequestError(key, f"unknown field of {route}")
-        if not isinstance(body.get("return_pooled_hidden_states", False), bool):
-            raise RequestError("return_pooled_hidden_states", "expected true or false")
-        params = body.get("sampling_params")
-        if params is not None and not isinstance(params, dict | list):
-            raise RequestError("sampling_params", f"expected an object or a list, got {params!r}")
         rows, batch = read_prompts(body, vocab_size=self.vocab_size, encode=self.encode_text)
         self._check_lengths(rows)
         rids = _rids(body.get("rid"), len(rows), batch)
@@ -188,8 +186,6 @@ class EncodeRoutes:
         """``dimensions`` checked as SGLang's ``_validate_for_matryoshka_dim``."""
         if value is None:
             return None
-        if not is_int(value):
-            raise RequestError("dimensions", f"expected an integer, got {value!r}")
         model = self.pooler.model
         if model.kind != "embed" or model.matryoshka == frozenset():
             raise ValueError(

@@ -263,6 +263,9 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
         (embedder, "/v1/embeddings", {"input": "w5", "user": 1}, "valid string"),
         (reward, "/v1/classify", {"input": [[5]]}, "valid string"),
         (reward, "/v1/classify", {"input": "w5", "priority": "high"}, "valid integer"),
+        # EmbeddingReqInput's (/encode, /classify: pydantic's dataclass, before the route)
+        (reward, "/encode", {"input_ids": [5], "dimensions": "x"}, "dimensions: Input should"),
+        (reward, "/classify", {"input_ids": "5"}, "input_ids.list[list[int]]: Input should"),
     ]
     ours = [  # what SGLang takes, ignores or fails on otherwise, refused here
         (reward, "/classify", {"text": "w5", "input_ids": [5]}, "exactly one of input_ids"),
@@ -284,6 +287,10 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
         "POST", "/v1/embeddings", {"input": "w5", "bogus": 1, "rid": "r1", "priority": "2"}
     )
     assert status == 200 and len(out["data"]) == 1, out
+    status, out = reward.request(
+        "POST", "/classify", {"input_ids": ["5"], "log_metrics": "yes", "priority": "2"}
+    )
+    assert status == 200 and len(out["embedding"]) == 1, out
     for engine in (reward, embedder):
         assert engine.request("GET", "/health_generate")[0] == 200  # still serving
         if not _real(engine):

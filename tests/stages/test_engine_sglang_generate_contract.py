@@ -137,6 +137,36 @@ def test_the_field_types_are_generate_req_inputs() -> None:
     assert not differences, differences
 
 
+def test_the_encode_fields_are_embedding_req_inputs() -> None:
+    """``/encode`` and ``/classify``: ``EmbeddingReqInput``, a dataclass as pydantic reads it."""
+    from pydantic import TypeAdapter
+
+    from stages.engine import control_fields
+
+    names = {**TYPING, "MultimodalDataInputFormat": Any}
+    theirs = {n: t for n, (t, _) in _io_struct_fields("EmbeddingReqInput", names).items()}
+    assert list(control_fields.EncodeFields.__annotations__) == list(theirs)
+    model = dataclasses.make_dataclass(
+        "EmbeddingReqInput", [(n, t, dataclasses.field(default=None)) for n, t in theirs.items()]
+    )
+    adapter = TypeAdapter(model)
+    values = [*SCALARS, [], ["x"], [1], [1.0], [True], [[1]], [["x"]], [[1, "x"]], [None], {},
+              {"a": 1}, [{"a": 1}], [[[1.5]]], [[1.5]], ["1"]]  # fmt: skip
+    refused = object()
+    for name in theirs:
+        for value in values:
+            try:
+                took = getattr(adapter.validate_python({name: value}), name)
+            except ValueError:
+                took = refused
+            try:
+                mine = control_fields.ENCODE({name: value})[name]
+            except ValueError:
+                mine = refused
+            assert (took is refused) == (mine is refused), (name, value)
+            assert took is refused or repr(took) == repr(mine), (name, value)
+
+
 CONTROL = {  # SGLang's request struct -> this engine's fields (stages.engine.control_fields)
     "PauseGenerationReqInput": "PauseFields",
     "ContinueGenerationReqInput": "ContinueFields",
