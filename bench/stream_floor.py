@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+JSON = {"Content-Type": "application/json"}  # engines read a body as JSON only when told
 sys.path.insert(0, str(ROOT))
 
 from bench._engines import free_port, wait_health  # noqa: E402
@@ -148,7 +149,7 @@ async def _drive(url: str, seconds: float, connections: int) -> int:
         async def worker() -> None:
             nonlocal answered
             while time.monotonic() < stop:
-                async with session.post(url, data=b'{"input_ids": [5, 6, 7]}') as r:
+                async with session.post(url, data=b'{"input_ids": [5, 6, 7]}', headers=JSON) as r:
                     await r.read()
                     answered += r.status == 200
 

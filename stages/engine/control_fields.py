@@ -4,7 +4,7 @@ reads each into its request struct (``managers/io_struct.py``, msgspec Structs t
 other keys ignored). What it cannot read is a 400 in SGLang's validation shape (``type: "Bad
 Request"``); what it can is converted (``"abort_all": "yes"`` is true) and left to the route's
 own checks. A body that is no JSON, or none where the struct is not optional, is refused as
-FastAPI refuses it there (``request_body.read_json``).
+FastAPI refuses it there (``request_body.read_body``).
 
 The routes: ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
 ``/update_weight_version``, ``/slow_down``, the weight-update group's three, the update
@@ -27,7 +27,7 @@ from aiohttp import web
 from pydantic import BeforeValidator
 from typing_extensions import Required, TypedDict
 
-from stages.engine.request_body import invalid, read_json
+from stages.engine.request_body import invalid, read_body
 from stages.engine.request_fields import Checker
 
 __all__ = [
@@ -315,7 +315,7 @@ async def typed_body(
     raw = await request.read()
     if optional and not raw:
         return {}
-    body, refused = read_json(raw)
+    body, refused = read_body(raw, request.headers.get("Content-Type"))
     if refused is not None:
         return refused
     if dataclass and not isinstance(body, dict):

@@ -23,7 +23,7 @@ from aiohttp import web
 from pydantic import PlainValidator
 from typing_extensions import TypedDict
 
-from stages.engine.request_body import invalid, read_json
+from stages.engine.request_body import invalid, read_body
 from stages.engine.request_fields import Checker
 
 __all__ = ["contract_error", "read", "refusal"]
@@ -151,10 +151,10 @@ class GenerateFields(TypedDict, total=False):  # GenerateReqInput, as pydantic r
 checked_generate = Checker(GenerateFields)
 
 
-def read(raw: bytes) -> tuple[Any, web.Response | None]:
+def read(raw: bytes, content_type: str | None) -> tuple[Any, web.Response | None]:
     """``(body, None)`` of a ``/generate`` request's bytes, or ``(None, SGLang's 400)``:
-    FastAPI's when they are no JSON or none at all (``read_json``), then ``refusal``'s."""
-    body, refused = read_json(raw)
+    FastAPI's when they are no JSON or none at all (``read_body``), then ``refusal``'s."""
+    body, refused = read_body(raw, content_type)
     if refused is not None:
         return None, refused
     return body, refusal(body)

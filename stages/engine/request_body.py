@@ -24,12 +24,11 @@ __all__ = [
     "field",
     "invalid",
     "is_int",
-    "json_body",
     "json_response",
     "lax_bool",
     "loads",
     "option",
-    "read_json",
+    "read_body",
 ]
 
 try:  # the engine's JSON: orjson parses and writes several times faster; json is the fallback
@@ -44,29 +43,29 @@ except ImportError:  # pragma: no cover - depends on the environment
         return json.dumps(obj, separators=(",", ":")).encode()
 
 
-async def json_body(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw.strip() and allow_empty:
-        return {}
-    try:
-        body = loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RequestError("body", f"not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RequestError("body", "expected a JSON object")
-    return body
-
-
-def read_json(raw: bytes) -> tuple[Any, web.Response | None]:
-    """``(body, None)`` of a request's bytes as FastAPI reads a JSON body parameter, or
-    ``(None, SGLang's 400 for them)``: none at all (``body: Field required``), or no JSON
-    (``json_invalid``, at the character it stopped at)."""
+def read_body(raw: bytes, content_type: str | None) -> tuple[Any, web.Response | None]:
+    """``(body, None)`` of a request's bytes as FastAPI (0.132 and later: strict content
+    types) reads a body parameter, or ``(None, SGLang's 400 for them)``: none at all is ``body:
+    Field required``; bytes sent as JSON (``application/json`` or ``application/*+json``) are
+    parsed (``json_invalid`` at the character it stopped at when they are no JSON); bytes sent
+    as anything else, or with no content type, stay bytes, which the route's struct then
+    refuses as it refuses any body that is no object."""
     if not raw:
         return None, invalid("body: Field required")
+    if not _json_media(content_type):
+        return raw, None
     try:
         return loads(raw), None
     except (UnicodeDecodeError, ValueError) as exc:
         return None, invalid(f"body.{getattr(exc, 'pos', 0)}: JSON decode error")
+
+
+def _json_media(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body with this ``Content-Type`` as JSON."""
+    if not content_type:
+        return False
+    kind, _, sub = content_type.partition(";")[0].strip().lower().partition("/")
+    return kind == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 # pydantic's strings for a bool (any case)

@@ -299,7 +299,9 @@ def _refused(request: web.Request, status: int, message: str) -> None:
 
 async def _generate(request: web.Request) -> web.StreamResponse:
     try:
-        body, refused = generate_contract.read(await request.read())
+        body, refused = generate_contract.read(
+            await request.read(), request.headers.get("Content-Type")
+        )
         if refused is not None:  # SGLang's checks before its route
             return refused
         if isinstance(body, dict) and body.get("stream") is True:

@@ -774,6 +774,14 @@ def test_native_bodies_are_read_as_sglangs_request_structs(engine: Engine) -> No
     refused("/continue_generation", None, "body: Field required", raw=b"")
     refused("/pause_generation", None, "body.1: JSON decode error", raw=b"{x")
     refused("/pause_generation", None, "Input should be a valid dictionary", raw=b"[]")
+    for content_type in (None, "text/plain"):  # read as JSON only when sent as JSON: bytes
+        request = urllib.request.Request(engine.url + "/pause_generation", b"{}", method="POST")
+        if content_type:
+            request.add_header("Content-Type", content_type)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=10)
+        answer = json.loads(info.value.read())
+        assert answer["message"] == "Input should be a valid dictionary", answer
     refused("/begin_weight_update", {"selector": "x"}, "selector: Input should be 'target', "
             "'draft' or 'all'")  # fmt: skip
     refused("/load_lora_adapter", {"lora_name": "a"}, "lora_path: Field required")
