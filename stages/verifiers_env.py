@@ -26,7 +26,6 @@ Not here: the dataset as prompts (``stages.feeder.verifiers_source``), the rollo
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import importlib.util
@@ -37,6 +36,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from pipeline.collector import Collector
 from pipeline.config.typed import did_you_mean
 
 __all__ = [
@@ -51,9 +51,7 @@ __all__ = [
 SUPPORTED = (0, 3)  # verifiers 0.3.x: 0.4 changes the environment API (and pins openai < 3)
 _LOCK = threading.Lock()  # one environment made at a time (signal.signal is patched meanwhile)
 _LOADED: dict[tuple[str, str], Any] = {}
-_FAILURES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "verifiers_rubric_failures", default=None
-)
+_FAILURES: Collector[str] = Collector("verifiers_rubric_failures")
 
 
 class VerifiersError(ValueError):
@@ -116,16 +114,10 @@ def rollout_input(meta: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-@contextlib.contextmanager
-def rubric_failures() -> Iterator[list[str]]:
+def rubric_failures() -> contextlib.AbstractContextManager[list[str]]:
     """The list of the rubric reward functions that failed while scoring in this block (in this
     task and the tasks it starts), each as ``name: Type: message``."""
-    failures: list[str] = []
-    token = _FAILURES.set(failures)
-    try:
-        yield failures
-    finally:
-        _FAILURES.reset(token)
+    return _FAILURES.collect()
 
 
 # ------------------------------------------------------------------------------- loading
@@ -232,9 +224,7 @@ def _watch(rubric: Any) -> None:
 
 
 def _record(func: Any, problem: str) -> None:
-    failures = _FAILURES.get()
-    if failures is not None:
-        failures.append(f"{getattr(func, '__name__', repr(func))}: {problem}")
+    _FAILURES.note([f"{getattr(func, '__name__', repr(func))}: {problem}"])
 
 
 def _checked(func: Any, value: Any) -> Any:

@@ -83,6 +83,7 @@ _NEUTRAL = {
     "token_indices_to_pool": None,
     "decision_layout": None,
 }
+# its other fields: read, or left as SGLang leaves them (each of its fields is in one of the two)
 _TAKEN = {
     "text",
     "input_ids",
@@ -132,7 +133,7 @@ class EncodeRoutes:
             return bad_request(NOT_EMBEDDING)
         started = time.perf_counter()
         try:
-            rows, batch, rids, dims, hidden = self._native_request(body, request.path)
+            rows, batch, rids, dims, hidden = self._native_request(body)
             values, states = await self.pooler.encode(rows, dims, hidden=hidden)
         except (RequestError, ValueError) as exc:
             return bad_request(str(exc))
@@ -158,16 +159,11 @@ class EncodeRoutes:
         )
 
     def _native_request(
-        self, body: dict[str, Any], route: str
+        self, body: dict[str, Any]
     ) -> tuple[list[list[int]], bool, list[str], list[int | None], bool]:
-        for key, value in body.items():
-            if key in _NEUTRAL:
-                if value != _NEUTRAL[key]:
-                    raise RequestError(
-                        key, f"{key}={value!r} is not supported by the built-in engine"
-                    )
-            elif key not in _TAKEN:
-                raise RequestError(key, f"unknown field of {route}")
+        for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
+            if key in _NEUTRAL and value != _NEUTRAL[key]:
+                raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
         rows, batch = read_prompts(body, vocab_size=self.vocab_size, encode=self.encode_text)
         self._check_lengths(rows)
         rids = _rids(body.get("rid"), len(rows), batch)

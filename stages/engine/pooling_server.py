@@ -40,6 +40,7 @@ from stages.engine.server import (
     SERVED_VERSION,
     base_app,
     engine_id_header,
+    ignored_counts,
     model_info,
     refused_counts,
     run_loop,
@@ -256,6 +257,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "device": str(next(loaded.model.parameters()).device),
             "threads": torch.get_num_threads(),
             "refused_requests": refused_counts(request.app),
+            "ignored_fields": ignored_counts(request.app),
             **state,
         }
     )

@@ -245,6 +245,9 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "return_bytes": (False,),
     "multi_item_delimiter_indices": (None,),
     "token_indices_to_pool": (None,),
+    "need_wait_for_mm_inputs": (None, False),  # encoder-prefill-decode disaggregation
+    "num_items_assigned": (None,),
+    "encoder_urls": (None,),
 }
 # taken and left, as SGLang leaves them by default: logging and metrics labels, a router's
 # keys, an entropy SGLang 0.5.23 computes nothing for, ``priority`` without
@@ -269,6 +272,8 @@ _IGNORED_TOP = frozenset(
         "external_trace_header",
         "return_entropy",
         "priority",
+        "received_time",  # when a router took the request, for its metrics
+        "http_worker_ipc",  # SGLang's own: which HTTP worker answers
     }
 )
 _KNOWN_TOP = frozenset(
@@ -324,14 +329,9 @@ def parse_generate(
     ``strict_thinking``: whether it runs with ``--enable-strict-thinking``."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
-    for key, value in body.items():
-        if key in _KNOWN_TOP or key in _IGNORED_TOP:
-            continue
-        if key in _NEUTRAL_TOP:
-            if not _is_neutral(value, _NEUTRAL_TOP[key]):
-                raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
-            continue
-        raise RequestError(key, "unknown field of /generate")
+    for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
+        if key in _NEUTRAL_TOP and not _is_neutral(value, _NEUTRAL_TOP[key]):
+            raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
     priority = body.get("priority")
     if priority is not None and not (is_int(priority) and -(1 << 63) <= priority < (1 << 63)):
         raise RequestError(  # SGLang's words (TokenizerManager._set_default_priority)

@@ -17,10 +17,13 @@ contract: ``stages.engine.generate_contract``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, TypeAdapter, ValidationError
 from typing_extensions import Required, TypedDict
+
+from stages.engine import ignored_fields
 
 __all__ = [
     "Checker",
@@ -431,22 +434,31 @@ class OllamaShowFields(TypedDict, total=False):  # OllamaShowRequest
 class Checker:
     """A body's fields as one SGLang request model reads them (``fields``: its TypedDict
     here): ``checker(body)`` is ``body`` with the converted values written back (other keys
-    as they are); ValueError with ``validation_message``'s words when it refuses them."""
+    as they are); ValueError with ``validation_message``'s words when it refuses them.
 
-    def __init__(self, fields: type) -> None:
+    The keys the model does not name, which it ignores, are ``ignored_fields.note``d, but for
+    ``extensions`` (keys this engine's route reads beyond SGLang's model); ``note=False``: a
+    model that reads part of a body another checks too (none noted)."""
+
+    def __init__(self, fields: type, *, extensions: Iterable[str] = (), note: bool = True) -> None:
         self.adapter: TypeAdapter[Any] = TypeAdapter(fields)
+        names = fields.__required_keys__ | fields.__optional_keys__  # type: ignore[attr-defined]
+        self.names = frozenset(names) | frozenset(extensions) if note else None
 
     def __call__(self, body: Any) -> dict[str, Any]:
         try:
             typed = self.adapter.validate_python(body)
         except ValidationError as exc:
             raise ValueError(validation_message(exc)) from None
+        if self.names is not None and not self.names.issuperset(body):
+            ignored_fields.note(k for k in body if k not in self.names)
         body.update(typed)  # the converted values: "2" is 2 from here on, as in SGLang
         return body
 
 
 checked_completion = Checker(CompletionFields)
-checked_chat = Checker(ChatFields)
+# its before-validator reads ``reasoning`` ({effort, enabled}) too (normalize_reasoning_inputs)
+checked_chat = Checker(ChatFields, extensions=("reasoning",))
 checked_detokenize = Checker(DetokenizeFields)
 checked_score = Checker(ScoreFields)
 checked_rerank = Checker(RerankFields)
@@ -454,10 +466,13 @@ checked_embedding = Checker(EmbeddingFields)
 checked_classify = Checker(ClassifyFields)
 checked_messages = Checker(MessagesFields)
 checked_count_tokens = Checker(CountTokensFields)
-checked_ollama_chat = Checker(OllamaChatFields)
-checked_ollama_generate = Checker(OllamaGenerateFields)
+# Ollama's own API has these, which SGLang's models leave out and this engine serves
+checked_ollama_chat = Checker(OllamaChatFields, extensions=("tools", "logprobs", "top_logprobs"))
+checked_ollama_generate = Checker(OllamaGenerateFields, extensions=("logprobs", "top_logprobs"))
 checked_ollama_show = Checker(OllamaShowFields)
-_tokenize = Checker(TokenizeFields)
+_tokenize = Checker(  # a conversation's other keys: the chat request's, checked there
+    TokenizeFields, extensions=ChatFields.__optional_keys__ | {"reasoning"}
+)
 _responses = Checker(ResponsesFields)
 
 

@@ -67,7 +67,7 @@ from aiohttp import web
 
 from pipeline import heap
 from stages.detokenize import decoder
-from stages.engine import control_fields, generate_contract
+from stages.engine import control_fields, generate_contract, ignored_fields
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.engine_metrics import EngineMetrics
@@ -120,6 +120,7 @@ __all__ = [
     "engine_id_header",
     "generate",
     "generate_results",
+    "ignored_counts",
     "main",
     "model_info",
     "parse_args",
@@ -135,6 +136,7 @@ _LOADED = web.AppKey("loaded", LoadedModel)
 _WEIGHTS = web.AppKey("weights", "WeightRoutes")
 _DECODE = web.AppKey("decode", object)
 _REFUSED = web.AppKey("refused", Counter)
+_IGNORED = web.AppKey("ignored", Counter)
 _API_KEY = web.AppKey("api_key", str)
 _ENGINE_ID = web.AppKey("engine_id", dict)  # the /health header naming this engine, or none
 SERVED_NAME = web.AppKey("served_model_name", str)  # the model's name on the OpenAI routes
@@ -258,15 +260,20 @@ def build_app(
 
 
 @web.middleware
-async def _count_refused(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Count every refused request (4xx) by route and status, and log the 1st, 2nd, 4th ...
-    of each kind: garbage is answered, counted, and cannot flood the log."""
-    try:
-        response = await handler(request)
-    except web.HTTPException as exc:  # 404, 405, 413 (a body over client_max_size) ...
-        if 400 <= exc.status < 500:
-            _refused(request, exc.status, exc.reason)
-        raise
+async def _tally(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Count every refused request (4xx) by route and status, and every request key the route
+    ignored (``ignored_fields``) by route and key; log the 1st, 2nd, 4th ... of each kind:
+    garbage is answered, counted, and cannot flood the log."""
+    with ignored_fields.collect() as ignored:
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:  # 404, 405, 413 (a body over client_max_size) ...
+            if 400 <= exc.status < 500:
+                _refused(request, exc.status, exc.reason)
+            raise
+        finally:
+            if ignored:
+                _ignored(request, ignored)
     if 400 <= response.status < 500:
         _refused(request, response.status, getattr(response, "text", None) or "")
     return response
@@ -285,13 +292,25 @@ async def _check_key(request: web.Request, handler: Callable) -> web.StreamRespo
 
 
 def _refused(request: web.Request, status: int, message: str) -> None:
-    route = request.match_info.route.resource
-    path = route.canonical if route is not None else "(no route)"
     counts = request.app[_REFUSED]
-    key = f"{request.method} {path} {status}"
+    key = f"{request.method} {_route(request)} {status}"
     counts[key] += 1
     if sparse(counts[key]):
         log.warning("request_refused", request=key, count=counts[key], message=message[:300])
+
+
+def _route(request: web.Request) -> str:
+    route = request.match_info.route.resource
+    return route.canonical if route is not None else "(no route)"
+
+
+def _ignored(request: web.Request, keys: list[str]) -> None:
+    counts = request.app[_IGNORED]
+    for name in dict.fromkeys(keys):
+        key = f"{request.method} {_route(request)} {name[:100]}"
+        counts[key] += 1
+        if sparse(counts[key]):
+            log.warning("request_field_ignored", request=key, count=counts[key])
 
 
 # ---- generation ------------------------------------------------------------------------------
@@ -538,6 +557,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "engine": "inflight-builtin",
             "forward_path": scheduler.forward_path,
             "refused_requests": dict(request.app[_REFUSED]),
+            "ignored_fields": dict(request.app[_IGNORED]),
             **state,
         }
     )
@@ -746,9 +766,10 @@ def base_app(
     """An application with the engine's middlewares (every refusal counted; the API key
     checked when there is one) and one route: ``GET|HEAD /``, SGLang's "SGLang is running"
     (the Ollama client and load balancers knock there)."""
-    middlewares = [_count_refused] + ([_check_key] if api_key else [])
+    middlewares = [_tally] + ([_check_key] if api_key else [])
     app = web.Application(client_max_size=max_body, middlewares=middlewares)
     app[_REFUSED] = Counter()
+    app[_IGNORED] = Counter()
     if api_key:
         app[_API_KEY] = api_key
     app[_ENGINE_ID] = {ENGINE_ID_HEADER: engine_id} if engine_id else {}
@@ -763,6 +784,11 @@ async def _root(request: web.Request) -> web.Response:
 def refused_counts(app: web.Application) -> dict[str, int]:
     """The refusals counted so far, by ``METHOD route status``."""
     return dict(app[_REFUSED])
+
+
+def ignored_counts(app: web.Application) -> dict[str, int]:
+    """The request keys ignored so far, by ``METHOD route key`` (``ignored_fields``)."""
+    return dict(app[_IGNORED])
 
 
 def engine_id_header(app: web.Application) -> dict[str, str]:

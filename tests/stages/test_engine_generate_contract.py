@@ -5,9 +5,11 @@ random bodies with that decoder where it imports)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from stages.engine.generate_contract import checked_generate, contract_error
+from stages.engine.generate_contract import GenerateFields, checked_generate, contract_error
 
 SAMPLING_KEYS = (
     "`max_new_tokens`, `stop`, `stop_token_ids`, `stop_regex`, `temperature`, `top_p`, "
@@ -121,3 +123,21 @@ def test_bytes_that_are_no_object_are_refused_as_fastapi_refuses_them() -> None:
         "application/x+json",
     ):
         assert read(b'{"text": "hi"}', content_type) == ({"text": "hi"}, None)
+
+
+def test_each_sglang_field_is_read_left_or_refused_unless_neutral() -> None:
+    """Every field of ``GenerateReqInput`` and ``EmbeddingReqInput`` has its place in the
+    routes' own checks (read, left as SGLang leaves it by default, or refused unless at its
+    default); what is none of them is a key SGLang does not know (``ignored_fields``)."""
+    from stages.engine import control_fields, encode_routes, protocol
+
+    def keys(fields: Any) -> set[str]:
+        return set(fields.__required_keys__ | fields.__optional_keys__)
+
+    placed = [protocol._KNOWN_TOP, protocol._IGNORED_TOP, set(protocol._NEUTRAL_TOP)]
+    assert set().union(*placed) == keys(GenerateFields)
+    assert sum(map(len, placed)) == len(keys(GenerateFields))  # each in one place
+    assert set(encode_routes._TAKEN) | set(encode_routes._NEUTRAL) == keys(
+        control_fields.EncodeFields
+    )
+    assert not set(encode_routes._TAKEN) & set(encode_routes._NEUTRAL)

@@ -271,7 +271,6 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
         (reward, "/classify", {"text": "w5", "input_ids": [5]}, "exactly one of input_ids"),
         (reward, "/classify", {"input_ids": [5, vocab + 9]}, "outside the vocabulary"),
         (reward, "/encode", {"input_ids": [5], "image_data": "x.png"}, "image_data"),
-        (reward, "/encode", {"input_ids": [5], "typo": 1}, "unknown field"),
         (embedder, "/v1/classify", {"input": "w5"}, "needs a classification model"),
         (reward, "/generate", {"text": "w5"}, "does not generate"),
         (reward, "/v1/chat/completions", {"messages": []}, "needs a generating model"),
@@ -291,6 +290,12 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
         "POST", "/classify", {"input_ids": ["5"], "log_metrics": "yes", "priority": "2"}
     )
     assert status == 200 and len(out["embedding"]) == 1, out
+    status, out = reward.request("POST", "/encode", {"input_ids": [5], "typo": 1})  # ignored
+    assert status == 200 and len(out["embedding"]) == 1, out
+    if not _real(reward):  # and counted
+        assert reward.request("GET", "/server_info")[1]["ignored_fields"]["POST /encode typo"]
+        ignored = embedder.request("GET", "/server_info")[1]["ignored_fields"]
+        assert ignored["POST /v1/embeddings bogus"] == 1
     for engine in (reward, embedder):
         assert engine.request("GET", "/health_generate")[0] == 200  # still serving
         if not _real(engine):

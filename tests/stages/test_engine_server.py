@@ -601,7 +601,6 @@ BAD_REQUESTS = [
     ({"input_ids": [1], "logprob_start_len": "0"}, CONTRACT),
     ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
     ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 129}, "top_logprobs_num"),
-    ({"input_ids": [1], "whatever": 1}, "whatever"),
     ({"input_ids": [[1], []]}, "input_ids[1]"),
     ({"text": 5}, "text.list[str]: Input should be a valid list"),
     ({}, "input_ids"),
@@ -677,6 +676,34 @@ def test_sglangs_other_fields_at_their_defaults_change_nothing(engine: Engine) -
     got = engine.generate({**body, **along, "sampling_params": sampling})
     assert got["output_ids"] == plain["output_ids"] and got["text"] == plain["text"]
     assert set(got) == set(plain) and set(got["meta_info"]) == set(plain["meta_info"])
+
+
+@pytest.mark.timeout(60)
+def test_keys_sglang_does_not_know_are_ignored_counted_and_logged(engine: Engine) -> None:
+    """SGLang's request models ignore the keys they do not name (``/generate``'s dataclass
+    too): answered as if absent, and here counted by route and key in ``/server_info``'s
+    ``ignored_fields`` and logged, so that a misspelt field is not lost unseen."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 3}}
+    before = engine.request("GET", "/server_info")[1]["ignored_fields"]
+    plain = engine.generate(body)
+    for _ in range(2):
+        got = engine.generate({**body, "return_logprobs": True, "zz_newer_field": [1]})
+        assert (
+            got["output_ids"] == plain["output_ids"]
+            and "output_token_logprobs" not in got["meta_info"]
+        )
+    status, _ = engine.request("POST", "/abort_request", {"rid": "nothing", "abort_everything": 1})
+    assert status == 200
+    ignored = engine.request("GET", "/server_info")[1]["ignored_fields"]
+    counted = {k: v - before.get(k, 0) for k, v in ignored.items() if v != before.get(k, 0)}
+    assert counted == {
+        "POST /generate return_logprobs": 2,
+        "POST /generate zz_newer_field": 2,
+        "POST /abort_request abort_everything": 1,
+    }
+    events = [json.loads(line) for line in engine.log_file.read_text().splitlines()]
+    logged = {e["request"] for e in events if e["event"] == "request_field_ignored"}
+    assert set(counted) <= logged
 
 
 @pytest.mark.timeout(60)
