@@ -49,7 +49,7 @@ from aiohttp import web
 
 from stages.engine.chunk_stream import mapped
 from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, cached_tokens_details, is_int
-from stages.engine.request_body import dumps, loads
+from stages.engine.request_body import dumps, loads, read_body
 from stages.engine.request_fields import (
     checked_chat,
     checked_completion,
@@ -900,8 +900,10 @@ class OpenAIRoutes:
     async def ollama_show(self, request: web.Request) -> web.Response:
         from stages.engine import ollama_api
 
+        body, refused = read_body(await request.read(), request.headers.get("Content-Type"))
+        if refused is not None:  # as on the other Ollama routes (_serve)
+            return refused
         try:
-            body = await read_json(request)
             return web.json_response(ollama_api.show(body, self.context_length))
         except OpenAIError as exc:
             return web.json_response(route_refusal("ollama_show", exc), status=400)
@@ -1086,10 +1088,15 @@ class OpenAIRoutes:
 
     async def _serve(self, request: web.Request, route: str) -> web.StreamResponse:
         """One HTTP request of a ``/v1`` route: its ``reply``, as JSON or as events."""
-        try:
-            body = await read_json(request)
-        except OpenAIError as exc:
-            return web.json_response(route_refusal(route, exc), status=400)
+        if route.startswith("ollama"):  # no validate_json_request there: FastAPI's reading
+            body, refused = read_body(await request.read(), request.headers.get("Content-Type"))
+            if refused is not None:
+                return refused
+        else:
+            try:
+                body = await read_json(request)
+            except OpenAIError as exc:
+                return web.json_response(route_refusal(route, exc), status=400)
         if route == "chat" and isinstance(body, dict):  # SGLang 0.5.23's sglext headers
             for header, flag in _SGLEXT_HEADERS:
                 if request.headers.get(header) == "1" and not body.get(flag):

@@ -272,11 +272,21 @@ def test_bad_requests_get_ollamas_error_and_are_counted(llama, engine) -> None: 
         assert answer.status_code == 400, (path, body)
         assert words in answer.json()["message"], answer.text
         assert answer.json()["type"] == "Bad Request" and answer.json()["param"] is None
+    # no validate_json_request on these routes: FastAPI reads JSON sent as JSON, else bytes
+    for content_type, code in (("text/plain", 400), ("application/vnd.ollama+json", 200)):
+        answer = requests.post(
+            engine.url + "/api/show",
+            data=b'{"model": "m"}',
+            headers={"Content-Type": content_type},
+            timeout=30,
+        )
+        assert answer.status_code == code, answer.text
+    assert answer.json()["model_info"], answer.text
     # the route's own refusals: Ollama's {error}
     too_long = {"model": "m", "messages": [{"role": "user", "content": "a " * 9000}]}
     answer = requests.post(engine.url + "/api/chat", json=too_long, timeout=30)
     assert answer.status_code == 400 and "leaves no room" in answer.json()["error"]
-    assert _refused(engine) - before == 11
+    assert _refused(engine) - before == 12
     lax = {"model": "m", "messages": [{"role": "user", "content": "ab"}], "stream": "false",
            "think": 0, "options": {"num_predict": 1}}  # fmt: skip
     answer = requests.post(engine.url + "/api/chat", json=lax, timeout=30)
