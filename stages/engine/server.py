@@ -304,10 +304,15 @@ def _route(request: web.Request) -> str:
     return route.canonical if route is not None else "(no route)"
 
 
+_IGNORED_KINDS = 1024  # distinct route-and-key counts kept; past them: "(other keys)"
+
+
 def _ignored(request: web.Request, keys: list[str]) -> None:
     counts = request.app[_IGNORED]
     for name in dict.fromkeys(keys):
         key = f"{request.method} {_route(request)} {name[:100]}"
+        if key not in counts and len(counts) >= _IGNORED_KINDS:  # random keys: bounded
+            key = f"{request.method} {_route(request)} (other keys)"
         counts[key] += 1
         if sparse(counts[key]):
             log.warning("request_field_ignored", request=key, count=counts[key])

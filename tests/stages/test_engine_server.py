@@ -704,6 +704,10 @@ def test_keys_sglang_does_not_know_are_ignored_counted_and_logged(engine: Engine
     events = [json.loads(line) for line in engine.log_file.read_text().splitlines()]
     logged = {e["request"] for e in events if e["event"] == "request_field_ignored"}
     assert set(counted) <= logged
+    # random keys cannot grow the counts without bound: past 1024 kinds, "(other keys)"
+    engine.generate({**body, **{f"k{i}": i for i in range(1100)}})
+    ignored = engine.request("GET", "/server_info")[1]["ignored_fields"]
+    assert len(ignored) == 1025 and ignored["POST /generate (other keys)"] >= 76
 
 
 @pytest.mark.timeout(60)
