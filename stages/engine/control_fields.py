@@ -28,7 +28,7 @@ from pydantic import BeforeValidator
 from typing_extensions import Required, TypedDict
 
 from stages.engine.request_body import invalid, read_body
-from stages.engine.request_fields import Checker
+from stages.engine.request_fields import Checker, Ids, MaybeStrings
 
 __all__ = [
     "ABORT",
@@ -243,10 +243,6 @@ class SeparateReasoningFields(_Base, total=False):  # SeparateReasoningReqInput
     text: Required[str]
     reasoning_parser: Required[str]
     return_blocks: bool
-
-
-Ids = list[list[int]] | list[int] | None
-MaybeStrings = list[str | None] | str | None
 
 
 class EncodeFields(TypedDict, total=False):  # EmbeddingReqInput, as pydantic reads it

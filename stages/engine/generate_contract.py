@@ -24,7 +24,7 @@ from pydantic import PlainValidator
 from typing_extensions import TypedDict
 
 from stages.engine.request_body import invalid, read_body
-from stages.engine.request_fields import Checker
+from stages.engine.request_fields import Checker, Ids, MaybeStrings, OneOrMany
 
 __all__ = ["contract_error", "read", "refusal"]
 
@@ -64,15 +64,12 @@ def _int64s(row: Any) -> list[int]:
     return row
 
 
-Strings = list[str] | str | None
-MaybeStrings = list[str | None] | str | None
 MaybeInts = list[int | None] | int | None
-Ids = list[list[int]] | list[int] | None
 Hidden = bool | Literal["last"]
 
 
 class GenerateFields(TypedDict, total=False):  # GenerateReqInput, as pydantic reads it
-    rid: Strings
+    rid: OneOrMany
     session_id: str | None
     text: list[str] | str | None
     input_ids: Annotated[Ids, PlainValidator(_int64_rows)]
@@ -125,7 +122,7 @@ class GenerateFields(TypedDict, total=False):  # GenerateReqInput, as pydantic r
     require_reasoning: bool
     max_thinking_tokens: int | None
     priority: int | None
-    extra_key: Strings
+    extra_key: OneOrMany
     no_logs: bool
     custom_labels: dict[str, str] | None
     return_bytes: bool
@@ -144,7 +141,7 @@ class GenerateFields(TypedDict, total=False):  # GenerateReqInput, as pydantic r
     mm_processor_kwargs: dict[Any, Any] | None
     multi_item_delimiter_indices: Ids
     token_indices_to_pool: Ids
-    cache_salt: Strings
+    cache_salt: OneOrMany
     kv_hints: list[dict[str, Any] | None] | dict[str, Any] | None
 
 

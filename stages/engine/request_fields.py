@@ -10,10 +10,10 @@ pydantic's lax mode is part of the contract: SGLang takes ``"n": "2"``, ``"strea
 into the body; it refuses ``"n": null``, ``"user": 1`` or ``"stream_options": false``, which
 the routes answer in the shape of SGLang's ``RequestValidationError`` handler
 (``type: "Bad Request"``, ``param: null``). Other keys are left as they are, as SGLang's
-models ignore them. Fields whose check is a route's own (messages, tools, tool_choice,
-response_format, reasoning_effort, input items: their contents, in SGLang's words) are typed
-loosely here; ranges and meanings stay with the routes. ``/generate``'s dataclass and JSON
-contract: ``stages.engine.generate_contract``."""
+models ignore them (and noted: ``ignored_fields``). Fields whose check is a route's own
+(messages, tools, tool_choice, response_format, reasoning_effort, input items: their contents,
+in SGLang's words) are typed loosely here; ranges and meanings stay with the routes.
+``/generate``'s dataclass and JSON contract: ``stages.engine.generate_contract``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ __all__ = [
 ]
 
 OneOrMany = list[str] | str | None  # rid, extra_key, cache_salt, stop, stop_regex
+MaybeStrings = list[str | None] | str | None  # lora_path, lora_id: one, or one per prompt
+Ids = list[list[int]] | list[int] | None  # token ids: one prompt's, or a batch's
 
 
 class StreamOptions(TypedDict, total=False):
