@@ -50,6 +50,7 @@ from aiohttp import web
 from stages.engine.chunk_stream import mapped
 from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, cached_tokens_details, is_int
 from stages.engine.request_body import dumps, loads, read_body
+from stages.engine.request_error import AbortedWithError
 from stages.engine.request_fields import (
     checked_chat,
     checked_completion,
@@ -1169,6 +1170,9 @@ def refusal(exc: ValueError) -> dict[str, Any]:
         field = _openai_field(exc.field)
         message = f"{field}{str(exc)[len(exc.field) :]}"
         return _error(message, param=field.split("[")[0].split(".")[0])
+    if isinstance(exc, AbortedWithError):  # SGLang's ValueError, or an HTTPException's answer
+        kind = "BadRequestError" if exc.status == 400 else str(exc.status)
+        return _error(str(exc), status=exc.status, kind=kind)
     return _error(str(exc), param="rid")
 
 

@@ -766,7 +766,9 @@ def render_result(
     meta["reasoning_tokens"] = result.reasoning_tokens
     meta["completion_tokens"] = len(result.output_ids)
     meta["cached_tokens"] = result.cached_tokens
-    meta["weight_versions"] = _version_spans(result.output_token_weight_versions)
+    meta["weight_versions"] = _version_spans(
+        result.output_token_weight_versions, result.weight_version
+    )
     meta["output_token_weight_versions"] = result.output_token_weight_versions  # Inflight's
     meta["cached_tokens_details"] = cached_tokens_details(result.cached_tokens)
     # Inflight's: the version whose weights computed the cached prefix (null: none)
@@ -919,10 +921,11 @@ def cached_tokens_details(cached_tokens: int) -> dict[str, int] | None:
     return {"device": cached_tokens, "host": 0} if cached_tokens > 0 else None
 
 
-def _version_spans(versions: list[str]) -> list[dict[str, Any]]:
-    """SGLang's ``meta_info.weight_versions``: ``[{version, start, end}]`` over output tokens."""
+def _version_spans(versions: list[str], current: str) -> list[dict[str, Any]]:
+    """SGLang's ``meta_info.weight_versions``: ``[{version, start, end}]`` over output tokens;
+    none: one empty span of the ``current`` version (``compute_weight_version_spans``)."""
     if not versions:
-        return []
+        return [{"version": current, "start": 0, "end": 0}]
     if versions.count(versions[0]) == len(versions):  # the usual case: one version
         return [{"version": versions[0], "start": 0, "end": len(versions)}]
     spans: list[dict[str, Any]] = []

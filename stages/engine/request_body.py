@@ -76,11 +76,12 @@ def bad_request(message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=400)
 
 
-def invalid(message: str, kind: str = "Bad Request") -> web.Response:
-    """SGLang's ``ErrorResponse`` with status 400: by default its answer to a body that fails
-    its request struct (its ``RequestValidationError`` handler), ``{object: "error", message,
-    type: "Bad Request", param: null, code: 400}``; ``kind``: another ``type``."""
+def invalid(message: str, kind: str = "Bad Request", *, status: int = 400) -> web.Response:
+    """SGLang's ``ErrorResponse``: by default its answer to a body that fails its request
+    struct (its ``RequestValidationError`` handler), ``{object: "error", message, type: "Bad
+    Request", param: null, code: 400}``; ``kind``: another ``type``; ``status``: another
+    status (its ``HTTPException`` handler's, whose ``type`` is the status)."""
     return web.json_response(
-        {"object": "error", "message": message, "type": kind, "param": None, "code": 400},
-        status=400,
+        {"object": "error", "message": message, "type": kind, "param": None, "code": status},
+        status=status,
     )

@@ -1,9 +1,13 @@
 """The error of a malformed request, raised wherever a request is read (``protocol`` and the
-modules it builds on) and answered by each route in its API's error shape."""
+modules it builds on) and answered by each route in its API's error shape; and that of a
+request the scheduler ended with an error."""
 
 from __future__ import annotations
 
-__all__ = ["RequestError"]
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["AbortedWithError", "RequestError", "raise_aborted_with_error"]
 
 
 class RequestError(ValueError):
@@ -12,3 +16,25 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class AbortedWithError(ValueError):
+    """A request not streamed that the scheduler ended as aborted with an error status (a
+    finish reason with a ``status_code``, such as SGLang's 400 for an abort while the
+    request's grammar compiles): refused with that status instead of answered, as SGLang's
+    ``TokenizerManager._handle_abort_finish_reason`` refuses it."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def raise_aborted_with_error(reasons: Iterable[dict[str, Any] | None]) -> None:
+    """AbortedWithError for the first of ``reasons`` (the finish reasons of a request's
+    samples) that is an abort with a status from 400 to 599."""
+    for reason in reasons:
+        if not reason or reason.get("type") != "abort":
+            continue
+        status = reason.get("status_code")
+        if isinstance(status, int) and 400 <= status < 600:
+            raise AbortedWithError(str(reason.get("message")), status)

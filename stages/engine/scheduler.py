@@ -95,7 +95,15 @@ from stages.engine.step_profiler import ProfileRequest, StepProfiler
 from stages.engine.strict_thinking import StrictThinking
 from stages.hf import DynamicCache
 
-__all__ = ["PAUSE_MODES", "PREFIX_CACHE_MAX_AGE", "PREFIX_CACHE_TOKENS", "Scheduler"]
+__all__ = [
+    "ABORTED_COMPILING",
+    "ABORTED_RUNNING",
+    "ABORTED_WAITING",
+    "PAUSE_MODES",
+    "PREFIX_CACHE_MAX_AGE",
+    "PREFIX_CACHE_TOKENS",
+    "Scheduler",
+]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # Defaults of the prefix cache's bound (tokens held; a token costs 2 x layers x kv_heads x
@@ -111,6 +119,20 @@ _OUTSIDE_SUPPORT = {
     "message": "The sampling backend selected a token outside its captured sampling support.",
     "status_code": 500,
     "err_type": "InternalServerError",
+}
+
+# SGLang 0.5.23's finish reasons of an abort (its AbortReq, whoever sent it: /abort_request,
+# an aborting pause or weight update, a client gone): a running request's is FINISH_ABORT()'s
+# (Scheduler.abort_request); one still waiting is answered by its tokenizer
+# (TokenizerManager._handle_abort_req); one whose grammar is compiling is failed with a 400
+# (GrammarManager.abort_requests, Req.set_finish_with_abort)
+ABORTED_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+ABORTED_COMPILING = {
+    "type": "abort",
+    "message": "Aborted by AbortReq.",
+    "status_code": 400,
+    "err_type": "BadRequestError",
 }
 
 log = structlog.get_logger("stages.engine.scheduler")
@@ -509,9 +531,9 @@ class Scheduler:
         # tags and budget; its seqs are among _constrained while they think
         self.strict_thinking = strict_thinking
         # groups held while the grammar worker compiles their grammars (under _lock), and
-        # their seqs an abort named meanwhile (scheduler thread), with its message
+        # their seqs an abort named meanwhile (scheduler thread)
         self._compiling: dict[_Group, list[_Seq]] = {}
-        self._cut: dict[_Seq, str] = {}
+        self._cut: set[_Seq] = set()
         self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         # Weight versions as spans over the step clock (BatchKV.end): version _vvals[i] is live
         # from clock _vkeys[i] on.
@@ -919,7 +941,8 @@ class Scheduler:
         group = seqs[0].group
         with self._lock:
             self._compiling.pop(group, None)
-        cut = {s: self._cut.pop(s) for s in seqs if s in self._cut}
+        cut = self._cut.intersection(seqs)
+        self._cut -= cut
         try:
             if failed is not None:
                 raise RequestError(f"sampling_params.{failed[0]}", str(failed[1]))
@@ -929,7 +952,7 @@ class Scheduler:
             return
         self._enqueue(seqs)
         if cut and all(self._rids.get(s.inp.rid) is s for s in cut):
-            self._drop(lambda s: s in cut, next(iter(cut.values())))
+            self._drop(lambda s: s in cut, waiting=ABORTED_COMPILING)
 
     def _constrain_seqs(self, seqs: list[_Seq]) -> list[_Seq]:
         """Give each seq with a grammar its constraint (compiled here unless it is kept
@@ -1025,25 +1048,34 @@ class Scheduler:
 
         with self._lock:  # those whose grammar is compiling: aborted once queued
             compiling = [s for seqs in self._compiling.values() for s in seqs if hit(s)]
-        for seq in compiling:
-            self._cut[seq] = message
-        count = self._drop(hit, message) + len(compiling)
+        self._cut.update(compiling)
+        count = self._drop(hit) + len(compiling)
         if count:
-            log.info("requests_aborted", rids=sorted(rids)[:8], abort_all=abort_all, count=count)
+            log.info(
+                "requests_aborted",
+                rids=sorted(rids)[:8],
+                abort_all=abort_all,
+                count=count,
+                by=message,
+            )
         return count
 
-    def _drop(self, hit: Callable[[_Seq], bool], message: str) -> int:
-        """End the queued and running seqs that ``hit`` as aborted by ``message``."""
-        reason = {"type": "abort", "message": f"aborted by {message}"}
-        waiting = [s for s in self._waiting if hit(s)]
-        if waiting:
+    def _drop(
+        self, hit: Callable[[_Seq], bool], *, waiting: dict[str, Any] = ABORTED_WAITING
+    ) -> int:
+        """End the queued and running seqs that ``hit`` as aborted, with SGLang's reasons:
+        ``waiting``'s for those queued (a retracted one too), ``ABORTED_RUNNING``'s for the
+        rest."""
+        queued = [s for s in self._waiting if hit(s)]
+        if queued:
             self._waiting = collections.deque(s for s in self._waiting if not hit(s))
-            for seq in waiting:
+            for seq in queued:
+                reason = dict(waiting)
                 self._finish(seq, reason, seq.done_ids, seq.done_logprobs, seq.done_versions)
         rows = [s.slot for s in self._running if hit(s)]
         if rows:
-            self._retire(rows, [reason] * len(rows))
-        return len(waiting) + len(rows)
+            self._retire(rows, [dict(ABORTED_RUNNING) for _ in rows])
+        return len(queued) + len(rows)
 
     def _pause(self, mode: str) -> None:
         if mode == "abort":

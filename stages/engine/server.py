@@ -97,8 +97,10 @@ from stages.engine.reasoning import PARSERS as REASONING_PARSERS
 from stages.engine.request_body import (
     bad_request,
     dumps,
+    invalid,
     json_response,
 )
+from stages.engine.request_error import AbortedWithError, raise_aborted_with_error
 from stages.engine.scheduler import (
     PREFIX_CACHE_MAX_AGE,
     PREFIX_CACHE_TOKENS,
@@ -342,6 +344,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         )
     except RequestError as exc:
         return bad_request(str(exc))
+    except AbortedWithError as exc:  # SGLang: its ValueError's 400, or an HTTPException's
+        if exc.status == 400:
+            return bad_request(str(exc))
+        return invalid(str(exc), str(exc.status), status=exc.status)
     except ValueError as exc:  # a rid already in flight: nothing was queued
         return bad_request(str(exc))
     return json_response(rendered)
@@ -360,6 +366,7 @@ async def generate(
     queued, as SGLang aborts on disconnect.
     """
     inputs, results, listed = await generate_results(loaded, scheduler, body)
+    raise_aborted_with_error(result.finish_reason for result in results)
     token_text = token_texts(decode, body)
     rendered = [
         render_sample(inp, result, decode, token_text)

@@ -277,7 +277,7 @@ def test_a_new_grammar_compiles_off_the_event_loop_while_its_request_waits(
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from stages.engine.protocol import GenerateInput, RequestError, SamplingParams
-    from stages.engine.scheduler import Scheduler
+    from stages.engine.scheduler import ABORTED_COMPILING, Scheduler
 
     model_dir = make_byte_model(tmp_path / "m", seed=5)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
@@ -319,7 +319,7 @@ def test_a_new_grammar_compiles_off_the_event_loop_while_its_request_waits(
         await asyncio.to_thread(compiling.wait, 5)
         assert await asyncio.wrap_future(scheduler.abort_many(["c"])) == 1
         (aborted,) = await cut
-        assert aborted.finish_reason["type"] == "abort" and aborted.output_ids == []
+        assert aborted.finish_reason == ABORTED_COMPILING and aborted.output_ids == []
 
         bad = scheduler.submit_async([plain, constrained("b", "(a")])
         with pytest.raises(RequestError, match=r"^sampling_params\.regex: Failed to compile regex"):
@@ -333,6 +333,75 @@ def test_a_new_grammar_compiles_off_the_event_loop_while_its_request_waits(
             await held
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_an_abort_while_the_grammar_compiles_is_sglangs_400(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang fails a request aborted in its grammar queue with a 400 reason
+    (grammar_manager.py ``abort_requests``: ``set_finish_with_abort("Aborted by
+    AbortReq.")``), which its tokenizer turns into an error answer when not streamed
+    (tokenizer_manager.py ``_handle_abort_finish_reason``: a ValueError, the route's
+    ``{"error": {"message"}}``; ``/v1/completions``' ``create_error_response``) and streams
+    as the last chunk's ``finish_reason`` otherwise."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from stages.engine.loader import load_model
+    from stages.engine.scheduler import ABORTED_COMPILING, Scheduler
+    from stages.engine.server import build_app
+
+    model_dir = make_byte_model(tmp_path / "m", seed=5)
+    loaded = load_model(str(model_dir), device="cpu")
+    grammars = GrammarSet(loaded.tokenizer, loaded.vocab_size, [EOS_ID])
+    compile_now, compiling = grammars._compile, threading.Event()
+
+    def slow_compile(kind: str, text: str) -> Any:
+        compiling.set()
+        time.sleep(0.3)
+        return compile_now(kind, text)
+
+    monkeypatch.setattr(grammars, "_compile", slow_compile)
+    scheduler = Scheduler(loaded.model, max_running=4, eos_token_ids=[EOS_ID], grammars=grammars)
+    scheduler.start()
+
+    async def aborted(client: TestClient, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        compiling.clear()
+        sent = asyncio.ensure_future(client.post(path, json=body))
+        assert await asyncio.to_thread(compiling.wait, 5)
+        answer = await client.post("/abort_request", json={"rid": body.get("rid", "r")})
+        assert answer.status == 200 and (await answer.json())["num_aborted"] == 1
+        response = await sent
+        return response.status, await response.read()
+
+    async def main() -> None:
+        async with TestClient(TestServer(build_app(loaded, scheduler))) as client:
+
+            def native(regex: str, **more: Any) -> dict[str, Any]:
+                params = {"temperature": 0, "max_new_tokens": 8, "regex": regex}
+                return {"input_ids": PROMPT, "rid": "r", "sampling_params": params, **more}
+
+            status, body = await aborted(client, "/generate", native("[0-9]{6}"))
+            assert (status, json.loads(body)) == (
+                400, {"error": {"message": "Aborted by AbortReq."}}
+            )  # fmt: skip
+            status, body = await aborted(client, "/generate", native("[0-9]{7}", stream=True))
+            events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
+            assert status == 200 and events[-1] == b"[DONE]", body
+            assert json.loads(events[-2])["meta_info"]["finish_reason"] == ABORTED_COMPILING
+            completion = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "regex": "[0-9]{8}",
+                          "rid": "r"}  # fmt: skip
+            status, body = await aborted(client, "/v1/completions", completion)
+            assert (status, json.loads(body)) == (400, {
+                "object": "error", "message": "Aborted by AbortReq.", "type": "BadRequestError",
+                "param": None, "code": 400,
+            })  # fmt: skip
+            assert (await client.post("/generate", json=native("[0-9]{6}"))).status == 200
+
+    try:
+        asyncio.run(main())
+    finally:
+        scheduler.stop()
 
 
 def test_a_structural_tag_constrains_what_follows_its_trigger(tmp_path: Path) -> None:

@@ -126,6 +126,10 @@ def test_greedy_matches_transformers_generate(engine: Engine, ref_model: torch.n
     assert meta["weight_version"] == "0"
     assert meta["output_token_weight_versions"] == ["0"] * 24
     assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 24}]
+    # no output token: one empty span of the live version (SGLang 0.5.23's
+    # weight_versions.py compute_weight_version_spans with num_output_tokens 0)
+    scored = engine.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}})
+    assert scored["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 0}]
     assert (
         out["text"].split() == [f"w{t}" if t > 2 else "" for t in out["output_ids"]] or out["text"]
     )
@@ -545,8 +549,61 @@ def test_abort_request_returns_abort(engine: Engine) -> None:
     assert status == 200 and body["num_aborted"] == 1
     worker.join(30)
     meta = result["out"]["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort"
+    # SGLang 0.5.23 ends a running request with FINISH_ABORT() (scheduler.py abort_request:
+    # req.to_finish = FINISH_ABORT(); schedule_batch.py FINISH_ABORT.to_json)
+    assert meta["finish_reason"] == {
+        "type": "abort", "message": "Aborted", "status_code": None, "err_type": None
+    }  # fmt: skip
     assert meta["completion_tokens"] == len(result["out"]["output_ids"]) < 480
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
+    engine: Engine, mode: str
+) -> None:
+    """A request aborted while it waits (queued behind a pause, or sent back to wait by a
+    retracting one) is answered by SGLang's tokenizer, not its scheduler
+    (tokenizer_manager.py ``_handle_abort_req``): ``Abort in waiting queue``, with the
+    tokens it had so far; every sample of an ``n`` > 1 request alike."""
+    results: dict[str, Any] = {}
+
+    def send(name: str, body: dict[str, Any]) -> threading.Thread:
+        worker = threading.Thread(target=lambda: results.update({name: engine.generate(body)}))
+        worker.start()
+        return worker
+
+    long = {**GREEDY, "max_new_tokens": 480}
+    running = send(
+        "running", {"input_ids": [72, 73], "rid": "was-running", "sampling_params": long}
+    )
+    _wait_running(engine)
+    assert engine.request("POST", "/pause_generation", {"mode": mode})[0] == 200
+    two = {**GREEDY, "max_new_tokens": 8, "n": 2}
+    queued = send("queued", {"input_ids": [74, 75], "rid": "queued", "sampling_params": two})
+    deadline, waiters = time.monotonic() + 10, 2 + (mode == "retract")  # the retracted one
+    while engine.request("GET", "/get_server_info")[1]["num_waiting_reqs"] < waiters:
+        assert time.monotonic() < deadline, "the request never queued"
+        time.sleep(0.002)
+    try:
+        for rid in ("queued", "was-running"):
+            assert engine.request("POST", "/abort_request", {"rid": rid})[0] == 200
+        queued.join(30)
+        running.join(30)
+    finally:
+        engine.request("POST", "/continue_generation", {})
+    waiting = {"type": "abort", "message": "Abort in waiting queue"}
+    for sample in results["queued"]:
+        assert sample["meta_info"]["finish_reason"] == waiting
+        assert sample["output_ids"] == [] and sample["meta_info"]["completion_tokens"] == 0
+    was_running = results["running"]
+    if mode == "retract":  # back in the queue with its tokens
+        assert was_running["meta_info"]["finish_reason"] == waiting
+        assert was_running["output_ids"] and was_running["meta_info"]["completion_tokens"] == len(
+            was_running["output_ids"]
+        )
+    else:  # held in place: still running
+        assert was_running["meta_info"]["finish_reason"]["message"] == "Aborted"
 
 
 @pytest.mark.timeout(60)
