@@ -19,16 +19,18 @@ one request after another, its kind drawn at random:
   ``/health_generate``;
 
 while one more connection, every 0.2-0.8 s, pauses generation (``abort``, ``retract`` or
-``in_place``) and continues it, reloads the weights from disk, sets a new weight version
-(aborting everything, at times) or flushes the cache.
+``in_place``) and continues it, releases the KV cache and the weights while paused and takes
+them back (a colocated trainer's turn), reloads the weights from disk, sets a new weight
+version (aborting everything, at times) or flushes the cache.
 
 A problem is: an answer whose status is not the one its kind expects (a 5xx above all), an
 abort that does not end as SGLang ends one, a scored prompt without its log-probs, a request
-still running or waiting once the load stops, ``/health_generate`` not 200 then, or a
-traceback in the engine's log. Reported: the answers by kind and status, the problems (the
-first few of each), the refusals the engine counted (``/server_info``'s ``refused_requests``),
-and the engine's resident memory at the start, every tenth of the run and at the end (what it
-keeps growing by, if anything). Each problem kind has its count and its first five.
+still running or waiting once the load stops, ``/health_generate`` not 200 then, a greedy
+answer then that differs from the one before the load (the weights not as they were after
+all the releases and reloads), or a traceback in the engine's log. Reported: the answers by
+kind and status, the problems (each kind's count and first five), the refusals the engine
+counted (``/server_info``'s ``refused_requests``), and the engine's resident memory at the
+start, every tenth of the run and at the end (what it keeps growing by, if anything).
 """
 
 from __future__ import annotations
@@ -288,10 +290,19 @@ class Soak:
             while time.monotonic() < stop:
                 await asyncio.sleep(self.rng.uniform(0.2, 0.8))
                 version += 1
-                action = self.rng.choice(["pause", "disk", "version", "flush"])
+                action = self.rng.choice(["pause", "memory", "disk", "version", "flush"])
                 if action == "pause":
                     mode = self.rng.choice(["abort", "retract", "in_place"])
                     calls = [("/pause_generation", {"mode": mode}), ("/continue_generation", {})]
+                elif action == "memory":  # a colocated trainer's turn: paused, memory let go
+                    mode = self.rng.choice(["abort", "retract"])
+                    calls = [
+                        ("/pause_generation", {"mode": mode}),
+                        ("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
+                        ("/resume_memory_occupation", {"tags": ["weights"]}),
+                        ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
+                        ("/continue_generation", {}),
+                    ]
                 elif action == "disk":
                     body = {"model_path": str(ARITH), "weight_version": f"d{version}"}
                     calls = [("/update_weights_from_disk", body)]
@@ -320,9 +331,12 @@ def _rss_kb(pid: int) -> int:
 async def _soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     soak = Soak(url, random.Random(args.seed))
     rss = [_rss_kb(pid)]
+    greedy = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/v1/models") as r:
             soak.model = (await r.json())["data"][0]["id"]
+        async with s.post(url + "/generate", json=greedy) as r:
+            before = (await r.json())["output_ids"]
         stop = time.monotonic() + args.seconds
 
         async def sample_rss() -> None:
@@ -347,6 +361,10 @@ async def _soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         async with s.get(url + "/health_generate") as r:
             if r.status != 200:
                 soak.problem("drain", f"/health_generate {r.status} after the load")
+        async with s.post(url + "/generate", json=greedy) as r:  # the weights as they were
+            after = (await r.json())["output_ids"]
+        if after != before:
+            soak.problem("weights", f"greedy output {after} after the load, {before} before")
     rss.append(_rss_kb(pid))
     return {
         "answers": dict(sorted(soak.answers.items())),
