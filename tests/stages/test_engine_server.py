@@ -558,14 +558,16 @@ def test_abort_request_returns_abort(engine: Engine) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["in_place", "retract"])
+@pytest.mark.parametrize("mode", ["full", "retract"])
 def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
     engine: Engine, mode: str
 ) -> None:
-    """A request aborted while it waits (queued behind a pause, or sent back to wait by a
-    retracting one) is answered by SGLang's tokenizer, not its scheduler
-    (tokenizer_manager.py ``_handle_abort_req``): ``Abort in waiting queue``, with the
-    tokens it had so far; every sample of an ``n`` > 1 request alike."""
+    """A request aborted while it waits in the queue (behind a full batch, or sent back by a
+    retracting pause) is answered by SGLang's tokenizer, not its scheduler
+    (tokenizer_manager.py ``_handle_abort_req``): ``Abort in waiting queue``; every sample of
+    an ``n`` > 1 request alike, a retracted one with its tokens so far (SGLang's, with those
+    its tokenizer had been sent). One sent during a pause queues here and its abort ends it
+    the same way (SGLang holds it before its scheduler, out of an abort's reach)."""
     results: dict[str, Any] = {}
 
     def send(name: str, body: dict[str, Any]) -> threading.Thread:
@@ -573,12 +575,14 @@ def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
         worker.start()
         return worker
 
-    long = {**GREEDY, "max_new_tokens": 480}
+    rows = 8 if mode == "full" else 1  # the engine's --max-running: 8
+    long = {**GREEDY, "max_new_tokens": 480, "n": rows}
     running = send(
         "running", {"input_ids": [72, 73], "rid": "was-running", "sampling_params": long}
     )
-    _wait_running(engine)
-    assert engine.request("POST", "/pause_generation", {"mode": mode})[0] == 200
+    _wait_running(engine, rows)
+    if mode == "retract":
+        assert engine.request("POST", "/pause_generation", {"mode": mode})[0] == 200
     two = {**GREEDY, "max_new_tokens": 8, "n": 2}
     queued = send("queued", {"input_ids": [74, 75], "rid": "queued", "sampling_params": two})
     deadline, waiters = time.monotonic() + 10, 2 + (mode == "retract")  # the retracted one
@@ -596,14 +600,15 @@ def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
     for sample in results["queued"]:
         assert sample["meta_info"]["finish_reason"] == waiting
         assert sample["output_ids"] == [] and sample["meta_info"]["completion_tokens"] == 0
-    was_running = results["running"]
     if mode == "retract":  # back in the queue with its tokens
+        was_running = results["running"]
         assert was_running["meta_info"]["finish_reason"] == waiting
         assert was_running["output_ids"] and was_running["meta_info"]["completion_tokens"] == len(
             was_running["output_ids"]
         )
-    else:  # held in place: still running
-        assert was_running["meta_info"]["finish_reason"]["message"] == "Aborted"
+    else:  # the full batch was running
+        for sample in results["running"]:
+            assert sample["meta_info"]["finish_reason"]["message"] == "Aborted"
 
 
 @pytest.mark.timeout(60)

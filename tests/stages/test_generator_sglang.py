@@ -683,6 +683,38 @@ async def test_abort_ends_a_running_request(client):
     assert len(after.output_ids) == 4
 
 
+@pytest.mark.timeout(120)
+async def test_an_aborted_request_ends_with_sglangs_reason(client):
+    """The finish reasons of an abort as SGLang 0.5.23 writes them: a running request's
+    ``FINISH_ABORT()`` (``message: Aborted``, null status), one sent back to wait by a
+    retracting pause its tokenizer's ``Abort in waiting queue`` (its tokens: all of them here,
+    those SGLang's tokenizer had been sent there, every 50th)."""
+    long = await _long(client)
+    await _slow_down(client, 0.01)
+    reasons = []
+    try:
+        for pause in (None, "retract"):
+            rid = _rid(f"abort-{pause}")
+            body = {"input_ids": PROMPT, "rid": rid, "sampling_params": _params(long)}
+            sent = asyncio.create_task(_post(client, "/generate", body))
+            await asyncio.sleep(0.2)
+            assert not sent.done(), "the request finished before it could be aborted"
+            if pause:
+                assert (await _post(client, "/pause_generation", {"mode": pause}))[0] == 200
+            assert (await _post(client, "/abort_request", {"rid": rid}))[0] == 200
+            status, answer = await asyncio.wait_for(sent, 60)
+            assert status == 200, answer
+            reasons.append(answer["meta_info"]["finish_reason"])
+            await _post(client, "/continue_generation", {})
+    finally:
+        await _post(client, "/continue_generation", {})
+        await _slow_down(client, None)
+    assert reasons == [
+        {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
+        {"type": "abort", "message": "Abort in waiting queue"},
+    ]
+
+
 async def _publish_own_weights(served: Served, version: int):
     """The served model's own weights (read from INFLIGHT_SGLANG_MODEL) published to the server
     over a weight group, as ``version``: the publisher's stats."""
