@@ -3,10 +3,11 @@
 Run (prints one JSON line; exit 1 when it finds a problem):
 
     python bench/engine_soak.py [--seconds 60] [--clients 12] [--seed 0] [--max-running 32]
+        [--engine-args "--enable-metrics --stream-interval 3 ..."]
 
 ``inflight engine`` (``python -m stages.engine.server``, as users start it) on arith-tiny with a
-pass-through chat template, driven by ``--clients`` connections for ``--seconds``, each sending
-one request after another, its kind drawn at random:
+pass-through chat template (and ``--engine-args``), driven by ``--clients`` connections for
+``--seconds``, each sending one request after another, its kind drawn at random:
 
 - ``/generate``: ``n`` 4 with stop strings and log-probs, batches (texts and ids), streamed
   (read whole, or dropped after one to three events), prefill-only scoring (``max_new_tokens``
@@ -40,6 +41,7 @@ import asyncio
 import collections
 import json
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -380,11 +382,13 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--engine-args", default="", help="more flags for the engine")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         template, log = Path(tmp) / "chat.jinja", Path(tmp) / "engine.log"
         template.write_text(PASS_THROUGH)
         flags = ["--max-running", str(args.max_running), "--chat-template", str(template)]
+        flags += shlex.split(args.engine_args)
         with (
             open(log, "wb") as output,
             engine_server(ARITH, *flags, env={"OMP_NUM_THREADS": "1"}, output=output) as (
@@ -399,7 +403,8 @@ def main() -> int:
         result["problems"]["engine log"] = {"count": text.count("Traceback"),
                                             "first": [text[at : at + 2000]]}  # fmt: skip
     result = {"bench": "engine_soak", "seconds": args.seconds, "clients": args.clients,
-              "seed": args.seed, "ok": not result["problems"], **result}  # fmt: skip
+              "seed": args.seed, "engine_args": args.engine_args, "ok": not result["problems"],
+              **result}  # fmt: skip
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 
