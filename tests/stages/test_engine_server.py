@@ -611,6 +611,22 @@ def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
             assert sample["meta_info"]["finish_reason"]["message"] == "Aborted"
 
 
+def test_only_an_abort_with_an_error_status_refuses_the_request() -> None:
+    """SGLang's ``_handle_abort_finish_reason``: an abort whose ``status_code`` is 400 to 599
+    turns a request not streamed into an error answer; other reasons are answered."""
+    from stages.engine.request_error import AbortedWithError, raise_aborted_with_error
+    from stages.engine.scheduler import ABORTED_COMPILING, ABORTED_RUNNING, ABORTED_WAITING
+
+    answered = [{"type": "length", "length": 3}, ABORTED_RUNNING, ABORTED_WAITING, None]
+    raise_aborted_with_error([*answered, {**ABORTED_RUNNING, "status_code": 302}])
+    with pytest.raises(AbortedWithError) as refused:
+        raise_aborted_with_error([*answered, ABORTED_COMPILING])
+    assert (str(refused.value), refused.value.status) == ("Aborted by AbortReq.", 400)
+    with pytest.raises(AbortedWithError) as failed:
+        raise_aborted_with_error([{"type": "abort", "message": "m", "status_code": 500}])
+    assert failed.value.status == 500
+
+
 @pytest.mark.timeout(60)
 def test_update_weight_version_aborts_everything_unless_told_not_to(engine: Engine) -> None:
     # SGLang 0.5's UpdateWeightVersionReqInput: abort_all_requests defaults to true
