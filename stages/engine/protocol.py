@@ -68,6 +68,7 @@ __all__ = [
     "SamplingParams",
     "SequenceResult",
     "add_hidden",
+    "answer_version",
     "cached_tokens_details",
     "hidden_answer",
     "is_int",
@@ -734,7 +735,7 @@ def render_result(
         "id": result.rid,
         "finish_reason": result.finish_reason,
         "prompt_tokens": result.prompt_tokens,
-        "weight_version": result.weight_version,
+        "weight_version": answer_version(result),
         "num_retractions": result.retractions,
     }
     extra = result.extra
@@ -912,6 +913,15 @@ def result_text(
         if at != -1:
             text = text[: at + len(matched)] if no_stop_trim else text[:at]
     return text
+
+
+def answer_version(result: SequenceResult) -> str:
+    """A finished sample's ``meta_info.weight_version`` as SGLang 0.5.23 writes it: the version
+    of its last token (``add_weight_versions_to_meta_info`` sets the last span's), else, with
+    none, the live one. They differ for a sample aborted after an update that came once its
+    last token was drawn (a retracted one, say)."""
+    versions = result.output_token_weight_versions
+    return versions[-1] if versions else result.weight_version
 
 
 def cached_tokens_details(cached_tokens: int) -> dict[str, int] | None:

@@ -43,6 +43,7 @@ from stages.engine.protocol import (
     GenerateInput,
     SequenceResult,
     add_hidden,
+    answer_version,
     cached_tokens_details,
     hidden_answer,
     parse_generate,
@@ -170,7 +171,7 @@ class Progress:
         ``text`` as the answer without streaming has it, and ``finish``."""
         self.ids, self.version, self.cached = (
             result.output_ids,
-            result.weight_version,
+            answer_version(result),
             result.cached_tokens,
         )
         self.logprobs = result.output_token_logprobs or []

@@ -581,8 +581,11 @@ def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
         "running", {"input_ids": [72, 73], "rid": "was-running", "sampling_params": long}
     )
     _wait_running(engine, rows)
-    if mode == "retract":
+    live = engine.request("GET", "/model_info")[1]["weight_version"]
+    if mode == "retract":  # and a new version while it waits, after its last token
         assert engine.request("POST", "/pause_generation", {"mode": mode})[0] == 200
+        update = {"new_version": "after-retract", "abort_all_requests": False}
+        assert engine.request("POST", "/update_weight_version", update)[0] == 200
     two = {**GREEDY, "max_new_tokens": 8, "n": 2}
     queued = send("queued", {"input_ids": [74, 75], "rid": "queued", "sampling_params": two})
     deadline, waiters = time.monotonic() + 10, 2 + (mode == "retract")  # the retracted one
@@ -596,16 +599,22 @@ def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
         running.join(30)
     finally:
         engine.request("POST", "/continue_generation", {})
+        engine.request("POST", "/update_weight_version", {"new_version": live})
     waiting = {"type": "abort", "message": "Abort in waiting queue"}
     for sample in results["queued"]:
         assert sample["meta_info"]["finish_reason"] == waiting
         assert sample["output_ids"] == [] and sample["meta_info"]["completion_tokens"] == 0
     if mode == "retract":  # back in the queue with its tokens
-        was_running = results["running"]
-        assert was_running["meta_info"]["finish_reason"] == waiting
-        assert was_running["output_ids"] and was_running["meta_info"]["completion_tokens"] == len(
+        was_running, meta = results["running"], results["running"]["meta_info"]
+        assert meta["finish_reason"] == waiting
+        assert was_running["output_ids"] and meta["completion_tokens"] == len(
             was_running["output_ids"]
         )
+        # SGLang's version of an answer: its last token's (weight_versions.py
+        # add_weight_versions_to_meta_info), not the one live when it was aborted
+        count = len(was_running["output_ids"])
+        assert meta["weight_version"] == live
+        assert meta["weight_versions"] == [{"version": live, "start": 0, "end": count}]
     else:  # the full batch was running
         for sample in results["running"]:
             assert sample["meta_info"]["finish_reason"]["message"] == "Aborted"
