@@ -4,7 +4,8 @@
 
 - requests: ``protocol`` (parse and validate ``/generate`` bodies, batches and ``n`` > 1
   groups, render SGLang-shaped results), ``stop_regex``, ``prompt_logprobs`` (input log-probs
-  and prefill-only scoring), ``incremental_text`` (text as SGLang's detokenizer makes it);
+  and prefill-only scoring), ``incremental_text`` (text as SGLang's detokenizer makes it),
+  ``aborts`` (how an aborted request ends);
 - sampling: ``sampling`` (temperature / top-k / top-p / min-p, the reported log-probs and
   finish tests, batched over slots), ``penalties`` (SGLang's penalizers and logit bias),
   ``grammar`` (``json_schema``, ``regex``, ``ebnf``, ``structural_tag`` through llguidance);
@@ -21,5 +22,6 @@
 
 ``bench/engine_profile.py`` measures a decode step against the model's own forward and the
 routes' cost, ``bench/multiturn.py`` the prefix cache on multi-turn episodes,
-``bench/grammar.py`` constrained decoding. No tensor parallelism.
+``bench/grammar.py`` constrained decoding, ``bench/engine_soak.py`` whether it survives every
+kind of request at once while it pauses and reloads. No tensor parallelism.
 """

@@ -4,10 +4,7 @@ request the scheduler ended with an error."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
-__all__ = ["AbortedWithError", "RequestError", "raise_aborted_with_error"]
+__all__ = ["AbortedWithError", "RequestError"]
 
 
 class RequestError(ValueError):
@@ -27,14 +24,3 @@ class AbortedWithError(ValueError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-def raise_aborted_with_error(reasons: Iterable[dict[str, Any] | None]) -> None:
-    """AbortedWithError for the first of ``reasons`` (the finish reasons of a request's
-    samples) that is an abort with a status from 400 to 599."""
-    for reason in reasons:
-        if not reason or reason.get("type") != "abort":
-            continue
-        status = reason.get("status_code")
-        if isinstance(status, int) and 400 <= status < 600:
-            raise AbortedWithError(str(reason.get("message")), status)

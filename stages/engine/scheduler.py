@@ -65,6 +65,7 @@ import structlog
 import torch
 
 from pipeline.processes import name_thread
+from stages.engine.aborts import ABORTED_COMPILING, ABORTED_RUNNING, ABORTED_WAITING
 from stages.engine.engine_metrics import EngineMetrics, scheduler_stats
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.kv_batch import BatchKV
@@ -95,15 +96,7 @@ from stages.engine.step_profiler import ProfileRequest, StepProfiler
 from stages.engine.strict_thinking import StrictThinking
 from stages.hf import DynamicCache
 
-__all__ = [
-    "ABORTED_COMPILING",
-    "ABORTED_RUNNING",
-    "ABORTED_WAITING",
-    "PAUSE_MODES",
-    "PREFIX_CACHE_MAX_AGE",
-    "PREFIX_CACHE_TOKENS",
-    "Scheduler",
-]
+__all__ = ["PAUSE_MODES", "PREFIX_CACHE_MAX_AGE", "PREFIX_CACHE_TOKENS", "Scheduler"]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # Defaults of the prefix cache's bound (tokens held; a token costs 2 x layers x kv_heads x
@@ -119,20 +112,6 @@ _OUTSIDE_SUPPORT = {
     "message": "The sampling backend selected a token outside its captured sampling support.",
     "status_code": 500,
     "err_type": "InternalServerError",
-}
-
-# SGLang 0.5.23's finish reasons of an abort (its AbortReq, whoever sent it: /abort_request,
-# an aborting pause or weight update, a client gone): a running request's is FINISH_ABORT()'s
-# (Scheduler.abort_request); one still waiting is answered by its tokenizer
-# (TokenizerManager._handle_abort_req); one whose grammar is compiling is failed with a 400
-# (GrammarManager.abort_requests, Req.set_finish_with_abort)
-ABORTED_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
-ABORTED_COMPILING = {
-    "type": "abort",
-    "message": "Aborted by AbortReq.",
-    "status_code": 400,
-    "err_type": "BadRequestError",
 }
 
 log = structlog.get_logger("stages.engine.scheduler")

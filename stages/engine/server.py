@@ -68,6 +68,7 @@ from aiohttp import web
 from pipeline import heap
 from stages.detokenize import decoder
 from stages.engine import control_fields, generate_contract, ignored_fields
+from stages.engine.aborts import raise_aborted_with_error, tokenizer_answer
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.engine_metrics import EngineMetrics
@@ -100,7 +101,7 @@ from stages.engine.request_body import (
     invalid,
     json_response,
 )
-from stages.engine.request_error import AbortedWithError, raise_aborted_with_error
+from stages.engine.request_error import AbortedWithError
 from stages.engine.scheduler import (
     PREFIX_CACHE_MAX_AGE,
     PREFIX_CACHE_TOKENS,
@@ -334,7 +335,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             return await write_events(
                 request,
                 stream_generate(
-                    request.app[_LOADED], request.app[_SCHEDULER], request.app[_DECODE], body
+                    request.app[_LOADED],
+                    request.app[_SCHEDULER],
+                    request.app[_DECODE],
+                    body,
+                    tokenizer_aborts=True,
                 ),
                 dumps,
                 on_disconnect=lambda: _refused(request, 499, "the client went away mid-stream"),
@@ -342,6 +347,12 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         rendered = await generate(
             request.app[_LOADED], request.app[_SCHEDULER], request.app[_DECODE], body
         )
+        # a sample aborted while it waited: answered as SGLang's tokenizer answers it (the
+        # /v1 routes, which build on ``generate``, read the fields it leaves out)
+        if isinstance(rendered, list):
+            rendered = [tokenizer_answer(answer) for answer in rendered]
+        else:
+            rendered = tokenizer_answer(rendered)
     except RequestError as exc:
         return bad_request(str(exc))
     except AbortedWithError as exc:  # SGLang: its ValueError's 400, or an HTTPException's

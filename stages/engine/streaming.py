@@ -36,6 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
+from stages.engine.aborts import tokenizer_answer
 from stages.engine.chunk_stream import ChunkStream, Last
 from stages.engine.flat_logprobs import flat_fields
 from stages.engine.incremental_text import IncrementalText
@@ -341,6 +342,7 @@ def stream_generate(
     body: dict[str, Any],
     *,
     progress: bool = False,
+    tokenizer_aborts: bool = False,
 ) -> ChunkStream:
     """The chunks of a streamed ``/generate`` (``body`` has ``stream: true``), in batches: the
     chunks that became ready together (one per sample that moved on). The request is checked
@@ -350,6 +352,9 @@ def stream_generate(
     ``logprobs``, ``tops``, ``index``...; valid until the next batch is built) rather than
     the native chunk made of it, its last with ``finish`` set (``Progress.last``): for a caller
     that renders chunks of its own (``/v1/completions``), so that nothing is built twice.
+    ``tokenizer_aborts``: the last chunk of a sample aborted while it waited has the fewer
+    fields SGLang's tokenizer answers it with (``aborts.tokenizer_answer``: ``/generate``'s
+    own stream; the ``/v1`` routes read the others).
 
     Raises RequestError (a malformed body); a rid in flight (ValueError) and a grammar that
     does not compile (RequestError, once the grammar worker has tried it) are raised with the
@@ -427,6 +432,8 @@ def stream_generate(
             chunk = render_sample(
                 inputs[index], final, decode, token_text, p.detok, sent=p.out is None
             )
+            if tokenizer_aborts:
+                chunk = tokenizer_answer(chunk)
             if listed:
                 chunk["index"] = index
             batch.append(chunk)

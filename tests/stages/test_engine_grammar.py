@@ -276,8 +276,9 @@ def test_a_new_grammar_compiles_off_the_event_loop_while_its_request_waits(
     future with the field; a stop fails what is still compiling."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    from stages.engine.aborts import ABORTED_COMPILING
     from stages.engine.protocol import GenerateInput, RequestError, SamplingParams
-    from stages.engine.scheduler import ABORTED_COMPILING, Scheduler
+    from stages.engine.scheduler import Scheduler
 
     model_dir = make_byte_model(tmp_path / "m", seed=5)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
@@ -347,8 +348,9 @@ def test_an_abort_while_the_grammar_compiles_is_sglangs_400(
     as the last chunk's ``finish_reason`` otherwise."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    from stages.engine.aborts import ABORTED_COMPILING
     from stages.engine.loader import load_model
-    from stages.engine.scheduler import ABORTED_COMPILING, Scheduler
+    from stages.engine.scheduler import Scheduler
     from stages.engine.server import build_app
 
     model_dir = make_byte_model(tmp_path / "m", seed=5)

@@ -588,22 +588,49 @@ def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
         assert engine.request("POST", "/update_weight_version", update)[0] == 200
     two = {**GREEDY, "max_new_tokens": 8, "n": 2}
     queued = send("queued", {"input_ids": [74, 75], "rid": "queued", "sampling_params": two})
-    deadline, waiters = time.monotonic() + 10, 2 + (mode == "retract")  # the retracted one
+    streamed: dict[str, Any] = {}
+    body = {"input_ids": [76], "rid": "streamed", "stream": True, "return_logprob": True,
+            "sampling_params": {**GREEDY, "max_new_tokens": 8}}  # fmt: skip
+
+    def read_stream() -> None:
+        sent = urllib.request.Request(
+            engine.url + "/generate",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(sent, timeout=30) as answer:
+            lines = [line[6:].strip() for line in answer if line.startswith(b"data: ")]
+        streamed["events"] = [line if line == b"[DONE]" else json.loads(line) for line in lines]
+
+    stream = threading.Thread(target=read_stream)
+    stream.start()
+    deadline, waiters = time.monotonic() + 10, 3 + (mode == "retract")  # the retracted one
     while engine.request("GET", "/get_server_info")[1]["num_waiting_reqs"] < waiters:
         assert time.monotonic() < deadline, "the request never queued"
         time.sleep(0.002)
     try:
-        for rid in ("queued", "was-running"):
+        for rid in ("queued", "streamed", "was-running"):
             assert engine.request("POST", "/abort_request", {"rid": rid})[0] == 200
         queued.join(30)
+        stream.join(30)
         running.join(30)
     finally:
         engine.request("POST", "/continue_generation", {})
         engine.request("POST", "/update_weight_version", {"new_version": live})
     waiting = {"type": "abort", "message": "Abort in waiting queue"}
+    # the meta_info of _handle_abort_req, in its order (the log-probs with return_logprob;
+    # Inflight's per-token versions after SGLang's spans)
+    head = ["id", "finish_reason", "weight_version", "e2e_latency", "weight_versions",
+            "output_token_weight_versions"]  # fmt: skip
+    tail = ["completion_tokens", "response_sent_to_client_ts"]
+    logprobs = ["input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"]
     for sample in results["queued"]:
         assert sample["meta_info"]["finish_reason"] == waiting
         assert sample["output_ids"] == [] and sample["meta_info"]["completion_tokens"] == 0
+        assert list(sample["meta_info"]) == head + tail
+    *_, last, done = streamed["events"]
+    assert done == b"[DONE]" and last["meta_info"]["finish_reason"] == waiting
+    assert list(last["meta_info"]) == head + logprobs + tail
     if mode == "retract":  # back in the queue with its tokens
         was_running, meta = results["running"], results["running"]["meta_info"]
         assert meta["finish_reason"] == waiting
@@ -623,8 +650,13 @@ def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
 def test_only_an_abort_with_an_error_status_refuses_the_request() -> None:
     """SGLang's ``_handle_abort_finish_reason``: an abort whose ``status_code`` is 400 to 599
     turns a request not streamed into an error answer; other reasons are answered."""
-    from stages.engine.request_error import AbortedWithError, raise_aborted_with_error
-    from stages.engine.scheduler import ABORTED_COMPILING, ABORTED_RUNNING, ABORTED_WAITING
+    from stages.engine.aborts import (
+        ABORTED_COMPILING,
+        ABORTED_RUNNING,
+        ABORTED_WAITING,
+        raise_aborted_with_error,
+    )
+    from stages.engine.request_error import AbortedWithError
 
     answered = [{"type": "length", "length": 3}, ABORTED_RUNNING, ABORTED_WAITING, None]
     raise_aborted_with_error([*answered, {**ABORTED_RUNNING, "status_code": 302}])
