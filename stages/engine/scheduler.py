@@ -479,6 +479,11 @@ class Scheduler:
         self._threads = torch.get_num_threads()
         # Owned by the scheduler thread (or by the caller of step() when no thread runs).
         self._waiting: collections.deque[_Seq] = collections.deque()
+        # what came while generation was paused, queued at /continue_generation: as SGLang's
+        # tokenizer holds a request before its scheduler during a pause, out of the reach of
+        # /abort_request and abort_all (a request abandoned here, by a client gone or the
+        # in-process generator, is dropped all the same)
+        self._held: list[_Seq] = []
         self._running: list[_Seq] = []  # index = slot
         self._admitting: list[_Seq] = []  # taken from _waiting by the admission under way
         # of the admission under way, each scored seq's (cached tokens, their version)
@@ -550,7 +555,13 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def counts(self) -> dict[str, int]:
-        return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+        """Requests running, waiting, and held by a pause (Inflight's: SGLang's tokenizer
+        holds those, out of its scheduler's counts)."""
+        return {
+            "num_running_reqs": len(self._running),
+            "num_waiting_reqs": len(self._waiting),
+            "num_held_reqs": len(self._held),
+        }
 
     def occupancy(self) -> dict[str, int]:
         """What the scheduler holds now, read from any thread without waiting for a step
@@ -659,9 +670,10 @@ class Scheduler:
         return self._call(lambda: self._abort({rid} if rid else set(), abort_all, "/abort_request"))
 
     def abort_many(self, rids: Iterable[str], message: str = "client went away") -> Future[int]:
-        """Abort these request ids (one command)."""
+        """Abort these request ids (one command): requests abandoned by this process, ended
+        wherever they are (held by a pause too)."""
         wanted = set(rids)
-        return self._call(lambda: self._abort(wanted, False, message))
+        return self._call(lambda: self._abort(wanted, False, message, held=True))
 
     def pause(self, mode: str = "abort") -> Future[None]:
         """Stop stepping after the current step; resolves once paused."""
@@ -846,7 +858,7 @@ class Scheduler:
                     self._wake.wait()
                     self._wake.clear()
             self._drain()
-            self._abort(set(), True, "engine shutting down")
+            self._abort(set(), True, "engine shutting down", held=True)
             with self._lock:  # nothing will queue those whose grammar is compiling
                 held, self._compiling = list(self._compiling), {}
             for group in held:
@@ -999,7 +1011,7 @@ class Scheduler:
                     return
         for seq in seqs:
             self._rids[seq.inp.rid] = seq
-        self._waiting.extend(seqs)
+        (self._held if self._paused else self._waiting).extend(seqs)
 
     def _add_adapter(self, adapter: Adapter) -> None:
         if adapter.name in self._adapters:
@@ -1021,14 +1033,16 @@ class Scheduler:
             return None
         return RowAdapters.of([s.adapter if s is not None else None for s in seqs], self.device)
 
-    def _abort(self, rids: set[str], abort_all: bool, message: str) -> int:
+    def _abort(self, rids: set[str], abort_all: bool, message: str, *, held: bool = False) -> int:
+        """End the requests named (or all) as aborted; ``held``: those a pause holds too."""
+
         def hit(seq: _Seq) -> bool:
             return abort_all or seq.inp.rid in rids or seq.inp.group_rid in rids
 
         with self._lock:  # those whose grammar is compiling: aborted once queued
             compiling = [s for seqs in self._compiling.values() for s in seqs if hit(s)]
         self._cut.update(compiling)
-        count = self._drop(hit) + len(compiling)
+        count = self._drop(hit, held=held) + len(compiling)
         if count:
             log.info(
                 "requests_aborted",
@@ -1040,17 +1054,24 @@ class Scheduler:
         return count
 
     def _drop(
-        self, hit: Callable[[_Seq], bool], *, waiting: dict[str, Any] = ABORTED_WAITING
+        self,
+        hit: Callable[[_Seq], bool],
+        *,
+        waiting: dict[str, Any] = ABORTED_WAITING,
+        held: bool = True,
     ) -> int:
         """End the queued and running seqs that ``hit`` as aborted, with SGLang's reasons:
-        ``waiting``'s for those queued (a retracted one too), ``ABORTED_RUNNING``'s for the
-        rest."""
+        ``waiting``'s for those queued (a retracted one too; ``held``: those a pause holds
+        too), ``ABORTED_RUNNING``'s for the rest."""
         queued = [s for s in self._waiting if hit(s)]
         if queued:
             self._waiting = collections.deque(s for s in self._waiting if not hit(s))
-            for seq in queued:
-                reason = dict(waiting)
-                self._finish(seq, reason, seq.done_ids, seq.done_logprobs, seq.done_versions)
+        if held and self._held:
+            queued += [s for s in self._held if hit(s)]
+            self._held = [s for s in self._held if not hit(s)]
+        for seq in queued:
+            reason = dict(waiting)
+            self._finish(seq, reason, seq.done_ids, seq.done_logprobs, seq.done_versions)
         rows = [s.slot for s in self._running if hit(s)]
         if rows:
             self._retire(rows, [dict(ABORTED_RUNNING) for _ in rows])
@@ -1077,6 +1098,8 @@ class Scheduler:
 
     def _resume(self) -> None:
         self._paused = False
+        self._waiting.extend(self._held)  # after those queued before the pause
+        self._held = []
         log.info("generation_continued", **self.counts())
 
     def _release_memory(self, tags: Sequence[str] | None) -> list[str]:
@@ -1144,8 +1167,8 @@ class Scheduler:
         return Stamp(self._version_index, self._version)
 
     def _fail_all(self, exc: Exception) -> None:
-        seqs = list(self._waiting) + self._running + self._admitting
-        self._admitting = []
+        seqs = list(self._waiting) + self._held + self._running + self._admitting
+        self._admitting, self._held = [], []
         self._scored.clear()
         self._waiting.clear()
         self._running = []

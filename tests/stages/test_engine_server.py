@@ -557,37 +557,35 @@ def test_abort_request_returns_abort(engine: Engine) -> None:
     assert meta["completion_tokens"] == len(result["out"]["output_ids"]) < 480
 
 
+def _send(engine: Engine, results: dict[str, Any], name: str, body: Any) -> threading.Thread:
+    """POST ``body`` to /generate on a thread of its own; its answer goes to ``results``."""
+    worker = threading.Thread(target=lambda: results.update({name: engine.generate(body)}))
+    worker.start()
+    return worker
+
+
+def _wait_waiting(engine: Engine, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while engine.request("GET", "/get_server_info")[1]["num_waiting_reqs"] < count:
+        assert time.monotonic() < deadline, "the requests never queued"
+        time.sleep(0.002)
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["full", "retract"])
-def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
-    engine: Engine, mode: str
-) -> None:
-    """A request aborted while it waits in the queue (behind a full batch, or sent back by a
-    retracting pause) is answered by SGLang's tokenizer, not its scheduler
-    (tokenizer_manager.py ``_handle_abort_req``): ``Abort in waiting queue``; every sample of
-    an ``n`` > 1 request alike, a retracted one with its tokens so far (SGLang's, with those
-    its tokenizer had been sent). One sent during a pause queues here and its abort ends it
-    the same way (SGLang holds it before its scheduler, out of an abort's reach)."""
+def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(engine: Engine) -> None:
+    """A request aborted while it waits in the queue (here behind a full batch) is answered by
+    SGLang's tokenizer, not its scheduler (tokenizer_manager.py ``_handle_abort_req``):
+    ``Abort in waiting queue``, and a ``meta_info`` of its fields only; every sample of an
+    ``n`` > 1 request alike, a stream's last chunk too."""
     results: dict[str, Any] = {}
-
-    def send(name: str, body: dict[str, Any]) -> threading.Thread:
-        worker = threading.Thread(target=lambda: results.update({name: engine.generate(body)}))
-        worker.start()
-        return worker
-
-    rows = 8 if mode == "full" else 1  # the engine's --max-running: 8
-    long = {**GREEDY, "max_new_tokens": 480, "n": rows}
-    running = send(
-        "running", {"input_ids": [72, 73], "rid": "was-running", "sampling_params": long}
-    )
-    _wait_running(engine, rows)
-    live = engine.request("GET", "/model_info")[1]["weight_version"]
-    if mode == "retract":  # and a new version while it waits, after its last token
-        assert engine.request("POST", "/pause_generation", {"mode": mode})[0] == 200
-        update = {"new_version": "after-retract", "abort_all_requests": False}
-        assert engine.request("POST", "/update_weight_version", update)[0] == 200
+    long = {**GREEDY, "max_new_tokens": 480, "n": 8}  # the engine's --max-running: 8
+    first = {"input_ids": [72, 73], "rid": "was-running", "sampling_params": long}
+    running = _send(engine, results, "running", first)
+    _wait_running(engine, 8)
     two = {**GREEDY, "max_new_tokens": 8, "n": 2}
-    queued = send("queued", {"input_ids": [74, 75], "rid": "queued", "sampling_params": two})
+    queued = _send(
+        engine, results, "queued", {"input_ids": [74, 75], "rid": "queued", "sampling_params": two}
+    )
     streamed: dict[str, Any] = {}
     body = {"input_ids": [76], "rid": "streamed", "stream": True, "return_logprob": True,
             "sampling_params": {**GREEDY, "max_new_tokens": 8}}  # fmt: skip
@@ -604,19 +602,11 @@ def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
 
     stream = threading.Thread(target=read_stream)
     stream.start()
-    deadline, waiters = time.monotonic() + 10, 3 + (mode == "retract")  # the retracted one
-    while engine.request("GET", "/get_server_info")[1]["num_waiting_reqs"] < waiters:
-        assert time.monotonic() < deadline, "the request never queued"
-        time.sleep(0.002)
-    try:
-        for rid in ("queued", "streamed", "was-running"):
-            assert engine.request("POST", "/abort_request", {"rid": rid})[0] == 200
-        queued.join(30)
-        stream.join(30)
-        running.join(30)
-    finally:
-        engine.request("POST", "/continue_generation", {})
-        engine.request("POST", "/update_weight_version", {"new_version": live})
+    _wait_waiting(engine, 3)
+    for rid in ("queued", "streamed", "was-running"):
+        assert engine.request("POST", "/abort_request", {"rid": rid})[0] == 200
+    for worker in (queued, stream, running):
+        worker.join(30)
     waiting = {"type": "abort", "message": "Abort in waiting queue"}
     # the meta_info of _handle_abort_req, in its order (the log-probs with return_logprob;
     # Inflight's per-token versions after SGLang's spans)
@@ -631,20 +621,53 @@ def test_an_aborted_waiting_request_ends_as_sglangs_tokenizer_ends_it(
     *_, last, done = streamed["events"]
     assert done == b"[DONE]" and last["meta_info"]["finish_reason"] == waiting
     assert list(last["meta_info"]) == head + logprobs + tail
-    if mode == "retract":  # back in the queue with its tokens
-        was_running, meta = results["running"], results["running"]["meta_info"]
-        assert meta["finish_reason"] == waiting
-        assert was_running["output_ids"] and meta["completion_tokens"] == len(
-            was_running["output_ids"]
+    for sample in results["running"]:
+        assert sample["meta_info"]["finish_reason"]["message"] == "Aborted"
+
+
+@pytest.mark.timeout(60)
+def test_a_pause_holds_new_requests_out_of_an_aborts_reach(engine: Engine) -> None:
+    """During a pause SGLang's tokenizer holds a new request before its scheduler
+    (tokenizer_manager.py ``generate_request``: ``is_pause_cond``), so neither
+    ``/abort_request`` nor ``abort_all`` reaches it, and it runs after
+    ``/continue_generation``; a request a retracting pause sent back to the queue is in the
+    scheduler, and an abort ends it as waiting, with its tokens and their version (the last
+    token's: weight_versions.py ``add_weight_versions_to_meta_info``), not the one live then."""
+    results: dict[str, Any] = {}
+    live = engine.request("GET", "/model_info")[1]["weight_version"]
+    long = {**GREEDY, "max_new_tokens": 480}
+    first = {"input_ids": [72, 73], "rid": "was-running", "sampling_params": long}
+    running = _send(engine, results, "running", first)
+    _wait_running(engine)
+    try:
+        assert engine.request("POST", "/pause_generation", {"mode": "retract"})[0] == 200
+        four = {**GREEDY, "max_new_tokens": 4}
+        held = _send(
+            engine, results, "held", {"input_ids": [74, 75], "rid": "held", "sampling_params": four}
         )
-        # SGLang's version of an answer: its last token's (weight_versions.py
-        # add_weight_versions_to_meta_info), not the one live when it was aborted
-        count = len(was_running["output_ids"])
-        assert meta["weight_version"] == live
-        assert meta["weight_versions"] == [{"version": live, "start": 0, "end": count}]
-    else:  # the full batch was running
-        for sample in results["running"]:
-            assert sample["meta_info"]["finish_reason"]["message"] == "Aborted"
+        deadline = time.monotonic() + 10
+        while engine.request("GET", "/get_server_info")[1]["num_held_reqs"] < 1:
+            assert time.monotonic() < deadline, "the request never came"
+            time.sleep(0.002)
+        info = engine.request("GET", "/get_server_info")[1]
+        assert info["num_waiting_reqs"] == 1  # the retracted one: the held one is not counted
+        assert engine.request("POST", "/abort_request", {"rid": "held"})[1]["num_aborted"] == 0
+        # /update_weight_version's abort_all (its default) ends the retracted one, not the other
+        assert engine.request("POST", "/update_weight_version", {"new_version": "w2"})[0] == 200
+        running.join(30)
+        assert held.is_alive()
+    finally:
+        engine.request("POST", "/continue_generation", {})
+    held.join(30)
+    engine.request("POST", "/update_weight_version", {"new_version": live})
+    was_running, meta = results["running"], results["running"]["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    count = len(was_running["output_ids"])
+    assert count and meta["completion_tokens"] == count
+    assert meta["weight_version"] == live
+    assert meta["weight_versions"] == [{"version": live, "start": 0, "end": count}]
+    assert results["held"]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert results["held"]["meta_info"]["weight_version"] == "w2"
 
 
 def test_only_an_abort_with_an_error_status_refuses_the_request() -> None:
