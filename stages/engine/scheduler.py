@@ -555,13 +555,12 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def counts(self) -> dict[str, int]:
-        """Requests running, waiting, and held by a pause (Inflight's: SGLang's tokenizer
-        holds those, out of its scheduler's counts)."""
-        return {
-            "num_running_reqs": len(self._running),
-            "num_waiting_reqs": len(self._waiting),
-            "num_held_reqs": len(self._held),
-        }
+        return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+
+    def held(self) -> int:
+        """How many requests a pause holds (SGLang's tokenizer holds those, out of its
+        scheduler's counts)."""
+        return len(self._held)
 
     def occupancy(self) -> dict[str, int]:
         """What the scheduler holds now, read from any thread without waiting for a step
@@ -1098,9 +1097,9 @@ class Scheduler:
 
     def _resume(self) -> None:
         self._paused = False
-        self._waiting.extend(self._held)  # after those queued before the pause
-        self._held = []
-        log.info("generation_continued", **self.counts())
+        held, self._held = self._held, []
+        self._waiting.extend(held)  # after those queued before the pause
+        log.info("generation_continued", **self.counts(), came_while_paused=len(held))
 
     def _release_memory(self, tags: Sequence[str] | None) -> list[str]:
         idle = not self._running and (self._paused or not self._waiting)

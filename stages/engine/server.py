@@ -552,6 +552,7 @@ async def _server_info(request: web.Request) -> web.Response:
     loaded, scheduler = request.app[_LOADED], request.app[_SCHEDULER]
     state = {
         **scheduler.counts(),
+        "num_held_reqs": scheduler.held(),  # Inflight's: what a pause holds (SGLang's tokenizer)
         "decode_steps": scheduler.steps,
         "tokens_generated": scheduler.tokens_generated,
         "prefix_cache": scheduler.prefix_cache_stats(),
