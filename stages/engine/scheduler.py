@@ -942,7 +942,7 @@ class Scheduler:
             return
         self._enqueue(seqs)
         if cut and all(self._rids.get(s.inp.rid) is s for s in cut):
-            self._drop(lambda s: s in cut, waiting=ABORTED_COMPILING)
+            self._drop(lambda s: s in cut, waiting=ABORTED_COMPILING, held=True)
 
     def _constrain_seqs(self, seqs: list[_Seq]) -> list[_Seq]:
         """Give each seq with a grammar its constraint (compiled here unless it is kept
@@ -1057,7 +1057,7 @@ class Scheduler:
         hit: Callable[[_Seq], bool],
         *,
         waiting: dict[str, Any] = ABORTED_WAITING,
-        held: bool = True,
+        held: bool = False,
     ) -> int:
         """End the queued and running seqs that ``hit`` as aborted, with SGLang's reasons:
         ``waiting``'s for those queued (a retracted one too; ``held``: those a pause holds
