@@ -8,12 +8,14 @@ by a retracting pause) is answered by its tokenizer (``TokenizerManager._handle_
 grammar is compiling is failed with a 400 (``GrammarManager.abort_requests``:
 ``ABORTED_COMPILING``). A reason with an error status turns a request not streamed into an
 error answer (``TokenizerManager._handle_abort_finish_reason``:
-``raise_aborted_with_error``).
+``raise_aborted_with_error``), and ends a ``/v1/completions`` or chat stream with an error
+event (``streaming_error``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from http import HTTPStatus
 from typing import Any
 
 from stages.engine.request_error import AbortedWithError
@@ -22,7 +24,9 @@ __all__ = [
     "ABORTED_COMPILING",
     "ABORTED_RUNNING",
     "ABORTED_WAITING",
+    "error_status",
     "raise_aborted_with_error",
+    "streaming_error",
     "tokenizer_answer",
 ]
 
@@ -50,15 +54,39 @@ _LOGPROBS = (
 )
 
 
+def error_status(reason: dict[str, Any] | None) -> int | None:
+    """The status of a finish reason that is an abort with an error (400 to 599), else
+    None: a graceful abort (``/abort_request``, a pause, a client gone) has none."""
+    if not reason or reason.get("type") != "abort":
+        return None
+    status = reason.get("status_code")
+    return status if isinstance(status, int) and 400 <= status < 600 else None
+
+
 def raise_aborted_with_error(reasons: Iterable[dict[str, Any] | None]) -> None:
     """AbortedWithError for the first of ``reasons`` (the finish reasons of a request's
     samples) that is an abort with a status from 400 to 599."""
     for reason in reasons:
-        if not reason or reason.get("type") != "abort":
-            continue
-        status = reason.get("status_code")
-        if isinstance(status, int) and 400 <= status < 600:
+        status = error_status(reason)
+        if status is not None:
             raise AbortedWithError(str(reason.get("message")), status)
+
+
+def streaming_error(reason: dict[str, Any]) -> dict[str, Any]:
+    """The event a ``/v1/completions`` or chat stream ends with when one of its samples is
+    aborted with an error status (``error_status``): SGLang 0.5.23's
+    ``create_streaming_error_response(message, status.name, status.value)``
+    (``serving_chat._generate_chat_stream``, ``serving_completions``; its scheduler's
+    ``HTTPStatus`` reaches the route through its default pickle IPC), which the ``openai``
+    client raises as an ``APIError``."""
+    status = reason["status_code"]
+    try:
+        name = HTTPStatus(status).name
+    except ValueError:  # not a status HTTPStatus names (none of the engine's own)
+        name = str(status)
+    message = reason.get("message", "Generation aborted.")
+    return {"error": {"object": "error", "message": message, "type": name, "param": None,
+                      "code": status}}  # fmt: skip
 
 
 def tokenizer_answer(answer: dict[str, Any]) -> dict[str, Any]:

@@ -159,16 +159,20 @@ class MessageEvents:
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.options = options
-        self.chat = ChatChunks({**options, "include_usage": False})
+        self.chat = ChatChunks({**options, "include_usage": False}, error_events=True)
         self.id = new_id("msg")
         self.started = False
         self.index = 0  # the open (or next) block's index
         self.open: str | None = None  # the open block's type
         self.finish: str | None = None
+        self.ended = False  # the chat stream's error event met: the stream ends there
 
     def __call__(self, batch: list[Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for chunk in self.chat(batch):
+            if "error" in chunk:  # a sample aborted with an error status
+                self._fail(out, chunk["error"])
+                break
             choice = chunk["choices"][0]
             delta = choice["delta"]
             if choice["finish_reason"] is not None:
@@ -201,6 +205,8 @@ class MessageEvents:
 
     def end(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        if self.ended:  # its events closed the message
+            return out
         if not self.started:
             self._start(out)
         self._close(out)
@@ -211,9 +217,24 @@ class MessageEvents:
         out.append({"type": "message_stop"})
         return out
 
-    def _start(self, out: list[dict[str, Any]]) -> None:
+    def _fail(self, out: list[dict[str, Any]], error: Mapping[str, Any]) -> None:
+        """The chat stream's error event as SGLang's ``_flush_on_error`` of its
+        ``_parse_upstream_error`` ends the message: ``message_start`` if not sent (its usage
+        zero), the open block closed, an ``error`` event (its type by the status), then
+        ``message_stop``."""
+        if not self.started:
+            self._start(out, input_tokens=0)
+        self._close(out)
+        code = error.get("code")
+        out.append(error_body(error.get("message") or "Upstream error", code))
+        out.append({"type": "message_stop"})
+        self.ended = True
+
+    def _start(self, out: list[dict[str, Any]], input_tokens: int | None = None) -> None:
         self.started = True
-        usage = {"input_tokens": self.chat.prompt_tokens.get(0, 0), "output_tokens": 0}
+        if input_tokens is None:
+            input_tokens = self.chat.prompt_tokens.get(0, 0)
+        usage = {"input_tokens": input_tokens, "output_tokens": 0}
         message = {"id": self.id, "type": "message", "role": "assistant", "content": [],
                    "model": self.options["message"]["model"], "usage": usage}  # fmt: skip
         out.append({"type": "message_start", "message": message})

@@ -19,7 +19,10 @@ Two ways to consume it:
 
 A transform is a callable from a batch to a list of chunks with an ``end()`` method (the chunks
 to add after the last batch, such as a usage chunk); ``mapped`` applies one to a
-``ChunkStream`` or to any async iterator of batches.
+``ChunkStream`` or to any async iterator of batches. A transform that sets ``ended`` (a
+``/v1`` stream that met an abort with an error status and sent its error event) ends the
+stream there: that batch is its last, with the ``end()`` of each transform, and what is still
+being generated is aborted when the stream is closed.
 """
 
 from __future__ import annotations
@@ -126,7 +129,10 @@ class ChunkStream:
         batch = self._build(events)
         last = isinstance(batch, Last)
         for transform in self._transforms:
-            batch = transform(batch) + transform.end() if last else transform(batch)
+            batch = transform(batch)
+            if last or _ended(transform):
+                last = True
+                batch = batch + transform.end()
         if last:
             self._ended = True
             return Last(batch)
@@ -143,11 +149,22 @@ def mapped(chunks: AsyncIterator[list[Any]], transform: Transform) -> AsyncItera
 async def _mapped(
     chunks: AsyncIterator[list[Any]], transform: Transform
 ) -> AsyncIterator[list[Any]]:
-    async for batch in chunks:
-        if isinstance(batch, Last):
-            yield Last(transform(batch) + transform.end())
-            return
-        yield transform(batch)
+    try:
+        async for batch in chunks:
+            out = transform(batch)
+            if isinstance(batch, Last) or _ended(transform):
+                yield Last(out + transform.end())
+                return
+            yield out
+    finally:  # ended early (or closed): the source's samples still running are aborted
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
     end = transform.end()
     if end:
         yield Last(end)
+
+
+def _ended(transform: Transform) -> bool:
+    """Whether ``transform`` ended its stream early (its ``ended``)."""
+    return getattr(transform, "ended", False)

@@ -47,6 +47,7 @@ from typing import Any
 
 from aiohttp import web
 
+from stages.engine.aborts import error_status, streaming_error
 from stages.engine.chunk_stream import mapped
 from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, cached_tokens_details, is_int
 from stages.engine.request_body import dumps, loads, read_body
@@ -366,7 +367,7 @@ def completion_stream(
 ) -> AsyncIterator[list[dict[str, Any]]]:
     """SGLang's ``CompletionStreamResponse`` chunks for the native chunks (or samples'
     ``Progress``) of a streamed ``completion_request``: ``CompletionChunks`` of each batch."""
-    return mapped(batches, CompletionChunks(options, decode, tokens))
+    return mapped(batches, CompletionChunks(options, decode, tokens, error_events=True))
 
 
 class StreamLayout:
@@ -377,8 +378,14 @@ class StreamLayout:
     OBJECT = ""
     USAGE_EXCLUDE_NONE = False
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
+    def __init__(self, options: Mapping[str, Any], *, error_events: bool = False) -> None:
         self.options = options
+        # SGLang's /v1/completions and chat streams end at a sample aborted with an error
+        # status, with its error event (``aborts.streaming_error``); then ``ended`` is set,
+        # which ends the stream (``chunk_stream``). Its /api and /v1/responses streams read the
+        # native chunks and do not.
+        self.error_events = error_events
+        self.ended = False
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}
         self.logprobs_sent: dict[int, int] = {}
@@ -442,8 +449,10 @@ class CompletionChunks(StreamLayout):
         options: Mapping[str, Any],
         decode: Callable[[list[int], bool], str],
         tokens: TokenBytes,
+        *,
+        error_events: bool = False,
     ) -> None:
-        super().__init__(options)
+        super().__init__(options, error_events=error_events)
         self.tokens = tokens  # the tokenizer's: a part of a character's text (latin-1)
         self.echoes = _echo_prompts(options["prompt"], decode) if options["echo"] else []
         self.ids_sent: dict[int, int] = {}
@@ -561,6 +570,10 @@ class CompletionChunks(StreamLayout):
             if self.hidden is not None:
                 self.hidden[index] = hidden
             self.last_id = rid
+            if reason is not None and self.error_events and error_status(reason) is not None:
+                out.append(streaming_error(reason))
+                self.ended = True
+                break
             choice: dict[str, Any] = {
                 "index": index,
                 "text": delta,

@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.engine.aborts import error_status, streaming_error
 from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import (
@@ -503,7 +504,7 @@ def chat_stream(
 ) -> AsyncIterator[list[dict[str, Any]]]:
     """SGLang's ``chat.completion.chunk`` events for the native chunks of a streamed
     ``chat_request``: ``ChatChunks`` of each batch, the choices' finish chunks last."""
-    return mapped(batches, ChatChunks(options, finish_last=True))
+    return mapped(batches, ChatChunks(options, finish_last=True, error_events=True))
 
 
 class ChatChunks(StreamLayout):
@@ -521,8 +522,10 @@ class ChatChunks(StreamLayout):
 
     OBJECT = "chat.completion.chunk"
 
-    def __init__(self, options: Mapping[str, Any], *, finish_last: bool = False) -> None:
-        super().__init__(options)
+    def __init__(
+        self, options: Mapping[str, Any], *, finish_last: bool = False, error_events: bool = False
+    ) -> None:
+        super().__init__(options, error_events=error_events)
         self.finish_last = finish_last
         self.finished: list[dict[str, Any]] = []  # finish chunks held for the end
         self.model = options["model"]
@@ -596,6 +599,10 @@ class ChatChunks(StreamLayout):
             if self.ids_wanted:
                 self._keep_ids(content, index)
             self.last_id = rid
+            if reason is not None and self.error_events and error_status(reason) is not None:
+                out.append(streaming_error(reason))  # before its role (SGLang's order)
+                self.ended = True
+                break
             if index not in offsets:  # its first chunk: the role
                 out.append(chunk(rid, index, {"role": "assistant", "content": ""}, usage=False))
             delta = text[offsets.get(index, 0) :]
@@ -691,11 +698,12 @@ class ChatChunks(StreamLayout):
         self.finished = []
         options = self.options
         details = self.cached_details()
+        ids = not self.ended  # none after an error event (SGLang: ``error_aborted``)
         sglext = _sglext(
             {} if details is None else {"cached_tokens_details": details},
-            self.input_ids if options.get("sglext_input_ids") else None,
+            self.input_ids if options.get("sglext_input_ids") and ids else None,
             [self.output_ids.get(i, []) for i in range(options["n"])]
-            if options.get("sglext_output_ids") and self.output_ids
+            if options.get("sglext_output_ids") and self.output_ids and ids
             else None,
         )
         if sglext:

@@ -410,3 +410,42 @@ def test_a_streamed_tool_call_is_named_then_its_arguments_then_the_finish() -> N
         ChatCompletionChunk.model_validate(c)
     last = chunks[-1]["choices"][0]
     assert last["delta"] == {"reasoning_content": None} and last["finish_reason"] == "tool_calls"
+
+
+def test_a_choice_aborted_with_an_error_status_ends_the_stream_with_an_error_event() -> None:
+    """serving_chat._generate_chat_stream (SGLang 0.5.23): a choice whose finish reason is an
+    abort with an ``HTTPStatus`` (the sampling-mask's 500, a grammar's 400) is answered with
+    ``create_streaming_error_response`` and the loop breaks: nothing of the choices after it,
+    then the finish chunks of those that finished before, the usage chunk, no sglext ids; the
+    stream's source is closed there (what it still generates is aborted)."""
+    outside = {"type": "abort", "status_code": 500, "err_type": "InternalServerError",
+               "message": "The sampling backend selected a token outside its captured "
+               "sampling support."}  # fmt: skip
+    closed: list[bool] = []
+
+    async def run() -> list[list[dict]]:
+        async def batches():
+            try:
+                yield [_native("1", None, 0), _native("2", None, 1)]
+                yield [_native("12", {"type": "length", "length": 2}, 0)]
+                yield [_native("2", outside, 1), _native("x", None, 2)]
+                yield [_native("xy", None, 2)]  # never read
+            finally:
+                closed.append(True)
+
+        options = {**OPTIONS, "n": 3, "parse_tools": False, "include_usage": True,
+                   "sglext_output_ids": True}  # fmt: skip
+        return [batch async for batch in chat_stream(batches(), options)]
+
+    *_, last = asyncio.run(run())
+    assert closed == [True]
+    error, finish, usage = last
+    assert error["error"] == {
+        "object": "error", "message": outside["message"], "type": "INTERNAL_SERVER_ERROR",
+        "param": None, "code": 500,
+    }  # fmt: skip
+    assert finish["choices"][0]["index"] == 0 and finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8  # 2 choices of 4
+    for chunk in (finish, usage):
+        assert "sglext" not in chunk
+        ChatCompletionChunk.model_validate(chunk)

@@ -345,7 +345,11 @@ def test_an_abort_while_the_grammar_compiles_is_sglangs_400(
     AbortReq.")``), which its tokenizer turns into an error answer when not streamed
     (tokenizer_manager.py ``_handle_abort_finish_reason``: a ValueError, the route's
     ``{"error": {"message"}}``; ``/v1/completions``' ``create_error_response``) and streams
-    as the last chunk's ``finish_reason`` otherwise."""
+    as the last chunk's ``finish_reason`` otherwise; a ``/v1`` stream ends with an error event
+    there (serving_chat.py ``_generate_chat_stream``, serving_completions.py: its
+    ``HTTPStatus`` reason, ``create_streaming_error_response(message, code.name,
+    code.value)``), which the ``openai`` client raises, and Anthropic's with an ``error`` event
+    (anthropic/serving.py ``_flush_on_error``)."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from stages.engine.aborts import ABORTED_COMPILING
@@ -377,7 +381,8 @@ def test_an_abort_while_the_grammar_compiles_is_sglangs_400(
         return response.status, await response.read()
 
     async def main() -> None:
-        async with TestClient(TestServer(build_app(loaded, scheduler))) as client:
+        app = build_app(loaded, scheduler, chat_template="{{ messages[0].content }}")
+        async with TestClient(TestServer(app)) as client:
 
             def native(regex: str, **more: Any) -> dict[str, Any]:
                 params = {"temperature": 0, "max_new_tokens": 8, "regex": regex}
@@ -398,12 +403,71 @@ def test_an_abort_while_the_grammar_compiles_is_sglangs_400(
                 "object": "error", "message": "Aborted by AbortReq.", "type": "BadRequestError",
                 "param": None, "code": 400,
             })  # fmt: skip
+            error = {"error": {"object": "error", "message": "Aborted by AbortReq.",
+                               "type": "BAD_REQUEST", "param": None, "code": 400}}  # fmt: skip
+            completion.update(stream=True, regex="[0-9]{9}")  # a grammar not compiled yet
+            status, body = await aborted(client, "/v1/completions", completion)
+            assert status == 200 and _sse(body) == [error, "[DONE]"], body
+            chat = {"model": "m", "messages": [{"role": "user", "content": "12+3="}],
+                    "max_tokens": 8, "regex": "[0-9]{5}", "rid": "r", "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            status, body = await aborted(client, "/v1/chat/completions", chat)
+            events = _sse(body)
+            assert status == 200 and events[0] == error and events[-1] == "[DONE]", body
+            usage = events[1]  # then the usage chunk, no role, content or finish chunk
+            assert len(events) == 3 and usage["choices"] == [] and usage["id"] == "r"
+            assert usage["usage"]["completion_tokens"] == 0 < usage["usage"]["prompt_tokens"]
+            message = {"model": "m", "max_tokens": 8, "stream": True,
+                       "messages": [{"role": "user", "content": "12+3="}]}  # fmt: skip
+            compiling.clear()
+            sent = asyncio.ensure_future(
+                client.post("/v1/messages", json={**message, "output_config": {
+                    "format": {"type": "json_schema", "schema": {"type": "integer"}}}})
+            )  # fmt: skip
+            assert await asyncio.to_thread(compiling.wait, 5)
+            answer = await client.post("/abort_request", json={"abort_all": True})
+            assert answer.status == 200
+            response = await sent
+            lines = (await response.read()).decode().split("\n\n")
+            names = [line.split("\n")[0] for line in lines if line]
+            assert names == ["event: message_start", "event: error", "event: message_stop"]
+            assert json.loads(lines[1].split("data: ", 1)[1]) == {
+                "type": "error",
+                "error": {"type": "invalid_request_error", "message": "Aborted by AbortReq."},
+            }
+            assert json.loads(lines[0].split("data: ", 1)[1])["message"]["usage"] == {
+                "input_tokens": 0, "output_tokens": 0
+            }  # fmt: skip
+
+            # the openai client raises the error event
+            oai = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="-")
+
+            async def read_chat() -> list[Any]:
+                stream = await oai.chat.completions.create(
+                    model="m", messages=chat["messages"], max_tokens=8, stream=True,
+                    extra_body={"regex": "[0-9]{4}", "rid": "r"},
+                )  # fmt: skip
+                return [chunk async for chunk in stream]
+
+            compiling.clear()
+            reading = asyncio.ensure_future(read_chat())
+            assert await asyncio.to_thread(compiling.wait, 5)
+            assert (await client.post("/abort_request", json={"rid": "r"})).status == 200
+            with pytest.raises(openai.APIError, match="Aborted by AbortReq"):
+                await reading
+            await oai.close()
             assert (await client.post("/generate", json=native("[0-9]{6}"))).status == 200
 
     try:
         asyncio.run(main())
     finally:
         scheduler.stop()
+
+
+def _sse(body: bytes) -> list[Any]:
+    """The ``data:`` payloads of a stream's body: JSON, or the string ``[DONE]``."""
+    lines = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
+    return ["[DONE]" if line == b"[DONE]" else json.loads(line) for line in lines]
 
 
 def test_a_structural_tag_constrains_what_follows_its_trigger(tmp_path: Path) -> None:
