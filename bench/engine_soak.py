@@ -13,6 +13,11 @@ pass-through chat template (and ``--engine-args``), driven by ``--clients`` conn
   (read whole, or dropped after one to three events), prefill-only scoring (``max_new_tokens``
   0, the prompt's log-probs), a request aborted by its ``rid`` while it runs, bodies SGLang
   refuses, and a raw socket that sends a request and closes at once;
+- constrained decoding: a ``regex`` (``/generate``, streamed or not, and
+  ``/v1/completions``), a ``json_schema`` (``/generate``) or a chat ``response_format``, a
+  pattern not seen before now and then (compiled while the load goes on), at times aborted by
+  its ``rid`` at once (while it compiles: SGLang's 400 ``Aborted by AbortReq.``, the
+  ``/v1`` streams' error event); a regex answer that stops must match its pattern whole;
 - the OpenAI routes: streamed chat (dropped mid-stream or read whole, ``n`` up to 2,
   log-probs, usage), chat with tools, completions (text, ids, lists, ``echo``, streamed),
   Responses (streamed or not), Anthropic's messages, tokenize and detokenize, Ollama's chat;
@@ -41,6 +46,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import shlex
 import sys
 import tempfile
@@ -61,6 +67,7 @@ ARITH = ROOT / "configs" / "models" / "arith-tiny"
 PASS_THROUGH = "{% for m in messages %}{{ m.content }}{% endfor %}"
 # how SGLang 0.5.23 ends an aborted request: running, or waiting (stages/engine/scheduler.py)
 ABORT_MESSAGES = {"Aborted", "Abort in waiting queue"}
+COMPILING = "Aborted by AbortReq."  # aborted while its grammar compiled: SGLang's 400
 RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
@@ -87,10 +94,10 @@ class Soak:
             return False
         return True
 
-    def finished(self, kind: str, meta: dict[str, Any]) -> None:
+    def finished(self, kind: str, meta: dict[str, Any], aborts: set[str] = ABORT_MESSAGES) -> None:
         """A native answer's finish reason: stop, length, or an abort as SGLang's."""
         reason = meta.get("finish_reason") or {}
-        if reason.get("type") == "abort" and reason.get("message") not in ABORT_MESSAGES:
+        if reason.get("type") == "abort" and reason.get("message") not in aborts:
             self.problem(kind, f"abort reason {reason}")
         elif reason.get("type") not in ("stop", "length", "abort"):
             self.problem(kind, f"finish reason {reason}")
@@ -196,6 +203,75 @@ class Soak:
         writer.close()
         self.answers["dropped"] += 1
 
+    async def grammar(self, s: aiohttp.ClientSession) -> None:
+        """A constrained request (see the module's docstring), aborted at once at times."""
+        rng = self.rng
+        k = rng.randint(1, 8) if rng.random() < 0.7 else rng.randint(9, 400)  # new at times
+        regex, rid = f"[0-9]{{{k}}}", f"soak-g{rng.random()}"
+        route = rng.choice(["generate", "generate", "schema", "completions", "chat"])
+        stream = route != "schema" and rng.random() < 0.4
+        params = {"temperature": 1.0, "max_new_tokens": min(k, 12) + 1}
+        if route in ("generate", "schema"):
+            path = "/generate"
+            params.update(
+                {"regex": regex} if route == "generate" else
+                {"json_schema": json.dumps({"enum": [rng.randint(0, 10 ** (k % 9 + 1))]})}
+            )  # fmt: skip
+            body = {"text": "7+8=", "rid": rid, "stream": stream, "sampling_params": params}
+        elif route == "completions":
+            path = "/v1/completions"
+            body = {"model": "m", "prompt": "7+8=", "max_tokens": params["max_new_tokens"],
+                    "regex": regex, "rid": rid, "stream": stream}  # fmt: skip
+        else:
+            path = "/v1/chat/completions"
+            schema = {"type": "integer", "maximum": 10 ** (k % 15 + 1) + k}  # new at times
+            answer_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+            body = {"model": "m", "messages": [{"role": "user", "content": "7+8="}],
+                    "max_tokens": 12, "rid": rid, "stream": stream,
+                    "response_format": answer_format}  # fmt: skip
+        kind = f"grammar-{route}" + ("-stream" if stream else "")
+        sent = asyncio.ensure_future(s.post(self.url + path, json=body))
+        if rng.random() < 0.3:
+            await asyncio.sleep(rng.random() * 0.01)
+            async with s.post(self.url + "/abort_request", json={"rid": rid}) as r:
+                self.seen("abort_request", r.status)
+        async with await sent as r:
+            data = await r.read()
+        if r.status == 400 and COMPILING.encode() in data:
+            self.answers[f"{kind} 400 compiling"] += 1
+            return
+        if not self.seen(kind, r.status):
+            return
+        if stream:
+            events = [line[6:] for line in data.split(b"\n") if line.startswith(b"data: ")]
+            if not events or events[-1] != b"[DONE]":
+                self.problem(kind, "the stream ended without [DONE]")
+                return
+            chunks = [json.loads(event) for event in events[:-1]]
+            errors = [chunk["error"] for chunk in chunks if "error" in chunk]
+            if any(error.get("message") != COMPILING for error in errors):
+                self.problem(kind, f"error event {errors}")
+            elif errors:
+                self.answers[f"{kind} error event"] += 1
+            elif route == "generate" and chunks:
+                self.finished(kind, chunks[-1]["meta_info"], ABORT_MESSAGES | {COMPILING})
+            return
+        answer = json.loads(data)
+        if route in ("generate", "schema"):
+            meta = answer["meta_info"]
+            self.finished(kind, meta)
+            reason = meta["finish_reason"]
+            if (
+                route == "generate"
+                and reason["type"] == "stop"
+                and not re.fullmatch(regex, answer["text"])
+            ):
+                self.problem(kind, f"{answer['text']!r} stopped outside {regex}")
+        elif route == "chat" and answer["choices"][0]["finish_reason"] == "stop":
+            content = answer["choices"][0]["message"]["content"]
+            if not re.fullmatch(r"-?[0-9]+", content.strip()):
+                self.problem(kind, f"{content!r} stopped outside its schema")
+
     async def chat(self, s: aiohttp.ClientSession) -> None:
         rng = self.rng
         body = {
@@ -271,7 +347,7 @@ class Soak:
     def kinds(self) -> list[Callable[[aiohttp.ClientSession], Awaitable[None]]]:
         return [
             self.generate, self.batch, self.stream, self.score, self.abort, self.refused,
-            self.dropped, self.chat, self.tools, self.completions, self.responses,
+            self.dropped, self.grammar, self.chat, self.tools, self.completions, self.responses,
             self.messages, self.tokens, self.ollama, self.state,
         ]  # fmt: skip
 

@@ -141,7 +141,7 @@ class Penalties:
             row = self.rows[slot]
             assert row is not None
             if row.made < row.minimum:
-                x[slot - lo, [t for t in row.stop_ids if t < vocab]] = float("-inf")
+                x[slot - lo, [t for t in row.stop_ids if 0 <= t < vocab]] = float("-inf")
             if row.params.logit_bias:
                 if row.bias_ids is None or row.bias_ids.device != x.device:
                     row.bias_ids = torch.tensor(

@@ -1176,6 +1176,11 @@ def _sampling_params(
             f"{name}.min_new_tokens",
             f"must be in [0, max_new_tokens ({sp.max_new_tokens})], got {sp.min_new_tokens}",
         )
+    if sp.sampling_seed is not None and not -(2**63) <= sp.sampling_seed < 2**63:
+        raise RequestError(  # SGLang's SamplingParams.verify, in its words
+            f"{name}.sampling_seed",
+            f"sampling_seed must be in [-2**63, 2**63 - 1], got {sp.sampling_seed}.",
+        )
     return sp
 
 

@@ -8,6 +8,7 @@ routes' ``{success, message}`` (``failure``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +30,39 @@ __all__ = [
 try:  # the engine's JSON: orjson parses and writes several times faster; json is the fallback
     import orjson
 
-    loads: Callable[[bytes], Any] = orjson.loads
     dumps: Callable[[Any], bytes] = orjson.dumps
+
+    def loads(raw: bytes) -> Any:
+        """A request body as FastAPI reads it (Starlette: Python's ``json.loads``), through
+        orjson where the two agree. They do not on integers beyond 64 bits (orjson: a float,
+        from 19 digits on for a negative one), which any run of 19 digits sends to Python's
+        parser, nor on what orjson refuses and Python's takes (``NaN``, ``Infinity``, numbers
+        beyond a double, UTF-16 and UTF-32 bytes): Python's then reads it, or raises its own
+        error at its own position. A string with a lone surrogate (``"\\ud800"``), which
+        no text can hold, is refused as orjson refuses it (SGLang's pydantic models refuse
+        it in every field typed ``str``: a 400 either way), so that it never reaches a
+        tokenizer, a log or an engine state every later answer writes out."""
+        if _LONG_DIGITS.search(raw) is None:
+            try:
+                return orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                pass
+        body = json.loads(raw)
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            orjson.loads(raw)  # raises its error, at its position
+            raise ValueError("a string holds a lone surrogate") from None
+        return body
+
 except ImportError:  # pragma: no cover - depends on the environment
     loads = json.loads
 
     def dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
+
+
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
 def read_body(raw: bytes, content_type: str | None) -> tuple[Any, web.Response | None]:

@@ -36,6 +36,9 @@ import torch
 from stages.engine.penalties import Penalties
 from stages.engine.protocol import SamplingParams
 
+# a top_k (or token id) no vocabulary reaches: a larger top_k keeps every token all the same
+_BEYOND_ANY_VOCAB = 2**31 - 1
+
 __all__ = ["SlotSampler", "Support"]
 
 # a row's sampling support after a draw: (token ids most likely first, their log-probs under the
@@ -116,11 +119,12 @@ class SlotSampler:
             self._set_flags(slot, (is_greedy, truncating, bool(p.stop_token_ids)))
             temps.append(1.0 if is_greedy else p.temperature)
             greedy.append(is_greedy)
-            top_k.append(0 if p.top_k == -1 else p.top_k)
+            top_k.append(0 if p.top_k == -1 else min(p.top_k, _BEYOND_ANY_VOCAB))
             top_p.append(p.top_p)
             min_p.append(p.min_p)
             stops.append(not p.ignore_eos)
-            stop_rows.append(sorted(p.stop_token_ids))
+            # (ids no vocabulary has cannot be drawn; past 64 bits no tensor holds them)
+            stop_rows.append(sorted(t for t in p.stop_token_ids if 0 <= t < _BEYOND_ANY_VOCAB))
             seeded = gen is not None and not is_greedy
             self.generators[slot] = gen if seeded else None
             if seeded:

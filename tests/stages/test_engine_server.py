@@ -772,6 +772,17 @@ BAD_REQUESTS = [
     # priority: a signed 64-bit integer (TokenizerManager._set_default_priority)
     ({"input_ids": [1], "priority": 1 << 63}, "priority"),
     ({"input_ids": [1], "priority": "high"}, "priority: Input should be a valid integer"),
+    # read as FastAPI reads a body (Python's json): NaN, Infinity and integers past 64 bits
+    # reach the checks (orjson refused the first two and read the last as floats)
+    (b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', "sampling_params.temp"),
+    (b'{"input_ids": [1], "sampling_params": {"max_new_tokens": Infinity}}', CONTRACT),
+    (b'{"input_ids": [1, 100000000000000000000]}', "input_ids: Value error, contains non-int64"),
+    (
+        b'{"input_ids": [1], "sampling_params": {"sampling_seed": 9223372036854775808}}',
+        "sampling_params.sampling_seed",
+    ),  # SamplingParams.verify's range
+    # a lone surrogate, which no text holds: refused as no JSON (SGLang's pydantic: not a str)
+    (b'{"text": "\\ud800"}', "body.10: JSON decode error"),
 ]
 
 
@@ -794,6 +805,45 @@ def test_bad_requests_get_400_naming_the_field(engine: Engine, body: Any, field:
     else:
         assert answer["error"]["message"].startswith(field), answer
     assert engine.request("GET", "/health")[0] == 200
+
+
+@pytest.mark.timeout(60)
+def test_values_past_any_vocabulary_or_64_bits_are_served(engine: Engine) -> None:
+    """A ``top_k`` past the vocabulary keeps every token and ``stop_token_ids`` that no
+    vocabulary has never match (SGLang takes both), however large: once they failed the
+    scheduler's step (no tensor holds 2**70) and every request in it; a negative one masked a
+    token from the vocabulary's end under ``min_new_tokens``."""
+    plain = {"input_ids": [5, 6], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    status, greedy = engine.request("POST", "/generate", plain)
+    assert status == 200
+    big = 1 << 70
+    for params in (
+        {"top_k": big, "temperature": 1.0},
+        {"stop_token_ids": [big, -3], "min_new_tokens": 2},
+        {"top_k": big, "temperature": 0, "stop_token_ids": [-big]},
+    ):
+        body = {**plain, "sampling_params": {**plain["sampling_params"], **params}}
+        status, answer = engine.request("POST", "/generate", body)
+        assert status == 200, answer
+        if params.get("temperature") == 0:  # nothing of it changes a greedy answer
+            assert answer["output_ids"] == greedy["output_ids"]
+    # ids no vocabulary has mask nothing under min_new_tokens: the same distributions
+    held = {**plain, "return_logprob": True}
+    held["sampling_params"] = {**plain["sampling_params"], "min_new_tokens": 4}
+    answers = []
+    for stops in ([], [-1, -2]):
+        held["sampling_params"]["stop_token_ids"] = stops
+        status, answer = engine.request("POST", "/generate", held)
+        assert status == 200, answer
+        answers.append(answer["meta_info"]["output_token_logprobs"])
+    assert answers[0] == answers[1]
+    status, answer = engine.request("POST", "/generate", {**plain, "sampling_params": {
+        "sampling_seed": 1 << 63}})  # fmt: skip
+    assert answer["error"]["message"] == (  # SamplingParams.verify's words
+        "sampling_params.sampling_seed: sampling_seed must be in [-2**63, 2**63 - 1], got "
+        f"{1 << 63}."
+    )
+    assert engine.request("GET", "/health_generate")[0] == 200
 
 
 @pytest.mark.timeout(60)
