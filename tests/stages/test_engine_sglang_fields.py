@@ -38,6 +38,9 @@ VALUES = [
     [[1.0, 2]], [[[1.0]], None], [[["x"]]], ["a", ["b"]], [["a"]], ["a", [{"type": "text"}]],
     "json", "5m", 300, "low", "", [{"role": "user", "content": "x"}], [{"role": "user"}],
     [{"role": 1, "content": "x"}], [{"role": "user", "content": "x", "images": "a"}],
+    # what a body parsed as Starlette parses it may hold (NaN, Infinity, 64 bits and more)
+    float("nan"), -float("inf"), -(2**70), 2**63, -(2**63) - 1, [float("nan")], [2**70],
+    {"a": float("nan")},
 ]  # fmt: skip
 # a field checked by the route itself (its SGLang message): typed loosely here
 ROUTES_OWN = {
