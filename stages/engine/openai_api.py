@@ -1186,7 +1186,7 @@ def refusal(exc: ValueError) -> dict[str, Any]:
     if isinstance(exc, AbortedWithError):  # SGLang's ValueError, or an HTTPException's answer
         kind = "BadRequestError" if exc.status == 400 else str(exc.status)
         return _error(str(exc), status=exc.status, kind=kind)
-    return _error(str(exc), param="rid")
+    return _error(str(exc))  # a rid in flight (SGLang's create_error_response: no param)
 
 
 def _as_written(exc: ValueError, options: Mapping[str, Any]) -> ValueError:

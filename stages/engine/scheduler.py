@@ -998,7 +998,8 @@ class Scheduler:
     def _enqueue(self, seqs: list[_Seq]) -> None:
         busy = [s.inp.rid for s in seqs if s.inp.rid in self._rids]
         if busy:
-            seqs[0].group.fail(ValueError(f"rid: request id {busy[0]!r} is in flight"))
+            # SGLang's words (TokenizerManager: its rid_to_state holds the rid)
+            seqs[0].group.fail(ValueError(f"Duplicate request ID detected: {busy[0]}"))
             return
         for seq in seqs:
             if seq.inp.lora is not None:

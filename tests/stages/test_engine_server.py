@@ -670,6 +670,33 @@ def test_a_pause_holds_new_requests_out_of_an_aborts_reach(engine: Engine) -> No
     assert results["held"]["meta_info"]["weight_version"] == "w2"
 
 
+def test_a_request_id_in_flight_is_refused_in_sglangs_words(engine: Engine) -> None:
+    """tokenizer_manager.py: ``ValueError(f"Duplicate request ID detected: {rid}")`` while
+    its ``rid_to_state`` holds the rid: ``/generate``'s ``{"error": {"message"}}``, the
+    ``/v1`` routes' ``create_error_response`` (no ``param``); the first request runs on."""
+    results: dict[str, Any] = {}
+    first = {"input_ids": [72, 73], "rid": "twice", "sampling_params": {**GREEDY,
+             "max_new_tokens": 480}}  # fmt: skip
+    running = _send(engine, results, "first", first)
+    _wait_running(engine)
+    try:
+        again = {**first, "sampling_params": {**GREEDY, "max_new_tokens": 2}}
+        status, answer = engine.request("POST", "/generate", again)
+        assert (status, answer) == (
+            400,
+            {"error": {"message": "Duplicate request ID detected: twice"}},
+        )
+        body = {"model": "m", "prompt": [72, 73], "max_tokens": 2, "rid": "twice"}
+        status, answer = engine.request("POST", "/v1/completions", body)
+        assert status == 400 and answer["message"] == "Duplicate request ID detected: twice"
+        assert answer["param"] is None and answer["type"] == "BadRequestError", answer
+        assert running.is_alive()
+    finally:
+        engine.request("POST", "/abort_request", {"rid": "twice"})
+        running.join(30)
+    assert results["first"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def test_only_an_abort_with_an_error_status_refuses_the_request() -> None:
     """SGLang's ``_handle_abort_finish_reason``: an abort whose ``status_code`` is 400 to 599
     turns a request not streamed into an error answer; other reasons are answered."""
