@@ -8,8 +8,8 @@ routes' ``{success, message}`` (``failure``).
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -30,7 +30,16 @@ __all__ = [
 try:  # the engine's JSON: orjson parses and writes several times faster; json is the fallback
     import orjson
 
-    dumps: Callable[[Any], bytes] = orjson.dumps
+    def dumps(obj: Any) -> bytes:
+        """An answer's JSON: orjson's, or (an integer past 64 bits, which a request may carry
+        into its answer: ``/v1/responses`` echoes its ``metadata``) Python's, written as
+        orjson writes the rest (compact, UTF-8, ``NaN`` and ``Infinity`` as ``null``), as
+        SGLang's pydantic writes such an integer."""
+        try:
+            return orjson.dumps(obj)
+        except TypeError:  # orjson: "Integer exceeds 64-bit range"
+            text = json.dumps(_finite(obj), separators=(",", ":"), ensure_ascii=False)
+            return text.encode("utf-8", "replace")
 
     def loads(raw: bytes) -> Any:
         """A request body as FastAPI reads it (Starlette: Python's ``json.loads``), through
@@ -63,6 +72,17 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with ``NaN`` and the infinities as None (what orjson writes for them)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {key: _finite(value) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(value) for value in obj]
+    return obj
 
 
 def read_body(raw: bytes, content_type: str | None) -> tuple[Any, web.Response | None]:

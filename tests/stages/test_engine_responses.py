@@ -479,3 +479,23 @@ def test_events_are_laid_out_as_sglangs_and_progress_gives_the_same() -> None:
     usage = by_progress[-1]["response"]["usage"]
     assert (usage["input_tokens"], usage["output_tokens"]) == (3, len(steps))
     assert usage["input_tokens_details"]["cached_tokens"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_metadata_past_64_bits_comes_back_as_it_went(engine: Engine, model) -> None:
+    """A request read as FastAPI reads it keeps an integer past 64 bits, and the answer that
+    echoes it (``metadata``) writes it as SGLang's pydantic writes it (orjson cannot: the
+    answer was a 500); NaN is written as null, as orjson writes it."""
+    raw = (
+        b'{"model": "%s", "input": "ab", "max_output_tokens": 2, "temperature": 0,'
+        b' "metadata": {"big": 1180591620717411303424, "small": -9223372036854775809}}'
+        % model.encode()
+    )
+    status, answer = engine.request("POST", "/v1/responses", raw=raw)
+    assert status == 200, answer
+    assert answer["metadata"] == {"big": 2**70, "small": -(2**63) - 1}
+    from stages.engine.request_body import dumps
+
+    assert dumps({"a": 2**70, "b": float("nan"), "c": "é"}) == (
+        b'{"a":1180591620717411303424,"b":null,"c":"\xc3\xa9"}'
+    )

@@ -1,0 +1,212 @@
+"""Whether every request field of a built-in engine takes any JSON value without a 5xx.
+
+Run (prints one JSON line; exit 1 when it finds a problem):
+
+    python bench/engine_fuzz.py [--concurrency 8] [--engine-args "--reasoning-parser qwen3 ..."]
+
+``inflight engine`` (as users start it) on arith-tiny, with a pass-through chat template, the
+``qwen3`` reasoning parser and the ``qwen25`` tool-call parser (and ``--engine-args``), gets
+one request for every field of every generating route and every value of a spread of JSON
+values (``VALUES``: scalars at and past their edges, ``NaN`` and ``Infinity``, integers past 64
+bits, containers of them, and the shapes the routes' structured fields take), each put on a
+body the route would otherwise serve:
+
+- ``/generate``: its top-level fields and every ``sampling_params`` key;
+- ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages`` (and
+  ``count_tokens``), ``/v1/tokenize``, ``/v1/detokenize``, ``/v1/score``, Ollama's
+  ``/api/chat`` and ``/api/generate``: every field of SGLang 0.5.23's request model
+  (``stages.engine.request_fields``).
+
+A problem is an answer with a 5xx status, a request that times out or loses its connection, a
+traceback in the engine's log, or the engine not serving a plain request and
+``/health_generate`` afterwards. Reported: the statuses by route, the problems (route, field,
+status: how many, and the first value), the engine's refusals as it counted them. What a value
+should get (a 400 in SGLang's words, or an answer) is for the tests; this finds what no test
+thought to send. Its first run found ``/v1/responses`` answering 500 when its echoed
+``metadata`` held an integer past 64 bits (orjson cannot write one); run on the code before
+that session, it finds the scheduler's step failing on a ``top_k`` of 2**63 (a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
+    sys.path[0] = str(ROOT)
+
+import aiohttp  # noqa: E402
+
+from bench._engines import engine_server  # noqa: E402
+from stages.engine import request_fields  # noqa: E402
+
+ARITH = ROOT / "configs" / "models" / "arith-tiny"
+PASS_THROUGH = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+_SCALARS = [
+    None, True, False, 0, 1, -1, 2, 0.5, 2.5, -0.0, 300, 10**6, -(10**6), 2**31, 2**63,
+    -(2**63) - 1, 2**70, -(2**70), 1e20, float("nan"), float("inf"), -float("inf"),
+    "", "x", "0", "1", "2.0", " 1", "1e3", "nan", "inf", "yes", "TRUE", "auto", "none",
+    "required", "last", "low", "high", "json", "5m", "<|im_end|>", "</think>", "\u00e9\U0001f600",
+]  # fmt: skip
+_SHAPES = [
+    {"role": "user", "content": "1+1="}, {"role": "user"}, {"role": 1, "content": "x"},
+    {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
+     "arguments": "{}"}}]},
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": None}}, {"function": {}},
+    {"type": "json_object"}, {"type": "text", "text": "x"}, {"type": "image_url"},
+    {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+    {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "bogus"}}},
+    {"include_usage": True, "continuous_usage_stats": True}, {"include_usage": "yes"},
+    {"effort": "none"}, {"effort": 1, "summary": "long"}, {"num_predict": 2, "temperature": 0},
+]  # fmt: skip
+VALUES: list[Any] = [
+    *_SCALARS,
+    *_SHAPES,
+    [],
+    {},
+    *([value] for value in _SCALARS[:24]),  # a list of each (ids, stop strings, tokens...)
+    *({"5": value} for value in _SCALARS[:24]),  # an object of each (logit_bias, kwargs...)
+    *([shape] for shape in _SHAPES),
+    [[5, 6], [7]],
+    [[]],
+    [5, "x"],
+    [[["x"]]],
+]
+_GENERATE = (
+    "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "lora_path",
+    "return_hidden_states", "return_prompt_token_ids", "extra_key", "cache_salt", "priority",
+    "require_reasoning", "return_sampling_mask", "sampling_logprobs_mode", "watermark",
+    "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "max_thinking_tokens",
+    "data_parallel_rank", "bootstrap_host", "session_params", "custom_logit_processor",
+)  # fmt: skip
+_SAMPLING = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids",
+    "ignore_eos", "skip_special_tokens", "no_stop_trim", "stop_regex", "json_schema", "regex",
+    "ebnf", "structural_tag", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "min_new_tokens", "logit_bias", "sampling_seed", "stream_interval", "beam_width",
+    "spaces_between_special_tokens", "custom_params",
+)  # fmt: skip
+_MESSAGES = [{"role": "user", "content": "1+1="}]
+_ROUTES = [  # (path, SGLang's request model's fields, a body the route serves)
+    ("/v1/completions", request_fields.CompletionFields,
+     {"model": "m", "prompt": "1+1=", "max_tokens": 3}),
+    ("/v1/chat/completions", request_fields.ChatFields,
+     {"model": "m", "messages": _MESSAGES, "max_tokens": 3}),
+    ("/v1/tokenize", request_fields.TokenizeFields, {"model": "m", "prompt": "1+1="}),
+    ("/v1/detokenize", request_fields.DetokenizeFields, {"model": "m", "tokens": [5]}),
+    ("/v1/responses", request_fields.ResponsesFields,
+     {"model": None, "input": "1+1=", "max_output_tokens": 3}),  # None: the served name
+    ("/v1/score", request_fields.ScoreFields,
+     {"model": "m", "query": "1+", "items": ["1"], "label_token_ids": [5]}),
+    ("/v1/messages", request_fields.MessagesFields,
+     {"model": "m", "messages": _MESSAGES, "max_tokens": 3}),
+    ("/v1/messages/count_tokens", request_fields.CountTokensFields,
+     {"model": "m", "messages": _MESSAGES}),
+    ("/api/chat", request_fields.OllamaChatFields,
+     {"model": "m", "messages": _MESSAGES, "stream": False, "options": {"num_predict": 3}}),
+    ("/api/generate", request_fields.OllamaGenerateFields,
+     {"model": "m", "prompt": "1+1=", "stream": False, "options": {"num_predict": 3}}),
+]  # fmt: skip
+
+
+def requests_to_send(model: str) -> list[tuple[str, str, Any, dict[str, Any]]]:
+    """``(path, field, value, body)`` for every field of every route and every value."""
+    out = []
+    plain = {"text": "1+1=", "sampling_params": {"max_new_tokens": 3}}
+    for value in VALUES:
+        for field in _GENERATE:
+            out.append(("/generate", field, value, {**plain, field: value}))
+        for key in _SAMPLING:
+            params = {"max_new_tokens": 3, key: value}
+            out.append(("/generate", f"sampling_params.{key}", value, {**plain,
+                        "sampling_params": params}))  # fmt: skip
+        for path, fields, base in _ROUTES:
+            body = {**base, "model": base["model"] or model}
+            for field in fields.__annotations__:
+                out.append((path, field, value, {**body, field: value}))
+    return out
+
+
+async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    statuses: collections.Counter[str] = collections.Counter()
+    problems: dict[str, dict[str, Any]] = {}
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        async with s.get(url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        todo = requests_to_send(model)
+        gate = asyncio.Semaphore(args.concurrency)
+
+        async def send(path: str, field: str, value: Any, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()  # NaN and Infinity as Python writes them
+            async with gate:
+                try:
+                    async with s.post(
+                        url + path, data=data, headers={"Content-Type": "application/json"}
+                    ) as r:
+                        await r.read()
+                        status: int | str = r.status
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    status = type(exc).__name__
+            statuses[f"{path} {status}"] += 1
+            if isinstance(status, str) or status >= 500:
+                found = problems.setdefault(f"{path} {field} {status}", {"count": 0})
+                found["count"] += 1
+                found.setdefault("first", repr(value)[:120])
+
+        await asyncio.gather(*(send(*request) for request in todo))
+        plain = {"text": "1+1=", "sampling_params": {"max_new_tokens": 3}}
+        async with s.post(url + "/generate", json=plain) as r:
+            if r.status != 200:
+                problems["after"] = {"count": 1, "first": f"/generate {r.status}"}
+        async with s.get(url + "/health_generate") as r:
+            if r.status != 200:
+                problems["after health"] = {"count": 1, "first": f"{r.status}"}
+        async with s.get(url + "/server_info") as r:
+            refused = (await r.json())["refused_requests"]
+    return {"requests": len(todo), "answers": dict(sorted(statuses.items())),
+            "problems": problems, "refused_requests": refused}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=30, help="seconds a request")
+    parser.add_argument("--engine-args", default="", help="more flags for the engine")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        template, log = Path(tmp) / "chat.jinja", Path(tmp) / "engine.log"
+        template.write_text(PASS_THROUGH)
+        flags = ["--chat-template", str(template), "--reasoning-parser", "qwen3",
+                 "--tool-call-parser", "qwen25", *shlex.split(args.engine_args)]  # fmt: skip
+        start = time.perf_counter()
+        with (
+            open(log, "wb") as output,
+            engine_server(ARITH, *flags, env={"OMP_NUM_THREADS": "1"}, output=output) as (url, _),
+        ):
+            result = asyncio.run(_fuzz(url, args))
+        seconds = time.perf_counter() - start
+        text = log.read_text(errors="replace")
+    if "Traceback" in text:
+        at = text.index("Traceback")
+        result["problems"]["engine log"] = {"count": text.count("Traceback"),
+                                            "first": text[at : at + 2000]}  # fmt: skip
+    head = {"bench": "engine_fuzz", "engine_args": args.engine_args, "seconds": round(seconds, 1)}
+    print(json.dumps({**head, "ok": not result["problems"], **result}))
+    return 0 if not result["problems"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
