@@ -9,7 +9,7 @@ Run (prints one JSON line; exit 1 when it finds a problem):
 one request for every field of every generating route and every value of a spread of JSON
 values (``VALUES``: scalars at and past their edges, ``NaN`` and ``Infinity``, integers past 64
 bits, containers of them, and the shapes the routes' structured fields take), each put on a
-body the route would otherwise serve:
+body the route would otherwise serve, streamed and not (a stream's events read whole):
 
 - ``/generate``: its top-level fields and every ``sampling_params`` key;
 - ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages`` (and
@@ -18,6 +18,7 @@ body the route would otherwise serve:
   (``stages.engine.request_fields``).
 
 A problem is an answer with a 5xx status, a request that times out or loses its connection, a
+stream of ``/generate``, ``/v1/completions`` or the chat route not ending with ``[DONE]``, a
 traceback in the engine's log, or the engine not serving a plain request and
 ``/health_generate`` afterwards. Reported: the statuses by route, the problems (route, field,
 status: how many, and the first value), the engine's refusals as it counted them. What a value
@@ -122,21 +123,29 @@ _ROUTES = [  # (path, SGLang's request model's fields, a body the route serves)
 
 
 def requests_to_send(model: str) -> list[tuple[str, str, Any, dict[str, Any]]]:
-    """``(path, field, value, body)`` for every field of every route and every value."""
+    """``(path, field, value, body)`` for every field of every route and every value, each
+    once on a body not streamed and once on a streamed one (where the route streams)."""
     out = []
-    plain = {"text": "1+1=", "sampling_params": {"max_new_tokens": 3}}
-    for value in VALUES:
-        for field in _GENERATE:
-            out.append(("/generate", field, value, {**plain, field: value}))
-        for key in _SAMPLING:
-            params = {"max_new_tokens": 3, key: value}
-            out.append(("/generate", f"sampling_params.{key}", value, {**plain,
-                        "sampling_params": params}))  # fmt: skip
-        for path, fields, base in _ROUTES:
-            body = {**base, "model": base["model"] or model}
-            for field in fields.__annotations__:
-                out.append((path, field, value, {**body, field: value}))
+    for stream in (False, True):
+        plain = {"text": "1+1=", "sampling_params": {"max_new_tokens": 3}, "stream": stream}
+        for value in VALUES:
+            for field in _GENERATE:
+                out.append(("/generate", field, value, {**plain, field: value}))
+            for key in _SAMPLING:
+                params = {"max_new_tokens": 3, key: value}
+                out.append(("/generate", f"sampling_params.{key}", value, {**plain,
+                            "sampling_params": params}))  # fmt: skip
+            for path, fields, base in _ROUTES:
+                if stream and path in _NOT_STREAMED:
+                    continue
+                body = {**base, "model": base["model"] or model, "stream": stream}
+                for field in fields.__annotations__:
+                    out.append((path, field, value, {**body, field: value}))
     return out
+
+
+_DONE = ("/generate", "/v1/completions", "/v1/chat/completions")  # streams that end so
+_NOT_STREAMED = ("/v1/tokenize", "/v1/detokenize", "/v1/score", "/v1/messages/count_tokens")
 
 
 async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -151,15 +160,20 @@ async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
         async def send(path: str, field: str, value: Any, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()  # NaN and Infinity as Python writes them
+            answer, streamed = b"", False
             async with gate:
                 try:
                     async with s.post(
                         url + path, data=data, headers={"Content-Type": "application/json"}
                     ) as r:
-                        await r.read()
+                        answer = await r.read()
                         status: int | str = r.status
+                        streamed = r.headers.get("Content-Type", "").startswith("text/event")
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     status = type(exc).__name__
+            done = answer.endswith(b"data: [DONE]\n\n") if status == 200 else True
+            if streamed and path in _DONE and not done:
+                status = "stream without [DONE]"
             statuses[f"{path} {status}"] += 1
             if isinstance(status, str) or status >= 500:
                 found = problems.setdefault(f"{path} {field} {status}", {"count": 0})
