@@ -397,6 +397,15 @@ class StreamLayout:
         # with return_hidden_states: each choice's native hidden states, from its newest chunk
         self.hidden: dict[int, Any] | None = {} if options.get("hidden_states") else None
 
+    def error_ends(self, reason: dict[str, Any] | None, out: list[dict[str, Any]]) -> bool:
+        """Whether a sample's finish ``reason`` ends the stream (an abort with an error status,
+        with ``error_events``): then its error event is added to ``out`` and ``ended`` set."""
+        if reason is None or not self.error_events or error_status(reason) is None:
+            return False
+        out.append(streaming_error(reason))
+        self.ended = True
+        return True
+
     def hidden_chunks(self, chunk: Callable[[int, Any], dict[str, Any]]) -> list[dict[str, Any]]:
         """After the choices' last chunks, one of each choice's hidden states when asked for
         (SGLang's streams: ``choice_hidden_states`` of its newest, none where it has none),
@@ -570,9 +579,7 @@ class CompletionChunks(StreamLayout):
             if self.hidden is not None:
                 self.hidden[index] = hidden
             self.last_id = rid
-            if reason is not None and self.error_events and error_status(reason) is not None:
-                out.append(streaming_error(reason))
-                self.ended = True
+            if self.error_ends(reason, out):
                 break
             choice: dict[str, Any] = {
                 "index": index,

@@ -80,7 +80,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.engine.aborts import error_status, streaming_error
 from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import (
@@ -599,9 +598,7 @@ class ChatChunks(StreamLayout):
             if self.ids_wanted:
                 self._keep_ids(content, index)
             self.last_id = rid
-            if reason is not None and self.error_events and error_status(reason) is not None:
-                out.append(streaming_error(reason))  # before its role (SGLang's order)
-                self.ended = True
+            if self.error_ends(reason, out):  # before its role (SGLang's order)
                 break
             if index not in offsets:  # its first chunk: the role
                 out.append(chunk(rid, index, {"role": "assistant", "content": ""}, usage=False))
