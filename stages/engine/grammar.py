@@ -172,6 +172,10 @@ class GrammarSet:
         except Exception as exc:  # malformed JSON, unknown format: llguidance's words
             raise GrammarError(f"Failed to compile {kind} grammar: {exc}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if kind == "structural_tag" and "unknown special token" in matcher.get_error():
+            # a trigger written <...> that this tokenizer has as text, not as a token of its
+            # own (Qwen's <tool_call> is one): matched as text
+            matcher = llguidance.LLMatcher(tokenizer, _structural_tag(text, special=False))
         if matcher.is_error():
             raise GrammarError(f"Failed to compile {kind} grammar: {matcher.get_error()}")
         return matcher
@@ -244,13 +248,14 @@ class GrammarSet:
             constraints[i].stuck = True
 
 
-def _structural_tag(text: str) -> str:
+def _structural_tag(text: str, *, special: bool = True) -> str:
     """The grammar of a structural tag in SGLang's legacy form (``{structures: [{begin,
     schema, end}], triggers, at_least_one}``; the form its llguidance backend takes): free
     text, in which each trigger starts a structure whose body follows its schema (each
-    structure's trigger is the first one its ``begin`` starts with); with ``at_least_one``,
-    as xgrammar has it and SGLang asks for a forced tool call, structures only, one or more
-    (a newline between two allowed), and no free text."""
+    structure's trigger is the first one its ``begin`` starts with; one written ``<...>`` the
+    tokenizer's token of that name, unless ``special`` is false: then text, as any other);
+    with ``at_least_one``, as xgrammar has it and SGLang asks for a forced tool call,
+    structures only, one or more (a newline between two allowed), and no free text."""
     import json
 
     import llguidance
@@ -289,7 +294,7 @@ def _structural_tag(text: str) -> str:
         )
         for s, schema in zip(structures, schemas, strict=True)
     ]
-    return llguidance.StructTag.to_grammar(tags)
+    return llguidance.StructTag.to_grammar(tags, assume_special=special)
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:

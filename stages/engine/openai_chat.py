@@ -108,6 +108,7 @@ from stages.engine.tool_calls import (
     answer_format,
     forced_calls,
     parser_for_template,
+    strict_calls,
 )
 
 __all__ = ["ChatSettings", "chat_request", "chat_response", "chat_stream"]
@@ -313,8 +314,16 @@ def chat_request(
     sampling.update(grammar)
     if template_tools:  # the format's markers may be special tokens (SGLang: serving_chat)
         sampling["skip_special_tokens"] = False
+    grammar_from = "tool_choice" if forced else ("response_format" if grammar else None)
     if forced is not None:  # only tool calls (tool_choice required or named)
         sampling.update(forced)
+    elif choice == "auto" and template_tools and not grammar and not _constrained(body):
+        # a strict tool holds the calls of an auto answer to its schema (with another
+        # constraint, that one alone: SGLang logs that they cannot go together)
+        strict = strict_calls(tools, settings.tool_parser)
+        if strict is not None:
+            sampling.update(strict)
+            grammar_from = "tools"
     native_body: dict[str, Any] = {
         "input_ids": prompt,
         "sampling_params": sampling,
@@ -349,7 +358,7 @@ def chat_request(
         "model": model,
         "adapter_in_model": adapter_in_model,
         # the field a grammar was made of, to name in its errors
-        "grammar_from": "tool_choice" if forced else ("response_format" if grammar else None),
+        "grammar_from": grammar_from,
         "n": n if is_int(n) and n > 0 else 1,
         "logprobs": bool(body.get("logprobs")),
         # a JSON answer is data, not tool calls (SGLang: _response_parser_json_response_format)
@@ -780,7 +789,7 @@ def _tool_choice(
         raise OpenAIError(_CHOICES, "tool_choice")
     elif not tools:
         raise OpenAIError("Tools cannot be empty if tool choice is set to required.", "tool_choice")
-    if grammar or any(body.get(k) for k in ("regex", "ebnf")):
+    if grammar or _constrained(body):
         raise OpenAIError(
             "tool_choice 'required' or a named tool cannot be combined with response_format, "
             "regex, or ebnf: the tool-call constraint and the output constraint cannot both be "
@@ -801,6 +810,11 @@ def _tool_choice(
     except ValueError as exc:  # tools whose $defs disagree
         raise OpenAIError(str(exc), "tools") from None
     return "required", tools, forced
+
+
+def _constrained(body: dict[str, Any]) -> bool:
+    """Whether ``body`` constrains its answer by ``regex`` or ``ebnf``."""
+    return any(body.get(k) for k in ("regex", "ebnf"))
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:

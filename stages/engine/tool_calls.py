@@ -1,8 +1,10 @@
 """Tool calls in generated text, whole or as it streams, in the format SGLang's
 ``--tool-call-parser`` names: ``qwen25`` (also ``qwen``), ``hermes``, ``llama3``, ``mistral``
-(``stages.engine.tool_formats``), ``pythonic`` (``stages.engine.pythonic_calls``) and
-``qwen3_coder``; and how a
-forced ``tool_choice`` constrains an answer to calls in that format (``forced_calls``).
+(``stages.engine.tool_formats``), ``pythonic`` (``stages.engine.pythonic_calls``),
+``qwen3_coder`` (also ``step3p5`` and ``nanbeige``, which SGLang reads with the same detector),
+``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``); and how a forced
+``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
+tool the calls of an ``auto`` one (``strict_calls``).
 
 ``qwen3_coder`` (``stages.engine.qwen3_coder_calls``) is read with the request's tools, whose
 parameters type its values; a forced ``tool_choice`` constrains it as ``pythonic`` (SGLang's
@@ -21,6 +23,9 @@ Forced (``tool_choice`` ``required`` or a named function), as SGLang's
 format; ``pythonic`` has none, so the answer is constrained by JSON schema to
 ``[{"name", "parameters"}, ...]`` (``utils.get_json_schema_constraint``: one item at most with
 ``parallel_tool_calls`` false) and read as that array (``answer_format``: ``json_array``).
+With ``tool_choice`` ``auto`` and a ``strict`` tool (``should_constrain_auto``), a format with a
+structure gets the same tag without ``at_least_one``: free text, each call held to its tool's
+schema once its trigger begins it.
 
 This module knows nothing of HTTP or the engine.
 """
@@ -31,6 +36,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from stages.engine.deepseek_calls import FRAMES as DEEPSEEK_FRAMES
+from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
 from stages.engine.pythonic_calls import PythonicCalls
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls
 from stages.engine.tool_formats import (
@@ -49,6 +56,7 @@ __all__ = [
     "call_tag",
     "forced_calls",
     "parser_for_template",
+    "strict_calls",
 ]
 
 BEGIN = "<tool_call>"
@@ -60,20 +68,28 @@ _FORMATS: dict[str, Any] = {
     "llama3": Llama3Calls,
     "mistral": MistralCalls,
     "pythonic": PythonicCalls,
+    "deepseekv3": DeepSeekV3Calls,
+    "deepseekv31": DeepSeekV31Calls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
 }
 # SGLang's --tool-call-parser names the engine reads
-PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder")
-# the formats whose reader needs the tools' parameters (their values are typed by them)
-_TYPED = {"qwen3_coder": Qwen3CoderCalls}
-# each format's call as SGLang's detectors frame it (structure_info): (begin before the name,
-# end, trigger); a format not here has no structural tag
+PARSERS = (
+    "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
+    "nanbeige", "deepseekv3", "deepseekv31",
+)  # fmt: skip
+# the formats whose reader needs the tools' parameters (their values are typed by them); SGLang
+# reads step3p5's and nanbeige's calls with its Qwen3CoderDetector too
+_TYPED = {"qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls}
+# each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
+# name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
+_JSON_ARGS = ', "arguments":'
 _FRAMES = {
-    "qwen25": ('<tool_call>\n{"name":', "}\n</tool_call>", BEGIN),
-    "qwen": ('<tool_call>\n{"name":', "}\n</tool_call>", BEGIN),
-    "hermes": ('<tool_call>{"name":', "}</tool_call>", BEGIN),
-    "llama3": ('<|python_tag|>{"name":', "}", "<|python_tag|>"),
-    "mistral": ('[TOOL_CALLS] [{"name":', "}]", "[TOOL_CALLS]"),
+    "qwen25": ('<tool_call>\n{"name":', True, _JSON_ARGS, "}\n</tool_call>", BEGIN),
+    "qwen": ('<tool_call>\n{"name":', True, _JSON_ARGS, "}\n</tool_call>", BEGIN),
+    "hermes": ('<tool_call>{"name":', True, _JSON_ARGS, "}</tool_call>", BEGIN),
+    "llama3": ('<|python_tag|>{"name":', True, _JSON_ARGS, "}", "<|python_tag|>"),
+    "mistral": ('[TOOL_CALLS] [{"name":', True, _JSON_ARGS, "}]", "[TOOL_CALLS]"),
+    **DEEPSEEK_FRAMES,
 }
 
 
@@ -101,22 +117,27 @@ def parser_for_template(template: str | None) -> str | None:
     return "hermes" if BEGIN + "{" in template else "qwen25"
 
 
-def call_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
-    """The structural tag that constrains an answer to tool calls to ``tools``, one or more
-    and nothing else, as SGLang builds it for ``tool_choice`` ``required`` or a named function
-    (``FunctionCallParser.get_legacy_structural_tag(at_least_one=True)``): a structure per tool
-    framed as the detector of ``parser`` frames a call (``structure_info``:
+def call_tag(
+    tools: list[dict[str, Any]], parser: str, *, at_least_one: bool = True
+) -> dict[str, Any]:
+    """The structural tag of tool calls to ``tools`` in the format of ``parser``, as SGLang
+    builds it (``FunctionCallParser.get_legacy_structural_tag``): a structure per tool framed
+    as the detector of ``parser`` frames a call (``structure_info``:
     ``<tool_call>\\n{"name":"NAME", "arguments":`` ... ``}\\n</tool_call>``, Hermes without
     the newlines, Llama 3 ``<|python_tag|>{"name":"NAME", "arguments":`` ... ``}``, Mistral
-    ``[TOOL_CALLS] [{"name":"NAME", "arguments":`` ... ``}]``), whose body follows the tool's
-    ``parameters`` when it is ``strict``, else is any JSON."""
-    begin, end, trigger = _FRAMES[parser]
+    ``[TOOL_CALLS] [{"name":"NAME", "arguments":`` ... ``}]``, DeepSeek's between its special
+    tokens), whose body follows the tool's ``parameters`` when it is ``strict``, else is any
+    JSON. ``at_least_one`` (``tool_choice`` ``required`` or a named function): calls only, one
+    or more; else free text in which each trigger starts a call (``auto`` with a strict
+    tool)."""
+    before, quoted, after, end, trigger = _FRAMES[parser]
     structures = []
     for tool in tools:
         fn = tool["function"]
+        name = json.dumps(fn["name"]) if quoted else fn["name"]
         structures.append(
             {
-                "begin": f'{begin}{json.dumps(fn["name"])}, "arguments":',
+                "begin": f"{before}{name}{after}",
                 "schema": (fn.get("parameters") or {}) if fn.get("strict") else {},
                 "end": end,
             }
@@ -125,8 +146,18 @@ def call_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
         "type": "structural_tag",
         "structures": structures,
         "triggers": [trigger],
-        "at_least_one": True,
+        "at_least_one": at_least_one,
     }
+
+
+def strict_calls(tools: list[dict[str, Any]], parser: str | None) -> dict[str, str] | None:
+    """The ``sampling_params`` that hold the calls of a ``tool_choice`` ``auto`` answer to
+    their tools' schemas when a tool is ``strict`` (SGLang's ``should_constrain_auto``): the
+    structural tag of ``parser``'s calls, free text around them; None where no tool is strict
+    or the format has no structural tag (``pythonic``: SGLang constrains nothing then)."""
+    if parser not in _FRAMES or not any(t["function"].get("strict") for t in tools):
+        return None
+    return {"structural_tag": json.dumps(call_tag(tools, parser, at_least_one=False))}
 
 
 def forced_calls(

@@ -639,3 +639,77 @@ def test_tool_choice_required_or_named_answers_with_tool_calls(tool_engine: Engi
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(**ask, **more)
         assert words in info.value.body["message"] and info.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.timeout(60)
+def test_a_strict_tool_holds_the_calls_of_an_auto_answer_to_its_schema(
+    tool_engine: Engine,
+) -> None:
+    """``tool_choice`` ``auto`` with a ``strict`` tool (function_call_parser.py
+    get_structure_constraint: ``should_constrain_auto``): the structural tag of the format's calls
+    without ``at_least_one`` (get_legacy_structural_tag(at_least_one=False)), so the answer is
+    free text in which each ``<tool_call>`` begins a call that follows its tool's parameters;
+    no tag where no tool is strict, with ``tool_choice`` none, or with another constraint
+    (protocol.py to_sampling_params: that one alone)."""
+    client = openai.OpenAI(base_url=tool_engine.url + "/v1", api_key="unused", max_retries=0)
+    tok = _tokenizer(tool_engine)
+    trigger = tok.convert_tokens_to_ids("<tool_call>")
+    ask = {"model": "m", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 100,
+           "logit_bias": {str(trigger): 100}}  # fmt: skip
+    out = client.chat.completions.create(**ask, tools=TOOLS, n=4)
+    for c in out.choices:  # the bias writes <tool_call>; the grammar writes the call after it
+        assert c.message.tool_calls, c
+        for call in c.message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            assert call.function.name in {"add", "mul"} and set(arguments) == {"a", "b"}
+            assert all(0 <= v <= 9 for v in arguments.values())
+    settings = ChatSettings.of(tok, tool_engine.model_dir, chat_template=TOOL_TEMPLATE)
+
+    def sampling(**more: Any) -> dict[str, Any]:
+        body = {"messages": ask["messages"], "tools": TOOLS, **more}
+        return chat_request(body, settings, 512)[0]["sampling_params"]
+
+    tag = json.loads(sampling()["structural_tag"])
+    assert tag["at_least_one"] is False and tag["triggers"] == ["<tool_call>"]
+    assert tag["structures"][1] == {
+        "begin": '<tool_call>\n{"name":"mul", "arguments":',
+        "schema": TOOLS[1]["function"]["parameters"],
+        "end": "}\n</tool_call>",
+    }
+    loose = [{"type": "function", "function": {**t["function"], "strict": False}} for t in TOOLS]
+    assert "structural_tag" not in sampling(tools=loose)
+    assert "structural_tag" not in sampling(tool_choice="none")
+    constrained = sampling(response_format={"type": "json_object"})
+    assert "structural_tag" not in constrained and "json_schema" in constrained
+    assert "structural_tag" not in sampling(regex="[0-9]+")
+
+
+@pytest.mark.timeout(60)
+def test_a_structural_tag_trigger_is_the_tokenizers_token_or_its_text(tmp_path: Path) -> None:
+    """A trigger written ``<...>`` is the tokenizer's added token of that name where it has one
+    (Qwen's ``<tool_call>``: llguidance's special-token syntax, as StructTag.to_grammar assumes),
+    else the same text (a tokenizer that has it only as a vocabulary word, or spells it): either
+    way the structure is held after it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.stages.tiny_model import make_tagged_byte_model
+
+    tag = json.dumps(
+        {"type": "structural_tag", "triggers": ["<tool_call>"],
+         "structures": [{"begin": "<tool_call>[", "schema": {"type": "integer"}, "end": "]"}]}
+    )  # fmt: skip
+    for model_dir in (
+        make_tagged_byte_model(tmp_path / "added", ("<tool_call>",)),
+        make_byte_model(tmp_path / "word", words=("<tool_call>",)),
+    ):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+        grammars = GrammarSet(tokenizer, len(tokenizer), [EOS_ID])
+        ids = tokenizer.convert_tokens_to_ids
+        for free in ("a", "b", "1"):  # text before the trigger is free
+            constraint = grammars.start("structural_tag", tag)
+            assert constraint.accept(ids(free)) is None
+            assert constraint.accept(ids("<tool_call>")) is None
+            assert constraint.accept(ids("a")) is not None  # "[" is due after the trigger
+        constraint = grammars.start("structural_tag", tag)
+        for token in ("<tool_call>", "[", "7", "]", "b"):
+            assert constraint.accept(ids(token)) is None, (model_dir.name, token)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import requests
 
+from stages.engine.deepseek_calls import BEGIN, END, SECTION, SECTION_END, SEP
 from tests.stages.engine_setup import builtin_engine
 from tests.stages.tiny_model import make_tiny_model
 
@@ -114,6 +115,19 @@ def test_each_tool_call_format_is_read_as_sglang_reads_it(url: str) -> None:
         "normal_text": "Sum:\n",
         "calls": [_call(0, "add", '{"a": 1, "b": 2.5}'), _call(1, "launch", "{}")],
     }
+    for alias in ("step3p5", "nanbeige"):  # SGLang's Qwen3CoderDetector too
+        assert _calls(url, coder, alias, typed) == _calls(url, coder, "qwen3_coder", typed)
+    # deepseekv3 / deepseekv31: the calls between DeepSeek's tokens, the text before them
+    # stripped (deepseekv3_detector.py, deepseekv31_detector.py detect_and_parse)
+    v3 = (f"Let me check. {SECTION}{BEGIN}function{SEP}get_weather\n```json\n"
+          f'{{"city": "Zürich"}}\n```{END}\n{BEGIN}function{SEP}add\n```json\n'
+          f'{{"a": 1, "b": 2}}\n```{END}{SECTION_END}')  # fmt: skip
+    assert _calls(url, v3, "deepseekv3") == {
+        "normal_text": "Let me check.",
+        "calls": [weather, add],
+    }
+    v31 = f'{SECTION}{BEGIN}add{SEP}{{"a": 1, "b": 2}}{END}{SECTION_END}'
+    assert _calls(url, v31, "deepseekv31") == {"normal_text": "", "calls": [add]}
 
 
 @pytest.mark.timeout(30)

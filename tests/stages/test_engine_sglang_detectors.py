@@ -4,8 +4,10 @@ calls with typed values, and fragments of tags, values and text) whole (``detect
 and fed in random splits (``parse_streaming_increment``); the JSON formats and ``pythonic``
 (``stages.engine.tool_formats``, ``pythonic_calls``; ``qwen25_detector.py``,
 ``hermes_detector.py``, ``llama32_detector.py``, ``mistral_detector.py``,
-``pythonic_detector.py``) whole, where SGLang's detector does not raise (the engine then reads
-no calls: the formats' modules say so): the same content and the same calls.
+``pythonic_detector.py``), and DeepSeek's (``stages.engine.deepseek_calls``;
+``deepseekv3_detector.py``, ``deepseekv31_detector.py``) whole, where SGLang's detector does not
+raise (the engine then reads no calls: the formats' modules say so): the same content and the
+same calls.
 
 Skipped unless SGLang's detector imports (its environment, or its wheel's source:
 ``test_engine_sglang_shapes.py``'s docstring says how; it also needs ``partial_json_parser``).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 import random
+import re
 from typing import Any
 
 import pytest
@@ -23,6 +26,7 @@ import pytest
 protocol: Any = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
 detectors: Any = pytest.importorskip("sglang.srt.function_call.qwen3_coder_detector")
 
+from stages.engine.deepseek_calls import BEGIN, END, SECTION, SECTION_END, SEP  # noqa: E402
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls  # noqa: E402
 from stages.engine.tool_calls import ToolCallParser  # noqa: E402
 
@@ -126,10 +130,55 @@ DETECTORS = {
     "llama3": ("llama32_detector", "Llama32Detector"),
     "mistral": ("mistral_detector", "MistralDetector"),
     "pythonic": ("pythonic_detector", "PythonicDetector"),
+    "deepseekv3": ("deepseekv3_detector", "DeepSeekV3Detector"),
+    "deepseekv31": ("deepseekv31_detector", "DeepSeekV31Detector"),
 }
+DEEPSEEK_ARGS = ['{"a": 1}', '{"b": "é"}', "{}", "null", "[1]", '{"a": NaN}', "not json",
+                 '{"a": 1', ' {"a": 2} ', '"s"']  # fmt: skip
+
+
+def _deepseek_call(r: random.Random, parser: str, mangled: bool) -> str:
+    """One call as DeepSeek V3 or V3.1 writes it (to a tool offered or not, with arguments of
+    any JSON), or (``mangled``) a fragment or a mangled one."""
+    name = r.choice(["add", "bare", "ghost", "add ", ""] if mangled else ["add", "bare", "ghost"])
+    args = r.choice(DEEPSEEK_ARGS if mangled else DEEPSEEK_ARGS[:6])
+    if parser == "deepseekv3":
+        head = (r.choice(["function", "", "fn"]) if mangled else "function") + SEP + name
+        if mangled:
+            body = head + r.choice(["\n```json\n", "\n```json", "\n"]) + args
+            body += r.choice(["\n```", "\n```", "```", ""])
+        else:
+            body = head + "\n```json\n" + args + "\n```"
+    else:
+        body = name + (r.choice([SEP, SEP, ""]) if mangled else SEP) + args
+    end = r.choice([END, END, END, ""]) if mangled else END
+    return BEGIN + body + end + r.choice(["", "\n", " "])
+
+
+def _deepseek_answer(r: random.Random, parser: str) -> str:
+    """Content, the section of calls (one of them cut short or mangled a third of the time),
+    its end, and text after it; or (a fifth of the time) any of those pieces in any order."""
+    if r.random() < 0.2:
+        pieces = [SECTION, SECTION_END, "text ", "\n", _deepseek_call(r, parser, True)]
+        return "".join(r.choice(pieces) for _ in range(r.randint(1, 6)))
+    out = r.choice(["", "Sure. ", "text\n", " ", "a " + SECTION[:6]]) + SECTION
+    bad = r.randrange(3) if r.random() < 0.33 else -1
+    for i in range(r.randint(0, 3)):
+        out += _deepseek_call(r, parser, i == bad)
+    return out + r.choice([SECTION_END, SECTION_END, ""]) + r.choice(["", " after", "\n"])
+
+
+def _starts_with_a_bare_call(text: str) -> bool:
+    """A call begin token before the section marker (or without one): SGLang's whole-answer
+    reading keeps it in the content, or reads no calls; the engine reads calls from there, as
+    SGLang's stream does (``stages.engine.deepseek_calls``)."""
+    begin = text.find(BEGIN)
+    return begin != -1 and not -1 < text.find(SECTION) < begin
 
 
 def _answer(r: random.Random, parser: str) -> str:
+    if parser.startswith("deepseek"):
+        return _deepseek_answer(r, parser)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -163,6 +212,8 @@ def test_each_format_reads_a_whole_answer_as_sglangs_detector(
     compared = 0
     for _ in range(1500):
         text = _answer(r, parser)
+        if parser.startswith("deepseek") and _starts_with_a_bare_call(text):
+            continue
         detector = detector_class()
         try:
             theirs = (
@@ -181,3 +232,55 @@ def test_each_format_reads_a_whole_answer_as_sglangs_detector(
         assert got == want, text
         compared += 1
     assert compared > 800
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("parser", ["deepseekv3", "deepseekv31"])
+def test_deepseek_streams_as_sglangs_detector_a_token_at_a_time(
+    parser: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fed as a model writes it (each of DeepSeek's markers a token, the rest a character at a
+    time: SGLang's stream reads a marker only whole in one delta), calls to offered tools with
+    object arguments stream the same names and arguments as SGLang's ``parse_streaming_increment``
+    and the same content but for whitespace (SGLang sends what is between two calls as content);
+    where it differs, on other answers, ``stages.engine.deepseek_calls`` says how."""
+    caplog.set_level(logging.CRITICAL)
+    module, name = DETECTORS[parser]
+    detector_class = getattr(importlib.import_module(f"{detectors.__package__}.{module}"), name)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    markers = (SECTION, SECTION_END, BEGIN, SEP, END)
+    marker = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
+    r = random.Random(2)
+    for _ in range(300):
+        calls = []
+        for _ in range(r.randint(1, 3)):
+            fn = r.choice(["add", "bare"])
+            args = r.choice(['{"a": 1}', '{"b": "é"}', '{"a": [1, {"c": "x y"}], "d": true}'])
+            calls.append(
+                f"{BEGIN}function{SEP}{fn}\n```json\n{args}\n```{END}"
+                if parser == "deepseekv3"
+                else f"{BEGIN}{fn}{SEP}{args}{END}"
+            )
+        text = r.choice(["", "Sure. "]) + SECTION + r.choice(["", "\n"]).join(calls) + SECTION_END
+        parts = [p for part in marker.split(text) for p in ([part] if marker.match(part) else part)]
+        detector, ours = detector_class(), ToolCallParser(TOOLS, parser).stream()
+        theirs: dict[int, list[str]] = {}
+        mine: dict[int, list[str]] = {}
+        their_text = our_text = ""
+        for part in parts:
+            got = detector.parse_streaming_increment(part, tools)
+            their_text += got.normal_text
+            for c in got.calls:
+                item = theirs.setdefault(c.tool_index, ["", ""])
+                item[0] += c.name or ""
+                item[1] += c.parameters or ""
+            more, pieces = ours.feed(part)
+            our_text += more
+            for p in pieces:
+                item = mine.setdefault(p["index"], ["", ""])
+                item[0] += p["name"] or ""
+                item[1] += p["arguments"]
+        our_text += ours.flush()
+        assert our_text == their_text.strip(), text
+        assert [mine[i] for i in sorted(mine)] == [theirs[i] for i in sorted(theirs)], text
+        assert len(mine) == len(calls)

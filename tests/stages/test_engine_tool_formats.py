@@ -19,6 +19,7 @@ import openai
 import pytest
 import structlog
 
+from stages.engine.deepseek_calls import BEGIN, END, SECTION, SECTION_END, SEP
 from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
 from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser, parser_for_template
 from tests.stages.test_engine_chat import _calls_of, _native
@@ -611,18 +612,45 @@ CHARS = BYTE_CHARS + " <>_/\n|()=';"
 ASK = {"model": "m", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 400}
 
 
-@pytest.fixture(scope="module", params=["llama3", "pythonic"])
-def format_engine(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Engine]:
-    """A byte-level model (``<|python_tag|>`` a token) served with ``--tool-call-parser``."""
-    root = tmp_path_factory.mktemp(f"tools-{request.param}")
-    model_dir = make_byte_model(root / "model", seed=4, chars=CHARS, words=("<|python_tag|>",))
+def _format_engine(
+    parser: str, tmp_path_factory: Any, chars: str, words: tuple[str, ...]
+) -> Iterator[Engine]:
+    """A byte-level model (``words`` tokens of their own) served with ``--tool-call-parser``."""
+    root = tmp_path_factory.mktemp(f"tools-{parser}")
+    model_dir = make_byte_model(root / "model", seed=4, chars=chars, words=words)
     (root / "template.jinja").write_text(TOOL_TEMPLATE)
     with serving(
         model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja"),
-        "--tool-call-parser", request.param,
+        "--tool-call-parser", parser,
     ) as eng:  # fmt: skip
-        eng.parser = request.param  # type: ignore[attr-defined]
+        eng.parser = parser  # type: ignore[attr-defined]
         yield eng
+
+
+def _forced_sampling(engine: Engine, parser: str) -> dict[str, Any]:
+    """The sampling params of a ``tool_choice`` ``required`` request to ``engine``."""
+    settings = ChatSettings.of(
+        _tokenizer(engine), engine.model_dir, chat_template=TOOL_TEMPLATE, tool_call_parser=parser
+    )
+    body = {"messages": ASK["messages"], "tools": TOOLS, "tool_choice": "required"}
+    return chat_request(body, settings, 512)[0]["sampling_params"]
+
+
+def _streamed_calls(client: openai.OpenAI, ask: dict[str, Any]) -> list[dict[str, str]]:
+    """The calls of the first choice of ``ask`` streamed, its pieces added up."""
+    pieces: dict[int, dict[str, str]] = {}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            call = pieces.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    return [pieces[i] for i in sorted(pieces)]
+
+
+@pytest.fixture(scope="module", params=["llama3", "pythonic"])
+def format_engine(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Engine]:
+    """``<|python_tag|>`` a token."""
+    yield from _format_engine(request.param, tmp_path_factory, CHARS, ("<|python_tag|>",))
 
 
 @pytest.mark.timeout(180)
@@ -646,27 +674,15 @@ def test_a_forced_tool_choice_answers_with_calls_in_the_engines_format(
             for call in c.message.tool_calls:
                 arguments = json.loads(call.function.arguments)
                 assert call.function.name in names and set(arguments) == {"a", "b"}
-    settings = ChatSettings.of(
-        _tokenizer(format_engine), format_engine.model_dir,
-        chat_template=TOOL_TEMPLATE, tool_call_parser=parser,
-    )  # fmt: skip
-    native = chat_request(
-        {"messages": ASK["messages"], "tools": TOOLS, "tool_choice": "required"}, settings, 512
-    )[0]["sampling_params"]
+    native = _forced_sampling(format_engine, parser)
     assert set(native) & {"structural_tag", "json_schema"} == (
         {"structural_tag"} if parser == "llama3" else {"json_schema"}
     )
     ask = {**ASK, "tools": TOOLS, "tool_choice": "required", "seed": 7}
-    pieces: dict[int, dict[str, str]] = {}
-    for chunk in client.chat.completions.create(**ask, stream=True):
-        for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
-            call = pieces.setdefault(delta.index, {"name": "", "arguments": ""})
-            call["name"] += delta.function.name or ""
-            call["arguments"] += delta.function.arguments or ""
     whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
     assert whole and [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole
-    ] == [pieces[i] for i in sorted(pieces)]
+    ] == _streamed_calls(client, ask)
 
 
 @pytest.mark.parametrize(
@@ -681,6 +697,8 @@ def test_a_forced_tool_choice_answers_with_calls_in_the_engines_format(
         ("pythonic", '[add(a="x', None),
         ("qwen25", '<tool_call>\n{"name": "add", "arguments": {"a": "x', {"a": "x"}),
         ("hermes", '<tool_call>{"name": "mul", "parameters": {"b": [1, "q', {"b": [1, "q"]}),
+        ("deepseekv3", f'{SECTION}{BEGIN}function{SEP}add\n```json\n{{"a": "x', {"a": "x"}),
+        ("deepseekv31", f'{SECTION}{BEGIN}mul{SEP}{{"b": [1, "q', {"b": [1, "q"]}),
     ],
 )
 def test_a_call_cut_short_is_closed_by_its_last_piece(parser: str, cut: str, arguments) -> None:
@@ -698,3 +716,109 @@ def test_a_call_cut_short_is_closed_by_its_last_piece(parser: str, cut: str, arg
         return
     assert json.loads("".join(p["arguments"] for p in pieces)) == arguments
     assert stream.unsent() == []  # once
+
+
+# ---- deepseek --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["deepseekv3", "deepseekv31"])
+def deepseek_engine(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Engine]:
+    """DeepSeek's tool-call tokens tokens of their own, and their characters too, so that text
+    with them is encoded (a forced call's frame)."""
+    chars, words = CHARS + "`\uff5c\u2581", (SECTION, SECTION_END, BEGIN, SEP, END)
+    yield from _format_engine(request.param, tmp_path_factory, chars, words)
+
+
+@pytest.mark.timeout(180)
+def test_a_forced_tool_choice_answers_with_deepseek_calls(deepseek_engine: Engine) -> None:
+    """tool_choice required or named with deepseekv3 / deepseekv31: constrained by the structural
+    tag of the detector's structure_info (deepseekv3_detector.py: the section marker, the call's
+    tokens, "function", the name, a json code block; deepseekv31_detector.py: the call's tokens
+    around the name and the JSON, triggered by the call's begin token), read back as calls (a
+    V3.1 answer of bare calls too: stages.engine.deepseek_calls), streamed in pieces that add up
+    to them; a strict tool's arguments follow its parameters."""
+    from stages.engine.deepseek_calls import FRAMES
+
+    parser = deepseek_engine.parser  # type: ignore[attr-defined]
+    client = openai.OpenAI(base_url=deepseek_engine.url + "/v1", api_key="unused", max_retries=0)
+    ask = {**ASK, "max_tokens": 120, "tools": TOOLS}
+    for choice, names in (
+        ("required", {"add", "mul"}),
+        ({"type": "function", "function": {"name": "mul"}}, {"mul"}),
+    ):
+        out = client.chat.completions.create(**ask, tool_choice=choice, n=3)
+        for c in out.choices:
+            assert c.message.tool_calls and c.finish_reason in ("tool_calls", "length"), c
+            for call in c.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                assert call.function.name in names and set(arguments) == {"a", "b"}
+                assert all(0 <= v <= 9 for v in arguments.values())
+    native = _forced_sampling(deepseek_engine, parser)
+    tag = json.loads(native["structural_tag"])
+    before, _, after, end, trigger = FRAMES[parser]
+    assert tag["triggers"] == [trigger] and tag["at_least_one"] is True
+    assert tag["structures"][1] == {
+        "begin": before + "mul" + after,
+        "schema": TOOLS[1]["function"]["parameters"],
+        "end": end,
+    }
+    forced = {**ask, "tool_choice": "required", "seed": 7}
+    (choice,) = client.chat.completions.create(**forced).choices
+    whole = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in choice.message.tool_calls or ()]  # fmt: skip
+    streamed = _streamed_calls(client, forced)
+    if choice.finish_reason == "length":  # a last call cut short: streamed, closed (unsent)
+        streamed = streamed[: len(whole)]
+    assert whole and whole == streamed
+
+
+def _deepseek(parser: str, *calls: tuple[str, str], before: str = "", after: str = "") -> str:
+    """An answer of ``calls`` ``(name, arguments' text)`` as DeepSeek V3 or V3.1 writes it."""
+    if parser == "deepseekv3":
+        body = [f"{BEGIN}function{SEP}{n}\n```json\n{a}\n```{END}" for n, a in calls]
+    else:
+        body = [f"{BEGIN}{n}{SEP}{a}{END}" for n, a in calls]
+    return before + SECTION + "\n".join(body) + SECTION_END + after
+
+
+@pytest.mark.parametrize("parser", ["deepseekv3", "deepseekv31"])
+def test_deepseek_reads_calls_between_its_tokens(parser: str) -> None:
+    """deepseekv3_detector.py / deepseekv31_detector.py detect_and_parse: the content is the
+    text before the section marker, stripped; each call's name and JSON arguments
+    (parse_base_json: a tool not offered dropped, falsy arguments as {}); an answer with a call
+    that is not JSON has no calls and its text as it is; the text after the calls is dropped;
+    the chat choice has them as tool_calls, finish_reason tool_calls."""
+    text = _deepseek(
+        parser, ("add", '{"a": 1, "s": "é"}'), ("ghost", "{}"), ("mul", "null"),
+        before="Let me add. ", after=" done",
+    )  # fmt: skip
+    assert _whole(parser, text) == (
+        "Let me add.", [_call("add", '{"a": 1, "s": "é"}'), _call("mul", "{}")]
+    )  # fmt: skip
+    broken = _deepseek(parser, ("add", '{"a": 1}'), ("mul", '{"b": 2'))
+    assert _whole(parser, broken) == (broken, [])
+    assert _whole(parser, "no calls here ") == ("no calls here ", [])
+    choice = _chat(parser, text)
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me add."
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["add", "mul"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("parser", ["deepseekv3", "deepseekv31"])
+def test_deepseek_streams_as_the_whole_answer_reads(parser: str, step: int) -> None:
+    """Streamed: content up to the calls (a marker's start held back), each call named once its
+    name is whole, its arguments in pieces that add up to the whole answer's, nothing of the
+    text after them; a V3.1 answer of bare calls (what its structural tag forces) read as
+    calls, whole and streamed, as SGLang's stream reads it."""
+    text = _deepseek(
+        parser, ("add", '{"a": [1, {"b": "x y"}], "c": true}'), ("ghost", '{"z": 1}'),
+        ("mul", '{"b": 2}'), before="Sure <", after=" bye",
+    )  # fmt: skip
+    content, pieces, named = _stream(parser, text, step)
+    want = _whole(parser, text)
+    assert (content, _calls_of(pieces), named) == (want[0], want[1], 2)
+    assert pieces[0] == {"index": 0, "name": "add", "arguments": ""}
+    bare = text.replace(SECTION, "").replace(SECTION_END, "")
+    assert _whole(parser, bare)[1] == want[1]
+    assert _calls_of(_stream(parser, bare, step)[1]) == want[1]

@@ -152,17 +152,25 @@ def make_byte_model(
     path: Path, *, seed: int = 0, chars: str = BYTE_CHARS, words: tuple[str, ...] = (), **sizes: Any
 ) -> Path:
     """A random tiny Qwen2 with a byte-level BPE tokenizer (GPT-2's byte alphabet, as Qwen's
-    and Llama 3's): ``<pad>``, ``<eos>``, each of ``chars``, a few words and ``words`` (whole
-    tokens, as Qwen's ``<tool_call>``). Its text is its tokens' texts joined, so grammars can
-    constrain it."""
+    and Llama 3's): ``<pad>``, ``<eos>``, each of ``chars`` (one of several bytes: each byte
+    too, merged into it), a few words and ``words`` (whole tokens, as Qwen's ``<tool_call>``).
+    Its text is its tokens' texts joined, so grammars can constrain it."""
     path = Path(path)
     level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID}
+    merges = []
     for ch in chars:
-        vocab[level.pre_tokenize_str(ch)[0][0]] = len(vocab)
+        symbols = level.pre_tokenize_str(ch)[0][0]
+        if len(symbols) == 1:
+            vocab[symbols] = len(vocab)
+            continue
+        for byte in symbols:  # a character of several bytes: each byte, then merged
+            vocab.setdefault(byte, len(vocab))
+        for end in range(2, len(symbols) + 1):
+            merges.append((symbols[: end - 1], symbols[end - 1]))
+            vocab.setdefault(symbols[:end], len(vocab))
     for word in words:
         vocab.setdefault("".join(level.pre_tokenize_str(word)[0][0]), len(vocab))
-    merges = []
     for word in _BYTE_WORDS:
         for end in range(2, len(word) + 1):
             merges.append((word[: end - 1], word[end - 1]))
