@@ -53,7 +53,7 @@ from typing import Any
 
 import structlog
 
-from stages.engine.partial_json import closed_prefix, partial_tail
+from stages.engine.partial_json import closed_prefix, marked_calls, partial_tail
 from stages.engine.tool_formats import (
     _call,
     _Content,
@@ -201,18 +201,9 @@ class _MarkedStream:
                 held = max(partial_tail(text, SECTION), partial_tail(text, BEGIN))
                 return self.content.more(text, len(text) - held), []
             content, self.pos = self.content.more(text, at), at
-        pieces: Pieces = []
-        while True:
-            begin = text.find(BEGIN, self.pos)
-            self.open = begin != -1
-            if begin == -1:
-                break
-            end = text.find(END, begin)
-            if end == -1:
-                pieces += self._partial(begin, text[begin + len(BEGIN) :])
-                break
-            pieces += self._whole(begin, text[begin : end + len(END)])
-            self.pos = end + len(END)
+        pieces, self.pos, self.open = marked_calls(
+            text, self.pos, BEGIN, END, self._partial, lambda a, b: self._whole(a, text[a:b])
+        )
         return content, pieces
 
     def _partial(self, key: int, body: str) -> Pieces:

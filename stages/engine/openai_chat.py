@@ -82,6 +82,7 @@ from typing import Any
 
 from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
+from stages.engine.kimi_calls import history_calls, kimi_id
 from stages.engine.openai_api import (
     _SAMPLING,
     CHAT_PASSED_ON,
@@ -129,6 +130,9 @@ class ChatSettings:
     defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     tool_parser: str | None = None  # --tool-call-parser, or the template's own format
     reasoning: ReasoningSettings | None = None  # --reasoning-parser
+    # the format was named by --tool-call-parser (not found in the template): what SGLang
+    # needs to constrain anything of an auto answer (its strict tools)
+    tool_parser_named: bool = False
     renderer: TemplateRenderer = field(init=False, repr=False)
     token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 
@@ -176,6 +180,7 @@ class ChatSettings:
             None
             if reasoning_parser is None
             else ReasoningSettings.of(reasoning_parser, template, tokenizer),
+            tool_call_parser is not None,
         )
 
     def render(
@@ -317,10 +322,11 @@ def chat_request(
     grammar_from = "tool_choice" if forced else ("response_format" if grammar else None)
     if forced is not None:  # only tool calls (tool_choice required or named)
         sampling.update(forced)
-    elif choice == "auto" and template_tools and not grammar and not _constrained(body):
-        # a strict tool holds the calls of an auto answer to its schema (with another
-        # constraint, that one alone: SGLang logs that they cannot go together)
-        strict = strict_calls(tools, settings.tool_parser)
+    elif settings.tool_parser_named and choice == "auto" and template_tools and not grammar:
+        # a strict tool holds the calls of an auto answer to its schema, where the server was
+        # told the format (serving_chat: only with --tool-call-parser; with another constraint,
+        # that one alone: SGLang logs that they cannot go together)
+        strict = None if _constrained(body) else strict_calls(tools, settings.tool_parser)
         if strict is not None:
             sampling.update(strict)
             grammar_from = "tools"
@@ -368,6 +374,8 @@ def chat_request(
         and "json_schema" not in grammar,
         "tools": tools or [],
         "tool_parser": answer_format(settings.tool_parser, forced),  # the format calls are in
+        # Kimi K2's call ids count the conversation's calls (serving_chat: kimi_k2's alone)
+        "kimi_ids_from": history_calls(messages) if settings.tool_parser == "kimi_k2" else None,
         "stream": bool(body.get("stream")),
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
@@ -452,7 +460,8 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
                 # incomplete call dropped: _process_tool_calls' "no complete call parsed")
                 message["content"], calls = parser.parse(text)
                 if calls:
-                    message["tool_calls"] = [_tool_call(c, i) for i, c in enumerate(calls)]
+                    first = options.get("kimi_ids_from")
+                    message["tool_calls"] = [_tool_call(c, i, first) for i, c in enumerate(calls)]
                     if reason and reason["type"] == "stop":
                         reason = {"type": "tool_calls", "matched": None}
         message["content"] = message["content"] or ""
@@ -641,7 +650,7 @@ class ChatChunks(StreamLayout):
                 if delta:
                     out.append(self._model_chunk(rid, index, {"content": delta}))
                 for piece in pieces:
-                    call = {"tool_calls": [_tool_call_piece(piece)]}
+                    call = {"tool_calls": [_tool_call_piece(piece, options.get("kimi_ids_from"))]}
                     out.append(self._model_chunk(rid, index, call))
             elif delta or (logprobs is not None and not options.get("server_parsers")):
                 # (SGLang drops the log-probs of a step whose text is held back when the
@@ -884,20 +893,26 @@ def _call_for_template(call: Any, where: str) -> dict[str, Any]:
     return {**call, "function": {**fn, "arguments": arguments}}
 
 
-def _tool_call(call: Mapping[str, str], index: int) -> dict[str, Any]:
+def _tool_call(call: Mapping[str, str], index: int, kimi_from: int | None = None) -> dict[str, Any]:
+    """A call of the answer (``index``: its place among them), its id a fresh one, or with
+    ``kimi_from`` (``--tool-call-parser kimi_k2``: the calls of the conversation before it) Kimi
+    K2's ``functions.NAME:K`` (``serving_chat._process_tool_call_id``)."""
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": f"call_{uuid.uuid4().hex[:24]}"
+        if kimi_from is None
+        else kimi_id(call["name"], kimi_from + index),
         "index": index,
         "type": "function",
         "function": {"name": call["name"], "arguments": call["arguments"]},
     }
 
 
-def _tool_call_piece(piece: Mapping[str, Any]) -> dict[str, Any]:
+def _tool_call_piece(piece: Mapping[str, Any], kimi_from: int | None = None) -> dict[str, Any]:
     """A streamed call's delta (``serving_chat._process_tool_call_stream``): its first names
     it and has its id; the next ones have null id and name and add to its arguments."""
     if piece["name"] is not None:
-        return _tool_call({"name": piece["name"], "arguments": piece["arguments"]}, piece["index"])
+        call = {"name": piece["name"], "arguments": piece["arguments"]}
+        return _tool_call(call, piece["index"], kimi_from)
     return {
         "id": None,
         "index": piece["index"],

@@ -95,6 +95,9 @@ _QWEN3 = ThinkFormat(
     excluded=("<tool_call>", "</tool_call>", "<|im_end|>", "<|endoftext|>"),
 )
 _QWEN3_FORCED = replace(_QWEN3, forced=True)
+_K2 = ("<think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+       "<|tool_call_argument_begin|>", "<|tool_call_section_end|>", "<|tool_call_end|>", "[EOS]",
+       "<|im_end|>", "<|end_header_id|>", "[EOT]")  # fmt: skip
 # SGLang's ReasoningParser.DetectorMap, the names whose detector reads one of these formats
 PARSERS: dict[str, ThinkFormat] = {
     "deepseek-r1": _R1,
@@ -119,6 +122,10 @@ PARSERS: dict[str, ThinkFormat] = {
     "poolside_v1": replace(_QWEN3, default="explicit_enable_thinking"),  # _PoolsideV1Detector
     "kimi": ThinkFormat(
         tool_start=None, default="always", force=False, start="◁think▷", end="◁/think▷"
+    ),
+    # KimiK2Detector: its tool calls' section ends the reasoning too
+    "kimi_k2": ThinkFormat(
+        tool_start="<|tool_calls_section_begin|>", default="thinking", excluded=_K2
     ),
     "mistral": ThinkFormat(
         tool_start=None, default="mistral", start="[THINK]", end="[/THINK]", special_tags=True

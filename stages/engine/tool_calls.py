@@ -2,7 +2,8 @@
 ``--tool-call-parser`` names: ``qwen25`` (also ``qwen``), ``hermes``, ``llama3``, ``mistral``
 (``stages.engine.tool_formats``), ``pythonic`` (``stages.engine.pythonic_calls``),
 ``qwen3_coder`` (also ``step3p5`` and ``nanbeige``, which SGLang reads with the same detector),
-``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``); and how a forced
+``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``), ``kimi_k2``
+(``stages.engine.kimi_calls``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -38,6 +39,8 @@ from typing import Any, Protocol
 
 from stages.engine.deepseek_calls import FRAMES as DEEPSEEK_FRAMES
 from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
+from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
+from stages.engine.kimi_calls import KimiK2Calls
 from stages.engine.pythonic_calls import PythonicCalls
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls
 from stages.engine.tool_formats import (
@@ -75,11 +78,15 @@ _FORMATS: dict[str, Any] = {
 # SGLang's --tool-call-parser names the engine reads
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
-    "nanbeige", "deepseekv3", "deepseekv31",
+    "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2",
 )  # fmt: skip
-# the formats whose reader needs the tools' parameters (their values are typed by them); SGLang
-# reads step3p5's and nanbeige's calls with its Qwen3CoderDetector too
-_TYPED = {"qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls}
+# the formats whose reader needs the tools' parameters (their values are typed by them, or a call
+# the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
+# Qwen3CoderDetector too
+_TYPED = {
+    "qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls,
+    "kimi_k2": KimiK2Calls,
+}  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
 _JSON_ARGS = ', "arguments":'
@@ -90,7 +97,11 @@ _FRAMES = {
     "llama3": ('<|python_tag|>{"name":', True, _JSON_ARGS, "}", "<|python_tag|>"),
     "mistral": ('[TOOL_CALLS] [{"name":', True, _JSON_ARGS, "}]", "[TOOL_CALLS]"),
     **DEEPSEEK_FRAMES,
+    **KIMI_FRAMES,
 }
+# what a tool that is not strict holds its calls' arguments to (any JSON but for these: Kimi's
+# reader takes only an object, and SGLang's tag for it says so)
+_LOOSE = {"kimi_k2": {"type": "object"}}
 
 
 class CallStream(Protocol):
@@ -135,10 +146,11 @@ def call_tag(
     for tool in tools:
         fn = tool["function"]
         name = json.dumps(fn["name"]) if quoted else fn["name"]
+        loose = _LOOSE.get(parser, {})
         structures.append(
             {
                 "begin": f"{before}{name}{after}",
-                "schema": (fn.get("parameters") or {}) if fn.get("strict") else {},
+                "schema": (fn.get("parameters") or {}) if fn.get("strict") else loose,
                 "end": end,
             }
         )
@@ -236,9 +248,9 @@ class ToolCallParser:
         """``(content, [(tool_index, call)])`` of a whole generated text, as
         ``FunctionCallParser.parse_non_stream`` numbers its calls: the named tool's place
         (``places``, by name; ``parse_base_json``), or for ``pythonic`` the call's place in its
-        list, the calls dropped counted (``pythonic_detector.py:118``); for ``qwen3_coder`` the
-        call's place among the calls (``qwen3_coder_detector.py``)."""
-        if isinstance(self.format, PythonicCalls | Qwen3CoderCalls):
+        list, the calls dropped counted (``pythonic_detector.py:118``); for ``qwen3_coder`` and
+        ``kimi_k2`` the call's place among the calls (their detectors)."""
+        if isinstance(self.format, PythonicCalls | Qwen3CoderCalls | KimiK2Calls):
             return self.format.listed(text)
         content, calls = self.format.parse(text)
         return content, [(places[call["name"]], call) for call in calls]

@@ -553,10 +553,13 @@ def _tool(name: str) -> dict[str, Any]:
 TOOLS = [_tool("add"), _tool("mul")]
 
 
-@pytest.fixture(scope="module")
-def tool_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+@pytest.fixture(scope="module", params=[None, "qwen25"])
+def tool_engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
     """A byte-level model whose vocabulary writes the Qwen 2.5 tool-call format (``<tool_call>``
-    a token, as in Qwen's), with a template that names that format."""
+    a token, as in Qwen's), with a template that names that format; the format named again by
+    ``--tool-call-parser`` or not."""
     from tests.stages.tiny_model import BYTE_CHARS
 
     root = tmp_path_factory.mktemp("tool-engine")
@@ -564,9 +567,11 @@ def tool_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         root / "model", seed=4, chars=BYTE_CHARS + " <>_/\n", words=("<tool_call>", "</tool_call>")
     )
     (root / "template.jinja").write_text(TOOL_TEMPLATE)
+    named = () if request.param is None else ("--tool-call-parser", request.param)
     with serving(
-        model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja")
+        model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja"), *named
     ) as eng:
+        eng.parser = request.param  # type: ignore[attr-defined]
         yield eng
 
 
@@ -645,25 +650,37 @@ def test_tool_choice_required_or_named_answers_with_tool_calls(tool_engine: Engi
 def test_a_strict_tool_holds_the_calls_of_an_auto_answer_to_its_schema(
     tool_engine: Engine,
 ) -> None:
-    """``tool_choice`` ``auto`` with a ``strict`` tool (function_call_parser.py
-    get_structure_constraint: ``should_constrain_auto``): the structural tag of the format's calls
-    without ``at_least_one`` (get_legacy_structural_tag(at_least_one=False)), so the answer is
-    free text in which each ``<tool_call>`` begins a call that follows its tool's parameters;
-    no tag where no tool is strict, with ``tool_choice`` none, or with another constraint
-    (protocol.py to_sampling_params: that one alone)."""
+    """``tool_choice`` ``auto`` with a ``strict`` tool and ``--tool-call-parser``
+    (function_call_parser.py get_structure_constraint: ``should_constrain_auto``; serving_chat:
+    only with a parser): the structural tag of the format's calls without ``at_least_one``
+    (get_legacy_structural_tag(at_least_one=False)), so the answer is free text in which each
+    ``<tool_call>`` begins a call that follows its tool's parameters; no tag where no tool is
+    strict, with ``tool_choice`` none, with another constraint (protocol.py to_sampling_params:
+    that one alone), or where the format is only the template's (SGLang constrains nothing
+    without a parser)."""
     client = openai.OpenAI(base_url=tool_engine.url + "/v1", api_key="unused", max_retries=0)
     tok = _tokenizer(tool_engine)
     trigger = tok.convert_tokens_to_ids("<tool_call>")
     ask = {"model": "m", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 100,
            "logit_bias": {str(trigger): 100}}  # fmt: skip
     out = client.chat.completions.create(**ask, tools=TOOLS, n=4)
+    named = tool_engine.parser is not None  # type: ignore[attr-defined]
+    valid = 0
     for c in out.choices:  # the bias writes <tool_call>; the grammar writes the call after it
-        assert c.message.tool_calls, c
-        for call in c.message.tool_calls:
+        assert bool(c.message.tool_calls) or not named, c
+        for call in c.message.tool_calls or ():
             arguments = json.loads(call.function.arguments)
             assert call.function.name in {"add", "mul"} and set(arguments) == {"a", "b"}
             assert all(0 <= v <= 9 for v in arguments.values())
-    settings = ChatSettings.of(tok, tool_engine.model_dir, chat_template=TOOL_TEMPLATE)
+            valid += 1
+    assert valid == 0 or named  # a random model writes no call unconstrained
+    settings = ChatSettings.of(
+        tok, tool_engine.model_dir, chat_template=TOOL_TEMPLATE, tool_call_parser="qwen25"
+    )
+    inferred = ChatSettings.of(tok, tool_engine.model_dir, chat_template=TOOL_TEMPLATE)
+    assert inferred is not None and inferred.tool_parser == "qwen25"
+    body = {"messages": ask["messages"], "tools": TOOLS}
+    assert "structural_tag" not in chat_request(body, inferred, 512)[0]["sampling_params"]
 
     def sampling(**more: Any) -> dict[str, Any]:
         body = {"messages": ask["messages"], "tools": TOOLS, **more}

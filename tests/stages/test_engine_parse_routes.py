@@ -128,6 +128,16 @@ def test_each_tool_call_format_is_read_as_sglang_reads_it(url: str) -> None:
     }
     v31 = f'{SECTION}{BEGIN}add{SEP}{{"a": 1, "b": 2}}{END}{SECTION_END}'
     assert _calls(url, v31, "deepseekv31") == {"normal_text": "", "calls": [add]}
+    # kimi_k2: the call named by its id, or (a bare counter) by its arguments' keys; the
+    # arguments as written, tool_index the call's place (kimik2_detector.py detect_and_parse)
+    kimi = ("Hi <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            '<|tool_call_argument_begin|>{"city": "Zürich"}<|tool_call_end|><|tool_call_begin|>5'
+            '<|tool_call_argument_begin|>{"a": 1, "b": 2}<|tool_call_end|>'
+            "<|tool_calls_section_end|>")  # fmt: skip
+    assert _calls(url, kimi, "kimi_k2", [*typed, TOOLS[0]]) == {
+        "normal_text": "Hi ",
+        "calls": [weather, _call(1, "add", '{"a": 1, "b": 2}')],
+    }
 
 
 @pytest.mark.timeout(30)
@@ -277,7 +287,7 @@ def test_bad_requests_get_sglangs_answers_and_the_engine_serves_on(url: str) -> 
     # formats SGLang reads that the engine does not: a 400 that says so (type "400", as
     # SGLang's HTTPException); a model-specific one: SGLang's own 400
     for path, field, name in (
-        ("/parse_function_call", "tool_call_parser", "kimi_k2"),
+        ("/parse_function_call", "tool_call_parser", "glm45"),
         ("/separate_reasoning", "reasoning_parser", "gpt-oss"),
     ):
         resp = _post(url, path, {"text": "x", field: name})

@@ -117,6 +117,13 @@ def test_the_other_detectors_split_with_their_own_tags_and_force_rules() -> None
     assert _parse(kimi, "◁think▷a◁/think▷b") == ("a", "b")
     assert _parse(kimi, "a◁/think▷b", force=True) == ("", "a◁/think▷b")
     assert _parse(kimi, "<think>a</think>b") == ("", "<think>a</think>b")
+    # kimi_k2 (KimiK2Detector): <think> tags, the tool calls' section ends the reasoning too
+    k2 = PARSERS["kimi_k2"]
+    assert _parse(k2, "<think>a</think>b") == ("a", "b")
+    section = "<|tool_calls_section_begin|><|tool_call_begin|>"
+    assert _parse(k2, f"<think>a{section}x") == ("a", f"{section}x")
+    assert thinking_on(k2, None, None, None)
+    assert not thinking_on(k2, None, {"thinking": False}, None)
     # MistralDetector: [THINK] ... [/THINK], forced as the request decides, no tool start
     assert _parse(mistral, "[THINK]a[/THINK]b") == ("a", "b")
     assert _parse(mistral, "a[/THINK]b", force=True) == ("a", "b")
@@ -455,8 +462,8 @@ def test_the_reasoning_is_split_before_tool_calls_are_read(model_dir: Path) -> N
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["add"]
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
     assert answer["usage"]["reasoning_tokens"] == len(tokenizer.encode("add?</think>"))
-    with pytest.raises(ValueError, match="--reasoning-parser 'kimi_k2'"):
-        ChatSettings.of(tokenizer, model_dir, chat_template=TEMPLATE, reasoning_parser="kimi_k2")
+    with pytest.raises(ValueError, match="--reasoning-parser 'kimi_k3'"):
+        ChatSettings.of(tokenizer, model_dir, chat_template=TEMPLATE, reasoning_parser="kimi_k3")
     with pytest.raises(OpenAIError, match="separate_reasoning"):
         chat_request({**body, "separate_reasoning": 1}, settings, context_length=512)
 

@@ -27,6 +27,11 @@ protocol: Any = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
 detectors: Any = pytest.importorskip("sglang.srt.function_call.qwen3_coder_detector")
 
 from stages.engine.deepseek_calls import BEGIN, END, SECTION, SECTION_END, SEP  # noqa: E402
+from stages.engine.kimi_calls import ARGUMENTS as KIMI_ARGUMENTS  # noqa: E402
+from stages.engine.kimi_calls import BEGIN as KIMI_BEGIN  # noqa: E402
+from stages.engine.kimi_calls import END as KIMI_END  # noqa: E402
+from stages.engine.kimi_calls import SECTION as KIMI_SECTION  # noqa: E402
+from stages.engine.kimi_calls import SECTION_END as KIMI_SECTION_END  # noqa: E402
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls  # noqa: E402
 from stages.engine.tool_calls import ToolCallParser  # noqa: E402
 
@@ -132,7 +137,36 @@ DETECTORS = {
     "pythonic": ("pythonic_detector", "PythonicDetector"),
     "deepseekv3": ("deepseekv3_detector", "DeepSeekV3Detector"),
     "deepseekv31": ("deepseekv31_detector", "DeepSeekV31Detector"),
+    "kimi_k2": ("kimik2_detector", "KimiK2Detector"),
 }
+KIMI_IDS = ["functions.add:0", "add:1", "functions.bare:2", "functions.union:0", "3", "",
+            "functions.ghost:0", "odd id", "functions.a-b.c:1", "x|y", "0"]  # fmt: skip
+KIMI_ARGS = ['{"a": 1}', '{"x": 2}', '{"y": true}', '{"zz": 1, "a": 2}', "{}",
+             '{"a": {"b": 1}}', '{"s": "}"}', "not json", "{bad}", "[1]"]  # fmt: skip
+
+
+def _kimi_call(r: random.Random, well_formed: bool) -> str:
+    """A Kimi K2 call (named by any kind of id), or a mangled one."""
+    call_id = r.choice(KIMI_IDS[:4] if well_formed else KIMI_IDS)
+    args = r.choice(KIMI_ARGS[:7] if well_formed else KIMI_ARGS)
+    space = (lambda: r.choice(["", "", " ", "\n"])) if not well_formed else (lambda: "")
+    end = KIMI_END if well_formed or r.random() < 0.8 else ""
+    return f"{KIMI_BEGIN}{space()}{call_id}{space()}{KIMI_ARGUMENTS}{space()}{args}{space()}{end}"
+
+
+def _kimi_answer(r: random.Random) -> str:
+    """Content, the section of calls (one mangled a third of the time), its end, text after;
+    or (a fifth of the time) any of those pieces in any order."""
+    if r.random() < 0.2:
+        pieces = [KIMI_SECTION, KIMI_SECTION_END, "text ", "\n", _kimi_call(r, False)]
+        return "".join(r.choice(pieces) for _ in range(r.randint(1, 6)))
+    out = r.choice(["", "Sure. ", "text\n", " ", "a <|tool"]) + KIMI_SECTION + r.choice(["", "\n"])
+    bad = r.randrange(3) if r.random() < 0.33 else -1
+    for i in range(r.randint(0, 3)):
+        out += _kimi_call(r, i != bad) + r.choice(["", "\n"])
+    return out + r.choice([KIMI_SECTION_END, KIMI_SECTION_END, ""]) + r.choice(["", " after"])
+
+
 DEEPSEEK_ARGS = ['{"a": 1}', '{"b": "é"}', "{}", "null", "[1]", '{"a": NaN}', "not json",
                  '{"a": 1', ' {"a": 2} ', '"s"']  # fmt: skip
 
@@ -179,6 +213,8 @@ def _starts_with_a_bare_call(text: str) -> bool:
 def _answer(r: random.Random, parser: str) -> str:
     if parser.startswith("deepseek"):
         return _deepseek_answer(r, parser)
+    if parser == "kimi_k2":
+        return _kimi_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -235,20 +271,23 @@ def test_each_format_reads_a_whole_answer_as_sglangs_detector(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("parser", ["deepseekv3", "deepseekv31"])
-def test_deepseek_streams_as_sglangs_detector_a_token_at_a_time(
+@pytest.mark.parametrize("parser", ["deepseekv3", "deepseekv31", "kimi_k2"])
+def test_marked_formats_stream_as_sglangs_detector_a_token_at_a_time(
     parser: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Fed as a model writes it (each of DeepSeek's markers a token, the rest a character at a
-    time: SGLang's stream reads a marker only whole in one delta), calls to offered tools with
-    object arguments stream the same names and arguments as SGLang's ``parse_streaming_increment``
-    and the same content but for whitespace (SGLang sends what is between two calls as content);
-    where it differs, on other answers, ``stages.engine.deepseek_calls`` says how."""
+    """Fed as a model writes it (each of DeepSeek's or Kimi's markers a token, the rest a
+    character at a time: SGLang's DeepSeek stream reads a marker only whole in one delta), calls
+    to offered tools with object arguments stream the same names and arguments as SGLang's
+    ``parse_streaming_increment`` and the same content but for whitespace (SGLang sends what is
+    between two calls as content); where it differs, on other answers,
+    ``stages.engine.deepseek_calls`` and ``kimi_calls`` say how."""
     caplog.set_level(logging.CRITICAL)
     module, name = DETECTORS[parser]
     detector_class = getattr(importlib.import_module(f"{detectors.__package__}.{module}"), name)
     tools = [protocol.Tool.model_validate(t) for t in TOOLS]
     markers = (SECTION, SECTION_END, BEGIN, SEP, END)
+    if parser == "kimi_k2":
+        markers = (KIMI_SECTION, KIMI_SECTION_END, KIMI_BEGIN, KIMI_ARGUMENTS, KIMI_END)
     marker = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
     r = random.Random(2)
     for _ in range(300):
@@ -260,8 +299,11 @@ def test_deepseek_streams_as_sglangs_detector_a_token_at_a_time(
                 f"{BEGIN}function{SEP}{fn}\n```json\n{args}\n```{END}"
                 if parser == "deepseekv3"
                 else f"{BEGIN}{fn}{SEP}{args}{END}"
+                if parser == "deepseekv31"
+                else f"{KIMI_BEGIN}functions.{fn}:{r.randrange(3)}{KIMI_ARGUMENTS}{args}{KIMI_END}"
             )
-        text = r.choice(["", "Sure. "]) + SECTION + r.choice(["", "\n"]).join(calls) + SECTION_END
+        section, section_end = markers[:2]
+        text = r.choice(["", "Sure. "]) + section + r.choice(["", "\n"]).join(calls) + section_end
         parts = [p for part in marker.split(text) for p in ([part] if marker.match(part) else part)]
         detector, ours = detector_class(), ToolCallParser(TOOLS, parser).stream()
         theirs: dict[int, list[str]] = {}
@@ -281,6 +323,6 @@ def test_deepseek_streams_as_sglangs_detector_a_token_at_a_time(
                 item[0] += p["name"] or ""
                 item[1] += p["arguments"]
         our_text += ours.flush()
-        assert our_text == their_text.strip(), text
+        assert our_text.strip() == their_text.strip(), text
         assert [mine[i] for i in sorted(mine)] == [theirs[i] for i in sorted(theirs)], text
         assert len(mine) == len(calls)

@@ -1,9 +1,10 @@
-"""Tool calls in SGLang's ``qwen25``, ``hermes``, ``llama3``, ``mistral``, ``pythonic`` and
-``qwen3_coder`` formats (and the JSON array a forced ``pythonic`` call is constrained to), read
-whole and streamed, against SGLang 0.5.23's ``function_call/qwen25_detector.py``,
-``hermes_detector.py``, ``base_format_detector.py``, ``llama32_detector.py``,
-``mistral_detector.py``, ``pythonic_detector.py``, ``qwen3_coder_detector.py``,
-``json_array_parser.py``, ``function_call_parser.py`` and
+"""Tool calls in SGLang's ``qwen25``, ``hermes``, ``llama3``, ``mistral``, ``pythonic``,
+``qwen3_coder``, ``deepseekv3``, ``deepseekv31`` and ``kimi_k2`` formats (and the JSON array a
+forced ``pythonic`` call is constrained to), read whole and streamed, against SGLang 0.5.23's
+``function_call/qwen25_detector.py``, ``hermes_detector.py``, ``base_format_detector.py``,
+``llama32_detector.py``, ``mistral_detector.py``, ``pythonic_detector.py``,
+``qwen3_coder_detector.py``, ``deepseekv3_detector.py``, ``deepseekv31_detector.py``,
+``kimik2_detector.py``, ``json_array_parser.py``, ``function_call_parser.py`` and
 ``serving_chat.py`` (each test names the lines it follows); and through a real engine with
 ``--tool-call-parser``."""
 
@@ -20,6 +21,12 @@ import pytest
 import structlog
 
 from stages.engine.deepseek_calls import BEGIN, END, SECTION, SECTION_END, SEP
+from stages.engine.kimi_calls import ARGUMENTS as KIMI_ARGUMENTS
+from stages.engine.kimi_calls import BEGIN as KIMI_BEGIN
+from stages.engine.kimi_calls import END as KIMI_END
+from stages.engine.kimi_calls import SECTION as KIMI_SECTION
+from stages.engine.kimi_calls import SECTION_END as KIMI_SECTION_END
+from stages.engine.kimi_calls import history_calls
 from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
 from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser, parser_for_template
 from tests.stages.test_engine_chat import _calls_of, _native
@@ -636,6 +643,23 @@ def _forced_sampling(engine: Engine, parser: str) -> dict[str, Any]:
     return chat_request(body, settings, 512)[0]["sampling_params"]
 
 
+def _forced_answers(client: openai.OpenAI, ask: dict[str, Any]) -> Iterator[list[Any]]:
+    """The calls of each answer (3 a request) to ``ask`` with ``tool_choice`` required, then
+    named (``mul``): one or more, each to an allowed tool with the arguments ``a`` and ``b``
+    (the answer may end for its length, in a call after them)."""
+    for choice, names in (
+        ("required", {"add", "mul"}),
+        ({"type": "function", "function": {"name": "mul"}}, {"mul"}),
+    ):
+        out = client.chat.completions.create(**ask, tool_choice=choice, n=3)
+        for c in out.choices:
+            assert c.message.tool_calls and c.finish_reason in ("tool_calls", "length"), c
+            for call in c.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                assert call.function.name in names and set(arguments) == {"a", "b"}
+            yield c.message.tool_calls
+
+
 def _streamed_calls(client: openai.OpenAI, ask: dict[str, Any]) -> list[dict[str, str]]:
     """The calls of the first choice of ``ask`` streamed, its pieces added up."""
     pieces: dict[int, dict[str, str]] = {}
@@ -742,17 +766,8 @@ def test_a_forced_tool_choice_answers_with_deepseek_calls(deepseek_engine: Engin
     parser = deepseek_engine.parser  # type: ignore[attr-defined]
     client = openai.OpenAI(base_url=deepseek_engine.url + "/v1", api_key="unused", max_retries=0)
     ask = {**ASK, "max_tokens": 120, "tools": TOOLS}
-    for choice, names in (
-        ("required", {"add", "mul"}),
-        ({"type": "function", "function": {"name": "mul"}}, {"mul"}),
-    ):
-        out = client.chat.completions.create(**ask, tool_choice=choice, n=3)
-        for c in out.choices:
-            assert c.message.tool_calls and c.finish_reason in ("tool_calls", "length"), c
-            for call in c.message.tool_calls:
-                arguments = json.loads(call.function.arguments)
-                assert call.function.name in names and set(arguments) == {"a", "b"}
-                assert all(0 <= v <= 9 for v in arguments.values())
+    for calls in _forced_answers(client, ask):
+        assert all(0 <= v <= 9 for c in calls for v in json.loads(c.function.arguments).values())
     native = _forced_sampling(deepseek_engine, parser)
     tag = json.loads(native["structural_tag"])
     before, _, after, end, trigger = FRAMES[parser]
@@ -822,3 +837,144 @@ def test_deepseek_streams_as_the_whole_answer_reads(parser: str, step: int) -> N
     bare = text.replace(SECTION, "").replace(SECTION_END, "")
     assert _whole(parser, bare)[1] == want[1]
     assert _calls_of(_stream(parser, bare, step)[1]) == want[1]
+
+
+# ---- kimi_k2 -----------------------------------------------------------------------------------
+
+KIMI_TOOLS = [
+    {"type": "function", "function": {"name": "get", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {}, "b": {}}}}},
+]  # fmt: skip
+
+
+def _kimi(*calls: tuple[str, str], before: str = "", after: str = "") -> str:
+    """An answer of ``calls`` ``(id, arguments' text)`` as Kimi K2 writes it."""
+    body = "".join(f"{KIMI_BEGIN}{i}{KIMI_ARGUMENTS}{a}{KIMI_END}" for i, a in calls)
+    return f"{before}{KIMI_SECTION}{body}{KIMI_SECTION_END}{after}"
+
+
+def test_kimi_k2_names_calls_by_their_id_or_their_arguments() -> None:
+    """kimik2_detector.py detect_and_parse: the content is the text before the section marker,
+    as it is; a call's name from its id (functions.NAME:N, NAME:N), or for a bare counter (or no
+    id) the only tool's or the one whose properties best match its arguments' keys
+    (_infer_tool_name); an id of neither kind drops the call; the arguments as written; a name
+    not offered kept; tool_index the call's place (listed)."""
+    reader = ToolCallParser(KIMI_TOOLS, "kimi_k2")
+    text = _kimi(
+        ("functions.get:0", '{"city": "Oslo"}'), ("7", '{"a": 1, "b":2}'), ("odd id", "{}"),
+        (" add:3 ", ' {"a": {"b": 1}} '), ("functions.launch:1", "{}"), ("4", '{"zz": 1}'),
+        before="Checking. ", after=" done",
+    )  # fmt: skip
+    content, calls = reader.parse(text)
+    assert content == "Checking. "
+    assert calls == [
+        _call("get", '{"city": "Oslo"}'), _call("add", '{"a": 1, "b":2}'),
+        _call("add", '{"a": {"b": 1}}'), _call("launch", "{}"),
+    ]  # fmt: skip
+    assert reader.indexed(text, {})[1][2] == (2, _call("add", '{"a": {"b": 1}}'))
+    only = ToolCallParser(KIMI_TOOLS[:1], "kimi_k2")
+    assert only.parse(_kimi(("0", '{"x": 1}')))[1] == [_call("get", '{"x": 1}')]
+    assert reader.parse("no section " + KIMI_BEGIN) == ("no section " + KIMI_BEGIN, [])
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_kimi_k2_streams_as_the_whole_answer_reads(step: int) -> None:
+    """Streamed: content up to the section marker, each call named once its id is whole (a bare
+    counter with several tools: once its arguments are), its arguments as written in pieces,
+    nothing of the text after the calls."""
+    text = _kimi(
+        ("functions.get:0", '{"city": "Oslo, \\"N\\""}'), ("5", '{"a": [1, 2]}'),
+        ("functions.add:2", '{"b": 3}'), before="Sure <", after=" bye",
+    )  # fmt: skip
+    stream = StreamingToolCalls(ToolCallParser(KIMI_TOOLS, "kimi_k2"))
+    content, pieces = "", []
+    for i in range(0, len(text), step):
+        more, new = stream.feed(text[i : i + step])
+        content += more
+        pieces += new
+    content += stream.flush()
+    assert (content, _calls_of(pieces)) == ToolCallParser(KIMI_TOOLS, "kimi_k2").parse(text)
+    assert pieces[0] == {"index": 0, "name": "get", "arguments": ""}
+
+
+def test_kimi_k2_call_ids_count_the_conversations_calls() -> None:
+    """serving_chat._process_tool_call_id for kimi_k2: functions.NAME:K, K the calls of the
+    request's assistant messages before (_get_history_tool_calls_cnt) plus the call's place;
+    streamed too (the first piece of each call)."""
+    earlier = {"id": "functions.get:0", "type": "function",
+               "function": {"name": "get", "arguments": "{}"}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "", "tool_calls": [earlier, earlier | {"id": "x"}]},
+        {"role": "tool", "content": "1", "tool_call_id": "functions.get:0"},
+        {"role": "assistant", "content": "ok", "tool_calls": None},
+        {"role": "user", "content": "b"},
+    ]
+    assert history_calls(messages) == 2
+    options = {"model": "m", "n": 1, "logprobs": False, "parse_tools": True,
+               "tools": KIMI_TOOLS, "tool_parser": "kimi_k2", "kimi_ids_from": 2, "stream": True,
+               "include_usage": False, "continuous_usage_stats": False}  # fmt: skip
+    text = _kimi(("functions.get:0", '{"city": "Oslo"}'), ("functions.add:1", '{"a": 1}'))
+    done = _native(text, {"type": "stop", "matched": 1})
+    (choice,) = chat_response([done], options)["choices"]
+    want = ["functions.get:2", "functions.add:3"]
+    assert [c["id"] for c in choice["message"]["tool_calls"]] == want
+
+    async def run() -> list[dict]:
+        async def batches():
+            yield [_native(text[: len(text) // 2], None)]
+            yield [done]
+
+        return [c async for batch in chat_stream(batches(), options) for c in batch]
+
+    deltas = [c["choices"][0]["delta"] for c in asyncio.run(run()) if c["choices"]]
+    calls = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+    assert [c["id"] for c in calls if c["id"]] == want
+    options["kimi_ids_from"] = None  # another parser: fresh ids
+    (choice,) = chat_response([done], options)["choices"]
+    assert all(c["id"].startswith("call_") for c in choice["message"]["tool_calls"])
+
+
+@pytest.fixture(scope="module")
+def kimi_engine(tmp_path_factory) -> Iterator[Engine]:
+    """Kimi K2's tool-call tokens tokens of their own."""
+    words = (KIMI_SECTION, KIMI_SECTION_END, KIMI_BEGIN, KIMI_ARGUMENTS, KIMI_END)
+    yield from _format_engine("kimi_k2", tmp_path_factory, CHARS, words)
+
+
+@pytest.mark.timeout(180)
+def test_a_forced_tool_choice_answers_with_kimi_calls(kimi_engine: Engine) -> None:
+    """tool_choice required or named with kimi_k2: constrained by the structural tag of
+    kimik2_detector.py's structure_info (SGLang's xgrammar has Kimi's own, which llguidance has
+    not), a tool that is not strict held to an object (as SGLang's tag holds it); read back with
+    ids counting the conversation's calls; streamed in pieces that add up to them."""
+    client = openai.OpenAI(base_url=kimi_engine.url + "/v1", api_key="unused", max_retries=0)
+    earlier = {"id": "functions.add:0", "type": "function",
+               "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}  # fmt: skip
+    messages = [*ASK["messages"], {"role": "assistant", "content": "", "tool_calls": [earlier]},
+                {"role": "tool", "content": "3", "tool_call_id": "functions.add:0"}]  # fmt: skip
+    ask = {**ASK, "messages": messages, "max_tokens": 120, "tools": TOOLS}
+    for calls in _forced_answers(client, ask):
+        assert [c.id for c in calls] == [f"functions.{c.function.name}:{1 + k}"
+                                         for k, c in enumerate(calls)]  # fmt: skip
+    native = _forced_sampling(kimi_engine, "kimi_k2")
+    tag = json.loads(native["structural_tag"])
+    assert tag["triggers"] == [KIMI_SECTION] and tag["at_least_one"] is True
+    assert tag["structures"][1] == {
+        "begin": f"{KIMI_SECTION}{KIMI_BEGIN}functions.mul:0{KIMI_ARGUMENTS}",
+        "schema": TOOLS[1]["function"]["parameters"],
+        "end": KIMI_END + KIMI_SECTION_END,
+    }
+    from stages.engine.tool_calls import call_tag
+
+    assert call_tag(OFFERED, "kimi_k2")["structures"][0]["schema"] == {"type": "object"}
+    forced = {**ask, "tool_choice": "required", "seed": 7}
+    (choice,) = client.chat.completions.create(**forced).choices
+    whole = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in choice.message.tool_calls or ()]  # fmt: skip
+    streamed = _streamed_calls(client, forced)
+    if choice.finish_reason == "length":
+        streamed = streamed[: len(whole)]
+    assert whole and whole == streamed
