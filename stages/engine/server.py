@@ -4,7 +4,7 @@ Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--stream-interval 1] [--seed 0]
 [--weight-version 0] [--reasoning-parser qwen3|deepseek-r1|...]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
-[--tool-call-parser qwen25|hermes|llama3|mistral|pythonic|qwen3_coder] [--enable-response-store]
+[--tool-call-parser qwen25|hermes|deepseekv31|kimi_k2|...] [--enable-response-store]
 [--enable-cache-report] [--is-embedding] [--log-file PATH] [--api-key KEY] [--insecure]``
 
 A reward model (a ``*ForSequenceClassification`` checkpoint), or any model with
@@ -721,8 +721,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=list(TOOL_CALL_PARSERS),
         help="read tool calls in answers to /v1/chat/completions with tools in this format "
         "(SGLang's flag and names: qwen25/qwen/hermes <tool_call>, llama3 JSON after "
-        "<|python_tag|>, mistral [TOOL_CALLS], pythonic [f(a=1)], qwen3_coder "
-        "<function=NAME><parameter=KEY>; default: the chat template's own format when it has "
+        "<|python_tag|>, mistral [TOOL_CALLS], pythonic [f(a=1)], qwen3_coder (step3p5, "
+        "nanbeige) <function=NAME><parameter=KEY>, deepseekv3/deepseekv31 and kimi_k2 between "
+        "their special tokens; default: the chat template's own format when it has "
         "<tool_call>)",
     )
     parser.add_argument(
