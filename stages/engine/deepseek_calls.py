@@ -53,7 +53,8 @@ from typing import Any
 
 import structlog
 
-from stages.engine.partial_json import closed_prefix, marked_calls, partial_tail
+from stages.engine.marked_stream import MarkedStream, whole_calls
+from stages.engine.partial_json import closed_prefix, partial_tail
 from stages.engine.tool_formats import (
     _call,
     _Content,
@@ -99,19 +100,7 @@ class DeepSeekV3Calls:
         return _start(text) != -1
 
     def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
-        at = _start(text)
-        if at == -1:
-            return text, []
-        calls = []
-        try:
-            for match in _CALL.finditer(text):
-                call = self.call(match.group())
-                if call is not None:
-                    calls.append(call)
-        except _Unreadable as exc:
-            log.warning("tool_call_unparsed", error=str(exc))
-            return text, []
-        return text[:at].strip(), calls
+        return whole_calls(text, _start(text), _CALL, self.call)
 
     def call(self, text: str) -> dict[str, str] | None:
         """``{name, arguments}`` of one call's text (from its begin token to its end token);
@@ -142,8 +131,8 @@ class DeepSeekV3Calls:
             return None
         return rest[:at], rest[at + len(self.name_end) :]
 
-    def stream(self) -> _MarkedStream:
-        return _MarkedStream(self)
+    def stream(self) -> _DeepSeekStream:
+        return _DeepSeekStream(self)
 
 
 class DeepSeekV31Calls(DeepSeekV3Calls):
@@ -179,34 +168,26 @@ def _arguments(raw: str) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
-class _MarkedStream:
+class _DeepSeekStream(MarkedStream):
+    begin, end = BEGIN, END
+
     def __init__(self, reader: DeepSeekV3Calls) -> None:
-        self.reader = reader
-        self.text = ""
-        self.content = _Content(SECTION, strip=True)
-        self.pos: int | None = None  # where the calls not read yet begin (None: in content)
         self.objects = _Objects(reader.names, _either)  # what of each call went out
-        self.open = False  # a call begun and not ended
+        super().__init__(self.objects.pieces)
+        self.reader = reader
+        self.before = _Content(SECTION, strip=True)
 
-    @property
-    def calls(self) -> int:
-        return self.objects.pieces.count
+    def content(self, text: str) -> tuple[str, int | None]:
+        at = _start(text)
+        if at == -1:  # a tail that may begin either marker waits
+            held = max(partial_tail(text, SECTION), partial_tail(text, BEGIN))
+            return self.before.more(text, len(text) - held), None
+        return self.before.more(text, at), at
 
-    def feed(self, delta: str) -> tuple[str, Pieces]:
-        self.text += delta
-        text, content = self.text, ""
-        if self.pos is None:
-            at = _start(text)
-            if at == -1:  # a tail that may begin either marker waits
-                held = max(partial_tail(text, SECTION), partial_tail(text, BEGIN))
-                return self.content.more(text, len(text) - held), []
-            content, self.pos = self.content.more(text, at), at
-        pieces, self.pos, self.open = marked_calls(
-            text, self.pos, BEGIN, END, self._partial, lambda a, b: self._whole(a, text[a:b])
-        )
-        return content, pieces
+    def rest(self, text: str) -> str:
+        return self.before.rest(text)
 
-    def _partial(self, key: int, body: str) -> Pieces:
+    def partial(self, key: int, body: str) -> Pieces:
         head = self.reader.head(body)
         objects = self.objects
         if head is None or key in objects.dropped:
@@ -219,20 +200,10 @@ class _MarkedStream:
         raw = raw[: len(raw) - partial_tail(raw, self.reader.args_end)]
         return objects.pieces.partial(key, name, _arguments(raw))
 
-    def _whole(self, key: int, text: str) -> Pieces:
+    def whole(self, key: int, text: str) -> Pieces:
         try:
             decoded = self.reader.decoded(text)
         except _Unreadable as exc:
             log.warning("tool_call_unparsed", error=str(exc))
             return []
         return self.objects.whole(key, decoded)  # logs a tool not offered
-
-    def flush(self) -> str:
-        if self.pos is None:
-            return self.content.rest(self.text)
-        if self.open:
-            log.warning("tool_call_incomplete", text=self.text[self.pos :][:200])
-        return ""
-
-    def unsent(self) -> Pieces:
-        return self.objects.pieces.unsent()

@@ -47,7 +47,8 @@ from typing import Any
 
 import structlog
 
-from stages.engine.partial_json import CallPieces, marked_calls, partial_tail
+from stages.engine.marked_stream import MarkedStream
+from stages.engine.partial_json import partial_tail
 from stages.engine.qwen3_coder_calls import _properties
 
 __all__ = ["FRAMES", "KimiK2Calls", "history_calls", "kimi_id"]
@@ -147,37 +148,27 @@ class KimiK2Calls:
         return _KimiStream(self)
 
 
-class _KimiStream:
+class _KimiStream(MarkedStream):
+    begin, end = BEGIN, END
+
     def __init__(self, reader: KimiK2Calls) -> None:
+        super().__init__()
         self.reader = reader
-        self.text = ""
         self.sent = 0  # content sent so far
-        self.pos: int | None = None  # where the calls not read yet begin (None: in content)
-        self.pieces = CallPieces()
         self.skipped: set[int] = set()  # where calls that name no function begin
         self.names: dict[int, str] = {}  # the calls named so far, by where they begin
-        self.open = False  # a call begun and not ended
 
-    @property
-    def calls(self) -> int:
-        return self.pieces.count
+    def content(self, text: str) -> tuple[str, int | None]:
+        at = text.find(SECTION)
+        upto = max(at if at != -1 else len(text) - partial_tail(text, SECTION), self.sent)
+        content, self.sent = text[self.sent : upto], upto
+        return content, None if at == -1 else at + len(SECTION)
 
-    def feed(self, delta: str) -> tuple[str, Pieces]:
-        self.text += delta
-        text, content = self.text, ""
-        if self.pos is None:
-            at = text.find(SECTION)
-            upto = at if at != -1 else len(text) - partial_tail(text, SECTION)
-            content, self.sent = text[self.sent : max(upto, self.sent)], max(upto, self.sent)
-            if at == -1:
-                return content, []
-            self.pos = at + len(SECTION)
-        pieces, self.pos, self.open = marked_calls(
-            text, self.pos, BEGIN, END, self._partial, lambda a, b: self._whole(a, text, b)
-        )
-        return content, pieces
+    def rest(self, text: str) -> str:
+        out, self.sent = text[self.sent :], len(text)
+        return out
 
-    def _partial(self, key: int, body: str) -> Pieces:
+    def partial(self, key: int, body: str) -> Pieces:
         """Pieces of the call at ``key`` (``body``: its text after the begin token so far)."""
         split = body.find(ARGUMENTS)
         if split == -1 or key in self.skipped:
@@ -205,25 +196,14 @@ class _KimiStream:
             self.names[key] = name
         return name
 
-    def _whole(self, key: int, text: str, stop: int) -> Pieces:
+    def whole(self, key: int, text: str) -> Pieces:
         if key in self.skipped:
             return []
-        match = _CALL.match(text, key, stop)
+        match = _CALL.fullmatch(text)
         if match is None:
-            log.warning("tool_call_unparsed", text=text[key:stop][:200])
+            log.warning("tool_call_unparsed", text=text[:200])
             return []
         name = self.reader.name(match["id"], match["args"])
         if name is None:
             return []
         return self.pieces.whole(key, name, match["args"])
-
-    def flush(self) -> str:
-        if self.pos is None:
-            out, self.sent = self.text[self.sent :], len(self.text)
-            return out
-        if self.open:
-            log.warning("tool_call_incomplete", text=self.text[self.pos :][:200])
-        return ""
-
-    def unsent(self) -> Pieces:
-        return self.pieces.unsent()

@@ -12,19 +12,11 @@ This module knows nothing of any one format, of HTTP or of the engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import structlog
 
-__all__ = [
-    "CallPieces",
-    "bracket_end",
-    "closed_prefix",
-    "common_prefix",
-    "marked_calls",
-    "partial_tail",
-]
+__all__ = ["CallPieces", "bracket_end", "closed_prefix", "common_prefix", "partial_tail"]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -140,31 +132,6 @@ def partial_tail(text: str, token: str) -> int:
         if token.startswith(text[-n:]):
             return n
     return 0
-
-
-def marked_calls(
-    text: str,
-    pos: int,
-    begin: str,
-    end: str,
-    partial: Callable[[int, str], list[dict[str, Any]]],
-    whole: Callable[[int, int], list[dict[str, Any]]],
-) -> tuple[list[dict[str, Any]], int, bool]:
-    """The pieces of the calls in ``text`` from ``pos`` on, each from a ``begin`` token to the
-    next ``end`` token (DeepSeek's and Kimi's formats): ``whole(start, stop)`` for each that
-    ended (its text ``text[start:stop]``), ``partial(start, body)`` for the last if it has not
-    (``body``: its text after ``begin``). ``(pieces, where the calls not read yet begin, whether
-    a call is open)``."""
-    pieces: list[dict[str, Any]] = []
-    while True:
-        start = text.find(begin, pos)
-        if start == -1:
-            return pieces, pos, False
-        stop = text.find(end, start)
-        if stop == -1:
-            return pieces + partial(start, text[start + len(begin) :]), pos, True
-        pos = stop + len(end)
-        pieces += whole(start, pos)
 
 
 class CallPieces:

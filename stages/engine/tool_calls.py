@@ -3,7 +3,8 @@
 (``stages.engine.tool_formats``), ``pythonic`` (``stages.engine.pythonic_calls``),
 ``qwen3_coder`` (also ``step3p5`` and ``nanbeige``, which SGLang reads with the same detector),
 ``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``), ``kimi_k2``
-(``stages.engine.kimi_calls``); and how a forced
+(``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``); and how a
+forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -39,6 +40,7 @@ from typing import Any, Protocol
 
 from stages.engine.deepseek_calls import FRAMES as DEEPSEEK_FRAMES
 from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
+from stages.engine.glm_calls import GlmCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import KimiK2Calls
 from stages.engine.pythonic_calls import PythonicCalls
@@ -78,14 +80,14 @@ _FORMATS: dict[str, Any] = {
 # SGLang's --tool-call-parser names the engine reads
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
-    "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2",
+    "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
 # Qwen3CoderDetector too
 _TYPED = {
     "qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls,
-    "kimi_k2": KimiK2Calls,
+    "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -118,13 +120,15 @@ class CallStream(Protocol):
 
 def parser_for_template(template: str | None) -> str | None:
     """The parser a chat template's own tool-call format needs (None: none known): one that
-    writes ``<function=`` in its calls gets Qwen3-Coder's; one that writes ``<tool_call>``
-    gets Qwen 2.5's, which needs a newline after the tag, or where it writes a call's JSON
-    right after the tag, Hermes', which reads that too."""
+    writes ``<function=`` in its calls gets Qwen3-Coder's, one that writes ``<arg_key>`` GLM-4.5's;
+    one that writes ``<tool_call>`` gets Qwen 2.5's, which needs a newline after the tag, or
+    where it writes a call's JSON right after the tag, Hermes', which reads that too."""
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder"
+    if "<arg_key>" in template and "<arg_value>" in template:
+        return "glm45"
     return "hermes" if BEGIN + "{" in template else "qwen25"
 
 

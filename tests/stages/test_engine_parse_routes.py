@@ -138,6 +138,15 @@ def test_each_tool_call_format_is_read_as_sglang_reads_it(url: str) -> None:
         "normal_text": "Hi ",
         "calls": [weather, _call(1, "add", '{"a": 1, "b": 2}')],
     }
+    # glm45 (also glm): the name line and typed <arg_key>/<arg_value> pairs, tool_index the
+    # named tool's place (glm4_moe_detector.py detect_and_parse)
+    glm = ("Sum:\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"
+           "<arg_key>b</arg_key>\n<arg_value>2.5</arg_value>\n</tool_call>")  # fmt: skip
+    for name in ("glm45", "glm"):
+        assert _calls(url, glm, name, typed) == {
+            "normal_text": "Sum:",
+            "calls": [_call(0, "add", '{"a": 1, "b": 2.5}')],
+        }
 
 
 @pytest.mark.timeout(30)
@@ -287,7 +296,7 @@ def test_bad_requests_get_sglangs_answers_and_the_engine_serves_on(url: str) -> 
     # formats SGLang reads that the engine does not: a 400 that says so (type "400", as
     # SGLang's HTTPException); a model-specific one: SGLang's own 400
     for path, field, name in (
-        ("/parse_function_call", "tool_call_parser", "glm45"),
+        ("/parse_function_call", "tool_call_parser", "glm47"),
         ("/separate_reasoning", "reasoning_parser", "gpt-oss"),
     ):
         resp = _post(url, path, {"text": "x", field: name})

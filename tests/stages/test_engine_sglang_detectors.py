@@ -138,7 +138,37 @@ DETECTORS = {
     "deepseekv3": ("deepseekv3_detector", "DeepSeekV3Detector"),
     "deepseekv31": ("deepseekv31_detector", "DeepSeekV31Detector"),
     "kimi_k2": ("kimik2_detector", "KimiK2Detector"),
+    "glm45": ("glm4_moe_detector", "Glm4MoeDetector"),
 }
+# values of the parameters' declared types (TOOLS' add)
+GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
+             ("cfg", '{"k": 1}')]  # fmt: skip
+GLM_VALUES = [*VALUES, "{1, 2}", '"quoted"', "'single'", '\\"x\\"', "[1, {'a': 2}]", "1.5e3"]
+
+
+def _glm_call(r: random.Random, well_formed: bool) -> str:
+    """A GLM-4.5 call (its values typed by the tools' parameters or not), or a mangled one."""
+    name = r.choice(NAMES[:3] if well_formed else NAMES)
+    gap = (lambda: r.choice(["\n", "\\n", "", " "])) if not well_formed else (lambda: "\n")
+    out = "<tool_call>" + name + gap()
+    for _ in range(r.randint(0, 3)):
+        key = r.choice(KEYS) + r.choice(["", " "] if not well_formed else [""])
+        value = r.choice(GLM_VALUES)
+        out += f"<arg_key>{key}</arg_key>{gap()}<arg_value>{value}</arg_value>{gap()}"
+    return out + (r.choice(["</tool_call>", ""]) if not well_formed else "</tool_call>")
+
+
+def _glm_answer(r: random.Random) -> str:
+    if r.random() < 0.2:
+        pieces = ["<tool_call>", "</tool_call>", "text ", "\n", _glm_call(r, False)]
+        return "".join(r.choice(pieces) for _ in range(r.randint(1, 6)))
+    out = r.choice(["", "Sure. ", "text\n", " ", "a <tool"])
+    bad = r.randrange(3) if r.random() < 0.33 else -1
+    for i in range(r.randint(1, 3)):
+        out += _glm_call(r, i != bad) + r.choice(["", "\n"])
+    return out + r.choice(["", " after"])
+
+
 KIMI_IDS = ["functions.add:0", "add:1", "functions.bare:2", "functions.union:0", "3", "",
             "functions.ghost:0", "odd id", "functions.a-b.c:1", "x|y", "0"]  # fmt: skip
 KIMI_ARGS = ['{"a": 1}', '{"x": 2}', '{"y": true}', '{"zz": 1, "a": 2}', "{}",
@@ -215,6 +245,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _deepseek_answer(r, parser)
     if parser == "kimi_k2":
         return _kimi_answer(r)
+    if parser == "glm45":
+        return _glm_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -271,16 +303,17 @@ def test_each_format_reads_a_whole_answer_as_sglangs_detector(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("parser", ["deepseekv3", "deepseekv31", "kimi_k2"])
+@pytest.mark.parametrize("parser", ["deepseekv3", "deepseekv31", "kimi_k2", "glm45"])
 def test_marked_formats_stream_as_sglangs_detector_a_token_at_a_time(
     parser: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Fed as a model writes it (each of DeepSeek's or Kimi's markers a token, the rest a
+    """Fed as a model writes it (each of DeepSeek's, Kimi's or GLM's markers a token, the rest a
     character at a time: SGLang's DeepSeek stream reads a marker only whole in one delta), calls
-    to offered tools with object arguments stream the same names and arguments as SGLang's
-    ``parse_streaming_increment`` and the same content but for whitespace (SGLang sends what is
-    between two calls as content); where it differs, on other answers,
-    ``stages.engine.deepseek_calls`` and ``kimi_calls`` say how."""
+    to offered tools with object arguments (GLM's: values of their declared types) stream the
+    same names and arguments as SGLang's ``parse_streaming_increment`` and the same content but
+    for whitespace (SGLang sends what is between two calls as content); where it differs, on
+    other answers, ``stages.engine.deepseek_calls``, ``kimi_calls`` and ``glm_calls`` say
+    how."""
     caplog.set_level(logging.CRITICAL)
     module, name = DETECTORS[parser]
     detector_class = getattr(importlib.import_module(f"{detectors.__package__}.{module}"), name)
@@ -288,15 +321,23 @@ def test_marked_formats_stream_as_sglangs_detector_a_token_at_a_time(
     markers = (SECTION, SECTION_END, BEGIN, SEP, END)
     if parser == "kimi_k2":
         markers = (KIMI_SECTION, KIMI_SECTION_END, KIMI_BEGIN, KIMI_ARGUMENTS, KIMI_END)
-    marker = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
+    if parser == "glm45":
+        markers = ("", "", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                   "</arg_value>")  # fmt: skip
+    marker = re.compile("(" + "|".join(map(re.escape, filter(None, markers))) + ")")
     r = random.Random(2)
     for _ in range(300):
         calls = []
         for _ in range(r.randint(1, 3)):
             fn = r.choice(["add", "bare"])
             args = r.choice(['{"a": 1}', '{"b": "é"}', '{"a": [1, {"c": "x y"}], "d": true}'])
+            pairs = r.sample(GLM_TYPED, r.randint(0, 3))
             calls.append(
-                f"{BEGIN}function{SEP}{fn}\n```json\n{args}\n```{END}"
+                "<tool_call>add\n"
+                + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in pairs)
+                + "</tool_call>"
+                if parser == "glm45"
+                else f"{BEGIN}function{SEP}{fn}\n```json\n{args}\n```{END}"
                 if parser == "deepseekv3"
                 else f"{BEGIN}{fn}{SEP}{args}{END}"
                 if parser == "deepseekv31"

@@ -978,3 +978,71 @@ def test_a_forced_tool_choice_answers_with_kimi_calls(kimi_engine: Engine) -> No
     if choice.finish_reason == "length":
         streamed = streamed[: len(whole)]
     assert whole and whole == streamed
+
+
+# ---- glm45 ---------------------------------------------------------------------------------------
+
+GLM_PROPERTIES = {"city": {"type": "string"}, "days": {"type": "integer"},
+                  "temp": {"type": "number"}, "opts": {"type": "object"},
+                  "tags": {"type": "string"}}  # fmt: skip
+GLM_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get", "parameters": {"type": "object", "properties": GLM_PROPERTIES}}},
+]  # fmt: skip
+GLM = ("Checking.\n<tool_call>get\n<arg_key>city</arg_key>\n<arg_value>北京</arg_value>\n"
+       "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>temp</arg_key>\n"
+       '<arg_value>"21.5"</arg_value>\n<arg_key>opts</arg_key>\n<arg_value>{"a": [1, 2]}'
+       '</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>["x"]</arg_value>\n'
+       "<arg_key>more</arg_key>\n<arg_value>{'k': (1, 2)}</arg_value>\n</tool_call>\n"
+       "<tool_call>ghost\n</tool_call> after")  # fmt: skip
+
+
+def test_glm45_reads_each_value_by_its_parameters_type() -> None:
+    """glm4_moe_detector.py detect_and_parse and parse_arguments: the content before the first
+    <tool_call>, stripped; the name line; each value as JSON (a number type's JSON string made a
+    number), a string type keeping text and writing a list back as JSON, an undeclared one read
+    as a Python literal; a tool not offered dropped; a value JSON cannot write (a set) leaves
+    the whole answer unread."""
+    reader = ToolCallParser(GLM_TOOLS, "glm45")
+    content, calls = reader.parse(GLM)
+    assert content == "Checking."
+    assert [c["name"] for c in calls] == ["get"]
+    assert json.loads(calls[0]["arguments"]) == {
+        "city": "北京", "days": 3, "temp": 21.5, "opts": {"a": [1, 2]}, "tags": '["x"]',
+        "more": {"k": [1, 2]},
+    }  # fmt: skip
+    unreadable = "<tool_call>get\n<arg_key>x</arg_key><arg_value>{1, 2}</arg_value></tool_call>"
+    assert reader.parse(unreadable) == (unreadable, [])
+    assert parser_for_template("{{ '<tool_call>' }}<arg_key>k</arg_key><arg_value>") == "glm45"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_glm45_streams_as_the_whole_answer_reads(step: int) -> None:
+    """Streamed: content up to the first <tool_call>, the call named once its name line is whole,
+    its arguments as its pairs close, adding up to the whole answer's; nothing after."""
+    stream = StreamingToolCalls(ToolCallParser(GLM_TOOLS, "glm45"))
+    content, pieces = "", []
+    for i in range(0, len(GLM), step):
+        more, new = stream.feed(GLM[i : i + step])
+        content += more
+        pieces += new
+    content += stream.flush()
+    assert (content, _calls_of(pieces)) == ToolCallParser(GLM_TOOLS, "glm45").parse(GLM)
+    assert pieces[0] == {"index": 0, "name": "get", "arguments": ""}
+    cut = GLM[: GLM.index("<arg_key>temp")]  # cut short: its closed pairs, closed
+    stream = StreamingToolCalls(ToolCallParser(GLM_TOOLS, "glm45"))
+    pieces = stream.feed(cut)[1]
+    stream.flush()
+    pieces += stream.unsent()
+    assert json.loads("".join(p["arguments"] for p in pieces)) == {"city": "北京", "days": 3}
+
+
+def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
+    """glm4_moe_detector.py supports_structural_tag False: a forced tool_choice gets SGLang's
+    JSON schema of an array of calls, read as that array (get_structure_constraint)."""
+    from stages.engine.tool_calls import answer_format, forced_calls, strict_calls
+
+    forced = forced_calls(GLM_TOOLS, "glm45", named=False, parallel=True)
+    assert set(forced) == {"json_schema"} and answer_format("glm45", forced) == "json_array"
+    strict = [{"type": "function", "function": {**GLM_TOOLS[0]["function"], "strict": True}}]
+    assert strict_calls(strict, "glm45") is None

@@ -1,0 +1,115 @@
+"""The stream of an answer whose tool calls each run from a begin token to an end token
+(DeepSeek's, Kimi K2's and GLM-4.5's formats: ``deepseek_calls``, ``kimi_calls``,
+``glm_calls``): content until the calls begin, then each call's pieces as it is written.
+
+A format says where its content ends and its calls begin (``content``), what of a call being
+written goes out (``partial``) and what a call's whole text gives (``whole``); this class keeps
+the text, finds the calls and ends the stream. It knows nothing of HTTP or the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from stages.engine.partial_json import CallPieces
+from stages.engine.tool_formats import _Unreadable
+
+__all__ = ["MarkedStream", "whole_calls"]
+
+log = structlog.get_logger("stages.engine.tool_calls")
+
+Pieces = list[dict[str, Any]]
+
+
+def whole_calls(
+    text: str, at: int, calls: re.Pattern[str], call: Callable[[str], dict[str, str] | None]
+) -> tuple[str, list[dict[str, str]]]:
+    """``(content, calls)`` of a whole answer whose calls begin at ``at`` (-1: none): the text
+    before them, stripped, and ``call(text)`` of each match of ``calls`` (its calls' pattern)
+    that gives one; an answer with a call that is ``_Unreadable``: no calls, the text as it is
+    (the detectors' ``except Exception``)."""
+    if at == -1:
+        return text, []
+    out = []
+    try:
+        for match in calls.finditer(text):
+            found = call(match.group())
+            if found is not None:
+                out.append(found)
+    except _Unreadable as exc:
+        log.warning("tool_call_unparsed", error=str(exc))
+        return text, []
+    return text[:at].strip(), out
+
+
+class MarkedStream:
+    """A sample's text deltas in, content to send now and pieces of its calls out (a
+    ``tool_calls.CallStream``)."""
+
+    begin: str  # a call's begin token
+    end: str  # its end token
+
+    def __init__(self, pieces: CallPieces | None = None) -> None:
+        self.text = ""
+        self.pos: int | None = None  # where the calls not read yet begin (None: in content)
+        self.pieces = pieces or CallPieces()  # what of each call went out
+        self.open = False  # a call begun and not ended
+
+    @property
+    def calls(self) -> int:
+        return self.pieces.count
+
+    def feed(self, delta: str) -> tuple[str, Pieces]:
+        self.text += delta
+        text, content = self.text, ""
+        if self.pos is None:
+            content, self.pos = self.content(text)
+            if self.pos is None:
+                return content, []
+        pieces: Pieces = []
+        while True:
+            start = text.find(self.begin, self.pos)
+            if start == -1:
+                self.open = False
+                break
+            stop = text.find(self.end, start)
+            self.open = stop == -1
+            if self.open:
+                pieces += self.partial(start, text[start + len(self.begin) :])
+                break
+            self.pos = stop + len(self.end)
+            pieces += self.whole(start, text[start : self.pos])
+        return content, pieces
+
+    def content(self, text: str) -> tuple[str, int | None]:
+        """``(content to send now, where the calls begin)`` of the text so far, before any
+        call (None: not known yet)."""
+        raise NotImplementedError
+
+    def rest(self, text: str) -> str:
+        """At the end of an answer without calls: the content that waited."""
+        raise NotImplementedError
+
+    def partial(self, key: int, body: str) -> Pieces:
+        """Pieces of the call that begins at ``key`` (``body``: its text after the begin token
+        so far)."""
+        raise NotImplementedError
+
+    def whole(self, key: int, text: str) -> Pieces:
+        """Pieces of the call that begins at ``key``, now whole (``text``: from its begin token
+        to its end token)."""
+        raise NotImplementedError
+
+    def flush(self) -> str:
+        if self.pos is None:
+            return self.rest(self.text)
+        if self.open:
+            log.warning("tool_call_incomplete", text=self.text[self.pos :][:200])
+        return ""
+
+    def unsent(self) -> Pieces:
+        return self.pieces.unsent()
