@@ -30,9 +30,10 @@ then applied to the logits in one tensor operation (``GrammarSet.constrain``).
 from __future__ import annotations
 
 import random
+import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -94,6 +95,7 @@ class GrammarSet:
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._ll: Any = None  # llguidance's tokenizer, or why there is none
+        self._added: frozenset[str] | None = None  # _added_tokens, once read
         self._llexecutor: Any = None  # computes the masks of a step together
         self._worker: ThreadPoolExecutor | None = None  # compile_later's thread
         # the tokens that end a reasoning (--reasoning-parser's end tag): a sample that
@@ -166,19 +168,29 @@ class GrammarSet:
                     text, defaults={"whitespace_flexible": True}
                 )
             elif kind == "structural_tag":
-                grammar = _structural_tag(text)
+                grammar = _structural_tag(text, self._added_tokens())
             else:
                 grammar = llguidance.grammar_from("regex" if kind == "regex" else "ebnf", text)
         except Exception as exc:  # malformed JSON, unknown format: llguidance's words
             raise GrammarError(f"Failed to compile {kind} grammar: {exc}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if kind == "structural_tag" and "unknown special token" in matcher.get_error():
-            # a trigger written <...> that this tokenizer has as text, not as a token of its
-            # own (Qwen's <tool_call> is one): matched as text
-            matcher = llguidance.LLMatcher(tokenizer, _structural_tag(text, special=False))
+            # an added token llguidance does not take as one: all of it as text
+            matcher = llguidance.LLMatcher(tokenizer, _structural_tag(text), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"Failed to compile {kind} grammar: {matcher.get_error()}")
         return matcher
+
+    def _added_tokens(self) -> frozenset[str]:
+        """The tokenizer's added tokens written ``<...>``, which a structural tag takes as
+        tokens (``_structural_tag``)."""
+        if self._added is None:
+            added = getattr(self._tokenizer, "added_tokens_decoder", None) or {}
+            texts = (getattr(t, "content", t) for t in added.values())
+            self._added = frozenset(
+                t for t in texts if isinstance(t, str) and len(t) > 2 and t[0] + t[-1] == "<>"
+            )
+        return self._added
 
     def warm(self) -> None:
         """Build llguidance's view of the tokenizer now (SGLang sets its grammar backend up
@@ -248,17 +260,20 @@ class GrammarSet:
             constraints[i].stuck = True
 
 
-def _structural_tag(text: str, *, special: bool = True) -> str:
+def _structural_tag(text: str, tokens: Collection[str] = ()) -> str:
     """The grammar of a structural tag in SGLang's legacy form (``{structures: [{begin,
     schema, end}], triggers, at_least_one}``; the form its llguidance backend takes): free
     text, in which each trigger starts a structure whose body follows its schema (each
-    structure's trigger is the first one its ``begin`` starts with; one written ``<...>`` the
-    tokenizer's token of that name, unless ``special`` is false: then text, as any other);
-    with ``at_least_one``, as xgrammar has it and SGLang asks for a forced tool call,
-    structures only, one or more (a newline between two allowed), and no free text."""
-    import json
+    structure's trigger is the first one its ``begin`` starts with); with ``at_least_one``,
+    as xgrammar has it and SGLang asks for a forced tool call, structures only, one or more
+    (a newline between two allowed), and no free text.
 
-    import llguidance
+    ``tokens``: the tokenizer's added tokens written ``<...>`` (Qwen's ``<tool_call>``,
+    Llama's ``<|python_tag|>``, DeepSeek's and Kimi's markers): where a trigger, a begin or an
+    end holds one, the grammar takes that token there, what the model writes (as xgrammar
+    matches a token by its text), not its characters spelled out one by one, which llguidance
+    would otherwise ask of the model; the rest is text."""
+    import json
 
     tag = json.loads(text)
     if not isinstance(tag, dict) or tag.get("structures") is None:
@@ -275,26 +290,35 @@ def _structural_tag(text: str, *, special: bool = True) -> str:
     for s in structures:
         if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
             raise ValueError("each structure needs begin and end strings")
-    schemas = [{} if s.get("schema") is None else s["schema"] for s in structures]
+    known = sorted((t for t in tokens if t), key=len, reverse=True)
+    split = re.compile("(" + "|".join(map(re.escape, known)) + ")") if known else None
+
+    def literal(value: str) -> str:
+        """``value`` as the grammar's sequence: its tokens as tokens, the rest as text."""
+        parts = split.split(value) if split is not None else [value]
+        return " ".join(p if p in tokens else json.dumps(p) for p in parts if p)
+
+    lines = ["%llguidance {}"]
+    names = [f"s_{i}" for i in range(len(structures))]
     if tag.get("at_least_one"):
-        rules = [
-            f"s_{i}: {json.dumps(s['begin'])} body_{i} {json.dumps(s['end'])}\n"
-            f"body_{i}: %json {json.dumps(schema)}"
-            for i, (s, schema) in enumerate(zip(structures, schemas, strict=True))
-        ]
-        choice = " | ".join(f"s_{i}" for i in range(len(structures)))
-        head = f'%llguidance {{}}\nstart: one ("\\n"? one)*\none: {choice}'
-        return "\n".join([head, *rules]) + "\n"
-    tags = [
-        llguidance.StructTag(
-            begin=s["begin"],
-            grammar=schema,
-            end=s["end"],
-            trigger=next((t for t in triggers if s["begin"].startswith(t)), triggers[0]),
-        )
-        for s, schema in zip(structures, schemas, strict=True)
-    ]
-    return llguidance.StructTag.to_grammar(tags, assume_special=special)
+        lines += ['start: one ("\\n"? one)*', f"one: {' | '.join(names)}"]
+    else:
+        lines += [f"start: ({' | '.join(names)})* TAG_TEXT", "TAG_TEXT: /(.|\\n)*/"]
+    for name, s in zip(names, structures, strict=True):
+        schema = {} if s.get("schema") is None else s["schema"]
+        head = literal(s["begin"])
+        if not tag.get("at_least_one"):
+            trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+            if trigger is None:
+                raise ValueError(f"structure {s['begin']!r} does not begin with a trigger")
+            rest = literal(s["begin"][len(trigger) :])
+            if trigger in tokens:  # the token itself starts it
+                head = f"TAG_TEXT {trigger} {rest}"
+            else:  # its text, matched lazily: the free text ends where it first appears
+                lines.append(f"{name}_trigger[lazy]: TAG_TEXT {json.dumps(trigger)}")
+                head = f"{name}_trigger {rest}"
+        lines.append(f"{name}: {head} %json {json.dumps(schema)} {literal(s['end'])}")
+    return "\n".join(lines) + "\n"
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:

@@ -702,31 +702,39 @@ def test_a_strict_tool_holds_the_calls_of_an_auto_answer_to_its_schema(
 
 
 @pytest.mark.timeout(60)
-def test_a_structural_tag_trigger_is_the_tokenizers_token_or_its_text(tmp_path: Path) -> None:
-    """A trigger written ``<...>`` is the tokenizer's added token of that name where it has one
-    (Qwen's ``<tool_call>``: llguidance's special-token syntax, as StructTag.to_grammar assumes),
-    else the same text (a tokenizer that has it only as a vocabulary word, or spells it): either
-    way the structure is held after it."""
+def test_a_structural_tags_tokens_are_the_tokenizers_own_or_their_text(tmp_path: Path) -> None:
+    """A trigger, begin or end holding one of the tokenizer's added tokens written ``<...>``
+    (Qwen's ``<tool_call>``, ``</tool_call>``) takes that token there, as the model writes it
+    (xgrammar matches a token by its text; llguidance would have the model spell it out), free
+    or forced (``at_least_one``); a tokenizer that has it only as a vocabulary word (or spells
+    it) gets the same text: either way the structure is held after the trigger."""
     from transformers import PreTrainedTokenizerFast
 
     from tests.stages.tiny_model import make_tagged_byte_model
 
-    tag = json.dumps(
-        {"type": "structural_tag", "triggers": ["<tool_call>"],
-         "structures": [{"begin": "<tool_call>[", "schema": {"type": "integer"}, "end": "]"}]}
-    )  # fmt: skip
+    def tag(at_least_one: bool) -> str:
+        return json.dumps(
+            {"type": "structural_tag", "triggers": ["<tool_call>"], "at_least_one": at_least_one,
+             "structures": [{"begin": "<tool_call>[", "schema": {"type": "integer"},
+                             "end": "]</tool_call>"}]}
+        )  # fmt: skip
+
+    words = ("<tool_call>", "</tool_call>")
     for model_dir in (
-        make_tagged_byte_model(tmp_path / "added", ("<tool_call>",)),
-        make_byte_model(tmp_path / "word", words=("<tool_call>",)),
+        make_tagged_byte_model(tmp_path / "added", words),
+        make_byte_model(tmp_path / "word", words=words),
     ):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
         grammars = GrammarSet(tokenizer, len(tokenizer), [EOS_ID])
         ids = tokenizer.convert_tokens_to_ids
         for free in ("a", "b", "1"):  # text before the trigger is free
-            constraint = grammars.start("structural_tag", tag)
+            constraint = grammars.start("structural_tag", tag(False))
             assert constraint.accept(ids(free)) is None
             assert constraint.accept(ids("<tool_call>")) is None
             assert constraint.accept(ids("a")) is not None  # "[" is due after the trigger
-        constraint = grammars.start("structural_tag", tag)
-        for token in ("<tool_call>", "[", "7", "]", "b"):
-            assert constraint.accept(ids(token)) is None, (model_dir.name, token)
+        for at_least_one in (False, True):
+            constraint = grammars.start("structural_tag", tag(at_least_one))
+            if at_least_one:  # forced: the structure at once
+                assert grammars.start("structural_tag", tag(True)).accept(ids("a")) is not None
+            for token in ("<tool_call>", "[", "7", "]", "</tool_call>"):
+                assert constraint.accept(ids(token)) is None, (model_dir.name, token)
