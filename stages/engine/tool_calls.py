@@ -38,10 +38,12 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from stages.engine.deepseek_calls import BEGIN as DEEPSEEK_CALL
 from stages.engine.deepseek_calls import FRAMES as DEEPSEEK_FRAMES
 from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
 from stages.engine.glm_calls import GlmCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
+from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
 from stages.engine.pythonic_calls import PythonicCalls
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls
@@ -119,10 +121,16 @@ class CallStream(Protocol):
 
 
 def parser_for_template(template: str | None) -> str | None:
-    """The parser a chat template's own tool-call format needs (None: none known): one that
-    writes ``<function=`` in its calls gets Qwen3-Coder's, one that writes ``<arg_key>`` GLM-4.5's;
-    one that writes ``<tool_call>`` gets Qwen 2.5's, which needs a newline after the tag, or
-    where it writes a call's JSON right after the tag, Hermes', which reads that too."""
+    """The parser a chat template's own tool-call format needs (None: none known): DeepSeek's
+    markers get ``deepseekv3`` where the template writes the arguments in a json code block,
+    else ``deepseekv31``; Kimi K2's section marker ``kimi_k2``; among those that write
+    ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
+    writes ``<arg_key>`` GLM-4.5's, the others Qwen 2.5's, which needs a newline after the tag,
+    or where it writes a call's JSON right after the tag, Hermes', which reads that too."""
+    if template and DEEPSEEK_CALL in template:
+        return "deepseekv3" if "```json" in template else "deepseekv31"
+    if template and KIMI_SECTION in template:
+        return "kimi_k2"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:

@@ -232,7 +232,7 @@ def test_qwen25_and_hermes_stream_as_the_whole_answer_reads(step: int) -> None:
             assert stream.unsent() == []
 
 
-def test_the_templates_own_format_picks_qwen25_or_hermes() -> None:
+def test_the_templates_own_format_picks_its_parser() -> None:
     """Without --tool-call-parser the chat route reads the format the chat template writes: a
     template that writes the JSON right after <tool_call> gets Hermes' reader (which reads it),
     one with <tool_call> otherwise Qwen 2.5's; none without it."""
@@ -240,6 +240,11 @@ def test_the_templates_own_format_picks_qwen25_or_hermes() -> None:
     assert parser_for_template("<tool_call> {json} </tool_call>") == "qwen25"
     assert parser_for_template('<tool_call>{"name": {{ name | tojson }}}</tool_call>') == "hermes"
     assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
+    # DeepSeek's (V3 with its json code block, V3.1 without), Kimi K2's section marker
+    v3 = f"{{{{ '{SECTION}{BEGIN}' + tool['type'] + '{SEP}' + name + '\\n```json\\n' }}}}"
+    assert parser_for_template(v3) == "deepseekv3"
+    assert parser_for_template(f"{{{{ '{BEGIN}' + name + '{SEP}' + args }}}}") == "deepseekv31"
+    assert parser_for_template(f"{{{{ '{KIMI_SECTION}' }}}}<tool_call>") == "kimi_k2"
 
 
 # ---- llama3 ------------------------------------------------------------------------------------
