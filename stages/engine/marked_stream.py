@@ -10,6 +10,7 @@ the text, finds the calls and ends the stream. It knows nothing of HTTP or the e
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -46,9 +47,9 @@ def whole_calls(
     return text[:at].strip(), out
 
 
-class MarkedStream:
+class MarkedStream(ABC):
     """A sample's text deltas in, content to send now and pieces of its calls out (a
-    ``tool_calls.CallStream``)."""
+    ``tool_calls.CallStream``); each format's stream implements the four abstract methods."""
 
     begin: str  # a call's begin token
     end: str  # its end token
@@ -85,24 +86,24 @@ class MarkedStream:
             pieces += self.whole(start, text[start : self.pos])
         return content, pieces
 
+    @abstractmethod
     def content(self, text: str) -> tuple[str, int | None]:
         """``(content to send now, where the calls begin)`` of the text so far, before any
         call (None: not known yet)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def rest(self, text: str) -> str:
         """At the end of an answer without calls: the content that waited."""
-        raise NotImplementedError
 
+    @abstractmethod
     def partial(self, key: int, body: str) -> Pieces:
         """Pieces of the call that begins at ``key`` (``body``: its text after the begin token
         so far)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def whole(self, key: int, text: str) -> Pieces:
         """Pieces of the call that begins at ``key``, now whole (``text``: from its begin token
         to its end token)."""
-        raise NotImplementedError
 
     def flush(self) -> str:
         if self.pos is None:

@@ -322,11 +322,12 @@ def chat_request(
     grammar_from = "tool_choice" if forced else ("response_format" if grammar else None)
     if forced is not None:  # only tool calls (tool_choice required or named)
         sampling.update(forced)
-    elif settings.tool_parser_named and choice == "auto" and template_tools and not grammar:
+    elif settings.tool_parser_named and choice == "auto" and template_tools:
         # a strict tool holds the calls of an auto answer to its schema, where the server was
         # told the format (serving_chat: only with --tool-call-parser; with another constraint,
         # that one alone: SGLang logs that they cannot go together)
-        strict = None if _constrained(body) else strict_calls(tools, settings.tool_parser)
+        alone = grammar or _constrained(body)
+        strict = None if alone else strict_calls(tools, settings.tool_parser)
         if strict is not None:
             sampling.update(strict)
             grammar_from = "tools"
