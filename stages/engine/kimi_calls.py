@@ -48,7 +48,7 @@ from typing import Any
 import structlog
 
 from stages.engine.marked_stream import MarkedStream
-from stages.engine.partial_json import partial_tail
+from stages.engine.partial_json import ListedCalls, partial_tail
 from stages.engine.qwen3_coder_calls import _properties
 
 __all__ = ["FRAMES", "KimiK2Calls", "history_calls", "kimi_id"]
@@ -86,7 +86,7 @@ def history_calls(messages: Any) -> int:
     return count
 
 
-class KimiK2Calls:
+class KimiK2Calls(ListedCalls):
     """The calls of answers to one request (``tools``: its tools, whose parameters name a call
     that the model left unnamed)."""
 
@@ -99,10 +99,6 @@ class KimiK2Calls:
 
     def has_tool_call(self, text: str) -> bool:
         return SECTION in text
-
-    def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
-        content, listed = self.listed(text)
-        return content, [call for _, call in listed]
 
     def listed(self, text: str) -> tuple[str, list[tuple[int, dict[str, str]]]]:
         """``(content, [(place, call)])``: each call with its place among the calls."""

@@ -31,6 +31,8 @@ class LoadedModel:
     vocab_size: int
     context_length: int
     eos_token_ids: frozenset[int]
+    # stop tokens whose text an answer keeps (the server sets them: protocol.GenerateInput's)
+    kept_stop_ids: frozenset[int] = frozenset()
 
 
 def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "auto") -> LoadedModel:

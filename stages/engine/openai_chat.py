@@ -121,6 +121,15 @@ _ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 _NOT_SAMPLING = frozenset({*_DEFAULTS, "max_tokens", "json_schema", "custom_params"})
 
 
+def _model_type(model_dir: Path) -> str | None:
+    """The served model's ``config.json`` ``model_type`` (None: none readable)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
 @dataclass
 class ChatSettings:
     """What the chat route needs of the served model."""
@@ -133,6 +142,9 @@ class ChatSettings:
     # the format was named by --tool-call-parser (not found in the template): what SGLang
     # needs to constrain anything of an auto answer (its strict tools)
     tool_parser_named: bool = False
+    # the model writes OpenAI's Harmony messages (config model_type gpt_oss): its answers keep
+    # their special tokens, which are the format (serving_chat's is_gpt_oss)
+    harmony: bool = False
     renderer: TemplateRenderer = field(init=False, repr=False)
     token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 
@@ -181,6 +193,7 @@ class ChatSettings:
             if reasoning_parser is None
             else ReasoningSettings.of(reasoning_parser, template, tokenizer),
             tool_call_parser is not None,
+            _model_type(model_dir) == "gpt_oss",
         )
 
     def render(
@@ -263,6 +276,13 @@ def chat_request(
     flat = bool(body.get("return_flat_raw_output_top_logprobs"))
     if flat and not body.get("return_meta_info"):
         raise OpenAIError("return_flat_raw_output_top_logprobs requires return_meta_info=true.")
+    given_kwargs = body.get("chat_template_kwargs")
+    if (
+        settings.harmony
+        and isinstance(given_kwargs, dict)
+        and given_kwargs.get("reasoning_effort") == "none"
+    ):  # serving_chat._convert_to_internal_request, for gpt-oss
+        raise OpenAIError("Harmony does not support reasoning effort none")
     if body.get("stream"):  # SGLang's refusals (serving_chat._convert_to_internal_request)
         for flag, refusal in _NOT_STREAMED.items():
             if body.get(flag):
@@ -355,6 +375,8 @@ def chat_request(
     reasoning = _reasoning(body, settings, request_kwargs, effort)
     if reasoning is not None and reasoning.keep_special:  # Mistral's [THINK] tags are special
         sampling["skip_special_tokens"] = False  # tokens (serving_chat: SGLang keeps them)
+    if settings.harmony:  # so are Harmony's, whatever the request says (SGLang's is_gpt_oss)
+        sampling["skip_special_tokens"] = False
     if reasoning is not None and reasoning.counted:  # a thinking request: any grammar waits
         native_body["require_reasoning"] = True  # for the end of its reasoning (as SGLang's)
     adapter_in_model = name_adapter(native_body, model, body.get("lora_path"))

@@ -53,7 +53,7 @@ from aiohttp import web
 
 from stages.engine.control_fields import PARSE_FUNCTION_CALL, SEPARATE_REASONING, typed_body
 from stages.engine.reasoning import PARSERS as REASONING_PARSERS
-from stages.engine.reasoning import ThinkFormat, ThinkParser
+from stages.engine.reasoning import ThinkFormat, think_parser
 from stages.engine.request_body import invalid, json_response
 from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from stages.engine.tool_calls import ToolCallParser
@@ -164,7 +164,7 @@ def _read_calls(
 def _separated(text: str, fmt: ThinkFormat, blocks: bool) -> dict[str, Any]:
     """``/separate_reasoning``'s answer: the parser starts as its detector does by default,
     there being no chat request (``ReasoningParser`` with the HTTP request as ``request``)."""
-    reasoning, content = ThinkParser(fmt, force=False).parse(text)
+    reasoning, content = think_parser(fmt, force=False).parse(text)
     answer: dict[str, Any] = {"reasoning_text": reasoning, "text": content}
     if blocks:  # parse_non_stream_blocks: a reasoning block only when there is reasoning
         parts = [{"type": "reasoning", "text": reasoning}] if reasoning else []

@@ -5,18 +5,26 @@ What every streamed tool-call format needs (SGLang: ``function_call/utils.py``,
 with its open strings, objects and lists closed (``closed_prefix``), where a bracketed value
 ends (``bracket_end``), and ``CallPieces``, which turns a call's name and its arguments' JSON as
 they grow into the pieces a stream sends: the name once, then arguments in pieces that add up
-to the whole.
+to the whole. ``ListedCalls`` is what a format whose reader numbers its own calls shares.
 
 This module knows nothing of any one format, of HTTP or of the engine.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import structlog
 
-__all__ = ["CallPieces", "bracket_end", "closed_prefix", "common_prefix", "partial_tail"]
+__all__ = [
+    "CallPieces",
+    "ListedCalls",
+    "bracket_end",
+    "closed_prefix",
+    "common_prefix",
+    "partial_tail",
+]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -132,6 +140,22 @@ def partial_tail(text: str, token: str) -> int:
         if token.startswith(text[-n:]):
             return n
     return 0
+
+
+class ListedCalls(ABC):
+    """A tool-call format whose reader numbers the calls it reads (``pythonic``, Qwen3-Coder's,
+    Kimi K2's, gpt-oss's): ``listed`` gives each call with its ``tool_index``, ``parse`` the
+    calls alone."""
+
+    @abstractmethod
+    def listed(self, text: str) -> tuple[str, list[tuple[int, dict[str, str]]]]:
+        """``(content, [(tool_index, call)])`` of a whole answer, each call ``{name,
+        arguments}``."""
+
+    def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
+        """``(content, calls)`` of a whole answer."""
+        content, listed = self.listed(text)
+        return content, [call for _, call in listed]
 
 
 class CallPieces:

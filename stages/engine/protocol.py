@@ -169,6 +169,9 @@ class GenerateInput:
     # the most tokens it may think before its reasoning's end is forced (max_thinking_tokens,
     # with --enable-strict-thinking; None: the server's budget)
     max_thinking_tokens: int | None = None
+    # stop tokens whose text its answer keeps when one ends it (the server's: gpt-oss's
+    # <|call|> under --tool-call-parser gpt-oss, as SGLang's detokenizer keeps it)
+    kept_stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -322,12 +325,14 @@ def parse_generate(
     mask_cap: int = SAMPLING_MASK_MAX_TOKENS,
     hidden_cap: str | None = None,
     strict_thinking: bool = False,
+    kept_stop_ids: frozenset[int] = frozenset(),
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
     ``mask_cap``: the engine's ``--sampling-mask-max-tokens``; ``hidden_cap``: the most its
     ``--return-hidden-states-mode`` returns (``last`` or ``full``; None: no hidden states);
-    ``strict_thinking``: whether it runs with ``--enable-strict-thinking``."""
+    ``strict_thinking``: whether it runs with ``--enable-strict-thinking``; ``kept_stop_ids``:
+    the stop tokens whose text an answer keeps (``GenerateInput.kept_stop_ids``)."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
@@ -451,6 +456,7 @@ def parse_generate(
                     hidden_states=hidden[i],
                     parallel=n > 1,
                     max_thinking_tokens=budget,
+                    kept_stop_ids=kept_stop_ids,
                 )
             )
     return inputs, listed
@@ -721,6 +727,7 @@ def render_result(
     flat: FlatTops | None = None,
     top_k: int = 0,
     sent: bool = True,
+    kept_stop_ids: Collection[int] = (),
 ) -> dict[str, Any]:
     """One ``/generate`` result laid out as SGLang does (``text`` only with a tokenizer, decoded
     after ``prompt_ids``' last tokens as SGLang does; ``token_text``: each log-prob entry's
@@ -782,7 +789,7 @@ def render_result(
     out: dict[str, Any] = {}
     if decode is not None:
         out["text"] = result_text(
-            result, decode, skip_special_tokens, no_stop_trim, prompt_ids, state
+            result, decode, skip_special_tokens, no_stop_trim, prompt_ids, state, kept_stop_ids
         )
     out["output_ids"] = result.output_ids
     out["meta_info"] = meta
@@ -867,6 +874,7 @@ def render_sample(
         flat=inp.flat_tops,
         top_k=inp.top_logprobs_num,
         sent=sent,
+        kept_stop_ids=inp.kept_stop_ids,
     )
     if inp.return_prompt_token_ids:
         out["prompt_token_ids"] = list(inp.input_ids)
@@ -895,15 +903,16 @@ def result_text(
     no_stop_trim: bool = False,
     prompt_ids: Sequence[int] = (),
     state: IncrementalText | None = None,
+    kept: Collection[int] = (),
 ) -> str:
     """The output's text as SGLang's detokenizer gives it: decoded after the prompt's last
     tokens (``incremental_text``; ``state``: a streamed sample's own, else one taken through a
     request not streamed), without the matched stop token, and cut before a matched stop
-    string (``no_stop_trim``: both kept, what follows cut)."""
+    string (``no_stop_trim``: both kept, what follows cut); a stop token of ``kept`` stays."""
     matched = result.finish_reason.get("matched") if result.finish_reason else None
     ids = result.output_ids
     trim = isinstance(matched, int) and not isinstance(matched, bool) and bool(ids)
-    trim = trim and not no_stop_trim
+    trim = trim and not no_stop_trim and ids[-1] not in kept
     if state is None:
         text = output_text(prompt_ids, ids, decode, skip_special_tokens, trim)
     else:

@@ -36,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from stages.engine.partial_json import partial_tail
+from stages.engine.partial_json import ListedCalls, partial_tail
 
 __all__ = ["PythonicCalls"]
 
@@ -60,7 +60,7 @@ def _untokened(text: str) -> str:
     return text
 
 
-class PythonicCalls:
+class PythonicCalls(ListedCalls):
     """SGLang's ``PythonicDetector`` (``--tool-call-parser pythonic``)."""
 
     def __init__(self, names: set[str]) -> None:
@@ -68,10 +68,6 @@ class PythonicCalls:
 
     def has_tool_call(self, text: str) -> bool:
         return _CALLS.search(_untokened(text.strip())) is not None
-
-    def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
-        content, listed = self.listed(text)
-        return content, [call for _, call in listed]
 
     def listed(self, text: str) -> tuple[str, list[tuple[int, dict[str, str]]]]:
         """``(content, [(place, call)])``: each call with its place in the list, the calls

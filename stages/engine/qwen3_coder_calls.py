@@ -44,6 +44,8 @@ from typing import Any
 
 import structlog
 
+from stages.engine.partial_json import ListedCalls
+
 __all__ = ["Qwen3CoderCalls"]
 
 log = structlog.get_logger("stages.engine.tool_calls")
@@ -56,7 +58,7 @@ _STRINGS = ("string", "str", "text", "varchar", "char", "enum")
 _INTEGERS = ("int", "uint", "long", "short", "unsigned")
 
 
-class Qwen3CoderCalls:
+class Qwen3CoderCalls(ListedCalls):
     """The calls of answers to one request (``tools``: its tools, their parameters' types)."""
 
     def __init__(self, tools: Iterable[dict[str, Any]]) -> None:
@@ -68,11 +70,6 @@ class Qwen3CoderCalls:
 
     def has_tool_call(self, text: str) -> bool:
         return BLOCK in text
-
-    def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
-        """``(content, calls)`` of a whole answer, each call ``{name, arguments}``."""
-        content, listed = self.listed(text)
-        return content, [call for _, call in listed]
 
     def listed(self, text: str) -> tuple[str, list[tuple[int, dict[str, str]]]]:
         """``(content, [(place, call)])``: each call with its place among the calls (SGLang's

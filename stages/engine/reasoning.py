@@ -23,7 +23,11 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
 - ``minimax-append-think`` (``MiniMaxAppendThinkDetector``): no split; the answer is content,
   ``<think>`` put before it.
 
-Not here, for parsing more than tags and defaults: ``gpt-oss``, ``kimi_k2``, ``kimi_k3``,
+- ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
+  ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
+  ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
+
+Not here, for parsing more than tags and defaults: ``kimi_k3``,
 ``k2_horizon``, ``ling3``, ``granite_thinking_parser``, ``gemma4``, ``minimax-m3``,
 ``hunyuan``, ``iquest_q1``, ``cohere_command4``, ``inkling``, ``apertus2509``, ``muse``,
 ``beam``, ``response_template``, ``deepseek-v4``/``deepseek-v41``.
@@ -48,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from stages.engine.harmony import HarmonyReasoning
 from stages.engine.partial_json import partial_tail
 
 __all__ = [
@@ -62,6 +67,7 @@ __all__ = [
     "normalize_effort",
     "reasoning_tokens",
     "template_toggle",
+    "think_parser",
     "thinking_on",
 ]
 
@@ -86,6 +92,7 @@ class ThinkFormat:
     # tags its detector's think_excluded_tokens name: never drawn while a sample thinks under
     # --enable-strict-thinking (stages.engine.strict_thinking)
     excluded: tuple[str, ...] = ()
+    harmony: bool = False  # OpenAI's Harmony messages (gpt-oss), read by harmony.py
 
 
 _R1 = ThinkFormat(tool_start=None, default="always", force=True)
@@ -131,7 +138,26 @@ PARSERS: dict[str, ThinkFormat] = {
         tool_start=None, default="mistral", start="[THINK]", end="[/THINK]", special_tags=True
     ),
     "minimax-append-think": ThinkFormat(tool_start=None, default="always", whole=True),
+    # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
+    "gpt-oss": ThinkFormat(
+        tool_start=None,
+        default="always",
+        force=True,
+        start="<|channel|>analysis<|message|>",
+        end="<|end|>",
+        harmony=True,
+    ),
 }
+
+
+def think_parser(
+    fmt: ThinkFormat, *, force: bool, nonempty: bool = False, **options: Any
+) -> ThinkParser | HarmonyReasoning:
+    """A parser of one answer in ``fmt`` (``ThinkParser``'s options; Harmony's takes
+    ``nonempty`` alone: its detector reads the rest of nothing)."""
+    if fmt.harmony:
+        return HarmonyReasoning(nonempty=nonempty)
+    return ThinkParser(fmt, force=force, nonempty=nonempty, **options)
 
 
 class ThinkParser:
@@ -590,8 +616,8 @@ class RequestReasoning:
     nonempty: bool
     keep_special: bool = False
 
-    def parser(self) -> ThinkParser:
-        return ThinkParser(
+    def parser(self) -> ThinkParser | HarmonyReasoning:
+        return think_parser(
             self.settings.fmt,
             force=self.force,
             stream_reasoning=self.stream,

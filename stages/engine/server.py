@@ -73,6 +73,7 @@ from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.engine_metrics import EngineMetrics
 from stages.engine.grammar import GrammarSet
+from stages.engine.harmony import kept_stop_ids
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.load_routes import LoadRoutes
 from stages.engine.loader import DTYPES, LoadedModel, load_model
@@ -204,6 +205,7 @@ def build_app(
         reasoning_parser=reasoning_parser,
     )
     app[_PARSERS] = {"reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
+    loaded.kept_stop_ids = kept_stop_ids(loaded.tokenizer, tool_call_parser)
     OpenAIRoutes(
         lambda body: generate(loaded, scheduler, decode, body),
         lambda body: stream_generate(loaded, scheduler, decode, body),

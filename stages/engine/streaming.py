@@ -183,7 +183,12 @@ class Progress:
         params = inp.params
         if decode is not None:
             self.text = result_text(
-                result, decode, params.skip_special_tokens, params.no_stop_trim, state=self.detok
+                result,
+                decode,
+                params.skip_special_tokens,
+                params.no_stop_trim,
+                state=self.detok,
+                kept=inp.kept_stop_ids,
             )
         if self.hidden is not None:  # the last step's too, which came with the result
             found = result.extra.get("hidden_states")
@@ -332,6 +337,7 @@ def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInp
         mask_cap=scheduler.sampling_mask_max_tokens,
         hidden_cap=scheduler.hidden_states_mode,
         strict_thinking=scheduler.strict_thinking is not None,
+        kept_stop_ids=loaded.kept_stop_ids,
     )
 
 

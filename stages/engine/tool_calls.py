@@ -3,8 +3,8 @@
 (``stages.engine.tool_formats``), ``pythonic`` (``stages.engine.pythonic_calls``),
 ``qwen3_coder`` (also ``step3p5`` and ``nanbeige``, which SGLang reads with the same detector),
 ``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``), ``kimi_k2``
-(``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``); and how a
-forced
+(``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``),
+``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -42,9 +42,12 @@ from stages.engine.deepseek_calls import BEGIN as DEEPSEEK_CALL
 from stages.engine.deepseek_calls import FRAMES as DEEPSEEK_FRAMES
 from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
 from stages.engine.glm_calls import GlmCalls
+from stages.engine.harmony import FRAMES as HARMONY_FRAMES
+from stages.engine.harmony import GptOssCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
+from stages.engine.partial_json import ListedCalls
 from stages.engine.pythonic_calls import PythonicCalls
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls
 from stages.engine.tool_formats import (
@@ -77,12 +80,13 @@ _FORMATS: dict[str, Any] = {
     "pythonic": PythonicCalls,
     "deepseekv3": DeepSeekV3Calls,
     "deepseekv31": DeepSeekV31Calls,
+    "gpt-oss": GptOssCalls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
 }
 # SGLang's --tool-call-parser names the engine reads
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
-    "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm",
+    "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "gpt-oss",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -102,6 +106,7 @@ _FRAMES = {
     "mistral": ('[TOOL_CALLS] [{"name":', True, _JSON_ARGS, "}]", "[TOOL_CALLS]"),
     **DEEPSEEK_FRAMES,
     **KIMI_FRAMES,
+    **HARMONY_FRAMES,
 }
 # what a tool that is not strict holds its calls' arguments to (any JSON but for these: Kimi's
 # reader takes only an object, and SGLang's tag for it says so)
@@ -179,7 +184,9 @@ def strict_calls(tools: list[dict[str, Any]], parser: str | None) -> dict[str, s
     their tools' schemas when a tool is ``strict`` (SGLang's ``should_constrain_auto``): the
     structural tag of ``parser``'s calls, free text around them; None where no tool is strict
     or the format has no structural tag (``pythonic``: SGLang constrains nothing then)."""
-    if parser not in _FRAMES or not any(t["function"].get("strict") for t in tools):
+    if parser not in _FRAMES or parser in HARMONY_FRAMES:  # Harmony: see harmony.FRAMES
+        return None
+    if not any(t["function"].get("strict") for t in tools):
         return None
     return {"structural_tag": json.dumps(call_tag(tools, parser, at_least_one=False))}
 
@@ -260,9 +267,9 @@ class ToolCallParser:
         """``(content, [(tool_index, call)])`` of a whole generated text, as
         ``FunctionCallParser.parse_non_stream`` numbers its calls: the named tool's place
         (``places``, by name; ``parse_base_json``), or for ``pythonic`` the call's place in its
-        list, the calls dropped counted (``pythonic_detector.py:118``); for ``qwen3_coder`` and
-        ``kimi_k2`` the call's place among the calls (their detectors)."""
-        if isinstance(self.format, PythonicCalls | Qwen3CoderCalls | KimiK2Calls):
+        list, the calls dropped counted (``pythonic_detector.py:118``); for ``qwen3_coder``,
+        ``kimi_k2`` and ``gpt-oss`` the call's place among the calls (their detectors)."""
+        if isinstance(self.format, ListedCalls):
             return self.format.listed(text)
         content, calls = self.format.parse(text)
         return content, [(places[call["name"]], call) for call in calls]

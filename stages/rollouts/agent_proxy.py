@@ -49,6 +49,7 @@ import httpx  # the openai client's (openai_agent needs openai)
 from aiohttp import web
 
 from stages.detokenize import decoder
+from stages.engine.harmony import kept_stop_ids
 from stages.engine.incremental_text import IncrementalText
 from stages.engine.openai_api import OpenAIError, OpenAIRoutes, refusal, route_refusal
 from stages.engine.openai_chat import ChatSettings
@@ -129,7 +130,12 @@ class Episode:
         self._last: _Last | None = None
         if chat is not None:
             chat = _RecordingChat(
-                chat.tokenizer, chat.template, chat.defaults, chat.tool_parser, chat.reasoning
+                chat.tokenizer,
+                chat.template,
+                chat.defaults,
+                chat.tool_parser,
+                chat.reasoning,
+                harmony=chat.harmony,
             )
             chat.rendered = {}
         self.chat = chat
@@ -208,6 +214,7 @@ class Episode:
             no_stop_trim=inp.params.no_stop_trim,
             token_text=token_texts(self.decode, body),
             prompt_ids=feed,
+            kept_stop_ids=inp.kept_stop_ids,
         )
         if inp.return_prompt_token_ids:  # what the engine was given: the trajectory's context
             rendered["prompt_token_ids"] = list(feed)
@@ -242,6 +249,8 @@ class Episode:
             vocab_size=len(self.tokenizer),
             context_length=self.context_length,
             encode=self.tokenizer.encode,
+            # gpt-oss's <|call|> ends a call (the engine's --tool-call-parser gpt-oss keeps it)
+            kept_stop_ids=kept_stop_ids(self.tokenizer, self.chat and self.chat.tool_parser),
         )
         if len(inputs) != 1:
             raise OpenAIError(

@@ -24,6 +24,7 @@ __all__ = [
     "BYTE_CHARS",
     "EOS_ID",
     "make_byte_model",
+    "make_gpt_oss_model",
     "make_tiny_classifier",
     "make_tiny_model",
     "tiny_config",
@@ -195,3 +196,40 @@ def make_tagged_byte_model(path: Path, tags: tuple[str, ...], *, seed: int = 4) 
     tokenizer.add_tokens(list(tags))  # already in the vocabulary: now read whole in text
     tokenizer.save_pretrained(model)
     return model
+
+
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
+                  "<|call|>", "<|return|>")  # fmt: skip
+# a chat template that writes each message as Harmony does, and opens the assistant's
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def make_gpt_oss_model(path: Path, *, seed: int = 4, chars: str = BYTE_CHARS + " _=\n") -> Path:
+    """A random tiny gpt-oss (``GptOssForCausalLM``, ``model_type`` ``gpt_oss``) on a
+    byte-level tokenizer (``make_byte_model``'s) with Harmony's tokens as special tokens, a chat
+    template that writes Harmony's messages, and gpt-oss's stop tokens (``<|return|>``,
+    ``<|call|>``, its end of text) in ``generation_config.json``."""
+    import json
+
+    from transformers import AutoTokenizer, GptOssConfig
+
+    path = make_byte_model(path, seed=seed, chars=chars)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_TOKENS)})
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    config = GptOssConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=4096, pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID, tie_word_embeddings=False, layer_types=["full_attention"] * 2,
+    )  # fmt: skip
+    for stale in path.glob("*.safetensors"):
+        stale.unlink()
+    _save_random(AutoModelForCausalLM, config, path, seed)
+    tokenizer.save_pretrained(path)
+    stops = [EOS_ID, *tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    return path
