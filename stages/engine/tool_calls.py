@@ -4,7 +4,8 @@
 ``qwen3_coder`` (also ``step3p5`` and ``nanbeige``, which SGLang reads with the same detector),
 ``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``), ``kimi_k2``
 (``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``),
-``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``); and how a forced
+``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``), ``trinity`` (Qwen 2.5's
+calls, ``<think>`` tags taken out first); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -56,6 +57,7 @@ from stages.engine.tool_formats import (
     Llama3Calls,
     MistralCalls,
     Qwen25Calls,
+    TrinityCalls,
 )
 
 __all__ = [
@@ -81,12 +83,14 @@ _FORMATS: dict[str, Any] = {
     "deepseekv3": DeepSeekV3Calls,
     "deepseekv31": DeepSeekV31Calls,
     "gpt-oss": GptOssCalls,
+    "trinity": TrinityCalls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
 }
 # SGLang's --tool-call-parser names the engine reads
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "gpt-oss",
+    "trinity",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -101,6 +105,7 @@ _JSON_ARGS = ', "arguments":'
 _FRAMES = {
     "qwen25": ('<tool_call>\n{"name":', True, _JSON_ARGS, "}\n</tool_call>", BEGIN),
     "qwen": ('<tool_call>\n{"name":', True, _JSON_ARGS, "}\n</tool_call>", BEGIN),
+    "trinity": ('<tool_call>\n{"name":', True, _JSON_ARGS, "}\n</tool_call>", BEGIN),
     "hermes": ('<tool_call>{"name":', True, _JSON_ARGS, "}</tool_call>", BEGIN),
     "llama3": ('<|python_tag|>{"name":', True, _JSON_ARGS, "}", "<|python_tag|>"),
     "mistral": ('[TOOL_CALLS] [{"name":', True, _JSON_ARGS, "}]", "[TOOL_CALLS]"),

@@ -289,6 +289,43 @@ class HermesCalls(Qwen25Calls):
         return _calls(value, self.names)
 
 
+def _unthought(text: str) -> str:
+    return text.replace("<think>", "").replace("</think>", "")
+
+
+class TrinityCalls(Qwen25Calls):
+    """SGLang's ``TrinityDetector`` (``--tool-call-parser trinity``): Qwen 2.5's calls, read
+    after ``<think>`` and ``</think>`` are taken out of the text (so calls written inside the
+    reasoning count); a stream takes them out of each delta, as SGLang's does."""
+
+    def has_tool_call(self, text: str) -> bool:
+        return super().has_tool_call(_unthought(text))
+
+    def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
+        return super().parse(_unthought(text))
+
+    def stream(self) -> _UnthoughtStream:  # type: ignore[override]
+        return _UnthoughtStream(_TaggedStream(self))
+
+
+class _UnthoughtStream:
+    def __init__(self, inner: _TaggedStream) -> None:
+        self.inner = inner
+
+    @property
+    def calls(self) -> int:
+        return self.inner.calls
+
+    def feed(self, delta: str) -> tuple[str, Pieces]:
+        return self.inner.feed(_unthought(delta))
+
+    def flush(self) -> str:
+        return self.inner.flush()
+
+    def unsent(self) -> Pieces:
+        return self.inner.unsent()
+
+
 class _TaggedStream:
     def __init__(self, reader: Qwen25Calls) -> None:
         self.reader = reader

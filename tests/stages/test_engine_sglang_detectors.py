@@ -139,6 +139,7 @@ DETECTORS = {
     "deepseekv31": ("deepseekv31_detector", "DeepSeekV31Detector"),
     "kimi_k2": ("kimik2_detector", "KimiK2Detector"),
     "glm45": ("glm4_moe_detector", "Glm4MoeDetector"),
+    "trinity": ("trinity_detector", "TrinityDetector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -250,7 +251,9 @@ def _answer(r: random.Random, parser: str) -> str:
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
-        if parser in ("qwen25", "hermes"):
+        if parser == "trinity":  # Qwen 2.5's calls, <think> tags anywhere
+            out += r.choice(["", "<think>", "</think>"])
+        if parser in ("qwen25", "hermes", "trinity"):
             gap = r.choice(["\n", "", " "])
             out += (
                 "<tool_call>" + gap + call + gap + r.choice(["</tool_call>", "", "</tool_call>\n"])

@@ -1051,3 +1051,21 @@ def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
     assert set(forced) == {"json_schema"} and answer_format("glm45", forced) == "json_array"
     strict = [{"type": "function", "function": {**GLM_TOOLS[0]["function"], "strict": True}}]
     assert strict_calls(strict, "glm45") is None
+
+
+def test_trinity_reads_qwen_calls_with_think_tags_taken_out() -> None:
+    """trinity_detector.py: Qwen 2.5's calls after <think> and </think> are taken out of the
+    text (a call inside the reasoning counts), whole and streamed (each delta's tags)."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    text = f"<think>let me{call}</think> done"
+    assert _whole("trinity", text) == ("let me", [{"name": "add", "arguments": '{"a": 1}'}])
+    # a tag inside the call: Qwen 2.5's reader finds no JSON there
+    closed_late = text.replace("}}\n</tool_call></think>", "}}</think>\n</tool_call>")
+    assert _whole("qwen25", closed_late)[1] == []
+    assert _whole("trinity", closed_late) == _whole("trinity", text)
+    stream, content, pieces = StreamingToolCalls(ToolCallParser(OFFERED, "trinity")), "", []
+    for delta in ("<think>", "let me", *call, "</think>", " done"):  # each tag a token
+        more, new = stream.feed(delta)
+        content, pieces = content + more, pieces + new
+    assert content + stream.flush() == "let me"
+    assert _calls_of(pieces) == [{"name": "add", "arguments": '{"a": 1}'}]
