@@ -5,7 +5,8 @@
 ``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``), ``kimi_k2``
 (``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``),
 ``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``), ``trinity`` (Qwen 2.5's
-calls, ``<think>`` tags taken out first); and how a forced
+calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``); and
+how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -48,6 +49,8 @@ from stages.engine.harmony import GptOssCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
+from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK
+from stages.engine.minimax_calls import MiniMaxM2Calls
 from stages.engine.partial_json import ListedCalls
 from stages.engine.pythonic_calls import PythonicCalls
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls
@@ -90,14 +93,14 @@ _FORMATS: dict[str, Any] = {
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "gpt-oss",
-    "trinity",
+    "trinity", "minimax-m2",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
 # Qwen3CoderDetector too
 _TYPED = {
     "qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls,
-    "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls,
+    "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls, "minimax-m2": MiniMaxM2Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -133,7 +136,8 @@ class CallStream(Protocol):
 def parser_for_template(template: str | None) -> str | None:
     """The parser a chat template's own tool-call format needs (None: none known): DeepSeek's
     markers get ``deepseekv3`` where the template writes the arguments in a json code block,
-    else ``deepseekv31``; Kimi K2's section marker ``kimi_k2``; among those that write
+    else ``deepseekv31``; Kimi K2's section marker ``kimi_k2``; MiniMax-M2's block tag
+    ``minimax-m2``; among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's, the others Qwen 2.5's, which needs a newline after the tag,
     or where it writes a call's JSON right after the tag, Hermes', which reads that too."""
@@ -141,6 +145,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "deepseekv3" if "```json" in template else "deepseekv31"
     if template and KIMI_SECTION in template:
         return "kimi_k2"
+    if template and MINIMAX_BLOCK in template:
+        return "minimax-m2"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:

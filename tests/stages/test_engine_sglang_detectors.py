@@ -32,6 +32,8 @@ from stages.engine.kimi_calls import BEGIN as KIMI_BEGIN  # noqa: E402
 from stages.engine.kimi_calls import END as KIMI_END  # noqa: E402
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION  # noqa: E402
 from stages.engine.kimi_calls import SECTION_END as KIMI_SECTION_END  # noqa: E402
+from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK  # noqa: E402
+from stages.engine.minimax_calls import BLOCK_END as MINIMAX_BLOCK_END  # noqa: E402
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls  # noqa: E402
 from stages.engine.tool_calls import ToolCallParser  # noqa: E402
 
@@ -140,6 +142,7 @@ DETECTORS = {
     "kimi_k2": ("kimik2_detector", "KimiK2Detector"),
     "glm45": ("glm4_moe_detector", "Glm4MoeDetector"),
     "trinity": ("trinity_detector", "TrinityDetector"),
+    "minimax-m2": ("minimax_m2", "MinimaxM2Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -233,6 +236,41 @@ def _deepseek_answer(r: random.Random, parser: str) -> str:
     return out + r.choice([SECTION_END, SECTION_END, ""]) + r.choice(["", " after", "\n"])
 
 
+MINIMAX_KEYS = [k for k in KEYS if k != "opt"]  # a nullable type: SGLang's value is always null
+MINIMAX_VALUES = [*VALUES, "yes", "off", "1.0", "None", "NIL", "[1, 2", "\n5\n", "1e400"]
+
+
+def _minimax_call(r: random.Random, well_formed: bool) -> str:
+    """A MiniMax-M2 invoke (to a tool offered or not), or a mangled one."""
+    params = "".join(
+        f'<parameter name="{r.choice(MINIMAX_KEYS)}">{r.choice(MINIMAX_VALUES)}'
+        + (r.choice(["</parameter>", "</parameter>", ""]) if not well_formed else "</parameter>")
+        + r.choice(["\n", ""])
+        for _ in range(r.randint(0, 3))
+    )
+    name = r.choice(["add", "bare", "union", "ghost", " add ", ""] if not well_formed else
+                    ["add", "bare", "union"])  # fmt: skip
+    head = f'<invoke name="{name}' + (r.choice(['">', '">\n', ""]) if not well_formed else '">\n')
+    end = r.choice(["</invoke>", "</invoke>", ""]) if not well_formed else "</invoke>"
+    return head + params + end + r.choice(["\n", ""])
+
+
+def _minimax_answer(r: random.Random) -> str:
+    """Content, blocks of invokes (one mangled a third of the time), text between and after;
+    or (a fifth of the time) any of those pieces in any order."""
+    if r.random() < 0.2:
+        pieces = [MINIMAX_BLOCK, MINIMAX_BLOCK_END, "text ", "\n", _minimax_call(r, False)]
+        return "".join(r.choice(pieces) for _ in range(r.randint(1, 6)))
+    out = r.choice(["", "Sure. ", "text\n", " ", "a <minimax:"])
+    for _ in range(r.randint(1, 2)):
+        out += MINIMAX_BLOCK + "\n"
+        bad = r.randrange(3) if r.random() < 0.33 else -1
+        for i in range(r.randint(0, 3)):
+            out += _minimax_call(r, i != bad)
+        out += r.choice([MINIMAX_BLOCK_END, MINIMAX_BLOCK_END, ""]) + r.choice(["", " after", "\n"])
+    return out
+
+
 def _starts_with_a_bare_call(text: str) -> bool:
     """A call begin token before the section marker (or without one): SGLang's whole-answer
     reading keeps it in the content, or reads no calls; the engine reads calls from there, as
@@ -248,6 +286,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _kimi_answer(r)
     if parser == "glm45":
         return _glm_answer(r)
+    if parser == "minimax-m2":
+        return _minimax_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -305,6 +345,31 @@ def test_each_format_reads_a_whole_answer_as_sglangs_detector(
     assert compared > 800
 
 
+def _fed(
+    detector: Any, parser: str, tools: list[Any], parts: list[str]
+) -> tuple[str, str, dict[int, list[str]], dict[int, list[str]]]:
+    """``parts`` fed to SGLang's ``detector`` and to the engine's stream of ``parser``: the
+    content of each, and each one's calls by index, ``[name, arguments]`` added up."""
+    ours = ToolCallParser(TOOLS, parser).stream()
+    theirs: dict[int, list[str]] = {}
+    mine: dict[int, list[str]] = {}
+    their_text = our_text = ""
+    for part in parts:
+        got = detector.parse_streaming_increment(part, tools)
+        their_text += got.normal_text
+        for c in got.calls:
+            item = theirs.setdefault(c.tool_index, ["", ""])
+            item[0] += c.name or ""
+            item[1] += c.parameters or ""
+        more, pieces = ours.feed(part)
+        our_text += more
+        for p in pieces:
+            item = mine.setdefault(p["index"], ["", ""])
+            item[0] += p["name"] or ""
+            item[1] += p["arguments"]
+    return their_text, our_text + ours.flush(), theirs, mine
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("parser", ["deepseekv3", "deepseekv31", "kimi_k2", "glm45"])
 def test_marked_formats_stream_as_sglangs_detector_a_token_at_a_time(
@@ -349,24 +414,40 @@ def test_marked_formats_stream_as_sglangs_detector_a_token_at_a_time(
         section, section_end = markers[:2]
         text = r.choice(["", "Sure. "]) + section + r.choice(["", "\n"]).join(calls) + section_end
         parts = [p for part in marker.split(text) for p in ([part] if marker.match(part) else part)]
-        detector, ours = detector_class(), ToolCallParser(TOOLS, parser).stream()
-        theirs: dict[int, list[str]] = {}
-        mine: dict[int, list[str]] = {}
-        their_text = our_text = ""
-        for part in parts:
-            got = detector.parse_streaming_increment(part, tools)
-            their_text += got.normal_text
-            for c in got.calls:
-                item = theirs.setdefault(c.tool_index, ["", ""])
-                item[0] += c.name or ""
-                item[1] += c.parameters or ""
-            more, pieces = ours.feed(part)
-            our_text += more
-            for p in pieces:
-                item = mine.setdefault(p["index"], ["", ""])
-                item[0] += p["name"] or ""
-                item[1] += p["arguments"]
-        our_text += ours.flush()
+        their_text, our_text, theirs, mine = _fed(detector_class(), parser, tools, parts)
         assert our_text.strip() == their_text.strip(), text
+        assert [mine[i] for i in sorted(mine)] == [theirs[i] for i in sorted(theirs)], text
+        assert len(mine) == len(calls)
+
+
+_MINIMAX_TAGS = re.compile(f"({re.escape(MINIMAX_BLOCK)}|{re.escape(MINIMAX_BLOCK_END)})")
+
+
+@pytest.mark.timeout(120)
+def test_minimax_streams_as_sglangs_detector_a_character_at_a_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Well-formed MiniMax-M2 answers (calls to offered tools, values of their declared types)
+    fed a character at a time, the block tags whole: the same names and arguments as SGLang's
+    ``parse_streaming_increment`` (its arguments a parameter at a time, ours as each closes,
+    adding up to the same JSON), and the content of its whole answer (its stream never leaves
+    the block, so it drops the text after it)."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.minimax_m2")
+    r = random.Random(3)
+    for _ in range(300):
+        calls = []
+        for _ in range(r.randint(1, 3)):
+            pairs = r.sample(GLM_TYPED, r.randint(1, 3))
+            body = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in pairs)
+            calls.append(f'<invoke name="{r.choice(["add", "bare"])}">\n{body}</invoke>\n')
+        text = r.choice(["", "Sure. "]) + MINIMAX_BLOCK + "\n" + "".join(calls)
+        text += MINIMAX_BLOCK_END + r.choice(["", " done"])
+        parts = [p for part in _MINIMAX_TAGS.split(text)
+                 for p in ([part] if _MINIMAX_TAGS.fullmatch(part) else part)]  # fmt: skip
+        _, our_text, theirs, mine = _fed(module.MinimaxM2Detector(), "minimax-m2", tools, parts)
+        whole = module.MinimaxM2Detector().detect_and_parse(text, tools).normal_text
+        assert our_text.strip() == whole.strip(), text
         assert [mine[i] for i in sorted(mine)] == [theirs[i] for i in sorted(theirs)], text
         assert len(mine) == len(calls)

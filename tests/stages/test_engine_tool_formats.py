@@ -28,7 +28,12 @@ from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import SECTION_END as KIMI_SECTION_END
 from stages.engine.kimi_calls import history_calls
 from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
-from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser, parser_for_template
+from stages.engine.tool_calls import (
+    StreamingToolCalls,
+    ToolCallParser,
+    forced_calls,
+    parser_for_template,
+)
 from tests.stages.test_engine_chat import _calls_of, _native
 from tests.stages.test_engine_grammar import TOOL_TEMPLATE, TOOLS
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
@@ -607,7 +612,10 @@ def test_a_forced_pythonic_answer_is_read_as_the_json_array(step: int) -> None:
 def test_chat_response_reads_each_format_by_the_options_parser() -> None:
     """chat_response with options["tool_parser"]: finish_reason stop becomes tool_calls
     (_process_tool_calls), content the detector's normal text."""
-    for parser, text in (("llama3", LLAMA), ("mistral", MISTRAL), ("pythonic", PYTHONIC)):
+    minimax = _minimax(("add", [("a", "1")]), ("mul", []))
+    for parser, text in (
+        ("llama3", LLAMA), ("mistral", MISTRAL), ("pythonic", PYTHONIC), ("minimax-m2", minimax),
+    ):  # fmt: skip
         options = {"model": "m", "n": 1, "logprobs": False, "parse_tools": True,
                    "tools": OFFERED, "tool_parser": parser}  # fmt: skip
         out = chat_response([_native(text, {"type": "stop", "matched": 1})], options)
@@ -1069,3 +1077,76 @@ def test_trinity_reads_qwen_calls_with_think_tags_taken_out() -> None:
         content, pieces = content + more, pieces + new
     assert content + stream.flush() == "let me"
     assert _calls_of(pieces) == [{"name": "add", "arguments": '{"a": 1}'}]
+
+
+# ---- minimax-m2 ------------------------------------------------------------------------------
+
+MINIMAX_PROPERTIES = {
+    "a": {"type": "integer"}, "x": {"type": "number"}, "on": {"type": "boolean"},
+    "cfg": {"type": "object"}, "s": {"type": "string"},
+    "opt": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+}  # fmt: skip
+MINIMAX_TOOLS = [
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": MINIMAX_PROPERTIES}}},
+    {"type": "function", "function": {"name": "mul"}},
+]  # fmt: skip
+
+
+def _minimax(*calls: tuple[str, list[tuple[str, str]]]) -> str:
+    body = "".join(
+        f'<invoke name="{name}">\n'
+        + "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in params)
+        + "</invoke>\n"
+        for name, params in calls
+    )
+    return f"<minimax:tool_call>\n{body}</minimax:tool_call>"
+
+
+def test_minimax_m2_reads_invokes_typed_by_their_parameters() -> None:
+    """minimax_m2.py detect_and_parse: each value by its parameter's types (integer, number,
+    boolean words, JSON objects, text), undeclared ones as text (their newlines trimmed); a
+    tool not offered dropped; the content the text outside the blocks; a nullable parameter
+    null only when it says so (SGLang's makes it always null: the difference this module
+    documents)."""
+    reader = ToolCallParser(MINIMAX_TOOLS, "minimax-m2")
+    params = [("a", "5"), ("x", "1.0"), ("on", "yes"), ("cfg", '{"k": [1]}'), ("s", "5"),
+              ("opt", "7"), ("free", "\n12\n")]  # fmt: skip
+    text = "Sure. " + _minimax(("add", params), ("ghost", [("a", "1")]), ("mul", [])) + " done"
+    content, listed = reader.indexed(text, {"add": 0, "mul": 1})
+    assert content == "Sure.  done"
+    assert listed == [
+        (0, {"name": "add", "arguments": '{"a": 5, "x": 1, "on": true, "cfg": {"k": [1]}, '
+                                         '"s": "5", "opt": 7, "free": "12"}'}),
+        (1, {"name": "mul", "arguments": "{}"}),
+    ]  # fmt: skip
+    assert reader.parse(_minimax(("add", [("opt", "null"), ("a", "None")])))[1] == [
+        {"name": "add", "arguments": '{"opt": null, "a": null}'}
+    ]
+    cut = "pre " + _minimax(("add", [("a", "1")])).removesuffix("</minimax:tool_call>")
+    assert reader.parse(cut) == (cut, [])  # a block never closed: content
+    assert parser_for_template("{{ '<minimax:tool_call>' }}") == "minimax-m2"
+    forced = forced_calls(MINIMAX_TOOLS, "minimax-m2", named=False, parallel=True)
+    assert "json_schema" in forced  # no structural tag: SGLang's JSON array
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_minimax_m2_streams_what_the_whole_answer_reads(step: int) -> None:
+    text = "Sure. " + _minimax(
+        ("add", [("a", "5"), ("cfg", '{"k": "<v>"}'), ("s", "a<b")]), ("mul", [])
+    ) + " done"  # fmt: skip
+    stream = StreamingToolCalls(ToolCallParser(MINIMAX_TOOLS, "minimax-m2"))
+    content, pieces = "", []
+    for i in range(0, len(text), step):
+        more, new = stream.feed(text[i : i + step])
+        content, pieces = content + more, pieces + new
+    want_content, want_calls = ToolCallParser(MINIMAX_TOOLS, "minimax-m2").parse(text)
+    assert content + stream.flush() == want_content
+    assert _calls_of(pieces) == want_calls and len(want_calls) == 2
+    # cut short inside a call: what closed went out, then unsent closes its arguments
+    cut = text[: text.index("</parameter>", text.index('"s"')) - 1]
+    stream = StreamingToolCalls(ToolCallParser(MINIMAX_TOOLS, "minimax-m2"))
+    pieces = [p for i in range(0, len(cut), step) for p in stream.feed(cut[i : i + step])[1]]
+    stream.flush()
+    (call,) = _calls_of(pieces + stream.unsent())
+    assert json.loads(call["arguments"]) == {"a": 5, "cfg": {"k": "<v>"}}
