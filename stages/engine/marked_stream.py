@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from stages.engine.partial_json import CallPieces
+from stages.engine.partial_json import CallPieces, PieceStream
 from stages.engine.tool_formats import _Unreadable
 
 __all__ = ["MarkedStream", "whole_calls"]
@@ -47,7 +47,7 @@ def whole_calls(
     return text[:at].strip(), out
 
 
-class MarkedStream(ABC):
+class MarkedStream(PieceStream, ABC):
     """A sample's text deltas in, content to send now and pieces of its calls out (a
     ``tool_calls.CallStream``); each format's stream implements the four abstract methods."""
 
@@ -55,14 +55,9 @@ class MarkedStream(ABC):
     end: str  # its end token
 
     def __init__(self, pieces: CallPieces | None = None) -> None:
-        self.text = ""
+        super().__init__(pieces)
         self.pos: int | None = None  # where the calls not read yet begin (None: in content)
-        self.pieces = pieces or CallPieces()  # what of each call went out
         self.open = False  # a call begun and not ended
-
-    @property
-    def calls(self) -> int:
-        return self.pieces.count
 
     def feed(self, delta: str) -> tuple[str, Pieces]:
         self.text += delta
@@ -111,6 +106,3 @@ class MarkedStream(ABC):
         if self.open:
             log.warning("tool_call_incomplete", text=self.text[self.pos :][:200])
         return ""
-
-    def unsent(self) -> Pieces:
-        return self.pieces.unsent()

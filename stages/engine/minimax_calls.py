@@ -47,7 +47,7 @@ from typing import Any
 
 import structlog
 
-from stages.engine.partial_json import CallPieces, partial_tail
+from stages.engine.partial_json import PieceStream, partial_tail
 from stages.engine.tool_formats import _Unreadable
 
 __all__ = ["MiniMaxM2Calls"]
@@ -224,20 +224,15 @@ class MiniMaxM2Calls:
         return _MiniMaxStream(self)
 
 
-class _MiniMaxStream:
+class _MiniMaxStream(PieceStream):
     """A sample's text deltas in, content to send now and pieces of its calls out."""
 
     def __init__(self, reader: MiniMaxM2Calls) -> None:
+        super().__init__()
         self.reader = reader
-        self.text = ""
         self.pos = 0  # what is read so far
         self.inside = False  # within a block
         self.invoke: tuple[int, str, int] | None = None  # the call begun: (key, name, body at)
-        self.pieces = CallPieces()
-
-    @property
-    def calls(self) -> int:
-        return self.pieces.count
 
     def feed(self, delta: str) -> tuple[str, Pieces]:
         self.text += delta
@@ -319,6 +314,3 @@ class _MiniMaxStream:
             return ""
         left, self.pos = self.text[self.pos :], len(self.text)
         return left
-
-    def unsent(self) -> Pieces:
-        return self.pieces.unsent()

@@ -20,6 +20,7 @@ import structlog
 __all__ = [
     "CallPieces",
     "ListedCalls",
+    "PieceStream",
     "bracket_end",
     "closed_prefix",
     "common_prefix",
@@ -156,6 +157,23 @@ class ListedCalls(ABC):
         """``(content, calls)`` of a whole answer."""
         content, listed = self.listed(text)
         return content, [call for _, call in listed]
+
+
+class PieceStream:
+    """What a format's stream of one answer keeps: its text so far and the pieces of its calls
+    that went out (``calls``: how many were named; ``unsent``: what closes a call cut
+    short)."""
+
+    def __init__(self, pieces: CallPieces | None = None) -> None:
+        self.text = ""
+        self.pieces = pieces or CallPieces()
+
+    @property
+    def calls(self) -> int:
+        return self.pieces.count
+
+    def unsent(self) -> list[dict[str, Any]]:
+        return self.pieces.unsent()
 
 
 class CallPieces:

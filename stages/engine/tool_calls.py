@@ -2,7 +2,8 @@
 ``--tool-call-parser`` names: ``qwen25`` (also ``qwen``), ``hermes``, ``llama3``, ``mistral``
 (``stages.engine.tool_formats``), ``pythonic`` (``stages.engine.pythonic_calls``),
 ``qwen3_coder`` (also ``step3p5`` and ``nanbeige``, which SGLang reads with the same detector),
-``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``), ``kimi_k2``
+``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``), ``deepseekv32``
+(``stages.engine.dsml_calls``), ``kimi_k2``
 (``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``),
 ``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``), ``trinity`` (Qwen 2.5's
 calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``); and
@@ -43,6 +44,9 @@ from typing import Any, Protocol
 from stages.engine.deepseek_calls import BEGIN as DEEPSEEK_CALL
 from stages.engine.deepseek_calls import FRAMES as DEEPSEEK_FRAMES
 from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
+from stages.engine.dsml_calls import BLOCK as DSML_BLOCK
+from stages.engine.dsml_calls import FRAMES as DSML_FRAMES
+from stages.engine.dsml_calls import DeepSeekV32Calls
 from stages.engine.glm_calls import GlmCalls
 from stages.engine.harmony import FRAMES as HARMONY_FRAMES
 from stages.engine.harmony import GptOssCalls
@@ -85,6 +89,7 @@ _FORMATS: dict[str, Any] = {
     "pythonic": PythonicCalls,
     "deepseekv3": DeepSeekV3Calls,
     "deepseekv31": DeepSeekV31Calls,
+    "deepseekv32": DeepSeekV32Calls,
     "gpt-oss": GptOssCalls,
     "trinity": TrinityCalls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
@@ -93,7 +98,7 @@ _FORMATS: dict[str, Any] = {
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "gpt-oss",
-    "trinity", "minimax-m2",
+    "trinity", "minimax-m2", "deepseekv32",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -113,6 +118,7 @@ _FRAMES = {
     "llama3": ('<|python_tag|>{"name":', True, _JSON_ARGS, "}", "<|python_tag|>"),
     "mistral": ('[TOOL_CALLS] [{"name":', True, _JSON_ARGS, "}]", "[TOOL_CALLS]"),
     **DEEPSEEK_FRAMES,
+    **DSML_FRAMES,
     **KIMI_FRAMES,
     **HARMONY_FRAMES,
 }
@@ -134,13 +140,15 @@ class CallStream(Protocol):
 
 
 def parser_for_template(template: str | None) -> str | None:
-    """The parser a chat template's own tool-call format needs (None: none known): DeepSeek's
-    markers get ``deepseekv3`` where the template writes the arguments in a json code block,
-    else ``deepseekv31``; Kimi K2's section marker ``kimi_k2``; MiniMax-M2's block tag
-    ``minimax-m2``; among those that write
+    """The parser a chat template's own tool-call format needs (None: none known): DeepSeek
+    V3.2's DSML block ``deepseekv32``; DeepSeek's markers get ``deepseekv3`` where the template
+    writes the arguments in a json code block, else ``deepseekv31``; Kimi K2's section marker
+    ``kimi_k2``; MiniMax-M2's block tag ``minimax-m2``; among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's, the others Qwen 2.5's, which needs a newline after the tag,
     or where it writes a call's JSON right after the tag, Hermes', which reads that too."""
+    if template and DSML_BLOCK in template:
+        return "deepseekv32"
     if template and DEEPSEEK_CALL in template:
         return "deepseekv3" if "```json" in template else "deepseekv31"
     if template and KIMI_SECTION in template:

@@ -143,6 +143,7 @@ DETECTORS = {
     "glm45": ("glm4_moe_detector", "Glm4MoeDetector"),
     "trinity": ("trinity_detector", "TrinityDetector"),
     "minimax-m2": ("minimax_m2", "MinimaxM2Detector"),
+    "deepseekv32": ("deepseekv32_detector", "DeepSeekV32Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -271,6 +272,50 @@ def _minimax_answer(r: random.Random) -> str:
     return out
 
 
+D = "\uff5cDSML\uff5c"  # DeepSeek V3.2's DSML marker
+DSML_VALUES = ["1", "2.5", "true", "null", '"q"', "[1, 2]", '{"k": 1}', "NaN", "abc", " x ", "",
+               "\n", "é", "[", "1e3"]  # fmt: skip
+DSML_BODIES = ['{"a": 1}', ' {"b": "é"} ', "{}", "[1]", '{"a": NaN}', "{bad", "stray text", ""]
+
+
+def _dsml_invoke(r: random.Random, well_formed: bool) -> str:
+    """A DeepSeek V3.2 invoke: parameter tags, a JSON body or none; or a mangled one."""
+    name = r.choice(["add", "bare", "ghost"] if well_formed else ["add", "ghost", "", "a b"])
+    head = f'<{D}invoke name="{name}"'
+    if r.random() < 0.15:
+        return head + "/>" + r.choice(["\n", ""])
+    if r.random() < 0.3:
+        body = r.choice(DSML_BODIES[:3] if well_formed else DSML_BODIES)
+    else:
+        body = "".join(
+            f'<{D}parameter name="{r.choice(KEYS)}" string="{r.choice(["true", "false"])}">'
+            f"{r.choice(DSML_VALUES)}</{D}parameter>" + r.choice(["\n", ""])
+            for _ in range(r.randint(0, 3))
+        )
+        if not well_formed:
+            body += r.choice([f'<{D}parameter name="x">1', "prose", f"</{D}parameter>", ""])
+    end = f"</{D}invoke>" if well_formed else r.choice([f"</{D}invoke>", ""])
+    return head + ">\n" + body + end + r.choice(["\n", ""])
+
+
+def _dsml_answer(r: random.Random) -> str:
+    """Content, blocks of invokes (one mangled a third of the time) or bare invokes, text
+    after; or (a fifth of the time) any of those pieces in any order."""
+    block, block_end = f"<{D}function_calls>", f"</{D}function_calls>"
+    if r.random() < 0.2:
+        pieces = [block, block_end, "text ", "\n", f"</{D}", "<", _dsml_invoke(r, False)]
+        return "".join(r.choice(pieces) for _ in range(r.randint(1, 6)))
+    out = r.choice(["", "Sure.", "text\n\n", " ", "a <", "x\n\n\n"])
+    bare = r.random() < 0.2
+    for _ in range(1 if bare else r.randint(1, 2)):
+        out += "" if bare else block + "\n"
+        bad = r.randrange(3) if r.random() < 0.33 else -1
+        for i in range(r.randint(0, 3)):
+            out += _dsml_invoke(r, i != bad)
+        out += ("" if bare else r.choice([block_end, block_end, ""])) + r.choice(["", " after"])
+    return out
+
+
 def _starts_with_a_bare_call(text: str) -> bool:
     """A call begin token before the section marker (or without one): SGLang's whole-answer
     reading keeps it in the content, or reads no calls; the engine reads calls from there, as
@@ -288,6 +333,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _glm_answer(r)
     if parser == "minimax-m2":
         return _minimax_answer(r)
+    if parser == "deepseekv32":
+        return _dsml_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -451,3 +498,32 @@ def test_minimax_streams_as_sglangs_detector_a_character_at_a_time(
         assert our_text.strip() == whole.strip(), text
         assert [mine[i] for i in sorted(mine)] == [theirs[i] for i in sorted(theirs)], text
         assert len(mine) == len(calls)
+
+
+_DSML_TAGS = re.compile(f"(</?{D}[a-z_]+)")
+
+
+@pytest.mark.timeout(120)
+def test_deepseekv32_streams_its_calls_as_sglangs_detector(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Well-formed DeepSeek V3.2 answers (calls to offered tools: SGLang's stream sends the
+    others too) fed a character at a time, each DSML tag's name whole (a token of the model's):
+    the same calls as SGLang's ``parse_streaming_increment`` (each whole), and the content of
+    its whole answer."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.deepseekv32_detector")
+    r = random.Random(4)
+    for _ in range(300):
+        text = r.choice(["", "Sure.", "Sure.\n\n", "a\n"]) + f"<{D}function_calls>\n"
+        text += "".join(_dsml_invoke(r, True) for _ in range(r.randint(1, 3)))
+        text += f"</{D}function_calls>"
+        text = text.replace('name="ghost"', 'name="add"')  # SGLang's stream sends unknown tools
+        parts = [p for part in _DSML_TAGS.split(text)
+                 for p in ([part] if _DSML_TAGS.fullmatch(part) else part)]  # fmt: skip
+        _, our_text, theirs, mine = _fed(module.DeepSeekV32Detector(), "deepseekv32", tools, parts)
+        want = module.DeepSeekV32Detector().detect_and_parse(text, tools)
+        assert our_text == want.normal_text, text
+        assert [mine[i] for i in sorted(mine)] == [theirs[i] for i in sorted(theirs)], text
+        assert len(mine) == len(want.calls)

@@ -758,23 +758,25 @@ def test_a_call_cut_short_is_closed_by_its_last_piece(parser: str, cut: str, arg
 # ---- deepseek --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["deepseekv3", "deepseekv31"])
+@pytest.fixture(scope="module", params=["deepseekv3", "deepseekv31", "deepseekv32"])
 def deepseek_engine(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Engine]:
     """DeepSeek's tool-call tokens tokens of their own, and their characters too, so that text
-    with them is encoded (a forced call's frame)."""
-    chars, words = CHARS + "`\uff5c\u2581", (SECTION, SECTION_END, BEGIN, SEP, END)
+    with them is encoded (a forced call's frame; V3.2's DSML tags are text)."""
+    chars, words = CHARS + "`\uff5c\u2581DSML", (SECTION, SECTION_END, BEGIN, SEP, END)
     yield from _format_engine(request.param, tmp_path_factory, chars, words)
 
 
 @pytest.mark.timeout(180)
 def test_a_forced_tool_choice_answers_with_deepseek_calls(deepseek_engine: Engine) -> None:
-    """tool_choice required or named with deepseekv3 / deepseekv31: constrained by the structural
-    tag of the detector's structure_info (deepseekv3_detector.py: the section marker, the call's
-    tokens, "function", the name, a json code block; deepseekv31_detector.py: the call's tokens
-    around the name and the JSON, triggered by the call's begin token), read back as calls (a
-    V3.1 answer of bare calls too: stages.engine.deepseek_calls), streamed in pieces that add up
-    to them; a strict tool's arguments follow its parameters."""
+    """tool_choice required or named with deepseekv3 / deepseekv31 / deepseekv32: constrained by
+    the structural tag of the detector's structure_info (deepseekv3_detector.py: the section
+    marker, the call's tokens, "function", the name, a json code block; deepseekv31_detector.py:
+    the call's tokens around the name and the JSON, triggered by the call's begin token;
+    deepseekv32_detector.py: a DSML invoke with a JSON body), read back as calls (bare calls
+    too: stages.engine.deepseek_calls, dsml_calls), streamed in pieces that add up to them; a
+    strict tool's arguments follow its parameters."""
     from stages.engine.deepseek_calls import FRAMES
+    from stages.engine.dsml_calls import FRAMES as DSML_FRAMES
 
     parser = deepseek_engine.parser  # type: ignore[attr-defined]
     client = openai.OpenAI(base_url=deepseek_engine.url + "/v1", api_key="unused", max_retries=0)
@@ -783,7 +785,7 @@ def test_a_forced_tool_choice_answers_with_deepseek_calls(deepseek_engine: Engin
         assert all(0 <= v <= 9 for c in calls for v in json.loads(c.function.arguments).values())
     native = _forced_sampling(deepseek_engine, parser)
     tag = json.loads(native["structural_tag"])
-    before, _, after, end, trigger = FRAMES[parser]
+    before, _, after, end, trigger = {**FRAMES, **DSML_FRAMES}[parser]
     assert tag["triggers"] == [trigger] and tag["at_least_one"] is True
     assert tag["structures"][1] == {
         "begin": before + "mul" + after,
@@ -1150,3 +1152,59 @@ def test_minimax_m2_streams_what_the_whole_answer_reads(step: int) -> None:
     stream.flush()
     (call,) = _calls_of(pieces + stream.unsent())
     assert json.loads(call["arguments"]) == {"a": 5, "cfg": {"k": "<v>"}}
+
+
+# ---- deepseekv32 -----------------------------------------------------------------------------
+
+DSML = "\uff5cDSML\uff5c"
+
+
+def _dsml(*invokes: str, before: str = "Sure.\n\n", closed: bool = True) -> str:
+    end = f"</{DSML}function_calls>" if closed else ""
+    return f"{before}<{DSML}function_calls>\n" + "".join(invokes) + end
+
+
+def _invoke(name: str, body: str | None) -> str:
+    if body is None:
+        return f'<{DSML}invoke name="{name}"/>\n'
+    return f'<{DSML}invoke name="{name}">\n{body}</{DSML}invoke>\n'
+
+
+def _param(key: str, value: str, string: bool) -> str:
+    return f'<{DSML}parameter name="{key}" string="{str(string).lower()}">{value}</{DSML}parameter>'
+
+
+def test_deepseekv32_reads_dsml_invokes() -> None:
+    """deepseekv32_detector.py detect_and_parse: parameter tags (string="true": the text,
+    stripped; else JSON, else the text), a JSON object body, a self-closing invoke; dropped: an
+    invoke never closed, a body that is not an object or holds stray DSML, a tool not offered;
+    the content the text before the block less its blank line; a block never closed: no
+    calls."""
+    params = _param("a", "1", False) + _param("s", " x ", True) + _param("q", "abc", False)
+    text = _dsml(
+        _invoke("add", params), _invoke("mul", '{"b": [1]}'), _invoke("add", None),
+        _invoke("ghost", "{}"), _invoke("add", "[1]"), _invoke("add", params + f"<{DSML}x"),
+    )  # fmt: skip
+    assert _whole("deepseekv32", text) == ("Sure.", [
+        {"name": "add", "arguments": '{"a": 1, "s": "x", "q": "abc"}'},
+        {"name": "mul", "arguments": '{"b": [1]}'},
+        {"name": "add", "arguments": "{}"},
+    ])  # fmt: skip
+    assert _whole("deepseekv32", _dsml(_invoke("add", "{}"), closed=False)) == ("Sure.", [])
+    bare = "Hi\n\n" + _invoke("add", '{"a": 1}')  # no block: invokes from the first on
+    assert _whole("deepseekv32", bare) == ("Hi", [{"name": "add", "arguments": '{"a": 1}'}])
+    assert parser_for_template(f"{{{{ '<{DSML}function_calls>' }}}}") == "deepseekv32"
+    tag = json.loads(forced_calls(TOOLS, "deepseekv32", named=False, parallel=True)[
+        "structural_tag"])  # fmt: skip
+    assert tag["structures"][0]["begin"] == f'<{DSML}invoke name="add">'
+    assert tag["structures"][0]["end"] == f"</{DSML}invoke>"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_deepseekv32_streams_what_the_whole_answer_reads(step: int) -> None:
+    text = _dsml(_invoke("add", _param("a", "1", False)), _invoke("mul", None))
+    content, pieces, calls = _stream("deepseekv32", text, step)
+    assert (content, _calls_of(pieces)) == _whole("deepseekv32", text) and calls == 2
+    # no call after all: every character is content, a stray tag and blank lines too
+    plain = f"a <b>\n\n</{DSML}parameter> c\n"
+    assert _stream("deepseekv32", plain, step)[:2] == (plain, [])
