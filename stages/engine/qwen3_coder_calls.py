@@ -39,14 +39,14 @@ from __future__ import annotations
 import ast
 import json
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import structlog
 
 from stages.engine.partial_json import ListedCalls
 
-__all__ = ["Qwen3CoderCalls"]
+__all__ = ["Qwen3CoderCalls", "typed_value"]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -112,37 +112,60 @@ class Qwen3CoderCalls(ListedCalls):
         if key not in config:
             return value
         kind = str(_schema_type(config[key]) or "string").strip().lower()
-        if kind in _STRINGS:
+        return typed_value(value, kind, _number)
+
+    def stream(self) -> _Qwen3CoderStream:
+        return _Qwen3CoderStream(self)
+
+
+def _number(value: str) -> Any:
+    """A number's value: an integer where it is written without ``.`` or ``e`` and is whole;
+    not a number: its text."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    whole = "." not in value and "e" not in value.lower()
+    return int(number) if whole and number.is_integer() else number
+
+
+def typed_value(
+    value: str, kind: str, number: Callable[[str], Any], errors: type[Exception] | None = None
+) -> Any:
+    """``value`` read as the type name ``kind`` says (the typing Qwen3-Coder's and MiMo's
+    detectors share, after vLLM's): strings as they are; integers as Python reads them, else
+    the text; numbers by ``number``; booleans ``true`` (any case) or else false; objects and
+    arrays as JSON, and anything else as a Python literal, else the text. A failure other than
+    the readings' own (``ValueError``, ``SyntaxError``, ``TypeError``) raises ``errors`` where
+    given (the detector raises there), else gives the text too."""
+    if kind in _STRINGS:
+        return value
+    if kind.startswith(_INTEGERS):
+        try:
+            return int(value)
+        except ValueError:
             return value
-        if kind.startswith(_INTEGERS):
-            try:
-                return int(value)
-            except ValueError:
-                return value
-        if kind.startswith(("num", "float")):
-            try:
-                number = float(value)
-            except ValueError:
-                return value
-            whole = "." not in value and "e" not in value.lower()
-            return int(number) if whole and number.is_integer() else number
-        if kind in ("boolean", "bool", "binary"):
-            return value.lower() == "true"
+    if kind.startswith(("num", "float")):
+        return number(value)
+    if kind in ("boolean", "bool", "binary"):
+        return value.lower() == "true"
+    try:
         if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
             try:
                 return json.loads(value)
-            except Exception:  # any failure: the next reading, as SGLang's
+            except ValueError:  # the next reading, as SGLang's
                 pass
         try:
             with warnings.catch_warnings():  # an invalid escape keeps its backslash, as there
                 warnings.simplefilter("ignore", SyntaxWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 return ast.literal_eval(value)
-        except Exception:  # any failure: the text, as SGLang's
+        except (ValueError, SyntaxError, TypeError):
             return value
-
-    def stream(self) -> _Qwen3CoderStream:
-        return _Qwen3CoderStream(self)
+    except Exception as exc:  # deep nesting, memory...
+        if errors is None:
+            return value
+        raise errors(str(exc)) from exc
 
 
 def _arguments_config(parameters: Any) -> Any:

@@ -6,8 +6,8 @@
 (``stages.engine.dsml_calls``), ``kimi_k2``
 (``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``),
 ``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``), ``trinity`` (Qwen 2.5's
-calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``); and
-how a forced
+calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``),
+``mimo`` (``stages.engine.mimo_calls``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -53,6 +53,7 @@ from stages.engine.harmony import GptOssCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
+from stages.engine.mimo_calls import MiMoCalls
 from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK
 from stages.engine.minimax_calls import MiniMaxM2Calls
 from stages.engine.partial_json import ListedCalls
@@ -98,7 +99,7 @@ _FORMATS: dict[str, Any] = {
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "gpt-oss",
-    "trinity", "minimax-m2", "deepseekv32",
+    "trinity", "minimax-m2", "deepseekv32", "mimo",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -106,6 +107,7 @@ PARSERS = (
 _TYPED = {
     "qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls,
     "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls, "minimax-m2": MiniMaxM2Calls,
+    "mimo": MiMoCalls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag

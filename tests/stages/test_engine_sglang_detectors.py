@@ -144,6 +144,7 @@ DETECTORS = {
     "trinity": ("trinity_detector", "TrinityDetector"),
     "minimax-m2": ("minimax_m2", "MinimaxM2Detector"),
     "deepseekv32": ("deepseekv32_detector", "DeepSeekV32Detector"),
+    "mimo": ("mimo_detector", "MiMoDetector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -316,6 +317,37 @@ def _dsml_answer(r: random.Random) -> str:
     return out
 
 
+MIMO_VALUES = [*VALUES, "&lt;b&gt;", "&amp;", "NULL", "{1, 2}", "1e400", "1j", "b'x'"]
+
+
+def _mimo_block(r: random.Random, well_formed: bool) -> str:
+    """A MiMo call block (to a tool offered or not), or a mangled one."""
+    params = "".join(
+        f"<parameter={r.choice(KEYS)}>{r.choice(MIMO_VALUES)}</parameter>" + r.choice(["\n", ""])
+        for _ in range(r.randint(0, 3))
+    )
+    name = r.choice(["add", "bare", "union", "ghost"] + ([" add ", ">"] if not well_formed else []))
+    body = f"\n<function={name}>\n{params}" + (
+        "</function>\n" if well_formed else r.choice(["</function>", "", "</function>x"])
+    )
+    end = "</tool_call>" if well_formed else r.choice(["</tool_call>", ""])
+    return "<tool_call>" + body + end + r.choice(["", "\n", " mid "])
+
+
+def _mimo_answer(r: random.Random) -> str:
+    """Content, call blocks (one mangled a third of the time), text between and after; or (a
+    fifth of the time) any of those pieces in any order."""
+    if r.random() < 0.2:
+        pieces = ["<tool_call>", "</tool_call>", "text ", "\n", "<function=add>", "</function>",
+                  _mimo_block(r, False)]  # fmt: skip
+        return "".join(r.choice(pieces) for _ in range(r.randint(1, 6)))
+    out = r.choice(["", "Sure. ", "text\n", "a <tool"])
+    bad = r.randrange(3) if r.random() < 0.33 else -1
+    for i in range(r.randint(1, 3)):
+        out += _mimo_block(r, i != bad)
+    return out + r.choice(["", " after"])
+
+
 def _starts_with_a_bare_call(text: str) -> bool:
     """A call begin token before the section marker (or without one): SGLang's whole-answer
     reading keeps it in the content, or reads no calls; the engine reads calls from there, as
@@ -335,6 +367,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _minimax_answer(r)
     if parser == "deepseekv32":
         return _dsml_answer(r)
+    if parser == "mimo":
+        return _mimo_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -527,3 +561,28 @@ def test_deepseekv32_streams_its_calls_as_sglangs_detector(
         assert our_text == want.normal_text, text
         assert [mine[i] for i in sorted(mine)] == [theirs[i] for i in sorted(theirs)], text
         assert len(mine) == len(want.calls)
+
+
+@pytest.mark.timeout(120)
+def test_mimo_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCaptureFixture) -> None:
+    """MiMo answers of well-formed blocks (to offered tools or not) fed a character at a time,
+    its block tags whole: the same calls as SGLang's ``parse_streaming_increment``, and the
+    content of its whole answer (its stream drops a later unknown call's block)."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.mimo_detector")
+    tags = re.compile("(</?tool_call>)")
+    r = random.Random(5)
+    for _ in range(300):
+        text = r.choice(["", "Sure. "]) + "".join(_mimo_block(r, True) for _ in range(3))
+        parts = [p for part in tags.split(text) for p in ([part] if tags.fullmatch(part) else part)]
+        try:
+            want = module.MiMoDetector().detect_and_parse(text, tools)
+        except Exception:  # a value JSON cannot write: SGLang's detector raises
+            continue
+        _, our_text, theirs, mine = _fed(module.MiMoDetector(), "mimo", tools, parts)
+        assert our_text == want.normal_text, text
+        got = [mine[i] for i in sorted(mine)]
+        assert got == [[c.name, c.parameters] for c in want.calls], text
+        if "ghost" not in text:
+            assert got == [theirs[i] for i in sorted(theirs)], text

@@ -1208,3 +1208,45 @@ def test_deepseekv32_streams_what_the_whole_answer_reads(step: int) -> None:
     # no call after all: every character is content, a stray tag and blank lines too
     plain = f"a <b>\n\n</{DSML}parameter> c\n"
     assert _stream("deepseekv32", plain, step)[:2] == (plain, [])
+
+
+# ---- mimo ------------------------------------------------------------------------------------
+
+
+def _mimo(name: str, *params: tuple[str, str]) -> str:
+    body = "".join(f"<parameter={k}>{v}</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_mimo_reads_a_call_a_block_typed_by_its_parameters() -> None:
+    """mimo_detector.py detect_and_parse: values HTML-unescaped and typed (integer, number,
+    boolean, object, a Python literal, text); a call to a tool not offered is content, with
+    the text since the block before; text between known calls and after the last dropped."""
+    reader = ToolCallParser(MINIMAX_TOOLS, "mimo")
+    text = (
+        "Sure. " + _mimo("add", ("a", "5"), ("x", "2.0"), ("on", "TRUE"), ("cfg", "{'k': 1}"),
+                         ("s", "a &lt; b"), ("opt", "null"), ("free", "x"))
+        + " between " + _mimo("ghost", ("a", "1")) + " gone " + _mimo("mul") + " after"
+    )  # fmt: skip
+    content, listed = reader.indexed(text, {"add": 0, "mul": 1})
+    assert content == "Sure.  between " + _mimo("ghost", ("a", "1"))
+    assert listed == [
+        (0, {"name": "add", "arguments": '{"a": 5, "x": 2, "on": true, "cfg": {"k": 1}, '
+                                         '"s": "a < b", "opt": null, "free": "x"}'}),
+        (1, {"name": "mul", "arguments": "{}"}),
+    ]  # fmt: skip
+    assert reader.parse(_mimo("add", ("cfg", "{1, 2}"))) == (_mimo("add", ("cfg", "{1, 2}")), [])
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_mimo_streams_what_the_whole_answer_reads(step: int) -> None:
+    text = "Sure. " + _mimo("add", ("a", "5")) + " x " + _mimo("ghost") + " y" + _mimo("mul")
+    stream = StreamingToolCalls(ToolCallParser(MINIMAX_TOOLS, "mimo"))
+    content, pieces = "", []
+    for i in range(0, len(text), step):
+        more, new = stream.feed(text[i : i + step])
+        content, pieces = content + more, pieces + new
+    assert (content + stream.flush(), _calls_of(pieces)) == ToolCallParser(
+        MINIMAX_TOOLS, "mimo"
+    ).parse(text)
+    assert len(pieces) == 4  # each call's name, then its arguments
