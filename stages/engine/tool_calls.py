@@ -7,7 +7,8 @@
 (``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``),
 ``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``), ``trinity`` (Qwen 2.5's
 calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``),
-``mimo`` (``stages.engine.mimo_calls``); and how a forced
+``mimo`` (``stages.engine.mimo_calls``), ``interns1`` (``stages.engine.internlm_calls``); and
+how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -50,6 +51,8 @@ from stages.engine.dsml_calls import DeepSeekV32Calls
 from stages.engine.glm_calls import GlmCalls
 from stages.engine.harmony import FRAMES as HARMONY_FRAMES
 from stages.engine.harmony import GptOssCalls
+from stages.engine.internlm_calls import FRAMES as INTERNLM_FRAMES
+from stages.engine.internlm_calls import InternlmCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
@@ -93,13 +96,14 @@ _FORMATS: dict[str, Any] = {
     "deepseekv32": DeepSeekV32Calls,
     "gpt-oss": GptOssCalls,
     "trinity": TrinityCalls,
+    "interns1": InternlmCalls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
 }
 # SGLang's --tool-call-parser names the engine reads
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "gpt-oss",
-    "trinity", "minimax-m2", "deepseekv32", "mimo",
+    "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -121,6 +125,7 @@ _FRAMES = {
     "mistral": ('[TOOL_CALLS] [{"name":', True, _JSON_ARGS, "}]", "[TOOL_CALLS]"),
     **DEEPSEEK_FRAMES,
     **DSML_FRAMES,
+    **INTERNLM_FRAMES,
     **KIMI_FRAMES,
     **HARMONY_FRAMES,
 }

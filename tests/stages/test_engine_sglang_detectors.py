@@ -145,6 +145,7 @@ DETECTORS = {
     "minimax-m2": ("minimax_m2", "MinimaxM2Detector"),
     "deepseekv32": ("deepseekv32_detector", "DeepSeekV32Detector"),
     "mimo": ("mimo_detector", "MiMoDetector"),
+    "interns1": ("internlm_detector", "InternlmDetector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -356,6 +357,12 @@ def _starts_with_a_bare_call(text: str) -> bool:
     return begin != -1 and not -1 < text.find(SECTION) < begin
 
 
+# InternLM's calls that make its detector raise (not an object, a name that is not a key) or
+# hold odd arguments
+INTERNLM_CALLS = ['{"name": ["add"]}', '{"name": []}', "[]", '{"name": "add", "parameters": 0}',
+                  '{"name": "add", "parameters": [1]}']  # fmt: skip
+
+
 def _answer(r: random.Random, parser: str) -> str:
     if parser.startswith("deepseek"):
         return _deepseek_answer(r, parser)
@@ -374,7 +381,11 @@ def _answer(r: random.Random, parser: str) -> str:
         call = r.choice(JSON_CALLS)
         if parser == "trinity":  # Qwen 2.5's calls, <think> tags anywhere
             out += r.choice(["", "<think>", "</think>"])
-        if parser in ("qwen25", "hermes", "trinity"):
+        if parser == "interns1":
+            call = r.choice([call, *INTERNLM_CALLS])
+            out += "<|action_start|> <|plugin|>" + r.choice(["\n", "", " "]) + call
+            out += r.choice(["<|action_end|>", "<|action_end|>", ""])
+        elif parser in ("qwen25", "hermes", "trinity"):
             gap = r.choice(["\n", "", " "])
             out += (
                 "<tool_call>" + gap + call + gap + r.choice(["</tool_call>", "", "</tool_call>\n"])
@@ -586,3 +597,31 @@ def test_mimo_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCaptureFix
         assert got == [[c.name, c.parameters] for c in want.calls], text
         if "ghost" not in text:
             assert got == [theirs[i] for i in sorted(theirs)], text
+
+
+@pytest.mark.timeout(120)
+def test_interns1_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCaptureFixture) -> None:
+    """InternLM answers of well-formed calls to offered tools fed a character at a time, its
+    special tokens whole: the first call as SGLang's ``parse_streaming_increment`` streams it
+    (it streams one: its docstring says so), every call and the content of its whole answer
+    (its stream does not strip the text before the calls)."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.internlm_detector")
+    tokens = re.compile(r"(<\|action_start\|>|<\|plugin\|>|<\|action_end\|>)")
+    r = random.Random(6)
+    for _ in range(300):
+        text = r.choice(["", "Sure. ", "a\n"]) + "".join(
+            "<|action_start|> <|plugin|>\n" + r.choice(JSON_CALLS[:2] + JSON_CALLS[3:5])
+            + "<|action_end|>" for _ in range(r.randint(1, 3))
+        )  # fmt: skip
+        parts = [p for part in tokens.split(text)
+                 for p in ([part] if tokens.fullmatch(part) else part)]  # fmt: skip
+        want = module.InternlmDetector().detect_and_parse(text, tools)
+        their_text, our_text, theirs, mine = _fed(module.InternlmDetector(), "interns1", tools,
+                                                  parts)  # fmt: skip
+        assert our_text == want.normal_text == their_text.strip(), text
+        # its stream reads the first call alone (a marker split over deltas is lost after it)
+        assert [mine[i] for i in sorted(mine)][:1] == [theirs[i] for i in sorted(theirs)], text
+        assert [mine[i] for i in sorted(mine)] == [[c.name, c.parameters] for c in want.calls]
+        assert len(mine) == len(want.calls) > 0

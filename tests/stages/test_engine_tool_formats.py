@@ -1250,3 +1250,39 @@ def test_mimo_streams_what_the_whole_answer_reads(step: int) -> None:
         MINIMAX_TOOLS, "mimo"
     ).parse(text)
     assert len(pieces) == 4  # each call's name, then its arguments
+
+
+# ---- interns1 --------------------------------------------------------------------------------
+
+ACTION = "<|action_start|> <|plugin|>\n{}<|action_end|>"
+
+
+def test_interns1_reads_json_calls_between_its_action_tokens() -> None:
+    """internlm_detector.py detect_and_parse: a call a block (parameters or arguments; none:
+    {}), a block not JSON skipped, a tool not offered dropped, the content before the calls
+    stripped; a block that is JSON but not an object: the answer unread; none closed: no
+    calls."""
+    text = " Sure. " + "".join(ACTION.format(c) for c in (
+        '{"name": "add", "parameters": {"a": 1}}', "not json", '{"name": "ghost"}',
+        '{"name": "mul", "arguments": null}',
+    ))  # fmt: skip
+    assert _whole("interns1", text) == ("Sure.", [
+        {"name": "add", "arguments": '{"a": 1}'}, {"name": "mul", "arguments": "{}"}])  # fmt: skip
+    broken = text + ACTION.format("[1]")
+    assert _whole("interns1", broken) == (broken, [])
+    open_only = "x <|action_start|> <|plugin|>\n{"
+    assert _whole("interns1", open_only) == (open_only, [])
+    tag = json.loads(forced_calls(TOOLS, "interns1", named=True, parallel=True)["structural_tag"])
+    assert tag["structures"][0]["begin"] == '<|action_start|> <|plugin|>\n{"name": "add", ' \
+        '"parameters": '  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_interns1_streams_what_the_whole_answer_reads(step: int) -> None:
+    for text in (
+        "Sure.  " + ACTION.format('{"name": "add", "parameters": {"a": 1}}') + "\n"
+        + ACTION.format('{"name": "mul"}'),
+        " no calls <|action_start|> <|plugin|>\n{",  # space first, a marker never closed
+    ):  # fmt: skip
+        content, pieces, _ = _stream("interns1", text, step)
+        assert (content, _calls_of(pieces)) == _whole("interns1", text)
