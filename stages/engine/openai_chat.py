@@ -119,6 +119,8 @@ _ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 # set above from their own rules, or not fields of a chat request (json_schema comes as
 # response_format; custom_params is not honoured here)
 _NOT_SAMPLING = frozenset({*_DEFAULTS, "max_tokens", "json_schema", "custom_params"})
+# models whose answers' format is special tokens: their chat answers keep them (serving_chat)
+_SPECIAL_FORMATS = frozenset({"gpt_oss", "gemma4", "gemma4_unified"})
 
 
 def _model_type(model_dir: Path) -> str | None:
@@ -142,9 +144,9 @@ class ChatSettings:
     # the format was named by --tool-call-parser (not found in the template): what SGLang
     # needs to constrain anything of an auto answer (its strict tools)
     tool_parser_named: bool = False
-    # the model writes OpenAI's Harmony messages (config model_type gpt_oss): its answers keep
-    # their special tokens, which are the format (serving_chat's is_gpt_oss)
-    harmony: bool = False
+    # the served model's config.json model_type: gpt-oss and Gemma 4 answers keep their special
+    # tokens, which are their formats (serving_chat's is_gpt_oss, is_gemma4)
+    model_type: str | None = None
     renderer: TemplateRenderer = field(init=False, repr=False)
     token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 
@@ -193,7 +195,7 @@ class ChatSettings:
             if reasoning_parser is None
             else ReasoningSettings.of(reasoning_parser, template, tokenizer),
             tool_call_parser is not None,
-            _model_type(model_dir) == "gpt_oss",
+            _model_type(model_dir),
         )
 
     def render(
@@ -278,7 +280,7 @@ def chat_request(
         raise OpenAIError("return_flat_raw_output_top_logprobs requires return_meta_info=true.")
     given_kwargs = body.get("chat_template_kwargs")
     if (
-        settings.harmony
+        settings.model_type == "gpt_oss"
         and isinstance(given_kwargs, dict)
         and given_kwargs.get("reasoning_effort") == "none"
     ):  # serving_chat._convert_to_internal_request, for gpt-oss
@@ -375,8 +377,8 @@ def chat_request(
     reasoning = _reasoning(body, settings, request_kwargs, effort)
     if reasoning is not None and reasoning.keep_special:  # Mistral's [THINK] tags are special
         sampling["skip_special_tokens"] = False  # tokens (serving_chat: SGLang keeps them)
-    if settings.harmony:  # so are Harmony's, whatever the request says (SGLang's is_gpt_oss)
-        sampling["skip_special_tokens"] = False
+    if settings.model_type in _SPECIAL_FORMATS:  # so are Harmony's and Gemma 4's, whatever the
+        sampling["skip_special_tokens"] = False  # request says (is_gpt_oss, is_gemma4)
     if reasoning is not None and reasoning.counted:  # a thinking request: any grammar waits
         native_body["require_reasoning"] = True  # for the end of its reasoning (as SGLang's)
     adapter_in_model = name_adapter(native_body, model, body.get("lora_path"))

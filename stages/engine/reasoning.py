@@ -20,6 +20,8 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   opens it (its detector is never forced);
 - ``mistral`` (``MistralDetector``): ``[THINK]`` ... ``[/THINK]``, reasoning when the request
   has a ``reasoning_effort`` other than ``none``;
+- ``gemma4`` (``Gemma4Detector``): ``<|channel>thought`` and a newline ... ``<channel|>``,
+  reasoning when the request sets ``enable_thinking`` true;
 - ``minimax-append-think`` (``MiniMaxAppendThinkDetector``): no split; the answer is content,
   ``<think>`` put before it.
 
@@ -28,7 +30,7 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
 Not here, for parsing more than tags and defaults: ``kimi_k3``,
-``k2_horizon``, ``ling3``, ``granite_thinking_parser``, ``gemma4``, ``minimax-m3``,
+``k2_horizon``, ``ling3``, ``granite_thinking_parser``, ``minimax-m3``,
 ``hunyuan``, ``iquest_q1``, ``cohere_command4``, ``inkling``, ``apertus2509``, ``muse``,
 ``beam``, ``response_template``, ``deepseek-v4``/``deepseek-v41``.
 
@@ -93,6 +95,14 @@ class ThinkFormat:
     # --enable-strict-thinking (stages.engine.strict_thinking)
     excluded: tuple[str, ...] = ()
     harmony: bool = False  # OpenAI's Harmony messages (gpt-oss), read by harmony.py
+    # what the model writes after its start tag, taken out with it (its detector's
+    # think_start_self_label: Gemma 4's "thought\n"); the start tag alone says it reasons
+    label: str = ""
+
+    @property
+    def opening(self) -> str:
+        """The start tag as the model writes it, label and all."""
+        return self.start + self.label
 
 
 _R1 = ThinkFormat(tool_start=None, default="always", force=True)
@@ -138,6 +148,15 @@ PARSERS: dict[str, ThinkFormat] = {
         tool_start=None, default="mistral", start="[THINK]", end="[/THINK]", special_tags=True
     ),
     "minimax-append-think": ThinkFormat(tool_start=None, default="always", whole=True),
+    # Gemma4Detector: its channel tokens, "thought\n" after the opening one; reasoning when the
+    # request sets enable_thinking
+    "gemma4": ThinkFormat(
+        tool_start=None,
+        default="explicit_enable_thinking",
+        start="<|channel>",
+        end="<channel|>",
+        label="thought\n",
+    ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
         tool_start=None,
@@ -190,7 +209,7 @@ class ThinkParser:
             self.in_reasoning = False
         # what a stream waits on while it is the start of one (its tool start too)
         self._tags = (
-            (fmt.start, fmt.end, fmt.tool_start) if fmt.tool_start else (fmt.start, fmt.end)
+            (fmt.opening, fmt.end, fmt.tool_start) if fmt.tool_start else (fmt.opening, fmt.end)
         )
         self._buffer = ""  # streamed text held back (the start of a tag, or the reasoning)
         self._stripped_start = False
@@ -211,8 +230,9 @@ class ThinkParser:
             return "", start + text
         if not (self.in_reasoning or start in text):
             return "", text
-        while text.startswith(start):
-            text = text[len(start) :]
+        opening = self.fmt.opening
+        while text.startswith(opening):
+            text = text[len(opening) :]
         if end not in text and end not in self.previous:
             cut = text.find(self.fmt.tool_start) if self.fmt.tool_start else -1
             if cut != -1:  # a tool call ends it; the call stays in the content
@@ -240,8 +260,8 @@ class ThinkParser:
         text = self._buffer = self._buffer + delta
         if any(tag != text and tag.startswith(text) for tag in self._tags):
             return "", ""
-        if not self._stripped_start and fmt.start in text:
-            text = self._buffer = text.replace(fmt.start, "", 1)
+        if not self._stripped_start and fmt.opening in text:
+            text = self._buffer = text.replace(fmt.opening, "", 1)
             self._stripped_start = True
             self.in_reasoning = True
         if not self.in_reasoning:
@@ -261,7 +281,7 @@ class ThinkParser:
             return "", ""
         held = [fmt.end] if fmt.tool_start is None else [fmt.end, fmt.tool_start]
         if not self._stripped_start:
-            held.append(fmt.start)
+            held.append(fmt.opening)
         keep = max(partial_tail(text, tag) for tag in held)
         self._buffer = text[len(text) - keep :]
         return text[: len(text) - keep], ""
@@ -272,8 +292,8 @@ class ThinkParser:
         left, self._buffer = self._buffer, ""
         if not self.in_reasoning:
             return "", left
-        if left.startswith(self.fmt.start):
-            left = left[len(self.fmt.start) :]
+        if left.startswith(self.fmt.opening):
+            left = left[len(self.fmt.opening) :]
         if self.nonempty:
             content, self._reasoning_sent = self._reasoning_sent + left, ""
             return "", content

@@ -7,8 +7,8 @@
 (``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``),
 ``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``), ``trinity`` (Qwen 2.5's
 calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``),
-``mimo`` (``stages.engine.mimo_calls``), ``interns1`` (``stages.engine.internlm_calls``); and
-how a forced
+``mimo`` (``stages.engine.mimo_calls``), ``interns1`` (``stages.engine.internlm_calls``),
+``gemma4`` (``stages.engine.gemma4_calls``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -48,6 +48,8 @@ from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
 from stages.engine.dsml_calls import BLOCK as DSML_BLOCK
 from stages.engine.dsml_calls import FRAMES as DSML_FRAMES
 from stages.engine.dsml_calls import DeepSeekV32Calls
+from stages.engine.gemma4_calls import BEGIN as GEMMA4_BEGIN
+from stages.engine.gemma4_calls import Gemma4Calls
 from stages.engine.glm_calls import GlmCalls
 from stages.engine.harmony import FRAMES as HARMONY_FRAMES
 from stages.engine.harmony import GptOssCalls
@@ -103,7 +105,7 @@ _FORMATS: dict[str, Any] = {
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "gpt-oss",
-    "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1",
+    "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -112,6 +114,7 @@ _TYPED = {
     "qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls,
     "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls, "minimax-m2": MiniMaxM2Calls,
     "mimo": MiMoCalls,
+    "gemma4": Gemma4Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -150,7 +153,8 @@ def parser_for_template(template: str | None) -> str | None:
     """The parser a chat template's own tool-call format needs (None: none known): DeepSeek
     V3.2's DSML block ``deepseekv32``; DeepSeek's markers get ``deepseekv3`` where the template
     writes the arguments in a json code block, else ``deepseekv31``; Kimi K2's section marker
-    ``kimi_k2``; MiniMax-M2's block tag ``minimax-m2``; among those that write
+    ``kimi_k2``; MiniMax-M2's block tag ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
+    among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's, the others Qwen 2.5's, which needs a newline after the tag,
     or where it writes a call's JSON right after the tag, Hermes', which reads that too."""
@@ -162,6 +166,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "kimi_k2"
     if template and MINIMAX_BLOCK in template:
         return "minimax-m2"
+    if template and GEMMA4_BEGIN in template:
+        return "gemma4"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:

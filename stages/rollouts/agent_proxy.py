@@ -135,7 +135,7 @@ class Episode:
                 chat.defaults,
                 chat.tool_parser,
                 chat.reasoning,
-                harmony=chat.harmony,
+                model_type=chat.model_type,
             )
             chat.rendered = {}
         self.chat = chat

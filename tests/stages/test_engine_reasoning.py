@@ -137,6 +137,16 @@ def test_the_other_detectors_split_with_their_own_tags_and_force_rules() -> None
     parser = ThinkParser(kimi, force=False)
     assert parser.feed("◁th") == ("", "") and parser.feed("ink▷ab◁/") == ("ab", "")
     assert parser.feed("think▷c") == ("", "c")
+    # Gemma4Detector: <|channel>thought\n ... <channel|>; its start token alone opens it in a
+    # whole answer, the label is taken out with it; reasoning when enable_thinking is true
+    gemma = PARSERS["gemma4"]
+    assert _parse(gemma, "<|channel>thought\nplan<channel|>Hi") == ("plan", "Hi")
+    assert _parse(gemma, "<|channel>plan<channel|>Hi") == ("<|channel>plan", "Hi")
+    assert _parse(gemma, "plan<channel|>Hi", force=True) == ("plan", "Hi")
+    parts = ["<|channel>", "thou", "ght\n", "pl", "an<chan", "nel|>H", "i"]
+    assert _streamed(gemma, parts) == ("plan", "Hi")
+    assert not thinking_on(gemma, None, None, None)
+    assert thinking_on(gemma, None, {"enable_thinking": True}, None)
     # MiniMaxAppendThinkDetector: no split; <think> before the answer (the first delta's)
     append = PARSERS["minimax-append-think"]
     assert _parse(append, "a</think>b", force=True, nonempty=True) == ("", "<think>a</think>b")

@@ -1286,3 +1286,44 @@ def test_interns1_streams_what_the_whole_answer_reads(step: int) -> None:
     ):  # fmt: skip
         content, pieces, _ = _stream("interns1", text, step)
         assert (content, _calls_of(pieces)) == _whole("interns1", text)
+
+
+# ---- gemma4 ----------------------------------------------------------------------------------
+
+Q = '<|"|>'
+GEMMA_ARGS = (f"city:{Q}Paris, FR{Q},days:2,ratio:2.5,on:true,tags:[{Q}a{Q},1,[2]],"
+              f"o:{{k:{Q}}}{Q}}},x:hi")  # fmt: skip
+
+
+def test_gemma4_reads_its_own_notation() -> None:
+    """gemma4_detector.py detect_and_parse: call:NAME{key:value,...} between its tokens, values
+    strings between <|"|> marks, objects, lists, booleans, numbers, bare text; calls to tools not
+    offered kept (tool_index -1); the content the text before the first call; a stray bracket
+    skipped (SGLang's reader loops forever on it)."""
+    text = (f"Sure. <|tool_call>call:add{{{GEMMA_ARGS}}}<tool_call|> mid "
+            "<|tool_call>call:ghost{}<tool_call|>")  # fmt: skip
+    content, listed = ToolCallParser(TOOLS, "gemma4").indexed(text, {})
+    assert content == "Sure. "
+    assert listed == [
+        (0, {"name": "add", "arguments": '{"city": "Paris, FR", "days": 2, "ratio": 2.5, '
+             '"on": true, "tags": ["a", 1, [2]], "o": {"k": "}"}, "x": "hi"}'}),
+        (-1, {"name": "ghost", "arguments": "{}"}),
+    ]  # fmt: skip
+    stray = "<|tool_call>call:add{y:[1,2,b:[1,{a:2}],e:nan}<tool_call|>"
+    assert _whole("gemma4", stray)[1] == [{"name": "add", "arguments": '{"y": [1, 2, "b:[1", '
+                                           '{"a": 2}, "e:na"]}'}]  # fmt: skip
+    assert _whole("gemma4", "x <|tool_call>call:add{a:1}") == ("x <|tool_call>call:add{a:1}", [])
+    assert parser_for_template("{{ '<|tool_call>call:' }}") == "gemma4"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_gemma4_streams_what_the_whole_answer_reads(step: int) -> None:
+    text = (f"Sure. <|tool_call>call:add{{a:{Q}x, y{Q}}}<tool_call|> mid <|tool_call>call:mul{{}}"
+            "<tool_call|> after")  # fmt: skip
+    content, pieces, _ = _stream("gemma4", text, step)
+    assert (content, _calls_of(pieces)) == _whole("gemma4", text)
+    # cut short before its end token: named (as SGLang's stream names it), no arguments, and
+    # the text as it is for content, as the whole answer has it (no call)
+    cut = "no call <|tool_call>call:add{a:1"
+    content, pieces, _ = _stream("gemma4", cut, step)
+    assert (content, _calls_of(pieces)) == (cut, [{"name": "add", "arguments": ""}])
