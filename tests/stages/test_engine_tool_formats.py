@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -1327,3 +1328,58 @@ def test_gemma4_streams_what_the_whole_answer_reads(step: int) -> None:
     cut = "no call <|tool_call>call:add{a:1"
     content, pieces, _ = _stream("gemma4", cut, step)
     assert (content, _calls_of(pieces)) == (cut, [{"name": "add", "arguments": ""}])
+
+
+# ---- this session's formats through the chat route's stream -----------------------------------
+
+_SAMPLES = {
+    "trinity": '<think>x<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call></think>',
+    "minimax-m2": _minimax(("add", [("a", "1")]), ("mul", [])),
+    "deepseekv32": _dsml(_invoke("add", _param("a", "1", False)), _invoke("mul", None)),
+    "mimo": "ok " + _mimo("add", ("a", "1")) + _mimo("mul"),
+    "interns1": "ok " + ACTION.format('{"name": "add", "parameters": {"a": 1}}')
+    + ACTION.format('{"name": "mul"}'),
+    "gemma4": "ok <|tool_call>call:add{a:1}<tool_call|><|tool_call>call:mul{}<tool_call|>",
+    "gpt-oss": "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.add <|constrain|>json<|message|>{"a": 1}<|call|>',
+}  # fmt: skip
+
+
+_SPECIAL = re.compile(r"(<\|[a-z]+\|>|</?think>|</?tool_call>)")
+
+
+@pytest.mark.parametrize("parser", list(_SAMPLES))
+def test_a_chat_stream_sends_each_new_formats_calls_as_tool_call_deltas(parser: str) -> None:
+    """serving_chat._process_tool_call_stream with each format: named deltas with their ids,
+    then argument deltas, adding up to what the whole answer's calls hold; finish tool_calls;
+    the content the whole answer's."""
+    text = _SAMPLES[parser]
+    tools = MINIMAX_TOOLS if parser in ("minimax-m2", "mimo", "gemma4") else OFFERED
+    options = {"model": "m", "n": 1, "logprobs": False, "parse_tools": True, "tools": tools,
+               "tool_parser": parser, "stream": True, "include_usage": False,
+               "continuous_usage_stats": False}  # fmt: skip
+
+    async def run() -> list[dict]:
+        async def batches():  # 5 characters at a time, the special tokens whole
+            cut = 0
+            for part in _SPECIAL.split(text):
+                step = len(part) if _SPECIAL.fullmatch(part) else 5
+                for i in range(0, len(part), step):
+                    cut += len(part[i : i + step])
+                    yield [_native(text[:cut], None)]
+            yield [_native(text, {"type": "stop", "matched": 1})]
+
+        return [c async for batch in chat_stream(batches(), options) for c in batch]
+
+    chunks = asyncio.run(run())
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls: dict[int, dict[str, str]] = {}
+    for d in deltas:
+        for call in d.get("tool_calls") or ():
+            got = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+            got["name"] += call["function"].get("name") or ""
+            got["arguments"] += call["function"].get("arguments") or ""
+    content, whole = ToolCallParser(tools, parser).parse(text)
+    assert [calls[i] for i in sorted(calls)] == whole and len(whole) >= 1
+    assert "".join(d.get("content") or "" for d in deltas) == content
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
