@@ -18,21 +18,22 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   only when the request sets the switch true;
 - ``kimi`` (``KimiDetector``): ``◁think▷`` ... ``◁/think▷``, reasoning only where the answer
   opens it (its detector is never forced);
+- ``kimi_k2`` (``KimiK2Detector``): ``<think>`` ... ``</think>``, Kimi K2's tool calls' section
+  ending it too, on unless ``chat_template_kwargs.thinking`` is false;
 - ``mistral`` (``MistralDetector``): ``[THINK]`` ... ``[/THINK]``, reasoning when the request
   has a ``reasoning_effort`` other than ``none``;
 - ``gemma4`` (``Gemma4Detector``): ``<|channel>thought`` and a newline ... ``<channel|>``,
   reasoning when the request sets ``enable_thinking`` true;
 - ``minimax-append-think`` (``MiniMaxAppendThinkDetector``): no split; the answer is content,
-  ``<think>`` put before it.
-
+  ``<think>`` put before it;
 - ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
   ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
-Not here, for parsing more than tags and defaults: ``kimi_k3``,
-``k2_horizon``, ``ling3``, ``granite_thinking_parser``, ``minimax-m3``,
-``hunyuan``, ``iquest_q1``, ``cohere_command4``, ``inkling``, ``apertus2509``, ``muse``,
-``beam``, ``response_template``, ``deepseek-v4``/``deepseek-v41``.
+Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``ling3``,
+``granite_thinking_parser``, ``minimax-m3``, ``hunyuan``, ``iquest_q1``, ``cohere_command4``,
+``inkling``, ``apertus2509``, ``muse``, ``beam``, ``response_template``, ``deepseek-v4`` /
+``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
 ``finish``), as SGLang's detector does, down to the tails it holds back while they could be
