@@ -100,6 +100,7 @@ from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 from bench._engines import free_port, wait_health  # noqa: E402
 from stages.engine.identity import ENGINE_ID_ENV, new_engine_id  # noqa: E402
+from stages.hf import cache_argument  # noqa: E402
 
 ARITH = ROOT / "configs" / "models" / "arith-tiny"
 
@@ -149,10 +150,11 @@ def _forward_ms(model: torch.nn.Module, batch: int, contexts: list[int], reps: i
     for ctx in contexts:
         ids = torch.randint(2, model.config.vocab_size, (batch, ctx + 1))
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :ctx], past_key_values=cache, use_cache=True)
+        name = cache_argument(model.forward) or "past_key_values"  # transformers renamed it
+        model(input_ids=ids[:, :ctx], **{name: cache}, use_cache=True)
         for _ in range(reps):
             start = time.perf_counter()
-            model(input_ids=ids[:, ctx:], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, ctx:], **{name: cache}, use_cache=True)
             times.append(time.perf_counter() - start)
             cache.crop(-1)
     return 1000 * statistics.median(times)

@@ -9,6 +9,9 @@ thread importing it waits. Import these names from here, not from ``transformers
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import transformers
 
 AutoConfig = transformers.AutoConfig
@@ -21,6 +24,7 @@ PreTrainedTokenizerBase = transformers.PreTrainedTokenizerBase
 PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
 
 __all__ = [
+    "CACHE_NAMES",
     "AutoConfig",
     "AutoModel",
     "AutoModelForCausalLM",
@@ -29,4 +33,25 @@ __all__ = [
     "DynamicCache",
     "PreTrainedTokenizerBase",
     "PreTrainedTokenizerFast",
+    "cache_argument",
+    "output_cache",
 ]
+
+# a model forward's keys-and-values argument: "cache" from transformers 5.2x on, where
+# "past_key_values" still works with a warning until its removal (5.40)
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+def cache_argument(forward: Any) -> str | None:
+    """The name ``forward`` takes its cache by (None: neither name)."""
+    try:
+        names = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return next((n for n in CACHE_NAMES if n in names), None)
+
+
+def output_cache(out: Any) -> Any:
+    """A forward's returned cache, under either name (None: none)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)

@@ -94,7 +94,7 @@ from stages.engine.reasoning import reasoning_tokens
 from stages.engine.sampling import SlotSampler, Support
 from stages.engine.step_profiler import ProfileRequest, StepProfiler
 from stages.engine.strict_thinking import StrictThinking
-from stages.hf import DynamicCache
+from stages.hf import DynamicCache, cache_argument, output_cache
 
 __all__ = ["PAUSE_MODES", "PREFIX_CACHE_MAX_AGE", "PREFIX_CACHE_TOKENS", "Scheduler"]
 
@@ -455,6 +455,8 @@ class Scheduler:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.model = model.eval()
         _check_full_attention(model)
+        # the name the model's forward takes its cache by (transformers renamed it)
+        self._cache_arg = cache_argument(model.forward) or "past_key_values"
         self.device = next(model.parameters()).device
         self.max_running = max_running
         # a streamed request's tokens go out in a chunk every this many (SGLang's
@@ -1549,13 +1551,13 @@ class Scheduler:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=past if past is not None else DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
             output_hidden_states=keep_hidden,
+            **{self._cache_arg: past if past is not None else DynamicCache()},
         )
         hidden = out.hidden_states[-1] if keep_hidden else None
-        return out.past_key_values, out.logits[:, -1, :], hidden
+        return output_cache(out), out.logits[:, -1, :], hidden
 
     def _keep_prefill_hidden(
         self, group: list[_Seq], source: list[int], new: list[int], hidden: torch.Tensor
@@ -1595,10 +1597,10 @@ class Scheduler:
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=kv.cache,
                 use_cache=True,
                 logits_to_keep=1,
                 output_hidden_states=keep,
+                **{self._cache_arg: kv.cache},
             )
             logits = out.logits[:, -1, :]
             if keep:

@@ -320,8 +320,10 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor 
     back into the prompt's pass through the shared keys and values. None (the caller then runs
     the whole rows) when the model cannot be called so: no cache argument, or a cache that is
     not plain per-layer keys and values (sliding windows, linear attention)."""
+    from stages.hf import CACHE_NAMES, output_cache
+
     names = _forward_names(model)
-    cache_arg = next((n for n in ("cache", "past_key_values") if n in names), None)
+    cache_arg = next((n for n in CACHE_NAMES if n in names), None)
     inner = getattr(model, "module", model)  # DeepSpeed / DDP wrappers pass kwargs through
     if cache_arg is None or "position_ids" not in names or _SHARING.get(inner) is False:
         return None
@@ -330,9 +332,7 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor 
     width = prompts.shape[1]
     keep = width - int(lengths.min()) + 1  # from the shortest prompt's last position on
     out = model(input_ids=prompts, **{**_forward_options(model, keep), "use_cache": True})
-    cache = getattr(out, cache_arg, None)
-    if cache is None and cache_arg == "cache":
-        cache = getattr(out, "past_key_values", None)
+    cache = output_cache(out)
     from transformers.cache_utils import DynamicLayer
 
     layers = getattr(cache, "layers", None)

@@ -12,6 +12,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
 )
 from transformers.cache_utils import DynamicCache
@@ -20,7 +21,11 @@ from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.model_weights import load_named_tensors
 from stages.engine.scheduler import Scheduler
+from stages.hf import cache_argument, output_cache
 from tests.numerics import assert_close, forward_terms
+
+# the name models' forward takes the cache by (transformers renamed it)
+CACHE_ARG = cache_argument(Qwen2ForCausalLM.forward) or "past_key_values"
 
 pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 
@@ -73,11 +78,11 @@ def _reference_prefill(model, ids, mask, positions) -> tuple[torch.Tensor, Dynam
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=DynamicCache(),
+        **{CACHE_ARG: DynamicCache()},
         use_cache=True,
         logits_to_keep=1,
     )
-    return out.logits[:, -1], out.past_key_values
+    return out.logits[:, -1], output_cache(out)
 
 
 def _prefilled(model, attn: str, lengths: list[int]) -> tuple[BatchKV, torch.Tensor]:
@@ -97,7 +102,7 @@ def _reference(model, kv: BatchKV) -> torch.Tensor:
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=kv.cache,
+        **{CACHE_ARG: kv.cache},
         use_cache=True,
         logits_to_keep=1,
     )

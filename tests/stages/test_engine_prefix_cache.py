@@ -16,14 +16,18 @@ from typing import Any
 import pytest
 import torch
 from structlog.testing import capture_logs
-from transformers import DynamicCache
+from transformers import DynamicCache, Qwen2ForCausalLM
 
 from stages.engine.prefix_cache import PrefixCache, Stamp
 from stages.engine.protocol import GenerateInput, SamplingParams, SequenceResult
 from stages.engine.scheduler import Scheduler
+from stages.hf import cache_argument
 from tests.numerics import assert_close, forward_terms
 from tests.stages.engine_setup import builtin_engine, load_reference, two_tiny_models
 from tests.stages.tiny_model import make_tiny_model, tiny_config
+
+# the name models' forward takes the cache by (transformers renamed it)
+CACHE_ARG = cache_argument(Qwen2ForCausalLM.forward) or "past_key_values"
 
 pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 
@@ -381,12 +385,12 @@ def _stale_then_new(
     """Greedy tokens and log-probs of ``new`` after ``prefix + rest`` where the KV of
     ``prefix`` was computed by ``old``."""
     cache = DynamicCache()
-    old(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+    old(torch.tensor([prefix]), **{CACHE_ARG: cache}, use_cache=True)
     ids, position, out, lps = rest, len(prefix), [], []
     for _ in range(n):
         positions = torch.arange(position, position + len(ids))[None]
         logits = new(
-            torch.tensor([ids]), past_key_values=cache, use_cache=True, position_ids=positions
+            torch.tensor([ids]), **{CACHE_ARG: cache}, use_cache=True, position_ids=positions
         ).logits[0, -1]
         token = int(logits.argmax())
         out.append(token)

@@ -9,14 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, Qwen2ForCausalLM
 
 from stages.engine.model_weights import WeightLoadError, load_named_tensors
 from stages.engine.protocol import GenerateInput, SamplingParams, SequenceResult
 from stages.engine.scheduler import Scheduler
+from stages.hf import cache_argument
 from tests.numerics import assert_close, forward_terms
 from tests.stages.engine_setup import load_reference, run_with_retraction, two_tiny_models
 from tests.stages.tiny_model import make_tiny_model
+
+# the name models' forward takes the cache by (transformers renamed it)
+CACHE_ARG = cache_argument(Qwen2ForCausalLM.forward) or "past_key_values"
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
 
@@ -33,12 +37,12 @@ def _continue_with_stale_cache(
     """Greedy tokens after ``before``: the cache of prompt + before[:-1] comes from ``old``."""
     cache = DynamicCache()
     context = prompt + before
-    old(torch.tensor([context[:-1]]), past_key_values=cache, use_cache=True)
+    old(torch.tensor([context[:-1]]), **{CACHE_ARG: cache}, use_cache=True)
     out, last = [], context[-1]
     for pos in range(len(context) - 1, len(context) - 1 + total - len(before)):
         logits = new(
             torch.tensor([[last]]),
-            past_key_values=cache,
+            **{CACHE_ARG: cache},
             use_cache=True,
             position_ids=torch.tensor([[pos]]),
         ).logits
