@@ -24,6 +24,9 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   has a ``reasoning_effort`` other than ``none``;
 - ``gemma4`` (``Gemma4Detector``): ``<|channel>thought`` and a newline ... ``<channel|>``,
   reasoning when the request sets ``enable_thinking`` true;
+- ``granite_thinking_parser`` (``GraniteThinkingDetector``): ``qwen3``'s split without its
+  excluded tags, the content's leading newlines taken out once there was reasoning; with
+  ``enable_thinking`` false, an answer without content gets its reasoning as content;
 - ``minimax-append-think`` (``MiniMaxAppendThinkDetector``): no split; the answer is content,
   ``<think>`` put before it;
 - ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
@@ -31,7 +34,7 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
 Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``ling3``,
-``granite_thinking_parser``, ``minimax-m3``, ``hunyuan``, ``iquest_q1``, ``cohere_command4``,
+``minimax-m3``, ``hunyuan``, ``iquest_q1``, ``cohere_command4``,
 ``inkling``, ``apertus2509``, ``muse``, ``beam``, ``response_template``, ``deepseek-v4`` /
 ``deepseek-v41``.
 
@@ -99,6 +102,9 @@ class ThinkFormat:
     # what the model writes after its start tag, taken out with it (its detector's
     # think_start_self_label: Gemma 4's "thought\n"); the start tag alone says it reasons
     label: str = ""
+    # Granite's: the content after the end tag loses its leading newlines (the template writes
+    # "\n</think>\n"), and a request with enable_thinking false has its content never empty
+    granite: bool = False
 
     @property
     def opening(self) -> str:
@@ -149,6 +155,11 @@ PARSERS: dict[str, ThinkFormat] = {
         tool_start=None, default="mistral", start="[THINK]", end="[/THINK]", special_tags=True
     ),
     "minimax-append-think": ThinkFormat(tool_start=None, default="always", whole=True),
+    # GraniteThinkingDetector: <think> tags, <tool_call> ends them too, the content's leading
+    # newlines taken out
+    "granite_thinking_parser": ThinkFormat(
+        tool_start="<tool_call>", default="enable_thinking", granite=True
+    ),
     # Gemma4Detector: its channel tokens, "thought\n" after the opening one; reasoning when the
     # request sets enable_thinking
     "gemma4": ThinkFormat(
@@ -216,11 +227,21 @@ class ThinkParser:
         self._stripped_start = False
         self._reasoning_sent = ""  # with nonempty: the reasoning streamed so far
         self._fed = False  # a whole format: its start tag went out
+        self._thought = False  # Granite's: reasoning was seen (its content's newlines go)
+        self._said = False  # Granite's: content went out
 
     # -- whole answers -------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str, str]:
         """``(reasoning, content)`` of a whole answer (``detect_and_parse``)."""
         reasoning, content = self._parse(text)
+        if self.fmt.granite:  # GraniteThinkingDetector.detect_and_parse
+            ended = self.fmt.end in text
+            absent = ended and not content  # newline-only content: stripped, not swapped
+            if ended and content:
+                content = content.lstrip("\n")
+            if self.nonempty and not content and (absent or not ended):
+                return content, reasoning
+            return reasoning, content
         if self.nonempty and not content:
             return content, reasoning
         return reasoning, content
@@ -248,9 +269,16 @@ class ThinkParser:
     def feed(self, delta: str) -> tuple[str, str]:
         """``(reasoning, content)`` of the text added to a stream (``parse_streaming_increment``):
         what may still be (part of) a tag is held back for the next delta."""
+        was = self.in_reasoning
         reasoning, content = self._feed(delta)
         if self.nonempty:
             self._reasoning_sent = self._reasoning_sent + reasoning if self.in_reasoning else ""
+        if self.fmt.granite:  # GraniteThinkingDetector.parse_streaming_increment
+            if was or self.in_reasoning or self._stripped_start or reasoning:
+                self._thought = True
+            if self._thought and not self._said and content:
+                content = content.lstrip("\n")
+                self._said = bool(content)
         return reasoning, content
 
     def _feed(self, delta: str) -> tuple[str, str]:
@@ -614,7 +642,8 @@ class ReasoningSettings:
             force=self.always or thinking,
             counted=thinking,
             previous=previous,
-            nonempty=(kwargs or {}).get("force_nonempty_content") is True,
+            nonempty=(kwargs or {}).get("force_nonempty_content") is True
+            or (self.fmt.granite and (kwargs or {}).get("enable_thinking") is False),
             keep_special=self.fmt.special_tags and effort is not None and effort != "none",
         )
 

@@ -40,6 +40,13 @@ from tests.stages.tiny_model import BYTE_CHARS, make_byte_model, make_tagged_byt
 R1, QWEN3 = PARSERS["deepseek-r1"], PARSERS["qwen3"]
 
 
+class _Encoder:
+    """A tokenizer that encodes any text as one token a character."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
 def _parse(fmt, text: str, **kw) -> tuple[str, str]:
     return ThinkParser(fmt, **{"force": False, **kw}).parse(text)
 
@@ -147,6 +154,20 @@ def test_the_other_detectors_split_with_their_own_tags_and_force_rules() -> None
     assert _streamed(gemma, parts) == ("plan", "Hi")
     assert not thinking_on(gemma, None, None, None)
     assert thinking_on(gemma, None, {"enable_thinking": True}, None)
+    # GraniteThinkingDetector: the content's leading newlines go; newline-only content is not
+    # swapped for the reasoning under force_nonempty_content, an absent one is
+    granite = PARSERS["granite_thinking_parser"]
+    assert _parse(granite, "<think>plan\n</think>\n\nHi") == ("plan\n", "Hi")
+    assert _parse(granite, "<think>plan</think>\n", nonempty=True) == ("plan", "")
+    assert _parse(granite, "<think>plan</think>", nonempty=True) == ("", "plan")
+    assert _parse(granite, "<think>plan<tool_call>x") == ("plan", "<tool_call>x")
+    assert _streamed(granite, ["<think>pl", "an</think>", "\n", "\nHi", "\nthere"]) == (
+        "plan",
+        "Hi\nthere",
+    )
+    settings = ReasoningSettings.of("granite_thinking_parser", None, _Encoder())
+    assert settings.request({"enable_thinking": False}, None).nonempty  # ReasoningParser's rule
+    assert not settings.request(None, None).nonempty
     # MiniMaxAppendThinkDetector: no split; <think> before the answer (the first delta's)
     append = PARSERS["minimax-append-think"]
     assert _parse(append, "a</think>b", force=True, nonempty=True) == ("", "<think>a</think>b")
