@@ -24,6 +24,8 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   has a ``reasoning_effort`` other than ``none``;
 - ``gemma4`` (``Gemma4Detector``): ``<|channel>thought`` and a newline ... ``<channel|>``,
   reasoning when the request sets ``enable_thinking`` true;
+- ``ling3`` (``Ling3Detector``): ``glm45``'s split, an answer without content always given its
+  reasoning as content (its detector's ``force_nonempty_content`` is on by default);
 - ``granite_thinking_parser`` (``GraniteThinkingDetector``): ``qwen3``'s split without its
   excluded tags, the content's leading newlines taken out once there was reasoning; with
   ``enable_thinking`` false, an answer without content gets its reasoning as content;
@@ -33,10 +35,9 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
-Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``ling3``,
-``minimax-m3``, ``hunyuan``, ``iquest_q1``, ``cohere_command4``,
-``inkling``, ``apertus2509``, ``muse``, ``beam``, ``response_template``, ``deepseek-v4`` /
-``deepseek-v41``.
+Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``minimax-m3``,
+``hunyuan``, ``iquest_q1``, ``cohere_command4``, ``inkling``, ``apertus2509``, ``muse``,
+``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
 ``finish``), as SGLang's detector does, down to the tails it holds back while they could be
@@ -105,6 +106,8 @@ class ThinkFormat:
     # Granite's: the content after the end tag loses its leading newlines (the template writes
     # "\n</think>\n"), and a request with enable_thinking false has its content never empty
     granite: bool = False
+    # its detector's force_nonempty_content is on whatever the request says (Ling3Detector)
+    always_nonempty: bool = False
 
     @property
     def opening(self) -> str:
@@ -119,6 +122,9 @@ _QWEN3 = ThinkFormat(
     excluded=("<tool_call>", "</tool_call>", "<|im_end|>", "<|endoftext|>"),
 )
 _QWEN3_FORCED = replace(_QWEN3, forced=True)
+_GLM45 = replace(
+    _QWEN3, excluded=("<tool_call>", "</tool_call>", "<eop>", "<|user|>", "<|endoftext|>")
+)
 _K2 = ("<think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
        "<|tool_call_argument_begin|>", "<|tool_call_section_end|>", "<|tool_call_end|>", "[EOS]",
        "<|im_end|>", "<|end_header_id|>", "[EOT]")  # fmt: skip
@@ -134,11 +140,10 @@ PARSERS: dict[str, ThinkFormat] = {
     "interns1": _QWEN3,
     # Glm45Detector, Nemotron3Detector: Qwen3's arguments but for their excluded tags and
     # thinks_internally, which nothing reads when the prompt is a Jinja template's
-    "glm45": replace(
-        _QWEN3,
-        excluded=("<tool_call>", "</tool_call>", "<eop>", "<|user|>", "<|endoftext|>"),
-    ),
+    "glm45": _GLM45,
     "nemotron_3": replace(_QWEN3, excluded=()),
+    # Ling3Detector: GLM-4.5's, an answer without content always given its reasoning as content
+    "ling3": replace(_GLM45, always_nonempty=True),
     "qwen3-thinking": _QWEN3_FORCED,
     "minimax": _QWEN3_FORCED,
     "deepseek-v3": replace(_QWEN3, default="explicit_thinking"),  # _DeepSeekV3Detector
@@ -643,7 +648,8 @@ class ReasoningSettings:
             counted=thinking,
             previous=previous,
             nonempty=(kwargs or {}).get("force_nonempty_content") is True
-            or (self.fmt.granite and (kwargs or {}).get("enable_thinking") is False),
+            or (self.fmt.granite and (kwargs or {}).get("enable_thinking") is False)
+            or self.fmt.always_nonempty,
             keep_special=self.fmt.special_tags and effort is not None and effort != "none",
         )
 

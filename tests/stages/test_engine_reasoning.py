@@ -168,6 +168,11 @@ def test_the_other_detectors_split_with_their_own_tags_and_force_rules() -> None
     settings = ReasoningSettings.of("granite_thinking_parser", None, _Encoder())
     assert settings.request({"enable_thinking": False}, None).nonempty  # ReasoningParser's rule
     assert not settings.request(None, None).nonempty
+    # Ling3Detector: GLM-4.5's split, its force_nonempty_content on whatever the request says
+    ling3 = ReasoningSettings.of("ling3", None, _Encoder())
+    assert ling3.request(None, None).nonempty
+    assert ling3.request(None, None).parser().parse("<think>plan") == ("", "plan")
+    assert ling3.request(None, None).parser().parse("<think>a</think>b") == ("a", "b")
     # MiniMaxAppendThinkDetector: no split; <think> before the answer (the first delta's)
     append = PARSERS["minimax-append-think"]
     assert _parse(append, "a</think>b", force=True, nonempty=True) == ("", "<think>a</think>b")
