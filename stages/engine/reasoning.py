@@ -24,6 +24,9 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   has a ``reasoning_effort`` other than ``none``;
 - ``gemma4`` (``Gemma4Detector``): ``<|channel>thought`` and a newline ... ``<channel|>``,
   reasoning when the request sets ``enable_thinking`` true;
+- ``iquest_q1`` (``IQuestQ1ReasoningDetector``): ``<think>`` ... ``</think>``, reasoning (and
+  forced) unless ``chat_template_kwargs`` sets ``thinking`` / ``enable_thinking`` and neither
+  is true, whatever the template says;
 - ``ling3`` (``Ling3Detector``): ``glm45``'s split, an answer without content always given its
   reasoning as content (its detector's ``force_nonempty_content`` is on by default);
 - ``granite_thinking_parser`` (``GraniteThinkingDetector``): ``qwen3``'s split without its
@@ -36,7 +39,7 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
 Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``minimax-m3``,
-``hunyuan``, ``iquest_q1``, ``cohere_command4``, ``inkling``, ``apertus2509``, ``muse``,
+``hunyuan``, ``cohere_command4``, ``inkling``, ``apertus2509``, ``muse``,
 ``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
@@ -108,6 +111,9 @@ class ThinkFormat:
     granite: bool = False
     # its detector's force_nonempty_content is on whatever the request says (Ling3Detector)
     always_nonempty: bool = False
+    # the request's thinking / enable_thinking alone decide whether it reasons, and force it
+    # (IQuestQ1ReasoningDetector.thinking_enabled: on unless one is set and neither is true)
+    iquest: bool = False
 
     @property
     def opening(self) -> str:
@@ -160,6 +166,9 @@ PARSERS: dict[str, ThinkFormat] = {
         tool_start=None, default="mistral", start="[THINK]", end="[/THINK]", special_tags=True
     ),
     "minimax-append-think": ThinkFormat(tool_start=None, default="always", whole=True),
+    # IQuestQ1ReasoningDetector: <think> tags; thinking (and forced) unless the request's
+    # thinking / enable_thinking switches say otherwise
+    "iquest_q1": ThinkFormat(tool_start=None, default="enable_thinking", iquest=True),
     # GraniteThinkingDetector: <think> tags, <tool_call> ends them too, the content's leading
     # newlines taken out
     "granite_thinking_parser": ThinkFormat(
@@ -469,6 +478,10 @@ def thinking_on(
     """Whether a chat request reasons (``serving_chat._get_reasoning_from_request``): from
     the template's ``toggle`` when it has one, else the detector's ``reasoning_default``;
     ``kwargs``: the request's ``chat_template_kwargs``, ``effort`` its ``reasoning_effort``."""
+    if fmt.iquest:  # IQuestQ1ReasoningDetector.thinking_enabled, before any toggle
+        kwargs = kwargs or {}
+        thinking, enable = kwargs.get("thinking"), kwargs.get("enable_thinking")
+        return True if thinking is None and enable is None else bool(thinking or enable)
     toggle = toggle or _default_toggle(fmt.default)
     if toggle.special == "always":
         return True
@@ -644,7 +657,7 @@ class ReasoningSettings:
             self,
             separate=separate,
             stream=stream,
-            force=self.always or thinking,
+            force=thinking if self.fmt.iquest else self.always or thinking,
             counted=thinking,
             previous=previous,
             nonempty=(kwargs or {}).get("force_nonempty_content") is True

@@ -168,6 +168,14 @@ def test_the_other_detectors_split_with_their_own_tags_and_force_rules() -> None
     settings = ReasoningSettings.of("granite_thinking_parser", None, _Encoder())
     assert settings.request({"enable_thinking": False}, None).nonempty  # ReasoningParser's rule
     assert not settings.request(None, None).nonempty
+    # IQuestQ1ReasoningDetector: thinking, and forced, unless a switch is set and none is true
+    iquest = ReasoningSettings.of("iquest_q1", None, _Encoder())
+    for kwargs, on in ((None, True), ({"thinking": False}, False),
+                       ({"thinking": False, "enable_thinking": True}, True)):  # fmt: skip
+        request = iquest.request(kwargs, None)
+        assert (request.force, request.counted) == (on, on), kwargs
+    assert iquest.request(None, None).parser().parse("plan</think>Hi") == ("plan", "Hi")
+    assert iquest.request({"thinking": False}, None).parser().parse("Hi") == ("", "Hi")
     # Ling3Detector: GLM-4.5's split, its force_nonempty_content on whatever the request says
     ling3 = ReasoningSettings.of("ling3", None, _Encoder())
     assert ling3.request(None, None).nonempty
