@@ -28,7 +28,8 @@ and its new tokens, which ``admit(columns=...)`` closes as it copies. A row that
 its slot by moving the last live row into it (its window only); columns that became padding in
 every row are dropped by moving ``start``. The cache object handed to the model is a
 transformers ``DynamicCache`` whose layers are these slots, so any model that takes a
-``DynamicCache`` works. Sliding-window and linear-attention layers are not supported.
+``DynamicCache`` works. A sliding-window layer keeps every column too (the scheduler masks
+what lies outside its window); linear-attention layers are not supported.
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ class BatchKV:
             if type(layer) is not DynamicLayer:
                 raise ValueError(
                     f"cache layer {type(layer).__name__} is not supported: the built-in engine "
-                    "serves full-attention models only (no sliding-window or linear layers)"
+                    "serves attention layers kept whole (no linear-attention layers)"
                 )
         self.margin = max(self.margin, width)
         self.columns = _pow2(2 * self.margin + 32)

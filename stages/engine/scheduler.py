@@ -454,7 +454,10 @@ class Scheduler:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.model = model.eval()
-        _check_full_attention(model)
+        # the sliding window of a model with sliding-window layers (gpt-oss, Gemma, Mistral's
+        # first models): their decode mask keeps its last columns only; None: none; and whether
+        # every layer slides (the model then takes one mask, not one a layer type)
+        self._window, self._all_slide = _sliding_window(model)
         # the name the model's forward takes its cache by (transformers renamed it)
         self._cache_arg = cache_argument(model.forward) or "past_key_values"
         self.device = next(model.parameters()).device
@@ -531,6 +534,11 @@ class Scheduler:
         self._adapters: dict[str, Adapter] = {}
         self._adapter_names: frozenset[str] = frozenset()
         self._lora_seen = False  # an adapter was ever loaded: passes look for adapted rows
+        if self._window is not None and prefix_cache_tokens > 0:
+            # a prefill on a cached prefix leaves padding between it and the new tokens, which
+            # would count in a sliding window: such models prefill whole prompts
+            log.info("prefix_cache_off", reason="sliding-window layers", window=self._window)
+            prefix_cache_tokens = 0
         self._prefix = (
             PrefixCache(prefix_cache_tokens, prefix_cache_max_age)
             if prefix_cache_tokens > 0
@@ -1595,7 +1603,7 @@ class Scheduler:
         else:
             out = self.model(
                 input_ids=ids,
-                attention_mask=mask,
+                attention_mask=_layer_masks(mask, self._window, self._all_slide),
                 position_ids=positions,
                 use_cache=True,
                 logits_to_keep=1,
@@ -2117,14 +2125,43 @@ def _mask_kind(model: torch.nn.Module) -> str:
     return {"sdpa": "bool4d", "eager": "additive4d"}.get(attn or "", "2d")
 
 
-def _check_full_attention(model: torch.nn.Module) -> None:
+def _sliding_window(model: torch.nn.Module) -> tuple[int | None, bool]:
+    """``(window, every layer slides)`` of the model's sliding-window layers (None: none):
+    from its ``layer_types``, or without them (Mistral's) a ``sliding_window`` that is not
+    turned off; ValueError for layers the engine cannot serve (linear attention...)."""
     config = model.config.get_text_config(decoder=True)
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds - {"full_attention"}:
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not types:  # transformers then slides every layer on a window it is given
+        on = isinstance(window, int) and getattr(config, "use_sliding_window", True) is not False
+        return (window, True) if on else (None, False)
+    kinds = set(types)
+    other = kinds - {"full_attention", "sliding_attention"}
+    if other:
         raise ValueError(
-            f"layer types {sorted(kinds - {'full_attention'})} are not supported: the built-in "
-            "engine serves full-attention models only"
+            f"layer types {sorted(other)} are not supported: the built-in engine serves "
+            "full-attention and sliding-window layers"
         )
+    if "sliding_attention" not in kinds:
+        return None, False
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding-window layers without a window (sliding_window={window!r})")
+    return window, kinds == {"sliding_attention"}
+
+
+def _layer_masks(mask: torch.Tensor, window: int | None, all_slide: bool = False) -> Any:
+    """A decode step's attention mask as the model takes it: as it is for full attention;
+    with sliding-window layers, a mask a layer type (transformers' mapping; ``all_slide``:
+    the one mask), the sliding one keeping the last ``window`` columns (the query's and the
+    ``window - 1`` before it: every row's tokens end at the same column, without gaps). A 2D
+    mask goes as it is: transformers builds both from it."""
+    if window is None or mask.dim() != 4:
+        return mask
+    sliding, cut = mask, mask.shape[-1] - window
+    if cut > 0:
+        sliding = mask.clone()
+        sliding[..., :cut] = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+    return sliding if all_slide else {"full_attention": mask, "sliding_attention": sliding}
 
 
 def _parameter_rows(model: torch.nn.Module, name: str, rows: int) -> torch.Tensor | None:

@@ -207,11 +207,14 @@ HARMONY_TEMPLATE = (
 )
 
 
-def make_gpt_oss_model(path: Path, *, seed: int = 4, chars: str = BYTE_CHARS + " _=\n") -> Path:
+def make_gpt_oss_model(
+    path: Path, *, seed: int = 4, chars: str = BYTE_CHARS + " _=\n", window: int | None = None
+) -> Path:
     """A random tiny gpt-oss (``GptOssForCausalLM``, ``model_type`` ``gpt_oss``) on a
     byte-level tokenizer (``make_byte_model``'s) with Harmony's tokens as special tokens, a chat
     template that writes Harmony's messages, and gpt-oss's stop tokens (``<|return|>``,
-    ``<|call|>``, its end of text) in ``generation_config.json``."""
+    ``<|call|>``, its end of text) in ``generation_config.json``; full-attention layers, or
+    with ``window`` a sliding-window layer of that window first, as gpt-oss alternates them."""
     import json
 
     from transformers import AutoTokenizer, GptOssConfig
@@ -224,7 +227,8 @@ def make_gpt_oss_model(path: Path, *, seed: int = 4, chars: str = BYTE_CHARS + "
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
         num_experts_per_tok=2, max_position_embeddings=4096, pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID, tie_word_embeddings=False, layer_types=["full_attention"] * 2,
+        eos_token_id=EOS_ID, tie_word_embeddings=False, sliding_window=window or 128,
+        layer_types=["sliding_attention" if window else "full_attention", "full_attention"],
     )  # fmt: skip
     for stale in path.glob("*.safetensors"):
         stale.unlink()

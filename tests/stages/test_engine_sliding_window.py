@@ -1,0 +1,98 @@
+"""Models with sliding-window layers (gpt-oss alternates them with full attention, as Gemma
+does) served by the built-in engine's transformers forward: each decode step's sliding layers
+see the last ``sliding_window`` tokens only (``scheduler._layer_masks``), prefills are whole
+prompts (no prefix cache: a cached prefix leaves padding inside the window). Greedy answers
+equal transformers' own, whose sliding caches and masks are its reference."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.stages.test_engine_server import Engine, serving
+from tests.stages.tiny_model import make_gpt_oss_model, make_tiny_model
+
+WINDOW = 3
+
+
+def _sliding_qwen2(path: Path) -> Path:
+    """A tiny Qwen2 whose every layer slides (``use_sliding_window``: sdpa's boolean masks)."""
+    make_tiny_model(path, vocab=128, seed=1)
+    config = json.loads((path / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)
+    config.pop("layer_types", None)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _sliding_mistral(path: Path) -> Path:
+    """A tiny Mistral with a sliding window (its first models': every layer, no layer types)."""
+    make_tiny_model(path, vocab=128, seed=2)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=WINDOW)
+    for key in ("layer_types", "use_sliding_window", "max_window_layers"):
+        config.pop(key, None)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "qwen2", "mistral"])
+def sliding_engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    """gpt-oss (a sliding layer, then a full one; eager attention's additive masks), a Qwen2
+    sliding everywhere (sdpa) or a Mistral with a window and no layer types."""
+    root = tmp_path_factory.mktemp(f"sliding-{request.param}")
+    if request.param == "gpt_oss":
+        model_dir = make_gpt_oss_model(root / "model", window=WINDOW)
+    elif request.param == "qwen2":
+        model_dir = _sliding_qwen2(root / "model")
+    else:
+        model_dir = _sliding_mistral(root / "model")
+    with serving(model_dir, root / "engine.log") as eng:
+        yield eng
+
+
+def _reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens, each step a whole forward (transformers builds the sliding mask)."""
+    ids = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.timeout(120)
+def test_sliding_window_answers_equal_transformers(sliding_engine: Engine) -> None:
+    model = AutoModelForCausalLM.from_pretrained(sliding_engine.model_dir, dtype=torch.float32)
+    model.eval()
+    prompts = [[5, 17, 33, 8, 20, 9, 11], [7, 3], [12, 30, 4, 4, 29]]  # left-padded together
+    vocab = model.config.vocab_size
+    prompts = [[t % vocab for t in p] for p in prompts]
+    out = sliding_engine.generate(
+        {
+            "input_ids": prompts,
+            "sampling_params": {"temperature": 0, "ignore_eos": True, "max_new_tokens": 12},
+        }
+    )
+    with torch.no_grad():
+        for prompt, answer in zip(prompts, out, strict=True):
+            assert answer["output_ids"] == _reference(model, prompt, 12), prompt
+    # a window that mattered: with full attention everywhere the answers differ
+    config = AutoConfig.from_pretrained(sliding_engine.model_dir)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    config.use_sliding_window = False
+    if config.model_type == "mistral":  # no layer types: its window is what slides
+        config.sliding_window = None
+    full = AutoModelForCausalLM.from_pretrained(
+        sliding_engine.model_dir, config=config, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        assert any(
+            a["output_ids"] != _reference(full, p, 12) for p, a in zip(prompts, out, strict=True)
+        )
