@@ -1,8 +1,9 @@
-"""Models with sliding-window layers (gpt-oss alternates them with full attention, as Gemma
-does) served by the built-in engine's transformers forward: each decode step's sliding layers
-see the last ``sliding_window`` tokens only (``scheduler._layer_masks``), prefills are whole
-prompts (no prefix cache: a cached prefix leaves padding inside the window). Greedy answers
-equal transformers' own, whose sliding caches and masks are its reference."""
+"""Models with sliding-window layers (gpt-oss alternates them with full attention, as Gemma 4
+does; Qwen2 and Mistral can slide every layer) served by the built-in engine's transformers
+forward: each decode step's sliding layers see the last ``sliding_window`` tokens only
+(``scheduler._layer_masks``), prefills are whole prompts (no prefix cache: a cached prefix
+leaves padding inside the window). Greedy answers equal transformers' own, whose sliding caches
+and masks are its reference."""
 
 from __future__ import annotations
 
@@ -41,17 +42,38 @@ def _sliding_mistral(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["gpt_oss", "qwen2", "mistral"])
+def _sliding_gemma4(path: Path) -> Path:
+    """A tiny Gemma 4 text model (``gemma4_text``: a sliding layer, then a full one)."""
+    from transformers import Gemma4TextConfig
+
+    make_tiny_model(path, vocab=128, seed=3)  # its tokenizer; the weights are replaced
+    config = Gemma4TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+        vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for stale in path.glob("*.safetensors"):
+        stale.unlink()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "qwen2", "mistral", "gemma4"])
 def sliding_engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     """gpt-oss (a sliding layer, then a full one; eager attention's additive masks), a Qwen2
-    sliding everywhere (sdpa) or a Mistral with a window and no layer types."""
+    sliding everywhere (sdpa), a Mistral with a window and no layer types, or Gemma 4."""
     root = tmp_path_factory.mktemp(f"sliding-{request.param}")
     if request.param == "gpt_oss":
         model_dir = make_gpt_oss_model(root / "model", window=WINDOW)
     elif request.param == "qwen2":
         model_dir = _sliding_qwen2(root / "model")
+    elif request.param == "gemma4":
+        model_dir = _sliding_gemma4(root / "model")
     else:
         model_dir = _sliding_mistral(root / "model")
     with serving(model_dir, root / "engine.log") as eng:
@@ -83,12 +105,9 @@ def test_sliding_window_answers_equal_transformers(sliding_engine: Engine) -> No
     with torch.no_grad():
         for prompt, answer in zip(prompts, out, strict=True):
             assert answer["output_ids"] == _reference(model, prompt, 12), prompt
-    # a window that mattered: with full attention everywhere the answers differ
+    # a window that mattered: with one wider than the contexts the answers differ
     config = AutoConfig.from_pretrained(sliding_engine.model_dir)
-    config.layer_types = ["full_attention"] * config.num_hidden_layers
-    config.use_sliding_window = False
-    if config.model_type == "mistral":  # no layer types: its window is what slides
-        config.sliding_window = None
+    config.sliding_window = 4096
     full = AutoModelForCausalLM.from_pretrained(
         sliding_engine.model_dir, config=config, dtype=torch.float32
     ).eval()
