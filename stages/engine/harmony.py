@@ -163,7 +163,7 @@ def _channel(header: str) -> str | None:
     return next((c for c in ("analysis", "commentary", "final") if header.startswith(c)), None)
 
 
-def _header(text: str, pieces: list[tuple[str, int, int]], i: int) -> tuple[int | None, int | None]:
+def _header(pieces: list[tuple[str, int, int]], i: int) -> tuple[int | None, int | None]:
     """Where the message that piece ``i`` opens has its (first) channel token and its
     message token (None: not there yet)."""
     channel = None
@@ -178,7 +178,7 @@ def _header(text: str, pieces: list[tuple[str, int, int]], i: int) -> tuple[int 
 def _message(text: str, pieces: list[tuple[str, int, int]], i: int) -> tuple[Event, int] | None:
     """The message piece ``i`` opens and the piece after it (None: not whole yet, or on a
     channel not known)."""
-    channel, message = _header(text, pieces, i)
+    channel, message = _header(pieces, i)
     if message is None:
         return None
     body = pieces[message][2]
@@ -210,7 +210,7 @@ def _analysis_so_far(
 ) -> tuple[Event, str] | None:
     """An ``analysis`` message piece ``i`` opens, not ended yet: its text so far, and the
     header to hold for the rest."""
-    channel, message = _header(text, pieces, i)
+    channel, message = _header(pieces, i)
     if channel is None or message is None:
         return None
     if _channel(text[pieces[channel + 1][1] : pieces[message][1]]) != "analysis":

@@ -41,9 +41,8 @@ from typing import Any
 
 import structlog
 
-from stages.engine.minimax_calls import _properties
 from stages.engine.partial_json import PieceStream, partial_tail
-from stages.engine.qwen3_coder_calls import typed_value
+from stages.engine.qwen3_coder_calls import _properties, typed_value
 from stages.engine.tool_formats import _Unreadable
 
 __all__ = ["MiMoCalls"]

@@ -48,6 +48,7 @@ from typing import Any
 import structlog
 
 from stages.engine.partial_json import PieceStream, partial_tail
+from stages.engine.qwen3_coder_calls import _properties
 from stages.engine.tool_formats import _Unreadable
 
 __all__ = ["MiniMaxM2Calls"]
@@ -67,21 +68,6 @@ _ENUM_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "st
                (list, "array"), (dict, "object"))  # fmt: skip
 
 Pieces = list[dict[str, Any]]
-
-
-def _properties(schema: Any) -> dict[str, Any]:
-    """A tool's parameters' top-level properties, or its ``anyOf``/``oneOf``/``allOf``
-    branches' (the first of a name) where it declares none (``get_schema_properties``)."""
-    if not isinstance(schema, dict):
-        return {}
-    if isinstance(schema.get("properties"), dict):
-        return schema["properties"]
-    merged: dict[str, Any] = {}
-    for keyword in ("anyOf", "oneOf", "allOf"):
-        for branch in schema.get(keyword) if isinstance(schema.get(keyword), list) else ():
-            for key, value in _properties(branch).items():
-                merged.setdefault(key, value)
-    return merged
 
 
 def _types(schema: Any) -> set[str]:
