@@ -138,9 +138,18 @@ def _value(raw: str, kind: str | None) -> Any:
         except RecursionError as exc:  # not the detector's to catch: the whole answer unread
             raise _Unreadable(f"a value cannot be read: {exc!r}") from exc
         return _number(value) if kind == "number" and isinstance(value, str) else value
-    if kind == "string":
-        quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'"
-        return raw[1:-1] if quoted else raw
+    return unquoted(raw) if kind == "string" else literal(raw)
+
+
+def unquoted(raw: str) -> str:
+    """A string parameter's text that is not JSON: less the quotes around it, if any."""
+    quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'"
+    return raw[1:-1] if quoted else raw
+
+
+def literal(raw: str) -> Any:
+    """``raw`` as a Python literal, else as it is; ``_Unreadable`` where reading it raises
+    anything else (the detector's ``except Exception``: the whole answer unread)."""
     try:
         with warnings.catch_warnings():  # an invalid escape keeps its backslash, as there
             warnings.simplefilter("ignore", SyntaxWarning)
@@ -148,7 +157,7 @@ def _value(raw: str, kind: str | None) -> Any:
             return ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         return raw
-    except Exception as exc:  # the detector's except Exception: the whole answer unread
+    except Exception as exc:
         raise _Unreadable(f"a value cannot be read: {exc!r}") from exc
 
 

@@ -29,6 +29,7 @@ then applied to the logits in one tensor operation (``GrammarSet.constrain``).
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import threading
@@ -169,14 +170,18 @@ class GrammarSet:
                 )
             elif kind == "structural_tag":
                 grammar = _structural_tag(text, self._added_tokens())
+            elif kind == "regex":
+                grammar = llguidance.grammar_from("regex", text)
             else:
-                grammar = llguidance.grammar_from("regex" if kind == "regex" else "ebnf", text)
+                plain = llguidance.grammar_from("ebnf", text)
+                grammar = _token_literals(plain, self._added_tokens())
         except Exception as exc:  # malformed JSON, unknown format: llguidance's words
             raise GrammarError(f"Failed to compile {kind} grammar: {exc}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if kind == "structural_tag" and "unknown special token" in matcher.get_error():
+        if kind in ("structural_tag", "ebnf") and "unknown special token" in matcher.get_error():
             # an added token llguidance does not take as one: all of it as text
-            matcher = llguidance.LLMatcher(tokenizer, _structural_tag(text), log_level=0)
+            plain = _structural_tag(text) if kind == "structural_tag" else plain
+            matcher = llguidance.LLMatcher(tokenizer, plain, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"Failed to compile {kind} grammar: {matcher.get_error()}")
         return matcher
@@ -258,6 +263,38 @@ class GrammarSet:
             logits.index_copy_(0, index, masked)
         for i in np.flatnonzero(~bits.any(axis=1)).tolist():
             constraints[i].stuck = True
+
+
+# a string literal or a regular expression of a Lark grammar (llguidance's conversion of EBNF)
+_LARK_LEXEME = re.compile(r'"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)+/')
+_LARK_DEFINITION = re.compile(r"^(?=\S)", re.MULTILINE)  # where a rule or a terminal begins
+
+
+def _token_literals(lark: str, tokens: Collection[str]) -> str:
+    """A Lark grammar whose rules' string literals holding one of ``tokens`` (the tokenizer's
+    added tokens written ``<...>``) take that token there, as xgrammar, SGLang's default
+    backend, matches a token by its text (GLM's ``"<tool_call>"``, ``"</think>"``): llguidance
+    reads such a token as special, which a literal's characters never match, so a grammar that
+    writes one could not be followed. Terminals (their names in capitals) are text, and stay."""
+    known = sorted((t for t in tokens if t), key=len, reverse=True)
+    if not known or not any(t in lark for t in known):
+        return lark
+    split = re.compile("(" + "|".join(map(re.escape, known)) + ")")
+
+    def literal(match: re.Match[str]) -> str:
+        lexeme = match.group()
+        if lexeme[0] != '"' or not split.search(lexeme):
+            return lexeme
+        try:
+            parts = split.split(json.loads(lexeme))
+        except ValueError:  # an escape JSON does not write: left as it is
+            return lexeme
+        return "(" + " ".join(p if p in tokens else json.dumps(p) for p in parts if p) + ")"
+
+    return "".join(
+        part if part[:1].isupper() else _LARK_LEXEME.sub(literal, part)
+        for part in _LARK_DEFINITION.split(lark)
+    )
 
 
 def _structural_tag(text: str, tokens: Collection[str] = ()) -> str:

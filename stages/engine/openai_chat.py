@@ -80,8 +80,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
+from stages.engine.glm_grammar import glm_turn
 from stages.engine.kimi_calls import history_calls, kimi_id
 from stages.engine.openai_api import (
     _SAMPLING,
@@ -113,6 +116,8 @@ from stages.engine.tool_calls import (
 )
 
 __all__ = ["ChatSettings", "chat_request", "chat_response", "chat_stream"]
+
+log = structlog.get_logger("stages.engine.openai_chat")
 
 _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 _ROLES = ("system", "user", "assistant", "tool", "developer", "function")
@@ -297,7 +302,10 @@ def chat_request(
         raise OpenAIError("top_logprobs: Input should be a valid integer", "top_logprobs")
     grammar = response_format(body.get("response_format"))
     tools = _tools(body.get("tools"))
-    choice, tools, forced = _tool_choice(body, tools, grammar, settings.tool_parser)
+    # GLM-4.7's calls are held by a grammar of the whole answer (SGLang: --tool-call-parser
+    # glm47 alone, a template's inferred format does not)
+    glm = settings.tool_parser == "glm47" and settings.tool_parser_named
+    choice, tools, forced = _tool_choice(body, tools, grammar, settings.tool_parser, glm)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise OpenAIError("stream_options: Input should be a valid dictionary", "stream_options")
@@ -342,7 +350,13 @@ def chat_request(
     if template_tools:  # the format's markers may be special tokens (SGLang: serving_chat)
         sampling["skip_special_tokens"] = False
     grammar_from = "tool_choice" if forced else ("response_format" if grammar else None)
-    if forced is not None:  # only tool calls (tool_choice required or named)
+    whole = None
+    if glm and template_tools and not (grammar or _constrained(body)):
+        whole = _glm_turn(tools, forced is not None, body, request_kwargs, settings.tokenizer)
+    if whole is not None:  # the whole answer, its reasoning too (SGLang's full_assistant_ebnf)
+        sampling.update(ebnf=whole, ebnf_full_assistant=True)
+        grammar_from = "tool_choice" if forced is not None else "tools"
+    elif forced is not None:  # only tool calls (tool_choice required or named)
         sampling.update(forced)
     elif settings.tool_parser_named and choice == "auto" and template_tools:
         # a strict tool holds the calls of an auto answer to its schema, where the server was
@@ -798,6 +812,7 @@ def _tool_choice(
     tools: list[dict[str, Any]],
     grammar: dict[str, str],
     parser: str | None,
+    glm: bool = False,
 ) -> tuple[str, list[dict[str, Any]], dict[str, str] | None]:
     """``(tool_choice as "auto", "none" or "required", the tools the template and the answer
     may use, the sampling params that force tool calls or None)``, checked as SGLang checks
@@ -823,7 +838,9 @@ def _tool_choice(
         raise OpenAIError(_CHOICES, "tool_choice")
     elif not tools:
         raise OpenAIError("Tools cannot be empty if tool choice is set to required.", "tool_choice")
-    if grammar or _constrained(body):
+    # with GLM-4.7's grammar of the whole answer, SGLang takes the other constraint instead
+    loose = glm and not any(t["function"].get("strict") for t in tools)
+    if (grammar or _constrained(body)) and not loose:
         raise OpenAIError(
             "tool_choice 'required' or a named tool cannot be combined with response_format, "
             "regex, or ebnf: the tool-call constraint and the output constraint cannot both be "
@@ -834,6 +851,8 @@ def _tool_choice(
         raise OpenAIError(
             "parallel_tool_calls: Input should be a valid boolean", "parallel_tool_calls"
         )
+    if glm:  # the answer's grammar forces the calls, read in GLM-4.7's format
+        return "required", tools, {}
     try:
         forced = forced_calls(
             tools,
@@ -844,6 +863,34 @@ def _tool_choice(
     except ValueError as exc:  # tools whose $defs disagree
         raise OpenAIError(str(exc), "tools") from None
     return "required", tools, forced
+
+
+def _glm_turn(
+    tools: list[dict[str, Any]],
+    required: bool,
+    body: dict[str, Any],
+    template_kwargs: dict[str, Any] | None,
+    tokenizer: Any,
+) -> str | None:
+    """The EBNF grammar of a whole GLM-4.7 answer offered ``tools`` (``glm_grammar``), as
+    SGLang's chat route puts it on every request with tools but none ``strict``, and here on
+    those with a strict tool too (SGLang constrains those by xgrammar's own GLM-4.7 tag, which
+    holds a strict tool's values to its whole schema; llguidance has no such tag): reasoning
+    unless the template's ``enable_thinking`` is false, at least one call when ``required``;
+    written in Lark for llguidance where the tags are tokens (``glm_turn``). None (logged)
+    where SGLang's grammar builder fails: then nothing is constrained, as there."""
+    thinking = (template_kwargs or {}).get("enable_thinking")
+    try:
+        return glm_turn(
+            [t["function"] for t in tools],
+            thinking=True if thinking is None else bool(thinking),
+            tokenizer=tokenizer,
+            required=required,
+            parallel=body.get("parallel_tool_calls") is not False,
+        )
+    except (ValueError, TypeError, AttributeError, NotImplementedError) as exc:
+        log.warning("glm_grammar_failed", error=str(exc)[:200])
+        return None
 
 
 def _constrained(body: dict[str, Any]) -> bool:

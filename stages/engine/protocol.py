@@ -113,6 +113,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), each id once
     # (field, text): the grammar the sample must follow (GRAMMAR_FIELDS; stages.engine.grammar)
     grammar: tuple[str, str] | None = None
+    # an ``ebnf`` grammar of the whole answer, its reasoning too: it applies from the first
+    # token even where the request's reasoning defers grammars (SGLang's ebnf_full_assistant, set
+    # by its chat route for GLM-4.7's calls; a SamplingParams field /generate takes too)
+    ebnf_full_assistant: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -1153,7 +1157,7 @@ def _sampling_params(
             value = float(value)
         elif key == "logit_bias":
             value = _logit_bias(value, path)
-        elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "ebnf_full_assistant"):
             if not isinstance(value, bool):
                 raise RequestError(path, f"expected true or false, got {value!r}")
         elif key == "stop_token_ids":

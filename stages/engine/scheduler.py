@@ -959,10 +959,15 @@ class Scheduler:
         compiled); RequestError naming the field if one cannot be."""
         strict = self.strict_thinking
         for seq in seqs:
-            if strict is not None and strict.end and seq.inp.require_reasoning:
+            grammar = seq.inp.params.grammar
+            # a grammar of the whole answer (ebnf_full_assistant) holds its reasoning too:
+            # neither deferred nor budgeted (SGLang's ReasonerGrammarBackend returns it as is)
+            thinks = seq.inp.require_reasoning and not (
+                grammar is not None and grammar[0] == "ebnf" and seq.inp.params.ebnf_full_assistant
+            )
+            if strict is not None and strict.end and thinks:
                 seq.thinking = 0
                 seq.budget = strict.limit(seq.inp.max_thinking_tokens)
-            grammar = seq.inp.params.grammar
             if grammar is None:
                 continue
             field, text = grammar
@@ -974,7 +979,7 @@ class Scheduler:
                 seq.constraint = self._grammars.start(field, text)
             except GrammarError as exc:
                 raise RequestError(f"sampling_params.{field}", str(exc)) from None
-            if seq.inp.require_reasoning and self._grammars.think_end:
+            if thinks and self._grammars.think_end:
                 seq.thinking = 0  # SGLang's ReasonerGrammarObject: after the reasoning
         return seqs
 

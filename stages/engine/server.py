@@ -724,9 +724,9 @@ def _parser() -> argparse.ArgumentParser:
         help="read tool calls in answers to /v1/chat/completions with tools in this format "
         "(SGLang's flag and names: qwen25/qwen/hermes <tool_call>, llama3 JSON after "
         "<|python_tag|>, mistral [TOOL_CALLS], pythonic [f(a=1)], qwen3_coder (step3p5, "
-        "nanbeige) <function=NAME><parameter=KEY>, glm45/glm <arg_key>, deepseekv3/deepseekv31 "
-        "and kimi_k2 between their special tokens; default: the chat template's own format "
-        "when it has <tool_call>)",
+        "nanbeige) <function=NAME><parameter=KEY>, glm45/glm and glm47 <arg_key>, deepseekv3/"
+        "deepseekv31 and kimi_k2 between their special tokens; default: the chat template's "
+        "own format when it has <tool_call>)",
     )
     parser.add_argument(
         "--reasoning-parser",

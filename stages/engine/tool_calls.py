@@ -5,6 +5,8 @@
 ``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``), ``deepseekv32``
 (``stages.engine.dsml_calls``), ``kimi_k2``
 (``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``),
+``glm47`` (``stages.engine.glm47_calls``; its calls held by a grammar of the whole answer,
+``stages.engine.glm_grammar``, rather than a structural tag),
 ``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``), ``trinity`` (Qwen 2.5's
 calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``),
 ``mimo`` (``stages.engine.mimo_calls``), ``interns1`` (``stages.engine.internlm_calls``),
@@ -50,6 +52,7 @@ from stages.engine.dsml_calls import FRAMES as DSML_FRAMES
 from stages.engine.dsml_calls import DeepSeekV32Calls
 from stages.engine.gemma4_calls import BEGIN as GEMMA4_BEGIN
 from stages.engine.gemma4_calls import Gemma4Calls
+from stages.engine.glm47_calls import Glm47Calls
 from stages.engine.glm_calls import GlmCalls
 from stages.engine.harmony import FRAMES as HARMONY_FRAMES
 from stages.engine.harmony import GptOssCalls
@@ -104,7 +107,7 @@ _FORMATS: dict[str, Any] = {
 # SGLang's --tool-call-parser names the engine reads
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
-    "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "gpt-oss",
+    "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
@@ -113,8 +116,7 @@ PARSERS = (
 _TYPED = {
     "qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls,
     "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls, "minimax-m2": MiniMaxM2Calls,
-    "mimo": MiMoCalls,
-    "gemma4": Gemma4Calls,
+    "glm47": Glm47Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -173,7 +175,7 @@ def parser_for_template(template: str | None) -> str | None:
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder"
     if "<arg_key>" in template and "<arg_value>" in template:
-        return "glm45"
+        return "glm45" if "\n<arg_key>" in template else "glm47"
     return "hermes" if BEGIN + "{" in template else "qwen25"
 
 

@@ -49,6 +49,14 @@ TOOLS = [
     {"type": "function", "function": {"name": "bare", "parameters": {"type": "object"}}},
     {"type": "function", "function": {"name": "union", "parameters": {"oneOf": [
         {"properties": {"x": {"type": "integer"}}}, {"properties": {"y": {"type": "boolean"}}}]}}},
+    # GLM-4.7's reader: a union whose branches a sibling's constant picks, and types by $ref
+    {"type": "function", "function": {"name": "pick", "parameters": {"anyOf": [
+        {"properties": {"kind": {"const": "n"}, "v": {"type": "integer"}}},
+        {"properties": {"kind": {"const": "s"}, "v": {"type": "string"}}}]}}},
+    {"type": "function", "function": {"name": "ref", "parameters": {
+        "$defs": {"n": {"type": "number"}, "e": {"enum": ["7", 8, True]}},
+        "properties": {"a": {"$ref": "#/$defs/n"}, "e": {"$ref": "#/$defs/e"},
+                       "s": {"type": ["string", "null"]}, "loop": {"$ref": "#"}}}}},
 ]  # fmt: skip
 NAMES = ["add", "bare", "union", "ghost", ""]
 KEYS = [*PROPERTIES, "x", "y", "type", "zz"]
@@ -148,6 +156,7 @@ DETECTORS = {
     "mimo": ("mimo_detector", "MiMoDetector"),
     "interns1": ("internlm_detector", "InternlmDetector"),
     "gemma4": ("gemma4_detector", "Gemma4Detector"),
+    "glm47": ("glm47_moe_detector", "Glm47MoeDetector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -176,6 +185,28 @@ def _glm_answer(r: random.Random) -> str:
     for i in range(r.randint(1, 3)):
         out += _glm_call(r, i != bad) + r.choice(["", "\n"])
     return out + r.choice(["", " after"])
+
+
+GLM47_NAMES = ["add", "bare", "union", "pick", "ref"]
+GLM47_KEYS = [*KEYS, "kind", "v", "e", "loop"]
+GLM47_VALUES = [*GLM_VALUES, "n", "s", "8", "7", '"7"', "8.0", "1.5", '"1.5"', '"2"', "True"]
+
+
+def _glm47_call(r: random.Random, well_formed: bool) -> str:
+    """A GLM-4.7 call (to a tool offered, its values of any kind), or a mangled one."""
+    name = r.choice(GLM47_NAMES if well_formed else [*GLM47_NAMES, "ghost", "", " add"])
+    gap = (lambda: r.choice(["", "", "\n", " ", "\n"])) if not well_formed else (lambda: "")
+    out = "<tool_call>" + name + gap()
+    for _ in range(r.randint(0, 3)):
+        key = r.choice(GLM47_KEYS) + r.choice(["", " "] if not well_formed else [""])
+        out += f"<arg_key>{key}</arg_key>{gap()}<arg_value>{r.choice(GLM47_VALUES)}</arg_value>"
+    out += r.choice(["</tool_call>", ""]) if not well_formed else "</tool_call>"
+    return out + r.choice(["", "\n", " mid "])
+
+
+def _glm47_answer(r: random.Random) -> str:
+    pieces = ["<tool_call>", "</tool_call>", "<arg_key>a</arg_key>", "<arg_value>1</arg_value>"]
+    return _blocks_answer(r, _glm47_call, pieces, "a <tool")
 
 
 KIMI_IDS = ["functions.add:0", "add:1", "functions.bare:2", "functions.union:0", "3", "",
@@ -415,6 +446,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _mimo_answer(r)
     if parser == "gemma4":
         return _gemma4_answer(r)
+    if parser == "glm47":
+        return _glm47_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -698,3 +731,43 @@ def test_gemma4_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCaptureF
                     theirs.append([c.name, ""])
                 theirs[-1][1] += c.parameters or ""
         assert [mine[i] for i in sorted(mine)] == theirs, text
+
+
+# values each parameter of GLM-4.7's offered tools takes in the stream test: of their declared
+# types, written as JSON writes them (SGLang's stream sends a boolean, list or object as written)
+GLM47_TYPED = {
+    "add": GLM_TYPED,
+    "ref": [("a", "2.5"), ("a", "3"), ("e", "8"), ("e", '"7"'), ("e", "7"), ("s", "text"),
+            ("s", "null"), ("loop", "[1, 2]")],
+    "pick": [("kind", "n"), ("kind", "s"), ("v", "5"), ("v", "five"), ("v", "true")],
+}  # fmt: skip
+_GLM_TAGS = re.compile(r"(</?tool_call>|</?arg_key>|</?arg_value>)")
+
+
+@pytest.mark.timeout(120)
+def test_glm47_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCaptureFixture) -> None:
+    """GLM-4.7 answers of well-formed calls to offered tools (values of their declared types,
+    each key once: SGLang's stream writes a key given twice twice) fed a character at a time,
+    its tags whole: the same calls as SGLang's ``parse_streaming_increment`` (arguments a value
+    at a time; all at once for ``pick``, whose union needs its siblings), and the content of
+    its whole answer, text between and after the calls included."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.glm47_moe_detector")
+    r = random.Random(8)
+    for _ in range(300):
+        text = r.choice(["", "Sure. ", "\n"])
+        for _ in range(r.randint(1, 3)):
+            name = r.choice(list(GLM47_TYPED))
+            pairs = dict(r.sample(GLM47_TYPED[name], r.randint(0, 3))).items()  # a key once
+            text += f"<tool_call>{name}" + "".join(
+                f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in pairs
+            )
+            text += "</tool_call>" + r.choice(["", "\n", " mid "])
+        parts = _tokens_whole(_GLM_TAGS, text)
+        want = module.Glm47MoeDetector().detect_and_parse(text, tools)
+        their_text, our_text, theirs, mine = _fed(module.Glm47MoeDetector(), "glm47", tools, parts)
+        assert our_text == want.normal_text == their_text.strip(), text
+        got = [mine[i] for i in sorted(mine)]
+        assert got == [theirs[i] for i in sorted(theirs)], text
+        assert got == [[c.name, c.parameters] for c in want.calls], text

@@ -47,12 +47,17 @@ STEPS = [1, 2, 3, 7, 1000]
 def _stream(parser: str, text: str, step: int) -> tuple[str, list[dict[str, Any]], int]:
     """(content, pieces, calls named) of ``text`` fed ``step`` characters at a time."""
     stream = StreamingToolCalls(ToolCallParser(OFFERED, parser))
+    return (*_feed(stream, text, step), stream.calls)
+
+
+def _feed(stream: StreamingToolCalls, text: str, step: int) -> tuple[str, list[dict[str, Any]]]:
+    """(content, pieces) of ``text`` fed to ``stream`` ``step`` characters at a time, flushed."""
     content, pieces = "", []
     for i in range(0, len(text), step):
         more, new = stream.feed(text[i : i + step])
         content += more
         pieces += new
-    return content + stream.flush(), pieces, stream.calls
+    return content + stream.flush(), pieces
 
 
 def _whole(parser: str, text: str) -> tuple[str, list[dict[str, str]]]:
@@ -1029,7 +1034,8 @@ def test_glm45_reads_each_value_by_its_parameters_type() -> None:
     }  # fmt: skip
     unreadable = "<tool_call>get\n<arg_key>x</arg_key><arg_value>{1, 2}</arg_value></tool_call>"
     assert reader.parse(unreadable) == (unreadable, [])
-    assert parser_for_template("{{ '<tool_call>' }}<arg_key>k</arg_key><arg_value>") == "glm45"
+    template = "{{ '<tool_call>' + name }}\n<arg_key>k</arg_key>\n<arg_value>"
+    assert parser_for_template(template) == "glm45"
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -1296,6 +1302,77 @@ GEMMA_ARGS = (f"city:{Q}Paris, FR{Q},days:2,ratio:2.5,on:true,tags:[{Q}a{Q},1,[2
               f"o:{{k:{Q}}}{Q}}},x:hi")  # fmt: skip
 
 
+GLM47_TOOLS = [
+    {"type": "function", "function": {"name": "get", "parameters": {
+        "type": "object", "properties": {**GLM_PROPERTIES, "unit": {"$ref": "#/$defs/unit"},
+                                         "code": {"enum": ["7", 8]}},
+        "$defs": {"unit": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "pick", "parameters": {"oneOf": [
+        {"properties": {"kind": {"const": "n"}, "v": {"type": "integer"}}},
+        {"properties": {"kind": {"const": "s"}, "v": {"type": "string"}}}]}}},
+]  # fmt: skip
+GLM47 = ("Checking. <tool_call>get<arg_key>city</arg_key><arg_value>北京</arg_value>"
+         "<arg_key>days</arg_key><arg_value>3</arg_value><arg_key>temp</arg_key>"
+         '<arg_value>"21.5"</arg_value><arg_key>opts</arg_key><arg_value>{"a": [1, 2]}'
+         "</arg_value><arg_key>tags</arg_key><arg_value>[\"x\"]</arg_value><arg_key>unit"
+         "</arg_key><arg_value>7</arg_value><arg_key>code</arg_key><arg_value>7</arg_value>"
+         "<arg_key>more</arg_key><arg_value>{'k': 1}</arg_value></tool_call> then "
+         "<tool_call>pick<arg_key>kind</arg_key><arg_value>s</arg_value><arg_key>v</arg_key>"
+         "<arg_value>12</arg_value></tool_call><tool_call>ghost</tool_call> after\n")  # fmt: skip
+
+
+def test_glm47_reads_each_value_by_what_its_schema_allows() -> None:
+    """glm47_moe_detector.py detect_and_parse and _parse_argument_pairs: the content the text
+    outside the calls, joined and stripped; the name before the first <arg_key>; a string type
+    (through $ref too) keeps the text, a list written back as it was; a number type's JSON string
+    made a number; an enum of a string and a number reads 7 as the string it allows; an
+    undeclared value read as JSON, else kept as text (no Python literal); a sibling's constant
+    choosing the union branch that types v; a tool not offered dropped; a value JSON cannot
+    write leaves the whole answer unread."""
+    reader = ToolCallParser(GLM47_TOOLS, "glm47")
+    content, calls = reader.parse(GLM47)
+    assert content == "Checking.  then  after"
+    assert [c["name"] for c in calls] == ["get", "pick"]
+    assert json.loads(calls[0]["arguments"]) == {
+        "city": "北京", "days": 3, "temp": 21.5, "opts": {"a": [1, 2]}, "tags": '["x"]',
+        "unit": "7", "code": "7", "more": "{'k': 1}",
+    }  # fmt: skip
+    assert json.loads(calls[1]["arguments"]) == {"kind": "s", "v": "12"}
+    numbered = GLM47.replace("<arg_value>s</arg_value>", "<arg_value>n</arg_value>")
+    assert json.loads(reader.parse(numbered)[1][1]["arguments"]) == {"kind": "n", "v": 12}
+    unreadable = "<tool_call>get<arg_key>opts</arg_key><arg_value>{1, 2}</arg_value></tool_call>"
+    assert reader.parse(unreadable) == (unreadable, [])
+    assert reader.parse("no calls ") == ("no calls ", [])
+    assert reader.parse(" cut <tool_call>get<arg_key>") == ("cut <tool_call>get<arg_key>", [])
+    template = "{{ '<tool_call>' + name }}<arg_key>{{ k }}</arg_key><arg_value>"
+    assert parser_for_template(template) == "glm47"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_glm47_streams_what_the_whole_answer_reads(step: int) -> None:
+    """Streamed: the content outside the calls as it comes (stripped at its ends, as the whole
+    answer's), a call named at its first <arg_key>, its arguments as its pairs close (pick's,
+    whose union needs its siblings, at its end), adding up to the whole answer's; a call cut
+    short keeps its closed pairs, closed; one cut short before its name is content."""
+
+    def streamed(text: str) -> tuple[str, list[dict[str, Any]], StreamingToolCalls]:
+        stream = StreamingToolCalls(ToolCallParser(GLM47_TOOLS, "glm47"))
+        return (*_feed(stream, text, step), stream)
+
+    content, pieces, _ = streamed(GLM47)
+    assert (content, _calls_of(pieces)) == ToolCallParser(GLM47_TOOLS, "glm47").parse(GLM47)
+    assert pieces[0] == {"index": 0, "name": "get", "arguments": ""}
+    picked = [p["arguments"] for p in pieces if p["index"] == 1]
+    assert picked == ["", '{"kind": "s", "v": "12"}']
+    content, pieces, stream = streamed(GLM47[: GLM47.index("<arg_key>temp")])
+    assert content == "Checking."
+    pieces += stream.unsent()
+    assert json.loads("".join(p["arguments"] for p in pieces)) == {"city": "北京", "days": 3}
+    assert streamed(" x <tool_call>ge")[:2] == (" x <tool_call>ge", [])
+    content, pieces, _ = streamed("\n<tool_call>get</tool_call>\n")
+    assert (content, _calls_of(pieces)) == ("", [{"name": "get", "arguments": "{}"}])
+
+
 def test_gemma4_reads_its_own_notation() -> None:
     """gemma4_detector.py detect_and_parse: call:NAME{key:value,...} between its tokens, values
     strings between <|"|> marks, objects, lists, booleans, numbers, bare text; calls to tools not
@@ -1340,12 +1417,14 @@ _SAMPLES = {
     "interns1": "ok " + ACTION.format('{"name": "add", "parameters": {"a": 1}}')
     + ACTION.format('{"name": "mul"}'),
     "gemma4": "ok <|tool_call>call:add{a:1}<tool_call|><|tool_call>call:mul{}<tool_call|>",
+    "glm47": "ok <tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value></tool_call> and "
+    "<tool_call>mul</tool_call>",
     "gpt-oss": "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>commentary "
     'to=functions.add <|constrain|>json<|message|>{"a": 1}<|call|>',
 }  # fmt: skip
 
 
-_SPECIAL = re.compile(r"(<\|[a-z]+\|>|</?think>|</?tool_call>)")
+_SPECIAL = re.compile(r"(<\|[a-z]+\|>|</?think>|</?tool_call>|</?arg_key>|</?arg_value>)")
 
 
 @pytest.mark.parametrize("parser", list(_SAMPLES))
@@ -1354,7 +1433,7 @@ def test_a_chat_stream_sends_each_new_formats_calls_as_tool_call_deltas(parser: 
     then argument deltas, adding up to what the whole answer's calls hold; finish tool_calls;
     the content the whole answer's."""
     text = _SAMPLES[parser]
-    tools = MINIMAX_TOOLS if parser in ("minimax-m2", "mimo", "gemma4") else OFFERED
+    tools = MINIMAX_TOOLS if parser in ("minimax-m2", "mimo", "gemma4", "glm47") else OFFERED
     options = {"model": "m", "n": 1, "logprobs": False, "parse_tools": True, "tools": tools,
                "tool_parser": parser, "stream": True, "include_usage": False,
                "continuous_usage_stats": False}  # fmt: skip

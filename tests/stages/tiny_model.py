@@ -185,13 +185,15 @@ def make_byte_model(
     return path
 
 
-def make_tagged_byte_model(path: Path, tags: tuple[str, ...], *, seed: int = 4) -> Path:
+def make_tagged_byte_model(
+    path: Path, tags: tuple[str, ...], *, seed: int = 4, chars: str = BYTE_CHARS + "\n"
+) -> Path:
     """A byte-level model (``make_byte_model``, newlines too) whose ``tags`` are whole tokens,
     added as Qwen3's ``<think>`` and ``<tool_call>`` are (not special): the only way to write
     them, so that text holds each whole."""
     from transformers import AutoTokenizer
 
-    model = make_byte_model(path, seed=seed, chars=BYTE_CHARS + "\n", words=tags)
+    model = make_byte_model(path, seed=seed, chars=chars, words=tags)
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.add_tokens(list(tags))  # already in the vocabulary: now read whole in text
     tokenizer.save_pretrained(model)
