@@ -47,7 +47,7 @@ from typing import Any
 import structlog
 
 from stages.engine.glm_calls import _number, literal, unquoted
-from stages.engine.partial_json import PieceStream, partial_tail
+from stages.engine.marked_stream import BlockStream
 from stages.engine.tool_formats import _Unreadable
 
 __all__ = ["Glm47Calls"]
@@ -313,7 +313,11 @@ class Glm47Calls:
         body = text[len(BEGIN) : -len(END)]
         cut = body.find(KEY)
         name = body if cut == -1 else body[:cut]
-        arguments = self.arguments(name, body[cut:]) if cut != -1 else {}
+        return self.offered(name, self.arguments(name, body[cut:]) if cut != -1 else {})
+
+    def offered(self, name: str, arguments: dict[str, Any]) -> dict[str, str] | None:
+        """``{name, arguments}`` of a call to a tool offered, None (logged) for another
+        (``parse_base_json``); ``_Unreadable`` where the arguments are not JSON."""
         if not name or name not in self.functions:
             log.warning("tool_call_unknown_function", name=name[:100])
             return None
@@ -351,35 +355,21 @@ class _Outside:
         return "" if self.called else self.text[self.sent :]
 
 
-class _Glm47Stream(PieceStream):
+class _Glm47Stream(BlockStream):
+    begin, end = BEGIN, END
+
     def __init__(self, reader: Glm47Calls) -> None:
         super().__init__()
         self.reader = reader
-        self.outside = _Outside()
-        self.pos = 0  # where the text not yet read begins
+        self.content = _Outside()
         self.dropped: set[int] = set()  # where calls to tools not offered begin
 
-    def feed(self, delta: str) -> tuple[str, Pieces]:
-        self.text += delta
-        text, content, pieces = self.text, "", []
-        while True:
-            start = text.find(BEGIN, self.pos)
-            if start == -1:
-                upto = len(text) - partial_tail(text[self.pos :], BEGIN)
-                content += self.outside.more(text[self.pos : upto])
-                self.pos = upto
-                return content, pieces
-            content += self.outside.more(text[self.pos : start])
-            self.outside.called = True
-            self.pos = start
-            stop = text.find(END, start + len(BEGIN))
-            if stop == -1:
-                pieces += self._partial(start, text[start + len(BEGIN) :])
-                return content, pieces
-            self.pos = stop + len(END)
-            pieces += self._whole(start, text[start : self.pos])
+    def outside(self, text: str, block_next: bool) -> str:
+        out = self.content.more(text)
+        self.content.called = self.content.called or block_next
+        return out
 
-    def _partial(self, key: int, body: str) -> Pieces:
+    def opened(self, key: int, body: str) -> Pieces:
         cut = body.find(KEY)
         if cut == -1 or key in self.dropped:
             return []
@@ -397,22 +387,22 @@ class _Glm47Stream(PieceStream):
             return self.pieces.partial(key, name, None)
         return self.pieces.partial(key, name, so_far)
 
-    def _whole(self, key: int, text: str) -> Pieces:
+    def closed(self, key: int, block: str) -> tuple[str, Pieces]:
         if key in self.dropped:
-            return []
+            return "", []
         try:
-            call = self.reader.call(text)
+            call = self.reader.call(block)
         except _FAILS as exc:
             log.warning("tool_call_unparsed", error=str(exc)[:200])
-            return []
+            return "", []
         if call is None:
-            return []
-        return self.pieces.whole(key, call["name"], call["arguments"])
+            return "", []
+        return "", self.pieces.whole(key, call["name"], call["arguments"])
 
     def flush(self) -> str:
         rest = self.text[self.pos :]
         if rest.startswith(BEGIN) and self.pieces.named(self.pos):
             log.warning("tool_call_incomplete", text=rest[:200])
             return ""
-        out = self.outside.more(rest)  # a call cut short before its name: content
-        return out + self.outside.rest()
+        out = self.content.more(rest)  # a call cut short before its name: content
+        return out + self.content.rest()

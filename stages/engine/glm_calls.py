@@ -49,7 +49,7 @@ from stages.engine.marked_stream import MarkedStream, whole_calls
 from stages.engine.qwen3_coder_calls import _properties, _schema_type
 from stages.engine.tool_formats import _Content, _Unreadable
 
-__all__ = ["GlmCalls"]
+__all__ = ["GlmCalls", "Ling3Calls"]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -64,6 +64,9 @@ Pieces = list[dict[str, Any]]
 
 class GlmCalls:
     """The calls of answers to one request (``tools``: its tools, their parameters' types)."""
+
+    detail = _CALL  # a whole call: its name, its pairs
+    name_line = _NAME  # the name of a call being written, once it is whole
 
     def __init__(self, tools: Iterable[dict[str, Any]]) -> None:
         self.params: dict[str, dict[str, Any]] = {}
@@ -82,11 +85,11 @@ class GlmCalls:
         """``{name, arguments}`` of one call's text (``<tool_call>`` to ``</tool_call>``); None
         for one without a name line, or (logged) to a tool not offered; ``_Unreadable`` where
         its values cannot be read or written as JSON."""
-        match = _CALL.search(text)
+        match = self.detail.search(text)
         if match is None:
             return None
-        name = match.group(1)
-        arguments = self.arguments(name, _PAIR.findall(match.group(2)))
+        name = match.group(1) or ""
+        arguments = self.arguments(name, _PAIR.findall(match.group(2) or ""))
         if not name or name not in self.params:
             log.warning("tool_call_unknown_function", name=name[:100])
             return None
@@ -117,6 +120,19 @@ class GlmCalls:
 
     def stream(self) -> _GlmStream:
         return _GlmStream(self)
+
+
+class Ling3Calls(GlmCalls):
+    """Ling 3's calls (SGLang's ``--tool-call-parser ling3``, ``Ling3Detector``): GLM-4.5's,
+    the name's leading space taken out and its end a newline, or the first ``<arg_key>``, or
+    ``</tool_call>`` (a call without arguments)."""
+
+    detail = re.compile(
+        r"<tool_call>\s*(.*?)(?:(?:\\n|\n)\s*|(?=<arg_key>)|(?=</tool_call>))"
+        r"(<arg_key>.*?)?</tool_call>",
+        re.DOTALL,
+    )
+    name_line = re.compile(r"\s*(.*?)(?:(?:\\n|\n)\s*|(?=<arg_key>))", re.DOTALL)
 
 
 def _number(text: str) -> Any:
@@ -178,7 +194,7 @@ class _GlmStream(MarkedStream):
         return self.before.rest(text)
 
     def partial(self, key: int, body: str) -> Pieces:
-        line = _NAME.match(body)
+        line = self.reader.name_line.match(body)
         if line is None or key in self.dropped:
             return []
         name = line.group(1)

@@ -16,10 +16,10 @@ from typing import Any
 
 import structlog
 
-from stages.engine.partial_json import CallPieces, PieceStream
+from stages.engine.partial_json import CallPieces, PieceStream, partial_tail
 from stages.engine.tool_formats import _Unreadable
 
-__all__ = ["MarkedStream", "whole_calls"]
+__all__ = ["BlockStream", "MarkedStream", "whole_calls"]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -106,3 +106,51 @@ class MarkedStream(PieceStream, ABC):
         if self.open:
             log.warning("tool_call_incomplete", text=self.text[self.pos :][:200])
         return ""
+
+
+class BlockStream(PieceStream, ABC):
+    """The stream of an answer whose calls are blocks from a begin tag to an end tag with
+    content before, between and after them (GLM-4.7's, IQuest Q1's): the text outside the
+    blocks goes to ``outside`` as it comes (a tail that may begin a block waits), a block being
+    written to ``opened``, a whole one to ``closed``."""
+
+    begin: str
+    end: str
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0  # where the text not yet read begins
+
+    def feed(self, delta: str) -> tuple[str, Pieces]:
+        self.text += delta
+        text, content, pieces = self.text, "", []
+        while True:
+            start = text.find(self.begin, self.pos)
+            if start == -1:
+                upto = len(text) - partial_tail(text[self.pos :], self.begin)
+                content += self.outside(text[self.pos : upto], False)
+                self.pos = upto
+                return content, pieces
+            content += self.outside(text[self.pos : start], True)
+            self.pos = start
+            stop = text.find(self.end, start + len(self.begin))
+            if stop == -1:
+                return content, pieces + self.opened(start, text[start + len(self.begin) :])
+            self.pos = stop + len(self.end)
+            more, new = self.closed(start, text[start : self.pos])
+            content, pieces = content + more, pieces + new
+
+    @abstractmethod
+    def outside(self, text: str, block_next: bool) -> str:
+        """The content to send of ``text``, outside the blocks (``block_next``: a block
+        begins after it)."""
+
+    def opened(self, key: int, body: str) -> Pieces:
+        """Pieces of the block that begins at ``key``, still being written (``body``: its
+        text after the begin tag so far); none by default."""
+        return []
+
+    @abstractmethod
+    def closed(self, key: int, block: str) -> tuple[str, Pieces]:
+        """Content and pieces of the block that begins at ``key``, now whole (``block``: from
+        its begin tag to its end tag)."""

@@ -412,7 +412,10 @@ def chat_request(
         and (settings.tool_parser is not None or forced is not None)
         and "json_schema" not in grammar,
         "tools": tools or [],
-        "tool_parser": answer_format(settings.tool_parser, forced),  # the format calls are in
+        # the format calls are in
+        "tool_parser": answer_format(
+            settings.tool_parser, forced, isinstance(body.get("tool_choice"), dict)
+        ),
         # Kimi K2's call ids count the conversation's calls (serving_chat: kimi_k2's alone)
         "kimi_ids_from": history_calls(messages) if settings.tool_parser == "kimi_k2" else None,
         "stream": bool(body.get("stream")),

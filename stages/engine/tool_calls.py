@@ -3,8 +3,8 @@
 (``stages.engine.tool_formats``), ``pythonic`` (``stages.engine.pythonic_calls``),
 ``qwen3_coder`` (also ``step3p5`` and ``nanbeige``, which SGLang reads with the same detector),
 ``deepseekv3`` and ``deepseekv31`` (``stages.engine.deepseek_calls``), ``deepseekv32``
-(``stages.engine.dsml_calls``), ``kimi_k2``
-(``stages.engine.kimi_calls``), ``glm45`` (also ``glm``: ``stages.engine.glm_calls``),
+(``stages.engine.dsml_calls``), ``kimi_k2`` (``stages.engine.kimi_calls``), ``glm45`` (also
+``glm``) and ``ling3`` (``stages.engine.glm_calls``),
 ``glm47`` (``stages.engine.glm47_calls``; its calls held by a grammar of the whole answer,
 ``stages.engine.glm_grammar``, rather than a structural tag),
 ``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``), ``trinity`` (Qwen 2.5's
@@ -53,11 +53,12 @@ from stages.engine.dsml_calls import DeepSeekV32Calls
 from stages.engine.gemma4_calls import BEGIN as GEMMA4_BEGIN
 from stages.engine.gemma4_calls import Gemma4Calls
 from stages.engine.glm47_calls import Glm47Calls
-from stages.engine.glm_calls import GlmCalls
+from stages.engine.glm_calls import GlmCalls, Ling3Calls
 from stages.engine.harmony import FRAMES as HARMONY_FRAMES
 from stages.engine.harmony import GptOssCalls
 from stages.engine.internlm_calls import FRAMES as INTERNLM_FRAMES
 from stages.engine.internlm_calls import InternlmCalls
+from stages.engine.iquest_calls import IQuestQ1Calls, NamedArguments
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
@@ -103,12 +104,13 @@ _FORMATS: dict[str, Any] = {
     "trinity": TrinityCalls,
     "interns1": InternlmCalls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
+    "json_arguments": NamedArguments,  # iquest_q1's forced answer to a named tool
 }
 # SGLang's --tool-call-parser names the engine reads
 PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
-    "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "gpt-oss",
-    "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4",
+    "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
+    "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -116,7 +118,8 @@ PARSERS = (
 _TYPED = {
     "qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls,
     "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls, "minimax-m2": MiniMaxM2Calls,
-    "glm47": Glm47Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
+    "glm47": Glm47Calls, "ling3": Ling3Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
+    "iquest_q1": IQuestQ1Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -236,6 +239,8 @@ def forced_calls(
     SGLang's words, for tools whose ``$defs`` disagree."""
     if parser in _FRAMES:
         return {"structural_tag": json.dumps(call_tag(tools, parser))}
+    if parser == "iquest_q1" and named:  # IQuestQ1JsonToolParser: the tool's arguments alone
+        return {"json_schema": json.dumps(tools[0]["function"].get("parameters") or {})}
     items = [
         {
             "properties": {
@@ -268,10 +273,15 @@ def forced_calls(
     return {"json_schema": json.dumps(schema)}
 
 
-def answer_format(parser: str | None, forced: Mapping[str, str] | None) -> str | None:
+def answer_format(
+    parser: str | None, forced: Mapping[str, str] | None, named: bool = False
+) -> str | None:
     """The format an answer is read in: ``parser``'s, or where a forced call was constrained
-    by JSON schema, that array (``json_array``)."""
-    return "json_array" if forced and "json_schema" in forced else parser
+    by JSON schema, that array (``json_array``), or for ``iquest_q1`` and a named tool, that
+    tool's arguments (``json_arguments``)."""
+    if not forced or "json_schema" not in forced:
+        return parser
+    return "json_arguments" if parser == "iquest_q1" and named else "json_array"
 
 
 class ToolCallParser:

@@ -1059,6 +1059,76 @@ def test_glm45_streams_as_the_whole_answer_reads(step: int) -> None:
     assert json.loads("".join(p["arguments"] for p in pieces)) == {"city": "北京", "days": 3}
 
 
+LING3 = ("Sure. <tool_call> get\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+         "<tool_call>get<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
+         "<tool_call>get</tool_call>")  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_ling3_reads_glm_calls_with_or_without_the_names_newline(step: int) -> None:
+    """ling3_detector.py: GLM-4.5's reading, the name after any space and up to a newline, the
+    first <arg_key> or </tool_call> (glm45 needs the newline); streamed, the same calls."""
+    reader = ToolCallParser(GLM_TOOLS, "ling3")
+    content, calls = reader.parse(LING3)
+    assert content == "Sure."
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get", {"days": 3}), ("get", {"city": "Oslo"}), ("get", {})
+    ]  # fmt: skip
+    assert [c["name"] for c in ToolCallParser(GLM_TOOLS, "glm45").parse(LING3)[1]] == []
+    content, pieces = _feed(StreamingToolCalls(ToolCallParser(GLM_TOOLS, "ling3")), LING3, step)
+    assert _calls_of(pieces) == calls and content.strip() == "Sure."
+
+
+IQUEST = ("ok <iquest_tool_call>get<arg_key>days</arg_key><arg_value>3</arg_value>"
+          '<arg_key>city</arg_key><arg_value>"Oslo"</arg_value></iquest_tool_call> mid '
+
+          "<iquest_tool_call>get stray<arg_key>days</arg_key><arg_value>1</arg_value>x"
+          "</iquest_tool_call><iquest_tool_call>ghost</iquest_tool_call> end")  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_iquest_q1_reads_glm47_pairs_between_its_own_tags(step: int) -> None:
+    """iquest_q1_detector.py: a call a block whose name and pairs hold nothing else, values
+    read as GLM-4.7's, a string keeping its text as written (quotes too); a block with stray
+    text stays in the content, a tool not offered is dropped but taken out; the content not
+    stripped; streamed: the same content and calls, each call at its end tag."""
+    reader = ToolCallParser(GLM_TOOLS, "iquest_q1")
+    content, listed = reader.indexed(IQUEST, {})
+    assert content == (
+        "ok  mid <iquest_tool_call>get stray<arg_key>days</arg_key><arg_value>1</arg_value>x"
+        "</iquest_tool_call> end"
+    )
+    assert listed == [(0, {"name": "get", "arguments": '{"days": 3, "city": "\\"Oslo\\""}'})]
+    streamed, pieces = _feed(
+        StreamingToolCalls(ToolCallParser(GLM_TOOLS, "iquest_q1")), IQUEST, step
+    )
+    assert (streamed, _calls_of(pieces)) == (content, [listed[0][1]])
+    cut = "a <iquest_tool_call>get<arg_key>days</arg_key>"
+    assert _feed(StreamingToolCalls(ToolCallParser(GLM_TOOLS, "iquest_q1")), cut, step) == (cut, [])
+
+
+def test_a_forced_iquest_q1_call_to_a_named_tool_is_its_arguments() -> None:
+    """iquest_q1_detector.py IQuestQ1JsonToolParser: a named tool_choice constrains the answer to
+    that tool's parameters and reads it as its arguments, as written (streamed: the name, then
+    the text); required: SGLang's JSON array of calls."""
+    from stages.engine.tool_calls import answer_format
+
+    named = forced_calls(GLM_TOOLS, "iquest_q1", named=True, parallel=True)
+    assert json.loads(named["json_schema"]) == GLM_TOOLS[0]["function"]["parameters"]
+    assert answer_format("iquest_q1", named, named=True) == "json_arguments"
+    required = forced_calls(GLM_TOOLS, "iquest_q1", named=False, parallel=True)
+    assert json.loads(required["json_schema"])["type"] == "array"
+    assert answer_format("iquest_q1", required) == "json_array"
+    reader = ToolCallParser(GLM_TOOLS, "json_arguments")
+    assert reader.parse('{"days": 3,  "city": "Oslo"}') == (
+        "", [{"name": "get", "arguments": '{"days": 3,  "city": "Oslo"}'}]
+    )  # fmt: skip
+    assert reader.parse("[1]") == ("[1]", [])
+    stream = StreamingToolCalls(reader)
+    pieces = stream.feed('{"days":')[1] + stream.feed(" 3}")[1]
+    assert _calls_of(pieces) == [{"name": "get", "arguments": '{"days": 3}'}]
+
+
 def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
     """glm4_moe_detector.py supports_structural_tag False: a forced tool_choice gets SGLang's
     JSON schema of an array of calls, read as that array (get_structure_constraint)."""
