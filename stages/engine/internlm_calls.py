@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from stages.engine.partial_json import PieceStream, partial_tail
-from stages.engine.tool_formats import _Unreadable
+from stages.engine.tool_formats import MarkedCalls, _Unreadable
 
 __all__ = ["FRAMES", "InternlmCalls"]
 
@@ -50,14 +50,10 @@ FRAMES = {"interns1": (BEGIN + '\n{"name": ', True, ', "parameters": ', "}" + EN
 Pieces = list[dict[str, Any]]
 
 
-class InternlmCalls:
+class InternlmCalls(MarkedCalls):
     """The calls of answers to one request (``names``: its tools')."""
 
-    def __init__(self, names: set[str]) -> None:
-        self.names = names
-
-    def has_tool_call(self, text: str) -> bool:
-        return BEGIN in text
+    marker = BEGIN
 
     def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
         at = text.find(BEGIN)

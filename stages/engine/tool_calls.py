@@ -10,7 +10,8 @@
 ``gpt-oss`` (OpenAI's Harmony messages: ``stages.engine.harmony``), ``trinity`` (Qwen 2.5's
 calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``),
 ``mimo`` (``stages.engine.mimo_calls``), ``interns1`` (``stages.engine.internlm_calls``),
-``gemma4`` (``stages.engine.gemma4_calls``); and how a forced
+``gemma4`` (``stages.engine.gemma4_calls``), ``iquest_q1`` (``stages.engine.iquest_calls``),
+``cohere_command4`` (``stages.engine.cohere_calls``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -44,6 +45,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from stages.engine.cohere_calls import BEGIN as COHERE_ACTION
+from stages.engine.cohere_calls import CohereCalls
 from stages.engine.deepseek_calls import BEGIN as DEEPSEEK_CALL
 from stages.engine.deepseek_calls import FRAMES as DEEPSEEK_FRAMES
 from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
@@ -103,6 +106,7 @@ _FORMATS: dict[str, Any] = {
     "gpt-oss": GptOssCalls,
     "trinity": TrinityCalls,
     "interns1": InternlmCalls,
+    "cohere_command4": CohereCalls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
     "json_arguments": NamedArguments,  # iquest_q1's forced answer to a named tool
 }
@@ -111,6 +115,7 @@ PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
+    "cohere_command4",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -159,10 +164,11 @@ def parser_for_template(template: str | None) -> str | None:
     V3.2's DSML block ``deepseekv32``; DeepSeek's markers get ``deepseekv3`` where the template
     writes the arguments in a json code block, else ``deepseekv31``; Kimi K2's section marker
     ``kimi_k2``; MiniMax-M2's block tag ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
-    among those that write
-    ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
-    writes ``<arg_key>`` GLM-4.5's, the others Qwen 2.5's, which needs a newline after the tag,
-    or where it writes a call's JSON right after the tag, Hermes', which reads that too."""
+    Cohere's ``<|START_ACTION|>`` ``cohere_command4``; among those that write ``<tool_call>``,
+    one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that writes
+    ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others Qwen
+    2.5's, which needs a newline after the tag, or where it writes a call's JSON right after
+    the tag, Hermes', which reads that too."""
     if template and DSML_BLOCK in template:
         return "deepseekv32"
     if template and DEEPSEEK_CALL in template:
@@ -173,6 +179,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "minimax-m2"
     if template and GEMMA4_BEGIN in template:
         return "gemma4"
+    if template and COHERE_ACTION in template:
+        return "cohere_command4"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:

@@ -110,6 +110,19 @@ def _strict_loads(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
+class MarkedCalls:
+    """A format whose answer has calls where its ``marker`` is: the names of the tools
+    offered, and that test."""
+
+    marker: str
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def has_tool_call(self, text: str) -> bool:
+        return self.marker in text
+
+
 class _Objects:
     """The call objects of one stream: what of each went out, and which were dropped."""
 
@@ -555,14 +568,10 @@ MARKER, BOT, ARGS = "[TOOL_CALLS", "[TOOL_CALLS] [", "[ARGS"
 _WAIT = "wait"  # a compact call that more text may yet complete
 
 
-class MistralCalls:
+class MistralCalls(MarkedCalls):
     """SGLang's ``MistralDetector`` (``--tool-call-parser mistral``)."""
 
-    def __init__(self, names: set[str]) -> None:
-        self.names = names
-
-    def has_tool_call(self, text: str) -> bool:
-        return MARKER in text
+    marker = MARKER
 
     def parse(self, text: str) -> tuple[str, list[dict[str, str]]]:
         at = text.find(MARKER)

@@ -159,6 +159,7 @@ DETECTORS = {
     "glm47": ("glm47_moe_detector", "Glm47MoeDetector"),
     "ling3": ("ling3_detector", "Ling3Detector"),
     "iquest_q1": ("iquest_q1_detector", "IQuestQ1Detector"),
+    "cohere_command4": ("cohere_command4_detector", "CohereCommand4Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -218,6 +219,25 @@ def _iquest_answer(r: random.Random) -> str:
         if r.random() < 0.2:
             text = text.replace("</tool_call>", stray + "</tool_call>", 1)
     return text.replace("tool_call>", "iquest_tool_call>")
+
+
+COHERE_ITEMS = ['{"tool_call_id": "0", "tool_name": "add", "parameters": {"a": 1}}',
+                '{"tool_name": "bare", "parameters": {"s": "é"}}', '{"name": "add"}',
+                '{"tool_name": "ghost", "parameters": {}}', '{"tool_name": "add", "parameters": 0,'
+                ' "arguments": {"b": 2}}', '{"tool_name": ["add"]}', '"text"', "1",
+                '{"tool_name": "add", "parameters": {"a": NaN}}']  # fmt: skip
+
+
+def _cohere_answer(r: random.Random) -> str:
+    """Content, an action block of calls (an array, one object, not JSON), text after; or a
+    block cut short."""
+    items = [r.choice(COHERE_ITEMS) for _ in range(r.randint(0, 3))]
+    body = r.choice(["[" + ", ".join(items) + "]", items[0] if items else "{}", "not json"])
+    body = r.choice(["", "\n", " "]) + body + r.choice(["", "\n"])
+    out = r.choice(["", "Sure. ", "a <|START", "text\n"]) + "<|START_ACTION|>" + body
+    if r.random() < 0.15:  # cut short (SGLang reads it with partial_json_parser)
+        return out[: r.randint(len(out) - len(body), len(out))]
+    return out + "<|END_ACTION|>" + r.choice(["", " after", "<|START_ACTION|>[]<|END_ACTION|>"])
 
 
 KIMI_IDS = ["functions.add:0", "add:1", "functions.bare:2", "functions.union:0", "3", "",
@@ -466,6 +486,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _glm47_answer(r)
     if parser == "iquest_q1":
         return _iquest_answer(r)
+    if parser == "cohere_command4":
+        return _cohere_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -509,6 +531,8 @@ def test_each_format_reads_a_whole_answer_as_sglangs_detector(
             continue
         if parser == "gemma4" and _hangs_gemma4(text):
             continue
+        if parser == "cohere_command4" and "<|END_ACTION|>" not in text:
+            continue  # cut short: SGLang completes it with partial_json_parser (cohere_calls)
         detector = detector_class()
         try:
             theirs = (
@@ -823,3 +847,42 @@ def test_iquest_q1_streams_as_sglangs_detector(caplog: pytest.LogCaptureFixture)
         assert [mine[i] for i in sorted(mine)] == [theirs[i] for i in sorted(theirs)], text
         compared += 1
     assert compared > 300
+
+
+_COHERE_TAGS = re.compile(r"(<\|START_ACTION\|>|<\|END_ACTION\|>)")
+
+
+@pytest.mark.timeout(120)
+def test_cohere_command4_streams_its_calls_as_sglangs_detector(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Cohere answers of a closed block (an array, one object, or not JSON) fed a character at
+    a time, the tags whole: the same calls as SGLang's ``parse_streaming_increment`` (all at
+    the end tag), and the content of its whole answer (its stream sends the text after the
+    block too, and reads a second block)."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.cohere_command4_detector")
+    r = random.Random(10)
+    compared = 0
+    for _ in range(400):
+        text = _cohere_answer(r)
+        if "<|END_ACTION|>" not in text:
+            continue
+        try:
+            want = module.CohereCommand4Detector().detect_and_parse(text, tools)
+        except Exception:  # SGLang's detector raises: the engine reads the answer as unreadable
+            continue
+        parts = _tokens_whole(_COHERE_TAGS, text)
+        _, our_text, _, mine = _fed(module.CohereCommand4Detector(), "cohere_command4", tools,
+                                    parts)  # fmt: skip
+        assert our_text == want.normal_text, text
+        got = [mine[i] for i in sorted(mine)]
+        assert got == [[c.name, c.parameters] for c in want.calls], text
+        detector, theirs = module.CohereCommand4Detector(), []  # its tool_index: the tool's place
+        for part in parts:
+            theirs += [[c.name, c.parameters] for c in detector.parse_streaming_increment(
+                part, tools).calls]  # fmt: skip
+        assert got == theirs[: len(got)], text
+        compared += 1
+    assert compared > 250

@@ -1129,6 +1129,35 @@ def test_a_forced_iquest_q1_call_to_a_named_tool_is_its_arguments() -> None:
     assert _calls_of(pieces) == [{"name": "get", "arguments": '{"days": 3}'}]
 
 
+COHERE = ('Sure <|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get", "parameters": '
+          '{"days": 3}}, {"tool_name": "ghost", "parameters": {}}, {"name": "get", "parameters":'
+          ' 0, "arguments": {"city": "Oslo"}}]<|END_ACTION|> after')  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_cohere_command4_reads_its_action_block(step: int) -> None:
+    """cohere_command4_detector.py: the content before <|START_ACTION|>, the block's JSON array
+    of {tool_name or name, parameters} (a falsy parameters: its arguments), a tool not offered
+    dropped, the text after the block dropped; a block cut short read as far as its JSON
+    closes; not JSON: no calls; streamed, the same (calls at <|END_ACTION|>); a forced choice
+    gets SGLang's JSON array; the template's own tag picks the format."""
+    tools = [*GLM_TOOLS, {"type": "function", "function": {"name": "ghost2"}}]
+    reader = ToolCallParser(tools, "cohere_command4")
+    content, calls = reader.parse(COHERE)
+    assert content == "Sure "
+    assert calls == [{"name": "get", "arguments": '{"days": 3}'},
+                     {"name": "get", "arguments": '{"city": "Oslo"}'}]  # fmt: skip
+    cut = COHERE[: COHERE.index(', {"tool_name": "ghost"') + 5]
+    assert reader.parse(cut) == ("Sure ", calls[:1])
+    assert reader.parse("x<|START_ACTION|>not json<|END_ACTION|>") == ("x", [])
+    streamed, pieces = _feed(StreamingToolCalls(ToolCallParser(tools, "cohere_command4")), COHERE,
+                             step)  # fmt: skip
+    assert (streamed, _calls_of(pieces)) == (content, calls)
+    forced = forced_calls(GLM_TOOLS, "cohere_command4", named=False, parallel=True)
+    assert set(forced) == {"json_schema"}
+    assert parser_for_template("{{ '<|START_ACTION|>' }}") == "cohere_command4"
+
+
 def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
     """glm4_moe_detector.py supports_structural_tag False: a forced tool_choice gets SGLang's
     JSON schema of an array of calls, read as that array (get_structure_constraint)."""
