@@ -11,7 +11,8 @@
 calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``),
 ``mimo`` (``stages.engine.mimo_calls``), ``interns1`` (``stages.engine.internlm_calls``),
 ``gemma4`` (``stages.engine.gemma4_calls``), ``iquest_q1`` (``stages.engine.iquest_calls``),
-``cohere_command4`` (``stages.engine.cohere_calls``); and how a forced
+``cohere_command4`` (``stages.engine.cohere_calls``), ``gigachat35``
+(``stages.engine.gigachat_calls``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -55,6 +56,8 @@ from stages.engine.dsml_calls import FRAMES as DSML_FRAMES
 from stages.engine.dsml_calls import DeepSeekV32Calls
 from stages.engine.gemma4_calls import BEGIN as GEMMA4_BEGIN
 from stages.engine.gemma4_calls import Gemma4Calls
+from stages.engine.gigachat_calls import BEGIN as GCML_BLOCK
+from stages.engine.gigachat_calls import GigaChat35Calls
 from stages.engine.glm47_calls import Glm47Calls
 from stages.engine.glm_calls import GlmCalls, Ling3Calls
 from stages.engine.harmony import FRAMES as HARMONY_FRAMES
@@ -107,6 +110,7 @@ _FORMATS: dict[str, Any] = {
     "trinity": TrinityCalls,
     "interns1": InternlmCalls,
     "cohere_command4": CohereCalls,
+    "gigachat35": GigaChat35Calls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
     "json_arguments": NamedArguments,  # iquest_q1's forced answer to a named tool
 }
@@ -115,7 +119,7 @@ PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
-    "cohere_command4",
+    "cohere_command4", "gigachat35",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -164,7 +168,8 @@ def parser_for_template(template: str | None) -> str | None:
     V3.2's DSML block ``deepseekv32``; DeepSeek's markers get ``deepseekv3`` where the template
     writes the arguments in a json code block, else ``deepseekv31``; Kimi K2's section marker
     ``kimi_k2``; MiniMax-M2's block tag ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
-    Cohere's ``<|START_ACTION|>`` ``cohere_command4``; among those that write ``<tool_call>``,
+    Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
+    ``gigachat35``; among those that write ``<tool_call>``,
     one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that writes
     ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others Qwen
     2.5's, which needs a newline after the tag, or where it writes a call's JSON right after
@@ -181,6 +186,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "gemma4"
     if template and COHERE_ACTION in template:
         return "cohere_command4"
+    if template and GCML_BLOCK in template:
+        return "gigachat35"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:

@@ -160,6 +160,7 @@ DETECTORS = {
     "ling3": ("ling3_detector", "Ling3Detector"),
     "iquest_q1": ("iquest_q1_detector", "IQuestQ1Detector"),
     "cohere_command4": ("cohere_command4_detector", "CohereCommand4Detector"),
+    "gigachat35": ("gigachat35_detector", "GigaChat35Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -238,6 +239,31 @@ def _cohere_answer(r: random.Random) -> str:
     if r.random() < 0.15:  # cut short (SGLang reads it with partial_json_parser)
         return out[: r.randint(len(out) - len(body), len(out))]
     return out + "<|END_ACTION|>" + r.choice(["", " after", "<|START_ACTION|>[]<|END_ACTION|>"])
+
+
+G = "\uff5cGCML\uff5c"  # GigaChat 3.5's GCML marker
+
+
+def _gcml_invoke(r: random.Random, well_formed: bool) -> str:
+    """A GigaChat 3.5 invoke (to a tool offered or not), or a mangled one."""
+    params = "".join(
+        f'<{G}parameter name="{r.choice(KEYS)}" string="{r.choice(["true", "false"])}">'
+        f"{r.choice(DSML_VALUES)}</{G}parameter>" + r.choice(["", "\n"])
+        for _ in range(r.randint(0, 3))
+    )
+    name = r.choice(["add", "bare", "ghost"] + (["", "a b"] if not well_formed else []))
+    end = f"</{G}invoke>" if well_formed else r.choice([f"</{G}invoke>", ""])
+    return f'<{G}invoke name="{name}">' + params + end + r.choice(["", "\n"])
+
+
+def _gcml_answer(r: random.Random) -> str:
+    out = r.choice(["", "Sure.", "text\n\n", "a <|message_sep|>", "b</s> \n", "x <\uff5cGC"])
+    out += f"<{G}tool_calls>" + r.choice(["", "\n"])
+    bad = r.randrange(3) if r.random() < 0.33 else -1
+    for i in range(r.randint(0, 3)):
+        out += _gcml_invoke(r, i != bad)
+    out += r.choice([f"</{G}tool_calls>", f"</{G}tool_calls>", ""])
+    return out + r.choice(["", " after", "<|message_sep|>", "</s>"])
 
 
 KIMI_IDS = ["functions.add:0", "add:1", "functions.bare:2", "functions.union:0", "3", "",
@@ -488,6 +514,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _iquest_answer(r)
     if parser == "cohere_command4":
         return _cohere_answer(r)
+    if parser == "gigachat35":
+        return _gcml_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -886,3 +914,31 @@ def test_cohere_command4_streams_its_calls_as_sglangs_detector(
         assert got == theirs[: len(got)], text
         compared += 1
     assert compared > 250
+
+
+_GCML_TAGS = re.compile(r"(</?\uff5cGCML\uff5c[a-z_]+|<\|message_sep\|>)")
+
+
+@pytest.mark.timeout(120)
+def test_gigachat35_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCaptureFixture) -> None:
+    """GigaChat 3.5 answers (well-formed invokes and not, to tools offered and not) fed a
+    character at a time, the tags' names whole: the same calls as SGLang's
+    ``parse_streaming_increment`` and ``finish`` (each at its invoke's end), and the content of
+    its whole answer (its stream sends the text before the block with its trailing markers)."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.gigachat35_detector")
+    r = random.Random(11)
+    for _ in range(300):
+        text = _gcml_answer(r)
+        want = module.GigaChat35Detector().detect_and_parse(text, tools)
+        parts = _tokens_whole(_GCML_TAGS, text)
+        _, our_text, _, mine = _fed(module.GigaChat35Detector(), "gigachat35", tools, parts)
+        assert our_text == want.normal_text, text
+        got = [mine[i] for i in sorted(mine)]
+        assert got == [[c.name, c.parameters] for c in want.calls], text
+        detector, theirs = module.GigaChat35Detector(), []
+        for part in [*parts, ""]:
+            theirs += [[c.name, c.parameters] for c in detector.parse_streaming_increment(
+                part, tools).calls]  # fmt: skip
+        assert got == theirs, text

@@ -1158,6 +1158,30 @@ def test_cohere_command4_reads_its_action_block(step: int) -> None:
     assert parser_for_template("{{ '<|START_ACTION|>' }}") == "cohere_command4"
 
 
+G = "\uff5cGCML\uff5c"  # GigaChat 3.5's GCML marker
+GCML = (f'Sure</s>\n<{G}tool_calls><{G}invoke name="get"><{G}parameter name="city" string="true">'
+        f'Oslo</{G}parameter><{G}parameter name="days" string="false">3</{G}parameter></{G}invoke>'
+        f'<{G}invoke name="ghost"></{G}invoke></{G}tool_calls>')  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_gigachat35_reads_gcml_invokes(step: int) -> None:
+    """gigachat35_detector.py: each closed invoke a call (string="true": the text; else JSON),
+    a tool not offered dropped; the content before the block less its trailing </s> and
+    newline; a block without an invoke leaves the whole answer content; streamed, the same."""
+    reader = ToolCallParser(GLM_TOOLS, "gigachat35")
+    content, calls = reader.parse(GCML)
+    assert (content, calls) == (
+        "Sure",
+        [{"name": "get", "arguments": '{"city": "Oslo", "days": 3}'}],
+    )
+    assert reader.parse(f"x</s><{G}tool_calls>junk") == (f"x</s><{G}tool_calls>junk", [])
+    stream = StreamingToolCalls(ToolCallParser(GLM_TOOLS, "gigachat35"))
+    streamed, pieces = _feed(stream, GCML, step)
+    assert (streamed, _calls_of(pieces)) == (content, calls)
+    assert parser_for_template(f"{{{{ '<{G}tool_calls>' }}}}") == "gigachat35"
+
+
 def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
     """glm4_moe_detector.py supports_structural_tag False: a forced tool_choice gets SGLang's
     JSON schema of an array of calls, read as that array (get_structure_constraint)."""
