@@ -47,7 +47,7 @@ from typing import Any
 import structlog
 
 from stages.engine.glm_calls import _number, literal, unquoted
-from stages.engine.marked_stream import BlockStream
+from stages.engine.marked_stream import BlockStream, OutsideText
 from stages.engine.tool_formats import _Unreadable
 
 __all__ = ["Glm47Calls"]
@@ -334,34 +334,13 @@ class Glm47Calls:
         return _Glm47Stream(self)
 
 
-class _Outside:
-    """The content of a stream: the text outside its calls joined, sent as it comes but for
-    whitespace at its ends, which the whole answer strips once it has a call."""
-
-    def __init__(self) -> None:
-        self.text, self.sent, self.called = "", 0, False
-
-    def more(self, text: str) -> str:
-        self.text += text
-        if self.called and not self.text[: self.sent].strip():
-            self.sent = len(self.text) - len(self.text.lstrip())  # nothing but space went out
-        upto = len(self.text.rstrip())
-        out = self.text[self.sent : upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        return out
-
-    def rest(self) -> str:
-        """At the end: what waited, which the whole answer keeps where it has no call."""
-        return "" if self.called else self.text[self.sent :]
-
-
 class _Glm47Stream(BlockStream):
     begin, end = BEGIN, END
 
     def __init__(self, reader: Glm47Calls) -> None:
         super().__init__()
         self.reader = reader
-        self.content = _Outside()
+        self.content = OutsideText()
         self.dropped: set[int] = set()  # where calls to tools not offered begin
 
     def outside(self, text: str, block_next: bool) -> str:

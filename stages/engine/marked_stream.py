@@ -19,7 +19,7 @@ import structlog
 from stages.engine.partial_json import CallPieces, PieceStream, partial_tail
 from stages.engine.tool_formats import _Unreadable
 
-__all__ = ["BlockStream", "MarkedStream", "whole_calls"]
+__all__ = ["BlockStream", "MarkedStream", "OutsideText", "whole_calls"]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -154,3 +154,24 @@ class BlockStream(PieceStream, ABC):
     def closed(self, key: int, block: str) -> tuple[str, Pieces]:
         """Content and pieces of the block that begins at ``key``, now whole (``block``: from
         its begin tag to its end tag)."""
+
+
+class OutsideText:
+    """The content of a stream: the text outside its calls joined, sent as it comes but for
+    whitespace at its ends, which the whole answer strips once it has a call."""
+
+    def __init__(self) -> None:
+        self.text, self.sent, self.called = "", 0, False
+
+    def more(self, text: str) -> str:
+        self.text += text
+        if self.called and not self.text[: self.sent].strip():
+            self.sent = len(self.text) - len(self.text.lstrip())  # nothing but space went out
+        upto = len(self.text.rstrip())
+        out = self.text[self.sent : upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return out
+
+    def rest(self) -> str:
+        """At the end: what waited, which the whole answer keeps where it has no call."""
+        return "" if self.called else self.text[self.sent :]

@@ -12,7 +12,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``mimo`` (``stages.engine.mimo_calls``), ``interns1`` (``stages.engine.internlm_calls``),
 ``gemma4`` (``stages.engine.gemma4_calls``), ``iquest_q1`` (``stages.engine.iquest_calls``),
 ``cohere_command4`` (``stages.engine.cohere_calls``), ``gigachat35``
-(``stages.engine.gigachat_calls``); and how a forced
+(``stages.engine.gigachat_calls``), ``apertus2509`` (``stages.engine.apertus_calls``); and how a
+forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -46,6 +47,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from stages.engine.apertus_calls import FRAMES as APERTUS_FRAMES
+from stages.engine.apertus_calls import ApertusCalls
 from stages.engine.cohere_calls import BEGIN as COHERE_ACTION
 from stages.engine.cohere_calls import CohereCalls
 from stages.engine.deepseek_calls import BEGIN as DEEPSEEK_CALL
@@ -111,6 +114,7 @@ _FORMATS: dict[str, Any] = {
     "interns1": InternlmCalls,
     "cohere_command4": CohereCalls,
     "gigachat35": GigaChat35Calls,
+    "apertus2509": ApertusCalls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
     "json_arguments": NamedArguments,  # iquest_q1's forced answer to a named tool
 }
@@ -119,7 +123,7 @@ PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
-    "cohere_command4", "gigachat35",
+    "cohere_command4", "gigachat35", "apertus2509",
 )  # fmt: skip
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
@@ -145,6 +149,7 @@ _FRAMES = {
     **INTERNLM_FRAMES,
     **KIMI_FRAMES,
     **HARMONY_FRAMES,
+    **APERTUS_FRAMES,
 }
 # what a tool that is not strict holds its calls' arguments to (any JSON but for these: Kimi's
 # reader takes only an object, and SGLang's tag for it says so)
@@ -169,10 +174,10 @@ def parser_for_template(template: str | None) -> str | None:
     writes the arguments in a json code block, else ``deepseekv31``; Kimi K2's section marker
     ``kimi_k2``; MiniMax-M2's block tag ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
     Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
-    ``gigachat35``; among those that write ``<tool_call>``,
-    one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that writes
-    ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others Qwen
-    2.5's, which needs a newline after the tag, or where it writes a call's JSON right after
+    ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; among those that write
+    ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
+    writes ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others
+    Qwen 2.5's, which needs a newline after the tag, or where it writes a call's JSON right after
     the tag, Hermes', which reads that too."""
     if template and DSML_BLOCK in template:
         return "deepseekv32"
@@ -188,6 +193,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "cohere_command4"
     if template and GCML_BLOCK in template:
         return "gigachat35"
+    if template and "<|tools_prefix|>" in template:
+        return "apertus2509"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:

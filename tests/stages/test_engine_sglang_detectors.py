@@ -161,6 +161,7 @@ DETECTORS = {
     "iquest_q1": ("iquest_q1_detector", "IQuestQ1Detector"),
     "cohere_command4": ("cohere_command4_detector", "CohereCommand4Detector"),
     "gigachat35": ("gigachat35_detector", "GigaChat35Detector"),
+    "apertus2509": ("apertus2509_detector", "Apertus2509Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -264,6 +265,27 @@ def _gcml_answer(r: random.Random) -> str:
         out += _gcml_invoke(r, i != bad)
     out += r.choice([f"</{G}tool_calls>", f"</{G}tool_calls>", ""])
     return out + r.choice(["", " after", "<|message_sep|>", "</s>"])
+
+
+APERTUS_ITEMS = ['{"add": {"a": 1}}', '{"bare": {"s": "é"}}', '{"ghost": {}}', '{"add": null}',
+                 '{"add": [1]}', '{}', '"text"', '{"add": {"a": NaN}, "mul": 1}',
+                 '{"add": {"s": "<|tools_suffix|>"}}']  # fmt: skip
+
+
+def _apertus_answer(r: random.Random) -> str:
+    """Content, blocks of calls (a list, one object, not JSON, without a suffix), text between
+    and after."""
+    out = r.choice(["", "Sure. ", " text\n", "a <|tools_pre"])
+    for _ in range(r.randint(1, 2)):
+        items = [r.choice(APERTUS_ITEMS) for _ in range(r.randint(0, 3))]
+        body = r.choice(["[" + ", ".join(items) + "]", "[" + ", ".join(items) + "] x", "[bad"])
+        out += (
+            "<|tools_prefix|>"
+            + body
+            + r.choice(["<|tools_suffix|>"] * 3 + ["", " <|tools_suffix|>"])
+        )
+        out += r.choice(["", " mid ", "\n"])
+    return out + r.choice(["", " after"])
 
 
 KIMI_IDS = ["functions.add:0", "add:1", "functions.bare:2", "functions.union:0", "3", "",
@@ -516,6 +538,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _cohere_answer(r)
     if parser == "gigachat35":
         return _gcml_answer(r)
+    if parser == "apertus2509":
+        return _apertus_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -942,3 +966,32 @@ def test_gigachat35_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCapt
             theirs += [[c.name, c.parameters] for c in detector.parse_streaming_increment(
                 part, tools).calls]  # fmt: skip
         assert got == theirs, text
+
+
+_APERTUS_TAGS = re.compile(r"(<\|tools_prefix\|>|<\|tools_suffix\|>)")
+
+
+@pytest.mark.timeout(120)
+def test_apertus2509_streams_its_calls_as_sglangs_detector(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Apertus answers of well-formed blocks (calls to offered tools, a suffix right after the
+    list) fed a character at a time, the tags whole: the same calls as SGLang's
+    ``parse_streaming_increment`` (each block's at its suffix), and the content of its whole
+    answer (its stream does not strip it)."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.apertus2509_detector")
+    r = random.Random(12)
+    for _ in range(300):
+        text = r.choice(["", "Sure. ", "a\n"]) + "".join(
+            "<|tools_prefix|>[" + ", ".join(r.choice(APERTUS_ITEMS[:2]) for _ in range(3))
+            + "]<|tools_suffix|>" + r.choice(["", " mid "]) for _ in range(r.randint(1, 2))
+        )  # fmt: skip
+        want = module.Apertus2509Detector().detect_and_parse(text, tools)
+        parts = _tokens_whole(_APERTUS_TAGS, text)
+        their_text, our_text, _, mine = _fed(module.Apertus2509Detector(), "apertus2509", tools,
+                                             parts)  # fmt: skip
+        assert our_text == want.normal_text == their_text.strip(), text
+        got = [mine[i] for i in sorted(mine)]
+        assert got == [[c.name, c.parameters] for c in want.calls], text

@@ -1182,6 +1182,33 @@ def test_gigachat35_reads_gcml_invokes(step: int) -> None:
     assert parser_for_template(f"{{{{ '<{G}tool_calls>' }}}}") == "gigachat35"
 
 
+APERTUS = (' Sure <|tools_prefix|>[{"get": {"days": 3}}, {"ghost": {}}, "x", {"get": null}]'
+           '<|tools_suffix|> mid <|tools_prefix|>[bad<|tools_suffix|> end')  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_apertus2509_reads_its_blocks_of_named_objects(step: int) -> None:
+    """apertus2509_detector.py: each block a JSON list of {NAME: arguments} objects (null: {}),
+    a tool not offered and an item that is no object skipped, calls numbered in order; a block
+    that is not JSON makes the rest content; the content the text outside the blocks, stripped;
+    streamed, the same; a forced choice framed as its structure_info; the template's tag picks
+    the format."""
+    content, listed = ToolCallParser(GLM_TOOLS, "apertus2509").indexed(APERTUS, {})
+    assert content == "Sure  mid <|tools_prefix|>[bad<|tools_suffix|> end"
+    assert listed == [(0, {"name": "get", "arguments": '{"days": 3}'}),
+                      (1, {"name": "get", "arguments": "{}"})]  # fmt: skip
+    stream = StreamingToolCalls(ToolCallParser(GLM_TOOLS, "apertus2509"))
+    streamed, pieces = _feed(stream, APERTUS, step)
+    assert (streamed.lstrip(), _calls_of(pieces)) == (content, [c for _, c in listed])
+    tag = json.loads(
+        forced_calls(GLM_TOOLS, "apertus2509", named=False, parallel=True)["structural_tag"]
+    )
+    assert tag["structures"][0]["begin"] == '<|tools_prefix|>[{"get": '
+    assert tag["structures"][0]["end"] == "}]<|tools_suffix|>"
+    assert tag["triggers"] == ["<|tools_prefix|>"]
+    assert parser_for_template("{{ '<|tools_prefix|>' }}") == "apertus2509"
+
+
 def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
     """glm4_moe_detector.py supports_structural_tag False: a forced tool_choice gets SGLang's
     JSON schema of an array of calls, read as that array (get_structure_constraint)."""
