@@ -106,6 +106,7 @@ from stages.engine.reasoning import EffortError, ReasoningSettings, normalize_ef
 from stages.engine.streaming import Progress
 from stages.engine.token_bytes import TokenBytes, token_bytes
 from stages.engine.tool_calls import (
+    NATIVE_FORCED,
     PARSERS,
     StreamingToolCalls,
     ToolCallParser,
@@ -841,8 +842,9 @@ def _tool_choice(
         raise OpenAIError(_CHOICES, "tool_choice")
     elif not tools:
         raise OpenAIError("Tools cannot be empty if tool choice is set to required.", "tool_choice")
-    # with GLM-4.7's grammar of the whole answer, SGLang takes the other constraint instead
-    loose = glm and not any(t["function"].get("strict") for t in tools)
+    # with GLM-4.7's grammar of the whole answer, or a format whose forced calls SGLang does not
+    # constrain, SGLang takes the other constraint instead
+    loose = parser in NATIVE_FORCED or (glm and not any(t["function"].get("strict") for t in tools))
     if (grammar or _constrained(body)) and not loose:
         raise OpenAIError(
             "tool_choice 'required' or a named tool cannot be combined with response_format, "

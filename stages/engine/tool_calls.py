@@ -12,7 +12,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``mimo`` (``stages.engine.mimo_calls``), ``interns1`` (``stages.engine.internlm_calls``),
 ``gemma4`` (``stages.engine.gemma4_calls``), ``iquest_q1`` (``stages.engine.iquest_calls``),
 ``cohere_command4`` (``stages.engine.cohere_calls``), ``gigachat35``
-(``stages.engine.gigachat_calls``), ``apertus2509`` (``stages.engine.apertus_calls``); and how a
+(``stages.engine.gigachat_calls``), ``apertus2509`` (``stages.engine.apertus_calls``),
+``spark25`` (``stages.engine.spark_calls``: forced calls not constrained, as SGLang's); and how a
 forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
@@ -77,6 +78,7 @@ from stages.engine.minimax_calls import MiniMaxM2Calls
 from stages.engine.partial_json import ListedCalls
 from stages.engine.pythonic_calls import PythonicCalls
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls
+from stages.engine.spark_calls import Spark25Calls
 from stages.engine.tool_formats import (
     HermesCalls,
     JsonArrayCalls,
@@ -87,6 +89,7 @@ from stages.engine.tool_formats import (
 )
 
 __all__ = [
+    "NATIVE_FORCED",
     "PARSERS",
     "StreamingToolCalls",
     "ToolCallParser",
@@ -123,8 +126,11 @@ PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
-    "cohere_command4", "gigachat35", "apertus2509",
+    "cohere_command4", "gigachat35", "apertus2509", "spark25",
 )  # fmt: skip
+# the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
+# (their detectors' parses_required_natively)
+NATIVE_FORCED = frozenset({"spark25"})
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
 # Qwen3CoderDetector too
@@ -132,7 +138,7 @@ _TYPED = {
     "qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls,
     "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls, "minimax-m2": MiniMaxM2Calls,
     "glm47": Glm47Calls, "ling3": Ling3Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
-    "iquest_q1": IQuestQ1Calls,
+    "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -259,6 +265,8 @@ def forced_calls(
     at all) SGLang's JSON schema of an array of ``{name, parameters}``
     (``get_json_schema_constraint``). ValueError, in
     SGLang's words, for tools whose ``$defs`` disagree."""
+    if parser in NATIVE_FORCED:
+        return {}
     if parser in _FRAMES:
         return {"structural_tag": json.dumps(call_tag(tools, parser))}
     if parser == "iquest_q1" and named:  # IQuestQ1JsonToolParser: the tool's arguments alone

@@ -162,6 +162,7 @@ DETECTORS = {
     "cohere_command4": ("cohere_command4_detector", "CohereCommand4Detector"),
     "gigachat35": ("gigachat35_detector", "GigaChat35Detector"),
     "apertus2509": ("apertus2509_detector", "Apertus2509Detector"),
+    "spark25": ("spark25_detector", "Spark25Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -286,6 +287,19 @@ def _apertus_answer(r: random.Random) -> str:
         )
         out += r.choice(["", " mid ", "\n"])
     return out + r.choice(["", " after"])
+
+
+def _spark_answer(r: random.Random) -> str:
+    """Spark 2.5's calls (GLM-4.5's without the newlines between pairs), some without a name,
+    with an empty key or values of every type."""
+    text = _glm_answer(r).replace("</arg_key>\n<arg_value>", "</arg_key><arg_value>")
+    for mangle in (
+        ("<arg_key>a</arg_key>", "<arg_key></arg_key>"),
+        ("<tool_call>add", "<tool_call> "),
+    ):
+        if r.random() < 0.2:
+            text = text.replace(*mangle, 1)
+    return text
 
 
 KIMI_IDS = ["functions.add:0", "add:1", "functions.bare:2", "functions.union:0", "3", "",
@@ -540,6 +554,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _gcml_answer(r)
     if parser == "apertus2509":
         return _apertus_answer(r)
+    if parser == "spark25":
+        return _spark_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -995,3 +1011,26 @@ def test_apertus2509_streams_its_calls_as_sglangs_detector(
         assert our_text == want.normal_text == their_text.strip(), text
         got = [mine[i] for i in sorted(mine)]
         assert got == [[c.name, c.parameters] for c in want.calls], text
+
+
+@pytest.mark.timeout(120)
+def test_spark25_streams_as_sglangs_detector(caplog: pytest.LogCaptureFixture) -> None:
+    """Spark 2.5 answers (calls well-formed and not, to tools offered and not) fed a character
+    at a time, the tags whole: the same calls as SGLang's ``parse_streaming_increment``, and
+    the same content where the last block is closed (a block never closed: SGLang's
+    ``finish`` drops it, its whole answer and the engine's stream keep it as content)."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.spark25_detector")
+    tags = re.compile(r"(</?tool_call>|</?arg_key>|</?arg_value>)")
+    r = random.Random(13)
+    for _ in range(300):
+        text = _spark_answer(r)
+        want = module.Spark25Detector().detect_and_parse(text, tools)
+        parts = _tokens_whole(tags, text)
+        detector = module.Spark25Detector()
+        their_text, our_text, _, mine = _fed(detector, "spark25", tools, parts)
+        got = [mine[i] for i in sorted(mine)]
+        assert got == [[c.name, c.parameters] for c in want.calls], text
+        if "</tool_call>" in text[text.rfind("<tool_call>") :]:
+            assert our_text == want.normal_text == their_text + detector.finish(tools).normal_text

@@ -1209,6 +1209,33 @@ def test_apertus2509_reads_its_blocks_of_named_objects(step: int) -> None:
     assert parser_for_template("{{ '<|tools_prefix|>' }}") == "apertus2509"
 
 
+SPARK_TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object",
+    "properties": {"n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"},
+    "o": {"type": "object"}, "s": {"type": "string"}}}}}]  # fmt: skip
+SPARK = ("a <tool_call>get\n<arg_key>n</arg_key><arg_value>7</arg_value><arg_key>x</arg_key>"
+         "<arg_value>2.0</arg_value><arg_key>ok</arg_key><arg_value>1</arg_value><arg_key>o"
+         '</arg_key><arg_value>{"k": 1}</arg_value><arg_key>s</arg_key><arg_value>NULL</arg_value>'
+         "<arg_key></arg_key><arg_value>y</arg_value>\n</tool_call> b <tool_call> </tool_call>"
+         "<tool_call>ghost</tool_call> c")  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_spark25_reads_values_by_their_declared_type(step: int) -> None:
+    """spark25_detector.py _convert_value: an integer, a whole number as an integer, 1 as true,
+    an object as JSON, null in any case null, an empty key skipped, compact JSON; a block without
+    a name content, a tool not offered dropped and taken out; streamed, the same; a forced
+    choice not constrained (parses_required_natively) and read in the format."""
+    content, listed = ToolCallParser(SPARK_TOOLS, "spark25").indexed(SPARK, {})
+    assert content == "a  b <tool_call> </tool_call> c"
+    assert listed == [
+        (0, {"name": "get", "arguments": '{"n":7,"x":2,"ok":true,"o":{"k":1},"s":null}'})
+    ]
+    stream = StreamingToolCalls(ToolCallParser(SPARK_TOOLS, "spark25"))
+    streamed, pieces = _feed(stream, SPARK, step)
+    assert (streamed, _calls_of(pieces)) == (content, [listed[0][1]])
+    assert forced_calls(SPARK_TOOLS, "spark25", named=False, parallel=True) == {}
+
+
 def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
     """glm4_moe_detector.py supports_structural_tag False: a forced tool_choice gets SGLang's
     JSON schema of an array of calls, read as that array (get_structure_constraint)."""
