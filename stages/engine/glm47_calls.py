@@ -48,7 +48,7 @@ import structlog
 
 from stages.engine.glm_calls import _number, literal, unquoted
 from stages.engine.marked_stream import BlockStream, OutsideText
-from stages.engine.tool_formats import _Unreadable
+from stages.engine.tool_formats import _Unreadable, offered_call
 
 __all__ = ["Glm47Calls"]
 
@@ -316,15 +316,7 @@ class Glm47Calls:
         return self.offered(name, self.arguments(name, body[cut:]) if cut != -1 else {})
 
     def offered(self, name: str, arguments: dict[str, Any]) -> dict[str, str] | None:
-        """``{name, arguments}`` of a call to a tool offered, None (logged) for another
-        (``parse_base_json``); ``_Unreadable`` where the arguments are not JSON."""
-        if not name or name not in self.functions:
-            log.warning("tool_call_unknown_function", name=name[:100])
-            return None
-        try:
-            return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
-        except (TypeError, ValueError) as exc:  # a Python set, bytes
-            raise _Unreadable(f"a call's arguments are not JSON: {exc}") from exc
+        return offered_call(name, arguments, self.functions)
 
     def arguments(self, name: str, pairs_text: str) -> dict[str, Any]:
         typing = self.functions.get(name) or _Typing([None])

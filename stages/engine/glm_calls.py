@@ -47,7 +47,7 @@ import structlog
 
 from stages.engine.marked_stream import MarkedStream, whole_calls
 from stages.engine.qwen3_coder_calls import _properties, _schema_type
-from stages.engine.tool_formats import _Content, _Unreadable
+from stages.engine.tool_formats import _Content, _Unreadable, offered_call
 
 __all__ = ["GlmCalls", "Ling3Calls"]
 
@@ -90,13 +90,7 @@ class GlmCalls:
             return None
         name = match.group(1) or ""
         arguments = self.arguments(name, _PAIR.findall(match.group(2) or ""))
-        if not name or name not in self.params:
-            log.warning("tool_call_unknown_function", name=name[:100])
-            return None
-        try:
-            return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
-        except (TypeError, ValueError) as exc:
-            raise _Unreadable(f"a call's arguments are not JSON: {exc}") from exc
+        return offered_call(name, arguments, self.params)
 
     def arguments(self, name: str, pairs: list[tuple[str, str]]) -> dict[str, Any]:
         """The arguments of ``name``'s call of these ``(key, value)`` pairs

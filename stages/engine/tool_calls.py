@@ -13,8 +13,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``gemma4`` (``stages.engine.gemma4_calls``), ``iquest_q1`` (``stages.engine.iquest_calls``),
 ``cohere_command4`` (``stages.engine.cohere_calls``), ``gigachat35``
 (``stages.engine.gigachat_calls``), ``apertus2509`` (``stages.engine.apertus_calls``),
-``spark25`` (``stages.engine.spark_calls``: forced calls not constrained, as SGLang's); and how a
-forced
+``spark25`` (``stages.engine.spark_calls``: forced calls not constrained, as SGLang's),
+``step3`` (``stages.engine.step3_calls``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -79,6 +79,7 @@ from stages.engine.partial_json import ListedCalls
 from stages.engine.pythonic_calls import PythonicCalls
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls
 from stages.engine.spark_calls import Spark25Calls
+from stages.engine.step3_calls import Step3Calls
 from stages.engine.tool_formats import (
     HermesCalls,
     JsonArrayCalls,
@@ -126,7 +127,7 @@ PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
-    "cohere_command4", "gigachat35", "apertus2509", "spark25",
+    "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
@@ -138,7 +139,7 @@ _TYPED = {
     "qwen3_coder": Qwen3CoderCalls, "step3p5": Qwen3CoderCalls, "nanbeige": Qwen3CoderCalls,
     "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls, "minimax-m2": MiniMaxM2Calls,
     "glm47": Glm47Calls, "ling3": Ling3Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
-    "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls,
+    "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag

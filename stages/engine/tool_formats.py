@@ -64,7 +64,7 @@ import ast
 import json
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import structlog
@@ -108,6 +108,19 @@ def _strict_loads(text: str) -> Any:
         raise ValueError(f"{word} is not JSON")
 
     return json.loads(text, parse_constant=refuse)
+
+
+def offered_call(name: str, arguments: Any, offered: Container[str]) -> dict[str, str] | None:
+    """``{name, arguments}`` of a call to a tool ``offered``, its arguments as JSON; None
+    (logged) for another (``parse_base_json``); ``_Unreadable`` where the arguments are not
+    JSON (a Python set, bytes)."""
+    if not name or name not in offered:
+        log.warning("tool_call_unknown_function", name=name[:100])
+        return None
+    try:
+        return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+    except (TypeError, ValueError) as exc:
+        raise _Unreadable(f"a call's arguments are not JSON: {exc}") from exc
 
 
 class MarkedCalls:

@@ -16,6 +16,7 @@ Skipped unless SGLang's detector imports (its environment, or its wheel's source
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import random
 import re
@@ -163,6 +164,7 @@ DETECTORS = {
     "gigachat35": ("gigachat35_detector", "GigaChat35Detector"),
     "apertus2509": ("apertus2509_detector", "Apertus2509Detector"),
     "spark25": ("spark25_detector", "Spark25Detector"),
+    "step3": ("step3_detector", "Step3Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -300,6 +302,32 @@ def _spark_answer(r: random.Random) -> str:
         if r.random() < 0.2:
             text = text.replace(*mangle, 1)
     return text
+
+
+STEP3_VALUES = ["1", "2.5", "true", "null", '"q"', "[1, 2]", '{"k": 1}', "abc", " x ", "", "{1, 2}",
+                "(1, 2)", "é", "NaN"]  # fmt: skip
+
+
+def _step3_call(r: random.Random, well_formed: bool) -> str:
+    """A Step-3 call (to a tool offered or not, values of any kind), or a mangled one."""
+    name = r.choice(["add", "bare", "union", "ghost"])
+    params = "".join(
+        f'<steptml:parameter name="{r.choice(KEYS)}">{r.choice(STEP3_VALUES)}</steptml:parameter>'
+        for _ in range(r.randint(0, 3))
+    )
+    kind = "function" if well_formed else r.choice(["function", " function\n", "tool", ""])
+    sep = "<\uff5ctool_sep\uff5c>" if well_formed else r.choice(["<\uff5ctool_sep\uff5c>", ""])
+    body = params or ("" if not well_formed else "\n")
+    invoke = f'<steptml:invoke name="{name}">{body}</steptml:invoke>'
+    return f"<\uff5ctool_call_begin\uff5c>{kind}{sep}{invoke}<\uff5ctool_call_end\uff5c>"
+
+
+def _step3_answer(r: random.Random) -> str:
+    out = r.choice(["", "Sure. ", "a <\uff5ctool_calls"]) + "<\uff5ctool_calls_begin\uff5c>"
+    bad = r.randrange(3) if r.random() < 0.33 else -1
+    for i in range(r.randint(0, 3)):
+        out += _step3_call(r, i != bad) + r.choice(["", "\n"])
+    return out + r.choice(["<\uff5ctool_calls_end\uff5c>"] * 3 + [""]) + r.choice(["", " after"])
 
 
 KIMI_IDS = ["functions.add:0", "add:1", "functions.bare:2", "functions.union:0", "3", "",
@@ -556,6 +584,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _apertus_answer(r)
     if parser == "spark25":
         return _spark_answer(r)
+    if parser == "step3":
+        return _step3_answer(r)
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)
@@ -1034,3 +1064,35 @@ def test_spark25_streams_as_sglangs_detector(caplog: pytest.LogCaptureFixture) -
         assert got == [[c.name, c.parameters] for c in want.calls], text
         if "</tool_call>" in text[text.rfind("<tool_call>") :]:
             assert our_text == want.normal_text == their_text + detector.finish(tools).normal_text
+
+
+@pytest.mark.timeout(120)
+def test_step3_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCaptureFixture) -> None:
+    """Step-3 answers of closed sections (calls well-formed and not, to tools offered and not;
+    values JSON can write) fed a character at a time, the special tokens whole: the same calls
+    as SGLang's ``parse_streaming_increment`` where they are well-formed, with arguments, each
+    key once (each whole at its end token here, a parameter at a time there), and the content
+    of its whole answer, the text after the section included."""
+    caplog.set_level(logging.CRITICAL)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    module = importlib.import_module(f"{detectors.__package__}.step3_detector")
+    tokens = re.compile("(<\uff5c[a-z_]+\uff5c>)")
+    r = random.Random(14)
+    compared = 0
+    while compared < 300:
+        text = _step3_answer(r)
+        if "tool_calls_end" not in text or "{1, 2}" in text or "(1, 2)" in text:
+            continue
+        want = module.Step3Detector().detect_and_parse(text, tools)
+        parts = _tokens_whole(tokens, text)
+        _, our_text, theirs, mine = _fed(module.Step3Detector(), "step3", tools, parts)
+        assert our_text == want.normal_text, text
+        got = [mine[i] for i in sorted(mine)]
+        assert got == [[c.name, c.parameters] for c in want.calls], text
+        keys = [re.findall(r'parameter name="([^"]+)"', c) for c in text.split("invoke name")]
+        # SGLang's stream sends "" for no arguments, and keeps a key's first value
+        if all(json.loads(c.parameters) for c in want.calls) and all(
+            len(set(k)) == len(k) for k in keys
+        ):
+            assert got == [theirs[i] for i in sorted(theirs)], text
+        compared += 1

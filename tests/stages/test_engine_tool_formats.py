@@ -1236,6 +1236,30 @@ def test_spark25_reads_values_by_their_declared_type(step: int) -> None:
     assert forced_calls(SPARK_TOOLS, "spark25", named=False, parallel=True) == {}
 
 
+S3 = "<\uff5c{}\uff5c>".format  # Step-3's special tokens
+STEP3 = (f"Sure {S3('tool_calls_begin')}{S3('tool_call_begin')}function{S3('tool_sep')}"
+         '<steptml:invoke name="get"><steptml:parameter name="days"> 3 </steptml:parameter>'
+         '<steptml:parameter name="city">"Oslo"</steptml:parameter></steptml:invoke>'
+         f"{S3('tool_call_end')}{S3('tool_call_begin')}tool{S3('tool_sep')}"
+         '<steptml:invoke name="get">x</steptml:invoke>'
+         f"{S3('tool_call_end')}{S3('tool_calls_end')} after")  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_step3_reads_steptml_invokes(step: int) -> None:
+    """step3_detector.py: calls of type function in a closed section, a value JSON where its
+    type is not string (a string keeps its quotes), stripped; the content before and after the
+    section; a section never closed leaves the text content; streamed, the same."""
+    reader = ToolCallParser(GLM_TOOLS, "step3")
+    content, calls = reader.parse(STEP3)
+    assert (content, calls) == ("Sure  after", [{"name": "get",
+                                "arguments": '{"days": 3, "city": "\\"Oslo\\""}'}])  # fmt: skip
+    cut = STEP3[: STEP3.index(S3("tool_calls_end"))]
+    assert reader.parse(cut) == (cut, [])
+    streamed, pieces = _feed(StreamingToolCalls(ToolCallParser(GLM_TOOLS, "step3")), STEP3, step)
+    assert (streamed, _calls_of(pieces)) == (content, calls)
+
+
 def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
     """glm4_moe_detector.py supports_structural_tag False: a forced tool_choice gets SGLang's
     JSON schema of an array of calls, read as that array (get_structure_constraint)."""
