@@ -51,6 +51,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from stages.engine.apertus_reasoning import ApertusReasoning
 from stages.engine.control_fields import PARSE_FUNCTION_CALL, SEPARATE_REASONING, typed_body
 from stages.engine.reasoning import PARSERS as REASONING_PARSERS
 from stages.engine.reasoning import ThinkFormat, think_parser
@@ -164,12 +165,17 @@ def _read_calls(
 def _separated(text: str, fmt: ThinkFormat, blocks: bool) -> dict[str, Any]:
     """``/separate_reasoning``'s answer: the parser starts as its detector does by default,
     there being no chat request (``ReasoningParser`` with the HTTP request as ``request``)."""
-    reasoning, content = think_parser(fmt, force=False).parse(text)
+    parser = think_parser(fmt, force=False)
+    reasoning, content = parser.parse(text)
     answer: dict[str, Any] = {"reasoning_text": reasoning, "text": content}
-    if blocks:  # parse_non_stream_blocks: a reasoning block only when there is reasoning
-        parts = [{"type": "reasoning", "text": reasoning}] if reasoning else []
-        parts.append({"type": "text", "text": content})
+    if blocks:  # parse_non_stream_blocks: the detector's own sequence (Apertus's), else a
+        # reasoning block when there is reasoning, and the text
+        if isinstance(parser, ApertusReasoning):
+            parts = [{"type": kind, "text": part} for kind, part in parser.blocks(text)]
+        else:
+            parts = [{"type": "reasoning", "text": reasoning}] if reasoning else []
+            parts.append({"type": "text", "text": content})
         answer["reasoning_blocks"] = [p["text"] for p in parts if p["type"] == "reasoning"]
-        answer["text_blocks"] = [content]
+        answer["text_blocks"] = [p["text"] for p in parts if p["type"] == "text"]
         answer["blocks"] = parts
     return answer

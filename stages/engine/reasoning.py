@@ -34,12 +34,15 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   ``enable_thinking`` false, an answer without content gets its reasoning as content;
 - ``minimax-append-think`` (``MiniMaxAppendThinkDetector``): no split; the answer is content,
   ``<think>`` put before it;
+- ``apertus2509`` (``Apertus2509Detector``): any number of ``<|inner_prefix|>`` ...
+  ``<|inner_suffix|>`` blocks, a tool-call block inside one content
+  (``stages.engine.apertus_reasoning``; never forced, always on);
 - ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
   ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
 Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``minimax-m3``,
-``hunyuan``, ``cohere_command4``, ``inkling``, ``apertus2509``, ``muse``,
+``hunyuan``, ``cohere_command4``, ``inkling``, ``muse``,
 ``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
@@ -62,6 +65,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from stages.engine.apertus_reasoning import ApertusReasoning
 from stages.engine.harmony import HarmonyReasoning
 from stages.engine.partial_json import partial_tail
 
@@ -103,6 +107,7 @@ class ThinkFormat:
     # --enable-strict-thinking (stages.engine.strict_thinking)
     excluded: tuple[str, ...] = ()
     harmony: bool = False  # OpenAI's Harmony messages (gpt-oss), read by harmony.py
+    apertus: bool = False  # Apertus's blocks, tool calls inside them (apertus_reasoning.py)
     # what the model writes after its start tag, taken out with it (its detector's
     # think_start_self_label: Gemma 4's "thought\n"); the start tag alone says it reasons
     label: str = ""
@@ -183,6 +188,16 @@ PARSERS: dict[str, ThinkFormat] = {
         end="<channel|>",
         label="thought\n",
     ),
+    # Apertus2509Detector: any number of blocks, never forced, a tool-call block inside one
+    # content
+    "apertus2509": ThinkFormat(
+        tool_start=None,
+        default="always",
+        force=False,
+        start="<|inner_prefix|>",
+        end="<|inner_suffix|>",
+        apertus=True,
+    ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
         tool_start=None,
@@ -197,11 +212,13 @@ PARSERS: dict[str, ThinkFormat] = {
 
 def think_parser(
     fmt: ThinkFormat, *, force: bool, nonempty: bool = False, **options: Any
-) -> ThinkParser | HarmonyReasoning:
+) -> ThinkParser | HarmonyReasoning | ApertusReasoning:
     """A parser of one answer in ``fmt`` (``ThinkParser``'s options; Harmony's takes
-    ``nonempty`` alone: its detector reads the rest of nothing)."""
+    ``nonempty`` alone: its detector reads the rest of nothing; Apertus's is never forced)."""
     if fmt.harmony:
         return HarmonyReasoning(nonempty=nonempty)
+    if fmt.apertus:
+        return ApertusReasoning(nonempty=nonempty, **options)
     return ThinkParser(fmt, force=force, nonempty=nonempty, **options)
 
 
@@ -685,7 +702,7 @@ class RequestReasoning:
     nonempty: bool
     keep_special: bool = False
 
-    def parser(self) -> ThinkParser | HarmonyReasoning:
+    def parser(self) -> ThinkParser | HarmonyReasoning | ApertusReasoning:
         return think_parser(
             self.settings.fmt,
             force=self.force,

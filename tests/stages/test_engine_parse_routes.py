@@ -296,7 +296,7 @@ def test_bad_requests_get_sglangs_answers_and_the_engine_serves_on(url: str) -> 
     # formats SGLang reads that the engine does not: a 400 that says so (type "400", as
     # SGLang's HTTPException); a model-specific one: SGLang's own 400
     for path, field, name in (
-        ("/parse_function_call", "tool_call_parser", "step3"),
+        ("/parse_function_call", "tool_call_parser", "hunyuan"),
         ("/separate_reasoning", "reasoning_parser", "kimi_k3"),
     ):
         resp = _post(url, path, {"text": "x", field: name})

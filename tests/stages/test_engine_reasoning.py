@@ -31,6 +31,7 @@ from stages.engine.reasoning import (
     normalize_effort,
     reasoning_tokens,
     template_toggle,
+    think_parser,
     thinking_on,
 )
 from tests.stages.engine_setup import EngineProcess
@@ -190,6 +191,29 @@ def test_the_other_detectors_split_with_their_own_tags_and_force_rules() -> None
         ("", "ink>b"),
         ("", ""),
     ]
+
+
+def test_apertus_reasons_in_blocks_with_tool_calls_inside_them_as_content() -> None:
+    """Apertus2509Detector: any number of <|inner_prefix|> blocks, the text around them content,
+    a tool-call block inside one content (for the tool-call reader), one never closed to the
+    end; never forced (text without a block is content); streamed in small pieces: the same."""
+    fmt = PARSERS["apertus2509"]
+    text = ('a<|inner_prefix|>think <|tools_prefix|>[{"f": {}}]<|tools_suffix|> more'
+            "<|inner_suffix|>b<|inner_prefix|>again")  # fmt: skip
+    reader = think_parser(fmt, force=True)
+    assert reader.parse(text) == (
+        "think  moreagain",
+        'a<|tools_prefix|>[{"f": {}}]<|tools_suffix|>b',
+    )
+    assert reader.parse("plain") == ("", "plain")
+    streamed = ["", ""]
+    reader = think_parser(fmt, force=True)
+    for i in range(0, len(text), 3):
+        for j, more in enumerate(reader.feed(text[i : i + 3])):
+            streamed[j] += more
+    for j, more in enumerate(reader.finish()):
+        streamed[j] += more
+    assert tuple(streamed) == think_parser(fmt, force=False).parse(text)
 
 
 def test_reasoning_tokens_are_counted_to_the_end_tag_as_sglang_scheduler_does() -> None:
