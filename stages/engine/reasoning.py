@@ -37,12 +37,15 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
 - ``apertus2509`` (``Apertus2509Detector``): any number of ``<|inner_prefix|>`` ...
   ``<|inner_suffix|>`` blocks, a tool-call block inside one content
   (``stages.engine.apertus_reasoning``; never forced, always on);
+- ``cohere_command4`` (``CohereCommand4Detector``): reasoning until ``<|END_THINKING|>`` or a
+  text or action block, the content the ``<|START_TEXT|>`` block's inside, or an action block
+  (tool calls) whole (``stages.engine.cohere_reasoning``; always on);
 - ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
   ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
 Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``minimax-m3``,
-``hunyuan``, ``cohere_command4``, ``inkling``, ``muse``,
+``hunyuan``, ``inkling``, ``muse``,
 ``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
@@ -66,6 +69,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stages.engine.apertus_reasoning import ApertusReasoning
+from stages.engine.cohere_reasoning import CohereReasoning
 from stages.engine.harmony import HarmonyReasoning
 from stages.engine.partial_json import partial_tail
 
@@ -108,6 +112,7 @@ class ThinkFormat:
     excluded: tuple[str, ...] = ()
     harmony: bool = False  # OpenAI's Harmony messages (gpt-oss), read by harmony.py
     apertus: bool = False  # Apertus's blocks, tool calls inside them (apertus_reasoning.py)
+    cohere: bool = False  # Cohere Command's thinking and text blocks (cohere_reasoning.py)
     # what the model writes after its start tag, taken out with it (its detector's
     # think_start_self_label: Gemma 4's "thought\n"); the start tag alone says it reasons
     label: str = ""
@@ -198,6 +203,15 @@ PARSERS: dict[str, ThinkFormat] = {
         end="<|inner_suffix|>",
         apertus=True,
     ),
+    # CohereCommand4Detector: reasoning until its end tag or a text or action block, the
+    # content the text block's inside (or the action block)
+    "cohere_command4": ThinkFormat(
+        tool_start=None,
+        default="always",
+        start="<|START_THINKING|>",
+        end="<|END_THINKING|>",
+        cohere=True,
+    ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
         tool_start=None,
@@ -212,13 +226,18 @@ PARSERS: dict[str, ThinkFormat] = {
 
 def think_parser(
     fmt: ThinkFormat, *, force: bool, nonempty: bool = False, **options: Any
-) -> ThinkParser | HarmonyReasoning | ApertusReasoning:
+) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning:
     """A parser of one answer in ``fmt`` (``ThinkParser``'s options; Harmony's takes
-    ``nonempty`` alone: its detector reads the rest of nothing; Apertus's is never forced)."""
+    ``nonempty`` alone: its detector reads the rest of nothing; Apertus's is never forced;
+    Cohere's always starts in its reasoning)."""
     if fmt.harmony:
         return HarmonyReasoning(nonempty=nonempty)
     if fmt.apertus:
         return ApertusReasoning(nonempty=nonempty, **options)
+    if fmt.cohere:
+        return CohereReasoning(
+            nonempty=nonempty, stream_reasoning=options.get("stream_reasoning", True)
+        )
     return ThinkParser(fmt, force=force, nonempty=nonempty, **options)
 
 
@@ -702,7 +721,7 @@ class RequestReasoning:
     nonempty: bool
     keep_special: bool = False
 
-    def parser(self) -> ThinkParser | HarmonyReasoning | ApertusReasoning:
+    def parser(self) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning:
         return think_parser(
             self.settings.fmt,
             force=self.force,

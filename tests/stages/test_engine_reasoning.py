@@ -13,6 +13,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -206,14 +207,8 @@ def test_apertus_reasons_in_blocks_with_tool_calls_inside_them_as_content() -> N
         'a<|tools_prefix|>[{"f": {}}]<|tools_suffix|>b',
     )
     assert reader.parse("plain") == ("", "plain")
-    streamed = ["", ""]
-    reader = think_parser(fmt, force=True)
-    for i in range(0, len(text), 3):
-        for j, more in enumerate(reader.feed(text[i : i + 3])):
-            streamed[j] += more
-    for j, more in enumerate(reader.finish()):
-        streamed[j] += more
-    assert tuple(streamed) == think_parser(fmt, force=False).parse(text)
+    streamed = _streamed(think_parser(fmt, force=True), text, 3)
+    assert streamed == think_parser(fmt, force=False).parse(text)
 
 
 def test_reasoning_tokens_are_counted_to_the_end_tag_as_sglang_scheduler_does() -> None:
@@ -668,3 +663,29 @@ def test_each_other_format_is_split_as_sglang_splits_it(
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         streamed = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
         assert (streamed, "".join(d.content or "" for d in deltas)) == (thought or "", said)
+
+
+def test_cohere_reasons_until_its_end_tag_or_a_block_and_answers_in_its_text_block() -> None:
+    """CohereCommand4Detector: reasoning up to <|END_THINKING|> (an echoed start tag out), the
+    content the text block's inside; an action block is content whole (for the tool-call
+    reader); an answer cut short in its reasoning has no content; streamed, the same."""
+    fmt = PARSERS["cohere_command4"]
+    text = "<|START_THINKING|>hm<|END_THINKING|><|START_TEXT|>yes<|END_TEXT|>"
+    assert think_parser(fmt, force=False).parse(text) == ("hm", "yes")
+    action = 'hm<|END_THINKING|><|START_ACTION|>[{"tool_name": "f"}]<|END_ACTION|>'
+    assert think_parser(fmt, force=False).parse(action) == ("hm", action[18:])
+    assert think_parser(fmt, force=False).parse("still thinking") == ("still thinking", "")
+    for answer in (text, action):
+        streamed = _streamed(think_parser(fmt, force=False), answer, 4)
+        assert streamed == think_parser(fmt, force=False).parse(answer)
+
+
+def _streamed(reader: Any, text: str, step: int) -> tuple[str, str]:
+    """``(reasoning, content)`` of ``text`` fed to ``reader`` ``step`` characters at a time."""
+    out = ["", ""]
+    for i in range(0, len(text), step):
+        for j, more in enumerate(reader.feed(text[i : i + step])):
+            out[j] += more
+    for j, more in enumerate(reader.finish()):
+        out[j] += more
+    return out[0], out[1]

@@ -99,3 +99,63 @@ def test_apertus_reads_as_sglangs_detector(nonempty: bool) -> None:
             assert tuple(got) == tuple(theirs_streamed), (text, parts)
             compared += 1
     assert nonempty or compared > 300
+
+
+COHERE_PIECES = ["<|START_THINKING|>", "<|END_THINKING|>", "<|START_TEXT|>", "<|END_TEXT|>",
+                 "<|START_ACTION|>", "<|END_ACTION|>", "think ", "answer ", "\n", "<|START",
+                 "<|END_T", '[{"tool_name": "f"}]']  # fmt: skip
+
+
+def _cohere_answer(r: random.Random) -> str:
+    if r.random() < 0.6:  # as a model writes it: reasoning, then a text or an action block
+        out = r.choice(["", "<|START_THINKING|>"]) + r.choice(["let me think ", ""])
+        out += r.choice(["<|END_THINKING|>", "", "<|END_THINKING|>\n"])
+        if r.random() < 0.5:
+            out += "<|START_TEXT|>the answer" + r.choice(["<|END_TEXT|>", "", "<|END_TEXT|> x"])
+        else:
+            out += '<|START_ACTION|>[{"tool_name": "f"}]' + r.choice(["<|END_ACTION|>", ""])
+        return out
+    return "".join(r.choice(COHERE_PIECES) for _ in range(r.randint(1, 8)))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nonempty", [False, True])
+def test_cohere_command4_reads_as_sglangs_detector(nonempty: bool) -> None:
+    """Whole answers: the same reasoning and content as ``CohereCommand4Detector``'s
+    ``detect_and_parse``; streamed in random splits (answers that do not echo the start tag,
+    which SGLang's stream sends as reasoning): what its ``parse_streaming_increment`` and
+    ``finish`` give."""
+    from stages.engine.cohere_reasoning import CohereReasoning
+
+    r = random.Random(30 + nonempty)
+    compared = 0
+    for _ in range(3000):
+        text = _cohere_answer(r)
+        want = parser.CohereCommand4Detector(force_nonempty_content=nonempty).detect_and_parse(text)
+        assert CohereReasoning(nonempty=nonempty).parse(text) == (
+            want.reasoning_text, want.normal_text,
+        ), text  # fmt: skip
+        if nonempty or text.startswith("<|START_THINKING|>") or "<|START\n" in text:
+            continue
+        stream = r.random() < 0.7
+        parts = _splits(r, text) if len(text) > 1 else [text]
+        ours, theirs = CohereReasoning(stream_reasoning=stream), parser.CohereCommand4Detector(
+            stream_reasoning=stream
+        )  # fmt: skip
+        got, their = ["", ""], ["", ""]
+        for part in parts:
+            for i, more in enumerate(ours.feed(part)):
+                got[i] += more
+            result = theirs.parse_streaming_increment(part)
+            their[0] += result.reasoning_text or ""
+            their[1] += result.normal_text or ""
+        for i, more in enumerate(ours.finish()):
+            got[i] += more
+        # an empty delta first: its stream returns at the tag that ends the reasoning and reads
+        # what follows on the next delta, which an answer that ends there does not have
+        for result in (theirs.parse_streaming_increment(""), theirs.finish()):
+            their[0] += result.reasoning_text or ""
+            their[1] += result.normal_text or ""
+        assert got == their, (text, parts)
+        compared += 1
+    assert nonempty or compared > 1000
