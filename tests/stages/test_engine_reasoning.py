@@ -13,7 +13,6 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
@@ -54,7 +53,7 @@ def _parse(fmt, text: str, **kw) -> tuple[str, str]:
 
 
 def _streamed(fmt, parts: list[str], **kw) -> tuple[str, str]:
-    parser = ThinkParser(fmt, **{"force": False, **kw})
+    parser = think_parser(fmt, **{"force": False, **kw})
     reasoning = content = ""
     for part in parts:
         r, c = parser.feed(part)
@@ -207,8 +206,8 @@ def test_apertus_reasons_in_blocks_with_tool_calls_inside_them_as_content() -> N
         'a<|tools_prefix|>[{"f": {}}]<|tools_suffix|>b',
     )
     assert reader.parse("plain") == ("", "plain")
-    streamed = _streamed(think_parser(fmt, force=True), text, 3)
-    assert streamed == think_parser(fmt, force=False).parse(text)
+    parts = [text[i : i + 3] for i in range(0, len(text), 3)]
+    assert _streamed(fmt, parts, force=True) == think_parser(fmt, force=False).parse(text)
 
 
 def test_reasoning_tokens_are_counted_to_the_end_tag_as_sglang_scheduler_does() -> None:
@@ -676,16 +675,5 @@ def test_cohere_reasons_until_its_end_tag_or_a_block_and_answers_in_its_text_blo
     assert think_parser(fmt, force=False).parse(action) == ("hm", action[18:])
     assert think_parser(fmt, force=False).parse("still thinking") == ("still thinking", "")
     for answer in (text, action):
-        streamed = _streamed(think_parser(fmt, force=False), answer, 4)
-        assert streamed == think_parser(fmt, force=False).parse(answer)
-
-
-def _streamed(reader: Any, text: str, step: int) -> tuple[str, str]:
-    """``(reasoning, content)`` of ``text`` fed to ``reader`` ``step`` characters at a time."""
-    out = ["", ""]
-    for i in range(0, len(text), step):
-        for j, more in enumerate(reader.feed(text[i : i + step])):
-            out[j] += more
-    for j, more in enumerate(reader.finish()):
-        out[j] += more
-    return out[0], out[1]
+        parts = [answer[i : i + 4] for i in range(0, len(answer), 4)]
+        assert _streamed(fmt, parts) == think_parser(fmt, force=False).parse(answer)
