@@ -14,7 +14,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``cohere_command4`` (``stages.engine.cohere_calls``), ``gigachat35``
 (``stages.engine.gigachat_calls``), ``apertus2509`` (``stages.engine.apertus_calls``),
 ``spark25`` (``stages.engine.spark_calls``: forced calls not constrained, as SGLang's),
-``step3`` (``stages.engine.step3_calls``); and how a forced
+``step3`` (``stages.engine.step3_calls``), ``poolside_v1`` (``stages.engine.poolside_calls``); and
+how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -76,6 +77,7 @@ from stages.engine.mimo_calls import MiMoCalls
 from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK
 from stages.engine.minimax_calls import MiniMaxM2Calls
 from stages.engine.partial_json import ListedCalls
+from stages.engine.poolside_calls import PoolsideCalls
 from stages.engine.pythonic_calls import PythonicCalls
 from stages.engine.qwen3_coder_calls import Qwen3CoderCalls
 from stages.engine.spark_calls import Spark25Calls
@@ -127,7 +129,7 @@ PARSERS = (
     "qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "step3p5",
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
-    "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3",
+    "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
@@ -140,6 +142,7 @@ _TYPED = {
     "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls, "minimax-m2": MiniMaxM2Calls,
     "glm47": Glm47Calls, "ling3": Ling3Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
+    "poolside_v1": PoolsideCalls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag

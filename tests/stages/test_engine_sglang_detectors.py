@@ -165,6 +165,7 @@ DETECTORS = {
     "apertus2509": ("apertus2509_detector", "Apertus2509Detector"),
     "spark25": ("spark25_detector", "Spark25Detector"),
     "step3": ("step3_detector", "Step3Detector"),
+    "poolside_v1": ("poolside_v1_detector", "PoolsideV1Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -586,6 +587,10 @@ def _answer(r: random.Random, parser: str) -> str:
         return _spark_answer(r)
     if parser == "step3":
         return _step3_answer(r)
+    if parser == "poolside_v1":  # GLM-4.5's calls, a newline or not after the name
+        return _glm_answer(r).replace(
+            r.choice(["add\n", "bare\n", "x"]), r.choice(["add", "bare "])
+        )
     out = r.choice(["", "Sure ", "text\n", " "])
     for _ in range(r.randint(0, 3)):
         call = r.choice(JSON_CALLS)

@@ -1260,6 +1260,28 @@ def test_step3_reads_steptml_invokes(step: int) -> None:
     assert (streamed, _calls_of(pieces)) == (content, calls)
 
 
+POOLSIDE = ("Sure\n<tool_call>get\n<arg_key>days</arg_key>\n<arg_value>\n3\n</arg_value>\n"
+            "<arg_key>city</arg_key><arg_value>\nOslo\n\n</arg_value><arg_key>more</arg_key>"
+            "<arg_value>{1, 2}</arg_value></tool_call><tool_call>ghost</tool_call> x")  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_poolside_v1_reads_values_by_their_declared_type(step: int) -> None:
+    """poolside_v1_detector.py: the content before the first call as it is, the name up to its
+    newline or first <arg_key>, one newline off each end of a value, an integer read as JSON, a
+    string kept, an undeclared value JSON or the text (a Python set is not JSON: the text); a tool
+    not offered dropped; streamed, the same."""
+    reader = ToolCallParser(GLM_TOOLS, "poolside_v1")
+    content, calls = reader.parse(POOLSIDE)
+    assert (content, calls) == ("Sure\n", [{"name": "get",
+        "arguments": '{"days": 3, "city": "Oslo\\n", "more": "{1, 2}"}'}])  # fmt: skip
+    stream = StreamingToolCalls(ToolCallParser(GLM_TOOLS, "poolside_v1"))
+    assert _feed(stream, POOLSIDE, step) == (content, [
+        {"index": 0, "name": "get", "arguments": ""},
+        {"index": 0, "name": None, "arguments": calls[0]["arguments"]},
+    ])  # fmt: skip
+
+
 def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
     """glm4_moe_detector.py supports_structural_tag False: a forced tool_choice gets SGLang's
     JSON schema of an array of calls, read as that array (get_structure_constraint)."""
