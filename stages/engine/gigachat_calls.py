@@ -33,7 +33,7 @@ import structlog
 from stages.engine.partial_json import PieceStream, partial_tail
 from stages.engine.tool_formats import MarkedCalls
 
-__all__ = ["GigaChat35Calls"]
+__all__ = ["GigaChat3Calls", "GigaChat35Calls"]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -131,3 +131,91 @@ class _GigaChatStream(PieceStream):
         if self.read:
             return ""
         return self._content(self.reader.parse(self.text)[0])
+
+
+# ---- GigaChat 3 (--tool-call-parser gigachat3) ---------------------------------------------------
+
+G3_MARKERS = ("function call<|role_sep|>\n", "<|function_call|>")
+_G3_CALL = re.compile(r"(?:function call<\|role_sep\|>\n|<\|function_call\|>)(.*)", re.DOTALL)
+_G3_CONTENT = re.compile(r"^(.*?)(?:<\|message_sep\|>|<\|function_call\|>)", re.DOTALL)
+_G3_ENDS = ("<|message_sep|>", "<|function_call|>")
+
+
+class GigaChat3Calls:
+    """GigaChat 3's one call (``gigachat3_detector.py``): the JSON object
+    ``{"name", "arguments": {...}}`` after ``function call<|role_sep|>`` and a newline (or
+    ``<|function_call|>``) to the end of the answer (a trailing ``</s>`` off), a tool not
+    offered dropped; the content the text before the first ``<|message_sep|>`` or
+    ``<|function_call|>``. A call that is not JSON leaves the whole answer (less ``</s>``)
+    content; JSON that is no such object, the content alone. Streamed: the content as it
+    comes, the call at the end (it runs to the end of the answer)."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def has_tool_call(self, text: str) -> bool:
+        return any(marker in text for marker in G3_MARKERS)
+
+    def parse(self, answer: str) -> tuple[str, list[dict[str, str]]]:
+        text = answer[: answer.rfind("</s>")] if answer.rstrip().endswith("</s>") else answer
+        call, found = None, _G3_CALL.search(text)
+        if found:
+            try:
+                call = json.loads(found.group(1), strict=False)
+            except ValueError:  # JSONDecodeError: the whole answer is content
+                return text, []
+            if not (isinstance(call, dict) and "name" in call and isinstance(
+                    call.get("arguments"), dict)):  # fmt: skip
+                call = None
+        content = _G3_CONTENT.search(text)
+        content_text = content.group(1) if content else text
+        if call is None:
+            return content_text, []
+        name = call["name"]
+        try:
+            offered = bool(name) and name in self.names
+        except TypeError:  # a name that is a list or an object: raised out of the detector
+            return answer, []
+        if not offered:
+            log.warning("tool_call_unknown_function", name=str(name)[:100])
+            return content_text, []
+        arguments = json.dumps(call["arguments"], ensure_ascii=False)
+        return content_text, [{"name": name, "arguments": arguments}]
+
+    def stream(self) -> _GigaChat3Stream:
+        return _GigaChat3Stream(self)
+
+
+class _GigaChat3Stream(PieceStream):
+    def __init__(self, reader: GigaChat3Calls) -> None:
+        super().__init__()
+        self.reader = reader
+        self.sent = 0
+        self.ended = False  # the content ended (a marker came)
+        self.last: Pieces = []
+
+    def feed(self, delta: str) -> tuple[str, Pieces]:
+        self.text += delta
+        if self.ended:
+            return "", []
+        cut = min((i for i in (self.text.find(m) for m in _G3_ENDS) if i != -1), default=-1)
+        if cut != -1:
+            self.ended = True
+        else:
+            cut = len(self.text) - max(partial_tail(self.text, m) for m in (*_G3_ENDS, "</s>"))
+        out, self.sent = self.text[self.sent : cut], max(self.sent, cut)
+        return out, []
+
+    def flush(self) -> str:
+        whole = self.reader.has_tool_call(self.text)
+        content, calls = self.reader.parse(self.text) if whole else (self.text, [])
+        for call in calls:
+            self.last += self.pieces.whole(0, call["name"], call["arguments"])
+        if not content.startswith(self.text[: self.sent]):  # cannot be
+            return ""
+        out, self.sent = content[self.sent :], len(content)
+        return out
+
+    def unsent(self) -> Pieces:
+        out, self.last = self.last, []
+        return out

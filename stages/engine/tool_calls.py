@@ -11,7 +11,7 @@
 calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minimax_calls``),
 ``mimo`` (``stages.engine.mimo_calls``), ``interns1`` (``stages.engine.internlm_calls``),
 ``gemma4`` (``stages.engine.gemma4_calls``), ``iquest_q1`` (``stages.engine.iquest_calls``),
-``cohere_command4`` (``stages.engine.cohere_calls``), ``gigachat35``
+``cohere_command4`` (``stages.engine.cohere_calls``), ``gigachat35`` and ``gigachat3``
 (``stages.engine.gigachat_calls``), ``apertus2509`` (``stages.engine.apertus_calls``),
 ``spark25`` (``stages.engine.spark_calls``: forced calls not constrained, as SGLang's),
 ``step3`` (``stages.engine.step3_calls``), ``poolside_v1`` (``stages.engine.poolside_calls``); and
@@ -62,7 +62,7 @@ from stages.engine.dsml_calls import DeepSeekV32Calls
 from stages.engine.gemma4_calls import BEGIN as GEMMA4_BEGIN
 from stages.engine.gemma4_calls import Gemma4Calls
 from stages.engine.gigachat_calls import BEGIN as GCML_BLOCK
-from stages.engine.gigachat_calls import GigaChat35Calls
+from stages.engine.gigachat_calls import GigaChat3Calls, GigaChat35Calls
 from stages.engine.glm47_calls import Glm47Calls
 from stages.engine.glm_calls import GlmCalls, Ling3Calls
 from stages.engine.harmony import FRAMES as HARMONY_FRAMES
@@ -120,6 +120,7 @@ _FORMATS: dict[str, Any] = {
     "interns1": InternlmCalls,
     "cohere_command4": CohereCalls,
     "gigachat35": GigaChat35Calls,
+    "gigachat3": GigaChat3Calls,
     "apertus2509": ApertusCalls,
     "json_array": JsonArrayCalls,  # a forced answer where the format has no structural tag
     "json_arguments": NamedArguments,  # iquest_q1's forced answer to a named tool
@@ -130,6 +131,7 @@ PARSERS = (
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
+    "gigachat3",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)

@@ -166,6 +166,7 @@ DETECTORS = {
     "spark25": ("spark25_detector", "Spark25Detector"),
     "step3": ("step3_detector", "Step3Detector"),
     "poolside_v1": ("poolside_v1_detector", "PoolsideV1Detector"),
+    "gigachat3": ("gigachat3_detector", "GigaChat3Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -329,6 +330,20 @@ def _step3_answer(r: random.Random) -> str:
     for i in range(r.randint(0, 3)):
         out += _step3_call(r, i != bad) + r.choice(["", "\n"])
     return out + r.choice(["<\uff5ctool_calls_end\uff5c>"] * 3 + [""]) + r.choice(["", " after"])
+
+
+G3_CALLS = ['{"name": "add", "arguments": {"a": 1}}', '{"name": "bare", "arguments": {}}',
+            '{"name": "ghost", "arguments": {}}', '{"name": "add", "arguments": [1]}',
+            '{"name": "add"}', '{"name": ["add"], "arguments": {}}', "[1]", "not json",
+            '{"name": "add", "arguments": {"s": "a\nb"}}',
+            '{"name": "add", "arguments": {"a": NaN}}']  # fmt: skip
+
+
+def _gigachat3_answer(r: random.Random) -> str:
+    out = r.choice(["", "Sure.", "text\n", "a <|message"])
+    out += r.choice(["<|message_sep|>function call<|role_sep|>\n", "<|function_call|>", "",
+                     "<|message_sep|>"])  # fmt: skip
+    return out + r.choice(G3_CALLS) + r.choice(["", "</s>", " </s> ", "x"])
 
 
 KIMI_IDS = ["functions.add:0", "add:1", "functions.bare:2", "functions.union:0", "3", "",
@@ -587,6 +602,8 @@ def _answer(r: random.Random, parser: str) -> str:
         return _spark_answer(r)
     if parser == "step3":
         return _step3_answer(r)
+    if parser == "gigachat3":
+        return _gigachat3_answer(r)
     if parser == "poolside_v1":  # GLM-4.5's calls, a newline or not after the name
         return _glm_answer(r).replace(
             r.choice(["add\n", "bare\n", "x"]), r.choice(["add", "bare "])

@@ -1282,6 +1282,21 @@ def test_poolside_v1_reads_values_by_their_declared_type(step: int) -> None:
     ])  # fmt: skip
 
 
+def test_gigachat3_reads_its_one_json_call_to_the_end() -> None:
+    """gigachat3_detector.py: the JSON call after "function call<|role_sep|>" and a newline to the
+    end of the answer (a trailing </s> off), the content before <|message_sep|>; JSON that is not
+    a call: no calls; not JSON: the whole answer content; streamed, the call at the end."""
+    reader = ToolCallParser(GLM_TOOLS, "gigachat3")
+    call = 'Sure<|message_sep|>function call<|role_sep|>\n{"name": "get", "arguments": {"days": 3}}'
+    call += "</s>"
+    assert reader.parse(call) == ("Sure", [{"name": "get", "arguments": '{"days": 3}'}])
+    assert reader.parse("a<|function_call|>[1]") == ("a", [])
+    assert reader.parse("a<|function_call|>{bad") == ("a<|function_call|>{bad", [])
+    stream = StreamingToolCalls(ToolCallParser(GLM_TOOLS, "gigachat3"))
+    content, pieces = _feed(stream, call, 5)
+    assert (content, _calls_of(pieces + stream.unsent())) == reader.parse(call)
+
+
 def test_a_forced_glm45_call_is_sglangs_json_array() -> None:
     """glm4_moe_detector.py supports_structural_tag False: a forced tool_choice gets SGLang's
     JSON schema of an array of calls, read as that array (get_structure_constraint)."""
@@ -1640,6 +1655,8 @@ _SAMPLES = {
     "interns1": "ok " + ACTION.format('{"name": "add", "parameters": {"a": 1}}')
     + ACTION.format('{"name": "mul"}'),
     "gemma4": "ok <|tool_call>call:add{a:1}<tool_call|><|tool_call>call:mul{}<tool_call|>",
+    "gigachat3": "ok<|message_sep|>function call<|role_sep|>\n"
+    '{"name": "add", "arguments": {"a": 1}}',
     "glm47": "ok <tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value></tool_call> and "
     "<tool_call>mul</tool_call>",
     "gpt-oss": "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>commentary "
