@@ -27,8 +27,10 @@ SGLang imports):
   does whitespace, which the whole answer strips at its ends); a call is named once its
   ``<arg_key>`` or ``</tool_call>`` comes, its arguments go out as its pairs close (all at
   ``</tool_call>`` for a function whose union needs its siblings, as SGLang buffers them). A
-  call cut short is named and has no arguments (SGLang's stream also); one cut short before it
-  was named is content, as the whole answer has it.
+  call cut short keeps what of its arguments went out, closed at the end (``unsent``), where the
+  whole answer has it as content (SGLang's stream names it too); one cut short before it was
+  named is content, as the whole answer has it. A key given twice: the whole answer keeps its
+  last value, which a stream that sent the first cannot (logged ``tool_call_pieces_diverged``).
 
 Differences from SGLang's stream, which writes each value as it comes: it names calls to tools
 not offered, sends the name stripped, and a value of an object, array or boolean type as the
