@@ -39,6 +39,8 @@ from collections import deque
 from functools import lru_cache
 from typing import Any
 
+from stages.engine.qwen3_coder_calls import _properties  # get_schema_properties
+
 __all__ = ["glm_grammar", "glm_lark", "glm_turn"]
 
 THINK, THINK_END = "<think>", "</think>"
@@ -251,22 +253,6 @@ def _value_rule(schema: Any) -> str:
             return " | ".join(_TYPES.get(k, _TEXT) for k in kind) or _TEXT
         return _TYPES.get(kind, _TEXT)
     return _TEXT
-
-
-def _properties(schema: Any) -> dict[str, Any]:
-    """``properties`` (a dict), else those of the ``anyOf``, ``oneOf``, ``allOf`` branches (the
-    first of a name kept): SGLang's ``get_schema_properties``."""
-    if not isinstance(schema, dict):
-        return {}
-    if isinstance(schema.get("properties"), dict):
-        return schema["properties"]
-    found: dict[str, Any] = {}
-    for keyword in ("anyOf", "oneOf", "allOf"):
-        if isinstance(schema.get(keyword), list):
-            for branch in schema[keyword]:
-                for key, value in _properties(branch).items():
-                    found.setdefault(key, value)
-    return found
 
 
 def _closed(schema: Any) -> bool:
