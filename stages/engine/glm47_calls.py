@@ -49,7 +49,7 @@ from typing import Any
 import structlog
 
 from stages.engine.glm_calls import _number, literal, unquoted
-from stages.engine.marked_stream import BlockStream, OutsideText
+from stages.engine.marked_stream import _FAILS, BlockStream, OutsideText
 from stages.engine.tool_formats import _Unreadable, offered_call
 
 __all__ = ["Glm47Calls"]
@@ -64,8 +64,6 @@ _UNSET = object()
 # integer; any other Python type: the detector's KeyError, the answer unread
 _JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", float: "number",
                str: "string", list: "array", dict: "object"}  # fmt: skip
-# what a schema that cannot be walked raises (a list for properties, a list in a type list)
-_FAILS = (_Unreadable, AttributeError, KeyError, TypeError, ValueError, RecursionError)
 
 Pieces = list[dict[str, Any]]
 

@@ -32,7 +32,7 @@ from typing import Any
 import structlog
 
 from stages.engine.glm47_calls import _FAILS, _PAIR, Glm47Calls, _one_type, _Typing
-from stages.engine.marked_stream import BlockStream
+from stages.engine.marked_stream import ReadBlocks
 from stages.engine.partial_json import ListedCalls, PieceStream
 from stages.engine.tool_formats import _strict_loads
 
@@ -92,33 +92,8 @@ class IQuestQ1Calls(ListedCalls):
                 arguments[key.strip()] = value
         return self.calls.offered(name, arguments)
 
-    def stream(self) -> _IQuestStream:
-        return _IQuestStream(self)
-
-
-class _IQuestStream(BlockStream):
-    begin, end = BEGIN, END
-
-    def __init__(self, reader: IQuestQ1Calls) -> None:
-        super().__init__()
-        self.reader = reader
-
-    def outside(self, text: str, block_next: bool) -> str:
-        return text
-
-    def closed(self, key: int, block: str) -> tuple[str, Pieces]:
-        try:
-            call = self.reader.read(block[len(BEGIN) : -len(END)])
-        except _FAILS as exc:
-            log.warning("tool_call_unparsed", error=str(exc)[:200])
-            call = None
-        if call is False:  # no call: the block is content
-            return block, []
-        return "", [] if call is None else self.pieces.whole(key, call["name"], call["arguments"])
-
-    def flush(self) -> str:
-        rest, self.pos = self.text[self.pos :], len(self.text)
-        return rest
+    def stream(self) -> ReadBlocks:
+        return ReadBlocks(self, BEGIN, END)
 
 
 class NamedArguments:

@@ -19,7 +19,7 @@ import structlog
 from stages.engine.partial_json import CallPieces, PieceStream, partial_tail
 from stages.engine.tool_formats import _Unreadable
 
-__all__ = ["BlockStream", "MarkedStream", "OutsideText", "whole_calls"]
+__all__ = ["BlockStream", "MarkedStream", "OutsideText", "ReadBlocks", "whole_calls"]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -154,6 +154,45 @@ class BlockStream(PieceStream, ABC):
     def closed(self, key: int, block: str) -> tuple[str, Pieces]:
         """Content and pieces of the block that begins at ``key``, now whole (``block``: from
         its begin tag to its end tag)."""
+
+
+# what a block's reading raises where its detector's whole-answer reading fails
+_FAILS = (_Unreadable, AttributeError, KeyError, TypeError, ValueError, RecursionError)
+
+
+class ReadBlocks(BlockStream):
+    """The stream of a format whose blocks are read whole (IQuest Q1's, Spark 2.5's): the text
+    outside them as it comes, each block at its end tag through ``reader.read`` (its text between
+    the tags: a call, None for one dropped, False for no call: the block is content), a block
+    never closed content at the end, as the whole answer has it."""
+
+    def __init__(self, reader: Any, begin: str, end: str) -> None:
+        super().__init__()
+        self.reader, self.begin, self.end = reader, begin, end
+
+    def outside(self, text: str, block_next: bool) -> str:
+        return text
+
+    def closed(self, key: int, block: str) -> tuple[str, Pieces]:
+        try:
+            call = self.reader.read(block[len(self.begin) : -len(self.end)])
+        except (
+            _Unreadable,
+            AttributeError,
+            KeyError,
+            TypeError,
+            ValueError,
+            RecursionError,
+        ) as exc:
+            log.warning("tool_call_unparsed", error=str(exc)[:200])
+            call = None
+        if call is False:  # no call: the block is content
+            return block, []
+        return "", [] if call is None else self.pieces.whole(key, call["name"], call["arguments"])
+
+    def flush(self) -> str:
+        rest, self.pos = self.text[self.pos :], len(self.text)
+        return rest
 
 
 class OutsideText:

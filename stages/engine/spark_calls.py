@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from stages.engine.marked_stream import BlockStream
+from stages.engine.marked_stream import ReadBlocks
 from stages.engine.partial_json import ListedCalls
 from stages.engine.qwen3_coder_calls import _properties
 
@@ -45,8 +45,6 @@ log = structlog.get_logger("stages.engine.tool_calls")
 
 BEGIN, END, KEY = "<tool_call>", "</tool_call>", "<arg_key>"
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key><arg_value>(.*?)</arg_value>", re.DOTALL)
-
-Pieces = list[dict[str, Any]]
 
 
 def _value(raw: str, kind: str) -> Any:
@@ -125,26 +123,5 @@ class Spark25Calls(ListedCalls):
         return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False,
                                                       separators=(",", ":"))}  # fmt: skip
 
-    def stream(self) -> _SparkStream:
-        return _SparkStream(self)
-
-
-class _SparkStream(BlockStream):
-    begin, end = BEGIN, END
-
-    def __init__(self, reader: Spark25Calls) -> None:
-        super().__init__()
-        self.reader = reader
-
-    def outside(self, text: str, block_next: bool) -> str:
-        return text
-
-    def closed(self, key: int, block: str) -> tuple[str, Pieces]:
-        call = self.reader.read(block[len(BEGIN) : -len(END)])
-        if call is False:  # no name: the block is content
-            return block, []
-        return "", [] if call is None else self.pieces.whole(key, call["name"], call["arguments"])
-
-    def flush(self) -> str:
-        rest, self.pos = self.text[self.pos :], len(self.text)
-        return rest
+    def stream(self) -> ReadBlocks:
+        return ReadBlocks(self, BEGIN, END)

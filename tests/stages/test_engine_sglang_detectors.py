@@ -704,6 +704,18 @@ def _fed(
     return their_text, our_text + ours.flush(), theirs, mine
 
 
+def _streamed_in_order(detector: Any, tools: list[Any], parts: list[str]) -> list[list[str]]:
+    """The calls SGLang's ``detector`` streams from ``parts``, ``[name, arguments]`` in the
+    order they are named (its ``tool_index`` may be the tool's place, not the call's)."""
+    calls: list[list[str]] = []
+    for part in parts:
+        for c in detector.parse_streaming_increment(part, tools).calls:
+            if c.name:
+                calls.append([c.name, ""])
+            calls[-1][1] += c.parameters or ""
+    return calls
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("parser", ["deepseekv3", "deepseekv31", "kimi_k2", "glm45", "ling3"])
 def test_marked_formats_stream_as_sglangs_detector_a_token_at_a_time(
@@ -890,12 +902,7 @@ def test_gemma4_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCaptureF
         _, our_text, _, mine = _fed(module.Gemma4Detector(), "gemma4", tools, parts)
         assert our_text == want.normal_text, text
         assert [mine[i] for i in sorted(mine)] == [[c.name, c.parameters] for c in want.calls]
-        detector, theirs = module.Gemma4Detector(), []  # its tool_index: the tool's place
-        for part in parts:
-            for c in detector.parse_streaming_increment(part, tools).calls:
-                if c.name:
-                    theirs.append([c.name, ""])
-                theirs[-1][1] += c.parameters or ""
+        theirs = _streamed_in_order(module.Gemma4Detector(), tools, parts)
         assert [mine[i] for i in sorted(mine)] == theirs, text
 
 
@@ -999,10 +1006,7 @@ def test_cohere_command4_streams_its_calls_as_sglangs_detector(
         assert our_text == want.normal_text, text
         got = [mine[i] for i in sorted(mine)]
         assert got == [[c.name, c.parameters] for c in want.calls], text
-        detector, theirs = module.CohereCommand4Detector(), []  # its tool_index: the tool's place
-        for part in parts:
-            theirs += [[c.name, c.parameters] for c in detector.parse_streaming_increment(
-                part, tools).calls]  # fmt: skip
+        theirs = _streamed_in_order(module.CohereCommand4Detector(), tools, parts)
         assert got == theirs[: len(got)], text
         compared += 1
     assert compared > 250
@@ -1029,11 +1033,7 @@ def test_gigachat35_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCapt
         assert our_text == want.normal_text, text
         got = [mine[i] for i in sorted(mine)]
         assert got == [[c.name, c.parameters] for c in want.calls], text
-        detector, theirs = module.GigaChat35Detector(), []
-        for part in [*parts, ""]:
-            theirs += [[c.name, c.parameters] for c in detector.parse_streaming_increment(
-                part, tools).calls]  # fmt: skip
-        assert got == theirs, text
+        assert got == _streamed_in_order(module.GigaChat35Detector(), tools, [*parts, ""]), text
 
 
 _APERTUS_TAGS = re.compile(r"(<\|tools_prefix\|>|<\|tools_suffix\|>)")
