@@ -39,15 +39,14 @@ from __future__ import annotations
 import ast
 import json
 import re
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import structlog
 
-from stages.engine.marked_stream import MarkedStream, whole_calls
+from stages.engine.marked_stream import ContentFirst, whole_calls
 from stages.engine.qwen3_coder_calls import _properties, _schema_type
-from stages.engine.tool_formats import _Content, _Unreadable, offered_call
+from stages.engine.tool_formats import _Unreadable, offered_call, quiet_ast
 
 __all__ = ["GlmCalls", "Ling3Calls"]
 
@@ -161,31 +160,20 @@ def literal(raw: str) -> Any:
     """``raw`` as a Python literal, else as it is; ``_Unreadable`` where reading it raises
     anything else (the detector's ``except Exception``: the whole answer unread)."""
     try:
-        with warnings.catch_warnings():  # an invalid escape keeps its backslash, as there
-            warnings.simplefilter("ignore", SyntaxWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return ast.literal_eval(raw)
+        return quiet_ast(ast.literal_eval, raw)
     except (ValueError, SyntaxError):
         return raw
     except Exception as exc:
         raise _Unreadable(f"a value cannot be read: {exc!r}") from exc
 
 
-class _GlmStream(MarkedStream):
+class _GlmStream(ContentFirst):
     begin, end = BEGIN, END
 
     def __init__(self, reader: GlmCalls) -> None:
         super().__init__()
         self.reader = reader
-        self.before = _Content(BEGIN, strip=True)
         self.dropped: set[int] = set()  # where calls to tools not offered begin
-
-    def content(self, text: str) -> tuple[str, int | None]:
-        at = text.find(BEGIN)
-        return self.before.more(text, None if at == -1 else at), None if at == -1 else at
-
-    def rest(self, text: str) -> str:
-        return self.before.rest(text)
 
     def partial(self, key: int, body: str) -> Pieces:
         line = self.reader.name_line.match(body)

@@ -17,9 +17,16 @@ from typing import Any
 import structlog
 
 from stages.engine.partial_json import CallPieces, PieceStream, partial_tail
-from stages.engine.tool_formats import _Unreadable
+from stages.engine.tool_formats import _Content, _Unreadable
 
-__all__ = ["BlockStream", "MarkedStream", "OutsideText", "ReadBlocks", "whole_calls"]
+__all__ = [
+    "BlockStream",
+    "ContentFirst",
+    "MarkedStream",
+    "OutsideText",
+    "ReadBlocks",
+    "whole_calls",
+]
 
 log = structlog.get_logger("stages.engine.tool_calls")
 
@@ -90,10 +97,10 @@ class MarkedStream(PieceStream, ABC):
     def rest(self, text: str) -> str:
         """At the end of an answer without calls: the content that waited."""
 
-    @abstractmethod
     def partial(self, key: int, body: str) -> Pieces:
         """Pieces of the call that begins at ``key`` (``body``: its text after the begin token
-        so far)."""
+        so far); none by default (the call goes out whole, at its end token)."""
+        return []
 
     @abstractmethod
     def whole(self, key: int, text: str) -> Pieces:
@@ -106,6 +113,22 @@ class MarkedStream(PieceStream, ABC):
         if self.open:
             log.warning("tool_call_incomplete", text=self.text[self.pos :][:200])
         return ""
+
+
+class ContentFirst(MarkedStream):
+    """A ``MarkedStream`` whose content is the text before its first call, stripped, as it
+    comes (GLM-4.5's, dots'): a tail that may begin a call, and whitespace, wait."""
+
+    def __init__(self, pieces: CallPieces | None = None) -> None:
+        super().__init__(pieces)
+        self.before = _Content(self.begin, strip=True)
+
+    def content(self, text: str) -> tuple[str, int | None]:
+        at = text.find(self.begin)
+        return self.before.more(text, None if at == -1 else at), None if at == -1 else at
+
+    def rest(self, text: str) -> str:
+        return self.before.rest(text)
 
 
 class BlockStream(PieceStream, ABC):
@@ -176,14 +199,7 @@ class ReadBlocks(BlockStream):
     def closed(self, key: int, block: str) -> tuple[str, Pieces]:
         try:
             call = self.reader.read(block[len(self.begin) : -len(self.end)])
-        except (
-            _Unreadable,
-            AttributeError,
-            KeyError,
-            TypeError,
-            ValueError,
-            RecursionError,
-        ) as exc:
+        except _FAILS as exc:
             log.warning("tool_call_unparsed", error=str(exc)[:200])
             call = None
         if call is False:  # no call: the block is content

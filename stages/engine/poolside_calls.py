@@ -123,9 +123,6 @@ class _PoolsideStream(MarkedStream):
         out, self.sent = text[self.sent :], len(text)
         return out
 
-    def partial(self, key: int, body: str) -> Pieces:
-        return []
-
     def whole(self, key: int, text: str) -> Pieces:
         call = self.reader.call(text[len(BEGIN) : -len(END)])
         return [] if call is None else self.pieces.whole(key, call["name"], call["arguments"])

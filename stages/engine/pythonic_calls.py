@@ -31,12 +31,12 @@ from __future__ import annotations
 import ast
 import json
 import re
-import warnings
 from typing import Any
 
 import structlog
 
 from stages.engine.partial_json import ListedCalls, partial_tail
+from stages.engine.tool_formats import quiet_ast
 
 __all__ = ["PythonicCalls"]
 
@@ -78,10 +78,7 @@ class PythonicCalls(ListedCalls):
             return text, []
         content = text[: match.start()] + text[match.end() :]
         try:
-            with warnings.catch_warnings():  # an invalid escape keeps its backslash, as there
-                warnings.simplefilter("ignore", SyntaxWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                tree = ast.parse(match.group())
+            tree = quiet_ast(ast.parse, match.group())
             value = getattr(tree.body[0], "value", None)
             if not isinstance(value, ast.List) or any(
                 not isinstance(e, ast.Call) for e in value.elts

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import ast
 import json
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import structlog
 
 from stages.engine.partial_json import ListedCalls
+from stages.engine.tool_formats import quiet_ast
 
 __all__ = ["Qwen3CoderCalls", "typed_value"]
 
@@ -156,10 +156,7 @@ def typed_value(
             except ValueError:  # the next reading, as SGLang's
                 pass
         try:
-            with warnings.catch_warnings():  # an invalid escape keeps its backslash, as there
-                warnings.simplefilter("ignore", SyntaxWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                return ast.literal_eval(value)
+            return quiet_ast(ast.literal_eval, value)
         except (ValueError, SyntaxError, TypeError):
             return value
     except Exception as exc:  # deep nesting, memory...

@@ -14,7 +14,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``cohere_command4`` (``stages.engine.cohere_calls``), ``gigachat35`` and ``gigachat3``
 (``stages.engine.gigachat_calls``), ``apertus2509`` (``stages.engine.apertus_calls``),
 ``spark25`` (``stages.engine.spark_calls``: forced calls not constrained, as SGLang's),
-``step3`` (``stages.engine.step3_calls``), ``poolside_v1`` (``stages.engine.poolside_calls``); and
+``step3`` (``stages.engine.step3_calls``), ``poolside_v1`` (``stages.engine.poolside_calls``),
+``dots`` (``stages.engine.dots_calls``), ``minicpm5`` (``stages.engine.minicpm_calls``); and
 how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
@@ -56,6 +57,8 @@ from stages.engine.cohere_calls import CohereCalls
 from stages.engine.deepseek_calls import BEGIN as DEEPSEEK_CALL
 from stages.engine.deepseek_calls import FRAMES as DEEPSEEK_FRAMES
 from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
+from stages.engine.dots_calls import BEGIN as DOTS_BLOCK
+from stages.engine.dots_calls import DotsCalls
 from stages.engine.dsml_calls import BLOCK as DSML_BLOCK
 from stages.engine.dsml_calls import FRAMES as DSML_FRAMES
 from stages.engine.dsml_calls import DeepSeekV32Calls
@@ -74,6 +77,7 @@ from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
 from stages.engine.mimo_calls import MiMoCalls
+from stages.engine.minicpm_calls import MiniCPM5Calls
 from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK
 from stages.engine.minimax_calls import MiniMaxM2Calls
 from stages.engine.partial_json import ListedCalls
@@ -131,7 +135,7 @@ PARSERS = (
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
-    "gigachat3",
+    "gigachat3", "dots", "minicpm5",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
@@ -144,7 +148,7 @@ _TYPED = {
     "kimi_k2": KimiK2Calls, "glm45": GlmCalls, "glm": GlmCalls, "minimax-m2": MiniMaxM2Calls,
     "glm47": Glm47Calls, "ling3": Ling3Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
-    "poolside_v1": PoolsideCalls,
+    "poolside_v1": PoolsideCalls, "dots": DotsCalls, "minicpm5": MiniCPM5Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -186,7 +190,8 @@ def parser_for_template(template: str | None) -> str | None:
     writes the arguments in a json code block, else ``deepseekv31``; Kimi K2's section marker
     ``kimi_k2``; MiniMax-M2's block tag ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
     Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
-    ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; among those that write
+    ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; dots' block tag ``dots``;
+    among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others
     Qwen 2.5's, which needs a newline after the tag, or where it writes a call's JSON right after
@@ -207,6 +212,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "gigachat35"
     if template and "<|tools_prefix|>" in template:
         return "apertus2509"
+    if template and DOTS_BLOCK in template:
+        return "dots"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:

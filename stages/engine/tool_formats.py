@@ -83,6 +83,15 @@ class _Unreadable(ValueError):
     """The answer cannot be read for calls at all (SGLang: an exception out of the parser)."""
 
 
+def quiet_ast(read: Callable[[str], Any], text: str) -> Any:
+    """``read(text)`` (``ast.literal_eval``, ``ast.parse``) without Python's warnings for
+    invalid escapes, which keep their backslash, as SGLang's ``_run_ast_quiet`` reads them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return read(text)
+
+
 def _either(obj: dict[str, Any]) -> Any:
     """A call's arguments as ``parse_base_json`` takes them."""
     return obj.get("parameters") or obj.get("arguments", {})
@@ -517,10 +526,7 @@ def _brace_end(text: str, start: int) -> int:
 def _python_dict(text: str) -> str | None:
     """The JSON of a dict written as Python literals; None if it is not one."""
     try:
-        with warnings.catch_warnings():  # an invalid escape keeps its backslash, as there
-            warnings.simplefilter("ignore", SyntaxWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            value = ast.literal_eval(text.strip())
+        value = quiet_ast(ast.literal_eval, text.strip())
         return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
     except Exception:  # SGLang: any failure means "not a dict"
         return None

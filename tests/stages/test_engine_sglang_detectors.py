@@ -167,6 +167,8 @@ DETECTORS = {
     "step3": ("step3_detector", "Step3Detector"),
     "poolside_v1": ("poolside_v1_detector", "PoolsideV1Detector"),
     "gigachat3": ("gigachat3_detector", "GigaChat3Detector"),
+    "dots": ("dots_detector", "DotsToolDetector"),
+    "minicpm5": ("minicpm5_detector", "MiniCPM5Detector"),
 }
 # values of the parameters' declared types (TOOLS' add)
 GLM_TYPED = [("a", "1"), ("b", "2.5"), ("s", "hello world"), ("flag", "true"), ("items", "[1, 2]"),
@@ -568,6 +570,64 @@ INTERNLM_CALLS = ['{"name": ["add"]}', '{"name": []}', "[]", '{"name": "add", "p
                   '{"name": "add", "parameters": [1]}']  # fmt: skip
 
 
+# values for the XML formats (dots, MiniCPM): JSON, literals, entities, CDATA, type spellings
+XML_VALUES = [*VALUES, "NULL", "1.0", "0", "TRUE", "'q'", '"s"', "  x  ", "a>b", "a<b", "&amp;",
+              "&zz;", "<![CDATA[a<b]]>", "{1, 2}", "0x10", "[1, {'a': 2}]"]  # fmt: skip
+DOTS_JSON = ['{"name": "add", "arguments": {"a": 1}}', '{"name": "bare", "parameters": {}}',
+             '{"name": "ghost", "arguments": {}}', "[1]", '{"name": ["add"]}', "{bad",
+             '{"name": "add", "parameters": null, "arguments": {"s": "é"}}']  # fmt: skip
+
+
+def _dots_answer(r: random.Random) -> str:
+    """Content, dots blocks of invokes (names quoted or not, parameters of any key and value,
+    some cut short) or of one JSON value, some never closed, text between and after."""
+    out = r.choice(["", "Sure ", " text\n", "\n"])
+    for _ in range(r.randint(0, 3)):
+        out += "<dots_function_call>" + r.choice(["", "\n", " "])
+        if r.random() < 0.3:
+            out += r.choice(DOTS_JSON)
+        else:
+            for _ in range(r.randint(1, 2)):
+                quote = r.choice(['"', "'", ""])
+                out += f"<invoke name={quote}{r.choice(NAMES)}{quote}>" + r.choice(["\n", ""])
+                for _ in range(r.randint(0, 3)):
+                    quote = r.choice(['"', "'", "", " "])
+                    key = r.choice([*KEYS, "opt", "a"])
+                    out += f"<parameter name={quote}{key}{quote}>{r.choice(XML_VALUES)}</parameter>"
+                    out += r.choice(["\n", ""])
+                out += r.choice(["</invoke>\n", "</invoke>", ""])
+        out += r.choice(["</dots_function_call>", "</dots_function_call>\n", "",
+                         "</dots_function_call> after"])  # fmt: skip
+        out += r.choice(["", " mid ", "\n"])
+    return out
+
+
+def _minicpm_answer(r: random.Random) -> str:
+    """Content and MiniCPM blocks: names quoted either way, spaced, missing; parameters named
+    or not, in an <arguments> element or not, values of any kind (in CDATA too), some not
+    closed; text between and after."""
+    out = r.choice(["", "Sure ", " text\n", "\n"])
+    for _ in range(r.randint(0, 3)):
+        quote, name = r.choice(['"', "'"]), r.choice(NAMES)
+        out += r.choice([f"<function name={quote}{name}{quote}>", "<function>", "<functions>",
+                         f"<function name={quote}{name}{quote} x='1'>",
+                         f"<function  name = {quote}{name}{quote}>",
+                         f"<function name={quote} {name} {quote}>"])  # fmt: skip
+        wrapped = r.random() < 0.2
+        out += "<arguments>" if wrapped else ""
+        for _ in range(r.randint(0, 3)):
+            quote, key = r.choice(['"', "'"]), r.choice([*KEYS, "a", "s", ""])
+            value = r.choice(XML_VALUES)
+            if r.random() < 0.15:
+                value = f"<![CDATA[{value}]]>"
+            named = f"<param name={quote}{key}{quote}>{value}"
+            out += r.choice([named + "</param>", f"<param>{value}</param>", named])
+        out += r.choice(["</arguments>", ""]) if wrapped else ""
+        out += r.choice(["</function>", "</function>\n", "", "</function> after"])
+        out += r.choice(["", " mid ", "\n"])
+    return out
+
+
 def _answer(r: random.Random, parser: str) -> str:
     if parser.startswith("deepseek"):
         return _deepseek_answer(r, parser)
@@ -604,6 +664,10 @@ def _answer(r: random.Random, parser: str) -> str:
         return _step3_answer(r)
     if parser == "gigachat3":
         return _gigachat3_answer(r)
+    if parser == "dots":
+        return _dots_answer(r)
+    if parser == "minicpm5":
+        return _minicpm_answer(r)
     if parser == "poolside_v1":  # GLM-4.5's calls, a newline or not after the name
         return _glm_answer(r).replace(
             r.choice(["add\n", "bare\n", "x"]), r.choice(["add", "bare "])
@@ -684,10 +748,8 @@ def _fed(
 ) -> tuple[str, str, dict[int, list[str]], dict[int, list[str]]]:
     """``parts`` fed to SGLang's ``detector`` and to the engine's stream of ``parser``: the
     content of each, and each one's calls by index, ``[name, arguments]`` added up."""
-    ours = ToolCallParser(TOOLS, parser).stream()
     theirs: dict[int, list[str]] = {}
-    mine: dict[int, list[str]] = {}
-    their_text = our_text = ""
+    their_text = ""
     for part in parts:
         got = detector.parse_streaming_increment(part, tools)
         their_text += got.normal_text
@@ -695,13 +757,24 @@ def _fed(
             item = theirs.setdefault(c.tool_index, ["", ""])
             item[0] += c.name or ""
             item[1] += c.parameters or ""
+    our_text, mine = _our_stream(parser, parts)
+    return their_text, our_text, theirs, mine
+
+
+def _our_stream(parser: str, parts: list[str]) -> tuple[str, dict[int, list[str]]]:
+    """``parts`` fed to the engine's stream of ``parser``: its content, flushed, and its calls
+    by index, ``[name, arguments]`` added up."""
+    ours = ToolCallParser(TOOLS, parser).stream()
+    mine: dict[int, list[str]] = {}
+    text = ""
+    for part in parts:
         more, pieces = ours.feed(part)
-        our_text += more
+        text += more
         for p in pieces:
             item = mine.setdefault(p["index"], ["", ""])
             item[0] += p["name"] or ""
             item[1] += p["arguments"]
-    return their_text, our_text + ours.flush(), theirs, mine
+    return text + ours.flush(), mine
 
 
 def _streamed_in_order(detector: Any, tools: list[Any], parts: list[str]) -> list[list[str]]:
@@ -1118,3 +1191,33 @@ def test_step3_streams_its_calls_as_sglangs_detector(caplog: pytest.LogCaptureFi
         ):
             assert got == [theirs[i] for i in sorted(theirs)], text
         compared += 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("parser", ["dots", "minicpm5"])
+def test_xml_formats_stream_what_sglangs_detector_reads_whole(
+    parser: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """dots and MiniCPM answers fed in random splits: the calls SGLang's ``detect_and_parse``
+    reads from the whole answer, and its content (dots': stripped, as the stream cannot know
+    before a block whether to strip the start). Answers whose values JSON cannot write (the
+    whole answer then has no calls; the stream sent those before) are left out."""
+    caplog.set_level(logging.CRITICAL)
+    module, name = DETECTORS[parser]
+    detector_class = getattr(importlib.import_module(f"{detectors.__package__}.{module}"), name)
+    tools = [protocol.Tool.model_validate(t) for t in TOOLS]
+    r = random.Random(15)
+    compared = called = 0
+    while compared < 1500:
+        text = _answer(r, parser)
+        if "{1, 2}" in text or len(text) < 2:
+            continue
+        want = detector_class().detect_and_parse(text, tools)
+        content, calls = _our_stream(parser, _splits(r, text))
+        if parser == "dots":
+            content, want.normal_text = content.strip(), want.normal_text.strip()
+        assert content == want.normal_text, text
+        assert [calls[i] for i in sorted(calls)] == [[c.name, c.parameters] for c in want.calls]
+        compared += 1
+        called += bool(want.calls)
+    assert called > 300

@@ -1282,6 +1282,86 @@ def test_poolside_v1_reads_values_by_their_declared_type(step: int) -> None:
     ])  # fmt: skip
 
 
+DOTS_TOOLS = [
+    {"type": "function", "function": {"name": "get", "parameters": {
+        "type": "object", "$defs": {"n": {"type": "number"}},
+        "properties": {"days": {"type": "integer"}, "temp": {"$ref": "#/$defs/n"},
+                       "ok": {"anyOf": [{"type": "null"}, {"type": "boolean"}]},
+                       "opts": {"type": "object"}, "city": {"type": "string"}}}}},
+]  # fmt: skip
+DOTS = ('  Sure \n<dots_function_call>\n<invoke name="get">\n'
+        "<parameter name=days> 3 </parameter>\n<parameter name='temp'>2.0</parameter>"
+        "<parameter name=ok>1</parameter>"
+        '<parameter name="opts">{"a": [1]}</parameter><parameter name="city">NULL</parameter>'
+        "<parameter name=x>{bad</parameter></invoke>\n<invoke name=ghost></invoke>\n"
+        "</dots_function_call> between <dots_function_call>"
+        '{"name": "get", "arguments": {"days": 1}}</dots_function_call>'
+        "<dots_function_call>{bad}</dots_function_call> after")  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_dots_reads_invokes_and_json_calls_in_its_blocks(step: int) -> None:
+    """dots_detector.py: the content the text before the first block, stripped; an invoke's
+    values by their parameter's type ($ref and anyOf followed; a whole number an integer,
+    booleans "1", "null" in any case None, an undeclared one kept), names unquoted; a block of
+    one JSON call; a tool not offered dropped, a block that is not JSON none; streamed, the
+    same; a forced choice SGLang's JSON array (no structural tag)."""
+    from stages.engine.tool_calls import answer_format, forced_calls, parser_for_template
+
+    reader = ToolCallParser(DOTS_TOOLS, "dots")
+    content, calls = reader.parse(DOTS)
+    first = '{"days": 3, "temp": 2, "ok": true, "opts": {"a": [1]}, "city": null, "x": "{bad"}'
+    assert (content, calls) == ("Sure", [{"name": "get", "arguments": first},
+                                         {"name": "get", "arguments": '{"days": 1}'}])  # fmt: skip
+    assert reader.parse("no calls ") == ("no calls ", [])
+    stream = StreamingToolCalls(ToolCallParser(DOTS_TOOLS, "dots"))
+    streamed, pieces = _feed(stream, DOTS, step)
+    assert (streamed.strip(), _calls_of(pieces)) == (content, calls)
+    forced = forced_calls(DOTS_TOOLS, "dots", named=False, parallel=True)
+    assert answer_format("dots", forced) == "json_array"
+    assert parser_for_template("{{ '<dots_function_call>' }}") == "dots"
+
+
+CPM_TOOLS = [
+    {"type": "function", "function": {"name": "get", "parameters": {
+        "type": "object", "required": ["city"],
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                       "opts": {"type": "object"}}}}},
+    {"type": "function", "function": {"name": "free", "parameters": {"type": "object"}}},
+]  # fmt: skip
+CPM = ('Sure <function name="get"><param name="city"> 北京 </param><param name="days">3'
+       "</param><param name='opts'>{'k': (1, 2)}</param></function> and "
+       '<function name="get"><param name="days">1</param></function> then '
+       '<function name="get"><param name="city">a</param><param name="bogus">1</param>'
+       '</function><function name="free"><param name="n"><![CDATA[1 < 2]]></param></function>'
+       '<function name="free"><param name="n">&zz;</param></function> end')  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_minicpm5_reads_xml_calls_and_keeps_the_rest_as_content(step: int) -> None:
+    """minicpm5_detector.py: each <function> block read as XML (a value kept as text where its
+    type is string, else JSON or a Python literal), else by patterns (an undefined entity: the
+    value as written); a block without the tool's required keys, with a key it does not
+    declare, or to a tool not offered stays in the content, the rest of which is as it is;
+    streamed, the same."""
+    reader = ToolCallParser(CPM_TOOLS, "minicpm5")
+    content, calls = reader.parse(CPM)
+    assert content == (
+        'Sure  and <function name="get"><param name="days">1</param></function> then '
+        '<function name="get"><param name="city">a</param><param name="bogus">1</param>'
+        "</function> end"
+    )
+    assert calls == [
+        {"name": "get", "arguments": '{"city": "北京", "days": 3, "opts": {"k": [1, 2]}}'},
+        {"name": "free", "arguments": '{"n": "1 < 2"}'},
+        {"name": "free", "arguments": '{"n": "&zz;"}'},
+    ]
+    stream = StreamingToolCalls(ToolCallParser(CPM_TOOLS, "minicpm5"))
+    assert _feed(stream, CPM, step)[0] == content
+    unreadable = '<function name="free"><param name="n">{1, 2}</param></function>'
+    assert reader.parse(unreadable) == (unreadable, [])  # a set is no JSON: no calls
+
+
 def test_gigachat3_reads_its_one_json_call_to_the_end() -> None:
     """gigachat3_detector.py: the JSON call after "function call<|role_sep|>" and a newline to the
     end of the answer (a trailing </s> off), the content before <|message_sep|>; JSON that is not
