@@ -55,7 +55,8 @@ TOKENIZER_FILES = (
 )
 _WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 _TOKENIZER_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
-_MODEL_PATTERNS = [*_TOKENIZER_PATTERNS, "*.safetensors"]
+# the code a model ships (auto_map) comes with it, and runs only where --trust-remote-code says
+_MODEL_PATTERNS = [*_TOKENIZER_PATTERNS, "*.safetensors", "*.py"]
 
 
 class HubError(ValueError):

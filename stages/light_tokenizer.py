@@ -53,20 +53,23 @@ _CHANGES_IDS = ("add_bos_token", "add_eos_token", "split_special_tokens")
 _TOKEN_FIELDS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
 
 
-def transformers_tokenizer(path: str | Path) -> Any:
+def transformers_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Any:
     """The folder's tokenizer as ``transformers`` loads it (imports torch), the way every stage
     and the engine read it: a ``tokenizer_config.json`` that names a generic class means
     ``tokenizer.json`` as it is, which ``AutoTokenizer`` would instead rebuild with the model
-    type's own class (a ``qwen2`` model's adds a normalizer and ``<|endoftext|>``)."""
+    type's own class (a ``qwen2`` model's adds a normalizer and ``<|endoftext|>``). The
+    folder's own tokenizer code runs only with ``trust_remote_code`` (else transformers
+    refuses it: ValueError)."""
     from stages.hf import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
+    trust = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     config_file = path / "tokenizer_config.json"
     if config_file.is_file() and (path / "tokenizer.json").is_file():
         named = json.loads(config_file.read_text(encoding="utf-8")).get("tokenizer_class")
         if named in GENERIC_CLASSES:
-            return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            return PreTrainedTokenizerFast.from_pretrained(str(path), **trust)
+    return AutoTokenizer.from_pretrained(str(path), **trust)
 
 
 def load_tokenizer(path: str | Path) -> Any:

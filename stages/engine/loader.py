@@ -1,5 +1,10 @@
 """Load a Hugging Face causal-LM directory: the model, and its tokenizer when it has one.
 
+``trust_remote_code`` (the engine's ``--trust-remote-code``, SGLang's flag) lets transformers run
+the code a folder ships for its model, config or tokenizer (its ``auto_map``); without it such a
+folder is refused at once, with a message that names the flag (transformers would otherwise ask
+on a terminal and wait).
+
 ``dtype="auto"`` means float32 on CPU (bfloat16 matmuls are slow there) and the checkpoint's
 own dtype elsewhere. A directory without tokenizer files loads without a tokenizer: the engine
 then takes ``input_ids`` only and returns no ``text``. ``path`` may also be a Hugging Face Hub
@@ -9,6 +14,8 @@ repo id (``org/name[@revision]``): ``stages.hub`` turns it into the cached snaps
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +25,15 @@ from stages.hf import AutoModelForCausalLM, PreTrainedTokenizerBase
 from stages.hub import TOKENIZER_FILES, resolve_model
 from stages.light_tokenizer import transformers_tokenizer
 
-__all__ = ["DTYPES", "LoadedModel", "eos_ids", "load_model", "load_tokenizer", "torch_dtype"]
+__all__ = [
+    "DTYPES",
+    "LoadedModel",
+    "eos_ids",
+    "load_model",
+    "load_tokenizer",
+    "own_code",
+    "torch_dtype",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,24 +50,30 @@ class LoadedModel:
     kept_stop_ids: frozenset[int] = frozenset()
 
 
-def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+def load_model(
+    path: str | Path, *, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False
+) -> LoadedModel:
     """Load ``path`` (a folder or a Hub repo id) onto ``device``; raises ``ValueError``
     (``stages.hub.HubError`` when the folder or repo is unusable) or ``OSError``."""
     from stages.engine.pooling import model_kind  # pooling imports this module
 
     path = resolve_model(str(path), what="--model")
-    kind = model_kind(path, is_embedding=False)
+    kind = model_kind(path, is_embedding=False, trust_remote_code=trust_remote_code)
     if kind is not None:  # AutoModelForCausalLM would put a random head on it
         raise ValueError(
             f"{path} is a {'reward (classification)' if kind == 'classify' else 'embedding'} "
             "model, which does not generate: `inflight engine --model` serves it on its own "
             "(/classify, /encode), not as a generating engine"
         )
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype(device, dtype), local_files_only=True
-    )
+    with own_code(path):
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch_dtype(device, dtype),
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+        )
     model.to(device).eval()
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     return LoadedModel(
         path=path,
         model=model,
@@ -86,8 +107,27 @@ def eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -
     return frozenset(eos)
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(
+    path: Path, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase | None:
     """The folder's tokenizer; None when it has no tokenizer files."""
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
-    return transformers_tokenizer(path)
+    with own_code(path):
+        return transformers_tokenizer(path, trust_remote_code=trust_remote_code)
+
+
+@contextmanager
+def own_code(path: Path) -> Iterator[None]:
+    """Loading from ``path`` inside: transformers' refusal of the folder's own code (``auto_map``
+    without ``trust_remote_code``) becomes a ValueError that names the engine's flag."""
+    try:
+        yield
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise ValueError(
+            f"{path} ships its own code for its model, config or tokenizer (auto_map in its "
+            "config files): the engine runs it only with --trust-remote-code (SGLang's flag), "
+            "which you pass for a folder you trust"
+        ) from None

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from stages import hf
 from stages.engine.load_meter import LoadMeter
-from stages.engine.loader import LoadedModel, eos_ids, load_tokenizer, torch_dtype
+from stages.engine.loader import LoadedModel, eos_ids, load_tokenizer, own_code, torch_dtype
 from stages.hub import resolve_model
 
 __all__ = [
@@ -77,10 +77,20 @@ def pooling_kind(config: Any, is_embedding: bool) -> Kind | None:
     return None
 
 
-def model_kind(path: str | Path, is_embedding: bool) -> Kind | None:
+def model_kind(
+    path: str | Path, is_embedding: bool, *, trust_remote_code: bool = False
+) -> Kind | None:
     """``pooling_kind`` of the model at ``path`` (a folder or a Hub id), from its config."""
     folder = resolve_model(str(path), what="--model")
-    return pooling_kind(hf.AutoConfig.from_pretrained(folder, local_files_only=True), is_embedding)
+    return pooling_kind(_config(folder, trust_remote_code), is_embedding)
+
+
+def _config(folder: Path, trust_remote_code: bool) -> Any:
+    """The folder's transformers config (its own config code run only when trusted)."""
+    with own_code(folder):
+        return hf.AutoConfig.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=trust_remote_code
+        )
 
 
 @dataclass
@@ -131,15 +141,25 @@ class PoolingModel:
 
 
 def load_pooling_model(
-    path: str | Path, kind: Kind, *, device: str = "cpu", dtype: str = "auto"
+    path: str | Path,
+    kind: Kind,
+    *,
+    device: str = "cpu",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
 ) -> PoolingModel:
     """Load ``path`` as a ``kind`` model onto ``device``; ValueError or OSError when it cannot
     be (a ``classify`` architecture without a ``score`` head among them)."""
     path = resolve_model(str(path), what="--model")
-    dtypes = {"dtype": torch_dtype(device, dtype), "local_files_only": True}
+    dtypes = {
+        "dtype": torch_dtype(device, dtype),
+        "local_files_only": True,
+        "trust_remote_code": trust_remote_code,
+    }
     if kind == "classify":
         try:
-            model = hf.AutoModelForSequenceClassification.from_pretrained(path, **dtypes)
+            with own_code(path):
+                model = hf.AutoModelForSequenceClassification.from_pretrained(path, **dtypes)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{path} does not load as a classification model: {exc}") from None
         head = getattr(model, "score", None)
@@ -149,11 +169,13 @@ def load_pooling_model(
                 "decoder classifiers (Llama, Qwen, Mistral, Gemma... *ForSequenceClassification)"
             )
         backbone = model.base_model
-    elif _causal(path):  # loaded whole, as SGLang loads it: its head is there, and unused
-        model = hf.AutoModelForCausalLM.from_pretrained(path, **dtypes)
+    elif _causal(path, trust_remote_code):  # loaded whole, as SGLang loads it: its head is
+        with own_code(path):  # there, and unused
+            model = hf.AutoModelForCausalLM.from_pretrained(path, **dtypes)
         head, backbone = None, model.base_model
     else:
-        model = hf.AutoModel.from_pretrained(path, **dtypes)
+        with own_code(path):
+            model = hf.AutoModel.from_pretrained(path, **dtypes)
         head, backbone = None, model
     model.to(device).eval()
     config = model.config
@@ -170,7 +192,7 @@ def load_pooling_model(
     loaded = LoadedModel(
         path=path,
         model=model,
-        tokenizer=load_tokenizer(path),
+        tokenizer=load_tokenizer(path, trust_remote_code=trust_remote_code),
         vocab_size=embeddings.num_embeddings,
         context_length=config.max_position_embeddings,
         eos_token_ids=eos_ids(model, None),
@@ -190,9 +212,9 @@ class PoolingFailed(RuntimeError):
     """The model's pass over a request's prompts raised (a server error, not a bad request)."""
 
 
-def _causal(path: Path) -> bool:
+def _causal(path: Path, trust_remote_code: bool) -> bool:
     """Whether the checkpoint at ``path`` is a causal LM (its head's weights in the files)."""
-    config = hf.AutoConfig.from_pretrained(path, local_files_only=True)
+    config = _config(path, trust_remote_code)
     return any(a.endswith("ForCausalLM") for a in getattr(config, "architectures", None) or [])
 
 

@@ -87,7 +87,13 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
         return 2
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
-        model = load_pooling_model(args.model, kind, device=args.device, dtype=args.dtype)
+        model = load_pooling_model(
+            args.model,
+            kind,
+            device=args.device,
+            dtype=args.dtype,
+            trust_remote_code=args.trust_remote_code,
+        )
     except (OSError, ValueError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2

@@ -646,6 +646,13 @@ def _parser() -> argparse.ArgumentParser:
         "--device", default="cpu", type=_device, help="cpu, cuda or cuda:N (the N-th visible GPU)"
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the code the model folder ships for its model, config or tokenizer (its "
+        "auto_map), as SGLang's flag; only for a folder you trust (without it such a folder "
+        "is refused)",
+    )
     parser.add_argument("--max-running", type=int, default=64, help="rows per decode batch")
     parser.add_argument(
         "--admit-fraction",
@@ -921,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     torch.manual_seed(args.seed)
     try:
-        kind = model_kind(args.model, args.is_embedding)
+        kind = model_kind(args.model, args.is_embedding, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
@@ -931,7 +938,12 @@ def main(argv: list[str] | None = None) -> int:
         return serve_pooling(args, kind, api_key)
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        loaded = load_model(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            trust_remote_code=args.trust_remote_code,
+        )
     except (OSError, ValueError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
