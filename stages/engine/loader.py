@@ -14,19 +14,24 @@ repo id (``org/name[@revision]``): ``stages.hub`` turns it into the cached snaps
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 
 from stages.hf import AutoModelForCausalLM, PreTrainedTokenizerBase
 from stages.hub import TOKENIZER_FILES, resolve_model
 from stages.light_tokenizer import transformers_tokenizer
 
+log = structlog.get_logger("stages.engine.loader")
+
 __all__ = [
     "DTYPES",
+    "DTYPE_ALIASES",
     "LoadedModel",
     "eos_ids",
     "load_model",
@@ -36,6 +41,9 @@ __all__ = [
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # SGLang's other names for them
+# SGLang's switch for a --context-length past the model's own (model_config.py)
+LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
 
 @dataclass
@@ -48,13 +56,24 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     # stop tokens whose text an answer keeps (the server sets them: protocol.GenerateInput's)
     kept_stop_ids: frozenset[int] = frozenset()
+    tokenizer_path: Path | None = None  # where the tokenizer came from, if not ``path``
 
 
 def load_model(
-    path: str | Path, *, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False
+    path: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    tokenizer_path: str | Path | None = None,
+    skip_tokenizer: bool = False,
+    context_length: int | None = None,
 ) -> LoadedModel:
-    """Load ``path`` (a folder or a Hub repo id) onto ``device``; raises ``ValueError``
-    (``stages.hub.HubError`` when the folder or repo is unusable) or ``OSError``."""
+    """Load ``path`` (a folder or a Hub repo id) onto ``device``, with the tokenizer of
+    ``tokenizer_path`` (default: the model's folder; ``skip_tokenizer``: none) and a context of
+    ``context_length`` tokens (default: the model's own; longer only where SGLang allows it);
+    raises ``ValueError`` (``stages.hub.HubError`` when the folder or repo is unusable) or
+    ``OSError``."""
     from stages.engine.pooling import model_kind  # pooling imports this module
 
     path = resolve_model(str(path), what="--model")
@@ -73,19 +92,56 @@ def load_model(
             trust_remote_code=trust_remote_code,
         )
     model.to(device).eval()
-    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    tokenizer, folder = None, None
+    if not skip_tokenizer:
+        if tokenizer_path is not None:
+            folder = resolve_model(str(tokenizer_path), what="--tokenizer-path", needs="tokenizer")
+        tokenizer = load_tokenizer(folder or path, trust_remote_code=trust_remote_code)
     return LoadedModel(
         path=path,
         model=model,
         tokenizer=tokenizer,
         vocab_size=model.get_input_embeddings().num_embeddings,
-        context_length=model.config.max_position_embeddings,
+        context_length=_context(model.config.max_position_embeddings, context_length),
         eos_token_ids=eos_ids(model, tokenizer),
+        tokenizer_path=folder,
     )
+
+
+def _context(derived: int, asked: int | None) -> int:
+    """The context length served: ``asked`` (``--context-length``) where it is no longer than
+    the model's ``derived`` one, or longer where SGLang's variable allows it (logged), else
+    SGLang's ValueError (``ModelConfig._derive_context_length``)."""
+    if asked is None or asked <= derived:
+        return derived if asked is None else asked
+    message = (
+        f"Warning: User-specified context_length ({asked}) is greater than the derived "
+        f"context_length ({derived}). This may lead to incorrect model outputs or CUDA errors. "
+        "Note that the derived context_length may differ from max_position_embeddings in the "
+        "model's config."
+    )
+    if _env_bool(LONGER_CONTEXT_ENV):
+        log.warning("context_length_longer_than_the_model", message=message)
+        return asked
+    raise ValueError(
+        f"{message} To allow overriding this maximum, set the env var {LONGER_CONTEXT_ENV}=1"
+    )
+
+
+def _env_bool(name: str) -> bool:
+    """A boolean variable as SGLang's ``EnvBool`` reads it (unset: false; a word it does not
+    know: ValueError naming it)."""
+    value = os.environ.get(name, "false").lower()
+    if value in ("true", "1", "yes", "y"):
+        return True
+    if value in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f"{name}: {value!r} is not a valid boolean value")
 
 
 def torch_dtype(device: str, dtype: str) -> torch.dtype | str:
     """What ``from_pretrained`` gets for ``--dtype``: ``auto`` is float32 on CPU."""
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype == "auto":
         return torch.float32 if device == "cpu" else "auto"
     if dtype in DTYPES:

@@ -76,7 +76,7 @@ from stages.engine.grammar import GrammarSet
 from stages.engine.harmony import kept_stop_ids
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.load_routes import LoadRoutes
-from stages.engine.loader import DTYPES, LoadedModel, load_model
+from stages.engine.loader import DTYPE_ALIASES, DTYPES, LoadedModel, load_model
 from stages.engine.lora_routes import LoraRoutes
 from stages.engine.maintenance_routes import MaintenanceRoutes
 from stages.engine.memory_routes import MemoryRoutes
@@ -563,7 +563,9 @@ async def _server_info(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "model_path": str(loaded.path),
-            "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
+            "tokenizer_path": (
+                str(loaded.tokenizer_path or loaded.path) if loaded.tokenizer is not None else None
+            ),
             "served_model_name": request.app[SERVED_NAME],
             "max_running_requests": scheduler.max_running,
             "context_length": loaded.context_length,
@@ -625,7 +627,28 @@ def _parser() -> argparse.ArgumentParser:
         "SGLang's HTTP API.",
     )
     parser.add_argument(
-        "--model", required=True, type=Path, help="model folder or Hub id (org/name[@revision])"
+        "--model-path",
+        "--model",
+        dest="model",
+        required=True,
+        type=Path,
+        help="model folder or Hub id (org/name[@revision]); SGLang's name, --model its alias",
+    )
+    parser.add_argument(
+        "--tokenizer-path",
+        help="the tokenizer's folder or Hub id, if not the model's (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: requests give input_ids and answers have no text (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--context-length",
+        type=_positive_int,
+        help="the longest prompt and output a request may ask for, at most the model's own "
+        "(max_position_embeddings) unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (SGLang's "
+        "flag; default: the model's)",
     )
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on; off loopback it needs a key"
@@ -641,11 +664,21 @@ def _parser() -> argparse.ArgumentParser:
         help="listen off loopback without an API key (anyone who reaches the port may "
         "generate and replace the weights)",
     )
-    parser.add_argument("--port", required=True, type=int, help="0 picks a free port")
+    parser.add_argument(
+        "--port", type=int, default=30000, help="0 picks a free port (SGLang's default: 30000)"
+    )
     parser.add_argument(
         "--device", default="cpu", type=_device, help="cpu, cuda or cuda:N (the N-th visible GPU)"
     )
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES, *DTYPE_ALIASES])
+    parser.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="tensor parallelism (SGLang's flag): the built-in engine runs a model on one "
+        "device, so 1 only",
+    )
     parser.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -653,7 +686,14 @@ def _parser() -> argparse.ArgumentParser:
         "auto_map), as SGLang's flag; only for a folder you trust (without it such a folder "
         "is refused)",
     )
-    parser.add_argument("--max-running", type=int, default=64, help="rows per decode batch")
+    parser.add_argument(
+        "--max-running",
+        "--max-running-requests",
+        dest="max_running",
+        type=int,
+        default=64,
+        help="rows per decode batch (SGLang's --max-running-requests)",
+    )
     parser.add_argument(
         "--admit-fraction",
         type=float,
@@ -706,6 +746,11 @@ def _parser() -> argparse.ArgumentParser:
         help="tokens of finished requests whose KV is kept for reuse by requests that start "
         "with them (least recently used out first; a token costs 2 x layers x kv_heads x "
         "head_dim x dtype bytes); 0 turns the prefix cache off",
+    )
+    parser.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache: --prefix-cache-tokens 0 (SGLang's flag)",
     )
     parser.add_argument(
         "--prefix-cache-max-age",
@@ -774,7 +819,14 @@ def _parser() -> argparse.ArgumentParser:
         help="serve the model as an embedding model (/encode, /v1/embeddings), as SGLang's "
         "flag; a *ForSequenceClassification model (a reward model) is served so without it",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    parser.add_argument(
+        "--seed",
+        "--random-seed",
+        dest="seed",
+        type=int,
+        default=0,
+        help="seed of unseeded sampling (SGLang's --random-seed)",
+    )
     parser.add_argument(
         "--weight-version", default="0", help="initial weight_version (SGLang: 'default')"
     )
@@ -833,6 +885,13 @@ def engine_id_header(app: web.Application) -> dict[str, str]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The engine's options from its command line (``SystemExit`` with a message if bad)."""
     args = _parser().parse_args(argv)
+    if args.tp_size != 1:
+        _parser().error(
+            f"--tp-size {args.tp_size}: the built-in engine runs a model on one device (tensor "
+            "parallelism is SGLang's); give 1, or run more engines"
+        )
+    if args.disable_radix_cache:
+        args.prefix_cache_tokens = 0
     if args.max_running < 1:
         _parser().error("--max-running must be >= 1")
     if args.prefix_cache_tokens < 0 or args.prefix_cache_max_age < 0:
@@ -943,6 +1002,9 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             dtype=args.dtype,
             trust_remote_code=args.trust_remote_code,
+            tokenizer_path=args.tokenizer_path,
+            skip_tokenizer=args.skip_tokenizer_init,
+            context_length=args.context_length,
         )
     except (OSError, ValueError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
