@@ -19,11 +19,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
 
-from stages.hf import AutoModelForCausalLM, PreTrainedTokenizerBase
+from stages.hf import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 from stages.hub import TOKENIZER_FILES, resolve_model
 from stages.light_tokenizer import transformers_tokenizer
 
@@ -32,6 +33,7 @@ log = structlog.get_logger("stages.engine.loader")
 __all__ = [
     "DTYPES",
     "DTYPE_ALIASES",
+    "LOAD_FORMATS",
     "LoadedModel",
     "eos_ids",
     "load_model",
@@ -42,6 +44,8 @@ __all__ = [
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # SGLang's other names for them
+# SGLang's --load-format choices the engine takes: which weight files, or none (dummy)
+LOAD_FORMATS = {"auto": None, "safetensors": True, "pt": False, "dummy": None}
 # SGLang's switch for a --context-length past the model's own (model_config.py)
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
@@ -68,12 +72,16 @@ def load_model(
     tokenizer_path: str | Path | None = None,
     skip_tokenizer: bool = False,
     context_length: int | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load ``path`` (a folder or a Hub repo id) onto ``device``, with the tokenizer of
     ``tokenizer_path`` (default: the model's folder; ``skip_tokenizer``: none) and a context of
     ``context_length`` tokens (default: the model's own; longer only where SGLang allows it);
-    raises ``ValueError`` (``stages.hub.HubError`` when the folder or repo is unusable) or
-    ``OSError``."""
+    ``load_format`` (``LOAD_FORMATS``, SGLang's ``--load-format``): the weights from safetensors
+    or ``.bin`` files (``auto``: safetensors where there are some), or ``dummy``: none read,
+    every floating tensor drawn as SGLang's ``initialize_dummy_weights`` draws it, for weights
+    that an update brings later. Raises ``ValueError`` (``stages.hub.HubError`` when the
+    folder or repo is unusable) or ``OSError``."""
     from stages.engine.pooling import model_kind  # pooling imports this module
 
     path = resolve_model(str(path), what="--model")
@@ -84,14 +92,26 @@ def load_model(
             "model, which does not generate: `inflight engine --model` serves it on its own "
             "(/classify, /encode), not as a generating engine"
         )
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format must be one of {sorted(LOAD_FORMATS)}, got {load_format!r}")
+    trust = {"trust_remote_code": trust_remote_code}
     with own_code(path):
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=torch_dtype(device, dtype),
-            local_files_only=True,
-            trust_remote_code=trust_remote_code,
-        )
+        if load_format == "dummy":
+            config = AutoConfig.from_pretrained(path, local_files_only=True, **trust)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch_dtype(device, dtype, config), **trust
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=torch_dtype(device, dtype),
+                local_files_only=True,
+                use_safetensors=LOAD_FORMATS[load_format],
+                **trust,
+            )
     model.to(device).eval()
+    if load_format == "dummy":
+        dummy_weights(model)
     tokenizer, folder = None, None
     if not skip_tokenizer:
         if tokenizer_path is not None:
@@ -106,6 +126,18 @@ def load_model(
         eos_token_ids=eos_ids(model, tokenizer),
         tokenizer_path=folder,
     )
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:
+    """Every floating tensor of ``model`` uniform in ``[low, high)``, each drawn from a
+    generator seeded 1234 (SGLang's ``initialize_dummy_weights``: the same values for the same
+    size and dtype, wherever the tensor lives)."""
+    for tensor in model.state_dict().values():
+        if torch.is_floating_point(tensor):
+            generator = torch.Generator(device=tensor.device)
+            generator.manual_seed(1234)
+            tensor.uniform_(low, high, generator=generator)
 
 
 def _context(derived: int, asked: int | None) -> int:
@@ -139,9 +171,13 @@ def _env_bool(name: str) -> bool:
     raise ValueError(f"{name}: {value!r} is not a valid boolean value")
 
 
-def torch_dtype(device: str, dtype: str) -> torch.dtype | str:
-    """What ``from_pretrained`` gets for ``--dtype``: ``auto`` is float32 on CPU."""
+def torch_dtype(device: str, dtype: str, config: Any = None) -> torch.dtype | str:
+    """What ``from_pretrained`` gets for ``--dtype``: ``auto`` is float32 on CPU, and
+    elsewhere the checkpoint's own (with a ``config``, for ``from_config``: its ``dtype``)."""
     dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype == "auto" and config is not None and device != "cpu":
+        own = getattr(config, "dtype", None)
+        return own if isinstance(own, torch.dtype) else DTYPES.get(str(own), torch.float32)
     if dtype == "auto":
         return torch.float32 if device == "cpu" else "auto"
     if dtype in DTYPES:

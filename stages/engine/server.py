@@ -76,7 +76,7 @@ from stages.engine.grammar import GrammarSet
 from stages.engine.harmony import kept_stop_ids
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.load_routes import LoadRoutes
-from stages.engine.loader import DTYPE_ALIASES, DTYPES, LoadedModel, load_model
+from stages.engine.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS, LoadedModel, load_model
 from stages.engine.lora_routes import LoraRoutes
 from stages.engine.maintenance_routes import MaintenanceRoutes
 from stages.engine.memory_routes import MemoryRoutes
@@ -620,6 +620,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _fraction(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a number in (0, 1]")
+    return number
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inflight engine",
@@ -671,6 +681,38 @@ def _parser() -> argparse.ArgumentParser:
         "--device", default="cpu", type=_device, help="cpu, cuda or cuda:N (the N-th visible GPU)"
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES, *DTYPE_ALIASES])
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=list(LOAD_FORMATS),
+        help="the weights from safetensors or pt (.bin) files (auto: safetensors where there "
+        "are some), or dummy: random ones, as SGLang draws them, until an update brings the "
+        "real ones (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--mem-fraction-static",
+        type=_fraction,
+        help="SGLang's share of GPU memory for weights and its KV pool; taken and logged: the "
+        "built-in engine has no static pool (its KV grows with the requests, up to "
+        "--max-running rows)",
+    )
+    parser.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="SGLang's switch for /release_memory_occupation to free memory; taken: the "
+        "built-in engine's release always does",
+    )
+    parser.add_argument(
+        "--skip-server-warmup",
+        action="store_true",
+        help="SGLang's; taken: the built-in engine runs no warm-up request",
+    )
+    parser.add_argument(
+        "--grammar-backend",
+        choices=["llguidance"],
+        help="constrained decoding's backend (SGLang's flag): the built-in engine's grammars "
+        "are llguidance's, so that alone",
+    )
     parser.add_argument(
         "--tp-size",
         "--tensor-parallel-size",
@@ -1005,6 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_path=args.tokenizer_path,
             skip_tokenizer=args.skip_tokenizer_init,
             context_length=args.context_length,
+            load_format=args.load_format,
         )
     except (OSError, ValueError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
@@ -1039,9 +1082,27 @@ def main(argv: list[str] | None = None) -> int:
             "prefix_cache_tokens": args.prefix_cache_tokens,
             "prefix_cache_max_age": args.prefix_cache_max_age,
         }
+        taken = {  # SGLang's flags that change nothing here, said once
+            flag: value
+            for flag, value in (
+                ("mem_fraction_static", args.mem_fraction_static),
+                ("enable_memory_saver", args.enable_memory_saver or None),
+                ("skip_server_warmup", args.skip_server_warmup or None),
+            )
+            if value is not None
+        }
+        if taken:
+            log.info("engine_flags_not_applicable", flags=taken, why=_NOT_APPLICABLE)
         return run_loop(serve(app, args, loaded, started))
     finally:
         scheduler.stop()
+
+
+_NOT_APPLICABLE = (
+    "they tune SGLang's GPU runtime (its static memory pool, its memory saver, its warm-up); "
+    "the built-in engine grows its KV with its requests, releases memory on request always "
+    "and serves without warming up"
+)
 
 
 def run_loop(coro: Awaitable[int]) -> int:

@@ -2,8 +2,9 @@
 their names (``--model-path``, ``--max-running-requests``, ``--random-seed``,
 ``--tensor-parallel-size``, ``--dtype half``), the port SGLang listens on by default, and what
 they do here (``--tokenizer-path``, ``--skip-tokenizer-init``, ``--context-length`` as
-``ModelConfig._derive_context_length`` allows it, ``--disable-radix-cache``), in process and
-through a real server.
+``ModelConfig._derive_context_length`` allows it, ``--disable-radix-cache``, ``--load-format``
+``dummy`` as ``initialize_dummy_weights`` draws them, then the real weights from an update), in
+process and through a real server.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from stages.engine.loader import LONGER_CONTEXT_ENV, load_model, torch_dtype
 from stages.engine.server import parse_args
-from tests.stages.engine_setup import builtin_engine
+from tests.stages.engine_setup import builtin_engine, hf_greedy, load_reference
 from tests.stages.tiny_model import make_tiny_model
 
 
@@ -39,6 +40,18 @@ def test_sglangs_names_of_the_engine_flags_are_taken() -> None:
     assert args.prefix_cache_tokens == 0 and torch_dtype("cpu", args.dtype) == torch.float16
     assert torch_dtype("cpu", "float") == torch.float32
     assert parse_args(["--model", "m", "--port", "0"]).model == Path("m")
+    tuning = ["--mem-fraction-static", "0.8", "--enable-memory-saver", "--skip-server-warmup",
+              "--grammar-backend", "llguidance"]  # fmt: skip
+    assert parse_args(["--model", "m", *tuning]).mem_fraction_static == 0.8
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--grammar-backend", "xgrammar"], ["--mem-fraction-static", "1.5"], ["--tp-size", "x"]],
+)
+def test_sglang_flags_the_engine_cannot_honour_are_refused(flags: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", *flags])
 
 
 @pytest.mark.parametrize("flag", ["--tp-size", "--tensor-parallel-size"])
@@ -73,22 +86,47 @@ def test_the_tokenizer_comes_from_tokenizer_path_or_is_skipped(models: tuple[Pat
     assert load_model(with_tokenizer, skip_tokenizer=True).tokenizer is None
 
 
+def test_dummy_weights_are_sglangs_draws_and_pt_reads_bin_files_only(
+    models: tuple[Path, Path],
+) -> None:
+    """--load-format dummy: every floating tensor uniform in [-1e-3, 1e-3), the same draw each
+    time (per-tensor generators seeded 1234), none of the checkpoint's; pt where the folder has
+    safetensors alone: refused."""
+    real = load_model(models[0]).model.state_dict()
+    one, two = (load_model(models[0], load_format="dummy").model.state_dict() for _ in range(2))
+    assert one.keys() == real.keys()
+    for name, tensor in one.items():
+        assert tensor.abs().max() <= 1e-3 and torch.equal(tensor, two[name]), name
+        assert not torch.equal(tensor, real[name]), name
+    with pytest.raises(OSError):
+        load_model(models[0], load_format="pt")
+
+
 @pytest.fixture(scope="module")
-def url(models: tuple[Path, Path]) -> Iterator[str]:
+def output(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-output") / "engine.log"
+
+
+@pytest.fixture(scope="module")
+def url(models: tuple[Path, Path], output: Path) -> Iterator[str]:
     with_tokenizer, bare = models
     flags = ("--tokenizer-path", str(with_tokenizer), "--context-length", "40",
-             "--max-running-requests", "4", "--disable-radix-cache")  # fmt: skip
-    with builtin_engine(bare, *flags) as engine:
+             "--max-running-requests", "4", "--disable-radix-cache",
+             "--load-format", "dummy", "--mem-fraction-static", "0.7")  # fmt: skip
+    with builtin_engine(bare, *flags, output=output) as engine:
         yield engine
 
 
 @pytest.mark.timeout(120)
 def test_a_server_started_with_sglangs_flags_serves_as_they_say(
-    url: str, models: tuple[Path, Path]
+    url: str, models: tuple[Path, Path], output: Path
 ) -> None:
     """The tokenizer of --tokenizer-path (text prompts taken, /server_info names it), the
     context of --context-length (a prompt and output past it refused), --max-running-requests
-    and --disable-radix-cache in /server_info."""
+    and --disable-radix-cache in /server_info; dummy weights until /update_weights_from_disk
+    brings the checkpoint's, then transformers' greedy tokens; --mem-fraction-static logged as
+    changing nothing here."""
+    assert "engine_flags_not_applicable" in output.read_text()
     info = requests.get(url + "/server_info", timeout=30).json()
     assert info["tokenizer_path"] == str(models[0])
     assert (info["context_length"], info["max_running_requests"]) == (40, 4)
@@ -101,3 +139,10 @@ def test_a_server_started_with_sglangs_flags_serves_as_they_say(
     long = {"input_ids": list(range(5, 42)), "sampling_params": params}
     refused = requests.post(url + "/generate", json=long, timeout=30)
     assert refused.status_code == 400 and "context length 40" in refused.text
+    prompt = {"input_ids": [5, 17, 33, 8], "sampling_params": {**params, "max_new_tokens": 8}}
+    want = hf_greedy(load_reference(models[1]), prompt["input_ids"], 8)
+    before = requests.post(url + "/generate", json=prompt, timeout=30).json()["output_ids"]
+    update = {"model_path": str(models[1])}
+    assert requests.post(url + "/update_weights_from_disk", json=update, timeout=60).ok
+    after = requests.post(url + "/generate", json=prompt, timeout=30).json()["output_ids"]
+    assert before != want and after == want
