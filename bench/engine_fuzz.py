@@ -215,7 +215,8 @@ async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:
                 found.setdefault("first", repr(value)[:120])
 
         await asyncio.gather(*(send(*request) for request in todo))
-        plain = {"text": "1+1=", "sampling_params": {"max_new_tokens": 3}}
+        # ids, so that an engine without a tokenizer (--skip-tokenizer-init) is asked too
+        plain = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}
         async with s.post(url + "/generate", json=plain) as r:
             if r.status != 200:
                 problems["after"] = {"count": 1, "first": f"/generate {r.status}"}
