@@ -645,6 +645,11 @@ def _parser() -> argparse.ArgumentParser:
         help="model folder or Hub id (org/name[@revision]); SGLang's name, --model its alias",
     )
     parser.add_argument(
+        "--revision",
+        help="the Hub revision (branch, tag or commit) of a --model-path that names a Hub repo, "
+        "as org/name@REVISION does (SGLang's flag; a local folder is read as it is)",
+    )
+    parser.add_argument(
         "--tokenizer-path",
         help="the tokenizer's folder or Hub id, if not the model's (SGLang's flag)",
     )
@@ -934,6 +939,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     if args.disable_radix_cache:
         args.prefix_cache_tokens = 0
+    if args.revision is not None and not args.model.expanduser().is_dir():
+        if "@" in str(args.model):
+            _parser().error(f"--revision {args.revision}: --model-path {args.model} names one")
+        args.model = Path(f"{args.model}@{args.revision}")
     if args.max_running < 1:
         _parser().error("--max-running must be >= 1")
     if args.prefix_cache_tokens < 0 or args.prefix_cache_max_age < 0:

@@ -18,7 +18,7 @@ import torch
 
 from stages.engine.loader import LONGER_CONTEXT_ENV, load_model, torch_dtype
 from stages.engine.server import parse_args
-from tests.stages.engine_setup import builtin_engine, hf_greedy, load_reference
+from tests.stages.engine_setup import ROOT, builtin_engine, hf_greedy, load_reference
 from tests.stages.tiny_model import make_tiny_model
 
 
@@ -43,11 +43,19 @@ def test_sglangs_names_of_the_engine_flags_are_taken() -> None:
     tuning = ["--mem-fraction-static", "0.8", "--enable-memory-saver", "--skip-server-warmup",
               "--grammar-backend", "llguidance"]  # fmt: skip
     assert parse_args(["--model", "m", *tuning]).mem_fraction_static == 0.8
+    assert parse_args(["--model", "org/m", "--revision", "v2"]).model == Path("org/m@v2")
+    here = str(ROOT / "configs")  # a local folder is read as it is
+    assert parse_args(["--model", here, "--revision", "v2"]).model == Path(here)
 
 
 @pytest.mark.parametrize(
     "flags",
-    [["--grammar-backend", "xgrammar"], ["--mem-fraction-static", "1.5"], ["--tp-size", "x"]],
+    [
+        ["--grammar-backend", "xgrammar"],
+        ["--mem-fraction-static", "1.5"],
+        ["--tp-size", "x"],
+        ["--model", "org/m@v1", "--revision", "v2"],
+    ],
 )
 def test_sglang_flags_the_engine_cannot_honour_are_refused(flags: list[str]) -> None:
     with pytest.raises(SystemExit):
