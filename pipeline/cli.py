@@ -6,7 +6,7 @@
     inflight logs RUN_DIR [-f] [--stage S] [--level L] [--event E] [--json|--csv]
     inflight plot RUN_DIR [--out FILE.png]                reward, accuracy, lag, samples/s
     inflight stages                                       list registered plugins
-    inflight engine --model DIR|ORG/NAME --port N [...]   the built-in engine server
+    inflight engine --model-path DIR|ORG/NAME [--port N] [...]   the built-in engine server
 
 ``validate`` and ``run`` check the config against this host (``pipeline.placement``): cores and
 GPUs a stage asks for must exist; ``validate`` prints where each replica and engine will run.
