@@ -10,7 +10,8 @@ The routes: ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
 ``/update_weight_version``, ``/slow_down``, the weight-update group's three, the update
 session's two, ``/update_weights_from_tensor``, ``/update_weights_from_disk``,
 ``/get_weights_by_name``, ``/weights_checker`` and ``/start_profile`` (optional bodies), memory
-release and resume, the three LoRA routes, ``/parse_function_call``,
+release and resume, the three LoRA routes, ``/open_session`` and ``/close_session``,
+``/parse_function_call``,
 ``/separate_reasoning``, and ``/encode`` and ``/classify`` (``EmbeddingReqInput``, a dataclass
 as ``/generate``'s is). ``serialized_named_tensors`` is read as its ``Base64Bytes`` marker
 reads it: each string decoded (``Expected base64-encoded bytes`` when it is none), the route
@@ -34,6 +35,7 @@ __all__ = [
     "ABORT",
     "BEGIN_UPDATE",
     "CHECK_WEIGHTS",
+    "CLOSE_SESSION",
     "CONTINUE",
     "DESTROY_GROUP",
     "ENCODE",
@@ -42,6 +44,7 @@ __all__ = [
     "LOAD_LORA",
     "LOAD_LORA_TENSORS",
     "MEMORY",
+    "OPEN_SESSION",
     "PARSE_FUNCTION_CALL",
     "PAUSE",
     "PROFILE",
@@ -239,6 +242,17 @@ class ParseFunctionCallFields(_Base, total=False):  # ParseFunctionCallReq
     tool_call_parser: str | None
 
 
+class OpenSessionFields(_Base, total=False):  # OpenSessionReqInput
+    capacity_of_str_len: Required[int]
+    session_id: str | None
+    streaming: bool | None
+    timeout: float | None
+
+
+class CloseSessionFields(_Base, total=False):  # CloseSessionReqInput
+    session_id: Required[str]
+
+
 class SeparateReasoningFields(_Base, total=False):  # SeparateReasoningReqInput
     text: Required[str]
     reasoning_parser: Required[str]
@@ -299,6 +313,8 @@ LOAD_LORA_TENSORS = Checker(LoadLoraTensorsFields)
 PROFILE = Checker(ProfileFields)
 PARSE_FUNCTION_CALL = Checker(ParseFunctionCallFields)
 SEPARATE_REASONING = Checker(SeparateReasoningFields)
+OPEN_SESSION = Checker(OpenSessionFields)
+CLOSE_SESSION = Checker(CloseSessionFields)
 ENCODE = Checker(EncodeFields)
 
 

@@ -108,6 +108,8 @@ from stages.engine.scheduler import (
     PREFIX_CACHE_TOKENS,
     Scheduler,
 )
+from stages.engine.session_routes import SessionRoutes
+from stages.engine.sessions import Recording, Sessions
 from stages.engine.streaming import parse_body, stream_generate, write_events
 from stages.engine.strict_thinking import StrictThinking
 from stages.engine.tokenize_routes import TokenizeRoutes
@@ -139,6 +141,7 @@ _SCHEDULER = web.AppKey("scheduler", Scheduler)
 _LOADED = web.AppKey("loaded", LoadedModel)
 _WEIGHTS = web.AppKey("weights", "WeightRoutes")
 _DECODE = web.AppKey("decode", object)
+_SESSIONS = web.AppKey("sessions", Sessions)
 _REFUSED = web.AppKey("refused", Counter)
 _IGNORED = web.AppKey("ignored", Counter)
 _API_KEY = web.AppKey("api_key", str)
@@ -231,6 +234,8 @@ def build_app(
         scheduler.metrics = EngineMetrics(name, loaded.context_length)
     capacity = _max_total_tokens(scheduler, loaded)
     LoadRoutes(scheduler, loaded.model, capacity, SERVED_VERSION, scheduler.metrics).add_to(app)
+    app[_SESSIONS] = Sessions(lambda rids: scheduler.abort_many(rids, "replaced in its session"))
+    SessionRoutes(app[_SESSIONS]).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
@@ -333,22 +338,27 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         )
         if refused is not None:  # SGLang's checks before its route
             return refused
-        if isinstance(body, dict) and body.get("stream") is True:
-            return await write_events(
-                request,
-                stream_generate(
-                    request.app[_LOADED],
-                    request.app[_SCHEDULER],
-                    request.app[_DECODE],
-                    body,
-                    tokenizer_aborts=True,
-                ),
-                dumps,
-                on_disconnect=lambda: _refused(request, 499, "the client went away mid-stream"),
-            )
-        rendered = await generate(
-            request.app[_LOADED], request.app[_SCHEDULER], request.app[_DECODE], body
+        loaded = request.app[_LOADED]
+        body, scheduler = request.app[_SESSIONS].request(
+            body,
+            request.app[_SCHEDULER],
+            None if loaded.tokenizer is None else loaded.tokenizer.encode,
+            None if loaded.tokenizer is None else loaded.tokenizer.bos_token_id,
         )
+        try:
+            if isinstance(body, dict) and body.get("stream") is True:
+                return await write_events(
+                    request,
+                    stream_generate(
+                        loaded, scheduler, request.app[_DECODE], body, tokenizer_aborts=True
+                    ),
+                    dumps,
+                    on_disconnect=lambda: _refused(request, 499, "the client went away mid-stream"),
+                )
+            rendered = await generate(loaded, scheduler, request.app[_DECODE], body)
+        finally:
+            if isinstance(scheduler, Recording):  # a session's request refused before it ran
+                scheduler.refused()
         # a sample aborted while it waited: answered as SGLang's tokenizer answers it (the
         # /v1 routes, which build on ``generate``, read the fields it leaves out)
         if isinstance(rendered, list):

@@ -190,6 +190,8 @@ CONTROL = {  # SGLang's request struct -> this engine's fields (stages.engine.co
     "ProfileReq": "ProfileFields",
     "ParseFunctionCallReq": "ParseFunctionCallFields",
     "SeparateReasoningReqInput": "SeparateReasoningFields",
+    "OpenSessionReqInput": "OpenSessionFields",
+    "CloseSessionReqInput": "CloseSessionFields",
 }
 
 
