@@ -65,6 +65,7 @@ class _Node:
     children: list[_Node] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    previous: _Node | None = None  # the session's node of the same rid it took the place of
 
     def __post_init__(self) -> None:
         if self.parent is not None:
@@ -209,7 +210,7 @@ class Sessions:
                 "A session request must contain input tokens after restoring history."
             )
         session.last_active = time.monotonic()
-        node = _Node(rid, ids, parent=last)
+        node = _Node(rid, ids, parent=last, previous=nodes.get(rid))
         nodes[rid] = node
         return ids, node
 
@@ -217,7 +218,10 @@ class Sessions:
         """``node``'s request was refused before it ran: out of its session's tree."""
         for session in self._sessions.values():
             if session.nodes.get(node.rid) is node:
-                del session.nodes[node.rid]
+                if node.previous is None:
+                    del session.nodes[node.rid]
+                else:  # a rid sent again, refused (one in flight): the earlier one stays
+                    session.nodes[node.rid] = node.previous
         if node.parent is not None and node in node.parent.children:
             node.parent.children.remove(node)
 

@@ -85,6 +85,16 @@ def test_replace_cuts_the_branch_after_the_request_and_aborts_what_runs_there() 
         sessions.prompt({"id": sid, "rid": "t1"}, C, "t8", bos=None)
 
 
+def test_a_request_refused_before_it_ran_leaves_the_session_as_it_was() -> None:
+    sessions, _ = _sessions()
+    sid = sessions.open({"capacity_of_str_len": 100})
+    _, t1 = sessions.prompt({"id": sid}, A, "t1", bos=None)
+    sessions.ended(t1, [70])
+    _, again = sessions.prompt({"id": sid}, B, "t1", bos=None)  # the same rid, then refused
+    sessions.forget(again)
+    assert sessions.prompt({"id": sid, "rid": "t1"}, C, "t2", bos=None)[0] == [*A, 70, *C]
+
+
 def test_an_idle_session_past_its_timeout_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     sessions, _ = _sessions()
     sid = sessions.open({"capacity_of_str_len": 100, "timeout": 5.0})
