@@ -180,6 +180,7 @@ def build_app(
     cache_report: bool = False,
     enable_metrics: bool = False,
     served_model_name: str | None = None,
+    streaming_sessions: bool = False,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
@@ -234,7 +235,10 @@ def build_app(
         scheduler.metrics = EngineMetrics(name, loaded.context_length)
     capacity = _max_total_tokens(scheduler, loaded)
     LoadRoutes(scheduler, loaded.model, capacity, SERVED_VERSION, scheduler.metrics).add_to(app)
-    app[_SESSIONS] = Sessions(lambda rids: scheduler.abort_many(rids, "replaced in its session"))
+    app[_SESSIONS] = Sessions(
+        lambda rids: scheduler.abort_many(rids, "replaced in its session"),
+        streaming=streaming_sessions,  # SGLang's --enable-streaming-session
+    )
     SessionRoutes(app[_SESSIONS]).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
@@ -852,6 +856,12 @@ def _parser() -> argparse.ArgumentParser:
         "reasoning's end is forced (SGLang's flag; needs --reasoning-parser)",
     )
     parser.add_argument(
+        "--enable-streaming-session",
+        action="store_true",
+        help="/open_session takes streaming: true, a session whose turns each append to the "
+        "last that ended well, one at a time (SGLang's flag)",
+    )
+    parser.add_argument(
         "--enable-response-store",
         action="store_true",
         help="/v1/responses keeps its answers for previous_response_id and GET "
@@ -1092,6 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_report=args.enable_cache_report,
             enable_metrics=args.enable_metrics,
             served_model_name=args.served_model_name,
+            streaming_sessions=args.enable_streaming_session,
         )
         heap.settle()  # torch, transformers and the model stay: later collections skip them
         started = {

@@ -14,9 +14,14 @@ name a session continues one of them (``rid``) or none:
 - it joins the tree under the request it continues, whatever its own end (an abort included).
 
 A session that does not exist, a ``rid`` the session does not hold, a request that continues one
-still running, or an empty prompt after all that: 400 in SGLang's words. Streaming sessions
-(``streaming: true``) are refused as SGLang refuses them without ``--enable-streaming-session``;
-the prefix cache reuses the KV of a session's earlier turns as it does any request's.
+still running, or an empty prompt after all that: 400 in SGLang's words.
+
+A streaming session (``streaming: true``, with the engine's ``--enable-streaming-session``,
+else refused as SGLang refuses it) runs one turn at a time, each appended to the last turn that
+ended well (``rid`` not read); an aborted turn leaves it as it was; ``replace``,
+``drop_previous_output`` and ``offset`` are refused there, in SGLang's words, and a close while a
+turn runs waits for its end. The prefix cache reuses the KV of a session's earlier turns as it
+does any request's (SGLang keeps a streaming session's in a slot of its own).
 
 Different on purpose: SGLang 0.5.23's ``replace`` without a ``rid`` deletes from the session's
 dictionary while iterating over it, which raises in its scheduler; here it clears the session.
@@ -66,6 +71,7 @@ class _Node:
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
     previous: _Node | None = None  # the session's node of the same rid it took the place of
+    session: _Session | None = None  # a streaming session's turn (committed when it ends well)
 
     def __post_init__(self) -> None:
         if self.parent is not None:
@@ -79,14 +85,18 @@ class _Session:
     timeout: float | None
     last_active: float = field(default_factory=time.monotonic)
     nodes: dict[str, _Node] = field(default_factory=dict)
+    streaming: bool = False  # one turn at a time, each appended to the last that ended well
+    inflight: bool = False  # a streaming session's turn runs
+    closing: bool = False  # closed while its turn ran: it goes when the turn ends
 
 
 class Sessions:
     """The sessions of one engine. ``abort(rids)``: the scheduler's abort of running requests
     (what ``replace`` cuts)."""
 
-    def __init__(self, abort: Callable[[list[str]], Any]) -> None:
+    def __init__(self, abort: Callable[[list[str]], Any], *, streaming: bool = False) -> None:
         self._abort = abort
+        self._streaming = streaming  # --enable-streaming-session
         self._sessions: dict[str, _Session] = {}
 
     def __len__(self) -> int:
@@ -97,7 +107,8 @@ class Sessions:
         """The id of a new session (``OpenSessionReqInput``: ``capacity_of_str_len``,
         ``session_id``, ``streaming``, ``timeout``); SessionError in SGLang's words."""
         self._reap()
-        if body.get("streaming"):
+        streaming = bool(body.get("streaming"))
+        if streaming and not self._streaming:
             raise SessionError(
                 "Streaming sessions are disabled. Please relaunch with --enable-streaming-session."
             )
@@ -110,17 +121,22 @@ class Sessions:
                 "Failed to open the session. Check if a session with the same id is still open."
             )
         self._sessions[session_id] = _Session(
-            session_id, body["capacity_of_str_len"], body.get("timeout")
+            session_id, body["capacity_of_str_len"], body.get("timeout"), streaming=streaming
         )
         log.info("session_opened", session_id=session_id[:100], active=len(self._sessions))
         return session_id
 
     def close(self, session_id: str) -> None:
         """Close it (one that does not exist: logged, as SGLang logs it)."""
-        session = self._sessions.pop(session_id, None)
+        session = self._sessions.get(session_id)
         if session is None:
             log.warning("session_not_found", session_id=session_id[:100])
             return
+        if session.inflight:  # SGLang defers it until the turn ends
+            session.closing = True
+            log.info("session_close_deferred", session_id=session_id[:100])
+            return
+        del self._sessions[session_id]
         running = [n.rid for n in session.nodes.values() if not n.finished]
         if running:  # SGLang's non-streaming close leaves them to end; nothing more joins
             log.info("session_closed_running", session_id=session_id[:100], running=len(running))
@@ -171,9 +187,13 @@ class Sessions:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionError(f"Invalid request: session id {session_id} does not exist")
+        if session.closing:
+            raise SessionError(f"Invalid request: close was requested for session {session_id}")
         nodes, rid_of = session.nodes, params.get("rid")
         last: _Node | None = None
-        if params.get("replace"):
+        if session.streaming:
+            last = _streaming_turn(session, params)
+        elif params.get("replace"):
             if rid_of is None:
                 for node in list(nodes.values()):
                     if node.rid in nodes:
@@ -210,12 +230,19 @@ class Sessions:
                 "A session request must contain input tokens after restoring history."
             )
         session.last_active = time.monotonic()
+        if session.streaming:  # the session's turn, committed when it ends well
+            session.inflight = True
+            return ids, _Node(rid, ids, session=session)
         node = _Node(rid, ids, parent=last, previous=nodes.get(rid))
         nodes[rid] = node
         return ids, node
 
     def forget(self, node: _Node) -> None:
-        """``node``'s request was refused before it ran: out of its session's tree."""
+        """``node``'s request was refused before it ran: out of its session's tree (a streaming
+        session's turn: the session free for the next)."""
+        if node.session is not None:
+            self.ended(node, [], aborted=True)
+            return
         for session in self._sessions.values():
             if session.nodes.get(node.rid) is node:
                 if node.previous is None:
@@ -225,10 +252,20 @@ class Sessions:
         if node.parent is not None and node in node.parent.children:
             node.parent.children.remove(node)
 
-    @staticmethod
-    def ended(node: _Node, output_ids: list[int]) -> None:
-        """The request of ``node`` ended with ``output_ids`` (however it ended)."""
+    def ended(self, node: _Node, output_ids: list[int], aborted: bool = False) -> None:
+        """The request of ``node`` ended with ``output_ids`` (``aborted``: ended so); a
+        streaming session's turn that ended well becomes the one the next appends to, an aborted
+        one leaves the session as it was (SGLang's ``finish_req`` and ``abort_req``)."""
         node.output_ids, node.finished = list(output_ids), True
+        session = node.session
+        if session is None:
+            return
+        session.inflight = False
+        if not aborted:
+            session.nodes = {node.rid: node}
+        if session.closing:
+            session.closing = False
+            self.close(session.session_id)
 
     def _clear(self, node: _Node, nodes: dict[str, _Node]) -> None:
         """``node`` and the requests after it out of the session, those still running
@@ -247,6 +284,19 @@ class Sessions:
             if session.timeout is not None and now - session.last_active > session.timeout:
                 log.info("session_timed_out", session_id=session_id[:100])
                 self.close(session_id)
+
+
+def _streaming_turn(session: _Session, params: dict[str, Any]) -> _Node | None:
+    """The turn a streaming session's next request appends to (None: its first); its rid is
+    not read. SessionError for what SGLang refuses in one."""
+    if session.inflight:
+        raise SessionError("Streaming session already has an active request.")
+    for key, what in (("replace", "replace"), ("drop_previous_output", "drop_previous_output")):
+        if params.get(key):
+            raise SessionError(f"Streaming sessions do not support {what}.")
+    if params.get("offset"):
+        raise SessionError("Streaming sessions do not support offset.")
+    return next(iter(session.nodes.values()), None)
 
 
 def check_params(params: Any) -> dict[str, Any]:
@@ -292,7 +342,11 @@ class Recording:
 
     def _ended(self, future: Any) -> None:
         results = None if future.cancelled() or future.exception() else future.result()
-        self._sessions.ended(self._node, results[0].output_ids if results else [])
+        if not results:
+            self._sessions.ended(self._node, [], aborted=True)
+            return
+        reason = results[0].finish_reason or {}
+        self._sessions.ended(self._node, results[0].output_ids, reason.get("type") == "abort")
 
     def refused(self) -> None:
         """The request was refused before it was submitted: its node goes."""

@@ -11,6 +11,7 @@ greedy answers to a session's turns equal its answers to the composed prompts se
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,6 +94,37 @@ def test_a_request_refused_before_it_ran_leaves_the_session_as_it_was() -> None:
     _, again = sessions.prompt({"id": sid}, B, "t1", bos=None)  # the same rid, then refused
     sessions.forget(again)
     assert sessions.prompt({"id": sid, "rid": "t1"}, C, "t2", bos=None)[0] == [*A, 70, *C]
+
+
+def test_a_streaming_session_appends_each_turn_to_the_last_that_ended_well() -> None:
+    """One turn at a time; an aborted turn leaves the session as it was; replace, offset and
+    drop_previous_output refused in SGLang's words; a close while a turn runs waits for it."""
+    sessions, _ = _sessions()
+    with pytest.raises(SessionError, match="--enable-streaming-session"):
+        sessions.open({"capacity_of_str_len": 1, "streaming": True})
+    sessions = Sessions(lambda rids: None, streaming=True)
+    sid = sessions.open({"capacity_of_str_len": 100, "streaming": True})
+    ids, t1 = sessions.prompt({"id": sid}, A, "t1", bos=None)
+    assert ids == A
+    with pytest.raises(SessionError, match="already has an active request"):
+        sessions.prompt({"id": sid}, B, "t2", bos=None)
+    sessions.ended(t1, [70])
+    _, t2 = sessions.prompt({"id": sid, "rid": "ignored"}, B, "t2", bos=None)
+    sessions.ended(t2, [80, 81], aborted=True)  # rolled back
+    ids, t3 = sessions.prompt({"id": sid}, C, "t3", bos=None)
+    assert ids == [*A, 70, *C]
+    for params, words in (({"replace": True}, "replace"), ({"offset": 2}, "offset"),
+                          ({"drop_previous_output": True}, "drop_previous_output")):  # fmt: skip
+        sessions.ended(t3, [90])
+        with pytest.raises(SessionError, match=f"do not support {words}"):
+            sessions.prompt({"id": sid, **params}, B, "t4", bos=None)
+    _, t4 = sessions.prompt({"id": sid}, B, "t4", bos=None)
+    sessions.close(sid)  # deferred: t4 runs
+    with pytest.raises(SessionError, match="close was requested"):
+        sessions.prompt({"id": sid}, B, "t5", bos=None)
+    sessions.ended(t4, [1])
+    with pytest.raises(SessionError, match="does not exist"):
+        sessions.prompt({"id": sid}, B, "t5", bos=None)
 
 
 def test_an_idle_session_past_its_timeout_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,3 +228,21 @@ def test_session_refusals_are_sglangs_400s_and_a_closed_session_takes_nothing(ur
     gone = _generate(url, {"input_ids": A, "sampling_params": GREEDY,
                            "session_params": {"id": sid}})  # fmt: skip
     assert gone.status_code == 400 and "does not exist" in gone.text
+
+
+@pytest.mark.timeout(120)
+def test_a_streaming_session_on_the_engine_keeps_its_turns(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "m", seed=6)
+    with builtin_engine(model, "--enable-streaming-session") as url:
+        sid = _open(url, streaming=True).json()
+        first = _generate(url, {"input_ids": A, "sampling_params": GREEDY,
+                                "session_params": {"id": sid}}).json()  # fmt: skip
+        second = _generate(url, {"input_ids": B, "sampling_params": GREEDY,
+                                 "session_params": {"id": sid}}).json()  # fmt: skip
+        prompt = A + first["output_ids"] + B
+        whole = _generate(url, {"input_ids": prompt, "sampling_params": GREEDY}).json()
+        assert second["meta_info"]["prompt_tokens"] == len(prompt)
+        assert second["output_ids"] == whole["output_ids"]
+        offset = _generate(url, {"input_ids": B, "sampling_params": GREEDY,
+                                 "session_params": {"id": sid, "offset": 1}})  # fmt: skip
+        assert offset.status_code == 400 and "do not support offset" in offset.text
