@@ -167,6 +167,41 @@ async def test_a_next_turn_is_served_from_the_radix_cache_and_stops_at_stop_toke
     assert again.finish_reason == "stop"
 
 
+@pytest.mark.timeout(120)
+async def test_a_session_turn_continues_the_turn_it_names(client):
+    """``/open_session`` and ``session_params``: a turn naming the one before answers as that
+    turn's prompt, its output and the new ids sent whole; ``/close_session`` ends it."""
+    post = client.session.post
+    async with post(client.url + "/open_session", json={"capacity_of_str_len": 4096}) as resp:
+        assert resp.status == 200, await resp.text()
+        sid = await resp.json()
+    first_rid, more = _rid("session-0"), PROMPT[:3]
+    first = await _generate_json(
+        client,
+        {"input_ids": PROMPT, "rid": first_rid, "sampling_params": _params(6),
+         "session_params": {"id": sid}},
+    )  # fmt: skip
+    second = await _generate_json(
+        client,
+        {"input_ids": more, "rid": _rid("session-1"), "sampling_params": _params(6),
+         "session_params": {"id": sid, "rid": first_rid}},
+    )  # fmt: skip
+    whole = await client.generate(PROMPT + first["output_ids"] + more, _params(6), rid=_rid("w"))
+    assert second["meta_info"]["prompt_tokens"] == len(PROMPT) + 6 + len(more)
+    assert second["output_ids"] == whole.output_ids.tolist()
+    async with post(client.url + "/close_session", json={"session_id": sid}) as resp:
+        assert resp.status == 200
+    gone = {"input_ids": more, "sampling_params": _params(2), "session_params": {"id": sid}}
+    async with post(client.url + "/generate", json=gone) as resp:
+        assert resp.status == 400 and "does not exist" in await resp.text()
+
+
+async def _generate_json(client: EngineClient, body: dict) -> dict:
+    async with client.session.post(client.url + "/generate", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
 @pytest.mark.timeout(180)
 async def test_pause_in_place_holds_requests_and_continue_finishes_them(client):
     long = await _long(client)
