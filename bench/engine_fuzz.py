@@ -18,7 +18,8 @@ body the route would otherwise serve, streamed and not (a stream's events read w
   (``stages.engine.request_fields``);
 - the native routes that cannot change what the engine serves next (``/abort_request``,
   ``/update_weight_version``, ``/get_weights_by_name``, ``/unload_lora_adapter``,
-  ``/parse_function_call``, ``/separate_reasoning``): every field of their ``io_struct``
+  ``/parse_function_call``, ``/separate_reasoning``, ``/open_session``, ``/close_session``):
+  every field of their ``io_struct``
   request (``stages.engine.control_fields``), not streamed.
 
 A problem is an answer with a 5xx status (but SGLang's own 500 for a parser name it does not
@@ -141,6 +142,8 @@ _CONTROL = [
      {"text": "x", "tool_call_parser": "qwen25", "tools": []}),
     ("/separate_reasoning", control_fields.SeparateReasoningFields,
      {"text": "<think>a</think>b", "reasoning_parser": "qwen3"}),
+    ("/open_session", control_fields.OpenSessionFields, {"capacity_of_str_len": 100}),
+    ("/close_session", control_fields.CloseSessionFields, {"session_id": "none-such"}),
 ]  # fmt: skip
 
 
