@@ -196,7 +196,7 @@ class Sessions:
         elif params.get("replace"):
             if rid_of is None:
                 for node in list(nodes.values()):
-                    if node.rid in nodes:
+                    if nodes.get(node.rid) is node:  # not cleared as a descendant yet
                         self._clear(node, nodes)
             elif rid_of not in nodes:
                 raise SessionError("Invalid request session id")
