@@ -11,7 +11,10 @@ values (``VALUES``: scalars at and past their edges, ``NaN`` and ``Infinity``, i
 bits, containers of them, and the shapes the routes' structured fields take), each put on a
 body the route would otherwise serve, streamed and not (a stream's events read whole):
 
-- ``/generate``: its top-level fields and every ``sampling_params`` key;
+- ``/generate``: its top-level fields and every ``sampling_params`` key, and each value as
+  the ``custom_params`` of three of SGLang's shipped custom logit processors (which run with
+  ``--engine-args=--enable-custom-logit-processor``: ``custom_logit_processor_failures``
+  counts the samples a processor failed on, each aborted);
 - ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages`` (and
   ``count_tokens``), ``/v1/tokenize``, ``/v1/detokenize``, ``/v1/score``, Ollama's
   ``/api/chat`` and ``/api/generate``: every field of SGLang 0.5.23's request model
@@ -55,7 +58,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 import aiohttp  # noqa: E402
 
 from bench._engines import engine_server  # noqa: E402
-from stages.engine import control_fields, request_fields  # noqa: E402
+from stages.engine import control_fields, custom_logits, request_fields  # noqa: E402
 
 ARITH = ROOT / "configs" / "models" / "arith-tiny"
 PASS_THROUGH = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -168,6 +171,10 @@ def requests_to_send(model: str) -> list[tuple[str, str, Any, dict[str, Any]]]:
                 params = {"max_new_tokens": 3, key: value}
                 out.append(("/generate", f"sampling_params.{key}", value, {**plain,
                             "sampling_params": params}))  # fmt: skip
+            for name, text in _PROCESSORS.items():  # what a processor does with any params
+                params = {"max_new_tokens": 3, "custom_params": value}
+                body = {**plain, "sampling_params": params, "custom_logit_processor": text}
+                out.append(("/generate", f"custom_params for {name}", value, body))
             for path, fields, base in _ROUTES:
                 if stream and path in _NOT_STREAMED:
                     continue
@@ -181,6 +188,16 @@ def requests_to_send(model: str) -> list[tuple[str, str, Any, dict[str, Any]]]:
     return out
 
 
+# SGLang's shipped processors, sent with every value as their custom_params (with
+# --enable-custom-logit-processor they run: one that fails aborts its request; without, 400s)
+_PROCESSORS = {
+    cls.__name__: cls.to_str()
+    for cls in (
+        custom_logits.DisallowedTokensLogitsProcessor,
+        custom_logits.Qwen3ThinkingBudgetLogitProcessor,
+        custom_logits.DeepseekOCRNoRepeatNGramLogitProcessor,
+    )
+}
 _DONE = ("/generate", "/v1/completions", "/v1/chat/completions")  # streams that end so
 _NOT_STREAMED = ("/v1/tokenize", "/v1/detokenize", "/v1/score", "/v1/messages/count_tokens")
 
@@ -227,9 +244,11 @@ async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:
             if r.status != 200:
                 problems["after health"] = {"count": 1, "first": f"{r.status}"}
         async with s.get(url + "/server_info") as r:
-            refused = (await r.json())["refused_requests"]
+            info = await r.json()
     return {"requests": len(todo), "answers": dict(sorted(statuses.items())),
-            "problems": problems, "refused_requests": refused}  # fmt: skip
+            "problems": problems, "refused_requests": info["refused_requests"],
+            # samples aborted because a processor failed on what it was given (with the flag)
+            "custom_logit_processor_failures": info["custom_logit_processor_failures"]}  # fmt: skip
 
 
 def main() -> int:

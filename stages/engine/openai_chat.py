@@ -123,8 +123,8 @@ log = structlog.get_logger("stages.engine.openai_chat")
 _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 _ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 # set above from their own rules, or not fields of a chat request (json_schema comes as
-# response_format; custom_params is not honoured here)
-_NOT_SAMPLING = frozenset({*_DEFAULTS, "max_tokens", "json_schema", "custom_params"})
+# response_format)
+_NOT_SAMPLING = frozenset({*_DEFAULTS, "max_tokens", "json_schema"})
 # models whose answers' format is special tokens: their chat answers keep them (serving_chat)
 _SPECIAL_FORMATS = frozenset({"gpt_oss", "gemma4", "gemma4_unified"})
 

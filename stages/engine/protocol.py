@@ -55,6 +55,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.engine import custom_logits
 from stages.engine.flat_logprobs import FlatTops, flat_fields, flat_request
 from stages.engine.incremental_text import IncrementalText, output_text
 from stages.engine.request_error import RequestError
@@ -176,6 +177,10 @@ class GenerateInput:
     # stop tokens whose text its answer keeps when one ends it (the server's: gpt-oss's
     # <|call|> under --tool-call-parser gpt-oss, as SGLang's detokenizer keeps it)
     kept_stop_ids: frozenset[int] = frozenset()
+    # its custom logit processor (the string of custom_logit_processor; None: none), and
+    # sampling_params.custom_params as the request sent them (stages.engine.custom_logits)
+    logit_processor: str | None = None
+    custom_params: Any = None
 
 
 @dataclass(slots=True)
@@ -208,8 +213,9 @@ class SequenceResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# Accepted and without effect here: they only shape text, or (``custom_params``) feed a custom
-# logit processor, which SGLang ignores them without and this engine refuses.
+# Accepted and without effect on the sampling parameters: they only shape text, or
+# (``custom_params``) feed the request's custom logit processor (``GenerateInput.custom_params``;
+# without one, nothing reads them, as in SGLang).
 _IGNORED_SAMPLING = frozenset({"spaces_between_special_tokens", "custom_params"})
 # SGLang's ranges (``SamplingParams.verify``)
 _PENALTY_RANGES = {
@@ -227,7 +233,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "audio_data": (None,),
     "video_data": (None,),
     "input_embeds": (None,),
-    "custom_logit_processor": (None,),
     "session_params": (None,),
     # SGLang 0.5.23's GenerateReqInput, at the values that change nothing: other values ask for
     # what this engine does not have (multimodal inputs, MoE experts, data-parallel ranks,
@@ -310,6 +315,7 @@ _KNOWN_TOP = frozenset(
         "return_flat_raw_top_logprobs_b64",
         "return_hidden_states",  # the final hidden states (with the server's flag)
         "max_thinking_tokens",  # a thinking budget (--enable-strict-thinking)
+        "custom_logit_processor",  # with --enable-custom-logit-processor (custom_logits)
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -330,13 +336,15 @@ def parse_generate(
     hidden_cap: str | None = None,
     strict_thinking: bool = False,
     kept_stop_ids: frozenset[int] = frozenset(),
+    custom_logits: bool = False,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
     ``mask_cap``: the engine's ``--sampling-mask-max-tokens``; ``hidden_cap``: the most its
     ``--return-hidden-states-mode`` returns (``last`` or ``full``; None: no hidden states);
     ``strict_thinking``: whether it runs with ``--enable-strict-thinking``; ``kept_stop_ids``:
-    the stop tokens whose text an answer keeps (``GenerateInput.kept_stop_ids``)."""
+    the stop tokens whose text an answer keeps (``GenerateInput.kept_stop_ids``);
+    ``custom_logits``: whether it runs with ``--enable-custom-logit-processor``."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
@@ -411,6 +419,7 @@ def parse_generate(
     salts = _per_item(body.get("cache_salt"), "cache_salt", count, listed, str)
     rids = _sample_rids(body.get("rid"), count, n, batch)
     masks = _sampling_masks(body, count, listed)
+    processors = _logit_processors(body, count, listed, n, custom_logits, masks)
     hidden = _hidden_modes(body.get("return_hidden_states"), count, listed, hidden_cap)
     flat = flat_request(body)
 
@@ -461,6 +470,8 @@ def parse_generate(
                     parallel=n > 1,
                     max_thinking_tokens=budget,
                     kept_stop_ids=kept_stop_ids,
+                    logit_processor=processors[i],
+                    custom_params=_custom_params(params[i], budget) if processors[i] else None,
                 )
             )
     return inputs, listed
@@ -505,6 +516,60 @@ def _thinking_budget(value: Any, strict: bool) -> int | None:
     if not is_int(value):
         raise RequestError("max_thinking_tokens", f"expected an integer, got {value!r}")
     return value
+
+
+def _logit_processors(
+    body: dict[str, Any],
+    count: int,
+    listed: bool,
+    n: int,
+    enabled: bool,
+    masks: list[str | None],
+) -> list[str | None]:
+    """Each prompt's ``custom_logit_processor`` (None: none, "" too), loaded here so that one
+    that cannot be used is refused naming it (SGLang's scheduler would fail on it later);
+    without ``--enable-custom-logit-processor``, with a list and ``n`` > 1, and with
+    ``return_sampling_mask`` for one that does more than ban tokens, SGLang's refusals
+    (``TokenizerManager._validate_one_request``, ``_normalize_custom_logit_processor``)."""
+    name = "custom_logit_processor"
+    value = body.get(name)
+    if not value:
+        return [None] * count
+    if not enabled:
+        raise RequestError(
+            name,
+            "The server is not configured to enable custom logit processor. Please set "
+            "`--enable-custom-logit-processor` to enable this feature.",
+        )
+    if isinstance(value, list) and n > 1:
+        raise RequestError(
+            name, "Cannot use list custom_logit_processor with parallel_sample_num > 1"
+        )
+    texts = _per_item(value, name, count, listed, str)
+    for i, text in enumerate(texts):
+        if not text:
+            continue
+        where = f"{name}[{i}]" if isinstance(value, list) else name
+        try:
+            custom_logits.processor_class(text)
+        except custom_logits.ProcessorError as exc:
+            raise RequestError(where, f"cannot load the processor: {exc}") from None
+        if masks[i] is not None and not custom_logits.masks_safely(text):
+            raise RequestError(
+                where,
+                "return_sampling_mask only supports DisallowedTokensLogitsProcessor among "
+                "custom logit processors.",
+            )
+    return [text or None for text in texts]
+
+
+def _custom_params(raw: dict[str, Any] | None, budget: int | None) -> Any:
+    """A processor's ``custom_params`` of its sampling parameters, with ``max_thinking_tokens``
+    as ``thinking_budget`` (SGLang's ``_create_tokenized_object``)."""
+    found = (raw or {}).get("custom_params")
+    if budget is not None and isinstance(found, dict | None):
+        found = {**(found or {}), "thinking_budget": budget}
+    return found
 
 
 def _sampling_masks(body: dict[str, Any], count: int, listed: bool) -> list[str | None]:

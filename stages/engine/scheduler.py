@@ -66,6 +66,7 @@ import torch
 
 from pipeline.processes import name_thread
 from stages.engine.aborts import ABORTED_COMPILING, ABORTED_RUNNING, ABORTED_WAITING
+from stages.engine.custom_logits import LogitProcessors, RequestView
 from stages.engine.engine_metrics import EngineMetrics, scheduler_stats
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.kv_batch import BatchKV
@@ -328,6 +329,7 @@ class _Seq:
         "cached",
         "cached_version",
         "constraint",
+        "custom",
         "done_ids",
         "done_logprobs",
         "done_versions",
@@ -388,6 +390,9 @@ class _Seq:
         # and how many of them a stream has sent
         self.hidden: list[Any] | None = [] if inp.hidden_states else None
         self.hidden_sent = 0
+        # with a custom logit processor: its custom_params as the processor gets them (with
+        # "__req__", the view of this seq, where they are a dictionary), set when it is queued
+        self.custom: tuple[Any, RequestView | None] | None = None
         self.group = group
         self.index = index  # in the group
         # streamed: how many of its tokens were sent, and the events of those not sent yet
@@ -446,6 +451,7 @@ class Scheduler:
         sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS,
         hidden_states_mode: str | None = None,
         strict_thinking: StrictThinking | None = None,
+        custom_logit_processors: bool = False,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
@@ -519,6 +525,10 @@ class Scheduler:
         # --enable-strict-thinking (stages.engine.strict_thinking): a thinking seq's excluded
         # tags and budget; its seqs are among _constrained while they think
         self.strict_thinking = strict_thinking
+        # --enable-custom-logit-processor (stages.engine.custom_logits): the processors'
+        # instances, and the running seqs that have one
+        self.logit_processors = LogitProcessors() if custom_logit_processors else None
+        self._custom_seqs: set[_Seq] = set()
         # groups held while the grammar worker compiles their grammars (under _lock), and
         # their seqs an abort named meanwhile (scheduler thread)
         self._compiling: dict[_Group, list[_Seq]] = {}
@@ -1198,7 +1208,7 @@ class Scheduler:
     def _watching(self) -> tuple[set[_Seq], ...]:
         """The sets of the running seqs that watch something (joined at their prefill)."""
         return (self._stop_seqs, self._top_seqs, self._mask_seqs, self._hidden_seqs,
-                self._stream_seqs, self._constrained)  # fmt: skip
+                self._stream_seqs, self._constrained, self._custom_seqs)  # fmt: skip
 
     def _clear_rows(self) -> None:
         """No row runs any more: the sets of the rows that watch something are empty."""
@@ -1495,6 +1505,8 @@ class Scheduler:
         self._constrained.update(
             s for s in group if s.constraint is not None or s.thinking is not None
         )
+        if self.logit_processors is not None:
+            self._custom_seqs.update(self._with_processors(group))
         self._sampler.add(
             [s.inp.params for s in group],
             [end + s.inp.params.max_new_tokens - len(s.done_ids) - 1 for s in group],
@@ -1507,6 +1519,7 @@ class Scheduler:
         if self._constrained:
             self._constrain(logits, lo, hi)
         self._sampler.penalize(logits, lo, hi)
+        failed = self._run_processors(logits, lo, hi, True) if self._custom_seqs else None
         if self._top_seqs:
             self._take_top_logprobs(logits, lo, hi)
         tokens, logprobs = self._sampler.sample(logits, lo, hi)
@@ -1517,7 +1530,7 @@ class Scheduler:
             if not seq.first_token:
                 seq.first_token = now
         aborted = self._take_masks(lo, hi) if self._mask_seqs else None
-        self._finish_checks(tokens, logprobs, lo, hi, end, aborted)
+        self._finish_checks(tokens, logprobs, lo, hi, end, _either(failed, aborted))
 
     def _keep_contexts(
         self, group: list[_Seq], source: list[int], contexts: list[list[int]]
@@ -1625,13 +1638,14 @@ class Scheduler:
         if self._constrained:
             self._constrain(logits, 0, rows)
         self._sampler.penalize(logits, 0, rows)
+        failed = self._run_processors(logits, 0, rows, False) if self._custom_seqs else None
         if self._top_seqs:
             self._take_top_logprobs(logits, 0, rows)
         tokens, logprobs = self._sampler.sample(logits, 0, rows)
         kv.push(tokens, logprobs)
         self.tokens_generated += rows
         aborted = self._take_masks(0, rows) if self._mask_seqs else None
-        self._finish_checks(tokens, logprobs, 0, rows, kv.end, aborted)
+        self._finish_checks(tokens, logprobs, 0, rows, kv.end, _either(failed, aborted))
 
     def _keep_decode_hidden(self, hidden: torch.Tensor) -> None:
         """The final hidden state each watching row's decode step just computed (``[rows,
@@ -1660,6 +1674,57 @@ class Scheduler:
                     aborted = aborted or {}
                     aborted[seq.slot] = dict(_OUTSIDE_SUPPORT)
         return aborted
+
+    def _with_processors(self, group: list[_Seq]) -> list[_Seq]:
+        """The seqs of ``group`` with a custom logit processor, each given its parameters
+        (once: a retracted seq keeps them)."""
+        found = []
+        for seq in group:
+            if seq.inp.logit_processor is None:
+                continue
+            if seq.custom is None:
+                params, view = seq.inp.custom_params, None
+                if isinstance(params, dict):  # SGLang's Req adds itself to a dictionary only
+
+                    def outputs(seq: _Seq = seq) -> list[int]:
+                        return self._outputs([seq])[0][0]
+
+                    view = RequestView(seq.inp.rid, seq.inp.input_ids, outputs)
+                    params = {**params, "__req__": view}
+                seq.custom = (params, view)
+            found.append(seq)
+        return found
+
+    def _run_processors(
+        self, logits: torch.Tensor, lo: int, hi: int, prefill: bool
+    ) -> dict[int, Any] | None:
+        """Before the top log-probs are read and a token drawn: each running row among
+        ``lo..hi`` with a custom logit processor has its logits processed, the rows of one
+        processor string at once (SGLang's ``apply_custom_logit_processor``); the rows of a
+        processor that failed are to be aborted, with why. ``prefill``: the rows were just
+        admitted (their output is what earlier stints made)."""
+        by_text: dict[str, list[_Seq]] = {}
+        for seq in self._custom_seqs:
+            if lo <= seq.slot < hi:
+                by_text.setdefault(seq.inp.logit_processor, []).append(seq)  # type: ignore[arg-type]
+        failed: dict[int, Any] = {}
+        assert self.logit_processors is not None
+        for text, seqs in by_text.items():
+            seqs.sort(key=lambda s: s.slot)
+            params = []
+            for seq in seqs:
+                assert seq.custom is not None
+                if seq.custom[1] is not None:
+                    seq.custom[1].fresh(seq.done_ids if prefill else None)
+                params.append(seq.custom[0])
+            rows = [s.slot - lo for s in seqs]
+            why = self.logit_processors.apply(logits, text, rows, params)
+            if why is not None:
+                log.warning(
+                    "custom_logit_processor_failed", rids=[s.inp.rid for s in seqs], why=why
+                )
+                failed.update({s.slot: {"type": "abort", "message": why} for s in seqs})
+        return failed or None
 
     def _take_top_logprobs(self, logits: torch.Tensor, lo: int, hi: int) -> None:
         """Before sampling (which overwrites ``logits``): each watched row's most likely
@@ -2041,6 +2106,15 @@ class Scheduler:
         oldest = min((s.first for s in self._running), default=self._kv.end)
         keep = max(0, bisect.bisect_right(self._vkeys, oldest) - 1)
         del self._vkeys[:keep], self._vvals[:keep]
+
+
+def _either(
+    a: dict[int, dict[str, Any]] | None, b: dict[int, dict[str, Any]] | None
+) -> dict[int, dict[str, Any]] | None:
+    """Rows to abort from two sources (``a``'s reason first)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {**b, **a}
 
 
 def _matched(end: tuple[int, ...], matched: int, token: int) -> int:

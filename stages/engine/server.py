@@ -589,6 +589,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "enable_metrics": scheduler.metrics is not None,
             "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
             "enable_strict_thinking": scheduler.strict_thinking is not None,
+            "enable_custom_logit_processor": scheduler.logit_processors is not None,
             # as SGLang resolves them (serving_hook.handle_return_hidden_states_mode)
             "enable_return_hidden_states": scheduler.hidden_states_mode is not None,
             "return_hidden_states_mode": scheduler.hidden_states_mode,
@@ -600,6 +601,10 @@ async def _server_info(request: web.Request) -> web.Response:
             "forward_path": scheduler.forward_path,
             "refused_requests": dict(request.app[_REFUSED]),
             "ignored_fields": dict(request.app[_IGNORED]),
+            # samples aborted because their custom logit processor failed (None: no flag)
+            "custom_logit_processor_failures": (
+                None if scheduler.logit_processors is None else scheduler.logit_processors.failures
+            ),
             **state,
         }
     )
@@ -856,6 +861,13 @@ def _parser() -> argparse.ArgumentParser:
         "reasoning's end is forced (SGLang's flag; needs --reasoning-parser)",
     )
     parser.add_argument(
+        "--enable-custom-logit-processor",
+        action="store_true",
+        help="requests may carry custom_logit_processor, a dill-pickled CustomLogitProcessor "
+        "class (stages.engine.custom_logits; SGLang's own load too) run on their logits each "
+        "step. Unpickling runs the client's code: only for clients you trust (SGLang's flag)",
+    )
+    parser.add_argument(
         "--enable-streaming-session",
         action="store_true",
         help="/open_session takes streaming: true, a session whose turns each append to the "
@@ -1006,6 +1018,7 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         decode_tail=None if decode is None else (lambda ids: decode(ids, False)),
         grammars=grammars,
         strict_thinking=strict,
+        custom_logit_processors=args.enable_custom_logit_processor,
     )
 
 

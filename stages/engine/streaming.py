@@ -338,6 +338,7 @@ def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInp
         hidden_cap=scheduler.hidden_states_mode,
         strict_thinking=scheduler.strict_thinking is not None,
         kept_stop_ids=loaded.kept_stop_ids,
+        custom_logits=scheduler.logit_processors is not None,
     )
 
 

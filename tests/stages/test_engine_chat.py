@@ -226,9 +226,10 @@ def test_tools_reach_the_template_and_what_cannot_be_honoured_is_a_400(
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
         ({"tools": TOOLS + TOOLS}, "unique"),
         # what SGLang 0.5.23 honours (or refuses without its server flag) and this engine has
-        # not: refused naming the field, as /generate refuses it
+        # not: refused naming the field, as /generate refuses it; a custom logit processor
+        # without the flag: SGLang's refusal
         ({"extra_body": {"return_routed_experts": True}}, "return_routed_experts"),
-        ({"extra_body": {"custom_logit_processor": "x"}}, "custom_logit_processor"),
+        ({"extra_body": {"custom_logit_processor": "x"}}, "--enable-custom-logit-processor"),
     ]  # fmt: skip
     for extra, words in cases:
         with pytest.raises(openai.BadRequestError) as info:
