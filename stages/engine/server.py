@@ -210,17 +210,34 @@ def build_app(
     )
     app[_PARSERS] = {"reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
     loaded.kept_stop_ids = kept_stop_ids(loaded.tokenizer, tool_call_parser)
+    sessions = app[_SESSIONS] = Sessions(
+        lambda rids: scheduler.abort_many(rids, "replaced in its session"),
+        streaming=streaming_sessions,  # SGLang's --enable-streaming-session
+    )
+
+    async def in_session(body: Any) -> Any:  # a /v1 request, in its session if it names one
+        body, serving = _session_request(sessions, body, scheduler, loaded)
+        try:
+            return await generate(loaded, serving, decode, body)
+        finally:
+            _settle(serving)
+
+    def stream_in_session(body: Any, progress: bool = False) -> Any:
+        body, serving = _session_request(sessions, body, scheduler, loaded)
+        try:  # checked and queued at once (stream_generate)
+            return stream_generate(loaded, serving, decode, body, progress=progress)
+        finally:
+            _settle(serving)
+
     OpenAIRoutes(
-        lambda body: generate(loaded, scheduler, decode, body),
-        lambda body: stream_generate(loaded, scheduler, decode, body),
+        in_session,
+        stream_in_session,
         decode,
         served_model_name=name,
         context_length=loaded.context_length,
         on_disconnect=lambda request: _refused(request, 499, "the client went away mid-stream"),
         chat=chat,
-        progress_stream=lambda body: stream_generate(
-            loaded, scheduler, decode, body, progress=True
-        ),
+        progress_stream=lambda body: stream_in_session(body, progress=True),
         adapters=scheduler.adapters,
         response_store=ResponseStore() if response_store else None,
         cache_report=cache_report,
@@ -235,11 +252,7 @@ def build_app(
         scheduler.metrics = EngineMetrics(name, loaded.context_length)
     capacity = _max_total_tokens(scheduler, loaded)
     LoadRoutes(scheduler, loaded.model, capacity, SERVED_VERSION, scheduler.metrics).add_to(app)
-    app[_SESSIONS] = Sessions(
-        lambda rids: scheduler.abort_many(rids, "replaced in its session"),
-        streaming=streaming_sessions,  # SGLang's --enable-streaming-session
-    )
-    SessionRoutes(app[_SESSIONS]).add_to(app)
+    SessionRoutes(sessions).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
@@ -343,11 +356,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         if refused is not None:  # SGLang's checks before its route
             return refused
         loaded = request.app[_LOADED]
-        body, scheduler = request.app[_SESSIONS].request(
-            body,
-            request.app[_SCHEDULER],
-            None if loaded.tokenizer is None else loaded.tokenizer.encode,
-            None if loaded.tokenizer is None else loaded.tokenizer.bos_token_id,
+        body, scheduler = _session_request(
+            request.app[_SESSIONS], body, request.app[_SCHEDULER], loaded
         )
         try:
             if isinstance(body, dict) and body.get("stream") is True:
@@ -361,8 +371,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 )
             rendered = await generate(loaded, scheduler, request.app[_DECODE], body)
         finally:
-            if isinstance(scheduler, Recording):  # a session's request refused before it ran
-                scheduler.refused()
+            _settle(scheduler)
         # a sample aborted while it waited: answered as SGLang's tokenizer answers it (the
         # /v1 routes, which build on ``generate``, read the fields it leaves out)
         if isinstance(rendered, list):
@@ -378,6 +387,28 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:  # a rid already in flight: nothing was queued
         return bad_request(str(exc))
     return json_response(rendered)
+
+
+def _session_request(
+    sessions: Sessions, body: Any, scheduler: Scheduler, loaded: LoadedModel
+) -> tuple[Any, Any]:
+    """A generating request's body and the scheduler to serve it with: its session's prompt and
+    a scheduler that records its output there, where it names a session (``Sessions.request``;
+    SessionError, a 400, where that is refused)."""
+    tokenizer = loaded.tokenizer
+    return sessions.request(
+        body,
+        scheduler,
+        None if tokenizer is None else tokenizer.encode,
+        None if tokenizer is None else tokenizer.bos_token_id,
+    )
+
+
+def _settle(scheduler: Any) -> None:
+    """After a request was served or refused: a session's request refused before it ran leaves
+    no trace in its session."""
+    if isinstance(scheduler, Recording):
+        scheduler.refused()
 
 
 async def generate(

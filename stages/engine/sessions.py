@@ -1,5 +1,6 @@
 """SGLang's sessions on the built-in engine: ``/open_session``, ``/close_session`` and
-``/generate``'s ``session_params``, as SGLang 0.5.23 keeps them
+``/generate``'s ``session_params`` (which ``/v1/completions`` and ``/v1/chat/completions`` pass
+on, as SGLang's ``serving_completions`` and ``serving_chat``), as SGLang 0.5.23 keeps them
 (``session/session_controller.py``, non-streaming sessions; ``managers/scheduler.py``
 ``handle_generate_request``; ``tokenizer_control_mixin.open_session``).
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import requests
+from openai import BadRequestError, OpenAI
 
 from stages.engine.sessions import SessionError, Sessions
 from tests.stages.engine_setup import builtin_engine
@@ -228,6 +229,37 @@ def test_session_refusals_are_sglangs_400s_and_a_closed_session_takes_nothing(ur
     gone = _generate(url, {"input_ids": A, "sampling_params": GREEDY,
                            "session_params": {"id": sid}})  # fmt: skip
     assert gone.status_code == 400 and "does not exist" in gone.text
+
+
+@pytest.mark.timeout(120)
+def test_the_openai_routes_carry_session_params_to_the_session(url: str) -> None:
+    """As SGLang's ``serving_completions`` and ``serving_chat`` pass ``session_params`` on: a
+    ``/v1/completions`` turn (streamed too) continues the session's request, answering as the
+    composed prompt sent whole; a refusal is the route's 400 with the session's words."""
+    openai = OpenAI(base_url=url + "/v1", api_key="none")
+    name = openai.models.list().data[0].id
+    sid = _open(url).json()
+    first = _generate(url, {"input_ids": A, "sampling_params": GREEDY, "rid": "v1",
+                            "session_params": {"id": sid}}).json()  # fmt: skip
+    turn = openai.completions.create(
+        model=name, prompt=B, max_tokens=5, temperature=0,
+        extra_body={"session_params": {"id": sid, "rid": "v1"}, "rid": "v2", "ignore_eos": True},
+    )  # fmt: skip
+    whole = _generate(url, {"input_ids": A + first["output_ids"] + B, "sampling_params": GREEDY,
+                            "return_logprob": True}).json()  # fmt: skip
+    assert turn.usage.prompt_tokens == len(A + first["output_ids"] + B)
+    assert turn.choices[0].text == whole["text"]
+    streamed = openai.completions.create(
+        model=name, prompt=C, max_tokens=5, temperature=0, stream=True,
+        extra_body={"session_params": {"id": sid, "rid": "v2"}, "rid": "v3", "ignore_eos": True},
+    )  # fmt: skip
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+    after = _generate(url, {"input_ids": B, "sampling_params": GREEDY,
+                            "session_params": {"id": sid, "rid": "v3"}})  # fmt: skip
+    assert after.status_code == 200  # the streamed turn is in the session
+    with pytest.raises(BadRequestError, match="does not exist"):
+        openai.completions.create(model=name, prompt=B, max_tokens=2,
+                                  extra_body={"session_params": {"id": "nope"}})  # fmt: skip
 
 
 @pytest.mark.timeout(120)
