@@ -57,6 +57,7 @@ __all__ = [
     "RequestView",
     "ThinkingBudgetLogitProcessor",
     "processor_class",
+    "sglang_string",
 ]
 
 SGLANG_MODULE = "sglang.srt.sampling.custom_logit_processor"
@@ -214,6 +215,27 @@ class DeepseekOCRNoRepeatNGramLogitProcessor(CustomLogitProcessor):
             if banned:
                 logits[row, list(banned)] = float("-inf")
         return logits
+
+
+SHIPPED = (
+    "DisallowedTokensLogitsProcessor",
+    "ThinkingBudgetLogitProcessor",
+    "Glm4MoeThinkingBudgetLogitProcessor",
+    "Qwen3ThinkingBudgetLogitProcessor",
+    "DeepSeekR1ThinkingBudgetLogitProcessor",
+    "InklingThinkingBudgetLogitProcessor",
+    "DeepseekOCRNoRepeatNGramLogitProcessor",
+)
+
+
+def sglang_string(name: str) -> str:
+    """A ``custom_logit_processor`` naming SGLang's shipped class ``name`` (one of
+    ``SHIPPED``) by reference, as its ``to_str()`` does: a real SGLang server and this engine
+    both load it, and the client needs neither SGLang nor dill to write it."""
+    if name not in SHIPPED:
+        raise ValueError(f"SGLang ships no processor {name!r}; it ships {', '.join(SHIPPED)}")
+    data = b"\x80\x02c" + f"{SGLANG_MODULE}\n{name}\n".encode() + b"."  # GLOBAL, STOP
+    return json.dumps({"callable": data.hex()})
 
 
 def _unpickler(data: bytes) -> Any:

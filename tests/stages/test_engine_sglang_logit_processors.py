@@ -36,6 +36,13 @@ def test_sglangs_strings_load_as_the_same_processors(name: str) -> None:
     assert processor_class(getattr(sglang, name).to_str()) is getattr(custom_logits, name)
 
 
+@pytest.mark.parametrize("name", custom_logits.SHIPPED)
+def test_sglang_string_names_sglangs_class_for_sglang_too(name: str) -> None:
+    text = custom_logits.sglang_string(name)
+    assert type(sglang.CustomLogitProcessor.from_str(text)) is getattr(sglang, name)
+    assert processor_class(text) is getattr(custom_logits, name)
+
+
 def test_a_class_on_sglangs_base_loads_with_this_base() -> None:
     space: dict = {"__name__": "__main__"}
     source = (

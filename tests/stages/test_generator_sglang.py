@@ -3,7 +3,7 @@
 Against a real SGLang server when ``INFLIGHT_SGLANG_URL`` names one, started for instance with::
 
     python -m sglang.launch_server --model-path MODEL_DIR --port 30000 --host 127.0.0.1 \
-        --return-hidden-states-mode full
+        --return-hidden-states-mode full --enable-custom-logit-processor
 
 Without it, against the built-in engine, which speaks the same API, started here the way users
 start it (``inflight engine``) on a tiny byte-level model with a chat template: what these tests
@@ -43,6 +43,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from stages.engine.custom_logits import sglang_string
 from stages.generator.client import EngineClient, EngineError
 from tests.stages.engine_setup import builtin_engine
 from tests.stages.tiny_model import make_byte_model
@@ -99,7 +100,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     model = make_byte_model(folder / "model", chars=BYTE_PRINTABLE, words=words)
     template = folder / "chat_template.jinja"
     template.write_text(TEMPLATE)
-    more = ("--return-hidden-states-mode", "full")  # as a real server must be started
+    # as a real server must be started
+    more = ("--return-hidden-states-mode", "full", "--enable-custom-logit-processor")
     with builtin_engine(model, "--chat-template", str(template), *more) as url:
         yield Served(url, str(model))
 
@@ -194,6 +196,31 @@ async def test_a_session_turn_continues_the_turn_it_names(client):
     gone = {"input_ids": more, "sampling_params": _params(2), "session_params": {"id": sid}}
     async with post(client.url + "/generate", json=gone) as resp:
         assert resp.status == 400 and "does not exist" in await resp.text()
+
+
+@pytest.mark.timeout(120)
+async def test_a_custom_logit_processor_bans_tokens(client):
+    """``custom_logit_processor`` (SGLang's ``DisallowedTokensLogitsProcessor``, named as its
+    ``to_str`` names it) with ``custom_params.token_ids``: the greedy answer avoids them, the
+    first token differs; a server started without ``--enable-custom-logit-processor`` refuses
+    it in SGLang's words."""
+    free = await client.generate(PROMPT, _params(6), rid=_rid("free"))
+    banned = sorted(set(free.output_ids.tolist()[:2]))
+    body = {
+        "input_ids": PROMPT,
+        "rid": _rid("banned"),
+        "sampling_params": _params(6, custom_params={"token_ids": banned}),
+        "custom_logit_processor": sglang_string("DisallowedTokensLogitsProcessor"),
+    }
+    async with client.session.get(client.url + "/server_info") as resp:
+        enabled = (await resp.json()).get("enable_custom_logit_processor")
+    if not enabled:
+        async with client.session.post(client.url + "/generate", json=body) as resp:
+            assert resp.status == 400 and "--enable-custom-logit-processor" in await resp.text()
+        return
+    answer = await _generate_json(client, body)
+    assert not set(banned) & set(answer["output_ids"])
+    assert answer["output_ids"][0] != free.output_ids.tolist()[0]
 
 
 async def _generate_json(client: EngineClient, body: dict) -> dict:
