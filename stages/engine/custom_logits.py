@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict
@@ -250,15 +251,25 @@ def _unpickler(data: bytes) -> Any:
 
 
 _LOADED: OrderedDict[str, type] = OrderedDict()
+_LOADING = threading.Lock()  # requests are read on the event loop, processors run elsewhere
 
 
 def processor_class(text: str) -> type:
     """The processor class ``text`` holds (loaded once while it stays among the last
     ``MAX_LOADED``); ProcessorError saying what is wrong with it."""
-    found = _LOADED.get(text)
-    if found is not None:
-        _LOADED.move_to_end(text)
+    with _LOADING:
+        found = _LOADED.get(text)
+        if found is not None:
+            _LOADED.move_to_end(text)
+            return found
+        found = _load(text)
+        _LOADED[text] = found
+        if len(_LOADED) > MAX_LOADED:
+            _LOADED.popitem(last=False)
         return found
+
+
+def _load(text: str) -> type:
     try:
         data = json.loads(text)
     except ValueError as exc:
@@ -278,9 +289,6 @@ def processor_class(text: str) -> type:
         raise ProcessorError(f"callable: {type(exc).__name__}: {exc}") from None
     if not isinstance(found, type) or not callable(found):
         raise ProcessorError(f"callable: expected a processor class, got {type(found).__name__}")
-    _LOADED[text] = found
-    if len(_LOADED) > MAX_LOADED:
-        _LOADED.popitem(last=False)
     return found
 
 

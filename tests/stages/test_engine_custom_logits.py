@@ -347,3 +347,24 @@ def test_the_openai_routes_take_a_processor_and_its_params(
     )  # fmt: skip
     for choice in chat.choices:
         assert choice.message.content.split() == ["w40", "w41", "w42"]
+
+
+def test_the_engine_keeps_a_bounded_number_of_processor_classes() -> None:
+    """A client sending new classes forever does not grow the engine forever: the newest
+    ``MAX_LOADED`` stay loaded, an older one is loaded again when it comes back."""
+    texts = []
+    for i in range(custom_logits.MAX_LOADED + 6):
+        space: dict = {"__name__": "__main__"}
+        source = (
+            "from stages.engine.custom_logits import CustomLogitProcessor\n"
+            f"class P{i}(CustomLogitProcessor):\n"
+            "    def __call__(self, logits, custom_param_list=None):\n"
+            "        return logits\n"
+        )
+        exec(compile(source, "<client>", "exec"), space)
+        texts.append(space[f"P{i}"].to_str())
+    for text in texts:
+        processor_class(text)
+    assert len(custom_logits._LOADED) == custom_logits.MAX_LOADED
+    assert texts[0] not in custom_logits._LOADED and texts[-1] in custom_logits._LOADED
+    assert processor_class(texts[0]).__name__ == "P0"
