@@ -121,7 +121,7 @@ def _token_list(ids: Sequence[int] | np.ndarray) -> list[int]:
 
 # GenerateReqInput fields that a rollout's engine call may carry among its sampling
 # parameters (RolloutEngine.generate's keywords): they go at the request's top level
-REQUEST_FIELDS = ("require_reasoning", "max_thinking_tokens")
+REQUEST_FIELDS = ("require_reasoning", "max_thinking_tokens", "custom_logit_processor")
 
 
 def _generate_body(input_ids: Any, sampling_params: Mapping[str, Any], rid: Any) -> dict:

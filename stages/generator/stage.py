@@ -66,6 +66,7 @@ from pipeline import topics
 from pipeline.stage import Port, StageContext
 from stages import rollout_batch
 from stages.engine.auth import engine_api_key
+from stages.engine.custom_logits import SHIPPED, sglang_string
 from stages.generator.client import (
     Completion,
     EngineClient,
@@ -124,6 +125,19 @@ class SamplingConfig:
             "--enable-strict-thinking (launch.extra_args)"
         },
     )
+    custom_logit_processor: str | None = field(
+        default=None,
+        metadata={
+            "doc": "a custom logit processor run on every sample's logits (SGLang's request "
+            "field): one SGLang ships, by name (DisallowedTokensLogitsProcessor, "
+            "Qwen3ThinkingBudgetLogitProcessor...), or the string a class's to_str() writes; "
+            "the engines need --enable-custom-logit-processor (launch.extra_args)"
+        },
+    )
+    custom_params: dict[str, Any] | None = field(
+        default=None,
+        metadata={"doc": "what the processor reads of each request (token_ids, thinking_budget)"},
+    )
 
     def __post_init__(self) -> None:  # as the engines check them (SGLang's SamplingParams)
         if self.repetition_penalty <= 0:
@@ -132,6 +146,13 @@ class SamplingConfig:
             raise ValueError(
                 f"min_new_tokens ({self.min_new_tokens}) must be at most max_new_tokens "
                 f"({self.max_new_tokens})"
+            )
+        processor = self.custom_logit_processor
+        if processor is not None and processor not in SHIPPED and not processor.startswith("{"):
+            raise ValueError(
+                f"custom_logit_processor {processor!r}: one of SGLang's shipped processors "
+                f"({', '.join(SHIPPED)}) or the JSON string a CustomLogitProcessor's to_str() "
+                "writes"
             )
 
     def as_params(self) -> dict[str, Any]:
@@ -151,6 +172,12 @@ class SamplingConfig:
         if self.max_thinking_tokens is not None:  # request fields (the client lifts them)
             params["require_reasoning"] = True
             params["max_thinking_tokens"] = self.max_thinking_tokens
+        processor = self.custom_logit_processor
+        if processor is not None:  # a request field too
+            shipped = processor in SHIPPED
+            params["custom_logit_processor"] = sglang_string(processor) if shipped else processor
+        if self.custom_params is not None:
+            params["custom_params"] = dict(self.custom_params)
         return params
 
 

@@ -100,6 +100,25 @@ def test_a_thinking_budget_makes_thinking_requests() -> None:
     assert issue.path == "stages.generator.sampling.max_thinking_tokens"
 
 
+def test_a_custom_logit_processor_by_name_is_sglangs_string() -> None:
+    from stages.engine.custom_logits import sglang_string
+
+    loaded = load(
+        "stages.generator.sampling.custom_logit_processor=Qwen3ThinkingBudgetLogitProcessor",
+        "stages.generator.sampling.custom_params={thinking_budget: 32}",
+    )
+    params = loaded.config.stages["generator"].options.sampling.as_params()
+    assert params["custom_logit_processor"] == sglang_string("Qwen3ThinkingBudgetLogitProcessor")
+    assert params["custom_params"] == {"thinking_budget": 32}
+    assert (
+        "custom_logit_processor"
+        not in load().config.stages["generator"].options.sampling.as_params()
+    )
+    issue = only_issue("stages.generator.sampling.custom_logit_processor=Qwen4Budget")
+    assert issue.path == "stages.generator.sampling.custom_logit_processor"
+    assert "one of SGLang's shipped processors" in issue.message
+
+
 # --- group size ---------------------------------------------------------------------------------
 
 

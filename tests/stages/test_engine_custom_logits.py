@@ -368,3 +368,36 @@ def test_the_engine_keeps_a_bounded_number_of_processor_classes() -> None:
     assert len(custom_logits._LOADED) == custom_logits.MAX_LOADED
     assert texts[0] not in custom_logits._LOADED and texts[-1] in custom_logits._LOADED
     assert processor_class(texts[0]).__name__ == "P0"
+
+
+@pytest.mark.timeout(120)
+async def test_the_generators_sampling_config_sends_a_processor_by_name(url: str) -> None:
+    """``stages.generator.sampling.custom_logit_processor`` (a shipped class by name) and
+    ``custom_params``: the generator's client sends them as SGLang's fields, and a group's
+    samples never draw the banned tokens (drawn often without)."""
+    import aiohttp
+
+    from stages.generator.client import EngineClient
+    from stages.generator.stage import SamplingConfig
+
+    plain = SamplingConfig(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    async with aiohttp.ClientSession() as session:
+        client = EngineClient(url, session)
+        rids = [f"free-{i}" for i in range(8)]
+        free = await client.generate_group([5, 17, 33], plain.as_params(), rids=rids)
+        counts: dict[int, int] = {}
+        for sample in free:
+            for token in sample.output_ids.tolist():
+                counts[token] = counts.get(token, 0) + 1
+        banned = sorted(counts, key=counts.get, reverse=True)[:3]  # the most drawn
+        config = SamplingConfig(
+            temperature=1.0, max_new_tokens=8, ignore_eos=True,
+            custom_logit_processor="DisallowedTokensLogitsProcessor",
+            custom_params={"token_ids": banned},
+        )  # fmt: skip
+        rids = [f"banned-{i}" for i in range(8)]
+        samples = await client.generate_group([5, 17, 33], config.as_params(), rids=rids)
+    drawn = {token for sample in samples for token in sample.output_ids.tolist()}
+    assert drawn and not drawn & set(banned)
+    with pytest.raises(ValueError, match="one of SGLang's shipped processors"):
+        SamplingConfig(custom_logit_processor="NoSuchProcessor")

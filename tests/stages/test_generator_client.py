@@ -146,18 +146,20 @@ async def test_group_request_body_and_answer(codec):
 
 @pytest.mark.timeout(10)
 async def test_a_request_field_among_the_sampling_goes_to_the_request(codec):
-    """RolloutEngine.generate's keywords are sampling parameters, and require_reasoning and
-    max_thinking_tokens, GenerateReqInput's own fields: the body carries them at the top
-    level."""
+    """RolloutEngine.generate's keywords are sampling parameters, and require_reasoning,
+    max_thinking_tokens and custom_logit_processor, GenerateReqInput's own fields: the body
+    carries them at the top level."""
     server = _Answers()
     async with server as client:
         server.body = _result("a")
         await client.generate(
-            [3, 4], {"x": 1, "require_reasoning": True, "max_thinking_tokens": 8}, rid="a"
-        )
+            [3, 4], {"x": 1, "require_reasoning": True, "max_thinking_tokens": 8,
+                     "custom_logit_processor": "{}"}, rid="a"
+        )  # fmt: skip
         assert server.seen == [
             {"input_ids": [3, 4], "sampling_params": {"x": 1}, "return_logprob": True,
-             "rid": "a", "require_reasoning": True, "max_thinking_tokens": 8}
+             "rid": "a", "require_reasoning": True, "max_thinking_tokens": 8,
+             "custom_logit_processor": "{}"}
         ]  # fmt: skip
 
 
