@@ -245,6 +245,13 @@ class GeneratorConfig:
                 f"sync_batch ({self.sync_batch}) must be a multiple of group_size "
                 f"({self.group_size}): a sync batch is made of whole groups"
             )
+        flag = "--enable-custom-logit-processor"
+        launched = self.launch is not None and flag not in self.launch.extra_args
+        if self.sampling.custom_logit_processor is not None and launched:
+            raise ValueError(  # else every request is refused, every sample dropped
+                f"sampling.custom_logit_processor needs engines started with {flag}: add it "
+                "to launch.extra_args"
+            )
 
 
 class _Served(NamedTuple):

@@ -103,9 +103,11 @@ def test_a_thinking_budget_makes_thinking_requests() -> None:
 def test_a_custom_logit_processor_by_name_is_sglangs_string() -> None:
     from stages.engine.custom_logits import sglang_string
 
+    flags = '["--max-running", "256", "--enable-custom-logit-processor"]'
     loaded = load(
         "stages.generator.sampling.custom_logit_processor=Qwen3ThinkingBudgetLogitProcessor",
         "stages.generator.sampling.custom_params={thinking_budget: 32}",
+        f"stages.generator.launch.extra_args={flags}",
     )
     params = loaded.config.stages["generator"].options.sampling.as_params()
     assert params["custom_logit_processor"] == sglang_string("Qwen3ThinkingBudgetLogitProcessor")
@@ -114,6 +116,10 @@ def test_a_custom_logit_processor_by_name_is_sglangs_string() -> None:
         "custom_logit_processor"
         not in load().config.stages["generator"].options.sampling.as_params()
     )
+    unflagged = only_issue(
+        "stages.generator.sampling.custom_logit_processor=DisallowedTokensLogitsProcessor"
+    )
+    assert "add it to launch.extra_args" in unflagged.message
     issue = only_issue("stages.generator.sampling.custom_logit_processor=Qwen4Budget")
     assert issue.path == "stages.generator.sampling.custom_logit_processor"
     assert "one of SGLang's shipped processors" in issue.message
