@@ -80,7 +80,7 @@ import zmq.asyncio
 
 from pipeline import topics
 from pipeline.config import ConfigError, LoadedPipeline, dump_yaml
-from pipeline.config.schema import STAGE_KEYS
+from pipeline.config.schema import STAGE_KEYS, TRUST_REMOTE_CODE_ENV
 from pipeline.console import Console, total_steps
 from pipeline.launchers import Launcher, LaunchError, ReplicaProcess, ReplicaStart, make_launcher
 from pipeline.launchers.base import engine_resources
@@ -350,6 +350,8 @@ class Supervisor:
         shared = rep.stage in self.shared
         user_env = self._shared_env if shared else section.env
         env = {**user_env, "PYTHONUNBUFFERED": "1", **self._rank_env(rep)}
+        if self.config.run.trust_remote_code:  # every loader of the run reads it
+            env[TRUST_REMOTE_CODE_ENV] = "1"
         unset: list[str] = []
         cores = gpus = None
         if self.placement is not None:  # the local plan: cores, threads, GPUs on this host

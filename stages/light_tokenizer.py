@@ -35,6 +35,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from stages.remote_code import remote_code_trusted
+
 __all__ = ["LightTokenizer", "light_reason", "load_tokenizer", "transformers_tokenizer"]
 
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -53,16 +55,19 @@ _CHANGES_IDS = ("add_bos_token", "add_eos_token", "split_special_tokens")
 _TOKEN_FIELDS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
 
 
-def transformers_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Any:
+def transformers_tokenizer(path: str | Path, *, trust_remote_code: bool | None = None) -> Any:
     """The folder's tokenizer as ``transformers`` loads it (imports torch), the way every stage
     and the engine read it: a ``tokenizer_config.json`` that names a generic class means
     ``tokenizer.json`` as it is, which ``AutoTokenizer`` would instead rebuild with the model
     type's own class (a ``qwen2`` model's adds a normalizer and ``<|endoftext|>``). The
-    folder's own tokenizer code runs only with ``trust_remote_code`` (else transformers
-    refuses it: ValueError)."""
+    folder's own tokenizer code runs only with ``trust_remote_code`` (None: the run's
+    ``run.trust_remote_code``, ``stages.remote_code``; else transformers refuses it:
+    ValueError)."""
     from stages.hf import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
+    if trust_remote_code is None:
+        trust_remote_code = remote_code_trusted()
     trust = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     config_file = path / "tokenizer_config.json"
     if config_file.is_file() and (path / "tokenizer.json").is_file():

@@ -31,8 +31,10 @@ valid. Only reports; imports no stage code.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config.errors import ConfigIssue
@@ -101,7 +103,40 @@ def pipeline_issues(
             )
     for name, section in built.items():
         _check_devices(name, section, inventory, fail)
+        if not run.trust_remote_code:
+            _check_own_code(name, section, fail)
     return found
+
+
+_FOLDER_CHECKS = ("model_check", "tokenizer_check")  # stages.hub's checks of a model folder
+
+
+def _check_own_code(name: str, section: StageSection, fail: Any) -> None:
+    """A model or tokenizer folder that ships its own code (``auto_map`` in its
+    ``config.json`` or ``tokenizer_config.json``) needs ``run.trust_remote_code``: without it
+    the stage and the engines would refuse it once started (a Hub id not downloaded yet is
+    left to them)."""
+    for owner, field_name, path, value in _fields_with(section.options, "check", "stages." + name):
+        spec = {f.name: f for f in dataclasses.fields(owner)}[field_name].metadata["check"]
+        if getattr(spec, "__name__", "") not in _FOLDER_CHECKS or not isinstance(value, str):
+            continue
+        folder = Path(value).expanduser()
+        own = [f for f in ("config.json", "tokenizer_config.json") if _has_auto_map(folder / f)]
+        if own:
+            fail(
+                path,
+                f"{value} ships its own code ({', '.join(own)}: auto_map), which runs only "
+                "where the run trusts it: set run.trust_remote_code: true for a folder you "
+                "trust, or use one without it",
+            )
+
+
+def _has_auto_map(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool(data.get("auto_map"))
 
 
 def _check_ranks(name: str, section: StageSection, locations: Locations, fail: Any) -> None:

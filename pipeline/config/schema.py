@@ -100,6 +100,12 @@ class RunSection:
         "at the end of the run, draw reward, held-out accuracy, lag and samples/s into "
         "RUN_DIR/plot.png (needs pip install 'inflight-rl[plot]')",
     )
+    trust_remote_code: bool = _f(
+        False,
+        "run the code a model folder ships (its auto_map: its own config, model or tokenizer "
+        "classes) in every stage that loads it and in the engines the generators launch "
+        "(SGLang's --trust-remote-code); without it such a folder fails at once, saying so",
+    )
     share_process: Literal["auto", "all", "none"] = _f(
         "auto",
         "local launcher: stages that reserve no cores or GPUs and are not gangs run as "
@@ -115,6 +121,11 @@ class RunSection:
     ray: RaySection = field(
         default_factory=lambda: RaySection(), metadata={"doc": "the Ray launcher's settings"}
     )
+
+
+# run.trust_remote_code's carrier: set to "1" for every process of a run that trusts model
+# folders' own code (stages.remote_code reads it)
+TRUST_REMOTE_CODE_ENV = "INFLIGHT_TRUST_REMOTE_CODE"
 
 
 @dataclass

@@ -42,7 +42,7 @@ from aiohttp import web
 
 from pipeline.processes import name_thread
 from stages.engine import server
-from stages.engine.loader import LoadedModel, load_model
+from stages.engine.loader import LoadedModel
 from stages.engine.protocol import (
     SamplingParams,
     SequenceResult,
@@ -87,7 +87,7 @@ class InProcessEngine:
     async def start(self) -> None:
         """Load the model (in a worker thread), start the scheduler and serve the routes."""
         args = self.args
-        load = functools.partial(load_model, args.model, device=args.device, dtype=args.dtype)
+        load = functools.partial(server.load_served, args)  # as a server process loads it
         self.loaded = await asyncio.get_running_loop().run_in_executor(self._loader, load)
         self.scheduler = server.build_scheduler(args, self.loaded)
         self.scheduler.start()

@@ -1019,6 +1019,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def load_served(args: argparse.Namespace) -> LoadedModel:
+    """The model the options name, loaded as they say (its own code, tokenizer, context length,
+    weights' format): as a server process and an engine in a generator's process load it."""
+    return load_model(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        tokenizer_path=args.tokenizer_path,
+        skip_tokenizer=args.skip_tokenizer_init,
+        context_length=args.context_length,
+        load_format=args.load_format,
+    )
+
+
 def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
     """The scheduler the options ask for, on ``loaded``'s model (not started)."""
     decode = decoder(loaded.tokenizer)
@@ -1112,16 +1127,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_pooling(args, kind, api_key)
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
-        loaded = load_model(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            trust_remote_code=args.trust_remote_code,
-            tokenizer_path=args.tokenizer_path,
-            skip_tokenizer=args.skip_tokenizer_init,
-            context_length=args.context_length,
-            load_format=args.load_format,
-        )
+        loaded = load_served(args)
     except (OSError, ValueError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2

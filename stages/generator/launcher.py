@@ -61,6 +61,7 @@ from pipeline.processes import child_preexec, name_thread
 from stages.engine.auth import API_KEY_ENV, is_loopback_host
 from stages.engine.identity import ENGINE_ID_ENV, answered_by_another, new_engine_id
 from stages.hub import model_check, resolve_model
+from stages.remote_code import remote_code_trusted
 from transport.address import rendezvous_port
 
 if TYPE_CHECKING:
@@ -242,7 +243,7 @@ class EngineLauncher:
         """``inflight engine``'s options for ``engine`` (its log options apart)."""
         cfg = self.config
         argv = ["--model", self._model(), "--host", self.host, "--port", str(engine.port)]
-        return [*argv, "--device", cfg.device, "--dtype", cfg.dtype]
+        return [*argv, "--device", cfg.device, "--dtype", cfg.dtype, *_trusting(cfg.extra_args)]
 
     def _command(self, engine: _Engine) -> list[str]:
         cfg = self.config
@@ -255,7 +256,7 @@ class EngineLauncher:
         else:
             cmd = [cfg.python or sys.executable, "-m", "sglang.launch_server"]
             cmd += ["--model-path", self._model(), "--host", self.host]
-            cmd += ["--port", str(engine.port)]
+            cmd += ["--port", str(engine.port), *_trusting(cfg.extra_args)]
             if self.api_key:
                 cmd += ["--config", str(self._sglang_key_file())]
         return cmd + list(cfg.extra_args)
@@ -458,3 +459,10 @@ class EngineLauncher:
         if self._key_dir is not None:
             shutil.rmtree(self._key_dir, ignore_errors=True)
             self._key_dir = None
+
+
+def _trusting(extra_args: list[str]) -> list[str]:
+    """SGLang's ``--trust-remote-code`` (the built-in engine's too) where the run trusts model
+    folders' own code (``run.trust_remote_code``) and ``extra_args`` do not say it already."""
+    flag = "--trust-remote-code"
+    return [flag] if remote_code_trusted() and flag not in extra_args else []

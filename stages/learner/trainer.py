@@ -58,6 +58,7 @@ from stages.hub import resolve_model
 from stages.learner.batching import collate, completion_logprobs, micro_batches, no_grad_logprobs
 from stages.learner.config import LearnerConfig, OptimConfig
 from stages.learner.loss import policy_loss, stat_keys, step_denominator, summarize
+from stages.remote_code import remote_code_trusted
 from transport.address import rendezvous_port
 
 __all__ = [
@@ -189,12 +190,12 @@ class Trainer:
         dtype = torch.bfloat16 if cfg.deepspeed.dtype == "bfloat16" else torch.float32
         # a folder, or a Hub id made its cached snapshot folder (downloaded first when online)
         model_dir = resolve_model(cfg.model, what="model")
-        model_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        # a folder's own code runs where the run trusts it (run.trust_remote_code)
+        local = {"local_files_only": True, "trust_remote_code": remote_code_trusted()}
+        model_config = AutoConfig.from_pretrained(model_dir, **local)
         pad = getattr(model_config, "pad_token_id", None)
         self.pad_id = pad if isinstance(pad, int) else 0
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, local_files_only=True
-        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **local)
         model.config.use_cache = False
         if cfg.lora.on:  # only the adapters train (and travel to the engines)
             from stages.learner.lora import wrap
@@ -202,9 +203,9 @@ class Trainer:
             model = wrap(model, cfg.lora)
         if cfg.loss.kl_coef > 0:
             ref_dir = resolve_model(cfg.ref_model, what="ref_model") if cfg.ref_model else model_dir
-            self.ref_model = AutoModelForCausalLM.from_pretrained(
-                ref_dir, dtype=dtype, local_files_only=True
-            ).to(self.device)
+            self.ref_model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype, **local).to(
+                self.device
+            )
             self.ref_model.eval().requires_grad_(False)
         optim = cfg.optim
         optimizer = torch.optim.AdamW(

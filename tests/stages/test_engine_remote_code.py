@@ -10,7 +10,6 @@ files, so the engine's answers can be held to the plain model's with the same we
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -28,22 +27,8 @@ from tests.stages.engine_setup import (
     load_reference,
     post_json,
 )
-from tests.stages.tiny_model import make_tiny_model
+from tests.stages.tiny_model import make_tiny_model, with_own_code
 
-CONFIG_CODE = """from transformers import Qwen2Config
-
-
-class TinyCustomConfig(Qwen2Config):
-    model_type = "tiny_custom"
-"""
-MODEL_CODE = """from transformers import Qwen2ForCausalLM
-
-from .configuration_tiny import TinyCustomConfig
-
-
-class TinyCustomForCausalLM(Qwen2ForCausalLM):
-    config_class = TinyCustomConfig
-"""
 PROMPT = [5, 17, 3, 29, 11, 8]
 
 
@@ -52,20 +37,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the plain model, the same weights as a folder with its own config and model code)."""
     root = tmp_path_factory.mktemp("remote-code")
     plain = make_tiny_model(root / "plain", seed=4)
-    custom = Path(shutil.copytree(plain, root / "custom"))
-    (custom / "configuration_tiny.py").write_text(CONFIG_CODE)
-    (custom / "modeling_tiny.py").write_text(MODEL_CODE)
-    config = json.loads((custom / "config.json").read_text())
-    config.update(
-        model_type="tiny_custom",
-        architectures=["TinyCustomForCausalLM"],
-        auto_map={
-            "AutoConfig": "configuration_tiny.TinyCustomConfig",
-            "AutoModelForCausalLM": "modeling_tiny.TinyCustomForCausalLM",
-        },
-    )
-    (custom / "config.json").write_text(json.dumps(config))
-    return plain, custom
+    return plain, with_own_code(plain, root / "custom")
 
 
 @pytest.mark.timeout(120)

@@ -8,6 +8,8 @@ seed gives the same weights. Nothing here is meant to be a good language model.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +241,40 @@ def make_gpt_oss_model(
     stops = [EOS_ID, *tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])]
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     return path
+
+
+# a model folder's own code (auto_map): subclasses of Qwen2's config and model
+_CONFIG_CODE = """from transformers import Qwen2Config
+
+
+class TinyCustomConfig(Qwen2Config):
+    model_type = "tiny_custom"
+"""
+_MODEL_CODE = """from transformers import Qwen2ForCausalLM
+
+from .configuration_tiny import TinyCustomConfig
+
+
+class TinyCustomForCausalLM(Qwen2ForCausalLM):
+    config_class = TinyCustomConfig
+"""
+
+
+def with_own_code(model_dir: Path, dest: Path) -> Path:
+    """A copy of the Qwen2 folder ``model_dir`` at ``dest`` whose config and model classes are
+    its own code (``auto_map``: subclasses in ``configuration_tiny.py`` and ``modeling_tiny.py``,
+    the same weights), as MiniCPM's or InternLM's folders ship theirs; returns ``dest``."""
+    shutil.copytree(model_dir, dest)
+    (dest / "configuration_tiny.py").write_text(_CONFIG_CODE)
+    (dest / "modeling_tiny.py").write_text(_MODEL_CODE)
+    config = json.loads((dest / "config.json").read_text())
+    config.update(
+        model_type="tiny_custom",
+        architectures=["TinyCustomForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_tiny.TinyCustomConfig",
+            "AutoModelForCausalLM": "modeling_tiny.TinyCustomForCausalLM",
+        },
+    )
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
