@@ -75,3 +75,20 @@ async def test_the_routes_answer_while_the_callers_loop_is_busy_and_stop_with_th
     assert "engine-http" not in {t.name for t in threading.enumerate()}
     with pytest.raises(OSError):
         _post(f"{url}/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})
+
+
+async def test_the_engine_loads_as_a_server_process_would_with_the_same_options(tmp_path):
+    """The loader's options (SGLang's --context-length, --load-format, --trust-remote-code...)
+    hold in a generator's process too: a model served there is the one the options describe."""
+    model = make_tiny_model(tmp_path / "model", vocab=32)
+    argv = ["--model", str(model), "--host", "127.0.0.1", "--port", "0", "--context-length", "24",
+            "--load-format", "dummy", "--skip-tokenizer-init"]  # fmt: skip
+    engine = InProcessEngine(argv, log=structlog.get_logger())
+    await asyncio.wait_for(engine.start(), 60)
+    try:
+        assert engine.loaded is not None and engine.loaded.context_length == 24
+        assert engine.loaded.tokenizer is None
+        weights = [p.abs().max().item() for p in engine.loaded.model.parameters()]
+        assert max(weights) <= 1e-3  # dummy: drawn, not read
+    finally:
+        await asyncio.wait_for(engine.close(), 60)
