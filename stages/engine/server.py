@@ -254,6 +254,7 @@ def build_app(
     LoadRoutes(scheduler, loaded.model, capacity, SERVED_VERSION, scheduler.metrics).add_to(app)
     SessionRoutes(sessions).add_to(app)
     app.router.add_post("/generate", _generate)
+    app.router.add_put("/generate", _generate)  # SGLang's route takes PUT too
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause)
     app.router.add_post("/continue_generation", _continue)
@@ -295,9 +296,12 @@ async def _tally(request: web.Request, handler: Callable) -> web.StreamResponse:
         try:
             response = await handler(request)
         except web.HTTPException as exc:  # 404, 405, 413 (a body over client_max_size) ...
-            if 400 <= exc.status < 500:
-                _refused(request, exc.status, exc.reason)
-            raise
+            if not 400 <= exc.status < 500:
+                raise
+            _refused(request, exc.status, exc.reason)
+            # FastAPI's answer (SGLang's routing): {"detail": "Not Found"}, not aiohttp's text
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return web.json_response({"detail": exc.reason}, status=exc.status, headers=allow)
         finally:
             if ignored:
                 _ignored(request, ignored)

@@ -1152,7 +1152,7 @@ def test_abort_by_the_callers_rid_stops_every_sample(engine: Engine) -> None:
 
 
 def _status(engine: Engine, path: str, raw: bytes) -> int:
-    """The status of a POST whose answer may not be JSON (413, 404 are aiohttp's text)."""
+    """The status of a POST whose answer may not be read (a 413 may close the connection)."""
     req = urllib.request.Request(engine.url + path, data=raw, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
@@ -1207,7 +1207,10 @@ def test_garbage_on_every_route_is_refused_counted_and_logged_sparsely(engine: E
     except (ConnectionError, urllib.error.URLError):
         pass  # the server may close the connection before the client has sent it all
     assert _status(engine, "/no_such_route", b'{"a": 1}') == 404
-    refused += 3
+    # as FastAPI answers SGLang's unknown routes and methods: JSON, with Allow
+    assert engine.request("GET", "/no_such_route") == (404, {"detail": "Not Found"})
+    assert engine.request("DELETE", "/generate") == (405, {"detail": "Method Not Allowed"})
+    refused += 5
     status, info = engine.request("GET", "/get_server_info")
     counts = info["refused_requests"]
     assert sum(counts.values()) - sum(before.values()) == refused, counts
@@ -1224,6 +1227,9 @@ def test_garbage_on_every_route_is_refused_counted_and_logged_sparsely(engine: E
     assert engine.request("GET", "/health")[0] == 200
     out = engine.generate({"input_ids": [1, 2], "sampling_params": {**GREEDY, "max_new_tokens": 2}})
     assert len(out["output_ids"]) == 2
+    body = {"input_ids": [1, 2], "sampling_params": {**GREEDY, "max_new_tokens": 2}}
+    status, put = engine.request("PUT", "/generate", body)  # SGLang's route takes PUT too
+    assert status == 200 and put["output_ids"] == out["output_ids"]
 
 
 @pytest.mark.timeout(60)
