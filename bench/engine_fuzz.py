@@ -58,7 +58,12 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 import aiohttp  # noqa: E402
 
 from bench._engines import engine_server  # noqa: E402
-from stages.engine import control_fields, custom_logits, request_fields  # noqa: E402
+from stages.engine import (  # noqa: E402
+    control_fields,
+    custom_logits,
+    openai_decisions,
+    request_fields,
+)
 
 ARITH = ROOT / "configs" / "models" / "arith-tiny"
 PASS_THROUGH = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -125,6 +130,9 @@ _ROUTES = [  # (path, SGLang's request model's fields, a body the route serves)
      {"model": "m", "messages": _MESSAGES, "max_tokens": 3}),
     ("/v1/messages/count_tokens", request_fields.CountTokensFields,
      {"model": "m", "messages": _MESSAGES}),
+    ("/v1/decisions", openai_decisions.DecisionRequest,
+     {"model": "m", "input": "1+1=2", "questions": [{"id": "q", "type": "score",
+                                                    "question": "right?", "levels": ["0", "1"]}]}),
     ("/api/chat", request_fields.OllamaChatFields,
      {"model": "m", "messages": _MESSAGES, "stream": False, "options": {"num_predict": 3}}),
     ("/api/generate", request_fields.OllamaGenerateFields,
@@ -178,7 +186,9 @@ def requests_to_send(model: str) -> list[tuple[str, str, Any, dict[str, Any]]]:
             for path, fields, base in _ROUTES:
                 if stream and path in _NOT_STREAMED:
                     continue
-                body = {**base, "model": base["model"] or model, "stream": stream}
+                body = {**base, "model": base["model"] or model}
+                if path not in _NOT_STREAMED:
+                    body["stream"] = stream
                 for field in fields.__annotations__:
                     out.append((path, field, value, {**body, field: value}))
     for value in VALUES:
@@ -199,7 +209,8 @@ _PROCESSORS = {
     )
 }
 _DONE = ("/generate", "/v1/completions", "/v1/chat/completions")  # streams that end so
-_NOT_STREAMED = ("/v1/tokenize", "/v1/detokenize", "/v1/score", "/v1/messages/count_tokens")
+_NOT_STREAMED = ("/v1/tokenize", "/v1/detokenize", "/v1/score", "/v1/messages/count_tokens",
+                 "/v1/decisions")  # fmt: skip
 
 
 async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:

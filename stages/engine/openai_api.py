@@ -845,6 +845,7 @@ class OpenAIRoutes:
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_post("/v1/score", self.score)
+        app.router.add_post("/v1/decisions", self.decisions)
         app.router.add_post("/v1/rerank", self.rerank)
         app.router.add_put("/v1/rerank", self.rerank)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
@@ -907,6 +908,9 @@ class OpenAIRoutes:
 
     async def rerank(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "rerank")
+
+    async def decisions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "decisions")
 
     async def ollama_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "ollama_chat")
@@ -1031,6 +1035,15 @@ class OpenAIRoutes:
                 return openai_score.score_request(checked_body(checked_score, raw), vocab)
 
             return build_score, openai_score.score_response, None
+        if route == "decisions":
+            from stages.engine import openai_decisions  # it builds on the score route
+
+            settings, length, served = self.chat, self.context_length, self.served_model_name
+
+            def build_decisions(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                return openai_decisions.decisions_request(raw, settings, length, served)
+
+            return build_decisions, openai_decisions.decisions_response, None
         if route == "rerank":
             from stages.engine import openai_rerank  # it builds on this module
 

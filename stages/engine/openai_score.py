@@ -28,7 +28,7 @@ from typing import Any
 from stages.engine.openai_api import OpenAIError, _usage
 from stages.engine.protocol import is_int
 
-__all__ = ["score_request", "score_response"]
+__all__ = ["label_scores", "score_request", "score_response"]
 
 _NOT_HERE = {  # SGLang's fields this engine has no counterpart of: refused when set
     "embed_override_token_id": "embedding overrides",
@@ -142,7 +142,7 @@ def score_response(results: list[Mapping[str, Any]], options: Mapping[str, Any])
         (step,) = meta["output_token_ids_logprobs"]  # the distribution after the prompt
         found = {token: logprob for logprob, token, _ in step}
         logprobs = [found.get(token, -math.inf) for token in labels]
-        scores.append(_scores(logprobs, options["apply_softmax"], options["temperature"]))
+        scores.append(label_scores(logprobs, options["apply_softmax"], options["temperature"]))
         raw.append(logprobs)
     return {
         "scores": scores,
@@ -154,7 +154,7 @@ def score_response(results: list[Mapping[str, Any]], options: Mapping[str, Any])
     }
 
 
-def _scores(logprobs: list[float], softmax: bool, temperature: float) -> list[float]:
+def label_scores(logprobs: list[float], softmax: bool, temperature: float) -> list[float]:
     """``_convert_logprobs_to_scores``: probabilities, or a softmax over the labels centred
     on their largest (so that a small temperature does not overflow)."""
     if not softmax:
