@@ -148,6 +148,7 @@ def build_pooling_app(
         app.router.add_post(path, _refuse_v1)
     app.router.add_post("/v1/rerank", _refuse_rerank)
     app.router.add_put("/v1/rerank", _refuse_rerank)
+    app.router.add_post("/v1/decisions", _refuse_decisions)
     for path in ("/health", "/ready", "/ping"):
         app.router.add_get(path, _health)
     app.router.add_get("/health_generate", _health_generate)
@@ -186,6 +187,11 @@ async def _refuse_v1(request: web.Request) -> web.Response:
     return error_response(
         f"this engine serves {_what(request.app[_POOLER])}; {request.path} needs a generating model"
     )
+
+
+async def _refuse_decisions(request: web.Request) -> web.Response:
+    """SGLang 0.5.23's refusal on a pooling model (``OpenAIServingDecisions._validate_server``)."""
+    return error_response("/v1/decisions requires a generation model")
 
 
 async def _refuse_rerank(request: web.Request) -> web.Response:

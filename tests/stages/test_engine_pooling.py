@@ -266,6 +266,12 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
         # EmbeddingReqInput's (/encode, /classify: pydantic's dataclass, before the route)
         (reward, "/encode", {"input_ids": [5], "dimensions": "x"}, "dimensions: Input should"),
         (reward, "/classify", {"input_ids": "5"}, "input_ids.list[list[int]]: Input should"),
+        (
+            reward,
+            "/v1/decisions",
+            {"input": "x", "questions": [{"id": "q", "type": "yes_no", "question": "ok?"}]},
+            "/v1/decisions requires a generation model",
+        ),
     ]
     ours = [  # what SGLang takes, ignores or fails on otherwise, refused here
         (reward, "/classify", {"text": "w5", "input_ids": [5]}, "exactly one of input_ids"),
