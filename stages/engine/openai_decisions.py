@@ -59,6 +59,8 @@ __all__ = [
     "decisions_request",
     "decisions_response",
     "render_question",
+    "request_error",
+    "values_of",
 ]
 
 PROMPT_FORMAT_VERSION = 1  # the prompt wording and labels below
@@ -172,6 +174,35 @@ class DecisionRequest(_Strict):
                 raise ValueError(f"question id {question.id!r} repeats another question")
             seen.add(question.id)
         return questions
+
+
+def request_error(body: Any) -> str | None:
+    """Why ``DecisionRequest`` refuses ``body`` (validation's words), or None."""
+    try:
+        DecisionRequest.model_validate(body)
+    except ValidationError as exc:
+        return validation_message(exc)
+    return None
+
+
+def values_of(question: Mapping[str, Any], given: Mapping[str, float]) -> dict[str, float]:
+    """The value of each candidate of ``question`` (a valid one, as the body holds it): yes 1
+    and no 0, a level its number, an option none; ``given`` (by candidate name) overrides.
+    ValueError naming a candidate without a value, or a name that is none."""
+    body = {"input": "x", "questions": [{**question, "id": "q"}]}
+    (parsed,) = DecisionRequest.model_validate(body).questions
+    view = View.of(parsed)
+    values = {"yes": 1.0, "no": 0.0} if view.kind == "yes_no" else {}
+    if view.kind == "score":
+        values = {name: float(name) for name in view.names}
+    strangers = sorted(set(given) - set(view.names))
+    if strangers:
+        raise ValueError(f"map names {strangers}, which are not candidates of {view.names}")
+    values.update(given)
+    missing = [name for name in view.names if name not in values]
+    if missing:
+        raise ValueError(f"map needs a value for each option: {missing} have none")
+    return values
 
 
 # ---- the prompt ----------------------------------------------------------------------------

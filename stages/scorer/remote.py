@@ -163,20 +163,33 @@ class _Slime(_OneCall):
 
 
 class _Judge(_OneCall):
-    """A generative judge on an engine's ``/generate`` or ``/v1/chat/completions``."""
+    """A generative judge on an engine's ``/generate`` or ``/v1/chat/completions``, or asked
+    ``question`` on its ``/v1/decisions`` (the reward: the candidates' values weighed by their
+    probabilities)."""
 
     def __init__(self, spec: RewardSpec) -> None:
         assert spec.judge is not None
         self.judge: JudgeSpec = spec.judge
         self.rule = re.compile(self.judge.parse)
-        chat = self.judge.route == "chat"
-        self.path = "/v1/chat/completions" if chat else "/generate"
-        self.size = 1 if chat else spec.batch_size
+        route = self.judge.route
+        self.path = {"chat": "/v1/chat/completions", "decisions": "/v1/decisions"}.get(
+            route, "/generate"
+        )
+        self.size = spec.batch_size if route == "generate" else 1
+        self.worth: dict[str, float] = {}
+        if route == "decisions":
+            from stages.engine.openai_decisions import values_of
+
+            assert self.judge.question is not None
+            self.worth = values_of(self.judge.question, self.judge.map)
 
     def body(self, part: Mapping[str, list]) -> Any:
         n = len(part["completions"])
         prompts = [_filled(self.judge.template, part, i, "judge_template") for i in range(n)]
         judge = self.judge
+        if judge.route == "decisions":
+            return {"model": judge.model, "input": prompts[0],
+                    "questions": [{**(judge.question or {}), "id": "q"}]}  # fmt: skip
         if judge.route == "generate":
             params = {"max_new_tokens": judge.max_new_tokens, "temperature": judge.temperature}
             return {"text": prompts, "sampling_params": params}
@@ -189,6 +202,8 @@ class _Judge(_OneCall):
         }
 
     def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
+        if self.judge.route == "decisions":
+            return [self._expected(reply)], {}
         texts = self._texts(reply, n)
         values: list[float | None] = [None] * n
         bad: dict[int, tuple[str, str]] = {}
@@ -199,6 +214,16 @@ class _Judge(_OneCall):
             else:
                 values[i] = score
         return values, bad
+
+    def _expected(self, reply: Any) -> float:
+        """The candidates' values weighed by the probabilities ``/v1/decisions`` answered."""
+        try:
+            probabilities = reply["answers"]["q"]["probabilities"]
+            return math.fsum(p * self.worth[name] for name, p in probabilities.items())
+        except (KeyError, TypeError) as exc:
+            raise HttpFailure(
+                "bad_response", f"not the engine's decision ({exc!r}): {quoted(reply)}"
+            ) from None
 
     def _texts(self, reply: Any, n: int) -> list[str]:
         try:

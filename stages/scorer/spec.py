@@ -130,22 +130,35 @@ class JudgeSpec:
         }
     )
     parse: str = field(
+        default="",
         metadata={
-            "doc": "regular expression with one group, searched in the judge's answer: the group "
-            "is the score (a number, or a key of map)"
-        }
+            "doc": "routes generate and chat: regular expression with one group, searched in the "
+            "judge's answer: the group is the score (a number, or a key of map)"
+        },
     )
     map: dict[str, float] = field(
         default_factory=dict,
         metadata={
-            "doc": 'score of each text the group may be ({"yes": 1, "no": 0}); empty: a number'
+            "doc": 'score of each text the group may be ({"yes": 1, "no": 0}); empty: a number. '
+            "Route decisions: the value of each candidate (option name, level number, yes or no)"
         },
     )
-    route: Literal["generate", "chat"] = _f(
+    route: Literal["generate", "chat", "decisions"] = _f(
         "generate",
         "generate: /generate with the prompt as it is, up to batch_size prompts a request; "
         "chat: /v1/chat/completions with the prompt as the user's message (the engine's chat "
-        "template applies), one sample a request",
+        "template applies), one sample a request; decisions: /v1/decisions with the prompt as "
+        "its input and question asked of it, the reward the expected value of the candidates "
+        "under their probabilities (no text generated, no parse), one sample a request",
+    )
+    question: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "doc": "route decisions: the question, as /v1/decisions takes it ({type: yes_no, "
+            "question: ...}; {type: score, question, levels: [...]}; {type: choice, question, "
+            "options: [{name, description}...]}); the reward is P(yes), the expected level, or "
+            "the options' map values weighed by their probabilities (map overrides each)"
+        },
     )
     system: str = _f("", "chat route: a system message before it")
     model: str = _f("default", "chat route: the request's model")
@@ -155,6 +168,13 @@ class JudgeSpec:
     def __post_init__(self) -> None:
         http_url(self.url, "url")
         _template_fields(self.template)
+        if self.route == "decisions":
+            self._check_question()
+            return
+        if self.question is not None:
+            raise ValueError("question applies to route: decisions")
+        if not self.parse:
+            raise ValueError(f"route {self.route} needs parse: where the score is in the answer")
         try:
             groups = re.compile(self.parse).groups
         except re.error as exc:
@@ -163,6 +183,19 @@ class JudgeSpec:
             raise ValueError(f"parse {self.parse!r} has {groups} groups: it needs exactly one")
         if self.system and self.route != "chat":
             raise ValueError("system applies to route: chat (with generate, put it in template)")
+
+    def _check_question(self) -> None:
+        """The question as /v1/decisions reads it, and a value for each of its candidates."""
+        if self.question is None:
+            raise ValueError("route decisions needs question: what the judge is asked")
+        if self.parse or self.system:
+            raise ValueError("parse and system apply to routes generate and chat")
+        from stages.engine.openai_decisions import request_error, values_of
+
+        why = request_error({"input": "x", "questions": [{**self.question, "id": "q"}]})
+        if why is not None:
+            raise ValueError(f"question: {why}")
+        values_of(self.question, self.map)  # ValueError: a candidate without a value
 
 
 @dataclass

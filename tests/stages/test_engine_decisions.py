@@ -187,3 +187,44 @@ def test_reasoning_is_turned_off_and_a_template_that_always_reasons_is_refused(
     choice = {"input": "a", "questions": [QUESTIONS[1]]}
     with pytest.raises(OpenAIError, match="the answer label 'A' is not one distinct token"):
         decisions_request(choice, _settings(lower, TEMPLATE), 4096, "m")
+
+
+@pytest.mark.timeout(120)
+async def test_a_judge_reward_asks_its_question_of_the_engines_decisions(url: str) -> None:
+    """``rewards: [{judge: {route: decisions, question: ...}}]``: each sample's template filled
+    as the input, the reward the candidates' values weighed by the probabilities the route
+    answers (P(yes); the expected level, or the map's values)."""
+    from stages.scorer.runner import RewardRunner
+    from stages.scorer.spec import JudgeSpec, RewardSpec
+
+    template = "{completion} is {answer}"
+    yes_no = {"type": "yes_no", "question": "Is the answer right?"}
+    score = {"type": "score", "question": "How right?", "levels": ["no", "half", "fully"]}
+    worth = {"0": -1.0, "2": 5.0}  # "1" keeps its number
+    specs = [
+        RewardSpec(name="right", judge=JudgeSpec(url=url, template=template, route="decisions",
+                                                 question=yes_no)),
+        RewardSpec(name="how", weight=0.5, judge=JudgeSpec(
+            url=url, template=template, route="decisions", question=score, map=worth)),
+    ]  # fmt: skip
+    kwargs = {"prompts": ["p", "p"], "completions": ["2+2=4", "3+3=7"], "answer": ["4", "6"]}
+    async with RewardRunner(specs) as runner:
+        scored = await runner.score(kwargs)
+        stats = runner.stats()
+    for i, (reward, info) in enumerate(scored):
+        text = template.format(completion=kwargs["completions"][i], answer=kwargs["answer"][i])
+        both = [{"id": "a", **yes_no}, {"id": "b", **score}]
+        asked = _decide(url, {"input": text, "questions": both}).json()
+        p_yes = asked["answers"]["a"]["probabilities"]["yes"]
+        levels = asked["answers"]["b"]["probabilities"]
+        expected = -1.0 * levels["0"] + 1.0 * levels["1"] + 5.0 * levels["2"]
+        assert info["right"] == pytest.approx(p_yes, abs=1e-5)  # prefilled alone, or with b
+        assert info["how"] == pytest.approx(expected, abs=1e-5)
+        assert reward == pytest.approx(p_yes + 0.5 * expected, abs=1e-5)
+    assert stats["calls"] == 4  # one sample a request
+    with pytest.raises(ValueError, match="map needs a value for each option"):
+        JudgeSpec(url=url, template=template, route="decisions", question=QUESTIONS[1])
+    with pytest.raises(ValueError, match=r"question: questions.0.yes_no.question: Field required"):
+        JudgeSpec(url=url, template=template, route="decisions", question={"type": "yes_no"})
+    with pytest.raises(ValueError, match="route generate needs parse"):
+        JudgeSpec(url=url, template=template)
