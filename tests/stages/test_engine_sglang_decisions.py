@@ -19,11 +19,11 @@ import string
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 from transformers import AutoTokenizer
 
 protocol: Any = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
+msgspec: Any = pytest.importorskip("msgspec")  # serving_decisions' QuestionView is its Struct
 
 from stages.engine import openai_decisions as ours  # noqa: E402
 from tests.stages.tiny_model import make_tagged_byte_model  # noqa: E402
