@@ -44,10 +44,12 @@ from pipeline.processes import name_thread
 from stages.engine import server
 from stages.engine.loader import LoadedModel
 from stages.engine.protocol import (
+    REQUEST_LEVEL_FIELDS,
     SamplingParams,
     SequenceResult,
     parse_groups,
     parse_sampling_params,
+    request_options,
 )
 from stages.engine.scheduler import Scheduler
 
@@ -78,7 +80,8 @@ class InProcessEngine:
         self._http: _HttpThread | None = None
         self.port: int = self.args.port
         # the sampling parameters submit_groups was last given, and their parsed form
-        self._params: tuple[dict[str, Any], SamplingParams] | None = None
+        # and the request-level fields among them (REQUEST_LEVEL_FIELDS) as GenerateInput's
+        self._params: tuple[dict[str, Any], SamplingParams, dict[str, Any]] | None = None
 
     @property
     def alive(self) -> bool:
@@ -139,14 +142,22 @@ class InProcessEngine:
         handed to the scheduler at once: a future per group, resolving with its results in
         order as soon as its own samples are done (or failing with the RequestError of a
         grammar that does not compile: grammars are compiled off this loop). The sampling
-        parameters are parsed once for as long as they stay the same."""
+        parameters are parsed once for as long as they stay the same; the request-level fields
+        among them (``REQUEST_LEVEL_FIELDS``: a thinking budget, a custom logit processor) apply
+        to every sample, as at the top of the body."""
         if self.scheduler is None or self.loaded is None:
             raise RuntimeError("the in-process engine is not started")
         loaded = self.loaded
         if self._params is None or self._params[0] != sampling_params:
             raw = dict(sampling_params)  # a copy: a later change to the caller's is seen
             encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
-            self._params = (raw, parse_sampling_params(raw, encode))
+            own = {k: v for k, v in raw.items() if k not in REQUEST_LEVEL_FIELDS}
+            options = request_options(
+                raw,
+                strict_thinking=self.scheduler.strict_thinking is not None,
+                custom_logits=self.scheduler.logit_processors is not None,
+            )
+            self._params = (raw, parse_sampling_params(own, encode), options)
         groups = parse_groups(
             prompts,
             self._params[1],
@@ -155,6 +166,7 @@ class InProcessEngine:
             context_length=loaded.context_length,
             lora=lora,
             adapters=self.scheduler.adapter_names() if lora is not None else (),
+            options=self._params[2],
         )
         return self.scheduler.submit_groups_async(groups)
 

@@ -51,7 +51,7 @@ import math
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -681,6 +681,31 @@ def parse_sampling_params(
     return _sampling_params(raw, "sampling_params", encode)
 
 
+# GenerateReqInput fields a caller's sampling parameters may carry (a rollout engine's
+# keywords, the generator's sampling config): they go at the request's top level
+REQUEST_LEVEL_FIELDS = ("require_reasoning", "max_thinking_tokens", "custom_logit_processor")
+
+
+def request_options(
+    sampling: Mapping[str, Any], *, strict_thinking: bool = False, custom_logits: bool = False
+) -> dict[str, Any]:
+    """The ``GenerateInput`` fields that ``REQUEST_LEVEL_FIELDS`` among ``sampling`` (and its
+    ``custom_params``) set, checked as ``parse_generate`` checks them at a body's top level;
+    for ``parse_groups``' groups, whose requests have no body."""
+    flag = sampling.get("require_reasoning", False)
+    if not isinstance(flag, bool | None):
+        raise RequestError("require_reasoning", f"expected true or false, got {flag!r}")
+    budget = _thinking_budget(sampling.get("max_thinking_tokens"), strict_thinking)
+    (processor,) = _logit_processors(dict(sampling), 1, False, 1, custom_logits, [None])
+    custom = _custom_params(dict(sampling), budget) if processor else None
+    return {
+        "require_reasoning": bool(flag),
+        "max_thinking_tokens": budget,
+        "logit_processor": processor,
+        "custom_params": custom,
+    }
+
+
 def parse_groups(
     prompts: Sequence[Any],
     params: SamplingParams,
@@ -690,13 +715,15 @@ def parse_groups(
     context_length: int,
     lora: str | None = None,
     adapters: Collection[str] = (),
+    options: Mapping[str, Any] | None = None,
 ) -> list[list[GenerateInput]]:
     """Groups of samples of one prompt each (``len(rids[i])`` samples of ``prompts[i]``, with
     log-probs, one set of ``params`` from ``parse_sampling_params``, the adapter ``lora``): what
     ``parse_generate`` gives for the body that lists each prompt once per sample with its rid,
     checked as it checks that body, with the same errors, but each prompt once and without
     the body. A generator's engine in its own process (``stages.engine.in_process``) takes
-    them this way."""
+    them this way. ``options``: ``GenerateInput`` fields for every sample
+    (``request_options``)."""
     count = sum(len(group) for group in rids)
     if count == 0:
         raise RequestError("input_ids", "empty")
@@ -712,6 +739,7 @@ def parse_groups(
             "POST /load_lora_adapter first",
         )
     check_logit_bias(params, "sampling_params", vocab_size)
+    more = dict(options or {})
     out: list[list[GenerateInput]] = []
     seen: set[str] = set()
     offset = 0
@@ -732,7 +760,7 @@ def parse_groups(
             if rid in seen:
                 raise RequestError(f"rid[{offset}]", f"duplicate request id {rid!r} in the batch")
             seen.add(rid)
-            inputs.append(GenerateInput(rid, ids, params, True, None, 0, -1, lora))
+            inputs.append(GenerateInput(rid, ids, params, True, None, 0, -1, lora, **more))
             offset += 1
         out.append(inputs)
     return out

@@ -120,7 +120,8 @@ def _token_list(ids: Sequence[int] | np.ndarray) -> list[int]:
 
 
 # GenerateReqInput fields that a rollout's engine call may carry among its sampling
-# parameters (RolloutEngine.generate's keywords): they go at the request's top level
+# parameters (RolloutEngine.generate's keywords): they go at the request's top level (the
+# engine's protocol.REQUEST_LEVEL_FIELDS, which this module does not import at start-up)
 REQUEST_FIELDS = ("require_reasoning", "max_thinking_tokens", "custom_logit_processor")
 
 

@@ -68,7 +68,9 @@ from stages.rollouts.trajectory import Trajectory
 __all__ = ["AgentProxy", "Episode"]
 
 POLICY = "policy"  # the model name /models lists
-_RUN_SAMPLING = ("temperature", "top_p", "top_k", "min_p")  # the run's win over the agent's
+# the run's win over the agent's (a custom logit processor: the run's, on every sample)
+_RUN_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "custom_logit_processor",
+                 "custom_params")  # fmt: skip
 _UNLIMITED_CONTEXT = 1 << 30
 
 

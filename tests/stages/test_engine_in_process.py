@@ -92,3 +92,32 @@ async def test_the_engine_loads_as_a_server_process_would_with_the_same_options(
         assert max(weights) <= 1e-3  # dummy: drawn, not read
     finally:
         await asyncio.wait_for(engine.close(), 60)
+
+
+async def test_group_requests_take_the_request_level_fields_among_the_sampling(tmp_path):
+    """A generator's sampling config may hold request-level fields (a custom logit processor, a
+    thinking budget): groups handed to the scheduler directly take them for every sample, as
+    the body with them at its top level would, and refuse them in the same words."""
+    from stages.engine.custom_logits import sglang_string
+    from stages.engine.protocol import RequestError
+
+    model = make_tiny_model(tmp_path / "model", vocab=32)
+    argv = ["--model", str(model), "--host", "127.0.0.1", "--port", "0",
+            "--enable-custom-logit-processor"]  # fmt: skip
+    engine = InProcessEngine(argv, log=structlog.get_logger())
+    await asyncio.wait_for(engine.start(), 60)
+    try:
+        plain = {"max_new_tokens": 6, "temperature": 0}
+        (free,) = await engine.submit_groups([[1, 2, 3]], plain, [["f"]])[0]
+        banned = sorted(set(free.output_ids[:2]))
+        processor = sglang_string("DisallowedTokensLogitsProcessor")
+        params = {**plain, "custom_logit_processor": processor,
+                  "custom_params": {"token_ids": banned}}  # fmt: skip
+        (group,) = engine.submit_groups([[1, 2, 3]], params, [["a", "b"]])
+        for result in await group:
+            assert result.output_ids[0] != free.output_ids[0]
+            assert not set(banned) & set(result.output_ids)
+        with pytest.raises(RequestError, match="--enable-strict-thinking"):
+            engine.submit_groups([[1, 2, 3]], {**plain, "max_thinking_tokens": 4}, [["c"]])
+    finally:
+        await asyncio.wait_for(engine.close(), 60)

@@ -144,6 +144,13 @@ async def test_group_request_body_and_answer(codec):
         ]  # fmt: skip
 
 
+def test_the_request_fields_are_the_engines() -> None:
+    from stages.engine.protocol import REQUEST_LEVEL_FIELDS
+    from stages.generator.client import REQUEST_FIELDS
+
+    assert REQUEST_FIELDS == REQUEST_LEVEL_FIELDS
+
+
 @pytest.mark.timeout(10)
 async def test_a_request_field_among_the_sampling_goes_to_the_request(codec):
     """RolloutEngine.generate's keywords are sampling parameters, and require_reasoning,

@@ -444,6 +444,16 @@ async def test_a_thinking_call_takes_the_runs_thinking_budget(tokenizer) -> None
     assert "require_reasoning" not in engine.sampling[0]
 
 
+@pytest.mark.timeout(60)
+async def test_an_agents_calls_take_the_runs_custom_logit_processor(tokenizer) -> None:
+    """sampling.custom_logit_processor and custom_params: every call of an agent carries the
+    run's to the engine, as the generator's own requests do."""
+    run = {"custom_logit_processor": '{"callable": "00"}', "custom_params": {"token_ids": [3]}}
+    engine, _, episode = _episode(tokenizer, "one_call", ["5"], sampling=run)
+    await episode
+    assert {k: engine.sampling[0][k] for k in run} == run
+
+
 def test_agent_config_errors() -> None:
     with pytest.raises(ValueError, match="needs `agent`"):
         RolloutConfig(use="openai_agent")
