@@ -14,6 +14,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -401,3 +402,40 @@ async def test_the_generators_sampling_config_sends_a_processor_by_name(url: str
     assert drawn and not drawn & set(banned)
     with pytest.raises(ValueError, match="one of SGLang's shipped processors"):
         SamplingConfig(custom_logit_processor="NoSuchProcessor")
+
+
+@pytest.mark.timeout(120)
+def test_a_processor_reads_the_whole_output_after_a_retracting_pause(
+    url: str, client: dict[str, str]
+) -> None:
+    """A request retracted by ``/pause_generation`` (mode retract) and prefilled again after
+    ``/continue_generation``: its processor's ``__req__.output_ids`` still holds every token
+    sampled before, so the forced count goes on where it stopped."""
+    import threading
+    import time
+
+    body = {
+        "input_ids": [3, 4],
+        "sampling_params": {"max_new_tokens": 60, "temperature": 1.0,
+                            "custom_params": {"first": 10}},
+        "custom_logit_processor": client["CountUp"],
+    }  # fmt: skip
+    answer: dict[str, Any] = {}
+    assert requests.post(url + "/slow_down", json={"forward_sleep_time": 0.02}).ok
+    sender = threading.Thread(target=lambda: answer.update(_generate(url, body).json()))
+    sender.start()
+    try:
+        deadline = time.monotonic() + 30
+        while requests.get(url + "/server_info").json()["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.01)
+        time.sleep(0.2)  # some tokens sampled
+        paused = requests.post(url + "/pause_generation", json={"mode": "retract"})
+        assert paused.ok
+        assert requests.get(url + "/server_info").json()["num_waiting_reqs"] == 1
+    finally:
+        requests.post(url + "/continue_generation", json={})
+        requests.post(url + "/slow_down", json={"forward_sleep_time": None})
+    sender.join(60)
+    assert answer["output_ids"] == list(range(10, 70))
+    assert answer["meta_info"]["num_retractions"] == 1
