@@ -283,8 +283,9 @@ def decisions_request(
         request = DecisionRequest.model_validate(body)
     except ValidationError as exc:
         raise OpenAIError(validation_message(exc), kind=BAD_REQUEST) from None
-    _check_request(request, settings, served_model_name)
-    kwargs = _template_kwargs(settings, request.chat_template_kwargs)
+    always, toggle = _template_reasoning(settings)  # the template read once a request
+    _check_request(request, served_model_name, always, toggle)
+    kwargs = {**({toggle: False} if toggle is not None else {}), **request.chat_template_kwargs}
     text = as_text(request.input)
     prompts, labels = [], []
     for question in request.questions:
@@ -306,7 +307,7 @@ def decisions_request(
     return native, {"request": request, "prompts": prompts, "labels": labels, "stream": False}
 
 
-def _check_request(request: DecisionRequest, settings: Any, served: str) -> None:
+def _check_request(request: DecisionRequest, served: str, always: bool, toggle: str | None) -> None:
     """``OpenAIServingDecisions._validate_request`` where it applies to this engine."""
     adapter = _adapter(request.model, served)
     if adapter is not None:
@@ -324,7 +325,6 @@ def _check_request(request: DecisionRequest, settings: Any, served: str) -> None
             f"prompt_format_version {version} is not served, this server uses version "
             f"{PROMPT_FORMAT_VERSION}"
         )
-    always, toggle = _template_reasoning(settings)
     if always:
         raise OpenAIError(
             f"{ROUTE} does not support chat templates that always reason before answering"
@@ -356,12 +356,6 @@ def _template_reasoning(settings: Any) -> tuple[bool, str | None]:
     parser = settings.reasoning
     mode = parser.fmt.default if parser is not None else None
     return always, mode.removeprefix("explicit_") if mode in _PARSER_TOGGLES else None
-
-
-def _template_kwargs(settings: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    """Reasoning off, then the request's kwargs."""
-    toggle = _template_reasoning(settings)[1]
-    return {**({toggle: False} if toggle is not None else {}), **given}
 
 
 def _render(settings: Any, messages: list[dict[str, Any]], kwargs: dict, prompt: bool) -> str:
