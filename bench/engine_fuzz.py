@@ -21,7 +21,8 @@ body the route would otherwise serve, streamed and not (a stream's events read w
   (``stages.engine.request_fields``);
 - the native routes that cannot change what the engine serves next (``/abort_request``,
   ``/update_weight_version``, ``/get_weights_by_name``, ``/unload_lora_adapter``,
-  ``/parse_function_call``, ``/separate_reasoning``, ``/open_session``, ``/close_session``):
+  ``/parse_function_call``, ``/separate_reasoning``, ``/open_session``, ``/close_session``,
+  ``/set_internal_state``):
   every field of their ``io_struct``
   request (``stages.engine.control_fields``), not streamed.
 
@@ -155,6 +156,7 @@ _CONTROL = [
      {"text": "<think>a</think>b", "reasoning_parser": "qwen3"}),
     ("/open_session", control_fields.OpenSessionFields, {"capacity_of_str_len": 100}),
     ("/close_session", control_fields.CloseSessionFields, {"session_id": "none-such"}),
+    ("/set_internal_state", control_fields.SetInternalStateFields, {"server_args": {}}),
 ]  # fmt: skip
 
 

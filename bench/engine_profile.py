@@ -51,7 +51,9 @@ the event-loop thread.
 pass-through ``--chat-template`` turns back into the same ids) and ``responses`` (one sample a
 request through ``/v1/responses``, as ``single`` is through ``/generate``; output log-probs
 unless streamed, where SGLang refuses them) and ``messages`` (the same through Anthropic's
-``/v1/messages``, which has no log-probs).
+``/v1/messages``, which has no log-probs). ``FORM+log`` is FORM with the engine's request log
+on (``POST /configure_logging``: SGLang's ``--log-requests`` at its default level 2, text, to
+the engine's stdout, here ``/dev/null``) for its phases only: what logging every request costs.
 
 ``compare`` starts one such server and takes the request forms of ``--forms`` in turn, in short
 phases (``--seconds``), ``--rounds`` times, the order reversed every other round: the engine's
@@ -87,6 +89,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -571,8 +574,6 @@ def _write(path: Path, text: str) -> Path:
 
 
 def _server_info(url: str) -> dict[str, Any]:
-    import urllib.request
-
     with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
         return json.loads(resp.read())
 
@@ -758,6 +759,24 @@ _FORMS = {  # compare's variants: (group form, stream)
 }
 
 
+def _form(form: str) -> tuple[str, bool, str]:
+    """A compare form's parts: ``NAME[+log][@base]`` -> (NAME, logged, "" or "base")."""
+    head, _, where = form.partition("@")
+    name, _, modifier = head.partition("+")
+    return (name if modifier in ("", "log") else head), modifier == "log", where
+
+
+def _configure_logging(url: str, on: bool) -> None:
+    """Turn the engine's request log on (SGLang's default level 2, text, to its stdout) or
+    off, through ``/configure_logging``."""
+    body = json.dumps({"log_requests": on, "log_requests_level": 2}).encode()
+    request = urllib.request.Request(
+        url + "/configure_logging", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
+
+
 def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """The engine's CPU per sample for each of ``--forms`` on one server, in short phases taken
     in turn (the order reversed every other round): this machine's speed drifts by tens of
@@ -765,7 +784,7 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     variant's cost is also given over the first's in the same round, and the median of those
     paired ratios is the figure to read."""
     forms = args.forms.split(",")
-    unknown = [f for f in forms if f.partition("@")[0] not in _FORMS]
+    unknown = [f for f in forms if _form(f)[0] not in _FORMS]
     if unknown:
         raise SystemExit(f"--forms: unknown {unknown}; known: {sorted(_FORMS)}")
     if any(f.endswith("@base") for f in forms) != bool(args.against):
@@ -781,15 +800,17 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     rows: dict[str, list[float]] = {f: [] for f in forms}  # tokens sampled per decode step
     try:
         for form in forms:  # each route's first requests (imports, caches) before measuring
-            name, _, where = form.partition("@")
+            name, _, where = _form(form)
             kind, stream = _FORMS[name]
             url = servers[where][1]
             asyncio.run(_drive(url, kind, args.in_flight, 1.5, 4, stream, args.new_tokens))
         for r in range(args.rounds):
             for form in forms if r % 2 == 0 else forms[::-1]:
-                name, _, where = form.partition("@")
+                name, logged, where = _form(form)
                 kind, stream = _FORMS[name]
                 proc, url = servers[where]
+                if logged:
+                    _configure_logging(url, True)
                 info0, threads0 = _server_info(url), _thread_cpu(proc.pid)
                 user0, system0 = _process_cpu(proc.pid)
                 driven = asyncio.run(
@@ -797,6 +818,8 @@ def _compare_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 )
                 user1, system1 = _process_cpu(proc.pid)
                 info1, threads1 = _server_info(url), _thread_cpu(proc.pid)
+                if logged:
+                    _configure_logging(url, False)
                 cpu = user1 - user0 + system1 - system0
                 samples = max(1, driven["samples"])
                 per[form].append(1e6 * cpu / samples)

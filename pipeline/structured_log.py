@@ -44,6 +44,7 @@ __all__ = [
     "adopt_library_loggers",
     "close_process_logging",
     "configure_process_logging",
+    "set_process_level",
 ]
 
 _LEVEL_NO = {name: getattr(logging, name.upper()) for name in LEVELS}
@@ -179,6 +180,24 @@ def close_process_logging() -> None:
     active.sink.close()
 
 
+def set_process_level(level: str) -> None:
+    """Change what this process's configuration logs, while it runs: events at ``level`` or
+    above reach its file and the console (stdlib records too). Loggers from
+    ``structlog.get_logger()`` follow it; one bound before (``configure_process_logging``'s
+    own return value) keeps the level it was made with. ValueError for an unknown level;
+    without a configuration only the stdlib root logger's level changes."""
+    number = logging.getLevelName(level.upper())
+    if not isinstance(number, int):
+        raise ValueError(f"Unknown level: {level!r}")
+    logging.getLogger().setLevel(number)
+    active = _active
+    if active is None:
+        return
+    active.sink.set_level(number)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(number))
+    active.handler.relog(structlog.get_logger().bind())  # stdlib records through the new one
+
+
 # --------------------------------------------------------------------------- internals
 
 
@@ -187,7 +206,7 @@ class _Active:
     """What the current configuration installed, so that closing it can remove exactly that."""
 
     sink: _Sink
-    handler: logging.Handler
+    handler: _StdlibHandler
     saved_root_level: int
 
 
@@ -229,6 +248,12 @@ class _Sink:
             if text is not None:
                 sys.stderr.write(text)
                 sys.stderr.flush()
+
+    def set_level(self, level: int) -> None:
+        """Events at ``level`` or above reach the file, and the console where it has one."""
+        self._file_level = level
+        if self._console_level is not None:
+            self._console_level = level
 
     def close(self) -> None:
         with self._lock:
@@ -306,6 +331,10 @@ class _StdlibHandler(logging.Handler):
 
     def __init__(self, log: FilteringBoundLogger) -> None:
         super().__init__()
+        self._log = log
+
+    def relog(self, log: FilteringBoundLogger) -> None:
+        """Log through ``log`` from now on (the process's level changed)."""
         self._log = log
 
     def emit(self, record: logging.LogRecord) -> None:

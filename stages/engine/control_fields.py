@@ -7,15 +7,14 @@ own checks. A body that is no JSON, or none where the struct is not optional, is
 FastAPI refuses it there (``request_body.read_body``).
 
 The routes: ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
-``/update_weight_version``, ``/slow_down``, the weight-update group's three, the update
-session's two, ``/update_weights_from_tensor``, ``/update_weights_from_disk``,
-``/get_weights_by_name``, ``/weights_checker`` and ``/start_profile`` (optional bodies), memory
-release and resume, the three LoRA routes, ``/open_session`` and ``/close_session``,
-``/parse_function_call``,
-``/separate_reasoning``, and ``/encode`` and ``/classify`` (``EmbeddingReqInput``, a dataclass
-as ``/generate``'s is). ``serialized_named_tensors`` is read as its ``Base64Bytes`` marker
-reads it: each string decoded (``Expected base64-encoded bytes`` when it is none), the route
-handed the bytes."""
+``/update_weight_version``, ``/slow_down``, ``/configure_logging``, ``/set_internal_state``,
+the weight-update group's three, the update session's two, ``/update_weights_from_tensor``,
+``/update_weights_from_disk``, ``/get_weights_by_name``, ``/weights_checker`` and
+``/start_profile`` (optional bodies), memory release and resume, the three LoRA routes,
+``/open_session`` and ``/close_session``, ``/parse_function_call``, ``/separate_reasoning``,
+and ``/encode`` and ``/classify`` (``EmbeddingReqInput``, a dataclass as ``/generate``'s is).
+``serialized_named_tensors`` is read as its ``Base64Bytes`` marker reads it: each string
+decoded (``Expected base64-encoded bytes`` when it is none), the route handed the bytes."""
 
 from __future__ import annotations
 
@@ -36,6 +35,7 @@ __all__ = [
     "BEGIN_UPDATE",
     "CHECK_WEIGHTS",
     "CLOSE_SESSION",
+    "CONFIGURE_LOGGING",
     "CONTINUE",
     "DESTROY_GROUP",
     "ENCODE",
@@ -49,6 +49,7 @@ __all__ = [
     "PAUSE",
     "PROFILE",
     "SEPARATE_REASONING",
+    "SET_INTERNAL_STATE",
     "SLOW_DOWN",
     "UNLOAD_LORA",
     "UPDATE_DISK",
@@ -259,6 +260,21 @@ class SeparateReasoningFields(_Base, total=False):  # SeparateReasoningReqInput
     return_blocks: bool
 
 
+class ConfigureLoggingFields(_Base, total=False):  # ConfigureLoggingReq
+    log_requests: bool | None
+    log_requests_level: int | None
+    log_requests_format: str | None
+    log_level: str | None
+    dump_requests_folder: str | None
+    dump_requests_threshold: int | None
+    crash_dump_folder: str | None
+    dump_requests_exclude_meta_keys: list[str] | None
+
+
+class SetInternalStateFields(_Base, total=False):  # SetInternalStateReq
+    server_args: Required[dict[str, int | float]]
+
+
 class EncodeFields(TypedDict, total=False):  # EmbeddingReqInput, as pydantic reads it
     rid: list[str] | str | None
     text: list[list[str]] | list[str] | str | None
@@ -295,6 +311,8 @@ CONTINUE = Checker(ContinueFields)
 ABORT = Checker(AbortFields)
 UPDATE_VERSION = Checker(UpdateVersionFields)
 SLOW_DOWN = Checker(SlowDownFields)
+CONFIGURE_LOGGING = Checker(ConfigureLoggingFields)
+SET_INTERNAL_STATE = Checker(SetInternalStateFields)
 INIT_GROUP = Checker(InitGroupFields)
 UPDATE_DISTRIBUTED = Checker(  # Inflight's: a delta update's base (weight_routes)
     UpdateDistributedFields, extensions=("base_version",)

@@ -10,6 +10,15 @@
   ``SlowDownReqInput``): the scheduler sleeps that long before each step that has work, until a
   null or non-positive value ends it (SGLang's ``Scheduler.slow_down``: for tests that need
   requests to stay in flight); answers ``null``.
+- ``POST|PUT /set_internal_state``: ``{server_args: {name: number}}`` (SGLang's
+  ``SetInternalStateReq``), answered as SGLang's scheduler answers it
+  (``SchedulerInternalStateController.set_internal_state``): ``[true]`` when every name is one
+  it takes here, and then they show in ``/server_info``'s ``internal_states``; else
+  ``[false]``, nothing changed. It takes ``pp_max_micro_batch_size`` in 1..max running
+  requests and ``speculative_accept_threshold_single`` / ``_acc`` (a scheduler without
+  pipeline stages or speculative decoding, as this one, accepts them and runs as before); the
+  DSpark knobs need a draft worker, which this engine lacks, and other names are not
+  updatable.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import math
 from aiohttp import web
 
 from pipeline import heap
-from stages.engine.control_fields import SLOW_DOWN, typed_body
+from stages.engine.control_fields import SET_INTERNAL_STATE, SLOW_DOWN, typed_body
 from stages.engine.protocol import RequestError
 from stages.engine.request_body import bad_request
 from stages.engine.scheduler import Scheduler
@@ -28,14 +37,38 @@ from stages.engine.scheduler import Scheduler
 __all__ = ["MaintenanceRoutes"]
 
 
+# the names SGLang's scheduler updates without a pipeline-parallel, speculative or DSpark setup
+_ANY_VALUE = frozenset(("speculative_accept_threshold_single", "speculative_accept_threshold_acc"))
+
+
 class MaintenanceRoutes:
-    def __init__(self, scheduler: Scheduler) -> None:
+    """``overrides``: what ``/set_internal_state`` set (shared with ``/server_info``)."""
+
+    def __init__(self, scheduler: Scheduler, overrides: dict[str, float] | None = None) -> None:
         self.scheduler = scheduler
+        self.overrides = {} if overrides is None else overrides
 
     def add_to(self, app: web.Application) -> None:
         for method in ("GET", "POST"):
             app.router.add_route(method, "/freeze_gc", self.freeze_gc)
             app.router.add_route(method, "/slow_down", self.slow_down)
+        for method in ("POST", "PUT"):
+            app.router.add_route(method, "/set_internal_state", self.set_internal_state)
+
+    async def set_internal_state(self, request: web.Request) -> web.Response:
+        body = await typed_body(request, SET_INTERNAL_STATE)
+        if isinstance(body, web.Response):
+            return body
+        wanted = body["server_args"]
+        updated = all(self._takes(key, value) for key, value in wanted.items())
+        if updated:
+            self.overrides.update(wanted)
+        return web.json_response([updated])  # one per data-parallel rank, as SGLang's
+
+    def _takes(self, key: str, value: float) -> bool:
+        if key == "pp_max_micro_batch_size":  # pipeline stages: 1 here
+            return 1 <= value <= self.scheduler.max_running
+        return key in _ANY_VALUE
 
     async def freeze_gc(self, request: web.Request) -> web.Response:
         heap.resettle()

@@ -821,8 +821,11 @@ class OpenAIRoutes:
         any_model: bool = False,
         response_store: Any = None,
         cache_report: bool = False,
+        request_log: Any = None,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
+        # stages.engine.request_log.RequestLog: each /v1 body logged as it came (level >= 2)
+        self.request_log = request_log
         self.any_model = any_model  # /v1/responses takes any model name (the agent proxy)
         # openai_responses.ResponseStore (--enable-response-store); None: off, SGLang's default
         self.response_store = response_store
@@ -1136,6 +1139,8 @@ class OpenAIRoutes:
             for header, flag in _SGLEXT_HEADERS:
                 if request.headers.get(header) == "1" and not body.get(flag):
                     body[flag] = True
+        if self.request_log is not None and not route.startswith("ollama"):
+            self.request_log.received_openai(body, request.headers)
         reply = await self.reply(route, body)
         if reply.chunks is None:
             return web.Response(

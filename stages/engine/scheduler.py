@@ -563,6 +563,11 @@ class Scheduler:
         # --enable-metrics: each finished request recorded there (engine_metrics), set by the
         # server before it starts
         self.metrics: EngineMetrics | None = None
+        # the server's request log (stages.engine.request_log), read by the routes that serve
+        # generating requests; called on the scheduler thread when a step fails (with the
+        # error), before what was in flight is failed
+        self.request_log: Any = None
+        self.on_step_failed: Callable[[BaseException], None] | None = None
 
     # ---- thread-safe API -------------------------------------------------------------------
 
@@ -870,6 +875,8 @@ class Scheduler:
                 except Exception as exc:
                     # A failing forward pass must not kill the engine: fail what was in flight.
                     log.exception("scheduler_step_failed", error=repr(exc))
+                    if self.on_step_failed is not None:
+                        self.on_step_failed(exc)
                     self._fail_all(exc)
                     continue
                 if not busy:

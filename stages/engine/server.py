@@ -77,6 +77,7 @@ from stages.engine.harmony import kept_stop_ids
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.load_routes import LoadRoutes
 from stages.engine.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS, LoadedModel, load_model
+from stages.engine.logging_routes import LoggingRoutes
 from stages.engine.lora_routes import LoraRoutes
 from stages.engine.maintenance_routes import MaintenanceRoutes
 from stages.engine.memory_routes import MemoryRoutes
@@ -103,6 +104,7 @@ from stages.engine.request_body import (
     json_response,
 )
 from stages.engine.request_error import AbortedWithError
+from stages.engine.request_log import LEVELS, RequestLog
 from stages.engine.scheduler import (
     PREFIX_CACHE_MAX_AGE,
     PREFIX_CACHE_TOKENS,
@@ -145,6 +147,7 @@ _SESSIONS = web.AppKey("sessions", Sessions)
 _REFUSED = web.AppKey("refused", Counter)
 _IGNORED = web.AppKey("ignored", Counter)
 _API_KEY = web.AppKey("api_key", str)
+_OVERRIDES = web.AppKey("overrides", dict)  # what /set_internal_state set
 _ENGINE_ID = web.AppKey("engine_id", dict)  # the /health header naming this engine, or none
 SERVED_NAME = web.AppKey("served_model_name", str)  # the model's name on the OpenAI routes
 _PARSERS = web.AppKey("parsers", dict)  # /model_info's reasoning_parser and tool_call_parser
@@ -181,6 +184,7 @@ def build_app(
     enable_metrics: bool = False,
     served_model_name: str | None = None,
     streaming_sessions: bool = False,
+    request_log: RequestLog | None = None,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
@@ -190,7 +194,9 @@ def build_app(
     ``usage`` has ``prompt_tokens_details.cached_tokens`` (SGLang's ``--enable-cache-report``);
     ``enable_metrics``: ``GET /metrics`` and each answer's time stats (SGLang's
     ``--enable-metrics``, ``stages.engine.engine_metrics``); ``served_model_name``: the
-    model's name on the OpenAI routes (SGLang's ``--served-model-name``; None: its path).
+    model's name on the OpenAI routes (SGLang's ``--served-model-name``; None: its path);
+    ``request_log``: SGLang's request logging and dumps (``stages.engine.request_log``; None:
+    off until ``/configure_logging`` turns it on).
     """
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     name = served_model_name or str(loaded.path)
@@ -201,6 +207,11 @@ def build_app(
     weights = WeightRoutes(scheduler, str(loaded.path))
     app[_WEIGHTS] = weights
     decode = app[_DECODE]
+    requests = request_log if request_log is not None else RequestLog()
+    requests.decode = decode
+    requests.config_updates = app[_OVERRIDES] = {}  # /set_internal_state's
+    scheduler.request_log = requests
+    app.on_startup.append(_crash_dumps)
     chat = ChatSettings.of(
         loaded.tokenizer,
         Path(loaded.path),
@@ -241,13 +252,15 @@ def build_app(
         adapters=scheduler.adapters,
         response_store=ResponseStore() if response_store else None,
         cache_report=cache_report,
+        request_log=requests,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     EncodeRoutes(None, name).add_to(app)  # SGLang's refusal: not an embedding model
     ParseRoutes().add_to(app)
     MemoryRoutes(scheduler).add_to(app)
     ProfileRoutes(scheduler).add_to(app)
-    MaintenanceRoutes(scheduler).add_to(app)
+    MaintenanceRoutes(scheduler, app[_OVERRIDES]).add_to(app)
+    LoggingRoutes(requests).add_to(app)
     if enable_metrics:  # each finished request recorded, with its time stats in its meta_info
         scheduler.metrics = EngineMetrics(name, loaded.context_length)
     capacity = _max_total_tokens(scheduler, loaded)
@@ -285,6 +298,20 @@ def build_app(
     LoraRoutes(scheduler).add_to(app)
     app.on_cleanup.append(weights.close)
     return app
+
+
+async def _crash_dumps(app: web.Application) -> None:
+    """Once serving: a failing model step writes the request log's crash dump first (on this
+    loop, before what was in flight is failed there)."""
+    loop = asyncio.get_running_loop()
+    scheduler = app[_SCHEDULER]
+    requests = scheduler.request_log
+
+    def failed(exc: BaseException) -> None:
+        if requests.crash_folder:
+            loop.call_soon_threadsafe(requests.crash_dump, f"a model step failed: {exc!r}")
+
+    scheduler.on_step_failed = failed
 
 
 @web.middleware
@@ -368,12 +395,19 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 return await write_events(
                     request,
                     stream_generate(
-                        loaded, scheduler, request.app[_DECODE], body, tokenizer_aborts=True
+                        loaded,
+                        scheduler,
+                        request.app[_DECODE],
+                        body,
+                        tokenizer_aborts=True,
+                        headers=request.headers,
                     ),
                     dumps,
                     on_disconnect=lambda: _refused(request, 499, "the client went away mid-stream"),
                 )
-            rendered = await generate(loaded, scheduler, request.app[_DECODE], body)
+            rendered = await generate(
+                loaded, scheduler, request.app[_DECODE], body, request.headers
+            )
         finally:
             _settle(scheduler)
         # a sample aborted while it waited: answered as SGLang's tokenizer answers it (the
@@ -420,20 +454,35 @@ async def generate(
     scheduler: Scheduler,
     decode: Callable[[list[int], bool], str] | None,
     body: Any,
+    headers: Any = None,
 ) -> Any:
     """What ``/generate`` answers to ``body`` (SGLang's layout: one result, or a list of them).
 
     Raises RequestError for a malformed body and ValueError for a rid already in flight (the
     route answers 400 for both); cancelled (the client went away), it aborts the requests it
-    queued, as SGLang aborts on disconnect.
+    queued, as SGLang aborts on disconnect. With the server's request log active
+    (``stages.engine.request_log``), the request is logged once checked and each sample at its
+    end (``headers``: the HTTP request's, for the headers it logs).
     """
-    inputs, results, listed = await generate_results(loaded, scheduler, body)
+    inputs, listed = parse_body(loaded, scheduler, body)
+    requests = scheduler.request_log
+    logged = None
+    if requests is not None and requests.active:
+        logged = requests.received(body, [inp.rid for inp in inputs], listed, headers)
+    try:
+        results = await _submit(scheduler, inputs)
+        token_text = token_texts(decode, body)
+        rendered = [
+            render_sample(inp, result, decode, token_text)
+            for inp, result in zip(inputs, results, strict=True)
+        ]
+        if logged is not None:  # aborts too, as SGLang logs them (before it raises)
+            for index, answer in enumerate(rendered):
+                requests.finished(logged, index, answer)
+    finally:
+        if logged is not None:
+            requests.ended(logged)
     raise_aborted_with_error(result.finish_reason for result in results)
-    token_text = token_texts(decode, body)
-    rendered = [
-        render_sample(inp, result, decode, token_text)
-        for inp, result in zip(inputs, results, strict=True)
-    ]
     return rendered if listed else rendered[0]
 
 
@@ -443,13 +492,17 @@ async def generate_results(
     """``generate`` before rendering: the requests, their results (in request order) and
     whether the body was a batch. ``stages.engine.in_process`` hands them on as they are."""
     inputs, listed = parse_body(loaded, scheduler, body)
-    # One command and one future per request, however many samples it holds.
+    return inputs, await _submit(scheduler, inputs), listed
+
+
+async def _submit(scheduler: Scheduler, inputs: list[GenerateInput]) -> list[SequenceResult]:
+    """Queue ``inputs`` (one command and one future, however many samples they hold) and wait
+    for their results."""
     try:
-        results = await scheduler.submit_async(inputs)
+        return await scheduler.submit_async(inputs)
     except asyncio.CancelledError:
         scheduler.abort_many([inp.rid for inp in inputs])
         raise
-    return inputs, results, listed
 
 
 async def _abort_request(request: web.Request) -> web.Response:
@@ -609,6 +662,7 @@ async def _server_info(request: web.Request) -> web.Response:
         "prefix_cache": scheduler.prefix_cache_stats(),
         "released_memory": scheduler.released_memory,  # /release_memory_occupation's tags
     }
+    requests = scheduler.request_log
     return web.json_response(
         {
             "model_path": str(loaded.path),
@@ -629,7 +683,14 @@ async def _server_info(request: web.Request) -> web.Response:
             "enable_return_hidden_states": scheduler.hidden_states_mode is not None,
             "return_hidden_states_mode": scheduler.hidden_states_mode,
             "weight_version": scheduler.weight_version,
-            "internal_states": [state],
+            # as launched (SGLang's server args; /configure_logging changes the live ones)
+            "log_requests": requests.launched["log_requests"],
+            "log_requests_level": requests.launched["log_requests_level"],
+            "log_requests_format": requests.launched["log_requests_format"],
+            "log_requests_target": requests.launched["log_requests_target"],
+            "crash_dump_folder": requests.launched["crash_dump_folder"],
+            # with /set_internal_state's values, as SGLang's resolved config has them
+            "internal_states": [{**state, **request.app[_OVERRIDES]}],
             "version": SERVED_VERSION,
             "frontend": "python",
             "engine": "inflight-builtin",
@@ -952,6 +1013,31 @@ def _parser() -> argparse.ArgumentParser:
         help="lowest level written to --log-file (debug: every weight update too)",
     )
     parser.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log every generating request and each sample's answer (SGLang's request log; "
+        "POST /configure_logging changes it while serving)",
+    )
+    parser.add_argument(
+        "--log-requests-level",
+        type=int,
+        default=2,
+        choices=LEVELS,
+        help="0: metadata; 1: and sampling parameters; 2: and inputs/outputs cut to 2048; "
+        "3: everything",
+    )
+    parser.add_argument("--log-requests-format", default="text", choices=["text", "json"])
+    parser.add_argument(
+        "--log-requests-target",
+        nargs="+",
+        metavar="TARGET",
+        help="stdout and/or folders (each written to HOSTNAME_0.log, rotated hourly)",
+    )
+    parser.add_argument(
+        "--crash-dump-folder",
+        help="pickle the last 5 minutes' requests and those in flight here when a step fails",
+    )
+    parser.add_argument(
         "--log-as",
         default="engine.0",
         metavar="STAGE.REPLICA",
@@ -1157,6 +1243,14 @@ def main(argv: list[str] | None = None) -> int:
             enable_metrics=args.enable_metrics,
             served_model_name=args.served_model_name,
             streaming_sessions=args.enable_streaming_session,
+            request_log=RequestLog(
+                log_requests=args.log_requests,
+                level=args.log_requests_level,
+                fmt=args.log_requests_format,
+                targets=args.log_requests_target,
+                crash_dump_folder=args.crash_dump_folder,
+                server_args={k: _plain(v) for k, v in vars(args).items()},
+            ),
         )
         heap.settle()  # torch, transformers and the model stay: later collections skip them
         started = {
@@ -1180,6 +1274,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_loop(serve(app, args, loaded, started))
     finally:
         scheduler.stop()
+
+
+def _plain(value: Any) -> Any:
+    """A server argument as a dump pickles it (paths as text)."""
+    return str(value) if isinstance(value, Path) else value
 
 
 _NOT_APPLICABLE = (

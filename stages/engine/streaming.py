@@ -350,6 +350,7 @@ def stream_generate(
     *,
     progress: bool = False,
     tokenizer_aborts: bool = False,
+    headers: Any = None,
 ) -> ChunkStream:
     """The chunks of a streamed ``/generate`` (``body`` has ``stream: true``), in batches: the
     chunks that became ready together (one per sample that moved on). The request is checked
@@ -366,9 +367,14 @@ def stream_generate(
     Raises RequestError (a malformed body); a rid in flight (ValueError) and a grammar that
     does not compile (RequestError, once the grammar worker has tried it) are raised with the
     first batch. Closed early (the client went away), the stream aborts the samples that are
-    still running.
+    still running. With the server's request log active, the request is logged once checked
+    and each sample with its last chunk (``headers``: the HTTP request's).
     """
     inputs, listed = parse_body(loaded, scheduler, body)
+    requests = scheduler.request_log
+    logged = None
+    if requests is not None and requests.active:
+        logged = requests.received(body, [inp.rid for inp in inputs], listed, headers)
     token_text = token_texts(decode, body)
     think_end = scheduler.think_end
     moving = [
@@ -433,12 +439,17 @@ def stream_generate(
                 batch.append(p if progress else p.chunk())
                 continue
             if progress:  # the whole answer, as the request without stream
+                if logged is not None:  # the native answer, only for the log
+                    answer = render_sample(inputs[index], final, decode, token_text)
+                    requests.finished(logged, index, answer)
                 batch.append(p.last(final, inputs[index], decode))
                 continue
             # SGLang stamps the time a stream's first chunk is sent at, and no other
             chunk = render_sample(
                 inputs[index], final, decode, token_text, p.detok, sent=p.out is None
             )
+            if logged is not None:
+                requests.finished(logged, index, chunk)
             if tokenizer_aborts:
                 chunk = tokenizer_answer(chunk)
             if listed:
@@ -447,6 +458,8 @@ def stream_generate(
         return Last(batch) if len(finals) == len(inputs) else batch
 
     def abort() -> None:
+        if logged is not None:
+            requests.ended(logged)
         running = [inp.rid for i, inp in enumerate(inputs) if i not in finals]
         if running:
             scheduler.abort_many(running, "the client went away mid-stream")

@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 import structlog
 
-from pipeline.structured_log import close_process_logging, configure_process_logging
+from pipeline.structured_log import (
+    close_process_logging,
+    configure_process_logging,
+    set_process_level,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
@@ -141,6 +145,26 @@ def test_level_filtering_and_console_view(tmp_path, capsys):
     ]
     assert console[1].endswith("reward=0.25")
     assert "\x1b" not in "".join(console)  # stderr is not a terminal here
+
+
+def test_the_level_changes_while_the_process_runs(tmp_path):
+    """What ``/configure_logging``'s ``log_level`` does to an engine's log."""
+    path = tmp_path / "engine.0.jsonl"
+    configure_process_logging(path, stage="engine", replica=0, level="info")
+    log = structlog.get_logger("stages.engine.server")  # as a module holds it
+    log.debug("hidden")
+    logging.getLogger("lib").debug("hidden_too")
+    set_process_level("debug")
+    log.debug("shown")
+    logging.getLogger("lib").debug("shown_too")
+    set_process_level("ERROR")
+    log.warning("quiet")
+    with pytest.raises(ValueError, match="loud"):
+        set_process_level("loud")
+    log.error("loud_enough")
+    close_process_logging()
+    events = read_events(path)
+    assert [e.get("message", e["event"]) for e in events] == ["shown", "shown_too", "loud_enough"]
 
 
 def test_reconfiguring_switches_files_and_stale_loggers_are_dropped(tmp_path):

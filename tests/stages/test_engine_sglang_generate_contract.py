@@ -192,6 +192,8 @@ CONTROL = {  # SGLang's request struct -> this engine's fields (stages.engine.co
     "SeparateReasoningReqInput": "SeparateReasoningFields",
     "OpenSessionReqInput": "OpenSessionFields",
     "CloseSessionReqInput": "CloseSessionFields",
+    "ConfigureLoggingReq": "ConfigureLoggingFields",
+    "SetInternalStateReq": "SetInternalStateFields",
 }
 
 
