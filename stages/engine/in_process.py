@@ -94,16 +94,11 @@ class InProcessEngine:
         self.loaded = await asyncio.get_running_loop().run_in_executor(self._loader, load)
         self.scheduler = server.build_scheduler(args, self.loaded)
         self.scheduler.start()
-        app = server.build_app(
-            self.loaded,
-            self.scheduler,
-            max_body=int(args.max_request_mb * 2**20),
-            api_key=self.api_key,
-            chat_template=args.chat_template,
-            tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
-            served_model_name=args.served_model_name,
-        )
+        # every server flag as the engine's own process takes it (--enable-metrics, request
+        # logging...), but the engine id: the generator's process has none of its own
+        options = server.app_options(args, self.api_key)
+        options["engine_id"] = None
+        app = server.build_app(self.loaded, self.scheduler, **options)
         self._http = _HttpThread(app, args.host, args.port)
         self.port = await asyncio.to_thread(self._http.start)
         self.log.info(
@@ -168,7 +163,11 @@ class InProcessEngine:
             adapters=self.scheduler.adapter_names() if lora is not None else (),
             options=self._params[2],
         )
-        return self.scheduler.submit_groups_async(groups)
+        futures = self.scheduler.submit_groups_async(groups)
+        requests = self.scheduler.request_log
+        if requests is not None and requests.active:  # --log-requests, dumps: as the route's
+            _log_groups(requests, self._params[0], lora, groups, futures)
+        return futures
 
     def abort(self, rids: Iterable[str]) -> None:
         """Abort these requests (their slots are freed at the next step)."""
@@ -181,6 +180,42 @@ class InProcessEngine:
             self._http = None
         if self.scheduler is not None:
             await asyncio.to_thread(self.scheduler.stop)
+
+
+def _log_groups(
+    requests: Any,
+    sampling_params: dict[str, Any],
+    lora: str | None,
+    groups: list[list[Any]],
+    futures: list[asyncio.Future],
+) -> None:
+    """Log ``submit_groups``' request in the server's request log as the ``/generate`` body it
+    stands for (each prompt once per sample, with its rid) and each sample as its group ends,
+    with the answer the route would have given."""
+    inputs = [inp for group in groups for inp in group]
+    body: dict[str, Any] = {
+        "rid": [inp.rid for inp in inputs],
+        "input_ids": [list(inp.input_ids) for inp in inputs],
+        "sampling_params": sampling_params,
+        "return_logprob": True,
+    }
+    if lora is not None:
+        body["lora_path"] = lora
+    logged = requests.received(body, body["rid"], True)
+    left = [len(futures)]
+
+    def ended(first: int, group: list[Any], future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            answers = server.plain_answers(requests, group, future.result())
+            requests.finished_all(logged, answers, first)
+        left[0] -= 1
+        if not left[0]:
+            requests.ended(logged)
+
+    first = 0
+    for group, future in zip(groups, futures, strict=True):
+        future.add_done_callback(functools.partial(ended, first, group))
+        first += len(group)
 
 
 class _HttpThread:

@@ -352,6 +352,9 @@ class RequestLog:
         self.recent: collections.deque[tuple[Any, ...]] = collections.deque()
         self.open: dict[int, tuple[Logged, bool]] = {}  # id -> (request, listed), for crashes
         self.dumps_written = 0
+        # the bookkeeping is shared by the loops that serve requests (an engine in the
+        # generator's process has two) and the scheduler thread (crash dumps)
+        self._lock = threading.Lock()
         self.active = self._is_active()
 
     def _is_active(self) -> bool:
@@ -397,7 +400,8 @@ class RequestLog:
             head = {"rid": whole["rid"]}
             self._log_obj("request.received", "Receive", whole, self.limits[1], wanted, head)
         if self.crash_folder:
-            self.open[id(logged)] = (logged, listed)
+            with self._lock:
+                self.open[id(logged)] = (logged, listed)
         return logged
 
     def received_openai(self, body: Any, headers: Any = None) -> None:
@@ -438,9 +442,10 @@ class RequestLog:
 
     def finished(self, logged: Logged, index: int, out: dict[str, Any]) -> None:
         """Sample ``index`` of ``logged`` ended with the answer ``out``."""
-        logged.running.discard(index)
-        if not logged.running:
-            self.open.pop(id(logged), None)
+        with self._lock:
+            logged.running.discard(index)
+            if not logged.running:
+                self.open.pop(id(logged), None)
         if not (self.log_requests or self.dump_folder or self.crash_folder):
             return
         obj = logged.sample(index)
@@ -451,17 +456,24 @@ class RequestLog:
         now = time.time()
         if self.log_requests:
             self._log_finished(logged, obj, out)
-        if self.dump_folder:
-            self._keep(obj, out, logged.created, now)
-        if self.crash_folder:
-            self.recent.append((obj, out, logged.created, now))
-            while self.recent and now - self.recent[0][3] >= _CRASH_WINDOW_S:
-                self.recent.popleft()
+        with self._lock:
+            if self.dump_folder:
+                self._keep(obj, out, logged.created, now)
+            if self.crash_folder:
+                self.recent.append((obj, out, logged.created, now))
+                while self.recent and now - self.recent[0][3] >= _CRASH_WINDOW_S:
+                    self.recent.popleft()
+
+    def finished_all(self, logged: Logged, answers: list[dict[str, Any]], first: int = 0) -> None:
+        """Samples ``first``, ``first + 1``... of ``logged`` ended with ``answers``."""
+        for index, answer in enumerate(answers, first):
+            self.finished(logged, index, answer)
 
     def ended(self, logged: Logged) -> None:
         """``logged`` is over, whatever became of the samples not logged as finished (a
         refusal, a client gone): no crash dump lists them as running."""
-        self.open.pop(id(logged), None)
+        with self._lock:
+            self.open.pop(id(logged), None)
 
     def _log_finished(self, logged: Logged, obj: dict[str, Any], out: dict[str, Any]) -> None:
         meta = out.get("meta_info") or {}
@@ -528,16 +540,19 @@ class RequestLog:
 
     def crash_dump(self, why: str) -> str | None:
         """Pickle the samples of the last 5 minutes and those in flight (``--crash-dump-folder``;
-        a model step failed): the file written, or None (no folder, nothing to dump)."""
+        a model step failed; called on the scheduler thread, before what was in flight is
+        failed): the file written, or None (no folder, nothing to dump)."""
         if not self.crash_folder:
             return None
         now = time.time()
-        running = [
-            (logged.sample(i), {}, logged.created, now)
-            for logged, _listed in self.open.values()
-            for i in sorted(logged.running)
-        ]
-        requests = [*self.recent, *running]
+        with self._lock:
+            running = [
+                (logged.sample(i), {}, logged.created, now)
+                for logged, _listed in self.open.values()
+                for i in sorted(logged.running)
+            ]
+            recent = list(self.recent)
+        requests = [*recent, *running]
         if not requests:
             return None
         stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -547,7 +562,7 @@ class RequestLog:
         self._write(path, data)
         log.error(
             "requests_dumped_before_crash",
-            finished=len(self.recent),
+            finished=len(recent),
             unfinished=len(running),
             path=path,
             why=why,

@@ -211,7 +211,9 @@ def build_app(
     requests.decode = decode
     requests.config_updates = app[_OVERRIDES] = {}  # /set_internal_state's
     scheduler.request_log = requests
-    app.on_startup.append(_crash_dumps)
+    # a failing model step writes the crash dump (--crash-dump-folder) before what was in
+    # flight is failed, on the scheduler thread
+    scheduler.on_step_failed = lambda exc: requests.crash_dump(f"a model step failed: {exc!r}")
     chat = ChatSettings.of(
         loaded.tokenizer,
         Path(loaded.path),
@@ -298,20 +300,6 @@ def build_app(
     LoraRoutes(scheduler).add_to(app)
     app.on_cleanup.append(weights.close)
     return app
-
-
-async def _crash_dumps(app: web.Application) -> None:
-    """Once serving: a failing model step writes the request log's crash dump first (on this
-    loop, before what was in flight is failed there)."""
-    loop = asyncio.get_running_loop()
-    scheduler = app[_SCHEDULER]
-    requests = scheduler.request_log
-
-    def failed(exc: BaseException) -> None:
-        if requests.crash_folder:
-            loop.call_soon_threadsafe(requests.crash_dump, f"a model step failed: {exc!r}")
-
-    scheduler.on_step_failed = failed
 
 
 @web.middleware
@@ -464,24 +452,15 @@ async def generate(
     (``stages.engine.request_log``), the request is logged once checked and each sample at its
     end (``headers``: the HTTP request's, for the headers it logs).
     """
-    inputs, listed = parse_body(loaded, scheduler, body)
-    requests = scheduler.request_log
-    logged = None
-    if requests is not None and requests.active:
-        logged = requests.received(body, [inp.rid for inp in inputs], listed, headers)
-    try:
-        results = await _submit(scheduler, inputs)
-        token_text = token_texts(decode, body)
-        rendered = [
+
+    def render(inputs: list[GenerateInput], results: list[SequenceResult]) -> list[Any]:
+        token_text = token_texts(decode, body)  # (the body checked by now)
+        return [
             render_sample(inp, result, decode, token_text)
             for inp, result in zip(inputs, results, strict=True)
         ]
-        if logged is not None:  # aborts too, as SGLang logs them (before it raises)
-            for index, answer in enumerate(rendered):
-                requests.finished(logged, index, answer)
-    finally:
-        if logged is not None:
-            requests.ended(logged)
+
+    _, results, listed, rendered = await _served(loaded, scheduler, body, render, headers)
     raise_aborted_with_error(result.finish_reason for result in results)
     return rendered if listed else rendered[0]
 
@@ -490,9 +469,58 @@ async def generate_results(
     loaded: LoadedModel, scheduler: Scheduler, body: Any
 ) -> tuple[list[GenerateInput], list[SequenceResult], bool]:
     """``generate`` before rendering: the requests, their results (in request order) and
-    whether the body was a batch. ``stages.engine.in_process`` hands them on as they are."""
+    whether the body was a batch. ``stages.engine.in_process`` hands them on as they are
+    (rendered only for the request log, where it is active)."""
+    inputs, results, listed, _ = await _served(loaded, scheduler, body, None)
+    return inputs, results, listed
+
+
+def received(
+    scheduler: Any, body: Any, inputs: list[GenerateInput], listed: bool, headers: Any = None
+) -> tuple[Any, Any]:
+    """The server's request log and ``body``'s entry in it (``RequestLog.received``: logged,
+    kept for dumps) where it is active, else ``(None, None)``."""
+    requests = scheduler.request_log
+    if requests is None or not requests.active:
+        return None, None
+    return requests, requests.received(body, [inp.rid for inp in inputs], listed, headers)
+
+
+async def _served(
+    loaded: LoadedModel,
+    scheduler: Scheduler,
+    body: Any,
+    render: Callable[[list[GenerateInput], list[SequenceResult]], list[Any]] | None,
+    headers: Any = None,
+) -> tuple[list[GenerateInput], list[SequenceResult], bool, list[Any] | None]:
+    """``body`` checked, queued and served: its inputs, results, whether it was a batch and
+    the answers ``render`` made of them (None: none wanted; the request log's own, plain,
+    where it is active). Logged where the request log is active, aborts too, as SGLang logs
+    them (before it raises)."""
     inputs, listed = parse_body(loaded, scheduler, body)
-    return inputs, await _submit(scheduler, inputs), listed
+    requests, logged = received(scheduler, body, inputs, listed, headers)
+    answers = None
+    try:
+        results = await _submit(scheduler, inputs)
+        if render is not None:
+            answers = render(inputs, results)
+        if logged is not None:
+            requests.finished_all(logged, answers or plain_answers(requests, inputs, results))
+    finally:
+        if logged is not None:
+            requests.ended(logged)
+    return inputs, results, listed, answers
+
+
+def plain_answers(
+    requests: RequestLog, inputs: list[GenerateInput], results: list[SequenceResult]
+) -> list[Any]:
+    """What ``/generate`` answers for ``inputs``' ``results`` (no ``return_text_in_logprobs``
+    texts): the request log's ``out`` where nothing else rendered them."""
+    return [
+        render_sample(inp, result, requests.decode, None)
+        for inp, result in zip(inputs, results, strict=True)
+    ]
 
 
 async def _submit(scheduler: Scheduler, inputs: list[GenerateInput]) -> list[SequenceResult]:
@@ -1229,29 +1257,7 @@ def main(argv: list[str] | None = None) -> int:
     holder["s"] = scheduler
     scheduler.start()
     try:
-        app = build_app(
-            loaded,
-            scheduler,
-            max_body=int(args.max_request_mb * 2**20),
-            api_key=api_key,
-            chat_template=args.chat_template,
-            tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
-            engine_id=os.environ.get(ENGINE_ID_ENV) or None,
-            response_store=args.enable_response_store,
-            cache_report=args.enable_cache_report,
-            enable_metrics=args.enable_metrics,
-            served_model_name=args.served_model_name,
-            streaming_sessions=args.enable_streaming_session,
-            request_log=RequestLog(
-                log_requests=args.log_requests,
-                level=args.log_requests_level,
-                fmt=args.log_requests_format,
-                targets=args.log_requests_target,
-                crash_dump_folder=args.crash_dump_folder,
-                server_args={k: _plain(v) for k, v in vars(args).items()},
-            ),
-        )
+        app = build_app(loaded, scheduler, **app_options(args, api_key))
         heap.settle()  # torch, transformers and the model stay: later collections skip them
         started = {
             "forward": scheduler.forward_path,
@@ -1274,6 +1280,32 @@ def main(argv: list[str] | None = None) -> int:
         return run_loop(serve(app, args, loaded, started))
     finally:
         scheduler.stop()
+
+
+def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]:
+    """``build_app``'s options from the server's flags: an engine process and one in the
+    generator's process (``stages.engine.in_process``) serve alike."""
+    return {
+        "max_body": int(args.max_request_mb * 2**20),
+        "api_key": api_key,
+        "chat_template": args.chat_template,
+        "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
+        "engine_id": os.environ.get(ENGINE_ID_ENV) or None,
+        "response_store": args.enable_response_store,
+        "cache_report": args.enable_cache_report,
+        "enable_metrics": args.enable_metrics,
+        "served_model_name": args.served_model_name,
+        "streaming_sessions": args.enable_streaming_session,
+        "request_log": RequestLog(
+            log_requests=args.log_requests,
+            level=args.log_requests_level,
+            fmt=args.log_requests_format,
+            targets=args.log_requests_target,
+            crash_dump_folder=args.crash_dump_folder,
+            server_args={k: _plain(v) for k, v in vars(args).items()},
+        ),
+    }
 
 
 def _plain(value: Any) -> Any:

@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 import requests
+import structlog
 from aiohttp.test_utils import TestClient, TestServer
 
+from stages.engine.in_process import InProcessEngine
 from stages.engine.loader import load_model
 from stages.engine.request_log import RequestLog, for_json, limits, redacted, truncated
 from stages.engine.scheduler import Scheduler
@@ -252,3 +254,35 @@ def test_rendering_cuts_skips_and_redacts_as_sglang() -> None:
         "sampling_params": {"watermark": {"key": "<r...d>", "enabled": True}},
     }  # fmt: skip
     assert redacted([({"watermark_key": 1},)]) == [({"watermark_key": "<redacted>"},)]
+
+
+async def test_an_engine_in_the_generators_process_logs_its_groups_and_serves_every_flag(
+    model: Path, tmp_path: Path
+) -> None:
+    """``launch.in_process``: the generator's own groups (no HTTP) are logged as the
+    ``/generate`` body they stand for, and the server flags hold as in the engine's own process
+    (``--enable-metrics`` was dropped there before)."""
+    logs = tmp_path / "logs"
+    argv = ["--model", str(model), "--host", "127.0.0.1", "--port", "0", "--enable-metrics",
+            "--log-requests", "--log-requests-format", "json", "--log-requests-target",
+            str(logs)]  # fmt: skip
+    engine = InProcessEngine(argv, log=structlog.get_logger())
+    await asyncio.wait_for(engine.start(), 60)
+    try:
+        params = {"max_new_tokens": 3, "temperature": 0}
+        futures = engine.submit_groups([[5, 6, 7], [8, 9]], params, [["a0", "a1"], ["b0"]])
+        groups = await asyncio.wait_for(asyncio.gather(*futures), 60)
+        url = f"http://127.0.0.1:{engine.port}"
+        metrics = await asyncio.to_thread(requests.get, url + "/metrics", timeout=10)
+        assert metrics.status_code == 200 and "sglang:num_requests" in metrics.text
+    finally:
+        await asyncio.wait_for(engine.close(), 60)
+    events = _events(logs)
+    assert [e["event"] for e in events] == ["request.received"] + ["request.finished"] * 3
+    assert events[0]["rid"] == ["a0", "a1", "b0"]
+    assert events[0]["obj"]["input_ids"] == [[5, 6, 7], [5, 6, 7], [8, 9]]
+    finished = {e["rid"]: e for e in events[1:]}
+    for rid, result in zip(["a0", "a1", "b0"], [*groups[0], *groups[1]], strict=True):
+        assert finished[rid]["out"]["output_ids"] == result.output_ids
+        assert finished[rid]["obj"]["input_ids"] == ([8, 9] if rid == "b0" else [5, 6, 7])
+        assert finished[rid]["obj"]["sampling_params"] == params
