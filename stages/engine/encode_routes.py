@@ -107,9 +107,13 @@ class EncodeRoutes:
     model, and every request gets SGLang's refusal); ``served_model_name`` is ``model`` in the
     ``/v1`` answers."""
 
-    def __init__(self, pooler: Pooler | None, served_model_name: str) -> None:
+    def __init__(
+        self, pooler: Pooler | None, served_model_name: str, request_log: Any = None
+    ) -> None:
         self.pooler = pooler
         self.served_model_name = served_model_name
+        # stages.engine.request_log.RequestLog (--log-requests, /configure_logging), or None
+        self.request_log = request_log
         if pooler is not None:
             loaded = pooler.model.loaded
             self.vocab_size, self.context_length = loaded.vocab_size, loaded.context_length
@@ -134,29 +138,60 @@ class EncodeRoutes:
         started = time.perf_counter()
         try:
             rows, batch, rids, dims, hidden = self._native_request(body)
-            values, states = await self.pooler.encode(rows, dims, hidden=hidden)
         except (RequestError, ValueError) as exc:
             return bad_request(str(exc))
+        try:
+            answers = await self._answers(
+                body, rows, batch, rids, dims, hidden, request.headers, started
+            )
         except PoolingFailed as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=500)
-        latency = time.perf_counter() - started
-        answers = []
-        for i, row in enumerate(rows):
-            meta = {
-                "id": rids[i],
-                "finish_reason": _FINISHED,
-                "prompt_tokens": len(row),
-                "weight_version": self.pooler.weight_version,
-                "num_retractions": 0,
-                "e2e_latency": latency,
-            }
-            answer: dict[str, Any] = {"embedding": values[i], "meta_info": meta}
-            if states is not None:
-                answer["pooled_hidden_state"] = states[i]
-            answers.append(answer)
         return web.Response(
             body=dumps(answers if batch else answers[0]), content_type="application/json"
         )
+
+    async def _answers(
+        self,
+        body: dict[str, Any],
+        rows: list[list[int]],
+        batch: bool,
+        rids: list[str],
+        dims: list[int | None],
+        hidden: bool = False,
+        headers: Any = None,
+        started: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """``rows`` run: the native answer of each (``{embedding, meta_info}``; ``e2e_latency``
+        from ``started``, else from now), logged in the request log where it is active
+        (``body`` as the request it was given as)."""
+        requests, logged = self.request_log, None
+        if requests is not None and requests.active:
+            logged = requests.received(body, rids, batch, headers)
+        if started is None:
+            started = time.perf_counter()
+        try:
+            values, states = await self.pooler.encode(rows, dims, hidden=hidden)
+            latency = time.perf_counter() - started
+            answers = []
+            for i, row in enumerate(rows):
+                meta = {
+                    "id": rids[i],
+                    "finish_reason": _FINISHED,
+                    "prompt_tokens": len(row),
+                    "weight_version": self.pooler.weight_version,
+                    "num_retractions": 0,
+                    "e2e_latency": latency,
+                }
+                answer: dict[str, Any] = {"embedding": values[i], "meta_info": meta}
+                if states is not None:
+                    answer["pooled_hidden_state"] = states[i]
+                answers.append(answer)
+            if logged is not None:
+                requests.finished_all(logged, answers)
+        finally:
+            if logged is not None:
+                requests.ended(logged)
+        return answers
 
     def _native_request(
         self, body: dict[str, Any]
@@ -221,6 +256,8 @@ class EncodeRoutes:
             return error_response(NOT_EMBEDDING)
         try:
             body = checked_body(check, await read_json(request))
+            if self.request_log is not None:  # (level 2 or more: the body as it came)
+                self.request_log.received_openai(body, request.headers)
             return web.Response(body=dumps(await answer(body)), content_type="application/json")
         except (OpenAIError, RequestError) as exc:
             return web.json_response(refusal(exc), status=400)
@@ -288,10 +325,10 @@ class EncodeRoutes:
         prompt = _input_prompt(body.get("input"), lists)
         rows, batch = read_prompts(prompt, vocab_size=self.vocab_size, encode=self.encode_text)
         self._check_lengths(rows)
-        _rids(body.get("rid"), len(rows), batch)  # checked as the native routes check it
+        rids = _rids(body.get("rid"), len(rows), batch)  # checked as the native routes check it
         dims = self._dimensions(body.get("dimensions"))
-        values, _ = await self.pooler.encode(rows, [dims] * len(rows))
-        return rows, values
+        answers = await self._answers(prompt, rows, batch, rids, [dims] * len(rows))
+        return rows, [answer["embedding"] for answer in answers]
 
 
 def _input_prompt(prompt: Any, lists: bool) -> dict[str, Any]:

@@ -26,14 +26,17 @@ import torch
 from aiohttp import web
 
 from pipeline import heap
+from stages.detokenize import decoder
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.identity import ENGINE_ID_ENV
 from stages.engine.load_routes import LoadRoutes
+from stages.engine.logging_routes import LoggingRoutes
 from stages.engine.openai_api import OpenAIRoutes, error_response
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.openai_rerank import is_reranker_template
 from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
 from stages.engine.request_body import bad_request
+from stages.engine.request_log import RequestLog
 from stages.engine.server import (
     HEALTH_CHECK_TIMEOUT_S,
     SERVED_NAME,
@@ -43,6 +46,7 @@ from stages.engine.server import (
     ignored_counts,
     model_info,
     refused_counts,
+    request_log_of,
     run_loop,
     serve,
 )
@@ -108,6 +112,7 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             chat_template=args.chat_template,
             engine_id=os.environ.get(ENGINE_ID_ENV) or None,
             served_model_name=args.served_model_name,
+            request_log=request_log_of(args),
         )
         heap.settle()
         started = {"kind": kind, "outputs": model.width, "max_running": args.max_running}
@@ -124,15 +129,22 @@ def build_pooling_app(
     chat_template: str | None = None,
     engine_id: str | None = None,
     served_model_name: str | None = None,
+    request_log: RequestLog | None = None,
 ) -> web.Application:
     """The application of a pooling engine; the caller starts and stops ``pooler``
-    (``served_model_name``: the model's name on the OpenAI routes; None: its path)."""
+    (``served_model_name``: the model's name on the OpenAI routes; None: its path;
+    ``request_log``: SGLang's request logging of ``/encode``, ``/classify`` and their ``/v1``
+    routes, with ``/configure_logging`` and ``/set_trace_level``; None: off until
+    ``/configure_logging`` turns it on)."""
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     app[_POOLER] = pooler
     loaded = pooler.model.loaded
     name = served_model_name or str(loaded.path)
     app[SERVED_NAME] = name
-    EncodeRoutes(pooler, name).add_to(app)
+    requests = request_log if request_log is not None else RequestLog()
+    requests.decode = decoder(loaded.tokenizer)
+    EncodeRoutes(pooler, name, requests).add_to(app)
+    LoggingRoutes(requests).add_to(app)
     chat = ChatSettings.of(loaded.tokenizer, loaded.path, chat_template=chat_template)
     TokenizeRoutes(loaded, chat).add_to(app)
     cards = OpenAIRoutes(

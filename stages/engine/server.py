@@ -122,6 +122,7 @@ from transport.credit import sparse
 __all__ = [
     "ENGINE_VERSION",
     "SERVED_VERSION",
+    "app_options",
     "base_app",
     "build_app",
     "build_scheduler",
@@ -132,7 +133,10 @@ __all__ = [
     "main",
     "model_info",
     "parse_args",
+    "plain_answers",
+    "received",
     "refused_counts",
+    "request_log_of",
     "run_loop",
     "serve",
 ]
@@ -1297,15 +1301,20 @@ def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]
         "enable_metrics": args.enable_metrics,
         "served_model_name": args.served_model_name,
         "streaming_sessions": args.enable_streaming_session,
-        "request_log": RequestLog(
-            log_requests=args.log_requests,
-            level=args.log_requests_level,
-            fmt=args.log_requests_format,
-            targets=args.log_requests_target,
-            crash_dump_folder=args.crash_dump_folder,
-            server_args={k: _plain(v) for k, v in vars(args).items()},
-        ),
+        "request_log": request_log_of(args),
     }
+
+
+def request_log_of(args: argparse.Namespace) -> RequestLog:
+    """The request log the server's flags ask for (``--log-requests``...)."""
+    return RequestLog(
+        log_requests=args.log_requests,
+        level=args.log_requests_level,
+        fmt=args.log_requests_format,
+        targets=args.log_requests_target,
+        crash_dump_folder=args.crash_dump_folder,
+        server_args={k: _plain(v) for k, v in vars(args).items()},
+    )
 
 
 def _plain(value: Any) -> Any:

@@ -28,7 +28,7 @@ from stages.engine.request_log import RequestLog, for_json, limits, redacted, tr
 from stages.engine.scheduler import Scheduler
 from stages.engine.server import build_app
 from tests.stages.engine_setup import builtin_engine
-from tests.stages.tiny_model import EOS_ID, make_byte_model
+from tests.stages.tiny_model import EOS_ID, make_byte_model, make_tiny_classifier
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -286,3 +286,31 @@ async def test_an_engine_in_the_generators_process_logs_its_groups_and_serves_ev
         assert finished[rid]["out"]["output_ids"] == result.output_ids
         assert finished[rid]["obj"]["input_ids"] == ([8, 9] if rid == "b0" else [5, 6, 7])
         assert finished[rid]["obj"]["sampling_params"] == params
+
+
+def test_a_reward_model_engine_logs_its_scoring_requests(tmp_path: Path) -> None:
+    """The pooling engine (a reward model's): ``/classify`` batches logged per item with the
+    scores it answered, ``/v1/classify`` as it came too, and ``/configure_logging`` there."""
+    model = make_tiny_classifier(tmp_path / "rm", seed=5)
+    logs = tmp_path / "logs"
+    flags = ("--log-requests", "--log-requests-format", "json", "--log-requests-target", str(logs))
+    with builtin_engine(model, *flags) as url:
+        batch = {"input_ids": [[5, 6, 7], [8, 9]], "rid": ["r0", "r1"]}
+        answers = requests.post(url + "/classify", json=batch, timeout=30).json()
+        openai = {"model": "m", "input": [5, 6]}
+        assert requests.post(url + "/v1/classify", json=openai, timeout=30).ok
+        quiet = {"log_requests_level": 0}
+        assert requests.post(url + "/configure_logging", json=quiet, timeout=10).ok
+        assert requests.post(url + "/classify", json={"input_ids": [4], "rid": "q"}).ok
+    events = _events(logs)
+    kinds = [e["event"] for e in events]
+    assert kinds[:3] == ["request.received", "request.finished", "request.finished"]
+    assert events[0]["rid"] == ["r0", "r1"] and events[0]["obj"]["input_ids"] == [[5, 6, 7], [8, 9]]
+    for event, answer, ids in zip(events[1:3], answers, batch["input_ids"], strict=True):
+        assert event["rid"] == answer["meta_info"]["id"] and event["obj"]["input_ids"] == ids
+        assert event["out"]["embedding"] == answer["embedding"]
+    assert kinds[3:6] == ["request.received.openai", "request.received", "request.finished"]
+    assert events[3]["obj"] == openai and events[4]["obj"]["input_ids"] == [5, 6]
+    # level 0: no inputs, no embedding
+    assert kinds[6:] == ["request.received", "request.finished"]
+    assert events[6]["obj"] == {"rid": "q"} and "embedding" not in events[7]["out"]
