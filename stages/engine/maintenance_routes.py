@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
+from concurrent.futures import Future
 
 from aiohttp import web
 
@@ -42,16 +44,31 @@ _ANY_VALUE = frozenset(("speculative_accept_threshold_single", "speculative_acce
 
 
 class MaintenanceRoutes:
-    """``overrides``: what ``/set_internal_state`` set (shared with ``/server_info``)."""
+    """The routes of an engine that runs at most ``max_running`` requests at once;
+    ``slow_down``: its scheduler's (``Scheduler.slow_down``; None: no ``/slow_down``, a
+    pooling engine's); ``overrides``: what ``/set_internal_state`` set (shared with
+    ``/server_info``)."""
 
-    def __init__(self, scheduler: Scheduler, overrides: dict[str, float] | None = None) -> None:
-        self.scheduler = scheduler
+    def __init__(
+        self,
+        max_running: int,
+        slow_down: Callable[[float | None], Future[None]] | None = None,
+        overrides: dict[str, float] | None = None,
+    ) -> None:
+        self.max_running = max_running
+        self._slow_down = slow_down
         self.overrides = {} if overrides is None else overrides
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, overrides: dict[str, float]) -> MaintenanceRoutes:
+        """A generating engine's."""
+        return cls(scheduler.max_running, scheduler.slow_down, overrides)
 
     def add_to(self, app: web.Application) -> None:
         for method in ("GET", "POST"):
             app.router.add_route(method, "/freeze_gc", self.freeze_gc)
-            app.router.add_route(method, "/slow_down", self.slow_down)
+            if self._slow_down is not None:
+                app.router.add_route(method, "/slow_down", self.slow_down)
         for method in ("POST", "PUT"):
             app.router.add_route(method, "/set_internal_state", self.set_internal_state)
 
@@ -67,7 +84,7 @@ class MaintenanceRoutes:
 
     def _takes(self, key: str, value: float) -> bool:
         if key == "pp_max_micro_batch_size":  # pipeline stages: 1 here
-            return 1 <= value <= self.scheduler.max_running
+            return 1 <= value <= self.max_running
         return key in _ANY_VALUE
 
     async def freeze_gc(self, request: web.Request) -> web.Response:
@@ -91,5 +108,6 @@ class MaintenanceRoutes:
         except RequestError as exc:
             return bad_request(str(exc))
         seconds = None if value is None or value <= 0 else float(value)
-        await asyncio.wrap_future(self.scheduler.slow_down(seconds))
+        assert self._slow_down is not None
+        await asyncio.wrap_future(self._slow_down(seconds))
         return web.json_response(None)

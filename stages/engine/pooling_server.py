@@ -31,9 +31,11 @@ from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.identity import ENGINE_ID_ENV
 from stages.engine.load_routes import LoadRoutes
 from stages.engine.logging_routes import LoggingRoutes
+from stages.engine.maintenance_routes import MaintenanceRoutes
 from stages.engine.openai_api import OpenAIRoutes, error_response
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.openai_rerank import is_reranker_template
+from stages.engine.parse_routes import ParseRoutes
 from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
 from stages.engine.request_body import bad_request
 from stages.engine.request_log import RequestLog
@@ -59,6 +61,7 @@ __all__ = ["build_pooling_app", "serve_pooling"]
 log = structlog.get_logger("stages.engine.pooling_server")
 
 _POOLER = web.AppKey("pooler", Pooler)
+_OVERRIDES = web.AppKey("overrides", dict)  # what /set_internal_state set
 _GENERATION_ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -145,6 +148,12 @@ def build_pooling_app(
     requests.decode = decoder(loaded.tokenizer)
     EncodeRoutes(pooler, name, requests).add_to(app)
     LoggingRoutes(requests).add_to(app)
+    # SGLang serves these on any model: GC, runtime knobs, its stateless parsers
+    app[_OVERRIDES] = requests.config_updates
+    MaintenanceRoutes(pooler.max_rows, None, app[_OVERRIDES]).add_to(app)
+    ParseRoutes().add_to(app)
+    for method in ("GET", "POST"):
+        app.router.add_route(method, "/flush_cache", _flush_cache)
     chat = ChatSettings.of(loaded.tokenizer, loaded.path, chat_template=chat_template)
     TokenizeRoutes(loaded, chat).add_to(app)
     cards = OpenAIRoutes(
@@ -189,6 +198,11 @@ def _what(pooler: Pooler) -> str:
     if pooler.model.kind == "classify":
         return "a classification (reward) model: /classify and /encode answer its scores"
     return "an embedding model: /encode and /v1/embeddings answer its embeddings"
+
+
+async def _flush_cache(request: web.Request) -> web.Response:
+    """A pooling engine keeps no prefix cache: nothing to drop (the generating engine's words)."""
+    return web.Response(text="Cache flushed.\n0 cached prefix tokens dropped.\n")
 
 
 async def _refuse_generate(request: web.Request) -> web.Response:
@@ -274,7 +288,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "max_total_num_tokens": pooler.max_batch_tokens,
             "max_req_input_len": loaded.context_length - 1,
             "weight_version": pooler.weight_version,
-            "internal_states": [state],
+            "internal_states": [{**state, **request.app[_OVERRIDES]}],
             "version": SERVED_VERSION,
             "engine": "inflight-builtin",
             "pooling": pooler.model.kind,

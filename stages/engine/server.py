@@ -265,7 +265,7 @@ def build_app(
     ParseRoutes().add_to(app)
     MemoryRoutes(scheduler).add_to(app)
     ProfileRoutes(scheduler).add_to(app)
-    MaintenanceRoutes(scheduler, app[_OVERRIDES]).add_to(app)
+    MaintenanceRoutes.of(scheduler, app[_OVERRIDES]).add_to(app)
     LoggingRoutes(requests).add_to(app)
     if enable_metrics:  # each finished request recorded, with its time stats in its meta_info
         scheduler.metrics = EngineMetrics(name, loaded.context_length)

@@ -290,7 +290,8 @@ async def test_an_engine_in_the_generators_process_logs_its_groups_and_serves_ev
 
 def test_a_reward_model_engine_logs_its_scoring_requests(tmp_path: Path) -> None:
     """The pooling engine (a reward model's): ``/classify`` batches logged per item with the
-    scores it answered, ``/v1/classify`` as it came too, and ``/configure_logging`` there."""
+    scores it answered, ``/v1/classify`` as it came too, ``/configure_logging`` there, and the
+    other routes SGLang serves on any model (but ``/slow_down``, which needs a scheduler)."""
     model = make_tiny_classifier(tmp_path / "rm", seed=5)
     logs = tmp_path / "logs"
     flags = ("--log-requests", "--log-requests-format", "json", "--log-requests-target", str(logs))
@@ -302,6 +303,17 @@ def test_a_reward_model_engine_logs_its_scoring_requests(tmp_path: Path) -> None
         quiet = {"log_requests_level": 0}
         assert requests.post(url + "/configure_logging", json=quiet, timeout=10).ok
         assert requests.post(url + "/classify", json={"input_ids": [4], "rid": "q"}).ok
+        # what SGLang serves on any model, a reward model's engine too
+        state = {"server_args": {"pp_max_micro_batch_size": 2}}
+        assert requests.post(url + "/set_internal_state", json=state, timeout=10).json() == [True]
+        info = requests.get(url + "/server_info", timeout=10).json()
+        assert info["internal_states"][0]["pp_max_micro_batch_size"] == 2
+        assert requests.get(url + "/freeze_gc", timeout=30).text == "Garbage collection frozen.\n"
+        assert requests.post(url + "/flush_cache", timeout=10).text.startswith("Cache flushed.")
+        assert requests.post(url + "/slow_down", json={"forward_sleep_time": 1}).status_code == 404
+        split = {"text": "<think>a</think>b", "reasoning_parser": "qwen3"}
+        parsed = requests.post(url + "/separate_reasoning", json=split, timeout=10).json()
+        assert (parsed["reasoning_text"], parsed["text"]) == ("a", "b")
     events = _events(logs)
     kinds = [e["event"] for e in events]
     assert kinds[:3] == ["request.received", "request.finished", "request.finished"]
