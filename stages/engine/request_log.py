@@ -312,7 +312,9 @@ class Logged:
 
 class RequestLog:
     """The engine's request logging and dumps (see the module's docstring). Called on the
-    server's loop; ``active`` is false while there is nothing to log or keep."""
+    loops that serve requests (the server's; in the generator's process, the generator's too)
+    and, for a crash dump, on the scheduler thread; ``active`` is false while there is nothing
+    to log or keep."""
 
     def __init__(
         self,
