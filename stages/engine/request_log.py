@@ -31,7 +31,8 @@
   ``dump_requests_exclude_meta_keys`` (``routed_experts`` and ``hidden_states``).
 - Crash dumps (``--crash-dump-folder``): the samples that finished in the last 5 minutes are
   kept; when a model step fails (where SGLang's server dies, this engine fails what was in
-  flight and serves on), they and the samples in flight then are pickled to
+  flight and serves on), they and the samples in flight then (with their output so far) are
+  pickled to
   ``FOLDER/HOSTNAME/crash_dump_YYYY-MM-DD_HH-MM-SS.pkl`` (with ``launch_command`` too).
 
 Unlike SGLang's, ``obj`` is the request's JSON body (with its ``rid``s), not SGLang's
@@ -523,6 +524,14 @@ class RequestLog:
             self.dumped = []
             threading.Thread(target=self._write, args=(path, data), daemon=True).start()
 
+    def _so_far(self, ids: list[int] | None) -> dict[str, Any]:
+        """A sample in flight's output so far, as SGLang's ``get_crash_dump_output``."""
+        if not ids:
+            return {}
+        if self.decode is None:
+            return {"output_ids": list(ids)}
+        return {"text": self.decode(ids, True), "output_ids": list(ids)}
+
     def _dump_data(self, requests: list[tuple[Any, ...]]) -> dict[str, Any]:
         return {
             "server_args": dict(self.server_args),
@@ -540,19 +549,22 @@ class RequestLog:
         except (OSError, pickle.PicklingError, TypeError) as exc:
             log.error("request_dump_failed", path=path, error=repr(exc))
 
-    def crash_dump(self, why: str) -> str | None:
+    def crash_dump(self, why: str, outputs: dict[str, list[int]] | None = None) -> str | None:
         """Pickle the samples of the last 5 minutes and those in flight (``--crash-dump-folder``;
         a model step failed; called on the scheduler thread, before what was in flight is
-        failed): the file written, or None (no folder, nothing to dump)."""
+        failed): the file written, or None (no folder, nothing to dump). ``outputs``: the
+        output ids so far of the samples in flight, by rid, each listed with them (and their
+        text) as SGLang lists its last chunk; ``{}`` for one without."""
         if not self.crash_folder:
             return None
         now = time.time()
         with self._lock:
             running = [
-                (logged.sample(i), {}, logged.created, now)
+                (logged.sample(i), self._so_far((outputs or {}).get(logged.rids[i])),
+                 logged.created, now)
                 for logged, _listed in self.open.values()
                 for i in sorted(logged.running)
-            ]
+            ]  # fmt: skip
             recent = list(self.recent)
         requests = [*recent, *running]
         if not requests:

@@ -1990,6 +1990,19 @@ class Scheduler:
             seq.done_ids, seq.done_logprobs, seq.done_versions = ids, lps, versions
             seq.slot = -1
 
+    def outputs_so_far(self) -> dict[str, list[int]]:
+        """Each running request's output ids so far, by rid: what a crash dump lists for the
+        requests in flight (scheduler thread, after a failed step; {} where the rows cannot be
+        read, a step having failed half-way)."""
+        seqs = [seq for seq in self._running if seq.slot >= 0]
+        if not seqs:
+            return {}
+        try:
+            outputs = self._outputs(seqs)
+        except Exception:  # a dump of what can be read: the engine goes on
+            return {}
+        return {seq.inp.rid: out[0] for seq, out in zip(seqs, outputs, strict=True)}
+
     def _retire(self, rows: list[int], reasons: list[dict[str, Any]]) -> None:
         seqs = [self._running[r] for r in rows]
         outputs = self._outputs(seqs)

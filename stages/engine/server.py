@@ -217,7 +217,9 @@ def build_app(
     scheduler.request_log = requests
     # a failing model step writes the crash dump (--crash-dump-folder) before what was in
     # flight is failed, on the scheduler thread
-    scheduler.on_step_failed = lambda exc: requests.crash_dump(f"a model step failed: {exc!r}")
+    scheduler.on_step_failed = lambda exc: requests.crash_dump(
+        f"a model step failed: {exc!r}", scheduler.outputs_so_far()
+    )
     chat = ChatSettings.of(
         loaded.tokenizer,
         Path(loaded.path),
