@@ -56,6 +56,7 @@ from stages.engine.pooling import Pooler, PoolingFailed
 from stages.engine.protocol import RequestError, is_int, read_prompts
 from stages.engine.request_body import bad_request, dumps
 from stages.engine.request_fields import checked_classify, checked_embedding
+from stages.engine.request_log import entry
 
 __all__ = ["NOT_EMBEDDING", "EncodeRoutes"]
 
@@ -164,9 +165,8 @@ class EncodeRoutes:
         """``rows`` run: the native answer of each (``{embedding, meta_info}``; ``e2e_latency``
         from ``started``, else from now), logged in the request log where it is active
         (``body`` as the request it was given as)."""
-        requests, logged = self.request_log, None
-        if requests is not None and requests.active:
-            logged = requests.received(body, rids, batch, headers)
+        requests = self.request_log
+        logged = entry(requests, body, rids, batch, headers)
         if started is None:
             started = time.perf_counter()
         try:

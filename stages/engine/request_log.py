@@ -65,6 +65,7 @@ __all__ = [
     "LEVELS",
     "Logged",
     "RequestLog",
+    "entry",
     "for_json",
     "limits",
     "redacted",
@@ -236,6 +237,20 @@ def for_json(data: Any, max_length: int = 2048, skip: Iterable[str] = ()) -> Any
     return str(redacted(data))
 
 
+def entry(
+    requests: RequestLog | None,
+    body: dict[str, Any],
+    rids: Iterable[str],
+    listed: bool,
+    headers: Any = None,
+) -> Logged | None:
+    """``body`` logged as received in ``requests`` (an engine's request log; None: none) where
+    it is active: its entry for ``finished`` and ``ended``, else None (``rids`` not read)."""
+    if requests is None or not requests.active:
+        return None
+    return requests.received(body, list(rids), listed, headers)
+
+
 def _targets(names: list[str] | None) -> list[logging.Logger]:
     """SGLang's log targets (``log_utils.create_log_targets``): stdout, or per folder its
     ``HOSTNAME_0.log`` rotated hourly; each line ``[YYYY-MM-DD HH:MM:SS] message``."""
@@ -353,8 +368,7 @@ class RequestLog:
         self.dumped: list[tuple[Any, ...]] = []
         self.crash_folder = crash_dump_folder or ""
         self.recent: collections.deque[tuple[Any, ...]] = collections.deque()
-        self.open: dict[int, tuple[Logged, bool]] = {}  # id -> (request, listed), for crashes
-        self.dumps_written = 0
+        self.open: dict[int, Logged] = {}  # the requests in flight, for a crash dump
         # the bookkeeping is shared by the loops that serve requests (an engine in the
         # generator's process has two) and the scheduler thread (crash dumps)
         self._lock = threading.Lock()
@@ -404,7 +418,7 @@ class RequestLog:
             self._log_obj("request.received", "Receive", whole, self.limits[1], wanted, head)
         if self.crash_folder:
             with self._lock:
-                self.open[id(logged)] = (logged, listed)
+                self.open[id(logged)] = logged
         return logged
 
     def received_openai(self, body: Any, headers: Any = None) -> None:
@@ -449,7 +463,7 @@ class RequestLog:
             logged.running.discard(index)
             if not logged.running:
                 self.open.pop(id(logged), None)
-        if not (self.log_requests or self.dump_folder or self.crash_folder):
+        if not self._is_active():
             return
         obj = logged.sample(index)
         if self.level >= 2 and "text" not in obj and self.decode is not None:
@@ -545,7 +559,6 @@ class RequestLog:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             with open(path, "wb") as f:
                 pickle.dump(data, f)
-            self.dumps_written += 1
         except (OSError, pickle.PicklingError, TypeError) as exc:
             log.error("request_dump_failed", path=path, error=repr(exc))
 
@@ -562,7 +575,7 @@ class RequestLog:
             running = [
                 (logged.sample(i), self._so_far((outputs or {}).get(logged.rids[i])),
                  logged.created, now)
-                for logged, _listed in self.open.values()
+                for logged in self.open.values()
                 for i in sorted(logged.running)
             ]  # fmt: skip
             recent = list(self.recent)

@@ -104,7 +104,7 @@ from stages.engine.request_body import (
     json_response,
 )
 from stages.engine.request_error import AbortedWithError
-from stages.engine.request_log import LEVELS, RequestLog
+from stages.engine.request_log import LEVELS, RequestLog, entry
 from stages.engine.scheduler import (
     PREFIX_CACHE_MAX_AGE,
     PREFIX_CACHE_TOKENS,
@@ -134,7 +134,6 @@ __all__ = [
     "model_info",
     "parse_args",
     "plain_answers",
-    "received",
     "refused_counts",
     "request_log_of",
     "run_loop",
@@ -217,8 +216,10 @@ def build_app(
     scheduler.request_log = requests
     # a failing model step writes the crash dump (--crash-dump-folder) before what was in
     # flight is failed, on the scheduler thread
-    scheduler.on_step_failed = lambda exc: requests.crash_dump(
-        f"a model step failed: {exc!r}", scheduler.outputs_so_far()
+    scheduler.on_step_failed = lambda exc: (
+        requests.crash_dump(f"a model step failed: {exc!r}", scheduler.outputs_so_far())
+        if requests.crash_folder
+        else None
     )
     chat = ChatSettings.of(
         loaded.tokenizer,
@@ -481,17 +482,6 @@ async def generate_results(
     return inputs, results, listed
 
 
-def received(
-    scheduler: Any, body: Any, inputs: list[GenerateInput], listed: bool, headers: Any = None
-) -> tuple[Any, Any]:
-    """The server's request log and ``body``'s entry in it (``RequestLog.received``: logged,
-    kept for dumps) where it is active, else ``(None, None)``."""
-    requests = scheduler.request_log
-    if requests is None or not requests.active:
-        return None, None
-    return requests, requests.received(body, [inp.rid for inp in inputs], listed, headers)
-
-
 async def _served(
     loaded: LoadedModel,
     scheduler: Scheduler,
@@ -504,7 +494,8 @@ async def _served(
     where it is active). Logged where the request log is active, aborts too, as SGLang logs
     them (before it raises)."""
     inputs, listed = parse_body(loaded, scheduler, body)
-    requests, logged = received(scheduler, body, inputs, listed, headers)
+    requests = scheduler.request_log
+    logged = entry(requests, body, (inp.rid for inp in inputs), listed, headers)
     answers = None
     try:
         results = await _submit(scheduler, inputs)

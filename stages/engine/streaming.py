@@ -54,6 +54,7 @@ from stages.engine.protocol import (
     token_texts,
 )
 from stages.engine.reasoning import ReasoningCount
+from stages.engine.request_log import entry
 
 __all__ = [
     "Last",
@@ -372,9 +373,7 @@ def stream_generate(
     """
     inputs, listed = parse_body(loaded, scheduler, body)
     requests = scheduler.request_log
-    logged = None
-    if requests is not None and requests.active:  # (server.received, without the import)
-        logged = requests.received(body, [inp.rid for inp in inputs], listed, headers)
+    logged = entry(requests, body, (inp.rid for inp in inputs), listed, headers)
     token_text = token_texts(decode, body)
     think_end = scheduler.think_end
     moving = [
