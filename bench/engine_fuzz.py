@@ -58,7 +58,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 
 import aiohttp  # noqa: E402
 
-from bench._engines import engine_server  # noqa: E402
+from bench._engines import engine_server, make_moe_model  # noqa: E402
 from stages.engine import (  # noqa: E402
     control_fields,
     custom_logits,
@@ -107,6 +107,7 @@ _GENERATE = (
     "require_reasoning", "return_sampling_mask", "sampling_logprobs_mode", "watermark",
     "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "max_thinking_tokens",
     "data_parallel_rank", "bootstrap_host", "session_params", "custom_logit_processor",
+    "return_routed_experts", "routed_experts_start_len",
 )  # fmt: skip
 _SAMPLING = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids",
@@ -168,12 +169,17 @@ _SGLANG_500 = {
 }
 
 
-def requests_to_send(model: str) -> list[tuple[str, str, Any, dict[str, Any]]]:
+def requests_to_send(
+    model: str, routed: bool = False
+) -> list[tuple[str, str, Any, dict[str, Any]]]:
     """``(path, field, value, body)`` for every field of every route and every value, each
-    once on a body not streamed and once on a streamed one (where the route streams)."""
+    once on a body not streamed and once on a streamed one (where the route streams);
+    ``routed``: every generating body asks for its routed experts."""
     out = []
+    asks = {"return_routed_experts": True} if routed else {}
     for stream in (False, True):
         plain = {"text": "1+1=", "sampling_params": {"max_new_tokens": 3}, "stream": stream}
+        plain.update(asks)
         for value in VALUES:
             for field in _GENERATE:
                 out.append(("/generate", field, value, {**plain, field: value}))
@@ -189,6 +195,8 @@ def requests_to_send(model: str) -> list[tuple[str, str, Any, dict[str, Any]]]:
                 if stream and path in _NOT_STREAMED:
                     continue
                 body = {**base, "model": base["model"] or model}
+                if path in ("/v1/completions", "/v1/chat/completions"):
+                    body.update(asks)
                 if path not in _NOT_STREAMED:
                     body["stream"] = stream
                 for field in fields.__annotations__:
@@ -222,7 +230,7 @@ async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=timeout) as s:
         async with s.get(url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        todo = requests_to_send(model)
+        todo = requests_to_send(model, args.moe)
         gate = asyncio.Semaphore(args.concurrency)
 
         async def send(path: str, field: str, value: Any, body: dict[str, Any]) -> None:
@@ -269,16 +277,26 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=30, help="seconds a request")
     parser.add_argument("--engine-args", default="", help="more flags for the engine")
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="a tiny mixture-of-experts model (arith-tiny's tokenizer) with "
+        "--enable-return-routed-experts, every generating body asking for them",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         template, log = Path(tmp) / "chat.jinja", Path(tmp) / "engine.log"
         template.write_text(PASS_THROUGH)
         flags = ["--chat-template", str(template), "--reasoning-parser", "qwen3",
                  "--tool-call-parser", "qwen25", *shlex.split(args.engine_args)]  # fmt: skip
+        model = ARITH
+        if args.moe:
+            model = make_moe_model(Path(tmp) / "moe", ARITH)
+            flags.append("--enable-return-routed-experts")
         start = time.perf_counter()
         with (
             open(log, "wb") as output,
-            engine_server(ARITH, *flags, env={"OMP_NUM_THREADS": "1"}, output=output) as (url, _),
+            engine_server(model, *flags, env={"OMP_NUM_THREADS": "1"}, output=output) as (url, _),
         ):
             result = asyncio.run(_fuzz(url, args))
         seconds = time.perf_counter() - start
@@ -287,7 +305,8 @@ def main() -> int:
         at = text.index("Traceback")
         result["problems"]["engine log"] = {"count": text.count("Traceback"),
                                             "first": text[at : at + 2000]}  # fmt: skip
-    head = {"bench": "engine_fuzz", "engine_args": args.engine_args, "seconds": round(seconds, 1)}
+    head = {"bench": "engine_fuzz", "engine_args": args.engine_args, "moe": args.moe,
+            "seconds": round(seconds, 1)}  # fmt: skip
     print(json.dumps({**head, "ok": not result["problems"], **result}))
     return 0 if not result["problems"] else 1
 

@@ -243,6 +243,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
         "hidden_states": hidden_mode(body),
         "return_cached_tokens_details": bool(body.get("return_cached_tokens_details")),
+        "routed_experts": body.get("return_routed_experts") is True,
     }
     return native_body, options
 
@@ -347,11 +348,15 @@ def completion_response(
 
 
 def response_sglext(first: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
-    """A whole answer's ``sglext`` fields other than the ids: ``cached_tokens_details`` of its
-    first sample (``process_cached_tokens_details_from_ret``), when asked for and some of the
-    prompt was cached. ``return_spec_tokens_details`` finds nothing: no speculative decoding
-    here (SGLang's answer without it)."""
+    """A whole answer's ``sglext`` fields other than the ids, of its first sample, in
+    ``SglExt``'s order: ``routed_experts`` (``process_routed_experts_from_ret``: asked for,
+    and returned by a server with ``--enable-return-routed-experts``), then
+    ``cached_tokens_details`` (``process_cached_tokens_details_from_ret``), when asked for and
+    some of the prompt was cached. ``return_spec_tokens_details`` finds nothing: no
+    speculative decoding here (SGLang's answer without it)."""
     out: dict[str, Any] = {}
+    if options.get("routed_experts") and first.get("routed_experts"):
+        out["routed_experts"] = first["routed_experts"]
     if options.get("return_cached_tokens_details"):
         details = first.get("cached_tokens_details")
         if details is not None:
@@ -396,6 +401,9 @@ class StreamLayout:
         self.last_id = ""
         # with return_hidden_states: each choice's native hidden states, from its newest chunk
         self.hidden: dict[int, Any] | None = {} if options.get("hidden_states") else None
+        # with return_routed_experts: each choice's, from its newest chunk (only its last has
+        # them), in the order the choices first came (SGLang's dictionary of them)
+        self.routed: dict[int, Any] | None = {} if options.get("routed_experts") else None
 
     def error_ends(self, reason: dict[str, Any] | None, out: list[dict[str, Any]]) -> bool:
         """Whether a sample's finish ``reason`` ends the stream (an abort with an error status,
@@ -432,6 +440,19 @@ class StreamLayout:
                 exclude_none=self.USAGE_EXCLUDE_NONE,
             )
         ]  # fmt: skip
+
+    def sglext_fields(self) -> dict[str, Any]:
+        """The ``sglext`` chunk's fields other than the ids, in ``SglExt``'s order: the first
+        choice's ``routed_experts`` that has some, its ``cached_tokens_details``."""
+        out: dict[str, Any] = {}
+        if self.routed:
+            routed = next((r for r in self.routed.values() if r is not None), None)
+            if routed is not None:
+                out["routed_experts"] = routed
+        details = self.cached_details()
+        if details is not None:
+            out["cached_tokens_details"] = details
+        return out
 
     def cached_details(self) -> dict[str, int] | None:
         """``sglext.cached_tokens_details`` when the request asked for it
@@ -500,6 +521,8 @@ class CompletionChunks(StreamLayout):
         choice["logprobs"] = logprobs
         if self.hidden is not None:
             self.hidden[index] = p.hidden_states()
+        if self.routed is not None:
+            self.routed.setdefault(index, None)
         return chunk
 
     def end(self) -> list[dict[str, Any]]:
@@ -507,12 +530,12 @@ class CompletionChunks(StreamLayout):
         the ``sglext`` chunk when it has something (``return_cached_tokens_details``), then the
         usage chunk when asked for (``stream_options.include_usage``)."""
         out = self.hidden_chunks(self.hidden_chunk)
-        details = self.cached_details()
-        if details is not None:
+        sglext = self.sglext_fields()
+        if sglext:
             out.append(
                 {"id": self.last_id, "object": self.OBJECT, "created": self.created,
                  "model": self.options["model"], "choices": [], "usage": None,
-                 "sglext": {"cached_tokens_details": details}}
+                 "sglext": sglext}
             )  # fmt: skip
         return out + self.usage_chunks()
 
@@ -548,6 +571,7 @@ class CompletionChunks(StreamLayout):
                 reason = content.finish
                 prompt_ids = content.prompt_ids
                 hidden = content.hidden_states()
+                routed = content.routed
             else:
                 index = content.get("index", 0)
                 meta = content["meta_info"]
@@ -576,8 +600,11 @@ class CompletionChunks(StreamLayout):
                 ids = content["output_ids"]
                 prompt_ids = content.get("prompt_token_ids")
                 hidden = meta.get("hidden_states")
+                routed = meta.get("routed_experts")
             if self.hidden is not None:
                 self.hidden[index] = hidden
+            if self.routed is not None:
+                self.routed[index] = routed
             self.last_id = rid
             if self.error_ends(reason, out):
                 break

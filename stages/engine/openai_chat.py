@@ -435,6 +435,7 @@ def chat_request(
         "sglext_input_ids": bool(body.get("return_input_ids_in_sglext")),
         "sglext_output_ids": bool(body.get("return_output_ids_in_sglext")),
         "return_cached_tokens_details": bool(body.get("return_cached_tokens_details")),
+        "routed_experts": body.get("return_routed_experts") is True,
         "hidden_states": hidden_mode(body),
         # the server reads reasoning or tool calls (SGLang: a step's log-probs that went with
         # no chunk then go alone)
@@ -643,6 +644,8 @@ class ChatChunks(StreamLayout):
                 meta: Any = content
                 if self.hidden is not None:
                     self.hidden[index] = content.hidden_states()
+                if self.routed is not None:
+                    self.routed[index] = content.routed
             else:  # a native chunk
                 index = content.get("index", 0)
                 meta = content["meta_info"]
@@ -656,6 +659,8 @@ class ChatChunks(StreamLayout):
                 total = meta.get("output_token_logprobs_length", 0)
                 if self.hidden is not None:
                     self.hidden[index] = meta.get("hidden_states")
+                if self.routed is not None:
+                    self.routed[index] = meta.get("routed_experts")
             if self.ids_wanted:
                 self._keep_ids(content, index)
             self.last_id = rid
@@ -755,10 +760,9 @@ class ChatChunks(StreamLayout):
         out = self.finished + self.hidden_chunks(self.hidden_chunk)
         self.finished = []
         options = self.options
-        details = self.cached_details()
         ids = not self.ended  # none after an error event (SGLang: ``error_aborted``)
         sglext = _sglext(
-            {} if details is None else {"cached_tokens_details": details},
+            self.sglext_fields(),
             self.input_ids if options.get("sglext_input_ids") and ids else None,
             [self.output_ids.get(i, []) for i in range(options["n"])]
             if options.get("sglext_output_ids") and self.output_ids and ids

@@ -92,6 +92,13 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             f"{kind} model generates nothing; /v1/embeddings gives its pooled states",
         )
         return 2
+    if args.enable_return_routed_experts:
+        log.error(
+            "engine_option_unsupported",
+            option="--enable-return-routed-experts",
+            message=f"routed experts come with generated tokens: a {kind} model generates nothing",
+        )
+        return 2
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
         model = load_pooling_model(

@@ -59,6 +59,7 @@ from stages.engine import custom_logits
 from stages.engine.flat_logprobs import FlatTops, flat_fields, flat_request
 from stages.engine.incremental_text import IncrementalText, output_text
 from stages.engine.request_error import RequestError
+from stages.engine.routed_experts import start_error
 from stages.engine.stop_regex import parse_stop_regex
 from stages.engine.watermark_request import check_watermark
 
@@ -181,6 +182,9 @@ class GenerateInput:
     # sampling_params.custom_params as the request sent them (stages.engine.custom_logits)
     logit_processor: str | None = None
     custom_params: Any = None
+    # the position its answer's routed experts start at (return_routed_experts, with the
+    # server's --enable-return-routed-experts; None: none returned)
+    routed_experts: int | None = None
 
 
 @dataclass(slots=True)
@@ -240,8 +244,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "session_id": (None,),
     "mm_hashes": (None,),
     "mm_content_hashes": (None,),
-    "return_routed_experts": (False,),
-    "routed_experts_start_len": (0,),
     "return_indexer_topk": (False,),
     "lora_id": (None,),
     "positional_embed_overrides": (None,),
@@ -316,6 +318,8 @@ _KNOWN_TOP = frozenset(
         "return_hidden_states",  # the final hidden states (with the server's flag)
         "max_thinking_tokens",  # a thinking budget (--enable-strict-thinking)
         "custom_logit_processor",  # with --enable-custom-logit-processor (custom_logits)
+        "return_routed_experts",  # the experts of each token (--enable-return-routed-experts)
+        "routed_experts_start_len",
     }
 )
 # More samples than this in one request is refused (a typo in n must not exhaust memory).
@@ -337,6 +341,7 @@ def parse_generate(
     strict_thinking: bool = False,
     kept_stop_ids: frozenset[int] = frozenset(),
     custom_logits: bool = False,
+    routed_experts: bool = False,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
@@ -344,7 +349,8 @@ def parse_generate(
     ``--return-hidden-states-mode`` returns (``last`` or ``full``; None: no hidden states);
     ``strict_thinking``: whether it runs with ``--enable-strict-thinking``; ``kept_stop_ids``:
     the stop tokens whose text an answer keeps (``GenerateInput.kept_stop_ids``);
-    ``custom_logits``: whether it runs with ``--enable-custom-logit-processor``."""
+    ``custom_logits``: whether it runs with ``--enable-custom-logit-processor``;
+    ``routed_experts``: whether it runs with ``--enable-return-routed-experts``."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
@@ -422,6 +428,7 @@ def parse_generate(
     processors = _logit_processors(body, count, listed, n, custom_logits, masks)
     hidden = _hidden_modes(body.get("return_hidden_states"), count, listed, hidden_cap)
     flat = flat_request(body)
+    experts_from = _routed_experts_start(body, prompts, routed_experts)
 
     inputs: list[GenerateInput] = []
     parsed: dict[int, SamplingParams] = {}  # one parse per distinct params object
@@ -472,9 +479,30 @@ def parse_generate(
                     kept_stop_ids=kept_stop_ids,
                     logit_processor=processors[i],
                     custom_params=_custom_params(params[i], budget) if processors[i] else None,
+                    routed_experts=experts_from,
                 )
             )
     return inputs, listed
+
+
+def _routed_experts_start(
+    body: dict[str, Any], prompts: list[list[int]], enabled: bool
+) -> int | None:
+    """Where each sample's routed experts start (``routed_experts_start_len``), or None where
+    none are returned: not asked, or asked of a server without
+    ``--enable-return-routed-experts``, which SGLang answers without them (no capturer) after
+    the same check of the start (``Scheduler.handle_generate_request``: an abort with a 400,
+    in its words). One flag and one start for the whole request, as ``GenerateReqInput``
+    has them."""
+    if not body.get("return_routed_experts"):
+        return None
+    start = body.get("routed_experts_start_len")
+    start = 0 if start is None else start
+    for ids in prompts:
+        why = start_error(start, len(ids))
+        if why is not None:
+            raise RequestError("routed_experts_start_len", why)
+    return start if enabled else None
 
 
 def _check_watermarks(top: Any, params: list[dict[str, Any] | None], count: int) -> None:
@@ -880,6 +908,8 @@ def render_result(
     meta["cached_weight_version"] = result.cached_weight_version
     if extra and "hidden_states" in extra:
         meta["hidden_states"] = extra["hidden_states"]
+    if extra and "routed_experts" in extra:  # after the hidden states, as SGLang's
+        meta["routed_experts"] = extra["routed_experts"]
     meta["e2e_latency"] = result.e2e_latency
     if sent:
         meta["response_sent_to_client_ts"] = time.time()
@@ -899,7 +929,7 @@ _MASK_FIELDS = (
     "output_token_sampling_logprobs",
     "output_token_sampling_mask_length",
 )
-_AFTER_LOGPROBS = frozenset({*_MASK_FIELDS, "hidden_states"})
+_AFTER_LOGPROBS = frozenset({*_MASK_FIELDS, "hidden_states", "routed_experts"})
 
 
 def _top_entries(

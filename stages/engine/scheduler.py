@@ -92,6 +92,7 @@ from stages.engine.protocol import (
     hidden_answer,
 )
 from stages.engine.reasoning import reasoning_tokens
+from stages.engine.routed_experts import ExpertsCapture, encode_routes
 from stages.engine.sampling import SlotSampler, Support
 from stages.engine.step_profiler import ProfileRequest, StepProfiler
 from stages.engine.strict_thinking import StrictThinking
@@ -123,7 +124,9 @@ _CALL = object()  # an _Outbox item that is a call, not a result
 
 # A scored prompt is the same request whatever seqs ask for it: (ids, logprob_start,
 # top_logprobs_num, adapter, token_ids_logprob, the distribution after it, cache namespace).
-_ScoreKey = tuple[tuple[int, ...], int, int, "str | None", "tuple[int, ...] | None", bool, Any]
+_ScoreKey = tuple[
+    tuple[int, ...], int, int, "str | None", "tuple[int, ...] | None", bool, Any, bool
+]
 # SGLang's IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD and _DEPRIORITIZE_THRESHOLD (32 both,
 # ``schedule_policy.py``): a prompt with at most this many tokens cached that shares this
 # many with one admitted before it waits for that one's KV
@@ -165,6 +168,23 @@ def _in_batch_waves(
             openings.add(key)
         first.append((item, match))
     return first, later
+
+
+def _routed_answer(seq: Any, outputs: int) -> str:
+    """``meta_info.routed_experts`` of a finished ``seq`` with ``outputs`` output tokens: the
+    rows of every token the model ran (its prompt's and its output's but the last), from
+    its ``routed_experts_start_len`` on, as SGLang's ``get_topk`` slices them."""
+    seqlen = len(seq.inp.input_ids) + outputs
+    start = min(seq.inp.routed_experts, max(0, seqlen - 1))
+    rows = torch.cat(seq.routes)
+    return encode_routes(rows[start : max(start, seqlen - 1)])
+
+
+def _reuses(seq: Any) -> bool:
+    """Whether ``seq``'s prefill may start on a cached prefix: not a LoRA adapter's row (a
+    base prefix is no prefix of it), nor one that wants its routed experts (they come from
+    the passes that compute its tokens: it computes all of its context)."""
+    return seq.adapter is None and seq.routes is None
 
 
 def _next_wanted(seq: Any) -> bool:
@@ -351,6 +371,7 @@ class _Seq:
         "queue_time",
         "queued",
         "retractions",
+        "routes",
         "sent",
         "slot",
         "stamp",
@@ -390,6 +411,9 @@ class _Seq:
         # and how many of them a stream has sent
         self.hidden: list[Any] | None = [] if inp.hidden_states else None
         self.hidden_sent = 0
+        # the experts its tokens were routed to (return_routed_experts): its last prefill's
+        # block [context, layers, k], then a row a decode step (routed_experts.ExpertsCapture)
+        self.routes: list[torch.Tensor] | None = None if inp.routed_experts is None else []
         # with a custom logit processor: its custom_params as the processor gets them (with
         # "__req__", the view of this seq, where they are a dictionary), set when it is queued
         self.custom: tuple[Any, RequestView | None] | None = None
@@ -452,6 +476,7 @@ class Scheduler:
         hidden_states_mode: str | None = None,
         strict_thinking: StrictThinking | None = None,
         custom_logit_processors: bool = False,
+        routed_experts: bool = False,
     ) -> None:
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
@@ -502,8 +527,14 @@ class Scheduler:
         self._kv = BatchKV(max_running, _mask_kind(model), device=self.device)
         # forward passes without transformers' module machinery where the model allows it
         self._fast, why = LlamaForward.build(model) if fast_forward else (None, "turned off")
+        # --enable-return-routed-experts: the experts each pass routed its tokens to, kept for
+        # the rows that ask (transformers' passes: the fast ones run no mixture of experts)
+        self._experts = ExpertsCapture(model) if routed_experts else None
+        if self._experts is not None and self._fast is not None:
+            self._fast, why = None, "--enable-return-routed-experts (transformers' passes)"
         self.forward_path = "fast" if self._fast is not None else "transformers"
         self.forward_path_why = why
+        self.routed_experts = self._experts is not None  # (read by the routes' checks)
         self._sampler = SlotSampler(max_running, self.eos_token_ids, self._rng)
         self._paused = False
         # what /release_memory_occupation gave back, and the weights it copied out
@@ -517,6 +548,7 @@ class Scheduler:
         self._top_seqs: set[_Seq] = set()
         self._mask_seqs: set[_Seq] = set()  # running seqs that want their sampling support
         self._hidden_seqs: set[_Seq] = set()  # running seqs that want their hidden states
+        self._route_seqs: set[_Seq] = set()  # running seqs that want their routed experts
         self._stream_seqs: set[_Seq] = set()  # running seqs whose tokens are streamed
         # json_schema, regex, ebnf, structural_tag (stages.engine.grammar); the seqs that
         # follow one
@@ -1215,7 +1247,8 @@ class Scheduler:
     def _watching(self) -> tuple[set[_Seq], ...]:
         """The sets of the running seqs that watch something (joined at their prefill)."""
         return (self._stop_seqs, self._top_seqs, self._mask_seqs, self._hidden_seqs,
-                self._stream_seqs, self._constrained, self._custom_seqs)  # fmt: skip
+                self._route_seqs, self._stream_seqs, self._constrained,
+                self._custom_seqs)  # fmt: skip
 
     def _clear_rows(self) -> None:
         """No row runs any more: the sets of the rows that watch something are empty."""
@@ -1251,7 +1284,7 @@ class Scheduler:
             if s.input_lps is None and (s.inp.logprob_start >= 0 or _next_wanted(s))
         ]
         # a prefill-only request's hidden states: its prompt's, from a pass of its own
-        scoring += [s for s in done if s.hidden == [] and s not in scoring]
+        scoring += [s for s in done if (s.hidden == [] or s.routes == []) and s not in scoring]
         now = time.perf_counter()
         for seq in self._admitting:
             seq.queue_time += now - seq.queued  # every wait, after a retraction too
@@ -1284,6 +1317,7 @@ class Scheduler:
                 seq.inp.token_ids_logprob,
                 _next_wanted(seq),
                 seq.inp.cache_namespace,
+                seq.routes is not None,  # computed whole: no prefix taken (_score_lookup)
             )
             unique.setdefault(key, []).append(seq)
         first, later = _in_batch_waves(
@@ -1303,8 +1337,8 @@ class Scheduler:
         """What a scored prompt takes from the prefix cache: its longest prefix of the live
         weights' KV up to its start; None where it neither takes nor leaves any (no cache, or
         an adapter's row). ``record`` false: a look only (``PrefixCache.match``)."""
-        if self._prefix is None or seq.adapter is not None:
-            return None
+        if self._prefix is None or seq.adapter is not None or seq.routes is not None:
+            return None  # (a row that wants its routed experts computes all of its prompt)
         limit = _reuse_limit(key[0], key[1])
         if limit <= 0:
             return Match()
@@ -1331,14 +1365,16 @@ class Scheduler:
                 mask = _on_prefixes(prompts, cached, mask)[0]
             ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
             lora = self._row_adapters([unique[k][0] for k in keys])
+            routed = self._arm_experts(s for k in keys for s in unique[k])
             kv, _, hidden = self._forward_prefill(ids, mask, positions, past, lora, True)
             assert hidden is not None
+            routes = self._routes_of(ids) if routed else None
             head: Callable[[torch.Tensor], torch.Tensor] = (
                 self._fast.logits if self._fast is not None else self.model.get_output_embeddings()
             )
             width = ids.shape[1]
             for row, (key, match) in enumerate(zip(keys, matches, strict=True)):
-                tokens, start, top, _, wanted, after, namespace = key
+                tokens, start, top, _, wanted, after, namespace, _ = key
                 new = len(tokens) - match.length
                 version = match.stamp.version if match.stamp is not None else None
                 for seq in unique[key]:
@@ -1349,6 +1385,8 @@ class Scheduler:
                     done = seq.inp.params.max_new_tokens <= len(seq.done_ids)
                     if seq.hidden == [] and mode is not None and done:  # its uncached rest's
                         seq.hidden.append(_hidden_block(hidden[row], new, mode))
+                    if routes is not None and seq.routes is not None and done:  # all of it
+                        seq.routes[:] = [routes[row, width - new :].clone()]
                 if start >= 0:
                     lps, tops, picked = prompt_logprobs(
                         hidden[row, width - new :], list(tokens), start, top, head, wanted,
@@ -1401,13 +1439,15 @@ class Scheduler:
 
     def _prefill(self, group: list[_Seq]) -> None:
         # Identical contexts (the samples of one prompt) are prefilled once.
-        unique: dict[tuple[Adapter | None, Any, tuple[int, ...]], int] = {}
+        unique: dict[tuple[Adapter | None, Any, bool, tuple[int, ...]], int] = {}
         contexts: list[list[int]] = []
         owners: list[_Seq] = []  # a seq of each context: whose adapter it takes
         source: list[int] = []
         for seq in group:
             ctx = seq.context
-            key = (seq.adapter, seq.inp.cache_namespace, tuple(ctx))  # a namespace shares none
+            # a namespace shares none; a row that wants its routed experts computes all of its
+            # context (no cached prefix), apart from those that take one
+            key = (seq.adapter, seq.inp.cache_namespace, seq.routes is not None, tuple(ctx))
             idx = unique.get(key)
             if idx is None:
                 idx = unique[key] = len(contexts)
@@ -1419,12 +1459,12 @@ class Scheduler:
 
         def opening(u: int) -> tuple[Any, tuple[int, ...]] | None:
             ctx, owner = contexts[u], owners[u]
-            if self._prefix is None or owner.adapter is not None or len(ctx) <= IN_BATCH_PREFIX:
+            if self._prefix is None or not _reuses(owner) or len(ctx) <= IN_BATCH_PREFIX:
                 return None
             return owner.inp.cache_namespace, tuple(ctx[:IN_BATCH_PREFIX])
 
         def lookup(u: int, record: bool) -> Match:
-            if owners[u].adapter is not None:  # a base prefix is no prefix of an adapter's row
+            if not _reuses(owners[u]):
                 return Match()
             return self._lookup(contexts[u], owners[u].inp.cache_namespace, record)
 
@@ -1451,7 +1491,7 @@ class Scheduler:
 
         run(first)
         if later:  # on top of what the first wave left in the cache
-            run([(u, self._lookup(contexts[u], owners[u].inp.cache_namespace)) for u in later])
+            run([(u, lookup(u, True)) for u in later])
         self.prefill_tokens += computed
         self.load.prefilled(time.perf_counter() - began, computed, hit)
 
@@ -1480,10 +1520,16 @@ class Scheduler:
             columns = columns.to(self.device)
         ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
         keep = any(seq.hidden is not None for seq in group)
+        routed = self._arm_experts(group)
         cache, logits, hidden = self._forward_prefill(ids, mask, positions, past, lora, keep)
         if hidden is not None:
             new = [len(c) - n for c, n in zip(contexts, cached, strict=True)]
             self._keep_prefill_hidden(group, source, new, hidden)
+        if routed:  # each row's whole context (it took no cached prefix): its routes anew
+            routes, width = self._routes_of(ids), ids.shape[1]
+            for seq, u in zip(group, source, strict=True):
+                if seq.routes is not None:
+                    seq.routes[:] = [routes[u, width - len(contexts[u]) :].clone()]
         mapped = source != list(range(len(contexts)))  # shared contexts, or another order
         src = torch.tensor(source, device=self.device) if mapped else None
         lengths = torch.tensor([len(contexts[i]) for i in source])
@@ -1508,6 +1554,7 @@ class Scheduler:
         self._top_seqs.update(s for s in group if s.top is not None or s.picked is not None)
         self._mask_seqs.update(s for s in group if s.masks is not None)
         self._hidden_seqs.update(s for s in group if s.hidden is not None)
+        self._route_seqs.update(s for s in group if s.routes is not None)
         self._stream_seqs.update(s for s in group if s.group.stream is not None)
         self._constrained.update(
             s for s in group if s.constraint is not None or s.thinking is not None
@@ -1619,6 +1666,7 @@ class Scheduler:
         ids, positions, mask = kv.decode_inputs()
         keep = bool(self._hidden_seqs)
         hidden = None
+        routed = self._arm_experts(self._route_seqs)
         if self._fast is not None:
             lora = self._row_adapters(self._running)
             if keep:
@@ -1640,6 +1688,11 @@ class Scheduler:
                 hidden = out.hidden_states[-1][:, -1]
         if hidden is not None:
             self._keep_decode_hidden(hidden)
+        if routed:  # the row of the token each watching row just ran
+            routes = self._routes_of(ids)
+            for seq in self._route_seqs:
+                if seq.routes is not None and 0 <= seq.slot < ids.shape[0]:
+                    seq.routes.append(routes[seq.slot].clone())  # [1, layers, k]
         self.steps += 1
         rows = kv.rows
         if self._constrained:
@@ -1653,6 +1706,21 @@ class Scheduler:
         self.tokens_generated += rows
         aborted = self._take_masks(0, rows) if self._mask_seqs else None
         self._finish_checks(tokens, logprobs, 0, rows, kv.end, _either(failed, aborted))
+
+    def _arm_experts(self, seqs: Iterable[_Seq]) -> bool:
+        """Whether the next pass keeps its routed experts: the server's flag, and one of
+        ``seqs`` asking for them (``ExpertsCapture.arm``)."""
+        if self._experts is None or not any(s.routes is not None for s in seqs):
+            return False
+        self._experts.arm()
+        return True
+
+    def _routes_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The armed pass's routed experts over ``ids`` ([rows, width]): ``[rows, width,
+        layers, k]`` int32."""
+        assert self._experts is not None
+        rows, width = ids.shape
+        return self._experts.take(rows * width).view(rows, width, self._experts.layers, -1)
 
     def _keep_decode_hidden(self, hidden: torch.Tensor) -> None:
         """The final hidden state each watching row's decode step just computed (``[rows,
@@ -2056,6 +2124,8 @@ class Scheduler:
         hidden = hidden_answer(seq.hidden, seq.inp.hidden_states)
         if hidden is not None:  # a copy: the seq's list is not handed over
             extra["hidden_states"] = list(hidden)
+        if seq.routes:  # (none: it never ran, aborted while it waited)
+            extra["routed_experts"] = _routed_answer(seq, len(ids))
         now = time.perf_counter()
         if self.metrics is not None:  # --enable-metrics: recorded, and its time stats
             extra.update(

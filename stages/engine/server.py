@@ -707,6 +707,7 @@ async def _server_info(request: web.Request) -> web.Response:
             # as SGLang resolves them (serving_hook.handle_return_hidden_states_mode)
             "enable_return_hidden_states": scheduler.hidden_states_mode is not None,
             "return_hidden_states_mode": scheduler.hidden_states_mode,
+            "enable_return_routed_experts": scheduler.routed_experts,
             "weight_version": scheduler.weight_version,
             # as launched (SGLang's server args; /configure_logging changes the live ones)
             "log_requests": requests.launched["log_requests"],
@@ -912,6 +913,12 @@ def _parser() -> argparse.ArgumentParser:
         "--enable-return-hidden-states",
         action="store_true",
         help="--return-hidden-states-mode full, unless that names another (SGLang's older flag)",
+    )
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="a request's return_routed_experts answers the experts each of its tokens was "
+        "routed to, in every layer (SGLang's; mixture-of-experts models, transformers' passes)",
     )
     parser.add_argument(
         "--forward",
@@ -1180,6 +1187,7 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         grammars=grammars,
         strict_thinking=strict,
         custom_logit_processors=args.enable_custom_logit_processor,
+        routed_experts=args.enable_return_routed_experts,
     )
 
 

@@ -98,6 +98,7 @@ class Progress:
         "retractions",
         "return_logprob",
         "rid",
+        "routed",
         "text",
         "time_stats",
         "token_text",
@@ -161,6 +162,7 @@ class Progress:
         self.input_top_entries: list[Any] | None = None
         self.text = ""  # the text so far (SGLang's: what may still change is held back)
         self.finish: dict[str, Any] | None = None  # the finish reason, once it is the last
+        self.routed: str | None = None  # its routed experts, in its last (return_routed_experts)
         self.out: dict[str, Any] | None = None  # its chunk (``chunk``), once built
         # return_sampling_mask: each token's support and its log-prob(s), "selected" or
         # "support" (sampling_logprobs_mode); None: not asked
@@ -198,6 +200,7 @@ class Progress:
             else:
                 self.hidden = list(found or [])
         self.finish = result.finish_reason
+        self.routed = result.extra.get("routed_experts") if result.extra else None
         return self
 
     def hidden_states(self) -> Any:
@@ -340,6 +343,7 @@ def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInp
         strict_thinking=scheduler.strict_thinking is not None,
         kept_stop_ids=loaded.kept_stop_ids,
         custom_logits=scheduler.logit_processors is not None,
+        routed_experts=scheduler.routed_experts,
     )
 
 

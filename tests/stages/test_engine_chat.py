@@ -225,10 +225,10 @@ def test_tools_reach_the_template_and_what_cannot_be_honoured_is_a_400(
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
         ({"tools": TOOLS + TOOLS}, "unique"),
-        # what SGLang 0.5.23 honours (or refuses without its server flag) and this engine has
-        # not: refused naming the field, as /generate refuses it; a custom logit processor
-        # without the flag: SGLang's refusal
-        ({"extra_body": {"return_routed_experts": True}}, "return_routed_experts"),
+        # routed experts past the prompt, as /generate refuses them (with the server's flag
+        # or without); a custom logit processor without the flag: SGLang's refusal
+        ({"extra_body": {"return_routed_experts": True, "routed_experts_start_len": 999}},
+         "is higher than the number of input tokens"),
         ({"extra_body": {"custom_logit_processor": "x"}}, "--enable-custom-logit-processor"),
     ]  # fmt: skip
     for extra, words in cases:

@@ -29,6 +29,7 @@ __all__ = [
     "make_gpt_oss_model",
     "make_tiny_classifier",
     "make_tiny_model",
+    "make_tiny_moe_model",
     "tiny_config",
 ]
 
@@ -71,6 +72,23 @@ def make_tiny_model(
     path = _save_random(AutoModelForCausalLM, config, path, seed)
     if with_tokenizer:
         _tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+def make_tiny_moe_model(path: Path, *, seed: int = 0, dense_layers: tuple[int, ...] = (1,)) -> Path:
+    """A random tiny Qwen3-MoE (``Qwen3MoeForCausalLM``: 3 layers of 8 experts, 2 a token, the
+    layers ``dense_layers`` a plain MLP, as Qwen3-MoE's ``mlp_only_layers``) with
+    ``make_tiny_model``'s tokenizer (128 words)."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=2, mlp_only_layers=list(dense_layers),
+        max_position_embeddings=512, pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=None,
+    )  # fmt: skip
+    path = _save_random(AutoModelForCausalLM, config, path, seed)
+    _tokenizer(config.vocab_size).save_pretrained(path)
     return path
 
 

@@ -1,0 +1,244 @@
+"""``return_routed_experts`` on the built-in engine, as SGLang 0.5.23 returns them: the experts
+each token was run with, in every layer, held to the ``top_k_index`` transformers' own experts
+modules get in one forward pass over the whole sequence.
+
+SGLang's source: ``state_capturer/routed_experts.py`` and ``state_capturer/base.py`` (a
+``[tokens, layers, k]`` int32 buffer, zeroed, that layers without experts never write;
+``get_topk``: the rows of positions ``[start, seqlen - 1)``), ``scheduler_components/
+batch_result_processor.py`` (``_maybe_collect_routed_experts``: at the finish, ``seqlen`` the
+prompt and the output through its stop), ``managers/scheduler.py`` (``handle_generate_request``:
+the start checked, an abort with a 400, with or without the server's flag),
+``detokenizer_manager.py`` (``_b64_encode_per_request``: base64 of ``numpy().tobytes()``),
+``tokenizer_manager.py`` (``meta_info["routed_experts"]`` after the hidden states) and
+``entrypoints/openai/serving_completions.py``, ``serving_chat.py`` (``sglext.routed_experts``:
+the first choice's; in a stream, its own chunk after the choices).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import requests
+import torch
+
+from stages.engine.protocol import GenerateInput, RequestError, SamplingParams, parse_generate
+from stages.engine.routed_experts import ExpertsCapture
+from stages.engine.scheduler import Scheduler
+from tests.stages.engine_setup import (
+    builtin_engine,
+    load_reference,
+    pass_through_template,
+    run_with_retraction,
+)
+from tests.stages.tiny_model import make_tiny_model, make_tiny_moe_model
+
+PROMPT = [5, 17, 33, 8, 50, 41, 7]
+LAYERS, K = 3, 2  # make_tiny_moe_model's: layer 1 dense
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_moe_model(tmp_path_factory.mktemp("models") / "moe", seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> torch.nn.Module:
+    return load_reference(model)
+
+
+@pytest.fixture(scope="module")
+def url(model: Path) -> Iterator[str]:
+    template = pass_through_template(model.parent)
+    flags = ("--enable-return-routed-experts", "--chat-template", str(template))
+    with builtin_engine(model, *flags) as engine:
+        yield engine
+
+
+@torch.no_grad()
+def _routing(reference: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    """transformers' routing of ``ids`` in one pass: each layer's experts module's
+    ``top_k_index`` ``[len, layers, k]``, 0 where a layer has no experts."""
+    taken: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda _m, args, i=i: taken.__setitem__(i, args[1].clone())
+        )
+        for i, layer in enumerate(reference.model.layers)
+        if hasattr(layer.mlp, "experts")
+    ]
+    try:
+        reference(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out = np.zeros((len(ids), LAYERS, K), dtype=np.int32)
+    for i, index in taken.items():
+        out[:, i] = index.numpy()
+    return out
+
+
+def _decoded(value: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(value), dtype="<i4").reshape(-1, LAYERS, K)
+
+
+def _expected(reference: torch.nn.Module, prompt: list[int], output: list[int], start: int):
+    """SGLang's rows: every token the model ran (the last output token never did), from
+    ``start`` on."""
+    sequence = prompt + output
+    return _routing(reference, sequence[: len(sequence) - 1])[start:]
+
+
+@pytest.mark.timeout(120)
+def test_every_row_gets_the_routing_of_the_passes_that_computed_its_tokens(
+    model: Path, reference: torch.nn.Module
+) -> None:
+    """Prompts of several lengths in one left-padded prefill, two samples sharing one prompt's
+    pass, a start past 0, a prefill-only request, a request whose prompt the prefix cache
+    holds (it computes all of it), one that does not ask, and a retraction and re-prefill:
+    each answer is transformers' routing of its sequence, the dense layer 0s."""
+    long_prompt = [(7 * i) % 120 + 3 for i in range(40)]  # more than IN_BATCH_PREFIX tokens
+    scheduler = Scheduler(load_reference(model), max_running=8, routed_experts=True)
+    assert scheduler.forward_path == "transformers" and scheduler.routed_experts
+    sample = SamplingParams(temperature=1.0, max_new_tokens=7, ignore_eos=True)
+    # the long prompt in the prefix cache first, from a request that does not ask
+    warm = scheduler.submit(GenerateInput("warm", long_prompt, sample, False))
+    scheduler.run_until_idle()
+    assert "routed_experts" not in warm.result(timeout=0).extra
+    cases = {  # rid: (prompt, start, max_new_tokens)
+        "short": (PROMPT[:3], 0, 7),
+        "a": (PROMPT, 0, 7),
+        "b": (PROMPT, 0, 7),  # the same prompt: one pass for both
+        "from-4": ([*PROMPT, 9, 10], 4, 7),
+        "scored": (PROMPT, 2, 0),  # prefill-only: its prompt's routing
+        "cached": (long_prompt, 0, 7),
+    }
+    futures = {}
+    # first a prefill one column wide, run alone to its end (bench/engine_fuzz.py --moe found
+    # it failing)
+    cases = {"one": ([9], 0, 4), **cases}
+    for rid, (prompt, start, new) in cases.items():
+        params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
+        inp = GenerateInput(rid, prompt, params, False, routed_experts=start)
+        futures[rid] = scheduler.submit(inp)
+        if rid == "one":
+            scheduler.run_until_idle()
+    plain = scheduler.submit(GenerateInput("plain", long_prompt, sample, False))
+    run_with_retraction(scheduler, 3, True)
+    assert plain.result(timeout=0).cached_tokens > 0  # the cache held the long prompt
+    for rid, (prompt, start, _) in cases.items():
+        result = futures[rid].result(timeout=0)
+        got = _decoded(result.extra["routed_experts"])
+        want = _expected(reference, prompt, result.output_ids, start)
+        assert got.shape == want.shape, rid
+        assert (got == want).all(), rid
+        assert (got[:, 1] == 0).all()  # the dense layer
+        assert set(np.unique(got[:, [0, 2]])) <= set(range(8))
+    assert futures["a"].result(timeout=0).retractions == 1  # re-prefilled, routed anew
+    assert futures["cached"].result(timeout=0).cached_tokens == 0
+    assert "routed_experts" not in plain.result(timeout=0).extra
+
+
+def test_a_model_without_experts_is_refused_at_start(tmp_path: Path) -> None:
+    dense = load_reference(make_tiny_model(tmp_path / "dense"))
+    with pytest.raises(ValueError, match="routes no experts"):
+        Scheduler(dense, routed_experts=True)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ExpertsCapture(dense)
+
+
+def test_without_the_servers_flag_none_come_but_the_start_is_checked() -> None:
+    """SGLang checks ``routed_experts_start_len`` whatever its flag (an abort with a 400, in
+    its words) and answers without routed experts when it has no capturer."""
+
+    def parse(body: dict, enabled: bool) -> list[int | None]:
+        inputs, _ = parse_generate(
+            {"input_ids": [PROMPT, PROMPT[:3]], **body},
+            vocab_size=128, context_length=512, encode=None, routed_experts=enabled,
+        )  # fmt: skip
+        return [inp.routed_experts for inp in inputs]
+
+    assert parse({"return_routed_experts": True}, True) == [0, 0]
+    assert parse({"return_routed_experts": True, "routed_experts_start_len": 3}, True) == [3, 3]
+    assert parse({"return_routed_experts": True}, False) == [None, None]
+    assert parse({"routed_experts_start_len": 99}, True) == [None, None]  # not asked: unchecked
+    for enabled in (True, False):
+        with pytest.raises(RequestError) as high:
+            parse({"return_routed_experts": True, "routed_experts_start_len": 4}, enabled)
+        assert str(high.value) == (
+            "routed_experts_start_len: "
+            "recv_req.routed_experts_start_len=4 is higher than the number of input tokens "
+            "len(req.origin_input_ids)=3. Please use a smaller routed_experts_start_len."
+        )
+        with pytest.raises(RequestError, match=r"=-1 is lower than 0\. Please use a non-neg"):
+            parse({"return_routed_experts": True, "routed_experts_start_len": -1}, enabled)
+
+
+@pytest.mark.timeout(120)
+def test_generate_and_the_openai_routes_answer_them(url: str, reference: torch.nn.Module) -> None:
+    info = requests.get(url + "/server_info", timeout=30).json()
+    assert info["enable_return_routed_experts"] is True
+    # /generate, n = 2: each sample its own, after the hidden states' place, before e2e_latency
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {**GREEDY, "temperature": 1.0, "n": 2},
+        "return_routed_experts": True,
+        "routed_experts_start_len": 1,
+    }
+    answers = requests.post(url + "/generate", json=body, timeout=60).json()
+    for answer in answers:
+        meta = answer["meta_info"]
+        keys = list(meta)
+        assert keys.index("routed_experts") == keys.index("e2e_latency") - 1
+        want = _expected(reference, PROMPT, answer["output_ids"], 1)
+        assert (_decoded(meta["routed_experts"]) == want).all()
+    # streamed: only the last chunk has them
+    with requests.post(url + "/generate", json={**body, "stream": True}, stream=True) as r:
+        chunks = [
+            json.loads(line[len(b"data: ") :])
+            for line in r.iter_lines()
+            if line.startswith(b"data: {")
+        ]
+    last = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"]}
+    assert len(last) == 2
+    assert all("routed_experts" not in c["meta_info"] for c in chunks if c not in last.values())
+    for chunk in last.values():
+        want = _expected(reference, PROMPT, chunk["output_ids"], 1)
+        assert (_decoded(chunk["meta_info"]["routed_experts"]) == want).all()
+    # the refusal, SGLang's 400
+    bad = requests.post(url + "/generate", json={**body, "routed_experts_start_len": 8})
+    assert bad.status_code == 400 and "is higher than the number of input tokens" in bad.text
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    extra = {"return_routed_experts": True, "return_token_ids": True}
+    completion = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=5, temperature=0, extra_body=extra
+    )
+    output = completion.choices[0].model_extra["token_ids"]
+    want = _expected(reference, PROMPT, output, 0)
+    assert (_decoded(completion.model_extra["sglext"]["routed_experts"]) == want).all()
+    # a stream: one chunk with sglext, no choices, after the choices' last chunks
+    stream = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+        extra_body=extra,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].choices == []
+    assert (_decoded(chunks[-1].model_extra["sglext"]["routed_experts"]) == want).all()
+    # the chat route: the rendered messages' routing (the template writes the words and a space)
+    words = " ".join(f"w{i}" for i in PROMPT)
+    chat = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": words}], max_tokens=4,
+        temperature=0, extra_body={"return_routed_experts": True},
+    )  # fmt: skip
+    routed = _decoded(chat.model_extra["sglext"]["routed_experts"])
+    assert routed.shape[0] == chat.usage.prompt_tokens + chat.usage.completion_tokens - 1
+    # not asked: no sglext
+    plain = client.completions.create(model="default", prompt=PROMPT, max_tokens=2)
+    assert "sglext" not in (plain.model_extra or {})
