@@ -239,12 +239,11 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "input_embeds": (None,),
     "session_params": (None,),
     # SGLang 0.5.23's GenerateReqInput, at the values that change nothing: other values ask for
-    # what this engine does not have (multimodal inputs, MoE experts, data-parallel ranks,
-    # prefill/decode disaggregation, sessions, a thinking budget)
+    # what this engine does not have (multimodal inputs, data-parallel ranks, prefill/decode
+    # disaggregation, sessions, a thinking budget)
     "session_id": (None,),
     "mm_hashes": (None,),
     "mm_content_hashes": (None,),
-    "return_indexer_topk": (False,),
     "lora_id": (None,),
     "positional_embed_overrides": (None,),
     "bootstrap_host": (None,),
@@ -286,6 +285,9 @@ _IGNORED_TOP = frozenset(
         "conversation_id",
         "external_trace_header",
         "return_entropy",
+        # an indexer's top-k (DeepSeek V3.2's sparse attention): SGLang 0.5.23 answers
+        # without them but with --enable-return-indexer-topk on CUDA, and no model here has one
+        "return_indexer_topk",
         "priority",
         "received_time",  # when a router took the request, for its metrics
         "http_worker_ipc",  # SGLang's own: which HTTP worker answers

@@ -36,7 +36,7 @@ from tests.stages.engine_setup import (
     pass_through_template,
     run_with_retraction,
 )
-from tests.stages.tiny_model import make_tiny_model, make_tiny_moe_model
+from tests.stages.tiny_model import make_gpt_oss_model, make_tiny_model, make_tiny_moe_model
 
 PROMPT = [5, 17, 33, 8, 50, 41, 7]
 LAYERS, K = 3, 2  # make_tiny_moe_model's: layer 1 dense
@@ -62,7 +62,7 @@ def url(model: Path) -> Iterator[str]:
 
 
 @torch.no_grad()
-def _routing(reference: torch.nn.Module, ids: list[int]) -> np.ndarray:
+def _routing(reference: torch.nn.Module, ids: list[int], k: int = K) -> np.ndarray:
     """transformers' routing of ``ids`` in one pass: each layer's experts module's
     ``top_k_index`` ``[len, layers, k]``, 0 where a layer has no experts."""
     taken: dict[int, torch.Tensor] = {}
@@ -78,7 +78,7 @@ def _routing(reference: torch.nn.Module, ids: list[int]) -> np.ndarray:
     finally:
         for hook in hooks:
             hook.remove()
-    out = np.zeros((len(ids), LAYERS, K), dtype=np.int32)
+    out = np.zeros((len(ids), len(reference.model.layers), k), dtype=np.int32)
     for i, index in taken.items():
         out[:, i] = index.numpy()
     return out
@@ -145,6 +145,28 @@ def test_every_row_gets_the_routing_of_the_passes_that_computed_its_tokens(
     assert "routed_experts" not in plain.result(timeout=0).extra
 
 
+@pytest.mark.timeout(120)
+def test_gpt_oss_routes_through_its_own_router(tmp_path: Path) -> None:
+    """gpt-oss picks its experts from the router's logits (no softmax first) and calls its
+    experts module with keyword-able ``router_indices``: the same capture holds."""
+    path = make_gpt_oss_model(tmp_path / "gpt-oss")
+    reference = load_reference(path, "eager")  # (gpt-oss has no sdpa in transformers)
+    scheduler = Scheduler(load_reference(path, "eager"), max_running=4, routed_experts=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    prompts = {"a": [40, 41, 42, 43, 44], "b": [40, 41, 42, 43, 44], "c": [50, 51]}
+    futures = {
+        rid: scheduler.submit(GenerateInput(rid, prompt, params, False, routed_experts=0))
+        for rid, prompt in prompts.items()
+    }
+    scheduler.run_until_idle()
+    for rid, prompt in prompts.items():
+        result = futures[rid].result(timeout=0)
+        sequence = prompt + result.output_ids
+        want = _routing(reference, sequence[:-1])
+        got = np.frombuffer(base64.b64decode(result.extra["routed_experts"]), dtype="<i4")
+        assert (got.reshape(want.shape) == want).all(), rid
+
+
 def test_a_model_without_experts_is_refused_at_start(tmp_path: Path) -> None:
     dense = load_reference(make_tiny_model(tmp_path / "dense"))
     with pytest.raises(ValueError, match="routes no experts"):
@@ -168,6 +190,8 @@ def test_without_the_servers_flag_none_come_but_the_start_is_checked() -> None:
     assert parse({"return_routed_experts": True, "routed_experts_start_len": 3}, True) == [3, 3]
     assert parse({"return_routed_experts": True}, False) == [None, None]
     assert parse({"routed_experts_start_len": 99}, True) == [None, None]  # not asked: unchecked
+    # an indexer's top-k: none here either (SGLang's capturer is CUDA's, behind its flag)
+    assert parse({"return_indexer_topk": True}, True) == [None, None]
     for enabled in (True, False):
         with pytest.raises(RequestError) as high:
             parse({"return_routed_experts": True, "routed_experts_start_len": 4}, enabled)
