@@ -2124,8 +2124,8 @@ class Scheduler:
         hidden = hidden_answer(seq.hidden, seq.inp.hidden_states)
         if hidden is not None:  # a copy: the seq's list is not handed over
             extra["hidden_states"] = list(hidden)
-        if seq.routes:  # (none: it never ran, aborted while it waited)
-            extra["routed_experts"] = _routed_answer(seq, len(ids))
+        if seq.routes and reason != ABORTED_WAITING:  # (SGLang's tokenizer answers such an
+            extra["routed_experts"] = _routed_answer(seq, len(ids))  # abort without them)
         now = time.perf_counter()
         if self.metrics is not None:  # --enable-metrics: recorded, and its time stats
             extra.update(

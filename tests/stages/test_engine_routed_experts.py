@@ -167,6 +167,35 @@ def test_gpt_oss_routes_through_its_own_router(tmp_path: Path) -> None:
         assert (got.reshape(want.shape) == want).all(), rid
 
 
+@pytest.mark.timeout(120)
+def test_an_aborted_sample_has_the_rows_it_ran_unless_it_waited(
+    model: Path, reference: torch.nn.Module
+) -> None:
+    """Aborted while running (SGLang's scheduler collects them at its finish): the rows of
+    every token it ran. Aborted while it waited after a retraction: none, as SGLang's
+    tokenizer answers such an abort."""
+    scheduler = Scheduler(load_reference(model), max_running=4, routed_experts=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
+    running = scheduler.submit(GenerateInput("run", PROMPT, params, False, routed_experts=0))
+    waiting = scheduler.submit(GenerateInput("wait", PROMPT[:4], params, False, routed_experts=0))
+    for _ in range(3):
+        scheduler.step()
+    scheduler.abort("run")
+    scheduler.step()
+    result = running.result(timeout=0)
+    assert result.finish_reason["message"] == "Aborted"
+    want = _expected(reference, PROMPT, result.output_ids, 0)
+    assert (_decoded(result.extra["routed_experts"]) == want).all()
+    scheduler.pause("retract")
+    scheduler.step()
+    scheduler.abort("wait")
+    scheduler.resume()
+    scheduler.run_until_idle()
+    result = waiting.result(timeout=0)
+    assert result.finish_reason["message"] == "Abort in waiting queue" and result.output_ids
+    assert "routed_experts" not in result.extra
+
+
 def test_a_model_without_experts_is_refused_at_start(tmp_path: Path) -> None:
     dense = load_reference(make_tiny_model(tmp_path / "dense"))
     with pytest.raises(ValueError, match="routes no experts"):
