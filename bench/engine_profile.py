@@ -32,7 +32,10 @@ penalties on every row (``stages.engine.penalties``: what they cost a step).
 ``--strict-thinking BUDGET`` has every row think under ``--enable-strict-thinking`` (four
 excluded tags, an end tag no row draws by chance) with that ``max_thinking_tokens`` (-1: none,
 so every step filters the excluded tags of every row; a budget: the end forced when it is
-spent): what the filter costs a step.
+spent): what the filter costs a step. ``--model moe`` is arith-tiny's tokenizer on a random
+Qwen3-MoE (hidden 128, 6 layers of 16 experts, 2 a token, one dense; transformers' passes);
+with ``--routed-experts`` every row asks for its routed experts (the scheduler's
+``--enable-return-routed-experts``): what capturing them costs a step.
 
 ``http`` starts ``inflight engine`` on arith-tiny (``--model mid``: its tokenizer on a 6-layer,
 384-wide model; ``OMP_NUM_THREADS=1``, ``--max-running 64``)
@@ -119,8 +122,12 @@ def _arith_prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:
     """(model, threads, prompt maker) for ``arith`` or ``bench22m``."""
-    if name == "arith":
+    if name in ("arith", "moe"):
         path, threads = ARITH, 1
+        if name == "moe":  # arith-tiny's tokenizer on a small mixture of experts
+            from bench._engines import make_moe_model
+
+            path = make_moe_model(tmp / "moe", ARITH, hidden=128, layers=6, experts=16)
 
         def prompts(count: int, seed: int) -> list[list[int]]:
             return _arith_prompts(count, seed)
@@ -208,6 +215,11 @@ def _thinking(args: argparse.Namespace, vocab: int) -> tuple[Any, dict[str, Any]
     return strict, {"require_reasoning": True, "max_thinking_tokens": args.strict_thinking}
 
 
+def _routes(args: argparse.Namespace) -> dict[str, Any]:
+    """``--routed-experts``: each input's field that asks for its routed experts."""
+    return {"routed_experts": 0} if args.routed_experts else {}
+
+
 def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     from stages.engine.protocol import GenerateInput, SamplingParams
     from stages.engine.scheduler import Scheduler
@@ -217,7 +229,7 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.threads or threads
     torch.set_num_threads(threads)
     eos = frozenset({model.config.eos_token_id or 1})
-    new_tokens = args.new_tokens or (6 if args.model == "arith" else 32)
+    new_tokens = args.new_tokens or (6 if args.model in ("arith", "moe") else 32)
 
     # -- the model alone, and the engine on a full batch of equal lengths, interleaved -------
     # Each round times the plain forward and then one engine round, so that both see the same
@@ -234,6 +246,7 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
         seed=0,
         fast_forward=args.forward == "fast",
         strict_thinking=strict,
+        routed_experts=args.routed_experts,
     )
     fast = sched.forward_path == "fast"
     params = SamplingParams(
@@ -250,7 +263,7 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
         own = _engine_forward_ms(model, args.batch, contexts, args.reps) if fast else forward
         prompts = make_prompts(args.batch, 100 + r)
         futures = [
-            sched.submit(GenerateInput(f"s{r}-{i}", p, params, True, **thinking))
+            sched.submit(GenerateInput(f"s{r}-{i}", p, params, True, **thinking, **_routes(args)))
             for i, p in enumerate(prompts)
         ]
         if profiler is not None and r == 1:
@@ -281,6 +294,7 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "engine_step_vs_forward",
         "model": args.model,
         "strict_thinking": args.strict_thinking,
+        "routed_experts": args.routed_experts,
         "params": sum(p.numel() for p in model.parameters()),
         "threads": threads,
         "batch": args.batch,
@@ -313,6 +327,7 @@ def _rl_workload(
         seed=0,
         fast_forward=args.forward == "fast",
         strict_thinking=strict,
+        routed_experts=args.routed_experts,
     )
     params = SamplingParams(temperature=1.0, max_new_tokens=5, **_penalties(args))
     pool = make_prompts(512, 7)
@@ -326,7 +341,9 @@ def _rl_workload(
         while len(live) < 2 * args.batch:
             prompt = pool[(submitted // group) % len(pool)]
             for k in range(group):
-                inp = GenerateInput(f"rl{submitted}-{k}", prompt, params, True, **thinking)
+                inp = GenerateInput(
+                    f"rl{submitted}-{k}", prompt, params, True, **thinking, **_routes(args)
+                )
                 live.append(sched.submit(inp))
             submitted += 1
 
@@ -909,7 +926,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     step = sub.add_parser("step", help="decode step vs the model's own forward, in process")
-    step.add_argument("--model", choices=["arith", "bench22m"], default="arith")
+    step.add_argument("--model", choices=["arith", "bench22m", "moe"], default="arith")
+    step.add_argument(
+        "--routed-experts",
+        action="store_true",
+        help="every row asks for its routed experts (--enable-return-routed-experts; moe)",
+    )
     step.add_argument("--batch", type=int, default=64)
     step.add_argument("--new-tokens", type=int, default=0, help="0: 6 (arith) or 32 (bench22m)")
     step.add_argument("--threads", type=int, default=0, help="0: 1 (arith) or 2 (bench22m)")
