@@ -292,6 +292,16 @@ def test_generate_and_the_openai_routes_answer_them(url: str, reference: torch.n
     )  # fmt: skip
     routed = _decoded(chat.model_extra["sglext"]["routed_experts"])
     assert routed.shape[0] == chat.usage.prompt_tokens + chat.usage.completion_tokens - 1
+    streamed = list(
+        client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": words}], max_tokens=4,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"return_routed_experts": True},
+        )
+    )  # fmt: skip
+    sglext = [c.model_extra["sglext"] for c in streamed if (c.model_extra or {}).get("sglext")]
+    assert len(sglext) == 1 and streamed[-1].usage is not None  # before the usage chunk
+    assert (_decoded(sglext[0]["routed_experts"]) == routed).all()  # greedy: the same tokens
     # not asked: no sglext
     plain = client.completions.create(model="default", prompt=PROMPT, max_tokens=2)
     assert "sglext" not in (plain.model_extra or {})
