@@ -123,7 +123,8 @@ _CALL = object()  # an _Outbox item that is a call, not a result
 
 
 # A scored prompt is the same request whatever seqs ask for it: (ids, logprob_start,
-# top_logprobs_num, adapter, token_ids_logprob, the distribution after it, cache namespace).
+# top_logprobs_num, adapter, token_ids_logprob, the distribution after it, cache namespace,
+# whether it wants its routed experts).
 _ScoreKey = tuple[
     tuple[int, ...], int, int, "str | None", "tuple[int, ...] | None", bool, Any, bool
 ]
@@ -1710,7 +1711,10 @@ class Scheduler:
     def _arm_experts(self, seqs: Iterable[_Seq]) -> bool:
         """Whether the next pass keeps its routed experts: the server's flag, and one of
         ``seqs`` asking for them (``ExpertsCapture.arm``)."""
-        if self._experts is None or not any(s.routes is not None for s in seqs):
+        if self._experts is None:
+            return False
+        if not any(s.routes is not None for s in seqs):
+            self._experts.armed = False  # (after a pass that failed while armed)
             return False
         self._experts.arm()
         return True

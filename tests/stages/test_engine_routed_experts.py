@@ -305,3 +305,17 @@ def test_generate_and_the_openai_routes_answer_them(url: str, reference: torch.n
     # not asked: no sglext
     plain = client.completions.create(model="default", prompt=PROMPT, max_tokens=2)
     assert "sglext" not in (plain.model_extra or {})
+
+
+@pytest.mark.parametrize("kind", ["classify", "embed"])
+def test_a_pooling_engine_refuses_the_flag_before_it_loads(
+    kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reward or embedding model generates nothing to route: the engine says so and exits 2
+    (the folder is never read)."""
+    from stages.engine.pooling_server import serve_pooling
+    from stages.engine.server import parse_args
+
+    args = parse_args(["--model", "/nonexistent", "--enable-return-routed-experts"])
+    assert serve_pooling(args, kind, None) == 2  # type: ignore[arg-type]
+    assert "--enable-return-routed-experts" in capsys.readouterr().out
