@@ -88,6 +88,13 @@ class ExpertsCapture:
                 out[:, i] = ids.reshape(tokens, -1)[:, : self.k]
         return out.cpu()  # one copy off the device a pass
 
+    @staticmethod
+    def piece(rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (``[tokens, layers, k]``) as the prefix cache keeps them beside a node's KV,
+        tokens on the second axis from the end as in its keys and values: ``[1, layers,
+        tokens, k]`` (the cache slices and joins every piece on that axis)."""
+        return rows.permute(1, 0, 2).unsqueeze(0)
+
 
 def _decoder_layers(model: Any) -> Any:
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model

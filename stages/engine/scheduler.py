@@ -123,11 +123,8 @@ _CALL = object()  # an _Outbox item that is a call, not a result
 
 
 # A scored prompt is the same request whatever seqs ask for it: (ids, logprob_start,
-# top_logprobs_num, adapter, token_ids_logprob, the distribution after it, cache namespace,
-# whether it wants its routed experts).
-_ScoreKey = tuple[
-    tuple[int, ...], int, int, "str | None", "tuple[int, ...] | None", bool, Any, bool
-]
+# top_logprobs_num, adapter, token_ids_logprob, the distribution after it, cache namespace).
+_ScoreKey = tuple[tuple[int, ...], int, int, "str | None", "tuple[int, ...] | None", bool, Any]
 # SGLang's IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD and _DEPRIORITIZE_THRESHOLD (32 both,
 # ``schedule_policy.py``): a prompt with at most this many tokens cached that shares this
 # many with one admitted before it waits for that one's KV
@@ -181,11 +178,13 @@ def _routed_answer(seq: Any, outputs: int) -> str:
     return encode_routes(rows[start : max(start, seqlen - 1)])
 
 
-def _reuses(seq: Any) -> bool:
-    """Whether ``seq``'s prefill may start on a cached prefix: not a LoRA adapter's row (a
-    base prefix is no prefix of it), nor one that wants its routed experts (they come from
-    the passes that compute its tokens: it computes all of its context)."""
-    return seq.adapter is None and seq.routes is None
+def _prefix_routes(match: Match) -> list[torch.Tensor]:
+    """The routed experts of a matched prefix, ``[length, layers, k]`` (none: no prefix):
+    the last part of each node's pieces (``ExpertsCapture.piece``), as the prefix cache keeps
+    them beside the KV with ``--enable-return-routed-experts``."""
+    if not match.length:
+        return []
+    return [torch.cat([piece[-1] for piece in match.pieces], -2)[0].permute(1, 0, 2)]
 
 
 def _next_wanted(seq: Any) -> bool:
@@ -412,8 +411,10 @@ class _Seq:
         # and how many of them a stream has sent
         self.hidden: list[Any] | None = [] if inp.hidden_states else None
         self.hidden_sent = 0
-        # the experts its tokens were routed to (return_routed_experts): its last prefill's
-        # block [context, layers, k], then a row a decode step (routed_experts.ExpertsCapture)
+        # the experts its tokens were routed to, [tokens, layers, k] blocks: its context's at
+        # its last prefill (a cached prefix's, then the pass's), then a row a decode step
+        # (routed_experts.ExpertsCapture). [] until then when it asks (return_routed_experts);
+        # with the server's flag every prefill gives every row its own, for the prefix cache
         self.routes: list[torch.Tensor] | None = None if inp.routed_experts is None else []
         # with a custom logit processor: its custom_params as the processor gets them (with
         # "__req__", the view of this seq, where they are a dictionary), set when it is queued
@@ -1318,7 +1319,6 @@ class Scheduler:
                 seq.inp.token_ids_logprob,
                 _next_wanted(seq),
                 seq.inp.cache_namespace,
-                seq.routes is not None,  # computed whole: no prefix taken (_score_lookup)
             )
             unique.setdefault(key, []).append(seq)
         first, later = _in_batch_waves(
@@ -1338,8 +1338,8 @@ class Scheduler:
         """What a scored prompt takes from the prefix cache: its longest prefix of the live
         weights' KV up to its start; None where it neither takes nor leaves any (no cache, or
         an adapter's row). ``record`` false: a look only (``PrefixCache.match``)."""
-        if self._prefix is None or seq.adapter is not None or seq.routes is not None:
-            return None  # (a row that wants its routed experts computes all of its prompt)
+        if self._prefix is None or seq.adapter is not None:
+            return None
         limit = _reuse_limit(key[0], key[1])
         if limit <= 0:
             return Match()
@@ -1366,7 +1366,7 @@ class Scheduler:
                 mask = _on_prefixes(prompts, cached, mask)[0]
             ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
             lora = self._row_adapters([unique[k][0] for k in keys])
-            routed = self._arm_experts(s for k in keys for s in unique[k])
+            routed = self._arm_experts()
             kv, _, hidden = self._forward_prefill(ids, mask, positions, past, lora, True)
             assert hidden is not None
             routes = self._routes_of(ids) if routed else None
@@ -1375,8 +1375,14 @@ class Scheduler:
             )
             width = ids.shape[1]
             for row, (key, match) in enumerate(zip(keys, matches, strict=True)):
-                tokens, start, top, _, wanted, after, namespace, _ = key
+                tokens, start, top, _, wanted, after, namespace = key
                 new = len(tokens) - match.length
+                # every position's routed experts (the cached prefix's, then this pass's)
+                rows = (
+                    None
+                    if routes is None
+                    else [*_prefix_routes(match), routes[row, width - new :].clone()]
+                )
                 version = match.stamp.version if match.stamp is not None else None
                 for seq in unique[key]:
                     # its cached_tokens, also once it is prefilled to generate (on top of this)
@@ -1386,8 +1392,8 @@ class Scheduler:
                     done = seq.inp.params.max_new_tokens <= len(seq.done_ids)
                     if seq.hidden == [] and mode is not None and done:  # its uncached rest's
                         seq.hidden.append(_hidden_block(hidden[row], new, mode))
-                    if routes is not None and seq.routes is not None and done:  # all of it
-                        seq.routes[:] = [routes[row, width - new :].clone()]
+                    if rows is not None and seq.routes is not None and done:
+                        seq.routes[:] = rows
                 if start >= 0:
                     lps, tops, picked = prompt_logprobs(
                         hidden[row, width - new :], list(tokens), start, top, head, wanted,
@@ -1404,7 +1410,9 @@ class Scheduler:
                         if seq.picked is not None and next_picked is not None:
                             seq.picked.append(next_picked)
                 if kept[row] is not None:
-                    self._keep_scored(kv, row, list(tokens), match.length, width, namespace, live)
+                    self._keep_scored(
+                        kv, row, list(tokens), match.length, width, namespace, live, rows
+                    )
             del kv, hidden, past
 
     def _keep_scored(
@@ -1416,11 +1424,14 @@ class Scheduler:
         width: int,
         namespace: Any,
         live: Stamp,
+        routes: list[torch.Tensor] | None = None,
     ) -> None:
         """A scored prompt's KV (row ``row`` of a scoring pass: its cached prefix right-aligned
         in the past's columns, its ``width``-wide new tokens after them) to the prefix cache,
         as a prefix only (``served`` false): a later request that shares it, or generates
-        after it, computes only the rest."""
+        after it, computes only the rest. ``routes``: each position's routed experts (with
+        ``--enable-return-routed-experts``), kept beside the KV."""
+        routed = None if routes is None else torch.cat(routes)
         assert self._prefix is not None
         before = kv.get_seq_length() - width
         new_at = before + width - (len(tokens) - cached)  # the first new token's column
@@ -1432,23 +1443,24 @@ class Scheduler:
             if b > cached:
                 spans.append((new_at + max(a, cached) - cached, new_at + b - cached))
             pieces = [self._kv.pass_kv(kv, row, lo, hi) for lo, hi in spans]
-            if len(pieces) == 1:
-                return pieces[0]
-            return [torch.cat(parts, -2) for parts in zip(*pieces, strict=True)]
+            whole = (
+                pieces[0]
+                if len(pieces) == 1
+                else [torch.cat(parts, -2) for parts in zip(*pieces, strict=True)]
+            )
+            return whole if routed is None else [*whole, ExpertsCapture.piece(routed[a:b])]
 
         self._prefix.insert(tokens, kv_of, live, namespace, served=False)
 
     def _prefill(self, group: list[_Seq]) -> None:
         # Identical contexts (the samples of one prompt) are prefilled once.
-        unique: dict[tuple[Adapter | None, Any, bool, tuple[int, ...]], int] = {}
+        unique: dict[tuple[Adapter | None, Any, tuple[int, ...]], int] = {}
         contexts: list[list[int]] = []
         owners: list[_Seq] = []  # a seq of each context: whose adapter it takes
         source: list[int] = []
         for seq in group:
             ctx = seq.context
-            # a namespace shares none; a row that wants its routed experts computes all of its
-            # context (no cached prefix), apart from those that take one
-            key = (seq.adapter, seq.inp.cache_namespace, seq.routes is not None, tuple(ctx))
+            key = (seq.adapter, seq.inp.cache_namespace, tuple(ctx))  # a namespace shares none
             idx = unique.get(key)
             if idx is None:
                 idx = unique[key] = len(contexts)
@@ -1460,12 +1472,12 @@ class Scheduler:
 
         def opening(u: int) -> tuple[Any, tuple[int, ...]] | None:
             ctx, owner = contexts[u], owners[u]
-            if self._prefix is None or not _reuses(owner) or len(ctx) <= IN_BATCH_PREFIX:
+            if self._prefix is None or owner.adapter is not None or len(ctx) <= IN_BATCH_PREFIX:
                 return None
             return owner.inp.cache_namespace, tuple(ctx[:IN_BATCH_PREFIX])
 
         def lookup(u: int, record: bool) -> Match:
-            if not _reuses(owners[u]):
+            if owners[u].adapter is not None:  # a base prefix is no prefix of an adapter's row
                 return Match()
             return self._lookup(contexts[u], owners[u].inp.cache_namespace, record)
 
@@ -1521,16 +1533,19 @@ class Scheduler:
             columns = columns.to(self.device)
         ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
         keep = any(seq.hidden is not None for seq in group)
-        routed = self._arm_experts(group)
+        routed = self._arm_experts()
         cache, logits, hidden = self._forward_prefill(ids, mask, positions, past, lora, keep)
         if hidden is not None:
             new = [len(c) - n for c, n in zip(contexts, cached, strict=True)]
             self._keep_prefill_hidden(group, source, new, hidden)
-        if routed:  # each row's whole context (it took no cached prefix): its routes anew
+        if routed:  # every row's context: its cached prefix's (kept with it), then this pass's
             routes, width = self._routes_of(ids), ids.shape[1]
+            blocks = [
+                [*_prefix_routes(m), routes[u, width - len(c) + m.length :].clone()]
+                for u, (c, m) in enumerate(zip(contexts, matches, strict=True))
+            ]
             for seq, u in zip(group, source, strict=True):
-                if seq.routes is not None:
-                    seq.routes[:] = [routes[u, width - len(contexts[u]) :].clone()]
+                seq.routes = list(blocks[u])
         mapped = source != list(range(len(contexts)))  # shared contexts, or another order
         src = torch.tensor(source, device=self.device) if mapped else None
         lengths = torch.tensor([len(contexts[i]) for i in source])
@@ -1606,8 +1621,10 @@ class Scheduler:
                 continue
             held.add(u)
 
-            def kv_of(a: int, b: int, slot: int = seq.slot, at: int = seq.kv_start) -> list[Any]:
-                return self._kv.row_kv(slot, at + a, at + b)
+            def kv_of(
+                a: int, b: int, seq: _Seq = seq, slot: int = seq.slot, at: int = seq.kv_start
+            ) -> list[Any]:
+                return self._row_pieces(seq, slot, at, a, b)
 
             stamp = seq.stamp or self._stamp()
             self._prefix.insert(contexts[u], kv_of, stamp, seq.inp.cache_namespace, served=False)
@@ -1667,7 +1684,7 @@ class Scheduler:
         ids, positions, mask = kv.decode_inputs()
         keep = bool(self._hidden_seqs)
         hidden = None
-        routed = self._arm_experts(self._route_seqs)
+        routed = bool(self._route_seqs) and self._arm_experts()
         if self._fast is not None:
             lora = self._row_adapters(self._running)
             if keep:
@@ -1708,13 +1725,11 @@ class Scheduler:
         aborted = self._take_masks(0, rows) if self._mask_seqs else None
         self._finish_checks(tokens, logprobs, 0, rows, kv.end, _either(failed, aborted))
 
-    def _arm_experts(self, seqs: Iterable[_Seq]) -> bool:
-        """Whether the next pass keeps its routed experts: the server's flag, and one of
-        ``seqs`` asking for them (``ExpertsCapture.arm``)."""
+    def _arm_experts(self) -> bool:
+        """Whether the next pass keeps its routed experts (``ExpertsCapture.arm``): with the
+        server's flag every pass does, for every row, whether it asks or not, so that the
+        prefix cache keeps them beside the KV it holds (SGLang's buffer has every token's)."""
         if self._experts is None:
-            return False
-        if not any(s.routes is not None for s in seqs):
-            self._experts.armed = False  # (after a pass that failed while armed)
             return False
         self._experts.arm()
         return True
@@ -1725,6 +1740,16 @@ class Scheduler:
         assert self._experts is not None
         rows, width = ids.shape
         return self._experts.take(rows * width).view(rows, width, self._experts.layers, -1)
+
+    def _row_pieces(self, seq: _Seq, slot: int, at: int, a: int, b: int) -> list[torch.Tensor]:
+        """What the prefix cache keeps of positions ``a..b-1`` of the sequence in ``slot``
+        (whose first position is column ``at``): its KV, then, with the server's
+        ``--enable-return-routed-experts``, its routed experts (``ExpertsCapture.piece``)."""
+        pieces = self._kv.row_kv(slot, at + a, at + b)
+        if self._experts is None:
+            return pieces
+        assert seq.routes is not None  # (every prefill with the flag gives a row its routes)
+        return [*pieces, ExpertsCapture.piece(torch.cat(seq.routes)[a:b])]
 
     def _keep_decode_hidden(self, hidden: torch.Tensor) -> None:
         """The final hidden state each watching row's decode step just computed (``[rows,
@@ -2102,8 +2127,10 @@ class Scheduler:
             tokens = seq.inp.input_ids + ids[:-1]
             slot, start = seq.slot, seq.kv_start
 
-            def kv_of(a: int, b: int, slot: int = slot, start: int = start) -> list[torch.Tensor]:
-                return self._kv.row_kv(slot, start + a, start + b)
+            def kv_of(
+                a: int, b: int, seq: _Seq = seq, slot: int = slot, start: int = start
+            ) -> list[torch.Tensor]:
+                return self._row_pieces(seq, slot, start, a, b)
 
             self._prefix.insert(tokens, kv_of, seq.stamp or self._stamp(), seq.inp.cache_namespace)
 
@@ -2128,8 +2155,9 @@ class Scheduler:
         hidden = hidden_answer(seq.hidden, seq.inp.hidden_states)
         if hidden is not None:  # a copy: the seq's list is not handed over
             extra["hidden_states"] = list(hidden)
-        if seq.routes and reason != ABORTED_WAITING:  # (SGLang's tokenizer answers such an
-            extra["routed_experts"] = _routed_answer(seq, len(ids))  # abort without them)
+        asked = seq.inp.routed_experts is not None  # (every row keeps them, with the flag)
+        if asked and seq.routes and reason != ABORTED_WAITING:  # SGLang's tokenizer answers
+            extra["routed_experts"] = _routed_answer(seq, len(ids))  # such an abort without
         now = time.perf_counter()
         if self.metrics is not None:  # --enable-metrics: recorded, and its time stats
             extra.update(

@@ -101,8 +101,9 @@ def test_every_row_gets_the_routing_of_the_passes_that_computed_its_tokens(
 ) -> None:
     """Prompts of several lengths in one left-padded prefill, two samples sharing one prompt's
     pass, a start past 0, a prefill-only request, a request whose prompt the prefix cache
-    holds (it computes all of it), one that does not ask, and a retraction and re-prefill:
-    each answer is transformers' routing of its sequence, the dense layer 0s."""
+    holds (its prefix's routing kept there with its KV, by a request that did not ask), one
+    that does not ask, and a retraction and re-prefill: each answer is transformers' routing
+    of its sequence, the dense layer 0s."""
     long_prompt = [(7 * i) % 120 + 3 for i in range(40)]  # more than IN_BATCH_PREFIX tokens
     scheduler = Scheduler(load_reference(model), max_running=8, routed_experts=True)
     assert scheduler.forward_path == "transformers" and scheduler.routed_experts
@@ -141,8 +142,40 @@ def test_every_row_gets_the_routing_of_the_passes_that_computed_its_tokens(
         assert (got[:, 1] == 0).all()  # the dense layer
         assert set(np.unique(got[:, [0, 2]])) <= set(range(8))
     assert futures["a"].result(timeout=0).retractions == 1  # re-prefilled, routed anew
-    assert futures["cached"].result(timeout=0).cached_tokens == 0
+    assert futures["cached"].result(timeout=0).cached_tokens > 0  # as SGLang's radix cache
     assert "routed_experts" not in plain.result(timeout=0).extra
+
+
+@pytest.mark.timeout(120)
+def test_a_prefix_from_the_cache_brings_its_routing(
+    model: Path, reference: torch.nn.Module
+) -> None:
+    """The prefix cache keeps every token's routing beside its KV, whoever computed it: the
+    next turn of a finished episode and a prompt scored first by a request that did not ask
+    take their prefixes from it, and answer transformers' routing of the whole sequence."""
+    scheduler = Scheduler(load_reference(model), max_running=8, routed_experts=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    turn1 = [(5 * i) % 110 + 3 for i in range(36)]
+    first = scheduler.submit(GenerateInput("turn1", turn1, params, False))
+    scored_prompt = [(11 * i) % 100 + 4 for i in range(40)]
+    only = SamplingParams(temperature=1.0, max_new_tokens=0)
+    scored = scheduler.submit(GenerateInput("score", scored_prompt, only, True, logprob_start=0))
+    scheduler.run_until_idle()
+    assert "routed_experts" not in first.result(timeout=0).extra  # not asked
+    assert scored.result(timeout=0).input_token_logprobs
+    turn2 = [*turn1, *first.result(timeout=0).output_ids, 9, 10]
+    futures = {
+        "turn2": scheduler.submit(GenerateInput("t2", turn2, params, False, routed_experts=0)),
+        "after": scheduler.submit(
+            GenerateInput("after", scored_prompt, params, False, routed_experts=3)
+        ),
+    }
+    scheduler.run_until_idle()
+    for name, prompt, start in (("turn2", turn2, 0), ("after", scored_prompt, 3)):
+        result = futures[name].result(timeout=0)
+        assert result.cached_tokens >= 32, name  # the prefix came from the cache
+        want = _expected(reference, prompt, result.output_ids, start)
+        assert (_decoded(result.extra["routed_experts"]) == want).all(), name
 
 
 @pytest.mark.timeout(120)
