@@ -7,7 +7,6 @@ there when run as scripts). It does not measure anything itself.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import statistics
@@ -51,31 +50,6 @@ def make_model(path: Path, *, vocab: int = 32000, max_positions: int = 2048) -> 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
-
-
-def make_moe_model(
-    path: Path, tokenizer_from: Path, *, hidden: int = 32, layers: int = 3, experts: int = 8
-) -> Path:
-    """Save a random Qwen3-MoE under ``path`` (by default tiny: 3 layers of 8 experts, 2 a
-    token, the second layer dense; seeded) with the tokenizer of the model at
-    ``tokenizer_from``, whose vocabulary it takes; returns ``path``."""
-    import shutil
-
-    from transformers import Qwen3MoeConfig
-
-    vocab = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
-    config = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-        moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=hidden // 4, num_experts=experts, num_experts_per_tok=2,
-        mlp_only_layers=[1], max_position_embeddings=512, eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (tokenizer_from / name).exists():
-            shutil.copy(tokenizer_from / name, path / name)
-    return path
 
 
 def process_cpu_s(pid: int) -> float:

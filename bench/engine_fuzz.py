@@ -58,13 +58,14 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 
 import aiohttp  # noqa: E402
 
-from bench._engines import engine_server, make_moe_model  # noqa: E402
+from bench._engines import engine_server  # noqa: E402
 from stages.engine import (  # noqa: E402
     control_fields,
     custom_logits,
     openai_decisions,
     request_fields,
 )
+from tests.stages.tiny_model import make_tiny_moe_model  # noqa: E402
 
 ARITH = ROOT / "configs" / "models" / "arith-tiny"
 PASS_THROUGH = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -291,7 +292,7 @@ def main() -> int:
                  "--tool-call-parser", "qwen25", *shlex.split(args.engine_args)]  # fmt: skip
         model = ARITH
         if args.moe:
-            model = make_moe_model(Path(tmp) / "moe", ARITH)
+            model = make_tiny_moe_model(Path(tmp) / "moe", tokenizer_from=ARITH)
             flags.append("--enable-return-routed-experts")
         start = time.perf_counter()
         with (

@@ -125,9 +125,11 @@ def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:
     if name in ("arith", "moe"):
         path, threads = ARITH, 1
         if name == "moe":  # arith-tiny's tokenizer on a small mixture of experts
-            from bench._engines import make_moe_model
+            from tests.stages.tiny_model import make_tiny_moe_model
 
-            path = make_moe_model(tmp / "moe", ARITH, hidden=128, layers=6, experts=16)
+            path = make_tiny_moe_model(
+                tmp / "moe", hidden=128, layers=6, experts=16, tokenizer_from=ARITH
+            )
 
         def prompts(count: int, seed: int) -> list[list[int]]:
             return _arith_prompts(count, seed)

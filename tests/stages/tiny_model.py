@@ -75,20 +75,39 @@ def make_tiny_model(
     return path
 
 
-def make_tiny_moe_model(path: Path, *, seed: int = 0, dense_layers: tuple[int, ...] = (1,)) -> Path:
-    """A random tiny Qwen3-MoE (``Qwen3MoeForCausalLM``: 3 layers of 8 experts, 2 a token, the
-    layers ``dense_layers`` a plain MLP, as Qwen3-MoE's ``mlp_only_layers``) with
-    ``make_tiny_model``'s tokenizer (128 words)."""
+def make_tiny_moe_model(
+    path: Path,
+    *,
+    seed: int = 0,
+    dense_layers: tuple[int, ...] = (1,),
+    hidden: int = 32,
+    layers: int = 3,
+    experts: int = 8,
+    tokenizer_from: Path | None = None,
+) -> Path:
+    """A random Qwen3-MoE (``Qwen3MoeForCausalLM``; by default tiny: 3 layers of 8 experts, 2
+    a token, the layers ``dense_layers`` a plain MLP, as Qwen3-MoE's ``mlp_only_layers``)
+    with ``make_tiny_model``'s tokenizer (128 words), or with the tokenizer (and generation
+    config) of the model at ``tokenizer_from``, whose vocabulary it then takes."""
     from transformers import Qwen3MoeConfig
 
+    vocab = 128
+    if tokenizer_from is not None:
+        vocab = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
     config = Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=8, num_experts_per_tok=2, mlp_only_layers=list(dense_layers),
-        max_position_embeddings=512, pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=None,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=hidden // 4, num_experts=experts, num_experts_per_tok=2,
+        mlp_only_layers=list(dense_layers), max_position_embeddings=512, pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID, bos_token_id=None,
     )  # fmt: skip
     path = _save_random(AutoModelForCausalLM, config, path, seed)
-    _tokenizer(config.vocab_size).save_pretrained(path)
+    if tokenizer_from is None:
+        _tokenizer(config.vocab_size).save_pretrained(path)
+        return path
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, path / name)
     return path
 
 
