@@ -925,6 +925,11 @@ def _spy_summary(raw: Path) -> dict[str, Any]:
 
 
 def main() -> int:
+    import structlog
+
+    # the scheduler's own events (the step bench runs it in this process) go to stderr: stdout
+    # is the one JSON line
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     step = sub.add_parser("step", help="decode step vs the model's own forward, in process")
