@@ -108,6 +108,7 @@ from stages.engine.token_bytes import TokenBytes, token_bytes
 from stages.engine.tool_calls import (
     NATIVE_FORCED,
     PARSERS,
+    PARSES_WITHOUT_TOOLS,
     StreamingToolCalls,
     ToolCallParser,
     answer_format,
@@ -409,8 +410,11 @@ def chat_request(
         "logprobs": bool(body.get("logprobs")),
         # a JSON answer is data, not tool calls (SGLang: _response_parser_json_response_format)
         # (without a tool-call format, a forced call is SGLang's JSON array, read as such)
-        "parse_tools": bool(template_tools)
-        and (settings.tool_parser is not None or forced is not None)
+        # (MiniMax-M3's calls are read in a request without tools too: parses_without_tools)
+        "parse_tools": (
+            (bool(template_tools) and (settings.tool_parser is not None or forced is not None))
+            or (not tools and settings.tool_parser in PARSES_WITHOUT_TOOLS)
+        )
         and "json_schema" not in grammar,
         "tools": tools or [],
         # the format calls are in

@@ -57,7 +57,7 @@ from stages.engine.reasoning import PARSERS as REASONING_PARSERS
 from stages.engine.reasoning import ThinkFormat, think_parser
 from stages.engine.request_body import invalid, json_response
 from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
-from stages.engine.tool_calls import ToolCallParser
+from stages.engine.tool_calls import PARSES_WITHOUT_TOOLS, ToolCallParser
 from transport.credit import sparse
 
 __all__ = ["ParseRoutes"]
@@ -149,10 +149,12 @@ def _read_calls(
 ) -> tuple[str, list[dict[str, Any]]]:
     """``(normal_text, calls)`` as ``FunctionCallParser.parse_non_stream`` gives them
     (``tools``: the checked tools, whose parameters type ``qwen3_coder``'s values)."""
-    if not names:
+    if not names and parser not in PARSES_WITHOUT_TOOLS:
         return text, []
     where = {name: i for i, name in enumerate(names) if name}  # the last of a name wins
-    reader = ToolCallParser([t for t in tools if t["function"].get("name")], parser)
+    if parser not in PARSES_WITHOUT_TOOLS:  # (whose reader tells no tools from unnamed ones)
+        tools = [t for t in tools if t["function"].get("name")]
+    reader = ToolCallParser(tools, parser)
     if not reader.has_tool_call(text):
         return text, []
     content, calls = reader.indexed(text, where)

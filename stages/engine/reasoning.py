@@ -40,12 +40,17 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
 - ``cohere_command4`` (``CohereCommand4Detector``): reasoning until ``<|END_THINKING|>`` or a
   text or action block, the content the ``<|START_TEXT|>`` block's inside, or an action block
   (tool calls) whole (``stages.engine.cohere_reasoning``; always on);
+- ``minimax-m3`` (``MiniMaxM3Detector``): ``<mm:think>`` ... ``</mm:think>``, reasoning when
+  ``chat_template_kwargs.thinking_mode`` is ``enabled``; an answer that does not start in its
+  reasoning loses one ``</mm:think>`` leading it (its template writes one before earlier
+  turns that did not think; streamed, the first text out of the reasoning, which after a
+  forced reasoning the whole answer does not check);
 - ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
   ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
-Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``minimax-m3``,
-``hunyuan``, ``inkling``, ``muse``,
+Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``hunyuan``,
+``inkling``, ``muse``,
 ``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
@@ -124,6 +129,9 @@ class ThinkFormat:
     # the request's thinking / enable_thinking alone decide whether it reasons, and force it
     # (IQuestQ1ReasoningDetector.thinking_enabled: on unless one is set and neither is true)
     iquest: bool = False
+    # an answer that does not start in its reasoning loses one end tag leading it (spaces
+    # before it too): MiniMax-M3 writes it before earlier turns that did not think
+    stray_close: bool = False
 
     @property
     def opening(self) -> str:
@@ -212,6 +220,16 @@ PARSERS: dict[str, ThinkFormat] = {
         end="<|END_THINKING|>",
         cohere=True,
     ),
+    # MiniMaxM3Detector: <mm:think> tags, reasoning when chat_template_kwargs.thinking_mode is
+    # "enabled" (its template then opens it; an adaptive answer may open it itself), a stray
+    # end tag leading an answer that does not reason dropped
+    "minimax-m3": ThinkFormat(
+        tool_start=None,
+        default="thinking_mode",
+        start="<mm:think>",
+        end="</mm:think>",
+        stray_close=True,
+    ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
         tool_start=None,
@@ -279,6 +297,9 @@ class ThinkParser:
         self._fed = False  # a whole format: its start tag went out
         self._thought = False  # Granite's: reasoning was seen (its content's newlines go)
         self._said = False  # Granite's: content went out
+        # stray_close: the spaces a stream began with, held until it shows whether a stray end
+        # tag leads it (None: shown, or not a stray_close format)
+        self._lead: str | None = "" if fmt.stray_close else None
 
     # -- whole answers -------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str, str]:
@@ -300,6 +321,8 @@ class ThinkParser:
         start, end = self.fmt.start, self.fmt.end
         if self.fmt.whole:
             return "", start + text
+        if self.fmt.stray_close and not self.in_reasoning and text.lstrip().startswith(end):
+            text = text.lstrip()[len(end) :]
         if not (self.in_reasoning or start in text):
             return "", text
         opening = self.fmt.opening
@@ -319,6 +342,17 @@ class ThinkParser:
     def feed(self, delta: str) -> tuple[str, str]:
         """``(reasoning, content)`` of the text added to a stream (``parse_streaming_increment``):
         what may still be (part of) a tag is held back for the next delta."""
+        if self._lead is not None and not self.in_reasoning:
+            # MiniMaxM3Detector.parse_streaming_increment: the first text out of the reasoning
+            # (the end tag is one token: it comes whole)
+            lead = self._lead = self._lead + delta
+            stripped = lead.lstrip()
+            if not stripped:
+                return "", ""
+            self._lead = None
+            delta = stripped[len(self.fmt.end) :] if stripped.startswith(self.fmt.end) else lead
+            if not delta:
+                return "", ""
         was = self.in_reasoning
         reasoning, content = self._feed(delta)
         if self.nonempty:
@@ -369,6 +403,8 @@ class ThinkParser:
         """What a stream still holds when its answer ends (``finish``): the reasoning of an
         answer cut short, or the start of a tag that never came."""
         left, self._buffer = self._buffer, ""
+        if self._lead:  # spaces alone (SGLang's stream drops them; its whole answer has them)
+            left, self._lead = self._lead, None
         if not self.in_reasoning:
             return "", left
         if left.startswith(self.fmt.opening):
@@ -514,6 +550,8 @@ def thinking_on(
     """Whether a chat request reasons (``serving_chat._get_reasoning_from_request``): from
     the template's ``toggle`` when it has one, else the detector's ``reasoning_default``;
     ``kwargs``: the request's ``chat_template_kwargs``, ``effort`` its ``reasoning_effort``."""
+    if fmt.default == "thinking_mode":  # minimax-m3's, before any toggle
+        return (kwargs or {}).get("thinking_mode") == "enabled"
     if fmt.iquest:  # IQuestQ1ReasoningDetector.thinking_enabled, before any toggle
         kwargs = kwargs or {}
         thinking, enable = kwargs.get("thinking"), kwargs.get("enable_thinking")

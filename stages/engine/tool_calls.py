@@ -15,8 +15,9 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 (``stages.engine.gigachat_calls``), ``apertus2509`` (``stages.engine.apertus_calls``),
 ``spark25`` (``stages.engine.spark_calls``: forced calls not constrained, as SGLang's),
 ``step3`` (``stages.engine.step3_calls``), ``poolside_v1`` (``stages.engine.poolside_calls``),
-``dots`` (``stages.engine.dots_calls``), ``minicpm5`` (``stages.engine.minicpm_calls``); and
-how a forced
+``dots`` (``stages.engine.dots_calls``), ``minicpm5`` (``stages.engine.minicpm_calls``),
+``minimax-m3`` (``stages.engine.minimax_m3_calls``: read in a request without tools too,
+``PARSES_WITHOUT_TOOLS``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -80,6 +81,8 @@ from stages.engine.mimo_calls import MiMoCalls
 from stages.engine.minicpm_calls import MiniCPM5Calls
 from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK
 from stages.engine.minimax_calls import MiniMaxM2Calls
+from stages.engine.minimax_m3_calls import NS as MINIMAX_M3_MARKER
+from stages.engine.minimax_m3_calls import PARSES_WITHOUT_TOOLS, MiniMaxM3Calls
 from stages.engine.partial_json import ListedCalls
 from stages.engine.poolside_calls import PoolsideCalls
 from stages.engine.pythonic_calls import PythonicCalls
@@ -98,6 +101,7 @@ from stages.engine.tool_formats import (
 __all__ = [
     "NATIVE_FORCED",
     "PARSERS",
+    "PARSES_WITHOUT_TOOLS",
     "StreamingToolCalls",
     "ToolCallParser",
     "answer_format",
@@ -135,7 +139,7 @@ PARSERS = (
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
-    "gigachat3", "dots", "minicpm5",
+    "gigachat3", "dots", "minicpm5", "minimax-m3",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
@@ -149,6 +153,7 @@ _TYPED = {
     "glm47": Glm47Calls, "ling3": Ling3Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
     "poolside_v1": PoolsideCalls, "dots": DotsCalls, "minicpm5": MiniCPM5Calls,
+    "minimax-m3": MiniMaxM3Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -188,7 +193,8 @@ def parser_for_template(template: str | None) -> str | None:
     """The parser a chat template's own tool-call format needs (None: none known): DeepSeek
     V3.2's DSML block ``deepseekv32``; DeepSeek's markers get ``deepseekv3`` where the template
     writes the arguments in a json code block, else ``deepseekv31``; Kimi K2's section marker
-    ``kimi_k2``; MiniMax-M2's block tag ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
+    ``kimi_k2``; MiniMax-M3's tag marker ``minimax-m3``; MiniMax-M2's block tag
+    ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
     Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
     ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; dots' block tag ``dots``;
     among those that write
@@ -202,6 +208,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "deepseekv3" if "```json" in template else "deepseekv31"
     if template and KIMI_SECTION in template:
         return "kimi_k2"
+    if template and MINIMAX_M3_MARKER in template:
+        return "minimax-m3"
     if template and MINIMAX_BLOCK in template:
         return "minimax-m2"
     if template and GEMMA4_BEGIN in template:

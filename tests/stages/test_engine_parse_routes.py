@@ -177,6 +177,16 @@ def test_calls_to_functions_not_in_tools_are_dropped(url: str) -> None:
         assert answer == {"normal_text": text, "calls": []}
     # a text without the format's marker stays as it is (not stripped)
     assert _calls(url, "  just text ", "qwen25") == {"normal_text": "  just text ", "calls": []}
+    # but minimax-m3 reads calls without tools (parses_without_tools), each numbered in its block
+    tags = ("<tool_call>", '<invoke name="any">', "<a>1", "</a>", "</invoke>",
+            '<invoke name="b">', "</invoke>", "</tool_call>")  # fmt: skip
+    m3 = "".join(f"]<]minimax[>[{tag}" for tag in tags)
+    for body in ({"text": "ok " + m3, "tools": []}, {"text": "ok " + m3}):
+        answer = _post(url, "/parse_function_call", {**body, "tool_call_parser": "minimax-m3"})
+        assert answer.json() == {
+            "normal_text": "ok ",
+            "calls": [_call(0, "any", '{"a": "1"}'), _call(1, "b", "{}")],
+        }
 
 
 @pytest.mark.timeout(30)
