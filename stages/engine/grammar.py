@@ -102,6 +102,9 @@ class GrammarSet:
         # the tokens that end a reasoning (--reasoning-parser's end tag): a sample that
         # require_reasoning has its grammar from the token after them (none: from the start)
         self.think_end: tuple[int, ...] = ()
+        # the tokens of a start tag the model may write itself (ThinkFormat.self_opens): an
+        # answer that opens with them has reasoning tokens counted without require_reasoning
+        self.think_start: tuple[int, ...] = ()
 
     def start(self, field: str, text: str) -> Constraint:
         """A fresh constraint of the grammar ``text`` given as ``field`` (one of

@@ -132,6 +132,9 @@ class ThinkFormat:
     # an answer that does not start in its reasoning loses one end tag leading it (spaces
     # before it too): MiniMax-M3 writes it before earlier turns that did not think
     stray_close: bool = False
+    # the model may open its reasoning itself where the request does not require it: such an
+    # answer's reasoning tokens are counted too (get_self_opened_think_start_token_ids)
+    self_opens: bool = False
 
     @property
     def opening(self) -> str:
@@ -222,13 +225,15 @@ PARSERS: dict[str, ThinkFormat] = {
     ),
     # MiniMaxM3Detector: <mm:think> tags, reasoning when chat_template_kwargs.thinking_mode is
     # "enabled" (its template then opens it; an adaptive answer may open it itself), a stray
-    # end tag leading an answer that does not reason dropped
+    # end tag leading an answer that does not reason dropped; its reasoning tokens counted
+    # where the model opens it itself
     "minimax-m3": ThinkFormat(
         tool_start=None,
         default="thinking_mode",
         start="<mm:think>",
         end="</mm:think>",
         stray_close=True,
+        self_opens=True,
     ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
@@ -585,10 +590,14 @@ def _default_toggle(mode: str) -> Toggle:
 class ReasoningCount:
     """An answer's reasoning tokens as it grows, as SGLang's scheduler counts them
     (``Req.update_reasoning_tokens``): its tokens up to and with the first ``end_ids`` (the
-    tokens of ``</think>``), all of them while it has not ended. No ``end_ids``: none."""
+    tokens of ``</think>``), all of them while it has not ended. No ``end_ids``: none.
+    ``start_ids``: the answer of a request that does not require reasoning, which has some
+    only where it opens with them, the tokens of a start tag the model writes itself
+    (``Req.update_self_opened_reasoning_tokens``: MiniMax-M3's ``<mm:think>``)."""
 
-    def __init__(self, end_ids: Sequence[int]) -> None:
+    def __init__(self, end_ids: Sequence[int], start_ids: Sequence[int] = ()) -> None:
         self.end = list(end_ids)
+        self.start = list(start_ids)
         self.count = 0
         self.ended = not self.end
 
@@ -596,8 +605,16 @@ class ReasoningCount:
         """The count for the answer so far (``output_ids``: all of its tokens)."""
         if self.ended:
             return self.count
+        if self.start:  # none until the start tag is whole; none at all without it
+            head = list(output_ids[: len(self.start)])
+            if head != self.start[: len(head)]:
+                self.ended = True
+                return self.count
+            if len(head) < len(self.start):
+                return self.count
         end, n = self.end, len(self.end)
-        at = max(self.count - n + 1, 0)  # an end that starts in what was searched before
+        # an end that starts in what was searched before (after the start tag)
+        at = max(self.count - n + 1, len(self.start))
         while True:
             try:
                 at = output_ids.index(end[0], at)  # type: ignore[attr-defined]
@@ -610,9 +627,11 @@ class ReasoningCount:
             at += 1
 
 
-def reasoning_tokens(output_ids: Sequence[int], end_ids: Sequence[int]) -> int:
+def reasoning_tokens(
+    output_ids: Sequence[int], end_ids: Sequence[int], start_ids: Sequence[int] = ()
+) -> int:
     """A whole answer's reasoning tokens (``ReasoningCount``)."""
-    return ReasoningCount(end_ids).update(output_ids)
+    return ReasoningCount(end_ids, start_ids).update(output_ids)
 
 
 # -- the request's fields ----------------------------------------------------------------------

@@ -778,6 +778,12 @@ class Scheduler:
             return strict.end
         return self._grammars.think_end if self._grammars is not None else ()
 
+    @property
+    def think_start(self) -> tuple[int, ...]:
+        """The tokens of a start tag the model may write itself (``ThinkFormat.self_opens``):
+        an answer that opens with them counts reasoning tokens without ``require_reasoning``."""
+        return self._grammars.think_start if self._grammars is not None else ()
+
     def adapter_names(self) -> frozenset[str]:
         """The names of the LoRA adapters loaded (a request's ``lora_path`` names one)."""
         return self._adapter_names
@@ -2196,6 +2202,8 @@ class Scheduler:
                 # as SGLang's scheduler counts them (Req.update_reasoning_tokens)
                 reasoning_tokens=reasoning_tokens(ids, self.think_end)
                 if seq.inp.require_reasoning
+                else reasoning_tokens(ids, self.think_end, self.think_start)
+                if self.think_start
                 else 0,
                 retractions=seq.retractions,
                 extra=extra,

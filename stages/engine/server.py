@@ -1164,8 +1164,11 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
     if loaded.tokenizer is not None:
         grammars = GrammarSet(loaded.tokenizer, loaded.vocab_size, sorted(loaded.eos_token_ids))
         if args.reasoning_parser:  # require_reasoning: the grammar after the reasoning's end
-            end = REASONING_PARSERS[args.reasoning_parser].end
-            grammars.think_end = tuple(loaded.tokenizer.encode(end, add_special_tokens=False))
+            fmt = REASONING_PARSERS[args.reasoning_parser]
+            encode = loaded.tokenizer.encode
+            grammars.think_end = tuple(encode(fmt.end, add_special_tokens=False))
+            if fmt.self_opens and grammars.think_end:
+                grammars.think_start = tuple(encode(fmt.start, add_special_tokens=False))
         threading.Thread(target=grammars.warm, name="grammar-warmup", daemon=True).start()
     return Scheduler(
         loaded.model,

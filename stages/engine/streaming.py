@@ -379,7 +379,7 @@ def stream_generate(
     requests = scheduler.request_log
     logged = entry(requests, body, (inp.rid for inp in inputs), listed, headers)
     token_text = token_texts(decode, body)
-    think_end = scheduler.think_end
+    think_end, think_start = scheduler.think_end, scheduler.think_start
     moving = [
         Progress(
             inp.rid,
@@ -393,7 +393,7 @@ def stream_generate(
             detok=None
             if decode is None
             else IncrementalText(inp.input_ids, decode, inp.params.skip_special_tokens),
-            reasoning=ReasoningCount(think_end) if inp.require_reasoning and think_end else None,
+            reasoning=_reasoning_count(inp.require_reasoning, think_end, think_start),
             prompt_ids=list(inp.input_ids) if inp.return_prompt_token_ids else None,
             mask_mode=inp.sampling_mask,
             flat_input=(inp.top_logprobs_num, inp.flat_tops.b64)
@@ -552,6 +552,17 @@ async def _write_rest(
             direct.write(b"%x\r\n%b\r\n" % (len(data), data))  # one chunk, framed
         else:  # a client that reads slowly (aiohttp waits for it) or went away (raises)
             await response.write(data)
+
+
+def _reasoning_count(
+    required: bool, end: tuple[int, ...], start: tuple[int, ...]
+) -> ReasoningCount | None:
+    """What counts a streamed answer's reasoning tokens (None: it has none): a request that
+    requires reasoning counts to the end tag, another only where the model opens its
+    reasoning itself (``start``; ``Req.update_self_opened_reasoning_tokens``)."""
+    if not end or not (required or start):
+        return None
+    return ReasoningCount(end) if required else ReasoningCount(end, start)
 
 
 def _pushed(

@@ -171,3 +171,32 @@ def test_a_minimax_m3_chat_answer_reasons_by_thinking_mode_and_calls_without_too
     assert (message["reasoning_content"], message["content"]) == (None, "plain")
     as_json = {**ask, "response_format": {"type": "json_object"}}
     assert answer(as_json, call)["message"]["content"] == call  # data, not calls
+
+
+@pytest.mark.timeout(120)
+def test_an_answer_that_opens_its_reasoning_itself_counts_its_reasoning_tokens(
+    tmp_path: Path,
+) -> None:
+    """An engine with ``--reasoning-parser minimax-m3``: a ``/generate`` answer that does not
+    require reasoning but opens with ``<mm:think>`` has its reasoning tokens counted, whole and
+    streamed (``Req.update_self_opened_reasoning_tokens``, which SGLang's scheduler runs for
+    the parser's ``get_self_opened_think_start_token_ids``); one that does not open it, none."""
+    import requests
+    from transformers import AutoTokenizer
+
+    from tests.stages.test_engine_server import serving
+    from tests.stages.tiny_model import make_tagged_byte_model
+
+    model = make_tagged_byte_model(tmp_path / "model", ("<mm:think>", "</mm:think>"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<mm:think>", "</mm:think>"))
+    with serving(model, tmp_path / "engine.log", "--reasoning-parser", "minimax-m3") as eng:
+        for token, want in ((start, 4), (end, 0)):
+            sampling = {"max_new_tokens": 4, "logit_bias": {str(token): 100.0}}
+            body = {"input_ids": [5, 6], "sampling_params": sampling}
+            got = requests.post(eng.url + "/generate", json=body, timeout=60).json()
+            assert got["output_ids"] == [token] * 4
+            assert got["meta_info"]["reasoning_tokens"] == want
+            reply = requests.post(eng.url + "/generate", json={**body, "stream": True}, timeout=60)
+            events = [line for line in reply.text.splitlines() if line.startswith("data: {")]
+            assert json.loads(events[-1][6:])["meta_info"]["reasoning_tokens"] == want

@@ -220,6 +220,22 @@ def test_reasoning_tokens_are_counted_to_the_end_tag_as_sglang_scheduler_does() 
     assert [count.update(ids) for ids in ([1, 8], [1, 8, 9, 2], [1, 8, 9, 2, 8, 9])] == [2, 3, 3]
 
 
+
+def test_reasoning_the_model_opens_itself_is_counted_from_its_start_tag() -> None:
+    """Req.update_self_opened_reasoning_tokens (minimax-m3, a request that does not require
+    reasoning): none unless the answer opens with the start tag's tokens; then those and the
+    tokens up to and with the end tag, searched after the start tag."""
+    assert reasoning_tokens([5, 6, 1, 9, 3], [9], [5, 6]) == 4
+    assert reasoning_tokens([5, 7, 1, 9, 3], [9], [5, 6]) == 0  # not opened: none
+    assert reasoning_tokens([1, 5, 6, 9], [9], [5, 6]) == 0
+    assert reasoning_tokens([9, 1, 9], [9], [9]) == 3  # the end searched after the start
+    assert reasoning_tokens([5, 6, 1, 2], [9], [5, 6]) == 4  # never ended: all of it
+    count = ReasoningCount([8, 9], [5, 6])  # as a stream grows, the start tag split too
+    steps = ([5], [5, 6], [5, 6, 8], [5, 6, 8, 9, 1], [5, 6, 8, 9, 1, 2])
+    assert [count.update(ids) for ids in steps] == [0, 2, 3, 4, 4]
+    assert PARSERS["minimax-m3"].self_opens and not PARSERS["qwen3"].self_opens
+
+
 def test_a_multi_token_end_is_matched_across_false_starts() -> None:
     """The scheduler's match of the end of a reasoning (TokenSequenceMatcher.advance): the
     longest start of the end sequence the last tokens finish with."""
