@@ -17,7 +17,7 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``step3`` (``stages.engine.step3_calls``), ``poolside_v1`` (``stages.engine.poolside_calls``),
 ``dots`` (``stages.engine.dots_calls``), ``minicpm5`` (``stages.engine.minicpm_calls``),
 ``minimax-m3`` (``stages.engine.minimax_m3_calls``: read in a request without tools too,
-``PARSES_WITHOUT_TOOLS``); and how a forced
+``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -77,6 +77,9 @@ from stages.engine.iquest_calls import IQuestQ1Calls, NamedArguments
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
+from stages.engine.lfm2_calls import BEGIN as LFM2_BEGIN
+from stages.engine.lfm2_calls import END as LFM2_END
+from stages.engine.lfm2_calls import Lfm2Calls
 from stages.engine.mimo_calls import MiMoCalls
 from stages.engine.minicpm_calls import MiniCPM5Calls
 from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK
@@ -139,7 +142,7 @@ PARSERS = (
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
-    "gigachat3", "dots", "minicpm5", "minimax-m3",
+    "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
@@ -153,7 +156,7 @@ _TYPED = {
     "glm47": Glm47Calls, "ling3": Ling3Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
     "poolside_v1": PoolsideCalls, "dots": DotsCalls, "minicpm5": MiniCPM5Calls,
-    "minimax-m3": MiniMaxM3Calls,
+    "minimax-m3": MiniMaxM3Calls, "lfm2": Lfm2Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -197,6 +200,7 @@ def parser_for_template(template: str | None) -> str | None:
     ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
     Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
     ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; dots' block tag ``dots``;
+    LFM2's call start and end tokens ``lfm2``;
     among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others
@@ -222,6 +226,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "apertus2509"
     if template and DOTS_BLOCK in template:
         return "dots"
+    if template and LFM2_BEGIN in template and LFM2_END in template:
+        return "lfm2"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:

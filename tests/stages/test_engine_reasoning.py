@@ -220,7 +220,6 @@ def test_reasoning_tokens_are_counted_to_the_end_tag_as_sglang_scheduler_does() 
     assert [count.update(ids) for ids in ([1, 8], [1, 8, 9, 2], [1, 8, 9, 2, 8, 9])] == [2, 3, 3]
 
 
-
 def test_reasoning_the_model_opens_itself_is_counted_from_its_start_tag() -> None:
     """Req.update_self_opened_reasoning_tokens (minimax-m3, a request that does not require
     reasoning): none unless the answer opens with the start tag's tokens; then those and the

@@ -761,10 +761,12 @@ def _fed(
     return their_text, our_text, theirs, mine
 
 
-def _our_stream(parser: str, parts: list[str]) -> tuple[str, dict[int, list[str]]]:
-    """``parts`` fed to the engine's stream of ``parser``: its content, flushed, and its calls
-    by index, ``[name, arguments]`` added up."""
-    ours = ToolCallParser(TOOLS, parser).stream()
+def _our_stream(
+    parser: str, parts: list[str], tools: list[dict[str, Any]] | None = None
+) -> tuple[str, dict[int, list[str]]]:
+    """``parts`` fed to the engine's stream of ``parser`` (``tools``: the request's, TOOLS by
+    default): its content, flushed, and its calls by index, ``[name, arguments]`` added up."""
+    ours = ToolCallParser(TOOLS if tools is None else tools, parser).stream()
     mine: dict[int, list[str]] = {}
     text = ""
     for part in parts:

@@ -24,7 +24,7 @@ m3: Any = pytest.importorskip("sglang.srt.function_call.minimax_m3")
 
 from stages.engine.minimax_m3_calls import NS  # noqa: E402
 from stages.engine.tool_calls import ToolCallParser  # noqa: E402
-from tests.stages.test_engine_sglang_detectors import _splits  # noqa: E402
+from tests.stages.test_engine_sglang_detectors import _our_stream, _splits  # noqa: E402
 
 PROPERTIES = {
     "a": {"type": "integer"}, "b": {"type": "number"}, "flag": {"type": "boolean"},
@@ -152,17 +152,7 @@ def test_minimax_m3_streams_what_sglangs_detector_reads_whole(
         if _fails(text, tools):
             continue
         parts = _splits(r, text) if len(text) > 1 else [text]
-        stream = ToolCallParser(TOOLS, "minimax-m3").stream()
-        content, calls = "", {}
-        for part in parts:
-            more, pieces = stream.feed(part)
-            content += more
-            for p in pieces:
-                item = calls.setdefault(p["index"], ["", ""])
-                item[0] += p["name"] or ""
-                item[1] += p["arguments"]
-        content += stream.flush()
-        assert stream.unsent() == []
+        content, calls = _our_stream("minimax-m3", parts, TOOLS)
         want_content, want_calls = _theirs(text, tools)
         assert (content, [calls[i] for i in sorted(calls)]) == (
             want_content,
