@@ -532,19 +532,20 @@ async def _submit(scheduler: Scheduler, inputs: list[GenerateInput]) -> list[Seq
 
 async def _abort_request(request: web.Request) -> web.Response:
     """SGLang's ``AbortReq``: ``rid`` (none: ``""``, which names no request: nothing is
-    aborted, and the answer is still 200) or ``abort_all``. SGLang answers with an empty
-    body; this one says how many samples it aborted (``num_aborted``)."""
+    aborted) or ``abort_all``. Answered as SGLang 0.5.23's route answers
+    (``http_server.abort_request``: ``Response(status_code=200)``): 200 with an empty body,
+    whether or not anything was aborted; the log says how many samples were."""
     body = await control_fields.typed_body(request, control_fields.ABORT)
     if isinstance(body, web.Response):
         return body
     rid = body.get("rid") or ""
     abort_all = body.get("abort_all", False)
-    if not rid and not abort_all:
-        return web.json_response({"success": True, "num_aborted": 0})
-    aborted = await asyncio.wrap_future(
-        request.app[_SCHEDULER].abort(rid or None, abort_all=abort_all)
-    )
-    return web.json_response({"success": True, "num_aborted": aborted})
+    if rid or abort_all:
+        aborted = await asyncio.wrap_future(
+            request.app[_SCHEDULER].abort(rid or None, abort_all=abort_all)
+        )
+        log.info("abort_request", rid=rid or None, abort_all=abort_all, aborted=aborted)
+    return web.Response(status=200)
 
 
 async def _pause(request: web.Request) -> web.Response:

@@ -376,7 +376,7 @@ def test_an_abort_while_the_grammar_compiles_is_sglangs_400(
         sent = asyncio.ensure_future(client.post(path, json=body))
         assert await asyncio.to_thread(compiling.wait, 5)
         answer = await client.post("/abort_request", json={"rid": body.get("rid", "r")})
-        assert answer.status == 200 and (await answer.json())["num_aborted"] == 1
+        assert answer.status == 200 and await answer.read() == b""
         response = await sent
         return response.status, await response.read()
 

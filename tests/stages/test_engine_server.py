@@ -545,8 +545,8 @@ def test_abort_request_returns_abort(engine: Engine) -> None:
     )
     worker.start()
     _wait_running(engine)
-    status, body = engine.request("POST", "/abort_request", {"rid": "to-abort"})
-    assert status == 200 and body["num_aborted"] == 1
+    # SGLang 0.5.23 answers 200 with an empty body (http_server.abort_request)
+    assert engine.request("POST", "/abort_request", {"rid": "to-abort"}) == (200, None)
     worker.join(30)
     meta = result["out"]["meta_info"]
     # SGLang 0.5.23 ends a running request with FINISH_ABORT() (scheduler.py abort_request:
@@ -651,7 +651,7 @@ def test_a_pause_holds_new_requests_out_of_an_aborts_reach(engine: Engine) -> No
             time.sleep(0.002)
         info = engine.request("GET", "/get_server_info")[1]
         assert info["num_waiting_reqs"] == 1  # the retracted one: the held one is not counted
-        assert engine.request("POST", "/abort_request", {"rid": "held"})[1]["num_aborted"] == 0
+        assert engine.request("POST", "/abort_request", {"rid": "held"}) == (200, None)
         # /update_weight_version's abort_all (its default) ends the retracted one, not the other
         assert engine.request("POST", "/update_weight_version", {"new_version": "w2"})[0] == 200
         running.join(30)
@@ -979,11 +979,8 @@ def test_a_watermark_is_served_off_and_refused_on(engine: Engine) -> None:
 def test_control_routes_reject_bad_input(engine: Engine) -> None:
     assert engine.request("POST", "/pause_generation", {"mode": "nap"})[0] == 400
     assert engine.request("POST", "/abort_request", {"rid": 3})[0] == 400
-    # AbortReq (io_struct.py): no rid is rid "", which names nothing; SGLang answers 200
-    assert engine.request("POST", "/abort_request", {}) == (
-        200,
-        {"success": True, "num_aborted": 0},
-    )
+    # AbortReq (io_struct.py): no rid is rid "", which names nothing; SGLang answers 200, no body
+    assert engine.request("POST", "/abort_request", {}) == (200, None)
     status, body = engine.request(
         "POST", "/update_weights_from_distributed", {"names": ["x"], "dtypes": [], "shapes": []}
     )
@@ -1149,8 +1146,7 @@ def test_abort_by_the_callers_rid_stops_every_sample(engine: Engine) -> None:
     worker = threading.Thread(target=lambda: result.update(out=engine.generate(body)))
     worker.start()
     _wait_running(engine, 2)
-    status, answer = engine.request("POST", "/abort_request", {"rid": "many"})
-    assert status == 200 and answer["num_aborted"] == 2
+    assert engine.request("POST", "/abort_request", {"rid": "many"}) == (200, None)
     worker.join(30)
     assert [o["meta_info"]["finish_reason"]["type"] for o in result["out"]] == ["abort"] * 2
     assert [o["meta_info"]["id"] for o in result["out"]] == ["many_0", "many_1"]
