@@ -69,6 +69,7 @@ from stages.engine.aborts import ABORTED_COMPILING, ABORTED_RUNNING, ABORTED_WAI
 from stages.engine.custom_logits import LogitProcessors, RequestView
 from stages.engine.engine_metrics import EngineMetrics, scheduler_stats
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
+from stages.engine.incremental_text import FORCE_INTERVAL
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.load_meter import LoadMeter
@@ -197,6 +198,18 @@ def _next_wanted(seq: Any) -> bool:
         and inp.return_logprob
         and (inp.top_logprobs_num > 0 or inp.token_ids_logprob is not None)
     )
+
+
+def _told(seq: _Seq) -> int:
+    """How many of a queued seq's tokens (a retracted one's so far) SGLang's tokenizer had
+    been sent, which is what it answers an abort in the waiting queue with
+    (``TokenizerManager._handle_abort_req``: its ``state.output_ids``): a stream's, those its
+    chunks carried; another's, those up to the last multiple of 50 it reached, as SGLang's
+    scheduler hands a request not streamed over every ``DEFAULT_FORCE_STREAM_INTERVAL`` tokens
+    (``OutputStreamer.accept``)."""
+    if seq.group.stream is not None:
+        return seq.sent
+    return len(seq.done_ids) // FORCE_INTERVAL * FORCE_INTERVAL
 
 
 def _hidden_news(seq: _Seq) -> list[Any]:
@@ -1141,9 +1154,18 @@ class Scheduler:
         if held and self._held:
             queued += [s for s in self._held if hit(s)]
             self._held = [s for s in self._held if not hit(s)]
-        for seq in queued:
-            reason = dict(waiting)
-            self._finish(seq, reason, seq.done_ids, seq.done_logprobs, seq.done_versions)
+        for seq in queued:  # SGLang's tokenizer answers with the tokens it had been sent
+            told, versions = _told(seq), seq.done_versions
+            self._finish(
+                seq,
+                dict(waiting),
+                seq.done_ids[:told],
+                seq.done_logprobs[:told],
+                versions[:told],
+                # none told: the version of its first span, which it keeps (SGLang's
+                # add_weight_versions_to_meta_info), else the live one
+                live=versions[0] if versions and not told else None,
+            )
         rows = [s.slot for s in self._running if hit(s)]
         if rows:
             self._retire(rows, [dict(ABORTED_RUNNING) for _ in rows])
@@ -2147,7 +2169,11 @@ class Scheduler:
         ids: list[int],
         logprobs: list[float],
         versions: list[str],
+        *,
+        live: str | None = None,
     ) -> None:
+        """Hand ``seq``'s result over (``live``: the version an answer without tokens
+        reports; default the live one)."""
         # one list per output token (an abort may come before a sampled token counts); a
         # prefill-only request's one: the distribution after its prompt (_score_prompts)
         kept = len(ids) or (1 if _next_wanted(seq) else 0)
@@ -2188,7 +2214,7 @@ class Scheduler:
                 prompt_tokens=len(seq.inp.input_ids),
                 output_ids=ids,
                 finish_reason=reason,
-                weight_version=self._version,
+                weight_version=self._version if live is None else live,
                 output_token_weight_versions=versions,
                 output_token_logprobs=logprobs,
                 cached_tokens=seq.cached,

@@ -165,6 +165,58 @@ def test_stop_strings_and_top_logprobs_survive_a_retraction(models: tuple[Path, 
 
 
 @pytest.mark.timeout(60)
+def test_an_abort_in_the_waiting_queue_answers_with_the_tokens_sglangs_tokenizer_had(
+    models: tuple[Path, Path],
+) -> None:
+    """A retracted sample aborted while it waits is answered by SGLang's tokenizer
+    (``_handle_abort_req``) with the tokens it had been sent (``state.output_ids``): a request
+    not streamed gets its output handed over every 50 tokens (``OutputStreamer.accept``,
+    ``DEFAULT_FORCE_STREAM_INTERVAL``), so those up to the last multiple of 50, their
+    log-probs and versions; none (fewer than 50): the version of its first span; a stream
+    gets the tokens its chunks carried."""
+    model = load_reference(models[0])
+    long = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+    calls: list[list[tuple[int, object]]] = []
+
+    first: list[str] = []
+
+    async def run() -> list[SequenceResult]:
+        scheduler = Scheduler(model, max_running=4)
+        first.append(scheduler.weight_version)
+        plain = scheduler.submit(GenerateInput("plain", [3, 9], long, True))
+        short = scheduler.submit(GenerateInput("short", [4, 9], long, True))
+        streamed = scheduler.submit_async(
+            [GenerateInput("streamed", [5, 9], long, True)], stream=calls.append
+        )
+        for step in range(62):
+            if step == 20:  # retracted at 20 tokens; the short one aborted after an update
+                scheduler.pause("retract")
+                scheduler.set_weight_version("v2")
+                scheduler.abort("short")
+                scheduler.resume()
+            scheduler.step()
+            await asyncio.sleep(0)  # the loop takes the stream's hand-overs
+        scheduler.pause("retract")
+        scheduler.step()
+        scheduler.abort(None, abort_all=True)
+        scheduler.step()
+        await asyncio.sleep(0)
+        return [plain.result(timeout=5), short.result(timeout=5), (await streamed)[0]]
+
+    plain, short, streamed = asyncio.run(run())
+    waiting = {"type": "abort", "message": "Abort in waiting queue"}
+    assert plain.finish_reason == waiting and len(plain.output_ids) == 50
+    assert plain.output_token_logprobs is not None and len(plain.output_token_logprobs) == 50
+    versions = plain.output_token_weight_versions
+    assert len(versions) == 50 and versions[0] == first[0] and versions[-1] == "v2"
+    assert short.output_ids == [] and short.output_token_weight_versions == []
+    assert short.weight_version == first[0] != "v2"  # its first span's, not the live one
+    sent = [e[0] for batch in calls for _, e in batch if not isinstance(e, SequenceResult)]
+    assert streamed.finish_reason == waiting and len(sent) > 50
+    assert streamed.output_ids == sent
+
+
+@pytest.mark.timeout(60)
 def test_streamed_tokens_go_out_every_stream_interval(models: tuple[Path, Path]) -> None:
     """SGLang 0.5's rule (``OutputStreamer.accept``): with an interval k > 1 a streamed
     sequence's tokens go out once it has 1, k + 1, 2k + 1... of them (the first, then whenever

@@ -749,8 +749,8 @@ async def test_abort_ends_a_running_request(client):
 async def test_an_aborted_request_ends_with_sglangs_reason(client):
     """The finish reasons of an abort as SGLang 0.5.23 writes them: a running request's
     ``FINISH_ABORT()`` (``message: Aborted``, null status), one sent back to wait by a
-    retracting pause its tokenizer's ``Abort in waiting queue`` (its tokens: all of them here,
-    those SGLang's tokenizer had been sent there, every 50th)."""
+    retracting pause its tokenizer's ``Abort in waiting queue`` (its tokens: those SGLang's
+    tokenizer had been sent, every 50th, here as there)."""
     long = await _long(client)
     await _slow_down(client, 0.01)
     reasons = []
