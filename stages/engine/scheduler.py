@@ -1898,9 +1898,6 @@ class Scheduler:
         the rows they finish. A row's reason, in SGLang 0.5's order
         (``Req.update_finish_state``): a stop string or pattern, else a stop token, else the
         length limit; ``aborted`` (rows and reasons) before any."""
-        # read before the checks move rows; sent after them, to rows that go on (a finished
-        # row's result carries its last token: one chunk, as SGLang sends it)
-        streamed = self._streamed(tokens, logprobs, lo, hi) if self._stream_seqs else None
         finished = self._finished_rows(tokens, lo, hi, column)
         if self._constrained:  # a grammar ends a sample after the length (SGLang's order)
             for row, reason in self._advance_grammars(tokens, lo, hi).items():
@@ -1913,10 +1910,14 @@ class Scheduler:
                 finished.update(self._stop_string_rows(watched))
         if aborted:
             finished.update(aborted)
+        # read before the rows move; sent after, to rows that go on (a finished row's result
+        # carries its last token: one chunk, as SGLang sends it)
+        streamed = self._streamed(tokens, logprobs, lo, hi, finished) if self._stream_seqs else None
         if finished:
             self._retire(list(finished), list(finished.values()))
-        if streamed:
-            self._send_streamed(streamed)
+        if streamed:  # joining the call of the request's finished samples, if any
+            for group, batch in streamed.items():
+                group.outbox.call(group.stream, batch)  # type: ignore[union-attr]
         for outbox in list(self._outboxes.values()):  # what comes later: calls of their own
             outbox.end_pass()
 
@@ -1937,55 +1938,56 @@ class Scheduler:
         return False
 
     def _streamed(
-        self, tokens: torch.Tensor, logprobs: torch.Tensor, lo: int, hi: int
-    ) -> list[_Seq]:
-        """The streamed rows among ``lo..hi`` whose chunk is due after this step, with the
-        tokens just sampled added to each one's ``held`` events. As SGLang 0.5 decides
-        (``OutputStreamer.accept``): with an interval ``k`` of 1 after every token, else after
-        the first and whenever ``k`` or more are unsent. A row that finishes sends its whole
-        result instead; one whose text may be ending in a stop string waits (``_may_stop``,
-        checked once its text is known)."""
+        self,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        lo: int,
+        hi: int,
+        finished: dict[int, dict[str, Any]],
+    ) -> dict[_Group, list[tuple[int, Any]]]:
+        """The events due to each streamed request after this step: the tokens just sampled
+        for its rows among ``lo..hi`` that go on (``finished``: the rows that end here, whose
+        result carries the token). As SGLang 0.5 decides (``OutputStreamer.accept``): with an
+        interval ``k`` of 1 after every token, else after the first and whenever ``k`` or more
+        are unsent (meanwhile a row's tokens wait in its ``held``); a row whose text may be
+        ending in one of its stop strings waits too (``_may_stop``)."""
         seqs = [s for s in self._stream_seqs if lo <= s.slot < hi]
         if not seqs:
-            return []
+            return {}
         new, lps, version = tokens.tolist(), logprobs.tolist(), self._version
-        due = []
         default_every = self.stream_interval
         offset = None if self.metrics is None else self.metrics.offset
-        for seq in seqs:
-            k = seq.slot - lo
-            held = seq.held
-            held.append(
-                (new[k], lps[k], version, seq.top[-1] if seq.top else None, seq.cached,
-                 seq.input_lps, seq.input_tops, seq.picked[-1] if seq.picked else None,
-                 seq.input_picked, seq.masks[-1] if seq.masks else None, seq.retractions,
-                 None if offset is None
-                 else scheduler_stats(seq.admitted, seq.first_token, seq.queue_time, offset),
-                 None if seq.hidden is None else _hidden_news(seq))
-            )  # fmt: skip
-            every = seq.inp.params.stream_interval or default_every
-            if every == 1 or len(held) >= every or seq.sent == 0:
-                due.append(seq)
-        return due
-
-    def _send_streamed(self, streamed: list[_Seq]) -> None:
-        """One call per request on its loop, for the rows that are still running."""
         events: dict[_Group, list[tuple[int, Any]]] = {}
-        for seq in streamed:
-            if seq.slot >= 0 and not (seq.tail_text and self._may_stop(seq)):
-                held = seq.held
-                out = events.get(seq.group)
-                if out is None:
-                    out = events[seq.group] = []
-                if len(held) == 1:  # the usual case: one token a chunk
-                    out.append((seq.index, held[0]))
-                else:
-                    out.extend([(seq.index, event) for event in held])
+        for seq in seqs:
+            if seq.slot in finished:
+                continue
+            k = seq.slot - lo
+            event = (new[k], lps[k], version, seq.top[-1] if seq.top else None, seq.cached,
+                     seq.input_lps, seq.input_tops, seq.picked[-1] if seq.picked else None,
+                     seq.input_picked, seq.masks[-1] if seq.masks else None, seq.retractions,
+                     None if offset is None
+                     else scheduler_stats(seq.admitted, seq.first_token, seq.queue_time, offset),
+                     None if seq.hidden is None else _hidden_news(seq))  # fmt: skip
+            every = seq.inp.params.stream_interval or default_every
+            held = seq.held
+            if every == 1 and not held and not seq.tail_text:  # the usual case: this token
+                batch = [(seq.index, event)]
+                seq.sent += 1
+            else:
+                held.append(event)
+                if not (every == 1 or len(held) >= every or seq.sent == 0) or (
+                    seq.tail_text and self._may_stop(seq)
+                ):
+                    continue
+                batch = [(seq.index, held_event) for held_event in held]
                 seq.sent += len(held)
                 seq.held = []
-        for group, batch in events.items():  # joining the call of its finished samples, if any
-            assert group.outbox is not None and group.stream is not None
-            group.outbox.call(group.stream, batch)
+            out = events.get(seq.group)
+            if out is None:
+                events[seq.group] = batch
+            else:
+                out += batch
+        return events
 
     def _stop_string_rows(self, watched: list[tuple[_Seq, int]]) -> dict[int, dict[str, Any]]:
         """The rows among ``watched`` (each with the token it just drew) whose text now ends
