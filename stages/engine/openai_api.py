@@ -876,6 +876,7 @@ class OpenAIRoutes:
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_post("/v1/score", self.score)
         app.router.add_post("/v1/decisions", self.decisions)
+        app.router.add_post("/v1/systemone", self.systemone)
         app.router.add_post("/v1/rerank", self.rerank)
         app.router.add_put("/v1/rerank", self.rerank)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
@@ -941,6 +942,11 @@ class OpenAIRoutes:
 
     async def decisions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "decisions")
+
+    async def systemone(self, request: web.Request) -> web.Response:
+        from stages.engine import systemone  # it builds on the decisions route
+
+        return await systemone.serve(request, self)
 
     async def ollama_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "ollama_chat")

@@ -58,6 +58,8 @@ __all__ = [
     "answer_of",
     "decisions_request",
     "decisions_response",
+    "label_context",
+    "label_token_id",
     "render_question",
     "request_error",
     "values_of",
@@ -421,12 +423,12 @@ def _check_reasoning_blocks(
         )
 
 
-def _label_ids(tokenizer: Any, prompt: str, ids: list[int], labels: list[str]) -> list[int]:
-    """Each label's one token after the prompt, distinct (ValueError otherwise). Checked after
-    the prompt's last added token when the text after it encodes alone to the same ids, so
-    that the check does not grow with the input."""
-    added = {i: token for token, i in tokenizer.get_added_vocab().items()}
-    text, text_ids = prompt, ids
+def label_context(
+    tokenizer: Any, prompt: str, ids: list[int], added: Mapping[int, str]
+) -> tuple[str, list[int], bool]:
+    """The text and ids after which labels are checked, and whether that is a shortcut: the text
+    after the prompt's last added token (``added``: id -> token) when it encodes alone to the
+    same ids, so that the check does not grow with the input; else the whole prompt."""
     last = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in added), None)
     if last is not None:
         token = added[ids[last]]
@@ -436,17 +438,31 @@ def _label_ids(tokenizer: Any, prompt: str, ids: list[int], labels: list[str]) -
             start >= 0
             and list(tokenizer.encode(suffix, add_special_tokens=False)) == ids[last + 1 :]
         ):
-            text, text_ids = suffix, ids[last + 1 :]
+            return suffix, ids[last + 1 :], True
+    return prompt, ids, False
+
+
+def label_token_id(tokenizer: Any, text: str, ids: list[int], label: str) -> int | None:
+    """The one token ``label`` adds after ``text`` (``ids``), or None when it adds more, or
+    changes the tokens before it."""
+    after = list(tokenizer.encode(text + label, add_special_tokens=False))
+    return after[-1] if len(after) == len(ids) + 1 and after[:-1] == ids else None
+
+
+def _label_ids(tokenizer: Any, prompt: str, ids: list[int], labels: list[str]) -> list[int]:
+    """Each label's one token after the prompt, distinct (ValueError otherwise), checked after
+    ``label_context``."""
+    added = {i: token for token, i in tokenizer.get_added_vocab().items()}
+    text, text_ids, _ = label_context(tokenizer, prompt, ids, added)
     found: list[int] = []
     for label in labels:
-        after = list(tokenizer.encode(text + label, add_special_tokens=False))
-        one = len(after) == len(text_ids) + 1 and after[:-1] == text_ids
-        if not one or after[-1] in found:
+        token = label_token_id(tokenizer, text, text_ids, label)
+        if token is None or token in found:
             raise ValueError(
                 f"the answer label {label!r} is not one distinct token after the chat prompt "
                 "for this tokenizer, so this model is not supported"
             )
-        found.append(after[-1])
+        found.append(token)
     return found
 
 

@@ -177,6 +177,7 @@ def build_pooling_app(
     app.router.add_post("/v1/rerank", _refuse_rerank)
     app.router.add_put("/v1/rerank", _refuse_rerank)
     app.router.add_post("/v1/decisions", _refuse_decisions)
+    app.router.add_post("/v1/systemone", _refuse_systemone)
     for path in ("/health", "/ready", "/ping"):
         app.router.add_get(path, _health)
     app.router.add_get("/health_generate", _health_generate)
@@ -225,6 +226,17 @@ async def _refuse_v1(request: web.Request) -> web.Response:
 async def _refuse_decisions(request: web.Request) -> web.Response:
     """SGLang 0.5.23's refusal on a pooling model (``OpenAIServingDecisions._validate_server``)."""
     return error_response("/v1/decisions requires a generation model")
+
+
+async def _refuse_systemone(request: web.Request) -> web.Response:
+    """SGLang 0.5.23's answer on a pooling model without a Clef or Kev head: its body read and
+    validated (422s, ``systemone.read_request``), then ``_validate_server``'s refusal."""
+    from stages.engine import systemone
+
+    parsed = await systemone.read_request(request)
+    if isinstance(parsed, web.Response):
+        return parsed
+    return error_response(f"{systemone.ROUTE} requires a generation model")
 
 
 async def _refuse_rerank(request: web.Request) -> web.Response:

@@ -13,7 +13,10 @@ the routes answer in the shape of SGLang's ``RequestValidationError`` handler
 models ignore them (and noted: ``ignored_fields``). Fields whose check is a route's own
 (messages, tools, tool_choice, response_format, reasoning_effort, input items: their contents,
 in SGLang's words) are typed loosely here; ranges and meanings stay with the routes.
-``/generate``'s dataclass and JSON contract: ``stages.engine.generate_contract``."""
+``/generate``'s dataclass and JSON contract: ``stages.engine.generate_contract``. The models of
+``/v1/decisions`` (``DecisionRequest``) and ``/v1/systemone`` (``SystemOneRequest``, answered
+with FastAPI's 422 detail list), whose nested questions are checked whole, are pydantic models
+in their routes' modules (``openai_decisions``, ``systemone``)."""
 
 from __future__ import annotations
 

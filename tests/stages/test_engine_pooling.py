@@ -272,6 +272,12 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
             {"input": "x", "questions": [{"id": "q", "type": "yes_no", "question": "ok?"}]},
             "/v1/decisions requires a generation model",
         ),
+        (  # serving_decisions.py:160 (_validate_server), SystemOneServing without a head
+            reward,
+            "/v1/systemone",
+            {"state": "x", "model": "m", "questions": {"q": {"type": "noul", "instructions": "?"}}},
+            "/v1/systemone requires a generation model",
+        ),
     ]
     ours = [  # what SGLang takes, ignores or fails on otherwise, refused here
         (reward, "/classify", {"text": "w5", "input_ids": [5]}, "exactly one of input_ids"),
@@ -287,6 +293,10 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
         assert status == 400, (path, body, out)
         message = out["message"] if "message" in out else out["error"]["message"]
         assert words in message, (path, body, message)
+    # the body read first: SystemOneRequest's refusal is FastAPI's 422 (http_server.py:653)
+    status, out = reward.request("POST", "/v1/systemone", {"state": "x", "questions": {}})
+    assert status == 422, out
+    assert [error["loc"] for error in out["detail"]] == [["body", "model"], ["body", "questions"]]
     # other keys ignored, as SGLang's models ignore them; what pydantic converts, converted
     status, out = embedder.request(
         "POST", "/v1/embeddings", {"input": "w5", "bogus": 1, "rid": "r1", "priority": "2"}
