@@ -296,7 +296,8 @@ def decisions_request(
             prompt, ids = _encode(view, render_question(text, view), settings, kwargs,
                                   context_length)  # fmt: skip
         except ValueError as exc:
-            raise OpenAIError(f"question {question.id!r}: {exc}") from None
+            # a ValueError after _validate_request: serving_base.handle_request's "BadRequest"
+            raise OpenAIError(f"question {question.id!r}: {exc}", kind="BadRequest") from None
         prompts.append(prompt)
         labels.append(ids)
     native = {
