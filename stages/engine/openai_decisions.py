@@ -145,7 +145,11 @@ class YesNoQuestion(_Strict):
     no: Text | None = None
 
 
-class ImageURL(BaseModel):  # the chat route's image part (ChatCompletionMessageContentImageURL)
+class ChatCompletionMessageContentImageURL(BaseModel):  # named as SGLang's: errors name it
+    """The chat route's image part, as SGLang's ``protocol.py`` reads it: ``detail``
+    ``"default"`` taken as ``"auto"``, ``content_hash`` a ``sha256:`` digest
+    (``multimodal/cache/identity.parse_content_hash``), lower-cased."""
+
     url: str
     detail: Literal["auto", "low", "high"] | None = "auto"
     max_dynamic_patch: int | None = None
@@ -153,13 +157,42 @@ class ImageURL(BaseModel):  # the chat route's image part (ChatCompletionMessage
     max_long_side_pixel: int | None = None
     content_hash: str | None = None
 
+    @field_validator("detail", mode="before")
+    @classmethod
+    def _default_detail_is_auto(cls, value: Any) -> Any:
+        return "auto" if value == "default" else value
+
+    @field_validator("content_hash")
+    @classmethod
+    def _content_hash(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.startswith("sha256:"):
+            raise ValueError("content_hash must use the form 'sha256:<64 hex digits>'")
+        digest = value[len("sha256:") :]
+        if len(digest) != 64:
+            raise ValueError("content_hash must contain exactly 64 SHA-256 hex digits")
+        try:
+            bytes.fromhex(digest)
+        except ValueError:
+            raise ValueError("content_hash contains non-hexadecimal characters") from None
+        return "sha256:" + digest.lower()
+
+
+def _to_image_url(image: Any) -> ChatCompletionMessageContentImageURL:
+    return ChatCompletionMessageContentImageURL(url=image) if isinstance(image, str) else image
+
+
+# an image: the chat route's image part, or its url alone (SGLang's DecisionImage)
+DecisionImage = Annotated[ChatCompletionMessageContentImageURL | str, AfterValidator(_to_image_url)]
+
 
 Question = Annotated[ChoiceQuestion | ScoreQuestion | YesNoQuestion, Field(discriminator="type")]
 
 
 class DecisionRequest(_Strict):
     input: NonBlankText
-    images: list[ImageURL | str] = Field(default_factory=list)
+    images: list[DecisionImage] = Field(default_factory=list)
     questions: list[Question] = Field(min_length=1)
     temperature: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -55,7 +55,6 @@ import orjson
 import structlog
 from aiohttp import web
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -68,6 +67,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from stages.engine import ignored_fields
 from stages.engine.openai_decisions import (
+    DecisionImage,
     NonBlankText,
     Text,
     View,
@@ -105,28 +105,6 @@ log = structlog.get_logger("stages.engine.systemone")
 
 
 # ---- the request, as SGLang's pydantic models read it (names, order and checks) --------------
-
-
-class ChatCompletionMessageContentImageURL(BaseModel):  # named as SGLang's: errors name it
-    url: str
-    detail: Literal["auto", "low", "high"] | None = "auto"
-    max_dynamic_patch: int | None = None
-    min_dynamic_patch: int | None = None
-    max_long_side_pixel: int | None = None
-    content_hash: str | None = None
-
-    @field_validator("detail", mode="before")
-    @classmethod
-    def _default_detail_is_auto(cls, value: Any) -> Any:
-        return "auto" if value == "default" else value
-
-
-def _to_image_url(image: Any) -> ChatCompletionMessageContentImageURL:
-    return ChatCompletionMessageContentImageURL(url=image) if isinstance(image, str) else image
-
-
-# the chat route's image part, or its url alone
-DecisionImage = Annotated[ChatCompletionMessageContentImageURL | str, AfterValidator(_to_image_url)]
 
 
 class _Question(BaseModel):

@@ -18,7 +18,12 @@ from transformers import AutoTokenizer
 
 from stages.engine.openai_api import OpenAIError
 from stages.engine.openai_chat import ChatSettings
-from stages.engine.openai_decisions import View, decisions_request, render_question
+from stages.engine.openai_decisions import (
+    DecisionRequest,
+    View,
+    decisions_request,
+    render_question,
+)
 from tests.stages.engine_setup import builtin_engine, load_reference
 from tests.stages.tiny_model import make_tagged_byte_model
 
@@ -230,3 +235,26 @@ async def test_a_judge_reward_asks_its_question_of_the_engines_decisions(url: st
         JudgeSpec(url=url, template=template, route="decisions", question={"type": "yes_no"})
     with pytest.raises(ValueError, match="route generate needs parse"):
         JudgeSpec(url=url, template=template)
+
+
+def test_an_image_is_read_as_sglangs_decision_image() -> None:
+    """``DecisionImage`` (SGLang 0.5.23's ``protocol.py``): a url alone becomes the chat
+    route's image part, whose ``detail`` ``"default"`` is ``"auto"`` and whose ``content_hash``
+    is a ``sha256:`` digest, lower-cased (``multimodal/cache/identity.parse_content_hash``); an
+    error names the part by SGLang's class."""
+    from pydantic import ValidationError
+
+    question = [{"id": "a", "type": "yes_no", "question": "q?"}]
+    digest = "sha256:" + "AB" * 32
+    images = ["data:x", {"url": "x", "detail": "default", "content_hash": digest}]
+    read = DecisionRequest.model_validate({"input": "x", "questions": question, "images": images})
+    assert [(i.url, i.detail, i.content_hash) for i in read.images] == [  # type: ignore[union-attr]
+        ("data:x", "auto", None),
+        ("x", "auto", digest.lower()),
+    ]
+    bad = {"url": "x", "content_hash": "md5:1"}
+    with pytest.raises(ValidationError) as refused:
+        DecisionRequest.model_validate({"input": "x", "questions": question, "images": [bad]})
+    first = refused.value.errors()[0]
+    assert first["loc"] == ("images", 0, "ChatCompletionMessageContentImageURL", "content_hash")
+    assert "content_hash must use the form 'sha256:<64 hex digits>'" in first["msg"]
