@@ -85,6 +85,7 @@ import structlog
 from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
 from stages.engine.glm_grammar import glm_turn
+from stages.engine.hunyuan_reasoning import normalized_effort as hunyuan_effort
 from stages.engine.kimi_calls import history_calls, kimi_id
 from stages.engine.openai_api import (
     _SAMPLING,
@@ -317,6 +318,13 @@ def chat_request(
         raise OpenAIError(str(exc), exc.field) from None
     if request_kwargs is not None and not isinstance(request_kwargs, dict):
         raise OpenAIError("chat_template_kwargs: Input should be a valid dictionary")
+    if settings.reasoning is not None and settings.reasoning.effort_levels:
+        # Hunyuan's effort template (serving_chat.py:1817): the effort as it takes it, the kwarg
+        # taken out; SGLang's 400 for one it does not take (serving_base.py:123, its ValueError)
+        try:
+            effort, request_kwargs = hunyuan_effort(effort, request_kwargs)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), kind="BadRequest") from None
     kwargs = {} if effort is None else {"reasoning_effort": effort}
     kwargs.update(request_kwargs or {})
     if "add_generation_prompt" in kwargs:  # SGLang passes it too: the template's TypeError
@@ -423,6 +431,8 @@ def chat_request(
         ),
         # Kimi K2's call ids count the conversation's calls (serving_chat: kimi_k2's alone)
         "kimi_ids_from": history_calls(messages) if settings.tool_parser == "kimi_k2" else None,
+        # the served tokenizer: its vocabulary spells hunyuan's tokens (FunctionCallParser's)
+        "tokenizer": settings.tokenizer,
         "stream": bool(body.get("stream")),
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
@@ -502,7 +512,9 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
             "reasoning_content": thought or None,
         }
         if options["parse_tools"]:
-            parser = ToolCallParser(options["tools"], options.get("tool_parser"))
+            parser = ToolCallParser(
+                options["tools"], options.get("tool_parser"), options.get("tokenizer")
+            )
             if parser.has_tool_call(text):
                 # the content is the format's text around the calls, also when none parses (an
                 # incomplete call dropped: _process_tool_calls' "no complete call parsed")
@@ -691,7 +703,9 @@ class ChatChunks(StreamLayout):
                     logprobs = None
             if options["parse_tools"]:  # _process_tool_call_stream's chunks (pydantic's)
                 parser = tools.get(index) or StreamingToolCalls(
-                    ToolCallParser(options["tools"], options.get("tool_parser"))
+                    ToolCallParser(
+                        options["tools"], options.get("tool_parser"), options.get("tokenizer")
+                    )
                 )
                 tools[index] = parser
                 delta, pieces = parser.feed(delta)

@@ -54,7 +54,7 @@ from aiohttp import web
 from stages.engine.apertus_reasoning import ApertusReasoning
 from stages.engine.control_fields import PARSE_FUNCTION_CALL, SEPARATE_REASONING, typed_body
 from stages.engine.reasoning import PARSERS as REASONING_PARSERS
-from stages.engine.reasoning import ThinkFormat, think_parser
+from stages.engine.reasoning import ThinkFormat, served_format, think_parser
 from stages.engine.request_body import invalid, json_response
 from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from stages.engine.tool_calls import PARSES_WITHOUT_TOOLS, ToolCallParser
@@ -88,10 +88,13 @@ _ADAPTER_PARSERS = ("deepseek-v4", "deepseekv4", "deepseek-v41", "deepseekv41")
 
 # io_struct.Function's fields, each optional, as pydantic names what they should be
 class ParseRoutes:
-    """``/parse_function_call`` and ``/separate_reasoning``; they need nothing of the model."""
+    """``/parse_function_call`` and ``/separate_reasoning``; they need nothing of the model but
+    its ``tokenizer``, whose vocabulary spells ``hunyuan``'s tokens (SGLang passes it to both
+    parsers; none: the bare tags)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Any = None) -> None:
         self.unknown: Counter[str] = Counter()  # by route: 500s for names SGLang does not know
+        self.tokenizer = tokenizer
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/parse_function_call", self.parse_function_call)
@@ -106,7 +109,7 @@ class ParseRoutes:
         if parser not in TOOL_CALL_PARSERS:
             known = parser in SGLANG_TOOL_CALL_PARSERS
             return self._unread(request, parser, known, "tool calls", TOOL_CALL_PARSERS)
-        content, calls = _read_calls(text, names, parser, body.get("tools", []))
+        content, calls = _read_calls(text, names, parser, body.get("tools", []), self.tokenizer)
         return json_response({"normal_text": content, "calls": calls})
 
     async def separate_reasoning(self, request: web.Request) -> web.Response:
@@ -119,7 +122,7 @@ class ParseRoutes:
         if fmt is None:
             known = name.lower() in SGLANG_REASONING_PARSERS
             return self._unread(request, name, known, "reasoning", tuple(REASONING_PARSERS))
-        return json_response(_separated(text, fmt, blocks))
+        return json_response(_separated(text, served_format(fmt, self.tokenizer), blocks))
 
     def _unread(
         self, request: web.Request, name: str | None, known: bool, what: str, served: tuple
@@ -145,7 +148,11 @@ class ParseRoutes:
 
 
 def _read_calls(
-    text: str, names: list[str | None], parser: str, tools: list[dict[str, Any]]
+    text: str,
+    names: list[str | None],
+    parser: str,
+    tools: list[dict[str, Any]],
+    tokenizer: Any = None,
 ) -> tuple[str, list[dict[str, Any]]]:
     """``(normal_text, calls)`` as ``FunctionCallParser.parse_non_stream`` gives them
     (``tools``: the checked tools, whose parameters type ``qwen3_coder``'s values)."""
@@ -154,7 +161,7 @@ def _read_calls(
     where = {name: i for i, name in enumerate(names) if name}  # the last of a name wins
     if parser not in PARSES_WITHOUT_TOOLS:  # (whose reader tells no tools from unnamed ones)
         tools = [t for t in tools if t["function"].get("name")]
-    reader = ToolCallParser(tools, parser)
+    reader = ToolCallParser(tools, parser, tokenizer)
     if not reader.has_tool_call(text):
         return text, []
     content, calls = reader.indexed(text, where)

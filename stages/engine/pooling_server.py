@@ -158,7 +158,7 @@ def build_pooling_app(
     # SGLang serves these on any model: GC, runtime knobs, its stateless parsers
     app[_OVERRIDES] = requests.config_updates
     MaintenanceRoutes(pooler.max_rows, None, app[_OVERRIDES]).add_to(app)
-    ParseRoutes().add_to(app)
+    ParseRoutes(loaded.tokenizer).add_to(app)
     for method in ("GET", "POST"):
         app.router.add_route(method, "/flush_cache", _flush_cache)
     chat = ChatSettings.of(loaded.tokenizer, loaded.path, chat_template=chat_template)

@@ -45,11 +45,15 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   reasoning loses one ``</mm:think>`` leading it (its template writes one before earlier
   turns that did not think; streamed, the first text out of the reasoning, which after a
   forced reasoning the whole answer does not check);
+- ``hunyuan`` (``HunyuanDetector``): ``<think>`` ... ``</think>`` as the served tokenizer spells
+  them (Hy3's suffixed tokens: ``served_format``), ``<tool_calls>`` ending the reasoning too;
+  whether a request reasons, and the ``reasoning_effort`` its template gets, from its effort
+  (``stages.engine.hunyuan_reasoning``);
 - ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
   ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
-Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``hunyuan``,
+Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``,
 ``inkling``, ``muse``,
 ``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
@@ -76,6 +80,9 @@ from typing import Any
 from stages.engine.apertus_reasoning import ApertusReasoning
 from stages.engine.cohere_reasoning import CohereReasoning
 from stages.engine.harmony import HarmonyReasoning
+from stages.engine.hunyuan_calls import closing
+from stages.engine.hunyuan_calls import tokens as hunyuan_tokens
+from stages.engine.hunyuan_reasoning import thinks as hunyuan_thinks
 from stages.engine.partial_json import partial_tail
 
 __all__ = [
@@ -89,6 +96,7 @@ __all__ = [
     "Toggle",
     "normalize_effort",
     "reasoning_tokens",
+    "served_format",
     "template_toggle",
     "think_parser",
     "thinking_on",
@@ -135,6 +143,9 @@ class ThinkFormat:
     # the model may open its reasoning itself where the request does not require it: such an
     # answer's reasoning tokens are counted too (get_self_opened_think_start_token_ids)
     self_opens: bool = False
+    # Hunyuan's: its tags as the served tokenizer spells them (served_format), and whether a
+    # request reasons from its reasoning_effort alone (hunyuan_reasoning.thinks)
+    hunyuan: bool = False
 
     @property
     def opening(self) -> str:
@@ -235,6 +246,9 @@ PARSERS: dict[str, ThinkFormat] = {
         stray_close=True,
         self_opens=True,
     ),
+    # HunyuanDetector: <think> tags (the tokenizer's spelling), <tool_calls> ending them too;
+    # reasoning as the request's reasoning_effort says
+    "hunyuan": ThinkFormat(tool_start="<tool_calls>", default="always", hunyuan=True),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
         tool_start=None,
@@ -245,6 +259,17 @@ PARSERS: dict[str, ThinkFormat] = {
         harmony=True,
     ),
 }
+
+
+def served_format(fmt: ThinkFormat, tokenizer: Any) -> ThinkFormat:
+    """``fmt`` with its tags as ``tokenizer`` spells them: Hunyuan's from its vocabulary
+    (``hunyuan_calls.tokens``: Hy3's suffixed ``<think:...>``, ``<tool_calls:...>``); the
+    others' as they are."""
+    if not fmt.hunyuan:
+        return fmt
+    spelled = hunyuan_tokens(tokenizer)
+    think = spelled["think"]
+    return replace(fmt, start=think, end=closing(think), tool_start=spelled["tool_calls"])
 
 
 def think_parser(
@@ -557,6 +582,8 @@ def thinking_on(
     ``kwargs``: the request's ``chat_template_kwargs``, ``effort`` its ``reasoning_effort``."""
     if fmt.default == "thinking_mode":  # minimax-m3's, before any toggle
         return (kwargs or {}).get("thinking_mode") == "enabled"
+    if fmt.hunyuan:  # its reasoning_effort, before any toggle (_get_reasoning_from_request)
+        return hunyuan_thinks(_effort_template(toggle), kwargs, effort)
     if fmt.iquest:  # IQuestQ1ReasoningDetector.thinking_enabled, before any toggle
         kwargs = kwargs or {}
         thinking, enable = kwargs.get("thinking"), kwargs.get("enable_thinking")
@@ -571,6 +598,11 @@ def thinking_on(
     if toggle.default:
         return not kwargs or kwargs.get(toggle.param) is not False
     return kwargs is not None and kwargs.get(toggle.param) is True
+
+
+def _effort_template(toggle: Toggle | None) -> bool:
+    """The template sets reasoning by effort (Hunyuan's ``hunyuan_effort`` rule)."""
+    return toggle is not None and toggle.special == "hunyuan_effort"
 
 
 def _default_toggle(mode: str) -> Toggle:
@@ -731,8 +763,16 @@ class ReasoningSettings:
                 "(the formats SGLang's base reasoning detector reads)"
             )
         always, toggle = template_toggle(template)
+        fmt = served_format(fmt, tokenizer)
         end_ids = tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
         return cls(name.lower(), fmt, always, toggle, end_ids)
+
+    @property
+    def effort_levels(self) -> bool:
+        """A chat request's ``reasoning_effort`` is normalized for the template
+        (``uses_hunyuan_reasoning_effort``: ``hunyuan`` and a template that sets reasoning by
+        effort, ``hunyuan_reasoning.normalized_effort``)."""
+        return self.fmt.hunyuan and _effort_template(self.toggle)
 
     def request(
         self,

@@ -265,7 +265,7 @@ def build_app(
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     EncodeRoutes(None, name).add_to(app)  # SGLang's refusal: not an embedding model
-    ParseRoutes().add_to(app)
+    ParseRoutes(loaded.tokenizer).add_to(app)
     MemoryRoutes(scheduler).add_to(app)
     ProfileRoutes(scheduler).add_to(app)
     MaintenanceRoutes.of(scheduler, app[_OVERRIDES]).add_to(app)

@@ -17,7 +17,9 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``step3`` (``stages.engine.step3_calls``), ``poolside_v1`` (``stages.engine.poolside_calls``),
 ``dots`` (``stages.engine.dots_calls``), ``minicpm5`` (``stages.engine.minicpm_calls``),
 ``minimax-m3`` (``stages.engine.minimax_m3_calls``: read in a request without tools too,
-``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``); and how a forced
+``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``), ``hunyuan``
+(``stages.engine.hunyuan_calls``: its tokens as the served tokenizer spells them, forced calls
+not constrained, as SGLang's); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -71,6 +73,8 @@ from stages.engine.glm47_calls import Glm47Calls
 from stages.engine.glm_calls import GlmCalls, Ling3Calls
 from stages.engine.harmony import FRAMES as HARMONY_FRAMES
 from stages.engine.harmony import GptOssCalls
+from stages.engine.hunyuan_calls import HunyuanCalls, writes_calls
+from stages.engine.hunyuan_calls import tokens as hunyuan_tokens
 from stages.engine.internlm_calls import FRAMES as INTERNLM_FRAMES
 from stages.engine.internlm_calls import InternlmCalls
 from stages.engine.iquest_calls import IQuestQ1Calls, NamedArguments
@@ -142,11 +146,11 @@ PARSERS = (
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
-    "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2",
+    "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2", "hunyuan",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
-NATIVE_FORCED = frozenset({"spark25"})
+NATIVE_FORCED = frozenset({"spark25", "hunyuan"})
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
 # Qwen3CoderDetector too
@@ -200,7 +204,8 @@ def parser_for_template(template: str | None) -> str | None:
     ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
     Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
     ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; dots' block tag ``dots``;
-    LFM2's call start and end tokens ``lfm2``;
+    LFM2's call start and end tokens ``lfm2``; Hunyuan's ``<tool_calls>`` and ``<tool_sep>``
+    (bare or with their suffix) ``hunyuan``;
     among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others
@@ -228,6 +233,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "dots"
     if template and LFM2_BEGIN in template and LFM2_END in template:
         return "lfm2"
+    if template and writes_calls(template):
+        return "hunyuan"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:
@@ -343,13 +350,19 @@ def answer_format(
 
 class ToolCallParser:
     """Tool calls of one request (``tools``: the request's ``tools``, validated) in the format
-    ``parser`` names (one of ``PARSERS``, or ``json_array``; None: Qwen 2.5's)."""
+    ``parser`` names (one of ``PARSERS``, or ``json_array``; None: Qwen 2.5's); ``tokenizer``:
+    the served one, whose vocabulary spells ``hunyuan``'s tokens (none: the bare tags)."""
 
-    def __init__(self, tools: Iterable[dict[str, Any]], parser: str | None = None) -> None:
+    def __init__(
+        self, tools: Iterable[dict[str, Any]], parser: str | None = None, tokenizer: Any = None
+    ) -> None:
         tools = list(tools)
         self.names = {t["function"]["name"] for t in tools}
         typed = _TYPED.get(parser or "")
-        self.format = typed(tools) if typed else _FORMATS[parser or "qwen25"](self.names)
+        if parser == "hunyuan":
+            self.format = HunyuanCalls(tools, hunyuan_tokens(tokenizer))
+        else:
+            self.format = typed(tools) if typed else _FORMATS[parser or "qwen25"](self.names)
 
     def has_tool_call(self, text: str) -> bool:
         return self.format.has_tool_call(text)

@@ -249,6 +249,26 @@ def test_the_other_base_detector_formats_are_separated_with_their_tags(url: str)
 
 
 @pytest.mark.timeout(30)
+def test_hunyuan_calls_and_reasoning_are_read_as_its_detectors_read_them(url: str) -> None:
+    # hunyuan_detector.py detect_and_parse: the text before <tool_calls> stripped, a tool not
+    # offered dropped, tool_index the last tool of the name; values of untyped parameters text
+    hy = ("Sum:\n<tool_calls>\n<tool_call>add<tool_sep>\n<arg_key>a</arg_key>\n"
+          "<arg_value>1</arg_value>\n</tool_call>\n<tool_call>launch<tool_sep></tool_call>\n"
+          "</tool_calls>")  # fmt: skip
+    tools = [_tool("add"), _tool("get_weather"), _tool("add")]
+    assert _calls(url, hy, "hunyuan", tools) == {
+        "normal_text": "Sum:",
+        "calls": [_call(2, "add", '{"a": "1"}')],
+    }
+    # reasoning_parser.py HunyuanDetector: <think> tags, <tool_calls> ending them too
+    assert _separate(url, "<think>look<tool_calls>x", "hunyuan") == {
+        "reasoning_text": "look",
+        "text": "<tool_calls>x",
+    }
+    assert _separate(url, "hmm</think>Yes.", "hunyuan")["reasoning_text"] == ""
+
+
+@pytest.mark.timeout(30)
 def test_return_blocks_adds_the_blocks(url: str) -> None:
     answer = _separate(url, "<think>a</think>b", "qwen3", return_blocks=True)
     assert list(answer) == ["reasoning_text", "text", "reasoning_blocks", "text_blocks", "blocks"]
@@ -306,7 +326,7 @@ def test_bad_requests_get_sglangs_answers_and_the_engine_serves_on(url: str) -> 
     # formats SGLang reads that the engine does not: a 400 that says so (type "400", as
     # SGLang's HTTPException); a model-specific one: SGLang's own 400
     for path, field, name in (
-        ("/parse_function_call", "tool_call_parser", "hunyuan"),
+        ("/parse_function_call", "tool_call_parser", "beam"),
         ("/separate_reasoning", "reasoning_parser", "kimi_k3"),
     ):
         resp = _post(url, path, {"text": "x", field: name})
