@@ -72,6 +72,7 @@ HTTP; ``openai_api.OpenAIRoutes`` serves it.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -103,7 +104,13 @@ from stages.engine.openai_api import (
     results_usage,
 )
 from stages.engine.protocol import is_int
-from stages.engine.reasoning import EffortError, ReasoningSettings, normalize_effort
+from stages.engine.reasoning import (
+    EffortError,
+    ReasoningSettings,
+    Toggle,
+    normalize_effort,
+    template_toggle,
+)
 from stages.engine.streaming import Progress
 from stages.engine.token_bytes import TokenBytes, token_bytes
 from stages.engine.tool_calls import (
@@ -161,6 +168,13 @@ class ChatSettings:
     def __post_init__(self) -> None:
         self.renderer = TemplateRenderer(self.tokenizer)
         self.token_bytes = token_bytes(self.tokenizer)
+
+    @functools.cached_property
+    def toggle(self) -> Toggle | None:
+        """How the chat template turns reasoning on (``reasoning.template_toggle``), whatever
+        the reasoning parser: SGLang's template manager reads it from every template."""
+        template = self.template or getattr(self.tokenizer, "chat_template", None)
+        return template_toggle(template if isinstance(template, str) else None)[1]
 
     @classmethod
     def of(
@@ -325,8 +339,18 @@ def chat_request(
             effort, request_kwargs = hunyuan_effort(effort, request_kwargs)
         except ValueError as exc:
             raise OpenAIError(str(exc), kind="BadRequest") from None
+    elif isinstance(request_kwargs, dict) and "reasoning_effort" in request_kwargs:
+        # serving_chat.py:1291-1307: the kwarg moves into reasoning_effort, over the field
+        request_kwargs = dict(request_kwargs)
+        moved = request_kwargs.pop("reasoning_effort")
+        if moved is not None:
+            effort = moved
     kwargs = {} if effort is None else {"reasoning_effort": effort}
     kwargs.update(request_kwargs or {})
+    toggle = settings.toggle
+    if toggle is not None and toggle.effort_kwarg is not None and effort == "low":
+        # serving_chat._apply_jinja_template: a "low" effort sets the template's effort kwarg
+        kwargs.setdefault(toggle.effort_kwarg, True)
     if "add_generation_prompt" in kwargs:  # SGLang passes it too: the template's TypeError
         raise OpenAIError(
             "the chat template refused the messages: apply_chat_template() got multiple "

@@ -692,3 +692,45 @@ def test_cohere_reasons_until_its_end_tag_or_a_block_and_answers_in_its_text_blo
     for answer in (text, action):
         parts = [answer[i : i + 4] for i in range(0, len(answer), 4)]
         assert _streamed(fmt, parts) == think_parser(fmt, force=False).parse(answer)
+
+
+def test_an_effort_in_the_template_kwargs_is_the_requests_effort(model_dir: Path) -> None:
+    """SGLang 0.5.23 (serving_chat.py:1291-1307) moves ``chat_template_kwargs.reasoning_effort``
+    into the request's ``reasoning_effort``, over the field, for every parser but Hunyuan's
+    effort template: Mistral's template then reasons for an effort given there alone, and the
+    template gets the moved value. A template with an effort kwarg (Nemotron 3's
+    ``low_effort``) gets it set by a ``low`` effort (``_apply_jinja_template``)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    mistral = TEMPLATE + "{# reasoning_effort [THINK] #}"
+    settings = ChatSettings.of(
+        tokenizer, model_dir, chat_template=mistral, reasoning_parser="mistral"
+    )
+    assert settings is not None
+    seen: list[dict] = []
+    settings.render = lambda messages, tools, kwargs, **_: seen.append(dict(kwargs)) or [1]  # type: ignore[method-assign]
+    moved, _ = chat_request(
+        {"messages": HELLO, "chat_template_kwargs": {"reasoning_effort": "high"}},
+        settings,
+        context_length=512,
+    )
+    plain, _ = chat_request({"messages": HELLO}, settings, context_length=512)
+    assert moved.get("require_reasoning") is True and "require_reasoning" not in plain
+    assert seen[0]["reasoning_effort"] == "high"
+    over, _ = chat_request(
+        {"messages": HELLO, "reasoning_effort": "high",
+         "chat_template_kwargs": {"reasoning_effort": "none"}},
+        settings, context_length=512,
+    )  # fmt: skip
+    assert "require_reasoning" not in over and seen[-1]["reasoning_effort"] == "none"
+    nemotron = TEMPLATE + "{# low_effort truncate_history_thinking #}"
+    settings = ChatSettings.of(tokenizer, model_dir, chat_template=nemotron)
+    assert settings is not None
+    settings.render = lambda messages, tools, kwargs, **_: seen.append(dict(kwargs)) or [1]  # type: ignore[method-assign]
+    for effort, wanted in (("low", True), ("high", None), (None, None)):
+        body = (
+            {"messages": HELLO}
+            if effort is None
+            else {"messages": HELLO, "reasoning_effort": effort}
+        )
+        chat_request(body, settings, context_length=512)
+        assert seen[-1].get("low_effort") is wanted, effort
