@@ -17,7 +17,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``step3`` (``stages.engine.step3_calls``), ``poolside_v1`` (``stages.engine.poolside_calls``),
 ``dots`` (``stages.engine.dots_calls``), ``minicpm5`` (``stages.engine.minicpm_calls``),
 ``minimax-m3`` (``stages.engine.minimax_m3_calls``: read in a request without tools too,
-``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``); and how a forced
+``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``), ``muse``
+(``stages.engine.muse_calls``: forced calls not constrained, as SGLang's); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -86,6 +87,8 @@ from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK
 from stages.engine.minimax_calls import MiniMaxM2Calls
 from stages.engine.minimax_m3_calls import NS as MINIMAX_M3_MARKER
 from stages.engine.minimax_m3_calls import PARSES_WITHOUT_TOOLS, MiniMaxM3Calls
+from stages.engine.muse_calls import INVOKE as MUSE_INVOKE
+from stages.engine.muse_calls import MuseCalls
 from stages.engine.partial_json import ListedCalls
 from stages.engine.poolside_calls import PoolsideCalls
 from stages.engine.pythonic_calls import PythonicCalls
@@ -142,11 +145,11 @@ PARSERS = (
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
-    "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2",
+    "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2", "muse",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
-NATIVE_FORCED = frozenset({"spark25"})
+NATIVE_FORCED = frozenset({"spark25", "muse"})
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
 # Qwen3CoderDetector too
@@ -156,7 +159,7 @@ _TYPED = {
     "glm47": Glm47Calls, "ling3": Ling3Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
     "poolside_v1": PoolsideCalls, "dots": DotsCalls, "minicpm5": MiniCPM5Calls,
-    "minimax-m3": MiniMaxM3Calls, "lfm2": Lfm2Calls,
+    "minimax-m3": MiniMaxM3Calls, "lfm2": Lfm2Calls, "muse": MuseCalls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -200,7 +203,7 @@ def parser_for_template(template: str | None) -> str | None:
     ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
     Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
     ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; dots' block tag ``dots``;
-    LFM2's call start and end tokens ``lfm2``;
+    LFM2's call start and end tokens ``lfm2``; Muse Glimmer's ``<atem:invoke`` ``muse``;
     among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others
@@ -228,6 +231,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "dots"
     if template and LFM2_BEGIN in template and LFM2_END in template:
         return "lfm2"
+    if template and MUSE_INVOKE in template:
+        return "muse"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:
