@@ -77,7 +77,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -479,6 +479,10 @@ def chat_request(
         # no chunk then go alone)
         "server_parsers": settings.reasoning is not None or settings.tool_parser is not None,
     }
+    if reasoning is not None and options["parse_tools"] and settings.tool_parser is not None:
+        # a tool-call parser reads the content (serving_chat._tool_call_parsing_active): Muse's
+        # reasoning parser keeps the channels' framing for it
+        options["reasoning"] = replace(reasoning, tools=True)
     return native_body, options
 
 

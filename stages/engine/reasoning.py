@@ -51,10 +51,15 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   (``stages.engine.hunyuan_reasoning``);
 - ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
   ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
-  ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
+  ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted;
+- ``muse`` (``MuseGlimmerDetector``): Muse Glimmer's recipient channels
+  (``stages.engine.muse_reasoning``): the ``to=self`` channels are reasoning, the others content,
+  framed for the tool-call reader where a request's calls are read (``RequestReasoning.tools``);
+  always on, its ``<|eom|>`` ending the reasoning tokens counted, its answers decoded with their
+  special tokens.
 
 Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``,
-``inkling``, ``muse``,
+``inkling``,
 ``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
@@ -83,6 +88,7 @@ from stages.engine.harmony import HarmonyReasoning
 from stages.engine.hunyuan_calls import closing
 from stages.engine.hunyuan_calls import tokens as hunyuan_tokens
 from stages.engine.hunyuan_reasoning import thinks as hunyuan_thinks
+from stages.engine.muse_reasoning import MuseReasoning
 from stages.engine.partial_json import partial_tail
 
 __all__ = [
@@ -126,6 +132,9 @@ class ThinkFormat:
     harmony: bool = False  # OpenAI's Harmony messages (gpt-oss), read by harmony.py
     apertus: bool = False  # Apertus's blocks, tool calls inside them (apertus_reasoning.py)
     cohere: bool = False  # Cohere Command's thinking and text blocks (cohere_reasoning.py)
+    # Muse Glimmer's recipient channels (muse_reasoning.py), whose markers are special tokens
+    # kept in the text of every request (serving_chat._patch_reasoning_skip_special_tokens)
+    muse: bool = False
     # what the model writes after its start tag, taken out with it (its detector's
     # think_start_self_label: Gemma 4's "thought\n"); the start tag alone says it reasons
     label: str = ""
@@ -249,6 +258,10 @@ PARSERS: dict[str, ThinkFormat] = {
     # HunyuanDetector: <think> tags (the tokenizer's spelling), <tool_calls> ending them too;
     # reasoning as the request's reasoning_effort says
     "hunyuan": ThinkFormat(tool_start="<tool_calls>", default="always", hunyuan=True),
+    # MuseGlimmerDetector: its to=self channels; reasoning_default "always"; <|eom|> its end tag
+    "muse": ThinkFormat(
+        tool_start=None, default="always", start=" to=self<|message|>", end="<|eom|>", muse=True
+    ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
         tool_start=None,
@@ -273,11 +286,15 @@ def served_format(fmt: ThinkFormat, tokenizer: Any) -> ThinkFormat:
 
 
 def think_parser(
-    fmt: ThinkFormat, *, force: bool, nonempty: bool = False, **options: Any
-) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning:
+    fmt: ThinkFormat, *, force: bool, nonempty: bool = False, tools: bool = False, **options: Any
+) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning | MuseReasoning:
     """A parser of one answer in ``fmt`` (``ThinkParser``'s options; Harmony's takes
     ``nonempty`` alone: its detector reads the rest of nothing; Apertus's is never forced;
-    Cohere's always starts in its reasoning)."""
+    Cohere's always starts in its reasoning; Muse's reads ``tools``: a tool-call parser reads
+    its content)."""
+    if fmt.muse:
+        stream = options.get("stream_reasoning", True)
+        return MuseReasoning(stream_reasoning=stream, nonempty=nonempty, tools=tools)
     if fmt.harmony:
         return HarmonyReasoning(nonempty=nonempty)
     if fmt.apertus:
@@ -798,7 +815,8 @@ class ReasoningSettings:
             nonempty=(kwargs or {}).get("force_nonempty_content") is True
             or (self.fmt.granite and (kwargs or {}).get("enable_thinking") is False)
             or self.fmt.always_nonempty,
-            keep_special=self.fmt.special_tags and effort is not None and effort != "none",
+            keep_special=(self.fmt.special_tags and effort is not None and effort != "none")
+            or self.fmt.muse,
         )
 
 
@@ -809,7 +827,7 @@ class RequestReasoning:
     ``require_reasoning``: its grammar waits for the end of its reasoning, whose tokens the
     engine counts in ``meta_info.reasoning_tokens``); ``keep_special``: its answers are
     decoded with their special tokens (``skip_special_tokens`` false), its format's tags being
-    some."""
+    some; ``tools``: a tool-call parser reads their content (``tool_call_parser_active``)."""
 
     settings: ReasoningSettings
     separate: bool
@@ -819,12 +837,16 @@ class RequestReasoning:
     previous: str
     nonempty: bool
     keep_special: bool = False
+    tools: bool = False
 
-    def parser(self) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning:
+    def parser(
+        self,
+    ) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning | MuseReasoning:
         return think_parser(
             self.settings.fmt,
             force=self.force,
             stream_reasoning=self.stream,
             previous=self.previous,
             nonempty=self.nonempty,
+            tools=self.tools,
         )

@@ -19,7 +19,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``minimax-m3`` (``stages.engine.minimax_m3_calls``: read in a request without tools too,
 ``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``), ``hunyuan``
 (``stages.engine.hunyuan_calls``: its tokens as the served tokenizer spells them, forced calls
-not constrained, as SGLang's); and how a forced
+not constrained, as SGLang's), ``muse`` (``stages.engine.muse_calls``: forced calls not
+constrained, as SGLang's); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -90,6 +91,8 @@ from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK
 from stages.engine.minimax_calls import MiniMaxM2Calls
 from stages.engine.minimax_m3_calls import NS as MINIMAX_M3_MARKER
 from stages.engine.minimax_m3_calls import PARSES_WITHOUT_TOOLS, MiniMaxM3Calls
+from stages.engine.muse_calls import INVOKE as MUSE_INVOKE
+from stages.engine.muse_calls import MuseCalls
 from stages.engine.partial_json import ListedCalls
 from stages.engine.poolside_calls import PoolsideCalls
 from stages.engine.pythonic_calls import PythonicCalls
@@ -146,11 +149,11 @@ PARSERS = (
     "nanbeige", "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "glm", "glm47", "ling3", "gpt-oss",
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
-    "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2", "hunyuan",
+    "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2", "hunyuan", "muse",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
-NATIVE_FORCED = frozenset({"spark25", "hunyuan"})
+NATIVE_FORCED = frozenset({"spark25", "hunyuan", "muse"})
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
 # Qwen3CoderDetector too
@@ -160,7 +163,7 @@ _TYPED = {
     "glm47": Glm47Calls, "ling3": Ling3Calls, "mimo": MiMoCalls, "gemma4": Gemma4Calls,
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
     "poolside_v1": PoolsideCalls, "dots": DotsCalls, "minicpm5": MiniCPM5Calls,
-    "minimax-m3": MiniMaxM3Calls, "lfm2": Lfm2Calls,
+    "minimax-m3": MiniMaxM3Calls, "lfm2": Lfm2Calls, "muse": MuseCalls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -205,7 +208,7 @@ def parser_for_template(template: str | None) -> str | None:
     Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
     ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; dots' block tag ``dots``;
     LFM2's call start and end tokens ``lfm2``; Hunyuan's ``<tool_calls>`` and ``<tool_sep>``
-    (bare or with their suffix) ``hunyuan``;
+    (bare or with their suffix) ``hunyuan``; Muse Glimmer's ``<atem:invoke`` ``muse``;
     among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others
@@ -235,6 +238,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "lfm2"
     if template and writes_calls(template):
         return "hunyuan"
+    if template and MUSE_INVOKE in template:
+        return "muse"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:
