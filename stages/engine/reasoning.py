@@ -45,11 +45,18 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   reasoning loses one ``</mm:think>`` leading it (its template writes one before earlier
   turns that did not think; streamed, the first text out of the reasoning, which after a
   forced reasoning the whole answer does not check);
+- ``k2_horizon`` (``K2V3Detector``): K2 Horizon's ``<ifm|think>`` ... ``</ifm|think>``, the tags
+  its template writes for the request's ``reasoning_effort`` (``chat_template_kwargs``' before
+  the request's field): ``medium`` ``<ifm|think_fast>``, ``low`` ``<ifm|think_faster>``, none
+  ``high``'s, any other value ``medium``'s (``ThinkFormat.efforts``); always forced; an
+  ``<ifm|tool_call`` (a call's or a group's tag) ends it too; a thinking request's reasoning
+  tokens counted to its own end tag (``RequestReasoning.end_ids``, SGLang's request-selected
+  terminator);
 - ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
   ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted.
 
-Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``, ``hunyuan``,
+Not here, for parsing more than tags and defaults: ``kimi_k3``, ``hunyuan``,
 ``inkling``, ``muse``,
 ``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
@@ -135,6 +142,26 @@ class ThinkFormat:
     # the model may open its reasoning itself where the request does not require it: such an
     # answer's reasoning tokens are counted too (get_self_opened_think_start_token_ids)
     self_opens: bool = False
+    # the request's reasoning effort picks the tags (K2V3Detector): (effort, start, end) each,
+    # the first's for a request without one, effort_other's for any other value
+    efforts: tuple[tuple[str, str, str], ...] = ()
+    effort_other: str = ""
+
+    def pick(self, effort: Any) -> int:
+        """The place in ``efforts`` of the tags a request's ``effort`` picks."""
+        names = [name for name, _, _ in self.efforts]
+        if effort is None:
+            return 0
+        return names.index(
+            effort if isinstance(effort, str) and effort in names else self.effort_other
+        )
+
+    def for_effort(self, effort: Any) -> ThinkFormat:
+        """The format with the tags ``effort`` picks (itself where its tags are fixed)."""
+        if not self.efforts:
+            return self
+        _, start, end = self.efforts[self.pick(effort)]
+        return replace(self, start=start, end=end)
 
     @property
     def opening(self) -> str:
@@ -234,6 +261,21 @@ PARSERS: dict[str, ThinkFormat] = {
         end="</mm:think>",
         stray_close=True,
         self_opens=True,
+    ),
+    # K2V3Detector: always forced (it refuses to be otherwise), the tags of the request's
+    # reasoning effort, a tool call's (or group's) tag ending it too
+    "k2_horizon": ThinkFormat(
+        tool_start="<ifm|tool_call",
+        default="always",
+        force=True,
+        start="<ifm|think>",
+        end="</ifm|think>",
+        efforts=(
+            ("high", "<ifm|think>", "</ifm|think>"),
+            ("medium", "<ifm|think_fast>", "</ifm|think_fast>"),
+            ("low", "<ifm|think_faster>", "</ifm|think_faster>"),
+        ),
+        effort_other="medium",
     ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
@@ -720,6 +762,9 @@ class ReasoningSettings:
     always: bool  # the template always opens the reasoning (TemplateManager.force_reasoning)
     toggle: Toggle | None
     end_ids: tuple[int, ...]  # the tokens of the end tag (none: reasoning tokens not counted)
+    # the tokens of each end tag a request's effort may pick (fmt.efforts'; SGLang's
+    # request_selectable_think_end_id_sequences)
+    selectable: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, name: str, template: str | None, tokenizer: Any) -> ReasoningSettings:
@@ -732,7 +777,10 @@ class ReasoningSettings:
             )
         always, toggle = template_toggle(template)
         end_ids = tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
-        return cls(name.lower(), fmt, always, toggle, end_ids)
+        selectable = tuple(
+            tuple(tokenizer.encode(end, add_special_tokens=False)) for _, _, end in fmt.efforts
+        )
+        return cls(name.lower(), fmt, always, toggle, end_ids, selectable)
 
     def request(
         self,
@@ -746,6 +794,13 @@ class ReasoningSettings:
         """What one chat request's answers need: whether it reasons (the template's
         ``kwargs``, ``reasoning_effort``), and how its parsers start."""
         thinking = thinking_on(self.fmt, self.toggle, kwargs, effort)
+        fmt, end_ids = None, None
+        if self.fmt.efforts:  # K2's: the template's reasoning_effort, else the request's
+            chosen = (kwargs or {}).get("reasoning_effort")
+            chosen = effort if chosen is None else chosen
+            fmt = self.fmt.for_effort(chosen)
+            if thinking and self.selectable:
+                end_ids = self.selectable[self.fmt.pick(chosen)]
         return RequestReasoning(
             self,
             separate=separate,
@@ -757,6 +812,8 @@ class ReasoningSettings:
             or (self.fmt.granite and (kwargs or {}).get("enable_thinking") is False)
             or self.fmt.always_nonempty,
             keep_special=self.fmt.special_tags and effort is not None and effort != "none",
+            fmt=fmt,
+            end_ids=end_ids,
         )
 
 
@@ -767,7 +824,9 @@ class RequestReasoning:
     ``require_reasoning``: its grammar waits for the end of its reasoning, whose tokens the
     engine counts in ``meta_info.reasoning_tokens``); ``keep_special``: its answers are
     decoded with their special tokens (``skip_special_tokens`` false), its format's tags being
-    some."""
+    some; ``fmt``: its own format, where the request picks its tags (None: the server's);
+    ``end_ids``: the tokens of its own end tag, which its reasoning tokens are counted to and
+    its grammar waits for (None: the server's)."""
 
     settings: ReasoningSettings
     separate: bool
@@ -777,10 +836,12 @@ class RequestReasoning:
     previous: str
     nonempty: bool
     keep_special: bool = False
+    fmt: ThinkFormat | None = None
+    end_ids: tuple[int, ...] | None = None
 
     def parser(self) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning:
         return think_parser(
-            self.settings.fmt,
+            self.fmt or self.settings.fmt,
             force=self.force,
             stream_reasoning=self.stream,
             previous=self.previous,

@@ -17,7 +17,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``step3`` (``stages.engine.step3_calls``), ``poolside_v1`` (``stages.engine.poolside_calls``),
 ``dots`` (``stages.engine.dots_calls``), ``minicpm5`` (``stages.engine.minicpm_calls``),
 ``minimax-m3`` (``stages.engine.minimax_m3_calls``: read in a request without tools too,
-``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``); and how a forced
+``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``), ``k2_horizon``
+(``stages.engine.k2_horizon_calls``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -74,6 +75,9 @@ from stages.engine.harmony import GptOssCalls
 from stages.engine.internlm_calls import FRAMES as INTERNLM_FRAMES
 from stages.engine.internlm_calls import InternlmCalls
 from stages.engine.iquest_calls import IQuestQ1Calls, NamedArguments
+from stages.engine.k2_horizon_calls import CALL as K2_CALL
+from stages.engine.k2_horizon_calls import GROUP as K2_GROUP
+from stages.engine.k2_horizon_calls import K2HorizonCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
@@ -143,6 +147,7 @@ PARSERS = (
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
     "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2",
+    "k2_horizon",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
@@ -157,6 +162,7 @@ _TYPED = {
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
     "poolside_v1": PoolsideCalls, "dots": DotsCalls, "minicpm5": MiniCPM5Calls,
     "minimax-m3": MiniMaxM3Calls, "lfm2": Lfm2Calls,
+    "k2_horizon": K2HorizonCalls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -200,7 +206,8 @@ def parser_for_template(template: str | None) -> str | None:
     ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
     Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
     ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; dots' block tag ``dots``;
-    LFM2's call start and end tokens ``lfm2``;
+    LFM2's call start and end tokens ``lfm2``; K2 Horizon's call and group tags with its
+    ``<ifm|think>`` ``k2_horizon``;
     among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others
@@ -228,6 +235,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "dots"
     if template and LFM2_BEGIN in template and LFM2_END in template:
         return "lfm2"
+    if template and all(tag in template for tag in (K2_CALL, K2_GROUP, "<ifm|think>")):
+        return "k2_horizon"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:
