@@ -105,6 +105,9 @@ class GrammarSet:
         # the tokens of a start tag the model may write itself (ThinkFormat.self_opens): an
         # answer that opens with them has reasoning tokens counted without require_reasoning
         self.think_start: tuple[int, ...] = ()
+        # the end tags a request may pick as its own (GenerateInput.think_end: K2 Horizon's
+        # efforts'; SGLang's request_selectable_think_end_id_sequences)
+        self.think_ends: tuple[tuple[int, ...], ...] = ()
 
     def start(self, field: str, text: str) -> Constraint:
         """A fresh constraint of the grammar ``text`` given as ``field`` (one of

@@ -151,6 +151,8 @@ class InProcessEngine:
                 raw,
                 strict_thinking=self.scheduler.strict_thinking is not None,
                 custom_logits=self.scheduler.logit_processors is not None,
+                vocab_size=loaded.vocab_size,
+                think_ends=self.scheduler.think_ends,
             )
             self._params = (raw, parse_sampling_params(own, encode), options)
         groups = parse_groups(

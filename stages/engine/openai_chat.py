@@ -103,7 +103,7 @@ from stages.engine.openai_api import (
     response_sglext,
     results_usage,
 )
-from stages.engine.protocol import is_int
+from stages.engine.protocol import REASONING_END_KEY, is_int
 from stages.engine.reasoning import (
     EffortError,
     ReasoningSettings,
@@ -429,6 +429,9 @@ def chat_request(
         sampling["skip_special_tokens"] = False  # request says (is_gpt_oss, is_gemma4)
     if reasoning is not None and reasoning.counted:  # a thinking request: any grammar waits
         native_body["require_reasoning"] = True  # for the end of its reasoning (as SGLang's)
+    if reasoning is not None and reasoning.end_ids:  # K2's effort's end tag (serving_chat's
+        custom = dict(sampling.get("custom_params") or {})  # set_request_reasoning_end_token_ids)
+        sampling["custom_params"] = {**custom, REASONING_END_KEY: list(reasoning.end_ids)}
     adapter_in_model = name_adapter(native_body, model, body.get("lora_path"))
     if body.get("stream"):
         native_body["stream"] = True

@@ -19,9 +19,9 @@ As SGLang 0.5.23 answers them (``srt/entrypoints/http_server.py``
   ``reasoning_blocks``, ``text_blocks`` and ``blocks`` (``[{type: "reasoning", text}]`` when
   there is reasoning, then ``{type: "text", text}``). The request is not a chat request, so no
   thinking switch applies: the parser's own default decides whether a text without its start
-  tag is reasoning (the ``deepseek-r1`` family, ``qwen3-thinking``, ``minimax``: yes; the
-  rest: no; ``minimax-append-think`` splits nothing: the text is content, ``<think>`` before
-  it).
+  tag is reasoning (the ``deepseek-r1`` family, ``qwen3-thinking``, ``minimax``, ``k2_horizon``
+  in its ``high`` tags: yes; the rest: no; ``minimax-append-think`` splits nothing: the text is
+  content, ``<think>`` before it).
 
 Refusals, as SGLang's: a body that is not a JSON object or a field of the wrong type (``tools``
 as ``io_struct.Tool``: ``function`` an object with string-or-null ``name`` and ``description``,

@@ -185,6 +185,10 @@ class GenerateInput:
     # the position its answer's routed experts start at (return_routed_experts, with the
     # server's --enable-return-routed-experts; None: none returned)
     routed_experts: int | None = None
+    # the tokens of its own reasoning end tag, which its reasoning ends at (its grammar waits
+    # for them, its reasoning tokens counted to them): a K2 Horizon chat request's effort's
+    # (custom_params' REASONING_END_KEY, one of the server's selectable ones); None: the server's
+    think_end: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -217,6 +221,10 @@ class SequenceResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# where a request's own reasoning end tag comes, in its sampling parameters' custom_params
+# (SGLang's REQUEST_REASONING_END_TOKEN_IDS_KEY), and the most tokens it may have
+REASONING_END_KEY = "__sglang_reasoning_end_token_ids"
+_REASONING_END_MAX = 32
 # Accepted and without effect on the sampling parameters: they only shape text, or
 # (``custom_params``) feed the request's custom logit processor (``GenerateInput.custom_params``;
 # without one, nothing reads them, as in SGLang).
@@ -344,6 +352,7 @@ def parse_generate(
     kept_stop_ids: frozenset[int] = frozenset(),
     custom_logits: bool = False,
     routed_experts: bool = False,
+    think_ends: Collection[tuple[int, ...]] = (),
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
@@ -352,7 +361,8 @@ def parse_generate(
     ``strict_thinking``: whether it runs with ``--enable-strict-thinking``; ``kept_stop_ids``:
     the stop tokens whose text an answer keeps (``GenerateInput.kept_stop_ids``);
     ``custom_logits``: whether it runs with ``--enable-custom-logit-processor``;
-    ``routed_experts``: whether it runs with ``--enable-return-routed-experts``."""
+    ``routed_experts``: whether it runs with ``--enable-return-routed-experts``;
+    ``think_ends``: the reasoning end tags a request may pick (``reasoning_end``)."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
@@ -442,6 +452,7 @@ def parse_generate(
             sp = _sampling_params(params[i], f"sampling_params{where}", encode)
             check_logit_bias(sp, f"sampling_params{where}", vocab_size)
             parsed[id(params[i])] = sp
+        think_end = reasoning_end(params[i], f"sampling_params{where}", vocab_size, think_ends)
         _check_fits(ids, sp, f"input_ids{where}", context_length)
         if masks[i] is not None:
             _check_mask_top_k(sp, f"return_sampling_mask{where}", mask_cap)
@@ -482,9 +493,40 @@ def parse_generate(
                     logit_processor=processors[i],
                     custom_params=_custom_params(params[i], budget) if processors[i] else None,
                     routed_experts=experts_from,
+                    think_end=think_end,
                 )
             )
     return inputs, listed
+
+
+def reasoning_end(
+    params: dict[str, Any] | None,
+    where: str,
+    vocab_size: int | None,
+    allowed: Collection[tuple[int, ...]],
+) -> tuple[int, ...] | None:
+    """A request's own reasoning end tag (``GenerateInput.think_end``: ``custom_params``'
+    ``REASONING_END_KEY``, which the chat route sets for a thinking K2 Horizon request), as
+    SGLang's ``get_request_reasoning_end_token_ids`` reads it: RequestError, in its words, for
+    what is not a list of 1 to 32 token ids of the vocabulary (``SamplingParams.verify``, on
+    every server); None where it is not there or is not one of ``allowed`` (the server's
+    selectable end tags: the server's own then)."""
+    custom = (params or {}).get("custom_params")
+    if not isinstance(custom, dict) or REASONING_END_KEY not in custom:
+        return None
+    ids = custom[REASONING_END_KEY]
+    if (
+        not isinstance(ids, list)
+        or not 0 < len(ids) <= _REASONING_END_MAX
+        or any(type(t) is not int or t < 0 for t in ids)
+        or (vocab_size is not None and max(ids) >= vocab_size)
+    ):
+        raise RequestError(
+            f"{where}.custom_params",
+            "request reasoning end token IDs must be a non-empty, vocabulary-bounded list of "
+            f"at most {_REASONING_END_MAX} integers",
+        )
+    return tuple(ids) if tuple(ids) in set(allowed) else None
 
 
 def _routed_experts_start(
@@ -717,11 +759,17 @@ REQUEST_LEVEL_FIELDS = ("require_reasoning", "max_thinking_tokens", "custom_logi
 
 
 def request_options(
-    sampling: Mapping[str, Any], *, strict_thinking: bool = False, custom_logits: bool = False
+    sampling: Mapping[str, Any],
+    *,
+    strict_thinking: bool = False,
+    custom_logits: bool = False,
+    vocab_size: int | None = None,
+    think_ends: Collection[tuple[int, ...]] = (),
 ) -> dict[str, Any]:
     """The ``GenerateInput`` fields that ``REQUEST_LEVEL_FIELDS`` among ``sampling`` (and its
-    ``custom_params``) set, checked as ``parse_generate`` checks them at a body's top level;
-    for ``parse_groups``' groups, whose requests have no body."""
+    ``custom_params``: a processor's, a reasoning end tag among ``think_ends``) set, checked as
+    ``parse_generate`` checks them at a body's top level; for ``parse_groups``' groups, whose
+    requests have no body."""
     flag = sampling.get("require_reasoning", False)
     if not isinstance(flag, bool | None):
         raise RequestError("require_reasoning", f"expected true or false, got {flag!r}")
@@ -733,6 +781,7 @@ def request_options(
         "max_thinking_tokens": budget,
         "logit_processor": processor,
         "custom_params": custom,
+        "think_end": reasoning_end(dict(sampling), "sampling_params", vocab_size, think_ends),
     }
 
 

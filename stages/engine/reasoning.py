@@ -49,6 +49,13 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   them (Hy3's suffixed tokens: ``served_format``), ``<tool_calls>`` ending the reasoning too;
   whether a request reasons, and the ``reasoning_effort`` its template gets, from its effort
   (``stages.engine.hunyuan_reasoning``);
+- ``k2_horizon`` (``K2V3Detector``): K2 Horizon's ``<ifm|think>`` ... ``</ifm|think>``, the tags
+  its template writes for the request's ``reasoning_effort`` (``chat_template_kwargs``' before
+  the request's field): ``medium`` ``<ifm|think_fast>``, ``low`` ``<ifm|think_faster>``, none
+  ``high``'s, any other value ``medium``'s (``ThinkFormat.efforts``); always forced; an
+  ``<ifm|tool_call`` (a call's or a group's tag) ends it too; a thinking request's reasoning
+  tokens counted to its own end tag (``RequestReasoning.end_ids``, SGLang's request-selected
+  terminator);
 - ``gpt-oss`` (``GptOssDetector``): OpenAI's Harmony messages (``stages.engine.harmony``): the
   ``analysis`` channel is reasoning, always (``HarmonyReasoning`` stands in for ``ThinkParser``:
   ``ThinkFormat.harmony``); its ``<|end|>`` ends the reasoning tokens counted;
@@ -58,7 +65,7 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   always on, its ``<|eom|>`` ending the reasoning tokens counted, its answers decoded with their
   special tokens.
 
-Not here, for parsing more than tags and defaults: ``kimi_k3``, ``k2_horizon``,
+Not here, for parsing more than tags and defaults: ``kimi_k3``,
 ``inkling``,
 ``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
@@ -155,6 +162,26 @@ class ThinkFormat:
     # Hunyuan's: its tags as the served tokenizer spells them (served_format), and whether a
     # request reasons from its reasoning_effort alone (hunyuan_reasoning.thinks)
     hunyuan: bool = False
+    # the request's reasoning effort picks the tags (K2V3Detector): (effort, start, end) each,
+    # the first's for a request without one, effort_other's for any other value
+    efforts: tuple[tuple[str, str, str], ...] = ()
+    effort_other: str = ""
+
+    def pick(self, effort: Any) -> int:
+        """The place in ``efforts`` of the tags a request's ``effort`` picks."""
+        names = [name for name, _, _ in self.efforts]
+        if effort is None:
+            return 0
+        return names.index(
+            effort if isinstance(effort, str) and effort in names else self.effort_other
+        )
+
+    def for_effort(self, effort: Any) -> ThinkFormat:
+        """The format with the tags ``effort`` picks (itself where its tags are fixed)."""
+        if not self.efforts:
+            return self
+        _, start, end = self.efforts[self.pick(effort)]
+        return replace(self, start=start, end=end)
 
     @property
     def opening(self) -> str:
@@ -261,6 +288,21 @@ PARSERS: dict[str, ThinkFormat] = {
     # MuseGlimmerDetector: its to=self channels; reasoning_default "always"; <|eom|> its end tag
     "muse": ThinkFormat(
         tool_start=None, default="always", start=" to=self<|message|>", end="<|eom|>", muse=True
+    ),
+    # K2V3Detector: always forced (it refuses to be otherwise), the tags of the request's
+    # reasoning effort, a tool call's (or group's) tag ending it too
+    "k2_horizon": ThinkFormat(
+        tool_start="<ifm|tool_call",
+        default="always",
+        force=True,
+        start="<ifm|think>",
+        end="</ifm|think>",
+        efforts=(
+            ("high", "<ifm|think>", "</ifm|think>"),
+            ("medium", "<ifm|think_fast>", "</ifm|think_fast>"),
+            ("low", "<ifm|think_faster>", "</ifm|think_faster>"),
+        ),
+        effort_other="medium",
     ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
@@ -771,6 +813,9 @@ class ReasoningSettings:
     always: bool  # the template always opens the reasoning (TemplateManager.force_reasoning)
     toggle: Toggle | None
     end_ids: tuple[int, ...]  # the tokens of the end tag (none: reasoning tokens not counted)
+    # the tokens of each end tag a request's effort may pick (fmt.efforts'; SGLang's
+    # request_selectable_think_end_id_sequences)
+    selectable: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, name: str, template: str | None, tokenizer: Any) -> ReasoningSettings:
@@ -784,7 +829,10 @@ class ReasoningSettings:
         always, toggle = template_toggle(template)
         fmt = served_format(fmt, tokenizer)
         end_ids = tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
-        return cls(name.lower(), fmt, always, toggle, end_ids)
+        selectable = tuple(
+            tuple(tokenizer.encode(end, add_special_tokens=False)) for _, _, end in fmt.efforts
+        )
+        return cls(name.lower(), fmt, always, toggle, end_ids, selectable)
 
     @property
     def effort_levels(self) -> bool:
@@ -805,6 +853,13 @@ class ReasoningSettings:
         """What one chat request's answers need: whether it reasons (the template's
         ``kwargs``, ``reasoning_effort``), and how its parsers start."""
         thinking = thinking_on(self.fmt, self.toggle, kwargs, effort)
+        fmt, end_ids = None, None
+        if self.fmt.efforts:  # K2's: the template's reasoning_effort, else the request's
+            chosen = (kwargs or {}).get("reasoning_effort")
+            chosen = effort if chosen is None else chosen
+            fmt = self.fmt.for_effort(chosen)
+            if thinking and self.selectable:
+                end_ids = self.selectable[self.fmt.pick(chosen)]
         return RequestReasoning(
             self,
             separate=separate,
@@ -817,6 +872,8 @@ class ReasoningSettings:
             or self.fmt.always_nonempty,
             keep_special=(self.fmt.special_tags and effort is not None and effort != "none")
             or self.fmt.muse,
+            fmt=fmt,
+            end_ids=end_ids,
         )
 
 
@@ -827,7 +884,10 @@ class RequestReasoning:
     ``require_reasoning``: its grammar waits for the end of its reasoning, whose tokens the
     engine counts in ``meta_info.reasoning_tokens``); ``keep_special``: its answers are
     decoded with their special tokens (``skip_special_tokens`` false), its format's tags being
-    some; ``tools``: a tool-call parser reads their content (``tool_call_parser_active``)."""
+    some; ``tools``: a tool-call parser reads their content (``tool_call_parser_active``);
+    ``fmt``: its own format, where the request picks its tags (None: the server's);
+    ``end_ids``: the tokens of its own end tag, which its reasoning tokens are counted to and
+    its grammar waits for (None: the server's)."""
 
     settings: ReasoningSettings
     separate: bool
@@ -838,12 +898,14 @@ class RequestReasoning:
     nonempty: bool
     keep_special: bool = False
     tools: bool = False
+    fmt: ThinkFormat | None = None
+    end_ids: tuple[int, ...] | None = None
 
     def parser(
         self,
     ) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning | MuseReasoning:
         return think_parser(
-            self.settings.fmt,
+            self.fmt or self.settings.fmt,
             force=self.force,
             stream_reasoning=self.stream,
             previous=self.previous,

@@ -792,6 +792,15 @@ class Scheduler:
         return self._grammars.think_end if self._grammars is not None else ()
 
     @property
+    def think_ends(self) -> tuple[tuple[int, ...], ...]:
+        """The end tags a request may pick as its own (``GenerateInput.think_end``)."""
+        return self._grammars.think_ends if self._grammars is not None else ()
+
+    def _think_end(self, seq: _Seq) -> tuple[int, ...]:
+        """The tokens that end ``seq``'s reasoning: its request's own, else the server's."""
+        return seq.inp.think_end or self.think_end
+
+    @property
     def think_start(self) -> tuple[int, ...]:
         """The tokens of a start tag the model may write itself (``ThinkFormat.self_opens``):
         an answer that opens with them counts reasoning tokens without ``require_reasoning``."""
@@ -2027,7 +2036,7 @@ class Scheduler:
                     free.append(seq.slot - lo)
                 else:
                     forced.append(seq.slot - lo)
-                    ends.append(self.think_end[seq.thinking])
+                    ends.append(self._think_end(seq)[seq.thinking])
         if free or forced:
             self.strict_thinking.mask(logits, free, forced, ends)  # type: ignore[union-attr]
         if seqs:
@@ -2051,7 +2060,7 @@ class Scheduler:
             token = new[seq.slot - lo]
             constraint = seq.constraint
             if seq.thinking is not None:  # reasoning: free until its end's tokens are drawn
-                end = self.think_end
+                end = self._think_end(seq)
                 seq.thought += 1
                 seq.thinking = _matched(end, seq.thinking, token)
                 if seq.thinking == len(end):
@@ -2228,7 +2237,7 @@ class Scheduler:
                 output_token_ids_logprobs=None if seq.picked is None else seq.picked[:kept],
                 input_token_ids_logprobs=seq.input_picked,
                 # as SGLang's scheduler counts them (Req.update_reasoning_tokens)
-                reasoning_tokens=reasoning_tokens(ids, self.think_end)
+                reasoning_tokens=reasoning_tokens(ids, self._think_end(seq))
                 if seq.inp.require_reasoning
                 else reasoning_tokens(ids, self.think_end, self.think_start)
                 if self.think_start

@@ -1170,6 +1170,8 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
             grammars.think_end = tuple(encode(fmt.end, add_special_tokens=False))
             if fmt.self_opens and grammars.think_end:
                 grammars.think_start = tuple(encode(fmt.start, add_special_tokens=False))
+            ends = (tuple(encode(end, add_special_tokens=False)) for _, _, end in fmt.efforts)
+            grammars.think_ends = tuple(end for end in ends if end)
         threading.Thread(target=grammars.warm, name="grammar-warmup", daemon=True).start()
     return Scheduler(
         loaded.model,

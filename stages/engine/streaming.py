@@ -344,6 +344,7 @@ def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInp
         kept_stop_ids=loaded.kept_stop_ids,
         custom_logits=scheduler.logit_processors is not None,
         routed_experts=scheduler.routed_experts,
+        think_ends=scheduler.think_ends,
     )
 
 
@@ -393,7 +394,9 @@ def stream_generate(
             detok=None
             if decode is None
             else IncrementalText(inp.input_ids, decode, inp.params.skip_special_tokens),
-            reasoning=_reasoning_count(inp.require_reasoning, think_end, think_start),
+            reasoning=_reasoning_count(
+                inp.require_reasoning, inp.think_end or think_end, think_start
+            ),
             prompt_ids=list(inp.input_ids) if inp.return_prompt_token_ids else None,
             mask_mode=inp.sampling_mask,
             flat_input=(inp.top_logprobs_num, inp.flat_tops.b64)

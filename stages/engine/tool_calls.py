@@ -20,7 +20,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``), ``hunyuan``
 (``stages.engine.hunyuan_calls``: its tokens as the served tokenizer spells them, forced calls
 not constrained, as SGLang's), ``muse`` (``stages.engine.muse_calls``: forced calls not
-constrained, as SGLang's); and how a forced
+constrained, as SGLang's), ``k2_horizon`` (``stages.engine.k2_horizon_calls``); and how a
+forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -79,6 +80,9 @@ from stages.engine.hunyuan_calls import tokens as hunyuan_tokens
 from stages.engine.internlm_calls import FRAMES as INTERNLM_FRAMES
 from stages.engine.internlm_calls import InternlmCalls
 from stages.engine.iquest_calls import IQuestQ1Calls, NamedArguments
+from stages.engine.k2_horizon_calls import CALL as K2_CALL
+from stages.engine.k2_horizon_calls import GROUP as K2_GROUP
+from stages.engine.k2_horizon_calls import K2HorizonCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
@@ -150,6 +154,7 @@ PARSERS = (
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
     "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2", "hunyuan", "muse",
+    "k2_horizon",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
@@ -164,6 +169,7 @@ _TYPED = {
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
     "poolside_v1": PoolsideCalls, "dots": DotsCalls, "minicpm5": MiniCPM5Calls,
     "minimax-m3": MiniMaxM3Calls, "lfm2": Lfm2Calls, "muse": MuseCalls,
+    "k2_horizon": K2HorizonCalls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -208,7 +214,8 @@ def parser_for_template(template: str | None) -> str | None:
     Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
     ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; dots' block tag ``dots``;
     LFM2's call start and end tokens ``lfm2``; Hunyuan's ``<tool_calls>`` and ``<tool_sep>``
-    (bare or with their suffix) ``hunyuan``; Muse Glimmer's ``<atem:invoke`` ``muse``;
+    (bare or with their suffix) ``hunyuan``; Muse Glimmer's ``<atem:invoke`` ``muse``; K2
+    Horizon's call and group tags with its ``<ifm|think>`` ``k2_horizon``;
     among those that write
     ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
     writes ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others
@@ -240,6 +247,8 @@ def parser_for_template(template: str | None) -> str | None:
         return "hunyuan"
     if template and MUSE_INVOKE in template:
         return "muse"
+    if template and all(tag in template for tag in (K2_CALL, K2_GROUP, "<ifm|think>")):
+        return "k2_horizon"
     if not template or BEGIN not in template:
         return None
     if "<function=" in template and "<parameter=" in template:

@@ -236,7 +236,7 @@ class Episode:
         reasoning = self.chat.reasoning if self.chat is not None else None
         if reasoning is None or not inp.require_reasoning:
             return 0
-        return reasoning_tokens(ids, reasoning.end_ids)
+        return reasoning_tokens(ids, inp.think_end or reasoning.end_ids)  # (K2's: its effort's)
 
     async def stream(self, body: Any) -> AsyncIterator[list[dict[str, Any]]]:
         """A streamed call: the whole answer as its one (last) chunk, once sampled."""
@@ -253,6 +253,8 @@ class Episode:
             encode=self.tokenizer.encode,
             # gpt-oss's <|call|> ends a call (the engine's --tool-call-parser gpt-oss keeps it)
             kept_stop_ids=kept_stop_ids(self.tokenizer, self.chat and self.chat.tool_parser),
+            # a K2 Horizon call's reasoning ends at its effort's end tag
+            think_ends=self.chat.reasoning.selectable if self.chat and self.chat.reasoning else (),
         )
         if len(inputs) != 1:
             raise OpenAIError(
