@@ -104,6 +104,7 @@ from stages.engine.openai_api import (
 from stages.engine.protocol import is_int
 from stages.engine.reasoning import EffortError, ReasoningSettings, normalize_effort
 from stages.engine.streaming import Progress
+from stages.engine.template_detection import resolve_auto
 from stages.engine.token_bytes import TokenBytes, token_bytes
 from stages.engine.tool_calls import (
     NATIVE_FORCED,
@@ -113,7 +114,6 @@ from stages.engine.tool_calls import (
     ToolCallParser,
     answer_format,
     forced_calls,
-    parser_for_template,
     strict_calls,
 )
 
@@ -146,11 +146,8 @@ class ChatSettings:
     tokenizer: Any
     template: str | None  # --chat-template (None: the tokenizer's own)
     defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
-    tool_parser: str | None = None  # --tool-call-parser, or the template's own format
+    tool_parser: str | None = None  # --tool-call-parser (None: no tool calls read)
     reasoning: ReasoningSettings | None = None  # --reasoning-parser
-    # the format was named by --tool-call-parser (not found in the template): what SGLang
-    # needs to constrain anything of an auto answer (its strict tools)
-    tool_parser_named: bool = False
     # the served model's config.json model_type: gpt-oss and Gemma 4 answers keep their special
     # tokens, which are their formats (serving_chat's is_gpt_oss, is_gemma4)
     model_type: str | None = None
@@ -172,12 +169,20 @@ class ChatSettings:
         reasoning_parser: str | None = None,
     ) -> ChatSettings | None:
         """From the loaded model (None without a tokenizer). ``chat_template``: a Jinja
-        template, or a file holding one; ``tool_call_parser``: one of ``PARSERS``."""
+        template, or a file holding one; ``tool_call_parser``: one of ``PARSERS``, ``auto``
+        (SGLang's detection: ``template_detection.resolve_auto``, ``ParserRefused`` for a
+        format the engine does not read) or None: no tool calls read, as SGLang without
+        ``--tool-call-parser``."""
         if tokenizer is None:
             return None
+        given = chat_template
         if chat_template is not None and Path(chat_template).is_file():
             chat_template = Path(chat_template).read_text()
-        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        if tool_call_parser == "auto":
+            tool_call_parser = resolve_auto(
+                ["tool_call_parser"], chat_template=given, tokenizer=tokenizer, model_dir=model_dir
+            )["tool_call_parser"].parser
+        elif tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(
                 f"--tool-call-parser {tool_call_parser!r}: the built-in engine reads "
                 f"{', '.join(PARSERS)} (SGLang's names of those formats)"
@@ -197,11 +202,10 @@ class ChatSettings:
             tokenizer,
             chat_template,
             defaults,
-            tool_call_parser or parser_for_template(template or ""),
+            tool_call_parser,
             None
             if reasoning_parser is None
             else ReasoningSettings.of(reasoning_parser, template, tokenizer),
-            tool_call_parser is not None,
             _model_type(model_dir),
         )
 
@@ -305,8 +309,8 @@ def chat_request(
     grammar = response_format(body.get("response_format"))
     tools = _tools(body.get("tools"))
     # GLM-4.7's calls are held by a grammar of the whole answer (SGLang: --tool-call-parser
-    # glm47 alone, a template's inferred format does not)
-    glm = settings.tool_parser == "glm47" and settings.tool_parser_named
+    # glm47, given or found by auto)
+    glm = settings.tool_parser == "glm47"
     choice, tools, forced = _tool_choice(body, tools, grammar, settings.tool_parser, glm)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
@@ -360,7 +364,7 @@ def chat_request(
         grammar_from = "tool_choice" if forced is not None else "tools"
     elif forced is not None:  # only tool calls (tool_choice required or named)
         sampling.update(forced)
-    elif settings.tool_parser_named and choice == "auto" and template_tools:
+    elif settings.tool_parser is not None and choice == "auto" and template_tools:
         # a strict tool holds the calls of an auto answer to its schema, where the server was
         # told the format (serving_chat: only with --tool-call-parser; with another constraint,
         # that one alone: SGLang logs that they cannot go together)

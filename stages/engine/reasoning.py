@@ -430,6 +430,7 @@ class Toggle:
     param: str | None = None  # the chat_template_kwargs key
     default: bool | None = None  # its value when the request leaves it out
     special: str | None = None  # "always", "mistral" or "hunyuan_effort"
+    effort: str | None = None  # the kwarg that lowers its effort (Nemotron 3's low_effort)
 
 
 def _default_assigned(template: str, param: str, default: bool) -> bool:
@@ -539,7 +540,7 @@ def _toggle(t: str) -> Toggle | None:
     if _off_by_default(t, "enable_thinking"):
         return Toggle("enable_thinking", False)
     if "low_effort" in t and "truncate_history_thinking" in t:  # Nemotron 3
-        return Toggle("enable_thinking", True)
+        return Toggle("enable_thinking", True, effort="low_effort")
     if _on_by_default(t, "enable_thinking"):
         return Toggle("enable_thinking", True)
     if _off_by_default(t, "thinking"):
