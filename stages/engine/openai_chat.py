@@ -413,10 +413,11 @@ def chat_request(
         "n": n if is_int(n) and n > 0 else 1,
         "logprobs": bool(body.get("logprobs")),
         # a JSON answer is data, not tool calls (SGLang: _response_parser_json_response_format)
-        # (without a tool-call format, a forced call is SGLang's JSON array, read as such)
+        # (without --tool-call-parser nothing is read, a forced call's JSON array left in the
+        # content: _tool_call_parsing_active)
         # (MiniMax-M3's calls are read in a request without tools too: parses_without_tools)
         "parse_tools": (
-            (bool(template_tools) and (settings.tool_parser is not None or forced is not None))
+            (bool(template_tools) and settings.tool_parser is not None)
             or (not tools and settings.tool_parser in PARSES_WITHOUT_TOOLS)
         )
         and "json_schema" not in grammar,

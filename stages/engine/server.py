@@ -2,9 +2,9 @@
 
 Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu|cuda]
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--stream-interval 1] [--seed 0]
-[--weight-version 0] [--reasoning-parser qwen3|deepseek-r1|...]
+[--weight-version 0] [--reasoning-parser auto|qwen3|deepseek-r1|...]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
-[--tool-call-parser qwen25|hermes|deepseekv31|kimi_k2|...] [--enable-response-store]
+[--tool-call-parser auto|qwen25|hermes|deepseekv31|kimi_k2|...] [--enable-response-store]
 [--enable-cache-report] [--is-embedding] [--log-file PATH] [--api-key KEY] [--insecure]``
 
 A reward model (a ``*ForSequenceClassification`` checkpoint), or any model with
