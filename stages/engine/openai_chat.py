@@ -25,15 +25,17 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   logprob}]}]``, ``bytes`` a byte-level tokenizer's own (``stages.engine.token_bytes``: a token
   that is part of a character has its byte, not its display text's U+FFFD);
 - ``tools`` with ``tool_choice`` ``auto`` (the default) or ``none``: the answer's text is read
-  for tool calls in the template's format or ``--tool-call-parser``'s
-  (``stages.engine.tool_calls``): ``message.tool_calls`` ``[{id: "call_<24 hex>", index,
-  type: "function", function: {name, arguments}}]``, the text before them as ``content``,
+  for tool calls in ``--tool-call-parser``'s format (``auto``: the one SGLang detects from the
+  template; without the flag none are read, as SGLang's) (``stages.engine.tool_calls``):
+  ``message.tool_calls`` ``[{id: "call_<24 hex>", index, type: "function", function: {name,
+  arguments}}]``, the text before them as ``content``,
   and ``finish_reason`` ``tool_calls`` where it was ``stop``;
   ``tool_choice`` ``required`` or a named function constrains the answer to tool calls in that
   format, one or more and nothing else (``tool_calls.forced_calls``: the structural tag SGLang
   sends for that format, ``parallel_tool_calls`` not constraining it, as there; for
-  ``pythonic``, which has none, or a model without a tool-call format, SGLang's JSON schema of
-  a ``[{name, parameters}]`` array, then read as such); a named function's calls only, and
+  ``pythonic``, which has none, or without a parser, SGLang's JSON schema of a
+  ``[{name, parameters}]`` array, read as such by ``pythonic`` and left in the content without
+  a parser); a named function's calls only, and
   only it in the template;
 - the answer: ``{id, object: "chat.completion", created, model, choices: [{index, message:
   {role: "assistant", content ("" when empty), reasoning_content, tool_calls?},
