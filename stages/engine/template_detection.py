@@ -575,10 +575,29 @@ def resolve_auto(
                     found[attr] = Detected(
                         "response_template", "tokenizer configuration", "response_template"
                     )
-    for attr in needs:
+    for attr in needs:  # a parser the engine cannot serve: before anything is said of it
         flag, label, served = _FLAGS[attr]
         got = found.get(attr)
-        if got is None:
+        if got is not None and got.parser not in served:
+            raise ParserRefused(
+                f"{flag} auto: SGLang detects {got.parser!r} from the {got.source} (its rule "
+                f"{got.rule!r}), a {label} the built-in engine does not read; pass {flag} "
+                f"with one it reads ({', '.join(served)}), or leave {flag} out"
+            )
+    for attr in needs:  # as SGLang logs them: what it found, then what it did not
+        got = found.get(attr)
+        if got is not None:
+            flag = _FLAGS[attr][0]
+            log.info(
+                "engine_parser_auto_detected",
+                flag=flag,
+                parser=got.parser,
+                rule=got.rule,
+                message=f"Auto-detected {flag} as '{got.parser}' from {got.source}",
+            )
+    for attr in needs:
+        if attr not in found:
+            flag, label, _ = _FLAGS[attr]
             found[attr] = Detected(None)
             log.warning(
                 "engine_parser_not_detected",
@@ -586,20 +605,6 @@ def resolve_auto(
                 message=f"{flag}=auto specified but could not detect {label} from chat "
                 f"template. Disabling {label}.",
             )
-            continue
-        if got.parser not in served:
-            raise ParserRefused(
-                f"{flag} auto: SGLang detects {got.parser!r} from the {got.source} (its rule "
-                f"{got.rule!r}), a {label} the built-in engine does not read; pass {flag} "
-                f"with one it reads ({', '.join(served)}), or leave {flag} out"
-            )
-        log.info(
-            "engine_parser_auto_detected",
-            flag=flag,
-            parser=got.parser,
-            rule=got.rule,
-            message=f"Auto-detected {flag} as '{got.parser}' from {got.source}",
-        )
     return found
 
 
