@@ -16,8 +16,9 @@ Its chat template (saved with the tokenizer) renders a conversation the way the 
 turn as ``<|assistant|>``, its text, each tool call as ``<tool_call>{"name": NAME,
 "arguments": ARGUMENTS}</tool_call>`` (name first, as Qwen 2.5's template writes it, whatever
 order the client sent), then ``<eos>``; a tool message as ``<tool_response>...
-</tool_response>``; ``add_generation_prompt`` adds ``<|assistant|>``. It holds ``<tool_call>``,
-so the engine reads tool calls in the Qwen 2.5 format (``stages.engine.tool_calls``). An
+</tool_response>``; ``add_generation_prompt`` adds ``<|assistant|>``. Its calls are read
+with ``--tool-call-parser hermes`` (the rollouts' ``tool_call_parser: hermes``: SGLang's
+template detection finds no parser in it, ``stages.engine.template_detection``). An
 episode, "sampled" by the model and "inserted" by the template (never trained)::
 
     tool use       <|user|>123*456=<|assistant|>                       prompt

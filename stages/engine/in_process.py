@@ -92,6 +92,7 @@ class InProcessEngine:
         args = self.args
         load = functools.partial(server.load_served, args)  # as a server process loads it
         self.loaded = await asyncio.get_running_loop().run_in_executor(self._loader, load)
+        server.resolve_parsers(args, self.loaded)  # --tool-call-parser auto... as a server's
         self.scheduler = server.build_scheduler(args, self.loaded)
         self.scheduler.start()
         # every server flag as the engine's own process takes it (--enable-metrics, request

@@ -25,15 +25,17 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   logprob}]}]``, ``bytes`` a byte-level tokenizer's own (``stages.engine.token_bytes``: a token
   that is part of a character has its byte, not its display text's U+FFFD);
 - ``tools`` with ``tool_choice`` ``auto`` (the default) or ``none``: the answer's text is read
-  for tool calls in the template's format or ``--tool-call-parser``'s
-  (``stages.engine.tool_calls``): ``message.tool_calls`` ``[{id: "call_<24 hex>", index,
-  type: "function", function: {name, arguments}}]``, the text before them as ``content``,
+  for tool calls in ``--tool-call-parser``'s format (``auto``: the one SGLang detects from the
+  template; without the flag none are read, as SGLang's) (``stages.engine.tool_calls``):
+  ``message.tool_calls`` ``[{id: "call_<24 hex>", index, type: "function", function: {name,
+  arguments}}]``, the text before them as ``content``,
   and ``finish_reason`` ``tool_calls`` where it was ``stop``;
   ``tool_choice`` ``required`` or a named function constrains the answer to tool calls in that
   format, one or more and nothing else (``tool_calls.forced_calls``: the structural tag SGLang
   sends for that format, ``parallel_tool_calls`` not constraining it, as there; for
-  ``pythonic``, which has none, or a model without a tool-call format, SGLang's JSON schema of
-  a ``[{name, parameters}]`` array, then read as such); a named function's calls only, and
+  ``pythonic``, which has none, or without a parser, SGLang's JSON schema of a
+  ``[{name, parameters}]`` array, read as such by ``pythonic`` and left in the content without
+  a parser); a named function's calls only, and
   only it in the template;
 - the answer: ``{id, object: "chat.completion", created, model, choices: [{index, message:
   {role: "assistant", content ("" when empty), reasoning_content, tool_calls?},
@@ -112,6 +114,7 @@ from stages.engine.reasoning import (
     template_toggle,
 )
 from stages.engine.streaming import Progress
+from stages.engine.template_detection import resolve_auto
 from stages.engine.token_bytes import TokenBytes, token_bytes
 from stages.engine.tool_calls import (
     NATIVE_FORCED,
@@ -121,7 +124,6 @@ from stages.engine.tool_calls import (
     ToolCallParser,
     answer_format,
     forced_calls,
-    parser_for_template,
     strict_calls,
 )
 
@@ -154,11 +156,8 @@ class ChatSettings:
     tokenizer: Any
     template: str | None  # --chat-template (None: the tokenizer's own)
     defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
-    tool_parser: str | None = None  # --tool-call-parser, or the template's own format
+    tool_parser: str | None = None  # --tool-call-parser (None: no tool calls read)
     reasoning: ReasoningSettings | None = None  # --reasoning-parser
-    # the format was named by --tool-call-parser (not found in the template): what SGLang
-    # needs to constrain anything of an auto answer (its strict tools)
-    tool_parser_named: bool = False
     # the served model's config.json model_type: gpt-oss and Gemma 4 answers keep their special
     # tokens, which are their formats (serving_chat's is_gpt_oss, is_gemma4)
     model_type: str | None = None
@@ -187,12 +186,20 @@ class ChatSettings:
         reasoning_parser: str | None = None,
     ) -> ChatSettings | None:
         """From the loaded model (None without a tokenizer). ``chat_template``: a Jinja
-        template, or a file holding one; ``tool_call_parser``: one of ``PARSERS``."""
+        template, or a file holding one; ``tool_call_parser``: one of ``PARSERS``, ``auto``
+        (SGLang's detection: ``template_detection.resolve_auto``, ``ParserRefused`` for a
+        format the engine does not read) or None: no tool calls read, as SGLang without
+        ``--tool-call-parser``."""
         if tokenizer is None:
             return None
+        given = chat_template
         if chat_template is not None and Path(chat_template).is_file():
             chat_template = Path(chat_template).read_text()
-        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        if tool_call_parser == "auto":
+            tool_call_parser = resolve_auto(
+                ["tool_call_parser"], chat_template=given, tokenizer=tokenizer, model_dir=model_dir
+            )["tool_call_parser"].parser
+        elif tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(
                 f"--tool-call-parser {tool_call_parser!r}: the built-in engine reads "
                 f"{', '.join(PARSERS)} (SGLang's names of those formats)"
@@ -212,11 +219,10 @@ class ChatSettings:
             tokenizer,
             chat_template,
             defaults,
-            tool_call_parser or parser_for_template(template or ""),
+            tool_call_parser,
             None
             if reasoning_parser is None
             else ReasoningSettings.of(reasoning_parser, template, tokenizer),
-            tool_call_parser is not None,
             _model_type(model_dir),
         )
 
@@ -320,8 +326,8 @@ def chat_request(
     grammar = response_format(body.get("response_format"))
     tools = _tools(body.get("tools"))
     # GLM-4.7's calls are held by a grammar of the whole answer (SGLang: --tool-call-parser
-    # glm47 alone, a template's inferred format does not)
-    glm = settings.tool_parser == "glm47" and settings.tool_parser_named
+    # glm47, given or found by auto)
+    glm = settings.tool_parser == "glm47"
     choice, tools, forced = _tool_choice(body, tools, grammar, settings.tool_parser, glm)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
@@ -392,7 +398,7 @@ def chat_request(
         grammar_from = "tool_choice" if forced is not None else "tools"
     elif forced is not None:  # only tool calls (tool_choice required or named)
         sampling.update(forced)
-    elif settings.tool_parser_named and choice == "auto" and template_tools:
+    elif settings.tool_parser is not None and choice == "auto" and template_tools:
         # a strict tool holds the calls of an auto answer to its schema, where the server was
         # told the format (serving_chat: only with --tool-call-parser; with another constraint,
         # that one alone: SGLang logs that they cannot go together)
@@ -444,10 +450,11 @@ def chat_request(
         "n": n if is_int(n) and n > 0 else 1,
         "logprobs": bool(body.get("logprobs")),
         # a JSON answer is data, not tool calls (SGLang: _response_parser_json_response_format)
-        # (without a tool-call format, a forced call is SGLang's JSON array, read as such)
+        # (without --tool-call-parser nothing is read, a forced call's JSON array left in the
+        # content: _tool_call_parsing_active)
         # (MiniMax-M3's calls are read in a request without tools too: parses_without_tools)
         "parse_tools": (
-            (bool(template_tools) and (settings.tool_parser is not None or forced is not None))
+            (bool(template_tools) and settings.tool_parser is not None)
             or (not tools and settings.tool_parser in PARSES_WITHOUT_TOOLS)
         )
         and "json_schema" not in grammar,

@@ -2,9 +2,9 @@
 
 Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu|cuda]
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--stream-interval 1] [--seed 0]
-[--weight-version 0] [--reasoning-parser qwen3|deepseek-r1|...]
+[--weight-version 0] [--reasoning-parser auto|qwen3|deepseek-r1|...]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
-[--tool-call-parser qwen25|hermes|deepseekv31|kimi_k2|...] [--enable-response-store]
+[--tool-call-parser auto|qwen25|hermes|deepseekv31|kimi_k2|...] [--enable-response-store]
 [--enable-cache-report] [--is-embedding] [--log-file PATH] [--api-key KEY] [--insecure]``
 
 A reward model (a ``*ForSequenceClassification`` checkpoint), or any model with
@@ -114,6 +114,7 @@ from stages.engine.session_routes import SessionRoutes
 from stages.engine.sessions import Recording, Sessions
 from stages.engine.streaming import parse_body, stream_generate, write_events
 from stages.engine.strict_thinking import StrictThinking
+from stages.engine.template_detection import resolve_auto
 from stages.engine.tokenize_routes import TokenizeRoutes
 from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from stages.engine.weight_routes import WeightRoutes
@@ -136,6 +137,7 @@ __all__ = [
     "plain_answers",
     "refused_counts",
     "request_log_of",
+    "resolve_parsers",
     "run_loop",
     "serve",
 ]
@@ -710,6 +712,8 @@ async def _server_info(request: web.Request) -> web.Response:
             "return_hidden_states_mode": scheduler.hidden_states_mode,
             "enable_return_routed_experts": scheduler.routed_experts,
             "weight_version": scheduler.weight_version,
+            # as SGLang reports its server args: auto resolved to the parser it found
+            **request.app[_PARSERS],
             # as launched (SGLang's server args; /configure_logging changes the live ones)
             "log_requests": requests.launched["log_requests"],
             "log_requests_level": requests.launched["log_requests_level"],
@@ -967,19 +971,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tool-call-parser",
-        choices=list(TOOL_CALL_PARSERS),
+        choices=["auto", *TOOL_CALL_PARSERS],
         help="read tool calls in answers to /v1/chat/completions with tools in this format "
         "(SGLang's flag and names: qwen25/qwen/hermes <tool_call>, llama3 JSON after "
         "<|python_tag|>, mistral [TOOL_CALLS], pythonic [f(a=1)], qwen3_coder (step3p5, "
         "nanbeige) <function=NAME><parameter=KEY>, glm45/glm and glm47 <arg_key>, deepseekv3/"
-        "deepseekv31 and kimi_k2 between their special tokens; default: the chat template's "
-        "own format when it has <tool_call>)",
+        "deepseekv31 and kimi_k2 between their special tokens; auto: the one SGLang detects "
+        "from the chat template; default: none, tool calls stay in content)",
     )
     parser.add_argument(
         "--reasoning-parser",
-        choices=list(REASONING_PARSERS),
+        choices=["auto", *REASONING_PARSERS],
         help="split the reasoning (<think> ... </think>, or the parser's own tags) out of "
-        "answers to /v1/chat/completions as reasoning_content (SGLang's flag)",
+        "answers to /v1/chat/completions as reasoning_content (SGLang's flag; auto: the one "
+        "SGLang detects from the chat template)",
     )
     parser.add_argument(
         "--enable-strict-thinking",
@@ -1157,6 +1162,24 @@ def load_served(args: argparse.Namespace) -> LoadedModel:
     )
 
 
+def resolve_parsers(args: argparse.Namespace, loaded: LoadedModel) -> None:
+    """``--tool-call-parser auto`` and ``--reasoning-parser auto`` made the parsers SGLang
+    detects (``template_detection.resolve_auto``; None where it finds none), in ``args``, once
+    at the start, as SGLang resolves them before it serves (``ParserRefused``, a ValueError,
+    for one the engine does not read)."""
+    needs = [a for a in ("reasoning_parser", "tool_call_parser") if getattr(args, a) == "auto"]
+    if not needs:
+        return
+    found = resolve_auto(
+        needs,
+        chat_template=args.chat_template,
+        tokenizer=loaded.tokenizer,
+        model_dir=loaded.path,
+    )
+    for attr, detected in found.items():
+        setattr(args, attr, detected.parser)
+
+
 def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
     """The scheduler the options ask for, on ``loaded``'s model (not started)."""
     decode = decoder(loaded.tokenizer)
@@ -1261,6 +1284,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
     try:
+        resolve_parsers(args, loaded)
         scheduler = build_scheduler(args, loaded)
     except ValueError as exc:  # settings the model cannot take (a reasoning tag it lacks...)
         log.error("engine_settings_refused", model=str(args.model), error=str(exc))

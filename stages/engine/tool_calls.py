@@ -29,8 +29,9 @@ tool the calls of an ``auto`` one (``strict_calls``).
 parameters type its values; a forced ``tool_choice`` constrains it as ``pythonic`` (SGLang's
 xgrammar has a structural tag of its own for it, which llguidance has not).
 
-``ToolCallParser`` reads a request's answer in one format (without ``--tool-call-parser``, the
-one its chat template writes: ``parser_for_template``): ``parse`` the whole answer, as the chat
+``ToolCallParser`` reads a request's answer in one format (``--tool-call-parser``'s; ``auto``:
+the one SGLang detects from the chat template, ``stages.engine.template_detection``; without
+the flag, none: tool calls stay in content, as SGLang's): ``parse`` the whole answer, as the chat
 route's ``_process_tool_calls`` does (its calls numbered in order there), ``indexed`` with each
 call's ``tool_index`` as ``/parse_function_call`` answers it, ``stream`` the answer as it comes
 (``StreamingToolCalls``: content to send now and the pieces of the calls, which add up to what
@@ -57,45 +58,31 @@ from typing import Any, Protocol
 
 from stages.engine.apertus_calls import FRAMES as APERTUS_FRAMES
 from stages.engine.apertus_calls import ApertusCalls
-from stages.engine.cohere_calls import BEGIN as COHERE_ACTION
 from stages.engine.cohere_calls import CohereCalls
-from stages.engine.deepseek_calls import BEGIN as DEEPSEEK_CALL
 from stages.engine.deepseek_calls import FRAMES as DEEPSEEK_FRAMES
 from stages.engine.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
-from stages.engine.dots_calls import BEGIN as DOTS_BLOCK
 from stages.engine.dots_calls import DotsCalls
-from stages.engine.dsml_calls import BLOCK as DSML_BLOCK
 from stages.engine.dsml_calls import FRAMES as DSML_FRAMES
 from stages.engine.dsml_calls import DeepSeekV32Calls
-from stages.engine.gemma4_calls import BEGIN as GEMMA4_BEGIN
 from stages.engine.gemma4_calls import Gemma4Calls
-from stages.engine.gigachat_calls import BEGIN as GCML_BLOCK
 from stages.engine.gigachat_calls import GigaChat3Calls, GigaChat35Calls
 from stages.engine.glm47_calls import Glm47Calls
 from stages.engine.glm_calls import GlmCalls, Ling3Calls
 from stages.engine.harmony import FRAMES as HARMONY_FRAMES
 from stages.engine.harmony import GptOssCalls
-from stages.engine.hunyuan_calls import HunyuanCalls, writes_calls
+from stages.engine.hunyuan_calls import HunyuanCalls
 from stages.engine.hunyuan_calls import tokens as hunyuan_tokens
 from stages.engine.internlm_calls import FRAMES as INTERNLM_FRAMES
 from stages.engine.internlm_calls import InternlmCalls
 from stages.engine.iquest_calls import IQuestQ1Calls, NamedArguments
-from stages.engine.k2_horizon_calls import CALL as K2_CALL
-from stages.engine.k2_horizon_calls import GROUP as K2_GROUP
 from stages.engine.k2_horizon_calls import K2HorizonCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
-from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import KimiK2Calls
-from stages.engine.lfm2_calls import BEGIN as LFM2_BEGIN
-from stages.engine.lfm2_calls import END as LFM2_END
 from stages.engine.lfm2_calls import Lfm2Calls
 from stages.engine.mimo_calls import MiMoCalls
 from stages.engine.minicpm_calls import MiniCPM5Calls
-from stages.engine.minimax_calls import BLOCK as MINIMAX_BLOCK
 from stages.engine.minimax_calls import MiniMaxM2Calls
-from stages.engine.minimax_m3_calls import NS as MINIMAX_M3_MARKER
 from stages.engine.minimax_m3_calls import PARSES_WITHOUT_TOOLS, MiniMaxM3Calls
-from stages.engine.muse_calls import INVOKE as MUSE_INVOKE
 from stages.engine.muse_calls import MuseCalls
 from stages.engine.partial_json import ListedCalls
 from stages.engine.poolside_calls import PoolsideCalls
@@ -121,7 +108,6 @@ __all__ = [
     "answer_format",
     "call_tag",
     "forced_calls",
-    "parser_for_template",
     "strict_calls",
 ]
 
@@ -203,59 +189,6 @@ class CallStream(Protocol):
     def flush(self) -> str: ...
 
     def unsent(self) -> list[dict[str, Any]]: ...
-
-
-def parser_for_template(template: str | None) -> str | None:
-    """The parser a chat template's own tool-call format needs (None: none known): DeepSeek
-    V3.2's DSML block ``deepseekv32``; DeepSeek's markers get ``deepseekv3`` where the template
-    writes the arguments in a json code block, else ``deepseekv31``; Kimi K2's section marker
-    ``kimi_k2``; MiniMax-M3's tag marker ``minimax-m3``; MiniMax-M2's block tag
-    ``minimax-m2``; Gemma 4's ``<|tool_call>`` ``gemma4``;
-    Cohere's ``<|START_ACTION|>`` ``cohere_command4``; GigaChat 3.5's GCML block
-    ``gigachat35``; Apertus's ``<|tools_prefix|>`` ``apertus2509``; dots' block tag ``dots``;
-    LFM2's call start and end tokens ``lfm2``; Hunyuan's ``<tool_calls>`` and ``<tool_sep>``
-    (bare or with their suffix) ``hunyuan``; Muse Glimmer's ``<atem:invoke`` ``muse``; K2
-    Horizon's call and group tags with its ``<ifm|think>`` ``k2_horizon``;
-    among those that write
-    ``<tool_call>``, one that writes ``<function=`` in its calls gets Qwen3-Coder's, one that
-    writes ``<arg_key>`` GLM-4.5's where a newline comes before it, else GLM-4.7's, the others
-    Qwen 2.5's, which needs a newline after the tag, or where it writes a call's JSON right after
-    the tag, Hermes', which reads that too."""
-    if template and DSML_BLOCK in template:
-        return "deepseekv32"
-    if template and DEEPSEEK_CALL in template:
-        return "deepseekv3" if "```json" in template else "deepseekv31"
-    if template and KIMI_SECTION in template:
-        return "kimi_k2"
-    if template and MINIMAX_M3_MARKER in template:
-        return "minimax-m3"
-    if template and MINIMAX_BLOCK in template:
-        return "minimax-m2"
-    if template and GEMMA4_BEGIN in template:
-        return "gemma4"
-    if template and COHERE_ACTION in template:
-        return "cohere_command4"
-    if template and GCML_BLOCK in template:
-        return "gigachat35"
-    if template and "<|tools_prefix|>" in template:
-        return "apertus2509"
-    if template and DOTS_BLOCK in template:
-        return "dots"
-    if template and LFM2_BEGIN in template and LFM2_END in template:
-        return "lfm2"
-    if template and writes_calls(template):
-        return "hunyuan"
-    if template and MUSE_INVOKE in template:
-        return "muse"
-    if template and all(tag in template for tag in (K2_CALL, K2_GROUP, "<ifm|think>")):
-        return "k2_horizon"
-    if not template or BEGIN not in template:
-        return None
-    if "<function=" in template and "<parameter=" in template:
-        return "qwen3_coder"
-    if "<arg_key>" in template and "<arg_value>" in template:
-        return "glm45" if "\n<arg_key>" in template else "glm47"
-    return "hermes" if BEGIN + "{" in template else "qwen25"
 
 
 def call_tag(

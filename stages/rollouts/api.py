@@ -179,8 +179,10 @@ class RolloutConfig:
         default="",
         metadata={
             "doc": "openai_agent: the format tool calls are read in (the engine's "
-            "--tool-call-parser names: qwen25, hermes, llama3, mistral, pythonic); '': the "
-            "chat template's own"
+            "--tool-call-parser names: qwen25, hermes, llama3, mistral, pythonic, ...); '': "
+            "the chat template's own, as the engine's --tool-call-parser auto detects it "
+            "(SGLang's detection: none found, no tool calls read; one the engine does not "
+            "read, refused)"
         },
     )
 

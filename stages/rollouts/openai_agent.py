@@ -220,7 +220,8 @@ def _served(
             ChatSettings.of(
                 tokenizer,
                 folder,
-                tool_call_parser=tool_call_parser or None,
+                # '': the one the chat template needs, found as --tool-call-parser auto finds it
+                tool_call_parser=tool_call_parser or "auto",
                 reasoning_parser=reasoning_parser or None,
             ),
             context_length_of(tokenizer),

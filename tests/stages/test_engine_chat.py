@@ -51,9 +51,8 @@ def chat_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     root = tmp_path_factory.mktemp("chat-engine")
     model_dir = make_tiny_model(root / "model", vocab=128, seed=2)
     (root / "template.jinja").write_text(TEMPLATE)
-    with serving(
-        model_dir, root / "engine.log", "--chat-template", str(root / "template.jinja")
-    ) as eng:
+    template = ("--chat-template", str(root / "template.jinja"))
+    with serving(model_dir, root / "engine.log", *template, "--tool-call-parser", "qwen25") as eng:
         yield eng
 
 

@@ -79,8 +79,8 @@ def test_every_request_with_tools_gets_the_grammar_of_its_whole_answer(glm_engin
     least one call when required; a named tool's alone; one call without parallel_tool_calls),
     applied with the reasoning (ebnf_full_assistant); protocol.py:1264: with another
     constraint, that one (no error even for a forced choice); a strict tool: the same grammar
-    here (SGLang asks xgrammar for its GLM-4.7 tag); without --tool-call-parser (the format read
-    from the template) or with tool_choice none: nothing."""
+    here (SGLang asks xgrammar for its GLM-4.7 tag); without --tool-call-parser or with
+    tool_choice none: nothing."""
     settings = _settings(glm_engine)
     tokenizer = settings.tokenizer
     functions = [t["function"] for t in TOOLS]
@@ -108,8 +108,8 @@ def test_every_request_with_tools_gets_the_grammar_of_its_whole_answer(glm_engin
     with pytest.raises(OpenAIError, match="cannot be combined"):
         _sampling(settings, tools=strict, tool_choice="required", response_format=answer_format)
     assert "ebnf" not in _sampling(settings, tool_choice="none")
-    inferred = _settings(glm_engine, parser=None)
-    assert inferred.tool_parser == "glm47" and "ebnf" not in _sampling(inferred)
+    unnamed = _settings(glm_engine, parser=None)  # SGLang's default: no parser, no grammar
+    assert unnamed.tool_parser is None and "ebnf" not in _sampling(unnamed)
 
 
 def _accepted(engine: Engine, grammar: str, ids: list[int], finished: bool) -> bool:

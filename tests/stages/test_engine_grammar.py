@@ -585,9 +585,10 @@ TOOL_TEMPLATE = (
 @pytest.mark.timeout(60)
 def test_tool_choice_required_or_named_answers_with_tool_calls(tool_engine: Engine) -> None:
     """``tool_choice`` ``required`` or a named function: the answer is tool calls in the
-    template's format and nothing else (SGLang's constraint for the Qwen 2.5 format: each call
+    parser's format and nothing else (SGLang's constraint for the Qwen 2.5 format: each call
     ``<tool_call>\\n{"name":"NAME", "arguments":`` ... ``}\\n</tool_call>``, a strict tool's
-    arguments following its parameters)."""
+    arguments following its parameters); without ``--tool-call-parser`` SGLang's JSON array,
+    left in the content (no parser, no parsing)."""
     client = openai.OpenAI(base_url=tool_engine.url + "/v1", api_key="unused", max_retries=0)
     ask = {"model": "m", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 120}
     for choice, names in (
@@ -596,6 +597,11 @@ def test_tool_choice_required_or_named_answers_with_tool_calls(tool_engine: Engi
     ):
         out = client.chat.completions.create(**ask, tools=TOOLS, tool_choice=choice, n=4)
         for c in out.choices:
+            if tool_engine.parser is None:  # SGLang without a parser: its JSON array, unread
+                assert not c.message.tool_calls and c.finish_reason in ("stop", "length"), c
+                if c.finish_reason == "stop":  # (SGLang's items of a named tool are untyped)
+                    assert isinstance(json.loads(c.message.content), list), c
+                continue
             assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
             for call in c.message.tool_calls:
                 arguments = json.loads(call.function.arguments)
@@ -605,7 +611,10 @@ def test_tool_choice_required_or_named_answers_with_tool_calls(tool_engine: Engi
     native = chat_request(
         {"messages": ask["messages"], "tools": TOOLS, "tool_choice": "required"},
         ChatSettings.of(
-            _tokenizer(tool_engine), tool_engine.model_dir, chat_template=TOOL_TEMPLATE
+            _tokenizer(tool_engine),
+            tool_engine.model_dir,
+            chat_template=TOOL_TEMPLATE,
+            tool_call_parser="qwen25",
         ),
         512,
     )[0]["sampling_params"]
@@ -617,6 +626,8 @@ def test_tool_choice_required_or_named_answers_with_tool_calls(tool_engine: Engi
         "end": "}\n</tool_call>",
     }
     # streamed: the pieces add up to the calls
+    if tool_engine.parser is None:
+        return
     streamed = client.chat.completions.create(
         **ask, tools=TOOLS, tool_choice="required", temperature=0, stream=True
     )
@@ -656,8 +667,7 @@ def test_a_strict_tool_holds_the_calls_of_an_auto_answer_to_its_schema(
     (get_legacy_structural_tag(at_least_one=False)), so the answer is free text in which each
     ``<tool_call>`` begins a call that follows its tool's parameters; no tag where no tool is
     strict, with ``tool_choice`` none, with another constraint (protocol.py to_sampling_params:
-    that one alone), or where the format is only the template's (SGLang constrains nothing
-    without a parser)."""
+    that one alone), or without a parser (SGLang constrains nothing then)."""
     client = openai.OpenAI(base_url=tool_engine.url + "/v1", api_key="unused", max_retries=0)
     tok = _tokenizer(tool_engine)
     trigger = tok.convert_tokens_to_ids("<tool_call>")
@@ -677,10 +687,10 @@ def test_a_strict_tool_holds_the_calls_of_an_auto_answer_to_its_schema(
     settings = ChatSettings.of(
         tok, tool_engine.model_dir, chat_template=TOOL_TEMPLATE, tool_call_parser="qwen25"
     )
-    inferred = ChatSettings.of(tok, tool_engine.model_dir, chat_template=TOOL_TEMPLATE)
-    assert inferred is not None and inferred.tool_parser == "qwen25"
+    unnamed = ChatSettings.of(tok, tool_engine.model_dir, chat_template=TOOL_TEMPLATE)
+    assert unnamed is not None and unnamed.tool_parser is None
     body = {"messages": ask["messages"], "tools": TOOLS}
-    assert "structural_tag" not in chat_request(body, inferred, 512)[0]["sampling_params"]
+    assert "structural_tag" not in chat_request(body, unnamed, 512)[0]["sampling_params"]
 
     def sampling(**more: Any) -> dict[str, Any]:
         body = {"messages": ask["messages"], "tools": TOOLS, **more}

@@ -24,13 +24,13 @@ from stages.engine.reasoning import (
     template_toggle,
     thinking_on,
 )
+from stages.engine.template_detection import template_parsers
 from stages.engine.tool_calls import (
     NATIVE_FORCED,
     StreamingToolCalls,
     ToolCallParser,
     answer_format,
     forced_calls,
-    parser_for_template,
     strict_calls,
 )
 from tests.stages.test_engine_chat import _calls_of
@@ -173,10 +173,9 @@ def test_hunyuan_is_not_constrained_when_forced_and_is_named_by_its_template() -
     strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
     assert strict_calls(strict, "hunyuan") is None
     hy3 = "{{ '<tool_calls>\\n<tool_call>' + name + '<tool_sep>\\n<arg_key>' }}"
-    assert parser_for_template(hy3) == "hunyuan"
-    assert parser_for_template(hy3.replace(">", ":opensource>")) == "hunyuan"
+    assert template_parsers(hy3)["tool_call_parser"] == "hunyuan"  # SGLang's _is_hunyuan
     glm = "{{ '<tool_call>' + name }}\n<arg_key>x</arg_key><arg_value>"
-    assert parser_for_template(glm) == "glm45"
+    assert template_parsers(glm)["tool_call_parser"] != "hunyuan"
 
 
 # -- reasoning ------------------------------------------------------------------------------------

@@ -15,12 +15,12 @@ import pytest
 from stages.engine.parse_routes import _read_calls, _separated
 from stages.engine.protocol import REASONING_END_KEY, RequestError, request_options
 from stages.engine.reasoning import PARSERS
+from stages.engine.template_detection import template_parsers
 from stages.engine.tool_calls import (
     StreamingToolCalls,
     ToolCallParser,
     answer_format,
     forced_calls,
-    parser_for_template,
     strict_calls,
 )
 from tests.stages.test_engine_chat import _calls_of
@@ -146,8 +146,9 @@ def test_k2_horizon_is_forced_by_json_schema_and_named_by_its_template() -> None
     assert answer_format("k2_horizon", forced) == "json_array"
     strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
     assert strict_calls(strict, "k2_horizon") is None
-    assert parser_for_template("<ifm|think>{{ '<ifm|tool_calls><ifm|tool_call>' }}") == "k2_horizon"
-    assert parser_for_template("{{ '<ifm|tool_calls><ifm|tool_call>' }}") is None
+    found = template_parsers("<ifm|think>{{ '<ifm|tool_calls><ifm|tool_call>' }}")
+    assert found == {"reasoning_parser": "k2_horizon", "tool_call_parser": "k2_horizon"}
+    assert template_parsers("{{ '<ifm|tool_calls><ifm|tool_call>' }}")["tool_call_parser"] is None
 
 
 def test_k2_horizon_routes_read_as_sglangs() -> None:

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
+from stages.engine.template_detection import template_parsers
 from stages.engine.tool_calls import (
     StreamingToolCalls,
     ToolCallParser,
     answer_format,
     forced_calls,
-    parser_for_template,
 )
 from tests.stages.test_engine_chat import _calls_of
 from tests.stages.test_engine_tool_formats import STEPS, _feed
@@ -90,5 +90,8 @@ def test_lfm2_answers_as_it_came_where_the_detector_raises() -> None:
 def test_lfm2_is_forced_by_json_schema_and_named_by_its_template() -> None:
     forced = forced_calls(TOOLS, "lfm2", named=False, parallel=True)
     assert answer_format("lfm2", forced) == "json_array"
-    assert parser_for_template("{{ '<|tool_call_start|>' }}{{ '<|tool_call_end|>' }}") == "lfm2"
-    assert parser_for_template("{{ '<|tool_call_start|>' }}") is None
+    assert (
+        template_parsers("{{ '<|tool_call_start|>' }}{{ '<|tool_call_end|>' }}")["tool_call_parser"]
+        == "lfm2"
+    )
+    assert template_parsers("{{ '<|tool_call_start|>' }}")["tool_call_parser"] is None

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from stages.engine.minimax_m3_calls import NS
+from stages.engine.template_detection import template_parsers
 from stages.engine.tool_calls import (
     StreamingToolCalls,
     ToolCallParser,
     answer_format,
     forced_calls,
-    parser_for_template,
     strict_calls,
 )
 from tests.stages.test_engine_chat import _calls_of
@@ -124,8 +124,8 @@ def test_minimax_m3_is_forced_by_json_schema_and_named_by_its_template() -> None
     assert answer_format("minimax-m3", forced) == "json_array"
     strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
     assert strict_calls(strict, "minimax-m3") is None
-    assert parser_for_template("{{ ']<]minimax[>[<tool_call>' }}") == "minimax-m3"
-    assert parser_for_template("{{ '<minimax:tool_call>' }}") == "minimax-m2"
+    assert template_parsers("{{ ']<]minimax[>[<tool_call>' }}")["tool_call_parser"] == "minimax-m3"
+    assert template_parsers("{{ '<minimax:tool_call>' }}")["tool_call_parser"] == "minimax-m2"
 
 
 def test_a_minimax_m3_chat_answer_reasons_by_thinking_mode_and_calls_without_tools(

@@ -15,12 +15,12 @@ import pytest
 from stages.engine.muse_reasoning import MuseReasoning
 from stages.engine.parse_routes import _read_calls, _separated
 from stages.engine.reasoning import PARSERS
+from stages.engine.template_detection import template_parsers
 from stages.engine.tool_calls import (
     StreamingToolCalls,
     ToolCallParser,
     answer_format,
     forced_calls,
-    parser_for_template,
     strict_calls,
 )
 from tests.stages.test_engine_tool_formats import STEPS, _feed
@@ -137,12 +137,14 @@ def test_muse_calls_are_not_constrained_and_named_by_its_template() -> None:
     """Its detector ``parses_required_natively`` and has no structural tag
     (muse_glimmer_detector.py:251): a forced choice constrains nothing and the answer is read in
     this format; a strict tool constrains nothing either; a template that writes its invokes
-    names the format."""
+    does not name it."""
     assert forced_calls(TOOLS, "muse", named=False, parallel=True) == {}
     assert answer_format("muse", {}) == "muse"
     strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
     assert strict_calls(strict, "muse") is None
-    assert parser_for_template("{{ '<atem:invoke name=\"' + name + '\">' }}") == "muse"
+    # SGLang names it by the model's architecture (_architecture_parser_defaults), not its template
+    found = template_parsers("{{ '<atem:invoke name=\"' + name + '\">' }}")
+    assert found["tool_call_parser"] is None
 
 
 def _streamed(reader: MuseReasoning, text: str, step: int) -> tuple[str, str]:

@@ -546,13 +546,13 @@ def test_the_reasoning_is_split_before_tool_calls_are_read(model_dir: Path) -> N
 
 
 @pytest.mark.timeout(120)
-def test_a_forced_call_without_a_tool_call_format_is_a_json_array_after_the_reasoning(
+def test_a_forced_call_without_a_tool_call_parser_is_a_json_array_left_in_the_content(
     engine: Engine, client
 ) -> None:
-    """No --tool-call-parser and a template without a call format: tool_choice required is
-    SGLang's JSON schema of a [{name, parameters}] array (get_json_schema_constraint), read
-    with its JsonArrayParser (not thinking here: a favoured </think> would be favoured inside
-    the JSON's strings too)."""
+    """No --tool-call-parser: tool_choice required is SGLang's JSON schema of a
+    [{name, parameters}] array (get_json_schema_constraint), which SGLang 0.5.23 then leaves in
+    the content, reading no calls without a parser (_tool_call_parsing_active) (not thinking
+    here: a favoured </think> would be favoured inside the JSON's strings too)."""
     tools = [
         {
             "type": "function",
@@ -572,10 +572,10 @@ def test_a_forced_call_without_a_tool_call_format_is_a_json_array_after_the_reas
         tool_choice="required", reasoning_effort="none", logit_bias={str(newline): -100},
     )  # fmt: skip
     choice = out.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "add" and isinstance(json.loads(call.function.arguments)["a"], int)
-    assert choice.message.content == "" and choice.message.model_extra["reasoning_content"] is None
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls, choice
+    (call,) = json.loads(choice.message.content)
+    assert call["name"] == "add" and isinstance(call["parameters"]["a"], int)
+    assert choice.message.model_extra["reasoning_content"] is None
 
 
 # -- the other formats, each through an engine of its own -----------------------------------------

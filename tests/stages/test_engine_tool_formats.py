@@ -29,11 +29,11 @@ from stages.engine.kimi_calls import SECTION as KIMI_SECTION
 from stages.engine.kimi_calls import SECTION_END as KIMI_SECTION_END
 from stages.engine.kimi_calls import history_calls
 from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
+from stages.engine.template_detection import template_parsers
 from stages.engine.tool_calls import (
     StreamingToolCalls,
     ToolCallParser,
     forced_calls,
-    parser_for_template,
 )
 from tests.stages.test_engine_chat import _calls_of, _native
 from tests.stages.test_engine_grammar import TOOL_TEMPLATE, TOOLS
@@ -241,21 +241,6 @@ def test_qwen25_and_hermes_stream_as_the_whole_answer_reads(step: int) -> None:
             assert _calls_of(pieces) == whole_calls and stream.calls == len(whole_calls)
             assert content.rstrip() == (whole_content if whole_calls else text)
             assert stream.unsent() == []
-
-
-def test_the_templates_own_format_picks_its_parser() -> None:
-    """Without --tool-call-parser the chat route reads the format the chat template writes: a
-    template that writes the JSON right after <tool_call> gets Hermes' reader (which reads it),
-    one with <tool_call> otherwise Qwen 2.5's; none without it."""
-    assert parser_for_template('{{ "<tool_call>\\n" }}{{ call | tojson }}') == "qwen25"
-    assert parser_for_template("<tool_call> {json} </tool_call>") == "qwen25"
-    assert parser_for_template('<tool_call>{"name": {{ name | tojson }}}</tool_call>') == "hermes"
-    assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
-    # DeepSeek's (V3 with its json code block, V3.1 without), Kimi K2's section marker
-    v3 = f"{{{{ '{SECTION}{BEGIN}' + tool['type'] + '{SEP}' + name + '\\n```json\\n' }}}}"
-    assert parser_for_template(v3) == "deepseekv3"
-    assert parser_for_template(f"{{{{ '{BEGIN}' + name + '{SEP}' + args }}}}") == "deepseekv31"
-    assert parser_for_template(f"{{{{ '{KIMI_SECTION}' }}}}<tool_call>") == "kimi_k2"
 
 
 # ---- llama3 ------------------------------------------------------------------------------------
@@ -476,7 +461,10 @@ def test_qwen3_coder_reads_xml_calls_with_values_typed_by_the_schema() -> None:
     assert reader.parse("<function=run></function>") == ("<function=run></function>", [])
     _, indexed = reader.indexed(CODER, {})  # /parse_function_call: the call's place
     assert [i for i, _ in indexed] == [0, 1]
-    assert parser_for_template("<tool_call>\n<function={{ name }}>\n<parameter=") == "qwen3_coder"
+    assert (
+        template_parsers("<tool_call>\n<function={{ name }}>\n<parameter=")["tool_call_parser"]
+        == "qwen3_coder"
+    )
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -1034,8 +1022,6 @@ def test_glm45_reads_each_value_by_its_parameters_type() -> None:
     }  # fmt: skip
     unreadable = "<tool_call>get\n<arg_key>x</arg_key><arg_value>{1, 2}</arg_value></tool_call>"
     assert reader.parse(unreadable) == (unreadable, [])
-    template = "{{ '<tool_call>' + name }}\n<arg_key>k</arg_key>\n<arg_value>"
-    assert parser_for_template(template) == "glm45"
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -1155,7 +1141,6 @@ def test_cohere_command4_reads_its_action_block(step: int) -> None:
     assert (streamed, _calls_of(pieces)) == (content, calls)
     forced = forced_calls(GLM_TOOLS, "cohere_command4", named=False, parallel=True)
     assert set(forced) == {"json_schema"}
-    assert parser_for_template("{{ '<|START_ACTION|>' }}") == "cohere_command4"
 
 
 G = "\uff5cGCML\uff5c"  # GigaChat 3.5's GCML marker
@@ -1179,7 +1164,7 @@ def test_gigachat35_reads_gcml_invokes(step: int) -> None:
     stream = StreamingToolCalls(ToolCallParser(GLM_TOOLS, "gigachat35"))
     streamed, pieces = _feed(stream, GCML, step)
     assert (streamed, _calls_of(pieces)) == (content, calls)
-    assert parser_for_template(f"{{{{ '<{G}tool_calls>' }}}}") == "gigachat35"
+    assert template_parsers(f"{{{{ '<{G}tool_calls>' }}}}")["tool_call_parser"] == "gigachat35"
 
 
 APERTUS = (' Sure <|tools_prefix|>[{"get": {"days": 3}}, {"ghost": {}}, "x", {"get": null}]'
@@ -1206,7 +1191,6 @@ def test_apertus2509_reads_its_blocks_of_named_objects(step: int) -> None:
     assert tag["structures"][0]["begin"] == '<|tools_prefix|>[{"get": '
     assert tag["structures"][0]["end"] == "}]<|tools_suffix|>"
     assert tag["triggers"] == ["<|tools_prefix|>"]
-    assert parser_for_template("{{ '<|tools_prefix|>' }}") == "apertus2509"
 
 
 SPARK_TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object",
@@ -1306,7 +1290,7 @@ def test_dots_reads_invokes_and_json_calls_in_its_blocks(step: int) -> None:
     booleans "1", "null" in any case None, an undeclared one kept), names unquoted; a block of
     one JSON call; a tool not offered dropped, a block that is not JSON none; streamed, the
     same; a forced choice SGLang's JSON array (no structural tag)."""
-    from stages.engine.tool_calls import answer_format, forced_calls, parser_for_template
+    from stages.engine.tool_calls import answer_format, forced_calls
 
     reader = ToolCallParser(DOTS_TOOLS, "dots")
     content, calls = reader.parse(DOTS)
@@ -1319,7 +1303,6 @@ def test_dots_reads_invokes_and_json_calls_in_its_blocks(step: int) -> None:
     assert (streamed.strip(), _calls_of(pieces)) == (content, calls)
     forced = forced_calls(DOTS_TOOLS, "dots", named=False, parallel=True)
     assert answer_format("dots", forced) == "json_array"
-    assert parser_for_template("{{ '<dots_function_call>' }}") == "dots"
 
 
 CPM_TOOLS = [
@@ -1452,7 +1435,7 @@ def test_minimax_m2_reads_invokes_typed_by_their_parameters() -> None:
     ]
     cut = "pre " + _minimax(("add", [("a", "1")])).removesuffix("</minimax:tool_call>")
     assert reader.parse(cut) == (cut, [])  # a block never closed: content
-    assert parser_for_template("{{ '<minimax:tool_call>' }}") == "minimax-m2"
+    assert template_parsers("{{ '<minimax:tool_call>' }}")["tool_call_parser"] == "minimax-m2"
     forced = forced_calls(MINIMAX_TOOLS, "minimax-m2", named=False, parallel=True)
     assert "json_schema" in forced  # no structural tag: SGLang's JSON array
 
@@ -1518,7 +1501,9 @@ def test_deepseekv32_reads_dsml_invokes() -> None:
     assert _whole("deepseekv32", _dsml(_invoke("add", "{}"), closed=False)) == ("Sure.", [])
     bare = "Hi\n\n" + _invoke("add", '{"a": 1}')  # no block: invokes from the first on
     assert _whole("deepseekv32", bare) == ("Hi", [{"name": "add", "arguments": '{"a": 1}'}])
-    assert parser_for_template(f"{{{{ '<{DSML}function_calls>' }}}}") == "deepseekv32"
+    assert (
+        template_parsers(f"{{{{ '<{DSML}function_calls>' }}}}")["tool_call_parser"] == "deepseekv32"
+    )
     tag = json.loads(forced_calls(TOOLS, "deepseekv32", named=False, parallel=True)[
         "structural_tag"])  # fmt: skip
     assert tag["structures"][0]["begin"] == f'<{DSML}invoke name="add">'
@@ -1662,8 +1647,6 @@ def test_glm47_reads_each_value_by_what_its_schema_allows() -> None:
     assert reader.parse(unreadable) == (unreadable, [])
     assert reader.parse("no calls ") == ("no calls ", [])
     assert reader.parse(" cut <tool_call>get<arg_key>") == ("cut <tool_call>get<arg_key>", [])
-    template = "{{ '<tool_call>' + name }}<arg_key>{{ k }}</arg_key><arg_value>"
-    assert parser_for_template(template) == "glm47"
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -1709,7 +1692,6 @@ def test_gemma4_reads_its_own_notation() -> None:
     assert _whole("gemma4", stray)[1] == [{"name": "add", "arguments": '{"y": [1, 2, "b:[1", '
                                            '{"a": 2}, "e:na"]}'}]  # fmt: skip
     assert _whole("gemma4", "x <|tool_call>call:add{a:1}") == ("x <|tool_call>call:add{a:1}", [])
-    assert parser_for_template("{{ '<|tool_call>call:' }}") == "gemma4"
 
 
 @pytest.mark.parametrize("step", STEPS)

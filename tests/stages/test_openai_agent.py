@@ -275,7 +275,7 @@ def blocking(client, task):
 # ------------------------------------------------------------------------------ tests
 @pytest.mark.timeout(60)
 async def test_a_tool_agent_trains_exactly_the_tokens_the_engine_sampled(tokenizer) -> None:
-    engine, ctx, episode = _episode(tokenizer, "tool_agent", [CALL, "5"])
+    engine, ctx, episode = _episode(tokenizer, "tool_agent", [CALL, "5"], tool_call_parser="qwen25")
     trajectory = await episode
     assert trajectory.reward == 1.0 and trajectory.turns == 2
     # bit for bit: what the learner trains is what the engine sampled, in order
@@ -300,7 +300,7 @@ async def test_a_responses_api_agent_trains_exactly_the_tokens_the_engine_sample
     """``/responses`` through the proxy joins the trajectory as the chat route does: its input
     items (or those of the response it chains to) are chat messages, its function calls the
     model's own tokens."""
-    engine, ctx, episode = _episode(tokenizer, agent, [CALL, "5"])
+    engine, ctx, episode = _episode(tokenizer, agent, [CALL, "5"], tool_call_parser="qwen25")
     trajectory = await episode
     assert trajectory.reward == 1.0 and trajectory.turns == 2
     assert _sampled(trajectory) == np.concatenate(engine.outputs).tolist()
