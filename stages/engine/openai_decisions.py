@@ -361,16 +361,24 @@ def _check_request(request: DecisionRequest, served: str, always: bool, toggle: 
             f"prompt_format_version {version} is not served, this server uses version "
             f"{PROMPT_FORMAT_VERSION}"
         )
+    refusal = reasoning_refusal(always, toggle, request.chat_template_kwargs, ROUTE)
+    if refusal is not None:
+        raise OpenAIError(refusal)
+
+
+def reasoning_refusal(
+    always: bool, toggle: str | None, wanted: Mapping[str, Any], route: str
+) -> str | None:
+    """``_validate_request``'s reasoning refusal on ``route`` (None: none): a template that
+    always reasons, or its toggle set on in ``wanted`` (the request's template kwargs)."""
     if always:
-        raise OpenAIError(
-            f"{ROUTE} does not support chat templates that always reason before answering"
-        )
-    wanted = request.chat_template_kwargs
+        return f"{route} does not support chat templates that always reason before answering"
     if toggle in wanted and wanted[toggle] is not False:
-        raise OpenAIError(
+        return (
             f"chat_template_kwargs sets {toggle!r} to {wanted[toggle]!r}, but decisions need it "
             "false or unset"
         )
+    return None
 
 
 def _adapter(model: str, served: str) -> str | None:

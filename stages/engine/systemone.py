@@ -80,6 +80,7 @@ from stages.engine.openai_decisions import (
     is_blank,
     label_context,
     label_token_id,
+    reasoning_refusal,
     render_question,
 )
 from stages.engine.openai_score import label_scores
@@ -286,16 +287,9 @@ def check_request(request: SystemOneRequest, settings: Any, served: str) -> None
             "models need --enable-multimodal"
         )
     always, toggle = _template_reasoning(settings)
-    if always:
-        raise Refused(
-            f"{ROUTE} does not support chat templates that always reason before answering"
-        )
-    wanted = request.chat_template_kwargs
-    if toggle in wanted and wanted[toggle] is not False:
-        raise Refused(
-            f"chat_template_kwargs sets {toggle!r} to {wanted[toggle]!r}, but decisions need it "
-            "false or unset"
-        )
+    refusal = reasoning_refusal(always, toggle, request.chat_template_kwargs, ROUTE)
+    if refusal is not None:
+        raise Refused(refusal)
 
 
 def systemone_request(
