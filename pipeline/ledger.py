@@ -35,7 +35,8 @@ first one counts; a later one is a duplicate). At the end, every fed prompt is e
 neither: ``unaccounted``. A message is held by someone until it is acknowledged, and it is
 acknowledged only after its fate was reported, so ``unaccounted`` is 0 in a run without bugs,
 whatever was killed (a stage that drops data without a report is such a bug: the run fails and
-says which prompts).
+says which prompts). A feeder reports ``fed`` just after its send, so one killed in between
+leaves prompts others saw but the book did not: those count as fed (``fed_reports_lost``).
 
 Counts are per supervisor process (a resumed run keeps the earlier ledgers in
 ``summary.json``).
@@ -58,6 +59,7 @@ DONE_BEFORE = "done_before"
 _NONE, _FATED, _ROLLED, _COPIED = 0, 1, 2, 3  # a slot's state in the book
 _PROVISIONAL = {_ROLLED: ROLLED_BACK, _COPIED: DONE_BEFORE}  # states a real fate replaces
 _EXAMPLES = 10  # uids named when the ledger does not balance
+_AFTER_EXIT = "after-exit:"  # sessions of what a replica's state file says it held
 
 
 class LedgerReporter:
@@ -303,7 +305,7 @@ class LedgerBook:
     def custody_after_exit(self, who: str, held: list[str]) -> str:
         """What a replica that did not end cleanly still holds, as its own state on disk says
         (a stage's ``held_after_exit``); returns the session name to balance with."""
-        session = f"after-exit:{who}"
+        session = f"{_AFTER_EXIT}{who}"
         self.sessions[session] = {"who": who, "held": held, "counters": {}, "final": True}
         return session
 
@@ -312,20 +314,39 @@ class LedgerBook:
         """Of ``sessions`` (that ended cleanly), those whose final report has not arrived."""
         return [s for s in sessions if not self.sessions.get(s, {}).get("final")]
 
-    def balance(self, live_sessions: Iterable[str] | None = None) -> dict[str, Any]:
+    def balance(
+        self, live_sessions: Iterable[str] | None = None, died: Iterable[str] = ()
+    ) -> dict[str, Any]:
         """The ledger now. ``live_sessions``: the sessions whose ``held`` counts (those that
-        ended cleanly, at the end; None: every session's latest report, for a running view)."""
+        ended cleanly, at the end; None: every session's latest report, for a running view).
+        ``died``: the replicas (``stage.replica``) a process of which did not end cleanly (down
+        at the end, or restarted). A feeder's ``fed`` report goes out after its send, so one
+        SIGKILLed in between has fed prompts the book never heard of: a uid of such a feeder (its
+        name before the ``:``) that has fates or that a live replica holds was fed all the same
+        (``fed_reports_lost``)."""
         wanted = None if live_sessions is None else set(live_sessions)
         held: set[str] = set()
+        held_live: set[str] = set()  # held by replicas' own reports: certainly fed
         counters: Counter[str] = Counter()
         for session, entry in self.sessions.items():
             counters.update(entry["counters"])
             if wanted is None or session in wanted:
                 held.update(entry["held"])
-        in_flight = prompts_in_flight = complete = 0
+                if not session.startswith(_AFTER_EXIT):  # a state file's: maybe never fed
+                    held_live.update(entry["held"])
+        lost_with = set(died)
+        unfed = {u for u in self.unfed if _feeder_of(u) not in lost_with}
+        lost = len(self.unfed) - len(unfed)
+        if lost_with:
+            unreported = [u for u in held_live - self.slots.keys() if _feeder_of(u) in lost_with]
+            lost += len(unreported)
+        else:
+            unreported = []
+        in_flight = complete = 0
+        prompts_in_flight = len(unreported)
         missing: list[tuple[str, int]] = []  # (uid, slots without a fate; -1: every slot)
         for uid, states in self.slots.items():
-            if uid in self.unfed:
+            if uid in unfed:
                 continue
             open_slots = -1 if states is None else states.count(_NONE)
             if open_slots == 0:
@@ -339,7 +360,8 @@ class LedgerBook:
                 missing.append((uid, open_slots))
         dropped = {k: v for k, v in sorted(self.buckets.items()) if k not in _IN_STEPS and v}
         ledger: dict[str, Any] = {
-            "prompts_fed": len(self.slots) - len(self.unfed),
+            "prompts_fed": len(self.slots) - len(unfed) + len(unreported),
+            **({"fed_reports_lost": lost} if lost else {}),
             "prompts_refed": self.refed,
             "prompts_complete": complete,
             "prompts_in_flight_at_end": prompts_in_flight,
@@ -354,16 +376,16 @@ class LedgerBook:
             **({"duplicate_examples": self.duplicate_examples} if self.duplicate_examples else {}),
             "transport": {k: v for k, v in sorted(counters.items()) if v},
             # prompts: fed, neither complete nor held; or with fates but never fed
-            "unaccounted": len(missing) + len(self.unfed),
+            "unaccounted": len(missing) + len(unfed),
         }
-        if missing or self.unfed:
+        if missing or unfed:
             ledger["unaccounted_detail"] = {
                 "prompts_without_every_fate": len(missing),
                 "samples_without_a_fate": sum(n for _, n in missing if n > 0),
                 "prompts_without_any_fate": sum(1 for _, n in missing if n < 0),
-                "prompts_never_fed_with_fates": len(self.unfed),
+                "prompts_never_fed_with_fates": len(unfed),
                 "examples": [u for u, _ in missing[:_EXAMPLES]]
-                + list(self.unfed)[: max(0, _EXAMPLES - len(missing))],
+                + list(unfed)[: max(0, _EXAMPLES - len(missing))],
             }
         return ledger
 
@@ -380,6 +402,11 @@ class LedgerBook:
             "copies_dropped": self.copies,
             "duplicate_fates": sum(self.duplicates.values()),
         }
+
+
+def _feeder_of(uid: str) -> str:
+    """The replica that fed ``uid`` (a feeder's uids are ``stage.replica:position``)."""
+    return uid.rpartition(":")[0]
 
 
 def _uid(value: Any) -> str:

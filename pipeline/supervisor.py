@@ -643,7 +643,8 @@ class Supervisor:
                 unknown.append(rep.name)
             else:
                 sessions.append(self.ledger.custody_after_exit(rep.name, held))
-        ledger = self.ledger.balance(sessions)
+        died = unclean + [r.name for r in clean if r.restarts]  # fed reports may be lost
+        ledger = self.ledger.balance(sessions, died)
         missing = [r.name for r in clean if r.session in self.ledger.missing_finals(sessions)]
         if unclean:
             ledger["not_ended_cleanly"] = unclean

@@ -155,6 +155,27 @@ def test_a_feeder_that_did_not_end_cleanly_holds_what_its_state_file_says(tmp_pa
     assert out["unaccounted"] == 0 and out["prompts_in_flight_at_end"] == 3
 
 
+def test_fed_reports_a_killed_feeder_never_sent_are_recovered_from_what_others_saw():
+    """A feeder SIGKILLed between its send and its ``fed`` report: the prompts it sent are
+    trained or held downstream all the same. Uids of that feeder (and only of a replica a
+    process of which died) count as fed; the rest of its state file's positions (never sent) do
+    not."""
+    book, ledger = book_and_reporter()
+    ledger.fed("feed.0:0")  # the only report that got out
+    ledger.fates([("feed.0:0", 1, 0), ("feed.0:1", 1, 0)], "trained", step=1)
+    final(book, "gen", ["feed.0:2", "feed.0:3"])  # the generator's inbox at the end
+    after_exit = book.custody_after_exit("feed.0", [f"feed.0:{p}" for p in range(2, 40)])
+    strict = book.balance(["gen", after_exit])  # as if the feeder had ended cleanly
+    assert strict["unaccounted"] == 1 and strict["prompts_fed"] == 1, strict
+    out = book.balance(["gen", after_exit], died=["feed.0"])
+    assert out["unaccounted"] == 0, out
+    assert out["prompts_fed"] == 4 and out["fed_reports_lost"] == 3, out
+    assert out["prompts_complete"] == 2 and out["prompts_in_flight_at_end"] == 2, out
+    # another replica's death excuses nothing of this feeder's
+    other = book.balance(["gen", after_exit], died=["scorer.0"])
+    assert other["unaccounted"] == 1 and "fed_reports_lost" not in other, other
+
+
 def test_prompts_fed_in_one_loop_turn_go_as_one_report_before_any_other():
     import asyncio
 
