@@ -1,21 +1,22 @@
 """Constrained decoding: ``sampling_params.json_schema``, ``regex``, ``ebnf`` and
 ``structural_tag``.
 
-As SGLang 0.5 constrains a sample with its llguidance backend (``--grammar-backend
-llguidance``, ``srt/constrained/llguidance_backend.py``): the request's grammar is compiled (a
-JSON schema with flexible whitespace, SGLang's default; a regular expression; an EBNF or Lark
-grammar; a structural tag in the ``structures``/``triggers`` form, the one that backend takes:
-free text in which each trigger starts a structure that follows its schema), each sample gets
-its own matcher, and before every sampled token the tokens the grammar does not allow next get
-``-inf`` logits. The log-probs reported are those of the distribution so constrained, as
-SGLang's. Once the grammar is complete only an EOS token is allowed; with ``ignore_eos`` the
-sample ends there anyway, with ``finish_reason {type: stop, matched: <the EOS id>}`` (SGLang's
-``is_terminated``). A grammar that fails to compile is a 400 naming the field (``Failed to
-compile json grammar: ...``, SGLang's words). Compiled grammars are kept (the last 64), so a
-schema sent again costs a copy. A new one is compiled on a worker thread of the set's
+As SGLang 0.5 constrains a sample with its llguidance backend (``--grammar-backend llguidance``,
+``srt/constrained/llguidance_backend.py``): the request's grammar is compiled (a JSON schema
+with flexible whitespace, SGLang's default; a regular expression; an EBNF or Lark grammar; a
+structural tag in the ``structures``/``triggers`` form, the one that backend takes: free text in
+which each trigger starts a structure that follows its schema, or in the newer ``format`` form
+as SGLang's default backend, xgrammar, takes it: ``stages.engine.structural_format``), each
+sample gets its own matcher, and before every sampled token the tokens the grammar does not
+allow next get ``-inf`` logits. The log-probs reported are those of the distribution so
+constrained, as SGLang's. Once the grammar is complete only an EOS token is allowed; with
+``ignore_eos`` the sample ends there anyway, with ``finish_reason {type: stop, matched: <the EOS
+id>}`` (SGLang's ``is_terminated``). A grammar that fails to compile is a 400 naming the field
+(``Failed to compile json grammar: ...``, SGLang's words). Compiled grammars are kept (the last
+64), so a schema sent again costs a copy. A new one is compiled on a worker thread of the set's
 (``compile_later``; llguidance compiles without holding the GIL) while the request waits, as
-SGLang's scheduler holds a request in its grammar queue until its grammar is ready: the
-engine's event loop does not stop serving for it (1-9 ms a schema here, more for a large one).
+SGLang's scheduler holds a request in its grammar queue until its grammar is ready: the engine's
+event loop does not stop serving for it (1-9 ms a schema here, more for a large one).
 
 The tokenizer: llguidance reads byte-level BPE and SentencePiece tokenizers itself. For one it
 does not read (a character or word tokenizer whose decoder just joins tokens, like the shipped
@@ -41,6 +42,8 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
+
+from stages.engine.structural_format import format_grammar, is_new_form
 
 __all__ = ["Constraint", "GrammarError", "GrammarSet"]
 
@@ -319,10 +322,20 @@ def _structural_tag(text: str, tokens: Collection[str] = ()) -> str:
     import json
 
     tag = json.loads(text)
+    known = sorted((t for t in tokens if t), key=len, reverse=True)
+    split = re.compile("(" + "|".join(map(re.escape, known)) + ")") if known else None
+
+    def literal(value: str) -> str:
+        """``value`` as the grammar's sequence: its tokens as tokens, the rest as text."""
+        parts = split.split(value) if split is not None else [value]
+        return " ".join(p if p in tokens else json.dumps(p) for p in parts if p)
+
+    if is_new_form(tag):  # {type: structural_tag, format: {...}}: xgrammar's form
+        return format_grammar(tag, literal)
     if not isinstance(tag, dict) or tag.get("structures") is None:
         raise ValueError(
-            "only the form {structures: [{begin, schema, end}], triggers: [...]} is supported "
-            "(SGLang's llguidance backend takes no other)"
+            "a structural tag needs {structures: [{begin, schema, end}], triggers: [...]} or "
+            "{type: structural_tag, format: {...}}"
         )
     triggers = tag.get("triggers")
     if not isinstance(triggers, list) or not triggers:
@@ -333,14 +346,6 @@ def _structural_tag(text: str, tokens: Collection[str] = ()) -> str:
     for s in structures:
         if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
             raise ValueError("each structure needs begin and end strings")
-    known = sorted((t for t in tokens if t), key=len, reverse=True)
-    split = re.compile("(" + "|".join(map(re.escape, known)) + ")") if known else None
-
-    def literal(value: str) -> str:
-        """``value`` as the grammar's sequence: its tokens as tokens, the rest as text."""
-        parts = split.split(value) if split is not None else [value]
-        return " ".join(p if p in tokens else json.dumps(p) for p in parts if p)
-
     lines = ["%llguidance {}"]
     names = [f"s_{i}" for i in range(len(structures))]
     if tag.get("at_least_one"):

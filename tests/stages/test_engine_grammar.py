@@ -135,6 +135,11 @@ def test_a_bad_grammar_is_a_400_naming_the_field_and_the_engine_serves_on(engine
         ({"ebnf": 'root ::= "a" | ('}, "sampling_params.ebnf", "Failed to compile ebnf"),
         ({"regex": "a", "ebnf": 'root ::= "a"'}, "sampling_params", "Only one of json_schema"),
         ({"structural_tag": "{}"}, "sampling_params.structural_tag", "Failed to compile struc"),
+        (
+            {"structural_tag": json.dumps({"format": {"type": "token", "token": 1}})},
+            "sampling_params.structural_tag",
+            "format.type: token formats ('token') not supported",
+        ),
     ]
     for sampling, field, words in cases:
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, **sampling}}
@@ -502,7 +507,48 @@ def test_a_structural_tag_constrains_what_follows_its_trigger(tmp_path: Path) ->
     assert constraint.accept(token["]"]) is None
     assert {"a", "["} <= allowed()  # free text again after the end
     with pytest.raises(GrammarError, match="structures"):
-        grammars.start("structural_tag", json.dumps({"format": {"type": "const_string"}}))
+        grammars.start("structural_tag", json.dumps({"triggers": ["["]}))
+    # the newer form (xgrammar's, stages.engine.structural_format): refusals name the field
+    for fmt, words in (
+        ({"type": "const_string"}, "format.value: a string is required"),
+        ({"type": "regex", "pattern": "a"}, "format.type: a regex element"),
+        ({"type": "sequence", "elements": [{"type": "any_text"}, {"type": "const_string",
+          "value": "x"}]}, "format.elements[0]: free text is supported only"),
+    ):  # fmt: skip
+        with pytest.raises(GrammarError, match=re.escape(words)):
+            grammars.start("structural_tag", json.dumps({"format": fmt}))
+
+
+@pytest.mark.timeout(60)
+def test_a_structural_tag_in_the_newer_form_constrains_the_samples(engine: Engine) -> None:
+    """``{type: structural_tag, format: {...}}`` as SGLang's default backend (xgrammar) takes
+    it: a forced tag (``triggered_tags`` with ``at_least_one`` and ``stop_after_first``), and a
+    tag whose content is free text up to its end."""
+    tag = {"type": "tag", "begin": "[x:", "content": {"type": "json_schema",
+           "json_schema": {"enum": [1, 2]}}, "end": "]"}  # fmt: skip
+    forced = {"type": "triggered_tags", "triggers": ["["], "tags": [tag],
+              "at_least_one": True, "stop_after_first": True}  # fmt: skip
+    free = {"type": "sequence", "elements": [{"type": "const_string", "value": "a"},
+            {"type": "tag", "begin": "{", "content": {"type": "any_text", "excludes": ["x"]},
+             "end": "}"}]}  # fmt: skip
+    ended = 0
+    for fmt, pattern in ((forced, r"\[x:[12]\]"), (free, r"a\{[^}x]*\}")):
+        text = json.dumps({"type": "structural_tag", "format": fmt})
+        params = {"structural_tag": text, "temperature": 1.0, "max_new_tokens": 60, "n": 8}
+        for out in _generate(engine, params):
+            if out["meta_info"]["finish_reason"]["type"] == "length":  # free text cut short
+                assert fmt is free and re.fullmatch(r"a\{[^}x]*", out["text"]), out
+                continue
+            ended += fmt is free
+            assert re.fullmatch(pattern, out["text"]), (fmt["type"], out)
+    assert ended  # some free text reached its end (each token has a chance of it)
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "ab"}], max_tokens=20, n=3,
+        response_format={"type": "structural_tag", "format": forced},  # type: ignore[arg-type]
+    )  # fmt: skip
+    for choice in chat.choices:
+        assert re.fullmatch(r"\[x:[12]\]", choice.message.content or ""), choice
 
 
 def test_many_rows_masks_computed_together_equal_each_rows_own(tmp_path: Path) -> None:

@@ -1,0 +1,432 @@
+"""Structural tags in the newer form: ``{"type": "structural_tag", "format": {...}}``.
+
+SGLang 0.5.23 takes this form (``protocol.StructuralTagResponseFormat``, xgrammar 0.2.7's
+``StructuralTag``) on ``response_format`` and in ``sampling_params.structural_tag``, and its
+default grammar backend, xgrammar, compiles it (``xgrammar_backend.dispatch_structural_tag``;
+its llguidance backend takes only the legacy ``structures``/``triggers`` form). This module
+writes the same language as a grammar for llguidance, the engine's backend, following the
+grammar xgrammar builds for each format (``Grammar.from_structural_tag``):
+
+- ``const_string`` its ``value``; ``json_schema`` (``style: json``) a JSON value of its schema;
+- ``sequence`` and ``or`` of ``elements``; ``optional``, ``star``, ``plus`` and ``repeat``
+  (``min``, ``max``, -1 unbounded) of a ``content``;
+- ``tag``: ``begin``, ``content``, then ``end`` (a string, or one of a list);
+- ``any_text``: free text without any of its ``excludes``; in a tag's content it ends where
+  one of the tag's ends begins (xgrammar's ``TagDispatch`` with the ends excluded);
+- ``triggered_tags``: free text (without its ``triggers`` and ``excludes``) in which a trigger
+  starts one of the ``tags`` that begin with it; with ``at_least_one`` a tag comes first, with
+  ``stop_after_first`` nothing comes after the first tag;
+- ``tags_with_separator``: ``tags`` with ``separator`` between them and nothing else, none or
+  more, at least one (``at_least_one``) or no more than one (``stop_after_first``).
+
+Free text (``any_text``, ``triggered_tags``) is taken where what follows it is known: at the
+end of the whole format, or at the end of a tag's content. Elsewhere (a free text followed by
+more of a sequence, or inside ``optional``...) llguidance's lexer could not end it where
+xgrammar's parser may, so it is refused, as are the formats llguidance cannot be given the
+same meaning for here: ``regex`` and ``grammar`` elements (their lexemes would be matched
+greedily), the token formats (``token``, ``exclude_token``, ``any_tokens``,
+``token_triggered_tags``, ``token_dispatch``, a tag's ``begin`` or ``end`` as a token),
+``dispatch``, the XML styles of ``json_schema`` and ``qwen_xml_parameter``, ``any_order``,
+``max_whitespace_cnt``, and ``any_text``'s ``max_tokens`` and ``max_chars``. A refusal names
+the field (``format.tags[0].content.type``...) and what is wrong there: the request's 400.
+
+One difference is left: llguidance reads text as lexemes and commits to one where two match at
+the same place, while xgrammar's parser keeps both. So a format in which a part that may go on
+or be empty (``star``, ``plus``, ``optional``, ``repeat``, ``tags_with_separator``) is followed
+by something that can begin the same way (a literal that begins another, a repeated part's
+separator before free text), or in which two JSON values meet with nothing between them
+(llguidance allows whitespace there and reads adjacent numbers greedily), may take less (or,
+for the JSON values, more) than xgrammar takes. Held to xgrammar on thousands of random formats
+without such parts and tens of thousands of strings made from them:
+``tests/stages/test_engine_xgrammar_structural_format.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["FormatError", "format_grammar", "is_new_form"]
+
+_END = None  # what follows: the end of the whole output
+_INNER = "inner"  # what follows: more of the format (no free text may end there)
+_MAX_REPEAT = 256
+_REFUSED = {
+    "regex": "a regex element (llguidance would match it as one greedy lexeme)",
+    "grammar": "an EBNF grammar element (llguidance would match its lexemes greedily)",
+    "token": "token formats",
+    "exclude_token": "token formats",
+    "any_tokens": "token formats",
+    "token_triggered_tags": "token formats",
+    "token_dispatch": "token formats",
+    "dispatch": "dispatch formats",
+    "qwen_xml_parameter": "the Qwen XML parameter format",
+}
+
+
+class FormatError(ValueError):
+    """A structural tag's format that is malformed or not served: what and where."""
+
+
+def is_new_form(tag: Any) -> bool:
+    """Whether a parsed structural tag is in the newer form (``format``, no ``structures``),
+    as SGLang's ``is_legacy_structural_tag`` tells the two apart."""
+    return isinstance(tag, dict) and tag.get("structures") is None and "format" in tag
+
+
+def format_grammar(tag: dict[str, Any], literal: Callable[[str], str]) -> str:
+    """The Lark grammar (for llguidance) of a structural tag in the newer form.
+    ``literal(text)``: ``text`` as a sequence of the grammar (its added tokens as tokens)."""
+    if tag.get("type", "structural_tag") != "structural_tag":
+        raise FormatError(f"type: must be 'structural_tag', not {tag.get('type')!r}")
+    unknown = sorted(set(tag) - {"type", "format"})
+    if unknown:
+        raise FormatError(f"{unknown[0]}: extra field not permitted")
+    compiler = _Compiler(literal)
+    body = compiler.node(tag.get("format"), "format", _END)
+    return "\n".join(["%llguidance {}", f"start: {body}", *compiler.lines]) + "\n"
+
+
+class _Compiler:
+    def __init__(self, literal: Callable[[str], str]) -> None:
+        self.literal = literal
+        self.lines: list[str] = []
+        self.count = 0
+        self.alternatives = 0  # how many `or`s the node being compiled is in
+
+    def rule(self, kind: str, body: str) -> str:
+        self.count += 1
+        name = f"{kind}_{self.count}"
+        self.lines.append(f"{name}: {body}")
+        return name
+
+    def text(self, value: str) -> str:
+        return self.literal(value) if value else '""'
+
+    def ends(self, follow: Any) -> str:
+        """What must come after a node in ``follow``: nothing, or one of a tag's ends."""
+        if not isinstance(follow, tuple):
+            return ""
+        return "(" + " | ".join(self.text(e) for e in follow) + ")"
+
+    def node(self, fmt: Any, path: str, follow: Any) -> str:
+        """A Lark expression for ``fmt`` followed by what ``follow`` says comes after it (the
+        ends of the enclosing tag are part of the expression when ``follow`` holds them)."""
+        if not isinstance(fmt, dict):
+            raise FormatError(f"{path}: an object is required, not {type(fmt).__name__}")
+        kind = fmt.get("type")
+        if kind in _REFUSED:
+            raise FormatError(f"{path}.type: {_REFUSED[kind]} ({kind!r}) not supported")
+        build = getattr(self, f"_{kind}", None) if isinstance(kind, str) else None
+        if build is None:
+            raise FormatError(f"{path}.type: unknown format type {kind!r}")
+        allowed = _FIELDS[kind]
+        extra = sorted(set(fmt) - allowed - {"type"})
+        if extra:
+            raise FormatError(f"{path}.{extra[0]}: extra field not permitted")
+        return build(fmt, path, follow)
+
+    def with_follow(self, expr: str, follow: Any) -> str:
+        end = self.ends(follow)
+        return f"{expr} {end}" if end else expr
+
+    # ---- basic formats
+    def _const_string(self, fmt: dict, path: str, follow: Any) -> str:
+        value = _str(fmt, "value", path)
+        return self.with_follow(self.rule("const", self.text(value)), follow)
+
+    def _json_schema(self, fmt: dict, path: str, follow: Any) -> str:
+        schema = fmt.get("json_schema")
+        if schema is None:  # SGLang's _sanitize_structural_format: a missing schema is {}
+            schema = {}
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise FormatError(f"{path}.json_schema: a JSON schema object or true is required")
+        style = fmt.get("style", "json")
+        if style != "json":
+            raise FormatError(f"{path}.style: only 'json' is supported, not {style!r}")
+        if fmt.get("any_order", False) is not False:
+            raise FormatError(f"{path}.any_order: only false is supported")
+        if fmt.get("max_whitespace_cnt") is not None:
+            raise FormatError(f"{path}.max_whitespace_cnt: only null is supported")
+        body = f"%json {json.dumps(schema)}"
+        return self.with_follow(self.rule("json", body), follow)
+
+    def _any_text(self, fmt: dict, path: str, follow: Any) -> str:
+        excludes = _strs(fmt, "excludes", path)
+        for key in ("max_tokens", "max_chars"):
+            if fmt.get(key) is not None:
+                raise FormatError(f"{path}.{key}: only null is supported")
+        return self.free_text(path, [], excludes, follow)
+
+    # ---- free text
+    def free_text(self, path: str, triggers: list[str], excludes: list[str], follow: Any) -> str:
+        """Text without ``triggers`` and ``excludes`` (nor the ends that follow), then what
+        follows; the lexemes that end at a trigger (``dispatch(trigger)``) come from
+        ``self.dispatch``."""
+        if self.alternatives:
+            raise FormatError(
+                f"{path}: free text is not supported in an alternative of 'or' (llguidance's "
+                "lexer would commit to one alternative's text where xgrammar keeps both)"
+            )
+        if follow == _INNER:
+            raise FormatError(
+                f"{path}: free text is supported only at the end of the whole format or of a "
+                "tag's content, where what ends it is known"
+            )
+        banned = [*triggers, *excludes, *(follow or ())]
+        if any(not b for b in banned):
+            raise FormatError(f"{path}: an empty trigger, exclude or end cannot end free text")
+        self.count += 1
+        name = f"TEXT_{self.count}"
+        self.banned = "|".join(_regex_literal(b) for b in banned)
+        if banned:
+            self.lines.append(f"{name}: /(.|\\n)*/ & ~/(.|\\n)*({self.banned})(.|\\n)*/")
+        else:
+            self.lines.append(f"{name}: /(.|\\n)*/")
+        self.free = name
+        if isinstance(follow, tuple):
+            ends = " | ".join(self.text_then(name, e, trigger=False) for e in follow)
+            return self.rule("text_end", ends)
+        return f"{name}?"
+
+    def text_then(self, text: str, value: str, *, trigger: bool = True) -> str:
+        """Free text ``text``, then ``value``: one lexeme where ``value`` is text (a greedy
+        text lexeme would otherwise take the start of ``value`` too), else the text and the
+        token that ends it. xgrammar's ``TagDispatch`` scans its text and acts on the first
+        trigger or exclude (the ends among them) it completes, and may stop before any: a
+        trigger is taken where nothing banned is complete before its last character; an end
+        follows text that holds nothing banned."""
+        lit = self.text(value)
+        if lit.startswith('"') and json.loads(lit) == value:
+            self.count += 1
+            name = f"UNTIL_{self.count}"
+            if trigger and self.banned:
+                early = f"/(.|\\n)*({self.banned})(.|\\n)*(.|\\n)/"
+                self.lines.append(f"{name}: (/(.|\\n)*/ {lit}) & ~{early}")
+            else:
+                self.lines.append(f"{name}: {text} {lit}")
+            return name
+        return f"{text}? {lit}"
+
+    # ---- combinations
+    def _sequence(self, fmt: dict, path: str, follow: Any) -> str:
+        elements = _list(fmt, "elements", path)
+        if not elements:
+            return self.with_follow('""', follow)
+        parts = [self.node(e, f"{path}.elements[{i}]", _INNER) for i, e in enumerate(elements[:-1])]
+        parts.append(self.node(elements[-1], f"{path}.elements[{len(elements) - 1}]", follow))
+        return self.rule("seq", " ".join(parts))
+
+    def _or(self, fmt: dict, path: str, follow: Any) -> str:
+        elements = _list(fmt, "elements", path)
+        if not elements:
+            raise FormatError(f"{path}.elements: at least one element is required")
+        self.alternatives += len(elements) > 1
+        try:
+            alts = [self.node(e, f"{path}.elements[{i}]", follow) for i, e in enumerate(elements)]
+        finally:
+            self.alternatives -= len(elements) > 1
+        return self.rule("or", " | ".join(alts))
+
+    def _optional(self, fmt: dict, path: str, follow: Any) -> str:
+        inner = self.node(fmt.get("content"), f"{path}.content", _INNER)
+        return self.with_follow(self.rule("opt", f"({inner})?"), follow)
+
+    def _star(self, fmt: dict, path: str, follow: Any) -> str:
+        inner = self.node(fmt.get("content"), f"{path}.content", _INNER)
+        return self.with_follow(self.rule("star", f"({inner})*"), follow)
+
+    def _plus(self, fmt: dict, path: str, follow: Any) -> str:
+        inner = self.node(fmt.get("content"), f"{path}.content", _INNER)
+        return self.with_follow(self.rule("plus", f"({inner})+"), follow)
+
+    def _repeat(self, fmt: dict, path: str, follow: Any) -> str:
+        low, high = _int(fmt, "min", path), _int(fmt, "max", path)
+        if low < 0 or high < -1 or (high != -1 and high < low):
+            raise FormatError(f"{path}: min {low} and max {high} are not a range")
+        if max(low, high) > _MAX_REPEAT:
+            raise FormatError(f"{path}: at most {_MAX_REPEAT} repetitions are supported")
+        inner = self.node(fmt.get("content"), f"{path}.content", _INNER)
+        parts = [inner] * low
+        if high == -1:
+            parts.append(f"({inner})*")
+        else:
+            tail = ""
+            for _ in range(high - low):
+                tail = f"({inner} {tail})?" if tail else f"({inner})?"
+            if tail:
+                parts.append(tail)
+        return self.with_follow(self.rule("repeat", " ".join(parts) or '""'), follow)
+
+    # ---- tags
+    def tag_parts(self, fmt: dict, path: str) -> tuple[str, tuple[str, ...]]:
+        """(begin, ends) of a ``tag``, both strings here."""
+        if not isinstance(fmt, dict) or fmt.get("type", "tag") != "tag":
+            raise FormatError(f"{path}: a tag format is required")
+        begin, end = fmt.get("begin"), fmt.get("end")
+        if isinstance(begin, dict) or isinstance(end, dict):
+            raise FormatError(f"{path}: a token as a tag's begin or end is not supported")
+        if not isinstance(begin, str):
+            raise FormatError(f"{path}.begin: a string is required")
+        ends = (end,) if isinstance(end, str) else end
+        if (
+            not isinstance(ends, list | tuple)
+            or not ends
+            or not all(isinstance(e, str) for e in ends)
+        ):
+            raise FormatError(f"{path}.end: a string or a non-empty list of strings is required")
+        extra = sorted(set(fmt) - {"type", "begin", "content", "end"})
+        if extra:
+            raise FormatError(f"{path}.{extra[0]}: extra field not permitted")
+        return begin, tuple(ends)
+
+    def tag_body(self, fmt: dict, path: str) -> str:
+        """A tag's content and end (the expression after its begin)."""
+        _, ends = self.tag_parts(fmt, path)
+        return self.node(fmt.get("content"), f"{path}.content", ends)
+
+    def whole_tag(self, fmt: dict, path: str) -> str:
+        begin, _ = self.tag_parts(fmt, path)
+        return self.rule("tag", f"{self.text(begin)} {self.tag_body(fmt, path)}")
+
+    def _tag(self, fmt: dict, path: str, follow: Any) -> str:
+        return self.with_follow(self.whole_tag(fmt, path), follow)
+
+    def _tags_with_separator(self, fmt: dict, path: str, follow: Any) -> str:
+        tags = _list(fmt, "tags", path)
+        if not tags:
+            raise FormatError(f"{path}.tags: at least one tag is required")
+        sep = _str(fmt, "separator", path)
+        one = self.rule(
+            "tags", " | ".join(self.whole_tag(t, f"{path}.tags[{i}]") for i, t in enumerate(tags))
+        )
+        at_least_one, first_only = (
+            _flag(fmt, "at_least_one", path),
+            _flag(fmt, "stop_after_first", path),
+        )
+        if first_only:
+            body = one if at_least_one else f"({one})?"
+        else:
+            many = f"{one} ({self.text(sep)} {one})*"
+            body = many if at_least_one else f"({many})?"
+        return self.with_follow(self.rule("sep", body), follow)
+
+    def _triggered_tags(self, fmt: dict, path: str, follow: Any) -> str:
+        triggers = _strs(fmt, "triggers", path)
+        if not triggers:
+            raise FormatError(f"{path}.triggers: at least one trigger is required")
+        tags = _list(fmt, "tags", path)
+        if not tags:
+            raise FormatError(f"{path}.tags: at least one tag is required")
+        excludes = _strs(fmt, "excludes", path)
+        at_least_one, first_only = (
+            _flag(fmt, "at_least_one", path),
+            _flag(fmt, "stop_after_first", path),
+        )
+        groups: dict[str, list[str]] = {t: [] for t in triggers}
+        wholes = []
+        for i, t in enumerate(tags):
+            where = f"{path}.tags[{i}]"
+            begin, _ = self.tag_parts(t, where)
+            matched = [trig for trig in triggers if begin.startswith(trig)]
+            if len(matched) != 1:
+                raise FormatError(
+                    f"{where}.begin: {begin!r} must begin with exactly one trigger, "
+                    f"it begins with {len(matched)}"
+                )
+            body = self.tag_body(t, where)
+            rest = begin[len(matched[0]) :]
+            groups[matched[0]].append(f"{self.text(rest)} {body}" if rest else body)
+            if at_least_one:
+                wholes.append(self.rule("tag", f"{self.text(begin)} {body}"))
+        after = self.ends(follow)
+        if at_least_one and first_only:
+            first = self.rule("first", " | ".join(wholes))
+            return self.rule("trig", f"{first} {after}".strip())
+        tail = self.free_text(path, triggers, excludes, follow)
+        text = self.free
+        dispatches = []
+        for trig, alts in groups.items():
+            if not alts:
+                continue
+            group = self.rule("group", " | ".join(alts))
+            dispatches.append(f"{self.text_then(text, trig)} {group}")
+        if not dispatches:  # no tag: only the free text
+            return tail
+        step = self.rule("step", " | ".join(dispatches))
+        if first_only:
+            body = f"{step} {after}".strip() + f" | {tail}"
+        elif at_least_one:
+            body = f"({' | '.join(wholes)}) {step}* {tail}"
+        else:
+            body = f"{step}* {tail}"
+        return self.rule("trig", body)
+
+
+_FIELDS = {
+    "const_string": {"value"},
+    "json_schema": {"json_schema", "style", "any_order", "max_whitespace_cnt"},
+    "any_text": {"excludes", "max_tokens", "max_chars"},
+    "sequence": {"elements"},
+    "or": {"elements"},
+    "optional": {"content"},
+    "star": {"content"},
+    "plus": {"content"},
+    "repeat": {"min", "max", "content"},
+    "tag": {"begin", "content", "end"},
+    "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
+    "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"},
+}
+
+
+def _str(fmt: dict, key: str, path: str) -> str:
+    value = fmt.get(key)
+    if not isinstance(value, str):
+        raise FormatError(f"{path}.{key}: a string is required")
+    return value
+
+
+def _strs(fmt: dict, key: str, path: str) -> list[str]:
+    value = fmt.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise FormatError(f"{path}.{key}: a list of strings is required")
+    return value
+
+
+def _list(fmt: dict, key: str, path: str) -> list[Any]:
+    value = fmt.get(key)
+    if not isinstance(value, list):
+        raise FormatError(f"{path}.{key}: a list is required")
+    return value
+
+
+def _int(fmt: dict, key: str, path: str) -> int:
+    value = fmt.get(key)
+    if type(value) is not int:
+        raise FormatError(f"{path}.{key}: an integer is required")
+    return value
+
+
+def _flag(fmt: dict, key: str, path: str) -> bool:
+    value = fmt.get(key, False)
+    if not isinstance(value, bool):
+        raise FormatError(f"{path}.{key}: a boolean is required")
+    return value
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` matched literally inside a llguidance ``/.../`` regex."""
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append("\\n")
+        elif ch.isalnum() or ch == " ":
+            out.append(ch)
+        elif ch == "/":
+            out.append("\\/")
+        else:
+            out.append("\\" + ch if ch in r".^$*+?()[]{}|\-" else ch)
+    return "".join(out)
