@@ -11,34 +11,45 @@ grammar xgrammar builds for each format (``Grammar.from_structural_tag``):
 - ``sequence`` and ``or`` of ``elements``; ``optional``, ``star``, ``plus`` and ``repeat``
   (``min``, ``max``, -1 unbounded) of a ``content``;
 - ``tag``: ``begin``, ``content``, then ``end`` (a string, or one of a list);
-- ``any_text``: free text without any of its ``excludes``; in a tag's content it ends where
-  one of the tag's ends begins (xgrammar's ``TagDispatch`` with the ends excluded);
+- ``any_text``: free text without any of its ``excludes``, of ``max_chars`` characters at most;
+  in a tag's content it ends where one of the tag's ends begins (xgrammar's ``TagDispatch``
+  with the ends excluded);
+- ``regex``: its ``pattern`` as xgrammar reads it (``.`` any character, a newline too;
+  ``\\d``, ``\\w``, ``\\s`` ASCII classes; a leading ``^`` and trailing ``$`` dropped);
 - ``triggered_tags``: free text (without its ``triggers`` and ``excludes``) in which a trigger
-  starts one of the ``tags`` that begin with it; with ``at_least_one`` a tag comes first, with
+  starts one of the ``tags`` that begin with it, the first trigger or exclude the text
+  completes deciding, as ``TagDispatch`` scans; with ``at_least_one`` a tag comes first, with
   ``stop_after_first`` nothing comes after the first tag;
 - ``tags_with_separator``: ``tags`` with ``separator`` between them and nothing else, none or
   more, at least one (``at_least_one``) or no more than one (``stop_after_first``).
 
-Free text (``any_text``, ``triggered_tags``) is taken where what follows it is known: at the
-end of the whole format, or at the end of a tag's content. Elsewhere (a free text followed by
-more of a sequence, or inside ``optional``...) llguidance's lexer could not end it where
-xgrammar's parser may, so it is refused, as are the formats llguidance cannot be given the
-same meaning for here: ``regex`` and ``grammar`` elements (their lexemes would be matched
-greedily), the token formats (``token``, ``exclude_token``, ``any_tokens``,
-``token_triggered_tags``, ``token_dispatch``, a tag's ``begin`` or ``end`` as a token),
-``dispatch``, the XML styles of ``json_schema`` and ``qwen_xml_parameter``, ``any_order``,
-``max_whitespace_cnt``, and ``any_text``'s ``max_tokens`` and ``max_chars``. A refusal names
-the field (``format.tags[0].content.type``...) and what is wrong there: the request's 400.
+Free text (``any_text``, ``triggered_tags``) and ``regex`` are taken where what follows them is
+known: at the end of the whole format, or at the end of a tag's content (a pattern and the end
+after it are one lexeme, so where the pattern ends is the regex engine's to find, as it is
+xgrammar's parser's), and not in an alternative of ``or``. Elsewhere (followed by more of a
+sequence, inside ``optional``...) llguidance's lexer, which commits to one lexeme where
+xgrammar's parser keeps several, could not end them where xgrammar may, so they are refused, as
+are the formats llguidance cannot be given the same meaning for here: ``grammar`` elements
+(their lexemes would be matched greedily), the token formats (``token``, ``exclude_token``,
+``any_tokens``, ``token_triggered_tags``, ``token_dispatch``, a tag's ``begin`` or ``end`` as a
+token), ``dispatch``, the XML styles of ``json_schema`` and ``qwen_xml_parameter``,
+``any_order``, ``max_whitespace_cnt``, and ``any_text``'s ``max_tokens``. A refusal names the
+field (``format.tags[0].content.type``...) and what is wrong there: the request's 400.
 
-One difference is left: llguidance reads text as lexemes and commits to one where two match at
-the same place, while xgrammar's parser keeps both. So a format in which a part that may go on
-or be empty (``star``, ``plus``, ``optional``, ``repeat``, ``tags_with_separator``) is followed
-by something that can begin the same way (a literal that begins another, a repeated part's
-separator before free text), or in which two JSON values meet with nothing between them
-(llguidance allows whitespace there and reads adjacent numbers greedily), may take less (or,
-for the JSON values, more) than xgrammar takes. Held to xgrammar on thousands of random formats
-without such parts and tens of thousands of strings made from them:
-``tests/stages/test_engine_xgrammar_structural_format.py``.
+Differences left, for the same reason:
+
+- a part that may go on or be empty (``star``, ``plus``, ``optional``, ``repeat``,
+  ``tags_with_separator``) followed by something that can begin the same way (a literal that
+  begins another, a tag's end that begins like the repeated part, a separator before free
+  text) may take less here than xgrammar takes;
+- two JSON values with nothing between them: llguidance allows whitespace there and reads
+  adjacent numbers greedily;
+- an exclude that occurs inside the beginning of a tag's end that then does not complete:
+  xgrammar does not see it (its scanner holds that text as a possible end), this engine
+  refuses it.
+
+Held to xgrammar on thousands of random formats without such parts and tens of thousands of
+strings made from them: ``tests/stages/test_engine_xgrammar_structural_format.py``.
 """
 
 from __future__ import annotations
@@ -53,7 +64,6 @@ _END = None  # what follows: the end of the whole output
 _INNER = "inner"  # what follows: more of the format (no free text may end there)
 _MAX_REPEAT = 256
 _REFUSED = {
-    "regex": "a regex element (llguidance would match it as one greedy lexeme)",
     "grammar": "an EBNF grammar element (llguidance would match its lexemes greedily)",
     "token": "token formats",
     "exclude_token": "token formats",
@@ -94,6 +104,7 @@ class _Compiler:
         self.lines: list[str] = []
         self.count = 0
         self.alternatives = 0  # how many `or`s the node being compiled is in
+        self.follow: Any = _END  # what follows the node being compiled
 
     def rule(self, kind: str, body: str) -> str:
         self.count += 1
@@ -113,6 +124,7 @@ class _Compiler:
     def node(self, fmt: Any, path: str, follow: Any) -> str:
         """A Lark expression for ``fmt`` followed by what ``follow`` says comes after it (the
         ends of the enclosing tag are part of the expression when ``follow`` holds them)."""
+        self.follow = follow
         if not isinstance(fmt, dict):
             raise FormatError(f"{path}: an object is required, not {type(fmt).__name__}")
         kind = fmt.get("type")
@@ -156,36 +168,71 @@ class _Compiler:
 
     def _any_text(self, fmt: dict, path: str, follow: Any) -> str:
         excludes = _strs(fmt, "excludes", path)
-        for key in ("max_tokens", "max_chars"):
-            if fmt.get(key) is not None:
-                raise FormatError(f"{path}.{key}: only null is supported")
-        return self.free_text(path, [], excludes, follow)
+        if fmt.get("max_tokens") is not None:
+            raise FormatError(f"{path}.max_tokens: only null is supported")
+        most = fmt.get("max_chars")
+        if most is not None and (type(most) is not int or most < 0):
+            raise FormatError(f"{path}.max_chars: a non-negative integer or null is required")
+        return self.free_text(path, [], excludes, follow, most)
 
-    # ---- free text
-    def free_text(self, path: str, triggers: list[str], excludes: list[str], follow: Any) -> str:
-        """Text without ``triggers`` and ``excludes`` (nor the ends that follow), then what
-        follows; the lexemes that end at a trigger (``dispatch(trigger)``) come from
-        ``self.dispatch``."""
+    def _regex(self, fmt: dict, path: str, follow: Any) -> str:
+        """A pattern, read as xgrammar reads it (``.`` any character, ``\\d``, ``\\w`` and
+        ``\\s`` ASCII classes, ``^`` and ``$`` at its ends dropped), as one lexeme with the end
+        that follows it: where the pattern ends is then the regex engine's to find, as
+        xgrammar's parser finds it."""
+        self.tail_only(path, "a regex element")
+        source = _str(fmt, "pattern", path)
+        pattern = _xgrammar_regex(source, f"{path}.pattern")
+        self.count += 1
+        name = f"REGEX_{self.count}"
+        if not isinstance(follow, tuple):
+            self.lines.append(f"{name}: /{pattern}/")
+            return f"{name}?" if _matches_empty(source) else name
+        lits = [self.text(e) for e in follow]
+        if not all(lit.startswith('"') for lit in lits):
+            raise FormatError(f"{path}: a regex element before a tag end that holds a token")
+        self.lines.append(f"{name}: " + " | ".join(f"/{pattern}/ {lit}" for lit in lits))
+        return name
+
+    def tail_only(self, path: str, what: str) -> None:
+        """Refuses ``what`` where its end is not known: in an alternative of ``or``, or with
+        more of the format after it (see the module's docstring)."""
         if self.alternatives:
             raise FormatError(
-                f"{path}: free text is not supported in an alternative of 'or' (llguidance's "
+                f"{path}: {what} is not supported in an alternative of 'or' (llguidance's "
                 "lexer would commit to one alternative's text where xgrammar keeps both)"
             )
-        if follow == _INNER:
+        if self.follow == _INNER:
             raise FormatError(
-                f"{path}: free text is supported only at the end of the whole format or of a "
+                f"{path}: {what} is supported only at the end of the whole format or of a "
                 "tag's content, where what ends it is known"
             )
+
+    # ---- free text
+    def free_text(
+        self,
+        path: str,
+        triggers: list[str],
+        excludes: list[str],
+        follow: Any,
+        most: int | None = None,
+    ) -> str:
+        """Text without ``triggers`` and ``excludes`` (nor the ends that follow), of ``most``
+        characters at most, then what follows (the lexemes that end at a trigger:
+        ``text_then``)."""
+        self.follow = follow
+        self.tail_only(path, "free text")
         banned = [*triggers, *excludes, *(follow or ())]
         if any(not b for b in banned):
             raise FormatError(f"{path}: an empty trigger, exclude or end cannot end free text")
         self.count += 1
         name = f"TEXT_{self.count}"
         self.banned = "|".join(_regex_literal(b) for b in banned)
+        text = "/(.|\\n)*/" if most is None else f"/(.|\\n){{0,{most}}}/"
         if banned:
-            self.lines.append(f"{name}: /(.|\\n)*/ & ~/(.|\\n)*({self.banned})(.|\\n)*/")
+            self.lines.append(f"{name}: {text} & ~/(.|\\n)*({self.banned})(.|\\n)*/")
         else:
-            self.lines.append(f"{name}: /(.|\\n)*/")
+            self.lines.append(f"{name}: {text}")
         self.free = name
         if isinstance(follow, tuple):
             ends = " | ".join(self.text_then(name, e, trigger=False) for e in follow)
@@ -370,6 +417,7 @@ _FIELDS = {
     "const_string": {"value"},
     "json_schema": {"json_schema", "style", "any_order", "max_whitespace_cnt"},
     "any_text": {"excludes", "max_tokens", "max_chars"},
+    "regex": {"pattern"},
     "sequence": {"elements"},
     "or": {"elements"},
     "optional": {"content"},
@@ -415,6 +463,56 @@ def _flag(fmt: dict, key: str, path: str) -> bool:
     if not isinstance(value, bool):
         raise FormatError(f"{path}.{key}: a boolean is required")
     return value
+
+
+_ASCII = {"d": "0-9", "w": "a-zA-Z0-9_", "s": "\\f\\n\\r\\t\\v \\xa0"}
+
+
+def _xgrammar_regex(pattern: str, where: str) -> str:
+    """``pattern`` for llguidance's ``/.../`` as xgrammar 0.2.7 reads it: ``.`` matches any
+    character, a newline too; ``\\d``, ``\\w``, ``\\s`` and their negations are its ASCII
+    classes; a leading ``^`` and a trailing ``$`` are dropped."""
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1]
+    out, i, in_class = ["(?s)"], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            if nxt.lower() in _ASCII:
+                chars = _ASCII[nxt.lower()]
+                if not in_class:
+                    out.append(f"[{'^' if nxt.isupper() else ''}{chars}]")
+                elif nxt.islower():
+                    out.append(chars)
+                else:
+                    raise FormatError(f"{where}: \\{nxt} inside a character class is not supported")
+            else:
+                out.append(ch + nxt)
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+        elif ch == "]" and in_class and out[-1] not in ("[", "[^"):
+            in_class = False
+        if ch in "^$" and not in_class:
+            raise FormatError(f"{where}: anchors inside a pattern are not supported")
+        out.append("\\/" if ch == "/" else ch)
+        i += 1
+    return "".join(out)
+
+
+def _matches_empty(pattern: str) -> bool:
+    """Whether ``pattern`` (xgrammar's, Python's syntax) matches the empty text: its lexeme
+    is then optional (a lexeme cannot be empty)."""
+    import re
+
+    try:
+        return re.fullmatch(pattern, "", re.S) is not None
+    except re.error:
+        return False
 
 
 def _regex_literal(text: str) -> str:

@@ -511,7 +511,9 @@ def test_a_structural_tag_constrains_what_follows_its_trigger(tmp_path: Path) ->
     # the newer form (xgrammar's, stages.engine.structural_format): refusals name the field
     for fmt, words in (
         ({"type": "const_string"}, "format.value: a string is required"),
-        ({"type": "regex", "pattern": "a"}, "format.type: a regex element"),
+        ({"type": "grammar", "grammar": 'root ::= "a"'}, "format.type: an EBNF grammar element"),
+        ({"type": "sequence", "elements": [{"type": "regex", "pattern": "a"}, {"type":
+          "const_string", "value": "x"}]}, "format.elements[0]: a regex element is supported"),
         ({"type": "sequence", "elements": [{"type": "any_text"}, {"type": "const_string",
           "value": "x"}]}, "format.elements[0]: free text is supported only"),
     ):  # fmt: skip
@@ -532,7 +534,10 @@ def test_a_structural_tag_in_the_newer_form_constrains_the_samples(engine: Engin
             {"type": "tag", "begin": "{", "content": {"type": "any_text", "excludes": ["x"]},
              "end": "}"}]}  # fmt: skip
     ended = 0
-    for fmt, pattern in ((forced, r"\[x:[12]\]"), (free, r"a\{[^}x]*\}")):
+    pattern_tag = {"type": "tag", "begin": "[", "end": "]",
+                   "content": {"type": "regex", "pattern": r"[a-c]{2}\d"}}  # fmt: skip
+    cases = ((forced, r"\[x:[12]\]"), (free, r"a\{[^}x]*\}"), (pattern_tag, r"\[[a-c]{2}\d\]"))
+    for fmt, pattern in cases:
         text = json.dumps({"type": "structural_tag", "format": fmt})
         params = {"structural_tag": text, "temperature": 1.0, "max_new_tokens": 60, "n": 8}
         for out in _generate(engine, params):

@@ -57,7 +57,17 @@ def _xgrammar_accepts(fmt: dict, text: str) -> bool:
     return _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(tag), text)
 
 
-_ALPHABET = "ab<>/x1 \n"
+_ALPHABET = "ab<>/x1 \n|"  # "|" begins the ends of tags, and nothing else
+# xgrammar's regex syntax (Python's), with texts that follow each pattern
+_PATTERNS = {
+    r"[a-z]+\d?": ["ab", "x1", "b"],
+    r"(ab|c)*.x": ["abcqx", "\nx", "cc/x"],
+    r"a*": ["", "a", "aaa"],
+    r"^[\w-]+\s$": ["a-b ", "x_\n"],
+    r"\D{1,3}/?": ["ab", "<>/", "x/"],
+    r"[^<]+<": ["ab<", " x<"],
+    r"(?:x|<\/)+": ["x", "</x"],
+}
 _SCHEMAS = [
     {"type": "integer"},
     {"type": "string", "maxLength": 3},
@@ -75,6 +85,10 @@ class _Gen:
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
+
+    def exclude(self) -> str:
+        """An exclude, never part of a tag's end (the module's docstring)."""
+        return "".join(self.rng.choice("abx<") for _ in range(self.rng.randint(2, 3)))
 
     def word(self, lo: int = 1, hi: int = 3) -> str:
         return "".join(self.rng.choice("abx<>/") for _ in range(self.rng.randint(lo, hi)))
@@ -96,7 +110,7 @@ class _Gen:
             if not quantified:
                 kinds += ["optional", "star", "plus"]
         if tail:
-            kinds += ["any_text", "triggered_tags", "triggered_tags"]
+            kinds += ["any_text", "triggered_tags", "triggered_tags", "regex"]
         kind = self.rng.choice(kinds)
         d = depth - 1
         if kind == "const_string":
@@ -104,10 +118,15 @@ class _Gen:
         if kind == "json_schema":
             return {"type": kind, "json_schema": self.rng.choice(_SCHEMAS)}
         if kind == "any_text":
+            most = self.rng.choice([None, None, 0, 2, 5])
             return {
                 "type": kind,
-                "excludes": [self.word(2, 3) for _ in range(self.rng.randint(0, 2))],
+                "excludes": [self.exclude() for _ in range(self.rng.randint(0, 2))],
+                **({} if most is None else {"max_chars": most}),
             }
+        if kind == "regex":
+            return {"type": kind, "pattern": self.rng.choice(list(_PATTERNS))}
+
         if kind == "tag":
             return self.tag(d)
         if kind in ("sequence", "or"):
@@ -146,11 +165,14 @@ class _Gen:
                 **flags,
             }
         triggers = sorted({t["begin"][:3] for t in tags})
-        excludes = [self.word(2, 3)] if self.rng.random() < 0.3 else []
+        excludes = [self.exclude()] if self.rng.random() < 0.3 else []
         return {"type": kind, "triggers": triggers, "tags": tags, "excludes": excludes, **flags}
 
     def tag(self, depth: int, begin: str | None = None) -> dict:
-        ends = ["</" + self.word(1, 2) + ">" for _ in range(self.rng.randint(1, 2))]
+        # an end begins with a character that begins nothing else: a part of the content that
+        # may go on cannot begin like the end (the module's docstring)
+        ends = ["|" + self.rng.choice(["/", "//", "|/", "/|", "x/"]) + ">" for _ in range(2)]
+        ends = ends[: self.rng.randint(1, 2)]
         return {
             "type": "tag",
             "begin": begin or "<" + self.word(1, 2) + ">",
@@ -167,6 +189,8 @@ class _Gen:
             return rng.choice(_VALUES[_SCHEMAS.index(fmt["json_schema"])])
         if kind == "any_text":
             return "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(0, 6)))
+        if kind == "regex":
+            return rng.choice(_PATTERNS[fmt["pattern"]])
         if kind == "tag":
             end = fmt["end"] if isinstance(fmt["end"], str) else rng.choice(fmt["end"])
             return fmt["begin"] + self.text(fmt["content"]) + end
