@@ -403,7 +403,8 @@ def chat_request(
         # told the format (serving_chat: only with --tool-call-parser; with another constraint,
         # that one alone: SGLang logs that they cannot go together)
         alone = grammar or _constrained(body)
-        strict = None if alone else strict_calls(tools, settings.tool_parser)
+        parallel = body.get("parallel_tool_calls", True)
+        strict = None if alone else strict_calls(tools, settings.tool_parser, parallel=parallel)
         if strict is not None:
             sampling.update(strict)
             grammar_from = "tools"

@@ -38,12 +38,16 @@ field (``format.tags[0].content.type``...) and what is wrong there: the request'
 
 Differences left, for the same reason:
 
-- a part that may go on or be empty (``star``, ``plus``, ``optional``, ``repeat``,
-  ``tags_with_separator``) followed by something that can begin the same way (a literal that
-  begins another, a tag's end that begins like the repeated part, a separator before free
-  text) may take less here than xgrammar takes;
-- two JSON values with nothing between them: llguidance allows whitespace there and reads
-  adjacent numbers greedily;
+- where two lexemes can match at one place, llguidance takes the longer: alternatives of
+  ``or`` one of whose strings begins another (``">"`` and ``">xb"`` before ``"x"``), or a part
+  that may go on or be empty (``star``, ``plus``, ``optional``, ``repeat``,
+  ``tags_with_separator``) followed by something that can begin the same way (a tag's end
+  that begins like the repeated part, a separator before free text), so such a format may
+  take less here than xgrammar takes;
+- two JSON values with nothing between them, or JSON values as alternatives of ``or``:
+  llguidance allows whitespace between or before them and reads adjacent numbers greedily;
+- a pattern whose lexeme (with the text after it) could go on where what follows begins:
+  read greedily here;
 - an exclude that occurs inside the beginning of a tag's end that then does not complete:
   xgrammar does not see it (its scanner holds that text as a possible end), this engine
   refuses it.
@@ -263,9 +267,45 @@ class _Compiler:
         elements = _list(fmt, "elements", path)
         if not elements:
             return self.with_follow('""', follow)
-        parts = [self.node(e, f"{path}.elements[{i}]", _INNER) for i, e in enumerate(elements[:-1])]
-        parts.append(self.node(elements[-1], f"{path}.elements[{len(elements) - 1}]", follow))
+        parts, i, last = [], 0, len(elements) - 1
+        while i <= last:
+            here, where = elements[i], f"{path}.elements[{i}]"
+            if i < last and _kind(here) == "regex" and _kind(elements[i + 1]) == "const_string":
+                after = follow if i + 1 == last else _INNER
+                parts.append(self.regex_then(here, elements[i + 1], where, after))
+                i += 2
+                continue
+            parts.append(self.node(here, where, follow if i == last else _INNER))
+            i += 1
         return self.rule("seq", " ".join(parts))
+
+    def regex_then(self, fmt: dict, const: dict, path: str, follow: Any) -> str:
+        """A ``regex`` element and the ``const_string`` after it: one lexeme (or the pattern's
+        lexeme and the token the string begins with), so the pattern ends where the string
+        begins, wherever that is, as xgrammar's parser finds it."""
+        for item, where in ((fmt, path), (const, path)):
+            extra = sorted(set(item) - _FIELDS[item["type"]] - {"type"})
+            if extra:
+                raise FormatError(f"{where}.{extra[0]}: extra field not permitted")
+        source = _str(fmt, "pattern", path)
+        pattern = _xgrammar_regex(source, f"{path}.pattern")
+        value = _str(const, "value", path)
+        lit = self.text(value)
+        self.count += 1
+        name = f"REGEX_{self.count}"
+        if _is_text(lit, value):  # all text: one lexeme
+            ends = [self.text(e) for e in follow] if isinstance(follow, tuple) else []
+            if ends and all(_is_text(t, e) for t, e in zip(ends, follow, strict=True)):
+                # at the end of a tag's content: the tag's end in the lexeme too
+                self.lines.append(f"{name}: " + " | ".join(f"/{pattern}/ {lit} {e}" for e in ends))
+                return name
+            self.lines.append(f"{name}: /{pattern}/ {lit}")
+            return self.with_follow(name, follow)
+        if lit.startswith('"'):  # text before a token: the pattern could take its start
+            raise FormatError(f"{path}: a regex element before text and a token is not supported")
+        self.lines.append(f"{name}: /{pattern}/")
+        head = f"{name}?" if _matches_empty(source) else name
+        return self.with_follow(f"{head} {lit}", follow)
 
     def _or(self, fmt: dict, path: str, follow: Any) -> str:
         elements = _list(fmt, "elements", path)
@@ -428,6 +468,15 @@ _FIELDS = {
     "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
     "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"},
 }
+
+
+def _is_text(lit: str, value: str) -> bool:
+    """Whether ``lit`` (``literal(value)``) is all text, no token in it."""
+    return lit.startswith('"') and json.loads(lit) == value
+
+
+def _kind(fmt: Any) -> Any:
+    return fmt.get("type") if isinstance(fmt, dict) else None
 
 
 def _str(fmt: dict, key: str, path: str) -> str:

@@ -84,6 +84,7 @@ from stages.engine.minicpm_calls import MiniCPM5Calls
 from stages.engine.minimax_calls import MiniMaxM2Calls
 from stages.engine.minimax_m3_calls import PARSES_WITHOUT_TOOLS, MiniMaxM3Calls
 from stages.engine.muse_calls import MuseCalls
+from stages.engine.native_tags import NATIVE_TAGS, native_tag
 from stages.engine.partial_json import ListedCalls
 from stages.engine.poolside_calls import PoolsideCalls
 from stages.engine.pythonic_calls import PythonicCalls
@@ -225,14 +226,20 @@ def call_tag(
     }
 
 
-def strict_calls(tools: list[dict[str, Any]], parser: str | None) -> dict[str, str] | None:
+def strict_calls(
+    tools: list[dict[str, Any]], parser: str | None, *, parallel: Any = True
+) -> dict[str, str] | None:
     """The ``sampling_params`` that hold the calls of a ``tool_choice`` ``auto`` answer to
     their tools' schemas when a tool is ``strict`` (SGLang's ``should_constrain_auto``): the
-    structural tag of ``parser``'s calls, free text around them; None where no tool is strict
-    or the format has no structural tag (``pythonic``: SGLang constrains nothing then)."""
-    if parser not in _FRAMES or parser in HARMONY_FRAMES:  # Harmony: see harmony.FRAMES
-        return None
+    structural tag of ``parser``'s calls, free text around them (the model's own tag where
+    SGLang's detector names one: ``native_tags``); None where no tool is strict or the format
+    has no structural tag (``pythonic``: SGLang constrains nothing then)."""
     if not any(t["function"].get("strict") for t in tools):
+        return None
+    if parser in NATIVE_TAGS:
+        tag = native_tag(parser, tools, "auto", parallel=parallel is not False)
+        return {"structural_tag": json.dumps(tag)}
+    if parser not in _FRAMES or parser in HARMONY_FRAMES:  # Harmony: see harmony.FRAMES
         return None
     return {"structural_tag": json.dumps(call_tag(tools, parser, at_least_one=False))}
 
@@ -248,6 +255,11 @@ def forced_calls(
     SGLang's words, for tools whose ``$defs`` disagree."""
     if parser in NATIVE_FORCED:
         return {}
+    if parser in NATIVE_TAGS:  # the model's own tag (SGLang's detector names its model)
+        name = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
+        choice: Any = name if named else "required"
+        tag = native_tag(parser, tools, choice, parallel=parallel is not False)
+        return {"structural_tag": json.dumps(tag)}
     if parser in _FRAMES:
         return {"structural_tag": json.dumps(call_tag(tools, parser))}
     if parser == "iquest_q1" and named:  # IQuestQ1JsonToolParser: the tool's arguments alone

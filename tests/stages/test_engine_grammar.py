@@ -513,7 +513,7 @@ def test_a_structural_tag_constrains_what_follows_its_trigger(tmp_path: Path) ->
         ({"type": "const_string"}, "format.value: a string is required"),
         ({"type": "grammar", "grammar": 'root ::= "a"'}, "format.type: an EBNF grammar element"),
         ({"type": "sequence", "elements": [{"type": "regex", "pattern": "a"}, {"type":
-          "const_string", "value": "x"}]}, "format.elements[0]: a regex element is supported"),
+          "json_schema", "json_schema": {}}]}, "format.elements[0]: a regex element is supported"),
         ({"type": "sequence", "elements": [{"type": "any_text"}, {"type": "const_string",
           "value": "x"}]}, "format.elements[0]: free text is supported only"),
     ):  # fmt: skip

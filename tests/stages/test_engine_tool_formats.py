@@ -955,30 +955,28 @@ def kimi_engine(tmp_path_factory) -> Iterator[Engine]:
 
 @pytest.mark.timeout(180)
 def test_a_forced_tool_choice_answers_with_kimi_calls(kimi_engine: Engine) -> None:
-    """tool_choice required or named with kimi_k2: constrained by the structural tag of
-    kimik2_detector.py's structure_info (SGLang's xgrammar has Kimi's own, which llguidance has
-    not), a tool that is not strict held to an object (as SGLang's tag holds it); read back with
-    ids counting the conversation's calls; streamed in pieces that add up to them."""
+    """tool_choice required or named with kimi_k2: constrained by Kimi's own structural tag, as
+    SGLang 0.5.23's detector gets it from xgrammar (``get_model_structural_tag("kimi")``, in
+    the newer form: one section of calls, each with its index as ``\\d+``; native_tags.py);
+    read back with ids counting the conversation's calls; streamed in pieces that add up to
+    them."""
     client = openai.OpenAI(base_url=kimi_engine.url + "/v1", api_key="unused", max_retries=0)
     earlier = {"id": "functions.add:0", "type": "function",
                "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}  # fmt: skip
     messages = [*ASK["messages"], {"role": "assistant", "content": "", "tool_calls": [earlier]},
                 {"role": "tool", "content": "3", "tool_call_id": "functions.add:0"}]  # fmt: skip
-    ask = {**ASK, "messages": messages, "max_tokens": 120, "tools": TOOLS}
+    ask = {**ASK, "messages": messages, "max_tokens": 400, "tools": TOOLS}
     for calls in _forced_answers(client, ask):
         assert [c.id for c in calls] == [f"functions.{c.function.name}:{1 + k}"
                                          for k, c in enumerate(calls)]  # fmt: skip
     native = _forced_sampling(kimi_engine, "kimi_k2")
-    tag = json.loads(native["structural_tag"])
-    assert tag["triggers"] == [KIMI_SECTION] and tag["at_least_one"] is True
-    assert tag["structures"][1] == {
-        "begin": f"{KIMI_SECTION}{KIMI_BEGIN}functions.mul:0{KIMI_ARGUMENTS}",
-        "schema": TOOLS[1]["function"]["parameters"],
-        "end": KIMI_END + KIMI_SECTION_END,
-    }
-    from stages.engine.tool_calls import call_tag
-
-    assert call_tag(OFFERED, "kimi_k2")["structures"][0]["schema"] == {"type": "object"}
+    first, calls, last = json.loads(native["structural_tag"])["format"]["elements"]
+    assert first["value"] == KIMI_SECTION and last["value"] == KIMI_SECTION_END
+    assert calls["type"] == "tags_with_separator" and calls["at_least_one"] is True
+    assert calls["tags"][1]["begin"] == f"{KIMI_BEGIN}functions.mul:"
+    index, arguments, schema = calls["tags"][1]["content"]["elements"]
+    assert index["pattern"] == r"\d+" and arguments["value"] == KIMI_ARGUMENTS
+    assert schema["json_schema"] == TOOLS[1]["function"]["parameters"]
     forced = {**ask, "tool_choice": "required", "seed": 7}
     (choice,) = client.chat.completions.create(**forced).choices
     whole = [{"name": c.function.name, "arguments": c.function.arguments}

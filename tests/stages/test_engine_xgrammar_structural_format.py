@@ -99,8 +99,8 @@ class _Gen:
         docstring); ``quantified``: the direct content of a quantifier, which is not another
         (xgrammar 0.2.7 rejects "x" for repeat 0..1 of repeat 0..-1 of "x")."""
         kinds = ["const_string", "tag"]
-        if not quantified:
-            kinds.append("tags_with_separator")
+        if not quantified:  # a pattern's lexeme, repeated, may be read greedily (see above)
+            kinds += ["tags_with_separator", "pattern_then_text"]
         if framed:
             kinds.append("json_schema")
         if not quantified:
@@ -126,12 +126,16 @@ class _Gen:
             }
         if kind == "regex":
             return {"type": kind, "pattern": self.rng.choice(list(_PATTERNS))}
+        if kind == "pattern_then_text":  # a pattern anywhere, with the text that ends it
+            pattern = {"type": "regex", "pattern": self.rng.choice(list(_PATTERNS))}
+            text = {"type": "const_string", "value": self.rng.choice(["<", "a>", "|", "x/"])}
+            return {"type": "sequence", "elements": [pattern, text]}
 
         if kind == "tag":
             return self.tag(d)
         if kind in ("sequence", "or"):
             n = self.rng.randint(1, 3)
-            alone = kind == "or" or n == 1
+            alone = n == 1  # JSON values as alternatives: see the module's docstring
             free = tail and (n == 1 if kind == "or" else True)  # no free text in alternatives
             # in a sequence of two or more, no part that may go on or be empty (the module's
             # docstring: where two lexemes match at one place, llguidance's lexer commits)
@@ -235,6 +239,24 @@ class _Gen:
         return text[:i]
 
 
+def _literal_begins_another(fmt: Any, inside_or: bool = False) -> bool:
+    """Whether two strings under one ``or`` begin one another (``">"`` and ``">xb"``)."""
+    found: list[str] = []
+
+    def walk(node: Any, under: bool) -> None:
+        if isinstance(node, dict):
+            if under and node.get("type") == "const_string":
+                found.append(node["value"])
+            for value in node.values():
+                walk(value, under or node.get("type") == "or")
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, under)
+
+    walk(fmt, inside_or)
+    return any(a != b and b.startswith(a) for a in found for b in found)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_formats_accept_what_xgrammar_accepts(seed):
     rng = random.Random(seed)
@@ -243,6 +265,8 @@ def test_random_formats_accept_what_xgrammar_accepts(seed):
     differences: list[tuple[str, str, bool, bool]] = []
     for _ in range(400):
         fmt = gen.fmt(depth=rng.randint(0, 3), tail=True)
+        if _literal_begins_another(fmt):  # the module's docstring: llguidance commits
+            continue
         try:
             grammar = _ours(fmt)
         except FormatError:

@@ -1,0 +1,123 @@
+"""Model-native structural tags of tool calls: what SGLang 0.5.23 constrains calls with.
+
+For ``tool_choice`` ``required`` or a named function, and for ``auto`` with a ``strict`` tool,
+SGLang asks its parser's detector for a tag first (``FunctionCallParser.get_structure_constraint``
+→ ``BaseFormatDetector.get_structural_tag``); the detectors that name a model
+(``get_structural_tag_name``) get xgrammar 0.2.7's tag of that model's own call syntax
+(``xgrammar.get_model_structural_tag``), in the newer structural-tag form, and the others the
+legacy tag of their ``structure_info`` (``tool_calls.call_tag``). This module writes the
+newer-form tags for the parsers served here whose model xgrammar knows, as that function
+builds them for SGLang's arguments: the tools as SGLang dumps them (a tool with ``strict:
+false`` takes any JSON: ``_get_function_parameters``), ``required``, a named function
+(``forced``: that tool alone) or ``auto``, ``parallel_tool_calls``, and no reasoning prefix
+(SGLang passes ``thinking_mode and reasoning_parser is None``, which is false whatever the
+request: without a reasoning parser its ``thinking_mode`` is false). The engine compiles them
+as SGLang's default backend reads them (``stages.engine.structural_format``).
+
+- ``kimi_k2`` (xgrammar's ``kimi``): a section of calls
+  ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``, each
+  ``<|tool_call_begin|>functions.NAME:`` an index (``\\d+``) ``<|tool_call_argument_begin|>``
+  the arguments as JSON ``<|tool_call_end|>``; ``auto`` free text in which the section begins
+  the calls (without ``<think>``, ``</think>`` or a bare call begin in the text), one section
+  (and one call) with ``parallel_tool_calls`` false.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["NATIVE_TAGS", "native_tag"]
+
+_KIMI_CALL = "<|tool_call_begin|>"
+_KIMI_ARGS = "<|tool_call_argument_begin|>"
+_KIMI_CALL_END = "<|tool_call_end|>"
+_KIMI_SECTION = "<|tool_calls_section_begin|>"
+_KIMI_SECTION_END = "<|tool_calls_section_end|>"
+_THINK = ["<think>", "</think>"]
+
+
+def _parameters(tool: dict[str, Any]) -> Any:
+    """A tool's arguments' schema as xgrammar constrains them (``_get_function_parameters``):
+    any JSON (``true``) for a tool with ``strict: false`` or without ``parameters``; a tool
+    that does not say (SGLang's ``Function.strict`` is None then) is held to its schema."""
+    fn = tool["function"]
+    if fn.get("strict") is False or fn.get("parameters") is None:
+        return True
+    return fn["parameters"]
+
+
+def _json(schema: Any) -> dict[str, Any]:
+    return {
+        "type": "json_schema",
+        "json_schema": schema,
+        "style": "json",
+        "any_order": False,
+        "max_whitespace_cnt": None,
+    }
+
+
+def _kimi_call(tool: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "tag",
+        "begin": f"{_KIMI_CALL}functions.{tool['function']['name']}:",
+        "content": {
+            "type": "sequence",
+            "elements": [
+                {"type": "regex", "pattern": r"\d+"},
+                {"type": "const_string", "value": _KIMI_ARGS},
+                _json(_parameters(tool)),
+            ],
+        },
+        "end": _KIMI_CALL_END,
+    }
+
+
+def _kimi(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
+    calls = {
+        "type": "tags_with_separator",
+        "tags": [_kimi_call(t) for t in tools],
+        "separator": "",
+        "at_least_one": True,
+        "stop_after_first": not parallel,
+    }
+    if choice == "auto":
+        section = {
+            "type": "tag",
+            "begin": _KIMI_SECTION,
+            "content": calls,
+            "end": _KIMI_SECTION_END,
+        }
+        return {
+            "type": "triggered_tags",
+            "triggers": [_KIMI_SECTION],
+            "tags": [section],
+            "at_least_one": False,
+            "stop_after_first": not parallel,
+            "excludes": [*_THINK, _KIMI_CALL],
+        }
+    inner = _kimi_call(tools[0]) if choice == "forced" else calls
+    return {
+        "type": "sequence",
+        "elements": [
+            {"type": "const_string", "value": _KIMI_SECTION},
+            inner,
+            {"type": "const_string", "value": _KIMI_SECTION_END},
+        ],
+    }
+
+
+_BUILDERS = {"kimi_k2": _kimi}
+NATIVE_TAGS = frozenset(_BUILDERS)  # the parsers whose calls get a model-native tag here
+
+
+def native_tag(
+    parser: str, tools: list[dict[str, Any]], choice: Any, *, parallel: bool = True
+) -> dict[str, Any]:
+    """The structural tag SGLang 0.5.23 sends for ``parser``'s calls to ``tools`` under
+    ``tool_choice`` ``choice`` (``required``, ``auto`` or a named function)."""
+    if isinstance(choice, dict):  # a named function: that tool alone
+        name = choice["function"]["name"]
+        tools, simple = [t for t in tools if t["function"]["name"] == name], "forced"
+    else:
+        simple = choice
+    return {"type": "structural_tag", "format": _BUILDERS[parser](tools, simple, parallel)}
