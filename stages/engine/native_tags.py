@@ -19,7 +19,14 @@ as SGLang's default backend reads them (``stages.engine.structural_format``).
   ``<|tool_call_begin|>functions.NAME:`` an index (``\\d+``) ``<|tool_call_argument_begin|>``
   the arguments as JSON ``<|tool_call_end|>``; ``auto`` free text in which the section begins
   the calls (without ``<think>``, ``</think>`` or a bare call begin in the text), one section
-  (and one call) with ``parallel_tool_calls`` false.
+  (and one call) with ``parallel_tool_calls`` false; forced, a tool that is not strict has
+  its arguments held to an object (SGLang's ``KimiK2Detector.get_structural_tag``);
+- ``qwen3_coder`` (and ``step3p5`` and ``nanbeige``, which SGLang reads with the same detector;
+  xgrammar's ``qwen_3_coder``): each call ``<tool_call>\\n<function=NAME>\\n``, its
+  parameters in the ``qwen_xml`` style (``stages.engine.qwen_xml``),
+  ``\\n</function>\\n</tool_call>``; ``required`` one or more calls with free text around
+  them (no ``<think>`` or ``</think>`` in it), a named function its call alone, ``auto`` free
+  text in which the call begins; one call with ``parallel_tool_calls`` false.
 """
 
 from __future__ import annotations
@@ -56,6 +63,11 @@ def _json(schema: Any) -> dict[str, Any]:
     }
 
 
+def _object_args(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = {**tool["function"], "strict": True, "parameters": {"type": "object"}}
+    return {**tool, "function": fn}
+
+
 def _kimi_call(tool: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "tag",
@@ -73,6 +85,9 @@ def _kimi_call(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _kimi(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
+    if choice != "auto":  # KimiK2Detector.get_structural_tag: a tool that is not strict holds
+        # its arguments to an object (Kimi's reader takes no other), strict in xgrammar's eyes
+        tools = [t if t["function"].get("strict") else _object_args(t) for t in tools]
     calls = {
         "type": "tags_with_separator",
         "tags": [_kimi_call(t) for t in tools],
@@ -106,7 +121,32 @@ def _kimi(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str,
     }
 
 
-_BUILDERS = {"kimi_k2": _kimi}
+_QWEN_CALL = "<tool_call>\n<function="
+_QWEN_END = "\n</function>\n</tool_call>"
+
+
+def _qwen_call(tool: dict[str, Any]) -> dict[str, Any]:
+    content = {**_json(_parameters(tool)), "style": "qwen_xml"}
+    begin = f"{_QWEN_CALL}{tool['function']['name']}>\n"
+    return {"type": "tag", "begin": begin, "content": content, "end": _QWEN_END}
+
+
+def _qwen_coder(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
+    if choice == "forced":
+        return _qwen_call(tools[0])
+    return {
+        "type": "triggered_tags",
+        "triggers": [_QWEN_CALL],
+        "tags": [_qwen_call(t) for t in tools],
+        "at_least_one": choice == "required",
+        "stop_after_first": not parallel,
+        "excludes": list(_THINK),
+    }
+
+
+# SGLang reads step3p5's and nanbeige's calls with its Qwen3CoderDetector, which names the model
+_BUILDERS = {"kimi_k2": _kimi, "qwen3_coder": _qwen_coder, "step3p5": _qwen_coder,
+             "nanbeige": _qwen_coder}  # fmt: skip
 NATIVE_TAGS = frozenset(_BUILDERS)  # the parsers whose calls get a model-native tag here
 
 

@@ -7,7 +7,10 @@ its llguidance backend takes only the legacy ``structures``/``triggers`` form). 
 writes the same language as a grammar for llguidance, the engine's backend, following the
 grammar xgrammar builds for each format (``Grammar.from_structural_tag``):
 
-- ``const_string`` its ``value``; ``json_schema`` (``style: json``) a JSON value of its schema;
+- ``const_string`` its ``value``; ``json_schema`` (``style: json``) a JSON value of its schema,
+  whose objects take no property they do not name unless they say (``additionalProperties``),
+  as xgrammar compiles a schema (``strict_objects``); ``style: qwen_xml`` Qwen3-Coder's
+  ``<parameter=KEY>VALUE</parameter>`` parameters (``stages.engine.qwen_xml``);
 - ``sequence`` and ``or`` of ``elements``; ``optional``, ``star``, ``plus`` and ``repeat``
   (``min``, ``max``, -1 unbounded) of a ``content``;
 - ``tag``: ``begin``, ``content``, then ``end`` (a string, or one of a list);
@@ -32,7 +35,7 @@ xgrammar's parser keeps several, could not end them where xgrammar may, so they 
 are the formats llguidance cannot be given the same meaning for here: ``grammar`` elements
 (their lexemes would be matched greedily), the token formats (``token``, ``exclude_token``,
 ``any_tokens``, ``token_triggered_tags``, ``token_dispatch``, a tag's ``begin`` or ``end`` as a
-token), ``dispatch``, the XML styles of ``json_schema`` and ``qwen_xml_parameter``,
+token), ``dispatch``, the other XML styles of ``json_schema`` and ``qwen_xml_parameter``,
 ``any_order``, ``max_whitespace_cnt``, and ``any_text``'s ``max_tokens``. A refusal names the
 field (``format.tags[0].content.type``...) and what is wrong there: the request's 400.
 
@@ -61,6 +64,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from typing import Any
+
+from stages.engine.qwen_xml import QwenXml
 
 __all__ = ["FormatError", "format_grammar", "is_new_form"]
 
@@ -161,14 +166,46 @@ class _Compiler:
         if not isinstance(schema, dict):
             raise FormatError(f"{path}.json_schema: a JSON schema object or true is required")
         style = fmt.get("style", "json")
-        if style != "json":
-            raise FormatError(f"{path}.style: only 'json' is supported, not {style!r}")
+        if style not in ("json", "qwen_xml"):
+            raise FormatError(
+                f"{path}.style: only 'json' and 'qwen_xml' are supported, not {style!r}"
+            )
         if fmt.get("any_order", False) is not False:
             raise FormatError(f"{path}.any_order: only false is supported")
         if fmt.get("max_whitespace_cnt") is not None:
             raise FormatError(f"{path}.max_whitespace_cnt: only null is supported")
-        body = f"%json {json.dumps(schema)}"
+        if style == "qwen_xml":
+            return self.qwen_xml(fmt.get("json_schema"), f"{path}.json_schema", follow)
+        body = f"%json {json.dumps(strict_objects(schema))}"
         return self.with_follow(self.rule("json", body), follow)
+
+    def qwen_xml(self, schema: Any, path: str, follow: Any) -> str:
+        """Qwen3-Coder's parameters (``stages.engine.qwen_xml``), then what follows, whose
+        whitespace before it is one lexeme with its text."""
+        self.follow = follow
+        self.tail_only(path, "a qwen_xml value")
+        xml = QwenXml(self, FormatError)
+        if not isinstance(follow, tuple):
+            return xml.grammar(True if schema is None else schema, path, xml.ws())
+        tails = []
+        for end in follow:
+            lit = self.text(end)
+            head = lit[: json.JSONDecoder().raw_decode(lit)[1]] if lit.startswith('"') else ""
+            self.count += 1
+            name = f"XML_TAIL_{self.count}"
+            if head:  # the end's text: with the whitespace before it
+                self.lines.append(f"{name}: /[ \\n\\r\\t]*/ {head}")
+                tails.append(f"{name} {lit[len(head) :].strip()}".strip())
+            else:
+                tails.append(f"{xml.ws()} {lit}")
+        tail = tails[0] if len(tails) == 1 else "(" + " | ".join(tails) + ")"
+        return xml.grammar(True if schema is None else schema, path, tail)
+
+    def regex_literal(self, text: str) -> str:
+        return _regex_literal(text)
+
+    def strict(self, schema: Any) -> Any:
+        return strict_objects(schema)
 
     def _any_text(self, fmt: dict, path: str, follow: Any) -> str:
         excludes = _strs(fmt, "excludes", path)
@@ -468,6 +505,25 @@ _FIELDS = {
     "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
     "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"},
 }
+
+
+def strict_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object that does not say, as
+    xgrammar compiles a schema (its ``strict_mode``, on for structural tags), where llguidance
+    follows JSON Schema and lets other properties in."""
+    if isinstance(schema, list):
+        return [strict_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_objects(v) if k not in ("enum", "const", "default", "examples") else v
+           for k, v in schema.items()}  # fmt: skip
+    if "properties" in out and isinstance(out["properties"], dict):
+        out["properties"] = {k: strict_objects(v) for k, v in schema["properties"].items()}
+    objectish = schema.get("type") == "object" or "properties" in schema
+    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    if objectish and not any(k in schema for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 def _is_text(lit: str, value: str) -> bool:

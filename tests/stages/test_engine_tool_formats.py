@@ -987,6 +987,42 @@ def test_a_forced_tool_choice_answers_with_kimi_calls(kimi_engine: Engine) -> No
     assert whole and whole == streamed
 
 
+@pytest.fixture(scope="module")
+def coder_engine(tmp_path_factory) -> Iterator[Engine]:
+    """Qwen3-Coder's call tags tokens of their own."""
+    yield from _format_engine(
+        "qwen3_coder", tmp_path_factory, CHARS, ("<tool_call>", "</tool_call>")
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_forced_tool_choice_answers_with_qwen3_coder_calls(coder_engine: Engine) -> None:
+    """tool_choice required or named with qwen3_coder: constrained by Qwen3-Coder's own
+    structural tag, as SGLang 0.5.23's detector gets it from xgrammar (``qwen_3_coder``: each
+    call ``<tool_call>\\n<function=NAME>\\n`` its parameters in the qwen_xml style; the engine
+    used to answer with SGLang's JSON array, as SGLang without xgrammar would); read back as
+    calls whose arguments follow the tools' schemas; streamed in pieces that add up to them."""
+    client = openai.OpenAI(base_url=coder_engine.url + "/v1", api_key="unused", max_retries=0)
+    ask = {**ASK, "tools": TOOLS}
+    for calls in _forced_answers(client, ask):
+        for call in calls:
+            arguments = json.loads(call.function.arguments)
+            assert all(type(v) is int and 0 <= v <= 9 for v in arguments.values()), call
+    native = _forced_sampling(coder_engine, "qwen3_coder")
+    tag = json.loads(native["structural_tag"])["format"]
+    assert tag["type"] == "triggered_tags" and tag["at_least_one"] is True
+    assert tag["tags"][1]["begin"] == "<tool_call>\n<function=mul>\n"
+    assert tag["tags"][1]["content"]["style"] == "qwen_xml"
+    forced = {**ask, "tool_choice": "required", "seed": 7}
+    (choice,) = client.chat.completions.create(**forced).choices
+    whole = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in choice.message.tool_calls or ()]  # fmt: skip
+    streamed = _streamed_calls(client, forced)
+    if choice.finish_reason == "length":
+        streamed = streamed[: len(whole)]
+    assert whole and whole == streamed
+
+
 # ---- glm45 ---------------------------------------------------------------------------------------
 
 GLM_PROPERTIES = {"city": {"type": "string"}, "days": {"type": "integer"},

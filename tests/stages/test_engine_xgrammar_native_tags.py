@@ -19,7 +19,12 @@ xgrammar: Any = pytest.importorskip("xgrammar")
 from stages.engine.native_tags import NATIVE_TAGS, native_tag  # noqa: E402
 from stages.engine.structural_format import format_grammar  # noqa: E402
 
-_MODEL = {"kimi_k2": "kimi"}  # the parser's model in xgrammar's registry
+_MODEL = {
+    "kimi_k2": "kimi",
+    "qwen3_coder": "qwen_3_coder",
+    "step3p5": "qwen_3_coder",
+    "nanbeige": "qwen_3_coder",
+}  # the parser's model in xgrammar's registry
 
 
 def _tools(rng: random.Random) -> list[dict[str, Any]]:
@@ -35,13 +40,21 @@ def _tools(rng: random.Random) -> list[dict[str, Any]]:
     return tools
 
 
+def _choices(tools: list[dict[str, Any]], rng: random.Random) -> list[Any]:
+    name = rng.choice(tools)["function"]["name"]
+    return ["required", "auto", {"type": "function", "function": {"name": name}}]
+
+
 @pytest.mark.parametrize("parser", sorted(NATIVE_TAGS))
 def test_the_tags_are_xgrammars_own_and_compile_here(parser: str) -> None:
+    """Where SGLang's detector passes the tools on as they are (Kimi's forced calls: see the
+    next test), the tag is xgrammar's builder's."""
     rng = random.Random(0)
     for _ in range(60):
         tools = _tools(rng)
-        name = rng.choice(tools)["function"]["name"]
-        for choice in ("required", "auto", {"type": "function", "function": {"name": name}}):
+        for choice in _choices(tools, rng):
+            if parser == "kimi_k2" and choice != "auto":
+                continue
             for parallel in (True, False):
                 ours = native_tag(parser, tools, choice, parallel=parallel)
                 theirs = xgrammar.get_model_structural_tag(
@@ -50,3 +63,27 @@ def test_the_tags_are_xgrammars_own_and_compile_here(parser: str) -> None:
                 ).model_dump()  # fmt: skip
                 assert ours == theirs, (tools, choice, parallel)
                 assert format_grammar(json.loads(json.dumps(ours)), json.dumps)
+
+
+@pytest.mark.parametrize("parser", sorted(NATIVE_TAGS))
+def test_the_tags_are_what_sglangs_detectors_send(parser: str) -> None:
+    """SGLang 0.5.23's ``FunctionCallParser.get_structure_constraint`` (with xgrammar on the
+    path, as SGLang installs it), for ``required``, a named function and ``auto`` with a
+    strict tool."""
+    pytest.importorskip("sglang.srt.function_call.function_call_parser")
+    from sglang.srt.entrypoints.openai.protocol import Tool, ToolChoice
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+    rng = random.Random(1)
+    for _ in range(60):
+        tools = _tools(rng)
+        for choice in _choices(tools, rng):
+            if choice == "auto" and not any(t["function"].get("strict") for t in tools):
+                continue  # SGLang constrains nothing then
+            for parallel in (True, False):
+                sglang = FunctionCallParser([Tool(**t) for t in tools], parser)
+                asked = ToolChoice(**choice) if isinstance(choice, dict) else choice
+                kind, tag = sglang.get_structure_constraint(asked, parallel_tool_calls=parallel)
+                theirs = json.loads(json.dumps(tag.model_dump(mode="json")))
+                assert kind == "structural_tag"
+                assert native_tag(parser, tools, choice, parallel=parallel) == theirs

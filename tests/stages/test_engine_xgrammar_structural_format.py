@@ -76,7 +76,7 @@ _SCHEMAS = [
     {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
 ]
 _VALUES = {0: ["0", "12", "-3"], 1: ['""', '"ab"', '"x"'], 2: ["true", "false"]}
-_VALUES[3] = ['{"a":1}', '{ "a" : 2 }', '{"a":-1}']
+_VALUES[3] = ['{"a":1}', '{ "a" : 2 }', '{"a":-1}', '{"a":1,"z":2}']  # the last: not strict
 _VALUES[4] = ["[]", "[1]", "[1, 2]"]
 
 
@@ -137,9 +137,10 @@ class _Gen:
             n = self.rng.randint(1, 3)
             alone = n == 1  # JSON values as alternatives: see the module's docstring
             free = tail and (n == 1 if kind == "or" else True)  # no free text in alternatives
-            # in a sequence of two or more, no part that may go on or be empty (the module's
-            # docstring: where two lexemes match at one place, llguidance's lexer commits)
-            fixed = quantified or (kind == "sequence" and n > 1)
+            # in a sequence or alternatives of two or more, no part that may go on or be empty
+            # (the module's docstring: where two lexemes match at one place, llguidance's
+            # lexer commits)
+            fixed = quantified or n > 1
             elements = [
                 self.fmt(d, free and (kind == "or" or i == n - 1), framed and alone, fixed)
                 for i in range(n)
@@ -240,13 +241,16 @@ class _Gen:
 
 
 def _literal_begins_another(fmt: Any, inside_or: bool = False) -> bool:
-    """Whether two strings under one ``or`` begin one another (``">"`` and ``">xb"``)."""
+    """Whether two strings under one ``or`` (literals, tags' begins) begin one another
+    (``">"`` and ``">xb"``)."""
     found: list[str] = []
 
     def walk(node: Any, under: bool) -> None:
         if isinstance(node, dict):
             if under and node.get("type") == "const_string":
                 found.append(node["value"])
+            if under and node.get("type") == "tag":
+                found.append(node["begin"])
             for value in node.values():
                 walk(value, under or node.get("type") == "or")
         elif isinstance(node, list):
@@ -282,3 +286,71 @@ def test_random_formats_accept_what_xgrammar_accepts(seed):
                 differences.append((json.dumps(fmt), text, ours, theirs))
     assert not differences, differences[:5]
     assert compared > 5000 and accepted > compared // 4 and refused < 40, (compared, accepted)
+
+
+# ---- qwen_xml (Qwen3-Coder's parameters) ------------------------------------------------------
+
+_XML_KINDS = {  # a property's schema, and values that follow it (raw, as written)
+    "string": ({"type": "string"}, ["Oslo", "a b\nc", "", " x ", "1 < 2"]),
+    "enum": ({"type": "string", "enum": ["on", "off"]}, ["on", " off\n", "of"]),
+    "short": ({"type": "string", "maxLength": 3}, ["ab", " abc ", "abcd", ""]),
+    "integer": ({"type": "integer"}, ["3", "\n-12\n", "1.5", "x"]),
+    "number": ({"type": "number"}, ["1.5", " 2 ", "1e3", "."]),
+    "boolean": ({"type": "boolean"}, ["true", " false ", "yes"]),
+    "object": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}},
+        ['{"a": 1}', " {} ", "{a}"],
+    ),
+    "array": ({"type": "array", "items": {"type": "integer"}}, ["[1, 2]", " [] ", "[x]"]),
+    "untyped": ({}, ["text", " [1] ", '{"k": "v"}', "{x"]),
+    "nullable": ({"type": ["string", "null"]}, ["null", "text", " "]),
+}
+
+
+def _xml_case(rng: random.Random) -> tuple[dict, list[str]]:
+    """A random object schema in the qwen_xml style and texts of its parameters."""
+    names = rng.sample(["city", "days", "opt", "x_1", "mode"], rng.randint(0, 4))
+    kinds = {n: rng.choice(list(_XML_KINDS)) for n in names}
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {n: _XML_KINDS[k][0] for n, k in kinds.items()},
+        "required": [n for n in names if rng.random() < 0.5],
+    }
+    if rng.random() < 0.3:
+        schema["additionalProperties"] = True
+    texts = []
+    for _ in range(8):
+        parts = []
+        for n in names:
+            if n in schema["required"] or rng.random() < 0.6:
+                value = rng.choice(_XML_KINDS[kinds[n]][1])
+                parts.append(rng.choice(["", "\n", " "]) + f"<parameter={n}>{value}</parameter>")
+        if schema.get("additionalProperties") and rng.random() < 0.5:
+            parts.append(f"\n<parameter=extra>{rng.choice(['v', ' 2 ', '[1]'])}</parameter>")
+        if rng.random() < 0.2 and len(parts) > 1:
+            rng.shuffle(parts)
+        texts.append("".join(parts) + rng.choice(["", "\n", " \n"]))
+    return schema, texts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_qwen_xml_parameters_accept_what_xgrammar_accepts(seed):
+    rng = random.Random(seed)
+    gen = _Gen(rng)
+    compared = accepted = 0
+    differences = []
+    for _ in range(150):
+        schema, texts = _xml_case(rng)
+        content = {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"}
+        fmt = {"type": "tag", "begin": "<f>\n", "content": content, "end": "\n</function>"}
+        grammar = _ours(fmt)
+        for body in texts + [gen.changed(t) for t in texts]:
+            text = "<f>\n" + body + "\n</function>"
+            ours, theirs = _we_accept(grammar, text), _xgrammar_accepts(fmt, text)
+            compared += 1
+            accepted += theirs
+            if ours != theirs:
+                differences.append((json.dumps(schema), text, ours, theirs))
+    differences.sort(key=lambda d: len(d[0]) + len(d[1]))
+    assert not differences, differences[:3]
+    assert compared > 2000 and accepted > compared // 5, (compared, accepted)
