@@ -26,7 +26,10 @@ as SGLang's default backend reads them (``stages.engine.structural_format``).
   parameters in the ``qwen_xml`` style (``stages.engine.qwen_xml``),
   ``\\n</function>\\n</tool_call>``; ``required`` one or more calls with free text around
   them (no ``<think>`` or ``</think>`` in it), a named function its call alone, ``auto`` free
-  text in which the call begins; one call with ``parallel_tool_calls`` false.
+  text in which the call begins; one call with ``parallel_tool_calls`` false;
+- ``deepseekv32`` (xgrammar's ``deepseek_v3_2``): a ``<|DSML|function_calls>`` block (its
+  bars fullwidth; after a blank line when forced) of ``<|DSML|invoke name="NAME">`` calls
+  whose parameters are in the ``deepseek_xml`` style (``stages.engine.qwen_xml``).
 """
 
 from __future__ import annotations
@@ -144,9 +147,50 @@ def _qwen_coder(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dic
     }
 
 
+_DSML = "\uff5cDSML\uff5c"
+_DS_INVOKE = f'<{_DSML}invoke name="'
+_DS_CALLS = f"<{_DSML}function_calls>"
+
+
+def _deepseek_call(tool: dict[str, Any]) -> dict[str, Any]:
+    content = {**_json(_parameters(tool)), "style": "deepseek_xml"}
+    begin = f'{_DS_INVOKE}{tool["function"]["name"]}">\n'
+    return {"type": "tag", "begin": begin, "content": content, "end": f"</{_DSML}invoke>\n"}
+
+
+def _deepseek_v32(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
+    calls = {
+        "type": "tags_with_separator",
+        "tags": [_deepseek_call(t) for t in tools],
+        "separator": "",
+        "at_least_one": True,
+        "stop_after_first": not parallel,
+    }
+    if choice == "auto":
+        block = {"type": "tag", "begin": f"{_DS_CALLS}\n", "content": calls,
+                 "end": f"</{_DSML}function_calls>"}  # fmt: skip
+        return {
+            "type": "triggered_tags",
+            "triggers": [_DS_CALLS],
+            "tags": [block],
+            "at_least_one": False,
+            "stop_after_first": not parallel,
+            "excludes": list(_THINK),
+        }
+    inner = _deepseek_call(tools[0]) if choice == "forced" else calls
+    return {
+        "type": "sequence",
+        "elements": [
+            {"type": "const_string", "value": f"\n\n{_DS_CALLS}\n"},
+            inner,
+            {"type": "const_string", "value": f"</{_DSML}function_calls>"},
+        ],
+    }
+
+
 # SGLang reads step3p5's and nanbeige's calls with its Qwen3CoderDetector, which names the model
 _BUILDERS = {"kimi_k2": _kimi, "qwen3_coder": _qwen_coder, "step3p5": _qwen_coder,
-             "nanbeige": _qwen_coder}  # fmt: skip
+             "nanbeige": _qwen_coder, "deepseekv32": _deepseek_v32}  # fmt: skip
 NATIVE_TAGS = frozenset(_BUILDERS)  # the parsers whose calls get a model-native tag here
 
 

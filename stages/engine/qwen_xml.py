@@ -31,8 +31,6 @@ from typing import Any
 __all__ = ["QwenXml"]
 
 _WS = "[ \\n\\r\\t]*"
-_CLOSE = "<\\/parameter>"
-_NOT_CLOSED = "/(.|\\n)*/ & ~/(.|\\n)*<\\/parameter>(.|\\n)*/"
 _NOTES = {"description", "title"}  # keywords that do not change what a value may be
 _SCALARS = {"integer", "number", "boolean", "null"}
 _OBJECT_RULES = {
@@ -42,14 +40,34 @@ _OBJECT_RULES = {
 }  # fmt: skip
 
 
-class QwenXml:
-    """Writes the rules of a ``qwen_xml`` value into a ``structural_format`` compiler's
-    grammar (``compiler.lines``, ``compiler.rule``)."""
+_DSML = "\uff5cDSML\uff5c"
+# each style's parameter: (the opening before the name, the regex of the rest of the opening,
+# the close)
+STYLES = {
+    "qwen_xml": ("<parameter=", ">", "</parameter>"),
+    "deepseek_xml": (
+        f'<{_DSML}parameter name="',
+        '" string="(true|false)">',
+        f"</{_DSML}parameter>",
+    ),
+}
 
-    def __init__(self, compiler: Any, error: type[Exception]) -> None:
+
+class QwenXml:
+    """Writes the rules of a ``qwen_xml`` value (or ``deepseek_xml``: DeepSeek V3.2's
+    ``<|DSML|parameter name="KEY" string="true|false">VALUE</|DSML|parameter>``, its bars
+    fullwidth, read the same way) into a ``structural_format`` compiler's grammar
+    (``compiler.lines``, ``compiler.rule``)."""
+
+    def __init__(self, compiler: Any, error: type[Exception], style: str = "qwen_xml") -> None:
         self.c = compiler
         self.error = error
         self.names: dict[str, str] = {}  # shared lexemes, by what they are
+        opening, self.after_name, close = STYLES[style]
+        self.opening = compiler.regex_literal(opening)
+        self.close = close
+        self.close_re = compiler.regex_literal(close)
+        self.style = style
 
     def shared(self, key: str, body: str) -> str:
         name = self.names.get(key)
@@ -68,10 +86,10 @@ class QwenXml:
         if schema is True or schema == {}:
             return self.c.rule("xml", f"{self.other(path, {})}* {tail}".strip())
         if not isinstance(schema, dict) or schema.get("type", "object") != "object":
-            raise self.error(f"{path}: a qwen_xml schema must be an object schema or true")
+            raise self.error(f"{path}: a {self.style} schema must be an object schema or true")
         extra = sorted(set(schema) & _OBJECT_RULES)
         if extra:  # keywords that would change which parameters may come (others are notes)
-            raise self.error(f"{path}.{extra[0]}: not supported in the qwen_xml style")
+            raise self.error(f"{path}.{extra[0]}: not supported in the {self.style} style")
         properties = schema.get("properties") or {}
         required = set(schema.get("required") or ())
         if not isinstance(properties, dict) or not set(required) <= set(properties):
@@ -80,7 +98,7 @@ class QwenXml:
         for name, value in properties.items():
             if not _is_name(name):
                 raise self.error(f"{path}.properties: {name!r} is not a parameter name")
-            opener = self.shared(f"open_{name}", f"/{_WS}<parameter={name}>/")
+            opener = self.shared(f"open_{name}", f"/{_WS}{self.opening}{name}{self.after_name}/")
             item = f"{opener} {self.value(value, f'{path}.properties.{name}')}"
             parts.append(item if name in required else f"({item})?")
         more = schema.get("additionalProperties", False)
@@ -90,7 +108,8 @@ class QwenXml:
 
     def other(self, path: str, schema: Any) -> str:
         """A parameter of any name whose value follows ``schema`` (``{}``/true: untyped)."""
-        opener = self.shared("open", f"/{_WS}<parameter=[a-zA-Z_][a-zA-Z0-9_]*>/")
+        name = "[a-zA-Z_][a-zA-Z0-9_]*"
+        opener = self.shared("open", f"/{_WS}{self.opening}{name}{self.after_name}/")
         value = self.value({} if schema is True else schema, path)
         return self.c.rule("xml_param", f"{opener} {value}")
 
@@ -110,7 +129,7 @@ class QwenXml:
             types = {c.get("type") for c in cases if isinstance(c, dict)}
             if "string" in types and types - {"string"} <= _SCALARS and len(types) == len(cases):
                 return self.raw_text()
-            raise self.error(f"{path}.anyOf: not supported in the qwen_xml style")
+            raise self.error(f"{path}.anyOf: not supported in the {self.style} style")
         if "enum" in schema or "const" in schema:
             options = schema["enum"] if "enum" in schema else [schema["const"]]
             if options and all(isinstance(o, str) for o in options):
@@ -126,24 +145,25 @@ class QwenXml:
             raise self.error(f"{path}: a string with {sorted(rest)[0]} is not supported here")
         if kinds in _SCALARS or kinds in ("object", "array") or "enum" in schema:
             value = self.c.rule("xml_json", f"%json {json.dumps(self.c.strict(schema))}")
-            close = self.shared("close", f"/{_WS}{_CLOSE}/")
+            close = self.shared("close", f"/{_WS}{self.close_re}/")
             return f"{self.ws()} {value} {close}"
-        raise self.error(f"{path}: this schema is not supported in the qwen_xml style")
+        raise self.error(f"{path}: this schema is not supported in the {self.style} style")
 
     def lexeme(self, pattern: str) -> str:
         """Whitespace, ``pattern``, whitespace and the close: one lexeme."""
         self.c.count += 1
         name = f"XML_VALUE_{self.c.count}"
-        self.c.lines.append(f"{name}: /{_WS}({pattern}){_WS}{_CLOSE}/")
+        self.c.lines.append(f"{name}: /{_WS}({pattern}){_WS}{self.close_re}/")
         return name
 
     def raw_text(self) -> str:
-        text = self.shared("text", _NOT_CLOSED)
-        return self.shared("string", f'{text} "</parameter>"')
+        not_closed = f"/(.|\\n)*/ & ~/(.|\\n)*{self.close_re}(.|\\n)*/"
+        text = self.shared("text", not_closed)
+        return self.shared("string", f"{text} {json.dumps(self.close)}")
 
     def untyped(self) -> str:
         """Raw text, or a JSON array or object with whitespace around it."""
-        close = self.shared("close", f"/{_WS}{_CLOSE}/")
+        close = self.shared("close", f"/{_WS}{self.close_re}/")
         json_any = self.c.rule("xml_json", '%json {"type": ["array", "object"]}')
         return self.c.rule("xml_any", f"{self.raw_text()} | {self.ws()} {json_any} {close}")
 

@@ -166,25 +166,26 @@ class _Compiler:
         if not isinstance(schema, dict):
             raise FormatError(f"{path}.json_schema: a JSON schema object or true is required")
         style = fmt.get("style", "json")
-        if style not in ("json", "qwen_xml"):
+        if style not in ("json", "qwen_xml", "deepseek_xml"):
             raise FormatError(
-                f"{path}.style: only 'json' and 'qwen_xml' are supported, not {style!r}"
+                f"{path}.style: only 'json', 'qwen_xml' and 'deepseek_xml' are supported, "
+                f"not {style!r}"
             )
         if fmt.get("any_order", False) is not False:
             raise FormatError(f"{path}.any_order: only false is supported")
         if fmt.get("max_whitespace_cnt") is not None:
             raise FormatError(f"{path}.max_whitespace_cnt: only null is supported")
-        if style == "qwen_xml":
-            return self.qwen_xml(fmt.get("json_schema"), f"{path}.json_schema", follow)
+        if style != "json":
+            return self.qwen_xml(fmt.get("json_schema"), f"{path}.json_schema", follow, style)
         body = f"%json {json.dumps(strict_objects(schema))}"
         return self.with_follow(self.rule("json", body), follow)
 
-    def qwen_xml(self, schema: Any, path: str, follow: Any) -> str:
+    def qwen_xml(self, schema: Any, path: str, follow: Any, style: str = "qwen_xml") -> str:
         """Qwen3-Coder's parameters (``stages.engine.qwen_xml``), then what follows, whose
         whitespace before it is one lexeme with its text."""
         self.follow = follow
         self.tail_only(path, "a qwen_xml value")
-        xml = QwenXml(self, FormatError)
+        xml = QwenXml(self, FormatError, style)
         if not isinstance(follow, tuple):
             return xml.grammar(True if schema is None else schema, path, xml.ws())
         tails = []

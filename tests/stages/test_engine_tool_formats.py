@@ -766,26 +766,39 @@ def test_a_forced_tool_choice_answers_with_deepseek_calls(deepseek_engine: Engin
     the structural tag of the detector's structure_info (deepseekv3_detector.py: the section
     marker, the call's tokens, "function", the name, a json code block; deepseekv31_detector.py:
     the call's tokens around the name and the JSON, triggered by the call's begin token;
-    deepseekv32_detector.py: a DSML invoke with a JSON body), read back as calls (bare calls
-    too: stages.engine.deepseek_calls, dsml_calls), streamed in pieces that add up to them; a
-    strict tool's arguments follow its parameters."""
+    deepseekv32: DeepSeek V3.2's own tag, as SGLang's detector gets it from xgrammar, DSML
+    invokes whose parameters are DSML parameter tags: native_tags.py), read back as calls (bare
+    calls too: stages.engine.deepseek_calls, dsml_calls), streamed in pieces that add up to
+    them; a strict tool's arguments follow its parameters."""
     from stages.engine.deepseek_calls import FRAMES
-    from stages.engine.dsml_calls import FRAMES as DSML_FRAMES
 
     parser = deepseek_engine.parser  # type: ignore[attr-defined]
     client = openai.OpenAI(base_url=deepseek_engine.url + "/v1", api_key="unused", max_retries=0)
+    # V3.2's parameter tags take a few hundred characters (a token each here) a call, and its
+    # reader takes none from a block never closed: one call, the block closed after it
     ask = {**ASK, "max_tokens": 120, "tools": TOOLS}
+    if parser == "deepseekv32":
+        ask.update(max_tokens=400, parallel_tool_calls=False)
     for calls in _forced_answers(client, ask):
-        assert all(0 <= v <= 9 for c in calls for v in json.loads(c.function.arguments).values())
+        # (a V3.2 parameter marked string="true", which xgrammar's tag leaves to the model, is
+        # read as its text: SGLang's detector)
+        values = [v for c in calls for v in json.loads(c.function.arguments).values()]
+        assert all(0 <= int(v) <= 9 for v in values), calls
     native = _forced_sampling(deepseek_engine, parser)
     tag = json.loads(native["structural_tag"])
-    before, _, after, end, trigger = {**FRAMES, **DSML_FRAMES}[parser]
-    assert tag["triggers"] == [trigger] and tag["at_least_one"] is True
-    assert tag["structures"][1] == {
-        "begin": before + "mul" + after,
-        "schema": TOOLS[1]["function"]["parameters"],
-        "end": end,
-    }
+    if parser == "deepseekv32":
+        calls = tag["format"]["elements"][1]
+        assert calls["at_least_one"] is True
+        assert calls["tags"][1]["begin"] == f'<{DSML}invoke name="mul">\n'
+        assert calls["tags"][1]["content"]["json_schema"] == TOOLS[1]["function"]["parameters"]
+    else:
+        before, _, after, end, trigger = FRAMES[parser]
+        assert tag["triggers"] == [trigger] and tag["at_least_one"] is True
+        assert tag["structures"][1] == {
+            "begin": before + "mul" + after,
+            "schema": TOOLS[1]["function"]["parameters"],
+            "end": end,
+        }
     forced = {**ask, "tool_choice": "required", "seed": 7}
     (choice,) = client.chat.completions.create(**forced).choices
     whole = [{"name": c.function.name, "arguments": c.function.arguments}
@@ -1538,10 +1551,22 @@ def test_deepseekv32_reads_dsml_invokes() -> None:
     assert (
         template_parsers(f"{{{{ '<{DSML}function_calls>' }}}}")["tool_call_parser"] == "deepseekv32"
     )
+    # forced: DeepSeek V3.2's own tag (native_tags.py, as SGLang's detector gets it from
+    # xgrammar), its parameters in the deepseek_xml style; the answer it holds reads back
     tag = json.loads(forced_calls(TOOLS, "deepseekv32", named=False, parallel=True)[
-        "structural_tag"])  # fmt: skip
-    assert tag["structures"][0]["begin"] == f'<{DSML}invoke name="add">'
-    assert tag["structures"][0]["end"] == f"</{DSML}invoke>"
+        "structural_tag"])["format"]  # fmt: skip
+    first, calls, last = tag["elements"]
+    assert first["value"] == f"\n\n<{DSML}function_calls>\n"
+    assert calls["tags"][0]["begin"] == f'<{DSML}invoke name="add">\n'
+    assert calls["tags"][0]["content"]["style"] == "deepseek_xml"
+    assert last["value"] == f"</{DSML}function_calls>"
+    from stages.engine.structural_format import format_grammar
+
+    answer = _dsml(_invoke("add", _param("a", "1", False) + _param("b", "2", False)), before="")
+    lark = format_grammar({"format": tag}, json.dumps)
+    assert lark and _whole("deepseekv32", answer)[1] == [
+        {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    ]
 
 
 @pytest.mark.parametrize("step", STEPS)

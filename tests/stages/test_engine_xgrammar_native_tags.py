@@ -19,12 +19,10 @@ xgrammar: Any = pytest.importorskip("xgrammar")
 from stages.engine.native_tags import NATIVE_TAGS, native_tag  # noqa: E402
 from stages.engine.structural_format import format_grammar  # noqa: E402
 
-_MODEL = {
-    "kimi_k2": "kimi",
-    "qwen3_coder": "qwen_3_coder",
-    "step3p5": "qwen_3_coder",
-    "nanbeige": "qwen_3_coder",
-}  # the parser's model in xgrammar's registry
+_MODEL = {  # the parser's model in xgrammar's registry
+    "kimi_k2": "kimi", "qwen3_coder": "qwen_3_coder", "step3p5": "qwen_3_coder",
+    "nanbeige": "qwen_3_coder", "deepseekv32": "deepseek_v3_2",
+}  # fmt: skip
 
 
 def _tools(rng: random.Random) -> list[dict[str, Any]]:

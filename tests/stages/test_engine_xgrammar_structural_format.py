@@ -288,7 +288,7 @@ def test_random_formats_accept_what_xgrammar_accepts(seed):
     assert compared > 5000 and accepted > compared // 4 and refused < 40, (compared, accepted)
 
 
-# ---- qwen_xml (Qwen3-Coder's parameters) ------------------------------------------------------
+# ---- qwen_xml and deepseek_xml (Qwen3-Coder's and DeepSeek V3.2's parameters) -----------------
 
 _XML_KINDS = {  # a property's schema, and values that follow it (raw, as written)
     "string": ({"type": "string"}, ["Oslo", "a b\nc", "", " x ", "1 < 2"]),
@@ -307,8 +307,18 @@ _XML_KINDS = {  # a property's schema, and values that follow it (raw, as writte
 }
 
 
-def _xml_case(rng: random.Random) -> tuple[dict, list[str]]:
-    """A random object schema in the qwen_xml style and texts of its parameters."""
+_DSML = "\uff5cDSML\uff5c"
+
+
+def _xml_param(style: str, name: str, value: str, rng: random.Random) -> str:
+    if style == "qwen_xml":
+        return f"<parameter={name}>{value}</parameter>"
+    string = rng.choice(["true", "false", "maybe"][: 2 + (rng.random() < 0.1)])
+    return f'<{_DSML}parameter name="{name}" string="{string}">{value}</{_DSML}parameter>'
+
+
+def _xml_case(rng: random.Random, style: str = "qwen_xml") -> tuple[dict, list[str]]:
+    """A random object schema in an XML style and texts of its parameters."""
     names = rng.sample(["city", "days", "opt", "x_1", "mode"], rng.randint(0, 4))
     kinds = {n: rng.choice(list(_XML_KINDS)) for n in names}
     schema: dict[str, Any] = {
@@ -324,24 +334,26 @@ def _xml_case(rng: random.Random) -> tuple[dict, list[str]]:
         for n in names:
             if n in schema["required"] or rng.random() < 0.6:
                 value = rng.choice(_XML_KINDS[kinds[n]][1])
-                parts.append(rng.choice(["", "\n", " "]) + f"<parameter={n}>{value}</parameter>")
+                parts.append(rng.choice(["", "\n", " "]) + _xml_param(style, n, value, rng))
         if schema.get("additionalProperties") and rng.random() < 0.5:
-            parts.append(f"\n<parameter=extra>{rng.choice(['v', ' 2 ', '[1]'])}</parameter>")
+            extra = rng.choice(["v", " 2 ", "[1]"])
+            parts.append("\n" + _xml_param(style, "extra", extra, rng))
         if rng.random() < 0.2 and len(parts) > 1:
             rng.shuffle(parts)
         texts.append("".join(parts) + rng.choice(["", "\n", " \n"]))
     return schema, texts
 
 
+@pytest.mark.parametrize("style", ["qwen_xml", "deepseek_xml"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_qwen_xml_parameters_accept_what_xgrammar_accepts(seed):
+def test_xml_parameters_accept_what_xgrammar_accepts(seed, style):
     rng = random.Random(seed)
     gen = _Gen(rng)
     compared = accepted = 0
     differences = []
     for _ in range(150):
-        schema, texts = _xml_case(rng)
-        content = {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"}
+        schema, texts = _xml_case(rng, style)
+        content = {"type": "json_schema", "json_schema": schema, "style": style}
         fmt = {"type": "tag", "begin": "<f>\n", "content": content, "end": "\n</function>"}
         grammar = _ours(fmt)
         for body in texts + [gen.changed(t) for t in texts]:
