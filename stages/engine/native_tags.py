@@ -34,9 +34,14 @@ as SGLang's default backend reads them (``stages.engine.structural_format``).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-__all__ = ["NATIVE_TAGS", "native_tag"]
+import structlog
+
+__all__ = ["NATIVE_TAGS", "native_tag", "served_tag"]
+
+_log = structlog.get_logger(__name__)
 
 _KIMI_CALL = "<|tool_call_begin|>"
 _KIMI_ARGS = "<|tool_call_argument_begin|>"
@@ -192,6 +197,24 @@ def _deepseek_v32(tools: list[dict[str, Any]], choice: str, parallel: bool) -> d
 _BUILDERS = {"kimi_k2": _kimi, "qwen3_coder": _qwen_coder, "step3p5": _qwen_coder,
              "nanbeige": _qwen_coder, "deepseekv32": _deepseek_v32}  # fmt: skip
 NATIVE_TAGS = frozenset(_BUILDERS)  # the parsers whose calls get a model-native tag here
+
+
+def served_tag(
+    parser: str, tools: list[dict[str, Any]], choice: Any, *, parallel: bool = True
+) -> dict[str, Any] | None:
+    """``native_tag``, or None where the engine's grammars cannot mean it as xgrammar does
+    (a tool schema ``structural_format`` refuses, such as a union of a string and an object in
+    an XML style): the caller then constrains the calls as it did before these tags, and the
+    difference is logged."""
+    from stages.engine.structural_format import FormatError, format_grammar
+
+    tag = native_tag(parser, tools, choice, parallel=parallel)
+    try:
+        format_grammar(tag, json.dumps)
+    except FormatError as exc:
+        _log.warning("native_tool_tag_not_served", parser=parser, reason=str(exc)[:300])
+        return None
+    return tag
 
 
 def native_tag(

@@ -36,7 +36,7 @@ _SCALARS = {"integer", "number", "boolean", "null"}
 _OBJECT_RULES = {
     "minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
     "dependentSchemas", "unevaluatedProperties", "if", "then", "else", "allOf", "anyOf",
-    "oneOf", "not", "$ref", "$defs", "definitions",
+    "oneOf", "not", "$ref",
 }  # fmt: skip
 
 
@@ -61,6 +61,8 @@ class QwenXml:
 
     def __init__(self, compiler: Any, error: type[Exception], style: str = "qwen_xml") -> None:
         self.c = compiler
+        self.defs: dict[str, Any] = {}
+        self.defs_key = "$defs"
         self.error = error
         self.names: dict[str, str] = {}  # shared lexemes, by what they are
         opening, self.after_name, close = STYLES[style]
@@ -90,6 +92,8 @@ class QwenXml:
         extra = sorted(set(schema) & _OBJECT_RULES)
         if extra:  # keywords that would change which parameters may come (others are notes)
             raise self.error(f"{path}.{extra[0]}: not supported in the {self.style} style")
+        self.defs = schema.get("$defs") or schema.get("definitions") or {}
+        self.defs_key = "$defs" if "$defs" in schema else "definitions"
         properties = schema.get("properties") or {}
         required = set(schema.get("required") or ())
         if not isinstance(properties, dict) or not set(required) <= set(properties):
@@ -119,6 +123,15 @@ class QwenXml:
             return self.untyped()
         if not isinstance(schema, dict):
             raise self.error(f"{path}: a schema object is required")
+        if "$ref" in schema:  # a definition of the schema's own: read as it is
+            ref = schema["$ref"]
+            name = ref.rsplit("/", 1)[-1] if isinstance(ref, str) else None
+            prefix = f"#/{self.defs_key}/"
+            if not isinstance(ref, str) or not ref.startswith(prefix) or name not in self.defs:
+                raise self.error(f"{path}.$ref: {ref!r} is not one of the schema's definitions")
+            if set(schema) - _NOTES - {"$ref"}:
+                raise self.error(f"{path}: a $ref with other keywords is not supported")
+            return self.value(self.defs[name], f"{path}.$ref")
         kinds = schema.get("type")
         if isinstance(kinds, list) and "string" in kinds:
             if not set(kinds) - {"string"} <= _SCALARS or set(schema) - _NOTES - {"type"}:
@@ -144,6 +157,8 @@ class QwenXml:
                 return self.lexeme(f"(.|\\n){count}")
             raise self.error(f"{path}: a string with {sorted(rest)[0]} is not supported here")
         if kinds in _SCALARS or kinds in ("object", "array") or "enum" in schema:
+            if self.defs:  # its references resolved against the schema's definitions
+                schema = {**schema, self.defs_key: self.defs}
             value = self.c.rule("xml_json", f"%json {json.dumps(self.c.strict(schema))}")
             close = self.shared("close", f"/{_WS}{self.close_re}/")
             return f"{self.ws()} {value} {close}"

@@ -84,7 +84,7 @@ from stages.engine.minicpm_calls import MiniCPM5Calls
 from stages.engine.minimax_calls import MiniMaxM2Calls
 from stages.engine.minimax_m3_calls import PARSES_WITHOUT_TOOLS, MiniMaxM3Calls
 from stages.engine.muse_calls import MuseCalls
-from stages.engine.native_tags import NATIVE_TAGS, native_tag
+from stages.engine.native_tags import NATIVE_TAGS, served_tag
 from stages.engine.partial_json import ListedCalls
 from stages.engine.poolside_calls import PoolsideCalls
 from stages.engine.pythonic_calls import PythonicCalls
@@ -237,8 +237,9 @@ def strict_calls(
     if not any(t["function"].get("strict") for t in tools):
         return None
     if parser in NATIVE_TAGS:
-        tag = native_tag(parser, tools, "auto", parallel=parallel is not False)
-        return {"structural_tag": json.dumps(tag)}
+        tag = served_tag(parser, tools, "auto", parallel=parallel is not False)
+        if tag is not None:
+            return {"structural_tag": json.dumps(tag)}
     if parser not in _FRAMES or parser in HARMONY_FRAMES:  # Harmony: see harmony.FRAMES
         return None
     return {"structural_tag": json.dumps(call_tag(tools, parser, at_least_one=False))}
@@ -258,8 +259,9 @@ def forced_calls(
     if parser in NATIVE_TAGS:  # the model's own tag (SGLang's detector names its model)
         name = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
         choice: Any = name if named else "required"
-        tag = native_tag(parser, tools, choice, parallel=parallel is not False)
-        return {"structural_tag": json.dumps(tag)}
+        tag = served_tag(parser, tools, choice, parallel=parallel is not False)
+        if tag is not None:
+            return {"structural_tag": json.dumps(tag)}
     if parser in _FRAMES:
         return {"structural_tag": json.dumps(call_tag(tools, parser))}
     if parser == "iquest_q1" and named:  # IQuestQ1JsonToolParser: the tool's arguments alone

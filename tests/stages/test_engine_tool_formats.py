@@ -1036,6 +1036,31 @@ def test_a_forced_tool_choice_answers_with_qwen3_coder_calls(coder_engine: Engin
     assert whole and whole == streamed
 
 
+def test_a_native_tag_the_grammars_cannot_mean_falls_back_to_the_frame_and_says_so() -> None:
+    """A tool whose parameters the XML styles cannot be written for here (a union of an object
+    and a string): the forced calls are constrained as before these tags (Qwen3-Coder:
+    SGLang's JSON array; DeepSeek V3.2: its frame's legacy tag), and a warning names why;
+    definitions the parameters refer to are followed."""
+    from stages.engine.native_tags import served_tag
+    from stages.engine.tool_calls import forced_calls
+
+    union = {"anyOf": [{"type": "object"}, {"type": "string"}]}
+    tools = [{"type": "function", "function": {"name": "get", "strict": True, "parameters": {
+        "type": "object", "properties": {"q": union}}}}]  # fmt: skip
+    with structlog.testing.capture_logs() as logs:
+        assert served_tag("qwen3_coder", tools, "required") is None
+    (warning,) = [e for e in logs if e["event"] == "native_tool_tag_not_served"]
+    assert warning["parser"] == "qwen3_coder" and "anyOf" in warning["reason"]
+    assert set(forced_calls(tools, "qwen3_coder", named=False, parallel=True)) == {"json_schema"}
+    legacy = json.loads(forced_calls(tools, "deepseekv32", named=False, parallel=True)[
+        "structural_tag"])  # fmt: skip
+    assert "structures" in legacy
+    refs = {"type": "object", "properties": {"q": {"$ref": "#/$defs/Q"}}, "$defs": {"Q": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}  # fmt: skip
+    tools[0]["function"]["parameters"] = refs
+    assert served_tag("qwen3_coder", tools, "required") is not None
+
+
 # ---- glm45 ---------------------------------------------------------------------------------------
 
 GLM_PROPERTIES = {"city": {"type": "string"}, "days": {"type": "integer"},
