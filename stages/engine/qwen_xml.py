@@ -31,7 +31,9 @@ from typing import Any
 __all__ = ["QwenXml"]
 
 _WS = "[ \\n\\r\\t]*"
-_NOTES = {"description", "title"}  # keywords that do not change what a value may be
+# keywords that do not change what a value may be
+_NOTES = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly",
+          "$comment"}  # fmt: skip
 _SCALARS = {"integer", "number", "boolean", "null"}
 _OBJECT_RULES = {
     "minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
