@@ -8,7 +8,9 @@
   ``aborts`` (how an aborted request ends);
 - sampling: ``sampling`` (temperature / top-k / top-p / min-p, the reported log-probs and
   finish tests, batched over slots), ``penalties`` (SGLang's penalizers and logit bias),
-  ``grammar`` (``json_schema``, ``regex``, ``ebnf``, ``structural_tag`` through llguidance);
+  ``grammar`` (``json_schema``, ``regex``, ``ebnf``, ``structural_tag`` through llguidance),
+  ``structural_format`` and ``qwen_xml`` (structural tags in xgrammar's newer ``format``
+  form, written for llguidance);
 - running: ``scheduler`` (continuous batching, shared prefills for identical prompts, weight
   updates between two decode steps), ``kv_batch`` (the preallocated slot KV cache that rows
   join and leave), ``prefix_cache`` (finished requests' KV in a bounded radix tree, so a next
@@ -17,7 +19,8 @@
   directory), ``lora_adapters``;
 - serving: ``server`` (the native routes), ``streaming`` and ``chunk_stream`` (``stream:
   true``), ``openai_api`` and ``openai_chat`` (``/v1``), ``tool_calls`` (reading and forcing
-  tool calls), ``lora_routes``, ``auth``, ``identity``, ``in_process`` (the engine inside
+  tool calls), ``native_tags`` (the models' own call tags SGLang forces calls with),
+  ``lora_routes``, ``auth``, ``identity``, ``in_process`` (the engine inside
   another process).
 
 ``bench/engine_profile.py`` measures a decode step against the model's own forward and the
