@@ -96,35 +96,51 @@ def _kimi(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str,
     if choice != "auto":  # KimiK2Detector.get_structural_tag: a tool that is not strict holds
         # its arguments to an object (Kimi's reader takes no other), strict in xgrammar's eyes
         tools = [t if t["function"].get("strict") else _object_args(t) for t in tools]
-    calls = {
+    return _block(
+        [_kimi_call(t) for t in tools], choice, parallel,
+        begin=_KIMI_SECTION, opening=_KIMI_SECTION, end=_KIMI_SECTION_END,
+        excludes=[*_THINK, _KIMI_CALL],
+    )  # fmt: skip
+
+
+def _block(
+    calls: list[dict[str, Any]],
+    choice: str,
+    parallel: bool,
+    *,
+    begin: str,
+    opening: str,
+    end: str,
+    excludes: list[str],
+) -> dict[str, Any]:
+    """A block of calls (``calls``: a tag a tool), as xgrammar frames Kimi's section and
+    DeepSeek V3.2's function calls: ``auto``, free text (without ``excludes``) in which
+    ``begin`` (its trigger: without a trailing newline) starts a block that ``end`` closes;
+    else ``opening``, one call or more (``required``) or the one tool's call (``forced``),
+    then ``end``."""
+    many = {
         "type": "tags_with_separator",
-        "tags": [_kimi_call(t) for t in tools],
+        "tags": calls,
         "separator": "",
         "at_least_one": True,
         "stop_after_first": not parallel,
     }
     if choice == "auto":
-        section = {
-            "type": "tag",
-            "begin": _KIMI_SECTION,
-            "content": calls,
-            "end": _KIMI_SECTION_END,
-        }
+        block = {"type": "tag", "begin": begin, "content": many, "end": end}
         return {
             "type": "triggered_tags",
-            "triggers": [_KIMI_SECTION],
-            "tags": [section],
+            "triggers": [begin.rstrip("\n")],
+            "tags": [block],
             "at_least_one": False,
             "stop_after_first": not parallel,
-            "excludes": [*_THINK, _KIMI_CALL],
+            "excludes": excludes,
         }
-    inner = _kimi_call(tools[0]) if choice == "forced" else calls
     return {
         "type": "sequence",
         "elements": [
-            {"type": "const_string", "value": _KIMI_SECTION},
-            inner,
-            {"type": "const_string", "value": _KIMI_SECTION_END},
+            {"type": "const_string", "value": opening},
+            calls[0] if choice == "forced" else many,
+            {"type": "const_string", "value": end},
         ],
     }
 
@@ -164,33 +180,11 @@ def _deepseek_call(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deepseek_v32(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
-    calls = {
-        "type": "tags_with_separator",
-        "tags": [_deepseek_call(t) for t in tools],
-        "separator": "",
-        "at_least_one": True,
-        "stop_after_first": not parallel,
-    }
-    if choice == "auto":
-        block = {"type": "tag", "begin": f"{_DS_CALLS}\n", "content": calls,
-                 "end": f"</{_DSML}function_calls>"}  # fmt: skip
-        return {
-            "type": "triggered_tags",
-            "triggers": [_DS_CALLS],
-            "tags": [block],
-            "at_least_one": False,
-            "stop_after_first": not parallel,
-            "excludes": list(_THINK),
-        }
-    inner = _deepseek_call(tools[0]) if choice == "forced" else calls
-    return {
-        "type": "sequence",
-        "elements": [
-            {"type": "const_string", "value": f"\n\n{_DS_CALLS}\n"},
-            inner,
-            {"type": "const_string", "value": f"</{_DSML}function_calls>"},
-        ],
-    }
+    return _block(
+        [_deepseek_call(t) for t in tools], choice, parallel,
+        begin=f"{_DS_CALLS}\n", opening=f"\n\n{_DS_CALLS}\n", end=f"</{_DSML}function_calls>",
+        excludes=list(_THINK),
+    )  # fmt: skip
 
 
 # SGLang reads step3p5's and nanbeige's calls with its Qwen3CoderDetector, which names the model
