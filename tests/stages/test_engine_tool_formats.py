@@ -667,6 +667,18 @@ def _forced_answers(client: openai.OpenAI, ask: dict[str, Any]) -> Iterator[list
             yield c.message.tool_calls
 
 
+def _streamed_as_whole(client: openai.OpenAI, forced: dict[str, Any]) -> None:
+    """``forced``'s first choice has calls, and its stream's pieces add up to them (an answer
+    cut short: its last call, cut short too, streamed and closed, but not in the whole)."""
+    (choice,) = client.chat.completions.create(**forced).choices
+    whole = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in choice.message.tool_calls or ()]  # fmt: skip
+    streamed = _streamed_calls(client, forced)
+    if choice.finish_reason == "length":
+        streamed = streamed[: len(whole)]
+    assert whole and whole == streamed
+
+
 def _streamed_calls(client: openai.OpenAI, ask: dict[str, Any]) -> list[dict[str, str]]:
     """The calls of the first choice of ``ask`` streamed, its pieces added up."""
     pieces: dict[int, dict[str, str]] = {}
@@ -799,14 +811,7 @@ def test_a_forced_tool_choice_answers_with_deepseek_calls(deepseek_engine: Engin
             "schema": TOOLS[1]["function"]["parameters"],
             "end": end,
         }
-    forced = {**ask, "tool_choice": "required", "seed": 7}
-    (choice,) = client.chat.completions.create(**forced).choices
-    whole = [{"name": c.function.name, "arguments": c.function.arguments}
-             for c in choice.message.tool_calls or ()]  # fmt: skip
-    streamed = _streamed_calls(client, forced)
-    if choice.finish_reason == "length":  # a last call cut short: streamed, closed (unsent)
-        streamed = streamed[: len(whole)]
-    assert whole and whole == streamed
+    _streamed_as_whole(client, {**ask, "tool_choice": "required", "seed": 7})
 
 
 def _deepseek(parser: str, *calls: tuple[str, str], before: str = "", after: str = "") -> str:
@@ -990,14 +995,7 @@ def test_a_forced_tool_choice_answers_with_kimi_calls(kimi_engine: Engine) -> No
     index, arguments, schema = calls["tags"][1]["content"]["elements"]
     assert index["pattern"] == r"\d+" and arguments["value"] == KIMI_ARGUMENTS
     assert schema["json_schema"] == TOOLS[1]["function"]["parameters"]
-    forced = {**ask, "tool_choice": "required", "seed": 7}
-    (choice,) = client.chat.completions.create(**forced).choices
-    whole = [{"name": c.function.name, "arguments": c.function.arguments}
-             for c in choice.message.tool_calls or ()]  # fmt: skip
-    streamed = _streamed_calls(client, forced)
-    if choice.finish_reason == "length":
-        streamed = streamed[: len(whole)]
-    assert whole and whole == streamed
+    _streamed_as_whole(client, {**ask, "tool_choice": "required", "seed": 7})
 
 
 @pytest.fixture(scope="module")
@@ -1026,14 +1024,7 @@ def test_a_forced_tool_choice_answers_with_qwen3_coder_calls(coder_engine: Engin
     assert tag["type"] == "triggered_tags" and tag["at_least_one"] is True
     assert tag["tags"][1]["begin"] == "<tool_call>\n<function=mul>\n"
     assert tag["tags"][1]["content"]["style"] == "qwen_xml"
-    forced = {**ask, "tool_choice": "required", "seed": 7}
-    (choice,) = client.chat.completions.create(**forced).choices
-    whole = [{"name": c.function.name, "arguments": c.function.arguments}
-             for c in choice.message.tool_calls or ()]  # fmt: skip
-    streamed = _streamed_calls(client, forced)
-    if choice.finish_reason == "length":
-        streamed = streamed[: len(whole)]
-    assert whole and whole == streamed
+    _streamed_as_whole(client, {**ask, "tool_choice": "required", "seed": 7})
 
 
 def test_a_native_tag_the_grammars_cannot_mean_falls_back_to_the_frame_and_says_so() -> None:
