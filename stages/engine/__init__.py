@@ -18,7 +18,8 @@
   ``model_weights`` (load named tensors in place), ``loader`` (model + tokenizer from a
   directory), ``lora_adapters``;
 - serving: ``server`` (the native routes), ``streaming`` and ``chunk_stream`` (``stream:
-  true``), ``openai_api`` and ``openai_chat`` (``/v1``), ``tool_calls`` (reading and forcing
+  true``), ``openai_api`` and ``openai_chat`` (``/v1``), ``template_dump`` (a chat request's
+  messages and tools as the template sees them at SGLang), ``tool_calls`` (reading and forcing
   tool calls), ``native_tags`` (the models' own call tags SGLang forces calls with),
   ``lora_routes``, ``auth``, ``identity``, ``in_process`` (the engine inside
   another process).

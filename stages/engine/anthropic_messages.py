@@ -512,12 +512,16 @@ def _tools(body: dict[str, Any], chat_body: dict[str, Any]) -> None:
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise OpenAIError(f"tools.{i}.custom.input_schema: Field required", "tools")
-        schema = schema if "type" in schema else {"type": "object", **schema}
-        functions.append({
+        # its validator adds the type last (AnthropicCustomTool._ensure_object_schema)
+        schema = schema if "type" in schema else {**schema, "type": "object"}
+        function = {
             "type": "function",
             "function": {"name": tool["name"], "description": tool.get("description") or "",
                          "parameters": schema, "strict": bool(tool.get("strict", False))},
-        })  # fmt: skip
+        }  # fmt: skip
+        if tool.get("defer_loading") is not None:  # the chat tool's (serving.py:676)
+            function["defer_loading"] = tool["defer_loading"]
+        functions.append(function)
     if functions:
         chat_body["tools"] = functions
     choice = body.get("tool_choice")

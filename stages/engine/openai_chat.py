@@ -115,6 +115,14 @@ from stages.engine.reasoning import (
 )
 from stages.engine.streaming import Progress
 from stages.engine.template_detection import resolve_auto
+from stages.engine.template_dump import (
+    BOOL_FIELDS,
+    DumpError,
+    content_format,
+    lax_bool,
+    template_message,
+    template_tool,
+)
 from stages.engine.token_bytes import TokenBytes, token_bytes
 from stages.engine.tool_calls import (
     NATIVE_FORCED,
@@ -132,7 +140,6 @@ __all__ = ["ChatSettings", "chat_request", "chat_response", "chat_stream"]
 log = structlog.get_logger("stages.engine.openai_chat")
 
 _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
-_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 # set above from their own rules, or not fields of a chat request (json_schema comes as
 # response_format)
 _NOT_SAMPLING = frozenset({*_DEFAULTS, "max_tokens", "json_schema"})
@@ -174,6 +181,14 @@ class ChatSettings:
         the reasoning parser: SGLang's template manager reads it from every template."""
         template = self.template or getattr(self.tokenizer, "chat_template", None)
         return template_toggle(template if isinstance(template, str) else None)[1]
+
+    @functools.cached_property
+    def content_format(self) -> str:
+        """Whether the template takes a message's content as a list of parts (``"openai"``)
+        or as text (``"string"``), as SGLang's template manager detects it
+        (``template_dump.content_format``)."""
+        template = self.template or getattr(self.tokenizer, "chat_template", None)
+        return content_format(template if isinstance(template, str) else None)
 
     @classmethod
     def of(
@@ -363,8 +378,16 @@ def chat_request(
             "values for keyword argument 'add_generation_prompt'",
             "chat_template_kwargs",
         )
-    template_tools = tools if tools and choice != "none" else None
-    rendered = [_message(m, i) for i, m in enumerate(messages)]
+    # as SGLang hands them to the template (protocol.Tool.model_dump(): template_tools)
+    kept = {t["function"]["name"] for t in tools} if choice != "none" else set()
+    template_tools = [
+        template_tool(raw) for raw in body.get("tools") or () if raw["function"]["name"] in kept
+    ] or None
+    try:  # as SGLang's pydantic models dump them for the template (template_dump)
+        fmt = settings.content_format
+        rendered = [template_message(m, i, fmt) for i, m in enumerate(messages)]
+    except DumpError as exc:
+        raise OpenAIError(str(exc), exc.field) from None
     prefix = None
     continued = bool(body.get("continue_final_message"))
     if add_generation_prompt is None or continued:
@@ -982,53 +1005,20 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
             raise OpenAIError(f"{where}.function.parameters: expected a JSON schema", "tools")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise OpenAIError(f"{where}.function.description: expected a string", "tools")
+        bools = [(f"function.{key}", fn.get(key)) for key in BOOL_FIELDS]
+        for name, value in [*bools, ("defer_loading", tool.get("defer_loading"))]:
+            try:  # pydantic's reading of an optional bool (SGLang's Function and Tool)
+                lax_bool(value)
+            except ValueError as exc:
+                raise OpenAIError(f"{where}.{name}: {exc}", "tools") from None
         fn = {k: v for k, v in fn.items() if v is not None}
+        if "strict" in fn:
+            fn["strict"] = lax_bool(fn["strict"])
         tools.append({"type": "function", "function": fn})
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise OpenAIError("Tool names must be unique across request and message tools.", "tools")
     return tools
-
-
-def _message(raw: Any, i: int) -> dict[str, Any]:
-    """A message as chat templates take it."""
-    where = f"messages[{i}]"
-    if not isinstance(raw, dict) or raw.get("role") not in _ROLES:
-        raise OpenAIError(f"{where}.role: one of {', '.join(_ROLES)} is required", "messages")
-    message = {k: v for k, v in raw.items() if v is not None}
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                raise OpenAIError(
-                    f"{where}.content[{j}]: the built-in engine takes text parts only", "messages"
-                )
-            texts.append(str(part.get("text", "")))
-        message["content"] = " ".join(texts)
-    elif content is not None and not isinstance(content, str):
-        raise OpenAIError(f"{where}.content: expected a string or a list of parts", "messages")
-    calls = message.get("tool_calls")
-    if calls is not None:
-        if not isinstance(calls, list):
-            raise OpenAIError(f"{where}.tool_calls: expected a list", "messages")
-        message["tool_calls"] = [
-            _call_for_template(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
-        ]
-    return message
-
-
-def _call_for_template(call: Any, where: str) -> dict[str, Any]:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise OpenAIError(f"{where}.function.name: a string is required", "messages")
-    arguments = fn.get("arguments")
-    if isinstance(arguments, str):  # SGLang: parsed for the template
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as exc:
-            raise OpenAIError(f"{where}.function.arguments: not JSON ({exc})", "messages") from exc
-    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def _tool_call(call: Mapping[str, str], index: int, kimi_from: int | None = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import string
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from transformers import PreTrainedTokenizerFast
 
 from stages.engine.openai_api import OpenAIError
 from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
+from stages.engine.template_dump import DumpError, content_format, template_message
 from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
 from tests.stages.tiny_model import make_tiny_model
+from tests.stages.tool_tokenizers import QWEN_LIKE, char_tokenizer
 
 # Word-level, as the tiny tokenizer is (w<N> words); the comment names the tool-call format, so
 # the engine reads <tool_call> blocks in answers to requests with tools.
@@ -364,6 +367,72 @@ def test_a_request_with_tools_keeps_special_tokens_in_the_text(chat_engine: Engi
     for other in ({}, {"tools": TOOLS, "tool_choice": "none"}):
         native, _ = chat_request({**body, **other}, settings, 64)
         assert "skip_special_tokens" not in native["sampling_params"]
+
+
+def test_the_template_sees_the_tools_as_sglangs_pydantic_dump_of_them() -> None:
+    """serving_chat._process_messages passes the template ``[tool.model_dump() ...]``
+    (protocol.Tool, Function._serialize): the function's fields in the client's order, a
+    missing description or parameters null, strict and defer_loading only where set (read as
+    pydantic reads a bool), keys that are no field dropped, and the tool's defer_loading null
+    when not given; a named tool_choice shows the template that tool alone. A strict that is no
+    bool: 400."""
+    tokenizer = char_tokenizer(string.printable, template=QWEN_LIKE)
+    settings = ChatSettings(tokenizer, None)
+    tools = [
+        {"type": "function", "function": {"parameters": {"type": "object"}, "name": "add",
+                                          "strict": "yes", "examples": [1]}},
+        {"function": {"name": "neg", "description": "minus"}, "defer_loading": "off"},
+    ]  # fmt: skip
+    native, _ = chat_request({"messages": HELLO, "tools": tools}, settings, 4096)
+    text = tokenizer.decode(native["input_ids"])
+    assert (
+        '{"type": "function", "function": {"parameters": {"type": "object"}, "name": "add", '
+        '"strict": true, "description": null}, "defer_loading": null}\n'
+        '{"type": "function", "function": {"name": "neg", "description": "minus", '
+        '"parameters": null, "defer_loading": false}, "defer_loading": false}\n'
+    ) in text
+    named = {"type": "function", "function": {"name": "neg"}}
+    native, _ = chat_request(
+        {"messages": HELLO, "tools": tools, "tool_choice": named}, settings, 4096
+    )
+    assert '"add"' not in tokenizer.decode(native["input_ids"])
+    bad = [{"type": "function", "function": {"name": "add", "strict": 2}}]
+    with pytest.raises(OpenAIError, match=r"tools\[0\]\.function\.strict: Input should be"):
+        chat_request({"messages": HELLO, "tools": bad}, settings, 4096)
+
+
+def test_the_template_sees_the_messages_as_sglangs_pydantic_dump_of_them() -> None:
+    """serving_chat._process_messages on ChatCompletionMessageParam dumps: a user message's
+    name dropped, another role's fields in the model's order with nulls out (content ""), its
+    history calls as ToolCalls (index null) with parsed arguments; a template that iterates
+    over a message's content gets the parts, a tool message's text parts joined."""
+    messages = [
+        {"name": "bob", "role": "user", "content": "hi", "extra": 1},
+        {"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+         "role": "Assistant", "content": None},
+        {"role": "tool", "content": [{"type": "text", "text": "2"}, {"type": "text", "text": "3"}],
+         "tool_call_id": "c1"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]  # fmt: skip
+    assert [template_message(m, i, "openai") for i, m in enumerate(messages)] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "c1", "index": None, "type": "function",
+            "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2 3"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]  # fmt: skip
+    assert template_message(messages[3], 3, "string")["content"] == "a b"
+    assert content_format(QWEN_LIKE) == "string"
+    loops = "{% for m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}"
+    assert content_format(loops) == "openai"
+    for arguments, words in (("[1]", "a JSON object"), ("{", "valid JSON")):
+        bad = {
+            "role": "assistant",
+            "tool_calls": [{"function": {"name": "f", "arguments": arguments}}],
+        }
+        with pytest.raises(DumpError, match=words):
+            template_message(bad, 0, "string")
 
 
 def test_a_streamed_call_cut_short_gets_the_rest_of_its_arguments_at_the_end() -> None:

@@ -13,7 +13,7 @@ import anthropic
 import pytest
 import requests
 
-from stages.engine.anthropic_messages import _messages
+from stages.engine.anthropic_messages import _messages, _tools
 from tests.stages.test_engine_grammar import TOOLS
 from tests.stages.test_engine_responses import client, engine, model  # noqa: F401
 
@@ -191,6 +191,22 @@ def test_messages_become_chat_messages_as_sglang_makes_them() -> None:
                                               "function": {"name": "f", "arguments": '{"a": 1}'}}]},
         {"role": "assistant", "reasoning_content": "hm", "content": ""},
     ]  # fmt: skip
+
+
+def test_custom_tools_become_chat_tools_as_sglang_makes_them() -> None:
+    """anthropic/serving.py:676: a custom tool's function (its description "" when missing,
+    strict false), its ``defer_loading`` on the chat tool; protocol.py:146: a schema without a
+    type gets ``object`` after its own keys."""
+    chat_body: dict = {}
+    body = {"tools": [{"name": "f", "input_schema": {"properties": {}}, "defer_loading": True}]}
+    _tools(body, chat_body)
+    assert chat_body["tools"] == [{
+        "type": "function",
+        "function": {"name": "f", "description": "",
+                     "parameters": {"properties": {}, "type": "object"}, "strict": False},
+        "defer_loading": True,
+    }]  # fmt: skip
+    assert list(chat_body["tools"][0]["function"]["parameters"]) == ["properties", "type"]
 
 
 @pytest.mark.timeout(60)
