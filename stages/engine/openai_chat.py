@@ -168,6 +168,8 @@ class ChatSettings:
     # the served model's config.json model_type: gpt-oss and Gemma 4 answers keep their special
     # tokens, which are their formats (serving_chat's is_gpt_oss, is_gemma4)
     model_type: str | None = None
+    # --default-chat-template-kwargs: every request's where its own leave them unset
+    default_kwargs: dict[str, Any] = field(default_factory=dict)
     renderer: TemplateRenderer = field(init=False, repr=False)
     token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 
@@ -199,6 +201,7 @@ class ChatSettings:
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        default_kwargs: dict[str, Any] | None = None,
     ) -> ChatSettings | None:
         """From the loaded model (None without a tokenizer). ``chat_template``: a Jinja
         template, or a file holding one; ``tool_call_parser``: one of ``PARSERS``, ``auto``
@@ -239,6 +242,7 @@ class ChatSettings:
             if reasoning_parser is None
             else ReasoningSettings.of(reasoning_parser, template, tokenizer),
             _model_type(model_dir),
+            dict(default_kwargs or {}),
         )
 
     def render(
@@ -353,19 +357,25 @@ def chat_request(
         raise OpenAIError(str(exc), exc.field) from None
     if request_kwargs is not None and not isinstance(request_kwargs, dict):
         raise OpenAIError("chat_template_kwargs: Input should be a valid dictionary")
-    if settings.reasoning is not None and settings.reasoning.effort_levels:
+    hunyuan = settings.reasoning is not None and settings.reasoning.effort_levels
+    if not hunyuan and isinstance(request_kwargs, dict) and "reasoning_effort" in request_kwargs:
+        # serving_chat.py:1291-1307: the kwarg moves into reasoning_effort, over the field
+        request_kwargs = dict(request_kwargs)
+        moved = request_kwargs.pop("reasoning_effort")
+        if moved is not None:
+            effort = moved
+    if settings.default_kwargs:  # --default-chat-template-kwargs (serving_chat.py:1805):
+        # under the request's own; a default reasoning_effort where the request has none
+        request_kwargs = {**settings.default_kwargs, **(request_kwargs or {})}
+        if effort is None and request_kwargs.get("reasoning_effort") is not None:
+            effort = request_kwargs["reasoning_effort"]
+    if hunyuan:
         # Hunyuan's effort template (serving_chat.py:1817): the effort as it takes it, the kwarg
         # taken out; SGLang's 400 for one it does not take (serving_base.py:123, its ValueError)
         try:
             effort, request_kwargs = hunyuan_effort(effort, request_kwargs)
         except ValueError as exc:
             raise OpenAIError(str(exc), kind="BadRequest") from None
-    elif isinstance(request_kwargs, dict) and "reasoning_effort" in request_kwargs:
-        # serving_chat.py:1291-1307: the kwarg moves into reasoning_effort, over the field
-        request_kwargs = dict(request_kwargs)
-        moved = request_kwargs.pop("reasoning_effort")
-        if moved is not None:
-            effort = moved
     kwargs = {} if effort is None else {"reasoning_effort": effort}
     kwargs.update(request_kwargs or {})
     toggle = settings.toggle

@@ -320,7 +320,7 @@ def decisions_request(
         raise OpenAIError(validation_message(exc), kind=BAD_REQUEST) from None
     always, toggle = _template_reasoning(settings)  # the template read once a request
     _check_request(request, served_model_name, always, toggle)
-    kwargs = {**({toggle: False} if toggle is not None else {}), **request.chat_template_kwargs}
+    kwargs = template_kwargs(settings, toggle, request.chat_template_kwargs)
     text = as_text(request.input)
     prompts, labels = [], []
     for question in request.questions:
@@ -364,6 +364,15 @@ def _check_request(request: DecisionRequest, served: str, always: bool, toggle: 
     refusal = reasoning_refusal(always, toggle, request.chat_template_kwargs, ROUTE)
     if refusal is not None:
         raise OpenAIError(refusal)
+
+
+def template_kwargs(settings: Any, toggle: str | None, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The template's kwargs (``_chat_template_kwargs``): reasoning off, then the server's
+    ``--default-chat-template-kwargs``, then the request's."""
+    kwargs: dict[str, Any] = {toggle: False} if toggle is not None else {}
+    for key, value in (getattr(settings, "default_kwargs", None) or {}).items():
+        kwargs.setdefault(key, value)
+    return {**kwargs, **given}
 
 
 def reasoning_refusal(

@@ -120,6 +120,7 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             max_body=int(args.max_request_mb * 2**20),
             api_key=api_key,
             chat_template=args.chat_template,
+            default_chat_template_kwargs=args.default_chat_template_kwargs,
             engine_id=os.environ.get(ENGINE_ID_ENV) or None,
             served_model_name=args.served_model_name,
             request_log=request_log_of(args),
@@ -137,6 +138,7 @@ def build_pooling_app(
     max_body: int = 256 * 2**20,
     api_key: str | None = None,
     chat_template: str | None = None,
+    default_chat_template_kwargs: dict[str, Any] | None = None,
     engine_id: str | None = None,
     served_model_name: str | None = None,
     request_log: RequestLog | None = None,
@@ -161,7 +163,12 @@ def build_pooling_app(
     ParseRoutes(loaded.tokenizer).add_to(app)
     for method in ("GET", "POST"):
         app.router.add_route(method, "/flush_cache", _flush_cache)
-    chat = ChatSettings.of(loaded.tokenizer, loaded.path, chat_template=chat_template)
+    chat = ChatSettings.of(
+        loaded.tokenizer,
+        loaded.path,
+        chat_template=chat_template,
+        default_kwargs=default_chat_template_kwargs,
+    )
     TokenizeRoutes(loaded, chat).add_to(app)
     cards = OpenAIRoutes(
         _no_generation, _no_generation, None, served_model_name=name,

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -183,6 +184,7 @@ def build_app(
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    default_chat_template_kwargs: dict[str, Any] | None = None,
     engine_id: str | None = None,
     response_store: bool = False,
     cache_report: bool = False,
@@ -229,6 +231,7 @@ def build_app(
         chat_template=chat_template,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        default_kwargs=default_chat_template_kwargs,
     )
     app[_PARSERS] = {"reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
     loaded.kept_stop_ids = kept_stop_ids(loaded.tokenizer, tool_call_parser)
@@ -970,6 +973,12 @@ def _parser() -> argparse.ArgumentParser:
         "the tokenizer's (SGLang's flag)",
     )
     parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        help="chat template kwargs every chat request gets where its own chat_template_kwargs "
+        "leave them unset, as JSON (SGLang's flag: '{\"enable_thinking\": false}')",
+    )
+    parser.add_argument(
         "--tool-call-parser",
         choices=["auto", *TOOL_CALL_PARSERS],
         help="read tool calls in answers to /v1/chat/completions with tools in this format "
@@ -1317,6 +1326,17 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.stop()
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """``--default-chat-template-kwargs``' value: a JSON object (SGLang's check and words)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must decode to a JSON object")
+    return value
+
+
 def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]:
     """``build_app``'s options from the server's flags: an engine process and one in the
     generator's process (``stages.engine.in_process``) serve alike."""
@@ -1326,6 +1346,7 @@ def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]
         "chat_template": args.chat_template,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
+        "default_chat_template_kwargs": args.default_chat_template_kwargs,
         "engine_id": os.environ.get(ENGINE_ID_ENV) or None,
         "response_store": args.enable_response_store,
         "cache_report": args.enable_cache_report,

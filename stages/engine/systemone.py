@@ -82,6 +82,7 @@ from stages.engine.openai_decisions import (
     label_token_id,
     reasoning_refusal,
     render_question,
+    template_kwargs,
 )
 from stages.engine.openai_score import label_scores
 from stages.engine.request_body import _json_media, dumps, loads
@@ -299,7 +300,7 @@ def systemone_request(
     label ids, scored as ``/v1/decisions`` scores them; Refused with SGLang's words."""
     check_request(request, settings, served_model_name)
     _, toggle = _template_reasoning(settings)
-    kwargs = {**({toggle: False} if toggle is not None else {}), **request.chat_template_kwargs}
+    kwargs = template_kwargs(settings, toggle, request.chat_template_kwargs)
     text = as_text(request.state)
     prompts, labels, views = [], [], []
     pairs: list[str] | None = None  # read once a request, when a question needs them

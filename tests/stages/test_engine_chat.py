@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from stages.engine.openai_api import OpenAIError
 from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
+from stages.engine.openai_decisions import template_kwargs
 from stages.engine.template_dump import DumpError, content_format, template_message
 from stages.engine.tool_calls import StreamingToolCalls, ToolCallParser
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
@@ -433,6 +434,39 @@ def test_the_template_sees_the_messages_as_sglangs_pydantic_dump_of_them() -> No
         }
         with pytest.raises(DumpError, match=words):
             template_message(bad, 0, "string")
+
+
+def test_default_chat_template_kwargs_fill_what_a_request_leaves_unset() -> None:
+    """serving_chat.py:1805 (--default-chat-template-kwargs): each default set where the
+    request's chat_template_kwargs leave it unset, a default reasoning_effort the request's
+    where it has none; the template and the thinking decision see the merged kwargs."""
+    template = (
+        "{% if enable_thinking is false %}NOTHINK {% endif %}effort={{ reasoning_effort }} "
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    tokenizer = char_tokenizer(string.printable, template=template)
+    defaults = {"enable_thinking": False, "reasoning_effort": "low"}
+    settings = ChatSettings(tokenizer, None, default_kwargs=defaults)
+
+    def rendered(body: dict) -> str:
+        native, _ = chat_request({"messages": [{"role": "user", "content": "hi"}], **body},
+                                 settings, 4096)  # fmt: skip
+        return tokenizer.decode(native["input_ids"])
+
+    assert rendered({}) == "NOTHINK effort=low hi"
+    # the field sets enable_thinking; the template gets the kwargs after the field, the
+    # default's effort among them (_apply_jinja_template's extra_template_kwargs)
+    assert rendered({"reasoning_effort": "high"}) == "effort=low hi"
+    assert rendered({"chat_template_kwargs": {"enable_thinking": True}}) == "effort=low hi"
+    # the request's kwarg moved into its field first (serving_chat.py:1291): the default's again
+    assert rendered({"chat_template_kwargs": {"reasoning_effort": "medium"}}) == (
+        "NOTHINK effort=low hi"
+    )
+    # /v1/decisions' (serving_decisions._chat_template_kwargs): reasoning off, defaults, request
+    kwargs = template_kwargs(settings, "enable_thinking", {"x": 1})
+    assert kwargs == {"enable_thinking": False, "reasoning_effort": "low", "x": 1}
+    settings.default_kwargs = {}
+    assert rendered({}) == "effort= hi"
 
 
 def test_a_streamed_call_cut_short_gets_the_rest_of_its_arguments_at_the_end() -> None:

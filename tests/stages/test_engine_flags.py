@@ -62,6 +62,19 @@ def test_sglang_flags_the_engine_cannot_honour_are_refused(flags: list[str]) -> 
         parse_args(["--model", "m", *flags])
 
 
+def test_default_chat_template_kwargs_must_be_a_json_object(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SGLang's ``--default-chat-template-kwargs`` (arg_groups/serving_hook.py:498)."""
+    flag = "--default-chat-template-kwargs"
+    args = parse_args(["--model", "m", flag, '{"enable_thinking": false}'])
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    for bad in ("[1]", "{"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", flag, bad])
+    assert "must decode to a JSON object" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--tp-size", "--tensor-parallel-size"])
 def test_tensor_parallelism_is_refused_with_its_reason(
     flag: str, capsys: pytest.CaptureFixture[str]
