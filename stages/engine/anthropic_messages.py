@@ -8,8 +8,11 @@ built-in engine, built on its ``/v1/chat/completions`` as SGLang 0.5.23 builds i
   among ``messages`` merged into it; a message's blocks: ``text`` parts, ``tool_use`` as the
   assistant's tool calls (``input`` as JSON arguments), a user's ``tool_result`` as a ``tool``
   message between the text before and after it (its text, or its text blocks as parts;
-  ``is_error`` unused, as there), ``thinking`` in an assistant message as its
-  ``reasoning_content`` (with ``--reasoning-parser``; ``redacted_thinking``: 400), ``image``,
+  ``is_error`` unused, as there), ``thinking`` in an assistant message wrapped
+  in ``--reasoning-parser``'s own tags (``start``, its label, the reasoning, a newline, ``end``)
+  as the message's first text, as SGLang 0.5.23 puts history its template has no channel for
+  (``wrap_reasoning_history``), the blocks joined by newlines; without the flag dropped (logged);
+  ``redacted_thinking``: 400), ``image``,
   ``search_result``, ``tool_reference`` and other blocks a text model cannot take: dropped or
   refused as SGLang does for a text-only model; ``tools`` (custom: ``name``, ``description``,
   ``input_schema``, ``strict``; server tools such as ``web_search_20250305`` accepted and not
@@ -46,6 +49,7 @@ import structlog
 from stages.engine.chunk_stream import mapped
 from stages.engine.openai_api import OpenAIError, checked_body, new_id
 from stages.engine.openai_chat import ChatChunks, ChatSettings, chat_request, chat_response
+from stages.engine.reasoning import ThinkFormat
 from stages.engine.request_fields import checked_count_tokens, checked_messages
 
 log = structlog.get_logger("inflight.engine.messages")
@@ -91,7 +95,7 @@ def messages_request(
     _check(body)
     chat_body: dict[str, Any] = {
         "model": body["model"],
-        "messages": _messages(body),
+        "messages": _messages(body, settings.reasoning.fmt if settings.reasoning else None),
         "max_tokens": 1 if counting else body["max_tokens"],
         "stream": bool(body.get("stream")) and not counting,
     }
@@ -299,9 +303,10 @@ def _check_content(content: Any, where: str) -> None:
             )
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: dict[str, Any], history: ThinkFormat | None = None) -> list[dict[str, Any]]:
     """The chat messages (``_convert_to_chat_completion_request``): one system message first
-    (``system`` and the ``system`` messages, merged), then each message's."""
+    (``system`` and the ``system`` messages, merged), then each message's (``history``: the
+    reasoning parser's format, whose tags wrap an assistant's thinking; None: none)."""
     system: list[str] = []
     raw = body.get("system")
     if isinstance(raw, str):
@@ -320,7 +325,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
-        out += _blocks(role, content)
+        out += _blocks(role, content, history)
     return ([{"role": "system", "content": "\n".join(system)}] if system else []) + out
 
 
@@ -331,9 +336,12 @@ def _system_text(content: Any) -> str | None:
     return "\n".join(texts) or None
 
 
-def _blocks(role: str, content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _blocks(
+    role: str, content: list[dict[str, Any]], history: ThinkFormat | None
+) -> list[dict[str, Any]]:
     """One message's blocks as chat messages: a user's tool results as ``tool`` messages
-    between the text before and after them."""
+    between the text before and after them, an assistant's thinking first, in ``history``'s
+    tags."""
     out: list[dict[str, Any]] = []
     message: dict[str, Any] = {"role": role}
     parts: list[dict[str, Any]] = []
@@ -344,8 +352,11 @@ def _blocks(role: str, content: list[dict[str, Any]]) -> list[dict[str, Any]]:
         thought = "\n".join(
             b["thinking"] for b in content if b["type"] == "thinking" and b["thinking"]
         )
-        if thought:
-            message["reasoning_content"] = thought
+        if thought and history is None:  # no detector to wrap it (SGLang logs and drops it)
+            log.warning("anthropic_thinking_history_dropped", why="no --reasoning-parser")
+        elif thought:  # serving_chat.wrap_reasoning_history
+            wrapped = f"{history.opening}{thought}\n{history.end}"
+            parts.append({"type": "text", "text": wrapped})
     for block in content:
         kind = block["type"]
         if kind == "text":

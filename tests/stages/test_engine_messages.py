@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from stages.engine.anthropic_messages import _messages, _tools
+from stages.engine.reasoning import PARSERS
 from tests.stages.test_engine_grammar import TOOLS
 from tests.stages.test_engine_responses import client, engine, model  # noqa: F401
 
@@ -189,8 +190,19 @@ def test_messages_become_chat_messages_as_sglang_makes_them() -> None:
             {"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
         {"role": "assistant", "tool_calls": [{"id": "t3", "type": "function",
                                               "function": {"name": "f", "arguments": '{"a": 1}'}}]},
-        {"role": "assistant", "reasoning_content": "hm", "content": ""},
+        {"role": "assistant", "content": ""},  # no reasoning parser: dropped, as SGLang's
     ]  # fmt: skip
+    # serving_chat.wrap_reasoning_history: the parser's tags around it, the message's first text
+    assistant = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hm"}, {"type": "thinking", "thinking": "so"},
+        {"type": "text", "text": "ok"}]}  # fmt: skip
+    assert _messages({"messages": [assistant]}, PARSERS["qwen3"]) == [
+        {"role": "assistant", "content": [{"type": "text", "text": "<think>hm\nso\n</think>"},
+                                          {"type": "text", "text": "ok"}]},
+    ]  # fmt: skip
+    assert _messages({"messages": [assistant]}, PARSERS["gemma4"])[0]["content"][0]["text"] == (
+        "<|channel>thought\nhm\nso\n<channel|>"
+    )
 
 
 def test_custom_tools_become_chat_tools_as_sglang_makes_them() -> None:
