@@ -459,6 +459,10 @@ def _thinking(raw: Any, settings: ChatSettings, chat_body: dict[str, Any]) -> No
             )
         return
     toggle = reasoning.toggle
+    if reasoning.fmt.inkling and (not enabled or toggle is None):
+        if not enabled:  # effort-conditioned: "none" its off switch
+            chat_body["reasoning_effort"] = "none"
+        return  # on, without the template's switch: its detector's "always"
     if reasoning.always or (toggle is not None and toggle.special == "always"):
         if not enabled:
             raise OpenAIError(

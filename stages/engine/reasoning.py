@@ -63,11 +63,15 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   (``stages.engine.muse_reasoning``): the ``to=self`` channels are reasoning, the others content,
   framed for the tool-call reader where a request's calls are read (``RequestReasoning.tools``);
   always on, its ``<|eom|>`` ending the reasoning tokens counted, its answers decoded with their
-  special tokens.
+  special tokens;
+- ``inkling`` (``InklingDetector``): Inkling's typed messages (``stages.engine.inkling_reasoning``):
+  ``<|content_thinking|>`` messages are reasoning, ``<|content_text|>`` ones content, a tool
+  call's message content whole, framed for the tool-call reader; always on, its answers decoded
+  with their special tokens, its reasoning tokens counted to the token id SGLang names for
+  ``<|end_message|>`` (``ThinkFormat.end_ids``).
 
-Not here, for parsing more than tags and defaults: ``kimi_k3``,
-``inkling``,
-``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
+Not here, for parsing more than tags and defaults: ``kimi_k3``, ``beam``, ``response_template``,
+``deepseek-v4`` / ``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
 ``finish``), as SGLang's detector does, down to the tails it holds back while they could be
@@ -95,6 +99,8 @@ from stages.engine.harmony import HarmonyReasoning
 from stages.engine.hunyuan_calls import closing
 from stages.engine.hunyuan_calls import tokens as hunyuan_tokens
 from stages.engine.hunyuan_reasoning import thinks as hunyuan_thinks
+from stages.engine.inkling_reasoning import END_ID as INKLING_END_ID
+from stages.engine.inkling_reasoning import InklingReasoning
 from stages.engine.muse_reasoning import MuseReasoning
 from stages.engine.partial_json import partial_tail
 
@@ -107,6 +113,7 @@ __all__ = [
     "ThinkFormat",
     "ThinkParser",
     "Toggle",
+    "end_tag_ids",
     "normalize_effort",
     "reasoning_tokens",
     "served_format",
@@ -142,6 +149,12 @@ class ThinkFormat:
     # Muse Glimmer's recipient channels (muse_reasoning.py), whose markers are special tokens
     # kept in the text of every request (serving_chat._patch_reasoning_skip_special_tokens)
     muse: bool = False
+    # Inkling's typed messages (inkling_reasoning.py), whose framing tokens are special tokens
+    # kept in the text of every request (serving_chat._patch_reasoning_skip_special_tokens)
+    inkling: bool = False
+    # the end tag's token ids as its detector names them (get_think_end_token_ids: Inkling's
+    # fixed id), where they are not the tokenizer's encoding of the tag (end_tag_ids)
+    end_ids: tuple[int, ...] = ()
     # what the model writes after its start tag, taken out with it (its detector's
     # think_start_self_label: Gemma 4's "thought\n"); the start tag alone says it reasons
     label: str = ""
@@ -289,6 +302,16 @@ PARSERS: dict[str, ThinkFormat] = {
     "muse": ThinkFormat(
         tool_start=None, default="always", start=" to=self<|message|>", end="<|eom|>", muse=True
     ),
+    # InklingDetector: its typed messages; reasoning_default "always"; <|end_message|> its end,
+    # the reasoning's tokens counted to Inkling's id for it whatever the tokenizer
+    "inkling": ThinkFormat(
+        tool_start=None,
+        default="always",
+        start="<|content_thinking|>",
+        end="<|end_message|>",
+        inkling=True,
+        end_ids=(INKLING_END_ID,),
+    ),
     # K2V3Detector: always forced (it refuses to be otherwise), the tags of the request's
     # reasoning effort, a tool call's (or group's) tag ending it too
     "k2_horizon": ThinkFormat(
@@ -327,13 +350,31 @@ def served_format(fmt: ThinkFormat, tokenizer: Any) -> ThinkFormat:
     return replace(fmt, start=think, end=closing(think), tool_start=spelled["tool_calls"])
 
 
+def end_tag_ids(fmt: ThinkFormat, tokenizer: Any) -> tuple[int, ...]:
+    """The token ids of ``fmt``'s end tag, as its detector's ``get_think_end_token_ids`` gives
+    them: its own (Inkling's 200010, which SGLang uses whatever the served tokenizer: on one
+    without that id the reasoning never ends by the count, every token of a thinking answer is
+    its reasoning and a grammar waiting for its end is never applied, as there), else the
+    tokenizer's encoding of the tag."""
+    return fmt.end_ids or tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
+
+
 def think_parser(
     fmt: ThinkFormat, *, force: bool, nonempty: bool = False, tools: bool = False, **options: Any
-) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning | MuseReasoning:
+) -> (
+    ThinkParser
+    | HarmonyReasoning
+    | ApertusReasoning
+    | CohereReasoning
+    | MuseReasoning
+    | InklingReasoning
+):
     """A parser of one answer in ``fmt`` (``ThinkParser``'s options; Harmony's takes
     ``nonempty`` alone: its detector reads the rest of nothing; Apertus's is never forced;
     Cohere's always starts in its reasoning; Muse's reads ``tools``: a tool-call parser reads
-    its content)."""
+    its content; Inkling's takes ``stream_reasoning`` alone)."""
+    if fmt.inkling:
+        return InklingReasoning(stream_reasoning=options.get("stream_reasoning", True))
     if fmt.muse:
         stream = options.get("stream_reasoning", True)
         return MuseReasoning(stream_reasoning=stream, nonempty=nonempty, tools=tools)
@@ -828,7 +869,7 @@ class ReasoningSettings:
             )
         always, toggle = template_toggle(template)
         fmt = served_format(fmt, tokenizer)
-        end_ids = tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
+        end_ids = end_tag_ids(fmt, tokenizer)
         selectable = tuple(
             tuple(tokenizer.encode(end, add_special_tokens=False)) for _, _, end in fmt.efforts
         )
@@ -871,7 +912,8 @@ class ReasoningSettings:
             or (self.fmt.granite and (kwargs or {}).get("enable_thinking") is False)
             or self.fmt.always_nonempty,
             keep_special=(self.fmt.special_tags and effort is not None and effort != "none")
-            or self.fmt.muse,
+            or self.fmt.muse
+            or self.fmt.inkling,
             fmt=fmt,
             end_ids=end_ids,
         )
@@ -903,7 +945,14 @@ class RequestReasoning:
 
     def parser(
         self,
-    ) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning | MuseReasoning:
+    ) -> (
+        ThinkParser
+        | HarmonyReasoning
+        | ApertusReasoning
+        | CohereReasoning
+        | MuseReasoning
+        | InklingReasoning
+    ):
         return think_parser(
             self.fmt or self.settings.fmt,
             force=self.force,

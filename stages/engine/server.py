@@ -98,6 +98,7 @@ from stages.engine.protocol import (
     token_texts,
 )
 from stages.engine.reasoning import PARSERS as REASONING_PARSERS
+from stages.engine.reasoning import end_tag_ids
 from stages.engine.request_body import (
     bad_request,
     dumps,
@@ -1199,7 +1200,7 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         if args.reasoning_parser:  # require_reasoning: the grammar after the reasoning's end
             fmt = REASONING_PARSERS[args.reasoning_parser]
             encode = loaded.tokenizer.encode
-            grammars.think_end = tuple(encode(fmt.end, add_special_tokens=False))
+            grammars.think_end = end_tag_ids(fmt, loaded.tokenizer)
             if fmt.self_opens and grammars.think_end:
                 grammars.think_start = tuple(encode(fmt.start, add_special_tokens=False))
             ends = (tuple(encode(end, add_special_tokens=False)) for _, _, end in fmt.efforts)

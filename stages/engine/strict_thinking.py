@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from stages.engine.reasoning import PARSERS
+from stages.engine.reasoning import PARSERS, end_tag_ids
 
 __all__ = ["BUDGET_ENV", "StrictThinking"]
 
@@ -63,7 +63,7 @@ class StrictThinking:
         for a tag the tokenizer encodes to nothing, an end tag the model cannot draw or a budget
         that is not an integer."""
         fmt = PARSERS[parser.lower()]
-        end = tuple(tokenizer.encode(fmt.end, add_special_tokens=False))
+        end = end_tag_ids(fmt, tokenizer)
         if not end:
             raise ValueError(f"think_end_token '{fmt.end}' could not be encoded by the tokenizer.")
         if vocab_size is not None and max(end) >= vocab_size:

@@ -20,7 +20,9 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 ``PARSES_WITHOUT_TOOLS``), ``lfm2`` (``stages.engine.lfm2_calls``), ``hunyuan``
 (``stages.engine.hunyuan_calls``: its tokens as the served tokenizer spells them, forced calls
 not constrained, as SGLang's), ``muse`` (``stages.engine.muse_calls``: forced calls not
-constrained, as SGLang's), ``k2_horizon`` (``stages.engine.k2_horizon_calls``); and how a
+constrained, as SGLang's), ``k2_horizon`` (``stages.engine.k2_horizon_calls``), ``inkling``
+(``stages.engine.inkling_calls``: its own legacy tag, a trigger a tool; its ``auto`` tag of
+token ids not served); and how a
 forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
@@ -72,6 +74,8 @@ from stages.engine.harmony import FRAMES as HARMONY_FRAMES
 from stages.engine.harmony import GptOssCalls
 from stages.engine.hunyuan_calls import HunyuanCalls
 from stages.engine.hunyuan_calls import tokens as hunyuan_tokens
+from stages.engine.inkling_calls import InklingCalls
+from stages.engine.inkling_calls import call_tag as inkling_tag
 from stages.engine.internlm_calls import FRAMES as INTERNLM_FRAMES
 from stages.engine.internlm_calls import InternlmCalls
 from stages.engine.iquest_calls import IQuestQ1Calls, NamedArguments
@@ -141,7 +145,7 @@ PARSERS = (
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
     "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2", "hunyuan", "muse",
-    "k2_horizon",
+    "k2_horizon", "inkling",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
@@ -156,7 +160,7 @@ _TYPED = {
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
     "poolside_v1": PoolsideCalls, "dots": DotsCalls, "minicpm5": MiniCPM5Calls,
     "minimax-m3": MiniMaxM3Calls, "lfm2": Lfm2Calls, "muse": MuseCalls,
-    "k2_horizon": K2HorizonCalls,
+    "k2_horizon": K2HorizonCalls, "inkling": InklingCalls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -240,6 +244,8 @@ def strict_calls(
         tag = served_tag(parser, tools, "auto", parallel=parallel is not False)
         if tag is not None:
             return {"structural_tag": json.dumps(tag)}
+    if parser == "inkling":  # a trigger a tool (its header names it)
+        return {"structural_tag": json.dumps(inkling_tag(tools, at_least_one=False))}
     if parser not in _FRAMES or parser in HARMONY_FRAMES:  # Harmony: see harmony.FRAMES
         return None
     return {"structural_tag": json.dumps(call_tag(tools, parser, at_least_one=False))}
@@ -264,6 +270,8 @@ def forced_calls(
             return {"structural_tag": json.dumps(tag)}
     if parser in _FRAMES:
         return {"structural_tag": json.dumps(call_tag(tools, parser))}
+    if parser == "inkling":
+        return {"structural_tag": json.dumps(inkling_tag(tools))}
     if parser == "iquest_q1" and named:  # IQuestQ1JsonToolParser: the tool's arguments alone
         return {"json_schema": json.dumps(tools[0]["function"].get("parameters") or {})}
     items = [
