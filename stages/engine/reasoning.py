@@ -65,7 +65,15 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   always on, its ``<|eom|>`` ending the reasoning tokens counted, its answers decoded with their
   special tokens.
 
-Not here, for parsing more than tags and defaults: ``kimi_k3``,
+- ``kimi_k3`` (``KimiK3Detector``): Kimi K3's XTML channels, ``<|open|>think<|sep|>`` ...
+  ``<|close|>think<|sep|>``, the ``response`` and ``tools`` channels ending it too, the content
+  the response channel's inside with the tools channel passed on for the tool-call reader, an
+  answer that closes its response before its reasoning ends all content
+  (``stages.engine.kimi_k3_reasoning``); on unless ``chat_template_kwargs.thinking`` is false,
+  forced where no chat request says (the parse route); its answers decoded with their special
+  tokens, which its markers are.
+
+Not here, for parsing more than tags and defaults:
 ``inkling``,
 ``beam``, ``response_template``, ``deepseek-v4`` / ``deepseek-v41``.
 
@@ -95,6 +103,10 @@ from stages.engine.harmony import HarmonyReasoning
 from stages.engine.hunyuan_calls import closing
 from stages.engine.hunyuan_calls import tokens as hunyuan_tokens
 from stages.engine.hunyuan_reasoning import thinks as hunyuan_thinks
+from stages.engine.kimi_k3_calls import THINK_CLOSE as K3_THINK_CLOSE
+from stages.engine.kimi_k3_calls import THINK_OPEN as K3_THINK_OPEN
+from stages.engine.kimi_k3_calls import TOOLS_OPEN as K3_TOOLS_OPEN
+from stages.engine.kimi_k3_reasoning import KimiK3Reasoning
 from stages.engine.muse_reasoning import MuseReasoning
 from stages.engine.partial_json import partial_tail
 
@@ -142,6 +154,11 @@ class ThinkFormat:
     # Muse Glimmer's recipient channels (muse_reasoning.py), whose markers are special tokens
     # kept in the text of every request (serving_chat._patch_reasoning_skip_special_tokens)
     muse: bool = False
+    # Kimi K3's XTML channels (kimi_k3_reasoning.py), whose markers are special tokens kept in
+    # the text of every request (serving_chat._patch_reasoning_skip_special_tokens)
+    kimi_k3: bool = False
+    # force_reasoning where no chat request sets it (the parse route): its detector's default
+    force_unset: bool = False
     # what the model writes after its start tag, taken out with it (its detector's
     # think_start_self_label: Gemma 4's "thought\n"); the start tag alone says it reasons
     label: str = ""
@@ -304,6 +321,17 @@ PARSERS: dict[str, ThinkFormat] = {
         ),
         effort_other="medium",
     ),
+    # KimiK3Detector: reasoning_default "thinking", forced by default; the response and tools
+    # channels end the reasoning too; its think_excluded_tokens
+    "kimi_k3": ThinkFormat(
+        tool_start=K3_TOOLS_OPEN,
+        default="thinking",
+        start=K3_THINK_OPEN,
+        end=K3_THINK_CLOSE,
+        excluded=("response", "message", "<|end_of_msg|>", "[EOS]", "[EOT]"),
+        kimi_k3=True,
+        force_unset=True,
+    ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
         tool_start=None,
@@ -329,11 +357,20 @@ def served_format(fmt: ThinkFormat, tokenizer: Any) -> ThinkFormat:
 
 def think_parser(
     fmt: ThinkFormat, *, force: bool, nonempty: bool = False, tools: bool = False, **options: Any
-) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning | MuseReasoning:
+) -> (
+    ThinkParser
+    | HarmonyReasoning
+    | ApertusReasoning
+    | CohereReasoning
+    | MuseReasoning
+    | KimiK3Reasoning
+):
     """A parser of one answer in ``fmt`` (``ThinkParser``'s options; Harmony's takes
     ``nonempty`` alone: its detector reads the rest of nothing; Apertus's is never forced;
     Cohere's always starts in its reasoning; Muse's reads ``tools``: a tool-call parser reads
-    its content)."""
+    its content; Kimi K3's takes them all but ``tools``)."""
+    if fmt.kimi_k3:
+        return KimiK3Reasoning(force=force, nonempty=nonempty, **options)
     if fmt.muse:
         stream = options.get("stream_reasoning", True)
         return MuseReasoning(stream_reasoning=stream, nonempty=nonempty, tools=tools)
@@ -871,7 +908,8 @@ class ReasoningSettings:
             or (self.fmt.granite and (kwargs or {}).get("enable_thinking") is False)
             or self.fmt.always_nonempty,
             keep_special=(self.fmt.special_tags and effort is not None and effort != "none")
-            or self.fmt.muse,
+            or self.fmt.muse
+            or self.fmt.kimi_k3,
             fmt=fmt,
             end_ids=end_ids,
         )
@@ -903,7 +941,14 @@ class RequestReasoning:
 
     def parser(
         self,
-    ) -> ThinkParser | HarmonyReasoning | ApertusReasoning | CohereReasoning | MuseReasoning:
+    ) -> (
+        ThinkParser
+        | HarmonyReasoning
+        | ApertusReasoning
+        | CohereReasoning
+        | MuseReasoning
+        | KimiK3Reasoning
+    ):
         return think_parser(
             self.fmt or self.settings.fmt,
             force=self.force,
