@@ -90,6 +90,8 @@ from stages.engine.chunk_stream import mapped
 from stages.engine.glm_grammar import glm_turn
 from stages.engine.hunyuan_reasoning import normalized_effort as hunyuan_effort
 from stages.engine.kimi_calls import history_calls, kimi_id
+from stages.engine.kimi_k3_calls import TOOLS_CLOSE as K3_TOOLS_CLOSE
+from stages.engine.kimi_k3_calls import k3_id
 from stages.engine.openai_api import (
     _SAMPLING,
     CHAT_PASSED_ON,
@@ -133,6 +135,7 @@ from stages.engine.tool_calls import (
     answer_format,
     forced_calls,
     strict_calls,
+    unconstrained,
 )
 
 __all__ = ["ChatSettings", "chat_request", "chat_response", "chat_stream"]
@@ -145,15 +148,32 @@ _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repet
 _NOT_SAMPLING = frozenset({*_DEFAULTS, "max_tokens", "json_schema"})
 # models whose answers' format is special tokens: their chat answers keep them (serving_chat)
 _SPECIAL_FORMATS = frozenset({"gpt_oss", "gemma4", "gemma4_unified"})
+# the tool-call parsers whose calls' ids count the conversation's calls (_process_tool_call_id)
+_KIMI_IDS = ("kimi_k2", "kimi_k3")
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    """The served model's ``config.json`` (empty: none readable)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _model_type(model_dir: Path) -> str | None:
     """The served model's ``config.json`` ``model_type`` (None: none readable)."""
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config.get("model_type") if isinstance(config, dict) else None
+    return _config(model_dir).get("model_type")
+
+
+def _kimi_k3(model_dir: Path, tool_call_parser: str | None) -> bool:
+    """SGLang serves the model with Kimi K3's chat encoding (``resolve_chat_encoding_spec``:
+    ``--tool-call-parser kimi_k3``, or a ``KimiK3`` architecture)."""
+    if tool_call_parser == "kimi_k3":
+        return True
+    architectures = _config(model_dir).get("architectures")
+    first = architectures[0] if isinstance(architectures, list) and architectures else ""
+    return "KimiK3" in str(first)
 
 
 @dataclass
@@ -170,6 +190,9 @@ class ChatSettings:
     model_type: str | None = None
     # --default-chat-template-kwargs: every request's where its own leave them unset
     default_kwargs: dict[str, Any] = field(default_factory=dict)
+    # SGLang's chat_encoding_spec kimi_k3: every answer keeps its special tokens, Kimi K3's
+    # markers (_patch_reasoning_skip_special_tokens)
+    kimi_k3: bool = False
     renderer: TemplateRenderer = field(init=False, repr=False)
     token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 
@@ -222,6 +245,7 @@ class ChatSettings:
                 f"--tool-call-parser {tool_call_parser!r}: the built-in engine reads "
                 f"{', '.join(PARSERS)} (SGLang's names of those formats)"
             )
+        unconstrained(tool_call_parser)  # (Kimi K3's: said once, at the start)
         template = chat_template or getattr(tokenizer, "chat_template", None)
         defaults: dict[str, Any] = {}
         config = model_dir / "generation_config.json"
@@ -243,6 +267,7 @@ class ChatSettings:
             else ReasoningSettings.of(reasoning_parser, template, tokenizer),
             _model_type(model_dir),
             dict(default_kwargs or {}),
+            _kimi_k3(model_dir, tool_call_parser),
         )
 
     def render(
@@ -422,6 +447,13 @@ def chat_request(
     sampling.update(grammar)
     if template_tools:  # the format's markers may be special tokens (SGLang: serving_chat)
         sampling["skip_special_tokens"] = False
+    if template_tools and settings.tool_parser == "kimi_k3":
+        # serving_chat's tool_call_stop (chat_encoding_spec kimi_k3): the tools channel's close
+        # ends the answer
+        stop = sampling.get("stop")
+        if stop is None or isinstance(stop, str | list):  # (another: the native route's 400)
+            stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+            sampling["stop"] = stop if K3_TOOLS_CLOSE in stop else [*stop, K3_TOOLS_CLOSE]
     grammar_from = "tool_choice" if forced else ("response_format" if grammar else None)
     whole = None
     if glm and template_tools and not (grammar or _constrained(body)):
@@ -467,6 +499,8 @@ def chat_request(
         sampling["skip_special_tokens"] = False  # tokens (serving_chat: SGLang keeps them)
     if settings.model_type in _SPECIAL_FORMATS:  # so are Harmony's and Gemma 4's, whatever the
         sampling["skip_special_tokens"] = False  # request says (is_gpt_oss, is_gemma4)
+    if settings.kimi_k3:  # Kimi K3's markers, whatever the request says
+        sampling["skip_special_tokens"] = False
     if reasoning is not None and reasoning.counted:  # a thinking request: any grammar waits
         native_body["require_reasoning"] = True  # for the end of its reasoning (as SGLang's)
     if reasoning is not None and reasoning.end_ids:  # K2's effort's end tag (serving_chat's
@@ -498,7 +532,9 @@ def chat_request(
             settings.tool_parser, forced, isinstance(body.get("tool_choice"), dict)
         ),
         # Kimi K2's call ids count the conversation's calls (serving_chat: kimi_k2's alone)
-        "kimi_ids_from": history_calls(messages) if settings.tool_parser == "kimi_k2" else None,
+        # (and Kimi K3's: NAME:K)
+        "kimi_ids_from": history_calls(messages) if settings.tool_parser in _KIMI_IDS else None,
+        "kimi_ids": settings.tool_parser,
         # the served tokenizer: its vocabulary spells hunyuan's tokens (FunctionCallParser's)
         "tokenizer": settings.tokenizer,
         "stream": bool(body.get("stream")),
@@ -593,7 +629,10 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
                 message["content"], calls = parser.parse(text)
                 if calls:
                     first = options.get("kimi_ids_from")
-                    message["tool_calls"] = [_tool_call(c, i, first) for i, c in enumerate(calls)]
+                    style = options.get("kimi_ids")
+                    message["tool_calls"] = [
+                        _tool_call(c, i, first, style) for i, c in enumerate(calls)
+                    ]
                     if reason and reason["type"] == "stop":
                         reason = {"type": "tool_calls", "matched": None}
         message["content"] = message["content"] or ""
@@ -788,7 +827,8 @@ class ChatChunks(StreamLayout):
                 if delta:
                     out.append(self._model_chunk(rid, index, {"content": delta}))
                 for piece in pieces:
-                    call = {"tool_calls": [_tool_call_piece(piece, options.get("kimi_ids_from"))]}
+                    first, style = options.get("kimi_ids_from"), options.get("kimi_ids")
+                    call = {"tool_calls": [_tool_call_piece(piece, first, style)]}
                     out.append(self._model_chunk(rid, index, call))
             elif delta or (logprobs is not None and not options.get("server_parsers")):
                 # (SGLang drops the log-probs of a step whose text is held back when the
@@ -1031,26 +1071,35 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def _tool_call(call: Mapping[str, str], index: int, kimi_from: int | None = None) -> dict[str, Any]:
+def _tool_call(
+    call: Mapping[str, str], index: int, kimi_from: int | None = None, style: str | None = None
+) -> dict[str, Any]:
     """A call of the answer (``index``: its place among them), its id a fresh one, or with
-    ``kimi_from`` (``--tool-call-parser kimi_k2``: the calls of the conversation before it) Kimi
-    K2's ``functions.NAME:K`` (``serving_chat._process_tool_call_id``)."""
+    ``kimi_from`` (the calls of the conversation before it) Kimi's, by ``style``, the
+    ``--tool-call-parser``: K2's ``functions.NAME:K``, K3's ``NAME:K``
+    (``serving_chat._process_tool_call_id``)."""
+    if kimi_from is None:
+        call_id = f"call_{uuid.uuid4().hex[:24]}"
+    elif style == "kimi_k3":
+        call_id = k3_id(call["name"], kimi_from + index)
+    else:
+        call_id = kimi_id(call["name"], kimi_from + index)
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}"
-        if kimi_from is None
-        else kimi_id(call["name"], kimi_from + index),
+        "id": call_id,
         "index": index,
         "type": "function",
         "function": {"name": call["name"], "arguments": call["arguments"]},
     }
 
 
-def _tool_call_piece(piece: Mapping[str, Any], kimi_from: int | None = None) -> dict[str, Any]:
+def _tool_call_piece(
+    piece: Mapping[str, Any], kimi_from: int | None = None, style: str | None = None
+) -> dict[str, Any]:
     """A streamed call's delta (``serving_chat._process_tool_call_stream``): its first names
     it and has its id; the next ones have null id and name and add to its arguments."""
     if piece["name"] is not None:
         call = {"name": piece["name"], "arguments": piece["arguments"]}
-        return _tool_call(call, piece["index"], kimi_from)
+        return _tool_call(call, piece["index"], kimi_from, style)
     return {
         "id": None,
         "index": piece["index"],

@@ -20,8 +20,8 @@ As SGLang 0.5.23 answers them (``srt/entrypoints/http_server.py``
   there is reasoning, then ``{type: "text", text}``). The request is not a chat request, so no
   thinking switch applies: the parser's own default decides whether a text without its start
   tag is reasoning (the ``deepseek-r1`` family, ``qwen3-thinking``, ``minimax``, ``k2_horizon``
-  in its ``high`` tags: yes; the rest: no; ``minimax-append-think`` splits nothing: the text is
-  content, ``<think>`` before it).
+  in its ``high`` tags, ``kimi_k3``: yes; the rest: no; ``minimax-append-think`` splits
+  nothing: the text is content, ``<think>`` before it).
 
 Refusals, as SGLang's: a body that is not a JSON object or a field of the wrong type (``tools``
 as ``io_struct.Tool``: ``function`` an object with string-or-null ``name`` and ``description``,
@@ -174,7 +174,7 @@ def _read_calls(
 def _separated(text: str, fmt: ThinkFormat, blocks: bool) -> dict[str, Any]:
     """``/separate_reasoning``'s answer: the parser starts as its detector does by default,
     there being no chat request (``ReasoningParser`` with the HTTP request as ``request``)."""
-    parser = think_parser(fmt, force=False)
+    parser = think_parser(fmt, force=fmt.force_unset)
     reasoning, content = parser.parse(text)
     answer: dict[str, Any] = {"reasoning_text": reasoning, "text": content}
     if blocks:  # parse_non_stream_blocks: the detector's own sequence (Apertus's), else a

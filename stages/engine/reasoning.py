@@ -68,9 +68,16 @@ detectors that are that algorithm with their own tags and defaults, under SGLang
   ``<|content_thinking|>`` messages are reasoning, ``<|content_text|>`` ones content, a tool
   call's message content whole, framed for the tool-call reader; always on, its answers decoded
   with their special tokens, its reasoning tokens counted to the token id SGLang names for
-  ``<|end_message|>`` (``ThinkFormat.end_ids``).
+  ``<|end_message|>`` (``ThinkFormat.end_ids``);
+- ``kimi_k3`` (``KimiK3Detector``): Kimi K3's XTML channels, ``<|open|>think<|sep|>`` ...
+  ``<|close|>think<|sep|>``, the ``response`` and ``tools`` channels ending it too, the content
+  the response channel's inside with the tools channel passed on for the tool-call reader, an
+  answer that closes its response before its reasoning ends all content
+  (``stages.engine.kimi_k3_reasoning``); on unless ``chat_template_kwargs.thinking`` is false,
+  forced where no chat request says (the parse route); its answers decoded with their special
+  tokens, which its markers are.
 
-Not here, for parsing more than tags and defaults: ``kimi_k3``, ``beam``, ``response_template``,
+Not here, for parsing more than tags and defaults: ``beam``, ``response_template``,
 ``deepseek-v4`` / ``deepseek-v41``.
 
 ``ThinkParser`` splits a whole answer (``parse``) or a stream of text deltas (``feed``, then
@@ -101,6 +108,10 @@ from stages.engine.hunyuan_calls import tokens as hunyuan_tokens
 from stages.engine.hunyuan_reasoning import thinks as hunyuan_thinks
 from stages.engine.inkling_reasoning import END_ID as INKLING_END_ID
 from stages.engine.inkling_reasoning import InklingReasoning
+from stages.engine.kimi_k3_calls import THINK_CLOSE as K3_THINK_CLOSE
+from stages.engine.kimi_k3_calls import THINK_OPEN as K3_THINK_OPEN
+from stages.engine.kimi_k3_calls import TOOLS_OPEN as K3_TOOLS_OPEN
+from stages.engine.kimi_k3_reasoning import KimiK3Reasoning
 from stages.engine.muse_reasoning import MuseReasoning
 from stages.engine.partial_json import partial_tail
 
@@ -155,6 +166,11 @@ class ThinkFormat:
     # the end tag's token ids as its detector names them (get_think_end_token_ids: Inkling's
     # fixed id), where they are not the tokenizer's encoding of the tag (end_tag_ids)
     end_ids: tuple[int, ...] = ()
+    # Kimi K3's XTML channels (kimi_k3_reasoning.py), whose markers are special tokens kept in
+    # the text of every request (serving_chat._patch_reasoning_skip_special_tokens)
+    kimi_k3: bool = False
+    # force_reasoning where no chat request sets it (the parse route): its detector's default
+    force_unset: bool = False
     # what the model writes after its start tag, taken out with it (its detector's
     # think_start_self_label: Gemma 4's "thought\n"); the start tag alone says it reasons
     label: str = ""
@@ -327,6 +343,17 @@ PARSERS: dict[str, ThinkFormat] = {
         ),
         effort_other="medium",
     ),
+    # KimiK3Detector: reasoning_default "thinking", forced by default; the response and tools
+    # channels end the reasoning too; its think_excluded_tokens
+    "kimi_k3": ThinkFormat(
+        tool_start=K3_TOOLS_OPEN,
+        default="thinking",
+        start=K3_THINK_OPEN,
+        end=K3_THINK_CLOSE,
+        excluded=("response", "message", "<|end_of_msg|>", "[EOS]", "[EOT]"),
+        kimi_k3=True,
+        force_unset=True,
+    ),
     # GptOssDetector: ReasoningParser forces its reasoning; its tags are Harmony's tokens
     "gpt-oss": ThinkFormat(
         tool_start=None,
@@ -368,13 +395,17 @@ def think_parser(
     | CohereReasoning
     | MuseReasoning
     | InklingReasoning
+    | KimiK3Reasoning
 ):
     """A parser of one answer in ``fmt`` (``ThinkParser``'s options; Harmony's takes
     ``nonempty`` alone: its detector reads the rest of nothing; Apertus's is never forced;
     Cohere's always starts in its reasoning; Muse's reads ``tools``: a tool-call parser reads
-    its content; Inkling's takes ``stream_reasoning`` alone)."""
+    its content; Inkling's takes ``stream_reasoning`` alone; Kimi K3's takes them all but
+    ``tools``)."""
     if fmt.inkling:
         return InklingReasoning(stream_reasoning=options.get("stream_reasoning", True))
+    if fmt.kimi_k3:
+        return KimiK3Reasoning(force=force, nonempty=nonempty, **options)
     if fmt.muse:
         stream = options.get("stream_reasoning", True)
         return MuseReasoning(stream_reasoning=stream, nonempty=nonempty, tools=tools)
@@ -913,7 +944,8 @@ class ReasoningSettings:
             or self.fmt.always_nonempty,
             keep_special=(self.fmt.special_tags and effort is not None and effort != "none")
             or self.fmt.muse
-            or self.fmt.inkling,
+            or self.fmt.inkling
+            or self.fmt.kimi_k3,
             fmt=fmt,
             end_ids=end_ids,
         )
@@ -952,6 +984,7 @@ class RequestReasoning:
         | CohereReasoning
         | MuseReasoning
         | InklingReasoning
+        | KimiK3Reasoning
     ):
         return think_parser(
             self.fmt or self.settings.fmt,

@@ -22,8 +22,8 @@ calls, ``<think>`` tags taken out first), ``minimax-m2`` (``stages.engine.minima
 not constrained, as SGLang's), ``muse`` (``stages.engine.muse_calls``: forced calls not
 constrained, as SGLang's), ``k2_horizon`` (``stages.engine.k2_horizon_calls``), ``inkling``
 (``stages.engine.inkling_calls``: its own legacy tag, a trigger a tool; its ``auto`` tag of
-token ids not served); and how a
-forced
+token ids not served), ``kimi_k3`` (``stages.engine.kimi_k3_calls``: no answer constrained,
+where SGLang's are, ``UNCONSTRAINED``); and how a forced
 ``tool_choice`` constrains an answer to calls in that format (``forced_calls``), or a strict
 tool the calls of an ``auto`` one (``strict_calls``).
 
@@ -58,6 +58,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+import structlog
+
 from stages.engine.apertus_calls import FRAMES as APERTUS_FRAMES
 from stages.engine.apertus_calls import ApertusCalls
 from stages.engine.cohere_calls import CohereCalls
@@ -82,6 +84,7 @@ from stages.engine.iquest_calls import IQuestQ1Calls, NamedArguments
 from stages.engine.k2_horizon_calls import K2HorizonCalls
 from stages.engine.kimi_calls import FRAMES as KIMI_FRAMES
 from stages.engine.kimi_calls import KimiK2Calls
+from stages.engine.kimi_k3_calls import KimiK3Calls
 from stages.engine.lfm2_calls import Lfm2Calls
 from stages.engine.mimo_calls import MiMoCalls
 from stages.engine.minicpm_calls import MiniCPM5Calls
@@ -108,13 +111,17 @@ __all__ = [
     "NATIVE_FORCED",
     "PARSERS",
     "PARSES_WITHOUT_TOOLS",
+    "UNCONSTRAINED",
     "StreamingToolCalls",
     "ToolCallParser",
     "answer_format",
     "call_tag",
     "forced_calls",
     "strict_calls",
+    "unconstrained",
 ]
+
+log = structlog.get_logger("stages.engine.tool_calls")
 
 BEGIN = "<tool_call>"
 # the formats, by the name the engine reads them by
@@ -145,11 +152,15 @@ PARSERS = (
     "trinity", "minimax-m2", "deepseekv32", "mimo", "interns1", "gemma4", "iquest_q1",
     "cohere_command4", "gigachat35", "apertus2509", "spark25", "step3", "poolside_v1",
     "gigachat3", "dots", "minicpm5", "minimax-m3", "lfm2", "hunyuan", "muse",
-    "k2_horizon", "inkling",
+    "k2_horizon", "inkling", "kimi_k3",
 )  # fmt: skip
 # the formats whose forced calls SGLang leaves unconstrained, reading the answer in the format
 # (their detectors' parses_required_natively)
 NATIVE_FORCED = frozenset({"spark25", "hunyuan", "muse"})
+# the formats whose answers SGLang constrains with a model-native tag this engine cannot compile
+# (Kimi K3's xgrammar tags are built of token formats): none of their answers is constrained, a
+# forced one read in the format (its JSON array would not be), which ``unconstrained`` warns of
+UNCONSTRAINED = frozenset({"kimi_k3"})
 # the formats whose reader needs the tools' parameters (their values are typed by them, or a call
 # the model left unnamed is named by them); SGLang reads step3p5's and nanbeige's calls with its
 # Qwen3CoderDetector too
@@ -160,7 +171,7 @@ _TYPED = {
     "iquest_q1": IQuestQ1Calls, "spark25": Spark25Calls, "step3": Step3Calls,
     "poolside_v1": PoolsideCalls, "dots": DotsCalls, "minicpm5": MiniCPM5Calls,
     "minimax-m3": MiniMaxM3Calls, "lfm2": Lfm2Calls, "muse": MuseCalls,
-    "k2_horizon": K2HorizonCalls, "inkling": InklingCalls,
+    "k2_horizon": K2HorizonCalls, "inkling": InklingCalls, "kimi_k3": KimiK3Calls,
 }  # fmt: skip
 # each format's call as SGLang's detectors frame it (structure_info): (begin before the name, the
 # name as JSON or as it is, begin after it, end, trigger); a format not here has no structural tag
@@ -260,7 +271,7 @@ def forced_calls(
     at all) SGLang's JSON schema of an array of ``{name, parameters}``
     (``get_json_schema_constraint``). ValueError, in
     SGLang's words, for tools whose ``$defs`` disagree."""
-    if parser in NATIVE_FORCED:
+    if parser in NATIVE_FORCED or parser in UNCONSTRAINED:
         return {}
     if parser in NATIVE_TAGS:  # the model's own tag (SGLang's detector names its model)
         name = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
@@ -304,6 +315,20 @@ def forced_calls(
         if defs:
             schema["$defs"] = defs
     return {"json_schema": json.dumps(schema)}
+
+
+def unconstrained(parser: str | None) -> None:
+    """Logs, once for a server, that ``parser``'s answers go unconstrained where SGLang
+    constrains them (``UNCONSTRAINED``; nothing for another parser)."""
+    if parser in UNCONSTRAINED:
+        log.warning(
+            "native_tool_tag_not_served",
+            parser=parser,
+            reason="SGLang 0.5.23 constrains every request with tools by xgrammar structural "
+            "tags of token formats, which the engine's structural-tag compiler does not read: "
+            "answers (a forced tool_choice's, a strict tool's) are not constrained, and are "
+            "read in the format",
+        )
 
 
 def answer_format(

@@ -327,7 +327,7 @@ def test_bad_requests_get_sglangs_answers_and_the_engine_serves_on(url: str) -> 
     # SGLang's HTTPException); a model-specific one: SGLang's own 400
     for path, field, name in (
         ("/parse_function_call", "tool_call_parser", "beam"),
-        ("/separate_reasoning", "reasoning_parser", "kimi_k3"),
+        ("/separate_reasoning", "reasoning_parser", "beam"),
     ):
         resp = _post(url, path, {"text": "x", field: name})
         assert resp.status_code == 400 and resp.json()["type"] == "400", resp.text

@@ -539,8 +539,8 @@ def test_the_reasoning_is_split_before_tool_calls_are_read(model_dir: Path) -> N
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["add"]
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
     assert answer["usage"]["reasoning_tokens"] == len(tokenizer.encode("add?</think>"))
-    with pytest.raises(ValueError, match="--reasoning-parser 'kimi_k3'"):
-        ChatSettings.of(tokenizer, model_dir, chat_template=TEMPLATE, reasoning_parser="kimi_k3")
+    with pytest.raises(ValueError, match="--reasoning-parser 'beam'"):
+        ChatSettings.of(tokenizer, model_dir, chat_template=TEMPLATE, reasoning_parser="beam")
     with pytest.raises(OpenAIError, match="separate_reasoning"):
         chat_request({**body, "separate_reasoning": 1}, settings, context_length=512)
 

@@ -461,8 +461,8 @@ def test_agent_config_errors() -> None:
         RolloutConfig(use="openai_agent", agent=f"{HERE}:not_async")
     with pytest.raises(ValueError, match="is for rollout 'openai_agent'"):
         RolloutConfig(agent=f"{HERE}:one_call")
-    with pytest.raises(ValueError, match="reasoning_parser 'kimi_k3': one of deepseek-r1"):
-        RolloutConfig(use="openai_agent", agent=f"{HERE}:one_call", reasoning_parser="kimi_k3")
+    with pytest.raises(ValueError, match="reasoning_parser 'beam': one of deepseek-r1"):
+        RolloutConfig(use="openai_agent", agent=f"{HERE}:one_call", reasoning_parser="beam")
     with pytest.raises(ValueError, match="tool_call_parser 'x': one of qwen25"):
         RolloutConfig(use="openai_agent", agent=f"{HERE}:one_call", tool_call_parser="x")
     with pytest.raises(ValueError, match="are for 'openai_agent'"):
