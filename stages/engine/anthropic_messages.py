@@ -12,6 +12,7 @@ built-in engine, built on its ``/v1/chat/completions`` as SGLang 0.5.23 builds i
   in ``--reasoning-parser``'s own tags (``start``, its label, the reasoning, a newline, ``end``)
   as the message's first text, as SGLang 0.5.23 puts history its template has no channel for
   (``wrap_reasoning_history``), the blocks joined by newlines; without the flag dropped (logged);
+  with a chat encoding of SGLang's (``dsv32``...) the message's ``reasoning_content``;
   ``redacted_thinking``: 400), ``image``,
   ``search_result``, ``tool_reference`` and other blocks a text model cannot take: dropped or
   refused as SGLang does for a text-only model; ``tools`` (custom: ``name``, ``description``,
@@ -95,7 +96,13 @@ def messages_request(
     _check(body)
     chat_body: dict[str, Any] = {
         "model": body["model"],
-        "messages": _messages(body, settings.reasoning.fmt if settings.reasoning else None),
+        "messages": _messages(
+            body,
+            settings.reasoning.fmt if settings.reasoning else None,
+            # a chat encoding of SGLang's renders reasoning history itself
+            # (chat_encoding.spec_owns_reasoning_history)
+            native=settings.encoding is not None,
+        ),
         "max_tokens": 1 if counting else body["max_tokens"],
         "stream": bool(body.get("stream")) and not counting,
     }
@@ -303,10 +310,13 @@ def _check_content(content: Any, where: str) -> None:
             )
 
 
-def _messages(body: dict[str, Any], history: ThinkFormat | None = None) -> list[dict[str, Any]]:
+def _messages(
+    body: dict[str, Any], history: ThinkFormat | None = None, *, native: bool = False
+) -> list[dict[str, Any]]:
     """The chat messages (``_convert_to_chat_completion_request``): one system message first
     (``system`` and the ``system`` messages, merged), then each message's (``history``: the
-    reasoning parser's format, whose tags wrap an assistant's thinking; None: none)."""
+    reasoning parser's format, whose tags wrap an assistant's thinking; None: none; ``native``:
+    the thinking goes as the message's ``reasoning_content`` instead)."""
     system: list[str] = []
     raw = body.get("system")
     if isinstance(raw, str):
@@ -325,7 +335,7 @@ def _messages(body: dict[str, Any], history: ThinkFormat | None = None) -> list[
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
-        out += _blocks(role, content, history)
+        out += _blocks(role, content, history, native)
     return ([{"role": "system", "content": "\n".join(system)}] if system else []) + out
 
 
@@ -337,7 +347,7 @@ def _system_text(content: Any) -> str | None:
 
 
 def _blocks(
-    role: str, content: list[dict[str, Any]], history: ThinkFormat | None
+    role: str, content: list[dict[str, Any]], history: ThinkFormat | None, native: bool
 ) -> list[dict[str, Any]]:
     """One message's blocks as chat messages: a user's tool results as ``tool`` messages
     between the text before and after them, an assistant's thinking first, in ``history``'s
@@ -352,7 +362,9 @@ def _blocks(
         thought = "\n".join(
             b["thinking"] for b in content if b["type"] == "thinking" and b["thinking"]
         )
-        if thought and history is None:  # no detector to wrap it (SGLang logs and drops it)
+        if thought and native:
+            message["reasoning_content"] = thought
+        elif thought and history is None:  # no detector to wrap it (SGLang logs and drops it)
             log.warning("anthropic_thinking_history_dropped", why="no --reasoning-parser")
         elif thought:  # serving_chat.wrap_reasoning_history
             wrapped = f"{history.opening}{thought}\n{history.end}"

@@ -87,6 +87,7 @@ import structlog
 
 from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
+from stages.engine.dsv32_encoding import encode as dsv32_encode
 from stages.engine.glm_grammar import glm_turn
 from stages.engine.hunyuan_reasoning import normalized_effort as hunyuan_effort
 from stages.engine.kimi_calls import history_calls, kimi_id
@@ -166,14 +167,30 @@ def _model_type(model_dir: Path) -> str | None:
     return _config(model_dir).get("model_type")
 
 
-def _kimi_k3(model_dir: Path, tool_call_parser: str | None) -> bool:
-    """SGLang serves the model with Kimi K3's chat encoding (``resolve_chat_encoding_spec``:
-    ``--tool-call-parser kimi_k3``, or a ``KimiK3`` architecture)."""
+def _encoding(model_dir: Path, tool_call_parser: str | None, template: str | None) -> str | None:
+    """The chat encoding SGLang serves the model with (``chat_encoding.resolve_chat_encoding_
+    spec``): ``dsv32`` (``--tool-call-parser deepseekv32``, or a DeepSeek V3 architecture without
+    a chat template: ``dsv32_encoding``), ``kimi_k3`` (its parser or a ``KimiK3``
+    architecture), the others it names; None: the chat template."""
+    by_parser = {"deepseekv41": "dsv41", "deepseekv4": "dsv4", "deepseekv32": "dsv32"}
+    if tool_call_parser in by_parser:
+        return by_parser[tool_call_parser]
     if tool_call_parser == "kimi_k3":
-        return True
-    architectures = _config(model_dir).get("architectures")
-    first = architectures[0] if isinstance(architectures, list) and architectures else ""
-    return "KimiK3" in str(first)
+        return "kimi_k3"
+    config = _config(model_dir)
+    architectures = config.get("architectures")
+    arch = str(architectures[0]) if isinstance(architectures, list) and architectures else ""
+    if config.get("model_type") == "deepseek_v41" or "DeepseekV41" in arch:
+        return "dsv41"
+    if "DeepseekV4" in arch:
+        return "dsv4"
+    if "KimiK3" in arch:
+        return "kimi_k3"
+    if "InklingForConditionalGeneration" in arch:
+        return "inkling"
+    if "DeepseekV3" in arch and template is None:
+        return "dsv32"
+    return None
 
 
 @dataclass
@@ -190,9 +207,10 @@ class ChatSettings:
     model_type: str | None = None
     # --default-chat-template-kwargs: every request's where its own leave them unset
     default_kwargs: dict[str, Any] = field(default_factory=dict)
-    # SGLang's chat_encoding_spec kimi_k3: every answer keeps its special tokens, Kimi K3's
-    # markers (_patch_reasoning_skip_special_tokens)
-    kimi_k3: bool = False
+    # SGLang's chat_encoding_spec (_encoding): dsv32 renders prompts with dsv32_encoding;
+    # kimi_k3 keeps every answer's special tokens, Kimi K3's markers
+    # (_patch_reasoning_skip_special_tokens)
+    encoding: str | None = None
     renderer: TemplateRenderer = field(init=False, repr=False)
     token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 
@@ -206,6 +224,10 @@ class ChatSettings:
         the reasoning parser: SGLang's template manager reads it from every template."""
         template = self.template or getattr(self.tokenizer, "chat_template", None)
         return template_toggle(template if isinstance(template, str) else None)[1]
+
+    @property
+    def kimi_k3(self) -> bool:
+        return self.encoding == "kimi_k3"
 
     @functools.cached_property
     def content_format(self) -> str:
@@ -267,7 +289,7 @@ class ChatSettings:
             else ReasoningSettings.of(reasoning_parser, template, tokenizer),
             _model_type(model_dir),
             dict(default_kwargs or {}),
-            _kimi_k3(model_dir, tool_call_parser),
+            _encoding(model_dir, tool_call_parser, template),
         )
 
     def render(
@@ -418,20 +440,26 @@ def chat_request(
     template_tools = [
         template_tool(raw) for raw in body.get("tools") or () if raw["function"]["name"] in kept
     ] or None
+    dsv32 = settings.encoding == "dsv32"  # DeepSeek V3.2's encoder, not a template
     try:  # as SGLang's pydantic models dump them for the template (template_dump)
-        fmt = settings.content_format
+        fmt = "string" if dsv32 else settings.content_format
         rendered = [template_message(m, i, fmt) for i, m in enumerate(messages)]
     except DumpError as exc:
         raise OpenAIError(str(exc), exc.field) from None
     prefix = None
     continued = bool(body.get("continue_final_message"))
-    if add_generation_prompt is None or continued:
+    if add_generation_prompt is None or continued or dsv32:
         rendered, prefix = _last_assistant(rendered, continued)
     kwargs["add_generation_prompt"] = add_generation_prompt is not False
     if given is not None:  # SGLang: the ids as they are, the template skipped
         prompt = list(given)
     else:
-        prompt = settings.render(rendered, template_tools, kwargs)
+        if dsv32:  # all the request's tools, a named choice's too (serving_chat.py:2106)
+            every = [template_tool(raw) for raw in body.get("tools") or ()]
+            thinking = (request_kwargs or {}).get("thinking", False)
+            prompt = _dsv32_prompt(rendered, every if template_tools else None, thinking, settings)
+        else:
+            prompt = settings.render(rendered, template_tools, kwargs)
         if prefix:  # the assistant turn opened, its start as the model continues it
             prompt += settings.prefix_ids(prefix)
 
@@ -564,6 +592,36 @@ def chat_request(
         # reasoning parser keeps the channels' framing for it
         options["reasoning"] = replace(reasoning, tools=True)
     return native_body, options
+
+
+def _dsv32_prompt(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    thinking: Any,
+    settings: ChatSettings,
+) -> list[int]:
+    """The prompt ids of DeepSeek V3.2's encoding (``serving_chat._apply_jinja_template``'s
+    ``dsv32`` branch): an empty system message first unless there is one, the request's tools
+    on it, ``dsv32_encoding.encode`` in thinking mode where the request's ``thinking`` kwarg is
+    true (``_thinking_requested``), encoded as SGLang encodes it (the tokenizer's special
+    tokens added). What the encoder refuses: SGLang's 400, a role it does not know its 500."""
+    messages = [dict(m) for m in messages]
+    for message in messages:
+        if message.get("content") is None:
+            message["content"] = ""
+    if not messages or messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": ""})
+    if tools:
+        messages[0]["tools"] = tools
+    try:
+        text = dsv32_encode(messages, bool(thinking))
+    except ValueError as exc:  # DS32EncodingError, or a call's arguments
+        raise OpenAIError(str(exc), "messages", kind="BadRequest") from None
+    except NotImplementedError as exc:  # serving_base: any other error is its 500
+        raise OpenAIError(
+            f"Internal server error: {exc}", status=500, kind="InternalServerError"
+        ) from None
+    return list(settings.tokenizer.encode(text))
 
 
 def _last_assistant(

@@ -18,6 +18,7 @@ import requests
 from openai.types.chat import ChatCompletionChunk
 from transformers import PreTrainedTokenizerFast
 
+from stages.engine.dsv32_encoding import ASSISTANT, BOS, EOS, USER
 from stages.engine.openai_api import OpenAIError
 from stages.engine.openai_chat import ChatSettings, chat_request, chat_response, chat_stream
 from stages.engine.openai_decisions import template_kwargs
@@ -467,6 +468,34 @@ def test_default_chat_template_kwargs_fill_what_a_request_leaves_unset() -> None
     assert kwargs == {"enable_thinking": False, "reasoning_effort": "low", "x": 1}
     settings.default_kwargs = {}
     assert rendered({}) == "effort= hi"
+
+
+def test_deepseek_v32_prompts_are_rendered_by_its_encoder() -> None:
+    """serving_chat.py:2076 (chat_encoding_spec dsv32, --tool-call-parser deepseekv32): no
+    template; an empty system turn first with every request tool on it, each message as
+    encoding_dsv32 renders it, thinking where the request's thinking kwarg says, encoded with
+    the tokenizer's own special tokens; what the encoder refuses, SGLang's 400."""
+    tokenizer = char_tokenizer(string.printable, special=[BOS, EOS, USER, ASSISTANT])
+    settings = ChatSettings(tokenizer, None, tool_parser="deepseekv32", encoding="dsv32")
+
+    def rendered(body: dict) -> str:
+        native, _ = chat_request(body, settings, 8192)
+        return tokenizer.decode(native["input_ids"])
+
+    hi = [{"role": "user", "content": "hi"}]
+    assert rendered({"messages": hi}) == f"{BOS}{USER}hi{ASSISTANT}</think>"
+    thinking = rendered({"messages": hi, "chat_template_kwargs": {"thinking": True}})
+    assert thinking.endswith(f"{ASSISTANT}<think>")
+    named = {"type": "function", "function": {"name": "f"}}
+    tools = [named, {"type": "function", "function": {"name": "g"}}]
+    text = rendered({"messages": hi, "tools": tools, "tool_choice": named})
+    assert '{"name": "f", "description": null, "parameters": null}' in text
+    assert '{"name": "g", "description": null, "parameters": null}' in text  # every tool
+    turn = [*hi, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    assert f"ok{EOS}{USER}more" in rendered({"messages": turn})
+    orphan = [{"role": "user", "content": "x"}, {"role": "tool", "content": "5"}]
+    with pytest.raises(OpenAIError, match="Invalid messages at 2"):
+        rendered({"messages": orphan})
 
 
 def test_a_streamed_call_cut_short_gets_the_rest_of_its_arguments_at_the_end() -> None:

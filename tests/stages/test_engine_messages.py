@@ -200,6 +200,8 @@ def test_messages_become_chat_messages_as_sglang_makes_them() -> None:
         {"role": "assistant", "content": [{"type": "text", "text": "<think>hm\nso\n</think>"},
                                           {"type": "text", "text": "ok"}]},
     ]  # fmt: skip
+    native = _messages({"messages": [assistant]}, PARSERS["qwen3"], native=True)  # dsv32's
+    assert native == [{"role": "assistant", "reasoning_content": "hm\nso", "content": "ok"}]
     assert _messages({"messages": [assistant]}, PARSERS["gemma4"])[0]["content"][0]["text"] == (
         "<|channel>thought\nhm\nso\n<channel|>"
     )
