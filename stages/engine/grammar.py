@@ -23,6 +23,10 @@ does not read (a character or word tokenizer whose decoder just joins tokens, li
 arithmetic models'), each token's text is taken as its bytes, which is right when the
 tokenizer's text is the concatenation of its tokens' texts; a tokenizer whose text is not (one
 that puts spaces between words) cannot be constrained, and a grammar sent to it is a 400.
+A grammar whose text spells a special token's (``<|im_end|>`` written out in a regex or a
+schema's ``const``) is held by a view of the tokenizer whose text is tokenized as text
+(``_PlainText``): llguidance would force the special token for that text and then refuse it,
+aborting the sample; xgrammar, SGLang's default, has the ordinary tokens that spell it.
 
 A step's masks are computed together (llguidance's executor, in its threads without the GIL),
 then applied to the logits in one tensor operation (``GrammarSet.constrain``).
@@ -99,6 +103,10 @@ class GrammarSet:
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._ll: Any = None  # llguidance's tokenizer, or why there is none
+        # the same, its text tokenized as text (_PlainText), for the grammars that spell a
+        # special token's text, and those texts (built when first needed)
+        self._plain: Any = None
+        self._special_texts: tuple[str, ...] | None = None
         self._added: frozenset[str] | None = None  # _added_tokens, once read
         self._llexecutor: Any = None  # computes the masks of a step together
         self._worker: ThreadPoolExecutor | None = None  # compile_later's thread
@@ -186,6 +194,8 @@ class GrammarSet:
                 grammar = _token_literals(plain, self._added_tokens())
         except Exception as exc:  # malformed JSON, unknown format: llguidance's words
             raise GrammarError(f"Failed to compile {kind} grammar: {exc}") from None
+        if self._spells_special(text):
+            tokenizer = self._plain_text()
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if kind in ("structural_tag", "ebnf") and "unknown special token" in matcher.get_error():
             # an added token llguidance does not take as one: all of it as text
@@ -194,6 +204,24 @@ class GrammarSet:
         if matcher.is_error():
             raise GrammarError(f"Failed to compile {kind} grammar: {matcher.get_error()}")
         return matcher
+
+    def _spells_special(self, text: str) -> bool:
+        """Whether a grammar's source may spell a special token's text (its escapes taken
+        out): llguidance would force that token for the text (``_PlainText``)."""
+        with self._lock:
+            if self._special_texts is None:
+                read = self._ll
+                texts = special_texts(read) if hasattr(read, "is_special_token") else ()
+                self._special_texts = tuple(t.decode("utf-8", "replace") for t in texts)
+        bare = text.replace("\\", "")
+        return any(t in bare for t in self._special_texts)
+
+    def _plain_text(self) -> Any:
+        """llguidance's tokenizer with its text tokenized as text, built once."""
+        with self._lock:
+            if self._plain is None:
+                self._plain = _plain_text_tokenizer(self._ll)
+            return self._plain
 
     def _added_tokens(self) -> frozenset[str]:
         """The tokenizer's added tokens written ``<...>``, which a structural tag takes as
@@ -379,12 +407,62 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         try:
-            return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token)
+            read = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token)
         except (ValueError, TypeError) as exc:
             log.info("grammar_tokenizer_by_token_texts", reason=str(exc))
+        else:
+            return read
     return llguidance.LLTokenizer(
         llguidance.TokenizerWrapper(_TokenTexts(tokenizer, vocab_size, eos)), n_vocab=vocab_size
     )
+
+
+def special_texts(read: Any) -> tuple[bytes, ...]:
+    """The texts of ``read``'s special tokens (llguidance's tokenizer), longest first."""
+    special = (read.decode_bytes([i]) for i in range(read.vocab_size) if read.is_special_token(i))
+    return tuple(sorted({t for t in special if t}, key=len, reverse=True))
+
+
+def _plain_text_tokenizer(read: Any) -> Any:
+    """``read`` (llguidance's tokenizer) with its text tokenized as text (``_PlainText``)."""
+    import llguidance
+
+    wrapped = llguidance.TokenizerWrapper(_PlainText(read))
+    return llguidance.LLTokenizer(wrapped, n_vocab=read.vocab_size, eos_token=read.eos_tokens)
+
+
+class _PlainText:
+    """llguidance's own reading of a tokenizer, whose text is tokenized as text: a special
+    token's text in it (``<|im_end|>`` written out) as the ordinary tokens that spell it.
+
+    llguidance forces the tokens its tokenizer gives the bytes a grammar forces, and the
+    Hugging Face tokenizer gives a special token for its text; the matcher then refuses that
+    token, which its trie keeps apart from text, and the sample is aborted (llguidance 1.9:
+    ``token "<|open|>" doesn't satisfy the grammar; forced bytes: got '<'``). The tokens and
+    special ids are ``read``'s; a text's tokens are ``read``'s unless they hold a special
+    token, whose text is then spelled by the longest ordinary tokens (``greedy_tokenize``)."""
+
+    def __init__(self, read: Any) -> None:
+        self._read = read
+        self.tokens = [read.decode_bytes([i]) for i in range(read.vocab_size)]
+        self.special_token_ids = [i for i in range(read.vocab_size) if read.is_special_token(i)]
+        self._special = frozenset(self.special_token_ids)
+        texts = special_texts(read)
+        self._split = re.compile(b"(" + b"|".join(re.escape(t) for t in texts) + b")")
+        self.eos_token_id = read.eos_token
+        self.bos_token_id = None
+
+    def __call__(self, text: bytes) -> list[int]:
+        ids = self._read.tokenize_bytes(text)
+        if self._special.isdisjoint(ids):
+            return ids
+        out: list[int] = []
+        for i, piece in enumerate(self._split.split(text)):
+            if i % 2:  # a special token's text: its characters, as ordinary tokens
+                out += self._read.greedy_tokenize(piece.decode("utf-8"))
+            elif piece:
+                out += self._read.tokenize_bytes(piece)
+        return out
 
 
 class _TokenTexts:

@@ -799,3 +799,32 @@ def test_a_structural_tags_tokens_are_the_tokenizers_own_or_their_text(tmp_path:
                 assert grammars.start("structural_tag", tag(True)).accept(ids("a")) is not None
             for token in ("<tool_call>", "[", "7", "]", "</tool_call>"):
                 assert constraint.accept(ids(token)) is None, (model_dir.name, token)
+
+
+def test_a_grammar_that_spells_a_special_tokens_text_is_held_by_ordinary_tokens(
+    tmp_path: Path,
+) -> None:
+    """A regex whose text is a special token's (``<|open|>`` written out): llguidance forces
+    the tokens its tokenizer gives that text, which for a special token's text is the special
+    token, one its matcher then refuses (llguidance 1.9), aborting the sample; the engine's
+    view of the tokenizer (``grammar._PlainText``) spells it with ordinary tokens instead, as
+    xgrammar, SGLang's default, which never takes a special token for text, has them."""
+    from transformers import AutoTokenizer
+
+    model_dir = make_byte_model(tmp_path / "special", chars="abcdefghijklmnopqrstuvwxyz<>|",
+                                words=("<|open|>",))  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|open|>"]})
+    special = tokenizer.convert_tokens_to_ids("<|open|>")
+    grammars = GrammarSet(tokenizer, len(tokenizer), [EOS_ID])
+    constraint = grammars.start("regex", r"<\|open\|>ab")
+    tokens: list[int] = []
+    while not tokens or tokens[-1] != EOS_ID:
+        logits = torch.zeros(1, len(tokenizer))
+        grammars.constrain(logits, [0], [constraint])
+        allowed = torch.isfinite(logits[0]).nonzero()[:, 0].tolist()
+        assert special not in allowed and not constraint.stuck, allowed
+        tokens.append(allowed[0])
+        assert constraint.accept(tokens[-1]) is None
+        assert len(tokens) < 20
+    assert tokenizer.decode(tokens[:-1]) == "<|open|>ab" and special not in tokens
