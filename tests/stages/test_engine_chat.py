@@ -496,6 +496,19 @@ def test_deepseek_v32_prompts_are_rendered_by_its_encoder() -> None:
     orphan = [{"role": "user", "content": "x"}, {"role": "tool", "content": "5"}]
     with pytest.raises(OpenAIError, match="Invalid messages at 2"):
         rendered({"messages": orphan})
+    # /v1/tokenize (serving_tokenize._tokenize_chat_request): the same ids; no template to
+    # tell add_generation_prompt
+    from types import SimpleNamespace
+
+    from stages.engine.tokenize_routes import TokenizeRoutes
+
+    loaded = SimpleNamespace(tokenizer=tokenizer, context_length=8192, vocab_size=len(tokenizer))
+    routes = TokenizeRoutes(loaded, settings)  # type: ignore[arg-type]
+    assert tokenizer.decode(routes.tokenized({"messages": hi})["tokens"]) == rendered(
+        {"messages": hi}
+    )
+    with pytest.raises(OpenAIError, match="supported only with a Jinja chat template"):
+        routes.tokenized({"messages": hi, "add_generation_prompt": True})
 
 
 def test_a_streamed_call_cut_short_gets_the_rest_of_its_arguments_at_the_end() -> None:
