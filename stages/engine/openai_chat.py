@@ -138,6 +138,7 @@ from stages.engine.tool_calls import (
     strict_calls,
     unconstrained,
 )
+from stages.engine.tool_schemas import schema_error
 
 __all__ = ["ChatSettings", "chat_request", "chat_response", "chat_stream"]
 
@@ -391,6 +392,7 @@ def chat_request(
         raise OpenAIError("top_logprobs: Input should be a valid integer", "top_logprobs")
     grammar = response_format(body.get("response_format"))
     tools = _tools(body.get("tools"))
+    _check_schemas(tools, messages)
     # GLM-4.7's calls are held by a grammar of the whole answer (SGLang: --tool-call-parser
     # glm47, given or found by auto)
     glm = settings.tool_parser == "glm47"
@@ -1093,6 +1095,28 @@ def _glm_turn(
 def _constrained(body: dict[str, Any]) -> bool:
     """Whether ``body`` constrains its answer by ``regex`` or ``ebnf``."""
     return any(body.get(k) for k in ("regex", "ebnf"))
+
+
+def _check_schemas(tools: list[dict[str, Any]], messages: list[Any]) -> None:
+    """The tools' ``parameters``, the request's then its system and developer messages', their
+    type names rewritten in place and checked as JSON Schemas (``tool_schemas``; SGLang's
+    ``_validate_request``)."""
+    offered = [t["function"] for t in tools]
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role.lower() not in ("root", "system", "developer"):
+            continue
+        listed = message.get("tools")
+        if isinstance(listed, list):
+            offered += [t["function"] for t in listed if isinstance(t, dict) and _is_fn(t)]
+    for i, fn in enumerate(offered):
+        error = schema_error(i, fn.get("parameters"))
+        if error is not None:
+            raise OpenAIError(error, "tools")
+
+
+def _is_fn(tool: dict[str, Any]) -> bool:
+    return isinstance(tool.get("function"), dict)
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:

@@ -403,6 +403,34 @@ def test_the_template_sees_the_tools_as_sglangs_pydantic_dump_of_them() -> None:
         chat_request({"messages": HELLO, "tools": bad}, settings, 4096)
 
 
+def test_tool_parameters_are_rewritten_and_checked_as_sglang_does() -> None:
+    """serving_chat._validate_request: each tool's parameters (the request's, then a system
+    message's) get JSON Schema's type names for database ones (normalize_json_schema_types:
+    what the template shows), then must be a valid JSON Schema, else SGLang's 400 naming the
+    tool by its place."""
+    tokenizer = char_tokenizer(string.printable, template=QWEN_LIKE)
+    settings = ChatSettings(tokenizer, None)
+    typed = {
+        "type": "object",
+        "properties": {"id": {"type": "VARCHAR(36)"}, "n": {"type": ["int32", "integer", "null"]}},
+    }
+    tools = [{"type": "function", "function": {"name": "get", "parameters": typed}}]
+    native, _ = chat_request({"messages": HELLO, "tools": tools}, settings, 4096)
+    text = tokenizer.decode(native["input_ids"])
+    assert '"id": {"type": "string"}, "n": {"type": ["integer", "null"]}' in text
+    bad = {"type": "object", "properties": 5}
+    for body in (
+        {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f",
+                                                                          "parameters": bad}}]},
+        {"messages": [{"role": "system", "content": "s", "tools": [
+            {"type": "function", "function": {"name": "g", "parameters": bad}}]}, *HELLO],
+         "tools": tools},
+    ):  # fmt: skip
+        index = len(body["tools"]) - 1 if body["messages"][0]["role"] == "user" else 1
+        with pytest.raises(OpenAIError, match=f"Tool {index} function has invalid 'parameters'"):
+            chat_request(body, settings, 4096)
+
+
 def test_the_template_sees_the_messages_as_sglangs_pydantic_dump_of_them() -> None:
     """serving_chat._process_messages on ChatCompletionMessageParam dumps: a user message's
     name dropped, another role's fields in the model's order with nulls out (content ""), its
