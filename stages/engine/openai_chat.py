@@ -212,6 +212,8 @@ class ChatSettings:
     # kimi_k3 keeps every answer's special tokens, Kimi K3's markers
     # (_patch_reasoning_skip_special_tokens)
     encoding: str | None = None
+    # --trust-request-chat-template: a request's chat_template_kwargs.chat_template renders it
+    trust_request_template: bool = False
     renderer: TemplateRenderer = field(init=False, repr=False)
     token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 
@@ -305,7 +307,8 @@ class ChatSettings:
         true unless they say otherwise). ``add_special_tokens``: the rendered text encoded with
         the tokenizer's special tokens (a BOS...), as ``/v1/tokenize`` may ask; a chat request's
         never are, the template writing its own (SGLang, as ``apply_chat_template``)."""
-        template = self.template or getattr(self.tokenizer, "chat_template", None)
+        given = kwargs.pop("chat_template", None)  # the request's own (a trusted one)
+        template = given or self.template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise OpenAIError(
                 "this model's tokenizer has no chat template: start the engine with "
@@ -315,7 +318,7 @@ class ChatSettings:
         try:
             add_generation_prompt = kwargs.pop("add_generation_prompt", True)
             text = self.renderer.render(
-                messages, tools, self.template, add_generation_prompt, kwargs
+                messages, tools, given or self.template, add_generation_prompt, kwargs
             )
         except Exception as exc:  # the template's own error (jinja raise_exception, ...)
             raise OpenAIError(f"the chat template refused the messages: {exc}", "messages") from exc
@@ -374,6 +377,16 @@ def chat_request(
     if flat and not body.get("return_meta_info"):
         raise OpenAIError("return_flat_raw_output_top_logprobs requires return_meta_info=true.")
     given_kwargs = body.get("chat_template_kwargs")
+    if (
+        isinstance(given_kwargs, dict)
+        and "chat_template" in given_kwargs
+        and not settings.trust_request_template
+    ):  # serving_chat._validate_request
+        raise OpenAIError(
+            "Request-supplied chat_template is not allowed. Start the server with "
+            "--trust-request-chat-template to permit it.",
+            "chat_template_kwargs",
+        )
     if (
         settings.model_type == "gpt_oss"
         and isinstance(given_kwargs, dict)
@@ -470,6 +483,11 @@ def chat_request(
         value = body.get(name)
         sampling[name] = value if value is not None else settings.defaults.get(name, default)
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if is_int(limit) and context_length and limit > context_length:  # _validate_request's
+        raise OpenAIError(
+            f"max_completion_tokens is too large: {limit}.This model supports at most "
+            f"{context_length} completion tokens."
+        )
     sampling["max_new_tokens"] = limit if limit is not None else context_length - len(prompt)
     for name, native in _SAMPLING.items():  # the rest by /v1/completions' names
         if name not in _NOT_SAMPLING and body.get(name) is not None:

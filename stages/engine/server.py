@@ -186,6 +186,7 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     default_chat_template_kwargs: dict[str, Any] | None = None,
+    trust_request_chat_template: bool = False,
     engine_id: str | None = None,
     response_store: bool = False,
     cache_report: bool = False,
@@ -234,6 +235,8 @@ def build_app(
         reasoning_parser=reasoning_parser,
         default_kwargs=default_chat_template_kwargs,
     )
+    if chat is not None:
+        chat.trust_request_template = trust_request_chat_template
     app[_PARSERS] = {"reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
     loaded.kept_stop_ids = kept_stop_ids(loaded.tokenizer, tool_call_parser)
     sessions = app[_SESSIONS] = Sessions(
@@ -974,6 +977,12 @@ def _parser() -> argparse.ArgumentParser:
         "the tokenizer's (SGLang's flag)",
     )
     parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="a chat request may carry its own template in chat_template_kwargs.chat_template "
+        "(SGLang's flag; without it such a request is refused)",
+    )
+    parser.add_argument(
         "--default-chat-template-kwargs",
         type=_json_object,
         help="chat template kwargs every chat request gets where its own chat_template_kwargs "
@@ -1348,6 +1357,7 @@ def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
         "default_chat_template_kwargs": args.default_chat_template_kwargs,
+        "trust_request_chat_template": args.trust_request_chat_template,
         "engine_id": os.environ.get(ENGINE_ID_ENV) or None,
         "response_store": args.enable_response_store,
         "cache_report": args.enable_cache_report,

@@ -431,6 +431,25 @@ def test_tool_parameters_are_rewritten_and_checked_as_sglang_does() -> None:
             chat_request(body, settings, 4096)
 
 
+def test_a_request_template_and_too_many_completion_tokens_are_refused_as_sglang_does() -> None:
+    """serving_chat._validate_request: a chat_template in chat_template_kwargs only with
+    --trust-request-chat-template, which then renders the request with it; max_tokens (or
+    max_completion_tokens) past the context length: SGLang's 400, in its words."""
+    tokenizer = char_tokenizer(string.printable, template=QWEN_LIKE)
+    settings = ChatSettings(tokenizer, None)
+    own = {"chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"}
+    body = {"messages": HELLO, "chat_template_kwargs": own}
+    with pytest.raises(OpenAIError, match="Request-supplied chat_template is not allowed"):
+        chat_request(body, settings, 4096)
+    settings.trust_request_template = True
+    native, _ = chat_request(body, settings, 4096)
+    assert tokenizer.decode(native["input_ids"]) == "[w11 w12 w13]"
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(OpenAIError, match=r"too large: 4097\.This model supports at most 4096"):
+            chat_request({"messages": HELLO, field: 4097}, settings, 4096)
+    assert chat_request({"messages": HELLO, "max_tokens": 4096}, settings, 4096)
+
+
 def test_the_template_sees_the_messages_as_sglangs_pydantic_dump_of_them() -> None:
     """serving_chat._process_messages on ChatCompletionMessageParam dumps: a user message's
     name dropped, another role's fields in the model's order with nulls out (content ""), its
