@@ -121,6 +121,7 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             api_key=api_key,
             chat_template=args.chat_template,
             default_chat_template_kwargs=args.default_chat_template_kwargs,
+            trust_request_chat_template=args.trust_request_chat_template,
             engine_id=os.environ.get(ENGINE_ID_ENV) or None,
             served_model_name=args.served_model_name,
             request_log=request_log_of(args),
@@ -139,6 +140,7 @@ def build_pooling_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     default_chat_template_kwargs: dict[str, Any] | None = None,
+    trust_request_chat_template: bool = False,
     engine_id: str | None = None,
     served_model_name: str | None = None,
     request_log: RequestLog | None = None,
@@ -169,6 +171,8 @@ def build_pooling_app(
         chat_template=chat_template,
         default_kwargs=default_chat_template_kwargs,
     )
+    if chat is not None:
+        chat.trust_request_template = trust_request_chat_template
     TokenizeRoutes(loaded, chat).add_to(app)
     cards = OpenAIRoutes(
         _no_generation, _no_generation, None, served_model_name=name,
