@@ -388,15 +388,7 @@ def end_tag_ids(fmt: ThinkFormat, tokenizer: Any) -> tuple[int, ...]:
 
 def think_parser(
     fmt: ThinkFormat, *, force: bool, nonempty: bool = False, tools: bool = False, **options: Any
-) -> (
-    ThinkParser
-    | HarmonyReasoning
-    | ApertusReasoning
-    | CohereReasoning
-    | MuseReasoning
-    | InklingReasoning
-    | KimiK3Reasoning
-):
+) -> AnswerReasoning:
     """A parser of one answer in ``fmt`` (``ThinkParser``'s options; Harmony's takes
     ``nonempty`` alone: its detector reads the rest of nothing; Apertus's is never forced;
     Cohere's always starts in its reasoning; Muse's reads ``tools``: a tool-call parser reads
@@ -577,6 +569,18 @@ class ThinkParser:
 
 
 # -- whether a request reasons ---------------------------------------------------------------
+
+
+# a parser of one answer's reasoning: the base detector's, or a format's own (think_parser)
+AnswerReasoning = (
+    ThinkParser
+    | HarmonyReasoning
+    | ApertusReasoning
+    | CohereReasoning
+    | MuseReasoning
+    | InklingReasoning
+    | KimiK3Reasoning
+)
 
 
 @dataclass(frozen=True)
@@ -975,17 +979,7 @@ class RequestReasoning:
     fmt: ThinkFormat | None = None
     end_ids: tuple[int, ...] | None = None
 
-    def parser(
-        self,
-    ) -> (
-        ThinkParser
-        | HarmonyReasoning
-        | ApertusReasoning
-        | CohereReasoning
-        | MuseReasoning
-        | InklingReasoning
-        | KimiK3Reasoning
-    ):
+    def parser(self) -> AnswerReasoning:
         return think_parser(
             self.fmt or self.settings.fmt,
             force=self.force,
