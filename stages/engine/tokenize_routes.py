@@ -123,6 +123,11 @@ class TokenizeRoutes:
         settings = self.chat
         generation = body.get("add_generation_prompt")
         if generation is not None:  # the messages as given, the template told this flag
+            if settings.encoding is not None:  # a chat encoding (dsv32, kimi_k3): SGLang's 400
+                raise OpenAIError(
+                    "add_generation_prompt is supported only with a Jinja chat template.",
+                    "add_generation_prompt",
+                )
             if body.get("continue_final_message") and not generation:
                 raise OpenAIError(
                     "continue_final_message needs add_generation_prompt to open the "
