@@ -93,6 +93,13 @@ from stages.engine.hunyuan_reasoning import normalized_effort as hunyuan_effort
 from stages.engine.kimi_calls import history_calls, kimi_id
 from stages.engine.kimi_k3_calls import TOOLS_CLOSE as K3_TOOLS_CLOSE
 from stages.engine.kimi_k3_calls import k3_id
+from stages.engine.kimi_k3_encoding import (
+    k3_kwargs,
+    k3_messages,
+    k3_tools,
+    reported_prompt_tokens,
+    unconstrained_format,
+)
 from stages.engine.openai_api import (
     _SAMPLING,
     CHAT_PASSED_ON,
@@ -404,6 +411,8 @@ def chat_request(
     if top is not None and not is_int(top):
         raise OpenAIError("top_logprobs: Input should be a valid integer", "top_logprobs")
     grammar = response_format(body.get("response_format"))
+    if settings.kimi_k3 and unconstrained_format(body.get("response_format")):
+        grammar = {}  # K3's encoding hands the format to the model (SGLang: no grammar)
     tools = _tools(body.get("tools"))
     _check_schemas(tools, messages)
     # GLM-4.7's calls are held by a grammar of the whole answer (SGLang: --tool-call-parser
@@ -456,16 +465,25 @@ def chat_request(
         template_tool(raw) for raw in body.get("tools") or () if raw["function"]["name"] in kept
     ] or None
     dsv32 = settings.encoding == "dsv32"  # DeepSeek V3.2's encoder, not a template
+    render_tools = template_tools
     try:  # as SGLang's pydantic models dump them for the template (template_dump)
-        fmt = "string" if dsv32 else settings.content_format
-        rendered = [template_message(m, i, fmt) for i, m in enumerate(messages)]
+        if settings.kimi_k3:  # Kimi K3's encoding: its own dump, tools and kwargs
+            rendered = k3_messages(messages)
+            kwargs = k3_kwargs(body, request_kwargs, effort)
+            render_tools = k3_tools(body.get("tools"))  # every one, whatever the choice
+        else:
+            fmt = "string" if dsv32 else settings.content_format
+            rendered = [template_message(m, i, fmt) for i, m in enumerate(messages)]
     except DumpError as exc:
         raise OpenAIError(str(exc), exc.field) from None
     prefix = None
     continued = bool(body.get("continue_final_message"))
-    if add_generation_prompt is None or continued or dsv32:
+    if settings.kimi_k3:  # always the generation prompt; the last message only continued
+        if continued:
+            rendered, prefix = _last_assistant(rendered, continued)
+    elif add_generation_prompt is None or continued or dsv32:
         rendered, prefix = _last_assistant(rendered, continued)
-    kwargs["add_generation_prompt"] = add_generation_prompt is not False
+    kwargs["add_generation_prompt"] = settings.kimi_k3 or add_generation_prompt is not False
     if given is not None:  # SGLang: the ids as they are, the template skipped
         prompt = list(given)
     else:
@@ -474,7 +492,7 @@ def chat_request(
             thinking = (request_kwargs or {}).get("thinking", False)
             prompt = _dsv32_prompt(rendered, every if template_tools else None, thinking, settings)
         else:
-            prompt = settings.render(rendered, template_tools, kwargs)
+            prompt = settings.render(rendered, render_tools, kwargs)
         if prefix:  # the assistant turn opened, its start as the model continues it
             prompt += settings.prefix_ids(prefix)
 
@@ -589,6 +607,8 @@ def chat_request(
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
         "prompt_tokens": len(prompt),
+        # usage's prompt tokens: Kimi K3's less its generation stub (_reported_prompt_tokens)
+        "stub_tokens": settings.kimi_k3,
         "reasoning": reasoning,
         "token_bytes": settings.token_bytes,
         # each choice's prompt ids, its answer's ids, its native meta_info (SGLang 0.5.23)
@@ -682,6 +702,8 @@ def _reasoning(
 
 def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) -> dict[str, Any]:
     """SGLang's ``ChatCompletionResponse`` for the native results of ``chat_request``."""
+    if options.get("stub_tokens"):  # Kimi K3's prompt tokens less its stub, its meta_info's too
+        results = [_stubbed(item) for item in results]
     n = options["n"]
     choices = []
     reasoning = options.get("reasoning")
@@ -751,6 +773,14 @@ def chat_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) 
     if sglext:
         answer["sglext"] = sglext
     return answer
+
+
+def _stubbed(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A native result whose ``meta_info.prompt_tokens`` is as Kimi K3's usage counts it
+    (``_build_chat_response``' ``_reported_prompt_tokens``)."""
+    meta = item["meta_info"]
+    return {**item, "meta_info": {**meta, "prompt_tokens": reported_prompt_tokens(
+        meta.get("prompt_tokens", 0))}}  # fmt: skip
 
 
 def _sglext(
@@ -840,7 +870,7 @@ class ChatChunks(StreamLayout):
         for content in batch:
             if type(content) is Progress:  # a sample's progress (the engine's own stream)
                 index, rid, text = content.index, content.rid, content.text
-                self.prompt_tokens[index] = content.prompt_tokens
+                self.prompt_tokens[index] = self._prompt_tokens(content.prompt_tokens)
                 self.cached_tokens[index] = content.cached
                 self.completion_tokens[index] = total = len(content.ids)
                 counter = content.reasoning
@@ -855,7 +885,7 @@ class ChatChunks(StreamLayout):
                 index = content.get("index", 0)
                 meta = content["meta_info"]
                 rid = meta["id"]
-                self.prompt_tokens[index] = meta.get("prompt_tokens", 0)
+                self.prompt_tokens[index] = self._prompt_tokens(meta.get("prompt_tokens", 0))
                 self.cached_tokens[index] = meta.get("cached_tokens", 0)
                 self.completion_tokens[index] = meta.get("completion_tokens", 0)
                 self.reasoning_tokens[index] = meta.get("reasoning_tokens", 0)
@@ -938,6 +968,10 @@ class ChatChunks(StreamLayout):
             usage = self._usage(index)
         return {"id": rid, "object": self.OBJECT, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage}  # fmt: skip
+
+    def _prompt_tokens(self, tokens: int) -> int:
+        """The prompt tokens usage counts (Kimi K3's less its stub: _reported_prompt_tokens)."""
+        return reported_prompt_tokens(tokens) if self.options.get("stub_tokens") else tokens
 
     def _usage(self, index: int) -> dict[str, Any]:
         """A choice's usage so far (``continuous_usage_stats``), its cached tokens with the

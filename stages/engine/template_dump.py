@@ -155,9 +155,11 @@ def _loads(node: Any, name: str) -> bool:
     return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
 
 
-def template_message(raw: Any, i: int, fmt: str) -> dict[str, Any]:
+def template_message(raw: Any, i: int, fmt: str, *, strict: bool = True) -> dict[str, Any]:
     """The message ``raw`` (the ``i``-th) as SGLang hands it to a template whose content
-    format is ``fmt``; DumpError for what SGLang refuses."""
+    format is ``fmt``; DumpError for what SGLang refuses. ``strict``: an assistant's text
+    arguments that are no JSON object refused (else kept as text: ``normalize_assistant_tool_
+    call_arguments(strict=False)``, Kimi K3's encoding)."""
     where = f"messages[{i}]"
     role = raw.get("role") if isinstance(raw, dict) else None
     if role != "user" and not (isinstance(role, str) and role.lower() in _GENERIC_ROLES):
@@ -176,7 +178,7 @@ def template_message(raw: Any, i: int, fmt: str) -> dict[str, Any]:
     if calls is not None:
         if not isinstance(calls, list):
             raise DumpError(f"{where}.tool_calls: Input should be a valid list")
-        calls = [_call(c, role, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        calls = [_call(c, role, f"{where}.tool_calls[{j}]", strict) for j, c in enumerate(calls)]
     out["tool_calls"] = calls
     tools = raw.get("tools")
     if tools is not None:
@@ -233,7 +235,7 @@ def _content(content: Any, role: str, fmt: str, where: str) -> Any:
 _TEXT = TypeAdapter(str)
 
 
-def _call(call: Any, role: str, where: str) -> dict[str, Any]:
+def _call(call: Any, role: str, where: str, strict: bool) -> dict[str, Any]:
     """A history tool call as ``ToolCall`` dumps it, an assistant's text arguments parsed
     (``normalize_assistant_tool_call_arguments``)."""
     fn = call.get("function") if isinstance(call, dict) else None
@@ -244,10 +246,16 @@ def _call(call: Any, role: str, where: str) -> dict[str, Any]:
     arguments = _checked(_CALL_ARGUMENTS, fn.get("arguments"), f"{where}.function.arguments")
     if role == "assistant" and isinstance(arguments, str):
         try:  # parse_tool_call_arguments
-            arguments = orjson.loads(arguments)
+            parsed = orjson.loads(arguments)
         except orjson.JSONDecodeError:
-            raise DumpError("Assistant tool call function.arguments must be valid JSON.") from None
-        if not isinstance(arguments, dict):
+            if strict:
+                raise DumpError(
+                    "Assistant tool call function.arguments must be valid JSON."
+                ) from None
+            parsed = arguments
+        if isinstance(parsed, dict):
+            arguments = parsed
+        elif strict:
             raise DumpError("Assistant tool call function.arguments must be a JSON object.")
     return {
         "id": _checked(_CALL_ID, call.get("id"), f"{where}.id"),

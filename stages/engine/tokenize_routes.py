@@ -123,7 +123,7 @@ class TokenizeRoutes:
         settings = self.chat
         generation = body.get("add_generation_prompt")
         if generation is not None:  # the messages as given, the template told this flag
-            if settings.encoding is not None:  # a chat encoding of SGLang's, no template
+            if settings.encoding is not None:  # a chat encoding (dsv32, kimi_k3): SGLang's 400
                 raise OpenAIError(
                     "add_generation_prompt is supported only with a Jinja chat template.",
                     "add_generation_prompt",
