@@ -513,9 +513,13 @@ def chat_request(
     sampling.update(grammar)
     if template_tools:  # the format's markers may be special tokens (SGLang: serving_chat)
         sampling["skip_special_tokens"] = False
-    if template_tools and settings.tool_parser == "kimi_k3":
-        # serving_chat's tool_call_stop (chat_encoding_spec kimi_k3): the tools channel's close
-        # ends the answer
+    if (
+        settings.tool_parser == "kimi_k3"
+        and choice != "none"
+        and (template_tools or _told(messages))
+    ):
+        # serving_chat's tool_call_stop (chat_encoding_spec kimi_k3; its effective tools, a
+        # system message's too): the tools channel's close ends the answer
         stop = sampling.get("stop")
         if stop is None or isinstance(stop, str | list):  # (another: the native route's 400)
             stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -1165,6 +1169,17 @@ def _check_schemas(tools: list[dict[str, Any]], messages: list[Any]) -> None:
         error = schema_error(i, fn.get("parameters"))
         if error is not None:
             raise OpenAIError(error, "tools")
+
+
+def _told(messages: list[Any]) -> bool:
+    """A root, system or developer message has tools of its own (``_effective_tools``)."""
+    return any(
+        isinstance(m, dict)
+        and isinstance(m.get("role"), str)
+        and m["role"].lower() in ("root", "system", "developer")
+        and m.get("tools")
+        for m in messages
+    )
 
 
 def _is_fn(tool: dict[str, Any]) -> bool:

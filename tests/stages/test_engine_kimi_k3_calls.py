@@ -282,8 +282,12 @@ def test_a_kimi_k3_chat_request_keeps_its_markers_stops_at_its_tools_close_and_c
     messages = [*ASK["messages"], {"role": "assistant", "content": "", "tool_calls": [earlier]},
                 {"role": "tool", "content": "3", "tool_call_id": "add:0"}]  # fmt: skip
     with_tools = {**ASK, "messages": messages, "tools": TOOLS, "stop": "zz"}
+    # tools on a system message count too (_effective_tools)
+    system = {"role": "system", "content": "s", "tools": TOOLS}
+    told = {**ASK, "messages": [system, *ASK["messages"]]}
     for body, stop in ((ASK, None), (with_tools, ["zz", TOOLS_CLOSE]),
-                       ({**with_tools, "tool_choice": "none"}, "zz")):  # fmt: skip
+                       ({**with_tools, "tool_choice": "none"}, "zz"),
+                       (told, [TOOLS_CLOSE])):  # fmt: skip
         native, options = chat_request(body, settings, 512)
         assert native["sampling_params"]["skip_special_tokens"] is False
         assert native["sampling_params"].get("stop") == stop
