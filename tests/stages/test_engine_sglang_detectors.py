@@ -94,6 +94,17 @@ def _splits(r: random.Random, text: str) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
+def _reasoned_alike(theirs: Any, ours: Any, parts: list[str], context: Any) -> None:
+    """``parts`` fed to SGLang's reasoning detector (``parse_streaming_increment``, then
+    ``finish``) and to ours (``feed``, then ``finish``): the same ``(reasoning, content)`` each
+    step and at the end (``context`` names the case when they differ)."""
+    for part in parts:
+        step = theirs.parse_streaming_increment(part)
+        assert ours.feed(part) == (step.reasoning_text, step.normal_text), context
+    end = theirs.finish()
+    assert ours.finish() == (end.reasoning_text, end.normal_text), context
+
+
 @pytest.mark.timeout(120)
 def test_qwen3_coder_reads_as_sglangs_detector(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.CRITICAL)  # the detector warns of every unknown tool

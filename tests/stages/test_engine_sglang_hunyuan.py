@@ -37,7 +37,7 @@ hunyuan: Any = pytest.importorskip("sglang.srt.function_call.hunyuan_detector")
 from stages.engine.hunyuan_reasoning import normalized_effort, thinks  # noqa: E402
 from stages.engine.reasoning import PARSERS, ThinkParser, Toggle, served_format  # noqa: E402
 from stages.engine.tool_calls import ToolCallParser  # noqa: E402
-from tests.stages.test_engine_sglang_detectors import _our_stream, _splits  # noqa: E402
+from tests.stages.test_engine_sglang_detectors import _our_stream, _reasoned_alike, _splits  # noqa: E402
 
 PROPERTIES = {
     "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"},
@@ -313,11 +313,7 @@ def test_hunyuan_reasoning_reads_as_sglangs_detector(force: bool, tokenizer: Any
         theirs = parser.HunyuanDetector(**theirs_options)
         ours = ThinkParser(fmt, **mine)
         parts = _splits(r, text) if len(text) > 1 else [text]
-        for part in parts:
-            step = theirs.parse_streaming_increment(part)
-            assert ours.feed(part) == (step.reasoning_text, step.normal_text), parts
-        end = theirs.finish()
-        assert ours.finish() == (end.reasoning_text, end.normal_text), parts
+        _reasoned_alike(theirs, ours, parts, parts)
 
 
 # -- the effort -----------------------------------------------------------------------------------

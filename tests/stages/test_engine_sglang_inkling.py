@@ -37,7 +37,7 @@ calls_parser: Any = pytest.importorskip("sglang.srt.function_call.function_call_
 from stages.engine.inkling_calls import CONTROL  # noqa: E402
 from stages.engine.inkling_reasoning import InklingReasoning  # noqa: E402
 from stages.engine.tool_calls import ToolCallParser, forced_calls, strict_calls  # noqa: E402
-from tests.stages.test_engine_sglang_detectors import _splits  # noqa: E402
+from tests.stages.test_engine_sglang_detectors import _reasoned_alike, _splits  # noqa: E402
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -218,11 +218,7 @@ def test_inkling_reasoning_reads_as_sglangs_detector(force: bool) -> None:
         theirs = parser.InklingDetector(**options)
         ours = InklingReasoning(stream_reasoning=stream)
         parts = _splits(r, text) if len(text) > 1 else [text]
-        for part in parts:
-            step = theirs.parse_streaming_increment(part)
-            assert ours.feed(part) == (step.reasoning_text, step.normal_text), (parts, options)
-        end = theirs.finish()
-        assert ours.finish() == (end.reasoning_text, end.normal_text), (parts, options)
+        _reasoned_alike(theirs, ours, parts, (parts, options))
     assert thought > 1200, thought
 
 

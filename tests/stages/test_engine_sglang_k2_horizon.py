@@ -29,7 +29,7 @@ k2: Any = pytest.importorskip("sglang.srt.function_call.k2_v3_detector")
 
 from stages.engine.reasoning import PARSERS, ReasoningSettings, ThinkParser  # noqa: E402
 from stages.engine.tool_calls import ToolCallParser  # noqa: E402
-from tests.stages.test_engine_sglang_detectors import _splits  # noqa: E402
+from tests.stages.test_engine_sglang_detectors import _reasoned_alike, _splits  # noqa: E402
 
 PROPERTIES = {
     "a": {"type": "integer"}, "b": {"type": "number"}, "flag": {"type": "boolean"},
@@ -274,11 +274,7 @@ def test_k2_horizon_reasoning_reads_as_sglangs_detector() -> None:
         detector, ours = _detector(parser, *options), mine.parser()
         assert isinstance(ours, ThinkParser) and ours.fmt.end == detector.think_end_token
         parts = _splits(r, text) if len(text) > 1 else [text]
-        for part in parts:
-            step = detector.parse_streaming_increment(part)
-            assert ours.feed(part) == (step.reasoning_text, step.normal_text), parts
-        end, (thought, content) = detector.finish(), ours.finish()
-        assert (thought, content) == (end.reasoning_text, end.normal_text), parts
+        _reasoned_alike(detector, ours, parts, parts)
         compared += 1
     assert compared == 20000
 

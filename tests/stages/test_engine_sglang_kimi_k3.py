@@ -48,7 +48,7 @@ from stages.engine.kimi_k3_calls import (  # noqa: E402
 from stages.engine.kimi_k3_reasoning import KimiK3Reasoning  # noqa: E402
 from stages.engine.reasoning import PARSERS, ReasoningSettings  # noqa: E402
 from stages.engine.tool_calls import ToolCallParser  # noqa: E402
-from tests.stages.test_engine_sglang_detectors import _splits  # noqa: E402
+from tests.stages.test_engine_sglang_detectors import _reasoned_alike, _splits  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
@@ -314,11 +314,7 @@ def test_kimi_k3_reasoning_reads_as_sglangs_detector(thinking: bool) -> None:
         theirs, ours = _detector(*options), mine.parser()
         assert isinstance(ours, KimiK3Reasoning)
         parts = _splits(r, text) if len(text) > 1 else [text]
-        for part in parts:
-            step = theirs.parse_streaming_increment(part)
-            assert ours.feed(part) == (step.reasoning_text, step.normal_text), (parts, options)
-        end = theirs.finish()
-        assert ours.finish() == (end.reasoning_text, end.normal_text), (parts, options)
+        _reasoned_alike(theirs, ours, parts, (parts, options))
         compared += 1
     assert compared == 20000
 

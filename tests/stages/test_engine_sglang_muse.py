@@ -33,7 +33,7 @@ parser: Any = pytest.importorskip("sglang.srt.parser.reasoning_parser")
 
 from stages.engine.muse_reasoning import MuseReasoning  # noqa: E402
 from stages.engine.tool_calls import ToolCallParser  # noqa: E402
-from tests.stages.test_engine_sglang_detectors import _splits  # noqa: E402
+from tests.stages.test_engine_sglang_detectors import _reasoned_alike, _splits  # noqa: E402
 
 
 def _tool(name: str) -> dict[str, Any]:
@@ -216,11 +216,7 @@ def test_muse_reasoning_reads_as_sglangs_detector(force: bool) -> None:
         theirs = parser.MuseGlimmerDetector(force_reasoning=force, **options)
         ours = MuseReasoning(**mine)
         parts = _splits(r, text) if len(text) > 1 else [text]
-        for part in parts:
-            step = theirs.parse_streaming_increment(part)
-            assert ours.feed(part) == (step.reasoning_text, step.normal_text), (parts, options)
-        end = theirs.finish()
-        assert ours.finish() == (end.reasoning_text, end.normal_text), (parts, options)
+        _reasoned_alike(theirs, ours, parts, (parts, options))
     assert framed > 1000, framed
 
 
