@@ -20,7 +20,7 @@ A thinking request drops the reasoning of assistant turns before the last user t
 messages other than system, user, tool and assistant ones before it (``drop_thinking_messages``;
 an index past the shortened list then fails as DeepSeek's encoder fails). What it refuses
 raises ``EncodingError`` with its words (SGLang's 400); a role it does not know raises
-``NotImplementedError`` (SGLang's 500).
+``UnknownRole`` (SGLang's 500, its ``NotImplementedError``).
 
 ``tests/stages/test_engine_sglang_dsv32.py`` holds ``encode`` to SGLang's encoder on random
 conversations where SGLang imports. This module knows nothing of HTTP or tokenizers.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["ASSISTANT", "BOS", "EOS", "USER", "EncodingError", "encode"]
+__all__ = ["ASSISTANT", "BOS", "EOS", "USER", "EncodingError", "UnknownRole", "encode"]
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -70,6 +70,10 @@ _RESPONSE_FORMAT = (
 
 class EncodingError(ValueError):
     """A conversation DeepSeek's encoder refuses (``DS32EncodingError``), in its words."""
+
+
+class UnknownRole(Exception):  # (SGLang: NotImplementedError, its 500 and not a 400)
+    """A message role DeepSeek's encoder has no rendering for."""
 
 
 def _json(value: Any) -> str:
@@ -156,7 +160,7 @@ def _render(index: int, messages: list[dict[str, Any]], thinking: bool) -> str:
                 )
             reasoning = (message.get("reasoning_content") or "") + UNTHINK
         return f"{reasoning}{content or ''}{block}{EOS}"
-    raise NotImplementedError(f"Unknown role: {role}")
+    raise UnknownRole(f"Unknown role: {role}")
 
 
 def _tool_result(index: int, messages: list[dict[str, Any]], last_user: int, thinking: bool) -> str:

@@ -87,6 +87,7 @@ import structlog
 
 from stages.engine.chat_template import TemplateRenderer
 from stages.engine.chunk_stream import mapped
+from stages.engine.dsv32_encoding import UnknownRole
 from stages.engine.dsv32_encoding import encode as dsv32_encode
 from stages.engine.glm_grammar import glm_turn
 from stages.engine.hunyuan_reasoning import normalized_effort as hunyuan_effort
@@ -661,7 +662,7 @@ def _dsv32_prompt(
         text = dsv32_encode(messages, bool(thinking))
     except ValueError as exc:  # DS32EncodingError, or a call's arguments
         raise OpenAIError(str(exc), "messages", kind="BadRequest") from None
-    except NotImplementedError as exc:  # serving_base: any other error is its 500
+    except UnknownRole as exc:  # serving_base: any other error is its 500
         raise OpenAIError(
             f"Internal server error: {exc}", status=500, kind="InternalServerError"
         ) from None

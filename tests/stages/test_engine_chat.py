@@ -543,6 +543,9 @@ def test_deepseek_v32_prompts_are_rendered_by_its_encoder() -> None:
     orphan = [{"role": "user", "content": "x"}, {"role": "tool", "content": "5"}]
     with pytest.raises(OpenAIError, match="Invalid messages at 2"):
         rendered({"messages": orphan})
+    with pytest.raises(OpenAIError, match="Unknown role: function") as unknown:  # its 500
+        rendered({"messages": [*hi, {"role": "function", "content": "x"}]})
+    assert unknown.value.status == 500
     # /v1/tokenize (serving_tokenize._tokenize_chat_request): the same ids; no template to
     # tell add_generation_prompt
     from types import SimpleNamespace

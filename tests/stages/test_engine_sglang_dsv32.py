@@ -18,7 +18,7 @@ import pytest
 
 ds: Any = pytest.importorskip("sglang.srt.entrypoints.openai.encoding_dsv32")
 
-from stages.engine.dsv32_encoding import EncodingError, encode  # noqa: E402
+from stages.engine.dsv32_encoding import EncodingError, UnknownRole, encode  # noqa: E402
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "description": "adds {a}",
@@ -72,7 +72,7 @@ def _outcome(run: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
         return "text", run(*args, **kwargs)
     except (EncodingError, ds.DS32EncodingError) as exc:
         return "refused", str(exc)
-    except NotImplementedError as exc:
+    except (UnknownRole, NotImplementedError) as exc:
         return "unknown role", str(exc)
     except (ValueError, IndexError, KeyError, AttributeError) as exc:
         return type(exc).__name__, ""
