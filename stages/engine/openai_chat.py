@@ -160,6 +160,7 @@ _NOT_SAMPLING = frozenset({*_DEFAULTS, "max_tokens", "json_schema"})
 _SPECIAL_FORMATS = frozenset({"gpt_oss", "gemma4", "gemma4_unified"})
 # the tool-call parsers whose calls' ids count the conversation's calls (_process_tool_call_id)
 _KIMI_IDS = ("kimi_k2", "kimi_k3")
+_TOOL_ROLES = ("root", "system", "developer")  # roles whose messages may carry tools
 
 
 def _config(model_dir: Path) -> dict[str, Any]:
@@ -1158,18 +1159,24 @@ def _check_schemas(tools: list[dict[str, Any]], messages: list[Any]) -> None:
     """The tools' ``parameters``, the request's then its system and developer messages', their
     type names rewritten in place and checked as JSON Schemas (``tool_schemas``; SGLang's
     ``_validate_request``)."""
-    offered = [t["function"] for t in tools]
-    for message in messages:
-        role = message.get("role") if isinstance(message, dict) else None
-        if not isinstance(role, str) or role.lower() not in ("root", "system", "developer"):
-            continue
-        listed = message.get("tools")
-        if isinstance(listed, list):
-            offered += [t["function"] for t in listed if isinstance(t, dict) and _is_fn(t)]
+    offered = [t["function"] for t in [*tools, *_message_tools(messages)]]
     for i, fn in enumerate(offered):
         error = schema_error(i, fn.get("parameters"))
         if error is not None:
             raise OpenAIError(error, "tools")
+
+
+def _message_tools(messages: list[Any]) -> list[dict[str, Any]]:
+    """The tools root, system and developer messages carry (``_effective_tools``), those with
+    a function."""
+    found = []
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role.lower() in _TOOL_ROLES:
+            listed = message.get("tools")
+            if isinstance(listed, list):
+                found += [t for t in listed if isinstance(t, dict) and _is_fn(t)]
+    return found
 
 
 def _told(messages: list[Any]) -> bool:
@@ -1177,7 +1184,7 @@ def _told(messages: list[Any]) -> bool:
     return any(
         isinstance(m, dict)
         and isinstance(m.get("role"), str)
-        and m["role"].lower() in ("root", "system", "developer")
+        and m["role"].lower() in _TOOL_ROLES
         and m.get("tools")
         for m in messages
     )
