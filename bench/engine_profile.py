@@ -9,6 +9,7 @@ Run (each prints one JSON line on stdout; on an otherwise idle machine):
         [--seconds 20] [--py-spy]
     python bench/engine_profile.py compare [--forms n,n-stream,openai,openai-stream,...]
         [--rounds 8] [--seconds 4] [--stream-interval 1] [--pin] [--against DIR] [--device cuda]
+        [--event-loop-turns]
 
 ``step`` drives ``stages.engine.scheduler.Scheduler`` in this process (no HTTP) and compares,
 per decode step at a batch of ``--batch`` rows:
@@ -657,6 +658,11 @@ def _serve(args: argparse.Namespace, tmp: Path, root: Path = ROOT) -> tuple[subp
             "64",
             "--stream-interval",
             str(args.stream_interval),
+            *(
+                ["--event-loop-turns"]
+                if getattr(args, "event_loop_turns", False) and root == ROOT
+                else []
+            ),
             "--device",
             getattr(args, "device", "cpu"),
             "--log-file",
@@ -984,6 +990,9 @@ def main() -> int:
     http.add_argument("--native", action="store_true", help="py-spy --native (C frames)")
     http.add_argument("--gil-only", action="store_true", help="py-spy --gil: GIL holders only")
     http.add_argument("--keep-raw", type=Path, help="copy py-spy's raw samples here")
+    http.add_argument(
+        "--event-loop-turns", action="store_true", help="the engine's --event-loop-turns"
+    )
     compare = sub.add_parser(
         "compare", help="engine CPU per sample of several request forms, side by side"
     )
@@ -1006,6 +1015,12 @@ def main() -> int:
     compare.add_argument("--model", choices=["arith", "mid"], default="arith")
     compare.add_argument("--new-tokens", type=int, default=5)
     compare.add_argument("--device", default="cpu", help="the engine's --device (cuda: a GPU)")
+    compare.add_argument(
+        "--event-loop-turns",
+        action="store_true",
+        help="the engine's --event-loop-turns, on the first server only (not --against's): with "
+        "--against a checkout of the same code, an A/B of the flag",
+    )
     compare.add_argument(
         "--pin",
         action="store_true",

@@ -73,6 +73,7 @@ from stages.engine.incremental_text import FORCE_INTERVAL
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.load_meter import LoadMeter
+from stages.engine.loop_turns import Turns
 from stages.engine.lora_adapters import (
     Adapter,
     AdapterError,
@@ -492,7 +493,11 @@ class Scheduler:
         strict_thinking: StrictThinking | None = None,
         custom_logit_processors: bool = False,
         routed_experts: bool = False,
+        turns: Turns | None = None,
     ) -> None:
+        # the turns its thread's steps take with the server's event loop (``loop_turns``):
+        # None, a step runs whenever it is due
+        self.turns = turns
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
         if max_running < 1:
@@ -894,6 +899,8 @@ class Scheduler:
         """Abort what is in flight and end the scheduler thread."""
         self._stop.set()
         self._wake.set()
+        if self.turns is not None:  # its caller may hold the turn a step would wait for
+            self.turns.close()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -930,10 +937,11 @@ class Scheduler:
         torch.set_num_threads(self._threads)
         name_thread("engine")  # for top -H and bench/stage_cpu.py
         log.info("scheduler_started", max_running=self.max_running, device=str(self.device))
+        turns = self.turns
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:
-                    busy = self.step()
+                    busy = self.step() if turns is None else turns.step(self.step)
                 except Exception as exc:
                     # A failing forward pass must not kill the engine: fail what was in flight.
                     log.exception("scheduler_step_failed", error=repr(exc))

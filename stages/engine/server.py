@@ -2,6 +2,7 @@
 
 Run: ``inflight engine --model DIR --port 30000 [--host 127.0.0.1] [--device cpu|cuda]
 [--dtype auto|float32|bfloat16|float16] [--max-running 64] [--stream-interval 1] [--seed 0]
+[--event-loop-turns]
 [--weight-version 0] [--reasoning-parser auto|qwen3|deepseek-r1|...]
 [--prefix-cache-tokens 32768] [--prefix-cache-max-age 2] [--chat-template FILE]
 [--tool-call-parser auto|qwen25|hermes|deepseekv31|kimi_k2|...] [--enable-response-store]
@@ -79,6 +80,7 @@ from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
 from stages.engine.load_routes import LoadRoutes
 from stages.engine.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS, LoadedModel, load_model
 from stages.engine.logging_routes import LoggingRoutes
+from stages.engine.loop_turns import Turns, turn_taking_loop
 from stages.engine.lora_routes import LoraRoutes
 from stages.engine.maintenance_routes import MaintenanceRoutes
 from stages.engine.memory_routes import MemoryRoutes
@@ -149,6 +151,7 @@ log = structlog.get_logger("stages.engine.server")
 _SCHEDULER = web.AppKey("scheduler", Scheduler)
 _LOADED = web.AppKey("loaded", LoadedModel)
 _WEIGHTS = web.AppKey("weights", "WeightRoutes")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _DECODE = web.AppKey("decode", object)
 _SESSIONS = web.AppKey("sessions", Sessions)
 _REFUSED = web.AppKey("refused", Counter)
@@ -287,18 +290,20 @@ def build_app(
     app.router.add_post("/generate", _generate)
     app.router.add_put("/generate", _generate)  # SGLang's route takes PUT too
     app.router.add_post("/abort_request", _abort_request)
-    app.router.add_post("/pause_generation", _pause)
-    app.router.add_post("/continue_generation", _continue)
-    app.router.add_post("/update_weight_version", _update_weight_version)
+    app.router.add_post("/pause_generation", _unturned(scheduler, _pause))
+    app.router.add_post("/continue_generation", _unturned(scheduler, _continue))
+    app.router.add_post("/update_weight_version", _unturned(scheduler, _update_weight_version))
     app.router.add_route("GET", "/flush_cache", _flush_cache)
     app.router.add_post("/flush_cache", _flush_cache)
-    app.router.add_post("/init_weights_update_group", weights.init_group)
-    app.router.add_post("/update_weights_from_distributed", weights.update)
+    app.router.add_post("/init_weights_update_group", _unturned(scheduler, weights.init_group))
+    app.router.add_post("/update_weights_from_distributed", _unturned(scheduler, weights.update))
     app.router.add_post("/destroy_weights_update_group", weights.destroy_group)
     app.router.add_post("/begin_weight_update", weights.begin)
     app.router.add_post("/end_weight_update", weights.end)
-    app.router.add_post("/update_weights_from_disk", weights.update_from_disk)
-    app.router.add_post("/update_weights_from_tensor", weights.update_from_tensor)
+    app.router.add_post("/update_weights_from_disk", _unturned(scheduler, weights.update_from_disk))
+    app.router.add_post(
+        "/update_weights_from_tensor", _unturned(scheduler, weights.update_from_tensor)
+    )
     app.router.add_route("GET", "/get_weights_by_name", weights.weights_by_name)
     app.router.add_post("/get_weights_by_name", weights.weights_by_name)
     app.router.add_route("GET", "/weights_checker", weights.check)
@@ -909,6 +914,14 @@ def _parser() -> argparse.ArgumentParser:
         "after (SGLang's; a request's sampling_params.stream_interval overrides it)",
     )
     parser.add_argument(
+        "--event-loop-turns",
+        action="store_true",
+        help="the HTTP event loop and the scheduler's steps take turns at the interpreter "
+        "instead of interleaving their Python (stages/engine/loop_turns.py): less CPU a sample "
+        "where a step is mostly Python (a small model on CPU), slower streams where it is mostly "
+        "the model's own compute",
+    )
+    parser.add_argument(
         "--sampling-mask-max-tokens",
         type=_positive_int,
         default=SAMPLING_MASK_MAX_TOKENS,
@@ -1199,8 +1212,11 @@ def resolve_parsers(args: argparse.Namespace, loaded: LoadedModel) -> None:
         setattr(args, attr, detected.parser)
 
 
-def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
-    """The scheduler the options ask for, on ``loaded``'s model (not started)."""
+def build_scheduler(
+    args: argparse.Namespace, loaded: LoadedModel, turns: Turns | None = None
+) -> Scheduler:
+    """The scheduler the options ask for, on ``loaded``'s model (not started); ``turns``: the
+    turns its steps take with the server's event loop (``loop_turns``)."""
     decode = decoder(loaded.tokenizer)
     grammars = None
     strict = _strict_thinking(args, loaded)
@@ -1236,7 +1252,29 @@ def build_scheduler(args: argparse.Namespace, loaded: LoadedModel) -> Scheduler:
         strict_thinking=strict,
         custom_logit_processors=args.enable_custom_logit_processor,
         routed_experts=args.enable_return_routed_experts,
+        turns=turns,
     )
+
+
+def _unturned(scheduler: Scheduler, handler: Handler) -> Handler:
+    """``handler`` with the loop's turns with the steps lifted while it runs (``loop_turns``):
+    the weight routes and the controls a publisher calls around them. A weight update's
+    exchanges (the buckets received on a thread of their own, then loaded at a step's end)
+    would each wait for a step to end, which slowed a publish under load 3x."""
+    turns = scheduler.turns
+    if turns is None:
+        return handler
+
+    async def run(request: web.Request) -> web.StreamResponse:
+        with turns.suspended():
+            return await handler(request)
+
+    return run
+
+
+def event_loop_turns(args: argparse.Namespace) -> Turns | None:
+    """The turns ``--event-loop-turns`` asks for (None: the loop and the steps interleave)."""
+    return Turns() if getattr(args, "event_loop_turns", False) else None
 
 
 def _strict_thinking(args: argparse.Namespace, loaded: LoadedModel) -> StrictThinking | None:
@@ -1304,7 +1342,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         resolve_parsers(args, loaded)
-        scheduler = build_scheduler(args, loaded)
+        turns = event_loop_turns(args)
+        scheduler = build_scheduler(args, loaded, turns)
     except ValueError as exc:  # settings the model cannot take (a reasoning tag it lacks...)
         log.error("engine_settings_refused", model=str(args.model), error=str(exc))
         return 2
@@ -1331,7 +1370,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         if taken:
             log.info("engine_flags_not_applicable", flags=taken, why=_NOT_APPLICABLE)
-        return run_loop(serve(app, args, loaded, started))
+        started["event_loop_turns"] = turns is not None
+        return run_loop(serve(app, args, loaded, started), turns)
     finally:
         scheduler.stop()
 
@@ -1392,8 +1432,15 @@ _NOT_APPLICABLE = (
 )
 
 
-def run_loop(coro: Awaitable[int]) -> int:
-    """Run the server's coroutine to its end (on uvloop when installed)."""
+def run_loop(coro: Awaitable[int], turns: Turns | None = None) -> int:
+    """Run the server's coroutine to its end: on a loop that takes ``turns`` with the
+    scheduler's steps (``loop_turns``), else on uvloop when installed."""
+    if turns is not None:
+        loop = turn_taking_loop(turns)
+        try:
+            return loop.run_until_complete(coro)
+        finally:
+            loop.close()
     try:
         import uvloop
     except ImportError:

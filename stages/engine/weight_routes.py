@@ -118,6 +118,8 @@ class WeightRoutes:
                 "a weight-update session is already open; call end_weight_update() first"
             )
         self.session = selector
+        if self.scheduler.turns is not None:  # the session's exchanges wait for no step
+            self.scheduler.turns.suspend()
         return web.json_response({"success": True, "message": "Success"})
 
     async def end(self, request: web.Request) -> web.Response:
@@ -128,7 +130,9 @@ class WeightRoutes:
         if self.session is None:
             return failure("no weight-update session is open; call begin_weight_update() first")
         async with self.lock:  # after the updates still loading
-            self.session = None
+            ended, self.session = self.session is not None, None
+        if ended and self.scheduler.turns is not None:  # (once, whoever else ended it)
+            self.scheduler.turns.resume()
         return web.json_response({"success": True, "message": "Success"})
 
     async def update(self, request: web.Request) -> web.Response:
