@@ -46,7 +46,9 @@ class Turns:
     ``loop_acquire`` and ``loop_release`` (``turn_taking_loop`` does both around its waits for
     its sockets). A step that ends while the loop waits for the turn hands it over and waits
     until the loop has taken it, so that the next step cannot take it back first; the loop
-    lets it go whenever it polls its sockets, so that a step that waits goes next. ``close()``
+    lets it go whenever it polls its sockets, and a step that waits has it then, however busy
+    the loop (the poll lets the GIL go too, and the step's thread takes the turn meanwhile).
+    ``close()``
     ends the turns: a step then runs without waiting (a scheduler stopping while the loop,
     which stops it, holds the turn). ``suspended()`` lifts them for a while (a weight update,
     whose every exchange would otherwise wait for a step to end): the loop and the steps run
@@ -76,6 +78,7 @@ class Turns:
         self._loop_took.set()
 
     def loop_release(self) -> None:
+        """Let the turn go (nothing if the loop does not hold it)."""
         if self._loop_holds:
             self._loop_holds = False
             self._lock.release()
@@ -127,17 +130,13 @@ class _TurnTakingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid
     def __init__(self, turns: Turns) -> None:
         super().__init__()
         self._turns = turns
-        self._holding = False
 
     def select(self, timeout: float | None = None) -> Any:
-        if self._holding:
-            self._holding = False
-            self._turns.loop_release()
+        self._turns.loop_release()  # (nothing before its first turn)
         try:
             return super().select(timeout)
         finally:
             self._turns.loop_acquire()
-            self._holding = True
 
 
 def turn_taking_loop(turns: Turns) -> asyncio.AbstractEventLoop:
