@@ -328,6 +328,7 @@ def _start_engines(
                     str(log_file),
                     "--log-level",
                     "debug",  # weights_applied, read below, is a debug event
+                    *(["--event-loop-turns"] if args.event_loop_turns else []),
                 ],
                 cwd=ROOT,
                 env=env,
@@ -834,6 +835,9 @@ if __name__ == "__main__":
     updates_args.add_argument("--rounds", type=int, default=4, help="A B, then B A, ...")
     updates_args.add_argument("--warmup-s", type=float, default=4)
     updates_args.add_argument("--engine-threads", type=int, default=1)
+    updates_args.add_argument(
+        "--event-loop-turns", action="store_true", help="the engines' --event-loop-turns"
+    )
     updates_args.add_argument(
         "--publisher-threads",
         type=int,
