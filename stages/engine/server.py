@@ -151,7 +151,7 @@ log = structlog.get_logger("stages.engine.server")
 _SCHEDULER = web.AppKey("scheduler", Scheduler)
 _LOADED = web.AppKey("loaded", LoadedModel)
 _WEIGHTS = web.AppKey("weights", "WeightRoutes")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _DECODE = web.AppKey("decode", object)
 _SESSIONS = web.AppKey("sessions", Sessions)
 _REFUSED = web.AppKey("refused", Counter)
@@ -1256,7 +1256,7 @@ def build_scheduler(
     )
 
 
-def _unturned(scheduler: Scheduler, handler: Handler) -> Handler:
+def _unturned(scheduler: Scheduler, handler: _Handler) -> _Handler:
     """``handler`` with the loop's turns with the steps lifted while it runs (``loop_turns``):
     the weight routes and the controls a publisher calls around them. A weight update's
     exchanges (the buckets received on a thread of their own, then loaded at a step's end)
@@ -1274,7 +1274,7 @@ def _unturned(scheduler: Scheduler, handler: Handler) -> Handler:
 
 def event_loop_turns(args: argparse.Namespace) -> Turns | None:
     """The turns ``--event-loop-turns`` asks for (None: the loop and the steps interleave)."""
-    return Turns() if getattr(args, "event_loop_turns", False) else None
+    return Turns() if args.event_loop_turns else None
 
 
 def _strict_thinking(args: argparse.Namespace, loaded: LoadedModel) -> StrictThinking | None:
