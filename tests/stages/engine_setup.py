@@ -116,6 +116,11 @@ def free_port() -> int:
     return rendezvous_port()  # below the ephemeral range: not taken before it is bound
 
 
+# the device the engines tests start run on (``tests.cuda_engines`` makes it "cuda"): where a
+# test computes what an engine's device-dependent answer must be (a weight digest)
+ENGINE_DEVICE = "cpu"
+
+
 def engine_command(model: Path | str, *more: str) -> list[str]:
     """``inflight engine --model MODEL MORE`` as this interpreter runs it."""
     return [sys.executable, "-m", "pipeline.cli", "engine", "--model", str(model), *more]

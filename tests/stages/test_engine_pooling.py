@@ -43,6 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from stages.engine.encode_routes import NOT_EMBEDDING
 from stages.engine.pooling import Pooler, PoolingFailed, load_pooling_model, pooling_kind
 from tests.numerics import assert_close, forward_terms
+from tests.stages import engine_setup
 from tests.stages.engine_setup import classifier_reference
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
 from tests.stages.tiny_model import make_tiny_classifier, make_tiny_model
@@ -456,6 +457,7 @@ def test_weights_checker_of_a_reward_model_answers_the_trainers_digests(reward: 
     assert answer["success"] is True
     if not _real(reward):  # SGLang's own names differ where it fuses projections
         model = AutoModelForSequenceClassification.from_pretrained(reward.model_dir)
+        model = model.to(engine_setup.ENGINE_DEVICE)  # a digest is of that device's kind
         assert answer["ranks"][0]["checksums"] == checksums(model)
     assert post(json={"action": "snapshot"}).json() == {"success": True, "message": "Success."}
     ids = _ids(reward, PROMPTS[0])

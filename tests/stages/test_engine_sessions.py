@@ -10,6 +10,7 @@ greedy answers to a session's turns equal its answers to the composed prompts se
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,10 +130,12 @@ def test_a_streaming_session_appends_each_turn_to_the_last_that_ended_well() -> 
 
 
 def test_an_idle_session_past_its_timeout_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the machine's own clock to start from: a session takes its first activity from the
+    # real clock (a fixed 1000 s read as idle for long on a machine up for less than that)
+    clock = [time.monotonic()]
+    monkeypatch.setattr("stages.engine.sessions.time.monotonic", lambda: clock[0])
     sessions, _ = _sessions()
     sid = sessions.open({"capacity_of_str_len": 100, "timeout": 5.0})
-    clock = [1000.0]
-    monkeypatch.setattr("stages.engine.sessions.time.monotonic", lambda: clock[0])
     sessions.prompt({"id": sid}, A, "t1", bos=None)
     clock[0] += 6
     with pytest.raises(SessionError, match="does not exist"):

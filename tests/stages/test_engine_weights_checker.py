@@ -24,6 +24,7 @@ from stages.engine.weight_checker import (
     overall_checksum,
     tensor_checksum,
 )
+from tests.stages import engine_setup
 from tests.stages.engine_setup import builtin_engine, hf_greedy, load_reference
 from tests.stages.tiny_model import make_tiny_model
 
@@ -140,7 +141,9 @@ def test_on_cuda_a_tensor_digest_is_the_tile_hash() -> None:
 def test_checksum_answers_each_weights_digest_as_the_trainer_computes_them(
     url: str, model: Path
 ) -> None:
-    reference = load_reference(model)
+    # the digests as a trainer computes them on the engine's kind of device (SGLang's: of the
+    # bytes on a CPU, of the 32-bit words on a GPU)
+    reference = load_reference(model).to(engine_setup.ENGINE_DEVICE)
     expected = checksums(reference)
     assert "model.embed_tokens.weight" in expected and not any("inv_freq" in n for n in expected)
     for resp in (_check(url, method="GET"), _check(url, {}), _check(url, {"action": "checksum"})):

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stages.weights.publisher import WeightPublisher
+from tests.stages import engine_setup
 from tests.stages.engine_setup import EngineProcess
 from tests.stages.tiny_model import make_tiny_model
 
@@ -230,6 +231,8 @@ def test_the_publisher_brings_every_weight_back_bit_for_bit(engines, models):
     for status, answer in garbled:
         assert status == 400 and answer["message"].startswith("check tensor equality failed")
     assert compared == [(200, {"success": True, "message": "Success."})] * 2
-    trainer = checksums(dict(weights))
+    # the trainer's digests of what it sent, on the engines' kind of device (bytes on a CPU,
+    # 32-bit words on a GPU)
+    trainer = checksums({name: t.to(engine_setup.ENGINE_DEVICE) for name, t in weights})
     for status, answer in digests:
         assert status == 200 and answer["ranks"][0]["checksums"] == trainer
