@@ -82,7 +82,7 @@ def test_inkling_recovers_one_call_or_keeps_the_text() -> None:
     assert _stream(f"{bad}{MM}{TEXT}more", 1000) == ("Hi x{bad byemore", [], 0)
     assert _stream(f"{bad}{MM}{TEXT}more", 5)[0].startswith("Hi {bad bye")  # its header gone
     assert _stream(f"ok {MM}partial", 3) == ("ok ", [], 0)  # a header held, dropped
-    deep = f'{MM}x{J}{{"name": "x", "args": {{"d": {"[" * 1500}{"]" * 1500}}}}}{E}'
+    deep = f'{MM}x{J}{{"name": "x", "args": {{"d": {"[" * 20000}{"]" * 20000}}}}}{E}'
     assert ToolCallParser(TOOLS, "inkling").parse(deep) == (deep, [])
 
 

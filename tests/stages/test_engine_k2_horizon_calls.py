@@ -130,7 +130,7 @@ def test_k2_horizon_answers_as_it_came_where_the_detector_raises() -> None:
     """A value nested past Python's JSON reader makes the detector raise: the chat route answers
     the text as it is, without calls, and so does the stream; a number past the digits Python
     reads is a malformed call, left as it is."""
-    deep = f"{G}{C}note{_arg('a', '[' * 5000 + ']' * 5000)}{CE}{GE}"
+    deep = f"{G}{C}note{_arg('a', '[' * 20000 + ']' * 20000)}{CE}{GE}"
     assert _read(deep) == (deep, [])
     assert _stream(deep, 1000) == (deep, [])
     long = f"ok {C}note{_arg('a', '1' * 5000)}{CE}"

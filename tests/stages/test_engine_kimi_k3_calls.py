@@ -119,7 +119,7 @@ def test_kimi_k3_answer_whose_value_cannot_be_read_keeps_its_reply_alone() -> No
     """A value nested past Python's recursion limit (or an integer longer than it reads)
     makes the detector's reading raise: its ``except`` answers the reply, no calls; streamed,
     that call is dropped (logged) and the others go out."""
-    for bad in ("[" * 3000 + "]" * 3000, "1" * 5000):
+    for bad in ("[" * 20000 + "]" * 20000, "1" * 5000):
         text = f"{REPLY}{TOOLS_OPEN}{WEATHER}{_call('add', _arg('a', bad, 'array'))}{TOOLS_CLOSE}"
         with structlog.testing.capture_logs() as logs:
             assert _read(text) == ("Let me look.", [])

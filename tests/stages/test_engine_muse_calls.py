@@ -116,7 +116,7 @@ def test_muse_keeps_what_it_cannot_read() -> None:
     the text without calls (streamed, that call alone is dropped); an invoke never closed is
     dropped, a header never finished is content, a text without an ATEM marker is left as it
     is (its framing too: SGLang's chat route does not read it)."""
-    deep = "[" * 1500 + "]" * 1500
+    deep = "[" * 20000 + "]" * 20000
     text = ANSWER + _tool_channel("f", _invoke("search", q="1"), _invoke("search", q=deep))
     assert ToolCallParser(TOOLS, "muse").parse(text) == (text, [])
     streamed, pieces = _feed(StreamingToolCalls(ToolCallParser(TOOLS, "muse")), text, 7)
