@@ -8,7 +8,8 @@ special tokens, on every call. A request's messages here were parsed from JSON a
 already, so ``TemplateRenderer`` does only what changes the rendered text, with transformers'
 own parts: the template compiled by transformers (its sandboxed environment, ``tojson``,
 ``raise_exception``, ``strftime_now``, the ``generation`` tag), each message without its
-``None`` fields (``_normalize_chat_messages``), reasoning under every name templates read it
+``None`` fields where this transformers drops them (``_normalize_chat_messages``, 5.2x; 5.19,
+which SGLang 0.5.23 pins, passes them on), reasoning under every name templates read it
 by (transformers' ``_alias_reasoning_fields``, where this transformers has it), and the
 special tokens and keywords as the template's variables. Measured on arith-tiny's pass-through
 template: 23 us a call through ``apply_chat_template``, 10 us here.
@@ -33,6 +34,13 @@ try:
     from transformers.utils.chat_template_utils import _alias_reasoning_fields as _alias
 except ImportError:  # pragma: no cover - a transformers that passes reasoning as it is
     _alias = None
+try:  # a transformers that drops a message's None fields (5.2x); 5.19, SGLang 0.5.23's pin,
+    # hands them to the template as they are (a qwen-like template writes "None")
+    from transformers.utils.chat_template_utils import _normalize_chat_messages  # noqa: F401
+
+    _DROPS_NONE = True
+except ImportError:  # pragma: no cover - an older transformers
+    _DROPS_NONE = False
 
 
 def _reserved(tokenizer: Any) -> frozenset[str]:
@@ -79,7 +87,9 @@ class TemplateRenderer:
                 "Cannot apply chat template to an empty conversation. Provide at least one message."
             )
         compiled = _compile(self.tokenizer.get_chat_template(template, tools))
-        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        chat = messages
+        if _DROPS_NONE:
+            chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         if _alias is not None:
             chat = _alias(chat)
         return compiled.render(

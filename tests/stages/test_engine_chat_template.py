@@ -96,8 +96,11 @@ def test_the_probe_sees_what_a_template_is_given() -> None:
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "configs/models/calc-chat-tiny")
     text = TemplateRenderer(tokenizer).render(CONVERSATIONS[3], None, PROBE, True, KWARGS[2])
     messages = json.loads(text.split("|", 1)[0])
-    assert messages[3] == {"thinking": "2+3", "role": "assistant", "content": "5",
-                           "reasoning": "2+3", "reasoning_content": "2+3"}  # fmt: skip
+    if chat_template._DROPS_NONE and chat_template._alias is not None:
+        assert messages[3] == {"thinking": "2+3", "role": "assistant", "content": "5",
+                               "reasoning": "2+3", "reasoning_content": "2+3"}  # fmt: skip
+    else:  # an older transformers (5.19, SGLang 0.5.23's pin) hands the message on as it is
+        assert messages[3] == CONVERSATIONS[3][3]
     assert "|<mine>|" in text and "|low|" in text
 
 
