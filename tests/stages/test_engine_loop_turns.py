@@ -115,13 +115,20 @@ def test_a_loop_that_is_never_idle_still_lets_the_steps_run() -> None:
     assert steps[0] >= 150, steps[0]
 
 
-def test_close_lets_a_waiting_step_run() -> None:
+def _step_waiting_for_the_loop() -> tuple[Turns, threading.Event, threading.Thread]:
+    """Turns the loop holds, and a step on a thread of its own that waits for them (``ran``
+    set once it has run)."""
     turns = Turns()
     turns.loop_acquire()
     ran = threading.Event()
     t = threading.Thread(target=turns.step, args=(ran.set,))
     t.start()
     assert not ran.wait(0.3)  # the loop holds the turn: the step waits
+    return turns, ran, t
+
+
+def test_close_lets_a_waiting_step_run() -> None:
+    turns, ran, t = _step_waiting_for_the_loop()
     turns.close()
     assert ran.wait(5)
     t.join(5)
@@ -173,12 +180,7 @@ def test_the_loop_holds_the_turn_while_it_runs_and_lets_it_go_while_it_waits() -
 
 
 def test_suspended_turns_let_a_step_run_beside_the_loop() -> None:
-    turns = Turns()
-    turns.loop_acquire()
-    ran = threading.Event()
-    t = threading.Thread(target=turns.step, args=(ran.set,))
-    t.start()
-    assert not ran.wait(0.3)  # held by the loop
+    turns, ran, t = _step_waiting_for_the_loop()
     with turns.suspended():
         assert ran.wait(5)  # a step waiting for the turn goes once they are lifted
         t.join(5)
