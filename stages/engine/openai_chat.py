@@ -81,7 +81,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -151,6 +151,7 @@ from stages.engine.tool_schemas import schema_error
 __all__ = ["ChatSettings", "chat_request", "chat_response", "chat_stream"]
 
 log = structlog.get_logger("stages.engine.openai_chat")
+_Settings = TypeVar("_Settings", bound="ChatSettings")
 
 _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 # set above from their own rules, or not fields of a chat request (json_schema comes as
@@ -229,6 +230,16 @@ class ChatSettings:
     def __post_init__(self) -> None:
         self.renderer = TemplateRenderer(self.tokenizer)
         self.token_bytes = token_bytes(self.tokenizer)
+
+    def shared_as(self, cls: type[_Settings]) -> _Settings:
+        """These settings as ``cls``, a subclass that changes how prompts are rendered: every
+        field, and what was worked out from them (the renderer, the token bytes, the
+        template's reasoning toggle and content format, each parsed from the template's
+        source), shared rather than made again. The agent proxy makes one per episode."""
+        _ = (self.toggle, self.content_format)  # worked out here once, for every copy
+        settings = cls.__new__(cls)
+        settings.__dict__.update(vars(self))
+        return settings
 
     @functools.cached_property
     def toggle(self) -> Toggle | None:

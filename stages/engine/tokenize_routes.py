@@ -32,7 +32,6 @@ Encoding and decoding run on the event loop, as ``/generate`` encodes its ``text
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +67,7 @@ class TokenizeRoutes:
         self.vocab_size = loaded.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = max(self.vocab_size, len(self.tokenizer))
-        self.chat_with_special_tokens = None if chat is None else _with_special_tokens(chat)
+        self.chat_with_special_tokens = None if chat is None else chat.shared_as(_WithSpecialTokens)
 
     def add_to(self, app: web.Application) -> None:
         for prefix in ("/v1", ""):
@@ -191,8 +190,3 @@ class _WithSpecialTokens(ChatSettings):
         add_special_tokens: bool = True,
     ) -> list[int]:
         return super().render(messages, tools, kwargs, add_special_tokens=True)
-
-
-def _with_special_tokens(chat: ChatSettings) -> _WithSpecialTokens:
-    fields = dataclasses.fields(chat)
-    return _WithSpecialTokens(**{f.name: getattr(chat, f.name) for f in fields if f.init})

@@ -18,10 +18,14 @@ Then the schema must be a valid JSON Schema (draft 2020-12's metaschema, ``jsons
 ``Draft202012Validator.check_schema``): else SGLang's 400, ``Tool {i} function has invalid
 'parameters' schema: ...`` (``i`` counting the request's tools, then the messages'), or for a
 schema nested too deep ``... is too deeply nested or contains a cycle.``
+
+A schema found valid is remembered by its JSON text (the last ``_KNOWN_MAX``): an agent offers
+the same tools with every call, and the metaschema check costs about a millisecond each.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 __all__ = ["normalize_types", "schema_error"]
@@ -103,6 +107,10 @@ def normalize_types(schema: Any) -> None:
             normalize_types(schema[key])
 
 
+_KNOWN_MAX = 512
+_KNOWN_VALID: set[str] = set()  # the JSON texts of schemas found valid
+
+
 def schema_error(index: int, parameters: Any) -> str | None:
     """Normalize the ``index``-th tool's ``parameters`` in place and check them: SGLang's
     refusal, or None (no parameters: nothing to check)."""
@@ -113,7 +121,17 @@ def schema_error(index: int, parameters: Any) -> str | None:
 
     try:
         normalize_types(parameters)
+        try:
+            key = json.dumps(parameters)
+        except (TypeError, ValueError):  # not JSON's (a caller's own objects): checked each time
+            key = None
+        if key is not None and key in _KNOWN_VALID:
+            return None
         Draft202012Validator.check_schema(parameters)
+        if key is not None:
+            if len(_KNOWN_VALID) >= _KNOWN_MAX:
+                _KNOWN_VALID.clear()
+            _KNOWN_VALID.add(key)
     except SchemaError as exc:
         return f"Tool {index} function has invalid 'parameters' schema: {exc}"
     except RecursionError:

@@ -130,15 +130,8 @@ class Episode:
         self.finish_reason = "stop"  # the trajectory's: its last joined call's, or a budget's
         self.budget_spent = False
         self._last: _Last | None = None
-        if chat is not None:
-            chat = _RecordingChat(
-                chat.tokenizer,
-                chat.template,
-                chat.defaults,
-                chat.tool_parser,
-                chat.reasoning,
-                model_type=chat.model_type,
-            )
+        if chat is not None:  # the run's settings, shared, recording this episode's prompts
+            chat = chat.shared_as(_RecordingChat)
             chat.rendered = {}
         self.chat = chat
         self.routes = OpenAIRoutes(

@@ -431,6 +431,67 @@ def test_tool_parameters_are_rewritten_and_checked_as_sglang_does() -> None:
             chat_request(body, settings, 4096)
 
 
+def test_a_valid_tool_schema_is_checked_once_and_still_rewritten_each_time(monkeypatch) -> None:
+    """An agent offers the same tools with every call: a schema found valid is not checked
+    against the metaschema again (``tool_schemas``), its type names are still rewritten in
+    the request's own copy, and an invalid one is refused every time."""
+    from jsonschema import Draft202012Validator
+
+    from stages.engine import tool_schemas
+
+    monkeypatch.setattr(tool_schemas, "_KNOWN_VALID", set())
+    checked = []
+    real = Draft202012Validator.check_schema
+    monkeypatch.setattr(
+        Draft202012Validator, "check_schema", lambda schema: checked.append(1) or real(schema)
+    )
+    settings = ChatSettings(char_tokenizer(string.printable, template=QWEN_LIKE), None)
+    typed = {"type": "object", "properties": {"when": {"type": "DATE"}, "k": {"type": "int32"}}}
+
+    def request(parameters: Any) -> dict[str, Any]:
+        tool = {"type": "function", "function": {"name": "get", "parameters": parameters}}
+        return {"messages": HELLO, "tools": [tool]}
+
+    for _ in range(3):
+        body = request(json.loads(json.dumps(typed)))
+        chat_request(body, settings, 4096)
+        assert body["tools"][0]["function"]["parameters"]["properties"]["when"] == {
+            "type": "string"
+        }
+    assert len(checked) == 1
+    bad = {"type": "object", "properties": {"k": {"type": "int32"}, "n": {"minimum": "0"}}}
+    for _ in range(2):
+        with pytest.raises(OpenAIError, match="Tool 0 function has invalid 'parameters'"):
+            chat_request(request(json.loads(json.dumps(bad))), settings, 4096)
+    assert len(checked) == 3
+
+
+def test_settings_shared_as_a_subclass_keep_every_field_and_what_was_worked_out() -> None:
+    """``ChatSettings.shared_as`` (the agent proxy's per-episode settings, ``/tokenize``'s with
+    special tokens): every field kept (the encoding and default kwargs included), the
+    renderer, token bytes, reasoning toggle and content format the same objects, not
+    parsed from the template again."""
+
+    class Recording(ChatSettings):
+        pass
+
+    settings = ChatSettings(
+        char_tokenizer(string.printable, template=QWEN_LIKE),
+        None,
+        {"temperature": 0.5},
+        "hermes",
+        default_kwargs={"enable_thinking": False},
+        encoding="dsv32",
+    )
+    copy = settings.shared_as(Recording)
+    assert type(copy) is Recording and copy is not settings
+    for name in ("tokenizer", "defaults", "tool_parser", "default_kwargs", "encoding"):
+        assert getattr(copy, name) == getattr(settings, name), name
+    assert copy.renderer is settings.renderer and copy.token_bytes is settings.token_bytes
+    assert "toggle" in vars(copy) and "content_format" in vars(copy)
+    assert copy.content_format == settings.content_format
+
+
 def test_a_request_template_and_too_many_completion_tokens_are_refused_as_sglang_does() -> None:
     """serving_chat._validate_request: a chat_template in chat_template_kwargs only with
     --trust-request-chat-template, which then renders the request with it; max_tokens (or

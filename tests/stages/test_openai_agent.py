@@ -526,3 +526,26 @@ async def test_an_engine_s_400_reaches_the_agent_which_goes_on(tokenizer) -> Non
     assert trajectory.reward == 1.0 and _sampled(trajectory) == engine.outputs[0].tolist()
     assert '"sum"' in engine.sampling[0]["json_schema"]  # response_format, forwarded
     assert "json_schema" not in engine.sampling[1]
+
+
+def test_an_episode_renders_with_the_runs_chat_settings_whole() -> None:
+    """Each episode records its prompts on the run's chat settings shared (``shared_as``):
+    every field kept (a model's chat encoding, the default template kwargs) and nothing
+    parsed from the template again for it."""
+    from stages.engine.openai_chat import ChatSettings
+    from stages.rollouts.agent_proxy import Episode
+
+    tokenizer = char_tokenizer(string.printable, template=QWEN_LIKE)
+    settings = ChatSettings(
+        tokenizer, None, default_kwargs={"enable_thinking": False}, encoding="dsv32"
+    )
+    episodes = [
+        Episode(None, tokenizer, sampling={}, max_calls=2, max_tokens=0, context_length=64,
+                chat=settings, counters=None)
+        for _ in range(2)
+    ]  # fmt: skip
+    first, second = (episode.chat for episode in episodes)
+    assert first is not second and first.rendered is not second.rendered
+    for chat in (first, second):
+        assert chat.encoding == "dsv32" and chat.default_kwargs == {"enable_thinking": False}
+        assert chat.renderer is settings.renderer and chat.toggle is settings.toggle
