@@ -193,18 +193,41 @@ class BatchKV:
         holes = sorted(s for s in gone if s < n)
         movers = [s for s in range(n, self.rows) if s not in gone]
         if holes:
-            dst = torch.tensor(holes, device=self.device)
-            src = torch.tensor(movers, device=self.device)
-            s, p = self.start - self.base, self.end - self.base + 1
-            for store in self._stores:  # every layer's keys and values at once
-                store[:, dst, :, s:p] = store[:, src, :, s:p]
-            for track in (self.tokens, self.logprobs, self.mask):
-                track[dst, s:p] = track[src, s:p]
-            self.row_start[dst] = self.row_start[src]
+            self._move(holes, movers, self.start - self.base, self.end - self.base + 1)
         self.rows = n
         # Columns every remaining row treats as padding are dropped from the window.
         self.start = int(self.row_start[:n].min()) if n else self.end
         return holes, movers
+
+    def _move(self, holes: list[int], movers: list[int], s: int, p: int) -> None:
+        """Row ``movers[i]``'s window (physical columns ``s..p-1``) and start into slot
+        ``holes[i]``: every layer's keys and values at once (one store per shape), the tracks.
+
+        Rows that join together (a group's samples) sit side by side and mostly leave together,
+        so the moves come in runs of neighbouring slots: each run is one slice copy. That is
+        half the CPU of a gather and scatter by index, which reads and writes the same bytes
+        twice, on a cache the model's pass has just flushed (``test_kv_batch``). Moves that
+        form many runs go by index, in a few calls."""
+        runs = _runs(holes, movers)
+        if len(runs) > _MAX_RUNS:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            for store in self._stores:
+                store[:, dst, :, s:p] = store[:, src, :, s:p]
+            for track in (self.tokens, self.logprobs, self.mask):
+                track[dst, s:p] = track[src, s:p]
+            self.row_start[dst] = self.row_start[src]
+            return
+        for store in self._stores:
+            window = store[:, :, :, s:p]
+            for h, m, k in runs:
+                window[:, h : h + k] = window[:, m : m + k]
+        for track in (self.tokens, self.logprobs, self.mask):
+            window = track[:, s:p]
+            for h, m, k in runs:
+                window[h : h + k] = window[m : m + k]
+        for h, m, k in runs:
+            self.row_start[h : h + k] = self.row_start[m : m + k]
 
     def clear(self) -> None:
         """Drop every row (the storage stays allocated)."""
@@ -391,6 +414,24 @@ class BatchKV:
                 (self.slots, columns), torch.finfo(dtype).min, dtype=dtype, device=self.device
             )
         return torch.zeros((self.slots, columns), dtype=torch.bool, device=self.device)
+
+
+# Moves in more runs than this go by index (a copy per run costs a call each).
+_MAX_RUNS = 8
+
+
+def _runs(holes: list[int], movers: list[int]) -> list[tuple[int, int, int]]:
+    """``(hole, mover, count)``: slots ``mover..mover+count-1`` move to ``hole..``, for each
+    run of moves where both sides are neighbouring slots (``holes`` ascending)."""
+    runs: list[tuple[int, int, int]] = []
+    for h, m in zip(holes, movers, strict=True):
+        if runs:
+            h0, m0, k = runs[-1]
+            if h == h0 + k and m == m0 + k:
+                runs[-1] = (h0, m0, k + 1)
+                continue
+        runs.append((h, m, 1))
+    return runs
 
 
 def _pow2(n: int) -> int:

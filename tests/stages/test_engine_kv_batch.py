@@ -1,0 +1,103 @@
+"""``kv_batch.BatchKV.remove``: rows leave, the last live rows move into the freed slots, and
+every moved row keeps its keys and values (in every layer's store), tokens, log-probs, mask
+and start, whether the moves go as runs of slice copies or by index."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from stages.engine import kv_batch
+from stages.engine.kv_batch import BatchKV
+
+SLOTS, WIDTH = 32, 6
+
+
+def _filled(seed: int, mixed: bool) -> BatchKV:
+    """``SLOTS`` rows of random prompts (lengths 1..WIDTH) and three decode steps' tokens;
+    ``mixed``: the layers' keys and values differ in shape (two stores, not one)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    for layer in range(3):
+        dim = 4 if not mixed or layer != 1 else 8
+        keys = torch.randn((SLOTS, 2, WIDTH, dim), generator=gen)
+        cache.update(keys, torch.randn(keys.shape, generator=gen), layer)
+    kv = BatchKV(SLOTS, device=torch.device("cpu"))
+    ids = torch.randint(2, 50, (SLOTS, WIDTH), generator=gen)
+    lengths = torch.randint(1, WIDTH + 1, (SLOTS,), generator=gen)
+    lo, hi = kv.admit(cache, ids, lengths, None)
+    kv.set_pending(lo, hi, torch.randint(2, 50, (SLOTS,), generator=gen), torch.rand(SLOTS))
+    for _ in range(3):  # decode steps: each layer's pending column written, then the next token
+        for layer in kv.layers:
+            shape = (SLOTS, 2, 1, layer.k.shape[-1])
+            layer.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        kv.push(torch.randint(2, 50, (SLOTS,), generator=gen), torch.rand(SLOTS))
+    return kv
+
+
+def _rows(kv: BatchKV) -> list[list[torch.Tensor]]:
+    """Each live slot's window (physical columns of the current ``start..end``) in every
+    tensor that moves with it."""
+    s, p = kv.start - kv.base, kv.end - kv.base + 1
+    return [
+        [
+            *(t[slot, :, s:p].clone() for layer in kv.layers for t in (layer.k, layer.v)),
+            *(t[slot, s:p].clone() for t in (kv.tokens, kv.logprobs, kv.mask)),
+            kv.row_start[slot].clone(),
+        ]
+        for slot in range(kv.rows)
+    ]
+
+
+def _check_remove(kv: BatchKV, dead: list[int]) -> list[tuple[int, int, int]]:
+    before = _rows(kv)
+    s, rows = kv.start - kv.base, kv.rows
+    holes, movers = kv.remove(dead)
+    # the reference: who lives where now
+    where = list(range(rows))
+    for hole, mover in zip(holes, movers, strict=True):
+        where[hole] = mover
+    assert kv.rows == rows - len(set(dead))
+    assert sorted(where[: kv.rows]) == sorted(set(range(rows)) - set(dead))
+    p = kv.end - kv.base + 1
+    after = [
+        [
+            *(t[slot, :, s:p] for layer in kv.layers for t in (layer.k, layer.v)),
+            *(t[slot, s:p] for t in (kv.tokens, kv.logprobs, kv.mask)),
+            kv.row_start[slot],
+        ]
+        for slot in range(kv.rows)
+    ]
+    for slot in range(kv.rows):
+        for got, want in zip(after[slot], before[where[slot]], strict=True):
+            assert torch.equal(got, want), (dead, slot, where[slot])
+    assert kv.start == (int(kv.row_start[: kv.rows].min()) if kv.rows else kv.end)
+    return kv_batch._runs(holes, movers)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-store", "two-stores"])
+def test_moved_rows_keep_everything_they_had(mixed: bool) -> None:
+    rng = random.Random(7)
+    paths = set()
+    for trial in range(60):
+        kv = _filled(trial, mixed)
+        while kv.rows > 1:
+            if rng.random() < 0.5:  # a group of neighbouring slots (as a group's samples sit)
+                first = rng.randrange(kv.rows)
+                dead = list(range(first, min(kv.rows, first + rng.randint(1, 4))))
+            else:  # scattered rows
+                dead = rng.sample(range(kv.rows), rng.randint(1, kv.rows - 1))
+            runs = _check_remove(kv, dead)
+            paths.add("index" if len(runs) > kv_batch._MAX_RUNS else "runs" if runs else "none")
+    assert paths == {"index", "runs", "none"}  # every path was taken
+
+
+def test_moves_merge_into_runs_of_neighbouring_slots() -> None:
+    assert kv_batch._runs([], []) == []
+    assert kv_batch._runs([4, 5, 6, 7], [28, 29, 30, 31]) == [(4, 28, 4)]
+    assert kv_batch._runs([1, 2, 9], [20, 21, 22]) == [(1, 20, 2), (9, 22, 1)]
+    assert kv_batch._runs([1, 2, 3], [20, 22, 23]) == [(1, 20, 1), (2, 22, 2)]
