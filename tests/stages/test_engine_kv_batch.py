@@ -101,3 +101,54 @@ def test_moves_merge_into_runs_of_neighbouring_slots() -> None:
     assert kv_batch._runs([4, 5, 6, 7], [28, 29, 30, 31]) == [(4, 28, 4)]
     assert kv_batch._runs([1, 2, 9], [20, 21, 22]) == [(1, 20, 2), (9, 22, 1)]
     assert kv_batch._runs([1, 2, 3], [20, 22, 23]) == [(1, 20, 1), (2, 22, 2)]
+
+
+@pytest.mark.timeout(60)
+@torch.inference_mode()
+def test_a_short_context_is_read_through_a_wider_view_of_masked_columns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from stages.engine.llama_forward import LlamaForward
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    fast = LlamaForward(model)
+    kv = BatchKV(8, device=torch.device("cpu"))
+
+    def join(rows: int, width: int) -> None:
+        ids = torch.randint(2, 40, (rows, width))
+        lengths = torch.randint(1, width + 1, (rows,))
+        mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache, logits = fast.prefill(ids, mask, positions)
+        lo, hi = kv.admit(cache, ids, lengths, None)
+        kv.set_pending(lo, hi, logits.argmax(-1), torch.zeros(rows))
+
+    def step() -> torch.Tensor:
+        logits = fast.decode(*kv.decode_inputs(), kv)
+        kv.push(logits.argmax(-1), torch.zeros(kv.rows))
+        return logits
+
+    join(4, 5)
+    for _ in range(20):  # the first rows' columns...
+        step()
+    join(4, 3)
+    kv.remove([0, 1, 2, 3])  # ...are masked for every row left: room to read
+    assert kv.end - kv.start + 1 < kv_batch._MIN_VIEW <= kv.end - kv.base + 1
+    mask = kv.decode_inputs()[2]
+    width = kv.end - kv.start + 1
+    assert mask.shape[-1] == kv_batch._MIN_VIEW
+    assert not mask[..., : kv_batch._MIN_VIEW - width].any()  # the extra columns: masked
+    assert kv.cache.layers[0].get_seq_length() == kv_batch._MIN_VIEW - 1
+    wide = [step() for _ in range(3)]
+    kv.end -= 3  # the same three steps again (their tokens are in the track) through start
+    monkeypatch.setattr(kv_batch, "_MIN_VIEW", 1)
+    for want in wide:
+        assert kv.decode_inputs()[2].shape[-1] == kv.end - kv.start + 1
+        torch.testing.assert_close(step(), want, rtol=1e-5, atol=1e-5)
