@@ -217,8 +217,8 @@ class BatchKV:
         Rows that join together (a group's samples) sit side by side and mostly leave together,
         so the moves come in runs of neighbouring slots: each run is one slice copy. That is
         half the CPU of a gather and scatter by index, which reads and writes the same bytes
-        twice, on a cache the model's pass has just flushed (``test_kv_batch``). Moves that
-        form many runs go by index, in a few calls."""
+        twice, on a cache the model's pass has just flushed. Moves that form many runs go by
+        index, in a few calls (``tests/stages/test_engine_kv_batch.py`` takes both ways)."""
         runs = _runs(holes, movers)
         if len(runs) > _MAX_RUNS:
             dst = torch.tensor(holes, device=self.device)

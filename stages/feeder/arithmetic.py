@@ -117,8 +117,9 @@ def problems(config: ArithmeticConfig, split: str) -> Iterator[Problem]:
 
 def problem_rows(config: ArithmeticConfig, split: str) -> Iterator[tuple[str, str, str]]:
     """``problems`` as ``(text, answer, prompt id)`` rows, without a ``Problem`` each: the
-    feeder's 802,025 calculator problems in 0.8 s instead of 1.8 (the split is the same hash,
-    ``is_held_out``'s, its seed's state copied rather than hashed again for every problem)."""
+    feeder's 802,025 calculator problems in 0.9 s instead of 2.4 (the split is the same hash,
+    ``is_held_out``'s, its seed's state copied rather than hashed again for every problem;
+    ``test_arithmetic_rows_are_the_problems_split_by_their_hash`` holds the two together)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
     want_eval = split == "eval"
