@@ -758,6 +758,17 @@ def _http_bench_in(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "event_loop_ctx_switches_per_request": round(
             (ctx1.get(proc.pid, 0) - ctx0.get(proc.pid, 0)) / max(1, driven["requests"]), 1
         ),
+        # the scheduler thread's context switches a decode step: each is a wait for the GIL
+        # (or for work), which the event loop thread's load makes more frequent
+        "scheduler_ctx_switches_per_step": round(
+            sum(
+                ctx1.get(tid, 0) - ctx0.get(tid, 0)
+                for tid, name in names.items()
+                if name == "engine-scheduler"
+            )
+            / max(1, steps),
+            2,
+        ),
     }
     if spy is not None and raw.exists():
         result.update(_spy_summary(raw))

@@ -20,7 +20,7 @@ new requests between its steps.
 The server takes turns with ``--event-loop-turns`` only: it pays where a step is mostly Python
 (arith-tiny on CPU: less CPU a sample, more samples a second), and costs where a step is mostly
 the model's own compute, GIL-free, which the loop's work used to overlap (a 10M-parameter model's
-streams ~10% slower); the figures are in the README's engine section. A weight update's routes
+streams ~10% slower); the figures are in ``bench/RESULTS.md``. A weight update's routes
 and the controls around them lift the turns while they run (``Turns.suspended``), so a publish
 does not wait for a step at each exchange.
 """
