@@ -91,6 +91,11 @@ class _Scheduler:
     sampling_mask_max_tokens = SAMPLING_MASK_MAX_TOKENS
     hidden_states_mode = None  # no --return-hidden-states-mode
     strict_thinking = None  # no --enable-strict-thinking
+    logit_processors = None  # no --enable-custom-logit-processor
+    think_start: tuple[int, ...] = ()
+    think_ends: tuple[tuple[int, ...], ...] = ()
+    request_log = None  # no request log
+    routed_experts = False  # no --enable-return-routed-experts
 
     def abort_many(self, rids: Any, message: str = "") -> None:
         pass
