@@ -22,7 +22,7 @@ body the route would otherwise serve, streamed and not (a stream's events read w
 - the native routes that cannot change what the engine serves next (``/abort_request``,
   ``/update_weight_version``, ``/get_weights_by_name``, ``/unload_lora_adapter``,
   ``/parse_function_call``, ``/separate_reasoning``, ``/open_session``, ``/close_session``,
-  ``/set_internal_state``):
+  ``/set_internal_state``, ``/update_weights_from_ipc``):
   every field of their ``io_struct``
   request (``stages.engine.control_fields``), not streamed.
 
@@ -159,6 +159,8 @@ _CONTROL = [
     ("/open_session", control_fields.OpenSessionFields, {"capacity_of_str_len": 100}),
     ("/close_session", control_fields.CloseSessionFields, {"session_id": "none-such"}),
     ("/set_internal_state", control_fields.SetInternalStateFields, {"server_args": {}}),
+    ("/update_weights_from_ipc", control_fields.UpdateIpcFields,
+     {"zmq_handles": {"GPU-0": "ipc:///tmp/none.sock"}}),
 ]  # fmt: skip
 
 

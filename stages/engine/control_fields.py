@@ -7,14 +7,15 @@ own checks. A body that is no JSON, or none where the struct is not optional, is
 FastAPI refuses it there (``request_body.read_body``).
 
 The routes: ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
-``/update_weight_version``, ``/slow_down``, ``/configure_logging``, ``/set_internal_state``,
-the weight-update group's three, the update session's two, ``/update_weights_from_tensor``,
-``/update_weights_from_disk``, ``/get_weights_by_name``, ``/weights_checker`` and
-``/start_profile`` (optional bodies), memory release and resume, the three LoRA routes,
-``/open_session`` and ``/close_session``, ``/parse_function_call``, ``/separate_reasoning``,
-and ``/encode`` and ``/classify`` (``EmbeddingReqInput``, a dataclass as ``/generate``'s is).
-``serialized_named_tensors`` is read as its ``Base64Bytes`` marker reads it: each string
-decoded (``Expected base64-encoded bytes`` when it is none), the route handed the bytes."""
+``/update_weight_version``, ``/slow_down``, ``/configure_logging``, ``/set_internal_state``, the
+weight-update group's three, the update session's two, ``/update_weights_from_tensor``,
+``/update_weights_from_disk``, ``/update_weights_from_ipc``, ``/get_weights_by_name``,
+``/weights_checker`` and ``/start_profile`` (optional bodies), memory release and resume, the three
+LoRA routes, ``/open_session`` and ``/close_session``, ``/parse_function_call``,
+``/separate_reasoning``, and ``/encode`` and ``/classify`` (``EmbeddingReqInput``, a dataclass as
+``/generate``'s is). ``serialized_named_tensors`` is read as its ``Base64Bytes`` marker reads it:
+each string decoded (``Expected base64-encoded bytes`` when it is none), the route handed the
+bytes."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ __all__ = [
     "UNLOAD_LORA",
     "UPDATE_DISK",
     "UPDATE_DISTRIBUTED",
+    "UPDATE_IPC",
     "UPDATE_TENSOR",
     "UPDATE_VERSION",
     "WEIGHTS_BY_NAME",
@@ -149,6 +151,13 @@ class UpdateTensorFields(_Base, total=False):  # UpdateWeightsFromTensorReqInput
     abort_all_requests: bool
     weight_version: str | None
     selector: Selector
+    torch_empty_cache: bool
+
+
+class UpdateIpcFields(_Base, total=False):  # UpdateWeightsFromIPCReqInput
+    zmq_handles: Required[dict[str, str]]
+    flush_cache: bool
+    weight_version: str | None
     torch_empty_cache: bool
 
 
@@ -322,6 +331,7 @@ BEGIN_UPDATE = Checker(BeginUpdateFields)
 END_UPDATE = Checker(EndUpdateFields)
 UPDATE_TENSOR = Checker(UpdateTensorFields)
 UPDATE_DISK = Checker(UpdateDiskFields)
+UPDATE_IPC = Checker(UpdateIpcFields)
 WEIGHTS_BY_NAME = Checker(WeightsByNameFields)
 MEMORY = Checker(MemoryFields)
 CHECK_WEIGHTS = Checker(CheckWeightsFields)

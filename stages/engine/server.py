@@ -26,7 +26,8 @@ Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``, 
 ``/update_weights_from_distributed`` inside ``/begin_weight_update`` ... ``/end_weight_update`` as
 SGLang 0.5.23 wants it, ``/destroy_weights_update_group``, ``/update_weights_from_tensor`` in such
 a session too, ``/update_weights_from_disk``, ``/get_weights_by_name``, ``GET|POST
-/weights_checker``); ``GET|POST /release_memory_occupation`` and ``/resume_memory_occupation``
+/weights_checker``, and ``/update_weights_from_ipc`` refused as SGLang without checkpoint-engine);
+``GET|POST /release_memory_occupation`` and ``/resume_memory_occupation``
 (``stages.engine.memory_routes``: the weights and KV cache given back to a colocated trainer);
 ``POST /v1/tokenize`` and ``/v1/detokenize`` (``stages.engine.tokenize_routes``); ``POST
 /parse_function_call`` and ``/separate_reasoning`` (``stages.engine.parse_routes``); ``GET|POST
@@ -304,6 +305,7 @@ def build_app(
     app.router.add_post(
         "/update_weights_from_tensor", _unturned(scheduler, weights.update_from_tensor)
     )
+    app.router.add_post("/update_weights_from_ipc", weights.update_from_ipc)
     app.router.add_route("GET", "/get_weights_by_name", weights.weights_by_name)
     app.router.add_post("/get_weights_by_name", weights.weights_by_name)
     app.router.add_route("GET", "/weights_checker", weights.check)

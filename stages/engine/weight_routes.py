@@ -3,7 +3,7 @@
 ``/destroy_weights_update_group``), its update session (``/begin_weight_update``,
 ``/end_weight_update``), ``/update_weights_from_tensor`` (``stages.engine.tensor_payloads``),
 ``/update_weights_from_disk``, ``/get_weights_by_name`` and ``/weights_checker``
-(``stages.engine.weight_checker``).
+(``stages.engine.weight_checker``); ``/update_weights_from_ipc`` is refused (``update_from_ipc``).
 
 Answers are SGLang's: ``{"success", "message"}``, HTTP 400 on failure.
 """
@@ -28,6 +28,7 @@ from stages.engine.control_fields import (
     INIT_GROUP,
     UPDATE_DISK,
     UPDATE_DISTRIBUTED,
+    UPDATE_IPC,
     UPDATE_TENSOR,
     WEIGHTS_BY_NAME,
     typed_body,
@@ -243,6 +244,26 @@ class WeightRoutes:
         if version is not None:
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message})
+
+    async def update_from_ipc(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's ``/update_weights_from_ipc`` (``UpdateWeightsFromIPCReqInput``:
+        ``zmq_handles``, ``flush_cache``, ``weight_version``, ``torch_empty_cache``), the
+        checkpoint-engine integration: SGLang's worker connects to the ZeroMQ socket named for
+        its device's UUID and maps the CUDA IPC buffers checkpoint-engine's parameter server
+        sends there (``checkpoint_engine/checkpoint_engine_worker.py``). This engine has no
+        such worker (its CPU sharing is ``/update_weights_from_tensor``'s), so the update fails
+        as SGLang's fails without the ``checkpoint-engine`` package: after the body's checks,
+        400 ``{success: false, message: "IPC weight update failed: ..."}``, nothing loaded and
+        the weight version left as it was (``weight_updater.update_weights_from_ipc``)."""
+        body = await typed_body(request, UPDATE_IPC)
+        if isinstance(body, web.Response):
+            return body
+        return failure(
+            "IPC weight update failed: this engine does not take checkpoint-engine's IPC "
+            "updates (CUDA IPC buffers per device); send the weights with "
+            "/update_weights_from_distributed, /update_weights_from_tensor or "
+            "/update_weights_from_disk"
+        )
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         body = await typed_body(request, DESTROY_GROUP)

@@ -180,6 +180,7 @@ CONTROL = {  # SGLang's request struct -> this engine's fields (stages.engine.co
     "EndWeightUpdateReqInput": "EndUpdateFields",
     "UpdateWeightsFromTensorReqInput": "UpdateTensorFields",
     "UpdateWeightFromDiskReqInput": "UpdateDiskFields",
+    "UpdateWeightsFromIPCReqInput": "UpdateIpcFields",
     "GetWeightsByNameReqInput": "WeightsByNameFields",
     "ReleaseMemoryOccupationReqInput": "MemoryFields",
     "ResumeMemoryOccupationReqInput": "MemoryFields",

@@ -343,3 +343,38 @@ def test_a_tensor_update_lands_between_two_steps_of_running_requests(
     assert len(versions) == 150 and versions[0] == "a1" and versions[-1] == "b2"
     assert versions == sorted(versions)  # one switch, never back
     assert _update(url, serialize(list(models.tensors["a"].items())))[0] == 200
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_engines_ipc_update_is_refused_as_sglang_refuses_it_without_the_package(
+    url: str, models: Models
+) -> None:
+    """``/update_weights_from_ipc`` (SGLang 0.5.23 ``http_server.py``'s route; its worker maps
+    CUDA IPC buffers, ``checkpoint_engine/checkpoint_engine_worker.py``, and without the
+    package ``model_runner_components/weight_updater.py`` answers ``IPC weight update failed:
+    ...``): the body's types checked first, then 400 ``{success: false}``, counted, and the
+    model and its weight version as they were."""
+    before = _greedy(url)
+    version = requests.get(url + "/get_weight_version", timeout=10).json()
+    refused = requests.get(url + "/server_info", timeout=10).json()["refused_requests"]
+    status, answer = _post(
+        url,
+        "/update_weights_from_ipc",
+        zmq_handles={"GPU-0d1e": "ipc:///tmp/ckpt-engine.sock"},
+        weight_version="ipc-1",
+        flush_cache=False,
+    )
+    assert status == 400 and answer["success"] is False, answer
+    assert answer["message"].startswith("IPC weight update failed: ")
+    assert "/update_weights_from_tensor" in answer["message"]  # what to use instead
+    for body, field in (({}, "zmq_handles"), ({"zmq_handles": ["x"]}, "zmq_handles")):
+        status, answer = _post(url, "/update_weights_from_ipc", **body)
+        assert status == 400 and answer["type"] == "Bad Request", answer
+        assert field in answer["message"]
+    after = requests.get(url + "/server_info", timeout=10).json()["refused_requests"]
+    key = "POST /update_weights_from_ipc 400"
+    assert after.get(key, 0) - refused.get(key, 0) == 3
+    assert requests.get(url + "/get_weight_version", timeout=10).json() == version
+    after_out = _greedy(url)
+    assert after_out["output_ids"] == before["output_ids"]
+    assert after_out["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
