@@ -1,6 +1,7 @@
 """``kv_batch.BatchKV.remove``: rows leave, the last live rows move into the freed slots, and
 every moved row keeps its keys and values (in every layer's store), tokens, log-probs, mask
-and start, whether the moves go as runs of slice copies or by index."""
+and start, whether the moves go as runs of slice copies or by index; and ``admit``: rows join
+with their prompts' keys and values closed up and picked."""
 
 from __future__ import annotations
 
@@ -152,3 +153,48 @@ def test_a_short_context_is_read_through_a_wider_view_of_masked_columns(
     for want in wide:
         assert kv.decode_inputs()[2].shape[-1] == kv.end - kv.start + 1
         torch.testing.assert_close(step(), want, rtol=1e-5, atol=1e-5)
+
+
+def _prefill(gen: torch.Generator, rows: int, width: int, mixed: bool) -> DynamicCache:
+    cache = DynamicCache()
+    for layer in range(3):
+        dim = 4 if not mixed or layer != 1 else 8
+        keys = torch.randn((rows, 2, width, dim), generator=gen)
+        cache.update(keys, torch.randn(keys.shape, generator=gen), layer)
+    return cache
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-store", "two-stores"])
+def test_joining_rows_take_their_prompts_keys_and_values_closed_up_and_picked(
+    mixed: bool,
+) -> None:
+    """``admit`` with ``columns`` (a prefill on cached prefixes: row ``u``'s column ``c`` is
+    the pass's column ``columns[u, c]``) and ``source`` (new row ``j`` takes prompt
+    ``source[j]``), after rows already live: each new row holds exactly its prompt's keys and
+    values in every layer, its tokens, and the rows before it are untouched."""
+    gen = torch.Generator().manual_seed(3)
+    kv = BatchKV(SLOTS, device=torch.device("cpu"))
+    first = _prefill(gen, 5, WIDTH, mixed)
+    kv.admit(first, torch.randint(2, 50, (5, WIDTH), generator=gen), torch.full((5,), WIDTH), None)
+    kept = [t[:5].clone() for layer in kv.layers for t in (layer.k, layer.v)]
+    units, width = 3, WIDTH - 1
+    prefill = _prefill(gen, units, WIDTH, mixed)
+    columns = torch.stack([torch.randperm(WIDTH, generator=gen)[:width] for _ in range(units)])
+    source = torch.tensor([2, 0, 2, 1])
+    ids = torch.randint(2, 50, (units, width), generator=gen)
+    lo, hi = kv.admit(prefill, ids, torch.full((len(source),), width), source, columns)
+    assert (lo, hi) == (5, 9)
+    p = kv.end - kv.base
+    for layer, (keys, values, *_rest) in zip(kv.layers, prefill, strict=True):
+        for got, sent in ((layer.k, keys), (layer.v, values)):
+            for j, u in enumerate(source.tolist()):
+                want = sent[u][:, columns[u]]
+                assert torch.equal(got[lo + j, :, p - width : p], want), (j, u)
+    assert all(
+        torch.equal(t[:5], before)
+        for t, before in zip(
+            (t for layer in kv.layers for t in (layer.k, layer.v)), kept, strict=True
+        )
+    )
+    assert torch.equal(kv.tokens[lo:hi, p - width : p], ids[source])
