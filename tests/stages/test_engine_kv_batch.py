@@ -21,11 +21,7 @@ def _filled(seed: int, mixed: bool) -> BatchKV:
     """``SLOTS`` rows of random prompts (lengths 1..WIDTH) and three decode steps' tokens;
     ``mixed``: the layers' keys and values differ in shape (two stores, not one)."""
     gen = torch.Generator().manual_seed(seed)
-    cache = DynamicCache()
-    for layer in range(3):
-        dim = 4 if not mixed or layer != 1 else 8
-        keys = torch.randn((SLOTS, 2, WIDTH, dim), generator=gen)
-        cache.update(keys, torch.randn(keys.shape, generator=gen), layer)
+    cache = _prefill(gen, SLOTS, WIDTH, mixed)
     kv = BatchKV(SLOTS, device=torch.device("cpu"))
     ids = torch.randint(2, 50, (SLOTS, WIDTH), generator=gen)
     lengths = torch.randint(1, WIDTH + 1, (SLOTS,), generator=gen)
@@ -156,6 +152,8 @@ def test_a_short_context_is_read_through_a_wider_view_of_masked_columns(
 
 
 def _prefill(gen: torch.Generator, rows: int, width: int, mixed: bool) -> DynamicCache:
+    """A prefill's cache of 3 layers: ``rows`` prompts ``width`` wide, random keys and values;
+    ``mixed``: the middle layer's head size differs (two stores, not one)."""
     cache = DynamicCache()
     for layer in range(3):
         dim = 4 if not mixed or layer != 1 else 8

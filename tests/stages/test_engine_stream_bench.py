@@ -1,6 +1,6 @@
 """``bench/stream_chunks.py`` drives the routes' streaming code with a stand-in scheduler, which
 has to expose what the routes read of the real one: a field the routes start reading breaks the
-bench, not the tests (it did, unnoticed, for four fields). One short run keeps them together."""
+bench, not the tests (it did, unnoticed, for five fields). One short run keeps them together."""
 
 from __future__ import annotations
 
