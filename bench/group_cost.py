@@ -360,6 +360,7 @@ async def _scorer(groups: int, tokenizer: Any, columns: bool = False) -> float:
     await scorer.runner.start()
     began = time.process_time()
     await scorer._read()
+    await asyncio.sleep(0)  # the last groups' scoring call starts on the next turn (_launch)
     while scorer._tasks:
         await asyncio.gather(*list(scorer._tasks))
     spent = time.process_time() - began
