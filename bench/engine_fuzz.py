@@ -22,7 +22,8 @@ body the route would otherwise serve, streamed and not (a stream's events read w
 - the native routes that cannot change what the engine serves next (``/abort_request``,
   ``/update_weight_version``, ``/get_weights_by_name``, ``/unload_lora_adapter``,
   ``/parse_function_call``, ``/separate_reasoning``, ``/open_session``, ``/close_session``,
-  ``/set_internal_state``, ``/update_weights_from_ipc``):
+  ``/set_internal_state``, ``/update_weights_from_ipc``, and the remote-instance routes on
+  bodies that make no group):
   every field of their ``io_struct``
   request (``stages.engine.control_fields``), not streamed.
 
@@ -161,6 +162,12 @@ _CONTROL = [
     ("/set_internal_state", control_fields.SetInternalStateFields, {"server_args": {}}),
     ("/update_weights_from_ipc", control_fields.UpdateIpcFields,
      {"zmq_handles": {"GPU-0": "ipc:///tmp/none.sock"}}),
+    # two fields refuse the base body (a rank that would receive, ports that are none), so
+    # changing one field never makes a group a peer would have to join
+    ("/init_weights_send_group_for_remote_instance", control_fields.InitSendGroupFields,
+     {"master_address": "127.0.0.1", "ports": "x", "group_rank": 1, "world_size": 2}),
+    ("/send_weights_to_remote_instance", control_fields.SendWeightsFields,
+     {"master_address": "127.0.0.1", "ports": "1", "group_name": "none-such"}),
 ]  # fmt: skip
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "ENCODE",
     "END_UPDATE",
     "INIT_GROUP",
+    "INIT_SEND_GROUP",
     "LOAD_LORA",
     "LOAD_LORA_TENSORS",
     "MEMORY",
@@ -49,6 +50,7 @@ __all__ = [
     "PARSE_FUNCTION_CALL",
     "PAUSE",
     "PROFILE",
+    "SEND_WEIGHTS",
     "SEPARATE_REASONING",
     "SET_INTERNAL_STATE",
     "SLOW_DOWN",
@@ -133,6 +135,21 @@ class UpdateDistributedFields(_Base, total=False):  # UpdateWeightsFromDistribut
 
 
 class DestroyGroupFields(_Base, total=False):  # DestroyWeightsUpdateGroupReqInput
+    group_name: str
+
+
+class InitSendGroupFields(_Base, total=False):  # InitWeightsSendGroupForRemoteInstanceReqInput
+    master_address: Required[str]
+    ports: Required[str]
+    group_rank: Required[int]
+    world_size: Required[int]
+    group_name: str
+    backend: str
+
+
+class SendWeightsFields(_Base, total=False):  # SendWeightsToRemoteInstanceReqInput
+    master_address: Required[str]
+    ports: Required[str]
     group_name: str
 
 
@@ -327,6 +344,8 @@ UPDATE_DISTRIBUTED = Checker(  # Inflight's: a delta update's base (weight_route
     UpdateDistributedFields, extensions=("base_version",)
 )
 DESTROY_GROUP = Checker(DestroyGroupFields)
+INIT_SEND_GROUP = Checker(InitSendGroupFields)
+SEND_WEIGHTS = Checker(SendWeightsFields)
 BEGIN_UPDATE = Checker(BeginUpdateFields)
 END_UPDATE = Checker(EndUpdateFields)
 UPDATE_TENSOR = Checker(UpdateTensorFields)

@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 import torch
 
+from stages.engine.remote_instance import RemoteSeed, load_from_seed
 from stages.hf import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 from stages.hub import TOKENIZER_FILES, resolve_model
 from stages.light_tokenizer import transformers_tokenizer
@@ -45,7 +46,14 @@ __all__ = [
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # SGLang's other names for them
 # SGLang's --load-format choices the engine takes: which weight files, or none (dummy)
-LOAD_FORMATS = {"auto": None, "safetensors": True, "pt": False, "dummy": None}
+# remote_instance: none read, the weights a running engine sends (stages.engine.remote_instance)
+LOAD_FORMATS = {
+    "auto": None,
+    "safetensors": True,
+    "pt": False,
+    "dummy": None,
+    "remote_instance": None,
+}
 # SGLang's switch for a --context-length past the model's own (model_config.py)
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
@@ -61,6 +69,7 @@ class LoadedModel:
     # stop tokens whose text an answer keeps (the server sets them: protocol.GenerateInput's)
     kept_stop_ids: frozenset[int] = frozenset()
     tokenizer_path: Path | None = None  # where the tokenizer came from, if not ``path``
+    weight_version: str | None = None  # the version its weights came with (remote_instance)
 
 
 def load_model(
@@ -73,6 +82,7 @@ def load_model(
     skip_tokenizer: bool = False,
     context_length: int | None = None,
     load_format: str = "auto",
+    remote: RemoteSeed | None = None,
 ) -> LoadedModel:
     """Load ``path`` (a folder or a Hub repo id) onto ``device``, with the tokenizer of
     ``tokenizer_path`` (default: the model's folder; ``skip_tokenizer``: none) and a context of
@@ -80,8 +90,11 @@ def load_model(
     ``load_format`` (``LOAD_FORMATS``, SGLang's ``--load-format``): the weights from safetensors
     or ``.bin`` files (``auto``: safetensors where there are some), or ``dummy``: none read,
     every floating tensor drawn as SGLang's ``initialize_dummy_weights`` draws it, for weights
-    that an update brings later. Raises ``ValueError`` (``stages.hub.HubError`` when the
-    folder or repo is unusable) or ``OSError``."""
+    that an update brings later; or ``remote_instance``: none read, the weights the running
+    engine ``remote`` serves, received from it (``stages.engine.remote_instance``; the model's
+    weight version is then the seed's). Raises ``ValueError`` (``stages.hub.HubError`` when the
+    folder or repo is unusable; ``RemoteLoadError`` when the seed's weights do not come) or
+    ``OSError``."""
     from stages.engine.pooling import model_kind  # pooling imports this module
 
     path = resolve_model(str(path), what="--model")
@@ -94,9 +107,11 @@ def load_model(
         )
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format must be one of {sorted(LOAD_FORMATS)}, got {load_format!r}")
+    if load_format == "remote_instance" and remote is None:
+        raise ValueError("load format remote_instance needs the seed instance to load from")
     trust = {"trust_remote_code": trust_remote_code}
     with own_code(path):
-        if load_format == "dummy":
+        if load_format in ("dummy", "remote_instance"):
             config = AutoConfig.from_pretrained(path, local_files_only=True, **trust)
             model = AutoModelForCausalLM.from_config(
                 config, dtype=torch_dtype(device, dtype, config), **trust
@@ -110,8 +125,11 @@ def load_model(
                 **trust,
             )
     model.to(device).eval()
+    version = None
     if load_format == "dummy":
         dummy_weights(model)
+    elif load_format == "remote_instance" and remote is not None:
+        version = load_from_seed(model, remote, next(model.parameters()).device)
     tokenizer, folder = None, None
     if not skip_tokenizer:
         if tokenizer_path is not None:
@@ -125,6 +143,7 @@ def load_model(
         context_length=_context(model.config.max_position_embeddings, context_length),
         eos_token_ids=eos_ids(model, tokenizer),
         tokenizer_path=folder,
+        weight_version=version,
     )
 
 

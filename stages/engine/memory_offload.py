@@ -94,6 +94,9 @@ class MemoryState:
 
     def __init__(self) -> None:
         self.released: list[str] = []
+        # readers of the weights outside the scheduler thread (a send to a remote instance):
+        # the weights may not be released under them
+        self.lent = 0
 
     @property
     def holds_generation(self) -> bool:
@@ -111,6 +114,11 @@ class MemoryState:
             raise MemoryStateError(IDLE_ONLY)
         wanted = _tags(tags)
         new = [t for t in wanted if t not in self.released]
+        if WEIGHTS in new and self.lent:
+            raise MemoryStateError(
+                "release_memory_occupation: the weights are being sent to a remote instance "
+                "(/send_weights_to_remote_instance); release them once that ends"
+            )
         self.released += new
         return new
 

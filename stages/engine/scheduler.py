@@ -891,6 +891,26 @@ class Scheduler:
 
         return self._call(run)
 
+    def lend_weights(self, what: str) -> Future[list[tuple[str, torch.Tensor]]]:
+        """The model's parameters (``named_parameters``, in its order) at a step boundary, for
+        ``what`` to read on another thread while decoding goes on; the weights may not be
+        released until ``return_weights``. The caller keeps weight updates out meanwhile (the
+        weight routes' lock). Refused (MemoryStateError) while they are released."""
+
+        def lend(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+            self._memory.lent += 1
+            return list(model.named_parameters())
+
+        return self.with_weights(what, lend)
+
+    def return_weights(self) -> Future[None]:
+        """End a ``lend_weights``."""
+
+        def back() -> None:
+            self._memory.lent -= 1
+
+        return self._call(back)
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()

@@ -26,7 +26,9 @@ Routes (SGLang names and layouts): ``POST /generate``, ``POST /abort_request``, 
 ``/update_weights_from_distributed`` inside ``/begin_weight_update`` ... ``/end_weight_update`` as
 SGLang 0.5.23 wants it, ``/destroy_weights_update_group``, ``/update_weights_from_tensor`` in such
 a session too, ``/update_weights_from_disk``, ``/get_weights_by_name``, ``GET|POST
-/weights_checker``, and ``/update_weights_from_ipc`` refused as SGLang without checkpoint-engine);
+/weights_checker``, ``/update_weights_from_ipc`` refused as SGLang without checkpoint-engine, and
+``/init_weights_send_group_for_remote_instance`` and ``/send_weights_to_remote_instance``: a new
+engine's weights from this one, ``stages.engine.remote_instance``);
 ``GET|POST /release_memory_occupation`` and ``/resume_memory_occupation``
 (``stages.engine.memory_routes``: the weights and KV cache given back to a colocated trainer);
 ``POST /v1/tokenize`` and ``/v1/detokenize`` (``stages.engine.tokenize_routes``); ``POST
@@ -102,6 +104,7 @@ from stages.engine.protocol import (
 )
 from stages.engine.reasoning import PARSERS as REASONING_PARSERS
 from stages.engine.reasoning import end_tag_ids
+from stages.engine.remote_instance import RemoteLoadError, RemoteSeed
 from stages.engine.request_body import (
     bad_request,
     dumps,
@@ -306,6 +309,13 @@ def build_app(
         "/update_weights_from_tensor", _unturned(scheduler, weights.update_from_tensor)
     )
     app.router.add_post("/update_weights_from_ipc", weights.update_from_ipc)
+    app.router.add_post(  # a new engine's weights from this one (remote_instance)
+        "/init_weights_send_group_for_remote_instance",
+        _unturned(scheduler, weights.init_send_group),
+    )
+    app.router.add_post(
+        "/send_weights_to_remote_instance", _unturned(scheduler, weights.send_weights)
+    )
     app.router.add_route("GET", "/get_weights_by_name", weights.weights_by_name)
     app.router.add_post("/get_weights_by_name", weights.weights_by_name)
     app.router.add_route("GET", "/weights_checker", weights.check)
@@ -780,6 +790,17 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _port_list(value: str) -> list[int]:
+    """SGLang's ``json_list_type`` for ports: a JSON list of port numbers."""
+    try:
+        found = json.loads(value)
+    except ValueError:
+        found = None
+    if not isinstance(found, list) or not all(type(p) is int and 0 < p < 65536 for p in found):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a JSON list of ports, e.g. [30100]")
+    return found
+
+
 def _fraction(value: str) -> float:
     try:
         number = float(value)
@@ -851,8 +872,34 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         choices=list(LOAD_FORMATS),
         help="the weights from safetensors or pt (.bin) files (auto: safetensors where there "
-        "are some), or dummy: random ones, as SGLang draws them, until an update brings the "
-        "real ones (SGLang's flag)",
+        "are some), dummy: random ones, as SGLang draws them, until an update brings the "
+        "real ones, or remote_instance: those a running engine serves, sent by it (the "
+        "--remote-instance-weight-loader-* flags; SGLang's flag)",
+    )
+    parser.add_argument(
+        "--remote-instance-weight-loader-seed-instance-ip",
+        help="with --load-format remote_instance: the address of the running engine (the "
+        "seed) to take the weights from (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--remote-instance-weight-loader-seed-instance-service-port",
+        type=int,
+        help="the seed's HTTP port (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--remote-instance-weight-loader-send-weights-group-ports",
+        type=_port_list,
+        help="the port, on the seed's address, of the group the weights come through, as a "
+        "JSON list with one port per tensor-parallel rank: [PORT] (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--remote-instance-weight-loader-backend",
+        default="nccl",
+        choices=["nccl", "gloo", "transfer_engine", "modelexpress"],
+        help="how the weights come: nccl, a torch.distributed group (gloo on CPU); gloo, that "
+        "group over gloo on a GPU too (Inflight's: two engines on one GPU, where NCCL cannot "
+        "join both); SGLang's transfer_engine and modelexpress are not served here (SGLang's "
+        "flag)",
     )
     parser.add_argument(
         "--mem-fraction-static",
@@ -1184,6 +1231,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def load_served(args: argparse.Namespace) -> LoadedModel:
     """The model the options name, loaded as they say (its own code, tokenizer, context length,
     weights' format): as a server process and an engine in a generator's process load it."""
+    load_format, remote = args.load_format, _remote_seed(args)
+    if load_format == "remote_instance" and remote is None:  # SGLang's _handle_load_format
+        load_format = "auto"
     return load_model(
         args.model,
         device=args.device,
@@ -1192,8 +1242,42 @@ def load_served(args: argparse.Namespace) -> LoadedModel:
         tokenizer_path=args.tokenizer_path,
         skip_tokenizer=args.skip_tokenizer_init,
         context_length=args.context_length,
-        load_format=args.load_format,
+        load_format=load_format,
+        remote=remote,
     )
+
+
+def _remote_seed(args: argparse.Namespace) -> RemoteSeed | None:
+    """The engine ``--load-format remote_instance`` takes its weights from; None (logged in
+    SGLang's words, which then loads the checkpoint) where its flags are incomplete."""
+    if getattr(args, "load_format", None) != "remote_instance":
+        return None
+    backend = args.remote_instance_weight_loader_backend
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(
+            f"--remote-instance-weight-loader-backend "
+            f"{args.remote_instance_weight_loader_backend}: the built-in engine takes a remote "
+            "instance's weights through a torch.distributed group only (nccl or gloo)"
+        )
+    ip = args.remote_instance_weight_loader_seed_instance_ip
+    port = args.remote_instance_weight_loader_seed_instance_service_port
+    ports = args.remote_instance_weight_loader_send_weights_group_ports
+    if ip is None or port is None:
+        log.warning(
+            "load_format_fallback",
+            message="Fallback load_format to 'auto' due to incomplete remote instance weight "
+            "loader settings.",
+        )
+        return None
+    if ports is None:
+        log.warning(
+            "load_format_fallback",
+            message="Fallback load_format to 'auto' due to incomplete remote instance weight "
+            "loader NCCL group ports settings.",
+        )
+        return None
+    key = args.api_key or os.environ.get(API_KEY_ENV) or None  # the seed's, as this one's
+    return RemoteSeed(ip, port, tuple(ports), api_key=key, backend=backend)
 
 
 def resolve_parsers(args: argparse.Namespace, loaded: LoadedModel) -> None:
@@ -1237,7 +1321,10 @@ def build_scheduler(
         loaded.model,
         max_running=args.max_running,
         seed=args.seed,
-        weight_version=args.weight_version,
+        # the seed's, for weights taken from a running engine (remote_instance)
+        weight_version=args.weight_version
+        if loaded.weight_version is None
+        else loaded.weight_version,
         eos_token_ids=loaded.eos_token_ids,
         admit_fraction=args.admit_fraction,
         stream_interval=args.stream_interval,
@@ -1339,7 +1426,7 @@ def main(argv: list[str] | None = None) -> int:
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
         loaded = load_served(args)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RemoteLoadError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
     try:

@@ -26,6 +26,8 @@ from stages.engine.control_fields import (
     DESTROY_GROUP,
     END_UPDATE,
     INIT_GROUP,
+    INIT_SEND_GROUP,
+    SEND_WEIGHTS,
     UPDATE_DISK,
     UPDATE_DISTRIBUTED,
     UPDATE_IPC,
@@ -35,6 +37,7 @@ from stages.engine.control_fields import (
 )
 from stages.engine.memory_offload import MemoryStateError
 from stages.engine.model_weights import WeightLoadError
+from stages.engine.remote_instance import SendGroups
 from stages.engine.request_body import (
     bad_request,
     failure,
@@ -68,6 +71,9 @@ class WeightRoutes:
         self.session: str | None = None  # an open update session's selector (begin ... end)
         self.checker = WeightChecker()  # /weights_checker: used on the scheduler thread
         self._thread = ThreadPoolExecutor(1, initializer=name_thread, initargs=("engine-weights",))
+        # remote-instance weight sends (remote_instance): groups, and their own thread
+        self._send_groups: SendGroups | None = None
+        self._remote_thread: ThreadPoolExecutor | None = None
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -265,6 +271,75 @@ class WeightRoutes:
             "/update_weights_from_disk"
         )
 
+    async def init_send_group(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's ``/init_weights_send_group_for_remote_instance``
+        (``InitWeightsSendGroupForRemoteInstanceReqInput``; ``weight_exporter.py``): host the
+        group a new engine takes this one's weights through (``stages.engine.remote_instance``).
+        Blocks until the other rank has joined; on a thread of its own, so weight updates and
+        decoding go on meanwhile. Answers ``{success, message}``, 400 on failure."""
+        body = await typed_body(request, INIT_SEND_GROUP)
+        if isinstance(body, web.Response):
+            return body
+        ok, message = await self._remote(
+            self._senders().init,
+            body["master_address"],
+            body["ports"],
+            body["group_rank"],
+            body["world_size"],
+            body.get("group_name", "weight_send_group"),
+            body.get("backend", "nccl"),
+        )
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+    async def send_weights(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's ``/send_weights_to_remote_instance``
+        (``SendWeightsToRemoteInstanceReqInput``): broadcast every parameter through the group
+        ``init_send_group`` made, in ``named_parameters`` order, then destroy it. The weights
+        are read on a worker thread while decoding goes on; weight updates wait for it (they
+        would change what is being sent) and so does a release of the weights. Answers
+        ``{success, message, weight_version}`` (the version sent: Inflight's; SGLang answers
+        the first two), 400 on failure."""
+        body = await typed_body(request, SEND_WEIGHTS)
+        if isinstance(body, web.Response):
+            return body
+        senders = self._senders()
+        name, why = senders.known(body["ports"], body.get("group_name", "weight_send_group"))
+        if name is None:
+            return web.json_response({"success": False, "message": why}, status=400)
+        async with self.lock:
+            try:
+                tensors = await asyncio.wrap_future(
+                    self.scheduler.lend_weights("send_weights_to_remote_instance")
+                )
+            except MemoryStateError as exc:
+                await self._remote(senders.drop, name)  # the new engine's receive fails
+                return web.json_response({"success": False, "message": str(exc)}, status=400)
+            try:
+                version = self.scheduler.weight_version
+                ok, message = await self._remote(
+                    senders.send, name, body["master_address"], tensors
+                )
+            finally:
+                del tensors
+                self.scheduler.return_weights()
+        answer = {"success": ok, "message": message, "weight_version": version}
+        return web.json_response(answer, status=200 if ok else 400)
+
+    def _senders(self) -> SendGroups:
+        if self._send_groups is None:
+            device = next(self.scheduler.model.parameters()).device
+            self._send_groups = SendGroups(device)
+        return self._send_groups
+
+    async def _remote(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the remote-instance thread (its collectives wait for another
+        engine: updates, on the weights thread, do not wait behind them)."""
+        if self._remote_thread is None:
+            self._remote_thread = ThreadPoolExecutor(
+                1, initializer=name_thread, initargs=("engine-remote",)
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._remote_thread, fn, *args)
+
     async def destroy_group(self, request: web.Request) -> web.Response:
         body = await typed_body(request, DESTROY_GROUP)
         if isinstance(body, web.Response):
@@ -380,7 +455,11 @@ class WeightRoutes:
         for receiver in self.receivers.values():
             await self._in_thread(receiver.destroy)
         self.receivers.clear()
+        if self._send_groups is not None:
+            await self._in_thread(self._send_groups.close)
         self._thread.shutdown(wait=False)
+        if self._remote_thread is not None:
+            self._remote_thread.shutdown(wait=False)
 
 
 def _from_disk(success: bool, message: str) -> web.Response:

@@ -39,6 +39,16 @@ class WeightGroup:
         # As SGLang does: ``src`` maps through pg_group_ranks (identity), never the default group.
         dist.broadcast(tensor, src=src, group=self._pg)
 
+    def barrier(self, device: torch.device | None = None) -> None:
+        """Wait until every rank has reached it (SGLang's ``dist.barrier`` after a group is
+        made); ``device``: the CUDA device an NCCL group's barrier runs on."""
+        if self._pg is None:
+            raise RuntimeError(f"weight group {self.name!r} was destroyed")
+        if device is not None and device.type == "cuda":
+            dist.barrier(group=self._pg, device_ids=[device.index or 0])
+        else:
+            dist.barrier(group=self._pg)
+
     def destroy(self) -> None:
         """Release the group (idempotent). A collective still running on it must have ended."""
         pg, self._pg = self._pg, None
