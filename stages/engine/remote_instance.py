@@ -85,6 +85,15 @@ def _port_of(ports: str) -> int:
     return port
 
 
+def _full_name(group_name: str, ports: str) -> tuple[str, int]:
+    """The name both ranks give the group (``<group_name>_<port>_<tp_rank>``, SGLang's) and
+    this rank's port; ValueError in SGLang's words for an empty name or ports not one a rank."""
+    if not group_name:
+        raise ValueError("Group name cannot be empty")
+    port = _port_of(ports)
+    return f"{group_name}_{port}_{TP_RANK}", port
+
+
 def _staged(tensor: torch.Tensor, backend: str) -> torch.Tensor:
     """What goes into the collective for ``tensor``: itself where the backend moves it as it
     is, else a contiguous (and, for gloo, host) copy."""
@@ -114,10 +123,8 @@ class SendGroups:
         group_name: str = "weight_send_group",
         backend: str = "nccl",
     ) -> tuple[bool, str]:
-        if not group_name:
-            return False, "Group name cannot be empty"
         try:
-            port = _port_of(ports)
+            name, port = _full_name(group_name, ports)
         except ValueError as exc:
             return False, str(exc)
         if group_rank != 0:
@@ -132,7 +139,6 @@ class SendGroups:
                 f"Failed to init group: backend nccl needs an engine on a CUDA device; this one "
                 f"runs on {self.device.type} (ask for gloo)."
             )
-        name = f"{group_name}_{port}_{TP_RANK}"
         with self._lock:
             if name in self.groups:
                 return False, f"Failed to init group: group {name} is already initialized."
@@ -158,13 +164,10 @@ class SendGroups:
 
     def known(self, ports: str, group_name: str) -> tuple[str | None, str]:
         """The full name of the group ``send`` would use and, when there is none, why."""
-        if not group_name:
-            return None, "Group name cannot be empty"
         try:
-            port = _port_of(ports)
+            name, _ = _full_name(group_name, ports)
         except ValueError as exc:
             return None, str(exc)
-        name = f"{group_name}_{port}_{TP_RANK}"
         with self._lock:
             if name not in self.groups:
                 return None, (
@@ -349,7 +352,7 @@ def load_from_seed(
     client = _own_address()
     group_name = f"{GROUP_PREFIX}{client}"
     ports = ",".join(str(p) for p in seed.group_ports)
-    name = f"{group_name}_{seed.group_ports[TP_RANK]}_{TP_RANK}"
+    name, _ = _full_name(group_name, ports)
     started = time.monotonic()
     init = _Call(
         seed,
