@@ -25,7 +25,12 @@ body the route would otherwise serve, streamed and not (a stream's events read w
   ``/set_internal_state``, ``/update_weights_from_ipc``, and the remote-instance routes on
   bodies that make no group):
   every field of their ``io_struct``
-  request (``stages.engine.control_fields``), not streamed.
+  request (``stages.engine.control_fields``), not streamed;
+- the routes of features the engine lacks (``/add_external_corpus``,
+  ``/remove_external_corpus``, ``PUT /hicache/storage-backend``, ``/pd_role_switch``:
+  ``stages.engine.feature_off_routes``), every field of their request.
+
+``--only ROUTE`` (repeatable) sends only the requests of those routes: a short fuzz.
 
 A problem is an answer with a 5xx status (but SGLang's own 500 for a parser name it does not
 know on ``/parse_function_call`` and ``/separate_reasoning``), a request that times out or
@@ -63,6 +68,7 @@ from bench._engines import engine_server  # noqa: E402
 from stages.engine import (  # noqa: E402
     control_fields,
     custom_logits,
+    feature_off_routes,
     openai_decisions,
     request_fields,
 )
@@ -168,7 +174,13 @@ _CONTROL = [
      {"master_address": "127.0.0.1", "ports": "x", "group_rank": 1, "world_size": 2}),
     ("/send_weights_to_remote_instance", control_fields.SendWeightsFields,
      {"master_address": "127.0.0.1", "ports": "1", "group_name": "none-such"}),
+    ("/add_external_corpus", feature_off_routes.AddCorpusFields, {"documents": ["1+1=2"]}),
+    ("/remove_external_corpus", feature_off_routes.RemoveCorpusFields, {"corpus_id": "c"}),
+    ("/hicache/storage-backend", feature_off_routes.AttachHiCacheFields,
+     {"hicache_storage_backend": "file"}),
+    ("/pd_role_switch", feature_off_routes.PdRoleSwitchFields, {"new_role": "decode"}),
 ]  # fmt: skip
+_METHODS = {"/hicache/storage-backend": "PUT"}  # the rest: POST
 
 
 # where SGLang answers 500 itself: a parser name it does not know (its parser classes raise a
@@ -241,6 +253,8 @@ async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:
         async with s.get(url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         todo = requests_to_send(model, args.moe)
+        if args.only:
+            todo = [request for request in todo if request[0] in args.only]
         gate = asyncio.Semaphore(args.concurrency)
 
         async def send(path: str, field: str, value: Any, body: dict[str, Any]) -> None:
@@ -248,9 +262,10 @@ async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:
             answer, streamed = b"", False
             async with gate:
                 try:
-                    async with s.post(
-                        url + path, data=data, headers={"Content-Type": "application/json"}
-                    ) as r:
+                    async with s.request(
+                        _METHODS.get(path, "POST"), url + path, data=data,
+                        headers={"Content-Type": "application/json"},
+                    ) as r:  # fmt: skip
                         answer = await r.read()
                         status: int | str = r.status
                         streamed = r.headers.get("Content-Type", "").startswith("text/event")
@@ -292,6 +307,12 @@ def main() -> int:
         action="store_true",
         help="a tiny mixture-of-experts model (arith-tiny's tokenizer) with "
         "--enable-return-routed-experts, every generating body asking for them",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="ROUTE",
+        help="send only this route's requests (repeatable; default: every route)",
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

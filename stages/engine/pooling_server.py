@@ -28,6 +28,7 @@ from aiohttp import web
 from pipeline import heap
 from stages.detokenize import decoder
 from stages.engine.encode_routes import EncodeRoutes
+from stages.engine.feature_off_routes import FeatureOffRoutes
 from stages.engine.identity import ENGINE_ID_ENV
 from stages.engine.load_routes import LoadRoutes
 from stages.engine.logging_routes import LoggingRoutes
@@ -162,6 +163,7 @@ def build_pooling_app(
     # SGLang serves these on any model: GC, runtime knobs, its stateless parsers
     app[_OVERRIDES] = requests.config_updates
     MaintenanceRoutes(pooler.max_rows, None, app[_OVERRIDES]).add_to(app)
+    FeatureOffRoutes().add_to(app)  # SGLang's one app: the same answers on any model
     ParseRoutes(loaded.tokenizer).add_to(app)
     for method in ("GET", "POST"):
         app.router.add_route(method, "/flush_cache", _flush_cache)

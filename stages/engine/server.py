@@ -77,6 +77,7 @@ from stages.engine.aborts import raise_aborted_with_error, tokenizer_answer
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.engine_metrics import EngineMetrics
+from stages.engine.feature_off_routes import FeatureOffRoutes
 from stages.engine.grammar import GrammarSet
 from stages.engine.harmony import kept_stop_ids
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
@@ -286,6 +287,7 @@ def build_app(
     ProfileRoutes(scheduler).add_to(app)
     MaintenanceRoutes.of(scheduler, app[_OVERRIDES]).add_to(app)
     LoggingRoutes(requests).add_to(app)
+    FeatureOffRoutes().add_to(app)  # what SGLang answers without those features
     if enable_metrics:  # each finished request recorded, with its time stats in its meta_info
         scheduler.metrics = EngineMetrics(name, loaded.context_length)
     capacity = _max_total_tokens(scheduler, loaded)
