@@ -100,6 +100,14 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             message=f"routed experts come with generated tokens: a {kind} model generates nothing",
         )
         return 2
+    if args.expert_distribution_recorder_mode is not None:
+        log.error(
+            "engine_option_unsupported",
+            option="--expert-distribution-recorder-mode",
+            message=f"the recorder counts the experts of the generating passes: a {kind} model "
+            "is served by the pooling engine, which records none",
+        )
+        return 2
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
         model = load_pooling_model(

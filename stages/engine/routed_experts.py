@@ -28,7 +28,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExpertsCapture", "encode_routes", "start_error"]
+__all__ = [
+    "ExpertsCapture",
+    "decoder_layers",
+    "encode_routes",
+    "experts_module",
+    "start_error",
+    "top_k_name",
+]
 
 
 class ExpertsCapture:
@@ -43,14 +50,14 @@ class ExpertsCapture:
                 "--enable-return-routed-experts: the model routes no experts (its config has no "
                 f"num_experts_per_tok; model_type {getattr(config, 'model_type', None)!r})"
             )
-        layers = _decoder_layers(model)
+        layers = decoder_layers(model)
         self.k = k
         self.layers = len(layers)
         self.armed = False
         self._taken: list[torch.Tensor | None] = [None] * self.layers
         found = 0
         for i, layer in enumerate(layers):
-            experts = _experts_module(layer)
+            experts = experts_module(layer)
             if experts is not None:
                 experts.register_forward_pre_hook(self._hook(i, experts), with_kwargs=True)
                 found += 1
@@ -63,7 +70,7 @@ class ExpertsCapture:
         self.routed_layers = found
 
     def _hook(self, layer: int, module: torch.nn.Module) -> Any:
-        name = list(inspect.signature(module.forward).parameters)[1]
+        name = top_k_name(module)
 
         def pre(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.armed:
@@ -96,18 +103,25 @@ class ExpertsCapture:
         return rows.permute(1, 0, 2).unsqueeze(0)
 
 
-def _decoder_layers(model: Any) -> Any:
+def decoder_layers(model: Any, flag: str = "--enable-return-routed-experts") -> Any:
+    """The model's decoder layers; ValueError naming ``flag`` (the server flag that needs
+    them) for a model without."""
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(
-            "--enable-return-routed-experts: the model has no decoder layers (model.layers) "
-            "to capture the routing of"
+            f"{flag}: the model has no decoder layers (model.layers) to capture the routing of"
         )
     return layers
 
 
-def _experts_module(layer: torch.nn.Module) -> torch.nn.Module | None:
+def top_k_name(module: torch.nn.Module) -> str:
+    """The name an experts module's ``forward`` takes its top-k ids by (its second
+    parameter), for a hook that finds them among the keyword arguments."""
+    return list(inspect.signature(module.forward).parameters)[1]
+
+
+def experts_module(layer: torch.nn.Module) -> torch.nn.Module | None:
     """The layer's module named ``experts`` that takes (hidden states, top-k ids, weights)."""
     for name, module in layer.named_modules():
         if name.rsplit(".", 1)[-1] != "experts":

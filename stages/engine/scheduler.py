@@ -68,6 +68,7 @@ from pipeline.processes import name_thread
 from stages.engine.aborts import ABORTED_COMPILING, ABORTED_RUNNING, ABORTED_WAITING
 from stages.engine.custom_logits import LogitProcessors, RequestView
 from stages.engine.engine_metrics import EngineMetrics, scheduler_stats
+from stages.engine.expert_distribution import ExpertDistributionRecorder
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.incremental_text import FORCE_INTERVAL
 from stages.engine.kv_batch import BatchKV
@@ -493,6 +494,7 @@ class Scheduler:
         strict_thinking: StrictThinking | None = None,
         custom_logit_processors: bool = False,
         routed_experts: bool = False,
+        expert_distribution: ExpertDistributionRecorder | None = None,
         turns: Turns | None = None,
     ) -> None:
         # the turns its thread's steps take with the server's event loop (``loop_turns``):
@@ -552,6 +554,11 @@ class Scheduler:
         self._experts = ExpertsCapture(model) if routed_experts else None
         if self._experts is not None and self._fast is not None:
             self._fast, why = None, "--enable-return-routed-experts (transformers' passes)"
+        # --expert-distribution-recorder-mode: what the passes route to each expert, counted
+        # while /start_expert_distribution_record has it record (None: no flag)
+        self.expert_distribution = expert_distribution
+        if expert_distribution is not None and self._fast is not None:
+            self._fast, why = None, "--expert-distribution-recorder-mode (transformers' passes)"
         self.forward_path = "fast" if self._fast is not None else "transformers"
         self.forward_path_why = why
         self.routed_experts = self._experts is not None  # (read by the routes' checks)
@@ -910,6 +917,11 @@ class Scheduler:
             self._memory.lent -= 1
 
         return self._call(back)
+
+    def between_steps(self, fn: Callable[[], T]) -> Future[T]:
+        """``fn()`` on the scheduler thread between two steps (also while paused); resolves
+        with its result or its exception."""
+        return self._call(fn)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
@@ -1425,6 +1437,8 @@ class Scheduler:
             prompts = [list(k[0]) for k in keys]
             cached = [m.length for m in matches]
             ids, mask, positions = _new_tokens(prompts, cached)
+            if self.expert_distribution is not None:  # the pass's real tokens, if it records
+                self.expert_distribution.extend(mask)
             past = None
             if max(cached):  # on top of cached prefixes, as a generating prefill
                 past = self._kv.past([m.pieces for m in matches], max(cached))
@@ -1591,6 +1605,8 @@ class Scheduler:
         ``group[j]`` takes context ``source[j]``; ``lora``: the contexts' adapters."""
         cached = [m.length for m in matches]
         ids, mask, positions = _new_tokens(contexts, cached)
+        if self.expert_distribution is not None:  # the pass's real tokens, if it records
+            self.expert_distribution.extend(mask)
         past, full, columns = None, ids, None
         if max(cached):  # on top of cached prefixes: they come in as past keys and values
             past = self._kv.past([m.pieces for m in matches], max(cached))

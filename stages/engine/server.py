@@ -77,6 +77,12 @@ from stages.engine.aborts import raise_aborted_with_error, tokenizer_answer
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.engine_metrics import EngineMetrics
+from stages.engine.expert_distribution import (
+    ExpertDistributionRecorder,
+    ExpertDistributionRoutes,
+    recorder_buffer_flag,
+    recorder_mode_flag,
+)
 from stages.engine.feature_off_routes import FeatureOffRoutes
 from stages.engine.grammar import GrammarSet
 from stages.engine.harmony import kept_stop_ids
@@ -285,6 +291,7 @@ def build_app(
     ParseRoutes(loaded.tokenizer).add_to(app)
     MemoryRoutes(scheduler).add_to(app)
     ProfileRoutes(scheduler).add_to(app)
+    ExpertDistributionRoutes(scheduler).add_to(app)
     MaintenanceRoutes.of(scheduler, app[_OVERRIDES]).add_to(app)
     LoggingRoutes(requests).add_to(app)
     FeatureOffRoutes().add_to(app)  # what SGLang answers without those features
@@ -997,6 +1004,21 @@ def _parser() -> argparse.ArgumentParser:
         "routed to, in every layer (SGLang's; mixture-of-experts models, transformers' passes)",
     )
     parser.add_argument(
+        "--expert-distribution-recorder-mode",
+        type=recorder_mode_flag,
+        metavar="{stat,per_pass,per_token}",
+        help="what /start_expert_distribution_record ... /dump_expert_distribution_record "
+        "record (SGLang's): stat, each pass's tokens per layer and expert in a circular buffer; "
+        "per_pass, a record per pass; per_token, also every token's experts (stat_approx, "
+        "DeepEP's, is refused); without it those routes answer 400. Mixture-of-experts models, "
+        "transformers' passes",
+    )
+    parser.add_argument(
+        "--expert-distribution-recorder-buffer-size",
+        type=recorder_buffer_flag,
+        help="the passes stat mode keeps, the last ones (SGLang's; default 1000; -1: all)",
+    )
+    parser.add_argument(
         "--forward",
         default="fast",
         choices=["fast", "transformers"],
@@ -1343,6 +1365,11 @@ def build_scheduler(
         strict_thinking=strict,
         custom_logit_processors=args.enable_custom_logit_processor,
         routed_experts=args.enable_return_routed_experts,
+        expert_distribution=ExpertDistributionRecorder.of(
+            loaded.model,
+            args.expert_distribution_recorder_mode,
+            args.expert_distribution_recorder_buffer_size,
+        ),
         turns=turns,
     )
 
