@@ -370,6 +370,7 @@ def load_from_seed(
     group = _join(seed, backend, name, device, init, timeout_s)
     try:
         init.result(timeout_s)
+        log.info("remote_instance_group_joined", seed=seed.url, group=name, backend=backend)
         send = _Call(
             seed,
             "/send_weights_to_remote_instance",

@@ -11,7 +11,8 @@ Answers are SGLang's: ``{"success", "message"}``, HTTP 400 on failure.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,6 +52,9 @@ __all__ = ["WeightRoutes", "check_weights"]
 
 log = structlog.get_logger("stages.engine.weight_routes")
 
+# how long a send to a remote instance waits for an open weight-update session to end
+SESSION_WAIT_S = 60.0
+
 
 class WeightRoutes:
     """The weight routes: tensors arrive through ``stages.weights.receiver``, or are read from
@@ -69,6 +73,8 @@ class WeightRoutes:
         self.receivers: dict[str, Any] = {}
         self.lock = asyncio.Lock()
         self.session: str | None = None  # an open update session's selector (begin ... end)
+        self._no_session = asyncio.Event()  # set while none is open
+        self._no_session.set()
         self.checker = WeightChecker()  # /weights_checker: used on the scheduler thread
         self._thread = ThreadPoolExecutor(1, initializer=name_thread, initargs=("engine-weights",))
         # remote-instance weight sends (remote_instance): groups, and their own thread
@@ -125,6 +131,7 @@ class WeightRoutes:
                 "a weight-update session is already open; call end_weight_update() first"
             )
         self.session = selector
+        self._no_session.clear()
         if self.scheduler.turns is not None:  # the session's exchanges wait for no step
             self.scheduler.turns.suspend()
         return web.json_response({"success": True, "message": "Success"})
@@ -138,6 +145,7 @@ class WeightRoutes:
             return failure("no weight-update session is open; call begin_weight_update() first")
         async with self.lock:  # after the updates still loading
             ended, self.session = self.session is not None, None
+            self._no_session.set()
         if ended and self.scheduler.turns is not None:  # (once, whoever else ended it)
             self.scheduler.turns.resume()
         return web.json_response({"success": True, "message": "Success"})
@@ -306,24 +314,46 @@ class WeightRoutes:
         name, why = senders.known(body["ports"], body.get("group_name", "weight_send_group"))
         if name is None:
             return web.json_response({"success": False, "message": why}, status=400)
-        async with self.lock:
-            try:
-                tensors = await asyncio.wrap_future(
-                    self.scheduler.lend_weights("send_weights_to_remote_instance")
-                )
-            except MemoryStateError as exc:
-                await self._remote(senders.drop, name)  # the new engine's receive fails
-                return web.json_response({"success": False, "message": str(exc)}, status=400)
-            try:
-                version = self.scheduler.weight_version
-                ok, message = await self._remote(
-                    senders.send, name, body["master_address"], tensors
-                )
-            finally:
-                del tensors
-                self.scheduler.return_weights()
+        try:
+            async with self._between_sessions():
+                try:
+                    tensors = await asyncio.wrap_future(
+                        self.scheduler.lend_weights("send_weights_to_remote_instance")
+                    )
+                except MemoryStateError as exc:
+                    await self._remote(senders.drop, name)  # the new engine's receive fails
+                    return web.json_response({"success": False, "message": str(exc)}, status=400)
+                try:
+                    version = self.scheduler.weight_version
+                    ok, message = await self._remote(
+                        senders.send, name, body["master_address"], tensors
+                    )
+                finally:
+                    del tensors
+                    self.scheduler.return_weights()
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+            await self._remote(senders.drop, name)
+            message = (
+                f"Failed to send weights: a weight-update session stayed open for "
+                f"{SESSION_WAIT_S:.0f} s (/begin_weight_update without /end_weight_update); the "
+                "weights are sent between updates, never in the middle of one"
+            )
+            return web.json_response({"success": False, "message": message}, status=400)
         answer = {"success": ok, "message": message, "weight_version": version}
         return web.json_response(answer, status=200 if ok else 400)
+
+    @contextlib.asynccontextmanager
+    async def _between_sessions(self) -> AsyncIterator[None]:
+        """Hold the update lock while no update session is open: every bucket of an update
+        is in, or none is (a send between two buckets would send a mix of two versions under
+        the older one's name). A session begun meanwhile waits for the lock to load. Raises
+        TimeoutError when a session stays open ``SESSION_WAIT_S`` seconds."""
+        while True:
+            await asyncio.wait_for(self._no_session.wait(), SESSION_WAIT_S)
+            async with self.lock:
+                if self.session is None:
+                    yield
+                    return
 
     def _senders(self) -> SendGroups:
         if self._send_groups is None:

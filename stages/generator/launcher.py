@@ -112,6 +112,15 @@ class LaunchConfig:
             "asked for: engines float on the cores nobody reserved"
         },
     )
+    restart_from_peer: bool = field(
+        default=True,
+        metadata={
+            "doc": "builtin: an engine that died starts again on the weights a live sibling "
+            "serves, with its weight version (--load-format remote_instance), so it serves the "
+            "current policy at once instead of the checkpoint's until the next publish; the "
+            "checkpoint when no sibling answers, or when taking them failed"
+        },
+    )
     in_process: bool = field(
         default=False,
         metadata={
@@ -152,6 +161,10 @@ class _Engine:
     local: InProcessEngine | None = None  # launch.in_process: the engine in this process
     restarts: int = 0
     given_up: bool = False
+    # this start takes the weights of the sibling on this port (restart_from_peer), and
+    # whether such a start failed (the next ones read the checkpoint)
+    peer: int | None = None
+    peer_failed: bool = False
     engine_id: str = field(default_factory=new_engine_id)  # its /health names it (identity.py)
 
     @property
@@ -243,7 +256,19 @@ class EngineLauncher:
         """``inflight engine``'s options for ``engine`` (its log options apart)."""
         cfg = self.config
         argv = ["--model", self._model(), "--host", self.host, "--port", str(engine.port)]
-        return [*argv, "--device", cfg.device, "--dtype", cfg.dtype, *_trusting(cfg.extra_args)]
+        argv += ["--device", cfg.device, "--dtype", cfg.dtype, *_trusting(cfg.extra_args)]
+        if engine.peer is not None:  # stages/engine/remote_instance.py
+            argv += [
+                "--load-format",
+                "remote_instance",
+                "--remote-instance-weight-loader-seed-instance-ip",
+                self.host,
+                "--remote-instance-weight-loader-seed-instance-service-port",
+                str(engine.peer),
+                "--remote-instance-weight-loader-send-weights-group-ports",
+                f"[{rendezvous_port(self.host)}]",
+            ]
+        return argv
 
     def _command(self, engine: _Engine) -> list[str]:
         cfg = self.config
@@ -420,6 +445,7 @@ class EngineLauncher:
                 self.log.error("engine_given_up", engine=engine.name, restarts=engine.restarts)
                 return
             engine.restarts += 1
+            engine.peer = await self._live_peer(engine)
             try:
                 await self._spawn(engine)
             except OSError as exc:  # the command itself cannot start: retrying will not help
@@ -430,9 +456,38 @@ class EngineLauncher:
                 await self._wait_healthy(engine)
             except (RuntimeError, TimeoutError) as exc:
                 self.log.error("engine_restart_failed", engine=engine.name, error=str(exc))
+                if engine.peer is not None:  # its next start reads the checkpoint
+                    engine.peer_failed = True
                 # one that hangs while starting is killed, so that the loop starts it again
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(engine.proc.pid, signal.SIGKILL)
+
+    async def _live_peer(self, engine: _Engine) -> int | None:
+        """The port of a sibling of ``engine`` that is running and answers ``/health``, for
+        ``engine``'s restart to take its weights from (``restart_from_peer``); None: none, or
+        not to be asked."""
+        if not self.config.restart_from_peer or self.config.kind != "builtin":
+            return None
+        if engine.peer_failed:
+            return None
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            for other in self.engines:
+                alive = other.proc is not None and other.proc.returncode is None
+                if other is engine or other.given_up or not alive:
+                    continue
+                url = f"http://{self.host}:{other.port}/health"
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                        if resp.status == 200 and not answered_by_another(
+                            resp.headers, other.engine_id
+                        ):
+                            self.log.info(
+                                "engine_restart_from_peer", engine=engine.name, peer=other.name
+                            )
+                            return other.port
+        return None
 
     async def close(self, timeout_s: float = 10.0) -> None:
         self._closing = True

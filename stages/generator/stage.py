@@ -408,7 +408,8 @@ class Generator:
                         url=url,
                         was=self.versions[url],
                         now=0,
-                        reason="engine restarted: it serves its initial weights",
+                        reason="engine restarted: its version is asked once it is up (the "
+                        "checkpoint's, or a sibling's: launch.restart_from_peer)",
                     )
                     self.versions[url] = 0
                     self._announced_before_restart[url] = self._announced(url)

@@ -121,6 +121,34 @@ def test_a_new_engine_serves_the_seeds_live_weights_and_version(
     }
 
 
+@pytest.mark.timeout(120)
+def test_the_seed_sends_between_two_updates_never_in_the_middle_of_one(
+    seed: str, models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A send asked for while a weight-update session is open (``/begin_weight_update``, the
+    publisher's buckets arriving one request each) waits for its end: between two buckets the
+    seed holds a mix of two versions under the older one's name."""
+    status, _ = _post(seed, "/begin_weight_update", {})
+    assert status == 200
+    log = tmp_path / "new.log"
+    engine = EngineProcess(models[0], *_flags(seed, free_port()), output=log)
+    try:
+        deadline = time.monotonic() + 40
+        while "remote_instance_group_joined" not in (log.read_text() if log.exists() else ""):
+            assert engine.proc.poll() is None and time.monotonic() < deadline, engine.tail()
+            time.sleep(0.2)
+        time.sleep(1.5)  # it has asked for the weights: the seed waits for the session's end
+        assert engine.proc.poll() is None, engine.tail()
+        assert "weights_from_remote_instance" not in log.read_text()
+        status, _ = _post(seed, "/end_weight_update", {})
+        assert status == 200
+        new = engine.wait_up(60)
+        assert _checksums(new) == _checksums(seed)
+        assert "weights_from_remote_instance" in log.read_text()
+    finally:
+        engine.stop(10)
+
+
 @pytest.mark.timeout(60)
 def test_the_seed_refuses_what_it_cannot_do_in_sglangs_words(seed: str) -> None:
     route = "/init_weights_send_group_for_remote_instance"

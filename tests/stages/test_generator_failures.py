@@ -163,12 +163,21 @@ def test_killed_engine_is_restarted_and_its_requests_rerouted(tmp_path, model_di
         ], mine
         assert mine[1]["exit_code"] == -signal.SIGKILL
         assert mine[2]["pid"] != victim["pid"] and mine[2]["port"] == victim["port"]
+        # on its sibling's weights (launch.restart_from_peer), not its checkpoint's
+        peer = next(e for e in launched if e["engine"] != name)
+        assert "--load-format remote_instance" in mine[2]["command"]
+        assert f"service-port {peer['port']} " in mine[2]["command"]
+        assert [e["peer"] for e in gen if e["event"] == "engine_restart_from_peer"] == [
+            peer["engine"]
+        ]
+        restarted = (run_dir / "logs" / f"{name}.out").read_text()
+        assert "weights_from_remote_instance" in restarted, restarted[-3000:]
         ready = [e for e in gen if e["event"] == "engine_ready" and e["engine"] == name]
         assert len(ready) == 2
         # the generator stopped sending to it while it was down, and took it back once
         ups_and_downs = [e["event"] for e in gen if e["event"] in ("engine_down", "engine_up")]
         assert ups_and_downs == ["engine_down", "engine_up"]
-        # it came back serving its initial weights (no publisher in this run: version 0)
+        # it came back serving its sibling's weights (no publisher in this run: version 0)
         assert [e["weight_version"] for e in gen if e["event"] == "engine_up"] == [0]
         done = _done(run_dir)
         assert done["dropped"] == 0 and done["emitted"] == 2 * prompts
