@@ -113,12 +113,13 @@ class LaunchConfig:
         },
     )
     restart_from_peer: bool = field(
-        default=True,
+        default=False,
         metadata={
             "doc": "builtin: an engine that died starts again on the weights a live sibling "
-            "serves, with its weight version (--load-format remote_instance), so it serves the "
-            "current policy at once instead of the checkpoint's until the next publish; the "
-            "checkpoint when no sibling answers, or when taking them failed"
+            "serves, with its weight version (--load-format remote_instance), instead of "
+            "reading the checkpoint and waiting for the learner's catch-up publish; the "
+            "checkpoint when no sibling answers, or when taking them failed. For checkpoints "
+            "slow to read (large, on network storage) with fast links between engines"
         },
     )
     in_process: bool = field(

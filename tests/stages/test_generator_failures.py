@@ -97,7 +97,7 @@ def test_killed_engine_is_restarted_and_its_requests_rerouted(tmp_path, model_di
     prompts, hold_at = 16, 8
     config = _write(
         tmp_path,
-        f"""    launch: {{model: "{model_dir}", count: 2, max_restarts: 2}}
+        f"""    launch: {{model: "{model_dir}", count: 2, max_restarts: 2, restart_from_peer: true}}
     sampling: {{temperature: 1.0, max_new_tokens: 16, ignore_eos: true}}""",
         # the first `hold_at` prompts, then the rest once the test opens the gate
         prompts=(
