@@ -70,6 +70,7 @@ class LoadedModel:
     kept_stop_ids: frozenset[int] = frozenset()
     tokenizer_path: Path | None = None  # where the tokenizer came from, if not ``path``
     weight_version: str | None = None  # the version its weights came with (remote_instance)
+    load_format: str = "auto"  # how its weights were loaded (SGLang's --load-format)
 
 
 def load_model(
@@ -146,6 +147,7 @@ def load_model(
         eos_token_ids=eos_ids(model, tokenizer),
         tokenizer_path=folder,
         weight_version=version,
+        load_format=load_format,
     )
 
 

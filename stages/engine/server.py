@@ -699,7 +699,7 @@ def model_info(
         "is_generation": is_generation,
         "preferred_sampling_params": None,
         "weight_version": weight_version,
-        "load_format": None,
+        "load_format": loaded.load_format,  # as loaded (SGLang's config value, resolved)
         **parsers,
         "disaggregation_mode": "null",
         "has_image_understanding": False,

@@ -107,6 +107,10 @@ def test_a_new_engine_serves_the_seeds_live_weights_and_version(
             "weight_version": "7"
         }
         assert "weights_from_remote_instance" in log.read_text()
+        # /model_info's load_format: SGLang's config value (http_server.py 827)
+        info = requests.get(new + "/model_info", timeout=10).json()
+        assert info["load_format"] == "remote_instance"
+    assert requests.get(seed + "/model_info", timeout=10).json()["load_format"] == "auto"
     assert _greedy(seed) == want_b  # the seed serves on
     # the seed destroyed the group once it sent (weight_exporter.py): a second send finds none
     status, answer = _post(
