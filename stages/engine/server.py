@@ -724,6 +724,7 @@ async def _server_info(request: web.Request) -> web.Response:
         "released_memory": scheduler.released_memory,  # /release_memory_occupation's tags
     }
     requests = scheduler.request_log
+    recorder = scheduler.expert_distribution
     return web.json_response(
         {
             "model_path": str(loaded.path),
@@ -744,6 +745,12 @@ async def _server_info(request: web.Request) -> web.Response:
             "enable_return_hidden_states": scheduler.hidden_states_mode is not None,
             "return_hidden_states_mode": scheduler.hidden_states_mode,
             "enable_return_routed_experts": scheduler.routed_experts,
+            # resolved as SGLang resolves them (parallel_hook.py: the buffer 1000 with a mode)
+            "expert_distribution_recorder_mode": None if recorder is None else recorder.mode,
+            "expert_distribution_recorder_buffer_size": (
+                None if recorder is None else recorder.buffer_size
+            ),
+            "load_format": loaded.load_format,
             "weight_version": scheduler.weight_version,
             # as SGLang reports its server args: auto resolved to the parser it found
             **request.app[_PARSERS],

@@ -152,6 +152,11 @@ def test_stat_counts_the_tokens_each_pass_routes_to_each_expert(
     nothing; a generation while stopped counts nothing; one row a pass."""
     url, folder = stat
     assert not folder.exists()  # the dump makes it
+    info = requests.get(url + "/server_info", timeout=10).json()
+    assert (
+        info["expert_distribution_recorder_mode"],
+        info["expert_distribution_recorder_buffer_size"],
+    ) == ("stat", 1000)  # SGLang's resolution with a mode and no size (parallel_hook.py)
     _ok(url, "start")
     first = _generate(url, PROMPTS)
     again = _generate(url, [PROMPTS[0]])[0]  # its prompt now in the prefix cache
@@ -337,6 +342,9 @@ def test_without_the_flag_the_routes_refuse_and_the_engine_goes_on(tmp_path: Pat
     answers 400 with those words, by GET and POST, and the engine serves on."""
     dense = make_tiny_model(tmp_path / "dense", seed=1)
     with builtin_engine(dense, env={DIR_ENV: str(tmp_path / "dumps")}) as url:
+        info = requests.get(url + "/server_info", timeout=10).json()
+        assert info["expert_distribution_recorder_mode"] is None
+        assert info["expert_distribution_recorder_buffer_size"] is None
         for action in ANSWERS:
             for method in ("GET", "POST"):
                 answer = _call(url, action, method)
