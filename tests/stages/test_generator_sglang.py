@@ -598,6 +598,48 @@ async def test_info_routes_answer_under_their_current_names(client):
 
 
 @pytest.mark.timeout(60)
+async def test_deployment_routes_of_features_not_enabled_say_so(client):
+    """What a server started without n-gram speculation, HiCache storage, a PD role switch or
+    a transfer engine answers to their routes (``http_server.py`` 1043-1218, 1366-1400, 1635;
+    ``tokenizer_control_mixin.py`` 217-312, 920; ``scheduler.py`` 5552): a router probing
+    for a feature reads "not enabled", not a 404. Only what SGLang answers with a 4xx or 200
+    (its 500s, and the routes whose refusal ends its scheduler, are left out)."""
+
+    async def call(method: str, path: str, **kwargs: Any) -> tuple[int, Any]:
+        async with client.session.request(method, client.url + path, **kwargs) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    ngram_off = "Ngram speculative decoding is not enabled."
+    assert await call("GET", "/list_external_corpora") == (
+        400,
+        {"success": False, "corpus_token_counts": {}, "message": ngram_off},
+    )
+    assert await call("POST", "/remove_external_corpus", json={"corpus_id": "c1"}) == (
+        400,
+        {"success": False, "message": ngram_off},
+    )
+    status, body = await call("POST", "/add_external_corpus", json={"documents": ["1 2"]})
+    assert status == 400 and body["message"] == ngram_off and body["success"] is False
+    status, layout = await call("GET", "/get_hicache_l3_cache_layout")
+    assert status == 200 and layout["enabled"] is False and layout["backend"] is None
+    status, body = await call("POST", "/pd_role_switch", json={"new_role": "decode"})
+    assert status == 400 and body["success"] is False
+    assert body["message"] == "--enable-pd-role-switch is not set on this server"
+    for path in (
+        "/remote_instance_transfer_engine_info",
+        "/get_remote_instance_transfer_engine_info",
+    ):
+        assert await call("GET", path) == (
+            400,
+            {"error": {"message": "Missing or invalid rank parameter"}},
+        )
+        assert await call("GET", path + "?rank=0") == (
+            400,
+            {"error": {"message": "Failed to get transfer engine info for rank 0"}},
+        )
+
+
+@pytest.mark.timeout(60)
 async def test_a_thinking_budget_needs_strict_thinking(client):
     """``max_thinking_tokens`` on a server started without ``--enable-strict-thinking`` (as
     above): SGLang 0.5.23's 400 (``TokenizerManager.generate_request``), its words."""
