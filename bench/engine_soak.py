@@ -24,6 +24,7 @@ pass-through chat template (and ``--engine-args``), driven by ``--clients`` conn
 - the engine's state: ``/v1/loads``, ``/server_info``, ``/model_info``, ``/v1/models``,
   ``/health_generate``;
 
+and a new engine every 2-5 s takes this one's weights (``--load-format remote_instance``),
 while one more connection, every 0.2-0.8 s, pauses generation (``abort``, ``retract`` or
 ``in_place``) and continues it, releases the KV cache and the weights while paused and takes
 them back (a colocated trainer's turn), reloads the weights from disk, sets a new weight
@@ -33,10 +34,12 @@ A problem is: an answer whose status is not the one its kind expects (a 5xx abov
 abort that does not end as SGLang ends one, a scored prompt without its log-probs, a request
 still running or waiting once the load stops, ``/health_generate`` not 200 then, a greedy
 answer then that differs from the one before the load (the weights not as they were after
-all the releases and reloads), or a traceback in the engine's log. Reported: the answers by
-kind and status, the problems (each kind's count and first five), the refusals the engine
-counted (``/server_info``'s ``refused_requests``), and the engine's resident memory at the
-start, every tenth of the run and at the end (what it keeps growing by, if anything).
+all the releases and reloads), a new engine that serves another greedy answer or neither
+comes up nor exits saying the weights were released, or a traceback in the engine's log.
+Reported: the answers by kind and status, the problems (each kind's count and first five),
+the refusals the engine counted (``/server_info``'s ``refused_requests``), and the engine's
+resident memory at the start, every tenth of the run and at the end (what it keeps growing
+by, if anything).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import random
 import re
 import shlex
@@ -61,7 +65,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 
 import aiohttp  # noqa: E402
 
-from bench._engines import engine_server  # noqa: E402
+from bench._engines import engine_server, free_port  # noqa: E402
 
 ARITH = ROOT / "configs" / "models" / "arith-tiny"
 PASS_THROUGH = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -366,6 +370,61 @@ class Soak:
                 except RETRYABLE as exc:
                     self.problem(kind.__name__, f"{type(exc).__name__}: {exc}")
 
+    async def replicas(self, stop: float, greedy: dict[str, Any], want: list[int]) -> None:
+        """Every 2-5 s a new engine takes this one's weights (``--load-format
+        remote_instance``) while the load and the controls go on: it must come up answering
+        ``greedy`` with ``want`` (the weights as they are, whatever the releases and reloads),
+        or exit saying this engine's weights were released (a colocated trainer's turn), never
+        hang and never serve other weights."""
+        seed_port = self.url.rsplit(":", 1)[1]
+        while time.monotonic() + 5 < stop:
+            await asyncio.sleep(self.rng.uniform(2, 5))
+            port = free_port()
+            cmd = [sys.executable, "-m", "stages.engine.server", "--model", str(ARITH),
+                   "--port", str(port), "--load-format", "remote_instance",
+                   "--remote-instance-weight-loader-seed-instance-ip", "127.0.0.1",
+                   "--remote-instance-weight-loader-seed-instance-service-port", seed_port,
+                   "--remote-instance-weight-loader-send-weights-group-ports",
+                   f"[{free_port()}]"]  # fmt: skip
+            with tempfile.TemporaryFile() as out:
+                proc = await asyncio.create_subprocess_exec(
+                    *cmd, stdout=out, stderr=out, cwd=ROOT,
+                    env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                )  # fmt: skip
+                try:
+                    await self._replica(proc, f"http://127.0.0.1:{port}", out, greedy, want)
+                finally:
+                    if proc.returncode is None:
+                        proc.terminate()
+                        await proc.wait()
+
+    async def _replica(
+        self, proc: Any, url: str, out: Any, greedy: dict[str, Any], want: list[int]
+    ) -> None:
+        deadline = time.monotonic() + 120
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            while time.monotonic() < deadline:
+                if proc.returncode is not None:
+                    out.seek(0)
+                    said = out.read().decode(errors="replace")
+                    if "the weights are released" in said:
+                        self.answers["replica refused (weights released)"] += 1
+                    else:
+                        self.problem("replica", f"exited {proc.returncode}: {said[-600:]}")
+                    return
+                try:
+                    async with s.post(url + "/generate", json=greedy) as r:
+                        if r.status == 200:
+                            got = (await r.json())["output_ids"]
+                            self.answers["replica up"] += 1
+                            if got != want:
+                                self.problem("replica", f"greedy {got}, the seed's {want}")
+                            return
+                except RETRYABLE:
+                    pass
+                await asyncio.sleep(0.3)
+        self.problem("replica", "not up and not exited 120 s after it started")
+
     async def control(self, stop: float) -> None:
         version = 0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
@@ -427,7 +486,9 @@ async def _soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
                 rss.append(_rss_kb(pid))
 
         load = [soak.client(stop) for _ in range(args.clients)]
-        await asyncio.gather(*load, soak.control(stop), sample_rss())
+        await asyncio.gather(
+            *load, soak.control(stop), soak.replicas(stop, greedy, before), sample_rss()
+        )
         async with s.post(url + "/continue_generation", json={}) as r:  # whatever was paused
             soak.seen("/continue_generation", r.status)
         deadline = time.monotonic() + 30
