@@ -328,7 +328,7 @@ def _join(
         joiner.join(0.05)
         refused = init.failed()
         if refused is not None and joiner.is_alive():
-            raise RemoteLoadError(f"the seed instance {seed.url} refused the group: {refused}")
+            raise RemoteLoadError(f"no weight group with the seed instance {seed.url}: {refused}")
     if "error" in out:
         refused = init.failed()
         raise RemoteLoadError(
