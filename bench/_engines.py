@@ -31,18 +31,29 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def make_model(path: Path, *, vocab: int = 32000, max_positions: int = 2048) -> int:
-    """Save a random Qwen2-style model under ``path`` (hidden 384, 6 layers, 6 heads, 2 KV heads,
-    tied embeddings; seeded); returns its parameter count."""
+def make_model(
+    path: Path,
+    *,
+    vocab: int = 32000,
+    max_positions: int = 2048,
+    hidden: int = 384,
+    layers: int = 6,
+    tied: bool = True,
+) -> int:
+    """Save a random Qwen2-style model under ``path`` (by default hidden 384, 6 layers, 6 heads,
+    2 KV heads, tied embeddings; a head per 64 of ``hidden``, a KV head per 3 or 4 heads, an
+    MLP of about 2.7x; seeded); returns its parameter count."""
+    heads = max(1, hidden // 64)
+    kv_heads = heads // 3 if heads % 3 == 0 else heads // 4 if heads % 4 == 0 else heads
     config = Qwen2Config(
         vocab_size=vocab,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         eos_token_id=1,
         pad_token_id=0,
     )

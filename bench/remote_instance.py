@@ -36,35 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import requests
-import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._engines import engine_server, free_port, spread  # noqa: E402
+from bench._engines import engine_server, free_port, make_model, spread  # noqa: E402
 
 _MODULE = ("pipeline.cli", "engine")
-
-
-def _model(path: Path, hidden: int, layers: int) -> int:
-    config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 256),
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
 
 
 def _checksums(url: str) -> dict[str, str]:
@@ -104,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
-        params = _model(folder, args.hidden, args.layers)
+        params = make_model(folder, hidden=args.hidden, layers=args.layers, tied=False)
         seed_log = Path(scratch) / "seed.log"
         with (
             seed_log.open("ab") as out,

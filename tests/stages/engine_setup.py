@@ -50,6 +50,27 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+@torch.no_grad()
+def experts_routing(reference: torch.nn.Module, ids: Sequence[int]) -> dict[int, torch.Tensor]:
+    """transformers' routing of ``ids`` in one pass of a mixture-of-experts ``reference``: the
+    ``top_k_index`` ``[len(ids), k]`` each layer's experts module was called with, by layer
+    (layers without experts absent)."""
+    taken: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda _m, args, i=i: taken.__setitem__(i, args[1].clone())
+        )
+        for i, layer in enumerate(reference.model.layers)
+        if hasattr(layer.mlp, "experts")
+    ]
+    try:
+        reference(torch.tensor([list(ids)]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return taken
+
+
 def post_json(url: str, body: dict) -> Any:
     """The JSON answer of ``POST url`` with ``body`` (an HTTP error raises)."""
     request = urllib.request.Request(

@@ -25,7 +25,13 @@ import pytest
 import requests
 import torch
 
-from tests.stages.engine_setup import ROOT, builtin_engine, engine_command, load_reference
+from tests.stages.engine_setup import (
+    ROOT,
+    builtin_engine,
+    engine_command,
+    experts_routing,
+    load_reference,
+)
 from tests.stages.tiny_model import make_tiny_model, make_tiny_moe_model
 
 LAYERS, EXPERTS, K, DENSE = 3, 8, 2, 1  # make_tiny_moe_model's
@@ -100,22 +106,9 @@ def _dump(url: str, folder: Path, pattern: re.Pattern[str]) -> tuple[Path, dict]
     return new[0], torch.load(new[0], weights_only=True)
 
 
-@torch.no_grad()
 def _routing(reference: torch.nn.Module, ids: list[int]) -> dict[int, torch.Tensor]:
     """transformers' routing of ``ids`` in one pass: each MoE layer's ``top_k_index``."""
-    taken: dict[int, torch.Tensor] = {}
-    hooks = [
-        layer.mlp.experts.register_forward_pre_hook(
-            lambda _m, args, i=i: taken.__setitem__(i, args[1].clone())
-        )
-        for i, layer in enumerate(reference.model.layers)
-        if hasattr(layer.mlp, "experts")
-    ]
-    try:
-        reference(torch.tensor([ids]))
-    finally:
-        for hook in hooks:
-            hook.remove()
+    taken = experts_routing(reference, ids)
     assert sorted(taken) == [i for i in range(LAYERS) if i != DENSE]
     return taken
 

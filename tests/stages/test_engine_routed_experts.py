@@ -32,6 +32,7 @@ from stages.engine.routed_experts import ExpertsCapture
 from stages.engine.scheduler import Scheduler
 from tests.stages.engine_setup import (
     builtin_engine,
+    experts_routing,
     load_reference,
     pass_through_template,
     run_with_retraction,
@@ -61,25 +62,11 @@ def url(model: Path) -> Iterator[str]:
         yield engine
 
 
-@torch.no_grad()
 def _routing(reference: torch.nn.Module, ids: list[int], k: int = K) -> np.ndarray:
     """transformers' routing of ``ids`` in one pass: each layer's experts module's
     ``top_k_index`` ``[len, layers, k]``, 0 where a layer has no experts."""
-    taken: dict[int, torch.Tensor] = {}
-    hooks = [
-        layer.mlp.experts.register_forward_pre_hook(
-            lambda _m, args, i=i: taken.__setitem__(i, args[1].clone())
-        )
-        for i, layer in enumerate(reference.model.layers)
-        if hasattr(layer.mlp, "experts")
-    ]
-    try:
-        reference(torch.tensor([ids]))
-    finally:
-        for hook in hooks:
-            hook.remove()
     out = np.zeros((len(ids), len(reference.model.layers), k), dtype=np.int32)
-    for i, index in taken.items():
+    for i, index in experts_routing(reference, ids).items():
         out[:, i] = index.numpy()
     return out
 
