@@ -662,10 +662,10 @@ def _progress_logprobs(p: Progress, start: int, end: int, tokens: TokenBytes) ->
 # a /v1 request's fields that go on to /generate as they are: its rid, its prefix-cache
 # namespace, its priority, its hidden states (with the server's flag: each choice's newest),
 # its custom logit processor (with the server's flag), its session (session_params: the
-# server serves it in its session), and SGLang 0.5.23's fields for what this engine has not
-# (MoE experts, session_id, multimodal settings), which /generate takes at their neutral
-# values only and refuses otherwise, naming the field, where SGLang would honour them (or
-# refuse them without its server flag)
+# server serves it in its session; session_id: its KV held for it, with the server's
+# --enable-session-radix-cache), its routed experts (with the server's flag), and SGLang
+# 0.5.23's fields for what this engine has not (multimodal settings, data-parallel ranks),
+# which /generate takes at their neutral values only and refuses otherwise, naming the field
 PASSED_ON = (
     "rid", "extra_key", "cache_salt", "priority",
     "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "session_id",

@@ -50,6 +50,16 @@ Namespaces. A request may name one (SGLang's ``extra_key`` and ``cache_salt``, i
 trees of its own namespace (the default one: none named), so tenants that salt their requests
 never reuse, or time, each other's prefixes.
 
+Sessions (SGLang 0.5.23's ``--enable-session-radix-cache``, its ``UnifiedSessionRefTracker``). A
+sequence inserted for a session (``insert(..., session=...)``) tags the node it ends on; every
+node on the path from a tag to its root is *held* (``held`` counts the tags at and below it) and
+is evicted only once no unheld node is left: ``_held`` lists held nodes oldest first as
+``_order`` lists the others, each with the same newer-than-below rule, so the oldest of either
+is a leaf of it. A session's next turn continues its earlier one: its tag moves down to the new
+end, so the session holds each node once per branch it has. ``release(session)`` (its close)
+drops its tags, and nodes no longer held go back to ``_order`` as the newest. A held leaf
+evicted all the same (nothing else left) hands its tags to its parent.
+
 Two sequences of one label that share tokens share their KV (first writer wins), even when an
 update landed at different points of those tokens in each (it takes identical outputs; the
 difference is where a v/v+1 switch sits). Weights loaded with no version change keep the cache
@@ -91,7 +101,17 @@ class Match:
 
 
 class _Node:
-    __slots__ = ("children", "kv", "namespace", "parent", "stamp", "terminal", "tokens")
+    __slots__ = (
+        "children",
+        "held",
+        "kv",
+        "namespace",
+        "parent",
+        "sessions",
+        "stamp",
+        "terminal",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -108,6 +128,8 @@ class _Node:
         self.parent = parent  # None: a tree's root
         self.children: dict[int, _Node] = {}  # keyed by the child's first token
         self.terminal = False  # a whole served sequence ends with this node
+        self.held = 0  # session tags at and below it (>0: in PrefixCache._held)
+        self.sessions: set[str] | None = None  # the sessions whose tags are on it
 
 
 class PrefixCache:
@@ -126,6 +148,11 @@ class PrefixCache:
         self._trees: dict[tuple[int, Any], _Node] = {}
         self.live_index = 0  # as of the last age_out
         self._order: collections.OrderedDict[_Node, None] = collections.OrderedDict()
+        # nodes a session holds (see the module's docstring), oldest first; and each
+        # session's tagged nodes
+        self._held: collections.OrderedDict[_Node, None] = collections.OrderedDict()
+        self._leaves: dict[str, set[_Node]] = {}
+        self.held_tokens = 0
         self.tokens = 0
         self.sequences = 0  # terminal nodes held
         self.bytes_per_token = 0
@@ -166,7 +193,7 @@ class PrefixCache:
         if not record:
             return Match(length, [], best[0][0].stamp)
         for node, _ in reversed(best):  # deepest first: parents stay newer than children
-            self._order.move_to_end(node)
+            self._touch(node)
         stamp = best[0][0].stamp
         self.hits += 1
         self.hit_tokens += length
@@ -184,6 +211,7 @@ class PrefixCache:
         namespace: Any = None,
         *,
         served: bool = True,
+        session: str | None = None,
     ) -> int:
         """Hold ``tokens`` (a whole served sequence whose oldest KV is ``stamp``'s) in the tree
         of ``stamp``; ``kv_of(a, b)`` gives the KV of its tokens ``a..b-1`` (views; copied
@@ -192,8 +220,9 @@ class PrefixCache:
         more than ``max_age`` versions) is not held. ``namespace``: the tree's, with the
         stamp's (only requests of the same namespace match it). ``served`` false: a prompt
         being scored or generated from, held as a prefix only, not a whole sequence (no
-        episode continues it, so its KV is never reused once stale). Returns the tokens newly
-        held."""
+        episode continues it, so its KV is never reused once stale). ``session``: the sequence
+        is that session's, held for it until ``release`` (the module's docstring). Returns the
+        tokens newly held."""
         if self.live_index - stamp.index > self.max_age:
             return 0
         whole = len(tokens) <= self.max_tokens
@@ -225,7 +254,9 @@ class PrefixCache:
             node.terminal = True
             self.sequences += 1
         for n in reversed(touched):
-            self._order.move_to_end(n)
+            self._touch(n)
+        if session is not None and node is not root:
+            self._hold(session, node)
         self._evict()
         return added
 
@@ -240,14 +271,112 @@ class PrefixCache:
         node.parent = upper
         upper.children[node.tokens[0]] = node
         parent.children[upper.tokens[0]] = upper
-        self._order[upper] = None  # newer than `node`, below it
+        upper.held = node.held  # on the path of the same tags
+        # newer than `node`, below it (its tokens were counted as `node`'s)
+        (self._held if upper.held else self._order)[upper] = None
         return upper
+
+    # ---- sessions ----------------------------------------------------------------------------
+
+    def _touch(self, node: _Node) -> None:
+        """``node`` becomes the newest of its list."""
+        (self._held if node.held else self._order).move_to_end(node)
+
+    def _hold(self, session: str, end: _Node) -> None:
+        """Tag ``end`` for ``session``: the nodes from it up to the session's tag above it
+        (none: up to the root) are held once more; that tag moves down to ``end``."""
+        tagged = self._leaves.setdefault(session, set())
+        if end in tagged:
+            return
+        above = end.parent
+        while above is not None and above not in tagged:
+            above = above.parent
+        node: _Node | None = end
+        path: list[_Node] = []
+        while node is not None and node.parent is not None:  # up to the root, deepest first
+            path.append(node)
+            node = node.parent
+        for n in path:
+            if n is above:
+                break
+            self._add_held(n, 1)
+        for n in path:  # parents newer than children again, in each list
+            self._touch(n)
+        if above is not None:
+            self._untag(above, session)
+        self._tag(end, session)
+
+    def release(self, session: str) -> int:
+        """Drop ``session``'s tags (its close): what it alone held may be evicted as anything
+        else; returns the nodes it had tagged."""
+        tagged = self._leaves.pop(session, set())
+        for end in tagged:
+            if end.sessions is not None:
+                end.sessions.discard(session)
+                if not end.sessions:
+                    end.sessions = None
+            self._unhold_path(end)
+        return len(tagged)
+
+    def _tag(self, node: _Node, session: str) -> None:
+        if node.sessions is None:
+            node.sessions = set()
+        node.sessions.add(session)
+        self._leaves.setdefault(session, set()).add(node)
+
+    def _untag(self, node: _Node, session: str) -> None:
+        if node.sessions is not None:
+            node.sessions.discard(session)
+            if not node.sessions:
+                node.sessions = None
+        tagged = self._leaves.get(session)
+        if tagged is not None:
+            tagged.discard(node)
+
+    def _add_held(self, node: _Node, k: int) -> None:
+        """``node.held`` += ``k``; moved between the lists as it becomes (un)held."""
+        before = node.held
+        node.held += k
+        if not before and node.held:
+            del self._order[node]
+            self._held[node] = None
+            self.held_tokens += len(node.tokens)
+        elif before and not node.held:
+            del self._held[node]
+            self._order[node] = None  # the newest (its children in the list are older)
+            self.held_tokens -= len(node.tokens)
+
+    def _unhold_path(self, node: _Node | None) -> None:
+        """One tag fewer on ``node`` and each node above it."""
+        while node is not None and node.parent is not None:
+            self._add_held(node, -1)
+            node = node.parent
+
+    def _hand_up(self, node: _Node) -> None:
+        """``node``, a held leaf, is being evicted: its tags go to its parent (or, where the
+        parent is the root or has that session's tag already, are dropped)."""
+        parent = node.parent
+        for session in list(node.sessions or ()):
+            self._untag(node, session)
+            tagged = self._leaves.get(session)
+            if parent is None or parent.parent is None or (tagged and parent in tagged):
+                self._unhold_path(parent)
+            else:
+                self._tag(parent, session)
+            if tagged is not None and not tagged:
+                del self._leaves[session]
+        self.held_tokens -= len(node.tokens) if node.held else 0
+        node.held = 0
 
     # ---- dropping ----------------------------------------------------------------------------
 
     def _evict(self) -> None:
         while self.tokens > self.max_tokens:
-            node, _ = self._order.popitem(last=False)  # the oldest: always a leaf
+            if self._order:
+                node, _ = self._order.popitem(last=False)  # the oldest: always a leaf
+            else:  # only held nodes left: the oldest of them
+                node, _ = self._held.popitem(last=False)
+                self._hand_up(node)
             self.evictions += 1
             self.evicted_tokens += len(node.tokens)
             parent = node.parent
@@ -266,7 +395,7 @@ class PrefixCache:
             while stack:
                 node = stack.pop()
                 stack.extend(node.children.values())
-                del self._order[node]
+                self._forget(node)
                 self.tokens -= len(node.tokens)
                 self.sequences -= node.terminal
         dropped = before - self.tokens
@@ -278,9 +407,25 @@ class PrefixCache:
         dropped = self.tokens
         self._trees.clear()
         self._order.clear()
-        self.tokens = self.sequences = 0
+        self._held.clear()
+        self._leaves.clear()
+        self.tokens = self.sequences = self.held_tokens = 0
         self.flushed_tokens += dropped
         return dropped
+
+    def _forget(self, node: _Node) -> None:
+        """Out of the lists and the sessions' tags (its whole tree is going)."""
+        if node.held:
+            del self._held[node]
+            self.held_tokens -= len(node.tokens)
+        else:
+            del self._order[node]
+        for session in node.sessions or ():
+            tagged = self._leaves.get(session)
+            if tagged is not None:
+                tagged.discard(node)
+                if not tagged:
+                    del self._leaves[session]
 
     def _detach(self, node: _Node) -> None:
         parent = node.parent
@@ -306,15 +451,18 @@ class PrefixCache:
             "aged_out_tokens": self.aged_out_tokens,
             "flushed_tokens": self.flushed_tokens,
             "versions": len({index for index, _ in self._trees}),
-            "nodes": len(self._order),
+            "nodes": len(self._order) + len(self._held),
             "sequences": self.sequences,
+            "sessions": len(self._leaves),  # holding KV (--enable-session-radix-cache)
+            "session_held_tokens": self.held_tokens,
             "tokens": self.tokens,
             "bytes": self.tokens * self.bytes_per_token,
         }
 
     def nodes(self) -> list[tuple[list[int], list[torch.Tensor], Stamp]]:
-        """(tokens, kv, stamp) of every node, oldest first (for tests and debugging)."""
-        return [(n.tokens, n.kv, n.stamp) for n in self._order]
+        """(tokens, kv, stamp) of every node, oldest first, those sessions hold last (for tests
+        and debugging)."""
+        return [(n.tokens, n.kv, n.stamp) for n in (*self._order, *self._held)]
 
 
 def _walk(root: _Node, tokens: list[int], limit: int) -> list[tuple[_Node, int]]:

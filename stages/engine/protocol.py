@@ -189,6 +189,9 @@ class GenerateInput:
     # for them, its reasoning tokens counted to them): a K2 Horizon chat request's effort's
     # (custom_params' REASONING_END_KEY, one of the server's selectable ones); None: the server's
     think_end: tuple[int, ...] | None = None
+    # the session it belongs to (SGLang's session_id, or its session_params session's id):
+    # with --enable-session-radix-cache its KV is held for the session; None: none
+    session_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -249,7 +252,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     # SGLang 0.5.23's GenerateReqInput, at the values that change nothing: other values ask for
     # what this engine does not have (multimodal inputs, data-parallel ranks, prefill/decode
     # disaggregation, sessions, a thinking budget)
-    "session_id": (None,),
     "mm_hashes": (None,),
     "mm_content_hashes": (None,),
     "lora_id": (None,),
@@ -375,6 +377,9 @@ def parse_generate(
             "priority must be a signed 64-bit integer between -9223372036854775808 and "
             "9223372036854775807",
         )
+    session = body.get("session_id")
+    if session is not None and not isinstance(session, str):  # (an HTTP body: checked before)
+        raise RequestError("session_id", f"expected a string, got {_kind(session)}")
     budget = _thinking_budget(body.get("max_thinking_tokens"), strict_thinking)
     for flag in (
         "return_text_in_logprobs",
@@ -494,6 +499,7 @@ def parse_generate(
                     custom_params=_custom_params(params[i], budget) if processors[i] else None,
                     routed_experts=experts_from,
                     think_end=think_end,
+                    session_id=session,
                 )
             )
     return inputs, listed

@@ -94,6 +94,7 @@ from stages.engine.protocol import (
     add_hidden,
     hidden_answer,
 )
+from stages.engine.radix_sessions import RadixSessions
 from stages.engine.reasoning import reasoning_tokens
 from stages.engine.routed_experts import ExpertsCapture, encode_routes
 from stages.engine.sampling import SlotSampler, Support
@@ -388,6 +389,7 @@ class _Seq:
         "retractions",
         "routes",
         "sent",
+        "session",
         "slot",
         "stamp",
         "started",
@@ -400,6 +402,9 @@ class _Seq:
 
     def __init__(self, inp: GenerateInput, group: _Group, index: int, started: float) -> None:
         self.inp = inp
+        # (its session, the session's generation when it was queued) where the server holds
+        # sessions' KV (--enable-session-radix-cache); None: it holds none for a session
+        self.session: tuple[str, int] | None = None
         self.adapter: Adapter | None = None  # its LoRA adapter, set when queued (inp.lora)
         self.constraint: Constraint | None = None  # its grammar's state, set when submitted
         # while its grammar waits for the end of its reasoning, or strict thinking filters
@@ -496,6 +501,7 @@ class Scheduler:
         routed_experts: bool = False,
         expert_distribution: ExpertDistributionRecorder | None = None,
         turns: Turns | None = None,
+        session_radix_cache: bool = False,
     ) -> None:
         # the turns its thread's steps take with the server's event loop (``loop_turns``):
         # None, a step runs whenever it is due
@@ -613,6 +619,15 @@ class Scheduler:
             if prefix_cache_tokens > 0
             else None
         )
+        # SGLang's --enable-session-radix-cache: a session's finished sequences are held in the
+        # prefix cache until it closes (radix_sessions; None: session ids change nothing)
+        if session_radix_cache and self._prefix is None:  # SGLang's disabled radix cache
+            log.warning(  # takes the flag too, and holds nothing
+                "session_radix_cache_idle",
+                why="the prefix cache is off (--disable-radix-cache, --prefix-cache-tokens 0, "
+                "or sliding-window layers): sessions hold no KV",
+            )
+        self._radix_sessions = RadixSessions() if session_radix_cache else None
         self.steps = 0
         self._profiler = StepProfiler(self.device)  # /start_profile's (step_profiler)
         self._forward_sleep: float | None = None  # /slow_down's seconds before each step
@@ -859,6 +874,32 @@ class Scheduler:
         """Forget adapter ``name`` (rows already running with it finish with it); resolves to
         whether it was loaded."""
         return self._call(lambda: self._drop_adapter(name))
+
+    @property
+    def session_radix_cache(self) -> bool:
+        """Whether sessions hold their KV (SGLang's ``--enable-session-radix-cache``)."""
+        return self._radix_sessions is not None
+
+    def open_radix_session(self, session: str) -> Future[int]:
+        """A new generation of ``session`` (``/open_session`` with the flag): requests still
+        running from before hold nothing for it when they finish; resolves to the generation."""
+        return self._call(lambda: self._sessions_or_raise().open(session))
+
+    def release_radix_session(self, session: str) -> Future[int]:
+        """Close ``session`` (``/close_session`` with the flag): its KV may be evicted as any
+        other; resolves to the number of sequence ends it held (0: closed already, or none)."""
+
+        def release() -> int:
+            if not self._sessions_or_raise().close(session):
+                return 0
+            return self._prefix.release(session) if self._prefix is not None else 0
+
+        return self._call(release)
+
+    def _sessions_or_raise(self) -> RadixSessions:
+        if self._radix_sessions is None:
+            raise RuntimeError("the engine runs without --enable-session-radix-cache")
+        return self._radix_sessions
 
     def flush_prefix_cache(self) -> Future[int]:
         """Drop every cached prefix (running rows keep their own KV); resolves to the number
@@ -1143,8 +1184,11 @@ class Scheduler:
                         ValueError(f"lora_path: the adapter {seq.inp.lora!r} was unloaded")
                     )
                     return
+        sessions = self._radix_sessions
         for seq in seqs:
             self._rids[seq.inp.rid] = seq
+            if sessions is not None and seq.inp.session_id is not None:
+                seq.session = (seq.inp.session_id, sessions.ensure(seq.inp.session_id))
         (self._held if self._paused else self._waiting).extend(seqs)
 
     def _add_adapter(self, adapter: Adapter) -> None:
@@ -2187,7 +2231,7 @@ class Scheduler:
         seqs = [self._running[r] for r in rows]
         outputs = self._outputs(seqs)
         if self._prefix is not None:
-            self._keep_prefixes(seqs, outputs)
+            self._keep_prefixes(seqs, outputs, reasons)
         for seq, reason, (ids, lps, versions) in zip(seqs, reasons, outputs, strict=True):
             self._finish(seq, reason, ids, lps, versions)
         holes, movers = self._kv.remove(rows)
@@ -2199,11 +2243,16 @@ class Scheduler:
         del running[self._kv.rows :]
 
     def _keep_prefixes(
-        self, seqs: Sequence[_Seq], outputs: list[tuple[list[int], list[float], list[str]]]
+        self,
+        seqs: Sequence[_Seq],
+        outputs: list[tuple[list[int], list[float], list[str]]],
+        reasons: Sequence[dict[str, Any]],
     ) -> None:
-        """Leave the KV of finishing rows (still in their slots) to the prefix cache."""
+        """Leave the KV of finishing rows (still in their slots) to the prefix cache; a row of
+        a session that holds its KV (``radix_sessions``), unless aborted, for that session."""
         assert self._prefix is not None
-        for seq, (ids, _, _) in zip(seqs, outputs, strict=True):
+        sessions = self._radix_sessions
+        for seq, (ids, _, _), reason in zip(seqs, outputs, reasons, strict=True):
             if seq.adapter is not None:
                 continue  # an adapter's KV is no prefix of anyone else's
             # Every token but the last sampled one has its KV in columns kv_start..end-1.
@@ -2215,7 +2264,15 @@ class Scheduler:
             ) -> list[torch.Tensor]:
                 return self._row_pieces(seq, slot, start, a, b)
 
-            self._prefix.insert(tokens, kv_of, seq.stamp or self._stamp(), seq.inp.cache_namespace)
+            session = None
+            if seq.session is not None and reason.get("type") != "abort":
+                assert sessions is not None
+                name, generation = seq.session
+                if sessions.current(name) == generation:  # not closed since it was queued
+                    session = name
+            self._prefix.insert(
+                tokens, kv_of, seq.stamp or self._stamp(), seq.inp.cache_namespace, session=session
+            )
 
     def _finish(
         self,

@@ -299,7 +299,7 @@ def build_app(
         scheduler.metrics = EngineMetrics(name, loaded.context_length)
     capacity = _max_total_tokens(scheduler, loaded)
     LoadRoutes(scheduler, loaded.model, capacity, SERVED_VERSION, scheduler.metrics).add_to(app)
-    SessionRoutes(sessions).add_to(app)
+    SessionRoutes(sessions, scheduler).add_to(app)
     app.router.add_post("/generate", _generate)
     app.router.add_put("/generate", _generate)  # SGLang's route takes PUT too
     app.router.add_post("/abort_request", _abort_request)
@@ -745,6 +745,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "enable_return_hidden_states": scheduler.hidden_states_mode is not None,
             "return_hidden_states_mode": scheduler.hidden_states_mode,
             "enable_return_routed_experts": scheduler.routed_experts,
+            "enable_session_radix_cache": scheduler.session_radix_cache,
             # resolved as SGLang resolves them (parallel_hook.py: the buffer 1000 with a mode)
             "expert_distribution_recorder_mode": None if recorder is None else recorder.mode,
             "expert_distribution_recorder_buffer_size": (
@@ -1114,6 +1115,13 @@ def _parser() -> argparse.ArgumentParser:
         "step. Unpickling runs the client's code: only for clients you trust (SGLang's flag)",
     )
     parser.add_argument(
+        "--enable-session-radix-cache",
+        action="store_true",
+        help="a request's session_id (or its session_params session) holds its finished "
+        "sequence's KV in the prefix cache for that session: evicted only once nothing else is "
+        "left, until /close_session names it (SGLang's flag)",
+    )
+    parser.add_argument(
         "--enable-streaming-session",
         action="store_true",
         help="/open_session takes streaming: true, a session whose turns each append to the "
@@ -1372,6 +1380,7 @@ def build_scheduler(
         strict_thinking=strict,
         custom_logit_processors=args.enable_custom_logit_processor,
         routed_experts=args.enable_return_routed_experts,
+        session_radix_cache=args.enable_session_radix_cache,
         expert_distribution=ExpertDistributionRecorder.of(
             loaded.model,
             args.expert_distribution_recorder_mode,

@@ -1,9 +1,19 @@
 """``/open_session`` and ``/close_session`` (SGLang 0.5.23's ``http_server.py``: GET or POST,
 ``OpenSessionReqInput`` and ``CloseSessionReqInput``): the session's id as a JSON string, or
 SGLang's ``{"error": {"message"}}`` 400; a closed session's empty 200. The sessions themselves
-are ``stages.engine.sessions``'."""
+are ``stages.engine.sessions``'.
+
+With the server's ``--enable-session-radix-cache`` (SGLang's ``Scheduler.open_session`` and
+``close_session``): opening a session also starts a new generation of its KV holding, and
+closing any session id (one ``/open_session`` made or one only requests named, by
+``session_id``) lets go of the KV it held (``radix_sessions``); only a session ``/open_session``
+made is then closed as such, so an id that only requests named is not logged as unknown.
+"""
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 from aiohttp import web
 
@@ -15,8 +25,12 @@ __all__ = ["SessionRoutes"]
 
 
 class SessionRoutes:
-    def __init__(self, sessions: Sessions) -> None:
+    def __init__(self, sessions: Sessions, scheduler: Any = None) -> None:
         self.sessions = sessions
+        # the scheduler whose prefix cache holds sessions' KV (None: the flag is off)
+        self.holding = (
+            scheduler if getattr(scheduler, "session_radix_cache", False) is True else None
+        )
 
     def add_to(self, app: web.Application) -> None:
         for method in ("GET", "POST"):
@@ -28,13 +42,20 @@ class SessionRoutes:
         if isinstance(body, web.Response):
             return body
         try:
-            return json_response(self.sessions.open(body))
+            session_id = self.sessions.open(body)
         except SessionError as exc:
             return bad_request(str(exc))
+        if self.holding is not None:
+            await asyncio.wrap_future(self.holding.open_radix_session(session_id))
+        return json_response(session_id)
 
     async def close_session(self, request: web.Request) -> web.Response:
         body = await control_fields.typed_body(request, control_fields.CLOSE_SESSION)
         if isinstance(body, web.Response):
             return body
-        self.sessions.close(body["session_id"])
+        session_id = body["session_id"]
+        if self.holding is not None:
+            await asyncio.wrap_future(self.holding.release_radix_session(session_id))
+        if self.holding is None or session_id in self.sessions:
+            self.sessions.close(session_id)
         return web.Response(status=200)

@@ -103,6 +103,9 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
     # -- /open_session and /close_session ---------------------------------------------------
     def open(self, body: dict[str, Any]) -> str:
         """The id of a new session (``OpenSessionReqInput``: ``capacity_of_str_len``,
@@ -150,8 +153,14 @@ class Sessions:
         """A ``/generate`` body and the scheduler to serve it with: as they are without a
         session; with one, the body's prompt the session's (its ``input_ids``, its ``rid`` set)
         and a scheduler whose submission records the request's output in the session. Raises
-        SessionError (400) and RequestError (a malformed body)."""
-        if not isinstance(body, dict) or "session_params" not in body:
+        SessionError (400) and RequestError (a malformed body). A request of a non-streaming
+        session carries the session's id on as ``session_id`` (with the server's
+        ``--enable-session-radix-cache`` its KV is held for the session, as SGLang's)."""
+        if not isinstance(body, dict):
+            return body, scheduler
+        if body.get("session_id") is not None and body.get("session_params") is not None:
+            raise SessionError("session_id and session_params cannot both be set.")  # SGLang's
+        if "session_params" not in body:
             return body, scheduler
         params = check_params(body["session_params"])
         body = {**body, "session_params": None}
@@ -176,6 +185,8 @@ class Sessions:
         prompt, node = self.prompt(params, ids, rid, bos)
         body.pop("text", None)
         body.update(input_ids=prompt, rid=rid)
+        if node.session is None:  # not a streaming session's turn (SGLang holds none for those)
+            body["session_id"] = params["id"]
         return body, Recording(scheduler, self, node)
 
     def prompt(

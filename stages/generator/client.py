@@ -259,10 +259,18 @@ class EngineClient:
             ) from exc
 
     async def generate(
-        self, input_ids: Sequence[int] | np.ndarray, sampling_params: Mapping[str, Any], *, rid: str
+        self,
+        input_ids: Sequence[int] | np.ndarray,
+        sampling_params: Mapping[str, Any],
+        *,
+        rid: str,
+        session: str | None = None,
     ) -> Completion:
-        """One sample of ``input_ids``."""
+        """One sample of ``input_ids``; ``session``: the session it belongs to (SGLang's
+        ``session_id``: an engine with ``--enable-session-radix-cache`` keeps its KV for it)."""
         body = _generate_body(_token_list(input_ids), sampling_params, rid)
+        if session is not None:
+            body["session_id"] = session
         pinned = self._adapted(body)
         (completion,) = await self._generate(body, [rid], listed=False)
         return _pinned(completion, pinned)
@@ -408,6 +416,10 @@ class EngineClient:
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_request", {"rid": rid})
+
+    async def close_session(self, session: str) -> None:
+        """SGLang's ``/close_session``: what the engine held for ``session`` may go."""
+        await self._call("POST", "/close_session", {"session_id": session})
 
 
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+

@@ -16,6 +16,11 @@ that raises (a bug in a rollout of your own) drops its sample as ``rollout_error
 logged, and the generator goes on. ``sample_fields`` turns a trajectory into the sample map of a
 ``rollout_group`` (``stages.schemas``, version 2).
 
+With ``rollout.hold_kv`` each episode is a session of the engines it uses (its rid as SGLang's
+``session_id``): an engine with ``--enable-session-radix-cache`` keeps the episode's KV in its
+prefix cache from one turn to the next, whatever else it serves meanwhile, and the generator
+closes the session on each of those engines when the episode ends (``close_sessions``).
+
 Not here: what a turn is (the rollouts), tools and environments (``stages.rollouts``).
 """
 
@@ -45,8 +50,12 @@ class EpisodeEngine:
     is re-routed); the generator releases it when the episode ends.
     """
 
-    def __init__(self, generator: Generator, engine: str, rid: str) -> None:
+    def __init__(
+        self, generator: Generator, engine: str, rid: str, *, hold_kv: bool = False
+    ) -> None:
         self.gen, self.engine, self.rid = generator, engine, rid
+        # the engines that hold its KV as a session's (rollout.hold_kv; None: not asked)
+        self.holding: set[str] | None = set() if hold_kv else None
         self.calls = 0
         self.cached_tokens = 0  # prompt tokens the engines served from their prefix caches
         self.prompt_tokens = 0
@@ -59,8 +68,14 @@ class EpisodeEngine:
             engine, rid = self.engine, f"{self.rid}/{self.calls}"
             self.calls += 1
             gen.counts["requests"] += 1
+            session = None
+            if self.holding is not None:
+                session = self.rid
+                self.holding.add(engine)
             try:
-                completion = await gen.clients[engine].generate(input_ids, params, rid=rid)
+                completion = await gen.clients[engine].generate(
+                    input_ids, params, rid=rid, session=session
+                )
             except EngineError as exc:
                 if exc.status == 400:  # the request, not the engine: no retry helps
                     raise RequestRefused(str(exc)) from exc
@@ -85,6 +100,23 @@ class EpisodeEngine:
                 completion.finish_reason,
                 cached_tokens=cached,
             )
+
+
+async def close_sessions(episode: EpisodeEngine) -> int:
+    """Close ``episode``'s session on every engine that held its KV; how many closes failed
+    (an engine gone: what it held went with it)."""
+    if not episode.holding:
+        return 0
+    failed = 0
+    for engine in episode.holding:
+        client = episode.gen.clients.get(engine)
+        if client is None:
+            continue
+        try:
+            await client.close_session(episode.rid)
+        except EngineError:
+            failed += 1
+    return failed
 
 
 def sample_fields(

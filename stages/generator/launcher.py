@@ -69,6 +69,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineLauncher", "LaunchConfig"]
 
+SESSION_FLAG = "--enable-session-radix-cache"  # the built-in engine's, as SGLang's
+
 
 @dataclass
 class LaunchConfig:
@@ -191,6 +193,7 @@ class EngineLauncher:
         environ: Mapping[str, str] | None = None,
         log_level: str = "info",
         api_key: str | None = None,
+        session_kv: bool = False,
     ) -> None:
         if not config.model:
             raise ValueError("launch.model is required to start engines")
@@ -198,6 +201,8 @@ class EngineLauncher:
         self._key_dir: Path | None = None  # SGLang's private --config file with the key
         self.config, self.log, self.name = config, log, name
         self.log_level = log_level  # the built-in engine's (its per-update events are debug)
+        # built-in engines keep episodes' KV as sessions' (rollout.hold_kv)
+        self.session_kv = session_kv
         self.model_dir: Path | None = None  # launch.model as a local folder, once resolved
         self.environ = dict(os.environ if environ is None else environ)
         # where engines listen: a node's IP under the Ray launcher (pipeline.launchers.ray_host)
@@ -258,6 +263,8 @@ class EngineLauncher:
         cfg = self.config
         argv = ["--model", self._model(), "--host", self.host, "--port", str(engine.port)]
         argv += ["--device", cfg.device, "--dtype", cfg.dtype, *_trusting(cfg.extra_args)]
+        if self.session_kv and SESSION_FLAG not in cfg.extra_args:
+            argv.append(SESSION_FLAG)
         if engine.peer is not None:  # stages/engine/remote_instance.py
             argv += [
                 "--load-format",

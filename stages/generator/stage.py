@@ -75,7 +75,12 @@ from stages.generator.client import (
     make_session,
 )
 from stages.generator.controller import ControllerConfig, Decision, InFlightController
-from stages.generator.episodes import EpisodeEngine, check_trajectory, sample_fields
+from stages.generator.episodes import (
+    EpisodeEngine,
+    check_trajectory,
+    close_sessions,
+    sample_fields,
+)
 from stages.generator.launcher import EngineLauncher, LaunchConfig
 from stages.rollouts.api import EngineUnavailable, EnvError, RolloutConfig
 from stages.schemas import PROMPT, ROLLOUT_BATCH, ROLLOUT_GROUP
@@ -308,6 +313,8 @@ class Generator:
             "tokens": 0,
             "requests": 0,  # /generate requests sent (a group request is one)
             "group_fallbacks": 0,  # group requests refused, then sent again per sample
+            # episodes' sessions an engine could not close (rollout.hold_kv)
+            "session_close_failures": 0,
         }
         # engines found unable to serve group requests -> the error that showed it
         self.no_groups: dict[str, str] = {}
@@ -351,6 +358,7 @@ class Generator:
                 log=self.log,
                 log_level=getattr(self.ctx, "log_level", "info"),
                 api_key=api_key,
+                session_kv=self.config.rollout.hold_kv,
             )
             urls = await self.launcher.start()
         # an engine never holds more than max(target, group_size) samples, each at most one
@@ -878,7 +886,8 @@ class Generator:
     ) -> None:
         """One sample made by the rollout plugin; holds one sample of its engine until it ends."""
         queued = started = time.monotonic()
-        handle = EpisodeEngine(self, engine, self._rid(group_id, index))
+        hold_kv = self.config.rollout.hold_kv
+        handle = EpisodeEngine(self, engine, self._rid(group_id, index), hold_kv=hold_kv)
         rollouts = self.rollouts
         ctx = rollouts.context(sampling=self.params, sample_index=index, group_id=group_id)
         try:
@@ -910,7 +919,12 @@ class Generator:
             )
         finally:
             self._release(handle.engine, 1)
+            if handle.holding and not self._closing:  # its engines may let its KV go
+                self._spawn(self._close_sessions(handle))
         await self._collected(msg, group_id, collecting)
+
+    async def _close_sessions(self, handle: EpisodeEngine) -> None:
+        self.counts["session_close_failures"] += await close_sessions(handle)
 
     async def _collected(self, msg: Message, group_id: str, collecting: _Collecting) -> None:
         collecting.left -= 1

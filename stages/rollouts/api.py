@@ -102,6 +102,16 @@ class RolloutConfig:
             "check": tokenizer_check,
         },
     )
+    hold_kv: bool = field(
+        default=False,
+        metadata={
+            "doc": "each episode is a session of its engine (SGLang's session_id, closed when "
+            "the episode ends): an engine started with --enable-session-radix-cache keeps the "
+            "episode's KV in its prefix cache between turns (tool calls, environment steps) "
+            "whatever else it serves meanwhile; the built-in engines the generator launches get "
+            "the flag, SGLang ones need it in launch.extra_args"
+        },
+    )
     max_turns: int = field(
         default=8, metadata={"min": 1, "doc": "engine calls (model turns) per episode"}
     )

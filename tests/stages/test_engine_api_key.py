@@ -185,6 +185,17 @@ def _launcher(tmp_path: Path, kind: str, **more) -> EngineLauncher:
     )
 
 
+def test_launcher_gives_built_in_engines_the_session_flag_for_hold_kv(tmp_path):
+    """``rollout.hold_kv``: the built-in engines the generator starts keep sessions' KV."""
+    flag = "--enable-session-radix-cache"
+    holding = _launcher(tmp_path, "builtin", session_kv=True)
+    assert holding._command(holding.engines[0]).count(flag) == 1
+    plain = _launcher(tmp_path, "builtin")
+    assert flag not in plain._command(plain.engines[0])
+    sglang = _launcher(tmp_path, "sglang", session_kv=True)  # SGLang's: launch.extra_args
+    assert flag not in sglang._command(sglang.engines[0])
+
+
 def test_launcher_hands_the_key_over_off_the_command_line(tmp_path):
     builtin = _launcher(tmp_path, "builtin", api_key=KEY)
     engine = builtin.engines[0]

@@ -95,6 +95,26 @@ async def test_episodes_of_two_turns_carry_their_mask_versions_and_turns(tmp_pat
 
 
 @pytest.mark.timeout(90)
+async def test_with_hold_kv_an_episode_is_a_session_closed_at_its_end(tmp_path, engine):
+    """``rollout.hold_kv``: every turn of an episode names it as its session (SGLang's
+    ``session_id``), and the session is closed on its engine once the episode ends."""
+    count = 2
+    proxy = Proxy(engine)
+    rollout = _rollout("two_turns")
+    rollout.hold_kv = True
+    async with proxy as url:
+        out = await generate(tmp_path, [url], count, rollout=rollout)
+    assert len(out.rollouts) == G * count and out.done["session_close_failures"] == 0
+    episodes = {b["rid"].rsplit("/", 1)[0] for b in proxy.forwarded}
+    assert len(episodes) == G * count
+    for body in proxy.forwarded:  # each turn: its episode's session
+        assert body["session_id"] == body["rid"].rsplit("/", 1)[0]
+    closed = [json.loads(raw)["session_id"] for path, raw in proxy.others
+              if path == "/close_session"]  # fmt: skip
+    assert sorted(closed) == sorted(episodes)
+
+
+@pytest.mark.timeout(90)
 async def test_a_rollout_that_raises_drops_its_sample_only(tmp_path, engine):
     count = 3
     async with Proxy(engine) as url:

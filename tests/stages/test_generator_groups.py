@@ -58,6 +58,7 @@ class Proxy:
         self.refused: list[dict[str, Any]] = []
         self.now = self.peak = 0  # samples in flight at the engine, through this proxy
         self.peers: set[tuple[str, int]] = set()  # client connections seen
+        self.others: list[tuple[str, bytes]] = []  # (path, body) of every other route called
 
     async def __aenter__(self) -> str:
         self.session = aiohttp.ClientSession()
@@ -78,7 +79,9 @@ class Proxy:
         raw = await request.read()
         self.peers.add(request.transport.get_extra_info("peername"))
         samples = 0
-        if request.path == "/generate":
+        if request.path != "/generate":
+            self.others.append((request.path, raw))
+        else:
             body = json.loads(raw)
             answer = self.verdict(body) if self.verdict else None
             if answer is not None:
