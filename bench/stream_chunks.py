@@ -96,6 +96,7 @@ class _Scheduler:
     think_ends: tuple[tuple[int, ...], ...] = ()
     request_log = None  # no request log
     routed_experts = False  # no --enable-return-routed-experts
+    prefix_cache_on = True  # SGLang's radix cache on
 
     def abort_many(self, rids: Any, message: str = "") -> None:
         pass

@@ -247,7 +247,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "image_data": (None,),
     "audio_data": (None,),
     "video_data": (None,),
-    "input_embeds": (None,),
     "session_params": (None,),
     # SGLang 0.5.23's GenerateReqInput, at the values that change nothing: other values ask for
     # what this engine does not have (multimodal inputs, data-parallel ranks, prefill/decode
@@ -355,6 +354,7 @@ def parse_generate(
     custom_logits: bool = False,
     routed_experts: bool = False,
     think_ends: Collection[tuple[int, ...]] = (),
+    prefix_cache: bool = True,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
@@ -364,12 +364,14 @@ def parse_generate(
     the stop tokens whose text an answer keeps (``GenerateInput.kept_stop_ids``);
     ``custom_logits``: whether it runs with ``--enable-custom-logit-processor``;
     ``routed_experts``: whether it runs with ``--enable-return-routed-experts``;
-    ``think_ends``: the reasoning end tags a request may pick (``reasoning_end``)."""
+    ``think_ends``: the reasoning end tags a request may pick (``reasoning_end``);
+    ``prefix_cache``: whether the engine's prefix cache is on (SGLang's radix cache)."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
         if key in _NEUTRAL_TOP and not _is_neutral(value, _NEUTRAL_TOP[key]):
             raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
+    _check_embeds(body, prefix_cache)
     priority = body.get("priority")
     if priority is not None and not (is_int(priority) and -(1 << 63) <= priority < (1 << 63)):
         raise RequestError(  # SGLang's words (TokenizerManager._set_default_priority)
@@ -1192,6 +1194,26 @@ def _sample_rids(
             return lambda i, j: (f"{value[i]}_{j}", value[i])
         return lambda i, j: (value[i], None)
     raise RequestError("rid", f"expected str, got {_kind(value)}")
+
+
+def _check_embeds(body: dict[str, Any], prefix_cache: bool) -> None:
+    """``input_embeds`` as the prompt (SGLang drops it where ``text`` or ``input_ids`` is
+    given): with the radix cache on, SGLang's refusal (``TokenizerManager._tokenize_one_request``);
+    without it, SGLang would run the embeddings, which this engine does not."""
+    if body.get("input_embeds") is None or body.get("text") is not None:
+        return
+    if body.get("input_ids") is not None:
+        return
+    if prefix_cache:
+        raise RequestError(
+            "input_embeds",
+            "input_embeds is provided while disable_radix_cache is False. Please add "
+            "`--disable-radix-cache` when you launch the server if you want to use input_embeds "
+            "as inputs.",
+        )
+    raise RequestError(
+        "input_embeds", "prompts as embeddings are not supported by the built-in engine"
+    )
 
 
 def read_prompts(

@@ -687,6 +687,11 @@ class Scheduler:
             "kv_bytes": self._kv.nbytes(),
         }
 
+    @property
+    def prefix_cache_on(self) -> bool:
+        """Whether prefixes are cached (SGLang's radix cache: off with --disable-radix-cache)."""
+        return self._prefix is not None
+
     def prefix_cache_stats(self) -> dict[str, Any]:
         """The prefix cache's counters (``enabled`` false: there is none) and the prefill
         tokens computed; ``token_hit_rate``: the share of admitted context tokens that came

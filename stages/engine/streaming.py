@@ -345,6 +345,7 @@ def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInp
         custom_logits=scheduler.logit_processors is not None,
         routed_experts=scheduler.routed_experts,
         think_ends=scheduler.think_ends,
+        prefix_cache=scheduler.prefix_cache_on,
     )
 
 

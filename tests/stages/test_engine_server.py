@@ -905,6 +905,27 @@ def test_sglangs_other_fields_at_their_defaults_change_nothing(engine: Engine) -
 
 
 @pytest.mark.timeout(60)
+def test_input_embeds_are_answered_as_sglang_answers_them(engine: Engine) -> None:
+    """``input_embeds`` beside ``input_ids`` or ``text`` is dropped (SGLang's
+    ``_determine_batch_size``); as the prompt, with the radix cache on (the default), it is
+    SGLang's 400 (``TokenizerManager._tokenize_one_request``), counted as refused."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 3}}
+    plain = engine.generate(body)
+    embeds = [[0.5, -0.5], [0.25, 0.0]]
+    assert engine.generate({**body, "input_embeds": embeds})["output_ids"] == plain["output_ids"]
+    refused = sum(engine.request("GET", "/server_info")[1]["refused_requests"].values())
+    alone = {"input_embeds": embeds, "sampling_params": body["sampling_params"]}
+    status, answer = engine.request("POST", "/generate", alone)
+    assert status == 400
+    assert answer["error"]["message"] == (
+        "input_embeds: input_embeds is provided while disable_radix_cache is False. Please add "
+        "`--disable-radix-cache` when you launch the server if you want to use input_embeds "
+        "as inputs."
+    )
+    assert sum(engine.request("GET", "/server_info")[1]["refused_requests"].values()) == refused + 1
+
+
+@pytest.mark.timeout(60)
 def test_keys_sglang_does_not_know_are_ignored_counted_and_logged(engine: Engine) -> None:
     """SGLang's request models ignore the keys they do not name (``/generate``'s dataclass
     too): answered as if absent, and here counted by route and key in ``/server_info``'s
