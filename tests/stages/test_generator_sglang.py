@@ -170,6 +170,27 @@ async def test_a_next_turn_is_served_from_the_radix_cache_and_stops_at_stop_toke
 
 
 @pytest.mark.timeout(120)
+async def test_an_episode_named_as_a_session_answers_as_without_and_closes(client):
+    """``session_id`` (SGLang 0.5.23's radix-native session, what ``rollout.hold_kv`` sends):
+    each turn answers as it does without it, the next turn finds its prefix cached, and
+    ``/close_session`` closes the session (an empty 200) whether or not the server holds
+    sessions' KV (``--enable-session-radix-cache``); with ``session_params`` too: 400."""
+    session = _rid("episode")
+    first = await client.generate(PROMPT * 4, _params(6), rid=_rid("s-0"), session=session)
+    plain = await client.generate(PROMPT * 4, _params(6), rid=_rid("p-0"))
+    assert first.output_ids.tolist() == plain.output_ids.tolist()
+    context = PROMPT * 4 + first.output_ids.tolist() + PROMPT[:3]
+    second = await client.generate(context, _params(6), rid=_rid("s-1"), session=session)
+    assert int(second.meta.get("cached_tokens") or 0) >= len(PROMPT * 4)
+    await client.close_session(session)
+    both = {"input_ids": PROMPT, "sampling_params": _params(2), "session_id": session,
+            "session_params": {"id": session}}  # fmt: skip
+    async with client.session.post(client.url + "/generate", json=both) as resp:
+        assert resp.status == 400
+        assert "session_id and session_params cannot both be set." in await resp.text()
+
+
+@pytest.mark.timeout(120)
 async def test_a_session_turn_continues_the_turn_it_names(client):
     """``/open_session`` and ``session_params``: a turn naming the one before answers as that
     turn's prompt, its output and the new ids sent whole; ``/close_session`` ends it."""
