@@ -34,7 +34,7 @@ import concurrent.futures
 import functools
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
@@ -78,6 +78,7 @@ class InProcessEngine:
         self.loaded: LoadedModel | None = None
         self.scheduler: Scheduler | None = None
         self._http: _HttpThread | None = None
+        self._sessions: Any = ()  # the app's /open_session sessions, once started
         self.port: int = self.args.port
         # the sampling parameters submit_groups was last given, and their parsed form
         # and the request-level fields among them (REQUEST_LEVEL_FIELDS) as GenerateInput's
@@ -100,6 +101,7 @@ class InProcessEngine:
         options = server.app_options(args, self.api_key)
         options["engine_id"] = None
         app = server.build_app(self.loaded, self.scheduler, **options)
+        self._sessions = server.sessions_of(app)
         self._http = _HttpThread(app, args.host, args.port)
         self.port = await asyncio.to_thread(self._http.start)
         self.log.info(
@@ -116,6 +118,16 @@ class InProcessEngine:
             threads=torch.get_num_threads(),
             api_key=self.api_key is not None,
         )
+
+    def release_session(self, session: str) -> Future[int] | None:
+        """``/close_session`` of a session only requests named (``session_id``: an episode's,
+        with ``--enable-session-radix-cache``), done on the scheduler directly: what it held
+        may go. None where the route must answer it (the flag off, or an ``/open_session``
+        session of that id, which the routes' thread keeps)."""
+        scheduler = self.scheduler
+        if scheduler is None or not scheduler.session_radix_cache or session in self._sessions:
+            return None
+        return scheduler.release_radix_session(session)
 
     async def results(self, body: Any) -> list[SequenceResult]:
         """The scheduler's results for a ``/generate`` body, in request order (RequestError /

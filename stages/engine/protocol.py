@@ -320,6 +320,10 @@ _KNOWN_TOP = frozenset(
         "return_prompt_token_ids",  # each answer's prompt ids (its text's, tokenized)
         "extra_key",  # with cache_salt: the prefix-cache namespace (SGLang's RadixKey)
         "cache_salt",
+        # its session: with --enable-session-radix-cache its KV is held for it (radix_sessions)
+        "session_id",
+        # dropped beside ids or text; as the prompt, SGLang's refusal (_check_embeds)
+        "input_embeds",
         "return_sampling_mask",  # each token's sampling support and behaviour log-prob
         "sampling_logprobs_mode",
         # top log-probs as flat arrays (stages.engine.flat_logprobs)

@@ -155,6 +155,7 @@ __all__ = [
     "resolve_parsers",
     "run_loop",
     "serve",
+    "sessions_of",
 ]
 
 log = structlog.get_logger("stages.engine.server")
@@ -188,6 +189,11 @@ def _package_version() -> str:
 
 ENGINE_VERSION = _package_version()
 SERVED_VERSION = f"inflight-rl {ENGINE_VERSION}"  # what /server_info and /v1/loads name
+
+
+def sessions_of(app: web.Application) -> Sessions:
+    """The ``/open_session`` sessions of an app ``build_app`` made."""
+    return app[_SESSIONS]
 
 
 def build_app(

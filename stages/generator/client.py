@@ -465,6 +465,15 @@ class InProcessClient(EngineClient):
             raise EngineError(self.url, "/generate timed out", retryable=True) from exc
         return [completion_of(result, self.url) for result in results]
 
+    async def close_session(self, session: str) -> None:
+        """As the route closes it, on the scheduler directly where it can (an episode's
+        session: ``InProcessEngine.release_session``), else over HTTP."""
+        released = self.engine.release_session(session)
+        if released is None:
+            await super().close_session(session)
+        else:
+            await asyncio.wrap_future(released)
+
     def submit_groups(
         self,
         prompts: Sequence[Sequence[int] | np.ndarray],

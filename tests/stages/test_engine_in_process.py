@@ -121,3 +121,39 @@ async def test_group_requests_take_the_request_level_fields_among_the_sampling(t
             engine.submit_groups([[1, 2, 3]], {**plain, "max_thinking_tokens": 4}, [["c"]])
     finally:
         await asyncio.wait_for(engine.close(), 60)
+
+
+async def test_an_episodes_session_is_closed_on_the_scheduler_directly(tmp_path):
+    """``rollout.hold_kv`` against an engine in the generator's process: the close of an
+    episode's session (one only requests named) goes to the scheduler without HTTP and lets go
+    of what it held; an ``/open_session`` session of that id is closed by the route."""
+    import aiohttp
+
+    from stages.generator.client import InProcessClient
+
+    model = make_tiny_model(tmp_path / "model", vocab=32)
+    argv = ["--model", str(model), "--host", "127.0.0.1", "--port", "0",
+            "--enable-session-radix-cache"]  # fmt: skip
+    engine = InProcessEngine(argv, log=structlog.get_logger())
+    await asyncio.wait_for(engine.start(), 60)
+    try:
+        url = f"http://127.0.0.1:{engine.port}"
+        async with aiohttp.ClientSession() as http:
+            client = InProcessClient(url, http, engine)
+            params = {"max_new_tokens": 3, "temperature": 0}
+            await client.generate([1, 2, 3, 4], params, rid="e/0", session="e")
+            stats = engine.scheduler.prefix_cache_stats()
+            assert stats["sessions"] == 1 and stats["session_held_tokens"] > 0
+            assert engine.release_session("e") is not None  # not a route's session
+            await client.close_session("e")
+            assert engine.scheduler.prefix_cache_stats()["sessions"] == 0
+            opened = await http.post(url + "/open_session", json={"capacity_of_str_len": 99,
+                                                                  "session_id": "o"})  # fmt: skip
+            assert (await opened.json()) == "o"
+            assert engine.release_session("o") is None  # the route's to close
+            await client.close_session("o")
+            again = await http.post(url + "/open_session", json={"capacity_of_str_len": 99,
+                                                                 "session_id": "o"})  # fmt: skip
+            assert again.status == 200  # closed: its id free again
+    finally:
+        await asyncio.wait_for(engine.close(), 60)
