@@ -831,7 +831,9 @@ class OpenAIRoutes:
     body (raising RequestError or ValueError as that route does), ``stream(body)`` the chunks
     of a streamed one (``stages.engine.streaming.stream_generate``); ``decode`` is the
     tokenizer's (None: the model has none, and these routes refuse every request);
-    ``on_disconnect(request)``: a client went away mid-stream."""
+    ``on_disconnect(request)``: a client went away mid-stream; ``watched(body, request)``: what
+    ``generate`` does for a request served over HTTP, watching its client (the engine's:
+    aborted once the client is gone, as SGLang aborts it; None: ``generate``)."""
 
     def __init__(
         self,
@@ -849,8 +851,10 @@ class OpenAIRoutes:
         response_store: Any = None,
         cache_report: bool = False,
         request_log: Any = None,
+        watched: Callable[[Any, web.Request], Awaitable[Any]] | None = None,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
+        self.watched = watched
         # stages.engine.request_log.RequestLog: each /v1 body logged as it came (level >= 2)
         self.request_log = request_log
         self.any_model = any_model  # /v1/responses takes any model name (the agent proxy)
@@ -1011,9 +1015,10 @@ class OpenAIRoutes:
         adapters = {a["lora_name"] for a in self.adapters()}
         return name in adapters or name.split(":", 1)[0] == self.served_model_name
 
-    async def reply(self, route: str, body: Any) -> Reply:
+    async def reply(self, route: str, body: Any, client: web.Request | None = None) -> Reply:
         """The answer to ``body`` on ``route`` (``completions`` or ``chat``), whatever carries
-        it: HTTP here (``_serve``), or a caller in this process (the agent proxy's client)."""
+        it: HTTP here (``_serve``: ``client``, the HTTP request), or a caller in this process
+        (the agent proxy's client)."""
         if self.decode is None:
             refused = OpenAIError("this model has no tokenizer: use the native /generate route")
             return Reply(400, route_refusal(route, refused))
@@ -1036,7 +1041,10 @@ class OpenAIRoutes:
                 if progress and self.progress_stream:  # an echo's first chunk needs the native
                     source = self.progress_stream
                 return Reply(200, chunks=stream(source(native), options))
-            rendered = await self.generate(native)
+            if client is not None and self.watched is not None:
+                rendered = await self.watched(native, client)
+            else:
+                rendered = await self.generate(native)
         except ValueError as exc:  # OpenAIError, RequestError, a rid already in flight
             status = getattr(exc, "status", 400)
             return Reply(status, route_refusal(route, _as_written(exc, options)))
@@ -1174,7 +1182,7 @@ class OpenAIRoutes:
                     body[flag] = True
         if self.request_log is not None and not route.startswith("ollama"):
             self.request_log.received_openai(body, request.headers)
-        reply = await self.reply(route, body)
+        reply = await self.reply(route, body, request)
         if reply.chunks is None:
             return web.Response(
                 body=dumps(reply.body), status=reply.status, content_type="application/json"

@@ -263,7 +263,6 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "routed_dp_rank": (None, 0),  # one data-parallel rank: 0
     "data_parallel_rank": (None, 0),
     "disagg_prefill_dp_rank": (None, 0),
-    "background": (False,),
     "kv_hints": (None,),
     "return_bytes": (False,),
     "multi_item_delimiter_indices": (None,),
@@ -320,6 +319,8 @@ _KNOWN_TOP = frozenset(
         "return_prompt_token_ids",  # each answer's prompt ids (its text's, tokenized)
         "extra_key",  # with cache_salt: the prefix-cache namespace (SGLang's RadixKey)
         "cache_salt",
+        # not aborted when its client goes away (SGLang's; the route reads it)
+        "background",
         # its session: with --enable-session-radix-cache its KV is held for it (radix_sessions)
         "session_id",
         # dropped beside ids or text; as the prompt, SGLang's refusal (_check_embeds)
@@ -390,6 +391,7 @@ def parse_generate(
     for flag in (
         "return_text_in_logprobs",
         "stream",
+        "background",
         "require_reasoning",
         "return_prompt_token_ids",
     ):

@@ -264,10 +264,12 @@ def build_app(
         streaming=streaming_sessions,  # SGLang's --enable-streaming-session
     )
 
-    async def in_session(body: Any) -> Any:  # a /v1 request, in its session if it names one
+    async def in_session(body: Any, client: web.Request | None = None) -> Any:
+        """A /v1 request, in its session if it names one (``client``: its HTTP request,
+        watched while it runs)."""
         body, serving = _session_request(sessions, body, scheduler, loaded)
         try:
-            return await generate(loaded, serving, decode, body)
+            return await generate(loaded, serving, decode, body, client=client)
         finally:
             _settle(serving)
 
@@ -291,6 +293,7 @@ def build_app(
         response_store=ResponseStore() if response_store else None,
         cache_report=cache_report,
         request_log=requests,
+        watched=in_session,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     EncodeRoutes(None, name).add_to(app)  # SGLang's refusal: not an embedding model
@@ -442,7 +445,12 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                     on_disconnect=lambda: _refused(request, 499, "the client went away mid-stream"),
                 )
             rendered = await generate(
-                loaded, scheduler, request.app[_DECODE], body, request.headers
+                loaded,
+                scheduler,
+                request.app[_DECODE],
+                body,
+                request.headers,
+                client=None if body.get("background") is True else request,
             )
         finally:
             _settle(scheduler)
@@ -491,6 +499,8 @@ async def generate(
     decode: Callable[[list[int], bool], str] | None,
     body: Any,
     headers: Any = None,
+    *,
+    client: web.Request | None = None,
 ) -> Any:
     """What ``/generate`` answers to ``body`` (SGLang's layout: one result, or a list of them).
 
@@ -498,7 +508,8 @@ async def generate(
     route answers 400 for both); cancelled (the client went away), it aborts the requests it
     queued, as SGLang aborts on disconnect. With the server's request log active
     (``stages.engine.request_log``), the request is logged once checked and each sample at its
-    end (``headers``: the HTTP request's, for the headers it logs).
+    end (``headers``: the HTTP request's, for the headers it logs). ``client``: the HTTP
+    request whose connection is watched while the request runs (``watch_client``).
     """
 
     def render(inputs: list[GenerateInput], results: list[SequenceResult]) -> list[Any]:
@@ -508,7 +519,7 @@ async def generate(
             for inp, result in zip(inputs, results, strict=True)
         ]
 
-    _, results, listed, rendered = await _served(loaded, scheduler, body, render, headers)
+    _, results, listed, rendered = await _served(loaded, scheduler, body, render, headers, client)
     raise_aborted_with_error(result.finish_reason for result in results)
     return rendered if listed else rendered[0]
 
@@ -529,6 +540,7 @@ async def _served(
     body: Any,
     render: Callable[[list[GenerateInput], list[SequenceResult]], list[Any]] | None,
     headers: Any = None,
+    client: web.Request | None = None,
 ) -> tuple[list[GenerateInput], list[SequenceResult], bool, list[Any] | None]:
     """``body`` checked, queued and served: its inputs, results, whether it was a batch and
     the answers ``render`` made of them (None: none wanted; the request log's own, plain,
@@ -538,6 +550,7 @@ async def _served(
     requests = scheduler.request_log
     logged = entry(requests, body, (inp.rid for inp in inputs), listed, headers)
     answers = None
+    unwatch = None if client is None else watch_client(client, scheduler, inputs)
     try:
         results = await _submit(scheduler, inputs)
         if render is not None:
@@ -545,9 +558,47 @@ async def _served(
         if logged is not None:
             requests.finished_all(logged, answers or plain_answers(requests, inputs, results))
     finally:
+        if unwatch is not None:
+            unwatch()
         if logged is not None:
             requests.ended(logged)
     return inputs, results, listed, answers
+
+
+# how often a request not streamed looks whether its client is still there (watch_client)
+DISCONNECT_POLL_S = 1.0
+
+
+def watch_client(
+    client: web.Request, scheduler: Scheduler, inputs: list[GenerateInput]
+) -> Callable[[], None]:
+    """Abort ``inputs`` once ``client``'s connection is gone (looked at every
+    ``DISCONNECT_POLL_S`` seconds), counted as a 499, as SGLang's ``_wait_one_response`` aborts
+    a request not streamed whose client disconnected (unless ``background``; SGLang looks every
+    4 s of waiting, and at its outputs). aiohttp does not cancel a handler whose client went
+    away: without this such a request would run to its end for nobody. Returns the function
+    that stops the watch."""
+    loop = asyncio.get_running_loop()
+    rids = [inp.rid for inp in inputs]
+    handle: asyncio.TimerHandle | None = None
+
+    def look() -> None:
+        nonlocal handle
+        transport = client.transport
+        if transport is None or transport.is_closing():
+            handle = None
+            scheduler.abort_many(rids, "the client went away")
+            _refused(client, 499, "the client went away before its answer")
+            return
+        handle = loop.call_later(DISCONNECT_POLL_S, look)
+
+    handle = loop.call_later(DISCONNECT_POLL_S, look)
+
+    def stop() -> None:
+        if handle is not None:
+            handle.cancel()
+
+    return stop
 
 
 def plain_answers(

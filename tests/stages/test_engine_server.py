@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import random
+import socket
 import threading
 import time
 import urllib.error
@@ -923,6 +924,59 @@ def test_input_embeds_are_answered_as_sglang_answers_them(engine: Engine) -> Non
         "as inputs."
     )
     assert sum(engine.request("GET", "/server_info")[1]["refused_requests"].values()) == refused + 1
+
+
+def _abandoned(engine: Engine, path: str, body: dict[str, Any]) -> None:
+    """Send ``body`` to ``path`` and go away before the answer (the socket closed)."""
+    data = json.dumps(body).encode()
+    host, port = engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n")  # fmt: skip
+        sock.sendall(head.encode() + data)
+        time.sleep(0.3)  # running by now
+
+
+def _running(engine: Engine) -> int:
+    return engine.request("GET", "/v1/loads")[1]["loads"][0]["num_running_reqs"]
+
+
+@pytest.mark.timeout(90)
+def test_a_request_whose_client_went_away_is_aborted_unless_background(engine: Engine) -> None:
+    """As SGLang's ``_wait_one_response``: a request not streamed whose client disconnected is
+    aborted (here within ``DISCONNECT_POLL_S``), counted as a 499; with ``background: true``
+    it runs on to its end."""
+    slow = {"forward_sleep_time": 0.05}  # 200 tokens: 10 s
+    assert engine.request("POST", "/slow_down", slow)[0] == 200
+    try:
+        counts = engine.request("GET", "/server_info")[1]["refused_requests"]
+        params = {"max_new_tokens": 200, "ignore_eos": True}
+        _abandoned(engine, "/generate", {"input_ids": [5, 6, 7], "sampling_params": params})
+        completion = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 200,
+                      "ignore_eos": True}  # fmt: skip
+        _abandoned(engine, "/v1/completions", completion)
+        deadline = time.monotonic() + 5
+        while _running(engine) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _running(engine) == 0
+        after = engine.request("GET", "/server_info")[1]["refused_requests"]
+        assert after.get("POST /generate 499", 0) == counts.get("POST /generate 499", 0) + 1
+        v1 = "POST /v1/completions 499"
+        assert after.get(v1, 0) == counts.get(v1, 0) + 1
+
+        _abandoned(engine, "/generate", {"input_ids": [5, 6, 7], "sampling_params": params,
+                                         "background": True, "rid": "kept"})  # fmt: skip
+        time.sleep(2.5)
+        assert _running(engine) == 1  # still running for nobody, as asked
+        assert engine.request("POST", "/abort_request", {"rid": "kept"})[0] == 200
+    finally:
+        engine.request("POST", "/slow_down", {"forward_sleep_time": None})
+    status, answer = engine.request("POST", "/generate", {"input_ids": [5], "background": "maybe"})
+    assert status == 400  # read as FastAPI reads GenerateReqInput's bool (pydantic's words)
+    assert (
+        answer["message"]
+        == "background: Input should be a valid boolean, unable to interpret input"
+    )
 
 
 @pytest.mark.timeout(60)
