@@ -75,6 +75,7 @@ from stages.detokenize import decoder
 from stages.engine import control_fields, generate_contract, ignored_fields
 from stages.engine.aborts import raise_aborted_with_error, tokenizer_answer
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
+from stages.engine.client_watch import ClientWatch
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.engine_metrics import EngineMetrics
 from stages.engine.expert_distribution import (
@@ -166,6 +167,7 @@ _WEIGHTS = web.AppKey("weights", "WeightRoutes")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _DECODE = web.AppKey("decode", object)
 _SESSIONS = web.AppKey("sessions", Sessions)
+_CLIENT_WATCH = web.AppKey("client_watch", ClientWatch)
 _REFUSED = web.AppKey("refused", Counter)
 _IGNORED = web.AppKey("ignored", Counter)
 _API_KEY = web.AppKey("api_key", str)
@@ -259,6 +261,7 @@ def build_app(
         chat.trust_request_template = trust_request_chat_template
     app[_PARSERS] = {"reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
     loaded.kept_stop_ids = kept_stop_ids(loaded.tokenizer, tool_call_parser)
+    app[_CLIENT_WATCH] = ClientWatch()  # requests not streamed: aborted once their client goes
     sessions = app[_SESSIONS] = Sessions(
         lambda rids: scheduler.abort_many(rids, "replaced in its session"),
         streaming=streaming_sessions,  # SGLang's --enable-streaming-session
@@ -550,7 +553,7 @@ async def _served(
     requests = scheduler.request_log
     logged = entry(requests, body, (inp.rid for inp in inputs), listed, headers)
     answers = None
-    unwatch = None if client is None else watch_client(client, scheduler, inputs)
+    unwatch = None if client is None else _watch_client(client, scheduler, inputs)
     try:
         results = await _submit(scheduler, inputs)
         if render is not None:
@@ -565,40 +568,19 @@ async def _served(
     return inputs, results, listed, answers
 
 
-# how often a request not streamed looks whether its client is still there (watch_client)
-DISCONNECT_POLL_S = 1.0
-
-
-def watch_client(
+def _watch_client(
     client: web.Request, scheduler: Scheduler, inputs: list[GenerateInput]
 ) -> Callable[[], None]:
-    """Abort ``inputs`` once ``client``'s connection is gone (looked at every
-    ``DISCONNECT_POLL_S`` seconds), counted as a 499, as SGLang's ``_wait_one_response`` aborts
-    a request not streamed whose client disconnected (unless ``background``; SGLang looks every
-    4 s of waiting, and at its outputs). aiohttp does not cancel a handler whose client went
-    away: without this such a request would run to its end for nobody. Returns the function
-    that stops the watch."""
-    loop = asyncio.get_running_loop()
-    rids = [inp.rid for inp in inputs]
-    handle: asyncio.TimerHandle | None = None
+    """Abort ``inputs`` once ``client``'s connection is gone, counted as a 499
+    (``client_watch``); returns the function that stops the watch."""
+    watch = client.app[_CLIENT_WATCH]
 
-    def look() -> None:
-        nonlocal handle
-        transport = client.transport
-        if transport is None or transport.is_closing():
-            handle = None
-            scheduler.abort_many(rids, "the client went away")
-            _refused(client, 499, "the client went away before its answer")
-            return
-        handle = loop.call_later(DISCONNECT_POLL_S, look)
+    def gone() -> None:
+        scheduler.abort_many([inp.rid for inp in inputs], "the client went away")
+        _refused(client, 499, "the client went away before its answer")
 
-    handle = loop.call_later(DISCONNECT_POLL_S, look)
-
-    def stop() -> None:
-        if handle is not None:
-            handle.cancel()
-
-    return stop
+    key = watch.watch(client, gone)
+    return lambda: watch.unwatch(key)
 
 
 def plain_answers(

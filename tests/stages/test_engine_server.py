@@ -944,8 +944,8 @@ def _running(engine: Engine) -> int:
 @pytest.mark.timeout(90)
 def test_a_request_whose_client_went_away_is_aborted_unless_background(engine: Engine) -> None:
     """As SGLang's ``_wait_one_response``: a request not streamed whose client disconnected is
-    aborted (here within ``DISCONNECT_POLL_S``), counted as a 499; with ``background: true``
-    it runs on to its end."""
+    aborted (here within ``client_watch.DISCONNECT_POLL_S``), counted as a 499; with
+    ``background: true`` it runs on to its end."""
     slow = {"forward_sleep_time": 0.05}  # 200 tokens: 10 s
     assert engine.request("POST", "/slow_down", slow)[0] == 200
     try:
