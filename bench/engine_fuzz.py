@@ -115,7 +115,8 @@ _GENERATE = (
     "require_reasoning", "return_sampling_mask", "sampling_logprobs_mode", "watermark",
     "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "max_thinking_tokens",
     "data_parallel_rank", "bootstrap_host", "session_params", "custom_logit_processor",
-    "return_routed_experts", "routed_experts_start_len", "session_id",
+    "return_routed_experts", "routed_experts_start_len", "session_id", "background",
+    "input_embeds",
 )  # fmt: skip
 _SAMPLING = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids",
