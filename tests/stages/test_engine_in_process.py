@@ -94,6 +94,15 @@ async def test_the_engine_loads_as_a_server_process_would_with_the_same_options(
         await asyncio.wait_for(engine.close(), 60)
 
 
+async def _started(tmp_path, *flags: str) -> InProcessEngine:
+    """An engine on a tiny model with ``flags``, started in this process."""
+    model = make_tiny_model(tmp_path / "model", vocab=32)
+    argv = ["--model", str(model), "--host", "127.0.0.1", "--port", "0", *flags]
+    engine = InProcessEngine(argv, log=structlog.get_logger())
+    await asyncio.wait_for(engine.start(), 60)
+    return engine
+
+
 async def test_group_requests_take_the_request_level_fields_among_the_sampling(tmp_path):
     """A generator's sampling config may hold request-level fields (a custom logit processor, a
     thinking budget): groups handed to the scheduler directly take them for every sample, as
@@ -101,11 +110,7 @@ async def test_group_requests_take_the_request_level_fields_among_the_sampling(t
     from stages.engine.custom_logits import sglang_string
     from stages.engine.protocol import RequestError
 
-    model = make_tiny_model(tmp_path / "model", vocab=32)
-    argv = ["--model", str(model), "--host", "127.0.0.1", "--port", "0",
-            "--enable-custom-logit-processor"]  # fmt: skip
-    engine = InProcessEngine(argv, log=structlog.get_logger())
-    await asyncio.wait_for(engine.start(), 60)
+    engine = await _started(tmp_path, "--enable-custom-logit-processor")
     try:
         plain = {"max_new_tokens": 6, "temperature": 0}
         (free,) = await engine.submit_groups([[1, 2, 3]], plain, [["f"]])[0]
@@ -131,11 +136,7 @@ async def test_an_episodes_session_is_closed_on_the_scheduler_directly(tmp_path)
 
     from stages.generator.client import InProcessClient
 
-    model = make_tiny_model(tmp_path / "model", vocab=32)
-    argv = ["--model", str(model), "--host", "127.0.0.1", "--port", "0",
-            "--enable-session-radix-cache"]  # fmt: skip
-    engine = InProcessEngine(argv, log=structlog.get_logger())
-    await asyncio.wait_for(engine.start(), 60)
+    engine = await _started(tmp_path, "--enable-session-radix-cache")
     try:
         url = f"http://127.0.0.1:{engine.port}"
         async with aiohttp.ClientSession() as http:
