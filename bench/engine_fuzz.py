@@ -206,6 +206,10 @@ def requests_to_send(
         for value in VALUES:
             for field in _GENERATE:
                 out.append(("/generate", field, value, {**plain, field: value}))
+            # as the prompt (SGLang's refusal, or with --disable-radix-cache the embeddings)
+            alone = {key: item for key, item in plain.items() if key != "text"}
+            out.append(("/generate", "input_embeds as the prompt", value,
+                        {**alone, "input_embeds": value}))  # fmt: skip
             for key in _SAMPLING:
                 params = {"max_new_tokens": 3, key: value}
                 out.append(("/generate", f"sampling_params.{key}", value, {**plain,

@@ -154,6 +154,7 @@ class LlamaForward:
         *,
         keep_hidden: bool = False,
         lora: RowAdapters | None = None,
+        embeds: torch.Tensor | None = None,
     ) -> tuple[DynamicCache, torch.Tensor] | tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """(keys and values of every layer, last-position logits ``[rows, vocab]``) of
         left-padded prompts ``ids`` ``[rows, width]`` with ``mask`` 1 on real tokens; with
@@ -163,12 +164,13 @@ class LlamaForward:
         With ``past`` (``P`` columns of keys and values already computed, as ``model(...)``
         takes ``past_key_values``), ``mask`` covers the past and the new tokens
         (``[rows, P + width]``) and the returned cache holds both, as transformers returns it.
+        ``embeds`` ``[rows, width, hidden]``: the input embeddings, in place of the ids'.
         """
         rows, width = ids.shape
         before = 0 if past is None else past.get_seq_length()
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         group = nh // nkv
-        h = F.embedding(ids, self.embed.weight)
+        h = F.embedding(ids, self.embed.weight) if embeds is None else embeds
         cos, sin = self.rotary(h, positions)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [rows, width, 1, hd]
         # causal over real keys; a padding position sees itself (no empty softmax row)

@@ -14,6 +14,7 @@ repo id (``org/name[@revision]``): ``stages.hub`` turns it into the cached snaps
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -71,6 +72,11 @@ class LoadedModel:
     tokenizer_path: Path | None = None  # where the tokenizer came from, if not ``path``
     weight_version: str | None = None  # the version its weights came with (remote_instance)
     load_format: str = "auto"  # how its weights were loaded (SGLang's --load-format)
+
+    @functools.cached_property
+    def embed_width(self) -> int:
+        """The width of the model's input embeddings (what an ``input_embeds`` row holds)."""
+        return int(self.model.get_input_embeddings().embedding_dim)
 
 
 def load_model(

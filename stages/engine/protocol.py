@@ -58,6 +58,7 @@ from typing import Any
 from stages.engine import custom_logits
 from stages.engine.flat_logprobs import FlatTops, flat_fields, flat_request
 from stages.engine.incremental_text import IncrementalText, output_text
+from stages.engine.prompt_embeds import embeds_prompt, read_embeds
 from stages.engine.request_error import RequestError
 from stages.engine.routed_experts import start_error
 from stages.engine.stop_regex import parse_stop_regex
@@ -192,6 +193,9 @@ class GenerateInput:
     # the session it belongs to (SGLang's session_id, or its session_params session's id):
     # with --enable-session-radix-cache its KV is held for the session; None: none
     session_id: str | None = None
+    # its prompt as embeddings (input_embeds: a float32 tensor [tokens, width], its input_ids
+    # then SGLang's stand-ins), which the first pass runs in place of the ids' (None: ids)
+    input_embeds: Any = None
 
 
 @dataclass(slots=True)
@@ -323,7 +327,7 @@ _KNOWN_TOP = frozenset(
         "background",
         # its session: with --enable-session-radix-cache its KV is held for it (radix_sessions)
         "session_id",
-        # dropped beside ids or text; as the prompt, SGLang's refusal (_check_embeds)
+        # dropped beside ids or text; else the prompt, cache off (stages.engine.prompt_embeds)
         "input_embeds",
         "return_sampling_mask",  # each token's sampling support and behaviour log-prob
         "sampling_logprobs_mode",
@@ -360,6 +364,7 @@ def parse_generate(
     routed_experts: bool = False,
     think_ends: Collection[tuple[int, ...]] = (),
     prefix_cache: bool = True,
+    embed_width: int | None = None,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
@@ -370,13 +375,15 @@ def parse_generate(
     ``custom_logits``: whether it runs with ``--enable-custom-logit-processor``;
     ``routed_experts``: whether it runs with ``--enable-return-routed-experts``;
     ``think_ends``: the reasoning end tags a request may pick (``reasoning_end``);
-    ``prefix_cache``: whether the engine's prefix cache is on (SGLang's radix cache)."""
+    ``prefix_cache``: whether the engine's prefix cache is on (SGLang's radix cache);
+    ``embed_width``: the model's embedding width, which prompts given as ``input_embeds``
+    have (None: none are taken)."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
         if key in _NEUTRAL_TOP and not _is_neutral(value, _NEUTRAL_TOP[key]):
             raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
-    _check_embeds(body, prefix_cache)
+    embedded = embeds_prompt(body, prefix_cache, embed_width)
     priority = body.get("priority")
     if priority is not None and not (is_int(priority) and -(1 << 63) <= priority < (1 << 63)):
         raise RequestError(  # SGLang's words (TokenizerManager._set_default_priority)
@@ -398,7 +405,12 @@ def parse_generate(
         if not isinstance(body.get(flag, False), bool | None):
             raise RequestError(flag, f"expected true or false, got {body[flag]!r}")
 
-    prompts, batch = read_prompts(body, vocab_size=vocab_size, encode=encode)
+    embeds: list[Any] = []
+    if embedded:
+        assert embed_width is not None
+        prompts, embeds, batch = read_embeds(body["input_embeds"], embed_width)
+    else:
+        prompts, batch = read_prompts(body, vocab_size=vocab_size, encode=encode)
     raw_params = body.get("sampling_params")
     n = _parallel_n(raw_params, batch)
     listed = batch or n > 1  # SGLang: a single prompt with n > 1 becomes a batch of one
@@ -466,7 +478,7 @@ def parse_generate(
             check_logit_bias(sp, f"sampling_params{where}", vocab_size)
             parsed[id(params[i])] = sp
         think_end = reasoning_end(params[i], f"sampling_params{where}", vocab_size, think_ends)
-        _check_fits(ids, sp, f"input_ids{where}", context_length)
+        _check_fits(ids, sp, f"{'input_embeds' if embeds else 'input_ids'}{where}", context_length)
         if masks[i] is not None:
             _check_mask_top_k(sp, f"return_sampling_mask{where}", mask_cap)
         flag = bool(logprob_flags[i])
@@ -508,6 +520,7 @@ def parse_generate(
                     routed_experts=experts_from,
                     think_end=think_end,
                     session_id=session,
+                    input_embeds=embeds[i] if embeds else None,
                 )
             )
     return inputs, listed
@@ -1200,26 +1213,6 @@ def _sample_rids(
             return lambda i, j: (f"{value[i]}_{j}", value[i])
         return lambda i, j: (value[i], None)
     raise RequestError("rid", f"expected str, got {_kind(value)}")
-
-
-def _check_embeds(body: dict[str, Any], prefix_cache: bool) -> None:
-    """``input_embeds`` as the prompt (SGLang drops it where ``text`` or ``input_ids`` is
-    given): with the radix cache on, SGLang's refusal (``TokenizerManager._tokenize_one_request``);
-    without it, SGLang would run the embeddings, which this engine does not."""
-    if body.get("input_embeds") is None or body.get("text") is not None:
-        return
-    if body.get("input_ids") is not None:
-        return
-    if prefix_cache:
-        raise RequestError(
-            "input_embeds",
-            "input_embeds is provided while disable_radix_cache is False. Please add "
-            "`--disable-radix-cache` when you launch the server if you want to use input_embeds "
-            "as inputs.",
-        )
-    raise RequestError(
-        "input_embeds", "prompts as embeddings are not supported by the built-in engine"
-    )
 
 
 def read_prompts(

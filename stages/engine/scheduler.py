@@ -128,7 +128,11 @@ _CALL = object()  # an _Outbox item that is a call, not a result
 
 # A scored prompt is the same request whatever seqs ask for it: (ids, logprob_start,
 # top_logprobs_num, adapter, token_ids_logprob, the distribution after it, cache namespace).
-_ScoreKey = tuple[tuple[int, ...], int, int, "str | None", "tuple[int, ...] | None", bool, Any]
+# (prompt ids, logprob start, top k, adapter, token_ids_logprob, next wanted, namespace, the id
+# of its input_embeds or None)
+_ScoreKey = tuple[
+    tuple[int, ...], int, int, "str | None", "tuple[int, ...] | None", bool, Any, "int | None"
+]
 # SGLang's IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD and _DEPRIORITIZE_THRESHOLD (32 both,
 # ``schedule_policy.py``): a prompt with at most this many tokens cached that shares this
 # many with one admitted before it waits for that one's KV
@@ -1445,6 +1449,7 @@ class Scheduler:
                 seq.inp.token_ids_logprob,
                 _next_wanted(seq),
                 seq.inp.cache_namespace,
+                None if seq.inp.input_embeds is None else id(seq.inp.input_embeds),
             )
             unique.setdefault(key, []).append(seq)
         first, later = _in_batch_waves(
@@ -1494,8 +1499,9 @@ class Scheduler:
                 mask = _on_prefixes(prompts, cached, mask)[0]
             ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
             lora = self._row_adapters([unique[k][0] for k in keys])
+            embeds = self._pass_embeds(ids, [unique[k][0] for k in keys], prompts)
             routed = self._arm_experts()
-            kv, _, hidden = self._forward_prefill(ids, mask, positions, past, lora, True)
+            kv, _, hidden = self._forward_prefill(ids, mask, positions, past, lora, True, embeds)
             assert hidden is not None
             routes = self._routes_of(ids) if routed else None
             head: Callable[[torch.Tensor], torch.Tensor] = (
@@ -1503,7 +1509,7 @@ class Scheduler:
             )
             width = ids.shape[1]
             for row, (key, match) in enumerate(zip(keys, matches, strict=True)):
-                tokens, start, top, _, wanted, after, namespace = key
+                tokens, start, top, _, wanted, after, namespace, _ = key
                 new = len(tokens) - match.length
                 # every position's routed experts (the cached prefix's, then this pass's)
                 rows = (
@@ -1582,13 +1588,15 @@ class Scheduler:
 
     def _prefill(self, group: list[_Seq]) -> None:
         # Identical contexts (the samples of one prompt) are prefilled once.
-        unique: dict[tuple[Adapter | None, Any, tuple[int, ...]], int] = {}
+        unique: dict[tuple[Adapter | None, Any, tuple[int, ...], Any], int] = {}
         contexts: list[list[int]] = []
         owners: list[_Seq] = []  # a seq of each context: whose adapter it takes
         source: list[int] = []
         for seq in group:
             ctx = seq.context
-            key = (seq.adapter, seq.inp.cache_namespace, tuple(ctx))  # a namespace shares none
+            # a namespace shares none; a prompt as embeddings only its own samples
+            embedded = None if seq.inp.input_embeds is None else id(seq.inp.input_embeds)
+            key = (seq.adapter, seq.inp.cache_namespace, tuple(ctx), embedded)
             idx = unique.get(key)
             if idx is None:
                 idx = unique[key] = len(contexts)
@@ -1628,6 +1636,7 @@ class Scheduler:
                     [wave[k][1] for k in part],
                     [i for _, i in members],
                     self._row_adapters([owners[u] for u in units]),
+                    [owners[u] for u in units],
                 )
 
         run(first)
@@ -1649,9 +1658,11 @@ class Scheduler:
         matches: list[Match],
         source: list[int],
         lora: RowAdapters | None = None,
+        owners: list[_Seq] | None = None,
     ) -> None:
         """One forward pass over ``contexts``, each after its cached prefix ``matches[u]``;
-        ``group[j]`` takes context ``source[j]``; ``lora``: the contexts' adapters."""
+        ``group[j]`` takes context ``source[j]``; ``lora``: the contexts' adapters;
+        ``owners``: a seq of each context (whose prompt may be embeddings)."""
         cached = [m.length for m in matches]
         ids, mask, positions = _new_tokens(contexts, cached)
         if self.expert_distribution is not None:  # the pass's real tokens, if it records
@@ -1663,8 +1674,11 @@ class Scheduler:
             columns = columns.to(self.device)
         ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
         keep = any(seq.hidden is not None for seq in group)
+        embeds = None if owners is None else self._pass_embeds(ids, owners, contexts)
         routed = self._arm_experts()
-        cache, logits, hidden = self._forward_prefill(ids, mask, positions, past, lora, keep)
+        cache, logits, hidden = self._forward_prefill(
+            ids, mask, positions, past, lora, keep, embeds
+        )
         if hidden is not None:
             new = [len(c) - n for c, n in zip(contexts, cached, strict=True)]
             self._keep_prefill_hidden(group, source, new, hidden)
@@ -1767,16 +1781,20 @@ class Scheduler:
         past: DynamicCache | None,
         lora: RowAdapters | None = None,
         keep_hidden: bool = False,
+        embeds: torch.Tensor | None = None,
     ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor | None]:
         """(keys and values of past + new tokens, last-position logits, with ``keep_hidden``
         the final hidden state of every new position ``[rows, width, hidden]``, else None)
-        of one prefill pass."""
+        of one prefill pass; ``embeds``: the pass's input embeddings in place of the ids'
+        (``_pass_embeds``)."""
         if self._fast is not None:
             if keep_hidden:
-                return self._fast.prefill(ids, mask, positions, past, keep_hidden=True, lora=lora)
-            return (*self._fast.prefill(ids, mask, positions, past, lora=lora), None)
+                return self._fast.prefill(
+                    ids, mask, positions, past, keep_hidden=True, lora=lora, embeds=embeds
+                )
+            return (*self._fast.prefill(ids, mask, positions, past, lora=lora, embeds=embeds), None)
         out = self.model(
-            input_ids=ids,
+            **({"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}),
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
@@ -1786,6 +1804,28 @@ class Scheduler:
         )
         hidden = out.hidden_states[-1] if keep_hidden else None
         return output_cache(out), out.logits[:, -1, :], hidden
+
+    def _pass_embeds(
+        self, ids: torch.Tensor, owners: list[_Seq], contexts: list[list[int]]
+    ) -> torch.Tensor | None:
+        """The input embeddings of a pass over the left-padded ``ids`` of ``contexts`` where
+        the prompt of one or more is embeddings (``owners[u].inp.input_embeds``), else None:
+        the model's embeddings of the ids, with each such row's prompt positions holding its
+        own rows. Such a context is computed whole (no prefix cache serves embeddings), its
+        prompt then the tokens it generated before a retraction, which SGLang 0.5.23 throws
+        away instead (``Req.reset_for_retract``: it cannot mix the two), so that the sample
+        goes on where it was, as any other does."""
+        if all(seq.inp.input_embeds is None for seq in owners):
+            return None
+        with torch.no_grad():
+            embeds = self.model.get_input_embeddings()(ids)
+        width = ids.shape[1]
+        for u, (seq, ctx) in enumerate(zip(owners, contexts, strict=True)):
+            prompt = seq.inp.input_embeds
+            if prompt is not None:
+                at = width - len(ctx)
+                embeds[u, at : at + prompt.shape[0]] = prompt.to(embeds.device, embeds.dtype)
+        return embeds
 
     def _keep_prefill_hidden(
         self, group: list[_Seq], source: list[int], new: list[int], hidden: torch.Tensor

@@ -346,6 +346,7 @@ def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInp
         routed_experts=scheduler.routed_experts,
         think_ends=scheduler.think_ends,
         prefix_cache=scheduler.prefix_cache_on,
+        embed_width=loaded.embed_width,
     )
 
 
