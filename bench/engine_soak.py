@@ -21,14 +21,17 @@ pass-through chat template (and ``--engine-args``), driven by ``--clients`` conn
 - the OpenAI routes: streamed chat (dropped mid-stream or read whole, ``n`` up to 2,
   log-probs, usage), chat with tools, completions (text, ids, lists, ``echo``, streamed),
   Responses (streamed or not), Anthropic's messages, tokenize and detokenize, Ollama's chat;
+- a prompt given as embeddings (``input_embeds``, at times streamed or a batch): served by an
+  engine without the prefix cache (``--engine-args=--disable-radix-cache``), else SGLang's 400;
 - the engine's state: ``/v1/loads``, ``/server_info``, ``/model_info``, ``/v1/models``,
   ``/health_generate``;
 
 and a new engine every 2-5 s takes this one's weights (``--load-format remote_instance``),
 while one more connection, every 0.2-0.8 s, pauses generation (``abort``, ``retract`` or
 ``in_place``) and continues it, releases the KV cache and the weights while paused and takes
-them back (a colocated trainer's turn), reloads the weights from disk, sets a new weight
-version (aborting everything, at times) or flushes the cache.
+them back (a colocated trainer's turn; refused with a 400 while a new engine is taking the
+weights, which is then what that release must get), reloads the weights from disk, sets a new
+weight version (aborting everything, at times) or flushes the cache.
 
 A problem is: an answer whose status is not the one its kind expects (a 5xx above all), an
 abort that does not end as SGLang ends one, a scored prompt without its log-probs, a request
@@ -71,6 +74,8 @@ ARITH = ROOT / "configs" / "models" / "arith-tiny"
 PASS_THROUGH = "{% for m in messages %}{{ m.content }}{% endfor %}"
 # how SGLang 0.5.23 ends an aborted request: running, or waiting (stages/engine/scheduler.py)
 ABORT_MESSAGES = {"Aborted", "Abort in waiting queue"}
+# a release while a new engine takes this one's weights (/send_weights_to_remote_instance)
+LENDING = "the weights are being sent to a remote instance"
 COMPILING = "Aborted by AbortReq."  # aborted while its grammar compiled: SGLang's 400
 RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
@@ -78,9 +83,13 @@ RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 class Soak:
     """The answers seen, and the problems among them (see the module's docstring)."""
 
-    def __init__(self, url: str, rng: random.Random, *, reasoning: bool = False) -> None:
+    def __init__(
+        self, url: str, rng: random.Random, *, reasoning: bool = False, embeds: bool = False
+    ) -> None:
         self.url, self.rng = url, rng
         self.reasoning = reasoning  # the engine has a --reasoning-parser
+        # the engine serves input_embeds prompts (no prefix cache), else refuses them
+        self.serves_embeds = embeds
         self.model = "default"  # the served model's name (/v1/models), for /v1/responses
         self.answers: collections.Counter[str] = collections.Counter()
         # per kind: how many problems, and the first few
@@ -172,6 +181,28 @@ class Soak:
         if meta and meta["finish_reason"]["type"] != "abort":
             if len(meta["input_token_logprobs"]) != len(prompt):
                 self.problem("score", f"{len(meta['input_token_logprobs'])} prompt log-probs")
+
+    async def embeds(self, s: aiohttp.ClientSession) -> None:
+        """A prompt given as embeddings (``input_embeds``), at times streamed or a batch:
+        served without the prefix cache, SGLang's 400 with it."""
+        width = json.loads((ARITH / "config.json").read_text())["hidden_size"]
+        rows = [
+            [self.rng.gauss(0, 0.5) for _ in range(width)] for _ in range(self.rng.randint(1, 6))
+        ]
+        body = self._native(stream=self.rng.random() < 0.3, n=self.rng.choice([1, 2]))
+        del body["text"]
+        body["input_embeds"] = [rows, rows[:1]] if self.rng.random() < 0.3 else rows
+        async with s.post(self.url + "/generate", json=body) as r:
+            if not self.seen("embeds", r.status, (200,) if self.serves_embeds else (400,)):
+                return
+            if not self.serves_embeds:
+                await r.read()
+            elif body["stream"]:
+                await self._events("embeds", r, None, native=True)
+            else:
+                answer = await r.json()
+                for sample in answer if isinstance(answer, list) else [answer]:
+                    self.finished("embeds", sample["meta_info"])
 
     async def abort(self, s: aiohttp.ClientSession) -> None:
         rid = f"soak-{self.rng.random()}"
@@ -356,7 +387,7 @@ class Soak:
         return [
             self.generate, self.batch, self.stream, self.score, self.abort, self.refused,
             self.dropped, self.grammar, self.chat, self.tools, self.completions, self.responses,
-            self.messages, self.tokens, self.ollama, self.state,
+            self.messages, self.tokens, self.ollama, self.state, self.embeds,
         ]  # fmt: skip
 
     async def client(self, stop: float) -> None:
@@ -453,10 +484,18 @@ class Soak:
                     calls = [("/update_weight_version", body)]
                 else:
                     calls = [("/flush_cache", {})]
+                lending = False  # a release refused while a new engine takes the weights
                 for path, body in calls:
+                    if lending and path == "/resume_memory_occupation":
+                        continue  # nothing was released
                     try:
                         async with s.post(self.url + path, json=body) as r:
-                            self.seen(path, r.status)
+                            text = "" if r.status == 200 else await r.text()
+                            if path == "/release_memory_occupation" and LENDING in text:
+                                lending = True  # the engine's answer then: a 400, no release
+                                self.seen(path, r.status, (400,))
+                            elif not self.seen(path, r.status):
+                                self.problem(path, text[:300])
                     except RETRYABLE as exc:
                         self.problem(path, f"{type(exc).__name__}: {exc}")
                     await asyncio.sleep(self.rng.uniform(0, 0.2))
@@ -476,6 +515,8 @@ async def _soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/v1/models") as r:
             soak.model = (await r.json())["data"][0]["id"]
+        async with s.get(url + "/server_info") as r:
+            soak.serves_embeds = not (await r.json())["prefix_cache"]["enabled"]
         async with s.post(url + "/generate", json=greedy) as r:
             before = (await r.json())["output_ids"]
         stop = time.monotonic() + args.seconds
