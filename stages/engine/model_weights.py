@@ -26,7 +26,7 @@ import torch
 
 from stages.weights.delta import complete, decode, delta_base
 
-__all__ = ["WeightLoadError", "load_named_tensors"]
+__all__ = ["WeightLoadError", "load_named_tensors", "parameter_rows"]
 
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
@@ -163,3 +163,13 @@ def _deltas(
             continue
         state.pending.pop(name, None)
     return whole, plain
+
+
+def parameter_rows(model: torch.nn.Module, name: str, rows: int) -> torch.Tensor | None:
+    """Parameter ``name``'s first ``rows`` rows (a Python slice), copied to the CPU in
+    float32; None when ``model`` has no parameter of that name (or it is a scalar)."""
+    # remove_duplicate=False: a tied lm_head.weight is found as embed_tokens.weight
+    found = dict(model.named_parameters(remove_duplicate=False)).get(name)
+    if found is None or found.dim() == 0:
+        return None
+    return found.detach()[:rows].to("cpu", torch.float32, copy=True)

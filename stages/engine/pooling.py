@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -230,15 +231,15 @@ class _Job:
 @dataclass
 class _Call:
     fn: Callable[[], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    future: Future
 
     def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
         try:
-            result, error = self.fn(), None
+            self.future.set_result(self.fn())
         except Exception as exc:
-            result, error = None, exc
-        self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+            self.future.set_exception(exc)
 
 
 class Pooler:
@@ -332,12 +333,17 @@ class Pooler:
     async def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the thread, between two passes (what reads or writes the weights):
         its result, or what it raised."""
+        return await asyncio.wrap_future(self.between_passes(fn))
+
+    def between_passes(self, fn: Callable[[], T]) -> Future[T]:
+        """``call`` from any thread: a future of ``fn()``'s result, run after the passes of
+        the prompts queued before it (PoolingFailed when the thread is not running)."""
+        future: Future[T] = Future()
         if not self.alive:
-            raise PoolingFailed("the pooling thread is not running")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._jobs.put(_Call(fn, loop, future))
-        return await future
+            future.set_exception(PoolingFailed("the pooling thread is not running"))
+            return future
+        self._jobs.put(_Call(fn, future))
+        return future
 
     def _run(self) -> None:
         while True:

@@ -38,6 +38,7 @@ from stages.engine.openai_chat import ChatSettings
 from stages.engine.openai_rerank import is_reranker_template
 from stages.engine.parse_routes import ParseRoutes
 from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
+from stages.engine.pooling_weights import add_weight_routes
 from stages.engine.request_body import bad_request
 from stages.engine.request_log import RequestLog
 from stages.engine.server import (
@@ -54,8 +55,6 @@ from stages.engine.server import (
     serve,
 )
 from stages.engine.tokenize_routes import TokenizeRoutes
-from stages.engine.weight_checker import WeightChecker
-from stages.engine.weight_routes import check_weights
 
 __all__ = ["build_pooling_app", "serve_pooling"]
 
@@ -207,15 +206,9 @@ def build_pooling_app(
     for path in ("/server_info", "/get_server_info"):
         app.router.add_get(path, _server_info)
     app.router.add_get("/get_weight_version", _weight_version)
-    checker = WeightChecker()
-
-    async def weights_checker(request: web.Request) -> web.Response:
-        return await check_weights(request, checker, lambda fn: pooler.call(lambda: fn(model)))
-
-    model = pooler.model.loaded.model
-    LoadRoutes(pooler, model, pooler.max_batch_tokens, SERVED_VERSION).add_to(app)
-    app.router.add_route("GET", "/weights_checker", weights_checker)
-    app.router.add_post("/weights_checker", weights_checker)
+    # SGLang's weight routes, on any model: a trainer updates a reward model as a policy
+    add_weight_routes(app, pooler, str(loaded.path))
+    LoadRoutes(pooler, loaded.model, pooler.max_batch_tokens, SERVED_VERSION).add_to(app)
     return app
 
 

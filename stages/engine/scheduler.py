@@ -83,7 +83,7 @@ from stages.engine.lora_adapters import (
     load_adapter,
 )
 from stages.engine.memory_offload import KV_CACHE, WEIGHTS, MemoryState, WeightOffload
-from stages.engine.model_weights import load_named_tensors
+from stages.engine.model_weights import load_named_tensors, parameter_rows
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
 from stages.engine.prompt_logprobs import next_token_logprobs, prompt_logprobs, scoring_passes
 from stages.engine.protocol import (
@@ -935,7 +935,7 @@ class Scheduler:
         """Parameter ``name``'s first ``rows`` rows (a Python slice: a negative count leaves
         that many out), copied to the CPU in float32 at a step boundary, so that no weight
         update is half written in it; None when the model has no parameter of that name."""
-        return self.with_weights("get_weights_by_name", lambda m: _parameter_rows(m, name, rows))
+        return self.with_weights("get_weights_by_name", lambda m: parameter_rows(m, name, rows))
 
     def with_weights(self, what: str, fn: Callable[[torch.nn.Module], T]) -> Future[T]:
         """``fn(model)`` at a step boundary, so that no weight update is half done when it reads
@@ -2554,14 +2554,6 @@ def _layer_masks(mask: torch.Tensor, window: int | None, all_slide: bool = False
         sliding = mask.clone()
         sliding[..., :cut] = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
     return sliding if all_slide else {"full_attention": mask, "sliding_attention": sliding}
-
-
-def _parameter_rows(model: torch.nn.Module, name: str, rows: int) -> torch.Tensor | None:
-    # remove_duplicate=False: a tied lm_head.weight is found as embed_tokens.weight
-    found = dict(model.named_parameters(remove_duplicate=False)).get(name)
-    if found is None or found.dim() == 0:
-        return None
-    return found.detach()[:rows].to("cpu", torch.float32, copy=True)
 
 
 def mask_fields(masks: Sequence[Support], inp: GenerateInput) -> dict[str, Any]:

@@ -317,7 +317,7 @@ def build_app(
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _unturned(scheduler, _pause))
     app.router.add_post("/continue_generation", _unturned(scheduler, _continue))
-    app.router.add_post("/update_weight_version", _unturned(scheduler, _update_weight_version))
+    app.router.add_post("/update_weight_version", _unturned(scheduler, weights.update_version))
     app.router.add_route("GET", "/flush_cache", _flush_cache)
     app.router.add_post("/flush_cache", _flush_cache)
     app.router.add_post("/init_weights_update_group", _unturned(scheduler, weights.init_group))
@@ -643,25 +643,6 @@ async def _continue(request: web.Request) -> web.Response:
         torch.cuda.empty_cache()
     await asyncio.wrap_future(request.app[_SCHEDULER].resume())
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-
-async def _update_weight_version(request: web.Request) -> web.Response:
-    scheduler = request.app[_SCHEDULER]
-    body = await control_fields.typed_body(request, control_fields.UPDATE_VERSION)
-    if isinstance(body, web.Response):
-        return body
-    version = body["new_version"]
-    abort_all = body.get("abort_all_requests", True)  # SGLang's default: say false
-    if abort_all:
-        await asyncio.wrap_future(scheduler.abort(None, abort_all=True))
-    await asyncio.wrap_future(scheduler.set_weight_version(version))
-    return web.json_response(
-        {
-            "success": True,
-            "message": f"Weight version updated to {version}",
-            "new_version": str(version),
-        }
-    )
 
 
 async def _flush_cache(request: web.Request) -> web.Response:

@@ -2,8 +2,10 @@
 (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``), its update session (``/begin_weight_update``,
 ``/end_weight_update``), ``/update_weights_from_tensor`` (``stages.engine.tensor_payloads``),
-``/update_weights_from_disk``, ``/get_weights_by_name`` and ``/weights_checker``
-(``stages.engine.weight_checker``); ``/update_weights_from_ipc`` is refused (``update_from_ipc``).
+``/update_weights_from_disk``, ``/update_weight_version``, ``/get_weights_by_name`` and
+``/weights_checker`` (``stages.engine.weight_checker``); ``/update_weights_from_ipc`` is refused
+(``update_from_ipc``). On a generating engine's scheduler, or a pooling engine's thread
+(``stages.engine.pooling_weights``).
 
 Answers are SGLang's: ``{"success", "message"}``, HTTP 400 on failure.
 """
@@ -33,6 +35,7 @@ from stages.engine.control_fields import (
     UPDATE_DISTRIBUTED,
     UPDATE_IPC,
     UPDATE_TENSOR,
+    UPDATE_VERSION,
     WEIGHTS_BY_NAME,
     typed_body,
 )
@@ -449,6 +452,24 @@ class WeightRoutes:
         if version is not None:
             message += f" Weight version updated to {version}."
         return _from_disk(True, message)
+
+    async def update_version(self, request: web.Request) -> web.Response:
+        """SGLang's ``/update_weight_version``: ``new_version``, and ``abort_all_requests``
+        (SGLang's default true: what runs is aborted first; a publisher says false)."""
+        body = await typed_body(request, UPDATE_VERSION)
+        if isinstance(body, web.Response):
+            return body
+        version = body["new_version"]
+        if body.get("abort_all_requests", True):
+            await asyncio.wrap_future(self.scheduler.abort(None, abort_all=True))
+        await asyncio.wrap_future(self.scheduler.set_weight_version(version))
+        return web.json_response(
+            {
+                "success": True,
+                "message": f"Weight version updated to {version}",
+                "new_version": str(version),
+            }
+        )
 
     async def weights_by_name(self, request: web.Request) -> web.Response:
         """SGLang's ``GET|POST /get_weights_by_name``: ``{name, truncate_size: 100}`` answers
