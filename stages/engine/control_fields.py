@@ -36,6 +36,7 @@ __all__ = [
     "BEGIN_UPDATE",
     "CHECK_WEIGHTS",
     "CLOSE_SESSION",
+    "CLOSE_SESSIONS",
     "CONFIGURE_LOGGING",
     "CONTINUE",
     "DESTROY_GROUP",
@@ -280,6 +281,10 @@ class CloseSessionFields(_Base, total=False):  # CloseSessionReqInput
     session_id: Required[str]
 
 
+class CloseSessionsFields(_Base, total=False):  # Inflight's /close_sessions: many at once
+    session_ids: Required[list[str]]
+
+
 class SeparateReasoningFields(_Base, total=False):  # SeparateReasoningReqInput
     text: Required[str]
     reasoning_parser: Required[str]
@@ -362,6 +367,7 @@ PARSE_FUNCTION_CALL = Checker(ParseFunctionCallFields)
 SEPARATE_REASONING = Checker(SeparateReasoningFields)
 OPEN_SESSION = Checker(OpenSessionFields)
 CLOSE_SESSION = Checker(CloseSessionFields)
+CLOSE_SESSIONS = Checker(CloseSessionsFields)
 ENCODE = Checker(EncodeFields)
 
 

@@ -119,15 +119,18 @@ class InProcessEngine:
             api_key=self.api_key is not None,
         )
 
-    def release_session(self, session: str) -> Future[int] | None:
-        """``/close_session`` of a session only requests named (``session_id``: an episode's,
-        with ``--enable-session-radix-cache``), done on the scheduler directly: what it held
-        may go. None where the route must answer it (the flag off, or an ``/open_session``
-        session of that id, which the routes' thread keeps)."""
+    def release_sessions(self, sessions: list[str]) -> tuple[Future[int] | None, list[str]]:
+        """``/close_sessions`` of the sessions only requests named (``session_id``: episodes',
+        with ``--enable-session-radix-cache``), done on the scheduler directly, at one step
+        boundary: what they held may go (None: there were none). The rest (all where the flag
+        is off; ``/open_session`` sessions, which the routes' thread keeps) are returned, for
+        the route to close."""
         scheduler = self.scheduler
-        if scheduler is None or not scheduler.session_radix_cache or session in self._sessions:
-            return None
-        return scheduler.release_radix_session(session)
+        if scheduler is None or not scheduler.session_radix_cache:
+            return None, list(sessions)
+        direct = [s for s in sessions if s not in self._sessions]
+        rest = [s for s in sessions if s in self._sessions]
+        return (scheduler.release_radix_sessions(direct) if direct else None), rest
 
     async def results(self, body: Any) -> list[SequenceResult]:
         """The scheduler's results for a ``/generate`` body, in request order (RequestError /

@@ -897,11 +897,18 @@ class Scheduler:
     def release_radix_session(self, session: str) -> Future[int]:
         """Close ``session`` (``/close_session`` with the flag): its KV may be evicted as any
         other; resolves to the number of sequence ends it held (0: closed already, or none)."""
+        return self.release_radix_sessions([session])
+
+    def release_radix_sessions(self, sessions: Sequence[str]) -> Future[int]:
+        """``release_radix_session`` of each of ``sessions``, at one step boundary: the
+        sequence ends they held in all."""
 
         def release() -> int:
-            if not self._sessions_or_raise().close(session):
-                return 0
-            return self._prefix.release(session) if self._prefix is not None else 0
+            held, radix = 0, self._sessions_or_raise()
+            for session in sessions:
+                if radix.close(session) and self._prefix is not None:
+                    held += self._prefix.release(session)
+            return held
 
         return self._call(release)
 

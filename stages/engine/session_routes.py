@@ -8,6 +8,12 @@ With the server's ``--enable-session-radix-cache`` (SGLang's ``Scheduler.open_se
 closing any session id (one ``/open_session`` made or one only requests named, by
 ``session_id``) lets go of the KV it held (``radix_sessions``); only a session ``/open_session``
 made is then closed as such, so an id that only requests named is not logged as unknown.
+
+``POST /close_sessions`` (Inflight's; SGLang has no such route: 404 there) closes many at once,
+``{"session_ids": [...]}``, each as ``/close_session`` closes it, the KV of all let go at one
+step boundary: a generator closing each finished episode's session sends one request for many
+episodes (``stages.generator.session_closer``), where one request each cost more than the
+holding saved. Answers ``{"closed": N}``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class SessionRoutes:
         for method in ("GET", "POST"):
             app.router.add_route(method, "/open_session", self.open_session)
             app.router.add_route(method, "/close_session", self.close_session)
+        app.router.add_post("/close_sessions", self.close_sessions)
 
     async def open_session(self, request: web.Request) -> web.Response:
         body = await control_fields.typed_body(request, control_fields.OPEN_SESSION)
@@ -59,3 +66,15 @@ class SessionRoutes:
         if self.holding is None or session_id in self.sessions:
             self.sessions.close(session_id)
         return web.Response(status=200)
+
+    async def close_sessions(self, request: web.Request) -> web.Response:
+        body = await control_fields.typed_body(request, control_fields.CLOSE_SESSIONS)
+        if isinstance(body, web.Response):
+            return body
+        ids = body["session_ids"]
+        if self.holding is not None:
+            await asyncio.wrap_future(self.holding.release_radix_sessions(ids))
+        for session_id in ids:
+            if self.holding is None or session_id in self.sessions:
+                self.sessions.close(session_id)
+        return json_response({"closed": len(ids)})

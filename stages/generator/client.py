@@ -219,6 +219,8 @@ class EngineClient:
         # asked at each request: the LoRA adapter to name and the version it is ((None, 0):
         # the base model), or None when the run's engines take no adapters (see `_adapted`)
         self.adapter: Callable[[], tuple[str | None, int] | None] | None = None
+        # whether the engine takes /close_sessions (a built-in one); SGLang's 404 turns it off
+        self._batch_closes = True
 
     async def _call(
         self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None
@@ -421,6 +423,26 @@ class EngineClient:
         """SGLang's ``/close_session``: what the engine held for ``session`` may go."""
         await self._call("POST", "/close_session", {"session_id": session})
 
+    async def close_sessions(self, sessions: list[str]) -> int:
+        """``close_session`` of each of ``sessions``: in one request to a built-in engine
+        (``/close_sessions``), one each to an engine without that route (SGLang's 404, then
+        remembered). How many of them failed (the engine gone: what it held went with it)."""
+        if self._batch_closes:
+            try:
+                await self._call("POST", "/close_sessions", {"session_ids": sessions})
+                return 0
+            except EngineError as exc:
+                if exc.status not in (404, 405):
+                    return len(sessions)
+                self._batch_closes = False
+        failed = 0
+        for session in sessions:
+            try:
+                await self.close_session(session)
+            except EngineError:
+                failed += 1
+        return failed
+
 
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
@@ -465,14 +487,13 @@ class InProcessClient(EngineClient):
             raise EngineError(self.url, "/generate timed out", retryable=True) from exc
         return [completion_of(result, self.url) for result in results]
 
-    async def close_session(self, session: str) -> None:
-        """As the route closes it, on the scheduler directly where it can (an episode's
-        session: ``InProcessEngine.release_session``), else over HTTP."""
-        released = self.engine.release_session(session)
-        if released is None:
-            await super().close_session(session)
-        else:
+    async def close_sessions(self, sessions: list[str]) -> int:
+        """As the route closes them, on the scheduler directly where it can (episodes'
+        sessions: ``InProcessEngine.release_sessions``), the rest over HTTP."""
+        released, rest = self.engine.release_sessions(sessions)
+        if released is not None:
             await asyncio.wrap_future(released)
+        return await super().close_sessions(rest) if rest else 0
 
     def submit_groups(
         self,

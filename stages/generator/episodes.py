@@ -19,7 +19,8 @@ logged, and the generator goes on. ``sample_fields`` turns a trajectory into the
 With ``rollout.hold_kv`` each episode is a session of the engines it uses (its rid as SGLang's
 ``session_id``): an engine with ``--enable-session-radix-cache`` keeps the episode's KV in its
 prefix cache from one turn to the next, whatever else it serves meanwhile, and the generator
-closes the session on each of those engines when the episode ends (``close_sessions``).
+closes the session on each of those engines when the episode ends (``SessionCloser``: many
+episodes' closes to a request).
 
 Not here: what a turn is (the rollouts), tools and environments (``stages.rollouts``).
 """
@@ -100,23 +101,6 @@ class EpisodeEngine:
                 completion.finish_reason,
                 cached_tokens=cached,
             )
-
-
-async def close_sessions(episode: EpisodeEngine) -> int:
-    """Close ``episode``'s session on every engine that held its KV; how many closes failed
-    (an engine gone: what it held went with it)."""
-    if not episode.holding:
-        return 0
-    failed = 0
-    for engine in episode.holding:
-        client = episode.gen.clients.get(engine)
-        if client is None:
-            continue
-        try:
-            await client.close_session(episode.rid)
-        except EngineError:
-            failed += 1
-    return failed
 
 
 def sample_fields(

@@ -78,10 +78,10 @@ from stages.generator.controller import ControllerConfig, Decision, InFlightCont
 from stages.generator.episodes import (
     EpisodeEngine,
     check_trajectory,
-    close_sessions,
     sample_fields,
 )
 from stages.generator.launcher import EngineLauncher, LaunchConfig
+from stages.generator.session_closer import SessionCloser
 from stages.rollouts.api import EngineUnavailable, EnvError, RolloutConfig
 from stages.schemas import PROMPT, ROLLOUT_BATCH, ROLLOUT_GROUP
 from stages.weights.adapter_names import adapter_for
@@ -100,6 +100,8 @@ _LOOK_AGAIN_S = 0.25
 _GROUPS_PER_REQUEST = 16
 # connections per engine beyond its most samples in flight (health probes, spare)
 _SPARE_CONNECTIONS = 4
+# at close, how long the last episodes' session closes may take (rollout.hold_kv)
+CLOSE_FLUSH_S = 2.0
 
 
 @dataclass
@@ -313,7 +315,9 @@ class Generator:
             "tokens": 0,
             "requests": 0,  # /generate requests sent (a group request is one)
             "group_fallbacks": 0,  # group requests refused, then sent again per sample
-            # episodes' sessions an engine could not close (rollout.hold_kv)
+            # episodes' session closes (rollout.hold_kv): the requests that carried them (many
+            # a request: SessionCloser), and those an engine could not close
+            "session_close_requests": 0,
             "session_close_failures": 0,
         }
         # engines found unable to serve group requests -> the error that showed it
@@ -334,6 +338,8 @@ class Generator:
         self.rollouts: Any = None  # stages.rollouts.runtime.RolloutRuntime (not single_turn)
         self._fatal: BaseException | None = None  # raised by the next _slot (fails the stage)
         self._closing = False  # close() began: episodes cut short are not failures
+        # finished episodes' sessions closed on their engines, many to a request (hold_kv)
+        self.closer = SessionCloser(lambda engine: self.clients.get(engine), counts=self.counts)
         self._episode_errors = 0
         self._origin = f"{ctx.stage}.{ctx.replica}:{getattr(ctx, 'session', '')}"
 
@@ -920,11 +926,9 @@ class Generator:
         finally:
             self._release(handle.engine, 1)
             if handle.holding and not self._closing:  # its engines may let its KV go
-                self._spawn(self._close_sessions(handle))
+                for engine in handle.holding:
+                    self.closer.close(engine, handle.rid)
         await self._collected(msg, group_id, collecting)
-
-    async def _close_sessions(self, handle: EpisodeEngine) -> None:
-        self.counts["session_close_failures"] += await close_sessions(handle)
 
     async def _collected(self, msg: Message, group_id: str, collecting: _Collecting) -> None:
         collecting.left -= 1
@@ -1216,6 +1220,10 @@ class Generator:
 
     async def close(self) -> None:
         self._closing = True
+        try:  # the last episodes' sessions: an engine that outlives the run lets their KV go
+            await asyncio.wait_for(self.closer.flush(), CLOSE_FLUSH_S)
+        except asyncio.TimeoutError:
+            self.closer.cancel()
         if self.rollouts is not None:
             self.rollouts.close_soon()
         tasks = [*self._tasks, *getattr(self, "down", {}).values()]

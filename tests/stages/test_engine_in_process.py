@@ -9,6 +9,7 @@ import json
 import threading
 import time
 import urllib.request
+from typing import Any
 
 import pytest
 import structlog
@@ -145,14 +146,21 @@ async def test_an_episodes_session_is_closed_on_the_scheduler_directly(tmp_path)
             await client.generate([1, 2, 3, 4], params, rid="e/0", session="e")
             stats = engine.scheduler.prefix_cache_stats()
             assert stats["sessions"] == 1 and stats["session_held_tokens"] > 0
-            assert engine.release_session("e") is not None  # not a route's session
-            await client.close_session("e")
-            assert engine.scheduler.prefix_cache_stats()["sessions"] == 0
             opened = await http.post(url + "/open_session", json={"capacity_of_str_len": 99,
                                                                   "session_id": "o"})  # fmt: skip
             assert (await opened.json()) == "o"
-            assert engine.release_session("o") is None  # the route's to close
-            await client.close_session("o")
+            sent: list[tuple[str, Any]] = []
+            call = client._call
+
+            async def recorded(method: str, path: str, payload: Any = None, **kw: Any) -> Any:
+                sent.append((path, payload))
+                return await call(method, path, payload, **kw)
+
+            client._call = recorded  # type: ignore[method-assign]
+            await client.close_sessions(["e", "o"])
+            assert engine.scheduler.prefix_cache_stats()["sessions"] == 0
+            # "e" on the scheduler directly; "o", the route's, over HTTP
+            assert sent == [("/close_sessions", {"session_ids": ["o"]})]
             again = await http.post(url + "/open_session", json={"capacity_of_str_len": 99,
                                                                  "session_id": "o"})  # fmt: skip
             assert again.status == 200  # closed: its id free again

@@ -174,7 +174,8 @@ async def test_an_episode_named_as_a_session_answers_as_without_and_closes(clien
     """``session_id`` (SGLang 0.5.23's radix-native session, what ``rollout.hold_kv`` sends):
     each turn answers as it does without it, the next turn finds its prefix cached, and
     ``/close_session`` closes the session (an empty 200) whether or not the server holds
-    sessions' KV (``--enable-session-radix-cache``); with ``session_params`` too: 400."""
+    sessions' KV (``--enable-session-radix-cache``), as ``close_sessions`` closes many (SGLang:
+    its 404 for ``/close_sessions``, then one close each); with ``session_params`` too: 400."""
     session = _rid("episode")
     first = await client.generate(PROMPT * 4, _params(6), rid=_rid("s-0"), session=session)
     plain = await client.generate(PROMPT * 4, _params(6), rid=_rid("p-0"))
@@ -183,6 +184,8 @@ async def test_an_episode_named_as_a_session_answers_as_without_and_closes(clien
     second = await client.generate(context, _params(6), rid=_rid("s-1"), session=session)
     assert int(second.meta.get("cached_tokens") or 0) >= len(PROMPT * 4)
     await client.close_session(session)
+    # many at once: a built-in engine's /close_sessions, else SGLang's one close each
+    assert await client.close_sessions([session, _rid("never-used")]) == 0
     both = {"input_ids": PROMPT, "sampling_params": _params(2), "session_id": session,
             "session_params": {"id": session}}  # fmt: skip
     async with client.session.post(client.url + "/generate", json=both) as resp:
