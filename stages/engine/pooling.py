@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from stages import hf
 from stages.engine.load_meter import LoadMeter
 from stages.engine.loader import LoadedModel, eos_ids, load_tokenizer, own_code, torch_dtype
+from stages.engine.memory_offload import MemoryState
 from stages.hub import resolve_model
 
 __all__ = [
@@ -261,6 +262,9 @@ class Pooler:
         self._taken = [0, 0]
         self._running = (0, 0)
         self._jobs: queue.SimpleQueue[_Job | _Call | None] = queue.SimpleQueue()
+        # what /release_memory_occupation released; the prompts that came meanwhile, held
+        self.memory = MemoryState()
+        self._held: list[_Job] = []
         self._thread: threading.Thread | None = None
 
     @property
@@ -352,6 +356,10 @@ class Pooler:
                 return
             if isinstance(job, _Call):
                 job.run()
+                self._serve_held()
+                continue
+            if self.memory.holds_generation:  # released (a colocated trainer's turn): it waits
+                self._held.append(job)
                 continue
             jobs, after = [job], None
             while len(jobs) < self.max_rows:  # every job already waiting joins this pass
@@ -369,6 +377,20 @@ class Pooler:
             self._serve(jobs)
             if after is not None:
                 after.run()
+                self._serve_held()
+
+    def _serve_held(self) -> None:
+        """The prompts that came while the memory was released, once it is back."""
+        if not self._held or self.memory.holds_generation:
+            return
+        held, self._held = self._held, []
+        for at in range(0, len(held), self.max_rows):
+            self._serve(held[at : at + self.max_rows])
+
+    @property
+    def idle(self) -> bool:
+        """Nothing runs or waits (on the thread, between two passes: nothing runs)."""
+        return self._queued[0] == self._taken[0]
 
     def _serve(self, jobs: list[_Job]) -> None:
         rows, tokens = sum(len(j.rows) for j in jobs), sum(len(r) for j in jobs for r in j.rows)

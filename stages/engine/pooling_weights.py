@@ -10,13 +10,15 @@ sees half an update, and queued prompts are scored by the weights live when thei
 
 What a pooling engine lacks it has nothing to do for: no prefix cache to flush, no running
 request to abort (its passes are not interrupted: an abort waits for the one under way), no
-step-boundary turns. Sending weights to a new engine (``remote_instance``) is the generating
-engine's alone; so is releasing memory.
+step-boundary turns. ``/release_memory_occupation`` and ``/resume_memory_occupation`` give the
+weights back to a colocated trainer and take them back, as the generating engine does
+(``stages.engine.memory_offload``): the prompts that come meanwhile wait. Sending weights to a
+new engine (``remote_instance``) is the generating engine's alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -24,6 +26,8 @@ import structlog
 import torch
 from aiohttp import web
 
+from stages.engine.memory_offload import WEIGHTS, WeightOffload
+from stages.engine.memory_routes import MemoryRoutes
 from stages.engine.model_weights import load_named_tensors, parameter_rows
 from stages.engine.pooling import Pooler
 from stages.engine.weight_routes import WeightRoutes
@@ -42,6 +46,7 @@ class PoolingWeights:
 
     def __init__(self, pooler: Pooler) -> None:
         self.pooler = pooler
+        self._offload: WeightOffload | None = None  # the weights while released
 
     @property
     def model(self) -> torch.nn.Module:
@@ -61,6 +66,7 @@ class PoolingWeights:
         """Load tensors between two passes, and (when given) the new weight version."""
 
         def load() -> None:
+            self.pooler.memory.refuse_weights("a weight update")
             count = load_named_tensors(self.model, named_tensors)
             if version is not None:
                 self.pooler.weight_version = str(version)
@@ -79,16 +85,55 @@ class PoolingWeights:
         return self.pooler.between_passes(lambda: 0)
 
     def with_weights(self, what: str, fn: Callable[[torch.nn.Module], T]) -> Future[T]:
-        return self.pooler.between_passes(lambda: fn(self.model))
+        """``fn(model)`` between two passes; refused while the weights are released."""
+
+        def run() -> T:
+            self.pooler.memory.refuse_weights(what)
+            return fn(self.model)
+
+        return self.pooler.between_passes(run)
+
+    def release_memory(self, tags: Sequence[str] | None) -> Future[list[str]]:
+        """SGLang's ``/release_memory_occupation`` (``stages.engine.memory_offload``), only while
+        nothing waits: ``weights`` moved to host memory (a model on the CPU keeps them), the
+        prompts that come meanwhile held until they are back; ``kv_cache`` and ``cuda_graph``
+        taken and kept (a pooling engine has neither), ``kv_cache`` holding prompts as well."""
+
+        def release() -> list[str]:
+            new = self.pooler.memory.to_release(tags, self.pooler.idle)
+            freed = 0
+            if WEIGHTS in new:
+                self._offload = WeightOffload(self.model)
+                freed = self._offload.release()
+            log.info("memory_released", tags=new, bytes=freed, released=self.released_memory())
+            return new
+
+        return self.pooler.between_passes(release)
+
+    def resume_memory(self, tags: Sequence[str] | None) -> Future[list[str]]:
+        def resume() -> list[str]:
+            resumed = self.pooler.memory.to_resume(tags)
+            if WEIGHTS in resumed and self._offload is not None:
+                self._offload.restore()
+                self._offload = None
+            log.info("memory_resumed", tags=resumed, released=self.released_memory())
+            return resumed
+
+        return self.pooler.between_passes(resume)
+
+    def released_memory(self) -> list[str]:
+        return list(self.pooler.memory.released)
 
     def parameter_rows(self, name: str, rows: int) -> Future[torch.Tensor | None]:
         return self.with_weights("get_weights_by_name", lambda m: parameter_rows(m, name, rows))
 
 
 def add_weight_routes(app: web.Application, pooler: Pooler, model_path: str) -> WeightRoutes:
-    """SGLang's weight-update routes, ``/get_weights_by_name``, ``/weights_checker`` and
-    ``/update_weight_version`` on a pooling engine's ``app``."""
-    weights = WeightRoutes(PoolingWeights(pooler), model_path)  # type: ignore[arg-type]
+    """SGLang's weight-update routes, ``/get_weights_by_name``, ``/weights_checker``,
+    ``/update_weight_version`` and the memory routes on a pooling engine's ``app``."""
+    control = PoolingWeights(pooler)
+    weights = WeightRoutes(control, model_path)  # type: ignore[arg-type]
+    MemoryRoutes(control).add_to(app)
     routes: dict[str, Any] = {
         "/init_weights_update_group": weights.init_group,
         "/update_weights_from_distributed": weights.update,

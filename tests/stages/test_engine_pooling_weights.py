@@ -6,6 +6,7 @@ transformers' scores of the new weights, and a checkpoint that does not fit chan
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -171,3 +172,32 @@ def test_a_reward_model_takes_a_trainers_broadcast(
             assert left[0] == 200, left
         finally:
             group.destroy()
+
+
+@pytest.mark.timeout(90)
+def test_a_colocated_trainers_turn_holds_prompts_until_the_weights_are_back(
+    engine: Engine, folders: dict[str, Path]
+) -> None:
+    """``/release_memory_occupation`` and ``/resume_memory_occupation`` (SGLang's
+    ``ReleaseMemoryOccupationReqInput``): while released, a prompt waits and weight reads and
+    updates are refused; after the resume it is scored by the weights as they were."""
+    ids = _tokenizer(engine).encode(TEXT)
+    before = _score(engine, ids)
+    assert _post(engine, "/release_memory_occupation", {"tags": None}) == (200, None)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_score, engine, ids)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            waiting.result(timeout=0.5)  # held while released
+        status, answer = _post(engine, "/get_weights_by_name", {"name": "score.weight"})
+        assert status == 400 and "the weights are released" in answer["error"]["message"]
+        status, answer = _post(
+            engine, "/update_weights_from_disk", {"model_path": str(folders["a"])}
+        )
+        assert status == 400 and "the weights are released" in answer["message"], answer
+        # a second release while a prompt waits: SGLang's words (idle only)
+        status, answer = _post(engine, "/release_memory_occupation", {"tags": ["weights"]})
+        assert status == 400 and "only when server is idle" in answer["error"]["message"]
+        assert _post(engine, "/resume_memory_occupation", {"tags": None}) == (200, None)
+        assert waiting.result(timeout=30) == before
+    status, answer = _post(engine, "/resume_memory_occupation", {"tags": ["weights"]})
+    assert status == 400 and "is not released" in answer["error"]["message"]
