@@ -60,21 +60,19 @@ class SessionRoutes:
         body = await control_fields.typed_body(request, control_fields.CLOSE_SESSION)
         if isinstance(body, web.Response):
             return body
-        session_id = body["session_id"]
-        if self.holding is not None:
-            await asyncio.wrap_future(self.holding.release_radix_session(session_id))
-        if self.holding is None or session_id in self.sessions:
-            self.sessions.close(session_id)
+        await self._close([body["session_id"]])
         return web.Response(status=200)
 
     async def close_sessions(self, request: web.Request) -> web.Response:
         body = await control_fields.typed_body(request, control_fields.CLOSE_SESSIONS)
         if isinstance(body, web.Response):
             return body
-        ids = body["session_ids"]
+        await self._close(body["session_ids"])
+        return json_response({"closed": len(body["session_ids"])})
+
+    async def _close(self, ids: list[str]) -> None:
         if self.holding is not None:
             await asyncio.wrap_future(self.holding.release_radix_sessions(ids))
         for session_id in ids:
             if self.holding is None or session_id in self.sessions:
                 self.sessions.close(session_id)
-        return json_response({"closed": len(ids)})

@@ -243,3 +243,16 @@ def builtin_engine(
         yield engine.wait_up(up_within)
     finally:
         engine.stop(stop_within)
+
+
+def recorded_calls(client: Any) -> list[tuple[str, Any]]:
+    """The paths and bodies of an ``EngineClient``'s calls from now on, as they go out."""
+    sent: list[tuple[str, Any]] = []
+    call = client._call
+
+    async def recorded(method: str, path: str, payload: Any = None, **kw: Any) -> Any:
+        sent.append((path, payload))
+        return await call(method, path, payload, **kw)
+
+    client._call = recorded
+    return sent

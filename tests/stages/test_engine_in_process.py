@@ -9,12 +9,12 @@ import json
 import threading
 import time
 import urllib.request
-from typing import Any
 
 import pytest
 import structlog
 
 from stages.engine.in_process import InProcessEngine
+from tests.stages.engine_setup import recorded_calls
 from tests.stages.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,14 +149,7 @@ async def test_an_episodes_session_is_closed_on_the_scheduler_directly(tmp_path)
             opened = await http.post(url + "/open_session", json={"capacity_of_str_len": 99,
                                                                   "session_id": "o"})  # fmt: skip
             assert (await opened.json()) == "o"
-            sent: list[tuple[str, Any]] = []
-            call = client._call
-
-            async def recorded(method: str, path: str, payload: Any = None, **kw: Any) -> Any:
-                sent.append((path, payload))
-                return await call(method, path, payload, **kw)
-
-            client._call = recorded  # type: ignore[method-assign]
+            sent = recorded_calls(client)
             await client.close_sessions(["e", "o"])
             assert engine.scheduler.prefix_cache_stats()["sessions"] == 0
             # "e" on the scheduler directly; "o", the route's, over HTTP

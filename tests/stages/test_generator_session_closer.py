@@ -15,7 +15,7 @@ from aiohttp import web
 
 from stages.generator.client import EngineClient
 from stages.generator.session_closer import SessionCloser
-from tests.stages.engine_setup import builtin_engine, free_port
+from tests.stages.engine_setup import builtin_engine, free_port, recorded_calls
 from tests.stages.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(90)
@@ -26,19 +26,6 @@ def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = make_tiny_model(tmp_path_factory.mktemp("closer") / "model", vocab=128, seed=1)
     with builtin_engine(model, "--enable-session-radix-cache", "--max-running", "8") as url:
         yield url
-
-
-def _recorded(client: EngineClient) -> list[tuple[str, Any]]:
-    """The paths and bodies of ``client``'s calls, as they go out."""
-    sent: list[tuple[str, Any]] = []
-    call = client._call
-
-    async def recorded(method: str, path: str, payload: Any = None, **kw: Any) -> Any:
-        sent.append((path, payload))
-        return await call(method, path, payload, **kw)
-
-    client._call = recorded  # type: ignore[method-assign]
-    return sent
 
 
 async def _held(http: aiohttp.ClientSession, url: str) -> int:
@@ -54,7 +41,7 @@ async def test_closes_go_many_to_a_request_and_let_the_kv_go(engine_url: str) ->
         for i, session in enumerate(ids):
             await client.generate([3, 4, 5, 6 + i], params, rid=f"{session}/0", session=session)
         assert await _held(http, engine_url) == 7
-        sent = _recorded(client)
+        sent = recorded_calls(client)
         closer = SessionCloser({engine_url: client}.get, batch=3, delay_s=0.2)
         for session in ids:
             closer.close(engine_url, session)
@@ -86,7 +73,7 @@ async def test_an_engine_without_the_route_gets_one_close_each() -> None:
     app.router.add_post("/close_session", close_session)
     async with _serving(app) as url, aiohttp.ClientSession() as http:
         client = EngineClient(url, http)
-        sent = _recorded(client)
+        sent = recorded_calls(client)
         counts: dict[str, int] = {}
         closer = SessionCloser({url: client}.get, batch=2, counts=counts)
         for session in ("a", "b", "c", "d"):
