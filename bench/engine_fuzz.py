@@ -22,9 +22,8 @@ body the route would otherwise serve, streamed and not (a stream's events read w
 - the native routes that cannot change what the engine serves next (``/abort_request``,
   ``/update_weight_version``, ``/get_weights_by_name``, ``/unload_lora_adapter``,
   ``/parse_function_call``, ``/separate_reasoning``, ``/open_session``, ``/close_session``,
-  ``/set_internal_state``, ``/update_weights_from_ipc``, and the remote-instance routes on
-  bodies that make no group):
-  every field of their ``io_struct``
+  ``/close_sessions`` (Inflight's), ``/set_internal_state``, ``/update_weights_from_ipc``, and
+  the remote-instance routes on bodies that make no group): every field of their ``io_struct``
   request (``stages.engine.control_fields``), not streamed;
 - the routes of features the engine lacks (``/add_external_corpus``,
   ``/remove_external_corpus``, ``PUT /hicache/storage-backend``, ``/pd_role_switch``:
@@ -166,6 +165,7 @@ _CONTROL = [
      {"text": "<think>a</think>b", "reasoning_parser": "qwen3"}),
     ("/open_session", control_fields.OpenSessionFields, {"capacity_of_str_len": 100}),
     ("/close_session", control_fields.CloseSessionFields, {"session_id": "none-such"}),
+    ("/close_sessions", control_fields.CloseSessionsFields, {"session_ids": ["none-such"]}),
     ("/set_internal_state", control_fields.SetInternalStateFields, {"server_args": {}}),
     ("/update_weights_from_ipc", control_fields.UpdateIpcFields,
      {"zmq_handles": {"GPU-0": "ipc:///tmp/none.sock"}}),
