@@ -14,7 +14,6 @@ gone, what it held went with it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -92,5 +91,4 @@ class SessionCloser:
         self._timers.clear()
         self._waiting.clear()
         for task in self._sending:
-            with contextlib.suppress(RuntimeError):
-                task.cancel()
+            task.cancel()
