@@ -12,49 +12,68 @@ at ``temperature``. ``label_token_ids`` is one list for every item or one per it
 ``return_token_logprobs`` adds the raw log-probs. The answer: ``{scores, pooled_hidden_states,
 token_logprobs, model, usage, object: "scoring"}``.
 
-What this engine does not do is refused with a 400 naming the field: SGLang's embedding
-overrides (``embed_override_token_id``, ``query_embed_overrides``, ``item_embed_overrides``),
-setwise readout (``score_extraction_token``) and its fused multi-item mode (a server flag
-there); ``return_pooled_hidden_states`` is refused as SGLang refuses it for a causal LM. A text
-query with token-id items (SGLang formats the id list into the text) is refused too.
+Embedding overrides (``embed_override_token_id``, ``query_embed_overrides``,
+``item_embed_overrides``: ``_build_token_id_inputs``, ``_resolve_overrides_for_sequence``): the
+query's and each item's occurrences of the placeholder token take the given rows, in order, in
+place of its embedding; text is tokenized first (the query with special tokens, the items
+without). Such a prompt takes nothing from the prefix cache and leaves nothing in it.
+
+Setwise readout (``score_extraction_token``, with ``--disable-radix-cache``: ``_validate_score_
+extraction``, ``compute_logprobs_at_positions``): the labels' log-probs are read after every
+occurrence of that token in each ``query + item`` (the distribution of the token that follows it),
+and ``scores`` holds one ``[occurrences x labels]`` matrix per item. This engine always prefills
+a prompt whole (SGLang also wants ``--chunked-prefill-size -1``) and never truncates one.
+
+Not here: SGLang's fused multi-item mode (``--enable-mis``, a server flag there, read through
+FlashInfer's item mask; this engine does not take the flag). ``return_pooled_hidden_states`` is
+refused as SGLang refuses it for a causal LM; a text query with token-id items and neither
+overrides nor readout likewise.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from stages.engine.openai_api import OpenAIError, _usage
+from stages.engine.prompt_embeds import PositionalEmbeds, embeds_rows
 from stages.engine.protocol import is_int
+from stages.engine.request_error import RequestError
 
-__all__ = ["label_scores", "score_request", "score_response"]
-
-_NOT_HERE = {  # SGLang's fields this engine has no counterpart of: refused when set
-    "embed_override_token_id": "embedding overrides",
-    "query_embed_overrides": "embedding overrides",
-    "item_embed_overrides": "embedding overrides",
-    "score_extraction_token": "setwise readout",
-}
+__all__ = ["ScoreEngine", "label_scores", "score_request", "score_response"]
 
 
-def score_request(body: Any, vocab_size: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+@dataclass(frozen=True)
+class ScoreEngine:
+    """What the route reads of its engine: the tokenizer (None: the model has none), whether
+    the prefix cache is on, and the model's embedding width (None: no embeddings taken)."""
+
+    tokenizer: Any
+    prefix_cache: bool
+    embed_width: int | None
+
+    @property
+    def vocab_size(self) -> int:  # SGLang's: the tokenizer's (0 without one)
+        return self.tokenizer.vocab_size if self.tokenizer is not None else 0
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer: send token ids")
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+
+def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """``(native /generate body or None when there is nothing to score, options)`` of a
     ``/v1/score`` body; OpenAIError with SGLang's words for what it refuses. Its fields' types
-    are ``request_fields.checked_score``' (the route checks them first)."""
+    are ``request_fields.checked_score``' (the route checks them first). SGLang's order of
+    checks: ``score_request`` in ``tokenizer_manager_score_mixin.py``."""
     model = body.get("model", "default")
-    for name, what in _NOT_HERE.items():
-        if body.get(name) is not None:
-            raise OpenAIError(f"{name}: {what} are not supported by the built-in engine", name)
     flags = {}
     for name in ("apply_softmax", "item_first", "return_token_logprobs"):
         flags[name] = body.get(name, False)
-    if body.get("return_pooled_hidden_states"):
-        raise OpenAIError(
-            "return_pooled_hidden_states is not supported for CausalLM models. It requires a "
-            "model with a task-specific head (e.g. SequenceClassification or RewardModel).",
-            "return_pooled_hidden_states",
-        )
+    anchor = _extraction_token(body.get("score_extraction_token"), engine)
     temperature = body.get("temperature", 1.0)
     if temperature != 1.0 and not flags["apply_softmax"]:
         raise OpenAIError("temperature requires apply_softmax=True", "temperature")
@@ -66,40 +85,222 @@ def score_request(body: Any, vocab_size: int) -> tuple[dict[str, Any] | None, di
     items = body.get("items")
     if items is None:
         raise OpenAIError("items must be provided", "items")
-    options = {"model": model, "temperature": float(temperature), "stream": False, **flags}
+    options = {
+        "model": model, "temperature": float(temperature), "stream": False, "setwise": False,
+        **flags,
+    }  # fmt: skip
     if isinstance(items, list) and not items:  # nothing to score: SGLang answers at once
         return None, {**options, "labels": []}
-    prompts, as_ids = _prompts(body.get("query"), items, flags["item_first"])
-    per_item = _labels(labels, len(prompts), vocab_size)
+    per_item = _labels(labels, 1 if isinstance(items, str) else len(items), engine.vocab_size)
+    query = body.get("query")
+    if query is None:  # an omitted query: none of the items' kind
+        query = [] if isinstance(items, list) and isinstance(items[0], list) else ""
+    overrides = _Overrides.of(body, items, flags["item_first"], engine)
+    if anchor is not None:
+        if flags["item_first"]:
+            raise OpenAIError(
+                "item_first is not supported with score_extraction_token_id.", "item_first"
+            )
+        if engine.prefix_cache:
+            raise OpenAIError(
+                "score_extraction_token_id requires --disable-radix-cache because pooling "
+                "positions are relative to the full prompt.",
+                "score_extraction_token",
+            )
+    prompts, as_ids, placed = _prompts(query, items, flags["item_first"], anchor, overrides, engine)
     native: dict[str, Any] = {
         "input_ids" if as_ids else "text": prompts,
         "sampling_params": {"max_new_tokens": 0},
         "return_logprob": True,
         "token_ids_logprob": per_item,
-        "logprob_start_len": -1,
+        # the setwise readout reads the prompt's positions (input log-probs from the start)
+        "logprob_start_len": 0 if anchor is not None else -1,
     }
+    if placed is not None:
+        native["positional_embed_overrides"] = placed
+    if anchor is not None:
+        anchors = [[i for i, t in enumerate(p) if t == anchor] for p in prompts]
+        if any(not found for found in anchors):
+            raise OpenAIError(
+                f"No score-extraction token (id={anchor}) found in one or more input(s); the "
+                "client must render one per candidate.",
+                "score_extraction_token",
+            )
+        options = {**options, "setwise": True, "anchors": anchors}
+    if body.get("return_pooled_hidden_states"):
+        raise OpenAIError(
+            "return_pooled_hidden_states is not supported for CausalLM models. It requires a "
+            "model with a task-specific head (e.g. SequenceClassification or RewardModel).",
+            "return_pooled_hidden_states",
+        )
     return native, {**options, "labels": per_item}
 
 
-def _prompts(query: Any, items: Any, item_first: bool) -> tuple[list[Any], bool]:
-    """Each item's prompt, and whether they are token ids (else text)."""
-    texts = isinstance(items, str) or (
-        isinstance(items, list) and all(isinstance(i, str) for i in items)
-    )
-    ids = isinstance(items, list) and all(
-        isinstance(i, list) and all(is_int(t) and t >= 0 for t in i) for i in items
-    )
-    if query is None:
-        query = [] if ids else ""
-    if texts and isinstance(query, str):
-        listed = [items] if isinstance(items, str) else items
-        return [f"{i}{query}" if item_first else f"{query}{i}" for i in listed], False
-    if ids and isinstance(query, list) and all(is_int(t) and t >= 0 for t in query):
-        return [[*i, *query] if item_first else [*query, *i] for i in items], True
+def _extraction_token(token: Any, engine: ScoreEngine) -> int | None:
+    """The id of ``score_extraction_token`` (``_resolve_score_extraction_token_id``: the
+    tokenizer's id of that token, which must be one of its own)."""
+    if token is None:
+        return None
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise OpenAIError(
+            "A tokenizer is required to resolve score_extraction_token.", "score_extraction_token"
+        )
+    found = tokenizer.convert_tokens_to_ids(token)
+    unknown = tokenizer.unk_token_id
+    if found is None or (unknown is not None and found == unknown):
+        raise OpenAIError(
+            f"score_extraction_token {token!r} did not resolve to a dedicated token id.",
+            "score_extraction_token",
+        )
+    return int(found)
+
+
+@dataclass(frozen=True)
+class _Overrides:
+    """A request's embedding overrides: the placeholder id, the query's rows and each item's
+    (None: that item has none)."""
+
+    token: int
+    query: Any  # torch.Tensor [k, width] or None
+    items: list[Any] | None
+
+    @staticmethod
+    def of(body: Mapping[str, Any], items: Any, item_first: bool, engine: ScoreEngine) -> Any:
+        """The body's overrides, checked as SGLang checks them (None: it has none)."""
+        query_rows, item_rows = body.get("query_embed_overrides"), body.get("item_embed_overrides")
+        if query_rows is None and item_rows is None:
+            return None
+        token = body.get("embed_override_token_id")
+        if token is None:
+            raise OpenAIError(
+                "embed_override_token_id is required when query_embed_overrides, "
+                "item_embed_overrides, or stacked_query_item_embed_overrides are supplied.",
+                "embed_override_token_id",
+            )
+        if item_first:
+            raise OpenAIError(
+                "item_first is not supported when embeddings are supplied", "item_first"
+            )
+        # (SGLang compares with len(items), a single text item's characters included)
+        if item_rows is not None and len(item_rows) != len(items):
+            raise OpenAIError(
+                f"item_embed_overrides length ({len(item_rows)}) must match items length "
+                f"({len(items)}).",
+                "item_embed_overrides",
+            )
+        width = engine.embed_width
+        if width is None:
+            raise OpenAIError("this engine takes no embeddings", "query_embed_overrides")
+        try:
+            query = None if query_rows is None else embeds_rows(
+                query_rows, "query_embed_overrides", width
+            )  # fmt: skip
+            each = None
+            if item_rows is not None:
+                each = [
+                    None if rows is None else embeds_rows(rows, f"item_embed_overrides[{i}]", width)
+                    for i, rows in enumerate(item_rows)
+                ]
+        except RequestError as exc:
+            raise OpenAIError(str(exc), exc.field) from None
+        return _Overrides(token, query, each)
+
+    def place(self, query: list[int], items: list[list[int]]) -> list[PositionalEmbeds | None]:
+        """Each ``query + item`` prompt's overrides (``_resolve_overrides_for_sequence``: as
+        many rows as the placeholder's occurrences, query's then item's)."""
+        head = self._at(query, self.query, 0, "query")
+        placed: list[PositionalEmbeds | None] = []
+        for i, item in enumerate(items):
+            rows = self.items[i] if self.items is not None else None
+            tail = self._at(item, rows, len(query), f"items[{i}]")
+            positions = head[0] + tail[0]
+            if not positions:
+                placed.append(None)
+                continue
+            import torch  # (a tensor only where a request has rows)
+
+            parts = [r for r in (head[1], tail[1]) if r is not None]
+            placed.append(PositionalEmbeds(tuple(positions), torch.cat(parts)))
+        return placed
+
+    def _at(self, ids: list[int], rows: Any, offset: int, label: str) -> tuple[list[int], Any]:
+        if rows is None:
+            return [], None
+        positions = [offset + i for i, t in enumerate(ids) if t == self.token]
+        if len(positions) != rows.shape[0]:
+            field = "query_embed_overrides" if label == "query" else "item_embed_overrides"
+            raise OpenAIError(
+                f"{label} contains {len(positions)} occurrences of embed_override_token_id="
+                f"{self.token}, but {rows.shape[0]} override embeddings were provided.",
+                field,
+            )
+        return positions, rows
+
+
+def _prompts(
+    query: Any,
+    items: Any,
+    item_first: bool,
+    anchor: int | None,
+    overrides: _Overrides | None,
+    engine: ScoreEngine,
+) -> tuple[list[Any], bool, list[PositionalEmbeds | None] | None]:
+    """Each item's prompt, whether they are token ids (else text), and their embedding
+    overrides (None: none), by SGLang's paths: text alike, ids alike, setwise text, then
+    text tokenized for overrides or the readout."""
+
+    def ids_of(value: Any) -> bool:
+        return isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)
+
+    listed = [items] if isinstance(items, str) else items
+    if isinstance(query, str) and overrides is None and anchor is None:
+        if all(isinstance(i, str) for i in listed):
+            return [f"{i}{query}" if item_first else f"{query}{i}" for i in listed], False, None
+    elif isinstance(query, list) and isinstance(items, list) and isinstance(items[0], list):
+        if ids_of(query) and all(ids_of(i) for i in items):
+            if anchor is not None and anchor in query:
+                raise _anchor_in_query()
+            return _with_overrides(query, items, item_first, overrides)
+    elif anchor is not None and overrides is None and isinstance(query, str):
+        if not all(isinstance(i, str) for i in listed):
+            raise OpenAIError(
+                "query and items must both be text or both be token IDs when "
+                "score_extraction_token_id is set.",
+                "items",
+            )
+        if query and anchor in engine.encode(query):
+            raise _anchor_in_query()
+        return [engine.encode(f"{query}{i}") for i in listed], True, None
+    elif overrides is not None or anchor is not None:
+        head = engine.encode(query) if isinstance(query, str) else query
+        tails = [engine.encode(i, False) if isinstance(i, str) else i for i in listed]
+        if ids_of(head) and all(ids_of(i) for i in tails):
+            if anchor is not None and anchor in head:
+                raise _anchor_in_query()
+            return _with_overrides(head, tails, item_first, overrides)
     raise OpenAIError(
         "Invalid combination of query/items types for score_request: text with text items "
         "(a string or a list of them), or token ids with lists of token ids",
         "items",
+    )
+
+
+def _with_overrides(
+    query: list[int], items: list[list[int]], item_first: bool, overrides: _Overrides | None
+) -> tuple[list[Any], bool, list[PositionalEmbeds | None] | None]:
+    prompts = [[*i, *query] if item_first else [*query, *i] for i in items]
+    if overrides is None:
+        return prompts, True, None
+    placed = overrides.place(query, items)
+    return prompts, True, placed if any(p is not None for p in placed) else None
+
+
+def _anchor_in_query() -> OpenAIError:
+    return OpenAIError(
+        "score-extraction token found in the shared query prefix; it must appear only within "
+        "items, one per candidate.",
+        "query",
     )
 
 
@@ -135,14 +336,24 @@ def _labels(labels: Any, count: int, vocab_size: int) -> list[list[int]]:
 
 def score_response(results: list[Mapping[str, Any]], options: Mapping[str, Any]) -> dict[str, Any]:
     """SGLang's ``ScoringResponse`` of the native results of ``score_request``'s body."""
-    scores, raw, prompt_tokens = [], [], 0
-    for result, labels in zip(results, options["labels"], strict=True):
+    scores: list[Any] = []
+    raw: list[list[float]] = []
+    prompt_tokens = 0
+    softmax, temperature = options["apply_softmax"], options["temperature"]
+    for i, (result, labels) in enumerate(zip(results, options["labels"], strict=True)):
         meta = result["meta_info"]
         prompt_tokens += meta["prompt_tokens"]
+        if options["setwise"]:  # one row per anchor; no raw log-probs (SGLang's `continue`)
+            scores.append(
+                [
+                    label_scores(_found(step, labels), softmax, temperature)
+                    for step in _after_anchors(meta, options["anchors"][i])
+                ]
+            )
+            continue
         (step,) = meta["output_token_ids_logprobs"]  # the distribution after the prompt
-        found = {token: logprob for logprob, token, _ in step}
-        logprobs = [found.get(token, -math.inf) for token in labels]
-        scores.append(label_scores(logprobs, options["apply_softmax"], options["temperature"]))
+        logprobs = _found(step, labels)
+        scores.append(label_scores(logprobs, softmax, temperature))
         raw.append(logprobs)
     return {
         "scores": scores,
@@ -152,6 +363,20 @@ def score_response(results: list[Mapping[str, Any]], options: Mapping[str, Any])
         "usage": _usage(prompt_tokens, 0),
         "object": "scoring",
     }
+
+
+def _after_anchors(meta: Mapping[str, Any], anchors: list[int]) -> list[Any]:
+    """The labels' log-probs of the token after each anchor (``compute_logprobs_at_positions``:
+    the model's output at the anchor): the next prompt position's input log-probs, or, after
+    the prompt's last token, the output's."""
+    inputs, after = meta["input_token_ids_logprobs"], meta["output_token_ids_logprobs"][0]
+    return [inputs[p + 1] if p + 1 < len(inputs) else after for p in anchors]
+
+
+def _found(step: Any, labels: list[int]) -> list[float]:
+    """``labels``' log-probs in one step's ``(logprob, id, text)`` entries (-inf: absent)."""
+    found = {token: logprob for logprob, token, _ in step or ()}
+    return [found.get(token, -math.inf) for token in labels]
 
 
 def label_scores(logprobs: list[float], softmax: bool, temperature: float) -> list[float]:

@@ -16,21 +16,37 @@ As SGLang 0.5.23 serves them (``GenerateReqInput._determine_batch_size``,
 What SGLang would take and then fail on deep in a forward pass (rows of another width, rows of
 unequal length, an empty prompt, a value that is not finite) is refused with a 400 naming the
 row (``input_embeds[i][j]``).
+
+``PositionalEmbeds`` are SGLang's other form, which only its ``/v1/score`` route makes (embedding
+overrides, ``stages.engine.openai_score``): a prompt of token ids some of whose positions take
+given rows in place of their tokens' embeddings. No JSON body can carry them (SGLang's field
+holds tensors); such a prompt takes nothing from the prefix cache and leaves nothing in it, as
+in SGLang (``Req.skip_radix_cache_insert``), since its ids do not determine its KV.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from stages.engine.request_error import RequestError
 
-__all__ = ["STAND_IN", "embeds_prompt", "read_embeds"]
+__all__ = ["STAND_IN", "PositionalEmbeds", "embeds_prompt", "embeds_rows", "read_embeds"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 STAND_IN = 1  # the id SGLang's scheduler gives each position of an embeddings prompt
+
+
+@dataclass(frozen=True, eq=False)
+class PositionalEmbeds:
+    """Rows in place of some of a prompt's token embeddings (SGLang's ``PositionalEmbeds``):
+    ``rows[k]`` (float32, the model's embedding width) at prompt position ``positions[k]``."""
+
+    positions: tuple[int, ...]
+    rows: torch.Tensor
 
 
 def embeds_prompt(body: dict[str, Any], prefix_cache: bool, width: int | None) -> bool:
@@ -70,22 +86,29 @@ def read_embeds(value: Any, width: int) -> tuple[list[list[int]], list[torch.Ten
         name = f"input_embeds[{i}]" if batch else "input_embeds"
         if not isinstance(rows, list) or not rows:
             raise RequestError(name, "expected a non-empty list of embedding rows")
-        for j, row in enumerate(rows):
-            if not isinstance(row, list) or len(row) != width:
-                got = f"{len(row)} values" if isinstance(row, list) else type(row).__name__
-                raise RequestError(
-                    f"{name}[{j}]",
-                    f"expected a row of {width} numbers (the model's embedding width), got {got}",
-                )
-        try:
-            tensor = torch.tensor(rows, dtype=torch.float32)
-        except (TypeError, ValueError, OverflowError, RuntimeError):
-            raise _bad_value(name, rows) from None
-        if not bool(torch.isfinite(tensor).all()):
-            raise _bad_value(name, rows)
+        tensor = embeds_rows(rows, name, width)
         ids.append([STAND_IN] * len(rows))
         tensors.append(tensor)
     return ids, tensors, batch
+
+
+def embeds_rows(rows: list[Any], name: str, width: int) -> torch.Tensor:
+    """``rows`` (of field ``name``) as a float32 tensor ``[len(rows), width]``; a 400 naming the
+    first row of another width or value that is not a finite float32 number."""
+    for j, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != width:
+            got = f"{len(row)} values" if isinstance(row, list) else type(row).__name__
+            raise RequestError(
+                f"{name}[{j}]",
+                f"expected a row of {width} numbers (the model's embedding width), got {got}",
+            )
+    try:
+        tensor = torch.tensor(rows, dtype=torch.float32)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        raise _bad_value(name, rows) from None
+    if not bool(torch.isfinite(tensor).all()):
+        raise _bad_value(name, rows)
+    return tensor.reshape(len(rows), width)
 
 
 def _bad_value(name: str, rows: list[list[Any]]) -> RequestError:

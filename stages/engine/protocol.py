@@ -58,7 +58,7 @@ from typing import Any
 from stages.engine import custom_logits
 from stages.engine.flat_logprobs import FlatTops, flat_fields, flat_request
 from stages.engine.incremental_text import IncrementalText, output_text
-from stages.engine.prompt_embeds import embeds_prompt, read_embeds
+from stages.engine.prompt_embeds import PositionalEmbeds, embeds_prompt, read_embeds
 from stages.engine.request_error import RequestError
 from stages.engine.routed_experts import start_error
 from stages.engine.stop_regex import parse_stop_regex
@@ -196,6 +196,9 @@ class GenerateInput:
     # its prompt as embeddings (input_embeds: a float32 tensor [tokens, width], its input_ids
     # then SGLang's stand-ins), which the first pass runs in place of the ids' (None: ids)
     input_embeds: Any = None
+    # rows in place of some of its prompt's token embeddings (prompt_embeds.PositionalEmbeds:
+    # /v1/score's embedding overrides), which the first pass runs likewise (None: none)
+    embed_overrides: PositionalEmbeds | None = None
 
 
 @dataclass(slots=True)
@@ -382,6 +385,8 @@ def parse_generate(
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
         if key in _NEUTRAL_TOP and not _is_neutral(value, _NEUTRAL_TOP[key]):
+            if key == OVERRIDES and _in_process_overrides(value):
+                continue  # /v1/score's, which no JSON body can carry (_embed_overrides)
             raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
     embedded = embeds_prompt(body, prefix_cache, embed_width)
     priority = body.get("priority")
@@ -466,6 +471,7 @@ def parse_generate(
     hidden = _hidden_modes(body.get("return_hidden_states"), count, listed, hidden_cap)
     flat = flat_request(body)
     experts_from = _routed_experts_start(body, prompts, routed_experts)
+    overrides = _embed_overrides(body.get(OVERRIDES), prompts, embed_width)
 
     inputs: list[GenerateInput] = []
     parsed: dict[int, SamplingParams] = {}  # one parse per distinct params object
@@ -521,6 +527,7 @@ def parse_generate(
                     think_end=think_end,
                     session_id=session,
                     input_embeds=embeds[i] if embeds else None,
+                    embed_overrides=overrides[i],
                 )
             )
     return inputs, listed
@@ -1462,6 +1469,45 @@ def _stop_patterns(
     if encode is None:
         raise RequestError(path, "stop_regex needs the model's tokenizer; this model has none")
     return {"stop_regex": patterns, "stop_regex_window": longest + 1}
+
+
+OVERRIDES = "positional_embed_overrides"  # SGLang's GenerateReqInput field
+
+
+def _in_process_overrides(value: Any) -> bool:
+    """Whether ``value`` is embedding overrides a route of this process made: one
+    ``PositionalEmbeds`` or a list of them or None, one per prompt."""
+    if isinstance(value, PositionalEmbeds):
+        return True
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(v is None or isinstance(v, PositionalEmbeds) for v in value)
+    )
+
+
+def _embed_overrides(
+    value: Any, prompts: list[list[int]], width: int | None
+) -> list[PositionalEmbeds | None]:
+    """Each prompt's embedding overrides (``positional_embed_overrides``, as a route of this
+    process hands them over: SGLang's ``_get_positional_embed_overrides_item``, one for all or
+    one per prompt), checked against the prompt and the model's embedding width."""
+    if value is None or not _in_process_overrides(value):
+        return [None] * len(prompts)
+    each = [value] * len(prompts) if isinstance(value, PositionalEmbeds) else value
+    if len(each) != len(prompts):
+        raise RequestError(OVERRIDES, f"expected {len(prompts)} entries, got {len(each)}")
+    for i, (ids, over) in enumerate(zip(prompts, each, strict=True)):
+        if over is None:
+            continue
+        rows = over.rows
+        if width is None or rows.dim() != 2 or rows.shape[1] != width:
+            raise RequestError(f"{OVERRIDES}[{i}]", f"expected rows of width {width}")
+        if len(over.positions) != rows.shape[0] or any(
+            not 0 <= p < len(ids) for p in over.positions
+        ):
+            raise RequestError(f"{OVERRIDES}[{i}]", "expected one row per position of the prompt")
+    return list(each)
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

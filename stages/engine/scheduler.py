@@ -129,7 +129,7 @@ _CALL = object()  # an _Outbox item that is a call, not a result
 # A scored prompt is the same request whatever seqs ask for it: (ids, logprob_start,
 # top_logprobs_num, adapter, token_ids_logprob, the distribution after it, cache namespace).
 # (prompt ids, logprob start, top k, adapter, token_ids_logprob, next wanted, namespace, the id
-# of its input_embeds or None)
+# of its input_embeds or embedding overrides, or None: _embedded)
 _ScoreKey = tuple[
     tuple[int, ...], int, int, "str | None", "tuple[int, ...] | None", bool, Any, "int | None"
 ]
@@ -193,6 +193,23 @@ def _prefix_routes(match: Match) -> list[torch.Tensor]:
     if not match.length:
         return []
     return [torch.cat([piece[-1] for piece in match.pieces], -2)[0].permute(1, 0, 2)]
+
+
+def _embedded(seq: Any) -> int | None:
+    """The id of the embeddings ``seq``'s prompt runs with (its ``input_embeds``, or the
+    embedding overrides of ``/v1/score``), None for a prompt of plain ids: two prompts with
+    embeddings are the same prompt only when they are the same request's."""
+    inp = seq.inp
+    if inp.input_embeds is not None:
+        return id(inp.input_embeds)
+    return None if inp.embed_overrides is None else id(inp.embed_overrides)
+
+
+def _own_kv(seq: Any) -> bool:
+    """Whether ``seq``'s KV is its own, neither taken from the prefix cache nor left in it: an
+    adapter's row (no base prefix is a prefix of it), or a prompt with embeddings, whose ids do
+    not determine its KV (SGLang's ``skip_radix_cache_insert`` and empty match)."""
+    return seq.adapter is not None or _embedded(seq) is not None
 
 
 def _next_wanted(seq: Any) -> bool:
@@ -1456,14 +1473,14 @@ class Scheduler:
                 seq.inp.token_ids_logprob,
                 _next_wanted(seq),
                 seq.inp.cache_namespace,
-                None if seq.inp.input_embeds is None else id(seq.inp.input_embeds),
+                _embedded(seq),
             )
             unique.setdefault(key, []).append(seq)
         first, later = _in_batch_waves(
             list(unique),
             lambda k: (
                 (k[6], k[0][:IN_BATCH_PREFIX])
-                if _reuse_limit(k[0], k[1]) >= IN_BATCH_PREFIX
+                if _reuse_limit(k[0], k[1]) >= IN_BATCH_PREFIX and k[7] is None
                 else None
             ),
             lambda k, record: self._score_lookup(k, unique[k][0], record),
@@ -1476,7 +1493,7 @@ class Scheduler:
         """What a scored prompt takes from the prefix cache: its longest prefix of the live
         weights' KV up to its start; None where it neither takes nor leaves any (no cache, or
         an adapter's row). ``record`` false: a look only (``PrefixCache.match``)."""
-        if self._prefix is None or seq.adapter is not None:
+        if self._prefix is None or _own_kv(seq):
             return None
         limit = _reuse_limit(key[0], key[1])
         if limit <= 0:
@@ -1602,8 +1619,7 @@ class Scheduler:
         for seq in group:
             ctx = seq.context
             # a namespace shares none; a prompt as embeddings only its own samples
-            embedded = None if seq.inp.input_embeds is None else id(seq.inp.input_embeds)
-            key = (seq.adapter, seq.inp.cache_namespace, tuple(ctx), embedded)
+            key = (seq.adapter, seq.inp.cache_namespace, tuple(ctx), _embedded(seq))
             idx = unique.get(key)
             if idx is None:
                 idx = unique[key] = len(contexts)
@@ -1615,12 +1631,12 @@ class Scheduler:
 
         def opening(u: int) -> tuple[Any, tuple[int, ...]] | None:
             ctx, owner = contexts[u], owners[u]
-            if self._prefix is None or owner.adapter is not None or len(ctx) <= IN_BATCH_PREFIX:
+            if self._prefix is None or _own_kv(owner) or len(ctx) <= IN_BATCH_PREFIX:
                 return None
             return owner.inp.cache_namespace, tuple(ctx[:IN_BATCH_PREFIX])
 
         def lookup(u: int, record: bool) -> Match:
-            if owners[u].adapter is not None:  # a base prefix is no prefix of an adapter's row
+            if _own_kv(owners[u]):  # a base prefix is no prefix of an adapter's row
                 return Match()
             return self._lookup(contexts[u], owners[u].inp.cache_namespace, record)
 
@@ -1768,7 +1784,7 @@ class Scheduler:
         assert self._prefix is not None
         held: set[int] = set()
         for seq, u in zip(group, source, strict=True):
-            if u in held or seq.adapter is not None or len(contexts[u]) <= IN_BATCH_PREFIX:
+            if u in held or _own_kv(seq) or len(contexts[u]) <= IN_BATCH_PREFIX:
                 continue
             held.add(u)
 
@@ -1822,16 +1838,19 @@ class Scheduler:
         prompt then the tokens it generated before a retraction, which SGLang 0.5.23 throws
         away instead (``Req.reset_for_retract``: it cannot mix the two), so that the sample
         goes on where it was, as any other does."""
-        if all(seq.inp.input_embeds is None for seq in owners):
+        if all(_embedded(seq) is None for seq in owners):
             return None
         with torch.no_grad():
             embeds = self.model.get_input_embeddings()(ids)
         width = ids.shape[1]
         for u, (seq, ctx) in enumerate(zip(owners, contexts, strict=True)):
-            prompt = seq.inp.input_embeds
+            prompt, over = seq.inp.input_embeds, seq.inp.embed_overrides
+            at = width - len(ctx)
             if prompt is not None:
-                at = width - len(ctx)
                 embeds[u, at : at + prompt.shape[0]] = prompt.to(embeds.device, embeds.dtype)
+            if over is not None:  # /v1/score's embedding overrides, at their prompt positions
+                where = torch.tensor(over.positions, dtype=torch.long, device=embeds.device)
+                embeds[u, at + where] = over.rows.to(embeds.device, embeds.dtype)
         return embeds
 
     def _keep_prefill_hidden(
@@ -2305,7 +2324,7 @@ class Scheduler:
         assert self._prefix is not None
         sessions = self._radix_sessions
         for seq, (ids, _, _), reason in zip(seqs, outputs, reasons, strict=True):
-            if seq.adapter is not None:
+            if _own_kv(seq):
                 continue  # an adapter's KV is no prefix of anyone else's
             # Every token but the last sampled one has its KV in columns kv_start..end-1.
             tokens = seq.inp.input_ids + ids[:-1]

@@ -297,6 +297,8 @@ def build_app(
         cache_report=cache_report,
         request_log=requests,
         watched=in_session,
+        prefix_cache=scheduler.prefix_cache_on,
+        embed_width=loaded.embed_width,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     EncodeRoutes(None, name).add_to(app)  # SGLang's refusal: not an embedding model

@@ -115,8 +115,9 @@ def test_what_sglang_refuses_and_what_this_engine_cannot_do(engine: Engine) -> N
         ),
         "mixed": ({"items": [[1, 2]]}, "Invalid combination of query/items types"),
         "pooled": ({"return_pooled_hidden_states": True}, "not supported for CausalLM"),
-        "overrides": ({"embed_override_token_id": 7}, "embed_override_token_id"),
-        "setwise": ({"score_extraction_token": "x"}, "score_extraction_token"),
+        "rows, no id": ({"query_embed_overrides": [[0.0] * 32]}, "embed_override_token_id is"),
+        "unknown anchor": ({"score_extraction_token": "x"}, "did not resolve to a dedicated"),
+        "setwise, cached": ({"score_extraction_token": "w12"}, "requires --disable-radix-cache"),
         "flag": ({"apply_softmax": "maybe"}, "apply_softmax: Input should be a valid boolean"),
     }
     for case, (change, words) in refused.items():
@@ -125,3 +126,89 @@ def test_what_sglang_refuses_and_what_this_engine_cannot_do(engine: Engine) -> N
         assert out["object"] == "error", case
     status, out = _score(engine, **base)
     assert status == 200 and len(out["scores"]) == 1  # the engine serves on
+    # the placeholder id alone, with no rows: nothing to override (SGLang's has_embeds)
+    status, same = _score(engine, **base, embed_override_token_id=7)
+    assert status == 200 and same["scores"] == out["scores"]
+
+
+def _after_overridden(
+    model: torch.nn.Module, ids: list[int], rows: dict[int, list[float]]
+) -> torch.Tensor:
+    """transformers' log-probs of the token after ``ids``, the embeddings at ``rows``' positions
+    replaced by its rows ``[vocab]``."""
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(torch.tensor([ids])).clone()
+        for at, row in rows.items():
+            embeds[0, at] = torch.tensor(row)
+        return torch.log_softmax(model(inputs_embeds=embeds).logits[0, -1].float(), -1)
+
+
+@pytest.mark.timeout(60)
+def test_embedding_overrides_take_the_placeholders_places_and_skip_the_prefix_cache(
+    engine: Engine,  # noqa: F811
+    ref_model: torch.nn.Module,  # noqa: F811
+) -> None:
+    """``_build_token_id_inputs``: the query's placeholders take ``query_embed_overrides`` in
+    order, each item's its own; a prompt with them neither takes the cached KV of the same ids
+    nor leaves its own for them (``Req.skip_radix_cache_insert``)."""
+    hole = 7
+    query = [5, 17, 33, 8, hole, 90, 11, 23, 44, 61, 70, 81]  # long enough to be cached
+    items = [[2, hole, 90], [41, 8, 77], [hole, hole]]
+    gen = torch.Generator().manual_seed(3)
+    q_rows = torch.randn(1, 32, generator=gen).tolist()
+    i_rows = [torch.randn(n, 32, generator=gen).tolist() for n in (1, 0, 2)]
+    i_rows[1] = None  # that item has none
+    plain = {"query": query, "items": items, "label_token_ids": LABELS}
+    status, before = _score(engine, **plain)  # the plain prompts' KV now in the cache
+    assert status == 200, before
+    status, out = _score(
+        engine, **plain, embed_override_token_id=hole, query_embed_overrides=q_rows,
+        item_embed_overrides=i_rows, return_token_logprobs=True,
+    )  # fmt: skip
+    assert status == 200, out
+    for i, item in enumerate(items):
+        prompt = query + item
+        rows = {4: q_rows[0]}
+        holes = [len(query) + j for j, t in enumerate(item) if t == hole]
+        rows.update(zip(holes, i_rows[i] or [], strict=True))
+        want = _after_overridden(ref_model, prompt, rows)[LABELS]
+        terms = forward_terms(ref_model.config, len(prompt))
+        assert_close(out["token_logprobs"][i], want.tolist(), terms=terms)
+        assert_close(out["scores"][i], want.exp().tolist(), terms=terms)
+        assert out["scores"][i] != before["scores"][i]
+    status, after = _score(engine, **plain)  # nothing of the overridden KV was cached
+    assert status == 200
+    for again, first in zip(after["scores"], before["scores"], strict=True):
+        assert again == pytest.approx(first, rel=1e-4)  # (on the cached prefix: not bitwise)
+    # text: the query tokenized with special tokens, the items without; a row per placeholder
+    status, text = _score(
+        engine, query="w5 w7 w17", items=[" w7 w33"], label_token_ids=LABELS,
+        embed_override_token_id=hole, item_embed_overrides=[q_rows],
+    )  # fmt: skip
+    assert status == 200, text
+    want = _after_overridden(ref_model, [5, 7, 17, 7, 33], {3: q_rows[0]})[LABELS]
+    assert_close(text["scores"][0], want.exp().tolist(), terms=forward_terms(ref_model.config, 5))
+
+
+@pytest.mark.timeout(60)
+def test_embedding_overrides_refused_as_sglang_refuses_them(engine: Engine) -> None:  # noqa: F811
+    base = {"query": [5, 7], "items": [[7, 8]], "label_token_ids": LABELS,
+            "embed_override_token_id": 7}  # fmt: skip
+    row = [0.5] * 32
+    refused = {
+        "query count": ({"query_embed_overrides": [row, row]},
+                        "query contains 1 occurrences of embed_override_token_id=7, but 2"),
+        "item count": ({"item_embed_overrides": [[]]},
+                       "items[0] contains 1 occurrences of embed_override_token_id=7, but 0"),
+        "items length": ({"item_embed_overrides": [None, None]},
+                         "item_embed_overrides length (2) must match items length (1)."),
+        "item first": ({"query_embed_overrides": [row], "item_first": True},
+                       "item_first is not supported when embeddings are supplied"),
+        "width": ({"query_embed_overrides": [[0.5] * 31]},
+                  "query_embed_overrides[0]: expected a row of 32 numbers"),
+    }  # fmt: skip
+    for case, (change, words) in refused.items():
+        status, out = _score(engine, **{**base, **change})
+        assert status == 400 and words in out["message"], (case, out)
+    status, out = _score(engine, **base, query_embed_overrides=[row])
+    assert status == 200 and len(out["scores"]) == 1
