@@ -21,7 +21,8 @@ Field names, defaults and answers follow SGLang 0.5.23 (``srt/managers/io_struct
   "embedding"}], model, object: "list", usage}``;
 - ``/v1/classify``: ``input`` a string, strings or token ids; each answer's ``label`` (the
   config's ``id2label`` at the largest output), ``probs`` (softmax of the outputs) and
-  ``num_classes``.
+  ``num_classes``;
+- ``/v1/score`` (on a pooling engine only): ``stages.engine.pooling_score``.
 
 Refused with 400, SGLang's words where it has them: ``text`` and ``input_ids`` both or neither,
 a prompt as long as the context, an empty or blank ``input``, ``dimensions`` on a model that is
@@ -53,9 +54,10 @@ from stages.engine.openai_api import (
     results_usage,
 )
 from stages.engine.pooling import Pooler, PoolingFailed
+from stages.engine.pooling_score import score_engine, score_pooled
 from stages.engine.protocol import RequestError, is_int, read_prompts
 from stages.engine.request_body import bad_request, dumps
-from stages.engine.request_fields import checked_classify, checked_embedding
+from stages.engine.request_fields import checked_classify, checked_embedding, checked_score
 from stages.engine.request_log import entry
 
 __all__ = ["NOT_EMBEDDING", "EncodeRoutes"]
@@ -109,7 +111,12 @@ class EncodeRoutes:
     ``/v1`` answers."""
 
     def __init__(
-        self, pooler: Pooler | None, served_model_name: str, request_log: Any = None
+        self,
+        pooler: Pooler | None,
+        served_model_name: str,
+        request_log: Any = None,
+        *,
+        radix_cache_off: bool = False,
     ) -> None:
         self.pooler = pooler
         self.served_model_name = served_model_name
@@ -120,13 +127,19 @@ class EncodeRoutes:
             self.vocab_size, self.context_length = loaded.vocab_size, loaded.context_length
             tokenizer = loaded.tokenizer
             self.encode_text = tokenizer.encode if tokenizer is not None else None
+            # /v1/score's reading of this engine (--disable-radix-cache: its setwise readout)
+            self.score_engine = score_engine(pooler.model, radix_cache_off)
 
     def add_to(self, app: web.Application) -> None:
+        """The pooling routes (``/v1/score`` only on a pooling engine: the generating engine's
+        is ``openai_score``'s)."""
         for path in ("/encode", "/classify"):
             app.router.add_post(path, self.native)
             app.router.add_put(path, self.native)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/v1/classify", self.classify)
+        if self.pooler is not None:
+            app.router.add_post("/v1/score", self.score)
 
     # ---- native ------------------------------------------------------------------------------
 
@@ -161,16 +174,21 @@ class EncodeRoutes:
         hidden: bool = False,
         headers: Any = None,
         started: float | None = None,
+        anchors: Any = None,
+        overrides: Any = None,
     ) -> list[dict[str, Any]]:
         """``rows`` run: the native answer of each (``{embedding, meta_info}``; ``e2e_latency``
         from ``started``, else from now), logged in the request log where it is active
-        (``body`` as the request it was given as)."""
+        (``body`` as the request it was given as; ``anchors``, ``overrides``: ``/v1/score``'s,
+        ``Pooler.encode``'s)."""
         requests = self.request_log
         logged = entry(requests, body, rids, batch, headers)
         if started is None:
             started = time.perf_counter()
         try:
-            values, states = await self.pooler.encode(rows, dims, hidden=hidden)
+            values, states = await self.pooler.encode(
+                rows, dims, hidden=hidden, anchors=anchors, overrides=overrides
+            )
             latency = time.perf_counter() - started
             answers = []
             for i, row in enumerate(rows):
@@ -265,6 +283,25 @@ class EncodeRoutes:
             return error_response(str(exc))
         except PoolingFailed as exc:
             return error_response(str(exc), status=500)
+
+    async def score(self, request: web.Request) -> web.Response:
+        return await self._openai(request, checked_score, self._score)
+
+    async def _score(self, body: dict[str, Any]) -> dict[str, Any]:
+        def rows_of(native: dict[str, Any]) -> list[list[int]]:
+            rows, _ = read_prompts(native, vocab_size=self.vocab_size, encode=self.encode_text)
+            self._check_lengths(rows)
+            return rows
+
+        async def run(rows: list[list[int]], hidden: bool, anchors: Any, overrides: Any) -> Any:
+            rids = _rids(None, len(rows), True)
+            listed = overrides if isinstance(overrides, list) else None
+            return await self._answers(
+                {"input_ids": rows}, rows, True, rids, [None] * len(rows), hidden,
+                anchors=anchors, overrides=listed,
+            )  # fmt: skip
+
+        return await score_pooled(body, self.score_engine, rows_of, run)
 
     async def _embeddings(self, body: dict[str, Any]) -> dict[str, Any]:
         _check_neutral(body, _EMBEDDINGS_NEUTRAL)

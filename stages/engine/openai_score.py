@@ -45,6 +45,14 @@ from stages.engine.request_error import RequestError
 __all__ = ["ScoreEngine", "label_scores", "score_request", "score_response"]
 
 
+# SGLang's SequenceClassification architectures that pool their head per position, the only
+# pooling models its setwise readout serves (model_config.py's _score_and_pool_archs)
+_SCORE_AND_POOL = frozenset(
+    {"LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+     "Qwen3ForSequenceClassification"}
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ScoreEngine:
     """What the route reads of its engine: the tokenizer (None: the model has none), whether
@@ -53,6 +61,10 @@ class ScoreEngine:
     tokenizer: Any
     prefix_cache: bool
     embed_width: int | None
+    # a pooling engine's (SGLang's non-generation path: its model's outputs are the scores,
+    # an EmbeddingReqInput runs them): whether the model generates, and its architectures
+    generation: bool = True
+    architectures: frozenset[str] = frozenset()
 
     @property
     def vocab_size(self) -> int:  # SGLang's: the tokenizer's (0 without one)
@@ -77,8 +89,12 @@ def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None
     temperature = body.get("temperature", 1.0)
     if temperature != 1.0 and not flags["apply_softmax"]:
         raise OpenAIError("temperature requires apply_softmax=True", "temperature")
+    if flags["return_token_logprobs"] and not engine.generation:
+        raise OpenAIError(
+            "return_token_logprobs is only supported for CausalLM models", "return_token_logprobs"
+        )
     labels = body.get("label_token_ids")
-    if labels is None:
+    if labels is None and engine.generation:
         raise OpenAIError(
             "label_token_ids is required for generation (CausalLM) models.", "label_token_ids"
         )
@@ -91,12 +107,21 @@ def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None
     }  # fmt: skip
     if isinstance(items, list) and not items:  # nothing to score: SGLang answers at once
         return None, {**options, "labels": []}
-    per_item = _labels(labels, 1 if isinstance(items, str) else len(items), engine.vocab_size)
+    count = 1 if isinstance(items, str) else len(items)
+    per_item = _labels(labels, count, engine.vocab_size) if engine.generation else [None] * count
     query = body.get("query")
     if query is None:  # an omitted query: none of the items' kind
         query = [] if isinstance(items, list) and isinstance(items[0], list) else ""
     overrides = _Overrides.of(body, items, flags["item_first"], engine)
     if anchor is not None:
+        if not engine.generation and not engine.architectures.intersection(_SCORE_AND_POOL):
+            raise OpenAIError(
+                "score_extraction_token_id is only supported for SequenceClassification models "
+                "that pool the head per position (score_and_pool); model architecture(s) "
+                f"{list(engine.architectures)} do not (cross-encoder, reward, and embedding "
+                "models pool a single vector and ignore the readout positions).",
+                "score_extraction_token",
+            )
         if flags["item_first"]:
             raise OpenAIError(
                 "item_first is not supported with score_extraction_token_id.", "item_first"
@@ -108,14 +133,13 @@ def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None
                 "score_extraction_token",
             )
     prompts, as_ids, placed = _prompts(query, items, flags["item_first"], anchor, overrides, engine)
-    native: dict[str, Any] = {
-        "input_ids" if as_ids else "text": prompts,
-        "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True,
-        "token_ids_logprob": per_item,
+    native: dict[str, Any] = {"input_ids" if as_ids else "text": prompts}
+    if engine.generation:
+        native["sampling_params"] = {"max_new_tokens": 0}
+        native["return_logprob"] = True
+        native["token_ids_logprob"] = per_item
         # the setwise readout reads the prompt's positions (input log-probs from the start)
-        "logprob_start_len": 0 if anchor is not None else -1,
-    }
+        native["logprob_start_len"] = 0 if anchor is not None else -1
     if placed is not None:
         native["positional_embed_overrides"] = placed
     if anchor is not None:
@@ -127,7 +151,11 @@ def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None
                 "score_extraction_token",
             )
         options = {**options, "setwise": True, "anchors": anchors}
-    if body.get("return_pooled_hidden_states"):
+        if not engine.generation:  # the pooler reads its head at them
+            native["token_indices_to_pool"] = anchors
+    if body.get("return_pooled_hidden_states") and not engine.generation:
+        native["return_pooled_hidden_states"] = True
+    elif body.get("return_pooled_hidden_states"):
         raise OpenAIError(
             "return_pooled_hidden_states is not supported for CausalLM models. It requires a "
             "model with a task-specific head (e.g. SequenceClassification or RewardModel).",

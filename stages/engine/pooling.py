@@ -118,11 +118,18 @@ class PoolingModel:
 
     @torch.inference_mode()
     def pool(
-        self, rows: Sequence[Sequence[int]], dimensions: Sequence[int | None] | None = None
-    ) -> tuple[list[list[float]], torch.Tensor]:
+        self,
+        rows: Sequence[Sequence[int]],
+        dimensions: Sequence[int | None] | None = None,
+        anchors: Sequence[Sequence[int] | None] | None = None,
+        overrides: Sequence[Any] | None = None,
+    ) -> tuple[list[Any], Any]:
         """One batched pass over ``rows`` (token ids): each row's result (the head's outputs, or
         its normalized hidden state cut to its ``dimensions``) and the pooled hidden states
-        before the head, float32 on the CPU."""
+        before the head, float32 on the CPU. ``anchors``: a row's positions to read the head at
+        (``/v1/score``'s setwise readout: a row of outputs each, and as many hidden states)
+        instead of its last; ``overrides``: a row's ``PositionalEmbeds`` (``/v1/score``'s
+        embedding overrides: its rows in place of those positions' token embeddings)."""
         device = next(self.backbone.parameters()).device
         lengths = torch.tensor([len(r) for r in rows])
         ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
@@ -130,9 +137,28 @@ class PoolingModel:
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row)
             mask[i, : len(row)] = 1
-        out = self.backbone(input_ids=ids.to(device), attention_mask=mask.to(device))
+        ids, mask = ids.to(device), mask.to(device)
+        if overrides is not None and any(o is not None for o in overrides):
+            embeds = self.backbone.get_input_embeddings()(ids)
+            for i, over in enumerate(overrides):
+                if over is not None:  # (right-padded: a prompt's positions are the row's)
+                    at = torch.tensor(over.positions, dtype=torch.long, device=device)
+                    embeds[i, at] = over.rows.to(device, embeds.dtype)
+            out = self.backbone(inputs_embeds=embeds, attention_mask=mask)
+        else:
+            out = self.backbone(input_ids=ids, attention_mask=mask)
         at = torch.arange(len(rows), device=device), (lengths - 1).to(device)
         last = out.last_hidden_state[at]
+        if anchors is not None and any(a is not None for a in anchors):
+            assert self.head is not None  # (setwise: classification heads only)
+            results: list[Any] = []
+            states: list[torch.Tensor] = []
+            for i, where in enumerate(anchors):
+                picked = last[i : i + 1] if where is None else out.last_hidden_state[i, list(where)]
+                head = self.head(picked).float().cpu().tolist()
+                results.append(head[0] if where is None else head)
+                states.append(picked[0] if where is None else picked)
+            return results, [s.float().cpu() for s in states]
         if self.head is not None:
             return self.head(last).float().cpu().tolist(), last.float().cpu()
         hidden = last.float().cpu()
@@ -227,6 +253,8 @@ class _Job:
     hidden: bool  # the pooled hidden states wanted too
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    anchors: list[list[int] | None] | None = None  # PoolingModel.pool's, per row
+    overrides: list[Any] | None = None
 
 
 @dataclass
@@ -295,17 +323,19 @@ class Pooler:
         dimensions: list[int | None] | None = None,
         *,
         hidden: bool = False,
-    ) -> tuple[list[list[float]], list[list[float]] | None]:
+        anchors: list[list[int] | None] | None = None,
+        overrides: list[Any] | None = None,
+    ) -> tuple[list[Any], list[Any] | None]:
         """Each row's result (and, with ``hidden``, its pooled hidden state before the head)
-        once the thread has run it; ``PoolingFailed`` when the pass raised or the thread is
-        not running."""
+        once the thread has run it (``anchors``, ``overrides``: ``PoolingModel.pool``'s, per
+        row); ``PoolingFailed`` when the pass raised or the thread is not running."""
         if not self.alive:
             raise PoolingFailed("the pooling thread is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         dims = list(dimensions) if dimensions is not None else [None] * len(rows)
         self._queued = [self._queued[0] + len(rows), self._queued[1] + sum(map(len, rows))]
-        self._jobs.put(_Job(rows, dims, hidden, loop, future))
+        self._jobs.put(_Job(rows, dims, hidden, loop, future, anchors, overrides))
         return await future
 
     @property
@@ -421,8 +451,10 @@ class Pooler:
         for batch in self._batches(flat, jobs):
             rows = [jobs[j].rows[i] for j, i in batch]
             dims = [jobs[j].dimensions[i] for j, i in batch]
+            anchors = _per_row(jobs, batch, "anchors")
+            overrides = _per_row(jobs, batch, "overrides")
             try:
-                results, states = self.model.pool(rows, dims)
+                results, states = self.model.pool(rows, dims, anchors, overrides)
             except Exception as exc:  # a failed pass fails its requests, never the thread
                 log.exception("pooling_pass_failed", rows=len(rows))
                 error = PoolingFailed(f"the model's pass failed: {type(exc).__name__}: {exc}")
@@ -471,6 +503,13 @@ class Pooler:
                 batches.append([])
             batches[-1].append((j, i))
         return [b for b in batches if b]
+
+
+def _per_row(jobs: list[_Job], batch: list[tuple[int, int]], name: str) -> list[Any] | None:
+    """A pass's rows' ``anchors`` or ``overrides`` (None: no row of it has any)."""
+    if all(getattr(jobs[j], name) is None for j, _ in batch):
+        return None
+    return [None if (v := getattr(jobs[j], name)) is None else v[i] for j, i in batch]
 
 
 def _settle(future: asyncio.Future, answer: Any, error: Exception | None) -> None:

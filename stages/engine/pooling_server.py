@@ -67,7 +67,6 @@ _GENERATION_ROUTES = (
     "/v1/chat/completions",
     "/v1/responses",
     "/v1/messages",
-    "/v1/score",
     "/invocations",
     "/api/chat",
     "/api/generate",
@@ -133,6 +132,7 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             engine_id=os.environ.get(ENGINE_ID_ENV) or None,
             served_model_name=args.served_model_name,
             request_log=request_log_of(args),
+            radix_cache_off=args.prefix_cache_tokens == 0,  # --disable-radix-cache
         )
         heap.settle()
         started = {"kind": kind, "outputs": model.width, "max_running": args.max_running}
@@ -152,12 +152,14 @@ def build_pooling_app(
     engine_id: str | None = None,
     served_model_name: str | None = None,
     request_log: RequestLog | None = None,
+    radix_cache_off: bool = False,
 ) -> web.Application:
     """The application of a pooling engine; the caller starts and stops ``pooler``
     (``served_model_name``: the model's name on the OpenAI routes; None: its path;
     ``request_log``: SGLang's request logging of ``/encode``, ``/classify`` and their ``/v1``
     routes, with ``/configure_logging`` and ``/set_trace_level``; None: off until
-    ``/configure_logging`` turns it on)."""
+    ``/configure_logging`` turns it on; ``radix_cache_off``: launched with
+    ``--disable-radix-cache``, which ``/v1/score``'s setwise readout asks, as SGLang's does)."""
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     app[_POOLER] = pooler
     loaded = pooler.model.loaded
@@ -165,7 +167,7 @@ def build_pooling_app(
     app[SERVED_NAME] = name
     requests = request_log if request_log is not None else RequestLog()
     requests.decode = decoder(loaded.tokenizer)
-    EncodeRoutes(pooler, name, requests).add_to(app)
+    EncodeRoutes(pooler, name, requests, radix_cache_off=radix_cache_off).add_to(app)
     LoggingRoutes(requests).add_to(app)
     # SGLang serves these on any model: GC, runtime knobs, its stateless parsers
     app[_OVERRIDES] = requests.config_updates

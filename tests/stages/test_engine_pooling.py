@@ -532,10 +532,10 @@ async def test_a_pass_under_way_runs_its_rows_and_the_rest_wait(tmp_path) -> Non
     entered, release = threading.Event(), threading.Event()
     pool = model.pool
 
-    def held(rows, dims):  # the pass waits until the test has looked
+    def held(rows, dims, *more):  # the pass waits until the test has looked
         entered.set()
         assert release.wait(30)
-        return pool(rows, dims)
+        return pool(rows, dims, *more)
 
     model.pool = held  # type: ignore[method-assign]
     pooler = Pooler(model)
