@@ -514,6 +514,53 @@ async def test_prefill_only_and_v1_score_read_the_distribution_after_the_prompt(
     assert status == 400 and "apply_softmax" in bad["message"], bad
 
 
+@pytest.mark.timeout(120)
+async def test_v1_score_embedding_overrides_of_a_tokens_own_row_score_as_that_token(client, served):
+    """SGLang 0.5.23's ``/v1/score`` embedding overrides (``_build_token_id_inputs``): a
+    placeholder whose row is another token's own embedding scores as that token in its place,
+    whatever the prefix cache holds for the placeholder's ids; the setwise readout answers a
+    matrix per item, or, with the radix cache on, SGLang's 400 saying it needs it off."""
+    _need_model(served)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(served.model, dtype="auto")
+    labels = [PROMPT[0], PROMPT[3], 107]
+    hole, token = PROMPT[1], PROMPT[6]
+    row = model.get_input_embeddings().weight[token].float().tolist()
+    del model
+    query, items = [PROMPT[0], hole, PROMPT[2]], [[PROMPT[4], hole], [PROMPT[5]]]
+    plain = {"query": query, "items": items, "label_token_ids": labels}
+    status, held = await _post(client, "/v1/score", plain)  # the placeholder's KV cached
+    assert status == 200, held
+    status, out = await _post(
+        client, "/v1/score",
+        {**plain, "embed_override_token_id": hole, "query_embed_overrides": [row],
+         "item_embed_overrides": [[row], None]},
+    )  # fmt: skip
+    assert status == 200, out
+    swapped = [[token if t == hole else t for t in ids] for ids in (query, *items)]
+    status, want = await _post(
+        client, "/v1/score", {**plain, "query": swapped[0], "items": swapped[1:]}
+    )
+    assert status == 200, want
+    for got, expected in zip(out["scores"], want["scores"], strict=True):
+        for g, e in zip(got, expected, strict=True):
+            assert abs(math.log(g) - math.log(e)) <= _tolerance(), (out, want)
+    status, bad = await _post(
+        client, "/v1/score", {**plain, "embed_override_token_id": hole, "query_embed_overrides": []}
+    )
+    assert status == 400 and "occurrences of embed_override_token_id" in bad["message"], bad
+    from transformers import AutoTokenizer
+
+    anchor = AutoTokenizer.from_pretrained(served.model).convert_ids_to_tokens(PROMPT[4])
+    setwise = {**plain, "items": [[PROMPT[4], hole], [PROMPT[5], PROMPT[4]]]}
+    status, out = await _post(client, "/v1/score", {**setwise, "score_extraction_token": anchor})
+    if status == 400:  # the radix cache on, as servers run by default
+        assert "requires --disable-radix-cache" in out["message"], out
+    else:
+        assert status == 200 and [len(m) for m in out["scores"]] == [1, 1], out
+
+
 @pytest.mark.timeout(300)
 async def test_weights_from_tensor_in_shared_memory_come_back_as_they_were(client, served):
     """``/update_weights_from_tensor`` inside a weight-update session (SGLang 0.5.23): this
