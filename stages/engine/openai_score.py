@@ -77,8 +77,11 @@ class ScoreEngine:
 
 
 def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """``(native /generate body or None when there is nothing to score, options)`` of a
-    ``/v1/score`` body; OpenAIError with SGLang's words for what it refuses. Its fields' types
+    """``(native body or None when there is nothing to score, options)`` of a ``/v1/score``
+    body: a ``/generate`` body, or for a model that does not generate (``engine.generation``
+    false) the ``/encode`` body SGLang builds (an ``EmbeddingReqInput``'s prompts, overrides,
+    ``token_indices_to_pool`` and ``return_pooled_hidden_states``: ``stages.engine
+    .pooling_score``); OpenAIError with SGLang's words for what it refuses. Its fields' types
     are ``request_fields.checked_score``' (the route checks them first). SGLang's order of
     checks: ``score_request`` in ``tokenizer_manager_score_mixin.py``."""
     model = body.get("model", "default")

@@ -7,6 +7,7 @@ transformers' distribution after each ``query + item``."""
 from __future__ import annotations
 
 import math
+import urllib.request
 
 import pytest
 import torch
@@ -212,3 +213,57 @@ def test_embedding_overrides_refused_as_sglang_refuses_them(engine: Engine) -> N
         assert status == 400 and words in out["message"], (case, out)
     status, out = _score(engine, **base, query_embed_overrides=[row])
     assert status == 200 and len(out["scores"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_overridden_and_plain_prompts_of_the_same_ids_at_once_keep_their_own_answers(
+    engine: Engine,  # noqa: F811
+) -> None:
+    """Requests that come together share passes: plain ones of a long common prefix (which the
+    prefix cache and the in-batch waves share among them), overridden ones of the same ids
+    (which share nothing), and generating ones after the same prefix. Each answers what it
+    answers alone."""
+    import concurrent.futures
+
+    hole = 7
+    prefix = [hole, 5, 17, 33, 8, 90, 11, 23, 44, 61, 70, 81, 3, 9, 14, 15, 16, 18, 19, 20] * 2
+    items = [[21 + i, hole] for i in range(6)]
+    gen = torch.Generator().manual_seed(11)
+    rows = [torch.randn(2, 32, generator=gen).tolist() for _ in range(6)]
+    plain = [{"query": prefix, "items": [item], "label_token_ids": LABELS} for item in items]
+    over = [
+        {**body, "embed_override_token_id": hole, "query_embed_overrides": [r[0]] * 2,
+         "item_embed_overrides": [[r[1]]]}
+        for body, r in zip(plain, rows, strict=True)
+    ]  # fmt: skip
+    calls = [("score", body) for pair in zip(plain, over, strict=True) for body in pair]
+    calls += [("generate", {"input_ids": prefix + item, "sampling_params": GREEDY_4})
+              for item in items]  # fmt: skip
+
+    def call(what: str, body: dict) -> tuple[int, dict]:
+        if what == "score":
+            return _score(engine, **body)
+        return engine.request("POST", "/generate", body)
+
+    def flush() -> None:
+        with urllib.request.urlopen(
+            urllib.request.Request(engine.url + "/flush_cache", method="POST"), timeout=10
+        ) as answer:
+            assert answer.status == 200
+
+    flush()
+    alone = [call(*c) for c in calls]
+    flush()
+    for _ in range(2):  # the second time, the plain prefixes are cached
+        with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+            together = list(pool.map(lambda c: call(*c), calls))
+        for (what, _), (s1, first), (s2, again) in zip(calls, alone, together, strict=True):
+            assert s1 == s2 == 200, (first, again)
+            if what == "generate":
+                assert again["output_ids"] == first["output_ids"]
+                continue
+            for a, b in zip(again["scores"][0], first["scores"][0], strict=True):
+                assert a == pytest.approx(b, rel=1e-4)
+
+
+GREEDY_4 = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
