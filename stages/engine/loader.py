@@ -38,6 +38,8 @@ __all__ = [
     "LOAD_FORMATS",
     "LoadedModel",
     "eos_ids",
+    "fill_weights",
+    "instantiate",
     "load_model",
     "load_tokenizer",
     "own_code",
@@ -112,33 +114,11 @@ def load_model(
             "model, which does not generate: `inflight engine --model` serves it on its own "
             "(/classify, /encode), not as a generating engine"
         )
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load format must be one of {sorted(LOAD_FORMATS)}, got {load_format!r}")
-    if load_format == "remote_instance" and remote is None:
-        raise ValueError("load format remote_instance needs the seed instance to load from")
-    trust = {"trust_remote_code": trust_remote_code}
-    with own_code(path):
-        if load_format in ("dummy", "remote_instance"):  # every weight written below
-            config = AutoConfig.from_pretrained(path, local_files_only=True, **trust)
-            with _weights_left_uninitialized():
-                model = AutoModelForCausalLM.from_config(
-                    config, dtype=torch_dtype(device, dtype, config), **trust
-                )
-            model.tie_weights()  # (init_weights, which ties them, was skipped)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                path,
-                dtype=torch_dtype(device, dtype),
-                local_files_only=True,
-                use_safetensors=LOAD_FORMATS[load_format],
-                **trust,
-            )
-    model.to(device).eval()
-    version = None
-    if load_format == "dummy":
-        dummy_weights(model)
-    elif load_format == "remote_instance" and remote is not None:
-        version = load_from_seed(model, remote, next(model.parameters()).device)
+    model = instantiate(
+        AutoModelForCausalLM, path, device=device, dtype=dtype, load_format=load_format,
+        trust_remote_code=trust_remote_code, remote=remote,
+    )  # fmt: skip
+    version = fill_weights(model, load_format, remote)
     tokenizer, folder = None, None
     if not skip_tokenizer:
         if tokenizer_path is not None:
@@ -155,6 +135,52 @@ def load_model(
         weight_version=version,
         load_format=load_format,
     )
+
+
+def instantiate(
+    auto: Any,
+    path: Path,
+    *,
+    device: str,
+    dtype: str,
+    load_format: str = "auto",
+    trust_remote_code: bool = False,
+    remote: RemoteSeed | None = None,
+) -> torch.nn.Module:
+    """The model of ``path`` as transformers' ``auto`` class builds it, on ``device`` and in
+    eval mode: its weights read as ``load_format`` says (``LOAD_FORMATS``), or, for ``dummy``
+    and ``remote_instance``, none read, every weight left for ``fill_weights``."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format must be one of {sorted(LOAD_FORMATS)}, got {load_format!r}")
+    if load_format == "remote_instance" and remote is None:
+        raise ValueError("load format remote_instance needs the seed instance to load from")
+    trust = {"trust_remote_code": trust_remote_code}
+    with own_code(path):
+        if load_format in ("dummy", "remote_instance"):  # every weight written below
+            config = AutoConfig.from_pretrained(path, local_files_only=True, **trust)
+            with _weights_left_uninitialized():
+                model = auto.from_config(config, dtype=torch_dtype(device, dtype, config), **trust)
+            model.tie_weights()  # (init_weights, which ties them, was skipped)
+        else:
+            model = auto.from_pretrained(
+                path,
+                dtype=torch_dtype(device, dtype),
+                local_files_only=True,
+                use_safetensors=LOAD_FORMATS[load_format],
+                **trust,
+            )
+    return model.to(device).eval()
+
+
+def fill_weights(model: torch.nn.Module, load_format: str, remote: RemoteSeed | None) -> str | None:
+    """The weights ``instantiate`` left unread: drawn as SGLang's ``initialize_dummy_weights``
+    draws them (``dummy``), or received from the running engine ``remote``
+    (``remote_instance``: its weight version returned; None otherwise)."""
+    if load_format == "dummy":
+        dummy_weights(model)
+    elif load_format == "remote_instance" and remote is not None:
+        return load_from_seed(model, remote, next(model.parameters()).device)
+    return None
 
 
 def _weights_left_uninitialized() -> Any:

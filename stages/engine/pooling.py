@@ -38,8 +38,16 @@ import torch.nn.functional as F
 
 from stages import hf
 from stages.engine.load_meter import LoadMeter
-from stages.engine.loader import LoadedModel, eos_ids, load_tokenizer, own_code, torch_dtype
+from stages.engine.loader import (
+    LoadedModel,
+    eos_ids,
+    fill_weights,
+    instantiate,
+    load_tokenizer,
+    own_code,
+)
 from stages.engine.memory_offload import MemoryState
+from stages.engine.remote_instance import RemoteSeed
 from stages.hub import resolve_model
 
 __all__ = [
@@ -175,19 +183,22 @@ def load_pooling_model(
     device: str = "cpu",
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    load_format: str = "auto",
+    remote: RemoteSeed | None = None,
 ) -> PoolingModel:
-    """Load ``path`` as a ``kind`` model onto ``device``; ValueError or OSError when it cannot
-    be (a ``classify`` architecture without a ``score`` head among them)."""
+    """Load ``path`` as a ``kind`` model onto ``device``, its weights as ``load_format`` says
+    (SGLang's ``--load-format``, ``loader.LOAD_FORMATS``: ``remote_instance`` receives those of
+    the running engine ``remote``, whose weight version ``loaded.weight_version`` then names);
+    ValueError or OSError when it cannot be (a ``classify`` architecture without a ``score``
+    head among them; ``RemoteLoadError`` when the seed's weights do not come)."""
     path = resolve_model(str(path), what="--model")
-    dtypes = {
-        "dtype": torch_dtype(device, dtype),
-        "local_files_only": True,
-        "trust_remote_code": trust_remote_code,
-    }
+    how = {
+        "device": device, "dtype": dtype, "load_format": load_format,
+        "trust_remote_code": trust_remote_code, "remote": remote,
+    }  # fmt: skip
     if kind == "classify":
         try:
-            with own_code(path):
-                model = hf.AutoModelForSequenceClassification.from_pretrained(path, **dtypes)
+            model = instantiate(hf.AutoModelForSequenceClassification, path, **how)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{path} does not load as a classification model: {exc}") from None
         head = getattr(model, "score", None)
@@ -198,14 +209,12 @@ def load_pooling_model(
             )
         backbone = model.base_model
     elif _causal(path, trust_remote_code):  # loaded whole, as SGLang loads it: its head is
-        with own_code(path):  # there, and unused
-            model = hf.AutoModelForCausalLM.from_pretrained(path, **dtypes)
+        model = instantiate(hf.AutoModelForCausalLM, path, **how)  # there, and unused
         head, backbone = None, model.base_model
     else:
-        with own_code(path):
-            model = hf.AutoModel.from_pretrained(path, **dtypes)
+        model = instantiate(hf.AutoModel, path, **how)
         head, backbone = None, model
-    model.to(device).eval()
+    version = fill_weights(model, load_format, remote)
     config = model.config
     num_labels = int(getattr(config, "num_labels", 0) or 0)
     labels = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
@@ -224,6 +233,8 @@ def load_pooling_model(
         vocab_size=embeddings.num_embeddings,
         context_length=config.max_position_embeddings,
         eos_token_ids=eos_ids(model, None),
+        weight_version=version,
+        load_format=load_format,
     )
     return PoolingModel(
         loaded=loaded,

@@ -39,6 +39,7 @@ from stages.engine.openai_rerank import is_reranker_template
 from stages.engine.parse_routes import ParseRoutes
 from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
 from stages.engine.pooling_weights import add_weight_routes
+from stages.engine.remote_instance import RemoteLoadError
 from stages.engine.request_body import bad_request
 from stages.engine.request_log import RequestLog
 from stages.engine.server import (
@@ -50,6 +51,7 @@ from stages.engine.server import (
     ignored_counts,
     model_info,
     refused_counts,
+    remote_seed,
     request_log_of,
     run_loop,
     serve,
@@ -108,18 +110,24 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
         return 2
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
+        load_format, remote = args.load_format, remote_seed(args)
+        if load_format == "remote_instance" and remote is None:  # SGLang's _handle_load_format
+            load_format = "auto"
         model = load_pooling_model(
             args.model,
             kind,
             device=args.device,
             dtype=args.dtype,
             trust_remote_code=args.trust_remote_code,
+            load_format=load_format,
+            remote=remote,
         )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RemoteLoadError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
     pooler = Pooler(model, max_rows=args.max_running)
-    pooler.weight_version = args.weight_version
+    # the seed's version, for weights taken from a running engine (remote_instance)
+    pooler.weight_version = model.loaded.weight_version or args.weight_version
     pooler.start()
     try:
         app = build_pooling_app(

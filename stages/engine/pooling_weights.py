@@ -12,8 +12,9 @@ What a pooling engine lacks it has nothing to do for: no prefix cache to flush, 
 request to abort (its passes are not interrupted: an abort waits for the one under way), no
 step-boundary turns. ``/release_memory_occupation`` and ``/resume_memory_occupation`` give the
 weights back to a colocated trainer and take them back, as the generating engine does
-(``stages.engine.memory_offload``): the prompts that come meanwhile wait. Sending weights to a
-new engine (``remote_instance``) is the generating engine's alone.
+(``stages.engine.memory_offload``): the prompts that come meanwhile wait. A new pooling engine
+started with ``--load-format remote_instance`` takes this one's live weights and version
+(``stages.engine.remote_instance``), read between two passes and sent while passes go on.
 """
 
 from __future__ import annotations
@@ -124,6 +125,27 @@ class PoolingWeights:
     def released_memory(self) -> list[str]:
         return list(self.pooler.memory.released)
 
+    def lend_weights(self, what: str) -> Future[list[tuple[str, torch.Tensor]]]:
+        """The model's parameters (``named_parameters``, in order) between two passes, for a
+        new engine's weights (``remote_instance``), read on another thread while passes go
+        on; the weights may not be released until ``return_weights`` (the weight routes keep
+        updates out meanwhile). Refused while they are released."""
+
+        def lend() -> list[tuple[str, torch.Tensor]]:
+            self.pooler.memory.refuse_weights(what)
+            self.pooler.memory.lent += 1
+            return list(self.model.named_parameters())
+
+        return self.pooler.between_passes(lend)
+
+    def return_weights(self) -> Future[None]:
+        """End a ``lend_weights``."""
+
+        def back() -> None:
+            self.pooler.memory.lent -= 1
+
+        return self.pooler.between_passes(back)
+
     def parameter_rows(self, name: str, rows: int) -> Future[torch.Tensor | None]:
         return self.with_weights("get_weights_by_name", lambda m: parameter_rows(m, name, rows))
 
@@ -144,6 +166,9 @@ def add_weight_routes(app: web.Application, pooler: Pooler, model_path: str) -> 
         "/update_weights_from_tensor": weights.update_from_tensor,
         "/update_weights_from_ipc": weights.update_from_ipc,
         "/update_weight_version": weights.update_version,
+        # a new engine's weights from this one (stages.engine.remote_instance)
+        "/init_weights_send_group_for_remote_instance": weights.init_send_group,
+        "/send_weights_to_remote_instance": weights.send_weights,
     }
     for path, handler in routes.items():
         app.router.add_post(path, handler)

@@ -152,6 +152,7 @@ __all__ = [
     "parse_args",
     "plain_answers",
     "refused_counts",
+    "remote_seed",
     "request_log_of",
     "resolve_parsers",
     "run_loop",
@@ -1292,7 +1293,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def load_served(args: argparse.Namespace) -> LoadedModel:
     """The model the options name, loaded as they say (its own code, tokenizer, context length,
     weights' format): as a server process and an engine in a generator's process load it."""
-    load_format, remote = args.load_format, _remote_seed(args)
+    load_format, remote = args.load_format, remote_seed(args)
     if load_format == "remote_instance" and remote is None:  # SGLang's _handle_load_format
         load_format = "auto"
     return load_model(
@@ -1308,7 +1309,7 @@ def load_served(args: argparse.Namespace) -> LoadedModel:
     )
 
 
-def _remote_seed(args: argparse.Namespace) -> RemoteSeed | None:
+def remote_seed(args: argparse.Namespace) -> RemoteSeed | None:
     """The engine ``--load-format remote_instance`` takes its weights from; None (logged in
     SGLang's words, which then loads the checkpoint) where its flags are incomplete."""
     if getattr(args, "load_format", None) != "remote_instance":

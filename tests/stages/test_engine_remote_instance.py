@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from stages.engine.memory_offload import KV_CACHE, WEIGHTS, MemoryState, MemoryStateError
-from stages.engine.server import _parser, _remote_seed
+from stages.engine.server import _parser, remote_seed
 from tests.stages import engine_setup
 from tests.stages.engine_setup import (
     EngineProcess,
@@ -225,19 +225,19 @@ def test_incomplete_seed_flags_load_the_checkpoint_as_sglang_falls_back() -> Non
     ports, SGLang warns and loads as ``auto``."""
     parse = _parser().parse_args
     base = ["--model", "m", "--load-format", "remote_instance"]
-    assert _remote_seed(parse(base)) is None
+    assert remote_seed(parse(base)) is None
     ip = ["--remote-instance-weight-loader-seed-instance-ip", "10.0.0.1"]
     port = ["--remote-instance-weight-loader-seed-instance-service-port", "30000"]
-    assert _remote_seed(parse([*base, *ip, *port])) is None  # no group ports
+    assert remote_seed(parse([*base, *ip, *port])) is None  # no group ports
     ports = ["--remote-instance-weight-loader-send-weights-group-ports", "[30100]"]
-    found = _remote_seed(parse([*base, *ip, *port, *ports]))
+    found = remote_seed(parse([*base, *ip, *port, *ports]))
     assert found is not None and (found.url, found.group_ports) == (
         "http://10.0.0.1:30000",
         (30100,),
     )
     with pytest.raises(ValueError, match=r"torch\.distributed group only"):
         more = ["--remote-instance-weight-loader-backend", "transfer_engine"]
-        _remote_seed(parse([*base, *ip, *port, *ports, *more]))
+        remote_seed(parse([*base, *ip, *port, *ports, *more]))
     with pytest.raises(SystemExit):  # not a JSON list of ports: argparse's error
         parse([*base, "--remote-instance-weight-loader-send-weights-group-ports", "30100"])
 
@@ -251,3 +251,38 @@ def test_weights_lent_to_a_send_may_not_be_released_but_the_kv_cache_may() -> No
     assert state.to_release([KV_CACHE], idle=True) == [KV_CACHE]
     state.lent = 0
     assert state.to_release(None, idle=True) == [WEIGHTS, "cuda_graph"]
+
+
+@pytest.mark.timeout(120)
+def test_a_new_pooling_engine_takes_a_running_reward_models_weights(tmp_path: Path) -> None:
+    """The same exchange between two pooling engines (a reward model scaled out in a run that
+    trains it): the seed serves A and loaded B's weights as version 3; the new engine, started
+    on A's folder, scores as B. ``--load-format dummy`` is not ignored there either."""
+    from tests.stages.engine_setup import classifier_reference
+    from tests.stages.tiny_model import make_tiny_classifier
+
+    a = make_tiny_classifier(tmp_path / "a", seed=3)
+    b = make_tiny_classifier(tmp_path / "b", seed=4)
+    want_b, scale = classifier_reference(b, PROMPT)
+    want_a, _ = classifier_reference(a, PROMPT)
+    assert abs(want_a[0] - want_b[0]) > 1e-3  # the test tells them apart
+
+    def reward(url: str) -> float:
+        status, out = _post(url, "/classify", {"input_ids": PROMPT})
+        assert status == 200, out
+        return out["embedding"][0]
+
+    with builtin_engine(a) as seed:
+        status, out = _post(
+            seed, "/update_weights_from_disk", {"model_path": str(b), "weight_version": "3"}
+        )
+        assert status == 200, out
+        with builtin_engine(a, *_flags(seed, free_port()), output=tmp_path / "new.log") as new:
+            assert reward(new) == pytest.approx(want_b[0], abs=1e-5 * max(scale, 1.0))
+            assert _checksums(new) == _checksums(seed)
+            assert requests.get(new + "/get_weight_version", timeout=10).json() == {
+                "weight_version": "3"
+            }
+        assert reward(seed) == pytest.approx(want_b[0], abs=1e-5 * max(scale, 1.0))
+    with builtin_engine(a, "--load-format", "dummy") as drawn:
+        assert abs(reward(drawn) - want_a[0]) > 1e-3  # drawn weights, not the checkpoint's
