@@ -117,6 +117,7 @@ class EncodeRoutes:
         request_log: Any = None,
         *,
         radix_cache_off: bool = False,
+        mis: bool = False,
     ) -> None:
         self.pooler = pooler
         self.served_model_name = served_model_name
@@ -128,7 +129,7 @@ class EncodeRoutes:
             tokenizer = loaded.tokenizer
             self.encode_text = tokenizer.encode if tokenizer is not None else None
             # /v1/score's reading of this engine (--disable-radix-cache: its setwise readout)
-            self.score_engine = score_engine(pooler.model, radix_cache_off)
+            self.score_engine = score_engine(pooler.model, radix_cache_off, mis)
 
     def add_to(self, app: web.Application) -> None:
         """The pooling routes (``/v1/score`` only on a pooling engine: the generating engine's
@@ -176,19 +177,21 @@ class EncodeRoutes:
         started: float | None = None,
         anchors: Any = None,
         overrides: Any = None,
+        positions: Any = None,
     ) -> list[dict[str, Any]]:
         """``rows`` run: the native answer of each (``{embedding, meta_info}``; ``e2e_latency``
         from ``started``, else from now), logged in the request log where it is active
-        (``body`` as the request it was given as; ``anchors``, ``overrides``: ``/v1/score``'s,
-        ``Pooler.encode``'s)."""
+        (``body`` as the request it was given as; ``anchors``, ``overrides``, ``positions``:
+        ``/v1/score``'s, ``Pooler.encode``'s)."""
         requests = self.request_log
         logged = entry(requests, body, rids, batch, headers)
         if started is None:
             started = time.perf_counter()
         try:
             values, states = await self.pooler.encode(
-                rows, dims, hidden=hidden, anchors=anchors, overrides=overrides
-            )
+                rows, dims, hidden=hidden, anchors=anchors, overrides=overrides,
+                positions=positions,
+            )  # fmt: skip
             latency = time.perf_counter() - started
             answers = []
             for i, row in enumerate(rows):
@@ -293,12 +296,14 @@ class EncodeRoutes:
             self._check_lengths(rows)
             return rows
 
-        async def run(rows: list[list[int]], hidden: bool, anchors: Any, overrides: Any) -> Any:
+        async def run(
+            rows: list[list[int]], hidden: bool, anchors: Any, overrides: Any, positions: Any
+        ) -> Any:
             rids = _rids(None, len(rows), True)
             listed = overrides if isinstance(overrides, list) else None
             return await self._answers(
                 {"input_ids": rows}, rows, True, rids, [None] * len(rows), hidden,
-                anchors=anchors, overrides=listed,
+                anchors=anchors, overrides=listed, positions=positions,
             )  # fmt: skip
 
         return await score_pooled(body, self.score_engine, rows_of, run)

@@ -93,6 +93,8 @@ class InProcessEngine:
         args = self.args
         load = functools.partial(server.load_served, args)  # as a server process loads it
         self.loaded = await asyncio.get_running_loop().run_in_executor(self._loader, load)
+        if not server.mis_allowed(args, self.loaded.vocab_size):
+            raise ValueError("--enable-mis: this model has no token 9999, its delimiter")
         server.resolve_parsers(args, self.loaded)  # --tool-call-parser auto... as a server's
         self.scheduler = server.build_scheduler(args, self.loaded)
         self.scheduler.start()

@@ -854,11 +854,13 @@ class OpenAIRoutes:
         watched: Callable[[Any, web.Request], Awaitable[Any]] | None = None,
         prefix_cache: bool = True,
         embed_width: int | None = None,
+        mis: bool = False,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
         # /v1/score's: whether the prefix cache is on (its setwise readout wants it off), and
         # the model's embedding width (what its embedding overrides' rows hold)
         self.prefix_cache, self.embed_width = prefix_cache, embed_width
+        self.mis = mis  # --enable-mis: its multi-item scoring
         self.watched = watched
         # stages.engine.request_log.RequestLog: each /v1 body logged as it came (level >= 2)
         self.request_log = request_log
@@ -1079,7 +1081,9 @@ class OpenAIRoutes:
             from stages.engine import openai_score  # it builds on this module
 
             tokenizer = self.chat.tokenizer if self.chat is not None else None
-            engine = openai_score.ScoreEngine(tokenizer, self.prefix_cache, self.embed_width)
+            engine = openai_score.ScoreEngine(
+                tokenizer, self.prefix_cache, self.embed_width, mis=self.mis
+            )
 
             def build_score(raw: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
                 return openai_score.score_request(checked_body(checked_score, raw), engine)

@@ -224,6 +224,8 @@ class ChatSettings:
     encoding: str | None = None
     # --trust-request-chat-template: a request's chat_template_kwargs.chat_template renders it
     trust_request_template: bool = False
+    # --enable-mis: /v1/decisions and /v1/systemone refuse (SGLang's _validate_server)
+    mis: bool = False
     renderer: TemplateRenderer = field(init=False, repr=False)
     token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 

@@ -319,6 +319,8 @@ def decisions_request(
     except ValidationError as exc:
         raise OpenAIError(validation_message(exc), kind=BAD_REQUEST) from None
     always, toggle = _template_reasoning(settings)  # the template read once a request
+    if getattr(settings, "mis", False):  # (SGLang's _validate_server, before the adapter)
+        raise OpenAIError(f"{ROUTE} does not support --enable-mis")
     _check_request(request, served_model_name, always, toggle)
     kwargs = template_kwargs(settings, toggle, request.chat_template_kwargs)
     text = as_text(request.input)

@@ -24,10 +24,9 @@ occurrence of that token in each ``query + item`` (the distribution of the token
 and ``scores`` holds one ``[occurrences x labels]`` matrix per item. This engine always prefills
 a prompt whole (SGLang also wants ``--chunked-prefill-size -1``) and never truncates one.
 
-Not here: SGLang's fused multi-item mode (``--enable-mis``, a server flag there, read through
-FlashInfer's item mask; this engine does not take the flag). ``return_pooled_hidden_states`` is
-refused as SGLang refuses it for a causal LM; a text query with token-id items and neither
-overrides nor readout likewise.
+Multi-item scoring (``--enable-mis``): each item scored alone as SGLang's fused sequence reads
+it (``_fused``). ``return_pooled_hidden_states`` is refused as SGLang refuses it for a causal LM;
+a text query with token-id items and neither overrides, readout nor ``--enable-mis`` likewise.
 """
 
 from __future__ import annotations
@@ -37,12 +36,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from stages.engine.openai_api import OpenAIError, _usage
-from stages.engine.prompt_embeds import PositionalEmbeds, embeds_rows
-from stages.engine.protocol import is_int
+from stages.engine.prompt_embeds import PositionalEmbeds, PromptPositions, embeds_rows
+from stages.engine.protocol import POSITIONS, is_int
 from stages.engine.request_error import RequestError
 
-__all__ = ["ScoreEngine", "label_scores", "score_request", "score_response"]
+__all__ = ["ScoreEngine", "label_scores", "mis_refusal", "score_request", "score_response"]
 
 
 # SGLang's SequenceClassification architectures that pool their head per position, the only
@@ -65,6 +66,8 @@ class ScoreEngine:
     # an EmbeddingReqInput runs them): whether the model generates, and its architectures
     generation: bool = True
     architectures: frozenset[str] = frozenset()
+    # --enable-mis: the items scored as one fused sequence's (``_fused``)
+    mis: bool = False
 
     @property
     def vocab_size(self) -> int:  # SGLang's: the tokenizer's (0 without one)
@@ -117,7 +120,7 @@ def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None
         query = [] if isinstance(items, list) and isinstance(items[0], list) else ""
     overrides = _Overrides.of(body, items, flags["item_first"], engine)
     if anchor is not None:
-        if not engine.generation and not engine.architectures.intersection(_SCORE_AND_POOL):
+        if not engine.generation and not engine.architectures & _SCORE_AND_POOL:
             raise OpenAIError(
                 "score_extraction_token_id is only supported for SequenceClassification models "
                 "that pool the head per position (score_and_pool); model architecture(s) "
@@ -135,8 +138,24 @@ def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None
                 "positions are relative to the full prompt.",
                 "score_extraction_token",
             )
-    prompts, as_ids, placed = _prompts(query, items, flags["item_first"], anchor, overrides, engine)
+    if engine.mis and not engine.generation and not engine.architectures & _SCORE_AND_POOL:
+        raise OpenAIError(  # (SGLang's standard pooler reads one row: its answer fails)
+            "--enable-mis scores with a generating model or a SequenceClassification model that "
+            f"pools its head per position; model architecture(s) {list(engine.architectures)} "
+            "pool a single vector",
+            "items",
+        )
+    if engine.mis:  # SGLang's fused sequence, scored an item at a time here
+        fused = _fused(query, items, anchor, overrides, engine)
+        prompts, as_ids, placed = fused.prompts, True, fused.placed
+        options = {**options, "prompt_tokens": fused.length}
+    else:
+        prompts, as_ids, placed = _prompts(
+            query, items, flags["item_first"], anchor, overrides, engine
+        )
     native: dict[str, Any] = {"input_ids" if as_ids else "text": prompts}
+    if engine.mis:
+        native[POSITIONS] = fused.positions
     if engine.generation:
         native["sampling_params"] = {"max_new_tokens": 0}
         native["return_logprob"] = True
@@ -145,7 +164,12 @@ def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None
         native["logprob_start_len"] = 0 if anchor is not None else -1
     if placed is not None:
         native["positional_embed_overrides"] = placed
-    if anchor is not None:
+    if anchor is not None and engine.mis:
+        anchors = fused.anchors  # (SGLang's MIS+setwise answer has no token_logprobs)
+        options = {**options, "setwise": True, "anchors": anchors, "no_token_logprobs": True}
+        if not engine.generation:
+            native["token_indices_to_pool"] = anchors
+    elif anchor is not None:
         anchors = [[i for i, t in enumerate(p) if t == anchor] for p in prompts]
         if any(not found for found in anchors):
             raise OpenAIError(
@@ -237,20 +261,21 @@ class _Overrides:
             raise OpenAIError(str(exc), exc.field) from None
         return _Overrides(token, query, each)
 
-    def place(self, query: list[int], items: list[list[int]]) -> list[PositionalEmbeds | None]:
+    def place(
+        self, query: list[int], items: list[list[int]], gap: int = 0
+    ) -> list[PositionalEmbeds | None]:
         """Each ``query + item`` prompt's overrides (``_resolve_overrides_for_sequence``: as
-        many rows as the placeholder's occurrences, query's then item's)."""
+        many rows as the placeholder's occurrences, query's then item's; ``gap``: tokens
+        between the two, a delimiter's under ``--enable-mis``)."""
         head = self._at(query, self.query, 0, "query")
         placed: list[PositionalEmbeds | None] = []
         for i, item in enumerate(items):
             rows = self.items[i] if self.items is not None else None
-            tail = self._at(item, rows, len(query), f"items[{i}]")
+            tail = self._at(item, rows, len(query) + gap, f"items[{i}]")
             positions = head[0] + tail[0]
             if not positions:
                 placed.append(None)
                 continue
-            import torch  # (a tensor only where a request has rows)
-
             parts = [r for r in (head[1], tail[1]) if r is not None]
             placed.append(PositionalEmbeds(tuple(positions), torch.cat(parts)))
         return placed
@@ -315,6 +340,106 @@ def _prompts(
         "(a string or a list of them), or token ids with lists of token ids",
         "items",
     )
+
+
+MIS_DELIMITER = 9999  # SGLang's MIS_DELIMITER_TOKEN_ID (constants.py), a real token's id
+
+
+def mis_refusal(vocab_size: int) -> str | None:
+    """Why a model of ``vocab_size`` tokens cannot run ``--enable-mis`` (None: it can): its
+    delimiter is token 9999, whose embedding it reads."""
+    if vocab_size > MIS_DELIMITER:
+        return None
+    return (
+        f"--enable-mis fuses a /v1/score request's items with the delimiter token {MIS_DELIMITER} "
+        f"(SGLang's MIS_DELIMITER_TOKEN_ID), which this model's {vocab_size}-token vocabulary "
+        "does not have"
+    )
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """A request's items as SGLang's ``--enable-mis`` scores them, one prompt each here."""
+
+    prompts: list[list[int]]  # each item's: the query, the delimiter, the item
+    positions: list[PromptPositions]  # their position ids
+    placed: list[PositionalEmbeds | None] | None  # their embedding overrides
+    anchors: list[list[int]] | None  # the readout's anchors in each item's prompt
+    length: int  # the fused sequence's tokens (SGLang's prompt_tokens)
+
+
+def _fused(
+    query: Any, items: Any, anchor: int | None, overrides: _Overrides | None, engine: ScoreEngine
+) -> _Fused:
+    """``--enable-mis`` (``_build_multi_item_token_sequence``): the items fused as ``query
+    <delim> item0 <delim> item1 ... <delim>``, each item attending to the query and to itself
+    (FlashInfer's multi-item mask), its position ids going on from the query's last, the
+    delimiter's shared with it (``_process_multi_item_scoring``: ``prefix_len +
+    pos_within_item - 1``), each read before the delimiter that ends it. The same numbers come
+    from each item scored alone as ``query <delim> item`` at those positions, which is how this
+    engine scores them. Text is tokenized as SGLang's ``_batch_tokenize_query_and_items`` does
+    (the query with special tokens, the items without); ``item_first`` is ignored there."""
+
+    def ids_of(value: Any) -> bool:
+        return isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)
+
+    listed = [items] if isinstance(items, str) else items
+    plain = isinstance(query, str) and overrides is None and anchor is None
+    ids_alike = isinstance(query, list) and isinstance(items, list) and isinstance(items[0], list)
+    if not (plain or ids_alike or overrides is not None or anchor is not None):
+        raise OpenAIError("Invalid combination of query/items types for score_request.", "items")
+    head = engine.encode(query) if isinstance(query, str) else query
+    tails = [engine.encode(i, False) if isinstance(i, str) else i for i in listed]
+    if not (ids_of(head) and all(ids_of(t) for t in tails)):
+        raise OpenAIError("Invalid combination of query/items types for score_request.", "items")
+    if not head:  # (its delimiter would sit at position -1)
+        raise OpenAIError(
+            "--enable-mis needs a query: the first delimiter takes the query's last position",
+            "query",
+        )
+    size, delim = len(head), MIS_DELIMITER  # (the engine refuses to start where it has no 9999)
+    prompts = [[*head, delim, *tail] for tail in tails]
+    positions = [
+        PromptPositions((*range(size), size - 1, *range(size, size + len(tail)))) for tail in tails
+    ]
+    placed = None
+    if overrides is not None:
+        found = overrides.place(head, tails, gap=1)
+        placed = found if any(p is not None for p in found) else None
+    anchors = None
+    if anchor is not None:
+        fused = [*head]
+        starts = []  # each item's delimiter's index in the fused sequence
+        for tail in tails:
+            starts.append(len(fused))
+            fused += [delim, *tail]
+        ends = [*starts[1:], len(fused)]  # (the last delimiter closes the last item)
+        found_at = [i for i, t in enumerate([*fused, delim]) if t == anchor]
+        if not found_at:
+            raise OpenAIError(
+                f"No score-extraction token (id={anchor}) found in one or more input(s); the "
+                "client must render one per candidate.",
+                "score_extraction_token",
+            )
+        anchors = [
+            [f - lo + size for f in found_at if lo < f < hi]
+            for lo, hi in zip(starts, ends, strict=True)
+        ]
+        if sum(map(len, anchors)) != len(found_at):
+            raise OpenAIError(
+                "score-extraction token found outside the candidate items (e.g. in the shared "
+                "query prefix) under --enable-mis multi-item scoring; it must appear only "
+                "within items, one per candidate.",
+                "score_extraction_token",
+            )
+        if any(not a for a in anchors):
+            raise OpenAIError(
+                "Each item (candidate set) must contain at least one score-extraction token "
+                "under --enable-mis multi-item scoring.",
+                "score_extraction_token",
+            )
+    length = size + sum(len(t) + 1 for t in tails) + 1
+    return _Fused(prompts, positions, placed, anchors, length)
 
 
 def _with_overrides(
@@ -386,12 +511,13 @@ def score_response(results: list[Mapping[str, Any]], options: Mapping[str, Any])
         logprobs = _found(step, labels)
         scores.append(label_scores(logprobs, softmax, temperature))
         raw.append(logprobs)
+    wanted = options["return_token_logprobs"] and not options.get("no_token_logprobs")
     return {
         "scores": scores,
         "pooled_hidden_states": None,
-        "token_logprobs": raw if options["return_token_logprobs"] else None,
+        "token_logprobs": raw if wanted else None,
         "model": options["model"],
-        "usage": _usage(prompt_tokens, 0),
+        "usage": _usage(options.get("prompt_tokens", prompt_tokens), 0),
         "object": "scoring",
     }
 

@@ -131,13 +131,15 @@ class PoolingModel:
         dimensions: Sequence[int | None] | None = None,
         anchors: Sequence[Sequence[int] | None] | None = None,
         overrides: Sequence[Any] | None = None,
+        positions: Sequence[Any] | None = None,
     ) -> tuple[list[Any], Any]:
         """One batched pass over ``rows`` (token ids): each row's result (the head's outputs, or
         its normalized hidden state cut to its ``dimensions``) and the pooled hidden states
         before the head, float32 on the CPU. ``anchors``: a row's positions to read the head at
         (``/v1/score``'s setwise readout: a row of outputs each, and as many hidden states)
         instead of its last; ``overrides``: a row's ``PositionalEmbeds`` (``/v1/score``'s
-        embedding overrides: its rows in place of those positions' token embeddings)."""
+        embedding overrides: its rows in place of those positions' token embeddings);
+        ``positions``: a row's ``PromptPositions`` (``--enable-mis``: its position ids)."""
         device = next(self.backbone.parameters()).device
         lengths = torch.tensor([len(r) for r in rows])
         ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
@@ -146,15 +148,22 @@ class PoolingModel:
             ids[i, : len(row)] = torch.tensor(row)
             mask[i, : len(row)] = 1
         ids, mask = ids.to(device), mask.to(device)
+        where: dict[str, torch.Tensor] = {}
+        if positions is not None and any(p is not None for p in positions):
+            at = torch.arange(ids.shape[1]).repeat(len(rows), 1)
+            for i, given in enumerate(positions):
+                if given is not None:
+                    at[i, : len(given.ids)] = torch.tensor(given.ids)
+            where["position_ids"] = at.to(device)
         if overrides is not None and any(o is not None for o in overrides):
             embeds = self.backbone.get_input_embeddings()(ids)
             for i, over in enumerate(overrides):
                 if over is not None:  # (right-padded: a prompt's positions are the row's)
                     at = torch.tensor(over.positions, dtype=torch.long, device=device)
                     embeds[i, at] = over.rows.to(device, embeds.dtype)
-            out = self.backbone(inputs_embeds=embeds, attention_mask=mask)
+            out = self.backbone(inputs_embeds=embeds, attention_mask=mask, **where)
         else:
-            out = self.backbone(input_ids=ids, attention_mask=mask)
+            out = self.backbone(input_ids=ids, attention_mask=mask, **where)
         at = torch.arange(len(rows), device=device), (lengths - 1).to(device)
         last = out.last_hidden_state[at]
         if anchors is not None and any(a is not None for a in anchors):
@@ -266,6 +275,7 @@ class _Job:
     future: asyncio.Future
     anchors: list[list[int] | None] | None = None  # PoolingModel.pool's, per row
     overrides: list[Any] | None = None
+    positions: list[Any] | None = None
 
 
 @dataclass
@@ -336,17 +346,19 @@ class Pooler:
         hidden: bool = False,
         anchors: list[list[int] | None] | None = None,
         overrides: list[Any] | None = None,
+        positions: list[Any] | None = None,
     ) -> tuple[list[Any], list[Any] | None]:
         """Each row's result (and, with ``hidden``, its pooled hidden state before the head)
-        once the thread has run it (``anchors``, ``overrides``: ``PoolingModel.pool``'s, per
-        row); ``PoolingFailed`` when the pass raised or the thread is not running."""
+        once the thread has run it (``anchors``, ``overrides``, ``positions``:
+        ``PoolingModel.pool``'s, per row); ``PoolingFailed`` when the pass raised or the
+        thread is not running."""
         if not self.alive:
             raise PoolingFailed("the pooling thread is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         dims = list(dimensions) if dimensions is not None else [None] * len(rows)
         self._queued = [self._queued[0] + len(rows), self._queued[1] + sum(map(len, rows))]
-        self._jobs.put(_Job(rows, dims, hidden, loop, future, anchors, overrides))
+        self._jobs.put(_Job(rows, dims, hidden, loop, future, anchors, overrides, positions))
         return await future
 
     @property
@@ -464,8 +476,9 @@ class Pooler:
             dims = [jobs[j].dimensions[i] for j, i in batch]
             anchors = _per_row(jobs, batch, "anchors")
             overrides = _per_row(jobs, batch, "overrides")
+            positions = _per_row(jobs, batch, "positions")
             try:
-                results, states = self.model.pool(rows, dims, anchors, overrides)
+                results, states = self.model.pool(rows, dims, anchors, overrides, positions)
             except Exception as exc:  # a failed pass fails its requests, never the thread
                 log.exception("pooling_pass_failed", rows=len(rows))
                 error = PoolingFailed(f"the model's pass failed: {type(exc).__name__}: {exc}")
@@ -517,7 +530,7 @@ class Pooler:
 
 
 def _per_row(jobs: list[_Job], batch: list[tuple[int, int]], name: str) -> list[Any] | None:
-    """A pass's rows' ``anchors`` or ``overrides`` (None: no row of it has any)."""
+    """A pass's rows' ``anchors``, ``overrides`` or ``positions`` (None: no row has any)."""
     if all(getattr(jobs[j], name) is None for j, _ in batch):
         return None
     return [None if (v := getattr(jobs[j], name)) is None else v[i] for j, i in batch]

@@ -24,15 +24,18 @@ import torch
 
 from stages.engine.openai_api import _usage
 from stages.engine.openai_score import ScoreEngine, label_scores, score_request
+from stages.engine.protocol import POSITIONS
 
 __all__ = ["pooled_scores", "score_engine", "score_pooled"]
 
-# the pooler's run of rows: (rows, hidden wanted, anchors, overrides) -> each row's native answer
-Run = Callable[[list[list[int]], bool, Any, Any], Awaitable[list[dict[str, Any]]]]
+# the pooler's run of rows: (rows, hidden wanted, anchors, overrides, positions) -> each row's
+# native answer
+Run = Callable[[list[list[int]], bool, Any, Any, Any], Awaitable[list[dict[str, Any]]]]
 
 
-def score_engine(model: Any, radix_cache_off: bool) -> ScoreEngine:
-    """What ``score_request`` reads of a pooling engine serving ``model`` (``PoolingModel``)."""
+def score_engine(model: Any, radix_cache_off: bool, mis: bool = False) -> ScoreEngine:
+    """What ``score_request`` reads of a pooling engine serving ``model`` (``PoolingModel``;
+    ``mis``: launched with ``--enable-mis``)."""
     loaded = model.loaded
     architectures = getattr(loaded.model.config, "architectures", None) or []
     return ScoreEngine(
@@ -41,6 +44,7 @@ def score_engine(model: Any, radix_cache_off: bool) -> ScoreEngine:
         embed_width=loaded.embed_width,
         generation=False,
         architectures=frozenset(architectures),
+        mis=mis,
     )
 
 
@@ -62,6 +66,7 @@ async def score_pooled(
         bool(native.get("return_pooled_hidden_states")),
         native.get("token_indices_to_pool"),
         native.get("positional_embed_overrides"),
+        native.get(POSITIONS),
     )
     return pooled_scores(answers, options)
 
@@ -87,6 +92,6 @@ def pooled_scores(answers: list[Mapping[str, Any]], options: Mapping[str, Any]) 
         "pooled_hidden_states": states if any(s is not None for s in states) else None,
         "token_logprobs": None,
         "model": options["model"],
-        "usage": _usage(prompt_tokens, 0),
+        "usage": _usage(options.get("prompt_tokens", prompt_tokens), 0),
         "object": "scoring",
     }

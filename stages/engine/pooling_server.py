@@ -49,6 +49,7 @@ from stages.engine.server import (
     base_app,
     engine_id_header,
     ignored_counts,
+    mis_allowed,
     model_info,
     refused_counts,
     remote_seed,
@@ -125,6 +126,8 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
     except (OSError, ValueError, RemoteLoadError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
+    if not mis_allowed(args, model.loaded.vocab_size):
+        return 2
     pooler = Pooler(model, max_rows=args.max_running)
     # the seed's version, for weights taken from a running engine (remote_instance)
     pooler.weight_version = model.loaded.weight_version or args.weight_version
@@ -141,6 +144,7 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             served_model_name=args.served_model_name,
             request_log=request_log_of(args),
             radix_cache_off=args.prefix_cache_tokens == 0,  # --disable-radix-cache
+            mis=args.enable_mis,
         )
         heap.settle()
         started = {"kind": kind, "outputs": model.width, "max_running": args.max_running}
@@ -161,13 +165,15 @@ def build_pooling_app(
     served_model_name: str | None = None,
     request_log: RequestLog | None = None,
     radix_cache_off: bool = False,
+    mis: bool = False,
 ) -> web.Application:
     """The application of a pooling engine; the caller starts and stops ``pooler``
     (``served_model_name``: the model's name on the OpenAI routes; None: its path;
     ``request_log``: SGLang's request logging of ``/encode``, ``/classify`` and their ``/v1``
     routes, with ``/configure_logging`` and ``/set_trace_level``; None: off until
     ``/configure_logging`` turns it on; ``radix_cache_off``: launched with
-    ``--disable-radix-cache``, which ``/v1/score``'s setwise readout asks, as SGLang's does)."""
+    ``--disable-radix-cache``, which ``/v1/score``'s setwise readout asks, as SGLang's does;
+    ``mis``: ``--enable-mis``, its multi-item scoring)."""
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     app[_POOLER] = pooler
     loaded = pooler.model.loaded
@@ -175,7 +181,7 @@ def build_pooling_app(
     app[SERVED_NAME] = name
     requests = request_log if request_log is not None else RequestLog()
     requests.decode = decoder(loaded.tokenizer)
-    EncodeRoutes(pooler, name, requests, radix_cache_off=radix_cache_off).add_to(app)
+    EncodeRoutes(pooler, name, requests, radix_cache_off=radix_cache_off, mis=mis).add_to(app)
     LoggingRoutes(requests).add_to(app)
     # SGLang serves these on any model: GC, runtime knobs, its stateless parsers
     app[_OVERRIDES] = requests.config_updates

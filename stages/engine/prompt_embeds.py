@@ -34,10 +34,27 @@ import torch
 
 from stages.engine.request_error import RequestError
 
-__all__ = ["STAND_IN", "PositionalEmbeds", "embeds_prompt", "embeds_rows", "read_embeds"]
+__all__ = [
+    "STAND_IN",
+    "PositionalEmbeds",
+    "PromptPositions",
+    "embeds_prompt",
+    "embeds_rows",
+    "read_embeds",
+]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 STAND_IN = 1  # the id SGLang's scheduler gives each position of an embeddings prompt
+
+
+@dataclass(frozen=True, eq=False)
+class PromptPositions:
+    """The position ids of a prompt's tokens where they are not 0, 1, 2...: an item of a
+    ``/v1/score`` request under ``--enable-mis`` (the query, its delimiter at the query's last
+    position, the item after it: ``openai_score``). No JSON body can carry them either; such a
+    prompt keeps out of the prefix cache likewise."""
+
+    ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, eq=False)

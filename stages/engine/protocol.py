@@ -58,7 +58,12 @@ from typing import Any
 from stages.engine import custom_logits
 from stages.engine.flat_logprobs import FlatTops, flat_fields, flat_request
 from stages.engine.incremental_text import IncrementalText, output_text
-from stages.engine.prompt_embeds import PositionalEmbeds, embeds_prompt, read_embeds
+from stages.engine.prompt_embeds import (
+    PositionalEmbeds,
+    PromptPositions,
+    embeds_prompt,
+    read_embeds,
+)
 from stages.engine.request_error import RequestError
 from stages.engine.routed_experts import start_error
 from stages.engine.stop_regex import parse_stop_regex
@@ -199,6 +204,9 @@ class GenerateInput:
     # rows in place of some of its prompt's token embeddings (prompt_embeds.PositionalEmbeds:
     # /v1/score's embedding overrides), which the first pass runs likewise (None: none)
     embed_overrides: PositionalEmbeds | None = None
+    # its prompt's position ids where they are not 0, 1, 2... (prompt_embeds.PromptPositions:
+    # /v1/score's items under --enable-mis; prefill-only), which its scoring pass runs with
+    position_ids: PromptPositions | None = None
 
 
 @dataclass(slots=True)
@@ -472,6 +480,7 @@ def parse_generate(
     flat = flat_request(body)
     experts_from = _routed_experts_start(body, prompts, routed_experts)
     overrides = _embed_overrides(body.get(OVERRIDES), prompts, embed_width)
+    positions = _prompt_positions(body.get(POSITIONS), prompts, params)
 
     inputs: list[GenerateInput] = []
     parsed: dict[int, SamplingParams] = {}  # one parse per distinct params object
@@ -528,6 +537,7 @@ def parse_generate(
                     session_id=session,
                     input_embeds=embeds[i] if embeds else None,
                     embed_overrides=overrides[i],
+                    position_ids=positions[i],
                 )
             )
     return inputs, listed
@@ -1472,6 +1482,29 @@ def _stop_patterns(
 
 
 OVERRIDES = "positional_embed_overrides"  # SGLang's GenerateReqInput field
+
+
+POSITIONS = "__inflight_position_ids"  # /v1/score's under --enable-mis: PromptPositions
+
+
+def _prompt_positions(
+    value: Any, prompts: list[list[int]], params: list[Any]
+) -> list[PromptPositions | None]:
+    """Each prompt's position ids (``POSITIONS``: one ``PromptPositions`` or None per prompt, as
+    a route of this process hands them over; any other value, which a JSON body could hold, is
+    an unknown key, without effect), checked against the prompt: prefill-only prompts only."""
+    if not (
+        isinstance(value, list)
+        and len(value) == len(prompts)
+        and all(v is None or isinstance(v, PromptPositions) for v in value)
+    ):
+        return [None] * len(prompts)
+    for i, (ids, given) in enumerate(zip(prompts, value, strict=True)):
+        if given is None:
+            continue
+        if len(given.ids) != len(ids) or (params[i] or {}).get("max_new_tokens") != 0:
+            raise RequestError(f"{POSITIONS}[{i}]", "expected a position per prompt token")
+    return list(value)
 
 
 def _in_process_overrides(value: Any) -> bool:

@@ -197,12 +197,15 @@ def _prefix_routes(match: Match) -> list[torch.Tensor]:
 
 def _embedded(seq: Any) -> int | None:
     """The id of the embeddings ``seq``'s prompt runs with (its ``input_embeds``, or the
-    embedding overrides of ``/v1/score``), None for a prompt of plain ids: two prompts with
-    embeddings are the same prompt only when they are the same request's."""
+    embedding overrides of ``/v1/score``) or of its own position ids (``/v1/score`` under
+    ``--enable-mis``), None for a prompt of plain ids at 0, 1, 2...: two such prompts are the
+    same prompt only when they are the same request's."""
     inp = seq.inp
     if inp.input_embeds is not None:
         return id(inp.input_embeds)
-    return None if inp.embed_overrides is None else id(inp.embed_overrides)
+    if inp.embed_overrides is not None:
+        return id(inp.embed_overrides)
+    return None if inp.position_ids is None else id(inp.position_ids)
 
 
 def _own_kv(seq: Any) -> bool:
@@ -1515,6 +1518,10 @@ class Scheduler:
             prompts = [list(k[0]) for k in keys]
             cached = [m.length for m in matches]
             ids, mask, positions = _new_tokens(prompts, cached)
+            for row, key in enumerate(keys):  # (own position ids: nothing cached before them)
+                given = unique[key][0].inp.position_ids
+                if given is not None:
+                    positions[row, positions.shape[1] - len(given.ids) :] = torch.tensor(given.ids)
             if self.expert_distribution is not None:  # the pass's real tokens, if it records
                 self.expert_distribution.extend(mask)
             past = None

@@ -98,6 +98,7 @@ from stages.engine.memory_routes import MemoryRoutes
 from stages.engine.openai_api import OpenAIRoutes
 from stages.engine.openai_chat import ChatSettings
 from stages.engine.openai_responses import ResponseStore
+from stages.engine.openai_score import mis_refusal
 from stages.engine.parse_routes import ParseRoutes
 from stages.engine.pooling import model_kind
 from stages.engine.profile_routes import ProfileRoutes
@@ -148,6 +149,7 @@ __all__ = [
     "generate_results",
     "ignored_counts",
     "main",
+    "mis_allowed",
     "model_info",
     "parse_args",
     "plain_answers",
@@ -217,6 +219,7 @@ def build_app(
     served_model_name: str | None = None,
     streaming_sessions: bool = False,
     request_log: RequestLog | None = None,
+    mis: bool = False,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
@@ -228,7 +231,8 @@ def build_app(
     ``--enable-metrics``, ``stages.engine.engine_metrics``); ``served_model_name``: the
     model's name on the OpenAI routes (SGLang's ``--served-model-name``; None: its path);
     ``request_log``: SGLang's request logging and dumps (``stages.engine.request_log``; None:
-    off until ``/configure_logging`` turns it on).
+    off until ``/configure_logging`` turns it on); ``mis``: ``/v1/score``'s multi-item scoring
+    (SGLang's ``--enable-mis``, ``stages.engine.openai_score``).
     """
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     name = served_model_name or str(loaded.path)
@@ -260,6 +264,7 @@ def build_app(
     )
     if chat is not None:
         chat.trust_request_template = trust_request_chat_template
+        chat.mis = mis  # /v1/decisions and /v1/systemone refuse to run under it
     app[_PARSERS] = {"reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
     loaded.kept_stop_ids = kept_stop_ids(loaded.tokenizer, tool_call_parser)
     app[_CLIENT_WATCH] = ClientWatch()  # requests not streamed: aborted once their client goes
@@ -300,6 +305,7 @@ def build_app(
         watched=in_session,
         prefix_cache=scheduler.prefix_cache_on,
         embed_width=loaded.embed_width,
+        mis=mis,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     EncodeRoutes(None, name).add_to(app)  # SGLang's refusal: not an embedding model
@@ -1076,6 +1082,13 @@ def _parser() -> argparse.ArgumentParser:
         help="no prefix cache: --prefix-cache-tokens 0 (SGLang's flag)",
     )
     parser.add_argument(
+        "--enable-mis",
+        action="store_true",
+        help="/v1/score's multi-item scoring (SGLang's flag): a request's items scored as one "
+        "fused sequence's, query <delim> item <delim> ..., the delimiter token 9999; turns the "
+        "prefix cache off, as in SGLang",
+    )
+    parser.add_argument(
         "--prefix-cache-max-age",
         type=int,
         default=PREFIX_CACHE_MAX_AGE,
@@ -1271,7 +1284,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             f"--tp-size {args.tp_size}: the built-in engine runs a model on one device (tensor "
             "parallelism is SGLang's); give 1, or run more engines"
         )
-    if args.disable_radix_cache:
+    if args.disable_radix_cache or args.enable_mis:  # (SGLang: MIS turns its radix cache off)
         args.prefix_cache_tokens = 0
     if args.revision is not None and not args.model.expanduser().is_dir():
         if "@" in str(args.model):
@@ -1307,6 +1320,19 @@ def load_served(args: argparse.Namespace) -> LoadedModel:
         load_format=load_format,
         remote=remote,
     )
+
+
+def mis_allowed(args: argparse.Namespace, vocab_size: int) -> bool:
+    """Whether ``--enable-mis`` (if given) can run on a model of ``vocab_size`` tokens; logs
+    why not, or that it turns the prefix cache off (SGLang's warning)."""
+    if not args.enable_mis:
+        return True
+    refusal = mis_refusal(vocab_size)
+    if refusal is not None:
+        log.error("engine_settings_refused", model=str(args.model), error=refusal)
+        return False
+    log.warning("prefix_cache_off", message="Radix cache is disabled because --enable-mis is set.")
+    return True
 
 
 def remote_seed(args: argparse.Namespace) -> RemoteSeed | None:
@@ -1497,6 +1523,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RemoteLoadError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
+    if not mis_allowed(args, loaded.vocab_size):
+        return 2
     try:
         resolve_parsers(args, loaded)
         turns = event_loop_turns(args)
@@ -1562,6 +1590,7 @@ def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]
         "served_model_name": args.served_model_name,
         "streaming_sessions": args.enable_streaming_session,
         "request_log": request_log_of(args),
+        "mis": args.enable_mis,
     }
 
 

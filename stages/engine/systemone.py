@@ -279,6 +279,8 @@ def check_request(request: SystemOneRequest, settings: Any, served: str) -> None
     """``SystemOneServing._validate_request`` where it applies to this engine (Refused)."""
     if settings is None:  # a model without a tokenizer (SGLang: --skip-tokenizer-init)
         raise Refused(f"{ROUTE} requires the server tokenizer")
+    if getattr(settings, "mis", False):  # (SGLang's _validate_server)
+        raise Refused(f"{ROUTE} does not support --enable-mis")
     adapter = _adapter(request.model, served)
     if adapter is not None:
         raise Refused(f"model names the LoRA adapter {adapter!r}, which {ROUTE} does not support")
