@@ -1108,7 +1108,7 @@ class OpenAIRoutes:
                 if settings is None:  # no tokenizer: no template either
                     raise OpenAIError(openai_rerank.NOT_A_RERANKER)
                 template = settings.template or getattr(settings.tokenizer, "chat_template", None)
-                return openai_rerank.rerank_request(raw, template, settings.tokenizer)
+                return openai_rerank.rerank_request(raw, template, settings.tokenizer, self.mis)
 
             return build_rerank, openai_rerank.rerank_response, None
         if route == "messages":

@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 
 from stages.engine.openai_api import OpenAIError
+from stages.engine.openai_score import ScoreEngine, score_request
 
 __all__ = ["is_reranker_template", "rerank_request", "rerank_response", "yes_no_ids"]
 
@@ -68,11 +69,13 @@ def yes_no_ids(tokenizer: Any) -> tuple[int, int]:
 
 
 def rerank_request(
-    body: Any, template: str | None, tokenizer: Any
+    body: Any, template: str | None, tokenizer: Any, mis: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(native /generate body, options)`` of a ``/v1/rerank`` body; OpenAIError with
     SGLang's words for what it refuses. Its fields' types are ``request_fields.checked_rerank``'
-    (the route checks them first)."""
+    (the route checks them first). ``mis``: under ``--enable-mis``, where SGLang's
+    ``score_prompts`` scores the rendered prompts as a ``/v1/score`` of an empty query would,
+    fused (``openai_score``)."""
     query, documents = body["query"], body["documents"]
     instruct, top_n = body.get("instruct"), body.get("top_n")
     shown = body.get("return_documents", True)
@@ -83,6 +86,13 @@ def rerank_request(
         raise OpenAIError("content parts (images, video): the built-in engine takes text only")
     prompts = [_render(template, query, doc, instruct) for doc in documents]
     yes, no = yes_no_ids(tokenizer)
+    options = {"stream": False, "documents": documents, "top_n": top_n, "shown": shown}
+    if mis:  # (score_prompts: query "", the prompts as the items)
+        engine = ScoreEngine(tokenizer, prefix_cache=False, embed_width=None, mis=True)
+        scored = {"query": "", "items": prompts, "label_token_ids": [yes, no]}
+        native, _ = score_request(scored, engine)
+        assert native is not None  # (documents are never empty here)
+        return native, {**options, "labels": (yes, no)}
     native = {
         "text": prompts,
         "sampling_params": {"max_new_tokens": 0},
@@ -90,7 +100,6 @@ def rerank_request(
         "token_ids_logprob": [[yes, no]] * len(prompts),
         "logprob_start_len": -1,
     }
-    options = {"stream": False, "documents": documents, "top_n": top_n, "shown": shown}
     return native, {**options, "labels": (yes, no)}
 
 

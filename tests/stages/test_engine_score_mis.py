@@ -195,3 +195,46 @@ def test_a_classifier_under_mis_and_a_model_without_the_delimiter(tmp_path: Path
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 2 and "delimiter token 9999" in run.stdout + run.stderr
+
+
+def _word_tokenizer(bos: bool) -> object:
+    """A word-level tokenizer of ``VOCAB`` words in which ``yes`` and ``no`` are words 20 and 21
+    (a reranker's answers), with a BOS (word 3) before every text or none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<eos>": 1, "<unk>": 2, "yes": 20, "no": 21}
+    words.update({f"w{i}": i for i in range(3, VOCAB) if i not in (20, 21)})
+    core = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if bos:
+        core.post_processor = processors.TemplateProcessing(
+            single="w3 $A", special_tokens=[("w3", 3)]
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>")
+
+
+def test_rerank_under_mis_scores_the_prompts_as_an_empty_querys_items() -> None:
+    """SGLang's ``/v1/rerank`` scores its rendered prompts with ``score_prompts``: a
+    ``/v1/score`` of an empty query, which ``--enable-mis`` fuses: the query is the tokenizer's
+    special tokens alone (a BOS), the prompts the items, tokenized without them; a tokenizer
+    without a BOS leaves no query (a 400 here)."""
+    from stages.engine.openai_api import OpenAIError
+    from stages.engine.openai_rerank import rerank_request
+    from stages.engine.protocol import POSITIONS
+
+    template = "{{ messages[0]['content'] }} {{ messages[1]['content'] }} the answer can only be "
+    template += '"yes" or "no" '  # (what makes it a reranker's template)
+    body = {"query": "w5 w6", "documents": ["w7", "w8 w9"]}
+    with pytest.raises(OpenAIError, match="needs a query"):
+        rerank_request(body, template, _word_tokenizer(bos=False), True)
+    tokenizer = _word_tokenizer(bos=True)
+    native, options = rerank_request(body, template, tokenizer, True)
+    tail = ' the answer can only be "yes" or "no" '
+    docs = [tokenizer.encode(f"w5 w6 {d}{tail}", add_special_tokens=False)
+            for d in body["documents"]]  # fmt: skip
+    assert native["input_ids"] == [[3, MIS_DELIMITER, *d] for d in docs]
+    assert [p.ids for p in native[POSITIONS]] == [(0, 0, *range(1, 1 + len(d))) for d in docs]
+    assert native["token_ids_logprob"] == [[20, 21]] * 2 and options["labels"] == (20, 21)
+    alone, _ = rerank_request(body, template, tokenizer, False)
+    assert POSITIONS not in alone and len(alone["text"]) == 2
