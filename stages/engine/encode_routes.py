@@ -17,8 +17,10 @@ Field names, defaults and answers follow SGLang 0.5.23 (``srt/managers/io_struct
   reward is ``embedding[0]``);
 - ``/v1/embeddings``: ``input`` a string, strings, token ids or lists of ids;
   ``encoding_format`` ``float`` or ``base64`` (little-endian float32, what the ``openai``
-  client asks for by default); ``dimensions``; the answer ``{data: [{embedding, index, object:
-  "embedding"}], model, object: "list", usage}``;
+  client asks for by default); ``dimensions``; ``embed_override_token_id`` with
+  ``embed_overrides`` (an input's rows, or null, each in place of an occurrence of that
+  token's embedding: ``_embedding_overrides``); the answer ``{data: [{embedding, index,
+  object: "embedding"}], model, object: "list", usage}``;
 - ``/v1/classify``: ``input`` a string, strings or token ids; each answer's ``label`` (the
   config's ``id2label`` at the largest output), ``probs`` (softmax of the outputs) and
   ``num_classes``;
@@ -27,7 +29,8 @@ Field names, defaults and answers follow SGLang 0.5.23 (``srt/managers/io_struct
 Refused with 400, SGLang's words where it has them: ``text`` and ``input_ids`` both or neither,
 a prompt as long as the context, an empty or blank ``input``, ``dimensions`` on a model that is
 not a Matryoshka model, duplicate ``rid``s; and what this engine does not run (images, audio,
-video, embedding overrides, LoRA, cross-encoder scoring: a 400 naming the field). On a generating
+video, LoRA, cross-encoder scoring: a 400 naming the field), and the native routes' embedding
+overrides (SGLang's ``EmbeddingReqInput`` takes them as tensors, which JSON cannot carry). On a generating
 model all four answer SGLang's "does not appear to be an embedding model" 400, and the pooling
 server answers ``/generate`` and the ``/v1`` generation routes with a 400 that says so.
 """
@@ -55,6 +58,7 @@ from stages.engine.openai_api import (
 )
 from stages.engine.pooling import Pooler, PoolingFailed
 from stages.engine.pooling_score import score_engine, score_pooled
+from stages.engine.prompt_embeds import PositionalEmbeds, embeds_rows
 from stages.engine.protocol import RequestError, is_int, read_prompts
 from stages.engine.request_body import bad_request, dumps
 from stages.engine.request_fields import checked_classify, checked_embedding, checked_score
@@ -101,7 +105,7 @@ _TAKEN = {
     "external_trace_header",
     "received_time",
 }
-_EMBEDDINGS_NEUTRAL = {"lora_path": None, "embed_override_token_id": None, "embed_overrides": None}
+_EMBEDDINGS_NEUTRAL = {"lora_path": None}
 _FINISHED = {"type": "length", "length": 0}  # FINISH_LENGTH(0): max_new_tokens is 0
 
 
@@ -316,7 +320,7 @@ class EncodeRoutes:
                 f"encoding_format must be either 'float' or 'base64', got {encoding!r}",
                 "encoding_format",
             )
-        rows, results = await self._run_input(body, lists=True)
+        rows, results = await self._run_input(body, lists=True, overrides=True)
         data = [
             {"embedding": _encoded(values, encoding), "index": i, "object": "embedding"}
             for i, values in enumerate(results)
@@ -360,17 +364,67 @@ class EncodeRoutes:
         }
 
     async def _run_input(
-        self, body: dict[str, Any], *, lists: bool
+        self, body: dict[str, Any], *, lists: bool, overrides: bool = False
     ) -> tuple[list[list[int]], list[list[float]]]:
         """The ``input`` of a ``/v1`` body checked as SGLang's ``_validate_request`` checks it
-        (``lists``: lists of ids allowed too), run; its rows and their results."""
+        (``lists``: lists of ids allowed too; ``overrides``: its ``embed_overrides`` read), run;
+        its rows and their results."""
         prompt = _input_prompt(body.get("input"), lists)
         rows, batch = read_prompts(prompt, vocab_size=self.vocab_size, encode=self.encode_text)
         self._check_lengths(rows)
         rids = _rids(body.get("rid"), len(rows), batch)  # checked as the native routes check it
         dims = self._dimensions(body.get("dimensions"))
-        answers = await self._answers(prompt, rows, batch, rids, [dims] * len(rows))
+        placed = self._embedding_overrides(body, rows) if overrides else None
+        answers = await self._answers(
+            prompt, rows, batch, rids, [dims] * len(rows), overrides=placed
+        )
         return rows, [answer["embedding"] for answer in answers]
+
+    def _embedding_overrides(
+        self, body: dict[str, Any], rows: list[list[int]]
+    ) -> list[PositionalEmbeds | None] | None:
+        """``/v1/embeddings``' ``embed_overrides`` (``[inputs][rows][hidden]``, an input's null:
+        none) at each input's ``embed_override_token_id`` occurrences, as SGLang's
+        ``serving_embedding`` pairs them and ``TokenizerManager._resolve_embed_overrides``
+        places them (None: the body has none)."""
+        token, given = body.get("embed_override_token_id"), body.get("embed_overrides")
+        if given is not None and token is None:
+            raise OpenAIError(
+                "embed_override_token_id is required when embed_overrides is provided",
+                "embed_override_token_id",
+            )
+        if token is not None and given is None:
+            raise OpenAIError(
+                "embed_override_token_id requires embed_overrides to be provided",
+                "embed_overrides",
+            )
+        if given is None:
+            return None
+        if len(given) < len(rows):  # (SGLang's batch indexes past the list: a 500)
+            raise OpenAIError(
+                f"embed_overrides: expected an entry (or null) for each of the {len(rows)} "
+                f"inputs, got {len(given)}",
+                "embed_overrides",
+            )
+        width = self.pooler.model.loaded.embed_width
+        placed: list[PositionalEmbeds | None] = []
+        for i, row in enumerate(rows):
+            if given[i] is None:
+                placed.append(None)
+                continue
+            try:
+                tensor = embeds_rows(given[i], f"embed_overrides[{i}]", width)
+            except RequestError as exc:
+                raise OpenAIError(str(exc), exc.field) from None
+            positions = tuple(p for p, t in enumerate(row) if t == token)
+            if len(positions) != tensor.shape[0]:
+                raise OpenAIError(
+                    f"input contains {len(positions)} occurrences of embed_override_token_id="
+                    f"{token}, but embed_overrides has {tensor.shape[0]} entries.",
+                    "embed_overrides",
+                )
+            placed.append(PositionalEmbeds(positions, tensor) if positions else None)
+        return placed
 
 
 def _input_prompt(prompt: Any, lists: bool) -> dict[str, Any]:

@@ -140,3 +140,37 @@ def test_an_embedding_model_scores_with_its_embedding_and_refuses_the_readout(
         assert out["scores"] == [pytest.approx(native["embedding"], rel=1e-5)]
         status, out = _score(engine, query=[5], items=[[12]], score_extraction_token="w12")
         assert status == 400 and "['Qwen2ForCausalLM'] do not" in out["message"], out
+        _embedding_overrides(engine, model)
+
+
+def _embedding_overrides(engine: Engine, model: Path) -> None:
+    """``/v1/embeddings``' ``embed_overrides`` (``serving_embedding``, ``TokenizerManager.
+    _resolve_embed_overrides``): an input's placeholders take its rows; null: none."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model).eval()
+    hole = 7
+    row = torch.randn(32, generator=torch.Generator().manual_seed(8)).tolist()
+    inputs = [[5, hole, 9], [hole, 6]]
+    body = {"input": inputs, "embed_override_token_id": hole, "embed_overrides": [[row], None]}
+    status, out = engine.request("POST", "/v1/embeddings", body)
+    assert status == 200, out
+    for got, ids, rows in zip(out["data"], inputs, [{1: row}, {}], strict=True):
+        with torch.no_grad():
+            embeds = reference.get_input_embeddings()(torch.tensor([ids])).clone()
+            for at, vector in rows.items():
+                embeds[0, at] = torch.tensor(vector)
+            last = reference.base_model(inputs_embeds=embeds).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(last, dim=-1)
+        _close(got["embedding"], want, reference, len(ids))
+    refused = {
+        "no id": ({"embed_override_token_id": None}, "embed_override_token_id is required"),
+        "no rows": ({"embed_overrides": None}, "requires embed_overrides to be provided"),
+        "count": ({"embed_overrides": [[row, row], None]},
+                  "1 occurrences of embed_override_token_id=7, but embed_overrides has 2"),
+        "short": ({"embed_overrides": [[row]]}, "expected an entry (or null) for each of the 2"),
+        "width": ({"embed_overrides": [[row[:5]], None]}, "embed_overrides[0][0]: expected a row"),
+    }  # fmt: skip
+    for case, (change, words) in refused.items():
+        status, out = engine.request("POST", "/v1/embeddings", {**body, **change})
+        assert status == 400 and words in out["message"], (case, out)
