@@ -30,9 +30,10 @@ Refused with 400, SGLang's words where it has them: ``text`` and ``input_ids`` b
 a prompt as long as the context, an empty or blank ``input``, ``dimensions`` on a model that is
 not a Matryoshka model, duplicate ``rid``s; and what this engine does not run (images, audio,
 video, LoRA, cross-encoder scoring: a 400 naming the field), and the native routes' embedding
-overrides (SGLang's ``EmbeddingReqInput`` takes them as tensors, which JSON cannot carry). On a generating
-model all four answer SGLang's "does not appear to be an embedding model" 400, and the pooling
-server answers ``/generate`` and the ``/v1`` generation routes with a 400 that says so.
+overrides (SGLang's ``EmbeddingReqInput`` takes them as tensors, which JSON cannot carry). On a
+generating model all four answer SGLang's "does not appear to be an embedding model" 400, and
+the pooling server answers ``/generate`` and the ``/v1`` generation routes with a 400 that says
+so.
 """
 
 from __future__ import annotations
