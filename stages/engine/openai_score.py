@@ -294,6 +294,11 @@ class _Overrides:
         return positions, rows
 
 
+def _ids_of(value: Any) -> bool:
+    """Whether ``value`` is a list of token ids."""
+    return isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)
+
+
 def _prompts(
     query: Any,
     items: Any,
@@ -306,15 +311,12 @@ def _prompts(
     overrides (None: none), by SGLang's paths: text alike, ids alike, setwise text, then
     text tokenized for overrides or the readout."""
 
-    def ids_of(value: Any) -> bool:
-        return isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)
-
     listed = [items] if isinstance(items, str) else items
     if isinstance(query, str) and overrides is None and anchor is None:
         if all(isinstance(i, str) for i in listed):
             return [f"{i}{query}" if item_first else f"{query}{i}" for i in listed], False, None
     elif isinstance(query, list) and isinstance(items, list) and isinstance(items[0], list):
-        if ids_of(query) and all(ids_of(i) for i in items):
+        if _ids_of(query) and all(_ids_of(i) for i in items):
             if anchor is not None and anchor in query:
                 raise _anchor_in_query()
             return _with_overrides(query, items, item_first, overrides)
@@ -331,7 +333,7 @@ def _prompts(
     elif overrides is not None or anchor is not None:
         head = engine.encode(query) if isinstance(query, str) else query
         tails = [engine.encode(i, False) if isinstance(i, str) else i for i in listed]
-        if ids_of(head) and all(ids_of(i) for i in tails):
+        if _ids_of(head) and all(_ids_of(i) for i in tails):
             if anchor is not None and anchor in head:
                 raise _anchor_in_query()
             return _with_overrides(head, tails, item_first, overrides)
@@ -380,9 +382,6 @@ def _fused(
     engine scores them. Text is tokenized as SGLang's ``_batch_tokenize_query_and_items`` does
     (the query with special tokens, the items without); ``item_first`` is ignored there."""
 
-    def ids_of(value: Any) -> bool:
-        return isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)
-
     listed = [items] if isinstance(items, str) else items
     plain = isinstance(query, str) and overrides is None and anchor is None
     ids_alike = isinstance(query, list) and isinstance(items, list) and isinstance(items[0], list)
@@ -390,7 +389,7 @@ def _fused(
         raise OpenAIError("Invalid combination of query/items types for score_request.", "items")
     head = engine.encode(query) if isinstance(query, str) else query
     tails = [engine.encode(i, False) if isinstance(i, str) else i for i in listed]
-    if not (ids_of(head) and all(ids_of(t) for t in tails)):
+    if not (_ids_of(head) and all(_ids_of(t) for t in tails)):
         raise OpenAIError("Invalid combination of query/items types for score_request.", "items")
     if not head:  # (its delimiter would sit at position -1)
         raise OpenAIError(
