@@ -24,12 +24,19 @@ Field names, defaults and answers follow SGLang 0.5.23 (``srt/managers/io_struct
 - ``/v1/classify``: ``input`` a string, strings or token ids; each answer's ``label`` (the
   config's ``id2label`` at the largest output), ``probs`` (softmax of the outputs) and
   ``num_classes``;
-- ``/v1/score`` (on a pooling engine only): ``stages.engine.pooling_score``.
+- ``/v1/score`` (on a pooling engine only): ``stages.engine.pooling_score``;
+- ``/v1/rerank`` (on a pooling engine): SGLang's cross-encoder path
+  (``openai_rerank.cross_encoder_pairs``), each ``[query, document]`` pair one prompt; the
+  native routes take such pairs as ``text`` with ``is_cross_encoder_request``. A pair is
+  encoded as the tokenizer encodes a text pair (``tokenizer(pairs,
+  return_token_type_ids=True)``, SGLang's ``_tokenize_texts``), its token type ids going to
+  the model with it.
 
 Refused with 400, SGLang's words where it has them: ``text`` and ``input_ids`` both or neither,
 a prompt as long as the context, an empty or blank ``input``, ``dimensions`` on a model that is
 not a Matryoshka model, duplicate ``rid``s; and what this engine does not run (images, audio,
-video, LoRA, cross-encoder scoring: a 400 naming the field), and the native routes' embedding
+video, LoRA: a 400 naming the field; embedding overrides on an encoder, BERT or XLM-R, whose
+SGLang model has no input-embedding hook), and the native routes' embedding
 overrides (SGLang's ``EmbeddingReqInput`` takes them as tensors, which JSON cannot carry). On a
 generating model all four answer SGLang's "does not appear to be an embedding model" 400, and
 the pooling server answers ``/generate`` and the ``/v1`` generation routes with a 400 that says
@@ -57,12 +64,18 @@ from stages.engine.openai_api import (
     refusal,
     results_usage,
 )
+from stages.engine.openai_rerank import cross_encoder_pairs, cross_encoder_response
 from stages.engine.pooling import Pooler, PoolingFailed
 from stages.engine.pooling_score import score_engine, score_pooled
 from stages.engine.prompt_embeds import PositionalEmbeds, embeds_rows
 from stages.engine.protocol import RequestError, is_int, read_prompts
 from stages.engine.request_body import bad_request, dumps
-from stages.engine.request_fields import checked_classify, checked_embedding, checked_score
+from stages.engine.request_fields import (
+    checked_classify,
+    checked_embedding,
+    checked_rerank,
+    checked_score,
+)
 from stages.engine.request_log import entry
 
 __all__ = ["NOT_EMBEDDING", "EncodeRoutes"]
@@ -82,7 +95,6 @@ _NEUTRAL = {
     "embed_overrides": None,
     "positional_embed_overrides": None,
     "modalities": None,
-    "is_cross_encoder_request": False,
     "lora_path": None,
     "lora_id": None,
     "background": False,
@@ -95,6 +107,7 @@ _NEUTRAL = {
 _TAKEN = {
     "text",
     "input_ids",
+    "is_cross_encoder_request",
     "rid",
     "sampling_params",
     "dimensions",
@@ -146,6 +159,8 @@ class EncodeRoutes:
         app.router.add_post("/v1/classify", self.classify)
         if self.pooler is not None:
             app.router.add_post("/v1/score", self.score)
+            app.router.add_post("/v1/rerank", self.rerank)
+            app.router.add_put("/v1/rerank", self.rerank)
 
     # ---- native ------------------------------------------------------------------------------
 
@@ -157,12 +172,12 @@ class EncodeRoutes:
             return bad_request(NOT_EMBEDDING)
         started = time.perf_counter()
         try:
-            rows, batch, rids, dims, hidden = self._native_request(body)
+            rows, batch, rids, dims, hidden, types = self._native_request(body)
         except (RequestError, ValueError) as exc:
             return bad_request(str(exc))
         try:
             answers = await self._answers(
-                body, rows, batch, rids, dims, hidden, request.headers, started
+                body, rows, batch, rids, dims, hidden, request.headers, started, types=types
             )
         except PoolingFailed as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=500)
@@ -183,11 +198,18 @@ class EncodeRoutes:
         anchors: Any = None,
         overrides: Any = None,
         positions: Any = None,
+        types: Any = None,
     ) -> list[dict[str, Any]]:
         """``rows`` run: the native answer of each (``{embedding, meta_info}``; ``e2e_latency``
         from ``started``, else from now), logged in the request log where it is active
         (``body`` as the request it was given as; ``anchors``, ``overrides``, ``positions``:
-        ``/v1/score``'s, ``Pooler.encode``'s)."""
+        ``/v1/score``'s, ``Pooler.encode``'s; ``types``: each pair's token type ids)."""
+        if overrides is not None and self.pooler.model.encoder:
+            raise OpenAIError(
+                "embedding overrides are not supported on an encoder model (BERT, XLM-R): "
+                "the built-in engine places them in decoder models only",
+                "embed_overrides",
+            )
         requests = self.request_log
         logged = entry(requests, body, rids, batch, headers)
         if started is None:
@@ -195,7 +217,7 @@ class EncodeRoutes:
         try:
             values, states = await self.pooler.encode(
                 rows, dims, hidden=hidden, anchors=anchors, overrides=overrides,
-                positions=positions,
+                positions=positions, types=types,
             )  # fmt: skip
             latency = time.perf_counter() - started
             answers = []
@@ -209,7 +231,7 @@ class EncodeRoutes:
                     "e2e_latency": latency,
                 }
                 answer: dict[str, Any] = {"embedding": values[i], "meta_info": meta}
-                if states is not None:
+                if states is not None and states[i] is not None:  # (a cross-encoder's: none)
                     answer["pooled_hidden_state"] = states[i]
                 answers.append(answer)
             if logged is not None:
@@ -221,15 +243,50 @@ class EncodeRoutes:
 
     def _native_request(
         self, body: dict[str, Any]
-    ) -> tuple[list[list[int]], bool, list[str], list[int | None], bool]:
+    ) -> tuple[list[list[int]], bool, list[str], list[int | None], bool, Any]:
         for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
             if key in _NEUTRAL and value != _NEUTRAL[key]:
                 raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
-        rows, batch = read_prompts(body, vocab_size=self.vocab_size, encode=self.encode_text)
+        text, types = body.get("text"), None
+        pairs = (
+            body.get("is_cross_encoder_request")
+            and isinstance(text, list)
+            and text
+            and isinstance(text[0], list)
+        )
+        if pairs:  # query-document pairs (SGLang's CROSS_ENCODER_PAIRS input)
+            if body.get("input_ids") is not None:
+                raise RequestError(
+                    "input_ids", "text and input_ids cannot be provided at the same time"
+                )
+            rows, types = self._pair_rows(text)
+            batch = True
+        else:
+            rows, batch = read_prompts(body, vocab_size=self.vocab_size, encode=self.encode_text)
         self._check_lengths(rows)
         rids = _rids(body.get("rid"), len(rows), batch)
         dims = self._dimensions(body.get("dimensions"))
-        return rows, batch, rids, [dims] * len(rows), bool(body.get("return_pooled_hidden_states"))
+        hidden = bool(body.get("return_pooled_hidden_states"))
+        return rows, batch, rids, [dims] * len(rows), hidden, types
+
+    def _pair_rows(self, pairs: list[Any]) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Each ``[query, document]`` pair's ids and token type ids, encoded as a text pair
+        (``tokenizer(pairs, return_token_type_ids=True)``: SGLang's ``_tokenize_texts``)."""
+        tokenizer = self.pooler.model.loaded.tokenizer
+        if tokenizer is None:
+            raise RequestError("text", "this model has no tokenizer: send input_ids")
+        for i, pair in enumerate(pairs):
+            if not (
+                isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)
+            ):
+                raise RequestError(f"text[{i}]", "expected a [query, document] pair of strings")
+        encoded = tokenizer(pairs, return_token_type_ids=True)
+        rows = [list(ids) for ids in encoded["input_ids"]]
+        for i, row in enumerate(rows):
+            if not row:
+                raise RequestError(f"text[{i}]", "encodes to no tokens")
+        kinds = encoded.get("token_type_ids")
+        return rows, None if kinds is None else [list(k) for k in kinds]
 
     def _check_lengths(self, rows: list[list[int]]) -> None:
         for row in rows:
@@ -295,6 +352,24 @@ class EncodeRoutes:
     async def score(self, request: web.Request) -> web.Response:
         return await self._openai(request, checked_score, self._score)
 
+    async def rerank(self, request: web.Request) -> web.Response:
+        return await self._openai(request, checked_rerank, self._rerank)
+
+    async def _rerank(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """SGLang's cross-encoder rerank (``serving_rerank``): the pairs pooled as one batch."""
+        loaded = self.pooler.model.loaded
+        template = getattr(loaded.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        pairs = cross_encoder_pairs(body, template, str(loaded.path))
+        try:
+            rows, types = self._pair_rows(pairs)
+        except RequestError as exc:
+            raise OpenAIError(str(exc), "documents") from None
+        self._check_lengths(rows)
+        rids = _rids(None, len(rows), True)
+        answers = await self._answers(body, rows, True, rids, [None] * len(rows), types=types)
+        return cross_encoder_response(answers, body)
+
     async def _score(self, body: dict[str, Any]) -> dict[str, Any]:
         def rows_of(native: dict[str, Any]) -> list[list[int]]:
             rows, _ = read_prompts(native, vocab_size=self.vocab_size, encode=self.encode_text)
@@ -304,12 +379,26 @@ class EncodeRoutes:
         async def run(
             rows: list[list[int]], hidden: bool, anchors: Any, overrides: Any, positions: Any
         ) -> Any:
+            model = self.pooler.model
+            if hidden and model.cross_encoder:  # (tokenizer_manager_score_mixin's words)
+                name = model.loaded.model.config.architectures[0]
+                raise OpenAIError(
+                    f"return_pooled_hidden_states is not supported for {name}. This model uses "
+                    "CrossEncodingPooler which does not expose pre-head hidden states."
+                )
             rids = _rids(None, len(rows), True)
             listed = overrides if isinstance(overrides, list) else None
-            return await self._answers(
+            answers = await self._answers(
                 {"input_ids": rows}, rows, True, rids, [None] * len(rows), hidden,
                 anchors=anchors, overrides=listed, positions=positions,
             )  # fmt: skip
+            if any(not isinstance(a["embedding"], list) for a in answers):
+                # (SGLang's ScoringResponse, lists of scores, refuses the numbers: its 400)
+                raise OpenAIError(
+                    "scores: a cross-encoder with one label scores a prompt as one number, "
+                    "where /v1/score answers a list of scores per prompt: use /v1/rerank"
+                )
+            return answers
 
         return await score_pooled(body, self.score_engine, rows_of, run)
 
@@ -379,6 +468,14 @@ class EncodeRoutes:
         answers = await self._answers(
             prompt, rows, batch, rids, [dims] * len(rows), overrides=placed
         )
+        if any(not isinstance(answer["embedding"], list) for answer in answers):
+            # a one-label cross-encoder's numbers (SGLang: its response models refuse them,
+            # /v1/classify with a 500)
+            raise OpenAIError(
+                "this model is a cross-encoder that scores a prompt as one number, not a list "
+                "of outputs: rank query-document pairs with /v1/rerank, or read the numbers "
+                "from /encode"
+            )
         return rows, [answer["embedding"] for answer in answers]
 
     def _embedding_overrides(

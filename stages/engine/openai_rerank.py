@@ -15,6 +15,15 @@ relevant first (ties in the documents' order), the first ``top_n`` when given.
 Otherwise SGLang reranks with a cross-encoder, which a generating model is not: its 400 says
 so, as the pooling routes do. Content parts (images or video: SGLang's Qwen3-VL reranker) are
 refused, this engine serving text models only.
+
+On a pooling engine (``--is-embedding``, or a classifier) the same route is SGLang's
+cross-encoder path (``cross_encoder_pairs``, ``cross_encoder_response``): each document and
+the query make one ``[query, document]`` pair, encoded as the tokenizer encodes a text pair
+(with its token type ids), pooled, and the document's score is its pooled result (a
+cross-encoder's one number, or the first of a model's outputs), the answers' ``meta_info``
+the native ``/encode`` one; content parts are read for their text (joined with a space, the
+rest left out, as SGLang's ``_extract_text_from_content``). A reranker template (or a Qwen3-VL
+model) gets SGLang's 400 asking for a generating engine instead.
 """
 
 from __future__ import annotations
@@ -29,7 +38,14 @@ import structlog
 from stages.engine.openai_api import OpenAIError
 from stages.engine.openai_score import ScoreEngine, score_request
 
-__all__ = ["is_reranker_template", "rerank_request", "rerank_response", "yes_no_ids"]
+__all__ = [
+    "cross_encoder_pairs",
+    "cross_encoder_response",
+    "is_reranker_template",
+    "rerank_request",
+    "rerank_response",
+    "yes_no_ids",
+]
 
 # SGLang's refusal of an EmbeddingReqInput on a generating model (the cross-encoder path)
 NOT_A_RERANKER = (
@@ -166,3 +182,87 @@ def rerank_response(
     answers.sort(key=lambda a: a["score"], reverse=True)  # stable: ties keep their order
     top_n = options["top_n"]
     return answers if top_n is None else answers[:top_n]
+
+
+def cross_encoder_pairs(
+    body: Mapping[str, Any], template: str | None, path: str
+) -> list[list[str]]:
+    """The ``[query, document]`` text pairs of a ``/v1/rerank`` body (typed by
+    ``request_fields.checked_rerank``) on a pooling engine, as SGLang's ``serving_rerank``
+    makes them (``_convert_to_internal_request``); OpenAIError with its words where it
+    refuses: the content checks, then a decoder reranker's template or a Qwen3-VL model
+    (``path``: the model's, as SGLang's ``_is_qwen3_vl_model`` reads it), which a pooling
+    engine does not score."""
+    query, documents = body["query"], body["documents"]
+    _check_content(query, documents)
+    for field, part in [("query", query), *(("documents", d) for d in documents)]:
+        if isinstance(part, list):
+            _check_parts(part, field)
+    multimodal = any(isinstance(part, list) for part in (query, *documents))
+    text_template = is_reranker_template(template)
+    lowered = (template or "").lower()
+    vl_template = text_template and ("<|vision_start|>" in lowered or "<|image_pad|>" in lowered)
+    vl_model = "qwen3-vl" in path.lower() or "qwen3vl" in path.lower()
+    if vl_template or vl_model or (multimodal and text_template):
+        raise OpenAIError(
+            "Detected Qwen3-VL reranker, but the server is not in generation mode. "
+            "Please relaunch without --is-embedding for Qwen3-VL-Reranker models."
+        )
+    if text_template:
+        raise OpenAIError(
+            "Detected Qwen3 reranker chat template, but the server is not in generation mode. "
+            "Please relaunch without --is-embedding for Qwen3-Reranker models."
+        )
+    if body.get("return_documents", True) and any(isinstance(d, list) for d in documents):
+        # (SGLang's RerankResponse takes a document as a string: its answer fails, a 500)
+        raise OpenAIError(
+            "documents given as content parts cannot be returned as a document's text: "
+            "set return_documents to false",
+            "return_documents",
+        )
+    first = _text_of(query)
+    return [[first, _text_of(doc)] for doc in documents]
+
+
+def _check_parts(parts: list[Any], field: str) -> None:
+    """Content parts as SGLang's ``RerankContentPart`` types them: text, image or video."""
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "image_url", "video_url"):
+            raise OpenAIError(
+                f"{field}: each content part should be an object whose type is text, "
+                "image_url or video_url",
+                field,
+            )
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise OpenAIError(f"{field}: a text part's text should be a valid string", field)
+
+
+def _text_of(content: str | list[Any]) -> str:
+    """``_extract_text_from_content``: a string as it is, content parts' texts joined."""
+    if isinstance(content, str):
+        return content
+    return " ".join(part["text"] for part in content if part.get("type") == "text")
+
+
+def cross_encoder_response(
+    answers: list[Mapping[str, Any]], body: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """SGLang's ``_build_rerank_response`` of the pooled pairs' native answers (``{embedding,
+    meta_info}``): a list's first value or the number as the score, the best first (ties in
+    the documents' order), ``top_n`` of them."""
+    shown = body.get("return_documents", True)
+    out = []
+    for index, answer in enumerate(answers):
+        score = answer["embedding"]
+        if isinstance(score, list):
+            score = score[0]
+        entry: dict[str, Any] = {"score": float(score)}
+        if shown:
+            entry["document"] = body["documents"][index]
+        entry["index"] = index
+        entry["meta_info"] = answer.get("meta_info")
+        out.append(entry)
+    out.sort(key=lambda a: a["score"], reverse=True)  # stable: ties keep their order
+    top_n = body.get("top_n")
+    return out if top_n is None else out[:top_n]

@@ -13,6 +13,16 @@ What a checkpoint is follows SGLang 0.5.23 (``srt/configs/model_config.py``,
   ``--is-embedding``: the last token's hidden state after the final norm, L2-normalized
   (``Pooler(LAST, normalize=True)``), cut to ``dimensions`` first for a Matryoshka model.
 
+Encoders (``srt/models/bert.py``, ``roberta.py``): ``BertModel``, ``Contriever`` and
+``XLMRobertaModel`` embed with their first (``[CLS]``) token's hidden state, L2-normalized
+(``Pooler(CLS, normalize=True)``); ``BertForSequenceClassification`` and
+``XLMRobertaForSequenceClassification`` are cross-encoders (bge-reranker...): the model's own
+classification head over the ``[CLS]`` token, then the activation the config names
+(``sbert_ce_default_activation_function``, a ``torch.nn.modules`` class; none: the logits as
+they are), one label's output a number rather than a list (``CrossEncodingPooler``'s
+``squeeze(-1)``). A query-document pair (``/v1/rerank``, ``is_cross_encoder_request``) is one
+prompt of the tokenizer's pair encoding, with its token type ids.
+
 ``Pooler`` runs them on a thread of its own, as the scheduler thread runs a generating model:
 requests queue, and each pass takes every waiting prompt (sorted by length, cut into batches
 of at most ``max_rows`` rows and ``max_batch_tokens`` padded tokens), right-padded with an
@@ -68,7 +78,16 @@ POOLING_KINDS = ("classify", "embed")
 Kind = Literal["classify", "embed"]
 
 # SGLang's embedding architectures that transformers loads as plain base models
-_BASE_MODELS = {"LlamaEmbeddingModel", "MistralModel", "Qwen3Model"}
+_BASE_MODELS = {
+    "LlamaEmbeddingModel", "MistralModel", "Qwen3Model", "BertModel", "Contriever",
+    "XLMRobertaModel",
+}  # fmt: skip
+# the encoders among them (bidirectional: pooled at the first token), and the cross-encoders
+# (SGLang's CrossEncodingPooler models: is_cross_encoding_pooler_model)
+CROSS_ENCODERS = frozenset({"BertForSequenceClassification", "XLMRobertaForSequenceClassification"})
+ENCODERS = frozenset({"BertModel", "Contriever", "XLMRobertaModel"}) | CROSS_ENCODERS
+_ACTIVATIONS = "torch.nn.modules."  # where a cross-encoder's config may name its activation
+_OFFSET_POSITIONS = ("xlm-roberta", "roberta")  # positions from the padding index on
 
 
 def pooling_kind(config: Any, is_embedding: bool) -> Kind | None:
@@ -118,6 +137,12 @@ class PoolingModel:
     labels: dict[int, str]
     hidden_size: int
     matryoshka: frozenset[int] | None
+    # an encoder (BERT, XLM-R): pooled at its first token, its padding ``pad_id``; a
+    # cross-encoder's results are its whole model's logits through ``activation``
+    encoder: bool = False
+    cross_encoder: bool = False
+    activation: torch.nn.Module | None = None
+    pad_id: int = 0
 
     @property
     def width(self) -> int:
@@ -132,6 +157,7 @@ class PoolingModel:
         anchors: Sequence[Sequence[int] | None] | None = None,
         overrides: Sequence[Any] | None = None,
         positions: Sequence[Any] | None = None,
+        types: Sequence[Sequence[int] | None] | None = None,
     ) -> tuple[list[Any], Any]:
         """One batched pass over ``rows`` (token ids): each row's result (the head's outputs, or
         its normalized hidden state cut to its ``dimensions``) and the pooled hidden states
@@ -139,16 +165,27 @@ class PoolingModel:
         (``/v1/score``'s setwise readout: a row of outputs each, and as many hidden states)
         instead of its last; ``overrides``: a row's ``PositionalEmbeds`` (``/v1/score``'s
         embedding overrides: its rows in place of those positions' token embeddings);
-        ``positions``: a row's ``PromptPositions`` (``--enable-mis``: its position ids)."""
+        ``positions``: a row's ``PromptPositions`` (``--enable-mis``: its position ids);
+        ``types``: a row's token type ids (a cross-encoder's query-document pair).
+        A cross-encoder's results are its scores, with no hidden states (None)."""
         device = next(self.backbone.parameters()).device
         lengths = torch.tensor([len(r) for r in rows])
-        ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+        ids = torch.full((len(rows), int(lengths.max())), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row)
             mask[i, : len(row)] = 1
         ids, mask = ids.to(device), mask.to(device)
         where: dict[str, torch.Tensor] = {}
+        if self.encoder and types is not None and any(t is not None for t in types):
+            # (a decoder's pairs are its ids alone: SGLang's decoders take no token types)
+            kinds = torch.zeros_like(ids)
+            for i, given in enumerate(types):
+                if given is not None:
+                    kinds[i, : len(given)] = torch.tensor(list(given))
+            where["token_type_ids"] = kinds.to(device)
+        if self.cross_encoder:
+            return self._cross_scores(ids, mask, where), [None] * len(rows)
         if positions is not None and any(p is not None for p in positions):
             at = torch.arange(ids.shape[1]).repeat(len(rows), 1)
             for i, given in enumerate(positions):
@@ -164,8 +201,8 @@ class PoolingModel:
             out = self.backbone(inputs_embeds=embeds, attention_mask=mask, **where)
         else:
             out = self.backbone(input_ids=ids, attention_mask=mask, **where)
-        at = torch.arange(len(rows), device=device), (lengths - 1).to(device)
-        last = out.last_hidden_state[at]
+        read = torch.zeros_like(lengths) if self.encoder else lengths - 1  # [CLS], or the last
+        last = out.last_hidden_state[torch.arange(len(rows), device=device), read.to(device)]
         if anchors is not None and any(a is not None for a in anchors):
             assert self.head is not None  # (setwise: classification heads only)
             results: list[Any] = []
@@ -183,6 +220,16 @@ class PoolingModel:
         for i, dims in enumerate(dimensions or [None] * len(rows)):
             values.append(F.normalize(hidden[i, :dims], p=2, dim=-1).tolist())
         return values, hidden
+
+    def _cross_scores(
+        self, ids: torch.Tensor, mask: torch.Tensor, where: dict[str, torch.Tensor]
+    ) -> list[Any]:
+        """A cross-encoder's scores (``CrossEncodingPooler``): its classification head's
+        logits through ``activation``, squeezed (one label: a number a row)."""
+        logits = self.loaded.model(input_ids=ids, attention_mask=mask, **where).logits
+        if self.activation is not None:
+            logits = self.activation(logits)
+        return logits.float().squeeze(-1).cpu().tolist()
 
 
 def load_pooling_model(
@@ -205,16 +252,20 @@ def load_pooling_model(
         "device": device, "dtype": dtype, "load_format": load_format,
         "trust_remote_code": trust_remote_code, "remote": remote,
     }  # fmt: skip
+    architectures = set(getattr(_config(path, trust_remote_code), "architectures", None) or [])
+    cross = bool(architectures & CROSS_ENCODERS)
     if kind == "classify":
         try:
             model = instantiate(hf.AutoModelForSequenceClassification, path, **how)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{path} does not load as a classification model: {exc}") from None
-        head = getattr(model, "score", None)
+        head = model.classifier if cross else getattr(model, "score", None)
         if not isinstance(head, torch.nn.Module):
             raise ValueError(
                 f"{type(model).__name__} has no `score` head: the built-in engine serves "
-                "decoder classifiers (Llama, Qwen, Mistral, Gemma... *ForSequenceClassification)"
+                "decoder classifiers (Llama, Qwen, Mistral, Gemma... *ForSequenceClassification) "
+                "and the cross-encoders BertForSequenceClassification and "
+                "XLMRobertaForSequenceClassification"
             )
         backbone = model.base_model
     elif _causal(path, trust_remote_code):  # loaded whole, as SGLang loads it: its head is
@@ -234,13 +285,19 @@ def load_pooling_model(
         if dims
         else (None if getattr(config, "is_matryoshka", False) else frozenset())
     )
+    activation = _activation(config) if cross else None
+    context = config.max_position_embeddings
+    if getattr(config, "model_type", "") in _OFFSET_POSITIONS and config.pad_token_id is not None:
+        # (RoBERTa's positions count from past its padding index: a prompt of as many tokens
+        # as the table has rows would index past it, where SGLang's pass fails)
+        context -= config.pad_token_id
     embeddings = backbone.get_input_embeddings()
     loaded = LoadedModel(
         path=path,
         model=model,
         tokenizer=load_tokenizer(path, trust_remote_code=trust_remote_code),
         vocab_size=embeddings.num_embeddings,
-        context_length=config.max_position_embeddings,
+        context_length=context,
         eos_token_ids=eos_ids(model, None),
         weight_version=version,
         load_format=load_format,
@@ -253,7 +310,36 @@ def load_pooling_model(
         labels=labels,
         hidden_size=config.hidden_size,
         matryoshka=matryoshka,
+        encoder=bool(architectures & ENCODERS),
+        cross_encoder=cross,
+        activation=activation,
+        pad_id=int(getattr(config, "pad_token_id", None) or 0) if architectures & ENCODERS else 0,
     )
+
+
+def _activation(config: Any) -> torch.nn.Module | None:
+    """A cross-encoder's activation (``get_cross_encoder_activation_function``): the
+    ``torch.nn.modules`` class its config names (``sbert_ce_default_activation_function``), or
+    none (bge-reranker's logits); another module path is refused, as SGLang refuses it."""
+    name = getattr(config, "sbert_ce_default_activation_function", None)
+    if name is None:
+        return None
+    module, _, attr = str(name).rpartition(".")
+    found = None
+    if str(name).startswith(_ACTIVATIONS):
+        import importlib
+
+        try:
+            found = getattr(importlib.import_module(module), attr, None)
+        except ImportError:
+            found = None
+    if not (isinstance(found, type) and issubclass(found, torch.nn.Module)):
+        raise ValueError(
+            f"sbert_ce_default_activation_function {name!r}: loading of activation functions is "
+            "restricted to torch.nn.modules (a torch.nn.modules class, such as "
+            "torch.nn.modules.activation.Sigmoid)"
+        )
+    return found()
 
 
 class PoolingFailed(RuntimeError):
@@ -276,6 +362,7 @@ class _Job:
     anchors: list[list[int] | None] | None = None  # PoolingModel.pool's, per row
     overrides: list[Any] | None = None
     positions: list[Any] | None = None
+    types: list[Any] | None = None  # token type ids (a cross-encoder's pairs)
 
 
 @dataclass
@@ -347,18 +434,19 @@ class Pooler:
         anchors: list[list[int] | None] | None = None,
         overrides: list[Any] | None = None,
         positions: list[Any] | None = None,
+        types: list[Any] | None = None,
     ) -> tuple[list[Any], list[Any] | None]:
-        """Each row's result (and, with ``hidden``, its pooled hidden state before the head)
-        once the thread has run it (``anchors``, ``overrides``, ``positions``:
-        ``PoolingModel.pool``'s, per row); ``PoolingFailed`` when the pass raised or the
-        thread is not running."""
+        """Each row's result (and, with ``hidden``, its pooled hidden state before the head,
+        None for a cross-encoder's) once the thread has run it (``anchors``, ``overrides``,
+        ``positions``, ``types``: ``PoolingModel.pool``'s, per row); ``PoolingFailed`` when
+        the pass raised or the thread is not running."""
         if not self.alive:
             raise PoolingFailed("the pooling thread is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         dims = list(dimensions) if dimensions is not None else [None] * len(rows)
         self._queued = [self._queued[0] + len(rows), self._queued[1] + sum(map(len, rows))]
-        self._jobs.put(_Job(rows, dims, hidden, loop, future, anchors, overrides, positions))
+        self._jobs.put(_Job(rows, dims, hidden, loop, future, anchors, overrides, positions, types))
         return await future
 
     @property
@@ -477,8 +565,9 @@ class Pooler:
             anchors = _per_row(jobs, batch, "anchors")
             overrides = _per_row(jobs, batch, "overrides")
             positions = _per_row(jobs, batch, "positions")
+            types = _per_row(jobs, batch, "types")
             try:
-                results, states = self.model.pool(rows, dims, anchors, overrides, positions)
+                results, states = self.model.pool(rows, dims, anchors, overrides, positions, types)
             except Exception as exc:  # a failed pass fails its requests, never the thread
                 log.exception("pooling_pass_failed", rows=len(rows))
                 error = PoolingFailed(f"the model's pass failed: {type(exc).__name__}: {exc}")
@@ -488,7 +577,7 @@ class Pooler:
             for k, (j, i) in enumerate(batch):
                 values[j, i] = results[k]
                 if jobs[j].hidden:
-                    hidden[j, i] = states[k].tolist()
+                    hidden[j, i] = None if states[k] is None else states[k].tolist()
         return values, hidden, failed
 
     def _answer(
@@ -530,7 +619,8 @@ class Pooler:
 
 
 def _per_row(jobs: list[_Job], batch: list[tuple[int, int]], name: str) -> list[Any] | None:
-    """A pass's rows' ``anchors``, ``overrides`` or ``positions`` (None: no row has any)."""
+    """A pass's rows' ``anchors``, ``overrides``, ``positions`` or ``types`` (None: no row has
+    any)."""
     if all(getattr(jobs[j], name) is None for j, _ in batch):
         return None
     return [None if (v := getattr(jobs[j], name)) is None else v[i] for j, i in batch]

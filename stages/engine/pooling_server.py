@@ -35,7 +35,6 @@ from stages.engine.logging_routes import LoggingRoutes
 from stages.engine.maintenance_routes import MaintenanceRoutes
 from stages.engine.openai_api import OpenAIRoutes, error_response
 from stages.engine.openai_chat import ChatSettings
-from stages.engine.openai_rerank import is_reranker_template
 from stages.engine.parse_routes import ParseRoutes
 from stages.engine.pooling import Kind, Pooler, PoolingModel, load_pooling_model
 from stages.engine.pooling_weights import add_weight_routes
@@ -126,6 +125,14 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
     except (OSError, ValueError, RemoteLoadError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
+    if args.enable_mis and model.encoder:  # (its fused items read through a causal mask)
+        log.error(
+            "engine_settings_refused",
+            model=str(args.model),
+            error="--enable-mis scores items fused behind a causal mask: decoder models only, "
+            "not an encoder (BERT, XLM-R), which attends both ways",
+        )
+        return 2
     if not mis_allowed(args, model.loaded.vocab_size):
         return 2
     pooler = Pooler(model, max_rows=args.max_running)
@@ -210,8 +217,6 @@ def build_pooling_app(
     app.router.add_post("/generate", _refuse_generate)
     for path in _GENERATION_ROUTES:
         app.router.add_post(path, _refuse_v1)
-    app.router.add_post("/v1/rerank", _refuse_rerank)
-    app.router.add_put("/v1/rerank", _refuse_rerank)
     app.router.add_post("/v1/decisions", _refuse_decisions)
     app.router.add_post("/v1/systemone", _refuse_systemone)
     for path in ("/health", "/ready", "/ping"):
@@ -267,23 +272,6 @@ async def _refuse_systemone(request: web.Request) -> web.Response:
     if isinstance(parsed, web.Response):
         return parsed
     return error_response(f"{systemone.ROUTE} requires a generation model")
-
-
-async def _refuse_rerank(request: web.Request) -> web.Response:
-    """``/v1/rerank`` on a pooling model: SGLang 0.5.23's refusal when its template is a
-    decoder reranker's (scored by a generating engine: ``openai_rerank``); a cross-encoder's
-    query-document pairs this engine does not score."""
-    tokenizer = request.app[_POOLER].model.loaded.tokenizer
-    if is_reranker_template(getattr(tokenizer, "chat_template", None)):
-        return error_response(
-            "Detected Qwen3 reranker chat template, but the server is not in generation mode. "
-            "Please relaunch without --is-embedding for Qwen3-Reranker models."
-        )
-    return error_response(
-        "cross-encoder reranking (query-document pairs) is not supported by the built-in "
-        "engine: serve a decoder reranker (its chat template asks for yes or no) without "
-        "--is-embedding"
-    )
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -320,6 +320,7 @@ def test_bad_requests_get_sglangs_answers_and_are_counted(reward: Engine, embedd
             assert sum(refused.values()) >= 5
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(60)
 def test_info_routes_and_chat_template_tokenizing_for_a_reward_model(reward: Engine) -> None:
     status, info = reward.request("GET", "/model_info")
@@ -344,9 +345,20 @@ def test_info_routes_and_chat_template_tokenizing_for_a_reward_model(reward: Eng
     assert tokens["tokens"] == list(want)
     status, out = reward.request("POST", "/classify", {"input_ids": tokens["tokens"]})
     assert status == 200 and len(out["embedding"]) == 1
-    if not _real(reward):  # a cross-encoder's pairs: not scored here (a decoder reranker is)
-        status, out = reward.request("POST", "/v1/rerank", {"query": "q", "documents": ["a"]})
-        assert status == 400 and "cross-encoder" in out["message"]
+    # /v1/rerank on a reward model: SGLang's cross-encoder path (serving_rerank), each
+    # [query, document] pair encoded as the tokenizer encodes a text pair (here: one after
+    # the other) and scored by the head, the score its first output
+    docs = ["w7 w8", "w9", "w10 w11 w12"]
+    status, ranked = reward.request("POST", "/v1/rerank", {"query": "w5 w6", "documents": docs})
+    assert status == 200, ranked
+    pairs = tokenizer([["w5 w6", doc] for doc in docs])["input_ids"]
+    assert [a["meta_info"]["prompt_tokens"] for a in ranked] == [
+        len(pairs[a["index"]]) for a in ranked
+    ]
+    want = [_scores(reward, list(ids))[0][0] for ids in pairs]
+    assert [a["index"] for a in ranked] == sorted(range(3), key=lambda i: -want[i])
+    for answer in ranked:
+        _agree(reward, [answer["score"]], list(pairs[answer["index"]]))
 
 
 @pytest.mark.timeout(60)
