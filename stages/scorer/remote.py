@@ -19,8 +19,10 @@ batch of prompts a request, or ``/v1/chat/completions``, one a request), searche
 
 A reward model's samples go to the engine's ``/classify`` as ids of each conversation (prompt
 messages, then the completion as the assistant's turn) rendered by the model's own chat
-template at ``/v1/tokenize`` (``input: chat``), or as ``template`` filled (``input: text``);
-the reward is the ``label``-th output of each answer's ``embedding``.
+template at ``/v1/tokenize`` (``input: chat``), as ``template`` filled (``input: text``), or as
+a cross-encoder's ``[query, document]`` pairs, ``pair``'s templates filled (``input: pair``,
+SGLang's ``is_cross_encoder_request``); the reward is the ``label``-th output of each answer's
+``embedding``, or the number a one-label cross-encoder answers.
 
 Each reward has one connection pool, at most ``concurrency`` calls in flight (across the
 scorer's concurrent scoring calls), ``timeout_s`` per call, and ``retries`` more tries with
@@ -259,7 +261,9 @@ class _RewardModel(_Protocol):
     """A reward model on an engine's ``/classify`` (SGLang's reward-model route): input
     ``chat`` renders each sample's conversation with the model's own template
     (``/v1/tokenize``, one call a sample) and sends the ids; ``text`` sends ``template``
-    filled. The reward is the ``label``-th output of each answer's ``embedding``."""
+    filled; ``pair`` sends ``pair``'s two templates filled as a cross-encoder's text pairs.
+    The reward is the ``label``-th output of each answer's ``embedding`` (a one-label
+    cross-encoder's number)."""
 
     path = "/classify"
     split_refused = True  # the engine refuses a whole batch for one prompt past its context
@@ -275,6 +279,11 @@ class _RewardModel(_Protocol):
             return {
                 "text": [_filled(self.model.template, part, i, "rm_template") for i in range(n)]
             }
+        if self.model.input == "pair":  # a cross-encoder's [query, document] pairs
+            pairs = [
+                [_filled(t, part, i, "rm_template") for t in self.model.pair] for i in range(n)
+            ]
+            return {"text": pairs, "is_cross_encoder_request": True}
         calls = [http.post(f"{base}/v1/tokenize", self._tokenize(part, i)) for i in range(n)]
         answers = await asyncio.gather(*calls)
         ids = []
@@ -294,13 +303,20 @@ class _RewardModel(_Protocol):
 
     def values(self, reply: Any, n: int) -> tuple[list[float | None], dict]:
         label = self.model.label
-        try:
-            values = [item["embedding"][label] for item in reply]
+        try:  # (a one-label cross-encoder answers a number: its output 0)
+            values = [_output(item["embedding"], label) for item in reply]
         except (KeyError, IndexError, TypeError) as exc:
             raise HttpFailure(
                 "bad_response", f"no output {label} in the answer ({exc!r}): {quoted(reply)}"
             ) from None
         return _values(values, n)
+
+
+def _output(embedding: Any, label: int) -> Any:
+    """A reward model's output ``label``: of its list, or its one number (label 0)."""
+    if isinstance(embedding, int | float) and not isinstance(embedding, bool) and label == 0:
+        return embedding
+    return embedding[label]
 
 
 def _filled(template: str, part: Mapping[str, list], i: int, kind: str) -> str:

@@ -213,16 +213,25 @@ class RewardModelSpec:
             "one engine in a process of its own (SGLang gets --is-embedding)"
         },
     )
-    input: Literal["chat", "text"] = _f(
+    input: Literal["chat", "text", "pair"] = _f(
         "chat",
         "chat: the sample's conversation (meta messages, else its prompt as the user's message) "
         "and the completion as the assistant's turn, rendered by the reward model's own chat "
-        "template (the engine's /v1/tokenize); text: template filled, as it is",
+        "template (the engine's /v1/tokenize); text: template filled, as it is; pair: a "
+        "cross-encoder's [query, document] pair (pair's two templates filled), encoded as the "
+        "model's tokenizer encodes a text pair (is_cross_encoder_request)",
     )
     template: str = _f(
         "{prompt}{completion}",
         "input text: a Python format string over the sample's values ({prompt}, "
         "{completion}, {answer}, any meta key)",
+    )
+    pair: list[str] = field(
+        default_factory=lambda: ["{prompt}", "{completion}"],
+        metadata={
+            "doc": "input pair: the query's and the document's templates (format strings over "
+            "the sample's values, as template's)"
+        },
     )
     label: int = _f(0, "which of the model's outputs is the reward (one-label models: 0)", min=0)
 
@@ -237,8 +246,16 @@ class RewardModelSpec:
         else:
             check_one_engine(self.launch, "the reward model's")
         _template_fields(self.template)
-        if self.input == "chat" and self.template != "{prompt}{completion}":
-            raise ValueError("template applies to input: text (chat renders the conversation)")
+        if self.input != "text" and self.template != "{prompt}{completion}":
+            raise ValueError(
+                "template applies to input: text (chat renders the conversation; pair fills pair)"
+            )
+        if not (isinstance(self.pair, list) and len(self.pair) == 2):
+            raise ValueError("pair is [query template, document template]: two format strings")
+        for template in self.pair:
+            _template_fields(template)
+        if self.input != "pair" and self.pair != ["{prompt}", "{completion}"]:
+            raise ValueError("pair applies to input: pair")
 
 
 @dataclass

@@ -17,20 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
     AutoModel,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
-    BertTokenizerFast,
-    PreTrainedTokenizerFast,
-    XLMRobertaConfig,
 )
 
 from stages.engine.openai_api import OpenAIError
@@ -40,70 +35,11 @@ from stages.engine.pooling_server import serve_pooling
 from stages.engine.server import parse_args
 from tests.numerics import assert_close, forward_terms
 from tests.stages.test_engine_server import Engine, serving
+from tests.stages.tiny_encoders import WORDS, make_bert, make_xlmr
 
-WORDS = [f"w{i}" for i in range(5, 60)]
 SIGMOID = "torch.nn.modules.activation.Sigmoid"
 QUERY = "w5 w6 w7"
 DOCUMENTS = ["w8", "w9 w10 w11 w12 w13", "w14 w15", "w16 w17 w18 w19 w20 w21 w22 w23", "w24"]
-
-
-def _widen(model: torch.nn.Module, seed: int) -> None:
-    """Wider random weights than the initializer's (scores far apart, no ties)."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-
-
-def make_bert(path: Path, architecture: str, *, seed: int = 0, **config: Any) -> Path:
-    """A tiny BERT (``BertForSequenceClassification`` with one label, or ``BertModel``) and its
-    WordPiece tokenizer, saved under ``path``."""
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
-    cfg = BertConfig(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, num_labels=1,
-        architectures=[architecture], **config,
-    )  # fmt: skip
-    auto = AutoModel if architecture == "BertModel" else AutoModelForSequenceClassification
-    model = auto.from_config(cfg)
-    _widen(model, seed)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def make_xlmr(path: Path, *, seed: int = 0, **config: Any) -> Path:
-    """A tiny ``XLMRobertaForSequenceClassification`` (one label; padding index 1, so its
-    positions start at 2) with a tokenizer that frames pairs as XLM-R's does (``<s> A </s></s>
-    B </s>``, every token type 0)."""
-    path.mkdir(parents=True, exist_ok=True)
-    specials = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    vocab = {**specials, **{w: i + 4 for i, w in enumerate(WORDS)}}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>",
-        pair="<s> $A </s> </s> $B:0 </s>",
-        special_tokens=[("<s>", 0), ("</s>", 2)],
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>",
-    )  # fmt: skip
-    cfg = XLMRobertaConfig(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=66, num_labels=1, pad_token_id=1,
-        bos_token_id=0, eos_token_id=2, type_vocab_size=1,
-        architectures=["XLMRobertaForSequenceClassification"], **config,
-    )  # fmt: skip
-    model = AutoModelForSequenceClassification.from_config(cfg)
-    _widen(model, seed)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

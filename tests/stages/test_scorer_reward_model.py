@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
 
 from stages.generator.launcher import LaunchConfig
 from stages.scorer.runner import RewardRunner
 from stages.scorer.spec import RewardModelSpec, RewardSpec
 from tests.numerics import assert_close, forward_terms
 from tests.stages.engine_setup import builtin_engine, classifier_reference, post_json
+from tests.stages.tiny_encoders import make_bert
 from tests.stages.tiny_model import make_tiny_classifier
 
 COMPLETIONS = ["w11 w12", "w13", "w14 w15 w16", "w17"]
@@ -224,3 +226,39 @@ def test_the_scorer_starts_its_reward_models_engine_with_launch(tmp_path, model_
         assert_close(sample["reward_info"]["rm"], want, terms=terms, scale=scale)
     (ready,) = [e for e in events(run_dir, "scorer.0") if e["event"] == "reward_engine_ready"]
     assert ready["fn"] == "rm" and ready["url"].startswith("http://127.0.0.1:")
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(90)
+async def test_a_cross_encoder_scores_each_samples_pair(tmp_path) -> None:
+    # input: pair: [query, document] per sample, sent as SGLang's is_cross_encoder_request
+    # pairs; a one-label cross-encoder answers a number, the reward (label 0)
+    model_dir = make_bert(tmp_path / "ce", "BertForSequenceClassification", seed=5)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    kwargs = {"prompts": ["w6 w7", "w8", "w9 w10"], "completions": ["w11", "w12 w13", "w14"],
+              "answer": ["w20", "w21 w22", "w23"]}  # fmt: skip
+    with builtin_engine(model_dir) as url:
+        by_answer = RewardModelSpec(url=url, input="pair", pair=["{answer}", "{completion}"])
+        specs = [
+            RewardSpec(reward_model=RewardModelSpec(url=url, input="pair"), name="prompt"),
+            RewardSpec(reward_model=by_answer, name="answer"),
+        ]
+        async with RewardRunner(specs) as runner:
+            scored = await runner.score(kwargs)
+    for i, (_, info) in enumerate(scored):
+        for name, query in (("prompt", kwargs["prompts"][i]), ("answer", kwargs["answer"][i])):
+            encoded = tokenizer(query, kwargs["completions"][i], return_tensors="pt")
+            with torch.no_grad():
+                want = float(model(**encoded).logits[0, 0])
+            assert abs(info[name] - want) <= 1e-4 * max(1.0, abs(want)), (name, info, want)
+    assert scored[0][1]["prompt"] != scored[0][1]["answer"]
+
+
+def test_pair_entries_are_checked() -> None:
+    with pytest.raises(ValueError, match="pair applies to input: pair"):
+        RewardModelSpec(url="http://127.0.0.1:1", pair=["{prompt}", "{answer}"])
+    with pytest.raises(ValueError, match="two format strings"):
+        RewardModelSpec(url="http://127.0.0.1:1", input="pair", pair=["{prompt}"])
+    with pytest.raises(ValueError, match="template applies to input: text"):
+        RewardModelSpec(url="http://127.0.0.1:1", input="pair", template="{completion}")
