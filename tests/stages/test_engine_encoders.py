@@ -271,3 +271,29 @@ def test_encoder_architectures_and_a_bad_activation(
     args = parse_args(["--model", str(good), "--enable-mis"])
     assert serve_pooling(args, "classify", None) == 2  # type: ignore[arg-type]
     assert "decoder models only" in capsys.readouterr().out
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(90)
+def test_a_cross_encoders_weights_update_from_disk_between_passes(tmp_path: Path) -> None:
+    # SGLang's weight routes serve a pooling model as a generating one: a trainer updating its
+    # reranker reward model; the pairs score as the new checkpoint scores them
+    first = make_bert(tmp_path / "a", "BertForSequenceClassification", seed=4)
+    second = make_bert(tmp_path / "b", "BertForSequenceClassification", seed=5)
+    body = {"query": QUERY, "documents": DOCUMENTS[:2], "return_documents": False}
+    with serving(first, tmp_path / "engine.log") as engine:
+        status, before = engine.request("POST", "/v1/rerank", body)
+        assert status == 200, before
+        status, out = engine.request(
+            "POST", "/update_weights_from_disk", {"model_path": str(second)}
+        )
+        assert status == 200 and out["success"], out
+        status, after = engine.request("POST", "/v1/rerank", body)
+    assert status == 200, after
+    new = Engine(engine.url, second, engine.log_file)
+    for answer in after:
+        doc = DOCUMENTS[answer["index"]]
+        logit, scale = _reference(new, QUERY, doc)
+        length = _pair_length(new, QUERY, doc)
+        assert_close([answer["score"]], [logit], terms=_terms(new, length), scale=scale)
+    assert {a["index"]: a["score"] for a in before} != {a["index"]: a["score"] for a in after}
