@@ -15,8 +15,10 @@ label's score a number); ``models/bert.py`` ``BertModel`` with ``--is-embedding`
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -297,3 +299,31 @@ def test_a_cross_encoders_weights_update_from_disk_between_passes(tmp_path: Path
         length = _pair_length(new, QUERY, doc)
         assert_close([answer["score"]], [logit], terms=_terms(new, length), scale=scale)
     assert {a["index"]: a["score"] for a in before} != {a["index"]: a["score"] for a in after}
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(90)
+def test_pairs_and_plain_texts_batched_together_each_score_as_alone(bert: Engine) -> None:
+    # a pass may take pairs (token types 0 and 1) and texts (types 0) together: each row its own
+    before = bert.request("GET", "/server_info")[1]["internal_states"][0]
+    bodies: list[dict[str, Any]] = []
+    for i in range(24):
+        doc = DOCUMENTS[i % len(DOCUMENTS)]
+        if i % 2:
+            bodies.append({"text": [[QUERY, doc]], "is_cross_encoder_request": True})
+        else:
+            bodies.append({"text": f"{QUERY} {doc}"})
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: bert.request("POST", "/encode", b), bodies))
+    for body, (status, out) in zip(bodies, answers, strict=True):
+        assert status == 200, out
+        if isinstance(body["text"], list):
+            (query, doc), (out,) = body["text"][0], out
+            logit, scale = _reference(bert, query, doc)
+            length = _pair_length(bert, query, doc)
+        else:
+            logit, scale = _reference(bert, body["text"])
+            length = out["meta_info"]["prompt_tokens"]
+        assert_close([out["embedding"]], [logit], terms=_terms(bert, length), scale=scale)
+    after = bert.request("GET", "/server_info")[1]["internal_states"][0]
+    assert after["passes"] - before["passes"] < 24  # requests that waited together ran together
