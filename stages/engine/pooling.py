@@ -13,6 +13,10 @@ What a checkpoint is follows SGLang 0.5.23 (``srt/configs/model_config.py``,
   ``--is-embedding``: the last token's hidden state after the final norm, L2-normalized
   (``Pooler(LAST, normalize=True)``), cut to ``dimensions`` first for a Matryoshka model.
 
+``Qwen2ForRewardModel`` and ``Qwen3ForRewardModel`` (checkpoints that ship their own code) are
+built by ``stages.engine.reward_models`` as SGLang builds them, a two-layer head on the base
+model, served as ``classify`` without ``--trust-remote-code``.
+
 Encoders (``srt/models/bert.py``, ``roberta.py``): ``BertModel``, ``Contriever`` and
 ``XLMRobertaModel`` embed with their first (``[CLS]``) token's hidden state, L2-normalized
 (``Pooler(CLS, normalize=True)``); ``BertForSequenceClassification`` and
@@ -58,6 +62,7 @@ from stages.engine.loader import (
 )
 from stages.engine.memory_offload import MemoryState
 from stages.engine.remote_instance import RemoteSeed
+from stages.engine.reward_models import reward_model_class
 from stages.hub import resolve_model
 
 __all__ = [
@@ -96,10 +101,13 @@ def pooling_kind(config: Any, is_embedding: bool) -> Kind | None:
     architectures = list(getattr(config, "architectures", None) or [])
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return "classify"
+    if reward_model_class(architectures) is not None:  # (built here, no remote code)
+        return "classify"
     if any(a.endswith("ForRewardModel") for a in architectures):
         raise ValueError(
             f"architecture {architectures[0]} is a remote-code reward model, which the built-in "
-            "engine does not run: use a *ForSequenceClassification checkpoint of it"
+            "engine does not run (it builds Qwen2ForRewardModel and Qwen3ForRewardModel): use "
+            "a *ForSequenceClassification checkpoint of it"
         )
     if is_embedding or any(a in _BASE_MODELS for a in architectures):
         return "embed"
@@ -254,7 +262,11 @@ def load_pooling_model(
     }  # fmt: skip
     architectures = set(getattr(_config(path, trust_remote_code), "architectures", None) or [])
     cross = bool(architectures & CROSS_ENCODERS)
-    if kind == "classify":
+    mlp_reward = reward_model_class(architectures)
+    if kind == "classify" and mlp_reward is not None:  # its own head: model.score
+        model = instantiate(mlp_reward, path, **how)
+        head, backbone = model.score, model.model
+    elif kind == "classify":
         try:
             model = instantiate(hf.AutoModelForSequenceClassification, path, **how)
         except (KeyError, ValueError) as exc:
@@ -279,6 +291,8 @@ def load_pooling_model(
     num_labels = int(getattr(config, "num_labels", 0) or 0)
     labels = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
     labels = labels or {i: f"LABEL_{i}" for i in range(num_labels)}
+    if mlp_reward is not None:  # one output, whatever num_labels the config keeps
+        labels = {0: labels.get(0, "LABEL_0")}
     dims = getattr(config, "matryoshka_dimensions", None)
     matryoshka = (
         frozenset(int(d) for d in dims)

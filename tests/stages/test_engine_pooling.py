@@ -389,8 +389,9 @@ def test_what_a_checkpoint_serves_follows_sglangs_architecture_list() -> None:
     assert pooling_kind(Config("MistralModel"), False) == "embed"
     assert pooling_kind(Config("Qwen2ForCausalLM"), True) == "embed"
     assert pooling_kind(Config("Qwen2ForCausalLM"), False) is None
+    assert pooling_kind(Config("Qwen2ForRewardModel"), False) == "classify"  # built here
     with pytest.raises(ValueError, match="remote-code reward model"):
-        pooling_kind(Config("Qwen2ForRewardModel"), False)
+        pooling_kind(Config("InternLM2ForRewardModel"), False)
 
 
 @pytest.mark.timeout(60)
