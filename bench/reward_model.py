@@ -2,7 +2,8 @@
 against what a user would write instead: a reward function that runs the same model with
 transformers in its own process.
 
-Run: ``python bench/reward_model.py [--samples 256] [--batch 32] [--rounds 5] [--threads 1]``
+Run: ``python bench/reward_model.py [--samples 256] [--batch 32] [--rounds 5] [--threads 1]
+[--cross-encoder]``
 
 Makes a random ``Qwen2ForSequenceClassification`` (one label; hidden 384, 6 layers, 6 heads,
 2 KV heads, a 16,384-word vocabulary: about 15M parameters) with the tests' word tokenizer and a
@@ -18,7 +19,16 @@ Both sides score them in scoring calls of ``--batch`` samples, one call after an
   with right padding and run as one ``model(**batch)`` (transformers' own last-token pooling);
 - ``hf_text``: the same on the plain texts.
 
-Each round runs the four in turn (order reversed every other round); reported: samples/s per
+``--cross-encoder``: a random ``BertForSequenceClassification`` instead (one label; hidden 384,
+6 layers, 6 heads, a 16,384-word WordPiece vocabulary: a reranker's shape, such as
+bge-reranker-base's smaller sibling) scoring each ``[prompt, completion]`` pair:
+
+- ``engine_pair``: ``reward_model: {url, input: pair}`` (``/classify`` with SGLang's
+  ``is_cross_encoder_request`` pairs, one call a batch);
+- ``hf_pair``: in this process, the batch's pairs tokenized as a text pair with right padding
+  and run as one ``model(**batch)``: what ``sentence_transformers.CrossEncoder.predict`` does.
+
+Each round runs the sides in turn (order reversed every other round); reported: samples/s per
 side, the CPU seconds per 1,000 samples (this process's, plus the engine process's from
 ``/proc`` for the engine sides), each as the median and min-max over the rounds, and the
 largest difference between the engine's rewards and transformers' (same ids). Prints exactly one
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -45,12 +56,14 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForSequenceClassification,
+    AutoTokenizer,
     PreTrainedTokenizerFast,
 )
 
 from bench._engines import engine_server  # noqa: E402
 from stages.scorer.runner import RewardRunner  # noqa: E402
 from stages.scorer.spec import RewardModelSpec, RewardSpec  # noqa: E402
+from tests.stages.tiny_encoders import make_bert  # noqa: E402
 from tests.stages.tiny_model import make_tiny_classifier  # noqa: E402
 
 VOCAB = 16384
@@ -78,17 +91,24 @@ def _chat_text(tokenizer, prompt: str, completion: str) -> str:
 
 
 @torch.inference_mode()
-def _hf_scores(model, tokenizer, texts: list[str], batch: int) -> list[float]:
+def _hf_scores(model, tokenizer, texts: list, batch: int) -> list[float]:
+    """Each text's (or ``[query, document]`` pair's) first output, ``batch`` at a time."""
     out: list[float] = []
     for lo in range(0, len(texts), batch):
-        enc = tokenizer(texts[lo : lo + batch], padding=True, return_tensors="pt")
+        part = texts[lo : lo + batch]
+        if isinstance(part[0], list):  # pairs: the tokenizer's text-pair encoding
+            queries, documents = zip(*part, strict=True)
+            enc = tokenizer(list(queries), list(documents), padding=True, return_tensors="pt")
+        else:
+            enc = tokenizer(part, padding=True, return_tensors="pt")
         out += model(**enc).logits[:, 0].tolist()
     return out
 
 
-async def _engine_scores(url: str, samples: dict[str, list], batch: int, chat: bool) -> list:
-    template = "{prompt}{completion}" if chat else "{prompt} {completion}"
-    spec = RewardModelSpec(url=url, input="chat" if chat else "text", template=template)
+async def _engine_scores(url: str, samples: dict[str, list], batch: int, how: str) -> list:
+    """``how``: ``chat``, ``text`` or ``pair`` (the reward model's ``input``)."""
+    template = "{prompt}{completion}" if how != "text" else "{prompt} {completion}"
+    spec = RewardModelSpec(url=url, input=how, template=template)
     reward = RewardSpec(reward_model=spec, name="rm", concurrency=8)
     out: list[float] = []
     async with RewardRunner([reward]) as runner:
@@ -105,30 +125,43 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cross-encoder", action="store_true", help="a BERT cross-encoder")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     samples = _samples(args.samples)
+    kinds = ("pair",) if args.cross_encoder else ("chat", "text")
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_classifier(
-            Path(tmp) / "rm", seed=0, vocab=VOCAB, hidden=384, layers=6, heads=6, kv_heads=2,
-            intermediate=1024, max_positions=1024,
-        )  # fmt: skip
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        if args.cross_encoder:
+            path = make_bert(
+                Path(tmp) / "ce", "BertForSequenceClassification", words=VOCAB - 5,
+                hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
+                intermediate_size=1024, max_position_embeddings=512,
+            )  # fmt: skip
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        else:
+            path = make_tiny_classifier(
+                Path(tmp) / "rm", seed=0, vocab=VOCAB, hidden=384, layers=6, heads=6,
+                kv_heads=2, intermediate=1024, max_positions=1024,
+            )  # fmt: skip
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
         model = AutoModelForSequenceClassification.from_pretrained(path).eval()
         params = sum(p.numel() for p in model.parameters())
         pairs = list(zip(samples["prompts"], samples["completions"], strict=True))
+        inputs = {
+            "chat": lambda: [_chat_text(tokenizer, p, c) for p, c in pairs],
+            "text": lambda: [f"{p} {c}" for p, c in pairs],
+            "pair": lambda: [[p, c] for p, c in pairs],
+        }
         env = {"OMP_NUM_THREADS": str(args.threads)}
         with engine_server(path, "--max-running", str(args.batch), env=env) as (url, proc):
-            sides = {
-                "engine_chat": lambda: asyncio.run(_engine_scores(url, samples, args.batch, True)),
-                "engine_text": lambda: asyncio.run(_engine_scores(url, samples, args.batch, False)),
-                "hf_chat": lambda: _hf_scores(
-                    model, tokenizer, [_chat_text(tokenizer, p, c) for p, c in pairs], args.batch
-                ),
-                "hf_text": lambda: _hf_scores(
-                    model, tokenizer, [f"{p} {c}" for p, c in pairs], args.batch
-                ),
-            }
+            sides = {}
+            for kind in kinds:
+                sides[f"engine_{kind}"] = functools.partial(
+                    lambda k: asyncio.run(_engine_scores(url, samples, args.batch, k)), kind
+                )
+                sides[f"hf_{kind}"] = functools.partial(
+                    lambda k: _hf_scores(model, tokenizer, inputs[k](), args.batch), kind
+                )
             rates: dict[str, list[float]] = {k: [] for k in sides}
             cpu: dict[str, list[float]] = {k: [] for k in sides}
             scores: dict[str, list[float]] = {}
@@ -147,7 +180,7 @@ def main() -> None:
                     print(f"round {r} {name}: {args.samples / wall:.1f}/s", file=sys.stderr)
     differ = max(
         max(abs(a - b) for a, b in zip(scores[f"engine_{k}"], scores[f"hf_{k}"], strict=True))
-        for k in ("chat", "text")
+        for k in kinds
     )
 
     def summary(values: list[float]) -> dict[str, float]:
@@ -157,18 +190,21 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "model": "cross-encoder" if args.cross_encoder else "classifier",
                 "parameters": params,
                 "samples": args.samples,
                 "batch": args.batch,
                 "threads": args.threads,
                 "samples_per_s": {k: summary(v) for k, v in rates.items()},
                 "cpu_s_per_1k_samples": {k: summary(v) for k, v in cpu.items()},
-                "engine_over_hf_chat": round(
-                    statistics.median(rates["engine_chat"]) / statistics.median(rates["hf_chat"]), 3
-                ),
-                "engine_over_hf_text": round(
-                    statistics.median(rates["engine_text"]) / statistics.median(rates["hf_text"]), 3
-                ),
+                **{
+                    f"engine_over_hf_{k}": round(
+                        statistics.median(rates[f"engine_{k}"])
+                        / statistics.median(rates[f"hf_{k}"]),
+                        3,
+                    )
+                    for k in kinds
+                },
                 "max_abs_reward_difference": differ,
             }
         )

@@ -30,17 +30,18 @@ def _widen(model: torch.nn.Module, seed: int) -> None:
                 p.normal_(0.0, 0.3)
 
 
-def make_bert(path: Path, architecture: str, *, seed: int = 0, **config: Any) -> Path:
+def make_bert(
+    path: Path, architecture: str, *, seed: int = 0, words: int = len(WORDS), **config: Any
+) -> Path:
     """A tiny BERT (``BertForSequenceClassification`` with one label, or ``BertModel``) and its
-    WordPiece tokenizer, saved under ``path``."""
+    WordPiece tokenizer (``words`` words, ``w5`` on), saved under ``path``; ``config``: the
+    ``BertConfig``'s fields over the tiny sizes."""
     path.mkdir(parents=True, exist_ok=True)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(5, 5 + words))]
     tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
-    cfg = BertConfig(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, num_labels=1,
-        architectures=[architecture], **config,
-    )  # fmt: skip
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 64, "max_position_embeddings": 64, **config}  # fmt: skip
+    cfg = BertConfig(vocab_size=len(vocab), num_labels=1, architectures=[architecture], **sizes)
     auto = AutoModel if architecture == "BertModel" else AutoModelForSequenceClassification
     model = auto.from_config(cfg)
     _widen(model, seed)
