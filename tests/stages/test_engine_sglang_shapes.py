@@ -11,7 +11,8 @@ written out or left out).
   content too, ``ChatCompletionStreamResponse``;
 - Anthropic's ``/v1/messages``, whole and as events, with ``exclude_none`` (``anthropic/
   serving.py``); Ollama's ``/api/chat`` and ``/api/generate`` not streamed, and ``/api/tags``
-  (its streams' last line has the counts the Ollama API gives, which SGLang's leaves out).
+  (its streams' last line has the counts the Ollama API gives, which SGLang's leaves out);
+- a pooling engine's cross-encoder ``/v1/rerank`` entries, ``protocol.RerankResponse``.
 
 SGLang is not installed here (its wheels pin a CUDA torch), so this module is skipped unless its
 ``protocol`` module imports: in SGLang's own environment with Inflight installed, or from its
@@ -194,3 +195,20 @@ def test_messages_and_ollama_answers_are_written_as_sglang_writes_them(url: str)
     tags = requests.get(url + "/api/tags", timeout=30).json()
     diffs += _differences(ollama.OllamaTagsResponse, [tags])
     assert not diffs, "\n".join(diffs)
+
+
+@pytest.mark.timeout(90)
+def test_a_cross_encoders_rerank_answers_are_sglangs_rerank_responses(tmp_path) -> None:
+    """``/v1/rerank`` on a pooling engine (``serving_rerank``'s cross-encoder path): each entry
+    one ``RerankResponse`` as SGLang writes it (its serializer leaves a null ``document`` out)."""
+    from tests.stages.tiny_encoders import make_bert
+
+    model = make_bert(tmp_path / "ce", "BertForSequenceClassification", seed=1)
+    with builtin_engine(model) as found:
+        for shown in (True, False):
+            body = {"query": "w5 w6", "documents": ["w7", "w8 w9"], "return_documents": shown}
+            answer = requests.post(found + "/v1/rerank", json=body, timeout=30)
+            assert answer.status_code == 200, answer.text
+            entries = answer.json()
+            assert len(entries) == 2 and all(isinstance(e["meta_info"], dict) for e in entries)
+            assert _differences(protocol.RerankResponse, entries) == []
