@@ -62,7 +62,7 @@ from stages.engine.loader import (
 )
 from stages.engine.memory_offload import MemoryState
 from stages.engine.remote_instance import RemoteSeed
-from stages.engine.reward_models import reward_model_class
+from stages.engine.reward_model_names import REWARD_MODEL_NAMES
 from stages.hub import resolve_model
 
 __all__ = [
@@ -101,7 +101,7 @@ def pooling_kind(config: Any, is_embedding: bool) -> Kind | None:
     architectures = list(getattr(config, "architectures", None) or [])
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return "classify"
-    if reward_model_class(architectures) is not None:  # (built here, no remote code)
+    if REWARD_MODEL_NAMES.intersection(architectures):  # (built here, no remote code)
         return "classify"
     if any(a.endswith("ForRewardModel") for a in architectures):
         raise ValueError(
@@ -262,7 +262,11 @@ def load_pooling_model(
     }  # fmt: skip
     architectures = set(getattr(_config(path, trust_remote_code), "architectures", None) or [])
     cross = bool(architectures & CROSS_ENCODERS)
-    mlp_reward = reward_model_class(architectures)
+    mlp_reward = None
+    if REWARD_MODEL_NAMES & architectures:  # (its module imports transformers' Qwen models)
+        from stages.engine.reward_models import reward_model_class
+
+        mlp_reward = reward_model_class(architectures)
     if kind == "classify" and mlp_reward is not None:  # its own head: model.score
         model = instantiate(mlp_reward, path, **how)
         head, backbone = model.score, model.model

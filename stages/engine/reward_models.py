@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from transformers import Qwen2Model, Qwen2PreTrainedModel, Qwen3Model, Qwen3PreTrainedModel
 
+from stages.engine.reward_model_names import REWARD_MODEL_NAMES
+
 __all__ = ["REWARD_MODELS", "reward_model_class"]
 
 
@@ -79,6 +81,7 @@ REWARD_MODELS: dict[str, type] = {
     "Qwen2ForRewardModel": Qwen2ForRewardModel,
     "Qwen3ForRewardModel": Qwen3ForRewardModel,
 }
+assert set(REWARD_MODELS) == REWARD_MODEL_NAMES
 
 
 def reward_model_class(architectures: Any) -> type | None:
