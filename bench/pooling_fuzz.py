@@ -45,9 +45,8 @@ import aiohttp  # noqa: E402
 
 from bench._engines import engine_server  # noqa: E402
 from bench.engine_fuzz import VALUES  # noqa: E402
-from tests.stages.test_engine_reward_models import make_mlp_reward  # noqa: E402
 from tests.stages.tiny_encoders import make_bert  # noqa: E402
-from tests.stages.tiny_model import make_tiny_classifier  # noqa: E402
+from tests.stages.tiny_model import make_mlp_reward, make_tiny_classifier  # noqa: E402
 
 # (route, its fields, a body it serves); texts in both tokenizers' words (w5...)
 _ROUTES = [

@@ -9,57 +9,20 @@ base model, then the head's two layers by hand."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModel, Qwen3Config
+from safetensors.torch import load_file
+from transformers import AutoModel
 
 from stages.engine.pooling import pooling_kind
 from tests.numerics import assert_close, forward_terms
 from tests.stages.test_engine_server import Engine, _tokenizer, serving
-from tests.stages.tiny_model import _tokenizer as make_tokenizer
-from tests.stages.tiny_model import tiny_config
+from tests.stages.tiny_model import make_mlp_reward, tiny_config
 
 PROMPTS = [[5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15], [16, 17]]
-
-
-def make_mlp_reward(path: Path, architecture: str, seed: int) -> Path:
-    """A tiny checkpoint of ``architecture`` (``Qwen2ForRewardModel`` or
-    ``Qwen3ForRewardModel``): a base model's tensors under ``model.``, the head's under
-    ``score.0.`` and ``score.2.``, a causal LM head's ``lm_head.weight`` too; its config's
-    ``auto_map`` names modeling code that is not there (the engine must not need it)."""
-    path.mkdir(parents=True, exist_ok=True)
-    qwen2 = tiny_config()
-    if architecture == "Qwen3ForRewardModel":
-        config = Qwen3Config(**{k: v for k, v in qwen2.to_dict().items() if k != "model_type"})
-    else:
-        config = qwen2
-    config.architectures = [architecture]
-    torch.manual_seed(seed)
-    base = AutoModel.from_config(config, dtype=torch.float32)
-    hidden = config.hidden_size
-    tensors = {f"model.{k}": v.detach().clone() for k, v in base.state_dict().items()}
-    for k in list(tensors):
-        if tensors[k].dim() > 1:
-            tensors[k] = torch.randn_like(tensors[k]) * 0.3  # wide: rewards far apart
-    tensors["score.0.weight"] = torch.randn(hidden, hidden) * 0.3
-    tensors["score.0.bias"] = torch.randn(hidden) * 0.1
-    tensors["score.2.weight"] = torch.randn(1, hidden) * 0.3
-    tensors["score.2.bias"] = torch.randn(1) * 0.1
-    tensors["lm_head.weight"] = torch.randn(config.vocab_size, hidden)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    raw = config.to_dict()
-    raw["auto_map"] = {
-        "AutoConfig": "configuration_rm.RMConfig",
-        "AutoModel": f"modeling_rm.{architecture}",
-    }
-    (path / "config.json").write_text(json.dumps(raw))
-    make_tokenizer(config.vocab_size).save_pretrained(path)
-    return path
 
 
 def _reference(model_dir: Path, prompt: list[int]) -> tuple[float, float]:

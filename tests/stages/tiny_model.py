@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "EOS_ID",
     "make_byte_model",
     "make_gpt_oss_model",
+    "make_mlp_reward",
     "make_tiny_classifier",
     "make_tiny_model",
     "make_tiny_moe_model",
@@ -315,3 +319,38 @@ def with_own_code(model_dir: Path, dest: Path) -> Path:
     )
     (dest / "config.json").write_text(json.dumps(config))
     return dest
+
+
+def make_mlp_reward(path: Path, architecture: str, seed: int) -> Path:
+    """A tiny checkpoint of ``architecture`` (``Qwen2ForRewardModel`` or
+    ``Qwen3ForRewardModel``): a base model's tensors under ``model.``, the head's under
+    ``score.0.`` and ``score.2.``, a causal LM head's ``lm_head.weight`` too; its config's
+    ``auto_map`` names modeling code that is not there (the engine must not need it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    qwen2 = tiny_config()
+    if architecture == "Qwen3ForRewardModel":
+        config = Qwen3Config(**{k: v for k, v in qwen2.to_dict().items() if k != "model_type"})
+    else:
+        config = qwen2
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    base = AutoModel.from_config(config, dtype=torch.float32)
+    hidden = config.hidden_size
+    tensors = {f"model.{k}": v.detach().clone() for k, v in base.state_dict().items()}
+    for k in list(tensors):
+        if tensors[k].dim() > 1:
+            tensors[k] = torch.randn_like(tensors[k]) * 0.3  # wide: rewards far apart
+    tensors["score.0.weight"] = torch.randn(hidden, hidden) * 0.3
+    tensors["score.0.bias"] = torch.randn(hidden) * 0.1
+    tensors["score.2.weight"] = torch.randn(1, hidden) * 0.3
+    tensors["score.2.bias"] = torch.randn(1) * 0.1
+    tensors["lm_head.weight"] = torch.randn(config.vocab_size, hidden)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    raw = config.to_dict()
+    raw["auto_map"] = {
+        "AutoConfig": "configuration_rm.RMConfig",
+        "AutoModel": f"modeling_rm.{architecture}",
+    }
+    (path / "config.json").write_text(json.dumps(raw))
+    _tokenizer(config.vocab_size).save_pretrained(path)
+    return path
