@@ -11,11 +11,19 @@ return_token_type_ids=True)``); ``layers/pooler.py`` ``CrossEncodingPooler`` (th
 classification head over the first token, then the activation
 ``get_cross_encoder_activation_function`` reads from the config, then ``squeeze(-1)``: one
 label's score a number); ``models/bert.py`` ``BertModel`` with ``--is-embedding``
-(``Pooler(CLS, normalize=True)``); ``models/roberta.py`` (positions from the padding index)."""
+(``Pooler(CLS, normalize=True)``); ``models/roberta.py`` (positions from the padding index).
+
+Against a real SGLang server when ``INFLIGHT_SGLANG_CROSS_ENCODER_URL`` names one and
+``INFLIGHT_SGLANG_CROSS_ENCODER_MODEL`` the folder it serves (``make_bert(DIR,
+"BertForSequenceClassification", seed=1)`` from ``tests/stages/tiny_encoders.py``, started with
+``python -m sglang.launch_server --model-path DIR --is-embedding``): the cross-encoder tests
+that hold answers to transformers, at bfloat16's tolerance (the 400s are the built-in
+engine's)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,12 +52,32 @@ QUERY = "w5 w6 w7"
 DOCUMENTS = ["w8", "w9 w10 w11 w12 w13", "w14 w15", "w16 w17 w18 w19 w20 w21 w22 w23", "w24"]
 
 
+# a real SGLang server (``--is-embedding``) on a cross-encoder made by ``make_bert`` (one
+# label), with that folder: the cross-encoder tests that hold both to transformers run on it
+CROSS_URL = os.environ.get("INFLIGHT_SGLANG_CROSS_ENCODER_URL", "")
+
+
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     root = tmp_path_factory.mktemp("bert")
+    if CROSS_URL:
+        folder = os.environ.get("INFLIGHT_SGLANG_CROSS_ENCODER_MODEL", "")
+        if not folder:
+            pytest.skip("set INFLIGHT_SGLANG_CROSS_ENCODER_MODEL to the served model's folder")
+        yield Engine(CROSS_URL.rstrip("/"), Path(folder), root / "none.log")
+        return
     model = make_bert(root / "model", "BertForSequenceClassification", seed=1)
     with serving(model, root / "engine.log") as engine:
         yield engine
+
+
+def _real(engine: Engine) -> bool:
+    return bool(CROSS_URL) and engine.url == CROSS_URL.rstrip("/")
+
+
+def _dtype(engine: Engine) -> torch.dtype | None:
+    """The tolerance's dtype: a real server's bfloat16, float32 (None) for the built-in one."""
+    return torch.bfloat16 if _real(engine) else None
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +137,8 @@ def test_a_bert_cross_encoder_ranks_documents_by_its_score_of_each_pair(bert: En
         i = answer["index"]
         assert answer["document"] == DOCUMENTS[i]
         length = _pair_length(bert, QUERY, DOCUMENTS[i])
-        assert_close([answer["score"]], [want[i][0]], terms=_terms(bert, length), scale=want[i][1])
+        terms, scale = _terms(bert, length), want[i][1]
+        assert_close([answer["score"]], [want[i][0]], terms=terms, scale=scale, dtype=_dtype(bert))
         assert answer["meta_info"]["prompt_tokens"] == length
         assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     # top_n and return_documents: false (the document key left out, as RerankResponse does)
@@ -138,7 +167,8 @@ def test_encode_scores_cross_encoder_pairs_and_texts_as_numbers(bert: Engine) ->
         logit, scale = _reference(bert, query, doc)
         length = _pair_length(bert, query, doc)
         assert isinstance(answer["embedding"], float)
-        assert_close([answer["embedding"]], [logit], terms=_terms(bert, length), scale=scale)
+        terms = _terms(bert, length)
+        assert_close([answer["embedding"]], [logit], terms=terms, scale=scale, dtype=_dtype(bert))
     # token types matter: the same ids as one text (all type 0) score otherwise
     tokenizer = AutoTokenizer.from_pretrained(bert.model_dir)
     ids = tokenizer(*pairs[1])["input_ids"]
@@ -147,7 +177,9 @@ def test_encode_scores_cross_encoder_pairs_and_texts_as_numbers(bert: Engine) ->
     status, text = bert.request("POST", "/encode", {"text": "w5 w6"})
     logit, scale = _reference(bert, "w5 w6")
     assert status == 200
-    assert_close([text["embedding"]], [logit], terms=_terms(bert, 4), scale=scale)
+    assert_close(
+        [text["embedding"]], [logit], terms=_terms(bert, 4), scale=scale, dtype=_dtype(bert)
+    )
 
 
 @pytest.mark.numerics
@@ -198,6 +230,8 @@ def test_a_bert_embedder_answers_its_first_tokens_normalized_state(embedder: Eng
 
 @pytest.mark.timeout(60)
 def test_what_a_cross_encoder_answers_with_400s(bert: Engine) -> None:
+    if _real(bert):
+        pytest.skip("the built-in engine's answers (SGLang's differ where the README says)")
     # its numbers are no list of outputs: SGLang's response models refuse them (its
     # /v1/classify with a 500); /v1/score's pooled hidden states in SGLang's words
     for path, body in (
@@ -305,7 +339,7 @@ def test_a_cross_encoders_weights_update_from_disk_between_passes(tmp_path: Path
 @pytest.mark.timeout(90)
 def test_pairs_and_plain_texts_batched_together_each_score_as_alone(bert: Engine) -> None:
     # a pass may take pairs (token types 0 and 1) and texts (types 0) together: each row its own
-    before = bert.request("GET", "/server_info")[1]["internal_states"][0]
+    before = None if _real(bert) else bert.request("GET", "/server_info")[1]["internal_states"][0]
     bodies: list[dict[str, Any]] = []
     for i in range(24):
         doc = DOCUMENTS[i % len(DOCUMENTS)]
@@ -324,6 +358,9 @@ def test_pairs_and_plain_texts_batched_together_each_score_as_alone(bert: Engine
         else:
             logit, scale = _reference(bert, body["text"])
             length = out["meta_info"]["prompt_tokens"]
-        assert_close([out["embedding"]], [logit], terms=_terms(bert, length), scale=scale)
+        terms = _terms(bert, length)
+        assert_close([out["embedding"]], [logit], terms=terms, scale=scale, dtype=_dtype(bert))
+    if before is None:
+        return  # the counters below are the built-in engine's
     after = bert.request("GET", "/server_info")[1]["internal_states"][0]
     assert after["passes"] - before["passes"] < 24  # requests that waited together ran together
