@@ -337,12 +337,18 @@ def main() -> int:
             result = asyncio.run(_fuzz(url, args))
         seconds = time.perf_counter() - start
         text = log.read_text(errors="replace")
-    if "Traceback" in text:
-        at = text.index("Traceback")
-        result["problems"]["engine log"] = {"count": text.count("Traceback"),
-                                            "first": text[at : at + 2000]}  # fmt: skip
     head = {"bench": "engine_fuzz", "engine_args": args.engine_args, "moe": args.moe,
             "seconds": round(seconds, 1)}  # fmt: skip
+    return report(head, result, text)
+
+
+def report(head: dict[str, Any], result: dict[str, Any], log_text: str) -> int:
+    """Print a fuzz's JSON line (``head``, then ``result``, a traceback in the engine's log
+    ``log_text`` counted among its problems); its exit status: 1 when it found a problem."""
+    if "Traceback" in log_text:
+        at = log_text.index("Traceback")
+        result["problems"]["engine log"] = {"count": log_text.count("Traceback"),
+                                            "first": log_text[at : at + 2000]}  # fmt: skip
     print(json.dumps({**head, "ok": not result["problems"], **result}))
     return 0 if not result["problems"] else 1
 

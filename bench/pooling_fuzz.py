@@ -44,7 +44,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 import aiohttp  # noqa: E402
 
 from bench._engines import engine_server  # noqa: E402
-from bench.engine_fuzz import VALUES  # noqa: E402
+from bench.engine_fuzz import VALUES, report  # noqa: E402
 from tests.stages.tiny_encoders import make_bert  # noqa: E402
 from tests.stages.tiny_model import make_mlp_reward, make_tiny_classifier  # noqa: E402
 
@@ -159,14 +159,9 @@ def main() -> int:
             result = asyncio.run(_fuzz(url, args.concurrency, args.timeout))
         seconds = time.perf_counter() - start
         text = log.read_text(errors="replace")
-    if "Traceback" in text:
-        at = text.index("Traceback")
-        result["problems"]["engine log"] = {"count": text.count("Traceback"),
-                                            "first": text[at : at + 2000]}  # fmt: skip
     head = {"bench": "pooling_fuzz", "engine": args.engine, "engine_args": args.engine_args,
             "seconds": round(seconds, 1)}  # fmt: skip
-    print(json.dumps({**head, "ok": not result["problems"], **result}))
-    return 0 if not result["problems"] else 1
+    return report(head, result, text)
 
 
 if __name__ == "__main__":
