@@ -17,6 +17,8 @@ import transformers
 AutoConfig = transformers.AutoConfig
 AutoModel = transformers.AutoModel
 AutoModelForCausalLM = transformers.AutoModelForCausalLM
+AutoModelForImageTextToText = transformers.AutoModelForImageTextToText
+AutoImageProcessor = transformers.AutoImageProcessor
 AutoModelForSequenceClassification = transformers.AutoModelForSequenceClassification
 AutoTokenizer = transformers.AutoTokenizer
 DynamicCache = transformers.DynamicCache
@@ -26,8 +28,10 @@ PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
 __all__ = [
     "CACHE_NAMES",
     "AutoConfig",
+    "AutoImageProcessor",
     "AutoModel",
     "AutoModelForCausalLM",
+    "AutoModelForImageTextToText",
     "AutoModelForSequenceClassification",
     "AutoTokenizer",
     "DynamicCache",

@@ -15,6 +15,7 @@ repo id (``org/name[@revision]``): ``stages.hub`` turns it into the cached snaps
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,8 +26,14 @@ from typing import Any
 import structlog
 import torch
 
+from stages.engine.images import VISION_MODEL_TYPES, Vision
 from stages.engine.remote_instance import RemoteSeed, load_from_seed
-from stages.hf import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from stages.hf import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedTokenizerBase,
+)
 from stages.hub import TOKENIZER_FILES, resolve_model
 from stages.light_tokenizer import transformers_tokenizer
 
@@ -74,6 +81,8 @@ class LoadedModel:
     tokenizer_path: Path | None = None  # where the tokenizer came from, if not ``path``
     weight_version: str | None = None  # the version its weights came with (remote_instance)
     load_format: str = "auto"  # how its weights were loaded (SGLang's --load-format)
+    # a vision-language model's image reader (images.Vision; None: a text model)
+    vision: Any = None
 
     @functools.cached_property
     def embed_width(self) -> int:
@@ -114,9 +123,10 @@ def load_model(
             "model, which does not generate: `inflight engine --model` serves it on its own "
             "(/classify, /encode), not as a generating engine"
         )
+    vision = vision_model(path)
     model = instantiate(
-        AutoModelForCausalLM, path, device=device, dtype=dtype, load_format=load_format,
-        trust_remote_code=trust_remote_code, remote=remote,
+        AutoModelForImageTextToText if vision else AutoModelForCausalLM, path, device=device,
+        dtype=dtype, load_format=load_format, trust_remote_code=trust_remote_code, remote=remote,
     )  # fmt: skip
     version = fill_weights(model, load_format, remote)
     tokenizer, folder = None, None
@@ -129,12 +139,26 @@ def load_model(
         model=model,
         tokenizer=tokenizer,
         vocab_size=model.get_input_embeddings().num_embeddings,
-        context_length=_context(model.config.max_position_embeddings, context_length),
+        context_length=_context(
+            model.config.get_text_config().max_position_embeddings, context_length
+        ),
         eos_token_ids=eos_ids(model, tokenizer),
         tokenizer_path=folder,
         weight_version=version,
         load_format=load_format,
+        vision=Vision(path, model, tokenizer) if vision else None,
     )
+
+
+def vision_model(path: Path) -> bool:
+    """Whether ``path`` holds a vision-language model whose images this engine reads
+    (``images.VISION_MODEL_TYPES``)."""
+    config = path / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return model_type in VISION_MODEL_TYPES
 
 
 def instantiate(

@@ -2,7 +2,9 @@
 
 Names are those of ``model.state_dict()`` (``model.layers.0.self_attn.q_proj.weight``,
 ``lm_head.weight``); with tied embeddings both ``lm_head.weight`` and
-``model.embed_tokens.weight`` name the same parameter, and either updates it. Every name,
+``model.embed_tokens.weight`` name the same parameter, and either updates it. A vision model's
+tensors also go by the names its original checkpoints (and SGLang's models) give them
+(``visual.X``, ``model.layers...``: ``images.model_name``). Every name,
 shape and dtype is checked before anything is written, so a bad bucket leaves the model as it
 was. This module does not receive tensors (see ``stages.weights.receiver``) nor decide when to
 load them (the scheduler does, between two decode steps).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from stages.engine.images import checkpoint_name, is_vision_model, model_name
 from stages.weights.delta import complete, decode, delta_base
 
 __all__ = ["WeightLoadError", "load_named_tensors", "parameter_rows"]
@@ -68,6 +71,8 @@ def load_named_tensors(
     """Copy each tensor into the model's parameter of that name (merge each adapter into its
     module's weight); returns how many tensors were taken."""
     targets = model.state_dict(keep_vars=True)
+    if is_vision_model(model.config):  # names as its original checkpoints have them, too
+        named_tensors = [(model_name(name), tensor) for name, tensor in named_tensors]
     state = _state(model)
     problems = []
     incoming: dict[str, dict[str, torch.Tensor]] = {}
@@ -165,9 +170,20 @@ def _deltas(
     return whole, plain
 
 
+def update_names(model: torch.nn.Module) -> set[str]:
+    """The tensor names a weight update may give ``model``'s tensors: its own, and a vision
+    model's as its original checkpoints name them (``images.checkpoint_name``)."""
+    names = set(model.state_dict())
+    if is_vision_model(model.config):
+        names |= {checkpoint_name(name) for name in names}
+    return names
+
+
 def parameter_rows(model: torch.nn.Module, name: str, rows: int) -> torch.Tensor | None:
     """Parameter ``name``'s first ``rows`` rows (a Python slice), copied to the CPU in
     float32; None when ``model`` has no parameter of that name (or it is a scalar)."""
+    if is_vision_model(model.config):
+        name = model_name(name)
     # remove_duplicate=False: a tied lm_head.weight is found as embed_tokens.weight
     found = dict(model.named_parameters(remove_duplicate=False)).get(name)
     if found is None or found.dim() == 0:

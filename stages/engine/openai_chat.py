@@ -226,6 +226,8 @@ class ChatSettings:
     trust_request_template: bool = False
     # --enable-mis: /v1/decisions and /v1/systemone refuse (SGLang's _validate_server)
     mis: bool = False
+    # a vision model's engine: image parts go to its image_data (images.Vision), else refused
+    vision: bool = False
     renderer: TemplateRenderer = field(init=False, repr=False)
     token_bytes: TokenBytes = field(init=False, repr=False)  # log-prob entries' ``bytes``
 
@@ -481,6 +483,7 @@ def chat_request(
     ] or None
     dsv32 = settings.encoding == "dsv32"  # DeepSeek V3.2's encoder, not a template
     render_tools = template_tools
+    images: list[Any] | None = None  # a vision model's: the image parts' URLs, in order
     try:  # as SGLang's pydantic models dump them for the template (template_dump)
         if settings.kimi_k3:  # Kimi K3's encoding: its own dump, tools and kwargs
             rendered = k3_messages(messages)
@@ -488,7 +491,8 @@ def chat_request(
             render_tools = k3_tools(body.get("tools"))  # every one, whatever the choice
         else:
             fmt = "string" if dsv32 else settings.content_format
-            rendered = [template_message(m, i, fmt) for i, m in enumerate(messages)]
+            images = [] if settings.vision and not dsv32 else None
+            rendered = [template_message(m, i, fmt, images=images) for i, m in enumerate(messages)]
     except DumpError as exc:
         raise OpenAIError(str(exc), exc.field) from None
     prefix = None
@@ -570,6 +574,9 @@ def chat_request(
     for name in CHAT_PASSED_ON:  # checked by the native route, as SGLang passes them on
         if body.get(name) is not None:
             native_body[name] = body[name]
+    if images:  # the prompt's images, in order (one prompt: n > 1 makes it a batch of one)
+        many = is_int(body.get("n")) and body["n"] > 1
+        native_body["image_data"] = [images] if many else images
     if flat:  # the output's top log-probs as flat arrays in meta_info, base64 by default
         native_body["return_flat_raw_output_top_logprobs"] = True
         native_body["return_flat_raw_top_logprobs_b64"] = body.get(_FLAT[1]) is not False

@@ -207,6 +207,9 @@ class GenerateInput:
     # its prompt's position ids where they are not 0, 1, 2... (prompt_embeds.PromptPositions:
     # /v1/score's items under --enable-mis; prefill-only), which its scoring pass runs with
     position_ids: PromptPositions | None = None
+    # its prompt's images (images.ImagePrompt: image_data, on a vision model): the rows its
+    # image pads take at the first pass, and its rotary positions (None: none)
+    images: Any = None
 
 
 @dataclass(slots=True)
@@ -376,6 +379,7 @@ def parse_generate(
     think_ends: Collection[tuple[int, ...]] = (),
     prefix_cache: bool = True,
     embed_width: int | None = None,
+    vision: Any = None,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
@@ -388,13 +392,16 @@ def parse_generate(
     ``think_ends``: the reasoning end tags a request may pick (``reasoning_end``);
     ``prefix_cache``: whether the engine's prefix cache is on (SGLang's radix cache);
     ``embed_width``: the model's embedding width, which prompts given as ``input_embeds``
-    have (None: none are taken)."""
+    have (None: none are taken); ``vision``: the model's image reader (``images.Vision``),
+    which reads ``image_data`` (None: a text model, which refuses it)."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
         if key in _NEUTRAL_TOP and not _is_neutral(value, _NEUTRAL_TOP[key]):
             if key == OVERRIDES and _in_process_overrides(value):
                 continue  # /v1/score's, which no JSON body can carry (_embed_overrides)
+            if key == "image_data" and vision is not None:
+                continue  # read with the prompts (_with_images)
             raise RequestError(key, f"{key}={value!r} is not supported by the built-in engine")
     embedded = embeds_prompt(body, prefix_cache, embed_width)
     priority = body.get("priority")
@@ -428,6 +435,11 @@ def parse_generate(
     n = _parallel_n(raw_params, batch)
     listed = batch or n > 1  # SGLang: a single prompt with n > 1 becomes a batch of one
     count = len(prompts)
+    images: list[Any] = [None] * count
+    if vision is not None and body.get("image_data") not in (None, []):
+        if embedded:
+            raise RequestError("image_data", "a prompt of input_embeds takes no images")
+        images = _with_images(body, prompts, listed, vision)
     if count * n > MAX_SAMPLES_PER_REQUEST:
         raise RequestError(
             "sampling_params.n",
@@ -538,9 +550,32 @@ def parse_generate(
                     input_embeds=embeds[i] if embeds else None,
                     embed_overrides=overrides[i],
                     position_ids=positions[i],
+                    images=images[i],
                 )
             )
     return inputs, listed
+
+
+def _with_images(
+    body: dict[str, Any], prompts: list[list[int]], listed: bool, vision: Any
+) -> list[Any]:
+    """Each prompt's images (``images.ImagePrompt``, None: none), its ids in ``prompts``
+    replaced by those with its images' pads (``images.Vision.prompt``)."""
+    from stages.engine.images import image_lists
+
+    texts = body.get("text")
+    if texts is not None and not isinstance(texts, list):
+        texts = [texts]
+    out: list[Any] = []
+    for i, items in enumerate(image_lists(body["image_data"], len(prompts), listed)):
+        if items is None:
+            out.append(None)
+            continue
+        where = f"image_data[{i}]" if listed else "image_data"
+        text = texts[i] if texts is not None else None
+        prompts[i], image = vision.prompt(text, None if text else prompts[i], items, where)
+        out.append(image)
+    return out
 
 
 def reasoning_end(

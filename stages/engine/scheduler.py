@@ -70,6 +70,7 @@ from stages.engine.custom_logits import LogitProcessors, RequestView
 from stages.engine.engine_metrics import EngineMetrics, scheduler_stats
 from stages.engine.expert_distribution import ExpertDistributionRecorder
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
+from stages.engine.images import is_vision_model
 from stages.engine.incremental_text import FORCE_INTERVAL
 from stages.engine.kv_batch import BatchKV
 from stages.engine.llama_forward import LlamaForward
@@ -203,9 +204,21 @@ def _embedded(seq: Any) -> int | None:
     inp = seq.inp
     if inp.input_embeds is not None:
         return id(inp.input_embeds)
+    if inp.images is not None:
+        return id(inp.images)
     if inp.embed_overrides is not None:
         return id(inp.embed_overrides)
     return None if inp.position_ids is None else id(inp.position_ids)
+
+
+def _unready_images(seqs: list[Any]) -> list[Any]:
+    """The images of ``seqs`` whose pixels are still being made (each once)."""
+    found: dict[int, Any] = {}
+    for seq in seqs:
+        image = seq.inp.images
+        if image is not None and not image.pixels.done():
+            found[id(image)] = image
+    return list(found.values())
 
 
 def _own_kv(seq: Any) -> bool:
@@ -579,6 +592,10 @@ class Scheduler:
         self._kv = BatchKV(max_running, _mask_kind(model), device=self.device)
         # forward passes without transformers' module machinery where the model allows it
         self._fast, why = LlamaForward.build(model) if fast_forward else (None, "turned off")
+        # a vision-language model (images.is_vision_model): its multimodal rotary positions
+        self._vision = is_vision_model(model.config)
+        if self._vision and self._fast is not None:
+            self._fast, why = None, "a vision model's rotary positions (transformers' passes)"
         # --enable-return-routed-experts: the experts each pass routed its tokens to, kept for
         # the rows that ask (transformers' passes: the fast ones run no mixture of experts)
         self._experts = ExpertsCapture(model) if routed_experts else None
@@ -1097,6 +1114,12 @@ class Scheduler:
         field if it cannot be)."""
         now = []
         for seqs in groups:
+            images = _unready_images(seqs)
+            if images and on_loop:
+                self._prepare_later(seqs, images)
+                continue
+            for image in images:  # (a caller off the loop waits for them)
+                image.pixels.result()
             if on_loop and self._compiling_needed(seqs):
                 self._compile_later(seqs)
             else:
@@ -1105,6 +1128,38 @@ class Scheduler:
             self._post(lambda: self._enqueue(now[0]))
         elif now:
             self._post(lambda: [self._enqueue(seqs) for seqs in now])
+
+    def _prepare_later(self, seqs: list[_Seq], images: list[Any]) -> None:
+        """Hold the group while workers make its images' pixels (``images.Vision``), then
+        queue it as ``_queue`` does (its grammars compiled first) or fail it with the
+        RequestError of an image that cannot be read, on the scheduler thread. An abort
+        meanwhile marks its seqs, as while a grammar compiles (``_compiling``)."""
+        group = seqs[0].group
+        with self._lock:
+            self._compiling[group] = seqs
+        left = [len(images)]
+        count = threading.Lock()
+
+        def made(_: Any) -> None:  # on a worker (or here, for pixels already made)
+            with count:
+                left[0] -= 1
+                if left[0]:
+                    return
+            self._post(lambda: self._prepared(seqs, images))
+
+        for image in images:
+            image.pixels.add_done_callback(made)
+
+    def _prepared(self, seqs: list[_Seq], images: list[Any]) -> None:
+        """(scheduler thread) The images of a group held by ``_prepare_later`` are made."""
+        group = seqs[0].group
+        failed = next((i.pixels.exception() for i in images if i.pixels.exception()), None)
+        if failed is not None or not self._compiling_needed(seqs):
+            self._compiled(seqs, None, failed)
+            return
+        with self._lock:
+            self._compiling.pop(group, None)
+        self._compile_later(seqs)  # (an abort meanwhile stays marked in _cut)
 
     def _compiling_needed(self, seqs: list[_Seq]) -> bool:
         grammars = self._grammars
@@ -1131,15 +1186,25 @@ class Scheduler:
         grammars = [s.inp.params.grammar for s in seqs if s.inp.params.grammar is not None]
         self._grammars.compile_later(grammars, compiled)  # type: ignore[arg-type]
 
-    def _compiled(self, seqs: list[_Seq], failed: tuple[str, GrammarError] | None) -> None:
+    def _compiled(
+        self,
+        seqs: list[_Seq],
+        failed: tuple[str, GrammarError] | None,
+        unread: BaseException | None = None,
+    ) -> None:
         """(scheduler thread) The grammars of a group held by ``_compile_later`` are ready
-        (``failed``: the field of one that did not compile, and why)."""
+        (``failed``: the field of one that did not compile, and why), or the images of one
+        held by ``_prepare_later`` (``unread``: why one could not be read)."""
         group = seqs[0].group
         with self._lock:
             self._compiling.pop(group, None)
         cut = self._cut.intersection(seqs)
         self._cut -= cut
         try:
+            if unread is not None:
+                if isinstance(unread, RequestError):
+                    raise unread
+                raise RequestError("image_data", f"the image could not be read: {unread}")
             if failed is not None:
                 raise RequestError(f"sampling_params.{failed[0]}", str(failed[1]))
             self._constrain_seqs(seqs)  # each seq's copy of its grammar, kept compiled
@@ -1531,6 +1596,7 @@ class Scheduler:
             ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
             lora = self._row_adapters([unique[k][0] for k in keys])
             embeds = self._pass_embeds(ids, [unique[k][0] for k in keys], prompts)
+            positions = self._rotary(positions, [unique[k][0] for k in keys])
             routed = self._arm_experts()
             kv, _, hidden = self._forward_prefill(ids, mask, positions, past, lora, True, embeds)
             assert hidden is not None
@@ -1705,6 +1771,8 @@ class Scheduler:
         ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
         keep = any(seq.hidden is not None for seq in group)
         embeds = None if owners is None else self._pass_embeds(ids, owners, contexts)
+        if owners is not None:
+            positions = self._rotary(positions, owners)
         routed = self._arm_experts()
         cache, logits, hidden = self._forward_prefill(
             ids, mask, positions, past, lora, keep, embeds
@@ -1858,7 +1926,38 @@ class Scheduler:
             if over is not None:  # /v1/score's embedding overrides, at their prompt positions
                 where = torch.tensor(over.positions, dtype=torch.long, device=embeds.device)
                 embeds[u, at + where] = over.rows.to(embeds.device, embeds.dtype)
+            image = seq.inp.images
+            if image is not None:  # the vision tower's rows at the image pads
+                where = image.positions.to(embeds.device)
+                embeds[u, at + where] = image.features().to(embeds.device, embeds.dtype)
         return embeds
+
+    def _rotary(self, positions: torch.Tensor, owners: list[_Seq]) -> torch.Tensor:
+        """A pass's position ids as the model takes them: a vision model's ``[3, rows,
+        width]`` (its multimodal rotary positions) where a row's prompt has images
+        (``images.ImagePrompt.rope``), else ``positions``."""
+        if not self._vision or all(seq.inp.images is None for seq in owners):
+            return positions
+        out = positions.unsqueeze(0).repeat(3, 1, 1)
+        for u, seq in enumerate(owners):
+            if seq.inp.images is not None:
+                out[:, u] = seq.inp.images.rope(positions[u])
+        return out
+
+    def _decode_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """A decode step's position ids ``[rows, 1]``, each row whose prompt has images
+        moved on by its rotary delta (the same on the three axes)."""
+        deltas = [
+            (seq.slot, seq.inp.images.delta)
+            for seq in self._running
+            if seq.inp.images is not None and seq.inp.images.delta
+        ]
+        if not deltas:
+            return positions
+        shift = torch.zeros_like(positions)
+        for slot, delta in deltas:
+            shift[slot] = delta
+        return positions + shift
 
     def _keep_prefill_hidden(
         self, group: list[_Seq], source: list[int], new: list[int], hidden: torch.Tensor
@@ -1885,6 +1984,8 @@ class Scheduler:
     def _decode(self) -> None:
         kv = self._kv
         ids, positions, mask = kv.decode_inputs()
+        if self._vision:
+            positions = self._decode_positions(positions)
         keep = bool(self._hidden_seqs)
         hidden = None
         routed = bool(self._route_seqs) and self._arm_experts()

@@ -265,6 +265,7 @@ def build_app(
     if chat is not None:
         chat.trust_request_template = trust_request_chat_template
         chat.mis = mis  # /v1/decisions and /v1/systemone refuse to run under it
+        chat.vision = loaded.vision is not None  # image parts read (images.Vision)
     app[_PARSERS] = {"reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
     loaded.kept_stop_ids = kept_stop_ids(loaded.tokenizer, tool_call_parser)
     app[_CLIENT_WATCH] = ClientWatch()  # requests not streamed: aborted once their client goes
@@ -731,7 +732,7 @@ def model_info(
         "load_format": loaded.load_format,  # as loaded (SGLang's config value, resolved)
         **parsers,
         "disaggregation_mode": "null",
-        "has_image_understanding": False,
+        "has_image_understanding": loaded.vision is not None,
         "has_audio_understanding": False,
         "model_type": loaded.model.config.model_type,
         "architectures": loaded.model.config.architectures,

@@ -166,6 +166,8 @@ class Sessions:
         body = {**body, "session_params": None}
         if params.get("id") is None:
             return body, scheduler
+        if body.get("image_data") not in (None, []):  # (SGLang carries a turn's images on)
+            raise SessionError("image_data: a session request takes no images on this engine")
         sampling = body.get("sampling_params")
         n = sampling.get("n", 1) if isinstance(sampling, dict) else 1
         if n not in (None, 1) or _batched(body):

@@ -347,6 +347,7 @@ def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInp
         think_ends=scheduler.think_ends,
         prefix_cache=scheduler.prefix_cache_on,
         embed_width=loaded.embed_width,
+        vision=loaded.vision,
     )
 
 

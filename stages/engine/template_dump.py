@@ -155,11 +155,15 @@ def _loads(node: Any, name: str) -> bool:
     return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
 
 
-def template_message(raw: Any, i: int, fmt: str, *, strict: bool = True) -> dict[str, Any]:
+def template_message(
+    raw: Any, i: int, fmt: str, *, strict: bool = True, images: list[Any] | None = None
+) -> dict[str, Any]:
     """The message ``raw`` (the ``i``-th) as SGLang hands it to a template whose content
     format is ``fmt``; DumpError for what SGLang refuses. ``strict``: an assistant's text
     arguments that are no JSON object refused (else kept as text: ``normalize_assistant_tool_
-    call_arguments(strict=False)``, Kimi K3's encoding)."""
+    call_arguments(strict=False)``, Kimi K3's encoding). ``images``: where a vision model's
+    image parts go (their ``{"url"}``, each part then ``{"type": "image"}`` for the
+    template, as ``process_content_for_template_format`` has them); None: refused."""
     where = f"messages[{i}]"
     role = raw.get("role") if isinstance(raw, dict) else None
     if role != "user" and not (isinstance(role, str) and role.lower() in _GENERIC_ROLES):
@@ -169,9 +173,9 @@ def template_message(raw: Any, i: int, fmt: str, *, strict: bool = True) -> dict
     if role == "user":
         if content is None:
             raise DumpError(f"{where}.content: Field required")
-        return {"role": role, "content": _content(content, role, fmt, where)}
+        return {"role": role, "content": _content(content, role, fmt, where, images)}
     role = role.lower()  # (_normalize_role)
-    out: dict[str, Any] = {"role": role, "content": _content(content, role, fmt, where)}
+    out: dict[str, Any] = {"role": role, "content": _content(content, role, fmt, where, images)}
     for key, check in _GENERIC.items():
         out[key] = _checked(check, raw.get(key), f"{where}.{key}")
     calls = raw.get("tool_calls")
@@ -200,8 +204,9 @@ def _checked(check: TypeAdapter, value: Any, where: str) -> Any:
         raise DumpError(f"{where}: {exc.errors()[0]['msg']}") from None
 
 
-def _content(content: Any, role: str, fmt: str, where: str) -> Any:
-    """A message's content for the template (None: ``""``)."""
+def _content(content: Any, role: str, fmt: str, where: str, images: list[Any] | None = None) -> Any:
+    """A message's content for the template (None: ``""``); ``images``: see
+    ``template_message``."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -222,6 +227,9 @@ def _content(content: Any, role: str, fmt: str, where: str) -> Any:
         elif kind == "tool_reference":
             _checked(_TEXT, part.get("name"), f"{at}.name")
             parts.append(part)
+        elif kind in _IMAGE and images is not None:
+            images.append({"url": _image_url(part, at)})
+            parts.append({"type": "image"})
         elif kind in _MEDIA:
             raise DumpError(f"{at}: the built-in engine takes text parts only (a text model)")
         else:
@@ -233,6 +241,22 @@ def _content(content: Any, role: str, fmt: str, where: str) -> Any:
 
 
 _TEXT = TypeAdapter(str)
+_IMAGE = ("image_url", "input_image")  # an image part's types (SGLang's)
+
+
+def _image_url(part: dict[str, Any], at: str) -> str:
+    """An image part's URL (``image_url``: ``{"url"}`` or the URL itself)."""
+    given = part.get("image_url")
+    url = (
+        given
+        if isinstance(given, str)
+        else (given or {}).get("url")
+        if isinstance(given, dict)
+        else None
+    )
+    if not isinstance(url, str):
+        raise DumpError(f"{at}.image_url.url: Field required")
+    return url
 
 
 def _call(call: Any, role: str, where: str, strict: bool) -> dict[str, Any]:

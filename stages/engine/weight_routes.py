@@ -40,7 +40,7 @@ from stages.engine.control_fields import (
     typed_body,
 )
 from stages.engine.memory_offload import MemoryStateError
-from stages.engine.model_weights import WeightLoadError
+from stages.engine.model_weights import WeightLoadError, update_names
 from stages.engine.remote_instance import SendGroups
 from stages.engine.request_body import (
     bad_request,
@@ -422,7 +422,7 @@ class WeightRoutes:
         flush = body.get("flush_cache", True)
         if abort_all:  # before waiting for other updates, as SGLang aborts before its lock
             await asyncio.wrap_future(self.scheduler.abort(None, abort_all=True))
-        names = set(self.scheduler.model.state_dict())
+        names = update_names(self.scheduler.model)
         async with self.lock:
             try:
                 files = await self._in_thread(weight_files, path, load_format)

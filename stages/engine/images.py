@@ -1,0 +1,327 @@
+"""Images in prompts (SGLang's ``image_data``), for Qwen2-VL and Qwen2.5-VL models.
+
+A request's images come as SGLang 0.5.23 takes them (``utils/common.py`` ``load_image``,
+``get_image_bytes``): an ``http(s)://`` URL (fetched, ``REQUEST_TIMEOUT`` seconds, 3 by default),
+a ``file://`` URL or a path (a name ending in an image extension, or starting with ``/``), a
+``data:`` URI, or bare base64; or ``{"url": ...}`` (``ImageData``, what the chat route hands
+over). Each is decoded with PIL and made RGB.
+
+Its prompt holds one image token per image: ``<|vision_start|><|image_pad|><|vision_end|>``
+(any number of pads, so that ids a processor already expanded read the same) or SGLang's
+``<image>``; ids are read as their text (``base_processor.load_mm_data``). The model's image
+processor (``AutoImageProcessor``: resized, patches) gives each image's patch grid, its pad
+expanded to one a merged patch, and the prompt is tokenized, as the model's ``AutoProcessor``
+does for SGLang's ``QwenVLImageProcessor`` (whose video half, needing torchvision, is not
+built here).
+
+An ``ImagePrompt`` is what the scheduler runs with such a prompt: where its image pads are,
+the pixels the vision tower turns into the rows in their place (``Vision.features``, run on the
+scheduler's thread at the prompt's first pass, so that they come from the weights it runs),
+and its multimodal rotary positions (``mrope``, as ``_compute_image_only_mrope_positions_from_
+offsets`` builds them: text 1D, an image's pads ``(t, h, w)`` after the text before it, the
+text after from the image's largest position plus one). A position past the prompt is its
+index plus ``delta`` on all three axes (``mrope_position_delta``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import torch
+
+from stages.engine.request_error import RequestError
+
+__all__ = [
+    "VISION_MODEL_TYPES",
+    "ImagePrompt",
+    "Vision",
+    "checkpoint_name",
+    "decoded",
+    "image_lists",
+    "is_vision_model",
+    "model_name",
+    "open_image",
+]
+
+# the model types whose images this engine reads (SGLang's QwenVLImageProcessor serves more)
+VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+IMAGE_TOKEN = "<|vision_start|><|image_pad|><|vision_end|>"
+# an image's token in a prompt, expanded or not, or SGLang's legacy sentinel
+_IMAGE_SPAN = re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>|<image>")
+_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif")  # SGLang's image_extension_names
+
+
+def is_vision_model(config: Any) -> bool:
+    """Whether ``config`` (a transformers config) is of a model whose images this engine
+    reads."""
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES
+
+
+def model_name(name: str) -> str:
+    """A vision model's tensor name as transformers 5 names it, for a name as the model's
+    original checkpoints (and SGLang's models) have it: ``model.X`` is the language model's
+    ``model.language_model.X``, ``visual.X`` the vision tower's ``model.visual.X`` (the other
+    way round from SGLang's ``hf_to_sglang_mapper``, which takes both); other names as they
+    are."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model.") and not name.startswith(
+        ("model.language_model.", "model.visual.")
+    ):
+        return "model.language_model." + name[len("model.") :]
+    return name
+
+
+def checkpoint_name(name: str) -> str:
+    """The original checkpoints' name of a vision model's tensor (``model_name``'s inverse)."""
+    if name.startswith("model.visual."):
+        return name[len("model.") :]
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    return name
+
+
+@dataclass(eq=False)
+class ImagePrompt:
+    """A prompt's images as the scheduler runs them (see the module's docstring)."""
+
+    # the processor's pixel values [patches, channels x patch volume], as a worker makes them
+    # (``Vision.ready``; RequestError naming the image if it cannot)
+    pixels: Future[torch.Tensor]
+    grid_thw: torch.Tensor  # [images, 3]: each image's patch grid
+    positions: torch.Tensor  # long [pads]: the prompt positions of its image pads, in order
+    mrope: torch.Tensor  # long [3, prompt tokens]
+    delta: int  # a position past the prompt: its index + delta (on each axis)
+    rows: torch.Tensor | None = None  # the vision tower's rows for the pads, once run
+    reader: Vision | None = None  # what runs the vision tower (``Vision.features``)
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        return self.pixels.result()
+
+    def features(self) -> torch.Tensor:
+        """The rows ``[pads, hidden]`` in place of its pads (the vision tower's, run once)."""
+        assert self.reader is not None
+        return self.reader.features(self)
+
+    def rope(self, logical: torch.Tensor) -> torch.Tensor:
+        """The rotary positions ``[3, *logical.shape]`` of the prompt-and-answer positions
+        ``logical`` (long)."""
+        length = self.mrope.shape[1]
+        inside = logical.clamp(max=length - 1)
+        table = self.mrope.to(logical.device)[:, inside]
+        past = (logical + self.delta).unsqueeze(0).expand_as(table)
+        return torch.where(logical.unsqueeze(0) < length, table, past)
+
+
+def image_lists(value: Any, count: int, listed: bool) -> list[list[Any] | None]:
+    """Each of ``count`` prompts' images, from a ``/generate`` body's ``image_data`` as
+    SGLang's ``GenerateReqInput`` normalizes it (``_normalize_image_data`` for a batch or
+    ``n`` > 1: one item for all, or one entry (an item or a list of them) per prompt; one
+    prompt's: an item or a list of them)."""
+    if value is None or value == []:
+        return [None] * count
+    if not listed:
+        return [value if isinstance(value, list) else [value]]
+    if not isinstance(value, list):
+        return [[value]] * count
+    if len(value) != count:
+        raise RequestError(
+            "image_data", "The length of image_data should be equal to the batch size."
+        )
+    out: list[list[Any] | None] = []
+    for entry in value:
+        if isinstance(entry, list):
+            out.append(None if entry in ([], [None]) else entry)
+        else:
+            out.append(None if entry is None else [entry])
+    return out
+
+
+def open_image(item: Any, where: str) -> Any:
+    """The image ``item`` names (see the module's docstring), opened: its size read, its pixels
+    not decoded yet (``decoded``); RequestError at ``where``."""
+    from PIL import Image
+
+    if isinstance(item, dict):
+        item = item.get("url")
+    if not isinstance(item, str) or not item:
+        raise RequestError(where, f"Invalid image: {item!r} (a URL, a path, or base64 data)")
+    try:
+        data = _image_bytes(item)
+    except (OSError, ValueError, binascii.Error) as exc:
+        raise RequestError(where, f"Could not read image: {exc}") from None
+    try:
+        return Image.open(io.BytesIO(data))
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise RequestError(where, f"Could not decode image: {exc}") from None
+
+
+def decoded(image: Any, where: str) -> Any:
+    """An opened image's pixels, as RGB; RequestError at ``where``."""
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise RequestError(where, f"Could not decode image: {exc}") from None
+    return image.convert("RGB")
+
+
+def _image_bytes(item: str) -> bytes:
+    """The bytes of an image's URL, path, data URI or base64 text (``get_image_bytes``)."""
+    if item.startswith(("http://", "https://")):
+        timeout = int(os.getenv("REQUEST_TIMEOUT", "3"))
+        with urllib.request.urlopen(item, timeout=timeout) as answer:
+            return answer.read()
+    if item.startswith("file://"):
+        return Path(unquote(urlparse(item).path)).read_bytes()
+    if item.startswith("/") or item.lower().endswith(_EXTENSIONS):
+        return Path(item).read_bytes()
+    if item.startswith("data:"):
+        if "," not in item:
+            raise ValueError("a data URI without data")
+        item = item.split(",", 1)[1]
+    return base64.b64decode(item, validate=True)
+
+
+class Vision:
+    """A Qwen2-VL or Qwen2.5-VL model's images: prompts with them read (``prompt``, on the
+    caller's thread: the images' headers only), their pixels made on worker threads (the
+    processor's resizing and patches: ``ImagePrompt.pixels``), and their rows computed
+    (``features``, on the scheduler's)."""
+
+    def __init__(self, path: Path, model: torch.nn.Module, tokenizer: Any) -> None:
+        from stages.hf import AutoImageProcessor
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pixels = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        config = model.config
+        self.image_id = int(config.image_token_id)
+        self.merge = int(config.vision_config.spatial_merge_size)
+        self.patch = int(config.vision_config.patch_size)
+        self._workers = ThreadPoolExecutor(2, thread_name_prefix="image-pixels")
+
+    def prompt(
+        self, text: str | None, ids: list[int] | None, images: list[Any], where: str
+    ) -> tuple[list[int], ImagePrompt]:
+        """The ids of a prompt (``text``, or ``ids`` read as their text) with ``images`` in
+        place of its image tokens, and its ``ImagePrompt``; RequestError naming ``where``
+        (the request's ``image_data`` entry) for what cannot be read. The images' pixels are
+        made on a worker meanwhile."""
+        if self.tokenizer is None:
+            raise RequestError(where, "images need the model's tokenizer (--skip-tokenizer-init)")
+        opened = [open_image(item, f"{where}[{j}]") for j, item in enumerate(images)]
+        if text is None:
+            assert ids is not None
+            text = self.tokenizer.decode(ids)
+        pieces = _IMAGE_SPAN.split(text)
+        if len(pieces) - 1 != len(opened):
+            raise RequestError(
+                where,
+                f"the prompt has {len(pieces) - 1} image token(s) ({IMAGE_TOKEN}) for "
+                f"{len(opened)} image(s): one each",
+            )
+        grid = torch.tensor([self._grid(image) for image in opened], dtype=torch.long)
+        # each image's pads, as many as its merged patches (the processor's expansion): the
+        # prompt tokenized with one pad an image (a special token: the text between tokenizes
+        # alike), each then repeated
+        counts = (grid.prod(-1) // self.merge**2).tolist()
+        ids = self.tokenizer.encode(_IMAGE_SPAN.sub(IMAGE_TOKEN, text))
+        at = [i for i, token in enumerate(ids) if token == self.image_id]
+        if len(at) != len(opened):
+            raise RequestError(
+                where, f"the prompt's ids hold {len(at)} <|image_pad|> for {len(opened)} image(s)"
+            )
+        expanded: list[int] = []
+        start = 0
+        for i, count in zip(at, counts, strict=True):
+            expanded += ids[start:i]
+            expanded += [self.image_id] * count
+            start = i + 1
+        expanded += ids[start:]
+        prompt = torch.tensor(expanded, dtype=torch.long)
+        pads = (prompt == self.image_id).nonzero().flatten()
+        mrope, delta = self._rope(prompt, grid, pads)
+        pixels = self._workers.submit(self._pixel_values, opened, grid, where)
+        image = ImagePrompt(pixels, grid, pads, mrope, delta, reader=self)
+        return prompt.tolist(), image
+
+    def _grid(self, image: Any) -> tuple[int, int, int]:
+        """The patch grid ``(t, h, w)`` the processor makes of ``image`` (resized as its
+        ``smart_resize`` resizes it: each side a multiple of patch x merge, the area within
+        its bounds)."""
+        width, height = image.size
+        processor = self.pixels
+        if getattr(processor, "do_resize", True):
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+            size = processor.size
+            height, width = smart_resize(
+                height,
+                width,
+                factor=self.patch * self.merge,
+                min_pixels=size["shortest_edge"],
+                max_pixels=size["longest_edge"],
+            )
+        return 1, height // self.patch, width // self.patch
+
+    def _pixel_values(self, images: list[Any], grid: torch.Tensor, where: str) -> torch.Tensor:
+        """(a worker) The processor's pixel values of ``images``, whose grids must be ``grid``."""
+        loaded = [decoded(image, f"{where}[{j}]") for j, image in enumerate(images)]
+        out = self.pixels(images=loaded, return_tensors="pt")
+        made = out["image_grid_thw"].long()
+        if not torch.equal(made, grid):
+            raise RequestError(
+                where, f"the processor made grids {made.tolist()}, not {grid.tolist()}"
+            )
+        return out["pixel_values"]
+
+    def _rope(
+        self, prompt: torch.Tensor, grid: torch.Tensor, pads: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """The prompt's rotary positions ``[3, tokens]`` and the delta of those after it."""
+        segments: list[torch.Tensor] = []
+        at, next_pos, first = 0, 0, 0
+        for t, h, w in grid.tolist():
+            gh, gw = h // self.merge, w // self.merge
+            count = t * gh * gw
+            start = int(pads[first])
+            if start > at:
+                segments.append(torch.arange(start - at).expand(3, -1) + next_pos)
+                next_pos += start - at
+            t_index = torch.arange(t).view(-1, 1).expand(t, gh * gw).reshape(-1)
+            h_index = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw).reshape(-1)
+            w_index = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw).reshape(-1)
+            segments.append(torch.stack([t_index, h_index, w_index]) + next_pos)
+            next_pos += max(t, gh, gw)
+            at, first = start + count, first + count
+        length = prompt.shape[0]
+        if at < length:
+            segments.append(torch.arange(length - at).expand(3, -1) + next_pos)
+        mrope = torch.cat(segments, dim=1).long()
+        return mrope, int(mrope.max()) + 1 - length
+
+    @torch.no_grad()
+    def features(self, image: ImagePrompt) -> torch.Tensor:
+        """The rows ``[pads, hidden]`` in place of ``image``'s pads (run once: kept on it)."""
+        if image.rows is None:
+            inner = self.model.model
+            device = next(self.model.parameters()).device
+            out = inner.get_image_features(
+                image.pixel_values.to(device), image_grid_thw=image.grid_thw.to(device)
+            )
+            rows = getattr(out, "pooler_output", out)
+            if isinstance(rows, list | tuple):
+                rows = torch.cat(list(rows), dim=0)
+            image.rows = rows
+        return image.rows

@@ -1,0 +1,347 @@
+"""Images in prompts on a Qwen2-VL or Qwen2.5-VL model (``/generate``'s ``image_data``, the chat
+route's ``image_url`` parts), as SGLang 0.5.23 serves them (``io_struct.GenerateReqInput.
+_normalize_image_data``, ``utils/common.py`` ``load_image``, ``base_processor.load_mm_data``,
+``qwen_vl.py`` ``QwenVLImageProcessor``, ``jinja_template_utils.process_content_for_template_
+format``). Every answer is held to transformers' own greedy decoding of the model with its
+processor (``tiny_vlm.hf_greedy``): the same tokens, log-probs within 1e-4."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from stages.engine.images import Vision, model_name
+from stages.engine.protocol import GenerateInput, SamplingParams
+from stages.engine.scheduler import Scheduler
+from stages.hf import AutoModelForImageTextToText, AutoTokenizer
+from tests.stages.engine_setup import run_with_retraction
+from tests.stages.test_engine_server import GREEDY, Engine, serving
+from tests.stages.tiny_model import make_tiny_model
+from tests.stages.tiny_vlm import (
+    IMAGE_TOKEN,
+    data_uri,
+    hf_greedy,
+    hf_prompt_ids,
+    image_png,
+    make_qwen_vl,
+)
+
+pytestmark = pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
+
+STEPS = 8
+SQUARE, WIDE = image_png(1), image_png(2, 112, 84)  # 4 and 12 image pads
+TWO = (
+    f"<|im_start|>user\nlook {IMAGE_TOKEN} and {IMAGE_TOKEN} now<|im_end|>\n<|im_start|>assistant\n"
+)
+ONE = f"<|im_start|>user\n{IMAGE_TOKEN} what is it?<|im_end|>\n<|im_start|>assistant\n"
+PLAIN = "<|im_start|>user\nno picture here<|im_end|>\n<|im_start|>assistant\n"
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_qwen_vl(tmp_path_factory.mktemp(request.param) / "model", arch=request.param)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    with serving(model_dir, tmp_path_factory.mktemp("vl-log") / "engine.log") as eng:
+        yield eng
+
+
+def _body(prompt: Any, images: Any, **more: Any) -> dict[str, Any]:
+    key = (
+        "text"
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str))
+        else "input_ids"
+    )
+    params = {**GREEDY, "max_new_tokens": STEPS, **more.pop("params", {})}
+    return {
+        key: prompt,
+        "image_data": images,
+        "sampling_params": params,
+        "return_logprob": True,
+        **more,
+    }
+
+
+def _answer(out: dict[str, Any]) -> tuple[list[int], list[float]]:
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def _same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]]) -> None:
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < TOLERANCE
+
+
+@pytest.mark.timeout(120)
+def test_generate_with_images_answers_as_transformers(engine: Engine, model_dir: Path) -> None:
+    want = hf_greedy(model_dir, TWO, [SQUARE, WIDE], STEPS)
+    images = [data_uri(SQUARE), data_uri(WIDE)]
+    out = engine.generate(_body(TWO, images, return_prompt_token_ids=True))
+    _same(_answer(out), want)
+    expanded = hf_prompt_ids(model_dir, TWO, [SQUARE, WIDE])
+    assert out["prompt_token_ids"] == expanded  # each image's pads: 4 and 12
+    assert out["meta_info"]["prompt_tokens"] == len(expanded)
+    # ids read as their text (load_mm_data): already expanded (as RL code sends them), or not
+    unexpanded = AutoTokenizer.from_pretrained(model_dir).encode(TWO)
+    for ids in (expanded, unexpanded):
+        _same(_answer(engine.generate(_body(ids, images))), want)
+    # the images matter: swapped, another answer; and none leak into the next prompt
+    swapped = engine.generate(_body(TWO, images[::-1]))
+    assert _answer(swapped) != _answer(out)
+    plain = engine.generate(_body(PLAIN, None))
+    _same(_answer(plain), hf_greedy(model_dir, PLAIN, [], STEPS))
+
+
+@pytest.mark.timeout(120)
+def test_the_forms_of_an_image_and_of_image_data(
+    engine: Engine, model_dir: Path, tmp_path: Path
+) -> None:
+    """A path, a file:// URL, bare base64 and {"url"} read as the data URI does; a batch's
+    image_data one entry a prompt (or one image for all), n > 1 each sample alike."""
+    want = hf_greedy(model_dir, ONE, [WIDE], STEPS)
+    path = tmp_path / "wide.png"
+    path.write_bytes(WIDE)
+    uri = data_uri(WIDE)
+    for image in (str(path), f"file://{path}", uri.split(",", 1)[1], {"url": uri}, [uri]):
+        _same(_answer(engine.generate(_body(ONE, image))), want)
+    square = hf_greedy(model_dir, ONE, [SQUARE], STEPS)
+    batch = engine.generate(
+        _body([ONE, PLAIN, ONE], [[uri], None, data_uri(SQUARE)], params={"n": 2})
+    )
+    answers = [_answer(out) for out in batch]
+    plain = hf_greedy(model_dir, PLAIN, [], STEPS)
+    for got, expected in zip(answers, [want, want, plain, plain, square, square], strict=True):
+        _same(got, expected)
+    for out in engine.generate(_body([ONE, ONE], uri)):  # one image for every prompt
+        _same(_answer(out), want)
+
+
+@pytest.mark.timeout(120)
+def test_chat_image_parts_go_to_the_model(engine: Engine, model_dir: Path) -> None:
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    want = hf_greedy(model_dir, TWO, [SQUARE, WIDE], STEPS)
+    content = [
+        {"type": "text", "text": "look "},
+        {"type": "image_url", "image_url": {"url": data_uri(SQUARE)}},
+        {"type": "text", "text": " and "},
+        {"type": "image_url", "image_url": {"url": data_uri(WIDE)}},
+        {"type": "text", "text": " now"},
+    ]
+    answer = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": content}], max_tokens=STEPS,
+        temperature=0, logprobs=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lps = [entry.logprob for entry in answer.choices[0].logprobs.content]
+    assert max(abs(a - b) for a, b in zip(lps, want[1], strict=True)) < TOLERANCE
+    assert answer.usage.prompt_tokens == len(hf_prompt_ids(model_dir, TWO, [SQUARE, WIDE]))
+    streamed = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": content}], max_tokens=STEPS,
+        temperature=0, stream=True, n=1, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == answer.choices[0].message.content
+    # the Responses API's input_image parts, through the chat route (no ignore_eos there)
+    plain = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": content}], max_tokens=STEPS,
+        temperature=0,
+    )  # fmt: skip
+    parts = [
+        {"type": "input_image", "image_url": p["image_url"]["url"]}
+        if p["type"] == "image_url"
+        else {"type": "input_text", "text": p["text"]}
+        for p in content
+    ]
+    response = client.responses.create(
+        model=client.models.list().data[0].id, input=[{"role": "user", "content": parts}],
+        max_output_tokens=STEPS + 2, temperature=0,  # (SGLang keeps 2 tokens back)
+    )  # fmt: skip
+    assert response.output_text and response.output_text == plain.choices[0].message.content
+    two = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": content}], max_tokens=STEPS,
+        temperature=0, n=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.message.content for c in two.choices] == [answer.choices[0].message.content] * 2
+
+
+@pytest.mark.timeout(120)
+def test_what_cannot_be_read_is_a_400_naming_the_field(engine: Engine) -> None:
+    uri = data_uri(SQUARE)
+    cases = [
+        (_body(TWO, [uri]), "image_data", "2 image token(s)"),
+        (_body(PLAIN, uri), "image_data", "0 image token(s)"),
+        (_body(ONE, "not base64!"), "image_data[0]", "Could not read image"),
+        (_body(ONE, "data:image/png;base64,aGVsbG8="), "image_data[0]", "Could not decode"),
+        (_body(ONE, 7), "image_data[0]", "Invalid image"),
+        # a header that reads and pixels that do not (found by the worker that decodes them)
+        (_body(ONE, data_uri(WIDE[:120])), "image_data[0]", "Could not decode image"),
+        (_body(ONE, data_uri(WIDE[:120]), stream=True), "image_data[0]", "Could not decode"),
+        (_body(ONE, "/nonexistent/x.png"), "image_data[0]", "Could not read image"),
+        (_body([ONE, ONE], [uri]), "image_data", "equal to the batch size"),
+        (_body([ONE, ONE], [[uri], [uri, uri]]), "image_data[1]", "1 image token(s)"),
+    ]
+    for body, field, words in cases:
+        status, out = engine.request("POST", "/generate", body)
+        assert status == 400, (body, out)
+        assert field in str(out) and words in str(out), out
+    status, session = engine.request("POST", "/open_session", {"capacity_of_str_len": 1000})
+    assert status == 200, session
+    status, out = engine.request(
+        "POST", "/generate", _body(ONE, uri, session_params={"id": session})
+    )
+    assert status == 400 and "session request takes no images" in str(out), out
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match=r"image_url\.url"):
+        client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        )
+    assert engine.request("GET", "/health")[0] == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_text_model_refuses_images(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "text", vocab=64)
+    with serving(model, tmp_path / "engine.log") as eng:
+        status, out = eng.request("POST", "/generate", _body([5, 6, 7], data_uri(SQUARE)))
+        assert status == 400 and "image_data" in str(out), out
+
+
+@pytest.mark.timeout(120)
+def test_images_in_one_batch_with_text_and_a_retraction(model_dir: Path) -> None:
+    """A prefill that holds an image prompt beside a text one, decode steps whose rows move on
+    by different rotary deltas, and a retraction that runs the image prompt again: each sample
+    ends as transformers' alone."""
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vision = Vision(model_dir, model, AutoTokenizer.from_pretrained(model_dir))
+    params = SamplingParams(temperature=0.0, max_new_tokens=STEPS, ignore_eos=True)
+    want = [
+        hf_greedy(model_dir, TWO, [SQUARE, WIDE], STEPS),
+        hf_greedy(model_dir, PLAIN, [], STEPS),
+    ]
+    for retract in (False, True):
+        scheduler = Scheduler(model, max_running=4)
+        ids, image = vision.prompt(TWO, None, [data_uri(SQUARE), data_uri(WIDE)], "image_data")
+        plain = vision.tokenizer.encode(PLAIN)
+        futures = [
+            scheduler.submit(GenerateInput("i", ids, params, True, images=image)),
+            scheduler.submit(GenerateInput("p", plain, params, True)),
+        ]
+        run_with_retraction(scheduler, 3, retract)
+        for future, expected in zip(futures, want, strict=True):
+            result = future.result(timeout=0)
+            _same((result.output_ids, result.output_token_logprobs), expected)
+            assert result.cached_tokens == 0 or future is futures[1]
+
+
+@pytest.mark.timeout(120)
+def test_weight_updates_take_either_naming(engine: Engine, model_dir: Path, tmp_path: Path) -> None:
+    """``/update_weights_from_disk`` reads a checkpoint whose tensors have the original
+    checkpoints' names (``visual.``, ``model.layers.``: what transformers 5 saves, and SGLang's
+    mapper takes both) or transformers 5's module names (``model.visual.``,
+    ``model.language_model.``); ``/get_weights_by_name`` takes either name; the answers are
+    then the new weights' (vision tower included)."""
+    other = make_qwen_vl(tmp_path / "other", arch=_arch(model_dir), seed=9)
+    want = hf_greedy(other, TWO, [SQUARE, WIDE], STEPS)
+    tensors = load_file(other / "model.safetensors")
+    assert any(name.startswith("visual.") for name in tensors)  # the original names
+    renamed = tmp_path / "module-names"
+    renamed.mkdir()
+    save_file({model_name(k): v for k, v in tensors.items()}, renamed / "model.safetensors")
+    images = [data_uri(SQUARE), data_uri(WIDE)]
+    name = "visual.blocks.0.attn.qkv.weight"
+    try:
+        for folder in (other, renamed):
+            status, out = engine.request(
+                "POST", "/update_weights_from_disk", {"model_path": str(model_dir)}
+            )
+            assert status == 200 and out["success"], out
+            status, out = engine.request(
+                "POST", "/update_weights_from_disk", {"model_path": str(folder)}
+            )
+            assert status == 200 and out["success"], out
+            _same(_answer(engine.generate(_body(TWO, images))), want)
+        for asked in (name, "model." + name):
+            status, rows = engine.request(
+                "POST", "/get_weights_by_name", {"name": asked, "truncate_size": 2}
+            )
+            assert status == 200, rows
+            assert torch.allclose(torch.tensor(rows), tensors[name][:2], atol=1e-6)
+    finally:
+        status, out = engine.request(
+            "POST", "/update_weights_from_disk", {"model_path": str(model_dir)}
+        )
+        assert status == 200 and out["success"], out
+    _same(
+        _answer(engine.generate(_body(TWO, images))),
+        hf_greedy(model_dir, TWO, [SQUARE, WIDE], STEPS),
+    )
+
+
+def _arch(model_dir: Path) -> str:
+    return json.loads((model_dir / "config.json").read_text())["model_type"]
+
+
+@pytest.mark.timeout(120)
+def test_an_abort_while_the_pixels_are_made_aborts_the_request(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request waits off the event loop while a worker makes its images' pixels (the
+    loop serves on: ``/health`` answers); an abort meanwhile ends it as an abort while its
+    grammar compiles ends (``ABORTED_COMPILING``: 400 ``Aborted by AbortReq.``)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from stages.engine.loader import load_model
+    from stages.engine.server import build_app
+
+    loaded = load_model(str(model_dir), device="cpu")
+    vision = loaded.vision
+    make, making, release = vision._pixel_values, threading.Event(), threading.Event()
+
+    def slow(*args: Any) -> Any:
+        making.set()
+        assert release.wait(10)
+        return make(*args)
+
+    monkeypatch.setattr(vision, "_pixel_values", slow)
+    scheduler = Scheduler(loaded.model, max_running=4)
+    scheduler.start()
+
+    async def main() -> None:
+        async with TestClient(TestServer(build_app(loaded, scheduler))) as client:
+            body = _body(ONE, data_uri(SQUARE), rid="r")
+            sent = asyncio.ensure_future(client.post("/generate", json=body))
+            assert await asyncio.to_thread(making.wait, 5)
+            assert (await client.get("/health")).status == 200  # the loop serves on
+            answer = await client.post("/abort_request", json={"rid": "r"})
+            assert answer.status == 200
+            release.set()
+            response = await sent
+            assert response.status == 400, await response.text()
+            assert json.loads(await response.read()) == {
+                "error": {"message": "Aborted by AbortReq."}
+            }
+            release.clear()  # and one not aborted is served once its pixels are made
+            sent = asyncio.ensure_future(client.post("/generate", json={**body, "rid": "s"}))
+            assert await asyncio.to_thread(making.wait, 5)
+            release.set()
+            response = await sent
+            assert response.status == 200
+            want = hf_greedy(model_dir, ONE, [SQUARE], STEPS)
+            _same(_answer(await response.json()), want)
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        scheduler.stop()
