@@ -1595,10 +1595,16 @@ class Scheduler:
                 mask = _on_prefixes(prompts, cached, mask)[0]
             ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
             lora = self._row_adapters([unique[k][0] for k in keys])
-            embeds = self._pass_embeds(ids, [unique[k][0] for k in keys], prompts)
-            positions = self._rotary(positions, [unique[k][0] for k in keys])
+            owners = [unique[k][0] for k in keys]
+            embeds = self._pass_embeds(ids, owners, prompts)
+            deep = None
+            if self._vision:
+                positions = self._rotary(positions, owners)
+                deep = self._deepstack(ids.shape[1], owners, prompts)
             routed = self._arm_experts()
-            kv, _, hidden = self._forward_prefill(ids, mask, positions, past, lora, True, embeds)
+            kv, _, hidden = self._forward_prefill(
+                ids, mask, positions, past, lora, True, embeds, deep
+            )
             assert hidden is not None
             routes = self._routes_of(ids) if routed else None
             head: Callable[[torch.Tensor], torch.Tensor] = (
@@ -1771,11 +1777,13 @@ class Scheduler:
         ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
         keep = any(seq.hidden is not None for seq in group)
         embeds = None if owners is None else self._pass_embeds(ids, owners, contexts)
-        if owners is not None:
+        deep = None
+        if owners is not None and self._vision:
             positions = self._rotary(positions, owners)
+            deep = self._deepstack(ids.shape[1], owners, contexts)
         routed = self._arm_experts()
         cache, logits, hidden = self._forward_prefill(
-            ids, mask, positions, past, lora, keep, embeds
+            ids, mask, positions, past, lora, keep, embeds, deep
         )
         if hidden is not None:
             new = [len(c) - n for c, n in zip(contexts, cached, strict=True)]
@@ -1880,11 +1888,15 @@ class Scheduler:
         lora: RowAdapters | None = None,
         keep_hidden: bool = False,
         embeds: torch.Tensor | None = None,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor | None]:
         """(keys and values of past + new tokens, last-position logits, with ``keep_hidden``
         the final hidden state of every new position ``[rows, width, hidden]``, else None)
         of one prefill pass; ``embeds``: the pass's input embeddings in place of the ids'
-        (``_pass_embeds``)."""
+        (``_pass_embeds``); ``deepstack``: Qwen3-VL's (``_deepstack``), which only its text
+        model's own call takes."""
+        if deepstack is not None:
+            return self._forward_deepstack(mask, positions, past, keep_hidden, embeds, deepstack)
         if self._fast is not None:
             if keep_hidden:
                 return self._fast.prefill(
@@ -1902,6 +1914,33 @@ class Scheduler:
         )
         hidden = out.hidden_states[-1] if keep_hidden else None
         return output_cache(out), out.logits[:, -1, :], hidden
+
+    def _forward_deepstack(
+        self,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        past: DynamicCache | None,
+        keep_hidden: bool,
+        embeds: torch.Tensor | None,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]],
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor | None]:
+        """``_forward_prefill`` of a Qwen3-VL pass with image pads: its text model called
+        itself with the deepstack's rows (the whole model's forward takes them only from
+        pixels), then its head on the last position."""
+        text = self.model.model.language_model
+        where, layers = deepstack
+        out = text(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            visual_pos_masks=where,
+            deepstack_visual_embeds=layers,
+            **{cache_argument(text.forward) or "past_key_values": past or DynamicCache()},
+        )
+        hidden = out.last_hidden_state
+        logits = self.model.get_output_embeddings()(hidden[:, -1, :])
+        return output_cache(out), logits, hidden if keep_hidden else None
 
     def _pass_embeds(
         self, ids: torch.Tensor, owners: list[_Seq], contexts: list[list[int]]
@@ -1931,6 +1970,23 @@ class Scheduler:
                 where = image.positions.to(embeds.device)
                 embeds[u, at + where] = image.features().to(embeds.device, embeds.dtype)
         return embeds
+
+    def _deepstack(
+        self, width: int, owners: list[_Seq], contexts: list[list[int]]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Qwen3-VL's deepstack for a pass over ``contexts`` (left-padded to ``width``): where
+        its image pads are ``[rows, width]`` and, for each of the first text layers, the rows
+        it adds there in that order (``images.ImagePrompt.deep``); None where no prompt of
+        the pass has them (run after ``_pass_embeds``, which runs the tower)."""
+        found = [(u, seq.inp.images) for u, seq in enumerate(owners) if seq.inp.images is not None]
+        if not found or found[0][1].deep is None:
+            return None
+        where = torch.zeros(len(owners), width, dtype=torch.bool)
+        for u, image in found:
+            where[u, width - len(contexts[u]) + image.positions] = True
+        depth = len(found[0][1].deep)
+        layers = [torch.cat([image.deep[i] for _, image in found]) for i in range(depth)]
+        return where.to(self.device), layers
 
     def _rotary(self, positions: torch.Tensor, owners: list[_Seq]) -> torch.Tensor:
         """A pass's position ids as the model takes them: a vision model's ``[3, rows,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages.engine.images import Vision, model_name
+from stages.engine.images import Vision, checkpoint_name, model_name
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
 from stages.hf import AutoModelForImageTextToText, AutoTokenizer
@@ -47,7 +47,7 @@ PLAIN = "<|im_start|>user\nno picture here<|im_end|>\n<|im_start|>assistant\n"
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_qwen_vl(tmp_path_factory.mktemp(request.param) / "model", arch=request.param)
 
@@ -253,11 +253,14 @@ def test_weight_updates_take_either_naming(engine: Engine, model_dir: Path, tmp_
     then the new weights' (vision tower included)."""
     other = make_qwen_vl(tmp_path / "other", arch=_arch(model_dir), seed=9)
     want = hf_greedy(other, TWO, [SQUARE, WIDE], STEPS)
-    tensors = load_file(other / "model.safetensors")
-    assert any(name.startswith("visual.") for name in tensors)  # the original names
-    renamed = tmp_path / "module-names"
+    tensors = load_file(other / "model.safetensors")  # transformers 5 saves Qwen2(.5)-VL's
+    original = any(name.startswith("visual.") for name in tensors)  # as the original ones
+    assert original == (_arch(model_dir) != "qwen3_vl")  # and Qwen3-VL's as its modules
+    renamed = tmp_path / "other-names"
     renamed.mkdir()
-    save_file({model_name(k): v for k, v in tensors.items()}, renamed / "model.safetensors")
+    other_name = model_name if original else checkpoint_name
+    save_file({other_name(k): v for k, v in tensors.items()}, renamed / "model.safetensors")
+    tensors = {checkpoint_name(k): v for k, v in tensors.items()}
     images = [data_uri(SQUARE), data_uri(WIDE)]
     name = "visual.blocks.0.attn.qkv.weight"
     try:

@@ -1,5 +1,5 @@
-"""A tiny random Qwen2.5-VL or Qwen2-VL checkpoint, saved to a directory, and transformers'
-greedy answers for it as the reference an engine's images are checked against.
+"""A tiny random Qwen2.5-VL, Qwen2-VL or Qwen3-VL checkpoint, saved to a directory, and
+transformers' greedy answers for it as the reference an engine's images are checked against.
 
 ``make_qwen_vl(path)`` writes the config, seeded random weights, a byte-level tokenizer (token
 ``i`` < 256 is the byte ``i``, so plain text is its bytes; then Qwen's special tokens, from
@@ -31,6 +31,8 @@ from transformers import (
     Qwen2Tokenizer,
     Qwen2VLConfig,
     Qwen2VLProcessor,
+    Qwen3VLConfig,
+    Qwen3VLProcessor,
 )
 
 from tests.stages.tiny_model import _save_random
@@ -83,7 +85,9 @@ CHAT_TEMPLATE = (
 _ARCHS: dict[str, tuple[Any, Any]] = {
     "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLProcessor),
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLProcessor),
+    "qwen3_vl": (Qwen3VLConfig, Qwen3VLProcessor),
 }
+PATCH = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16}  # each architecture's patch side
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -108,8 +112,9 @@ def _tokenizer() -> Qwen2Tokenizer:
     return tokenizer
 
 
-def _config(arch: str) -> Any:
-    """The tiny configuration of ``arch`` (``qwen2_5_vl`` or ``qwen2_vl``)."""
+def _config(arch: str, text_sizes: dict[str, Any], vision_sizes: dict[str, Any]) -> Any:
+    """The tiny configuration of ``arch`` (``qwen2_5_vl``, ``qwen2_vl`` or ``qwen3_vl``), with
+    ``text_sizes`` and ``vision_sizes`` over its text and vision fields."""
     ids = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     text = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -124,30 +129,56 @@ def _config(arch: str) -> Any:
         # window 56 pixels: 2x2 merged patches, so a 112x84 image has several windows
         vision.update(hidden_size=16, intermediate_size=32, out_hidden_size=32,
                       fullatt_block_indexes=[1], window_size=56)  # fmt: skip
+    elif arch == "qwen3_vl":
+        # 16-pixel patches; both vision blocks' features added to the first two text layers
+        # (deepstack); a 4x4 table of position embeddings, interpolated to each grid
+        vision.update(patch_size=16, hidden_size=16, intermediate_size=32, out_hidden_size=32,
+                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # fmt: skip
+        text.pop("rope_scaling")
+        text.update(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                    "mrope_section": [2, 1, 1], "mrope_interleaved": True})  # fmt: skip
     else:
         vision.update(embed_dim=16, mlp_ratio=2, hidden_size=32)  # hidden_size: the output
     config_class = _ARCHS[arch][0]
     return config_class(
-        text_config=text, vision_config=vision, image_token_id=IMAGE_PAD_ID,
+        text_config={**text, **text_sizes}, vision_config={**vision, **vision_sizes},
+        image_token_id=IMAGE_PAD_ID,
         video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
         vision_end_token_id=VISION_END_ID, dtype="float32", **ids,
     )  # fmt: skip
 
 
-def make_qwen_vl(path: Path, *, arch: str = "qwen2_5_vl", seed: int = 0) -> Path:
+def make_qwen_vl(
+    path: Path,
+    *,
+    arch: str = "qwen2_5_vl",
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    max_pixels: int = MAX_PIXELS,
+) -> Path:
     """Save a random tiny ``Qwen2_5_VLForConditionalGeneration`` (``arch`` ``qwen2_5_vl``) or
-    ``Qwen2VLForConditionalGeneration`` (``qwen2_vl``), its tokenizer, chat template and image
+    ``Qwen2VLForConditionalGeneration`` (``qwen2_vl``) or ``Qwen3VLForConditionalGeneration``
+    (``qwen3_vl``: 16-pixel patches, deepstack into both text layers), its tokenizer, chat
+    template and image
     processor under ``path``; returns ``path``. Text: hidden 32, 2 layers, 4 heads (2 kv) of 8,
-    mrope sections ``[2, 1, 1]``; vision: 2 blocks of hidden 16, patches 14, merge 2."""
+    mrope sections ``[2, 1, 1]``; vision: 2 blocks of hidden 16, patches 14, merge 2 (``text``
+    and ``vision``: other values of their config fields, for a bench's larger model;
+    ``max_pixels``: the image processor's upper bound)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     if arch not in _ARCHS:
         raise ValueError(f"arch {arch!r}: one of {sorted(_ARCHS)}")
-    path = _save_random(AutoModelForImageTextToText, _config(arch), Path(path), seed)
+    config = _config(arch, text or {}, vision or {})
+    path = _save_random(AutoModelForImageTextToText, config, Path(path), seed)
     _tokenizer().save_pretrained(path)  # tokenizer files and chat_template.jinja
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(path)
+    patch = {"patch_size": PATCH[arch], "merge_size": MERGE}
+    if arch == "qwen3_vl":  # (Qwen3-VL's normalization)
+        patch.update(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    pixels = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=max_pixels, **patch)
+    pixels.save_pretrained(path)
     return path
 
 
