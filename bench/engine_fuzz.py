@@ -72,6 +72,7 @@ from stages.engine import (  # noqa: E402
     request_fields,
 )
 from tests.stages.tiny_model import make_tiny_moe_model  # noqa: E402
+from tests.stages.tiny_vlm import make_qwen_vl  # noqa: E402
 
 ARITH = ROOT / "configs" / "models" / "arith-tiny"
 PASS_THROUGH = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -94,6 +95,20 @@ _SHAPES = [
     {"include_usage": True, "continuous_usage_stats": True}, {"include_usage": "yes"},
     {"effort": "none"}, {"effort": 1, "summary": "long"}, {"num_predict": 2, "temperature": 0},
 ]  # fmt: skip
+# an image and what its fields may hold on a vision model (--vision): the first is the image
+# that --vision's prompts carry (a 56x56 PNG), then its forms, broken ones and other files
+_PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAADgAAAA4CAIAAAAn5KxJAAAARUlEQVR42u3OQREAAAQAMATRP4pYUni42xIspzs+"
+    "qHhCVFRUVFRUVFRUVFRUVFRUVFRUVFRUVFRUVFRUVFRUVFRUVPTaAshdAXSD19j/AAAAAElFTkSuQmCC"
+)
+IMAGE_VALUES: list[Any] = [
+    "data:image/png;base64," + _PNG, _PNG, {"url": "data:image/png;base64," + _PNG},
+    "data:image/png;base64," + _PNG[:60], "data:image/png;base64,", "data:", "data:,x",
+    "data:image/png;base64,!!!", _PNG[:60], "/nonexistent.png", "file:///nonexistent.png",
+    "/etc/hostname", "x.png", "http://127.0.0.1:9/x.png", {"url": None}, {"url": 1}, {},
+    [["data:image/png;base64," + _PNG]], ["data:image/png;base64," + _PNG] * 2,
+]  # fmt: skip
+IMAGE_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>1+1=<|im_end|>\n"
 VALUES: list[Any] = [
     *_SCALARS,
     *_SHAPES,
@@ -193,16 +208,30 @@ _SGLANG_500 = {
 
 
 def requests_to_send(
-    model: str, routed: bool = False
+    model: str, routed: bool = False, vision: bool = False
 ) -> list[tuple[str, str, Any, dict[str, Any]]]:
     """``(path, field, value, body)`` for every field of every route and every value, each
     once on a body not streamed and once on a streamed one (where the route streams);
-    ``routed``: every generating body asks for its routed experts."""
+    ``routed``: every generating body asks for its routed experts; ``vision``: the prompts
+    of ``/generate`` and the chat route have an image, and its fields get the image forms
+    of ``IMAGE_VALUES`` too."""
     out = []
     asks = {"return_routed_experts": True} if routed else {}
     for stream in (False, True):
         plain = {"text": "1+1=", "sampling_params": {"max_new_tokens": 3}, "stream": stream}
         plain.update(asks)
+        if vision:
+            plain.update(text=IMAGE_PROMPT, image_data=IMAGE_VALUES[0])
+            for value in [*VALUES, *IMAGE_VALUES]:
+                out.append(("/generate", "image_data", value, {**plain, "image_data": value}))
+                out.append(("/generate", "image_data[0]", value, {**plain, "image_data": [value]}))
+                part = {"type": "image_url", "image_url": {"url": value}}
+                chat = {"model": model, "max_tokens": 3, "stream": stream,
+                        "messages": [{"role": "user", "content": [part]}]}  # fmt: skip
+                out.append(("/v1/chat/completions", "image_url.url", value, chat))
+                part = {"type": "image_url", "image_url": value}
+                chat = {**chat, "messages": [{"role": "user", "content": [part]}]}
+                out.append(("/v1/chat/completions", "image_url", value, chat))
         for value in VALUES:
             for field in _GENERATE:
                 out.append(("/generate", field, value, {**plain, field: value}))
@@ -257,7 +286,7 @@ async def _fuzz(url: str, args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=timeout) as s:
         async with s.get(url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        todo = requests_to_send(model, args.moe)
+        todo = requests_to_send(model, args.moe, args.vision)
         if args.only:
             todo = [request for request in todo if request[0] in args.only]
         gate = asyncio.Semaphore(args.concurrency)
@@ -314,6 +343,12 @@ def main() -> int:
         "--enable-return-routed-experts, every generating body asking for them",
     )
     parser.add_argument(
+        "--vision",
+        action="store_true",
+        help="a tiny Qwen2.5-VL with its own chat template: image prompts, and their fields "
+        "given every value and image form",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         metavar="ROUTE",
@@ -326,6 +361,9 @@ def main() -> int:
         flags = ["--chat-template", str(template), "--reasoning-parser", "qwen3",
                  "--tool-call-parser", "qwen25", *shlex.split(args.engine_args)]  # fmt: skip
         model = ARITH
+        if args.vision:  # the model's own template, which renders image parts
+            model = make_qwen_vl(Path(tmp) / "vl")
+            flags = flags[2:]
         if args.moe:
             model = make_tiny_moe_model(Path(tmp) / "moe", tokenizer_from=ARITH)
             flags.append("--enable-return-routed-experts")
@@ -338,6 +376,7 @@ def main() -> int:
         seconds = time.perf_counter() - start
         text = log.read_text(errors="replace")
     head = {"bench": "engine_fuzz", "engine_args": args.engine_args, "moe": args.moe,
+            "vision": args.vision,
             "seconds": round(seconds, 1)}  # fmt: skip
     return report(head, result, text)
 

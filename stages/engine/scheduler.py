@@ -1118,8 +1118,9 @@ class Scheduler:
             if images and on_loop:
                 self._prepare_later(seqs, images)
                 continue
-            for image in images:  # (a caller off the loop waits for them)
-                image.pixels.result()
+            for seq in seqs:  # (a caller off the loop waits for them) one that could not
+                if seq.inp.images is not None:  # be read: its RequestError, raised here
+                    seq.inp.images.pixels.result()
             if on_loop and self._compiling_needed(seqs):
                 self._compile_later(seqs)
             else:

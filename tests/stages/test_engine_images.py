@@ -348,3 +348,36 @@ def test_an_abort_while_the_pixels_are_made_aborts_the_request(
     finally:
         release.set()
         scheduler.stop()
+
+
+@pytest.mark.timeout(120)
+def test_an_image_found_unreadable_before_its_request_is_queued_is_refused(
+    model_dir: Path,
+) -> None:
+    """Pixels that fail before the request reaches the scheduler (the worker was quick) refuse
+    it where it is submitted, on the loop or off it, and no step fails (the engine fuzz found
+    this race: the failure reached the prefill, a failed step for every request in flight)."""
+    from stages.engine.request_error import RequestError
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vision = Vision(model_dir, model, AutoTokenizer.from_pretrained(model_dir))
+    params = SamplingParams(temperature=0.0, max_new_tokens=STEPS, ignore_eos=True)
+    scheduler = Scheduler(model, max_running=4)
+    plain = scheduler.submit(GenerateInput("p", vision.tokenizer.encode(PLAIN), params, True))
+    for rid in ("sync", "async"):
+        ids, image = vision.prompt(ONE, None, [data_uri(WIDE[:120])], "image_data")
+        with pytest.raises(RequestError, match="Could not decode image"):
+            image.pixels.result(timeout=10)
+        inp = GenerateInput(rid, ids, params, True, images=image)
+        with pytest.raises(RequestError, match=r"image_data\[0\]: Could not decode image"):
+            if rid == "sync":
+                scheduler.submit(inp)
+            else:
+
+                async def submit(inp: GenerateInput = inp) -> None:
+                    await scheduler.submit_async([inp])
+
+                asyncio.run(submit())
+    scheduler.run_until_idle()
+    result = plain.result(timeout=0)
+    _same((result.output_ids, result.output_token_logprobs), hf_greedy(model_dir, PLAIN, [], STEPS))
