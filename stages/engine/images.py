@@ -1,4 +1,5 @@
-"""Images in prompts (SGLang's ``image_data``), for Qwen2-VL, Qwen2.5-VL and Qwen3-VL models.
+"""Images in prompts (SGLang's ``image_data``), for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense
+and MoE) models.
 
 A request's images come as SGLang 0.5.23 takes them (``utils/common.py`` ``load_image``,
 ``get_image_bytes``): an ``http(s)://`` URL (fetched, ``REQUEST_TIMEOUT`` seconds, 3 by default),
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 # the model types whose images this engine reads (SGLang's QwenVLImageProcessor serves more)
-VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 IMAGE_TOKEN = "<|vision_start|><|image_pad|><|vision_end|>"
 # an image's token in a prompt, expanded or not, or SGLang's legacy sentinel
 _IMAGE_SPAN = re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>|<image>")

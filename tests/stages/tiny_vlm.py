@@ -32,6 +32,7 @@ from transformers import (
     Qwen2VLConfig,
     Qwen2VLProcessor,
     Qwen3VLConfig,
+    Qwen3VLMoeConfig,
     Qwen3VLProcessor,
 )
 
@@ -86,8 +87,9 @@ _ARCHS: dict[str, tuple[Any, Any]] = {
     "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLProcessor),
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLProcessor),
     "qwen3_vl": (Qwen3VLConfig, Qwen3VLProcessor),
+    "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLProcessor),
 }
-PATCH = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16}  # each architecture's patch side
+PATCH = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}  # patch sides
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -129,7 +131,7 @@ def _config(arch: str, text_sizes: dict[str, Any], vision_sizes: dict[str, Any])
         # window 56 pixels: 2x2 merged patches, so a 112x84 image has several windows
         vision.update(hidden_size=16, intermediate_size=32, out_hidden_size=32,
                       fullatt_block_indexes=[1], window_size=56)  # fmt: skip
-    elif arch == "qwen3_vl":
+    elif arch.startswith("qwen3_vl"):
         # 16-pixel patches; both vision blocks' features added to the first two text layers
         # (deepstack); a 4x4 table of position embeddings, interpolated to each grid
         vision.update(patch_size=16, hidden_size=16, intermediate_size=32, out_hidden_size=32,
@@ -137,6 +139,9 @@ def _config(arch: str, text_sizes: dict[str, Any], vision_sizes: dict[str, Any])
         text.pop("rope_scaling")
         text.update(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})  # fmt: skip
+        if arch == "qwen3_vl_moe":  # 4 experts of 16, 2 a token, in every layer
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        decoder_sparse_step=1)  # fmt: skip
     else:
         vision.update(embed_dim=16, mlp_ratio=2, hidden_size=32)  # hidden_size: the output
     config_class = _ARCHS[arch][0]
@@ -159,7 +164,8 @@ def make_qwen_vl(
 ) -> Path:
     """Save a random tiny ``Qwen2_5_VLForConditionalGeneration`` (``arch`` ``qwen2_5_vl``) or
     ``Qwen2VLForConditionalGeneration`` (``qwen2_vl``) or ``Qwen3VLForConditionalGeneration``
-    (``qwen3_vl``: 16-pixel patches, deepstack into both text layers), its tokenizer, chat
+    (``qwen3_vl``: 16-pixel patches, deepstack into both text layers; ``qwen3_vl_moe``: the same
+    with 4 experts a layer), its tokenizer, chat
     template and image
     processor under ``path``; returns ``path``. Text: hidden 32, 2 layers, 4 heads (2 kv) of 8,
     mrope sections ``[2, 1, 1]``; vision: 2 blocks of hidden 16, patches 14, merge 2 (``text``
@@ -175,7 +181,7 @@ def make_qwen_vl(
     path = _save_random(AutoModelForImageTextToText, config, Path(path), seed)
     _tokenizer().save_pretrained(path)  # tokenizer files and chat_template.jinja
     patch = {"patch_size": PATCH[arch], "merge_size": MERGE}
-    if arch == "qwen3_vl":  # (Qwen3-VL's normalization)
+    if arch.startswith("qwen3_vl"):  # (Qwen3-VL's normalization)
         patch.update(image_mean=[0.5] * 3, image_std=[0.5] * 3)
     pixels = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=max_pixels, **patch)
     pixels.save_pretrained(path)
