@@ -21,13 +21,15 @@ scheduler's thread at the prompt's first pass, so that they come from the weight
 and its multimodal rotary positions (``mrope``, as ``_compute_image_only_mrope_positions_from_
 offsets`` builds them: text 1D, an image's pads ``(t, h, w)`` after the text before it, the
 text after from the image's largest position plus one). A position past the prompt is its
-index plus ``delta`` on all three axes (``mrope_position_delta``).
+index plus ``delta`` on all three axes (``mrope_position_delta``). Its ``key`` (a digest of
+its images' bytes) names the prefix-cache namespace its KV is kept in.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import os
 import re
@@ -96,9 +98,10 @@ def checkpoint_name(name: str) -> str:
 class ImagePrompt:
     """A prompt's images as the scheduler runs them (see the module's docstring)."""
 
-    # the processor's pixel values [patches, channels x patch volume], as a worker makes them
-    # (``Vision.ready``; RequestError naming the image if it cannot)
-    pixels: Future[torch.Tensor]
+    # the processor's pixel values [patches, channels x patch volume] and the images' content
+    # key (a digest of their bytes), as a worker makes them (RequestError naming the image
+    # if it cannot)
+    pixels: Future[tuple[torch.Tensor, str]]
     grid_thw: torch.Tensor  # [images, 3]: each image's patch grid
     positions: torch.Tensor  # long [pads]: the prompt positions of its image pads, in order
     mrope: torch.Tensor  # long [3, prompt tokens]
@@ -110,7 +113,13 @@ class ImagePrompt:
 
     @property
     def pixel_values(self) -> torch.Tensor:
-        return self.pixels.result()
+        return self.pixels.result()[0]
+
+    @property
+    def key(self) -> str:
+        """Its images' content, in order (a digest of their bytes): the prefix-cache namespace
+        of its KV (only prompts with the same images share a prefix)."""
+        return self.pixels.result()[1]
 
     def features(self) -> torch.Tensor:
         """The rows ``[pads, hidden]`` in place of its pads (the vision tower's, run once)."""
@@ -151,9 +160,9 @@ def image_lists(value: Any, count: int, listed: bool) -> list[list[Any] | None]:
     return out
 
 
-def open_image(item: Any, where: str) -> Any:
-    """The image ``item`` names (see the module's docstring), opened: its size read, its pixels
-    not decoded yet (``decoded``); RequestError at ``where``."""
+def open_image(item: Any, where: str) -> tuple[Any, bytes]:
+    """The image ``item`` names (see the module's docstring), opened (its size read, its
+    pixels not decoded yet: ``decoded``), and its bytes; RequestError at ``where``."""
     from PIL import Image
 
     if isinstance(item, dict):
@@ -165,7 +174,7 @@ def open_image(item: Any, where: str) -> Any:
     except (OSError, ValueError, binascii.Error) as exc:
         raise RequestError(where, f"Could not read image: {exc}") from None
     try:
-        return Image.open(io.BytesIO(data))
+        return Image.open(io.BytesIO(data)), data
     except (OSError, SyntaxError, ValueError) as exc:
         raise RequestError(where, f"Could not decode image: {exc}") from None
 
@@ -234,7 +243,7 @@ class Vision:
                 f"the prompt has {len(pieces) - 1} image token(s) ({IMAGE_TOKEN}) for "
                 f"{len(opened)} image(s): one each",
             )
-        grid = torch.tensor([self._grid(image) for image in opened], dtype=torch.long)
+        grid = torch.tensor([self._grid(image) for image, _ in opened], dtype=torch.long)
         # each image's pads, as many as its merged patches (the processor's expansion): the
         # prompt tokenized with one pad an image (a special token: the text between tokenizes
         # alike), each then repeated
@@ -278,16 +287,23 @@ class Vision:
             )
         return 1, height // self.patch, width // self.patch
 
-    def _pixel_values(self, images: list[Any], grid: torch.Tensor, where: str) -> torch.Tensor:
-        """(a worker) The processor's pixel values of ``images``, whose grids must be ``grid``."""
-        loaded = [decoded(image, f"{where}[{j}]") for j, image in enumerate(images)]
+    def _pixel_values(
+        self, images: list[tuple[Any, bytes]], grid: torch.Tensor, where: str
+    ) -> tuple[torch.Tensor, str]:
+        """(a worker) The processor's pixel values of ``images`` (opened, with their bytes),
+        whose grids must be ``grid``, and a digest of their bytes."""
+        loaded = [decoded(image, f"{where}[{j}]") for j, (image, _) in enumerate(images)]
         out = self.pixels(images=loaded, return_tensors="pt")
         made = out["image_grid_thw"].long()
         if not torch.equal(made, grid):
             raise RequestError(
                 where, f"the processor made grids {made.tolist()}, not {grid.tolist()}"
             )
-        return out["pixel_values"]
+        digest = hashlib.blake2b(digest_size=16)
+        for _, data in images:
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+        return out["pixel_values"], digest.hexdigest()
 
     def _rope(
         self, prompt: torch.Tensor, grid: torch.Tensor, pads: torch.Tensor

@@ -199,16 +199,24 @@ def _prefix_routes(match: Match) -> list[torch.Tensor]:
 def _embedded(seq: Any) -> int | None:
     """The id of the embeddings ``seq``'s prompt runs with (its ``input_embeds``, or the
     embedding overrides of ``/v1/score``) or of its own position ids (``/v1/score`` under
-    ``--enable-mis``), None for a prompt of plain ids at 0, 1, 2...: two such prompts are the
-    same prompt only when they are the same request's."""
+    ``--enable-mis``), None for a prompt of plain ids at 0, 1, 2... (or with images, whose
+    content its namespace names: ``_namespace``): two such prompts are the same prompt only
+    when they are the same request's."""
     inp = seq.inp
     if inp.input_embeds is not None:
         return id(inp.input_embeds)
-    if inp.images is not None:
-        return id(inp.images)
     if inp.embed_overrides is not None:
         return id(inp.embed_overrides)
     return None if inp.position_ids is None else id(inp.position_ids)
+
+
+def _images_at(image: Any, cached: int) -> torch.Tensor | None:
+    """Which of ``image``'s pads (a mask over ``ImagePrompt.positions``) a pass after a cached
+    prefix of ``cached`` tokens computes; None: none."""
+    if cached <= 0:
+        return torch.ones(image.positions.numel(), dtype=torch.bool)
+    keep = image.positions >= cached
+    return keep if bool(keep.any()) else None
 
 
 def _unready_images(seqs: list[Any]) -> list[Any]:
@@ -219,6 +227,15 @@ def _unready_images(seqs: list[Any]) -> list[Any]:
         if image is not None and not image.pixels.done():
             found[id(image)] = image
     return list(found.values())
+
+
+def _namespace(seq: Any) -> Any:
+    """The prefix-cache namespace of ``seq``'s KV: its request's (``cache_namespace``), and
+    for a prompt with images their content's (``images.ImagePrompt.key``), so that only
+    prompts with the same images, in the same order, share a prefix, as SGLang's radix cache
+    keys an image's pads by its hash."""
+    image = seq.inp.images
+    return seq.inp.cache_namespace if image is None else (seq.inp.cache_namespace, image.key)
 
 
 def _own_kv(seq: Any) -> bool:
@@ -1541,7 +1558,7 @@ class Scheduler:
                 seq.inp.lora,
                 seq.inp.token_ids_logprob,
                 _next_wanted(seq),
-                seq.inp.cache_namespace,
+                _namespace(seq),
                 _embedded(seq),
             )
             unique.setdefault(key, []).append(seq)
@@ -1597,11 +1614,11 @@ class Scheduler:
             ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
             lora = self._row_adapters([unique[k][0] for k in keys])
             owners = [unique[k][0] for k in keys]
-            embeds = self._pass_embeds(ids, owners, prompts)
+            embeds = self._pass_embeds(ids, owners, prompts, cached)
             deep = None
             if self._vision:
                 positions = self._rotary(positions, owners)
-                deep = self._deepstack(ids.shape[1], owners, prompts)
+                deep = self._deepstack(ids.shape[1], owners, prompts, cached)
             routed = self._arm_experts()
             kv, _, hidden = self._forward_prefill(
                 ids, mask, positions, past, lora, True, embeds, deep
@@ -1699,7 +1716,7 @@ class Scheduler:
         for seq in group:
             ctx = seq.context
             # a namespace shares none; a prompt as embeddings only its own samples
-            key = (seq.adapter, seq.inp.cache_namespace, tuple(ctx), _embedded(seq))
+            key = (seq.adapter, _namespace(seq), tuple(ctx), _embedded(seq))
             idx = unique.get(key)
             if idx is None:
                 idx = unique[key] = len(contexts)
@@ -1713,12 +1730,12 @@ class Scheduler:
             ctx, owner = contexts[u], owners[u]
             if self._prefix is None or _own_kv(owner) or len(ctx) <= IN_BATCH_PREFIX:
                 return None
-            return owner.inp.cache_namespace, tuple(ctx[:IN_BATCH_PREFIX])
+            return _namespace(owner), tuple(ctx[:IN_BATCH_PREFIX])
 
         def lookup(u: int, record: bool) -> Match:
             if _own_kv(owners[u]):  # a base prefix is no prefix of an adapter's row
                 return Match()
-            return self._lookup(contexts[u], owners[u].inp.cache_namespace, record)
+            return self._lookup(contexts[u], _namespace(owners[u]), record)
 
         first, later = _in_batch_waves(list(range(len(contexts))), opening, lookup)
         began = time.perf_counter()
@@ -1777,11 +1794,11 @@ class Scheduler:
             columns = columns.to(self.device)
         ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
         keep = any(seq.hidden is not None for seq in group)
-        embeds = None if owners is None else self._pass_embeds(ids, owners, contexts)
+        embeds = None if owners is None else self._pass_embeds(ids, owners, contexts, cached)
         deep = None
         if owners is not None and self._vision:
             positions = self._rotary(positions, owners)
-            deep = self._deepstack(ids.shape[1], owners, contexts)
+            deep = self._deepstack(ids.shape[1], owners, contexts, cached)
         routed = self._arm_experts()
         cache, logits, hidden = self._forward_prefill(
             ids, mask, positions, past, lora, keep, embeds, deep
@@ -1878,7 +1895,7 @@ class Scheduler:
                 return self._row_pieces(seq, slot, at, a, b)
 
             stamp = seq.stamp or self._stamp()
-            self._prefix.insert(contexts[u], kv_of, stamp, seq.inp.cache_namespace, served=False)
+            self._prefix.insert(contexts[u], kv_of, stamp, _namespace(seq), served=False)
 
     def _forward_prefill(
         self,
@@ -1944,7 +1961,11 @@ class Scheduler:
         return output_cache(out), logits, hidden if keep_hidden else None
 
     def _pass_embeds(
-        self, ids: torch.Tensor, owners: list[_Seq], contexts: list[list[int]]
+        self,
+        ids: torch.Tensor,
+        owners: list[_Seq],
+        contexts: list[list[int]],
+        cached: list[int],
     ) -> torch.Tensor | None:
         """The input embeddings of a pass over the left-padded ``ids`` of ``contexts`` where
         the prompt of one or more is embeddings (``owners[u].inp.input_embeds``), else None:
@@ -1952,8 +1973,10 @@ class Scheduler:
         own rows. Such a context is computed whole (no prefix cache serves embeddings), its
         prompt then the tokens it generated before a retraction, which SGLang 0.5.23 throws
         away instead (``Req.reset_for_retract``: it cannot mix the two), so that the sample
-        goes on where it was, as any other does."""
-        if all(_embedded(seq) is None for seq in owners):
+        goes on where it was, as any other does. A prompt with images (``_images_at``) has the
+        vision tower's rows at those of its pads the pass computes (after ``cached[u]``, what
+        the prefix cache gave it)."""
+        if all(_embedded(seq) is None and seq.inp.images is None for seq in owners):
             return None
         with torch.no_grad():
             embeds = self.model.get_input_embeddings()(ids)
@@ -1967,26 +1990,37 @@ class Scheduler:
                 where = torch.tensor(over.positions, dtype=torch.long, device=embeds.device)
                 embeds[u, at + where] = over.rows.to(embeds.device, embeds.dtype)
             image = seq.inp.images
-            if image is not None:  # the vision tower's rows at the image pads
-                where = image.positions.to(embeds.device)
-                embeds[u, at + where] = image.features().to(embeds.device, embeds.dtype)
+            if image is not None:  # the vision tower's rows at the pads this pass computes
+                keep = _images_at(image, cached[u])
+                if keep is not None:
+                    where = image.positions[keep].to(embeds.device)
+                    rows = image.features()[keep]
+                    embeds[u, at + where] = rows.to(embeds.device, embeds.dtype)
         return embeds
 
     def _deepstack(
-        self, width: int, owners: list[_Seq], contexts: list[list[int]]
+        self, width: int, owners: list[_Seq], contexts: list[list[int]], cached: list[int]
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """Qwen3-VL's deepstack for a pass over ``contexts`` (left-padded to ``width``): where
-        its image pads are ``[rows, width]`` and, for each of the first text layers, the rows
-        it adds there in that order (``images.ImagePrompt.deep``); None where no prompt of
-        the pass has them (run after ``_pass_embeds``, which runs the tower)."""
-        found = [(u, seq.inp.images) for u, seq in enumerate(owners) if seq.inp.images is not None]
-        if not found or found[0][1].deep is None:
+        """Qwen3-VL's deepstack for a pass over ``contexts`` (left-padded to ``width``, each
+        after its ``cached`` prefix): where the image pads it computes are ``[rows, width]``
+        and, for each of the first text layers, the rows it adds there in that order
+        (``images.ImagePrompt.deep``); None where the pass computes none (run after
+        ``_pass_embeds``, which runs the tower)."""
+        found = []
+        for u, seq in enumerate(owners):
+            image = seq.inp.images
+            keep = None if image is None else _images_at(image, cached[u])
+            if keep is not None and image.deep is not None:
+                found.append((u, image, keep))
+        if not found:
             return None
         where = torch.zeros(len(owners), width, dtype=torch.bool)
-        for u, image in found:
-            where[u, width - len(contexts[u]) + image.positions] = True
+        for u, image, keep in found:
+            where[u, width - len(contexts[u]) + image.positions[keep]] = True
         depth = len(found[0][1].deep)
-        layers = [torch.cat([image.deep[i] for _, image in found]) for i in range(depth)]
+        layers = [
+            torch.cat([image.deep[i][keep] for _, image, keep in found]) for i in range(depth)
+        ]
         return where.to(self.device), layers
 
     def _rotary(self, positions: torch.Tensor, owners: list[_Seq]) -> torch.Tensor:
@@ -2507,7 +2541,7 @@ class Scheduler:
                 if sessions.current(name) == generation:  # not closed since it was queued
                     session = name
             self._prefix.insert(
-                tokens, kv_of, seq.stamp or self._stamp(), seq.inp.cache_namespace, session=session
+                tokens, kv_of, seq.stamp or self._stamp(), _namespace(seq), session=session
             )
 
     def _finish(

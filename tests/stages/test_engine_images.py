@@ -16,6 +16,7 @@ from typing import Any
 
 import openai
 import pytest
+import requests
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -27,10 +28,12 @@ from tests.stages.engine_setup import run_with_retraction
 from tests.stages.test_engine_server import GREEDY, Engine, serving
 from tests.stages.tiny_model import make_tiny_model
 from tests.stages.tiny_vlm import (
+    IMAGE_PAD_ID,
     IMAGE_TOKEN,
     data_uri,
     hf_greedy,
     hf_prompt_ids,
+    hf_prompt_logprobs,
     image_png,
     make_qwen_vl,
 )
@@ -241,7 +244,8 @@ def test_images_in_one_batch_with_text_and_a_retraction(model_dir: Path) -> None
         for future, expected in zip(futures, want, strict=True):
             result = future.result(timeout=0)
             _same((result.output_ids, result.output_token_logprobs), expected)
-            assert result.cached_tokens == 0 or future is futures[1]
+            if future is futures[0]:  # a retraction finds its prompt's KV in the cache
+                assert (result.cached_tokens > 0) == retract
 
 
 @pytest.mark.timeout(120)
@@ -381,3 +385,47 @@ def test_an_image_found_unreadable_before_its_request_is_queued_is_refused(
     scheduler.run_until_idle()
     result = plain.result(timeout=0)
     _same((result.output_ids, result.output_token_logprobs), hf_greedy(model_dir, PLAIN, [], STEPS))
+
+
+@pytest.mark.timeout(120)
+def test_image_prompts_share_the_prefix_cache_by_their_images(
+    engine: Engine, model_dir: Path
+) -> None:
+    """An image prompt's KV goes to the prefix cache under its images' content (SGLang's
+    radix cache keys an image's pads by its hash): the same prompt again reuses all but its
+    last token, another image none of it, the next turn of a conversation with the same image
+    its whole first turn; and a scoring request whose cached prefix ends inside the image
+    (its ``logprob_start_len`` there) computes the rest of the pads alone, its log-probs
+    transformers' (Qwen3-VL's deepstack too)."""
+    ids = AutoTokenizer.from_pretrained(model_dir)
+    assert requests.post(engine.url + "/flush_cache", timeout=30).status_code == 200
+    uri = data_uri(WIDE)
+    want = hf_greedy(model_dir, ONE, [WIDE], STEPS)
+    first = engine.generate(_body(ONE, uri))
+    again = engine.generate(_body(ONE, uri))
+    prompt = first["meta_info"]["prompt_tokens"]
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert again["meta_info"]["cached_tokens"] == prompt - 1
+    _same(_answer(again), want)
+    other = engine.generate(_body(ONE, data_uri(SQUARE)))
+    assert other["meta_info"]["cached_tokens"] == 0
+    _same(_answer(other), hf_greedy(model_dir, ONE, [SQUARE], STEPS))
+    # the next turn: the first turn's text and answer, then more
+    turn = ONE + ids.decode(first["output_ids"]) + "<|im_end|>\n<|im_start|>user\nand?"
+    followed = engine.generate(_body(turn, uri))
+    assert followed["meta_info"]["cached_tokens"] >= prompt
+    _same(_answer(followed), hf_greedy(model_dir, turn, [WIDE], STEPS))
+    # scored from inside the image: a cached prefix that ends at one of its pads
+    expanded = hf_prompt_ids(model_dir, turn, [WIDE])
+    pads = [i for i, t in enumerate(expanded) if t == IMAGE_PAD_ID]
+    start = pads[len(pads) // 2]
+    scored = engine.generate(
+        {"text": turn, "image_data": uri, "sampling_params": {"max_new_tokens": 0},
+         "return_logprob": True, "logprob_start_len": start}
+    )  # fmt: skip
+    meta = scored["meta_info"]
+    assert 0 < meta["cached_tokens"] <= start
+    logprobs = [lp for lp, _, _ in meta["input_token_logprobs"]]
+    reference = hf_prompt_logprobs(model_dir, turn, [WIDE])
+    assert logprobs[0] is None and len(logprobs) == len(expanded) - start
+    assert max(abs(a - b) for a, b in zip(logprobs[1:], reference[start:], strict=True)) < TOLERANCE

@@ -51,6 +51,7 @@ __all__ = [
     "data_uri",
     "hf_greedy",
     "hf_prompt_ids",
+    "hf_prompt_logprobs",
     "image_png",
     "image_tokens",
     "load_processor",
@@ -260,6 +261,18 @@ def hf_prompt_ids(path: Path, text: str, images: list[bytes]) -> list[int]:
     """The processor's ``input_ids`` for ``text`` (one ``IMAGE_TOKEN`` per image), each
     image's ``<|image_pad|>`` expanded to its grid."""
     return _inputs(_processor(Path(path)), text, images)["input_ids"][0].tolist()
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(path: Path, text: str, images: list[bytes]) -> list[float]:
+    """Transformers' log-probability of each prompt token after the first given those before
+    it (one forward of the whole prompt with its images), in prompt order."""
+    model = _model(Path(path))
+    inputs = _inputs(_processor(Path(path)), text, images)
+    model.model.rope_deltas = None
+    logits = model(**inputs).logits[0, :-1].float()
+    ids = inputs["input_ids"][0, 1:]
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0].tolist()
 
 
 @torch.no_grad()
