@@ -11,7 +11,8 @@ random 224x224 JPEG each (64 image tokens after the 2x2 merge). Each side answer
 greedily with ``--new`` tokens (no end of text):
 
 - ``engine``: ``inflight engine --model M`` (a real server process), the prompts sent at once
-  as ``/generate`` requests with their images as ``data:`` URIs;
+  as ``/generate`` requests with their images as ``data:`` URIs, its prefix cache flushed
+  first (each round the same prompts: cached, they would skip the vision tower and prefill);
 - ``hf``: in this process, the processor's batch (left padded) through ``model.generate``.
 
 Each round runs both (order reversed every other round). Reported: prompts/s per side and the
@@ -75,6 +76,8 @@ def _prompts(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
 async def _engine(url: str, prompts: list[tuple[str, bytes]], new: int) -> list[list[int]]:
     params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/flush_cache") as answer:  # every round uncached
+            assert answer.status == 200, await answer.text()
 
         async def one(text: str, image: bytes) -> list[int]:
             uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()

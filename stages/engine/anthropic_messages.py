@@ -102,6 +102,7 @@ def messages_request(
             # a chat encoding of SGLang's renders reasoning history itself
             # (chat_encoding.spec_owns_reasoning_history)
             native=settings.encoding is not None,
+            vision=settings.vision,
         ),
         "max_tokens": 1 if counting else body["max_tokens"],
         "stream": bool(body.get("stream")) and not counting,
@@ -311,12 +312,17 @@ def _check_content(content: Any, where: str) -> None:
 
 
 def _messages(
-    body: dict[str, Any], history: ThinkFormat | None = None, *, native: bool = False
+    body: dict[str, Any],
+    history: ThinkFormat | None = None,
+    *,
+    native: bool = False,
+    vision: bool = False,
 ) -> list[dict[str, Any]]:
     """The chat messages (``_convert_to_chat_completion_request``): one system message first
     (``system`` and the ``system`` messages, merged), then each message's (``history``: the
     reasoning parser's format, whose tags wrap an assistant's thinking; None: none; ``native``:
-    the thinking goes as the message's ``reasoning_content`` instead)."""
+    the thinking goes as the message's ``reasoning_content`` instead; ``vision``: a vision
+    model's engine, whose image blocks go as ``image_url`` parts, else refused)."""
     system: list[str] = []
     raw = body.get("system")
     if isinstance(raw, str):
@@ -335,7 +341,7 @@ def _messages(
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
-        out += _blocks(role, content, history, native)
+        out += _blocks(role, content, history, native, vision)
     return ([{"role": "system", "content": "\n".join(system)}] if system else []) + out
 
 
@@ -347,7 +353,11 @@ def _system_text(content: Any) -> str | None:
 
 
 def _blocks(
-    role: str, content: list[dict[str, Any]], history: ThinkFormat | None, native: bool
+    role: str,
+    content: list[dict[str, Any]],
+    history: ThinkFormat | None,
+    native: bool,
+    vision: bool = False,
 ) -> list[dict[str, Any]]:
     """One message's blocks as chat messages: a user's tool results as ``tool`` messages
     between the text before and after them, an assistant's thinking first, in ``history``'s
@@ -374,10 +384,15 @@ def _blocks(
         if kind == "text":
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image" and block.get("source"):
-            raise OpenAIError(
-                "Model only supports text input; received unsupported content type 'image_url'.",
-                "messages",
-            )
+            if not vision:
+                raise OpenAIError(
+                    "Model only supports text input; received unsupported content type "
+                    "'image_url'.",
+                    "messages",
+                )
+            part = _image_part(block["source"])
+            if part is not None:
+                parts.append(part)
         elif kind == "tool_use":
             arguments = json.dumps(block.get("input") or {})
             calls.append({
@@ -410,6 +425,24 @@ def _blocks(
     return out
 
 
+def _image_part(source: Any) -> dict[str, Any] | None:
+    """An image block's ``source`` as a chat ``image_url`` part (``_convert_anthropic_image_
+    source_to_openai_part``: base64 data as a ``data:`` URI of its media type, PNG by default,
+    or its ``url``); None for one without data or URL."""
+    if not isinstance(source, dict):
+        return None
+    if source.get("type") == "base64":
+        data = source.get("data", "")
+        media = source.get("media_type", "image/png")
+        return (
+            {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+            if data
+            else None
+        )
+    url = source.get("url")
+    return {"type": "image_url", "image_url": {"url": url}} if url else None
+
+
 def _tool_result(content: Any) -> Any:
     """A tool result's content: its text, or its text blocks as parts (``_convert_tool_result_
     content``, for text)."""
@@ -424,7 +457,7 @@ def _tool_result(content: Any) -> Any:
 
 def _joined(parts: list[dict[str, Any]]) -> Any:
     """One text part as a string, else the list (``_emit_user_message``)."""
-    return parts[0]["text"] if len(parts) == 1 else parts
+    return parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
 
 
 def _thinking(raw: Any, settings: ChatSettings, chat_body: dict[str, Any]) -> None:

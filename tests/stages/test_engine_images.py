@@ -170,6 +170,20 @@ def test_chat_image_parts_go_to_the_model(engine: Engine, model_dir: Path) -> No
         max_output_tokens=STEPS + 2, temperature=0,  # (SGLang keeps 2 tokens back)
     )  # fmt: skip
     assert response.output_text and response.output_text == plain.choices[0].message.content
+    # Anthropic's /v1/messages: image blocks as image_url parts (base64 source)
+    blocks = [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": p["image_url"]["url"].split(",", 1)[1]}}
+        if p["type"] == "image_url"
+        else p
+        for p in content
+    ]  # fmt: skip
+    status, message = engine.request("POST", "/v1/messages", {
+        "model": "default", "max_tokens": STEPS, "temperature": 0,
+        "messages": [{"role": "user", "content": blocks}],
+    })  # fmt: skip
+    assert status == 200, message
+    assert message["content"][0]["text"] == plain.choices[0].message.content
     two = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": content}], max_tokens=STEPS,
         temperature=0, n=2, extra_body={"ignore_eos": True},
