@@ -216,7 +216,13 @@ class Vision:
 
         self.model = model
         self.tokenizer = tokenizer
-        self.pixels = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        try:
+            self.pixels = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"{path} is a vision model ({model.config.model_type}) without an image "
+                f"processor the engine can load (preprocessor_config.json): {exc}"
+            ) from None
         config = model.config
         self.image_id = int(config.image_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
