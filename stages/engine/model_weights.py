@@ -71,7 +71,7 @@ def load_named_tensors(
     """Copy each tensor into the model's parameter of that name (merge each adapter into its
     module's weight); returns how many tensors were taken."""
     targets = model.state_dict(keep_vars=True)
-    if is_vision_model(model.config):  # names as its original checkpoints have them, too
+    if is_vision_model(getattr(model, "config", None)):  # the original checkpoints' names too
         named_tensors = [(model_name(name), tensor) for name, tensor in named_tensors]
     state = _state(model)
     problems = []
@@ -174,7 +174,7 @@ def update_names(model: torch.nn.Module) -> set[str]:
     """The tensor names a weight update may give ``model``'s tensors: its own, and a vision
     model's as its original checkpoints name them (``images.checkpoint_name``)."""
     names = set(model.state_dict())
-    if is_vision_model(model.config):
+    if is_vision_model(getattr(model, "config", None)):
         names |= {checkpoint_name(name) for name in names}
     return names
 
@@ -182,7 +182,7 @@ def update_names(model: torch.nn.Module) -> set[str]:
 def parameter_rows(model: torch.nn.Module, name: str, rows: int) -> torch.Tensor | None:
     """Parameter ``name``'s first ``rows`` rows (a Python slice), copied to the CPU in
     float32; None when ``model`` has no parameter of that name (or it is a scalar)."""
-    if is_vision_model(model.config):
+    if is_vision_model(getattr(model, "config", None)):
         name = model_name(name)
     # remove_duplicate=False: a tied lm_head.weight is found as embed_tokens.weight
     found = dict(model.named_parameters(remove_duplicate=False)).get(name)

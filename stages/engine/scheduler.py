@@ -610,7 +610,7 @@ class Scheduler:
         # forward passes without transformers' module machinery where the model allows it
         self._fast, why = LlamaForward.build(model) if fast_forward else (None, "turned off")
         # a vision-language model (images.is_vision_model): its multimodal rotary positions
-        self._vision = is_vision_model(model.config)
+        self._vision = is_vision_model(getattr(model, "config", None))
         if self._vision and self._fast is not None:
             self._fast, why = None, "a vision model's rotary positions (transformers' passes)"
         # --enable-return-routed-experts: the experts each pass routed its tokens to, kept for
@@ -2038,10 +2038,11 @@ class Scheduler:
     def _decode_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """A decode step's position ids ``[rows, 1]``, each row whose prompt has images
         moved on by its rotary delta (the same on the three axes)."""
+        rows = positions.shape[0]
         deltas = [
             (seq.slot, seq.inp.images.delta)
             for seq in self._running
-            if seq.inp.images is not None and seq.inp.images.delta
+            if seq.inp.images is not None and seq.inp.images.delta and 0 <= seq.slot < rows
         ]
         if not deltas:
             return positions
