@@ -57,6 +57,7 @@ from typing import Any
 
 from stages.engine import custom_logits
 from stages.engine.flat_logprobs import FlatTops, flat_fields, flat_request
+from stages.engine.images import image_lists
 from stages.engine.incremental_text import IncrementalText, output_text
 from stages.engine.prompt_embeds import (
     PositionalEmbeds,
@@ -561,8 +562,6 @@ def _with_images(
 ) -> list[Any]:
     """Each prompt's images (``images.ImagePrompt``, None: none), its ids in ``prompts``
     replaced by those with its images' pads (``images.Vision.prompt``)."""
-    from stages.engine.images import image_lists
-
     texts = body.get("text")
     if texts is not None and not isinstance(texts, list):
         texts = [texts]
