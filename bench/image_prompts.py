@@ -2,12 +2,14 @@
 transformers' own batched ``generate`` of the model with its processor, as a VLM trainer's
 rollout does in process.
 
-Run: ``python bench/image_prompts.py [--prompts 32] [--new 32] [--rounds 3] [--threads 2]``
+Run: ``python bench/image_prompts.py [--prompts 32] [--new 32] [--rounds 3] [--threads 2]
+[--system 0]``
 
 Makes a random ``Qwen2_5_VLForConditionalGeneration`` (text: hidden 256, 4 layers, 8 heads, 2 KV
 heads; vision: 4 blocks of hidden 128; about 6M parameters) with the tests' byte tokenizer
 (``tests/stages/tiny_vlm.py``), and ``--prompts`` chat prompts of a random sentence and one
-random 224x224 JPEG each (64 image tokens after the 2x2 merge). Each side answers all of them
+random 224x224 JPEG each (64 image tokens after the 2x2 merge), after a system message of
+``--system`` tokens that they all share (none by default). Each side answers all of them
 greedily with ``--new`` tokens (no end of text):
 
 - ``engine``: ``inflight engine --model M`` (a real server process), the prompts sent at once
@@ -62,13 +64,15 @@ def _jpeg(rng: random.Random, side: int) -> bytes:
     return out.getvalue()
 
 
-def _prompts(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
+def _prompts(n: int, system: int, seed: int = 0) -> list[tuple[str, bytes]]:
     rng = random.Random(seed)
+    # the byte tokenizer's: a token a character
+    head = f"<|im_start|>system\n{('be brief. ' * system)[:system]}<|im_end|>\n" if system else ""
     out = []
     for _ in range(n):
         words = " ".join(rng.choice(["look", "at", "this", "what", "is", "it", "the", "red"])
                          for _ in range(rng.randint(4, 12)))  # fmt: skip
-        text = f"<|im_start|>user\n{words} {IMAGE_TOKEN}<|im_end|>\n<|im_start|>assistant\n"
+        text = f"{head}<|im_start|>user\n{words} {IMAGE_TOKEN}<|im_end|>\n<|im_start|>assistant\n"
         out.append((text, _jpeg(rng, 224)))
     return out
 
@@ -132,9 +136,10 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--system", type=int, default=0, help="a shared system message's tokens")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    prompts = _prompts(args.prompts)
+    prompts = _prompts(args.prompts, args.system)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_qwen_vl(Path(tmp) / "vl", text=TEXT, vision=VISION, max_pixels=448 * 448)
         from transformers import AutoModelForImageTextToText
@@ -176,6 +181,7 @@ def main() -> None:
                 "parameters": params,
                 "prompts": args.prompts,
                 "new_tokens": args.new,
+                "system_tokens": args.system,
                 "threads": args.threads,
                 "prompts_per_s": {k: spread(v) for k, v in rates.items()},
                 "cpu_s_per_prompt": {k: spread(v) for k, v in cpu.items()},

@@ -2,7 +2,8 @@
 and MoE) models.
 
 A request's images come as SGLang 0.5.23 takes them (``utils/common.py`` ``load_image``,
-``get_image_bytes``): an ``http(s)://`` URL (fetched, ``REQUEST_TIMEOUT`` seconds, 3 by default),
+``get_image_bytes``): an ``http(s)://`` URL (fetched, ``REQUEST_TIMEOUT`` seconds, 3 by default,
+on worker threads while the request waits: ``remote_images``),
 a ``file://`` URL or a path (a name ending in an image extension, or starting with ``/``), a
 ``data:`` URI, or bare base64; or ``{"url": ...}`` (``ImageData``, what the chat route hands
 over). Each is decoded with PIL and made RGB.
@@ -21,20 +22,26 @@ scheduler's thread at the prompt's first pass, so that they come from the weight
 and its multimodal rotary positions (``mrope``, as ``_compute_image_only_mrope_positions_from_
 offsets`` builds them: text 1D, an image's pads ``(t, h, w)`` after the text before it, the
 text after from the image's largest position plus one). A position past the prompt is its
-index plus ``delta`` on all three axes (``mrope_position_delta``). Its ``key`` (a digest of
-its images' bytes) names the prefix-cache namespace its KV is kept in.
+index plus ``delta`` on all three axes (``mrope_position_delta``). The prefix cache keys its
+pads by their image's content (a digest of its bytes: ``ImagePrompt.keyed``), as SGLang's radix
+cache keys them by the image's hash.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
+import http.client
 import io
 import os
 import re
 import urllib.request
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +61,7 @@ __all__ = [
     "is_vision_model",
     "model_name",
     "open_image",
+    "remote_images",
 ]
 
 # the model types whose images this engine reads (SGLang's QwenVLImageProcessor serves more)
@@ -62,6 +70,10 @@ IMAGE_TOKEN = "<|vision_start|><|image_pad|><|vision_end|>"
 # an image's token in a prompt, expanded or not, or SGLang's legacy sentinel
 _IMAGE_SPAN = re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>|<image>")
 _EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif")  # SGLang's image_extension_names
+# the http(s) images of the request being read, fetched beforehand (``remote_images``): a URL's
+# bytes, or what its fetch raised
+_FETCHED: ContextVar[dict[str, bytes | Exception] | None] = ContextVar("fetched", default=None)
+_NOTHING_REMOTE = contextlib.nullcontext()
 
 
 def is_vision_model(config: Any) -> bool:
@@ -98,10 +110,10 @@ def checkpoint_name(name: str) -> str:
 class ImagePrompt:
     """A prompt's images as the scheduler runs them (see the module's docstring)."""
 
-    # the processor's pixel values [patches, channels x patch volume] and the images' content
-    # key (a digest of their bytes), as a worker makes them (RequestError naming the image
-    # if it cannot)
-    pixels: Future[tuple[torch.Tensor, str]]
+    # the processor's pixel values [patches, channels x patch volume] and each image's content
+    # (a digest of its bytes), as a worker makes them (RequestError naming the image if it
+    # cannot)
+    pixels: Future[tuple[torch.Tensor, list[bytes]]]
     grid_thw: torch.Tensor  # [images, 3]: each image's patch grid
     positions: torch.Tensor  # long [pads]: the prompt positions of its image pads, in order
     mrope: torch.Tensor  # long [3, prompt tokens]
@@ -110,16 +122,39 @@ class ImagePrompt:
     # Qwen3-VL's deepstack: the rows its first text layers add at the pads, one a layer
     deep: list[torch.Tensor] | None = None
     reader: Vision | None = None  # what runs the vision tower (``Vision.features``)
+    merge_area: int = 4  # merged patches a pad (the spatial merge size squared)
+    _pad_keys: list[int] | None = None  # each pad's prefix-cache key (``keyed``), once made
 
     @property
     def pixel_values(self) -> torch.Tensor:
         return self.pixels.result()[0]
 
     @property
-    def key(self) -> str:
-        """Its images' content, in order (a digest of their bytes): the prefix-cache namespace
-        of its KV (only prompts with the same images share a prefix)."""
-        return self.pixels.result()[1]
+    def key(self) -> tuple[bytes, ...]:
+        """Its images' content, in order (a digest of each one's bytes): two prompts with the
+        same ids are the same prompt only with the same key."""
+        return tuple(self.pixels.result()[1])
+
+    def keyed(self, tokens: list[int]) -> list[int]:
+        """``tokens`` (the prompt's ids and any after them) as the prefix cache keys them:
+        each image's pads replaced by a value of its content (negative: no token's id), as
+        SGLang's radix cache keys them by the image's hash (``pad_value``). Text before an
+        image is shared with prompts whose image there differs; what follows an image only
+        with prompts that have the same image there (its KV depends on the image's rows and
+        its grid's positions)."""
+        if self._pad_keys is None:
+            grid = self.grid_thw.prod(-1) // self.merge_area
+            self._pad_keys = [
+                -1 - int.from_bytes(digest[:8], "little") // 2
+                for digest, count in zip(self.pixels.result()[1], grid.tolist(), strict=True)
+                for _ in range(count)
+            ]
+        out = list(tokens)
+        for at, value in zip(self.positions.tolist(), self._pad_keys, strict=True):
+            if at >= len(out):
+                break
+            out[at] = value
+        return out
 
     def features(self) -> torch.Tensor:
         """The rows ``[pads, hidden]`` in place of its pads (the vision tower's, run once)."""
@@ -188,12 +223,61 @@ def decoded(image: Any, where: str) -> Any:
     return image.convert("RGB")
 
 
-def _image_bytes(item: str) -> bytes:
-    """The bytes of an image's URL, path, data URI or base64 text (``get_image_bytes``)."""
-    if item.startswith(("http://", "https://")):
-        timeout = int(os.getenv("REQUEST_TIMEOUT", "3"))
-        with urllib.request.urlopen(item, timeout=timeout) as answer:
+def remote_images(vision: Vision | None, body: Any) -> contextlib.AbstractAsyncContextManager[Any]:
+    """A scope in which the ``http(s)`` images of ``body`` (a native ``/generate`` body, on a
+    vision model's engine) are read from what was fetched on entering it, on worker threads
+    while the request's task waited (SGLang's processor workers fetch them off its loop);
+    without such images (and on a text model's engine) an empty scope."""
+    if vision is None or type(body) is not dict or not body.get("image_data"):
+        return _NOTHING_REMOTE
+    urls = dict.fromkeys(_remote(body["image_data"]))
+    return _fetched(list(urls)) if urls else _NOTHING_REMOTE
+
+
+@contextlib.asynccontextmanager
+async def _fetched(urls: list[str]) -> AsyncIterator[None]:
+    got = await asyncio.gather(
+        *(asyncio.to_thread(_fetch, url) for url in urls), return_exceptions=True
+    )
+    token = _FETCHED.set(dict(zip(urls, got, strict=True)))
+    try:
+        yield
+    finally:
+        _FETCHED.reset(token)
+
+
+def _remote(value: Any) -> Iterator[str]:
+    """The ``http(s)`` URLs in an ``image_data`` value (items, ``{url}``, lists of them)."""
+    if isinstance(value, list):
+        for entry in value:
+            yield from _remote(entry)
+    else:
+        if isinstance(value, dict):
+            value = value.get("url")
+        if isinstance(value, str) and value.startswith(("http://", "https://")):
+            yield value
+
+
+def _fetch(url: str) -> bytes:
+    """An ``http(s)`` image's bytes (``REQUEST_TIMEOUT`` seconds, 3 by default: SGLang's);
+    what fails, as an OSError or ValueError."""
+    timeout = int(os.getenv("REQUEST_TIMEOUT", "3"))
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
             return answer.read()
+    except http.client.HTTPException as exc:  # (a connection that broke off mid-answer)
+        raise OSError(f"{type(exc).__name__}: {exc}") from None
+
+
+def _image_bytes(item: str) -> bytes:
+    """The bytes of an image's URL, path, data URI or base64 text (``get_image_bytes``); an
+    ``http(s)`` URL's as ``remote_images`` fetched them (fetched here outside its scope)."""
+    if item.startswith(("http://", "https://")):
+        fetched = _FETCHED.get()
+        got = _fetch(item) if fetched is None or item not in fetched else fetched[item]
+        if isinstance(got, Exception):
+            raise got
+        return got
     if item.startswith("file://"):
         return Path(unquote(urlparse(item).path)).read_bytes()
     if item.startswith("/") or item.lower().endswith(_EXTENSIONS):
@@ -271,7 +355,7 @@ class Vision:
         pads = (prompt == self.image_id).nonzero().flatten()
         mrope, delta = self._rope(prompt, grid, pads)
         pixels = self._workers.submit(self._pixel_values, opened, grid, where)
-        image = ImagePrompt(pixels, grid, pads, mrope, delta, reader=self)
+        image = ImagePrompt(pixels, grid, pads, mrope, delta, reader=self, merge_area=self.merge**2)
         return prompt.tolist(), image
 
     def _grid(self, image: Any) -> tuple[int, int, int]:
@@ -295,9 +379,9 @@ class Vision:
 
     def _pixel_values(
         self, images: list[tuple[Any, bytes]], grid: torch.Tensor, where: str
-    ) -> tuple[torch.Tensor, str]:
+    ) -> tuple[torch.Tensor, list[bytes]]:
         """(a worker) The processor's pixel values of ``images`` (opened, with their bytes),
-        whose grids must be ``grid``, and a digest of their bytes."""
+        whose grids must be ``grid``, and a digest of each one's bytes."""
         loaded = [decoded(image, f"{where}[{j}]") for j, (image, _) in enumerate(images)]
         out = self.pixels(images=loaded, return_tensors="pt")
         made = out["image_grid_thw"].long()
@@ -305,11 +389,8 @@ class Vision:
             raise RequestError(
                 where, f"the processor made grids {made.tolist()}, not {grid.tolist()}"
             )
-        digest = hashlib.blake2b(digest_size=16)
-        for _, data in images:
-            digest.update(len(data).to_bytes(8, "little"))
-            digest.update(data)
-        return out["pixel_values"], digest.hexdigest()
+        digests = [hashlib.blake2b(data, digest_size=16).digest() for _, data in images]
+        return out["pixel_values"], digests
 
     def _rope(
         self, prompt: torch.Tensor, grid: torch.Tensor, pads: torch.Tensor

@@ -42,6 +42,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -855,8 +856,12 @@ class OpenAIRoutes:
         prefix_cache: bool = True,
         embed_width: int | None = None,
         mis: bool = False,
+        images: Callable[[Any], AbstractAsyncContextManager[Any]] | None = None,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
+        # a native body's http(s) images fetched off the loop for a stream to read as it is
+        # checked (``images.remote_images``; ``generate`` fetches its own)
+        self.images = images
         # /v1/score's: whether the prefix cache is on (its setwise readout wants it off), and
         # the model's embedding width (what its embedding overrides' rows hold)
         self.prefix_cache, self.embed_width = prefix_cache, embed_width
@@ -1047,7 +1052,10 @@ class OpenAIRoutes:
                 progress = route != "completions" or not options["echo"]
                 if progress and self.progress_stream:  # an echo's first chunk needs the native
                     source = self.progress_stream
-                return Reply(200, chunks=stream(source(native), options))
+                if self.images is None:
+                    return Reply(200, chunks=stream(source(native), options))
+                async with self.images(native):  # (checked and queued at once)
+                    return Reply(200, chunks=stream(source(native), options))
             if client is not None and self.watched is not None:
                 rendered = await self.watched(native, client)
             else:

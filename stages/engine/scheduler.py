@@ -200,8 +200,8 @@ def _embedded(seq: Any) -> int | None:
     """The id of the embeddings ``seq``'s prompt runs with (its ``input_embeds``, or the
     embedding overrides of ``/v1/score``) or of its own position ids (``/v1/score`` under
     ``--enable-mis``), None for a prompt of plain ids at 0, 1, 2... (or with images, whose
-    content its namespace names: ``_namespace``): two such prompts are the same prompt only
-    when they are the same request's."""
+    pads the cache keys by their content: ``_keyed``): two such prompts are the same prompt
+    only when they are the same request's."""
     inp = seq.inp
     if inp.input_embeds is not None:
         return id(inp.input_embeds)
@@ -229,13 +229,19 @@ def _unready_images(seqs: list[Any]) -> list[Any]:
     return list(found.values())
 
 
-def _namespace(seq: Any) -> Any:
-    """The prefix-cache namespace of ``seq``'s KV: its request's (``cache_namespace``), and
-    for a prompt with images their content's (``images.ImagePrompt.key``), so that only
-    prompts with the same images, in the same order, share a prefix, as SGLang's radix cache
-    keys an image's pads by its hash."""
+def _same_as(seq: Any) -> Any:
+    """What two requests with the same ids must also share to be the same prompt (computed
+    once): their prefix-cache namespace (``cache_namespace``) and their images' content
+    (``images.ImagePrompt.key``)."""
     image = seq.inp.images
     return seq.inp.cache_namespace if image is None else (seq.inp.cache_namespace, image.key)
+
+
+def _keyed(seq: Any, tokens: list[int]) -> list[int]:
+    """``tokens`` (``seq``'s prompt and any after it) as the prefix cache keys them: a prompt
+    with images has its pads keyed by their image's content (``images.ImagePrompt.keyed``)."""
+    image = seq.inp.images
+    return tokens if image is None else image.keyed(tokens)
 
 
 def _own_kv(seq: Any) -> bool:
@@ -1558,14 +1564,17 @@ class Scheduler:
                 seq.inp.lora,
                 seq.inp.token_ids_logprob,
                 _next_wanted(seq),
-                _namespace(seq),
+                _same_as(seq),
                 _embedded(seq),
             )
             unique.setdefault(key, []).append(seq)
         first, later = _in_batch_waves(
             list(unique),
             lambda k: (
-                (k[6], k[0][:IN_BATCH_PREFIX])
+                (
+                    unique[k][0].inp.cache_namespace,
+                    tuple(_keyed(unique[k][0], list(k[0][:IN_BATCH_PREFIX]))),
+                )
                 if _reuse_limit(k[0], k[1]) >= IN_BATCH_PREFIX and k[7] is None
                 else None
             ),
@@ -1585,7 +1594,9 @@ class Scheduler:
         if limit <= 0:
             return Match()
         stamp = self._stamp()
-        return self._prefix.match(list(key[0]), limit, stamp, key[6], live_only=True, record=record)
+        tokens = _keyed(seq, list(key[0]))
+        space = seq.inp.cache_namespace
+        return self._prefix.match(tokens, limit, stamp, space, live_only=True, record=record)
 
     def _score_wave(
         self, wave: list[tuple[_ScoreKey, Match | None]], unique: dict[_ScoreKey, list[_Seq]]
@@ -1630,7 +1641,7 @@ class Scheduler:
             )
             width = ids.shape[1]
             for row, (key, match) in enumerate(zip(keys, matches, strict=True)):
-                tokens, start, top, _, wanted, after, namespace, _ = key
+                tokens, start, top, _, wanted, after, _, _ = key
                 new = len(tokens) - match.length
                 # every position's routed experts (the cached prefix's, then this pass's)
                 rows = (
@@ -1665,8 +1676,16 @@ class Scheduler:
                         if seq.picked is not None and next_picked is not None:
                             seq.picked.append(next_picked)
                 if kept[row] is not None:
+                    owner = unique[key][0]
                     self._keep_scored(
-                        kv, row, list(tokens), match.length, width, namespace, live, rows
+                        kv,
+                        row,
+                        _keyed(owner, list(tokens)),
+                        match.length,
+                        width,
+                        owner.inp.cache_namespace,
+                        live,
+                        rows,
                     )
             del kv, hidden, past
 
@@ -1716,7 +1735,7 @@ class Scheduler:
         for seq in group:
             ctx = seq.context
             # a namespace shares none; a prompt as embeddings only its own samples
-            key = (seq.adapter, _namespace(seq), tuple(ctx), _embedded(seq))
+            key = (seq.adapter, _same_as(seq), tuple(ctx), _embedded(seq))
             idx = unique.get(key)
             if idx is None:
                 idx = unique[key] = len(contexts)
@@ -1730,12 +1749,13 @@ class Scheduler:
             ctx, owner = contexts[u], owners[u]
             if self._prefix is None or _own_kv(owner) or len(ctx) <= IN_BATCH_PREFIX:
                 return None
-            return _namespace(owner), tuple(ctx[:IN_BATCH_PREFIX])
+            return owner.inp.cache_namespace, tuple(_keyed(owner, ctx[:IN_BATCH_PREFIX]))
 
         def lookup(u: int, record: bool) -> Match:
             if _own_kv(owners[u]):  # a base prefix is no prefix of an adapter's row
                 return Match()
-            return self._lookup(contexts[u], _namespace(owners[u]), record)
+            owner = owners[u]
+            return self._lookup(_keyed(owner, contexts[u]), owner.inp.cache_namespace, record)
 
         first, later = _in_batch_waves(list(range(len(contexts))), opening, lookup)
         began = time.perf_counter()
@@ -1895,7 +1915,8 @@ class Scheduler:
                 return self._row_pieces(seq, slot, at, a, b)
 
             stamp = seq.stamp or self._stamp()
-            self._prefix.insert(contexts[u], kv_of, stamp, _namespace(seq), served=False)
+            tokens = _keyed(seq, contexts[u])
+            self._prefix.insert(tokens, kv_of, stamp, seq.inp.cache_namespace, served=False)
 
     def _forward_prefill(
         self,
@@ -2542,7 +2563,11 @@ class Scheduler:
                 if sessions.current(name) == generation:  # not closed since it was queued
                     session = name
             self._prefix.insert(
-                tokens, kv_of, seq.stamp or self._stamp(), _namespace(seq), session=session
+                _keyed(seq, tokens),
+                kv_of,
+                seq.stamp or self._stamp(),
+                seq.inp.cache_namespace,
+                session=session,
             )
 
     def _finish(

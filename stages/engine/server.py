@@ -88,6 +88,7 @@ from stages.engine.feature_off_routes import FeatureOffRoutes
 from stages.engine.grammar import GrammarSet
 from stages.engine.harmony import kept_stop_ids
 from stages.engine.identity import ENGINE_ID_ENV, ENGINE_ID_HEADER
+from stages.engine.images import remote_images
 from stages.engine.load_routes import LoadRoutes
 from stages.engine.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS, LoadedModel, load_model
 from stages.engine.logging_routes import LoggingRoutes
@@ -307,6 +308,7 @@ def build_app(
         prefix_cache=scheduler.prefix_cache_on,
         embed_width=loaded.embed_width,
         mis=mis,
+        images=lambda body: remote_images(loaded.vision, body),
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     EncodeRoutes(None, name).add_to(app)  # SGLang's refusal: not an embedding model
@@ -444,16 +446,18 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         )
         try:
             if isinstance(body, dict) and body.get("stream") is True:
-                return await write_events(
-                    request,
-                    stream_generate(
+                async with remote_images(loaded.vision, body):  # (checked and queued at once)
+                    chunks = stream_generate(
                         loaded,
                         scheduler,
                         request.app[_DECODE],
                         body,
                         tokenizer_aborts=True,
                         headers=request.headers,
-                    ),
+                    )
+                return await write_events(
+                    request,
+                    chunks,
                     dumps,
                     on_disconnect=lambda: _refused(request, 499, "the client went away mid-stream"),
                 )
@@ -559,7 +563,8 @@ async def _served(
     the answers ``render`` made of them (None: none wanted; the request log's own, plain,
     where it is active). Logged where the request log is active, aborts too, as SGLang logs
     them (before it raises)."""
-    inputs, listed = parse_body(loaded, scheduler, body)
+    async with remote_images(loaded.vision, body):
+        inputs, listed = parse_body(loaded, scheduler, body)
     requests = scheduler.request_log
     logged = entry(requests, body, (inp.rid for inp in inputs), listed, headers)
     answers = None

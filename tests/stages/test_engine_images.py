@@ -8,8 +8,10 @@ processor (``tiny_vlm.hf_greedy``): the same tokens, log-probs within 1e-4."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,6 +130,86 @@ def test_the_forms_of_an_image_and_of_image_data(
         _same(got, expected)
     for out in engine.generate(_body([ONE, ONE], uri)):  # one image for every prompt
         _same(_answer(out), want)
+
+
+SLOW_FETCH = 1.5  # seconds the image server below takes over /slow.png
+
+
+class _ImageServer(http.server.BaseHTTPRequestHandler):
+    """``/slow.png`` (WIDE, after SLOW_FETCH seconds) and ``/square.png``; else a 404."""
+
+    def do_GET(self) -> None:
+        if self.path == "/slow.png":
+            time.sleep(SLOW_FETCH)
+            data = WIDE
+        elif self.path == "/square.png":
+            data = SQUARE
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+@pytest.mark.timeout(120)
+def test_http_images_are_fetched_off_the_event_loop(
+    engine: Engine, model_dir: Path, image_server: str
+) -> None:
+    """An ``http(s)`` image is fetched on a worker thread while its request waits (SGLang's
+    processor workers fetch it): a slow image server holds up its request only, a text
+    request meanwhile is answered at once; through ``/generate``, its stream and the chat
+    route's stream alike; one that is not there is a 400 naming its entry."""
+    slow: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: slow.update(engine.generate(_body(ONE, image_server + "/slow.png")))
+    )
+    began = time.monotonic()
+    thread.start()
+    time.sleep(0.3)  # (the slow request in and waiting for its image)
+    plain = engine.generate(_body(PLAIN, None))
+    assert thread.is_alive() and time.monotonic() - began < SLOW_FETCH, "the loop waited"
+    thread.join(60)
+    _same(_answer(slow), hf_greedy(model_dir, ONE, [WIDE], STEPS))
+    _same(_answer(plain), hf_greedy(model_dir, PLAIN, [], STEPS))
+    want = hf_greedy(model_dir, ONE, [SQUARE], STEPS)
+    url = image_server + "/square.png"
+    body = {**_body(ONE, [url]), "stream": True}
+    with requests.post(engine.url + "/generate", json=body, stream=True, timeout=60) as answer:
+        events = [line for line in answer.iter_lines() if line.startswith(b"data: {")]
+    assert json.loads(events[-1][6:])["output_ids"] == want[0]
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+
+    def asked(image: str, **more: Any) -> Any:
+        parts = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "?"}]
+        return client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": parts}], max_tokens=STEPS,
+            temperature=0, extra_body={"ignore_eos": True}, **more,
+        )  # fmt: skip
+
+    streamed = "".join(c.choices[0].delta.content or "" for c in asked(url, stream=True))
+    assert streamed == asked(data_uri(SQUARE)).choices[0].message.content
+    missing = requests.post(
+        engine.url + "/generate", json=_body(ONE, image_server + "/gone.png"), timeout=30
+    )
+    assert missing.status_code == 400
+    assert "image_data" in missing.text and "404" in missing.text, missing.text
 
 
 @pytest.mark.timeout(120)
@@ -405,12 +487,13 @@ def test_an_image_found_unreadable_before_its_request_is_queued_is_refused(
 def test_image_prompts_share_the_prefix_cache_by_their_images(
     engine: Engine, model_dir: Path
 ) -> None:
-    """An image prompt's KV goes to the prefix cache under its images' content (SGLang's
-    radix cache keys an image's pads by its hash): the same prompt again reuses all but its
-    last token, another image none of it, the next turn of a conversation with the same image
-    its whole first turn; and a scoring request whose cached prefix ends inside the image
-    (its ``logprob_start_len`` there) computes the rest of the pads alone, its log-probs
-    transformers' (Qwen3-VL's deepstack too)."""
+    """An image prompt's KV goes to the prefix cache with its pads keyed by their image's
+    content, as SGLang's radix cache keys them by the image's hash (``pad_value``): the same
+    prompt again reuses all but its last token, another image only the text before it, the
+    next turn of a conversation with the same image its whole first turn; and a scoring
+    request whose cached prefix ends inside the image (its ``logprob_start_len`` there)
+    computes the rest of the pads alone, its log-probs transformers' (Qwen3-VL's deepstack
+    too)."""
     ids = AutoTokenizer.from_pretrained(model_dir)
     assert requests.post(engine.url + "/flush_cache", timeout=30).status_code == 200
     uri = data_uri(WIDE)
@@ -422,7 +505,8 @@ def test_image_prompts_share_the_prefix_cache_by_their_images(
     assert again["meta_info"]["cached_tokens"] == prompt - 1
     _same(_answer(again), want)
     other = engine.generate(_body(ONE, data_uri(SQUARE)))
-    assert other["meta_info"]["cached_tokens"] == 0
+    first_pad = hf_prompt_ids(model_dir, ONE, [SQUARE]).index(IMAGE_PAD_ID)
+    assert other["meta_info"]["cached_tokens"] == first_pad  # the text before the image
     _same(_answer(other), hf_greedy(model_dir, ONE, [SQUARE], STEPS))
     # the next turn: the first turn's text and answer, then more
     turn = ONE + ids.decode(first["output_ids"]) + "<|im_end|>\n<|im_start|>user\nand?"
@@ -443,3 +527,27 @@ def test_image_prompts_share_the_prefix_cache_by_their_images(
     reference = hf_prompt_logprobs(model_dir, turn, [WIDE])
     assert logprobs[0] is None and len(logprobs) == len(expanded) - start
     assert max(abs(a - b) for a, b in zip(logprobs[1:], reference[start:], strict=True)) < TOLERANCE
+
+
+@pytest.mark.timeout(120)
+def test_prompts_share_the_prefix_cache_up_to_the_first_image_that_differs(
+    engine: Engine, model_dir: Path
+) -> None:
+    """Two images of one size (the same ids): a prompt whose first image is another's
+    reuses that one's KV up to its second image, another first image only the text before
+    it, and the same image twice is keyed alike at both places (SGLang keys each image's
+    pads by its own hash); every answer transformers'."""
+    assert requests.post(engine.url + "/flush_cache", timeout=30).status_code == 200
+    other = image_png(3)  # SQUARE's size, other pixels
+    expanded = hf_prompt_ids(model_dir, TWO, [SQUARE, other])
+    assert expanded == hf_prompt_ids(model_dir, TWO, [other, SQUARE])
+    pads = [i for i, t in enumerate(expanded) if t == IMAGE_PAD_ID]
+    second = pads[len(pads) // 2]  # the second image's first pad (the two alike in size)
+    first = engine.generate(_body(TWO, [data_uri(SQUARE), data_uri(other)]))
+    assert first["meta_info"]["cached_tokens"] == 0
+    for pictures, shared in (([SQUARE, SQUARE], second), ([other, SQUARE], pads[0])):
+        out = engine.generate(_body(TWO, [data_uri(p) for p in pictures]))
+        assert out["meta_info"]["cached_tokens"] == shared
+        _same(_answer(out), hf_greedy(model_dir, TWO, pictures, STEPS))
+    again = engine.generate(_body(TWO, [data_uri(SQUARE), data_uri(SQUARE)]))
+    assert again["meta_info"]["cached_tokens"] == len(expanded) - 1
