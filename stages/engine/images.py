@@ -10,7 +10,8 @@ over). Each is decoded with PIL and made RGB.
 
 Its prompt holds one image token per image: ``<|vision_start|><|image_pad|><|vision_end|>``
 (any number of pads, so that ids a processor already expanded read the same) or SGLang's
-``<image>``; ids are read as their text (``base_processor.load_mm_data``). The model's image
+``<image>``; ids are expanded in place where each image is a whole span, else read as their
+text (``base_processor.load_mm_data``; ``Vision.prompt``). The model's image
 processor (``AutoImageProcessor``: resized, patches) gives each image's patch grid, its pad
 expanded to one a merged patch, and the prompt is tokenized, as the model's ``AutoProcessor``
 does for SGLang's ``QwenVLImageProcessor`` (whose video half, needing torchvision, is not
@@ -309,6 +310,8 @@ class Vision:
             ) from None
         config = model.config
         self.image_id = int(config.image_token_id)
+        self.start_id = int(config.vision_start_token_id)
+        self.end_id = int(config.vision_end_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
         self.patch = int(config.vision_config.patch_size)
         self._workers = ThreadPoolExecutor(2, thread_name_prefix="image-pixels")
@@ -316,47 +319,75 @@ class Vision:
     def prompt(
         self, text: str | None, ids: list[int] | None, images: list[Any], where: str
     ) -> tuple[list[int], ImagePrompt]:
-        """The ids of a prompt (``text``, or ``ids`` read as their text) with ``images`` in
-        place of its image tokens, and its ``ImagePrompt``; RequestError naming ``where``
-        (the request's ``image_data`` entry) for what cannot be read. The images' pixels are
-        made on a worker meanwhile."""
+        """The ids of a prompt (``text``, or ``ids``) with ``images`` in place of its image
+        tokens, and its ``ImagePrompt``; RequestError naming ``where`` (the request's
+        ``image_data`` entry) for what cannot be read. The images' pixels are made on a worker
+        meanwhile.
+
+        ``ids`` whose images are whole ``<|vision_start|>``, pads, ``<|vision_end|>`` spans,
+        one an image, keep every other id as given, each span expanded in place (a session's
+        history stays the ids the model ran, as SGLang's does); others are read as their text
+        (SGLang decodes a prompt's ids for its processor, which gives the same ids back for
+        ids a tokenizer made), as ``text`` is."""
         if self.tokenizer is None:
             raise RequestError(where, "images need the model's tokenizer (--skip-tokenizer-init)")
         opened = [open_image(item, f"{where}[{j}]") for j, item in enumerate(images)]
-        if text is None:
-            assert ids is not None
-            text = self.tokenizer.decode(ids)
-        pieces = _IMAGE_SPAN.split(text)
-        if len(pieces) - 1 != len(opened):
-            raise RequestError(
-                where,
-                f"the prompt has {len(pieces) - 1} image token(s) ({IMAGE_TOKEN}) for "
-                f"{len(opened)} image(s): one each",
-            )
+        spans = None if ids is None else self.spans(ids)
+        if ids is None or spans is None or len(spans) != len(opened):
+            if text is None:
+                assert ids is not None
+                text = self.tokenizer.decode(ids)
+            found = len(_IMAGE_SPAN.findall(text))
+            if found != len(opened):
+                raise RequestError(
+                    where,
+                    f"the prompt has {found} image token(s) ({IMAGE_TOKEN}) for "
+                    f"{len(opened)} image(s): one each",
+                )
+            # each image one pad (a special token: the text between tokenizes alike)
+            ids = self.tokenizer.encode(_IMAGE_SPAN.sub(IMAGE_TOKEN, text))
+            spans = self.spans(ids)
+            if len(spans) != len(opened):
+                raise RequestError(
+                    where, f"the prompt's ids hold {len(spans)} image(s) for {len(opened)}"
+                )
         grid = torch.tensor([self._grid(image) for image, _ in opened], dtype=torch.long)
-        # each image's pads, as many as its merged patches (the processor's expansion): the
-        # prompt tokenized with one pad an image (a special token: the text between tokenizes
-        # alike), each then repeated
+        # each image's pads, as many as its merged patches (the processor's expansion)
         counts = (grid.prod(-1) // self.merge**2).tolist()
-        ids = self.tokenizer.encode(_IMAGE_SPAN.sub(IMAGE_TOKEN, text))
-        at = [i for i, token in enumerate(ids) if token == self.image_id]
-        if len(at) != len(opened):
-            raise RequestError(
-                where, f"the prompt's ids hold {len(at)} <|image_pad|> for {len(opened)} image(s)"
-            )
         expanded: list[int] = []
         start = 0
-        for i, count in zip(at, counts, strict=True):
-            expanded += ids[start:i]
+        for (first, end), count in zip(spans, counts, strict=True):
+            expanded += ids[start : first + 1]
             expanded += [self.image_id] * count
-            start = i + 1
+            start = end
         expanded += ids[start:]
         prompt = torch.tensor(expanded, dtype=torch.long)
         pads = (prompt == self.image_id).nonzero().flatten()
+        if pads.numel() != sum(counts):
+            raise RequestError(
+                where, f"the prompt's ids hold <|image_pad|> outside its {len(opened)} image(s)"
+            )
         mrope, delta = self._rope(prompt, grid, pads)
         pixels = self._workers.submit(self._pixel_values, opened, grid, where)
         image = ImagePrompt(pixels, grid, pads, mrope, delta, reader=self, merge_area=self.merge**2)
-        return prompt.tolist(), image
+        return expanded, image
+
+    def spans(self, ids: list[int]) -> list[tuple[int, int]]:
+        """Where ``ids`` hold an image: ``(start, end)``, the indices of each
+        ``<|vision_start|>`` followed by pads and ``<|vision_end|>``."""
+        out: list[tuple[int, int]] = []
+        at, length = 0, len(ids)
+        while True:
+            try:
+                at = ids.index(self.start_id, at)
+            except ValueError:
+                return out
+            end = at + 1
+            while end < length and ids[end] == self.image_id:
+                end += 1
+            if end > at + 1 and end < length and ids[end] == self.end_id:
+                out.append((at, end))
+            at = end
 
     def _grid(self, image: Any) -> tuple[int, int, int]:
         """The patch grid ``(t, h, w)`` the processor makes of ``image`` (resized as its

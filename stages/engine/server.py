@@ -500,6 +500,7 @@ def _session_request(
         scheduler,
         None if tokenizer is None else tokenizer.encode,
         None if tokenizer is None else tokenizer.bos_token_id,
+        None if loaded.vision is None else loaded.vision.spans,
     )
 
 

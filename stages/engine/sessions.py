@@ -12,7 +12,8 @@ name a session continues one of them (``rid``) or none:
   leading BOS taken off); with no ``rid``, its own ids alone;
 - ``replace``: the request named (and everything sent after it in its branch) is aborted where
   it still runs, and its branch cut; with no ``rid``, every request of the session;
-- it joins the tree under the request it continues, whatever its own end (an abort included).
+- it joins the tree under the request it continues, whatever its own end (an abort included);
+- on a vision model its images are those of the history it keeps, then its own (``image_data``).
 
 A session that does not exist, a ``rid`` the session does not hold, a request that continues one
 still running, or an empty prompt after all that: 400 in SGLang's words.
@@ -42,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+
+from stages.engine.images import image_lists
 
 __all__ = ["Recording", "SessionError", "Sessions"]
 
@@ -73,6 +76,8 @@ class _Node:
     finished: bool = False
     previous: _Node | None = None  # the session's node of the same rid it took the place of
     session: _Session | None = None  # a streaming session's turn (committed when it ends well)
+    # its prompt's images (``image_data`` items, in order): its history's, then its own
+    images: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.parent is not None:
@@ -148,14 +153,25 @@ class Sessions:
 
     # -- /generate ----------------------------------------------------------------------------
     def request(
-        self, body: Any, scheduler: Any, encode: Callable[[str], list[int]] | None, bos: int | None
+        self,
+        body: Any,
+        scheduler: Any,
+        encode: Callable[[str], list[int]] | None,
+        bos: int | None,
+        image_spans: Callable[[list[int]], list[tuple[int, int]]] | None = None,
     ) -> tuple[Any, Any]:
         """A ``/generate`` body and the scheduler to serve it with: as they are without a
         session; with one, the body's prompt the session's (its ``input_ids``, its ``rid`` set)
         and a scheduler whose submission records the request's output in the session. Raises
         SessionError (400) and RequestError (a malformed body). A request of a non-streaming
         session carries the session's id on as ``session_id`` (with the server's
-        ``--enable-session-radix-cache`` its KV is held for the session, as SGLang's)."""
+        ``--enable-session-radix-cache`` its KV is held for the session, as SGLang's).
+
+        On a vision model (``image_spans(ids)``: where ``ids`` hold an image, its first and
+        last index), a request's images are its history's, as far as its ``offset`` keeps
+        them, then its own (``image_data``), as SGLang's session carries a request's
+        ``multimodal_inputs`` on; its history is the ids the model ran (its images' pads
+        expanded). An ``offset`` that ends inside an image is a SessionError."""
         if not isinstance(body, dict):
             return body, scheduler
         if body.get("session_id") is not None and body.get("session_params") is not None:
@@ -166,8 +182,6 @@ class Sessions:
         body = {**body, "session_params": None}
         if params.get("id") is None:
             return body, scheduler
-        if body.get("image_data") not in (None, []):  # (SGLang carries a turn's images on)
-            raise SessionError("image_data: a session request takes no images on this engine")
         sampling = body.get("sampling_params")
         n = sampling.get("n", 1) if isinstance(sampling, dict) else 1
         if n not in (None, 1) or _batched(body):
@@ -184,18 +198,29 @@ class Sessions:
         rid = body.get("rid")
         if not isinstance(rid, str):
             rid = uuid.uuid4().hex
-        prompt, node = self.prompt(params, ids, rid, bos)
+        own = None if image_spans is None else image_lists(body.get("image_data"), 1, False)[0]
+        prompt, node = self.prompt(params, ids, rid, bos, own, image_spans)
         body.pop("text", None)
         body.update(input_ids=prompt, rid=rid)
+        if node.images:
+            body["image_data"] = node.images
         if node.session is None:  # not a streaming session's turn (SGLang holds none for those)
             body["session_id"] = params["id"]
         return body, Recording(scheduler, self, node)
 
     def prompt(
-        self, params: dict[str, Any], input_ids: list[int], rid: str, bos: int | None
+        self,
+        params: dict[str, Any],
+        input_ids: list[int],
+        rid: str,
+        bos: int | None,
+        images: list[Any] | None = None,
+        image_spans: Callable[[list[int]], list[tuple[int, int]]] | None = None,
     ) -> tuple[list[int], _Node]:
         """The prompt of a request of session ``params["id"]`` and its node in the session's
-        tree, which ``ended`` completes; SessionError for what SGLang aborts with 400."""
+        tree, which ``ended`` completes; SessionError for what SGLang aborts with 400.
+        ``images``: the request's own (``request``), after those of its history that it
+        keeps."""
         session_id = params["id"]
         self._reap()
         session = self._sessions.get(session_id)
@@ -231,6 +256,7 @@ class Sessions:
                     "Session request is appending to a request that hasn't finished."
                 )
         ids = list(input_ids)
+        kept: list[Any] = []
         if last is not None:
             if ids and bos is not None and ids[0] == bos:
                 ids = ids[1:]
@@ -238,7 +264,22 @@ class Sessions:
             if not params.get("drop_previous_output"):
                 history += last.output_ids
             offset = params.get("offset")
-            ids = (history[:offset] if offset else history) + ids
+            kept = last.images
+            if offset and kept and image_spans is not None:
+                cut = len(history[:offset])
+                spans = image_spans(history)
+                inside = [k for k, (first, end) in enumerate(spans) if first < cut <= end]
+                if inside:
+                    raise SessionError(
+                        f"session_params.offset: {offset} ends inside image {inside[0]} of the "
+                        f"session's history (its tokens {spans[inside[0]][0]} to "
+                        f"{spans[inside[0]][1]})"
+                    )
+                kept = kept[: sum(end < cut for _, end in spans)]
+            if offset:
+                history = history[:offset]
+            ids = history + ids
+        kept = kept + (images or [])
         if not ids:
             raise SessionError(
                 "A session request must contain input tokens after restoring history."
@@ -246,8 +287,8 @@ class Sessions:
         session.last_active = time.monotonic()
         if session.streaming:  # the session's turn, committed when it ends well
             session.inflight = True
-            return ids, _Node(rid, ids, session=session)
-        node = _Node(rid, ids, parent=last, previous=nodes.get(rid))
+            return ids, _Node(rid, ids, session=session, images=kept)
+        node = _Node(rid, ids, parent=last, previous=nodes.get(rid), images=kept)
         nodes[rid] = node
         return ids, node
 
@@ -349,6 +390,8 @@ class Recording:
         return getattr(self._scheduler, name)
 
     def submit_async(self, inputs: Any, stream: Any = None) -> Any:
+        if inputs and inputs[0].images is not None:  # the ids it runs: its pads expanded
+            self._node.input_ids = list(inputs[0].input_ids)
         future = self._scheduler.submit_async(inputs, stream=stream)
         self.submitted = True
         future.add_done_callback(self._ended)

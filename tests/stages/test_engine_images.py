@@ -293,12 +293,6 @@ def test_what_cannot_be_read_is_a_400_naming_the_field(engine: Engine) -> None:
         status, out = engine.request("POST", "/generate", body)
         assert status == 400, (body, out)
         assert field in str(out) and words in str(out), out
-    status, session = engine.request("POST", "/open_session", {"capacity_of_str_len": 1000})
-    assert status == 200, session
-    status, out = engine.request(
-        "POST", "/generate", _body(ONE, uri, session_params={"id": session})
-    )
-    assert status == 400 and "session request takes no images" in str(out), out
     client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match=r"image_url\.url"):
         client.chat.completions.create(
@@ -306,6 +300,47 @@ def test_what_cannot_be_read_is_a_400_naming_the_field(engine: Engine) -> None:
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
         )
     assert engine.request("GET", "/health")[0] == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_sessions_turns_carry_their_images_on(engine: Engine, model_dir: Path) -> None:
+    """A session's turn holds its history's images, then its own (SGLang's session carries a
+    request's ``multimodal_inputs`` on, ``session_controller.create_req``; its own offsets
+    moved past the history, ``adjust_mm_offsets``); the history is the ids the model ran, so
+    its KV is reused; an ``offset`` keeps the images before it and one that cuts an image
+    is a 400; each turn answers as transformers does the composed conversation's ids (the
+    byte tokenizer's decoding of an answer does not encode back to it)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    status, session = engine.request("POST", "/open_session", {"capacity_of_str_len": 1000})
+    assert status == 200, session
+
+    def turn(text: str, images: Any, **params: Any) -> tuple[int, Any]:
+        body = _body(text, images, session_params={"id": session, **params})
+        return engine.request("POST", "/generate", body)
+
+    status, first = turn(ONE, data_uri(WIDE), rid=None)
+    assert status == 200, first
+    _same(_answer(first), hf_greedy(model_dir, ONE, [WIDE], STEPS))
+    then = f"<|im_end|>\n<|im_start|>user\nand {IMAGE_TOKEN}?<|im_end|>\n<|im_start|>assistant\n"
+    status, second = turn(then, [data_uri(SQUARE)], rid=first["meta_info"]["id"])
+    assert status == 200, second
+    ran = hf_prompt_ids(model_dir, ONE, [WIDE])
+    square = hf_prompt_ids(model_dir, IMAGE_TOKEN, [SQUARE])  # its pads, with their ends
+    then_ids = tokenizer.encode(then.replace(IMAGE_TOKEN, "\0"))  # (one byte for the image)
+    at = then_ids.index(0)
+    whole = ran + first["output_ids"] + then_ids[:at] + square + then_ids[at + 1 :]
+    _same(_answer(second), hf_greedy(model_dir, "", [WIDE, SQUARE], STEPS, ids=whole))
+    meta = second["meta_info"]
+    assert meta["prompt_tokens"] == len(whole)
+    assert meta["cached_tokens"] >= len(ran)
+    # an offset that keeps the first turn's prompt: its image, none of the second's
+    status, third = turn("more", None, rid=second["meta_info"]["id"], offset=len(ran))
+    assert status == 200, third
+    _same(_answer(third), hf_greedy(model_dir, ONE + "more", [WIDE], STEPS))
+    # one that ends inside the first image
+    pads = hf_prompt_ids(model_dir, ONE, [WIDE]).index(IMAGE_PAD_ID)
+    status, out = turn("more", None, rid=second["meta_info"]["id"], offset=pads + 2)
+    assert status == 400 and "ends inside image 0" in str(out), out
 
 
 @pytest.mark.timeout(120)

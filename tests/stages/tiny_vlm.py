@@ -277,15 +277,23 @@ def hf_prompt_logprobs(path: Path, text: str, images: list[bytes]) -> list[float
 
 @torch.no_grad()
 def hf_greedy(
-    path: Path, text: str, images: list[bytes], steps: int
+    path: Path, text: str, images: list[bytes], steps: int, ids: list[int] | None = None
 ) -> tuple[list[int], list[float]]:
     """Transformers' greedy answer of ``steps`` tokens to ``text`` with ``images`` (the model
     at ``path``, float32): the tokens (argmax of the raw logits; an end of text does not stop
     it) and each one's log-probability (``log_softmax``). A cached decode loop: the prompt's
     pass sets the model's mrope ``rope_deltas``; the token at index ``i`` past it has the
-    position ``i + delta`` on all three axes."""
+    position ``i + delta`` on all three axes. ``ids``: the prompt as these ids instead (its
+    images' pads expanded), ``text`` unread."""
     model = _model(Path(path))
+    if ids is not None:
+        text = IMAGE_TOKEN * len(images)
     inputs = _inputs(_processor(Path(path)), text, images)
+    if ids is not None:
+        given = torch.tensor([ids])  # and what is per token, made of them (1: an image's)
+        inputs["input_ids"] = given
+        inputs["attention_mask"] = torch.ones_like(given)
+        inputs["mm_token_type_ids"] = (given == IMAGE_PAD_ID).long()
     model.model.rope_deltas = None  # left from an earlier prompt, it would shift text-only ones
     out = model(**inputs, use_cache=True, logits_to_keep=1)
     deltas = model.model.rope_deltas  # an image prompt's: position = index + delta
