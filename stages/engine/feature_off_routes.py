@@ -14,7 +14,10 @@ and the handlers it calls), so that a client or router probing for a feature get
 - the transfer engine (``GET /remote_instance_transfer_engine_info`` and its deprecated
   ``/get_`` name, ``rank`` in the query): 400, no transfer engine info for that rank;
 - audio models (``POST /v1/audio/transcriptions``, a multipart form): 400, the model is no
-  speech-recognition model (SGLang fails inside the request, see ``transcribe``).
+  speech-recognition model (SGLang fails inside the request, see ``transcribe``);
+- elastic expert parallelism (``POST /scale_elastic_ep``, ``GET /is_scaling_elastic_ep``:
+  ``entrypoints/elastic_ep.py``): 404, ``elastic EP is not enabled (set
+  --elastic-ep-backend)``.
 
 Each request is checked first as SGLang checks it (its ``io_struct`` struct, FastAPI's query
 and form parameters), so a malformed one gets SGLang's answer to it. Not here: ``POST
@@ -25,6 +28,7 @@ already for any path it does not serve (a GET there is a 404 too, not a 405).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any, Literal
 
@@ -41,6 +45,7 @@ from transport.credit import sparse
 
 __all__ = [
     "ADMIN_KEY_MISSING",
+    "ELASTIC_EP_OFF",
     "NGRAM_OFF",
     "AddCorpusFields",
     "AttachHiCacheFields",
@@ -52,6 +57,7 @@ __all__ = [
 log = structlog.get_logger("stages.engine.feature_off_routes")
 
 NGRAM_OFF = "Ngram speculative decoding is not enabled."  # tokenizer_control_mixin.py 224
+ELASTIC_EP_OFF = "elastic EP is not enabled (set --elastic-ep-backend)"  # elastic_ep.py 47
 # http_server.py 2260 _admin_api_key_missing_response: SGLang's HiCache storage routes
 # answer it before anything else when started without --admin-api-key, which this engine
 # has no counterpart of
@@ -139,6 +145,29 @@ class FeatureOffRoutes:
         add("GET", "/remote_instance_transfer_engine_info", self.transfer_engine_info)
         add("GET", "/get_remote_instance_transfer_engine_info", self.transfer_engine_info)
         add("POST", "/v1/audio/transcriptions", self.transcribe)
+        add("POST", "/scale_elastic_ep", self.scale_elastic_ep)
+        add("GET", "/is_scaling_elastic_ep", self.is_scaling_elastic_ep)
+
+    async def scale_elastic_ep(self, request: web.Request) -> web.Response:
+        """``entrypoints/elastic_ep.py`` 15-50: the body read with Starlette's
+        ``request.json()`` (Python's ``json``: its error's words in ``Invalid JSON: ...``), a
+        JSON object whose ``new_ep_size`` is a positive integer (not a bool), each a 400
+        ``{"error": ...}``; then, without ``--elastic-ep-backend``, a 404."""
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(f"Invalid JSON: {exc}", 400)
+        if not isinstance(body, dict):
+            return _error("request body must be a JSON object", 400)
+        size = body.get("new_ep_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            return _error("new_ep_size must be a positive integer", 400)
+        return _error(ELASTIC_EP_OFF, 404)
+
+    async def is_scaling_elastic_ep(self, request: web.Request) -> web.Response:
+        """``entrypoints/elastic_ep.py`` 76-87: without ``--elastic-ep-backend``, a 404."""
+        return _error(ELASTIC_EP_OFF, 404)
 
     async def add_external_corpus(self, request: web.Request) -> web.Response:
         """``http_server.py`` 1043-1065: the body read with ``request.json()`` and handed to
@@ -334,7 +363,11 @@ def _failure(message: str) -> web.Response:
 
 
 def _admin_key_missing() -> web.Response:
-    return web.json_response({"error": ADMIN_KEY_MISSING}, status=400)
+    return _error(ADMIN_KEY_MISSING, 400)
+
+
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": message}, status=status)
 
 
 def _is_form(content_type: str) -> bool:

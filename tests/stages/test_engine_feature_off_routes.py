@@ -1,8 +1,9 @@
 """SGLang 0.5.23's routes for features the built-in engine lacks (n-gram speculation's corpora,
-HiCache storage, prefill/decode role switch, transfer-engine info, audio transcription, the
-dumper) on a real engine process, generating and pooling: each answers as SGLang started with
-default flags answers (``stages.engine.feature_off_routes`` names the lines), a malformed
-request as SGLang's checks refuse it, a wrong method 405 with ``Allow``."""
+HiCache storage, prefill/decode role switch, transfer-engine info, audio transcription, elastic
+expert parallelism, the dumper) on a real engine process, generating and pooling: each
+answers as SGLang started with default flags answers (``stages.engine.feature_off_routes``
+names the lines), a malformed request as SGLang's checks refuse it, a wrong method 405 with
+``Allow``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from stages.engine.feature_off_routes import ADMIN_KEY_MISSING, NGRAM_OFF
+from stages.engine.feature_off_routes import ADMIN_KEY_MISSING, ELASTIC_EP_OFF, NGRAM_OFF
 from tests.stages.engine_setup import builtin_engine
 from tests.stages.tiny_model import make_tiny_classifier, make_tiny_model
 
@@ -185,6 +186,29 @@ def test_audio_transcription_needs_an_audio_model(url: str) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_elastic_ep_routes_say_it_is_not_enabled(url: str) -> None:
+    """``entrypoints/elastic_ep.py``: the body's checks (400), then 404 without
+    ``--elastic-ep-backend``; a wrong method 405."""
+    off = (404, {"error": ELASTIC_EP_OFF})
+    assert _call(url, "POST", "/scale_elastic_ep", json={"new_ep_size": 4}) == off
+    assert _call(url, "GET", "/is_scaling_elastic_ep") == off
+    for body, words in (
+        ([4], "request body must be a JSON object"),
+        ({"new_ep_size": 0}, "new_ep_size must be a positive integer"),
+        ({"new_ep_size": True}, "new_ep_size must be a positive integer"),
+        ({"new_ep_size": "4"}, "new_ep_size must be a positive integer"),
+        ({}, "new_ep_size must be a positive integer"),
+    ):
+        assert _call(url, "POST", "/scale_elastic_ep", json=body) == (400, {"error": words})
+    status, body = _call(url, "POST", "/scale_elastic_ep", data=b"{")
+    assert status == 400
+    assert body == {"error": "Invalid JSON: Expecting property name enclosed in double quotes: "
+                    "line 1 column 2 (char 1)"}  # fmt: skip
+    assert _call(url, "GET", "/scale_elastic_ep")[0] == 405
+    assert _call(url, "POST", "/is_scaling_elastic_ep")[0] == 405
+
+
+@pytest.mark.timeout(120)
 def test_the_dumper_is_not_served_as_in_sglang_without_dumper_server_port(url: str) -> None:
     # SGLang registers POST /dumper/{method} only with DUMPER_SERVER_PORT=reuse
     for method in ("POST", "GET"):
@@ -207,3 +231,4 @@ def test_a_pooling_engine_answers_the_same(tmp_path: Path) -> None:
         assert _call(pooled, "POST", "/v1/audio/transcriptions", files=WAV) == (
             400, _invalid(AUDIO_OFF, "BadRequestError"),
         )  # fmt: skip
+        assert _call(pooled, "GET", "/is_scaling_elastic_ep") == (404, {"error": ELASTIC_EP_OFF})
