@@ -4,7 +4,10 @@ On a small model most of the time of ``model(...)`` is Python: module calls, mas
 bookkeeping, argument checks, output objects. For models built from the Llama decoder layer
 (RMSNorm, q/k/v/o projections with rotary embeddings and grouped KV heads, a SiLU-gated MLP:
 ``llama``, ``qwen2``, ``qwen3``, ``mistral`` without a sliding window), ``LlamaForward`` runs the
-same arithmetic straight on the model's own tensors: each layer's q, k and v projections as one
+same arithmetic straight on the model's own tensors (and on the text model of a Qwen2-VL,
+Qwen2.5-VL or Qwen3-VL, whose multimodal rotary positions its own rotary embedding turns into
+the same cos and sin, and whose Qwen3-VL deepstack rows ``prefill`` adds after its first
+layers, as its text model does): each layer's q, k and v projections as one
 matmul, gate and up as one, attention as two batched matmuls. ``decode`` takes one token per row
 over the slot cache (``kv_batch.BatchKV``: keys and values go into its pending column, attention
 reads its views); ``prefill`` takes left-padded prompts, optionally on top of the cached keys
@@ -32,7 +35,20 @@ from stages.engine.lora_adapters import RowAdapters
 
 __all__ = ["LlamaForward"]
 
-_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+_FAMILIES = frozenset(
+    {"llama", "qwen2", "qwen3", "mistral", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"}
+)
+
+
+def _text(model: Any) -> tuple[Any, Any]:
+    """The config and the decoder (``layers``, ``embed_tokens``, ``rotary_emb``, ``norm``) of
+    ``model``'s text: its own, or a vision-language model's language model's."""
+    inner = getattr(model, "model", None)
+    language = getattr(inner, "language_model", None)
+    text_config = getattr(model.config, "text_config", None)
+    if language is not None and text_config is not None:
+        return text_config, language
+    return model.config, inner
 
 
 class _Layer:
@@ -68,22 +84,23 @@ class LlamaForward:
     """``decode`` and ``prefill`` of a Llama-family model (check ``unsupported`` first)."""
 
     def __init__(self, model: Any) -> None:
-        config = model.config
-        attn = model.model.layers[0].self_attn
+        config, inner = _text(model)
+        attn = inner.layers[0].self_attn
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = attn.head_dim
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
-        self.embed = model.model.embed_tokens
-        self.rotary = model.model.rotary_emb
-        self.final_norm = model.model.norm.forward
+        self.embed = inner.embed_tokens
+        # (a vision model's takes positions [3, rows, width] or [rows, width]: cos and sin alike)
+        self.rotary = inner.rotary_emb
+        self.final_norm = inner.norm.forward
         self.lm_head = model.lm_head
-        self.layers = [_Layer(layer, i) for i, layer in enumerate(model.model.layers)]
+        self.layers = [_Layer(layer, i) for i, layer in enumerate(inner.layers)]
 
     @staticmethod
     def unsupported(model: Any) -> str | None:
         """Why ``model`` cannot take this path (None: it can)."""
-        config = model.config
+        config, inner = _text(model)
         kind = getattr(config, "model_type", None)
         if kind not in _FAMILIES:
             return f"model_type {kind!r} is not one of {sorted(_FAMILIES)}"
@@ -95,7 +112,6 @@ class LlamaForward:
             return "sliding-window attention"
         if getattr(config, "pretraining_tp", 1) != 1:
             return "pretraining_tp > 1"
-        inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if not layers or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
             return "not the Llama module layout (model.layers, rotary_emb, lm_head)"
@@ -155,6 +171,7 @@ class LlamaForward:
         keep_hidden: bool = False,
         lora: RowAdapters | None = None,
         embeds: torch.Tensor | None = None,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> tuple[DynamicCache, torch.Tensor] | tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """(keys and values of every layer, last-position logits ``[rows, vocab]``) of
         left-padded prompts ``ids`` ``[rows, width]`` with ``mask`` 1 on real tokens; with
@@ -165,6 +182,8 @@ class LlamaForward:
         takes ``past_key_values``), ``mask`` covers the past and the new tokens
         (``[rows, P + width]``) and the returned cache holds both, as transformers returns it.
         ``embeds`` ``[rows, width, hidden]``: the input embeddings, in place of the ids'.
+        ``deepstack`` (Qwen3-VL's): where its image pads are ``[rows, width]`` and the rows
+        added there after each of the first layers, as its text model adds them.
         """
         rows, width = ids.shape
         before = 0 if past is None else past.get_seq_length()
@@ -191,6 +210,10 @@ class LlamaForward:
             out = self._attend(scores, blocked, v.unsqueeze(2))  # [rows, nkv, group, width, hd]
             out = out.permute(0, 3, 1, 2, 4).reshape(rows, width, nh * hd)
             h = self._rest(layer, h, out, lora)
+            if deepstack is not None and i < len(deepstack[1]):
+                where, added = deepstack
+                h = h.clone()
+                h[where] = h[where] + added[i].to(h.dtype)
         if keep_hidden:
             normed = self.final_norm(h)
             return cache, self.logits(normed[:, -1]), normed

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 __all__ = ["Adapter", "AdapterError", "RowAdapters", "load_adapter"]
 
 _NAME = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+    r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
     r"\.lora_([AB])(?:\.[^.]+)?\.weight$"
 )
 # the engine's fused slots: which projections feed each, in the fused order
@@ -107,7 +107,8 @@ def build_adapter(
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     folder = at  # where the weights are, in what follows
     tensors = tensors()
-    layers = model.model.layers
+    inner = model.model
+    layers = getattr(inner, "language_model", inner).layers  # (a vision model's: its text's)
     pieces: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _NAME.match(key)

@@ -617,8 +617,6 @@ class Scheduler:
         self._fast, why = LlamaForward.build(model) if fast_forward else (None, "turned off")
         # a vision-language model (images.is_vision_model): its multimodal rotary positions
         self._vision = is_vision_model(getattr(model, "config", None))
-        if self._vision and self._fast is not None:
-            self._fast, why = None, "a vision model's rotary positions (transformers' passes)"
         # --enable-return-routed-experts: the experts each pass routed its tokens to, kept for
         # the rows that ask (transformers' passes: the fast ones run no mixture of experts)
         self._experts = ExpertsCapture(model) if routed_experts else None
@@ -1934,14 +1932,18 @@ class Scheduler:
         of one prefill pass; ``embeds``: the pass's input embeddings in place of the ids'
         (``_pass_embeds``); ``deepstack``: Qwen3-VL's (``_deepstack``), which only its text
         model's own call takes."""
-        if deepstack is not None:
-            return self._forward_deepstack(mask, positions, past, keep_hidden, embeds, deepstack)
         if self._fast is not None:
             if keep_hidden:
                 return self._fast.prefill(
-                    ids, mask, positions, past, keep_hidden=True, lora=lora, embeds=embeds
-                )
-            return (*self._fast.prefill(ids, mask, positions, past, lora=lora, embeds=embeds), None)
+                    ids, mask, positions, past, keep_hidden=True, lora=lora, embeds=embeds,
+                    deepstack=deepstack,
+                )  # fmt: skip
+            out = self._fast.prefill(
+                ids, mask, positions, past, lora=lora, embeds=embeds, deepstack=deepstack
+            )
+            return (*out, None)
+        if deepstack is not None:
+            return self._forward_deepstack(mask, positions, past, keep_hidden, embeds, deepstack)
         out = self.model(
             **({"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}),
             attention_mask=mask,

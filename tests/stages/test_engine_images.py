@@ -90,6 +90,11 @@ def _same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]
 
 @pytest.mark.timeout(120)
 def test_generate_with_images_answers_as_transformers(engine: Engine, model_dir: Path) -> None:
+    """On the engine's own passes (``llama_forward``: the text model's, with its multimodal
+    rotary positions and Qwen3-VL's deepstack rows) where the text model is Llama-like, on
+    transformers' for the mixture of experts: transformers' answers either way."""
+    info = requests.get(engine.url + "/server_info", timeout=30).json()
+    assert info["forward_path"] == ("transformers" if "moe" in model_dir.parent.name else "fast")
     want = hf_greedy(model_dir, TWO, [SQUARE, WIDE], STEPS)
     images = [data_uri(SQUARE), data_uri(WIDE)]
     out = engine.generate(_body(TWO, images, return_prompt_token_ids=True))
@@ -341,6 +346,56 @@ def test_a_sessions_turns_carry_their_images_on(engine: Engine, model_dir: Path)
     pads = hf_prompt_ids(model_dir, ONE, [WIDE]).index(IMAGE_PAD_ID)
     status, out = turn("more", None, rid=second["meta_info"]["id"], offset=pads + 2)
     assert status == 400 and "ends inside image 0" in str(out), out
+
+
+@pytest.mark.timeout(120)
+def test_a_lora_adapter_on_the_text_model_answers_as_its_merged_model(
+    engine: Engine, model_dir: Path, tmp_path: Path
+) -> None:
+    """A peft adapter of the text model's projections (named as transformers 5 names them,
+    ``model.language_model.layers.N``) is applied unmerged to the rows that name it, image
+    prompts too: transformers' answer of the merged model; one that targets the vision tower
+    is refused naming its key; a mixture of experts' model takes none (transformers' passes)."""
+    from peft import LoraConfig, get_peft_model
+
+    def adapter(name: str, targets: str) -> Any:
+        base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+        peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for key, param in peft.named_parameters():
+                if "lora_" in key:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+        peft.save_pretrained(tmp_path / name)
+        return peft
+
+    def load(name: str) -> tuple[int, Any]:
+        body = {"lora_name": name, "lora_path": str(tmp_path / name)}
+        return engine.request("POST", "/load_lora_adapter", body)
+
+    peft = adapter("text", r".*language_model.*\.(q_proj|v_proj|down_proj)")
+    if "moe" in model_dir.parent.name:
+        status, out = load("text")
+        assert status == 400 and "Llama-family forward path" in str(out), out
+        return
+    merged = tmp_path / "merged"
+    peft.merge_and_unload().save_pretrained(merged)
+    for file in model_dir.iterdir():  # its tokenizer and processor
+        if not file.name.startswith("model") and not (merged / file.name).exists():
+            (merged / file.name).write_bytes(file.read_bytes())
+    status, out = load("text")
+    assert status == 200, out
+    images = [data_uri(SQUARE), data_uri(WIDE)]
+    want = hf_greedy(merged, TWO, [SQUARE, WIDE], STEPS)
+    assert want[0] != hf_greedy(model_dir, TWO, [SQUARE, WIDE], STEPS)[0]  # it changes them
+    _same(_answer(engine.generate(_body(TWO, images, lora_path="text"))), want)
+    batch = engine.generate(_body([TWO, TWO], [images, images], lora_path=[None, "text"]))
+    _same(_answer(batch[0]), hf_greedy(model_dir, TWO, [SQUARE, WIDE], STEPS))
+    _same(_answer(batch[1]), want)
+    adapter("tower", r".*visual.*\.(qkv|proj)")
+    status, out = load("tower")
+    assert status == 400 and "visual" in str(out), out
+    assert engine.request("POST", "/unload_lora_adapter", {"lora_name": "text"})[0] == 200
 
 
 @pytest.mark.timeout(120)
