@@ -96,7 +96,9 @@ class InProcessEngine:
         if not server.mis_allowed(args, self.loaded.vocab_size):
             raise ValueError("--enable-mis: this model has no token 9999, its delimiter")
         server.resolve_parsers(args, self.loaded)  # --tool-call-parser auto... as a server's
-        self.scheduler = server.build_scheduler(args, self.loaded)
+        # on the loader's thread too, which ends with the start (torch_threads)
+        build = functools.partial(server.build_scheduler, args, self.loaded)
+        self.scheduler = await asyncio.get_running_loop().run_in_executor(self._loader, build)
         self.scheduler.start()
         # every server flag as the engine's own process takes it (--enable-metrics, request
         # logging...), but the engine id: the generator's process has none of its own

@@ -57,6 +57,7 @@ from stages.engine.server import (
     serve,
 )
 from stages.engine.tokenize_routes import TokenizeRoutes
+from stages.engine.torch_threads import in_passing_thread
 
 __all__ = ["build_pooling_app", "serve_pooling"]
 
@@ -113,14 +114,16 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
         load_format, remote = args.load_format, remote_seed(args)
         if load_format == "remote_instance" and remote is None:  # SGLang's _handle_load_format
             load_format = "auto"
-        model = load_pooling_model(
-            args.model,
-            kind,
-            device=args.device,
-            dtype=args.dtype,
-            trust_remote_code=args.trust_remote_code,
-            load_format=load_format,
-            remote=remote,
+        model = in_passing_thread(  # (torch_threads: the pooler's thread keeps the team)
+            lambda: load_pooling_model(
+                args.model,
+                kind,
+                device=args.device,
+                dtype=args.dtype,
+                trust_remote_code=args.trust_remote_code,
+                load_format=load_format,
+                remote=remote,
+            )
         )
     except (OSError, ValueError, RemoteLoadError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))

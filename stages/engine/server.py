@@ -135,6 +135,7 @@ from stages.engine.strict_thinking import StrictThinking
 from stages.engine.template_detection import resolve_auto
 from stages.engine.tokenize_routes import TokenizeRoutes
 from stages.engine.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from stages.engine.torch_threads import in_passing_thread
 from stages.engine.weight_routes import WeightRoutes
 from transport.credit import sparse
 
@@ -1526,7 +1527,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_pooling(args, kind, api_key)
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
-        loaded = load_served(args)
+        loaded = in_passing_thread(load_served, args)
     except (OSError, ValueError, RemoteLoadError) as exc:
         log.error("engine_model_load_failed", model=str(args.model), error=str(exc))
         return 2
@@ -1535,7 +1536,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_parsers(args, loaded)
         turns = event_loop_turns(args)
-        scheduler = build_scheduler(args, loaded, turns)
+        scheduler = in_passing_thread(build_scheduler, args, loaded, turns)
     except ValueError as exc:  # settings the model cannot take (a reasoning tag it lacks...)
         log.error("engine_settings_refused", model=str(args.model), error=str(exc))
         return 2
