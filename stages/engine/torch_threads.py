@@ -6,9 +6,9 @@ that runs such a region, kept as long as that thread lives. Once libgomp manages
 than the machine has CPUs, it throttles how long a waiting thread spins at a barrier, so every
 small region of every team pays for a sleep and a wake-up: on 2 cores, a thread's small matmuls
 and softmaxes ran 2.1x slower while another live thread (the main thread, after loading a model)
-held an idle team of 2 (``python /tmp`` script in issue 25's note: 3,000 rounds of a
-``[32, 256]`` linear and an attention-sized matmul and softmax, 0.57-0.60 s on the only team,
-1.21-1.23 s beside an idle one; the same on a thread whose team went with it, 0.58-0.60 s).
+held an idle team of 2, and as fast as alone once the other thread had ended
+(``python bench/torch_threads.py``: 0.585 s alone, 1.237 s beside an idle team, 0.583 s after
+the other thread ended, medians of 5).
 
 So the engine's start-up work (loading the model, building the scheduler: its fused weights)
 runs on a thread that ends when it is done (``in_passing_thread``), taking its team with it,
