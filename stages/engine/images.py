@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+import numpy as np
 import torch
 
 from stages.engine.request_error import RequestError
@@ -361,15 +362,23 @@ class Vision:
             expanded += [self.image_id] * count
             start = end
         expanded += ids[start:]
-        prompt = torch.tensor(expanded, dtype=torch.long)
-        pads = (prompt == self.image_id).nonzero().flatten()
-        if pads.numel() != sum(counts):
+        # (numpy, as _rope: no torch kernel on the caller's thread)
+        pads = np.flatnonzero(np.asarray(expanded) == self.image_id)
+        if pads.size != sum(counts):
             raise RequestError(
                 where, f"the prompt's ids hold <|image_pad|> outside its {len(opened)} image(s)"
             )
-        mrope, delta = self._rope(prompt, grid, pads)
+        mrope, delta = self._rope(len(expanded), grid.tolist(), pads)
         pixels = self._workers.submit(self._pixel_values, opened, grid, where)
-        image = ImagePrompt(pixels, grid, pads, mrope, delta, reader=self, merge_area=self.merge**2)
+        image = ImagePrompt(
+            pixels,
+            grid,
+            torch.from_numpy(pads.astype(np.int64)),
+            torch.from_numpy(mrope),
+            delta,
+            reader=self,
+            merge_area=self.merge**2,
+        )
         return expanded, image
 
     def spans(self, ids: list[int]) -> list[tuple[int, int]]:
@@ -423,29 +432,29 @@ class Vision:
         digests = [hashlib.blake2b(data, digest_size=16).digest() for _, data in images]
         return out["pixel_values"], digests
 
-    def _rope(
-        self, prompt: torch.Tensor, grid: torch.Tensor, pads: torch.Tensor
-    ) -> tuple[torch.Tensor, int]:
-        """The prompt's rotary positions ``[3, tokens]`` and the delta of those after it."""
-        segments: list[torch.Tensor] = []
+    def _rope(self, length: int, grid: list[list[int]], pads: np.ndarray) -> tuple[np.ndarray, int]:
+        """The rotary positions ``[3, length]`` of a prompt of ``length`` tokens whose images
+        have patch grids ``grid`` and pads at ``pads``, and the delta of those after it (numpy:
+        no torch kernel runs on the caller's thread, whose OpenMP team would slow the
+        scheduler's, ``torch_threads``)."""
+        segments: list[np.ndarray] = []
         at, next_pos, first = 0, 0, 0
-        for t, h, w in grid.tolist():
+        for t, h, w in grid:
             gh, gw = h // self.merge, w // self.merge
             count = t * gh * gw
             start = int(pads[first])
             if start > at:
-                segments.append(torch.arange(start - at).expand(3, -1) + next_pos)
+                segments.append(np.broadcast_to(np.arange(start - at) + next_pos, (3, start - at)))
                 next_pos += start - at
-            t_index = torch.arange(t).view(-1, 1).expand(t, gh * gw).reshape(-1)
-            h_index = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw).reshape(-1)
-            w_index = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw).reshape(-1)
-            segments.append(torch.stack([t_index, h_index, w_index]) + next_pos)
+            t_index = np.repeat(np.arange(t), gh * gw)
+            h_index = np.tile(np.repeat(np.arange(gh), gw), t)
+            w_index = np.tile(np.arange(gw), t * gh)
+            segments.append(np.stack([t_index, h_index, w_index]) + next_pos)
             next_pos += max(t, gh, gw)
             at, first = start + count, first + count
-        length = prompt.shape[0]
         if at < length:
-            segments.append(torch.arange(length - at).expand(3, -1) + next_pos)
-        mrope = torch.cat(segments, dim=1).long()
+            segments.append(np.broadcast_to(np.arange(length - at) + next_pos, (3, length - at)))
+        mrope = np.concatenate(segments, axis=1).astype(np.int64)
         return mrope, int(mrope.max()) + 1 - length
 
     @torch.no_grad()

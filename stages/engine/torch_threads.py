@@ -13,7 +13,9 @@ the other thread ended, medians of 5).
 So the engine's start-up work (loading the model, building the scheduler: its fused weights)
 runs on a thread that ends when it is done (``in_passing_thread``), taking its team with it,
 and the scheduler's thread is the one that keeps a team. The event loop's own work stays light
-(no parallel kernels: what is heavy, such as a weight update, runs on the scheduler's thread).
+(no parallel kernels: what is heavy, such as a weight update, runs on the scheduler's thread;
+an image prompt's positions are numpy's, ``images.Vision.prompt``). Nothing enforces this: a
+parallel kernel on another thread that lives on brings the throttle back.
 """
 
 from __future__ import annotations
