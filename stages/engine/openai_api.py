@@ -42,7 +42,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -856,7 +856,7 @@ class OpenAIRoutes:
         prefix_cache: bool = True,
         embed_width: int | None = None,
         mis: bool = False,
-        images: Callable[[Any], AbstractAsyncContextManager[Any]] | None = None,
+        images: Callable[[Any], AbstractAsyncContextManager[Any]] = lambda body: nullcontext(),
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
         # a native body's http(s) images fetched off the loop for a stream to read as it is
@@ -1052,8 +1052,6 @@ class OpenAIRoutes:
                 progress = route != "completions" or not options["echo"]
                 if progress and self.progress_stream:  # an echo's first chunk needs the native
                     source = self.progress_stream
-                if self.images is None:
-                    return Reply(200, chunks=stream(source(native), options))
                 async with self.images(native):  # (checked and queued at once)
                     return Reply(200, chunks=stream(source(native), options))
             if client is not None and self.watched is not None:
