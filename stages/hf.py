@@ -5,20 +5,26 @@ stages that share a process (``pipeline.host``) load tokenizers and models in th
 own at the same moment ("cannot import name 'AutoModelForCausalLM' from 'transformers'").
 Importing this module resolves them all in its body, which Python runs once while every other
 thread importing it waits. Import these names from here, not from ``transformers``.
+
+``AutoImageProcessor`` alone is resolved when first imported from here (under a lock): its
+import takes 1.3 s, which only an engine serving a vision model needs.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 import transformers
+
+if TYPE_CHECKING:
+    from transformers import AutoImageProcessor
 
 AutoConfig = transformers.AutoConfig
 AutoModel = transformers.AutoModel
 AutoModelForCausalLM = transformers.AutoModelForCausalLM
 AutoModelForImageTextToText = transformers.AutoModelForImageTextToText
-AutoImageProcessor = transformers.AutoImageProcessor
 AutoModelForSequenceClassification = transformers.AutoModelForSequenceClassification
 AutoTokenizer = transformers.AutoTokenizer
 DynamicCache = transformers.DynamicCache
@@ -40,6 +46,20 @@ __all__ = [
     "cache_argument",
     "output_cache",
 ]
+
+_LAZY = ("AutoImageProcessor",)
+_lazy_lock = threading.Lock()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _lazy_lock:
+        value = globals().get(name)
+        if value is None:
+            value = globals()[name] = getattr(transformers, name)
+    return value
+
 
 # a model forward's keys-and-values argument: "cache" from transformers 5.2x on, where
 # "past_key_values" still works with a warning until its removal (5.40)

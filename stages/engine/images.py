@@ -458,7 +458,6 @@ class Vision:
         return mrope, int(mrope.max()) + 1 - length
 
     @torch.no_grad()
-    @torch.no_grad()
     def features(self, image: ImagePrompt) -> torch.Tensor:
         """The rows ``[pads, hidden]`` in place of ``image``'s pads, and for Qwen3-VL the
         deepstack's (``ImagePrompt.deep``): the vision tower run once over its images (the
