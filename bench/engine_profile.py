@@ -34,9 +34,10 @@ penalties on every row (``stages.engine.penalties``: what they cost a step).
 excluded tags, an end tag no row draws by chance) with that ``max_thinking_tokens`` (-1: none,
 so every step filters the excluded tags of every row; a budget: the end forced when it is
 spent): what the filter costs a step. ``--model moe`` is arith-tiny's tokenizer on a random
-Qwen3-MoE (hidden 128, 6 layers of 16 experts, 2 a token, one dense; transformers' passes);
-with ``--routed-experts`` every row asks for its routed experts (the scheduler's
-``--enable-return-routed-experts``): what capturing them costs a step.
+Qwen3-MoE (hidden 128, 6 layers of 16 experts, 2 a token, one dense; on the engine's passes
+its experts run by transformers' module); with ``--routed-experts`` every row asks for its
+routed experts (the scheduler's ``--enable-return-routed-experts``): what capturing them costs
+a step.
 
 ``http`` starts ``inflight engine`` on arith-tiny (``--model mid``: its tokenizer on a 6-layer,
 384-wide model; ``OMP_NUM_THREADS=1``, ``--max-running 64``)

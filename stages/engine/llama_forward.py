@@ -3,18 +3,21 @@
 On a small model most of the time of ``model(...)`` is Python: module calls, mask and cache
 bookkeeping, argument checks, output objects. For models built from the Llama decoder layer
 (RMSNorm, q/k/v/o projections with rotary embeddings and grouped KV heads, a SiLU-gated MLP:
-``llama``, ``qwen2``, ``qwen3``, ``mistral`` without a sliding window), ``LlamaForward`` runs the
-same arithmetic straight on the model's own tensors (and on the text model of a Qwen2-VL,
+``llama``, ``qwen2``, ``qwen3``, ``mistral`` without a sliding window), ``LlamaForward`` runs
+the same arithmetic straight on the model's own tensors (and on the text model of a Qwen2-VL,
 Qwen2.5-VL or Qwen3-VL, whose multimodal rotary positions its own rotary embedding turns into
-the same cos and sin, and whose Qwen3-VL deepstack rows ``prefill`` adds after its first
-layers, as its text model does): each layer's q, k and v projections as one
-matmul, gate and up as one, attention as two batched matmuls. ``decode`` takes one token per row
-over the slot cache (``kv_batch.BatchKV``: keys and values go into its pending column, attention
-reads its views); ``prefill`` takes left-padded prompts, optionally on top of the cached keys
-and values of their prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys
-and values, as ``model(...)`` would, for the slot cache to admit. The norms, the rotary
-embedding and the activation are the model's own modules, so their variants (rope scaling, norm
-details) stay exactly transformers'.
+the same cos and sin, and whose Qwen3-VL deepstack rows ``prefill`` adds after its first layers,
+as its text model does): each layer's q, k and v projections as one matmul, gate and up as one,
+attention as two batched matmuls. In their mixtures of experts (``qwen2_moe``, ``qwen3_moe``,
+``mixtral``, Qwen3-VL-MoE's text) a layer of experts is the model's own module (its router,
+shared expert and experts' kernels, and any hooks on them: ``routed_experts``), called on the
+normed hidden states as the decoder layer calls it. ``decode`` takes one token per row over the
+slot cache (``kv_batch.BatchKV``: keys and values go into its pending column, attention reads
+its views); ``prefill`` takes left-padded prompts, optionally on top of the cached keys and
+values of their prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and
+values, as ``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding
+and the activation are the model's own modules, so their variants (rope scaling, norm details)
+stay exactly transformers'.
 
 The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
 into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
@@ -25,19 +28,24 @@ both passes to transformers' own logits and caches.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from stages.engine.lora_adapters import RowAdapters
+if TYPE_CHECKING:
+    from stages.engine.lora_adapters import RowAdapters
 
-__all__ = ["LlamaForward"]
+__all__ = ["LlamaForward", "dense_mlp"]
 
-_FAMILIES = frozenset(
+_DENSE = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"}
 )
+# the same decoder layer with a mixture of experts for the MLP of some or all layers: the
+# model's own module runs it (its router, its experts' kernels), on the normed hidden states
+_MIXTURES = frozenset({"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral"})
+_FAMILIES = _DENSE | _MIXTURES
 
 
 def _text(model: Any) -> tuple[Any, Any]:
@@ -56,6 +64,7 @@ class _Layer:
         "act",
         "attn_norm",
         "down",
+        "experts",
         "gate_up",
         "gate_up_bias",
         "index",
@@ -75,9 +84,15 @@ class _Layer:
         self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
         self.k_norm = attn.k_norm.forward if hasattr(attn, "k_norm") else None
         self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.o, self.down = attn.o_proj, mlp.down_proj
-        self.act = mlp.act_fn
+        self.o = attn.o_proj
+        # a mixture of experts (the model's module, called on [..., tokens, hidden]), or the
+        # SiLU-gated MLP with gate and up fused
+        self.experts = None if dense_mlp(mlp) else mlp
+        if self.experts is None:
+            self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+            self.down, self.act = mlp.down_proj, mlp.act_fn
+        else:
+            self.gate_up = self.gate_up_bias = self.down = self.act = None
 
 
 class LlamaForward:
@@ -107,7 +122,7 @@ class LlamaForward:
         if getattr(config, "hidden_act", "silu") != "silu":
             return f"hidden_act {config.hidden_act!r} (only silu)"
         if getattr(config, "use_sliding_window", False) or (
-            kind == "mistral" and getattr(config, "sliding_window", None)
+            kind in ("mistral", "mixtral") and getattr(config, "sliding_window", None)
         ):
             return "sliding-window attention"
         if getattr(config, "pretraining_tp", 1) != 1:
@@ -118,9 +133,9 @@ class LlamaForward:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if not isinstance(getattr(layers[0].self_attn, name, None), torch.nn.Linear):
                 return f"self_attn.{name} is not a plain Linear"
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            if not isinstance(getattr(layers[0].mlp, name, None), torch.nn.Linear):
-                return f"mlp.{name} is not a plain Linear"
+        for index, layer in enumerate(layers):
+            if not dense_mlp(layer.mlp) and kind not in _MIXTURES:
+                return f"layers.{index}.mlp is not gate_proj, up_proj, down_proj Linears"
         return None
 
     @classmethod
@@ -261,7 +276,17 @@ class LlamaForward:
     def _rest(
         layer: _Layer, h: torch.Tensor, attended: torch.Tensor, lora: RowAdapters | None
     ) -> torch.Tensor:
-        """The output projection, the residuals and the MLP."""
+        """The output projection, the residuals and the MLP (or the mixture of experts, to
+        which adapters do not apply)."""
+        if layer.experts is not None:
+            o = F.linear(attended, layer.o.weight, layer.o.bias)
+            if lora is not None:
+                lora.add(layer.index, "o", attended, o)
+            h = h + o
+            normed = layer.mlp_norm(h)
+            if normed.dim() == 2:  # a decode step's rows: one token each
+                return h + layer.experts(normed.unsqueeze(1)).squeeze(1)
+            return h + layer.experts(normed)
         if lora is None:
             h = h + F.linear(attended, layer.o.weight, layer.o.bias)
             z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
@@ -280,6 +305,15 @@ class LlamaForward:
         down = F.linear(gated, layer.down.weight, layer.down.bias)
         lora.add(i, "down", gated, down)
         return h + down
+
+
+def dense_mlp(mlp: Any) -> bool:
+    """Whether ``mlp`` is a layer's SiLU-gated MLP of plain ``gate_proj``, ``up_proj`` and
+    ``down_proj`` Linears (else, in the mixture families, a mixture of experts)."""
+    return all(
+        isinstance(getattr(mlp, name, None), torch.nn.Linear)
+        for name in ("gate_proj", "up_proj", "down_proj")
+    )
 
 
 def _fuse(projections: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

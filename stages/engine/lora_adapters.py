@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages.engine.llama_forward import dense_mlp
+
 __all__ = ["Adapter", "AdapterError", "RowAdapters", "load_adapter"]
 
 _NAME = re.compile(
@@ -127,10 +129,15 @@ def build_adapter(
     built: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in layers]
     for index in range(len(layers)):
         for slot, (part, projs) in _SLOTS.items():
-            modules = [getattr(getattr(layers[index], part), p) for p in projs]
             found = [pieces.get((index, part, p)) for p in projs]
             if not any(found):
                 continue
+            if part == "mlp" and not dense_mlp(layers[index].mlp):
+                raise AdapterError(
+                    f"{folder}: layer {index}'s MLP is a mixture of experts, which the engine "
+                    f"applies no adapter to (the adapter has its {'/'.join(projs)})"
+                )
+            modules = [getattr(getattr(layers[index], part), p) for p in projs]
             built[index][slot] = _fuse(
                 folder, index, part, projs, modules, found, rank, scale, weight
             )

@@ -618,12 +618,11 @@ class Scheduler:
         # a vision-language model (images.is_vision_model): its multimodal rotary positions
         self._vision = is_vision_model(getattr(model, "config", None))
         # --enable-return-routed-experts: the experts each pass routed its tokens to, kept for
-        # the rows that ask (transformers' passes: the fast ones run no mixture of experts)
+        # the rows that ask (hooks on the experts modules, which either path calls)
         self._experts = ExpertsCapture(model) if routed_experts else None
-        if self._experts is not None and self._fast is not None:
-            self._fast, why = None, "--enable-return-routed-experts (transformers' passes)"
         # --expert-distribution-recorder-mode: what the passes route to each expert, counted
-        # while /start_expert_distribution_record has it record (None: no flag)
+        # while /start_expert_distribution_record has it record (None: no flag); it marks a
+        # pass by the model's own forward (hooks on it), so transformers' passes
         self.expert_distribution = expert_distribution
         if expert_distribution is not None and self._fast is not None:
             self._fast, why = None, "--expert-distribution-recorder-mode (transformers' passes)"

@@ -1046,7 +1046,7 @@ def _parser() -> argparse.ArgumentParser:
         "--enable-return-routed-experts",
         action="store_true",
         help="a request's return_routed_experts answers the experts each of its tokens was "
-        "routed to, in every layer (SGLang's; mixture-of-experts models, transformers' passes)",
+        "routed to, in every layer (SGLang's; mixture-of-experts models, either forward path)",
     )
     parser.add_argument(
         "--expert-distribution-recorder-mode",

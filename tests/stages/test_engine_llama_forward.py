@@ -11,9 +11,12 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.cache_utils import DynamicCache
 
@@ -49,6 +52,25 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(**SIZES),
     "qwen3": lambda: Qwen3Config(**SIZES, head_dim=16),  # q/k norms, head_dim != hidden/heads
     "mistral": lambda: MistralConfig(**SIZES, sliding_window=None),
+    # mixtures of experts: the model's own module for the MLP (a dense first layer here)
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **SIZES,
+        head_dim=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        mlp_only_layers=[0],
+    ),
+    "qwen2_moe": lambda: Qwen2MoeConfig(  # a shared expert and its gate; biased q/k/v
+        **SIZES,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+    ),
+    "mixtral": lambda: MixtralConfig(
+        **SIZES, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+    ),
 }
 
 
@@ -134,18 +156,30 @@ def test_prefill_and_decode_match_transformers(family: str, attn: str) -> None:
         kv.push(expected.argmax(-1), torch.zeros(kv.rows))
 
 
+UPDATED = {
+    "qwen2": [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.v_proj.bias",
+        "model.layers.1.mlp.up_proj.weight",
+    ],
+    "qwen3_moe": [  # a dense layer's MLP, then a layer of experts' own tensors and router
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.gate.weight",
+    ],
+}
+
+
+@pytest.mark.parametrize("family", sorted(UPDATED))
 @torch.inference_mode()
-def test_weights_loaded_by_name_reach_the_fused_projections() -> None:
-    model = _model(CONFIGS["qwen2"]())
+def test_weights_loaded_by_name_reach_the_fused_projections(family: str) -> None:
+    model = _model(CONFIGS[family]())
     fast, _ = LlamaForward.build(model)
     kv, _ = _prefilled(model, "sdpa", [4, 6])
     before = fast.decode(*kv.decode_inputs(), kv).clone()
     torch.manual_seed(5)
-    names = [
-        "model.layers.0.self_attn.k_proj.weight",
-        "model.layers.1.self_attn.v_proj.bias",
-        "model.layers.1.mlp.up_proj.weight",
-    ]
+    names = UPDATED[family]
     params = model.state_dict()
     load_named_tensors(model, [(n, torch.randn_like(params[n])) for n in names])
     expected = _reference(model, kv)

@@ -16,7 +16,7 @@ from stages.engine.lora_adapters import AdapterError
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
 from stages.engine.server import build_app
-from tests.stages.tiny_model import make_tiny_model
+from tests.stages.tiny_model import make_tiny_model, make_tiny_moe_model
 
 PROMPTS = [[5, 9, 14, 3], [7, 7, 20, 31, 40, 2], [11, 12]]
 NEW = 8
@@ -106,6 +106,35 @@ def test_rows_of_two_adapters_and_the_base_in_one_batch_match_merged_models(mode
     sched.run_until_idle()
     assert [f.result(timeout=5) for f in unloads] == [True, False]
     assert sched.adapter_names() == {"b"}
+
+
+@pytest.mark.timeout(120)
+def test_a_mixture_of_experts_takes_adapters_on_its_attention_and_dense_layers(tmp_path):
+    """Qwen3-MoE on the engine's passes (its experts by its own module): an adapter of the
+    attention computes what the merged model does; the MLP projections of its dense layer
+    take one too; those of a layer of experts, and peft's adapters of the experts' fused
+    weights, are refused, naming the layer or the key."""
+    moe = make_tiny_moe_model(tmp_path / "moe", seed=4, dense_layers=(1,))
+    merged = _adapter(moe, tmp_path / "a", seed=1, targets=["q_proj", "o_proj"])
+    base = load_model(str(moe), device="cpu").model
+    want = _run(*_greedy(merged, PROMPTS))
+    assert want != _run(*_greedy(base, PROMPTS))
+    sched, inputs = _greedy(base, PROMPTS, "a")
+    assert sched.forward_path == "fast", sched.forward_path_why
+    sched.load_adapter("a", str(tmp_path / "a"))
+    _same(_run(sched, inputs), want)
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+
+    def mlp(layer: int) -> dict[str, torch.Tensor]:
+        at = f"base_model.model.model.layers.{layer}.mlp.gate_proj"
+        return {f"{at}.lora_A.weight": torch.ones(4, 32), f"{at}.lora_B.weight": torch.ones(64, 4)}
+
+    sched.load_adapter_from("dense", config, lambda: mlp(1))
+    with pytest.raises(AdapterError, match="layer 0's MLP is a mixture of experts"):
+        sched.load_adapter_from("b", config, lambda: mlp(0))
+    _adapter(moe, tmp_path / "experts", seed=1, targets=["down_proj"])
+    with pytest.raises(AdapterError, match=r"layers\.0\.mlp\.experts\.lora_A\.weight: not a"):
+        sched.load_adapter("c", str(tmp_path / "experts"))
 
 
 def test_folders_that_do_not_fit_are_refused_with_what_and_where(model_dir, tmp_path):

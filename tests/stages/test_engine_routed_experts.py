@@ -83,8 +83,9 @@ def _expected(reference: torch.nn.Module, prompt: list[int], output: list[int], 
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])  # forward path
 def test_every_row_gets_the_routing_of_the_passes_that_computed_its_tokens(
-    model: Path, reference: torch.nn.Module
+    model: Path, reference: torch.nn.Module, fast: bool
 ) -> None:
     """Prompts of several lengths in one left-padded prefill, two samples sharing one prompt's
     pass, a start past 0, a prefill-only request, a request whose prompt the prefix cache
@@ -92,8 +93,11 @@ def test_every_row_gets_the_routing_of_the_passes_that_computed_its_tokens(
     that does not ask, and a retraction and re-prefill: each answer is transformers' routing
     of its sequence, the dense layer 0s."""
     long_prompt = [(7 * i) % 120 + 3 for i in range(40)]  # more than IN_BATCH_PREFIX tokens
-    scheduler = Scheduler(load_reference(model), max_running=8, routed_experts=True)
-    assert scheduler.forward_path == "transformers" and scheduler.routed_experts
+    scheduler = Scheduler(
+        load_reference(model), max_running=8, routed_experts=True, fast_forward=fast
+    )
+    assert scheduler.forward_path == ("fast" if fast else "transformers")
+    assert scheduler.routed_experts
     sample = SamplingParams(temperature=1.0, max_new_tokens=7, ignore_eos=True)
     # the long prompt in the prefix cache first, from a request that does not ask
     warm = scheduler.submit(GenerateInput("warm", long_prompt, sample, False))
