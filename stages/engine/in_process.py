@@ -33,9 +33,9 @@ import asyncio
 import concurrent.futures
 import functools
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from aiohttp import web
@@ -52,6 +52,9 @@ from stages.engine.protocol import (
     request_options,
 )
 from stages.engine.scheduler import Scheduler
+from stages.engine.torch_threads import in_passing_thread
+
+T = TypeVar("T")
 
 __all__ = ["InProcessEngine"]
 
@@ -67,7 +70,8 @@ class InProcessEngine:
         api_key: str | None = None,
         loader: Executor | None = None,
     ) -> None:
-        """``loader``: where ``start`` loads the model (default: asyncio's default executor)."""
+        """``loader``: where ``start`` loads the model and builds the scheduler (default: a
+        thread of their own that ends with each, ``torch_threads``)."""
         try:
             self.args = server.parse_args(argv)
         except SystemExit as exc:  # argparse printed why; say it where it happened
@@ -88,17 +92,25 @@ class InProcessEngine:
     def alive(self) -> bool:
         return self.scheduler is not None and self.scheduler.alive
 
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the loader, else on a thread that ends with it: no thread that lives on
+        keeps the OpenMP team torch's work made (its idle team would throttle the
+        scheduler's passes: ``torch_threads``)."""
+        if self._loader is not None:
+            return await asyncio.get_running_loop().run_in_executor(self._loader, fn)
+        return await asyncio.to_thread(in_passing_thread, fn)
+
     async def start(self) -> None:
         """Load the model (in a worker thread), start the scheduler and serve the routes."""
         args = self.args
         load = functools.partial(server.load_served, args)  # as a server process loads it
-        self.loaded = await asyncio.get_running_loop().run_in_executor(self._loader, load)
+        self.loaded = await self._off_loop(load)
         if not server.mis_allowed(args, self.loaded.vocab_size):
             raise ValueError("--enable-mis: this model has no token 9999, its delimiter")
         server.resolve_parsers(args, self.loaded)  # --tool-call-parser auto... as a server's
         # on the loader's thread too, which ends with the start (torch_threads)
         build = functools.partial(server.build_scheduler, args, self.loaded)
-        self.scheduler = await asyncio.get_running_loop().run_in_executor(self._loader, build)
+        self.scheduler = await self._off_loop(build)
         self.scheduler.start()
         # every server flag as the engine's own process takes it (--enable-metrics, request
         # logging...), but the engine id: the generator's process has none of its own

@@ -56,3 +56,37 @@ def test_the_engine_loads_its_model_off_the_main_thread(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=100, cwd=Path(__file__).parents[2],
     )  # fmt: skip
     assert done.stdout.split()[-3:] == ["2", "True", "False"], done.stdout + done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_in_process_engine_without_a_loader_loads_on_a_thread_that_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``InProcessEngine`` given no loader: not asyncio's default executor, whose threads
+    live on with the team torch's load made there, but a thread that ends with the load."""
+    import asyncio
+
+    import structlog
+
+    from stages.engine import server
+    from stages.engine.in_process import InProcessEngine
+
+    seen: list[threading.Thread] = []
+
+    def load(args: object) -> None:
+        seen.append(threading.current_thread())
+        raise OSError("a checkpoint that does not read")
+
+    monkeypatch.setattr(server, "load_served", load)
+    model = make_tiny_model(tmp_path / "model", vocab=64)
+    engine = InProcessEngine(
+        ["--model-path", str(model), "--port", "0"], log=structlog.get_logger()
+    )
+
+    async def start() -> bool:  # whether the thread that loaded is still there, meanwhile
+        with pytest.raises(OSError, match="does not read"):
+            await engine.start()
+        return seen[0].is_alive()
+
+    assert asyncio.run(start()) is False
+    assert seen[0] is not threading.main_thread()
