@@ -3,21 +3,24 @@
 On a small model most of the time of ``model(...)`` is Python: module calls, mask and cache
 bookkeeping, argument checks, output objects. For models built from the Llama decoder layer
 (RMSNorm, q/k/v/o projections with rotary embeddings and grouped KV heads, a SiLU-gated MLP:
-``llama``, ``qwen2``, ``qwen3``, ``mistral`` without a sliding window), ``LlamaForward`` runs
-the same arithmetic straight on the model's own tensors (and on the text model of a Qwen2-VL,
-Qwen2.5-VL or Qwen3-VL, whose multimodal rotary positions its own rotary embedding turns into
-the same cos and sin, and whose Qwen3-VL deepstack rows ``prefill`` adds after its first layers,
-as its text model does): each layer's q, k and v projections as one matmul, gate and up as one,
-attention as two batched matmuls. In their mixtures of experts (``qwen2_moe``, ``qwen3_moe``,
-``mixtral``, Qwen3-VL-MoE's text) a layer of experts is the model's own module (its router,
+``llama``, ``qwen2``, ``qwen3``, ``mistral``), ``LlamaForward`` runs the same arithmetic
+straight on the model's own tensors (and on the text model of a Qwen2-VL, Qwen2.5-VL or
+Qwen3-VL, whose multimodal rotary positions its own rotary embedding turns into the same cos and
+sin, and whose Qwen3-VL deepstack rows ``prefill`` adds after its first layers, as its text
+model does): each layer's q, k and v projections as one matmul, gate and up as one, attention as
+two batched matmuls. In their mixtures of experts (``qwen2_moe``, ``qwen3_moe``, ``mixtral``,
+``gpt_oss``, Qwen3-VL-MoE's text) a layer of experts is the model's own module (its router,
 shared expert and experts' kernels, and any hooks on them: ``routed_experts``), called on the
-normed hidden states as the decoder layer calls it. ``decode`` takes one token per row over the
-slot cache (``kv_batch.BatchKV``: keys and values go into its pending column, attention reads
-its views); ``prefill`` takes left-padded prompts, optionally on top of the cached keys and
-values of their prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and
-values, as ``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding
-and the activation are the model's own modules, so their variants (rope scaling, norm details)
-stay exactly transformers'.
+normed hidden states as the decoder layer calls it. A sliding-window layer (``layer_types``, or
+Mistral's ``sliding_window`` on every layer) attends to its window's last keys, as transformers'
+masks let it; gpt-oss's attention sinks (a logit a head, in each softmax, whose share is
+dropped) are in its softmax. ``decode`` takes one token per row over the slot cache
+(``kv_batch.BatchKV``: keys and values go into its pending column, attention reads its views);
+``prefill`` takes left-padded prompts, optionally on top of the cached keys and values of their
+prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as
+``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding and the
+activation are the model's own modules, so their variants (rope scaling, norm details) stay
+exactly transformers'.
 
 The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
 into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
@@ -44,7 +47,7 @@ _DENSE = frozenset(
 )
 # the same decoder layer with a mixture of experts for the MLP of some or all layers: the
 # model's own module runs it (its router, its experts' kernels), on the normed hidden states
-_MIXTURES = frozenset({"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral"})
+_MIXTURES = frozenset({"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral", "gpt_oss"})
 _FAMILIES = _DENSE | _MIXTURES
 
 
@@ -74,11 +77,16 @@ class _Layer:
         "q_norm",
         "qkv",
         "qkv_bias",
+        "sinks",
+        "window",
     )
 
-    def __init__(self, layer: Any, index: int) -> None:
+    def __init__(self, layer: Any, index: int, window: int | None) -> None:
         self.index = index
+        self.window = window  # a sliding-window layer's: it attends to its last this many
         attn, mlp = layer.self_attn, layer.mlp
+        # gpt-oss's attention sinks: a logit a head, in each softmax, whose share goes nowhere
+        self.sinks = getattr(attn, "sinks", None)
         self.attn_norm = layer.input_layernorm.forward
         self.mlp_norm = layer.post_attention_layernorm.forward
         self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
@@ -110,7 +118,8 @@ class LlamaForward:
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.forward
         self.lm_head = model.lm_head
-        self.layers = [_Layer(layer, i) for i, layer in enumerate(inner.layers)]
+        windows = _windows(config, len(inner.layers))
+        self.layers = [_Layer(layer, i, windows[i]) for i, layer in enumerate(inner.layers)]
 
     @staticmethod
     def unsupported(model: Any) -> str | None:
@@ -121,10 +130,9 @@ class LlamaForward:
             return f"model_type {kind!r} is not one of {sorted(_FAMILIES)}"
         if getattr(config, "hidden_act", "silu") != "silu":
             return f"hidden_act {config.hidden_act!r} (only silu)"
-        if getattr(config, "use_sliding_window", False) or (
-            kind in ("mistral", "mixtral") and getattr(config, "sliding_window", None)
-        ):
-            return "sliding-window attention"
+        kinds = set(getattr(config, "layer_types", None) or ())
+        if kinds - {"full_attention", "sliding_attention"}:
+            return f"layer types {sorted(kinds)} (full and sliding-window attention only)"
         if getattr(config, "pretraining_tp", 1) != 1:
             return "pretraining_tp > 1"
         layers = getattr(inner, "layers", None)
@@ -163,14 +171,20 @@ class LlamaForward:
         n = ids.shape[0]
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         h = F.embedding(ids[:, 0], self.embed.weight)
-        cos, sin = self.rotary(h, positions)  # [n, 1, hd]: broadcast over the heads
+        cos, sin = self._rotary(h, positions)  # [n, 1, hd]: broadcast over the heads
         # True (or 0.0) where a row may attend -> True where it may not
         blocked = (~mask if mask.dtype == torch.bool else mask < 0).view(n, 1, 1, -1)
         for layer, cache in zip(self.layers, kv.layers, strict=True):
             q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [n, heads, hd]
             keys, values = cache.update(k.unsqueeze(2), v.unsqueeze(2))  # [n, nkv, L, hd]
+            where = blocked
+            if layer.window is not None and keys.shape[2] > layer.window:
+                # its last columns (a row's tokens end at the pending one, side by side: the
+                # prefix cache is off for such models), as transformers' sliding mask keeps them
+                keys, values = keys[:, :, -layer.window :], values[:, :, -layer.window :]
+                where = blocked[..., -layer.window :]
             scores = torch.matmul(q.view(n, nkv, nh // nkv, hd), keys.transpose(-1, -2))
-            out = self._attend(scores, blocked, values)  # [n, nkv, group, hd]
+            out = self._attend(scores, where, values, layer.sinks)  # [n, nkv, group, hd]
             h = self._rest(layer, h, out.reshape(n, nh * hd), lora)
         normed = self.final_norm(h)
         logits = F.linear(normed, self.lm_head.weight, self.lm_head.bias)
@@ -205,15 +219,20 @@ class LlamaForward:
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         group = nh // nkv
         h = F.embedding(ids, self.embed.weight) if embeds is None else embeds
-        cos, sin = self.rotary(h, positions)
+        cos, sin = self._rotary(h, positions)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [rows, width, 1, hd]
         # causal over real keys; a padding position sees itself (no empty softmax row)
         query = torch.arange(width, device=ids.device)[:, None] + before
         key = torch.arange(before + width, device=ids.device)[None, :]
         allowed = (key <= query) & (mask.bool()[:, None, :] | (key == query))  # [rows, q, k]
-        blocked = ~allowed[:, None, None]  # [rows, 1, 1, query, key]
+        masks = {None: ~allowed[:, None, None]}  # [rows, 1, 1, query, key] by window
         cache = DynamicCache()
         for i, layer in enumerate(self.layers):
+            blocked = masks.get(layer.window)
+            if blocked is None:  # a sliding window: the keys of the last that many positions
+                at = mask.long().cumsum(-1) - 1  # [rows, keys]: each real key's position
+                near = (at[:, before:, None] - at[:, None, :]) < layer.window
+                blocked = masks[layer.window] = ~(allowed & (near | (key == query)))[:, None, None]
             q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [rows, width, nh, hd]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [rows, nkv, width, hd]
             if past is not None:
@@ -222,7 +241,7 @@ class LlamaForward:
             cache.update(k, v, i)
             q = q.view(rows, width, nkv, group, hd).permute(0, 2, 3, 1, 4)
             scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))
-            out = self._attend(scores, blocked, v.unsqueeze(2))  # [rows, nkv, group, width, hd]
+            out = self._attend(scores, blocked, v.unsqueeze(2), layer.sinks)
             out = out.permute(0, 3, 1, 2, 4).reshape(rows, width, nh * hd)
             h = self._rest(layer, h, out, lora)
             if deepstack is not None and i < len(deepstack[1]):
@@ -265,11 +284,32 @@ class LlamaForward:
         k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
         return q, k, v
 
+    def _rotary(
+        self, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary embedding's cos and sin over the whole head (gpt-oss's gives
+        them for one half, which rotates the other the same way)."""
+        cos, sin = self.rotary(h, positions)
+        if cos.shape[-1] * 2 == self.head_dim:
+            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        return cos, sin
+
     def _attend(
-        self, scores: torch.Tensor, blocked: torch.Tensor, values: torch.Tensor
+        self,
+        scores: torch.Tensor,
+        blocked: torch.Tensor,
+        values: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Softmax of ``scores`` ``[..., kv heads, group, (queries,) keys]`` over the keys not
+        ``blocked`` (and each head's sink, its share then dropped), times ``values``."""
         scores = scores.mul_(self.scaling).masked_fill_(blocked, float("-inf"))
-        probs = scores.float().softmax(-1).to(values.dtype)  # (no-op casts in float32)
+        if sinks is not None:
+            sink = sinks.view(self.kv_heads, -1, *[1] * (scores.dim() - 3))
+            scores = torch.cat((scores, sink.to(scores.dtype).expand(*scores.shape[:-1], 1)), -1)
+            probs = scores.float().softmax(-1)[..., :-1].to(values.dtype)
+        else:
+            probs = scores.float().softmax(-1).to(values.dtype)  # (no-op casts in float32)
         return torch.matmul(probs, values)
 
     @staticmethod
@@ -284,9 +324,11 @@ class LlamaForward:
                 lora.add(layer.index, "o", attended, o)
             h = h + o
             normed = layer.mlp_norm(h)
-            if normed.dim() == 2:  # a decode step's rows: one token each
-                return h + layer.experts(normed.unsqueeze(1)).squeeze(1)
-            return h + layer.experts(normed)
+            step = normed.dim() == 2  # a decode step's rows: one token each
+            out = layer.experts(normed.unsqueeze(1) if step else normed)
+            if isinstance(out, tuple):  # gpt-oss's: (hidden states, router scores)
+                out = out[0]
+            return h + (out.squeeze(1) if step else out)
         if lora is None:
             h = h + F.linear(attended, layer.o.weight, layer.o.bias)
             z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
@@ -305,6 +347,17 @@ class LlamaForward:
         down = F.linear(gated, layer.down.weight, layer.down.bias)
         lora.add(i, "down", gated, down)
         return h + down
+
+
+def _windows(config: Any, count: int) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers' masks give them:
+    by ``layer_types``, else (Mistral's) every layer's ``sliding_window`` unless it is off."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    on = isinstance(window, int) and getattr(config, "use_sliding_window", True) is not False
+    return [window if on else None] * count
 
 
 def dense_mlp(mlp: Any) -> bool:

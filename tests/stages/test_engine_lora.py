@@ -16,7 +16,7 @@ from stages.engine.lora_adapters import AdapterError
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
 from stages.engine.server import build_app
-from tests.stages.tiny_model import make_tiny_model, make_tiny_moe_model
+from tests.stages.tiny_model import make_gpt_oss_model, make_tiny_model, make_tiny_moe_model
 
 PROMPTS = [[5, 9, 14, 3], [7, 7, 20, 31, 40, 2], [11, 12]]
 NEW = 8
@@ -109,12 +109,17 @@ def test_rows_of_two_adapters_and_the_base_in_one_batch_match_merged_models(mode
 
 
 @pytest.mark.timeout(120)
-def test_a_mixture_of_experts_takes_adapters_on_its_attention_and_dense_layers(tmp_path):
-    """Qwen3-MoE on the engine's passes (its experts by its own module): an adapter of the
-    attention computes what the merged model does; the MLP projections of its dense layer
-    take one too; those of a layer of experts, and peft's adapters of the experts' fused
-    weights, are refused, naming the layer or the key."""
-    moe = make_tiny_moe_model(tmp_path / "moe", seed=4, dense_layers=(1,))
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_a_mixture_of_experts_takes_adapters_on_its_attention_and_dense_layers(kind, tmp_path):
+    """Qwen3-MoE and gpt-oss (its sliding window, attention sinks) on the engine's passes, their
+    experts by their own modules: an adapter of the attention computes what the merged model
+    does; the MLP projections of Qwen3-MoE's dense layer take one too; those of a layer of
+    experts, and peft's adapters of the experts' fused weights, are refused, naming the layer
+    or the key."""
+    if kind == "gpt_oss":
+        moe = make_gpt_oss_model(tmp_path / "moe", window=3)
+    else:
+        moe = make_tiny_moe_model(tmp_path / "moe", seed=4, dense_layers=(1,))
     merged = _adapter(moe, tmp_path / "a", seed=1, targets=["q_proj", "o_proj"])
     base = load_model(str(moe), device="cpu").model
     want = _run(*_greedy(merged, PROMPTS))
@@ -123,6 +128,8 @@ def test_a_mixture_of_experts_takes_adapters_on_its_attention_and_dense_layers(t
     assert sched.forward_path == "fast", sched.forward_path_why
     sched.load_adapter("a", str(tmp_path / "a"))
     _same(_run(sched, inputs), want)
+    if kind == "gpt_oss":
+        return
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
 
     def mlp(layer: int) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Models with sliding-window layers (gpt-oss alternates them with full attention, as Gemma 4
-does; Qwen2 and Mistral can slide every layer) served by the built-in engine's transformers
-forward: each decode step's sliding layers see the last ``sliding_window`` tokens only
-(``scheduler._layer_masks``), prefills are whole prompts (no prefix cache: a cached prefix
+does; Qwen2 and Mistral can slide every layer) served by the built-in engine: on its own passes
+(``llama_forward``: gpt-oss, Qwen2, Mistral), each decode step's sliding layers attend to their
+last ``sliding_window`` columns, as on transformers' (``scheduler._layer_masks``, Gemma 4 and
+``--forward transformers``); prefills are whole prompts (no prefix cache: a cached prefix
 leaves padding inside the window). Greedy answers equal transformers' own, whose sliding caches
 and masks are its reference."""
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -61,22 +63,38 @@ def _sliding_gemma4(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["gpt_oss", "qwen2", "mistral", "gemma4"])
+# the model, and the forward path it must be served on
+CASES = {
+    "gpt_oss": "fast",
+    "gpt_oss-transformers": "transformers",
+    "qwen2": "fast",
+    "qwen2-transformers": "transformers",
+    "mistral": "fast",
+    "gemma4": "transformers",
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
 def sliding_engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     """gpt-oss (a sliding layer, then a full one; eager attention's additive masks), a Qwen2
-    sliding everywhere (sdpa), a Mistral with a window and no layer types, or Gemma 4."""
+    sliding everywhere (sdpa), a Mistral with a window and no layer types, or Gemma 4; on the
+    engine's passes, or with ``-transformers`` on transformers'."""
     root = tmp_path_factory.mktemp(f"sliding-{request.param}")
-    if request.param == "gpt_oss":
+    kind = request.param.removesuffix("-transformers")
+    if kind == "gpt_oss":
         model_dir = make_gpt_oss_model(root / "model", window=WINDOW)
-    elif request.param == "qwen2":
+    elif kind == "qwen2":
         model_dir = _sliding_qwen2(root / "model")
-    elif request.param == "gemma4":
+    elif kind == "gemma4":
         model_dir = _sliding_gemma4(root / "model")
     else:
         model_dir = _sliding_mistral(root / "model")
-    with serving(model_dir, root / "engine.log") as eng:
+    flags = ("--forward", "transformers") if request.param.endswith("-transformers") else ()
+    with serving(model_dir, root / "engine.log", *flags) as eng:
+        info = requests.get(eng.url + "/server_info", timeout=30).json()
+        assert info["forward_path"] == CASES[request.param], info["forward_fallback_reason"]
         yield eng
 
 
