@@ -174,15 +174,22 @@ class LlamaForward:
         cos, sin = self._rotary(h, positions)  # [n, 1, hd]: broadcast over the heads
         # True (or 0.0) where a row may attend -> True where it may not
         blocked = (~mask if mask.dtype == torch.bool else mask < 0).view(n, 1, 1, -1)
+        windows: dict[int, tuple[torch.Tensor, int]] = {}
         for layer, cache in zip(self.layers, kv.layers, strict=True):
             q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [n, heads, hd]
             keys, values = cache.update(k.unsqueeze(2), v.unsqueeze(2))  # [n, nkv, L, hd]
             where = blocked
-            if layer.window is not None and keys.shape[2] > layer.window:
-                # its last columns (a row's tokens end at the pending one, side by side: the
-                # prefix cache is off for such models), as transformers' sliding mask keeps them
-                keys, values = keys[:, :, -layer.window :], values[:, :, -layer.window :]
-                where = blocked[..., -layer.window :]
+            if layer.window is not None:
+                seen = windows.get(layer.window)
+                if seen is None:
+                    seen = windows[layer.window] = _window_of(blocked, layer.window)
+                where, first = seen
+                if first:  # (columns no row's window reaches)
+                    keys, values, where = (
+                        keys[:, :, first:],
+                        values[:, :, first:],
+                        where[..., first:],
+                    )
             scores = torch.matmul(q.view(n, nkv, nh // nkv, hd), keys.transpose(-1, -2))
             out = self._attend(scores, where, values, layer.sinks)  # [n, nkv, group, hd]
             h = self._rest(layer, h, out.reshape(n, nh * hd), lora)
@@ -347,6 +354,21 @@ class LlamaForward:
         down = F.linear(gated, layer.down.weight, layer.down.bias)
         lora.add(i, "down", gated, down)
         return h + down
+
+
+def _window_of(blocked: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:
+    """A decode step's mask for a sliding layer of ``window``: ``blocked`` ``[rows, 1, 1,
+    columns]`` (True: not attended) also blocking each row's keys before its last ``window``
+    positions (its real keys counted: padding, wherever it lies, takes no place in it; the
+    pending column, a row's newest, is last), and the first column any row's window reaches
+    (0 on an accelerator: no host sync a step)."""
+    counts = (~blocked).long().cumsum(-1)  # real keys up to each column
+    far = counts <= counts[..., -1:] - window
+    where = blocked | far
+    if blocked.device.type != "cpu":
+        return where, 0
+    reached = (~far).view(far.shape[0], -1).any(0)
+    return where, int(reached.long().argmax())
 
 
 def _windows(config: Any, count: int) -> list[int | None]:

@@ -574,8 +574,9 @@ class Scheduler:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.model = model.eval()
         # the sliding window of a model with sliding-window layers (gpt-oss, Gemma, Mistral's
-        # first models): their decode mask keeps its last columns only; None: none; and whether
-        # every layer slides (the model then takes one mask, not one a layer type)
+        # first models): on transformers' passes their decode mask keeps its last columns
+        # only; None: none; and whether every layer slides (the model then takes one mask, not
+        # one a layer type)
         self._window, self._all_slide = _sliding_window(model)
         # the name the model's forward takes its cache by (transformers renamed it)
         self._cache_arg = cache_argument(model.forward) or "past_key_values"
@@ -670,9 +671,10 @@ class Scheduler:
         self._adapters: dict[str, Adapter] = {}
         self._adapter_names: frozenset[str] = frozenset()
         self._lora_seen = False  # an adapter was ever loaded: passes look for adapted rows
-        if self._window is not None and prefix_cache_tokens > 0:
+        if self._window is not None and self._fast is None and prefix_cache_tokens > 0:
             # a prefill on a cached prefix leaves padding between it and the new tokens, which
-            # would count in a sliding window: such models prefill whole prompts
+            # transformers' sliding masks (a row's last columns) would count in the window:
+            # such models prefill whole prompts there (the engine's passes count positions)
             log.info("prefix_cache_off", reason="sliding-window layers", window=self._window)
             prefix_cache_tokens = 0
         self._prefix = (

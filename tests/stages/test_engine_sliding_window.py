@@ -133,3 +133,33 @@ def test_sliding_window_answers_equal_transformers(sliding_engine: Engine) -> No
         assert any(
             a["output_ids"] != _reference(full, p, 12) for p, a in zip(prompts, out, strict=True)
         )
+
+
+@pytest.mark.timeout(120)
+def test_prompts_on_a_cached_prefix_keep_their_window(sliding_engine: Engine) -> None:
+    """On the engine's passes the prefix cache serves these models too: prompts that extend
+    earlier prompts and answers take their KV from the cache; prefilled together on prefixes of
+    different lengths, a row's padding lies between its prefix and its new tokens, which the
+    window does not count; answers as transformers'. On transformers' passes nothing is
+    cached."""
+    info = requests.get(sliding_engine.url + "/server_info", timeout=30).json()
+    model = AutoModelForCausalLM.from_pretrained(sliding_engine.model_dir, dtype=torch.float32)
+    model.eval()
+    vocab = model.config.vocab_size
+    params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+    firsts = [[(7 * i + 3) % vocab for i in range(11)], [(5 * i + 2) % vocab for i in range(5)]]
+    outs = sliding_engine.generate({"input_ids": firsts, "sampling_params": params})
+    # one new token on the longer prefix, four on the shorter: three columns of padding
+    later = [
+        [*firsts[0], *outs[0]["output_ids"], 9 % vocab],
+        [*firsts[1], *outs[1]["output_ids"], *(t % vocab for t in (4, 8, 15, 16))],
+    ]
+    both = sliding_engine.generate({"input_ids": later, "sampling_params": params})
+    with torch.no_grad():
+        for prompt, answer in zip(later, both, strict=True):
+            assert answer["output_ids"] == _reference(model, prompt, 6), prompt
+    cached = [answer["meta_info"]["cached_tokens"] for answer in both]
+    if info["forward_path"] == "fast":
+        assert cached[0] >= len(firsts[0]) and cached[1] >= len(firsts[1]), cached
+    else:
+        assert cached == [0, 0]
