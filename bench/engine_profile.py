@@ -37,7 +37,8 @@ spent): what the filter costs a step. ``--model moe`` is arith-tiny's tokenizer 
 Qwen3-MoE (hidden 128, 6 layers of 16 experts, 2 a token, one dense; on the engine's passes
 its experts run by transformers' module); with ``--routed-experts`` every row asks for its
 routed experts (the scheduler's ``--enable-return-routed-experts``): what capturing them costs
-a step.
+a step. ``--model gpt-oss`` is arith-tiny's tokenizer on a random gpt-oss (hidden 128, 6 layers
+alternating a sliding window of 8 and full attention, 16 experts, attention sinks).
 
 ``http`` starts ``inflight engine`` on arith-tiny (``--model mid``: its tokenizer on a 6-layer,
 384-wide model; ``OMP_NUM_THREADS=1``, ``--max-running 64``)
@@ -122,9 +123,29 @@ def _arith_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [tok.encode(rng.choice(texts)) for _ in range(count)]
 
 
+def _gpt_oss(path: Path) -> Path:
+    """arith-tiny's tokenizer on a random gpt-oss: hidden 128, 6 layers alternating a sliding
+    window of 8 and full attention, 16 experts (2 a token), attention sinks."""
+    from transformers import GptOssConfig
+
+    vocab = json.loads((ARITH / "config.json").read_text())["vocab_size"]
+    config = GptOssConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=16,
+        num_experts_per_tok=2, sliding_window=8, max_position_embeddings=4096,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (ARITH / name).exists():
+            shutil.copy(ARITH / name, path / name)
+    return path
+
+
 def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:
     """(model, threads, prompt maker) for ``arith`` or ``bench22m``."""
-    if name in ("arith", "moe"):
+    if name in ("arith", "moe", "gpt-oss"):
         path, threads = ARITH, 1
         if name == "moe":  # arith-tiny's tokenizer on a small mixture of experts
             from tests.stages.tiny_model import make_tiny_moe_model
@@ -132,6 +153,8 @@ def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:
             path = make_tiny_moe_model(
                 tmp / "moe", hidden=128, layers=6, experts=16, tokenizer_from=ARITH
             )
+        if name == "gpt-oss":
+            path = _gpt_oss(tmp / "gpt-oss")
 
         def prompts(count: int, seed: int) -> list[list[int]]:
             return _arith_prompts(count, seed)
@@ -161,16 +184,21 @@ def _median_spread(values: list[float], digits: int = 3) -> dict[str, float]:
 def _forward_ms(model: torch.nn.Module, batch: int, contexts: list[int], reps: int) -> float:
     """Median ms of one plain HF decode forward (batch x 1 token) over caches of ``contexts``."""
     times = []
+    name = cache_argument(model.forward) or "past_key_values"  # transformers renamed it
+    # a sliding layer's cache cannot be cropped back: a fresh prefill before each rep
+    sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or ())
     for ctx in contexts:
         ids = torch.randint(2, model.config.vocab_size, (batch, ctx + 1))
-        cache = DynamicCache(config=model.config)
-        name = cache_argument(model.forward) or "past_key_values"  # transformers renamed it
-        model(input_ids=ids[:, :ctx], **{name: cache}, use_cache=True)
+        cache = None
         for _ in range(reps):
+            if cache is None or sliding:
+                cache = DynamicCache(config=model.config)
+                model(input_ids=ids[:, :ctx], **{name: cache}, use_cache=True)
             start = time.perf_counter()
             model(input_ids=ids[:, ctx:], **{name: cache}, use_cache=True)
             times.append(time.perf_counter() - start)
-            cache.crop(-1)
+            if not sliding:
+                cache.crop(-1)
     return 1000 * statistics.median(times)
 
 
@@ -233,7 +261,7 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.threads or threads
     torch.set_num_threads(threads)
     eos = frozenset({model.config.eos_token_id or 1})
-    new_tokens = args.new_tokens or (6 if args.model in ("arith", "moe") else 32)
+    new_tokens = args.new_tokens or (6 if args.model in ("arith", "moe", "gpt-oss") else 32)
 
     # -- the model alone, and the engine on a full batch of equal lengths, interleaved -------
     # Each round times the plain forward and then one engine round, so that both see the same
@@ -951,7 +979,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     step = sub.add_parser("step", help="decode step vs the model's own forward, in process")
-    step.add_argument("--model", choices=["arith", "bench22m", "moe"], default="arith")
+    step.add_argument("--model", choices=["arith", "bench22m", "moe", "gpt-oss"], default="arith")
     step.add_argument(
         "--routed-experts",
         action="store_true",

@@ -14,13 +14,15 @@ shared expert and experts' kernels, and any hooks on them: ``routed_experts``), 
 normed hidden states as the decoder layer calls it. A sliding-window layer (``layer_types``, or
 Mistral's ``sliding_window`` on every layer) attends to its window's last keys, as transformers'
 masks let it; gpt-oss's attention sinks (a logit a head, in each softmax, whose share is
-dropped) are in its softmax. ``decode`` takes one token per row over the slot cache
-(``kv_batch.BatchKV``: keys and values go into its pending column, attention reads its views);
-``prefill`` takes left-padded prompts, optionally on top of the cached keys and values of their
-prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as
-``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding and the
-activation are the model's own modules, so their variants (rope scaling, norm details) stay
-exactly transformers'.
+dropped) are in its softmax. Gemma 2's and Gemma 3's text layers (``gemma2``, ``gemma3_text``)
+normalize the attention's output before its residual and the MLP's on both sides, scale the
+embedding, soft-cap scores and logits where the model does, and Gemma 3 rotates each layer type
+by its own table. ``decode`` takes one token per row over the slot cache (``kv_batch.BatchKV``:
+keys and values go into its pending column, attention reads its views); ``prefill`` takes
+left-padded prompts, optionally on top of the cached keys and values of their prefixes
+(``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as ``model(...)``
+would, for the slot cache to admit. The norms, the rotary embedding and the activation are the
+model's own modules, so their variants (rope scaling, norm details) stay exactly transformers'.
 
 The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
 into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
@@ -31,6 +33,7 @@ both passes to transformers' own logits and caches.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +51,9 @@ _DENSE = frozenset(
 # the same decoder layer with a mixture of experts for the MLP of some or all layers: the
 # model's own module runs it (its router, its experts' kernels), on the normed hidden states
 _MIXTURES = frozenset({"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral", "gpt_oss"})
-_FAMILIES = _DENSE | _MIXTURES
+# Gemma's layer: norms after the attention and around the MLP, a scaled embedding, soft caps
+_GEMMA = frozenset({"gemma2", "gemma3_text"})
+_FAMILIES = _DENSE | _MIXTURES | _GEMMA
 
 
 def _text(model: Any) -> tuple[Any, Any]:
@@ -65,6 +70,8 @@ def _text(model: Any) -> tuple[Any, Any]:
 class _Layer:
     __slots__ = (
         "act",
+        "after_attn",
+        "after_mlp",
         "attn_norm",
         "down",
         "experts",
@@ -77,18 +84,25 @@ class _Layer:
         "q_norm",
         "qkv",
         "qkv_bias",
+        "rope",
         "sinks",
         "window",
     )
 
-    def __init__(self, layer: Any, index: int, window: int | None) -> None:
+    def __init__(self, layer: Any, index: int, window: int | None, rope: str | None) -> None:
         self.index = index
         self.window = window  # a sliding-window layer's: it attends to its last this many
+        self.rope = rope  # its rotary table (Gemma 3's differ by layer type; None: the one)
         attn, mlp = layer.self_attn, layer.mlp
         # gpt-oss's attention sinks: a logit a head, in each softmax, whose share goes nowhere
         self.sinks = getattr(attn, "sinks", None)
         self.attn_norm = layer.input_layernorm.forward
         self.mlp_norm = layer.post_attention_layernorm.forward
+        self.after_attn = self.after_mlp = None
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's four norms
+            self.after_attn = layer.post_attention_layernorm.forward
+            self.mlp_norm = layer.pre_feedforward_layernorm.forward
+            self.after_mlp = layer.post_feedforward_layernorm.forward
         self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
         self.k_norm = attn.k_norm.forward if hasattr(attn, "k_norm") else None
         self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -114,12 +128,22 @@ class LlamaForward:
         self.head_dim = attn.head_dim
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.embed = inner.embed_tokens
+        # Gemma's embedding module scales what it looks up (not embeddings given as input)
+        self.embed_scale = getattr(self.embed, "embed_scale", None)
         # (a vision model's takes positions [3, rows, width] or [rows, width]: cos and sin alike)
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.forward
         self.lm_head = model.lm_head
+        # Gemma 2's soft caps: scores, logits -> cap * tanh(x / cap) (None: none)
+        self.attn_cap = getattr(config, "attn_logit_softcapping", None)
+        self.logit_cap = getattr(config, "final_logit_softcapping", None)
         windows = _windows(config, len(inner.layers))
-        self.layers = [_Layer(layer, i, windows[i]) for i, layer in enumerate(inner.layers)]
+        by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        types = getattr(config, "layer_types", None) or [None] * len(inner.layers)
+        self.layers = [
+            _Layer(layer, i, windows[i], types[i] if by_type else None)
+            for i, layer in enumerate(inner.layers)
+        ]
 
     @staticmethod
     def unsupported(model: Any) -> str | None:
@@ -128,8 +152,10 @@ class LlamaForward:
         kind = getattr(config, "model_type", None)
         if kind not in _FAMILIES:
             return f"model_type {kind!r} is not one of {sorted(_FAMILIES)}"
-        if getattr(config, "hidden_act", "silu") != "silu":
+        if kind not in _GEMMA and getattr(config, "hidden_act", "silu") != "silu":
             return f"hidden_act {config.hidden_act!r} (only silu)"
+        if getattr(config, "use_bidirectional_attention", False):
+            return "bidirectional attention (an embedding model's)"
         kinds = set(getattr(config, "layer_types", None) or ())
         if kinds - {"full_attention", "sliding_attention"}:
             return f"layer types {sorted(kinds)} (full and sliding-window attention only)"
@@ -170,12 +196,13 @@ class LlamaForward:
         ``keep_hidden``, ``(logits, the final (normed) hidden states [rows, hidden])``."""
         n = ids.shape[0]
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        h = F.embedding(ids[:, 0], self.embed.weight)
-        cos, sin = self._rotary(h, positions)  # [n, 1, hd]: broadcast over the heads
+        h = self._embed(ids[:, 0])
+        ropes = self._rotary(h, positions)  # each [n, 1, hd]: broadcast over the heads
         # True (or 0.0) where a row may attend -> True where it may not
         blocked = (~mask if mask.dtype == torch.bool else mask < 0).view(n, 1, 1, -1)
         windows: dict[int, tuple[torch.Tensor, int]] = {}
         for layer, cache in zip(self.layers, kv.layers, strict=True):
+            cos, sin = ropes[layer.rope]
             q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [n, heads, hd]
             keys, values = cache.update(k.unsqueeze(2), v.unsqueeze(2))  # [n, nkv, L, hd]
             where = blocked
@@ -194,7 +221,7 @@ class LlamaForward:
             out = self._attend(scores, where, values, layer.sinks)  # [n, nkv, group, hd]
             h = self._rest(layer, h, out.reshape(n, nh * hd), lora)
         normed = self.final_norm(h)
-        logits = F.linear(normed, self.lm_head.weight, self.lm_head.bias)
+        logits = self.logits(normed)
         return (logits, normed) if keep_hidden else logits
 
     def prefill(
@@ -225,9 +252,11 @@ class LlamaForward:
         before = 0 if past is None else past.get_seq_length()
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         group = nh // nkv
-        h = F.embedding(ids, self.embed.weight) if embeds is None else embeds
-        cos, sin = self._rotary(h, positions)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [rows, width, 1, hd]
+        h = self._embed(ids) if embeds is None else embeds
+        ropes = {  # each [rows, width, 1, hd]
+            kind: (cos.unsqueeze(-2), sin.unsqueeze(-2))
+            for kind, (cos, sin) in self._rotary(h, positions).items()
+        }
         # causal over real keys; a padding position sees itself (no empty softmax row)
         query = torch.arange(width, device=ids.device)[:, None] + before
         key = torch.arange(before + width, device=ids.device)[None, :]
@@ -240,6 +269,7 @@ class LlamaForward:
                 at = mask.long().cumsum(-1) - 1  # [rows, keys]: each real key's position
                 near = (at[:, before:, None] - at[:, None, :]) < layer.window
                 blocked = masks[layer.window] = ~(allowed & (near | (key == query)))[:, None, None]
+            cos, sin = ropes[layer.rope]
             q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [rows, width, nh, hd]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [rows, nkv, width, hd]
             if past is not None:
@@ -258,12 +288,18 @@ class LlamaForward:
         if keep_hidden:
             normed = self.final_norm(h)
             return cache, self.logits(normed[:, -1]), normed
-        last = self.final_norm(h[:, -1])
-        return cache, F.linear(last, self.lm_head.weight, self.lm_head.bias)
+        return cache, self.logits(self.final_norm(h[:, -1]))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head over final (normed) hidden states."""
-        return F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        """The LM head over final (normed) hidden states (soft-capped where the model caps)."""
+        logits = F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        if self.logit_cap is not None:
+            logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids, self.embed.weight)
+        return h if self.embed_scale is None else h * self.embed_scale.to(h.dtype)
 
     # ---- pieces -----------------------------------------------------------------------------
 
@@ -293,13 +329,18 @@ class LlamaForward:
 
     def _rotary(
         self, h: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """The model's rotary embedding's cos and sin over the whole head (gpt-oss's gives
-        them for one half, which rotates the other the same way)."""
-        cos, sin = self.rotary(h, positions)
-        if cos.shape[-1] * 2 == self.head_dim:
-            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        return cos, sin
+        them for one half, which rotates the other the same way), by the layers' ``rope``."""
+        out = {}
+        for kind in {layer.rope for layer in self.layers}:
+            cos, sin = (
+                self.rotary(h, positions) if kind is None else self.rotary(h, positions, kind)
+            )
+            if cos.shape[-1] * 2 == self.head_dim:
+                cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+            out[kind] = (cos, sin)
+        return out
 
     def _attend(
         self,
@@ -310,7 +351,10 @@ class LlamaForward:
     ) -> torch.Tensor:
         """Softmax of ``scores`` ``[..., kv heads, group, (queries,) keys]`` over the keys not
         ``blocked`` (and each head's sink, its share then dropped), times ``values``."""
-        scores = scores.mul_(self.scaling).masked_fill_(blocked, float("-inf"))
+        scores = scores.mul_(self.scaling)
+        if self.attn_cap is not None:
+            scores = torch.tanh(scores / self.attn_cap) * self.attn_cap
+        scores = scores.masked_fill_(blocked, float("-inf"))
         if sinks is not None:
             sink = sinks.view(self.kv_heads, -1, *[1] * (scores.dim() - 3))
             scores = torch.cat((scores, sink.to(scores.dtype).expand(*scores.shape[:-1], 1)), -1)
@@ -336,6 +380,8 @@ class LlamaForward:
             if isinstance(out, tuple):  # gpt-oss's: (hidden states, router scores)
                 out = out[0]
             return h + (out.squeeze(1) if step else out)
+        if layer.after_attn is not None:  # Gemma's
+            return LlamaForward._gemma_rest(layer, h, attended, lora)
         if lora is None:
             h = h + F.linear(attended, layer.o.weight, layer.o.bias)
             z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
@@ -354,6 +400,28 @@ class LlamaForward:
         down = F.linear(gated, layer.down.weight, layer.down.bias)
         lora.add(i, "down", gated, down)
         return h + down
+
+    @staticmethod
+    def _gemma_rest(
+        layer: _Layer, h: torch.Tensor, attended: torch.Tensor, lora: RowAdapters | None
+    ) -> torch.Tensor:
+        """``_rest`` of Gemma's layer: the attention's output normed before its residual, the
+        MLP between its own two norms."""
+        assert layer.after_attn is not None and layer.after_mlp is not None
+        o = F.linear(attended, layer.o.weight, layer.o.bias)
+        if lora is not None:
+            lora.add(layer.index, "o", attended, o)
+        h = h + layer.after_attn(o)
+        normed = layer.mlp_norm(h)
+        z = F.linear(normed, layer.gate_up, layer.gate_up_bias)
+        if lora is not None:
+            lora.add(layer.index, "gate_up", normed, z)
+        mid = z.shape[-1] // 2
+        gated = layer.act(z[..., :mid]) * z[..., mid:]
+        down = F.linear(gated, layer.down.weight, layer.down.bias)
+        if lora is not None:
+            lora.add(layer.index, "down", gated, down)
+        return h + layer.after_mlp(down)
 
 
 def _window_of(blocked: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:

@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     GptOssConfig,
     LlamaConfig,
@@ -87,8 +89,24 @@ CONFIGS = {
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
+    # Gemma's layer (four norms, a scaled embedding, GELU): Gemma 2's soft caps, Gemma 3's
+    # rotary tables by layer type; a sliding layer then a full one
+    "gemma2": lambda: Gemma2Config(
+        **SIZES,
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "gemma3_text": lambda: Gemma3TextConfig(
+        **SIZES,
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
-EAGER_ONLY = {"gpt_oss"}  # (transformers has no sdpa for it)
+EAGER_ONLY = {"gpt_oss", "gemma2"}  # (transformers has no sdpa for them)
 
 
 def _model(config, attn: str = "sdpa") -> torch.nn.Module:

@@ -16,7 +16,12 @@ from stages.engine.lora_adapters import AdapterError
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
 from stages.engine.server import build_app
-from tests.stages.tiny_model import make_gpt_oss_model, make_tiny_model, make_tiny_moe_model
+from tests.stages.tiny_model import (
+    make_gpt_oss_model,
+    make_tiny_gemma3_model,
+    make_tiny_model,
+    make_tiny_moe_model,
+)
 
 PROMPTS = [[5, 9, 14, 3], [7, 7, 20, 31, 40, 2], [11, 12]]
 NEW = 8
@@ -142,6 +147,21 @@ def test_a_mixture_of_experts_takes_adapters_on_its_attention_and_dense_layers(k
     _adapter(moe, tmp_path / "experts", seed=1, targets=["down_proj"])
     with pytest.raises(AdapterError, match=r"layers\.0\.mlp\.experts\.lora_A\.weight: not a"):
         sched.load_adapter("c", str(tmp_path / "experts"))
+
+
+@pytest.mark.timeout(120)
+def test_a_gemma3_adapter_computes_what_its_merged_model_does(tmp_path):
+    """Gemma 3 on the engine's passes (its four norms, its scaled embedding, a sliding layer):
+    an adapter of every projection, applied unmerged, as peft's merged model."""
+    gemma = make_tiny_gemma3_model(tmp_path / "gemma", window=3)
+    merged = _adapter(gemma, tmp_path / "a", seed=1, targets="all-linear")
+    base = load_model(str(gemma), device="cpu").model
+    want = _run(*_greedy(merged, PROMPTS))
+    assert want != _run(*_greedy(base, PROMPTS))
+    sched, inputs = _greedy(base, PROMPTS, "a")
+    assert sched.forward_path == "fast", sched.forward_path_why
+    sched.load_adapter("a", str(tmp_path / "a"))
+    _same(_run(sched, inputs), want)
 
 
 def test_folders_that_do_not_fit_are_refused_with_what_and_where(model_dir, tmp_path):

@@ -1,10 +1,11 @@
-"""Models with sliding-window layers (gpt-oss alternates them with full attention, as Gemma 4
-does; Qwen2 and Mistral can slide every layer) served by the built-in engine: on its own passes
-(``llama_forward``: gpt-oss, Qwen2, Mistral), each decode step's sliding layers attend to their
-last ``sliding_window`` columns, as on transformers' (``scheduler._layer_masks``, Gemma 4 and
-``--forward transformers``); prefills are whole prompts (no prefix cache: a cached prefix
-leaves padding inside the window). Greedy answers equal transformers' own, whose sliding caches
-and masks are its reference."""
+"""Models with sliding-window layers (gpt-oss alternates them with full attention, as Gemma 3
+and 4 do; Qwen2 and Mistral can slide every layer) served by the built-in engine. On its own
+passes (``llama_forward``: gpt-oss, Qwen2, Mistral, Gemma 3) a sliding layer attends to its
+last ``sliding_window`` positions, counted by real tokens, and the prefix cache serves them; on
+transformers' (Gemma 4, ``--forward transformers``) each decode step hands the sliding layers a
+mask of their last columns (``scheduler._layer_masks``) and prompts are prefilled whole (no
+prefix cache: a cached prefix leaves padding inside the window). Greedy answers equal
+transformers' own, whose sliding caches and masks are its reference."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.stages.test_engine_server import Engine, serving
-from tests.stages.tiny_model import make_gpt_oss_model, make_tiny_model
+from tests.stages.tiny_model import make_gpt_oss_model, make_tiny_gemma3_model, make_tiny_model
 
 WINDOW = 3
 
@@ -70,6 +71,7 @@ CASES = {
     "qwen2": "fast",
     "qwen2-transformers": "transformers",
     "mistral": "fast",
+    "gemma3": "fast",
     "gemma4": "transformers",
 }
 
@@ -79,14 +81,16 @@ def sliding_engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     """gpt-oss (a sliding layer, then a full one; eager attention's additive masks), a Qwen2
-    sliding everywhere (sdpa), a Mistral with a window and no layer types, or Gemma 4; on the
-    engine's passes, or with ``-transformers`` on transformers'."""
+    sliding everywhere (sdpa), a Mistral with a window and no layer types, Gemma 3 or Gemma 4;
+    on the engine's passes, or with ``-transformers`` on transformers'."""
     root = tmp_path_factory.mktemp(f"sliding-{request.param}")
     kind = request.param.removesuffix("-transformers")
     if kind == "gpt_oss":
         model_dir = make_gpt_oss_model(root / "model", window=WINDOW)
     elif kind == "qwen2":
         model_dir = _sliding_qwen2(root / "model")
+    elif kind == "gemma3":
+        model_dir = make_tiny_gemma3_model(root / "model", window=WINDOW)
     elif kind == "gemma4":
         model_dir = _sliding_gemma4(root / "model")
     else:

@@ -252,6 +252,27 @@ HARMONY_TEMPLATE = (
 )
 
 
+def make_tiny_gemma3_model(path: Path, *, window: int = 3, seed: int = 5) -> Path:
+    """A random tiny Gemma 3 text model (``Gemma3ForCausalLM``, ``gemma3_text``: a sliding
+    layer of ``window``, then a full one, each with its rotary table) with ``make_tiny_model``'s
+    tokenizer (128 words)."""
+    from transformers import Gemma3TextConfig
+
+    make_tiny_model(path, vocab=128, seed=seed)  # its tokenizer; the weights are replaced
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+        pad_token_id=PAD_ID,
+    )  # fmt: skip
+    torch.manual_seed(seed)  # (transformers' own initialization: a window that matters)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for stale in path.glob("*.safetensors"):
+        stale.unlink()
+    model.save_pretrained(path)
+    return path
+
+
 def make_gpt_oss_model(
     path: Path, *, seed: int = 4, chars: str = BYTE_CHARS + " _=\n", window: int | None = None
 ) -> Path:
