@@ -144,6 +144,7 @@ class LlamaForward:
             _Layer(layer, i, windows[i], types[i] if by_type else None)
             for i, layer in enumerate(inner.layers)
         ]
+        self._ropes = sorted({layer.rope for layer in self.layers}, key=str)
 
     @staticmethod
     def unsupported(model: Any) -> str | None:
@@ -333,7 +334,7 @@ class LlamaForward:
         """The model's rotary embedding's cos and sin over the whole head (gpt-oss's gives
         them for one half, which rotates the other the same way), by the layers' ``rope``."""
         out = {}
-        for kind in {layer.rope for layer in self.layers}:
+        for kind in self._ropes:
             cos, sin = (
                 self.rotary(h, positions) if kind is None else self.rotary(h, positions, kind)
             )
