@@ -113,6 +113,21 @@ def test_rows_of_two_adapters_and_the_base_in_one_batch_match_merged_models(mode
     assert sched.adapter_names() == {"b"}
 
 
+def _as_merged(model_dir, folder, targets):
+    """A scheduler on the engine's passes of ``model_dir`` with an adapter of ``targets``
+    (saved to ``folder``) loaded as ``a``, once its rows have answered as peft's merged model
+    (which answers otherwise than the base)."""
+    merged = _adapter(model_dir, folder, seed=1, targets=targets)
+    base = load_model(str(model_dir), device="cpu").model
+    want = _run(*_greedy(merged, PROMPTS))
+    assert want != _run(*_greedy(base, PROMPTS))
+    sched, inputs = _greedy(base, PROMPTS, "a")
+    assert sched.forward_path == "fast", sched.forward_path_why
+    sched.load_adapter("a", str(folder))
+    _same(_run(sched, inputs), want)
+    return sched
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
 def test_a_mixture_of_experts_takes_adapters_on_its_attention_and_dense_layers(kind, tmp_path):
@@ -125,14 +140,7 @@ def test_a_mixture_of_experts_takes_adapters_on_its_attention_and_dense_layers(k
         moe = make_gpt_oss_model(tmp_path / "moe", window=3)
     else:
         moe = make_tiny_moe_model(tmp_path / "moe", seed=4, dense_layers=(1,))
-    merged = _adapter(moe, tmp_path / "a", seed=1, targets=["q_proj", "o_proj"])
-    base = load_model(str(moe), device="cpu").model
-    want = _run(*_greedy(merged, PROMPTS))
-    assert want != _run(*_greedy(base, PROMPTS))
-    sched, inputs = _greedy(base, PROMPTS, "a")
-    assert sched.forward_path == "fast", sched.forward_path_why
-    sched.load_adapter("a", str(tmp_path / "a"))
-    _same(_run(sched, inputs), want)
+    sched = _as_merged(moe, tmp_path / "a", ["q_proj", "o_proj"])
     if kind == "gpt_oss":
         return
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
@@ -153,15 +161,7 @@ def test_a_mixture_of_experts_takes_adapters_on_its_attention_and_dense_layers(k
 def test_a_gemma3_adapter_computes_what_its_merged_model_does(tmp_path):
     """Gemma 3 on the engine's passes (its four norms, its scaled embedding, a sliding layer):
     an adapter of every projection, applied unmerged, as peft's merged model."""
-    gemma = make_tiny_gemma3_model(tmp_path / "gemma", window=3)
-    merged = _adapter(gemma, tmp_path / "a", seed=1, targets="all-linear")
-    base = load_model(str(gemma), device="cpu").model
-    want = _run(*_greedy(merged, PROMPTS))
-    assert want != _run(*_greedy(base, PROMPTS))
-    sched, inputs = _greedy(base, PROMPTS, "a")
-    assert sched.forward_path == "fast", sched.forward_path_why
-    sched.load_adapter("a", str(tmp_path / "a"))
-    _same(_run(sched, inputs), want)
+    _as_merged(make_tiny_gemma3_model(tmp_path / "gemma", window=3), tmp_path / "a", "all-linear")
 
 
 def test_folders_that_do_not_fit_are_refused_with_what_and_where(model_dir, tmp_path):

@@ -24,18 +24,18 @@ print("transformers.image_processing_utils" in sys.modules)
 """
 
 
-def test_a_text_models_engine_does_not_import_the_image_processors(tmp_path: Path) -> None:
-    model = make_tiny_model(tmp_path / "m")
+def _last_word(code: str, *args: str) -> str:
+    """What ``python -c code args`` (a process of its own) printed last; it must succeed."""
     out = subprocess.run(
-        [sys.executable, "-c", _TEXT_ENGINE, str(model)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == "False"
+    return out.stdout.split()[-1]
+
+
+def test_a_text_models_engine_does_not_import_the_image_processors(tmp_path: Path) -> None:
+    assert _last_word(_TEXT_ENGINE, str(make_tiny_model(tmp_path / "m"))) == "False"
 
 
 _RACE = r"""
@@ -62,16 +62,7 @@ print(stages.hf.AutoImageProcessor.__name__)
 
 
 def test_the_image_processor_is_resolved_once_by_threads_that_ask_at_once() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _RACE],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == "AutoImageProcessor"
+    assert _last_word(_RACE) == "AutoImageProcessor"
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:
