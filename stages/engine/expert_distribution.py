@@ -72,8 +72,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +371,19 @@ class ExpertDistributionRecorder:
                 self._topk[layer] = ids
 
         return count
+
+    @contextlib.contextmanager
+    def pass_of(self, ids: torch.Tensor | None, positions: torch.Tensor) -> Iterator[None]:
+        """A pass of the engine's own (``llama_forward``: no forward of the model to hook),
+        recorded as a forward of the model is: its inputs (``ids``; None: embeddings) before,
+        its end after, none after a pass that fails."""
+        if not self._handles:  # not recording
+            yield
+            return
+        inputs = {} if ids is None else {"input_ids": ids, "position_ids": positions}
+        self._pass_start(self._model, (), inputs)
+        yield
+        self._pass_end(self._model, (), None)
 
     def _pass_end(self, _model: Any, _args: Any, _output: Any) -> None:
         counts, self._count = self._count, None

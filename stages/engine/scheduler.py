@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import contextlib
 import re
 import threading
 import time
@@ -622,11 +623,10 @@ class Scheduler:
         # the rows that ask (hooks on the experts modules, which either path calls)
         self._experts = ExpertsCapture(model) if routed_experts else None
         # --expert-distribution-recorder-mode: what the passes route to each expert, counted
-        # while /start_expert_distribution_record has it record (None: no flag); it marks a
-        # pass by the model's own forward (hooks on it), so transformers' passes
+        # while /start_expert_distribution_record has it record (None: no flag): hooks on the
+        # experts modules, and on the model's forward, or around the engine's own passes
+        # (_recorded), for where a pass begins and ends
         self.expert_distribution = expert_distribution
-        if expert_distribution is not None and self._fast is not None:
-            self._fast, why = None, "--expert-distribution-recorder-mode (transformers' passes)"
         self.forward_path = "fast" if self._fast is not None else "transformers"
         self.forward_path_why = why
         self.routed_experts = self._experts is not None  # (read by the routes' checks)
@@ -1934,14 +1934,15 @@ class Scheduler:
         (``_pass_embeds``); ``deepstack``: Qwen3-VL's (``_deepstack``), which only its text
         model's own call takes."""
         if self._fast is not None:
-            if keep_hidden:
-                return self._fast.prefill(
-                    ids, mask, positions, past, keep_hidden=True, lora=lora, embeds=embeds,
-                    deepstack=deepstack,
-                )  # fmt: skip
-            out = self._fast.prefill(
-                ids, mask, positions, past, lora=lora, embeds=embeds, deepstack=deepstack
-            )
+            with self._recorded(ids if embeds is None else None, positions):
+                if keep_hidden:
+                    return self._fast.prefill(
+                        ids, mask, positions, past, keep_hidden=True, lora=lora, embeds=embeds,
+                        deepstack=deepstack,
+                    )  # fmt: skip
+                out = self._fast.prefill(
+                    ids, mask, positions, past, lora=lora, embeds=embeds, deepstack=deepstack
+                )
             return (*out, None)
         if deepstack is not None:
             return self._forward_deepstack(mask, positions, past, keep_hidden, embeds, deepstack)
@@ -1956,6 +1957,14 @@ class Scheduler:
         )
         hidden = out.hidden_states[-1] if keep_hidden else None
         return output_cache(out), out.logits[:, -1, :], hidden
+
+    def _recorded(
+        self, ids: torch.Tensor | None, positions: torch.Tensor
+    ) -> contextlib.AbstractContextManager[None]:
+        """Around a pass of the engine's own: the expert-distribution recorder's pass (with
+        transformers' passes its hooks on the model's forward mark them)."""
+        recorder = self.expert_distribution
+        return contextlib.nullcontext() if recorder is None else recorder.pass_of(ids, positions)
 
     def _forward_deepstack(
         self,
@@ -2107,10 +2116,13 @@ class Scheduler:
         routed = bool(self._route_seqs) and self._arm_experts()
         if self._fast is not None:
             lora = self._row_adapters(self._running)
-            if keep:
-                logits, hidden = self._fast.decode(ids, positions, mask, kv, lora, keep_hidden=True)
-            else:
-                logits = self._fast.decode(ids, positions, mask, kv, lora)
+            with self._recorded(ids, positions):
+                if keep:
+                    logits, hidden = self._fast.decode(
+                        ids, positions, mask, kv, lora, keep_hidden=True
+                    )
+                else:
+                    logits = self._fast.decode(ids, positions, mask, kv, lora)
         else:
             out = self.model(
                 input_ids=ids,

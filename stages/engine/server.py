@@ -1056,7 +1056,7 @@ def _parser() -> argparse.ArgumentParser:
         "record (SGLang's): stat, each pass's tokens per layer and expert in a circular buffer; "
         "per_pass, a record per pass; per_token, also every token's experts (stat_approx, "
         "DeepEP's, is refused); without it those routes answer 400. Mixture-of-experts models, "
-        "transformers' passes",
+        "either forward path",
     )
     parser.add_argument(
         "--expert-distribution-recorder-buffer-size",

@@ -71,9 +71,17 @@ def stat(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
     yield from _engine(model, tmp_path_factory.mktemp("stat") / "dumps", MODE, "stat")
 
 
-@pytest.fixture(scope="module")
-def per_token(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    yield from _engine(model, tmp_path_factory.mktemp("per_token"), MODE, "per_token")
+@pytest.fixture(scope="module", params=["fast", "transformers"])  # the forward path
+def per_token(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[str, Path]]:
+    """An engine in ``per_token`` mode on the engine's own passes (the recorder's passes
+    marked around them) or on transformers' (by hooks on the model's forward)."""
+    folder = tmp_path_factory.mktemp(f"per_token_{request.param}")
+    for url, dumps in _engine(model, folder, MODE, "per_token", "--forward", request.param):
+        info = requests.get(f"{url}/server_info", timeout=30).json()
+        assert info["forward_path"] == request.param, info["forward_fallback_reason"]
+        yield url, dumps
 
 
 def _call(url: str, action: str, method: str = "POST") -> requests.Response:
