@@ -17,12 +17,14 @@ masks let it; gpt-oss's attention sinks (a logit a head, in each softmax, whose 
 dropped) are in its softmax. Gemma 2's and Gemma 3's text layers (``gemma2``, ``gemma3_text``)
 normalize the attention's output before its residual and the MLP's on both sides, scale the
 embedding, soft-cap scores and logits where the model does, and Gemma 3 rotates each layer type
-by its own table. ``decode`` takes one token per row over the slot cache (``kv_batch.BatchKV``:
-keys and values go into its pending column, attention reads its views); ``prefill`` takes
-left-padded prompts, optionally on top of the cached keys and values of their prefixes
-(``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as ``model(...)``
-would, for the slot cache to admit. The norms, the rotary embedding and the activation are the
-model's own modules, so their variants (rope scaling, norm details) stay exactly transformers'.
+by its own table. OLMo 2 and 3 (``olmo2``, ``olmo3``) norm after the attention and the MLP only,
+and q and k over all their heads at once. ``decode`` takes one token per row over the slot cache
+(``kv_batch.BatchKV``: keys and values go into its pending column, attention reads its views);
+``prefill`` takes left-padded prompts, optionally on top of the cached keys and values of their
+prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as
+``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding and the
+activation are the model's own modules, so their variants (rope scaling, norm details) stay
+exactly transformers'.
 
 The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
 into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
@@ -48,12 +50,14 @@ __all__ = ["LlamaForward", "dense_mlp"]
 _DENSE = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"}
 )
+# OLMo 2's and 3's layer: norms after the attention and the MLP only, q and k normed whole
+_OLMO = frozenset({"olmo2", "olmo3"})
 # the same decoder layer with a mixture of experts for the MLP of some or all layers: the
 # model's own module runs it (its router, its experts' kernels), on the normed hidden states
 _MIXTURES = frozenset({"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral", "gpt_oss"})
 # Gemma's layer: norms after the attention and around the MLP, a scaled embedding, soft caps
 _GEMMA = frozenset({"gemma2", "gemma3_text"})
-_FAMILIES = _DENSE | _MIXTURES | _GEMMA
+_FAMILIES = _DENSE | _MIXTURES | _GEMMA | _OLMO
 
 
 def _text(model: Any) -> tuple[Any, Any]:
@@ -82,6 +86,7 @@ class _Layer:
         "mlp_norm",
         "o",
         "q_norm",
+        "qk_whole",
         "qkv",
         "qkv_bias",
         "rope",
@@ -96,15 +101,21 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         # gpt-oss's attention sinks: a logit a head, in each softmax, whose share goes nowhere
         self.sinks = getattr(attn, "sinks", None)
-        self.attn_norm = layer.input_layernorm.forward
+        # the norms: before the attention and the MLP (Llama's), also after each (Gemma's), or
+        # after each only (OLMo 2's)
+        before = getattr(layer, "input_layernorm", None)
+        self.attn_norm = _same if before is None else before.forward
         self.mlp_norm = layer.post_attention_layernorm.forward
         self.after_attn = self.after_mlp = None
-        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's four norms
+        if hasattr(layer, "post_feedforward_layernorm"):
             self.after_attn = layer.post_attention_layernorm.forward
-            self.mlp_norm = layer.pre_feedforward_layernorm.forward
             self.after_mlp = layer.post_feedforward_layernorm.forward
+            pre = getattr(layer, "pre_feedforward_layernorm", None)
+            self.mlp_norm = _same if pre is None else pre.forward
         self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
         self.k_norm = attn.k_norm.forward if hasattr(attn, "k_norm") else None
+        # q and k normed over all their heads at once (OLMo's), not head by head
+        self.qk_whole = hasattr(attn, "q_norm") and attn.q_norm.weight.numel() != attn.head_dim
         self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = attn.o_proj
         # a mixture of experts (the model's module, called on [..., tokens, hidden]), or the
@@ -318,10 +329,12 @@ class LlamaForward:
         if lora is not None:
             lora.add(layer.index, "qkv", x, y)
         lead = y.shape[:-1]
-        q = y[..., : nh * hd].view(*lead, nh, hd)
-        k = y[..., nh * hd : (nh + nkv) * hd].view(*lead, nkv, hd)
+        q, k = y[..., : nh * hd], y[..., nh * hd : (nh + nkv) * hd]
+        if layer.qk_whole:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = q.reshape(*lead, nh, hd), k.reshape(*lead, nkv, hd)
         v = y[..., (nh + nkv) * hd :].view(*lead, nkv, hd)
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and not layer.qk_whole:
             q, k = layer.q_norm(q), layer.k_norm(k)
         half = hd // 2
         q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
@@ -381,8 +394,8 @@ class LlamaForward:
             if isinstance(out, tuple):  # gpt-oss's: (hidden states, router scores)
                 out = out[0]
             return h + (out.squeeze(1) if step else out)
-        if layer.after_attn is not None:  # Gemma's
-            return LlamaForward._gemma_rest(layer, h, attended, lora)
+        if layer.after_attn is not None:  # Gemma's, OLMo's
+            return LlamaForward._post_norm_rest(layer, h, attended, lora)
         if lora is None:
             h = h + F.linear(attended, layer.o.weight, layer.o.bias)
             z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
@@ -403,11 +416,11 @@ class LlamaForward:
         return h + down
 
     @staticmethod
-    def _gemma_rest(
+    def _post_norm_rest(
         layer: _Layer, h: torch.Tensor, attended: torch.Tensor, lora: RowAdapters | None
     ) -> torch.Tensor:
-        """``_rest`` of Gemma's layer: the attention's output normed before its residual, the
-        MLP between its own two norms."""
+        """``_rest`` of Gemma's and OLMo's layers: the attention's output normed before its
+        residual, the MLP's likewise (after Gemma's norm before it)."""
         assert layer.after_attn is not None and layer.after_mlp is not None
         o = F.linear(attended, layer.o.weight, layer.o.bias)
         if lora is not None:
@@ -423,6 +436,11 @@ class LlamaForward:
         if lora is not None:
             lora.add(layer.index, "down", gated, down)
         return h + layer.after_mlp(down)
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    """No norm (where a layer has none before its attention or its MLP)."""
+    return x
 
 
 def _window_of(blocked: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:

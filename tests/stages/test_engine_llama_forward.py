@@ -15,6 +15,8 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
+    Olmo3Config,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -104,6 +106,12 @@ CONFIGS = {
         sliding_window=4,
         query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention"],
+    ),
+    # OLMo's layer: norms after the attention and the MLP only, q and k normed whole; OLMo 3's
+    # sliding layers and rotary tables by layer type
+    "olmo2": lambda: Olmo2Config(**SIZES),
+    "olmo3": lambda: Olmo3Config(
+        **SIZES, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
     ),
 }
 EAGER_ONLY = {"gpt_oss", "gemma2"}  # (transformers has no sdpa for them)
