@@ -145,6 +145,8 @@ class LlamaForward:
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.forward
         self.lm_head = model.lm_head
+        # gpt-oss's rotary embedding gives cos and sin for one half of a head
+        self.half_rope = getattr(config, "model_type", None) == "gpt_oss"
         # Gemma 2's soft caps: scores, logits -> cap * tanh(x / cap) (None: none)
         self.attn_cap = getattr(config, "attn_logit_softcapping", None)
         self.logit_cap = getattr(config, "final_logit_softcapping", None)
@@ -173,6 +175,11 @@ class LlamaForward:
             return f"layer types {sorted(kinds)} (full and sliding-window attention only)"
         if getattr(config, "pretraining_tp", 1) != 1:
             return "pretraining_tp > 1"
+        rope = getattr(config, "rope_parameters", None) or {}
+        for params in [config.__dict__, rope, *(v for v in rope.values() if isinstance(v, dict))]:
+            partial = params.get("partial_rotary_factor")
+            if partial not in (None, 1, 1.0):
+                return f"partial_rotary_factor {partial} (rotary over whole heads only)"
         layers = getattr(inner, "layers", None)
         if not layers or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
             return "not the Llama module layout (model.layers, rotary_emb, lm_head)"
@@ -351,7 +358,7 @@ class LlamaForward:
             cos, sin = (
                 self.rotary(h, positions) if kind is None else self.rotary(h, positions, kind)
             )
-            if cos.shape[-1] * 2 == self.head_dim:
+            if self.half_rope:
                 cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
             out[kind] = (cos, sin)
         return out

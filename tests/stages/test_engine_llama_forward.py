@@ -237,6 +237,12 @@ def test_weights_loaded_by_name_reach_the_fused_projections(family: str) -> None
 def test_models_it_does_not_cover_say_why() -> None:
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2))
     assert "model_type 'gpt2'" in LlamaForward.unsupported(gpt2)
+    partial = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES))
+    partial.config.rope_parameters = {
+        **partial.config.rope_parameters,
+        "partial_rotary_factor": 0.5,
+    }
+    assert "partial_rotary_factor 0.5" in LlamaForward.unsupported(partial)
     chunked = AutoModelForCausalLM.from_config(Qwen2Config(**SIZES))
     chunked.config.layer_types = ["full_attention", "chunked_attention"]
     assert "layer types ['chunked_attention', 'full_attention']" in LlamaForward.unsupported(
