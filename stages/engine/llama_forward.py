@@ -9,22 +9,22 @@ Qwen3-VL, whose multimodal rotary positions its own rotary embedding turns into 
 sin, and whose Qwen3-VL deepstack rows ``prefill`` adds after its first layers, as its text
 model does): each layer's q, k and v projections as one matmul, gate and up as one, attention as
 two batched matmuls. In their mixtures of experts (``qwen2_moe``, ``qwen3_moe``, ``mixtral``,
-``gpt_oss``, Qwen3-VL-MoE's text) a layer of experts is the model's own module (its router,
-shared expert and experts' kernels, and any hooks on them: ``routed_experts``), called on the
-normed hidden states as the decoder layer calls it. A sliding-window layer (``layer_types``, or
-Mistral's ``sliding_window`` on every layer) attends to its window's last keys, as transformers'
-masks let it; gpt-oss's attention sinks (a logit a head, in each softmax, whose share is
-dropped) are in its softmax. Gemma 2's and Gemma 3's text layers (``gemma2``, ``gemma3_text``)
-normalize the attention's output before its residual and the MLP's on both sides, scale the
-embedding, soft-cap scores and logits where the model does, and Gemma 3 rotates each layer type
-by its own table. OLMo 2 and 3 (``olmo2``, ``olmo3``) norm after the attention and the MLP only,
-and q and k over all their heads at once. ``decode`` takes one token per row over the slot cache
-(``kv_batch.BatchKV``: keys and values go into its pending column, attention reads its views);
-``prefill`` takes left-padded prompts, optionally on top of the cached keys and values of their
-prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as
-``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding and the
-activation are the model's own modules, so their variants (rope scaling, norm details) stay
-exactly transformers'.
+``gpt_oss``, ``olmoe``, Qwen3-VL-MoE's text) a layer of experts is the model's own module (its
+router, shared expert and experts' kernels, and any hooks on them: ``routed_experts``), called
+on the normed hidden states as the decoder layer calls it. A sliding-window layer
+(``layer_types``, or Mistral's ``sliding_window`` on every layer) attends to its window's last
+keys, as transformers' masks let it; gpt-oss's attention sinks (a logit a head, in each softmax,
+whose share is dropped) are in its softmax. Gemma 2's and Gemma 3's text layers (``gemma2``,
+``gemma3_text``) normalize the attention's output before its residual and the MLP's on both
+sides, scale the embedding, soft-cap scores and logits where the model does, and Gemma 3 rotates
+each layer type by its own table. OLMo 2 and 3 (``olmo2``, ``olmo3``) norm after the attention
+and the MLP only, and q and k over all their heads at once (OLMoE too, which then clips q, k and
+v). ``decode`` takes one token per row over the slot cache (``kv_batch.BatchKV``: keys and
+values go into its pending column, attention reads its views); ``prefill`` takes left-padded
+prompts, optionally on top of the cached keys and values of their prefixes (``prefix_cache``),
+and returns a ``DynamicCache`` of their keys and values, as ``model(...)`` would, for the slot
+cache to admit. The norms, the rotary embedding and the activation are the model's own modules,
+so their variants (rope scaling, norm details) stay exactly transformers'.
 
 The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
 into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
@@ -54,7 +54,9 @@ _DENSE = frozenset(
 _OLMO = frozenset({"olmo2", "olmo3"})
 # the same decoder layer with a mixture of experts for the MLP of some or all layers: the
 # model's own module runs it (its router, its experts' kernels), on the normed hidden states
-_MIXTURES = frozenset({"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral", "gpt_oss"})
+_MIXTURES = frozenset(
+    {"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral", "gpt_oss", "olmoe"}
+)
 # Gemma's layer: norms after the attention and around the MLP, a scaled embedding, soft caps
 _GEMMA = frozenset({"gemma2", "gemma3_text"})
 _FAMILIES = _DENSE | _MIXTURES | _GEMMA | _OLMO
@@ -145,6 +147,8 @@ class LlamaForward:
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.forward
         self.lm_head = model.lm_head
+        # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
+        self.clip = getattr(config, "clip_qkv", None)
         # gpt-oss's rotary embedding gives cos and sin for one half of a head
         self.half_rope = getattr(config, "model_type", None) == "gpt_oss"
         # Gemma 2's soft caps: scores, logits -> cap * tanh(x / cap) (None: none)
@@ -337,10 +341,12 @@ class LlamaForward:
             lora.add(layer.index, "qkv", x, y)
         lead = y.shape[:-1]
         q, k = y[..., : nh * hd], y[..., nh * hd : (nh + nkv) * hd]
+        v = y[..., (nh + nkv) * hd :]
         if layer.qk_whole:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = q.reshape(*lead, nh, hd), k.reshape(*lead, nkv, hd)
-        v = y[..., (nh + nkv) * hd :].view(*lead, nkv, hd)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q, k, v = q.reshape(*lead, nh, hd), k.reshape(*lead, nkv, hd), v.reshape(*lead, nkv, hd)
         if layer.q_norm is not None and not layer.qk_whole:
             q, k = layer.q_norm(q), layer.k_norm(k)
         half = hd // 2

@@ -17,6 +17,7 @@ from transformers import (
     MixtralConfig,
     Olmo2Config,
     Olmo3Config,
+    OlmoeConfig,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -110,6 +111,8 @@ CONFIGS = {
     # OLMo's layer: norms after the attention and the MLP only, q and k normed whole; OLMo 3's
     # sliding layers and rotary tables by layer type
     "olmo2": lambda: Olmo2Config(**SIZES),
+    # OLMoE: a mixture of experts, q and k normed whole, q/k/v clipped (to bite: 0.5)
+    "olmoe": lambda: OlmoeConfig(**SIZES, num_experts=4, num_experts_per_tok=2, clip_qkv=0.5),
     "olmo3": lambda: Olmo3Config(
         **SIZES, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
     ),
