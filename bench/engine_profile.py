@@ -135,12 +135,11 @@ def _gpt_oss(path: Path) -> Path:
         num_experts_per_tok=2, sliding_window=8, max_position_embeddings=4096,
         layer_types=["sliding_attention", "full_attention"] * 3,
     )  # fmt: skip
+    from tests.stages.tiny_model import copy_tokenizer
+
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (ARITH / name).exists():
-            shutil.copy(ARITH / name, path / name)
-    return path
+    return copy_tokenizer(ARITH, path)
 
 
 def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:

@@ -109,9 +109,15 @@ def make_tiny_moe_model(
     if tokenizer_from is None:
         _tokenizer(config.vocab_size).save_pretrained(path)
         return path
+    return copy_tokenizer(tokenizer_from, path)
+
+
+def copy_tokenizer(source: Path, path: Path) -> Path:
+    """The tokenizer (and generation config) of the model folder ``source`` put in ``path``,
+    beside a model of its vocabulary; returns ``path``."""
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (tokenizer_from / name).exists():
-            shutil.copy(tokenizer_from / name, path / name)
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
     return path
 
 
