@@ -2,7 +2,7 @@
 
 Run (each prints one JSON line on stdout; on an otherwise idle machine):
 
-    python bench/engine_profile.py step [--model arith|bench22m] [--rounds 30]
+    python bench/engine_profile.py step [--model arith|bench22m|moe|gpt-oss|phi3|glm4] [--rounds 30]
         [--forward fast|transformers] [--repetition-penalty R] [--frequency-penalty F]
         [--strict-thinking BUDGET]
     python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
@@ -38,7 +38,10 @@ Qwen3-MoE (hidden 128, 6 layers of 16 experts, 2 a token, one dense; on the engi
 its experts run by transformers' module); with ``--routed-experts`` every row asks for its
 routed experts (the scheduler's ``--enable-return-routed-experts``): what capturing them costs
 a step. ``--model gpt-oss`` is arith-tiny's tokenizer on a random gpt-oss (hidden 128, 6 layers
-alternating a sliding window of 8 and full attention, 16 experts, attention sinks).
+alternating a sliding window of 8 and full attention, 16 experts, attention sinks); ``phi3`` and
+``glm4`` on random models of those families (hidden 128, 6 layers; Phi-3's own fused projections
+with Phi-4-mini's three quarters of each head rotated; GLM-4's four norms a layer and its
+neighbouring dimensions rotated, half of each head).
 
 ``http`` starts ``inflight engine`` on arith-tiny (``--model mid``: its tokenizer on a 6-layer,
 384-wide model; ``OMP_NUM_THREADS=1``, ``--max-running 64``)
@@ -105,7 +108,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
     sys.path[0] = str(ROOT)
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 from bench._engines import free_port, wait_health  # noqa: E402
 from stages.engine.identity import ENGINE_ID_ENV, new_engine_id  # noqa: E402
@@ -123,28 +126,46 @@ def _arith_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [tok.encode(rng.choice(texts)) for _ in range(count)]
 
 
-def _gpt_oss(path: Path) -> Path:
-    """arith-tiny's tokenizer on a random gpt-oss: hidden 128, 6 layers alternating a sliding
-    window of 8 and full attention, 16 experts (2 a token), attention sinks."""
-    from transformers import GptOssConfig
-
-    vocab = json.loads((ARITH / "config.json").read_text())["vocab_size"]
-    config = GptOssConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=128, num_hidden_layers=6,
+# random models of other families on arith-tiny's tokenizer: hidden 128, 6 layers
+_FAMILIES = {
+    # a sliding window of 8 alternating with full attention, 16 experts (2 a token), sinks
+    "gpt-oss": lambda vocab: AutoConfig.for_model(
+        "gpt_oss", vocab_size=vocab, hidden_size=128, intermediate_size=128, num_hidden_layers=6,
         num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=16,
         num_experts_per_tok=2, sliding_window=8, max_position_embeddings=4096,
         layer_types=["sliding_attention", "full_attention"] * 3,
-    )  # fmt: skip
+    ),
+    # Phi-4-mini's layout: its own fused projections, three quarters of each head rotated
+    "phi3": lambda vocab: AutoConfig.for_model(
+        "phi3", vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=2, partial_rotary_factor=0.75,
+        max_position_embeddings=4096,
+    ),
+    # GLM-4's: four norms a layer, neighbouring dimensions rotated, half of each head
+    "glm4": lambda vocab: AutoConfig.for_model(
+        "glm4", vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+    ),
+}  # fmt: skip
+
+
+def _random_family(name: str, path: Path) -> Path:
+    """arith-tiny's tokenizer on a random model of ``_FAMILIES[name]``."""
     from tests.stages.tiny_model import copy_tokenizer
 
+    arith = json.loads((ARITH / "config.json").read_text())
+    config = _FAMILIES[name](arith["vocab_size"])
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):  # arith-tiny's ids, not theirs
+        setattr(config, key, arith.get(key))
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(path)
+    attn = "eager" if name == "gpt-oss" else "sdpa"  # (transformers has no sdpa for gpt-oss)
+    AutoModelForCausalLM.from_config(config, attn_implementation=attn).save_pretrained(path)
     return copy_tokenizer(ARITH, path)
 
 
 def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:
     """(model, threads, prompt maker) for ``arith`` or ``bench22m``."""
-    if name in ("arith", "moe", "gpt-oss"):
+    if name in ("arith", "moe", *_FAMILIES):
         path, threads = ARITH, 1
         if name == "moe":  # arith-tiny's tokenizer on a small mixture of experts
             from tests.stages.tiny_model import make_tiny_moe_model
@@ -152,8 +173,8 @@ def _load(name: str, tmp: Path) -> tuple[torch.nn.Module, int, Any]:
             path = make_tiny_moe_model(
                 tmp / "moe", hidden=128, layers=6, experts=16, tokenizer_from=ARITH
             )
-        if name == "gpt-oss":
-            path = _gpt_oss(tmp / "gpt-oss")
+        if name in _FAMILIES:
+            path = _random_family(name, tmp / name)
 
         def prompts(count: int, seed: int) -> list[list[int]]:
             return _arith_prompts(count, seed)
@@ -260,7 +281,7 @@ def _step_bench(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.threads or threads
     torch.set_num_threads(threads)
     eos = frozenset({model.config.eos_token_id or 1})
-    new_tokens = args.new_tokens or (6 if args.model in ("arith", "moe", "gpt-oss") else 32)
+    new_tokens = args.new_tokens or (6 if args.model != "bench22m" else 32)
 
     # -- the model alone, and the engine on a full batch of equal lengths, interleaved -------
     # Each round times the plain forward and then one engine round, so that both see the same
@@ -978,7 +999,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     step = sub.add_parser("step", help="decode step vs the model's own forward, in process")
-    step.add_argument("--model", choices=["arith", "bench22m", "moe", "gpt-oss"], default="arith")
+    step.add_argument("--model", choices=["arith", "bench22m", "moe", *_FAMILIES], default="arith")
     step.add_argument(
         "--routed-experts",
         action="store_true",

@@ -9,22 +9,31 @@ Qwen3-VL, whose multimodal rotary positions its own rotary embedding turns into 
 sin, and whose Qwen3-VL deepstack rows ``prefill`` adds after its first layers, as its text
 model does): each layer's q, k and v projections as one matmul, gate and up as one, attention as
 two batched matmuls. In their mixtures of experts (``qwen2_moe``, ``qwen3_moe``, ``mixtral``,
-``gpt_oss``, ``olmoe``, Qwen3-VL-MoE's text) a layer of experts is the model's own module (its
-router, shared expert and experts' kernels, and any hooks on them: ``routed_experts``), called
-on the normed hidden states as the decoder layer calls it. A sliding-window layer
-(``layer_types``, or Mistral's ``sliding_window`` on every layer) attends to its window's last
-keys, as transformers' masks let it; gpt-oss's attention sinks (a logit a head, in each softmax,
-whose share is dropped) are in its softmax. Gemma 2's and Gemma 3's text layers (``gemma2``,
-``gemma3_text``) normalize the attention's output before its residual and the MLP's on both
-sides, scale the embedding, soft-cap scores and logits where the model does, and Gemma 3 rotates
-each layer type by its own table. OLMo 2 and 3 (``olmo2``, ``olmo3``) norm after the attention
-and the MLP only, and q and k over all their heads at once (OLMoE too, which then clips q, k and
-v). ``decode`` takes one token per row over the slot cache (``kv_batch.BatchKV``: keys and
-values go into its pending column, attention reads its views); ``prefill`` takes left-padded
-prompts, optionally on top of the cached keys and values of their prefixes (``prefix_cache``),
-and returns a ``DynamicCache`` of their keys and values, as ``model(...)`` would, for the slot
-cache to admit. The norms, the rotary embedding and the activation are the model's own modules,
-so their variants (rope scaling, norm details) stay exactly transformers'.
+``gpt_oss``, ``olmoe``, ``glm4_moe``, Qwen3-VL-MoE's text) a layer of experts is the model's own
+module (its router, shared expert and experts' kernels, and any hooks on them:
+``routed_experts``), called on the normed hidden states as the decoder layer calls it. A
+sliding-window layer (``layer_types``, or Mistral's ``sliding_window`` on every layer) attends
+to its window's last keys, as transformers' masks let it; gpt-oss's attention sinks (a logit a
+head, in each softmax, whose share is dropped) are in its softmax. Gemma 2's and Gemma 3's text
+layers (``gemma2``, ``gemma3_text``) normalize the attention's output before its residual and
+the MLP's on both sides, scale the embedding, soft-cap scores and logits where the model does,
+and Gemma 3 rotates each layer type by its own table. OLMo 2 and 3 (``olmo2``, ``olmo3``) norm
+after the attention and the MLP only, and q and k over all their heads at once (OLMoE too, which
+then clips q, k and v). Phi-3's layers (``phi3``) and GLM-4's (``glm4``) hold q/k/v and gate/up
+as fused projections of their own, which the passes take as they are; Phi-3 (Phi-4-mini), GLM-4
+and GLM-4.5 (``glm4_moe``) rotate only the first part of each head (``partial_rotary_factor``);
+GLM-4, ERNIE 4.5 (``ernie4_5``) and Helium (``helium``) rotate neighbouring dimensions together
+where the others pair a head's halves; GLM-4 has Gemma's four norms under its own names; SmolLM3
+(``smollm3``) rotates nothing on its ``no_rope_layers``, nor EXAONE 4 (``exaone4``, OLMo 2's
+norms) on its full-attention layers when it has sliding ones; Hunyuan (``hunyuan_v1_dense``)
+norms q and k after their rotation; Granite (``granite``) multiplies its embeddings, each
+residual branch and its logits; Seed-OSS (``seed_oss``) and Ministral (``ministral``) are
+Llama's layer. ``decode`` takes one token per row over the slot cache (``kv_batch.BatchKV``:
+keys and values go into its pending column, attention reads its views); ``prefill`` takes
+left-padded prompts, optionally on top of the cached keys and values of their prefixes
+(``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as ``model(...)``
+would, for the slot cache to admit. The norms, the rotary embedding and the activation are the
+model's own modules, so their variants (rope scaling, norm details) stay exactly transformers'.
 
 The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
 into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
@@ -48,18 +57,46 @@ if TYPE_CHECKING:
 __all__ = ["LlamaForward", "dense_mlp"]
 
 _DENSE = frozenset(
-    {"llama", "qwen2", "qwen3", "mistral", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"}
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "qwen2_vl_text",
+        "qwen2_5_vl_text",
+        "qwen3_vl_text",
+        "phi3",  # q/k/v and gate/up as the model's own fused projections
+        "smollm3",  # no rotary embedding on some layers (``no_rope_layers``)
+        "granite",  # multipliers on the embedding, the residual branches and the logits
+        "seed_oss",
+        "ministral",
+        "helium",
+        "ernie4_5",
+        "hunyuan_v1_dense",  # q and k normed after their rotation
+        "exaone4",  # OLMo 2's norms; with a window, no rotation on its full-attention layers
+        "glm4",  # Gemma's four norms (named otherwise), half of each head rotated
+    }
 )
 # OLMo 2's and 3's layer: norms after the attention and the MLP only, q and k normed whole
 _OLMO = frozenset({"olmo2", "olmo3"})
 # the same decoder layer with a mixture of experts for the MLP of some or all layers: the
 # model's own module runs it (its router, its experts' kernels), on the normed hidden states
 _MIXTURES = frozenset(
-    {"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral", "gpt_oss", "olmoe"}
+    {"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral", "gpt_oss", "olmoe", "glm4_moe"}
 )
 # Gemma's layer: norms after the attention and around the MLP, a scaled embedding, soft caps
 _GEMMA = frozenset({"gemma2", "gemma3_text"})
-_FAMILIES = _DENSE | _MIXTURES | _GEMMA | _OLMO
+# MLPs without a gate (up, its activation, down): Apertus's xIELU, Arcee's and Nemotron's ReLU²
+_UNGATED = frozenset({"apertus", "arcee", "nemotron"})
+_FAMILIES = _DENSE | _MIXTURES | _GEMMA | _OLMO | _UNGATED
+# those whose activation is not SiLU (the model's own module computes it)
+_ANY_ACT = _GEMMA | _UNGATED
+# those whose attention rotates a head's first ``partial_rotary_factor`` of dimensions (paired
+# as the family pairs them) and passes the rest through, as transformers' models do
+_PARTIAL_ROTARY = frozenset({"phi3", "glm4_moe", "glm4", "nemotron"})
+# those that rotate pairs of neighbouring dimensions (GLM's style) where rotate_half pairs a
+# head's halves: their tables' first halves, each value twice
+_INTERLEAVED = frozenset({"glm4", "ernie4_5", "helium"})
 
 
 def _text(model: Any) -> tuple[Any, Any]:
@@ -83,49 +120,80 @@ class _Layer:
         "experts",
         "gate_up",
         "gate_up_bias",
+        "gated",
         "index",
         "k_norm",
         "mlp_norm",
+        "norm_after_rope",
         "o",
         "q_norm",
         "qk_whole",
         "qkv",
         "qkv_bias",
+        "residual",
         "rope",
+        "rotate",
         "sinks",
         "window",
     )
 
-    def __init__(self, layer: Any, index: int, window: int | None, rope: str | None) -> None:
+    def __init__(
+        self, layer: Any, index: int, window: int | None, rope: str | None, rotate: bool
+    ) -> None:
         self.index = index
         self.window = window  # a sliding-window layer's: it attends to its last this many
         self.rope = rope  # its rotary table (Gemma 3's differ by layer type; None: the one)
+        self.rotate = rotate  # False: no rotary embedding (SmolLM3's NoPE layers)
+        # Granite's: each branch's output scaled before its residual (None: not scaled)
+        self.residual = getattr(layer, "residual_multiplier", None)
         attn, mlp = layer.self_attn, layer.mlp
         # gpt-oss's attention sinks: a logit a head, in each softmax, whose share goes nowhere
         self.sinks = getattr(attn, "sinks", None)
-        # the norms: before the attention and the MLP (Llama's), also after each (Gemma's), or
-        # after each only (OLMo 2's)
-        before = getattr(layer, "input_layernorm", None)
+        # the norms: before the attention and the MLP (Llama's; Apertus names them otherwise),
+        # also after each (Gemma's), or after each only (OLMo 2's)
+        before = _first(layer, "input_layernorm", "attention_layernorm")
         self.attn_norm = _same if before is None else before.forward
-        self.mlp_norm = layer.post_attention_layernorm.forward
+        self.mlp_norm = _first(layer, "post_attention_layernorm", "feedforward_layernorm").forward
         self.after_attn = self.after_mlp = None
         if hasattr(layer, "post_feedforward_layernorm"):
             self.after_attn = layer.post_attention_layernorm.forward
             self.after_mlp = layer.post_feedforward_layernorm.forward
             pre = getattr(layer, "pre_feedforward_layernorm", None)
             self.mlp_norm = _same if pre is None else pre.forward
-        self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
-        self.k_norm = attn.k_norm.forward if hasattr(attn, "k_norm") else None
+        elif hasattr(layer, "post_mlp_layernorm"):  # GLM-4's names for Gemma's four
+            self.after_attn = layer.post_self_attn_layernorm.forward
+            self.after_mlp = layer.post_mlp_layernorm.forward
+        # q's and k's norms: before their rotation, or after it (Hunyuan's)
+        self.norm_after_rope = hasattr(attn, "query_layernorm")
+        q_norm = getattr(attn, "query_layernorm" if self.norm_after_rope else "q_norm", None)
+        k_norm = getattr(attn, "key_layernorm" if self.norm_after_rope else "k_norm", None)
+        self.q_norm = None if q_norm is None else q_norm.forward
+        self.k_norm = None if k_norm is None else k_norm.forward
         # q and k normed over all their heads at once (OLMo's), not head by head
-        self.qk_whole = hasattr(attn, "q_norm") and attn.q_norm.weight.numel() != attn.head_dim
-        self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qk_whole = q_norm is not None and q_norm.weight.numel() != attn.head_dim
+        # q/k/v as one projection: the model's own (Phi-3's ``qkv_proj``) or fused here
+        fused = getattr(attn, "qkv_proj", None)
+        self.qkv, self.qkv_bias = (
+            (fused.weight, fused.bias)
+            if fused is not None
+            else _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        )
         self.o = attn.o_proj
         # a mixture of experts (the model's module, called on [..., tokens, hidden]), or the
-        # SiLU-gated MLP with gate and up fused
+        # gated MLP with gate and up as one projection (fused here, or Phi-3's and GLM-4's
+        # own), or an MLP without a gate (Apertus's, Arcee's, Nemotron's: up alone)
         self.experts = None if dense_mlp(mlp) else mlp
+        self.gated = True
         if self.experts is None:
-            self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-            self.down, self.act = mlp.down_proj, mlp.act_fn
+            names = mlp_projections(mlp)
+            self.gated = names[0] != "up_proj"
+            if names[0] == "gate_proj":
+                self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+            else:
+                own = getattr(mlp, names[0])
+                self.gate_up, self.gate_up_bias = own.weight, own.bias
+            self.down = mlp.down_proj
+            self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
         else:
             self.gate_up = self.gate_up_bias = self.down = self.act = None
 
@@ -143,22 +211,30 @@ class LlamaForward:
         self.embed = inner.embed_tokens
         # Gemma's embedding module scales what it looks up (not embeddings given as input)
         self.embed_scale = getattr(self.embed, "embed_scale", None)
+        # Granite's: the model scales its input embeddings (given ones too) and its logits
+        self.embed_mult = getattr(config, "embedding_multiplier", None)
+        self.logit_div = getattr(config, "logits_scaling", None)
         # (a vision model's takes positions [3, rows, width] or [rows, width]: cos and sin alike)
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.forward
         self.lm_head = model.lm_head
         # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
         self.clip = getattr(config, "clip_qkv", None)
+        kind = getattr(config, "model_type", None)
         # gpt-oss's rotary embedding gives cos and sin for one half of a head
-        self.half_rope = getattr(config, "model_type", None) == "gpt_oss"
+        self.half_rope = kind == "gpt_oss"
+        self.interleaved = kind in _INTERLEAVED
         # Gemma 2's soft caps: scores, logits -> cap * tanh(x / cap) (None: none)
         self.attn_cap = getattr(config, "attn_logit_softcapping", None)
         self.logit_cap = getattr(config, "final_logit_softcapping", None)
         windows = _windows(config, len(inner.layers))
         by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         types = getattr(config, "layer_types", None) or [None] * len(inner.layers)
+        rotates = getattr(config, "no_rope_layers", None) or [1] * len(inner.layers)
+        if kind == "exaone4" and config.sliding_window is not None:  # full layers: no rotation
+            rotates = [t == "sliding_attention" for t in config.layer_types]
         self.layers = [
-            _Layer(layer, i, windows[i], types[i] if by_type else None)
+            _Layer(layer, i, windows[i], types[i] if by_type else None, bool(rotates[i]))
             for i, layer in enumerate(inner.layers)
         ]
         self._ropes = sorted({layer.rope for layer in self.layers}, key=str)
@@ -170,7 +246,7 @@ class LlamaForward:
         kind = getattr(config, "model_type", None)
         if kind not in _FAMILIES:
             return f"model_type {kind!r} is not one of {sorted(_FAMILIES)}"
-        if kind not in _GEMMA and getattr(config, "hidden_act", "silu") != "silu":
+        if kind not in _ANY_ACT and getattr(config, "hidden_act", "silu") != "silu":
             return f"hidden_act {config.hidden_act!r} (only silu)"
         if getattr(config, "use_bidirectional_attention", False):
             return "bidirectional attention (an embedding model's)"
@@ -182,17 +258,22 @@ class LlamaForward:
         rope = getattr(config, "rope_parameters", None) or {}
         for params in [config.__dict__, rope, *(v for v in rope.values() if isinstance(v, dict))]:
             partial = params.get("partial_rotary_factor")
-            if partial not in (None, 1, 1.0):
+            if partial not in (None, 1, 1.0) and kind not in _PARTIAL_ROTARY:
                 return f"partial_rotary_factor {partial} (rotary over whole heads only)"
         layers = getattr(inner, "layers", None)
         if not layers or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
             return "not the Llama module layout (model.layers, rotary_emb, lm_head)"
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not isinstance(getattr(layers[0].self_attn, name, None), torch.nn.Linear):
+        attn = layers[0].self_attn
+        fused = isinstance(getattr(attn, "qkv_proj", None), torch.nn.Linear)
+        for name in ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not isinstance(getattr(attn, name, None), torch.nn.Linear):
                 return f"self_attn.{name} is not a plain Linear"
         for index, layer in enumerate(layers):
             if not dense_mlp(layer.mlp) and kind not in _MIXTURES:
-                return f"layers.{index}.mlp is not gate_proj, up_proj, down_proj Linears"
+                return (
+                    f"layers.{index}.mlp is not gate_proj, up_proj, down_proj "
+                    "(or gate_up_proj, down_proj) Linears"
+                )
         return None
 
     @classmethod
@@ -275,7 +356,7 @@ class LlamaForward:
         before = 0 if past is None else past.get_seq_length()
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         group = nh // nkv
-        h = self._embed(ids) if embeds is None else embeds
+        h = self._embed(ids) if embeds is None else self._scaled(embeds)
         ropes = {  # each [rows, width, 1, hd]
             kind: (cos.unsqueeze(-2), sin.unsqueeze(-2))
             for kind, (cos, sin) in self._rotary(h, positions).items()
@@ -318,11 +399,19 @@ class LlamaForward:
         logits = F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
         if self.logit_cap is not None:
             logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
+        if self.logit_div is not None:
+            logits = logits / self.logit_div
         return logits
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = F.embedding(ids, self.embed.weight)
-        return h if self.embed_scale is None else h * self.embed_scale.to(h.dtype)
+        if self.embed_scale is not None:  # (Gemma's module scales only what it looks up)
+            h = h * self.embed_scale.to(h.dtype)
+        return self._scaled(h)
+
+    def _scaled(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Input embeddings as the model scales them (Granite's multiplier)."""
+        return embeds if self.embed_mult is None else embeds * self.embed_mult
 
     # ---- pieces -----------------------------------------------------------------------------
 
@@ -347,12 +436,28 @@ class LlamaForward:
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q, k, v = q.reshape(*lead, nh, hd), k.reshape(*lead, nkv, hd), v.reshape(*lead, nkv, hd)
-        if layer.q_norm is not None and not layer.qk_whole:
+        before = layer.q_norm is not None and not layer.qk_whole and not layer.norm_after_rope
+        if before:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        half = hd // 2
-        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
-        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+        if layer.rotate:
+            q, k = self._rotated(q, cos, sin), self._rotated(k, cos, sin)
+        if layer.norm_after_rope:
+            q, k = layer.q_norm(q), layer.k_norm(k)
         return q, k, v
+
+    def _rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., hd]`` rotated by ``cos`` and ``sin`` over its first
+        ``cos.shape[-1]`` dimensions (a partial rotary embedding's), the rest as they are:
+        rotate_half's pairs, or neighbours (``interleaved``)."""
+        width = cos.shape[-1]
+        part = x if width == x.shape[-1] else x[..., :width]
+        if self.interleaved:
+            turned = torch.stack((-part[..., 1::2], part[..., ::2]), -1).flatten(-2)
+        else:
+            half = width // 2
+            turned = torch.cat((-part[..., half:], part[..., :half]), -1)
+        out = part * cos + turned * sin
+        return out if part is x else torch.cat((out, x[..., width:]), -1)
 
     def _rotary(
         self, h: torch.Tensor, positions: torch.Tensor
@@ -366,6 +471,10 @@ class LlamaForward:
             )
             if self.half_rope:
                 cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+            elif self.interleaved:  # each frequency twice, side by side
+                half = cos.shape[-1] // 2
+                cos = cos[..., :half].repeat_interleave(2, -1)
+                sin = sin[..., :half].repeat_interleave(2, -1)
             out[kind] = (cos, sin)
         return out
 
@@ -409,24 +518,25 @@ class LlamaForward:
             return h + (out.squeeze(1) if step else out)
         if layer.after_attn is not None:  # Gemma's, OLMo's
             return LlamaForward._post_norm_rest(layer, h, attended, lora)
-        if lora is None:
+        if lora is None and layer.residual is None:
             h = h + F.linear(attended, layer.o.weight, layer.o.bias)
             z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
-            mid = z.shape[-1] // 2
-            gated = layer.act(z[..., :mid]) * z[..., mid:]
+            gated = _activated(layer, z)
             return h + F.linear(gated, layer.down.weight, layer.down.bias)
-        i = layer.index
+        i, scale = layer.index, layer.residual
         o = F.linear(attended, layer.o.weight, layer.o.bias)
-        lora.add(i, "o", attended, o)
-        h = h + o
+        if lora is not None:
+            lora.add(i, "o", attended, o)
+        h = h + (o if scale is None else o * scale)
         normed = layer.mlp_norm(h)
         z = F.linear(normed, layer.gate_up, layer.gate_up_bias)
-        lora.add(i, "gate_up", normed, z)
-        mid = z.shape[-1] // 2
-        gated = layer.act(z[..., :mid]) * z[..., mid:]
+        if lora is not None:
+            lora.add(i, "gate_up", normed, z)
+        gated = _activated(layer, z)
         down = F.linear(gated, layer.down.weight, layer.down.bias)
-        lora.add(i, "down", gated, down)
-        return h + down
+        if lora is not None:
+            lora.add(i, "down", gated, down)
+        return h + (down if scale is None else down * scale)
 
     @staticmethod
     def _post_norm_rest(
@@ -443,12 +553,29 @@ class LlamaForward:
         z = F.linear(normed, layer.gate_up, layer.gate_up_bias)
         if lora is not None:
             lora.add(layer.index, "gate_up", normed, z)
-        mid = z.shape[-1] // 2
-        gated = layer.act(z[..., :mid]) * z[..., mid:]
+        gated = _activated(layer, z)
         down = F.linear(gated, layer.down.weight, layer.down.bias)
         if lora is not None:
             lora.add(layer.index, "down", gated, down)
         return h + layer.after_mlp(down)
+
+
+def _activated(layer: _Layer, z: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation of the gate/up projection's output ``z`` (gate's columns first):
+    ``act(gate) * up``, or ``act(up)`` without a gate."""
+    if not layer.gated:
+        return layer.act(z)
+    mid = z.shape[-1] // 2
+    return layer.act(z[..., :mid]) * z[..., mid:]
+
+
+def _first(module: Any, *names: str) -> Any:
+    """``module``'s first attribute of ``names`` that it has (None: none)."""
+    for name in names:
+        found = getattr(module, name, None)
+        if found is not None:
+            return found
+    return None
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
@@ -483,12 +610,22 @@ def _windows(config: Any, count: int) -> list[int | None]:
 
 
 def dense_mlp(mlp: Any) -> bool:
-    """Whether ``mlp`` is a layer's SiLU-gated MLP of plain ``gate_proj``, ``up_proj`` and
-    ``down_proj`` Linears (else, in the mixture families, a mixture of experts)."""
+    """Whether ``mlp`` is a layer's gated MLP of plain ``gate_proj``, ``up_proj`` and
+    ``down_proj`` Linears, or of ``gate_up_proj`` (gate's rows, then up's) and ``down_proj``,
+    or an MLP of ``up_proj`` and ``down_proj`` alone (else, in the mixture families, a mixture
+    of experts)."""
     return all(
-        isinstance(getattr(mlp, name, None), torch.nn.Linear)
-        for name in ("gate_proj", "up_proj", "down_proj")
+        isinstance(getattr(mlp, name, None), torch.nn.Linear) for name in mlp_projections(mlp)
     )
+
+
+def mlp_projections(mlp: Any) -> tuple[str, ...]:
+    """The names of a dense MLP's projections, in the engine's fused order."""
+    if isinstance(getattr(mlp, "gate_up_proj", None), torch.nn.Linear):
+        return ("gate_up_proj", "down_proj")
+    if not hasattr(mlp, "gate_proj") and isinstance(getattr(mlp, "up_proj", None), torch.nn.Linear):
+        return ("up_proj", "down_proj")
+    return ("gate_proj", "up_proj", "down_proj")
 
 
 def _fuse(projections: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

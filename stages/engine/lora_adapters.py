@@ -2,14 +2,16 @@
 ``/load_lora_adapter``, ``/unload_lora_adapter`` and a request's ``lora_path``).
 
 An adapter is a folder in ``peft``'s format (``adapter_config.json`` and
-``adapter_model.safetensors`` or ``adapter_model.bin``: what ``PeftModel.save_pretrained`` and
-a LoRA learner's checkpoints write). ``load_adapter`` reads it against the model: every
-adapted module must be one of a Llama-family layer's seven projections (q, k, v, o, gate, up,
-down), each ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` of that module's shape. ``B`` is
-scaled by ``lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``) once, at load. Per layer, the
-adapter's q/k/v pieces are fused as the engine fuses the projections themselves
-(``llama_forward``): one ``A`` of the targeted pieces stacked, one block-diagonal ``B`` whose
-rows land on each piece's slice of the fused output; gate/up the same.
+``adapter_model.safetensors`` or ``adapter_model.bin``: what ``PeftModel.save_pretrained`` and a
+LoRA learner's checkpoints write). ``load_adapter`` reads it against the model: every adapted
+module must be one of a Llama-family layer's seven projections (q, k, v, o, gate, up, down; or a
+model's own fused q/k/v and gate/up, Phi-3's ``qkv_proj`` and ``gate_up_proj``; no gate in an
+MLP without one), each ``lora_A``
+``[r, in]`` and ``lora_B`` ``[out, r]`` of that module's shape. ``B`` is scaled by ``lora_alpha
+/ r`` (``/ sqrt(r)`` with ``use_rslora``) once, at load. Per layer, the adapter's q/k/v pieces
+are fused as the engine fuses the projections themselves (``llama_forward``): one ``A`` of the
+targeted pieces stacked, one block-diagonal ``B`` whose rows land on each piece's slice of the
+fused output; gate/up the same.
 
 ``RowAdapters`` says which rows of one forward pass take which adapter; ``add`` puts each
 adapted projection's low-rank term ``(x A^T) B^T`` onto its rows' output: on every row at once
@@ -49,7 +51,11 @@ _SLOTS = {
     "gate_up": ("mlp", ("gate_proj", "up_proj")),
     "down": ("mlp", ("down_proj",)),
 }
-_SLOT_OF = {(part, proj): slot for slot, (part, projs) in _SLOTS.items() for proj in projs}
+# a slot the model's layer has as one projection of its own (Phi-3's): its adapter is whole
+_OWN = {"qkv": "qkv_proj", "gate_up": "gate_up_proj"}
+_SLOT_OF = {(part, proj): slot for slot, (part, projs) in _SLOTS.items() for proj in projs} | {
+    (_SLOTS[slot][0], proj): slot for slot, proj in _OWN.items()
+}
 
 
 class AdapterError(ValueError):
@@ -125,10 +131,17 @@ def build_adapter(
         pieces.setdefault((index, m.group(2), m.group(3)), {})[m.group(4)] = tensor
     if not pieces:
         raise AdapterError(f"{folder}: no LoRA weights in the adapter file")
+    adapted = len(pieces)
     weight = next(model.parameters())
     built: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in layers]
     for index in range(len(layers)):
         for slot, (part, projs) in _SLOTS.items():
+            module = getattr(layers[index], part)
+            own = _OWN.get(slot)
+            if own is not None and isinstance(getattr(module, own, None), torch.nn.Linear):
+                projs = (own,)
+            elif slot == "gate_up" and dense_mlp(module):  # (an MLP without a gate: up alone)
+                projs = tuple(p for p in projs if hasattr(module, p))
             found = [pieces.get((index, part, p)) for p in projs]
             if not any(found):
                 continue
@@ -141,7 +154,13 @@ def build_adapter(
             built[index][slot] = _fuse(
                 folder, index, part, projs, modules, found, rank, scale, weight
             )
-    return Adapter(name, path, rank, built, modules=len(pieces))
+            for p in projs:
+                pieces.pop((index, part, p), None)
+    for index, part, proj in sorted(pieces):  # q/k/v where the layer has qkv_proj, or the reverse
+        raise AdapterError(
+            f"{folder}: layers.{index}.{part}.{proj}: the model's layer has no such projection"
+        )
+    return Adapter(name, path, rank, built, modules=adapted)
 
 
 def _fuse(

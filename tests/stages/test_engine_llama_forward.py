@@ -7,22 +7,27 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     GPT2Config,
     GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
     Olmo3Config,
     OlmoeConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 from transformers.cache_utils import DynamicCache
 
@@ -116,6 +121,77 @@ CONFIGS = {
     "olmo3": lambda: Olmo3Config(
         **SIZES, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
     ),
+    # Phi-3's own fused q/k/v and gate/up projections; Phi-4-mini's partial rotary embedding
+    # (a head's first half rotated) and a sliding window of 4 on every layer
+    "phi3": lambda: Phi3Config(**SIZES, pad_token_id=0),
+    "phi3-partial-sliding": lambda: Phi3Config(
+        **SIZES, pad_token_id=0, partial_rotary_factor=0.5, sliding_window=4
+    ),
+    # Phi-3-128k's and Phi-4-mini's long rotary tables (LongRoPE), taken from position 8 on
+    "phi3-longrope": lambda: Phi3Config(
+        **SIZES,
+        pad_token_id=0,
+        original_max_position_embeddings=8,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.5],
+            "long_factor": [3.0, 5.0],
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 8,
+        },
+    ),
+    # GLM-4.5's: a mixture with shared experts after a dense first layer, q/k normed, biased
+    # q/k/v, half of each head rotated
+    "glm4_moe": lambda: Glm4MoeConfig(
+        **SIZES,
+        head_dim=16,
+        use_qk_norm=True,
+        attention_bias=True,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=24,
+        first_k_dense_replace=1,
+    ),
+    # SmolLM3's: no rotary embedding on every other layer here (``no_rope_layers``)
+    "smollm3": lambda: SmolLM3Config(**SIZES, pad_token_id=0, no_rope_layer_interval=2),
+    # Granite's multipliers: the embedding, the attention's scores, each residual branch and
+    # the logits
+    "granite": lambda: GraniteConfig(
+        **SIZES,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.05,
+        residual_multiplier=0.4,
+        logits_scaling=2.5,
+    ),
+    # Seed-OSS (biased q/k/v); Ministral (a sliding window by layer types)
+    "seed_oss": lambda: AutoConfig.for_model("seed_oss", **SIZES, head_dim=16),
+    "ministral": lambda: AutoConfig.for_model(
+        "ministral", **SIZES, head_dim=8, sliding_window=4, layer_types=["sliding_attention"] * 2
+    ),
+    # neighbouring dimensions rotated together (GLM's style): Helium; ERNIE 4.5 (biases on
+    # every projection); GLM-4 (Gemma's four norms under its own names, its own gate_up_proj,
+    # half of each head rotated)
+    "helium": lambda: AutoConfig.for_model("helium", **SIZES, head_dim=8),
+    "ernie4_5": lambda: AutoConfig.for_model("ernie4_5", **SIZES, head_dim=16, use_bias=True),
+    "glm4": lambda: AutoConfig.for_model("glm4", **SIZES, head_dim=16, pad_token_id=0),
+    # Hunyuan: q and k normed after their rotation
+    "hunyuan_v1_dense": lambda: AutoConfig.for_model(
+        "hunyuan_v1_dense", **SIZES, head_dim=16, pad_token_id=0
+    ),
+    # EXAONE 4: OLMo 2's norms, a sliding layer, then a full one that rotates nothing
+    "exaone4": lambda: AutoConfig.for_model(
+        "exaone4", **SIZES, head_dim=16, sliding_window=4, sliding_window_pattern=2
+    ),
+    # MLPs without a gate: Apertus (xIELU, its norms named otherwise, q/k normed), Arcee
+    # (ReLU²), Nemotron (ReLU², LayerNorm1P, half of each head rotated)
+    "apertus": lambda: AutoConfig.for_model(
+        "apertus", **SIZES, head_dim=8, rope_parameters={"rope_type": "default"}
+    ),
+    "arcee": lambda: AutoConfig.for_model("arcee", **SIZES, head_dim=8, mlp_bias=True),
+    "nemotron": lambda: AutoConfig.for_model("nemotron", **SIZES, head_dim=8),
 }
 EAGER_ONLY = {"gpt_oss", "gemma2"}  # (transformers has no sdpa for them)
 
@@ -217,7 +293,25 @@ UPDATED = {
         "model.layers.1.mlp.experts.gate_up_proj",
         "model.layers.1.mlp.gate.weight",
     ],
+    "phi3": [  # the model's own fused projections, loaded whole
+        "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.1.mlp.gate_up_proj.weight",
+    ],
 }
+
+
+@pytest.mark.parametrize("family", ["llama", "granite", "gemma3_text"])
+@torch.inference_mode()
+def test_embeddings_given_as_the_prompt_are_scaled_as_the_model_scales_them(family: str) -> None:
+    """Granite multiplies given input embeddings too; Gemma's scale is its embedding module's,
+    so given ones are taken as they are (transformers' ``inputs_embeds`` forward, each)."""
+    model = _model(CONFIGS[family]())
+    fast, _ = LlamaForward.build(model)
+    ids, mask, positions = _prompts(model, [4, 6])
+    embeds = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator())
+    _, logits = fast.prefill(ids, mask, positions, embeds=embeds)
+    out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+    assert_close(logits, out.logits[:, -1], terms=forward_terms(model.config, 6))
 
 
 @pytest.mark.parametrize("family", sorted(UPDATED))

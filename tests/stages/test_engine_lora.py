@@ -21,6 +21,8 @@ from tests.stages.tiny_model import (
     make_tiny_gemma3_model,
     make_tiny_model,
     make_tiny_moe_model,
+    make_tiny_phi3_model,
+    with_tiny_words,
 )
 
 PROMPTS = [[5, 9, 14, 3], [7, 7, 20, 31, 40, 2], [11, 12]]
@@ -162,6 +164,40 @@ def test_a_gemma3_adapter_computes_what_its_merged_model_does(tmp_path):
     """Gemma 3 on the engine's passes (its four norms, its scaled embedding, a sliding layer):
     an adapter of every projection, applied unmerged, as peft's merged model."""
     _as_merged(make_tiny_gemma3_model(tmp_path / "gemma", window=3), tmp_path / "a", "all-linear")
+
+
+@pytest.mark.timeout(120)
+def test_a_phi3_adapter_of_its_own_fused_projections_computes_what_its_merged_model_does(
+    model_dir, tmp_path
+):
+    """Phi-3 (its own qkv_proj and gate_up_proj, half of each head rotated, a sliding window)
+    on the engine's passes: an adapter of every projection as peft's merged model; one of q_proj,
+    which its layers do not have, refused naming it, as is its adapter on a Qwen2."""
+    phi3 = make_tiny_phi3_model(tmp_path / "phi3", window=3)
+    sched = _as_merged(phi3, tmp_path / "a", "all-linear")
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    at = "base_model.model.model.layers.1.self_attn"
+    split = {f"{at}.q_proj.lora_A.weight": torch.ones(4, 32)}
+    split[f"{at}.q_proj.lora_B.weight"] = torch.ones(32, 4)
+    with pytest.raises(AdapterError, match=r"layers\.1\.self_attn\.q_proj: the model's layer"):
+        sched.load_adapter_from("split", config, lambda: split)
+    qwen = Scheduler(load_model(str(model_dir), device="cpu").model, max_running=4)
+    with pytest.raises(AdapterError, match=r"layers\.0\.mlp\.gate_up_proj: the model.s"):
+        qwen.load_adapter("fused", str(tmp_path / "a"))
+
+
+@pytest.mark.timeout(120)
+def test_an_adapter_of_an_mlp_without_a_gate_computes_what_its_merged_model_does(tmp_path):
+    """Arcee's MLP (up, ReLU², down; no gate) on the engine's passes: an adapter of every
+    projection as peft's merged model."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "arcee", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    _as_merged(with_tiny_words(tmp_path / "arcee", config, 7), tmp_path / "a", "all-linear")
 
 
 def test_folders_that_do_not_fit_are_refused_with_what_and_where(model_dir, tmp_path):

@@ -1,6 +1,6 @@
 """Models with sliding-window layers (gpt-oss alternates them with full attention, as Gemma 3
 and 4 do; Qwen2 and Mistral can slide every layer) served by the built-in engine. On its own
-passes (``llama_forward``: gpt-oss, Qwen2, Mistral, Gemma 3) a sliding layer attends to its
+passes (``llama_forward``: gpt-oss, Qwen2, Mistral, Gemma 3, Phi-3) a sliding layer attends to its
 last ``sliding_window`` positions, counted by real tokens, and the prefix cache serves them; on
 transformers' (Gemma 4, ``--forward transformers``) each decode step hands the sliding layers a
 mask of their last columns (``scheduler._layer_masks``) and prompts are prefilled whole (no
@@ -19,7 +19,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.stages.test_engine_server import Engine, serving
-from tests.stages.tiny_model import make_gpt_oss_model, make_tiny_gemma3_model, make_tiny_model
+from tests.stages.tiny_model import (
+    make_gpt_oss_model,
+    make_tiny_gemma3_model,
+    make_tiny_model,
+    make_tiny_phi3_model,
+)
 
 WINDOW = 3
 
@@ -73,6 +78,7 @@ CASES = {
     "mistral": "fast",
     "gemma3": "fast",
     "gemma4": "transformers",
+    "phi3": "fast",
 }
 
 
@@ -81,7 +87,8 @@ def sliding_engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     """gpt-oss (a sliding layer, then a full one; eager attention's additive masks), a Qwen2
-    sliding everywhere (sdpa), a Mistral with a window and no layer types, Gemma 3 or Gemma 4;
+    sliding everywhere (sdpa), a Mistral with a window and no layer types, Gemma 3, Gemma 4 or
+    Phi-3 (every layer, half of each head rotated);
     on the engine's passes, or with ``-transformers`` on transformers'."""
     root = tmp_path_factory.mktemp(f"sliding-{request.param}")
     kind = request.param.removesuffix("-transformers")
@@ -93,6 +100,8 @@ def sliding_engine(
         model_dir = make_tiny_gemma3_model(root / "model", window=WINDOW)
     elif kind == "gemma4":
         model_dir = _sliding_gemma4(root / "model")
+    elif kind == "phi3":
+        model_dir = make_tiny_phi3_model(root / "model", window=WINDOW)
     else:
         model_dir = _sliding_mistral(root / "model")
     flags = ("--forward", "transformers") if request.param.endswith("-transformers") else ()

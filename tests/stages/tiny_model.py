@@ -34,7 +34,9 @@ __all__ = [
     "make_tiny_classifier",
     "make_tiny_model",
     "make_tiny_moe_model",
+    "make_tiny_phi3_model",
     "tiny_config",
+    "with_tiny_words",
 ]
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -264,14 +266,35 @@ def make_tiny_gemma3_model(path: Path, *, window: int = 3, seed: int = 5) -> Pat
     tokenizer (128 words)."""
     from transformers import Gemma3TextConfig
 
-    make_tiny_model(path, vocab=128, seed=seed)  # its tokenizer; the weights are replaced
     config = Gemma3TextConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
         pad_token_id=PAD_ID,
     )  # fmt: skip
-    torch.manual_seed(seed)  # (transformers' own initialization: a window that matters)
+    return with_tiny_words(path, config, seed)
+
+
+def make_tiny_phi3_model(path: Path, *, window: int = 3, seed: int = 6) -> Path:
+    """A random tiny Phi-3 (``Phi3ForCausalLM``: its own fused ``qkv_proj`` and
+    ``gate_up_proj``), with Phi-4-mini's partial rotary embedding (half of each head) and a
+    sliding window of ``window`` on every layer, and ``make_tiny_model``'s tokenizer."""
+    from transformers import Phi3Config
+
+    config = Phi3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
+        sliding_window=window, max_position_embeddings=512, pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID, bos_token_id=None,
+    )  # fmt: skip
+    return with_tiny_words(path, config, seed)
+
+
+def with_tiny_words(path: Path, config: Any, seed: int) -> Path:
+    """A random model of ``config`` (transformers' own initialization) saved under ``path``
+    with ``make_tiny_model``'s tokenizer (128 words)."""
+    make_tiny_model(path, vocab=128, seed=seed)  # its tokenizer; the weights are replaced
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for stale in path.glob("*.safetensors"):
         stale.unlink()
