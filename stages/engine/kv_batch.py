@@ -173,9 +173,9 @@ class BatchKV:
         if columns is not None:
             columns = columns[:, None, :, None]
         for layer, (keys, values, *_rest) in zip(self.layers, prefill, strict=True):
-            if columns is not None:
-                index = columns.expand(-1, keys.shape[1], -1, keys.shape[3])
-                keys, values = keys.gather(2, index), values.gather(2, index)
+            if columns is not None:  # (values as wide as keys, or not: latent attention's)
+                keys = keys.gather(2, columns.expand(-1, keys.shape[1], -1, keys.shape[3]))
+                values = values.gather(2, columns.expand(-1, values.shape[1], -1, values.shape[3]))
             if source is not None:
                 keys, values = keys.index_select(0, source), values.index_select(0, source)
             layer.k[lo:hi, :, p - width : p] = keys

@@ -28,12 +28,15 @@ where the others pair a head's halves; GLM-4 has Gemma's four norms under its ow
 norms) on its full-attention layers when it has sliding ones; Hunyuan (``hunyuan_v1_dense``)
 norms q and k after their rotation; Granite (``granite``) multiplies its embeddings, each
 residual branch and its logits; Seed-OSS (``seed_oss``) and Ministral (``ministral``) are
-Llama's layer. ``decode`` takes one token per row over the slot cache (``kv_batch.BatchKV``:
-keys and values go into its pending column, attention reads its views); ``prefill`` takes
-left-padded prompts, optionally on top of the cached keys and values of their prefixes
-(``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as ``model(...)``
-would, for the slot cache to admit. The norms, the rotary embedding and the activation are the
-model's own modules, so their variants (rope scaling, norm details) stay exactly transformers'.
+Llama's layer. DeepSeek-V2's and V3's multi-head latent attention (``deepseek_v2``,
+``deepseek_v3``: Moonlight's, Kimi K2's) is ``latent_attention``'s, its cache the latents
+transformers' holds. ``decode`` takes one token per row over the slot cache
+(``kv_batch.BatchKV``: keys and values go into its pending column, attention reads its views);
+``prefill`` takes left-padded prompts, optionally on top of the cached keys and values of their
+prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as
+``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding and the
+activation are the model's own modules, so their variants (rope scaling, norm details) stay
+exactly transformers'.
 
 The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
 into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
@@ -50,6 +53,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
+
+from stages.engine.latent_attention import LatentAttention, is_latent
 
 if TYPE_CHECKING:
     from stages.engine.lora_adapters import RowAdapters
@@ -82,7 +87,17 @@ _OLMO = frozenset({"olmo2", "olmo3"})
 # the same decoder layer with a mixture of experts for the MLP of some or all layers: the
 # model's own module runs it (its router, its experts' kernels), on the normed hidden states
 _MIXTURES = frozenset(
-    {"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "mixtral", "gpt_oss", "olmoe", "glm4_moe"}
+    {
+        "qwen2_moe",
+        "qwen3_moe",
+        "qwen3_vl_moe_text",
+        "mixtral",
+        "gpt_oss",
+        "olmoe",
+        "glm4_moe",
+        "deepseek_v2",  # (and V3's: multi-head latent attention, ``latent_attention``)
+        "deepseek_v3",
+    }
 )
 # Gemma's layer: norms after the attention and around the MLP, a scaled embedding, soft caps
 _GEMMA = frozenset({"gemma2", "gemma3_text"})
@@ -96,7 +111,7 @@ _ANY_ACT = _GEMMA | _UNGATED
 _PARTIAL_ROTARY = frozenset({"phi3", "glm4_moe", "glm4", "nemotron"})
 # those that rotate pairs of neighbouring dimensions (GLM's style) where rotate_half pairs a
 # head's halves: their tables' first halves, each value twice
-_INTERLEAVED = frozenset({"glm4", "ernie4_5", "helium"})
+_INTERLEAVED = frozenset({"glm4", "ernie4_5", "helium", "deepseek_v2"})
 
 
 def _text(model: Any) -> tuple[Any, Any]:
@@ -123,6 +138,7 @@ class _Layer:
         "gated",
         "index",
         "k_norm",
+        "latent",
         "mlp_norm",
         "norm_after_rope",
         "o",
@@ -171,13 +187,16 @@ class _Layer:
         self.k_norm = None if k_norm is None else k_norm.forward
         # q and k normed over all their heads at once (OLMo's), not head by head
         self.qk_whole = q_norm is not None and q_norm.weight.numel() != attn.head_dim
-        # q/k/v as one projection: the model's own (Phi-3's ``qkv_proj``) or fused here
+        # DeepSeek's multi-head latent attention (its own projections), or q/k/v as one
+        # projection: the model's own (Phi-3's ``qkv_proj``) or fused here
+        self.latent = LatentAttention(attn, attn.num_heads) if is_latent(attn) else None
         fused = getattr(attn, "qkv_proj", None)
-        self.qkv, self.qkv_bias = (
-            (fused.weight, fused.bias)
-            if fused is not None
-            else _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        )
+        if self.latent is not None:
+            self.qkv = self.qkv_bias = None
+        elif fused is not None:
+            self.qkv, self.qkv_bias = fused.weight, fused.bias
+        else:
+            self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = attn.o_proj
         # a mixture of experts (the model's module, called on [..., tokens, hidden]), or the
         # gated MLP with gate and up as one projection (fused here, or Phi-3's and GLM-4's
@@ -206,8 +225,9 @@ class LlamaForward:
         attn = inner.layers[0].self_attn
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
+        self.head_dim = getattr(attn, "head_dim", None)  # (None: latent attention's)
+        scaling = getattr(attn, "scaling", None)
+        self.scaling = self.head_dim**-0.5 if scaling is None else scaling
         self.embed = inner.embed_tokens
         # Gemma's embedding module scales what it looks up (not embeddings given as input)
         self.embed_scale = getattr(self.embed, "embed_scale", None)
@@ -223,6 +243,8 @@ class LlamaForward:
         kind = getattr(config, "model_type", None)
         # gpt-oss's rotary embedding gives cos and sin for one half of a head
         self.half_rope = kind == "gpt_oss"
+        # DeepSeek-V2 rotates neighbours; V3 (``rope_interleave``) too, with evens then odds
+        self.split_pairs = kind == "deepseek_v3" and bool(getattr(config, "rope_interleave", 0))
         self.interleaved = kind in _INTERLEAVED
         # Gemma 2's soft caps: scores, logits -> cap * tanh(x / cap) (None: none)
         self.attn_cap = getattr(config, "attn_logit_softcapping", None)
@@ -265,7 +287,10 @@ class LlamaForward:
             return "not the Llama module layout (model.layers, rotary_emb, lm_head)"
         attn = layers[0].self_attn
         fused = isinstance(getattr(attn, "qkv_proj", None), torch.nn.Linear)
-        for name in ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj"):
+        names = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
+        if is_latent(attn):
+            names = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+        for name in names:
             if not isinstance(getattr(attn, name, None), torch.nn.Linear):
                 return f"self_attn.{name} is not a plain Linear"
         for index, layer in enumerate(layers):
@@ -307,6 +332,11 @@ class LlamaForward:
         windows: dict[int, tuple[torch.Tensor, int]] = {}
         for layer, cache in zip(self.layers, kv.layers, strict=True):
             cos, sin = ropes[layer.rope]
+            if layer.latent is not None:
+                x = layer.attn_norm(h)
+                out = layer.latent.decode(x, cos, sin, cache, blocked, self._rotated, self._attend)
+                h = self._rest(layer, h, out, lora)
+                continue
             q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [n, heads, hd]
             keys, values = cache.update(k.unsqueeze(2), v.unsqueeze(2))  # [n, nkv, L, hd]
             where = blocked
@@ -374,6 +404,15 @@ class LlamaForward:
                 near = (at[:, before:, None] - at[:, None, :]) < layer.window
                 blocked = masks[layer.window] = ~(allowed & (near | (key == query)))[:, None, None]
             cos, sin = ropes[layer.rope]
+            if layer.latent is not None:  # (its cache: the latents)
+                cached = None if past is None else (past.layers[i].keys, past.layers[i].values)
+                x = layer.attn_norm(h)
+                out, k, v = layer.latent.prefill(
+                    x, cos, sin, cached, blocked, self._rotated, self._attend
+                )
+                cache.update(k, v, i)
+                h = self._rest(layer, h, out, lora)
+                continue
             q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [rows, width, nh, hd]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [rows, nkv, width, hd]
             if past is not None:
@@ -448,7 +487,12 @@ class LlamaForward:
     def _rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., hd]`` rotated by ``cos`` and ``sin`` over its first
         ``cos.shape[-1]`` dimensions (a partial rotary embedding's), the rest as they are:
-        rotate_half's pairs, or neighbours (``interleaved``)."""
+        rotate_half's pairs, or neighbours (``interleaved``); with ``split_pairs`` (DeepSeek-V3's
+        ``rope_interleave``) neighbours, the rotated evens then the odds, ``cos`` and ``sin``
+        each pair's (a whole rotated part: latent attention's)."""
+        if self.split_pairs:  # DeepSeek-V3's: neighbours rotated, evens then odds out
+            even, odd = x[..., ::2], x[..., 1::2]
+            return torch.cat((even * cos - odd * sin, odd * cos + even * sin), -1)
         width = cos.shape[-1]
         part = x if width == x.shape[-1] else x[..., :width]
         if self.interleaved:
@@ -466,10 +510,15 @@ class LlamaForward:
         them for one half, which rotates the other the same way), by the layers' ``rope``."""
         out = {}
         for kind in self._ropes:
-            cos, sin = (
-                self.rotary(h, positions) if kind is None else self.rotary(h, positions, kind)
-            )
-            if self.half_rope:
+            table = self.rotary(h, positions) if kind is None else self.rotary(h, positions, kind)
+            if isinstance(table, torch.Tensor):  # DeepSeek-V2's: each pair's e^(i angle)
+                cos = torch.cat((table.real, table.real), -1).to(h.dtype)
+                sin = torch.cat((table.imag, table.imag), -1).to(h.dtype)
+            else:
+                cos, sin = table
+            if self.split_pairs:  # each pair's angle
+                cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+            elif self.half_rope:
                 cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
             elif self.interleaved:  # each frequency twice, side by side
                 half = cos.shape[-1] // 2

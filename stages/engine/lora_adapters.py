@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages.engine.latent_attention import is_latent
 from stages.engine.llama_forward import dense_mlp
 
 __all__ = ["Adapter", "AdapterError", "RowAdapters", "load_adapter"]
@@ -145,6 +146,12 @@ def build_adapter(
             found = [pieces.get((index, part, p)) for p in projs]
             if not any(found):
                 continue
+            if slot == "qkv" and is_latent(module):
+                raise AdapterError(
+                    f"{folder}: layer {index}'s attention is multi-head latent attention, whose "
+                    f"o_proj alone the engine applies adapters to (the adapter has its "
+                    f"{'/'.join(p for p, f in zip(projs, found, strict=True) if f)})"
+                )
             if part == "mlp" and not dense_mlp(layers[index].mlp):
                 raise AdapterError(
                     f"{folder}: layer {index}'s MLP is a mixture of experts, which the engine "

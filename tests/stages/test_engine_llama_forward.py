@@ -52,6 +52,21 @@ SIZES = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+_LATENT = dict(
+    SIZES,
+    num_key_value_heads=6,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+)
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SIZES),
     "llama-bias-tied": lambda: LlamaConfig(
@@ -192,6 +207,14 @@ CONFIGS = {
     ),
     "arcee": lambda: AutoConfig.for_model("arcee", **SIZES, head_dim=8, mlp_bias=True),
     "nemotron": lambda: AutoConfig.for_model("nemotron", **SIZES, head_dim=8),
+    # DeepSeek's multi-head latent attention (q through a low rank, or V2-Lite's one projection;
+    # a value width of its own; neighbouring dimensions rotated, V3's evens then odds out) over
+    # its mixture with a shared expert, after a dense first layer
+    "deepseek_v3": lambda: AutoConfig.for_model("deepseek_v3", **_LATENT, q_lora_rank=16),
+    "deepseek_v3-halves": lambda: AutoConfig.for_model(
+        "deepseek_v3", **_LATENT, q_lora_rank=None, rope_interleave=False
+    ),
+    "deepseek_v2": lambda: AutoConfig.for_model("deepseek_v2", **_LATENT, q_lora_rank=None),
 }
 EAGER_ONLY = {"gpt_oss", "gemma2"}  # (transformers has no sdpa for them)
 
@@ -329,6 +352,47 @@ def test_weights_loaded_by_name_reach_the_fused_projections(family: str) -> None
     got = fast.decode(*kv.decode_inputs(), kv)
     assert_close(got, expected, terms=forward_terms(model.config, 6))
     assert not torch.allclose(got, before, atol=1e-3)  # the update changed the answer
+
+
+def _greedy_rounds(
+    scheduler: Scheduler, vocab: int, *, cached: bool
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy answers (ids, log-probs) of prompts, then of prompts that extend the first
+    prompts and their answers (their prefixes from the prefix cache, if ``cached``)."""
+    from stages.engine.protocol import GenerateInput, SamplingParams
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[(5 * i + 3) % vocab for i in range(9)], [7, 3, 11], [12, 30, 4, 4, 29]]
+    out: list[tuple[list[int], list[float]]] = []
+    for round_ in range(2):
+        if round_:
+            prompts = [[*p, *ids, 9] for p, (ids, _) in zip(prompts, out, strict=True)]
+        future = scheduler.submit_many(
+            [GenerateInput(f"r{round_}-{i}", p, params, True) for i, p in enumerate(prompts)]
+        )
+        scheduler.run_until_idle()
+        results = future.result(timeout=30)
+        assert all(r.cached_tokens > 0 for r in results) == (cached and bool(round_))
+        out += [(r.output_ids, r.output_token_logprobs) for r in results]
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("family", ["deepseek_v3", "phi3-partial-sliding", "glm4"])
+@torch.inference_mode()
+def test_the_scheduler_answers_on_the_engines_passes_as_on_transformers(family: str) -> None:
+    """Served end to end (the slot cache, the prefix cache: DeepSeek's latents, a sliding
+    window), greedy answers and their log-probs equal those on transformers' passes."""
+    model = _model(CONFIGS[family]())
+    fast = Scheduler(model, max_running=8)
+    assert fast.forward_path == "fast", fast.forward_path_why
+    got = _greedy_rounds(fast, model.config.vocab_size, cached=True)
+    slow = Scheduler(model, max_running=8, fast_forward=False)
+    # (a sliding window's prefix cache is off there: padding would count in the window)
+    want = _greedy_rounds(slow, model.config.vocab_size, cached=slow._prefix is not None)
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, want, strict=True):
+        assert ids == ref_ids
+        assert_close(lps, ref_lps, terms=forward_terms(model.config, 24))
 
 
 def test_models_it_does_not_cover_say_why() -> None:

@@ -200,6 +200,30 @@ def test_an_adapter_of_an_mlp_without_a_gate_computes_what_its_merged_model_does
     _as_merged(with_tiny_words(tmp_path / "arcee", config, 7), tmp_path / "a", "all-linear")
 
 
+@pytest.mark.timeout(120)
+def test_latent_attention_takes_adapters_of_its_output_projection(tmp_path):
+    """DeepSeek-V3's layout (multi-head latent attention, V2-Lite's one q projection, experts
+    after a dense layer) on the engine's passes: an adapter of o_proj as peft's merged model;
+    one of q_proj refused, naming the layer."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=128, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_group=1, topk_group=1, pad_token_id=0, eos_token_id=1,
+        bos_token_id=None,
+    )  # fmt: skip
+    model = with_tiny_words(tmp_path / "deepseek", config, 8)
+    sched = _as_merged(model, tmp_path / "a", ["o_proj"])
+    adapter = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    at = "base_model.model.model.layers.1.self_attn.q_proj"
+    q = {f"{at}.lora_A.weight": torch.ones(4, 32), f"{at}.lora_B.weight": torch.ones(48, 4)}
+    with pytest.raises(AdapterError, match="layer 1's attention is multi-head latent attention"):
+        sched.load_adapter_from("q", adapter, lambda: q)
+
+
 def test_folders_that_do_not_fit_are_refused_with_what_and_where(model_dir, tmp_path):
     base = load_model(str(model_dir), device="cpu").model
     sched = Scheduler(base, max_running=4)
