@@ -35,7 +35,8 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
 
 def is_latent(attn: Any) -> bool:
-    """Whether the attention module ``attn`` is multi-head latent attention."""
+    """Whether the attention module ``attn`` is multi-head latent attention (one whose
+    ``kv_b_proj`` has a bias, which DeepSeek's has not, ``LlamaForward.unsupported`` refuses)."""
     return isinstance(getattr(attn, "kv_a_proj_with_mqa", None), torch.nn.Linear)
 
 
@@ -98,8 +99,6 @@ class LatentAttention:
         mixed = attend(scores, blocked, latents, None)  # [n, 1, h, rank]
         # through each head's value expansion: [h, n, rank] @ [h, rank, v]
         out = torch.bmm(mixed[:, 0].transpose(0, 1), expand[:, self.nope :].transpose(1, 2))
-        if self.kv_b.bias is not None:
-            out = out + self.kv_b.bias.view(h, -1)[:, None, self.nope :]
         return out.transpose(0, 1).reshape(n, h * self.v)
 
     def prefill(
@@ -123,7 +122,7 @@ class LatentAttention:
         if past is not None:
             latents = torch.cat((past[0], latents), 2)
             shared = torch.cat((past[1], shared), 2)
-        kv = F.linear(latents[:, 0], self.kv_b.weight, self.kv_b.bias)  # [rows, L, h*(nope+v)]
+        kv = F.linear(latents[:, 0], self.kv_b.weight)  # [rows, L, h * (nope + v)]
         kv = kv.view(rows, -1, h, self.nope + self.v).transpose(1, 2)  # [rows, h, L, nope+v]
         keys = torch.cat((kv[..., : self.nope], shared.expand(-1, h, -1, -1)), -1)
         q = torch.cat((q_nope, q_rot), -1).transpose(1, 2)  # [rows, h, width, nope+rope]

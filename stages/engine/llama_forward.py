@@ -28,13 +28,15 @@ where the others pair a head's halves; GLM-4 has Gemma's four norms under its ow
 norms) on its full-attention layers when it has sliding ones; Hunyuan (``hunyuan_v1_dense``)
 norms q and k after their rotation; Granite (``granite``) multiplies its embeddings, each
 residual branch and its logits; Seed-OSS (``seed_oss``) and Ministral (``ministral``) are
-Llama's layer. DeepSeek-V2's and V3's multi-head latent attention (``deepseek_v2``,
-``deepseek_v3``: Moonlight's, Kimi K2's) is ``latent_attention``'s, its cache the latents
-transformers' holds. ``decode`` takes one token per row over the slot cache
-(``kv_batch.BatchKV``: keys and values go into its pending column, attention reads its views);
-``prefill`` takes left-padded prompts, optionally on top of the cached keys and values of their
-prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and values, as
-``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding and the
+Llama's layer. GPT-NeoX (``gpt_neox``, Pythia) holds each head's q, k and v together in its own
+projection, rotates a quarter of each head, and adds the attention and the MLP to the layer's
+input side by side (``use_parallel_residual``). DeepSeek-V2's and V3's multi-head latent
+attention (``deepseek_v2``, ``deepseek_v3``: Moonlight's, Kimi K2's) is ``latent_attention``'s,
+its cache the latents transformers' holds. ``decode`` takes one token per row over the slot
+cache (``kv_batch.BatchKV``: keys and values go into its pending column, attention reads its
+views); ``prefill`` takes left-padded prompts, optionally on top of the cached keys and values
+of their prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and values,
+as ``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding and the
 activation are the model's own modules, so their variants (rope scaling, norm details) stay
 exactly transformers'.
 
@@ -59,7 +61,7 @@ from stages.engine.latent_attention import LatentAttention, is_latent
 if TYPE_CHECKING:
     from stages.engine.lora_adapters import RowAdapters
 
-__all__ = ["LlamaForward", "dense_mlp"]
+__all__ = ["LlamaForward", "decoder_layers", "dense_mlp"]
 
 _DENSE = frozenset(
     {
@@ -73,6 +75,7 @@ _DENSE = frozenset(
         "phi3",  # q/k/v and gate/up as the model's own fused projections
         "smollm3",  # no rotary embedding on some layers (``no_rope_layers``)
         "granite",  # multipliers on the embedding, the residual branches and the logits
+        "gpt_neox",  # Pythia's: each head's q, k, v together, parallel residuals, LayerNorms
         "seed_oss",
         "ministral",
         "helium",
@@ -102,22 +105,23 @@ _MIXTURES = frozenset(
 # Gemma's layer: norms after the attention and around the MLP, a scaled embedding, soft caps
 _GEMMA = frozenset({"gemma2", "gemma3_text"})
 # MLPs without a gate (up, its activation, down): Apertus's xIELU, Arcee's and Nemotron's ReLU²
-_UNGATED = frozenset({"apertus", "arcee", "nemotron"})
+_UNGATED = frozenset({"apertus", "arcee", "nemotron", "gpt_neox"})
 _FAMILIES = _DENSE | _MIXTURES | _GEMMA | _OLMO | _UNGATED
 # those whose activation is not SiLU (the model's own module computes it)
 _ANY_ACT = _GEMMA | _UNGATED
 # those whose attention rotates a head's first ``partial_rotary_factor`` of dimensions (paired
 # as the family pairs them) and passes the rest through, as transformers' models do
-_PARTIAL_ROTARY = frozenset({"phi3", "glm4_moe", "glm4", "nemotron"})
+_PARTIAL_ROTARY = frozenset({"phi3", "glm4_moe", "glm4", "nemotron", "gpt_neox"})
 # those that rotate pairs of neighbouring dimensions (GLM's style) where rotate_half pairs a
 # head's halves: their tables' first halves, each value twice
 _INTERLEAVED = frozenset({"glm4", "ernie4_5", "helium", "deepseek_v2"})
 
 
 def _text(model: Any) -> tuple[Any, Any]:
-    """The config and the decoder (``layers``, ``embed_tokens``, ``rotary_emb``, ``norm``) of
-    ``model``'s text: its own, or a vision-language model's language model's."""
-    inner = getattr(model, "model", None)
+    """The config and the decoder (``layers``, ``embed_tokens``, ``rotary_emb``, ``norm``; or
+    GPT-NeoX's ``embed_in`` and ``final_layer_norm``) of ``model``'s text: its own, or a
+    vision-language model's language model's."""
+    inner = _first(model, "model", "gpt_neox")
     language = getattr(inner, "language_model", None)
     text_config = getattr(model.config, "text_config", None)
     if language is not None and text_config is not None:
@@ -136,12 +140,14 @@ class _Layer:
         "gate_up",
         "gate_up_bias",
         "gated",
+        "heads_first",
         "index",
         "k_norm",
         "latent",
         "mlp_norm",
         "norm_after_rope",
         "o",
+        "parallel",
         "q_norm",
         "qk_whole",
         "qkv",
@@ -162,7 +168,7 @@ class _Layer:
         self.rotate = rotate  # False: no rotary embedding (SmolLM3's NoPE layers)
         # Granite's: each branch's output scaled before its residual (None: not scaled)
         self.residual = getattr(layer, "residual_multiplier", None)
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = _first(layer, "self_attn", "attention"), layer.mlp
         # gpt-oss's attention sinks: a logit a head, in each softmax, whose share goes nowhere
         self.sinks = getattr(attn, "sinks", None)
         # the norms: before the attention and the MLP (Llama's; Apertus names them otherwise),
@@ -191,13 +197,20 @@ class _Layer:
         # projection: the model's own (Phi-3's ``qkv_proj``) or fused here
         self.latent = LatentAttention(attn, attn.num_heads) if is_latent(attn) else None
         fused = getattr(attn, "qkv_proj", None)
+        # GPT-NeoX's own q/k/v projection: each head's q, k and v together
+        neox = getattr(attn, "query_key_value", None)
+        self.heads_first = neox is not None
         if self.latent is not None:
             self.qkv = self.qkv_bias = None
+        elif neox is not None:
+            self.qkv, self.qkv_bias = neox.weight, neox.bias
         elif fused is not None:
             self.qkv, self.qkv_bias = fused.weight, fused.bias
         else:
             self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = attn.o_proj
+        self.o = _first(attn, "o_proj", "dense")
+        # GPT-NeoX's parallel residual: the MLP reads the layer's input, not the attention's sum
+        self.parallel = bool(getattr(layer, "use_parallel_residual", False))
         # a mixture of experts (the model's module, called on [..., tokens, hidden]), or the
         # gated MLP with gate and up as one projection (fused here, or Phi-3's and GLM-4's
         # own), or an MLP without a gate (Apertus's, Arcee's, Nemotron's: up alone)
@@ -205,14 +218,14 @@ class _Layer:
         self.gated = True
         if self.experts is None:
             names = mlp_projections(mlp)
-            self.gated = names[0] != "up_proj"
+            self.gated = names[0] not in ("up_proj", "dense_h_to_4h")
             if names[0] == "gate_proj":
                 self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
             else:
                 own = getattr(mlp, names[0])
                 self.gate_up, self.gate_up_bias = own.weight, own.bias
-            self.down = mlp.down_proj
-            self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+            self.down = _first(mlp, "down_proj", "dense_4h_to_h")
+            self.act = _first(mlp, "act_fn", "activation_fn", "act")
         else:
             self.gate_up = self.gate_up_bias = self.down = self.act = None
 
@@ -222,13 +235,14 @@ class LlamaForward:
 
     def __init__(self, model: Any) -> None:
         config, inner = _text(model)
-        attn = inner.layers[0].self_attn
+        attn = _first(inner.layers[0], "self_attn", "attention")
         self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(attn, "head_dim", None)  # (None: latent attention's)
+        self.kv_heads = getattr(config, "num_key_value_heads", self.heads)  # (GPT-NeoX: none)
+        # (GPT-NeoX's head_size; None: latent attention's)
+        self.head_dim = _first(attn, "head_dim", "head_size")
         scaling = getattr(attn, "scaling", None)
         self.scaling = self.head_dim**-0.5 if scaling is None else scaling
-        self.embed = inner.embed_tokens
+        self.embed = _first(inner, "embed_tokens", "embed_in")
         # Gemma's embedding module scales what it looks up (not embeddings given as input)
         self.embed_scale = getattr(self.embed, "embed_scale", None)
         # Granite's: the model scales its input embeddings (given ones too) and its logits
@@ -236,8 +250,8 @@ class LlamaForward:
         self.logit_div = getattr(config, "logits_scaling", None)
         # (a vision model's takes positions [3, rows, width] or [rows, width]: cos and sin alike)
         self.rotary = inner.rotary_emb
-        self.final_norm = inner.norm.forward
-        self.lm_head = model.lm_head
+        self.final_norm = _first(inner, "norm", "final_layer_norm").forward
+        self.lm_head = _first(model, "lm_head", "embed_out")
         # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
         self.clip = getattr(config, "clip_qkv", None)
         kind = getattr(config, "model_type", None)
@@ -283,13 +297,18 @@ class LlamaForward:
             if partial not in (None, 1, 1.0) and kind not in _PARTIAL_ROTARY:
                 return f"partial_rotary_factor {partial} (rotary over whole heads only)"
         layers = getattr(inner, "layers", None)
-        if not layers or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        head = _first(model, "lm_head", "embed_out")
+        if not layers or not hasattr(inner, "rotary_emb") or head is None:
             return "not the Llama module layout (model.layers, rotary_emb, lm_head)"
-        attn = layers[0].self_attn
+        attn = _first(layers[0], "self_attn", "attention")
         fused = isinstance(getattr(attn, "qkv_proj", None), torch.nn.Linear)
         names = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
         if is_latent(attn):
             names = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+            if attn.kv_b_proj.bias is not None:
+                return "latent attention's kv_b_proj has a bias (DeepSeek's has none)"
+        elif hasattr(attn, "query_key_value"):
+            names = ("query_key_value", "dense")
         for name in names:
             if not isinstance(getattr(attn, name, None), torch.nn.Linear):
                 return f"self_attn.{name} is not a plain Linear"
@@ -468,8 +487,12 @@ class LlamaForward:
         if lora is not None:
             lora.add(layer.index, "qkv", x, y)
         lead = y.shape[:-1]
-        q, k = y[..., : nh * hd], y[..., nh * hd : (nh + nkv) * hd]
-        v = y[..., (nh + nkv) * hd :]
+        if layer.heads_first:  # GPT-NeoX's: [heads, q | k | v]
+            y = y.view(*lead, nh, 3 * hd)
+            q, k, v = y[..., :hd], y[..., hd : 2 * hd], y[..., 2 * hd :]
+        else:
+            q, k = y[..., : nh * hd], y[..., nh * hd : (nh + nkv) * hd]
+            v = y[..., (nh + nkv) * hd :]
         if layer.qk_whole:
             q, k = layer.q_norm(q), layer.k_norm(k)
         if self.clip is not None:
@@ -567,7 +590,7 @@ class LlamaForward:
             return h + (out.squeeze(1) if step else out)
         if layer.after_attn is not None:  # Gemma's, OLMo's
             return LlamaForward._post_norm_rest(layer, h, attended, lora)
-        if lora is None and layer.residual is None:
+        if lora is None and layer.residual is None and not layer.parallel:
             h = h + F.linear(attended, layer.o.weight, layer.o.bias)
             z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
             gated = _activated(layer, z)
@@ -576,8 +599,10 @@ class LlamaForward:
         o = F.linear(attended, layer.o.weight, layer.o.bias)
         if lora is not None:
             lora.add(i, "o", attended, o)
+        normed = layer.mlp_norm(h) if layer.parallel else None  # (of the layer's input)
         h = h + (o if scale is None else o * scale)
-        normed = layer.mlp_norm(h)
+        if normed is None:
+            normed = layer.mlp_norm(h)
         z = F.linear(normed, layer.gate_up, layer.gate_up_bias)
         if lora is not None:
             lora.add(i, "gate_up", normed, z)
@@ -607,6 +632,11 @@ class LlamaForward:
         if lora is not None:
             lora.add(layer.index, "down", gated, down)
         return h + layer.after_mlp(down)
+
+
+def decoder_layers(model: Any) -> Any:
+    """The decoder layers of ``model``'s text (``LlamaForward``'s layout)."""
+    return getattr(_text(model)[1], "layers", None)
 
 
 def _activated(layer: _Layer, z: torch.Tensor) -> torch.Tensor:
@@ -672,6 +702,8 @@ def mlp_projections(mlp: Any) -> tuple[str, ...]:
     """The names of a dense MLP's projections, in the engine's fused order."""
     if isinstance(getattr(mlp, "gate_up_proj", None), torch.nn.Linear):
         return ("gate_up_proj", "down_proj")
+    if hasattr(mlp, "dense_h_to_4h"):  # GPT-NeoX's, without a gate
+        return ("dense_h_to_4h", "dense_4h_to_h")
     if not hasattr(mlp, "gate_proj") and isinstance(getattr(mlp, "up_proj", None), torch.nn.Linear):
         return ("up_proj", "down_proj")
     return ("gate_proj", "up_proj", "down_proj")

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.engine.latent_attention import is_latent
-from stages.engine.llama_forward import dense_mlp
+from stages.engine.llama_forward import decoder_layers, dense_mlp
 
 __all__ = ["Adapter", "AdapterError", "RowAdapters", "load_adapter"]
 
@@ -116,8 +116,7 @@ def build_adapter(
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     folder = at  # where the weights are, in what follows
     tensors = tensors()
-    inner = model.model
-    layers = getattr(inner, "language_model", inner).layers  # (a vision model's: its text's)
+    layers = decoder_layers(model)  # (a vision model's: its text's)
     pieces: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _NAME.match(key)

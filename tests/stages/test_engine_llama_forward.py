@@ -67,6 +67,15 @@ _LATENT = dict(
     topk_group=1,
     n_shared_experts=1,
 )
+_NEOX = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    max_position_embeddings=256,
+    rotary_pct=0.25,
+)
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SIZES),
     "llama-bias-tied": lambda: LlamaConfig(
@@ -207,6 +216,12 @@ CONFIGS = {
     ),
     "arcee": lambda: AutoConfig.for_model("arcee", **SIZES, head_dim=8, mlp_bias=True),
     "nemotron": lambda: AutoConfig.for_model("nemotron", **SIZES, head_dim=8),
+    # GPT-NeoX (Pythia): each head's q, k and v together, a quarter of each head rotated,
+    # LayerNorms, GELU; parallel residuals, or not
+    "gpt_neox": lambda: AutoConfig.for_model("gpt_neox", **_NEOX),
+    "gpt_neox-sequential": lambda: AutoConfig.for_model(
+        "gpt_neox", **_NEOX, use_parallel_residual=False
+    ),
     # DeepSeek's multi-head latent attention (q through a low rank, or V2-Lite's one projection;
     # a value width of its own; neighbouring dimensions rotated, V3's evens then odds out) over
     # its mixture with a shared expert, after a dense first layer
@@ -378,11 +393,12 @@ def _greedy_rounds(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("family", ["deepseek_v3", "phi3-partial-sliding", "glm4"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "phi3-partial-sliding", "glm4", "gpt_neox"])
 @torch.inference_mode()
 def test_the_scheduler_answers_on_the_engines_passes_as_on_transformers(family: str) -> None:
     """Served end to end (the slot cache, the prefix cache: DeepSeek's latents, a sliding
-    window), greedy answers and their log-probs equal those on transformers' passes."""
+    window, GPT-NeoX's layout), greedy answers and their log-probs equal those on
+    transformers' passes."""
     model = _model(CONFIGS[family]())
     fast = Scheduler(model, max_running=8)
     assert fast.forward_path == "fast", fast.forward_path_why

@@ -224,6 +224,22 @@ def test_latent_attention_takes_adapters_of_its_output_projection(tmp_path):
         sched.load_adapter_from("q", adapter, lambda: q)
 
 
+def test_gpt_neox_on_the_engines_passes_refuses_adapters_naming_the_key():
+    """Pythia (GPT-NeoX) runs on the engine's passes, whose adapters cover Llama's module
+    names only: peft's adapter of its query_key_value is refused, naming the key."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gpt_neox", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4,
+    )  # fmt: skip
+    sched = Scheduler(AutoModelForCausalLM.from_config(config).eval(), max_running=2)
+    assert sched.forward_path == "fast", sched.forward_path_why
+    key = "base_model.model.gpt_neox.layers.0.attention.query_key_value.lora_A.weight"
+    with pytest.raises(AdapterError, match=f"{key}: not a LoRA weight"):
+        sched.load_adapter_from("x", {"r": 2}, lambda: {key: torch.ones(2, 32)})
+
+
 def test_folders_that_do_not_fit_are_refused_with_what_and_where(model_dir, tmp_path):
     base = load_model(str(model_dir), device="cpu").model
     sched = Scheduler(base, max_running=4)
