@@ -67,15 +67,8 @@ _LATENT = dict(
     topk_group=1,
     n_shared_experts=1,
 )
-_NEOX = dict(
-    vocab_size=97,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    max_position_embeddings=256,
-    rotary_pct=0.25,
-)
+# (GPT-NeoX's heads are all q/k/v heads)
+_NEOX = {k: v for k, v in SIZES.items() if k != "num_key_value_heads"} | {"rotary_pct": 0.25}
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SIZES),
     "llama-bias-tied": lambda: LlamaConfig(

@@ -37,7 +37,12 @@ from tests.stages.engine_setup import (
     pass_through_template,
     run_with_retraction,
 )
-from tests.stages.tiny_model import make_gpt_oss_model, make_tiny_model, make_tiny_moe_model
+from tests.stages.tiny_model import (
+    make_gpt_oss_model,
+    make_tiny_model,
+    make_tiny_moe_model,
+    with_tiny_words,
+)
 
 PROMPT = [5, 17, 33, 8, 50, 41, 7]
 LAYERS, K = 3, 2  # make_tiny_moe_model's: layer 1 dense
@@ -80,6 +85,33 @@ def _expected(reference: torch.nn.Module, prompt: list[int], output: list[int], 
     ``start`` on."""
     sequence = prompt + output
     return _routing(reference, sequence[: len(sequence) - 1])[start:]
+
+
+@pytest.mark.timeout(120)
+def test_deepseeks_latent_attention_layers_route_as_transformers(tmp_path: Path) -> None:
+    """DeepSeek-V3's layout on the engine's passes (its latent attention, its grouped top-k
+    router by its own module): a sample's routing is transformers' of its sequence."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=128, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        n_routed_experts=8, num_experts_per_tok=K, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_group=2, topk_group=1, pad_token_id=0, eos_token_id=1,
+        bos_token_id=None,
+    )  # fmt: skip
+    path = with_tiny_words(tmp_path / "deepseek", config, 9)
+    reference = load_reference(path)
+    scheduler = Scheduler(load_reference(path), max_running=4, routed_experts=True)
+    assert scheduler.forward_path == "fast", scheduler.forward_path_why
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    future = scheduler.submit(GenerateInput("d", PROMPT, params, False, routed_experts=0))
+    scheduler.run_until_idle()
+    result = future.result(timeout=0)
+    got = _decoded(result.extra["routed_experts"])
+    assert (got == _expected(reference, PROMPT, result.output_ids, 0)).all()
+    assert (got[:, 0] == 0).all() and (got[:, 1:] > 0).any()  # the dense first layer
 
 
 @pytest.mark.timeout(120)
