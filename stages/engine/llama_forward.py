@@ -168,14 +168,14 @@ class _Layer:
         self.rotate = rotate  # False: no rotary embedding (SmolLM3's NoPE layers)
         # Granite's: each branch's output scaled before its residual (None: not scaled)
         self.residual = getattr(layer, "residual_multiplier", None)
-        attn, mlp = _first(layer, "self_attn", "attention"), layer.mlp
+        attn, mlp = _one(layer, "self_attn", "attention"), layer.mlp
         # gpt-oss's attention sinks: a logit a head, in each softmax, whose share goes nowhere
         self.sinks = getattr(attn, "sinks", None)
         # the norms: before the attention and the MLP (Llama's; Apertus names them otherwise),
         # also after each (Gemma's), or after each only (OLMo 2's)
         before = _first(layer, "input_layernorm", "attention_layernorm")
         self.attn_norm = _same if before is None else before.forward
-        self.mlp_norm = _first(layer, "post_attention_layernorm", "feedforward_layernorm").forward
+        self.mlp_norm = _one(layer, "post_attention_layernorm", "feedforward_layernorm").forward
         self.after_attn = self.after_mlp = None
         if hasattr(layer, "post_feedforward_layernorm"):
             self.after_attn = layer.post_attention_layernorm.forward
@@ -208,7 +208,7 @@ class _Layer:
             self.qkv, self.qkv_bias = fused.weight, fused.bias
         else:
             self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = _first(attn, "o_proj", "dense")
+        self.o = _one(attn, "o_proj", "dense")
         # GPT-NeoX's parallel residual: the MLP reads the layer's input, not the attention's sum
         self.parallel = bool(getattr(layer, "use_parallel_residual", False))
         # a mixture of experts (the model's module, called on [..., tokens, hidden]), or the
@@ -224,8 +224,8 @@ class _Layer:
             else:
                 own = getattr(mlp, names[0])
                 self.gate_up, self.gate_up_bias = own.weight, own.bias
-            self.down = _first(mlp, "down_proj", "dense_4h_to_h")
-            self.act = _first(mlp, "act_fn", "activation_fn", "act")
+            self.down = _one(mlp, "down_proj", "dense_4h_to_h")
+            self.act = _one(mlp, "act_fn", "activation_fn", "act")
         else:
             self.gate_up = self.gate_up_bias = self.down = self.act = None
 
@@ -242,7 +242,7 @@ class LlamaForward:
         self.head_dim = _first(attn, "head_dim", "head_size")
         scaling = getattr(attn, "scaling", None)
         self.scaling = self.head_dim**-0.5 if scaling is None else scaling
-        self.embed = _first(inner, "embed_tokens", "embed_in")
+        self.embed = _one(inner, "embed_tokens", "embed_in")
         # Gemma's embedding module scales what it looks up (not embeddings given as input)
         self.embed_scale = getattr(self.embed, "embed_scale", None)
         # Granite's: the model scales its input embeddings (given ones too) and its logits
@@ -250,7 +250,7 @@ class LlamaForward:
         self.logit_div = getattr(config, "logits_scaling", None)
         # (a vision model's takes positions [3, rows, width] or [rows, width]: cos and sin alike)
         self.rotary = inner.rotary_emb
-        self.final_norm = _first(inner, "norm", "final_layer_norm").forward
+        self.final_norm = _one(inner, "norm", "final_layer_norm").forward
         self.lm_head = _first(model, "lm_head", "embed_out")
         # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
         self.clip = getattr(config, "clip_qkv", None)
@@ -322,9 +322,16 @@ class LlamaForward:
 
     @classmethod
     def build(cls, model: Any) -> tuple[LlamaForward | None, str | None]:
-        """(the fast path, None), or (None, why not) for a model it does not cover."""
+        """(the fast path, None), or (None, why not) for a model it does not cover (or one of
+        its families whose modules it cannot read: the engine then serves it on transformers'
+        passes, saying why, rather than failing to start)."""
         why = cls.unsupported(model)
-        return (None, why) if why else (cls(model), None)
+        if why:
+            return None, why
+        try:
+            return cls(model), None
+        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:  # a layout it misreads
+            return None, f"its layout could not be read ({type(exc).__name__}: {exc})"
 
     # ---- the two passes ---------------------------------------------------------------------
 
@@ -655,6 +662,15 @@ def _first(module: Any, *names: str) -> Any:
         if found is not None:
             return found
     return None
+
+
+def _one(module: Any, *names: str) -> Any:
+    """``module``'s first attribute of ``names`` that it has; AttributeError naming them
+    all where it has none."""
+    found = _first(module, *names)
+    if found is None:
+        raise AttributeError(f"{type(module).__name__} has no {' or '.join(names)}")
+    return found
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:

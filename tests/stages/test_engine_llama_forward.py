@@ -420,6 +420,12 @@ def test_models_it_does_not_cover_say_why() -> None:
     )
     gelu = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES, hidden_act="gelu"))
     assert "hidden_act" in LlamaForward.unsupported(gelu)
+    # a family's model whose modules it cannot read: transformers' passes, saying why
+    odd = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES))
+    del odd.model.layers[1].post_attention_layernorm
+    fast, why = LlamaForward.build(odd)
+    assert fast is None and "post_attention_layernorm" in why, why
+    assert Scheduler(odd).forward_path == "transformers"
     # the scheduler takes the fast path where it can, and model(...) where it cannot
     assert Scheduler(_model(CONFIGS["llama"]())).forward_path == "fast"
     off = Scheduler(_model(CONFIGS["llama"]()), fast_forward=False)
