@@ -3,7 +3,7 @@
 Run (each prints one JSON line on stdout; on an otherwise idle machine):
 
     python bench/engine_profile.py step [--model arith|bench22m|moe|gpt-oss|phi3|glm4|pythia|
-        deepseek]
+        gpt2|deepseek]
         [--forward fast|transformers] [--repetition-penalty R] [--frequency-penalty F]
         [--strict-thinking BUDGET]
     python bench/engine_profile.py http [--group-form batch|n|single|openai] [--stream]
@@ -42,8 +42,8 @@ a step. ``--model gpt-oss`` is arith-tiny's tokenizer on a random gpt-oss (hidde
 alternating a sliding window of 8 and full attention, 16 experts, attention sinks); ``phi3`` and
 ``glm4`` on random models of those families (hidden 128, 6 layers; Phi-3's own fused projections
 with Phi-4-mini's three quarters of each head rotated; GLM-4's four norms a layer and its
-neighbouring dimensions rotated, half of each head); ``pythia`` on a random GPT-NeoX (hidden 128,
-6 layers); ``deepseek`` on a random DeepSeek-V3 (hidden
+neighbouring dimensions rotated, half of each head); ``pythia`` and ``gpt2`` on a random GPT-NeoX
+and GPT-2 (hidden 128, 6 layers); ``deepseek`` on a random DeepSeek-V3 (hidden
 128, 6 layers of multi-head latent attention, 16 experts and a shared one).
 
 ``http`` starts ``inflight engine`` on arith-tiny (``--model mid``: its tokenizer on a 6-layer,
@@ -154,6 +154,11 @@ _FAMILIES = {
         "gpt_neox", vocab_size=vocab, hidden_size=128, intermediate_size=512,
         num_hidden_layers=6, num_attention_heads=8, rotary_pct=0.25,
         max_position_embeddings=4096,
+    ),
+    # GPT-2's: learned positions, Conv1D projections
+    "gpt2": lambda vocab: AutoConfig.for_model(
+        "gpt2", vocab_size=vocab, n_embd=128, n_inner=512, n_layer=6, n_head=8,
+        n_positions=4096,
     ),
     # DeepSeek-V3's: multi-head latent attention (q through a rank of 48, latents of 64), 16
     # experts (2 a token) and a shared one after a dense first layer

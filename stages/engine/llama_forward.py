@@ -30,15 +30,17 @@ norms q and k after their rotation; Granite (``granite``) multiplies its embeddi
 residual branch and its logits; Seed-OSS (``seed_oss``) and Ministral (``ministral``) are
 Llama's layer. GPT-NeoX (``gpt_neox``, Pythia) holds each head's q, k and v together in its own
 projection, rotates a quarter of each head, and adds the attention and the MLP to the layer's
-input side by side (``use_parallel_residual``). DeepSeek-V2's and V3's multi-head latent
-attention (``deepseek_v2``, ``deepseek_v3``: Moonlight's, Kimi K2's) is ``latent_attention``'s,
-its cache the latents transformers' holds. ``decode`` takes one token per row over the slot
-cache (``kv_batch.BatchKV``: keys and values go into its pending column, attention reads its
-views); ``prefill`` takes left-padded prompts, optionally on top of the cached keys and values
-of their prefixes (``prefix_cache``), and returns a ``DynamicCache`` of their keys and values,
-as ``model(...)`` would, for the slot cache to admit. The norms, the rotary embedding and the
-activation are the model's own modules, so their variants (rope scaling, norm details) stay
-exactly transformers'.
+input side by side (``use_parallel_residual``). GPT-2 (``gpt2``) adds learned positions'
+embeddings to its inputs, rotates nothing, and stores its projections' weights as ``[in, out]``
+(Conv1D), which the passes read through transposed views. DeepSeek-V2's and V3's multi-head
+latent attention (``deepseek_v2``, ``deepseek_v3``: Moonlight's, Kimi K2's) is
+``latent_attention``'s, its cache the latents transformers' holds. ``decode`` takes one token
+per row over the slot cache (``kv_batch.BatchKV``: keys and values go into its pending column,
+attention reads its views); ``prefill`` takes left-padded prompts, optionally on top of the
+cached keys and values of their prefixes (``prefix_cache``), and returns a ``DynamicCache`` of
+their keys and values, as ``model(...)`` would, for the slot cache to admit. The norms, the
+rotary embedding and the activation are the model's own modules, so their variants (rope
+scaling, norm details) stay exactly transformers'.
 
 The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
 into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
@@ -55,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
+from transformers.pytorch_utils import Conv1D
 
 from stages.engine.latent_attention import LatentAttention, is_latent
 
@@ -76,6 +79,7 @@ _DENSE = frozenset(
         "smollm3",  # no rotary embedding on some layers (``no_rope_layers``)
         "granite",  # multipliers on the embedding, the residual branches and the logits
         "gpt_neox",  # Pythia's: each head's q, k, v together, parallel residuals, LayerNorms
+        "gpt2",  # learned positions, Conv1D projections (weights stored [in, out])
         "seed_oss",
         "ministral",
         "helium",
@@ -105,7 +109,7 @@ _MIXTURES = frozenset(
 # Gemma's layer: norms after the attention and around the MLP, a scaled embedding, soft caps
 _GEMMA = frozenset({"gemma2", "gemma3_text"})
 # MLPs without a gate (up, its activation, down): Apertus's xIELU, Arcee's and Nemotron's ReLU²
-_UNGATED = frozenset({"apertus", "arcee", "nemotron", "gpt_neox"})
+_UNGATED = frozenset({"apertus", "arcee", "nemotron", "gpt_neox", "gpt2"})
 _FAMILIES = _DENSE | _MIXTURES | _GEMMA | _OLMO | _UNGATED
 # those whose activation is not SiLU (the model's own module computes it)
 _ANY_ACT = _GEMMA | _UNGATED
@@ -121,7 +125,7 @@ def _text(model: Any) -> tuple[Any, Any]:
     """The config and the decoder (``layers``, ``embed_tokens``, ``rotary_emb``, ``norm``; or
     GPT-NeoX's ``embed_in`` and ``final_layer_norm``) of ``model``'s text: its own, or a
     vision-language model's language model's."""
-    inner = _first(model, "model", "gpt_neox")
+    inner = _first(model, "model", "gpt_neox", "transformer")
     language = getattr(inner, "language_model", None)
     text_config = getattr(model.config, "text_config", None)
     if language is not None and text_config is not None:
@@ -168,14 +172,16 @@ class _Layer:
         self.rotate = rotate  # False: no rotary embedding (SmolLM3's NoPE layers)
         # Granite's: each branch's output scaled before its residual (None: not scaled)
         self.residual = getattr(layer, "residual_multiplier", None)
-        attn, mlp = _one(layer, "self_attn", "attention"), layer.mlp
+        attn, mlp = _one(layer, "self_attn", "attention", "attn"), layer.mlp
         # gpt-oss's attention sinks: a logit a head, in each softmax, whose share goes nowhere
         self.sinks = getattr(attn, "sinks", None)
         # the norms: before the attention and the MLP (Llama's; Apertus names them otherwise),
         # also after each (Gemma's), or after each only (OLMo 2's)
-        before = _first(layer, "input_layernorm", "attention_layernorm")
+        before = _first(layer, "input_layernorm", "attention_layernorm", "ln_1")
         self.attn_norm = _same if before is None else before.forward
-        self.mlp_norm = _one(layer, "post_attention_layernorm", "feedforward_layernorm").forward
+        self.mlp_norm = _one(
+            layer, "post_attention_layernorm", "feedforward_layernorm", "ln_2"
+        ).forward
         self.after_attn = self.after_mlp = None
         if hasattr(layer, "post_feedforward_layernorm"):
             self.after_attn = layer.post_attention_layernorm.forward
@@ -200,15 +206,18 @@ class _Layer:
         # GPT-NeoX's own q/k/v projection: each head's q, k and v together
         neox = getattr(attn, "query_key_value", None)
         self.heads_first = neox is not None
+        gpt2 = getattr(attn, "c_attn", None)  # GPT-2's: q | k | v, a Conv1D ([in, out])
         if self.latent is not None:
             self.qkv = self.qkv_bias = None
+        elif gpt2 is not None:
+            self.qkv, self.qkv_bias = gpt2.weight.t(), gpt2.bias
         elif neox is not None:
             self.qkv, self.qkv_bias = neox.weight, neox.bias
         elif fused is not None:
             self.qkv, self.qkv_bias = fused.weight, fused.bias
         else:
             self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = _one(attn, "o_proj", "dense")
+        self.o = _projection(_one(attn, "o_proj", "dense", "c_proj"))
         # GPT-NeoX's parallel residual: the MLP reads the layer's input, not the attention's sum
         self.parallel = bool(getattr(layer, "use_parallel_residual", False))
         # a mixture of experts (the model's module, called on [..., tokens, hidden]), or the
@@ -218,13 +227,13 @@ class _Layer:
         self.gated = True
         if self.experts is None:
             names = mlp_projections(mlp)
-            self.gated = names[0] not in ("up_proj", "dense_h_to_4h")
+            self.gated = names[0] not in ("up_proj", "dense_h_to_4h", "c_fc")
             if names[0] == "gate_proj":
                 self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
             else:
-                own = getattr(mlp, names[0])
+                own = _projection(getattr(mlp, names[0]))
                 self.gate_up, self.gate_up_bias = own.weight, own.bias
-            self.down = _one(mlp, "down_proj", "dense_4h_to_h")
+            self.down = _projection(getattr(mlp, names[-1]))
             self.act = _one(mlp, "act_fn", "activation_fn", "act")
         else:
             self.gate_up = self.gate_up_bias = self.down = self.act = None
@@ -235,22 +244,25 @@ class LlamaForward:
 
     def __init__(self, model: Any) -> None:
         config, inner = _text(model)
-        attn = _first(inner.layers[0], "self_attn", "attention")
+        layers = _one(inner, "layers", "h")
+        attn = _one(layers[0], "self_attn", "attention", "attn")
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", self.heads)  # (GPT-NeoX: none)
         # (GPT-NeoX's head_size; None: latent attention's)
         self.head_dim = _first(attn, "head_dim", "head_size")
         scaling = getattr(attn, "scaling", None)
         self.scaling = self.head_dim**-0.5 if scaling is None else scaling
-        self.embed = _one(inner, "embed_tokens", "embed_in")
+        self.embed = _one(inner, "embed_tokens", "embed_in", "wte")
+        # GPT-2's learned positions, added to the input embeddings (no rotary embedding)
+        self.positions = getattr(inner, "wpe", None)
         # Gemma's embedding module scales what it looks up (not embeddings given as input)
         self.embed_scale = getattr(self.embed, "embed_scale", None)
         # Granite's: the model scales its input embeddings (given ones too) and its logits
         self.embed_mult = getattr(config, "embedding_multiplier", None)
         self.logit_div = getattr(config, "logits_scaling", None)
         # (a vision model's takes positions [3, rows, width] or [rows, width]: cos and sin alike)
-        self.rotary = inner.rotary_emb
-        self.final_norm = _one(inner, "norm", "final_layer_norm").forward
+        self.rotary = getattr(inner, "rotary_emb", None)
+        self.final_norm = _one(inner, "norm", "final_layer_norm", "ln_f").forward
         self.lm_head = _first(model, "lm_head", "embed_out")
         # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
         self.clip = getattr(config, "clip_qkv", None)
@@ -263,15 +275,15 @@ class LlamaForward:
         # Gemma 2's soft caps: scores, logits -> cap * tanh(x / cap) (None: none)
         self.attn_cap = getattr(config, "attn_logit_softcapping", None)
         self.logit_cap = getattr(config, "final_logit_softcapping", None)
-        windows = _windows(config, len(inner.layers))
-        by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
-        types = getattr(config, "layer_types", None) or [None] * len(inner.layers)
-        rotates = getattr(config, "no_rope_layers", None) or [1] * len(inner.layers)
+        windows = _windows(config, len(layers))
+        by_type = self.rotary is not None and "layer_type" in _parameters(self.rotary.forward)
+        types = getattr(config, "layer_types", None) or [None] * len(layers)
+        rotates = getattr(config, "no_rope_layers", None) or [self.rotary is not None] * len(layers)
         if kind == "exaone4" and config.sliding_window is not None:  # full layers: no rotation
             rotates = [t == "sliding_attention" for t in config.layer_types]
         self.layers = [
             _Layer(layer, i, windows[i], types[i] if by_type else None, bool(rotates[i]))
-            for i, layer in enumerate(inner.layers)
+            for i, layer in enumerate(layers)
         ]
         self._ropes = sorted({layer.rope for layer in self.layers}, key=str)
 
@@ -296,11 +308,12 @@ class LlamaForward:
             partial = params.get("partial_rotary_factor")
             if partial not in (None, 1, 1.0) and kind not in _PARTIAL_ROTARY:
                 return f"partial_rotary_factor {partial} (rotary over whole heads only)"
-        layers = getattr(inner, "layers", None)
+        layers = _first(inner, "layers", "h")
         head = _first(model, "lm_head", "embed_out")
-        if not layers or not hasattr(inner, "rotary_emb") or head is None:
+        positions = _first(inner, "rotary_emb", "wpe")
+        if not layers or positions is None or head is None:
             return "not the Llama module layout (model.layers, rotary_emb, lm_head)"
-        attn = _first(layers[0], "self_attn", "attention")
+        attn = _first(layers[0], "self_attn", "attention", "attn")
         fused = isinstance(getattr(attn, "qkv_proj", None), torch.nn.Linear)
         names = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
         if is_latent(attn):
@@ -309,8 +322,14 @@ class LlamaForward:
                 return "latent attention's kv_b_proj has a bias (DeepSeek's has none)"
         elif hasattr(attn, "query_key_value"):
             names = ("query_key_value", "dense")
+        elif hasattr(attn, "c_attn"):
+            names = ("c_attn", "c_proj")
+            if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+                return "scale_attn_by_inverse_layer_idx (a scale by layer)"
+            if getattr(config, "add_cross_attention", False):
+                return "cross-attention layers"
         for name in names:
-            if not isinstance(getattr(attn, name, None), torch.nn.Linear):
+            if not isinstance(getattr(attn, name, None), _LINEAR):
                 return f"self_attn.{name} is not a plain Linear"
         for index, layer in enumerate(layers):
             if not dense_mlp(layer.mlp) and kind not in _MIXTURES:
@@ -351,7 +370,7 @@ class LlamaForward:
         ``keep_hidden``, ``(logits, the final (normed) hidden states [rows, hidden])``."""
         n = ids.shape[0]
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        h = self._embed(ids[:, 0])
+        h = self._embed(ids[:, 0], positions[:, 0])
         ropes = self._rotary(h, positions)  # each [n, 1, hd]: broadcast over the heads
         # True (or 0.0) where a row may attend -> True where it may not
         blocked = (~mask if mask.dtype == torch.bool else mask < 0).view(n, 1, 1, -1)
@@ -412,9 +431,9 @@ class LlamaForward:
         before = 0 if past is None else past.get_seq_length()
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         group = nh // nkv
-        h = self._embed(ids) if embeds is None else self._scaled(embeds)
-        ropes = {  # each [rows, width, 1, hd]
-            kind: (cos.unsqueeze(-2), sin.unsqueeze(-2))
+        h = self._embed(ids, positions) if embeds is None else self._scaled(embeds, positions)
+        ropes = {  # each [rows, width, 1, hd] (None: no rotary embedding)
+            kind: (None, None) if cos is None else (cos.unsqueeze(-2), sin.unsqueeze(-2))
             for kind, (cos, sin) in self._rotary(h, positions).items()
         }
         # causal over real keys; a padding position sees itself (no empty softmax row)
@@ -468,15 +487,20 @@ class LlamaForward:
             logits = logits / self.logit_div
         return logits
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = F.embedding(ids, self.embed.weight)
         if self.embed_scale is not None:  # (Gemma's module scales only what it looks up)
             h = h * self.embed_scale.to(h.dtype)
-        return self._scaled(h)
+        return self._scaled(h, positions)
 
-    def _scaled(self, embeds: torch.Tensor) -> torch.Tensor:
-        """Input embeddings as the model scales them (Granite's multiplier)."""
-        return embeds if self.embed_mult is None else embeds * self.embed_mult
+    def _scaled(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Input embeddings as the model takes them: scaled (Granite's multiplier), with their
+        positions' embeddings added (GPT-2's)."""
+        if self.embed_mult is not None:
+            embeds = embeds * self.embed_mult
+        if self.positions is not None:
+            embeds = embeds + F.embedding(positions, self.positions.weight)
+        return embeds
 
     # ---- pieces -----------------------------------------------------------------------------
 
@@ -538,7 +562,9 @@ class LlamaForward:
     ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """The model's rotary embedding's cos and sin over the whole head (gpt-oss's gives
         them for one half, which rotates the other the same way), by the layers' ``rope``."""
-        out = {}
+        out: dict[str | None, tuple[Any, Any]] = {}
+        if self.rotary is None:  # (GPT-2's: positions come with the embeddings)
+            return {None: (None, None)}
         for kind in self._ropes:
             table = self.rotary(h, positions) if kind is None else self.rotary(h, positions, kind)
             if isinstance(table, torch.Tensor):  # DeepSeek-V2's: each pair's e^(i angle)
@@ -642,8 +668,8 @@ class LlamaForward:
 
 
 def decoder_layers(model: Any) -> Any:
-    """The decoder layers of ``model``'s text (``LlamaForward``'s layout)."""
-    return getattr(_text(model)[1], "layers", None)
+    """The decoder layers of ``model``'s text (``LlamaForward``'s layout; GPT-2's ``h``)."""
+    return _first(_text(model)[1], "layers", "h")
 
 
 def _activated(layer: _Layer, z: torch.Tensor) -> torch.Tensor:
@@ -662,6 +688,29 @@ def _first(module: Any, *names: str) -> Any:
         if found is not None:
             return found
     return None
+
+
+# a projection's module: a Linear, or GPT-2's Conv1D (its weight [in, out])
+_LINEAR = (torch.nn.Linear, Conv1D)
+
+
+class _Proj:
+    """A projection's weight ``[out, in]`` and bias, as ``F.linear`` takes them (a Conv1D's
+    weight as a transposed view, so weights loaded into the module land in it)."""
+
+    __slots__ = ("bias", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+
+def _projection(module: Any) -> Any:
+    """``module`` itself (a Linear), or a Conv1D's weight and bias as a Linear holds them."""
+    return _Proj(module.weight.t(), module.bias) if isinstance(module, Conv1D) else module
+
+
+def _parameters(fn: Any) -> Any:
+    return inspect.signature(fn).parameters
 
 
 def _one(module: Any, *names: str) -> Any:
@@ -709,9 +758,7 @@ def dense_mlp(mlp: Any) -> bool:
     ``down_proj`` Linears, or of ``gate_up_proj`` (gate's rows, then up's) and ``down_proj``,
     or an MLP of ``up_proj`` and ``down_proj`` alone (else, in the mixture families, a mixture
     of experts)."""
-    return all(
-        isinstance(getattr(mlp, name, None), torch.nn.Linear) for name in mlp_projections(mlp)
-    )
+    return all(isinstance(getattr(mlp, name, None), _LINEAR) for name in mlp_projections(mlp))
 
 
 def mlp_projections(mlp: Any) -> tuple[str, ...]:
@@ -720,6 +767,8 @@ def mlp_projections(mlp: Any) -> tuple[str, ...]:
         return ("gate_up_proj", "down_proj")
     if hasattr(mlp, "dense_h_to_4h"):  # GPT-NeoX's, without a gate
         return ("dense_h_to_4h", "dense_4h_to_h")
+    if hasattr(mlp, "c_fc"):  # GPT-2's, without a gate
+        return ("c_fc", "c_proj")
     if not hasattr(mlp, "gate_proj") and isinstance(getattr(mlp, "up_proj", None), torch.nn.Linear):
         return ("up_proj", "down_proj")
     return ("gate_proj", "up_proj", "down_proj")

@@ -9,6 +9,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    BloomConfig,
     Gemma2Config,
     Gemma3TextConfig,
     Glm4MoeConfig,
@@ -69,6 +70,14 @@ _LATENT = dict(
 )
 # (GPT-NeoX's heads are all q/k/v heads)
 _NEOX = {k: v for k, v in SIZES.items() if k != "num_key_value_heads"} | {"rotary_pct": 0.25}
+
+
+def _gpt2() -> GPT2Config:
+    config = GPT2Config(vocab_size=97, n_embd=48, n_layer=2, n_head=6, n_inner=80, n_positions=256)
+    config.intermediate_size = config.n_inner  # (the name tests.numerics reads)
+    return config
+
+
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SIZES),
     "llama-bias-tied": lambda: LlamaConfig(
@@ -209,6 +218,8 @@ CONFIGS = {
     ),
     "arcee": lambda: AutoConfig.for_model("arcee", **SIZES, head_dim=8, mlp_bias=True),
     "nemotron": lambda: AutoConfig.for_model("nemotron", **SIZES, head_dim=8),
+    # GPT-2: learned positions, Conv1D projections, LayerNorms, GELU
+    "gpt2": lambda: _gpt2(),
     # GPT-NeoX (Pythia): each head's q, k and v together, a quarter of each head rotated,
     # LayerNorms, GELU; parallel residuals, or not
     "gpt_neox": lambda: AutoConfig.for_model("gpt_neox", **_NEOX),
@@ -324,6 +335,10 @@ UPDATED = {
         "model.layers.1.mlp.experts.gate_up_proj",
         "model.layers.1.mlp.gate.weight",
     ],
+    "gpt2": [  # Conv1D weights ([in, out]), which the passes read through transposed views
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.1.mlp.c_proj.weight",
+    ],
     "phi3": [  # the model's own fused projections, loaded whole
         "model.layers.0.self_attn.qkv_proj.weight",
         "model.layers.1.mlp.gate_up_proj.weight",
@@ -331,11 +346,12 @@ UPDATED = {
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "granite", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "granite", "gemma3_text", "gpt2"])
 @torch.inference_mode()
 def test_embeddings_given_as_the_prompt_are_scaled_as_the_model_scales_them(family: str) -> None:
-    """Granite multiplies given input embeddings too; Gemma's scale is its embedding module's,
-    so given ones are taken as they are (transformers' ``inputs_embeds`` forward, each)."""
+    """Granite multiplies given input embeddings too, and GPT-2 adds its positions' to them;
+    Gemma's scale is its embedding module's, so given ones are taken as they are
+    (transformers' ``inputs_embeds`` forward, each)."""
     model = _model(CONFIGS[family]())
     fast, _ = LlamaForward.build(model)
     ids, mask, positions = _prompts(model, [4, 6])
@@ -386,7 +402,9 @@ def _greedy_rounds(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("family", ["deepseek_v3", "phi3-partial-sliding", "glm4", "gpt_neox"])
+@pytest.mark.parametrize(
+    "family", ["deepseek_v3", "phi3-partial-sliding", "glm4", "gpt_neox", "gpt2"]
+)
 @torch.inference_mode()
 def test_the_scheduler_answers_on_the_engines_passes_as_on_transformers(family: str) -> None:
     """Served end to end (the slot cache, the prefix cache: DeepSeek's latents, a sliding
@@ -405,8 +423,8 @@ def test_the_scheduler_answers_on_the_engines_passes_as_on_transformers(family: 
 
 
 def test_models_it_does_not_cover_say_why() -> None:
-    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2))
-    assert "model_type 'gpt2'" in LlamaForward.unsupported(gpt2)
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(n_layer=1, hidden_size=32, n_head=2))
+    assert "model_type 'bloom'" in LlamaForward.unsupported(bloom)
     partial = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES))
     partial.config.rope_parameters = {
         **partial.config.rope_parameters,
@@ -430,7 +448,7 @@ def test_models_it_does_not_cover_say_why() -> None:
     assert Scheduler(_model(CONFIGS["llama"]())).forward_path == "fast"
     off = Scheduler(_model(CONFIGS["llama"]()), fast_forward=False)
     assert (off.forward_path, off.forward_path_why) == ("transformers", "turned off")
-    assert Scheduler(gpt2).forward_path == "transformers"
+    assert Scheduler(bloom).forward_path == "transformers"
 
 
 @torch.inference_mode()
