@@ -32,15 +32,17 @@ Llama's layer. GPT-NeoX (``gpt_neox``, Pythia) holds each head's q, k and v toge
 projection, rotates a quarter of each head, and adds the attention and the MLP to the layer's
 input side by side (``use_parallel_residual``). GPT-2 (``gpt2``) adds learned positions'
 embeddings to its inputs, rotates nothing, and stores its projections' weights as ``[in, out]``
-(Conv1D), which the passes read through transposed views. DeepSeek-V2's and V3's multi-head
-latent attention (``deepseek_v2``, ``deepseek_v3``: Moonlight's, Kimi K2's) is
-``latent_attention``'s, its cache the latents transformers' holds. ``decode`` takes one token
-per row over the slot cache (``kv_batch.BatchKV``: keys and values go into its pending column,
-attention reads its views); ``prefill`` takes left-padded prompts, optionally on top of the
-cached keys and values of their prefixes (``prefix_cache``), and returns a ``DynamicCache`` of
-their keys and values, as ``model(...)`` would, for the slot cache to admit. The norms, the
-rotary embedding and the activation are the model's own modules, so their variants (rope
-scaling, norm details) stay exactly transformers'.
+(Conv1D), which the passes read through transposed views. StableLM (``stablelm``) and Phi-2
+(``phi``) use LayerNorms and rotate part of each head; StableLM's parallel layers and Phi-2's
+run the attention and the MLP side by side from one norm, and StableLM norms q and k head by
+head. DeepSeek-V2's and V3's multi-head latent attention (``deepseek_v2``, ``deepseek_v3``:
+Moonlight's, Kimi K2's) is ``latent_attention``'s, its cache the latents transformers' holds.
+``decode`` takes one token per row over the slot cache (``kv_batch.BatchKV``: keys and values go
+into its pending column, attention reads its views); ``prefill`` takes left-padded prompts,
+optionally on top of the cached keys and values of their prefixes (``prefix_cache``), and
+returns a ``DynamicCache`` of their keys and values, as ``model(...)`` would, for the slot cache
+to admit. The norms, the rotary embedding and the activation are the model's own modules, so
+their variants (rope scaling, norm details) stay exactly transformers'.
 
 The fused projections cost no memory: the model's q/k/v (and gate/up) weights are made views
 into one tensor per layer, so weights loaded into the model by name (``model_weights``, in-flight
@@ -80,6 +82,8 @@ _DENSE = frozenset(
         "granite",  # multipliers on the embedding, the residual branches and the logits
         "gpt_neox",  # Pythia's: each head's q, k, v together, parallel residuals, LayerNorms
         "gpt2",  # learned positions, Conv1D projections (weights stored [in, out])
+        "stablelm",  # LayerNorms, a quarter of each head rotated, parallel residuals or not
+        "phi",  # Phi-2's: one LayerNorm, the attention and the MLP side by side
         "seed_oss",
         "ministral",
         "helium",
@@ -109,13 +113,13 @@ _MIXTURES = frozenset(
 # Gemma's layer: norms after the attention and around the MLP, a scaled embedding, soft caps
 _GEMMA = frozenset({"gemma2", "gemma3_text"})
 # MLPs without a gate (up, its activation, down): Apertus's xIELU, Arcee's and Nemotron's ReLU²
-_UNGATED = frozenset({"apertus", "arcee", "nemotron", "gpt_neox", "gpt2"})
+_UNGATED = frozenset({"apertus", "arcee", "nemotron", "gpt_neox", "gpt2", "phi"})
 _FAMILIES = _DENSE | _MIXTURES | _GEMMA | _OLMO | _UNGATED
 # those whose activation is not SiLU (the model's own module computes it)
 _ANY_ACT = _GEMMA | _UNGATED
 # those whose attention rotates a head's first ``partial_rotary_factor`` of dimensions (paired
 # as the family pairs them) and passes the rest through, as transformers' models do
-_PARTIAL_ROTARY = frozenset({"phi3", "glm4_moe", "glm4", "nemotron", "gpt_neox"})
+_PARTIAL_ROTARY = frozenset({"phi3", "glm4_moe", "glm4", "nemotron", "gpt_neox", "stablelm", "phi"})
 # those that rotate pairs of neighbouring dimensions (GLM's style) where rotate_half pairs a
 # head's halves: their tables' first halves, each value twice
 _INTERLEAVED = frozenset({"glm4", "ernie4_5", "helium", "deepseek_v2"})
@@ -164,7 +168,13 @@ class _Layer:
     )
 
     def __init__(
-        self, layer: Any, index: int, window: int | None, rope: str | None, rotate: bool
+        self,
+        layer: Any,
+        index: int,
+        window: int | None,
+        rope: str | None,
+        rotate: bool,
+        side_by_side: bool = False,
     ) -> None:
         self.index = index
         self.window = window  # a sliding-window layer's: it attends to its last this many
@@ -179,9 +189,18 @@ class _Layer:
         # also after each (Gemma's), or after each only (OLMo 2's)
         before = _first(layer, "input_layernorm", "attention_layernorm", "ln_1")
         self.attn_norm = _same if before is None else before.forward
-        self.mlp_norm = _one(
-            layer, "post_attention_layernorm", "feedforward_layernorm", "ln_2"
-        ).forward
+        after = _first(layer, "post_attention_layernorm", "feedforward_layernorm", "ln_2")
+        # the attention and the MLP side by side, each on the layer's input (GPT-NeoX's and
+        # StableLM's parallel residual; Phi-2's always: ``side_by_side``)
+        self.parallel = bool(getattr(layer, "use_parallel_residual", side_by_side))
+        if after is None and self.parallel:  # one norm for both (StableLM's, Phi-2's)
+            after = before
+        if after is None:
+            raise AttributeError(
+                f"{type(layer).__name__} has no post_attention_layernorm (or "
+                "feedforward_layernorm, ln_2) before its MLP"
+            )
+        self.mlp_norm = after.forward
         self.after_attn = self.after_mlp = None
         if hasattr(layer, "post_feedforward_layernorm"):
             self.after_attn = layer.post_attention_layernorm.forward
@@ -193,12 +212,14 @@ class _Layer:
             self.after_mlp = layer.post_mlp_layernorm.forward
         # q's and k's norms: before their rotation, or after it (Hunyuan's)
         self.norm_after_rope = hasattr(attn, "query_layernorm")
-        q_norm = getattr(attn, "query_layernorm" if self.norm_after_rope else "q_norm", None)
-        k_norm = getattr(attn, "key_layernorm" if self.norm_after_rope else "k_norm", None)
-        self.q_norm = None if q_norm is None else q_norm.forward
-        self.k_norm = None if k_norm is None else k_norm.forward
+        q_norm = _first(
+            attn, "query_layernorm" if self.norm_after_rope else "q_norm", "q_layernorm"
+        )
+        k_norm = _first(attn, "key_layernorm" if self.norm_after_rope else "k_norm", "k_layernorm")
+        self.q_norm = None if q_norm is None else _head_norm(q_norm)
+        self.k_norm = None if k_norm is None else _head_norm(k_norm)
         # q and k normed over all their heads at once (OLMo's), not head by head
-        self.qk_whole = q_norm is not None and q_norm.weight.numel() != attn.head_dim
+        self.qk_whole = q_norm is not None and _norm_width(q_norm) != attn.head_dim
         # DeepSeek's multi-head latent attention (its own projections), or q/k/v as one
         # projection: the model's own (Phi-3's ``qkv_proj``) or fused here
         self.latent = LatentAttention(attn, attn.num_heads) if is_latent(attn) else None
@@ -218,8 +239,6 @@ class _Layer:
         else:
             self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = _projection(_one(attn, "o_proj", "dense", "c_proj"))
-        # GPT-NeoX's parallel residual: the MLP reads the layer's input, not the attention's sum
-        self.parallel = bool(getattr(layer, "use_parallel_residual", False))
         # a mixture of experts (the model's module, called on [..., tokens, hidden]), or the
         # gated MLP with gate and up as one projection (fused here, or Phi-3's and GLM-4's
         # own), or an MLP without a gate (Apertus's, Arcee's, Nemotron's: up alone)
@@ -227,7 +246,7 @@ class _Layer:
         self.gated = True
         if self.experts is None:
             names = mlp_projections(mlp)
-            self.gated = names[0] not in ("up_proj", "dense_h_to_4h", "c_fc")
+            self.gated = names[0] not in ("up_proj", "dense_h_to_4h", "c_fc", "fc1")
             if names[0] == "gate_proj":
                 self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
             else:
@@ -262,7 +281,7 @@ class LlamaForward:
         self.logit_div = getattr(config, "logits_scaling", None)
         # (a vision model's takes positions [3, rows, width] or [rows, width]: cos and sin alike)
         self.rotary = getattr(inner, "rotary_emb", None)
-        self.final_norm = _one(inner, "norm", "final_layer_norm", "ln_f").forward
+        self.final_norm = _one(inner, "norm", "final_layer_norm", "ln_f", "final_layernorm").forward
         self.lm_head = _first(model, "lm_head", "embed_out")
         # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
         self.clip = getattr(config, "clip_qkv", None)
@@ -282,7 +301,14 @@ class LlamaForward:
         if kind == "exaone4" and config.sliding_window is not None:  # full layers: no rotation
             rotates = [t == "sliding_attention" for t in config.layer_types]
         self.layers = [
-            _Layer(layer, i, windows[i], types[i] if by_type else None, bool(rotates[i]))
+            _Layer(
+                layer,
+                i,
+                windows[i],
+                types[i] if by_type else None,
+                bool(rotates[i]),
+                side_by_side=kind == "phi",
+            )
             for i, layer in enumerate(layers)
         ]
         self._ropes = sorted({layer.rope for layer in self.layers}, key=str)
@@ -322,6 +348,8 @@ class LlamaForward:
                 return "latent attention's kv_b_proj has a bias (DeepSeek's has none)"
         elif hasattr(attn, "query_key_value"):
             names = ("query_key_value", "dense")
+        elif hasattr(attn, "dense"):  # Phi-2's output projection
+            names = ("q_proj", "k_proj", "v_proj", "dense")
         elif hasattr(attn, "c_attn"):
             names = ("c_attn", "c_proj")
             if getattr(config, "scale_attn_by_inverse_layer_idx", False):
@@ -709,6 +737,19 @@ def _projection(module: Any) -> Any:
     return _Proj(module.weight.t(), module.bias) if isinstance(module, Conv1D) else module
 
 
+def _head_norm(norm: Any) -> Any:
+    """A q or k norm's forward on ``[..., heads, hd]``: the module's own, or StableLM's norm by
+    head (``norms``, which splits its input's second dimension: heads moved there and back)."""
+    if not hasattr(norm, "norms"):
+        return norm.forward
+    return lambda x: norm(x.movedim(-2, 1)).movedim(1, -2)
+
+
+def _norm_width(norm: Any) -> int:
+    """How many values a q or k norm normalizes together (StableLM's: one head's)."""
+    return norm.norms[0].weight.numel() if hasattr(norm, "norms") else norm.weight.numel()
+
+
 def _parameters(fn: Any) -> Any:
     return inspect.signature(fn).parameters
 
@@ -769,6 +810,8 @@ def mlp_projections(mlp: Any) -> tuple[str, ...]:
         return ("dense_h_to_4h", "dense_4h_to_h")
     if hasattr(mlp, "c_fc"):  # GPT-2's, without a gate
         return ("c_fc", "c_proj")
+    if hasattr(mlp, "fc1"):  # Phi-2's, without a gate
+        return ("fc1", "fc2")
     if not hasattr(mlp, "gate_proj") and isinstance(getattr(mlp, "up_proj", None), torch.nn.Linear):
         return ("up_proj", "down_proj")
     return ("gate_proj", "up_proj", "down_proj")

@@ -218,6 +218,17 @@ CONFIGS = {
     ),
     "arcee": lambda: AutoConfig.for_model("arcee", **SIZES, head_dim=8, mlp_bias=True),
     "nemotron": lambda: AutoConfig.for_model("nemotron", **SIZES, head_dim=8),
+    # StableLM: LayerNorms, a quarter of each head rotated; sequential, or parallel residuals
+    # from one norm with q and k normed by head
+    "stablelm": lambda: AutoConfig.for_model("stablelm", **SIZES),
+    "stablelm-parallel": lambda: AutoConfig.for_model(
+        "stablelm", **SIZES, use_parallel_residual=True, qk_layernorm=True
+    ),
+    # Phi-2: one LayerNorm, the attention and an MLP without a gate side by side, part of each
+    # head rotated (its 40% here: half), q and k normed, a biased LM head
+    "phi": lambda: AutoConfig.for_model(
+        "phi", **SIZES, partial_rotary_factor=0.5, qk_layernorm=True
+    ),
     # GPT-2: learned positions, Conv1D projections, LayerNorms, GELU
     "gpt2": lambda: _gpt2(),
     # GPT-NeoX (Pythia): each head's q, k and v together, a quarter of each head rotated,
