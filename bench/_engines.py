@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -39,13 +39,38 @@ def make_model(
     hidden: int = 384,
     layers: int = 6,
     tied: bool = True,
+    family: str = "qwen2",
 ) -> int:
     """Save a random Qwen2-style model under ``path`` (by default hidden 384, 6 layers, 6 heads,
     2 KV heads, tied embeddings; a head per 64 of ``hidden``, a KV head per 3 or 4 heads, an
-    MLP of about 2.7x; seeded); returns its parameter count."""
+    MLP of about 2.7x; seeded); returns its parameter count. ``family="qwen3_5"``: Qwen3.5's
+    layout on the same sizes, three gated-delta-net (linear-attention) layers for each
+    full-attention one (a key head per 192 of ``hidden``, two value heads a key head, 64
+    wide)."""
     heads = max(1, hidden // 64)
     kv_heads = heads // 3 if heads % 3 == 0 else heads // 4 if heads % 4 == 0 else heads
-    config = Qwen2Config(
+    make = Qwen2Config
+    extra: dict[str, Any] = {}
+    if family == "qwen3_5":
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+        make = Qwen3_5TextConfig
+        linear_heads = max(1, hidden // 192)
+        extra = {
+            "head_dim": 64,
+            "linear_num_key_heads": linear_heads,
+            "linear_num_value_heads": 2 * linear_heads,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_conv_kernel_dim": 4,
+            "layer_types": [
+                "full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)
+            ],
+        }
+    elif family != "qwen2":
+        raise ValueError(f"family: 'qwen2' or 'qwen3_5', got {family!r}")
+    config = make(
+        **extra,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=hidden * 8 // 3,

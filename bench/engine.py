@@ -96,6 +96,13 @@ def main() -> int:
     parser.add_argument("--workload", choices=["equal", "rl", "both"], default="both")
     parser.add_argument("--requests", type=int, default=256, help="rl workload: requests")
     parser.add_argument("--rl-new-tokens", type=int, default=128, help="rl workload: max length")
+    parser.add_argument(
+        "--model",
+        choices=["qwen2", "qwen3_5"],
+        default="qwen2",
+        help="the random model's layout: Qwen2's, or Qwen3.5's (3 linear-attention layers a "
+        "full-attention one; the engine serves it on transformers' passes)",
+    )
     args = parser.parse_args()
 
     gen = torch.Generator().manual_seed(1)
@@ -111,7 +118,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        n_params = make_model(model_dir)
+        n_params = make_model(model_dir, family=args.model)
         engine: dict[str, tuple[float, int]] = {}
         flags = ["--max-running", str(args.batch), "--log-file", str(Path(tmp) / "engine.log")]
         with engine_server(model_dir, *flags) as (url, _proc):
@@ -133,6 +140,7 @@ def main() -> int:
 
     result: dict[str, Any] = {
         "bench": "engine_vs_hf_generate",
+        "model": args.model,
         "params_m": round(n_params / 1e6, 1),
         "batch": args.batch,
         "prompt_len": args.prompt_len,

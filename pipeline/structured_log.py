@@ -326,6 +326,19 @@ def _stdlib_level(levelno: int) -> int:
     return logging.DEBUG
 
 
+def _cpu_kernel_notice(logger: str, message: str) -> bool:
+    """Whether a record is transformers' notice that a CUDA kernel (causal-conv1d's,
+    flash-linear-attention's: a linear-attention model's, such as Qwen3.5's) falls back to
+    its PyTorch reference in a process without CUDA: there is nothing to install on a CPU, so
+    it is information, not a warning (with CUDA, where the kernels would run, it stays one)."""
+    if not logger.startswith("transformers") or "falling back to its reference PyTorch" not in (
+        message
+    ):
+        return False
+    torch = sys.modules.get("torch")
+    return torch is not None and not torch.cuda.is_available()
+
+
 class _StdlibHandler(logging.Handler):
     """Turns a stdlib ``LogRecord`` into a ``stdlib_log`` event of this process."""
 
@@ -339,11 +352,15 @@ class _StdlibHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            kw: dict[str, Any] = {"logger": record.name, "message": record.getMessage()}
+            message = record.getMessage()
+            kw: dict[str, Any] = {"logger": record.name, "message": message}
             if record.exc_info:
                 kw["exc_info"] = record.exc_info
             if record.stack_info:
                 kw["stack"] = record.stack_info
-            self._log.log(_stdlib_level(record.levelno), "stdlib_log", **kw)
+            level = _stdlib_level(record.levelno)
+            if level == logging.WARNING and _cpu_kernel_notice(record.name, message):
+                level = logging.INFO
+            self._log.log(level, "stdlib_log", **kw)
         except Exception:
             self.handleError(record)  # the stdlib's own contract: report on stderr, go on

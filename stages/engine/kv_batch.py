@@ -31,7 +31,16 @@ its slot by moving the last live row into it (its window only); columns that bec
 every row are dropped by moving ``start``. The cache object handed to the model is a
 transformers ``DynamicCache`` whose layers are these slots, so any model that takes a
 ``DynamicCache`` works. A sliding-window layer keeps every column too (the scheduler masks
-what lies outside its window); linear-attention layers are not supported.
+what lies outside its window).
+
+Linear-attention layers (Qwen3.5's and Qwen3-Next's gated delta nets, LFM2's convolutions:
+transformers' ``LinearAttentionLayer``) keep no column per token but a fixed state per row: its
+convolution's last inputs and its recurrent state. Each such layer keeps them in slot storage
+too (``[slots, ...]``, grown by doubling as rows join), copied in from the prefill when a row
+joins and moved with the row when it changes slot; a decode step hands the model views of the
+live rows' states, which transformers' layers update in place. Such a state cannot be cut at a
+token, so a prefix of it cannot be kept: the scheduler turns its prefix cache off for these
+models (``row_kv``, ``pass_kv`` and ``past`` concern attention layers only).
 """
 
 from __future__ import annotations
@@ -39,9 +48,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicCache,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
-__all__ = ["MASK_KINDS", "BatchKV"]
+__all__ = ["CACHELESS_LAYER_TYPES", "MASK_KINDS", "STATE_LAYER_TYPES", "BatchKV", "pass_cache"]
+
+# The layer types (a config's ``layer_types``) whose cache is a state per row, not a column per
+# token: transformers' ``LinearAttentionLayer``
+STATE_LAYER_TYPES = frozenset({"linear_attention", "conv"})
+# The layer types without attention in a hybrid model's ``layer_types`` (Nemotron-H's MLPs and
+# mixtures of experts): no cache at all
+CACHELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 # How the attention mask reaches the model: a 4D bool view (sdpa), a 4D additive view (eager),
 # or a 2D view that transformers turns into the mask it needs (any other attention).
@@ -78,6 +100,51 @@ class _SlotLayer(DynamicLayer):
         return -1
 
 
+class _SlotStates(LinearAttentionLayer):
+    """One linear-attention layer's states in slot storage (``conv``, ``recurrent``:
+    ``[capacity, ...]``, either may be None); ``view(n)`` points the layer's states at the
+    first ``n`` slots, which the model's pass then updates in place."""
+
+    def __init__(self, conv: torch.Tensor | None, recurrent: torch.Tensor | None, kernel: Any):
+        super().__init__()
+        self.conv, self.recurrent = conv, recurrent
+        self.conv_kernel_size[0] = kernel
+        self.is_conv_states_initialized[0] = conv is not None
+        self.is_recurrent_states_initialized[0] = recurrent is not None
+        self.has_previous_state[0] = True  # a decode step's: the prefill's went in
+        some = conv if conv is not None else recurrent
+        assert some is not None
+        self.dtype, self.device = some.dtype, some.device
+
+    def stores(self) -> list[torch.Tensor]:
+        return [t for t in (self.conv, self.recurrent) if t is not None]
+
+    def view(self, n: int) -> None:
+        if self.conv is not None:
+            self.conv_states[0] = self.conv[:n]
+        if self.recurrent is not None:
+            self.recurrent_states[0] = self.recurrent[:n]
+
+
+def pass_cache(layer_types: list[str] | None) -> DynamicCache:
+    """A fresh cache for a prefill pass: a ``DynamicLayer`` a layer, for the layers of
+    ``STATE_LAYER_TYPES`` a ``LinearAttentionLayer`` and for those without attention
+    (``CACHELESS_LAYER_TYPES``) a ``DummyLayer``, as transformers lays out a hybrid model's
+    (``layer_types`` None: a ``DynamicLayer`` a layer)."""
+    cache = DynamicCache()
+    if layer_types:
+        cache.layer_class_to_replicate = None  # type: ignore[assignment]
+        cache.layers = [
+            LinearAttentionLayer()
+            if kind in STATE_LAYER_TYPES
+            else DummyLayer()
+            if kind in CACHELESS_LAYER_TYPES
+            else DynamicLayer()
+            for kind in layer_types
+        ]
+    return cache
+
+
 class BatchKV:
     """Slot storage for up to ``slots`` rows; the scheduler's row ``i`` lives in slot ``i``."""
 
@@ -93,7 +160,10 @@ class BatchKV:
         self.base = 0  # physical column = logical column - base
         self.columns = 0
         self.margin = 8  # room kept left of `end` for joining prompts (grows with them)
-        self.layers: list[_SlotLayer] = []
+        self.layers: list[_SlotLayer] = []  # the attention layers'
+        self.states: list[_SlotStates] = []  # the linear-attention layers'
+        self._capacity = 0  # the rows the states' storage holds
+        self._allocated = False
         self._stores: list[torch.Tensor] = []  # [tensors, slots, heads, columns, head_dim]
         self._shapes: list[tuple[int, int, torch.dtype]] = []  # (heads, head_dim, dtype)
         self._members: list[tuple[int, int]] = []  # tensor i = _stores[s][j]: (s, j)
@@ -115,6 +185,8 @@ class BatchKV:
         ids = self.tokens[:n, p : p + 1]
         positions = (self.end - self.row_start[:n])[:, None]
         mask = self.mask[:n, s : p + 1]
+        for states in self.states:
+            states.view(n)
         if self.mask_kind != "2d":
             mask = mask[:, None, None, :]
         return ids, positions, mask
@@ -159,7 +231,7 @@ class BatchKV:
         lo, hi = self.rows, self.rows + count
         if hi > self.slots:
             raise RuntimeError(f"{hi} rows exceed the cache's {self.slots} slots")
-        if not self.layers:
+        if not self._allocated:
             self._allocate(prefill, width)
         self.margin = max(self.margin, width)
         if self.rows == 0:
@@ -172,7 +244,9 @@ class BatchKV:
         p = self.end - self.base
         if columns is not None:
             columns = columns[:, None, :, None]
-        for layer, (keys, values, *_rest) in zip(self.layers, prefill, strict=True):
+        attention = [layer for layer in prefill.layers if _is_kv(layer)]
+        for layer, given in zip(self.layers, attention, strict=True):
+            keys, values = given.keys, given.values
             if columns is not None:  # (values as wide as keys, or not: latent attention's)
                 keys = keys.gather(2, columns.expand(-1, keys.shape[1], -1, keys.shape[3]))
                 values = values.gather(2, columns.expand(-1, values.shape[1], -1, values.shape[3]))
@@ -180,6 +254,8 @@ class BatchKV:
                 keys, values = keys.index_select(0, source), values.index_select(0, source)
             layer.k[lo:hi, :, p - width : p] = keys
             layer.v[lo:hi, :, p - width : p] = values
+        if self.states:
+            self._admit_states(prefill, lo, hi, source)
         self.tokens[lo:hi, p - width : p] = ids if source is None else ids.index_select(0, source)
         starts = self.end - lengths.to(self.device)
         self.row_start[lo:hi] = starts
@@ -187,6 +263,35 @@ class BatchKV:
         self.start = min(self.start, int(starts.min())) if lo else int(starts.min())
         self.rows = hi
         return lo, hi
+
+    def _admit_states(
+        self, prefill: DynamicCache, lo: int, hi: int, source: torch.Tensor | None
+    ) -> None:
+        """The linear-attention states a prefill left, into slots ``lo..hi-1``."""
+        if hi > self._capacity:
+            self._grow_states(hi)
+        given = [layer for layer in prefill.layers if _is_state(layer)]
+        for states, layer in zip(self.states, given, strict=True):
+            for store, new in (
+                (states.conv, layer.conv_states[0]),
+                (states.recurrent, layer.recurrent_states[0]),
+            ):
+                if store is not None:
+                    store[lo:hi] = new if source is None else new.index_select(0, source)
+
+    def _grow_states(self, rows: int) -> None:
+        """Room in the states' storage for ``rows`` rows (doubling, up to the slots), the live
+        rows' states kept."""
+        capacity = min(self.slots, max(_pow2(rows), 8))
+        n = self.rows
+        for states in self.states:
+            for name in ("conv", "recurrent"):
+                old = getattr(states, name)
+                if old is not None:
+                    new = old.new_zeros((capacity, *old.shape[1:]))
+                    new[:n] = old[:n]
+                    setattr(states, name, new)
+        self._capacity = capacity
 
     def set_pending(self, lo: int, hi: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """The first sampled token of rows ``lo..hi-1`` (just admitted)."""
@@ -228,6 +333,8 @@ class BatchKV:
             for track in (self.tokens, self.logprobs, self.mask):
                 track[dst, s:p] = track[src, s:p]
             self.row_start[dst] = self.row_start[src]
+            for store in self._state_stores():
+                store[dst] = store[src]
             return
         for store in self._stores:
             window = store[:, :, :, s:p]
@@ -239,6 +346,11 @@ class BatchKV:
                 window[h : h + k] = window[m : m + k]
         for h, m, k in runs:
             self.row_start[h : h + k] = self.row_start[m : m + k]
+            for store in self._state_stores():
+                store[h : h + k] = store[m : m + k]
+
+    def _state_stores(self) -> list[torch.Tensor]:
+        return [store for states in self.states for store in states.stores()]
 
     def clear(self) -> None:
         """Drop every row (the storage stays allocated)."""
@@ -246,8 +358,9 @@ class BatchKV:
         self.start = self.end
 
     def nbytes(self) -> int:
-        """The bytes the storage takes: every layer's keys and values, and the row tracks."""
-        tracks = (self.mask, self.tokens, self.logprobs)
+        """The bytes the storage takes: every layer's keys and values (or states), and the row
+        tracks."""
+        tracks = (self.mask, self.tokens, self.logprobs, *self._state_stores())
         return sum(t.numel() * t.element_size() for t in (*self._stores, *tracks))
 
     def release(self) -> int:
@@ -262,6 +375,12 @@ class BatchKV:
         for layer in self.layers:  # no view may keep the old storage alive
             layer.k = layer.v = layer.k.new_empty(0)
             layer.keys = layer.values = None  # type: ignore[assignment]
+        for states in self.states:
+            states.conv = None if states.conv is None else states.conv[:0].clone()
+            if states.recurrent is not None:
+                states.recurrent = states.recurrent[:0].clone()
+            states.conv_states[0] = states.recurrent_states[0] = None
+        self._capacity = 0
         self.mask = self.mask.new_empty((self.slots, 0))
         self.tokens = self.tokens.new_empty((self.slots, 0))
         self.logprobs = self.logprobs.new_empty((self.slots, 0))
@@ -326,22 +445,37 @@ class BatchKV:
 
     def _allocate(self, prefill: DynamicCache, width: int) -> None:
         for layer in prefill.layers:
-            if type(layer) is not DynamicLayer:
+            if type(layer) not in (DynamicLayer, LinearAttentionLayer, DummyLayer):
                 raise ValueError(
                     f"cache layer {type(layer).__name__} is not supported: the built-in engine "
-                    "serves attention layers kept whole (no linear-attention layers)"
+                    "serves attention layers kept whole and linear-attention layers"
                 )
+        attention = [layer for layer in prefill.layers if _is_kv(layer)]
         self.margin = max(self.margin, width)
         self.columns = _pow2(2 * self.margin + 32)
         self.base = self.end - self.margin
         self.start = self.end
         self._shapes = [
             (t.shape[1], t.shape[3], t.dtype)
-            for layer in prefill.layers
+            for layer in attention
             for t in (layer.keys, layer.values)
         ]
         self._build_stores(self.columns)
-        self.cache.layers = list(self.layers)
+        self.states = [
+            _SlotStates(
+                _empty_like(layer.conv_states[0]),
+                _empty_like(layer.recurrent_states[0]),
+                layer.conv_kernel_size[0],
+            )
+            for layer in prefill.layers
+            if _is_state(layer)
+        ]
+        slot_layers, states = iter(self.layers), iter(self.states)
+        self.cache.layers = [
+            next(states) if _is_state(layer) else next(slot_layers) if _is_kv(layer) else layer
+            for layer in prefill.layers
+        ]
+        self._allocated = True
         self.mask = self._mask_like(self.columns)
         self.tokens = torch.zeros((self.slots, self.columns), dtype=torch.long, device=self.device)
         self.logprobs = torch.zeros((self.slots, self.columns), device=self.device)
@@ -420,7 +554,7 @@ class BatchKV:
 
     def _mask_like(self, columns: int) -> torch.Tensor:
         if self.mask_kind == "additive4d":
-            dtype = self._stores[0].dtype
+            dtype = self._stores[0].dtype if self._stores else torch.float32
             return torch.full(
                 (self.slots, columns), torch.finfo(dtype).min, dtype=dtype, device=self.device
             )
@@ -446,6 +580,21 @@ def _runs(holes: list[int], movers: list[int]) -> list[tuple[int, int, int]]:
                 continue
         runs.append((h, m, 1))
     return runs
+
+
+def _is_state(layer: Any) -> bool:
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def _is_kv(layer: Any) -> bool:
+    """Whether a pass's cache ``layer`` holds keys and values (not a state, not a layer
+    without attention)."""
+    return not isinstance(layer, (LinearAttentionCacheLayerMixin, DummyLayer))
+
+
+def _empty_like(state: torch.Tensor | None) -> torch.Tensor | None:
+    """No rows of ``state``'s shape (None: the layer keeps no such state)."""
+    return None if state is None else state.new_zeros((0, *state.shape[1:]))
 
 
 def _pow2(n: int) -> int:

@@ -73,7 +73,12 @@ from stages.engine.expert_distribution import ExpertDistributionRecorder
 from stages.engine.grammar import Constraint, GrammarError, GrammarSet
 from stages.engine.images import is_vision_model
 from stages.engine.incremental_text import FORCE_INTERVAL
-from stages.engine.kv_batch import BatchKV
+from stages.engine.kv_batch import (
+    CACHELESS_LAYER_TYPES,
+    STATE_LAYER_TYPES,
+    BatchKV,
+    pass_cache,
+)
 from stages.engine.llama_forward import LlamaForward
 from stages.engine.load_meter import LoadMeter
 from stages.engine.loop_turns import Turns
@@ -579,6 +584,9 @@ class Scheduler:
         # only; None: none; and whether every layer slides (the model then takes one mask, not
         # one a layer type)
         self._window, self._all_slide = _sliding_window(model)
+        # the layer types of a model with linear-attention layers (a state a row, not a KV a
+        # token: Qwen3.5's, Qwen3-Next's, LFM2's), for the caches of its passes; None: none
+        self._state_types = _state_layer_types(model)
         # the name the model's forward takes its cache by (transformers renamed it)
         self._cache_arg = cache_argument(model.forward) or "past_key_values"
         self.device = next(model.parameters()).device
@@ -676,6 +684,10 @@ class Scheduler:
             # transformers' sliding masks (a row's last columns) would count in the window:
             # such models prefill whole prompts there (the engine's passes count positions)
             log.info("prefix_cache_off", reason="sliding-window layers", window=self._window)
+            prefix_cache_tokens = 0
+        if self._state_types is not None and prefix_cache_tokens > 0:
+            # a linear-attention layer's state sums up its whole row: no prefix can be cut out
+            log.info("prefix_cache_off", reason="linear-attention layers")
             prefix_cache_tokens = 0
         self._prefix = (
             PrefixCache(prefix_cache_tokens, prefix_cache_max_age)
@@ -1953,7 +1965,7 @@ class Scheduler:
             use_cache=True,
             logits_to_keep=1,
             output_hidden_states=keep_hidden,
-            **{self._cache_arg: past if past is not None else DynamicCache()},
+            **{self._cache_arg: past if past is not None else pass_cache(self._state_types)},
         )
         hidden = out.hidden_states[-1] if keep_hidden else None
         return output_cache(out), out.logits[:, -1, :], hidden
@@ -2126,7 +2138,7 @@ class Scheduler:
         else:
             out = self.model(
                 input_ids=ids,
-                attention_mask=_layer_masks(mask, self._window, self._all_slide),
+                attention_mask=_layer_masks(mask, self._window, self._all_slide, self._state_types),
                 position_ids=positions,
                 use_cache=True,
                 logits_to_keep=1,
@@ -2794,11 +2806,13 @@ def _sliding_window(model: torch.nn.Module) -> tuple[int | None, bool]:
         on = isinstance(window, int) and getattr(config, "use_sliding_window", True) is not False
         return (window, True) if on else (None, False)
     kinds = set(types)
-    other = kinds - {"full_attention", "sliding_attention"}
+    other = kinds - {"full_attention", "sliding_attention", *STATE_LAYER_TYPES}
+    if kinds & STATE_LAYER_TYPES:  # a hybrid's layers without attention: nothing to cache
+        other -= CACHELESS_LAYER_TYPES
     if other:
         raise ValueError(
             f"layer types {sorted(other)} are not supported: the built-in engine serves "
-            "full-attention and sliding-window layers"
+            "full-attention, sliding-window and linear-attention layers"
         )
     if "sliding_attention" not in kinds:
         return None, False
@@ -2807,19 +2821,38 @@ def _sliding_window(model: torch.nn.Module) -> tuple[int | None, bool]:
     return window, kinds == {"sliding_attention"}
 
 
-def _layer_masks(mask: torch.Tensor, window: int | None, all_slide: bool = False) -> Any:
+def _layer_masks(
+    mask: torch.Tensor,
+    window: int | None,
+    all_slide: bool = False,
+    state_types: list[str] | None = None,
+) -> Any:
     """A decode step's attention mask as the model takes it: as it is for full attention;
     with sliding-window layers, a mask a layer type (transformers' mapping; ``all_slide``:
     the one mask), the sliding one keeping the last ``window`` columns (the query's and the
-    ``window - 1`` before it: every row's tokens end at the same column, without gaps). A 2D
-    mask goes as it is: transformers builds both from it."""
+    ``window - 1`` before it: every row's tokens end at the same column, without gaps); in a
+    mapping, linear-attention layers' (``state_types``) None, as transformers gives a decode
+    step's (no padding among one token a row). A 2D mask goes as it is: transformers builds
+    them all from it."""
     if window is None or mask.dim() != 4:
         return mask
     sliding, cut = mask, mask.shape[-1] - window
     if cut > 0:
         sliding = mask.clone()
         sliding[..., :cut] = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
-    return sliding if all_slide else {"full_attention": mask, "sliding_attention": sliding}
+    if all_slide:
+        return sliding
+    masks: dict[str, Any] = {"full_attention": mask, "sliding_attention": sliding}
+    masks.update(dict.fromkeys(set(state_types or ()) & STATE_LAYER_TYPES))
+    return masks
+
+
+def _state_layer_types(model: torch.nn.Module) -> list[str] | None:
+    """The ``layer_types`` of a model some of whose layers are linear attention
+    (``STATE_LAYER_TYPES``); None: none are."""
+    config = model.config.get_text_config(decoder=True)
+    types = list(getattr(config, "layer_types", None) or ())
+    return types if STATE_LAYER_TYPES.intersection(types) else None
 
 
 def mask_fields(masks: Sequence[Support], inp: GenerateInput) -> dict[str, Any]:

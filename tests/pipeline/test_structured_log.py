@@ -126,6 +126,30 @@ def test_a_line_per_http_request_is_left_to_debug_logs(tmp_path):
         assert [e["message"] for e in read_events(path)] == expected
 
 
+def test_cpu_kernel_fallbacks_are_information_without_cuda(tmp_path, monkeypatch):
+    """transformers warns that a linear-attention model's CUDA kernels fall back to PyTorch:
+    without CUDA nothing can be installed, so an info log keeps it at info, not warning."""
+    import torch
+
+    path = tmp_path / "engine.jsonl"
+    configure_process_logging(path, stage="generator", replica=0, level="info")
+    fallback = (
+        "`causal_conv1d_fn` is falling back to its reference PyTorch implementation because "
+        "`causal_conv1d` is either not installed or doesn't support the device of the inputs."
+    )
+    hub = logging.getLogger("transformers.integrations.hub_kernels")
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        hub.warning(fallback)
+    hub.warning("something else")
+    close_process_logging()
+    assert [(e["level"], e["message"][:17]) for e in read_events(path)] == [
+        ("info", "`causal_conv1d_fn"),
+        ("warning", "`causal_conv1d_fn"),
+        ("warning", "something else"),
+    ]
+
+
 def test_level_filtering_and_console_view(tmp_path, capsys):
     path = tmp_path / "scorer.0.jsonl"
     log = configure_process_logging(

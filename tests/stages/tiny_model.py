@@ -35,6 +35,8 @@ __all__ = [
     "make_tiny_model",
     "make_tiny_moe_model",
     "make_tiny_phi3_model",
+    "make_tiny_qwen3_5_model",
+    "spread_weights",
     "tiny_config",
     "with_tiny_words",
 ]
@@ -290,12 +292,46 @@ def make_tiny_phi3_model(path: Path, *, window: int = 3, seed: int = 6) -> Path:
     return with_tiny_words(path, config, seed)
 
 
-def with_tiny_words(path: Path, config: Any, seed: int) -> Path:
-    """A random model of ``config`` (transformers' own initialization) saved under ``path``
-    with ``make_tiny_model``'s tokenizer (128 words)."""
+def qwen3_5_config(vocab_size: int = 128) -> Any:
+    """A tiny Qwen3.5 text model's config: three gated-delta-net (linear-attention) layers,
+    then a full-attention one, as Qwen3.5 and Qwen3-Next alternate them."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=512,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID, bos_token_id=None,
+    )  # fmt: skip
+
+
+def make_tiny_qwen3_5_model(path: Path, *, seed: int = 7) -> Path:
+    """A random tiny Qwen3.5 text model (``qwen3_5_config``, weights spread by
+    ``spread_weights`` so that greedy answers vary) with ``make_tiny_model``'s tokenizer."""
+    return with_tiny_words(path, qwen3_5_config(), seed, spread=True)
+
+
+def spread_weights(model: torch.nn.Module, std: float = 0.3) -> torch.nn.Module:
+    """``model``'s matrices drawn again from N(0, std): transformers' initialization (0.02)
+    makes a tiny model's greedy answers one token repeated, which hides a wrong state."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, std)
+    return model
+
+
+def with_tiny_words(path: Path, config: Any, seed: int, *, spread: bool = False) -> Path:
+    """A random model of ``config`` (transformers' own initialization; ``spread``: with
+    ``spread_weights``) saved under ``path`` with ``make_tiny_model``'s tokenizer (128
+    words)."""
     make_tiny_model(path, vocab=128, seed=seed)  # its tokenizer; the weights are replaced
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spread:
+        spread_weights(model)
     for stale in path.glob("*.safetensors"):
         stale.unlink()
     model.save_pretrained(path)

@@ -1,0 +1,249 @@
+"""Hybrid models whose layers are partly linear attention, served by the built-in engine on
+transformers' passes: Qwen3.5's and Qwen3-Next's gated delta nets, the Mamba layers of Granite 4
+(``granitemoehybrid``), Nemotron-H, Jamba, Bamba and OLMo's hybrid, LFM2's short convolutions.
+Such a layer keeps a state a row (its convolution's last inputs, its recurrent state), not a KV
+a token: ``kv_batch.BatchKV`` keeps them in slots, copied in from the prefill and moved with
+their row, and the scheduler turns the prefix cache off (a state cannot be cut at a token).
+
+The reference is the plainest computation there is: each step a whole forward over the
+sequence alone, no cache, no padding. Rows of prompts of different lengths are prefilled
+together (left-padded), two samples share a prefill, rows join while others decode and leave
+at different steps (their slots move): the answers must not see any of it."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from stages.engine.protocol import GenerateInput, SamplingParams
+from stages.engine.scheduler import Scheduler
+from tests.numerics import assert_close, forward_terms
+from tests.stages.test_engine_server import serving
+from tests.stages.tiny_model import make_tiny_qwen3_5_model, qwen3_5_config, spread_weights
+
+V = 64
+_BASE = dict(
+    vocab_size=V, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0,
+)  # fmt: skip
+_GATED_DELTA = dict(
+    head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)  # fmt: skip
+_EXPERTS = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)  # fmt: skip
+_MAMBA = dict(
+    num_hidden_layers=4, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16,
+    mamba_d_conv=4,
+)  # fmt: skip
+
+CONFIGS: dict[str, Callable[[], Any]] = {
+    "qwen3_5": lambda: qwen3_5_config(vocab_size=V),
+    "qwen3_5_moe": lambda: AutoConfig.for_model(
+        "qwen3_5_moe_text", **_BASE, **_GATED_DELTA, **_EXPERTS
+    ),
+    "qwen3_next": lambda: AutoConfig.for_model("qwen3_next", **_BASE, **_GATED_DELTA, **_EXPERTS),
+    "lfm2": lambda: AutoConfig.for_model(
+        "lfm2",
+        **_BASE,
+        num_hidden_layers=4,
+        conv_L_cache=3,
+        block_ff_dim=96,
+        layer_types=["conv", "conv", "full_attention", "conv"],
+    ),
+    "granite4": lambda: AutoConfig.for_model(
+        "granitemoehybrid",
+        **_BASE,
+        **_MAMBA,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    ),
+    "bamba": lambda: AutoConfig.for_model("bamba", **_BASE, **_MAMBA, attn_layer_indices=[1]),
+    "nemotron_h": lambda: AutoConfig.for_model(
+        "nemotron_h",
+        **_BASE,
+        num_hidden_layers=4,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=16,
+        conv_kernel=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        layers_block_type=["mamba", "moe", "attention", "mlp"],
+    ),
+    "jamba": lambda: AutoConfig.for_model(
+        "jamba",
+        **_BASE,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+    ),
+    "olmo_hybrid": lambda: AutoConfig.for_model(
+        "olmo_hybrid",
+        **_BASE,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    ),
+}
+
+
+def _model(config: Any, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return spread_weights(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
+def _whole_forwards(
+    model: torch.nn.Module, prompt: list[int], n: int
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs, each step a whole forward over the sequence alone."""
+    ids: list[int] = list(prompt)
+    logprobs: list[float] = []
+    for _ in range(n):
+        out = model(input_ids=torch.tensor([ids]), use_cache=False)
+        lps = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        ids.append(int(lps.argmax()))
+        logprobs.append(float(lps[ids[-1]]))
+    return ids[len(prompt) :], logprobs
+
+
+@pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@torch.inference_mode()
+def test_rows_that_join_and_leave_answer_as_a_whole_forward(family: str) -> None:
+    model = _model(CONFIGS[family]())
+    scheduler = Scheduler(model, max_running=16)
+    assert scheduler.forward_path == "transformers"
+    assert not scheduler.prefix_cache_stats()["enabled"]
+    rng = random.Random(1)
+    asked: list[tuple[list[int], int]] = []
+    futures = []
+    for wave in range(2):  # the second wave joins rows that decode (the states' room grows)
+        inputs = []
+        for i in range(4):
+            prompt = [rng.randrange(3, V) for _ in range(rng.randrange(1, 12))]
+            new = rng.randrange(1, 8)  # rows leave at different steps: the others move
+            params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+            for j in range(2):  # two samples of the prompt: one prefill, two slots
+                inputs.append(GenerateInput(f"w{wave}-{i}-{j}", prompt, params, True))
+                asked.append((prompt, new))
+        futures.append(scheduler.submit_many(inputs))
+        for _ in range(3):
+            scheduler.step()
+    scheduler.run_until_idle()
+    results = [r for future in futures for r in future.result(timeout=60)]
+    terms = forward_terms(model.config, 24)
+    for (prompt, new), result in zip(asked, results, strict=True):
+        ids, logprobs = _whole_forwards(model, prompt, new)
+        assert result.output_ids == ids, (prompt, result.rid)
+        assert_close(result.output_token_logprobs, logprobs, terms=terms)
+
+
+@pytest.mark.timeout(60)
+@torch.inference_mode()
+def test_a_retraction_and_released_memory_leave_the_answers_as_they_were() -> None:
+    """A retracting pause sends running rows back to wait (their states dropped: they are
+    prefilled again with what they generated); released memory takes the states' storage,
+    which the next rows allocate afresh."""
+    model = _model(CONFIGS["qwen3_next"]())
+    scheduler = Scheduler(model, max_running=8)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    want = [_whole_forwards(model, prompt, 8)[0] for prompt in prompts]
+    future = scheduler.submit_many(
+        [GenerateInput(f"a{i}", p, params, True) for i, p in enumerate(prompts)]
+    )
+    for _ in range(4):
+        scheduler.step()
+    paused = scheduler.pause("retract")
+    scheduler.step()
+    assert paused.done() and scheduler._kv.rows == 0  # every row went back to wait
+    scheduler.resume()
+    scheduler.run_until_idle()
+    assert [r.output_ids for r in future.result(timeout=30)] == want
+    for change in (scheduler.release_memory, scheduler.resume_memory):
+        done = change(None)
+        scheduler.run_until_idle()
+        done.result(timeout=10)
+    future = scheduler.submit_many(
+        [GenerateInput(f"b{i}", p, params, True) for i, p in enumerate(prompts)]
+    )
+    scheduler.run_until_idle()
+    assert [r.output_ids for r in future.result(timeout=30)] == want
+
+
+def test_layers_it_cannot_keep_are_refused_at_start() -> None:
+    """Falcon-H1's layers hold attention and a Mamba state at once (transformers' ``hybrid``
+    layer type): refused, naming it."""
+    config = AutoConfig.for_model(
+        "falcon_h1", **_BASE, num_hidden_layers=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"layer types \['hybrid'\] are not supported"):
+        Scheduler(AutoModelForCausalLM.from_config(config))
+
+
+@pytest.mark.timeout(180)
+def test_a_qwen3_5_served_over_http_answers_scores_and_streams(tmp_path: Path) -> None:
+    """``inflight engine`` on a Qwen3.5 checkpoint, as a user starts it: a batch with ``n``,
+    a stream, and a prompt scored (``max_new_tokens: 0``) equal the whole forwards'."""
+    model_dir = make_tiny_qwen3_5_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [[5, 9, 13, 40, 41, 7, 100, 3], [17, 4], [60, 61, 62, 90, 21]]
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+    with serving(model_dir, tmp_path / "engine.log") as eng, torch.inference_mode():
+        info = requests.get(eng.url + "/server_info", timeout=30).json()
+        assert info["forward_path"] == "transformers"
+        assert info["prefix_cache"]["enabled"] is False
+        body = {"input_ids": prompts, "sampling_params": {**greedy, "n": 2}, "return_logprob": True}
+        answers = requests.post(eng.url + "/generate", json=body, timeout=60).json()
+        assert len(answers) == 6
+        for k, answer in enumerate(answers):  # n: each prompt's samples side by side
+            ids, logprobs = _whole_forwards(model, prompts[k // 2], 6)
+            assert answer["output_ids"] == ids
+            got = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+            assert_close(got, logprobs, terms=forward_terms(model.config, 16))
+        stream = {"input_ids": prompts[0], "sampling_params": greedy, "stream": True}
+        with requests.post(eng.url + "/generate", json=stream, timeout=60, stream=True) as r:
+            chunks = [
+                json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")
+            ]
+        # (chunks that pile up while the client reads are merged into the newest)
+        assert len(chunks) >= 2 and chunks[0]["meta_info"]["finish_reason"] is None
+        ids, _ = _whole_forwards(model, prompts[0], 6)
+        assert chunks[-1]["output_ids"] == ids
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        score = {
+            "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True, "logprob_start_len": 0,
+        }  # fmt: skip
+        scored = requests.post(eng.url + "/generate", json=score, timeout=60).json()
+        entries = scored["meta_info"]["input_token_logprobs"]
+        whole = torch.log_softmax(model(input_ids=torch.tensor([prompts[0]])).logits[0], -1)
+        want = [float(whole[i, tok]) for i, tok in enumerate(prompts[0][1:])]
+        assert entries[0][0] is None and [e[1] for e in entries] == prompts[0]
+        assert_close([e[0] for e in entries[1:]], want, terms=forward_terms(model.config, 8))
