@@ -52,15 +52,18 @@ from transformers.cache_utils import (
     DummyLayer,
     DynamicCache,
     DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
 )
 
 __all__ = ["CACHELESS_LAYER_TYPES", "MASK_KINDS", "STATE_LAYER_TYPES", "BatchKV", "pass_cache"]
 
-# The layer types (a config's ``layer_types``) whose cache is a state per row, not a column per
-# token: transformers' ``LinearAttentionLayer``
-STATE_LAYER_TYPES = frozenset({"linear_attention", "conv"})
+# The layer types (a config's ``layer_types``) whose cache is a state per row, not (only) a
+# column per token: transformers' ``LinearAttentionLayer``, and its
+# ``LinearAttentionAndFullAttentionLayer`` for layers that run attention and a Mamba mixer side
+# by side (Falcon-H1's ``hybrid``), which keep both
+STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid"})
 # The layer types without attention in a hybrid model's ``layer_types`` (Nemotron-H's MLPs and
 # mixtures of experts): no cache at all
 CACHELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
@@ -106,7 +109,12 @@ class _SlotStates(LinearAttentionLayer):
     first ``n`` slots, which the model's pass then updates in place."""
 
     def __init__(self, conv: torch.Tensor | None, recurrent: torch.Tensor | None, kernel: Any):
-        super().__init__()
+        LinearAttentionLayer.__init__(self)
+        self.set_states(conv, recurrent, kernel)
+
+    def set_states(
+        self, conv: torch.Tensor | None, recurrent: torch.Tensor | None, kernel: Any
+    ) -> None:
         self.conv, self.recurrent = conv, recurrent
         self.conv_kernel_size[0] = kernel
         self.is_conv_states_initialized[0] = conv is not None
@@ -126,6 +134,18 @@ class _SlotStates(LinearAttentionLayer):
             self.recurrent_states[0] = self.recurrent[:n]
 
 
+class _SlotBoth(_SlotStates, _SlotLayer):
+    """A layer that runs attention and a state side by side (Falcon-H1's): its keys and values
+    as a ``_SlotLayer``'s, its states as a ``_SlotStates``' (``set_states`` once allocated)."""
+
+    def __init__(self, owner: BatchKV, keys: torch.Tensor, values: torch.Tensor) -> None:
+        LinearAttentionLayer.__init__(self)
+        _SlotLayer.__init__(self, owner, keys, values)
+
+    def get_seq_length(self) -> int:  # the attention's (the state's counts nothing here)
+        return _SlotLayer.get_seq_length(self)
+
+
 def pass_cache(layer_types: list[str] | None) -> DynamicCache:
     """A fresh cache for a prefill pass: a ``DynamicLayer`` a layer, for the layers of
     ``STATE_LAYER_TYPES`` a ``LinearAttentionLayer`` and for those without attention
@@ -135,7 +155,9 @@ def pass_cache(layer_types: list[str] | None) -> DynamicCache:
     if layer_types:
         cache.layer_class_to_replicate = None  # type: ignore[assignment]
         cache.layers = [
-            LinearAttentionLayer()
+            LinearAttentionAndFullAttentionLayer()
+            if kind == "hybrid"
+            else LinearAttentionLayer()
             if kind in STATE_LAYER_TYPES
             else DummyLayer()
             if kind in CACHELESS_LAYER_TYPES
@@ -162,6 +184,7 @@ class BatchKV:
         self.margin = 8  # room kept left of `end` for joining prompts (grows with them)
         self.layers: list[_SlotLayer] = []  # the attention layers'
         self.states: list[_SlotStates] = []  # the linear-attention layers'
+        self._both: list[bool] = []  # for each attention layer, whether it keeps a state too
         self._capacity = 0  # the rows the states' storage holds
         self._allocated = False
         self._stores: list[torch.Tensor] = []  # [tensors, slots, heads, columns, head_dim]
@@ -445,7 +468,7 @@ class BatchKV:
 
     def _allocate(self, prefill: DynamicCache, width: int) -> None:
         for layer in prefill.layers:
-            if type(layer) not in (DynamicLayer, LinearAttentionLayer, DummyLayer):
+            if type(layer) not in _SERVED_LAYERS:
                 raise ValueError(
                     f"cache layer {type(layer).__name__} is not supported: the built-in engine "
                     "serves attention layers kept whole and linear-attention layers"
@@ -460,21 +483,21 @@ class BatchKV:
             for layer in attention
             for t in (layer.keys, layer.values)
         ]
+        self._both = [_is_state(layer) for layer in attention]
         self._build_stores(self.columns)
-        self.states = [
-            _SlotStates(
-                _empty_like(layer.conv_states[0]),
-                _empty_like(layer.recurrent_states[0]),
-                layer.conv_kernel_size[0],
-            )
-            for layer in prefill.layers
-            if _is_state(layer)
-        ]
-        slot_layers, states = iter(self.layers), iter(self.states)
-        self.cache.layers = [
-            next(states) if _is_state(layer) else next(slot_layers) if _is_kv(layer) else layer
-            for layer in prefill.layers
-        ]
+        slot_layers = iter(self.layers)
+        self.cache.layers = []
+        for layer in prefill.layers:
+            slot: Any = next(slot_layers) if _is_kv(layer) else layer
+            if _is_state(layer):
+                conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+                args = (_empty_like(conv), _empty_like(recurrent), layer.conv_kernel_size[0])
+                if _is_kv(layer):
+                    slot.set_states(*args)
+                else:
+                    slot = _SlotStates(*args)
+                self.states.append(slot)
+            self.cache.layers.append(slot)
         self._allocated = True
         self.mask = self._mask_like(self.columns)
         self.tokens = torch.zeros((self.slots, self.columns), dtype=torch.long, device=self.device)
@@ -532,8 +555,10 @@ class BatchKV:
             self._stores.append(store)
         views = [self._stores[s][j] for s, j in self._members]
         if not self.layers:
+            both = self._both or [False] * (len(views) // 2)
             self.layers = [
-                _SlotLayer(self, views[2 * i], views[2 * i + 1]) for i in range(len(views) // 2)
+                (_SlotBoth if both[i] else _SlotLayer)(self, views[2 * i], views[2 * i + 1])
+                for i in range(len(views) // 2)
             ]
         else:
             for i, layer in enumerate(self.layers):
@@ -587,9 +612,18 @@ def _is_state(layer: Any) -> bool:
 
 
 def _is_kv(layer: Any) -> bool:
-    """Whether a pass's cache ``layer`` holds keys and values (not a state, not a layer
-    without attention)."""
-    return not isinstance(layer, (LinearAttentionCacheLayerMixin, DummyLayer))
+    """Whether a pass's cache ``layer`` holds keys and values (attention's, alone or beside a
+    state), not only a state or nothing (a layer without attention)."""
+    return isinstance(layer, DynamicLayer)
+
+
+# the cache layers of a pass the slots take
+_SERVED_LAYERS = (
+    DynamicLayer,
+    LinearAttentionLayer,
+    LinearAttentionAndFullAttentionLayer,
+    DummyLayer,
+)
 
 
 def _empty_like(state: torch.Tensor | None) -> torch.Tensor | None:

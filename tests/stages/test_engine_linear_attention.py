@@ -1,6 +1,7 @@
 """Hybrid models whose layers are partly linear attention, served by the built-in engine on
 transformers' passes: Qwen3.5's and Qwen3-Next's gated delta nets, the Mamba layers of Granite 4
-(``granitemoehybrid``), Nemotron-H, Jamba, Bamba and OLMo's hybrid, LFM2's short convolutions.
+(``granitemoehybrid``), Nemotron-H, Jamba, Bamba and OLMo's hybrid, LFM2's short convolutions,
+Falcon-H1's layers that run attention and a Mamba mixer side by side.
 Such a layer keeps a state a row (its convolution's last inputs, its recurrent state), not a KV
 a token: ``kv_batch.BatchKV`` keeps them in slots, copied in from the prefill and moved with
 their row, and the scheduler turns the prefix cache off (a state cannot be cut at a token).
@@ -102,6 +103,19 @@ CONFIGS: dict[str, Callable[[], Any]] = {
         mamba_expand=2,
         mamba_dt_rank=8,
     ),
+    # attention and a Mamba mixer side by side in every layer (transformers' "hybrid" layers)
+    "falcon_h1": lambda: AutoConfig.for_model(
+        "falcon_h1",
+        **_BASE,
+        num_hidden_layers=3,
+        head_dim=16,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+    ),
     "olmo_hybrid": lambda: AutoConfig.for_model(
         "olmo_hybrid",
         **_BASE,
@@ -196,15 +210,12 @@ def test_a_retraction_and_released_memory_leave_the_answers_as_they_were() -> No
     assert [r.output_ids for r in future.result(timeout=30)] == want
 
 
-def test_layers_it_cannot_keep_are_refused_at_start() -> None:
-    """Falcon-H1's layers hold attention and a Mamba state at once (transformers' ``hybrid``
-    layer type): refused, naming it."""
-    config = AutoConfig.for_model(
-        "falcon_h1", **_BASE, num_hidden_layers=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
-        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=r"layer types \['hybrid'\] are not supported"):
-        Scheduler(AutoModelForCausalLM.from_config(config))
+def test_layer_types_it_cannot_keep_are_refused_at_start() -> None:
+    """A hybrid whose layer types include one the slots cannot keep is refused, naming it."""
+    model = _model(CONFIGS["qwen3_5"]())
+    model.config.layer_types = ["linear_attention"] * 3 + ["chunked_attention"]
+    with pytest.raises(ValueError, match=r"layer types \['chunked_attention'\] are not supported"):
+        Scheduler(model)
 
 
 @pytest.mark.timeout(180)
