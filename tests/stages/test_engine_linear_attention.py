@@ -221,7 +221,8 @@ def test_layer_types_it_cannot_keep_are_refused_at_start() -> None:
 @pytest.mark.timeout(180)
 def test_a_qwen3_5_served_over_http_answers_scores_and_streams(tmp_path: Path) -> None:
     """``inflight engine`` on a Qwen3.5 checkpoint, as a user starts it: a batch with ``n``,
-    a stream, and a prompt scored (``max_new_tokens: 0``) equal the whole forwards'."""
+    a stream, a prompt scored (``max_new_tokens: 0``), and after new weights the new model's
+    answers, equal the whole forwards'."""
     model_dir = make_tiny_qwen3_5_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [[5, 9, 13, 40, 41, 7, 100, 3], [17, 4], [60, 61, 62, 90, 21]]
@@ -258,3 +259,15 @@ def test_a_qwen3_5_served_over_http_answers_scores_and_streams(tmp_path: Path) -
         want = [float(whole[i, tok]) for i, tok in enumerate(prompts[0][1:])]
         assert entries[0][0] is None and [e[1] for e in entries] == prompts[0]
         assert_close([e[0] for e in entries[1:]], want, terms=forward_terms(model.config, 8))
+        # new weights by name (gated delta nets' A_log, dt_bias, conv1d too), as an update
+        # from the learner lands: the answers are the new model's
+        second = make_tiny_qwen3_5_model(tmp_path / "second", seed=8)
+        update = {"model_path": str(second), "weight_version": "2"}
+        assert requests.post(eng.url + "/update_weights_from_disk", json=update, timeout=60).ok
+        new = AutoModelForCausalLM.from_pretrained(second, dtype=torch.float32).eval()
+        body = {"input_ids": prompts, "sampling_params": greedy}
+        answers = requests.post(eng.url + "/generate", json=body, timeout=60).json()
+        for prompt, answer in zip(prompts, answers, strict=True):
+            assert answer["output_ids"] == _whole_forwards(new, prompt, 6)[0]
+            assert answer["output_ids"] != _whole_forwards(model, prompt, 6)[0]
+            assert answer["meta_info"]["weight_version"] == "2"
