@@ -1,7 +1,7 @@
 """Hybrid models whose layers are partly linear attention, served by the built-in engine on
 transformers' passes: Qwen3.5's and Qwen3-Next's gated delta nets, the Mamba layers of Granite 4
-(``granitemoehybrid``), Nemotron-H, Jamba, Bamba and OLMo's hybrid, LFM2's short convolutions,
-Falcon-H1's layers that run attention and a Mamba mixer side by side.
+(``granitemoehybrid``), Nemotron-H, Jamba, Bamba and OLMo's hybrid, LFM2's (and LFM2-MoE's)
+short convolutions, Falcon-H1's layers that run attention and a Mamba mixer side by side.
 Such a layer keeps a state a row (its convolution's last inputs, its recurrent state), not a KV
 a token: ``kv_batch.BatchKV`` keeps them in slots, copied in from the prefill and moved with
 their row, and the scheduler turns the prefix cache off (a state cannot be cut at a token).
@@ -61,6 +61,17 @@ CONFIGS: dict[str, Callable[[], Any]] = {
         num_hidden_layers=4,
         conv_L_cache=3,
         block_ff_dim=96,
+        layer_types=["conv", "conv", "full_attention", "conv"],
+    ),
+    "lfm2_moe": lambda: AutoConfig.for_model(
+        "lfm2_moe",
+        **_BASE,
+        num_hidden_layers=4,
+        conv_L_cache=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        num_dense_layers=1,
         layer_types=["conv", "conv", "full_attention", "conv"],
     ),
     "granite4": lambda: AutoConfig.for_model(
