@@ -251,6 +251,13 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--model",
+        choices=["qwen2", "qwen3_5"],
+        default="qwen2",
+        help="the random model's layout (bench/engine.py's): Qwen3.5's keeps linear-attention "
+        "states, which its prefix cache holds at each sequence's end",
+    )
     parser.add_argument("--pressure", action="store_true", help="sessions against LRU")
     parser.add_argument("--tool-s", type=float, default=0.5, help="--pressure: between turns")
     parser.add_argument("--background", type=int, default=4, help="--pressure: loops")
@@ -263,7 +270,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model_dir = tmp / "model"
-        n_params = make_model(model_dir, vocab=VOCAB, max_positions=4096)
+        n_params = make_model(model_dir, vocab=VOCAB, max_positions=4096, family=args.model)
         if args.pressure:
             print(json.dumps(_pressure(args, model_dir, tmp, n_params)))
             return 0
@@ -274,6 +281,7 @@ def main() -> int:
         "bench": "multiturn_prefix_cache",
         "params_m": round(n_params / 1e6, 1),
         "device": args.device,
+        "model": args.model,
         "threads": torch.get_num_threads(),
         "episodes": args.episodes,
         "turns": args.turns,

@@ -39,8 +39,9 @@ convolution's last inputs and its recurrent state. Each such layer keeps them in
 too (``[slots, ...]``, grown by doubling as rows join), copied in from the prefill when a row
 joins and moved with the row when it changes slot; a decode step hands the model views of the
 live rows' states, which transformers' layers update in place. Such a state cannot be cut at a
-token, so a prefix of it cannot be kept: the scheduler turns its prefix cache off for these
-models (``row_kv``, ``pass_kv`` and ``past`` concern attention layers only).
+token: the prefix cache keeps a row's states whole (``row_states``) at the end of what it ran,
+and a prefill on such a prefix goes on from them (``past(..., states)``); Falcon-H1's layers,
+which run attention and a Mamba mixer side by side, keep both.
 """
 
 from __future__ import annotations
@@ -441,10 +442,23 @@ class BatchKV:
             parts[s].append(t[row, :, first:last])
         return [torch.stack(part) for part in parts]
 
-    def past(self, rows: list[list[list[torch.Tensor]]], width: int) -> DynamicCache:
+    def row_states(self, slot: int) -> list[torch.Tensor]:
+        """The linear-attention states of the row in ``slot`` (views: copy what you keep),
+        each layer's convolution's, then its recurrent one's, as ``past`` takes them."""
+        return [store[slot] for store in self._state_stores()]
+
+    def past(
+        self,
+        rows: list[list[list[torch.Tensor]]],
+        width: int,
+        states: list[list[torch.Tensor] | None] | None = None,
+    ) -> DynamicCache:
         """A left-padded ``DynamicCache`` of ``width`` columns for a prefill on top of cached
         prefixes: row ``r`` is the concatenation of the pieces ``rows[r]`` (each one tensor per
-        store, as ``row_kv`` gives them), right-aligned; padding is zeros."""
+        store, as ``row_kv`` gives them), right-aligned; padding is zeros. A model with
+        linear-attention layers: ``states[r]``, row ``r``'s states after its prefix
+        (``row_states``; None: zeros, a row without a prefix), which the pass goes on from;
+        such a row's new tokens must not be padded (padding would go through its state)."""
         count = len(rows)
         first = next(pieces[0] for pieces in rows if pieces)  # a piece: [tensors, heads, n, dim]
         stores = [
@@ -460,8 +474,48 @@ class BatchKV:
                 column += n
         views = [stores[s][j] for s, j in self._members]
         cache = DynamicCache()
-        for i in range(len(views) // 2):
-            cache.update(views[2 * i], views[2 * i + 1], i)
+        if not self.states:
+            for i in range(len(views) // 2):
+                cache.update(views[2 * i], views[2 * i + 1], i)
+            return cache
+        cache.layer_class_to_replicate = None  # type: ignore[assignment]
+        zeros = [torch.zeros_like(store[0]) for store in self._state_stores()]
+        given = [zeros if row is None else row for row in (states or [None] * count)]
+        kv, held = iter(range(len(views) // 2)), iter(range(len(zeros)))
+        layers: list[Any] = []
+        for slot in self.cache.layers:
+            if not isinstance(slot, (_SlotLayer, _SlotStates)):
+                layers.append(DummyLayer())
+                continue
+            layer: Any = (
+                LinearAttentionAndFullAttentionLayer()
+                if isinstance(slot, _SlotBoth)
+                else LinearAttentionLayer()
+                if isinstance(slot, _SlotStates)
+                else DynamicLayer()
+            )
+            if isinstance(slot, _SlotLayer):
+                i = next(kv)
+                layer.update(views[2 * i], views[2 * i + 1])
+            if isinstance(slot, _SlotStates):
+                found = {
+                    name: torch.stack([row[h] for row in given])
+                    for name, h in (
+                        (name, next(held))
+                        for name in ("conv", "recurrent")
+                        if getattr(slot, name) is not None
+                    )
+                }
+                layer.lazy_initialization(
+                    conv_states=found.get("conv"),
+                    recurrent_states=found.get("recurrent"),
+                    conv_kernel_size=slot.conv_kernel_size[0],
+                )
+                for name, tensor in found.items():
+                    getattr(layer, f"{name}_states")[0].copy_(tensor)
+                layer.has_previous_state[0] = True  # the pass goes on from these states
+            layers.append(layer)
+        cache.layers = layers
         return cache
 
     # ---- storage -----------------------------------------------------------------------

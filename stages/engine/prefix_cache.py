@@ -60,6 +60,14 @@ end, so the session holds each node once per branch it has. ``release(session)``
 drops its tags, and nodes no longer held go back to ``_order`` as the newest. A held leaf
 evicted all the same (nothing else left) hands its tags to its parent.
 
+Linear-attention states (``max_states``; Qwen3.5's, Mamba's: a state a row that sums up all of
+it, ``kv_batch``). Such a model's prefix is usable only where its states were kept: an insert
+with ``state`` keeps a copy on the node the sequence ends on (a split leaves it on the lower
+half, which still ends there), and ``match(states=True)`` cuts the path after its deepest whole
+node that has one, returning them in ``Match.state``, as SGLang's Mamba radix cache does. At
+most ``max_states`` are kept, least recently matched or inserted dropped first (the node and its
+KV stay, to be passed through); a node that goes takes its state with it.
+
 Two sequences of one label that share tokens share their KV (first writer wins), even when an
 update landed at different points of those tokens in each (it takes identical outputs; the
 difference is where a v/v+1 switch sits). Weights loaded with no version change keep the cache
@@ -98,6 +106,8 @@ class Match:
     length: int = 0
     pieces: list[list[torch.Tensor]] = field(default_factory=list)
     stamp: Stamp | None = None
+    # with ``match(states=True)``: the linear-attention states after the prefix (None: none)
+    state: list[torch.Tensor] | None = None
 
 
 class _Node:
@@ -109,6 +119,7 @@ class _Node:
         "parent",
         "sessions",
         "stamp",
+        "state",
         "terminal",
         "tokens",
     )
@@ -130,19 +141,26 @@ class _Node:
         self.terminal = False  # a whole served sequence ends with this node
         self.held = 0  # session tags at and below it (>0: in PrefixCache._held)
         self.sessions: set[str] | None = None  # the sessions whose tags are on it
+        # a linear-attention model's states after this node's last token (None: none kept)
+        self.state: list[torch.Tensor] | None = None
 
 
 class PrefixCache:
     """The trees, one per version label; every method runs on the scheduler thread
     (``stats`` may be read from anywhere)."""
 
-    def __init__(self, max_tokens: int, max_age: int) -> None:
+    def __init__(self, max_tokens: int, max_age: int, max_states: int = 0) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.max_tokens = max_tokens
         self.max_age = max_age
+        # the most linear-attention states held (``insert(state=...)``), least recently used
+        # dropped first; 0: none
+        self.max_states = max_states
+        self._states: collections.OrderedDict[_Node, None] = collections.OrderedDict()
+        self.state_evictions = 0
         # (stamp index, namespace) -> root: the requests of one namespace (SGLang's extra_key
         # and cache_salt; None: the default one) share prefixes with each other only
         self._trees: dict[tuple[int, Any], _Node] = {}
@@ -171,11 +189,14 @@ class PrefixCache:
         *,
         live_only: bool = False,
         record: bool = True,
+        states: bool = False,
     ) -> Match:
         """The longest usable cached prefix of ``tokens`` in ``namespace``, at most ``limit``
         tokens long (see the module docstring for which KV is usable; ``live_only``: the live
         version's alone, as prompt scoring takes it); its nodes become the most recently
-        used. ``record`` false: a look only (no counter, no node refreshed)."""
+        used. ``record`` false: a look only (no counter, no node refreshed). ``states``: a
+        linear-attention model's, whose prefix must end where a state was kept (the end of a
+        sequence or a context inserted with one), given in ``Match.state``."""
         self.lookups += record
         best: list[tuple[_Node, int]] = []
         length = 0
@@ -185,21 +206,26 @@ class PrefixCache:
             path = _walk(root, tokens, limit)
             if index != live.index:  # older KV: up to the end of a sequence it continues
                 path = _continued(path, len(tokens))
+            if states:
+                path = _stated(path)
             reach = sum(k for _, k in path)
             if reach > length or (reach == length and index == live.index):
                 best, length = path, reach
         if not length:
             return Match()
+        end = best[-1][0].state if states else None
         if not record:
-            return Match(length, [], best[0][0].stamp)
+            return Match(length, [], best[0][0].stamp, end)
         for node, _ in reversed(best):  # deepest first: parents stay newer than children
             self._touch(node)
+        if end is not None:
+            self._states.move_to_end(best[-1][0])
         stamp = best[0][0].stamp
         self.hits += 1
         self.hit_tokens += length
         self.stale_hits += stamp.index != live.index
         pieces = [n.kv if k == len(n.tokens) else [t[..., :k, :] for t in n.kv] for n, k in best]
-        return Match(length, pieces, stamp)
+        return Match(length, pieces, stamp, end)
 
     # ---- inserting ---------------------------------------------------------------------------
 
@@ -212,6 +238,7 @@ class PrefixCache:
         *,
         served: bool = True,
         session: str | None = None,
+        state: list[torch.Tensor] | None = None,
     ) -> int:
         """Hold ``tokens`` (a whole served sequence whose oldest KV is ``stamp``'s) in the tree
         of ``stamp``; ``kv_of(a, b)`` gives the KV of its tokens ``a..b-1`` (views; copied
@@ -221,8 +248,10 @@ class PrefixCache:
         stamp's (only requests of the same namespace match it). ``served`` false: a prompt
         being scored or generated from, held as a prefix only, not a whole sequence (no
         episode continues it, so its KV is never reused once stale). ``session``: the sequence
-        is that session's, held for it until ``release`` (the module's docstring). Returns the
-        tokens newly held."""
+        is that session's, held for it until ``release`` (the module's docstring). ``state``: a
+        linear-attention model's states after the last of ``tokens`` (copied; ``max_states``
+        of them are kept, the least recently used dropped first). Returns the tokens newly
+        held."""
         if self.live_index - stamp.index > self.max_age:
             return 0
         whole = len(tokens) <= self.max_tokens
@@ -257,8 +286,25 @@ class PrefixCache:
             self._touch(n)
         if session is not None and node is not root:
             self._hold(session, node)
+        if state is not None and whole and node is not root and self.max_states:
+            self._keep_state(node, state)
         self._evict()
         return added
+
+    def _keep_state(self, node: _Node, state: list[torch.Tensor]) -> None:
+        if node.state is None:  # (the same tokens' states: the first writer's, as the KV)
+            node.state = [t.clone() for t in state]
+        self._states[node] = None
+        self._states.move_to_end(node)
+        while len(self._states) > self.max_states:
+            oldest, _ = self._states.popitem(last=False)
+            oldest.state = None
+            self.state_evictions += 1
+
+    def _drop_state(self, node: _Node) -> None:
+        if node.state is not None:
+            node.state = None
+            del self._states[node]
 
     def _split(self, node: _Node, k: int) -> _Node:
         """Cut ``node`` after its first ``k`` tokens; returns the new upper half."""
@@ -409,12 +455,14 @@ class PrefixCache:
         self._order.clear()
         self._held.clear()
         self._leaves.clear()
+        self._states.clear()
         self.tokens = self.sequences = self.held_tokens = 0
         self.flushed_tokens += dropped
         return dropped
 
     def _forget(self, node: _Node) -> None:
         """Out of the lists and the sessions' tags (its whole tree is going)."""
+        self._drop_state(node)
         if node.held:
             del self._held[node]
             self.held_tokens -= len(node.tokens)
@@ -433,6 +481,7 @@ class PrefixCache:
             del parent.children[node.tokens[0]]
         self.tokens -= len(node.tokens)
         self.sequences -= node.terminal
+        self._drop_state(node)
         node.kv, node.parent = [], None
 
     # ---- metrics -----------------------------------------------------------------------------
@@ -457,6 +506,11 @@ class PrefixCache:
             "session_held_tokens": self.held_tokens,
             "tokens": self.tokens,
             "bytes": self.tokens * self.bytes_per_token,
+            **(
+                {"states": len(self._states), "state_evictions": self.state_evictions}
+                if self.max_states
+                else {}
+            ),
         }
 
     def nodes(self) -> list[tuple[list[int], list[torch.Tensor], Stamp]]:
@@ -489,6 +543,16 @@ def _continued(path: list[tuple[_Node, int]], total: int) -> list[tuple[_Node, i
     for i, (node, k) in enumerate(path):
         depth += k
         if k == len(node.tokens) and node.terminal and depth < total:
+            cut = i + 1
+    return path[:cut]
+
+
+def _stated(path: list[tuple[_Node, int]]) -> list[tuple[_Node, int]]:
+    """``path`` cut after its deepest whole node that keeps a state (a linear-attention
+    model's prefix can only end there)."""
+    cut = 0
+    for i, (node, k) in enumerate(path):
+        if k == len(node.tokens) and node.state is not None:
             cut = i + 1
     return path[:cut]
 

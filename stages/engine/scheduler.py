@@ -685,12 +685,20 @@ class Scheduler:
             # such models prefill whole prompts there (the engine's passes count positions)
             log.info("prefix_cache_off", reason="sliding-window layers", window=self._window)
             prefix_cache_tokens = 0
-        if self._state_types is not None and prefix_cache_tokens > 0:
-            # a linear-attention layer's state sums up its whole row: no prefix can be cut out
-            log.info("prefix_cache_off", reason="linear-attention layers")
+        # a linear-attention layer's state sums up its whole row, so a prefix can be reused
+        # only where its states were kept: at the end of a context or a finished sequence (as
+        # SGLang's Mamba radix cache keeps them), as many states as rows run
+        kind = model.config.get_text_config(decoder=True).model_type
+        if self._state_types is not None and kind not in _CONTINUES_STATES:
+            if prefix_cache_tokens > 0:
+                log.info("prefix_cache_off", reason="its layers cannot go on from a kept state")
             prefix_cache_tokens = 0
         self._prefix = (
-            PrefixCache(prefix_cache_tokens, prefix_cache_max_age)
+            PrefixCache(
+                prefix_cache_tokens,
+                prefix_cache_max_age,
+                max_states=max_running if self._state_types is not None else 0,
+            )
             if prefix_cache_tokens > 0
             else None
         )
@@ -1599,8 +1607,8 @@ class Scheduler:
         """What a scored prompt takes from the prefix cache: its longest prefix of the live
         weights' KV up to its start; None where it neither takes nor leaves any (no cache, or
         an adapter's row). ``record`` false: a look only (``PrefixCache.match``)."""
-        if self._prefix is None or _own_kv(seq):
-            return None
+        if self._prefix is None or _own_kv(seq) or self._state_types is not None:
+            return None  # (a scoring pass pads its prompts: a linear-attention state cannot)
         limit = _reuse_limit(key[0], key[1])
         if limit <= 0:
             return Match()
@@ -1760,6 +1768,8 @@ class Scheduler:
             ctx, owner = contexts[u], owners[u]
             if self._prefix is None or _own_kv(owner) or len(ctx) <= IN_BATCH_PREFIX:
                 return None
+            if self._state_types is not None:  # no state is kept where openings end
+                return None
             return owner.inp.cache_namespace, tuple(_keyed(owner, ctx[:IN_BATCH_PREFIX]))
 
         def lookup(u: int, record: bool) -> Match:
@@ -1777,7 +1787,10 @@ class Scheduler:
             news = [len(contexts[u]) - m.length for u, m in wave]
             computed += sum(news)
             hit += sum(m.length for _, m in wave)
-            for part in _passes(news):
+            parts = _passes(news)
+            if self._state_types is not None:  # a row on a kept state: no padding after it
+                parts = _unpadded_after_states(parts, news, [m.length for _, m in wave])
+            for part in parts:
                 units = [wave[k][0] for k in part]
                 where = {u: i for i, u in enumerate(units)}
                 members = [(s, where[u]) for s, u in zip(group, source, strict=True) if u in where]
@@ -1800,7 +1813,14 @@ class Scheduler:
         if self._prefix is None:
             return Match()
         # The last token is always computed: its logits give the first sampled token.
-        return self._prefix.match(ctx, len(ctx) - 1, self._stamp(), namespace, record=record)
+        return self._prefix.match(
+            ctx,
+            len(ctx) - 1,
+            self._stamp(),
+            namespace,
+            record=record,
+            states=self._state_types is not None,
+        )
 
     def _prefill_pass(
         self,
@@ -1820,7 +1840,8 @@ class Scheduler:
             self.expert_distribution.extend(mask)
         past, full, columns = None, ids, None
         if max(cached):  # on top of cached prefixes: they come in as past keys and values
-            past = self._kv.past([m.pieces for m in matches], max(cached))
+            states = [m.state for m in matches] if self._state_types is not None else None
+            past = self._kv.past([m.pieces for m in matches], max(cached), states)
             mask, full, columns = _on_prefixes(contexts, cached, mask)
             columns = columns.to(self.device)
         ids, mask, positions, full = (t.to(self.device) for t in (ids, mask, positions, full))
@@ -1927,7 +1948,14 @@ class Scheduler:
 
             stamp = seq.stamp or self._stamp()
             tokens = _keyed(seq, contexts[u])
-            self._prefix.insert(tokens, kv_of, stamp, seq.inp.cache_namespace, served=False)
+            self._prefix.insert(
+                tokens,
+                kv_of,
+                stamp,
+                seq.inp.cache_namespace,
+                served=False,
+                state=self._row_states(seq.slot),
+            )
 
     def _forward_prefill(
         self,
@@ -2184,6 +2212,11 @@ class Scheduler:
         assert self._experts is not None
         rows, width = ids.shape
         return self._experts.take(rows * width).view(rows, width, self._experts.layers, -1)
+
+    def _row_states(self, slot: int) -> list[torch.Tensor] | None:
+        """The linear-attention states of the row in ``slot`` after every token it ran (the
+        prefix cache copies them); None: the model has none."""
+        return None if self._state_types is None else self._kv.row_states(slot)
 
     def _row_pieces(self, seq: _Seq, slot: int, at: int, a: int, b: int) -> list[torch.Tensor]:
         """What the prefix cache keeps of positions ``a..b-1`` of the sequence in ``slot``
@@ -2595,6 +2628,9 @@ class Scheduler:
                 seq.stamp or self._stamp(),
                 seq.inp.cache_namespace,
                 session=session,
+                # (its states are after every column it ran: they end its sequence only when
+                # its tokens are those columns')
+                state=self._row_states(slot) if self._kv.end - start == len(tokens) else None,
             )
 
     def _finish(
@@ -2738,6 +2774,47 @@ def _passes(news: list[int]) -> list[list[int]]:
         total += news[i]
     parts.append(sorted(part))
     return parts
+
+
+# The hybrid families whose linear-attention layers go on from a kept state over several new
+# tokens in transformers (a prefill on a cached prefix: held to whole forwards in
+# tests/stages/test_engine_linear_attention.py). Jamba's Mamba scan starts from zeros whatever
+# the cache holds (transformers' own note in ``modeling_jamba``), so its prefix cache stays off.
+_CONTINUES_STATES = frozenset(
+    {
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+        "lfm2",
+        "lfm2_moe",
+        "granitemoehybrid",
+        "nemotron_h",
+        "bamba",
+        "olmo_hybrid",
+        "falcon_h1",
+    }
+)
+
+
+def _unpadded_after_states(
+    parts: list[list[int]], news: list[int], cached: list[int]
+) -> list[list[int]]:
+    """``parts`` (``_passes``) split so that a context on a cached prefix (``cached`` > 0: a
+    linear-attention model's kept states) is padded nowhere: it shares a pass only with
+    contexts of as many new tokens as it has. Left padding before the first token of a row
+    without a prefix runs through zero states and leaves them zero; after a kept state it
+    would run through that state."""
+    out: list[list[int]] = []
+    for part in parts:
+        fresh = [i for i in part if not cached[i]]
+        by_length: dict[int, list[int]] = {}
+        for i in part:
+            if cached[i]:
+                by_length.setdefault(news[i], []).append(i)
+        out += ([fresh] if fresh else []) + list(by_length.values())
+    return out
 
 
 def _new_tokens(

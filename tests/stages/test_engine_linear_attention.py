@@ -163,7 +163,6 @@ def test_rows_that_join_and_leave_answer_as_a_whole_forward(family: str) -> None
     model = _model(CONFIGS[family]())
     scheduler = Scheduler(model, max_running=16)
     assert scheduler.forward_path == "transformers"
-    assert not scheduler.prefix_cache_stats()["enabled"]
     rng = random.Random(1)
     asked: list[tuple[list[int], int]] = []
     futures = []
@@ -186,6 +185,57 @@ def test_rows_that_join_and_leave_answer_as_a_whole_forward(family: str) -> None
         ids, logprobs = _whole_forwards(model, prompt, new)
         assert result.output_ids == ids, (prompt, result.rid)
         assert_close(result.output_token_logprobs, logprobs, terms=terms)
+
+
+@pytest.mark.timeout(60)
+@torch.inference_mode()
+@pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@torch.inference_mode()
+def test_an_episodes_next_turn_goes_on_from_the_states_its_last_turn_left(family: str) -> None:
+    """Multi-turn episodes: each turn is the last one's prompt and answer and a few tokens
+    more. Its prefix comes from the prefix cache (all but the last turn's last token, whose
+    states the finished row left there) and only the rest is prefilled, in the same admission
+    as fresh prompts and as other turns of other lengths; the answers are still the whole
+    forwards'. Jamba's Mamba scan cannot go on from a state (it starts from zeros): its
+    prefix cache is off and every turn is prefilled whole."""
+    model = _model(CONFIGS[family]())
+    scheduler = Scheduler(model, max_running=16)
+    reuses = family != "jamba"
+    assert scheduler.prefix_cache_stats()["enabled"] is reuses
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, V) for _ in range(rng.randrange(2, 12))] for _ in range(3)]
+    extras = [0] * len(prompts)  # the tokens each turn adds after the last turn's answer
+    for turn in range(3):
+        asked = [(p, rng.randrange(2, 7)) for p in prompts]
+        fresh = [([rng.randrange(3, V) for _ in range(rng.randrange(1, 9))], 3) for _ in range(2)]
+        inputs = [
+            GenerateInput(
+                f"t{turn}-{i}", p, SamplingParams(n, temperature=0.0, ignore_eos=True), True
+            )
+            for i, (p, n) in enumerate(asked + fresh)
+        ]
+        future = scheduler.submit_many(inputs)
+        scheduler.run_until_idle()
+        results = future.result(timeout=60)
+        for (prompt, n), result in zip(asked + fresh, results, strict=True):
+            ids, logprobs = _whole_forwards(model, prompt, n)
+            assert result.output_ids == ids, (turn, prompt)
+            assert_close(
+                result.output_token_logprobs, logprobs, terms=forward_terms(model.config, 48)
+            )
+        cached = [r.cached_tokens for r in results]
+        if turn and reuses:  # the last turn's sequence: its prompt and all but its last token
+            kept = [len(p) - 1 - extra for p, extra in zip(prompts, extras, strict=True)]
+            assert cached == [*kept, 0, 0]
+        else:
+            assert cached == [0] * len(results)
+        extras = [rng.randrange(1, 4) for _ in prompts]
+        prompts = [
+            [*p, *r.output_ids, *(rng.randrange(3, V) for _ in range(k))]
+            for p, r, k in zip(prompts, results[: len(prompts)], extras, strict=True)
+        ]
 
 
 @pytest.mark.timeout(60)
@@ -232,8 +282,8 @@ def test_layer_types_it_cannot_keep_are_refused_at_start() -> None:
 @pytest.mark.timeout(180)
 def test_a_qwen3_5_served_over_http_answers_scores_and_streams(tmp_path: Path) -> None:
     """``inflight engine`` on a Qwen3.5 checkpoint, as a user starts it: a batch with ``n``,
-    a stream, a prompt scored (``max_new_tokens: 0``), and after new weights the new model's
-    answers, equal the whole forwards'."""
+    a stream, an episode's next turn on its cached prefix, a prompt scored (``max_new_tokens:
+    0``), and after new weights the new model's answers, equal the whole forwards'."""
     model_dir = make_tiny_qwen3_5_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [[5, 9, 13, 40, 41, 7, 100, 3], [17, 4], [60, 61, 62, 90, 21]]
@@ -241,7 +291,7 @@ def test_a_qwen3_5_served_over_http_answers_scores_and_streams(tmp_path: Path) -
     with serving(model_dir, tmp_path / "engine.log") as eng, torch.inference_mode():
         info = requests.get(eng.url + "/server_info", timeout=30).json()
         assert info["forward_path"] == "transformers"
-        assert info["prefix_cache"]["enabled"] is False
+        assert info["prefix_cache"]["enabled"] is True
         body = {"input_ids": prompts, "sampling_params": {**greedy, "n": 2}, "return_logprob": True}
         answers = requests.post(eng.url + "/generate", json=body, timeout=60).json()
         assert len(answers) == 6
@@ -260,6 +310,12 @@ def test_a_qwen3_5_served_over_http_answers_scores_and_streams(tmp_path: Path) -
         ids, _ = _whole_forwards(model, prompts[0], 6)
         assert chunks[-1]["output_ids"] == ids
         assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        # the episode's next turn: its prefix from the states the stream's row left
+        turn = [*prompts[0], *ids, 9]
+        body = {"input_ids": turn, "sampling_params": greedy, "return_logprob": True}
+        answer = requests.post(eng.url + "/generate", json=body, timeout=60).json()
+        assert answer["meta_info"]["cached_tokens"] == len(turn) - 2
+        assert answer["output_ids"] == _whole_forwards(model, turn, 6)[0]
         score = {
             "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True, "logprob_start_len": 0,

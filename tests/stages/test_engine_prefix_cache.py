@@ -123,6 +123,38 @@ def test_tree_matches_splits_and_evicts_the_least_recently_used_leaf() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_linear_attention_prefix_ends_where_a_state_was_kept() -> None:
+    """A linear-attention model's prefix ends only where a state was kept (a sequence's end,
+    through splits); at most ``max_states`` are kept, the least recently used dropped first,
+    and a state leaves with its node."""
+    live = Stamp(0, "0")
+    cache = PrefixCache(max_tokens=100, max_age=2, max_states=2)
+    a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9]
+    state_a, state_b = [torch.full((2,), 1.0)], [torch.full((2,), 2.0)]
+    cache.insert(a, _kv_of(a), live, state=state_a)
+    cache.insert(b, _kv_of(b), live, state=state_b)  # splits a's node after 3 tokens
+    state_a[0] += 5  # (copied when kept)
+    m = cache.match([*a, 7], 7, live, states=True)
+    assert m.length == 6 and m.state is not None and m.state[0].tolist() == [1.0, 1.0]
+    assert cache.match([*a, 7], 7, live).state is None  # (asked without states: none given)
+    # a prefix that ends mid-edge, or at the split (no state there): none at all
+    assert cache.match([1, 2, 3, 4, 5, 8], 6, live, states=True).length == 0
+    assert cache.match([1, 2, 3, 7], 4, live, states=True).length == 0
+    assert cache.match([1, 2, 3, 7], 4, live).length == 3  # (KV alone: the usual match)
+    cache.insert([1, 2, 3], _kv_of([1, 2, 3]), live, state=[torch.full((2,), 3.0)])
+    m = cache.match([1, 2, 3, 7], 4, live, states=True)  # the split's end now has one
+    assert m.length == 3 and m.state is not None and m.state[0].tolist() == [3.0, 3.0]
+    stats = cache.stats()
+    assert stats["states"] == 2 and stats["state_evictions"] == 1  # b's, the oldest, went
+    assert cache.match([*b, 7], 6, live, states=True).length == 3  # back to [1, 2, 3]'s
+    cache.max_tokens = 3  # evicts both leaves: their states go with them
+    cache.insert([1, 2, 3], _kv_of([1, 2, 3]), live)
+    assert cache.stats()["states"] == 1 and cache.match([*a, 7], 7, live, states=True).length == 3
+    cache.flush()
+    assert cache.stats()["states"] == 0
+
+
+@pytest.mark.timeout(10)
 def test_a_namespace_shares_prefixes_with_itself_only() -> None:
     """SGLang's RadixKey: requests of one (extra_key, cache_salt) match each other's prefixes,
     never another namespace's or the default one's; trees go as the default's do."""
