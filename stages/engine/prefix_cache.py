@@ -507,7 +507,11 @@ class PrefixCache:
             "tokens": self.tokens,
             "bytes": self.tokens * self.bytes_per_token,
             **(
-                {"states": len(self._states), "state_evictions": self.state_evictions}
+                {
+                    "states": len(self._states),
+                    "state_bytes": sum(t.nbytes for n in self._states for t in n.state or ()),
+                    "state_evictions": self.state_evictions,
+                }
                 if self.max_states
                 else {}
             ),

@@ -146,6 +146,7 @@ def test_a_linear_attention_prefix_ends_where_a_state_was_kept() -> None:
     assert m.length == 3 and m.state is not None and m.state[0].tolist() == [3.0, 3.0]
     stats = cache.stats()
     assert stats["states"] == 2 and stats["state_evictions"] == 1  # b's, the oldest, went
+    assert stats["state_bytes"] == 2 * 2 * 4
     assert cache.match([*b, 7], 6, live, states=True).length == 3  # back to [1, 2, 3]'s
     cache.max_tokens = 3  # evicts both leaves: their states go with them
     cache.insert([1, 2, 3], _kv_of([1, 2, 3]), live)
