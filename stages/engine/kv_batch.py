@@ -149,7 +149,8 @@ class _SlotBoth(_SlotStates, _SlotLayer):
 
 def pass_cache(layer_types: list[str] | None) -> DynamicCache:
     """A fresh cache for a prefill pass: a ``DynamicLayer`` a layer, for the layers of
-    ``STATE_LAYER_TYPES`` a ``LinearAttentionLayer`` and for those without attention
+    ``STATE_LAYER_TYPES`` a ``LinearAttentionLayer`` (``hybrid``: a
+    ``LinearAttentionAndFullAttentionLayer``, both) and for those without attention
     (``CACHELESS_LAYER_TYPES``) a ``DummyLayer``, as transformers lays out a hybrid model's
     (``layer_types`` None: a ``DynamicLayer`` a layer)."""
     cache = DynamicCache()
