@@ -499,14 +499,11 @@ class BatchKV:
                 i = next(kv)
                 layer.update(views[2 * i], views[2 * i + 1])
             if isinstance(slot, _SlotStates):
-                found = {
-                    name: torch.stack([row[h] for row in given])
-                    for name, h in (
-                        (name, next(held))
-                        for name in ("conv", "recurrent")
-                        if getattr(slot, name) is not None
-                    )
-                }
+                found = {}
+                for name in ("conv", "recurrent"):
+                    if getattr(slot, name) is not None:
+                        h = next(held)  # (row_states' order: each layer's conv, recurrent)
+                        found[name] = torch.stack([row[h] for row in given])
                 layer.lazy_initialization(
                     conv_states=found.get("conv"),
                     recurrent_states=found.get("recurrent"),
