@@ -193,6 +193,9 @@ def _summary(wall: float, turns: list[tuple[int, int]], before: dict, after: dic
         out["token_hit_rate"] = round(hit_tokens / (hit_tokens + prefill), 4)
         out["cache_tokens_held"] = after["tokens"]
         out["cache_evictions"] = after["evictions"]
+        if "states" in after:  # a linear-attention model's states (Qwen3.5's)
+            out["cache_states"] = after["states"]
+            out["cache_state_evictions"] = after["state_evictions"]
     return out
 
 

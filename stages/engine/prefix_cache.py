@@ -60,13 +60,16 @@ end, so the session holds each node once per branch it has. ``release(session)``
 drops its tags, and nodes no longer held go back to ``_order`` as the newest. A held leaf
 evicted all the same (nothing else left) hands its tags to its parent.
 
-Linear-attention states (``max_states``; Qwen3.5's, Mamba's: a state a row that sums up all of
+Linear-attention states (``states``; Qwen3.5's, Mamba's: a state a row that sums up all of
 it, ``kv_batch``). Such a model's prefix is usable only where its states were kept: an insert
 with ``state`` keeps a copy on the node the sequence ends on (a split leaves it on the lower
 half, which still ends there), and ``match(states=True)`` cuts the path after its deepest whole
-node that has one, returning them in ``Match.state``, as SGLang's Mamba radix cache does. At
-most ``max_states`` are kept, least recently matched or inserted dropped first (the node and its
-KV stay, to be passed through); a node that goes takes its state with it.
+node that has one, returning them in ``Match.state``, as SGLang's Mamba radix cache does. They
+are bounded by count (``max_states``, which ``room_for_states`` changes: SGLang's
+``--max-mamba-cache-size`` less the rows running) or by bytes (``state_ratio`` of the bytes of
+``max_tokens`` tokens of KV: SGLang's ``--mamba-full-memory-ratio``), the least recently
+matched or inserted dropped first (the node and its KV stay, to be passed through); a node that
+goes takes its state with it.
 
 Two sequences of one label that share tokens share their KV (first writer wins), even when an
 update landed at different points of those tokens in each (it takes identical outputs; the
@@ -149,17 +152,29 @@ class PrefixCache:
     """The trees, one per version label; every method runs on the scheduler thread
     (``stats`` may be read from anywhere)."""
 
-    def __init__(self, max_tokens: int, max_age: int, max_states: int = 0) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        max_age: int,
+        *,
+        states: bool = False,
+        max_states: int | None = None,
+        state_ratio: float | None = None,
+    ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.max_tokens = max_tokens
         self.max_age = max_age
-        # the most linear-attention states held (``insert(state=...)``), least recently used
-        # dropped first; 0: none
+        # linear-attention states (``insert(state=...)``) kept: at most ``max_states`` of them
+        # (None: any number) in at most ``state_ratio`` times the bytes of ``max_tokens`` tokens
+        # of KV (None: any), the least recently used dropped first
+        self.states = states
         self.max_states = max_states
+        self.state_ratio = state_ratio
         self._states: collections.OrderedDict[_Node, None] = collections.OrderedDict()
+        self.state_bytes = 0
         self.state_evictions = 0
         # (stamp index, namespace) -> root: the requests of one namespace (SGLang's extra_key
         # and cache_salt; None: the default one) share prefixes with each other only
@@ -249,9 +264,9 @@ class PrefixCache:
         being scored or generated from, held as a prefix only, not a whole sequence (no
         episode continues it, so its KV is never reused once stale). ``session``: the sequence
         is that session's, held for it until ``release`` (the module's docstring). ``state``: a
-        linear-attention model's states after the last of ``tokens`` (copied; ``max_states``
-        of them are kept, the least recently used dropped first). Returns the tokens newly
-        held."""
+        linear-attention model's states after the last of ``tokens`` (copied; kept within
+        ``max_states`` and ``state_ratio``, the least recently used dropped first). Returns the
+        tokens newly held."""
         if self.live_index - stamp.index > self.max_age:
             return 0
         whole = len(tokens) <= self.max_tokens
@@ -286,7 +301,7 @@ class PrefixCache:
             self._touch(n)
         if session is not None and node is not root:
             self._hold(session, node)
-        if state is not None and whole and node is not root and self.max_states:
+        if state is not None and whole and node is not root and self.states:
             self._keep_state(node, state)
         self._evict()
         return added
@@ -294,15 +309,36 @@ class PrefixCache:
     def _keep_state(self, node: _Node, state: list[torch.Tensor]) -> None:
         if node.state is None:  # (the same tokens' states: the first writer's, as the KV)
             node.state = [t.clone() for t in state]
+            self.state_bytes += _nbytes(node.state)
         self._states[node] = None
         self._states.move_to_end(node)
-        while len(self._states) > self.max_states:
+        self._bound_states()
+
+    def room_for_states(self, count: int) -> None:
+        """Keep at most ``count`` states from now on (dropping the least recently used now)."""
+        self.max_states = max(count, 0)
+        self._bound_states()
+
+    def max_state_bytes(self) -> int | None:
+        """The bytes the states may take (None: no bound, or no KV seen yet to measure it)."""
+        if self.state_ratio is None or not self.bytes_per_token:
+            return None
+        return int(self.state_ratio * self.max_tokens * self.bytes_per_token)
+
+    def _bound_states(self) -> None:
+        count, limit = self.max_states, self.max_state_bytes()
+        while self._states and (
+            (count is not None and len(self._states) > count)
+            or (limit is not None and self.state_bytes > limit)
+        ):
             oldest, _ = self._states.popitem(last=False)
+            self.state_bytes -= _nbytes(oldest.state or ())
             oldest.state = None
             self.state_evictions += 1
 
     def _drop_state(self, node: _Node) -> None:
         if node.state is not None:
+            self.state_bytes -= _nbytes(node.state)
             node.state = None
             del self._states[node]
 
@@ -456,7 +492,7 @@ class PrefixCache:
         self._held.clear()
         self._leaves.clear()
         self._states.clear()
-        self.tokens = self.sequences = self.held_tokens = 0
+        self.tokens = self.sequences = self.held_tokens = self.state_bytes = 0
         self.flushed_tokens += dropped
         return dropped
 
@@ -509,10 +545,12 @@ class PrefixCache:
             **(
                 {
                     "states": len(self._states),
-                    "state_bytes": sum(t.nbytes for n in self._states for t in n.state or ()),
+                    "state_bytes": self.state_bytes,
                     "state_evictions": self.state_evictions,
+                    "max_states": self.max_states,
+                    "max_state_bytes": self.max_state_bytes(),
                 }
-                if self.max_states
+                if self.states
                 else {}
             ),
         }
@@ -521,6 +559,10 @@ class PrefixCache:
         """(tokens, kv, stamp) of every node, oldest first, those sessions hold last (for tests
         and debugging)."""
         return [(n.tokens, n.kv, n.stamp) for n in (*self._order, *self._held)]
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors)
 
 
 def _walk(root: _Node, tokens: list[int], limit: int) -> list[tuple[_Node, int]]:

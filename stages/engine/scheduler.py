@@ -109,13 +109,23 @@ from stages.engine.step_profiler import ProfileRequest, StepProfiler
 from stages.engine.strict_thinking import StrictThinking
 from stages.hf import DynamicCache, cache_argument, output_cache
 
-__all__ = ["PAUSE_MODES", "PREFIX_CACHE_MAX_AGE", "PREFIX_CACHE_TOKENS", "Scheduler"]
+__all__ = [
+    "MAMBA_FULL_MEMORY_RATIO",
+    "PAUSE_MODES",
+    "PREFIX_CACHE_MAX_AGE",
+    "PREFIX_CACHE_TOKENS",
+    "Scheduler",
+]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # Defaults of the prefix cache's bound (tokens held; a token costs 2 x layers x kv_heads x
 # head_dim x dtype bytes) and of the age of reusable KV (weight versions; see prefix_cache).
 PREFIX_CACHE_TOKENS = 32768
 PREFIX_CACHE_MAX_AGE = 2
+# a linear-attention model's states in the prefix cache: at most this share of the bytes its KV
+# may take (SGLang's --mamba-full-memory-ratio, whose default this is)
+MAMBA_FULL_MEMORY_RATIO = 0.9
+_STATE_OR_CACHELESS = STATE_LAYER_TYPES | CACHELESS_LAYER_TYPES
 
 T = TypeVar("T")
 
@@ -568,6 +578,8 @@ class Scheduler:
         expert_distribution: ExpertDistributionRecorder | None = None,
         turns: Turns | None = None,
         session_radix_cache: bool = False,
+        mamba_cache_size: int | None = None,
+        mamba_memory_ratio: float | None = None,
     ) -> None:
         # the turns its thread's steps take with the server's event loop (``loop_turns``):
         # None, a step runs whenever it is due
@@ -590,6 +602,24 @@ class Scheduler:
         # the name the model's forward takes its cache by (transformers renamed it)
         self._cache_arg = cache_argument(model.forward) or "past_key_values"
         self.device = next(model.parameters()).device
+        # SGLang's --max-mamba-cache-size: the most linear-attention states, of the rows
+        # running and in the prefix cache together, which caps the rows (None: the cache's
+        # are bounded by bytes, --mamba-full-memory-ratio); a model without such layers
+        # ignores both flags, as SGLang's does
+        self._mamba_cache_size = mamba_cache_size if self._state_types is not None else None
+        self.mamba_cache_size = mamba_cache_size  # (as given, for /server_info)
+        self.mamba_memory_ratio = (
+            MAMBA_FULL_MEMORY_RATIO if mamba_memory_ratio is None else mamba_memory_ratio
+        )
+        if self._state_types is None and (mamba_cache_size, mamba_memory_ratio) != (None, None):
+            log.info("mamba_flags_unused", why="the model has no linear-attention layers")
+        if self._mamba_cache_size is not None:
+            max_running = _capped_by_states(max_running, self._mamba_cache_size)
+        if self._state_types is not None and not self.mamba_memory_ratio > 0:
+            raise ValueError(
+                f"--mamba-full-memory-ratio {mamba_memory_ratio}: the linear-attention states "
+                "would have no memory; give a ratio > 0"
+            )
         self.max_running = max_running
         # a streamed request's tokens go out in a chunk every this many (SGLang's
         # --stream-interval), unless its sampling_params.stream_interval says otherwise
@@ -697,7 +727,9 @@ class Scheduler:
             PrefixCache(
                 prefix_cache_tokens,
                 prefix_cache_max_age,
-                max_states=max_running if self._state_types is not None else 0,
+                **_state_bounds(
+                    self._state_types, self._mamba_cache_size, mamba_memory_ratio, max_running
+                ),
             )
             if prefix_cache_tokens > 0
             else None
@@ -1870,6 +1902,7 @@ class Scheduler:
         src = torch.tensor(source, device=self.device) if mapped else None
         lengths = torch.tensor([len(contexts[i]) for i in source])
         lo, hi = self._kv.admit(cache, full, lengths, src, columns)
+        self._room_for_states(self._kv.rows)
         end = self._kv.end
         live = self._stamp()
         for offset, (seq, u) in enumerate(zip(group, source, strict=True)):
@@ -1921,6 +1954,12 @@ class Scheduler:
                 seq.first_token = now
         aborted = self._take_masks(lo, hi) if self._mask_seqs else None
         self._finish_checks(tokens, logprobs, lo, hi, end, _either(failed, aborted))
+
+    def _room_for_states(self, rows: int) -> None:
+        """Under ``--max-mamba-cache-size``, what ``rows`` running rows leave of it to the
+        prefix cache's states (SGLang's pool lends the cache the slots no request holds)."""
+        if self._mamba_cache_size is not None and self._prefix is not None:
+            self._prefix.room_for_states(self._mamba_cache_size - rows)
 
     def _keep_contexts(
         self, group: list[_Seq], source: list[int], contexts: list[list[int]]
@@ -2604,6 +2643,7 @@ class Scheduler:
         a session that holds its KV (``radix_sessions``), unless aborted, for that session."""
         assert self._prefix is not None
         sessions = self._radix_sessions
+        self._room_for_states(self._kv.rows - len(seqs))  # their states go to the cache
         for seq, (ids, _, _), reason in zip(seqs, outputs, reasons, strict=True):
             if _own_kv(seq):
                 continue  # an adapter's KV is no prefix of anyone else's
@@ -2922,6 +2962,42 @@ def _layer_masks(
     masks: dict[str, Any] = {"full_attention": mask, "sliding_attention": sliding}
     masks.update(dict.fromkeys(set(state_types or ()) & STATE_LAYER_TYPES))
     return masks
+
+
+def _capped_by_states(max_running: int, size: int) -> int:
+    """The rows that ``--max-mamba-cache-size`` ``size`` lets run at once (a state each), in
+    SGLang's words where it caps them (``kv_cache_configurator``) or leaves none."""
+    if size < 1:
+        raise ValueError(
+            "Hybrid (mamba/linear-attention) state cache is too small to serve any requests. "
+            f"max_mamba_cache_size={size}: give --max-mamba-cache-size >= 1"
+        )
+    if size < max_running:
+        log.warning(
+            "max_running_capped",
+            max_running=size,
+            why=f"max_running_requests is capped to {size} by the mamba state cache "
+            f"(max_mamba_cache_size={size}, 1 state slot per request). To raise it: increase "
+            "--max-mamba-cache-size.",
+        )
+    return min(max_running, size)
+
+
+def _state_bounds(
+    state_types: list[str] | None, size: int | None, ratio: float | None, max_running: int
+) -> dict[str, Any]:
+    """``PrefixCache``'s bounds on a linear-attention model's states (none for another
+    model): ``--max-mamba-cache-size`` by count (less the rows running, as they run), else
+    ``--mamba-full-memory-ratio`` (SGLang's default 0.9) of the cache's KV bytes; a model
+    whose every layer keeps a state (no KV to measure them against) keeps as many as rows
+    run."""
+    if state_types is None:
+        return {}
+    if size is not None:
+        return {"states": True, "max_states": size}
+    if not any(t == "hybrid" or t not in _STATE_OR_CACHELESS for t in state_types):
+        return {"states": True, "max_states": max_running}
+    return {"states": True, "state_ratio": MAMBA_FULL_MEMORY_RATIO if ratio is None else ratio}
 
 
 def _state_layer_types(model: torch.nn.Module) -> list[str] | None:

@@ -124,6 +124,7 @@ from stages.engine.request_body import (
 from stages.engine.request_error import AbortedWithError
 from stages.engine.request_log import LEVELS, RequestLog, entry
 from stages.engine.scheduler import (
+    MAMBA_FULL_MEMORY_RATIO,
     PREFIX_CACHE_MAX_AGE,
     PREFIX_CACHE_TOKENS,
     Scheduler,
@@ -783,6 +784,9 @@ async def _server_info(request: web.Request) -> web.Response:
             "return_hidden_states_mode": scheduler.hidden_states_mode,
             "enable_return_routed_experts": scheduler.routed_experts,
             "enable_session_radix_cache": scheduler.session_radix_cache,
+            # as given, and the ratio resolved to SGLang's fallback
+            "max_mamba_cache_size": scheduler.mamba_cache_size,
+            "mamba_full_memory_ratio": scheduler.mamba_memory_ratio,
             # resolved as SGLang resolves them (parallel_hook.py: the buffer 1000 with a mode)
             "expert_distribution_recorder_mode": None if recorder is None else recorder.mode,
             "expert_distribution_recorder_buffer_size": (
@@ -1088,6 +1092,20 @@ def _parser() -> argparse.ArgumentParser:
         "--disable-radix-cache",
         action="store_true",
         help="no prefix cache: --prefix-cache-tokens 0 (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--max-mamba-cache-size",
+        type=int,
+        help="a model with linear-attention (Mamba, gated delta net) layers: the most states, "
+        "a running row's and the prefix cache's together; it caps --max-running (SGLang's "
+        "flag; default: the cache's bounded by --mamba-full-memory-ratio)",
+    )
+    parser.add_argument(
+        "--mamba-full-memory-ratio",
+        type=float,
+        help="a model with linear-attention layers: the prefix cache's states take at most this "
+        "times the bytes of --prefix-cache-tokens tokens of its KV (SGLang's flag, default "
+        f"{MAMBA_FULL_MEMORY_RATIO})",
     )
     parser.add_argument(
         "--enable-mis",
@@ -1438,6 +1456,8 @@ def build_scheduler(
         custom_logit_processors=args.enable_custom_logit_processor,
         routed_experts=args.enable_return_routed_experts,
         session_radix_cache=args.enable_session_radix_cache,
+        mamba_cache_size=args.max_mamba_cache_size,
+        mamba_memory_ratio=args.mamba_full_memory_ratio,
         expert_distribution=ExpertDistributionRecorder.of(
             loaded.model,
             args.expert_distribution_recorder_mode,

@@ -187,8 +187,6 @@ def test_rows_that_join_and_leave_answer_as_a_whole_forward(family: str) -> None
         assert_close(result.output_token_logprobs, logprobs, terms=terms)
 
 
-@pytest.mark.timeout(60)
-@torch.inference_mode()
 @pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -271,6 +269,54 @@ def test_a_retraction_and_released_memory_leave_the_answers_as_they_were() -> No
     assert [r.output_ids for r in future.result(timeout=30)] == want
 
 
+@pytest.mark.timeout(60)
+@torch.inference_mode()
+def test_sglangs_mamba_cache_flags_bound_the_states_of_rows_and_of_the_cache() -> None:
+    """SGLang's ``--max-mamba-cache-size``: the states of the rows running and of the prefix
+    cache together, which caps the rows; the cache keeps what the rows leave, and the next
+    turn still goes on from its state. ``--mamba-full-memory-ratio``: the cache's states in
+    that times the bytes of its KV. Values that leave no state are refused at start; a model
+    without linear attention ignores both, as SGLang's."""
+    model = _model(CONFIGS["qwen3_5"]())
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + i, 4 + i, 5 + i] for i in range(6)]
+
+    def run(scheduler: Scheduler, prompts: list[list[int]], size: int | None = None) -> Any:
+        future = scheduler.submit_many(
+            [GenerateInput(f"r{i}", p, params, True) for i, p in enumerate(prompts)]
+        )
+        while not future.done():
+            scheduler.step()
+            if size is not None:
+                assert scheduler._kv.rows + scheduler.prefix_cache_stats()["states"] <= size
+        return future.result(timeout=10)
+
+    scheduler = Scheduler(model, max_running=8, mamba_cache_size=5)
+    assert scheduler.max_running == 5
+    results = run(scheduler, prompts, 5)  # five run, then the sixth: one state makes room
+    stats = scheduler.prefix_cache_stats()
+    assert (stats["states"], stats["max_states"], stats["state_evictions"]) == (5, 5, 1)
+    turn = [*prompts[5], *results[5].output_ids, 9]
+    (again,) = run(scheduler, [turn], 5)
+    assert again.cached_tokens == len(turn) - 2  # its last token's state was never computed
+    assert again.output_ids == _whole_forwards(model, turn, 3)[0]
+
+    # 64 tokens of 256 bytes of KV, times 2.5: two states of 18,432 bytes
+    scheduler = Scheduler(model, max_running=8, prefix_cache_tokens=64, mamba_memory_ratio=2.5)
+    run(scheduler, prompts)
+    stats = scheduler.prefix_cache_stats()
+    assert stats["max_state_bytes"] == 40960 and stats["max_states"] is None
+    assert (stats["states"], stats["state_bytes"], stats["state_evictions"]) == (2, 36864, 4)
+
+    with pytest.raises(ValueError, match="too small to serve any requests"):
+        Scheduler(model, mamba_cache_size=0)
+    with pytest.raises(ValueError, match="give a ratio > 0"):
+        Scheduler(model, mamba_memory_ratio=0.0)
+    dense = Scheduler(_model(AutoConfig.for_model("qwen2", **_BASE, num_hidden_layers=1)),
+                      max_running=8, mamba_cache_size=0, mamba_memory_ratio=0.0)  # fmt: skip
+    assert dense.max_running == 8 and "states" not in dense.prefix_cache_stats()
+
+
 def test_layer_types_it_cannot_keep_are_refused_at_start() -> None:
     """A hybrid whose layer types include one the slots cannot keep is refused, naming it."""
     model = _model(CONFIGS["qwen3_5"]())
@@ -288,10 +334,12 @@ def test_a_qwen3_5_served_over_http_answers_scores_and_streams(tmp_path: Path) -
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [[5, 9, 13, 40, 41, 7, 100, 3], [17, 4], [60, 61, 62, 90, 21]]
     greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
-    with serving(model_dir, tmp_path / "engine.log") as eng, torch.inference_mode():
+    flags = ("--max-mamba-cache-size", "12", "--mamba-full-memory-ratio", "3")  # (SGLang's)
+    with serving(model_dir, tmp_path / "engine.log", *flags) as eng, torch.inference_mode():
         info = requests.get(eng.url + "/server_info", timeout=30).json()
         assert info["forward_path"] == "transformers"
         assert info["prefix_cache"]["enabled"] is True
+        assert (info["max_mamba_cache_size"], info["mamba_full_memory_ratio"]) == (12, 3.0)
         body = {"input_ids": prompts, "sampling_params": {**greedy, "n": 2}, "return_logprob": True}
         answers = requests.post(eng.url + "/generate", json=body, timeout=60).json()
         assert len(answers) == 6
@@ -316,6 +364,8 @@ def test_a_qwen3_5_served_over_http_answers_scores_and_streams(tmp_path: Path) -
         answer = requests.post(eng.url + "/generate", json=body, timeout=60).json()
         assert answer["meta_info"]["cached_tokens"] == len(turn) - 2
         assert answer["output_ids"] == _whole_forwards(model, turn, 6)[0]
+        cache = requests.get(eng.url + "/server_info", timeout=30).json()["prefix_cache"]
+        assert cache["max_states"] == 12 and 1 <= cache["states"] <= 12  # no row runs now
         score = {
             "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True, "logprob_start_len": 0,

@@ -128,7 +128,7 @@ def test_a_linear_attention_prefix_ends_where_a_state_was_kept() -> None:
     through splits); at most ``max_states`` are kept, the least recently used dropped first,
     and a state leaves with its node."""
     live = Stamp(0, "0")
-    cache = PrefixCache(max_tokens=100, max_age=2, max_states=2)
+    cache = PrefixCache(max_tokens=100, max_age=2, states=True, max_states=2)
     a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9]
     state_a, state_b = [torch.full((2,), 1.0)], [torch.full((2,), 2.0)]
     cache.insert(a, _kv_of(a), live, state=state_a)
@@ -153,6 +153,46 @@ def test_a_linear_attention_prefix_ends_where_a_state_was_kept() -> None:
     assert cache.stats()["states"] == 1 and cache.match([*a, 7], 7, live, states=True).length == 3
     cache.flush()
     assert cache.stats()["states"] == 0
+
+
+@pytest.mark.timeout(10)
+def test_linear_attention_states_are_bounded_by_bytes_and_by_the_room_rows_leave() -> None:
+    """SGLang's ``--mamba-full-memory-ratio``: the states take at most that times the bytes of
+    ``max_tokens`` tokens of KV (measured at the first insert), the least recently used
+    (matched or inserted) dropped first. Its ``--max-mamba-cache-size``: ``room_for_states``,
+    what running rows leave of it, drops the oldest at once and bounds the next."""
+    live = Stamp(0, "0")
+    cache = PrefixCache(max_tokens=40, max_age=2, states=True, state_ratio=0.5)
+    assert cache.stats()["max_state_bytes"] is None  # no KV seen yet to measure it by
+    seqs = [[i, 100 + i] for i in range(1, 5)]
+
+    def state(value: float) -> list[torch.Tensor]:
+        return [torch.full((16,), float(value))]  # 64 bytes
+
+    for i, seq in enumerate(seqs):
+        cache.insert(seq, _kv_of(seq), live, state=state(i))
+    stats = cache.stats()  # 40 tokens of 8 bytes, times 0.5: 160 bytes, two states
+    assert stats["max_state_bytes"] == 160 and stats["max_states"] is None
+    assert (stats["states"], stats["state_bytes"], stats["state_evictions"]) == (2, 128, 2)
+    assert cache.match([*seqs[1], 0], 3, live, states=True).length == 0  # the oldest went
+    assert cache.match([*seqs[3], 0], 3, live, states=True).length == 2
+    m = cache.match([*seqs[2], 0], 3, live, states=True)  # now the most recently used
+    assert m.length == 2 and m.state is not None and m.state[0][0] == 2.0
+    cache.insert(seqs[0], _kv_of(seqs[0]), live, state=state(9))
+    assert cache.match([*seqs[3], 0], 3, live, states=True).length == 0
+    assert cache.match([*seqs[2], 0], 3, live, states=True).length == 2
+    cache.room_for_states(1)  # rows took all but one
+    assert cache.stats()["states"] == 1 and cache.stats()["state_bytes"] == 64
+    assert cache.match([*seqs[2], 0], 3, live, states=True).length == 2  # the newest stays
+    cache.room_for_states(-2)  # more rows than states: none kept, the next dropped at once
+    cache.insert(seqs[1], _kv_of(seqs[1]), live, state=state(5))
+    stats = cache.stats()
+    assert (stats["states"], stats["state_bytes"], stats["max_states"]) == (0, 0, 0)
+    assert stats["tokens"] == 8  # the KV stays, to be passed through
+    cache.room_for_states(3)
+    cache.insert([7, 8], _kv_of([7, 8]), live, state=state(1))
+    cache.flush()
+    assert cache.stats()["state_bytes"] == 0
 
 
 @pytest.mark.timeout(10)
