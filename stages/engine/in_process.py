@@ -112,6 +112,8 @@ class InProcessEngine:
         build = functools.partial(server.build_scheduler, args, self.loaded)
         self.scheduler = await self._off_loop(build)
         self.scheduler.start()
+        if args.lora_paths:  # (AdapterError: the start fails, saying which)
+            await asyncio.to_thread(server.preload_adapters, self.scheduler, args.lora_paths)
         # every server flag as the engine's own process takes it (--enable-metrics, request
         # logging...), but the engine id: the generator's process has none of its own
         options = server.app_options(args, self.api_key)

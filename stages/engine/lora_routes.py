@@ -12,6 +12,10 @@ struct cannot read is SGLang's validation answer (``control_fields``). A request
 names an adapter with ``lora_path`` (``/generate``); rows already running with an unloaded
 adapter finish with it.
 
+The server's ``--lora-paths`` (``lora_refs``, read as SGLang's ``LoRAPathAction`` and
+``check_lora_server_args`` read it: ``PATH``, ``NAME=PATH`` or a JSON object with
+``lora_name`` and ``lora_path``) loads adapters before the engine serves.
+
 Not here: reading and applying adapters (``lora_adapters``), which rows take which
 (``scheduler``).
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from typing import Any
 
 import torch
@@ -30,7 +35,33 @@ from stages.engine.lora_adapters import AdapterError
 from stages.engine.protocol import RequestError
 from stages.engine.tensor_payloads import LOAD_FORMATS, PayloadError, tensor_dict
 
-__all__ = ["LoraRoutes"]
+__all__ = ["LoraRoutes", "lora_refs"]
+
+
+def lora_refs(values: list[str] | None) -> list[tuple[str, str]]:
+    """``--lora-paths``' adapters as (name, path), as SGLang names them: ``NAME=PATH`` (split
+    at the first ``=``), a JSON object's ``lora_name`` and ``lora_path`` (``pinned`` taken), a
+    bare path its own name. Raises ValueError in SGLang's words for an object without them."""
+    refs = []
+    for value in values or ():
+        value = value.strip()
+        if value.startswith("{") and value.endswith("}"):
+            try:
+                obj = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"{value!r}: not JSON: {exc}") from None
+            if not isinstance(obj, dict) or "lora_path" not in obj or "lora_name" not in obj:
+                raise ValueError(
+                    f"{value!r} looks like a JSON str, but it does not contain 'lora_name' and "
+                    "'lora_path' keys."
+                )
+            refs.append((str(obj["lora_name"]), str(obj["lora_path"])))
+        elif "=" in value:
+            name, path = value.split("=", 1)
+            refs.append((name, path))
+        else:
+            refs.append((value, value))
+    return refs
 
 
 class LoraRoutes:

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -72,7 +73,7 @@ from aiohttp import web
 
 from pipeline import heap
 from stages.detokenize import decoder
-from stages.engine import control_fields, generate_contract, ignored_fields
+from stages.engine import control_fields, generate_contract, ignored_fields, sglang_flags
 from stages.engine.aborts import raise_aborted_with_error, tokenizer_answer
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.client_watch import ClientWatch
@@ -93,7 +94,8 @@ from stages.engine.load_routes import LoadRoutes
 from stages.engine.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS, LoadedModel, load_model
 from stages.engine.logging_routes import LoggingRoutes
 from stages.engine.loop_turns import Turns, turn_taking_loop
-from stages.engine.lora_routes import LoraRoutes
+from stages.engine.lora_adapters import AdapterError
+from stages.engine.lora_routes import LoraRoutes, lora_refs
 from stages.engine.maintenance_routes import MaintenanceRoutes
 from stages.engine.memory_routes import MemoryRoutes
 from stages.engine.openai_api import OpenAIRoutes
@@ -869,6 +871,7 @@ def _fraction(value: str) -> float:
     return number
 
 
+@functools.cache  # (built once: it holds SGLang's 500 flags too)
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inflight engine",
@@ -1263,6 +1266,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="STAGE.REPLICA",
         help="stage and replica named on every log event (how `inflight logs` filters it)",
     )
+    parser.add_argument(
+        "--lora-paths",
+        nargs="*",
+        help="LoRA adapters (peft folders) loaded before the engine serves, each PATH, NAME=PATH "
+        "or a JSON object with lora_name and lora_path (SGLang's flag); more come with "
+        "/load_lora_adapter",
+    )
+    sglang_flags.add_to(parser)  # SGLang's other flags: taken or refused (sglang_flags)
     return parser
 
 
@@ -1305,6 +1316,13 @@ def engine_id_header(app: web.Application) -> dict[str, str]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The engine's options from its command line (``SystemExit`` with a message if bad)."""
     args = _parser().parse_args(argv)
+    args.sglang_taken, refused = sglang_flags.read(args)
+    if refused:
+        _parser().error("\n  ".join(refused))
+    try:
+        args.lora_paths = lora_refs(args.lora_paths)
+    except ValueError as exc:
+        _parser().error(f"--lora-paths: {exc}")
     if args.tp_size != 1:
         _parser().error(
             f"--tp-size {args.tp_size}: the built-in engine runs a model on one device (tensor "
@@ -1563,6 +1581,11 @@ def main(argv: list[str] | None = None) -> int:
     holder["s"] = scheduler
     scheduler.start()
     try:
+        try:
+            preload_adapters(scheduler, args.lora_paths)
+        except AdapterError as exc:
+            log.error("engine_lora_paths_failed", error=str(exc))
+            return 2
         app = build_app(loaded, scheduler, **app_options(args, api_key))
         heap.settle()  # torch, transformers and the model stay: later collections skip them
         started = {
@@ -1581,12 +1604,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             if value is not None
         }
+        taken.update(args.sglang_taken)
         if taken:
             log.info("engine_flags_not_applicable", flags=taken, why=_NOT_APPLICABLE)
         started["event_loop_turns"] = turns is not None
         return run_loop(serve(app, args, loaded, started), turns)
     finally:
         scheduler.stop()
+
+
+def preload_adapters(scheduler: Scheduler, refs: list[tuple[str, str]]) -> None:
+    """Load ``--lora-paths``' adapters on a started scheduler, in order (AdapterError: one that
+    does not fit the model, or a model whose passes take none)."""
+    for name, path in refs:
+        scheduler.load_adapter(name, path).result(timeout=600)
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -375,17 +375,28 @@ def _refusal(model: Path, *flags: str) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_bad_flags_refuse_to_start(model: Path, tmp_path: Path) -> None:
+def test_bad_flags_refuse_to_start(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """An unknown mode (SGLang's ``Literal`` choices), ``stat_approx`` (SGLang's
     ``_SinglePassGatherer.init_new`` raises ``NotImplementedError`` without DeepEP's normal
     dispatch), a buffer of 0 passes (SGLang's ``_CircularBuffer`` fails at its first pass)
     and a model without experts (SGLang's ``init_new`` asserts ``ExpertLocationMetadata``)
-    each stop the engine at start-up, saying which flag and why."""
-    said = _refusal(model, MODE, "bogus")
+    each stop the engine at start-up, saying which flag and why (the first three as its
+    command line is read, the last once the model is: a process of its own)."""
+    from stages.engine.server import parse_args
+
+    def refused(*flags: str) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--model", str(model), *flags])
+        assert exit_.value.code == 2
+        return capsys.readouterr().err
+
+    said = refused(MODE, "bogus")
     assert MODE in said and "'bogus': not one of SGLang's modes stat, per_pass, per_token" in said
-    said = _refusal(model, MODE, "stat_approx")
+    said = refused(MODE, "stat_approx")
     assert MODE in said and "DeepEP" in said and "use stat" in said
-    said = _refusal(model, MODE, "stat", BUFFER, "0")
+    said = refused(MODE, "stat", BUFFER, "0")
     assert BUFFER in said and "keeps nothing" in said
     dense = make_tiny_model(tmp_path / "dense", seed=1)
     said = _refusal(dense, MODE, "stat")

@@ -1,0 +1,183 @@
+"""SGLang's launch flags on ``inflight engine`` (``stages.engine.sglang_flags``): a command line
+written for SGLang 0.5.23 starts the built-in engine, each flag served, taken (logged once) or
+refused saying which flag and why, never argparse's "unrecognized arguments"; ``--lora-paths``
+loads its adapters before the engine serves."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from stages.engine import sglang_flags
+from stages.engine.lora_routes import lora_refs
+from stages.engine.server import _parser, parse_args
+from tests.stages.engine_setup import ROOT, engine_command
+from tests.stages.test_engine_lora import NEW, PROMPTS, _adapter, _greedy, _run
+from tests.stages.test_engine_server import serving
+from tests.stages.tiny_model import make_tiny_model
+
+
+def _unchanged(nargs: str, value: object, default: object) -> bool:
+    """A switch whose SGLang default is already what it sets."""
+    return (nargs, default) in (("0", True), ("no", False))
+
+
+def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--model", "m", *argv])
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_every_flag_of_sglang_is_served_taken_or_refused_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each of SGLang 0.5.23's flags, given a value other than its default, parses into one of
+    three answers: the engine's own flag, taken (the tuning of SGLang's GPU runtime), or a
+    refusal that names it; never "unrecognized arguments"."""
+    own = {
+        name
+        for name, action in _parser()._option_string_actions.items()
+        if not action.dest.startswith("sglang_flag__")
+    }
+    names = sglang_flags._FLAGS
+    assert sglang_flags.TAKEN <= set(names) and set(sglang_flags.REASONS) <= set(names)
+    assert len(names) > 500
+    answers = {"own": 0, "taken": 0, "refused": 0, "default": 0}
+    for name, (nargs, default) in names.items():
+        argv = [name] if nargs in ("0", "no") else [name, "7" if default != 7 else "8"]
+        if name in own:
+            answers["own"] += 1
+            continue
+        try:
+            args = parse_args(["--model", "m", *argv])
+        except SystemExit:
+            said = capsys.readouterr().err
+            assert "unrecognized" not in said and f"{name}" in said, (name, said)
+            assert "SGLang's flag, not taken" in said, said
+            assert name not in sglang_flags.TAKEN, name
+            answers["refused"] += 1
+            continue
+        value = True if nargs in ("0", "no") else argv[1:] if nargs in "*+" else argv[1]
+        if not args.sglang_taken:  # its default: nothing to take
+            assert _unchanged(nargs, value, default), name
+            answers["default"] += 1
+            continue
+        assert args.sglang_taken == {name[2:].replace("-", "_"): value}, name
+        assert name in sglang_flags.TAKEN, name
+        answers["taken"] += 1
+    assert min(answers["own"], answers["taken"], answers["refused"]) > 20, answers
+
+
+def test_a_command_line_written_for_sglang_parses_and_says_what_it_takes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What an RL framework's launch passes: defaults change nothing, the runtime's tuning is
+    taken, and what would answer otherwise is refused, every such flag named at once."""
+    args = parse_args(
+        ["--model-path", "m", "--tp", "1", "--dp-size", "1", "--kv-cache-dtype", "auto",
+         "--mem-fraction-static", "0.8", "--chunked-prefill-size", "8192",
+         "--cuda-graph-max-bs-decode", "64", "--disable-cuda-graph", "--attention-backend",
+         "fa3", "--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "q_proj",
+         "v_proj", "--no-lora-strict-loading", "--log-level", "warning"]
+    )  # fmt: skip
+    assert args.sglang_taken == {
+        "chunked_prefill_size": "8192",
+        "cuda_graph_max_bs_decode": "64",
+        "disable_cuda_graph": True,
+        "attention_backend": "fa3",
+        "enable_lora": True,
+        "max_lora_rank": "64",
+        "lora_target_modules": ["q_proj", "v_proj"],
+    }
+    assert not any(k.startswith("sglang_flag__") for k in vars(args))  # (read out of args)
+    said = _refusal(
+        ["--quantization", "fp8", "--dp-size", "2", "--enable-deterministic-inference",
+         "--speculative-num-steps", "3", "--chunked-prefill-size", "4096"],
+        capsys,
+    )  # fmt: skip
+    lines = [line.strip() for line in said.split("error:", 1)[1].strip().splitlines()]
+    assert lines == [
+        "--dp-size 2: SGLang's flag, not taken: one engine serves one replica; run more "
+        "engines (a generator's engines)",
+        "--enable-deterministic-inference: SGLang's flag, not taken: the built-in engine's "
+        "passes batch rows together, and a row's floats may round otherwise in another batch",
+        "--quantization fp8: SGLang's flag, not taken: the built-in engine runs the "
+        "checkpoint's own weights in --dtype",
+        "--speculative-num-steps 3: SGLang's flag, not taken: the built-in engine does not "
+        "serve it",
+    ]
+    assert "unrecognized arguments: --not-a-flag" in _refusal(["--not-a-flag"], capsys)
+
+
+def test_lora_paths_are_read_as_sglang_reads_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """SGLang's LoRAPathAction and check_lora_server_args: NAME=PATH split at the first ``=``,
+    a JSON object's names, a bare path its own name."""
+    assert lora_refs(
+        ["a=/x=y", " /b ", '{"lora_name": "c", "lora_path": "/c", "pinned": true}']
+    ) == [("a", "/x=y"), ("/b", "/b"), ("c", "/c")]
+    said = _refusal(["--lora-paths", '{"lora_path": "/c"}'], capsys)
+    assert "does not contain 'lora_name' and 'lora_path' keys." in said
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_started_with_sglangs_lora_flags_serves_the_adapters_it_was_given(
+    tmp_path: Path,
+) -> None:
+    """``inflight engine --enable-lora --max-lora-rank 4 --lora-paths a=FOLDER``, as SGLang is
+    started for LoRA: the adapter is loaded before the engine answers /health, a request
+    naming it computes what the merged model does, the taken flags are logged once; an
+    adapter that does not fit stops the engine at start, saying why."""
+    model_dir = make_tiny_model(tmp_path / "m", seed=3)
+    merged = _adapter(model_dir, tmp_path / "a", seed=1, targets="all-linear")
+    want = _run(*_greedy(merged, PROMPTS))
+    flags = ("--enable-lora", "--max-lora-rank", "4", "--lora-paths", f"a={tmp_path / 'a'}")
+    log_file = tmp_path / "engine.log"
+    with serving(model_dir, log_file, *flags) as eng, torch.inference_mode():
+        body = {
+            "input_ids": PROMPTS, "lora_path": "a",
+            "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
+        }  # fmt: skip
+        answers = requests.post(eng.url + "/generate", json=body, timeout=60).json()
+        assert [a["output_ids"] for a in answers] == [ids for ids, _ in want]
+    events = [json.loads(line) for line in log_file.read_text().splitlines()]
+    (taken,) = [e for e in events if e["event"] == "engine_flags_not_applicable"]
+    assert taken["flags"] == {"enable_lora": True, "max_lora_rank": "4"}
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    proc = _start_refused(model_dir, "--lora-paths", f"b={bad}")
+    assert "engine_lora_paths_failed" in proc and "no adapter_config.json" in proc
+
+
+def _start_refused(model_dir: Path, *flags: str) -> str:
+    done = subprocess.run(
+        [*engine_command(model_dir, *flags), "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout + done.stderr
+
+
+def test_the_table_is_sglangs_own_command_line() -> None:
+    """Where SGLang imports, its parser (``ServerArgs.add_cli_args``) has exactly the table's
+    flags, each taking as many values as the table says."""
+    server_args = pytest.importorskip("sglang.srt.server_args")
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    theirs = {
+        name: action
+        for action in parser._actions
+        for name in action.option_strings
+        if name.startswith("--") and name != "--help"
+    }
+    assert set(theirs) == set(sglang_flags._FLAGS)
+    for name, action in theirs.items():
+        nargs, _ = sglang_flags._FLAGS[name]
+        want = 0 if nargs in ("0", "no") else None if nargs == "1" else nargs
+        assert (action.nargs or 0 if want == 0 else action.nargs) == want, name
