@@ -28,6 +28,7 @@ AutoModelForImageTextToText = transformers.AutoModelForImageTextToText
 AutoModelForSequenceClassification = transformers.AutoModelForSequenceClassification
 AutoTokenizer = transformers.AutoTokenizer
 DynamicCache = transformers.DynamicCache
+PretrainedConfig = transformers.PretrainedConfig
 PreTrainedTokenizerBase = transformers.PreTrainedTokenizerBase
 PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
 
@@ -43,6 +44,7 @@ __all__ = [
     "DynamicCache",
     "PreTrainedTokenizerBase",
     "PreTrainedTokenizerFast",
+    "PretrainedConfig",
     "cache_argument",
     "output_cache",
 ]

@@ -32,6 +32,7 @@ from stages.hf import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    PretrainedConfig,
     PreTrainedTokenizerBase,
 )
 from stages.hub import TOKENIZER_FILES, resolve_model
@@ -101,6 +102,7 @@ def load_model(
     context_length: int | None = None,
     load_format: str = "auto",
     remote: RemoteSeed | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load ``path`` (a folder or a Hub repo id) onto ``device``, with the tokenizer of
     ``tokenizer_path`` (default: the model's folder; ``skip_tokenizer``: none) and a context of
@@ -110,7 +112,9 @@ def load_model(
     every floating tensor drawn as SGLang's ``initialize_dummy_weights`` draws it, for weights
     that an update brings later; or ``remote_instance``: none read, the weights the running
     engine ``remote`` serves, received from it (``stages.engine.remote_instance``; the model's
-    weight version is then the seed's). Raises ``ValueError`` (``stages.hub.HubError`` when the
+    weight version is then the seed's). ``overrides``: keys of the model's config changed before
+    it is built (SGLang's ``--json-model-override-args``, ``override_config``). Raises
+    ``ValueError`` (``stages.hub.HubError`` when the
     folder or repo is unusable; ``RemoteLoadError`` when the seed's weights do not come) or
     ``OSError``."""
     from stages.engine.pooling import model_kind  # pooling imports this module
@@ -127,6 +131,7 @@ def load_model(
     model = instantiate(
         AutoModelForImageTextToText if vision else AutoModelForCausalLM, path, device=device,
         dtype=dtype, load_format=load_format, trust_remote_code=trust_remote_code, remote=remote,
+        overrides=overrides,
     )  # fmt: skip
     version = fill_weights(model, load_format, remote)
     tokenizer, folder = None, None
@@ -170,18 +175,23 @@ def instantiate(
     load_format: str = "auto",
     trust_remote_code: bool = False,
     remote: RemoteSeed | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
     """The model of ``path`` as transformers' ``auto`` class builds it, on ``device`` and in
     eval mode: its weights read as ``load_format`` says (``LOAD_FORMATS``), or, for ``dummy``
-    and ``remote_instance``, none read, every weight left for ``fill_weights``."""
+    and ``remote_instance``, none read, every weight left for ``fill_weights``; its config
+    changed first by ``overrides`` (``override_config``)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format must be one of {sorted(LOAD_FORMATS)}, got {load_format!r}")
     if load_format == "remote_instance" and remote is None:
         raise ValueError("load format remote_instance needs the seed instance to load from")
     trust = {"trust_remote_code": trust_remote_code}
     with own_code(path):
-        if load_format in ("dummy", "remote_instance"):  # every weight written below
+        config = None
+        if overrides or load_format in ("dummy", "remote_instance"):
             config = AutoConfig.from_pretrained(path, local_files_only=True, **trust)
+            override_config(config, overrides or {})
+        if load_format in ("dummy", "remote_instance"):  # every weight written below
             with _weights_left_uninitialized():
                 model = auto.from_config(config, dtype=torch_dtype(device, dtype, config), **trust)
             model.tie_weights()  # (init_weights, which ties them, was skipped)
@@ -191,9 +201,25 @@ def instantiate(
                 dtype=torch_dtype(device, dtype),
                 local_files_only=True,
                 use_safetensors=LOAD_FORMATS[load_format],
+                **({} if config is None else {"config": config}),
                 **trust,
             )
     return model.to(device).eval()
+
+
+def override_config(config: Any, overrides: dict[str, Any]) -> None:
+    """Set ``overrides`` on ``config`` as SGLang 0.5.23's ``get_config`` sets
+    ``--json-model-override-args``: an object for a sub-config (a vision model's
+    ``text_config``) updates it, one for ``rope_scaling`` or ``rope_parameters`` is merged into
+    it, anything else replaces the key."""
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            current.update(value)
+        elif key in ("rope_scaling", "rope_parameters") and isinstance(value, dict):
+            setattr(config, key, {**current, **value} if isinstance(current, dict) else value)
+        else:
+            setattr(config, key, value)
 
 
 def fill_weights(model: torch.nn.Module, load_format: str, remote: RemoteSeed | None) -> str | None:

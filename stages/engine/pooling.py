@@ -249,6 +249,7 @@ def load_pooling_model(
     trust_remote_code: bool = False,
     load_format: str = "auto",
     remote: RemoteSeed | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> PoolingModel:
     """Load ``path`` as a ``kind`` model onto ``device``, its weights as ``load_format`` says
     (SGLang's ``--load-format``, ``loader.LOAD_FORMATS``: ``remote_instance`` receives those of
@@ -258,7 +259,7 @@ def load_pooling_model(
     path = resolve_model(str(path), what="--model")
     how = {
         "device": device, "dtype": dtype, "load_format": load_format,
-        "trust_remote_code": trust_remote_code, "remote": remote,
+        "trust_remote_code": trust_remote_code, "remote": remote, "overrides": overrides,
     }  # fmt: skip
     architectures = set(getattr(_config(path, trust_remote_code), "architectures", None) or [])
     cross = bool(architectures & CROSS_ENCODERS)

@@ -123,6 +123,7 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
                 trust_remote_code=args.trust_remote_code,
                 load_format=load_format,
                 remote=remote,
+                overrides=args.json_model_override_args,
             )
         )
     except (OSError, ValueError, RemoteLoadError) as exc:

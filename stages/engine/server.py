@@ -1267,6 +1267,13 @@ def _parser() -> argparse.ArgumentParser:
         help="stage and replica named on every log event (how `inflight logs` filters it)",
     )
     parser.add_argument(
+        "--json-model-override-args",
+        type=_json_object,
+        default={},
+        help="a JSON object of the model config's keys to change before it is built (SGLang's "
+        "flag), e.g. '{\"max_position_embeddings\": 65536}'",
+    )
+    parser.add_argument(
         "--lora-paths",
         nargs="*",
         help="LoRA adapters (peft folders) loaded before the engine serves, each PATH, NAME=PATH "
@@ -1363,6 +1370,7 @@ def load_served(args: argparse.Namespace) -> LoadedModel:
         context_length=args.context_length,
         load_format=load_format,
         remote=remote,
+        overrides=args.json_model_override_args,
     )
 
 

@@ -181,3 +181,44 @@ def test_the_table_is_sglangs_own_command_line() -> None:
         nargs, _ = sglang_flags._FLAGS[name]
         want = 0 if nargs in ("0", "no") else None if nargs == "1" else nargs
         assert (action.nargs or 0 if want == 0 else action.nargs) == want, name
+
+
+def test_json_model_override_args_change_the_config_before_the_model_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SGLang's ``--json-model-override-args``, set as its ``get_config`` sets it: a key
+    replaced, a sub-config updated, ``rope_parameters`` merged; the engine's context follows
+    ``max_position_embeddings``, and the weights load as before."""
+    from transformers import AutoConfig
+
+    from stages.engine.loader import load_model, override_config
+
+    config = AutoConfig.for_model(
+        "qwen3_5",
+        text_config={"hidden_size": 64, "num_hidden_layers": 2},
+        tie_word_embeddings=False,
+    )
+    rope = dict(config.text_config.rope_parameters)
+    override_config(
+        config,
+        {"text_config": {"num_hidden_layers": 3}, "tie_word_embeddings": True},
+    )
+    assert config.text_config.num_hidden_layers == 3 and config.text_config.hidden_size == 64
+    assert config.tie_word_embeddings is True
+    override_config(config.text_config, {"rope_parameters": {"rope_theta": 5.0}})
+    assert config.text_config.rope_parameters == {**rope, "rope_theta": 5.0}
+
+    model_dir = make_tiny_model(tmp_path / "m", seed=3)
+    plain = load_model(model_dir)
+    loaded = load_model(model_dir, overrides={"max_position_embeddings": 48})
+    assert (plain.context_length, loaded.context_length) == (
+        plain.model.config.max_position_embeddings,
+        48,
+    )
+    for (name, a), (_, b) in zip(
+        plain.model.state_dict().items(), loaded.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    args = parse_args(["--model", "m", "--json-model-override-args", '{"a": {"b": 1}}'])
+    assert args.json_model_override_args == {"a": {"b": 1}}
+    assert "must decode to a JSON object" in _refusal(["--json-model-override-args", "[1]"], capsys)
