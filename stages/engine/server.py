@@ -1269,7 +1269,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json-model-override-args",
         type=_json_object,
-        default={},
         help="a JSON object of the model config's keys to change before it is built (SGLang's "
         "flag), e.g. '{\"max_position_embeddings\": 65536}'",
     )
@@ -1629,7 +1628,8 @@ def preload_adapters(scheduler: Scheduler, refs: list[tuple[str, str]]) -> None:
 
 
 def _json_object(text: str) -> dict[str, Any]:
-    """``--default-chat-template-kwargs``' value: a JSON object (SGLang's check and words)."""
+    """``--default-chat-template-kwargs``' and ``--json-model-override-args``' value: a JSON
+    object (SGLang's check and words)."""
     try:
         value = json.loads(text)
     except ValueError as exc:
