@@ -16,7 +16,8 @@ Field names, defaults and answers follow SGLang 0.5 (``srt/entrypoints/openai/pr
   ``add_generation_prompt`` in ``chat_template_kwargs``: a 400, as the template's TypeError
   there;
 - sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` from the
-  request, else the model's ``generation_config.json``, else 1.0, 1.0, -1, 0.0, 1.0;
+  request, else the model's ``generation_config.json`` (not with ``--sampling-defaults
+  openai``), else 1.0, 1.0, -1, 0.0, 1.0;
   ``max_completion_tokens`` or ``max_tokens`` (none: what the context leaves); ``stop``,
   ``stop_token_ids``, ``n``, ``seed``, ``ignore_eos``, ``no_stop_trim``, ``skip_special_tokens``,
   ``min_tokens`` and the penalties by the native names, so the native checks apply;
@@ -274,12 +275,15 @@ class ChatSettings:
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         default_kwargs: dict[str, Any] | None = None,
+        sampling_defaults: str = "model",
     ) -> ChatSettings | None:
         """From the loaded model (None without a tokenizer). ``chat_template``: a Jinja
         template, or a file holding one; ``tool_call_parser``: one of ``PARSERS``, ``auto``
         (SGLang's detection: ``template_detection.resolve_auto``, ``ParserRefused`` for a
         format the engine does not read) or None: no tool calls read, as SGLang without
-        ``--tool-call-parser``."""
+        ``--tool-call-parser``. ``sampling_defaults`` (SGLang's ``--sampling-defaults``):
+        ``model``, a request's unset sampling fields from ``generation_config.json``;
+        ``openai``, OpenAI's defaults alone (``ModelConfig.get_default_sampling_params``)."""
         if tokenizer is None:
             return None
         given = chat_template
@@ -298,7 +302,7 @@ class ChatSettings:
         template = chat_template or getattr(tokenizer, "chat_template", None)
         defaults: dict[str, Any] = {}
         config = model_dir / "generation_config.json"
-        if config.is_file():
+        if sampling_defaults == "model" and config.is_file():
             try:
                 raw = json.loads(config.read_text())
             except ValueError:

@@ -217,6 +217,7 @@ def build_app(
     reasoning_parser: str | None = None,
     default_chat_template_kwargs: dict[str, Any] | None = None,
     trust_request_chat_template: bool = False,
+    sampling_defaults: str = "model",
     engine_id: str | None = None,
     response_store: bool = False,
     cache_report: bool = False,
@@ -266,6 +267,7 @@ def build_app(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
         default_kwargs=default_chat_template_kwargs,
+        sampling_defaults=sampling_defaults,
     )
     if chat is not None:
         chat.trust_request_template = trust_request_chat_template
@@ -1273,6 +1275,14 @@ def _parser() -> argparse.ArgumentParser:
         "flag), e.g. '{\"max_position_embeddings\": 65536}'",
     )
     parser.add_argument(
+        "--sampling-defaults",
+        choices=["openai", "model"],
+        default="model",
+        help="where a chat request's unset temperature, top_p, top_k, min_p and "
+        "repetition_penalty come from: the model's generation_config.json (model) or "
+        "OpenAI's defaults (openai) (SGLang's flag)",
+    )
+    parser.add_argument(
         "--lora-paths",
         nargs="*",
         help="LoRA adapters (peft folders) loaded before the engine serves, each PATH, NAME=PATH "
@@ -1650,6 +1660,7 @@ def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]
         "reasoning_parser": args.reasoning_parser,
         "default_chat_template_kwargs": args.default_chat_template_kwargs,
         "trust_request_chat_template": args.trust_request_chat_template,
+        "sampling_defaults": args.sampling_defaults,
         "engine_id": os.environ.get(ENGINE_ID_ENV) or None,
         "response_store": args.enable_response_store,
         "cache_report": args.enable_cache_report,

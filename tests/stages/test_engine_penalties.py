@@ -226,9 +226,15 @@ def test_a_chat_models_generation_config_repetition_penalty_is_taken(
     template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     settings = ChatSettings.of(tokenizer, tmp_path, chat_template=template)
     assert settings is not None
-    for body, expected in (({}, 1.05), ({"repetition_penalty": 1.2}, 1.2)):
+    # SGLang's --sampling-defaults openai: generation_config.json is not read
+    plain = ChatSettings.of(tokenizer, tmp_path, chat_template=template, sampling_defaults="openai")
+    assert plain is not None
+    for chat, body, expected in (
+        (settings, {}, 1.05), (settings, {"repetition_penalty": 1.2}, 1.2), (plain, {}, 1.0),
+        (plain, {"repetition_penalty": 1.2}, 1.2),
+    ):  # fmt: skip
         native, _ = chat_request({"messages": [{"role": "user", "content": "w5"}], **body},
-                                 settings, 64)  # fmt: skip
+                                 chat, 64)  # fmt: skip
         sp = parse_generate(native, vocab_size=tokenizer.vocab_size, context_length=64,
                             encode=tokenizer.encode)[0][0].params  # fmt: skip
-        assert sp.repetition_penalty == expected and sp.penalized
+        assert sp.repetition_penalty == expected and sp.penalized is (expected != 1.0)

@@ -16,7 +16,7 @@ import torch
 
 from stages.engine import sglang_flags
 from stages.engine.lora_routes import lora_refs
-from stages.engine.server import _parser, parse_args
+from stages.engine.server import _parser, app_options, parse_args
 from tests.stages.engine_setup import ROOT, engine_command
 from tests.stages.test_engine_lora import NEW, PROMPTS, _adapter, _greedy, _run
 from tests.stages.test_engine_server import serving
@@ -114,6 +114,9 @@ def test_a_command_line_written_for_sglang_parses_and_says_what_it_takes(
         "serve it",
     ]
     assert "unrecognized arguments: --not-a-flag" in _refusal(["--not-a-flag"], capsys)
+    openai = parse_args(["--model", "m", "--sampling-defaults", "openai"])
+    assert app_options(openai, None)["sampling_defaults"] == "openai"  # to ChatSettings.of
+    assert app_options(args, None)["sampling_defaults"] == "model"
 
 
 def test_lora_paths_are_read_as_sglang_reads_them(capsys: pytest.CaptureFixture[str]) -> None:
