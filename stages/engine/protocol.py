@@ -52,7 +52,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stages.engine import custom_logits
@@ -506,7 +506,10 @@ def parse_generate(
             check_logit_bias(sp, f"sampling_params{where}", vocab_size)
             parsed[id(params[i])] = sp
         think_end = reasoning_end(params[i], f"sampling_params{where}", vocab_size, think_ends)
-        _check_fits(ids, sp, f"{'input_embeds' if embeds else 'input_ids'}{where}", context_length)
+        fitted = _fit(
+            ids, sp, f"{'input_embeds' if embeds else 'input_ids'}{where}", context_length,
+            given=_max_new_given(params[i]),
+        )  # fmt: skip
         if masks[i] is not None:
             _check_mask_top_k(sp, f"return_sampling_mask{where}", mask_cap)
         flag = bool(logprob_flags[i])
@@ -527,7 +530,7 @@ def parse_generate(
                 GenerateInput(
                     rid,
                     ids,
-                    sp,
+                    fitted,
                     flag,
                     group_rid,
                     top,
@@ -910,14 +913,14 @@ def parse_groups(
                 raise RequestError(name, "empty")
             if not _valid_ids(ids, vocab_size):
                 _explain_ids(ids, name, vocab_size)
-            _check_fits(ids, params, name, context_length)
+            fitted = _fit(ids, params, name, context_length, given=True)
         for rid in group:
             if not isinstance(rid, str):
                 raise RequestError(f"rid[{offset}]", f"expected str, got {_kind(rid)}")
             if rid in seen:
                 raise RequestError(f"rid[{offset}]", f"duplicate request id {rid!r} in the batch")
             seen.add(rid)
-            inputs.append(GenerateInput(rid, ids, params, True, None, 0, -1, lora, **more))
+            inputs.append(GenerateInput(rid, ids, fitted, True, None, 0, -1, lora, **more))
             offset += 1
         out.append(inputs)
     return out
@@ -959,13 +962,45 @@ def _token_ids_logprob(
     return out
 
 
-def _check_fits(ids: list[int], params: SamplingParams, name: str, context_length: int) -> None:
-    if len(ids) + params.max_new_tokens > context_length:
+def _fit(
+    ids: list[int], params: SamplingParams, name: str, context_length: int, *, given: bool
+) -> SamplingParams:
+    """``params`` for a prompt of ``ids``, as SGLang 0.5.23 fits a request to the context: a
+    prompt as long as the context, or a ``max_new_tokens`` the request gives (``given``) that
+    the context cannot hold, is refused (``TokenizerManager._validate_one_request``), and so
+    is a prompt of the context less 6
+    tokens or more (its scheduler's ``validate_input_length``, ``max_req_input_len``); then a
+    sample generates at most the context less 2 less its prompt (``init_req_max_new_tokens``),
+    so an unset ``max_new_tokens`` (128) is cut to what the context leaves, not refused."""
+    if len(ids) >= context_length:
+        raise RequestError(
+            name,
+            f"The input ({len(ids)} tokens) is longer than the model's context length "
+            f"({context_length} tokens).",
+        )
+    if given and len(ids) + params.max_new_tokens > context_length:
         raise RequestError(
             name,
             f"{len(ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
             f"model's context length {context_length}",
         )
+    most = context_length - 6
+    if len(ids) >= most:
+        raise RequestError(
+            name,
+            f"Input length ({len(ids)} tokens) exceeds the maximum allowed length ({most} "
+            "tokens). Use a shorter input or enable --allow-auto-truncate.",
+        )
+    room = context_length - 2 - len(ids)
+    if params.max_new_tokens <= room:
+        return params
+    return replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
+
+
+def _max_new_given(raw: Any) -> bool:
+    """Whether a request's ``sampling_params`` name a ``max_new_tokens`` (SGLang checks only
+    those against the context)."""
+    return isinstance(raw, Mapping) and raw.get("max_new_tokens") is not None
 
 
 def render_result(

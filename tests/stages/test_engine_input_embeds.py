@@ -154,7 +154,7 @@ def test_bad_embeddings_are_refused_naming_the_row_and_the_engine_serves_on(
         ([[]], "input_embeds[0]: expected a non-empty list"),
         (
             [row] * 4000,
-            "input_embeds: 4000 prompt tokens + max_new_tokens 2 exceed the model's context length",
+            "input_embeds: The input (4000 tokens) is longer than the model's context length",
         ),
     ]
     before = _refused(engine)

@@ -117,3 +117,46 @@ def test_sampling_params_are_checked_as_the_route_checks_them() -> None:
     with pytest.raises(RequestError) as kind:
         parse_sampling_params([{"temperature": 1.0}])  # type: ignore[arg-type]
     assert kind.value.field == "sampling_params"
+
+
+def test_a_request_is_fitted_to_the_context_as_sglang_fits_it() -> None:
+    """SGLang 0.5.23: a prompt as long as the context is refused, and so is a given
+    ``max_new_tokens`` the context cannot hold (``TokenizerManager._validate_one_request``)
+    and a prompt of the context less 6 or more (``validate_input_length``); each sample then
+    generates at most ``context - 2 - prompt`` tokens (``init_req_max_new_tokens``), so an
+    unset ``max_new_tokens`` (128) is cut, not refused, and ``min_new_tokens`` with it. The
+    in-process path takes its parameters as given."""
+
+    def fitted(prompt: list[int], **sampling: Any) -> tuple[int, int]:
+        body = {"input_ids": [prompt, [7]], "sampling_params": sampling}
+        inputs, _ = parse_generate(body, vocab_size=VOCAB, context_length=CONTEXT, encode=None)
+        # (each prompt of a batch its own: [7] leaves 29)
+        assert inputs[1].params.max_new_tokens == min(sampling.get("max_new_tokens", 128), 29)
+        return inputs[0].params.max_new_tokens, inputs[0].params.min_new_tokens
+
+    def refused(prompt: list[int], **sampling: Any) -> str:
+        body = {"input_ids": prompt, "sampling_params": sampling}
+        with pytest.raises(RequestError) as exc:
+            parse_generate(body, vocab_size=VOCAB, context_length=CONTEXT, encode=None)
+        return str(exc.value)
+
+    assert fitted([5] * 10) == (20, 0)  # 32 - 2 - 10, where 128 was refused
+    assert fitted([5] * 10, min_new_tokens=25) == (20, 20)
+    assert fitted([5] * 25) == (5, 0)
+    assert fitted([5] * 10, max_new_tokens=22) == (20, 0)  # given, fits: cut by the margin
+    assert fitted([5] * 10, max_new_tokens=12) == (12, 0)
+    assert "10 prompt tokens + max_new_tokens 23 exceed" in refused([5] * 10, max_new_tokens=23)
+    said = refused([5] * 26, max_new_tokens=0)
+    assert "Input length (26 tokens) exceeds the maximum allowed length (26 tokens)" in said
+    said = refused([5] * 32, max_new_tokens=0)
+    assert "The input (32 tokens) is longer than the model's context length (32 tokens)." in said
+    (group,) = parse_groups(
+        [[5] * 10], parse_sampling_params({"max_new_tokens": 22}), [["a", "b"]],
+        vocab_size=VOCAB, context_length=CONTEXT,
+    )  # fmt: skip
+    assert [inp.params.max_new_tokens for inp in group] == [20, 20]
+    with pytest.raises(RequestError, match="max_new_tokens 23 exceed"):
+        parse_groups(
+            [[5] * 10], parse_sampling_params({"max_new_tokens": 23}), [["a"]],
+            vocab_size=VOCAB, context_length=CONTEXT,
+        )  # fmt: skip

@@ -120,7 +120,8 @@ async def _long(client: EngineClient) -> int:
         async with client.session.get(client.url + "/get_server_info") as resp:
             context = (await resp.json(content_type=None)).get("context_length")
             if isinstance(context, int) and context > 0:
-                return min(LONG, context - len(PROMPT))
+                # (SGLang's scheduler keeps 2 of the context: init_req_max_new_tokens)
+                return min(LONG, context - len(PROMPT) - 2)
     return LONG
 
 
