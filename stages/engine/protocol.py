@@ -968,10 +968,10 @@ def _fit(
     """``params`` for a prompt of ``ids``, as SGLang 0.5.23 fits a request to the context: a
     prompt as long as the context, or a ``max_new_tokens`` the request gives (``given``) that
     the context cannot hold, is refused (``TokenizerManager._validate_one_request``), and so
-    is a prompt of the context less 6
-    tokens or more (its scheduler's ``validate_input_length``, ``max_req_input_len``); then a
-    sample generates at most the context less 2 less its prompt (``init_req_max_new_tokens``),
-    so an unset ``max_new_tokens`` (128) is cut to what the context leaves, not refused."""
+    is a prompt of the context less 6 tokens or more (its scheduler's
+    ``validate_input_length``, ``max_req_input_len``); then a sample generates at most the
+    context less 2 less its prompt (``init_req_max_new_tokens``), so an unset
+    ``max_new_tokens`` (128) is cut to what the context leaves, not refused."""
     if len(ids) >= context_length:
         raise RequestError(
             name,
