@@ -55,6 +55,7 @@ from typing import Any
 
 from aiohttp import web
 
+from stages.engine.context_fit import truncated
 from stages.engine.control_fields import ENCODE, typed_body
 from stages.engine.openai_api import (
     OpenAIError,
@@ -136,8 +137,10 @@ class EncodeRoutes:
         *,
         radix_cache_off: bool = False,
         mis: bool = False,
+        auto_truncate: bool = False,
     ) -> None:
         self.pooler = pooler
+        self.auto_truncate = auto_truncate  # --allow-auto-truncate (_fit_rows)
         self.served_model_name = served_model_name
         # stages.engine.request_log.RequestLog (--log-requests, /configure_logging), or None
         self.request_log = request_log
@@ -147,7 +150,7 @@ class EncodeRoutes:
             tokenizer = loaded.tokenizer
             self.encode_text = tokenizer.encode if tokenizer is not None else None
             # /v1/score's reading of this engine (--disable-radix-cache: its setwise readout)
-            self.score_engine = score_engine(pooler.model, radix_cache_off, mis)
+            self.score_engine = score_engine(pooler.model, radix_cache_off, mis, auto_truncate)
 
     def add_to(self, app: web.Application) -> None:
         """The pooling routes (``/v1/score`` only on a pooling engine: the generating engine's
@@ -263,7 +266,7 @@ class EncodeRoutes:
             batch = True
         else:
             rows, batch = read_prompts(body, vocab_size=self.vocab_size, encode=self.encode_text)
-        self._check_lengths(rows)
+        rows, types = self._fit_rows(rows, types)
         rids = _rids(body.get("rid"), len(rows), batch)
         dims = self._dimensions(body.get("dimensions"))
         hidden = bool(body.get("return_pooled_hidden_states"))
@@ -288,13 +291,22 @@ class EncodeRoutes:
         kinds = encoded.get("token_type_ids")
         return rows, None if kinds is None else [list(k) for k in kinds]
 
-    def _check_lengths(self, rows: list[list[int]]) -> None:
+    def _fit_rows(self, rows: list[list[int]], types: Any = None) -> tuple[list[list[int]], Any]:
+        """``rows`` (and each pair's token ``types``) fitted to the context: one as long as
+        the context is refused, as SGLang refuses it; with ``--allow-auto-truncate``, one of
+        the context less 6 or more keeps that many tokens (``context_fit``)."""
+        if self.auto_truncate:
+            cut = [truncated(row, self.context_length, "input_ids") for row in rows]
+            if types is not None:
+                types = [kinds[: len(row)] for kinds, row in zip(types, cut, strict=True)]
+            return cut, types
         for row in rows:
             if len(row) >= self.context_length:
                 raise ValueError(
                     f"The input ({len(row)} tokens) is longer than the model's context length "
                     f"({self.context_length} tokens)."
                 )
+        return rows, types
 
     def _dimensions(self, value: Any) -> int | None:
         """``dimensions`` checked as SGLang's ``_validate_for_matryoshka_dim``."""
@@ -365,7 +377,7 @@ class EncodeRoutes:
             rows, types = self._pair_rows(pairs)
         except RequestError as exc:
             raise OpenAIError(str(exc), "documents") from None
-        self._check_lengths(rows)
+        rows, types = self._fit_rows(rows, types)
         rids = _rids(None, len(rows), True)
         answers = await self._answers(body, rows, True, rids, [None] * len(rows), types=types)
         return cross_encoder_response(answers, body)
@@ -373,8 +385,7 @@ class EncodeRoutes:
     async def _score(self, body: dict[str, Any]) -> dict[str, Any]:
         def rows_of(native: dict[str, Any]) -> list[list[int]]:
             rows, _ = read_prompts(native, vocab_size=self.vocab_size, encode=self.encode_text)
-            self._check_lengths(rows)
-            return rows
+            return self._fit_rows(rows)[0]
 
         async def run(
             rows: list[list[int]], hidden: bool, anchors: Any, overrides: Any, positions: Any
@@ -461,7 +472,7 @@ class EncodeRoutes:
         its rows and their results."""
         prompt = _input_prompt(body.get("input"), lists)
         rows, batch = read_prompts(prompt, vocab_size=self.vocab_size, encode=self.encode_text)
-        self._check_lengths(rows)
+        rows, _ = self._fit_rows(rows)
         rids = _rids(body.get("rid"), len(rows), batch)  # checked as the native routes check it
         dims = self._dimensions(body.get("dimensions"))
         placed = self._embedding_overrides(body, rows) if overrides else None

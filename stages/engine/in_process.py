@@ -43,6 +43,7 @@ from aiohttp import web
 from pipeline.processes import name_thread
 from stages.engine import server
 from stages.engine.loader import LoadedModel
+from stages.engine.preferred_params import merged
 from stages.engine.protocol import (
     REQUEST_LEVEL_FIELDS,
     SamplingParams,
@@ -179,10 +180,12 @@ class InProcessEngine:
         loaded = self.loaded
         if self._params is None or self._params[0] != sampling_params:
             raw = dict(sampling_params)  # a copy: a later change to the caller's is seen
+            # --preferred-sampling-params under the caller's, as under a /generate body's
+            under = merged(raw, self.scheduler.preferred_sampling_params or {}, frozenset())
             encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
-            own = {k: v for k, v in raw.items() if k not in REQUEST_LEVEL_FIELDS}
+            own = {k: v for k, v in under.items() if k not in REQUEST_LEVEL_FIELDS}
             options = request_options(
-                raw,
+                under,
                 strict_thinking=self.scheduler.strict_thinking is not None,
                 custom_logits=self.scheduler.logit_processors is not None,
                 vocab_size=loaded.vocab_size,
@@ -198,6 +201,7 @@ class InProcessEngine:
             lora=lora,
             adapters=self.scheduler.adapter_names() if lora is not None else (),
             options=self._params[2],
+            auto_truncate=self.scheduler.auto_truncate,
         )
         futures = self.scheduler.submit_groups_async(groups)
         requests = self.scheduler.request_log

@@ -50,6 +50,7 @@ from aiohttp import web
 
 from stages.engine.aborts import error_status, streaming_error
 from stages.engine.chunk_stream import mapped
+from stages.engine.preferred_params import ROUTE_KEYS, with_preferred
 from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, cached_tokens_details, is_int
 from stages.engine.request_body import dumps, loads, read_body
 from stages.engine.request_error import AbortedWithError
@@ -857,8 +858,13 @@ class OpenAIRoutes:
         embed_width: int | None = None,
         mis: bool = False,
         images: Callable[[Any], AbstractAsyncContextManager[Any]] = lambda body: nullcontext(),
+        preferred: Mapping[str, Any] | None = None,
+        auto_truncate: bool = False,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
+        # --preferred-sampling-params, under the keys each route leaves out (preferred_params)
+        self.preferred = preferred
+        self.auto_truncate = auto_truncate  # --allow-auto-truncate (/v1/score's readout)
         # a native body's http(s) images fetched off the loop for a stream to read as it is
         # checked (``images.remote_images``; ``generate`` fetches its own)
         self.images = images
@@ -1038,6 +1044,8 @@ class OpenAIRoutes:
         options: dict[str, Any] = {}
         try:
             native, options = build(body)
+            if self.preferred and route in ROUTE_KEYS:
+                native = with_preferred(native, self.preferred, ROUTE_KEYS[route])
             if route in ("completions", "chat"):
                 options["cache_report"] = self.cache_report
             if options.get("background"):  # /v1/responses: answered at once, run in a task
@@ -1088,8 +1096,9 @@ class OpenAIRoutes:
 
             tokenizer = self.chat.tokenizer if self.chat is not None else None
             engine = openai_score.ScoreEngine(
-                tokenizer, self.prefix_cache, self.embed_width, mis=self.mis
-            )
+                tokenizer, self.prefix_cache, self.embed_width, mis=self.mis,
+                auto_truncate=self.auto_truncate,
+            )  # fmt: skip
 
             def build_score(raw: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
                 return openai_score.score_request(checked_body(checked_score, raw), engine)

@@ -225,6 +225,8 @@ class ChatSettings:
     encoding: str | None = None
     # --trust-request-chat-template: a request's chat_template_kwargs.chat_template renders it
     trust_request_template: bool = False
+    # --allow-auto-truncate: a max_completion_tokens past the context is cut, not refused
+    auto_truncate: bool = False
     # --enable-mis: /v1/decisions and /v1/systemone refuse (SGLang's _validate_server)
     mis: bool = False
     # a vision model's engine: image parts go to its image_data (images.Vision), else refused
@@ -524,12 +526,14 @@ def chat_request(
         value = body.get(name)
         sampling[name] = value if value is not None else settings.defaults.get(name, default)
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
-    if is_int(limit) and context_length and limit > context_length:  # _validate_request's
+    too_many = is_int(limit) and context_length and limit > context_length
+    if too_many and not settings.auto_truncate:  # _validate_request's
         raise OpenAIError(
             f"max_completion_tokens is too large: {limit}.This model supports at most "
             f"{context_length} completion tokens."
         )
-    sampling["max_new_tokens"] = limit if limit is not None else context_length - len(prompt)
+    unset = max(0, context_length - len(prompt))  # all the context leaves (SGLang: None)
+    sampling["max_new_tokens"] = limit if limit is not None else unset
     for name, native in _SAMPLING.items():  # the rest by /v1/completions' names
         if name not in _NOT_SAMPLING and body.get(name) is not None:
             sampling[native] = body[name]

@@ -68,6 +68,8 @@ class ScoreEngine:
     architectures: frozenset[str] = frozenset()
     # --enable-mis: the items scored as one fused sequence's (``_fused``)
     mis: bool = False
+    # --allow-auto-truncate: a prompt could lose the positions a readout reads
+    auto_truncate: bool = False
 
     @property
     def vocab_size(self) -> int:  # SGLang's: the tokenizer's (0 without one)
@@ -136,6 +138,13 @@ def score_request(body: Any, engine: ScoreEngine) -> tuple[dict[str, Any] | None
             raise OpenAIError(
                 "score_extraction_token_id requires --disable-radix-cache because pooling "
                 "positions are relative to the full prompt.",
+                "score_extraction_token",
+            )
+        if engine.auto_truncate:
+            raise OpenAIError(
+                "score_extraction_token_id is not supported with --allow-auto-truncate: "
+                "pooling positions are computed from the full prompt, and truncating the "
+                "sequence would leave them pointing past the truncated length.",
                 "score_extraction_token",
             )
     if engine.mis and not engine.generation and not engine.architectures & _SCORE_AND_POOL:

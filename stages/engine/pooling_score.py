@@ -33,9 +33,12 @@ __all__ = ["pooled_scores", "score_engine", "score_pooled"]
 Run = Callable[[list[list[int]], bool, Any, Any, Any], Awaitable[list[dict[str, Any]]]]
 
 
-def score_engine(model: Any, radix_cache_off: bool, mis: bool = False) -> ScoreEngine:
+def score_engine(
+    model: Any, radix_cache_off: bool, mis: bool = False, auto_truncate: bool = False
+) -> ScoreEngine:
     """What ``score_request`` reads of a pooling engine serving ``model`` (``PoolingModel``;
-    ``mis``: launched with ``--enable-mis``)."""
+    ``mis``: launched with ``--enable-mis``; ``auto_truncate``: with
+    ``--allow-auto-truncate``)."""
     loaded = model.loaded
     architectures = getattr(loaded.model.config, "architectures", None) or []
     return ScoreEngine(
@@ -45,6 +48,7 @@ def score_engine(model: Any, radix_cache_off: bool, mis: bool = False) -> ScoreE
         generation=False,
         architectures=frozenset(architectures),
         mis=mis,
+        auto_truncate=auto_truncate,
     )
 
 

@@ -65,6 +65,8 @@ log = structlog.get_logger("stages.engine.pooling_server")
 
 _POOLER = web.AppKey("pooler", Pooler)
 _OVERRIDES = web.AppKey("overrides", dict)  # what /set_internal_state set
+# --allow-auto-truncate and --preferred-sampling-params, as /server_info reports them
+_READING = web.AppKey("reading", dict)
 _GENERATION_ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -156,6 +158,8 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             request_log=request_log_of(args),
             radix_cache_off=args.prefix_cache_tokens == 0,  # --disable-radix-cache
             mis=args.enable_mis,
+            auto_truncate=args.allow_auto_truncate,
+            preferred=args.preferred_sampling_params,
         )
         heap.settle()
         started = {"kind": kind, "outputs": model.width, "max_running": args.max_running}
@@ -177,6 +181,8 @@ def build_pooling_app(
     request_log: RequestLog | None = None,
     radix_cache_off: bool = False,
     mis: bool = False,
+    auto_truncate: bool = False,
+    preferred: dict[str, Any] | None = None,
 ) -> web.Application:
     """The application of a pooling engine; the caller starts and stops ``pooler``
     (``served_model_name``: the model's name on the OpenAI routes; None: its path;
@@ -184,7 +190,9 @@ def build_pooling_app(
     routes, with ``/configure_logging`` and ``/set_trace_level``; None: off until
     ``/configure_logging`` turns it on; ``radix_cache_off``: launched with
     ``--disable-radix-cache``, which ``/v1/score``'s setwise readout asks, as SGLang's does;
-    ``mis``: ``--enable-mis``, its multi-item scoring)."""
+    ``mis``: ``--enable-mis``, its multi-item scoring; ``auto_truncate``:
+    ``--allow-auto-truncate``; ``preferred``: ``--preferred-sampling-params``, reported only,
+    as a pooling model samples nothing)."""
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     app[_POOLER] = pooler
     loaded = pooler.model.loaded
@@ -192,7 +200,11 @@ def build_pooling_app(
     app[SERVED_NAME] = name
     requests = request_log if request_log is not None else RequestLog()
     requests.decode = decoder(loaded.tokenizer)
-    EncodeRoutes(pooler, name, requests, radix_cache_off=radix_cache_off, mis=mis).add_to(app)
+    app[_READING] = {"allow_auto_truncate": auto_truncate, "preferred_sampling_params": preferred}
+    EncodeRoutes(
+        pooler, name, requests, radix_cache_off=radix_cache_off, mis=mis,
+        auto_truncate=auto_truncate,
+    ).add_to(app)  # fmt: skip
     LoggingRoutes(requests).add_to(app)
     # SGLang serves these on any model: GC, runtime knobs, its stateless parsers
     app[_OVERRIDES] = requests.config_updates
@@ -310,6 +322,7 @@ async def _model_info(request: web.Request) -> web.Response:
             is_generation=False,
             weight_version=request.app[_POOLER].weight_version,
             parsers={"reasoning_parser": None, "tool_call_parser": None},
+            preferred=request.app[_READING]["preferred_sampling_params"],
         )
     )
 
@@ -328,6 +341,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "context_length": loaded.context_length,
             "max_total_num_tokens": pooler.max_batch_tokens,
             "max_req_input_len": loaded.context_length - 1,
+            **request.app[_READING],
             "weight_version": pooler.weight_version,
             "internal_states": [{**state, **request.app[_OVERRIDES]}],
             "version": SERVED_VERSION,

@@ -52,10 +52,11 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from stages.engine import custom_logits
+from stages.engine.context_fit import fit, max_new_given, truncated
 from stages.engine.flat_logprobs import FlatTops, flat_fields, flat_request
 from stages.engine.images import image_lists
 from stages.engine.incremental_text import IncrementalText, output_text
@@ -381,6 +382,7 @@ def parse_generate(
     prefix_cache: bool = True,
     embed_width: int | None = None,
     vision: Any = None,
+    auto_truncate: bool = False,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
     ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
@@ -394,7 +396,8 @@ def parse_generate(
     ``prefix_cache``: whether the engine's prefix cache is on (SGLang's radix cache);
     ``embed_width``: the model's embedding width, which prompts given as ``input_embeds``
     have (None: none are taken); ``vision``: the model's image reader (``images.Vision``),
-    which reads ``image_data`` (None: a text model, which refuses it)."""
+    which reads ``image_data`` (None: a text model, which refuses it); ``auto_truncate``:
+    whether it runs with ``--allow-auto-truncate`` (``stages.engine.context_fit``)."""
     if not isinstance(body, dict):
         raise RequestError("body", f"expected a JSON object, got {_kind(body)}")
     for key, value in body.items():  # SGLang's other keys: ignored there (ignored_fields)
@@ -432,6 +435,14 @@ def parse_generate(
         prompts, embeds, batch = read_embeds(body["input_embeds"], embed_width)
     else:
         prompts, batch = read_prompts(body, vocab_size=vocab_size, encode=encode)
+    sent: list[int | None] = [None] * len(prompts)  # each prompt's length, where it is cut
+    if auto_truncate and (vision is None or body.get("image_data") in (None, [])):
+        # SGLang cuts a prompt before checking anything of it (Scheduler
+        # .handle_generate_request); one with images is refused as it is (its multimodal path)
+        sent = [len(ids) for ids in prompts]
+        name = "input_embeds" if embedded else "input_ids"
+        prompts = [truncated(ids, context_length, name) for ids in prompts]
+        embeds = [rows[: len(ids)] for rows, ids in zip(embeds, prompts, strict=False)]
     raw_params = body.get("sampling_params")
     n = _parallel_n(raw_params, batch)
     listed = batch or n > 1  # SGLang: a single prompt with n > 1 becomes a batch of one
@@ -506,9 +517,9 @@ def parse_generate(
             check_logit_bias(sp, f"sampling_params{where}", vocab_size)
             parsed[id(params[i])] = sp
         think_end = reasoning_end(params[i], f"sampling_params{where}", vocab_size, think_ends)
-        fitted = _fit(
+        fitted = fit(
             ids, sp, f"{'input_embeds' if embeds else 'input_ids'}{where}", context_length,
-            given=_max_new_given(params[i]),
+            given=max_new_given(params[i]), sent=sent[i],
         )  # fmt: skip
         if masks[i] is not None:
             _check_mask_top_k(sp, f"return_sampling_mask{where}", mask_cap)
@@ -876,6 +887,7 @@ def parse_groups(
     lora: str | None = None,
     adapters: Collection[str] = (),
     options: Mapping[str, Any] | None = None,
+    auto_truncate: bool = False,
 ) -> list[list[GenerateInput]]:
     """Groups of samples of one prompt each (``len(rids[i])`` samples of ``prompts[i]``, with
     log-probs, one set of ``params`` from ``parse_sampling_params``, the adapter ``lora``): what
@@ -883,7 +895,8 @@ def parse_groups(
     checked as it checks that body, with the same errors, but each prompt once and without
     the body. A generator's engine in its own process (``stages.engine.in_process``) takes
     them this way. ``options``: ``GenerateInput`` fields for every sample
-    (``request_options``)."""
+    (``request_options``); ``auto_truncate``: whether the engine runs with
+    ``--allow-auto-truncate`` (``stages.engine.context_fit``)."""
     count = sum(len(group) for group in rids)
     if count == 0:
         raise RequestError("input_ids", "empty")
@@ -913,7 +926,10 @@ def parse_groups(
                 raise RequestError(name, "empty")
             if not _valid_ids(ids, vocab_size):
                 _explain_ids(ids, name, vocab_size)
-            fitted = _fit(ids, params, name, context_length, given=True)
+            sent = None
+            if auto_truncate:
+                sent, ids = len(ids), truncated(ids, context_length, name)
+            fitted = fit(ids, params, name, context_length, given=True, sent=sent)
         for rid in group:
             if not isinstance(rid, str):
                 raise RequestError(f"rid[{offset}]", f"expected str, got {_kind(rid)}")
@@ -960,47 +976,6 @@ def _token_ids_logprob(
                 )
         out.append(tuple(ids))
     return out
-
-
-def _fit(
-    ids: list[int], params: SamplingParams, name: str, context_length: int, *, given: bool
-) -> SamplingParams:
-    """``params`` for a prompt of ``ids``, as SGLang 0.5.23 fits a request to the context: a
-    prompt as long as the context, or a ``max_new_tokens`` the request gives (``given``) that
-    the context cannot hold, is refused (``TokenizerManager._validate_one_request``), and so
-    is a prompt of the context less 6 tokens or more (its scheduler's
-    ``validate_input_length``, ``max_req_input_len``); then a sample generates at most the
-    context less 2 less its prompt (``init_req_max_new_tokens``), so an unset
-    ``max_new_tokens`` (128) is cut to what the context leaves, not refused."""
-    if len(ids) >= context_length:
-        raise RequestError(
-            name,
-            f"The input ({len(ids)} tokens) is longer than the model's context length "
-            f"({context_length} tokens).",
-        )
-    if given and len(ids) + params.max_new_tokens > context_length:
-        raise RequestError(
-            name,
-            f"{len(ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
-            f"model's context length {context_length}",
-        )
-    most = context_length - 6
-    if len(ids) >= most:
-        raise RequestError(
-            name,
-            f"Input length ({len(ids)} tokens) exceeds the maximum allowed length ({most} "
-            "tokens). Use a shorter input or enable --allow-auto-truncate.",
-        )
-    room = context_length - 2 - len(ids)
-    if params.max_new_tokens <= room:
-        return params
-    return replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
-
-
-def _max_new_given(raw: Any) -> bool:
-    """Whether a request's ``sampling_params`` name a ``max_new_tokens`` (SGLang checks only
-    those against the context)."""
-    return isinstance(raw, Mapping) and raw.get("max_new_tokens") is not None
 
 
 def render_result(

@@ -58,7 +58,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
@@ -580,6 +580,8 @@ class Scheduler:
         session_radix_cache: bool = False,
         mamba_cache_size: int | None = None,
         mamba_memory_ratio: float | None = None,
+        auto_truncate: bool = False,
+        preferred_sampling_params: Mapping[str, Any] | None = None,
     ) -> None:
         # the turns its thread's steps take with the server's event loop (``loop_turns``):
         # None, a step runs whenever it is due
@@ -627,6 +629,10 @@ class Scheduler:
         # the largest sampling support a request's return_sampling_mask may ask for (SGLang's
         # --sampling-mask-max-tokens: its top_k must be 1 or at most this)
         self.sampling_mask_max_tokens = sampling_mask_max_tokens
+        # how requests are read (stages.engine.context_fit, preferred_params): SGLang's
+        # --allow-auto-truncate and --preferred-sampling-params
+        self.auto_truncate = auto_truncate
+        self.preferred_sampling_params = preferred_sampling_params
         # the most return_hidden_states may ask for (SGLang's --return-hidden-states-mode:
         # "last", "full"; None: no hidden states)
         if hidden_states_mode not in (None, "last", "full"):

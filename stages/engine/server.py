@@ -73,10 +73,17 @@ from aiohttp import web
 
 from pipeline import heap
 from stages.detokenize import decoder
-from stages.engine import control_fields, generate_contract, ignored_fields, sglang_flags
+from stages.engine import (
+    control_fields,
+    generate_contract,
+    ignored_fields,
+    preferred_params,
+    sglang_flags,
+)
 from stages.engine.aborts import raise_aborted_with_error, tokenizer_answer
 from stages.engine.auth import API_KEY_ENV, UNAUTHORIZED, authorized, bind_error
 from stages.engine.client_watch import ClientWatch
+from stages.engine.context_fit import max_input
 from stages.engine.encode_routes import EncodeRoutes
 from stages.engine.engine_metrics import EngineMetrics
 from stages.engine.expert_distribution import (
@@ -111,6 +118,7 @@ from stages.engine.protocol import (
     RequestError,
     SamplingParams,
     SequenceResult,
+    parse_sampling_params,
     render_sample,
     token_texts,
 )
@@ -271,6 +279,7 @@ def build_app(
     )
     if chat is not None:
         chat.trust_request_template = trust_request_chat_template
+        chat.auto_truncate = scheduler.auto_truncate
         chat.mis = mis  # /v1/decisions and /v1/systemone refuse to run under it
         chat.vision = loaded.vision is not None  # image parts read (images.Vision)
     app[_PARSERS] = {"reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
@@ -308,6 +317,8 @@ def build_app(
         progress_stream=lambda body: stream_in_session(body, progress=True),
         adapters=scheduler.adapters,
         response_store=ResponseStore() if response_store else None,
+        preferred=scheduler.preferred_sampling_params,
+        auto_truncate=scheduler.auto_truncate,
         cache_report=cache_report,
         request_log=requests,
         watched=in_session,
@@ -446,10 +457,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         )
         if refused is not None:  # SGLang's checks before its route
             return refused
-        loaded = request.app[_LOADED]
-        body, scheduler = _session_request(
-            request.app[_SESSIONS], body, request.app[_SCHEDULER], loaded
-        )
+        loaded, scheduler = request.app[_LOADED], request.app[_SCHEDULER]
+        body = preferred_params.with_preferred(body, scheduler.preferred_sampling_params)
+        body, scheduler = _session_request(request.app[_SESSIONS], body, scheduler, loaded)
         try:
             if isinstance(body, dict) and body.get("stream") is True:
                 async with remote_images(loaded.vision, body):  # (checked and queued at once)
@@ -720,6 +730,7 @@ async def _model_info(request: web.Request) -> web.Response:
             is_generation=True,
             weight_version=request.app[_SCHEDULER].weight_version,
             parsers=request.app[_PARSERS],
+            preferred=request.app[_SCHEDULER].preferred_sampling_params,
         )
     )
 
@@ -732,14 +743,16 @@ def model_info(
     is_generation: bool,
     weight_version: str,
     parsers: dict[str, str | None],
+    preferred: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """SGLang's ``/model_info`` answer (the fields it has; no modalities or disaggregation)."""
+    """SGLang's ``/model_info`` answer (the fields it has; no modalities or disaggregation);
+    ``preferred``: ``--preferred-sampling-params``."""
     return {
         "model_path": model_path,
         "served_model_name": served_model_name,
         "tokenizer_path": str(loaded.path) if loaded.tokenizer is not None else None,
         "is_generation": is_generation,
-        "preferred_sampling_params": None,
+        "preferred_sampling_params": preferred,
         "weight_version": weight_version,
         "load_format": loaded.load_format,  # as loaded (SGLang's config value, resolved)
         **parsers,
@@ -777,7 +790,9 @@ async def _server_info(request: web.Request) -> web.Response:
             "max_running_requests": scheduler.max_running,
             "context_length": loaded.context_length,
             "max_total_num_tokens": _max_total_tokens(scheduler, loaded),
-            "max_req_input_len": loaded.context_length - 1,
+            "max_req_input_len": max_input(loaded.context_length),
+            "allow_auto_truncate": scheduler.auto_truncate,
+            "preferred_sampling_params": scheduler.preferred_sampling_params,
             "stream_interval": scheduler.stream_interval,
             "enable_metrics": scheduler.metrics is not None,
             "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
@@ -1289,6 +1304,19 @@ def _parser() -> argparse.ArgumentParser:
         "or a JSON object with lora_name and lora_path (SGLang's flag); more come with "
         "/load_lora_adapter",
     )
+    parser.add_argument(
+        "--allow-auto-truncate",
+        action="store_true",
+        help="cut a prompt the context cannot take to its first context-6 tokens, and a "
+        "max_new_tokens to what the context leaves, instead of refusing them (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--preferred-sampling-params",
+        type=preferred_params.parse,
+        help="a JSON object of sampling parameters a request gets where it names none, e.g. "
+        "'{\"temperature\": 0.6}' (SGLang's flag: /generate takes every one, the /v1 routes "
+        "only those they leave out; reported in /model_info)",
+    )
     sglang_flags.add_to(parser)  # SGLang's other flags: taken or refused (sglang_flags)
     return parser
 
@@ -1455,6 +1483,12 @@ def build_scheduler(
     decode = decoder(loaded.tokenizer)
     grammars = None
     strict = _strict_thinking(args, loaded)
+    if args.preferred_sampling_params:  # read as a request's, with the model's tokenizer
+        encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
+        try:
+            parse_sampling_params(dict(args.preferred_sampling_params), encode)
+        except ValueError as exc:
+            raise ValueError(f"--preferred-sampling-params: {exc}") from None
     if loaded.tokenizer is not None:
         grammars = GrammarSet(loaded.tokenizer, loaded.vocab_size, sorted(loaded.eos_token_ids))
         if args.reasoning_parser:  # require_reasoning: the grammar after the reasoning's end
@@ -1493,6 +1527,8 @@ def build_scheduler(
         session_radix_cache=args.enable_session_radix_cache,
         mamba_cache_size=args.max_mamba_cache_size,
         mamba_memory_ratio=args.mamba_full_memory_ratio,
+        auto_truncate=args.allow_auto_truncate,
+        preferred_sampling_params=args.preferred_sampling_params,
         expert_distribution=ExpertDistributionRecorder.of(
             loaded.model,
             args.expert_distribution_recorder_mode,

@@ -680,7 +680,6 @@ REASONS = {
     "--enable-dp-attention": "the built-in engine runs a model on one device (--tp-size 1)",
     "--enable-deterministic-inference": "the built-in engine's passes batch rows together, "
     "and a row's floats may round otherwise in another batch",
-    "--allow-auto-truncate": "a prompt the context cannot take is refused with a 400",
     "--config": "give the flags on the command line",
     "--base-gpu-id": "pick the device with --device cuda:N",
     "--mamba-ssm-dtype": "a linear-attention layer keeps its states in the dtype its pass "

@@ -348,6 +348,7 @@ def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInp
         prefix_cache=scheduler.prefix_cache_on,
         embed_width=loaded.embed_width,
         vision=loaded.vision,
+        auto_truncate=scheduler.auto_truncate,
     )
 
 

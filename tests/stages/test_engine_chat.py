@@ -495,7 +495,8 @@ def test_settings_shared_as_a_subclass_keep_every_field_and_what_was_worked_out(
 def test_a_request_template_and_too_many_completion_tokens_are_refused_as_sglang_does() -> None:
     """serving_chat._validate_request: a chat_template in chat_template_kwargs only with
     --trust-request-chat-template, which then renders the request with it; max_tokens (or
-    max_completion_tokens) past the context length: SGLang's 400, in its words."""
+    max_completion_tokens) past the context length: SGLang's 400, in its words, unless it runs
+    with --allow-auto-truncate."""
     tokenizer = char_tokenizer(string.printable, template=QWEN_LIKE)
     settings = ChatSettings(tokenizer, None)
     own = {"chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"}
@@ -509,6 +510,9 @@ def test_a_request_template_and_too_many_completion_tokens_are_refused_as_sglang
         with pytest.raises(OpenAIError, match=r"too large: 4097\.This model supports at most 4096"):
             chat_request({"messages": HELLO, field: 4097}, settings, 4096)
     assert chat_request({"messages": HELLO, "max_tokens": 4096}, settings, 4096)
+    settings.auto_truncate = True  # --allow-auto-truncate: cut by the context fit, not refused
+    native, _ = chat_request({"messages": HELLO, "max_completion_tokens": 4097}, settings, 4096)
+    assert native["sampling_params"]["max_new_tokens"] == 4097
 
 
 def test_the_template_sees_the_messages_as_sglangs_pydantic_dump_of_them() -> None:

@@ -96,12 +96,16 @@ def embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield engine
 
 
-def _reference(engine: Engine, query: str, document: str | None = None) -> tuple[float, float]:
-    """transformers' logit for the pair (or the text) alone, and its rounding's scale (the
-    largest sum of ``|weight * input|`` of the head's last dot product)."""
+def _reference(
+    engine: Engine, query: str, document: str | None = None, keep: int | None = None
+) -> tuple[float, float]:
+    """transformers' logit for the pair (or the text) alone, its first ``keep`` tokens where
+    given, and its rounding's scale (the largest sum of ``|weight * input|`` of the head's
+    last dot product)."""
     model = AutoModelForSequenceClassification.from_pretrained(engine.model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
     encoded = tokenizer(query, document, return_tensors="pt", return_token_type_ids=True)
+    encoded = {name: ids[:, :keep] for name, ids in encoded.items()}
     with torch.no_grad():
         logit = model(**encoded).logits[0, 0]
         hidden = model.base_model(**encoded).last_hidden_state[0, 0]
@@ -118,6 +122,13 @@ def _reference(engine: Engine, query: str, document: str | None = None) -> tuple
 def _terms(engine: Engine, length: int) -> int:
     config = AutoModelForSequenceClassification.from_pretrained(engine.model_dir).config
     return forward_terms(config, length)
+
+
+def _context(engine: Engine) -> int:
+    """The model's context (its position table: BERT's pads none)."""
+    return AutoModelForSequenceClassification.from_pretrained(
+        engine.model_dir
+    ).config.max_position_embeddings
 
 
 def _pair_length(engine: Engine, query: str, document: str) -> int:
@@ -313,11 +324,14 @@ def test_encoder_architectures_and_a_bad_activation(
 @pytest.mark.timeout(90)
 def test_a_cross_encoders_weights_update_from_disk_between_passes(tmp_path: Path) -> None:
     # SGLang's weight routes serve a pooling model as a generating one: a trainer updating its
-    # reranker reward model; the pairs score as the new checkpoint scores them
+    # reranker reward model; the pairs score as the new checkpoint scores them. Started with
+    # --allow-auto-truncate: a pair past the context keeps its first context - 6 tokens and
+    # their token types (managers/utils.py:260, validate_input_length), as SGLang cuts it
     first = make_bert(tmp_path / "a", "BertForSequenceClassification", seed=4)
     second = make_bert(tmp_path / "b", "BertForSequenceClassification", seed=5)
     body = {"query": QUERY, "documents": DOCUMENTS[:2], "return_documents": False}
-    with serving(first, tmp_path / "engine.log") as engine:
+    long = {"query": QUERY, "documents": [" ".join(WORDS * 2)], "return_documents": False}
+    with serving(first, tmp_path / "engine.log", "--allow-auto-truncate") as engine:
         status, before = engine.request("POST", "/v1/rerank", body)
         assert status == 200, before
         status, out = engine.request(
@@ -325,8 +339,14 @@ def test_a_cross_encoders_weights_update_from_disk_between_passes(tmp_path: Path
         )
         assert status == 200 and out["success"], out
         status, after = engine.request("POST", "/v1/rerank", body)
+        cut_status, cut = engine.request("POST", "/v1/rerank", long)
     assert status == 200, after
+    assert cut_status == 200, cut
     new = Engine(engine.url, second, engine.log_file)
+    keep = _context(new) - 6
+    assert _pair_length(new, QUERY, long["documents"][0]) > keep
+    logit, scale = _reference(new, QUERY, long["documents"][0], keep)
+    assert_close([cut[0]["score"]], [logit], terms=_terms(new, keep), scale=scale)
     for answer in after:
         doc = DOCUMENTS[answer["index"]]
         logit, scale = _reference(new, QUERY, doc)

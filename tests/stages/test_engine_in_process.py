@@ -129,6 +129,25 @@ async def test_group_requests_take_the_request_level_fields_among_the_sampling(t
         await asyncio.wait_for(engine.close(), 60)
 
 
+async def test_groups_take_the_preferred_sampling_params_and_the_truncation_of_the_engine(
+    tmp_path,
+):
+    """A generator's groups are read as /generate bodies are: --preferred-sampling-params
+    under the generator's own sampling config, --allow-auto-truncate cutting a prompt the
+    context cannot take to its first context - 6 tokens, with nothing left to generate."""
+    preferred = '{"max_new_tokens": 4, "ignore_eos": true}'
+    engine = await _started(tmp_path, "--context-length", "24", "--allow-auto-truncate",
+                            "--preferred-sampling-params", preferred)  # fmt: skip
+    try:
+        fours = await engine.submit_groups([[1, 2, 3]], {"temperature": 0}, [["a", "b"]])[0]
+        (two,) = await engine.submit_groups([[1, 2, 3]], {"max_new_tokens": 2}, [["c"]])[0]
+        assert [len(r.output_ids) for r in (*fours, two)] == [4, 4, 2]
+        (cut,) = await engine.submit_groups([list(range(1, 31))], {}, [["d"]])[0]
+        assert (cut.prompt_tokens, cut.output_ids) == (18, [])
+    finally:
+        await asyncio.wait_for(engine.close(), 60)
+
+
 async def test_an_episodes_session_is_closed_on_the_scheduler_directly(tmp_path):
     """``rollout.hold_kv`` against an engine in the generator's process: the close of an
     episode's session (one only requests named) goes to the scheduler without HTTP and lets go

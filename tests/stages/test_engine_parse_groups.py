@@ -145,7 +145,12 @@ def test_a_request_is_fitted_to_the_context_as_sglang_fits_it() -> None:
     assert fitted([5] * 25) == (5, 0)
     assert fitted([5] * 10, max_new_tokens=22) == (20, 0)  # given, fits: cut by the margin
     assert fitted([5] * 10, max_new_tokens=12) == (12, 0)
-    assert "10 prompt tokens + max_new_tokens 23 exceed" in refused([5] * 10, max_new_tokens=23)
+    assert refused([5] * 10, max_new_tokens=23).endswith(
+        "Requested token count exceeds the model's maximum context length of 32 tokens. You "
+        "requested a total of 33 tokens: 10 tokens from the input messages and 23 tokens for "
+        "the completion. Please reduce the number of tokens in the input messages or the "
+        "completion to fit within the limit."
+    )
     said = refused([5] * 26, max_new_tokens=0)
     assert "Input length (26 tokens) exceeds the maximum allowed length (26 tokens)" in said
     said = refused([5] * 32, max_new_tokens=0)
@@ -155,8 +160,51 @@ def test_a_request_is_fitted_to_the_context_as_sglang_fits_it() -> None:
         vocab_size=VOCAB, context_length=CONTEXT,
     )  # fmt: skip
     assert [inp.params.max_new_tokens for inp in group] == [20, 20]
-    with pytest.raises(RequestError, match="max_new_tokens 23 exceed"):
+    with pytest.raises(RequestError, match="You requested a total of 33 tokens"):
         parse_groups(
             [[5] * 10], parse_sampling_params({"max_new_tokens": 23}), [["a"]],
             vocab_size=VOCAB, context_length=CONTEXT,
         )  # fmt: skip
+
+
+def test_allow_auto_truncate_cuts_what_the_context_cannot_take_as_sglang_does() -> None:
+    """SGLang 0.5.23 with --allow-auto-truncate refuses nothing: the tokenizer cuts a prompt
+    to the context and an overflowing max_new_tokens to what the context leaves
+    (``_validate_one_request``); the scheduler gives each sample at most the context less 2
+    less that prompt (``init_req_max_new_tokens``), then keeps the prompt's first
+    ``max_req_input_len`` (context - 6) tokens (``validate_input_length``), in that order, so
+    a long prompt is cut and generates what its sent length left."""
+
+    def fitted(prompt: list[int], **sampling: Any) -> tuple[list[int], int, int]:
+        body = {"input_ids": [prompt, [7]], "sampling_params": sampling}
+        inputs, _ = parse_generate(
+            body, vocab_size=VOCAB, context_length=CONTEXT, encode=None, auto_truncate=True
+        )
+        assert list(inputs[1].input_ids) == [7]
+        params = inputs[0].params
+        return list(inputs[0].input_ids), params.max_new_tokens, params.min_new_tokens
+
+    long = list(range(40))
+    assert fitted(long) == (long[:26], 0, 0)  # 40 >= 32: cut; nothing left to generate
+    assert fitted(long, max_new_tokens=5, min_new_tokens=3) == (long[:26], 0, 0)
+    assert fitted(long[:32]) == (long[:26], 0, 0)
+    assert fitted(long[:28], max_new_tokens=9) == (long[:26], 2, 0)  # 32 - 2 - 28
+    assert fitted(long[:26]) == (long[:26], 4, 0)  # as long as it takes: 32 - 2 - 26
+    assert fitted(long[:25], max_new_tokens=30, min_new_tokens=30) == (long[:25], 5, 5)
+    assert fitted(long[:10], max_new_tokens=23) == (long[:10], 20, 0)  # was refused: cut
+    (group,) = parse_groups(
+        [long], parse_sampling_params({"max_new_tokens": 3}), [["a", "b"]],
+        vocab_size=VOCAB, context_length=CONTEXT, auto_truncate=True,
+    )  # fmt: skip
+    assert [(list(i.input_ids), i.params.max_new_tokens) for i in group] == [(long[:26], 0)] * 2
+    (group,) = parse_groups(
+        [long[:10]], parse_sampling_params({"max_new_tokens": 23}), [["a"]],
+        vocab_size=VOCAB, context_length=CONTEXT, auto_truncate=True,
+    )  # fmt: skip
+    assert group[0].params.max_new_tokens == 20 and len(group[0].input_ids) == 10
+    # a logprob_start_len is checked against the prompt as cut, as SGLang's scheduler checks it
+    body = {"input_ids": long, "return_logprob": True, "logprob_start_len": 30}
+    with pytest.raises(RequestError, match="30 is higher than the number of input tokens 26"):
+        parse_generate(
+            body, vocab_size=VOCAB, context_length=CONTEXT, encode=None, auto_truncate=True
+        )

@@ -131,3 +131,14 @@ def test_setwise_refusals_in_sglang_words(engine: Engine) -> None:
         assert status == 400 and words in out["message"], (case, out)
     status, out = _score(engine, **base)
     assert status == 200 and len(out["scores"][0]) == 1  # the engine serves on
+    # an engine with --allow-auto-truncate refuses the readout (tokenizer_manager_score_mixin)
+    from transformers import AutoTokenizer
+
+    from stages.engine.openai_api import OpenAIError
+    from stages.engine.openai_score import ScoreEngine, score_request
+
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
+    truncating = ScoreEngine(tokenizer, prefix_cache=False, embed_width=None, auto_truncate=True)
+    with pytest.raises(OpenAIError, match="not supported with --allow-auto-truncate"):
+        score_request(base, truncating)
+    score_request(base, ScoreEngine(tokenizer, prefix_cache=False, embed_width=None))

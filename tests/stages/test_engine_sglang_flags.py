@@ -15,8 +15,9 @@ import requests
 import torch
 
 from stages.engine import sglang_flags
+from stages.engine.loader import load_model
 from stages.engine.lora_routes import lora_refs
-from stages.engine.server import _parser, app_options, parse_args
+from stages.engine.server import _parser, app_options, build_scheduler, parse_args
 from tests.stages.engine_setup import ROOT, engine_command
 from tests.stages.test_engine_lora import NEW, PROMPTS, _adapter, _greedy, _run
 from tests.stages.test_engine_server import serving
@@ -194,7 +195,7 @@ def test_json_model_override_args_change_the_config_before_the_model_is_built(
     ``max_position_embeddings``, and the weights load as before."""
     from transformers import AutoConfig
 
-    from stages.engine.loader import load_model, override_config
+    from stages.engine.loader import override_config
 
     config = AutoConfig.for_model(
         "qwen3_5",
@@ -225,3 +226,59 @@ def test_json_model_override_args_change_the_config_before_the_model_is_built(
     args = parse_args(["--model", "m", "--json-model-override-args", '{"a": {"b": 1}}'])
     assert args.json_model_override_args == {"a": {"b": 1}}
     assert "must decode to a JSON object" in _refusal(["--json-model-override-args", "[1]"], capsys)
+
+
+def test_auto_truncate_and_preferred_sampling_params_as_sglang_serves_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--allow-auto-truncate`` (context 40): a 45-token prompt keeps its first 34 tokens
+    (``max_req_input_len``) and generates nothing, a given max_new_tokens past the context is
+    cut to what it leaves (tokenizer_manager.py:1339-1368, managers/utils.py:260); and
+    ``--preferred-sampling-params``: /generate takes its keys where a request names none
+    (tokenizer_manager.py:1549), /v1/completions only those its builder leaves out
+    (serving_completions._build_sampling_params), and /model_info reports it."""
+    model_dir = make_tiny_model(tmp_path / "m", seed=3)
+    preferred = {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0}
+    flags = ("--context-length", "40", "--allow-auto-truncate",
+             "--preferred-sampling-params", json.dumps(preferred))  # fmt: skip
+    with serving(model_dir, tmp_path / "engine.log", *flags) as eng:
+        info = requests.get(eng.url + "/server_info", timeout=30).json()
+        assert (info["allow_auto_truncate"], info["max_req_input_len"]) == (True, 34)
+        assert info["preferred_sampling_params"] == preferred
+        assert (
+            requests.get(eng.url + "/model_info", timeout=30).json()["preferred_sampling_params"]
+            == preferred
+        )
+
+        def generate(prompt: list[int], **sampling: object) -> dict:
+            body = {"input_ids": prompt, "sampling_params": sampling,
+                    "return_logprob": True, "logprob_start_len": 0}  # fmt: skip
+            answer = requests.post(eng.url + "/generate", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+
+        long = [5 + i % 100 for i in range(45)]
+        out = generate(long)
+        meta = out["meta_info"]
+        assert (meta["prompt_tokens"], out["output_ids"]) == (34, [])
+        assert [tok for _, tok, _ in meta["input_token_logprobs"]] == long[:34]
+        assert len(generate(long[:30])["output_ids"]) == 3  # preferred max_new_tokens
+        greedy = generate(long[:30], max_new_tokens=20)  # 40 - 2 - 30 of them, greedy
+        assert len(greedy["output_ids"]) == 8
+        completion = requests.post(
+            eng.url + "/v1/completions",
+            json={"prompt": long[:30], "ignore_eos": True},
+            timeout=60,
+        ).json()  # 16 by default, not the preferred 3: cut to the 8 the context leaves;
+        # sampled at its default temperature 1, not the preferred 0 (this model draws its 8
+        # greedy tokens at temperature 1 with probability 2.7e-6)
+        assert completion["usage"]["completion_tokens"] == 8, completion
+        assert completion["choices"][0]["text"] != greedy["text"]
+    said = _refusal(["--preferred-sampling-params", '{"watermark": {}}'], capsys)
+    assert "watermark is not supported in --preferred-sampling-params" in said
+    assert "the samples a request asks for" in _refusal(
+        ["--preferred-sampling-params", '{"n": 2}'], capsys
+    )
+    args = parse_args(["--model", str(model_dir), "--preferred-sampling-params", '{"top_k": -5}'])
+    with pytest.raises(ValueError, match=r"^--preferred-sampling-params: sampling_params\.top_k"):
+        build_scheduler(args, load_model(model_dir))  # main: engine_settings_refused, exit 2
