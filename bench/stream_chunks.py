@@ -97,6 +97,8 @@ class _Scheduler:
     request_log = None  # no request log
     routed_experts = False  # no --enable-return-routed-experts
     prefix_cache_on = True  # SGLang's radix cache on
+    auto_truncate = False  # no --allow-auto-truncate
+    preferred_sampling_params = None  # no --preferred-sampling-params
 
     def abort_many(self, rids: Any, message: str = "") -> None:
         pass

@@ -159,7 +159,7 @@ def test_a_server_started_with_sglangs_flags_serves_as_they_say(
     assert answer.status_code == 200 and isinstance(answer.json()["text"], str)
     long = {"input_ids": list(range(5, 42)), "sampling_params": params}
     refused = requests.post(url + "/generate", json=long, timeout=30)
-    assert refused.status_code == 400 and "context length 40" in refused.text
+    assert refused.status_code == 400 and "maximum context length of 40 tokens" in refused.text
     prompt = {"input_ids": [5, 17, 33, 8], "sampling_params": {**params, "max_new_tokens": 8}}
     want = hf_greedy(load_reference(models[1]), prompt["input_ids"], 8)
     before = requests.post(url + "/generate", json=prompt, timeout=30).json()["output_ids"]
