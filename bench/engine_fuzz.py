@@ -5,11 +5,12 @@ Run (prints one JSON line; exit 1 when it finds a problem):
     python bench/engine_fuzz.py [--concurrency 8] [--engine-args "--reasoning-parser qwen3 ..."]
 
 ``inflight engine`` (as users start it) on arith-tiny, with a pass-through chat template, the
-``qwen3`` reasoning parser and the ``qwen25`` tool-call parser (and ``--engine-args``), gets
-one request for every field of every generating route and every value of a spread of JSON
-values (``VALUES``: scalars at and past their edges, ``NaN`` and ``Infinity``, integers past 64
-bits, containers of them, and the shapes the routes' structured fields take), each put on a
-body the route would otherwise serve, streamed and not (a stream's events read whole):
+``qwen3`` reasoning parser, the ``qwen25`` tool-call parser and ``--enable-lora`` (and
+``--engine-args``), gets one request for every field of every generating route and every value
+of a spread of JSON values (``VALUES``: scalars at and past their edges, ``NaN`` and
+``Infinity``, integers past 64 bits, containers of them, and the shapes the routes' structured
+fields take), each put on a body the route would otherwise serve, streamed and not (a
+stream's events read whole):
 
 - ``/generate``: its top-level fields and every ``sampling_params`` key, and each value as
   the ``custom_params`` of three of SGLang's shipped custom logit processors (which run with
@@ -359,7 +360,8 @@ def main() -> int:
         template, log = Path(tmp) / "chat.jinja", Path(tmp) / "engine.log"
         template.write_text(PASS_THROUGH)
         flags = ["--chat-template", str(template), "--reasoning-parser", "qwen3",
-                 "--tool-call-parser", "qwen25", *shlex.split(args.engine_args)]  # fmt: skip
+                 "--tool-call-parser", "qwen25", "--enable-lora",
+                 *shlex.split(args.engine_args)]  # fmt: skip
         model = ARITH
         if args.vision:  # the model's own template, which renders image parts
             model = make_qwen_vl(Path(tmp) / "vl")

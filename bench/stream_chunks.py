@@ -98,6 +98,7 @@ class _Scheduler:
     routed_experts = False  # no --enable-return-routed-experts
     prefix_cache_on = True  # SGLang's radix cache on
     auto_truncate = False  # no --allow-auto-truncate
+    lora = False  # no --enable-lora
     preferred_sampling_params = None  # no --preferred-sampling-params
 
     def abort_many(self, rids: Any, message: str = "") -> None:

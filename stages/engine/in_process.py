@@ -199,7 +199,9 @@ class InProcessEngine:
             vocab_size=loaded.vocab_size,
             context_length=loaded.context_length,
             lora=lora,
-            adapters=self.scheduler.adapter_names() if lora is not None else (),
+            adapters=(self.scheduler.adapter_names() if self.scheduler.lora else None)
+            if lora is not None
+            else (),
             options=self._params[2],
             auto_truncate=self.scheduler.auto_truncate,
         )

@@ -14,7 +14,9 @@ adapter finish with it.
 
 The server's ``--lora-paths`` (``lora_refs``, read as SGLang's ``LoRAPathAction`` and
 ``check_lora_server_args`` read it: ``PATH``, ``NAME=PATH`` or a JSON object with
-``lora_name`` and ``lora_path``) loads adapters before the engine serves.
+``lora_name`` and ``lora_path``) loads adapters before the engine serves. Without it or
+``--enable-lora`` the three routes answer SGLang's refusal (``LoRA is not enabled...``), and a
+request naming an adapter its 400 (``protocol``).
 
 Not here: reading and applying adapters (``lora_adapters``), which rows take which
 (``scheduler``).
@@ -77,6 +79,8 @@ class LoraRoutes:
         body = await typed_body(request, LOAD_LORA)
         if isinstance(body, web.Response):
             return body
+        if not self.scheduler.lora:
+            return _not_enabled()
         try:
             name = _name(body, "lora_name")
             path = _name(body, "lora_path")
@@ -91,6 +95,8 @@ class LoraRoutes:
         body = await typed_body(request, LOAD_LORA_TENSORS)
         if isinstance(body, web.Response):
             return body
+        if not self.scheduler.lora:
+            return _not_enabled()
         try:
             name = _name(body, "lora_name")
             config = body["config_dict"]
@@ -121,6 +127,8 @@ class LoraRoutes:
         body = await typed_body(request, UNLOAD_LORA)
         if isinstance(body, web.Response):
             return body
+        if not self.scheduler.lora:
+            return _not_enabled()
         try:
             name = _name(body, "lora_name")
             if not await asyncio.wrap_future(self.scheduler.unload_adapter(name)):
@@ -135,6 +143,13 @@ class LoraRoutes:
             {"success": success, "error_message": error, "loaded_adapters": loaded},
             status=200 if success else 400,
         )
+
+
+def _not_enabled() -> web.Response:
+    """SGLang's answer on an engine started without ``--enable-lora`` (nor ``--lora-paths``)."""
+    error = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+    body = {"success": False, "error_message": error, "loaded_adapters": None}
+    return web.json_response(body, status=400)
 
 
 def _name(body: dict[str, Any], key: str) -> str:

@@ -371,7 +371,7 @@ def parse_generate(
     vocab_size: int,
     context_length: int,
     encode: Callable[[str], list[int]] | None,
-    adapters: Collection[str] = (),
+    adapters: Collection[str] | None = (),
     mask_cap: int = SAMPLING_MASK_MAX_TOKENS,
     hidden_cap: str | None = None,
     strict_thinking: bool = False,
@@ -487,13 +487,9 @@ def parse_generate(
             raise RequestError(where, f"expected an integer in [0, {vocab_size}], got {top!r}")
     loras = _per_item(body.get("lora_path"), "lora_path", count, listed, str)
     for i, lora in enumerate(loras):
-        if lora is not None and lora not in adapters:
+        if lora is not None:
             where = f"lora_path[{i}]" if isinstance(body["lora_path"], list) else "lora_path"
-            raise RequestError(
-                where,
-                f"no LoRA adapter {lora!r} is loaded (loaded: {sorted(adapters)}); "
-                "POST /load_lora_adapter first",
-            )
+            _check_adapter(lora, adapters, where)
     wanted = _token_ids_logprob(body.get("token_ids_logprob"), count, listed, n, vocab_size)
     keys = _per_item(body.get("extra_key"), "extra_key", count, listed, str)
     salts = _per_item(body.get("cache_salt"), "cache_salt", count, listed, str)
@@ -885,7 +881,7 @@ def parse_groups(
     vocab_size: int,
     context_length: int,
     lora: str | None = None,
-    adapters: Collection[str] = (),
+    adapters: Collection[str] | None = (),
     options: Mapping[str, Any] | None = None,
     auto_truncate: bool = False,
 ) -> list[list[GenerateInput]]:
@@ -905,12 +901,7 @@ def parse_groups(
             "sampling_params.n",
             f"{count} prompts x n=1 is more than {MAX_SAMPLES_PER_REQUEST} samples",
         )
-    if lora is not None and lora not in adapters:
-        raise RequestError(
-            "lora_path",
-            f"no LoRA adapter {lora!r} is loaded (loaded: {sorted(adapters)}); "
-            "POST /load_lora_adapter first",
-        )
+    _check_adapter(lora, adapters, "lora_path")
     check_logit_bias(params, "sampling_params", vocab_size)
     more = dict(options or {})
     out: list[list[GenerateInput]] = []
@@ -940,6 +931,26 @@ def parse_groups(
             offset += 1
         out.append(inputs)
     return out
+
+
+def _check_adapter(lora: str | None, adapters: Collection[str] | None, where: str) -> None:
+    """A request's ``lora_path`` names a loaded adapter (``adapters``; None: the engine runs
+    without SGLang's ``--enable-lora``, whose words refuse any)."""
+    if lora is None:
+        return
+    if adapters is None:
+        raise RequestError(
+            where,
+            f"LoRA adapter '{lora}' was requested, but LoRA is not enabled. Please launch the "
+            "server with --enable-lora flag and preload adapters using --lora-paths or "
+            "/load_lora_adapter endpoint.",
+        )
+    if lora not in adapters:
+        raise RequestError(
+            where,
+            f"no LoRA adapter {lora!r} is loaded (loaded: {sorted(adapters)}); "
+            "POST /load_lora_adapter first",
+        )
 
 
 def _token_ids_logprob(

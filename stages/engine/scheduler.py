@@ -582,6 +582,7 @@ class Scheduler:
         mamba_memory_ratio: float | None = None,
         auto_truncate: bool = False,
         preferred_sampling_params: Mapping[str, Any] | None = None,
+        lora: bool = True,
     ) -> None:
         # the turns its thread's steps take with the server's event loop (``loop_turns``):
         # None, a step runs whenever it is due
@@ -633,6 +634,9 @@ class Scheduler:
         # --allow-auto-truncate and --preferred-sampling-params
         self.auto_truncate = auto_truncate
         self.preferred_sampling_params = preferred_sampling_params
+        # SGLang's --enable-lora: whether the routes load adapters and requests name them
+        # (the engine's command line resolves it; a scheduler built directly serves them)
+        self.lora = lora
         # the most return_hidden_states may ask for (SGLang's --return-hidden-states-mode:
         # "last", "full"; None: no hidden states)
         if hidden_states_mode not in (None, "last", "full"):

@@ -1298,6 +1298,12 @@ def _parser() -> argparse.ArgumentParser:
         "OpenAI's defaults (openai) (SGLang's flag)",
     )
     parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: /load_lora_adapter and a request's lora_path (SGLang's flag; "
+        "--lora-paths turns it on)",
+    )
+    parser.add_argument(
         "--lora-paths",
         nargs="*",
         help="LoRA adapters (peft folders) loaded before the engine serves, each PATH, NAME=PATH "
@@ -1367,6 +1373,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.lora_paths = lora_refs(args.lora_paths)
     except ValueError as exc:
         _parser().error(f"--lora-paths: {exc}")
+    # SGLang's check_lora_server_args: adapters given at start turn LoRA on
+    args.lora_by_paths = bool(args.lora_paths) and not args.enable_lora
+    args.enable_lora = args.enable_lora or bool(args.lora_paths)
     if args.tp_size != 1:
         _parser().error(
             f"--tp-size {args.tp_size}: the built-in engine runs a model on one device (tensor "
@@ -1529,6 +1538,7 @@ def build_scheduler(
         mamba_memory_ratio=args.mamba_full_memory_ratio,
         auto_truncate=args.allow_auto_truncate,
         preferred_sampling_params=args.preferred_sampling_params,
+        lora=args.enable_lora,
         expert_distribution=ExpertDistributionRecorder.of(
             loaded.model,
             args.expert_distribution_recorder_mode,
@@ -1634,6 +1644,10 @@ def main(argv: list[str] | None = None) -> int:
     holder["s"] = scheduler
     scheduler.start()
     try:
+        if args.lora_by_paths:  # SGLang's words
+            log.warning(
+                "lora_enabled", why="--enable-lora is set to True because --lora-paths is provided."
+            )
         try:
             preload_adapters(scheduler, args.lora_paths)
         except AdapterError as exc:

@@ -658,7 +658,7 @@ TAKEN = frozenset(
 --enable-http-worker-reuseport --watchdog-timeout --soft-watchdog-timeout --dist-timeout
 --numa-node --gc-threshold --enable-p2p-check --gpu-id-step --dist-init-addr --nccl-init-addr
 --nccl-port
---enable-lora --max-lora-rank --lora-target-modules --max-loras-per-batch --max-loaded-loras
+--max-lora-rank --lora-target-modules --max-loras-per-batch --max-loaded-loras
 --lora-eviction-policy --lora-backend --max-lora-chunk-size --enable-lora-overlap-loading
 --lora-drain-wait-threshold
 """.split()

@@ -337,7 +337,7 @@ def parse_body(loaded: Any, scheduler: Any, body: Any) -> tuple[list[GenerateInp
         vocab_size=loaded.vocab_size,
         context_length=loaded.context_length,
         encode=loaded.tokenizer.encode if loaded.tokenizer is not None else None,
-        adapters=scheduler.adapter_names(),
+        adapters=scheduler.adapter_names() if scheduler.lora else None,
         mask_cap=scheduler.sampling_mask_max_tokens,
         hidden_cap=scheduler.hidden_states_mode,
         strict_thinking=scheduler.strict_thinking is not None,

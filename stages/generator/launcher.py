@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 __all__ = ["EngineLauncher", "LaunchConfig"]
 
 SESSION_FLAG = "--enable-session-radix-cache"  # the built-in engine's, as SGLang's
+LORA_FLAG = "--enable-lora"  # SGLang's: /load_lora_adapter and lora_path served
 
 
 @dataclass
@@ -265,6 +266,8 @@ class EngineLauncher:
         argv += ["--device", cfg.device, "--dtype", cfg.dtype, *_trusting(cfg.extra_args)]
         if self.session_kv and SESSION_FLAG not in cfg.extra_args:
             argv.append(SESSION_FLAG)
+        if LORA_FLAG not in cfg.extra_args:  # a LoRA learner's adapters come by name
+            argv.append(LORA_FLAG)
         if engine.peer is not None:  # stages/engine/remote_instance.py
             argv += [
                 "--load-format",

@@ -11,6 +11,8 @@ bound reads.
 
 Every engine request carries the run's API key (``stages.engine.auth``); an engine that refuses
 it fails the learner at once (``EngineAuthError``): retrying with the same key cannot succeed.
+So does an engine that serves no LoRA adapters when a LoRA learner sends them as files
+(``adapter_files.LoraNotServed``: started without ``--enable-lora``).
 
 When the engine set changes (a generator restarted an engine, which then serves its initial
 weights again) or a publish fails, the group is closed and formed anew before the next publish,

@@ -589,8 +589,13 @@ class Learner:
         """
         if self.version == 0 or self.publishing is None:
             return  # nothing published yet: every engine starts from these weights
-        if self._publish_task is not None and not self._publish_task.done():
+        sending = self._publish_task
+        if sending is not None and not sending.done():
             return  # its outcome decides
+        if sending is not None and not sending.cancelled() and sending.exception() is not None:
+            # what a snapshot's publish raised in the background: one no retry can mend (a
+            # refused key, an engine without LoRA; retried failures are caught in publish())
+            sending.result()
         reason = await self.publishing.behind()
         if reason is None:
             return

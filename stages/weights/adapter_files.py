@@ -14,7 +14,9 @@ one finish with it: SGLang and the built-in engine both hold an adapter until it
 end) and their folders removed, but for the last ``keep``.
 
 The same version published again (a failed publish retried) is loaded anew where an engine
-holds it already. The folder must be
+holds it already. An engine that serves no adapters (started without ``--enable-lora``, SGLang's
+and the built-in engine's flag) raises ``LoraNotServed``: no retry can succeed, so the learner
+fails at once, saying which engine and what to start it with. The folder must be
 readable by the engines: on one host the run directory; across machines a shared file system.
 
 Not here: which engines and when (``stages.learner.publishing``), the weight group
@@ -40,7 +42,25 @@ from stages.weights.publisher import PublishStats, WeightPublishError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AdapterFilePublisher", "write_adapter"]
+__all__ = ["AdapterFilePublisher", "LoraNotServed", "write_adapter"]
+
+# how SGLang (and the built-in engine) answers /load_lora_adapter without --enable-lora
+_NOT_ENABLED = "LoRA is not enabled."
+
+
+class LoraNotServed(Exception):
+    """An engine that serves no LoRA adapters (started without ``--enable-lora``): no retry of
+    the publish can succeed."""
+
+    def __init__(self, url: str, said: str) -> None:
+        super().__init__(
+            f"engine at {url} serves no LoRA adapters ({said}): start it with --enable-lora "
+            "(SGLang: --enable-lora --max-lora-rank R --lora-target-modules ..., in "
+            "launch.extra_args), or publish over the weight group to built-in engines "
+            "(publish.lora_transport: group)"
+        )
+        self.url = url
+
 
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
@@ -152,10 +172,11 @@ class AdapterFilePublisher:
             # earlier attempt's, so it is loaded anew
             await self._post(url, "/unload_lora_adapter", {"lora_name": name})
             answer = await self._post(url, "/load_lora_adapter", body)
+        error = answer.get("error_message")
+        if not answer.get("success") and str(error).startswith(_NOT_ENABLED):
+            raise LoraNotServed(url, str(error))
         if not answer.get("success"):
-            raise WeightPublishError(
-                f"engine {url}: POST /load_lora_adapter {name}: {answer.get('error_message')}"
-            )
+            raise WeightPublishError(f"engine {url}: POST /load_lora_adapter {name}: {error}")
         if name not in self._loaded[url]:
             self._loaded[url].append(name)
         set_version = {"new_version": str(version), "abort_all_requests": False}

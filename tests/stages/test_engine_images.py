@@ -59,7 +59,8 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with serving(model_dir, tmp_path_factory.mktemp("vl-log") / "engine.log") as eng:
+    log = tmp_path_factory.mktemp("vl-log") / "engine.log"
+    with serving(model_dir, log, "--enable-lora") as eng:
         yield eng
 
 

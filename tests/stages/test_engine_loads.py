@@ -55,7 +55,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(model: Path) -> Iterator[str]:
-    with builtin_engine(model, "--max-running", "4") as engine:
+    with builtin_engine(model, "--max-running", "4", "--enable-lora") as engine:
         yield engine
 
 

@@ -93,11 +93,14 @@ def test_a_command_line_written_for_sglang_parses_and_says_what_it_takes(
         "cuda_graph_max_bs_decode": "64",
         "disable_cuda_graph": True,
         "attention_backend": "fa3",
-        "enable_lora": True,
         "max_lora_rank": "64",
         "lora_target_modules": ["q_proj", "v_proj"],
     }
     assert not any(k.startswith("sglang_flag__") for k in vars(args))  # (read out of args)
+    assert (args.enable_lora, args.lora_by_paths) == (True, False)  # served: the LoRA routes
+    given = parse_args(["--model", "m", "--lora-paths", "a=/x"])  # check_lora_server_args
+    assert (given.enable_lora, given.lora_by_paths) == (True, True)
+    assert parse_args(["--model", "m"]).enable_lora is False
     said = _refusal(
         ["--quantization", "fp8", "--dp-size", "2", "--enable-deterministic-inference",
          "--speculative-num-steps", "3", "--chunked-prefill-size", "4096"],
@@ -152,11 +155,12 @@ def test_an_engine_started_with_sglangs_lora_flags_serves_the_adapters_it_was_gi
         assert [a["output_ids"] for a in answers] == [ids for ids, _ in want]
     events = [json.loads(line) for line in log_file.read_text().splitlines()]
     (taken,) = [e for e in events if e["event"] == "engine_flags_not_applicable"]
-    assert taken["flags"] == {"enable_lora": True, "max_lora_rank": "4"}
+    assert taken["flags"] == {"max_lora_rank": "4"}
     bad = tmp_path / "bad"
     bad.mkdir()
     proc = _start_refused(model_dir, "--lora-paths", f"b={bad}")
     assert "engine_lora_paths_failed" in proc and "no adapter_config.json" in proc
+    assert "--enable-lora is set to True because --lora-paths is provided." in proc
 
 
 def _start_refused(model_dir: Path, *flags: str) -> str:

@@ -128,7 +128,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 
 @pytest.fixture(scope="module")
 def url(models: Models) -> Iterator[str]:
-    with builtin_engine(models.a, "--max-running", "4") as found:
+    with builtin_engine(models.a, "--max-running", "4", "--enable-lora") as found:
         yield found
 
 

@@ -132,6 +132,7 @@ def _learner(
     *,
     engines: bool = True,
     behind: Callable[[], str | None] = lambda: None,
+    fails: BaseException | None = None,
 ) -> Learner:
     def note(*what: Any) -> None:
         events.append((time.monotonic(), *what))
@@ -184,6 +185,8 @@ def _learner(
 
         async def publish(self, weights: Any, version: int) -> bool:
             note("publish", version)
+            if fails is not None:
+                raise fails  # what no retry can mend: out of publish(), not a False
             return True
 
         async def behind(self) -> str | None:
@@ -299,6 +302,31 @@ def test_no_engines_fails_the_run_instead_of_waiting_for_samples(
         await learner.setup()
         try:
             with pytest.raises(TimeoutError, match="no engines"):
+                await asyncio.wait_for(learner.run(), 10)
+        finally:
+            await learner.close()
+
+    asyncio.run(go())
+
+
+def test_a_snapshots_publish_that_fails_for_good_fails_the_learner_waiting_for_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot's publish runs in the background while the learner waits for the next
+    step's samples. One that raises (an engine without --enable-lora, a refused key) fails
+    the learner, which would otherwise wait for ever: in sync mode no samples of the new
+    version can come."""
+    from stages.weights.adapter_files import LoraNotServed
+
+    inbox = _Inbox(_groups(2), then_block=True)  # one step's groups, then none
+    fails = LoraNotServed("http://engine", "LoRA is not enabled.")
+    learner = _learner(tmp_path, inbox, [], monkeypatch, fails=fails)
+    learner.config.publish.snapshot = True
+
+    async def go() -> None:
+        await learner.setup()
+        try:
+            with pytest.raises(LoraNotServed, match="serves no LoRA adapters"):
                 await asyncio.wait_for(learner.run(), 10)
         finally:
             await learner.close()

@@ -16,7 +16,7 @@ from stages.engine.model_weights import load_named_tensors
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
 from stages.engine.server import build_app
-from stages.weights.adapter_files import AdapterFilePublisher
+from stages.weights.adapter_files import AdapterFilePublisher, LoraNotServed
 from stages.weights.adapter_names import adapter_for
 from stages.weights.publisher import WeightPublishError
 from tests.stages.tiny_model import make_tiny_model
@@ -85,6 +85,11 @@ def test_versions_load_by_name_replace_the_last_and_sample_as_merged_weights(tmp
                 await publisher.publish(_adapters(loaded.model, 5), 4, base_version=3)
             with pytest.raises(ValueError, match="not a LoRA adapter's tensor"):
                 await publisher.publish([("model.norm.weight", torch.ones(32))], 4)
+            # an engine started without --enable-lora: no retry can load it, the publish says
+            # so and what to start the engine with (not a WeightPublishError, retried)
+            sched.lora = False
+            with pytest.raises(LoraNotServed, match=f"engine at {url} serves no LoRA adapters"):
+                await publisher.publish(_adapters(loaded.model, 6), 4)
         finally:
             await publisher.close()
             await server.close()
