@@ -2844,6 +2844,7 @@ _CONTINUES_STATES = frozenset(
         "bamba",
         "olmo_hybrid",
         "falcon_h1",
+        "kimi_linear",
     }
 )
 

@@ -133,6 +133,28 @@ CONFIGS: dict[str, Callable[[], Any]] = {
         num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
     ),
+    # Kimi Delta Attention layers and a latent-attention (MLA) one, a mixture of experts after
+    # the first layer's dense MLP
+    "kimi_linear": lambda: AutoConfig.for_model(
+        "kimi_linear",
+        **{**_BASE, "num_key_value_heads": 4},
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_experts=4,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
