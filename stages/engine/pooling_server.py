@@ -111,6 +111,14 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             "is served by the pooling engine, which records none",
         )
         return 2
+    if args.enable_lora:  # (--lora-paths turns it on)
+        log.error(
+            "engine_option_unsupported",
+            option="--lora-paths" if args.lora_paths else "--enable-lora",
+            message=f"a {kind} model is served by the pooling engine, which applies no LoRA "
+            "adapters: serve the adapter merged into the model's weights",
+        )
+        return 2
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
         load_format, remote = args.load_format, remote_seed(args)

@@ -385,7 +385,8 @@ def parse_generate(
     auto_truncate: bool = False,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; returns the sequences and whether it was a batch.
-    ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name;
+    ``adapters``: the names of the LoRA adapters loaded, which ``lora_path`` may name (None:
+    the engine runs without ``--enable-lora``, and a request naming one is refused);
     ``mask_cap``: the engine's ``--sampling-mask-max-tokens``; ``hidden_cap``: the most its
     ``--return-hidden-states-mode`` returns (``last`` or ``full``; None: no hidden states);
     ``strict_thinking``: whether it runs with ``--enable-strict-thinking``; ``kept_stop_ids``:
@@ -890,7 +891,8 @@ def parse_groups(
     ``parse_generate`` gives for the body that lists each prompt once per sample with its rid,
     checked as it checks that body, with the same errors, but each prompt once and without
     the body. A generator's engine in its own process (``stages.engine.in_process``) takes
-    them this way. ``options``: ``GenerateInput`` fields for every sample
+    them this way. ``adapters``: as ``parse_generate``'s; ``options``: ``GenerateInput``
+    fields for every sample
     (``request_options``); ``auto_truncate``: whether the engine runs with
     ``--allow-auto-truncate`` (``stages.engine.context_fit``)."""
     count = sum(len(group) for group in rids)

@@ -318,6 +318,12 @@ def test_encoder_architectures_and_a_bad_activation(
     args = parse_args(["--model", str(good), "--enable-mis"])
     assert serve_pooling(args, "classify", None) == 2  # type: ignore[arg-type]
     assert "decoder models only" in capsys.readouterr().out
+    # the pooling engine applies no adapters: SGLang's LoRA flags are refused, not ignored
+    for flags in (["--enable-lora"], ["--lora-paths", "a=/x"]):
+        args = parse_args(["--model", str(good), *flags])
+        assert serve_pooling(args, "classify", None) == 2  # type: ignore[arg-type]
+        said = capsys.readouterr().out
+        assert f"option={flags[0]}" in said and "applies no LoRA adapters" in said, said
 
 
 @pytest.mark.numerics

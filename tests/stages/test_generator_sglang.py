@@ -101,7 +101,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     template = folder / "chat_template.jinja"
     template.write_text(TEMPLATE)
     # as a real server must be started
-    more = ("--return-hidden-states-mode", "full", "--enable-custom-logit-processor")
+    more = ("--return-hidden-states-mode", "full", "--enable-custom-logit-processor",
+            "--enable-lora")  # fmt: skip
     with builtin_engine(model, "--chat-template", str(template), *more) as url:
         yield Served(url, str(model))
 
