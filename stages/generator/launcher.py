@@ -195,6 +195,7 @@ class EngineLauncher:
         log_level: str = "info",
         api_key: str | None = None,
         session_kv: bool = False,
+        lora: bool = False,
     ) -> None:
         if not config.model:
             raise ValueError("launch.model is required to start engines")
@@ -204,6 +205,9 @@ class EngineLauncher:
         self.log_level = log_level  # the built-in engine's (its per-update events are debug)
         # built-in engines keep episodes' KV as sessions' (rollout.hold_kv)
         self.session_kv = session_kv
+        # built-in engines serve LoRA adapters by name (a generator's: a LoRA learner's come
+        # that way); not a scorer's reward model or teacher
+        self.lora = lora
         self.model_dir: Path | None = None  # launch.model as a local folder, once resolved
         self.environ = dict(os.environ if environ is None else environ)
         # where engines listen: a node's IP under the Ray launcher (pipeline.launchers.ray_host)
@@ -266,7 +270,7 @@ class EngineLauncher:
         argv += ["--device", cfg.device, "--dtype", cfg.dtype, *_trusting(cfg.extra_args)]
         if self.session_kv and SESSION_FLAG not in cfg.extra_args:
             argv.append(SESSION_FLAG)
-        if LORA_FLAG not in cfg.extra_args:  # a LoRA learner's adapters come by name
+        if self.lora and LORA_FLAG not in cfg.extra_args:
             argv.append(LORA_FLAG)
         if engine.peer is not None:  # stages/engine/remote_instance.py
             argv += [

@@ -365,6 +365,7 @@ class Generator:
                 log_level=getattr(self.ctx, "log_level", "info"),
                 api_key=api_key,
                 session_kv=self.config.rollout.hold_kv,
+                lora=True,  # a LoRA learner's adapters come by name (publish.lora_transport)
             )
             urls = await self.launcher.start()
         # an engine never holds more than max(target, group_size) samples, each at most one
