@@ -50,7 +50,7 @@ from aiohttp import web
 
 from stages.engine.aborts import error_status, streaming_error
 from stages.engine.chunk_stream import mapped
-from stages.engine.preferred_params import ROUTE_KEYS, with_preferred
+from stages.engine.preferred_params import with_preferred
 from stages.engine.protocol import GRAMMAR_FIELDS, RequestError, cached_tokens_details, is_int
 from stages.engine.request_body import dumps, loads, read_body
 from stages.engine.request_error import AbortedWithError
@@ -65,6 +65,7 @@ from stages.engine.streaming import Progress, write_events
 from stages.engine.token_bytes import TokenBytes
 
 __all__ = [
+    "ROUTE_KEYS",
     "OpenAIRoutes",
     "checked_body",
     "completion_request",
@@ -102,6 +103,24 @@ _SAMPLING = {
     "seed": "sampling_seed",
 }
 _NATIVE_NAMES = {native: name for name, native in _SAMPLING.items()}
+# --preferred-sampling-params (preferred_params): the sampling keys each route's native body
+# sets whatever the request says, as SGLang's builders set them, which the flag's values do not
+# replace; a route not here takes none of them (the scoring routes sample nothing)
+_COMPLETION_KEYS = frozenset(_SAMPLING.values()) | {"watermark"}  # _build_sampling_params
+_CHAT_KEYS = (_COMPLETION_KEYS - {"json_schema"}) | {"spaces_between_special_tokens"}
+ROUTE_KEYS: dict[str, frozenset[str]] = {
+    "completions": _COMPLETION_KEYS,
+    # ChatCompletionRequest.to_sampling_params: json_schema only with a response_format
+    "chat": _CHAT_KEYS,
+    "messages": _CHAT_KEYS,
+    # ResponsesRequest.to_sampling_params: top_k, min_p and repetition_penalty only when set
+    "responses": frozenset(
+        ("max_new_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "stop")
+    ),
+    # OpenAIServingOllama._convert_options_to_sampling_params: max_new_tokens 2048 when unset
+    "ollama_chat": frozenset(("max_new_tokens",)),
+    "ollama_generate": frozenset(("max_new_tokens",)),
+}
 _MAX_TOKENS_DEFAULT = 16  # CompletionRequest.max_tokens
 
 

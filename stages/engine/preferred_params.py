@@ -5,9 +5,9 @@ SGLang 0.5.23 merges them (``TokenizerManager._create_tokenized_object``:
 A native ``/generate`` request (and a generator's in-process one) takes every key it leaves
 out. The OpenAI-compatible routes set most keys themselves, even to None where the request
 says nothing, and SGLang's merge lets those win: ``/v1/completions`` and ``/v1/chat/
-completions`` (and ``/v1/messages``, built on chat) take only the keys their builders leave out
-(``ROUTE_KEYS``), ``/v1/responses`` also those it omits when unset, Ollama's routes all but
-``max_new_tokens``. The scoring routes sample nothing, so nothing is merged there.
+completions`` (and ``/v1/messages``, built on chat) take only the keys their builders leave
+out (``openai_api.ROUTE_KEYS``), ``/v1/responses`` also those it omits when unset, Ollama's
+routes all but ``max_new_tokens``. The scoring routes sample nothing, so nothing is merged there.
 
 The value is checked at start, where SGLang checks it only when each request is parsed:
 keys and values as a request's ``sampling_params`` (its words for ``watermark``), and no ``n``,
@@ -20,35 +20,6 @@ import argparse
 import json
 from collections.abc import Mapping
 from typing import Any
-
-# serving_completions._build_sampling_params' keys (the request's, or its defaults)
-_COMPLETIONS = frozenset(
-    (
-        "temperature", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids",
-        "stop_regex", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "regex", "json_schema", "ebnf", "n", "no_stop_trim",
-        "ignore_eos", "skip_special_tokens", "logit_bias", "custom_params", "sampling_seed",
-        "watermark",
-    )
-)  # fmt: skip
-# ChatCompletionRequest.to_sampling_params': json_schema only with a response_format
-_CHAT = (_COMPLETIONS - {"json_schema"}) | {"spaces_between_special_tokens"}
-# ResponsesRequest.to_sampling_params': top_k, min_p and repetition_penalty only when set
-_RESPONSES = frozenset(
-    ("max_new_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "stop")
-)
-# OpenAIServingOllama._convert_options_to_sampling_params: max_new_tokens 2048 when unset
-_OLLAMA = frozenset(("max_new_tokens",))
-# the keys each route's native body sets whatever the request says; a route not here takes
-# no preferred parameters
-ROUTE_KEYS: dict[str, frozenset[str]] = {
-    "completions": _COMPLETIONS,
-    "chat": _CHAT,
-    "messages": _CHAT,
-    "responses": _RESPONSES,
-    "ollama_chat": _OLLAMA,
-    "ollama_generate": _OLLAMA,
-}
 
 
 def parse(text: str) -> dict[str, Any]:

@@ -12,7 +12,8 @@ import argparse
 
 import pytest
 
-from stages.engine.preferred_params import ROUTE_KEYS, parse, with_preferred
+from stages.engine.openai_api import ROUTE_KEYS
+from stages.engine.preferred_params import parse, with_preferred
 
 PREFERRED = {
     "temperature": 0.3, "max_new_tokens": 3, "top_k": 5, "json_schema": '{"type": "object"}',
