@@ -160,6 +160,9 @@ class Learner:
         self._groups = aiter(self.ctx.inputs["groups"])
         resumed = self._latest_checkpoint()
         live = int(getattr(self.ctx, "version", 0) or 0)  # > 0: started into a run that published
+        # a restart before the first version went out: the step it trained (and acknowledged)
+        # is lost with it, and a sync generator waits for version 1 before its next batch
+        again = int(getattr(self.ctx, "restarts", 0) or 0) > 0
         evaluate = self.rank == 0 and cfg.eval.source is not None
         # One worker thread does everything that imports transformers, in turn: its lazy
         # modules are not safe to import from two threads at once.
@@ -219,14 +222,16 @@ class Learner:
             totals = state.get("totals", {})
             self.totals.update({"passes_n": totals.get("n", 0), **totals})  # older: every step
             self._partial, self._seen = _load_groups(resumed, earlier=state)
-        if live >= self.version and live > 0:
+        if live >= self.version and (live > 0 or again):
             # restarted mid-run (from a checkpoint, or from scratch when there is none yet):
             # versions up to `live` were published after these weights and everyone holds them
             # as current. Versions only grow, so these weights go out as a new one, and later
-            # ones count on from there.
+            # ones count on from there. Restarted before anything was published (live 0),
+            # they go out as version 1 all the same: in sync mode the generators made the batch
+            # of version 0 already and start the next one only at version 1
             self.offset += live + 1 - self.version
             self.version = live + 1
-        if resumed is not None or live > 0:
+        if resumed is not None or live > 0 or again:
             self.log.info(
                 "learner_resumed",
                 checkpoint=str(resumed) if resumed is not None else None,
@@ -235,7 +240,7 @@ class Learner:
                 version_offset=self.offset,
             )
         # the engines may hold other weights than these: bring them up to date first
-        self.resumed = resumed is not None or live > 0
+        self.resumed = resumed is not None or live > 0 or again
         if self.rank == 0:  # samples trained after the step we start from are not in the model
             self.ctx.ledger.rollback(self.step)
 

@@ -334,6 +334,28 @@ def test_a_snapshots_publish_that_fails_for_good_fails_the_learner_waiting_for_s
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_learner_restarted_before_its_first_publish_sends_its_weights_as_version_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restarts: int
+) -> None:
+    """A learner that died after acknowledging its first step's samples and before any
+    version went out comes back with no checkpoint and no live version (0). In sync mode the
+    generators made version 0's batch already and wait for version 1 before the next: the
+    restarted learner's weights go out as version 1 first, or the run waits for ever
+    (tests/stages/test_rl_crashes.py kills one there). A first start publishes nothing first."""
+    events: list = []
+    learner = _learner(tmp_path, _Inbox(_groups(6)), events, monkeypatch)
+    learner.ctx.restarts = restarts
+
+    _run(learner)
+    published = [what[1] for _, *what in events if what[0] == "publish"]
+    trained = [what[1] for _, *what in events if what[0] == "step"]
+    if restarts:
+        assert published == [1, 2, 3, 4] and trained == [1, 2, 3]
+    else:
+        assert published == [1, 2, 3] and trained == [0, 1, 2]
+
+
 def test_a_resume_merges_every_ranks_groups(tmp_path):
     """Part-trained groups and taken uids of every rank come back to each rank on resume (a
     group, or a copy of one, may reach another rank, and the rank count may change)."""

@@ -207,6 +207,58 @@ def test_a_stalled_scorer_holds_everyone_flat_and_the_run_goes_on(tmp_path, mode
     assert not [e for e in events(run_dir, "supervisor") if e["event"] == "replica_failed"]
 
 
+@pytest.mark.timeout(240)
+def test_a_sync_learner_killed_before_its_first_publish_comes_back_and_the_run_completes(
+    tmp_path, model_dir
+):
+    """Sync mode: the learner trains version 0's batch and acknowledges it, then dies while it
+    publishes version 1 (its engine is stopped, so the publish hangs there). The generator made
+    its batch for version 0 and waits for version 1; the restarted learner has no checkpoint
+    and no live version. It sends its weights as version 1 first, or the run waits for ever."""
+    config = rl_config(tmp_path, model_dir, steps=3, mode="sync")
+    run_dir = tmp_path / "run"
+    # debug: the learner's weights_published events are looked at
+    proc = start_inflight(
+        "run", str(config), "run.log_level=debug", _OWN, "--run-dir", str(run_dir), "-q", env=_ENV
+    )
+    engine = None
+    try:
+        generator = lambda: events(run_dir, "generator.0")  # noqa: E731
+        wait_for(
+            lambda: any(e["event"] == "sync_batch_done" for e in generator()),
+            120,
+            "version 0's batch",
+            proc=proc,
+            run_dir=run_dir,
+        )
+        engine = _victim_pid(run_dir, "engine")
+        os.kill(engine, signal.SIGSTOP)
+        wait_for(lambda: _steps(run_dir) >= 1, 60, "the first step", proc=proc, run_dir=run_dir)
+        time.sleep(1)  # its samples acknowledged, its publish hanging on the stopped engine
+        assert not any(e["event"] == "weights_published" for e in events(run_dir, "learner.0"))
+        os.kill(_victim_pid(run_dir, "learner"), signal.SIGKILL)
+        os.kill(engine, signal.SIGCONT)
+        engine = None
+        output, _ = proc.communicate(timeout=150)
+        assert proc.returncode == 0, output[-4000:]
+    finally:
+        if engine is not None:
+            os.kill(engine, signal.SIGCONT)
+        kill_tree(proc, spawned_pids(run_dir) if run_dir.exists() else ())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 3
+    ledger = summary["ledger"]
+    assert ledger["unaccounted"] == 0 and "incomplete" not in ledger, ledger
+    # the killed step's samples were acknowledged: gone with it, not sent again
+    assert ledger["samples"]["dropped"] == {"rolled_back": 16}, ledger
+    learner = events(run_dir, "learner.0")
+    (resumed,) = [e for e in learner if e["event"] == "learner_resumed"]
+    assert (resumed["step"], resumed["policy_version"]) == (0, 1)
+    published = [e["policy_version"] for e in learner if e["event"] == "weights_published"]
+    assert published == [1, 2, 3, 4] and summary["policy_version"] == 4
+    assert summary["mean_lag"] == 0 and summary["stale_dropped"] == 0  # still sync
+
+
 @pytest.mark.timeout(400)
 def test_chaos_seeded_kills_of_every_kind_the_run_completes_and_the_ledger_balances(
     tmp_path, model_dir
