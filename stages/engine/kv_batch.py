@@ -172,11 +172,21 @@ def pass_cache(layer_types: list[str] | None) -> DynamicCache:
 class BatchKV:
     """Slot storage for up to ``slots`` rows; the scheduler's row ``i`` lives in slot ``i``."""
 
-    def __init__(self, slots: int, mask_kind: str = "bool4d", *, device: torch.device) -> None:
+    def __init__(
+        self,
+        slots: int,
+        mask_kind: str = "bool4d",
+        *,
+        device: torch.device,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
         if mask_kind not in MASK_KINDS:
             raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
         self.slots = slots
         self.mask_kind = mask_kind
+        # the dtype the linear-attention layers' recurrent states are kept in between passes
+        # (stages.engine.ssm_dtype; None: the dtype the pass makes them in)
+        self.state_dtype = state_dtype
         self.device = device
         self.rows = 0
         self.end = 0  # logical pending column (also the decode-step clock)
@@ -543,7 +553,8 @@ class BatchKV:
             slot: Any = next(slot_layers) if _is_kv(layer) else layer
             if _is_state(layer):
                 conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
-                args = (_empty_like(conv), _empty_like(recurrent), layer.conv_kernel_size[0])
+                kept = _empty_like(recurrent, self.state_dtype)
+                args = (_empty_like(conv), kept, layer.conv_kernel_size[0])
                 if _is_kv(layer):
                     slot.set_states(*args)
                 else:
@@ -678,9 +689,12 @@ _SERVED_LAYERS = (
 )
 
 
-def _empty_like(state: torch.Tensor | None) -> torch.Tensor | None:
-    """No rows of ``state``'s shape (None: the layer keeps no such state)."""
-    return None if state is None else state.new_zeros((0, *state.shape[1:]))
+def _empty_like(
+    state: torch.Tensor | None, dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
+    """No rows of ``state``'s shape, in ``dtype`` (None: its own; a ``state`` of None: the
+    layer keeps no such state)."""
+    return None if state is None else state.new_zeros((0, *state.shape[1:]), dtype=dtype)
 
 
 def _pow2(n: int) -> int:

@@ -105,6 +105,7 @@ from stages.engine.radix_sessions import RadixSessions
 from stages.engine.reasoning import reasoning_tokens
 from stages.engine.routed_experts import ExpertsCapture, encode_routes
 from stages.engine.sampling import SlotSampler, Support
+from stages.engine.ssm_dtype import resolve as resolve_ssm_dtype
 from stages.engine.step_profiler import ProfileRequest, StepProfiler
 from stages.engine.strict_thinking import StrictThinking
 from stages.hf import DynamicCache, cache_argument, output_cache
@@ -580,6 +581,7 @@ class Scheduler:
         session_radix_cache: bool = False,
         mamba_cache_size: int | None = None,
         mamba_memory_ratio: float | None = None,
+        mamba_ssm_dtype: str | None = None,
         auto_truncate: bool = False,
         preferred_sampling_params: Mapping[str, Any] | None = None,
         lora: bool = True,
@@ -623,6 +625,14 @@ class Scheduler:
                 f"--mamba-full-memory-ratio {mamba_memory_ratio}: the linear-attention states "
                 "would have no memory; give a ratio > 0"
             )
+        # SGLang's --mamba-ssm-dtype (as given, for /server_info), and the dtype the
+        # linear-attention layers' recurrent states are kept in between passes
+        self.mamba_ssm_dtype = mamba_ssm_dtype
+        state_dtype = None
+        if self._state_types is not None:
+            state_dtype, source = resolve_ssm_dtype(mamba_ssm_dtype, model.config, log)
+            dtype = str(state_dtype).removeprefix("torch.")
+            log.info("mamba_ssm_dtype", dtype=dtype, source=source)
         self.max_running = max_running
         # a streamed request's tokens go out in a chunk every this many (SGLang's
         # --stream-interval), unless its sampling_params.stream_interval says otherwise
@@ -662,7 +672,9 @@ class Scheduler:
         self._admitting: list[_Seq] = []  # taken from _waiting by the admission under way
         # of the admission under way, each scored seq's (cached tokens, their version)
         self._scored: dict[_Seq, tuple[int, str | None]] = {}
-        self._kv = BatchKV(max_running, _mask_kind(model), device=self.device)
+        self._kv = BatchKV(
+            max_running, _mask_kind(model), device=self.device, state_dtype=state_dtype
+        )
         # forward passes without transformers' module machinery where the model allows it
         self._fast, why = LlamaForward.build(model) if fast_forward else (None, "turned off")
         # a vision-language model (images.is_vision_model): its multimodal rotary positions

@@ -141,6 +141,7 @@ from stages.engine.scheduler import (
 )
 from stages.engine.session_routes import SessionRoutes
 from stages.engine.sessions import Recording, Sessions
+from stages.engine.ssm_dtype import DTYPES as SSM_DTYPES
 from stages.engine.streaming import parse_body, stream_generate, write_events
 from stages.engine.strict_thinking import StrictThinking
 from stages.engine.template_detection import resolve_auto
@@ -806,6 +807,7 @@ async def _server_info(request: web.Request) -> web.Response:
             # as given, and the ratio resolved to SGLang's fallback
             "max_mamba_cache_size": scheduler.mamba_cache_size,
             "mamba_full_memory_ratio": scheduler.mamba_memory_ratio,
+            "mamba_ssm_dtype": scheduler.mamba_ssm_dtype,
             # resolved as SGLang resolves them (parallel_hook.py: the buffer 1000 with a mode)
             "expert_distribution_recorder_mode": None if recorder is None else recorder.mode,
             "expert_distribution_recorder_buffer_size": (
@@ -1126,6 +1128,13 @@ def _parser() -> argparse.ArgumentParser:
         help="a model with linear-attention layers: the prefix cache's states take at most this "
         "times the bytes of --prefix-cache-tokens tokens of its KV (SGLang's flag, default "
         f"{MAMBA_FULL_MEMORY_RATIO})",
+    )
+    parser.add_argument(
+        "--mamba-ssm-dtype",
+        choices=sorted(SSM_DTYPES),
+        help="a model with linear-attention layers: the dtype their recurrent states are kept "
+        "in between passes (SGLang's flag; default: the SGLANG_MAMBA_SSM_DTYPE environment "
+        "variable, else the model config's mamba_ssm_dtype, else float32)",
     )
     parser.add_argument(
         "--enable-mis",
@@ -1536,6 +1545,7 @@ def build_scheduler(
         session_radix_cache=args.enable_session_radix_cache,
         mamba_cache_size=args.max_mamba_cache_size,
         mamba_memory_ratio=args.mamba_full_memory_ratio,
+        mamba_ssm_dtype=args.mamba_ssm_dtype,
         auto_truncate=args.allow_auto_truncate,
         preferred_sampling_params=args.preferred_sampling_params,
         lora=args.enable_lora,

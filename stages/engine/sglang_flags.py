@@ -682,8 +682,6 @@ REASONS = {
     "and a row's floats may round otherwise in another batch",
     "--config": "give the flags on the command line",
     "--base-gpu-id": "pick the device with --device cuda:N",
-    "--mamba-ssm-dtype": "a linear-attention layer keeps its states in the dtype its pass "
-    "computes them in",
 }
 
 

@@ -339,6 +339,82 @@ def test_sglangs_mamba_cache_flags_bound_the_states_of_rows_and_of_the_cache() -
     assert dense.max_running == 8 and "states" not in dense.prefix_cache_stats()
 
 
+def _cached_decode(
+    model: torch.nn.Module, prompt: list[int], n: int, dtype: torch.dtype
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs from transformers' own cached decode of ``prompt``
+    alone, its layers' recurrent states kept in ``dtype`` between passes (from the prefill's
+    on: each step's pass copies its float32 state into them)."""
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    cache = out.past_key_values
+    for layer in cache.layers:
+        states = getattr(layer, "recurrent_states", None)
+        if states and states[0] is not None:
+            states[0] = states[0].to(dtype)
+    ids, logprobs = list(prompt), []
+    for step in range(n):
+        lps = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        ids.append(int(lps.argmax()))
+        logprobs.append(float(lps[ids[-1]]))
+        if step < n - 1:
+            out = model(input_ids=torch.tensor([ids[-1:]]), past_key_values=cache, use_cache=True)
+    return ids[len(prompt) :], logprobs
+
+
+# the families whose layers keep a recurrent state (LFM2's keep a convolution's only), less
+# Bamba: transformers' cached decode of it does not answer as its whole forward does (1 of 8
+# greedy answers here, float32 states too), and the engine's passes follow the whole forward's
+_RECURRENT = sorted(set(CONFIGS) - {"lfm2", "lfm2_moe", "bamba"})
+
+
+@pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", _RECURRENT)
+@torch.inference_mode()
+def test_sglangs_mamba_ssm_dtype_keeps_the_recurrent_states_in_it_between_passes(
+    family: str,
+) -> None:
+    """``--mamba-ssm-dtype bfloat16``: rows joining and leaving answer as transformers' cached
+    decode of each alone with its recurrent states in bfloat16 (SGLang's Mamba pool keeps them
+    so: configs/mamba_utils.py), not as with float32 ones, SGLang's default and the engine's."""
+    model = _model(CONFIGS[family]())
+    rng = random.Random(1)
+    asked: list[tuple[list[int], int]] = []
+    scheduler = Scheduler(model, max_running=16, mamba_ssm_dtype="bfloat16")
+    futures = []
+    for wave in range(2):  # the second wave joins rows that decode
+        inputs = []
+        for i in range(4):
+            prompt = [rng.randrange(3, V) for _ in range(rng.randrange(1, 12))]
+            new = rng.randrange(3, 10)
+            params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+            inputs.append(GenerateInput(f"w{wave}-{i}", prompt, params, True))
+            asked.append((prompt, new))
+        futures.append(scheduler.submit_many(inputs))
+        for _ in range(3):
+            scheduler.step()
+    scheduler.run_until_idle()
+    results = [r for future in futures for r in future.result(timeout=60)]
+    kept = {s.recurrent.dtype for s in scheduler._kv.states if s.recurrent is not None}
+    assert kept == {torch.bfloat16}
+    apart = 0.0  # how far float32 states would have answered
+    for (prompt, new), result in zip(asked, results, strict=True):
+        ids, logprobs = _cached_decode(model, prompt, new, torch.bfloat16)
+        assert result.output_ids == ids, (prompt, result.rid)
+        got = result.output_token_logprobs
+        assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-3
+        _, wide = _cached_decode(model, prompt, new, torch.float32)
+        apart = max(apart, *(abs(a - b) for a, b in zip(got, wide, strict=True)))
+    assert apart > 3e-3
+    default = Scheduler(model, max_running=4)  # float32, SGLang's default
+    future = default.submit_many([GenerateInput("f", asked[0][0], params, True)])
+    default.run_until_idle()
+    assert future.result(timeout=10)[0].output_ids
+    assert {s.recurrent.dtype for s in default._kv.states if s.recurrent is not None} == {
+        torch.float32
+    }
+
+
 def test_layer_types_it_cannot_keep_are_refused_at_start() -> None:
     """A hybrid whose layer types include one the slots cannot keep is refused, naming it."""
     model = _model(CONFIGS["qwen3_5"]())
@@ -356,12 +432,14 @@ def test_a_qwen3_5_served_over_http_answers_scores_and_streams(tmp_path: Path) -
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [[5, 9, 13, 40, 41, 7, 100, 3], [17, 4], [60, 61, 62, 90, 21]]
     greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
-    flags = ("--max-mamba-cache-size", "12", "--mamba-full-memory-ratio", "3")  # (SGLang's)
+    flags = ("--max-mamba-cache-size", "12", "--mamba-full-memory-ratio", "3",
+             "--mamba-ssm-dtype", "float32")  # (SGLang's)  # fmt: skip
     with serving(model_dir, tmp_path / "engine.log", *flags) as eng, torch.inference_mode():
         info = requests.get(eng.url + "/server_info", timeout=30).json()
         assert info["forward_path"] == "transformers"
         assert info["prefix_cache"]["enabled"] is True
         assert (info["max_mamba_cache_size"], info["mamba_full_memory_ratio"]) == (12, 3.0)
+        assert info["mamba_ssm_dtype"] == "float32"
         body = {"input_ids": prompts, "sampling_params": {**greedy, "n": 2}, "return_logprob": True}
         answers = requests.post(eng.url + "/generate", json=body, timeout=60).json()
         assert len(answers) == 6
