@@ -4,7 +4,9 @@ Names are those of ``model.state_dict()`` (``model.layers.0.self_attn.q_proj.wei
 ``lm_head.weight``); with tied embeddings both ``lm_head.weight`` and
 ``model.embed_tokens.weight`` name the same parameter, and either updates it. A vision model's
 tensors also go by the names its original checkpoints (and SGLang's models) give them
-(``visual.X``, ``model.layers...``: ``images.model_name``). Every name,
+(``visual.X``, ``model.layers...``: ``images.model_name``), and any model's by the names of
+the checkpoints transformers converts into its parameters (a mixture's experts one tensor an
+expert: ``checkpoint_names``). Every name,
 shape and dtype is checked before anything is written, so a bad bucket leaves the model as it
 was. This module does not receive tensors (see ``stages.weights.receiver``) nor decide when to
 load them (the scheduler does, between two decode steps).
@@ -24,9 +26,12 @@ version a delta was computed against is the caller's check (the server's ``base_
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import torch
 
-from stages.engine.images import checkpoint_name, is_vision_model, model_name
+from stages.engine.checkpoint_names import checkpoint_names
+from stages.engine.images import is_vision_model, model_name
 from stages.weights.delta import complete, decode, delta_base
 
 __all__ = ["WeightLoadError", "load_named_tensors", "parameter_rows"]
@@ -71,8 +76,10 @@ def load_named_tensors(
     """Copy each tensor into the model's parameter of that name (merge each adapter into its
     module's weight); returns how many tensors were taken."""
     targets = model.state_dict(keep_vars=True)
+    given = len(named_tensors)
     if is_vision_model(getattr(model, "config", None)):  # the original checkpoints' names too
         named_tensors = [(model_name(name), tensor) for name, tensor in named_tensors]
+    named_tensors = checkpoint_names(model).convert(named_tensors)  # as transformers loads them
     state = _state(model)
     problems = []
     incoming: dict[str, dict[str, torch.Tensor]] = {}
@@ -130,7 +137,7 @@ def load_named_tensors(
             torch.addmm(base, parts["B"], parts["A"], out=target.data)
         else:
             target.data.copy_(base)
-    return len(named_tensors)
+    return given
 
 
 def _deltas(
@@ -170,13 +177,22 @@ def _deltas(
     return whole, plain
 
 
-def update_names(model: torch.nn.Module) -> set[str]:
-    """The tensor names a weight update may give ``model``'s tensors: its own, and a vision
-    model's as its original checkpoints name them (``images.checkpoint_name``)."""
-    names = set(model.state_dict())
-    if is_vision_model(getattr(model, "config", None)):
-        names |= {checkpoint_name(name) for name in names}
-    return names
+def update_names(model: torch.nn.Module) -> Container[str]:
+    """The tensor names a weight update may give ``model``'s tensors: its own, a vision
+    model's as its original checkpoints name them (``images.checkpoint_name``), and those of
+    the checkpoints transformers converts into its parameters (``checkpoint_names``)."""
+    return _UpdateNames(model)
+
+
+class _UpdateNames:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.names = checkpoint_names(model)
+        self.vision = is_vision_model(getattr(model, "config", None))
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        return (model_name(name) if self.vision else name) in self.names
 
 
 def parameter_rows(model: torch.nn.Module, name: str, rows: int) -> torch.Tensor | None:
