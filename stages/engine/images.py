@@ -1,5 +1,5 @@
-"""Images in prompts (SGLang's ``image_data``), for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense
-and MoE) models.
+"""Images in prompts (SGLang's ``image_data``), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5
+(dense and MoE) models.
 
 A request's images come as SGLang 0.5.23 takes them (``utils/common.py`` ``load_image``,
 ``get_image_bytes``): an ``http(s)://`` URL (fetched, ``REQUEST_TIMEOUT`` seconds, 3 by default,
@@ -67,7 +67,9 @@ __all__ = [
 ]
 
 # the model types whose images this engine reads (SGLang's QwenVLImageProcessor serves more)
-VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+VISION_MODEL_TYPES = frozenset(
+    {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}
+)
 IMAGE_TOKEN = "<|vision_start|><|image_pad|><|vision_end|>"
 # an image's token in a prompt, expanded or not, or SGLang's legacy sentinel
 _IMAGE_SPAN = re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>|<image>")
@@ -292,10 +294,10 @@ def _image_bytes(item: str) -> bytes:
 
 
 class Vision:
-    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL model's images: prompts with them read (``prompt``, on the
-    caller's thread: the images' headers only), their pixels made on worker threads (the
-    processor's resizing and patches: ``ImagePrompt.pixels``), and their rows computed
-    (``features``, on the scheduler's)."""
+    """A Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 model's images: prompts with them read
+    (``prompt``, on the caller's thread: the images' headers only), their pixels made on worker
+    threads (the processor's resizing and patches: ``ImagePrompt.pixels``), and their rows
+    computed (``features``, on the scheduler's)."""
 
     def __init__(self, path: Path, model: torch.nn.Module, tokenizer: Any) -> None:
         from stages.hf import AutoImageProcessor

@@ -31,6 +31,8 @@ from transformers import (
     Qwen2Tokenizer,
     Qwen2VLConfig,
     Qwen2VLProcessor,
+    Qwen3_5Config,
+    Qwen3_5MoeConfig,
     Qwen3VLConfig,
     Qwen3VLMoeConfig,
     Qwen3VLProcessor,
@@ -89,8 +91,11 @@ _ARCHS: dict[str, tuple[Any, Any]] = {
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLProcessor),
     "qwen3_vl": (Qwen3VLConfig, Qwen3VLProcessor),
     "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLProcessor),
+    "qwen3_5": (Qwen3_5Config, Qwen3VLProcessor),
+    "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3VLProcessor),
 }
-PATCH = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}  # patch sides
+PATCH = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16,
+         "qwen3_5_moe": 16}  # patch sides  # fmt: skip
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -143,6 +148,22 @@ def _config(arch: str, text_sizes: dict[str, Any], vision_sizes: dict[str, Any])
         if arch == "qwen3_vl_moe":  # 4 experts of 16, 2 a token, in every layer
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                         decoder_sparse_step=1)  # fmt: skip
+    elif arch.startswith("qwen3_5"):
+        # Qwen3.5: Qwen3-VL's tower without deepstack; a hybrid text model (three gated delta
+        # nets, then a gated full attention) with interleaved mrope on a quarter of each head
+        vision.update(patch_size=16, hidden_size=16, intermediate_size=32, out_hidden_size=32,
+                      num_position_embeddings=16)  # fmt: skip
+        text.pop("rope_scaling")
+        text.update(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                    linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                     "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                     "mrope_interleaved": True})  # fmt: skip
+        if arch == "qwen3_5_moe":  # 4 experts of 16, 2 a token, and a shared one
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16)  # fmt: skip
     else:
         vision.update(embed_dim=16, mlp_ratio=2, hidden_size=32)  # hidden_size: the output
     config_class = _ARCHS[arch][0]
@@ -182,7 +203,7 @@ def make_qwen_vl(
     path = _save_random(AutoModelForImageTextToText, config, Path(path), seed)
     _tokenizer().save_pretrained(path)  # tokenizer files and chat_template.jinja
     patch = {"patch_size": PATCH[arch], "merge_size": MERGE}
-    if arch.startswith("qwen3_vl"):  # (Qwen3-VL's normalization)
+    if arch.startswith(("qwen3_vl", "qwen3_5")):  # (Qwen3-VL's normalization)
         patch.update(image_mean=[0.5] * 3, image_std=[0.5] * 3)
     pixels = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=max_pixels, **patch)
     pixels.save_pretrained(path)
