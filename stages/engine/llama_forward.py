@@ -62,6 +62,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.pytorch_utils import Conv1D
 
 from stages.engine.latent_attention import LatentAttention, is_latent
+from stages.engine.lm_head import logits as head_logits
 
 if TYPE_CHECKING:
     from stages.engine.lora_adapters import RowAdapters
@@ -508,7 +509,7 @@ class LlamaForward:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over final (normed) hidden states (soft-capped where the model caps)."""
-        logits = F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        logits = head_logits(self.lm_head, hidden)  # (in float32: --enable-fp32-lm-head)
         if self.logit_cap is not None:
             logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
         if self.logit_div is not None:

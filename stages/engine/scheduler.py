@@ -80,6 +80,7 @@ from stages.engine.kv_batch import (
     pass_cache,
 )
 from stages.engine.llama_forward import LlamaForward
+from stages.engine.lm_head import fp32_wanted, use_fp32
 from stages.engine.load_meter import LoadMeter
 from stages.engine.loop_turns import Turns
 from stages.engine.lora_adapters import (
@@ -582,6 +583,7 @@ class Scheduler:
         mamba_cache_size: int | None = None,
         mamba_memory_ratio: float | None = None,
         mamba_ssm_dtype: str | None = None,
+        fp32_lm_head: bool = False,
         auto_truncate: bool = False,
         preferred_sampling_params: Mapping[str, Any] | None = None,
         lora: bool = True,
@@ -675,6 +677,12 @@ class Scheduler:
         self._kv = BatchKV(
             max_running, _mask_kind(model), device=self.device, state_dtype=state_dtype
         )
+        # SGLang's --enable-fp32-lm-head (or the config's enable_lm_head_fp32): logits in
+        # float32, on either path (stages.engine.lm_head)
+        self.fp32_lm_head = fp32_wanted(fp32_lm_head, model.config)
+        head = model.get_output_embeddings()
+        if self.fp32_lm_head and isinstance(head, torch.nn.Linear):
+            use_fp32(head)
         # forward passes without transformers' module machinery where the model allows it
         self._fast, why = LlamaForward.build(model) if fast_forward else (None, "turned off")
         # a vision-language model (images.is_vision_model): its multimodal rotary positions

@@ -808,6 +808,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "max_mamba_cache_size": scheduler.mamba_cache_size,
             "mamba_full_memory_ratio": scheduler.mamba_memory_ratio,
             "mamba_ssm_dtype": scheduler.mamba_ssm_dtype,
+            "enable_fp32_lm_head": scheduler.fp32_lm_head,
             # resolved as SGLang resolves them (parallel_hook.py: the buffer 1000 with a mode)
             "expert_distribution_recorder_mode": None if recorder is None else recorder.mode,
             "expert_distribution_recorder_buffer_size": (
@@ -1128,6 +1129,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a model with linear-attention layers: the prefix cache's states take at most this "
         "times the bytes of --prefix-cache-tokens tokens of its KV (SGLang's flag, default "
         f"{MAMBA_FULL_MEMORY_RATIO})",
+    )
+    parser.add_argument(
+        "--enable-fp32-lm-head",
+        action="store_true",
+        help="the LM head's logits in float32 (SGLang's flag): a bfloat16 model's log-probs "
+        "without bfloat16 rounding, closer to a learner's",
     )
     parser.add_argument(
         "--mamba-ssm-dtype",
@@ -1546,6 +1553,7 @@ def build_scheduler(
         mamba_cache_size=args.max_mamba_cache_size,
         mamba_memory_ratio=args.mamba_full_memory_ratio,
         mamba_ssm_dtype=args.mamba_ssm_dtype,
+        fp32_lm_head=args.enable_fp32_lm_head,
         auto_truncate=args.allow_auto_truncate,
         preferred_sampling_params=args.preferred_sampling_params,
         lora=args.enable_lora,

@@ -617,6 +617,7 @@ TAKEN = frozenset(
 --enable-aiter-allreduce-fusion --disable-aiter-allreduce-fusion-in-decode
 --disable-aiter-allreduce-fusion-in-prefill --disable-custom-all-reduce --enable-mscclpp
 --enable-nccl-nvls --enable-symm-mem --enable-torch-symm-mem --pre-warm-nccl
+--enable-multimodal
 --enable-fused-qk-norm-rope --enable-fused-moe-sum-all-reduce --disable-shared-experts-fusion
 --enforce-shared-experts-fusion --enable-tf32-matmul
 --chunked-prefill-size --max-prefill-tokens --enable-mixed-chunk --enable-dynamic-chunking
