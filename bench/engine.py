@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -103,6 +104,11 @@ def main() -> int:
         help="the random model's layout: Qwen2's, or Qwen3.5's (3 linear-attention layers a "
         "full-attention one; the engine serves it on transformers' passes)",
     )
+    parser.add_argument(
+        "--engine-args",
+        default="",
+        help="more flags for the engine, as one string (--enable-deterministic-inference...)",
+    )
     args = parser.parse_args()
 
     gen = torch.Generator().manual_seed(1)
@@ -121,6 +127,7 @@ def main() -> int:
         n_params = make_model(model_dir, family=args.model)
         engine: dict[str, tuple[float, int]] = {}
         flags = ["--max-running", str(args.batch), "--log-file", str(Path(tmp) / "engine.log")]
+        flags += shlex.split(args.engine_args)
         with engine_server(model_dir, *flags) as (url, _proc):
             for _ in range(args.warmup):
                 warm = next(iter(workloads.values()))[0][:8]
@@ -144,6 +151,7 @@ def main() -> int:
         "params_m": round(n_params / 1e6, 1),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
+        "engine_args": args.engine_args,
         "threads": torch.get_num_threads(),
     }
     for name in workloads:

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 from transformers.pytorch_utils import Conv1D
 
+from stages.engine.batch_invariant import linear as invariant_linear
 from stages.engine.latent_attention import LatentAttention, is_latent
 from stages.engine.lm_head import logits as head_logits
 
@@ -153,6 +154,7 @@ class _Layer:
         "index",
         "k_norm",
         "latent",
+        "linear",
         "mlp_norm",
         "norm_after_rope",
         "o",
@@ -178,6 +180,8 @@ class _Layer:
         side_by_side: bool = False,
     ) -> None:
         self.index = index
+        # its products' function: F.linear, or batch_invariant.linear (batch_invariant())
+        self.linear: Any = F.linear
         self.window = window  # a sliding-window layer's: it attends to its last this many
         self.rope = rope  # its rotary table (Gemma 3's differ by layer type; None: the one)
         self.rotate = rotate  # False: no rotary embedding (SmolLM3's NoPE layers)
@@ -284,6 +288,8 @@ class LlamaForward:
         self.rotary = getattr(inner, "rotary_emb", None)
         self.final_norm = _one(inner, "norm", "final_layer_norm", "ln_f", "final_layernorm").forward
         self.lm_head = _first(model, "lm_head", "embed_out")
+        # --enable-deterministic-inference: batch-invariant passes (``batch_invariant()``)
+        self.deterministic = False
         # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
         self.clip = getattr(config, "clip_qkv", None)
         kind = getattr(config, "model_type", None)
@@ -368,6 +374,21 @@ class LlamaForward:
                 )
         return None
 
+    def batch_invariant(self) -> None:
+        """From now on every row's floats are what they are alone (``stages.engine.
+        batch_invariant``): its products a fixed number of rows at a time, its attention over
+        its own columns. ValueError for layers that cannot be (experts, latent attention)."""
+        for layer in self.layers:
+            if layer.experts is not None:
+                raise ValueError(
+                    "a mixture of experts runs each expert on the tokens routed to it, however "
+                    "many: its products are not batch-invariant"
+                )
+            if layer.latent is not None:
+                raise ValueError("latent attention's passes are not batch-invariant here")
+            layer.linear = invariant_linear
+        self.deterministic = True
+
     @classmethod
     def build(cls, model: Any) -> tuple[LlamaForward | None, str | None]:
         """(the fast path, None), or (None, why not) for a model it does not cover (or one of
@@ -404,6 +425,8 @@ class LlamaForward:
         # True (or 0.0) where a row may attend -> True where it may not
         blocked = (~mask if mask.dtype == torch.bool else mask < 0).view(n, 1, 1, -1)
         windows: dict[int, tuple[torch.Tensor, int]] = {}
+        # each row's columns (batch-invariant attention: _attend_rows)
+        own = (~blocked).view(n, -1).sum(-1).tolist() if self.deterministic else []
         for layer, cache in zip(self.layers, kv.layers, strict=True):
             cos, sin = ropes[layer.rope]
             if layer.latent is not None:
@@ -419,14 +442,20 @@ class LlamaForward:
                 if seen is None:
                     seen = windows[layer.window] = _window_of(blocked, layer.window)
                 where, first = seen
-                if first:  # (columns no row's window reaches)
+                if first and not self.deterministic:  # (columns no row's window reaches)
                     keys, values, where = (
                         keys[:, :, first:],
                         values[:, :, first:],
                         where[..., first:],
                     )
-            scores = torch.matmul(q.view(n, nkv, nh // nkv, hd), keys.transpose(-1, -2))
-            out = self._attend(scores, where, values, layer.sinks)  # [n, nkv, group, hd]
+            if self.deterministic:  # each row over its own columns
+                out = self._attend_rows(
+                    q.view(n, nkv, nh // nkv, 1, hd), keys, values, where.unsqueeze(-2),
+                    layer.sinks, own,
+                )  # fmt: skip
+            else:
+                scores = torch.matmul(q.view(n, nkv, nh // nkv, hd), keys.transpose(-1, -2))
+                out = self._attend(scores, where, values, layer.sinks)  # [n, nkv, group, hd]
             h = self._rest(layer, h, out.reshape(n, nh * hd), lora)
         normed = self.final_norm(h)
         logits = self.logits(normed)
@@ -470,6 +499,7 @@ class LlamaForward:
         key = torch.arange(before + width, device=ids.device)[None, :]
         allowed = (key <= query) & (mask.bool()[:, None, :] | (key == query))  # [rows, q, k]
         masks = {None: ~allowed[:, None, None]}  # [rows, 1, 1, query, key] by window
+        own = mask.long().sum(-1).tolist() if self.deterministic else []  # each row's keys
         cache = DynamicCache()
         for i, layer in enumerate(self.layers):
             blocked = masks.get(layer.window)
@@ -494,8 +524,11 @@ class LlamaForward:
                 v = torch.cat((past.layers[i].values, v), 2)
             cache.update(k, v, i)
             q = q.view(rows, width, nkv, group, hd).permute(0, 2, 3, 1, 4)
-            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))
-            out = self._attend(scores, blocked, v.unsqueeze(2), layer.sinks)
+            if self.deterministic:  # each row over its own columns
+                out = self._attend_rows(q, k, v, blocked, layer.sinks, own)
+            else:
+                scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))
+                out = self._attend(scores, blocked, v.unsqueeze(2), layer.sinks)
             out = out.permute(0, 3, 1, 2, 4).reshape(rows, width, nh * hd)
             h = self._rest(layer, h, out, lora)
             if deepstack is not None and i < len(deepstack[1]):
@@ -509,7 +542,8 @@ class LlamaForward:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over final (normed) hidden states (soft-capped where the model caps)."""
-        logits = head_logits(self.lm_head, hidden)  # (in float32: --enable-fp32-lm-head)
+        # (in float32: --enable-fp32-lm-head; a fixed number of rows at a time: deterministic)
+        logits = head_logits(self.lm_head, hidden, invariant_linear if self.deterministic else None)
         if self.logit_cap is not None:
             logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
         if self.logit_div is not None:
@@ -543,9 +577,9 @@ class LlamaForward:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (rotated) and v of normed ``x`` ``[..., hidden]``, as ``[..., heads, hd]``."""
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        y = F.linear(x, layer.qkv, layer.qkv_bias)
+        y = layer.linear(x, layer.qkv, layer.qkv_bias)
         if lora is not None:
-            lora.add(layer.index, "qkv", x, y)
+            lora.add(layer.index, "qkv", x, y, layer.linear)
         lead = y.shape[:-1]
         if layer.heads_first:  # GPT-NeoX's: [heads, q | k | v]
             y = y.view(*lead, nh, 3 * hd)
@@ -612,6 +646,37 @@ class LlamaForward:
             out[kind] = (cos, sin)
         return out
 
+    def _attend_rows(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        blocked: torch.Tensor,
+        sinks: torch.Tensor | None,
+        own: list[int],
+    ) -> torch.Tensor:
+        """``_attend`` a row at a time over that row's own columns (batch-invariant): ``q``
+        ``[rows, kv heads, group, queries, hd]``, ``keys``/``values`` ``[rows, kv heads,
+        columns, hd]``, ``blocked`` ``[rows, 1, 1, queries, columns]`` (True: not attended),
+        ``own[r]``: how many of the last columns are row ``r``'s (before them: left padding,
+        or other rows' columns); its queries before those (padding) get zeros, which nothing
+        reads."""
+        queries, columns = q.shape[3], keys.shape[2]
+        out = q.new_zeros(q.shape)
+        alike: dict[int, list[int]] = {}  # rows of one length go together: a batched product
+        for r, count in enumerate(own):  # computes each of its items as it does one alone
+            alike.setdefault(count, []).append(r)
+        for count, rows in alike.items():
+            first = columns - count
+            asked = max(0, queries - count)  # their queries on their own columns
+            at = torch.tensor(rows, device=q.device)
+            keys_r = keys[at, :, first:].unsqueeze(2)  # [rows, kv heads, 1, count, hd]
+            scores = torch.matmul(q[at, :, :, asked:], keys_r.transpose(-1, -2))
+            where = blocked[at, :, :, asked:, first:]
+            values_r = values[at, :, first:].unsqueeze(2)
+            out[at, :, :, asked:] = self._attend(scores, where, values_r, sinks)
+        return out
+
     def _attend(
         self,
         scores: torch.Tensor,
@@ -640,9 +705,9 @@ class LlamaForward:
         """The output projection, the residuals and the MLP (or the mixture of experts, to
         which adapters do not apply)."""
         if layer.experts is not None:
-            o = F.linear(attended, layer.o.weight, layer.o.bias)
+            o = layer.linear(attended, layer.o.weight, layer.o.bias)
             if lora is not None:
-                lora.add(layer.index, "o", attended, o)
+                lora.add(layer.index, "o", attended, o, layer.linear)
             h = h + o
             normed = layer.mlp_norm(h)
             step = normed.dim() == 2  # a decode step's rows: one token each
@@ -653,25 +718,25 @@ class LlamaForward:
         if layer.after_attn is not None:  # Gemma's, OLMo's
             return LlamaForward._post_norm_rest(layer, h, attended, lora)
         if lora is None and layer.residual is None and not layer.parallel:
-            h = h + F.linear(attended, layer.o.weight, layer.o.bias)
-            z = F.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
+            h = h + layer.linear(attended, layer.o.weight, layer.o.bias)
+            z = layer.linear(layer.mlp_norm(h), layer.gate_up, layer.gate_up_bias)
             gated = _activated(layer, z)
-            return h + F.linear(gated, layer.down.weight, layer.down.bias)
+            return h + layer.linear(gated, layer.down.weight, layer.down.bias)
         i, scale = layer.index, layer.residual
-        o = F.linear(attended, layer.o.weight, layer.o.bias)
+        o = layer.linear(attended, layer.o.weight, layer.o.bias)
         if lora is not None:
-            lora.add(i, "o", attended, o)
+            lora.add(i, "o", attended, o, layer.linear)
         normed = layer.mlp_norm(h) if layer.parallel else None  # (of the layer's input)
         h = h + (o if scale is None else o * scale)
         if normed is None:
             normed = layer.mlp_norm(h)
-        z = F.linear(normed, layer.gate_up, layer.gate_up_bias)
+        z = layer.linear(normed, layer.gate_up, layer.gate_up_bias)
         if lora is not None:
-            lora.add(i, "gate_up", normed, z)
+            lora.add(i, "gate_up", normed, z, layer.linear)
         gated = _activated(layer, z)
-        down = F.linear(gated, layer.down.weight, layer.down.bias)
+        down = layer.linear(gated, layer.down.weight, layer.down.bias)
         if lora is not None:
-            lora.add(i, "down", gated, down)
+            lora.add(i, "down", gated, down, layer.linear)
         return h + (down if scale is None else down * scale)
 
     @staticmethod
@@ -681,18 +746,18 @@ class LlamaForward:
         """``_rest`` of Gemma's and OLMo's layers: the attention's output normed before its
         residual, the MLP's likewise (after Gemma's norm before it)."""
         assert layer.after_attn is not None and layer.after_mlp is not None
-        o = F.linear(attended, layer.o.weight, layer.o.bias)
+        o = layer.linear(attended, layer.o.weight, layer.o.bias)
         if lora is not None:
-            lora.add(layer.index, "o", attended, o)
+            lora.add(layer.index, "o", attended, o, layer.linear)
         h = h + layer.after_attn(o)
         normed = layer.mlp_norm(h)
-        z = F.linear(normed, layer.gate_up, layer.gate_up_bias)
+        z = layer.linear(normed, layer.gate_up, layer.gate_up_bias)
         if lora is not None:
-            lora.add(layer.index, "gate_up", normed, z)
+            lora.add(layer.index, "gate_up", normed, z, layer.linear)
         gated = _activated(layer, z)
-        down = F.linear(gated, layer.down.weight, layer.down.bias)
+        down = layer.linear(gated, layer.down.weight, layer.down.bias)
         if lora is not None:
-            lora.add(layer.index, "down", gated, down)
+            lora.add(layer.index, "down", gated, down, layer.linear)
         return h + layer.after_mlp(down)
 
 

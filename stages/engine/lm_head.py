@@ -12,6 +12,7 @@ the same either way.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,13 +36,18 @@ def use_fp32(head: torch.nn.Module) -> None:
     head.forward = types.MethodType(_fp32_forward, head)  # type: ignore[method-assign]
 
 
-def logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``head``'s logits of ``hidden``: in float32 after ``use_fp32``, else in its dtype."""
+def logits(
+    head: torch.nn.Module, hidden: torch.Tensor, linear: Callable[..., torch.Tensor] | None = None
+) -> torch.Tensor:
+    """``head``'s logits of ``hidden``: in float32 after ``use_fp32``, else in its dtype; the
+    product by ``linear`` (None: ``F.linear``; ``batch_invariant.linear`` in that mode)."""
     if getattr(head, _MARK, False):
-        return _fp32_forward(head, hidden)
-    return F.linear(hidden, head.weight, head.bias)
+        return _fp32_forward(head, hidden, linear)
+    return (linear or F.linear)(hidden, head.weight, head.bias)
 
 
-def _fp32_forward(head: Any, hidden: torch.Tensor) -> torch.Tensor:
+def _fp32_forward(
+    head: Any, hidden: torch.Tensor, linear: Callable[..., torch.Tensor] | None = None
+) -> torch.Tensor:
     bias = None if head.bias is None else head.bias.float()
-    return F.linear(hidden.float(), head.weight.float(), bias)
+    return (linear or F.linear)(hidden.float(), head.weight.float(), bias)

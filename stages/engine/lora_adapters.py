@@ -257,14 +257,17 @@ class RowAdapters:
             return None
         return cls([(a, torch.tensor(r, device=device)) for a, r in rows.items()])
 
-    def add(self, layer: int, slot: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """``y += (x A^T) B^T`` on each group's rows for ``slot`` of ``layer`` (in place)."""
+    def add(
+        self, layer: int, slot: str, x: torch.Tensor, y: torch.Tensor, linear: Any = F.linear
+    ) -> None:
+        """``y += (x A^T) B^T`` on each group's rows for ``slot`` of ``layer`` (in place), the
+        products by ``linear`` (``batch_invariant.linear`` in that mode)."""
         for adapter, rows in self.groups:
             pair = adapter.layers[layer].get(slot)
             if pair is None:
                 continue
             a, b = pair
             if rows is None:
-                y.add_(F.linear(F.linear(x, a), b))
+                y.add_(linear(linear(x, a), b))
             else:
-                y.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b))
+                y.index_add_(0, rows, linear(linear(x.index_select(0, rows), a), b))

@@ -67,6 +67,7 @@ import torch
 
 from pipeline.processes import name_thread
 from stages.engine.aborts import ABORTED_COMPILING, ABORTED_RUNNING, ABORTED_WAITING
+from stages.engine.batch_invariant import DEFAULT_SEED
 from stages.engine.custom_logits import LogitProcessors, RequestView
 from stages.engine.engine_metrics import EngineMetrics, scheduler_stats
 from stages.engine.expert_distribution import ExpertDistributionRecorder
@@ -584,6 +585,7 @@ class Scheduler:
         mamba_memory_ratio: float | None = None,
         mamba_ssm_dtype: str | None = None,
         fp32_lm_head: bool = False,
+        deterministic: bool = False,
         auto_truncate: bool = False,
         preferred_sampling_params: Mapping[str, Any] | None = None,
         lora: bool = True,
@@ -752,6 +754,26 @@ class Scheduler:
         if self._state_types is not None and kind not in _CONTINUES_STATES:
             if prefix_cache_tokens > 0:
                 log.info("prefix_cache_off", reason="its layers cannot go on from a kept state")
+            prefix_cache_tokens = 0
+        # SGLang's --enable-deterministic-inference: a request's floats are what they are
+        # alone, whatever runs beside it (stages.engine.batch_invariant)
+        self.deterministic = deterministic
+        if deterministic:
+            if self._fast is None:
+                raise ValueError(
+                    "--enable-deterministic-inference: the engine's batch-invariant passes are "
+                    f"its own, and this model runs on transformers' ({self.forward_path_why})"
+                )
+            try:
+                self._fast.batch_invariant()
+            except ValueError as exc:
+                raise ValueError(f"--enable-deterministic-inference: {exc}") from None
+            if prefix_cache_tokens > 0:  # (SGLang's words, for its backends without one)
+                log.warning(
+                    "prefix_cache_off",
+                    reason="Currently radix cache is not compatible with the built-in engine's "
+                    "attention for deterministic inference.",
+                )
             prefix_cache_tokens = 0
         self._prefix = (
             PrefixCache(
@@ -1218,6 +1240,10 @@ class Scheduler:
         field if it cannot be)."""
         now = []
         for seqs in groups:
+            if self.deterministic:  # a row without a seed draws with SGLang's, 42
+                for seq in seqs:
+                    if seq.generator is None:
+                        seq.generator = torch.Generator().manual_seed(DEFAULT_SEED)
             images = _unready_images(seqs)
             if images and on_loop:
                 self._prepare_later(seqs, images)

@@ -809,6 +809,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "mamba_full_memory_ratio": scheduler.mamba_memory_ratio,
             "mamba_ssm_dtype": scheduler.mamba_ssm_dtype,
             "enable_fp32_lm_head": scheduler.fp32_lm_head,
+            "enable_deterministic_inference": scheduler.deterministic,
             # resolved as SGLang resolves them (parallel_hook.py: the buffer 1000 with a mode)
             "expert_distribution_recorder_mode": None if recorder is None else recorder.mode,
             "expert_distribution_recorder_buffer_size": (
@@ -1129,6 +1130,13 @@ def _parser() -> argparse.ArgumentParser:
         help="a model with linear-attention layers: the prefix cache's states take at most this "
         "times the bytes of --prefix-cache-tokens tokens of its KV (SGLang's flag, default "
         f"{MAMBA_FULL_MEMORY_RATIO})",
+    )
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant passes (SGLang's flag): a request's tokens and log-probs are the "
+        "same whatever runs beside it; the prefix cache off, seed 42 for rows without "
+        "sampling_seed; Llama-family dense models on the engine's own passes",
     )
     parser.add_argument(
         "--enable-fp32-lm-head",
@@ -1554,6 +1562,7 @@ def build_scheduler(
         mamba_memory_ratio=args.mamba_full_memory_ratio,
         mamba_ssm_dtype=args.mamba_ssm_dtype,
         fp32_lm_head=args.enable_fp32_lm_head,
+        deterministic=args.enable_deterministic_inference,
         auto_truncate=args.allow_auto_truncate,
         preferred_sampling_params=args.preferred_sampling_params,
         lora=args.enable_lora,

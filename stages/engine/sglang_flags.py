@@ -679,8 +679,6 @@ REASONS = {
     "--pipeline-parallel-size": "the built-in engine runs a model on one device (--tp-size 1)",
     "--nnodes": "the built-in engine runs a model on one device (--tp-size 1)",
     "--enable-dp-attention": "the built-in engine runs a model on one device (--tp-size 1)",
-    "--enable-deterministic-inference": "the built-in engine's passes batch rows together, "
-    "and a row's floats may round otherwise in another batch",
     "--config": "give the flags on the command line",
     "--base-gpu-id": "pick the device with --device cuda:N",
 }

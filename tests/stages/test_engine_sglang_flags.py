@@ -102,7 +102,7 @@ def test_a_command_line_written_for_sglang_parses_and_says_what_it_takes(
     assert (given.enable_lora, given.lora_by_paths) == (True, True)
     assert parse_args(["--model", "m"]).enable_lora is False
     said = _refusal(
-        ["--quantization", "fp8", "--dp-size", "2", "--enable-deterministic-inference",
+        ["--quantization", "fp8", "--dp-size", "2", "--rl-on-policy-target", "fsdp",
          "--speculative-num-steps", "3", "--chunked-prefill-size", "4096"],
         capsys,
     )  # fmt: skip
@@ -110,10 +110,10 @@ def test_a_command_line_written_for_sglang_parses_and_says_what_it_takes(
     assert lines == [
         "--dp-size 2: SGLang's flag, not taken: one engine serves one replica; run more "
         "engines (a generator's engines)",
-        "--enable-deterministic-inference: SGLang's flag, not taken: the built-in engine's "
-        "passes batch rows together, and a row's floats may round otherwise in another batch",
         "--quantization fp8: SGLang's flag, not taken: the built-in engine runs the "
         "checkpoint's own weights in --dtype",
+        "--rl-on-policy-target fsdp: SGLang's flag, not taken: the built-in engine does not "
+        "serve it",
         "--speculative-num-steps 3: SGLang's flag, not taken: the built-in engine does not "
         "serve it",
     ]

@@ -1,0 +1,132 @@
+"""SGLang's ``--enable-deterministic-inference`` on the engine's own passes
+(``stages.engine.batch_invariant``): a request's tokens and log-probs are bit for bit the same
+alone and in batches of other requests that join and leave at other steps, greedy and sampled
+(a row without ``sampling_seed`` draws with SGLang's 42); they are still the model's (transformers'
+whole forward within the float tolerance). Without the flag the same batches differ in the last
+bits. Models whose passes cannot be made so are refused at start, naming why."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from stages.engine.protocol import GenerateInput, SamplingParams
+from stages.engine.scheduler import Scheduler
+from stages.engine.server import parse_args
+from tests.numerics import assert_close, forward_terms
+from tests.stages.test_engine_linear_attention import CONFIGS as HYBRIDS
+from tests.stages.test_engine_linear_attention import _model as _hybrid
+from tests.stages.test_engine_llama_forward import CONFIGS, EAGER_ONLY, _model
+
+# Llama's layer, q/k norms with a head width of their own, sliding windows of 4 on every
+# layer, and Gemma 2's (soft caps, a sliding layer then a full one, four norms)
+FAMILIES = ["llama", "qwen3", "mistral-sliding", "gemma2"]
+V = 97  # (SIZES' vocabulary)
+STEPS = 6
+
+
+def _runs(model: torch.nn.Module, deterministic: bool, temperature: float) -> list[dict]:
+    """Each of 8 prompts' (tokens, log-probs): alone, then in two batch layouts (two waves
+    joining at different steps)."""
+    rng = random.Random(3)
+    # (lengths shared: rows of one length attend together)
+    prompts = [[rng.randrange(3, V) for _ in range(n)] for n in (5, 9, 5, 14, 9, 9, 21, 14)]
+    params = SamplingParams(max_new_tokens=STEPS, temperature=temperature, ignore_eos=True)
+    layouts = (
+        [[[i]] for i in range(8)],
+        [[[0, 1, 2, 3], [4, 5, 6, 7]]],
+        [[[7, 2], [0, 1, 3, 4, 5, 6]]],
+    )
+    answers = []
+    for layout in layouts:
+        got: dict[int, Any] = {}
+        for waves in layout:
+            scheduler = Scheduler(model, max_running=16, deterministic=deterministic)
+            futures = []
+            for wave in waves:
+                inputs = [GenerateInput(f"p{i}", prompts[i], params, True) for i in wave]
+                futures.append((wave, scheduler.submit_many(inputs)))
+                for _ in range(2):
+                    scheduler.step()
+            scheduler.run_until_idle()
+            for wave, future in futures:
+                for i, result in zip(wave, future.result(timeout=10), strict=True):
+                    got[i] = (result.output_ids, result.output_token_logprobs)
+        answers.append(got)
+    return [prompts, *answers]
+
+
+@pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.inference_mode()
+def test_a_request_answers_alike_alone_and_in_any_batch(family: str) -> None:
+    model = _model(CONFIGS[family](), "eager" if family in EAGER_ONLY else "sdpa")
+    for temperature in (0.0, 1.0):
+        prompts, alone, first, second = _runs(model, True, temperature)
+        assert alone == first == second, family
+    # still the model's answers: greedy, as transformers' whole forwards
+    prompts, alone, _, _ = _runs(model, True, 0.0)
+    terms = forward_terms(model.config, 32)
+    for i, prompt in enumerate(prompts):
+        ids = list(prompt)
+        want = []
+        for _ in range(STEPS):
+            lps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+            ids.append(int(lps.argmax()))
+            want.append(float(lps[ids[-1]]))
+        assert alone[i][0] == ids[len(prompt) :], (family, i)
+        assert_close(alone[i][1], want, terms=terms)
+    # without the flag, batches round otherwise (what the flag is for)
+    _, alone, first, second = _runs(model, False, 0.0)
+    assert alone != first or alone != second
+
+
+@pytest.mark.timeout(60)
+def test_models_whose_passes_cannot_be_made_batch_invariant_are_refused() -> None:
+    with pytest.raises(ValueError, match="mixture of experts runs each expert"):
+        Scheduler(_model(CONFIGS["qwen3_moe"]()), deterministic=True)
+    with pytest.raises(ValueError, match="latent attention's passes"):
+        Scheduler(_model(CONFIGS["deepseek_v2"]()), deterministic=True)
+    with pytest.raises(ValueError, match="runs on transformers'"):
+        Scheduler(_hybrid(HYBRIDS["qwen3_5"]()), deterministic=True)
+    with pytest.raises(ValueError, match=r"transformers' \(turned off\)"):
+        Scheduler(_model(CONFIGS["llama"]()), deterministic=True, fast_forward=False)
+    on = Scheduler(_model(CONFIGS["llama"]()), deterministic=True)
+    assert on.deterministic and on.prefix_cache_stats()["enabled"] is False
+    assert parse_args(
+        ["--model", "m", "--enable-deterministic-inference"]
+    ).enable_deterministic_inference
+
+
+@pytest.mark.timeout(60)
+@torch.inference_mode()
+def test_samples_without_a_seed_draw_with_42_and_with_seeds_of_their_own_differ() -> None:
+    """As SGLang's deterministic sampling: a request's samples without ``sampling_seed`` all
+    draw with 42, alike (the generator gives each its own: ``sampling.seed``)."""
+    scheduler = Scheduler(_model(CONFIGS["llama"]()), max_running=8, deterministic=True)
+    prompt = [5, 9, 13, 40]
+
+    def draws(seeds: list[int | None]) -> list[list[int]]:
+        inputs = [
+            GenerateInput(
+                f"s{i}",
+                prompt,
+                SamplingParams(
+                    max_new_tokens=8, temperature=1.0, ignore_eos=True, sampling_seed=seed
+                ),
+                True,
+            )
+            for i, seed in enumerate(seeds)
+        ]
+        future = scheduler.submit_many(inputs)
+        scheduler.run_until_idle()
+        return [r.output_ids for r in future.result(timeout=10)]
+
+    unseeded = draws([None, None, None])
+    assert unseeded[0] == unseeded[1] == unseeded[2] == draws([42])[0]
+    seeded = draws([1, 2, 3])
+    assert len({tuple(ids) for ids in seeded}) == 3
