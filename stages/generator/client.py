@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -125,15 +126,36 @@ def _token_list(ids: Sequence[int] | np.ndarray) -> list[int]:
 REQUEST_FIELDS = ("require_reasoning", "max_thinking_tokens", "custom_logit_processor")
 
 
+# among sampling parameters: a base from which each sample's sampling_seed is made
+# (SamplingConfig.seed), never sent as such
+SEED_EACH_SAMPLE = "seed_each_sample"
+
+
 def _generate_body(input_ids: Any, sampling_params: Mapping[str, Any], rid: Any) -> dict:
     """A ``/generate`` body: one prompt and rid, or lists of them; log-probs always asked;
-    ``REQUEST_FIELDS`` among ``sampling_params`` lifted to the top level."""
+    ``REQUEST_FIELDS`` among ``sampling_params`` lifted to the top level; with
+    ``SEED_EACH_SAMPLE``, each sample's ``sampling_seed`` made of it and its rid (a list of
+    sampling parameters for a list of rids, as SGLang takes them)."""
     sampling = dict(sampling_params)
     body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True, "rid": rid}
     for name in REQUEST_FIELDS:
         if name in sampling:
             body[name] = sampling.pop(name)
+    base = sampling.pop(SEED_EACH_SAMPLE, None)
+    if base is not None:
+        if isinstance(rid, list):
+            body["sampling_params"] = [
+                {**sampling, "sampling_seed": sample_seed(base, one)} for one in rid
+            ]
+        else:
+            sampling["sampling_seed"] = sample_seed(base, rid)
     return body
+
+
+def sample_seed(base: int, rid: str) -> int:
+    """A sample's ``sampling_seed``: made of ``base`` and its ``rid`` (in [0, 2**63))."""
+    digest = hashlib.blake2b(f"{base}:{rid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def _token_versions(meta: Mapping[str, Any], n: int) -> np.ndarray:

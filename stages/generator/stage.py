@@ -68,6 +68,7 @@ from stages import rollout_batch
 from stages.engine.auth import engine_api_key
 from stages.engine.custom_logits import SHIPPED, sglang_string
 from stages.generator.client import (
+    SEED_EACH_SAMPLE,
     Completion,
     EngineClient,
     EngineError,
@@ -145,6 +146,15 @@ class SamplingConfig:
         default=None,
         metadata={"doc": "what the processor reads of each request (token_ids, thinking_budget)"},
     )
+    seed: int | None = field(
+        default=None,
+        metadata={
+            "doc": "each sample draws with a seed of its own (SGLang's sampling_seed, made of "
+            "this and the sample's rid): needed with engines started with "
+            "--enable-deterministic-inference, where samples without one all draw with seed "
+            "42 and a group's come out alike (set to 0 when launch.extra_args has the flag)"
+        },
+    )
 
     def __post_init__(self) -> None:  # as the engines check them (SGLang's SamplingParams)
         if self.repetition_penalty <= 0:
@@ -185,6 +195,8 @@ class SamplingConfig:
             params["custom_logit_processor"] = sglang_string(processor) if shipped else processor
         if self.custom_params is not None:
             params["custom_params"] = dict(self.custom_params)
+        if self.seed is not None:  # each sample's seed is made of it (client._generate_body)
+            params[SEED_EACH_SAMPLE] = self.seed
         return params
 
 
@@ -252,6 +264,10 @@ class GeneratorConfig:
                 f"sync_batch ({self.sync_batch}) must be a multiple of group_size "
                 f"({self.group_size}): a sync batch is made of whole groups"
             )
+        deterministic = "--enable-deterministic-inference"
+        if self.launch is not None and deterministic in self.launch.extra_args:
+            if self.sampling.seed is None:  # else a group's samples would all be the same
+                self.sampling.seed = 0
         flag = "--enable-custom-logit-processor"
         launched = self.launch is not None and flag not in self.launch.extra_args
         if self.sampling.custom_logit_processor is not None and launched:
@@ -709,9 +725,11 @@ class Generator:
     def _batching(self, engine: str) -> bool:
         """Whether groups for ``engine`` go several to a request: an engine in this process
         (a request costs its checks and bookkeeping, not a round trip), in async mode (a sync
-        batch counts its prompts one by one)."""
+        batch counts its prompts one by one), unless each sample has a seed of its own (a
+        request's body gives each its sampling parameters)."""
         return (
             self.ctx.mode == "async"
+            and SEED_EACH_SAMPLE not in self.params
             and engine not in self.no_groups
             and isinstance(self.clients[engine], InProcessClient)
         )

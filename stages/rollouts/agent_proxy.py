@@ -62,6 +62,7 @@ from stages.engine.protocol import (
 )
 from stages.engine.reasoning import reasoning_tokens
 from stages.engine.streaming import Last
+from stages.generator.client import SEED_EACH_SAMPLE
 from stages.rollouts.api import RequestRefused, RolloutEngine
 from stages.rollouts.trajectory import Trajectory
 
@@ -70,7 +71,7 @@ __all__ = ["AgentProxy", "Episode"]
 POLICY = "policy"  # the model name /models lists
 # the run's win over the agent's (a custom logit processor: the run's, on every sample)
 _RUN_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "custom_logit_processor",
-                 "custom_params")  # fmt: skip
+                 "custom_params", SEED_EACH_SAMPLE)  # fmt: skip
 _UNLIMITED_CONTEXT = 1 << 30
 
 
