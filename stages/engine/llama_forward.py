@@ -53,6 +53,7 @@ both passes to transformers' own logits and caches.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.pytorch_utils import Conv1D
 
 from stages.engine.batch_invariant import linear as invariant_linear
+from stages.engine.batch_invariant import rows_for as invariant_rows
 from stages.engine.latent_attention import LatentAttention, is_latent
 from stages.engine.lm_head import logits as head_logits
 
@@ -288,8 +290,11 @@ class LlamaForward:
         self.rotary = getattr(inner, "rotary_emb", None)
         self.final_norm = _one(inner, "norm", "final_layer_norm", "ln_f", "final_layernorm").forward
         self.lm_head = _first(model, "lm_head", "embed_out")
-        # --enable-deterministic-inference: batch-invariant passes (``batch_invariant()``)
+        # --enable-deterministic-inference: batch-invariant passes (``batch_invariant()``), the
+        # rows of each of their products, and the product that takes them so many at a time
         self.deterministic = False
+        self.invariant_rows: int | None = None
+        self._invariant: Any = None
         # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
         self.clip = getattr(config, "clip_qkv", None)
         kind = getattr(config, "model_type", None)
@@ -386,7 +391,23 @@ class LlamaForward:
                 )
             if layer.latent is not None:
                 raise ValueError("latent attention's passes are not batch-invariant here")
-            layer.linear = invariant_linear
+        head = self.lm_head.weight
+        if getattr(self.lm_head, "_inflight_fp32_head", False):  # (--enable-fp32-lm-head)
+            head = head.float()
+        bias = self.lm_head.bias
+        products = [(head, None if bias is None else bias.to(head.dtype))]
+        for layer in self.layers:
+            products += [
+                (layer.qkv, layer.qkv_bias),
+                (layer.o.weight, layer.o.bias),
+                (layer.gate_up, layer.gate_up_bias),
+                (layer.down.weight, layer.down.bias),
+            ]
+        rows = invariant_rows(products)
+        self.invariant_rows = rows
+        self._invariant = functools.partial(invariant_linear, rows=rows)
+        for layer in self.layers:
+            layer.linear = self._invariant
         self.deterministic = True
 
     @classmethod
@@ -543,7 +564,7 @@ class LlamaForward:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over final (normed) hidden states (soft-capped where the model caps)."""
         # (in float32: --enable-fp32-lm-head; a fixed number of rows at a time: deterministic)
-        logits = head_logits(self.lm_head, hidden, invariant_linear if self.deterministic else None)
+        logits = head_logits(self.lm_head, hidden, self._invariant if self.deterministic else None)
         if self.logit_cap is not None:
             logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
         if self.logit_div is not None:

@@ -768,6 +768,7 @@ class Scheduler:
                 self._fast.batch_invariant()
             except ValueError as exc:
                 raise ValueError(f"--enable-deterministic-inference: {exc}") from None
+            log.info("batch_invariant", rows=self._fast.invariant_rows)
             if prefix_cache_tokens > 0:  # (SGLang's words, for its backends without one)
                 log.warning(
                     "prefix_cache_off",

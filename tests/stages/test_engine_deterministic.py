@@ -130,3 +130,20 @@ def test_samples_without_a_seed_draw_with_42_and_with_seeds_of_their_own_differ(
     assert unseeded[0] == unseeded[1] == unseeded[2] == draws([42])[0]
     seeded = draws([1, 2, 3])
     assert len({tuple(ids) for ids in seeded}) == 3
+
+
+def test_the_rows_found_give_each_row_what_it_is_alone() -> None:
+    """``rows_for``: a number of rows at which each of the products given computes a row
+    alike at any place and beside anything; ``linear`` then matches a row computed alone in
+    a chunk of as many rows."""
+    from stages.engine.batch_invariant import CANDIDATES, linear, rows_for
+
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(96, 48, generator=gen), torch.randn(96, generator=gen)
+    rows = rows_for([(weight, bias), (torch.randn(200, 48, generator=gen), None)])
+    assert rows in CANDIDATES
+    x = torch.randn(3 * rows + 5, 48, generator=gen)
+    whole = linear(x, weight, bias, rows=rows)
+    for i in (0, rows - 1, rows, 3 * rows + 4):
+        alone = torch.cat((x[i : i + 1], x.new_zeros(rows - 1, 48)))
+        assert torch.equal(whole[i], torch.nn.functional.linear(alone, weight, bias)[0])
