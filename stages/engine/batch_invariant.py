@@ -11,9 +11,8 @@ make them depend on it:
   among them, for some numbers and not others: 32 rows on this machine's default kernels, but
   not on MKL's AVX2 ones (``MKL_CBWR=AVX2``), where 16, 24 and 48 rows are. ``rows_for``
   finds, at start, the first number of rows (of ``CANDIDATES``) that is so for each of the
-  model's own
-  products (its weights and biases, on its device, with this machine's kernels), and
-  ``linear`` runs a product that many rows at a time, the last chunk padded with zeros.
+  model's own products (its weights and biases, on its device, with this machine's kernels),
+  and ``linear`` runs a product that many rows at a time, the last chunk padded with zeros.
 - Attention over a batch reduces each row's softmax and its weighted sum over the batch's
   columns, masked ones included: how many there are (the longest row's) changes how the sum
   is split. ``LlamaForward`` then attends over each row's own columns alone, the rows of one

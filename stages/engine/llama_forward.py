@@ -65,6 +65,7 @@ from transformers.pytorch_utils import Conv1D
 from stages.engine.batch_invariant import linear as invariant_linear
 from stages.engine.batch_invariant import rows_for as invariant_rows
 from stages.engine.latent_attention import LatentAttention, is_latent
+from stages.engine.lm_head import is_fp32 as head_is_fp32
 from stages.engine.lm_head import logits as head_logits
 
 if TYPE_CHECKING:
@@ -392,7 +393,7 @@ class LlamaForward:
             if layer.latent is not None:
                 raise ValueError("latent attention's passes are not batch-invariant here")
         head = self.lm_head.weight
-        if getattr(self.lm_head, "_inflight_fp32_head", False):  # (--enable-fp32-lm-head)
+        if head_is_fp32(self.lm_head):  # (--enable-fp32-lm-head)
             head = head.float()
         bias = self.lm_head.bias
         products = [(head, None if bias is None else bias.to(head.dtype))]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fp32_wanted", "logits", "use_fp32"]
+__all__ = ["fp32_wanted", "is_fp32", "logits", "use_fp32"]
 
 _MARK = "_inflight_fp32_head"
 
@@ -36,12 +36,17 @@ def use_fp32(head: torch.nn.Module) -> None:
     head.forward = types.MethodType(_fp32_forward, head)  # type: ignore[method-assign]
 
 
+def is_fp32(head: torch.nn.Module) -> bool:
+    """Whether ``use_fp32`` made ``head`` compute in float32."""
+    return bool(getattr(head, _MARK, False))
+
+
 def logits(
     head: torch.nn.Module, hidden: torch.Tensor, linear: Callable[..., torch.Tensor] | None = None
 ) -> torch.Tensor:
     """``head``'s logits of ``hidden``: in float32 after ``use_fp32``, else in its dtype; the
     product by ``linear`` (None: ``F.linear``; ``batch_invariant.linear`` in that mode)."""
-    if getattr(head, _MARK, False):
+    if is_fp32(head):
         return _fp32_forward(head, hidden, linear)
     return (linear or F.linear)(hidden, head.weight, head.bias)
 
