@@ -409,6 +409,15 @@ class EngineClient:
                 retryable=False,
             )
 
+    async def deterministic(self, timeout_s: float = 5.0) -> bool:
+        """Whether the engine was started with ``--enable-deterministic-inference``
+        (``/server_info``, SGLang's and the built-in engine's; False when it does not say)."""
+        try:
+            info = await self._call("GET", "/server_info", timeout_s=timeout_s)
+        except EngineError:
+            return False
+        return isinstance(info, dict) and info.get("enable_deterministic_inference") is True
+
     async def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
         """SGLang's ``/model_info`` (``/get_model_info`` on a server that has only that name, as
         SGLang 0.5.5 has; 0.5.23 has both and logs a deprecation warning at every call of the

@@ -152,7 +152,8 @@ class SamplingConfig:
             "doc": "each sample draws with a seed of its own (SGLang's sampling_seed, made of "
             "this and the sample's rid): needed with engines started with "
             "--enable-deterministic-inference, where samples without one all draw with seed "
-            "42 and a group's come out alike (set to 0 when launch.extra_args has the flag)"
+            "42 and a group's come out alike (0 when launch.extra_args has the flag or an "
+            "attached engine's /server_info says enable_deterministic_inference)"
         },
     )
 
@@ -416,6 +417,11 @@ class Generator:
         # so does an engine that serves a reward or embedding model
         live = [c for url, c in self.clients.items() if url not in self.down]
         await asyncio.gather(*(c.check_key() for c in live))
+        if SEED_EACH_SAMPLE not in self.params:  # attached engines: are they deterministic?
+            said = await asyncio.gather(*(c.deterministic() for c in live))
+            if any(said):  # without seeds of their own a group's samples would be alike
+                self.params[SEED_EACH_SAMPLE] = 0
+                self.log.info("sample_seeds_on", why="an engine is deterministic")
         self._epoch = -1
         await self._announce_engines()
         if not self.config.rollout.single_turn:
