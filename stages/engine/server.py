@@ -141,7 +141,6 @@ from stages.engine.scheduler import (
 )
 from stages.engine.session_routes import SessionRoutes
 from stages.engine.sessions import Recording, Sessions
-from stages.engine.ssm_dtype import DTYPES as SSM_DTYPES
 from stages.engine.streaming import parse_body, stream_generate, write_events
 from stages.engine.strict_thinking import StrictThinking
 from stages.engine.template_detection import resolve_auto
@@ -1146,7 +1145,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--mamba-ssm-dtype",
-        choices=sorted(SSM_DTYPES),
+        choices=sorted(DTYPES),
         help="a model with linear-attention layers: the dtype their recurrent states are kept "
         "in between passes (SGLang's flag; default: the SGLANG_MAMBA_SSM_DTYPE environment "
         "variable, else the model config's mamba_ssm_dtype, else float32)",

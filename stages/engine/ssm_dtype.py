@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from stages.engine.loader import DTYPES  # SGLang's three names, as --dtype takes them
+
 __all__ = ["DTYPES", "resolve"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENV = "SGLANG_MAMBA_SSM_DTYPE"
 
 
