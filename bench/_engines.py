@@ -46,7 +46,8 @@ def make_model(
     MLP of about 2.7x; seeded); returns its parameter count. ``family="qwen3_5"``: Qwen3.5's
     layout on the same sizes, three gated-delta-net (linear-attention) layers for each
     full-attention one (a key head per 192 of ``hidden``, two value heads a key head, 64
-    wide)."""
+    wide). ``family="qwen3_moe"``: Qwen3-MoE's layout on the same sizes, every layer's MLP 8
+    experts of a quarter of the MLP's width, 2 a token."""
     heads = max(1, hidden // 64)
     kv_heads = heads // 3 if heads % 3 == 0 else heads // 4 if heads % 4 == 0 else heads
     make = Qwen2Config
@@ -67,8 +68,18 @@ def make_model(
                 "full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)
             ],
         }
+    elif family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        make = Qwen3MoeConfig
+        extra = {
+            "head_dim": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": hidden * 2 // 3,
+        }
     elif family != "qwen2":
-        raise ValueError(f"family: 'qwen2' or 'qwen3_5', got {family!r}")
+        raise ValueError(f"family: 'qwen2', 'qwen3_5' or 'qwen3_moe', got {family!r}")
     config = make(
         **extra,
         vocab_size=vocab,

@@ -16,27 +16,50 @@ make them depend on it:
 - Attention over a batch reduces each row's softmax and its weighted sum over the batch's
   columns, masked ones included: how many there are (the longest row's) changes how the sum
   is split. ``LlamaForward`` then attends over each row's own columns alone, the rows of one
-  length together (a batched product computes each of its items as it computes one alone).
+  length together (a batched product of contiguous operands computes each of its items as it
+  computes one alone; of strided ones, on baseline kernels, not).
+- Some elementwise kernels (sigmoid, silu, softplus, gelu: measured) round an element
+  otherwise by where it falls in their loop over a contiguous tensor, which depends on how
+  many rows there are. ``by_rows`` runs such a function with the rows laid apart, so that it
+  loops over each alike; a gate's half of a gate/up product is apart already.
+- A dynamic or LongRoPE rotary embedding takes its frequencies by the largest position it is
+  given (the batch's); ``LlamaForward`` then gives it each row's positions alone.
 
-Elementwise operations and the norms (a reduction within one token's vector) do not depend on
-the other rows. What remains is SGLang's own list: the prefix cache is turned off (a prompt
+The norms (a reduction within one token's vector), exp, tanh and the arithmetic do not depend
+on the other rows. What remains is SGLang's own list: the prefix cache is turned off (a prompt
 computed on top of a cached prefix splits its products otherwise; SGLang turns its radix cache
 off for backends without batch-invariant prefix attention), a row without ``sampling_seed``
 draws with seed 42 (SGLang's), and a retracted request's re-prefill computes its tokens in one
-pass where they were computed a step at a time. Mixtures of experts (a layer's experts run on
-however many tokens were routed to each), latent attention and the models that run on
+pass where they were computed a step at a time. Latent attention and the models that run on
 transformers' passes are refused with the flag.
+
+A mixture of experts runs each expert on however many tokens were routed to it, and its router
+and shared experts on the batch's tokens, all in the model's own module. ``Products`` runs that
+module with every product in it (``F.linear``, and ``x @ w`` with a 2-D ``w``, transformers'
+per-expert loop, its ``eager`` experts implementation) made a fixed number of rows at a time
+too; ``products_in`` lists those products, for ``rows_for``. Each token's experts are then added
+up in the experts' order, as they are alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["CANDIDATES", "DEFAULT_SEED", "linear", "rows_for"]
+__all__ = [
+    "CANDIDATES",
+    "DEFAULT_SEED",
+    "Products",
+    "by_rows",
+    "linear",
+    "products_in",
+    "rows_apart",
+    "rows_for",
+]
 
 # the numbers of rows tried, in this order: on this CPU 32 rows cost 1.5-2.0x 8 rows' time,
 # and 64 rows as two products of 32 cost 1.1-1.5x one of 64 (16: 1.1-1.8x and 1.4-2.2x)
@@ -88,3 +111,92 @@ def _alike(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gen: Any)
             return False
     padded = torch.cat((x[:3], x.new_zeros(rows - 3, width)))
     return torch.equal(F.linear(padded, weight, bias)[:3], alone[:3])
+
+
+_MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
+# functions whose kernels round an element otherwise by where it falls in a contiguous
+# tensor's loop (measured on this machine's three kernel settings: sigmoid, silu, softplus and
+# gelu; not exp, tanh, erf, cos, sin, rsqrt), which depends on how many rows there are
+_ROUNDED_BY_PLACE = frozenset(
+    {torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.silu, F.gelu, F.softplus}
+)
+_Product = tuple[torch.Tensor, torch.Tensor | None]
+
+
+class Products(TorchFunctionMode):
+    """While entered (on this thread), every ``F.linear`` and every ``x @ w`` of a 2-D ``w``
+    (as ``F.linear(x, w.mT)``) runs ``rows`` rows at a time (``linear``); with ``rows``
+    None, each runs as it is and its ``(weight, bias)`` goes to ``seen``."""
+
+    def __init__(self, rows: int | None, seen: list[_Product] | None = None) -> None:
+        super().__init__()
+        self.rows = rows
+        self.seen = seen
+
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.rows is not None and func in _ROUNDED_BY_PLACE:
+            return _by_rows(func, args, kwargs)
+        product = _product(func, args, kwargs)
+        if product is None:
+            return func(*args, **kwargs)
+        x, weight, bias = product
+        if self.rows is None:
+            if self.seen is not None:
+                self.seen.append((weight, bias))
+            return func(*args, **kwargs)
+        return linear(x, weight, bias, rows=self.rows)
+
+
+def _product(func: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any] | None:
+    """(x, weight, bias) of a call that is ``F.linear(x, weight, bias)``; None otherwise."""
+    if func is F.linear:
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        return args[0], args[1], bias
+    if func in _MATMULS and not kwargs and len(args) == 2:
+        x, w = args
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and x.dim() >= 2:
+            return x, w.mT, None
+    return None
+
+
+def by_rows(func: Callable, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``func(x, *args, **kwargs)`` (elementwise) with ``x``'s rows (its last dim) laid apart,
+    a gap after each, and a row of zeros after them: the kernel then runs its loop over each
+    row, the same for every row however many there are (one element a row, a shared
+    expert's gate, included), where a contiguous tensor's elements go through one loop whose
+    vectorized part and scalar rest fall by the number of rows, and a single row's through
+    another."""
+    width = x.shape[-1]
+    flat = x.reshape(-1, width)
+    rows = flat.shape[0]
+    laid = flat.new_zeros(rows + 1, width + 1)[:, :width]
+    laid[:rows] = flat
+    return func(laid, *args, **kwargs)[:rows].reshape(x.shape)
+
+
+def rows_apart(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """``act`` (an activation) computed ``by_rows``."""
+    return lambda x: by_rows(act, x) if x.dim() > 1 and x.numel() else act(x)
+
+
+def _by_rows(func: Callable, args: tuple, kwargs: dict) -> Any:
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or kwargs.get("inplace") or not x.numel():
+        return func(*args, **kwargs)
+    return by_rows(func, x, *args[1:], **kwargs)
+
+
+@torch.no_grad()
+def products_in(module: torch.nn.Module, width: int, like: torch.Tensor) -> list[_Product]:
+    """The products ``module`` (a mixture of experts' block) computes on a few tokens of
+    ``width`` (of ``like``'s dtype and device): its router's, its shared experts', and one
+    routed expert's of each shape (its experts are alike)."""
+    seen: list[_Product] = []
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randn(1, 4, width, generator=gen).to(like.device, like.dtype)
+    with Products(None, seen):
+        module(tokens)
+    return seen

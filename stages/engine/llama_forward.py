@@ -53,6 +53,7 @@ both passes to transformers' own logits and caches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import TYPE_CHECKING, Any
@@ -62,7 +63,10 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 from transformers.pytorch_utils import Conv1D
 
+from stages.engine.batch_invariant import Products as InvariantProducts
 from stages.engine.batch_invariant import linear as invariant_linear
+from stages.engine.batch_invariant import products_in as invariant_products
+from stages.engine.batch_invariant import rows_apart as invariant_rows_apart
 from stages.engine.batch_invariant import rows_for as invariant_rows
 from stages.engine.latent_attention import LatentAttention, is_latent
 from stages.engine.lm_head import is_fp32 as head_is_fp32
@@ -150,6 +154,7 @@ class _Layer:
         "attn_norm",
         "down",
         "experts",
+        "experts_products",
         "gate_up",
         "gate_up_bias",
         "gated",
@@ -185,6 +190,8 @@ class _Layer:
         self.index = index
         # its products' function: F.linear, or batch_invariant.linear (batch_invariant())
         self.linear: Any = F.linear
+        # what a mixture of experts' block runs within: nothing, or batch_invariant.Products
+        self.experts_products: Any = contextlib.nullcontext()
         self.window = window  # a sliding-window layer's: it attends to its last this many
         self.rope = rope  # its rotary table (Gemma 3's differ by layer type; None: the one)
         self.rotate = rotate  # False: no rotary embedding (SmolLM3's NoPE layers)
@@ -294,6 +301,7 @@ class LlamaForward:
         # --enable-deterministic-inference: batch-invariant passes (``batch_invariant()``), the
         # rows of each of their products, and the product that takes them so many at a time
         self.deterministic = False
+        self._rope_by_length = False  # (a dynamic or LongRoPE rotary embedding: _table)
         self.invariant_rows: int | None = None
         self._invariant: Any = None
         # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
@@ -383,13 +391,8 @@ class LlamaForward:
     def batch_invariant(self) -> None:
         """From now on every row's floats are what they are alone (``stages.engine.
         batch_invariant``): its products a fixed number of rows at a time, its attention over
-        its own columns. ValueError for layers that cannot be (experts, latent attention)."""
+        its own columns. ValueError for layers that cannot be (latent attention)."""
         for layer in self.layers:
-            if layer.experts is not None:
-                raise ValueError(
-                    "a mixture of experts runs each expert on the tokens routed to it, however "
-                    "many: its products are not batch-invariant"
-                )
             if layer.latent is not None:
                 raise ValueError("latent attention's passes are not batch-invariant here")
         head = self.lm_head.weight
@@ -398,17 +401,34 @@ class LlamaForward:
         bias = self.lm_head.bias
         products = [(head, None if bias is None else bias.to(head.dtype))]
         for layer in self.layers:
-            products += [
-                (layer.qkv, layer.qkv_bias),
-                (layer.o.weight, layer.o.bias),
-                (layer.gate_up, layer.gate_up_bias),
-                (layer.down.weight, layer.down.bias),
-            ]
+            products += [(layer.qkv, layer.qkv_bias), (layer.o.weight, layer.o.bias)]
+            if layer.experts is None:
+                products += [
+                    (layer.gate_up, layer.gate_up_bias),
+                    (layer.down.weight, layer.down.bias),
+                ]
+                continue
+            # the experts one at a time over their tokens (transformers' eager loop), each
+            # product of the block (router, shared experts, experts) run as the rest
+            for module in layer.experts.modules():
+                if hasattr(module, "has_gate"):  # (transformers' use_experts_implementation)
+                    module.config._experts_implementation = "eager"
+            weight = layer.o.weight
+            products += invariant_products(layer.experts, weight.shape[0], weight)
         rows = invariant_rows(products)
         self.invariant_rows = rows
+        kinds = getattr(self.rotary, "rope_type", None)
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+        self._rope_by_length = any(
+            isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds
+        )
         self._invariant = functools.partial(invariant_linear, rows=rows)
         for layer in self.layers:
             layer.linear = self._invariant
+            if layer.experts is not None:
+                layer.experts_products = InvariantProducts(rows)
+            elif not layer.gated:  # (a gate's slice has its rows apart already)
+                layer.act = invariant_rows_apart(layer.act)
         self.deterministic = True
 
     @classmethod
@@ -651,7 +671,7 @@ class LlamaForward:
         if self.rotary is None:  # (GPT-2's: positions come with the embeddings)
             return {None: (None, None)}
         for kind in self._ropes:
-            table = self.rotary(h, positions) if kind is None else self.rotary(h, positions, kind)
+            table = self._table(h, positions, kind)
             if isinstance(table, torch.Tensor):  # DeepSeek-V2's: each pair's e^(i angle)
                 cos = torch.cat((table.real, table.real), -1).to(h.dtype)
                 sin = torch.cat((table.imag, table.imag), -1).to(h.dtype)
@@ -667,6 +687,18 @@ class LlamaForward:
                 sin = sin[..., :half].repeat_interleave(2, -1)
             out[kind] = (cos, sin)
         return out
+
+    def _table(self, h: torch.Tensor, positions: torch.Tensor, kind: str | None) -> Any:
+        """The rotary embedding's table for ``positions`` ``[rows, width]``: a dynamic or
+        LongRoPE one takes its frequencies by the largest position it is given (transformers'
+        ``dynamic_rope_update``), so the batch's, where deterministic passes take each row's."""
+        args = () if kind is None else (kind,)
+        if not (self.deterministic and self._rope_by_length) or positions.dim() != 2:
+            return self.rotary(h, positions, *args)
+        rows = [self.rotary(h[r : r + 1], positions[r : r + 1], *args) for r in range(len(h))]
+        if isinstance(rows[0], torch.Tensor):
+            return torch.cat(rows)
+        return tuple(torch.cat(part) for part in zip(*rows, strict=True))
 
     def _attend_rows(
         self,
@@ -692,10 +724,13 @@ class LlamaForward:
             first = columns - count
             asked = max(0, queries - count)  # their queries on their own columns
             at = torch.tensor(rows, device=q.device)
-            keys_r = keys[at, :, first:].unsqueeze(2)  # [rows, kv heads, 1, count, hd]
-            scores = torch.matmul(q[at, :, :, asked:], keys_r.transpose(-1, -2))
+            # (contiguous: on strided operands, how many items there are changes how each is
+            # computed, on baseline kernels; measured with GPT-NeoX's per-head q, k, v)
+            keys_r = keys[at, :, first:].unsqueeze(2).contiguous()  # [rows, kv, 1, count, hd]
+            q_r = q[at, :, :, asked:].contiguous()
+            scores = torch.matmul(q_r, keys_r.transpose(-1, -2))
             where = blocked[at, :, :, asked:, first:]
-            values_r = values[at, :, first:].unsqueeze(2)
+            values_r = values[at, :, first:].unsqueeze(2).contiguous()
             out[at, :, :, asked:] = self._attend(scores, where, values_r, sinks)
         return out
 
@@ -733,7 +768,8 @@ class LlamaForward:
             h = h + o
             normed = layer.mlp_norm(h)
             step = normed.dim() == 2  # a decode step's rows: one token each
-            out = layer.experts(normed.unsqueeze(1) if step else normed)
+            with layer.experts_products:
+                out = layer.experts(normed.unsqueeze(1) if step else normed)
             if isinstance(out, tuple):  # gpt-oss's: (hidden states, router scores)
                 out = out[0]
             return h + (out.squeeze(1) if step else out)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
@@ -22,15 +23,27 @@ from tests.stages.test_engine_linear_attention import _model as _hybrid
 from tests.stages.test_engine_llama_forward import CONFIGS, EAGER_ONLY, _model
 
 # Llama's layer, q/k norms with a head width of their own, sliding windows of 4 on every
-# layer, and Gemma 2's (soft caps, a sliding layer then a full one, four norms)
-FAMILIES = ["llama", "qwen3", "mistral-sliding", "gemma2"]
+# layer, Gemma 2's (soft caps, a sliding layer then a full one, four norms), Phi-3's LongRoPE
+# (its frequencies by the longest position: each row's own), GPT-NeoX's (each head's q, k and
+# v together: strided, GELU without a gate), GPT-2's (Conv1D, learned positions) and
+# Nemotron's (squared ReLU without a gate, LayerNorm1P); mixtures of
+# experts (the model's own blocks): Qwen3-MoE's (a dense layer, then experts), Qwen2-MoE's
+# (a shared expert, its gate one element a row), Mixtral's, gpt-oss's (transposed, biased
+# experts, a biased router, sinks), OLMoE's and GLM-4-MoE's (a float32 router's sigmoid,
+# grouped top-k, shared experts)
+FAMILIES = ["llama", "qwen3", "mistral-sliding", "gemma2", "phi3-longrope", "gpt_neox", "gpt2"]
+FAMILIES += ["nemotron"]
+ROPE_BY_LENGTH = {"phi3-longrope"}
+MIXTURES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "olmoe", "glm4_moe"]
 V = 97  # (SIZES' vocabulary)
 STEPS = 6
 
 
 def _runs(model: torch.nn.Module, deterministic: bool, temperature: float) -> list[dict]:
-    """Each of 8 prompts' (tokens, log-probs): alone, then in two batch layouts (two waves
-    joining at different steps)."""
+    """Each of 8 prompts' (tokens, log-probs), and a mixture's routed experts (SGLang's
+    ``return_routed_experts``, which rollout routing replay takes to the learner): alone,
+    then in two batch layouts (two waves joining at different steps)."""
+    routed = hasattr(model.config, "num_experts_per_tok")
     rng = random.Random(3)
     # (lengths shared: rows of one length attend together)
     prompts = [[rng.randrange(3, V) for _ in range(n)] for n in (5, 9, 5, 14, 9, 9, 21, 14)]
@@ -44,32 +57,47 @@ def _runs(model: torch.nn.Module, deterministic: bool, temperature: float) -> li
     for layout in layouts:
         got: dict[int, Any] = {}
         for waves in layout:
-            scheduler = Scheduler(model, max_running=16, deterministic=deterministic)
+            scheduler = Scheduler(
+                model, max_running=16, deterministic=deterministic, routed_experts=routed
+            )
             futures = []
             for wave in waves:
-                inputs = [GenerateInput(f"p{i}", prompts[i], params, True) for i in wave]
+                inputs = [
+                    GenerateInput(
+                        f"p{i}", prompts[i], params, True, routed_experts=0 if routed else None
+                    )
+                    for i in wave
+                ]
                 futures.append((wave, scheduler.submit_many(inputs)))
                 for _ in range(2):
                     scheduler.step()
             scheduler.run_until_idle()
             for wave, future in futures:
                 for i, result in zip(wave, future.result(timeout=10), strict=True):
-                    got[i] = (result.output_ids, result.output_token_logprobs)
+                    got[i] = (
+                        result.output_ids,
+                        result.output_token_logprobs,
+                        result.extra.get("routed_experts"),
+                    )
         answers.append(got)
     return [prompts, *answers]
 
 
 @pytest.mark.numerics  # rerun on every CPU kernel by .ci/run
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MIXTURES)
 @torch.inference_mode()
 def test_a_request_answers_alike_alone_and_in_any_batch(family: str) -> None:
     model = _model(CONFIGS[family](), "eager" if family in EAGER_ONLY else "sdpa")
     for temperature in (0.0, 1.0):
         prompts, alone, first, second = _runs(model, True, temperature)
         assert alone == first == second, family
-    # still the model's answers: greedy, as transformers' whole forwards
+        assert all((routes is not None) == (family in MIXTURES) for *_, routes in alone.values())
+    # still the model's answers: greedy, as transformers' whole forwards (LongRoPE's whole
+    # forward takes every position's frequencies by the longest, where a decode step computes
+    # its own token's alone: as the engine's passes without the flag, run alone)
     prompts, alone, _, _ = _runs(model, True, 0.0)
+    _, plain, first, second = _runs(model, False, 0.0)
     terms = forward_terms(model.config, 32)
     for i, prompt in enumerate(prompts):
         ids = list(prompt)
@@ -78,17 +106,17 @@ def test_a_request_answers_alike_alone_and_in_any_batch(family: str) -> None:
             lps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
             ids.append(int(lps.argmax()))
             want.append(float(lps[ids[-1]]))
+        if family in ROPE_BY_LENGTH:
+            ids, want = list(prompt) + plain[i][0], plain[i][1]
         assert alone[i][0] == ids[len(prompt) :], (family, i)
         assert_close(alone[i][1], want, terms=terms)
     # without the flag, batches round otherwise (what the flag is for)
-    _, alone, first, second = _runs(model, False, 0.0)
+    alone = plain
     assert alone != first or alone != second
 
 
 @pytest.mark.timeout(60)
 def test_models_whose_passes_cannot_be_made_batch_invariant_are_refused() -> None:
-    with pytest.raises(ValueError, match="mixture of experts runs each expert"):
-        Scheduler(_model(CONFIGS["qwen3_moe"]()), deterministic=True)
     with pytest.raises(ValueError, match="latent attention's passes"):
         Scheduler(_model(CONFIGS["deepseek_v2"]()), deterministic=True)
     with pytest.raises(ValueError, match="runs on transformers'"):
@@ -147,3 +175,21 @@ def test_the_rows_found_give_each_row_what_it_is_alone() -> None:
     for i in (0, rows - 1, rows, 3 * rows + 4):
         alone = torch.cat((x[i : i + 1], x.new_zeros(rows - 1, 48)))
         assert torch.equal(whole[i], torch.nn.functional.linear(alone, weight, bias)[0])
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("width", [1, 24, 80])
+def test_activations_computed_by_rows_give_each_row_what_it_is_alone(width: int) -> None:
+    """``by_rows``: an elementwise function whose kernels round an element by where it falls
+    in the loop (sigmoid, silu, softplus, gelu; one element a row: a shared expert's gate)
+    gives each row what it gives that row alone, at any place among any number of rows."""
+    from stages.engine.batch_invariant import by_rows
+
+    x = torch.randn(64, width, generator=torch.Generator().manual_seed(2)) * 3
+    functions = (torch.sigmoid, F.silu, F.softplus, F.gelu)
+    for function in functions:
+        whole = by_rows(function, x)
+        torch.testing.assert_close(whole, function(x))  # (the function's values)
+        for start, n in ((0, 1), (7, 1), (5, 2), (9, 17), (30, 33)):
+            part = by_rows(function, x[start : start + n])
+            assert torch.equal(part, whole[start : start + n]), (function, start, n)
