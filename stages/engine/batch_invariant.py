@@ -55,6 +55,7 @@ __all__ = [
     "DEFAULT_SEED",
     "Products",
     "by_rows",
+    "holds",
     "linear",
     "products_in",
     "rows_apart",
@@ -65,6 +66,7 @@ __all__ = [
 # and 64 rows as two products of 32 cost 1.1-1.5x one of 64 (16: 1.1-1.8x and 1.4-2.2x)
 CANDIDATES = (32, 48, 64, 24, 16, 96, 128)
 DEFAULT_SEED = 42  # a row's sampling seed when it gives none (SGLang's, in this mode)
+_Product = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def linear(
@@ -87,17 +89,28 @@ def rows_for(products: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> in
     """The first of ``CANDIDATES`` for which every product ``(weight, bias)`` gives each
     row the same result at any place among that many rows, beside any others and beside the
     zeros that pad a last chunk (tried with seeded random rows); ValueError if none does."""
-    distinct = {
-        (tuple(w.shape), w.dtype, w.device, w.stride(), b is None): (w, b) for w, b in products
-    }
-    gen = torch.Generator().manual_seed(0)
+    distinct = _distinct(products)
     for rows in CANDIDATES:
-        if all(_alike(w, b, rows, gen) for w, b in distinct.values()):
+        if holds(distinct, rows):
             return rows
     raise ValueError(
         f"no number of rows in {CANDIDATES} gives this machine's matrix products rows that are "
         "what they are alone"
     )
+
+
+@torch.no_grad()
+def holds(products: Iterable[tuple[torch.Tensor, torch.Tensor | None]], rows: int) -> bool:
+    """Whether every product gives each row what it is alone at ``rows`` rows (``rows_for``'s
+    test: products that come later, a LoRA adapter's, are checked against the rows found)."""
+    gen = torch.Generator().manual_seed(0)
+    return all(_alike(w, b, rows, gen) for w, b in _distinct(products))
+
+
+def _distinct(products: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> list[_Product]:
+    """One product of each shape, dtype, device, layout and bias or not."""
+    seen = {(tuple(w.shape), w.dtype, w.device, w.stride(), b is None): (w, b) for w, b in products}
+    return list(seen.values())
 
 
 def _alike(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gen: Any) -> bool:
@@ -120,7 +133,6 @@ _MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__
 _ROUNDED_BY_PLACE = frozenset(
     {torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.silu, F.gelu, F.softplus}
 )
-_Product = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class Products(TorchFunctionMode):

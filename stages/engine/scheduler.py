@@ -68,6 +68,7 @@ import torch
 from pipeline.processes import name_thread
 from stages.engine.aborts import ABORTED_COMPILING, ABORTED_RUNNING, ABORTED_WAITING
 from stages.engine.batch_invariant import DEFAULT_SEED
+from stages.engine.batch_invariant import holds as invariant_holds
 from stages.engine.custom_logits import LogitProcessors, RequestView
 from stages.engine.engine_metrics import EngineMetrics, scheduler_stats
 from stages.engine.expert_distribution import ExpertDistributionRecorder
@@ -1019,7 +1020,7 @@ class Scheduler:
         ``name`` at the next step boundary. Raises ``AdapterError`` for a folder that does not
         fit the model, or when this model's passes cannot take adapters."""
         self._check_adapter(name)
-        adapter = load_adapter(path, self.model, name)
+        adapter = self._invariant_adapter(load_adapter(path, self.model, name))
         return self._call(lambda: self._add_adapter(adapter))
 
     def load_adapter_from(
@@ -1032,7 +1033,23 @@ class Scheduler:
             config, tensors, self.model, name, "__tensor__",
             config_at="config_dict", at="serialized_named_tensors",
         )  # fmt: skip
+        adapter = self._invariant_adapter(adapter)
         return self._call(lambda: self._add_adapter(adapter))
+
+    def _invariant_adapter(self, adapter: Adapter) -> Adapter:
+        """``adapter``, whose products in deterministic passes must give each row what it is
+        alone at the rows the model's were found to (``batch_invariant.holds``): else
+        AdapterError, rather than answers that depend on the batch."""
+        if self.deterministic:
+            rows = self._fast.invariant_rows
+            products = [(m, None) for slots in adapter.layers for ab in slots.values() for m in ab]
+            if not invariant_holds(products, rows):
+                raise AdapterError(
+                    f"--enable-deterministic-inference: adapter {adapter.name!r}'s products "
+                    f"(rank {adapter.rank}) do not give each row what it is alone at the "
+                    f"{rows} rows at a time this model's are computed at here"
+                )
+        return adapter
 
     def _check_adapter(self, name: str) -> None:
         if self._fast is None:

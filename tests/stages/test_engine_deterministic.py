@@ -193,3 +193,49 @@ def test_activations_computed_by_rows_give_each_row_what_it_is_alone(width: int)
         for start, n in ((0, 1), (7, 1), (5, 2), (9, 17), (30, 33)):
             part = by_rows(function, x[start : start + n])
             assert torch.equal(part, whole[start : start + n]), (function, start, n)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(120)
+@torch.inference_mode()
+def test_rows_with_a_lora_adapter_answer_alike_alone_and_beside_others(tmp_path) -> None:
+    """An adapter's products run the model's rows at a time too, checked when it loads
+    (``batch_invariant.holds``): its rows, and base rows beside them, are bit for bit what
+    they are alone; an adapter whose products would not be is refused, naming the flag."""
+    from stages.engine import scheduler as scheduler_module
+    from stages.engine.loader import load_model
+    from stages.engine.lora_adapters import AdapterError
+    from tests.stages.test_engine_lora import _adapter
+    from tests.stages.tiny_model import make_tiny_model
+
+    base = make_tiny_model(tmp_path / "m", seed=3)
+    _adapter(base, tmp_path / "a", seed=1, targets=["q_proj", "v_proj", "o_proj", "down_proj"])
+    model = load_model(str(base), device="cpu").model
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 60) for _ in range(n)] for n in (4, 7, 4, 11, 7, 5)]
+    params = SamplingParams(max_new_tokens=STEPS, temperature=1.0, ignore_eos=True)
+
+    def run(rows: list[int]) -> dict[int, Any]:
+        scheduler = Scheduler(model, max_running=8, deterministic=True)
+        loaded = scheduler.load_adapter("a", str(tmp_path / "a"))
+        scheduler.run_until_idle()  # (no scheduler thread: this runs its commands)
+        loaded.result(timeout=10)
+        inputs = [
+            GenerateInput(f"p{i}", prompts[i], params, True, lora="a" if i % 2 else None)
+            for i in rows
+        ]
+        future = scheduler.submit_many(inputs)
+        scheduler.run_until_idle()
+        answers = zip(rows, future.result(timeout=10), strict=True)
+        return {i: (r.output_ids, r.output_token_logprobs) for i, r in answers}
+
+    alone: dict[int, Any] = {}
+    for i in range(len(prompts)):
+        alone |= run([i])
+    assert run(list(range(len(prompts)))) == alone == run([5, 0, 3]) | run([1, 2, 4])
+
+    scheduler = Scheduler(model, max_running=8, deterministic=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scheduler_module, "invariant_holds", lambda products, rows: False)
+        with pytest.raises(AdapterError, match="--enable-deterministic-inference: adapter 'a'"):
+            scheduler.load_adapter("a", str(tmp_path / "a"))
