@@ -259,7 +259,7 @@ def completion_request(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "grammar_from": "response_format" if grammar else None,
         "prompt": prompt,
         "stream": body.get("stream", False),
-        # SGLang: only asked for, with stream (stream_response_default_include_usage: false)
+        # SGLang: only asked for, with stream (or --stream-response-default-include-usage)
         "include_usage": bool(stream_options.get("include_usage")),
         "continuous_usage_stats": bool(stream_options.get("continuous_usage_stats")),
         "hidden_states": hidden_mode(body),
@@ -879,8 +879,11 @@ class OpenAIRoutes:
         images: Callable[[Any], AbstractAsyncContextManager[Any]] = lambda body: nullcontext(),
         preferred: Mapping[str, Any] | None = None,
         auto_truncate: bool = False,
+        default_usage: bool = False,
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
+        # --stream-response-default-include-usage: a stream's usage chunk, asked or not
+        self.default_usage = default_usage
         # --preferred-sampling-params, under the keys each route leaves out (preferred_params)
         self.preferred = preferred
         self.auto_truncate = auto_truncate  # --allow-auto-truncate (/v1/score's readout)
@@ -1166,7 +1169,8 @@ class OpenAIRoutes:
             chat, length = self.chat, self.context_length
 
             def build(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-                return openai_chat.chat_request(checked_body(checked_chat, raw), chat, length)
+                built = openai_chat.chat_request(checked_body(checked_chat, raw), chat, length)
+                return self._usage(built)
 
             return build, openai_chat.chat_response, openai_chat.chat_stream
         decode = self.decode
@@ -1179,9 +1183,17 @@ class OpenAIRoutes:
             return completion_stream(chunks, options, decode, tokens)
 
         def build_completion(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-            return completion_request(checked_body(checked_completion, raw))
+            return self._usage(completion_request(checked_body(checked_completion, raw)))
 
         return build_completion, respond, stream
+
+    def _usage(self, built: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict, dict]:
+        """A completion or chat request's (native body, options), its stream ending with the
+        usage chunk under ``--stream-response-default-include-usage`` (SGLang's
+        ``should_include_usage``: ``stream_options.include_usage`` or the flag)."""
+        if self.default_usage:
+            built[1]["include_usage"] = True
+        return built
 
     def _ollama_handlers(self, route: str) -> tuple[Callable[..., Any], ...]:
         """``_handlers`` of Ollama's ``/api/chat`` and ``/api/generate``."""

@@ -234,6 +234,7 @@ def build_app(
     streaming_sessions: bool = False,
     request_log: RequestLog | None = None,
     mis: bool = False,
+    default_usage: bool = False,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
@@ -246,7 +247,9 @@ def build_app(
     model's name on the OpenAI routes (SGLang's ``--served-model-name``; None: its path);
     ``request_log``: SGLang's request logging and dumps (``stages.engine.request_log``; None:
     off until ``/configure_logging`` turns it on); ``mis``: ``/v1/score``'s multi-item scoring
-    (SGLang's ``--enable-mis``, ``stages.engine.openai_score``).
+    (SGLang's ``--enable-mis``, ``stages.engine.openai_score``); ``default_usage``: every
+    streamed ``/v1`` completion and chat answer ends with its usage chunk, asked or not
+    (SGLang's ``--stream-response-default-include-usage``).
     """
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     name = served_model_name or str(loaded.path)
@@ -326,6 +329,7 @@ def build_app(
         embed_width=loaded.embed_width,
         mis=mis,
         images=lambda body: remote_images(loaded.vision, body),
+        default_usage=default_usage,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     EncodeRoutes(None, name).add_to(app)  # SGLang's refusal: not an embedding model
@@ -1246,6 +1250,12 @@ def _parser() -> argparse.ArgumentParser:
         "decode_throughput... (SGLang's flag)",
     )
     parser.add_argument(
+        "--stream-response-default-include-usage",
+        action="store_true",
+        help="every streamed /v1/completions and /v1/chat/completions answer ends with its "
+        "usage chunk, as with stream_options.include_usage (SGLang's flag)",
+    )
+    parser.add_argument(
         "--enable-cache-report",
         action="store_true",
         help="the /v1 completions and chat answers' usage has prompt_tokens_details."
@@ -1745,6 +1755,7 @@ def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]
         "streaming_sessions": args.enable_streaming_session,
         "request_log": request_log_of(args),
         "mis": args.enable_mis,
+        "default_usage": args.stream_response_default_include_usage,
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -211,3 +212,40 @@ def test_chat_streams_count_cached_tokens_in_each_usage(url: str) -> None:
                   "stream_options": {"include_usage": True}}  # fmt: skip
     usage = _events(_post(url, "/v1/completions", completion))[-1]["usage"]
     assert "completion_tokens_details" not in usage
+
+
+@pytest.mark.timeout(90)
+def test_default_include_usage_ends_every_stream_with_its_usage(url: str, tmp_path: Path) -> None:
+    """``--stream-response-default-include-usage`` (SGLang 0.5.23's ``should_include_usage``:
+    ``stream_options.include_usage or`` the flag, and the flag alone without
+    ``stream_options``): a completion or chat stream the ``openai`` client sends without
+    ``stream_options`` ends with the usage chunk, which a stream without the flag lacks; an
+    answer not streamed is the same."""
+    model = make_byte_model(tmp_path / "model")
+    template = tmp_path / "chat_template.jinja"
+    template.write_text(TEMPLATE)
+    common = {"model": "m", "max_tokens": 3, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    messages = [{"role": "user", "content": TEXT}]
+    with builtin_engine(
+        model, "--stream-response-default-include-usage", "--chat-template", str(template)
+    ) as flagged:  # fmt: skip
+        for base, usage_chunk in ((flagged, True), (url, False)):
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+            streams = (
+                client.completions.create(prompt=TEXT, stream=True, **common),
+                client.chat.completions.create(messages=messages, stream=True, **common),
+            )
+            for stream in streams:
+                *_, last = list(stream)
+                if usage_chunk:
+                    assert last.choices == [] and last.usage.completion_tokens == 3
+                    assert last.usage.prompt_tokens > 0
+                else:
+                    assert last.choices and last.usage is None
+        client = openai.OpenAI(base_url=flagged + "/v1", api_key="none")
+        asked_not = client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": False}, **common
+        )
+        assert list(asked_not)[-1].usage.total_tokens > 3  # (False or the flag)
+        whole = client.chat.completions.create(messages=messages, **common)
+        assert whole.usage.completion_tokens == 3
