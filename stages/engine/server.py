@@ -182,6 +182,7 @@ _LOADED = web.AppKey("loaded", LoadedModel)
 _WEIGHTS = web.AppKey("weights", "WeightRoutes")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _DECODE = web.AppKey("decode", object)
+_INCREMENTAL = web.AppKey("incremental_stream", bool)  # --incremental-streaming-output
 _SESSIONS = web.AppKey("sessions", Sessions)
 _CLIENT_WATCH = web.AppKey("client_watch", ClientWatch)
 _REFUSED = web.AppKey("refused", Counter)
@@ -235,6 +236,7 @@ def build_app(
     request_log: RequestLog | None = None,
     mis: bool = False,
     default_usage: bool = False,
+    incremental_stream: bool = False,
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
@@ -249,13 +251,16 @@ def build_app(
     off until ``/configure_logging`` turns it on); ``mis``: ``/v1/score``'s multi-item scoring
     (SGLang's ``--enable-mis``, ``stages.engine.openai_score``); ``default_usage``: every
     streamed ``/v1`` completion and chat answer ends with its usage chunk, asked or not
-    (SGLang's ``--stream-response-default-include-usage``).
+    (SGLang's ``--stream-response-default-include-usage``); ``incremental_stream``: a
+    ``/generate`` stream's chunks hold what is new (SGLang's ``--incremental-streaming-output``,
+    ``stages.engine.incremental_stream``).
     """
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     name = served_model_name or str(loaded.path)
     app[SERVED_NAME] = name
     app[_LOADED] = loaded
     app[_SCHEDULER] = scheduler
+    app[_INCREMENTAL] = incremental_stream
     app[_DECODE] = decoder(loaded.tokenizer)
     weights = WeightRoutes(scheduler, str(loaded.path))
     app[_WEIGHTS] = weights
@@ -474,6 +479,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                         body,
                         tokenizer_aborts=True,
                         headers=request.headers,
+                        incremental=request.app.get(_INCREMENTAL, False),
                     )
                 return await write_events(
                     request,
@@ -798,6 +804,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "allow_auto_truncate": scheduler.auto_truncate,
             "preferred_sampling_params": scheduler.preferred_sampling_params,
             "stream_interval": scheduler.stream_interval,
+            "incremental_streaming_output": request.app.get(_INCREMENTAL, False),
             "enable_metrics": scheduler.metrics is not None,
             "sampling_mask_max_tokens": scheduler.sampling_mask_max_tokens,
             "enable_strict_thinking": scheduler.strict_thinking is not None,
@@ -1248,6 +1255,12 @@ def _parser() -> argparse.ArgumentParser:
         help="serve GET /metrics (Prometheus' text format, SGLang's metric names) and give each "
         "answer's meta_info its time stats: queue_time, first_token_latency, "
         "decode_throughput... (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="each chunk of a /generate stream holds the text, ids and per-token log-probs "
+        "new since the sample's last, not its whole output so far (SGLang's flag)",
     )
     parser.add_argument(
         "--stream-response-default-include-usage",
@@ -1756,6 +1769,7 @@ def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]
         "request_log": request_log_of(args),
         "mis": args.enable_mis,
         "default_usage": args.stream_response_default_include_usage,
+        "incremental_stream": args.incremental_streaming_output,
     }
 
 

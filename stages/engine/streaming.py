@@ -39,6 +39,7 @@ from aiohttp import web
 from stages.engine.aborts import tokenizer_answer
 from stages.engine.chunk_stream import ChunkStream, Last
 from stages.engine.flat_logprobs import flat_fields
+from stages.engine.incremental_stream import Deltas
 from stages.engine.incremental_text import IncrementalText
 from stages.engine.protocol import (
     GenerateInput,
@@ -361,6 +362,7 @@ def stream_generate(
     progress: bool = False,
     tokenizer_aborts: bool = False,
     headers: Any = None,
+    incremental: bool = False,
 ) -> ChunkStream:
     """The chunks of a streamed ``/generate`` (``body`` has ``stream: true``), in batches: the
     chunks that became ready together (one per sample that moved on). The request is checked
@@ -378,7 +380,9 @@ def stream_generate(
     does not compile (RequestError, once the grammar worker has tried it) are raised with the
     first batch. Closed early (the client went away), the stream aborts the samples that are
     still running. With the server's request log active, the request is logged once checked
-    and each sample with its last chunk (``headers``: the HTTP request's).
+    and each sample with its last chunk (``headers``: the HTTP request's). ``incremental``
+    (``--incremental-streaming-output``): each native chunk holds what is new since the
+    sample's last (``stages.engine.incremental_stream``).
     """
     inputs, listed = parse_body(loaded, scheduler, body)
     requests = scheduler.request_log
@@ -411,6 +415,7 @@ def stream_generate(
         for index, inp in enumerate(inputs)
     ]
     finals: dict[int, SequenceResult] = {}
+    deltas = Deltas(len(inputs)) if incremental and not progress else None
 
     def build(events: list[tuple[int, Any]]) -> list[Any]:
         touched: dict[int, None] = {}
@@ -446,7 +451,10 @@ def stream_generate(
             if final is None:  # it goes on
                 if p.detok is not None:
                     p.text = p.detok.update(p.ids)
-                batch.append(p if progress else p.chunk())
+                if deltas is not None:
+                    batch.append(deltas(index, p.chunk()))
+                else:
+                    batch.append(p if progress else p.chunk())
                 continue
             if progress:  # the whole answer, as the request without stream
                 if logged is not None:  # the native answer, only for the log
@@ -464,7 +472,7 @@ def stream_generate(
                 chunk = tokenizer_answer(chunk)
             if listed:
                 chunk["index"] = index
-            batch.append(chunk)
+            batch.append(chunk if deltas is None else deltas(index, chunk))
         return Last(batch) if len(finals) == len(inputs) else batch
 
     def abort() -> None:

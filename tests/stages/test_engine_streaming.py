@@ -22,7 +22,13 @@ import pytest
 import requests
 
 from tests.stages.engine_setup import sglang_text
-from tests.stages.test_engine_server import GREEDY, Engine, _tokenizer, engine  # noqa: F401
+from tests.stages.test_engine_server import (  # noqa: F401
+    GREEDY,
+    Engine,
+    _tokenizer,
+    engine,
+    serving,
+)
 
 PROMPT = [21, 22, 23, 24]
 
@@ -441,3 +447,67 @@ def test_a_client_that_falls_behind_gets_merged_chunks_then_the_stream_goes_on(
     assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
     # it serves on
     assert engine.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+
+
+@pytest.mark.timeout(120)
+def test_incremental_streaming_output_sends_what_is_new_in_each_chunk(
+    engine: Engine,  # noqa: F811
+    tmp_path,
+) -> None:
+    """``--incremental-streaming-output`` (SGLang 0.5.23's ``_handle_batch_output`` and
+    ``_slice_streaming_output_meta_info``): each chunk's ``text`` and ``output_ids`` are what
+    is new since the sample's last, its output log-prob lists from its first new token on, and
+    the rest whole (``completion_tokens`` so far, the prompt's log-probs); a batch's samples
+    each their own; joined up, a sample's chunks are the whole answer (its stop string trimmed),
+    as the same stream without the flag ends with it."""
+    params = {**GREEDY, "max_new_tokens": 10, "stream_interval": 3}
+    body = {
+        "input_ids": [PROMPT, [30, 31, 32]],
+        "sampling_params": params,
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "logprob_start_len": 0,
+    }
+    free = engine.generate(
+        {**body, "input_ids": PROMPT, "sampling_params": GREEDY | {"max_new_tokens": 10}}
+    )
+    words = free["text"].split()
+    stop = words[2] if len(words) > 3 and free["text"].count(words[2]) == 1 else None
+    with serving(
+        engine.model_dir, tmp_path / "engine.log", "--incremental-streaming-output"
+    ) as inc:
+        assert inc.request("GET", "/server_info")[1]["incremental_streaming_output"] is True
+        cases = [body] + ([{**body, "sampling_params": {**params, "stop": stop}}] if stop else [])
+        for case in cases:
+            whole = engine.generate(case)  # (not streamed: the same either way)
+            _, cumulative = _events(engine, {**case, "stream": True})
+            for _ in range(5):  # chunks that piled up come merged (as SGLang's): again
+                response, events = _events(inc, {**case, "stream": True})
+                if len(events) >= 5 or case is not body:
+                    break
+            assert events[-1] == "[DONE]" and response.status_code == 200
+            assert len(events) >= (5 if case is body else 3)  # (10 tokens, a chunk every 3)
+            for index, answer in enumerate(whole):
+                chunks = [e for e in events[:-1] if e["index"] == index]
+                assert [i for c in chunks for i in c["output_ids"]] == answer["output_ids"]
+                assert "".join(c["text"] for c in chunks) == answer["text"]
+                for key in ("output_token_logprobs", "output_top_logprobs"):
+                    joined = [e for c in chunks for e in c["meta_info"][key]]
+                    assert joined == answer["meta_info"][key], key
+                sent = 0
+                for chunk in chunks:
+                    meta = chunk["meta_info"]
+                    sent += len(chunk["output_ids"])
+                    assert meta["completion_tokens"] == sent
+                    assert len(meta["output_token_logprobs"]) == len(chunk["output_ids"])
+                    assert (
+                        meta["input_token_logprobs"] == answer["meta_info"]["input_token_logprobs"]
+                    )
+                assert (
+                    chunks[-1]["meta_info"]["finish_reason"] == answer["meta_info"]["finish_reason"]
+                )
+                # without the flag the same stream's last chunk is the whole answer
+                last = [e for e in cumulative[:-1] if e["index"] == index][-1]
+                assert last["output_ids"] == answer["output_ids"]
+                if len(chunks) > 1:  # (its last chunk: only what is new)
+                    assert len(chunks[-1]["output_ids"]) < len(answer["output_ids"])
