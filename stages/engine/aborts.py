@@ -24,6 +24,7 @@ __all__ = [
     "ABORTED_COMPILING",
     "ABORTED_RUNNING",
     "ABORTED_WAITING",
+    "QUEUE_FULL",
     "error_status",
     "raise_aborted_with_error",
     "streaming_error",
@@ -32,6 +33,8 @@ __all__ = [
 
 ABORTED_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+# a new request while the waiting queue holds --max-queued-requests (_abort_on_queued_limit)
+QUEUE_FULL = {"type": "abort", "status_code": 503, "message": "The request queue is full."}
 ABORTED_COMPILING = {
     "type": "abort",
     "message": "Aborted by AbortReq.",
@@ -91,11 +94,11 @@ def streaming_error(reason: dict[str, Any]) -> dict[str, Any]:
 
 def tokenizer_answer(answer: dict[str, Any]) -> dict[str, Any]:
     """A native ``/generate`` answer (or a stream's last chunk) of a sample aborted while it
-    waited, with the ``meta_info`` SGLang's tokenizer gives it: without ``prompt_tokens``,
-    ``num_retractions``, the cache and reasoning counts, time stats and masks. Any other
-    answer as it is."""
+    waited (or refused by a full queue), with the ``meta_info`` SGLang's tokenizer gives it:
+    without ``prompt_tokens``, ``num_retractions``, the cache and reasoning counts, time stats
+    and masks. Any other answer as it is."""
     meta = answer.get("meta_info")
-    if meta is None or meta.get("finish_reason") != ABORTED_WAITING:
+    if meta is None or meta.get("finish_reason") not in (ABORTED_WAITING, QUEUE_FULL):
         return answer
     kept = {key: meta[key] for key in _HEAD if key in meta}
     if "output_token_weight_versions" in meta:  # Inflight's, after SGLang's versions

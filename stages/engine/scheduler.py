@@ -66,7 +66,12 @@ import structlog
 import torch
 
 from pipeline.processes import name_thread
-from stages.engine.aborts import ABORTED_COMPILING, ABORTED_RUNNING, ABORTED_WAITING
+from stages.engine.aborts import (
+    ABORTED_COMPILING,
+    ABORTED_RUNNING,
+    ABORTED_WAITING,
+    QUEUE_FULL,
+)
 from stages.engine.batch_invariant import DEFAULT_SEED
 from stages.engine.batch_invariant import holds as invariant_holds
 from stages.engine.custom_logits import LogitProcessors, RequestView
@@ -112,6 +117,7 @@ from stages.engine.ssm_dtype import resolve as resolve_ssm_dtype
 from stages.engine.step_profiler import ProfileRequest, StepProfiler
 from stages.engine.strict_thinking import StrictThinking
 from stages.hf import DynamicCache, cache_argument, output_cache
+from transport.credit import sparse
 
 __all__ = [
     "MAMBA_FULL_MEMORY_RATIO",
@@ -590,12 +596,19 @@ class Scheduler:
         auto_truncate: bool = False,
         preferred_sampling_params: Mapping[str, Any] | None = None,
         lora: bool = True,
+        max_queued: int | None = None,
     ) -> None:
         # the turns its thread's steps take with the server's event loop (``loop_turns``):
         # None, a step runs whenever it is due
         self.turns = turns
         # share of max_running that must be free before waiting requests join a running batch
         self.admit_fraction = admit_fraction
+        # SGLang's --max-queued-requests: a new sample that would make the queue longer is
+        # refused (QUEUE_FULL); None: no limit
+        if max_queued is not None and max_queued < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {max_queued}")
+        self.max_queued = max_queued
+        self.queue_full = 0  # how many samples it refused so
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         if stream_interval < 1:
@@ -1439,7 +1452,24 @@ class Scheduler:
             self._rids[seq.inp.rid] = seq
             if sessions is not None and seq.inp.session_id is not None:
                 seq.session = (seq.inp.session_id, sessions.ensure(seq.inp.session_id))
-        (self._held if self._paused else self._waiting).extend(seqs)
+        if self._paused:  # (held as SGLang's tokenizer holds them: out of its queue)
+            self._held.extend(seqs)
+        else:
+            self._waiting.extend(self._within_queue_limit(seqs))
+
+    def _within_queue_limit(self, seqs: list[_Seq]) -> list[_Seq]:
+        """``seqs`` that the waiting queue takes under ``--max-queued-requests``; the others
+        end at once with SGLang's 503 reason, as its scheduler's ``_abort_on_queued_limit``
+        refuses an incoming request."""
+        if self.max_queued is None:
+            return seqs
+        room = max(0, self.max_queued - len(self._waiting))
+        for seq in seqs[room:]:
+            self._finish(seq, dict(QUEUE_FULL), [], [], [])
+            self.queue_full += 1
+            if sparse(self.queue_full):  # (the 1st, 2nd, 4th...: an overload cannot flood)
+                log.warning("request_queue_full", refused=self.queue_full, rid=seq.inp.rid)
+        return seqs[:room]
 
     def _add_adapter(self, adapter: Adapter) -> None:
         if adapter.name in self._adapters:
@@ -1536,7 +1566,8 @@ class Scheduler:
     def _resume(self) -> None:
         self._paused = False
         held, self._held = self._held, []
-        self._waiting.extend(held)  # after those queued before the pause
+        # after those queued before the pause, as they reach SGLang's scheduler then
+        self._waiting.extend(self._within_queue_limit(held))
         log.info("generation_continued", **self.counts(), came_while_paused=len(held))
 
     def _release_memory(self, tags: Sequence[str] | None) -> list[str]:

@@ -783,6 +783,7 @@ async def _server_info(request: web.Request) -> web.Response:
     state = {
         **scheduler.counts(),
         "num_held_reqs": scheduler.held(),  # Inflight's: what a pause holds (SGLang's tokenizer)
+        "num_queue_full_refused": scheduler.queue_full,  # Inflight's: --max-queued-requests
         "decode_steps": scheduler.steps,
         "tokens_generated": scheduler.tokens_generated,
         "prefix_cache": scheduler.prefix_cache_stats(),
@@ -798,6 +799,7 @@ async def _server_info(request: web.Request) -> web.Response:
             ),
             "served_model_name": request.app[SERVED_NAME],
             "max_running_requests": scheduler.max_running,
+            "max_queued_requests": scheduler.max_queued,
             "context_length": loaded.context_length,
             "max_total_num_tokens": _max_total_tokens(scheduler, loaded),
             "max_req_input_len": max_input(loaded.context_length),
@@ -1039,6 +1041,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=64,
         help="rows per decode batch (SGLang's --max-running-requests)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="a new request while this many wait is refused with a 503 (SGLang's flag; "
+        "default: no limit)",
     )
     parser.add_argument(
         "--admit-fraction",
@@ -1585,6 +1594,7 @@ def build_scheduler(
         mamba_ssm_dtype=args.mamba_ssm_dtype,
         fp32_lm_head=args.enable_fp32_lm_head,
         deterministic=args.enable_deterministic_inference,
+        max_queued=args.max_queued_requests,
         auto_truncate=args.allow_auto_truncate,
         preferred_sampling_params=args.preferred_sampling_params,
         lora=args.enable_lora,
