@@ -96,7 +96,18 @@ class Constraint:
 class GrammarSet:
     """The grammars of one engine: compiled for its tokenizer (cached), a matcher per sample."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        json_whitespace: dict[str, Any] | None = None,
+    ) -> None:
+        # a JSON schema's whitespace, as SGLang's llguidance backend compiles it: flexible
+        # (its default), or none (--constrained-json-disable-any-whitespace), or what
+        # --constrained-json-whitespace-pattern matches
+        self._json_defaults = {"whitespace_flexible": True, **(json_whitespace or {})}
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
@@ -183,7 +194,7 @@ class GrammarSet:
         try:
             if kind == "json":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    text, defaults={"whitespace_flexible": True}
+                    text, defaults=self._json_defaults
                 )
             elif kind == "structural_tag":
                 grammar = _structural_tag(text, self._added_tokens())

@@ -1014,6 +1014,18 @@ def _parser() -> argparse.ArgumentParser:
         help="SGLang's; taken: the built-in engine runs no warm-up request",
     )
     parser.add_argument(
+        "--constrained-json-disable-any-whitespace",
+        action="store_true",
+        help="a JSON schema's output has no whitespace between its tokens (SGLang's flag, as "
+        "its llguidance backend takes it)",
+    )
+    parser.add_argument(
+        "--constrained-json-whitespace-pattern",
+        metavar="REGEX",
+        help="the whitespace a JSON schema's output may have between its tokens (SGLang's "
+        "flag, as its llguidance backend takes it)",
+    )
+    parser.add_argument(
         "--grammar-backend",
         choices=["llguidance"],
         help="constrained decoding's backend (SGLang's flag): the built-in engine's grammars "
@@ -1554,7 +1566,12 @@ def build_scheduler(
         except ValueError as exc:
             raise ValueError(f"--preferred-sampling-params: {exc}") from None
     if loaded.tokenizer is not None:
-        grammars = GrammarSet(loaded.tokenizer, loaded.vocab_size, sorted(loaded.eos_token_ids))
+        grammars = GrammarSet(
+            loaded.tokenizer,
+            loaded.vocab_size,
+            sorted(loaded.eos_token_ids),
+            json_whitespace=json_whitespace(args),
+        )
         if args.reasoning_parser:  # require_reasoning: the grammar after the reasoning's end
             fmt = REASONING_PARSERS[args.reasoning_parser]
             encode = loaded.tokenizer.encode
@@ -1781,6 +1798,28 @@ def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]
         "default_usage": args.stream_response_default_include_usage,
         "incremental_stream": args.incremental_streaming_output,
     }
+
+
+def json_whitespace(args: argparse.Namespace) -> dict[str, Any]:
+    """The whitespace a JSON schema's grammar allows, as SGLang's llguidance backend takes
+    ``--constrained-json-disable-any-whitespace`` and ``--constrained-json-whitespace-pattern``
+    (``GuidanceBackend.dispatch_json``'s defaults); a pattern llguidance does not compile
+    is refused here, not by each request."""
+    out: dict[str, Any] = {"whitespace_flexible": not args.constrained_json_disable_any_whitespace}
+    pattern = args.constrained_json_whitespace_pattern
+    if pattern is not None:
+        import llguidance
+
+        out["whitespace_pattern"] = pattern
+        matcher = llguidance.LLMatcher
+        try:
+            error = matcher.validate_grammar(matcher.grammar_from_json_schema("{}", defaults=out))
+        except Exception as exc:  # (llguidance's words)
+            error = str(exc)
+        if error:
+            said = " ".join(line for line in error.splitlines() if line and "~~~" not in line)
+            raise ValueError(f"--constrained-json-whitespace-pattern {pattern!r}: {said}")
+    return out
 
 
 def request_log_of(args: argparse.Namespace) -> RequestLog:

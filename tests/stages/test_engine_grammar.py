@@ -828,3 +828,52 @@ def test_a_grammar_that_spells_a_special_tokens_text_is_held_by_ordinary_tokens(
         assert constraint.accept(tokens[-1]) is None
         assert len(tokens) < 20
     assert tokenizer.decode(tokens[:-1]) == "<|open|>ab" and special not in tokens
+
+
+@pytest.mark.timeout(120)
+def test_json_whitespace_follows_sglangs_two_flags(tmp_path: Path) -> None:
+    """``--constrained-json-disable-any-whitespace`` and ``--constrained-json-whitespace-pattern``
+    as SGLang's llguidance backend takes them (``GuidanceBackend.dispatch_json``'s defaults):
+    by default a JSON schema's output may have whitespace between its tokens; with the first
+    none; with a pattern, what it matches. A pattern llguidance cannot compile stops the
+    engine at start, naming the flag; an engine started with the first writes no whitespace
+    however much the model favours it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from stages.engine.server import json_whitespace, parse_args
+    from tests.stages.tiny_model import BYTE_CHARS
+
+    model = make_byte_model(tmp_path / "m", chars=BYTE_CHARS + " \n")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
+    vocab = len(tokenizer)
+    space, newline = tokenizer.convert_tokens_to_ids(["Ġ", "Ċ"])
+    brace = tokenizer.encode("{")[0]
+    schema = json.dumps(SCHEMA)
+    flags = {
+        (): (True, True),
+        ("--constrained-json-disable-any-whitespace",): (False, False),
+        ("--constrained-json-whitespace-pattern", "[\n]*"): (False, True),
+        ("--constrained-json-disable-any-whitespace",
+         "--constrained-json-whitespace-pattern", "[\n]*"): (False, True),
+    }  # fmt: skip
+    for given, allowed in flags.items():
+        args = parse_args(["--model", str(model), *given])
+        grammars = GrammarSet(tokenizer, vocab, [EOS_ID], json_whitespace=json_whitespace(args))
+        constraint = grammars.start("json_schema", schema)
+        assert constraint.accept(brace) is None
+        logits = torch.zeros(1, vocab)
+        grammars.constrain(logits, [0], [constraint])
+        seen = tuple(math.isfinite(float(logits[0, t])) for t in (space, newline))
+        assert seen == allowed, given
+    with pytest.raises(ValueError, match=r"--constrained-json-whitespace-pattern '\[\\n'"):
+        json_whitespace(
+            parse_args(["--model", "m", "--constrained-json-whitespace-pattern", "[\n"])
+        )
+    with serving(
+        model, tmp_path / "engine.log", "--constrained-json-disable-any-whitespace"
+    ) as eng:
+        bias = {"logit_bias": {str(space): 40.0, str(newline): 40.0}, "max_new_tokens": 60}
+        free = _generate(eng, {"regex": "[ab ]{8}", "temperature": 0, **bias})
+        assert " " in free["text"]  # (the bias holds where whitespace is allowed)
+        answer = _generate(eng, {"json_schema": schema, "temperature": 0, **bias})
+        assert _follows_schema(json.loads(answer["text"])) and not re.search(r"\s", answer["text"])
