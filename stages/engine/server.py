@@ -1123,6 +1123,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the passes stat mode keeps, the last ones (SGLang's; default 1000; -1: all)",
     )
     parser.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=["auto", "sglang", "transformers", "mindspore"],
+        help="SGLang's flag: auto and sglang take the engine's own passes where the model has "
+        "them, else transformers' (as SGLang falls back); transformers is --forward "
+        "transformers; mindspore is not served",
+    )
+    parser.add_argument(
         "--forward",
         default="fast",
         choices=["fast", "transformers"],
@@ -1448,6 +1456,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             f"--tp-size {args.tp_size}: the built-in engine runs a model on one device (tensor "
             "parallelism is SGLang's); give 1, or run more engines"
         )
+    # SGLang's --model-impl (get_model_architecture): its own implementation where there is
+    # one, else transformers'; transformers: transformers' alone
+    if args.model_impl == "mindspore":
+        _parser().error("--model-impl mindspore: the built-in engine runs PyTorch models")
+    if args.model_impl == "transformers":
+        args.forward = "transformers"
     if args.disable_radix_cache or args.enable_mis:  # (SGLang: MIS turns its radix cache off)
         args.prefix_cache_tokens = 0
     if args.revision is not None and not args.model.expanduser().is_dir():

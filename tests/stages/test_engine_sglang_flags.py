@@ -286,3 +286,18 @@ def test_auto_truncate_and_preferred_sampling_params_as_sglang_serves_them(
     args = parse_args(["--model", str(model_dir), "--preferred-sampling-params", '{"top_k": -5}'])
     with pytest.raises(ValueError, match=r"^--preferred-sampling-params: sampling_params\.top_k"):
         build_scheduler(args, load_model(model_dir))  # main: engine_settings_refused, exit 2
+
+
+def test_model_impl_picks_the_forward_path_as_sglang_picks_the_implementation(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SGLang 0.5.23's ``--model-impl`` (``get_model_architecture``): ``auto`` and ``sglang``
+    its own implementation where there is one, else transformers' (the engine's own passes,
+    which fall back by themselves); ``transformers`` transformers' alone; ``mindspore``
+    refused, naming why."""
+    forward = {impl: parse_args(["--model", "m", "--model-impl", impl]).forward
+               for impl in ("auto", "sglang", "transformers")}  # fmt: skip
+    assert forward == {"auto": "fast", "sglang": "fast", "transformers": "transformers"}
+    assert parse_args(["--model", "m"]).forward == "fast"
+    said = _refusal(["--model-impl", "mindspore"], capsys)
+    assert "--model-impl mindspore: the built-in engine runs PyTorch models" in said
