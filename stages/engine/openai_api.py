@@ -880,10 +880,13 @@ class OpenAIRoutes:
         preferred: Mapping[str, Any] | None = None,
         auto_truncate: bool = False,
         default_usage: bool = False,
+        sglext_ids: tuple[bool, bool] = (False, False),
     ) -> None:
         self.generate, self.stream, self.decode = generate, stream, decode
         # --stream-response-default-include-usage: a stream's usage chunk, asked or not
         self.default_usage = default_usage
+        # --return-input-ids, --return-output-ids: every chat answer's sglext ids
+        self.sglext_ids = sglext_ids
         # --preferred-sampling-params, under the keys each route leaves out (preferred_params)
         self.preferred = preferred
         self.auto_truncate = auto_truncate  # --allow-auto-truncate (/v1/score's readout)
@@ -1233,8 +1236,9 @@ class OpenAIRoutes:
             except OpenAIError as exc:
                 return web.json_response(route_refusal(route, exc), status=400)
         if route == "chat" and isinstance(body, dict):  # SGLang 0.5.23's sglext headers
-            for header, flag in _SGLEXT_HEADERS:
-                if request.headers.get(header) == "1" and not body.get(flag):
+            for (header, flag), default in zip(_SGLEXT_HEADERS, self.sglext_ids, strict=True):
+                # (or the server's flag: serving_chat's _should_return_input_ids)
+                if (default or request.headers.get(header) == "1") and not body.get(flag):
                     body[flag] = True
         if self.request_log is not None and not route.startswith("ollama"):
             self.request_log.received_openai(body, request.headers)

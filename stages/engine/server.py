@@ -237,6 +237,7 @@ def build_app(
     mis: bool = False,
     default_usage: bool = False,
     incremental_stream: bool = False,
+    sglext_ids: tuple[bool, bool] = (False, False),
 ) -> web.Application:
     """The aiohttp application; the caller starts and stops ``scheduler``. A request body over
     ``max_body`` bytes is refused (413) without being read whole; with ``api_key``, a request
@@ -253,7 +254,8 @@ def build_app(
     streamed ``/v1`` completion and chat answer ends with its usage chunk, asked or not
     (SGLang's ``--stream-response-default-include-usage``); ``incremental_stream``: a
     ``/generate`` stream's chunks hold what is new (SGLang's ``--incremental-streaming-output``,
-    ``stages.engine.incremental_stream``).
+    ``stages.engine.incremental_stream``); ``sglext_ids``: every chat answer's ``sglext``
+    input and output ids (SGLang's ``--return-input-ids``, ``--return-output-ids``).
     """
     app = base_app(max_body=max_body, api_key=api_key, engine_id=engine_id)
     name = served_model_name or str(loaded.path)
@@ -335,6 +337,7 @@ def build_app(
         mis=mis,
         images=lambda body: remote_images(loaded.vision, body),
         default_usage=default_usage,
+        sglext_ids=sglext_ids,
     ).add_to(app)
     TokenizeRoutes(loaded, chat).add_to(app)
     EncodeRoutes(None, name).add_to(app)  # SGLang's refusal: not an embedding model
@@ -1286,6 +1289,18 @@ def _parser() -> argparse.ArgumentParser:
         "decode_throughput... (SGLang's flag)",
     )
     parser.add_argument(
+        "--return-input-ids",
+        action="store_true",
+        help="every /v1/chat/completions answer has sglext.input_ids, as if "
+        "return_input_ids_in_sglext were asked (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--return-output-ids",
+        action="store_true",
+        help="every /v1/chat/completions answer has sglext.output_ids, as if "
+        "return_output_ids_in_sglext were asked (SGLang's flag)",
+    )
+    parser.add_argument(
         "--incremental-streaming-output",
         action="store_true",
         help="each chunk of a /generate stream holds the text, ids and per-token log-probs "
@@ -1811,6 +1826,7 @@ def app_options(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]
         "mis": args.enable_mis,
         "default_usage": args.stream_response_default_include_usage,
         "incremental_stream": args.incremental_streaming_output,
+        "sglext_ids": (args.return_input_ids, args.return_output_ids),
     }
 
 

@@ -14,8 +14,8 @@ import json
 import pytest
 import requests
 
-from tests.stages.test_engine_chat import HELLO, _ids, chat_engine, client  # noqa: F401
-from tests.stages.test_engine_server import Engine
+from tests.stages.test_engine_chat import HELLO, TEMPLATE, _ids, chat_engine, client  # noqa: F401
+from tests.stages.test_engine_server import Engine, serving
 
 GREEDY = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
 
@@ -200,3 +200,30 @@ def test_v1_routes_pass_the_cache_namespace_and_priority_on(chat_engine: Engine)
         for path, asked in (("/v1/chat/completions", body), ("/v1/completions", completion)):
             refused = _post(chat_engine, path, {**asked, **more})
             assert refused.status_code == 400 and next(iter(more)) in refused.text
+
+
+@pytest.mark.timeout(90)
+def test_the_servers_flags_give_every_chat_answer_its_sglext_ids(
+    chat_engine: Engine,  # noqa: F811
+    tmp_path,
+) -> None:
+    """SGLang 0.5.23's ``--return-input-ids`` and ``--return-output-ids``
+    (``serving_chat._should_return_input_ids``: the request's field or the flag): every chat
+    answer, streamed or not, has the ``sglext`` ids its request did not ask for, even one that
+    said false; a completion has none (a chat route's fields)."""
+    ids = _ids(chat_engine, HELLO)
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    flags = ("--chat-template", str(template), "--return-input-ids", "--return-output-ids")
+    body = {"model": "m", "messages": HELLO, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    with serving(chat_engine.model_dir, tmp_path / "engine.log", *flags) as eng:
+        whole = _post(eng, "/v1/chat/completions", body).json()
+        assert whole["sglext"]["input_ids"] == ids and len(whole["sglext"]["output_ids"][0]) == 4
+        said_no = {**body, "return_input_ids_in_sglext": False}
+        assert _post(eng, "/v1/chat/completions", said_no).json()["sglext"] == whole["sglext"]
+        *_, ext = _events(_post(eng, "/v1/chat/completions", {**body, "stream": True}))
+        assert ext["choices"] == [] and ext["sglext"] == whole["sglext"]
+        completion = {"model": "m", "prompt": ids, "max_tokens": 2}
+        assert "sglext" not in _post(eng, "/v1/completions", completion).json()
+    assert "sglext" not in _post(chat_engine, "/v1/chat/completions", body).json()
