@@ -608,7 +608,7 @@ class Scheduler:
         if max_queued is not None and max_queued < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {max_queued}")
         self.max_queued = max_queued
-        self.queue_full = 0  # how many samples it refused so
+        self.queue_full = 0  # how many new samples the full queue refused
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         if stream_interval < 1:
