@@ -175,5 +175,6 @@ def add_weight_routes(app: web.Application, pooler: Pooler, model_path: str) -> 
     for method in ("GET", "POST"):
         app.router.add_route(method, "/get_weights_by_name", weights.weights_by_name)
         app.router.add_route(method, "/weights_checker", weights.check)
+    app.on_shutdown.append(weights.stop_joining)
     app.on_cleanup.append(weights.close)
     return weights

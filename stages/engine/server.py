@@ -393,6 +393,7 @@ def build_app(
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/get_weight_version", _weight_version)
     LoraRoutes(scheduler).add_to(app)
+    app.on_shutdown.append(weights.stop_joining)
     app.on_cleanup.append(weights.close)
     return app
 

@@ -50,6 +50,7 @@ from stages.engine.request_body import (
 from stages.engine.scheduler import Scheduler
 from stages.engine.tensor_payloads import LOAD_FORMATS, PayloadError, named_tensors
 from stages.engine.weight_checker import WeightChecker, WeightCheckError
+from stages.weights.daemon_thread import in_daemon_thread
 
 __all__ = ["WeightRoutes", "check_weights"]
 
@@ -67,13 +68,16 @@ class WeightRoutes:
     system, as the scheduler's is ``engine``) so decoding goes on while the bytes arrive; the
     tensors are then loaded by the scheduler at its next step boundary, and the HTTP answer
     comes only once they are in the model. Updates are serialized: they must match the publisher's
-    broadcasts one for one.
+    broadcasts one for one. Joining a group waits in a daemon thread of its own
+    (``engine-weight-join``), so a join whose publisher died never holds up the next one.
     """
 
     def __init__(self, scheduler: Scheduler, model_path: str) -> None:
         self.scheduler = scheduler
         self.model_path = model_path  # /model_info's: the last checkpoint loaded from disk
         self.receivers: dict[str, Any] = {}
+        self._joining: dict[str, object] = {}  # group -> its latest pending join's ticket
+        self._stopping = asyncio.Event()  # set when the server shuts down (stop_joining)
         self.lock = asyncio.Lock()
         self.session: str | None = None  # an open update session's selector (begin ... end)
         self._no_session = asyncio.Event()  # set while none is open
@@ -102,14 +106,38 @@ class WeightRoutes:
 
         receiver = WeightReceiver()
         rank = rank_offset + 0  # this engine is tp_rank 0 of its own (single-rank) model group
+        # A join waits in a thread of its own, outside the lock: one whose host died (a learner
+        # killed mid-join) retries the dead store for its whole timeout, and must hold up
+        # neither updates nor the next join. A newer join of the same group supersedes it.
+        ticket = object()
+        if group in self._joining:
+            log.warning("weights_group_join_superseded", group=group)
+        self._joining[group] = ticket
+        joined = in_daemon_thread(
+            lambda: receiver.init_group(address, port, rank, world_size, group, backend),
+            name="engine-weight-join",
+            discard=lambda _: receiver.destroy(),
+        )
+        stopping = asyncio.ensure_future(self._stopping.wait())
         try:
-            async with self.lock:
-                await self._in_thread(
-                    receiver.init_group, address, port, rank, world_size, group, backend
-                )
+            await asyncio.wait((joined, stopping), return_when=asyncio.FIRST_COMPLETED)
+            if not joined.done():  # the engine stops: the join's result, should it come, is let go
+                joined.cancel()
+                return failure("init_weights_update_group failed: the engine is shutting down")
+            joined.result()
         except Exception as exc:
             log.exception("weights_group_init_failed", group=group, error=repr(exc))
             return failure(f"init_weights_update_group failed: {exc}")
+        finally:
+            stopping.cancel()
+            current = self._joining.get(group) is ticket
+            if current:
+                del self._joining[group]
+        if not current or group in self.receivers:
+            receiver.destroy()
+            return failure(
+                f"group_name: a newer request joined group {group!r} while this one waited"
+            )
         self.receivers[group] = receiver
         log.info(
             "weights_group_ready",
@@ -501,6 +529,11 @@ class WeightRoutes:
                 return await asyncio.wrap_future(future)
 
         return await check_weights(request, self.checker, run)
+
+    async def stop_joining(self, _app: web.Application) -> None:
+        """The server's shutdown: joins still waiting fail now, not after their timeout (the
+        server waits for every handler before it exits)."""
+        self._stopping.set()
 
     async def close(self, _app: web.Application) -> None:
         for receiver in self.receivers.values():

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from stages.weights.buckets import (
     group_by_size,
     pack_buckets,
 )
+from stages.weights.daemon_thread import in_daemon_thread
 from stages.weights.group import WeightGroup, init_weight_group
 from stages.weights.receiver import LOAD_FORMATS
 from stages.weights.update_frame import UpdateFrame
@@ -157,7 +157,7 @@ class WeightPublisher:
         )
         self._broken = None
         started = time.perf_counter()
-        rank0 = _in_daemon_thread(
+        rank0 = in_daemon_thread(
             lambda: init_weight_group(
                 backend=self.backend,
                 master_address=self.master_address,
@@ -168,6 +168,7 @@ class WeightPublisher:
                 timeout_s=self.timeout_s,
             ),
             name="weight-group-rank0",
+            discard=WeightGroup.destroy,
         )
         posts = [
             self._post(
@@ -324,11 +325,11 @@ class WeightPublisher:
 
         packer = all_buckets()
         # The source is advanced (and packed) in a worker thread, one bucket ahead of the wire.
-        ahead = _in_daemon_thread(lambda: next(packer, None), name="weight-pack")
+        ahead = in_daemon_thread(lambda: next(packer, None), name="weight-pack")
         buckets = nbytes = 0
         try:
             while (bucket := await ahead) is not None:
-                ahead = _in_daemon_thread(lambda: next(packer, None), name="weight-pack")
+                ahead = in_daemon_thread(lambda: next(packer, None), name="weight-pack")
                 buckets += 1
                 await self._send(
                     group,
@@ -411,7 +412,7 @@ class WeightPublisher:
             for tensor in tensors:
                 group.broadcast(tensor, src=0)
 
-        bcast = _in_daemon_thread(broadcast, name="weight-broadcast")
+        bcast = in_daemon_thread(broadcast, name="weight-broadcast")
         try:
             await self._all_or_first_error(
                 posts, bcast, what=f"publishing version {version} ({len(names)} tensors)"
@@ -503,40 +504,6 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ValueError("not a JSON object")
     return body
-
-
-def _in_daemon_thread(fn: Callable[[], T], *, name: str) -> asyncio.Future[T]:
-    """Run blocking ``fn`` in a daemon thread; its outcome lands in the returned future."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-    # CUDA's current device is per thread: NCCL and gathers must run on the caller's device.
-    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    def run() -> None:
-        result, exc = None, None
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            result = fn()
-        except BaseException as e:  # handed to the awaiting coroutine, never dropped
-            exc = e
-        try:
-            loop.call_soon_threadsafe(settle, result, exc)
-        except RuntimeError:
-            # The loop is closed: nobody awaits this any more.
-            if isinstance(result, WeightGroup):
-                result.destroy()
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
 
 
 def _destroy_group_result(fut: asyncio.Future[Any]) -> None:
