@@ -24,6 +24,8 @@ __all__ = [
     "ABORTED_COMPILING",
     "ABORTED_RUNNING",
     "ABORTED_WAITING",
+    "PRIORITY_DISABLED",
+    "PRIORITY_EVICTED",
     "QUEUE_FULL",
     "error_status",
     "raise_aborted_with_error",
@@ -35,6 +37,22 @@ ABORTED_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 # a new request while the waiting queue holds --max-queued-requests (_abort_on_queued_limit)
 QUEUE_FULL = {"type": "abort", "status_code": 503, "message": "The request queue is full."}
+# a waiting request that a full queue dropped for a preferred new one (priority scheduling)
+PRIORITY_EVICTED = {
+    "type": "abort",
+    "status_code": 503,
+    "message": "The request is aborted by a higher priority request.",
+}
+# a request with a priority on a server that refuses them (_set_or_validate_priority)
+PRIORITY_DISABLED = {
+    "type": "abort",
+    "status_code": 503,
+    "message": "Using priority is disabled for this server. Please send a new request without "
+    "a priority.",
+}
+# how SGLang's scheduler answers these, by its send_abort_output: as its tokenizer answers an
+# abort in the waiting queue
+_TOKENIZERS = (ABORTED_WAITING, QUEUE_FULL, PRIORITY_EVICTED, PRIORITY_DISABLED)
 ABORTED_COMPILING = {
     "type": "abort",
     "message": "Aborted by AbortReq.",
@@ -94,11 +112,11 @@ def streaming_error(reason: dict[str, Any]) -> dict[str, Any]:
 
 def tokenizer_answer(answer: dict[str, Any]) -> dict[str, Any]:
     """A native ``/generate`` answer (or a stream's last chunk) of a sample aborted while it
-    waited (or refused by a full queue), with the ``meta_info`` SGLang's tokenizer gives it:
-    without ``prompt_tokens``, ``num_retractions``, the cache and reasoning counts, time stats
-    and masks. Any other answer as it is."""
+    waited (or refused by a full queue, or for its priority), with the ``meta_info`` SGLang's
+    tokenizer gives it: without ``prompt_tokens``, ``num_retractions``, the cache and reasoning
+    counts, time stats and masks. Any other answer as it is."""
     meta = answer.get("meta_info")
-    if meta is None or meta.get("finish_reason") not in (ABORTED_WAITING, QUEUE_FULL):
+    if meta is None or meta.get("finish_reason") not in _TOKENIZERS:
         return answer
     kept = {key: meta[key] for key in _HEAD if key in meta}
     if "output_token_weight_versions" in meta:  # Inflight's, after SGLang's versions

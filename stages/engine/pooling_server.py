@@ -119,6 +119,20 @@ def serve_pooling(args: argparse.Namespace, kind: Kind, api_key: str | None) -> 
             "adapters: serve the adapter merged into the model's weights",
         )
         return 2
+    queueing = (
+        ("--max-queued-requests", args.max_queued_requests is not None),
+        ("--enable-priority-scheduling", args.enable_priority_scheduling),
+        ("--abort-on-priority-when-disabled", args.abort_on_priority_when_disabled),
+    )
+    for option, given in queueing:
+        if given:
+            log.error(
+                "engine_option_unsupported",
+                option=option,
+                message=f"{option} limits and orders the generating scheduler's queue: a {kind} "
+                "model is served by the pooling engine, which takes requests as they come",
+            )
+            return 2
     heap.hold()  # no full collections while transformers and the model load (settled below)
     try:
         load_format, remote = args.load_format, remote_seed(args)

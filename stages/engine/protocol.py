@@ -212,6 +212,9 @@ class GenerateInput:
     # its prompt's images (images.ImagePrompt: image_data, on a vision model): the rows its
     # image pads take at the first pass, and its rotary positions (None: none)
     images: Any = None
+    # its priority (SGLang's ``priority``; None: none asked), which the scheduler orders and
+    # preempts by under --enable-priority-scheduling (stages.engine.priority)
+    priority: int | None = None
 
 
 @dataclass(slots=True)
@@ -292,8 +295,8 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "encoder_urls": (None,),
 }
 # taken and left, as SGLang leaves them by default: logging and metrics labels, a router's
-# keys, an entropy SGLang 0.5.23 computes nothing for, ``priority`` without
-# --enable-priority-scheduling (checked as SGLang checks it); and the multimodal processor's
+# keys, an entropy SGLang 0.5.23 computes nothing for, ``priority`` (checked as SGLang checks
+# it, then the scheduler's: stages.engine.priority); and the multimodal processor's
 # settings, which SGLang reads only for images, video or audio (refused above: text only here)
 _IGNORED_TOP = frozenset(
     {
@@ -558,6 +561,7 @@ def parse_generate(
                     custom_params=_custom_params(params[i], budget) if processors[i] else None,
                     routed_experts=experts_from,
                     think_end=think_end,
+                    priority=priority,
                     session_id=session,
                     input_embeds=embeds[i] if embeds else None,
                     embed_overrides=overrides[i],

@@ -70,6 +70,8 @@ from stages.engine.aborts import (
     ABORTED_COMPILING,
     ABORTED_RUNNING,
     ABORTED_WAITING,
+    PRIORITY_DISABLED,
+    PRIORITY_EVICTED,
     QUEUE_FULL,
 )
 from stages.engine.batch_invariant import DEFAULT_SEED
@@ -100,6 +102,7 @@ from stages.engine.lora_adapters import (
 from stages.engine.memory_offload import KV_CACHE, WEIGHTS, MemoryState, WeightOffload
 from stages.engine.model_weights import load_named_tensors, parameter_rows
 from stages.engine.prefix_cache import Match, PrefixCache, Stamp
+from stages.engine.priority import PREEMPTED, Priorities
 from stages.engine.prompt_logprobs import next_token_logprobs, prompt_logprobs, scoring_passes
 from stages.engine.protocol import (
     SAMPLING_MASK_MAX_TOKENS,
@@ -289,6 +292,12 @@ def _next_wanted(seq: Any) -> bool:
     )
 
 
+def _priority_key(seq: _Seq) -> tuple[int, float]:
+    """What priority scheduling orders a seq by: its priority, then when it began to wait."""
+    assert seq.priority is not None
+    return seq.priority, seq.queued
+
+
 def _told(seq: _Seq) -> int:
     """How many of a queued seq's tokens (a retracted one's so far) SGLang's tokenizer had
     been sent, which is what it answers an abort in the waiting queue with
@@ -470,6 +479,7 @@ class _Seq:
         "kv_start",
         "masks",
         "picked",
+        "priority",
         "queue_time",
         "queued",
         "retractions",
@@ -541,6 +551,8 @@ class _Seq:
         self.admitted = self.first_token = 0.0
         self.queued, self.queue_time = started, 0.0
         self.retractions = 0
+        # its priority as the scheduler holds it (Priorities.value), set when it is queued
+        self.priority: int | None = None
         # Outputs of earlier stints (before a retraction), already materialized.
         self.done_ids: list[int] = []
         self.done_logprobs: list[float] = []
@@ -597,6 +609,7 @@ class Scheduler:
         preferred_sampling_params: Mapping[str, Any] | None = None,
         lora: bool = True,
         max_queued: int | None = None,
+        priorities: Priorities | None = None,
     ) -> None:
         # the turns its thread's steps take with the server's event loop (``loop_turns``):
         # None, a step runs whenever it is due
@@ -609,6 +622,10 @@ class Scheduler:
             raise ValueError(f"--max-queued-requests must be >= 1, got {max_queued}")
         self.max_queued = max_queued
         self.queue_full = 0  # how many new samples the full queue refused
+        # SGLang's priority scheduling (stages.engine.priority); and how many rows it preempted
+        # and how many requests it refused or dropped
+        self.priorities = priorities if priorities is not None else Priorities()
+        self.preempted = self.priority_aborted = 0
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         if stream_interval < 1:
@@ -1455,21 +1472,40 @@ class Scheduler:
         if self._paused:  # (held as SGLang's tokenizer holds them: out of its queue)
             self._held.extend(seqs)
         else:
-            self._waiting.extend(self._within_queue_limit(seqs))
+            self._join_queue(seqs)
 
-    def _within_queue_limit(self, seqs: list[_Seq]) -> list[_Seq]:
-        """``seqs`` that the waiting queue takes under ``--max-queued-requests``; the others
-        end at once with SGLang's 503 reason, as its scheduler's ``_abort_on_queued_limit``
-        refuses an incoming request."""
-        if self.max_queued is None:
-            return seqs
-        room = max(0, self.max_queued - len(self._waiting))
-        for seq in seqs[room:]:
-            self._finish(seq, dict(QUEUE_FULL), [], [], [])
-            self.queue_full += 1
-            if sparse(self.queue_full):  # (the 1st, 2nd, 4th...: an overload cannot flood)
-                log.warning("request_queue_full", refused=self.queue_full, rid=seq.inp.rid)
-        return seqs[:room]
+    def _join_queue(self, seqs: list[_Seq]) -> None:
+        """Queue ``seqs`` as SGLang's scheduler takes an incoming request: its priority set,
+        or the request refused for having one (``_set_or_validate_priority``); then, under
+        ``--max-queued-requests``, refused with SGLang's 503 reason when the queue is full,
+        unless priority scheduling drops a waiting request it is preferred to
+        (``_abort_on_queued_limit``)."""
+        priorities, limit, waiting = self.priorities, self.max_queued, self._waiting
+        for seq in seqs:
+            if priorities.refuses(seq.inp.priority):
+                self._refuse(seq, PRIORITY_DISABLED)
+                continue
+            seq.priority = priorities.value(seq.inp.priority)
+            if limit is not None and len(waiting) >= limit:
+                dropped = priorities.evicted(seq, waiting, _priority_key)
+                if dropped is None:
+                    self.queue_full += 1
+                    if sparse(self.queue_full):  # (1st, 2nd, 4th...: an overload cannot flood)
+                        log.warning("request_queue_full", refused=self.queue_full, rid=seq.inp.rid)
+                    self._finish(seq, dict(QUEUE_FULL), [], [], [])
+                    continue
+                waiting.remove(dropped)
+                self._refuse(dropped, PRIORITY_EVICTED)
+            waiting.append(seq)
+
+    def _refuse(self, seq: _Seq, reason: dict[str, Any]) -> None:
+        """End a queued (or arriving) seq for its priority, as the tokenizer answers it."""
+        self.priority_aborted += 1
+        if sparse(self.priority_aborted):
+            log.warning("request_priority_aborted", message=reason["message"], rid=seq.inp.rid)
+        told = _told(seq)
+        self._finish(seq, dict(reason), seq.done_ids[:told], seq.done_logprobs[:told],
+                     seq.done_versions[:told])  # fmt: skip
 
     def _add_adapter(self, adapter: Adapter) -> None:
         if adapter.name in self._adapters:
@@ -1567,7 +1603,7 @@ class Scheduler:
         self._paused = False
         held, self._held = self._held, []
         # after those queued before the pause, as they reach SGLang's scheduler then
-        self._waiting.extend(self._within_queue_limit(held))
+        self._join_queue(held)
         log.info("generation_continued", **self.counts(), came_while_paused=len(held))
 
     def _release_memory(self, tags: Sequence[str] | None) -> list[str]:
@@ -1662,12 +1698,14 @@ class Scheduler:
     # ---- model passes (scheduler thread) ---------------------------------------------------
 
     def _admit(self) -> None:
+        preempted = self.priorities.enabled and self._by_priority()
         free = self.max_running - len(self._running)
         # Admit in batches: one prefill of many prompts costs far less than many prefills of
         # one. So while rows are decoding, wait until a share of the slots is free (unless
-        # everything waiting fits already).
+        # everything waiting fits already, or rows were preempted for those waiting).
         if (
-            self._running
+            not preempted
+            and self._running
             and free < self.admit_fraction * self.max_running
             and len(self._waiting) > free
         ):
@@ -1703,6 +1741,41 @@ class Scheduler:
             self._prefill(group)
         self._admitting = []
         self._scored.clear()
+
+    def _by_priority(self) -> bool:
+        """Order the queue by priority, and preempt the running rows that those it leaves
+        without a slot may take (``priority``); whether any was."""
+        waiting = self.priorities.ordered(self._waiting, _priority_key)
+        self._waiting = collections.deque(waiting)
+        free = self.max_running - len(self._running)
+        unplaced = waiting[free : free + len(self._running)] if free >= 0 else []
+        victims = self.priorities.victims(unplaced, self._running, _priority_key)
+        if victims:
+            self._preempt(victims)
+        return bool(victims)
+
+    def _preempt(self, seqs: list[_Seq]) -> None:
+        """Put running ``seqs`` back in the queue with what they generated, as a retracting
+        pause does, their KV left to the prefix cache (SGLang's ``release_req``: their
+        ``num_retractions`` counted)."""
+        outputs = self._outputs(seqs)
+        if self._prefix is not None:
+            self._keep_prefixes(seqs, outputs, [PREEMPTED] * len(seqs))
+        rows, now = [seq.slot for seq in seqs], time.perf_counter()
+        for seq, (ids, lps, versions) in zip(seqs, outputs, strict=True):
+            seq.done_ids, seq.done_logprobs, seq.done_versions = ids, lps, versions
+            seq.retractions += 1
+            seq.queued = now  # its wait starts again
+            for watching in self._watching():  # (joined again at its next prefill)
+                watching.discard(seq)
+        self._take_out(rows)
+        for seq in seqs:
+            seq.slot = -1
+        self._waiting.extend(seqs)  # (ordered at the next admission)
+        self.preempted += len(seqs)
+        if sparse(self.preempted):
+            log.info("requests_preempted", count=len(seqs), preempted=self.preempted,
+                     rids=[seq.inp.rid for seq in seqs[:8]])  # fmt: skip
 
     def _score_prompts(self, seqs: list[_Seq]) -> None:
         """Prompt log-probs from each seq's ``logprob_start`` on (``prompt_logprobs``), and a
@@ -2730,6 +2803,10 @@ class Scheduler:
             self._keep_prefixes(seqs, outputs, reasons)
         for seq, reason, (ids, lps, versions) in zip(seqs, reasons, outputs, strict=True):
             self._finish(seq, reason, ids, lps, versions)
+        self._take_out(rows)
+
+    def _take_out(self, rows: list[int]) -> None:
+        """Take ``rows`` out of the batch, the last rows moving into their places."""
         holes, movers = self._kv.remove(rows)
         self._sampler.remove(holes, movers, rows)
         running = self._running

@@ -111,6 +111,8 @@ from stages.engine.openai_responses import ResponseStore
 from stages.engine.openai_score import mis_refusal
 from stages.engine.parse_routes import ParseRoutes
 from stages.engine.pooling import model_kind
+from stages.engine.priority import Priorities
+from stages.engine.priority import from_flags as priority_flags
 from stages.engine.profile_routes import ProfileRoutes
 from stages.engine.protocol import (
     SAMPLING_MASK_MAX_TOKENS,
@@ -778,6 +780,18 @@ def model_info(
     }
 
 
+def _priority_info(priorities: Priorities) -> dict[str, Any]:
+    """SGLang's priority settings, under its names."""
+    return {
+        "enable_priority_scheduling": priorities.enabled,
+        "disable_priority_preemption": not priorities.preempt,
+        "default_priority_value": priorities.default,
+        "abort_on_priority_when_disabled": priorities.abort_when_disabled,
+        "schedule_low_priority_values_first": priorities.low_first,
+        "priority_scheduling_preemption_threshold": priorities.threshold,
+    }
+
+
 async def _server_info(request: web.Request) -> web.Response:
     """SGLang's ``/server_info``: its settings (``max_running_requests``, ``context_length``,
     ``stream_interval``), the scheduler's limits (``max_total_num_tokens``,
@@ -788,6 +802,9 @@ async def _server_info(request: web.Request) -> web.Response:
         **scheduler.counts(),
         "num_held_reqs": scheduler.held(),  # Inflight's: what a pause holds (SGLang's tokenizer)
         "num_queue_full_refused": scheduler.queue_full,  # Inflight's: --max-queued-requests
+        # Inflight's: rows preempted, and requests refused or dropped, for their priority
+        "num_priority_preempted": scheduler.preempted,
+        "num_priority_aborted": scheduler.priority_aborted,
         "decode_steps": scheduler.steps,
         "tokens_generated": scheduler.tokens_generated,
         "prefix_cache": scheduler.prefix_cache_stats(),
@@ -804,6 +821,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "served_model_name": request.app[SERVED_NAME],
             "max_running_requests": scheduler.max_running,
             "max_queued_requests": scheduler.max_queued,
+            **_priority_info(scheduler.priorities),
             "context_length": loaded.context_length,
             "max_total_num_tokens": _max_total_tokens(scheduler, loaded),
             "max_req_input_len": max_input(loaded.context_length),
@@ -1064,6 +1082,29 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="a new request while this many wait is refused with a 503 (SGLang's flag; "
         "default: no limit)",
+    )
+    parser.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="serve waiting requests by their priority, preempting running ones of a priority "
+        "lower by more than --priority-scheduling-preemption-threshold (SGLang's)",
+    )
+    parser.add_argument(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        help="with --enable-priority-scheduling: low priority values first (SGLang's)",
+    )
+    parser.add_argument("--disable-priority-preemption", action="store_true",
+                        help="priority scheduling without preemption (SGLang's)")  # fmt: skip
+    parser.add_argument("--priority-scheduling-preemption-threshold", type=int, default=10,
+                        help="the least priority difference that preempts (SGLang's)")  # fmt: skip
+    parser.add_argument("--default-priority-value", type=int, default=None,
+                        help="the priority of a request that names none (SGLang's)")  # fmt: skip
+    parser.add_argument(
+        "--abort-on-priority-when-disabled",
+        action="store_true",
+        help="without --enable-priority-scheduling: refuse requests that name a priority with "
+        "a 503 (SGLang's)",
     )
     parser.add_argument(
         "--admit-fraction",
@@ -1642,6 +1683,7 @@ def build_scheduler(
         fp32_lm_head=args.enable_fp32_lm_head,
         deterministic=args.enable_deterministic_inference,
         max_queued=args.max_queued_requests,
+        priorities=priority_flags(args),
         auto_truncate=args.allow_auto_truncate,
         preferred_sampling_params=args.preferred_sampling_params,
         lora=args.enable_lora,
