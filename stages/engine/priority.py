@@ -113,8 +113,12 @@ def from_flags(args: Any) -> Priorities:
     """The settings of the server's flags, checked as SGLang's ``validation_hook`` checks
     them (ValueError: a scheduling policy that priorities do not combine with)."""
     enabled = bool(args.enable_priority_scheduling)
-    # (--schedule-policy is one of SGLang's flags the engine takes: sglang_flags.TAKEN)
-    policy = getattr(args, "sglang_taken", {}).get("schedule_policy", "fcfs")
+    # (--schedule-policy and --retraction-policy are SGLang's flags the engine takes:
+    # sglang_flags.TAKEN)
+    taken = getattr(args, "sglang_taken", {})
+    policy = taken.get("schedule_policy", "fcfs")
+    if taken.get("retraction_policy") == "priority" and not enabled:
+        raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
     if enabled and policy not in ("fcfs", "lof"):
         raise ValueError(
             "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'. "

@@ -1481,6 +1481,9 @@ class Scheduler:
         unless priority scheduling drops a waiting request it is preferred to
         (``_abort_on_queued_limit``)."""
         priorities, limit, waiting = self.priorities, self.max_queued, self._waiting
+        if limit is None and not priorities.enabled and not priorities.abort_when_disabled:
+            waiting.extend(seqs)  # (the default: nothing to check)
+            return
         for seq in seqs:
             if priorities.refuses(seq.inp.priority):
                 self._refuse(seq, PRIORITY_DISABLED)

@@ -230,9 +230,12 @@ def test_a_server_refusing_priorities_answers_sglangs_503(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_priorities_with_a_cache_aware_policy_are_refused_at_start(tmp_path: Path) -> None:
-    """SGLang's validation: priority scheduling orders by ``fcfs`` or ``lof`` only."""
+def test_priority_flags_sglang_refuses_are_refused_at_start(tmp_path: Path) -> None:
+    """SGLang's validation: priority scheduling orders by ``fcfs`` or ``lof`` only, and the
+    priority retraction policy needs it."""
     model = make_tiny_model(tmp_path / "model", vocab=128, seed=1)
     said = _start_refused(model, "--enable-priority-scheduling", "--schedule-policy", "lpm")
     assert "engine_settings_refused" in said
     assert "schedule_policy must be 'fcfs' or 'lof'. 'lpm' is not supported." in said
+    said = _start_refused(model, "--retraction-policy", "priority")
+    assert "--retraction-policy priority requires --enable-priority-scheduling" in said
