@@ -32,6 +32,11 @@ __all__ = ["LatentAttention", "is_latent"]
 Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (scores, blocked, values, sinks) -> softmax(scores) @ values, as ``LlamaForward._attend``
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+# (q, keys, values, blocked, sinks) -> each row attended over its own columns alone, as
+# ``LlamaForward._attend_rows`` (deterministic passes)
+AttendRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+# (x, weight, bias) -> x @ weight.T + bias: F.linear, or batch_invariant.linear
+Linear = Callable[..., torch.Tensor]
 
 
 def is_latent(attn: Any) -> bool:
@@ -58,19 +63,39 @@ class LatentAttention:
         self.kv_a_norm = attn.kv_a_layernorm.forward
         self.kv_b = attn.kv_b_proj
 
+    def products(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Its products' (weight, bias), as its deterministic passes run them (each head's
+        key and value expansions alike in shape: one of each)."""
+        out = [(self.kv_a.weight, self.kv_a.bias), (self.kv_b.weight, None)]
+        if self.q_a is None:
+            out.append((self.q.weight, self.q.bias))
+        else:
+            out += [(self.q_a.weight, self.q_a.bias), (self.q_b.weight, self.q_b.bias)]
+        expand = self._expansions()
+        return [*out, (expand[0, : self.nope].t(), None), (expand[0, self.nope :], None)]
+
+    def _expansions(self) -> torch.Tensor:
+        """``kv_b_proj``'s weight by head: ``[heads, nope + v, rank]``."""
+        return self.kv_b.weight.view(self.heads, self.nope + self.v, self.rank)
+
     def _inputs(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: Rotate
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rotate: Rotate,
+        linear: Linear = F.linear,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Of normed ``x`` ``[..., hidden]``: the queries' parts without and with rotation
         ``[..., heads, nope|rope]``, the latent ``c`` ``[..., rank]`` and the rotated shared key
         part ``r`` ``[..., 1, rope]``."""
         if self.q_a is None:
-            q = F.linear(x, self.q.weight, self.q.bias)
+            q = linear(x, self.q.weight, self.q.bias)
         else:
-            down = self.q_a_norm(F.linear(x, self.q_a.weight, self.q_a.bias))
-            q = F.linear(down, self.q_b.weight, self.q_b.bias)
+            down = self.q_a_norm(linear(x, self.q_a.weight, self.q_a.bias))
+            q = linear(down, self.q_b.weight, self.q_b.bias)
         q = q.view(*x.shape[:-1], self.heads, self.nope + self.rope)
-        latent = F.linear(x, self.kv_a.weight, self.kv_a.bias)
+        latent = linear(x, self.kv_a.weight, self.kv_a.bias)
         c = self.kv_a_norm(latent[..., : self.rank])
         r = latent[..., self.rank :].unsqueeze(-2)
         return q[..., : self.nope], rotate(q[..., self.nope :], cos, sin), c, rotate(r, cos, sin)
@@ -84,14 +109,27 @@ class LatentAttention:
         blocked: torch.Tensor,
         rotate: Rotate,
         attend: Attend,
+        linear: Linear = F.linear,
+        attend_rows: AttendRows | None = None,
     ) -> torch.Tensor:
         """The attention's output ``[rows, heads * v]`` (before ``o_proj``) of one decode
         step: ``x`` ``[rows, hidden]`` normed, ``cos``/``sin`` ``[rows, 1, rope]``, ``cache``
-        the layer's slot cache (its pending column written), ``blocked`` ``[rows, 1, 1, L]``."""
+        the layer's slot cache (its pending column written), ``blocked`` ``[rows, 1, 1, L]``.
+        With ``attend_rows`` (deterministic passes), every product goes through ``linear``, a
+        head at a time, and each row attends alone."""
         n, h = x.shape[0], self.heads
-        q_nope, q_rot, c, r = self._inputs(x, cos, sin, rotate)
+        q_nope, q_rot, c, r = self._inputs(x, cos, sin, rotate, linear)
         latents, shared = cache.update(c.view(n, 1, 1, -1), r.view(n, 1, 1, -1))  # [n, 1, L, *]
-        expand = self.kv_b.weight.view(h, self.nope + self.v, self.rank)
+        expand = self._expansions()
+        if attend_rows is not None:  # the same arithmetic, row by row: one query of h heads
+            heads = range(h)  # over one key (the latent and the rotated part) a column
+            uk, uv = expand[:, : self.nope], expand[:, self.nope :]  # each head's expansions
+            q_latent = torch.stack([linear(q_nope[:, i].contiguous(), uk[i].t()) for i in heads], 1)
+            q = torch.cat((q_latent, q_rot), -1).view(n, 1, h, 1, -1)
+            keys = torch.cat((latents, shared), -1)  # [n, 1, L, rank + rope]
+            mixed = attend_rows(q, keys, latents, blocked.unsqueeze(-2), None).view(n, h, -1)
+            out = torch.stack([linear(mixed[:, i].contiguous(), uv[i]) for i in heads], 1)
+            return out.reshape(n, h * self.v)
         # each head's query through its key expansion: [h, n, nope] @ [h, nope, rank]
         q_latent = torch.bmm(q_nope.transpose(0, 1), expand[:, : self.nope]).transpose(0, 1)
         scores = torch.matmul(q_latent.unsqueeze(1), latents.transpose(-1, -2))  # [n, 1, h, L]
@@ -110,23 +148,28 @@ class LatentAttention:
         blocked: torch.Tensor,
         rotate: Rotate,
         attend: Attend,
+        linear: Linear = F.linear,
+        attend_rows: AttendRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the attention's output ``[rows, width, heads * v]``, the layer's latents ``c``
         ``[rows, 1, P + width, rank]`` and ``r`` ``[rows, 1, P + width, rope]`` to cache) of
         normed ``x`` ``[rows, width, hidden]`` after ``past`` (the cached latents of ``P``
         positions), ``cos``/``sin`` ``[rows, width, 1, rope]``, ``blocked`` ``[rows, 1, 1,
-        width, P + width]``."""
+        width, P + width]``; ``linear`` and ``attend_rows`` as ``decode``'s."""
         rows, width, h = x.shape[0], x.shape[1], self.heads
-        q_nope, q_rot, c, r = self._inputs(x, cos, sin, rotate)
+        q_nope, q_rot, c, r = self._inputs(x, cos, sin, rotate, linear)
         latents, shared = c.unsqueeze(1), r.transpose(1, 2)  # [rows, 1, width, *]
         if past is not None:
             latents = torch.cat((past[0], latents), 2)
             shared = torch.cat((past[1], shared), 2)
-        kv = F.linear(latents[:, 0], self.kv_b.weight)  # [rows, L, h * (nope + v)]
+        kv = linear(latents[:, 0], self.kv_b.weight)  # [rows, L, h * (nope + v)]
         kv = kv.view(rows, -1, h, self.nope + self.v).transpose(1, 2)  # [rows, h, L, nope+v]
         keys = torch.cat((kv[..., : self.nope], shared.expand(-1, h, -1, -1)), -1)
         q = torch.cat((q_nope, q_rot), -1).transpose(1, 2)  # [rows, h, width, nope+rope]
-        scores = torch.matmul(q.unsqueeze(2), keys.unsqueeze(2).transpose(-1, -2))
-        out = attend(scores, blocked, kv[..., self.nope :].unsqueeze(2), None)
+        if attend_rows is not None:
+            out = attend_rows(q.unsqueeze(2), keys, kv[..., self.nope :], blocked, None)
+        else:
+            scores = torch.matmul(q.unsqueeze(2), keys.unsqueeze(2).transpose(-1, -2))
+            out = attend(scores, blocked, kv[..., self.nope :].unsqueeze(2), None)
         out = out[:, :, 0].transpose(1, 2).reshape(rows, width, h * self.v)
         return out, latents, shared

@@ -391,17 +391,18 @@ class LlamaForward:
     def batch_invariant(self) -> None:
         """From now on every row's floats are what they are alone (``stages.engine.
         batch_invariant``): its products a fixed number of rows at a time, its attention over
-        its own columns. ValueError for layers that cannot be (latent attention)."""
-        for layer in self.layers:
-            if layer.latent is not None:
-                raise ValueError("latent attention's passes are not batch-invariant here")
+        its own columns."""
         head = self.lm_head.weight
         if head_is_fp32(self.lm_head):  # (--enable-fp32-lm-head)
             head = head.float()
         bias = self.lm_head.bias
         products = [(head, None if bias is None else bias.to(head.dtype))]
         for layer in self.layers:
-            products += [(layer.qkv, layer.qkv_bias), (layer.o.weight, layer.o.bias)]
+            products.append((layer.o.weight, layer.o.bias))
+            if layer.latent is not None:
+                products += layer.latent.products()
+            else:
+                products.append((layer.qkv, layer.qkv_bias))
             if layer.experts is None:
                 products += [
                     (layer.gate_up, layer.gate_up_bias),
@@ -473,7 +474,10 @@ class LlamaForward:
             cos, sin = ropes[layer.rope]
             if layer.latent is not None:
                 x = layer.attn_norm(h)
-                out = layer.latent.decode(x, cos, sin, cache, blocked, self._rotated, self._attend)
+                out = layer.latent.decode(
+                    x, cos, sin, cache, blocked, self._rotated, self._attend, layer.linear,
+                    functools.partial(self._attend_rows, own=own) if self.deterministic else None,
+                )  # fmt: skip
                 h = self._rest(layer, h, out, lora)
                 continue
             q, k, v = self._qkv(layer, layer.attn_norm(h), cos, sin, lora)  # [n, heads, hd]
@@ -554,8 +558,9 @@ class LlamaForward:
                 cached = None if past is None else (past.layers[i].keys, past.layers[i].values)
                 x = layer.attn_norm(h)
                 out, k, v = layer.latent.prefill(
-                    x, cos, sin, cached, blocked, self._rotated, self._attend
-                )
+                    x, cos, sin, cached, blocked, self._rotated, self._attend, layer.linear,
+                    functools.partial(self._attend_rows, own=own) if self.deterministic else None,
+                )  # fmt: skip
                 cache.update(k, v, i)
                 h = self._rest(layer, h, out, lora)
                 continue
@@ -716,7 +721,7 @@ class LlamaForward:
         or other rows' columns); its queries before those (padding) get zeros, which nothing
         reads."""
         queries, columns = q.shape[3], keys.shape[2]
-        out = q.new_zeros(q.shape)
+        out = q.new_zeros(*q.shape[:-1], values.shape[-1])
         alike: dict[int, list[int]] = {}  # rows of one length go together: a batched product
         for r, count in enumerate(own):  # computes each of its items as it does one alone
             alike.setdefault(count, []).append(r)
