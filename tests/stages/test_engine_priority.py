@@ -26,7 +26,7 @@ from stages.engine.scheduler import Scheduler
 from tests.stages.test_engine_llama_forward import CONFIGS, _model
 from tests.stages.test_engine_server import serving
 from tests.stages.test_engine_sglang_flags import _start_refused
-from tests.stages.tiny_model import make_tiny_model
+from tests.stages.tiny_model import make_byte_model, make_tiny_model
 
 ON = Priorities(enabled=True)
 
@@ -239,3 +239,53 @@ def test_priority_flags_sglang_refuses_are_refused_at_start(tmp_path: Path) -> N
     assert "schedule_policy must be 'fcfs' or 'lof'. 'lpm' is not supported." in said
     said = _start_refused(model, "--retraction-policy", "priority")
     assert "--retraction-policy priority requires --enable-priority-scheduling" in said
+
+
+@pytest.mark.timeout(120)
+def test_a_preempted_request_keeps_its_grammar_penalties_stop_strings_and_top_logprobs(
+    tmp_path: Path,
+) -> None:
+    """A streamed request with a regex, a frequency penalty, a stop string its late tokens
+    make and top log-probs, preempted a few tokens in, ends as it does alone: the same text,
+    ids, reason and log-probs (each watched again after its re-prefill)."""
+    model = make_byte_model(tmp_path / "model")
+    flags = ("--max-running", "1", "--enable-priority-scheduling")
+    params = {
+        "temperature": 0, "max_new_tokens": 40, "frequency_penalty": 0.5,
+        "regex": "[a-f]{8}x[0-9]{6}y[a-z]{10}", "stop": ["np"],
+    }  # fmt: skip
+    long = {"text": "abc", "return_logprob": True, "top_logprobs_num": 3, "sampling_params": params}
+    with serving(model, tmp_path / "engine.log", *flags) as eng:
+        url = eng.url
+        reference = requests.post(url + "/generate", json=long, timeout=60).json()
+        assert reference["meta_info"]["finish_reason"] == {"type": "stop", "matched": "np"}
+        assert len(reference["output_ids"]) > 12, reference["text"]
+        assert requests.post(url + "/slow_down", json={"forward_sleep_time": 0.05}).ok
+        out: dict[str, Any] = {}
+        threads = [_generate(url, {**long, "stream": True}, out, "long")]
+        deadline = time.monotonic() + 20
+        while _running(url) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)  # a few of its tokens made
+        short = {"text": "ab", "priority": 50, "sampling_params": {"max_new_tokens": 2}}
+        threads.append(_generate(url, short, out, "short"))
+        for thread in threads:
+            thread.join(60)
+        requests.post(url + "/slow_down", json={"forward_sleep_time": None})
+        (_, last, _), (short_status, _, _) = out["long"], out["short"]
+        assert short_status == 200 and last["meta_info"]["num_retractions"] == 1
+        for key in ("text", "output_ids"):
+            assert last[key] == reference[key], key
+        meta, want = last["meta_info"], reference["meta_info"]
+        assert meta["finish_reason"] == want["finish_reason"]
+        got_lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
+        want_lps = [lp for lp, _, _ in want["output_token_logprobs"]]
+        assert got_lps == pytest.approx(want_lps, abs=1e-5)
+        tops = [[tok for _, tok, _ in step] for step in meta["output_top_logprobs"]]
+        assert tops == [[tok for _, tok, _ in step] for step in want["output_top_logprobs"]]
+
+
+def _running(url: str) -> int:
+    state = requests.get(url + "/server_info", timeout=10).json()["internal_states"][0]
+    return state["num_running_reqs"]
