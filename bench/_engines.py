@@ -47,7 +47,9 @@ def make_model(
     layout on the same sizes, three gated-delta-net (linear-attention) layers for each
     full-attention one (a key head per 192 of ``hidden``, two value heads a key head, 64
     wide). ``family="qwen3_moe"``: Qwen3-MoE's layout on the same sizes, every layer's MLP 8
-    experts of a quarter of the MLP's width, 2 a token."""
+    experts of a quarter of the MLP's width, 2 a token. ``family="deepseek_v3"``: DeepSeek-V3's
+    layout on the same sizes, multi-head latent attention (a latent of a third of ``hidden``, one
+    q projection) and, after a dense first layer, 8 routed experts (2 a token) and a shared one."""
     heads = max(1, hidden // 64)
     kv_heads = heads // 3 if heads % 3 == 0 else heads // 4 if heads % 4 == 0 else heads
     make = Qwen2Config
@@ -78,8 +80,29 @@ def make_model(
             "num_experts_per_tok": 2,
             "moe_intermediate_size": hidden * 2 // 3,
         }
+    elif family == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        make = DeepseekV3Config
+        extra = {
+            "q_lora_rank": None,  # (V2-Lite's and Moonlight's one q projection)
+            "kv_lora_rank": hidden // 3,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 64,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": hidden * 2 // 3,
+        }
+        kv_heads = heads  # (latent attention: one latent for every head)
     elif family != "qwen2":
-        raise ValueError(f"family: 'qwen2', 'qwen3_5' or 'qwen3_moe', got {family!r}")
+        raise ValueError(
+            f"family: 'qwen2', 'qwen3_5', 'qwen3_moe' or 'deepseek_v3', got {family!r}"
+        )
     config = make(
         **extra,
         vocab_size=vocab,

@@ -99,11 +99,11 @@ def main() -> int:
     parser.add_argument("--rl-new-tokens", type=int, default=128, help="rl workload: max length")
     parser.add_argument(
         "--model",
-        choices=["qwen2", "qwen3_5", "qwen3_moe"],
+        choices=["qwen2", "qwen3_5", "qwen3_moe", "deepseek_v3"],
         default="qwen2",
         help="the random model's layout: Qwen2's, Qwen3.5's (3 linear-attention layers a "
-        "full-attention one; the engine serves it on transformers' passes), or Qwen3-MoE's (8 "
-        "experts, 2 a token)",
+        "full-attention one; the engine serves it on transformers' passes), Qwen3-MoE's (8 "
+        "experts, 2 a token), or DeepSeek-V3's (latent attention over 8 experts and a shared one)",
     )
     parser.add_argument(
         "--engine-args",
