@@ -121,8 +121,7 @@ class WeightRoutes:
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait((joined, stopping), return_when=asyncio.FIRST_COMPLETED)
-            if not joined.done():  # the engine stops: the join's result, should it come, is let go
-                joined.cancel()
+            if not joined.done():  # the engine stops
                 return failure("init_weights_update_group failed: the engine is shutting down")
             joined.result()
         except Exception as exc:
@@ -130,6 +129,7 @@ class WeightRoutes:
             return failure(f"init_weights_update_group failed: {exc}")
         finally:
             stopping.cancel()
+            joined.cancel()  # (if still waiting: its group, should it form, is let go)
             current = self._joining.get(group) is ticket
             if current:
                 del self._joining[group]
