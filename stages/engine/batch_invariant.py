@@ -30,8 +30,13 @@ on the other rows. What remains is SGLang's own list: the prefix cache is turned
 computed on top of a cached prefix splits its products otherwise; SGLang turns its radix cache
 off for backends without batch-invariant prefix attention), a row without ``sampling_seed``
 draws with seed 42 (SGLang's), and a retracted request's re-prefill computes its tokens in one
-pass where they were computed a step at a time. Latent attention and the models that run on
-transformers' passes are refused with the flag.
+pass where they were computed a step at a time. The models that run on transformers' passes
+are refused with the flag.
+
+Latent attention's absorbed decode takes each head's query through its own key expansion and
+its output through its own value expansion: a product a head, as one batched product over the
+heads (``batched``: ``torch.bmm`` of a fixed number of rows at a time, checked as ``linear``'s
+products are, a weight ``[heads, in, out]``).
 
 A mixture of experts runs each expert on however many tokens were routed to it, and its router
 and shared experts on the batch's tokens, all in the model's own module. ``Products`` runs that
@@ -54,6 +59,7 @@ __all__ = [
     "CANDIDATES",
     "DEFAULT_SEED",
     "Products",
+    "batched",
     "by_rows",
     "holds",
     "linear",
@@ -82,6 +88,19 @@ def linear(
         flat = torch.cat((flat, flat.new_zeros(pad, width)))
     out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(rows)])
     return out[:m].reshape(*lead, out.shape[-1])
+
+
+def batched(x: torch.Tensor, weight: torch.Tensor, *, rows: int) -> torch.Tensor:
+    """``x`` ``[n, heads, in]`` times each head's ``weight`` ``[heads, in, out]``:
+    ``[n, heads, out]``, computed ``rows`` of the ``n`` at a time (one ``torch.bmm`` over the
+    heads each, the last padded with zeros), so that each row's result is what it is alone."""
+    n, heads, width = x.shape
+    pad = -n % rows
+    each = x.transpose(0, 1)  # [heads, n, in]
+    if pad:
+        each = torch.cat((each, each.new_zeros(heads, pad, width)), 1)
+    out = torch.cat([torch.bmm(chunk.contiguous(), weight) for chunk in each.split(rows, 1)], 1)
+    return out[:, :n].transpose(0, 1)
 
 
 @torch.no_grad()
@@ -114,6 +133,8 @@ def _distinct(products: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> l
 
 
 def _alike(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gen: Any) -> bool:
+    if weight.dim() == 3:  # (a product a head: batched)
+        return _alike_batched(weight, rows, gen)
     width = weight.shape[1]
     x = torch.randn(2 * rows, width, generator=gen).to(weight.device, weight.dtype)
     alone = F.linear(x[:rows], weight, bias)
@@ -133,6 +154,25 @@ _MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__
 _ROUNDED_BY_PLACE = frozenset(
     {torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.silu, F.gelu, F.softplus}
 )
+
+
+def _alike_batched(weight: torch.Tensor, rows: int, gen: Any) -> bool:
+    """``_alike`` for ``batched``'s products: each row, at any place among ``rows`` rows and
+    beside the zeros that pad a last chunk, is what it is among the first ``rows``."""
+    heads, width = weight.shape[0], weight.shape[1]
+    x = torch.randn(2 * rows, heads, width, generator=gen).to(weight.device, weight.dtype)
+
+    def run(chunk: torch.Tensor) -> torch.Tensor:  # as batched computes a chunk
+        return torch.bmm(chunk.transpose(0, 1).contiguous(), weight).transpose(0, 1)
+
+    alone = run(x[:rows])
+    for _ in range(3):
+        order = torch.randperm(2 * rows, generator=gen)[:rows].to(weight.device)
+        mine = order < rows
+        if not torch.equal(run(x[order])[mine], alone[order[mine]]):
+            return False
+    padded = torch.cat((x[:3], x.new_zeros(rows - 3, heads, width)))
+    return torch.equal(run(padded)[:3], alone[:3])
 
 
 class Products(TorchFunctionMode):

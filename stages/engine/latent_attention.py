@@ -37,6 +37,8 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 AttendRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 # (x, weight, bias) -> x @ weight.T + bias: F.linear, or batch_invariant.linear
 Linear = Callable[..., torch.Tensor]
+# (x [n, heads, in], weight [heads, in, out]) -> [n, heads, out]: batch_invariant.batched
+Batched = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_latent(attn: Any) -> bool:
@@ -64,15 +66,16 @@ class LatentAttention:
         self.kv_b = attn.kv_b_proj
 
     def products(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Its products' (weight, bias), as its deterministic passes run them (each head's
-        key and value expansions alike in shape: one of each)."""
+        """Its products' (weight, bias), as its deterministic passes run them (the heads' key
+        and value expansions as ``batched``'s weights)."""
         out = [(self.kv_a.weight, self.kv_a.bias), (self.kv_b.weight, None)]
         if self.q_a is None:
             out.append((self.q.weight, self.q.bias))
         else:
             out += [(self.q_a.weight, self.q_a.bias), (self.q_b.weight, self.q_b.bias)]
         expand = self._expansions()
-        return [*out, (expand[0, : self.nope].t(), None), (expand[0, self.nope :], None)]
+        keys, values = expand[:, : self.nope], expand[:, self.nope :].transpose(1, 2)
+        return [*out, (keys, None), (values, None)]
 
     def _expansions(self) -> torch.Tensor:
         """``kv_b_proj``'s weight by head: ``[heads, nope + v, rank]``."""
@@ -111,24 +114,24 @@ class LatentAttention:
         attend: Attend,
         linear: Linear = F.linear,
         attend_rows: AttendRows | None = None,
+        batched: Batched | None = None,
     ) -> torch.Tensor:
         """The attention's output ``[rows, heads * v]`` (before ``o_proj``) of one decode
         step: ``x`` ``[rows, hidden]`` normed, ``cos``/``sin`` ``[rows, 1, rope]``, ``cache``
         the layer's slot cache (its pending column written), ``blocked`` ``[rows, 1, 1, L]``.
-        With ``attend_rows`` (deterministic passes), every product goes through ``linear``, a
-        head at a time, and each row attends alone."""
+        With ``attend_rows`` and ``batched`` (deterministic passes), its products go through
+        ``linear``, the heads' expansions through ``batched``, and each row attends alone."""
         n, h = x.shape[0], self.heads
         q_nope, q_rot, c, r = self._inputs(x, cos, sin, rotate, linear)
         latents, shared = cache.update(c.view(n, 1, 1, -1), r.view(n, 1, 1, -1))  # [n, 1, L, *]
         expand = self._expansions()
-        if attend_rows is not None:  # the same arithmetic, row by row: one query of h heads
-            heads = range(h)  # over one key (the latent and the rotated part) a column
-            uk, uv = expand[:, : self.nope], expand[:, self.nope :]  # each head's expansions
-            q_latent = torch.stack([linear(q_nope[:, i].contiguous(), uk[i].t()) for i in heads], 1)
+        if attend_rows is not None and batched is not None:  # the same arithmetic, a row's
+            # one query of h heads over one key (the latent and the rotated part) a column
+            q_latent = batched(q_nope, expand[:, : self.nope])  # [n, h, rank]
             q = torch.cat((q_latent, q_rot), -1).view(n, 1, h, 1, -1)
             keys = torch.cat((latents, shared), -1)  # [n, 1, L, rank + rope]
             mixed = attend_rows(q, keys, latents, blocked.unsqueeze(-2), None).view(n, h, -1)
-            out = torch.stack([linear(mixed[:, i].contiguous(), uv[i]) for i in heads], 1)
+            out = batched(mixed, expand[:, self.nope :].transpose(1, 2))  # [n, h, v]
             return out.reshape(n, h * self.v)
         # each head's query through its key expansion: [h, n, nope] @ [h, nope, rank]
         q_latent = torch.bmm(q_nope.transpose(0, 1), expand[:, : self.nope]).transpose(0, 1)

@@ -64,6 +64,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.pytorch_utils import Conv1D
 
 from stages.engine.batch_invariant import Products as InvariantProducts
+from stages.engine.batch_invariant import batched as invariant_batched
 from stages.engine.batch_invariant import linear as invariant_linear
 from stages.engine.batch_invariant import products_in as invariant_products
 from stages.engine.batch_invariant import rows_apart as invariant_rows_apart
@@ -304,6 +305,7 @@ class LlamaForward:
         self._rope_by_length = False  # (a dynamic or LongRoPE rotary embedding: _table)
         self.invariant_rows: int | None = None
         self._invariant: Any = None
+        self._batched: Any = None  # (batch_invariant.batched, at invariant_rows)
         # OLMoE's clip of q, k and v (after their norms) to [-clip, clip] (None: none)
         self.clip = getattr(config, "clip_qkv", None)
         kind = getattr(config, "model_type", None)
@@ -424,6 +426,7 @@ class LlamaForward:
             isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds
         )
         self._invariant = functools.partial(invariant_linear, rows=rows)
+        self._batched = functools.partial(invariant_batched, rows=rows)
         for layer in self.layers:
             layer.linear = self._invariant
             if layer.experts is not None:
@@ -477,6 +480,7 @@ class LlamaForward:
                 out = layer.latent.decode(
                     x, cos, sin, cache, blocked, self._rotated, self._attend, layer.linear,
                     functools.partial(self._attend_rows, own=own) if self.deterministic else None,
+                    self._batched,
                 )  # fmt: skip
                 h = self._rest(layer, h, out, lora)
                 continue

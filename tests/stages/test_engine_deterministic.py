@@ -176,6 +176,24 @@ def test_the_rows_found_give_each_row_what_it_is_alone() -> None:
         assert torch.equal(whole[i], torch.nn.functional.linear(alone, weight, bias)[0])
 
 
+def test_the_heads_products_give_each_row_what_it_is_alone() -> None:
+    """``batched`` (latent attention's expansion a head): with the rows ``rows_for`` finds
+    for its weight ``[heads, in, out]`` (strided, as a head's value expansion is), a row of
+    ``[n, heads, in]`` is what it is in a chunk of its own."""
+    from stages.engine.batch_invariant import CANDIDATES, batched, rows_for
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(6, 40, 24, generator=gen).transpose(1, 2)  # [heads, 24, 40]
+    rows = rows_for([(weight, None)])
+    assert rows in CANDIDATES
+    x = torch.randn(2 * rows + 3, 6, 24, generator=gen)
+    whole = batched(x, weight, rows=rows)
+    assert whole.shape == (2 * rows + 3, 6, 40)
+    for i in (0, rows, 2 * rows + 2):
+        alone = torch.cat((x[i : i + 1], x.new_zeros(rows - 1, 6, 24))).transpose(0, 1)
+        assert torch.equal(whole[i], torch.bmm(alone.contiguous(), weight)[:, 0])
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("width", [1, 24, 80])
 def test_activations_computed_by_rows_give_each_row_what_it_is_alone(width: int) -> None:
