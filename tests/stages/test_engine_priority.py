@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,12 @@ import torch
 
 from stages.engine.aborts import PRIORITY_DISABLED, PRIORITY_EVICTED, QUEUE_FULL
 from stages.engine.priority import Priorities
+from stages.engine.priority import from_flags as priority_flags
 from stages.engine.protocol import GenerateInput, SamplingParams
 from stages.engine.scheduler import Scheduler
+from stages.engine.server import parse_args
 from tests.stages.test_engine_llama_forward import CONFIGS, _model
 from tests.stages.test_engine_server import serving
-from tests.stages.test_engine_sglang_flags import _start_refused
 from tests.stages.tiny_model import make_byte_model, make_tiny_model
 
 ON = Priorities(enabled=True)
@@ -163,50 +165,49 @@ def _generate(url: str, body: dict[str, Any], out: dict[str, Any], key: str) -> 
     return thread
 
 
+@pytest.fixture(scope="module")
+def one_row(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server of one row with priority scheduling (a byte-level model: grammars apply)."""
+    root = tmp_path_factory.mktemp("one-row")
+    model = make_byte_model(root / "model")
+    flags = ("--max-running", "1", "--enable-priority-scheduling", "--default-priority-value", "0")
+    with serving(model, root / "engine.log", *flags) as eng:
+        yield eng.url
+
+
 @pytest.mark.timeout(120)
-def test_a_server_preempts_for_a_preferred_request_and_answers_as_sglang(tmp_path: Path) -> None:
+def test_a_server_preempts_for_a_preferred_request_and_answers_as_sglang(one_row: str) -> None:
     """Over HTTP, with one row: a long streamed request of priority 0 runs (steps slowed), one
     of 50 preempts it and ends first, and the long one's stream ends later with
     ``num_retractions`` 1 and the tokens it makes alone; ``/server_info`` reports the settings
     and the preemption."""
-    model = make_tiny_model(tmp_path / "model", vocab=128, seed=1)
-    flags = ("--max-running", "1", "--enable-priority-scheduling", "--default-priority-value", "0")
     greedy = {"temperature": 0, "ignore_eos": True}
     long = {"input_ids": [5, 6, 7], "sampling_params": {**greedy, "max_new_tokens": 40}}
-    with serving(model, tmp_path / "engine.log", *flags) as eng:
-        url = eng.url
-        reference = requests.post(url + "/generate", json=long, timeout=60).json()
-        info = requests.get(url + "/server_info", timeout=10).json()
-        assert info["enable_priority_scheduling"] is True
-        assert info["priority_scheduling_preemption_threshold"] == 10
-        assert info["default_priority_value"] == 0
-        assert requests.post(url + "/slow_down", json={"forward_sleep_time": 0.02}).ok
-        out: dict[str, Any] = {}
-        threads = [_generate(url, {**long, "stream": True}, out, "long")]  # priority 0: default
-        deadline = time.monotonic() + 20
-        while (
-            requests.get(url + "/server_info", timeout=10).json()["internal_states"][0][
-                "num_running_reqs"
-            ]
-            < 1
-        ):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        short = {
-            "input_ids": [9],
-            "priority": 50,
-            "sampling_params": {**greedy, "max_new_tokens": 2},
-        }
-        threads.append(_generate(url, short, out, "short"))
-        for thread in threads:
-            thread.join(60)
-        requests.post(url + "/slow_down", json={"forward_sleep_time": None})
-        (status, answer, ended), (short_status, _, short_ended) = out["long"], out["short"]
-        assert status == short_status == 200 and short_ended < ended
-        assert answer["meta_info"]["num_retractions"] == 1
-        assert answer["output_ids"] == reference["output_ids"]
-        state = requests.get(url + "/server_info", timeout=10).json()["internal_states"][0]
-        assert state["num_priority_preempted"] == 1
+    url = one_row
+    preempted = _state(url)["num_priority_preempted"]
+    reference = requests.post(url + "/generate", json=long, timeout=60).json()
+    info = requests.get(url + "/server_info", timeout=10).json()
+    assert info["enable_priority_scheduling"] is True
+    assert info["priority_scheduling_preemption_threshold"] == 10
+    assert info["default_priority_value"] == 0
+    assert requests.post(url + "/slow_down", json={"forward_sleep_time": 0.02}).ok
+    out: dict[str, Any] = {}
+    threads = [_generate(url, {**long, "stream": True}, out, "long")]  # priority 0: default
+    _until_running(url)
+    short = {
+        "input_ids": [9],
+        "priority": 50,
+        "sampling_params": {**greedy, "max_new_tokens": 2},
+    }
+    threads.append(_generate(url, short, out, "short"))
+    for thread in threads:
+        thread.join(60)
+    requests.post(url + "/slow_down", json={"forward_sleep_time": None})
+    (status, answer, ended), (short_status, _, short_ended) = out["long"], out["short"]
+    assert status == short_status == 200 and short_ended < ended
+    assert answer["meta_info"]["num_retractions"] == 1
+    assert answer["output_ids"] == reference["output_ids"]
+    assert _state(url)["num_priority_preempted"] == preempted + 1
 
 
 @pytest.mark.timeout(120)
@@ -229,63 +230,65 @@ def test_a_server_refusing_priorities_answers_sglangs_503(tmp_path: Path) -> Non
         assert state["num_priority_aborted"] == 1
 
 
-@pytest.mark.timeout(120)
-def test_priority_flags_sglang_refuses_are_refused_at_start(tmp_path: Path) -> None:
+@pytest.mark.timeout(60)
+def test_priority_flags_sglang_refuses_are_refused_at_start() -> None:
     """SGLang's validation: priority scheduling orders by ``fcfs`` or ``lof`` only, and the
-    priority retraction policy needs it."""
-    model = make_tiny_model(tmp_path / "model", vocab=128, seed=1)
-    said = _start_refused(model, "--enable-priority-scheduling", "--schedule-policy", "lpm")
-    assert "engine_settings_refused" in said
-    assert "schedule_policy must be 'fcfs' or 'lof'. 'lpm' is not supported." in said
-    said = _start_refused(model, "--retraction-policy", "priority")
-    assert "--retraction-policy priority requires --enable-priority-scheduling" in said
+    priority retraction policy needs it (the engine's start then stops, as any setting
+    ``build_scheduler`` refuses)."""
+    given = ["--model", "m", "--enable-priority-scheduling", "--schedule-policy", "lpm"]
+    with pytest.raises(ValueError, match=r"must be 'fcfs' or 'lof'\. 'lpm' is not supported\."):
+        priority_flags(parse_args(given))
+    given = ["--model", "m", "--retraction-policy", "priority"]
+    with pytest.raises(ValueError, match="--retraction-policy priority requires"):
+        priority_flags(parse_args(given))
+    assert priority_flags(parse_args([*given, "--enable-priority-scheduling"])).enabled
 
 
 @pytest.mark.timeout(120)
 def test_a_preempted_request_keeps_its_grammar_penalties_stop_strings_and_top_logprobs(
-    tmp_path: Path,
+    one_row: str,
 ) -> None:
     """A streamed request with a regex, a frequency penalty, a stop string its late tokens
     make and top log-probs, preempted a few tokens in, ends as it does alone: the same text,
     ids, reason and log-probs (each watched again after its re-prefill)."""
-    model = make_byte_model(tmp_path / "model")
-    flags = ("--max-running", "1", "--enable-priority-scheduling")
     params = {
         "temperature": 0, "max_new_tokens": 40, "frequency_penalty": 0.5,
         "regex": "[a-f]{8}x[0-9]{6}y[a-z]{10}", "stop": ["np"],
     }  # fmt: skip
     long = {"text": "abc", "return_logprob": True, "top_logprobs_num": 3, "sampling_params": params}
-    with serving(model, tmp_path / "engine.log", *flags) as eng:
-        url = eng.url
-        reference = requests.post(url + "/generate", json=long, timeout=60).json()
-        assert reference["meta_info"]["finish_reason"] == {"type": "stop", "matched": "np"}
-        assert len(reference["output_ids"]) > 12, reference["text"]
-        assert requests.post(url + "/slow_down", json={"forward_sleep_time": 0.05}).ok
-        out: dict[str, Any] = {}
-        threads = [_generate(url, {**long, "stream": True}, out, "long")]
-        deadline = time.monotonic() + 20
-        while _running(url) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.3)  # a few of its tokens made
-        short = {"text": "ab", "priority": 50, "sampling_params": {"max_new_tokens": 2}}
-        threads.append(_generate(url, short, out, "short"))
-        for thread in threads:
-            thread.join(60)
-        requests.post(url + "/slow_down", json={"forward_sleep_time": None})
-        (_, last, _), (short_status, _, _) = out["long"], out["short"]
-        assert short_status == 200 and last["meta_info"]["num_retractions"] == 1
-        for key in ("text", "output_ids"):
-            assert last[key] == reference[key], key
-        meta, want = last["meta_info"], reference["meta_info"]
-        assert meta["finish_reason"] == want["finish_reason"]
-        got_lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
-        want_lps = [lp for lp, _, _ in want["output_token_logprobs"]]
-        assert got_lps == pytest.approx(want_lps, abs=1e-5)
-        tops = [[tok for _, tok, _ in step] for step in meta["output_top_logprobs"]]
-        assert tops == [[tok for _, tok, _ in step] for step in want["output_top_logprobs"]]
+    url = one_row
+    reference = requests.post(url + "/generate", json=long, timeout=60).json()
+    assert reference["meta_info"]["finish_reason"] == {"type": "stop", "matched": "np"}
+    assert len(reference["output_ids"]) > 12, reference["text"]
+    assert requests.post(url + "/slow_down", json={"forward_sleep_time": 0.05}).ok
+    out: dict[str, Any] = {}
+    threads = [_generate(url, {**long, "stream": True}, out, "long")]
+    _until_running(url)
+    time.sleep(0.3)  # a few of its tokens made
+    short = {"text": "ab", "priority": 50, "sampling_params": {"max_new_tokens": 2}}
+    threads.append(_generate(url, short, out, "short"))
+    for thread in threads:
+        thread.join(60)
+    requests.post(url + "/slow_down", json={"forward_sleep_time": None})
+    (_, last, _), (short_status, _, _) = out["long"], out["short"]
+    assert short_status == 200 and last["meta_info"]["num_retractions"] == 1
+    for key in ("text", "output_ids"):
+        assert last[key] == reference[key], key
+    meta, want = last["meta_info"], reference["meta_info"]
+    assert meta["finish_reason"] == want["finish_reason"]
+    got_lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
+    want_lps = [lp for lp, _, _ in want["output_token_logprobs"]]
+    assert got_lps == pytest.approx(want_lps, abs=1e-5)
+    tops = [[tok for _, tok, _ in step] for step in meta["output_top_logprobs"]]
+    assert tops == [[tok for _, tok, _ in step] for step in want["output_top_logprobs"]]
 
 
-def _running(url: str) -> int:
-    state = requests.get(url + "/server_info", timeout=10).json()["internal_states"][0]
-    return state["num_running_reqs"]
+def _state(url: str) -> dict[str, Any]:
+    return requests.get(url + "/server_info", timeout=10).json()["internal_states"][0]
+
+
+def _until_running(url: str) -> None:
+    deadline = time.monotonic() + 20
+    while _state(url)["num_running_reqs"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
