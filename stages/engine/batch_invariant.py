@@ -133,18 +133,29 @@ def _distinct(products: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> l
 
 
 def _alike(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gen: Any) -> bool:
-    if weight.dim() == 3:  # (a product a head: batched)
-        return _alike_batched(weight, rows, gen)
-    width = weight.shape[1]
-    x = torch.randn(2 * rows, width, generator=gen).to(weight.device, weight.dtype)
-    alone = F.linear(x[:rows], weight, bias)
+    """Whether the product computes each row, at any place among ``rows`` rows and beside the
+    zeros that pad a last chunk, as it does among the first ``rows``: ``F.linear`` of a 2-D
+    weight, or ``batched``'s ``torch.bmm`` over the heads of a 3-D one ``[heads, in, out]``."""
+    if weight.dim() == 3:  # (a product a head: rows [n, heads, in], as batched runs a chunk)
+        shape = (weight.shape[0], weight.shape[1])
+
+        def run(chunk: torch.Tensor) -> torch.Tensor:
+            return torch.bmm(chunk.transpose(0, 1).contiguous(), weight).transpose(0, 1)
+    else:
+        shape = (weight.shape[1],)
+
+        def run(chunk: torch.Tensor) -> torch.Tensor:
+            return F.linear(chunk, weight, bias)
+
+    x = torch.randn(2 * rows, *shape, generator=gen).to(weight.device, weight.dtype)
+    alone = run(x[:rows])
     for _ in range(3):  # the first rows again, at other places among other rows
         order = torch.randperm(2 * rows, generator=gen)[:rows].to(weight.device)
         mine = order < rows
-        if not torch.equal(F.linear(x[order], weight, bias)[mine], alone[order[mine]]):
+        if not torch.equal(run(x[order])[mine], alone[order[mine]]):
             return False
-    padded = torch.cat((x[:3], x.new_zeros(rows - 3, width)))
-    return torch.equal(F.linear(padded, weight, bias)[:3], alone[:3])
+    padded = torch.cat((x[:3], x.new_zeros(rows - 3, *shape)))
+    return torch.equal(run(padded)[:3], alone[:3])
 
 
 _MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
@@ -154,25 +165,6 @@ _MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__
 _ROUNDED_BY_PLACE = frozenset(
     {torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.silu, F.gelu, F.softplus}
 )
-
-
-def _alike_batched(weight: torch.Tensor, rows: int, gen: Any) -> bool:
-    """``_alike`` for ``batched``'s products: each row, at any place among ``rows`` rows and
-    beside the zeros that pad a last chunk, is what it is among the first ``rows``."""
-    heads, width = weight.shape[0], weight.shape[1]
-    x = torch.randn(2 * rows, heads, width, generator=gen).to(weight.device, weight.dtype)
-
-    def run(chunk: torch.Tensor) -> torch.Tensor:  # as batched computes a chunk
-        return torch.bmm(chunk.transpose(0, 1).contiguous(), weight).transpose(0, 1)
-
-    alone = run(x[:rows])
-    for _ in range(3):
-        order = torch.randperm(2 * rows, generator=gen)[:rows].to(weight.device)
-        mine = order < rows
-        if not torch.equal(run(x[order])[mine], alone[order[mine]]):
-            return False
-    padded = torch.cat((x[:3], x.new_zeros(rows - 3, heads, width)))
-    return torch.equal(run(padded)[:3], alone[:3])
 
 
 class Products(TorchFunctionMode):
