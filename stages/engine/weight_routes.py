@@ -113,6 +113,7 @@ class WeightRoutes:
         if group in self._joining:
             log.warning("weights_group_join_superseded", group=group)
         self._joining[group] = ticket
+        log.info("weights_group_joining", group=group, rank=rank, master=f"{address}:{port}")
         joined = in_daemon_thread(
             lambda: receiver.init_group(address, port, rank, world_size, group, backend),
             name="engine-weight-join",

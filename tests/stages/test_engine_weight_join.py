@@ -52,7 +52,8 @@ def test_a_join_whose_publisher_died_does_not_hold_up_the_next(tmp_path: Path) -
             target=_post, args=(url + "/init_weights_update_group", body), daemon=True
         )
         stuck.start()  # the engine retries the dead store: its answer would take 300 s
-        time.sleep(2)
+        # the publisher's join must come second (a newer join of a group supersedes the older)
+        _wait_for(tmp_path / "engine.out", "weights_group_joining", 60)
 
         async def publish() -> float:
             started = time.monotonic()
@@ -78,6 +79,13 @@ def test_a_join_whose_publisher_died_does_not_hold_up_the_next(tmp_path: Path) -
             stuck.kill()
         if engine.proc.poll() is None:
             engine.stop(15)
+
+
+def _wait_for(path: Path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"the engine never logged {text!r}"
+        time.sleep(0.1)
 
 
 def _post(url: str, body: dict[str, Any]) -> None:
