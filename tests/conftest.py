@@ -11,6 +11,23 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+    else:
+        _compile_sources()
+
+
+def _compile_sources() -> None:
+    """Write the bytecode of Inflight's own modules (and the tests') once, before the suite
+    starts its hundreds of processes (engines, stages, learners). Under
+    ``PYTHONDONTWRITEBYTECODE`` (set on some machines, the project's development machine among
+    them) none is ever cached, and each process compiled every module it imported from source
+    again: 0.32 s (0.10-0.49) of the CPU an engine's imports take. Cached bytecode is still
+    read there; a module edited later is compiled again by its next import, as usual."""
+    import compileall
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for package in ("pipeline", "stages", "transport", "tests"):
+        compileall.compile_dir(root / package, quiet=2, workers=1)
 
 
 def pytest_collection_modifyitems(config, items):
