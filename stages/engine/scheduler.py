@@ -45,7 +45,9 @@ the response names the version it came from (``cached_weight_version``).
 Pause modes follow SGLang: ``abort`` (the default there) aborts everything in flight,
 ``retract`` drops the running rows' KV cache and puts them back in the queue (recomputed on
 continue), ``in_place`` just stops stepping and keeps the cache. Weight updates and aborts
-still run while paused. Not here: chunked prefill, preemption on memory pressure, speculative
+still run while paused; a running request aborted (or whose client went away) while paused in
+place ends, as SGLang's does, at its first pass after ``/continue_generation``, with that
+pass's token. Not here: chunked prefill, preemption on memory pressure, speculative
 decoding.
 """
 
@@ -704,6 +706,10 @@ class Scheduler:
         # in-process generator, is dropped all the same)
         self._held: list[_Seq] = []
         self._running: list[_Seq] = []  # index = slot
+        # aborted while an in_place pause held them: each ends at the next pass that runs it,
+        # with that pass's token (SGLang's Req.to_finish, kept through a retraction too)
+        self._to_finish: set[_Seq] = set()
+        self._in_place = False  # paused in place (running rows kept)
         self._admitting: list[_Seq] = []  # taken from _waiting by the admission under way
         # of the admission under way, each scored seq's (cached tokens, their version)
         self._scored: dict[_Seq, tuple[int, str | None]] = {}
@@ -1254,7 +1260,7 @@ class Scheduler:
                     self._wake.wait()
                     self._wake.clear()
             self._drain()
-            self._abort(set(), True, "engine shutting down", held=True)
+            self._abort(set(), True, "engine shutting down", held=True, at_once=True)
             with self._lock:  # nothing will queue those whose grammar is compiling
                 held, self._compiling = list(self._compiling), {}
             for group in held:
@@ -1530,8 +1536,18 @@ class Scheduler:
             return None
         return RowAdapters.of([s.adapter if s is not None else None for s in seqs], self.device)
 
-    def _abort(self, rids: set[str], abort_all: bool, message: str, *, held: bool = False) -> int:
-        """End the requests named (or all) as aborted; ``held``: those a pause holds too."""
+    def _abort(
+        self,
+        rids: set[str],
+        abort_all: bool,
+        message: str,
+        *,
+        held: bool = False,
+        at_once: bool = False,
+    ) -> int:
+        """End the requests named (or all) as aborted; ``held``: those a pause holds too.
+        Running ones held by an ``in_place`` pause end at their next pass (``_drop``) unless
+        ``at_once``."""
 
         def hit(seq: _Seq) -> bool:
             return abort_all or seq.inp.rid in rids or seq.inp.group_rid in rids
@@ -1539,7 +1555,7 @@ class Scheduler:
         with self._lock:  # those whose grammar is compiling: aborted once queued
             compiling = [s for seqs in self._compiling.values() for s in seqs if hit(s)]
         self._cut.update(compiling)
-        count = self._drop(hit, held=held) + len(compiling)
+        count = self._drop(hit, held=held, at_once=at_once) + len(compiling)
         if count:
             log.info(
                 "requests_aborted",
@@ -1556,10 +1572,15 @@ class Scheduler:
         *,
         waiting: dict[str, Any] = ABORTED_WAITING,
         held: bool = False,
+        at_once: bool = False,
     ) -> int:
         """End the queued and running seqs that ``hit`` as aborted, with SGLang's reasons:
         ``waiting``'s for those queued (a retracted one too; ``held``: those a pause holds
-        too), ``ABORTED_RUNNING``'s for the rest."""
+        too), ``ABORTED_RUNNING``'s for the rest. Running seqs held by an ``in_place`` pause
+        are marked instead, unless ``at_once``: SGLang's paused scheduler sets their
+        ``to_finish`` (``Scheduler.abort_request``, "Abort method 3") and ends them at their
+        first decode pass after ``/continue_generation``, whose token they keep
+        (``process_batch_result_decode``, ``Req.update_finish_state``)."""
         queued = [s for s in self._waiting if hit(s)]
         if queued:
             self._waiting = collections.deque(s for s in self._waiting if not hit(s))
@@ -1579,13 +1600,15 @@ class Scheduler:
                 live=versions[0] if versions and not told else None,
             )
         rows = [s.slot for s in self._running if hit(s)]
-        if rows:
+        if rows and self._in_place and not at_once:
+            self._to_finish.update(self._running[row] for row in rows)
+        elif rows:
             self._retire(rows, [dict(ABORTED_RUNNING) for _ in rows])
         return len(queued) + len(rows)
 
     def _pause(self, mode: str) -> None:
-        if mode == "abort":
-            self._abort(set(), True, "/pause_generation")
+        if mode == "abort":  # (SGLang's would wait for rows an in_place pause holds: forever)
+            self._abort(set(), True, "/pause_generation", at_once=True)
         elif mode == "retract" and self._running:
             # Back to the head of the queue, in order; the KV cache is recomputed on continue.
             self._materialize(self._running)
@@ -1599,11 +1622,12 @@ class Scheduler:
             self._sampler.clear()
             self._clear_rows()  # a re-admitted seq joins them again
         self._paused = True
+        self._in_place = mode == "in_place"
         self.load.paused(time.perf_counter())
         log.info("generation_paused", mode=mode, **self.counts())
 
     def _resume(self) -> None:
-        self._paused = False
+        self._paused = self._in_place = False
         held, self._held = self._held, []
         # after those queued before the pause, as they reach SGLang's scheduler then
         self._join_queue(held)
@@ -1683,6 +1707,7 @@ class Scheduler:
         self._sampler.clear()
         self._rids.clear()
         self._clear_rows()
+        self._to_finish.clear()
         for seq in seqs:
             seq.slot = -1
             seq.group.fail(exc)
@@ -2577,6 +2602,8 @@ class Scheduler:
             watched = [(s, new[s.slot - lo]) for s in self._stop_seqs if lo <= s.slot < hi]
             if watched:
                 finished.update(self._stop_string_rows(watched))
+        if self._to_finish:  # aborted while paused in place: first, as SGLang's to_finish
+            finished.update(self._marked_rows(lo, hi))
         if aborted:
             finished.update(aborted)
         # read before the rows move; sent after, to rows that go on (a finished row's result
@@ -2589,6 +2616,11 @@ class Scheduler:
                 group.outbox.call(group.stream, batch)  # type: ignore[union-attr]
         for outbox in list(self._outboxes.values()):  # what comes later: calls of their own
             outbox.end_pass()
+
+    def _marked_rows(self, lo: int, hi: int) -> dict[int, dict[str, Any]]:
+        """The rows among ``lo..hi`` of seqs aborted while an ``in_place`` pause held them
+        (``_to_finish``), with the reason they end with now."""
+        return {s.slot: dict(ABORTED_RUNNING) for s in self._to_finish if lo <= s.slot < hi}
 
     @staticmethod
     def _may_stop(seq: _Seq) -> bool:
@@ -2876,6 +2908,7 @@ class Scheduler:
         self._rids.pop(seq.inp.rid, None)
         for rows in self._watching():
             rows.discard(seq)
+        self._to_finish.discard(seq)
         had_grammar = seq.constraint is not None
         seq.constraint = None
         seq.slot = -1

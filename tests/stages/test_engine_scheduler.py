@@ -16,7 +16,12 @@ from stages.engine.protocol import GenerateInput, SamplingParams, SequenceResult
 from stages.engine.scheduler import Scheduler
 from stages.hf import cache_argument
 from tests.numerics import assert_close, forward_terms
-from tests.stages.engine_setup import load_reference, run_with_retraction, two_tiny_models
+from tests.stages.engine_setup import (
+    hf_greedy,
+    load_reference,
+    run_with_retraction,
+    two_tiny_models,
+)
 from tests.stages.tiny_model import make_tiny_model
 
 # the name models' forward takes the cache by (transformers renamed it)
@@ -214,6 +219,57 @@ def test_an_abort_in_the_waiting_queue_answers_with_the_tokens_sglangs_tokenizer
     sent = [e[0] for batch in calls for _, e in batch if not isinstance(e, SequenceResult)]
     assert streamed.finish_reason == waiting and len(sent) > 50
     assert streamed.output_ids == sent
+
+
+@pytest.mark.timeout(60)
+def test_a_sample_aborted_during_an_in_place_pause_ends_at_its_next_pass(
+    models: tuple[Path, Path],
+) -> None:
+    """As SGLang 0.5.23's scheduler (``abort_request`` sets ``to_finish``; the next pass
+    appends its token, then ``Req.update_finish_state`` ends it): a running sample aborted
+    while paused in place stays until ``resume``, then ends at its next decode pass with that
+    pass's token; one retracted meanwhile keeps the mark and ends at the prefill that
+    re-admits it, with its token; an ``abort`` pause ends the marked at once."""
+    model = load_reference(models[0])
+    prompts = {"a": [3, 9, 4], "b": [5, 9, 4], "c": [6, 9, 4]}
+    scheduler = Scheduler(model, max_running=4)
+    futures = {
+        rid: scheduler.submit(GenerateInput(rid, p, GREEDY, True)) for rid, p in prompts.items()
+    }
+    aborted = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+    def held(rid: str, then: str = "") -> list[int]:
+        """Pause in place, abort ``rid`` (then pause again in mode ``then``): its tokens
+        before."""
+        scheduler.pause("in_place")
+        scheduler.step()
+        before = scheduler.outputs_so_far()[rid]
+        scheduler.abort(rid)
+        if then:
+            scheduler.pause(then)
+        assert scheduler.step() is False  # paused: no pass
+        return before
+
+    for _ in range(4):
+        scheduler.step()
+    before = held("a")
+    assert not futures["a"].done() and scheduler.counts()["num_running_reqs"] == 3
+    scheduler.resume()
+    scheduler.step()
+    a = futures["a"].result(timeout=0)
+    assert a.finish_reason == aborted and len(a.output_ids) == len(before) + 1
+    assert a.output_ids == hf_greedy(model, prompts["a"], len(a.output_ids))
+    before = held("b", then="retract")
+    assert not futures["b"].done()
+    scheduler.resume()
+    scheduler.step()  # b's prefill again, then a decode pass of c's
+    b = futures["b"].result(timeout=0)
+    assert b.finish_reason == aborted and len(b.output_ids) == len(before) + 1
+    assert b.output_ids == hf_greedy(model, prompts["b"], len(b.output_ids))
+    before = held("c", then="abort")
+    c = futures["c"].result(timeout=0)
+    assert c.finish_reason == aborted and c.output_ids == before
+    assert scheduler.counts()["num_running_reqs"] == 0
 
 
 @pytest.mark.timeout(60)

@@ -531,6 +531,68 @@ def test_pause_in_place_then_continue_finishes_whole(
 
 
 @pytest.mark.timeout(60)
+def test_an_abort_during_an_in_place_pause_ends_at_the_first_pass_after_continue(
+    engine: Engine, ref_model: torch.nn.Module
+) -> None:
+    """SGLang's paused scheduler marks a running request that is aborted (or whose client
+    went away) with ``to_finish`` (scheduler.py ``abort_request``, "Abort method 3") and takes
+    it out at its first decode pass after ``/continue_generation``, whose token it keeps
+    (``process_batch_result_decode``: ``output_ids.extend``, then ``update_finish_state``
+    finishes it with ``to_finish``): the client has no answer until then, and the answer has
+    one token more than the pause left it with."""
+    long = {**GREEDY, "max_new_tokens": 480}
+    plain_prompt, streamed_prompt = [90, 91, 92], [93, 94]
+    result: dict[str, Any] = {}
+    chunks: list[Any] = []
+    plain = threading.Thread(
+        target=lambda: result.update(
+            out=engine.generate(
+                {"input_ids": plain_prompt, "rid": "plain-held", "sampling_params": long}
+            )
+        )
+    )
+
+    def read_stream() -> None:
+        body = {"input_ids": streamed_prompt, "rid": "streamed-held", "stream": True,
+                "sampling_params": long}  # fmt: skip
+        headers = {"Content-Type": "application/json"}
+        sent = urllib.request.Request(engine.url + "/generate", json.dumps(body).encode(), headers)
+        with urllib.request.urlopen(sent, timeout=30) as answer:
+            for line in answer:
+                if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                    chunks.append(json.loads(line[6:]))
+
+    streamed = threading.Thread(target=read_stream)
+    plain.start()
+    streamed.start()
+    _wait_running(engine, 2)
+    while not chunks:
+        time.sleep(0.002)
+    assert engine.request("POST", "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        for rid in ("plain-held", "streamed-held"):
+            assert engine.request("POST", "/abort_request", {"rid": rid}) == (200, None)
+        time.sleep(0.3)  # had the aborts ended them, they would have answered by now
+        assert plain.is_alive() and streamed.is_alive()
+        assert engine.request("GET", "/get_server_info")[1]["num_running_reqs"] == 2
+        before = len(chunks)  # every chunk the steps before the pause made
+        sent = chunks[-1]["output_ids"]
+    finally:
+        assert engine.request("POST", "/continue_generation", {})[0] == 200
+    plain.join(30)
+    streamed.join(30)
+    aborted = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    last = chunks[-1]
+    assert len(chunks) == before + 1 and last["meta_info"]["finish_reason"] == aborted
+    assert last["output_ids"] == _hf_greedy(ref_model, streamed_prompt, len(sent) + 1)
+    out = result["out"]
+    assert out["meta_info"]["finish_reason"] == aborted
+    n = out["meta_info"]["completion_tokens"]
+    assert 1 < n < 480 and out["output_ids"] == _hf_greedy(ref_model, plain_prompt, n)
+    assert engine.request("GET", "/get_server_info")[1]["num_running_reqs"] == 0
+
+
+@pytest.mark.timeout(60)
 def test_abort_request_returns_abort(engine: Engine) -> None:
     result: dict[str, Any] = {}
     worker = threading.Thread(
