@@ -2602,7 +2602,7 @@ class Scheduler:
             watched = [(s, new[s.slot - lo]) for s in self._stop_seqs if lo <= s.slot < hi]
             if watched:
                 finished.update(self._stop_string_rows(watched))
-        if self._to_finish:  # aborted while paused in place: first, as SGLang's to_finish
+        if self._to_finish:  # aborted while paused in place: over a stop or the length
             finished.update(self._marked_rows(lo, hi))
         if aborted:
             finished.update(aborted)
