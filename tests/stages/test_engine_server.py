@@ -575,16 +575,16 @@ def test_an_abort_during_an_in_place_pause_ends_at_the_first_pass_after_continue
         time.sleep(0.3)  # had the aborts ended them, they would have answered by now
         assert plain.is_alive() and streamed.is_alive()
         assert engine.request("GET", "/get_server_info")[1]["num_running_reqs"] == 2
-        before = len(chunks)  # every chunk the steps before the pause made
-        sent = chunks[-1]["output_ids"]
     finally:
         assert engine.request("POST", "/continue_generation", {})[0] == 200
     plain.join(30)
     streamed.join(30)
     aborted = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-    last = chunks[-1]
-    assert len(chunks) == before + 1 and last["meta_info"]["finish_reason"] == aborted
-    assert last["output_ids"] == _hf_greedy(ref_model, streamed_prompt, len(sent) + 1)
+    *before, held, last = chunks  # held: the last chunk of a step before the pause
+    assert all(c["meta_info"]["finish_reason"] is None for c in [*before, held])
+    assert last["meta_info"]["finish_reason"] == aborted
+    sent = len(held["output_ids"])
+    assert last["output_ids"] == _hf_greedy(ref_model, streamed_prompt, sent + 1)
     out = result["out"]
     assert out["meta_info"]["finish_reason"] == aborted
     n = out["meta_info"]["completion_tokens"]
