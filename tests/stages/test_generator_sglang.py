@@ -272,6 +272,43 @@ async def test_pause_in_place_holds_requests_and_continue_finishes_them(client):
     assert completion.finish_reason == "length" and len(completion.output_ids) == long
 
 
+@pytest.mark.timeout(180)
+async def test_an_abort_during_an_in_place_pause_waits_for_continue(client):
+    """SGLang 0.5.23's paused scheduler marks a running request that is aborted
+    (``Scheduler.abort_request``: ``to_finish``) and ends it once generation continues, with
+    one token more than its stream had carried (``update_finish_state`` after that token): its
+    client has no answer until then (the built-in engine's test of the same, with the tokens
+    checked against transformers: ``test_engine_server.py``)."""
+    rid = _rid("held-abort")
+    body = {"input_ids": PROMPT, "rid": rid, "stream": True,
+            "sampling_params": _params(await _long(client))}  # fmt: skip
+    chunks: list[dict] = []
+    running = asyncio.Event()  # its first chunk came
+
+    async def read() -> None:
+        async with client.session.post(client.url + "/generate", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                    chunks.append(json.loads(line[6:]))
+                    running.set()
+
+    task = asyncio.create_task(read())
+    await asyncio.wait_for(running.wait(), 60)
+    await client.pause("in_place")
+    try:
+        assert (await _post(client, "/abort_request", {"rid": rid}))[0] == 200
+        await asyncio.sleep(1.0)
+        assert not task.done(), "an aborted request ended while generation was paused"
+    finally:
+        await client.resume()
+    await asyncio.wait_for(task, 60)
+    *before, held, last = chunks  # held: the last chunk before the pause
+    assert all(c["meta_info"]["finish_reason"] is None for c in (*before, held))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] == held["meta_info"]["completion_tokens"] + 1
+
+
 async def _post(client: EngineClient, path: str, body: dict) -> tuple[int, Any]:
     async with client.session.post(client.url + path, json=body) as resp:
         return resp.status, await resp.json(content_type=None)
