@@ -709,7 +709,6 @@ class Scheduler:
         # aborted while an in_place pause held them: each ends at the next pass that runs it,
         # with that pass's token (SGLang's Req.to_finish, kept through a retraction too)
         self._to_finish: set[_Seq] = set()
-        self._in_place = False  # paused in place (running rows kept)
         self._admitting: list[_Seq] = []  # taken from _waiting by the admission under way
         # of the admission under way, each scored seq's (cached tokens, their version)
         self._scored: dict[_Seq, tuple[int, str | None]] = {}
@@ -1600,7 +1599,7 @@ class Scheduler:
                 live=versions[0] if versions and not told else None,
             )
         rows = [s.slot for s in self._running if hit(s)]
-        if rows and self._in_place and not at_once:
+        if rows and self._paused and not at_once:  # (only an in_place pause keeps rows)
             self._to_finish.update(self._running[row] for row in rows)
         elif rows:
             self._retire(rows, [dict(ABORTED_RUNNING) for _ in rows])
@@ -1622,12 +1621,11 @@ class Scheduler:
             self._sampler.clear()
             self._clear_rows()  # a re-admitted seq joins them again
         self._paused = True
-        self._in_place = mode == "in_place"
         self.load.paused(time.perf_counter())
         log.info("generation_paused", mode=mode, **self.counts())
 
     def _resume(self) -> None:
-        self._paused = self._in_place = False
+        self._paused = False
         held, self._held = self._held, []
         # after those queued before the pause, as they reach SGLang's scheduler then
         self._join_queue(held)
