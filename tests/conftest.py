@@ -30,14 +30,6 @@ def _compile_sources() -> None:
         compileall.compile_dir(root / package, quiet=2, workers=1)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Test files with multi-process tests (marker ``slow``) first, each file's tests in their
-    order: the two workers start on the long files and end on short ones, which keep both busy
-    to the end instead of one long file running alone."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
-
-
 def pytest_unconfigure(config):
     """Leave at once after the report: some tests leave daemon threads inside gloo collectives
     (the publisher's design: a collective abandoned after a failure ends at its timeout), and
